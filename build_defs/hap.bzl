@@ -42,11 +42,22 @@ def hap_proto_library(name, srcs, grpc_srcs = [], deps = [], visibility = None):
             gsrcs = " ".join([pkg + "/" + s for s in grpc_srcs]),
         ),
     )
+    # Messages only (protobuf): what the planner core may depend on.
     native.cc_library(
         name = name,
-        srcs = [o for o in outs if o.endswith(".cc")],
-        hdrs = [o for o in outs if o.endswith(".h")],
+        srcs = [o for o in outs if o.endswith(".pb.cc") and not o.endswith(".grpc.pb.cc")],
+        hdrs = [o for o in outs if o.endswith(".pb.h") and not o.endswith(".grpc.pb.h")],
         includes = ["."],
-        deps = deps + ["//third_party:protobuf", "//third_party:grpc"],
+        deps = deps + ["//third_party:protobuf"],
+        visibility = visibility,
+    )
+
+    # Service stubs (gRPC): for the service layer and clients.
+    native.cc_library(
+        name = name + "_grpc",
+        srcs = [o for o in outs if o.endswith(".grpc.pb.cc")],
+        hdrs = [o for o in outs if o.endswith(".grpc.pb.h")],
+        includes = ["."],
+        deps = [":" + name, "//third_party:grpc"],
         visibility = visibility,
     )

@@ -1,0 +1,130 @@
+// Convolutions and pooling over NCHW images.
+#include "absl/strings/str_cat.h"
+#include "planner/graph/op_util.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::graph::internal {
+namespace {
+
+absl::StatusOr<std::pair<int64_t, int64_t>> Pair(const Attrs& a,
+                                                 const std::string& name,
+                                                 std::vector<int64_t> def,
+                                                 int64_t min_value) {
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> v, def.empty()
+                                                   ? a.Ints(name)
+                                                   : a.Ints(name, def));
+  if (v.size() == 1) v.push_back(v[0]);
+  if (v.size() != 2 || v[0] < min_value || v[1] < min_value) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attribute '", name, "' must be 1 or 2 integers >= ", min_value));
+  }
+  return std::make_pair(v[0], v[1]);
+}
+
+absl::StatusOr<int64_t> OutSize(int64_t in, int64_t k, int64_t s, int64_t p,
+                                const char* what) {
+  int64_t span = in + 2 * p - k;
+  if (span < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernel ", k, " is larger than the padded ", what, " ", in + 2 * p));
+  }
+  return span / s + 1;
+}
+
+}  // namespace
+
+void RegisterConvolutionOps(OpRegistry& r) {
+  {
+    OpDef d;
+    d.type = "conv2d";
+    d.summary =
+        "conv2d(x[n, c, h, w], w[o, c, kh, kw], b[o]?; stride=[1,1], "
+        "padding=[0,0]) -> [n, o, h', w']";
+    d.min_inputs = 2;
+    d.max_inputs = 3;
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
+      HAP_RETURN_IF_ERROR(ExpectRank(c, 1, 4));
+      HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, 1));
+      if (c.shape(1)[1] != c.shape(0)[1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "weight ", c.Describe(1), " expects ", c.shape(1)[1],
+            " input channels but ", c.Describe(0), " has ", c.shape(0)[1]));
+      }
+      int64_t o = c.shape(1)[0];
+      if (c.inputs.size() == 3 && c.shape(2) != Shape{o}) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("bias ", c.Describe(2), " must have shape [", o, "]"));
+      }
+      HAP_ASSIGN_OR_RETURN(auto stride, Pair(c.attrs, "stride", {1, 1}, 1));
+      HAP_ASSIGN_OR_RETURN(auto pad, Pair(c.attrs, "padding", {0, 0}, 0));
+      HAP_ASSIGN_OR_RETURN(int64_t h, OutSize(c.shape(0)[2], c.shape(1)[2],
+                                              stride.first, pad.first,
+                                              "height"));
+      HAP_ASSIGN_OR_RETURN(int64_t w, OutSize(c.shape(0)[3], c.shape(1)[3],
+                                              stride.second, pad.second,
+                                              "width"));
+      return std::vector<TensorType>{{c.in(0).dtype, {c.shape(0)[0], o, h, w}}};
+    };
+    d.flops = [](const OpCall& c) {
+      double out = static_cast<double>(c.outputs[0].num_elements());
+      double k = static_cast<double>(c.shape(1)[1] * c.shape(1)[2] *
+                                     c.shape(1)[3]);
+      return 2.0 * out * k + (c.inputs.size() == 3 ? out : 0);
+    };
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "max_pool2d";
+    d.summary =
+        "max_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0])";
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
+      HAP_ASSIGN_OR_RETURN(auto k, Pair(c.attrs, "kernel", {}, 1));
+      HAP_ASSIGN_OR_RETURN(auto s,
+                           Pair(c.attrs, "stride", {k.first, k.second}, 1));
+      HAP_ASSIGN_OR_RETURN(auto p, Pair(c.attrs, "padding", {0, 0}, 0));
+      if (2 * p.first > k.first || 2 * p.second > k.second) {
+        return absl::InvalidArgumentError(
+            "padding must be at most half the kernel");
+      }
+      HAP_ASSIGN_OR_RETURN(int64_t h, OutSize(c.shape(0)[2], k.first, s.first,
+                                              p.first, "height"));
+      HAP_ASSIGN_OR_RETURN(int64_t w, OutSize(c.shape(0)[3], k.second,
+                                              s.second, p.second, "width"));
+      return std::vector<TensorType>{
+          {c.in(0).dtype, {c.shape(0)[0], c.shape(0)[1], h, w}}};
+    };
+    d.flops = [](const OpCall& c) {
+      auto k = c.attrs.Ints("kernel").value();
+      double kk = k.size() == 1 ? k[0] * k[0] : k[0] * k[1];
+      return kk * static_cast<double>(c.outputs[0].num_elements());
+    };
+    d.backward_flops_multiple = 1.0;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "adaptive_avg_pool2d";
+    d.summary =
+        "adaptive_avg_pool2d(x[n, c, h, w]; output_size) -> [n, c, oh, ow] "
+        "(PyTorch's window rule)";
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
+      HAP_ASSIGN_OR_RETURN(auto o, Pair(c.attrs, "output_size", {}, 1));
+      return std::vector<TensorType>{
+          {c.in(0).dtype, {c.shape(0)[0], c.shape(0)[1], o.first, o.second}}};
+    };
+    d.flops = [](const OpCall& c) {
+      return static_cast<double>(c.in(0).num_elements());
+    };
+    d.backward_flops_multiple = 1.0;
+    r.Register(std::move(d));
+  }
+}
+
+}  // namespace hap::graph::internal

@@ -1,0 +1,106 @@
+// Normalisations: layer_norm, softmax (with causal or additive mask),
+// log_softmax.
+#include "absl/strings/str_cat.h"
+#include "planner/graph/op_util.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::graph::internal {
+
+void RegisterNormalizationOps(OpRegistry& r) {
+  {
+    OpDef d;
+    d.type = "layer_norm";
+    d.summary =
+        "layer_norm(x[..., d], gamma[d], beta[d]; eps=1e-5) -> normalised "
+        "over the last dimension";
+    d.min_inputs = d.max_inputs = 3;
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
+      Shape want = {Dim(c, 0, -1)};
+      for (int i : {1, 2}) {
+        HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, i));
+        if (c.shape(i) != want) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              c.Describe(i), " must have shape ", ShapeString(want)));
+        }
+      }
+      HAP_ASSIGN_OR_RETURN(double eps, c.attrs.Float("eps", 1e-5));
+      if (!(eps > 0)) {
+        return absl::InvalidArgumentError("attribute 'eps' must be positive");
+      }
+      return std::vector<TensorType>{c.in(0)};
+    };
+    d.flops = [](const OpCall& c) {
+      return 8.0 * static_cast<double>(c.in(0).num_elements());
+    };
+    d.backward_flops_multiple = 1.5;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "softmax";
+    d.summary =
+        "softmax(x, mask?; axis=-1, causal=false) -> softmax over the last "
+        "axis of x + mask; causal masks j > i over the last two dims";
+    d.min_inputs = 1;
+    d.max_inputs = 2;
+    d.non_differentiable_inputs = {1};
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
+      HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis", -1));
+      HAP_ASSIGN_OR_RETURN(int ax, NormalizeAxis(axis, c.in(0).rank(), "axis"));
+      if (ax != c.in(0).rank() - 1) {
+        return absl::InvalidArgumentError(
+            "softmax is supported over the last axis only");
+      }
+      HAP_ASSIGN_OR_RETURN(bool causal, c.attrs.Bool("causal", false));
+      if (causal) {
+        HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 2));
+        if (Dim(c, 0, -1) != Dim(c, 0, -2)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "causal softmax needs square last two dims, got ",
+              c.Describe(0)));
+        }
+      }
+      if (c.inputs.size() == 2) {
+        HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, 1));
+        auto b = BroadcastShapes(c.shape(0), c.shape(1));
+        if (!b.ok() || *b != c.shape(0)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "mask ", c.Describe(1), " must broadcast to ", c.Describe(0)));
+        }
+      }
+      return std::vector<TensorType>{c.in(0)};
+    };
+    d.flops = [](const OpCall& c) {
+      return 5.0 * static_cast<double>(c.in(0).num_elements());
+    };
+    d.backward_flops_multiple = 1.0;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "log_softmax";
+    d.summary = "log_softmax(x; axis=-1) -> x - logsumexp(x) over the axis";
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
+      HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis", -1));
+      HAP_ASSIGN_OR_RETURN(int ax, NormalizeAxis(axis, c.in(0).rank(), "axis"));
+      if (ax != c.in(0).rank() - 1) {
+        return absl::InvalidArgumentError(
+            "log_softmax is supported over the last axis only");
+      }
+      return std::vector<TensorType>{c.in(0)};
+    };
+    d.flops = [](const OpCall& c) {
+      return 4.0 * static_cast<double>(c.in(0).num_elements());
+    };
+    d.backward_flops_multiple = 1.0;
+    r.Register(std::move(d));
+  }
+}
+
+}  // namespace hap::graph::internal
