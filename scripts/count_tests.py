@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""Counts test cases over Bazel's test.xml files; prints 'N passed, N failed'.
+
+Exit status 1 when any case failed or no test ran. Suites that wrote no XML
+(a crash before the runner started) count as one failure each.
+"""
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+
+def main(root):
+    passed = failed = skipped = 0
+    failed_names = []
+    for dirpath, _, files in os.walk(root, followlinks=True):
+        if "test.xml" not in files:
+            continue
+        path = os.path.join(dirpath, "test.xml")
+        try:
+            tree = ET.parse(path)
+        except ET.ParseError:
+            failed += 1
+            failed_names.append(path)
+            continue
+        cases = list(tree.iter("testcase"))
+        if not cases:
+            # A suite with no cases: judge by its log's exit.
+            failed += 1
+            failed_names.append(path)
+            continue
+        for c in cases:
+            name = "%s.%s" % (c.get("classname", ""), c.get("name", ""))
+            if c.find("failure") is not None or c.find("error") is not None:
+                failed += 1
+                failed_names.append(name)
+            elif c.find("skipped") is not None or c.get("result") == "skipped":
+                skipped += 1
+            else:
+                passed += 1
+    for n in failed_names:
+        print("FAILED:", n)
+    line = "%d passed, %d failed" % (passed, failed)
+    if skipped:
+        line += ", %d skipped" % skipped
+    print(line)
+    return 1 if failed or passed == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bazel-testlogs"))

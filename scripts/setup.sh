@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs every Debian package the project needs. Idempotent; prints nothing
+# when everything is already there. Run as root (or with sudo available).
+set -euo pipefail
+
+PACKAGES=(
+  bazel-bootstrap
+  g++
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev
+  libglpk-dev glpk-utils
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libgloo-dev
+  libopenblas-dev
+  libcivetweb-dev
+  libsqlite3-dev
+  libssl-dev
+  python3-torch
+  prometheus
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq >/dev/null
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs every test suite: set-up, then `bazel test //...`, then a plain
+# "N passed, N failed" line counted over the test cases of every suite.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh || { echo "setup failed"; echo "0 passed, 1 failed"; exit 1; }
+
+# CI has 2 cores; keep Bazel's footprint modest.
+bazel test //... "$@"
+rc=$?
+
+/usr/bin/python3 scripts/count_tests.py bazel-testlogs
+count_rc=$?
+if [ $rc -ne 0 ] || [ $count_rc -ne 0 ]; then
+  exit 1
+fi
+exit 0

@@ -1,0 +1,80 @@
+#include "tools/cli_args.h"
+
+#include <cmath>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace hap::tools {
+
+absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& argv,
+                                 const std::set<std::string>& value_flags,
+                                 const std::set<std::string>& bool_flags) {
+  Args a;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& s = argv[i];
+    if (s.size() > 1 && s[0] == '-' && s != "-") {
+      std::string name = s.substr(s[1] == '-' ? 2 : 1);
+      std::string value;
+      bool has_value = false;
+      if (auto eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+        has_value = true;
+      }
+      if (bool_flags.count(name)) {
+        if (has_value) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("flag --", name, " takes no value"));
+        }
+        a.values_.emplace(name, "true");
+      } else if (value_flags.count(name)) {
+        if (!has_value) {
+          if (i + 1 >= argv.size()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("flag --", name, " needs a value"));
+          }
+          value = argv[++i];
+        }
+        a.values_.emplace(name, value);
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unknown flag --", name, " (see --help)"));
+      }
+    } else {
+      a.positional_.push_back(s);
+    }
+  }
+  return a;
+}
+
+std::string Args::Get(const std::string& flag, const std::string& def) const {
+  auto it = values_.find(flag);
+  if (it == values_.end()) return def;
+  std::string v = it->second;
+  for (auto r = values_.equal_range(flag); r.first != r.second; ++r.first) {
+    v = r.first->second;  // the last occurrence wins
+  }
+  return v;
+}
+
+std::vector<std::string> Args::GetAll(const std::string& flag) const {
+  std::vector<std::string> out;
+  for (auto r = values_.equal_range(flag); r.first != r.second; ++r.first) {
+    out.push_back(r.first->second);
+  }
+  return out;
+}
+
+absl::StatusOr<double> Args::Number(const std::string& flag, double def) const {
+  if (!Has(flag)) return def;
+  double v;
+  std::string s = Get(flag);
+  if (!absl::SimpleAtod(s, &v) || !std::isfinite(v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flag --", flag, " must be a number, got '", s, "'"));
+  }
+  return v;
+}
+
+}  // namespace hap::tools

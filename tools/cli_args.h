@@ -1,0 +1,37 @@
+// A small argument parser for hapctl's subcommands: "--flag value",
+// "--flag=value", boolean "--flag", repeated "--set k=v", positionals.
+#ifndef HAP_TOOLS_CLI_ARGS_H_
+#define HAP_TOOLS_CLI_ARGS_H_
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace hap::tools {
+
+class Args {
+ public:
+  // `value_flags` take a value; `bool_flags` do not. Anything else starting
+  // with "--" is an error naming the flag.
+  static absl::StatusOr<Args> Parse(const std::vector<std::string>& argv,
+                                    const std::set<std::string>& value_flags,
+                                    const std::set<std::string>& bool_flags);
+
+  bool Has(const std::string& flag) const { return values_.count(flag) > 0; }
+  std::string Get(const std::string& flag, const std::string& def = "") const;
+  std::vector<std::string> GetAll(const std::string& flag) const;
+  bool Bool(const std::string& flag) const { return Has(flag); }
+  absl::StatusOr<double> Number(const std::string& flag, double def) const;
+  const std::vector<std::string>& positional() const { return positional_; }
+
+ private:
+  std::multimap<std::string, std::string> values_;
+  std::vector<std::string> positional_;
+};
+
+}  // namespace hap::tools
+
+#endif  // HAP_TOOLS_CLI_ARGS_H_

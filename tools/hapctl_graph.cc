@@ -1,0 +1,205 @@
+#include "tools/hapctl_graph.h"
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/graph/op_registry.h"
+#include "planner/graph/zoo.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::tools {
+
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << s.message() << "\n";
+  return 1;
+}
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", c);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::set<std::string> ZooParamFlags() {
+  std::set<std::string> out;
+  for (const auto& m : graph::ZooModels()) {
+    for (const auto& [k, v] : m.defaults) out.insert(k);
+  }
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
+  std::map<std::string, double> out;
+  for (const std::string& k : ZooParamFlags()) {
+    if (args.Has(k)) {
+      HAP_ASSIGN_OR_RETURN(double v, args.Number(k, 0));
+      out[k] = v;
+    }
+  }
+  for (const std::string& kv : args.GetAll("set")) {
+    auto eq = kv.find('=');
+    double v;
+    if (eq == std::string::npos || !absl::SimpleAtod(kv.substr(eq + 1), &v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--set wants name=number, got '", kv, "'"));
+    }
+    out[kv.substr(0, eq)] = v;
+  }
+  return out;
+}
+
+absl::StatusOr<graph::Graph> LoadModel(const Args& args) {
+  if (args.Has("graph")) {
+    HAP_ASSIGN_OR_RETURN(std::string bytes, ReadFile(args.Get("graph")));
+    auto g = graph::ParseGraph(bytes, graph::GraphFormat::kAuto);
+    if (!g.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "graph file '", args.Get("graph"), "': ", g.status().message()));
+    }
+    return g;
+  }
+  HAP_ASSIGN_OR_RETURN(auto overrides, ZooOverrides(args));
+  return graph::BuildZooModel(args.Get("model", "gpt"), overrides);
+}
+
+std::string GraphSummaryJson(const graph::Graph& g) {
+  std::map<std::string, int> op_types;
+  for (const auto& op : g.ops()) op_types[op.type]++;
+  std::string types;
+  for (const auto& [t, n] : op_types) {
+    absl::StrAppend(&types, types.empty() ? "" : ", ", "\"", t, "\": ", n);
+  }
+  return absl::StrFormat(
+      "{\"name\": \"%s\", \"parameters\": %d, \"trainable_parameters\": %d, "
+      "\"forward_flops\": %.17g, \"training_flops\": %.17g, \"ops\": %d, "
+      "\"tensors\": %d, \"op_types\": {%s}}",
+      JsonEscape(g.name()), g.ParameterCount(), g.TrainableParameterCount(),
+      g.ForwardFlops(), g.TrainingFlops(), g.ops().size(), g.tensors().size(),
+      types);
+}
+
+int RunOps(const std::vector<std::string>& argv) {
+  auto args = Args::Parse(argv, {"o", "output"}, {"help"});
+  if (!args.ok()) return Fail(args.status());
+  std::string fmt = args->Get("o", args->Get("output", "table"));
+  auto ops = graph::OpRegistry::Global().All();
+  if (fmt == "json") {
+    std::cout << "[";
+    for (size_t i = 0; i < ops.size(); ++i) {
+      std::cout << (i ? ",\n " : "") << "{\"type\": \"" << ops[i]->type
+                << "\", \"summary\": \"" << JsonEscape(ops[i]->summary)
+                << "\", \"backward_flops_multiple\": "
+                << ops[i]->backward_flops_multiple << "}";
+    }
+    std::cout << "]\n";
+    return 0;
+  }
+  for (const auto* d : ops) {
+    std::cout << absl::StrFormat("%-20s %s\n", d->type, d->summary);
+  }
+  return 0;
+}
+
+int RunZoo(const std::vector<std::string>& argv) {
+  std::set<std::string> value_flags = ZooParamFlags();
+  value_flags.insert({"o", "output", "set", "export"});
+  auto args = Args::Parse(argv, value_flags, {"help"});
+  if (!args.ok()) return Fail(args.status());
+  if (args->Bool("help")) {
+    std::cout << "usage: hapctl zoo [MODEL] [--layers N ...] [--set k=v] "
+                 "[-o table|json] [--export FILE.json]\n";
+    return 0;
+  }
+  std::string fmt = args->Get("o", args->Get("output", "table"));
+  std::vector<std::string> names = args->positional();
+  if (names.empty()) {
+    for (const auto& m : graph::ZooModels()) names.push_back(m.name);
+  }
+  auto overrides = ZooOverrides(*args);
+  if (!overrides.ok()) return Fail(overrides.status());
+  if (fmt == "table") {
+    std::cout << absl::StrFormat("%-12s %14s %16s %16s %6s\n", "MODEL",
+                                 "PARAMETERS", "FWD GFLOP/STEP",
+                                 "TRAIN GFLOP/STEP", "OPS");
+  }
+  if (fmt == "json") std::cout << "[";
+  for (size_t i = 0; i < names.size(); ++i) {
+    // Overrides apply to each model that takes them.
+    std::map<std::string, double> mine;
+    for (const auto& m : graph::ZooModels()) {
+      if (m.name != names[i]) continue;
+      for (const auto& [k, v] : *overrides) {
+        if (m.defaults.count(k) || names.size() == 1) mine[k] = v;
+      }
+    }
+    auto g = graph::BuildZooModel(names[i], names.size() == 1 ? *overrides : mine);
+    if (!g.ok()) return Fail(g.status());
+    if (args->Has("export")) {
+      std::ofstream f(args->Get("export"));
+      f << graph::GraphToJson(*g);
+      if (!f) return Fail(absl::InternalError("cannot write --export file"));
+    }
+    if (fmt == "json") {
+      std::cout << (i ? ",\n " : "") << GraphSummaryJson(*g);
+    } else {
+      std::cout << absl::StrFormat("%-12s %14d %16.1f %16.1f %6d\n", g->name(),
+                                   g->ParameterCount(), g->ForwardFlops() / 1e9,
+                                   g->TrainingFlops() / 1e9, g->ops().size());
+    }
+  }
+  if (fmt == "json") std::cout << "]\n";
+  return 0;
+}
+
+int RunValidate(const std::vector<std::string>& argv) {
+  auto args = Args::Parse(argv, {"o", "output"}, {"help"});
+  if (!args.ok()) return Fail(args.status());
+  if (args->positional().size() != 1 || args->Bool("help")) {
+    std::cerr << "usage: hapctl validate GRAPH_FILE [-o table|json]\n";
+    return args->Bool("help") ? 0 : 1;
+  }
+  auto bytes = ReadFile(args->positional()[0]);
+  if (!bytes.ok()) return Fail(bytes.status());
+  auto g = graph::ParseGraph(*bytes, graph::GraphFormat::kAuto);
+  if (!g.ok()) return Fail(g.status());
+  std::string fmt = args->Get("o", args->Get("output", "table"));
+  if (fmt == "json") {
+    std::cout << GraphSummaryJson(*g) << "\n";
+  } else {
+    std::cout << absl::StrFormat(
+        "graph '%s' is valid: %d ops, %d parameters, %.3f GFLOP forward\n",
+        g->name(), g->ops().size(), g->ParameterCount(),
+        g->ForwardFlops() / 1e9);
+  }
+  return 0;
+}
+
+}  // namespace hap::tools

@@ -1,0 +1,32 @@
+// hapctl subcommands about models: `ops`, `zoo`, `validate`.
+#ifndef HAP_TOOLS_HAPCTL_GRAPH_H_
+#define HAP_TOOLS_HAPCTL_GRAPH_H_
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/graph/graph.h"
+#include "tools/cli_args.h"
+
+namespace hap::tools {
+
+// Every zoo parameter name, accepted as a flag (--layers 24).
+std::set<std::string> ZooParamFlags();
+// Zoo parameter overrides from flags (--layers 24) and --set k=v.
+absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args);
+// The model of --model NAME (zoo) or --graph FILE (JSON/text/binary).
+absl::StatusOr<graph::Graph> LoadModel(const Args& args);
+
+int RunOps(const std::vector<std::string>& argv);
+int RunZoo(const std::vector<std::string>& argv);
+int RunValidate(const std::vector<std::string>& argv);
+
+// One-line JSON object summarising a graph (name, parameters, FLOPs, ops).
+std::string GraphSummaryJson(const graph::Graph& g);
+
+}  // namespace hap::tools
+
+#endif  // HAP_TOOLS_HAPCTL_GRAPH_H_

@@ -1,0 +1,38 @@
+// hapctl: the command-line client of the HAP service.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "tools/hapctl_graph.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(hapctl: plan and run SPMD training on heterogeneous clusters
+
+Usage: hapctl COMMAND [ARGS]
+
+Models:
+  ops                       list the IR's ops and their signatures
+  zoo [MODEL] [--layers N]  zoo models with parameter counts and FLOPs
+                            (--export FILE.json writes the graph)
+  validate FILE             load and validate a graph file (JSON/text/binary)
+
+Run `hapctl COMMAND --help` for a command's flags.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" ||
+      std::string(argv[1]) == "help") {
+    std::cout << kUsage;
+    return argc < 2 ? 1 : 0;
+  }
+  std::string cmd = argv[1];
+  std::vector<std::string> rest(argv + 2, argv + argc);
+  if (cmd == "ops") return hap::tools::RunOps(rest);
+  if (cmd == "zoo") return hap::tools::RunZoo(rest);
+  if (cmd == "validate") return hap::tools::RunValidate(rest);
+  std::cerr << "error: unknown command '" << cmd << "'\n\n" << kUsage;
+  return 1;
+}
