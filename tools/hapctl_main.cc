@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "tools/hapctl_graph.h"
+#include "tools/hapctl_plan.h"
 
 namespace {
 
@@ -16,6 +17,9 @@ Models:
   zoo [MODEL] [--layers N]  zoo models with parameter counts and FLOPs
                             (--export FILE.json writes the graph)
   validate FILE             load and validate a graph file (JSON/text/binary)
+
+Planning (offline, no server):
+  plan --cluster FILE [--model M | --graph FILE] [--baseline B] [-o table|json]
 
 Run `hapctl COMMAND --help` for a command's flags.
 )";
@@ -33,6 +37,7 @@ int main(int argc, char** argv) {
   if (cmd == "ops") return hap::tools::RunOps(rest);
   if (cmd == "zoo") return hap::tools::RunZoo(rest);
   if (cmd == "validate") return hap::tools::RunValidate(rest);
+  if (cmd == "plan") return hap::tools::RunPlan(rest);
   std::cerr << "error: unknown command '" << cmd << "'\n\n" << kUsage;
   return 1;
 }

@@ -1,0 +1,74 @@
+// The cluster as the cost model sees it (DESIGN.md §8): the plan's devices in
+// rank order with measured FLOPS and memory, and a bandwidth/latency matrix
+// with node hierarchy. Built from hap.v1.Cluster; validation rejects what
+// would make predictions meaningless (NaN, zero or negative numbers, unknown
+// devices, fewer than two devices).
+//
+// Thread-safety: immutable after construction.
+#ifndef HAP_PLANNER_COST_CLUSTER_MODEL_H_
+#define HAP_PLANNER_COST_CLUSTER_MODEL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "hap/v1/cluster.pb.h"
+
+namespace hap::cost {
+
+struct DeviceModel {
+  std::string id;
+  std::string node;
+  std::string model;
+  double flops = 0;  // float32 matmul FLOP/s
+  int64_t memory_bytes = 0;
+  double launch_overhead_seconds = 0;
+};
+
+class ClusterModel {
+ public:
+  // `device_ids` chooses and orders the plan's devices; empty = every device
+  // of every node that is not STALE, node by node.
+  static absl::StatusOr<ClusterModel> FromProto(
+      const hap::v1::Cluster& cluster,
+      const std::vector<std::string>& device_ids = {});
+  // For tests and benchmarks: devices plus a full bandwidth/latency matrix.
+  static absl::StatusOr<ClusterModel> Create(
+      std::vector<DeviceModel> devices,
+      std::vector<std::vector<double>> bandwidth,
+      std::vector<std::vector<double>> latency);
+
+  int size() const { return static_cast<int>(devices_.size()); }
+  const DeviceModel& device(int i) const { return devices_[i]; }
+  const std::vector<DeviceModel>& devices() const { return devices_; }
+  double bandwidth(int i, int j) const { return bandwidth_[i][j]; }
+  double latency(int i, int j) const { return latency_[i][j]; }
+  double total_flops() const { return total_flops_; }
+
+  // Devices grouped by node, in rank order.
+  const std::vector<std::vector<int>>& node_groups() const { return nodes_; }
+  // A ring over `group` (node-mates adjacent): its slowest link and the
+  // largest latency on it.
+  double RingBandwidth(const std::vector<int>& group) const;
+  double RingLatency(const std::vector<int>& group) const;
+  const std::vector<int>& all() const { return all_; }
+
+  // Ratios proportional to FLOPS.
+  std::vector<double> ProportionalRatios() const;
+  std::vector<double> EvenRatios() const;
+
+ private:
+  absl::Status Finish();
+
+  std::vector<DeviceModel> devices_;
+  std::vector<std::vector<double>> bandwidth_;
+  std::vector<std::vector<double>> latency_;
+  std::vector<std::vector<int>> nodes_;
+  std::vector<int> all_;     // ring order over all devices
+  double total_flops_ = 0;
+};
+
+}  // namespace hap::cost
+
+#endif  // HAP_PLANNER_COST_CLUSTER_MODEL_H_

@@ -1,0 +1,84 @@
+// The planner core's entry point: the joint loop of DESIGN.md §6 and the
+// baselines, over one graph and one cluster, with no I/O.
+//
+//   ratios <- proportional to FLOPS
+//   repeat: program <- Synthesize(ratios); ratios' <- LP(program)
+//           until the LP cost stops improving
+//
+// The baselines are restricted searches in the same cost model:
+//   dp-even          data-parallel rules only, replicated parameters, equal split
+//   dp-proportional  the same, split proportional to FLOPS
+//   zero3            data-parallel rules, ZeRO-sharded parameters, equal split
+//   megatron         tensor-parallel rules (column/row/heads) over the plan's
+//                    devices, equal split
+// Because each baseline program is in the synthesizer's search space, the
+// planner also re-optimises the data-parallel and ZeRO programs' ratios with
+// the LP and keeps the cheapest candidate: the synthesized plan's predicted
+// time is never above a baseline's.
+#ifndef HAP_PLANNER_SYNTH_PLANNER_H_
+#define HAP_PLANNER_SYNTH_PLANNER_H_
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/graph.h"
+#include "planner/ratios/ratio_lp.h"
+#include "planner/synth/program.h"
+#include "planner/synth/search.h"
+
+namespace hap::synth {
+
+enum class Baseline { kNone, kDpEven, kDpProportional, kMegatron, kZero3 };
+const char* BaselineName(Baseline b);
+absl::StatusOr<Baseline> ParseBaseline(const std::string& name);
+
+enum class OptimizerKind { kSgd, kSgdMomentum, kAdam };
+
+struct PlanOptions {
+  Baseline baseline = Baseline::kNone;
+  bool allow_sfb = true;
+  bool allow_zero = true;
+  bool allow_grouped = true;
+  bool zero_heuristic = false;
+  int max_joint_iterations = 4;
+  int64_t max_states = 2'000'000;
+  double max_seconds = 60;       // whole planning, search and LP
+  bool ignore_memory = false;
+  OptimizerKind optimizer = OptimizerKind::kSgdMomentum;
+  std::function<bool()> cancelled;
+  // states expanded (cumulative), best cost so far, joint iteration.
+  std::function<void(int64_t, double, int)> progress;
+};
+
+struct PlanResult {
+  Program program;
+  std::vector<double> ratios;  // per device (one segment)
+  ProgramCost cost;            // at `ratios`
+  std::vector<int64_t> memory_bytes;  // per device, at `ratios`
+  double synthesis_seconds = 0;
+  int64_t states_expanded = 0;
+  bool optimal = false;
+  int joint_iterations = 0;
+  std::string source;  // "search", or the baseline candidate that won
+};
+
+// Errors: those of Synthesize and SolveRatioLp; ResourceExhausted "does not
+// fit" naming the device and bytes when no ratios satisfy memory.
+absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
+                                     const cost::ClusterModel& cluster,
+                                     const PlanOptions& options);
+
+// Memory per device as linear functions of the ratios: parameters, their
+// gradients and optimizer state, and the activations kept for backward.
+ratios::MemoryConstraint MemoryModel(const graph::Graph& g,
+                                     const cost::ClusterModel& cluster,
+                                     const Program& p, OptimizerKind opt);
+std::vector<int64_t> MemoryAt(const ratios::MemoryConstraint& m,
+                              const std::vector<double>& ratios);
+
+}  // namespace hap::synth
+
+#endif  // HAP_PLANNER_SYNTH_PLANNER_H_

@@ -1,0 +1,75 @@
+// Sharding rules: the distributed instructions of each IR op, as Hoare
+// triples {input forms} op {output forms} (DESIGN.md §4). One function per op
+// family (rules_*.cc), keyed by op type; adding an op's rules touches one
+// place.
+#ifndef HAP_PLANNER_SYNTH_RULES_H_
+#define HAP_PLANNER_SYNTH_RULES_H_
+
+#include <string>
+#include <vector>
+
+#include "planner/graph/graph.h"
+#include "planner/synth/form.h"
+
+namespace hap::synth {
+
+enum class RuleKind {
+  kReplicated,  // every device computes the whole op
+  kData,        // split along sample/token (batch-like) dimensions
+  kTensor,      // split along feature, head, channel or expert dimensions
+  kPartial,     // propagates or produces partial sums
+};
+
+struct ShardRule {
+  std::string name;  // "data(0)", "column", "row", "heads", "replicated"...
+  RuleKind kind = RuleKind::kReplicated;
+  std::vector<Form> inputs;
+  std::vector<Form> outputs;
+  // The op's work is divided by the ratios (each device b_i of the FLOPs);
+  // otherwise every device does all of it.
+  bool split = false;
+  // Per input: the gradient of an R input comes out already replicated even
+  // though the work is split (e.g. a bias added on one device). Otherwise an
+  // R input of a split rule gets a partial gradient.
+  std::vector<bool> replicated_grad;
+};
+
+struct RuleContext {
+  int num_devices = 2;
+  // A dimension may be sharded only when it has at least this many entries.
+  int64_t min_shard_length = 2;
+};
+
+// The rules of op `op` of `g`, replicated first; never empty (the
+// replicated rule applies to every op).
+std::vector<ShardRule> RulesFor(const graph::Graph& g, graph::OpId op,
+                                const RuleContext& ctx);
+
+// Internal: one generator per op family.
+namespace internal {
+struct RuleInput {
+  const graph::Graph& g;
+  const graph::Op& op;
+  const RuleContext& ctx;
+  const graph::Shape& in(int i) const { return g.tensor(op.inputs[i]).type.shape; }
+  const graph::Shape& out(int i) const {
+    return g.tensor(op.outputs[i]).type.shape;
+  }
+  int num_inputs() const { return static_cast<int>(op.inputs.size()); }
+  bool Shardable(int64_t length) const {
+    return length >= ctx.min_shard_length && length >= ctx.num_devices;
+  }
+};
+using RuleFn = void (*)(const RuleInput&, std::vector<ShardRule>&);
+RuleFn ElementwiseRules(const std::string& type);
+RuleFn DenseRules(const std::string& type);
+RuleFn LayoutRules(const std::string& type);
+RuleFn MoeRules(const std::string& type);
+
+ShardRule MakeRule(std::string name, RuleKind kind, std::vector<Form> in,
+                   std::vector<Form> out, bool split);
+}  // namespace internal
+
+}  // namespace hap::synth
+
+#endif  // HAP_PLANNER_SYNTH_RULES_H_

@@ -1,0 +1,644 @@
+#include "planner/synth/search.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <queue>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "planner/graph/op_registry.h"
+
+namespace hap::synth {
+namespace {
+
+using graph::OpId;
+using graph::TensorId;
+using graph::TensorKind;
+
+// A live tensor: up to two forms (produced + one communicated).
+struct Live {
+  TensorId tensor;
+  int8_t forms[2];
+  int8_t nforms;
+  bool communicated;
+
+  bool Has(Form f) const {
+    for (int i = 0; i < nforms; ++i) {
+      if (forms[i] == f.raw()) return true;
+    }
+    return false;
+  }
+};
+
+struct State {
+  int step = 0;
+  std::vector<Live> live;  // sorted by tensor id
+  double g = 0;
+  int parent = -1;
+  int rule = -1;  // rule applied at step-1 to reach this state
+};
+
+struct Candidate {
+  double f;
+  int64_t seq;
+  int index;
+  bool operator>(const Candidate& o) const {
+    if (f != o.f) return f > o.f;
+    return seq > o.seq;
+  }
+};
+
+class Searcher {
+ public:
+  Searcher(const graph::Graph& g, const cost::ClusterModel& c,
+           const SearchOptions& o, std::vector<double> ratios)
+      : g_(g),
+        cluster_(c),
+        coll_(c),
+        opt_(o),
+        ratios_(std::move(ratios)),
+        n_(static_cast<int>(g.ops().size())) {
+    Prepare();
+  }
+
+  absl::StatusOr<Program> Run();
+
+ private:
+  void Prepare();
+  double Eval(const CostTerm& t) const { return cost::EvaluateTerm(t, ratios_); }
+  // Runs rule `r` of the op at s.step. Returns false when it does not apply.
+  bool Apply(const State& s, int r, State* out, double* cost,
+             OpStep* detail) const;
+  bool Convert(TensorId t, Form from, Form to, CommStep* out,
+               double* cost) const;
+  bool LoadParameter(TensorId t, Form need, const ShardRule& rule, int input,
+                     OpId op, SourceLoad* out, double* cost) const;
+  CostTerm Gather(double bytes, Method* method) const;
+  CostTerm Scatter(double bytes, Method* method) const;
+  std::string Key(const State& s) const;
+  std::optional<int> Greedy(int from, int64_t node_budget);
+  Program Reconstruct(int goal) const;
+  bool OutOfBudget();
+
+  const graph::Graph& g_;
+  const cost::ClusterModel& cluster_;
+  cost::CollectiveModel coll_;
+  const SearchOptions& opt_;
+  std::vector<double> ratios_;
+  const int n_;
+
+  std::vector<std::vector<ShardRule>> rules_;     // per op (filtered)
+  std::vector<std::vector<int>> rule_index_;      // position in RulesFor
+  std::vector<std::vector<CostTerm>> compute_;    // per op, per rule
+  std::vector<std::vector<double>> compute_eval_;
+  std::vector<int> last_use_;                     // per tensor
+  std::vector<bool> requires_grad_;
+  std::vector<double> h_;                         // per step
+
+  std::vector<State> states_;
+  int64_t expanded_ = 0;
+  bool cut_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
+
+void Searcher::Prepare() {
+  RuleContext ctx;
+  ctx.num_devices = cluster_.size();
+  ctx.min_shard_length = opt_.min_shard_length;
+  const auto& tensors = g_.tensors();
+  last_use_.assign(tensors.size(), -1);
+  requires_grad_.assign(tensors.size(), false);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (tensors[t].kind == TensorKind::kParameter && !tensors[t].frozen) {
+      requires_grad_[t] = true;
+    }
+    for (OpId c : tensors[t].consumers) {
+      last_use_[t] = std::max(last_use_[t], c);
+    }
+  }
+  rules_.resize(n_);
+  rule_index_.resize(n_);
+  compute_.resize(n_);
+  compute_eval_.resize(n_);
+  h_.assign(n_ + 1, 0);
+  for (OpId i = 0; i < n_; ++i) {
+    const graph::Op& op = g_.op(i);
+    const graph::OpDef* def = graph::OpRegistry::Global().Find(op.type);
+    std::vector<int> nondiff = def->non_differentiable_inputs;
+    bool any_grad = false;
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      bool diff = std::find(nondiff.begin(), nondiff.end(),
+                            static_cast<int>(j)) == nondiff.end();
+      if (diff && requires_grad_[op.inputs[j]]) any_grad = true;
+    }
+    for (TensorId o : op.outputs) requires_grad_[o] = any_grad;
+    double flops = g_.OpForwardFlops(i) *
+                   (1.0 + (any_grad ? def->backward_flops_multiple : 0.0));
+    double launches = any_grad ? 3.0 : 1.0;
+    std::vector<ShardRule> all = RulesFor(g_, i, ctx);
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (opt_.rule_filter && !opt_.rule_filter(all[r])) continue;
+      CostTerm t = coll_.Constant(0);
+      for (int d = 0; d < cluster_.size(); ++d) {
+        const auto& dev = cluster_.device(d);
+        double secs = flops / dev.flops;
+        t.constant[d] = launches * dev.launch_overhead_seconds;
+        if (all[r].split) {
+          t.coef[d] = secs;
+        } else {
+          t.constant[d] += secs;
+        }
+      }
+      compute_eval_[i].push_back(Eval(t));
+      compute_[i].push_back(std::move(t));
+      rule_index_[i].push_back(static_cast<int>(r));
+      rules_[i].push_back(std::move(all[r]));
+    }
+  }
+  if (!opt_.zero_heuristic) {
+    for (int i = n_ - 1; i >= 0; --i) {
+      double best = 0;
+      if (!compute_eval_[i].empty()) {
+        best = *std::min_element(compute_eval_[i].begin(),
+                                 compute_eval_[i].end());
+      }
+      h_[i] = h_[i + 1] + best;
+    }
+  }
+}
+
+CostTerm Searcher::Gather(double bytes, Method* method) const {
+  CostTerm padded = coll_.AllGather(bytes, cost::Method::kPadded);
+  *method = Method::kPadded;
+  if (!opt_.allow_grouped) return padded;
+  CostTerm grouped = coll_.AllGather(bytes, cost::Method::kGrouped);
+  if (Eval(grouped) < Eval(padded)) {
+    *method = Method::kGrouped;
+    return grouped;
+  }
+  return padded;
+}
+
+CostTerm Searcher::Scatter(double bytes, Method* method) const {
+  CostTerm padded = coll_.ReduceScatter(bytes, cost::Method::kPadded);
+  *method = Method::kPadded;
+  if (!opt_.allow_grouped) return padded;
+  CostTerm grouped = coll_.ReduceScatter(bytes, cost::Method::kGrouped);
+  if (Eval(grouped) < Eval(padded)) {
+    *method = Method::kGrouped;
+    return grouped;
+  }
+  return padded;
+}
+
+bool Searcher::Convert(TensorId t, Form from, Form to, CommStep* out,
+                       double* cost) const {
+  double bytes = static_cast<double>(g_.tensor(t).type.bytes());
+  CommStep c;
+  c.tensor = t;
+  c.from = from;
+  c.to = to;
+  c.has_backward = requires_grad_[t];
+  CostTerm none = coll_.Constant(0);
+  if (from.is_sharded() && to.is_replicated()) {
+    c.forward = Collective::kAllGather;
+    c.backward = Collective::kReduceScatter;
+    c.forward_cost = Gather(bytes, &c.method);
+    c.backward_cost = coll_.ReduceScatter(
+        bytes, c.method == Method::kGrouped ? cost::Method::kGrouped
+                                            : cost::Method::kPadded);
+  } else if (from.is_partial() && to.is_replicated()) {
+    c.forward = c.backward = Collective::kAllReduce;
+    c.forward_cost = c.backward_cost = coll_.Constant(coll_.AllReduce(bytes));
+  } else if (from.is_partial() && to.is_sharded()) {
+    c.forward = Collective::kReduceScatter;
+    c.backward = Collective::kAllGather;
+    c.forward_cost = Scatter(bytes, &c.method);
+    c.backward_cost = coll_.AllGather(
+        bytes, c.method == Method::kGrouped ? cost::Method::kGrouped
+                                            : cost::Method::kPadded);
+  } else if (from.is_sharded() && to.is_sharded()) {
+    c.forward = c.backward = Collective::kAllToAll;
+    c.forward_cost = c.backward_cost = coll_.AllToAll(bytes);
+  } else if (from.is_replicated() && to.is_sharded()) {
+    c.forward = Collective::kSlice;
+    c.backward = Collective::kAllGather;
+    c.forward_cost = none;
+    c.backward_cost = Gather(bytes, &c.method);
+  } else if (from.is_replicated() && to.is_partial()) {
+    c.forward = c.backward = Collective::kZeroOut;
+    c.forward_cost = c.backward_cost = none;
+  } else {
+    return false;  // S -> P and P -> P are not instructions
+  }
+  if (!c.has_backward) c.backward_cost = none;
+  *cost = Eval(c.forward_cost) + Eval(c.backward_cost);
+  *out = std::move(c);
+  return true;
+}
+
+bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
+                             int input, OpId op, SourceLoad* out,
+                             double* cost) const {
+  const graph::Tensor& p = g_.tensor(t);
+  double bytes = static_cast<double>(p.type.bytes());
+  SourceLoad l;
+  l.tensor = t;
+  l.form = need;
+  l.parameter = true;
+  if (need.is_partial()) return false;
+  if (need.is_sharded()) {
+    if (opt_.force_storage && *opt_.force_storage != ParamStorage::kSharded) {
+      return false;
+    }
+    l.storage = ParamStorage::kSharded;
+    l.storage_form = need;
+    *cost = 0;
+    *out = std::move(l);
+    return true;
+  }
+  bool partial = rule.split && !rule.replicated_grad[input] && !p.frozen;
+  struct Option {
+    SourceLoad load;
+    double cost;
+  };
+  std::vector<Option> options;
+  bool zero_possible = p.type.rank() >= 1 && p.type.shape[0] >= cluster_.size();
+  // A forced ZeRO storage falls back to replicated where a parameter is too
+  // small to shard.
+  auto allowed = [&](ParamStorage s) {
+    if (!opt_.force_storage) return true;
+    if (*opt_.force_storage == ParamStorage::kZero && !zero_possible) {
+      return s == ParamStorage::kReplicated;
+    }
+    return *opt_.force_storage == s;
+  };
+  if (allowed(ParamStorage::kReplicated)) {
+    SourceLoad a = l;
+    a.storage = ParamStorage::kReplicated;
+    a.storage_form = Form::R();
+    if (partial) {
+      a.grad_allreduce = true;
+      a.costs.push_back(coll_.Constant(coll_.AllReduce(bytes)));
+    }
+    double c = 0;
+    for (const auto& t2 : a.costs) c += Eval(t2);
+    options.push_back({a, c});
+    // Sufficient factor broadcasting for a data-parallel linear weight:
+    // gather x and dy, every device computes the whole dW.
+    const graph::Op& o = g_.op(op);
+    if (opt_.allow_sfb && partial && o.type == "linear" && input == 1 &&
+        rule.kind == RuleKind::kData) {
+      SourceLoad s = l;
+      s.storage = ParamStorage::kReplicated;
+      s.storage_form = Form::R();
+      s.sfb = true;
+      double xb = static_cast<double>(g_.tensor(o.inputs[0]).type.bytes());
+      double yb = static_cast<double>(g_.tensor(o.outputs[0]).type.bytes());
+      s.costs.push_back(Gather(xb, &s.method));
+      Method m2;
+      s.costs.push_back(Gather(yb, &m2));
+      const auto& w = p.type.shape;
+      double rows = static_cast<double>(g_.tensor(o.inputs[0]).type.num_elements() /
+                                        w[1]);
+      double flops = 2.0 * rows * static_cast<double>(w[0] * w[1]);
+      CostTerm extra = coll_.Constant(0);
+      for (int d = 0; d < cluster_.size(); ++d) {
+        extra.constant[d] = flops / cluster_.device(d).flops;
+      }
+      s.costs.push_back(extra);
+      double c2 = 0;
+      for (const auto& t2 : s.costs) c2 += Eval(t2);
+      options.push_back({s, c2});
+    }
+  }
+  if (allowed(ParamStorage::kZero) &&
+      (opt_.allow_zero || opt_.force_storage == ParamStorage::kZero) &&
+      zero_possible) {
+    SourceLoad z = l;
+    z.storage = ParamStorage::kZero;
+    z.storage_form = Form::S(0);
+    // Gathered for forward and again for backward; gradient reduce-scattered.
+    z.costs.push_back(Gather(bytes, &z.method));
+    z.costs.push_back(z.costs.back());
+    if (partial) {
+      Method m;
+      z.costs.push_back(Scatter(bytes, &m));
+    }
+    double c = 0;
+    for (const auto& t2 : z.costs) c += Eval(t2);
+    options.push_back({z, c});
+  }
+  if (options.empty()) return false;
+  auto best = std::min_element(
+      options.begin(), options.end(),
+      [](const Option& a, const Option& b) { return a.cost < b.cost; });
+  *cost = best->cost;
+  *out = std::move(best->load);
+  return true;
+}
+
+bool Searcher::Apply(const State& s, int r, State* out, double* cost,
+                     OpStep* detail) const {
+  const OpId op_id = s.step;
+  const graph::Op& op = g_.op(op_id);
+  const ShardRule& rule = rules_[op_id][r];
+  std::vector<Live> live = s.live;
+  double c = compute_eval_[op_id][r];
+  auto find = [&](TensorId t) -> Live* {
+    auto it = std::lower_bound(
+        live.begin(), live.end(), t,
+        [](const Live& l, TensorId x) { return l.tensor < x; });
+    return (it != live.end() && it->tensor == t) ? &*it : nullptr;
+  };
+  if (detail) {
+    detail->op = op_id;
+    detail->rule_index = rule_index_[op_id][r];
+    detail->rule = rule;
+    detail->compute = compute_[op_id][r];
+  }
+  for (size_t j = 0; j < op.inputs.size(); ++j) {
+    TensorId t = op.inputs[j];
+    Form need = rule.inputs[j];
+    Live* l = find(t);
+    if (l == nullptr) {
+      const graph::Tensor& tensor = g_.tensor(t);
+      if (tensor.kind == TensorKind::kActivation) return false;  // dropped
+      double lc = 0;
+      SourceLoad load;
+      if (tensor.kind == TensorKind::kParameter) {
+        if (!LoadParameter(t, need, rule, static_cast<int>(j), op_id, &load,
+                           &lc)) {
+          return false;
+        }
+      } else {
+        if (need.is_partial()) return false;
+        load.tensor = t;
+        load.form = need;
+        load.storage_form = need;
+      }
+      c += lc;
+      if (detail) detail->loads.push_back(std::move(load));
+      Live nl{t, {need.raw(), 0}, 1, false};
+      auto it = std::lower_bound(
+          live.begin(), live.end(), t,
+          [](const Live& a, TensorId x) { return a.tensor < x; });
+      live.insert(it, nl);
+      continue;
+    }
+    if (l->Has(need)) continue;
+    if (l->communicated || l->nforms == 2) return false;
+    CommStep best;
+    double best_cost = 0;
+    bool found = false;
+    for (int k = 0; k < l->nforms; ++k) {
+      CommStep cs;
+      double cc;
+      Form from = Form::S(0);
+      // Rebuild the Form from its raw value.
+      int8_t raw = l->forms[k];
+      from = raw == Form::kReplicated ? Form::R()
+             : raw == Form::kPartial  ? Form::P()
+                                      : Form::S(raw);
+      if (Convert(t, from, need, &cs, &cc) && (!found || cc < best_cost)) {
+        best = std::move(cs);
+        best_cost = cc;
+        found = true;
+      }
+    }
+    if (!found) return false;
+    c += best_cost;
+    l->forms[l->nforms++] = need.raw();
+    l->communicated = true;
+    if (detail) detail->comms.push_back(std::move(best));
+  }
+  for (size_t j = 0; j < op.outputs.size(); ++j) {
+    TensorId t = op.outputs[j];
+    Form f = rule.outputs[j];
+    if (t == g_.loss() && f.is_sharded()) return false;
+    if (last_use_[t] <= op_id) continue;  // nobody reads it
+    Live nl{t, {f.raw(), 0}, 1, false};
+    auto it = std::lower_bound(
+        live.begin(), live.end(), t,
+        [](const Live& a, TensorId x) { return a.tensor < x; });
+    live.insert(it, nl);
+  }
+  live.erase(std::remove_if(live.begin(), live.end(),
+                            [&](const Live& l) {
+                              return last_use_[l.tensor] <= op_id;
+                            }),
+             live.end());
+  out->step = s.step + 1;
+  out->live = std::move(live);
+  out->g = s.g + c;
+  *cost = c;
+  return true;
+}
+
+std::string Searcher::Key(const State& s) const {
+  std::string k;
+  k.reserve(4 + s.live.size() * 8);
+  k.append(reinterpret_cast<const char*>(&s.step), sizeof(s.step));
+  for (const Live& l : s.live) {
+    int8_t a = l.forms[0], b = l.nforms > 1 ? l.forms[1] : -100;
+    if (l.nforms > 1 && b < a) std::swap(a, b);
+    k.append(reinterpret_cast<const char*>(&l.tensor), sizeof(l.tensor));
+    k.push_back(static_cast<char>(a));
+    k.push_back(static_cast<char>(b));
+    k.push_back(l.communicated ? 1 : 0);
+  }
+  return k;
+}
+
+bool Searcher::OutOfBudget() {
+  if (cut_) return true;
+  if (expanded_ >= opt_.max_states) cut_ = true;
+  if ((expanded_ & 255) == 0) {
+    double secs = std::chrono::duration<double>(
+                      std::chrono::steady_clock::now() - start_)
+                      .count();
+    if (secs > opt_.max_seconds) cut_ = true;
+    if (opt_.cancelled && opt_.cancelled()) cut_ = true;
+  }
+  return cut_;
+}
+
+// Depth-first completion, cheapest rule first, with a node budget.
+std::optional<int> Searcher::Greedy(int from, int64_t node_budget) {
+  std::vector<std::pair<int, std::vector<std::pair<double, int>>>> stack;
+  auto children = [&](int idx) {
+    std::vector<std::pair<double, int>> kids;
+    const State& s = states_[idx];
+    for (int r = 0; r < static_cast<int>(rules_[s.step].size()); ++r) {
+      State ns;
+      double c;
+      if (Apply(states_[idx], r, &ns, &c, nullptr)) kids.push_back({c, r});
+    }
+    std::sort(kids.begin(), kids.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    return kids;  // cheapest last (popped first)
+  };
+  if (states_[from].step == n_) return from;
+  stack.push_back({from, children(from)});
+  int64_t nodes = 0;
+  while (!stack.empty() && nodes < node_budget) {
+    auto& [idx, kids] = stack.back();
+    if (kids.empty()) {
+      stack.pop_back();
+      continue;
+    }
+    int r = kids.back().second;
+    kids.pop_back();
+    State ns;
+    double c;
+    Apply(states_[idx], r, &ns, &c, nullptr);
+    ns.parent = idx;
+    ns.rule = r;
+    states_.push_back(std::move(ns));
+    ++nodes;
+    int ni = static_cast<int>(states_.size()) - 1;
+    if (states_[ni].step == n_) return ni;
+    stack.push_back({ni, children(ni)});
+  }
+  return std::nullopt;
+}
+
+Program Searcher::Reconstruct(int goal) const {
+  std::vector<int> chain;
+  for (int i = goal; states_[i].parent >= 0; i = states_[i].parent) {
+    chain.push_back(i);
+  }
+  std::reverse(chain.begin(), chain.end());
+  Program p;
+  for (int i : chain) {
+    const State& parent = states_[states_[i].parent];
+    OpStep step;
+    State ns;
+    double c;
+    Apply(parent, states_[i].rule, &ns, &c, &step);
+    p.steps.push_back(std::move(step));
+  }
+  ProgramCost pc = EvaluateProgram(p, ratios_);
+  p.cost = pc.total;
+  p.compute_seconds = pc.compute;
+  p.communication_seconds = pc.communication;
+  return p;
+}
+
+absl::StatusOr<Program> Searcher::Run() {
+  start_ = std::chrono::steady_clock::now();
+  for (int i = 0; i < n_; ++i) {
+    if (rules_[i].empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no sharding rule of op '", g_.op(i).name, "' (", g_.op(i).type,
+          ") is allowed under the requested restrictions"));
+    }
+  }
+  states_.push_back(State{});
+  // An upper bound and a fallback: a greedy complete program.
+  std::optional<int> incumbent = Greedy(0, 200000);
+  double upper = incumbent ? states_[*incumbent].g : INFINITY;
+  if (opt_.progress && incumbent) opt_.progress(0, upper);
+
+  absl::flat_hash_map<std::string, int> best;
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> open;
+  int64_t seq = 0;
+  best[Key(states_[0])] = 0;
+  open.push({h_[0], seq++, 0});
+  std::optional<int> goal;
+  const double eps = 1e-12;
+  while (!open.empty()) {
+    Candidate top = open.top();
+    open.pop();
+    const State& s = states_[top.index];
+    auto it = best.find(Key(s));
+    if (it != best.end() && it->second != top.index) continue;  // stale
+    if (s.step == n_) {
+      goal = top.index;
+      break;
+    }
+    ++expanded_;
+    if (opt_.progress && expanded_ % opt_.progress_every == 0) {
+      opt_.progress(expanded_, std::isfinite(upper) ? upper : 0);
+    }
+    if (OutOfBudget()) break;
+    int idx = top.index;
+    for (int r = 0; r < static_cast<int>(rules_[states_[idx].step].size());
+         ++r) {
+      State ns;
+      double c;
+      if (!Apply(states_[idx], r, &ns, &c, nullptr)) continue;
+      double f = ns.g + h_[ns.step];
+      if (f > upper * (1 + 1e-9) + eps) continue;  // cannot beat the incumbent
+      std::string key = Key(ns);
+      auto b = best.find(key);
+      if (b != best.end() && states_[b->second].g <= ns.g + eps) continue;
+      ns.parent = idx;
+      ns.rule = r;
+      states_.push_back(std::move(ns));
+      int ni = static_cast<int>(states_.size()) - 1;
+      best[key] = ni;
+      open.push({f, seq++, ni});
+    }
+  }
+  bool optimal = false;
+  if (goal) {
+    optimal = true;
+  } else if (!cut_ && incumbent) {
+    // Everything left was pruned by the bound: the incumbent is optimal.
+    goal = incumbent;
+    optimal = true;
+  } else if (incumbent) {
+    goal = incumbent;
+  }
+  if (!goal) {
+    if (cut_ && opt_.cancelled && opt_.cancelled()) {
+      return absl::CancelledError("synthesis cancelled before any program");
+    }
+    return cut_ ? absl::ResourceExhaustedError(
+                      "search budget exhausted before any complete program; "
+                      "raise the budget")
+                : absl::FailedPreconditionError(
+                      "no complete program exists under the restrictions");
+  }
+  Program p = Reconstruct(*goal);
+  p.optimal = optimal;
+  p.states_expanded = expanded_;
+  p.states_generated = static_cast<int64_t>(states_.size());
+  p.search_seconds = std::chrono::duration<double>(
+                         std::chrono::steady_clock::now() - start_)
+                         .count();
+  if (opt_.progress) opt_.progress(expanded_, p.cost);
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<Program> Synthesize(const graph::Graph& g,
+                                   const cost::ClusterModel& cluster,
+                                   const SearchOptions& options) {
+  std::vector<double> ratios = options.ratios.empty()
+                                   ? cluster.ProportionalRatios()
+                                   : options.ratios;
+  if (static_cast<int>(ratios.size()) != cluster.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ratios have ", ratios.size(), " entries for ",
+                     cluster.size(), " devices"));
+  }
+  double sum = 0;
+  for (double r : ratios) {
+    if (!(r >= 0) || !std::isfinite(r)) {
+      return absl::InvalidArgumentError("ratios must be finite and >= 0");
+    }
+    sum += r;
+  }
+  if (std::abs(sum - 1) > 1e-6) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ratios must sum to 1, they sum to ", sum));
+  }
+  Searcher s(g, cluster, options, std::move(ratios));
+  return s.Run();
+}
+
+}  // namespace hap::synth

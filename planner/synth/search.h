@@ -1,0 +1,61 @@
+// Program synthesis (DESIGN.md §5): best-first search over the forward
+// program. A state is the step (ops are taken in the graph's topological
+// order) and the forms of the live tensors — those produced and still read
+// by a later op; facts that can enable nothing more are dropped, so equal
+// states merge (memo on the fact set). A step runs one sharding rule of the
+// op; sources (inputs, parameters) and communication are fused into their
+// consumer. Each tensor is computed once and communicated at most once.
+//
+//   cost(program) = sum over instructions of max over devices (compute,
+//                   forward + backward) + max over devices (communication)
+//
+// at fixed ratios. The heuristic — the remaining ops' cheapest compute —
+// never overestimates, so the first complete program popped is optimal.
+// A budget (states, seconds) or cancellation cuts the search; the best
+// complete program reachable greedily from the frontier is returned with
+// optimal = false.
+//
+// Thread-safety: Synthesize is reentrant; the callbacks run on its thread.
+#ifndef HAP_PLANNER_SYNTH_SEARCH_H_
+#define HAP_PLANNER_SYNTH_SEARCH_H_
+
+#include <functional>
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/cost/collectives.h"
+#include "planner/graph/graph.h"
+#include "planner/synth/program.h"
+
+namespace hap::synth {
+
+struct SearchOptions {
+  std::vector<double> ratios;  // per device; empty = proportional to FLOPS
+  bool allow_sfb = true;
+  bool allow_zero = true;
+  bool allow_grouped = true;
+  bool zero_heuristic = false;  // uniform-cost search (the reference)
+  // Baselines restrict the rules and the parameter storage.
+  std::function<bool(const ShardRule&)> rule_filter;
+  std::optional<ParamStorage> force_storage;
+  int64_t max_states = 2'000'000;
+  double max_seconds = 60;
+  std::function<bool()> cancelled;  // polled; true stops the search
+  // Called every `progress_every` expanded states (and at the end).
+  std::function<void(int64_t states_expanded, double best_cost)> progress;
+  int64_t progress_every = 4096;
+  int64_t min_shard_length = 2;
+};
+
+// Errors: InvalidArgument for ratios of the wrong size or not summing to 1;
+// Cancelled when `cancelled` fired before any complete program was found;
+// ResourceExhausted when the budget ran out with no complete program;
+// FailedPrecondition when no program exists under the restrictions.
+absl::StatusOr<Program> Synthesize(const graph::Graph& g,
+                                   const cost::ClusterModel& cluster,
+                                   const SearchOptions& options);
+
+}  // namespace hap::synth
+
+#endif  // HAP_PLANNER_SYNTH_SEARCH_H_

@@ -1,0 +1,287 @@
+#include "tools/hapctl_plan.h"
+
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "google/protobuf/util/json_util.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/zoo.h"
+#include "planner/synth/planner.h"
+#include "planner/util/status_macros.h"
+#include "tools/hapctl_graph.h"
+
+namespace hap::tools {
+namespace {
+
+constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model NAME | --graph FILE]
+                   [--layers N --hidden N --batch N ... (zoo parameters)]
+                   [--devices ID,ID,...] [--baseline hap|dp-even|dp-prop|megatron|zero3]
+                   [--no-sfb] [--no-zero] [--no-grouped] [--zero-heuristic]
+                   [--optimizer sgd|momentum|adam] [--ignore-memory]
+                   [--max-states N] [--max-seconds S] [-o table|json]
+
+Synthesizes the SPMD program and sharding ratios offline. Zoo models default
+to a batch of 32 per device and (moe/switch) 2 experts per device.
+)";
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << s.message() << "\n";
+  return 1;
+}
+
+absl::StatusOr<hap::v1::Cluster> ReadCluster(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  hap::v1::Cluster c;
+  auto st = google::protobuf::util::JsonStringToMessage(ss.str(), &c);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster file '", path, "' is not a hap.v1.Cluster in JSON: ",
+        st.message().as_string()));
+  }
+  return c;
+}
+
+std::string FormList(const std::vector<synth::Form>& fs) {
+  std::vector<std::string> s;
+  for (auto f : fs) s.push_back(f.ToString());
+  return absl::StrJoin(s, ",");
+}
+
+std::string Json(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+void PrintJson(const graph::Graph& g, const cost::ClusterModel& cl,
+               const synth::PlanResult& r, synth::Baseline b) {
+  std::ostringstream o;
+  o << "{\n";
+  o << "  \"model\": " << Json(g.name()) << ",\n";
+  o << "  \"baseline\": " << Json(synth::BaselineName(b)) << ",\n";
+  o << "  \"source\": " << Json(r.source) << ",\n";
+  o << absl::StrFormat("  \"predicted_step_seconds\": %.9g,\n", r.cost.total);
+  o << absl::StrFormat("  \"compute_seconds\": %.9g,\n", r.cost.compute);
+  o << absl::StrFormat("  \"communication_seconds\": %.9g,\n",
+                       r.cost.communication);
+  o << absl::StrFormat("  \"synthesis_seconds\": %.6g,\n", r.synthesis_seconds);
+  o << "  \"states_expanded\": " << r.states_expanded << ",\n";
+  o << "  \"optimal\": " << (r.optimal ? "true" : "false") << ",\n";
+  o << "  \"joint_iterations\": " << r.joint_iterations << ",\n";
+  o << "  \"devices\": [";
+  for (int i = 0; i < cl.size(); ++i) {
+    o << (i ? ", " : "") << Json(cl.device(i).id);
+  }
+  o << "],\n  \"ratios\": [";
+  for (size_t i = 0; i < r.ratios.size(); ++i) {
+    o << (i ? ", " : "") << absl::StrFormat("%.9g", r.ratios[i]);
+  }
+  o << "],\n  \"memory_bytes_per_device\": [";
+  for (size_t i = 0; i < r.memory_bytes.size(); ++i) {
+    o << (i ? ", " : "") << r.memory_bytes[i];
+  }
+  o << "],\n  \"ops\": [\n";
+  for (size_t k = 0; k < r.program.steps.size(); ++k) {
+    const auto& s = r.program.steps[k];
+    const auto& op = g.op(s.op);
+    o << "    {\"op\": " << Json(op.name) << ", \"type\": " << Json(op.type)
+      << ", \"rule\": " << Json(s.rule.name) << ", \"inputs\": "
+      << Json(FormList(s.rule.inputs)) << ", \"outputs\": "
+      << Json(FormList(s.rule.outputs));
+    o << ", \"sources\": [";
+    for (size_t j = 0; j < s.loads.size(); ++j) {
+      const auto& l = s.loads[j];
+      o << (j ? ", " : "") << "{\"tensor\": " << Json(g.tensor(l.tensor).name)
+        << ", \"form\": " << Json(l.form.ToString());
+      if (l.parameter) {
+        o << ", \"storage\": " << Json(synth::StorageName(l.storage))
+          << ", \"grad_allreduce\": " << (l.grad_allreduce ? "true" : "false")
+          << ", \"sfb\": " << (l.sfb ? "true" : "false");
+      }
+      o << "}";
+    }
+    o << "], \"communication\": [";
+    for (size_t j = 0; j < s.comms.size(); ++j) {
+      const auto& c = s.comms[j];
+      o << (j ? ", " : "") << "{\"tensor\": " << Json(g.tensor(c.tensor).name)
+        << ", \"from\": " << Json(c.from.ToString()) << ", \"to\": "
+        << Json(c.to.ToString()) << ", \"forward\": "
+        << Json(synth::CollectiveName(c.forward)) << ", \"backward\": "
+        << Json(c.has_backward ? synth::CollectiveName(c.backward) : "none")
+        << ", \"method\": " << Json(synth::MethodName(c.method)) << "}";
+    }
+    o << "]}" << (k + 1 < r.program.steps.size() ? "," : "") << "\n";
+  }
+  o << "  ]\n}\n";
+  std::cout << o.str();
+}
+
+std::string Bytes(double b) {
+  return absl::StrFormat("%.2f GiB", b / (1024.0 * 1024 * 1024));
+}
+
+void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
+                const synth::PlanResult& r, synth::Baseline b) {
+  std::cout << absl::StrFormat(
+      "Plan for %s on %d devices (%s)\n", g.name(), cl.size(),
+      b == synth::Baseline::kNone ? "synthesized: " + r.source
+                                  : std::string("baseline ") +
+                                        synth::BaselineName(b));
+  std::cout << absl::StrFormat(
+      "predicted step %.4f s = compute %.4f s + communication %.4f s\n",
+      r.cost.total, r.cost.compute, r.cost.communication);
+  std::cout << absl::StrFormat(
+      "synthesis %.3f s, %d states expanded, %s, %d joint iteration(s)\n\n",
+      r.synthesis_seconds, r.states_expanded,
+      r.optimal ? "proven optimal" : "NOT proven optimal (budget cut)",
+      r.joint_iterations);
+  std::cout << absl::StrFormat("%-22s %10s %12s %14s\n", "DEVICE", "RATIO",
+                               "TFLOP/S", "MEMORY");
+  for (int i = 0; i < cl.size(); ++i) {
+    std::cout << absl::StrFormat(
+        "%-22s %10.4f %12.2f %7s / %s\n", cl.device(i).id, r.ratios[i],
+        cl.device(i).flops / 1e12, Bytes(r.memory_bytes[i]),
+        Bytes(cl.device(i).memory_bytes));
+  }
+  std::cout << "\n"
+            << absl::StrFormat("%-34s %-12s %-14s %-18s %s\n", "OP", "TYPE",
+                               "RULE", "FORMS in -> out", "COMMUNICATION");
+  for (const auto& s : r.program.steps) {
+    const auto& op = g.op(s.op);
+    std::vector<std::string> comm;
+    for (const auto& l : s.loads) {
+      if (!l.parameter) continue;
+      std::string what = absl::StrCat(g.tensor(l.tensor).name, " stored ",
+                                      synth::StorageName(l.storage));
+      if (l.grad_allreduce) absl::StrAppend(&what, ", grad all-reduce");
+      if (l.sfb) absl::StrAppend(&what, ", SFB");
+      if (l.storage == synth::ParamStorage::kReplicated && !l.grad_allreduce &&
+          !l.sfb) {
+        continue;
+      }
+      comm.push_back(what);
+    }
+    for (const auto& c : s.comms) {
+      comm.push_back(absl::StrCat(
+          g.tensor(c.tensor).name, " ", c.from.ToString(), "->",
+          c.to.ToString(), " ", synth::CollectiveName(c.forward),
+          c.method == synth::Method::kNone
+              ? ""
+              : absl::StrCat(" (", synth::MethodName(c.method), ")"),
+          c.has_backward
+              ? absl::StrCat(", bwd ", synth::CollectiveName(c.backward))
+              : ""));
+    }
+    std::string name = op.name.size() > 34 ? "…" + op.name.substr(op.name.size() - 33)
+                                           : op.name;
+    std::cout << absl::StrFormat(
+        "%-34s %-12s %-14s %-18s %s\n", name, op.type, s.rule.name,
+        FormList(s.rule.inputs) + " -> " + FormList(s.rule.outputs),
+        absl::StrJoin(comm, "; "));
+  }
+}
+
+}  // namespace
+
+int RunPlan(const std::vector<std::string>& argv) {
+  std::set<std::string> value_flags = ZooParamFlags();
+  value_flags.insert({"o", "output", "set", "cluster", "model", "graph",
+                      "devices", "baseline", "optimizer", "max-states",
+                      "max-seconds"});
+  auto args = Args::Parse(argv, value_flags,
+                          {"help", "no-sfb", "no-zero", "no-grouped",
+                           "zero-heuristic", "ignore-memory"});
+  if (!args.ok()) return Fail(args.status());
+  if (args->Bool("help")) {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (!args->Has("cluster")) {
+    std::cerr << "error: --cluster is required\n" << kUsage;
+    return 1;
+  }
+  auto cluster_proto = ReadCluster(args->Get("cluster"));
+  if (!cluster_proto.ok()) return Fail(cluster_proto.status());
+  std::vector<std::string> devices;
+  if (args->Has("devices")) {
+    devices = absl::StrSplit(args->Get("devices"), ',', absl::SkipEmpty());
+  }
+  auto cluster = cost::ClusterModel::FromProto(*cluster_proto, devices);
+  if (!cluster.ok()) return Fail(cluster.status());
+
+  // Zoo defaults that depend on the cluster: batch 32 and 2 experts per device.
+  Args model_args = *args;
+  std::vector<std::string> extra = argv;
+  std::string model = args->Get("model", "gpt");
+  if (!args->Has("graph")) {
+    if (!args->Has("batch")) {
+      extra.push_back(absl::StrCat("--batch=", 32 * cluster->size()));
+    }
+    if ((model == "moe" || model == "switch") && !args->Has("experts")) {
+      extra.push_back(absl::StrCat("--experts=", 2 * cluster->size()));
+    }
+    auto a = Args::Parse(extra, value_flags,
+                         {"help", "no-sfb", "no-zero", "no-grouped",
+                          "zero-heuristic", "ignore-memory"});
+    if (!a.ok()) return Fail(a.status());
+    model_args = *a;
+  }
+  auto g = LoadModel(model_args);
+  if (!g.ok()) return Fail(g.status());
+
+  synth::PlanOptions po;
+  auto b = synth::ParseBaseline(args->Get("baseline", "hap"));
+  if (!b.ok()) return Fail(b.status());
+  po.baseline = *b;
+  po.allow_sfb = !args->Bool("no-sfb");
+  po.allow_zero = !args->Bool("no-zero");
+  po.allow_grouped = !args->Bool("no-grouped");
+  po.zero_heuristic = args->Bool("zero-heuristic");
+  po.ignore_memory = args->Bool("ignore-memory");
+  std::string opt = args->Get("optimizer", "momentum");
+  if (opt == "sgd") {
+    po.optimizer = synth::OptimizerKind::kSgd;
+  } else if (opt == "adam") {
+    po.optimizer = synth::OptimizerKind::kAdam;
+  } else if (opt != "momentum") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt,
+                     "'")));
+  }
+  auto ms = args->Number("max-states", static_cast<double>(po.max_states));
+  auto mx = args->Number("max-seconds", po.max_seconds);
+  if (!ms.ok()) return Fail(ms.status());
+  if (!mx.ok()) return Fail(mx.status());
+  if (*ms < 1 || *mx <= 0) {
+    return Fail(absl::InvalidArgumentError(
+        "--max-states and --max-seconds must be positive"));
+  }
+  po.max_states = static_cast<int64_t>(*ms);
+  po.max_seconds = *mx;
+  auto r = synth::PlanModel(*g, *cluster, po);
+  if (!r.ok()) return Fail(r.status());
+  std::string fmt = args->Get("o", args->Get("output", "table"));
+  if (fmt == "json") {
+    PrintJson(*g, *cluster, *r, *b);
+  } else if (fmt == "table") {
+    PrintTable(*g, *cluster, *r, *b);
+  } else {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("-o must be table or json, got '", fmt, "'")));
+  }
+  return 0;
+}
+
+}  // namespace hap::tools
