@@ -1,0 +1,119 @@
+"""A reference evaluator of HAP graphs (hap.v1.Graph in proto3 JSON form) on
+PyTorch tensors, for tests: runs the forward graph of one step with given
+input and parameter values and returns the loss. Dropout is the identity (an
+evaluation-mode forward), so results compare with module.eval().
+
+Op semantics follow `hapctl ops` (planner/graph/ops_*.cc).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def _attr(a):
+    (kind, v), = a.items()
+    if kind in ("ints", "floats"):
+        return list(v.get("values", []))
+    return v
+
+
+def _causal(s):
+    sq, sk = s.shape[-2], s.shape[-1]
+    future = torch.triu(torch.ones(sq, sk, dtype=torch.bool), 1)
+    return s.masked_fill(future, float("-inf"))
+
+
+def _op(t, x, a):
+    if t == "linear":
+        return F.linear(*x)
+    if t == "matmul":
+        return torch.matmul(x[0], x[1])
+    if t == "add":
+        return x[0] + x[1]
+    if t == "sub":
+        return x[0] - x[1]
+    if t == "mul":
+        return x[0] * x[1]
+    if t == "scale":
+        return x[0] * a["factor"]
+    if t == "relu":
+        return F.relu(x[0])
+    if t == "gelu":
+        return F.gelu(x[0])
+    if t == "sigmoid":
+        return torch.sigmoid(x[0])
+    if t == "tanh":
+        return torch.tanh(x[0])
+    if t == "dropout":
+        return x[0]
+    if t == "layer_norm":
+        return F.layer_norm(x[0], x[0].shape[-1:], x[1], x[2],
+                            a.get("eps", 1e-5))
+    if t == "softmax":
+        s = x[0] + x[1] if len(x) > 1 else x[0]
+        if a.get("causal", False):
+            s = _causal(s)
+        return torch.softmax(s, dim=-1)
+    if t == "log_softmax":
+        return torch.log_softmax(x[0], dim=-1)
+    if t == "embedding":
+        return F.embedding(x[0], x[1])
+    if t == "transpose":
+        return x[0].permute(*a["perm"])
+    if t == "reshape":
+        return x[0].reshape(a["shape"])
+    if t == "flatten":
+        return torch.flatten(x[0], a.get("start_dim", 1), a.get("end_dim", -1))
+    if t == "concat":
+        return torch.cat(x, dim=a["axis"])
+    if t == "split":
+        return list(torch.split(x[0], a["sizes"], dim=a["axis"]))
+    if t == "slice":
+        return x[0].narrow(a["axis"], a["start"], a["end"] - a["start"])
+    if t == "expand":
+        return x[0].expand(a["shape"])
+    if t in ("sum", "mean"):
+        axes = a.get("axes", [])
+        f = torch.sum if t == "sum" else torch.mean
+        if not axes:
+            return f(x[0]) if not a.get("keepdims") else \
+                f(x[0], dim=list(range(x[0].dim())), keepdim=True)
+        return f(x[0], dim=axes, keepdim=a.get("keepdims", False))
+    if t == "nll_loss":
+        return F.nll_loss(x[0], x[1])
+    if t == "cross_entropy":
+        return F.cross_entropy(x[0], x[1])
+    if t == "conv2d":
+        return F.conv2d(x[0], x[1], x[2] if len(x) > 2 else None,
+                        a.get("stride", [1, 1]), a.get("padding", [0, 0]))
+    if t == "max_pool2d":
+        return F.max_pool2d(x[0], a["kernel"], a.get("stride", a["kernel"]),
+                            a.get("padding", [0, 0]))
+    if t == "adaptive_avg_pool2d":
+        return F.adaptive_avg_pool2d(x[0], a["output_size"])
+    raise NotImplementedError(f"hap_ir_eval: op type '{t}'")
+
+
+def evaluate(graph, inputs, params):
+    """graph: dict; inputs/params: name -> tensor. Returns the loss tensor."""
+    env = dict(inputs)
+    env.update(params)
+    pending = list(graph["ops"])
+    while pending:
+        progress = False
+        rest = []
+        for op in pending:
+            if not all(i in env for i in op["inputs"]):
+                rest.append(op)
+                continue
+            attrs = {k: _attr(v) for k, v in op.get("attrs", {}).items()}
+            out = _op(op["type"], [env[i] for i in op["inputs"]], attrs)
+            outs = out if isinstance(out, list) else [out]
+            for name, v in zip(op["outputs"], outs):
+                env[name] = v
+            progress = True
+        if not progress:
+            raise ValueError(f"hap_ir_eval: cannot order ops "
+                             f"{[o['name'] for o in rest][:5]}")
+        pending = rest
+    return env[graph["loss"]]

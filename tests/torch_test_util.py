@@ -1,0 +1,157 @@
+"""Helpers for the PyTorch-based tests: locating hapctl and the exporter,
+running hapctl, and a unittest main that prints per-case results, writes one
+JUnit <testcase> per test to Bazel's $XML_OUTPUT_FILE and ends with a plain
+"N passed, N failed" line."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import xml.etree.ElementTree as ET
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find(env, default):
+    p = os.environ.get(env) or default
+    return os.path.abspath(p)
+
+
+HAPCTL = _find("HAPCTL", os.path.join(HERE, "..", "bazel-bin", "tools", "hapctl"))
+EXPORT_FX = _find("EXPORT_FX", os.path.join(HERE, "..", "tools", "export_fx.py"))
+PYTHON = "/usr/bin/python3"
+
+sys.path.insert(0, os.path.dirname(EXPORT_FX))
+sys.path.insert(0, HERE)
+
+
+def tmpdir():
+    base = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
+    return tempfile.mkdtemp(dir=base)
+
+
+def run(cmd, check=True):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}:\n"
+                             f"{p.stdout}\n{p.stderr}")
+    return p
+
+
+def hapctl_json(*args):
+    p = run([HAPCTL] + [str(a) for a in args] + ["-o", "json"])
+    return json.loads(p.stdout)
+
+
+def zoo(model, **params):
+    args = ["zoo", model]
+    for k, v in params.items():
+        args += [f"--{k}", v]
+    out = hapctl_json(*args)
+    assert len(out) == 1, out
+    return out[0]
+
+
+def zoo_graph(model, **params):
+    """The zoo graph itself (hapctl zoo --export), as a dict."""
+    path = os.path.join(tmpdir(), f"{model}.json")
+    args = ["zoo", model, "--export", path]
+    for k, v in params.items():
+        args += [f"--{k}", str(v)]
+    run([HAPCTL] + args)
+    with open(path) as f:
+        return json.load(f)
+
+
+def validate(path):
+    return hapctl_json("validate", path)
+
+
+class _Result(unittest.TextTestResult):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.cases = []
+        self._t0 = {}
+
+    def startTest(self, test):
+        self._t0[test.id()] = time.time()
+        super().startTest(test)
+
+    def _record(self, test, kind, detail=""):
+        """One case per test; a failed subtest makes the whole test fail."""
+        dt = time.time() - self._t0.get(test.id(), time.time())
+        for i, c in enumerate(self.cases):
+            if c[0] == test.id():
+                if kind == "pass":
+                    return
+                if c[1] in ("failure", "error"):
+                    detail = c[2] + "\n" + detail
+                self.cases[i] = (test.id(), kind, detail, dt)
+                return
+        self.cases.append((test.id(), kind, detail, dt))
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._record(test, "pass")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._record(test, "failure", self._exc_info_to_string(err, test))
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._record(test, "error", self._exc_info_to_string(err, test))
+
+    def addSubTest(self, test, subtest, err):
+        super().addSubTest(test, subtest, err)
+        if err is not None:
+            kind = "failure" if issubclass(err[0], test.failureException) \
+                else "error"
+            self._record(test, kind, f"{subtest.id()}\n" +
+                         self._exc_info_to_string(err, test))
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self._record(test, "skipped", reason)
+
+
+def write_xml(suite_name, cases):
+    path = os.environ.get("XML_OUTPUT_FILE")
+    if not path:
+        return
+    root = ET.Element("testsuites")
+    fails = sum(1 for c in cases if c[1] in ("failure", "error"))
+    ts = ET.SubElement(root, "testsuite", name=suite_name,
+                       tests=str(len(cases)), failures=str(fails))
+    for cid, kind, detail, dt in cases:
+        cls, _, name = cid.rpartition(".")
+        if cls.startswith("__main__."):
+            cls = suite_name + cls[len("__main__"):]
+        tc = ET.SubElement(ts, "testcase", classname=cls, name=name,
+                           time=f"{dt:.3f}")
+        if kind in ("failure", "error", "skipped"):
+            ET.SubElement(tc, kind, message=detail.splitlines()[-1]
+                          if detail else kind).text = detail
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def main(suite_name):
+    import torch
+    torch.set_num_threads(1)
+    suite = unittest.defaultTestLoader.loadTestsFromModule(
+        sys.modules["__main__"])
+    runner = unittest.TextTestRunner(stream=sys.stdout, verbosity=2,
+                                     resultclass=_Result)
+    result = runner.run(suite)
+    write_xml(suite_name, result.cases)
+    passed = sum(1 for c in result.cases if c[1] == "pass")
+    failed = sum(1 for c in result.cases if c[1] in ("failure", "error"))
+    skipped = sum(1 for c in result.cases if c[1] == "skipped")
+    line = f"{passed} passed, {failed} failed"
+    if skipped:
+        line += f", {skipped} skipped"
+    print(line)
+    sys.exit(0 if result.wasSuccessful() else 1)
