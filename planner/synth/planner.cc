@@ -130,6 +130,15 @@ std::vector<int64_t> MemoryAt(const ratios::MemoryConstraint& m,
 absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
                                      const cost::ClusterModel& cluster,
                                      const PlanOptions& o) {
+  for (graph::TensorId t : g.Inputs()) {
+    const graph::Tensor& in = g.tensor(t);
+    if (in.type.rank() >= 1 && in.type.shape[0] < cluster.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", in.name, "' has batch ", in.type.shape[0],
+          ", smaller than the ", cluster.size(),
+          " devices of the plan; give each device at least one sample"));
+    }
+  }
   auto start = Clock::now();
   auto elapsed = [&]() {
     return std::chrono::duration<double>(Clock::now() - start).count();

@@ -1,0 +1,281 @@
+#include <cmath>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/zoo.h"
+#include "planner/synth/checker.h"
+#include "planner/synth/planner.h"
+#include "planner/synth/search.h"
+
+namespace hap::synth {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// `nodes` nodes of `per_node` devices; flops[i] per device.
+cost::ClusterModel MakeCluster(const std::vector<double>& flops, int per_node,
+                               double intra_bw = 1e11, double inter_bw = 1e10,
+                               int64_t memory = 40 * kGiB) {
+  std::vector<cost::DeviceModel> d;
+  int n = static_cast<int>(flops.size());
+  for (int i = 0; i < n; ++i) {
+    d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / per_node),
+                 "test", flops[i], memory, 0});
+  }
+  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 0)),
+      lat(n, std::vector<double>(n, 0));
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      bool same = i / per_node == j / per_node;
+      bw[i][j] = same ? intra_bw : inter_bw;
+      lat[i][j] = same ? 5e-6 : 2e-5;
+    }
+  }
+  return *cost::ClusterModel::Create(d, bw, lat);
+}
+
+graph::Graph Zoo(const std::string& name, std::map<std::string, double> p) {
+  auto g = graph::BuildZooModel(name, p);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+std::map<std::string, double> Small(const std::string& name, int batch) {
+  std::map<std::string, double> p = {{"batch", batch}};
+  if (name == "vgg") {
+    p["width"] = 8;
+    p["hidden"] = 32;
+    p["stages"] = 3;
+    p["image"] = 16;
+    return p;
+  }
+  p["hidden"] = 64;
+  if (name == "mlp") {
+    p["layers"] = 3;
+    p["input"] = 32;
+    return p;
+  }
+  p["layers"] = 2;
+  p["heads"] = 4;
+  p["ffn"] = 128;
+  if (name == "vit") {
+    p["image"] = 16;
+    return p;
+  }
+  p["seq"] = 16;
+  if (name == "gpt" || name == "moe" || name == "switch") p["vocab"] = 256;
+  if (name == "moe" || name == "switch") p["experts"] = 8;
+  return p;
+}
+
+struct Case {
+  std::string name;
+  cost::ClusterModel cluster;
+};
+
+std::vector<Case> Clusters() {
+  std::vector<Case> c;
+  c.push_back({"homogeneous-4", MakeCluster({1e13, 1e13, 1e13, 1e13}, 4)});
+  c.push_back({"mixed-2x2", MakeCluster({2e13, 2e13, 1e13, 1e13}, 2)});
+  c.push_back({"three-kinds-2x3", MakeCluster({3e13, 2e13, 1e13, 3e13, 2e13, 1e13}, 3)});
+  return c;
+}
+
+// Every zoo model on homogeneous and heterogeneous clusters: the checker
+// accepts the program, the cost is consistent, and no baseline is cheaper.
+TEST(SynthTest, EveryZooModelChecksAndBeatsBaselines) {
+  for (const Case& c : Clusters()) {
+    for (const auto& info : graph::ZooModels()) {
+      SCOPED_TRACE(info.name + " on " + c.name);
+      graph::Graph g = Zoo(info.name, Small(info.name, 8 * c.cluster.size()));
+      PlanOptions o;
+      auto r = PlanModel(g, c.cluster, o);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(CheckProgram(g, r->program, c.cluster.size()).ok())
+          << CheckProgram(g, r->program, c.cluster.size());
+      EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total,
+                  1e-9 * r->cost.total);
+      double sum = 0;
+      for (double x : r->ratios) sum += x;
+      EXPECT_NEAR(sum, 1.0, 1e-6);
+      for (Baseline b : {Baseline::kDpEven, Baseline::kDpProportional,
+                         Baseline::kZero3, Baseline::kMegatron}) {
+        PlanOptions bo;
+        bo.baseline = b;
+        bo.ignore_memory = true;
+        auto br = PlanModel(g, c.cluster, bo);
+        if (!br.ok()) continue;  // e.g. no tensor-parallel program
+        EXPECT_TRUE(CheckProgram(g, br->program, c.cluster.size()).ok())
+            << BaselineName(b) << ": "
+            << CheckProgram(g, br->program, c.cluster.size());
+        EXPECT_LE(r->cost.total, br->cost.total * (1 + 1e-9))
+            << "baseline " << BaselineName(b);
+      }
+    }
+  }
+}
+
+TEST(SynthTest, ComputeBoundRatiosFollowFlops) {
+  // A wide MLP with a large batch and fast links is compute bound.
+  graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64},
+                               {"batch", 4096}});
+  {
+    auto c = MakeCluster({1e12, 1e12}, 2, 1e13, 1e13);
+    auto r = PlanModel(g, c, PlanOptions());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_NEAR(r->ratios[0], 0.5, 1e-3);
+    EXPECT_NEAR(r->ratios[1], 0.5, 1e-3);
+  }
+  {
+    auto c = MakeCluster({2e12, 1e12}, 2, 1e13, 1e13);
+    auto r = PlanModel(g, c, PlanOptions());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_NEAR(r->ratios[0] / r->ratios[1], 2.0, 0.01);
+  }
+}
+
+// SFB: all-gathering x and dy beats all-reducing dW when the batch is small
+// next to the layer's width, and not when it is large.
+TEST(SynthTest, SfbChosenForSmallBatchOnly) {
+  // Slow devices, so that computing every layer replicated is no way out.
+  auto c = MakeCluster({1e11, 1e11, 1e11, 1e11}, 4, 1e9, 1e9);
+  auto uses_sfb = [&](int batch) {
+    graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 2048},
+                                 {"input", 2048}, {"batch", batch}});
+    SearchOptions so;
+    so.allow_zero = false;
+    so.rule_filter = [](const ShardRule& r) {
+      return r.kind != RuleKind::kTensor;  // data parallel: dW needs sync
+    };
+    auto p = Synthesize(g, c, so);
+    EXPECT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(CheckProgram(g, *p, c.size()).ok());
+    int sfb = 0;
+    for (const auto& s : p->steps) {
+      for (const auto& l : s.loads) sfb += l.sfb;
+    }
+    return sfb;
+  };
+  EXPECT_GT(uses_sfb(8), 0);
+  EXPECT_EQ(uses_sfb(8192), 0);
+}
+
+TEST(SynthTest, SmallMemoryDeviceGetsNoMoreThanFits) {
+  graph::Graph g = Zoo("gpt", {{"layers", 2}, {"hidden", 256}, {"heads", 4},
+                               {"ffn", 1024}, {"seq", 64}, {"vocab", 1024},
+                               {"batch", 64}});
+  // Find the unconstrained memory, then give device 1 a third of it.
+  auto big = MakeCluster({1e13, 1e13}, 2, 1e11, 1e11, 64 * kGiB);
+  auto free_run = PlanModel(g, big, PlanOptions());
+  ASSERT_TRUE(free_run.ok()) << free_run.status();
+  int64_t need = free_run->memory_bytes[1];
+  std::vector<cost::DeviceModel> d = big.devices();
+  d[1].memory_bytes = need * 2 / 3;
+  std::vector<std::vector<double>> bw = {{0, 1e11}, {1e11, 0}},
+                                   lat = {{0, 1e-6}, {1e-6, 0}};
+  auto small = *cost::ClusterModel::Create(d, bw, lat);
+  auto r = PlanModel(g, small, PlanOptions());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LE(r->memory_bytes[1], d[1].memory_bytes);
+  EXPECT_TRUE(CheckProgram(g, r->program, 2).ok());
+
+  d[0].memory_bytes = d[1].memory_bytes = 1 << 20;  // 1 MiB: hopeless
+  auto tiny = *cost::ClusterModel::Create(d, bw, lat);
+  auto e = PlanModel(g, tiny, PlanOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("does not fit"));
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("d"));
+}
+
+TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
+  // The reference profile's GPU classes and link rates (DESIGN.md §8).
+  graph::Graph g = Zoo("gpt", {{"layers", 2}, {"hidden", 256}, {"heads", 4},
+                               {"ffn", 1024}, {"seq", 64}, {"vocab", 1024},
+                               {"batch", 64}});
+  auto c = MakeCluster({3.86e12, 3.86e12, 3.86e12, 3.86e12, 2.15e12, 2.15e12,
+                        2.15e12, 2.15e12},
+                       4, 9.5e9, 3e9);
+  SearchOptions a;
+  SearchOptions z;
+  z.zero_heuristic = true;
+  auto pa = Synthesize(g, c, a);
+  auto pz = Synthesize(g, c, z);
+  ASSERT_TRUE(pa.ok() && pz.ok());
+  EXPECT_TRUE(pa->optimal && pz->optimal);
+  EXPECT_NEAR(pa->cost, pz->cost, 1e-9 * pz->cost);
+  EXPECT_LT(pa->states_expanded, pz->states_expanded);
+}
+
+TEST(SynthTest, DeterministicOutput) {
+  graph::Graph g = Zoo("vit", Small("vit", 16));
+  auto c = MakeCluster({2e13, 1e13, 1e13, 1e13}, 2);
+  auto a = PlanModel(g, c, PlanOptions());
+  auto b = PlanModel(g, c, PlanOptions());
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->program.steps.size(), b->program.steps.size());
+  for (size_t i = 0; i < a->program.steps.size(); ++i) {
+    EXPECT_EQ(a->program.steps[i].rule.name, b->program.steps[i].rule.name);
+  }
+  EXPECT_EQ(a->ratios, b->ratios);
+}
+
+TEST(SynthTest, BudgetCutReturnsCompleteProgramNotProvenOptimal) {
+  graph::Graph g = Zoo("gpt", Small("gpt", 32));
+  auto c = MakeCluster({2e13, 2e13, 1e13, 1e13}, 2);
+  SearchOptions so;
+  so.max_states = 10;
+  auto p = Synthesize(g, c, so);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->optimal);
+  EXPECT_TRUE(CheckProgram(g, *p, c.size()).ok());
+  int calls = 0;
+  so.max_states = 1'000'000;
+  so.cancelled = [&]() { return ++calls > 2; };
+  auto q = Synthesize(g, c, so);
+  ASSERT_TRUE(q.ok()) << q.status();  // the greedy incumbent survives
+  EXPECT_TRUE(CheckProgram(g, *q, c.size()).ok());
+}
+
+TEST(SynthTest, ProgressReportsStates) {
+  graph::Graph g = Zoo("gpt", Small("gpt", 32));
+  auto c = MakeCluster({2e13, 2e13, 1e13, 1e13}, 2);
+  SearchOptions so;
+  so.progress_every = 16;
+  int64_t last = -1;
+  int calls = 0;
+  so.progress = [&](int64_t states, double best) {
+    EXPECT_GE(states, last);
+    EXPECT_GE(best, 0);
+    last = states;
+    ++calls;
+  };
+  ASSERT_TRUE(Synthesize(g, c, so).ok());
+  EXPECT_GT(calls, 2);
+}
+
+TEST(SynthTest, BadInput) {
+  graph::Graph g = Zoo("mlp", Small("mlp", 2));
+  auto c = MakeCluster({1e13, 1e13, 1e13, 1e13}, 4);
+  auto r = PlanModel(g, c, PlanOptions());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("batch 2"));
+
+  graph::Graph g8 = Zoo("mlp", Small("mlp", 8));
+  SearchOptions so;
+  so.ratios = {0.5, 0.5};
+  EXPECT_EQ(Synthesize(g8, c, so).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  so.ratios = {0.5, 0.5, 0.5, NAN};
+  EXPECT_EQ(Synthesize(g8, c, so).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ParseBaseline("fsdp").ok());
+}
+
+}  // namespace
+}  // namespace hap::synth
