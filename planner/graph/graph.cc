@@ -262,11 +262,16 @@ absl::StatusOr<Graph> GraphBuilder::Build() {
     return absl::InvalidArgumentError(
         absl::StrCat("graph '", g_.name_, "' has no loss"));
   }
+  if (g_.loss_ >= static_cast<TensorId>(g_.tensors_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("graph '", g_.name_,
+                                                   "': loss id ", g_.loss_,
+                                                   " does not name a tensor"));
+  }
   const Tensor& loss = g_.tensors_[g_.loss_];
   if (loss.kind != TensorKind::kActivation) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "loss '", loss.name, "' must be produced by an op, not be an ",
-        loss.kind == TensorKind::kInput ? "input" : "parameter"));
+        "loss '", loss.name, "' must be produced by an op, not be ",
+        loss.kind == TensorKind::kInput ? "an input" : "a parameter"));
   }
   if (loss.type.rank() != 0 || !IsFloating(loss.type.dtype)) {
     return absl::InvalidArgumentError(

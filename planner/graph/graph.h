@@ -83,8 +83,10 @@ struct Op {
 class Graph {
  public:
   const std::string& name() const { return name_; }
-  // Tensors: inputs and parameters first (in declaration order), then op
-  // outputs in topological order.
+  // Tensors in the order they were added: GraphBuilder interleaves inputs,
+  // parameters and op outputs as the model code declares them; FromProto
+  // adds inputs and parameters first, then op outputs in topological order.
+  // Ids are therefore not preserved by ToProto -> FromProto (names are).
   const std::vector<Tensor>& tensors() const { return tensors_; }
   const Tensor& tensor(TensorId id) const { return tensors_[id]; }
   // Ops in a topological order (deterministic: stable w.r.t. declaration).

@@ -59,7 +59,7 @@ void SpecToProto(const std::string& name, const TensorType& t,
 absl::StatusOr<TensorType> SpecFromProto(const hap::v1::TensorSpec& p,
                                          absl::string_view what) {
   if (p.name().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("a ", what, " has no name"));
+    return absl::InvalidArgumentError(absl::StrCat(what, " has an empty name"));
   }
   if (p.dtype() == hap::v1::DTYPE_UNSPECIFIED ||
       !hap::v1::DType_IsValid(p.dtype())) {
@@ -85,9 +85,12 @@ void AttrToProto(const AttrValue& v, hap::v1::AttrValue* p) {
   } else if (auto* b = std::get_if<bool>(&v)) {
     p->set_b(*b);
   } else if (auto* is = std::get_if<std::vector<int64_t>>(&v)) {
-    for (int64_t x : *is) p->mutable_ints()->add_values(x);
+    // mutable_*() first: an empty list is still a list (perm=[], shape=[]).
+    auto* list = p->mutable_ints();
+    for (int64_t x : *is) list->add_values(x);
   } else if (auto* fs = std::get_if<std::vector<double>>(&v)) {
-    for (double x : *fs) p->mutable_floats()->add_values(x);
+    auto* list = p->mutable_floats();
+    for (double x : *fs) list->add_values(x);
   }
 }
 
@@ -250,6 +253,11 @@ absl::StatusOr<Graph> FromProto(const hap::v1::Graph& p) {
           absl::StrCat("op '", op.name(), "' (", op.type(), ") has no outputs"));
     }
     for (const auto& out : op.outputs()) {
+      if (out.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("op '", op.name(), "' (", op.type(),
+                         ") has an output with an empty name"));
+      }
       if (ids.count(out) || producer.count(out)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "tensor '", out, "' (output of op '", op.name(),
@@ -347,7 +355,9 @@ absl::StatusOr<hap::v1::Graph> ParseGraphProto(absl::string_view bytes,
       unsigned char u = static_cast<unsigned char>(c);
       if (u < 0x09 || (u > 0x0d && u < 0x20)) printable = false;
     }
-    if (i < bytes.size() && bytes[i] == '{') {
+    // Binary can start "\n{" too (a 123-byte graph name), so JSON must also
+    // be printable.
+    if (printable && i < bytes.size() && bytes[i] == '{') {
       format = GraphFormat::kJson;
     } else {
       format = printable ? GraphFormat::kText : GraphFormat::kBinary;

@@ -23,7 +23,14 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(const Attrs& a,
 
 absl::StatusOr<int64_t> OutSize(int64_t in, int64_t k, int64_t s, int64_t p,
                                 const char* what) {
-  int64_t span = in + 2 * p - k;
+  // Attributes are unbounded: padding near 2^62 must not overflow.
+  int64_t span;
+  if (__builtin_mul_overflow(p, 2, &span) ||
+      __builtin_add_overflow(span, in, &span)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("padding ", p, " is too large"));
+  }
+  span -= k;
   if (span < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "kernel ", k, " is larger than the padded ", what, " ", in + 2 * p));
@@ -87,7 +94,7 @@ void RegisterConvolutionOps(OpRegistry& r) {
       HAP_ASSIGN_OR_RETURN(auto s,
                            Pair(c.attrs, "stride", {k.first, k.second}, 1));
       HAP_ASSIGN_OR_RETURN(auto p, Pair(c.attrs, "padding", {0, 0}, 0));
-      if (2 * p.first > k.first || 2 * p.second > k.second) {
+      if (p.first > k.first / 2 || p.second > k.second / 2) {
         return absl::InvalidArgumentError(
             "padding must be at most half the kernel");
       }
@@ -99,8 +106,10 @@ void RegisterConvolutionOps(OpRegistry& r) {
           {c.in(0).dtype, {c.shape(0)[0], c.shape(0)[1], h, w}}};
     };
     d.flops = [](const OpCall& c) {
+      // `infer` accepted the kernel: 1 or 2 positive integers.
       auto k = c.attrs.Ints("kernel").value();
-      double kk = k.size() == 1 ? k[0] * k[0] : k[0] * k[1];
+      double kk = static_cast<double>(k[0]) *
+                  static_cast<double>(k.size() == 1 ? k[0] : k[1]);
       return kk * static_cast<double>(c.outputs[0].num_elements());
     };
     d.backward_flops_multiple = 1.0;

@@ -135,7 +135,10 @@ void RegisterShapeOps(OpRegistry& r) {
               c.Describe(static_cast<int>(i)), " does not match ",
               c.Describe(0), " outside axis ", ax));
         }
-        s[ax] += t[ax];
+        if (__builtin_add_overflow(s[ax], t[ax], &s[ax])) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the inputs' sizes along axis ", ax, " overflow 64 bits"));
+        }
       }
       return std::vector<TensorType>{{c.in(0).dtype, s}};
     };
@@ -161,7 +164,10 @@ void RegisterShapeOps(OpRegistry& r) {
           return absl::InvalidArgumentError(
               "attribute 'sizes' has a non-positive entry");
         }
-        total += n;
+        if (__builtin_add_overflow(total, n, &total)) {
+          return absl::InvalidArgumentError(
+              "attribute 'sizes' overflows 64 bits");
+        }
         TensorType t = c.in(0);
         t.shape[ax] = n;
         out.push_back(t);

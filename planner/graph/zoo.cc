@@ -1,5 +1,6 @@
 #include "planner/graph/zoo.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -96,6 +97,17 @@ class Params {
   }
   void Require(bool cond, const std::string& msg) {
     if (status_.ok() && !cond) status_ = absl::InvalidArgumentError(msg);
+  }
+  // a * b for sizes derived from parameters; an error (and 1) when the
+  // product does not fit in 64 bits.
+  int64_t Mul(int64_t a, int64_t b, const std::string& what) {
+    int64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) {
+      Require(false, absl::StrCat(what, " (", a, " * ", b,
+                                  ") does not fit in 64 bits"));
+      return 1;
+    }
+    return r;
   }
   const absl::Status& status() const { return status_; }
   const std::map<std::string, double>& values() const { return values_; }
@@ -197,9 +209,13 @@ class Layers {
                int64_t experts, int64_t top_k, double capacity_factor,
                int64_t batch, int64_t seq) {
     b_.PushScope("moe");
-    int64_t capacity = static_cast<int64_t>(std::ceil(
-        capacity_factor * static_cast<double>(tokens * top_k) /
-        static_cast<double>(experts)));
+    // In doubles (tokens * top_k may not fit), capped below 2^62 so the cast
+    // is defined; a huge capacity then fails the builder's shape check.
+    double cap =
+        std::ceil(capacity_factor * static_cast<double>(tokens) *
+                  static_cast<double>(top_k) / static_cast<double>(experts));
+    int64_t capacity = static_cast<int64_t>(
+        std::min(cap, static_cast<double>(int64_t{1} << 62)));
     if (capacity < 1) capacity = 1;
     TensorId flat = Unary("reshape", "tokens", x,
                           {{"shape", std::vector<int64_t>{tokens, hidden}}});
@@ -311,11 +327,12 @@ absl::StatusOr<Graph> BuildLm(const std::string& name, Params& p, bool moe) {
     p.Require(top_k <= experts, "top_k must not exceed experts");
   }
   p.Require(hidden % heads == 0, "hidden must be divisible by heads");
+  const int64_t num_tokens = p.Mul(batch, seq, "batch * seq");
   HAP_RETURN_IF_ERROR(p.status());
   GraphBuilder b(name);
   Layers L(b);
   TensorId tokens = b.Input("tokens", I64({batch, seq}));
-  TensorId labels = b.Input("labels", I64({batch * seq}), InputRole::kLabels);
+  TensorId labels = b.Input("labels", I64({num_tokens}), InputRole::kLabels);
   TensorId wte = b.Parameter("embed/tokens", F32({vocab, hidden}),
                              Initializer::Normal(0, 0.02));
   TensorId wpe = b.Parameter("embed/positions", F32({seq, hidden}),
@@ -333,7 +350,7 @@ absl::StatusOr<Graph> BuildLm(const std::string& name, Params& p, bool moe) {
   x = L.LayerNorm("ln_f", x, hidden);
   TensorId logits = L.Linear("decoder", x, hidden, vocab, /*bias=*/false);
   logits = b.Add("reshape", "decoder/flat", {logits},
-                 {{"shape", std::vector<int64_t>{batch * seq, vocab}}});
+                 {{"shape", std::vector<int64_t>{num_tokens, vocab}}});
   TensorId logp = b.Add("log_softmax", "log_probs", {logits});
   b.SetLoss(b.Add("nll_loss", "loss", {logp, labels}));
   return b.Build();
@@ -347,13 +364,15 @@ absl::StatusOr<Graph> BuildVit(Params& p) {
   double dropout = p.Fraction("dropout");
   p.Require(hidden % heads == 0, "hidden must be divisible by heads");
   p.Require(image % patch == 0, "image must be divisible by patch");
+  const int64_t grid = image / patch;
+  const int64_t seq = p.Mul(grid, grid, "patches") + 1;
+  const int64_t fan_in =
+      p.Mul(p.Mul(channels, patch, "patch fan-in"), patch, "patch fan-in");
   HAP_RETURN_IF_ERROR(p.status());
-  int64_t grid = image / patch, patches = grid * grid, seq = patches + 1;
   GraphBuilder b("vit");
   Layers L(b);
   TensorId img = b.Input("images", F32({batch, channels, image, image}));
   TensorId labels = b.Input("labels", I64({batch}), InputRole::kLabels);
-  int64_t fan_in = channels * patch * patch;
   TensorId pw = b.Parameter("patch_embed/weight",
                             F32({hidden, channels, patch, patch}), FanIn(fan_in));
   TensorId pb = b.Parameter("patch_embed/bias", F32({hidden}), FanIn(fan_in));
@@ -392,7 +411,9 @@ absl::StatusOr<Graph> BuildVgg(Params& p) {
           convs = p.Int("convs_per_stage"), image = p.Int("image"),
           channels = p.Int("channels"), classes = p.Int("classes"),
           hidden = p.Int("hidden"), batch = p.Int("batch");
-  p.Require((image >> stages) >= 1 && (image % (int64_t{1} << stages)) == 0,
+  // stages < 63 first: shifting by 63 or more is undefined.
+  p.Require(stages < 63 && (image >> stages) >= 1 &&
+                (image % (int64_t{1} << stages)) == 0,
             "image must be divisible by 2^stages");
   HAP_RETURN_IF_ERROR(p.status());
   GraphBuilder b("vgg");
@@ -401,7 +422,7 @@ absl::StatusOr<Graph> BuildVgg(Params& p) {
   TensorId labels = b.Input("labels", I64({batch}), InputRole::kLabels);
   int64_t in = channels, size = image;
   for (int64_t s = 0; s < stages; ++s) {
-    int64_t out = std::min<int64_t>(width << s, width * 8);
+    int64_t out = width * (int64_t{1} << std::min<int64_t>(s, 3));
     for (int64_t c = 0; c < convs; ++c) {
       b.PushScope(absl::StrCat("stage", s, "/conv", c));
       TensorId w = b.Parameter(b.Scoped("weight"), F32({out, in, 3, 3}),
@@ -419,7 +440,9 @@ absl::StatusOr<Graph> BuildVgg(Params& p) {
     size /= 2;
   }
   x = b.Add("flatten", "flatten", {x});
-  int64_t features = in * size * size;
+  HAP_RETURN_IF_ERROR(b.status());
+  const int64_t features = p.Mul(p.Mul(in, size, "features"), size, "features");
+  HAP_RETURN_IF_ERROR(p.status());
   x = L.Linear("fc1", x, features, hidden);
   x = b.Add("relu", "fc1/relu", {x});
   TensorId logits = L.Linear("head", x, hidden, classes);
