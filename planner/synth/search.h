@@ -36,6 +36,9 @@ struct SearchOptions {
   bool allow_zero = true;
   bool allow_grouped = true;
   bool zero_heuristic = false;  // uniform-cost search (the reference)
+  // Solve repeated blocks (identical layers) once and combine them by DP
+  // over the block boundaries; falls back to A* when there are none.
+  bool block_search = true;
   // Baselines restrict the rules and the parameter storage.
   std::function<bool(const ShardRule&)> rule_filter;
   std::optional<ParamStorage> force_storage;

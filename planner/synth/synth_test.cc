@@ -201,6 +201,7 @@ TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
                         2.15e12, 2.15e12},
                        4, 9.5e9, 3e9);
   SearchOptions a;
+  a.block_search = false;  // plain A*
   SearchOptions z;
   z.zero_heuristic = true;
   auto pa = Synthesize(g, c, a);
@@ -209,6 +210,29 @@ TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
   EXPECT_TRUE(pa->optimal && pz->optimal);
   EXPECT_NEAR(pa->cost, pz->cost, 1e-9 * pz->cost);
   EXPECT_LT(pa->states_expanded, pz->states_expanded);
+}
+
+// Identical layers are solved once: the block search expands as many states
+// for 8 layers as for 2, and finds the same optimum as A*.
+TEST(SynthTest, RepeatedLayersDoNotMultiplySearchWork) {
+  auto c = MakeCluster({3.86e12, 3.86e12, 2.15e12, 2.15e12}, 2, 9.5e9, 3e9);
+  std::vector<int64_t> states;
+  for (int layers : {2, 8}) {
+    auto p = Small("gpt", 32);
+    p["layers"] = layers;
+    graph::Graph g = Zoo("gpt", p);
+    SearchOptions blocked;
+    SearchOptions astar;
+    astar.block_search = false;
+    auto pb = Synthesize(g, c, blocked);
+    auto pa = Synthesize(g, c, astar);
+    ASSERT_TRUE(pb.ok() && pa.ok());
+    EXPECT_TRUE(pb->optimal);
+    EXPECT_NEAR(pb->cost, pa->cost, 1e-9 * pa->cost);
+    EXPECT_TRUE(CheckProgram(g, *pb, c.size()).ok());
+    states.push_back(pb->states_expanded);
+  }
+  EXPECT_EQ(states[0], states[1]);
 }
 
 TEST(SynthTest, DeterministicOutput) {
