@@ -26,54 +26,23 @@ using ::testing::HasSubstr;
 
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
-// x[4, 8] -> linear(w[3, 8], b[3]) -> logits[4, 3] -> cross_entropy.
+// x[4, 8] -> linear(w[3, 8], b[3]) -> logits[4, 3] -> cross_entropy. Tests
+// edit it by substring, so keep one line per tensor.
+// clang-format off
 constexpr char kTiny[] = R"pb(
   name: "tiny"
-  inputs {
-    tensor {
-      name: "x"
-      shape: [ 4, 8 ]
-      dtype: FLOAT32
-    }
-    role: FEATURES
-  }
-  inputs {
-    tensor {
-      name: "labels"
-      shape: [ 4 ]
-      dtype: INT64
-    }
-    role: LABELS
-  }
+  inputs { tensor { name: "x" shape: [ 4, 8 ] dtype: FLOAT32 } role: FEATURES }
+  inputs { tensor { name: "labels" shape: [ 4 ] dtype: INT64 } role: LABELS }
   parameters {
-    tensor {
-      name: "w"
-      shape: [ 3, 8 ]
-      dtype: FLOAT32
-    }
+    tensor { name: "w" shape: [ 3, 8 ] dtype: FLOAT32 }
     init { kind: NORMAL stddev: 0.02 }
   }
-  parameters {
-    tensor {
-      name: "b"
-      shape: [ 3 ]
-      dtype: FLOAT32
-    }
-  }
-  ops {
-    name: "fc"
-    type: "linear"
-    inputs: [ "x", "w", "b" ]
-    outputs: [ "logits" ]
-  }
-  ops {
-    name: "loss"
-    type: "cross_entropy"
-    inputs: [ "logits", "labels" ]
-    outputs: [ "loss" ]
-  }
+  parameters { tensor { name: "b" shape: [ 3 ] dtype: FLOAT32 } }
+  ops { name: "fc" type: "linear" inputs: [ "x", "w", "b" ] outputs: [ "logits" ] }
+  ops { name: "loss" type: "cross_entropy" inputs: [ "logits", "labels" ] outputs: [ "loss" ] }
   loss: "loss"
 )pb";
+// clang-format on
 
 hap::v1::Graph Tiny() {
   hap::v1::Graph p;
