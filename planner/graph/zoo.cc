@@ -468,6 +468,16 @@ absl::StatusOr<Graph> BuildZooModel(const std::string& name, const P& params) {
   }
   Params p(*info, params);
   HAP_RETURN_IF_ERROR(p.status());
+  // Repeat counts bound the graph's size (and the time to build it).
+  for (const char* k : {"layers", "convs_per_stage"}) {
+    auto it = p.values().find(k);
+    if (it != p.values().end() && it->second > kMaxZooRepeats) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zoo model '", name, "': parameter '", k,
+          "' must be a positive integer of at most ", kMaxZooRepeats,
+          ", got ", it->second));
+    }
+  }
   absl::StatusOr<Graph> g = absl::InternalError("unreachable");
   if (name == "mlp") g = BuildMlp(p);
   if (name == "transformer") g = BuildTransformer(p);

@@ -33,6 +33,9 @@ namespace hap::graph {
 // (split on whitespace, one <eos> a line); the data module checks it.
 inline constexpr int64_t kWikiText2Vocab = 18328;
 
+// Largest accepted `layers` / `convs_per_stage`.
+inline constexpr int64_t kMaxZooRepeats = 4096;
+
 struct ZooModelInfo {
   std::string name;
   std::string description;

@@ -346,3 +346,17 @@ TEST(FlopsTest, LinearIsTwoRowsInOutPlusBias) {
 
 }  // namespace
 }  // namespace hap::graph
+
+namespace hap::graph {
+namespace {
+
+TEST(ZooLimitsTest, RepeatCountsAreBounded) {
+  auto g = BuildZooModel("gpt", {{"layers", 1e6}});
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(g.status().message()).find("'layers'"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace hap::graph
