@@ -1,0 +1,182 @@
+#include <cmath>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/cost/collectives.h"
+
+namespace hap::cost {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Two nodes of `per_node` devices; `flops[i]` per device.
+hap::v1::Cluster MakeProto(const std::vector<double>& flops, int per_node) {
+  hap::v1::Cluster c;
+  for (size_t i = 0; i < flops.size(); ++i) {
+    if (i % per_node == 0) {
+      c.add_nodes()->set_name("n" + std::to_string(i / per_node));
+    }
+    auto* d = c.mutable_nodes(c.nodes_size() - 1)->add_devices();
+    d->set_id("d" + std::to_string(i));
+    auto* f = d->add_flops();
+    f->set_dtype(hap::v1::FLOAT32);
+    f->set_flops(flops[i]);
+    d->set_memory_bytes(int64_t{16} << 30);
+  }
+  auto* def = c.mutable_defaults();
+  def->set_intra_node_bandwidth_bytes_per_second(1e11);
+  def->set_intra_node_latency_seconds(1e-6);
+  def->set_inter_node_bandwidth_bytes_per_second(1e10);
+  def->set_inter_node_latency_seconds(1e-5);
+  return c;
+}
+
+void ExpectInvalid(const hap::v1::Cluster& c, const std::string& what,
+                   const std::vector<std::string>& ids = {}) {
+  auto m = ClusterModel::FromProto(c, ids);
+  ASSERT_FALSE(m.ok()) << what;
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << what;
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr(what));
+}
+
+TEST(ClusterModelTest, BuildsFromProtoWithNodeHierarchy) {
+  auto m = ClusterModel::FromProto(MakeProto({2e12, 2e12, 1e12, 1e12}, 2));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->size(), 4);
+  EXPECT_EQ(m->node_groups().size(), 2u);
+  EXPECT_DOUBLE_EQ(m->bandwidth(0, 1), 1e11);
+  EXPECT_DOUBLE_EQ(m->bandwidth(1, 2), 1e10);
+  EXPECT_DOUBLE_EQ(m->RingBandwidth(m->all()), 1e10);  // crosses nodes
+  EXPECT_DOUBLE_EQ(m->total_flops(), 6e12);
+  auto r = m->ProportionalRatios();
+  EXPECT_NEAR(r[0], 1.0 / 3, 1e-12);
+  EXPECT_NEAR(r[3], 1.0 / 6, 1e-12);
+}
+
+TEST(ClusterModelTest, MeasuredLinksOverrideDefaults) {
+  auto c = MakeProto({1e12, 1e12}, 2);
+  auto* l = c.add_links();
+  l->set_src("d0");
+  l->set_dst("d1");
+  l->set_bandwidth_bytes_per_second(5e9);
+  l->set_latency_seconds(2e-6);
+  auto m = ClusterModel::FromProto(c);
+  ASSERT_TRUE(m.ok());
+  EXPECT_DOUBLE_EQ(m->bandwidth(0, 1), 5e9);
+  EXPECT_DOUBLE_EQ(m->bandwidth(1, 0), 5e9);  // one direction serves both
+}
+
+TEST(ClusterModelTest, DeviceSelectionAndOrder) {
+  auto m = ClusterModel::FromProto(MakeProto({3e12, 2e12, 1e12}, 3),
+                                   {"d2", "d0"});
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->device(0).id, "d2");
+  EXPECT_EQ(m->device(1).id, "d0");
+}
+
+TEST(ClusterModelTest, StaleNodesAreLeftOut) {
+  auto c = MakeProto({1e12, 1e12, 1e12, 1e12}, 2);
+  c.mutable_nodes(1)->set_state(hap::v1::Node::STALE);
+  auto m = ClusterModel::FromProto(c);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->size(), 2);
+}
+
+TEST(ClusterModelTest, BadProfilesGiveClearErrors) {
+  auto base = MakeProto({1e12, 1e12}, 2);
+  ExpectInvalid(base, "unknown device 'gpu9'", {"d0", "gpu9"});
+  ExpectInvalid(base, "listed twice", {"d0", "d0"});
+  ExpectInvalid(base, "at least 2 devices", {"d0"});
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(1)->mutable_flops(0)->set_flops(0);
+    ExpectInvalid(c, "device 'd1' has no valid float32 FLOPS");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->mutable_flops(0)->set_flops(NAN);
+    ExpectInvalid(c, "device 'd0' has no valid float32 FLOPS");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->mutable_flops(0)->set_flops(-1e12);
+    ExpectInvalid(c, "FLOPS must be positive");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->set_memory_bytes(-5);
+    ExpectInvalid(c, "memory_bytes -5");
+  }
+  {
+    auto c = base;
+    c.mutable_defaults()->set_intra_node_bandwidth_bytes_per_second(0);
+    ExpectInvalid(c, "no valid bandwidth between 'd0' and 'd1'");
+  }
+  {
+    auto c = base;
+    auto* l = c.add_links();
+    l->set_src("d0");
+    l->set_dst("d1");
+    l->set_bandwidth_bytes_per_second(NAN);
+    ExpectInvalid(c, "positive finite bandwidth");
+  }
+  {
+    auto c = base;
+    auto* l = c.add_links();
+    l->set_src("d0");
+    l->set_dst("ghost");
+    l->set_bandwidth_bytes_per_second(1e9);
+    ExpectInvalid(c, "unknown device");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->set_launch_overhead_seconds(-1);
+    ExpectInvalid(c, "launch_overhead_seconds");
+  }
+  {
+    hap::v1::Cluster empty;
+    ExpectInvalid(empty, "at least 2 devices");
+  }
+}
+
+TEST(CollectivesTest, RingFormulasOnAHomogeneousRing) {
+  auto m = *ClusterModel::FromProto(MakeProto({1e12, 1e12, 1e12, 1e12}, 4));
+  CollectiveModel c(m);
+  double bytes = 4e8, bw = 1e11, lat = 1e-6;
+  EXPECT_NEAR(c.AllReduce(bytes), 2.0 * 3 / 4 * bytes / bw + 6 * lat, 1e-12);
+  std::vector<double> even(4, 0.25);
+  // Even shards: padded all-gather = (n-1)/n * bytes / bw + (n-1) lat.
+  EXPECT_NEAR(EvaluateTerm(c.AllGather(bytes, Method::kPadded), even),
+              3.0 / 4 * bytes / bw + 3 * lat, 1e-12);
+  // Uneven shards: padding to the largest makes padded cost grow with it,
+  // grouped does not depend on the split.
+  std::vector<double> skew = {0.7, 0.1, 0.1, 0.1};
+  double padded = EvaluateTerm(c.AllGather(bytes, Method::kPadded), skew);
+  double grouped = EvaluateTerm(c.AllGather(bytes, Method::kGrouped), skew);
+  EXPECT_NEAR(padded, 3 * 0.7 * bytes / bw + 3 * lat, 1e-12);
+  EXPECT_LT(grouped, padded);
+  EXPECT_GT(grouped, EvaluateTerm(c.AllGather(bytes, Method::kPadded), even));
+  EXPECT_DOUBLE_EQ(EvaluateTerm(c.AllGather(bytes, Method::kGrouped), skew),
+                   EvaluateTerm(c.AllGather(bytes, Method::kGrouped), even));
+}
+
+TEST(CollectivesTest, SlowestLinkBottlenecksAndHierarchyHelps) {
+  // Two nodes of 4: fast inside, slow between.
+  auto m = *ClusterModel::FromProto(
+      MakeProto({1e12, 1e12, 1e12, 1e12, 1e12, 1e12, 1e12, 1e12}, 4));
+  CollectiveModel c(m);
+  double bytes = 8e8;
+  double flat = c.RingAllReduce(bytes, m.all());
+  EXPECT_NEAR(flat, 2.0 * 7 / 8 * bytes / 1e10 + 14 * 1e-5, 1e-9);
+  // Hierarchical: intra-node all-reduce on the fast links, then the 1/4
+  // slices across nodes.
+  double hier = c.RingAllReduce(bytes, m.node_groups()[0]) +
+                c.RingAllReduce(bytes / 4, {0, 4});
+  EXPECT_NEAR(c.AllReduce(bytes), std::min(flat, hier), 1e-12);
+  EXPECT_LT(c.AllReduce(bytes), flat);
+  EXPECT_DOUBLE_EQ(c.AllReduce(0), 0);
+}
+
+}  // namespace
+}  // namespace hap::cost
