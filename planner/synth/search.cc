@@ -78,8 +78,11 @@ class Searcher {
                double* cost) const;
   bool LoadParameter(TensorId t, Form need, const ShardRule& rule, int input,
                      OpId op, SourceLoad* out, double* cost) const;
-  CostTerm Gather(double bytes, Method* method) const;
-  CostTerm Scatter(double bytes, Method* method) const;
+  CostTerm Gather(double bytes, Method* m) const { return Uneven(bytes, true, m); }
+  CostTerm Scatter(double bytes, Method* m) const {
+    return Uneven(bytes, false, m);
+  }
+  CostTerm Uneven(double bytes, bool gather, Method* method) const;
   std::string Key(const State& s) const;
   std::optional<int> Greedy(int from, int64_t node_budget);
   Program Reconstruct(int goal) const;
@@ -176,23 +179,15 @@ void Searcher::Prepare() {
   }
 }
 
-CostTerm Searcher::Gather(double bytes, Method* method) const {
-  CostTerm padded = coll_.AllGather(bytes, cost::Method::kPadded);
+// The cheaper of the padded and grouped forms of an uneven collective.
+CostTerm Searcher::Uneven(double bytes, bool gather, Method* method) const {
+  auto make = [&](cost::Method m) {
+    return gather ? coll_.AllGather(bytes, m) : coll_.ReduceScatter(bytes, m);
+  };
+  CostTerm padded = make(cost::Method::kPadded);
   *method = Method::kPadded;
   if (!opt_.allow_grouped) return padded;
-  CostTerm grouped = coll_.AllGather(bytes, cost::Method::kGrouped);
-  if (Eval(grouped) < Eval(padded)) {
-    *method = Method::kGrouped;
-    return grouped;
-  }
-  return padded;
-}
-
-CostTerm Searcher::Scatter(double bytes, Method* method) const {
-  CostTerm padded = coll_.ReduceScatter(bytes, cost::Method::kPadded);
-  *method = Method::kPadded;
-  if (!opt_.allow_grouped) return padded;
-  CostTerm grouped = coll_.ReduceScatter(bytes, cost::Method::kGrouped);
+  CostTerm grouped = make(cost::Method::kGrouped);
   if (Eval(grouped) < Eval(padded)) {
     *method = Method::kGrouped;
     return grouped;
