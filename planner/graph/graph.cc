@@ -150,6 +150,11 @@ std::vector<TensorId> GraphBuilder::AddOp(
         absl::StrCat("an op of type '", type, "' has an empty name")));
     return {};
   }
+  if (!op_names_.insert(name).second) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrCat("op name '", name, "' is used by two ops")));
+    return {};
+  }
   std::vector<std::string> in_names;
   std::vector<TensorType> in_types;
   for (TensorId t : inputs) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "planner/graph/types.h"
@@ -168,6 +169,7 @@ class GraphBuilder {
 
   Graph g_;
   absl::Status status_;
+  absl::flat_hash_set<std::string> op_names_;
   std::vector<std::string> scopes_;
 };
 

@@ -74,6 +74,13 @@ TEST(ValidationTest, OpsMayComeInAnyOrder) {
   EXPECT_EQ(g->op(1).name, "loss");
 }
 
+TEST(ValidationTest, DuplicateOpName) {
+  hap::v1::Graph p = Tiny();
+  p.mutable_ops(1)->set_name(p.ops(0).name());
+  EXPECT_THAT(FromProto(p),
+              StatusIs(kInvalid, HasSubstr("op name 'fc' is used by two ops")));
+}
+
 TEST(ValidationTest, UnknownOpType) {
   EXPECT_THAT(TinyWith("\"linear\"", "\"convolve\""),
               StatusIs(kInvalid, AllOf(HasSubstr("op 'fc'"),
