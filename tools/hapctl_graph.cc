@@ -116,7 +116,11 @@ int RunOps(const std::vector<std::string>& argv) {
     for (size_t i = 0; i < ops.size(); ++i) {
       std::cout << (i ? ",\n " : "") << "{\"type\": \"" << ops[i]->type
                 << "\", \"summary\": \"" << JsonEscape(ops[i]->summary)
-                << "\", \"backward_flops_multiple\": "
+                << "\", \"attrs\": [";
+      for (size_t a = 0; a < ops[i]->attrs.size(); ++a) {
+        std::cout << (a ? ", " : "") << "\"" << ops[i]->attrs[a] << "\"";
+      }
+      std::cout << "], \"backward_flops_multiple\": "
                 << ops[i]->backward_flops_multiple << "}";
     }
     std::cout << "]\n";

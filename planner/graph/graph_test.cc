@@ -382,10 +382,10 @@ TEST(ProtoTest, AttributesRoundTrip) {
   TensorId v = b.Add("sum", "all", {u},
                      {{"axes", std::vector<int64_t>{}},
                       {"keepdims", false},
-                      {"note", std::string("kept")},
-                      {"weights", std::vector<double>{}},
-                      {"ratio", 0.25},
-                      {"floats", std::vector<double>{1.5, -2}}});
+                      {"meta.note", std::string("kept")},
+                      {"meta.weights", std::vector<double>{}},
+                      {"meta.ratio", 0.25},
+                      {"meta.floats", std::vector<double>{1.5, -2}}});
   b.SetLoss(v);
   b.SetMetadata("zoo.model", "none");
   auto g = b.Build();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "planner/graph/op_util.h"
 
@@ -70,6 +71,18 @@ absl::StatusOr<std::vector<TensorType>> InferOp(
     return absl::InvalidArgumentError(absl::StrCat(
         prefix(), "takes ", want, " inputs, got ", n, " (", def->summary,
         ")"));
+  }
+  for (const auto& [name, value] : attrs.values()) {
+    if (absl::StartsWith(name, kAnnotationPrefix)) continue;
+    if (std::find(def->attrs.begin(), def->attrs.end(), name) ==
+        def->attrs.end()) {
+      std::string known = def->attrs.empty() ? "none" : "";
+      for (const auto& a : def->attrs) {
+        absl::StrAppend(&known, known.empty() ? "" : ", ", a);
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix(), "unknown attribute '", name, "' (it takes: ", known, ")"));
+    }
   }
   OpCall call{type, attrs, input_names, inputs, {}};
   auto out = def->infer(call);

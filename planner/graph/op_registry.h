@@ -32,6 +32,8 @@ struct OpCall {
   std::string Describe(int i) const;
 };
 
+inline constexpr char kAnnotationPrefix[] = "meta.";
+
 struct OpDef {
   std::string type;
   // Signature and semantics, one line, for `hapctl ops` and the docs.
@@ -45,6 +47,9 @@ struct OpDef {
   std::function<double(const OpCall&)> flops;
   // Backward FLOPs as a multiple of forward (DESIGN.md §4: about 2).
   double backward_flops_multiple = 2.0;
+  // The attributes the op accepts; any other is an error naming it, except
+  // free-form annotations named "meta.*" (provenance from importers).
+  std::vector<std::string> attrs;
   // Inputs through which gradients flow (others are indices, masks, ...).
   // Empty = every floating-point input.
   std::vector<int> non_differentiable_inputs;

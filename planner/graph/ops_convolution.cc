@@ -44,6 +44,7 @@ void RegisterConvolutionOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "conv2d";
+    d.attrs = {"stride", "padding"};
     d.summary =
         "conv2d(x[n, c, h, w], w[o, c, kh, kw], b[o]?; stride=[1,1], "
         "padding=[0,0]) -> [n, o, h', w']";
@@ -85,6 +86,7 @@ void RegisterConvolutionOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "max_pool2d";
+    d.attrs = {"kernel", "stride", "padding"};
     d.summary =
         "max_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0])";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
@@ -118,6 +120,7 @@ void RegisterConvolutionOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "adaptive_avg_pool2d";
+    d.attrs = {"output_size"};
     d.summary =
         "adaptive_avg_pool2d(x[n, c, h, w]; output_size) -> [n, c, oh, ow] "
         "(PyTorch's window rule)";

@@ -57,6 +57,7 @@ void RegisterElementwiseOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "dropout";
+    d.attrs = {"p"};
     d.summary =
         "dropout(x; p=0.1) -> x * mask / (1-p); mask from a counter-based "
         "RNG keyed by the element's global index";
@@ -78,6 +79,7 @@ void RegisterElementwiseOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "scale";
+    d.attrs = {"factor"};
     d.summary = "scale(x; factor) -> factor * x";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));

@@ -9,6 +9,7 @@ void RegisterLinearOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "linear";
+    d.attrs = {};
     d.summary =
         "linear(x[..., in], w[out, in], b[out]?) -> x @ w^T + b : [..., out]";
     d.min_inputs = 2;
@@ -48,6 +49,7 @@ void RegisterLinearOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "matmul";
+    d.attrs = {};
     d.summary =
         "matmul(a[..., m, k], b[..., k, n]) -> [..., m, n]; b may be rank 2 "
         "(shared across the batch dims of a)";

@@ -11,6 +11,7 @@ void RegisterMoeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "moe_gate";
+    d.attrs = {"k", "capacity"};
     d.summary =
         "moe_gate(logits[t, e]; k=2, capacity) -> combine[t, e, capacity]: "
         "softmax over experts, top-k, renormalised (k>1), each token placed "
@@ -40,6 +41,7 @@ void RegisterMoeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "moe_dispatch";
+    d.attrs = {};
     d.summary =
         "moe_dispatch(x[t, d], combine[t, e, c]) -> [e, c, d]: token rows "
         "routed to expert slots where combine != 0";
@@ -65,6 +67,7 @@ void RegisterMoeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "moe_combine";
+    d.attrs = {};
     d.summary =
         "moe_combine(y[e, c, d], combine[t, e, c]) -> [t, d]: "
         "sum over slots of combine[t, e, c] * y[e, c]";

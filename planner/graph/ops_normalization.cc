@@ -10,6 +10,7 @@ void RegisterNormalizationOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "layer_norm";
+    d.attrs = {"eps"};
     d.summary =
         "layer_norm(x[..., d], gamma[d], beta[d]; eps=1e-5) -> normalised "
         "over the last dimension";
@@ -40,6 +41,7 @@ void RegisterNormalizationOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "softmax";
+    d.attrs = {"axis", "causal"};
     d.summary =
         "softmax(x, mask?; axis=-1, causal=false) -> softmax over the last "
         "axis of x + mask; causal masks j > i over the last two dims";
@@ -83,6 +85,7 @@ void RegisterNormalizationOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "log_softmax";
+    d.attrs = {"axis"};
     d.summary = "log_softmax(x; axis=-1) -> x - logsumexp(x) over the axis";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));

@@ -11,6 +11,7 @@ namespace {
 void Reduction(OpRegistry& r, const std::string& type) {
   OpDef d;
   d.type = type;
+  d.attrs = {"axes", "keepdims"};
   d.summary = type +
               "(x; axes=[] (all), keepdims=false) -> reduced over the axes";
   d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {

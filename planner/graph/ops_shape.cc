@@ -22,6 +22,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "transpose";
+    d.attrs = {"perm"};
     d.summary = "transpose(x; perm) -> x with dims permuted (out[i] = in[perm[i]])";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_ASSIGN_OR_RETURN(std::vector<int64_t> perm, c.attrs.Ints("perm"));
@@ -51,6 +52,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "reshape";
+    d.attrs = {"shape"};
     d.summary = "reshape(x; shape) -> same elements, new shape (one -1 allowed)";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_ASSIGN_OR_RETURN(std::vector<int64_t> shape, c.attrs.Ints("shape"));
@@ -94,6 +96,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "flatten";
+    d.attrs = {"start_dim", "end_dim"};
     d.summary = "flatten(x; start_dim=1, end_dim=-1) -> dims start..end merged";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       int rank = c.in(0).rank();
@@ -117,6 +120,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "concat";
+    d.attrs = {"axis"};
     d.summary = "concat(x0, x1, ...; axis) -> joined along axis";
     d.max_inputs = -1;
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
@@ -149,6 +153,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "split";
+    d.attrs = {"axis", "sizes"};
     d.summary = "split(x; axis, sizes) -> one output per size along axis";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis"));
@@ -188,6 +193,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "slice";
+    d.attrs = {"axis", "start", "end"};
     d.summary = "slice(x; axis, start, end) -> x[..., start:end, ...]";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis"));
@@ -210,6 +216,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "expand";
+    d.attrs = {"shape"};
     d.summary = "expand(x; shape) -> x broadcast to shape (numpy rules)";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_ASSIGN_OR_RETURN(std::vector<int64_t> shape, c.attrs.Ints("shape"));
@@ -228,6 +235,7 @@ void RegisterShapeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "embedding";
+    d.attrs = {};
     d.summary = "embedding(ids[...] int, table[v, d]) -> table[ids] : [..., d]";
     d.min_inputs = d.max_inputs = 2;
     d.non_differentiable_inputs = {0};

@@ -81,6 +81,15 @@ TEST(ValidationTest, DuplicateOpName) {
               StatusIs(kInvalid, HasSubstr("op name 'fc' is used by two ops")));
 }
 
+TEST(ValidationTest, UnknownAttribute) {
+  hap::v1::Graph p = Tiny();
+  (*p.mutable_ops(0)->mutable_attrs())["transpose_b"].set_b(true);
+  EXPECT_THAT(FromProto(p),
+              StatusIs(kInvalid, AllOf(HasSubstr("op 'fc' (linear)"),
+                                       HasSubstr("unknown attribute "
+                                                 "'transpose_b'"))));
+}
+
 TEST(ValidationTest, UnknownOpType) {
   EXPECT_THAT(TinyWith("\"linear\"", "\"convolve\""),
               StatusIs(kInvalid, AllOf(HasSubstr("op 'fc'"),
