@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
 
 namespace hap::ratios {
 namespace {
@@ -26,22 +27,7 @@ using ::testing::HasSubstr;
 
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 
-inline const absl::Status& GetStatus(const absl::Status& s) { return s; }
-template <typename T>
-const absl::Status& GetStatus(const absl::StatusOr<T>& s) {
-  return s.status();
-}
-
-// Our gmock predates Abseil's status matchers.
-MATCHER_P2(StatusIs, code, message_matcher,
-           std::string(negation ? "isn't" : "is") + " a status with code " +
-               absl::StatusCodeToString(code)) {
-  const absl::Status& s = GetStatus(arg);
-  *result_listener << "whose status is " << s;
-  return s.code() == code &&
-         ::testing::ExplainMatchResult(
-             message_matcher, std::string(s.message()), result_listener);
-}
+using ::hap::testing::StatusIs;
 
 CostTerm Term(std::vector<double> coef, std::vector<double> constant = {},
               double weight = 1, int segment = 0) {
