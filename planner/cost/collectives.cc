@@ -60,14 +60,44 @@ CostTerm CollectiveModel::Sharded(double bytes, Method m, int segment,
   int n = cluster_.size();
   CostTerm t = Constant(0, segment);
   if (bytes <= 0) return t;
-  if (m == Method::kPadded) {
-    for (int i = 0; i < n; ++i) {
-      t.coef[i] = (n - 1) * bytes / ring_bw_;
-      t.constant[i] = (n - 1) * ring_lat_;
+  // Flat ring over all devices, bottlenecked by its slowest link.
+  double coef = (n - 1) * bytes / ring_bw_;
+  double lat = (n - 1) * ring_lat_;
+  double grouped = bytes / (grouped_eff * ring_bw_) + n * ring_lat_;
+  const auto& nodes = cluster_.node_groups();
+  if (nodes.size() > 1) {
+    // Hierarchical: k rings of node peers carry the inter-node part (each
+    // moves n-k shards), node rings the intra-node part (k-1 shards).
+    size_t k = nodes[0].size();
+    double intra_bw = 1e30, intra_lat = 0;
+    for (const auto& g : nodes) {
+      k = std::min(k, g.size());
+      intra_bw = std::min(intra_bw, cluster_.RingBandwidth(g));
+      intra_lat = std::max(intra_lat, cluster_.RingLatency(g));
     }
-  } else {
-    for (int i = 0; i < n; ++i) {
-      t.constant[i] = bytes / (grouped_eff * ring_bw_) + n * ring_lat_;
+    std::vector<int> leaders;
+    for (const auto& g : nodes) leaders.push_back(g[0]);
+    double inter_bw = cluster_.RingBandwidth(leaders);
+    double inter_lat = cluster_.RingLatency(leaders);
+    double m_nodes = static_cast<double>(nodes.size());
+    double kk = static_cast<double>(k);
+    double h_coef = (kk - 1) * bytes / intra_bw + (n - kk) * bytes / inter_bw;
+    double h_lat = (kk - 1) * intra_lat + (m_nodes - 1) * inter_lat;
+    // Compare at an even split; both forms scale with the largest shard.
+    if (h_coef / n + h_lat < coef / n + lat) {
+      coef = h_coef;
+      lat = h_lat;
+    }
+    double h_grouped = bytes * (n - kk) / n / (grouped_eff * inter_bw) +
+                       bytes / (grouped_eff * intra_bw) + n * inter_lat;
+    grouped = std::min(grouped, h_grouped);
+  }
+  for (int i = 0; i < n; ++i) {
+    if (m == Method::kPadded) {
+      t.coef[i] = coef;
+      t.constant[i] = lat;
+    } else {
+      t.constant[i] = grouped;
     }
   }
   return t;

@@ -11,6 +11,9 @@
 //     data moved follows sum_i b_i = 1, at a lower effective bandwidth and
 //     with a per-call overhead: bytes / (eff * bw) + n * lat;
 //   all-to-all: device i sends about b_i * bytes * (n-1)/n.
+// On several nodes, all-gather and reduce-scatter also have a hierarchical
+// form (intra-node rings plus per-local-rank inter-node rings); the cheaper
+// of flat and hierarchical is used.
 // Ratio-independent collectives (all-reduce, broadcast, reduce of a full
 // tensor) are a constant term.
 //

@@ -176,6 +176,16 @@ TEST(CollectivesTest, SlowestLinkBottlenecksAndHierarchyHelps) {
   EXPECT_NEAR(c.AllReduce(bytes), std::min(flat, hier), 1e-12);
   EXPECT_LT(c.AllReduce(bytes), flat);
   EXPECT_DOUBLE_EQ(c.AllReduce(0), 0);
+  // All-gather: flat ring (n-1) shards over the slow link against k-1 shards
+  // inside the node plus n-k across: the hierarchical form wins here.
+  std::vector<double> even(8, 0.125);
+  double ag = EvaluateTerm(c.AllGather(bytes, Method::kPadded), even);
+  double flat_ag = 7 * 0.125 * bytes / 1e10 + 7 * 1e-5;
+  double hier_ag = (3 * bytes / 1e11 + 4 * bytes / 1e10) * 0.125 + 3 * 1e-6 + 1e-5;
+  EXPECT_NEAR(ag, hier_ag, 1e-12);
+  EXPECT_LT(ag, flat_ag);
+  EXPECT_LE(EvaluateTerm(c.ReduceScatter(bytes, Method::kGrouped), even),
+            bytes / (kGroupedEfficiency * 1e10) + 8 * 1e-5);
 }
 
 }  // namespace
