@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || { echo "setup failed"; echo "0 passed, 1 failed"; exit 1; }
 
 # CI has 2 cores; keep Bazel's footprint modest.
-bazel test //... "$@"
+# Tests that read ../shared/data find it through HAP_DATA_DIR.
+bazel test //... --test_env=HAP_DATA_DIR="$(cd .. && pwd)/shared/data" "$@"
 rc=$?
 
 /usr/bin/python3 scripts/count_tests.py bazel-testlogs
