@@ -5,6 +5,23 @@
 #include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
+namespace {
+
+// A floating-point input of rank >= 1 and an `axis` attribute naming its
+// last axis (the only one the kernels support).
+absl::Status ExpectLastAxis(const OpCall& c, absl::string_view op) {
+  HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+  HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
+  HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis", -1));
+  HAP_ASSIGN_OR_RETURN(int ax, NormalizeAxis(axis, c.in(0).rank(), "axis"));
+  if (ax != c.in(0).rank() - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, " is supported over the last axis only"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 void RegisterNormalizationOps(OpRegistry& r) {
   {
@@ -49,14 +66,7 @@ void RegisterNormalizationOps(OpRegistry& r) {
     d.max_inputs = 2;
     d.non_differentiable_inputs = {1};
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
-      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
-      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
-      HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis", -1));
-      HAP_ASSIGN_OR_RETURN(int ax, NormalizeAxis(axis, c.in(0).rank(), "axis"));
-      if (ax != c.in(0).rank() - 1) {
-        return absl::InvalidArgumentError(
-            "softmax is supported over the last axis only");
-      }
+      HAP_RETURN_IF_ERROR(ExpectLastAxis(c, "softmax"));
       HAP_ASSIGN_OR_RETURN(bool causal, c.attrs.Bool("causal", false));
       if (causal) {
         HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 2));
@@ -88,14 +98,7 @@ void RegisterNormalizationOps(OpRegistry& r) {
     d.attrs = {"axis"};
     d.summary = "log_softmax(x; axis=-1) -> x - logsumexp(x) over the axis";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
-      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
-      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
-      HAP_ASSIGN_OR_RETURN(int64_t axis, c.attrs.Int("axis", -1));
-      HAP_ASSIGN_OR_RETURN(int ax, NormalizeAxis(axis, c.in(0).rank(), "axis"));
-      if (ax != c.in(0).rank() - 1) {
-        return absl::InvalidArgumentError(
-            "log_softmax is supported over the last axis only");
-      }
+      HAP_RETURN_IF_ERROR(ExpectLastAxis(c, "log_softmax"));
       return std::vector<TensorType>{c.in(0)};
     };
     d.flops = [](const OpCall& c) {

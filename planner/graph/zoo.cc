@@ -294,7 +294,7 @@ absl::StatusOr<Graph> BuildTransformer(Params& p) {
 
 // Pre-norm block used by gpt, vit, moe and switch. `moe_experts` > 0 makes
 // the MLP a mixture of experts.
-TensorId PreNormBlock(GraphBuilder& b, Layers& L, TensorId x, int64_t batch,
+TensorId PreNormBlock(Layers& L, TensorId x, int64_t batch,
                       int64_t seq, int64_t hidden, int64_t heads, int64_t ffn,
                       double dropout, bool causal, int64_t moe_experts,
                       int64_t top_k, double capacity_factor) {
@@ -308,7 +308,6 @@ TensorId PreNormBlock(GraphBuilder& b, Layers& L, TensorId x, int64_t batch,
   } else {
     h = L.Mlp(h, hidden, ffn, "gelu", dropout);
   }
-  (void)b;
   return L.Add("mlp_residual", x, L.Dropout("mlp_drop", h, dropout));
 }
 
@@ -343,7 +342,7 @@ absl::StatusOr<Graph> BuildLm(const std::string& name, Params& p, bool moe) {
   for (int64_t i = 0; i < layers; ++i) {
     b.PushScope(absl::StrCat("layer", i));
     bool is_moe = moe && (i % every == every - 1);
-    x = PreNormBlock(b, L, x, batch, seq, hidden, heads, ffn, dropout,
+    x = PreNormBlock(L, x, batch, seq, hidden, heads, ffn, dropout,
                      /*causal=*/true, is_moe ? experts : 0, top_k, cf);
     b.PopScope();
   }
@@ -392,7 +391,7 @@ absl::StatusOr<Graph> BuildVit(Params& p) {
   x = L.Dropout("embed_drop", x, dropout);
   for (int64_t i = 0; i < layers; ++i) {
     b.PushScope(absl::StrCat("layer", i));
-    x = PreNormBlock(b, L, x, batch, seq, hidden, heads, ffn, dropout, false, 0,
+    x = PreNormBlock(L, x, batch, seq, hidden, heads, ffn, dropout, false, 0,
                      1, 1);
     b.PopScope();
   }

@@ -17,6 +17,8 @@ class Form {
   static constexpr Form R() { return Form(kReplicated); }
   static constexpr Form P() { return Form(kPartial); }
   static constexpr Form S(int dim) { return Form(static_cast<int8_t>(dim)); }
+  // The form whose raw() is `raw`.
+  static constexpr Form FromRaw(int8_t raw) { return Form(raw); }
 
   bool is_replicated() const { return v_ == kReplicated; }
   bool is_partial() const { return v_ == kPartial; }

@@ -16,8 +16,7 @@ void Linear(const RuleInput& x, std::vector<ShardRule>& r) {
   // Data parallel over any leading dimension.
   for (int d = 0; d + 1 < rank; ++d) {
     if (!x.Shardable(s[d])) continue;
-    r.push_back(MakeRule(absl::StrCat("data(", d, ")"),
-                         d == 0 ? RuleKind::kData : RuleKind::kData,
+    r.push_back(MakeRule(absl::StrCat("data(", d, ")"), RuleKind::kData,
                          with_bias({Form::S(d), Form::R()}, Form::R()),
                          {Form::S(d)}, true));
   }

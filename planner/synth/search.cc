@@ -32,6 +32,20 @@ struct Live {
   }
 };
 
+// The cost model's method for a program's (the dual keeps the method).
+cost::Method CostMethod(Method m) {
+  return m == Method::kGrouped ? cost::Method::kGrouped : cost::Method::kPadded;
+}
+
+// Appends a live tensor's forms (order-free) and communicated flag.
+void AppendForms(const Live& l, std::string* k) {
+  int8_t a = l.forms[0], b = l.nforms > 1 ? l.forms[1] : -100;
+  if (l.nforms > 1 && b < a) std::swap(a, b);
+  k->push_back(static_cast<char>(a));
+  k->push_back(static_cast<char>(b));
+  k->push_back(l.communicated ? 1 : 0);
+}
+
 struct State {
   int step = 0;
   std::vector<Live> live;  // sorted by tensor id
@@ -86,6 +100,8 @@ class Searcher {
   std::string Key(const State& s) const;
   std::optional<int> Greedy(int from, int64_t node_budget);
   Program Reconstruct(int goal) const;
+  // The program of `rules` applied from the empty state (costs unset).
+  Program Replay(const std::vector<int>& rules) const;
   bool OutOfBudget();
   std::vector<int> Cuts() const;
   std::string Signature(int a, int b) const;
@@ -208,9 +224,7 @@ bool Searcher::Convert(TensorId t, Form from, Form to, CommStep* out,
     c.forward = Collective::kAllGather;
     c.backward = Collective::kReduceScatter;
     c.forward_cost = Gather(bytes, &c.method);
-    c.backward_cost = coll_.ReduceScatter(
-        bytes, c.method == Method::kGrouped ? cost::Method::kGrouped
-                                            : cost::Method::kPadded);
+    c.backward_cost = coll_.ReduceScatter(bytes, CostMethod(c.method));
   } else if (from.is_partial() && to.is_replicated()) {
     c.forward = c.backward = Collective::kAllReduce;
     c.forward_cost = c.backward_cost = coll_.Constant(coll_.AllReduce(bytes));
@@ -218,9 +232,7 @@ bool Searcher::Convert(TensorId t, Form from, Form to, CommStep* out,
     c.forward = Collective::kReduceScatter;
     c.backward = Collective::kAllGather;
     c.forward_cost = Scatter(bytes, &c.method);
-    c.backward_cost = coll_.AllGather(
-        bytes, c.method == Method::kGrouped ? cost::Method::kGrouped
-                                            : cost::Method::kPadded);
+    c.backward_cost = coll_.AllGather(bytes, CostMethod(c.method));
   } else if (from.is_sharded() && to.is_sharded()) {
     c.forward = c.backward = Collective::kAllToAll;
     c.forward_cost = c.backward_cost = coll_.AllToAll(bytes);
@@ -398,12 +410,7 @@ bool Searcher::Apply(const State& s, int r, State* out, double* cost,
     for (int k = 0; k < l->nforms; ++k) {
       CommStep cs;
       double cc;
-      Form from = Form::S(0);
-      // Rebuild the Form from its raw value.
-      int8_t raw = l->forms[k];
-      from = raw == Form::kReplicated ? Form::R()
-             : raw == Form::kPartial  ? Form::P()
-                                      : Form::S(raw);
+      Form from = Form::FromRaw(l->forms[k]);
       if (Convert(t, from, need, &cs, &cc) && (!found || cc < best_cost)) {
         best = std::move(cs);
         best_cost = cc;
@@ -444,12 +451,8 @@ std::string Searcher::Key(const State& s) const {
   k.reserve(4 + s.live.size() * 8);
   k.append(reinterpret_cast<const char*>(&s.step), sizeof(s.step));
   for (const Live& l : s.live) {
-    int8_t a = l.forms[0], b = l.nforms > 1 ? l.forms[1] : -100;
-    if (l.nforms > 1 && b < a) std::swap(a, b);
     k.append(reinterpret_cast<const char*>(&l.tensor), sizeof(l.tensor));
-    k.push_back(static_cast<char>(a));
-    k.push_back(static_cast<char>(b));
-    k.push_back(l.communicated ? 1 : 0);
+    AppendForms(l, &k);
   }
   return k;
 }
@@ -508,27 +511,27 @@ std::optional<int> Searcher::Greedy(int from, int64_t node_budget) {
 }
 
 Program Searcher::Reconstruct(int goal) const {
-  std::vector<int> chain;
+  std::vector<int> rules;
   for (int i = goal; states_[i].parent >= 0; i = states_[i].parent) {
-    chain.push_back(i);
+    rules.push_back(states_[i].rule);
   }
-  std::reverse(chain.begin(), chain.end());
+  std::reverse(rules.begin(), rules.end());
+  return Replay(rules);
+}
+
+Program Searcher::Replay(const std::vector<int>& rules) const {
   Program p;
-  for (int i : chain) {
-    const State& parent = states_[states_[i].parent];
+  State s;
+  for (int r : rules) {
     OpStep step;
     State ns;
     double c;
-    Apply(parent, states_[i].rule, &ns, &c, &step);
+    Apply(s, r, &ns, &c, &step);
     p.steps.push_back(std::move(step));
+    s = std::move(ns);
   }
-  ProgramCost pc = EvaluateProgram(p, ratios_);
-  p.cost = pc.total;
-  p.compute_seconds = pc.compute;
-  p.communication_seconds = pc.communication;
   return p;
 }
-
 
 // Steps where at most one tensor (of any kind) is live: the boundaries
 // between blocks (a transformer layer's residual stream).
@@ -604,13 +607,7 @@ std::string Searcher::Signature(int a, int b) const {
 
 std::string Searcher::EntryKey(const State& s) const {
   std::string k;
-  for (const Live& l : s.live) {
-    int8_t a = l.forms[0], b = l.nforms > 1 ? l.forms[1] : -100;
-    if (l.nforms > 1 && b < a) std::swap(a, b);
-    k.push_back(static_cast<char>(a));
-    k.push_back(static_cast<char>(b));
-    k.push_back(l.communicated ? 1 : 0);
-  }
+  for (const Live& l : s.live) AppendForms(l, &k);
   return k;
 }
 
@@ -741,17 +738,7 @@ std::optional<Program> Searcher::RunBlocked() {
   }
   auto done = front.find("");
   if (done == front.end()) return std::nullopt;
-  Program p;
-  State s;
-  for (int r : done->second.rules) {
-    OpStep step;
-    State ns;
-    double c;
-    Apply(s, r, &ns, &c, &step);
-    p.steps.push_back(std::move(step));
-    s = std::move(ns);
-  }
-  return Finish(std::move(p), true);
+  return Finish(Replay(done->second.rules), true);
 }
 
 absl::StatusOr<Program> Searcher::Run() {
@@ -837,13 +824,7 @@ absl::StatusOr<Program> Searcher::Run() {
                 : absl::FailedPreconditionError(
                       "no complete program exists under the restrictions");
   }
-  Program p = Reconstruct(*goal);
-  p.optimal = optimal;
-  p.states_expanded = expanded_;
-  p.states_generated = static_cast<int64_t>(states_.size());
-  p.search_seconds = std::chrono::duration<double>(
-                         std::chrono::steady_clock::now() - start_)
-                         .count();
+  Program p = Finish(Reconstruct(*goal), optimal);
   if (opt_.progress) opt_.progress(expanded_, p.cost);
   return p;
 }
