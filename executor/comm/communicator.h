@@ -1,0 +1,102 @@
+// The communicator: the collectives a rank's program calls (DESIGN.md §10).
+// Backends: Gloo over TCP (gloo_communicator.h) for CPU ranks; NCCL for GPUs
+// (executor/cuda). Every collective works on contiguous buffers split by
+// rank in rank order ("chunks"); the executor maps a shard along any
+// dimension onto this flat layout itself.
+//
+// Uneven chunks (sharding ratios) come in two methods (plan.proto
+// CollectiveMethod): PADDED pads every chunk to the largest and runs one
+// collective; GROUPED runs one broadcast (all-gather) or one reduce
+// (reduce-scatter) per rank, each of its own size.
+//
+// Errors: InvalidArgument for inconsistent sizes (naming them);
+// DeadlineExceeded when a peer does not take part within the timeout (a
+// peer that died); Unavailable for a broken connection; Internal for any
+// other backend failure. After an error the communicator is unusable: every
+// later call returns FailedPrecondition naming the first error.
+//
+// Thread-safety: one thread at a time per communicator; collectives are
+// matched by call order across ranks.
+#ifndef HAP_EXECUTOR_COMM_COMMUNICATOR_H_
+#define HAP_EXECUTOR_COMM_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "executor/runtime/tensor.h"
+
+namespace hap::executor {
+
+enum class CommMethod { kPadded, kGrouped };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Elementwise sum over ranks, in place. float32, float64.
+  virtual absl::Status AllReduce(TensorView buf) = 0;
+  // `in` is this rank's chunk (counts[rank()] elements); `out` receives every
+  // chunk in rank order (sum of counts elements).
+  virtual absl::Status AllGather(TensorView in, TensorView out,
+                                 absl::Span<const int64_t> counts,
+                                 CommMethod method) = 0;
+  // `in` holds every rank's chunk in rank order (sum of counts elements);
+  // `out` (counts[rank()] elements) receives the sum over ranks of this
+  // rank's chunk.
+  virtual absl::Status ReduceScatter(TensorView in, TensorView out,
+                                     absl::Span<const int64_t> counts,
+                                     CommMethod method) = 0;
+  // `in` holds send_counts[j] elements for rank j in rank order; `out`
+  // receives recv_counts[j] elements from rank j in rank order.
+  virtual absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts,
+                                TensorView out,
+                                absl::Span<const int64_t> recv_counts) = 0;
+  virtual absl::Status Broadcast(TensorView buf, int root) = 0;
+  // Sum over ranks into `out` on `root` (out may be absent elsewhere).
+  virtual absl::Status Reduce(TensorView in, TensorView out, int root) = 0;
+  virtual absl::Status Barrier() = 0;
+};
+
+// A key-value store for rendezvous: a file store now (file_store.h), a store
+// served by the planner later. Keys are plain strings; values bytes.
+class RendezvousStore {
+ public:
+  virtual ~RendezvousStore() = default;
+  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
+  // Waits until the key exists; DeadlineExceeded after `timeout` naming it.
+  virtual absl::StatusOr<std::string> Get(const std::string& key,
+                                          absl::Duration timeout) = 0;
+};
+
+struct GlooOptions {
+  int rank = 0;
+  int size = 1;
+  // Every key this communicator writes is prefixed by it: a plan's name and
+  // generation, so restarted or concurrent plans never mix.
+  std::string prefix = "hap";
+  std::string hostname = "127.0.0.1";  // interface to listen on
+  absl::Duration timeout = absl::Seconds(60);  // per collective and connect
+};
+
+// Connects to every peer through `store` (full mesh over TCP). The store
+// must outlive the call only. Errors: DeadlineExceeded when a peer does not
+// show up within the timeout, naming the missing ranks where known.
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
+    const GlooOptions& options, RendezvousStore& store);
+
+// A store in a directory shared by the ranks (one file a key, written
+// atomically by rename). InvalidArgument when `dir` is not a writable
+// directory.
+absl::StatusOr<std::unique_ptr<RendezvousStore>> NewFileStore(
+    const std::string& dir);
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_COMM_COMMUNICATOR_H_
