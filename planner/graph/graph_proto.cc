@@ -47,34 +47,6 @@ hap::v1::DType ToProtoDType(DType d) {
   return hap::v1::FLOAT32;
 }
 
-namespace {
-
-void SpecToProto(const std::string& name, const TensorType& t,
-                 hap::v1::TensorSpec* p) {
-  p->set_name(name);
-  for (int64_t d : t.shape) p->add_shape(d);
-  p->set_dtype(ToProtoDType(t.dtype));
-}
-
-absl::StatusOr<TensorType> SpecFromProto(const hap::v1::TensorSpec& p,
-                                         absl::string_view what) {
-  if (p.name().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " has an empty name"));
-  }
-  if (p.dtype() == hap::v1::DTYPE_UNSPECIFIED ||
-      !hap::v1::DType_IsValid(p.dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " '", p.name(), "' has no valid dtype"));
-  }
-  TensorType t{FromProtoDType(p.dtype()), Shape(p.shape().begin(), p.shape().end())};
-  auto n = CheckedNumElements(t.shape);
-  if (!n.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " '", p.name(), "': ", n.status().message()));
-  }
-  return t;
-}
-
 void AttrToProto(const AttrValue& v, hap::v1::AttrValue* p) {
   if (auto* i = std::get_if<int64_t>(&v)) {
     p->set_i(*i);
@@ -114,6 +86,34 @@ absl::StatusOr<AttrValue> AttrFromProto(const hap::v1::AttrValue& p) {
       break;
   }
   return absl::InvalidArgumentError("has no value");
+}
+
+namespace {
+
+void SpecToProto(const std::string& name, const TensorType& t,
+                 hap::v1::TensorSpec* p) {
+  p->set_name(name);
+  for (int64_t d : t.shape) p->add_shape(d);
+  p->set_dtype(ToProtoDType(t.dtype));
+}
+
+absl::StatusOr<TensorType> SpecFromProto(const hap::v1::TensorSpec& p,
+                                         absl::string_view what) {
+  if (p.name().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " has an empty name"));
+  }
+  if (p.dtype() == hap::v1::DTYPE_UNSPECIFIED ||
+      !hap::v1::DType_IsValid(p.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " '", p.name(), "' has no valid dtype"));
+  }
+  TensorType t{FromProtoDType(p.dtype()), Shape(p.shape().begin(), p.shape().end())};
+  auto n = CheckedNumElements(t.shape);
+  if (!n.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " '", p.name(), "': ", n.status().message()));
+  }
+  return t;
 }
 
 Initializer InitFromProto(const hap::v1::Initializer& p) {

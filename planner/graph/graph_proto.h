@@ -32,6 +32,9 @@ absl::StatusOr<Graph> ParseGraph(absl::string_view bytes, GraphFormat format);
 std::string GraphToJson(const Graph& g);
 
 DType FromProtoDType(hap::v1::DType d);
+void AttrToProto(const AttrValue& v, hap::v1::AttrValue* p);
+// InvalidArgument "has no value" for an empty oneof.
+absl::StatusOr<AttrValue> AttrFromProto(const hap::v1::AttrValue& p);
 hap::v1::DType ToProtoDType(DType d);
 
 }  // namespace hap::graph

@@ -1,0 +1,931 @@
+#include "planner/lower/lower.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "executor/runtime/random.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/graph/op_registry.h"
+#include "planner/lower/arena.h"
+#include "planner/ratios/ratio_lp.h"
+#include "planner/synth/rules.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::lower {
+namespace {
+
+namespace v1 = ::hap::v1;
+using graph::TensorId;
+using synth::Form;
+
+// A buffer key: a tensor in a form. ZeRO storage (the S(0) shard a ZeRO
+// parameter is kept in) has its own pseudo-form.
+using Key = std::pair<TensorId, int8_t>;
+constexpr int8_t kZeroStorage = -10;
+
+Key K(TensorId t, Form f) { return {t, f.raw()}; }
+
+// Union-find over the sharded (tensor, dimension) pairs of a program; each
+// class is one logical split (see lower.h).
+class DimClasses {
+ public:
+  explicit DimClasses(const graph::Graph& g) : g_(g) {}
+
+  int Node(TensorId t, int dim) {
+    auto [it, fresh] = id_.emplace(std::make_pair(t, dim), static_cast<int>(parent_.size()));
+    if (fresh) {
+      parent_.push_back(it->second);
+      length_.push_back(g_.tensor(t).type.shape[dim]);
+    }
+    return it->second;
+  }
+  void Union(int a, int b) {
+    a = Find(a);
+    b = Find(b);
+    if (a != b) parent_[std::max(a, b)] = std::min(a, b);
+  }
+  void Solve(const std::vector<double>& ratios) {
+    const int n = static_cast<int>(ratios.size());
+    std::map<int, int64_t> gcd;
+    for (size_t i = 0; i < parent_.size(); ++i) {
+      int r = Find(static_cast<int>(i));
+      gcd[r] = std::gcd(gcd[r], length_[i]);
+    }
+    std::map<int, std::vector<int64_t>> units;
+    for (auto& [root, g] : gcd) {
+      std::vector<int64_t> m = ratios::RoundShards(g, ratios);
+      // Every rank gets at least one unit where there are enough: kernels
+      // then never see an empty shard.
+      if (g >= n) {
+        for (int r = 0; r < n; ++r) {
+          while (m[r] == 0) {
+            int big = static_cast<int>(std::max_element(m.begin(), m.end()) - m.begin());
+            --m[big];
+            ++m[r];
+          }
+        }
+      }
+      units[root] = std::move(m);
+    }
+    layout_.assign(parent_.size(), {});
+    for (size_t i = 0; i < parent_.size(); ++i) {
+      int root = Find(static_cast<int>(i));
+      int64_t scale = length_[i] / gcd[root];
+      ShardLayout& l = layout_[i];
+      int64_t off = 0;
+      for (int64_t u : units[root]) {
+        l.offsets.push_back(off);
+        l.lengths.push_back(u * scale);
+        off += u * scale;
+      }
+    }
+  }
+  const ShardLayout& Layout(TensorId t, int dim) const {
+    return layout_[id_.at({t, dim})];
+  }
+  bool Has(TensorId t, int dim) const { return id_.count({t, dim}) > 0; }
+
+ private:
+  int Find(int a) {
+    while (parent_[a] != a) a = parent_[a] = parent_[parent_[a]];
+    return a;
+  }
+  const graph::Graph& g_;
+  std::map<std::pair<TensorId, int>, int> id_;
+  std::vector<int> parent_;
+  std::vector<int64_t> length_;
+  std::vector<ShardLayout> layout_;
+};
+
+// What lowering knows of the program independently of the rank.
+struct Analysis {
+  std::vector<bool> requires_grad;  // per tensor
+  // Per tensor: the gradient of its R buffer is partial.
+  std::vector<bool> partial_grad;
+  // Per step: the parameter whose weight gradient SFB recomputes (-1: none).
+  std::vector<TensorId> sfb_param;
+};
+
+bool Differentiable(const graph::Graph& g, const graph::Op& op, int j) {
+  const graph::OpDef* def = graph::OpRegistry::Global().Find(op.type);
+  if (def) {
+    for (int k : def->non_differentiable_inputs) {
+      if (k == j) return false;
+    }
+  }
+  return graph::IsFloating(g.tensor(op.inputs[j]).type.dtype);
+}
+
+// The form of op input j's gradient contribution when it reads an R input:
+// a split or partial-sum rule leaves a partial gradient unless it declares
+// the gradient replicated; a replicated rule passes on its outputs' forms.
+bool PartialContribution(const synth::OpStep& s, const graph::Op& op, int j,
+                         const std::vector<bool>& partial_grad) {
+  const synth::ShardRule& r = s.rule;
+  if (r.split || r.kind == synth::RuleKind::kPartial) return !r.replicated_grad[j];
+  for (TensorId o : op.outputs) {
+    if (partial_grad[o]) return true;
+  }
+  return false;
+}
+
+// R operands a rule adds once into a P result: read on rank 0 only.
+bool AddedOnce(const synth::ShardRule& r, int j) {
+  if (!r.inputs[j].is_replicated() || !r.replicated_grad[j]) return false;
+  for (Form f : r.outputs) {
+    if (f.is_partial()) return true;
+  }
+  return false;
+}
+
+Analysis Analyze(const graph::Graph& g, const synth::Program& p) {
+  Analysis a;
+  const int nt = static_cast<int>(g.tensors().size());
+  a.requires_grad.assign(nt, false);
+  a.partial_grad.assign(nt, false);
+  a.sfb_param.assign(p.steps.size(), -1);
+  for (TensorId t : g.Parameters()) a.requires_grad[t] = !g.tensor(t).frozen;
+  for (const graph::Op& op : g.ops()) {
+    bool any = false;
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      any = any || (a.requires_grad[op.inputs[j]] &&
+                    Differentiable(g, op, static_cast<int>(j)));
+    }
+    for (TensorId o : op.outputs) a.requires_grad[o] = any;
+  }
+  for (size_t k = 0; k < p.steps.size(); ++k) {
+    for (const synth::SourceLoad& l : p.steps[k].loads) {
+      if (l.sfb) a.sfb_param[k] = l.tensor;
+    }
+  }
+  for (int k = static_cast<int>(p.steps.size()) - 1; k >= 0; --k) {
+    const synth::OpStep& s = p.steps[k];
+    const graph::Op& op = g.op(s.op);
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      TensorId t = op.inputs[j];
+      if (!a.requires_grad[t] || !Differentiable(g, op, static_cast<int>(j))) continue;
+      if (!s.rule.inputs[j].is_replicated()) continue;
+      if (a.sfb_param[k] == t && j == 1) continue;  // SFB: whole dW
+      if (PartialContribution(s, op, static_cast<int>(j), a.partial_grad)) {
+        a.partial_grad[t] = true;
+      }
+    }
+    for (const synth::CommStep& c : s.comms) {
+      if (c.from.is_replicated() && a.requires_grad[c.tensor]) {
+        a.partial_grad[c.tensor] = true;  // slice or zero-out: one part each
+      }
+    }
+  }
+  return a;
+}
+
+v1::TensorForm FormProto(int8_t raw) {
+  v1::TensorForm f;
+  if (raw == kZeroStorage) raw = 0;
+  Form form = Form::FromRaw(raw);
+  if (form.is_replicated()) {
+    f.set_kind(v1::TensorForm::REPLICATED);
+  } else if (form.is_partial()) {
+    f.set_kind(v1::TensorForm::PARTIAL);
+  } else {
+    f.set_kind(v1::TensorForm::SHARDED);
+    f.set_dim(form.dim());
+  }
+  return f;
+}
+
+v1::CollectiveMethod MethodProto(synth::Method m) {
+  return m == synth::Method::kGrouped ? v1::GROUPED : v1::PADDED;
+}
+
+// Builds one rank's program.
+class RankBuilder {
+ public:
+  RankBuilder(const graph::Graph& g, const synth::Program& p,
+              const LowerOptions& o, const DimClasses& dims, const Analysis& a,
+              int rank)
+      : g_(g), p_(p), o_(o), dims_(dims), a_(a), r_(rank) {}
+
+  absl::StatusOr<v1::RankProgram> Build() {
+    prog_.set_rank(r_);
+    prog_.set_world_size(o_.world_size);
+    prog_.set_seed(o_.seed);
+    if (r_ < static_cast<int>(o_.devices.size())) prog_.set_device(o_.devices[r_]);
+    for (size_t k = 0; k < p_.steps.size(); ++k) {
+      HAP_RETURN_IF_ERROR(Forward(p_.steps[k]));
+    }
+    HAP_RETURN_IF_ERROR(Loss());
+    for (int k = static_cast<int>(p_.steps.size()) - 1; k >= 0; --k) {
+      HAP_RETURN_IF_ERROR(Backward(k));
+    }
+    Optimizer();
+    Finish();
+    return std::move(prog_);
+  }
+
+ private:
+  // --- buffers -----------------------------------------------------------
+  graph::Shape LocalShape(TensorId t, int8_t raw) const {
+    graph::Shape s = g_.tensor(t).type.shape;
+    int d = raw == kZeroStorage ? 0 : raw;
+    if (d >= 0) s[d] = dims_.Layout(t, d).lengths[r_];
+    return s;
+  }
+  std::vector<int64_t> Offsets(TensorId t, int8_t raw) const {
+    std::vector<int64_t> off(g_.tensor(t).type.shape.size(), 0);
+    int d = raw == kZeroStorage ? 0 : raw;
+    if (d >= 0) off[d] = dims_.Layout(t, d).offsets[r_];
+    return off;
+  }
+  int NewBuffer(TensorId t, int8_t raw, v1::Buffer::Role role,
+                const std::string& suffix = "") {
+    v1::Buffer* b = prog_.add_buffers();
+    int id = prog_.buffers_size() - 1;
+    const graph::Tensor& tensor = g_.tensor(t);
+    b->set_id(id);
+    b->set_tensor(tensor.name + suffix);
+    for (int64_t d : LocalShape(t, raw)) b->add_shape(d);
+    b->set_dtype(graph::ToProtoDType(tensor.type.dtype));
+    b->set_role(role);
+    *b->mutable_form() = FormProto(raw);
+    for (int64_t d : tensor.type.shape) b->add_global_shape(d);
+    for (int64_t d : Offsets(t, raw)) b->add_offsets(d);
+    bool persistent = role == v1::Buffer::PARAMETER ||
+                      role == v1::Buffer::OPTIMIZER_STATE;
+    b->set_persistent(persistent);
+    first_.push_back(persistent || role == v1::Buffer::INPUT ||
+                             role == v1::Buffer::LOSS
+                         ? -1
+                         : std::numeric_limits<int>::max());
+    last_.push_back(persistent || role == v1::Buffer::LOSS ? kEnd : -1);
+    return id;
+  }
+  // A buffer shaped like `like` (same local shape and metadata).
+  int Scratch(TensorId t, int8_t raw) {
+    return NewBuffer(t, raw, v1::Buffer::SCRATCH, "#scratch");
+  }
+
+  absl::StatusOr<int> Fwd(Key k, const graph::Op& op) const {
+    auto it = fwd_.find(k);
+    if (it == fwd_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "op '", op.name, "' reads '", g_.tensor(k.first).name, "' as ",
+          Form::FromRaw(k.second).ToString(), ", which the program never produces"));
+    }
+    return it->second;
+  }
+
+  int8_t GradForm(Key k) const {
+    if (k.second == kZeroStorage) return kZeroStorage;
+    Form f = Form::FromRaw(k.second);
+    if (f.is_partial()) return Form::R().raw();
+    if (f.is_replicated()) {
+      return a_.partial_grad[k.first] ? Form::P().raw() : Form::R().raw();
+    }
+    return f.raw();
+  }
+  bool HasGrad(Key k) const { return grad_.count(k) > 0; }
+  // The gradient buffer of a forward buffer, created (and zeroed) on first
+  // use.
+  int Grad(Key k, v1::Step::Phase phase) {
+    auto it = grad_.find(k);
+    if (it != grad_.end()) return it->second;
+    int8_t gf = GradForm(k);
+    int id = NewBuffer(k.first, gf, v1::Buffer::GRADIENT, "#grad");
+    // The buffer's local shape is the forward buffer's (P and R are whole).
+    if (k.second == kZeroStorage) *prog_.mutable_buffers(id)->mutable_form() = FormProto(0);
+    grad_[k] = id;
+    Fill(phase, id, 0.0);
+    return id;
+  }
+  // The id a contribution of form `partial` writes to, or -1 when this rank
+  // skips it (a whole contribution to a partial gradient counts on rank 0).
+  absl::StatusOr<int> GradTarget(Key k, bool partial, v1::Step::Phase phase,
+                                 const std::string& what) {
+    int id = Grad(k, phase);
+    bool target_partial = GradForm(k) == Form::P().raw();
+    bool target_whole = GradForm(k) == Form::R().raw();
+    if (partial && target_whole) {
+      return absl::InternalError(absl::StrCat(
+          what, ": a partial gradient contribution to '",
+          g_.tensor(k.first).name, "', whose gradient is replicated"));
+    }
+    if (!partial && target_partial && r_ != 0) return -1;
+    return id;
+  }
+
+  // --- steps -------------------------------------------------------------
+  void Use(int id, int step) {
+    if (id < 0) return;
+    first_[id] = std::min(first_[id], step);
+    last_[id] = std::max(last_[id], step);
+  }
+  v1::KernelCall* Kernel(v1::Step::Phase phase, const std::string& name,
+                         const std::vector<int>& in, const std::vector<int>& out,
+                         const std::string& op = "") {
+    int step = prog_.steps_size();
+    v1::Step* s = prog_.add_steps();
+    s->set_phase(phase);
+    v1::KernelCall* k = s->mutable_kernel();
+    k->set_kernel(name);
+    k->set_op(op);
+    for (int i : in) {
+      k->add_inputs(i);
+      Use(i, step);
+    }
+    for (int i : out) {
+      k->add_outputs(i);
+      Use(i, step);
+    }
+    return k;
+  }
+  void Fill(v1::Step::Phase phase, int id, double value) {
+    v1::KernelCall* k = Kernel(phase, "fill", {}, {id});
+    (*k->mutable_attrs())["value"].set_f(value);
+  }
+  v1::CollectiveCall* Coll(v1::Step::Phase phase, v1::Collective kind, int in,
+                           int out, TensorId t) {
+    int step = prog_.steps_size();
+    v1::Step* s = prog_.add_steps();
+    s->set_phase(phase);
+    v1::CollectiveCall* c = s->mutable_collective();
+    c->set_collective(kind);
+    c->set_input(in);
+    c->set_output(out);
+    c->set_tensor(g_.tensor(t).name);
+    Use(in, step);
+    Use(out, step);
+    return c;
+  }
+  v1::CollectiveCall* Sharded(v1::Step::Phase phase, v1::Collective kind,
+                              synth::Method m, int in, int out, TensorId t,
+                              int dim) {
+    v1::CollectiveCall* c = Coll(phase, kind, in, out, t);
+    c->set_method(MethodProto(m));
+    c->set_dim(dim);
+    for (int64_t l : dims_.Layout(t, dim).lengths) c->add_shard_sizes(l);
+    return c;
+  }
+  void SliceAttrs(v1::KernelCall* k, TensorId t, int dim) {
+    const ShardLayout& l = dims_.Layout(t, dim);
+    auto& a = *k->mutable_attrs();
+    a["axis"].set_i(dim);
+    a["start"].set_i(l.offsets[r_]);
+    a["end"].set_i(l.offsets[r_] + l.lengths[r_]);
+  }
+
+  // --- forward -----------------------------------------------------------
+  absl::Status Forward(const synth::OpStep& s) {
+    const graph::Op& op = g_.op(s.op);
+    const auto F = v1::Step::FORWARD;
+    for (const synth::SourceLoad& l : s.loads) {
+      const graph::Tensor& t = g_.tensor(l.tensor);
+      if (!l.parameter) {
+        fwd_[K(l.tensor, l.form)] = NewBuffer(l.tensor, l.form.raw(), v1::Buffer::INPUT);
+        continue;
+      }
+      ParamSlot slot;
+      slot.tensor = l.tensor;
+      if (l.storage == synth::ParamStorage::kZero) {
+        slot.storage = {l.tensor, kZeroStorage};
+        int shard = NewBuffer(l.tensor, kZeroStorage, v1::Buffer::PARAMETER);
+        fwd_[slot.storage] = shard;
+        int whole = NewBuffer(l.tensor, Form::R().raw(), v1::Buffer::ACTIVATION,
+                              "#gathered");
+        fwd_[K(l.tensor, Form::R())] = whole;
+        Sharded(F, v1::ALL_GATHER, l.method, shard, whole, l.tensor, 0);
+      } else {
+        slot.storage = K(l.tensor, l.form);
+        fwd_[slot.storage] = NewBuffer(l.tensor, l.form.raw(), v1::Buffer::PARAMETER);
+      }
+      slot.zero = l.storage == synth::ParamStorage::kZero;
+      slot.replicated = l.storage == synth::ParamStorage::kReplicated;
+      if (!t.frozen) params_.push_back(slot);
+    }
+    for (const synth::CommStep& c : s.comms) {
+      HAP_ASSIGN_OR_RETURN(int in, Fwd(K(c.tensor, c.from), op));
+      int out = NewBuffer(c.tensor, c.to.raw(), v1::Buffer::ACTIVATION);
+      fwd_[K(c.tensor, c.to)] = out;
+      EmitForwardComm(c, in, out);
+    }
+    std::vector<int> in, out;
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      HAP_ASSIGN_OR_RETURN(int id, Fwd(K(op.inputs[j], s.rule.inputs[j]), op));
+      in.push_back(AddedOnce(s.rule, static_cast<int>(j)) && r_ != 0 ? -1 : id);
+    }
+    for (size_t j = 0; j < op.outputs.size(); ++j) {
+      Key k = K(op.outputs[j], s.rule.outputs[j]);
+      int id = NewBuffer(op.outputs[j], k.second, v1::Buffer::ACTIVATION);
+      fwd_[k] = id;
+      out.push_back(id);
+    }
+    v1::KernelCall* call = Kernel(F, op.type, in, out, op.name);
+    OpAttrs(s, op, call);
+    return absl::OkStatus();
+  }
+
+  void EmitForwardComm(const synth::CommStep& c, int in, int out) {
+    const auto F = v1::Step::FORWARD;
+    using C = synth::Collective;
+    switch (c.forward) {
+      case C::kAllGather:
+        Sharded(F, v1::ALL_GATHER, c.method, in, out, c.tensor, c.from.dim());
+        break;
+      case C::kAllReduce:
+        Coll(F, v1::ALL_REDUCE, in, out, c.tensor);
+        break;
+      case C::kReduceScatter:
+        Sharded(F, v1::REDUCE_SCATTER, c.method, in, out, c.tensor, c.to.dim());
+        break;
+      case C::kAllToAll: {
+        v1::CollectiveCall* call = Sharded(F, v1::ALL_TO_ALL, c.method, in, out,
+                                           c.tensor, c.to.dim());
+        call->set_from_dim(c.from.dim());
+        for (int64_t l : dims_.Layout(c.tensor, c.from.dim()).lengths) {
+          call->add_from_shard_sizes(l);
+        }
+        break;
+      }
+      case C::kSlice:
+        SliceAttrs(Kernel(F, "slice", {in}, {out}), c.tensor, c.to.dim());
+        break;
+      case C::kZeroOut:
+        if (r_ == 0) {
+          Kernel(F, "copy", {in}, {out});
+        } else {
+          Fill(F, out, 0.0);
+        }
+        break;
+    }
+  }
+
+  // Attributes for sharded execution (executor/cpu/kernels.h).
+  void OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* call) {
+    auto& a = *call->mutable_attrs();
+    for (const auto& [name, v] : op.attrs.values()) {
+      if (name.rfind(graph::kAnnotationPrefix, 0) == 0) continue;
+      graph::AttrToProto(v, &a[name]);
+    }
+    const graph::Shape& in0 = g_.tensor(op.inputs[0]).type.shape;
+    if (op.type == "dropout") {
+      uint64_t key = executor::CounterKey(o_.seed, executor::HashName(op.name));
+      a["rng_key"].set_i(static_cast<int64_t>(key));
+      auto* gs = a["global_shape"].mutable_ints();
+      for (int64_t d : in0) gs->add_values(d);
+      auto* off = a["offsets"].mutable_ints();
+      for (int64_t d : Offsets(op.inputs[0], s.rule.inputs[0].raw())) off->add_values(d);
+    } else if (op.type == "nll_loss" || op.type == "cross_entropy") {
+      a["global_rows"].set_i(in0[0]);
+    } else if (op.type == "mean") {
+      std::vector<int64_t> axes = op.attrs.Ints("axes", {}).value_or(std::vector<int64_t>{});
+      int64_t count = 1;
+      int rank = static_cast<int>(in0.size());
+      for (int d = 0; d < rank; ++d) {
+        bool reduced = axes.empty();
+        for (int64_t x : axes) reduced = reduced || (x < 0 ? x + rank : x) == d;
+        if (reduced) count *= in0[d];
+      }
+      a["global_count"].set_i(count);
+    } else if (op.type == "embedding") {
+      const graph::Shape& table = g_.tensor(op.inputs[1]).type.shape;
+      a["vocab_size"].set_i(table[0]);
+      Form tf = s.rule.inputs[1];
+      a["vocab_offset"].set_i(tf.is_sharded() && tf.dim() == 0
+                                  ? dims_.Layout(op.inputs[1], 0).offsets[r_]
+                                  : 0);
+    }
+  }
+
+  absl::Status Loss() {
+    TensorId l = g_.loss();
+    Key k = K(l, Form::R());
+    if (!fwd_.count(k)) k = K(l, Form::P());
+    if (!fwd_.count(k)) {
+      return absl::FailedPreconditionError(
+          "the program does not compute the loss in form R or P");
+    }
+    int loss = NewBuffer(l, Form::R().raw(), v1::Buffer::LOSS, "#value");
+    prog_.set_loss_buffer(loss);
+    if (Form::FromRaw(k.second).is_partial()) {
+      Coll(v1::Step::FORWARD, v1::ALL_REDUCE, fwd_[k], loss, l);
+    } else {
+      Kernel(v1::Step::FORWARD, "copy", {fwd_[k]}, {loss});
+    }
+    // dL/dL = 1, whole on every rank (the gradient of a P or R loss is R).
+    int seed = Grad(k, v1::Step::BACKWARD);
+    Fill(v1::Step::BACKWARD, seed, 1.0);
+    return absl::OkStatus();
+  }
+
+  // --- backward ----------------------------------------------------------
+  absl::Status Backward(int k) {
+    const synth::OpStep& s = p_.steps[k];
+    const graph::Op& op = g_.op(s.op);
+    const auto B = v1::Step::BACKWARD;
+    // The op's gradient kernel.
+    bool any_dy = false;
+    for (size_t j = 0; j < op.outputs.size(); ++j) {
+      any_dy = any_dy || HasGrad(K(op.outputs[j], s.rule.outputs[j]));
+    }
+    bool any_dx = false;
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      any_dx = any_dx || (a_.requires_grad[op.inputs[j]] &&
+                          Differentiable(g_, op, static_cast<int>(j)));
+    }
+    if (any_dy && any_dx) {
+      HAP_RETURN_IF_ERROR(OpBackward(k, s, op));
+    }
+    // The duals of the communication in front of it, last first.
+    for (auto c = s.comms.rbegin(); c != s.comms.rend(); ++c) {
+      HAP_RETURN_IF_ERROR(CommBackward(*c));
+    }
+    // Gradient synchronisation of the parameters it loaded.
+    for (const synth::SourceLoad& l : s.loads) {
+      if (l.parameter && !g_.tensor(l.tensor).frozen) SyncParameter(l);
+    }
+    (void)B;
+    return absl::OkStatus();
+  }
+
+  absl::Status OpBackward(int k, const synth::OpStep& s, const graph::Op& op) {
+    const auto B = v1::Step::BACKWARD;
+    std::vector<int> in, outs, dys, dxs;
+    bool replicated_rule = !s.rule.split && s.rule.kind != synth::RuleKind::kPartial;
+    bool any_partial_out = false;
+    for (TensorId o : op.outputs) any_partial_out = any_partial_out || a_.partial_grad[o];
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      HAP_ASSIGN_OR_RETURN(int id, Fwd(K(op.inputs[j], s.rule.inputs[j]), op));
+      in.push_back(id);
+    }
+    for (size_t j = 0; j < op.outputs.size(); ++j) {
+      Key key = K(op.outputs[j], s.rule.outputs[j]);
+      outs.push_back(fwd_.at(key));
+      int dy = HasGrad(key) ? grad_.at(key) : -1;
+      // A replicated op whose outputs' gradients are partly partial: the
+      // whole ones count on rank 0 only, and every input gradient is partial.
+      if (replicated_rule && any_partial_out && !a_.partial_grad[op.outputs[j]] &&
+          r_ != 0) {
+        dy = -1;
+      }
+      dys.push_back(dy);
+    }
+    TensorId sfb = a_.sfb_param[k];
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      TensorId t = op.inputs[j];
+      if (!a_.requires_grad[t] || !Differentiable(g_, op, static_cast<int>(j)) ||
+          (sfb == t && j == 1)) {
+        dxs.push_back(-1);
+        continue;
+      }
+      Form f = s.rule.inputs[j];
+      bool partial = f.is_replicated() &&
+                     PartialContribution(s, op, static_cast<int>(j), a_.partial_grad);
+      HAP_ASSIGN_OR_RETURN(int dx, GradTarget(K(t, f), partial, B, op.name));
+      dxs.push_back(dx);
+    }
+    std::vector<int> inputs = in;
+    inputs.insert(inputs.end(), outs.begin(), outs.end());
+    inputs.insert(inputs.end(), dys.begin(), dys.end());
+    bool any_out = std::any_of(dxs.begin(), dxs.end(), [](int x) { return x >= 0; });
+    bool any_in = std::any_of(dys.begin(), dys.end(), [](int x) { return x >= 0; });
+    if (any_out && any_in) {
+      v1::KernelCall* call = Kernel(B, op.type + "_grad", inputs, dxs, op.name);
+      OpAttrs(s, op, call);
+    }
+    if (sfb >= 0) HAP_RETURN_IF_ERROR(SfbBackward(k, s, op, in, outs));
+    return absl::OkStatus();
+  }
+
+  // Sufficient factor broadcasting: gather x and dy of a data-parallel
+  // linear, and every rank computes the whole weight gradient.
+  absl::Status SfbBackward(int k, const synth::OpStep& s, const graph::Op& op,
+                           const std::vector<int>& in, const std::vector<int>& outs) {
+    const auto B = v1::Step::GRADIENT_SYNC;
+    TensorId x = op.inputs[0], y = op.outputs[0], w = op.inputs[1];
+    Form xf = s.rule.inputs[0];
+    Key yk = K(y, s.rule.outputs[0]);
+    if (!HasGrad(yk) || !xf.is_sharded()) return absl::OkStatus();
+    synth::Method method = synth::Method::kPadded;
+    for (const auto& l : p_.steps[k].loads) {
+      if (l.tensor == w) method = l.method;
+    }
+    int xs = NewBuffer(x, Form::R().raw(), v1::Buffer::SCRATCH, "#sfb");
+    int dys = NewBuffer(y, Form::R().raw(), v1::Buffer::SCRATCH, "#sfb_grad");
+    Sharded(B, v1::ALL_GATHER, method, in[0], xs, x, xf.dim());
+    Sharded(B, v1::ALL_GATHER, method, grad_.at(yk), dys, y, xf.dim());
+    HAP_ASSIGN_OR_RETURN(int dw, GradTarget(K(w, Form::R()), false, B, op.name));
+    std::vector<int> inputs = {xs, in[1]};
+    std::vector<int> dx = {-1, dw};
+    if (op.inputs.size() == 3) {
+      inputs.push_back(in[2]);
+      dx.push_back(-1);
+    }
+    inputs.push_back(dys);  // the output's value is not read by linear_grad
+    inputs.push_back(dys);
+    (void)outs;
+    if (dw >= 0) Kernel(B, "linear_grad", inputs, dx, op.name);
+    return absl::OkStatus();
+  }
+
+  absl::Status CommBackward(const synth::CommStep& c) {
+    Key to = K(c.tensor, c.to), from = K(c.tensor, c.from);
+    if (!a_.requires_grad[c.tensor] || !HasGrad(to)) return absl::OkStatus();
+    const auto B = v1::Step::BACKWARD;
+    using C = synth::Collective;
+    int gt = grad_.at(to);
+    bool gt_partial = GradForm(to) == Form::P().raw();
+    std::string what = absl::StrCat("dual of ", synth::CollectiveName(c.forward),
+                                    " of '", g_.tensor(c.tensor).name, "'");
+    auto accumulate = [&](int src, bool partial) -> absl::Status {
+      HAP_ASSIGN_OR_RETURN(int dst, GradTarget(from, partial, B, what));
+      if (dst >= 0) Kernel(B, "accumulate", {src}, {dst});
+      return absl::OkStatus();
+    };
+    switch (c.forward) {
+      case C::kAllGather: {  // S(d) -> R; gradient back to S(d)
+        int d = c.from.dim();
+        int tmp = Scratch(c.tensor, c.from.raw());
+        if (gt_partial) {
+          Sharded(B, v1::REDUCE_SCATTER, c.method, gt, tmp, c.tensor, d);
+        } else {
+          SliceAttrs(Kernel(B, "slice", {gt}, {tmp}), c.tensor, d);
+        }
+        return accumulate(tmp, false);
+      }
+      case C::kAllReduce:  // P -> R; gradient of P is whole
+        if (gt_partial) Coll(B, v1::ALL_REDUCE, gt, gt, c.tensor);
+        return accumulate(gt, false);
+      case C::kReduceScatter: {  // P -> S(d); gradient of P is whole
+        int tmp = Scratch(c.tensor, Form::R().raw());
+        Sharded(B, v1::ALL_GATHER, c.method, gt, tmp, c.tensor, c.to.dim());
+        return accumulate(tmp, false);
+      }
+      case C::kAllToAll: {  // S(i) -> S(j); back S(j) -> S(i)
+        int tmp = Scratch(c.tensor, c.from.raw());
+        v1::CollectiveCall* call = Sharded(B, v1::ALL_TO_ALL, c.method, gt, tmp,
+                                           c.tensor, c.from.dim());
+        call->set_from_dim(c.to.dim());
+        for (int64_t l : dims_.Layout(c.tensor, c.to.dim()).lengths) {
+          call->add_from_shard_sizes(l);
+        }
+        return accumulate(tmp, false);
+      }
+      case C::kSlice: {  // R -> S(d): this rank's part of a partial gradient
+        HAP_ASSIGN_OR_RETURN(int dst, GradTarget(from, true, B, what));
+        v1::KernelCall* k =
+            Kernel(B, "slice_grad", {fwd_.at(from), fwd_.at(to), gt}, {dst});
+        SliceAttrs(k, c.tensor, c.to.dim());
+        return absl::OkStatus();
+      }
+      case C::kZeroOut: {  // R -> P: only rank 0's copy counted
+        HAP_ASSIGN_OR_RETURN(int dst, GradTarget(from, true, B, what));
+        if (r_ == 0) Kernel(B, "accumulate", {gt}, {dst});
+        return absl::OkStatus();
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void SyncParameter(const synth::SourceLoad& l) {
+    const auto G = v1::Step::GRADIENT_SYNC;
+    Key whole = K(l.tensor, Form::R());
+    if (l.storage == synth::ParamStorage::kZero) {
+      if (!HasGrad(whole)) return;
+      int gt = grad_.at(whole);
+      int dst = Grad({l.tensor, kZeroStorage}, G);
+      if (a_.partial_grad[l.tensor]) {
+        Sharded(G, v1::REDUCE_SCATTER, l.method, gt, dst, l.tensor, 0);
+      } else {
+        int tmp = Scratch(l.tensor, kZeroStorage);
+        SliceAttrs(Kernel(G, "slice", {gt}, {tmp}), l.tensor, 0);
+        Kernel(G, "accumulate", {tmp}, {dst});
+      }
+    } else if (l.storage == synth::ParamStorage::kReplicated) {
+      if (HasGrad(whole) && a_.partial_grad[l.tensor]) {
+        int gt = grad_.at(whole);
+        Coll(G, v1::ALL_REDUCE, gt, gt, l.tensor);
+      }
+    }
+  }
+
+  // --- optimizer ---------------------------------------------------------
+  void Optimizer() {
+    const auto O = v1::Step::OPTIMIZER;
+    const v1::OptimizerConfig& cfg = o_.optimizer;
+    std::vector<const ParamSlot*> live;
+    for (const ParamSlot& p : params_) {
+      if (HasGrad(p.storage)) live.push_back(&p);
+    }
+    int norm = -1;
+    if (cfg.clip_global_norm() > 0 && !live.empty()) {
+      norm = NewNorm();
+      Fill(O, norm, 0.0);
+      for (const ParamSlot* p : live) {
+        // A replicated parameter counts once: on rank 0.
+        if (p->replicated && r_ != 0) continue;
+        Kernel(O, "sq_norm", {grad_.at(p->storage)}, {norm});
+      }
+      Coll(O, v1::ALL_REDUCE, norm, norm, g_.loss());
+    }
+    bool adam = cfg.kind() == v1::OptimizerConfig::ADAM;
+    for (const ParamSlot* p : live) {
+      int param = fwd_.at(p->storage);
+      int grad = grad_.at(p->storage);
+      std::vector<int> in = {param, grad, norm};
+      std::vector<int> out = {param};
+      int8_t raw = p->storage.second;
+      if (adam) {
+        out.push_back(NewBuffer(p->tensor, raw, v1::Buffer::OPTIMIZER_STATE, "#adam_m"));
+        out.push_back(NewBuffer(p->tensor, raw, v1::Buffer::OPTIMIZER_STATE, "#adam_v"));
+      } else if (cfg.momentum() != 0) {
+        out.push_back(NewBuffer(p->tensor, raw, v1::Buffer::OPTIMIZER_STATE, "#momentum"));
+      }
+      v1::KernelCall* k = Kernel(O, adam ? "adam_update" : "sgd_update", in, out,
+                                 g_.tensor(p->tensor).name);
+      auto& a = *k->mutable_attrs();
+      a["learning_rate"].set_f(cfg.learning_rate());
+      a["weight_decay"].set_f(cfg.weight_decay());
+      a["clip_global_norm"].set_f(cfg.clip_global_norm());
+      if (adam) {
+        a["beta1"].set_f(cfg.beta1() != 0 ? cfg.beta1() : 0.9);
+        a["beta2"].set_f(cfg.beta2() != 0 ? cfg.beta2() : 0.999);
+        a["epsilon"].set_f(cfg.epsilon() != 0 ? cfg.epsilon() : 1e-8);
+      } else {
+        a["momentum"].set_f(cfg.momentum());
+      }
+    }
+  }
+  int NewNorm() {
+    v1::Buffer* b = prog_.add_buffers();
+    int id = prog_.buffers_size() - 1;
+    b->set_id(id);
+    b->set_tensor("#global_grad_norm_sq");
+    b->add_shape(1);
+    b->add_global_shape(1);
+    b->add_offsets(0);
+    b->set_dtype(v1::FLOAT64);
+    b->set_role(v1::Buffer::NORM);
+    b->mutable_form()->set_kind(v1::TensorForm::REPLICATED);
+    first_.push_back(std::numeric_limits<int>::max());
+    last_.push_back(-1);
+    return id;
+  }
+
+  // Lifetimes and arena offsets.
+  void Finish() {
+    const int end = prog_.steps_size();
+    std::vector<ArenaRequest> req;
+    for (int i = 0; i < prog_.buffers_size(); ++i) {
+      v1::Buffer* b = prog_.mutable_buffers(i);
+      int first = first_[i], last = last_[i] == kEnd ? end : last_[i];
+      if (first == std::numeric_limits<int>::max()) first = last = -1;  // unused
+      b->set_first_use(first);
+      b->set_last_use(last);
+      int64_t n = 1;
+      for (int64_t d : b->shape()) n *= d;
+      req.push_back({n * graph::DTypeBytes(graph::FromProtoDType(b->dtype())),
+                     first, last});
+    }
+    ArenaLayout layout = PlanArena(req);
+    for (int i = 0; i < prog_.buffers_size(); ++i) {
+      prog_.mutable_buffers(i)->set_offset_bytes(layout.offsets[i]);
+    }
+    prog_.set_arena_bytes(layout.total_bytes);
+  }
+
+  struct ParamSlot {
+    TensorId tensor = -1;
+    Key storage;
+    bool zero = false;
+    bool replicated = false;
+  };
+  static constexpr int kEnd = std::numeric_limits<int>::max() - 1;
+
+  const graph::Graph& g_;
+  const synth::Program& p_;
+  const LowerOptions& o_;
+  const DimClasses& dims_;
+  const Analysis& a_;
+  const int r_;
+  v1::RankProgram prog_;
+  std::map<Key, int> fwd_, grad_;
+  std::vector<int> first_, last_;
+  std::vector<ParamSlot> params_;
+};
+
+void LinkDims(const graph::Graph& g, const synth::Program& p, DimClasses& dims) {
+  for (const synth::OpStep& s : p.steps) {
+    const graph::Op& op = g.op(s.op);
+    int first = -1;
+    auto link = [&](TensorId t, Form f) {
+      if (!f.is_sharded()) return;
+      int n = dims.Node(t, f.dim());
+      if (first < 0) {
+        first = n;
+      } else {
+        dims.Union(first, n);
+      }
+    };
+    for (size_t j = 0; j < op.inputs.size(); ++j) link(op.inputs[j], s.rule.inputs[j]);
+    for (size_t j = 0; j < op.outputs.size(); ++j) link(op.outputs[j], s.rule.outputs[j]);
+    for (const synth::SourceLoad& l : s.loads) {
+      if (l.form.is_sharded()) dims.Node(l.tensor, l.form.dim());
+      if (l.storage == synth::ParamStorage::kZero) dims.Node(l.tensor, 0);
+    }
+    for (const synth::CommStep& c : s.comms) {
+      if (c.from.is_sharded()) dims.Node(c.tensor, c.from.dim());
+      if (c.to.is_sharded()) dims.Node(c.tensor, c.to.dim());
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::RankProgram>> Lower(const graph::Graph& g,
+                                                   const synth::Program& program,
+                                                   const LowerOptions& options) {
+  const int n = options.world_size;
+  if (n < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size must be at least 1, got ", n));
+  }
+  std::vector<double> ratios = options.ratios;
+  if (ratios.empty()) ratios.assign(n, 1.0 / n);
+  if (static_cast<int>(ratios.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "got ", ratios.size(), " sharding ratios for a world of ", n));
+  }
+  double sum = 0;
+  for (double r : ratios) {
+    if (!(r >= 0) || !std::isfinite(r)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sharding ratio ", r, " is not a finite non-negative number"));
+    }
+    sum += r;
+  }
+  if (std::abs(sum - 1) > 1e-6) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sharding ratios sum to ", sum, ", not 1"));
+  }
+  if (program.steps.size() != g.ops().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the program has ", program.steps.size(), " steps for a graph of ",
+        g.ops().size(), " ops"));
+  }
+  for (size_t k = 0; k < program.steps.size(); ++k) {
+    const synth::OpStep& s = program.steps[k];
+    const graph::Op& op = g.op(static_cast<int>(k));
+    if (s.op != static_cast<int>(k) || s.rule.inputs.size() != op.inputs.size() ||
+        s.rule.outputs.size() != op.outputs.size() ||
+        s.rule.replicated_grad.size() != op.inputs.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "program step ", k, " does not match op '", op.name, "'"));
+    }
+  }
+  DimClasses dims(g);
+  LinkDims(g, program, dims);
+  dims.Solve(ratios);
+  Analysis analysis = Analyze(g, program);
+  std::vector<v1::RankProgram> out;
+  for (int r = 0; r < n; ++r) {
+    RankBuilder b(g, program, options, dims, analysis, r);
+    HAP_ASSIGN_OR_RETURN(v1::RankProgram p, b.Build());
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+synth::Program SingleDeviceProgram(const graph::Graph& g) {
+  synth::Program p;
+  synth::RuleContext ctx;
+  ctx.num_devices = 1;
+  std::set<TensorId> loaded;
+  for (size_t k = 0; k < g.ops().size(); ++k) {
+    synth::OpStep s;
+    s.op = static_cast<int>(k);
+    s.rule = synth::RulesFor(g, s.op, ctx).front();  // replicated
+    for (TensorId t : g.op(s.op).inputs) {
+      const graph::Tensor& tensor = g.tensor(t);
+      if (tensor.kind == graph::TensorKind::kActivation || !loaded.insert(t).second) {
+        continue;
+      }
+      synth::SourceLoad l;
+      l.tensor = t;
+      l.form = Form::R();
+      l.parameter = tensor.kind == graph::TensorKind::kParameter;
+      l.storage = synth::ParamStorage::kReplicated;
+      l.storage_form = Form::R();
+      s.loads.push_back(l);
+    }
+    p.steps.push_back(std::move(s));
+  }
+  return p;
+}
+
+}  // namespace hap::lower

@@ -1,0 +1,83 @@
+// Lowering (DESIGN.md §7): a synthesized forward program and its sharding
+// ratios become one executable program per rank (hap.v1.RankProgram): a
+// flat list of kernel and collective calls over buffers with concrete local
+// shapes, in four phases — forward; backward in reverse order (each op's
+// gradient kernel, the dual of every collective); gradient synchronisation
+// as the program's parameter storage dictates (all-reduce of a partial
+// gradient, SFB recomputation, reduce-scatter for ZeRO); and the optimizer
+// update on the local shards, with clipping by the global norm across ranks.
+//
+// Semantics: running the n rank programs gives the loss and the updated
+// parameters of the single-device program (SingleDeviceProgram on one rank)
+// up to float rounding. How:
+// - Shard lengths. Every sharded (tensor, dimension) belongs to the
+//   dimension class of the rule applications that link it (a rule splits one
+//   logical dimension: its S(d) inputs and outputs are the same split,
+//   scaled by reshapes). A class with lengths L_k is cut in G = gcd(L_k)
+//   units by RoundShards(G, ratios) = m; rank r holds L_k / G * m_r entries
+//   of each member, contiguous, in rank order.
+// - Gradient forms. The gradient of an S(d) buffer is S(d); of a P buffer,
+//   R. The gradient of an R buffer is R when every contribution is whole on
+//   every rank, else P; an R contribution into a P gradient is then added on
+//   rank 0 only. A rule that adds an R operand once into a P result (the
+//   bias of a row-parallel linear) reads it on rank 0 only (absent, i.e.
+//   zero, elsewhere).
+// - Randomness is keyed by global positions: dropout masks by
+//   (seed, op name, step, global element index); initialisation by the
+//   executor from (seed, parameter name, global index), using each buffer's
+//   global shape and offsets.
+// - A replicated parameter whose gradient ends partial is all-reduced even
+//   where the program does not say so (the search's partial-gradient rule is
+//   conservative only for split rules), so execution is always correct.
+//
+// Buffers reuse memory: each gets an offset in the rank's arena by lifetime
+// (first and last step using it); parameters, optimizer state, inputs and
+// the loss live throughout.
+//
+// No I/O; thread-compatible.
+#ifndef HAP_PLANNER_LOWER_LOWER_H_
+#define HAP_PLANNER_LOWER_LOWER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "hap/v1/plan.pb.h"
+#include "planner/graph/graph.h"
+#include "planner/synth/program.h"
+
+namespace hap::lower {
+
+struct LowerOptions {
+  // Per rank, summing to 1 (one segment). Empty: even.
+  std::vector<double> ratios;
+  int world_size = 1;
+  std::vector<std::string> devices;  // optional, one per rank
+  hap::v1::OptimizerConfig optimizer;  // learning_rate 0 is accepted
+  uint64_t seed = 0;
+};
+
+// The shard lengths of a tensor's sharded dimension on every rank (from
+// the dimension classes); exposed for tests and the data loader.
+struct ShardLayout {
+  std::vector<int64_t> lengths;  // per rank
+  std::vector<int64_t> offsets;  // per rank
+};
+
+// Errors: InvalidArgument for a program that does not belong to `g` (wrong
+// number of steps, ops out of order), a world size below 1, ratios of the
+// wrong size, negative or not summing to 1; FailedPrecondition when a
+// program's forms cannot be executed (a precondition that does not hold —
+// run synth::CheckProgram first for a full diagnosis).
+absl::StatusOr<std::vector<hap::v1::RankProgram>> Lower(
+    const graph::Graph& g, const synth::Program& program,
+    const LowerOptions& options);
+
+// The single-device program: every op replicated, every parameter stored
+// replicated; lowered with world_size 1 it is the reference run.
+synth::Program SingleDeviceProgram(const graph::Graph& g);
+
+}  // namespace hap::lower
+
+#endif  // HAP_PLANNER_LOWER_LOWER_H_
