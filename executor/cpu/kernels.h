@@ -74,15 +74,11 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "executor/runtime/kernel_context.h"
 #include "executor/runtime/tensor.h"
 #include "planner/graph/types.h"
 
 namespace hap::executor {
-
-struct KernelContext {
-  int num_threads = 1;
-  int64_t step = 0;  // training step, 0-based (dropout masks, Adam)
-};
 
 absl::Status RunCpuKernel(const std::string& name, const KernelContext& ctx,
                           const graph::Attrs& attrs,

@@ -1,0 +1,176 @@
+#include "executor/runtime/collective_call.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+
+std::vector<int64_t> Offsets(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> off(sizes.size(), 0);
+  for (size_t i = 1; i < sizes.size(); ++i) off[i] = off[i - 1] + sizes[i - 1];
+  return off;
+}
+
+// The view of `v` with dimension `dim` replaced by `len`, at `data`.
+TensorView WithDim(const TensorView& v, int dim, int64_t len, void* data) {
+  TensorView t = v;
+  t.shape[dim] = len;
+  t.data = data;
+  return t;
+}
+
+char* At(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+
+CommMethod Method(const v1::CollectiveCall& c) {
+  return c.method() == v1::GROUPED ? CommMethod::kGrouped : CommMethod::kPadded;
+}
+
+// Elements before dimension `dim` (the number of chunks a shard along `dim`
+// breaks into in row-major order).
+int64_t Outer(const TensorView& v, int dim) {
+  int64_t n = 1;
+  for (int d = 0; d < dim; ++d) n *= v.shape[d];
+  return n;
+}
+
+absl::Status AllGather(const v1::CollectiveCall& c, TensorView in, TensorView out,
+                       Device& dev, Communicator& comm, Staging& st) {
+  const int dim = c.dim();
+  std::vector<int64_t> sizes(c.shard_sizes().begin(), c.shard_sizes().end());
+  const int64_t per = out.num_elements() / (out.shape[dim] == 0 ? 1 : out.shape[dim]);
+  std::vector<int64_t> counts;
+  for (int64_t s : sizes) counts.push_back(s * per);
+  if (Outer(out, dim) == 1) return comm.AllGather(in, out, counts, Method(c));
+  HAP_ASSIGN_OR_RETURN(void* buf, st.Get(0, out.bytes()));
+  TensorView flat{out.dtype, {out.num_elements()}, buf};
+  HAP_RETURN_IF_ERROR(comm.AllGather(in, flat, counts, Method(c)));
+  std::vector<int64_t> off = Offsets(sizes);
+  const int64_t esize = graph::DTypeBytes(out.dtype);
+  int64_t at = 0;
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    TensorView chunk = WithDim(out, dim, sizes[r], At(buf, at * esize));
+    std::vector<int64_t> zero(out.rank(), 0), dst(out.rank(), 0);
+    dst[dim] = off[r];
+    HAP_RETURN_IF_ERROR(dev.CopyBox(chunk, zero, out, dst, chunk.shape));
+    at += counts[r];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReduceScatter(const v1::CollectiveCall& c, TensorView in,
+                           TensorView out, Device& dev, Communicator& comm,
+                           Staging& st) {
+  const int dim = c.dim();
+  std::vector<int64_t> sizes(c.shard_sizes().begin(), c.shard_sizes().end());
+  const int64_t per = in.num_elements() / (in.shape[dim] == 0 ? 1 : in.shape[dim]);
+  std::vector<int64_t> counts;
+  for (int64_t s : sizes) counts.push_back(s * per);
+  if (Outer(in, dim) == 1) return comm.ReduceScatter(in, out, counts, Method(c));
+  HAP_ASSIGN_OR_RETURN(void* buf, st.Get(0, in.bytes()));
+  std::vector<int64_t> off = Offsets(sizes);
+  const int64_t esize = graph::DTypeBytes(in.dtype);
+  int64_t at = 0;
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    TensorView chunk = WithDim(in, dim, sizes[r], At(buf, at * esize));
+    std::vector<int64_t> zero(in.rank(), 0), src(in.rank(), 0);
+    src[dim] = off[r];
+    HAP_RETURN_IF_ERROR(dev.CopyBox(in, src, chunk, zero, chunk.shape));
+    at += counts[r];
+  }
+  TensorView flat{in.dtype, {in.num_elements()}, buf};
+  return comm.ReduceScatter(flat, out, counts, Method(c));
+}
+
+// in: S(from_dim) with to-dim whole; out: S(to_dim) with from-dim whole.
+absl::Status AllToAll(const v1::CollectiveCall& c, TensorView in, TensorView out,
+                      Device& dev, Communicator& comm, Staging& st) {
+  const int to = c.dim(), from = c.from_dim();
+  std::vector<int64_t> to_sizes(c.shard_sizes().begin(), c.shard_sizes().end());
+  std::vector<int64_t> from_sizes(c.from_shard_sizes().begin(),
+                                  c.from_shard_sizes().end());
+  std::vector<int64_t> to_off = Offsets(to_sizes), from_off = Offsets(from_sizes);
+  const int n = static_cast<int>(to_sizes.size());
+  const int64_t esize = graph::DTypeBytes(in.dtype);
+  HAP_ASSIGN_OR_RETURN(void* send, st.Get(0, in.bytes()));
+  HAP_ASSIGN_OR_RETURN(void* recv, st.Get(1, out.bytes()));
+  std::vector<int64_t> send_counts, recv_counts;
+  int64_t at = 0;
+  for (int r = 0; r < n; ++r) {  // rank r gets its to-dim range of my shard
+    TensorView chunk = WithDim(in, to, to_sizes[r], At(send, at * esize));
+    std::vector<int64_t> src(in.rank(), 0), zero(in.rank(), 0);
+    src[to] = to_off[r];
+    HAP_RETURN_IF_ERROR(dev.CopyBox(in, src, chunk, zero, chunk.shape));
+    send_counts.push_back(chunk.num_elements());
+    at += chunk.num_elements();
+  }
+  for (int r = 0; r < n; ++r) {
+    recv_counts.push_back(WithDim(out, from, from_sizes[r], nullptr).num_elements());
+  }
+  TensorView send_v{in.dtype, {in.num_elements()}, send};
+  TensorView recv_v{out.dtype, {out.num_elements()}, recv};
+  HAP_RETURN_IF_ERROR(comm.AllToAll(send_v, send_counts, recv_v, recv_counts));
+  at = 0;
+  for (int r = 0; r < n; ++r) {  // rank r's from-dim shard of my to-range
+    TensorView chunk = WithDim(out, from, from_sizes[r], At(recv, at * esize));
+    std::vector<int64_t> dst(out.rank(), 0), zero(out.rank(), 0);
+    dst[from] = from_off[r];
+    HAP_RETURN_IF_ERROR(dev.CopyBox(chunk, zero, out, dst, chunk.shape));
+    at += recv_counts[r];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Staging::~Staging() {
+  for (void* b : buf_) {
+    if (b) device_->Free(b);
+  }
+}
+
+absl::StatusOr<void*> Staging::Get(int which, int64_t bytes) {
+  if (bytes > size_[which] || buf_[which] == nullptr) {
+    if (buf_[which]) device_->Free(buf_[which]);
+    buf_[which] = nullptr;
+    size_[which] = 0;
+    HAP_ASSIGN_OR_RETURN(buf_[which], device_->Allocate(bytes));
+    size_[which] = bytes;
+  }
+  return buf_[which];
+}
+
+absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
+                           TensorView out, Device& dev, Communicator& comm,
+                           Staging& st) {
+  absl::Status s;
+  switch (c.collective()) {
+    case v1::ALL_REDUCE:
+      if (in.data != out.data) {
+        s = dev.CopyBox(in, std::vector<int64_t>(in.rank(), 0), out,
+                        std::vector<int64_t>(out.rank(), 0), out.shape);
+      }
+      if (s.ok()) s = comm.AllReduce(out);
+      break;
+    case v1::ALL_GATHER:
+      s = AllGather(c, in, out, dev, comm, st);
+      break;
+    case v1::REDUCE_SCATTER:
+      s = ReduceScatter(c, in, out, dev, comm, st);
+      break;
+    case v1::ALL_TO_ALL:
+      s = AllToAll(c, in, out, dev, comm, st);
+      break;
+    default:
+      s = absl::UnimplementedError(absl::StrCat(
+          "collective ", v1::Collective_Name(c.collective()), " in a program"));
+  }
+  return Annotate(s, absl::StrCat(v1::Collective_Name(c.collective()), " of '",
+                                  c.tensor(), "'"));
+}
+
+}  // namespace hap::executor

@@ -1,0 +1,41 @@
+// Runs a plan's CollectiveCall (plan.proto) on a communicator: shards along
+// any dimension are mapped onto the communicator's flat per-rank chunks
+// through staging buffers, and copied back into place.
+#ifndef HAP_EXECUTOR_RUNTIME_COLLECTIVE_CALL_H_
+#define HAP_EXECUTOR_RUNTIME_COLLECTIVE_CALL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "executor/comm/communicator.h"
+#include "executor/runtime/device.h"
+#include "executor/runtime/tensor.h"
+#include "hap/v1/plan.pb.h"
+
+namespace hap::executor {
+
+// Device memory reused across collectives (grows, never shrinks).
+class Staging {
+ public:
+  explicit Staging(Device* device) : device_(device) {}
+  ~Staging();
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  // Two independent regions (send, receive) of at least `bytes` each.
+  absl::StatusOr<void*> Get(int which, int64_t bytes);
+
+ private:
+  Device* device_;
+  void* buf_[2] = {nullptr, nullptr};
+  int64_t size_[2] = {0, 0};
+};
+
+// `in` and `out` are the call's input and output buffers on this rank.
+// Errors: the communicator's, annotated with the collective and tensor.
+absl::Status RunCollective(const hap::v1::CollectiveCall& call, TensorView in,
+                           TensorView out, Device& device, Communicator& comm,
+                           Staging& staging);
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_RUNTIME_COLLECTIVE_CALL_H_

@@ -1,0 +1,337 @@
+#include "executor/runtime/program_runner.h"
+
+#include <cmath>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "executor/runtime/random.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+
+std::string StepName(const v1::RankProgram& p, int i) {
+  const v1::Step& s = p.steps(i);
+  if (s.has_kernel()) {
+    return absl::StrCat("step ", i, " (kernel '", s.kernel().kernel(), "'",
+                        s.kernel().op().empty() ? "" : " of op '",
+                        s.kernel().op(), s.kernel().op().empty() ? "" : "'", ")");
+  }
+  return absl::StrCat("step ", i, " (",
+                      v1::Collective_Name(s.collective().collective()), " of '",
+                      s.collective().tensor(), "')");
+}
+
+// The value of element `g` (global flat index) of a parameter.
+double InitValue(const graph::Initializer& init, uint64_t key, uint64_t g) {
+  using K = graph::Initializer::Kind;
+  switch (init.kind) {
+    case K::kZeros:
+      return 0;
+    case K::kOnes:
+      return 1;
+    case K::kConstant:
+      return init.value;
+    case K::kNormal:
+      return init.mean + init.stddev * CounterNormal(key, g);
+    case K::kUniform:
+      return init.low + (init.high - init.low) * CounterUniform(key, g);
+  }
+  return 0;
+}
+
+template <typename T>
+void FillInit(HostTensor& t, const graph::Initializer& init, uint64_t key,
+              const Shape& global, const std::vector<int64_t>& offsets) {
+  const Shape& local = t.shape();
+  const int rank = static_cast<int>(local.size());
+  T* out = t.as<T>();
+  std::vector<int64_t> idx(rank, 0);
+  const int64_t n = t.num_elements();
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t g = 0;
+    for (int d = 0; d < rank; ++d) {
+      g = g * static_cast<uint64_t>(global[d]) +
+          static_cast<uint64_t>(idx[d] + offsets[d]);
+    }
+    out[i] = static_cast<T>(InitValue(init, key, g));
+    for (int d = rank - 1; d >= 0 && ++idx[d] == local[d]; --d) idx[d] = 0;
+  }
+}
+
+}  // namespace
+
+ProgramRunner::ProgramRunner(const v1::RankProgram& program,
+                             const graph::Graph& graph, Device* device,
+                             Communicator* comm)
+    : program_(program),
+      graph_(graph),
+      device_(device),
+      comm_(comm),
+      staging_(device) {}
+
+ProgramRunner::~ProgramRunner() {
+  if (arena_) device_->Free(arena_);
+}
+
+absl::StatusOr<std::unique_ptr<ProgramRunner>> ProgramRunner::Create(
+    const v1::RankProgram& program, const graph::Graph& graph, Device* device,
+    Communicator* comm) {
+  std::unique_ptr<ProgramRunner> r(new ProgramRunner(program, graph, device, comm));
+  HAP_RETURN_IF_ERROR(r->Validate());
+  HAP_ASSIGN_OR_RETURN(r->arena_, device->Allocate(program.arena_bytes()));
+  for (TensorView& v : r->views_) {
+    v.data = static_cast<char*>(r->arena_) +
+             program.buffers(static_cast<int>(&v - r->views_.data())).offset_bytes();
+  }
+  return r;
+}
+
+absl::Status ProgramRunner::Validate() {
+  const v1::RankProgram& p = program_;
+  auto bad = [](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid rank program: ", what));
+  };
+  if (p.world_size() != comm_->size() || p.rank() != comm_->rank()) {
+    return bad(absl::StrCat("it is rank ", p.rank(), " of ", p.world_size(),
+                            " but this executor is rank ", comm_->rank(), " of ",
+                            comm_->size()));
+  }
+  if (p.arena_bytes() < 0) return bad("negative arena size");
+  const int nb = p.buffers_size();
+  for (int i = 0; i < nb; ++i) {
+    const v1::Buffer& b = p.buffers(i);
+    std::string name = absl::StrCat("buffer ", i, " ('", b.tensor(), "')");
+    if (b.id() != i) return bad(absl::StrCat(name, " has id ", b.id()));
+    if (!v1::DType_IsValid(b.dtype()) || b.dtype() == v1::DTYPE_UNSPECIFIED) {
+      return bad(absl::StrCat(name, " has no valid dtype"));
+    }
+    if (b.global_shape_size() != b.shape_size() || b.offsets_size() != b.shape_size()) {
+      return bad(absl::StrCat(name, ": shape, global shape and offsets differ in rank"));
+    }
+    int64_t n = 1;
+    for (int d = 0; d < b.shape_size(); ++d) {
+      if (b.shape(d) < 0 || b.offsets(d) < 0 ||
+          b.offsets(d) + b.shape(d) > b.global_shape(d)) {
+        return bad(absl::StrCat(name, ": dimension ", d, " (", b.shape(d), " at ",
+                                b.offsets(d), ") is outside its tensor (",
+                                b.global_shape(d), ")"));
+      }
+      if (__builtin_mul_overflow(n, b.shape(d), &n)) {
+        return bad(absl::StrCat(name, " overflows"));
+      }
+    }
+    graph::DType dt = graph::FromProtoDType(b.dtype());
+    int64_t bytes = n * graph::DTypeBytes(dt);
+    if (b.offset_bytes() < 0 || b.offset_bytes() + bytes > p.arena_bytes()) {
+      return bad(absl::StrCat(name, " lies outside the arena"));
+    }
+    if (b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::INPUT) {
+      auto t = graph_.FindTensor(b.tensor());
+      auto want = b.role() == v1::Buffer::PARAMETER ? graph::TensorKind::kParameter
+                                                    : graph::TensorKind::kInput;
+      if (!t || graph_.tensor(*t).kind != want) {
+        return bad(absl::StrCat(name, " names no ",
+                                b.role() == v1::Buffer::PARAMETER ? "parameter" : "input",
+                                " of model '", graph_.name(), "'"));
+      }
+      const graph::TensorType& type = graph_.tensor(*t).type;
+      if (type.dtype != dt ||
+          !std::equal(type.shape.begin(), type.shape.end(), b.global_shape().begin(),
+                      b.global_shape().end())) {
+        return bad(absl::StrCat(name, " does not match the model's ",
+                                graph::TypeString(type)));
+      }
+    }
+    views_.push_back(TensorView{dt, Shape(b.shape().begin(), b.shape().end()), nullptr});
+  }
+  if (p.loss_buffer() < 0 || p.loss_buffer() >= nb ||
+      p.buffers(p.loss_buffer()).role() != v1::Buffer::LOSS) {
+    return bad("the loss buffer is missing");
+  }
+  auto id_ok = [&](int id, bool optional) {
+    return (optional && id == -1) || (id >= 0 && id < nb);
+  };
+  for (int i = 0; i < p.steps_size(); ++i) {
+    const v1::Step& s = p.steps(i);
+    graph::Attrs attrs;
+    if (s.has_kernel()) {
+      const v1::KernelCall& k = s.kernel();
+      if (k.kernel() != "fill" && !device_->HasKernel(k.kernel())) {
+        return bad(absl::StrCat(StepName(p, i), ": no such kernel on ", device_->name()));
+      }
+      for (int id : k.inputs()) {
+        if (!id_ok(id, true)) return bad(absl::StrCat(StepName(p, i), ": buffer ", id, " does not exist"));
+      }
+      for (int id : k.outputs()) {
+        if (!id_ok(id, true)) return bad(absl::StrCat(StepName(p, i), ": buffer ", id, " does not exist"));
+      }
+      if (k.kernel() == "fill" && (k.outputs_size() != 1 || k.outputs(0) < 0)) {
+        return bad(absl::StrCat(StepName(p, i), ": fill needs one output"));
+      }
+      for (const auto& [name, v] : k.attrs()) {
+        auto a = graph::AttrFromProto(v);
+        if (!a.ok()) return bad(absl::StrCat(StepName(p, i), ": attribute '", name, "' ", a.status().message()));
+        attrs.Set(name, *a);
+      }
+    } else if (s.has_collective()) {
+      const v1::CollectiveCall& c = s.collective();
+      if (!id_ok(c.input(), false) || !id_ok(c.output(), false)) {
+        return bad(absl::StrCat(StepName(p, i), ": a buffer does not exist"));
+      }
+      const TensorView& in = views_[c.input()];
+      const TensorView& out = views_[c.output()];
+      if (in.dtype != out.dtype) return bad(absl::StrCat(StepName(p, i), ": dtypes differ"));
+      auto check_sizes = [&](int dim, const auto& sizes, const TensorView& whole,
+                             const TensorView& part) -> absl::Status {
+        if (dim < 0 || dim >= whole.rank() || whole.rank() != part.rank() ||
+            sizes.size() != p.world_size()) {
+          return bad(absl::StrCat(StepName(p, i), ": dimension or shard sizes do not fit"));
+        }
+        int64_t sum = 0;
+        for (int64_t x : sizes) sum += x < 0 ? -1'000'000'000'000 : x;
+        if (sum != whole.shape[dim] || sizes[p.rank()] != part.shape[dim]) {
+          return bad(absl::StrCat(StepName(p, i), ": shard sizes do not add up to dimension ", dim));
+        }
+        return absl::OkStatus();
+      };
+      switch (c.collective()) {
+        case v1::ALL_REDUCE:
+          if (in.shape != out.shape) return bad(absl::StrCat(StepName(p, i), ": shapes differ"));
+          break;
+        case v1::ALL_GATHER:
+          HAP_RETURN_IF_ERROR(check_sizes(c.dim(), c.shard_sizes(), out, in));
+          break;
+        case v1::REDUCE_SCATTER:
+          HAP_RETURN_IF_ERROR(check_sizes(c.dim(), c.shard_sizes(), in, out));
+          break;
+        case v1::ALL_TO_ALL:
+          HAP_RETURN_IF_ERROR(check_sizes(c.dim(), c.shard_sizes(), in, out));
+          HAP_RETURN_IF_ERROR(check_sizes(c.from_dim(), c.from_shard_sizes(), out, in));
+          break;
+        default:
+          return bad(absl::StrCat(StepName(p, i), ": unsupported collective"));
+      }
+    } else {
+      return bad(absl::StrCat("step ", i, " has no call"));
+    }
+    attrs_.push_back(std::move(attrs));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ProgramRunner::InitializeParameters() {
+  for (const v1::Buffer& b : program_.buffers()) {
+    const TensorView& v = views_[b.id()];
+    if (b.role() == v1::Buffer::OPTIMIZER_STATE) {
+      HAP_RETURN_IF_ERROR(device_->Fill(v, 0));
+      continue;
+    }
+    if (b.role() != v1::Buffer::PARAMETER) continue;
+    const graph::Tensor& t = graph_.tensor(*graph_.FindTensor(b.tensor()));
+    HostTensor host(v.dtype, v.shape);
+    uint64_t key = CounterKey(program_.seed(), HashName(t.name));
+    Shape global(b.global_shape().begin(), b.global_shape().end());
+    std::vector<int64_t> offsets(b.offsets().begin(), b.offsets().end());
+    if (v.dtype == DType::kFloat64) {
+      FillInit<double>(host, t.init, key, global, offsets);
+    } else if (v.dtype == DType::kFloat32) {
+      FillInit<float>(host, t.init, key, global, offsets);
+    } else {
+      return absl::UnimplementedError(absl::StrCat(
+          "parameter '", t.name, "' of dtype ", graph::DTypeName(v.dtype)));
+    }
+    HAP_RETURN_IF_ERROR(device_->CopyFromHost(host.data(), v));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ProgramRunner::LoadInputs(const Batch& batch) {
+  for (const v1::Buffer& b : program_.buffers()) {
+    if (b.role() != v1::Buffer::INPUT) continue;
+    auto it = batch.find(b.tensor());
+    if (it == batch.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the batch has no input '", b.tensor(), "'"));
+    }
+    const HostTensor& whole = it->second;
+    const TensorView& v = views_[b.id()];
+    Shape global(b.global_shape().begin(), b.global_shape().end());
+    if (whole.shape() != global || whole.dtype() != v.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", b.tensor(), "' is ", graph::DTypeName(whole.dtype()),
+          graph::ShapeString(whole.shape()), " but the model expects ",
+          graph::DTypeName(v.dtype), graph::ShapeString(global)));
+    }
+    HostTensor part(v.dtype, v.shape);
+    std::vector<int64_t> start(b.offsets().begin(), b.offsets().end());
+    HAP_RETURN_IF_ERROR(HostCopyBox(whole.view(), start, part.view(),
+                                    std::vector<int64_t>(v.rank(), 0), v.shape));
+    HAP_RETURN_IF_ERROR(device_->CopyFromHost(part.data(), v));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ProgramRunner::RunKernelStep(int index, const v1::KernelCall& k,
+                                          int64_t step) {
+  if (k.kernel() == "fill") {
+    auto v = attrs_[index].Float("value", 0.0);
+    return device_->Fill(views_[k.outputs(0)], v.ok() ? *v : 0.0);
+  }
+  std::vector<TensorView> in, out;
+  for (int id : k.inputs()) in.push_back(id >= 0 ? views_[id] : TensorView{});
+  for (int id : k.outputs()) out.push_back(id >= 0 ? views_[id] : TensorView{});
+  KernelContext ctx;
+  ctx.step = step;
+  return device_->RunKernel(k.kernel(), ctx, attrs_[index], in, out);
+}
+
+absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) {
+  HAP_RETURN_IF_ERROR(LoadInputs(batch));
+  for (int i = 0; i < program_.steps_size(); ++i) {
+    const v1::Step& s = program_.steps(i);
+    absl::Status st;
+    if (s.has_kernel()) {
+      st = RunKernelStep(i, s.kernel(), step);
+    } else {
+      const v1::CollectiveCall& c = s.collective();
+      st = RunCollective(c, views_[c.input()], views_[c.output()], *device_,
+                         *comm_, staging_);
+    }
+    if (!st.ok()) {
+      return Annotate(st, absl::StrCat("training step ", step, ", ",
+                                       StepName(program_, i)));
+    }
+  }
+  HAP_RETURN_IF_ERROR(device_->Synchronize());
+  const TensorView& loss = views_[program_.loss_buffer()];
+  if (loss.dtype == DType::kFloat64) {
+    double v = 0;
+    HAP_RETURN_IF_ERROR(device_->CopyToHost(loss, &v));
+    return v;
+  }
+  float v = 0;
+  HAP_RETURN_IF_ERROR(device_->CopyToHost(loss, &v));
+  return static_cast<double>(v);
+}
+
+absl::StatusOr<std::vector<ParameterShard>> ProgramRunner::Parameters() const {
+  std::vector<ParameterShard> out;
+  for (const v1::Buffer& b : program_.buffers()) {
+    if (b.role() != v1::Buffer::PARAMETER) continue;
+    const TensorView& v = views_[b.id()];
+    ParameterShard s;
+    s.name = b.tensor();
+    s.global_shape.assign(b.global_shape().begin(), b.global_shape().end());
+    s.offsets.assign(b.offsets().begin(), b.offsets().end());
+    s.value = HostTensor(v.dtype, v.shape);
+    HAP_RETURN_IF_ERROR(device_->CopyToHost(v, s.value.data()));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace hap::executor

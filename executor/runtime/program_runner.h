@@ -1,0 +1,84 @@
+// The interpreter of a rank's executable program (plan.proto RankProgram):
+// validates it, lays its buffers out in one device arena, initialises the
+// parameters from the plan's seed (shard-invariant: a shard holds exactly
+// its slice of the single-device tensor), and runs training steps — every
+// kernel through the Device, every collective through the Communicator.
+//
+// Thread-compatible: one thread drives a runner.
+#ifndef HAP_EXECUTOR_RUNTIME_PROGRAM_RUNNER_H_
+#define HAP_EXECUTOR_RUNTIME_PROGRAM_RUNNER_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "executor/comm/communicator.h"
+#include "executor/runtime/collective_call.h"
+#include "executor/runtime/device.h"
+#include "executor/runtime/tensor.h"
+#include "hap/v1/plan.pb.h"
+#include "planner/graph/graph.h"
+
+namespace hap::executor {
+
+// A parameter's piece held by this rank.
+struct ParameterShard {
+  std::string name;
+  Shape global_shape;
+  std::vector<int64_t> offsets;  // where the piece starts, per dimension
+  HostTensor value;
+};
+
+// The global batch of one step: one tensor per graph input, by name, with
+// the single-device shape. Each rank takes its own slice.
+using Batch = std::map<std::string, HostTensor>;
+
+class ProgramRunner {
+ public:
+  // Validates `program` against `graph` (the plan's model), the device and
+  // the communicator's rank and size. InvalidArgument naming the buffer or
+  // step that is wrong; ResourceExhausted when the arena does not fit.
+  // `device` and `comm` must outlive the runner.
+  static absl::StatusOr<std::unique_ptr<ProgramRunner>> Create(
+      const hap::v1::RankProgram& program, const graph::Graph& graph,
+      Device* device, Communicator* comm);
+  ~ProgramRunner();
+
+  // Parameters from their initialisers and the program's seed; optimizer
+  // state to zero.
+  absl::Status InitializeParameters();
+
+  // One training step (0-based `step`): forward, backward, gradient
+  // synchronisation, optimizer update. Returns the loss of the step (the
+  // single-device loss, before the update). InvalidArgument for a batch
+  // that lacks an input or has the wrong shape or dtype.
+  absl::StatusOr<double> RunStep(const Batch& batch, int64_t step);
+
+  // This rank's parameter pieces (copied to the host).
+  absl::StatusOr<std::vector<ParameterShard>> Parameters() const;
+
+  const hap::v1::RankProgram& program() const { return program_; }
+
+ private:
+  ProgramRunner(const hap::v1::RankProgram& program, const graph::Graph& graph,
+                Device* device, Communicator* comm);
+  absl::Status Validate();
+  absl::Status LoadInputs(const Batch& batch);
+  absl::Status RunKernelStep(int index, const hap::v1::KernelCall& k,
+                             int64_t step);
+
+  hap::v1::RankProgram program_;
+  const graph::Graph& graph_;
+  Device* device_;
+  Communicator* comm_;
+  Staging staging_;
+  void* arena_ = nullptr;
+  std::vector<TensorView> views_;          // per buffer
+  std::vector<graph::Attrs> attrs_;        // per step (kernels)
+};
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_RUNTIME_PROGRAM_RUNNER_H_
