@@ -1,0 +1,148 @@
+#include "executor/data/batches.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "executor/runtime/random.h"
+
+namespace hap::data {
+namespace {
+
+using executor::CounterKey;
+using executor::CounterNormal;
+using executor::CounterUniform;
+using executor::HashName;
+
+// The number of distinct values an integer input may take.
+int64_t IdRange(const graph::Graph& g, graph::TensorId t) {
+  for (graph::OpId c : g.tensor(t).consumers) {
+    const graph::Op& op = g.op(c);
+    if (op.type == "embedding" && op.inputs[0] == t) {
+      return g.tensor(op.inputs[1]).type.shape[0];
+    }
+    if ((op.type == "nll_loss" || op.type == "cross_entropy") && op.inputs[1] == t) {
+      return g.tensor(op.inputs[0]).type.shape[1];
+    }
+  }
+  return 2;
+}
+
+template <typename T>
+void FillIds(HostTensor& h, uint64_t key, int64_t range) {
+  T* p = h.as<T>();
+  for (int64_t i = 0; i < h.num_elements(); ++i) {
+    p[i] = static_cast<T>(static_cast<int64_t>(CounterUniform(key, i) * range) % range);
+  }
+}
+
+template <typename T>
+void FillNormal(HostTensor& h, uint64_t key) {
+  T* p = h.as<T>();
+  for (int64_t i = 0; i < h.num_elements(); ++i) {
+    p[i] = static_cast<T>(CounterNormal(key, i));
+  }
+}
+
+class Synthetic : public BatchSource {
+ public:
+  Synthetic(const graph::Graph& g, uint64_t seed) : g_(g), seed_(seed) {}
+  absl::StatusOr<GlobalBatch> Get(int64_t step) override {
+    GlobalBatch b;
+    for (graph::TensorId t : g_.Inputs()) {
+      const graph::Tensor& x = g_.tensor(t);
+      HostTensor h(x.type.dtype, x.type.shape);
+      uint64_t key = CounterKey(seed_, HashName(x.name), static_cast<uint64_t>(step));
+      switch (x.type.dtype) {
+        case graph::DType::kInt64:
+          FillIds<int64_t>(h, key, IdRange(g_, t));
+          break;
+        case graph::DType::kInt32:
+          FillIds<int32_t>(h, key, IdRange(g_, t));
+          break;
+        case graph::DType::kFloat64:
+          FillNormal<double>(h, key);
+          break;
+        case graph::DType::kFloat32:
+          FillNormal<float>(h, key);
+          break;
+        default:
+          return absl::UnimplementedError(absl::StrCat(
+              "synthetic data for input '", x.name, "' of dtype ",
+              graph::DTypeName(x.type.dtype)));
+      }
+      b.emplace(x.name, std::move(h));
+    }
+    return b;
+  }
+
+ private:
+  const graph::Graph& g_;
+  uint64_t seed_;
+};
+
+class Lm : public BatchSource {
+ public:
+  Lm(std::vector<int64_t> corpus, int64_t batch, int64_t seq)
+      : corpus_(std::move(corpus)), batch_(batch), seq_(seq) {
+    usable_ = static_cast<int64_t>(corpus_.size()) - seq_ - 1;
+    stride_ = std::max<int64_t>(1, usable_ / batch_);
+  }
+  absl::StatusOr<GlobalBatch> Get(int64_t step) override {
+    HostTensor tokens(graph::DType::kInt64, {batch_, seq_});
+    HostTensor labels(graph::DType::kInt64, {batch_ * seq_});
+    int64_t* t = tokens.as<int64_t>();
+    int64_t* l = labels.as<int64_t>();
+    for (int64_t i = 0; i < batch_; ++i) {
+      int64_t start = (i * stride_ + step * seq_) % usable_;
+      for (int64_t j = 0; j < seq_; ++j) {
+        t[i * seq_ + j] = corpus_[start + j];
+        l[i * seq_ + j] = corpus_[start + j + 1];
+      }
+    }
+    GlobalBatch b;
+    b.emplace("tokens", std::move(tokens));
+    b.emplace("labels", std::move(labels));
+    return b;
+  }
+
+ private:
+  std::vector<int64_t> corpus_;
+  int64_t batch_, seq_, usable_ = 0, stride_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<BatchSource> NewSyntheticBatches(const graph::Graph& g, uint64_t seed) {
+  return std::make_unique<Synthetic>(g, seed);
+}
+
+absl::StatusOr<std::unique_ptr<BatchSource>> NewLmBatches(
+    const graph::Graph& g, std::vector<int64_t> corpus) {
+  auto tokens = g.FindTensor("tokens");
+  auto labels = g.FindTensor("labels");
+  if (!tokens || !labels || g.tensor(*tokens).type.rank() != 2 ||
+      !graph::IsInteger(g.tensor(*tokens).type.dtype) ||
+      g.tensor(*tokens).type.dtype != graph::DType::kInt64 ||
+      g.tensor(*labels).type.shape !=
+          graph::Shape{g.tensor(*tokens).type.num_elements()}) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model '", g.name(),
+        "' is not a language model with int64 inputs tokens[B, S] and labels[B*S]"));
+  }
+  int64_t b = g.tensor(*tokens).type.shape[0], s = g.tensor(*tokens).type.shape[1];
+  if (static_cast<int64_t>(corpus.size()) < s + 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the corpus has ", corpus.size(), " tokens, fewer than a sequence of ", s, " + 2"));
+  }
+  int64_t vocab = IdRange(g, *tokens);
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    if (corpus[i] < 0 || corpus[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "corpus token ", i, " has id ", corpus[i], ", outside the model's vocabulary of ",
+          vocab));
+    }
+  }
+  return std::unique_ptr<BatchSource>(std::make_unique<Lm>(std::move(corpus), b, s));
+}
+
+}  // namespace hap::data

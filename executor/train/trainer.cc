@@ -1,0 +1,110 @@
+#include "executor/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "executor/cpu/cpu_device.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor {
+
+absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
+                                      data::BatchSource& batches,
+                                      const TrainOptions& options) {
+  HAP_RETURN_IF_ERROR(runner.InitializeParameters());
+  TrainResult result;
+  for (int64_t i = 0; i < options.steps; ++i) {
+    if (options.cancelled && options.cancelled()) {
+      return absl::CancelledError(absl::StrCat("training cancelled before step ",
+                                               options.first_step + i));
+    }
+    const int64_t step = options.first_step + i;
+    HAP_ASSIGN_OR_RETURN(data::GlobalBatch batch, batches.Get(step));
+    auto start = std::chrono::steady_clock::now();
+    HAP_ASSIGN_OR_RETURN(double loss, runner.RunStep(batch, step));
+    double seconds = std::chrono::duration<double>(
+                         std::chrono::steady_clock::now() - start).count();
+    if (!std::isfinite(loss)) {
+      return absl::AbortedError(absl::StrCat(
+          "training stopped: the loss is ", loss, " at step ", step,
+          " (rank ", runner.program().rank(), ")"));
+    }
+    result.losses.push_back(loss);
+    result.step_seconds.push_back(seconds);
+    if (options.on_step) options.on_step(step, loss, seconds);
+  }
+  HAP_ASSIGN_OR_RETURN(result.parameters, runner.Parameters());
+  return result;
+}
+
+absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
+    const std::vector<hap::v1::RankProgram>& programs, const graph::Graph& g,
+    const std::function<std::unique_ptr<data::BatchSource>(int rank)>& batches,
+    const TrainOptions& train, const LocalRanksOptions& options) {
+  const int n = static_cast<int>(programs.size());
+  std::vector<absl::StatusOr<TrainResult>> results(
+      n, absl::UnknownError("rank did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = [&]() -> absl::StatusOr<TrainResult> {
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
+                             NewFileStore(options.rendezvous_dir));
+        GlooOptions go;
+        go.rank = r;
+        go.size = n;
+        go.prefix = options.prefix;
+        go.timeout = options.timeout;
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
+                             ConnectGloo(go, *store));
+        std::unique_ptr<Device> device = NewCpuDevice(options.threads_per_rank);
+        HAP_ASSIGN_OR_RETURN(
+            std::unique_ptr<ProgramRunner> runner,
+            ProgramRunner::Create(programs[r], g, device.get(), comm.get()));
+        std::unique_ptr<data::BatchSource> source = batches(r);
+        return TrainRank(*runner, *source, train);
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<TrainResult> out;
+  for (int r = 0; r < n; ++r) {
+    if (!results[r].ok()) return Annotate(results[r].status(), absl::StrCat("rank ", r));
+    out.push_back(*std::move(results[r]));
+  }
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, HostTensor>> AssembleParameters(
+    const std::vector<std::vector<ParameterShard>>& per_rank) {
+  std::map<std::string, HostTensor> out;
+  std::map<std::string, int64_t> covered;
+  for (const auto& shards : per_rank) {
+    for (const ParameterShard& s : shards) {
+      auto it = out.find(s.name);
+      if (it == out.end()) {
+        it = out.emplace(s.name, HostTensor(s.value.dtype(), s.global_shape)).first;
+      }
+      if (it->second.shape() != s.global_shape || it->second.dtype() != s.value.dtype()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("pieces of parameter '", s.name, "' disagree in shape"));
+      }
+      HAP_RETURN_IF_ERROR(HostCopyBox(s.value.view(),
+                                      std::vector<int64_t>(s.offsets.size(), 0),
+                                      it->second.view(), s.offsets, s.value.shape()));
+      covered[s.name] += s.value.num_elements();
+    }
+  }
+  for (const auto& [name, t] : out) {
+    if (covered[name] < t.num_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the pieces of parameter '", name, "' leave elements uncovered"));
+    }
+  }
+  return out;
+}
+
+}  // namespace hap::executor

@@ -1,0 +1,68 @@
+// Training loops over rank programs: TrainRank drives one rank (the
+// executor binary and daemon use it); RunLocalRanks runs every rank of a
+// plan as threads of this process, each with its own CPU device and Gloo
+// communicator over a file rendezvous on 127.0.0.1 (tests, benchmarks).
+#ifndef HAP_EXECUTOR_TRAIN_TRAINER_H_
+#define HAP_EXECUTOR_TRAIN_TRAINER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "executor/comm/communicator.h"
+#include "executor/data/batches.h"
+#include "executor/runtime/device.h"
+#include "executor/runtime/program_runner.h"
+#include "hap/v1/plan.pb.h"
+#include "planner/graph/graph.h"
+
+namespace hap::executor {
+
+struct TrainOptions {
+  int64_t steps = 1;
+  int64_t first_step = 0;
+  // Called after every step on the calling thread.
+  std::function<void(int64_t step, double loss, double seconds)> on_step;
+  // Polled before every step; true stops training (Cancelled).
+  std::function<bool()> cancelled;
+};
+
+struct TrainResult {
+  std::vector<double> losses;        // per step
+  std::vector<double> step_seconds;  // per step, wall time
+  std::vector<ParameterShard> parameters;  // after the last step
+};
+
+// Initialises the parameters and trains. A loss that is not finite stops
+// training with Aborted naming the step (the steps before it are in the
+// error's context only; the parameters are left as they are).
+absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
+                                      data::BatchSource& batches,
+                                      const TrainOptions& options);
+
+struct LocalRanksOptions {
+  std::string rendezvous_dir;  // a fresh directory
+  int threads_per_rank = 1;
+  absl::Duration timeout = absl::Seconds(60);
+  std::string prefix = "hap";
+};
+
+// Runs rank r's program on thread r. Each rank's batches come from
+// `batches(r)`. Returns every rank's result, or the first rank's error.
+absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
+    const std::vector<hap::v1::RankProgram>& programs, const graph::Graph& g,
+    const std::function<std::unique_ptr<data::BatchSource>(int rank)>& batches,
+    const TrainOptions& train, const LocalRanksOptions& options);
+
+// The single-device tensors of every parameter, assembled from the pieces
+// of all ranks. InvalidArgument when pieces disagree in shape or leave
+// elements uncovered.
+absl::StatusOr<std::map<std::string, HostTensor>> AssembleParameters(
+    const std::vector<std::vector<ParameterShard>>& per_rank);
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_TRAIN_TRAINER_H_

@@ -1,0 +1,274 @@
+#include "planner/lower/lower.h"
+
+#include <map>
+#include <set>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/arena.h"
+#include "planner/synth/search.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::lower {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+graph::Graph Gpt(int batch) {
+  auto g = graph::BuildZooModel(
+      "gpt", {{"layers", 2}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 6},
+              {"vocab", 37}, {"batch", batch}});
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+cost::ClusterModel Cluster(int n) {
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < n; ++i) {
+    d.push_back({"d" + std::to_string(i), "n0", "t", 1e7, int64_t{1} << 34, 0});
+  }
+  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 1e12)),
+      lat(n, std::vector<double>(n, 0));
+  return *cost::ClusterModel::Create(d, bw, lat);
+}
+
+bool DataParallel(const synth::ShardRule& r) {
+  if (r.kind == synth::RuleKind::kTensor) return false;
+  for (const auto* forms : {&r.inputs, &r.outputs}) {
+    for (synth::Form f : *forms) {
+      if (f.is_sharded() && f.dim() != 0) return false;
+    }
+  }
+  return true;
+}
+
+synth::Program Search(const graph::Graph& g, int n, std::vector<double> ratios,
+                      std::optional<synth::ParamStorage> storage,
+                      std::function<bool(const synth::ShardRule&)> filter) {
+  synth::SearchOptions o;
+  o.ratios = std::move(ratios);
+  o.rule_filter = std::move(filter);
+  o.force_storage = storage;
+  o.allow_sfb = false;
+  auto p = synth::Synthesize(g, Cluster(n), o);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return *std::move(p);
+}
+
+const v1::Buffer* Find(const v1::RankProgram& p, const std::string& tensor,
+                       v1::Buffer::Role role) {
+  for (const auto& b : p.buffers()) {
+    if (b.tensor() == tensor && b.role() == role) return &b;
+  }
+  return nullptr;
+}
+
+TEST(LowerTest, ShardsFollowTheDimensionClassAcrossReshapes) {
+  graph::Graph g = Gpt(7);
+  std::vector<double> ratios = {0.5, 0.3, 0.2};
+  synth::Program p = Search(g, 3, ratios, synth::ParamStorage::kReplicated, DataParallel);
+  LowerOptions o;
+  o.world_size = 3;
+  o.ratios = ratios;
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  // 7 sequences split 4/2/1 (RoundShards of 7 by 0.5/0.3/0.2 gives 3/2/1
+  // plus the remainder to the largest deficit); the labels, one per token
+  // of 6, follow the same split scaled by 6.
+  int64_t token_total = 0, label_total = 0;
+  for (const auto& prog : *progs) {
+    const v1::Buffer* tokens = Find(prog, "tokens", v1::Buffer::INPUT);
+    const v1::Buffer* labels = Find(prog, "labels", v1::Buffer::INPUT);
+    ASSERT_NE(tokens, nullptr);
+    ASSERT_NE(labels, nullptr);
+    EXPECT_EQ(labels->shape(0), tokens->shape(0) * 6);
+    EXPECT_EQ(labels->offsets(0), tokens->offsets(0) * 6);
+    EXPECT_EQ(tokens->offsets(0), token_total);
+    EXPECT_GE(tokens->shape(0), 1);
+    token_total += tokens->shape(0);
+    label_total += labels->shape(0);
+  }
+  EXPECT_EQ(token_total, 7);
+  EXPECT_EQ(label_total, 42);
+  EXPECT_GT((*progs)[0].buffers(Find((*progs)[0], "tokens", v1::Buffer::INPUT)->id()).shape(0),
+            (*progs)[2].buffers(Find((*progs)[2], "tokens", v1::Buffer::INPUT)->id()).shape(0));
+}
+
+// Every rank runs the same collectives in the same order with the same
+// per-rank sizes: otherwise the ranks would deadlock.
+void ExpectMatchingCollectives(const std::vector<v1::RankProgram>& progs) {
+  auto sequence = [](const v1::RankProgram& p) {
+    std::vector<std::string> out;
+    for (const auto& s : p.steps()) {
+      if (!s.has_collective()) continue;
+      const auto& c = s.collective();
+      std::string k = v1::Collective_Name(c.collective()) + ":" + c.tensor() + ":" +
+                      std::to_string(c.dim());
+      for (int64_t x : c.shard_sizes()) k += "," + std::to_string(x);
+      out.push_back(k);
+    }
+    return out;
+  };
+  for (size_t r = 1; r < progs.size(); ++r) {
+    EXPECT_EQ(sequence(progs[r]), sequence(progs[0])) << "rank " << r;
+  }
+}
+
+TEST(LowerTest, DataParallelAllReducesEveryWeightGradient) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kReplicated, DataParallel);
+  LowerOptions o;
+  o.world_size = 2;
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  std::set<std::string> reduced;
+  for (const auto& s : (*progs)[0].steps()) {
+    if (s.phase() == v1::Step::GRADIENT_SYNC && s.has_collective() &&
+        s.collective().collective() == v1::ALL_REDUCE) {
+      reduced.insert(s.collective().tensor());
+    }
+  }
+  for (graph::TensorId t : g.Parameters()) {
+    EXPECT_TRUE(reduced.count(g.tensor(t).name)) << g.tensor(t).name;
+  }
+  // One optimizer update per parameter.
+  int updates = 0;
+  for (const auto& s : (*progs)[0].steps()) {
+    updates += s.has_kernel() && s.kernel().kernel() == "sgd_update";
+  }
+  EXPECT_EQ(updates, static_cast<int>(g.Parameters().size()));
+}
+
+TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, DataParallel);
+  LowerOptions o;
+  o.world_size = 2;
+  o.optimizer.set_kind(v1::OptimizerConfig::ADAM);
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  const v1::Buffer* w = Find((*progs)[1], "layer0/mlp/fc1/weight", v1::Buffer::PARAMETER);
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->global_shape(0), 24);
+  EXPECT_EQ(w->shape(0), 12);
+  EXPECT_EQ(w->offsets(0), 12);
+  int scatters = 0, states = 0;
+  for (const auto& s : (*progs)[1].steps()) {
+    scatters += s.phase() == v1::Step::GRADIENT_SYNC && s.has_collective() &&
+                s.collective().collective() == v1::REDUCE_SCATTER;
+  }
+  for (const auto& b : (*progs)[1].buffers()) {
+    if (b.role() == v1::Buffer::OPTIMIZER_STATE && b.tensor().rfind("layer0/mlp/fc1/weight#", 0) == 0) {
+      ++states;
+      EXPECT_EQ(b.shape(0), 12);  // Adam moments are sharded too
+    }
+  }
+  EXPECT_GT(scatters, 0);
+  EXPECT_EQ(states, 2);
+}
+
+TEST(LowerTest, BuffersAliveTogetherNeverOverlapAndMemoryIsReused) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.6, 0.4}, std::nullopt,
+                            [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kData; });
+  LowerOptions o;
+  o.world_size = 2;
+  o.ratios = {0.6, 0.4};
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  for (const auto& prog : *progs) {
+    int64_t sum = 0;
+    std::vector<std::tuple<int, int, int64_t, int64_t>> live;
+    for (const auto& b : prog.buffers()) {
+      int64_t n = 4;
+      for (int64_t d : b.shape()) n *= d;
+      if (b.dtype() == v1::INT64 || b.dtype() == v1::FLOAT64) n *= 2;
+      sum += n;
+      EXPECT_LE(b.offset_bytes() + n, prog.arena_bytes());
+      live.emplace_back(b.first_use(), b.last_use(), b.offset_bytes(), b.offset_bytes() + n);
+    }
+    for (size_t i = 0; i < live.size(); ++i) {
+      for (size_t j = i + 1; j < live.size(); ++j) {
+        auto [f1, l1, b1, e1] = live[i];
+        auto [f2, l2, b2, e2] = live[j];
+        bool time = f1 <= l2 && f2 <= l1;
+        bool space = b1 < e2 && b2 < e1;
+        EXPECT_FALSE(time && space) << prog.buffers(i).tensor() << " and "
+                                    << prog.buffers(j).tensor();
+      }
+    }
+    EXPECT_LT(prog.arena_bytes(), sum);
+  }
+}
+
+TEST(LowerTest, AnOperandAddedOnceIntoAPartialSumIsReadOnRankZeroOnly) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, std::nullopt,
+                            [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kData; });
+  bool found = false;
+  for (const auto& s : p.steps) {
+    if (g.op(s.op).type == "linear" && s.rule.name == "row" && g.op(s.op).inputs.size() == 3) {
+      found = true;
+    }
+  }
+  ASSERT_TRUE(found) << "expected a row-parallel linear with a bias";
+  LowerOptions o;
+  o.world_size = 2;
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  int absent0 = 0, absent1 = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (const auto& s : (*progs)[r].steps()) {
+      if (s.phase() == v1::Step::FORWARD && s.has_kernel() && s.kernel().kernel() == "linear" &&
+          s.kernel().inputs_size() == 3 && s.kernel().inputs(2) == -1) {
+        (r == 0 ? absent0 : absent1)++;
+      }
+    }
+  }
+  EXPECT_EQ(absent0, 0);
+  EXPECT_GT(absent1, 0);
+}
+
+TEST(LowerTest, BadInputIsAnErrorNamingIt) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = SingleDeviceProgram(g);
+  LowerOptions o;
+  o.world_size = 0;
+  EXPECT_THAT(Lower(g, p, o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("world size must be at least 1")));
+  o.world_size = 2;
+  o.ratios = {1.0};
+  EXPECT_THAT(Lower(g, p, o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("1 sharding ratios for a world of 2")));
+  o.ratios = {0.7, 0.7};
+  EXPECT_THAT(Lower(g, p, o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sum to 1.4")));
+  o.ratios = {-0.5, 1.5};
+  EXPECT_THAT(Lower(g, p, o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("not a finite non-negative")));
+  o.ratios = {};
+  graph::Graph other = Gpt(4);
+  auto mlp = graph::BuildZooModel("mlp", {{"layers", 1}, {"hidden", 8}, {"input", 4}, {"batch", 4}});
+  ASSERT_TRUE(mlp.ok());
+  EXPECT_THAT(Lower(*mlp, p, o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("steps for a graph of")));
+}
+
+TEST(ArenaTest, PlacesDisjointLifetimesTogetherAndOverlappingApart) {
+  ArenaLayout l = PlanArena({{100, 0, 1}, {100, 2, 3}, {50, 1, 2}});
+  // 0 and 1 never live together: they share an offset; 2 overlaps both.
+  EXPECT_EQ(l.offsets[0], l.offsets[1]);
+  EXPECT_TRUE(l.offsets[2] >= 128 || l.offsets[2] + 50 <= l.offsets[0]);
+  EXPECT_EQ(l.total_bytes, 128 + 64);
+  EXPECT_EQ(l.offsets[2] % kArenaAlignment, 0);
+}
+
+}  // namespace
+}  // namespace hap::lower
