@@ -12,6 +12,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
+#include "planner/lower/plan_builder.h"
 #include "planner/synth/planner.h"
 #include "planner/util/status_macros.h"
 #include "tools/hapctl_graph.h"
@@ -25,9 +26,13 @@ constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model 
                    [--no-sfb] [--no-zero] [--no-grouped] [--zero-heuristic]
                    [--optimizer sgd|momentum|adam] [--ignore-memory]
                    [--max-states N] [--max-seconds S] [-o table|json]
+                   [--save-plan PLAN.pb] [--lr X] [--momentum X]
+                   [--weight-decay X] [--clip-norm X] [--seed N]
 
 Synthesizes the SPMD program and sharding ratios offline. Zoo models default
 to a batch of 32 per device and (moe/switch) 2 experts per device.
+--save-plan lowers the plan to per-rank programs (with the optimizer flags)
+and writes the hap.v1.Plan in binary for hap-executor / hap-launch.
 )";
 
 int Fail(const absl::Status& s) {
@@ -193,13 +198,49 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
   }
 }
 
+absl::Status SavePlan(const Args& args, const graph::Graph& g,
+                      const hap::v1::Cluster& profile,
+                      const cost::ClusterModel& cluster,
+                      const synth::PlanResult& r, const std::string& opt) {
+  hap::v1::PlanOptions po;
+  hap::v1::OptimizerConfig* o = po.mutable_optimizer();
+  o->set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM
+                            : hap::v1::OptimizerConfig::SGD);
+  HAP_ASSIGN_OR_RETURN(double lr, args.Number("lr", opt == "adam" ? 1e-3 : 0.1));
+  HAP_ASSIGN_OR_RETURN(double m, args.Number("momentum", opt == "momentum" ? 0.9 : 0));
+  HAP_ASSIGN_OR_RETURN(double wd, args.Number("weight-decay", 0));
+  HAP_ASSIGN_OR_RETURN(double clip, args.Number("clip-norm", 0));
+  HAP_ASSIGN_OR_RETURN(double seed, args.Number("seed", 0));
+  if (!(lr > 0) || m < 0 || wd < 0 || clip < 0 || seed < 0) {
+    return absl::InvalidArgumentError(
+        "--lr must be positive; --momentum, --weight-decay, --clip-norm and "
+        "--seed must not be negative");
+  }
+  o->set_learning_rate(lr);
+  o->set_momentum(m);
+  o->set_weight_decay(wd);
+  o->set_clip_global_norm(clip);
+  po.set_seed(static_cast<uint64_t>(seed));
+  HAP_ASSIGN_OR_RETURN(hap::v1::Plan plan,
+                       lower::BuildPlan(g, profile, cluster, r, po));
+  std::string path = args.Get("save-plan");
+  std::ofstream f(path, std::ios::binary);
+  if (!f || !plan.SerializeToOstream(&f)) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "'"));
+  }
+  std::cerr << "wrote plan for " << plan.rank_programs_size() << " ranks to " << path
+            << "\n";
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int RunPlan(const std::vector<std::string>& argv) {
   std::set<std::string> value_flags = ZooParamFlags();
   value_flags.insert({"o", "output", "set", "cluster", "model", "graph",
                       "devices", "baseline", "optimizer", "max-states",
-                      "max-seconds"});
+                      "max-seconds", "save-plan", "lr", "momentum",
+                      "weight-decay", "clip-norm", "seed"});
   auto args = Args::Parse(argv, value_flags,
                           {"help", "no-sfb", "no-zero", "no-grouped",
                            "zero-heuristic", "ignore-memory"});
@@ -272,6 +313,10 @@ int RunPlan(const std::vector<std::string>& argv) {
   po.max_seconds = *mx;
   auto r = synth::PlanModel(*g, *cluster, po);
   if (!r.ok()) return Fail(r.status());
+  if (args->Has("save-plan")) {
+    auto st = SavePlan(*args, *g, *cluster_proto, *cluster, *r, opt);
+    if (!st.ok()) return Fail(st);
+  }
   std::string fmt = args->Get("o", args->Get("output", "table"));
   if (fmt == "json") {
     PrintJson(*g, *cluster, *r, *b);

@@ -1,0 +1,242 @@
+#include "executor/cli/run_plan.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "executor/cpu/cpu_device.h"
+#include "executor/data/batches.h"
+#include "executor/data/wikitext.h"
+#include "executor/train/trainer.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/lower/plan_builder.h"
+#include "planner/util/status_macros.h"
+#include "tools/cli_args.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+
+constexpr char kUsage[] =
+    R"(usage: hap-executor --plan PLAN.pb --rank R --world N --rendezvous DIR
+                    [--steps K] [--data synthetic|wikitext] [--data-dir DIR]
+                    [--threads T] [--timeout SECONDS] [--log-every N]
+
+Runs rank R of a plan written by `hapctl plan --save-plan`. The ranks meet
+through files in DIR (shared by all ranks; use a fresh one per run) and talk
+over Gloo on 127.0.0.1. --data wikitext trains the GPT-style model on the
+WikiText-2 valid split (word level) from --data-dir (default $HAP_DATA_DIR,
+else ../shared/data); synthetic data is deterministic. Rank 0 prints each
+step's loss and time, and at the end the perplexity (wikitext).
+)";
+
+constexpr char kLaunchUsage[] =
+    R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [hap-executor flags]
+
+Starts one hap-executor per rank of the plan on this machine, with a fresh
+rendezvous directory, waits for them and stops the rest when one fails.
+)";
+
+const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",
+                                           "rendezvous", "steps",  "data",
+                                           "data-dir", "threads",  "timeout",
+                                           "log-every", "executor"};
+
+absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot open plan '", path, "'"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  v1::Plan plan;
+  if (!plan.ParseFromString(ss.str())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan '", path, "' is not a hap.v1.Plan (corrupted or truncated?)"));
+  }
+  return plan;
+}
+
+absl::StatusOr<int64_t> Int(const tools::Args& a, const std::string& flag, int64_t def) {
+  HAP_ASSIGN_OR_RETURN(double v, a.Number(flag, static_cast<double>(def)));
+  if (v != std::floor(v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be an integer"));
+  }
+  return static_cast<int64_t>(v);
+}
+
+std::string DataDir(const tools::Args& a) {
+  if (a.Has("data-dir")) return a.Get("data-dir");
+  if (const char* e = std::getenv("HAP_DATA_DIR")) return e;
+  return "../shared/data";
+}
+
+absl::Status Run(const tools::Args& a) {
+  for (const char* f : {"plan", "rank", "world", "rendezvous"}) {
+    if (!a.Has(f)) return absl::InvalidArgumentError(absl::StrCat("--", f, " is required"));
+  }
+  HAP_ASSIGN_OR_RETURN(int64_t rank, Int(a, "rank", 0));
+  HAP_ASSIGN_OR_RETURN(int64_t world, Int(a, "world", 1));
+  HAP_ASSIGN_OR_RETURN(int64_t steps, Int(a, "steps", 10));
+  HAP_ASSIGN_OR_RETURN(int64_t threads, Int(a, "threads", 1));
+  HAP_ASSIGN_OR_RETURN(int64_t log_every, Int(a, "log-every", 1));
+  HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
+  if (steps < 1 || threads < 1 || log_every < 1 || !(timeout > 0)) {
+    return absl::InvalidArgumentError(
+        "--steps, --threads, --log-every and --timeout must be positive");
+  }
+  HAP_ASSIGN_OR_RETURN(v1::Plan plan, ReadPlan(a.Get("plan")));
+  HAP_RETURN_IF_ERROR(lower::CheckPlanForRank(plan, static_cast<int>(rank),
+                                              static_cast<int>(world)));
+  HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
+
+  std::unique_ptr<data::BatchSource> batches;
+  std::string source = a.Get("data", "synthetic");
+  if (source == "wikitext") {
+    std::string dir = DataDir(a) + "/wikitext-2";
+    HAP_ASSIGN_OR_RETURN(data::Vocabulary vocab,
+                         data::Vocabulary::Build(data::WikiText2Files(dir)));
+    HAP_ASSIGN_OR_RETURN(std::vector<int64_t> corpus,
+                         vocab.Encode(dir + "/valid.txt"));
+    HAP_ASSIGN_OR_RETURN(batches, data::NewLmBatches(g, std::move(corpus)));
+  } else if (source == "synthetic") {
+    batches = data::NewSyntheticBatches(g, plan.options().seed());
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data must be synthetic or wikitext, got '", source, "'"));
+  }
+
+  HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
+                       NewFileStore(a.Get("rendezvous")));
+  GlooOptions go;
+  go.rank = static_cast<int>(rank);
+  go.size = static_cast<int>(world);
+  go.prefix = absl::StrCat("plan-", plan.content_hash().substr(0, 16));
+  go.timeout = absl::Seconds(timeout);
+  HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm, ConnectGloo(go, *store));
+  std::unique_ptr<Device> device = NewCpuDevice(static_cast<int>(threads));
+  HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
+                       ProgramRunner::Create(plan.rank_programs(rank), g,
+                                             device.get(), comm.get()));
+  if (rank == 0) {
+    std::cout << absl::StrFormat(
+        "training %s on %d ranks (plan %s, predicted step %.4f s), %d steps\n",
+        g.name(), world, plan.content_hash().substr(0, 12),
+        plan.prediction().step_seconds(), steps);
+  }
+  TrainOptions to;
+  to.steps = steps;
+  to.on_step = [&](int64_t step, double loss, double seconds) {
+    if (rank == 0 && (step % log_every == 0 || step + 1 == steps)) {
+      std::cout << absl::StrFormat("step %d loss %.6f time %.4f s\n", step, loss, seconds)
+                << std::flush;
+    }
+  };
+  HAP_ASSIGN_OR_RETURN(TrainResult r, TrainRank(*runner, *batches, to));
+  if (rank == 0) {
+    double mean_time = 0;
+    for (double s : r.step_seconds) mean_time += s;
+    mean_time /= r.step_seconds.size();
+    std::cout << absl::StrFormat("final loss %.6f, mean step time %.4f s",
+                                 r.losses.back(), mean_time);
+    if (source == "wikitext") {
+      std::cout << absl::StrFormat(", perplexity %.2f (initial %.2f)",
+                                   std::exp(r.losses.back()), std::exp(r.losses.front()));
+    }
+    std::cout << "\n";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunPlanMain(const std::vector<std::string>& argv) {
+  auto a = tools::Args::Parse(argv, kValueFlags, {"help"});
+  if (!a.ok() || a->Bool("help")) {
+    if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
+    std::cerr << kUsage;
+    return a.ok() ? 0 : 2;
+  }
+  absl::Status s = Run(*a);
+  if (!s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
+  auto a = tools::Args::Parse(argv, kValueFlags, {"help"});
+  if (!a.ok() || a->Bool("help") || !a->Has("plan")) {
+    if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
+    std::cerr << kLaunchUsage;
+    return a.ok() && a->Bool("help") ? 0 : 2;
+  }
+  auto plan = ReadPlan(a->Get("plan"));
+  if (!plan.ok()) {
+    std::cerr << "error: " << plan.status().message() << "\n";
+    return 1;
+  }
+  const int world = plan->rank_programs_size();
+  std::string executor = a->Get(
+      "executor", (std::filesystem::path(self).parent_path() / "hap-executor").string());
+  char tmpl[] = "/tmp/hap-rendezvous-XXXXXX";
+  if (!mkdtemp(tmpl)) {
+    std::cerr << "error: cannot create a rendezvous directory\n";
+    return 1;
+  }
+  std::vector<std::string> pass;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    if (argv[i].rfind("--executor", 0) == 0) {
+      if (argv[i] == "--executor") ++i;
+      continue;
+    }
+    pass.push_back(argv[i]);
+  }
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args = {executor, "--rank", std::to_string(r), "--world",
+                                     std::to_string(world), "--rendezvous", tmpl};
+    args.insert(args.end(), pass.begin(), pass.end());
+    pid_t pid = fork();
+    if (pid == 0) {
+      std::vector<char*> cargs;
+      for (auto& s : args) cargs.push_back(s.data());
+      cargs.push_back(nullptr);
+      execv(executor.c_str(), cargs.data());
+      std::cerr << "error: cannot run " << executor << "\n";
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  int failed = 0;
+  for (int left = world; left > 0; --left) {
+    int status = 0;
+    pid_t pid = wait(&status);
+    if (pid < 0) break;
+    bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!ok && !failed) {
+      failed = 1;
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (pids[r] == pid) {
+          std::cerr << "hap-launch: rank " << r << " failed; stopping the others\n";
+        }
+      }
+      for (pid_t p : pids) {
+        if (p != pid) kill(p, SIGTERM);
+      }
+    }
+  }
+  std::filesystem::remove_all(tmpl);
+  return failed;
+}
+
+}  // namespace hap::executor

@@ -1,0 +1,212 @@
+#include "planner/lower/plan_builder.h"
+
+#include <openssl/sha.h>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/lower/lower.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::lower {
+namespace {
+
+namespace v1 = ::hap::v1;
+
+v1::TensorForm FormOf(synth::Form f) {
+  v1::TensorForm p;
+  if (f.is_replicated()) {
+    p.set_kind(v1::TensorForm::REPLICATED);
+  } else if (f.is_partial()) {
+    p.set_kind(v1::TensorForm::PARTIAL);
+  } else {
+    p.set_kind(v1::TensorForm::SHARDED);
+    p.set_dim(f.dim());
+  }
+  return p;
+}
+
+v1::Collective CollectiveOf(synth::Collective c) {
+  switch (c) {
+    case synth::Collective::kAllGather:
+      return v1::ALL_GATHER;
+    case synth::Collective::kReduceScatter:
+      return v1::REDUCE_SCATTER;
+    case synth::Collective::kAllReduce:
+      return v1::ALL_REDUCE;
+    case synth::Collective::kAllToAll:
+      return v1::ALL_TO_ALL;
+    case synth::Collective::kSlice:
+    case synth::Collective::kZeroOut:
+      return v1::SLICE;
+  }
+  return v1::COLLECTIVE_UNSPECIFIED;
+}
+
+v1::Instruction::Storage StorageOf(synth::ParamStorage s) {
+  switch (s) {
+    case synth::ParamStorage::kReplicated:
+      return v1::Instruction::STORAGE_REPLICATED;
+    case synth::ParamStorage::kSharded:
+      return v1::Instruction::STORAGE_SHARDED;
+    case synth::ParamStorage::kZero:
+      return v1::Instruction::STORAGE_ZERO;
+  }
+  return v1::Instruction::STORAGE_UNSPECIFIED;
+}
+
+void AddInstructions(const graph::Graph& g, const synth::Program& p,
+                     const std::vector<double>& ratios, v1::SynthesizedProgram* out) {
+  auto eval = [&](const ratios::CostTerm& t) {
+    double worst = 0;
+    for (size_t i = 0; i < ratios.size(); ++i) {
+      worst = std::max(worst, t.coef[i] * ratios[i] + t.constant[i]);
+    }
+    return worst * t.weight;
+  };
+  for (const synth::OpStep& s : p.steps) {
+    const graph::Op& op = g.op(s.op);
+    for (const synth::SourceLoad& l : s.loads) {
+      v1::Instruction* i = out->add_instructions();
+      i->set_kind(v1::Instruction::SOURCE);
+      i->set_op(g.tensor(l.tensor).name);
+      *i->add_output_forms() = FormOf(l.form);
+      if (l.parameter) {
+        i->set_storage(StorageOf(l.storage));
+        i->set_sfb(l.sfb);
+      }
+      double comm = 0;
+      for (const auto& c : l.costs) comm += eval(c);
+      i->set_predicted_comm_seconds(comm);
+    }
+    for (const synth::CommStep& c : s.comms) {
+      v1::Instruction* i = out->add_instructions();
+      i->set_kind(v1::Instruction::COMMUNICATE);
+      i->set_op(g.tensor(c.tensor).name);
+      *i->add_input_forms() = FormOf(c.from);
+      *i->add_output_forms() = FormOf(c.to);
+      i->set_collective(CollectiveOf(c.forward));
+      i->set_method(c.method == synth::Method::kGrouped ? v1::GROUPED
+                    : c.method == synth::Method::kPadded ? v1::PADDED
+                                                         : v1::COLLECTIVE_METHOD_UNSPECIFIED);
+      i->set_predicted_comm_seconds(eval(c.forward_cost) + eval(c.backward_cost));
+    }
+    v1::Instruction* i = out->add_instructions();
+    i->set_kind(v1::Instruction::COMPUTE);
+    i->set_op(op.name);
+    i->set_rule(s.rule.name);
+    for (graph::TensorId t : op.inputs) i->add_tensors(g.tensor(t).name);
+    for (graph::TensorId t : op.outputs) i->add_tensors(g.tensor(t).name);
+    for (synth::Form f : s.rule.inputs) *i->add_input_forms() = FormOf(f);
+    for (synth::Form f : s.rule.outputs) *i->add_output_forms() = FormOf(f);
+    i->set_predicted_compute_seconds(eval(s.compute));
+  }
+}
+
+}  // namespace
+
+std::string Sha256Hex(const google::protobuf::Message& m) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream s(&bytes);
+    google::protobuf::io::CodedOutputStream out(&s);
+    out.SetSerializationDeterministic(true);
+    m.SerializeToCodedStream(&out);
+  }
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
+}
+
+std::string ContentHash(const v1::Plan& plan) {
+  v1::Plan content;
+  *content.mutable_program() = plan.program();
+  *content.mutable_ratios() = plan.ratios();
+  *content.mutable_rank_programs() = plan.rank_programs();
+  *content.mutable_options() = plan.options();
+  content.set_graph_hash(plan.graph_hash());
+  return Sha256Hex(content);
+}
+
+absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
+                                   const v1::Cluster& cluster_profile,
+                                   const cost::ClusterModel& cluster,
+                                   const synth::PlanResult& result,
+                                   const v1::PlanOptions& options) {
+  v1::Plan plan;
+  plan.set_format_version(kPlanFormatVersion);
+  *plan.mutable_graph() = graph::ToProto(g);
+  *plan.mutable_cluster() = cluster_profile;
+  *plan.mutable_options() = options;
+  plan.set_graph_hash(Sha256Hex(plan.graph()));
+  plan.set_cluster_hash(Sha256Hex(plan.cluster()));
+  std::vector<std::string> devices;
+  for (int i = 0; i < cluster.size(); ++i) {
+    devices.push_back(cluster.device(i).id);
+    plan.add_devices(cluster.device(i).id);
+  }
+  if (!g.Inputs().empty()) {
+    plan.set_global_batch(g.tensor(g.Inputs().front()).type.shape.empty()
+                              ? 1
+                              : g.tensor(g.Inputs().front()).type.shape[0]);
+  }
+  AddInstructions(g, result.program, result.ratios, plan.mutable_program());
+  v1::SegmentRatios* r = plan.add_ratios();
+  for (double x : result.ratios) r->add_ratios(x);
+  LowerOptions lo;
+  lo.world_size = cluster.size();
+  lo.ratios = result.ratios;
+  lo.devices = devices;
+  lo.optimizer = options.optimizer();
+  lo.seed = options.seed();
+  HAP_ASSIGN_OR_RETURN(std::vector<v1::RankProgram> programs,
+                       Lower(g, result.program, lo));
+  for (auto& p : programs) *plan.add_rank_programs() = std::move(p);
+  v1::PlanPrediction* pred = plan.mutable_prediction();
+  pred->set_step_seconds(result.cost.total);
+  pred->set_compute_seconds(result.cost.compute);
+  pred->set_communication_seconds(result.cost.communication);
+  for (int64_t m : result.memory_bytes) pred->add_memory_bytes_per_device(m);
+  plan.set_synthesis_seconds(result.synthesis_seconds);
+  plan.set_states_expanded(result.states_expanded);
+  plan.set_optimal(result.optimal);
+  plan.set_joint_iterations(result.joint_iterations);
+  plan.set_state(v1::Plan::SUCCEEDED);
+  plan.set_content_hash(ContentHash(plan));
+  return plan;
+}
+
+absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
+  if (plan.format_version() != kPlanFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan format version ", plan.format_version(), " is not supported (this "
+        "executor reads version ", kPlanFormatVersion, ")"));
+  }
+  if (plan.rank_programs_size() == 0) {
+    return absl::InvalidArgumentError("the plan has no rank programs (not lowered)");
+  }
+  if (world != plan.rank_programs_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plan is for a world of ", plan.rank_programs_size(),
+        " ranks, not ", world));
+  }
+  if (rank < 0 || rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is out of range for a world of ", world));
+  }
+  if (plan.rank_programs(rank).rank() != rank ||
+      plan.rank_programs(rank).world_size() != world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan's program ", rank, " is not rank ", rank, "'s"));
+  }
+  if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
+    return absl::InvalidArgumentError(
+        "the plan's content hash does not match its content (corrupted?)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hap::lower
