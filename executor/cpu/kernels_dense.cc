@@ -1,0 +1,189 @@
+// Matrix products through BLAS: linear (x @ w^T + b) and (batched) matmul.
+// Transposes are BLAS flags, never copies.
+#include "executor/cpu/kernels_internal.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::cpu {
+namespace {
+
+// --- linear ---------------------------------------------------------------------
+
+struct LinearDims {
+  int64_t rows = 0, in = 0, out = 0;
+  Shape y;
+};
+
+// x[..., in], w[out, in], bias[out] (when present) of dtype t.
+absl::StatusOr<LinearDims> CheckLinear(const KernelArgs& a, DType t,
+                                       bool has_bias_slot) {
+  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 1, t));
+  const TensorView& x = a.in[0];
+  const TensorView& w = a.in[1];
+  if (x.rank() < 1 || w.rank() != 2 || w.shape[1] != x.shape.back()) {
+    return Invalid(a, InLabel(a, 0), " and weight ", InLabel(a, 1),
+                   " do not fit x[..., in] @ w[out, in]^T");
+  }
+  LinearDims d;
+  d.in = w.shape[1];
+  d.out = w.shape[0];
+  d.rows = x.num_elements() / d.in;
+  d.y = x.shape;
+  d.y.back() = d.out;
+  if (has_bias_slot && a.in[2].present()) {
+    HAP_RETURN_IF_ERROR(CheckInput(a, 2, t));
+    HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], "bias", {d.out}));
+  }
+  if (!FitsBlas({d.rows, d.in, d.out})) {
+    return Invalid(a, InLabel(a, 0), " is too large for BLAS");
+  }
+  return d;
+}
+
+template <typename T>
+absl::Status LinearForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 2, 3, 1));
+  const bool has_bias = a.in.size() == 3 && a.in[2].present();
+  HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, a.in.size() == 3));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, d.y));
+  T* y = a.out[0].as<T>();
+  if (has_bias) {
+    const T* b = a.in[2].as<const T>();
+    for (int64_t r = 0; r < d.rows; ++r) {
+      std::copy(b, b + d.out, y + r * d.out);
+    }
+  }
+  Gemm<T>(false, true, d.rows, d.out, d.in, T(1), a.in[0].as<const T>(), d.in,
+          a.in[1].as<const T>(), d.in, has_bias ? T(1) : T(0), y, d.out);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status LinearBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 2, 3, 1));
+  HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, g.n() == 3));
+  HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const T* dy = g.dy(0).as<const T>();
+  if (g.dx(0).present()) {  // dx += dy @ w
+    Gemm<T>(false, false, d.rows, d.in, d.out, T(1), dy, d.out,
+            g.x(1).as<const T>(), d.in, T(1), g.dx(0).as<T>(), d.in);
+  }
+  if (g.dx(1).present()) {  // dw += dy^T @ x
+    Gemm<T>(true, false, d.out, d.in, d.rows, T(1), dy, d.out,
+            g.x(0).as<const T>(), d.in, T(1), g.dx(1).as<T>(), d.in);
+  }
+  if (g.n() == 3 && g.dx(2).present()) {  // db += column sums of dy
+    T* db = g.dx(2).as<T>();
+    for (int64_t r = 0; r < d.rows; ++r) AddTo(db, dy + r * d.out, d.out);
+  }
+  return absl::OkStatus();
+}
+
+// --- matmul ---------------------------------------------------------------------
+
+struct MatmulDims {
+  int64_t batch = 1, m = 0, k = 0, n = 0;
+  bool shared_b = false;  // b is [k, n] for every batch entry
+  Shape y;
+};
+
+absl::StatusOr<MatmulDims> CheckMatmul(const KernelArgs& a, DType t) {
+  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 1, t));
+  const Shape& as = a.in[0].shape;
+  const Shape& bs = a.in[1].shape;
+  const int r = static_cast<int>(as.size());
+  bool ok = r >= 2 && (bs.size() == 2 || bs.size() == as.size()) &&
+            as[r - 1] == bs[bs.size() - 2];
+  for (int i = 0; ok && bs.size() == as.size() && i + 2 < r; ++i) {
+    ok = as[i] == bs[i];
+  }
+  if (!ok) {
+    return Invalid(a, InLabel(a, 0), " and ", InLabel(a, 1),
+                   " do not fit a[..., m, k] @ b[..., k, n] or b[k, n]");
+  }
+  MatmulDims d;
+  d.m = as[r - 2];
+  d.k = as[r - 1];
+  d.n = bs.back();
+  d.shared_b = bs.size() == 2;
+  for (int i = 0; i + 2 < r; ++i) d.batch *= as[i];
+  d.y = as;
+  d.y.back() = d.n;
+  if (!FitsBlas({d.batch * d.m, d.k, d.n})) {
+    return Invalid(a, InLabel(a, 0), " is too large for BLAS");
+  }
+  return d;
+}
+
+template <typename T>
+absl::Status MatmulForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 2, 2, 1));
+  HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, d.y));
+  const T* pa = a.in[0].as<const T>();
+  const T* pb = a.in[1].as<const T>();
+  T* y = a.out[0].as<T>();
+  if (d.shared_b) {
+    Gemm<T>(false, false, d.batch * d.m, d.n, d.k, T(1), pa, d.k, pb, d.n,
+            T(0), y, d.n);
+    return absl::OkStatus();
+  }
+  for (int64_t i = 0; i < d.batch; ++i) {
+    Gemm<T>(false, false, d.m, d.n, d.k, T(1), pa + i * d.m * d.k, d.k,
+            pb + i * d.k * d.n, d.n, T(0), y + i * d.m * d.n, d.n);
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status MatmulBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 2, 2, 1));
+  HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
+  HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const T* pa = g.x(0).as<const T>();
+  const T* pb = g.x(1).as<const T>();
+  const T* dy = g.dy(0).as<const T>();
+  T* da = g.dx(0).present() ? g.dx(0).as<T>() : nullptr;
+  T* db = g.dx(1).present() ? g.dx(1).as<T>() : nullptr;
+  if (d.shared_b) {
+    if (da != nullptr) {  // da += dy @ b^T
+      Gemm<T>(false, true, d.batch * d.m, d.k, d.n, T(1), dy, d.n, pb, d.n,
+              T(1), da, d.k);
+    }
+    if (db != nullptr) {  // db += a^T @ dy, over every batch row at once
+      Gemm<T>(true, false, d.k, d.n, d.batch * d.m, T(1), pa, d.k, dy, d.n,
+              T(1), db, d.n);
+    }
+    return absl::OkStatus();
+  }
+  const int64_t sa = d.m * d.k, sb = d.k * d.n, sy = d.m * d.n;
+  for (int64_t i = 0; i < d.batch; ++i) {
+    if (da != nullptr) {
+      Gemm<T>(false, true, d.m, d.k, d.n, T(1), dy + i * sy, d.n, pb + i * sb,
+              d.n, T(1), da + i * sa, d.k);
+    }
+    if (db != nullptr) {
+      Gemm<T>(true, false, d.k, d.n, d.m, T(1), pa + i * sa, d.k, dy + i * sy,
+              d.n, T(1), db + i * sb, d.n);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void RegisterDenseKernels(KernelTable& t) {
+  t["linear"] = HAP_FLOAT_KERNEL(LinearForward);
+  t["linear_grad"] = HAP_FLOAT_KERNEL(LinearBackward);
+  t["matmul"] = HAP_FLOAT_KERNEL(MatmulForward);
+  t["matmul_grad"] = HAP_FLOAT_KERNEL(MatmulBackward);
+}
+
+}  // namespace hap::executor::cpu

@@ -1,0 +1,296 @@
+// Internal to executor/cpu: what the kernel family files (kernels_*.cc)
+// share — the call arguments, the registry type, argument checks whose errors
+// name the kernel, the backward-kernel argument layout, a simple parallel-for,
+// strided loops for broadcasting / permuting / reducing, and GEMM.
+#ifndef HAP_EXECUTOR_CPU_KERNELS_INTERNAL_H_
+#define HAP_EXECUTOR_CPU_KERNELS_INTERNAL_H_
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "executor/runtime/kernel_context.h"
+#include "executor/runtime/tensor.h"
+#include "planner/graph/types.h"
+
+namespace hap::executor::cpu {
+
+// Everything one kernel call sees (kernels.h RunCpuKernel's arguments).
+struct KernelArgs {
+  const std::string& name;
+  const KernelContext& ctx;
+  const graph::Attrs& attrs;
+  absl::Span<const TensorView> in;
+  absl::Span<const TensorView> out;
+};
+
+using KernelFn = std::function<absl::Status(const KernelArgs&)>;
+using KernelTable = std::map<std::string, KernelFn>;
+
+// A floating kernel instantiated for float and double. The call's dtype is
+// that of its first present floating input (its first present floating
+// output when no input is floating); other dtypes are InvalidArgument.
+using TypedKernel = absl::Status (*)(const KernelArgs&);
+KernelFn FloatKernel(TypedKernel f32, TypedKernel f64);
+#define HAP_FLOAT_KERNEL(fn) \
+  ::hap::executor::cpu::FloatKernel(&fn<float>, &fn<double>)
+// A data-movement kernel, instantiated for every dtype with CPU kernels
+// (f32, f64, i32, i64); the dtype is that of its first present input
+// (output when it has none).
+KernelFn AnyKernel(TypedKernel f32, TypedKernel f64, TypedKernel i32,
+                   TypedKernel i64);
+#define HAP_ANY_KERNEL(fn)                                                \
+  ::hap::executor::cpu::AnyKernel(&fn<float>, &fn<double>, &fn<int32_t>, \
+                                  &fn<int64_t>)
+
+// Registration, one function per family file.
+void RegisterDenseKernels(KernelTable& t);          // linear, matmul
+void RegisterConvolutionKernels(KernelTable& t);    // conv2d, pooling
+void RegisterElementwiseKernels(KernelTable& t);    // activations, binary
+void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
+void RegisterLayoutKernels(KernelTable& t);         // shape ops, embedding
+void RegisterReductionKernels(KernelTable& t);      // sum, mean
+void RegisterLossKernels(KernelTable& t);           // nll_loss, cross_entropy
+void RegisterMoeKernels(KernelTable& t);            // moe_*
+void RegisterRuntimeKernels(KernelTable& t);        // copies, optimizers
+
+// --- errors and argument checks ---------------------------------------------
+
+template <typename... P>
+absl::Status Invalid(const KernelArgs& a, const P&... parts) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("kernel '", a.name, "': ", parts...));
+}
+
+template <typename T>
+constexpr DType DTypeOf();
+template <>
+constexpr DType DTypeOf<float>() {
+  return DType::kFloat32;
+}
+template <>
+constexpr DType DTypeOf<double>() {
+  return DType::kFloat64;
+}
+template <>
+constexpr DType DTypeOf<int32_t>() {
+  return DType::kInt32;
+}
+template <>
+constexpr DType DTypeOf<int64_t>() {
+  return DType::kInt64;
+}
+
+std::string Describe(const TensorView& v);        // "f32[2,3]" or "absent"
+std::string InLabel(const KernelArgs& a, int i);  // "input 1 (f32[2,3])"
+std::string OutLabel(const KernelArgs& a, int i);
+
+// Input count in [min_in, max_in] (max_in < 0: any), output count num_out.
+absl::Status CheckArity(const KernelArgs& a, int min_in, int max_in,
+                        int num_out);
+// Input i is present and of dtype t.
+absl::Status CheckInput(const KernelArgs& a, int i, DType t);
+// Input i is present with an integer dtype (int32 or int64).
+absl::Status CheckIdsInput(const KernelArgs& a, int i);
+// Output i is present, of dtype t and shape `shape`.
+absl::Status CheckOutput(const KernelArgs& a, int i, DType t,
+                         const Shape& shape);
+// `v` (named `label`) has shape `want`.
+absl::Status CheckShape(const KernelArgs& a, const TensorView& v,
+                        absl::string_view label, const Shape& want);
+
+// Attribute getters whose errors name the kernel.
+absl::StatusOr<int64_t> AttrInt(const KernelArgs& a, const std::string& name,
+                                int64_t def);
+absl::StatusOr<int64_t> AttrInt(const KernelArgs& a, const std::string& name);
+absl::StatusOr<double> AttrFloat(const KernelArgs& a, const std::string& name,
+                                 double def);
+absl::StatusOr<double> AttrFloat(const KernelArgs& a, const std::string& name);
+absl::StatusOr<bool> AttrBool(const KernelArgs& a, const std::string& name,
+                              bool def);
+absl::StatusOr<std::vector<int64_t>> AttrInts(const KernelArgs& a,
+                                              const std::string& name);
+absl::StatusOr<std::vector<int64_t>> AttrInts(
+    const KernelArgs& a, const std::string& name,
+    const std::vector<int64_t>& def);
+// An axis attribute value mapped into [0, rank).
+absl::StatusOr<int> NormalizeAxis(const KernelArgs& a, int64_t axis, int rank,
+                                  absl::string_view what);
+// The value of an int-typed ids/targets tensor at flat index i.
+inline int64_t IdAt(const TensorView& v, int64_t i) {
+  return v.dtype == DType::kInt64 ? v.as<const int64_t>()[i]
+                                  : v.as<const int32_t>()[i];
+}
+
+// --- backward kernels ---------------------------------------------------------
+
+// The argument layout of a backward kernel "T_grad" (kernels.h): inputs
+// [x_0..x_{n-1}, y_0..y_{m-1}, dy_0..dy_{m-1}], outputs [dx_0..dx_{n-1}].
+class GradArgs {
+ public:
+  // n = the output count, in [min_n, max_n]; m = num_y, or when num_y < 0
+  // whatever the input count implies (split).
+  static absl::StatusOr<GradArgs> Make(const KernelArgs& a, int min_n,
+                                       int max_n, int num_y);
+
+  int n() const { return n_; }
+  int m() const { return m_; }
+  const TensorView& x(int i) const { return a_->in[i]; }
+  const TensorView& y(int j) const { return a_->in[n_ + j]; }
+  const TensorView& dy(int j) const { return a_->in[n_ + m_ + j]; }
+  const TensorView& dx(int i) const { return a_->out[i]; }
+  bool any_dy() const;
+  bool any_dx() const;
+
+  // Present dy(j) (and y(j)) have dtype t and shape y_shapes[j]; present
+  // dx(i) have dtype t, and x(i) is present with dx(i)'s shape.
+  absl::Status Check(DType t, const std::vector<Shape>& y_shapes) const;
+  // Present dx(i) for i in `no_grad` are an error (ids, targets).
+  absl::Status CheckNoGrad(std::initializer_list<int> no_grad) const;
+
+ private:
+  const KernelArgs* a_ = nullptr;
+  int n_ = 0, m_ = 0;
+};
+
+// --- parallel loops -----------------------------------------------------------
+
+// Elements of work below which a loop stays on the calling thread.
+inline constexpr int64_t kParallelWork = 1 << 15;
+
+// Items per chunk so that a chunk holds at least kParallelWork elements of
+// work when each item costs `per_item` of them.
+inline int64_t GrainFor(int64_t per_item) {
+  return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, per_item));
+}
+// How many chunks RunChunks will use: at most `threads`, each at least
+// `grain` items.
+int NumChunks(int threads, int64_t n, int64_t grain);
+// fn(chunk, begin, end) over [0, n) in `chunks` contiguous chunks; chunk 0
+// runs on the calling thread.
+void RunChunks(int chunks, int64_t n,
+               const std::function<void(int, int64_t, int64_t)>& fn);
+void ParallelFor(int threads, int64_t n, int64_t grain,
+                 const std::function<void(int64_t, int64_t)>& fn);
+
+// --- strided loops ------------------------------------------------------------
+
+std::vector<int64_t> ContiguousStrides(const Shape& s);
+// Numpy broadcasting.
+bool BroadcastsTo(const Shape& small, const Shape& big);
+absl::StatusOr<Shape> BroadcastShape(const Shape& a, const Shape& b);
+// Element strides of `small` read as a tensor of shape `big` (BroadcastsTo):
+// 0 along broadcast dimensions.
+std::vector<int64_t> BroadcastStrides(const Shape& small, const Shape& big);
+
+// A loop nest over `shape` carrying the offsets of up to kMax operands, each
+// with its own element strides over `shape`. Dimensions are merged where
+// every operand allows, so rows (the innermost dimension) are long.
+class StridedLoop {
+ public:
+  static constexpr int kMax = 3;
+  StridedLoop(const Shape& shape,
+              const std::vector<std::vector<int64_t>>& strides);
+
+  int64_t rows() const { return rows_; }
+  int64_t inner() const { return inner_; }
+  int64_t inner_stride(int k) const { return inner_stride_[k]; }
+
+  // fn(off) for rows [begin, end), off[k] the offset of operand k at the
+  // row's first element.
+  template <typename F>
+  void ForRows(int64_t begin, int64_t end, F fn) const {
+    if (begin >= end) return;
+    const int nd = static_cast<int>(outer_.size());
+    std::vector<int64_t> idx(nd);
+    int64_t off[kMax] = {0, 0, 0};
+    int64_t r = begin;
+    for (int d = nd - 1; d >= 0; --d) {
+      idx[d] = r % outer_[d];
+      r /= outer_[d];
+      for (int k = 0; k < kMax; ++k) off[k] += idx[d] * outer_stride_[d][k];
+    }
+    for (int64_t row = begin; row < end; ++row) {
+      fn(static_cast<const int64_t*>(off));
+      for (int d = nd - 1; d >= 0; --d) {
+        for (int k = 0; k < kMax; ++k) off[k] += outer_stride_[d][k];
+        if (++idx[d] < outer_[d]) break;
+        for (int k = 0; k < kMax; ++k) off[k] -= outer_[d] * outer_stride_[d][k];
+        idx[d] = 0;
+      }
+    }
+  }
+
+ private:
+  std::vector<int64_t> outer_;
+  std::vector<std::array<int64_t, kMax>> outer_stride_;
+  int64_t rows_ = 1, inner_ = 1;
+  int64_t inner_stride_[kMax] = {0, 0, 0};
+};
+
+// dst (+)= scale * src elementwise over `shape`, both read through their
+// strides. A dst with a 0 stride is a reduction: it always accumulates, and
+// runs serially.
+template <typename D, typename S>
+void StridedCopy(int threads, const Shape& shape, D* dst,
+                 const std::vector<int64_t>& dst_strides, const S* src,
+                 const std::vector<int64_t>& src_strides, bool accumulate,
+                 D scale = D(1)) {
+  StridedLoop loop(shape, {dst_strides, src_strides});
+  const int64_t n = loop.inner(), sd = loop.inner_stride(0),
+                ss = loop.inner_stride(1);
+  bool reduction = false;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    reduction = reduction || (dst_strides[d] == 0 && shape[d] > 1);
+  }
+  accumulate = accumulate || reduction;
+  auto rows = [&](int64_t b, int64_t e) {
+    loop.ForRows(b, e, [&](const int64_t* off) {
+      D* d = dst + off[0];
+      const S* s = src + off[1];
+      if (sd == 0) {
+        D acc = 0;
+        for (int64_t i = 0; i < n; ++i) acc += static_cast<D>(s[i * ss]);
+        *d += scale * acc;
+      } else if (accumulate) {
+        for (int64_t i = 0; i < n; ++i) d[i * sd] += scale * static_cast<D>(s[i * ss]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) d[i * sd] = scale * static_cast<D>(s[i * ss]);
+      }
+    });
+  };
+  if (reduction) {
+    rows(0, loop.rows());
+  } else {
+    ParallelFor(threads, loop.rows(), GrainFor(n), rows);
+  }
+}
+
+// dst[i] += src[i] for n elements.
+template <typename T>
+void AddTo(T* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// --- BLAS ---------------------------------------------------------------------
+
+// Row-major C = alpha * op(A) @ op(B) + beta * C, op = transpose when asked;
+// A is m x k after op, B k x n after op. (kernels_blas.cc wraps OpenBLAS.)
+template <typename T>
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
+          const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+          int64_t ldc);
+// Whether every one of `dims` fits BLAS's 32-bit int.
+bool FitsBlas(std::initializer_list<int64_t> dims);
+
+}  // namespace hap::executor::cpu
+
+#endif  // HAP_EXECUTOR_CPU_KERNELS_INTERNAL_H_

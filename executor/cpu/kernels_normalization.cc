@@ -1,0 +1,314 @@
+// Normalisations over the last dimension: layer_norm, softmax (additive mask,
+// causal mask), log_softmax. Row statistics accumulate in double.
+#include <cmath>
+#include <limits>
+
+#include "executor/cpu/kernels_internal.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::cpu {
+namespace {
+
+// --- layer_norm -------------------------------------------------------------------
+
+struct RowStats {
+  double mean, rstd;
+};
+
+template <typename T>
+RowStats Stats(const T* x, int64_t d, double eps) {
+  double sum = 0;
+  for (int64_t j = 0; j < d; ++j) sum += x[j];
+  const double mean = sum / static_cast<double>(d);
+  double sq = 0;
+  for (int64_t j = 0; j < d; ++j) {
+    const double c = x[j] - mean;
+    sq += c * c;
+  }
+  return {mean, 1.0 / std::sqrt(sq / static_cast<double>(d) + eps)};
+}
+
+// x[..., d], gamma[d], beta[d] of dtype t; returns d.
+absl::StatusOr<int64_t> CheckLayerNorm(const KernelArgs& a, DType t) {
+  for (int i : {0, 1, 2}) HAP_RETURN_IF_ERROR(CheckInput(a, i, t));
+  if (a.in[0].rank() < 1) return Invalid(a, InLabel(a, 0), " has rank 0");
+  const int64_t d = a.in[0].shape.back();
+  HAP_RETURN_IF_ERROR(CheckShape(a, a.in[1], "gamma (input 1)", {d}));
+  HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], "beta (input 2)", {d}));
+  return d;
+}
+
+template <typename T>
+absl::Status LayerNormForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(int64_t d, CheckLayerNorm(a, t));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, a.in[0].shape));
+  HAP_ASSIGN_OR_RETURN(double eps, AttrFloat(a, "eps", 1e-5));
+  const T* x = a.in[0].as<const T>();
+  const T* gamma = a.in[1].as<const T>();
+  const T* beta = a.in[2].as<const T>();
+  T* y = a.out[0].as<T>();
+  ParallelFor(a.ctx.num_threads, a.in[0].num_elements() / d, GrainFor(4 * d),
+              [&](int64_t b, int64_t e) {
+                for (int64_t r = b; r < e; ++r) {
+                  const T* xr = x + r * d;
+                  T* yr = y + r * d;
+                  const RowStats s = Stats(xr, d, eps);
+                  const T mean = static_cast<T>(s.mean);
+                  const T rstd = static_cast<T>(s.rstd);
+                  for (int64_t j = 0; j < d; ++j) {
+                    yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
+                  }
+                }
+              });
+  return absl::OkStatus();
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma;
+// dgamma = sum over rows of dy * xhat; dbeta = sum over rows of dy.
+template <typename T>
+absl::Status LayerNormBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(int64_t d, CheckLayerNorm(a, t));
+  HAP_RETURN_IF_ERROR(g.Check(t, {g.x(0).shape}));
+  HAP_ASSIGN_OR_RETURN(double eps, AttrFloat(a, "eps", 1e-5));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const T* x = g.x(0).as<const T>();
+  const T* gamma = g.x(1).as<const T>();
+  const T* dy = g.dy(0).as<const T>();
+  T* dx = g.dx(0).present() ? g.dx(0).as<T>() : nullptr;
+  const bool param_grads = g.dx(1).present() || g.dx(2).present();
+  const int64_t rows = g.x(0).num_elements() / d;
+  const int chunks = NumChunks(a.ctx.num_threads, rows, GrainFor(6 * d));
+  // Per chunk: dgamma then dbeta partial sums.
+  std::vector<double> partial(param_grads ? 2 * d * chunks : 0, 0.0);
+  RunChunks(chunks, rows, [&](int c, int64_t b, int64_t e) {
+    std::vector<double> xhat(d);
+    double* pg = param_grads ? partial.data() + 2 * d * c : nullptr;
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * d;
+      const T* dyr = dy + r * d;
+      const RowStats s = Stats(xr, d, eps);
+      double sum_g = 0, sum_gx = 0;
+      for (int64_t j = 0; j < d; ++j) {
+        xhat[j] = (xr[j] - s.mean) * s.rstd;
+        const double gj = static_cast<double>(dyr[j]) * gamma[j];
+        sum_g += gj;
+        sum_gx += gj * xhat[j];
+      }
+      if (dx != nullptr) {
+        const double mg = sum_g / static_cast<double>(d);
+        const double mgx = sum_gx / static_cast<double>(d);
+        T* dxr = dx + r * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const double gj = static_cast<double>(dyr[j]) * gamma[j];
+          dxr[j] += static_cast<T>(s.rstd * (gj - mg - xhat[j] * mgx));
+        }
+      }
+      if (pg != nullptr) {
+        for (int64_t j = 0; j < d; ++j) {
+          pg[j] += dyr[j] * xhat[j];
+          pg[d + j] += dyr[j];
+        }
+      }
+    }
+  });
+  for (int which : {1, 2}) {
+    if (!g.dx(which).present()) continue;
+    T* out = g.dx(which).as<T>();
+    const int64_t base = which == 1 ? 0 : d;
+    for (int64_t j = 0; j < d; ++j) {
+      double v = 0;
+      for (int c = 0; c < chunks; ++c) v += partial[2 * d * c + base + j];
+      out[j] += static_cast<T>(v);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// --- softmax, log_softmax ---------------------------------------------------------
+
+// The last-axis check of both ops: attribute "axis" must name it.
+absl::Status CheckLastAxis(const KernelArgs& a, const TensorView& x) {
+  if (x.rank() < 1) return Invalid(a, "input 0 has rank 0");
+  HAP_ASSIGN_OR_RETURN(int64_t axis, AttrInt(a, "axis", -1));
+  HAP_ASSIGN_OR_RETURN(int ax, NormalizeAxis(a, axis, x.rank(), "axis"));
+  if (ax != x.rank() - 1) {
+    return Invalid(a, "is supported over the last axis only");
+  }
+  return absl::OkStatus();
+}
+
+// How softmax masks a row: an additive mask broadcast to x, and the causal
+// rule (row i of the last two dimensions keeps columns j <= i).
+template <typename T>
+struct SoftmaxMask {
+  const T* mask = nullptr;
+  std::vector<int64_t> row_strides;  // the mask's over x's leading dims
+  int64_t col_stride = 0;
+  bool causal = false;
+  Shape lead;           // x's dims but the last
+  int64_t square = 1;   // x's second-to-last dim (causal)
+
+  int64_t MaskOffset(int64_t r) const {
+    int64_t off = 0;
+    for (int d = static_cast<int>(lead.size()) - 1; d >= 0; --d) {
+      off += (r % lead[d]) * row_strides[d];
+      r /= lead[d];
+    }
+    return off;
+  }
+  // Columns [0, Valid(r)) take part.
+  int64_t Valid(int64_t r, int64_t cols) const {
+    return causal ? std::min(cols, r % square + 1) : cols;
+  }
+};
+
+template <typename T>
+absl::StatusOr<SoftmaxMask<T>> MakeMask(const KernelArgs& a, const Shape& x,
+                                        const TensorView* mask) {
+  SoftmaxMask<T> m;
+  HAP_ASSIGN_OR_RETURN(m.causal, AttrBool(a, "causal", false));
+  m.lead.assign(x.begin(), x.end() - 1);
+  if (m.causal) {
+    if (x.size() < 2) return Invalid(a, "causal softmax needs rank >= 2");
+    m.square = x[x.size() - 2];
+  }
+  if (mask != nullptr && mask->present()) {
+    HAP_RETURN_IF_ERROR(CheckInput(a, 1, DTypeOf<T>()));
+    if (!BroadcastsTo(mask->shape, x)) {
+      return Invalid(a, "mask ", InLabel(a, 1), " does not broadcast to ",
+                     graph::ShapeString(x));
+    }
+    std::vector<int64_t> st = BroadcastStrides(mask->shape, x);
+    m.mask = mask->as<const T>();
+    m.col_stride = st.back();
+    m.row_strides.assign(st.begin(), st.end() - 1);
+  }
+  return m;
+}
+
+// y = softmax (or log_softmax) of row x (+ mask row) over its first `valid`
+// columns; masked columns get 0 (softmax).
+template <typename T, bool kLog>
+void SoftmaxRow(const T* x, const T* mask, int64_t ms, int64_t valid,
+                int64_t cols, T* y) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < valid; ++j) {
+    y[j] = mask != nullptr ? x[j] + mask[j * ms] : x[j];
+    mx = std::max(mx, y[j]);
+  }
+  double sum = 0;
+  if constexpr (kLog) {
+    for (int64_t j = 0; j < valid; ++j) sum += std::exp(y[j] - mx);
+    const T lse = mx + static_cast<T>(std::log(sum));
+    for (int64_t j = 0; j < valid; ++j) y[j] -= lse;
+  } else {
+    for (int64_t j = 0; j < valid; ++j) {
+      y[j] = std::exp(y[j] - mx);
+      sum += y[j];
+    }
+    const T inv = static_cast<T>(1.0 / sum);
+    for (int64_t j = 0; j < valid; ++j) y[j] *= inv;
+  }
+  for (int64_t j = valid; j < cols; ++j) y[j] = T(0);
+}
+
+// Forward of softmax (kLog false; inputs x, mask?) or log_softmax.
+template <typename T, bool kLog>
+void SoftmaxRows(const KernelArgs& a, const T* x, const SoftmaxMask<T>& m,
+                 int64_t rows, int64_t cols, T* y) {
+  ParallelFor(a.ctx.num_threads, rows, GrainFor(4 * cols),
+              [&](int64_t b, int64_t e) {
+                for (int64_t r = b; r < e; ++r) {
+                  const T* mr = m.mask ? m.mask + m.MaskOffset(r) : nullptr;
+                  SoftmaxRow<T, kLog>(x + r * cols, mr, m.col_stride,
+                                      m.Valid(r, cols), cols, y + r * cols);
+                }
+              });
+}
+
+template <typename T, bool kLog>
+absl::Status SoftmaxForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, kLog ? 1 : 2, 1));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  const TensorView& x = a.in[0];
+  HAP_RETURN_IF_ERROR(CheckLastAxis(a, x));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, x.shape));
+  HAP_ASSIGN_OR_RETURN(SoftmaxMask<T> m,
+                       MakeMask<T>(a, x.shape,
+                                   a.in.size() > 1 ? &a.in[1] : nullptr));
+  const int64_t cols = x.shape.back();
+  SoftmaxRows<T, kLog>(a, x.as<const T>(), m, x.num_elements() / cols, cols,
+                       a.out[0].as<T>());
+  return absl::OkStatus();
+}
+
+// softmax: dx += y * (dy - sum(dy * y)); log_softmax: dx += dy - exp(y) *
+// sum(dy). An absent y is recomputed.
+template <typename T, bool kLog>
+absl::Status SoftmaxBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, kLog ? 1 : 2, 1));
+  HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  const TensorView& x = g.x(0);
+  HAP_RETURN_IF_ERROR(CheckLastAxis(a, x));
+  HAP_RETURN_IF_ERROR(g.Check(t, {x.shape}));
+  HAP_ASSIGN_OR_RETURN(SoftmaxMask<T> m,
+                       MakeMask<T>(a, x.shape, g.n() > 1 ? &g.x(1) : nullptr));
+  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  const int64_t cols = x.shape.back();
+  const int64_t rows = x.num_elements() / cols;
+  HostTensor recomputed;
+  const T* y = g.y(0).present() ? g.y(0).as<const T>() : nullptr;
+  if (y == nullptr) {
+    recomputed = HostTensor(t, x.shape);
+    SoftmaxRows<T, kLog>(a, x.as<const T>(), m, rows, cols,
+                         recomputed.as<T>());
+    y = recomputed.as<const T>();
+  }
+  const T* dy = g.dy(0).as<const T>();
+  T* dx = g.dx(0).as<T>();
+  ParallelFor(a.ctx.num_threads, rows, GrainFor(4 * cols),
+              [&](int64_t b, int64_t e) {
+                for (int64_t r = b; r < e; ++r) {
+                  const T* yr = y + r * cols;
+                  const T* dyr = dy + r * cols;
+                  T* dxr = dx + r * cols;
+                  double dot = 0;
+                  for (int64_t j = 0; j < cols; ++j) {
+                    dot += kLog ? dyr[j] : dyr[j] * yr[j];
+                  }
+                  const T s = static_cast<T>(dot);
+                  for (int64_t j = 0; j < cols; ++j) {
+                    if constexpr (kLog) {
+                      dxr[j] += dyr[j] - std::exp(yr[j]) * s;
+                    } else {
+                      dxr[j] += yr[j] * (dyr[j] - s);
+                    }
+                  }
+                }
+              });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void RegisterNormalizationKernels(KernelTable& t) {
+  t["layer_norm"] = HAP_FLOAT_KERNEL(LayerNormForward);
+  t["layer_norm_grad"] = HAP_FLOAT_KERNEL(LayerNormBackward);
+  t["softmax"] = FloatKernel(&SoftmaxForward<float, false>,
+                             &SoftmaxForward<double, false>);
+  t["softmax_grad"] = FloatKernel(&SoftmaxBackward<float, false>,
+                                  &SoftmaxBackward<double, false>);
+  t["log_softmax"] = FloatKernel(&SoftmaxForward<float, true>,
+                                 &SoftmaxForward<double, true>);
+  t["log_softmax_grad"] = FloatKernel(&SoftmaxBackward<float, true>,
+                                      &SoftmaxBackward<double, true>);
+}
+
+}  // namespace hap::executor::cpu

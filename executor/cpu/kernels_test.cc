@@ -1,0 +1,783 @@
+// Tests of the CPU kernels: every backward kernel against central finite
+// differences in float64 (with accumulation, absent output gradients and
+// absent input gradients), the sharded-execution attributes, the runtime
+// and optimizer kernels against hand-computed values, and argument errors.
+#include "executor/cpu/kernels.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/graph/op_registry.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+using graph::Attrs;
+using graph::DType;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// The value every requested gradient starts at, to check accumulation.
+constexpr double kPrefill = 0.25;
+
+// --- tensors --------------------------------------------------------------------
+
+HostTensor Rand(Shape s, uint64_t seed, double scale = 1.0) {
+  HostTensor t(DType::kFloat64, std::move(s));
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> u(-scale, scale);
+  for (int64_t i = 0; i < t.num_elements(); ++i) t.as<double>()[i] = u(gen);
+  return t;
+}
+
+HostTensor Full(Shape s, double v, DType dt = DType::kFloat64) {
+  HostTensor t(dt, std::move(s));
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    if (dt == DType::kFloat64) {
+      t.as<double>()[i] = v;
+    } else {
+      t.as<float>()[i] = static_cast<float>(v);
+    }
+  }
+  return t;
+}
+
+HostTensor Vals(Shape s, const std::vector<double>& v) {
+  HostTensor t(DType::kFloat64, std::move(s));
+  EXPECT_EQ(static_cast<size_t>(t.num_elements()), v.size());
+  std::copy(v.begin(), v.end(), t.as<double>());
+  return t;
+}
+
+HostTensor Ints(Shape s, const std::vector<int64_t>& v) {
+  HostTensor t(DType::kInt64, std::move(s));
+  EXPECT_EQ(static_cast<size_t>(t.num_elements()), v.size());
+  std::copy(v.begin(), v.end(), t.as<int64_t>());
+  return t;
+}
+
+HostTensor ToF32(const HostTensor& x) {
+  HostTensor t(DType::kFloat32, x.shape());
+  for (int64_t i = 0; i < x.num_elements(); ++i) {
+    t.as<float>()[i] = static_cast<float>(x.as<double>()[i]);
+  }
+  return t;
+}
+
+const HostTensor kAbsent;
+
+// A box [start, start + extent) of a row-major f64 tensor.
+HostTensor Box(const HostTensor& x, const std::vector<int64_t>& start,
+               const Shape& extent) {
+  HostTensor out(DType::kFloat64, extent);
+  const Shape& s = x.shape();
+  for (int64_t i = 0; i < out.num_elements(); ++i) {
+    int64_t rem = i, src = 0, stride = 1;
+    for (int d = static_cast<int>(s.size()) - 1; d >= 0; --d) {
+      src += (rem % extent[d] + start[d]) * stride;
+      rem /= extent[d];
+      stride *= s[d];
+    }
+    out.as<double>()[i] = x.as<double>()[src];
+  }
+  return out;
+}
+
+void ExpectAllNear(const HostTensor& got, const HostTensor& want, double tol,
+                   const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  for (int64_t i = 0; i < got.num_elements(); ++i) {
+    const double g = got.dtype() == DType::kFloat32 ? got.as<float>()[i]
+                                                   : got.as<double>()[i];
+    const double w = want.as<double>()[i];
+    ASSERT_NEAR(g, w, tol * std::max(1.0, std::abs(w)))
+        << what << " element " << i;
+  }
+}
+
+// A kernel argument: a view of a tensor the caller keeps (a temporary lives
+// until the call returns).
+struct Arg {
+  Arg(const HostTensor& t) : view(t.view()) {}  // NOLINT: implicit by design
+  TensorView view;
+};
+
+std::vector<Arg> Args(const std::vector<HostTensor>& ts) {
+  return std::vector<Arg>(ts.begin(), ts.end());
+}
+
+absl::Status RunKernel(const std::string& name, const Attrs& attrs,
+                       const std::vector<Arg>& in, const std::vector<Arg>& out,
+                       int64_t step = 0, int threads = 1) {
+  KernelContext ctx;
+  ctx.step = step;
+  ctx.num_threads = threads;
+  std::vector<TensorView> iv, ov;
+  for (const Arg& a : in) iv.push_back(a.view);
+  for (const Arg& a : out) ov.push_back(a.view);
+  return RunCpuKernel(name, ctx, attrs, iv, ov);
+}
+
+// --- the finite-difference harness ----------------------------------------------
+
+struct GradCase {
+  GradCase(std::string op, Attrs attrs, std::vector<HostTensor> inputs,
+           std::vector<Shape> out_shapes = {}, int64_t step = 0)
+      : op(std::move(op)),
+        attrs(std::move(attrs)),
+        inputs(std::move(inputs)),
+        out_shapes(std::move(out_shapes)),
+        step(step) {}
+
+  std::string op;
+  Attrs attrs;
+  std::vector<HostTensor> inputs;  // kAbsent for an absent input
+  std::vector<Shape> out_shapes;   // empty: the op registry's inference
+  int64_t step = 0;
+};
+
+const graph::OpDef& Def(const std::string& op) {
+  const graph::OpDef* d = graph::OpRegistry::Global().Find(op);
+  EXPECT_NE(d, nullptr) << op;
+  return *d;
+}
+
+std::vector<Shape> OutShapes(const GradCase& c) {
+  if (!c.out_shapes.empty()) return c.out_shapes;
+  const graph::OpDef& def = Def(c.op);
+  Attrs ir;  // only the attributes the IR declares
+  for (const auto& [name, v] : c.attrs.values()) {
+    if (std::count(def.attrs.begin(), def.attrs.end(), name)) ir.Set(name, v);
+  }
+  std::vector<std::string> names;
+  std::vector<graph::TensorType> types;
+  for (const HostTensor& t : c.inputs) {
+    names.push_back(absl::StrCat("in", names.size()));
+    types.push_back({t.dtype(), t.shape()});
+  }
+  auto out = graph::InferOp("op", c.op, ir, names, types);
+  EXPECT_THAT(out.status(), IsOk());
+  std::vector<Shape> shapes;
+  for (const auto& t : *out) shapes.push_back(t.shape);
+  return shapes;
+}
+
+std::vector<HostTensor> Forward(const GradCase& c,
+                                const std::vector<HostTensor>& inputs,
+                                const std::vector<Shape>& shapes) {
+  std::vector<HostTensor> outs;
+  for (const Shape& s : shapes) outs.emplace_back(DType::kFloat64, s);
+  EXPECT_THAT(RunKernel(c.op, c.attrs, Args(inputs), Args(outs), c.step), IsOk()) << c.op;
+  return outs;
+}
+
+double Dot(const HostTensor& a, const HostTensor& b) {
+  double s = 0;
+  for (int64_t i = 0; i < a.num_elements(); ++i) {
+    s += a.as<double>()[i] * b.as<double>()[i];
+  }
+  return s;
+}
+
+bool Differentiable(const GradCase& c, int i) {
+  const auto& nd = Def(c.op).non_differentiable_inputs;
+  const HostTensor& x = c.inputs[i];
+  return x.data() != nullptr && x.dtype() == DType::kFloat64 &&
+         std::find(nd.begin(), nd.end(), i) == nd.end();
+}
+
+// The backward kernel's gradients of L = sum_j <w_j, y_j> against central
+// differences of L, every requested gradient prefilled with kPrefill; then
+// each gradient requested alone, and every output gradient absent.
+void ExpectGradientsMatch(const GradCase& c, double tol = 1e-6) {
+  SCOPED_TRACE(c.op);
+  const int n = static_cast<int>(c.inputs.size());
+  const std::vector<Shape> shapes = OutShapes(c);
+  const std::vector<HostTensor> ys = Forward(c, c.inputs, shapes);
+  std::vector<HostTensor> ws;
+  for (size_t j = 0; j < shapes.size(); ++j) ws.push_back(Rand(shapes[j], 1000 + j));
+  auto objective = [&](const std::vector<HostTensor>& in) {
+    std::vector<HostTensor> y = Forward(c, in, shapes);
+    double s = 0;
+    for (size_t j = 0; j < y.size(); ++j) s += Dot(y[j], ws[j]);
+    return s;
+  };
+  auto run_grad = [&](const std::vector<HostTensor>& dys,
+                      const std::vector<HostTensor>& dxs) {
+    std::vector<HostTensor> in = c.inputs;
+    in.insert(in.end(), ys.begin(), ys.end());
+    in.insert(in.end(), dys.begin(), dys.end());
+    return RunKernel(c.op + "_grad", c.attrs, Args(in), Args(dxs), c.step);
+  };
+  std::vector<HostTensor> grads;
+  int any = 0;
+  for (int i = 0; i < n; ++i) {
+    grads.push_back(Differentiable(c, i) ? Full(c.inputs[i].shape(), kPrefill)
+                                         : HostTensor());
+    any += Differentiable(c, i);
+  }
+  ASSERT_GT(any, 0);
+  ASSERT_THAT(run_grad(ws, grads), IsOk());
+
+  const double h = 1e-6;
+  for (int i = 0; i < n; ++i) {
+    if (!Differentiable(c, i)) continue;
+    for (int64_t k = 0; k < c.inputs[i].num_elements(); ++k) {
+      std::vector<HostTensor> in = c.inputs;
+      double& v = in[i].as<double>()[k];
+      const double v0 = v;
+      v = v0 + h;
+      const double up = objective(in);
+      v = v0 - h;
+      const double down = objective(in);
+      const double fd = (up - down) / (2 * h);
+      const double got = grads[i].as<double>()[k] - kPrefill;
+      ASSERT_NEAR(got, fd, tol * std::max(1.0, std::abs(fd)))
+          << "d/d input " << i << " element " << k;
+    }
+  }
+  // Each gradient alone (the others absent) gives the same values.
+  for (int i = 0; i < n; ++i) {
+    if (!Differentiable(c, i)) continue;
+    std::vector<HostTensor> one(n);
+    one[i] = Full(c.inputs[i].shape(), 0.0);
+    ASSERT_THAT(run_grad(ws, one), IsOk()) << "only gradient " << i;
+    for (int64_t k = 0; k < one[i].num_elements(); ++k) {
+      ASSERT_NEAR(one[i].as<double>()[k], grads[i].as<double>()[k] - kPrefill,
+                  1e-12)
+          << "only gradient " << i << " element " << k;
+    }
+  }
+  // Absent output gradients are zero: nothing changes.
+  std::vector<HostTensor> same;
+  for (int i = 0; i < n; ++i) {
+    same.push_back(Differentiable(c, i) ? Full(c.inputs[i].shape(), kPrefill)
+                                        : HostTensor());
+  }
+  ASSERT_THAT(run_grad(std::vector<HostTensor>(ws.size()), same), IsOk());
+  for (int i = 0; i < n; ++i) {
+    for (int64_t k = 0; same[i].data() && k < same[i].num_elements(); ++k) {
+      ASSERT_EQ(same[i].as<double>()[k], kPrefill);
+    }
+  }
+}
+
+// --- gradients, op by op ----------------------------------------------------------
+
+TEST(KernelGradTest, Linear) {
+  ExpectGradientsMatch({"linear", {}, {Rand({2, 3, 4}, 1), Rand({5, 4}, 2), Rand({5}, 3)}});
+  ExpectGradientsMatch({"linear", {}, {Rand({3, 4}, 4), Rand({2, 4}, 5)}});
+  // Bias slot present but absent: no bias.
+  ExpectGradientsMatch({"linear", {}, {Rand({3, 4}, 4), Rand({2, 4}, 5), kAbsent},
+                        {{3, 2}}});
+}
+
+TEST(KernelGradTest, Matmul) {
+  ExpectGradientsMatch({"matmul", {}, {Rand({3, 4}, 1), Rand({4, 2}, 2)}});
+  ExpectGradientsMatch({"matmul", {}, {Rand({2, 3, 4}, 3), Rand({4, 5}, 4)}});
+  ExpectGradientsMatch({"matmul", {}, {Rand({2, 2, 3, 4}, 5), Rand({2, 2, 4, 3}, 6)}});
+}
+
+TEST(KernelGradTest, BinaryBroadcasting) {
+  for (const char* op : {"add", "sub", "mul"}) {
+    ExpectGradientsMatch({op, {}, {Rand({2, 3}, 1), Rand({2, 3}, 2)}});
+    ExpectGradientsMatch({op, {}, {Rand({2, 3, 4}, 3), Rand({3, 1}, 4)}});
+    ExpectGradientsMatch({op, {}, {Rand({1, 4}, 5), Rand({3, 1}, 6)}});
+    ExpectGradientsMatch({op, {}, {Rand({4}, 7), Rand({2, 3, 4}, 8)}});
+    ExpectGradientsMatch({op, {}, {Rand({2, 1, 4}, 9), Rand({}, 10)}});
+  }
+}
+
+TEST(KernelGradTest, BinaryAbsentOperand) {
+  for (const char* op : {"add", "sub", "mul"}) {
+    ExpectGradientsMatch({op, {}, {kAbsent, Rand({2, 3}, 1)}, {{2, 3}}});
+    ExpectGradientsMatch({op, {}, {Rand({2, 3}, 2), kAbsent}, {{2, 3}}});
+    ExpectGradientsMatch({op, {}, {kAbsent, Rand({3}, 3)}, {{2, 3}}});
+  }
+  // Forward values: add -> the other operand, sub -> its negation first.
+  HostTensor b = Rand({2, 3}, 4), out(DType::kFloat64, {2, 3});
+  ASSERT_THAT(RunKernel("sub", {}, {kAbsent, b}, {out}), IsOk());
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(out.as<double>()[i], -b.as<double>()[i]);
+  ASSERT_THAT(RunKernel("add", {}, {b, kAbsent}, {out}), IsOk());
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(out.as<double>()[i], b.as<double>()[i]);
+}
+
+TEST(KernelGradTest, Activations) {
+  for (const char* op : {"relu", "gelu", "sigmoid", "tanh"}) {
+    ExpectGradientsMatch({op, {}, {Rand({3, 5}, 1, 3.0)}});
+  }
+  ExpectGradientsMatch({"scale", {{"factor", 0.37}}, {Rand({2, 3}, 2)}});
+}
+
+TEST(KernelGradTest, Dropout) {
+  ExpectGradientsMatch(
+      {"dropout", {{"p", 0.3}, {"rng_key", int64_t{7}}}, {Rand({3, 5}, 1)}, {}, 2});
+  ExpectGradientsMatch({"dropout", {{"p", 0.5}}, {Rand({4, 2, 3}, 2)}});
+}
+
+TEST(KernelGradTest, LayerNorm) {
+  ExpectGradientsMatch({"layer_norm", {{"eps", 1e-5}},
+                        {Rand({2, 3, 5}, 1), Rand({5}, 2), Rand({5}, 3)}});
+}
+
+TEST(KernelGradTest, Softmax) {
+  ExpectGradientsMatch({"softmax", {}, {Rand({3, 5}, 1, 2.0)}});
+  ExpectGradientsMatch({"softmax", {{"causal", true}}, {Rand({2, 4, 4}, 2, 2.0)}});
+  ExpectGradientsMatch({"softmax", {}, {Rand({2, 3, 4}, 3), Rand({1, 4}, 4)}});
+  ExpectGradientsMatch({"softmax", {{"causal", true}, {"axis", int64_t{-1}}},
+                        {Rand({2, 2, 3, 3}, 5), Rand({2, 1, 3, 1}, 6)}});
+  ExpectGradientsMatch({"log_softmax", {}, {Rand({3, 6}, 7, 3.0)}});
+}
+
+TEST(KernelGradTest, Embedding) {
+  ExpectGradientsMatch(
+      {"embedding", {}, {Ints({2, 3}, {0, 4, 2, 4, 1, 0}), Rand({5, 3}, 1)}});
+}
+
+TEST(KernelGradTest, Layout) {
+  ExpectGradientsMatch({"transpose", {{"perm", std::vector<int64_t>{0, 2, 3, 1}}},
+                        {Rand({2, 3, 2, 4}, 1)}});
+  ExpectGradientsMatch({"transpose", {{"perm", std::vector<int64_t>{1, 0}}},
+                        {Rand({3, 4}, 2)}});
+  ExpectGradientsMatch({"reshape", {{"shape", std::vector<int64_t>{4, -1}}},
+                        {Rand({2, 3, 2}, 3)}});
+  ExpectGradientsMatch({"flatten", {}, {Rand({2, 3, 2}, 4)}});
+  ExpectGradientsMatch({"concat", {{"axis", int64_t{1}}},
+                        {Rand({2, 1, 3}, 5), Rand({2, 3, 3}, 6), Rand({2, 2, 3}, 7)}});
+  ExpectGradientsMatch({"split", {{"axis", int64_t{-1}},
+                                  {"sizes", std::vector<int64_t>{1, 3, 2}}},
+                        {Rand({2, 6}, 8)}});
+  ExpectGradientsMatch({"slice", {{"axis", int64_t{1}}, {"start", int64_t{1}},
+                                  {"end", int64_t{3}}},
+                        {Rand({2, 4, 3}, 9)}});
+  ExpectGradientsMatch({"expand", {{"shape", std::vector<int64_t>{2, 3, 4}}},
+                        {Rand({3, 1}, 10)}});
+}
+
+TEST(KernelGradTest, SplitWithAbsentOutputGradient) {
+  Attrs attrs = {{"axis", int64_t{0}}, {"sizes", std::vector<int64_t>{1, 2}}};
+  HostTensor x = Rand({3, 2}, 1);
+  HostTensor y0(DType::kFloat64, {1, 2}), y1(DType::kFloat64, {2, 2});
+  ASSERT_THAT(RunKernel("split", attrs, {x}, {y0, y1}), IsOk());
+  HostTensor dy1 = Rand({2, 2}, 2), dx = Full({3, 2}, kPrefill);
+  // y0 and dy0 absent: the size of part 0 comes from the attribute.
+  ASSERT_THAT(RunKernel("split_grad", attrs, {x, kAbsent, y1, kAbsent, dy1}, {dx}),
+              IsOk());
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(dx.as<double>()[i], kPrefill);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(dx.as<double>()[2 + i], kPrefill + dy1.as<double>()[i]);
+  }
+}
+
+TEST(KernelGradTest, Reductions) {
+  for (const char* op : {"sum", "mean"}) {
+    ExpectGradientsMatch({op, {}, {Rand({2, 3, 4}, 1)}});
+    ExpectGradientsMatch({op, {{"axes", std::vector<int64_t>{0, 2}}}, {Rand({2, 3, 4}, 2)}});
+    ExpectGradientsMatch({op, {{"axes", std::vector<int64_t>{-1}}, {"keepdims", true}},
+                          {Rand({2, 3, 4}, 3)}});
+  }
+}
+
+TEST(KernelGradTest, Losses) {
+  HostTensor targets = Ints({4}, {2, 0, 4, 1});
+  ExpectGradientsMatch({"nll_loss", {}, {Rand({4, 5}, 1), targets}});
+  ExpectGradientsMatch({"cross_entropy", {}, {Rand({4, 5}, 2, 3.0), targets}});
+  ExpectGradientsMatch({"cross_entropy", {{"global_rows", int64_t{10}}},
+                        {Rand({4, 5}, 3), targets}});
+}
+
+TEST(KernelGradTest, Convolution) {
+  ExpectGradientsMatch({"conv2d",
+                        {{"stride", std::vector<int64_t>{2}},
+                         {"padding", std::vector<int64_t>{1, 1}}},
+                        {Rand({2, 3, 5, 5}, 1), Rand({4, 3, 3, 3}, 2), Rand({4}, 3)}});
+  ExpectGradientsMatch({"conv2d", {{"stride", std::vector<int64_t>{1, 2}}},
+                        {Rand({1, 2, 4, 5}, 4), Rand({3, 2, 2, 3}, 5)}});
+  ExpectGradientsMatch({"conv2d", {},  // 1x1: no im2col
+                        {Rand({2, 3, 3, 2}, 6), Rand({2, 3, 1, 1}, 7), Rand({2}, 8)}});
+  ExpectGradientsMatch({"max_pool2d",
+                        {{"kernel", std::vector<int64_t>{3}},
+                         {"stride", std::vector<int64_t>{2}},
+                         {"padding", std::vector<int64_t>{1}}},
+                        {Rand({2, 2, 5, 5}, 9)}});
+  ExpectGradientsMatch({"max_pool2d", {{"kernel", std::vector<int64_t>{2, 2}}},
+                        {Rand({1, 3, 4, 6}, 10)}});
+  ExpectGradientsMatch({"adaptive_avg_pool2d",
+                        {{"output_size", std::vector<int64_t>{3, 4}}},
+                        {Rand({2, 2, 5, 7}, 11)}});
+  ExpectGradientsMatch({"adaptive_avg_pool2d",
+                        {{"output_size", std::vector<int64_t>{1}}},
+                        {Rand({1, 2, 3, 3}, 12)}});
+}
+
+// The combine weights of moe_gate on fixed logits.
+HostTensor GateCombine(const HostTensor& logits, int64_t k, int64_t cap) {
+  const Shape& s = logits.shape();
+  HostTensor out(DType::kFloat64, {s[0], s[1], cap});
+  EXPECT_THAT(RunKernel("moe_gate", {{"k", k}, {"capacity", cap}}, {logits}, {out}),
+              IsOk());
+  return out;
+}
+
+TEST(KernelGradTest, Moe) {
+  // 6 tokens, 4 experts: with capacity 2 some assignments overflow.
+  ExpectGradientsMatch({"moe_gate", {{"k", int64_t{2}}, {"capacity", int64_t{2}}},
+                        {Rand({6, 4}, 1, 2.0)}});
+  ExpectGradientsMatch({"moe_gate", {{"k", int64_t{1}}, {"capacity", int64_t{2}}},
+                        {Rand({6, 4}, 2, 2.0)}});
+  HostTensor combine = GateCombine(Rand({6, 4}, 3, 2.0), 2, 2);
+  ExpectGradientsMatch({"moe_dispatch", {}, {Rand({6, 3}, 4), combine}});
+  ExpectGradientsMatch({"moe_combine", {}, {Rand({4, 2, 3}, 5), combine}});
+}
+
+TEST(KernelTest, MoeGateRouting) {
+  // Probabilities (softmax rows) order experts: token 0 -> 1, 0; token 1 ->
+  // 1, 2; token 2 -> 1, 0 (expert 1 full at capacity 2: dropped there).
+  HostTensor logits = Vals({3, 3}, {1.0, 2.0, 0.0,  //
+                                    0.0, 3.0, 1.0,  //
+                                    2.5, 3.0, 0.0});
+  HostTensor c = GateCombine(logits, 2, 2);
+  auto at = [&](int t, int e, int s) { return c.as<double>()[(t * 3 + e) * 2 + s]; };
+  auto probs = [&](int t) {
+    std::vector<double> p(3);
+    double sum = 0;
+    for (int e = 0; e < 3; ++e) sum += p[e] = std::exp(logits.as<double>()[t * 3 + e]);
+    for (double& v : p) v /= sum;
+    return p;
+  };
+  std::vector<double> p0 = probs(0), p1 = probs(1), p2 = probs(2);
+  EXPECT_NEAR(at(0, 1, 0), p0[1] / (p0[1] + p0[0]), 1e-12);
+  EXPECT_NEAR(at(0, 0, 0), p0[0] / (p0[1] + p0[0]), 1e-12);
+  EXPECT_NEAR(at(1, 1, 1), p1[1] / (p1[1] + p1[2]), 1e-12);
+  EXPECT_NEAR(at(1, 2, 0), p1[2] / (p1[1] + p1[2]), 1e-12);
+  EXPECT_NEAR(at(2, 0, 1), p2[0] / (p2[1] + p2[0]), 1e-12);
+  double total = 0;
+  for (int64_t i = 0; i < c.num_elements(); ++i) total += c.as<double>()[i] != 0;
+  EXPECT_EQ(total, 5);  // token 2's expert-1 entry was dropped
+  // k = 1 (Switch): the unnormalised probability.
+  HostTensor s = GateCombine(logits, 1, 1);
+  EXPECT_NEAR(s.as<double>()[(0 * 3 + 1) * 1], p0[1], 1e-12);
+  EXPECT_EQ(s.as<double>()[(1 * 3 + 1) * 1], 0.0);  // expert 1 full
+}
+
+// --- every IR op has both kernels -------------------------------------------------
+
+TEST(KernelTest, EveryOpHasForwardAndBackwardKernels) {
+  for (const graph::OpDef* d : graph::OpRegistry::Global().All()) {
+    EXPECT_TRUE(HasCpuKernel(d->type)) << d->type;
+    EXPECT_TRUE(HasCpuKernel(d->type + "_grad")) << d->type;
+  }
+  for (const char* k : {"fill_zero", "copy", "accumulate", "sq_norm",
+                        "sgd_update", "adam_update"}) {
+    EXPECT_TRUE(HasCpuKernel(k)) << k;
+  }
+  std::vector<std::string> names = CpuKernelNames();
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  EXPECT_EQ(names.size(), 2 * graph::OpRegistry::Global().All().size() + 6);
+  EXPECT_FALSE(HasCpuKernel("no_such_kernel"));
+}
+
+// --- float32 matches float64 --------------------------------------------------------
+
+TEST(KernelTest, Float32MatchesFloat64) {
+  struct F {
+    std::string op;
+    Attrs attrs;
+    std::vector<HostTensor> in;
+    Shape out;
+  };
+  std::vector<F> cases = {
+      {"linear", {}, {Rand({5, 8}, 1), Rand({3, 8}, 2), Rand({3}, 3)}, {5, 3}},
+      {"matmul", {}, {Rand({2, 4, 8}, 4), Rand({2, 8, 3}, 5)}, {2, 4, 3}},
+      {"softmax", {{"causal", true}}, {Rand({2, 4, 4}, 6)}, {2, 4, 4}},
+      {"layer_norm", {}, {Rand({3, 8}, 7), Rand({8}, 8), Rand({8}, 9)}, {3, 8}},
+      {"conv2d", {{"padding", std::vector<int64_t>{1}}},
+       {Rand({1, 2, 4, 4}, 10), Rand({3, 2, 3, 3}, 11)}, {1, 3, 4, 4}},
+      {"gelu", {}, {Rand({10}, 12, 3.0)}, {10}},
+  };
+  for (const F& c : cases) {
+    HostTensor want(DType::kFloat64, c.out), got(DType::kFloat32, c.out);
+    std::vector<HostTensor> in32;
+    for (const HostTensor& t : c.in) in32.push_back(ToF32(t));
+    ASSERT_THAT(RunKernel(c.op, c.attrs, Args(c.in), {want}), IsOk()) << c.op;
+    ASSERT_THAT(RunKernel(c.op, c.attrs, Args(in32), {got}), IsOk()) << c.op;
+    ExpectAllNear(got, want, 1e-5, c.op);
+  }
+}
+
+TEST(KernelTest, ThreadsGiveTheSameResults) {
+  // Large enough for the parallel paths.
+  HostTensor x = Rand({64, 1024}, 1), g = Rand({1024}, 2), b = Rand({1024}, 3);
+  HostTensor dy = Rand({64, 1024}, 4);
+  for (const char* op : {"layer_norm", "gelu", "softmax", "dropout"}) {
+    std::vector<HostTensor> in = {x};
+    if (std::string(op) == "layer_norm") in = {x, g, b};
+    HostTensor y1(DType::kFloat64, x.shape()), y4(DType::kFloat64, x.shape());
+    ASSERT_THAT(RunKernel(op, {}, Args(in), {y1}, 0, 1), IsOk());
+    ASSERT_THAT(RunKernel(op, {}, Args(in), {y4}, 0, 4), IsOk());
+    ExpectAllNear(y4, y1, 0, op);
+    std::vector<HostTensor> dx1, dx4, gin = in;
+    gin.push_back(y1);
+    gin.push_back(dy);
+    for (const HostTensor& t : in) {
+      dx1.push_back(Full(t.shape(), 0.0));
+      dx4.push_back(Full(t.shape(), 0.0));
+    }
+    ASSERT_THAT(RunKernel(std::string(op) + "_grad", {}, Args(gin), Args(dx1), 0, 1), IsOk());
+    ASSERT_THAT(RunKernel(std::string(op) + "_grad", {}, Args(gin), Args(dx4), 0, 4), IsOk());
+    for (size_t i = 0; i < dx1.size(); ++i) ExpectAllNear(dx4[i], dx1[i], 1e-12, op);
+  }
+}
+
+// --- sharded-execution attributes ---------------------------------------------------
+
+TEST(KernelShardTest, DropoutShardMaskIsTheSliceOfTheFullMask) {
+  const Shape global = {4, 6};
+  HostTensor x = Rand(global, 1);
+  Attrs attrs = {{"p", 0.4}, {"rng_key", int64_t{123}}};
+  HostTensor full(DType::kFloat64, global);
+  ASSERT_THAT(RunKernel("dropout", attrs, {x}, {full}, 3), IsOk());
+  for (auto [r0, c0, rows, cols] : std::vector<std::array<int64_t, 4>>{
+           {2, 3, 2, 3}, {0, 0, 4, 2}, {1, 0, 1, 6}}) {
+    Attrs sharded = attrs;
+    sharded.Set("global_shape", std::vector<int64_t>(global));
+    sharded.Set("offsets", std::vector<int64_t>{r0, c0});
+    HostTensor part = Box(x, {r0, c0}, {rows, cols});
+    HostTensor y(DType::kFloat64, {rows, cols});
+    ASSERT_THAT(RunKernel("dropout", sharded, {part}, {y}, 3), IsOk());
+    ExpectAllNear(y, Box(full, {r0, c0}, {rows, cols}), 0, "shard");
+  }
+  // A different step draws a different mask.
+  HostTensor other(DType::kFloat64, global);
+  ASSERT_THAT(RunKernel("dropout", attrs, {x}, {other}, 4), IsOk());
+  int differ = 0;
+  for (int i = 0; i < 24; ++i) differ += (full.as<double>()[i] == 0) != (other.as<double>()[i] == 0);
+  EXPECT_GT(differ, 0);
+}
+
+TEST(KernelShardTest, DropoutKeepsAboutOneMinusPAndRescales) {
+  HostTensor x = Full({100, 100}, 1.0), y(DType::kFloat64, {100, 100});
+  ASSERT_THAT(RunKernel("dropout", {{"p", 0.25}}, {x}, {y}), IsOk());
+  int kept = 0;
+  for (int i = 0; i < 10000; ++i) {
+    const double v = y.as<double>()[i];
+    ASSERT_TRUE(v == 0 || std::abs(v - 1 / 0.75) < 1e-12) << v;
+    kept += v != 0;
+  }
+  EXPECT_NEAR(kept / 10000.0, 0.75, 0.02);
+}
+
+TEST(KernelShardTest, NllLossGlobalRows) {
+  HostTensor logp = Rand({6, 4}, 1);
+  HostTensor targets = Ints({6}, {0, 3, 1, 2, 2, 0});
+  for (const char* op : {"nll_loss", "cross_entropy"}) {
+    HostTensor full = Full({}, 0.0);
+    ASSERT_THAT(RunKernel(op, {}, {logp, targets}, {full}), IsOk());
+    HostTensor dfull = Full({6, 4}, 0.0);
+    ASSERT_THAT(RunKernel(std::string(op) + "_grad", {}, {logp, targets, full, Full({}, 1.0)},
+                    {dfull, kAbsent}),
+                IsOk());
+    double sum = 0;
+    for (int64_t r0 : {0, 3}) {
+      Attrs a = {{"global_rows", int64_t{6}}};
+      HostTensor part = Box(logp, {r0, 0}, {3, 4});
+      HostTensor t = Ints({3}, {targets.as<int64_t>()[r0], targets.as<int64_t>()[r0 + 1],
+                                targets.as<int64_t>()[r0 + 2]});
+      HostTensor loss = Full({}, 0.0), dpart = Full({3, 4}, 0.0);
+      ASSERT_THAT(RunKernel(op, a, {part, t}, {loss}), IsOk());
+      sum += loss.as<double>()[0];
+      ASSERT_THAT(RunKernel(std::string(op) + "_grad", a, {part, t, loss, Full({}, 1.0)},
+                      {dpart, kAbsent}),
+                  IsOk());
+      ExpectAllNear(dpart, Box(dfull, {r0, 0}, {3, 4}), 1e-12, op);
+    }
+    EXPECT_NEAR(sum, full.as<double>()[0], 1e-12) << op;
+  }
+}
+
+TEST(KernelShardTest, MeanGlobalCount) {
+  HostTensor x = Rand({4, 6}, 1);
+  for (const std::vector<int64_t>& axes :
+       {std::vector<int64_t>{1}, std::vector<int64_t>{}}) {
+    Attrs a = {{"axes", axes}};
+    Shape out = axes.empty() ? Shape{} : Shape{4};
+    HostTensor full = Full(out, 0.0);
+    ASSERT_THAT(RunKernel("mean", a, {x}, {full}), IsOk());
+    a.Set("global_count", int64_t{axes.empty() ? 24 : 6});
+    HostTensor sum = Full(out, 0.0);
+    for (int64_t c0 : {0, 2}) {  // columns [0, 2) and [2, 6)
+      HostTensor part = Box(x, {0, c0}, {4, c0 == 0 ? 2 : 4});
+      HostTensor y = Full(out, 0.0);
+      ASSERT_THAT(RunKernel("mean", a, {part}, {y}), IsOk());
+      for (int64_t i = 0; i < y.num_elements(); ++i) sum.as<double>()[i] += y.as<double>()[i];
+      HostTensor dx = Full(part.shape(), 0.0);
+      ASSERT_THAT(RunKernel("mean_grad", a, {part, y, Full(out, 1.0)}, {dx}), IsOk());
+      EXPECT_NEAR(dx.as<double>()[0], 1.0 / (axes.empty() ? 24 : 6), 1e-15);
+    }
+    ExpectAllNear(sum, full, 1e-12, "mean");
+  }
+}
+
+TEST(KernelShardTest, EmbeddingVocabOffset) {
+  HostTensor table = Rand({10, 3}, 1);
+  HostTensor ids = Ints({2, 3}, {0, 9, 4, 5, 7, 4});
+  HostTensor full(DType::kFloat64, {2, 3, 3});
+  ASSERT_THAT(RunKernel("embedding", {}, {ids, table}, {full}), IsOk());
+  HostTensor dy = Rand({2, 3, 3}, 2), dfull = Full({10, 3}, 0.0);
+  ASSERT_THAT(RunKernel("embedding_grad", {}, {ids, table, full, dy}, {kAbsent, dfull}),
+              IsOk());
+  HostTensor sum = Full({2, 3, 3}, 0.0);
+  for (int64_t off : {0, 5}) {
+    Attrs a = {{"vocab_offset", off}, {"vocab_size", int64_t{10}}};
+    HostTensor half = Box(table, {off, 0}, {5, 3});
+    HostTensor y(DType::kFloat64, {2, 3, 3});
+    ASSERT_THAT(RunKernel("embedding", a, {ids, half}, {y}), IsOk());
+    for (int i = 0; i < 18; ++i) sum.as<double>()[i] += y.as<double>()[i];
+    HostTensor dhalf = Full({5, 3}, 0.0);
+    ASSERT_THAT(RunKernel("embedding_grad", a, {ids, half, y, dy}, {kAbsent, dhalf}), IsOk());
+    ExpectAllNear(dhalf, Box(dfull, {off, 0}, {5, 3}), 1e-12, "dtable");
+  }
+  ExpectAllNear(sum, full, 0, "embedding");
+  // Ids outside the vocabulary are errors, even those no shard holds.
+  HostTensor bad = Ints({1}, {10});
+  HostTensor y(DType::kFloat64, {1, 3});
+  EXPECT_THAT(RunKernel("embedding", {{"vocab_offset", int64_t{5}}, {"vocab_size", int64_t{10}}},
+                  {bad, Box(table, {5, 0}, {5, 3})}, {y}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("kernel 'embedding'"), HasSubstr("id 10"))));
+}
+
+// --- runtime kernels ------------------------------------------------------------------
+
+TEST(RuntimeKernelTest, FillCopyAccumulate) {
+  HostTensor out = Full({2, 2}, 3.0);
+  ASSERT_THAT(RunKernel("fill_zero", {}, {}, {out}), IsOk());
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(out.as<double>()[i], 0.0);
+  HostTensor x = Rand({4}, 1);
+  ASSERT_THAT(RunKernel("copy", {}, {x}, {out}), IsOk());  // same element count
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(out.as<double>()[i], x.as<double>()[i]);
+  ASSERT_THAT(RunKernel("accumulate", {}, {x}, {out}), IsOk());
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(out.as<double>()[i], 2 * x.as<double>()[i]);
+  HostTensor ids = Ints({3}, {1, 2, 3}), ids2 = Ints({3}, {0, 0, 0});
+  ASSERT_THAT(RunKernel("copy", {}, {ids}, {ids2}), IsOk());
+  EXPECT_EQ(ids2.as<int64_t>()[2], 3);
+  EXPECT_THAT(RunKernel("copy", {}, {x}, {Full({5}, 0.0)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("kernel 'copy'")));
+}
+
+TEST(RuntimeKernelTest, SqNormAccumulatesInDouble) {
+  HostTensor acc = Full({1}, 1.0);
+  HostTensor a = Vals({2}, {3.0, 4.0});
+  HostTensor b = ToF32(Vals({1}, {0.5}));
+  ASSERT_THAT(RunKernel("sq_norm", {}, {a, b, kAbsent}, {acc}), IsOk());
+  EXPECT_DOUBLE_EQ(acc.as<double>()[0], 1.0 + 9 + 16 + 0.25);
+  EXPECT_THAT(RunKernel("sq_norm", {}, {a}, {Full({1}, 0.0, DType::kFloat32)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("f64[1]")));
+}
+
+TEST(RuntimeKernelTest, SgdMomentumWeightDecay) {
+  HostTensor p = Vals({2}, {1.0, -2.0}), m = Full({2}, 0.0);
+  Attrs a = {{"learning_rate", 0.1}, {"momentum", 0.9}, {"weight_decay", 0.01}};
+  ASSERT_THAT(RunKernel("sgd_update", a, {p, Vals({2}, {0.5, -1.0}), kAbsent}, {p, m}), IsOk());
+  // g = grad + 0.01 p = (0.51, -1.02); m = g; p -= 0.1 g.
+  EXPECT_DOUBLE_EQ(m.as<double>()[0], 0.51);
+  EXPECT_DOUBLE_EQ(p.as<double>()[0], 1.0 - 0.051);
+  EXPECT_DOUBLE_EQ(p.as<double>()[1], -2.0 + 0.102);
+  ASSERT_THAT(RunKernel("sgd_update", a, {p, Vals({2}, {1.0, 0.0}), kAbsent}, {p, m}), IsOk());
+  // g = (1 + 0.01 * 0.949, 0.01 * -1.898); m = 0.9 m + g.
+  const double g0 = 1.0 + 0.01 * 0.949, m0 = 0.9 * 0.51 + g0;
+  EXPECT_DOUBLE_EQ(m.as<double>()[0], m0);
+  EXPECT_DOUBLE_EQ(p.as<double>()[0], 0.949 - 0.1 * m0);
+  // Without momentum, clipped: norm 4 > 2 scales the gradient by 2 / 4.
+  HostTensor q = Vals({1}, {1.0});
+  ASSERT_THAT(RunKernel("sgd_update", {{"learning_rate", 1.0}, {"clip_global_norm", 2.0}},
+                  {q, Vals({1}, {4.0}), Vals({1}, {16.0})}, {q}),
+              IsOk());
+  EXPECT_NEAR(q.as<double>()[0], 1.0 - 4.0 * 2.0 / (4.0 + 1e-6), 1e-15);
+  // A norm below the threshold leaves the gradient alone.
+  ASSERT_THAT(RunKernel("sgd_update", {{"learning_rate", 1.0}, {"clip_global_norm", 5.0}},
+                  {q, Vals({1}, {4.0}), Vals({1}, {16.0})}, {q}),
+              IsOk());
+  EXPECT_NEAR(q.as<double>()[0], 1.0 - 2.0 / (1.0 + 0.25e-6) - 4.0, 1e-12);
+}
+
+TEST(RuntimeKernelTest, AdamWTwoSteps) {
+  const double lr = 0.01, b1 = 0.8, b2 = 0.9, eps = 1e-8, wd = 0.1;
+  Attrs a = {{"learning_rate", lr}, {"beta1", b1}, {"beta2", b2},
+             {"epsilon", eps}, {"weight_decay", wd}};
+  HostTensor p = Vals({2}, {1.0, -0.5}), m = Full({2}, 0.0), v = Full({2}, 0.0);
+  const double g1[2] = {0.3, -2.0}, g2[2] = {-0.1, 1.0};
+  ASSERT_THAT(RunKernel("adam_update", a, {p, Vals({2}, {g1[0], g1[1]}), kAbsent}, {p, m, v}, 0),
+              IsOk());
+  double want[2];
+  for (int i = 0; i < 2; ++i) {
+    // Step 1: mhat = g, vhat = g^2.
+    const double p0 = i == 0 ? 1.0 : -0.5;
+    want[i] = p0 * (1 - lr * wd) - lr * g1[i] / (std::abs(g1[i]) + eps);
+    EXPECT_NEAR(p.as<double>()[i], want[i], 1e-15);
+    EXPECT_NEAR(m.as<double>()[i], (1 - b1) * g1[i], 1e-15);
+    EXPECT_NEAR(v.as<double>()[i], (1 - b2) * g1[i] * g1[i], 1e-15);
+  }
+  ASSERT_THAT(RunKernel("adam_update", a, {p, Vals({2}, {g2[0], g2[1]}), kAbsent}, {p, m, v}, 1),
+              IsOk());
+  for (int i = 0; i < 2; ++i) {
+    const double mm = b1 * (1 - b1) * g1[i] + (1 - b1) * g2[i];
+    const double vv = b2 * (1 - b2) * g1[i] * g1[i] + (1 - b2) * g2[i] * g2[i];
+    const double mhat = mm / (1 - b1 * b1), vhat = vv / (1 - b2 * b2);
+    const double w = want[i] * (1 - lr * wd) - lr * mhat / (std::sqrt(vhat) + eps);
+    EXPECT_NEAR(p.as<double>()[i], w, 1e-12);
+  }
+}
+
+// --- errors -----------------------------------------------------------------------------
+
+TEST(KernelErrorTest, UnknownKernelIsNotFound) {
+  EXPECT_THAT(RunKernel("frobnicate", {}, {}, {}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("frobnicate")));
+}
+
+TEST(KernelErrorTest, BadArgumentsNameTheKernel) {
+  auto invalid = [](const std::string& kernel, const std::string& detail) {
+    return StatusIs(absl::StatusCode::kInvalidArgument,
+                    AllOf(HasSubstr("kernel '" + kernel + "'"), HasSubstr(detail)));
+  };
+  HostTensor x = Rand({2, 3}, 1), y(DType::kFloat64, {2, 4});
+  EXPECT_THAT(RunKernel("linear", {}, {x}, {y}), invalid("linear", "inputs"));
+  EXPECT_THAT(RunKernel("linear", {}, {x, Rand({4, 2}, 2)}, {y}), invalid("linear", "input 0"));
+  EXPECT_THAT(RunKernel("linear", {}, {x, Rand({4, 3}, 2)}, {HostTensor(DType::kFloat64, {2, 5})}),
+              invalid("linear", "output 0"));
+  EXPECT_THAT(RunKernel("linear", {}, {x, ToF32(Rand({4, 3}, 2))}, {y}),
+              invalid("linear", "input 1"));
+  EXPECT_THAT(RunKernel("relu", {}, {Ints({2}, {1, 2})}, {Ints({2}, {0, 0})}),
+              invalid("relu", "no floating-point tensor"));
+  EXPECT_THAT(RunKernel("matmul", {}, {x, Rand({2, 3}, 3)}, {HostTensor(DType::kFloat64, {2, 3})}),
+              invalid("matmul", "input 0"));
+  EXPECT_THAT(RunKernel("add", {}, {x, Rand({4}, 3)}, {y}), invalid("add", "broadcast"));
+  EXPECT_THAT(RunKernel("linear_grad", {}, {x, Rand({4, 3}, 2), y}, {kAbsent, kAbsent}),
+              invalid("linear_grad", "inputs"));
+  EXPECT_THAT(RunKernel("nll_loss", {}, {x, Ints({2}, {0, 3})}, {Full({}, 0.0)}),
+              invalid("nll_loss", "target 3"));
+  EXPECT_THAT(RunKernel("embedding", {}, {Ints({1}, {-1}), x}, {HostTensor(DType::kFloat64, {1, 3})}),
+              invalid("embedding", "id -1"));
+  EXPECT_THAT(RunKernel("scale", {}, {x}, {HostTensor(DType::kFloat64, {2, 3})}),
+              invalid("scale", "factor"));
+  EXPECT_THAT(RunKernel("softmax", {{"axis", int64_t{0}}}, {x}, {HostTensor(DType::kFloat64, {2, 3})}),
+              invalid("softmax", "last axis"));
+  EXPECT_THAT(RunKernel("dropout", {{"p", 0.5}, {"global_shape", std::vector<int64_t>{2, 2}}},
+                  {x}, {HostTensor(DType::kFloat64, {2, 3})}),
+              invalid("dropout", "global shape"));
+  EXPECT_THAT(RunKernel("softmax_grad", {}, {x, x, y, x}, {Full({2, 3}, 0.0), Full({2, 3}, 0.0)}),
+              invalid("softmax_grad", "input 1 is not differentiable"));
+  EXPECT_THAT(RunKernel("adam_update", {{"learning_rate", 0.1}}, {x, x, kAbsent}, {x}),
+              invalid("adam_update", "outputs"));
+}
+
+}  // namespace
+}  // namespace hap::executor
