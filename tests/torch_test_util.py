@@ -138,9 +138,10 @@ def write_xml(suite_name, cases):
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
 
 
-def main(suite_name):
-    import torch
-    torch.set_num_threads(1)
+def main(suite_name, needs_torch=True):
+    if needs_torch:
+        import torch
+        torch.set_num_threads(1)
     suite = unittest.defaultTestLoader.loadTestsFromModule(
         sys.modules["__main__"])
     runner = unittest.TextTestRunner(stream=sys.stdout, verbosity=2,

@@ -51,15 +51,19 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       results[r] = [&]() -> absl::StatusOr<TrainResult> {
-        HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
-                             NewFileStore(options.rendezvous_dir));
-        GlooOptions go;
-        go.rank = r;
-        go.size = n;
-        go.prefix = options.prefix;
-        go.timeout = options.timeout;
-        HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
-                             ConnectGloo(go, *store));
+        std::unique_ptr<Communicator> comm;
+        if (options.connect) {
+          HAP_ASSIGN_OR_RETURN(comm, options.connect(r));
+        } else {
+          HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
+                               NewFileStore(options.rendezvous_dir));
+          GlooOptions go;
+          go.rank = r;
+          go.size = n;
+          go.prefix = options.prefix;
+          go.timeout = options.timeout;
+          HAP_ASSIGN_OR_RETURN(comm, ConnectGloo(go, *store));
+        }
         std::unique_ptr<Device> device = NewCpuDevice(options.threads_per_rank);
         HAP_ASSIGN_OR_RETURN(
             std::unique_ptr<ProgramRunner> runner,

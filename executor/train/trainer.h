@@ -48,6 +48,9 @@ struct LocalRanksOptions {
   int threads_per_rank = 1;
   absl::Duration timeout = absl::Seconds(60);
   std::string prefix = "hap";
+  // Makes rank r's communicator; empty: Gloo over a file store in
+  // rendezvous_dir. Called on rank r's thread.
+  std::function<absl::StatusOr<std::unique_ptr<Communicator>>(int rank)> connect;
 };
 
 // Runs rank r's program on thread r. Each rank's batches come from

@@ -1,0 +1,158 @@
+"""The local runner end to end: `hapctl plan --save-plan` writes a plan,
+hap-launch forks one hap-executor per rank on 127.0.0.1, and the ranks
+train. Bad input: a plan for another world size, a rank out of range, a
+corrupted or truncated plan file, a peer that dies mid-step (the survivor
+times out with a clear error, no hang), a NaN loss (reported, clean stop).
+Also: the GPT-style LM on WikiText-2 (valid split), 2 ranks, 200 steps,
+must lose at least 25% of its initial loss."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_test_util as util  # noqa: E402
+
+HAPCTL = util.HAPCTL
+EXECUTOR = os.path.abspath(os.environ.get("HAP_EXECUTOR", ""))
+LAUNCH = os.path.abspath(os.environ.get("HAP_LAUNCH", ""))
+CLUSTER = os.path.abspath(os.environ.get("CPU_CLUSTER", ""))
+DATA_DIR = os.environ.get("HAP_DATA_DIR", os.path.join(HERE, "..", "..", "shared", "data"))
+
+SMALL_GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
+             "--ffn", "64", "--seq", "16", "--batch", "8", "--vocab", "64"]
+
+
+def plan(path, *extra, model=SMALL_GPT):
+    util.run([HAPCTL, "plan", "--cluster", CLUSTER, *model, "--save-plan", path,
+              *extra])
+    return path
+
+
+def losses(out):
+    return [float(m.group(1)) for m in re.finditer(r"^step \d+ loss (\S+)", out, re.M)]
+
+
+class ExecutorCliTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = util.tmpdir()
+        cls.plan2 = plan(os.path.join(cls.dir, "gpt2.pb"), "--seed", "7")
+
+    def run_rank(self, *args, timeout=120):
+        return subprocess.run([EXECUTOR, *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def test_launch_trains_and_ranks_agree_with_loss_falling(self):
+        p = subprocess.run([LAUNCH, "--plan", self.plan2, "--steps", "30",
+                            "--executor", EXECUTOR],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        ls = losses(p.stdout)
+        self.assertEqual(len(ls), 30, p.stdout)
+        self.assertLess(sum(ls[-5:]) / 5, sum(ls[:5]) / 5, p.stdout)
+        self.assertIn("mean step time", p.stdout)
+
+    def test_plan_for_another_world_size(self):
+        p = self.run_rank("--plan", self.plan2, "--rank", "0", "--world", "3",
+                          "--rendezvous", util.tmpdir())
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("the plan is for a world of 2 ranks, not 3", p.stderr)
+
+    def test_rank_out_of_range(self):
+        p = self.run_rank("--plan", self.plan2, "--rank", "2", "--world", "2",
+                          "--rendezvous", util.tmpdir())
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("rank 2 is out of range for a world of 2", p.stderr)
+
+    def test_corrupted_and_truncated_plans(self):
+        data = open(self.plan2, "rb").read()
+        bad = os.path.join(self.dir, "corrupt.pb")
+        with open(bad, "wb") as f:
+            f.write(b"\xff\xfe garbage" * 50)
+        p = self.run_rank("--plan", bad, "--rank", "0", "--world", "2",
+                          "--rendezvous", util.tmpdir())
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("is not a hap.v1.Plan", p.stderr)
+        # A cut in the middle either fails to parse or fails the content hash.
+        cut = os.path.join(self.dir, "truncated.pb")
+        with open(cut, "wb") as f:
+            f.write(data[: len(data) * 2 // 3])
+        p = self.run_rank("--plan", cut, "--rank", "0", "--world", "2",
+                          "--rendezvous", util.tmpdir())
+        self.assertEqual(p.returncode, 1)
+        self.assertRegex(p.stderr, r"is not a hap.v1.Plan|content hash|not lowered|world of")
+        missing = self.run_rank("--plan", os.path.join(self.dir, "nope.pb"), "--rank",
+                                "0", "--world", "2", "--rendezvous", util.tmpdir())
+        self.assertEqual(missing.returncode, 1)
+        self.assertIn("cannot open plan", missing.stderr)
+
+    def test_peer_dies_mid_training(self):
+        rdv = util.tmpdir()
+        common = ["--plan", self.plan2, "--world", "2", "--rendezvous", rdv,
+                  "--steps", "100000", "--timeout", "3"]
+        r0 = subprocess.Popen([EXECUTOR, "--rank", "0", *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        r1 = subprocess.Popen([EXECUTOR, "--rank", "1", *common],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            # Wait for rank 0 to report a few steps, then kill rank 1.
+            seen = 0
+            deadline = time.time() + 120
+            while seen < 3 and time.time() < deadline:
+                line = r0.stdout.readline()
+                if not line:
+                    break
+                seen += line.startswith("step ")
+            self.assertEqual(seen, 3, "rank 0 did not train")
+            os.kill(r1.pid, signal.SIGKILL)
+            killed = time.time()
+            _, err = r0.communicate(timeout=60)
+            waited = time.time() - killed
+        finally:
+            for p in (r0, r1):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        self.assertEqual(r0.returncode, 1, err)
+        self.assertRegex(err, r"error: .*(timed out|Timed out|deadline|Deadline|"
+                              r"connection|Connection|closed|peer|Unavailable)")
+        self.assertIn("training step", err)
+        self.assertLess(waited, 30)
+
+    def test_nan_loss_stops_training_cleanly(self):
+        nan_plan = plan(os.path.join(self.dir, "nan.pb"), "--lr", "1e30",
+                        "--optimizer", "sgd")
+        p = subprocess.run([LAUNCH, "--plan", nan_plan, "--steps", "50",
+                            "--executor", EXECUTOR],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertRegex(p.stderr, r"training stopped: the loss is -?(nan|inf) at step \d+")
+
+    @unittest.skipUnless(os.path.isdir(os.path.join(DATA_DIR, "wikitext-2")),
+                         "WikiText-2 not found (set HAP_DATA_DIR)")
+    def test_gpt_learns_wikitext2_on_two_ranks(self):
+        model = ["--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4",
+                 "--ffn", "128", "--seq", "32", "--batch", "16"]
+        lm = plan(os.path.join(self.dir, "lm.pb"), "--optimizer", "adam", "--lr", "3e-3",
+                  "--clip-norm", "1.0", "--seed", "1", model=model)
+        p = subprocess.run([LAUNCH, "--plan", lm, "--steps", "200", "--data", "wikitext",
+                            "--data-dir", DATA_DIR, "--log-every", "20",
+                            "--executor", EXECUTOR],
+                           capture_output=True, text=True, timeout=1200)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        print(p.stdout)
+        ls = losses(p.stdout)
+        self.assertGreaterEqual(len(ls), 10)
+        # From ~ln(18328) = 9.8 at initialisation: at least 25% lower.
+        self.assertLess(ls[-1], 0.75 * ls[0], p.stdout)
+        self.assertRegex(p.stdout, r"perplexity \d+")
+
+
+if __name__ == "__main__":
+    util.main("executor_cli_test", needs_torch=False)
