@@ -8,7 +8,8 @@
 //
 // Tolerance (float32, 5 steps of SGD with momentum or AdamW with clipping):
 // each loss within 2e-5 relative (plus 2e-6 absolute) of the reference, each
-// parameter element within 1e-4 relative to its tensor's largest magnitude.
+// parameter element within 1e-4 relative to its tensor's largest magnitude
+// (with Adam, plus 1e-3 of the total step length lr * steps).
 // The distributed runs sum in other orders (partial sums, collectives), so
 // bitwise equality is not expected; a wrong shard, offset or gradient form
 // gives errors of order 1e-2 or more.
@@ -38,6 +39,7 @@ using executor::TrainResult;
 
 constexpr int kSteps = 5;
 constexpr uint64_t kSeed = 1234;
+constexpr double kAdamLr = 0.01;
 
 graph::Graph Model(const std::string& name, int ranks) {
   // Batches divisible by nothing in particular: uneven shards everywhere.
@@ -136,9 +138,13 @@ v1::OptimizerConfig Optimizer(bool adam) {
   v1::OptimizerConfig o;
   if (adam) {
     o.set_kind(v1::OptimizerConfig::ADAM);
-    o.set_learning_rate(0.01);
+    o.set_learning_rate(kAdamLr);
     o.set_weight_decay(0.01);
     o.set_clip_global_norm(0.5);
+    // Adam divides by the gradient's magnitude, so a gradient that is zero
+    // in exact arithmetic (the attention key bias) steps by +-lr on float
+    // noise alone; a larger epsilon keeps such noise from being amplified.
+    o.set_epsilon(1e-6);
   } else {
     o.set_kind(v1::OptimizerConfig::SGD);
     o.set_learning_rate(0.1);
@@ -148,7 +154,7 @@ v1::OptimizerConfig Optimizer(bool adam) {
   return o;
 }
 
-absl::StatusOr<std::vector<TrainResult>> Run(const graph::Graph& g,
+absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g,
                                              const synth::Program& p, int n,
                                              const std::vector<double>& ratios,
                                              bool adam, const std::string& tag) {
@@ -199,7 +205,7 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
   graph::Graph g = Model(c.model, c.ranks);
   std::string ref_key = absl::StrCat(c.model, c.ranks, c.adam);
   if (!References().count(ref_key)) {
-    auto ref = Run(g, lower::SingleDeviceProgram(g), 1, {1.0}, c.adam,
+    auto ref = RunPlan(g, lower::SingleDeviceProgram(g), 1, {1.0}, c.adam,
                    absl::StrCat("ref_", ref_key));
     ASSERT_TRUE(ref.ok()) << ref.status();
     References()[ref_key] = *std::move(ref);
@@ -209,7 +215,7 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
   std::vector<double> ratios = Ratios(c.ranks, c.uneven);
   auto program = MakeProgram(g, c.ranks, c.kind, ratios);
   ASSERT_TRUE(program.ok()) << program.status();
-  auto runs = Run(g, *program, c.ranks, ratios, c.adam, Name({c, 0}));
+  auto runs = RunPlan(g, *program, c.ranks, ratios, c.adam, Name({c, 0}));
   ASSERT_TRUE(runs.ok()) << runs.status();
 
   // Losses: every rank reports the single-device loss.
@@ -248,7 +254,11 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
         at = i;
       }
     }
-    EXPECT_LE(worst, 1e-4 * scale) << "parameter " << name << " element " << at
+    // Adam normalises each step to about lr, so float noise on a tiny
+    // gradient moves an element by up to a fraction of lr: allow 1e-3 of
+    // the total step length lr * steps on top.
+    double tol = 1e-4 * scale + (c.adam ? 1e-3 * kAdamLr * kSteps : 0.0);
+    EXPECT_LE(worst, tol) << "parameter " << name << " element " << at
                                    << ": " << a[at] << " vs " << b[at];
   }
 }

@@ -73,6 +73,8 @@ TEST_P(InProcessTest, MatchesSingleDevice) {
   std::map<std::string, double> params;
   if (model == "mlp") params = {{"layers", 2}, {"hidden", 12}, {"input", 6}, {"classes", 4}, {"batch", 11}};
   if (model == "gpt") params = {{"layers", 1}, {"hidden", 8}, {"heads", 2}, {"ffn", 12}, {"seq", 4}, {"vocab", 13}, {"batch", 7}};
+  if (model == "vit") params = {{"layers", 1}, {"hidden", 8}, {"heads", 2}, {"ffn", 12}, {"image", 8}, {"patch", 4}, {"classes", 3}, {"batch", 7}};
+  if (model == "moe") params = {{"layers", 2}, {"hidden", 8}, {"heads", 2}, {"ffn", 12}, {"seq", 4}, {"vocab", 13}, {"batch", 7}, {"experts", 6}, {"dropout", 0.0}};
   auto g = graph::BuildZooModel(model, params);
   ASSERT_TRUE(g.ok());
   auto ref = RunRanks(*g, lower::SingleDeviceProgram(*g), 1, {1.0}, 3, nullptr);
@@ -82,12 +84,26 @@ TEST_P(InProcessTest, MatchesSingleDevice) {
   o.allow_sfb = false;
   if (kind == "tp") {
     o.rule_filter = [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kData; };
-  } else if (kind == "dp") {
+  } else if (kind == "dp" || kind == "sfb" || kind == "zero") {
     o.rule_filter = [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kTensor; };
-    o.force_storage = synth::ParamStorage::kReplicated;
+    o.force_storage = kind == "zero" ? synth::ParamStorage::kZero : synth::ParamStorage::kReplicated;
   }
   auto p = synth::Synthesize(*g, Cluster(3), o);
   ASSERT_TRUE(p.ok()) << p.status();
+  if (kind == "sfb") {
+    int forced = 0;
+    for (synth::OpStep& st : p->steps) {
+      if (g->op(st.op).type != "linear" || st.rule.kind != synth::RuleKind::kData) continue;
+      for (synth::SourceLoad& l : st.loads) {
+        if (l.parameter && l.grad_allreduce && l.tensor == g->op(st.op).inputs[1]) {
+          l.grad_allreduce = false;
+          l.sfb = true;
+          ++forced;
+        }
+      }
+    }
+    EXPECT_GT(forced, 0);
+  }
   ASSERT_TRUE(synth::CheckProgram(*g, *p, 3).ok());
   auto got = RunRanks(*g, *p, 3, ratios, 3, nullptr);
   // A real run: the loss moves, and the program splits work.
@@ -104,8 +120,8 @@ TEST_P(InProcessTest, MatchesSingleDevice) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, InProcessTest,
-                         ::testing::Combine(::testing::Values("mlp", "gpt"),
-                                            ::testing::Values("dp", "tp", "mix")));
+                         ::testing::Combine(::testing::Values("mlp", "gpt", "vit", "moe"),
+                                            ::testing::Values("dp", "tp", "mix", "zero", "sfb")));
 
 }  // namespace
 }  // namespace hap

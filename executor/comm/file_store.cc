@@ -1,0 +1,95 @@
+// A rendezvous store in a shared directory: one file a key, written under a
+// temporary name and renamed into place, so a reader never sees half a
+// value.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "executor/comm/communicator.h"
+
+namespace hap::executor {
+namespace {
+
+// Keys become file names: anything but [A-Za-z0-9._-] is escaped as %XX.
+std::string FileName(const std::string& key) {
+  std::string out;
+  for (unsigned char c : key) {
+    if (std::isalnum(c) || c == '.' || c == '_' || c == '-') {
+      out += static_cast<char>(c);
+    } else {
+      absl::StrAppend(&out, "%", absl::Hex(c, absl::kZeroPad2));
+    }
+  }
+  return out;
+}
+
+class FileStore : public RendezvousStore {
+ public:
+  explicit FileStore(std::string dir) : dir_(std::move(dir)) {}
+
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    std::string final_path = absl::StrCat(dir_, "/", FileName(key));
+    std::string tmp = absl::StrCat(dir_, "/.tmp.", getpid(), ".",
+                                   std::random_device{}(), ".", FileName(key));
+    {
+      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+      f.write(value.data(), static_cast<std::streamsize>(value.size()));
+      if (!f) {
+        return absl::UnavailableError(absl::StrCat(
+            "rendezvous store: cannot write '", tmp, "': ", std::strerror(errno)));
+      }
+    }
+    if (std::rename(tmp.c_str(), final_path.c_str()) != 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "rendezvous store: cannot publish key '", key, "': ", std::strerror(errno)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::string> Get(const std::string& key,
+                                  absl::Duration timeout) override {
+    std::string path = absl::StrCat(dir_, "/", FileName(key));
+    const absl::Time deadline = absl::Now() + timeout;
+    absl::Duration backoff = absl::Milliseconds(1);
+    while (true) {
+      std::ifstream f(path, std::ios::binary);
+      if (f) {
+        std::stringstream ss;
+        ss << f.rdbuf();
+        return ss.str();
+      }
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "rendezvous store: key '", key, "' did not appear in ", dir_, " within ",
+            absl::FormatDuration(timeout)));
+      }
+      absl::SleepFor(std::min(backoff, deadline - absl::Now()));
+      backoff = std::min(backoff * 2, absl::Milliseconds(50));
+    }
+  }
+
+ private:
+  std::string dir_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RendezvousStore>> NewFileStore(const std::string& dir) {
+  struct stat st;
+  if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+      access(dir.c_str(), W_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rendezvous directory '", dir, "' is not a writable directory"));
+  }
+  return std::unique_ptr<RendezvousStore>(new FileStore(dir));
+}
+
+}  // namespace hap::executor
