@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <climits>
+#include <type_traits>
 
 #include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_internal.h"
@@ -29,34 +30,40 @@ CBLAS_TRANSPOSE Op(bool t) { return t ? CblasTrans : CblasNoTrans; }
 
 }  // namespace
 
-bool FitsBlas(std::initializer_list<int64_t> dims) {
+absl::Status CheckFitsBlas(const KernelArgs& a,
+                           std::initializer_list<int64_t> dims) {
   for (int64_t d : dims) {
-    if (d > INT_MAX) return false;
+    if (d > INT_MAX) {
+      return Invalid(a, "a matrix dimension of ", d, " is too large for BLAS");
+    }
   }
-  return true;
+  return absl::OkStatus();
 }
 
-template <>
-void Gemm<float>(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                 float alpha, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float beta, float* c, int64_t ldc) {
+template <typename T>
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
+          const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+          int64_t ldc) {
   if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, Op(trans_a), Op(trans_b), static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a,
-              static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
-              static_cast<int>(ldc));
+  constexpr auto gemm = [] {
+    if constexpr (std::is_same_v<T, float>) {
+      return &cblas_sgemm;
+    } else {
+      return &cblas_dgemm;
+    }
+  }();
+  gemm(CblasRowMajor, Op(trans_a), Op(trans_b), static_cast<int>(m),
+       static_cast<int>(n), static_cast<int>(k), alpha, a,
+       static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
+       static_cast<int>(ldc));
 }
 
-template <>
-void Gemm<double>(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                  double alpha, const double* a, int64_t lda, const double* b,
-                  int64_t ldb, double beta, double* c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  cblas_dgemm(CblasRowMajor, Op(trans_a), Op(trans_b), static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a,
-              static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
-              static_cast<int>(ldc));
-}
+template void Gemm<float>(bool, bool, int64_t, int64_t, int64_t, float,
+                          const float*, int64_t, const float*, int64_t, float,
+                          float*, int64_t);
+template void Gemm<double>(bool, bool, int64_t, int64_t, int64_t, double,
+                           const double*, int64_t, const double*, int64_t,
+                           double, double*, int64_t);
 
 }  // namespace cpu
 }  // namespace hap::executor

@@ -59,67 +59,113 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
 
 // --- conv2d -----------------------------------------------------------------------
 
-// col[(c * kh + i) * kw + j][oy * ow + ox] = x[c][oy*sh - ph + i][ox*sw - pw
-// + j], 0 in the padding.
-template <typename T>
-void Im2Col(const KernelArgs& a, const Window& g, const T* x, T* col) {
-  ParallelFor(a.ctx.num_threads, g.c, GrainFor(g.kh * g.kw * g.out_plane()),
-              [&](int64_t b, int64_t e) {
-                for (int64_t c = b; c < e; ++c) {
-                  for (int64_t i = 0; i < g.kh; ++i) {
-                    for (int64_t j = 0; j < g.kw; ++j) {
-                      T* dst = col + ((c * g.kh + i) * g.kw + j) * g.out_plane();
-                      for (int64_t oy = 0; oy < g.oh; ++oy) {
-                        const int64_t iy = oy * g.sh - g.ph + i;
-                        T* d = dst + oy * g.ow;
-                        if (iy < 0 || iy >= g.h) {
-                          std::fill(d, d + g.ow, T(0));
-                          continue;
-                        }
-                        const T* src = x + (c * g.h + iy) * g.w;
-                        for (int64_t ox = 0; ox < g.ow; ++ox) {
-                          const int64_t ix = ox * g.sw - g.pw + j;
-                          d[ox] = ix >= 0 && ix < g.w ? src[ix] : T(0);
-                        }
-                      }
-                    }
-                  }
+// The output columns ox of one kernel column j whose input column ix = ox *
+// sw - pw + j lies inside the image: [first, last).
+std::pair<int64_t, int64_t> ValidColumns(const Window& g, int64_t j) {
+  // ox * sw >= pw - j  and  ox * sw <= w - 1 + pw - j.
+  const int64_t lo = g.pw - j;
+  const int64_t first = lo <= 0 ? 0 : (lo + g.sw - 1) / g.sw;
+  const int64_t hi = g.w - 1 + g.pw - j;
+  const int64_t last = hi < 0 ? 0 : std::min(g.ow, hi / g.sw + 1);
+  return {first, std::max(first, last)};
+}
+
+// Walks the rows of the im2col matrix of `images` consecutive images:
+// col[(c * kh + i) * kw + j][m * ohw + oy * ow + ox] = x_m[c][oy*sh - ph +
+// i][ox*sw - pw + j], 0 in the padding; rows are images * ohw long. For each
+// output row segment (c, i, j, m, oy), run(col_offset, x_offset, first,
+// last) with the segment's columns [first, last) inside the image (x_offset
+// of column `first`), or x_offset = -1 when the input row is padding.
+// Parallel over channels: each c's rows and planes belong to one thread.
+template <typename F>
+void ForEachIm2ColRun(const KernelArgs& a, const Window& g, int64_t images,
+                      F run) {
+  const int64_t ld = images * g.out_plane();
+  ParallelFor(
+      a.ctx.num_threads, g.c, GrainFor(g.kh * g.kw * ld),
+      [&](int64_t b, int64_t e) {
+        for (int64_t c = b; c < e; ++c) {
+          for (int64_t i = 0; i < g.kh; ++i) {
+            for (int64_t j = 0; j < g.kw; ++j) {
+              const auto [first, last] = ValidColumns(g, j);
+              const int64_t row = ((c * g.kh + i) * g.kw + j) * ld;
+              for (int64_t m = 0; m < images; ++m) {
+                for (int64_t oy = 0; oy < g.oh; ++oy) {
+                  const int64_t iy = oy * g.sh - g.ph + i;
+                  const int64_t col = row + m * g.out_plane() + oy * g.ow;
+                  const bool inside = iy >= 0 && iy < g.h;
+                  run(col,
+                      inside ? ((m * g.c + c) * g.h + iy) * g.w +
+                                   first * g.sw - g.pw + j
+                             : -1,
+                      first, last);
                 }
-              });
+              }
+            }
+          }
+        }
+      });
+}
+
+template <typename T>
+void Im2Col(const KernelArgs& a, const Window& g, const T* x, int64_t images,
+            T* col) {
+  ForEachIm2ColRun(a, g, images, [&](int64_t co, int64_t xo, int64_t first,
+                                     int64_t last) {
+    T* d = col + co;
+    if (xo < 0) {
+      std::fill(d, d + g.ow, T(0));
+      return;
+    }
+    std::fill(d, d + first, T(0));
+    const T* src = x + xo;
+    if (g.sw == 1) {
+      std::copy(src, src + (last - first), d + first);
+    } else {
+      for (int64_t ox = first; ox < last; ++ox) d[ox] = src[(ox - first) * g.sw];
+    }
+    std::fill(d + last, d + g.ow, T(0));
+  });
 }
 
 // The adjoint of Im2Col: dx += col scattered back.
 template <typename T>
-void Col2Im(const KernelArgs& a, const Window& g, const T* col, T* dx) {
-  ParallelFor(a.ctx.num_threads, g.c, GrainFor(g.kh * g.kw * g.out_plane()),
-              [&](int64_t b, int64_t e) {
-                for (int64_t c = b; c < e; ++c) {
-                  for (int64_t i = 0; i < g.kh; ++i) {
-                    for (int64_t j = 0; j < g.kw; ++j) {
-                      const T* src =
-                          col + ((c * g.kh + i) * g.kw + j) * g.out_plane();
-                      for (int64_t oy = 0; oy < g.oh; ++oy) {
-                        const int64_t iy = oy * g.sh - g.ph + i;
-                        if (iy < 0 || iy >= g.h) continue;
-                        T* d = dx + (c * g.h + iy) * g.w;
-                        const T* s = src + oy * g.ow;
-                        for (int64_t ox = 0; ox < g.ow; ++ox) {
-                          const int64_t ix = ox * g.sw - g.pw + j;
-                          if (ix >= 0 && ix < g.w) d[ix] += s[ox];
-                        }
-                      }
-                    }
-                  }
-                }
-              });
+void Col2Im(const KernelArgs& a, const Window& g, const T* col, int64_t images,
+            T* dx) {
+  ForEachIm2ColRun(a, g, images, [&](int64_t co, int64_t xo, int64_t first,
+                                     int64_t last) {
+    if (xo < 0) return;
+    const T* s = col + co;
+    T* d = dx + xo;
+    if (g.sw == 1) {
+      AddTo(d, s + first, last - first);
+    } else {
+      for (int64_t ox = first; ox < last; ++ox) d[(ox - first) * g.sw] += s[ox];
+    }
+  });
 }
 
 struct Conv {
   Window g;
   int64_t o = 0, ckk = 0;
   bool direct = false;  // 1x1, stride 1, no padding: x is its own im2col
+  int64_t group = 1;    // images per GEMM
   Shape y;
+
+  // fn(first image, images, GEMM columns) for each group of images.
+  template <typename F>
+  void ForEachGroup(F fn) const {
+    for (int64_t i0 = 0; i0 < g.n; i0 += group) {
+      const int64_t m = std::min(group, g.n - i0);
+      fn(i0, m, m * g.out_plane());
+    }
+  }
 };
+
+// GEMM columns wanted per call: small images are grouped up to this many.
+constexpr int64_t kGemmColumns = 512;
+// The most elements of an im2col buffer grouping may use.
+constexpr int64_t kMaxColElements = int64_t{1} << 23;
 
 absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
                                bool has_bias_slot) {
@@ -139,43 +185,54 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   c.ckk = w.shape[1] * w.shape[2] * w.shape[3];
   c.direct = c.g.kh == 1 && c.g.kw == 1 && c.g.sh == 1 && c.g.sw == 1 &&
              c.g.ph == 0 && c.g.pw == 0;
+  if (!c.direct) {
+    const int64_t op = c.g.out_plane();
+    c.group = std::min({c.g.n, std::max<int64_t>(1, kGemmColumns / op),
+                        std::max<int64_t>(1, kMaxColElements / (c.ckk * op))});
+  }
   c.y = {c.g.n, c.o, c.g.oh, c.g.ow};
-  if (has_bias_slot && a.in[2].present()) {
-    HAP_RETURN_IF_ERROR(CheckInput(a, 2, t));
-    HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], "bias", {c.o}));
-  }
-  if (!FitsBlas({c.o, c.ckk, c.g.out_plane()})) {
-    return Invalid(a, InLabel(a, 0), " is too large for BLAS");
-  }
+  HAP_RETURN_IF_ERROR(CheckBias(a, t, has_bias_slot, c.o));
+  HAP_RETURN_IF_ERROR(CheckFitsBlas(a, {c.o, c.ckk, c.group * c.g.out_plane()}));
   return c;
 }
 
+// y[m] = w @ im2col(x[m]) (+ bias), `group` images per GEMM: their columns
+// side by side, [o, group * ohw], copied out image by image when group > 1.
 template <typename T>
 absl::Status Conv2dForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, a.in.size() == 3));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, c.y));
-  const bool has_bias = a.in.size() == 3 && a.in[2].present();
+  const T* bias = a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>()
+                                                         : nullptr;
   const Window& g = c.g;
+  const int64_t op = g.out_plane();
   const T* x = a.in[0].as<const T>();
   const T* w = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
-  std::vector<T> col(c.direct ? 0 : c.ckk * g.out_plane());
-  for (int64_t i = 0; i < g.n; ++i) {
-    const T* xi = x + i * g.c * g.plane();
-    T* yi = y + i * c.o * g.out_plane();
-    if (has_bias) {
-      const T* b = a.in[2].as<const T>();
-      for (int64_t o = 0; o < c.o; ++o) {
-        std::fill(yi + o * g.out_plane(), yi + (o + 1) * g.out_plane(), b[o]);
+  std::vector<T> col(c.direct ? 0 : c.ckk * c.group * op);
+  std::vector<T> out(c.group > 1 ? c.o * c.group * op : 0);
+  c.ForEachGroup([&](int64_t i0, int64_t m, int64_t cols) {
+    const T* xi = x + i0 * g.c * g.plane();
+    T* yi = y + i0 * c.o * op;
+    T* dst = c.group > 1 ? out.data() : yi;
+    if (!c.direct) Im2Col(a, g, xi, m, col.data());
+    Gemm<T>(false, false, c.o, cols, c.ckk, T(1), w, c.ckk,
+            c.direct ? xi : col.data(), cols, T(0), dst, cols);
+    for (int64_t k = 0; k < m; ++k) {
+      for (int64_t ch = 0; ch < c.o; ++ch) {
+        T* yr = yi + (k * c.o + ch) * op;
+        const T b = bias != nullptr ? bias[ch] : T(0);
+        if (dst != yi) {
+          const T* s = dst + ch * cols + k * op;
+          for (int64_t j = 0; j < op; ++j) yr[j] = s[j] + b;
+        } else if (bias != nullptr) {
+          for (int64_t j = 0; j < op; ++j) yr[j] += b;
+        }
       }
     }
-    if (!c.direct) Im2Col(a, g, xi, col.data());
-    Gemm<T>(false, false, c.o, g.out_plane(), c.ckk, T(1), w, c.ckk,
-            c.direct ? xi : col.data(), g.out_plane(), has_bias ? T(1) : T(0),
-            yi, g.out_plane());
-  }
+  });
   return absl::OkStatus();
 }
 
@@ -194,40 +251,90 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   T* dx = gr.dx(0).present() ? gr.dx(0).as<T>() : nullptr;
   T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
   T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
-  std::vector<T> col(c.direct || dw == nullptr ? 0 : c.ckk * op);
-  std::vector<T> dcol(c.direct || dx == nullptr ? 0 : c.ckk * op);
-  for (int64_t i = 0; i < g.n; ++i) {
-    const T* xi = x + i * g.c * g.plane();
-    const T* dyi = dy + i * c.o * op;
-    if (dw != nullptr) {  // dw += dy_i @ col_i^T
-      if (!c.direct) Im2Col(a, g, xi, col.data());
-      Gemm<T>(false, true, c.o, c.ckk, op, T(1), dyi, op,
-              c.direct ? xi : col.data(), op, T(1), dw, c.ckk);
+  std::vector<T> col(c.direct ? 0 : c.ckk * c.group * op);
+  std::vector<T> dyg(c.group > 1 ? c.o * c.group * op : 0);
+  c.ForEachGroup([&](int64_t i0, int64_t m, int64_t cols) {
+    const T* xi = x + i0 * g.c * g.plane();
+    const T* dyi = dy + i0 * c.o * op;
+    if (c.group > 1) {  // dy of the group as [o, m * ohw]
+      for (int64_t k = 0; k < m; ++k) {
+        for (int64_t ch = 0; ch < c.o; ++ch) {
+          std::copy(dyi + (k * c.o + ch) * op, dyi + (k * c.o + ch + 1) * op,
+                    dyg.data() + ch * cols + k * op);
+        }
+      }
     }
-    if (dx != nullptr) {  // dcol = w^T @ dy_i, scattered back into dx_i
-      T* dxi = dx + i * g.c * g.plane();
+    const T* d = c.group > 1 ? dyg.data() : dyi;
+    if (dw != nullptr) {  // dw += dy @ col^T
+      if (!c.direct) Im2Col(a, g, xi, m, col.data());
+      Gemm<T>(false, true, c.o, c.ckk, cols, T(1), d, cols,
+              c.direct ? xi : col.data(), cols, T(1), dw, c.ckk);
+    }
+    if (dx != nullptr) {  // dcol = w^T @ dy, scattered back into dx
+      T* dxi = dx + i0 * g.c * g.plane();
       if (c.direct) {
-        Gemm<T>(true, false, c.ckk, op, c.o, T(1), w, c.ckk, dyi, op, T(1),
-                dxi, op);
+        Gemm<T>(true, false, c.ckk, cols, c.o, T(1), w, c.ckk, d, cols, T(1),
+                dxi, cols);
       } else {
-        Gemm<T>(true, false, c.ckk, op, c.o, T(1), w, c.ckk, dyi, op, T(0),
-                dcol.data(), op);
-        Col2Im(a, g, dcol.data(), dxi);
+        Gemm<T>(true, false, c.ckk, cols, c.o, T(1), w, c.ckk, d, cols, T(0),
+                col.data(), cols);
+        Col2Im(a, g, col.data(), m, dxi);
       }
     }
     if (db != nullptr) {
-      for (int64_t o = 0; o < c.o; ++o) {
-        const T* r = dyi + o * op;
-        T s = 0;
-        for (int64_t j = 0; j < op; ++j) s += r[j];
-        db[o] += s;
+      for (int64_t ch = 0; ch < c.o; ++ch) {
+        db[ch] += static_cast<T>(SumOver(cols, [&](int64_t j) {
+          return double(d[ch * cols + j]);
+        }));
       }
     }
-  }
+  });
   return absl::OkStatus();
 }
 
-// --- max_pool2d -------------------------------------------------------------------
+// --- pooling ----------------------------------------------------------------------
+
+// Validates a pooling op's input and attributes; returns its window.
+using PoolCheck = absl::StatusOr<Window> (*)(const KernelArgs&, DType);
+
+// Forward of a pooling op: plane(g, x_plane, y_plane) over every (n, c).
+template <typename T, typename F>
+absl::Status PoolForward(const KernelArgs& a, PoolCheck check, F plane) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {g.n, g.c, g.oh, g.ow}));
+  const T* x = a.in[0].as<const T>();
+  T* y = a.out[0].as<T>();
+  ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
+              [&](int64_t b, int64_t e) {
+                for (int64_t pl = b; pl < e; ++pl) {
+                  plane(g, x + pl * g.plane(), y + pl * g.out_plane());
+                }
+              });
+  return absl::OkStatus();
+}
+
+// Backward: plane(g, x_plane, dy_plane, dx_plane) over every (n, c).
+template <typename T, typename F>
+absl::Status PoolBackward(const KernelArgs& a, PoolCheck check, F plane) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs gr, GradArgs::Make(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
+  HAP_RETURN_IF_ERROR(gr.Check(t, {{g.n, g.c, g.oh, g.ow}}));
+  if (!gr.active()) return absl::OkStatus();
+  const T* x = gr.x(0).as<const T>();
+  const T* dy = gr.dy(0).as<const T>();
+  T* dx = gr.dx(0).as<T>();
+  ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
+              [&](int64_t b, int64_t e) {
+                for (int64_t pl = b; pl < e; ++pl) {
+                  plane(g, x + pl * g.plane(), dy + pl * g.out_plane(),
+                        dx + pl * g.plane());
+                }
+              });
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
@@ -240,11 +347,10 @@ absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
   return MakeWindow(a, a.in[0], k, s, p);
 }
 
-// Visits each output position of plane `pl` with the flat input index of
-// its window's first maximum.
+// fn(out_index, in_index of the window's first maximum, maximum) over a
+// plane; padding never wins (it reads as -inf).
 template <typename T, typename F>
-void ForEachMax(const Window& g, const T* x, int64_t pl, F fn) {
-  const T* xp = x + pl * g.plane();
+void ForEachMax(const Window& g, const T* xp, F fn) {
   for (int64_t oy = 0; oy < g.oh; ++oy) {
     const int64_t y0 = std::max<int64_t>(0, oy * g.sh - g.ph);
     const int64_t y1 = std::min(g.h, oy * g.sh - g.ph + g.kh);
@@ -269,43 +375,20 @@ void ForEachMax(const Window& g, const T* x, int64_t pl, F fn) {
 
 template <typename T>
 absl::Status MaxPoolForward(const KernelArgs& a) {
-  constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool(a, t));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {g.n, g.c, g.oh, g.ow}));
-  const T* x = a.in[0].as<const T>();
-  T* y = a.out[0].as<T>();
-  ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
-              [&](int64_t b, int64_t e) {
-                for (int64_t pl = b; pl < e; ++pl) {
-                  T* yp = y + pl * g.out_plane();
-                  ForEachMax(g, x, pl, [&](int64_t o, int64_t, T v) { yp[o] = v; });
-                }
-              });
-  return absl::OkStatus();
+  return PoolForward<T>(a, CheckMaxPool,
+                        [](const Window& g, const T* xp, T* yp) {
+                          ForEachMax(g, xp, [&](int64_t o, int64_t, T v) {
+                            yp[o] = v;
+                          });
+                        });
 }
 
 template <typename T>
 absl::Status MaxPoolBackward(const KernelArgs& a) {
-  constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs gr, GradArgs::Make(a, 1, 1, 1));
-  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool(a, t));
-  HAP_RETURN_IF_ERROR(gr.Check(t, {{g.n, g.c, g.oh, g.ow}}));
-  if (!gr.dy(0).present() || !gr.dx(0).present()) return absl::OkStatus();
-  const T* x = gr.x(0).as<const T>();
-  const T* dy = gr.dy(0).as<const T>();
-  T* dx = gr.dx(0).as<T>();
-  ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
-              [&](int64_t b, int64_t e) {
-                for (int64_t pl = b; pl < e; ++pl) {
-                  T* dxp = dx + pl * g.plane();
-                  const T* dyp = dy + pl * g.out_plane();
-                  ForEachMax(g, x, pl, [&](int64_t o, int64_t best, T) {
-                    dxp[best] += dyp[o];
-                  });
-                }
-              });
-  return absl::OkStatus();
+  return PoolBackward<T>(
+      a, CheckMaxPool, [](const Window& g, const T* xp, const T* dyp, T* dxp) {
+        ForEachMax(g, xp, [&](int64_t o, int64_t best, T) { dxp[best] += dyp[o]; });
+      });
 }
 
 // --- adaptive_avg_pool2d ----------------------------------------------------------
@@ -347,50 +430,21 @@ void ForEachAdaptive(const Window& g, F fn) {
 
 template <typename T>
 absl::Status AdaptivePoolForward(const KernelArgs& a) {
-  constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_ASSIGN_OR_RETURN(Window g, CheckAdaptive(a, t));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {g.n, g.c, g.oh, g.ow}));
-  const T* x = a.in[0].as<const T>();
-  T* y = a.out[0].as<T>();
-  ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
-              [&](int64_t b, int64_t e) {
-                std::vector<double> acc(g.out_plane());
-                for (int64_t pl = b; pl < e; ++pl) {
-                  std::fill(acc.begin(), acc.end(), 0.0);
-                  const T* xp = x + pl * g.plane();
-                  ForEachAdaptive(g, [&](int64_t o, int64_t i, double inv) {
-                    acc[o] += xp[i] * inv;
-                  });
-                  T* yp = y + pl * g.out_plane();
-                  for (int64_t o = 0; o < g.out_plane(); ++o) {
-                    yp[o] = static_cast<T>(acc[o]);
-                  }
-                }
-              });
-  return absl::OkStatus();
+  return PoolForward<T>(a, CheckAdaptive, [](const Window& g, const T* xp, T* yp) {
+    std::vector<double> acc(g.out_plane(), 0.0);
+    ForEachAdaptive(g, [&](int64_t o, int64_t i, double inv) { acc[o] += xp[i] * inv; });
+    for (int64_t o = 0; o < g.out_plane(); ++o) yp[o] = static_cast<T>(acc[o]);
+  });
 }
 
 template <typename T>
 absl::Status AdaptivePoolBackward(const KernelArgs& a) {
-  constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs gr, GradArgs::Make(a, 1, 1, 1));
-  HAP_ASSIGN_OR_RETURN(Window g, CheckAdaptive(a, t));
-  HAP_RETURN_IF_ERROR(gr.Check(t, {{g.n, g.c, g.oh, g.ow}}));
-  if (!gr.dy(0).present() || !gr.dx(0).present()) return absl::OkStatus();
-  const T* dy = gr.dy(0).as<const T>();
-  T* dx = gr.dx(0).as<T>();
-  ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
-              [&](int64_t b, int64_t e) {
-                for (int64_t pl = b; pl < e; ++pl) {
-                  T* dxp = dx + pl * g.plane();
-                  const T* dyp = dy + pl * g.out_plane();
-                  ForEachAdaptive(g, [&](int64_t o, int64_t i, double inv) {
-                    dxp[i] += static_cast<T>(dyp[o] * inv);
-                  });
-                }
-              });
-  return absl::OkStatus();
+  return PoolBackward<T>(
+      a, CheckAdaptive, [](const Window& g, const T*, const T* dyp, T* dxp) {
+        ForEachAdaptive(g, [&](int64_t o, int64_t i, double inv) {
+          dxp[i] += static_cast<T>(dyp[o] * inv);
+        });
+      });
 }
 
 }  // namespace

@@ -30,13 +30,8 @@ absl::StatusOr<LinearDims> CheckLinear(const KernelArgs& a, DType t,
   d.rows = x.num_elements() / d.in;
   d.y = x.shape;
   d.y.back() = d.out;
-  if (has_bias_slot && a.in[2].present()) {
-    HAP_RETURN_IF_ERROR(CheckInput(a, 2, t));
-    HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], "bias", {d.out}));
-  }
-  if (!FitsBlas({d.rows, d.in, d.out})) {
-    return Invalid(a, InLabel(a, 0), " is too large for BLAS");
-  }
+  HAP_RETURN_IF_ERROR(CheckBias(a, t, has_bias_slot, d.out));
+  HAP_RETURN_IF_ERROR(CheckFitsBlas(a, {d.rows, d.in, d.out}));
   return d;
 }
 
@@ -113,9 +108,7 @@ absl::StatusOr<MatmulDims> CheckMatmul(const KernelArgs& a, DType t) {
   for (int i = 0; i + 2 < r; ++i) d.batch *= as[i];
   d.y = as;
   d.y.back() = d.n;
-  if (!FitsBlas({d.batch * d.m, d.k, d.n})) {
-    return Invalid(a, InLabel(a, 0), " is too large for BLAS");
-  }
+  HAP_RETURN_IF_ERROR(CheckFitsBlas(a, {d.batch * d.m, d.k, d.n}));
   return d;
 }
 

@@ -23,15 +23,15 @@ struct Relu {
   }
 };
 
-struct Gelu {  // exact: x * Phi(x)
+struct Gelu {  // exact (erf) form: x * Phi(x)
   template <typename T>
   static T F(T x) {
-    return T(0.5) * x * (T(1) + std::erf(x * T(M_SQRT1_2)));
+    return T(0.5) * x * (T(1) + Erf<T>(x * T(M_SQRT1_2)));
   }
   template <typename T>
   static T D(T x, T) {
-    const T cdf = T(0.5) * (T(1) + std::erf(x * T(M_SQRT1_2)));
-    const T pdf = std::exp(T(-0.5) * x * x) * T(0.3989422804014327);
+    const T cdf = T(0.5) * (T(1) + Erf<T>(x * T(M_SQRT1_2)));
+    const T pdf = Exp<T>(T(-0.5) * x * x) * T(0.3989422804014327);
     return cdf + x * pdf;
   }
 };
@@ -39,7 +39,7 @@ struct Gelu {  // exact: x * Phi(x)
 struct Sigmoid {
   template <typename T>
   static T F(T x) {
-    return T(1) / (T(1) + std::exp(-x));
+    return T(1) / (T(1) + Exp<T>(-x));
   }
   template <typename T>
   static T D(T, T y) {
@@ -58,38 +58,46 @@ struct Tanh {
   }
 };
 
+// The element loops take their pointers as parameters so that they
+// vectorize (pointers captured by a lambda are reloaded every iteration).
+template <typename Act, typename T>
+void ActivationRange(const T* x, T* y, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) y[i] = Act::F(x[i]);
+}
+
+template <typename Act, typename T>
+void ActivationGradRange(const T* x, const T* y, const T* dy, T* dx, int64_t b,
+                         int64_t e) {
+  if (y != nullptr) {
+    for (int64_t i = b; i < e; ++i) dx[i] += dy[i] * Act::D(x[i], y[i]);
+  } else {
+    for (int64_t i = b; i < e; ++i) dx[i] += dy[i] * Act::D(x[i], Act::F(x[i]));
+  }
+}
+
 template <typename Act, typename T>
 absl::Status UnaryForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, a.in[0].shape));
+  HAP_RETURN_IF_ERROR(CheckElementwise(a, t));
   const T* x = a.in[0].as<const T>();
   T* y = a.out[0].as<T>();
   ParallelFor(a.ctx.num_threads, a.in[0].num_elements(), kParallelWork,
-              [&](int64_t b, int64_t e) {
-                for (int64_t i = b; i < e; ++i) y[i] = Act::F(x[i]);
-              });
+              [&](int64_t b, int64_t e) { ActivationRange<Act>(x, y, b, e); });
   return absl::OkStatus();
 }
 
 template <typename Act, typename T>
 absl::Status UnaryBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_RETURN_IF_ERROR(g.Check(t, {g.x(0).shape}));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Elementwise(a, t));
+  if (!g.active()) return absl::OkStatus();
   const T* x = g.x(0).as<const T>();
   const T* y = g.y(0).present() ? g.y(0).as<const T>() : nullptr;
   const T* dy = g.dy(0).as<const T>();
   T* dx = g.dx(0).as<T>();
   ParallelFor(a.ctx.num_threads, g.x(0).num_elements(), kParallelWork,
               [&](int64_t b, int64_t e) {
-                for (int64_t i = b; i < e; ++i) {
-                  const T yi = y != nullptr ? y[i] : Act::F(x[i]);
-                  dx[i] += dy[i] * Act::D(x[i], yi);
-                }
+                ActivationGradRange<Act>(x, y, dy, dx, b, e);
               });
   return absl::OkStatus();
 }
@@ -162,6 +170,17 @@ class DropoutMask {
   int64_t row_ = 1;
 };
 
+// out[j] (+)= keep[j] ? in[j] * scale : 0 over a row.
+template <typename T>
+void MaskRow(const char* keep, const T* in, T scale, T* out, int64_t n,
+             bool accumulate) {
+  if (accumulate) {
+    for (int64_t j = 0; j < n; ++j) out[j] += keep[j] ? in[j] * scale : T(0);
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = keep[j] ? in[j] * scale : T(0);
+  }
+}
+
 // out (+)= in * mask / (1 - p).
 template <typename T>
 void ApplyDropout(const KernelArgs& a, const DropoutMask& m, const T* in,
@@ -173,12 +192,8 @@ void ApplyDropout(const KernelArgs& a, const DropoutMask& m, const T* in,
                 std::vector<char> keep;
                 for (int64_t r = b; r < e; ++r) {
                   m.Row(r, keep);
-                  const T* s = in + r * row;
-                  T* d = out + r * row;
-                  for (int64_t j = 0; j < row; ++j) {
-                    const T v = keep[j] ? s[j] * scale : T(0);
-                    d[j] = accumulate ? d[j] + v : v;
-                  }
+                  MaskRow(keep.data(), in + r * row, scale, out + r * row, row,
+                          accumulate);
                 }
               });
 }
@@ -186,9 +201,7 @@ void ApplyDropout(const KernelArgs& a, const DropoutMask& m, const T* in,
 template <typename T>
 absl::Status DropoutForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, a.in[0].shape));
+  HAP_RETURN_IF_ERROR(CheckElementwise(a, t));
   HAP_ASSIGN_OR_RETURN(DropoutMask m, DropoutMask::Make(a, a.in[0].shape));
   ApplyDropout<T>(a, m, a.in[0].as<const T>(), a.out[0].as<T>(),
                   a.in[0].num_elements(), false);
@@ -198,11 +211,9 @@ absl::Status DropoutForward(const KernelArgs& a) {
 template <typename T>
 absl::Status DropoutBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_RETURN_IF_ERROR(g.Check(t, {g.x(0).shape}));
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Elementwise(a, t));
   HAP_ASSIGN_OR_RETURN(DropoutMask m, DropoutMask::Make(a, g.x(0).shape));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   ApplyDropout<T>(a, m, g.dy(0).as<const T>(), g.dx(0).as<T>(),
                   g.x(0).num_elements(), true);
   return absl::OkStatus();
@@ -210,23 +221,29 @@ absl::Status DropoutBackward(const KernelArgs& a) {
 
 // --- scale ------------------------------------------------------------------------
 
+template <typename T>
+void ScaleRange(T factor, const T* in, T* out, int64_t b, int64_t e,
+                bool accumulate) {
+  if (accumulate) {
+    for (int64_t i = b; i < e; ++i) out[i] += factor * in[i];
+  } else {
+    for (int64_t i = b; i < e; ++i) out[i] = factor * in[i];
+  }
+}
+
 // out (+)= factor * in over n elements.
 template <typename T>
 void Scaled(const KernelArgs& a, T factor, const T* in, T* out, int64_t n,
             bool accumulate) {
   ParallelFor(a.ctx.num_threads, n, kParallelWork, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      out[i] = accumulate ? out[i] + factor * in[i] : factor * in[i];
-    }
+    ScaleRange(factor, in, out, b, e, accumulate);
   });
 }
 
 template <typename T>
 absl::Status ScaleForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, a.in[0].shape));
+  HAP_RETURN_IF_ERROR(CheckElementwise(a, t));
   HAP_ASSIGN_OR_RETURN(double f, AttrFloat(a, "factor"));
   Scaled<T>(a, static_cast<T>(f), a.in[0].as<const T>(), a.out[0].as<T>(),
             a.in[0].num_elements(), false);
@@ -236,11 +253,9 @@ absl::Status ScaleForward(const KernelArgs& a) {
 template <typename T>
 absl::Status ScaleBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_RETURN_IF_ERROR(g.Check(t, {g.x(0).shape}));
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Elementwise(a, t));
   HAP_ASSIGN_OR_RETURN(double f, AttrFloat(a, "factor"));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   Scaled<T>(a, static_cast<T>(f), g.dy(0).as<const T>(), g.dx(0).as<T>(),
             g.x(0).num_elements(), true);
   return absl::OkStatus();
@@ -255,6 +270,24 @@ T Apply(T x, T y) {
   if constexpr (op == BinOp::kAdd) return x + y;
   if constexpr (op == BinOp::kSub) return x - y;
   return x * y;
+}
+
+// y[i * 1] = p[i * sp] op q[i * sq], with the common unit/zero strides as
+// their own loops so that they vectorize.
+template <BinOp op, typename T>
+void BinaryRow(const T* p, int64_t sp, const T* q, int64_t sq, T* y,
+               int64_t n) {
+  if (sp == 1 && sq == 1) {
+    for (int64_t i = 0; i < n; ++i) y[i] = Apply<op>(p[i], q[i]);
+  } else if (sp == 1 && sq == 0) {
+    const T v = *q;
+    for (int64_t i = 0; i < n; ++i) y[i] = Apply<op>(p[i], v);
+  } else if (sp == 0 && sq == 1) {
+    const T v = *p;
+    for (int64_t i = 0; i < n; ++i) y[i] = Apply<op>(v, q[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = Apply<op>(p[i * sp], q[i * sq]);
+  }
 }
 
 // An operand of a broadcasting binary op: an absent one reads as a scalar 0.
@@ -316,7 +349,7 @@ absl::Status BinaryForward(const KernelArgs& a) {
     const T* p = a.in[0].as<const T>();
     const T* q = a.in[1].as<const T>();
     ParallelFor(a.ctx.num_threads, n, kParallelWork, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) y[i] = Apply<op>(p[i], q[i]);
+      BinaryRow<op>(p + b, 1, q + b, 1, y + b, e - b);
     });
     return absl::OkStatus();
   }
@@ -327,12 +360,8 @@ absl::Status BinaryForward(const KernelArgs& a) {
   ParallelFor(a.ctx.num_threads, loop.rows(), GrainFor(len),
               [&](int64_t b, int64_t e) {
                 loop.ForRows(b, e, [&](const int64_t* off) {
-                  T* yr = y + off[0];
-                  const T* pr = p.data + off[1];
-                  const T* qr = q.data + off[2];
-                  for (int64_t i = 0; i < len; ++i) {
-                    yr[i] = Apply<op>(pr[i * sp], qr[i * sq]);
-                  }
+                  BinaryRow<op>(p.data + off[1], sp, q.data + off[2], sq,
+                                y + off[0], len);
                 });
               });
   return absl::OkStatus();

@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -71,21 +74,10 @@ absl::Status Invalid(const KernelArgs& a, const P&... parts) {
 }
 
 template <typename T>
-constexpr DType DTypeOf();
-template <>
-constexpr DType DTypeOf<float>() {
-  return DType::kFloat32;
-}
-template <>
-constexpr DType DTypeOf<double>() {
-  return DType::kFloat64;
-}
-template <>
-constexpr DType DTypeOf<int32_t>() {
-  return DType::kInt32;
-}
-template <>
-constexpr DType DTypeOf<int64_t>() {
+constexpr DType DTypeOf() {
+  if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
+  if constexpr (std::is_same_v<T, int32_t>) return DType::kInt32;
   return DType::kInt64;
 }
 
@@ -103,6 +95,10 @@ absl::Status CheckIdsInput(const KernelArgs& a, int i);
 // Output i is present, of dtype t and shape `shape`.
 absl::Status CheckOutput(const KernelArgs& a, int i, DType t,
                          const Shape& shape);
+// One input, present and of dtype t, and one output: a one-input kernel.
+absl::Status CheckUnary(const KernelArgs& a, DType t);
+// CheckUnary, and the output has the input's shape (element-wise kernels).
+absl::Status CheckElementwise(const KernelArgs& a, DType t);
 // `v` (named `label`) has shape `want`.
 absl::Status CheckShape(const KernelArgs& a, const TensorView& v,
                         absl::string_view label, const Shape& want);
@@ -140,6 +136,10 @@ class GradArgs {
   // whatever the input count implies (split).
   static absl::StatusOr<GradArgs> Make(const KernelArgs& a, int min_n,
                                        int max_n, int num_y);
+  // The backward of a one-input, one-output op, input 0 of dtype t.
+  static absl::StatusOr<GradArgs> Unary(const KernelArgs& a, DType t);
+  // Unary, and y/dy/dx have x's shape (element-wise ops).
+  static absl::StatusOr<GradArgs> Elementwise(const KernelArgs& a, DType t);
 
   int n() const { return n_; }
   int m() const { return m_; }
@@ -149,6 +149,8 @@ class GradArgs {
   const TensorView& dx(int i) const { return a_->out[i]; }
   bool any_dy() const;
   bool any_dx() const;
+  // A one-output op's gradient kernel has work: dy(0) and dx(0) present.
+  bool active() const { return dy(0).present() && dx(0).present(); }
 
   // Present dy(j) (and y(j)) have dtype t and shape y_shapes[j]; present
   // dx(i) have dtype t, and x(i) is present with dx(i)'s shape.
@@ -280,6 +282,89 @@ void AddTo(T* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
+// --- math that vectorizes ------------------------------------------------------
+// The library builds with -O3 -fno-trapping-math -fno-math-errno so that
+// loops over these inline, branch-free functions vectorize. Float gets fast
+// approximations within a few ulp; double (what the finite-difference tests
+// use) gets libm.
+
+// e^x for float: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-7
+// Taylor polynomial (truncation error < 1e-8 relative), 2^n from exponent
+// bits. Inputs below -87.3 (e.g. -inf masks) give 0; above 88.3 saturate.
+inline float FastExp(float x) {
+  constexpr float kHi = 88.3f, kLo = -87.3f, kRound = 12582912.0f;  // 1.5 * 2^23
+  float xc = x > kHi ? kHi : x;
+  xc = xc < kLo ? kLo : xc;
+  const float n = (xc * 1.44269504088896341f + kRound) - kRound;  // round(x / ln 2)
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;    // x - n ln 2
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < kLo ? 0.0f : p * scale;
+}
+
+// erf for float: Abramowitz and Stegun 7.1.26 (absolute error < 1.5e-7,
+// below float resolution of erf's values near 1).
+inline float FastErf(float x) {
+  const float ax = std::fabs(x);
+  const float t = 1.0f / (1.0f + 0.3275911f * ax);
+  float p = 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  return std::copysign(1.0f - p * t * FastExp(-ax * ax), x);
+}
+
+template <typename T>
+inline T Exp(T x) {
+  if constexpr (std::is_same_v<T, float>) return FastExp(x);
+  return std::exp(x);
+}
+template <typename T>
+inline T Erf(T x) {
+  if constexpr (std::is_same_v<T, float>) return FastErf(x);
+  return std::erf(x);
+}
+
+// Folds f(0..n) with `combine` in 8 independent lanes from `init` (they
+// pipeline and vectorize where one running fold cannot).
+template <typename A, typename F, typename C>
+A LaneFold(int64_t n, A init, F f, C combine) {
+  A acc[8];
+  for (A& v : acc) v = init;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] = combine(acc[k], f(i + k));
+  }
+  for (; i < n; ++i) acc[i % 8] = combine(acc[i % 8], f(i));
+  for (int w = 4; w >= 1; w /= 2) {
+    for (int k = 0; k < w; ++k) acc[k] = combine(acc[k], acc[k + w]);
+  }
+  return acc[0];
+}
+
+// sum of f(i) over [0, n), in double.
+template <typename F>
+double SumOver(int64_t n, F f) {
+  return LaneFold(n, 0.0, f, [](double s, double v) { return s + v; });
+}
+
+// max of x[0, n) (n >= 1); NaN-free inputs.
+template <typename T>
+T MaxOf(const T* x, int64_t n) {
+  return LaneFold(n, x[0], [x](int64_t j) { return x[j]; },
+                  [](T m, T v) { return v > m ? v : m; });
+}
+
 // --- BLAS ---------------------------------------------------------------------
 
 // Row-major C = alpha * op(A) @ op(B) + beta * C, op = transpose when asked;
@@ -288,8 +373,11 @@ template <typename T>
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
           const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
           int64_t ldc);
-// Whether every one of `dims` fits BLAS's 32-bit int.
-bool FitsBlas(std::initializer_list<int64_t> dims);
+// Every one of `dims` fits BLAS's 32-bit int; InvalidArgument otherwise.
+absl::Status CheckFitsBlas(const KernelArgs& a,
+                           std::initializer_list<int64_t> dims);
+// The optional bias input 2 (when `has_slot` and present): dtype t, [n].
+absl::Status CheckBias(const KernelArgs& a, DType t, bool has_slot, int64_t n);
 
 }  // namespace hap::executor::cpu
 

@@ -48,8 +48,7 @@ Permuted PermuteShape(const Shape& in, const std::vector<int>& perm) {
 template <typename T>
 absl::Status TransposeForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckUnary(a, t));
   HAP_ASSIGN_OR_RETURN(std::vector<int> perm, Perm(a, a.in[0].rank()));
   Permuted p = PermuteShape(a.in[0].shape, perm);
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, p.shape));
@@ -62,12 +61,11 @@ absl::Status TransposeForward(const KernelArgs& a) {
 template <typename T>
 absl::Status TransposeBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Unary(a, t));
   HAP_ASSIGN_OR_RETURN(std::vector<int> perm, Perm(a, g.x(0).rank()));
   Permuted p = PermuteShape(g.x(0).shape, perm);
   HAP_RETURN_IF_ERROR(g.Check(t, {p.shape}));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   // dx, read in dy's (the output's) order, += dy.
   StridedCopy<T, T>(a.ctx.num_threads, p.shape, g.dx(0).as<T>(), p.in_strides,
                     g.dy(0).as<const T>(), ContiguousStrides(p.shape), true);
@@ -79,8 +77,7 @@ absl::Status TransposeBackward(const KernelArgs& a) {
 template <typename T>
 absl::Status ReshapeForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckUnary(a, t));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, a.out[0].shape));
   if (a.out[0].num_elements() != a.in[0].num_elements()) {
     return Invalid(a, OutLabel(a, 0), " and ", InLabel(a, 0),
@@ -95,9 +92,8 @@ absl::Status ReshapeForward(const KernelArgs& a) {
 template <typename T>
 absl::Status ReshapeBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Unary(a, t));
+  if (!g.active()) return absl::OkStatus();
   HAP_RETURN_IF_ERROR(g.Check(t, {g.dy(0).shape}));
   if (g.dy(0).num_elements() != g.x(0).num_elements()) {
     return Invalid(a, "the output gradient ", InLabel(a, 2), " and ",
@@ -322,8 +318,7 @@ absl::StatusOr<SliceRange> CheckSlice(const KernelArgs& a,
 template <typename T>
 absl::Status SliceForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckUnary(a, t));
   HAP_ASSIGN_OR_RETURN(SliceRange r, CheckSlice(a, a.in[0]));
   Shape s = a.in[0].shape;
   s[r.axis] = r.end - r.start;
@@ -337,13 +332,12 @@ absl::Status SliceForward(const KernelArgs& a) {
 template <typename T>
 absl::Status SliceBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Unary(a, t));
   HAP_ASSIGN_OR_RETURN(SliceRange r, CheckSlice(a, g.x(0)));
   Shape s = g.x(0).shape;
   s[r.axis] = r.end - r.start;
   HAP_RETURN_IF_ERROR(g.Check(t, {s}));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   AxisView x = AroundAxis(g.x(0).shape, r.axis);
   CopyAlongAxis<T>(a, x.outer, x.inner, g.dy(0).as<const T>(), s[r.axis], 0,
                    g.dx(0).as<T>(), x.len, r.start, s[r.axis], true);
@@ -355,8 +349,7 @@ absl::Status SliceBackward(const KernelArgs& a) {
 template <typename T>
 absl::Status ExpandForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckUnary(a, t));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, a.out[0].shape));
   const Shape& s = a.out[0].shape;
   if (!BroadcastsTo(a.in[0].shape, s)) {
@@ -371,9 +364,8 @@ absl::Status ExpandForward(const KernelArgs& a) {
 template <typename T>
 absl::Status ExpandBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Unary(a, t));
+  if (!g.active()) return absl::OkStatus();
   const Shape& s = g.dy(0).shape;
   HAP_RETURN_IF_ERROR(g.Check(t, {s}));
   if (!BroadcastsTo(g.x(0).shape, s)) {

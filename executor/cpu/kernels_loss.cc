@@ -48,14 +48,11 @@ absl::Status CheckScalar(const KernelArgs& a, const TensorView& v,
   return absl::OkStatus();
 }
 
-// log-sum-exp of a row, in double.
+// log-sum-exp of a row; the sum in double.
 template <typename T>
 double LogSumExp(const T* x, int64_t n) {
-  double mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = std::max<double>(mx, x[j]);
-  double s = 0;
-  for (int64_t j = 0; j < n; ++j) s += std::exp(x[j] - mx);
-  return mx + std::log(s);
+  const T mx = MaxOf(x, n);
+  return mx + std::log(SumOver(n, [&](int64_t j) { return double(Exp<T>(x[j] - mx)); }));
 }
 
 template <typename T, bool kLogits>
@@ -79,6 +76,14 @@ absl::Status LossForward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
+// dx += scale * softmax(x) over a row.
+template <typename T>
+void SoftmaxGradRow(const T* x, int64_t n, double scale, T* dx) {
+  const T lse = static_cast<T>(LogSumExp(x, n));
+  const T s = static_cast<T>(scale);
+  for (int64_t j = 0; j < n; ++j) dx[j] += s * Exp<T>(x[j] - lse);
+}
+
 // nll_loss: dx[i, t_i] -= g / rows; cross_entropy: dx[i] += g / rows *
 // (softmax(x[i]) - onehot(t_i)).
 template <typename T, bool kLogits>
@@ -95,7 +100,7 @@ absl::Status LossBackward(const KernelArgs& a) {
   }
   HAP_RETURN_IF_ERROR(
       g.Check(t, {g.y(0).present() ? g.y(0).shape : g.dy(0).shape}));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   const double scale = *g.dy(0).as<const T>() * d.inv_rows;
   const T* x = g.x(0).as<const T>();
   T* dx = g.dx(0).as<T>();
@@ -104,13 +109,7 @@ absl::Status LossBackward(const KernelArgs& a) {
                 for (int64_t i = b; i < e; ++i) {
                   const int64_t c = IdAt(g.x(1), i);
                   T* dr = dx + i * d.classes;
-                  if constexpr (kLogits) {
-                    const T* row = x + i * d.classes;
-                    const double lse = LogSumExp(row, d.classes);
-                    for (int64_t j = 0; j < d.classes; ++j) {
-                      dr[j] += static_cast<T>(scale * std::exp(row[j] - lse));
-                    }
-                  }
+                  if (kLogits) SoftmaxGradRow(x + i * d.classes, d.classes, scale, dr);
                   dr[c] -= static_cast<T>(scale);
                 }
               });

@@ -107,7 +107,7 @@ absl::Status GateBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t));
   HAP_RETURN_IF_ERROR(g.Check(t, {{d.tokens, d.experts, d.capacity}}));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   const T* dcombine = g.dy(0).as<const T>();
   T* dlogits = g.dx(0).as<T>();
   std::vector<TokenRoute> routes = Route(d, g.x(0).as<const T>());
@@ -237,7 +237,7 @@ absl::Status DispatchBackward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
   HAP_ASSIGN_OR_RETURN(MoeDims m, CheckMoe(a, t, false));
   HAP_RETURN_IF_ERROR(g.Check(t, {{m.experts, m.capacity, m.d}}));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   Routes r = Nonzeros(g.x(1).as<const T>(), m.tokens, m.slots());
   const T* dy = g.dy(0).as<const T>();
   T* dx = g.dx(0).as<T>();
@@ -307,9 +307,7 @@ absl::Status CombineBackward(const KernelArgs& a) {
                 });
   }
   if (g.dx(1).present()) {
-    if (!FitsBlas({m.tokens, m.slots(), m.d})) {
-      return Invalid(a, InLabel(a, 1), " is too large for BLAS");
-    }
+    HAP_RETURN_IF_ERROR(CheckFitsBlas(a, {m.tokens, m.slots(), m.d}));
     Gemm<T>(false, true, m.tokens, m.slots(), m.d, T(1), dout, m.d, y, m.d,
             T(1), g.dx(1).as<T>(), m.slots());
   }

@@ -17,14 +17,13 @@ struct RowStats {
 
 template <typename T>
 RowStats Stats(const T* x, int64_t d, double eps) {
-  double sum = 0;
-  for (int64_t j = 0; j < d; ++j) sum += x[j];
-  const double mean = sum / static_cast<double>(d);
-  double sq = 0;
-  for (int64_t j = 0; j < d; ++j) {
+  const double mean =
+      SumOver(d, [&](int64_t j) { return static_cast<double>(x[j]); }) /
+      static_cast<double>(d);
+  const double sq = SumOver(d, [&](int64_t j) {
     const double c = x[j] - mean;
-    sq += c * c;
-  }
+    return c * c;
+  });
   return {mean, 1.0 / std::sqrt(sq / static_cast<double>(d) + eps)};
 }
 
@@ -36,6 +35,15 @@ absl::StatusOr<int64_t> CheckLayerNorm(const KernelArgs& a, DType t) {
   HAP_RETURN_IF_ERROR(CheckShape(a, a.in[1], "gamma (input 1)", {d}));
   HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], "beta (input 2)", {d}));
   return d;
+}
+
+template <typename T>
+void LayerNormRow(const T* x, const T* gamma, const T* beta, double eps,
+                  int64_t d, T* y) {
+  const RowStats s = Stats(x, d, eps);
+  const T mean = static_cast<T>(s.mean);
+  const T rstd = static_cast<T>(s.rstd);
+  for (int64_t j = 0; j < d; ++j) y[j] = (x[j] - mean) * rstd * gamma[j] + beta[j];
 }
 
 template <typename T>
@@ -52,17 +60,38 @@ absl::Status LayerNormForward(const KernelArgs& a) {
   ParallelFor(a.ctx.num_threads, a.in[0].num_elements() / d, GrainFor(4 * d),
               [&](int64_t b, int64_t e) {
                 for (int64_t r = b; r < e; ++r) {
-                  const T* xr = x + r * d;
-                  T* yr = y + r * d;
-                  const RowStats s = Stats(xr, d, eps);
-                  const T mean = static_cast<T>(s.mean);
-                  const T rstd = static_cast<T>(s.rstd);
-                  for (int64_t j = 0; j < d; ++j) {
-                    yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
-                  }
+                  LayerNormRow(x + r * d, gamma, beta, eps, d, y + r * d);
                 }
               });
   return absl::OkStatus();
+}
+
+// One row of the backward: dx += (when dx is not null), and the partial
+// sums pg[0, d) += dy * xhat, pg[d, 2d) += dy (when pg is not null); xhat
+// is scratch of d.
+template <typename T>
+void LayerNormGradRow(const T* x, const T* gamma, const T* dy, double eps,
+                      int64_t d, double* xhat, T* dx, double* pg) {
+  const RowStats s = Stats(x, d, eps);
+  for (int64_t j = 0; j < d; ++j) xhat[j] = (x[j] - s.mean) * s.rstd;
+  const double mg =
+      SumOver(d, [&](int64_t j) { return double(dy[j]) * gamma[j]; }) /
+      static_cast<double>(d);
+  const double mgx =
+      SumOver(d, [&](int64_t j) { return double(dy[j]) * gamma[j] * xhat[j]; }) /
+      static_cast<double>(d);
+  if (dx != nullptr) {
+    for (int64_t j = 0; j < d; ++j) {
+      const double gj = double(dy[j]) * gamma[j];
+      dx[j] += static_cast<T>(s.rstd * (gj - mg - xhat[j] * mgx));
+    }
+  }
+  if (pg != nullptr) {
+    for (int64_t j = 0; j < d; ++j) {
+      pg[j] += dy[j] * xhat[j];
+      pg[d + j] += dy[j];
+    }
+  }
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma;
@@ -88,31 +117,8 @@ absl::Status LayerNormBackward(const KernelArgs& a) {
     std::vector<double> xhat(d);
     double* pg = param_grads ? partial.data() + 2 * d * c : nullptr;
     for (int64_t r = b; r < e; ++r) {
-      const T* xr = x + r * d;
-      const T* dyr = dy + r * d;
-      const RowStats s = Stats(xr, d, eps);
-      double sum_g = 0, sum_gx = 0;
-      for (int64_t j = 0; j < d; ++j) {
-        xhat[j] = (xr[j] - s.mean) * s.rstd;
-        const double gj = static_cast<double>(dyr[j]) * gamma[j];
-        sum_g += gj;
-        sum_gx += gj * xhat[j];
-      }
-      if (dx != nullptr) {
-        const double mg = sum_g / static_cast<double>(d);
-        const double mgx = sum_gx / static_cast<double>(d);
-        T* dxr = dx + r * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const double gj = static_cast<double>(dyr[j]) * gamma[j];
-          dxr[j] += static_cast<T>(s.rstd * (gj - mg - xhat[j] * mgx));
-        }
-      }
-      if (pg != nullptr) {
-        for (int64_t j = 0; j < d; ++j) {
-          pg[j] += dyr[j] * xhat[j];
-          pg[d + j] += dyr[j];
-        }
-      }
+      LayerNormGradRow(x + r * d, gamma, dy + r * d, eps, d, xhat.data(),
+                       dx != nullptr ? dx + r * d : nullptr, pg);
     }
   });
   for (int which : {1, 2}) {
@@ -195,21 +201,20 @@ absl::StatusOr<SoftmaxMask<T>> MakeMask(const KernelArgs& a, const Shape& x,
 template <typename T, bool kLog>
 void SoftmaxRow(const T* x, const T* mask, int64_t ms, int64_t valid,
                 int64_t cols, T* y) {
-  T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < valid; ++j) {
-    y[j] = mask != nullptr ? x[j] + mask[j * ms] : x[j];
-    mx = std::max(mx, y[j]);
+  if (mask != nullptr) {
+    for (int64_t j = 0; j < valid; ++j) y[j] = x[j] + mask[j * ms];
+  } else {
+    std::copy(x, x + valid, y);
   }
-  double sum = 0;
+  const T mx = MaxOf(y, valid);
   if constexpr (kLog) {
-    for (int64_t j = 0; j < valid; ++j) sum += std::exp(y[j] - mx);
+    const double sum =
+        SumOver(valid, [&](int64_t j) { return double(Exp<T>(y[j] - mx)); });
     const T lse = mx + static_cast<T>(std::log(sum));
     for (int64_t j = 0; j < valid; ++j) y[j] -= lse;
   } else {
-    for (int64_t j = 0; j < valid; ++j) {
-      y[j] = std::exp(y[j] - mx);
-      sum += y[j];
-    }
+    for (int64_t j = 0; j < valid; ++j) y[j] = Exp<T>(y[j] - mx);
+    const double sum = SumOver(valid, [&](int64_t j) { return double(y[j]); });
     const T inv = static_cast<T>(1.0 / sum);
     for (int64_t j = 0; j < valid; ++j) y[j] *= inv;
   }
@@ -260,7 +265,7 @@ absl::Status SoftmaxBackward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(g.Check(t, {x.shape}));
   HAP_ASSIGN_OR_RETURN(SoftmaxMask<T> m,
                        MakeMask<T>(a, x.shape, g.n() > 1 ? &g.x(1) : nullptr));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   const int64_t cols = x.shape.back();
   const int64_t rows = x.num_elements() / cols;
   HostTensor recomputed;
@@ -279,14 +284,12 @@ absl::Status SoftmaxBackward(const KernelArgs& a) {
                   const T* yr = y + r * cols;
                   const T* dyr = dy + r * cols;
                   T* dxr = dx + r * cols;
-                  double dot = 0;
-                  for (int64_t j = 0; j < cols; ++j) {
-                    dot += kLog ? dyr[j] : dyr[j] * yr[j];
-                  }
-                  const T s = static_cast<T>(dot);
+                  const T s = static_cast<T>(SumOver(cols, [&](int64_t j) {
+                    return kLog ? double(dyr[j]) : double(dyr[j]) * yr[j];
+                  }));
                   for (int64_t j = 0; j < cols; ++j) {
                     if constexpr (kLog) {
-                      dxr[j] += dyr[j] - std::exp(yr[j]) * s;
+                      dxr[j] += dyr[j] - Exp<T>(yr[j]) * s;
                     } else {
                       dxr[j] += yr[j] * (dyr[j] - s);
                     }

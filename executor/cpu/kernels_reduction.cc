@@ -54,8 +54,7 @@ absl::StatusOr<double> Factor(const KernelArgs& a, const Reduced& r) {
 template <typename T, bool kMean>
 absl::Status ReduceForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_RETURN_IF_ERROR(CheckUnary(a, t));
   HAP_ASSIGN_OR_RETURN(Reduced r, CheckReduction(a, a.in[0]));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, r.out));
   HAP_ASSIGN_OR_RETURN(double factor, Factor<kMean>(a, r));
@@ -73,12 +72,11 @@ absl::Status ReduceForward(const KernelArgs& a) {
 template <typename T, bool kMean>
 absl::Status ReduceBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
-  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Unary(a, t));
   HAP_ASSIGN_OR_RETURN(Reduced r, CheckReduction(a, g.x(0)));
   HAP_RETURN_IF_ERROR(g.Check(t, {r.out}));
   HAP_ASSIGN_OR_RETURN(double factor, Factor<kMean>(a, r));
-  if (!g.dy(0).present() || !g.dx(0).present()) return absl::OkStatus();
+  if (!g.active()) return absl::OkStatus();
   const Shape& s = g.x(0).shape;
   StridedCopy<T, T>(a.ctx.num_threads, s, g.dx(0).as<T>(),
                     ContiguousStrides(s), g.dy(0).as<const T>(), r.strides,

@@ -111,6 +111,23 @@ absl::Status CheckOutput(const KernelArgs& a, int i, DType t,
   return CheckShape(a, a.out[i], absl::StrCat("output ", i), shape);
 }
 
+absl::Status CheckUnary(const KernelArgs& a, DType t) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
+  return CheckInput(a, 0, t);
+}
+
+absl::Status CheckElementwise(const KernelArgs& a, DType t) {
+  HAP_RETURN_IF_ERROR(CheckUnary(a, t));
+  return CheckOutput(a, 0, t, a.in[0].shape);
+}
+
+absl::Status CheckBias(const KernelArgs& a, DType t, bool has_slot,
+                       int64_t n) {
+  if (!has_slot || !a.in[2].present()) return absl::OkStatus();
+  HAP_RETURN_IF_ERROR(CheckInput(a, 2, t));
+  return CheckShape(a, a.in[2], "bias (input 2)", {n});
+}
+
 absl::Status CheckShape(const KernelArgs& a, const TensorView& v,
                         absl::string_view label, const Shape& want) {
   if (v.shape != want) {
@@ -195,6 +212,18 @@ absl::StatusOr<GradArgs> GradArgs::Make(const KernelArgs& a, int min_n,
                      " output gradients), got ", in);
     }
   }
+  return g;
+}
+
+absl::StatusOr<GradArgs> GradArgs::Unary(const KernelArgs& a, DType t) {
+  HAP_ASSIGN_OR_RETURN(GradArgs g, Make(a, 1, 1, 1));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  return g;
+}
+
+absl::StatusOr<GradArgs> GradArgs::Elementwise(const KernelArgs& a, DType t) {
+  HAP_ASSIGN_OR_RETURN(GradArgs g, Unary(a, t));
+  HAP_RETURN_IF_ERROR(g.Check(t, {g.x(0).shape}));
   return g;
 }
 
