@@ -1,0 +1,239 @@
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "executor/comm/communicator.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+using ::hap::testing::StatusIs;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+std::string FreshDir(const std::string& name) {
+  static int counter = 0;
+  std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "_", getpid(), "_",
+                                 counter++);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Runs fn(rank, comm) on n threads, each with its own Gloo communicator.
+void WithRanks(int n, const std::function<void(int, Communicator&)>& fn,
+               absl::Duration timeout = absl::Seconds(20)) {
+  std::string dir = FreshDir("ranks");
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      auto store = NewFileStore(dir);
+      ASSERT_TRUE(store.ok()) << store.status();
+      GlooOptions o;
+      o.rank = r;
+      o.size = n;
+      o.timeout = timeout;
+      auto comm = ConnectGloo(o, **store);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      fn(r, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Rank r's value at element i: distinct per rank and element.
+double Value(int r, int64_t i) { return 1000.0 * (r + 1) + static_cast<double>(i) * 0.5; }
+
+template <typename T>
+TensorView View(std::vector<T>& v) {
+  return TensorView{std::is_same<T, double>::value ? DType::kFloat64 : DType::kFloat32,
+                    {static_cast<int64_t>(v.size())}, v.empty() ? nullptr : v.data()};
+}
+
+std::vector<int64_t> Counts(int n) {
+  // Uneven, with a zero where there are enough ranks.
+  std::vector<int64_t> c;
+  for (int r = 0; r < n; ++r) c.push_back(n >= 3 && r == 1 ? 0 : 2 * r + 3);
+  return c;
+}
+
+template <typename T>
+void CheckAllCollectives(int n, CommMethod method) {
+  std::vector<int64_t> counts = Counts(n);
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  std::vector<int64_t> off(n, 0);
+  for (int r = 1; r < n; ++r) off[r] = off[r - 1] + counts[r - 1];
+  WithRanks(n, [&](int r, Communicator& comm) {
+    EXPECT_EQ(comm.rank(), r);
+    EXPECT_EQ(comm.size(), n);
+    // All-reduce.
+    std::vector<T> buf(7);
+    for (int i = 0; i < 7; ++i) buf[i] = static_cast<T>(Value(r, i));
+    ASSERT_TRUE(comm.AllReduce(View(buf)).ok());
+    for (int i = 0; i < 7; ++i) {
+      double want = 0;
+      for (int q = 0; q < n; ++q) want += Value(q, i);
+      EXPECT_DOUBLE_EQ(buf[i], static_cast<T>(want));
+    }
+    // All-gather: chunk q holds Value(q, .).
+    std::vector<T> mine(counts[r]), all(total);
+    for (int64_t i = 0; i < counts[r]; ++i) mine[i] = static_cast<T>(Value(r, i));
+    ASSERT_TRUE(comm.AllGather(View(mine), View(all), counts, method).ok());
+    for (int q = 0; q < n; ++q) {
+      for (int64_t i = 0; i < counts[q]; ++i) {
+        EXPECT_EQ(all[off[q] + i], static_cast<T>(Value(q, i))) << "chunk " << q;
+      }
+    }
+    // Reduce-scatter: every rank contributes Value(rank, global index).
+    std::vector<T> full(total), part(counts[r]);
+    for (int64_t i = 0; i < total; ++i) full[i] = static_cast<T>(Value(r, i));
+    ASSERT_TRUE(comm.ReduceScatter(View(full), View(part), counts, method).ok());
+    for (int64_t i = 0; i < counts[r]; ++i) {
+      double want = 0;
+      for (int q = 0; q < n; ++q) want += static_cast<T>(Value(q, off[r] + i));
+      EXPECT_DOUBLE_EQ(part[i], static_cast<T>(want));
+    }
+    // All-to-all: rank r sends (r + 1) * (j + 1) elements to rank j, valued
+    // by sender and position.
+    std::vector<int64_t> send(n), recv(n);
+    for (int j = 0; j < n; ++j) {
+      send[j] = (r + 1) * (j + 1) % 4;  // includes zeros
+      recv[j] = (j + 1) * (r + 1) % 4;
+    }
+    std::vector<T> out_buf(std::accumulate(send.begin(), send.end(), int64_t{0}));
+    std::vector<T> in_buf(std::accumulate(recv.begin(), recv.end(), int64_t{0}));
+    int64_t at = 0;
+    for (int j = 0; j < n; ++j) {
+      for (int64_t i = 0; i < send[j]; ++i) out_buf[at++] = static_cast<T>(Value(r, 10 * j + i));
+    }
+    ASSERT_TRUE(comm.AllToAll(View(out_buf), send, View(in_buf), recv).ok());
+    at = 0;
+    for (int j = 0; j < n; ++j) {
+      for (int64_t i = 0; i < recv[j]; ++i) {
+        EXPECT_EQ(in_buf[at++], static_cast<T>(Value(j, 10 * r + i))) << "from " << j;
+      }
+    }
+    // Broadcast and reduce to the last rank.
+    std::vector<T> b(5, static_cast<T>(r == n - 1 ? 42 : -1));
+    ASSERT_TRUE(comm.Broadcast(View(b), n - 1).ok());
+    for (T x : b) EXPECT_EQ(x, static_cast<T>(42));
+    std::vector<T> red_in(3, static_cast<T>(r + 1)), red_out(3, 0);
+    ASSERT_TRUE(comm.Reduce(View(red_in), View(red_out), n - 1).ok());
+    if (r == n - 1) {
+      for (T x : red_out) EXPECT_EQ(x, static_cast<T>(n * (n + 1) / 2));
+    }
+    ASSERT_TRUE(comm.Barrier().ok());
+  });
+}
+
+class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+
+TEST_P(CollectivesTest, MatchTheSingleProcessResult) {
+  auto [n, grouped, f64] = GetParam();
+  CommMethod m = grouped ? CommMethod::kGrouped : CommMethod::kPadded;
+  if (f64) {
+    CheckAllCollectives<double>(n, m);
+  } else {
+    CheckAllCollectives<float>(n, m);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsMethodsTypes, CollectivesTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool(),
+                                            ::testing::Bool()));
+
+TEST(GlooCommunicatorTest, InconsistentSizesAreInvalidArgument) {
+  WithRanks(2, [](int r, Communicator& comm) {
+    std::vector<float> in(3), out(5);
+    std::vector<int64_t> counts = {3, 3};  // sums to 6, not 5
+    EXPECT_THAT(comm.AllGather(View(in), View(out), counts, CommMethod::kPadded),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sum to 6")));
+    std::vector<int64_t> three = {1, 2, 2};
+    EXPECT_THAT(comm.ReduceScatter(View(out), View(in), three, CommMethod::kGrouped),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("3 counts for 2 ranks")));
+    std::vector<int64_t> ids(2);
+    TensorView iv{DType::kInt64, {2}, ids.data()};
+    EXPECT_THAT(comm.AllReduce(iv), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("only float32 and float64")));
+    // Bad arguments are caught before any traffic: the group still works.
+    std::vector<float> x(2, static_cast<float>(r));
+    EXPECT_TRUE(comm.AllReduce(View(x)).ok());
+    EXPECT_EQ(x[0], 1.0f);
+  });
+}
+
+TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorWithoutHanging) {
+  std::string dir = FreshDir("dies");
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Rank 1: connect, then die before the first collective.
+    auto store = NewFileStore(dir);
+    GlooOptions o;
+    o.rank = 1;
+    o.size = 2;
+    o.timeout = absl::Seconds(20);
+    auto comm = ConnectGloo(o, **store);
+    _exit(comm.ok() ? 0 : 3);
+  }
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  GlooOptions o;
+  o.rank = 0;
+  o.size = 2;
+  o.timeout = absl::Seconds(2);
+  auto comm = ConnectGloo(o, **store);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  std::vector<float> x(1 << 16, 1.0f);
+  absl::Time start = absl::Now();
+  absl::Status s = (*comm)->AllReduce(View(x));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+  EXPECT_THAT(s, AnyOf(StatusIs(absl::StatusCode::kUnavailable, HasSubstr("all-reduce")),
+                       StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("all-reduce"))));
+  // Unusable from now on, naming the first error.
+  EXPECT_THAT((*comm)->Barrier(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                           HasSubstr("failed earlier")));
+}
+
+TEST(GlooCommunicatorTest, ARankThatNeverShowsUpIsDeadlineExceeded) {
+  std::string dir = FreshDir("missing");
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  GlooOptions o;
+  o.rank = 0;
+  o.size = 2;
+  o.timeout = absl::Seconds(1);
+  EXPECT_THAT(ConnectGloo(o, **store),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("did not appear")));
+  o.rank = 2;
+  EXPECT_THAT(ConnectGloo(o, **store),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
+}
+
+TEST(FileStoreTest, SetGetTimeoutAndBadDirectory) {
+  std::string dir = FreshDir("store");
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Set("plan/7/rank 0", std::string("a\0b", 3)).ok());
+  auto v = (*store)->Get("plan/7/rank 0", absl::Seconds(1));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, std::string("a\0b", 3));
+  EXPECT_THAT((*store)->Get("plan/7/rank 1", absl::Milliseconds(50)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("'plan/7/rank 1'")));
+  EXPECT_THAT(NewFileStore(dir + "/nope"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a writable directory")));
+}
+
+}  // namespace
+}  // namespace hap::executor
