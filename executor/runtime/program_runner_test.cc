@@ -1,0 +1,139 @@
+// The interpreter refuses rank programs that are wrong, naming the buffer
+// or step, and reports failures inside a step with the step and op.
+#include "executor/runtime/program_runner.h"
+
+#include "executor/cpu/cpu_device.h"
+#include "executor/data/batches.h"
+#include "executor/train/in_process_comm.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/lower.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+class ProgramRunnerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto g = graph::BuildZooModel(
+        "mlp", {{"layers", 2}, {"hidden", 8}, {"input", 4}, {"classes", 3}, {"batch", 5}});
+    ASSERT_TRUE(g.ok());
+    g_ = std::make_unique<graph::Graph>(*std::move(g));
+    lower::LowerOptions o;
+    o.optimizer.set_learning_rate(0.1);
+    auto progs = lower::Lower(*g_, lower::SingleDeviceProgram(*g_), o);
+    ASSERT_TRUE(progs.ok()) << progs.status();
+    program_ = (*progs)[0];
+    comms_ = NewInProcessGroup(1);
+    device_ = NewCpuDevice(1);
+  }
+  absl::StatusOr<std::unique_ptr<ProgramRunner>> Create(const v1::RankProgram& p) {
+    return ProgramRunner::Create(p, *g_, device_.get(), comms_[0].get());
+  }
+  int FirstStep(const std::string& kernel) {
+    for (int i = 0; i < program_.steps_size(); ++i) {
+      if (program_.steps(i).has_kernel() && program_.steps(i).kernel().kernel() == kernel) return i;
+    }
+    return -1;
+  }
+
+  std::unique_ptr<graph::Graph> g_;
+  v1::RankProgram program_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::unique_ptr<Device> device_;
+};
+
+TEST_F(ProgramRunnerTest, RunsTheValidProgram) {
+  auto r = Create(program_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE((*r)->InitializeParameters().ok());
+  auto batches = data::NewSyntheticBatches(*g_, 1);
+  auto loss = (*r)->RunStep(*batches->Get(0), 0);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  // Cross-entropy over 3 classes starts near ln 3.
+  EXPECT_NEAR(*loss, std::log(3.0), 0.5);
+}
+
+TEST_F(ProgramRunnerTest, RejectsAProgramForAnotherWorld) {
+  program_.set_world_size(2);
+  EXPECT_THAT(Create(program_), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("rank 0 of 2 but this executor is rank 0 of 1")));
+}
+
+TEST_F(ProgramRunnerTest, RejectsBuffersOutsideTheArena) {
+  program_.mutable_buffers(3)->set_offset_bytes(program_.arena_bytes());
+  EXPECT_THAT(Create(program_), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("buffer 3")));
+  EXPECT_THAT(Create(program_), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("lies outside the arena")));
+}
+
+TEST_F(ProgramRunnerTest, RejectsUnknownKernelsAndMissingBuffers) {
+  v1::RankProgram p = program_;
+  int i = FirstStep("linear");
+  ASSERT_GE(i, 0);
+  p.mutable_steps(i)->mutable_kernel()->set_kernel("linear_v2");
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr("kernel 'linear_v2'")));
+  p = program_;
+  p.mutable_steps(i)->mutable_kernel()->set_inputs(0, 9999);
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr("buffer 9999 does not exist")));
+}
+
+TEST_F(ProgramRunnerTest, RejectsBuffersThatDoNotMatchTheModel) {
+  v1::RankProgram p = program_;
+  for (auto& b : *p.mutable_buffers()) {
+    if (b.role() == v1::Buffer::PARAMETER) {
+      b.set_tensor("no/such/weight");
+      break;
+    }
+  }
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr("names no parameter of model 'mlp'")));
+  p = program_;
+  p.mutable_buffers(0)->set_offsets(0, 1000);
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr("is outside its tensor")));
+}
+
+TEST_F(ProgramRunnerTest, RejectsCollectivesWhoseShardsDoNotAddUp) {
+  v1::RankProgram p = program_;
+  v1::Step* s = p.add_steps();
+  v1::CollectiveCall* c = s->mutable_collective();
+  c->set_collective(v1::ALL_GATHER);
+  c->set_input(0);
+  c->set_output(0);
+  c->set_dim(0);
+  c->add_shard_sizes(1);
+  c->set_tensor("x");
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr("shard sizes do not add up")));
+}
+
+TEST_F(ProgramRunnerTest, BadBatchesAndKernelFailuresNameTheProblem) {
+  auto r = Create(program_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE((*r)->InitializeParameters().ok());
+  data::GlobalBatch empty;
+  EXPECT_THAT((*r)->RunStep(empty, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the batch has no input")));
+  auto batch = *data::NewSyntheticBatches(*g_, 1)->Get(0);
+  batch.at("x") = HostTensor(DType::kFloat32, {5, 5});
+  EXPECT_THAT((*r)->RunStep(batch, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("input 'x' is f32[5,5]")));
+  batch = *data::NewSyntheticBatches(*g_, 1)->Get(0);
+  batch.at("labels").as<int64_t>()[2] = 7;  // 3 classes
+  auto loss = (*r)->RunStep(batch, 0);
+  EXPECT_THAT(loss, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("training step 0")));
+  EXPECT_THAT(loss, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cross_entropy")));
+}
+
+}  // namespace
+}  // namespace hap::executor
