@@ -2,6 +2,7 @@
 // failures by throwing; every call into it happens inside Guard(), which
 // turns exceptions into statuses — nothing else in the project sees one.
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -330,6 +331,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(const GlooOptions& o,
   if (o.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("the communicator timeout must be positive");
   }
+  // A peer that dies leaves sockets that raise SIGPIPE on the next write;
+  // without this the whole process would be killed instead of getting an
+  // error it can report.
+  static const bool sigpipe_ignored = [] {
+    std::signal(SIGPIPE, SIG_IGN);
+    return true;
+  }();
+  (void)sigpipe_ignored;
   std::chrono::milliseconds timeout(absl::ToInt64Milliseconds(o.timeout));
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   absl::Status s = Guard(absl::StrCat("connecting rank ", o.rank, " of ", o.size), [&] {
