@@ -182,7 +182,9 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorWithoutHanging) {
     o.size = 2;
     o.timeout = absl::Seconds(20);
     auto comm = ConnectGloo(o, **store);
-    _exit(comm.ok() ? 0 : 3);
+    // Die only once rank 0 has finished connecting too.
+    bool ok = comm.ok() && (*store)->Get("test/rank0-connected", absl::Seconds(20)).ok();
+    _exit(ok ? 0 : 3);
   }
   auto store = NewFileStore(dir);
   ASSERT_TRUE(store.ok());
@@ -192,6 +194,7 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorWithoutHanging) {
   o.timeout = absl::Seconds(2);
   auto comm = ConnectGloo(o, **store);
   ASSERT_TRUE(comm.ok()) << comm.status();
+  ASSERT_TRUE((*store)->Set("test/rank0-connected", "1").ok());
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
