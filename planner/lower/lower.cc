@@ -281,6 +281,20 @@ class RankBuilder {
     return it->second;
   }
 
+  // A forward value read in backward. A ZeRO parameter's whole copy is
+  // gathered again for backward (ZeRO-3), so the forward one dies early.
+  int BwdValue(Key k) {
+    auto z = zero_gathered_.find(k);
+    if (z == zero_gathered_.end()) return fwd_.at(k);
+    auto it = regathered_.find(k);
+    if (it != regathered_.end()) return it->second;
+    int whole = NewBuffer(k.first, Form::R().raw(), v1::Buffer::ACTIVATION, "#regathered");
+    Sharded(v1::Step::BACKWARD, v1::ALL_GATHER, z->second.second, z->second.first, whole,
+            k.first, 0);
+    regathered_[k] = whole;
+    return whole;
+  }
+
   int8_t GradForm(Key k) const {
     if (k.second == kZeroStorage) return kZeroStorage;
     Form f = Form::FromRaw(k.second);
@@ -400,6 +414,7 @@ class RankBuilder {
                               "#gathered");
         fwd_[K(l.tensor, Form::R())] = whole;
         Sharded(F, v1::ALL_GATHER, l.method, shard, whole, l.tensor, 0);
+        zero_gathered_[K(l.tensor, Form::R())] = {shard, l.method};
       } else {
         slot.storage = K(l.tensor, l.form);
         fwd_[slot.storage] = NewBuffer(l.tensor, l.form.raw(), v1::Buffer::PARAMETER);
@@ -560,12 +575,13 @@ class RankBuilder {
     bool any_partial_out = false;
     for (TensorId o : op.outputs) any_partial_out = any_partial_out || a_.partial_grad[o];
     for (size_t j = 0; j < op.inputs.size(); ++j) {
-      HAP_ASSIGN_OR_RETURN(int id, Fwd(K(op.inputs[j], s.rule.inputs[j]), op));
-      in.push_back(id);
+      Key key = K(op.inputs[j], s.rule.inputs[j]);
+      HAP_RETURN_IF_ERROR(Fwd(key, op).status());
+      in.push_back(BwdValue(key));
     }
     for (size_t j = 0; j < op.outputs.size(); ++j) {
       Key key = K(op.outputs[j], s.rule.outputs[j]);
-      outs.push_back(fwd_.at(key));
+      outs.push_back(BwdValue(key));
       int dy = HasGrad(key) ? grad_.at(key) : -1;
       // A replicated op whose outputs' gradients are partly partial: the
       // whole ones count on rank 0 only, and every input gradient is partial.
@@ -679,7 +695,7 @@ class RankBuilder {
       case C::kSlice: {  // R -> S(d): this rank's part of a partial gradient
         HAP_ASSIGN_OR_RETURN(int dst, GradTarget(from, true, B, what));
         v1::KernelCall* k =
-            Kernel(B, "slice_grad", {fwd_.at(from), fwd_.at(to), gt}, {dst});
+            Kernel(B, "slice_grad", {BwdValue(from), BwdValue(to), gt}, {dst});
         SliceAttrs(k, c.tensor, c.to.dim());
         return absl::OkStatus();
       }
@@ -815,6 +831,8 @@ class RankBuilder {
   const int r_;
   v1::RankProgram prog_;
   std::map<Key, int> fwd_, grad_;
+  std::map<Key, std::pair<int, synth::Method>> zero_gathered_;  // -> shard
+  std::map<Key, int> regathered_;
   std::vector<int> first_, last_;
   std::vector<ParamSlot> params_;
 };

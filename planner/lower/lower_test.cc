@@ -158,11 +158,23 @@ TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   EXPECT_EQ(w->global_shape(0), 24);
   EXPECT_EQ(w->shape(0), 12);
   EXPECT_EQ(w->offsets(0), 12);
-  int scatters = 0, states = 0;
+  int scatters = 0, states = 0, regathers = 0;
   for (const auto& s : (*progs)[1].steps()) {
     scatters += s.phase() == v1::Step::GRADIENT_SYNC && s.has_collective() &&
                 s.collective().collective() == v1::REDUCE_SCATTER;
+    regathers += s.phase() == v1::Step::BACKWARD && s.has_collective() &&
+                 s.collective().collective() == v1::ALL_GATHER &&
+                 s.collective().tensor() == "layer0/mlp/fc1/weight";
   }
+  // ZeRO-3: the whole weight is gathered again for backward, so the
+  // forward copy dies when forward is done with it.
+  EXPECT_EQ(regathers, 1);
+  const v1::Buffer* fwd_copy = Find((*progs)[1], "layer0/mlp/fc1/weight#gathered",
+                                    v1::Buffer::ACTIVATION);
+  ASSERT_NE(fwd_copy, nullptr);
+  int first_backward = 0;
+  while ((*progs)[1].steps(first_backward).phase() == v1::Step::FORWARD) ++first_backward;
+  EXPECT_LT(fwd_copy->last_use(), first_backward);
   for (const auto& b : (*progs)[1].buffers()) {
     if (b.role() == v1::Buffer::OPTIMIZER_STATE && b.tensor().rfind("layer0/mlp/fc1/weight#", 0) == 0) {
       ++states;
