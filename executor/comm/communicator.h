@@ -14,6 +14,8 @@
 // peer that died); Unavailable for a broken connection; Internal for any
 // other backend failure. After an error the communicator is unusable: every
 // later call returns FailedPrecondition naming the first error.
+// (InvalidArgument is found before any traffic and leaves the communicator
+// usable; the peers of a rank that made such a call time out, though.)
 //
 // Thread-safety: one thread at a time per communicator; collectives are
 // matched by call order across ranks.
@@ -88,6 +90,8 @@ struct GlooOptions {
 // Connects to every peer through `store` (full mesh over TCP). The store
 // must outlive the call only. Errors: DeadlineExceeded when a peer does not
 // show up within the timeout, naming the missing ranks where known.
+// The first call sets SIGPIPE to ignored for the process, so that writing
+// to a dead peer is an error (Unavailable) rather than the process's death.
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     const GlooOptions& options, RendezvousStore& store);
 

@@ -4,8 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -43,13 +45,18 @@ class FileStore : public RendezvousStore {
       std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
       f.write(value.data(), static_cast<std::streamsize>(value.size()));
       if (!f) {
-        return absl::UnavailableError(absl::StrCat(
-            "rendezvous store: cannot write '", tmp, "': ", std::strerror(errno)));
+        std::remove(tmp.c_str());
+        return absl::UnavailableError(
+            absl::StrCat("rendezvous store: cannot write '", tmp,
+                         "': ", std::strerror(errno)));
       }
     }
     if (std::rename(tmp.c_str(), final_path.c_str()) != 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "rendezvous store: cannot publish key '", key, "': ", std::strerror(errno)));
+      const int err = errno;
+      std::remove(tmp.c_str());
+      return absl::UnavailableError(
+          absl::StrCat("rendezvous store: cannot publish key '", key,
+                       "': ", std::strerror(err)));
     }
     return absl::OkStatus();
   }
@@ -67,9 +74,9 @@ class FileStore : public RendezvousStore {
         return ss.str();
       }
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rendezvous store: key '", key, "' did not appear in ", dir_, " within ",
-            absl::FormatDuration(timeout)));
+        return absl::DeadlineExceededError(
+            absl::StrCat("rendezvous store: key '", key, "' did not appear in ",
+                         dir_, " within ", absl::FormatDuration(timeout)));
       }
       absl::SleepFor(std::min(backoff, deadline - absl::Now()));
       backoff = std::min(backoff * 2, absl::Milliseconds(50));
@@ -82,7 +89,8 @@ class FileStore : public RendezvousStore {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RendezvousStore>> NewFileStore(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<RendezvousStore>> NewFileStore(
+    const std::string& dir) {
   struct stat st;
   if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
       access(dir.c_str(), W_OK) != 0) {

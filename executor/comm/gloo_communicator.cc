@@ -2,13 +2,14 @@
 // failures by throwing; every call into it happens inside Guard(), which
 // turns exceptions into statuses — nothing else in the project sees one.
 #include <algorithm>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <exception>
 #include <numeric>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -29,16 +30,36 @@
 namespace hap::executor {
 namespace {
 
+// Thrown through Gloo by the store adapter (Gloo expects a store to throw),
+// so that the store's own status, code included, reaches Guard intact.
+struct StoreFailure : gloo::Exception {
+  explicit StoreFailure(absl::Status s)
+      : gloo::Exception(std::string(s.message())), status(std::move(s)) {}
+  absl::Status status;
+};
+
+// Gloo's TCP transport reports every expiry as an IoException whose message
+// says so ("Read timeout", "Timed out waiting ...", "Timeout waiting for
+// memory region", "Application timeout caused pair closure"); any other
+// IoException is a connection that broke.
+bool IsTimeout(const std::string& message) {
+  const std::string lower = absl::AsciiStrToLower(message);
+  return absl::StrContains(lower, "timeout") ||
+         absl::StrContains(lower, "timed out");
+}
+
 // Runs `fn`, mapping Gloo's exceptions to statuses named by `what`.
 template <typename Fn>
 absl::Status Guard(const std::string& what, Fn&& fn) {
   try {
     fn();
     return absl::OkStatus();
+  } catch (const StoreFailure& e) {
+    return absl::Status(e.status.code(),
+                        absl::StrCat(what, ": ", e.status.message()));
   } catch (const gloo::IoException& e) {
     std::string msg = e.what();
-    if (absl::StrContains(msg, "Timed out") || absl::StrContains(msg, "timed out") ||
-        absl::StrContains(msg, "timeout")) {
+    if (IsTimeout(msg)) {
       return absl::DeadlineExceededError(
           absl::StrCat(what, ": timed out waiting for a peer (", msg, ")"));
     }
@@ -52,19 +73,22 @@ absl::Status Guard(const std::string& what, Fn&& fn) {
 }
 
 // Our store as Gloo's: keys prefixed, waits bounded by the timeout. Gloo
-// expects exceptions from a store; they are caught by Guard around connect.
+// expects exceptions from a store; StoreFailure is caught by Guard around
+// connect.
 class StoreAdapter : public gloo::rendezvous::Store {
  public:
-  StoreAdapter(RendezvousStore& store, std::string prefix, absl::Duration timeout)
+  StoreAdapter(RendezvousStore& store, std::string prefix,
+               absl::Duration timeout)
       : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    absl::Status s = store_.Set(Key(key), std::string(data.begin(), data.end()));
-    if (!s.ok()) throw gloo::IoException(std::string(s.message()));
+    absl::Status s =
+        store_.Set(Key(key), std::string(data.begin(), data.end()));
+    if (!s.ok()) throw StoreFailure(std::move(s));
   }
   std::vector<char> get(const std::string& key) override {
     auto v = store_.Get(Key(key), timeout_);
-    if (!v.ok()) throw gloo::IoException(std::string(v.status().message()));
+    if (!v.ok()) throw StoreFailure(v.status());
     return std::vector<char>(v->begin(), v->end());
   }
   void wait(const std::vector<std::string>& keys) override {
@@ -74,12 +98,16 @@ class StoreAdapter : public gloo::rendezvous::Store {
             const std::chrono::milliseconds& timeout) override {
     for (const auto& k : keys) {
       auto v = store_.Get(Key(k), absl::Milliseconds(timeout.count()));
-      if (!v.ok()) throw gloo::IoException(std::string(v.status().message()));
+      if (!v.ok()) throw StoreFailure(v.status());
     }
   }
 
+  // The key under which our store holds Gloo's `k`.
+  std::string Key(const std::string& k) const {
+    return absl::StrCat(prefix_, "/", k);
+  }
+
  private:
-  std::string Key(const std::string& k) const { return absl::StrCat(prefix_, "/", k); }
   RendezvousStore& store_;
   std::string prefix_;
   absl::Duration timeout_;
@@ -91,21 +119,27 @@ size_t ElementSize(const TensorView& v) {
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout)
+  GlooCommunicator(std::shared_ptr<gloo::Context> ctx,
+                   std::chrono::milliseconds timeout)
       : ctx_(std::move(ctx)), timeout_(timeout) {}
 
   int rank() const override { return ctx_->rank; }
   int size() const override { return ctx_->size; }
 
   absl::Status AllReduce(TensorView buf) override {
+    HAP_RETURN_IF_ERROR(Usable("all-reduce"));
     HAP_RETURN_IF_ERROR(CheckFloat("all-reduce", buf));
     if (buf.num_elements() == 0) return absl::OkStatus();
-    return Run("all-reduce", [&] { AllReduceRaw(buf.data, buf.num_elements(), buf.dtype); });
+    return Run("all-reduce",
+               [&] { AllReduceRaw(buf.data, buf.num_elements(), buf.dtype); });
   }
 
-  absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+  absl::Status AllGather(TensorView in, TensorView out,
+                         absl::Span<const int64_t> counts,
                          CommMethod method) override {
-    HAP_RETURN_IF_ERROR(CheckCounts("all-gather", counts, in, out, /*gather=*/true));
+    HAP_RETURN_IF_ERROR(Usable("all-gather"));
+    HAP_RETURN_IF_ERROR(
+        CheckCounts("all-gather", counts, in, out, /*gather=*/true));
     const size_t es = ElementSize(in);
     std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
@@ -115,7 +149,8 @@ class GlooCommunicator : public Communicator {
         for (int r = 0; r < size(); ++r) {
           if (counts[r] == 0) continue;
           gloo::BroadcastOptions opts(ctx_);
-          opts.setOutput(reinterpret_cast<uint8_t*>(o + off[r] * es), counts[r] * es);
+          opts.setOutput(reinterpret_cast<uint8_t*>(o + off[r] * es),
+                         counts[r] * es);
           opts.setRoot(r);
           opts.setTimeout(timeout_);
           gloo::broadcast(opts);
@@ -133,16 +168,19 @@ class GlooCommunicator : public Communicator {
       opts.setTimeout(timeout_);
       gloo::allgather(opts);
       for (int r = 0; r < size(); ++r) {
-        std::memcpy(static_cast<char*>(out.data) + off[r] * es, recv.data() + r * m * es,
-                    counts[r] * es);
+        std::memcpy(static_cast<char*>(out.data) + off[r] * es,
+                    recv.data() + r * m * es, counts[r] * es);
       }
     });
   }
 
   absl::Status ReduceScatter(TensorView in, TensorView out,
-                             absl::Span<const int64_t> counts, CommMethod method) override {
+                             absl::Span<const int64_t> counts,
+                             CommMethod method) override {
+    HAP_RETURN_IF_ERROR(Usable("reduce-scatter"));
     HAP_RETURN_IF_ERROR(CheckFloat("reduce-scatter", in));
-    HAP_RETURN_IF_ERROR(CheckCounts("reduce-scatter", counts, out, in, /*gather=*/true));
+    HAP_RETURN_IF_ERROR(
+        CheckCounts("reduce-scatter", counts, out, in, /*gather=*/true));
     const size_t es = ElementSize(in);
     std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
@@ -152,7 +190,8 @@ class GlooCommunicator : public Communicator {
         for (int r = 0; r < size(); ++r) {
           if (counts[r] == 0) continue;
           std::vector<char> chunk(counts[r] * es);
-          std::memcpy(chunk.data(), static_cast<char*>(in.data) + off[r] * es, chunk.size());
+          std::memcpy(chunk.data(), static_cast<char*>(in.data) + off[r] * es,
+                      chunk.size());
           void* dst = r == rank() ? out.data : scratch.data();
           ReduceRaw(chunk.data(), dst, counts[r], in.dtype, r);
         }
@@ -164,8 +203,8 @@ class GlooCommunicator : public Communicator {
       // Every chunk padded to the largest; one all-reduce; keep ours.
       std::vector<char> buf(m * es * size(), 0);
       for (int r = 0; r < size(); ++r) {
-        std::memcpy(buf.data() + r * m * es, static_cast<char*>(in.data) + off[r] * es,
-                    counts[r] * es);
+        std::memcpy(buf.data() + r * m * es,
+                    static_cast<char*>(in.data) + off[r] * es, counts[r] * es);
       }
       AllReduceRaw(buf.data(), m * size(), in.dtype);
       std::memcpy(out.data, buf.data() + rank() * m * es, counts[rank()] * es);
@@ -173,10 +212,14 @@ class GlooCommunicator : public Communicator {
   }
 
   absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts,
-                        TensorView out, absl::Span<const int64_t> recv_counts) override {
-    HAP_RETURN_IF_ERROR(CheckCounts("all-to-all", send_counts, TensorView{}, in, false));
-    HAP_RETURN_IF_ERROR(CheckCounts("all-to-all", recv_counts, TensorView{}, out, false));
-    if (in.dtype != out.dtype) return Invalid("all-to-all: dtypes differ");
+                        TensorView out,
+                        absl::Span<const int64_t> recv_counts) override {
+    HAP_RETURN_IF_ERROR(Usable("all-to-all"));
+    HAP_RETURN_IF_ERROR(
+        CheckCounts("all-to-all", send_counts, TensorView{}, in, false));
+    HAP_RETURN_IF_ERROR(
+        CheckCounts("all-to-all", recv_counts, TensorView{}, out, false));
+    HAP_RETURN_IF_ERROR(SameDType("all-to-all", in, out));
     const size_t es = ElementSize(in);
     return Run("all-to-all", [&] {
       // Gloo wants non-null buffers even when a side is empty.
@@ -187,14 +230,16 @@ class GlooCommunicator : public Communicator {
       for (int64_t c : send_counts) s.push_back(c * static_cast<int64_t>(es));
       for (int64_t c : recv_counts) r.push_back(c * static_cast<int64_t>(es));
       opts.setInput(static_cast<uint8_t*>(in.data ? in.data : &dummy_in), s);
-      opts.setOutput(static_cast<uint8_t*>(out.data ? out.data : &dummy_out), r);
+      opts.setOutput(static_cast<uint8_t*>(out.data ? out.data : &dummy_out),
+                     r);
       opts.setTimeout(timeout_);
       gloo::alltoallv(opts);
     });
   }
 
   absl::Status Broadcast(TensorView buf, int root) override {
-    if (root < 0 || root >= size()) return Invalid(absl::StrCat("broadcast: root ", root, " out of range"));
+    HAP_RETURN_IF_ERROR(Usable("broadcast"));
+    HAP_RETURN_IF_ERROR(CheckRoot("broadcast", root));
     if (buf.bytes() == 0) return absl::OkStatus();
     return Run("broadcast", [&] {
       gloo::BroadcastOptions opts(ctx_);
@@ -206,21 +251,28 @@ class GlooCommunicator : public Communicator {
   }
 
   absl::Status Reduce(TensorView in, TensorView out, int root) override {
+    HAP_RETURN_IF_ERROR(Usable("reduce"));
     HAP_RETURN_IF_ERROR(CheckFloat("reduce", in));
-    if (root < 0 || root >= size()) return Invalid(absl::StrCat("reduce: root ", root, " out of range"));
-    if (rank() == root && out.num_elements() != in.num_elements()) {
-      return Invalid("reduce: output and input sizes differ");
+    HAP_RETURN_IF_ERROR(CheckRoot("reduce", root));
+    if (rank() == root) {
+      HAP_RETURN_IF_ERROR(SameDType("reduce", in, out));
+      if (out.num_elements() != in.num_elements()) {
+        return Invalid(absl::StrCat("reduce: the output holds ",
+                                    out.num_elements(), " elements, the input ",
+                                    in.num_elements()));
+      }
     }
     if (in.num_elements() == 0) return absl::OkStatus();
     return Run("reduce", [&] {
       std::vector<char> copy(in.bytes()), scratch(in.bytes());
       std::memcpy(copy.data(), in.data, in.bytes());
-      ReduceRaw(copy.data(), rank() == root ? out.data : scratch.data(), in.num_elements(),
-                in.dtype, root);
+      ReduceRaw(copy.data(), rank() == root ? out.data : scratch.data(),
+                in.num_elements(), in.dtype, root);
     });
   }
 
   absl::Status Barrier() override {
+    HAP_RETURN_IF_ERROR(Usable("barrier"));
     return Run("barrier", [&] {
       gloo::BarrierOptions opts(ctx_);
       opts.setTimeout(timeout_);
@@ -229,29 +281,53 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
-  static absl::Status Invalid(const std::string& m) { return absl::InvalidArgumentError(m); }
+  static absl::Status Invalid(const std::string& m) {
+    return absl::InvalidArgumentError(m);
+  }
 
   static std::vector<int64_t> Offsets(absl::Span<const int64_t> counts) {
     std::vector<int64_t> off(counts.size(), 0);
-    for (size_t i = 1; i < counts.size(); ++i) off[i] = off[i - 1] + counts[i - 1];
+    for (size_t i = 1; i < counts.size(); ++i)
+      off[i] = off[i - 1] + counts[i - 1];
     return off;
   }
 
   absl::Status CheckFloat(const char* what, const TensorView& v) const {
     if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64) {
-      return Invalid(absl::StrCat(what, ": only float32 and float64 are summed, got ",
+      return Invalid(absl::StrCat(what,
+                                  ": only float32 and float64 are summed, got ",
                                   graph::DTypeName(v.dtype)));
     }
     return absl::OkStatus();
   }
 
-  // counts: one per rank, non-negative; `part` holds counts[rank()] and
-  // `whole` their sum (either may be unchecked: an empty view).
+  absl::Status CheckRoot(const char* what, int root) const {
+    if (root < 0 || root >= size()) {
+      return Invalid(absl::StrCat(what, ": root ", root,
+                                  " is out of range for ", size(), " ranks"));
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status SameDType(const char* what, const TensorView& a,
+                                const TensorView& b) {
+    if (a.dtype != b.dtype) {
+      return Invalid(absl::StrCat(what, ": the buffers' dtypes differ (",
+                                  graph::DTypeName(a.dtype), " and ",
+                                  graph::DTypeName(b.dtype), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // counts: one per rank, non-negative; `whole` holds their sum and, when
+  // `check_part`, `part` (of the same dtype) holds counts[rank()].
   absl::Status CheckCounts(const char* what, absl::Span<const int64_t> counts,
                            const TensorView& part, const TensorView& whole,
                            bool check_part) const {
+    if (check_part) HAP_RETURN_IF_ERROR(SameDType(what, part, whole));
     if (static_cast<int>(counts.size()) != size()) {
-      return Invalid(absl::StrCat(what, ": ", counts.size(), " counts for ", size(), " ranks"));
+      return Invalid(absl::StrCat(what, ": ", counts.size(), " counts for ",
+                                  size(), " ranks"));
     }
     int64_t sum = 0;
     for (int64_t c : counts) {
@@ -259,57 +335,64 @@ class GlooCommunicator : public Communicator {
       sum += c;
     }
     if (sum != whole.num_elements()) {
-      return Invalid(absl::StrCat(what, ": counts [", absl::StrJoin(counts, ","),
-                                  "] sum to ", sum, " but the buffer holds ",
-                                  whole.num_elements(), " elements"));
+      return Invalid(absl::StrCat(
+          what, ": counts [", absl::StrJoin(counts, ","), "] sum to ", sum,
+          " but the buffer holds ", whole.num_elements(), " elements"));
     }
     if (check_part && counts[rank()] != part.num_elements()) {
-      return Invalid(absl::StrCat(what, ": rank ", rank(), " holds ", part.num_elements(),
+      return Invalid(absl::StrCat(what, ": rank ", rank(), " holds ",
+                                  part.num_elements(),
                                   " elements, its count is ", counts[rank()]));
     }
     return absl::OkStatus();
   }
 
+  // Sums `n` elements of `t` (float32 or float64) over ranks in place.
   void AllReduceRaw(void* data, int64_t n, DType t) {
     gloo::AllreduceOptions opts(ctx_);
     opts.setTimeout(timeout_);
     if (t == DType::kFloat64) {
-      opts.setOutput(static_cast<double*>(data), n);
-      opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-          &gloo::sum<double>));
+      SetSum<double>(opts, nullptr, data, n);
     } else {
-      opts.setOutput(static_cast<float*>(data), n);
-      opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-          &gloo::sum<float>));
+      SetSum<float>(opts, nullptr, data, n);
     }
     gloo::allreduce(opts);
   }
 
+  // Sums `n` elements of `t` from every rank's `in` into `out` on `root`.
   void ReduceRaw(void* in, void* out, int64_t n, DType t, int root) {
     gloo::ReduceOptions opts(ctx_);
     opts.setTimeout(timeout_);
     opts.setRoot(root);
     if (t == DType::kFloat64) {
-      opts.setInput(static_cast<double*>(in), n);
-      opts.setOutput(static_cast<double*>(out), n);
-      opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-          &gloo::sum<double>));
+      SetSum<double>(opts, in, out, n);
     } else {
-      opts.setInput(static_cast<float*>(in), n);
-      opts.setOutput(static_cast<float*>(out), n);
-      opts.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-          &gloo::sum<float>));
+      SetSum<float>(opts, in, out, n);
     }
     gloo::reduce(opts);
   }
 
-  // Runs a collective unless an earlier one failed; remembers a failure.
+  // Typed buffers (no input: in place) and the elementwise sum over T.
+  template <typename T, typename Options>
+  static void SetSum(Options& opts, void* in, void* out, int64_t n) {
+    if (in != nullptr) opts.setInput(static_cast<T*>(in), n);
+    opts.setOutput(static_cast<T*>(out), n);
+    using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+    opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<T>));
+  }
+
+  // Every call starts here, even one with nothing to send: after a failure
+  // the group is out of step, so the communicator refuses all work. Argument
+  // errors (InvalidArgument) are found before any traffic and do not count.
+  absl::Status Usable(const std::string& what) const {
+    if (failed_.ok()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": the communicator failed earlier: ", failed_.message()));
+  }
+
+  // Runs a collective; remembers a failure.
   template <typename Fn>
   absl::Status Run(const std::string& what, Fn&& fn) {
-    if (!failed_.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": the communicator failed earlier: ", failed_.message()));
-    }
     absl::Status s = Guard(what, std::forward<Fn>(fn));
     if (!s.ok()) failed_ = s;
     return s;
@@ -320,16 +403,36 @@ class GlooCommunicator : public Communicator {
   absl::Status failed_;
 };
 
+// "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous
+// keys each rank's address by its decimal rank, so after a timed-out connect
+// the ranks whose key is still absent are the ones that did not show up.
+// Empty when none is missing any more (a peer that came late).
+std::string MissingRanks(RendezvousStore& store, const StoreAdapter& keys,
+                         const GlooOptions& o) {
+  std::vector<int> missing;
+  for (int r = 0; r < o.size; ++r) {
+    if (r == o.rank) continue;
+    if (!store.Get(keys.Key(std::to_string(r)), absl::ZeroDuration()).ok()) {
+      missing.push_back(r);
+    }
+  }
+  if (missing.empty()) return "";
+  return absl::StrCat("; rank", missing.size() > 1 ? "s " : " ",
+                      absl::StrJoin(missing, ", "), " never published ",
+                      missing.size() > 1 ? "their" : "its", " address");
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(const GlooOptions& o,
-                                                          RendezvousStore& store) {
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
+    const GlooOptions& o, RendezvousStore& store) {
   if (o.size < 1 || o.rank < 0 || o.rank >= o.size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", o.rank, " is out of range for a world of ", o.size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", o.rank, " is out of range for a world of ", o.size));
   }
   if (o.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("the communicator timeout must be positive");
+    return absl::InvalidArgumentError(
+        "the communicator timeout must be positive");
   }
   // A peer that dies leaves sockets that raise SIGPIPE on the next write;
   // without this the whole process would be killed instead of getting an
@@ -341,18 +444,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(const GlooOptions& o,
   (void)sigpipe_ignored;
   std::chrono::milliseconds timeout(absl::ToInt64Milliseconds(o.timeout));
   std::shared_ptr<gloo::rendezvous::Context> ctx;
-  absl::Status s = Guard(absl::StrCat("connecting rank ", o.rank, " of ", o.size), [&] {
-    gloo::transport::tcp::attr attr(o.hostname.c_str());
-    auto dev = gloo::transport::tcp::CreateDevice(attr);
-    ctx = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
-    ctx->setTimeout(timeout);
-    StoreAdapter adapter(store, o.prefix, o.timeout);
-    ctx->connectFullMesh(adapter, dev);
-  });
+  StoreAdapter adapter(store, o.prefix, o.timeout);
+  absl::Status s =
+      Guard(absl::StrCat("connecting rank ", o.rank, " of ", o.size), [&] {
+        gloo::transport::tcp::attr attr(o.hostname.c_str());
+        auto dev = gloo::transport::tcp::CreateDevice(attr);
+        ctx = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
+        ctx->setTimeout(timeout);
+        ctx->connectFullMesh(adapter, dev);
+      });
   if (!s.ok()) {
-    // A store that gave up waiting for a peer's address: the peer is missing.
-    if (absl::StrContains(s.message(), "did not appear")) {
-      return absl::DeadlineExceededError(s.message());
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(s.message(), MissingRanks(store, adapter, o)));
     }
     return s;
   }

@@ -1,3 +1,4 @@
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,16 +17,25 @@ namespace hap::executor {
 namespace {
 
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 std::string FreshDir(const std::string& name) {
   static int counter = 0;
-  std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "_", getpid(), "_",
-                                 counter++);
+  std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "_", getpid(),
+                                 "_", counter++);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
+}
+
+GlooOptions Rank(int rank, int size, absl::Duration timeout) {
+  GlooOptions o;
+  o.rank = rank;
+  o.size = size;
+  o.timeout = timeout;
+  return o;
 }
 
 // Runs fn(rank, comm) on n threads, each with its own Gloo communicator.
@@ -37,11 +47,7 @@ void WithRanks(int n, const std::function<void(int, Communicator&)>& fn,
     threads.emplace_back([&, r] {
       auto store = NewFileStore(dir);
       ASSERT_TRUE(store.ok()) << store.status();
-      GlooOptions o;
-      o.rank = r;
-      o.size = n;
-      o.timeout = timeout;
-      auto comm = ConnectGloo(o, **store);
+      auto comm = ConnectGloo(Rank(r, n, timeout), **store);
       ASSERT_TRUE(comm.ok()) << comm.status();
       fn(r, **comm);
     });
@@ -50,12 +56,16 @@ void WithRanks(int n, const std::function<void(int, Communicator&)>& fn,
 }
 
 // Rank r's value at element i: distinct per rank and element.
-double Value(int r, int64_t i) { return 1000.0 * (r + 1) + static_cast<double>(i) * 0.5; }
+double Value(int r, int64_t i) {
+  return 1000.0 * (r + 1) + static_cast<double>(i) * 0.5;
+}
 
 template <typename T>
 TensorView View(std::vector<T>& v) {
-  return TensorView{std::is_same<T, double>::value ? DType::kFloat64 : DType::kFloat32,
-                    {static_cast<int64_t>(v.size())}, v.empty() ? nullptr : v.data()};
+  return TensorView{
+      std::is_same<T, double>::value ? DType::kFloat64 : DType::kFloat32,
+      {static_cast<int64_t>(v.size())},
+      v.empty() ? nullptr : v.data()};
 }
 
 std::vector<int64_t> Counts(int n) {
@@ -68,7 +78,8 @@ std::vector<int64_t> Counts(int n) {
 template <typename T>
 void CheckAllCollectives(int n, CommMethod method) {
   std::vector<int64_t> counts = Counts(n);
-  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const int64_t total =
+      std::accumulate(counts.begin(), counts.end(), int64_t{0});
   std::vector<int64_t> off(n, 0);
   for (int r = 1; r < n; ++r) off[r] = off[r - 1] + counts[r - 1];
   WithRanks(n, [&](int r, Communicator& comm) {
@@ -85,17 +96,20 @@ void CheckAllCollectives(int n, CommMethod method) {
     }
     // All-gather: chunk q holds Value(q, .).
     std::vector<T> mine(counts[r]), all(total);
-    for (int64_t i = 0; i < counts[r]; ++i) mine[i] = static_cast<T>(Value(r, i));
+    for (int64_t i = 0; i < counts[r]; ++i)
+      mine[i] = static_cast<T>(Value(r, i));
     ASSERT_TRUE(comm.AllGather(View(mine), View(all), counts, method).ok());
     for (int q = 0; q < n; ++q) {
       for (int64_t i = 0; i < counts[q]; ++i) {
-        EXPECT_EQ(all[off[q] + i], static_cast<T>(Value(q, i))) << "chunk " << q;
+        EXPECT_EQ(all[off[q] + i], static_cast<T>(Value(q, i)))
+            << "chunk " << q;
       }
     }
     // Reduce-scatter: every rank contributes Value(rank, global index).
     std::vector<T> full(total), part(counts[r]);
     for (int64_t i = 0; i < total; ++i) full[i] = static_cast<T>(Value(r, i));
-    ASSERT_TRUE(comm.ReduceScatter(View(full), View(part), counts, method).ok());
+    ASSERT_TRUE(
+        comm.ReduceScatter(View(full), View(part), counts, method).ok());
     for (int64_t i = 0; i < counts[r]; ++i) {
       double want = 0;
       for (int q = 0; q < n; ++q) want += static_cast<T>(Value(q, off[r] + i));
@@ -108,17 +122,21 @@ void CheckAllCollectives(int n, CommMethod method) {
       send[j] = (r + 1) * (j + 1) % 4;  // includes zeros
       recv[j] = (j + 1) * (r + 1) % 4;
     }
-    std::vector<T> out_buf(std::accumulate(send.begin(), send.end(), int64_t{0}));
-    std::vector<T> in_buf(std::accumulate(recv.begin(), recv.end(), int64_t{0}));
+    std::vector<T> out_buf(
+        std::accumulate(send.begin(), send.end(), int64_t{0}));
+    std::vector<T> in_buf(
+        std::accumulate(recv.begin(), recv.end(), int64_t{0}));
     int64_t at = 0;
     for (int j = 0; j < n; ++j) {
-      for (int64_t i = 0; i < send[j]; ++i) out_buf[at++] = static_cast<T>(Value(r, 10 * j + i));
+      for (int64_t i = 0; i < send[j]; ++i)
+        out_buf[at++] = static_cast<T>(Value(r, 10 * j + i));
     }
     ASSERT_TRUE(comm.AllToAll(View(out_buf), send, View(in_buf), recv).ok());
     at = 0;
     for (int j = 0; j < n; ++j) {
       for (int64_t i = 0; i < recv[j]; ++i) {
-        EXPECT_EQ(in_buf[at++], static_cast<T>(Value(j, 10 * r + i))) << "from " << j;
+        EXPECT_EQ(in_buf[at++], static_cast<T>(Value(j, 10 * r + i)))
+            << "from " << j;
       }
     }
     // Broadcast and reduce to the last rank.
@@ -134,7 +152,8 @@ void CheckAllCollectives(int n, CommMethod method) {
   });
 }
 
-class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+class CollectivesTest
+    : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
 TEST_P(CollectivesTest, MatchTheSingleProcessResult) {
   auto [n, grouped, f64] = GetParam();
@@ -147,22 +166,35 @@ TEST_P(CollectivesTest, MatchTheSingleProcessResult) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldsMethodsTypes, CollectivesTest,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool(),
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Bool(),
                                             ::testing::Bool()));
 
 TEST(GlooCommunicatorTest, InconsistentSizesAreInvalidArgument) {
   WithRanks(2, [](int r, Communicator& comm) {
     std::vector<float> in(3), out(5);
     std::vector<int64_t> counts = {3, 3};  // sums to 6, not 5
-    EXPECT_THAT(comm.AllGather(View(in), View(out), counts, CommMethod::kPadded),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sum to 6")));
+    EXPECT_THAT(
+        comm.AllGather(View(in), View(out), counts, CommMethod::kPadded),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sum to 6")));
     std::vector<int64_t> three = {1, 2, 2};
-    EXPECT_THAT(comm.ReduceScatter(View(out), View(in), three, CommMethod::kGrouped),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("3 counts for 2 ranks")));
+    EXPECT_THAT(
+        comm.ReduceScatter(View(out), View(in), three, CommMethod::kGrouped),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr("3 counts for 2 ranks")));
     std::vector<int64_t> ids(2);
     TensorView iv{DType::kInt64, {2}, ids.data()};
-    EXPECT_THAT(comm.AllReduce(iv), StatusIs(absl::StatusCode::kInvalidArgument,
-                                             HasSubstr("only float32 and float64")));
+    EXPECT_THAT(comm.AllReduce(iv),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("only float32 and float64")));
+    std::vector<double> wide(6);
+    EXPECT_THAT(
+        comm.AllGather(View(in), View(wide), counts, CommMethod::kGrouped),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr("dtypes differ (f32 and f64)")));
+    EXPECT_THAT(comm.Reduce(View(in), View(out), 5),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("root 5 is out of range")));
     // Bad arguments are caught before any traffic: the group still works.
     std::vector<float> x(2, static_cast<float>(r));
     EXPECT_TRUE(comm.AllReduce(View(x)).ok());
@@ -170,58 +202,137 @@ TEST(GlooCommunicatorTest, InconsistentSizesAreInvalidArgument) {
   });
 }
 
-TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorWithoutHanging) {
-  std::string dir = FreshDir("dies");
-  pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    // Rank 1: connect, then die before the first collective.
+// A collective that a broken group must fail: Unavailable (the connection
+// closed) or DeadlineExceeded (nothing arrived in time), naming itself.
+::testing::Matcher<absl::Status> PeerFailure(const std::string& what) {
+  return AnyOf(StatusIs(absl::StatusCode::kUnavailable, HasSubstr(what)),
+               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(what)));
+}
+
+TEST(GlooCommunicatorTest, APeerThatSkipsACollectiveIsDeadlineExceeded) {
+  // Rank 1 stays connected (its sockets open) without joining the
+  // all-reduce, until rank 0 has seen the timeout.
+  auto sync = NewFileStore(FreshDir("skips_sync"));
+  ASSERT_TRUE(sync.ok());
+  WithRanks(
+      2,
+      [&](int r, Communicator& comm) {
+        if (r == 1) {
+          EXPECT_TRUE((*sync)->Get("rank0-done", absl::Seconds(30)).ok());
+          return;
+        }
+        std::vector<double> x(4, 1.0);
+        absl::Time start = absl::Now();
+        EXPECT_THAT(comm.AllReduce(View(x)),
+                    StatusIs(absl::StatusCode::kDeadlineExceeded,
+                             HasSubstr("all-reduce")));
+        EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+        // Unusable from now on, even for a call with nothing to send.
+        std::vector<double> none;
+        EXPECT_THAT(comm.AllReduce(View(none)),
+                    StatusIs(absl::StatusCode::kFailedPrecondition,
+                             AllOf(HasSubstr("failed earlier"),
+                                   HasSubstr("timed out"))));
+        EXPECT_THAT(comm.Broadcast(View(none), 0),
+                    StatusIs(absl::StatusCode::kFailedPrecondition,
+                             HasSubstr("broadcast")));
+        EXPECT_TRUE((*sync)->Set("rank0-done", "1").ok());
+      },
+      absl::Seconds(1));
+}
+
+// Forks a rank as a real process; its exit code is its verdict.
+pid_t ForkRank(const std::function<int()>& body) {
+  pid_t pid = fork();
+  if (pid == 0) _exit(body());
+  return pid;
+}
+
+TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorsWithoutHanging) {
+  const std::string dir = FreshDir("dies");
+  const absl::Duration timeout = absl::Seconds(2);
+  // Rank 2 connects, reports it, and waits to be SIGKILLed.
+  pid_t victim = ForkRank([&] {
     auto store = NewFileStore(dir);
-    GlooOptions o;
-    o.rank = 1;
-    o.size = 2;
-    o.timeout = absl::Seconds(20);
-    auto comm = ConnectGloo(o, **store);
-    // Die only once rank 0 has finished connecting too.
-    bool ok = comm.ok() && (*store)->Get("test/rank0-connected", absl::Seconds(20)).ok();
-    _exit(ok ? 0 : 3);
-  }
+    if (!store.ok() || !ConnectGloo(Rank(2, 3, timeout), **store).ok())
+      return 10;
+    (void)(*store)->Set("test/rank2-connected", "1");
+    (void)(*store)->Get("test/never", absl::Seconds(60));
+    return 11;
+  });
+  ASSERT_GT(victim, 0);
+  // Rank 1 survives: once rank 2 is dead its all-reduce must fail promptly.
+  pid_t survivor = ForkRank([&] {
+    auto store = NewFileStore(dir);
+    if (!store.ok()) return 10;
+    auto comm = ConnectGloo(Rank(1, 3, timeout), **store);
+    if (!comm.ok()) return 10;
+    if (!(*store)->Get("test/rank2-dead", absl::Seconds(30)).ok()) return 11;
+    std::vector<float> x(1 << 16, 1.0f);
+    absl::Time start = absl::Now();
+    absl::Status s = (*comm)->AllReduce(View(x));
+    if (!::testing::Matches(PeerFailure("all-reduce"))(s)) return 12;
+    if (absl::Now() - start > timeout + absl::Seconds(4)) return 13;
+    if ((*comm)->Barrier().code() != absl::StatusCode::kFailedPrecondition)
+      return 14;
+    return 0;
+  });
+  ASSERT_GT(survivor, 0);
+
   auto store = NewFileStore(dir);
   ASSERT_TRUE(store.ok());
-  GlooOptions o;
-  o.rank = 0;
-  o.size = 2;
-  o.timeout = absl::Seconds(2);
-  auto comm = ConnectGloo(o, **store);
+  auto comm = ConnectGloo(Rank(0, 3, timeout), **store);
   ASSERT_TRUE(comm.ok()) << comm.status();
-  ASSERT_TRUE((*store)->Set("test/rank0-connected", "1").ok());
+  ASSERT_TRUE((*store)->Get("test/rank2-connected", absl::Seconds(30)).ok());
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
   int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_EQ(waitpid(victim, &status, 0), victim);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  ASSERT_TRUE((*store)->Set("test/rank2-dead", "1").ok());
+
   std::vector<float> x(1 << 16, 1.0f);
   absl::Time start = absl::Now();
-  absl::Status s = (*comm)->AllReduce(View(x));
-  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
-  EXPECT_THAT(s, AnyOf(StatusIs(absl::StatusCode::kUnavailable, HasSubstr("all-reduce")),
-                       StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("all-reduce"))));
+  EXPECT_THAT((*comm)->AllReduce(View(x)), PeerFailure("all-reduce"));
+  EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(4));
   // Unusable from now on, naming the first error.
-  EXPECT_THAT((*comm)->Barrier(), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                           HasSubstr("failed earlier")));
+  EXPECT_THAT((*comm)->Barrier(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("barrier"),
+                             HasSubstr("failed earlier: all-reduce"))));
+  ASSERT_EQ(waitpid(survivor, &status, 0), survivor);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the surviving rank 1 failed its checks";
 }
 
 TEST(GlooCommunicatorTest, ARankThatNeverShowsUpIsDeadlineExceeded) {
-  std::string dir = FreshDir("missing");
-  auto store = NewFileStore(dir);
+  auto store = NewFileStore(FreshDir("missing"));
   ASSERT_TRUE(store.ok());
-  GlooOptions o;
-  o.rank = 0;
-  o.size = 2;
-  o.timeout = absl::Seconds(1);
-  EXPECT_THAT(ConnectGloo(o, **store),
-              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("did not appear")));
-  o.rank = 2;
-  EXPECT_THAT(ConnectGloo(o, **store),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
+  EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Seconds(1)), **store),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("did not appear"),
+                             HasSubstr("rank 1 never published its address"))));
+  EXPECT_THAT(
+      ConnectGloo(Rank(2, 2, absl::Seconds(1)), **store),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
+}
+
+TEST(GlooCommunicatorTest, TheMissingRanksAreNamed) {
+  // Ranks 0 and 1 of 4 show up; 2 and 3 never do.
+  auto store = NewFileStore(FreshDir("missing_two"));
+  ASSERT_TRUE(store.ok());
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = ConnectGloo(Rank(r, 4, absl::Seconds(1)), **store).status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) {
+    EXPECT_THAT(
+        s, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                    HasSubstr("ranks 2, 3 never published their address")));
+  }
 }
 
 TEST(FileStoreTest, SetGetTimeoutAndBadDirectory) {
@@ -233,9 +344,11 @@ TEST(FileStoreTest, SetGetTimeoutAndBadDirectory) {
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_EQ(*v, std::string("a\0b", 3));
   EXPECT_THAT((*store)->Get("plan/7/rank 1", absl::Milliseconds(50)),
-              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("'plan/7/rank 1'")));
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("'plan/7/rank 1'")));
   EXPECT_THAT(NewFileStore(dir + "/nope"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a writable directory")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not a writable directory")));
 }
 
 }  // namespace
