@@ -1,0 +1,120 @@
+// The planner service's core (DESIGN.md §9), with no gRPC: the cluster
+// registry (nodes, their measured devices, liveness by heartbeat) and plans
+// as long-running resources (create, get, list, cancel, delete, watch) run
+// by a pool of worker threads over the planner core (synth::PlanModel,
+// lower::BuildPlan). planner/service/grpc translates RPCs to these calls.
+//
+// Errors are the statuses the RPCs return: InvalidArgument for a malformed
+// request (naming the field, op or tensor), NotFound for an unknown node,
+// device or plan, FailedPrecondition when no live node has reported,
+// ResourceExhausted when the model fits nowhere (on the plan, as its
+// error_code), AlreadyExists for a duplicate plan id.
+//
+// Thread-safe.
+#ifndef HAP_PLANNER_SERVICE_CORE_PLANNER_CORE_H_
+#define HAP_PLANNER_SERVICE_CORE_PLANNER_CORE_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "hap/v1/cluster.pb.h"
+#include "hap/v1/plan.pb.h"
+#include "hap/v1/planner_service.pb.h"
+
+namespace hap::service {
+
+// What the core persists (planner/service/store implements it over SQLite).
+// Calls happen under the core's lock, in order.
+class PlannerStateSink {
+ public:
+  virtual ~PlannerStateSink() = default;
+  virtual absl::Status SaveNode(const hap::v1::Node& node) = 0;
+  virtual absl::Status SavePlan(const hap::v1::Plan& plan) = 0;
+  virtual absl::Status DeletePlan(const std::string& name) = 0;
+};
+
+hap::v1::LinkDefaults DefaultLinks();
+
+struct PlannerCoreOptions {
+  std::function<absl::Time()> now = [] { return absl::Now(); };
+  // Agents heartbeat this often; a node that misses `missed_heartbeats` in
+  // a row goes STALE and is left out of new plans.
+  absl::Duration heartbeat_interval = absl::Seconds(5);
+  int missed_heartbeats = 3;
+  int workers = 1;  // plans synthesized at once
+  // Search budget when a request sets none; always also bounded by the
+  // request's deadline.
+  double default_max_seconds = 60;
+  int64_t default_max_states = 2'000'000;
+  PlannerStateSink* sink = nullptr;  // optional
+  // Link bandwidth and latency where no measured link is reported: inside
+  // a node (shared memory / PCIe class) and between nodes (10 GbE class).
+  hap::v1::LinkDefaults link_defaults = DefaultLinks();
+  // Observers (metrics): a plan reached a final state.
+  std::function<void(const hap::v1::Plan&)> on_plan_done;
+};
+
+class PlannerCore {
+ public:
+  // `nodes` and `plans` are the persisted state to start from (plans that
+  // were PENDING or RUNNING when the planner stopped are run again).
+  static absl::StatusOr<std::unique_ptr<PlannerCore>> Create(
+      PlannerCoreOptions options, std::vector<hap::v1::Node> nodes = {},
+      std::vector<hap::v1::Plan> plans = {});
+  ~PlannerCore();  // cancels running plans and joins the workers
+
+  // Nodes.
+  absl::StatusOr<hap::v1::RegisterNodeResponse> RegisterNode(const hap::v1::Node& node);
+  absl::StatusOr<hap::v1::HeartbeatResponse> Heartbeat(const hap::v1::HeartbeatRequest& r);
+  hap::v1::Cluster GetCluster(bool include_stale);
+  absl::StatusOr<hap::v1::ListNodesResponse> ListNodes(int page_size,
+                                                       const std::string& page_token);
+
+  // Plans. CreatePlan validates synchronously and returns the PENDING plan
+  // (or the finished one with `wait`, bounded by `deadline`).
+  absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r,
+                                           absl::Time deadline);
+  absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name, bool full);
+  absl::StatusOr<hap::v1::ListPlansResponse> ListPlans(int page_size,
+                                                       const std::string& page_token);
+  absl::StatusOr<hap::v1::Plan> CancelPlan(const std::string& name);
+  absl::Status DeletePlan(const std::string& name);
+  // Calls `on_update` with the plan now and on every change (progress,
+  // state) until it is final, `on_update` returns false, or `stop()` turns
+  // true (polled at least every 100 ms) — then returns OK; NotFound for an
+  // unknown plan.
+  absl::Status WatchPlan(const std::string& name,
+                         const std::function<bool(const hap::v1::Plan&)>& on_update,
+                         const std::function<bool()>& stop);
+
+  // Marks nodes whose heartbeats stopped STALE (also done on every call
+  // that reads the cluster).
+  void RefreshLiveness();
+
+ private:
+  struct Job;
+  friend absl::Status ConvertOptions(const hap::v1::PlanOptions&, Job*,
+                                     const PlannerCoreOptions&);
+  explicit PlannerCore(PlannerCoreOptions options);
+  absl::Status Resume(const hap::v1::Plan& plan);
+  void Worker();
+  void RunJob(const std::shared_ptr<Job>& job);
+  void UpdatePlan(const std::shared_ptr<Job>& job,
+                  const std::function<void(hap::v1::Plan&)>& edit);
+  void RefreshLivenessLocked();
+  hap::v1::Cluster ClusterLocked(bool include_stale) const;
+
+  struct State;
+  std::unique_ptr<State> s_;
+  PlannerCoreOptions o_;
+};
+
+// "plans/abc" -> "abc"; InvalidArgument naming the expected pattern.
+absl::StatusOr<std::string> PlanId(const std::string& name);
+
+}  // namespace hap::service
+
+#endif  // HAP_PLANNER_SERVICE_CORE_PLANNER_CORE_H_
