@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -188,6 +189,7 @@ struct PlannerCore::State {
   std::map<std::string, std::shared_ptr<Job>> jobs;  // not yet final
   std::deque<std::shared_ptr<Job>> queue;
   std::map<std::string, std::string> cache;  // key -> plan name
+  std::map<std::pair<std::string, std::string>, v1::Link> links;  // (src, dst)
   bool stopping = false;
   std::vector<std::thread> workers;
 };
@@ -341,9 +343,14 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
 v1::Cluster PlannerCore::ClusterLocked(bool include_stale) const {
   v1::Cluster c;
   *c.mutable_defaults() = o_.link_defaults;
+  std::set<std::string> devices;
   for (const auto& [name, n] : s_->nodes) {
     if (!include_stale && n.state() == v1::Node::STALE) continue;
     *c.add_nodes() = n;
+    for (const auto& d : n.devices()) devices.insert(d.id());
+  }
+  for (const auto& [pair, link] : s_->links) {
+    if (devices.count(pair.first) && devices.count(pair.second)) *c.add_links() = link;
   }
   return c;
 }
@@ -363,6 +370,53 @@ absl::StatusOr<v1::ListNodesResponse> PlannerCore::ListNodes(int page_size,
                        Paginate(s_->nodes, page_size, token,
                                 [&](const v1::Node& n) { *r.add_nodes() = n; }));
   r.set_next_page_token(next);
+  return r;
+}
+
+absl::Status PlannerCore::ReportLinks(const std::string& node,
+                                      const std::vector<v1::Link>& links) {
+  std::string name = node.rfind("nodes/", 0) == 0 ? node.substr(6) : node;
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->nodes.find(name);
+  if (it == s_->nodes.end()) {
+    return absl::NotFoundError(absl::StrCat("node '", name, "' is not registered"));
+  }
+  std::set<std::string> known;
+  for (const auto& [n, node_msg] : s_->nodes) {
+    for (const auto& d : node_msg.devices()) known.insert(d.id());
+  }
+  for (const v1::Link& l : links) {
+    if (!known.count(l.src()) || !known.count(l.dst())) {
+      return absl::NotFoundError(absl::StrCat("link ", l.src(), " -> ", l.dst(),
+                                              " names a device no node has registered"));
+    }
+    if (!(l.bandwidth_bytes_per_second() > 0) || l.latency_seconds() < 0 ||
+        !std::isfinite(l.bandwidth_bytes_per_second())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "link ", l.src(), " -> ", l.dst(), " needs a positive bandwidth and a "
+          "non-negative latency"));
+    }
+  }
+  for (const v1::Link& l : links) s_->links[{l.src(), l.dst()}] = l;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::GetProbeAssignmentsResponse> PlannerCore::GetProbeAssignments(
+    const std::string& node, int64_t bytes) {
+  std::string name = node.rfind("nodes/", 0) == 0 ? node.substr(6) : node;
+  absl::MutexLock l(&s_->mu);
+  RefreshLivenessLocked();
+  if (!s_->nodes.count(name)) {
+    return absl::NotFoundError(absl::StrCat("node '", name, "' is not registered"));
+  }
+  v1::GetProbeAssignmentsResponse r;
+  for (const auto& [peer, n] : s_->nodes) {
+    if (peer == name || n.state() != v1::Node::READY || n.address().empty()) continue;
+    v1::ProbeAssignment* a = r.add_assignments();
+    a->set_peer_node(peer);
+    a->set_peer_address(n.address());
+    a->set_bytes(bytes);
+  }
   return r;
 }
 

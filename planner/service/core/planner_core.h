@@ -34,6 +34,10 @@ class PlannerStateSink {
   virtual absl::Status SaveNode(const hap::v1::Node& node) = 0;
   virtual absl::Status SavePlan(const hap::v1::Plan& plan) = 0;
   virtual absl::Status DeletePlan(const std::string& name) = 0;
+  virtual absl::Status SaveDeployment(const hap::v1::Deployment&) { return absl::OkStatus(); }
+  virtual absl::Status AppendStepMetrics(const std::vector<hap::v1::StepMetric>&) {
+    return absl::OkStatus();
+  }
 };
 
 hap::v1::LinkDefaults DefaultLinks();
@@ -72,6 +76,12 @@ class PlannerCore {
   hap::v1::Cluster GetCluster(bool include_stale);
   absl::StatusOr<hap::v1::ListNodesResponse> ListNodes(int page_size,
                                                        const std::string& page_token);
+  // Links measured by agents (replacing earlier measurements of the same
+  // pair); used by the next plans. NotFound for an unknown node or device.
+  absl::Status ReportLinks(const std::string& node, const std::vector<hap::v1::Link>& links);
+  // The peers a node's agent should measure: every other live node.
+  absl::StatusOr<hap::v1::GetProbeAssignmentsResponse> GetProbeAssignments(
+      const std::string& node, int64_t bytes);
 
   // Plans. CreatePlan validates synchronously and returns the PENDING plan
   // (or the finished one with `wait`, bounded by `deadline`).

@@ -1,0 +1,113 @@
+// hap.v1.Planner over gRPC: a thin translator over PlannerCore (nodes,
+// plans), plus the parts that only exist in the service — deployments
+// (pushing a plan's rank programs to executors), step metrics from
+// executors, and the rendezvous key-value store Gloo ranks meet through.
+//
+// Every RPC checks the bearer token (when configured), maps absl statuses
+// to gRPC codes one to one, and reports (method, code, seconds) to
+// `on_rpc` for the go-grpc-prometheus style metrics.
+#ifndef HAP_PLANNER_SERVICE_GRPC_PLANNER_SERVICE_IMPL_H_
+#define HAP_PLANNER_SERVICE_GRPC_PLANNER_SERVICE_IMPL_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/service/core/planner_core.h"
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::service {
+
+struct PlannerServiceOptions {
+  Security security;  // token required from callers; TLS for executors
+  // The address executors reach this planner at (rendezvous, metrics).
+  std::string advertise_address;
+  absl::Duration executor_timeout = absl::Seconds(30);
+  int64_t probe_bytes = 8 << 20;  // bandwidth probe payload per peer
+  // Metrics hooks (may be empty).
+  std::function<void(const std::string& method, grpc::StatusCode code, double seconds)>
+      on_rpc;
+  std::function<void(const hap::v1::StepMetric&)> on_step_metric;
+};
+
+class PlannerServiceImpl final : public hap::v1::Planner::Service {
+ public:
+  // `core` and `sink` (may be null) must outlive the service. `deployments`
+  // and `metrics` are the persisted state to start from.
+  PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink, PlannerServiceOptions o,
+                     std::vector<hap::v1::Deployment> deployments = {},
+                     std::vector<hap::v1::StepMetric> metrics = {});
+  ~PlannerServiceImpl() override;  // waits for deployment pushes in flight
+
+  // Stops waiting RPCs (watches, rendezvous gets) so the server can stop.
+  void Shutdown();
+
+  grpc::Status RegisterNode(grpc::ServerContext*, const hap::v1::RegisterNodeRequest*,
+                            hap::v1::RegisterNodeResponse*) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const hap::v1::HeartbeatRequest*,
+                         hap::v1::HeartbeatResponse*) override;
+  grpc::Status GetCluster(grpc::ServerContext*, const hap::v1::GetClusterRequest*,
+                          hap::v1::Cluster*) override;
+  grpc::Status ListNodes(grpc::ServerContext*, const hap::v1::ListNodesRequest*,
+                         hap::v1::ListNodesResponse*) override;
+  grpc::Status GetProbeAssignments(grpc::ServerContext*,
+                                   const hap::v1::GetProbeAssignmentsRequest*,
+                                   hap::v1::GetProbeAssignmentsResponse*) override;
+  grpc::Status ReportLinks(grpc::ServerContext*, const hap::v1::ReportLinksRequest*,
+                           hap::v1::ReportLinksResponse*) override;
+
+  grpc::Status CreatePlan(grpc::ServerContext*, const hap::v1::CreatePlanRequest*,
+                          hap::v1::Plan*) override;
+  grpc::Status GetPlan(grpc::ServerContext*, const hap::v1::GetPlanRequest*,
+                       hap::v1::Plan*) override;
+  grpc::Status ListPlans(grpc::ServerContext*, const hap::v1::ListPlansRequest*,
+                         hap::v1::ListPlansResponse*) override;
+  grpc::Status CancelPlan(grpc::ServerContext*, const hap::v1::CancelPlanRequest*,
+                          hap::v1::Plan*) override;
+  grpc::Status DeletePlan(grpc::ServerContext*, const hap::v1::DeletePlanRequest*,
+                          hap::v1::DeletePlanResponse*) override;
+  grpc::Status WatchPlan(grpc::ServerContext*, const hap::v1::WatchPlanRequest*,
+                         grpc::ServerWriter<hap::v1::Plan>*) override;
+
+  grpc::Status DeployPlan(grpc::ServerContext*, const hap::v1::DeployPlanRequest*,
+                          hap::v1::Deployment*) override;
+  grpc::Status GetDeployment(grpc::ServerContext*, const hap::v1::GetDeploymentRequest*,
+                             hap::v1::Deployment*) override;
+  grpc::Status ListDeployments(grpc::ServerContext*, const hap::v1::ListDeploymentsRequest*,
+                               hap::v1::ListDeploymentsResponse*) override;
+  grpc::Status StopDeployment(grpc::ServerContext*, const hap::v1::StopDeploymentRequest*,
+                              hap::v1::Deployment*) override;
+
+  grpc::Status ReportStepMetrics(grpc::ServerContext*,
+                                 const hap::v1::ReportStepMetricsRequest*,
+                                 hap::v1::ReportStepMetricsResponse*) override;
+  grpc::Status ListStepMetrics(grpc::ServerContext*, const hap::v1::ListStepMetricsRequest*,
+                               hap::v1::ListStepMetricsResponse*) override;
+
+  grpc::Status StoreSet(grpc::ServerContext*, const hap::v1::StoreSetRequest*,
+                        hap::v1::StoreSetResponse*) override;
+  grpc::Status StoreGet(grpc::ServerContext*, const hap::v1::StoreGetRequest*,
+                        hap::v1::StoreGetResponse*) override;
+  grpc::Status StoreAdd(grpc::ServerContext*, const hap::v1::StoreAddRequest*,
+                        hap::v1::StoreAddResponse*) override;
+
+ private:
+  struct State;
+  // Checks the token, runs `fn`, reports the call.
+  grpc::Status Handle(const char* method, grpc::ServerContext* ctx,
+                      const std::function<absl::Status()>& fn);
+  void Push(hap::v1::Deployment d, hap::v1::Plan plan);
+  void UpdateDeployment(const std::string& name,
+                        const std::function<void(hap::v1::Deployment&)>& edit);
+
+  PlannerCore* core_;
+  PlannerStateSink* sink_;
+  PlannerServiceOptions o_;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace hap::service
+
+#endif  // HAP_PLANNER_SERVICE_GRPC_PLANNER_SERVICE_IMPL_H_
