@@ -1,5 +1,8 @@
 #include "tools/cli_args.h"
 
+#include <cctype>
+#include <cstdlib>
+
 #include <cmath>
 
 #include "absl/strings/numbers.h"
@@ -56,6 +59,20 @@ std::string Args::Get(const std::string& flag, const std::string& def) const {
     v = r.first->second;  // the last occurrence wins
   }
   return v;
+}
+
+std::string Args::EnvName(const std::string& flag) {
+  std::string env = "HAP_";
+  for (char c : flag) {
+    env += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  return env;
+}
+
+std::string Args::GetOrEnv(const std::string& flag, const std::string& def) const {
+  if (Has(flag)) return Get(flag);
+  if (const char* v = std::getenv(EnvName(flag).c_str())) return v;
+  return def;
 }
 
 std::vector<std::string> Args::GetAll(const std::string& flag) const {

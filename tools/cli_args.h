@@ -22,6 +22,10 @@ class Args {
 
   bool Has(const std::string& flag) const { return values_.count(flag) > 0; }
   std::string Get(const std::string& flag, const std::string& def = "") const;
+  // The convention of every HAP binary: --some-flag, else the environment
+  // variable HAP_SOME_FLAG, else `def`.
+  std::string GetOrEnv(const std::string& flag, const std::string& def = "") const;
+  static std::string EnvName(const std::string& flag);  // "some-flag" -> "HAP_SOME_FLAG"
   std::vector<std::string> GetAll(const std::string& flag) const;
   bool Bool(const std::string& flag) const { return Has(flag); }
   absl::StatusOr<double> Number(const std::string& flag, double def) const;
