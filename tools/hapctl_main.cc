@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/hapctl_client.h"
 #include "tools/hapctl_graph.h"
 #include "tools/hapctl_plan.h"
 
@@ -20,6 +21,16 @@ Models:
 
 Planning (offline, no server):
   plan --cluster FILE [--model M | --graph FILE] [--baseline B] [-o table|json]
+                            [--save-plan PLAN.pb]
+
+Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070):
+  get nodes|plans|deployments        list (-o table|json|yaml)
+  describe plan|deployment NAME      one resource in detail
+  create plan --model M [...]        synthesize on the live cluster (--wait)
+  watch plan NAME                    stream progress until it ends
+  cancel plan NAME / delete plan NAME
+  deploy plan NAME --executor DEV=HOST:PORT ... [--steps N]
+  stop deployment NAME
 
 Run `hapctl COMMAND --help` for a command's flags.
 )";
@@ -38,6 +49,10 @@ int main(int argc, char** argv) {
   if (cmd == "zoo") return hap::tools::RunZoo(rest);
   if (cmd == "validate") return hap::tools::RunValidate(rest);
   if (cmd == "plan") return hap::tools::RunPlan(rest);
+  for (const char* verb : {"get", "describe", "create", "watch", "cancel", "delete", "deploy",
+                           "stop"}) {
+    if (cmd == verb) return hap::tools::RunClient(cmd, rest);
+  }
   std::cerr << "error: unknown command '" << cmd << "'\n\n" << kUsage;
   return 1;
 }

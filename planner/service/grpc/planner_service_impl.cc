@@ -88,6 +88,7 @@ void PlannerServiceImpl::Shutdown() {
 grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContext* ctx,
                                         const std::function<absl::Status()>& fn) {
   auto start = std::chrono::steady_clock::now();
+  if (o_.on_rpc_start) o_.on_rpc_start(method);
   grpc::Status s = CheckToken(ctx, o_.security.token);
   if (s.ok()) s = ToGrpc(fn());
   if (o_.on_rpc) {

@@ -26,7 +26,8 @@ struct PlannerServiceOptions {
   std::string advertise_address;
   absl::Duration executor_timeout = absl::Seconds(30);
   int64_t probe_bytes = 8 << 20;  // bandwidth probe payload per peer
-  // Metrics hooks (may be empty).
+  // Metrics hooks (may be empty): a call started; a call ended.
+  std::function<void(const std::string& method)> on_rpc_start;
   std::function<void(const std::string& method, grpc::StatusCode code, double seconds)>
       on_rpc;
   std::function<void(const hap::v1::StepMetric&)> on_step_metric;
@@ -43,6 +44,8 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
 
   // Stops waiting RPCs (watches, rendezvous gets) so the server can stop.
   void Shutdown();
+  // Set once the listening port is known, before serving.
+  void set_advertise_address(const std::string& a) { o_.advertise_address = a; }
 
   grpc::Status RegisterNode(grpc::ServerContext*, const hap::v1::RegisterNodeRequest*,
                             hap::v1::RegisterNodeResponse*) override;

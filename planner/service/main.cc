@@ -1,0 +1,109 @@
+// hap-planner: the planner daemon (DESIGN.md §9). Flags (each also read
+// from HAP_<FLAG> in the environment, the flag winning):
+//   --listen HOST:PORT        gRPC (default 127.0.0.1:7070; port 0 = any free)
+//   --advertise HOST:PORT     address executors reach the planner at
+//   --metrics-listen HOST:PORT  Prometheus /metrics (default 127.0.0.1:9464; "off")
+//   --database FILE           SQLite state (default hap-planner.db; "" = memory)
+//   --token-file FILE         bearer token every call must carry
+//   --tls-cert-file FILE --tls-key-file FILE
+//   --heartbeat-seconds S --missed-heartbeats N --workers N --max-seconds S
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "planner/service/planner_server.h"
+#include "tools/cli_args.h"
+
+namespace {
+
+hap::service::PlannerServer* g_server = nullptr;
+volatile std::sig_atomic_t g_signal = 0;
+
+absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Args& a) {
+  hap::service::PlannerServerOptions o;
+  o.listen = a.GetOrEnv("listen", "127.0.0.1:7070");
+  o.advertise = a.GetOrEnv("advertise", "");
+  std::string metrics = a.GetOrEnv("metrics-listen", "127.0.0.1:9464");
+  if (metrics == "off") {
+    o.metrics_port = -1;
+  } else {
+    size_t colon = metrics.rfind(':');
+    if (colon == std::string::npos || !absl::SimpleAtoi(metrics.substr(colon + 1), &o.metrics_port)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics-listen must be HOST:PORT or off, got '", metrics, "'"));
+    }
+    o.metrics_address = metrics.substr(0, colon);
+  }
+  o.database = a.GetOrEnv("database", "hap-planner.db");
+  auto token = hap::service::ReadTokenFile(a.GetOrEnv("token-file", ""));
+  if (!token.ok()) return token.status();
+  o.security.token = *token;
+  o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
+  o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");
+  auto number = [&](const char* flag, double def) -> absl::StatusOr<double> {
+    std::string v = a.GetOrEnv(flag, "");
+    if (v.empty()) return def;
+    double x;
+    if (!absl::SimpleAtod(v, &x) || !(x > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be a positive number"));
+    }
+    return x;
+  };
+  auto hb = number("heartbeat-seconds", 5);
+  auto missed = number("missed-heartbeats", 3);
+  auto workers = number("workers", 1);
+  auto max_seconds = number("max-seconds", 60);
+  for (auto* s : {&hb, &missed, &workers, &max_seconds}) {
+    if (!s->ok()) return s->status();
+  }
+  o.core.heartbeat_interval = absl::Seconds(*hb);
+  o.core.missed_heartbeats = static_cast<int>(*missed);
+  o.core.workers = static_cast<int>(*workers);
+  o.core.default_max_seconds = *max_seconds;
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  auto a = hap::tools::Args::Parse(
+      args,
+      {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
+       "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds"},
+      {"help"});
+  if (!a.ok()) {
+    std::cerr << "error: " << a.status().message() << "\n";
+    return 2;
+  }
+  if (a->Bool("help")) {
+    std::cout << "usage: hap-planner [--listen HOST:PORT] [--database FILE] "
+                 "[--metrics-listen HOST:PORT|off] [--token-file FILE] ... (see main.cc)\n";
+    return 0;
+  }
+  auto o = Options(*a);
+  if (!o.ok()) {
+    std::cerr << "error: " << o.status().message() << "\n";
+    return 2;
+  }
+  auto server = hap::service::PlannerServer::Start(*o);
+  if (!server.ok()) {
+    std::cerr << "error: " << server.status().message() << "\n";
+    return 1;
+  }
+  g_server = server->get();
+  std::cout << "listening on " << (*server)->address() << "\n";
+  if ((*server)->metrics_port() >= 0) {
+    std::cout << "metrics on http://" << o->metrics_address << ":" << (*server)->metrics_port()
+              << "/metrics\n";
+  }
+  std::cout << std::flush;
+  std::signal(SIGTERM, [](int s) { g_signal = s; });
+  std::signal(SIGINT, [](int s) { g_signal = s; });
+  while (!g_signal) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::cout << "shutting down\n" << std::flush;
+  (*server)->Shutdown();
+  return 0;
+}

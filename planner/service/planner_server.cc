@@ -1,0 +1,269 @@
+#include "planner/service/planner_server.h"
+
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "planner/service/grpc/planner_service_impl.h"
+#include "planner/service/metrics/metrics.h"
+#include "planner/service/metrics/metrics_http.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+constexpr char kService[] = "hap.v1.Planner";
+
+// The planner's metrics: gRPC server metrics under the go-grpc-prometheus
+// names, plans, devices, training.
+struct PlannerMetrics {
+  metrics::MetricsRegistry registry;
+  metrics::Family<metrics::Counter>* started = nullptr;
+  metrics::Family<metrics::Counter>* handled = nullptr;
+  metrics::Family<metrics::Histogram>* handling = nullptr;
+  metrics::Family<metrics::Counter>* plans = nullptr;
+  metrics::Histogram* plan_duration = nullptr;
+  metrics::Family<metrics::Gauge>* predicted = nullptr;
+  metrics::Histogram* step_seconds = nullptr;
+  metrics::Family<metrics::Gauge>* loss = nullptr;
+  metrics::Counter* steps = nullptr;
+
+  absl::Status Init(PlannerCore** core) {
+    HAP_ASSIGN_OR_RETURN(started, registry.AddCounterFamily(
+                                      "grpc_server_started_total",
+                                      "RPCs started on the server.",
+                                      {"grpc_type", "grpc_service", "grpc_method"}));
+    HAP_ASSIGN_OR_RETURN(handled, registry.AddCounterFamily(
+                                      "grpc_server_handled_total",
+                                      "RPCs completed on the server, by status code.",
+                                      {"grpc_type", "grpc_service", "grpc_method", "grpc_code"}));
+    HAP_ASSIGN_OR_RETURN(handling,
+                         registry.AddHistogramFamily(
+                             "grpc_server_handling_seconds",
+                             "Time the server took to handle RPCs, in seconds.",
+                             {"grpc_type", "grpc_service", "grpc_method"}));
+    HAP_ASSIGN_OR_RETURN(plans, registry.AddCounterFamily(
+                                    "hap_plans_total", "Plans finished, by result.",
+                                    {"result"}));
+    HAP_ASSIGN_OR_RETURN(plan_duration,
+                         registry.AddHistogram("hap_plan_duration_seconds",
+                                               "Synthesis time of finished plans (search, "
+                                               "LP, lowering), in seconds."));
+    HAP_ASSIGN_OR_RETURN(predicted, registry.AddGaugeFamily(
+                                        "hap_plan_predicted_step_seconds",
+                                        "Predicted step time of the latest plan of each "
+                                        "model, in seconds.",
+                                        {"model"}));
+    HAP_ASSIGN_OR_RETURN(step_seconds,
+                         registry.AddHistogram("hap_executor_step_seconds",
+                                               "Training step times reported by executors, "
+                                               "in seconds."));
+    HAP_ASSIGN_OR_RETURN(loss, registry.AddGaugeFamily(
+                                   "hap_training_loss",
+                                   "Latest training loss reported by rank 0, per deployment.",
+                                   {"deployment"}));
+    HAP_ASSIGN_OR_RETURN(steps, registry.AddCounter("hap_executor_steps_total",
+                                                    "Training steps reported by executors."));
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_device_peak_flops", "Measured float32 FLOP/s of each registered device.",
+        {"node", "device"}, [core] {
+          std::vector<metrics::LabeledValue> rows;
+          if (!*core) return rows;
+          for (const auto& n : (*core)->GetCluster(true).nodes()) {
+            for (const auto& d : n.devices()) {
+              for (const auto& f : d.flops()) {
+                if (f.dtype() == v1::FLOAT32) rows.push_back({{n.name(), d.id()}, f.flops()});
+              }
+            }
+          }
+          return rows;
+        }));
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_device_memory_bytes", "Memory of each registered device, in bytes.",
+        {"node", "device"}, [core] {
+          std::vector<metrics::LabeledValue> rows;
+          if (!*core) return rows;
+          for (const auto& n : (*core)->GetCluster(true).nodes()) {
+            for (const auto& d : n.devices()) {
+              rows.push_back({{n.name(), d.id()}, static_cast<double>(d.memory_bytes())});
+            }
+          }
+          return rows;
+        }));
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_nodes", "Registered nodes, by state.", {"state"}, [core] {
+          std::vector<metrics::LabeledValue> rows;
+          if (!*core) return rows;
+          double ready = 0, stale = 0;
+          for (const auto& n : (*core)->GetCluster(true).nodes()) {
+            (n.state() == v1::Node::STALE ? stale : ready) += 1;
+          }
+          rows.push_back({{"ready"}, ready});
+          rows.push_back({{"stale"}, stale});
+          return rows;
+        }));
+    return absl::OkStatus();
+  }
+
+  static const char* Type(const std::string& method) {
+    return method == "WatchPlan" ? "server_stream" : "unary";
+  }
+  void Started(const std::string& method) {
+    if (auto c = started->Get({Type(method), kService, method}); c.ok()) (*c)->Increment();
+  }
+  void Handled(const std::string& method, grpc::StatusCode code, double seconds) {
+    std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+    // go-grpc-prometheus spells codes in CamelCase (OK, InvalidArgument).
+    std::string camel;
+    bool up = true;
+    for (char ch : name) {
+      if (ch == '_') {
+        up = true;
+        continue;
+      }
+      camel += up ? ch : static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      up = false;
+    }
+    if (code == grpc::StatusCode::OK) camel = "OK";
+    if (auto c = handled->Get({Type(method), kService, method, camel}); c.ok()) {
+      (*c)->Increment();
+    }
+    if (auto h = handling->Get({Type(method), kService, method}); h.ok()) {
+      (*h)->Observe(seconds);
+    }
+  }
+  void PlanDone(const v1::Plan& p) {
+    std::string result = p.state() == v1::Plan::SUCCEEDED   ? "succeeded"
+                         : p.state() == v1::Plan::CANCELLED ? "cancelled"
+                                                            : "failed";
+    if (auto c = plans->Get({result}); c.ok()) (*c)->Increment();
+    if (p.state() != v1::Plan::SUCCEEDED) return;
+    plan_duration->Observe(p.synthesis_seconds());
+    if (auto g = predicted->Get({p.graph().name()}); g.ok()) {
+      (*g)->Set(p.prediction().step_seconds());
+    }
+  }
+  void Step(const v1::StepMetric& m) {
+    steps->Increment();
+    step_seconds->Observe(m.step_seconds());
+    if (m.rank() == 0) {
+      if (auto g = loss->Get({m.deployment()}); g.ok()) (*g)->Set(m.loss());
+    }
+  }
+};
+
+}  // namespace
+
+struct PlannerServer::Impl {
+  PlannerServerOptions o;
+  std::unique_ptr<StateBackend> backend;
+  PlannerCore* core_ptr = nullptr;  // read by metric callbacks
+  PlannerMetrics metrics;
+  std::unique_ptr<PlannerCore> core;
+  std::unique_ptr<PlannerServiceImpl> service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<metrics::MetricsHttpServer> http;
+  int port = 0;
+  absl::Mutex mu;
+  bool shut = false;
+  absl::Notification done;
+};
+
+absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServerOptions o) {
+  std::unique_ptr<PlannerServer> s(new PlannerServer());
+  s->impl_ = std::make_unique<Impl>();
+  Impl& m = *s->impl_;
+  m.o = o;
+  HAP_RETURN_IF_ERROR(m.metrics.Init(&m.core_ptr));
+  StateBackend::Loaded loaded;
+  if (!o.database.empty()) {
+    HAP_ASSIGN_OR_RETURN(m.backend, OpenSqliteBackend(o.database));
+    HAP_ASSIGN_OR_RETURN(loaded, m.backend->Load());
+  }
+  PlannerCoreOptions co = o.core;
+  co.sink = m.backend.get();
+  co.on_plan_done = [&m](const v1::Plan& p) { m.metrics.PlanDone(p); };
+  HAP_ASSIGN_OR_RETURN(m.core, PlannerCore::Create(co, std::move(loaded.nodes),
+                                                   std::move(loaded.plans)));
+  m.core_ptr = m.core.get();
+
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds,
+                       MakeServerCredentials(o.security));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder b;
+  b.AddListeningPort(o.listen, creds, &m.port);
+  b.SetMaxReceiveMessageSize(o.max_message_bytes);
+  b.SetMaxSendMessageSize(kMaxMessageBytes);
+  PlannerServiceOptions so;
+  so.security = o.security;
+  so.on_rpc_start = [&m](const std::string& method) { m.metrics.Started(method); };
+  so.on_rpc = [&m](const std::string& method, grpc::StatusCode c, double sec) {
+    m.metrics.Handled(method, c, sec);
+  };
+  so.on_step_metric = [&m](const v1::StepMetric& x) { m.metrics.Step(x); };
+  // The advertised address is known once the port is bound; the service
+  // reads it at deploy time.
+  m.service = std::make_unique<PlannerServiceImpl>(m.core.get(), m.backend.get(), so,
+                                                   std::move(loaded.deployments),
+                                                   std::move(loaded.metrics));
+  b.RegisterService(m.service.get());
+  m.server = b.BuildAndStart();
+  if (!m.server || m.port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", o.listen, " (address in use or invalid)"));
+  }
+  std::string advertise =
+      o.advertise.empty()
+          ? absl::StrCat(o.listen.substr(0, o.listen.rfind(':')), ":", m.port)
+          : o.advertise;
+  m.service->set_advertise_address(advertise);
+  m.server->GetHealthCheckService()->SetServingStatus(kService, true);
+  m.server->GetHealthCheckService()->SetServingStatus(true);
+  if (o.metrics_port >= 0) {
+    metrics::MetricsHttpServerOptions ho;
+    ho.bind_address = o.metrics_address;
+    ho.port = o.metrics_port;
+    m.http = std::make_unique<metrics::MetricsHttpServer>(&m.metrics.registry, ho);
+    HAP_RETURN_IF_ERROR(m.http->Start());
+  }
+  return s;
+}
+
+PlannerServer::~PlannerServer() {
+  if (impl_) Shutdown();
+}
+
+int PlannerServer::port() const { return impl_->port; }
+int PlannerServer::metrics_port() const { return impl_->http ? impl_->http->port() : -1; }
+std::string PlannerServer::address() const {
+  return absl::StrCat("127.0.0.1:", impl_->port);
+}
+PlannerCore& PlannerServer::core() { return *impl_->core; }
+
+void PlannerServer::Shutdown() {
+  Impl& m = *impl_;
+  {
+    absl::MutexLock l(&m.mu);
+    if (m.shut) return;
+    m.shut = true;
+  }
+  m.server->GetHealthCheckService()->SetServingStatus(kService, false);
+  m.server->GetHealthCheckService()->SetServingStatus(false);
+  absl::SleepFor(m.o.drain);
+  m.service->Shutdown();
+  m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  m.server->Wait();
+  if (m.http) m.http->Stop();
+  m.service.reset();
+  m.core.reset();
+  m.core_ptr = nullptr;
+  m.done.Notify();
+}
+
+void PlannerServer::Wait() { impl_->done.WaitForNotification(); }
+
+}  // namespace hap::service

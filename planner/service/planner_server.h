@@ -1,0 +1,74 @@
+// The hap-planner daemon put together: durable state, the core, the gRPC
+// service (with grpc.health.v1 and server reflection), and Prometheus
+// metrics over HTTP. main.cc is flags around this; tests start it in
+// process on 127.0.0.1 with port 0.
+#ifndef HAP_PLANNER_SERVICE_PLANNER_SERVER_H_
+#define HAP_PLANNER_SERVICE_PLANNER_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "planner/service/core/planner_core.h"
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::service {
+
+// What a restart starts from, and where changes go.
+class StateBackend : public PlannerStateSink {
+ public:
+  struct Loaded {
+    std::vector<hap::v1::Node> nodes;
+    std::vector<hap::v1::Plan> plans;
+    std::vector<hap::v1::Deployment> deployments;
+    std::vector<hap::v1::StepMetric> metrics;
+  };
+  virtual absl::StatusOr<Loaded> Load() = 0;
+};
+
+// The SQLite database at `path` (created when missing).
+absl::StatusOr<std::unique_ptr<StateBackend>> OpenSqliteBackend(const std::string& path);
+
+struct PlannerServerOptions {
+  std::string listen = "127.0.0.1:0";  // gRPC; port 0 picks a free port
+  // Address executors use to reach the planner (rendezvous); empty = the
+  // bound listen address.
+  std::string advertise;
+  std::string metrics_address = "127.0.0.1";
+  int metrics_port = 0;         // /metrics over HTTP; -1 = off
+  std::string database;         // SQLite file; empty = state in memory only
+  Security security;            // token and TLS for every RPC
+  int max_message_bytes = kMaxMessageBytes;
+  // While shutting down, health reports NOT_SERVING for this long before
+  // the server stops taking calls (load balancers drain meanwhile).
+  absl::Duration drain = absl::Seconds(1);
+  PlannerCoreOptions core;
+};
+
+class PlannerServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<PlannerServer>> Start(PlannerServerOptions options);
+  ~PlannerServer();  // Shutdown()
+
+  int port() const;          // the gRPC port bound
+  int metrics_port() const;  // the HTTP port bound, or -1
+  std::string address() const;  // "127.0.0.1:port"
+
+  // NOT_SERVING, drain, then stop accepting and finish calls in flight.
+  void Shutdown();
+  // Blocks until Shutdown() has finished (from another thread or signal).
+  void Wait();
+
+  PlannerCore& core();
+
+ private:
+  PlannerServer() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hap::service
+
+#endif  // HAP_PLANNER_SERVICE_PLANNER_SERVER_H_

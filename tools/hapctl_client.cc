@@ -1,0 +1,542 @@
+#include "tools/hapctl_client.h"
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "google/protobuf/util/time_util.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/graph/zoo.h"
+#include "planner/service/grpc/grpc_util.h"
+#include "planner/util/status_macros.h"
+#include "tools/cli_args.h"
+#include "tools/hapctl_graph.h"
+
+namespace hap::tools {
+namespace {
+
+namespace v1 = ::hap::v1;
+using service::Security;
+
+constexpr char kDefaultServer[] = "127.0.0.1:7070";
+
+constexpr char kUsage[] = R"(usage:
+  hapctl get nodes|plans|deployments
+  hapctl describe plan|deployment NAME
+  hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
+                     [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
+                     [--no-sfb] [--no-zero] [--no-grouped] [--max-seconds S]
+                     [--optimizer sgd|momentum|adam] [--lr X] [--seed N] [--id ID] [--wait]
+  hapctl watch plan NAME
+  hapctl cancel plan NAME
+  hapctl delete plan NAME
+  hapctl deploy plan NAME --executor DEVICE=HOST:PORT ... [--steps N]
+                     [--data synthetic|wikitext] [--data-path FILE] [--threads T]
+  hapctl stop deployment NAME
+Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
+  --timeout SECONDS (default 30), --token-file FILE (else $HAP_TOKEN_FILE),
+  --tls-ca-file FILE, -o table|json|yaml. Errors go to stderr, exit code 1.
+)";
+
+struct Client {
+  std::unique_ptr<v1::Planner::Stub> stub;
+  Security security;
+  absl::Duration timeout = absl::Seconds(30);
+  std::string format = "table";
+
+  void Prepare(grpc::ClientContext* ctx) const {
+    service::PrepareClientContext(ctx, security, timeout);
+  }
+};
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  return 1;
+}
+int Fail(const grpc::Status& s) { return Fail(service::FromGrpc(s)); }
+
+// JSON -> YAML through protobuf's Struct (no YAML library in Debian's C++).
+void Yaml(const google::protobuf::Value& v, int indent, std::ostringstream& o, bool in_list);
+
+std::string Scalar(const google::protobuf::Value& v) {
+  switch (v.kind_case()) {
+    case google::protobuf::Value::kNullValue:
+      return "null";
+    case google::protobuf::Value::kBoolValue:
+      return v.bool_value() ? "true" : "false";
+    case google::protobuf::Value::kNumberValue:
+      return absl::StrFormat("%.17g", v.number_value());
+    case google::protobuf::Value::kStringValue: {
+      std::string out = "\"";
+      for (char c : v.string_value()) {
+        if (c == '"' || c == '\\') out += '\\';
+        if (c == '\n') {
+          out += "\\n";
+          continue;
+        }
+        out += c;
+      }
+      return out + "\"";
+    }
+    default:
+      return "";
+  }
+}
+
+void Yaml(const google::protobuf::Value& v, int indent, std::ostringstream& o, bool in_list) {
+  std::string pad(indent, ' ');
+  if (v.has_struct_value()) {
+    bool first = true;
+    if (v.struct_value().fields().empty()) {
+      o << "{}\n";
+      return;
+    }
+    std::map<std::string, google::protobuf::Value> sorted(v.struct_value().fields().begin(),
+                                                          v.struct_value().fields().end());
+    for (const auto& [k, x] : sorted) {
+      o << (first && in_list ? "" : pad) << k << ":";
+      first = false;
+      if (x.has_struct_value() || x.has_list_value()) {
+        bool empty = x.has_struct_value() ? x.struct_value().fields().empty()
+                                          : x.list_value().values().empty();
+        if (empty) {
+          o << (x.has_struct_value() ? " {}\n" : " []\n");
+        } else {
+          o << "\n";
+          Yaml(x, indent + 2, o, false);
+        }
+      } else {
+        o << " " << Scalar(x) << "\n";
+      }
+    }
+  } else if (v.has_list_value()) {
+    for (const auto& x : v.list_value().values()) {
+      o << pad << "- ";
+      if (x.has_struct_value()) {
+        Yaml(x, indent + 2, o, true);
+      } else if (x.has_list_value()) {
+        o << "\n";
+        Yaml(x, indent + 2, o, false);
+      } else {
+        o << Scalar(x) << "\n";
+      }
+    }
+  } else {
+    o << pad << Scalar(v) << "\n";
+  }
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  return out;
+}
+
+void PrintMessage(const google::protobuf::Message& m, const std::string& format) {
+  std::string json = ToJson(m);
+  if (format == "yaml") {
+    google::protobuf::Value v;
+    (void)google::protobuf::util::JsonStringToMessage(json, &v);
+    std::ostringstream o;
+    Yaml(v, 0, o, false);
+    std::cout << o.str();
+  } else {
+    std::cout << json;
+  }
+}
+
+std::string Ts(const google::protobuf::Timestamp& t) {
+  return t.seconds() == 0 ? "-" : google::protobuf::util::TimeUtil::ToString(t);
+}
+
+void PrintPlanRow(const v1::Plan& p) {
+  std::cout << absl::StrFormat("%-28s %-10s %-14s %8d %12.4f %10.3f %s\n", p.name(),
+                               v1::Plan::State_Name(p.state()), p.graph_hash().substr(0, 12),
+                               p.devices_size(), p.prediction().step_seconds(),
+                               p.synthesis_seconds(),
+                               p.state() == v1::Plan::FAILED ? p.error() : Ts(p.create_time()));
+}
+
+void PrintPlanHeader() {
+  std::cout << absl::StrFormat("%-28s %-10s %-14s %8s %12s %10s %s\n", "NAME", "STATE",
+                               "GRAPH", "DEVICES", "PRED STEP S", "SYNTH S", "CREATED/ERROR");
+}
+
+void DescribePlan(const v1::Plan& p) {
+  PrintPlanHeader();
+  PrintPlanRow(p);
+  std::cout << absl::StrFormat(
+      "\nprediction: step %.4f s = compute %.4f s + communication %.4f s\n",
+      p.prediction().step_seconds(), p.prediction().compute_seconds(),
+      p.prediction().communication_seconds());
+  std::cout << absl::StrFormat("search: %d states, %s, %d joint iteration(s)\n",
+                               p.states_expanded(), p.optimal() ? "proven optimal" : "not proven optimal",
+                               p.joint_iterations());
+  std::cout << absl::StrFormat("%-28s %10s %14s\n", "DEVICE", "RATIO", "MEMORY GiB");
+  for (int i = 0; i < p.devices_size(); ++i) {
+    double ratio = p.ratios_size() ? p.ratios(0).ratios(i) : 0;
+    double mem = i < p.prediction().memory_bytes_per_device_size()
+                     ? p.prediction().memory_bytes_per_device(i) / double(1 << 30)
+                     : 0;
+    std::cout << absl::StrFormat("%-28s %10.4f %14.2f\n", p.devices(i), ratio, mem);
+  }
+  int comms = 0;
+  for (const auto& ins : p.program().instructions()) comms += ins.kind() == v1::Instruction::COMMUNICATE;
+  std::cout << absl::StrFormat("program: %d instructions, %d communications\n",
+                               p.program().instructions_size(), comms);
+  if (!p.error().empty()) std::cout << "error: " << p.error() << "\n";
+}
+
+absl::StatusOr<Client> Connect(const Args& a) {
+  Client c;
+  std::string server = a.Get("server");
+  if (server.empty()) {
+    const char* env = std::getenv("HAPCTL_SERVER");
+    server = env ? env : kDefaultServer;
+  }
+  HAP_ASSIGN_OR_RETURN(c.security.token, service::ReadTokenFile(a.GetOrEnv("token-file", "")));
+  c.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
+  HAP_ASSIGN_OR_RETURN(double t, a.Number("timeout", 30));
+  if (!(t > 0)) return absl::InvalidArgumentError("--timeout must be positive");
+  c.timeout = absl::Seconds(t);
+  c.format = a.Get("o", a.Get("output", "table"));
+  if (c.format != "table" && c.format != "json" && c.format != "yaml") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("-o must be table, json or yaml, got '", c.format, "'"));
+  }
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> ch,
+                       service::MakeChannel(server, c.security));
+  c.stub = v1::Planner::NewStub(ch);
+  return c;
+}
+
+std::string PlanName(const std::string& s) {
+  return s.rfind("plans/", 0) == 0 ? s : "plans/" + s;
+}
+std::string DeploymentName(const std::string& s) {
+  return s.rfind("deployments/", 0) == 0 ? s : "deployments/" + s;
+}
+
+int Get(Client& c, const std::string& what) {
+  if (what == "nodes" || what == "node") {
+    v1::ListNodesResponse all;
+    std::string token;
+    do {
+      v1::ListNodesRequest r;
+      r.set_page_token(token);
+      v1::ListNodesResponse page;
+      grpc::ClientContext ctx;
+      c.Prepare(&ctx);
+      grpc::Status s = c.stub->ListNodes(&ctx, r, &page);
+      if (!s.ok()) return Fail(s);
+      for (auto& n : *page.mutable_nodes()) *all.add_nodes() = std::move(n);
+      token = page.next_page_token();
+    } while (!token.empty());
+    if (c.format != "table") {
+      PrintMessage(all, c.format);
+      return 0;
+    }
+    std::cout << absl::StrFormat("%-20s %-7s %-22s %8s %14s %s\n", "NAME", "STATE", "ADDRESS",
+                                 "DEVICES", "TFLOP/S", "LAST HEARTBEAT");
+    for (const auto& n : all.nodes()) {
+      double flops = 0;
+      for (const auto& d : n.devices()) {
+        for (const auto& f : d.flops()) flops += f.dtype() == v1::FLOAT32 ? f.flops() : 0;
+      }
+      std::cout << absl::StrFormat("%-20s %-7s %-22s %8d %14.3f %s\n", n.name(),
+                                   v1::Node::State_Name(n.state()), n.address(),
+                                   n.devices_size(), flops / 1e12, Ts(n.last_heartbeat()));
+    }
+    return 0;
+  }
+  if (what == "plans" || what == "plan") {
+    v1::ListPlansResponse all;
+    std::string token;
+    do {
+      v1::ListPlansRequest r;
+      r.set_page_token(token);
+      v1::ListPlansResponse page;
+      grpc::ClientContext ctx;
+      c.Prepare(&ctx);
+      grpc::Status s = c.stub->ListPlans(&ctx, r, &page);
+      if (!s.ok()) return Fail(s);
+      for (auto& p : *page.mutable_plans()) *all.add_plans() = std::move(p);
+      token = page.next_page_token();
+    } while (!token.empty());
+    if (c.format != "table") {
+      PrintMessage(all, c.format);
+      return 0;
+    }
+    PrintPlanHeader();
+    for (const auto& p : all.plans()) PrintPlanRow(p);
+    return 0;
+  }
+  if (what == "deployments" || what == "deployment") {
+    v1::ListDeploymentsRequest r;
+    v1::ListDeploymentsResponse resp;
+    grpc::ClientContext ctx;
+    c.Prepare(&ctx);
+    grpc::Status s = c.stub->ListDeployments(&ctx, r, &resp);
+    if (!s.ok()) return Fail(s);
+    if (c.format != "table") {
+      PrintMessage(resp, c.format);
+      return 0;
+    }
+    std::cout << absl::StrFormat("%-32s %-24s %-10s %6s %8s %10s %10s\n", "NAME", "PLAN",
+                                 "STATE", "RANKS", "STEPS", "LOSS", "STEP S");
+    for (const auto& d : resp.deployments()) {
+      std::cout << absl::StrFormat("%-32s %-24s %-10s %6d %8d %10.4f %10.4f\n", d.name(),
+                                   d.plan(), v1::Deployment::State_Name(d.state()),
+                                   d.ranks_size(), d.steps_completed(), d.last_loss(),
+                                   d.median_step_seconds());
+    }
+    return 0;
+  }
+  return Fail(absl::InvalidArgumentError(
+      absl::StrCat("cannot get '", what, "': use nodes, plans or deployments")));
+}
+
+absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
+  v1::CreatePlanRequest r;
+  if (a.Has("graph")) {
+    HAP_ASSIGN_OR_RETURN(graph::Graph g, LoadModel(a));
+    (void)g;
+    std::ifstream f(a.Get("graph"), std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    HAP_ASSIGN_OR_RETURN(*r.mutable_model()->mutable_graph(),
+                         graph::ParseGraphProto(ss.str(), graph::GraphFormat::kAuto));
+  } else {
+    std::string model = a.Get("model", "gpt");
+    auto* zoo = r.mutable_model()->mutable_zoo();
+    zoo->set_name(model);
+    for (const std::string& flag : ZooParamFlags()) {
+      if (!a.Has(flag)) continue;
+      HAP_ASSIGN_OR_RETURN(double v, a.Number(flag, 0));
+      (*zoo->mutable_params())[flag] = v;
+    }
+    for (const std::string& kv : a.GetAll("set")) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      double v;
+      if (!absl::SimpleAtod(p.second, &v)) {
+        return absl::InvalidArgumentError(absl::StrCat("--set ", kv, ": not KEY=NUMBER"));
+      }
+      (*zoo->mutable_params())[p.first] = v;
+    }
+  }
+  if (a.Has("devices")) {
+    for (absl::string_view d : absl::StrSplit(a.Get("devices"), ',', absl::SkipEmpty())) {
+      r.add_devices(std::string(d));
+    }
+  }
+  v1::PlanOptions* o = r.mutable_options();
+  std::string b = a.Get("baseline", "hap");
+  if (b == "dp-even") {
+    o->set_baseline(v1::DP_EVEN);
+  } else if (b == "dp-prop") {
+    o->set_baseline(v1::DP_PROPORTIONAL);
+  } else if (b == "megatron") {
+    o->set_baseline(v1::MEGATRON);
+  } else if (b == "zero3") {
+    o->set_baseline(v1::ZERO3);
+  } else if (b != "hap") {
+    return absl::InvalidArgumentError(absl::StrCat("--baseline '", b, "' is not known"));
+  }
+  o->set_disable_sfb(a.Bool("no-sfb"));
+  o->set_disable_zero(a.Bool("no-zero"));
+  o->set_disable_grouped_collectives(a.Bool("no-grouped"));
+  HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
+  o->mutable_budget()->set_max_seconds(ms);
+  std::string opt = a.Get("optimizer", "momentum");
+  o->mutable_optimizer()->set_kind(opt == "adam" ? v1::OptimizerConfig::ADAM
+                                                 : v1::OptimizerConfig::SGD);
+  if (opt == "momentum") o->mutable_optimizer()->set_momentum(0.9);
+  HAP_ASSIGN_OR_RETURN(double lr, a.Number("lr", 0));
+  o->mutable_optimizer()->set_learning_rate(lr);
+  HAP_ASSIGN_OR_RETURN(double seed, a.Number("seed", 0));
+  o->set_seed(static_cast<uint64_t>(seed));
+  r.set_plan_id(a.Get("id"));
+  r.set_wait(a.Bool("wait"));
+  return r;
+}
+
+int Watch(Client& c, const std::string& name) {
+  v1::WatchPlanRequest r;
+  r.set_name(PlanName(name));
+  grpc::ClientContext ctx;
+  service::PrepareClientContext(&ctx, c.security, absl::InfiniteDuration());
+  auto reader = c.stub->WatchPlan(&ctx, r);
+  v1::Plan p;
+  while (reader->Read(&p)) {
+    if (c.format == "table") {
+      std::cout << absl::StrFormat("%-10s states %10d best %.4f s iteration %d\n",
+                                   v1::Plan::State_Name(p.state()),
+                                   p.progress().states_expanded(),
+                                   p.progress().best_cost_seconds(),
+                                   p.progress().joint_iteration())
+                << std::flush;
+    } else {
+      PrintMessage(p, c.format);
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return Fail(s);
+  if (p.state() == v1::Plan::FAILED) {
+    std::cerr << "error: the plan failed: " << p.error() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
+  std::set<std::string> values = ZooParamFlags();
+  values.insert({"server", "timeout", "token-file", "tls-ca-file", "o", "output", "model",
+                 "graph", "devices", "baseline", "max-seconds", "optimizer", "lr", "seed",
+                 "id", "executor", "steps", "data", "data-path", "threads", "set"});
+  auto a = Args::Parse(argv, values, {"help", "no-sfb", "no-zero", "no-grouped", "wait"});
+  if (!a.ok()) return Fail(a.status());
+  if (a->Bool("help")) {
+    std::cout << kUsage;
+    return 0;
+  }
+  const auto& pos = a->positional();
+  auto c = Connect(*a);
+  if (!c.ok()) return Fail(c.status());
+  auto need = [&](size_t n) {
+    if (pos.size() < n) {
+      std::cerr << "error: missing arguments\n" << kUsage;
+      return false;
+    }
+    return true;
+  };
+  if (verb == "get") {
+    if (!need(1)) return 1;
+    return Get(*c, pos[0]);
+  }
+  if (verb == "describe") {
+    if (!need(2)) return 1;
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    if (pos[0] == "deployment") {
+      v1::GetDeploymentRequest r;
+      r.set_name(DeploymentName(pos[1]));
+      v1::Deployment d;
+      grpc::Status s = c->stub->GetDeployment(&ctx, r, &d);
+      if (!s.ok()) return Fail(s);
+      PrintMessage(d, c->format == "yaml" ? "yaml" : "json");
+      return 0;
+    }
+    v1::GetPlanRequest r;
+    r.set_name(PlanName(pos[1]));
+    v1::Plan p;
+    grpc::Status s = c->stub->GetPlan(&ctx, r, &p);
+    if (!s.ok()) return Fail(s);
+    if (c->format == "table") {
+      DescribePlan(p);
+    } else {
+      PrintMessage(p, c->format);
+    }
+    return 0;
+  }
+  if (verb == "create") {
+    if (!need(1)) return 1;
+    auto r = CreateRequest(*a);
+    if (!r.ok()) return Fail(r.status());
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    v1::Plan p;
+    grpc::Status s = c->stub->CreatePlan(&ctx, *r, &p);
+    if (!s.ok()) return Fail(s);
+    if (c->format == "table") {
+      PrintPlanHeader();
+      PrintPlanRow(p);
+    } else {
+      PrintMessage(p, c->format);
+    }
+    return p.state() == v1::Plan::FAILED ? 1 : 0;
+  }
+  if (verb == "watch") {
+    if (!need(2)) return 1;
+    return Watch(*c, pos[1]);
+  }
+  if (verb == "cancel" || verb == "delete") {
+    if (!need(2)) return 1;
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    grpc::Status s;
+    if (verb == "cancel") {
+      v1::CancelPlanRequest r;
+      r.set_name(PlanName(pos[1]));
+      v1::Plan p;
+      s = c->stub->CancelPlan(&ctx, r, &p);
+    } else {
+      v1::DeletePlanRequest r;
+      r.set_name(PlanName(pos[1]));
+      v1::DeletePlanResponse resp;
+      s = c->stub->DeletePlan(&ctx, r, &resp);
+    }
+    if (!s.ok()) return Fail(s);
+    std::cout << PlanName(pos[1]) << (verb == "cancel" ? " cancelled\n" : " deleted\n");
+    return 0;
+  }
+  if (verb == "deploy") {
+    if (!need(2)) return 1;
+    v1::DeployPlanRequest r;
+    r.set_plan(PlanName(pos[1]));
+    for (const std::string& e : a->GetAll("executor")) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(e, absl::MaxSplits('=', 1));
+      if (kv.second.empty()) {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("--executor ", e, ": expected DEVICE=HOST:PORT")));
+      }
+      (*r.mutable_executors())[kv.first] = kv.second;
+    }
+    auto steps = a->Number("steps", 100);
+    auto threads = a->Number("threads", 1);
+    if (!steps.ok()) return Fail(steps.status());
+    if (!threads.ok()) return Fail(threads.status());
+    r.mutable_training()->set_steps(static_cast<int64_t>(*steps));
+    r.mutable_training()->set_threads_per_rank(static_cast<int>(*threads));
+    r.mutable_training()->set_data(a->Get("data", "synthetic") == "wikitext"
+                                       ? v1::TrainingConfig::WIKITEXT2
+                                       : v1::TrainingConfig::SYNTHETIC);
+    r.mutable_training()->set_data_path(a->Get("data-path"));
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    v1::Deployment d;
+    grpc::Status s = c->stub->DeployPlan(&ctx, r, &d);
+    if (!s.ok()) return Fail(s);
+    if (c->format == "table") {
+      std::cout << d.name() << " " << v1::Deployment::State_Name(d.state()) << "\n";
+    } else {
+      PrintMessage(d, c->format);
+    }
+    return 0;
+  }
+  if (verb == "stop") {
+    if (!need(2)) return 1;
+    v1::StopDeploymentRequest r;
+    r.set_name(DeploymentName(pos[1]));
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    v1::Deployment d;
+    grpc::Status s = c->stub->StopDeployment(&ctx, r, &d);
+    if (!s.ok()) return Fail(s);
+    std::cout << d.name() << " stopping\n";
+    return 0;
+  }
+  return Fail(absl::InvalidArgumentError(absl::StrCat("unknown command '", verb, "'")));
+}
+
+}  // namespace hap::tools
