@@ -7,6 +7,8 @@
 //   --token-file FILE         bearer token every call must carry
 //   --tls-cert-file FILE --tls-key-file FILE
 //   --heartbeat-seconds S --missed-heartbeats N --workers N --max-seconds S
+//   --max-request-bytes N     larger requests get RESOURCE_EXHAUSTED
+//   --drain-seconds S         NOT_SERVING this long before stopping
 #include <csignal>
 #include <iostream>
 #include <thread>
@@ -55,13 +57,17 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   auto missed = number("missed-heartbeats", 3);
   auto workers = number("workers", 1);
   auto max_seconds = number("max-seconds", 60);
-  for (auto* s : {&hb, &missed, &workers, &max_seconds}) {
+  auto max_request = number("max-request-bytes", hap::service::kMaxMessageBytes);
+  auto drain = number("drain-seconds", 1);
+  for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
   o.core.missed_heartbeats = static_cast<int>(*missed);
   o.core.workers = static_cast<int>(*workers);
   o.core.default_max_seconds = *max_seconds;
+  o.max_message_bytes = static_cast<int>(std::min<double>(*max_request, 1 << 30));
+  o.drain = absl::Seconds(*drain);
   return o;
 }
 
@@ -72,7 +78,8 @@ int main(int argc, char** argv) {
   auto a = hap::tools::Args::Parse(
       args,
       {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
-       "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds"},
+       "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds",
+       "max-request-bytes", "drain-seconds"},
       {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n";

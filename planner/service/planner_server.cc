@@ -72,7 +72,8 @@ struct PlannerMetrics {
         {"node", "device"}, [core] {
           std::vector<metrics::LabeledValue> rows;
           if (!*core) return rows;
-          for (const auto& n : (*core)->GetCluster(true).nodes()) {
+          const v1::Cluster cluster = (*core)->GetCluster(true);
+          for (const auto& n : cluster.nodes()) {
             for (const auto& d : n.devices()) {
               for (const auto& f : d.flops()) {
                 if (f.dtype() == v1::FLOAT32) rows.push_back({{n.name(), d.id()}, f.flops()});
@@ -86,7 +87,8 @@ struct PlannerMetrics {
         {"node", "device"}, [core] {
           std::vector<metrics::LabeledValue> rows;
           if (!*core) return rows;
-          for (const auto& n : (*core)->GetCluster(true).nodes()) {
+          const v1::Cluster cluster = (*core)->GetCluster(true);
+          for (const auto& n : cluster.nodes()) {
             for (const auto& d : n.devices()) {
               rows.push_back({{n.name(), d.id()}, static_cast<double>(d.memory_bytes())});
             }
@@ -98,7 +100,8 @@ struct PlannerMetrics {
           std::vector<metrics::LabeledValue> rows;
           if (!*core) return rows;
           double ready = 0, stale = 0;
-          for (const auto& n : (*core)->GetCluster(true).nodes()) {
+          const v1::Cluster cluster = (*core)->GetCluster(true);
+          for (const auto& n : cluster.nodes()) {
             (n.state() == v1::Node::STALE ? stale : ready) += 1;
           }
           rows.push_back({{"ready"}, ready});

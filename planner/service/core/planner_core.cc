@@ -555,8 +555,8 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       s_->plans[copy.name()] = copy;
       if (o_.sink) HAP_RETURN_IF_ERROR(o_.sink->SavePlan(copy));
       ++s_->version;
-      s_->changed.SignalAll();
       if (o_.on_plan_done) o_.on_plan_done(copy);
+      s_->changed.SignalAll();
       return copy;
     }
     plan.set_state(v1::Plan::PENDING);
@@ -611,7 +611,6 @@ void PlannerCore::Worker() {
 
 void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
                              const std::function<void(v1::Plan&)>& edit) {
-  v1::Plan done;
   {
     absl::MutexLock l(&s_->mu);
     auto it = s_->plans.find(job->name);
@@ -622,7 +621,8 @@ void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
       s_->jobs.erase(job->name);
       if (it->second.state() == v1::Plan::SUCCEEDED) s_->cache[job->cache_key] = job->name;
       if (o_.sink) (void)o_.sink->SavePlan(it->second);
-      done = it->second;
+      // Before waiters wake: whoever sees the final state sees it counted.
+      if (o_.on_plan_done) o_.on_plan_done(it->second);
     } else if (o_.sink && it->second.state() == v1::Plan::RUNNING &&
                !it->second.progress().states_expanded()) {
       (void)o_.sink->SavePlan(it->second);
@@ -630,7 +630,6 @@ void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
     ++s_->version;
     s_->changed.SignalAll();
   }
-  if (!done.name().empty() && o_.on_plan_done) o_.on_plan_done(done);
 }
 
 void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {

@@ -57,7 +57,8 @@ struct PlannerCoreOptions {
   // Link bandwidth and latency where no measured link is reported: inside
   // a node (shared memory / PCIe class) and between nodes (10 GbE class).
   hap::v1::LinkDefaults link_defaults = DefaultLinks();
-  // Observers (metrics): a plan reached a final state.
+  // Observers (metrics): a plan reached a final state. Called under the
+  // core's lock: it must not call back into the core.
   std::function<void(const hap::v1::Plan&)> on_plan_done;
 };
 

@@ -1,0 +1,321 @@
+// hap-planner as a process on 127.0.0.1: health, bad requests and their
+// codes, liveness of nodes, state that survives SIGKILL, and a real
+// Prometheus server scraping /metrics.
+#include <signal.h>
+
+#include <fstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/graph/zoo.h"
+#include "planner/service/grpc/grpc_util.h"
+#include "tests/service_harness.h"
+
+namespace hap {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::Process;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "s3cret-token";
+
+struct Planner {
+  Process proc;
+  int port = 0;
+  int metrics_port = 0;
+  std::string dir;
+
+  void Start(const std::string& state_dir, std::vector<std::string> extra = {}) {
+    dir = state_dir;
+    std::ofstream(dir + "/token") << kToken << "\n";
+    std::vector<std::string> argv = {
+        hap::testing::Runfile("planner/service/hap-planner"),
+        "--listen=127.0.0.1:0",
+        "--metrics-listen=127.0.0.1:0",
+        "--database=" + dir + "/planner.db",
+        "--token-file=" + dir + "/token",
+        "--heartbeat-seconds=0.5",
+        "--missed-heartbeats=2",
+        "--drain-seconds=1.5",
+        "--max-request-bytes=1048576"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    ASSERT_TRUE(proc.Start(argv).ok());
+    auto addr = proc.WaitForLine("listening on 127.0.0.1:");
+    ASSERT_TRUE(addr.ok()) << addr.status();
+    ASSERT_TRUE(absl::SimpleAtoi(*addr, &port));
+    auto m = proc.WaitForLine("metrics on http://127.0.0.1:");
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(absl::SimpleAtoi(m->substr(0, m->find('/')), &metrics_port));
+  }
+  std::string Address() const { return absl::StrCat("127.0.0.1:", port); }
+  std::unique_ptr<v1::Planner::Stub> Stub() const {
+    return v1::Planner::NewStub(*service::MakeChannel(Address(), {}));
+  }
+};
+
+// A call context with the token (or not) and a deadline.
+std::unique_ptr<grpc::ClientContext> Ctx(bool token = true, int seconds = 30) {
+  auto c = std::make_unique<grpc::ClientContext>();
+  service::Security s;
+  if (token) s.token = kToken;
+  service::PrepareClientContext(c.get(), s, absl::Seconds(seconds));
+  return c;
+}
+
+v1::Node FakeNode(const std::string& name, double flops) {
+  v1::Node n;
+  n.set_name(name);
+  n.set_address("127.0.0.1:1");
+  for (int i = 0; i < 2; ++i) {
+    v1::Device* d = n.add_devices();
+    d->set_id(absl::StrCat(name, "/cpu", i));
+    d->set_kind(v1::CPU);
+    auto* f = d->add_flops();
+    f->set_dtype(v1::FLOAT32);
+    f->set_flops(flops);
+    d->set_memory_bytes(int64_t{8} << 30);
+  }
+  return n;
+}
+
+v1::CreatePlanRequest Mlp(bool wait = true) {
+  v1::CreatePlanRequest r;
+  r.mutable_model()->mutable_zoo()->set_name("mlp");
+  auto& p = *r.mutable_model()->mutable_zoo()->mutable_params();
+  p["layers"] = 2;
+  p["hidden"] = 64;
+  p["input"] = 32;
+  p["batch"] = 32;
+  r.set_wait(wait);
+  return r;
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port,
+                                                            const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      *service::MakeChannel(absl::StrCat("127.0.0.1:", port), {}));
+  grpc::health::v1::HealthCheckRequest r;
+  r.set_service(service);
+  grpc::health::v1::HealthCheckResponse out;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (!stub->Check(&ctx, r, &out).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  return out.status();
+}
+
+class PlannerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { planner_.Start(hap::testing::TempDir("planner")); }
+  Planner planner_;
+};
+
+TEST_F(PlannerServiceTest, HealthIsServingWhileUpAndNotServingDuringShutdown) {
+  using HS = grpc::health::v1::HealthCheckResponse;
+  EXPECT_EQ(Health(planner_.port, "hap.v1.Planner"), HS::SERVING);
+  EXPECT_EQ(Health(planner_.port, ""), HS::SERVING);
+  kill(planner_.proc.pid(), SIGTERM);
+  // During the drain the server still answers, with NOT_SERVING.
+  bool seen = false;
+  for (int i = 0; i < 50 && !seen; ++i) {
+    seen = Health(planner_.port, "hap.v1.Planner") == HS::NOT_SERVING;
+    if (!seen) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(seen);
+  int status = planner_.proc.Stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << planner_.proc.output();
+}
+
+TEST_F(PlannerServiceTest, BadRequestsGetSpecificCodesAndMessages) {
+  auto stub = planner_.Stub();
+  v1::Plan plan;
+  // No token.
+  grpc::Status s = stub->CreatePlan(Ctx(false).get(), Mlp(), &plan);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("bearer token"));
+  // No live node yet.
+  s = stub->CreatePlan(Ctx().get(), Mlp(), &plan);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("no live node"));
+  v1::RegisterNodeRequest reg;
+  *reg.mutable_node() = FakeNode("n1", 1e12);
+  v1::RegisterNodeResponse rr;
+  ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  // A malformed graph names the op.
+  auto g = graph::BuildZooModel("mlp", {{"layers", 1}, {"hidden", 8}, {"input", 4}, {"batch", 4}});
+  ASSERT_TRUE(g.ok());
+  v1::CreatePlanRequest bad;
+  *bad.mutable_model()->mutable_graph() = graph::ToProto(*g);
+  bad.mutable_model()->mutable_graph()->mutable_ops(0)->set_type("no_such_op");
+  s = stub->CreatePlan(Ctx().get(), bad, &plan);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr(bad.model().graph().ops(0).name()));
+  // An unknown device / node.
+  v1::CreatePlanRequest unknown = Mlp();
+  unknown.add_devices("ghost/gpu0");
+  s = stub->CreatePlan(Ctx().get(), unknown, &plan);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("ghost/gpu0"));
+  v1::GetProbeAssignmentsRequest pa;
+  pa.set_node("ghost");
+  v1::GetProbeAssignmentsResponse par;
+  s = stub->GetProbeAssignments(Ctx().get(), pa, &par);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  // A negative page size.
+  v1::ListPlansRequest lp;
+  lp.set_page_size(-1);
+  v1::ListPlansResponse lr;
+  s = stub->ListPlans(Ctx().get(), lp, &lr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("page_size"));
+  // An oversized request (the planner was started with a 1 MiB limit).
+  v1::CreatePlanRequest big = Mlp();
+  big.set_plan_id(std::string(2 << 20, 'x'));
+  s = stub->CreatePlan(Ctx().get(), big, &plan);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // A plan that fits nowhere fails with RESOURCE_EXHAUSTED as its code.
+  v1::CreatePlanRequest huge = Mlp();
+  (*huge.mutable_model()->mutable_zoo()->mutable_params())["hidden"] = 65536;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), huge, &plan).ok());
+  EXPECT_EQ(plan.state(), v1::Plan::FAILED);
+  EXPECT_EQ(plan.error_code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  // The planner is still serving.
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), Mlp(), &plan).ok());
+  EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+}
+
+TEST_F(PlannerServiceTest, AStaleNodeIsLeftOutOfTheNextPlan) {
+  auto stub = planner_.Stub();
+  for (const char* n : {"fast", "slow"}) {
+    v1::RegisterNodeRequest reg;
+    *reg.mutable_node() = FakeNode(n, std::string(n) == "fast" ? 2e12 : 1e12);
+    v1::RegisterNodeResponse rr;
+    ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  }
+  v1::Plan both;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), Mlp(), &both).ok());
+  EXPECT_EQ(both.devices_size(), 4);
+  // Only "fast" keeps heartbeating; "slow" misses two 0.5 s intervals.
+  for (int i = 0; i < 8; ++i) {
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/fast");
+    v1::HeartbeatResponse hr;
+    ASSERT_TRUE(stub->Heartbeat(Ctx().get(), hb, &hr).ok());
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+  v1::ListNodesRequest ln;
+  v1::ListNodesResponse nodes;
+  ASSERT_TRUE(stub->ListNodes(Ctx().get(), ln, &nodes).ok());
+  for (const auto& n : nodes.nodes()) {
+    EXPECT_EQ(n.state(), n.name() == "slow" ? v1::Node::STALE : v1::Node::READY) << n.name();
+  }
+  v1::CreatePlanRequest r = Mlp();
+  r.set_plan_id("after-stale");
+  v1::Plan one;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), r, &one).ok());
+  EXPECT_EQ(one.state(), v1::Plan::SUCCEEDED) << one.error();
+  ASSERT_EQ(one.devices_size(), 2);
+  for (const auto& d : one.devices()) EXPECT_THAT(d, ::testing::StartsWith("fast/"));
+}
+
+TEST_F(PlannerServiceTest, StateSurvivesSigkillAndNodesReRegisterWithoutDuplicates) {
+  auto stub = planner_.Stub();
+  v1::RegisterNodeRequest reg;
+  *reg.mutable_node() = FakeNode("n1", 1e12);
+  v1::RegisterNodeResponse rr;
+  ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  v1::CreatePlanRequest r = Mlp();
+  r.set_plan_id("kept");
+  v1::Plan plan;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), r, &plan).ok());
+  ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED);
+  planner_.proc.Stop(SIGKILL);
+
+  Planner again;
+  again.Start(planner_.dir);
+  auto s2 = again.Stub();
+  v1::GetPlanRequest gp;
+  gp.set_name("plans/kept");
+  gp.set_view(v1::GetPlanRequest::FULL);
+  v1::Plan back;
+  ASSERT_TRUE(s2->GetPlan(Ctx().get(), gp, &back).ok());
+  EXPECT_EQ(back.state(), v1::Plan::SUCCEEDED);
+  EXPECT_EQ(back.content_hash(), plan.content_hash());
+  EXPECT_EQ(back.rank_programs_size(), 2);
+  // The node is remembered; its agent registering again adds nothing new.
+  ASSERT_TRUE(s2->RegisterNode(Ctx().get(), reg, &rr).ok());
+  v1::ListNodesRequest ln;
+  v1::ListNodesResponse nodes;
+  ASSERT_TRUE(s2->ListNodes(Ctx().get(), ln, &nodes).ok());
+  ASSERT_EQ(nodes.nodes_size(), 1);
+  EXPECT_EQ(nodes.nodes(0).devices_size(), 2);
+  again.proc.Stop(SIGTERM);
+}
+
+TEST_F(PlannerServiceTest, PrometheusScrapesHapSeriesAndPromtoolAcceptsTheOutput) {
+  auto stub = planner_.Stub();
+  v1::RegisterNodeRequest reg;
+  *reg.mutable_node() = FakeNode("n1", 1.5e12);
+  v1::RegisterNodeResponse rr;
+  ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  v1::Plan plan;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), Mlp(), &plan).ok());
+  ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED);
+
+  auto text = hap::testing::HttpGet(planner_.metrics_port, "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_THAT(*text, HasSubstr("hap_plans_total{result=\"succeeded\"} 1"));
+  EXPECT_THAT(*text, HasSubstr("grpc_server_handled_total{grpc_type=\"unary\","
+                               "grpc_service=\"hap.v1.Planner\",grpc_method=\"CreatePlan\","
+                               "grpc_code=\"OK\"} 1"));
+  std::string dir = hap::testing::TempDir("prom");
+  std::ofstream(dir + "/metrics.txt") << *text;
+  std::string check = absl::StrCat("promtool check metrics < ", dir, "/metrics.txt 2>&1");
+  FILE* f = popen(check.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char buf[4096];
+  std::string out;
+  while (fgets(buf, sizeof(buf), f)) out += buf;
+  EXPECT_EQ(pclose(f), 0) << out;
+
+  // A real Prometheus on loopback scrapes the planner every 200 ms.
+  int prom_port = hap::testing::FreePort();
+  std::ofstream(dir + "/prometheus.yml")
+      << "global:\n  scrape_interval: 200ms\n  evaluation_interval: 1s\n"
+      << "scrape_configs:\n  - job_name: hap-planner\n    static_configs:\n"
+      << "      - targets: ['127.0.0.1:" << planner_.metrics_port << "']\n";
+  Process prom;
+  ASSERT_TRUE(prom.Start({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
+                          "--storage.tsdb.path=" + dir + "/data",
+                          absl::StrCat("--web.listen-address=127.0.0.1:", prom_port),
+                          "--log.level=warn"})
+                  .ok());
+  std::string got;
+  for (int i = 0; i < 150; ++i) {
+    auto r = hap::testing::HttpGet(prom_port,
+                                   "/api/v1/query?query=hap_plans_total%7Bresult%3D%22succeeded%22%7D");
+    if (r.ok() && r->find("\"value\"") != std::string::npos) {
+      got = *r;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  ASSERT_FALSE(got.empty()) << "Prometheus never returned the series; its log:\n"
+                            << prom.output();
+  EXPECT_THAT(got, HasSubstr("\"job\":\"hap-planner\""));
+  EXPECT_THAT(got, HasSubstr("\"1\"]"));  // the value: one succeeded plan
+  auto flops = hap::testing::HttpGet(prom_port, "/api/v1/query?query=hap_device_peak_flops");
+  ASSERT_TRUE(flops.ok());
+  EXPECT_THAT(*flops, HasSubstr("\"device\":\"n1/cpu0\""));
+  EXPECT_THAT(*flops, HasSubstr("1500000000000"));
+  prom.Stop(SIGTERM);
+}
+
+}  // namespace
+}  // namespace hap
