@@ -1,0 +1,120 @@
+#include "executor/daemon/daemon_main.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <iostream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "executor/daemon/executor_server.h"
+#include "planner/util/status_macros.h"
+#include "tools/cli_args.h"
+
+namespace hap::executor {
+namespace {
+
+constexpr char kUsage[] =
+    R"(usage: hap-executor --serve --planner HOST:PORT [--listen HOST:PORT]
+                    [--token-file F] [--tls-cert-file F --tls-key-file F]
+                    [--tls-ca-file F] [--device-id ID] [--data-dir DIR]
+                    [--threads T] [--timeout SECONDS] [--drain-seconds S]
+
+Serves hap.v1.Executor: one rank of a deployment pushed by the planner at
+--planner, the only planner whose plans it accepts. Ranks meet through the
+planner's rendezvous store and train over Gloo; each step's loss and time go
+to the planner. Every flag may instead come from the environment as
+HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
+
+  --listen        gRPC address (default 127.0.0.1:0, a free port); prints
+                  "listening on HOST:PORT" once serving
+  --token-file    bearer token required on every call, and sent to the planner
+  --tls-cert-file/--tls-key-file  serve TLS; --tls-ca-file verifies the planner
+  --device-id     the device of this node it serves (default node0/cpu0)
+  --data-dir      WikiText-2 root when a deployment names no data_path
+                  (default ../shared/data)
+  --threads       kernel threads per rank unless the deployment says (1)
+  --timeout       Gloo connect and collective timeout in seconds (60)
+  --drain-seconds NOT_SERVING before shutdown on SIGTERM (1)
+)";
+
+absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def) {
+  std::string v = a.GetOrEnv(flag, "");
+  if (v.empty()) return def;
+  double d;
+  if (!absl::SimpleAtod(v, &d)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, " (or ", tools::Args::EnvName(flag), ") must be a number, got '", v, "'"));
+  }
+  return d;
+}
+
+absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
+  ExecutorServerOptions o;
+  o.planner = a.GetOrEnv("planner");
+  o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
+  HAP_ASSIGN_OR_RETURN(o.security.token, service::ReadTokenFile(a.GetOrEnv("token-file")));
+  o.security.tls_cert_file = a.GetOrEnv("tls-cert-file");
+  o.security.tls_key_file = a.GetOrEnv("tls-key-file");
+  o.security.tls_ca_file = a.GetOrEnv("tls-ca-file");
+  o.core.device_id = a.GetOrEnv("device-id", "node0/cpu0");
+  o.core.data_dir = a.GetOrEnv("data-dir", "../shared/data");
+  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1));
+  HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60));
+  HAP_ASSIGN_OR_RETURN(double drain, Number(a, "drain-seconds", 1));
+  if (threads < 1 || threads != static_cast<int>(threads) || !(timeout > 0) || drain < 0) {
+    return absl::InvalidArgumentError(
+        "--threads must be a positive integer, --timeout positive and --drain-seconds "
+        "not negative");
+  }
+  o.core.threads = static_cast<int>(threads);
+  o.core.comm_timeout = absl::Seconds(timeout);
+  o.drain = absl::Seconds(drain);
+  return o;
+}
+
+}  // namespace
+
+int ExecutorDaemonMain(const std::vector<std::string>& argv) {
+  auto a = tools::Args::Parse(
+      argv,
+      {"planner", "listen", "token-file", "tls-cert-file", "tls-key-file", "tls-ca-file",
+       "device-id", "data-dir", "threads", "timeout", "drain-seconds"},
+      {"serve", "help"});
+  if (!a.ok() || a->Bool("help")) {
+    if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
+    std::cerr << kUsage;
+    return a.ok() ? 0 : 2;
+  }
+  auto options = Options(*a);
+  if (!options.ok()) {
+    std::cerr << "error: " << options.status().message() << "\n";
+    return 2;
+  }
+  // SIGTERM/SIGINT are taken by a thread with sigwait: blocked here, before
+  // gRPC starts its threads, so they all inherit the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = ExecutorServer::Start(*std::move(options));
+  if (!server.ok()) {
+    std::cerr << "error: " << server.status().message() << "\n";
+    return 1;
+  }
+  std::cout << "listening on " << (*server)->address() << std::endl;
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    std::cerr << "hap-executor: signal " << sig << ", shutting down\n";
+    (*server)->Shutdown();
+  });
+  (*server)->Wait();
+  waiter.join();
+  return 0;
+}
+
+}  // namespace hap::executor

@@ -1,0 +1,400 @@
+#include "executor/daemon/executor_core.h"
+
+#include <algorithm>
+#include <deque>
+#include <filesystem>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "executor/cpu/cpu_device.h"
+#include "executor/data/batches.h"
+#include "executor/data/wikitext.h"
+#include "executor/runtime/program_runner.h"
+#include "executor/train/trainer.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/lower/plan_builder.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+
+// The communicator a runner is validated and created with at LoadPlan, when
+// the peers are not connected yet; the training thread attaches the real
+// one (Gloo) for the duration of training. Calls without one are
+// FailedPrecondition.
+class DeferredCommunicator : public Communicator {
+ public:
+  DeferredCommunicator(int rank, int size) : rank_(rank), size_(size) {}
+  void Attach(Communicator* c) { target_ = c; }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  absl::Status AllReduce(TensorView buf) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->AllReduce(buf);
+  }
+  absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                         CommMethod method) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->AllGather(in, out, counts, method);
+  }
+  absl::Status ReduceScatter(TensorView in, TensorView out,
+                             absl::Span<const int64_t> counts, CommMethod method) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->ReduceScatter(in, out, counts, method);
+  }
+  absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts, TensorView out,
+                        absl::Span<const int64_t> recv_counts) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->AllToAll(in, send_counts, out, recv_counts);
+  }
+  absl::Status Broadcast(TensorView buf, int root) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->Broadcast(buf, root);
+  }
+  absl::Status Reduce(TensorView in, TensorView out, int root) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->Reduce(in, out, root);
+  }
+  absl::Status Barrier() override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->Barrier();
+  }
+
+ private:
+  absl::Status Check() const {
+    if (target_ != nullptr) return absl::OkStatus();
+    return absl::FailedPreconditionError("the ranks are not connected (training not started)");
+  }
+  const int rank_;
+  const int size_;
+  Communicator* target_ = nullptr;
+};
+
+// "dns:///h:p", "ipv4:h:p" and "h:p" name the same planner.
+std::string NormalizeAddress(absl::string_view a) {
+  absl::ConsumePrefix(&a, "dns:///");
+  absl::ConsumePrefix(&a, "dns:");
+  absl::ConsumePrefix(&a, "ipv4:");
+  return std::string(a);
+}
+
+bool Ended(v1::ExecutorStatus::State s) {
+  return s == v1::ExecutorStatus::FINISHED || s == v1::ExecutorStatus::FAILED;
+}
+
+absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(
+    const graph::Graph& g, const v1::Plan& plan, const v1::TrainingConfig& t,
+    const std::string& data_dir) {
+  switch (t.data()) {
+    case v1::TrainingConfig::DATA_SOURCE_UNSPECIFIED:
+    case v1::TrainingConfig::SYNTHETIC:
+      return data::NewSyntheticBatches(g, plan.options().seed());
+    case v1::TrainingConfig::WIKITEXT2: {
+      // data_path: the split's file (its directory holds the others), or a
+      // WikiText-2 directory; empty: <data_dir>/wikitext-2.
+      std::string dir = t.data_path().empty() ? data_dir + "/wikitext-2" : t.data_path();
+      std::string corpus_file = dir + "/valid.txt";
+      std::error_code ec;
+      if (!t.data_path().empty() && std::filesystem::is_regular_file(t.data_path(), ec)) {
+        corpus_file = t.data_path();
+        dir = std::filesystem::path(t.data_path()).parent_path().string();
+        if (dir.empty()) dir = ".";
+      }
+      HAP_ASSIGN_OR_RETURN(data::Vocabulary vocab,
+                           data::Vocabulary::Build(data::WikiText2Files(dir)));
+      HAP_ASSIGN_OR_RETURN(std::vector<int64_t> corpus, vocab.Encode(corpus_file));
+      return data::NewLmBatches(g, std::move(corpus));
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown data source ", static_cast<int>(t.data())));
+  }
+}
+
+google::protobuf::Timestamp ToTimestamp(absl::Time t) {
+  const int64_t ns = absl::ToUnixNanos(t);
+  google::protobuf::Timestamp ts;
+  ts.set_seconds(ns / 1'000'000'000);
+  ts.set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
+  return ts;
+}
+
+}  // namespace
+
+struct ExecutorCore::Loaded {
+  LoadOptions options;
+  graph::Graph graph;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<DeferredCommunicator> comm;
+  std::unique_ptr<data::BatchSource> batches;
+  std::unique_ptr<ProgramRunner> runner;  // uses graph, device, comm
+  std::deque<v1::StepMetric> metrics;     // guarded by the core's mu_
+  ~Loaded() { runner.reset(); }           // before what it points into
+};
+
+ExecutorCore::ExecutorCore(ExecutorCoreOptions options) : o_(std::move(options)) {}
+
+ExecutorCore::~ExecutorCore() { Shutdown(); }
+
+absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
+  {
+    absl::MutexLock l(&mu_);
+    if (shutdown_) return absl::UnavailableError("the executor is shutting down");
+  }
+  if (in.deployment.empty()) {
+    return absl::InvalidArgumentError("LoadPlan needs a deployment name");
+  }
+  if (!o_.planner_address.empty() &&
+      NormalizeAddress(in.rendezvous_address) != NormalizeAddress(o_.planner_address)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "this executor takes plans only from its planner at '", o_.planner_address,
+        "', but this LoadPlan names rendezvous address '", in.rendezvous_address, "'"));
+  }
+  if (in.generation < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("generation must not be negative, got ", in.generation));
+  }
+  HAP_RETURN_IF_ERROR(
+      Annotate(lower::CheckPlanForRank(in.plan, in.rank, in.world_size), "plan"));
+  const v1::TrainingConfig& t = in.training;
+  if (t.steps() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("training.steps must be positive, got ", t.steps()));
+  }
+  if (t.threads_per_rank() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "training.threads_per_rank must not be negative, got ", t.threads_per_rank()));
+  }
+
+  auto loaded = std::make_unique<Loaded>();
+  HAP_ASSIGN_OR_RETURN(loaded->graph,
+                       [&]() -> absl::StatusOr<graph::Graph> {
+                         auto g = graph::FromProto(in.plan.graph());
+                         if (!g.ok()) return Annotate(g.status(), "plan.graph");
+                         return g;
+                       }());
+  {
+    auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir);
+    if (!b.ok()) return Annotate(b.status(), "training data");
+    loaded->batches = *std::move(b);
+  }
+  const int threads = t.threads_per_rank() > 0 ? t.threads_per_rank() : std::max(1, o_.threads);
+  loaded->device = o_.make_device ? o_.make_device(threads) : NewCpuDevice(threads);
+  loaded->comm = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
+  {
+    auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank), loaded->graph,
+                                   loaded->device.get(), loaded->comm.get());
+    if (!r.ok()) return Annotate(r.status(), absl::StrCat("rank ", in.rank, "'s program"));
+    loaded->runner = *std::move(r);
+  }
+  std::string hash = in.plan.content_hash();
+  loaded->options = std::move(in);
+
+  absl::MutexLock ops(&ops_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    if (shutdown_) return absl::UnavailableError("the executor is shutting down");
+    if (state_ == v1::ExecutorStatus::TRAINING) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training ", loaded_->options.deployment, " generation ",
+          loaded_->options.generation, "; stop it before loading another plan"));
+    }
+  }
+  JoinTrainingThread();  // a thread that ended may still be returning
+  std::unique_ptr<Loaded> old;
+  absl::MutexLock l(&mu_);
+  old = std::move(loaded_);
+  loaded_ = std::move(loaded);
+  ++load_id_;
+  state_ = v1::ExecutorStatus::LOADED;
+  steps_completed_ = 0;
+  last_loss_ = 0;
+  error_.clear();
+  cancelled_ = false;
+  return hash;  // `old` is freed here, outside no lock that matters
+}
+
+absl::Status ExecutorCore::CheckDeployment(const std::string& deployment) const {
+  if (loaded_ == nullptr) {
+    return absl::FailedPreconditionError("no plan is loaded; call LoadPlan first");
+  }
+  if (!deployment.empty() && deployment != loaded_->options.deployment) {
+    return absl::NotFoundError(absl::StrCat("this executor holds deployment '",
+                                            loaded_->options.deployment, "', not '",
+                                            deployment, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Start(const std::string& deployment) {
+  absl::MutexLock ops(&ops_mu_);
+  absl::MutexLock l(&mu_);
+  if (shutdown_) return absl::UnavailableError("the executor is shutting down");
+  HAP_RETURN_IF_ERROR(CheckDeployment(deployment));
+  switch (state_) {
+    case v1::ExecutorStatus::LOADED:
+      break;
+    case v1::ExecutorStatus::TRAINING:
+      return StatusLocked();  // a retried Start
+    default:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training of ", loaded_->options.deployment, " generation ",
+          loaded_->options.generation, " has already ended (",
+          v1::ExecutorStatus::State_Name(state_),
+          "); load the plan again, as a new generation, to train again"));
+  }
+  if (!o_.make_store) {
+    return absl::FailedPreconditionError(
+        "this executor has no rendezvous store configured (no planner)");
+  }
+  state_ = v1::ExecutorStatus::TRAINING;
+  cancelled_ = false;
+  Loaded* loaded = loaded_.get();
+  const int64_t id = load_id_;
+  thread_ = std::thread([this, loaded, id] { Train(loaded, id); });
+  return StatusLocked();
+}
+
+void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
+  const LoadOptions& lo = loaded->options;
+  const int64_t steps = lo.training.steps();
+  absl::Status s = [&]() -> absl::Status {
+    HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store, o_.make_store(lo));
+    GlooOptions go;
+    go.rank = lo.rank;
+    go.size = lo.world_size;
+    go.prefix = absl::StrCat(lo.deployment, "/", lo.generation);
+    go.hostname = o_.gloo_hostname;
+    go.timeout = o_.comm_timeout;
+    auto comm = o_.connect ? o_.connect(go, *store) : ConnectGloo(go, *store);
+    if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
+    loaded->comm->Attach(comm->get());
+    TrainOptions to;
+    to.steps = steps;
+    to.cancelled = [this] { return cancelled_.load(); };
+    to.on_step = [&](int64_t step, double loss, double seconds) {
+      v1::StepMetric m;
+      m.set_deployment(lo.deployment);
+      m.set_rank(lo.rank);
+      m.set_step(step);
+      m.set_loss(loss);
+      m.set_step_seconds(seconds);
+      *m.mutable_time() = ToTimestamp(o_.now());
+      {
+        absl::MutexLock l(&mu_);
+        steps_completed_ = step + 1;
+        last_loss_ = loss;
+        loaded->metrics.push_back(m);
+        while (loaded->metrics.size() > o_.max_kept_metrics) loaded->metrics.pop_front();
+      }
+      if (o_.on_step) o_.on_step(m);
+    };
+    auto r = TrainRank(*loaded->runner, *loaded->batches, to);
+    loaded->comm->Attach(nullptr);
+    return r.status();
+  }();
+  if (o_.on_end) o_.on_end();
+  absl::MutexLock l(&mu_);
+  if (load_id_ != load_id) return;  // cannot happen: loads wait for this thread
+  if (s.ok()) {
+    state_ = v1::ExecutorStatus::FINISHED;
+  } else {
+    state_ = v1::ExecutorStatus::FAILED;
+    error_ = cancelled_ ? absl::StrCat("stopped by StopTraining after ", steps_completed_,
+                                       " of ", steps, " steps")
+                        : s.ToString();
+  }
+}
+
+void ExecutorCore::JoinTrainingThread() {
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deployment) {
+  absl::MutexLock ops(&ops_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    if (loaded_ == nullptr) return StatusLocked();  // nothing to stop
+    HAP_RETURN_IF_ERROR(CheckDeployment(deployment));
+    if (state_ == v1::ExecutorStatus::LOADED) {  // unload
+      loaded_.reset();
+      ++load_id_;
+      state_ = v1::ExecutorStatus::IDLE;
+      return StatusLocked();
+    }
+    if (state_ != v1::ExecutorStatus::TRAINING) return StatusLocked();
+    cancelled_ = true;
+  }
+  return WaitUntilDone(o_.now() + o_.stop_wait);
+}
+
+v1::ExecutorStatus ExecutorCore::WaitUntilDone(absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return state_ != v1::ExecutorStatus::TRAINING;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  return StatusLocked();
+}
+
+v1::ExecutorStatus ExecutorCore::Status() const {
+  absl::MutexLock l(&mu_);
+  return StatusLocked();
+}
+
+v1::ExecutorStatus ExecutorCore::StatusLocked() const {
+  v1::ExecutorStatus s;
+  s.set_state(state_);
+  s.set_device(o_.device_id);
+  if (loaded_ != nullptr) {
+    s.set_deployment(loaded_->options.deployment);
+    s.set_generation(loaded_->options.generation);
+    s.set_rank(loaded_->options.rank);
+  }
+  s.set_steps_completed(steps_completed_);
+  s.set_last_loss(last_loss_);
+  s.set_error(error_);
+  return s;
+}
+
+absl::StatusOr<std::vector<v1::StepMetric>> ExecutorCore::WaitMetrics(
+    const std::string& deployment, int64_t from_step, absl::Time deadline,
+    bool* done) const {
+  *done = false;
+  absl::MutexLock l(&mu_);
+  HAP_RETURN_IF_ERROR(CheckDeployment(deployment));
+  const int64_t id = load_id_;
+  const Loaded* loaded = loaded_.get();
+  auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return load_id_ != id || Ended(state_) ||
+           (!loaded->metrics.empty() && loaded->metrics.back().step() >= from_step);
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  std::vector<v1::StepMetric> out;
+  if (load_id_ != id) {
+    *done = true;  // replaced or unloaded: `loaded` may be gone
+    return out;
+  }
+  for (const auto& m : loaded->metrics) {
+    if (m.step() >= from_step) out.push_back(m);
+  }
+  *done = Ended(state_);
+  return out;
+}
+
+void ExecutorCore::Shutdown() {
+  absl::MutexLock ops(&ops_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    shutdown_ = true;
+    if (state_ == v1::ExecutorStatus::TRAINING) cancelled_ = true;
+  }
+  JoinTrainingThread();
+}
+
+}  // namespace hap::executor

@@ -1,0 +1,152 @@
+// The executor daemon's core (DESIGN.md §9): one rank of one deployment at a
+// time, with no gRPC in it. The service (executor_service_impl.h) only
+// translates protos and checks tokens; everything else happens here.
+//
+// States (hap.v1.ExecutorStatus.State):
+//
+//   IDLE --LoadPlan--> LOADED --Start--> TRAINING --> FINISHED
+//    ^                 |   ^                 |    \-> FAILED (error, or Stop)
+//    +------Stop-------+   +----LoadPlan-----+--------(from FINISHED/FAILED)
+//
+//   LoadPlan  validates the plan for (rank, world) (format, rank programs,
+//             content hash), the model graph, the rank's program against a
+//             device (ProgramRunner), the training config and its data; the
+//             arena is allocated here. Allowed in every state but TRAINING
+//             (FailedPrecondition), replacing what was loaded.
+//   Start     LOADED -> TRAINING: a thread connects Gloo through the
+//             rendezvous store (key prefix "<deployment>/<generation>") and
+//             runs TrainRank. Idempotent while TRAINING the same deployment.
+//             From FINISHED/FAILED it is FailedPrecondition: the generation's
+//             rendezvous keys are spent, so the planner loads the plan again
+//             (a new generation) to train again.
+//   Stop      TRAINING: cancels between steps, waits (bounded) for the step
+//             in progress, -> FAILED "stopped ...". Peers still inside a
+//             collective with this rank time out. LOADED: unloads -> IDLE.
+//             Otherwise a no-op.
+//
+// Deployment names in Start/Stop/WaitMetrics must match the loaded one
+// (NotFound naming both) unless empty.
+//
+// Thread-safe. The destructor stops training and joins its thread.
+#ifndef HAP_EXECUTOR_DAEMON_EXECUTOR_CORE_H_
+#define HAP_EXECUTOR_DAEMON_EXECUTOR_CORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "executor/comm/communicator.h"
+#include "executor/runtime/device.h"
+#include "hap/v1/executor_service.pb.h"
+#include "hap/v1/plan.pb.h"
+#include "hap/v1/planner_service.pb.h"
+
+namespace hap::executor {
+
+// What LoadPlan carries, as plain data.
+struct LoadOptions {
+  hap::v1::Plan plan;  // with rank_programs
+  std::string deployment;
+  int64_t generation = 0;
+  int rank = 0;
+  int world_size = 0;
+  std::string rendezvous_address;  // the planner serving the store
+  hap::v1::TrainingConfig training;
+};
+
+struct ExecutorCoreOptions {
+  std::string device_id;  // reported in the status, e.g. "node0/cpu0"
+  // The only planner this executor takes plans from: LoadPlan naming another
+  // rendezvous address is PermissionDenied. Empty = any (tests, local use).
+  std::string planner_address;
+  // WikiText-2 root when a plan's TrainingConfig has no data_path: the
+  // corpus is <data_dir>/wikitext-2/valid.txt.
+  std::string data_dir = "../shared/data";
+  int threads = 1;  // per rank, unless TrainingConfig.threads_per_rank > 0
+  absl::Duration comm_timeout = absl::Seconds(60);  // Gloo connect/collectives
+  std::string gloo_hostname = "127.0.0.1";         // interface Gloo listens on
+  // How long Stop waits for the step in progress.
+  absl::Duration stop_wait = absl::Seconds(10);
+  // The rendezvous store of a load (the planner's store). Required to train.
+  std::function<absl::StatusOr<std::unique_ptr<RendezvousStore>>(const LoadOptions&)>
+      make_store;
+  // Connects the communicator; default ConnectGloo(options, store).
+  std::function<absl::StatusOr<std::unique_ptr<Communicator>>(const GlooOptions&,
+                                                              RendezvousStore&)>
+      connect;
+  // The device for `threads` threads; default the CPU device.
+  std::function<std::unique_ptr<Device>(int threads)> make_device;
+  // Every step's metric, on the training thread; must not block.
+  std::function<void(const hap::v1::StepMetric&)> on_step;
+  // Called on the training thread once training has ended, before the state
+  // leaves TRAINING (e.g. to flush metrics to the planner; keep it bounded).
+  std::function<void()> on_end;
+  std::function<absl::Time()> now = absl::Now;
+  size_t max_kept_metrics = 100'000;  // for WaitMetrics; oldest dropped first
+};
+
+class ExecutorCore {
+ public:
+  explicit ExecutorCore(ExecutorCoreOptions options);
+  ~ExecutorCore();
+  ExecutorCore(const ExecutorCore&) = delete;
+  ExecutorCore& operator=(const ExecutorCore&) = delete;
+
+  // Returns the plan's content hash. InvalidArgument naming what is wrong;
+  // PermissionDenied for another planner; FailedPrecondition while training;
+  // NotFound for missing data; ResourceExhausted when the arena does not fit.
+  absl::StatusOr<std::string> LoadPlan(LoadOptions options);
+  absl::StatusOr<hap::v1::ExecutorStatus> Start(const std::string& deployment);
+  absl::StatusOr<hap::v1::ExecutorStatus> Stop(const std::string& deployment);
+  hap::v1::ExecutorStatus Status() const;
+
+  // Blocks until training has left TRAINING or `deadline` passes; the status.
+  hap::v1::ExecutorStatus WaitUntilDone(absl::Time deadline) const;
+
+  // The metrics of the current load with step >= `from_step`, waiting until
+  // there is at least one, the load's training has ended (`*done`), the load
+  // is replaced (`*done`), or `deadline` passes (empty, not done).
+  // NotFound for another deployment; FailedPrecondition when nothing is
+  // loaded.
+  absl::StatusOr<std::vector<hap::v1::StepMetric>> WaitMetrics(
+      const std::string& deployment, int64_t from_step, absl::Time deadline,
+      bool* done) const;
+
+  // Stops training (as Stop) and refuses further loads (Unavailable).
+  void Shutdown();
+
+ private:
+  struct Loaded;
+  void Train(Loaded* loaded, int64_t load_id);
+  absl::Status CheckDeployment(const std::string& deployment) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  hap::v1::ExecutorStatus StatusLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void JoinTrainingThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const ExecutorCoreOptions o_;
+  mutable absl::Mutex mu_;
+  hap::v1::ExecutorStatus::State state_ ABSL_GUARDED_BY(mu_) = hap::v1::ExecutorStatus::IDLE;
+  std::unique_ptr<Loaded> loaded_ ABSL_GUARDED_BY(mu_);
+  int64_t load_id_ ABSL_GUARDED_BY(mu_) = 0;  // bumps on every load and unload
+  int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  double last_loss_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string error_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> cancelled_{false};
+  std::thread thread_;  // the training thread; started and joined under ops_mu_
+  // Serialises the operations that change state (LoadPlan's install, Start,
+  // Stop, Shutdown), so joining the training thread never races a start.
+  // Taken before mu_.
+  absl::Mutex ops_mu_;
+};
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_DAEMON_EXECUTOR_CORE_H_

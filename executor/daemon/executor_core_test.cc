@@ -1,0 +1,265 @@
+// The executor core without gRPC: states and their transitions, LoadPlan's
+// validation, Stop between steps, two ranks over an in-process communicator.
+#include "executor/daemon/executor_core.h"
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "executor/daemon/test_plans.h"
+#include "executor/train/in_process_comm.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+const v1::Plan& Plan(int world) {
+  static auto* plans = new std::map<int, v1::Plan>;
+  static absl::Mutex mu;
+  absl::MutexLock l(&mu);
+  auto it = plans->find(world);
+  if (it == plans->end()) {
+    auto p = testing::MakeMlpPlan(world);
+    EXPECT_THAT(p, IsOk());
+    it = plans->emplace(world, p.ok() ? *p : v1::Plan()).first;
+  }
+  return it->second;
+}
+
+LoadOptions Load(int world, int rank, int64_t steps) {
+  LoadOptions o;
+  o.plan = Plan(world);
+  o.deployment = "deployments/d1";
+  o.generation = 1;
+  o.rank = rank;
+  o.world_size = world;
+  o.rendezvous_address = "127.0.0.1:7000";
+  o.training.set_steps(steps);
+  return o;
+}
+
+// Communicators of one in-process group, handed out by rank.
+struct Group {
+  explicit Group(int n) : comms(NewInProcessGroup(n)) {}
+  std::vector<std::unique_ptr<Communicator>> comms;
+  absl::Mutex mu;
+};
+
+ExecutorCoreOptions Options(Group* group) {
+  ExecutorCoreOptions o;
+  o.device_id = "node0/cpu0";
+  o.planner_address = "127.0.0.1:7000";
+  o.make_store = [](const LoadOptions&) {
+    return NewFileStore(::testing::TempDir());  // unused by the in-process group
+  };
+  o.connect = [group](const GlooOptions& go, RendezvousStore&)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    absl::MutexLock l(&group->mu);
+    if (go.prefix != "deployments/d1/1") {
+      return absl::InternalError("unexpected prefix " + go.prefix);
+    }
+    if (group->comms[go.rank] == nullptr) {
+      return absl::FailedPreconditionError("communicator already taken");
+    }
+    return std::move(group->comms[go.rank]);
+  };
+  return o;
+}
+
+// Plans need two ranks at least: `a` is rank 0, `b` rank 1.
+TEST(ExecutorCoreTest, MovesThroughItsStates) {
+  Group group(2);
+  ExecutorCore a(Options(&group)), b(Options(&group));
+  EXPECT_EQ(a.Status().state(), v1::ExecutorStatus::IDLE);
+  EXPECT_EQ(a.Status().device(), "node0/cpu0");
+  EXPECT_THAT(a.Start(""), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    HasSubstr("call LoadPlan first")));
+
+  auto hash = a.LoadPlan(Load(2, 0, 3));
+  ASSERT_THAT(hash, IsOk());
+  EXPECT_EQ(*hash, Plan(2).content_hash());
+  ASSERT_THAT(b.LoadPlan(Load(2, 1, 3)), IsOk());
+  EXPECT_EQ(a.Status().state(), v1::ExecutorStatus::LOADED);
+  EXPECT_EQ(a.Status().deployment(), "deployments/d1");
+  EXPECT_EQ(a.Status().generation(), 1);
+  EXPECT_THAT(a.Start("deployments/other"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("deployments/d1")));
+
+  ASSERT_THAT(a.Start("deployments/d1"), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  auto again = a.Start("deployments/d1");  // a retried Start
+  ASSERT_THAT(again, IsOk());
+  for (ExecutorCore* c : {&a, &b}) {
+    v1::ExecutorStatus done = c->WaitUntilDone(absl::InfiniteFuture());
+    EXPECT_EQ(done.state(), v1::ExecutorStatus::FINISHED) << done.error();
+    EXPECT_EQ(done.steps_completed(), 3);
+    EXPECT_GT(done.last_loss(), 0);
+  }
+
+  bool finished = false;
+  auto metrics = a.WaitMetrics("", 1, absl::InfiniteFuture(), &finished);
+  ASSERT_THAT(metrics, IsOk());
+  EXPECT_TRUE(finished);
+  ASSERT_EQ(metrics->size(), 2u);
+  EXPECT_EQ((*metrics)[0].step(), 1);
+  EXPECT_EQ((*metrics)[0].deployment(), "deployments/d1");
+  EXPECT_EQ((*metrics)[1].loss(), a.Status().last_loss());
+
+  EXPECT_THAT(a.Start(""), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    HasSubstr("load the plan again")));
+  ASSERT_THAT(a.LoadPlan(Load(2, 0, 3)), IsOk());
+  EXPECT_EQ(a.Status().state(), v1::ExecutorStatus::LOADED);
+  EXPECT_EQ(a.Status().steps_completed(), 0);
+  auto stopped = a.Stop("");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::IDLE);
+  EXPECT_THAT(a.Stop(""), IsOk());  // nothing loaded: a no-op
+  EXPECT_THAT(a.WaitMetrics("", 0, absl::InfiniteFuture(), &finished),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no plan")));
+}
+
+TEST(ExecutorCoreTest, RejectsBadPlans) {
+  ExecutorCore core(Options(nullptr));
+  LoadOptions o = Load(2, 0, 3);
+  o.world_size = 3;
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("for a world of 2 ranks, not 3")));
+  o = Load(2, 2, 3);
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("rank 2 is out of range")));
+  o = Load(2, 0, 3);
+  o.plan.mutable_rank_programs(1)->set_seed(o.plan.rank_programs(1).seed() + 1);
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("content hash does not match")));
+  o = Load(2, 0, 3);
+  o.plan.set_format_version(99);
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("format version 99")));
+  o = Load(2, 0, 0);
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("training.steps must be positive")));
+  o = Load(2, 0, 3);
+  o.deployment.clear();
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("deployment")));
+  o = Load(2, 0, 3);
+  o.training.set_data(v1::TrainingConfig::WIKITEXT2);
+  o.training.set_data_path(::testing::TempDir() + "/no-such-dir");
+  EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kNotFound,
+                                         HasSubstr("training data")));
+  o = Load(2, 0, 3);
+  o.rendezvous_address = "10.0.0.9:7000";
+  EXPECT_THAT(core.LoadPlan(o),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       ::testing::AllOf(HasSubstr("127.0.0.1:7000"),
+                                        HasSubstr("10.0.0.9:7000"))));
+  o.rendezvous_address = "dns:///127.0.0.1:7000";  // the same planner
+  EXPECT_THAT(core.LoadPlan(o), IsOk());
+  EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::LOADED);
+}
+
+// Real Gloo over a file store: rank 0 is stopped between steps; rank 1,
+// left inside a collective, fails.
+TEST(ExecutorCoreTest, StopCancelsBetweenStepsAndThePeerTimesOut) {
+  const std::string dir = ::testing::TempDir() + "/stop_test_store";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto options = [&](absl::Notification* first_step) {
+    ExecutorCoreOptions o;
+    o.planner_address = "127.0.0.1:7000";
+    o.comm_timeout = absl::Seconds(3);
+    o.make_store = [dir](const LoadOptions&) { return NewFileStore(dir); };
+    if (first_step != nullptr) {
+      o.on_step = [first_step](const v1::StepMetric& m) {
+        if (m.step() == 1) first_step->Notify();
+      };
+    }
+    return o;
+  };
+  absl::Notification first_step;
+  ExecutorCore a(options(&first_step)), b(options(nullptr));
+  ASSERT_THAT(a.LoadPlan(Load(2, 0, 1'000'000)), IsOk());
+  ASSERT_THAT(b.LoadPlan(Load(2, 1, 1'000'000)), IsOk());
+  ASSERT_THAT(a.Start(""), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  first_step.WaitForNotification();
+  EXPECT_THAT(a.LoadPlan(Load(2, 0, 3)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stop it")));
+  auto stopped = a.Stop("deployments/d1");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(), HasSubstr("stopped by StopTraining after"));
+  EXPECT_GE(stopped->steps_completed(), 2);
+  EXPECT_LT(stopped->steps_completed(), 1'000'000);
+
+  v1::ExecutorStatus peer = b.WaitUntilDone(absl::InfiniteFuture());
+  EXPECT_EQ(peer.state(), v1::ExecutorStatus::FAILED);
+  // The stopped rank closed its connections (or, had it hung, the peer's
+  // collective would time out): either way the peer fails, naming it.
+  EXPECT_THAT(peer.error(), HasSubstr("peer"));
+}
+
+TEST(ExecutorCoreTest, ConnectFailureIsFailedWithTheReason) {
+  ExecutorCoreOptions options = Options(nullptr);
+  options.connect = [](const GlooOptions&, RendezvousStore&)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return absl::DeadlineExceededError("rank 1 never published its address");
+  };
+  bool ended = false;
+  options.on_end = [&] { ended = true; };
+  ExecutorCore core(options);
+  ASSERT_THAT(core.LoadPlan(Load(2, 0, 3)), IsOk());
+  ASSERT_THAT(core.Start(""), IsOk());
+  v1::ExecutorStatus s = core.WaitUntilDone(absl::InfiniteFuture());
+  EXPECT_EQ(s.state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(s.error(), HasSubstr("connecting the ranks"));
+  EXPECT_THAT(s.error(), HasSubstr("never published"));
+  EXPECT_TRUE(ended);
+}
+
+TEST(ExecutorCoreTest, TwoRanksReportTheSameLosses) {
+  Group group(2);
+  ExecutorCore a(Options(&group)), b(Options(&group));
+  ASSERT_THAT(a.LoadPlan(Load(2, 0, 4)), IsOk());
+  ASSERT_THAT(b.LoadPlan(Load(2, 1, 4)), IsOk());
+  ASSERT_THAT(a.Start(""), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  for (ExecutorCore* c : {&a, &b}) {
+    v1::ExecutorStatus s = c->WaitUntilDone(absl::InfiniteFuture());
+    EXPECT_EQ(s.state(), v1::ExecutorStatus::FINISHED) << s.error();
+  }
+  bool done = false;
+  auto ma = a.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
+  auto mb = b.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
+  ASSERT_THAT(ma, IsOk());
+  ASSERT_THAT(mb, IsOk());
+  ASSERT_EQ(ma->size(), 4u);
+  ASSERT_EQ(mb->size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ((*ma)[i].rank(), 0);
+    EXPECT_EQ((*mb)[i].rank(), 1);
+    EXPECT_EQ((*ma)[i].loss(), (*mb)[i].loss()) << "step " << i;
+  }
+}
+
+TEST(ExecutorCoreTest, ShutdownRefusesLoads) {
+  ExecutorCore core(Options(nullptr));
+  core.Shutdown();
+  EXPECT_THAT(core.LoadPlan(Load(2, 0, 3)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+}
+
+}  // namespace
+}  // namespace hap::executor

@@ -1,0 +1,65 @@
+// The hap-executor daemon put together: the core, the step reporter to the
+// planner, the rendezvous store at the planner, and the gRPC server with
+// grpc.health.v1. The binary's main is flags around this; tests start it in
+// process on 127.0.0.1 port 0.
+#ifndef HAP_EXECUTOR_DAEMON_EXECUTOR_SERVER_H_
+#define HAP_EXECUTOR_DAEMON_EXECUTOR_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "executor/daemon/executor_core.h"
+#include "executor/daemon/step_reporter.h"
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::executor {
+
+struct ExecutorServerOptions {
+  std::string listen = "127.0.0.1:0";  // port 0 picks a free port
+  // The planner ("host:port"): the only one plans are taken from, the
+  // rendezvous store and where step metrics go. Required.
+  std::string planner;
+  // token: required on every call to this server and sent on every call to
+  // the planner; tls_cert_file/tls_key_file: this server's TLS;
+  // tls_ca_file: verifies the planner.
+  service::Security security;
+  // While shutting down, health reports NOT_SERVING for this long before
+  // the server stops taking calls.
+  absl::Duration drain = absl::Seconds(1);
+  absl::Duration report_timeout = absl::Seconds(5);  // per ReportStepMetrics
+  size_t report_queue = 1024;                        // metrics queued at most
+  // device_id, data_dir, threads, comm_timeout, ...; planner_address,
+  // make_store, on_step and on_end are set by Start.
+  ExecutorCoreOptions core;
+};
+
+class ExecutorServer {
+ public:
+  // InvalidArgument for bad options; Unavailable when the address cannot be
+  // bound.
+  static absl::StatusOr<std::unique_ptr<ExecutorServer>> Start(ExecutorServerOptions options);
+  ~ExecutorServer();  // Shutdown()
+
+  int port() const;
+  std::string address() const;  // listen host and the bound port
+
+  // NOT_SERVING, drain, stop training, then stop accepting and finish the
+  // calls in flight. Idempotent; safe from any thread but a handler's.
+  void Shutdown();
+  // Blocks until Shutdown() has finished.
+  void Wait();
+
+  ExecutorCore& core();
+  StepReporter::Counters reporter_counters() const;
+
+ private:
+  ExecutorServer() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_DAEMON_EXECUTOR_SERVER_H_

@@ -1,0 +1,103 @@
+#include "executor/daemon/executor_service_impl.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+using service::CheckToken;
+using service::ToGrpc;
+
+absl::Time Deadline(const grpc::ServerContext* ctx) {
+  auto d = ctx->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(d);
+}
+
+}  // namespace
+
+grpc::Status ExecutorServiceImpl::LoadPlan(grpc::ServerContext* ctx,
+                                           const v1::LoadPlanRequest* r,
+                                           v1::LoadPlanResponse* out) {
+  if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
+  LoadOptions o;
+  o.plan = r->plan();
+  o.deployment = r->deployment();
+  o.generation = r->generation();
+  o.rank = r->rank();
+  o.world_size = r->world_size();
+  o.rendezvous_address = r->rendezvous_address();
+  o.training = r->training();
+  auto hash = core_->LoadPlan(std::move(o));
+  if (!hash.ok()) return ToGrpc(hash.status());
+  out->set_plan_content_hash(*hash);
+  return grpc::Status::OK;
+}
+
+grpc::Status ExecutorServiceImpl::StartTraining(grpc::ServerContext* ctx,
+                                                const v1::StartTrainingRequest* r,
+                                                v1::ExecutorStatus* out) {
+  if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
+  auto st = core_->Start(r->deployment());
+  if (!st.ok()) return ToGrpc(st.status());
+  *out = *std::move(st);
+  return grpc::Status::OK;
+}
+
+grpc::Status ExecutorServiceImpl::StopTraining(grpc::ServerContext* ctx,
+                                               const v1::StopTrainingRequest* r,
+                                               v1::ExecutorStatus* out) {
+  if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
+  auto st = core_->Stop(r->deployment());
+  if (!st.ok()) return ToGrpc(st.status());
+  *out = *std::move(st);
+  return grpc::Status::OK;
+}
+
+grpc::Status ExecutorServiceImpl::GetStatus(grpc::ServerContext* ctx,
+                                            const v1::GetStatusRequest*,
+                                            v1::ExecutorStatus* out) {
+  if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
+  *out = core_->Status();
+  return grpc::Status::OK;
+}
+
+grpc::Status ExecutorServiceImpl::StreamStepMetrics(
+    grpc::ServerContext* ctx, const v1::StreamStepMetricsRequest* r,
+    grpc::ServerWriter<v1::StepMetric>* writer) {
+  if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
+  if (r->from_step() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "from_step must not be negative");
+  }
+  const absl::Time deadline = Deadline(ctx);
+  int64_t next = r->from_step();
+  while (true) {
+    if (ctx->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the stream");
+    }
+    if (absl::Now() >= deadline) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          "the stream's deadline passed before training ended");
+    }
+    // Short waits, so a cancelled client is noticed promptly.
+    bool done = false;
+    auto batch = core_->WaitMetrics(r->deployment(), next,
+                                    std::min(deadline, absl::Now() + absl::Milliseconds(200)),
+                                    &done);
+    if (!batch.ok()) return ToGrpc(batch.status());
+    for (const v1::StepMetric& m : *batch) {
+      if (!writer->Write(m)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      }
+      next = m.step() + 1;
+    }
+    if (done) return grpc::Status::OK;
+  }
+}
+
+}  // namespace hap::executor

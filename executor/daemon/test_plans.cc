@@ -1,0 +1,51 @@
+#include "executor/daemon/test_plans.h"
+
+#include <map>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/plan_builder.h"
+#include "planner/synth/planner.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::testing {
+
+namespace v1 = ::hap::v1;
+
+absl::StatusOr<v1::Plan> MakeMlpPlan(int world) {
+  std::map<std::string, double> p = {{"layers", 3},  {"hidden", 24},
+                                     {"input", 12},  {"classes", 5},
+                                     {"batch", 6.0 * world + 1}};
+  HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::BuildZooModel("mlp", p));
+  v1::Cluster cluster;
+  v1::Node* node = cluster.add_nodes();
+  node->set_name("node0");
+  node->set_state(v1::Node::READY);
+  for (int i = 0; i < world; ++i) {
+    v1::Device* d = node->add_devices();
+    d->set_id(absl::StrCat("node0/cpu", i));
+    d->set_kind(v1::CPU);
+    d->set_node("node0");
+    d->set_local_index(i);
+    v1::DtypeThroughput* f = d->add_flops();
+    f->set_dtype(v1::FLOAT32);
+    f->set_flops(1e9 * (1 + i % 2));
+    d->set_memory_bytes(int64_t{1} << 32);
+  }
+  cluster.mutable_defaults()->set_intra_node_bandwidth_bytes_per_second(1e10);
+  cluster.mutable_defaults()->set_inter_node_bandwidth_bytes_per_second(1e9);
+  HAP_ASSIGN_OR_RETURN(cost::ClusterModel model, cost::ClusterModel::FromProto(cluster));
+  synth::PlanOptions po;
+  po.max_seconds = 20;
+  HAP_ASSIGN_OR_RETURN(synth::PlanResult r, synth::PlanModel(g, model, po));
+  v1::PlanOptions options;
+  options.mutable_optimizer()->set_kind(v1::OptimizerConfig::SGD);
+  options.mutable_optimizer()->set_learning_rate(0.1);
+  options.mutable_optimizer()->set_momentum(0.9);
+  options.set_seed(7);
+  return lower::BuildPlan(g, cluster, model, r, options);
+}
+
+}  // namespace hap::executor::testing
