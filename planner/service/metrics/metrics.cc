@@ -33,8 +33,8 @@ bool IsValidMetricName(absl::string_view name) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
     const char c = name[i];
-    const bool ok = IsAsciiLetter(c) || c == '_' || c == ':' ||
-                    (i > 0 && IsAsciiDigit(c));
+    const bool ok =
+        IsAsciiLetter(c) || c == '_' || c == ':' || (i > 0 && IsAsciiDigit(c));
     if (!ok) return false;
   }
   return true;
@@ -96,8 +96,8 @@ absl::Status CheckLabelValues(const internal::FamilyBase& family,
   if (values.size() != family.label_names().size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metric ", family.name(), " takes ", family.label_names().size(),
-        " label values (", absl::StrJoin(family.label_names(), ", "),
-        "), got ", values.size()));
+        " label values (", absl::StrJoin(family.label_names(), ", "), "), got ",
+        values.size()));
   }
   for (size_t i = 0; i < values.size(); ++i) {
     if (!IsValidUtf8(values[i])) {
@@ -148,17 +148,15 @@ void AppendChild(std::string* out, const internal::FamilyBase& family,
   const Histogram::Snapshot snap = h.Collect();
   const std::string bucket = absl::StrCat(family.name(), "_bucket");
   for (size_t i = 0; i <= snap.bounds.size(); ++i) {
-    const std::string le = i < snap.bounds.size()
-                               ? FormatValue(snap.bounds[i])
-                               : std::string("+Inf");
+    const std::string le = i < snap.bounds.size() ? FormatValue(snap.bounds[i])
+                                                  : std::string("+Inf");
     AppendSample(out, bucket, family.label_names(), values, &le,
                  absl::StrCat(snap.cumulative[i]));
   }
   AppendSample(out, absl::StrCat(family.name(), "_sum"), family.label_names(),
                values, nullptr, FormatValue(snap.sum));
-  AppendSample(out, absl::StrCat(family.name(), "_count"),
-               family.label_names(), values, nullptr,
-               absl::StrCat(snap.count));
+  AppendSample(out, absl::StrCat(family.name(), "_count"), family.label_names(),
+               values, nullptr, absl::StrCat(snap.count));
 }
 
 // A gauge family whose rows a callback computes at scrape time.
@@ -194,7 +192,8 @@ class CallbackGaugeFamily final : public internal::FamilyBase {
 // Validates bucket bounds and drops a trailing +Inf.
 absl::StatusOr<std::vector<double>> CheckBuckets(absl::string_view name,
                                                  std::vector<double> bounds) {
-  if (!bounds.empty() && bounds.back() == std::numeric_limits<double>::infinity()) {
+  if (!bounds.empty() &&
+      bounds.back() == std::numeric_limits<double>::infinity()) {
     bounds.pop_back();
   }
   for (size_t i = 0; i < bounds.size(); ++i) {
@@ -238,13 +237,21 @@ absl::StatusOr<std::vector<double>> ExponentialBuckets(double start,
 std::string FormatValue(double value) {
   if (std::isnan(value)) return "NaN";
   if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
-  // The shortest %g form that reads back exactly; 17 digits always do.
-  for (int precision = 1; precision < 17; ++precision) {
-    std::string text = absl::StrFormat("%.*g", precision, value);
+  // The fewest significant digits that read back exactly (17 always do).
+  int digits = 17;
+  for (int p = 1; p < 17; ++p) {
     double back;
-    if (absl::SimpleAtod(text, &back) && back == value) return text;
+    if (absl::SimpleAtod(absl::StrFormat("%.*g", p, value), &back) &&
+        back == value) {
+      digits = p;
+      break;
+    }
   }
-  return absl::StrFormat("%.17g", value);
+  // Printed with at least 6 so that %g keeps "10" and "123456" out of
+  // exponent form (as Go's client does). The extra digits come out as
+  // zeros, which %g drops: the value lies within about 1e-16 (relative) of
+  // its short form, far below the 6th digit.
+  return absl::StrFormat("%.*g", std::max(digits, 6), value);
 }
 
 std::string EscapeHelp(absl::string_view help) {
@@ -288,7 +295,9 @@ void Counter::Increment(double delta) {
 
 double Counter::Value() const { return value_.load(std::memory_order_relaxed); }
 
-void Gauge::Set(double value) { value_.store(value, std::memory_order_relaxed); }
+void Gauge::Set(double value) {
+  value_.store(value, std::memory_order_relaxed);
+}
 void Gauge::Increment(double delta) { AtomicAdd(value_, delta); }
 void Gauge::Decrement(double delta) { AtomicAdd(value_, -delta); }
 double Gauge::Value() const { return value_.load(std::memory_order_relaxed); }
@@ -360,11 +369,11 @@ absl::StatusOr<Metric*> Family<Metric>::Get(
   auto it = children_.find(label_values);
   if (it != children_.end()) return it->second.get();
   if (children_.size() >= max_children_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "metric ", name(), " already has ", children_.size(),
-        " label sets, its bound; refusing a new one (", 
-        absl::StrJoin(label_values, ", "),
-        "): a label is likely taking unbounded values"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("metric ", name(), " already has ", children_.size(),
+                     " label sets, its bound; refusing a new one (",
+                     absl::StrJoin(label_values, ", "),
+                     "): a label is likely taking unbounded values"));
   }
   Metric* child = factory_().release();
   children_.emplace(label_values, std::unique_ptr<Metric>(child));
@@ -405,10 +414,9 @@ absl::Status MetricsRegistry::AddFamilyBase(
   const bool is_histogram = type == "histogram";
   if (is_counter != absl::EndsWith(name, "_total")) {
     return absl::InvalidArgumentError(
-        is_counter
-            ? absl::StrCat("counter name ", name, " must end in _total")
-            : absl::StrCat(type, " name ", name,
-                           " must not end in _total (counters only)"));
+        is_counter ? absl::StrCat("counter name ", name, " must end in _total")
+                   : absl::StrCat(type, " name ", name,
+                                  " must not end in _total (counters only)"));
   }
   if (!is_histogram) {
     for (absl::string_view suffix : {"_bucket", "_sum", "_count"}) {
@@ -508,9 +516,8 @@ absl::StatusOr<Gauge*> MetricsRegistry::AddGauge(absl::string_view name,
 absl::StatusOr<Histogram*> MetricsRegistry::AddHistogram(
     absl::string_view name, absl::string_view help,
     std::vector<double> buckets) {
-  HAP_ASSIGN_OR_RETURN(
-      Family<Histogram>* family,
-      AddHistogramFamily(name, help, {}, std::move(buckets)));
+  HAP_ASSIGN_OR_RETURN(Family<Histogram>* family,
+                       AddHistogramFamily(name, help, {}, std::move(buckets)));
   return family->Get({});
 }
 
@@ -521,10 +528,9 @@ absl::Status MetricsRegistry::AddCallbackGauge(absl::string_view name,
     return absl::InvalidArgumentError(
         absl::StrCat("callback gauge ", name, ": no callback"));
   }
-  return AddCallbackGaugeFamily(
-      name, help, {}, [value = std::move(value)] {
-        return std::vector<LabeledValue>{{{}, value()}};
-      });
+  return AddCallbackGaugeFamily(name, help, {}, [value = std::move(value)] {
+    return std::vector<LabeledValue>{{{}, value()}};
+  });
 }
 
 absl::Status MetricsRegistry::AddCallbackGaugeFamily(
@@ -547,7 +553,8 @@ std::string MetricsRegistry::Serialize() const {
   {
     absl::MutexLock lock(&mu_);
     families.reserve(families_.size());
-    for (const auto& [name, family] : families_) families.push_back(family.get());
+    for (const auto& [name, family] : families_)
+      families.push_back(family.get());
   }
   std::string out;
   for (const internal::FamilyBase* family : families) family->Write(&out);

@@ -49,8 +49,9 @@ class MetricsHttpServer {
 
   // Binds and starts serving. Unavailable when the address cannot be bound
   // (e.g. the port is taken), with civetweb's reason; InvalidArgument for a
-  // port outside 0..65535 or fewer than one thread; FailedPrecondition when
-  // already started. After an error the server may be started again.
+  // bind address that is not IPv4, a port outside 0..65535 or fewer than
+  // one thread; FailedPrecondition when already started. After an error the
+  // server may be started again.
   absl::Status Start();
 
   // Stops serving and waits for in-flight requests; a no-op when not

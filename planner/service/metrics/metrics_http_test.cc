@@ -1,0 +1,258 @@
+#include "planner/service/metrics/metrics_http.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::metrics {
+namespace {
+
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+struct HttpResponse {
+  int status = 0;
+  std::map<std::string, std::string> headers;  // names lower-cased
+  std::string body;
+};
+
+// Connects to 127.0.0.1:`port`; returns the socket or -errno.
+int Connect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -errno;
+  // A stuck server fails the test instead of hanging it.
+  timeval timeout{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  sockaddr_in addr;
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int error = errno;
+    close(fd);
+    return -error;
+  }
+  return fd;
+}
+
+// A minimal HTTP/1.1 client: one request with "Connection: close", the
+// response read to EOF.
+absl::StatusOr<HttpResponse> Fetch(int port, const std::string& method,
+                                   const std::string& path) {
+  const int fd = Connect(port);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("connect to port ", port, ": ", strerror(-fd)));
+  }
+  const std::string request =
+      absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
+                   "\r\nConnection: close\r\n\r\n");
+  size_t sent = 0;
+  while (sent < request.size()) {
+    const ssize_t n = send(fd, request.data() + sent, request.size() - sent, 0);
+    if (n <= 0) {
+      close(fd);
+      return absl::InternalError(absl::StrCat("send: ", strerror(errno)));
+    }
+    sent += n;
+  }
+  std::string raw;
+  char buffer[4096];
+  while (true) {
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n == 0) break;
+    if (n < 0) {
+      close(fd);
+      return absl::InternalError(absl::StrCat("recv: ", strerror(errno)));
+    }
+    raw.append(buffer, n);
+  }
+  close(fd);
+
+  const size_t header_end = raw.find("\r\n\r\n");
+  if (header_end == std::string::npos) {
+    return absl::InternalError(absl::StrCat("no header end in: ", raw));
+  }
+  HttpResponse response;
+  response.body = raw.substr(header_end + 4);
+  std::vector<std::string> lines =
+      absl::StrSplit(raw.substr(0, header_end), "\r\n");
+  // "HTTP/1.1 200 OK"
+  std::vector<std::string> status_line = absl::StrSplit(lines[0], ' ');
+  if (status_line.size() < 2 || !absl::StartsWith(status_line[0], "HTTP/") ||
+      !absl::SimpleAtoi(status_line[1], &response.status)) {
+    return absl::InternalError(absl::StrCat("bad status line: ", lines[0]));
+  }
+  for (size_t i = 1; i < lines.size(); ++i) {
+    const size_t colon = lines[i].find(':');
+    if (colon == std::string::npos) continue;
+    response.headers[absl::AsciiStrToLower(lines[i].substr(0, colon))] =
+        std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
+  }
+  return response;
+}
+
+class MetricsHttpServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    plans_ =
+        registry_
+            .AddCounterFamily("hap_plans_total", "Plans finished.", {"result"})
+            .value();
+    plans_->Get({"ok"}).value()->Increment(2);
+    ASSERT_THAT(registry_.AddHistogram("hap_plan_duration_seconds",
+                                       "Time to plan.", {1, 10}),
+                IsOk());
+  }
+
+  MetricsRegistry registry_;
+  Family<Counter>* plans_ = nullptr;
+};
+
+TEST_F(MetricsHttpServerTest, ServesMetricsOnAChosenPort) {
+  MetricsHttpServer server(&registry_);
+  EXPECT_EQ(server.port(), 0);
+  ASSERT_THAT(server.Start(), IsOk());
+  ASSERT_GT(server.port(), 0);
+
+  absl::StatusOr<HttpResponse> response =
+      Fetch(server.port(), "GET", "/metrics");
+  ASSERT_THAT(response, IsOk());
+  EXPECT_EQ(response->status, 200);
+  EXPECT_EQ(response->headers["content-type"],
+            "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(response->body, registry_.Serialize());
+  EXPECT_EQ(response->headers["content-length"],
+            absl::StrCat(response->body.size()));
+  EXPECT_THAT(response->body, HasSubstr("hap_plans_total{result=\"ok\"} 2\n"));
+
+  // Each scrape sees the current values.
+  plans_->Get({"ok"}).value()->Increment();
+  response = Fetch(server.port(), "GET", "/metrics");
+  ASSERT_THAT(response, IsOk());
+  EXPECT_THAT(response->body, HasSubstr("hap_plans_total{result=\"ok\"} 3\n"));
+}
+
+TEST_F(MetricsHttpServerTest, HealthzNotFoundAndMethods) {
+  MetricsHttpServer server(&registry_);
+  ASSERT_THAT(server.Start(), IsOk());
+
+  absl::StatusOr<HttpResponse> health = Fetch(server.port(), "GET", "/healthz");
+  ASSERT_THAT(health, IsOk());
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(health->body, "ok");
+
+  for (const char* path : {"/", "/metricsx", "/metrics/extra", "/nope"}) {
+    absl::StatusOr<HttpResponse> missing = Fetch(server.port(), "GET", path);
+    ASSERT_THAT(missing, IsOk()) << path;
+    EXPECT_EQ(missing->status, 404) << path;
+  }
+
+  absl::StatusOr<HttpResponse> post = Fetch(server.port(), "POST", "/metrics");
+  ASSERT_THAT(post, IsOk());
+  EXPECT_EQ(post->status, 405);
+  EXPECT_EQ(post->headers["allow"], "GET, HEAD");
+
+  absl::StatusOr<HttpResponse> head = Fetch(server.port(), "HEAD", "/metrics");
+  ASSERT_THAT(head, IsOk());
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(head->body, "");
+
+  // A query string does not change the path.
+  absl::StatusOr<HttpResponse> query =
+      Fetch(server.port(), "GET", "/metrics?name[]=hap_plans_total");
+  ASSERT_THAT(query, IsOk());
+  EXPECT_EQ(query->status, 200);
+}
+
+TEST_F(MetricsHttpServerTest, TakenPortIsUnavailable) {
+  MetricsHttpServer first(&registry_);
+  ASSERT_THAT(first.Start(), IsOk());
+  MetricsHttpServerOptions options;
+  options.port = first.port();
+  MetricsHttpServer second(&registry_, options);
+  const absl::Status status = second.Start();
+  EXPECT_THAT(status,
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr(absl::StrCat("127.0.0.1:", first.port()))));
+  EXPECT_THAT(status.message(), HasSubstr("in use"));
+  EXPECT_EQ(second.port(), 0);
+  second.Stop();  // stopping a server that never started is fine
+}
+
+TEST_F(MetricsHttpServerTest, BadOptionsAndDoubleStart) {
+  MetricsHttpServerOptions options;
+  options.port = 70000;
+  EXPECT_THAT(MetricsHttpServer(&registry_, options).Start(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("70000")));
+  options.port = 0;
+  options.bind_address = "localhost";
+  EXPECT_THAT(MetricsHttpServer(&registry_, options).Start(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not an IPv4 address")));
+  options.bind_address = "127.0.0.1";
+  options.num_threads = 0;
+  EXPECT_THAT(
+      MetricsHttpServer(&registry_, options).Start(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("thread")));
+
+  MetricsHttpServer server(&registry_);
+  ASSERT_THAT(server.Start(), IsOk());
+  EXPECT_THAT(server.Start(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                       HasSubstr("already serving")));
+}
+
+TEST_F(MetricsHttpServerTest, StopIsIdempotentAndClosesThePort) {
+  MetricsHttpServer server(&registry_);
+  ASSERT_THAT(server.Start(), IsOk());
+  const int port = server.port();
+  server.Stop();
+  EXPECT_EQ(server.port(), 0);
+  server.Stop();
+  const int fd = Connect(port);
+  if (fd >= 0) close(fd);
+  EXPECT_EQ(fd, -ECONNREFUSED);
+
+  // It can start again.
+  ASSERT_THAT(server.Start(), IsOk());
+  absl::StatusOr<HttpResponse> response =
+      Fetch(server.port(), "GET", "/healthz");
+  ASSERT_THAT(response, IsOk());
+  EXPECT_EQ(response->status, 200);
+}
+
+TEST_F(MetricsHttpServerTest, DestructorStops) {
+  int port = 0;
+  {
+    MetricsHttpServer server(&registry_);
+    ASSERT_THAT(server.Start(), IsOk());
+    port = server.port();
+    ASSERT_THAT(Fetch(port, "GET", "/healthz"), IsOk());
+  }
+  const int fd = Connect(port);
+  if (fd >= 0) close(fd);
+  EXPECT_EQ(fd, -ECONNREFUSED);
+}
+
+}  // namespace
+}  // namespace hap::metrics
