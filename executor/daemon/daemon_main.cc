@@ -1,8 +1,9 @@
 #include "executor/daemon/daemon_main.h"
 
-#include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <iostream>
 #include <thread>
 
@@ -38,6 +39,17 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
   --timeout       Gloo connect and collective timeout in seconds (60)
   --drain-seconds NOT_SERVING before shutdown on SIGTERM (1)
 )";
+
+// SIGTERM/SIGINT write their number to this pipe (the only thing a handler
+// may safely do); a thread reads it and shuts the server down. A handler
+// rather than a blocked mask with sigwait, because libraries (OpenBLAS)
+// start threads of their own with every signal unblocked.
+int signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  const char c = static_cast<char>(sig);
+  (void)!write(signal_pipe[1], &c, 1);
+}
 
 absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def) {
   std::string v = a.GetOrEnv(flag, "");
@@ -92,13 +104,16 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
     std::cerr << "error: " << options.status().message() << "\n";
     return 2;
   }
-  // SIGTERM/SIGINT are taken by a thread with sigwait: blocked here, before
-  // gRPC starts its threads, so they all inherit the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  if (pipe(signal_pipe) != 0) {
+    std::cerr << "error: cannot create the signal pipe\n";
+    return 1;
+  }
+  struct sigaction sa = {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
 
   auto server = ExecutorServer::Start(*std::move(options));
   if (!server.ok()) {
@@ -107,9 +122,11 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   }
   std::cout << "listening on " << (*server)->address() << std::endl;
   std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    std::cerr << "hap-executor: signal " << sig << ", shutting down\n";
+    char sig = 0;
+    while (read(signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
+    std::cerr << "hap-executor: signal " << static_cast<int>(sig)
+              << ", NOT_SERVING, then shutting down\n";
     (*server)->Shutdown();
   });
   (*server)->Wait();

@@ -315,7 +315,8 @@ void ExecutorCore::JoinTrainingThread() {
   if (thread_.joinable()) thread_.join();
 }
 
-absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deployment) {
+absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deployment,
+                                                      absl::Time wait_until) {
   absl::MutexLock ops(&ops_mu_);
   {
     absl::MutexLock l(&mu_);
@@ -330,7 +331,7 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
     if (state_ != v1::ExecutorStatus::TRAINING) return StatusLocked();
     cancelled_ = true;
   }
-  return WaitUntilDone(o_.now() + o_.stop_wait);
+  return WaitUntilDone(std::min(wait_until, absl::Now() + o_.stop_wait));
 }
 
 v1::ExecutorStatus ExecutorCore::WaitUntilDone(absl::Time deadline) const {

@@ -104,7 +104,10 @@ class ExecutorCore {
   // NotFound for missing data; ResourceExhausted when the arena does not fit.
   absl::StatusOr<std::string> LoadPlan(LoadOptions options);
   absl::StatusOr<hap::v1::ExecutorStatus> Start(const std::string& deployment);
-  absl::StatusOr<hap::v1::ExecutorStatus> Stop(const std::string& deployment);
+  // Waits for the step in progress until `wait_until` or stop_wait,
+  // whichever is sooner (the status may still say TRAINING then).
+  absl::StatusOr<hap::v1::ExecutorStatus> Stop(const std::string& deployment,
+                                               absl::Time wait_until = absl::InfiniteFuture());
   hap::v1::ExecutorStatus Status() const;
 
   // Blocks until training has left TRAINING or `deadline` passes; the status.

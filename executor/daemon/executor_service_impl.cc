@@ -52,7 +52,7 @@ grpc::Status ExecutorServiceImpl::StopTraining(grpc::ServerContext* ctx,
                                                const v1::StopTrainingRequest* r,
                                                v1::ExecutorStatus* out) {
   if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
-  auto st = core_->Stop(r->deployment());
+  auto st = core_->Stop(r->deployment(), Deadline(ctx));
   if (!st.ok()) return ToGrpc(st.status());
   *out = *std::move(st);
   return grpc::Status::OK;

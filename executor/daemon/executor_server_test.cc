@@ -1,0 +1,333 @@
+// The executor daemon over gRPC on 127.0.0.1: executors in this process,
+// a fake planner (written here, since the real one lives elsewhere) that
+// serves the rendezvous store and collects step metrics.
+#include "executor/daemon/executor_server.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "executor/daemon/fake_planner.h"
+#include "executor/daemon/test_plans.h"
+#include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
+#include "gtest/gtest.h"
+#include "hap/v1/executor_service.grpc.pb.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "s3cret";
+
+class ExecutorServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &planner_port_);
+    b.RegisterService(&planner_);
+    planner_server_ = b.BuildAndStart();
+    ASSERT_NE(planner_server_, nullptr);
+    ASSERT_NE(planner_port_, 0);
+  }
+  void TearDown() override {
+    executors_.clear();  // shut down before the planner they report to
+    planner_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  }
+
+  std::string planner_address() const { return absl::StrCat("127.0.0.1:", planner_port_); }
+
+  // Starts an executor; returns its stub.
+  std::unique_ptr<v1::Executor::Stub> StartExecutor(const std::string& token = "",
+                                                    absl::Duration drain = absl::ZeroDuration()) {
+    ExecutorServerOptions o;
+    o.planner = planner_address();
+    o.security.token = token;
+    o.drain = drain;
+    o.core.device_id = absl::StrCat("node0/cpu", executors_.size());
+    o.core.comm_timeout = absl::Seconds(20);
+    auto s = ExecutorServer::Start(o);
+    EXPECT_THAT(s, IsOk());
+    if (!s.ok()) return nullptr;
+    auto channel = grpc::CreateChannel((*s)->address(), grpc::InsecureChannelCredentials());
+    executors_.push_back(*std::move(s));
+    return v1::Executor::NewStub(channel);
+  }
+
+  static void Prepare(grpc::ClientContext* ctx, const std::string& token = "") {
+    if (!token.empty()) ctx->AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  }
+
+  v1::LoadPlanRequest LoadRequest(const v1::Plan& plan, int rank, int64_t steps) {
+    v1::LoadPlanRequest r;
+    *r.mutable_plan() = plan;
+    r.set_deployment("deployments/test");
+    r.set_generation(3);
+    r.set_rank(rank);
+    r.set_world_size(plan.rank_programs_size());
+    r.set_rendezvous_address(planner_address());
+    r.mutable_training()->set_steps(steps);
+    r.mutable_training()->set_data(v1::TrainingConfig::SYNTHETIC);
+    return r;
+  }
+
+  testing::FakePlanner planner_{kToken};
+  int planner_port_ = 0;
+  std::unique_ptr<grpc::Server> planner_server_;
+  std::vector<std::unique_ptr<ExecutorServer>> executors_;
+};
+
+TEST_F(ExecutorServerTest, ThreeExecutorsTrainAndReportToThePlanner) {
+  constexpr int kWorld = 3;
+  constexpr int kSteps = 5;
+  auto plan = testing::MakeMlpPlan(kWorld);
+  ASSERT_THAT(plan, IsOk());
+  planner_.set_token_required(true);
+  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
+  for (int r = 0; r < kWorld; ++r) stubs.push_back(StartExecutor(kToken));
+
+  for (int r = 0; r < kWorld; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, kToken);
+    v1::LoadPlanResponse resp;
+    grpc::Status s = stubs[r]->LoadPlan(&ctx, LoadRequest(*plan, r, kSteps), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.plan_content_hash(), plan->content_hash());
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, kToken);
+    v1::StartTrainingRequest req;
+    req.set_deployment("deployments/test");
+    v1::ExecutorStatus st;
+    grpc::Status s = stubs[r]->StartTraining(&ctx, req, &st);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(st.state(), v1::ExecutorStatus::TRAINING);
+  }
+
+  // The stream ends when training ends.
+  std::vector<v1::StepMetric> streamed;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, kToken);
+    v1::StreamStepMetricsRequest req;
+    req.set_deployment("deployments/test");
+    auto reader = stubs[1]->StreamStepMetrics(&ctx, req);
+    v1::StepMetric m;
+    while (reader->Read(&m)) streamed.push_back(m);
+    grpc::Status s = reader->Finish();
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  ASSERT_EQ(streamed.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(streamed[i].step(), i);
+
+  std::vector<v1::ExecutorStatus> statuses(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    statuses[r] = executors_[r]->core().WaitUntilDone(absl::InfiniteFuture());
+    EXPECT_EQ(statuses[r].state(), v1::ExecutorStatus::FINISHED) << statuses[r].error();
+    grpc::ClientContext ctx;
+    Prepare(&ctx, kToken);
+    v1::ExecutorStatus st;
+    ASSERT_TRUE(stubs[r]->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+    EXPECT_EQ(st.state(), v1::ExecutorStatus::FINISHED);
+    EXPECT_EQ(st.steps_completed(), kSteps);
+    EXPECT_EQ(st.rank(), r);
+    EXPECT_EQ(st.generation(), 3);
+    EXPECT_EQ(st.device(), absl::StrCat("node0/cpu", r));
+  }
+
+  // Training ends after the last metrics were flushed to the planner.
+  std::map<std::pair<int, int64_t>, double> loss;
+  auto at = [&](int rank, int64_t step) { return loss[std::make_pair(rank, step)]; };
+  for (const auto& m : planner_.metrics()) {
+    EXPECT_EQ(m.deployment(), "deployments/test");
+    EXPECT_GT(m.step_seconds(), 0);
+    EXPECT_GT(m.time().seconds(), 0);
+    loss[std::make_pair(m.rank(), m.step())] = m.loss();
+  }
+  ASSERT_EQ(loss.size(), static_cast<size_t>(kWorld * kSteps));
+  for (int step = 0; step < kSteps; ++step) {
+    for (int r = 1; r < kWorld; ++r) {
+      EXPECT_EQ(at(r, step), at(0, step)) << "rank " << r << " step " << step;
+    }
+    EXPECT_EQ(streamed[step].loss(), at(1, step));
+  }
+  EXPECT_LT(at(0, kSteps - 1), at(0, 0));  // it learns
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(executors_[r]->reporter_counters().sent, kSteps);
+    EXPECT_EQ(executors_[r]->reporter_counters().dropped, 0);
+  }
+  // The ranks met under the deployment's generation.
+  EXPECT_GE(planner_.keys_under("deployments/test", 3), kWorld);
+  EXPECT_EQ(planner_.keys_under("deployments/test", 0), 0);
+}
+
+TEST_F(ExecutorServerTest, EveryCallNeedsTheTokenWhenOneIsSet) {
+  auto stub = StartExecutor(kToken);
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::LoadPlanResponse resp;
+    grpc::Status s = stub->LoadPlan(&ctx, LoadRequest(*plan, 0, 3), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_THAT(s.error_message(), HasSubstr("bearer token"));
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, "wrong");
+    v1::ExecutorStatus st;
+    grpc::Status s = stub->StartTraining(&ctx, v1::StartTrainingRequest(), &st);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, kToken);
+    v1::ExecutorStatus st;
+    ASSERT_TRUE(stub->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+    EXPECT_EQ(st.state(), v1::ExecutorStatus::IDLE);  // nothing was loaded
+  }
+}
+
+TEST_F(ExecutorServerTest, PlansFromAnotherPlannerArePermissionDenied) {
+  auto stub = StartExecutor();
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  v1::LoadPlanRequest req = LoadRequest(*plan, 0, 3);
+  req.set_rendezvous_address("127.0.0.2:9999");
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::LoadPlanResponse resp;
+  grpc::Status s = stub->LoadPlan(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("127.0.0.2:9999"));
+  EXPECT_THAT(s.error_message(), HasSubstr(planner_address()));
+}
+
+TEST_F(ExecutorServerTest, BadPlansAreInvalidArgument) {
+  auto stub = StartExecutor();
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  auto load = [&](const v1::LoadPlanRequest& req) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::LoadPlanResponse resp;
+    return stub->LoadPlan(&ctx, req, &resp);
+  };
+  v1::LoadPlanRequest req = LoadRequest(*plan, 0, 3);
+  req.set_world_size(3);
+  grpc::Status s = load(req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("world of 2 ranks, not 3"));
+
+  req = LoadRequest(*plan, 5, 3);
+  s = load(req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("rank 5 is out of range"));
+
+  req = LoadRequest(*plan, 0, 3);
+  req.mutable_plan()->mutable_ratios()->Clear();
+  req.mutable_plan()->mutable_rank_programs(0)->set_seed(12345);
+  s = load(req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("content hash does not match"));
+}
+
+TEST_F(ExecutorServerTest, StopTrainingStopsARun) {
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
+  for (int r = 0; r < 2; ++r) stubs.push_back(StartExecutor());
+  for (int r = 0; r < 2; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::LoadPlanResponse resp;
+    ASSERT_TRUE(stubs[r]->LoadPlan(&ctx, LoadRequest(*plan, r, 1'000'000), &resp).ok());
+  }
+  for (int r = 0; r < 2; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ExecutorStatus st;
+    ASSERT_TRUE(stubs[r]->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
+  }
+  // Read the stream until a few steps have run, then stop both ranks.
+  grpc::ClientContext stream_ctx;
+  Prepare(&stream_ctx);
+  v1::StreamStepMetricsRequest sreq;
+  sreq.set_from_step(0);
+  auto reader = stubs[0]->StreamStepMetrics(&stream_ctx, sreq);
+  v1::StepMetric m;
+  while (reader->Read(&m) && m.step() < 2) {
+  }
+  EXPECT_EQ(m.step(), 2);
+  for (int r = 0; r < 2; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::StopTrainingRequest req;
+    req.set_deployment("deployments/test");
+    v1::ExecutorStatus st;
+    grpc::Status s = stubs[r]->StopTraining(&ctx, req, &st);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(st.state(), v1::ExecutorStatus::FAILED);
+    EXPECT_LT(st.steps_completed(), 1'000'000);
+    if (r == 0) {
+      EXPECT_THAT(st.error(), HasSubstr("stopped by StopTraining"));
+    }
+  }
+  while (reader->Read(&m)) {
+  }
+  EXPECT_TRUE(reader->Finish().ok());  // the stream ended with training
+}
+
+// grpc.health.v1.Health/Check over raw bytes (its protos are not ours):
+// HealthCheckRequest{} is empty; the response's field 1 is the status
+// (1 SERVING, 2 NOT_SERVING).
+int HealthStatus(grpc::Channel* channel) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::ByteBuffer req, resp;
+  grpc::Slice empty("");
+  req = grpc::ByteBuffer(&empty, 1);
+  grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel,
+      grpc::internal::RpcMethod("/grpc.health.v1.Health/Check",
+                                grpc::internal::RpcMethod::NORMAL_RPC),
+      &ctx, req, &resp);
+  if (!s.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!resp.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (const auto& x : slices) bytes.append(reinterpret_cast<const char*>(x.begin()), x.size());
+  if (bytes.size() == 2 && bytes[0] == 0x08) return bytes[1];
+  return 0;  // field absent: UNKNOWN
+}
+
+TEST_F(ExecutorServerTest, HealthIsServingThenNotServingWhileShuttingDown) {
+  StartExecutor("", absl::Seconds(1));
+  auto channel =
+      grpc::CreateChannel(executors_[0]->address(), grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthStatus(channel.get()), 1);
+  std::thread stopper([&] { executors_[0]->Shutdown(); });
+  int status = 1;
+  for (int i = 0; i < 1000 && status == 1; ++i) status = HealthStatus(channel.get());
+  EXPECT_EQ(status, 2);  // NOT_SERVING during the drain
+  stopper.join();
+  EXPECT_EQ(HealthStatus(channel.get()), -1);  // gone
+}
+
+}  // namespace
+}  // namespace hap::executor
