@@ -1,0 +1,479 @@
+#include "profiler_agent/agent.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <iostream>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/util/status_macros.h"
+#include "profiler_agent/agent_service.h"
+
+namespace hap::agent {
+namespace {
+
+namespace v1 = hap::v1;
+using hap::service::FromGrpc;
+
+constexpr char kAgentVersion[] = "hap-agent/1";
+constexpr absl::Duration kDefaultHeartbeat = absl::Seconds(5);
+
+// One line to stderr, written at once so that threads do not interleave.
+void Log(const std::string& message) {
+  std::cerr << absl::StrCat("hap-agent ", absl::FormatTime("%H:%M:%E3S", absl::Now(),
+                                                           absl::LocalTimeZone()),
+                            ": ", message, "\n")
+            << std::flush;
+}
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+void ToProto(absl::Duration d, google::protobuf::Duration* out) {
+  int64_t ns = absl::ToInt64Nanoseconds(d);
+  out->set_seconds(ns / 1'000'000'000);
+  out->set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
+}
+
+// The listen address with a wildcard host replaced by this host's name, so
+// that the planner and peers get an address they can dial.
+std::string Advertised(const std::string& bound) {
+  size_t colon = bound.rfind(':');
+  std::string host = bound.substr(0, colon);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) == 0 && name[0]) host = name;
+  }
+  return absl::StrCat(host, bound.substr(colon));
+}
+
+absl::Status Validate(const AgentOptions& o) {
+  if (o.planner.empty()) {
+    return absl::InvalidArgumentError("the planner address is required (--planner HOST:PORT)");
+  }
+  if (o.name.empty()) return absl::InvalidArgumentError("the node name must not be empty");
+  if (!(o.drift >= 0) || !std::isfinite(o.drift)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("drift must be a non-negative fraction, got ", o.drift));
+  }
+  if (o.heartbeat_interval < absl::ZeroDuration() ||
+      o.drift_check_interval <= absl::ZeroDuration() ||
+      o.link_probe_interval <= absl::ZeroDuration() || o.rpc_timeout <= absl::ZeroDuration() ||
+      o.initial_backoff <= absl::ZeroDuration() || o.max_backoff < o.initial_backoff) {
+    return absl::InvalidArgumentError(
+        "intervals, timeouts and backoffs must be positive (max_backoff >= initial_backoff)");
+  }
+  if (o.probe.max_duration <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("the probe duration must be positive");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct Agent::Impl : public ProfileSource {
+  AgentOptions o;
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  std::unique_ptr<AgentServer> server;
+  std::string address;
+  std::thread heartbeat_thread, link_thread;
+  std::atomic<bool> shut_down{false};
+
+  // One probe or link measurement at a time: they would disturb each other.
+  absl::Mutex probe_mu;
+
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  bool registered ABSL_GUARDED_BY(mu) = false;
+  std::optional<v1::ProbeResponse> profile ABSL_GUARDED_BY(mu);
+  std::vector<double> quick_baseline ABSL_GUARDED_BY(mu);
+  // Profiles probed and profiles the planner has: devices are pending while
+  // they differ.
+  int64_t profile_generation ABSL_GUARDED_BY(mu) = 0;
+  int64_t sent_generation ABSL_GUARDED_BY(mu) = 0;
+  std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
+  std::shared_ptr<v1::Planner::Stub> planner_stub ABSL_GUARDED_BY(mu);
+
+  std::shared_ptr<v1::Planner::Stub> Planner() {
+    absl::MutexLock l(&mu);
+    return planner_stub;
+  }
+
+  // A fresh channel to the planner. gRPC's own reconnect backoff grows to
+  // minutes while a peer is down; a new channel dials at once, so the
+  // registration retries keep to our backoff.
+  absl::Status ConnectPlanner() {
+    HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(o.planner, o.security));
+    std::shared_ptr<v1::Planner::Stub> stub = v1::Planner::NewStub(channel);
+    absl::MutexLock l(&mu);
+    planner_stub = std::move(stub);
+    return absl::OkStatus();
+  }
+
+  // A client context for one outgoing call, cancelled by Shutdown.
+  class Call {
+   public:
+    Call(Impl* impl, absl::Duration timeout) : impl_(impl) {
+      hap::service::PrepareClientContext(&ctx_, impl->o.security, timeout);
+      absl::MutexLock l(&impl->mu);
+      if (impl->stopping) ctx_.TryCancel();
+      impl->calls.insert(&ctx_);
+    }
+    ~Call() {
+      absl::MutexLock l(&impl_->mu);
+      impl_->calls.erase(&ctx_);
+    }
+    grpc::ClientContext* ctx() { return &ctx_; }
+
+   private:
+    Impl* impl_;
+    grpc::ClientContext ctx_;
+  };
+
+  bool Stopping() {
+    absl::MutexLock l(&mu);
+    return stopping;
+  }
+
+  // Waits for `d` or until Shutdown; false when stopping.
+  bool WaitFor(absl::Duration d) {
+    mu.LockWhenWithTimeout(absl::Condition(&stopping), d);
+    bool stop = stopping;
+    mu.Unlock();
+    return !stop;
+  }
+
+  std::vector<DeviceProber*> RawProbers() {
+    std::vector<DeviceProber*> raw;
+    for (auto& p : probers) raw.push_back(p.get());
+    return raw;
+  }
+
+  // Quick FLOP/s of every device, in ProbeNode's order. Needs probe_mu.
+  absl::StatusOr<std::vector<double>> QuickFlopsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(probe_mu) {
+    std::vector<double> all;
+    for (auto& p : probers) {
+      HAP_ASSIGN_OR_RETURN(std::vector<double> f, p->QuickFlops(o.probe));
+      all.insert(all.end(), f.begin(), f.end());
+    }
+    return all;
+  }
+
+  // A full probe; the new profile replaces the last one and becomes pending
+  // for the planner.
+  absl::Status ProbeDevices(absl::Duration max_duration) {
+    absl::MutexLock probing(&probe_mu);
+    ProbeOptions opts = o.probe;
+    if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
+    absl::Time start = absl::Now();
+    auto node = ProbeNode(o.name, address, RawProbers(), opts);
+    if (!node.ok()) return Annotate(node.status(), "probing this node");
+    node->set_agent_version(kAgentVersion);
+    std::vector<double> baseline;
+    if (o.drift > 0) {
+      auto quick = QuickFlopsLocked();
+      if (quick.ok()) {
+        baseline = std::move(*quick);
+      } else {
+        Log(absl::StrCat("quick FLOP/s check failed, drift detection is off until the next "
+                         "probe: ", quick.status().ToString()));
+      }
+    }
+    v1::ProbeResponse r;
+    *r.mutable_node() = std::move(*node);
+    ToProto(absl::Now() - start, r.mutable_probe_duration());
+    absl::MutexLock l(&mu);
+    profile = std::move(r);
+    quick_baseline = std::move(baseline);
+    ++profile_generation;
+    return absl::OkStatus();
+  }
+
+  // True when a quick check differs from the baseline by more than `drift`.
+  bool Drifted() {
+    std::vector<double> baseline;
+    {
+      absl::MutexLock l(&mu);
+      baseline = quick_baseline;
+    }
+    if (baseline.empty()) return false;
+    absl::MutexLock probing(&probe_mu);
+    auto quick = QuickFlopsLocked();
+    if (!quick.ok()) {
+      Log(absl::StrCat("quick FLOP/s check failed: ", quick.status().ToString()));
+      return false;
+    }
+    if (quick->size() != baseline.size()) return true;  // devices came or went
+    for (size_t i = 0; i < baseline.size(); ++i) {
+      if (std::abs((*quick)[i] - baseline[i]) > o.drift * baseline[i]) {
+        Log(absl::StrCat("device ", i, " FLOP/s drifted from ", baseline[i], " to ", (*quick)[i],
+                         " (more than ", o.drift * 100, "%); probing again"));
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // RegisterNode with the current profile; the heartbeat interval to use.
+  absl::StatusOr<absl::Duration> Register() {
+    v1::RegisterNodeRequest req;
+    int64_t generation;
+    {
+      absl::MutexLock l(&mu);
+      *req.mutable_node() = profile->node();
+      generation = profile_generation;
+    }
+    v1::RegisterNodeResponse resp;
+    Call call(this, o.rpc_timeout);
+    HAP_RETURN_IF_ERROR(FromGrpc(Planner()->RegisterNode(call.ctx(), req, &resp)));
+    absl::Duration interval = o.heartbeat_interval;
+    if (interval == absl::ZeroDuration()) interval = FromProto(resp.heartbeat_interval());
+    if (interval <= absl::ZeroDuration()) interval = kDefaultHeartbeat;
+    absl::MutexLock l(&mu);
+    registered = true;
+    sent_generation = generation;
+    return interval;
+  }
+
+  void HeartbeatOnce() {
+    v1::HeartbeatRequest req;
+    req.set_name("nodes/" + o.name);
+    int64_t generation;
+    {
+      absl::MutexLock l(&mu);
+      generation = profile_generation;
+      if (generation != sent_generation) *req.mutable_devices() = profile->node().devices();
+    }
+    v1::HeartbeatResponse resp;
+    Call call(this, o.rpc_timeout);
+    absl::Status s = FromGrpc(Planner()->Heartbeat(call.ctx(), req, &resp));
+    if (!s.ok()) {
+      if (!Stopping()) {
+        Log(absl::StrCat("heartbeat to the planner at ", o.planner, " failed: ", s.ToString()));
+      }
+      return;
+    }
+    {
+      absl::MutexLock l(&mu);
+      sent_generation = generation;
+      if (resp.unknown_node()) registered = false;
+    }
+    if (resp.unknown_node()) {
+      Log(absl::StrCat("the planner does not know node '", o.name, "'; registering again"));
+    }
+    if (resp.reprobe()) {
+      Log("the planner asked for a new probe");
+      if (absl::Status p = ProbeDevices(absl::ZeroDuration()); !p.ok()) Log(p.ToString());
+    }
+  }
+
+  void RunHeartbeats() {
+    absl::Duration backoff = o.initial_backoff;
+    absl::Duration interval = kDefaultHeartbeat;
+    absl::Time next_heartbeat = absl::Now(), next_drift = absl::Now() + o.drift_check_interval;
+    auto fail_and_wait = [&](const std::string& message) {
+      if (Stopping()) return false;
+      Log(absl::StrCat(message, "; retrying in ", absl::FormatDuration(backoff)));
+      bool go_on = WaitFor(backoff);
+      backoff = std::min(backoff * 2, o.max_backoff);
+      return go_on;
+    };
+    while (!Stopping()) {
+      bool have_profile, is_registered;
+      {
+        absl::MutexLock l(&mu);
+        have_profile = profile.has_value();
+        is_registered = registered;
+      }
+      if (!have_profile) {
+        absl::Status s = ProbeDevices(absl::ZeroDuration());
+        if (!s.ok() && !fail_and_wait(s.ToString())) break;
+        continue;
+      }
+      if (!is_registered) {
+        auto r = Register();
+        if (!r.ok() && absl::IsUnavailable(r.status())) {
+          if (absl::Status c = ConnectPlanner(); !c.ok()) Log(c.ToString());
+        }
+        if (!r.ok()) {
+          if (!fail_and_wait(absl::StrCat("registering with the planner at ", o.planner, ": ",
+                                          r.status().ToString()))) {
+            break;
+          }
+          continue;
+        }
+        Log(absl::StrCat("registered node '", o.name, "' (", address, ") with the planner at ",
+                         o.planner, "; heartbeat every ", absl::FormatDuration(*r)));
+        backoff = o.initial_backoff;
+        interval = *r;
+        next_heartbeat = absl::Now() + interval;
+        continue;
+      }
+      if (o.drift > 0 && absl::Now() >= next_drift) {
+        if (Drifted()) {
+          if (absl::Status p = ProbeDevices(absl::ZeroDuration()); !p.ok()) Log(p.ToString());
+        }
+        next_drift = absl::Now() + o.drift_check_interval;
+      }
+      if (absl::Now() >= next_heartbeat) {
+        HeartbeatOnce();
+        next_heartbeat = absl::Now() + interval;
+      }
+      absl::Time next = o.drift > 0 ? std::min(next_heartbeat, next_drift) : next_heartbeat;
+      if (!WaitFor(std::max(next - absl::Now(), absl::ZeroDuration()))) break;
+    }
+  }
+
+  // The devices of a peer agent, from its profile.
+  absl::StatusOr<std::vector<std::string>> PeerDevices(const std::string& peer_address) {
+    HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(peer_address, o.security));
+    auto stub = v1::Agent::NewStub(channel);
+    v1::ProbeResponse r;
+    Call call(this, o.rpc_timeout);
+    HAP_RETURN_IF_ERROR(FromGrpc(stub->GetProfile(call.ctx(), v1::GetProfileRequest(), &r)));
+    std::vector<std::string> ids;
+    for (const auto& d : r.node().devices()) ids.push_back(d.id());
+    if (ids.empty()) return absl::FailedPreconditionError("the peer reports no devices");
+    return ids;
+  }
+
+  // Asks the planner for probe assignments, measures each peer and reports
+  // the links. A failing peer is logged and skipped.
+  std::vector<v1::Link> MeasurePeers() {
+    std::vector<v1::Link> links;
+    v1::GetProbeAssignmentsRequest req;
+    req.set_node(o.name);
+    v1::GetProbeAssignmentsResponse assignments;
+    {
+      Call call(this, o.rpc_timeout);
+      absl::Status s =
+          FromGrpc(Planner()->GetProbeAssignments(call.ctx(), req, &assignments));
+      if (!s.ok()) {
+        Log(absl::StrCat("getting probe assignments from ", o.planner, ": ", s.ToString()));
+        return links;
+      }
+    }
+    std::vector<std::string> local;
+    {
+      absl::MutexLock l(&mu);
+      if (profile) {
+        for (const auto& d : profile->node().devices()) local.push_back(d.id());
+      }
+    }
+    for (const v1::ProbeAssignment& a : assignments.assignments()) {
+      if (Stopping()) break;
+      auto peer_devices = PeerDevices(a.peer_address());
+      if (!peer_devices.ok()) {
+        Log(absl::StrCat("link probe to ", a.peer_node(), " at ", a.peer_address(), ": ",
+                         peer_devices.status().ToString()));
+        continue;
+      }
+      absl::StatusOr<LinkMeasurement> m;
+      {
+        absl::MutexLock probing(&probe_mu);
+        m = MeasureLink(a.peer_address(), a.bytes() > 0 ? a.bytes() : o.link.max_bytes,
+                        o.security, o.link);
+      }
+      if (!m.ok()) {
+        Log(absl::StrCat("link probe to ", a.peer_node(), ": ", m.status().ToString()));
+        continue;
+      }
+      // One network path serves every device pair of the two nodes.
+      v1::LinkKind kind = LinkKindBetween(address, a.peer_address());
+      for (const auto& src : local) {
+        for (const auto& dst : *peer_devices) links.push_back(MakeLink(src, dst, *m, kind));
+      }
+    }
+    if (links.empty()) return links;
+    v1::ReportLinksRequest report;
+    report.set_node(o.name);
+    for (const auto& l : links) *report.add_links() = l;
+    v1::ReportLinksResponse ignored;
+    Call call(this, o.rpc_timeout);
+    absl::Status s = FromGrpc(Planner()->ReportLinks(call.ctx(), report, &ignored));
+    if (!s.ok() && !Stopping()) {
+      Log(absl::StrCat("reporting links to ", o.planner, ": ", s.ToString()));
+    }
+    return links;
+  }
+
+  bool StoppingOrRegistered() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return stopping || registered;
+  }
+
+  void RunLinkProbes() {
+    while (true) {
+      mu.LockWhen(absl::Condition(this, &Impl::StoppingOrRegistered));
+      bool stop = stopping;
+      mu.Unlock();
+      if (stop) break;
+      MeasurePeers();
+      if (!WaitFor(o.link_probe_interval)) break;
+    }
+  }
+
+  // ProfileSource.
+  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
+                                             bool include_links) override {
+    HAP_RETURN_IF_ERROR(ProbeDevices(max_duration));
+    HAP_ASSIGN_OR_RETURN(v1::ProbeResponse r, LastProfile());
+    if (include_links) {
+      for (auto& l : MeasurePeers()) *r.add_links() = std::move(l);
+    }
+    return r;
+  }
+
+  absl::StatusOr<v1::ProbeResponse> LastProfile() override {
+    absl::MutexLock l(&mu);
+    if (!profile) {
+      return absl::FailedPreconditionError("the agent has not finished its first probe yet");
+    }
+    return *profile;
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
+    AgentOptions options, std::vector<std::unique_ptr<DeviceProber>> probers) {
+  HAP_RETURN_IF_ERROR(Validate(options));
+  std::unique_ptr<Agent> agent(new Agent());
+  agent->impl_ = std::make_unique<Impl>();
+  Impl& impl = *agent->impl_;
+  impl.o = std::move(options);
+  impl.probers = std::move(probers);
+  if (impl.probers.empty()) impl.probers.push_back(NewCpuProber());
+  HAP_RETURN_IF_ERROR(impl.ConnectPlanner());
+  HAP_ASSIGN_OR_RETURN(impl.server, AgentServer::Start(impl.o.listen, impl.o.security, &impl));
+  impl.address = impl.o.advertise.empty() ? Advertised(impl.server->address()) : impl.o.advertise;
+  if (absl::Status s = impl.ProbeDevices(absl::ZeroDuration()); !s.ok()) Log(s.ToString());
+  impl.heartbeat_thread = std::thread([&impl] { impl.RunHeartbeats(); });
+  impl.link_thread = std::thread([&impl] { impl.RunLinkProbes(); });
+  return agent;
+}
+
+Agent::~Agent() { Shutdown(absl::ZeroDuration()); }
+
+std::string Agent::listen_address() const { return impl_->server->address(); }
+int Agent::port() const { return impl_->server->port(); }
+std::string Agent::address() const { return impl_->address; }
+
+void Agent::Shutdown(absl::Duration deadline) {
+  if (!impl_ || impl_->shut_down.exchange(true)) return;
+  {
+    absl::MutexLock l(&impl_->mu);
+    impl_->stopping = true;
+    for (grpc::ClientContext* c : impl_->calls) c->TryCancel();
+  }
+  if (impl_->heartbeat_thread.joinable()) impl_->heartbeat_thread.join();
+  if (impl_->link_thread.joinable()) impl_->link_thread.join();
+  impl_->server->Shutdown(deadline);
+}
+
+}  // namespace hap::agent

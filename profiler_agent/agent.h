@@ -1,0 +1,81 @@
+// The profiler agent daemon (DESIGN.md §9), without its flags: serves
+// hap.v1.Agent, probes the local devices at start and on request, registers
+// with the planner (retrying with backoff while it is unreachable), then
+// heartbeats. A heartbeat answered unknown_node registers again under the
+// same name; one answered reprobe, or a drifted quick FLOP/s check, probes
+// again and sends the devices with the next heartbeat. Every so often it
+// asks the planner which peers to measure, measures those links and reports
+// them. Errors are logged to stderr with their context; nothing aborts.
+#ifndef HAP_PROFILER_AGENT_AGENT_H_
+#define HAP_PROFILER_AGENT_AGENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "planner/service/grpc/grpc_util.h"
+#include "profiler_agent/link_probe.h"
+#include "profiler_agent/probes.h"
+
+namespace hap::agent {
+
+struct AgentOptions {
+  std::string planner;  // planner address "host:port"; required
+  std::string name;     // node name; required (the daemon defaults it to the hostname)
+  std::string listen = "127.0.0.1:0";  // Agent service; port 0 = any free port
+  // The address the planner and peers reach this agent at; empty = the
+  // listen address with the bound port.
+  std::string advertise;
+  // The token is sent on every call and required on every call served;
+  // tls_ca_file verifies the planner and peers; tls_cert/key_file serve TLS.
+  hap::service::Security security;
+  ProbeOptions probe;
+  // Zero = the interval RegisterNode returns (5 s if it returns none).
+  absl::Duration heartbeat_interval = absl::ZeroDuration();
+  // Re-probe when a quick FLOP/s check differs from the one taken after the
+  // last full probe by more than this fraction; 0 = never check.
+  double drift = 0.2;
+  absl::Duration drift_check_interval = absl::Seconds(60);
+  // How often to ask the planner for probe assignments (first time right
+  // after registering).
+  absl::Duration link_probe_interval = absl::Seconds(300);
+  LinkProbeOptions link;
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  // Registration retries: doubling from initial to max.
+  absl::Duration initial_backoff = absl::Milliseconds(200);
+  absl::Duration max_backoff = absl::Seconds(10);
+};
+
+class Agent {
+ public:
+  // Validates the options, starts the server, probes once (a failed probe
+  // is logged and retried by the loop) and starts the loops. `probers`
+  // empty = the CPU prober. InvalidArgument for missing planner/name;
+  // the server's error when it cannot bind.
+  static absl::StatusOr<std::unique_ptr<Agent>> Start(
+      AgentOptions options, std::vector<std::unique_ptr<DeviceProber>> probers = {});
+  ~Agent();  // Shutdown(zero)
+
+  // The bound listen address ("127.0.0.1:41235") and port.
+  std::string listen_address() const;
+  int port() const;
+  // The address registered with the planner.
+  std::string address() const;
+
+  // Stops heartbeating and probing (RPCs in flight are cancelled), then
+  // shuts the server down giving calls in flight until `deadline`.
+  // Idempotent; thread-safe.
+  void Shutdown(absl::Duration deadline = absl::Seconds(5));
+
+  struct Impl;
+
+ private:
+  Agent() = default;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hap::agent
+
+#endif  // HAP_PROFILER_AGENT_AGENT_H_

@@ -1,0 +1,95 @@
+#include "profiler_agent/agent_flags.h"
+
+#include <unistd.h>
+
+#include <cmath>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "planner/service/grpc/grpc_util.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::agent {
+namespace {
+
+// A number from --flag or HAP_FLAG, at least `min`; `def` when neither is set.
+absl::StatusOr<double> Number(const hap::tools::Args& a, const std::string& flag, double def,
+                              double min) {
+  std::string v = a.GetOrEnv(flag, "");
+  if (v.empty()) return def;
+  double x;
+  if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < min) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " (or ",
+                                                   hap::tools::Args::EnvName(flag),
+                                                   ") must be a number >= ", min, ", got '", v,
+                                                   "'"));
+  }
+  return x;
+}
+
+std::string Hostname() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == 0) return "localhost";
+  return name;
+}
+
+}  // namespace
+
+const char kAgentUsage[] =
+    "usage: hap-agent --planner HOST:PORT [flags]\n"
+    "Each flag can also be set as HAP_<FLAG> in the environment (the flag wins).\n"
+    "  --planner HOST:PORT       the planner to register with (required)\n"
+    "  --name NODE               node name (default: the hostname)\n"
+    "  --listen HOST:PORT        Agent service (default 127.0.0.1:0, a free port)\n"
+    "  --advertise HOST:PORT     address the planner and peers dial (default: --listen's)\n"
+    "  --token-file FILE         bearer token sent and required on every call\n"
+    "  --tls-ca-file FILE        CA bundle verifying the planner and peers\n"
+    "  --tls-cert-file FILE --tls-key-file FILE  serve TLS\n"
+    "  --threads N               compute threads for probes (default: the CPU share)\n"
+    "  --probe-seconds S         bound on one device's probe (default 2)\n"
+    "  --heartbeat-seconds S     default: what the planner says at registration\n"
+    "  --drift F                 re-probe when quick FLOP/s checks differ by more\n"
+    "                            than this fraction (default 0.2; 0 = off)\n"
+    "  --drift-check-seconds S   how often to check (default 60)\n"
+    "  --link-probe-seconds S    how often to measure peer links (default 300)\n";
+
+const std::set<std::string>& AgentValueFlags() {
+  static const std::set<std::string>* const flags = new std::set<std::string>{
+      "planner",       "name",          "listen",       "advertise",
+      "token-file",    "tls-ca-file",   "tls-cert-file", "tls-key-file",
+      "threads",       "probe-seconds", "heartbeat-seconds", "drift",
+      "drift-check-seconds", "link-probe-seconds"};
+  return *flags;
+}
+
+absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
+  AgentOptions o;
+  o.planner = a.GetOrEnv("planner", "");
+  if (o.planner.empty()) {
+    return absl::InvalidArgumentError(
+        "--planner HOST:PORT (or HAP_PLANNER) is required: the planner to register with");
+  }
+  o.name = a.GetOrEnv("name", "");
+  if (o.name.empty()) o.name = Hostname();
+  o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
+  o.advertise = a.GetOrEnv("advertise", "");
+  HAP_ASSIGN_OR_RETURN(o.security.token,
+                       hap::service::ReadTokenFile(a.GetOrEnv("token-file", "")));
+  o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
+  o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
+  o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");
+  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 0, 0));
+  HAP_ASSIGN_OR_RETURN(double probe, Number(a, "probe-seconds", 2, 0.001));
+  HAP_ASSIGN_OR_RETURN(double heartbeat, Number(a, "heartbeat-seconds", 0, 0));
+  HAP_ASSIGN_OR_RETURN(o.drift, Number(a, "drift", 0.2, 0));
+  HAP_ASSIGN_OR_RETURN(double drift_check, Number(a, "drift-check-seconds", 60, 0.001));
+  HAP_ASSIGN_OR_RETURN(double links, Number(a, "link-probe-seconds", 300, 0.001));
+  o.probe.threads = static_cast<int>(std::min(threads, 4096.0));
+  o.probe.max_duration = absl::Seconds(probe);
+  o.heartbeat_interval = absl::Seconds(heartbeat);
+  o.drift_check_interval = absl::Seconds(drift_check);
+  o.link_probe_interval = absl::Seconds(links);
+  return o;
+}
+
+}  // namespace hap::agent

@@ -1,0 +1,96 @@
+#include "profiler_agent/agent_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "profiler_agent/link_probe.h"
+
+namespace hap::agent {
+namespace {
+
+namespace v1 = hap::v1;
+
+std::string HostOf(const std::string& listen) {
+  size_t colon = listen.rfind(':');
+  return colon == std::string::npos ? listen : listen.substr(0, colon);
+}
+
+}  // namespace
+
+grpc::Status AgentServiceImpl::Probe(grpc::ServerContext* ctx, const v1::ProbeRequest* request,
+                                     v1::ProbeResponse* response) {
+  if (grpc::Status s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  const auto& d = request->max_duration();
+  if (d.seconds() < 0 || d.nanos() < 0 || d.nanos() >= 1'000'000'000) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "max_duration must be a non-negative duration");
+  }
+  absl::Duration max = absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+  if (max > kMaxProbeDuration) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("max_duration must be at most ",
+                                     absl::FormatDuration(kMaxProbeDuration), ", got ",
+                                     absl::FormatDuration(max)));
+  }
+  auto r = source_->ProbeNow(max, request->include_links());
+  if (!r.ok()) return hap::service::ToGrpc(r.status());
+  *response = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status AgentServiceImpl::GetProfile(grpc::ServerContext* ctx, const v1::GetProfileRequest*,
+                                          v1::ProbeResponse* response) {
+  if (grpc::Status s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  auto r = source_->LastProfile();
+  if (!r.ok()) return hap::service::ToGrpc(r.status());
+  *response = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status AgentServiceImpl::Echo(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::EchoChunk, v1::EchoChunk>* stream) {
+  if (grpc::Status s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  v1::EchoChunk chunk;
+  const v1::EchoChunk empty;
+  int64_t total = 0;
+  while (stream->Read(&chunk)) {
+    const int64_t n = static_cast<int64_t>(chunk.payload().size());
+    total += n;
+    echo_bytes_ += n;
+    if (total > kMaxEchoStreamBytes) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("an echo stream may carry at most ", kMaxEchoStreamBytes,
+                                       " bytes; open a new stream"));
+    }
+    if (!stream->Write(chunk.reply_small() ? empty : chunk)) break;  // the peer left
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(
+    const std::string& listen, const hap::service::Security& security, ProfileSource* source) {
+  auto creds = hap::service::MakeServerCredentials(security);
+  if (!creds.ok()) return creds.status();
+  std::unique_ptr<AgentServer> s(new AgentServer());
+  s->service_ = std::make_unique<AgentServiceImpl>(source, security.token);
+  grpc::ServerBuilder b;
+  b.AddListeningPort(listen, *creds, &s->port_);
+  b.SetMaxReceiveMessageSize(hap::service::kMaxMessageBytes);
+  b.SetMaxSendMessageSize(hap::service::kMaxMessageBytes);
+  b.RegisterService(s->service_.get());
+  s->server_ = b.BuildAndStart();
+  if (!s->server_ || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on '", listen, "' (want HOST:PORT, a free port, or port 0)"));
+  }
+  s->address_ = absl::StrCat(HostOf(listen), ":", s->port_);
+  return s;
+}
+
+AgentServer::~AgentServer() { Shutdown(absl::ZeroDuration()); }
+
+void AgentServer::Shutdown(absl::Duration deadline) {
+  if (shut_down_.exchange(true) || !server_) return;
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+  server_->Wait();
+}
+
+}  // namespace hap::agent

@@ -1,0 +1,93 @@
+// hap.v1.Agent over gRPC: a thin translator. Probe and GetProfile delegate
+// to a ProfileSource (the daemon); Echo is the peer side of the bandwidth
+// probe (link_probe.h). Every call is checked against the bearer token when
+// one is set.
+#ifndef HAP_PROFILER_AGENT_AGENT_SERVICE_H_
+#define HAP_PROFILER_AGENT_AGENT_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "hap/v1/agent_service.grpc.pb.h"
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::agent {
+
+// What the service reports. Implementations are thread-safe: calls arrive
+// on gRPC's threads.
+class ProfileSource {
+ public:
+  virtual ~ProfileSource() = default;
+  // Probes now, within `max_duration` per device (zero = the configured
+  // bound), and with peer links when `include_links`.
+  virtual absl::StatusOr<hap::v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
+                                                          bool include_links) = 0;
+  // The last profile; FailedPrecondition before the first probe finished.
+  virtual absl::StatusOr<hap::v1::ProbeResponse> LastProfile() = 0;
+};
+
+// Longest probe a caller may ask for.
+inline constexpr absl::Duration kMaxProbeDuration = absl::Seconds(120);
+
+class AgentServiceImpl final : public hap::v1::Agent::Service {
+ public:
+  // `source` must outlive the service; `token` empty = no token required.
+  AgentServiceImpl(ProfileSource* source, std::string token)
+      : source_(source), token_(std::move(token)) {}
+
+  grpc::Status Probe(grpc::ServerContext* ctx, const hap::v1::ProbeRequest* request,
+                     hap::v1::ProbeResponse* response) override;
+  grpc::Status GetProfile(grpc::ServerContext* ctx, const hap::v1::GetProfileRequest* request,
+                          hap::v1::ProbeResponse* response) override;
+  // Echoes each chunk, or answers it with an empty one when reply_small.
+  // A stream that carries more than kMaxEchoStreamBytes in all is ended
+  // with RESOURCE_EXHAUSTED.
+  grpc::Status Echo(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<hap::v1::EchoChunk, hap::v1::EchoChunk>* stream) override;
+
+  // Payload bytes received by Echo since the start (all streams).
+  int64_t echo_bytes_received() const { return echo_bytes_.load(); }
+
+ private:
+  ProfileSource* source_;
+  const std::string token_;
+  std::atomic<int64_t> echo_bytes_{0};
+};
+
+// The service on a gRPC server of its own, for the daemon and tests.
+class AgentServer {
+ public:
+  // Binds `listen` ("host:port", port 0 = any free one) with the server
+  // credentials of `security` and starts serving. InvalidArgument/Unavailable
+  // naming the address when it cannot bind.
+  static absl::StatusOr<std::unique_ptr<AgentServer>> Start(
+      const std::string& listen, const hap::service::Security& security,
+      ProfileSource* source);
+  ~AgentServer();  // Shutdown(zero)
+
+  int port() const { return port_; }
+  // The listen host with the bound port, e.g. "127.0.0.1:41235".
+  const std::string& address() const { return address_; }
+  AgentServiceImpl& service() { return *service_; }
+
+  // Stops taking calls; calls in flight get until `deadline` from now, then
+  // are cancelled. Idempotent.
+  void Shutdown(absl::Duration deadline);
+
+ private:
+  AgentServer() = default;
+  std::unique_ptr<AgentServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string address_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace hap::agent
+
+#endif  // HAP_PROFILER_AGENT_AGENT_SERVICE_H_

@@ -1,0 +1,160 @@
+// The CPU device probe: OpenBLAS is wrapped here only (its CBLAS entry
+// point and its process-wide thread count).
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "planner/util/status_macros.h"
+#include "profiler_agent/probes.h"
+
+namespace hap::agent {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int HardwareThreads() {
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+void SetBlasThreads(int n) { openblas_set_num_threads(std::max(1, n)); }
+
+// C = A * B for n x n row-major matrices.
+void Sgemm(int n, const float* a, const float* b, float* c) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+}
+
+// Seconds of one n x n sgemm.
+double TimeSgemm(int n, const float* a, const float* b, float* c) {
+  Clock::time_point t0 = Clock::now();
+  Sgemm(n, a, b, c);
+  return SecondsSince(t0);
+}
+
+class CpuProber : public DeviceProber {
+ public:
+  explicit CpuProber(const SystemFiles* files) : files_(files) {}
+
+  absl::StatusOr<std::vector<hap::v1::Device>> Probe(const std::string& node,
+                                                     const ProbeOptions& options) override {
+    std::optional<double> quota = ReadCpuQuota(*files_);
+    int threads = Threads(options, quota);
+    HAP_ASSIGN_OR_RETURN(double flops, MeasureMatmulFlops(threads, options));
+    HAP_ASSIGN_OR_RETURN(int64_t memory, ReadMemoryBytes(*files_));
+    double share = quota ? std::min(*quota, static_cast<double>(HardwareThreads()))
+                         : static_cast<double>(HardwareThreads());
+    hap::v1::Device d;
+    d.set_id(absl::StrCat(node, "/cpu0"));
+    d.set_kind(hap::v1::CPU);
+    d.set_model(absl::StrFormat("cpu (%d threads, share %.2f)", threads, share));
+    auto* f = d.add_flops();
+    f->set_dtype(hap::v1::FLOAT32);
+    f->set_flops(flops);
+    d.set_memory_bytes(memory);
+    d.set_launch_overhead_seconds(MeasureLaunchOverhead(threads));
+    d.set_node(node);
+    d.set_local_index(0);
+    return std::vector<hap::v1::Device>{std::move(d)};
+  }
+
+  absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions& options) override {
+    ProbeOptions quick = options;
+    // One mid-sized matrix, a few runs: enough to see a changed CPU share.
+    quick.matmul_sizes = {options.matmul_sizes.empty() ? 512 : options.matmul_sizes.front()};
+    quick.repeats = 3;
+    quick.max_duration = std::min(options.max_duration, absl::Milliseconds(500));
+    HAP_ASSIGN_OR_RETURN(double flops,
+                         MeasureMatmulFlops(Threads(options, ReadCpuQuota(*files_)), quick));
+    return std::vector<double>{flops};
+  }
+
+ private:
+  static int Threads(const ProbeOptions& options, std::optional<double> quota) {
+    if (options.threads > 0) return options.threads;
+    int hw = HardwareThreads();
+    if (!quota) return hw;
+    return std::clamp(static_cast<int>(std::ceil(*quota)), 1, hw);
+  }
+
+  const SystemFiles* files_;
+};
+
+}  // namespace
+
+absl::StatusOr<double> MeasureMatmulFlops(int threads, const ProbeOptions& options) {
+  if (options.matmul_sizes.empty()) {
+    return absl::InvalidArgumentError("no matmul sizes to probe");
+  }
+  if (options.repeats < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repeats must be at least 1, got ", options.repeats));
+  }
+  std::vector<int> sizes = options.matmul_sizes;
+  std::sort(sizes.begin(), sizes.end());
+  if (sizes.front() < 1 || sizes.back() > 16384) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "matmul sizes must be within 1..16384, got ", sizes.front(), "..", sizes.back()));
+  }
+  SetBlasThreads(threads);
+  const size_t max_elems = static_cast<size_t>(sizes.back()) * sizes.back();
+  std::vector<float> a(max_elems, 0.5f), b(max_elems, 0.25f), c(max_elems, 0.0f);
+
+  const Clock::time_point start = Clock::now();
+  const double budget = absl::ToDoubleSeconds(options.max_duration);
+  double rate = 0;  // FLOP/s of the last run: predicts the next one's time
+  double result = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int n = sizes[i];
+    const double flop = 2.0 * n * n * n;
+    auto fits = [&] { return rate > 0 && SecondsSince(start) + flop / rate <= budget; };
+    if (i == 0) {
+      // Warm-up: threads started, pages touched. Always made (see header).
+      double t = TimeSgemm(n, a.data(), b.data(), c.data());
+      rate = flop / std::max(t, 1e-9);
+      result = rate;
+    }
+    std::vector<double> runs;
+    for (int r = 0; r < options.repeats && fits(); ++r) {
+      double t = TimeSgemm(n, a.data(), b.data(), c.data());
+      rate = flop / std::max(t, 1e-9);
+      runs.push_back(rate);
+    }
+    if (runs.empty()) break;
+    result = Median(runs);
+  }
+  return result;
+}
+
+double MeasureLaunchOverhead(int threads) {
+  SetBlasThreads(threads);
+  float a = 1, b = 1, c = 0;
+  constexpr int kCalls = 200;
+  std::vector<double> batches;
+  for (int i = 0; i < 5; ++i) {
+    Clock::time_point t0 = Clock::now();
+    for (int k = 0; k < kCalls; ++k) Sgemm(1, &a, &b, &c);
+    batches.push_back(SecondsSince(t0) / kCalls);
+  }
+  return Median(batches);
+}
+
+std::unique_ptr<DeviceProber> NewCpuProber(const SystemFiles* files) {
+  return std::make_unique<CpuProber>(files);
+}
+
+}  // namespace hap::agent

@@ -1,0 +1,129 @@
+#include "profiler_agent/fake_planner.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::agent::testing {
+namespace {
+
+namespace v1 = hap::v1;
+
+std::string NodeName(const std::string& name) {
+  return absl::StartsWith(name, "nodes/") ? name.substr(6) : name;
+}
+
+}  // namespace
+
+FakePlanner::FakePlanner(absl::Duration heartbeat_interval, std::string token,
+                         const std::string& listen)
+    : heartbeat_interval_(heartbeat_interval), token_(std::move(token)) {
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(this);
+  server_ = b.BuildAndStart();
+  address_ = absl::StrCat("127.0.0.1:", port);
+}
+
+FakePlanner::~FakePlanner() {
+  server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  server_->Wait();
+}
+
+grpc::Status FakePlanner::RegisterNode(grpc::ServerContext* ctx,
+                                       const v1::RegisterNodeRequest* r,
+                                       v1::RegisterNodeResponse* out) {
+  if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  absl::MutexLock l(&mu_);
+  if (refuse_ > 0) {
+    --refuse_;
+    ++record_.refused_registrations;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the fake planner is refusing");
+  }
+  if (r->node().name().empty() || r->node().devices().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a node needs a name and devices");
+  }
+  ++record_.registrations;
+  record_.nodes[r->node().name()] = r->node();
+  *out->mutable_node() = r->node();
+  int64_t ns = absl::ToInt64Nanoseconds(heartbeat_interval_);
+  out->mutable_heartbeat_interval()->set_seconds(ns / 1'000'000'000);
+  out->mutable_heartbeat_interval()->set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
+  return grpc::Status::OK;
+}
+
+grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* r,
+                                    v1::HeartbeatResponse* out) {
+  if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  absl::MutexLock l(&mu_);
+  ++record_.heartbeats;
+  std::string name = NodeName(r->name());
+  auto it = record_.nodes.find(name);
+  if (it == record_.nodes.end()) {
+    out->set_unknown_node(true);
+    return grpc::Status::OK;
+  }
+  if (!r->devices().empty()) {
+    record_.heartbeats_with_devices.push_back(*r);
+    *it->second.mutable_devices() = r->devices();
+  }
+  if (reprobe_[name]) {
+    reprobe_[name] = false;
+    out->set_reprobe(true);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status FakePlanner::GetProbeAssignments(grpc::ServerContext* ctx,
+                                              const v1::GetProbeAssignmentsRequest* r,
+                                              v1::GetProbeAssignmentsResponse* out) {
+  if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  absl::MutexLock l(&mu_);
+  for (const auto& a : assignments_[NodeName(r->node())]) *out->add_assignments() = a;
+  return grpc::Status::OK;
+}
+
+grpc::Status FakePlanner::ReportLinks(grpc::ServerContext* ctx, const v1::ReportLinksRequest* r,
+                                      v1::ReportLinksResponse*) {
+  if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  absl::MutexLock l(&mu_);
+  for (const auto& link : r->links()) record_.links.push_back(link);
+  return grpc::Status::OK;
+}
+
+void FakePlanner::Forget(const std::string& node) {
+  absl::MutexLock l(&mu_);
+  record_.nodes.erase(node);
+}
+
+void FakePlanner::RequestReprobe(const std::string& node) {
+  absl::MutexLock l(&mu_);
+  reprobe_[node] = true;
+}
+
+void FakePlanner::RefuseRegistrations(int n) {
+  absl::MutexLock l(&mu_);
+  refuse_ = n;
+}
+
+void FakePlanner::AssignProbe(const std::string& node, const v1::ProbeAssignment& a) {
+  absl::MutexLock l(&mu_);
+  assignments_[node].push_back(a);
+}
+
+bool FakePlanner::WaitFor(const std::function<bool(const Record&)>& done,
+                          absl::Duration timeout) {
+  auto cond = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done(record_); };
+  mu_.LockWhenWithTimeout(absl::Condition(&cond), timeout);
+  bool ok = done(record_);
+  mu_.Unlock();
+  return ok;
+}
+
+FakePlanner::Record FakePlanner::Snapshot() {
+  absl::MutexLock l(&mu_);
+  return record_;
+}
+
+}  // namespace hap::agent::testing

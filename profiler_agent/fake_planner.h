@@ -1,0 +1,76 @@
+// A fake hap.v1.Planner for the agent's tests: the node calls only
+// (RegisterNode, Heartbeat, GetProbeAssignments, ReportLinks), recorded, with
+// knobs to forget a node, ask for a re-probe or refuse registrations.
+// Thread-safe. Tests only: the real planner is tested with the agent
+// end to end.
+#ifndef HAP_PROFILER_AGENT_FAKE_PLANNER_H_
+#define HAP_PROFILER_AGENT_FAKE_PLANNER_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+
+namespace hap::agent::testing {
+
+class FakePlanner final : public hap::v1::Planner::Service {
+ public:
+  // Serves on `listen` (default: 127.0.0.1 at a free port); calls must
+  // carry `token` when set.
+  explicit FakePlanner(absl::Duration heartbeat_interval, std::string token = "",
+                       const std::string& listen = "127.0.0.1:0");
+  ~FakePlanner() override;
+
+  std::string address() const { return address_; }
+
+  grpc::Status RegisterNode(grpc::ServerContext* ctx, const hap::v1::RegisterNodeRequest* r,
+                            hap::v1::RegisterNodeResponse* out) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const hap::v1::HeartbeatRequest* r,
+                         hap::v1::HeartbeatResponse* out) override;
+  grpc::Status GetProbeAssignments(grpc::ServerContext* ctx,
+                                   const hap::v1::GetProbeAssignmentsRequest* r,
+                                   hap::v1::GetProbeAssignmentsResponse* out) override;
+  grpc::Status ReportLinks(grpc::ServerContext* ctx, const hap::v1::ReportLinksRequest* r,
+                           hap::v1::ReportLinksResponse* out) override;
+
+  // Knobs.
+  void Forget(const std::string& node);         // next heartbeat: unknown_node
+  void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
+  void RefuseRegistrations(int n);              // the next n get UNAVAILABLE
+  void AssignProbe(const std::string& node, const hap::v1::ProbeAssignment& a);
+
+  // What was received.
+  struct Record {
+    int registrations = 0;          // accepted RegisterNode calls
+    int refused_registrations = 0;  // UNAVAILABLE ones
+    int heartbeats = 0;
+    std::map<std::string, hap::v1::Node> nodes;  // by name, as last registered/updated
+    std::vector<hap::v1::HeartbeatRequest> heartbeats_with_devices;
+    std::vector<hap::v1::Link> links;
+  };
+  // Waits until `done(record)` holds (true) or `timeout` passes (false).
+  bool WaitFor(const std::function<bool(const Record&)>& done,
+               absl::Duration timeout = absl::Seconds(30));
+  Record Snapshot();
+
+ private:
+  const absl::Duration heartbeat_interval_;
+  const std::string token_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+
+  absl::Mutex mu_;
+  Record record_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> reprobe_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<hap::v1::ProbeAssignment>> assignments_ ABSL_GUARDED_BY(mu_);
+  int refuse_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace hap::agent::testing
+
+#endif  // HAP_PROFILER_AGENT_FAKE_PLANNER_H_

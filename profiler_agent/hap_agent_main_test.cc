@@ -1,0 +1,171 @@
+// hap-agent as a process: it prints its port, serves, registers with a
+// (fake) planner, and exits 0 on SIGTERM; bad flags exit 2.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "hap/v1/agent_service.grpc.pb.h"
+#include "planner/service/grpc/grpc_util.h"
+#include "planner/util/status_matchers.h"
+#include "profiler_agent/fake_planner.h"
+
+extern char** environ;
+
+namespace hap::agent {
+namespace {
+
+using ::hap::agent::testing::FakePlanner;
+using ::hap::testing::IsOk;
+namespace v1 = hap::v1;
+
+std::string AgentBinary() {
+  const char* src = std::getenv("TEST_SRCDIR");
+  const char* ws = std::getenv("TEST_WORKSPACE");
+  std::string rel = "profiler_agent/hap-agent";
+  return src && ws ? absl::StrCat(src, "/", ws, "/", rel) : rel;
+}
+
+// The agent binary with stdout on a pipe (stderr passes through to the
+// test log). Stopped by pid.
+class AgentProcess {
+ public:
+  explicit AgentProcess(std::vector<std::string> args) {
+    int p[2];
+    if (pipe(p) != 0) return;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    posix_spawn_file_actions_addclose(&fa, p[0]);
+    args.insert(args.begin(), AgentBinary());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&fa);
+    close(p[1]);
+    out_ = p[0];
+  }
+  ~AgentProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) close(out_);
+  }
+
+  // The first stdout line starting with `prefix`, without it; "" on EOF or
+  // after `timeout`.
+  std::string ReadLine(const std::string& prefix, absl::Duration timeout) {
+    absl::Time deadline = absl::Now() + timeout;
+    std::string line;
+    while (absl::Now() < deadline) {
+      pollfd pf{out_, POLLIN, 0};
+      if (poll(&pf, 1, 100) <= 0) continue;
+      char c;
+      if (read(out_, &c, 1) != 1) return "";
+      if (c != '\n') {
+        line += c;
+        continue;
+      }
+      if (absl::StartsWith(line, prefix)) return line.substr(prefix.size());
+      line.clear();
+    }
+    return "";
+  }
+
+  // Sends `sig` and waits up to `timeout` for the exit; the wait status, or
+  // -1 (after a SIGKILL) when it did not exit in time.
+  int Stop(int sig, absl::Duration timeout) {
+    kill(pid_, sig);
+    absl::Time deadline = absl::Now() + timeout;
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (absl::Now() > deadline) return -1;  // the destructor kills it
+      pollfd none{-1, 0, 0};
+      poll(&none, 0, 20);
+    }
+    pid_ = -1;
+    return status;
+  }
+
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+};
+
+TEST(HapAgentBinaryTest, PrintsItsPortRegistersAndExitsCleanlyOnSigterm) {
+  FakePlanner planner(absl::Milliseconds(50));
+  AgentProcess agent({"--planner", planner.address(), "--name", "bin-node", "--probe-seconds",
+                      "0.2", "--drift", "0"});
+  ASSERT_GT(agent.pid(), 0);
+  std::string address = agent.ReadLine("listening on ", absl::Seconds(60));
+  ASSERT_TRUE(absl::StartsWith(address, "127.0.0.1:")) << "got '" << address << "'";
+  EXPECT_NE(address, "127.0.0.1:0");
+
+  ASSERT_TRUE(planner.WaitFor(
+      [](const FakePlanner::Record& r) { return r.heartbeats >= 2 && r.nodes.count("bin-node"); }));
+  const v1::Node node = planner.Snapshot().nodes.at("bin-node");
+  EXPECT_EQ(node.address(), address);
+  ASSERT_EQ(node.devices_size(), 1);
+  EXPECT_EQ(node.devices(0).id(), "bin-node/cpu0");
+  EXPECT_GT(node.devices(0).flops(0).flops(), 0);
+  EXPECT_GT(node.devices(0).memory_bytes(), 0);
+
+  // It serves its profile at the printed port.
+  auto channel = hap::service::MakeChannel(address, {});
+  ASSERT_THAT(channel, IsOk());
+  grpc::ClientContext ctx;
+  v1::ProbeResponse profile;
+  ASSERT_TRUE(v1::Agent::NewStub(*channel)
+                  ->GetProfile(&ctx, v1::GetProfileRequest(), &profile)
+                  .ok());
+  EXPECT_EQ(profile.node().name(), "bin-node");
+
+  int status = agent.Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(HapAgentBinaryTest, FlagsComeFromTheEnvironmentToo) {
+  FakePlanner planner(absl::Milliseconds(50));
+  setenv("HAP_PLANNER", planner.address().c_str(), 1);
+  setenv("HAP_NAME", "env-node", 1);
+  AgentProcess agent({"--probe-seconds", "0.2"});
+  unsetenv("HAP_PLANNER");
+  unsetenv("HAP_NAME");
+  ASSERT_FALSE(agent.ReadLine("listening on ", absl::Seconds(60)).empty());
+  ASSERT_TRUE(planner.WaitFor(
+      [](const FakePlanner::Record& r) { return r.nodes.count("env-node") > 0; }));
+  int status = agent.Stop(SIGINT, absl::Seconds(10));
+  ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(HapAgentBinaryTest, MissingPlannerOrBadFlagsExitTwo) {
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"--name", "x"},
+        std::vector<std::string>{"--planner", "127.0.0.1:1", "--bogus"},
+        std::vector<std::string>{"--planner", "127.0.0.1:1", "--drift", "lots"}}) {
+    AgentProcess agent(args);
+    ASSERT_GT(agent.pid(), 0);
+    int status = agent.Stop(0, absl::Seconds(10));  // signal 0: just wait
+    ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
+    EXPECT_EQ(WEXITSTATUS(status), 2) << args.back();
+  }
+}
+
+}  // namespace
+}  // namespace hap::agent

@@ -1,0 +1,56 @@
+// The bandwidth probe, client side: time bounded transfers to a peer agent
+// over its Agent.Echo stream (DESIGN.md §8: the measured link matrix).
+#ifndef HAP_PROFILER_AGENT_LINK_PROBE_H_
+#define HAP_PROFILER_AGENT_LINK_PROBE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "hap/v1/cluster.pb.h"
+#include "planner/service/grpc/grpc_util.h"
+
+namespace hap::agent {
+
+struct LinkProbeOptions {
+  // Whatever a caller (or the planner's assignment) asks, no more than this
+  // is sent; the peer refuses larger streams too (kMaxEchoStreamBytes).
+  int64_t max_bytes = int64_t{64} << 20;
+  // Payload per message.
+  int64_t chunk_bytes = int64_t{1} << 20;
+  // Empty round trips timed for the latency (the median is reported).
+  int latency_round_trips = 5;
+  // Deadline of the whole measurement.
+  absl::Duration timeout = absl::Seconds(30);
+};
+
+// What a peer stream may carry in all; more is RESOURCE_EXHAUSTED.
+inline constexpr int64_t kMaxEchoStreamBytes = int64_t{256} << 20;
+
+struct LinkMeasurement {
+  double bandwidth_bytes_per_second = 0;
+  double latency_seconds = 0;
+  int64_t bytes = 0;  // payload actually sent
+};
+
+// Sends min(bytes, max_bytes) bytes (at least one chunk) to the agent at
+// `peer_address` in chunks the peer answers with empty ones, and times a few
+// empty round trips. bandwidth = bytes / (transfer time - one latency).
+// InvalidArgument for bytes <= 0; the peer's status (UNAVAILABLE,
+// UNAUTHENTICATED, DEADLINE_EXCEEDED...) with the address otherwise.
+absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int64_t bytes,
+                                            const hap::service::Security& security,
+                                            const LinkProbeOptions& options = {});
+
+// LOOPBACK when both addresses name this host (the same host, or both
+// loopback), NETWORK otherwise. Addresses are "host:port" or "[v6]:port".
+hap::v1::LinkKind LinkKindBetween(const std::string& local_address,
+                                  const std::string& peer_address);
+
+hap::v1::Link MakeLink(const std::string& src_device, const std::string& dst_device,
+                       const LinkMeasurement& m, hap::v1::LinkKind kind);
+
+}  // namespace hap::agent
+
+#endif  // HAP_PROFILER_AGENT_LINK_PROBE_H_

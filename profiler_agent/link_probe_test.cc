@@ -1,0 +1,187 @@
+// The bandwidth probe between in-process Agent servers on loopback, and the
+// Agent service's checks (token, arguments).
+#include "profiler_agent/link_probe.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "hap/v1/agent_service.grpc.pb.h"
+#include "planner/util/status_matchers.h"
+#include "profiler_agent/agent_service.h"
+
+namespace hap::agent {
+namespace {
+
+using ::hap::service::FromGrpc;
+using ::hap::service::Security;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+namespace v1 = hap::v1;
+
+// A profile that is whatever the test sets.
+class StaticSource : public ProfileSource {
+ public:
+  std::optional<v1::ProbeResponse> profile;
+  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration, bool) override {
+    return LastProfile();
+  }
+  absl::StatusOr<v1::ProbeResponse> LastProfile() override {
+    if (!profile) return absl::FailedPreconditionError("no probe yet");
+    return *profile;
+  }
+};
+
+class LinkProbeTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<AgentServer> Serve(const std::string& token = "") {
+    Security s;
+    s.token = token;
+    auto server = AgentServer::Start("127.0.0.1:0", s, &source_);
+    EXPECT_THAT(server, IsOk());
+    return server.ok() ? std::move(*server) : nullptr;
+  }
+  StaticSource source_;
+};
+
+TEST_F(LinkProbeTest, MeasuresPositiveBandwidthAndLatencyBetweenTwoAgents) {
+  auto a = Serve(), b = Serve();
+  ASSERT_TRUE(a && b);
+  auto ab = MeasureLink(b->address(), 4 << 20, Security());
+  ASSERT_THAT(ab, IsOk());
+  EXPECT_EQ(ab->bytes, 4 << 20);
+  EXPECT_GT(ab->bandwidth_bytes_per_second, 1e6);
+  EXPECT_GT(ab->latency_seconds, 0);
+  EXPECT_LT(ab->latency_seconds, 1);
+  EXPECT_EQ(b->service().echo_bytes_received(), 4 << 20);
+  auto ba = MeasureLink(a->address(), 1 << 20, Security());
+  ASSERT_THAT(ba, IsOk());
+  EXPECT_EQ(a->service().echo_bytes_received(), 1 << 20);
+
+  v1::Link link = MakeLink("a/cpu0", "b/cpu0", *ab, LinkKindBetween(a->address(), b->address()));
+  EXPECT_EQ(link.src(), "a/cpu0");
+  EXPECT_EQ(link.dst(), "b/cpu0");
+  EXPECT_EQ(link.kind(), v1::LOOPBACK);
+  EXPECT_EQ(link.bandwidth_bytes_per_second(), ab->bandwidth_bytes_per_second);
+}
+
+TEST_F(LinkProbeTest, RespectsTheByteCap) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  LinkProbeOptions o;
+  o.max_bytes = 1 << 20;
+  o.chunk_bytes = 300 << 10;  // a short last chunk
+  auto m = MeasureLink(b->address(), int64_t{1} << 40, Security(), o);
+  ASSERT_THAT(m, IsOk());
+  EXPECT_EQ(m->bytes, 1 << 20);
+  EXPECT_EQ(b->service().echo_bytes_received(), 1 << 20);
+}
+
+TEST_F(LinkProbeTest, RejectsNonPositiveBytes) {
+  EXPECT_THAT(MeasureLink("127.0.0.1:1", 0, Security()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be positive")));
+}
+
+TEST_F(LinkProbeTest, AnUnreachablePeerIsUnavailableNamingIt) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  std::string address = b->address();
+  b->Shutdown(absl::ZeroDuration());
+  b.reset();
+  EXPECT_THAT(MeasureLink(address, 1024, Security()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr(address)));
+}
+
+TEST_F(LinkProbeTest, EchoRejectsCallsWithoutTheToken) {
+  auto b = Serve("s3cret");
+  ASSERT_TRUE(b);
+  EXPECT_THAT(MeasureLink(b->address(), 1024, Security()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("bearer token")));
+  Security wrong;
+  wrong.token = "guess";
+  EXPECT_THAT(MeasureLink(b->address(), 1024, wrong),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("bearer token")));
+  EXPECT_EQ(b->service().echo_bytes_received(), 0);
+
+  Security right;
+  right.token = "s3cret";
+  EXPECT_THAT(MeasureLink(b->address(), 1024, right), IsOk());
+
+  // The raw stream, too: the first read ends with UNAUTHENTICATED.
+  auto channel = hap::service::MakeChannel(b->address(), Security());
+  ASSERT_THAT(channel, IsOk());
+  auto stub = v1::Agent::NewStub(*channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Echo(&ctx);
+  v1::EchoChunk chunk;
+  stream->Write(chunk);
+  EXPECT_FALSE(stream->Read(&chunk));
+  EXPECT_THAT(FromGrpc(stream->Finish()), StatusIs(absl::StatusCode::kUnauthenticated,
+                                                   HasSubstr("bearer token")));
+}
+
+TEST_F(LinkProbeTest, EchoEchoesPayloadsUnlessReplySmall) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  auto channel = hap::service::MakeChannel(b->address(), Security());
+  ASSERT_THAT(channel, IsOk());
+  auto stub = v1::Agent::NewStub(*channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Echo(&ctx);
+  v1::EchoChunk chunk, reply;
+  chunk.set_payload("hello");
+  ASSERT_TRUE(stream->Write(chunk));
+  ASSERT_TRUE(stream->Read(&reply));
+  EXPECT_EQ(reply.payload(), "hello");
+  chunk.set_reply_small(true);
+  ASSERT_TRUE(stream->Write(chunk));
+  ASSERT_TRUE(stream->Read(&reply));
+  EXPECT_EQ(reply.payload(), "");
+  stream->WritesDone();
+  EXPECT_THAT(FromGrpc(stream->Finish()), IsOk());
+}
+
+TEST_F(LinkProbeTest, ProbeAndGetProfileTranslateTheSource) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  auto channel = hap::service::MakeChannel(b->address(), Security());
+  ASSERT_THAT(channel, IsOk());
+  auto stub = v1::Agent::NewStub(*channel);
+  v1::ProbeResponse r;
+  {
+    grpc::ClientContext ctx;
+    EXPECT_THAT(FromGrpc(stub->GetProfile(&ctx, v1::GetProfileRequest(), &r)),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no probe")));
+  }
+  source_.profile.emplace();
+  source_.profile->mutable_node()->set_name("b");
+  {
+    grpc::ClientContext ctx;
+    ASSERT_THAT(FromGrpc(stub->GetProfile(&ctx, v1::GetProfileRequest(), &r)), IsOk());
+    EXPECT_EQ(r.node().name(), "b");
+  }
+  v1::ProbeRequest bad;
+  bad.mutable_max_duration()->set_seconds(-1);
+  {
+    grpc::ClientContext ctx;
+    EXPECT_THAT(FromGrpc(stub->Probe(&ctx, bad, &r)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("non-negative")));
+  }
+  bad.mutable_max_duration()->set_seconds(3600);
+  {
+    grpc::ClientContext ctx;
+    EXPECT_THAT(FromGrpc(stub->Probe(&ctx, bad, &r)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at most")));
+  }
+}
+
+TEST(LinkKindTest, LoopbackOnTheSameHostNetworkOtherwise) {
+  EXPECT_EQ(LinkKindBetween("127.0.0.1:1", "127.0.0.2:2"), v1::LOOPBACK);
+  EXPECT_EQ(LinkKindBetween("localhost:1", "127.0.0.1:2"), v1::LOOPBACK);
+  EXPECT_EQ(LinkKindBetween("[::1]:1", "127.0.0.1:2"), v1::LOOPBACK);
+  EXPECT_EQ(LinkKindBetween("node-a:1", "node-a:2"), v1::LOOPBACK);
+  EXPECT_EQ(LinkKindBetween("node-a:1", "node-b:1"), v1::NETWORK);
+  EXPECT_EQ(LinkKindBetween("10.0.0.1:1", "10.0.0.2:1"), v1::NETWORK);
+}
+
+}  // namespace
+}  // namespace hap::agent

@@ -1,0 +1,233 @@
+#include "profiler_agent/probes.h"
+
+#include <chrono>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::agent {
+namespace {
+
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::Optional;
+using ::testing::DoubleNear;
+
+// A host whose /proc and /sys/fs/cgroup are whatever the test says.
+class FakeFiles : public SystemFiles {
+ public:
+  std::map<std::string, std::string> files;
+  absl::StatusOr<std::string> Read(const std::string& path) const override {
+    auto it = files.find(path);
+    if (it == files.end()) return absl::NotFoundError(absl::StrCat("no ", path));
+    return it->second;
+  }
+};
+
+constexpr char kMeminfo[] = "MemTotal:       16384000 kB\nMemFree:  100 kB\n";
+constexpr int64_t kMemTotal = int64_t{16384000} * 1024;
+
+void ExpectMemory(const SystemFiles& f, int64_t want) {
+  auto got = ReadMemoryBytes(f);
+  ASSERT_THAT(got, IsOk());
+  EXPECT_EQ(*got, want);
+}
+
+ProbeOptions Quick() {
+  ProbeOptions o;
+  o.matmul_sizes = {128, 256};
+  o.repeats = 3;
+  o.max_duration = absl::Seconds(1);
+  return o;
+}
+
+TEST(CpuProberTest, ReportsPositiveFlopsAndMemoryOnThisHost) {
+  auto prober = NewCpuProber();
+  auto devices = prober->Probe("host-a", Quick());
+  ASSERT_THAT(devices, IsOk());
+  ASSERT_EQ(devices->size(), 1u);
+  const hap::v1::Device& d = (*devices)[0];
+  EXPECT_EQ(d.id(), "host-a/cpu0");
+  EXPECT_EQ(d.kind(), hap::v1::CPU);
+  EXPECT_EQ(d.node(), "host-a");
+  EXPECT_EQ(d.local_index(), 0);
+  EXPECT_THAT(d.model(), HasSubstr("threads, share "));
+  ASSERT_EQ(d.flops_size(), 1);
+  EXPECT_EQ(d.flops(0).dtype(), hap::v1::FLOAT32);
+  EXPECT_GT(d.flops(0).flops(), 1e6);
+  EXPECT_GT(d.memory_bytes(), int64_t{1} << 20);
+  EXPECT_GT(d.launch_overhead_seconds(), 0);
+  EXPECT_LT(d.launch_overhead_seconds(), 0.1);
+
+  auto quick = prober->QuickFlops(Quick());
+  ASSERT_THAT(quick, IsOk());
+  ASSERT_EQ(quick->size(), 1u);
+  EXPECT_GT((*quick)[0], 1e6);
+}
+
+TEST(MatmulTest, HonoursTheDurationBound) {
+  ProbeOptions o;
+  o.matmul_sizes = {128, 512, 1024, 2048, 4096};
+  o.repeats = 50;
+  o.max_duration = absl::Milliseconds(100);
+  auto t0 = std::chrono::steady_clock::now();
+  auto flops = MeasureMatmulFlops(1, o);
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_THAT(flops, IsOk());
+  EXPECT_GT(*flops, 0);
+  // The bound plus at most one small run (and the buffers' allocation).
+  EXPECT_LT(seconds, 1.0);
+}
+
+TEST(MatmulTest, WarmUpRunCountsWhenNothingElseFits) {
+  ProbeOptions o;
+  o.matmul_sizes = {256};
+  o.max_duration = absl::Nanoseconds(1);
+  auto flops = MeasureMatmulFlops(1, o);
+  ASSERT_THAT(flops, IsOk());
+  EXPECT_GT(*flops, 0);
+}
+
+TEST(MatmulTest, RejectsBadSizes) {
+  ProbeOptions o;
+  o.matmul_sizes = {};
+  EXPECT_THAT(MeasureMatmulFlops(1, o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no matmul sizes")));
+  o.matmul_sizes = {0, 64};
+  EXPECT_THAT(MeasureMatmulFlops(1, o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("1..16384")));
+  o.matmul_sizes = {64};
+  o.repeats = 0;
+  EXPECT_THAT(MeasureMatmulFlops(1, o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("repeats")));
+}
+
+TEST(MemoryTest, MemTotalWithoutACgroupLimit) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = kMeminfo;
+  f.files["/proc/self/cgroup"] = "4:memory:/\n1:cpu,cpuacct:/\n";
+  f.files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = "9223372036854771712\n";
+  ExpectMemory(f, kMemTotal);
+}
+
+TEST(MemoryTest, CappedByTheCgroupV1LimitOfTheProcessOrAParent) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = kMeminfo;
+  f.files["/proc/self/cgroup"] = "4:memory:/jobs/agent\n";
+  f.files["/sys/fs/cgroup/memory/jobs/agent/memory.limit_in_bytes"] = "9223372036854771712\n";
+  f.files["/sys/fs/cgroup/memory/jobs/memory.limit_in_bytes"] = "1073741824\n";
+  ExpectMemory(f, int64_t{1} << 30);
+}
+
+TEST(MemoryTest, ContainerWhoseCgroupPathIsTheHostsReadsTheMountRoot) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = kMeminfo;
+  f.files["/proc/self/cgroup"] = "4:memory:/process_api/abc\n";
+  f.files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = "2147483648";
+  ExpectMemory(f, int64_t{2} << 30);
+}
+
+TEST(MemoryTest, CappedByCgroupV2MemoryMax) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = kMeminfo;
+  f.files["/proc/self/cgroup"] = "0::/user.slice/agent.service\n";
+  f.files["/sys/fs/cgroup/user.slice/agent.service/memory.max"] = "536870912\n";
+  f.files["/sys/fs/cgroup/user.slice/memory.max"] = "max\n";
+  ExpectMemory(f, int64_t{512} << 20);
+}
+
+TEST(MemoryTest, UnreadableMeminfoIsAnError) {
+  FakeFiles f;
+  EXPECT_THAT(ReadMemoryBytes(f), StatusIs(absl::StatusCode::kNotFound, HasSubstr("meminfo")));
+  f.files["/proc/meminfo"] = "MemFree: 12 kB\n";
+  EXPECT_THAT(ReadMemoryBytes(f),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("MemTotal")));
+}
+
+TEST(CpuQuotaTest, CgroupV1QuotaOverPeriod) {
+  FakeFiles f;
+  f.files["/proc/self/cgroup"] = "2:cpu,cpuacct:/slow\n";
+  f.files["/sys/fs/cgroup/cpu/slow/cpu.cfs_quota_us"] = "40000\n";
+  f.files["/sys/fs/cgroup/cpu/slow/cpu.cfs_period_us"] = "100000\n";
+  f.files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1\n";
+  f.files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "100000\n";
+  EXPECT_THAT(ReadCpuQuota(f), Optional(DoubleNear(0.4, 1e-9)));
+}
+
+TEST(CpuQuotaTest, CgroupV2CpuMax) {
+  FakeFiles f;
+  f.files["/proc/self/cgroup"] = "0::/a\n";
+  f.files["/sys/fs/cgroup/a/cpu.max"] = "150000 100000\n";
+  EXPECT_THAT(ReadCpuQuota(f), Optional(DoubleNear(1.5, 1e-9)));
+  f.files["/sys/fs/cgroup/a/cpu.max"] = "max 100000\n";
+  EXPECT_EQ(ReadCpuQuota(f), std::nullopt);
+}
+
+TEST(CpuQuotaTest, NoQuotaAnywhere) {
+  FakeFiles f;
+  f.files["/proc/self/cgroup"] = "1:cpu:/\n";
+  f.files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1\n";
+  f.files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "100000\n";
+  EXPECT_EQ(ReadCpuQuota(f), std::nullopt);
+}
+
+TEST(CpuProberTest, ModelNamesTheCgroupShareAndThreads) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = kMeminfo;
+  f.files["/proc/self/cgroup"] = "1:cpu:/slow\n4:memory:/slow\n";
+  f.files["/sys/fs/cgroup/cpu/slow/cpu.cfs_quota_us"] = "40000";
+  f.files["/sys/fs/cgroup/cpu/slow/cpu.cfs_period_us"] = "100000";
+  f.files["/sys/fs/cgroup/memory/slow/memory.limit_in_bytes"] = "1048576000";
+  auto devices = NewCpuProber(&f)->Probe("n", Quick());
+  ASSERT_THAT(devices, IsOk());
+  EXPECT_EQ((*devices)[0].model(), "cpu (1 threads, share 0.40)");
+  EXPECT_EQ((*devices)[0].memory_bytes(), 1048576000);
+}
+
+// A prober that reports what it is told.
+class ScriptedProber : public DeviceProber {
+ public:
+  absl::Status error;
+  bool no_devices = false;
+  absl::StatusOr<std::vector<hap::v1::Device>> Probe(const std::string& node,
+                                                     const ProbeOptions&) override {
+    if (!error.ok()) return error;
+    if (no_devices) return std::vector<hap::v1::Device>{};
+    hap::v1::Device d;
+    d.set_id(node + "/gpu0");
+    return std::vector<hap::v1::Device>{d};
+  }
+  absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions&) override {
+    return std::vector<double>{1};
+  }
+};
+
+TEST(ProbeNodeTest, AssemblesTheNodeFromEveryProber) {
+  ScriptedProber a, b;
+  std::vector<DeviceProber*> probers = {&a, &b};
+  auto node = ProbeNode("n1", "127.0.0.1:5", probers, Quick());
+  ASSERT_THAT(node, IsOk());
+  EXPECT_EQ(node->name(), "n1");
+  EXPECT_EQ(node->address(), "127.0.0.1:5");
+  EXPECT_EQ(node->devices_size(), 2);
+}
+
+TEST(ProbeNodeTest, AProberErrorFailsTheProbeWithContext) {
+  ScriptedProber a, b;
+  b.error = absl::UnavailableError("driver gone");
+  std::vector<DeviceProber*> probers = {&a, &b};
+  EXPECT_THAT(ProbeNode("n1", "x:1", probers, Quick()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("prober 1): driver gone")));
+  b.error = absl::OkStatus();
+  a.no_devices = b.no_devices = true;
+  EXPECT_THAT(ProbeNode("n1", "x:1", probers, Quick()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no device")));
+}
+
+}  // namespace
+}  // namespace hap::agent
