@@ -27,8 +27,8 @@ constexpr absl::Duration kDefaultHeartbeat = absl::Seconds(5);
 
 // One line to stderr, written at once so that threads do not interleave.
 void Log(const std::string& message) {
-  std::cerr << absl::StrCat("hap-agent ", absl::FormatTime("%H:%M:%E3S", absl::Now(),
-                                                           absl::LocalTimeZone()),
+  std::cerr << absl::StrCat("hap-agent ",
+                            absl::FormatTime("%H:%M:%E3S", absl::Now(), absl::LocalTimeZone()),
                             ": ", message, "\n")
             << std::flush;
 }
@@ -183,8 +183,10 @@ struct Agent::Impl : public ProfileSource {
       if (quick.ok()) {
         baseline = std::move(*quick);
       } else {
-        Log(absl::StrCat("quick FLOP/s check failed, drift detection is off until the next "
-                         "probe: ", quick.status().ToString()));
+        Log(
+            absl::StrCat("quick FLOP/s check failed, drift detection is off until the next "
+                         "probe: ",
+                         quick.status().ToString()));
       }
     }
     v1::ProbeResponse r;
@@ -326,6 +328,8 @@ struct Agent::Impl : public ProfileSource {
       if (absl::Now() >= next_heartbeat) {
         HeartbeatOnce();
         next_heartbeat = absl::Now() + interval;
+        absl::MutexLock l(&mu);
+        if (!registered) continue;  // unknown_node: register again at once
       }
       absl::Time next = o.drift > 0 ? std::min(next_heartbeat, next_drift) : next_heartbeat;
       if (!WaitFor(std::max(next - absl::Now(), absl::ZeroDuration()))) break;
@@ -354,8 +358,7 @@ struct Agent::Impl : public ProfileSource {
     v1::GetProbeAssignmentsResponse assignments;
     {
       Call call(this, o.rpc_timeout);
-      absl::Status s =
-          FromGrpc(Planner()->GetProbeAssignments(call.ctx(), req, &assignments));
+      absl::Status s = FromGrpc(Planner()->GetProbeAssignments(call.ctx(), req, &assignments));
       if (!s.ok()) {
         Log(absl::StrCat("getting probe assignments from ", o.planner, ": ", s.ToString()));
         return links;
@@ -379,8 +382,8 @@ struct Agent::Impl : public ProfileSource {
       absl::StatusOr<LinkMeasurement> m;
       {
         absl::MutexLock probing(&probe_mu);
-        m = MeasureLink(a.peer_address(), a.bytes() > 0 ? a.bytes() : o.link.max_bytes,
-                        o.security, o.link);
+        m = MeasureLink(a.peer_address(), a.bytes() > 0 ? a.bytes() : o.link.max_bytes, o.security,
+                        o.link);
       }
       if (!m.ok()) {
         Log(absl::StrCat("link probe to ", a.peer_node(), ": ", m.status().ToString()));

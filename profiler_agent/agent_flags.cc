@@ -19,10 +19,9 @@ absl::StatusOr<double> Number(const hap::tools::Args& a, const std::string& flag
   if (v.empty()) return def;
   double x;
   if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < min) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " (or ",
-                                                   hap::tools::Args::EnvName(flag),
-                                                   ") must be a number >= ", min, ", got '", v,
-                                                   "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " (or ", hap::tools::Args::EnvName(flag),
+                     ") must be a number >= ", min, ", got '", v, "'"));
   }
   return x;
 }
@@ -54,11 +53,20 @@ const char kAgentUsage[] =
     "  --link-probe-seconds S    how often to measure peer links (default 300)\n";
 
 const std::set<std::string>& AgentValueFlags() {
-  static const std::set<std::string>* const flags = new std::set<std::string>{
-      "planner",       "name",          "listen",       "advertise",
-      "token-file",    "tls-ca-file",   "tls-cert-file", "tls-key-file",
-      "threads",       "probe-seconds", "heartbeat-seconds", "drift",
-      "drift-check-seconds", "link-probe-seconds"};
+  static const std::set<std::string>* const flags = new std::set<std::string>{"planner",
+                                                                              "name",
+                                                                              "listen",
+                                                                              "advertise",
+                                                                              "token-file",
+                                                                              "tls-ca-file",
+                                                                              "tls-cert-file",
+                                                                              "tls-key-file",
+                                                                              "threads",
+                                                                              "probe-seconds",
+                                                                              "heartbeat-seconds",
+                                                                              "drift",
+                                                                              "drift-check-seconds",
+                                                                              "link-probe-seconds"};
   return *flags;
 }
 
@@ -73,8 +81,7 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   if (o.name.empty()) o.name = Hostname();
   o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
   o.advertise = a.GetOrEnv("advertise", "");
-  HAP_ASSIGN_OR_RETURN(o.security.token,
-                       hap::service::ReadTokenFile(a.GetOrEnv("token-file", "")));
+  HAP_ASSIGN_OR_RETURN(o.security.token, hap::service::ReadTokenFile(a.GetOrEnv("token-file", "")));
   o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");

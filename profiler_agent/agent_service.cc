@@ -25,10 +25,10 @@ grpc::Status AgentServiceImpl::Probe(grpc::ServerContext* ctx, const v1::ProbeRe
   }
   absl::Duration max = absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
   if (max > kMaxProbeDuration) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("max_duration must be at most ",
-                                     absl::FormatDuration(kMaxProbeDuration), ", got ",
-                                     absl::FormatDuration(max)));
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("max_duration must be at most ", absl::FormatDuration(kMaxProbeDuration),
+                     ", got ", absl::FormatDuration(max)));
   }
   auto r = source_->ProbeNow(max, request->include_links());
   if (!r.ok()) return hap::service::ToGrpc(r.status());
@@ -78,8 +78,8 @@ absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(
   b.RegisterService(s->service_.get());
   s->server_ = b.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on '", listen, "' (want HOST:PORT, a free port, or port 0)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", listen, "' (want HOST:PORT, a free port, or port 0)"));
   }
   s->address_ = absl::StrCat(HostOf(listen), ":", s->port_);
   return s;

@@ -65,9 +65,9 @@ class AgentServer {
   // Binds `listen` ("host:port", port 0 = any free one) with the server
   // credentials of `security` and starts serving. InvalidArgument/Unavailable
   // naming the address when it cannot bind.
-  static absl::StatusOr<std::unique_ptr<AgentServer>> Start(
-      const std::string& listen, const hap::service::Security& security,
-      ProfileSource* source);
+  static absl::StatusOr<std::unique_ptr<AgentServer>> Start(const std::string& listen,
+                                                            const hap::service::Security& security,
+                                                            ProfileSource* source);
   ~AgentServer();  // Shutdown(zero)
 
   int port() const { return port_; }

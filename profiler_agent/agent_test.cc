@@ -162,9 +162,7 @@ TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   ASSERT_TRUE(Registered("node-a"));
   state_.flops = 3e9;
   planner_.RequestReprobe("node-a");
-  ASSERT_TRUE(planner_.WaitFor([](const Record& r) {
-    return !r.heartbeats_with_devices.empty();
-  }));
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.heartbeats_with_devices.empty(); }));
   Record r = planner_.Snapshot();
   ASSERT_EQ(r.heartbeats_with_devices.size(), 1u);
   const v1::HeartbeatRequest& hb = r.heartbeats_with_devices[0];
@@ -190,9 +188,7 @@ TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {
   EXPECT_TRUE(planner_.Snapshot().heartbeats_with_devices.empty());
   // The CPU share halved: re-probed and sent.
   state_.flops = 0.5e9;
-  ASSERT_TRUE(planner_.WaitFor([](const Record& r) {
-    return !r.heartbeats_with_devices.empty();
-  }));
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.heartbeats_with_devices.empty(); }));
   EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 0.5e9);
 }
 
@@ -211,9 +207,7 @@ TEST_F(AgentTest, TheProbeRpcProbesAndTheNextHeartbeatCarriesTheDevices) {
   ASSERT_THAT(FromGrpc(stub->Probe(&ctx, req, &r)), IsOk());
   EXPECT_EQ(Flops(r.node().devices(0)), 7e9);
   EXPECT_TRUE(r.has_probe_duration());
-  ASSERT_TRUE(planner_.WaitFor([](const Record& x) {
-    return !x.heartbeats_with_devices.empty();
-  }));
+  ASSERT_TRUE(planner_.WaitFor([](const Record& x) { return !x.heartbeats_with_devices.empty(); }));
   EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 7e9);
 }
 

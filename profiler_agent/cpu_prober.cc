@@ -107,8 +107,8 @@ absl::StatusOr<double> MeasureMatmulFlops(int threads, const ProbeOptions& optio
   std::vector<int> sizes = options.matmul_sizes;
   std::sort(sizes.begin(), sizes.end());
   if (sizes.front() < 1 || sizes.back() > 16384) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "matmul sizes must be within 1..16384, got ", sizes.front(), "..", sizes.back()));
+    return absl::InvalidArgumentError(absl::StrCat("matmul sizes must be within 1..16384, got ",
+                                                   sizes.front(), "..", sizes.back()));
   }
   SetBlasThreads(threads);
   const size_t max_elems = static_cast<size_t>(sizes.back()) * sizes.back();

@@ -31,8 +31,7 @@ FakePlanner::~FakePlanner() {
   server_->Wait();
 }
 
-grpc::Status FakePlanner::RegisterNode(grpc::ServerContext* ctx,
-                                       const v1::RegisterNodeRequest* r,
+grpc::Status FakePlanner::RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* r,
                                        v1::RegisterNodeResponse* out) {
   if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
   absl::MutexLock l(&mu_);
@@ -112,8 +111,7 @@ void FakePlanner::AssignProbe(const std::string& node, const v1::ProbeAssignment
   assignments_[node].push_back(a);
 }
 
-bool FakePlanner::WaitFor(const std::function<bool(const Record&)>& done,
-                          absl::Duration timeout) {
+bool FakePlanner::WaitFor(const std::function<bool(const Record&)>& done, absl::Duration timeout) {
   auto cond = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done(record_); };
   mu_.LockWhenWithTimeout(absl::Condition(&cond), timeout);
   bool ok = done(record_);

@@ -39,9 +39,9 @@ class FakePlanner final : public hap::v1::Planner::Service {
                            hap::v1::ReportLinksResponse* out) override;
 
   // Knobs.
-  void Forget(const std::string& node);         // next heartbeat: unknown_node
+  void Forget(const std::string& node);          // next heartbeat: unknown_node
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
-  void RefuseRegistrations(int n);              // the next n get UNAVAILABLE
+  void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   void AssignProbe(const std::string& node, const hap::v1::ProbeAssignment& a);
 
   // What was received.

@@ -129,9 +129,8 @@ TEST(HapAgentBinaryTest, PrintsItsPortRegistersAndExitsCleanlyOnSigterm) {
   ASSERT_THAT(channel, IsOk());
   grpc::ClientContext ctx;
   v1::ProbeResponse profile;
-  ASSERT_TRUE(v1::Agent::NewStub(*channel)
-                  ->GetProfile(&ctx, v1::GetProfileRequest(), &profile)
-                  .ok());
+  ASSERT_TRUE(
+      v1::Agent::NewStub(*channel)->GetProfile(&ctx, v1::GetProfileRequest(), &profile).ok());
   EXPECT_EQ(profile.node().name(), "bin-node");
 
   int status = agent.Stop(SIGTERM, absl::Seconds(10));
@@ -147,8 +146,8 @@ TEST(HapAgentBinaryTest, FlagsComeFromTheEnvironmentToo) {
   unsetenv("HAP_PLANNER");
   unsetenv("HAP_NAME");
   ASSERT_FALSE(agent.ReadLine("listening on ", absl::Seconds(60)).empty());
-  ASSERT_TRUE(planner.WaitFor(
-      [](const FakePlanner::Record& r) { return r.nodes.count("env-node") > 0; }));
+  ASSERT_TRUE(
+      planner.WaitFor([](const FakePlanner::Record& r) { return r.nodes.count("env-node") > 0; }));
   int status = agent.Stop(SIGINT, absl::Seconds(10));
   ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);

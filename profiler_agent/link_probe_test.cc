@@ -115,8 +115,8 @@ TEST_F(LinkProbeTest, EchoRejectsCallsWithoutTheToken) {
   v1::EchoChunk chunk;
   stream->Write(chunk);
   EXPECT_FALSE(stream->Read(&chunk));
-  EXPECT_THAT(FromGrpc(stream->Finish()), StatusIs(absl::StatusCode::kUnauthenticated,
-                                                   HasSubstr("bearer token")));
+  EXPECT_THAT(FromGrpc(stream->Finish()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("bearer token")));
 }
 
 TEST_F(LinkProbeTest, EchoEchoesPayloadsUnlessReplySmall) {

@@ -102,8 +102,7 @@ absl::StatusOr<int64_t> ReadMemoryBytes(const SystemFiles& files) {
   if (total <= 0) {
     return absl::InternalError("/proc/meminfo has no readable 'MemTotal: N kB' line");
   }
-  for (const std::string& dir :
-       CgroupDirs(files, "memory", {"/sys/fs/cgroup/memory"})) {
+  for (const std::string& dir : CgroupDirs(files, "memory", {"/sys/fs/cgroup/memory"})) {
     for (const char* file : {"/memory.limit_in_bytes", "/memory.max"}) {
       if (auto limit = ReadLimit(files, dir + file)) total = std::min(total, *limit);
     }

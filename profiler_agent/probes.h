@@ -64,8 +64,8 @@ class DeviceProber {
   virtual ~DeviceProber() = default;
   // A full probe: every device of this backend on node `node`, with ids
   // "<node>/<kind><index>", FLOP/s per dtype, memory and launch overhead.
-  virtual absl::StatusOr<std::vector<hap::v1::Device>> Probe(
-      const std::string& node, const ProbeOptions& options) = 0;
+  virtual absl::StatusOr<std::vector<hap::v1::Device>> Probe(const std::string& node,
+                                                             const ProbeOptions& options) = 0;
   // A quick float32 FLOP/s check of each device, in Probe's order, for drift
   // detection: cheaper than Probe (one size, a few runs).
   virtual absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions& options) = 0;

@@ -13,9 +13,9 @@ namespace {
 
 using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
+using ::testing::DoubleNear;
 using ::testing::HasSubstr;
 using ::testing::Optional;
-using ::testing::DoubleNear;
 
 // A host whose /proc and /sys/fs/cgroup are whatever the test says.
 class FakeFiles : public SystemFiles {
@@ -76,8 +76,7 @@ TEST(MatmulTest, HonoursTheDurationBound) {
   o.max_duration = absl::Milliseconds(100);
   auto t0 = std::chrono::steady_clock::now();
   auto flops = MeasureMatmulFlops(1, o);
-  double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_THAT(flops, IsOk());
   EXPECT_GT(*flops, 0);
   // The bound plus at most one small run (and the buffers' allocation).
@@ -145,8 +144,7 @@ TEST(MemoryTest, UnreadableMeminfoIsAnError) {
   FakeFiles f;
   EXPECT_THAT(ReadMemoryBytes(f), StatusIs(absl::StatusCode::kNotFound, HasSubstr("meminfo")));
   f.files["/proc/meminfo"] = "MemFree: 12 kB\n";
-  EXPECT_THAT(ReadMemoryBytes(f),
-              StatusIs(absl::StatusCode::kInternal, HasSubstr("MemTotal")));
+  EXPECT_THAT(ReadMemoryBytes(f), StatusIs(absl::StatusCode::kInternal, HasSubstr("MemTotal")));
 }
 
 TEST(CpuQuotaTest, CgroupV1QuotaOverPeriod) {

@@ -1,0 +1,60 @@
+#include "profiler_agent/agent_flags.h"
+
+#include <cstdlib>
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::agent {
+namespace {
+
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+absl::StatusOr<AgentOptions> FromArgv(const std::vector<std::string>& argv) {
+  auto args = hap::tools::Args::Parse(argv, AgentValueFlags(), {"help"});
+  if (!args.ok()) return args.status();
+  return AgentOptionsFromArgs(*args);
+}
+
+TEST(AgentFlagsTest, DefaultsAndTheFlagWinningOverTheEnvironment) {
+  setenv("HAP_PLANNER", "env-planner:1", 1);
+  setenv("HAP_DRIFT", "0.5", 1);
+  auto o = FromArgv({"--planner", "flag-planner:2", "--heartbeat-seconds=1.5"});
+  unsetenv("HAP_PLANNER");
+  unsetenv("HAP_DRIFT");
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->planner, "flag-planner:2");
+  EXPECT_EQ(o->drift, 0.5);
+  EXPECT_EQ(o->heartbeat_interval, absl::Milliseconds(1500));
+  EXPECT_FALSE(o->name.empty());  // the hostname
+  EXPECT_EQ(o->listen, "127.0.0.1:0");
+  EXPECT_EQ(o->probe.max_duration, absl::Seconds(2));
+  EXPECT_EQ(o->probe.threads, 0);
+  EXPECT_TRUE(o->security.token.empty());
+}
+
+TEST(AgentFlagsTest, ReadsTheTokenFile) {
+  std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/token";
+  std::ofstream(path) << "s3cret\n";
+  auto o = FromArgv({"--planner", "p:1", "--token-file", path});
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->security.token, "s3cret");
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--token-file", path + ".missing"}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("token file")));
+}
+
+TEST(AgentFlagsTest, ErrorsNameTheFlag) {
+  EXPECT_THAT(FromArgv({}), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("--planner HOST:PORT (or HAP_PLANNER)")));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--probe-seconds", "0"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--probe-seconds")));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--threads", "many"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("HAP_THREADS")));
+}
+
+}  // namespace
+}  // namespace hap::agent
