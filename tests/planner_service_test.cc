@@ -317,5 +317,36 @@ TEST_F(PlannerServiceTest, PrometheusScrapesHapSeriesAndPromtoolAcceptsTheOutput
   prom.Stop(SIGTERM);
 }
 
+TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
+  std::string dir = hap::testing::TempDir("tls");
+  std::string cmd = absl::StrCat(
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ", dir, "/key.pem -out ", dir,
+      "/cert.pem -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -days 1 "
+      ">/dev/null 2>&1");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  Planner p;
+  p.Start(dir, {"--tls-cert-file=" + dir + "/cert.pem", "--tls-key-file=" + dir + "/key.pem"});
+  service::Security s;
+  s.token = kToken;
+  s.tls_ca_file = dir + "/cert.pem";
+  auto stub = v1::Planner::NewStub(*service::MakeChannel(p.Address(), s));
+  grpc::ClientContext ok_ctx;
+  service::PrepareClientContext(&ok_ctx, s, absl::Seconds(10));
+  v1::ListNodesRequest r;
+  v1::ListNodesResponse out;
+  grpc::Status st = stub->ListNodes(&ok_ctx, r, &out);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  // Over TLS but without the token.
+  service::Security no_token = s;
+  no_token.token.clear();
+  grpc::ClientContext anon;
+  service::PrepareClientContext(&anon, no_token, absl::Seconds(10));
+  EXPECT_EQ(stub->ListNodes(&anon, r, &out).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // Plaintext to a TLS server does not get through.
+  auto plain = v1::Planner::NewStub(*service::MakeChannel(p.Address(), {}));
+  EXPECT_FALSE(plain->ListNodes(Ctx(true, 3).get(), r, &out).ok());
+  p.proc.Stop(SIGTERM);
+}
+
 }  // namespace
 }  // namespace hap
