@@ -1,0 +1,79 @@
+#include "bench/timing_device.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+namespace hap::bench {
+
+template <typename F>
+absl::Status TimingDevice::Timed(const std::string& key, F&& f) {
+  auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = f();
+  Total& t = totals_[key];
+  t.calls += 1;
+  t.seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+  return s;
+}
+
+absl::Status TimingDevice::CopyFromHost(const void* src,
+                                        executor::TensorView dst) {
+  return Timed("(copy from host)",
+               [&] { return inner_->CopyFromHost(src, dst); });
+}
+
+absl::Status TimingDevice::CopyToHost(executor::TensorView src, void* dst) {
+  return Timed("(copy to host)", [&] { return inner_->CopyToHost(src, dst); });
+}
+
+absl::Status TimingDevice::Fill(executor::TensorView dst, double value) {
+  return Timed("(fill)", [&] { return inner_->Fill(dst, value); });
+}
+
+absl::Status TimingDevice::CopyBox(executor::TensorView src,
+                                   absl::Span<const int64_t> src_start,
+                                   executor::TensorView dst,
+                                   absl::Span<const int64_t> dst_start,
+                                   absl::Span<const int64_t> extent) {
+  return Timed("(copy box)", [&] {
+    return inner_->CopyBox(src, src_start, dst, dst_start, extent);
+  });
+}
+
+absl::Status TimingDevice::RunKernel(
+    const std::string& name, const executor::KernelContext& ctx,
+    const graph::Attrs& attrs, absl::Span<const executor::TensorView> inputs,
+    absl::Span<const executor::TensorView> outputs) {
+  return Timed(name, [&] {
+    return inner_->RunKernel(name, ctx, attrs, inputs, outputs);
+  });
+}
+
+std::string TimingDevice::Table(int64_t steps) const {
+  std::vector<std::pair<std::string, Total>> rows(totals_.begin(),
+                                                  totals_.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+    return a.second.seconds > b.second.seconds;
+  });
+  double total = 0;
+  for (const auto& [name, t] : rows) total += t.seconds;
+  const double per = steps > 0 ? 1.0 / steps : 0.0;
+  std::string out =
+      "| kernel | calls/step | ms/step | share |\n|---|---|---|---|\n";
+  char buf[256];
+  for (const auto& [name, t] : rows) {
+    std::snprintf(buf, sizeof buf, "| %s | %.0f | %.2f | %.1f%% |\n",
+                  name.c_str(), t.calls * per, 1e3 * t.seconds * per,
+                  total > 0 ? 100 * t.seconds / total : 0.0);
+    out += buf;
+  }
+  std::snprintf(buf, sizeof buf, "| total (device calls) | | %.2f | 100%% |\n",
+                1e3 * total * per);
+  return out + buf;
+}
+
+}  // namespace hap::bench
