@@ -4,7 +4,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/numbers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/data/wikitext.h"
@@ -41,16 +46,21 @@ step's loss and time, and at the end the perplexity (wikitext).
 )";
 
 constexpr char kLaunchUsage[] =
-    R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [hap-executor flags]
+    R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [--cpu-shares F,F,...]
+                  [--pin-cores] [hap-executor flags]
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
+--cpu-shares gives rank i the fraction F_i of one core through a cgroup
+(/sys/fs/cgroup/cpu/hap-launch-PID-rI, cpu.cfs_quota_us): a heterogeneous
+cluster on one machine. --pin-cores pins rank i to core i (mod cores).
+The cgroups are removed when the ranks end (also on SIGINT/SIGTERM).
 )";
 
 const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",
                                            "rendezvous", "steps",  "data",
                                            "data-dir", "threads",  "timeout",
-                                           "log-every", "executor"};
+                                           "log-every", "executor", "cpu-shares"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -174,7 +184,7 @@ int RunPlanMain(const std::vector<std::string>& argv) {
 }
 
 int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
-  auto a = tools::Args::Parse(argv, kValueFlags, {"help"});
+  auto a = tools::Args::Parse(argv, kValueFlags, {"help", "pin-cores"});
   if (!a.ok() || a->Bool("help") || !a->Has("plan")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
     std::cerr << kLaunchUsage;
@@ -195,12 +205,49 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   }
   std::vector<std::string> pass;
   for (size_t i = 0; i < argv.size(); ++i) {
-    if (argv[i].rfind("--executor", 0) == 0) {
-      if (argv[i] == "--executor") ++i;
+    if (argv[i].rfind("--executor", 0) == 0 || argv[i].rfind("--cpu-shares", 0) == 0) {
+      if (argv[i] == "--executor" || argv[i] == "--cpu-shares") ++i;
       continue;
     }
+    if (argv[i] == "--pin-cores") continue;
     pass.push_back(argv[i]);
   }
+  // CPU shares through cgroup v1: one group per rank.
+  std::vector<std::string> groups;
+  if (a->Has("cpu-shares")) {
+    std::vector<std::string> parts = absl::StrSplit(a->Get("cpu-shares"), ',');
+    if (static_cast<int>(parts.size()) != world) {
+      std::cerr << "error: --cpu-shares has " << parts.size() << " values for " << world
+                << " ranks\n";
+      return 2;
+    }
+    for (int r = 0; r < world; ++r) {
+      double share;
+      if (!absl::SimpleAtod(parts[r], &share) || !(share > 0) || share > 1) {
+        std::cerr << "error: --cpu-shares values must be in (0, 1], got '" << parts[r] << "'\n";
+        return 2;
+      }
+      std::string dir = absl::StrCat("/sys/fs/cgroup/cpu/hap-launch-", getpid(), "-r", r);
+      std::error_code ec;
+      std::filesystem::create_directory(dir, ec);
+      std::ofstream period(dir + "/cpu.cfs_period_us");
+      period << 100000;
+      period.close();
+      std::ofstream quota(dir + "/cpu.cfs_quota_us");
+      quota << static_cast<int64_t>(share * 100000);
+      quota.close();
+      if (ec || !period || !quota) {
+        std::cerr << "error: cgroups unavailable (cannot write " << dir
+                  << "; needs cgroup v1 cpu mounted and root)\n";
+        for (const auto& g : groups) rmdir(g.c_str());
+        rmdir(dir.c_str());
+        return 1;
+      }
+      groups.push_back(dir);
+    }
+  }
+  const bool pin = a->Bool("pin-cores");
+  const int cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = {executor, "--rank", std::to_string(r), "--world",
@@ -208,6 +255,16 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     args.insert(args.end(), pass.begin(), pass.end());
     pid_t pid = fork();
     if (pid == 0) {
+      if (!groups.empty()) {
+        std::ofstream procs(groups[r] + "/cgroup.procs");
+        procs << 0;  // this process
+      }
+      if (pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r % cores, &set);
+        sched_setaffinity(0, sizeof(set), &set);
+      }
       std::vector<char*> cargs;
       for (auto& s : args) cargs.push_back(s.data());
       cargs.push_back(nullptr);
@@ -217,6 +274,17 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     }
     pids.push_back(pid);
   }
+  // Ctrl-C or SIGTERM: the ranks are told to stop; the loop below reaps
+  // them and removes the cgroups.
+  static std::vector<pid_t>* children = nullptr;
+  children = &pids;
+  auto forward = [](int sig) {
+    if (children) {
+      for (pid_t p : *children) kill(p, sig == SIGINT ? SIGTERM : sig);
+    }
+  };
+  std::signal(SIGINT, forward);
+  std::signal(SIGTERM, forward);
   int failed = 0;
   for (int left = world; left > 0; --left) {
     int status = 0;
@@ -236,6 +304,10 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     }
   }
   std::filesystem::remove_all(tmpl);
+  for (const auto& g : groups) {
+    if (rmdir(g.c_str()) != 0) std::cerr << "hap-launch: could not remove " << g << "\n";
+  }
+  children = nullptr;
   return failed;
 }
 

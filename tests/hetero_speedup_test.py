@@ -1,0 +1,143 @@
+"""A heterogeneous CPU cluster on this machine: two ranks pinned to their
+own cores, one with a whole core and one with 40% of a core (cgroup v1
+cpu.cfs_quota_us, via hap-launch --cpu-shares). The synthesized plan (ratios
+by the profile) must train measurably faster than data parallelism with an
+even split: median step time over steps after warm-up, the two plans run in
+turns so machine noise hits both alike; required > 1.2x (the compute-bound
+ideal for 100%/40% is 1.75x). Both plans compute the same model, so their
+losses agree. Afterwards no cgroup made by hap-launch remains, also when it
+is interrupted with SIGINT.
+
+Skipped, with the reason, only where cgroups cannot be written (not root,
+or no cgroup v1 cpu controller)."""
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_test_util as util  # noqa: E402
+
+HAPCTL = util.HAPCTL
+EXECUTOR = os.path.abspath(os.environ.get("HAP_EXECUTOR", ""))
+LAUNCH = os.path.abspath(os.environ.get("HAP_LAUNCH", ""))
+CGROUP = "/sys/fs/cgroup/cpu"
+MODEL = ["--model", "gpt", "--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "512",
+         "--seq", "32", "--batch", "16", "--vocab", "2048"]
+SHARES = "1,0.4"
+
+
+def cgroups_writable():
+    probe = os.path.join(CGROUP, f"hap-probe-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        with open(os.path.join(probe, "cpu.cfs_quota_us"), "w") as f:
+            f.write("50000")
+        os.rmdir(probe)
+        return ""
+    except OSError as e:
+        try:
+            os.rmdir(probe)
+        except OSError:
+            pass
+        return f"cannot write cgroups under {CGROUP}: {e}"
+
+
+def ours():
+    try:
+        return sorted(d for d in os.listdir(CGROUP) if d.startswith("hap-launch-"))
+    except OSError:
+        return []
+
+
+def step_times(out):
+    return [float(m.group(1)) for m in re.finditer(r"^step \d+ loss \S+ time (\S+) s", out, re.M)]
+
+
+def losses(out):
+    return [m.group(1) for m in re.finditer(r"^step \d+ loss (\S+)", out, re.M)]
+
+
+@unittest.skipIf(cgroups_writable(), cgroups_writable())
+class HeteroSpeedupTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = util.tmpdir()
+        cluster = {"nodes": [{"name": "local", "devices": [
+            {"id": "fast", "kind": "CPU", "model": "one core, 100%",
+             "flops": [{"dtype": "FLOAT32", "flops": 5e10}], "memoryBytes": str(8 << 30),
+             "node": "local"},
+            {"id": "slow", "kind": "CPU", "model": "one core, 40%",
+             "flops": [{"dtype": "FLOAT32", "flops": 2e10}], "memoryBytes": str(8 << 30),
+             "node": "local", "localIndex": 1}]}],
+            "defaults": {"intraNodeBandwidthBytesPerSecond": 2e9, "intraNodeLatencySeconds": 2e-5,
+                         "interNodeBandwidthBytesPerSecond": 1e9, "interNodeLatencySeconds": 5e-5}}
+        cls.cluster = os.path.join(cls.dir, "cluster.json")
+        with open(cls.cluster, "w") as f:
+            json.dump(cluster, f)
+        cls.plans = {}
+        for name, extra in (("hap", []), ("dp-even", ["--baseline", "dp-even"])):
+            path = os.path.join(cls.dir, f"{name}.pb")
+            util.run([HAPCTL, "plan", "--cluster", cls.cluster, *MODEL, "--save-plan", path,
+                      *extra])
+            cls.plans[name] = path
+
+    def launch(self, plan, steps):
+        p = subprocess.run([LAUNCH, "--plan", plan, "--steps", str(steps), "--cpu-shares", SHARES,
+                            "--pin-cores", "--threads", "1", "--executor", EXECUTOR],
+                           capture_output=True, text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return p.stdout
+
+    def test_synthesized_plan_beats_even_data_parallel(self):
+        times = {"hap": [], "dp-even": []}
+        first_losses = {}
+        for _ in range(3):
+            for name in ("hap", "dp-even"):
+                out = self.launch(self.plans[name], 8)
+                ts = step_times(out)
+                self.assertEqual(len(ts), 8, out)
+                times[name] += ts[2:]  # after warm-up
+                first_losses.setdefault(name, losses(out))
+        hap, even = statistics.median(times["hap"]), statistics.median(times["dp-even"])
+        print(f"median step: synthesized {hap:.4f} s, dp-even {even:.4f} s, "
+              f"speed-up {even / hap:.2f}x (ideal 1.75x)")
+        self.assertGreater(even / hap, 1.2)
+        # The same model and data: the same losses, whatever the plan.
+        for a, b in zip(first_losses["hap"], first_losses["dp-even"]):
+            self.assertAlmostEqual(float(a), float(b), delta=1e-3 * abs(float(b)))
+        self.assertEqual(ours(), [])
+
+    def test_cgroups_are_removed_after_an_interrupt(self):
+        before = ours()
+        p = subprocess.Popen([LAUNCH, "--plan", self.plans["hap"], "--steps", "100000",
+                              "--cpu-shares", SHARES, "--threads", "1", "--executor", EXECUTOR],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.time() + 120
+            seen = False
+            while time.time() < deadline and not seen:
+                line = p.stdout.readline()
+                if not line:
+                    break
+                seen = line.startswith("step 2 ")
+            self.assertTrue(seen, "training did not start")
+            self.assertEqual(len(ours()), len(before) + 2)
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.assertEqual(ours(), before)
+
+
+if __name__ == "__main__":
+    util.main("hetero_speedup_test", needs_torch=False)
