@@ -50,9 +50,11 @@ def cgroups_writable():
         return f"cannot write cgroups under {CGROUP}: {e}"
 
 
-def ours():
+def groups_of(pid):
+    """The cgroups the hap-launch process `pid` made (other tests may run
+    their own launches at the same time)."""
     try:
-        return sorted(d for d in os.listdir(CGROUP) if d.startswith("hap-launch-"))
+        return sorted(d for d in os.listdir(CGROUP) if d.startswith(f"hap-launch-{pid}-"))
     except OSError:
         return []
 
@@ -90,11 +92,13 @@ class HeteroSpeedupTest(unittest.TestCase):
             cls.plans[name] = path
 
     def launch(self, plan, steps):
-        p = subprocess.run([LAUNCH, "--plan", plan, "--steps", str(steps), "--cpu-shares", SHARES,
-                            "--pin-cores", "--threads", "1", "--executor", EXECUTOR],
-                           capture_output=True, text=True, timeout=600)
-        self.assertEqual(p.returncode, 0, p.stderr)
-        return p.stdout
+        p = subprocess.Popen([LAUNCH, "--plan", plan, "--steps", str(steps), "--cpu-shares",
+                              SHARES, "--pin-cores", "--threads", "1", "--executor", EXECUTOR],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=600)
+        self.assertEqual(p.returncode, 0, err)
+        self.assertEqual(groups_of(p.pid), [])
+        return out
 
     def test_synthesized_plan_beats_even_data_parallel(self):
         times = {"hap": [], "dp-even": []}
@@ -113,10 +117,8 @@ class HeteroSpeedupTest(unittest.TestCase):
         # The same model and data: the same losses, whatever the plan.
         for a, b in zip(first_losses["hap"], first_losses["dp-even"]):
             self.assertAlmostEqual(float(a), float(b), delta=1e-3 * abs(float(b)))
-        self.assertEqual(ours(), [])
 
     def test_cgroups_are_removed_after_an_interrupt(self):
-        before = ours()
         p = subprocess.Popen([LAUNCH, "--plan", self.plans["hap"], "--steps", "100000",
                               "--cpu-shares", SHARES, "--threads", "1", "--executor", EXECUTOR],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -129,14 +131,14 @@ class HeteroSpeedupTest(unittest.TestCase):
                     break
                 seen = line.startswith("step 2 ")
             self.assertTrue(seen, "training did not start")
-            self.assertEqual(len(ours()), len(before) + 2)
+            self.assertEqual(len(groups_of(p.pid)), 2)
             p.send_signal(signal.SIGINT)
             p.wait(timeout=60)
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        self.assertEqual(ours(), before)
+        self.assertEqual(groups_of(p.pid), [])
 
 
 if __name__ == "__main__":
