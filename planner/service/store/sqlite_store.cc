@@ -1,0 +1,634 @@
+// SQLite's C API stays in this file. Its result codes become statuses in
+// SqliteStatus() alone; statements are prepared once per connection and
+// reset after every use by ScopedStatement.
+#include "planner/service/store/sqlite_store.h"
+
+#include <sqlite3.h>
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "google/protobuf/message.h"
+#include "planner/service/store/sqlite_store_internal.h"
+#include "planner/service/store/store_internal.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service::store {
+namespace internal {
+
+const std::vector<SchemaMigration>& SqliteSchemaMigrations() {
+  // Messages are serialized hap.v1 protobufs in `body`; the other columns
+  // are copies of their fields for ordering and look-ups. Names compare
+  // bytewise (BINARY collation), like std::string in the in-memory store.
+  static const auto* const kMigrations = new std::vector<SchemaMigration>{
+      {1, R"sql(
+        CREATE TABLE nodes (
+          name TEXT PRIMARY KEY NOT NULL,
+          body BLOB NOT NULL
+        ) WITHOUT ROWID;
+
+        CREATE TABLE plans (
+          name TEXT PRIMARY KEY NOT NULL,
+          create_seconds INTEGER NOT NULL,
+          create_nanos INTEGER NOT NULL,
+          cache_key TEXT,  -- NULL: none
+          body BLOB NOT NULL
+        );
+        CREATE INDEX plans_by_create_time ON plans (create_seconds, create_nanos, name);
+        CREATE INDEX plans_by_cache_key ON plans (cache_key, create_seconds, create_nanos, name)
+          WHERE cache_key IS NOT NULL;
+
+        CREATE TABLE deployments (
+          name TEXT PRIMARY KEY NOT NULL,
+          create_seconds INTEGER NOT NULL,
+          create_nanos INTEGER NOT NULL,
+          body BLOB NOT NULL
+        );
+        CREATE INDEX deployments_by_create_time
+          ON deployments (create_seconds, create_nanos, name);
+
+        CREATE TABLE step_metrics (
+          deployment TEXT NOT NULL,
+          step INTEGER NOT NULL,
+          rank INTEGER NOT NULL,
+          body BLOB NOT NULL,
+          PRIMARY KEY (deployment, step, rank)
+        ) WITHOUT ROWID;
+      )sql"},
+  };
+  return *kMigrations;
+}
+
+}  // namespace internal
+
+namespace {
+
+namespace v1 = ::hap::v1;
+using internal::CheckName;
+using internal::CursorOf;
+using internal::ListCursor;
+using internal::ListKind;
+using internal::NotFoundError;
+using internal::SchemaMigration;
+
+// The one place where a SQLite result code becomes a status. `rc` is an
+// extended code (enabled on our connections); `db` (may be null) holds the
+// detailed message of the call that failed.
+absl::Status SqliteStatus(int rc, sqlite3* db, absl::string_view path, absl::string_view doing) {
+  if (rc == SQLITE_OK || rc == SQLITE_ROW || rc == SQLITE_DONE) return absl::OkStatus();
+  const char* detail = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  std::string msg =
+      absl::StrCat("sqlite store '", path, "': ", doing, ": ", detail, " (sqlite code ", rc, ")");
+  switch (rc & 0xff) {
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:  // garbage where the database file should be
+      return absl::DataLossError(
+          absl::StrCat(msg, "; the file is damaged or not a planner database"));
+    case SQLITE_BUSY:    // another process held the lock past busy_timeout
+    case SQLITE_LOCKED:  // a conflict inside this process (shared cache)
+    case SQLITE_PROTOCOL:
+    case SQLITE_IOERR:  // the disk failed this operation; a retry may succeed
+      return absl::UnavailableError(msg);
+    case SQLITE_FULL:
+    case SQLITE_NOMEM:
+    case SQLITE_TOOBIG:  // a message larger than SQLite's row limit
+      return absl::ResourceExhaustedError(msg);
+    case SQLITE_PERM:
+    case SQLITE_READONLY:
+    case SQLITE_AUTH:
+      return absl::PermissionDeniedError(msg);
+    case SQLITE_CANTOPEN:  // e.g. its directory does not exist
+      return absl::FailedPreconditionError(msg);
+    case SQLITE_INTERRUPT:
+      return absl::CancelledError(msg);
+    case SQLITE_ABORT:
+    case SQLITE_SCHEMA:  // the schema changed under a statement; retry
+      return absl::AbortedError(msg);
+    default:  // SQLITE_ERROR, MISUSE, RANGE, CONSTRAINT, ...: a bug of ours
+      return absl::InternalError(msg);
+  }
+}
+
+// Binds parameters (1-based, as SQLite numbers them), steps, and resets the
+// statement and its bindings when it goes out of scope, so the next user
+// finds it clean. Binding errors are kept and returned by the next Step().
+class ScopedStatement {
+ public:
+  ScopedStatement(sqlite3_stmt* stmt, sqlite3* db, absl::string_view path)
+      : stmt_(stmt), db_(db), path_(path) {}
+  ~ScopedStatement() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+  }
+  ScopedStatement(const ScopedStatement&) = delete;
+  ScopedStatement& operator=(const ScopedStatement&) = delete;
+
+  ScopedStatement& Text(int index, absl::string_view value) {
+    return Bound(sqlite3_bind_text64(stmt_, index, value.data(), value.size(), SQLITE_TRANSIENT,
+                                     SQLITE_UTF8));
+  }
+  // "" binds NULL.
+  ScopedStatement& TextOrNull(int index, absl::string_view value) {
+    return value.empty() ? Bound(sqlite3_bind_null(stmt_, index)) : Text(index, value);
+  }
+  ScopedStatement& Blob(int index, absl::string_view value) {
+    return Bound(sqlite3_bind_blob64(stmt_, index, value.data(), value.size(), SQLITE_TRANSIENT));
+  }
+  ScopedStatement& Int(int index, int64_t value) {
+    return Bound(sqlite3_bind_int64(stmt_, index, value));
+  }
+
+  // True when a row is ready, false when the statement is done.
+  absl::StatusOr<bool> Step() {
+    HAP_RETURN_IF_ERROR(bind_status_);
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    return SqliteStatus(rc, db_, path_, sqlite3_sql(stmt_));
+  }
+  // Steps a statement that returns no rows.
+  absl::Status Run() { return Step().status(); }
+
+  absl::string_view ColumnBlob(int column) const {
+    const void* data = sqlite3_column_blob(stmt_, column);
+    int size = sqlite3_column_bytes(stmt_, column);
+    return data == nullptr ? absl::string_view()
+                           : absl::string_view(static_cast<const char*>(data), size);
+  }
+  int64_t ColumnInt(int column) const { return sqlite3_column_int64(stmt_, column); }
+
+ private:
+  ScopedStatement& Bound(int rc) {
+    if (bind_status_.ok() && rc != SQLITE_OK) {
+      bind_status_ = SqliteStatus(rc, db_, path_, absl::StrCat("binding ", sqlite3_sql(stmt_)));
+    }
+    return *this;
+  }
+
+  sqlite3_stmt* stmt_;
+  sqlite3* db_;
+  absl::string_view path_;
+  absl::Status bind_status_;
+};
+
+class SqliteStore final : public StateStore {
+ public:
+  explicit SqliteStore(std::string path) : path_(std::move(path)) {}
+  ~SqliteStore() override {
+    for (sqlite3_stmt** stmt : AllStatements()) sqlite3_finalize(*stmt);
+    // In WAL mode the last connection to close checkpoints the log into the
+    // database file and removes it.
+    if (db_ != nullptr) sqlite3_close_v2(db_);
+  }
+
+  absl::Status Open(const SqliteStoreOptions& options,
+                    const std::vector<SchemaMigration>& migrations) {
+    absl::MutexLock lock(&mu_);
+    // NOMUTEX: mu_ serializes every use of the connection.
+    int rc = sqlite3_open_v2(
+        path_.c_str(), &db_,
+        SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX | SQLITE_OPEN_EXRESCODE,
+        nullptr);
+    HAP_RETURN_IF_ERROR(Check(rc, "opening the database"));
+    sqlite3_extended_result_codes(db_, 1);
+    int64_t busy_ms = absl::ToInt64Milliseconds(options.busy_timeout);
+    HAP_RETURN_IF_ERROR(Check(sqlite3_busy_timeout(db_, static_cast<int>(std::min<int64_t>(
+                                                            std::max<int64_t>(busy_ms, 0),
+                                                            std::numeric_limits<int>::max()))),
+                              "setting the busy timeout"));
+
+    // The first statements read the file's header: a file that is not a
+    // database fails here, with SQLITE_NOTADB.
+    std::string journal_mode;
+    HAP_RETURN_IF_ERROR(QueryText("PRAGMA journal_mode=WAL", &journal_mode));
+    if (journal_mode != "wal" && journal_mode != "memory") {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sqlite store '", path_, "': cannot use a write-ahead log (journal mode '",
+                       journal_mode, "'); is the file on a file system without shared memory?"));
+    }
+    HAP_RETURN_IF_ERROR(Exec(options.synchronous == SqliteStoreOptions::Synchronous::kFull
+                                 ? "PRAGMA synchronous=FULL"
+                                 : "PRAGMA synchronous=NORMAL",
+                             "setting synchronous"));
+    HAP_RETURN_IF_ERROR(Migrate(migrations));
+    return PrepareStatements();
+  }
+
+  // --- Nodes ---------------------------------------------------------------
+  absl::Status UpsertNode(const v1::Node& node) override {
+    HAP_RETURN_IF_ERROR(CheckName("node", node.name()));
+    HAP_ASSIGN_OR_RETURN(std::string body, Serialize(node, "node"));
+    absl::MutexLock lock(&mu_);
+    return Use(s_.upsert_node).Text(1, node.name()).Blob(2, body).Run();
+  }
+  absl::StatusOr<v1::Node> GetNode(const std::string& name) override {
+    return Get<v1::Node>(&SqliteStore::Statements::get_node, "node", name);
+  }
+  absl::StatusOr<Page<v1::Node>> ListNodes(int page_size, const std::string& page_token) override {
+    return List<v1::Node>(ListKind::kNodes, &SqliteStore::Statements::list_nodes, "node", page_size,
+                          page_token);
+  }
+  absl::Status DeleteNode(const std::string& name) override {
+    return Delete(&SqliteStore::Statements::delete_node, "node", name);
+  }
+
+  // --- Plans ---------------------------------------------------------------
+  absl::Status PutPlan(const v1::Plan& plan, const std::string& cache_key) override {
+    HAP_RETURN_IF_ERROR(CheckName("plan", plan.name()));
+    HAP_ASSIGN_OR_RETURN(std::string body, Serialize(plan, "plan"));
+    ListCursor at = CursorOf(plan);
+    absl::MutexLock lock(&mu_);
+    return Use(s_.put_plan)
+        .Text(1, plan.name())
+        .Int(2, at.seconds)
+        .Int(3, at.nanos)
+        .TextOrNull(4, cache_key)
+        .Blob(5, body)
+        .Run();
+  }
+  absl::StatusOr<v1::Plan> GetPlan(const std::string& name) override {
+    return Get<v1::Plan>(&SqliteStore::Statements::get_plan, "plan", name);
+  }
+  absl::StatusOr<Page<v1::Plan>> ListPlans(int page_size, const std::string& page_token) override {
+    return List<v1::Plan>(ListKind::kPlans, &SqliteStore::Statements::list_plans, "plan", page_size,
+                          page_token);
+  }
+  absl::Status DeletePlan(const std::string& name) override {
+    return Delete(&SqliteStore::Statements::delete_plan, "plan", name);
+  }
+  absl::StatusOr<v1::Plan> FindPlanByCacheKey(const std::string& cache_key) override {
+    HAP_RETURN_IF_ERROR(internal::CheckCacheKey(cache_key));
+    absl::MutexLock lock(&mu_);
+    ScopedStatement st = Use(s_.find_plan_by_cache_key);
+    st.Text(1, cache_key);
+    HAP_ASSIGN_OR_RETURN(bool found, st.Step());
+    if (!found) return NotFoundError("plan with cache key", cache_key);
+    return Parse<v1::Plan>(st.ColumnBlob(0), "plan with cache key", cache_key);
+  }
+
+  // --- Deployments ---------------------------------------------------------
+  absl::Status PutDeployment(const v1::Deployment& deployment) override {
+    HAP_RETURN_IF_ERROR(CheckName("deployment", deployment.name()));
+    HAP_ASSIGN_OR_RETURN(std::string body, Serialize(deployment, "deployment"));
+    ListCursor at = CursorOf(deployment);
+    absl::MutexLock lock(&mu_);
+    return Use(s_.put_deployment)
+        .Text(1, deployment.name())
+        .Int(2, at.seconds)
+        .Int(3, at.nanos)
+        .Blob(4, body)
+        .Run();
+  }
+  absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {
+    return Get<v1::Deployment>(&SqliteStore::Statements::get_deployment, "deployment", name);
+  }
+  absl::StatusOr<Page<v1::Deployment>> ListDeployments(int page_size,
+                                                       const std::string& page_token) override {
+    return List<v1::Deployment>(ListKind::kDeployments, &SqliteStore::Statements::list_deployments,
+                                "deployment", page_size, page_token);
+  }
+  absl::Status DeleteDeployment(const std::string& name) override {
+    HAP_RETURN_IF_ERROR(CheckName("deployment", name));
+    absl::MutexLock lock(&mu_);
+    Transaction txn(this);
+    HAP_RETURN_IF_ERROR(txn.Begin());
+    HAP_RETURN_IF_ERROR(Use(s_.delete_deployment).Text(1, name).Run());
+    if (sqlite3_changes(db_) == 0) return NotFoundError("deployment", name);
+    HAP_RETURN_IF_ERROR(Use(s_.delete_step_metrics).Text(1, name).Run());
+    return txn.Commit();
+  }
+
+  // --- Step metrics --------------------------------------------------------
+  absl::Status AppendStepMetrics(const std::string& deployment,
+                                 const std::vector<v1::StepMetric>& metrics) override {
+    HAP_ASSIGN_OR_RETURN(std::vector<v1::StepMetric> prepared,
+                         internal::PrepareStepMetrics(deployment, metrics));
+    std::vector<std::string> bodies;
+    bodies.reserve(prepared.size());
+    for (const v1::StepMetric& m : prepared) {
+      HAP_ASSIGN_OR_RETURN(bodies.emplace_back(), Serialize(m, "step metric"));
+    }
+    absl::MutexLock lock(&mu_);
+    Transaction txn(this);
+    HAP_RETURN_IF_ERROR(txn.Begin());
+    HAP_RETURN_IF_ERROR(RequireDeployment(deployment));
+    for (size_t i = 0; i < prepared.size(); ++i) {
+      HAP_RETURN_IF_ERROR(Use(s_.put_step_metric)
+                              .Text(1, deployment)
+                              .Int(2, prepared[i].step())
+                              .Int(3, prepared[i].rank())
+                              .Blob(4, bodies[i])
+                              .Run());
+    }
+    return txn.Commit();
+  }
+  absl::StatusOr<std::vector<v1::StepMetric>> ListStepMetrics(const std::string& deployment,
+                                                              int64_t from_step,
+                                                              int limit) override {
+    HAP_ASSIGN_OR_RETURN(limit, internal::StepMetricsLimit(deployment, limit));
+    absl::MutexLock lock(&mu_);
+    HAP_RETURN_IF_ERROR(RequireDeployment(deployment));
+    ScopedStatement st = Use(s_.list_step_metrics);
+    st.Text(1, deployment).Int(2, from_step).Int(3, limit);
+    std::vector<v1::StepMetric> out;
+    while (true) {
+      HAP_ASSIGN_OR_RETURN(bool row, st.Step());
+      if (!row) break;
+      HAP_ASSIGN_OR_RETURN(v1::StepMetric m,
+                           Parse<v1::StepMetric>(st.ColumnBlob(0), "step metric",
+                                                 absl::StrCat(deployment, " step ", st.ColumnInt(1),
+                                                              " rank ", st.ColumnInt(2))));
+      out.push_back(std::move(m));
+    }
+    return out;
+  }
+
+ private:
+  // Prepared once, used under mu_.
+  struct Statements {
+    sqlite3_stmt* begin = nullptr;
+    sqlite3_stmt* commit = nullptr;
+    sqlite3_stmt* rollback = nullptr;
+    sqlite3_stmt* upsert_node = nullptr;
+    sqlite3_stmt* get_node = nullptr;
+    sqlite3_stmt* list_nodes = nullptr;
+    sqlite3_stmt* delete_node = nullptr;
+    sqlite3_stmt* put_plan = nullptr;
+    sqlite3_stmt* get_plan = nullptr;
+    sqlite3_stmt* list_plans = nullptr;
+    sqlite3_stmt* delete_plan = nullptr;
+    sqlite3_stmt* find_plan_by_cache_key = nullptr;
+    sqlite3_stmt* put_deployment = nullptr;
+    sqlite3_stmt* get_deployment = nullptr;
+    sqlite3_stmt* list_deployments = nullptr;
+    sqlite3_stmt* delete_deployment = nullptr;
+    sqlite3_stmt* put_step_metric = nullptr;
+    sqlite3_stmt* list_step_metrics = nullptr;
+    sqlite3_stmt* delete_step_metrics = nullptr;
+  };
+  using StatementField = sqlite3_stmt* Statements::*;
+
+  // Lists bind ?1 seconds, ?2 nanos, ?3 name of the cursor to start after
+  // and ?4 how many rows to read (nodes use only the name); they select
+  // body, name.
+  struct StatementSql {
+    StatementField field;
+    const char* sql;
+  };
+  static constexpr StatementSql kStatementSql[] = {
+      // IMMEDIATE: take the write lock now, so that a transaction never
+      // fails half-way because another process started writing.
+      {&Statements::begin, "BEGIN IMMEDIATE"},
+      {&Statements::commit, "COMMIT"},
+      {&Statements::rollback, "ROLLBACK"},
+      {&Statements::upsert_node, "INSERT OR REPLACE INTO nodes (name, body) VALUES (?1, ?2)"},
+      {&Statements::get_node, "SELECT body FROM nodes WHERE name = ?1"},
+      {&Statements::list_nodes,
+       "SELECT body, name FROM nodes WHERE name > ?3 ORDER BY name LIMIT ?4"},
+      {&Statements::delete_node, "DELETE FROM nodes WHERE name = ?1"},
+      {&Statements::put_plan,
+       "INSERT OR REPLACE INTO plans (name, create_seconds, create_nanos, cache_key, body)"
+       " VALUES (?1, ?2, ?3, ?4, ?5)"},
+      {&Statements::get_plan, "SELECT body FROM plans WHERE name = ?1"},
+      {&Statements::list_plans,
+       "SELECT body, name FROM plans WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
+       " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
+      {&Statements::delete_plan, "DELETE FROM plans WHERE name = ?1"},
+      {&Statements::find_plan_by_cache_key,
+       "SELECT body FROM plans WHERE cache_key = ?1"
+       " ORDER BY create_seconds DESC, create_nanos DESC, name DESC LIMIT 1"},
+      {&Statements::put_deployment,
+       "INSERT OR REPLACE INTO deployments (name, create_seconds, create_nanos, body)"
+       " VALUES (?1, ?2, ?3, ?4)"},
+      {&Statements::get_deployment, "SELECT body FROM deployments WHERE name = ?1"},
+      {&Statements::list_deployments,
+       "SELECT body, name FROM deployments WHERE (create_seconds, create_nanos, name) > (?1, ?2, "
+       "?3)"
+       " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
+      {&Statements::delete_deployment, "DELETE FROM deployments WHERE name = ?1"},
+      {&Statements::put_step_metric,
+       "INSERT OR REPLACE INTO step_metrics (deployment, step, rank, body)"
+       " VALUES (?1, ?2, ?3, ?4)"},
+      {&Statements::list_step_metrics,
+       "SELECT body, step, rank FROM step_metrics WHERE deployment = ?1 AND step >= ?2"
+       " ORDER BY step, rank LIMIT ?3"},
+      {&Statements::delete_step_metrics, "DELETE FROM step_metrics WHERE deployment = ?1"},
+  };
+
+  std::vector<sqlite3_stmt**> AllStatements() {
+    std::vector<sqlite3_stmt**> all;
+    for (const StatementSql& s : kStatementSql) all.push_back(&(s_.*(s.field)));
+    return all;
+  }
+
+  // Rolls back unless committed.
+  class Transaction {
+   public:
+    explicit Transaction(SqliteStore* store) : store_(store) {}
+    ~Transaction() {
+      if (open_) (void)store_->Use(store_->s_.rollback).Run();
+    }
+    absl::Status Begin() {
+      HAP_RETURN_IF_ERROR(store_->Use(store_->s_.begin).Run());
+      open_ = true;
+      return absl::OkStatus();
+    }
+    absl::Status Commit() {
+      HAP_RETURN_IF_ERROR(store_->Use(store_->s_.commit).Run());
+      open_ = false;
+      return absl::OkStatus();
+    }
+
+   private:
+    SqliteStore* store_;
+    bool open_ = false;
+  };
+
+  absl::Status Check(int rc, absl::string_view doing) const {
+    return SqliteStatus(rc, db_, path_, doing);
+  }
+
+  ScopedStatement Use(sqlite3_stmt* stmt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return ScopedStatement(stmt, db_, path_);
+  }
+
+  // Runs SQL (several statements allowed) that returns no rows we need.
+  absl::Status Exec(const char* sql, absl::string_view doing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Check(sqlite3_exec(db_, sql, nullptr, nullptr, nullptr), doing);
+  }
+
+  // Runs a one-statement query and returns the first column of its first
+  // row as text ("" when no row).
+  absl::Status QueryText(const char* sql, std::string* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    sqlite3_stmt* stmt = nullptr;
+    HAP_RETURN_IF_ERROR(Check(sqlite3_prepare_v2(db_, sql, -1, &stmt, nullptr), sql));
+    absl::Status status;
+    {
+      ScopedStatement st(stmt, db_, path_);
+      absl::StatusOr<bool> row = st.Step();
+      if (!row.ok()) {
+        status = row.status();
+      } else if (*row) {
+        const unsigned char* text = sqlite3_column_text(stmt, 0);
+        *out = text == nullptr ? "" : reinterpret_cast<const char*>(text);
+      } else {
+        out->clear();
+      }
+    }
+    sqlite3_finalize(stmt);
+    return status;
+  }
+
+  absl::Status Migrate(const std::vector<SchemaMigration>& migrations)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < migrations.size(); ++i) {
+      if (migrations[i].version != static_cast<int>(i) + 1) {
+        return absl::InternalError(absl::StrCat("schema migration ", i, " has version ",
+                                                migrations[i].version, ", want ", i + 1));
+      }
+    }
+    const int latest = static_cast<int>(migrations.size());
+    HAP_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "starting the schema migration"));
+    absl::Status status = MigrateInTransaction(migrations, latest);
+    if (!status.ok()) {
+      (void)Exec("ROLLBACK", "rolling back the schema migration");
+      return status;
+    }
+    return Exec("COMMIT", "committing the schema migration");
+  }
+
+  absl::Status MigrateInTransaction(const std::vector<SchemaMigration>& migrations, int latest)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    HAP_RETURN_IF_ERROR(Exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)",
+                             "creating the schema_version table"));
+    std::string text;
+    HAP_RETURN_IF_ERROR(QueryText("SELECT version FROM schema_version", &text));
+    int version = 0;
+    if (!text.empty() && !absl::SimpleAtoi(text, &version)) {
+      return absl::DataLossError(absl::StrCat("sqlite store '", path_, "': schema_version holds '",
+                                              text, "', not a number"));
+    }
+    if (version > latest) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sqlite store '", path_, "': the database has schema version ", version,
+          ", newer than this planner's ", latest, "; run a newer planner or another file"));
+    }
+    if (version == latest) return absl::OkStatus();
+    for (const SchemaMigration& m : migrations) {
+      if (m.version <= version) continue;
+      HAP_RETURN_IF_ERROR(Exec(m.sql, absl::StrCat("migrating the schema to version ", m.version)));
+    }
+    HAP_RETURN_IF_ERROR(Exec("DELETE FROM schema_version", "recording the schema version"));
+    return Exec(absl::StrCat("INSERT INTO schema_version (version) VALUES (", latest, ")").c_str(),
+                "recording the schema version");
+  }
+
+  absl::Status PrepareStatements() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const StatementSql& s : kStatementSql) {
+      HAP_RETURN_IF_ERROR(Check(
+          sqlite3_prepare_v3(db_, s.sql, -1, SQLITE_PREPARE_PERSISTENT, &(s_.*(s.field)), nullptr),
+          absl::StrCat("preparing ", s.sql)));
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::StatusOr<std::string> Serialize(const google::protobuf::Message& m,
+                                               absl::string_view what) {
+    std::string body;
+    if (!m.SerializeToString(&body)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " cannot be serialized (", m.ByteSizeLong(), " bytes)"));
+    }
+    return body;
+  }
+
+  template <typename M>
+  absl::StatusOr<M> Parse(absl::string_view body, absl::string_view what,
+                          absl::string_view name) const {
+    M m;
+    if (!m.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+      return absl::DataLossError(absl::StrCat("sqlite store '", path_, "': the stored ", what, " '",
+                                              name, "' does not parse as ", m.GetTypeName(),
+                                              "; the database is damaged"));
+    }
+    return m;
+  }
+
+  absl::Status RequireDeployment(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ScopedStatement st = Use(s_.get_deployment);
+    st.Text(1, name);
+    HAP_ASSIGN_OR_RETURN(bool found, st.Step());
+    return found ? absl::OkStatus() : NotFoundError("deployment", name);
+  }
+
+  template <typename M>
+  absl::StatusOr<M> Get(StatementField stmt, absl::string_view what, const std::string& name) {
+    HAP_RETURN_IF_ERROR(CheckName(what, name));
+    absl::MutexLock lock(&mu_);
+    ScopedStatement st = Use(s_.*stmt);
+    st.Text(1, name);
+    HAP_ASSIGN_OR_RETURN(bool found, st.Step());
+    if (!found) return NotFoundError(what, name);
+    return Parse<M>(st.ColumnBlob(0), what, name);
+  }
+
+  absl::Status Delete(StatementField stmt, absl::string_view what, const std::string& name) {
+    HAP_RETURN_IF_ERROR(CheckName(what, name));
+    absl::MutexLock lock(&mu_);
+    HAP_RETURN_IF_ERROR(Use(s_.*stmt).Text(1, name).Run());
+    if (sqlite3_changes(db_) == 0) return NotFoundError(what, name);
+    return absl::OkStatus();
+  }
+
+  template <typename M>
+  absl::StatusOr<Page<M>> List(ListKind kind, StatementField stmt, absl::string_view what,
+                               int page_size, const std::string& page_token) {
+    HAP_ASSIGN_OR_RETURN(internal::PageRequest request,
+                         internal::ParsePageRequest(kind, page_size, page_token));
+    absl::MutexLock lock(&mu_);
+    ScopedStatement st = Use(s_.*stmt);
+    st.Int(1, request.after.seconds)
+        .Int(2, request.after.nanos)
+        .Text(3, request.after.name)
+        .Int(4, int64_t{request.page_size} + 1);  // one more: is there a next page?
+    std::vector<M> rows;
+    while (true) {
+      HAP_ASSIGN_OR_RETURN(bool row, st.Step());
+      if (!row) break;
+      HAP_ASSIGN_OR_RETURN(M m, Parse<M>(st.ColumnBlob(0), what, st.ColumnBlob(1)));
+      rows.push_back(std::move(m));
+    }
+    return internal::FinishPage(kind, request, std::move(rows));
+  }
+
+  const std::string path_;
+  absl::Mutex mu_;
+  sqlite3* db_ ABSL_GUARDED_BY(mu_) = nullptr;
+  Statements s_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+namespace internal {
+
+absl::StatusOr<std::unique_ptr<StateStore>> OpenSqliteStoreWithMigrations(
+    const std::string& path, const SqliteStoreOptions& options,
+    const std::vector<SchemaMigration>& migrations) {
+  auto store = std::make_unique<SqliteStore>(path);
+  HAP_RETURN_IF_ERROR(store->Open(options, migrations));
+  return std::unique_ptr<StateStore>(std::move(store));
+}
+
+}  // namespace internal
+
+absl::StatusOr<std::unique_ptr<StateStore>> OpenSqliteStore(const std::string& path,
+                                                            const SqliteStoreOptions& options) {
+  return internal::OpenSqliteStoreWithMigrations(path, options, internal::SqliteSchemaMigrations());
+}
+
+}  // namespace hap::service::store

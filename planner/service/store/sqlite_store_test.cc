@@ -1,0 +1,342 @@
+// The SQLite store on disk: what survives closing, reopening and SIGKILL;
+// damaged files; the schema version and its migrations. The contract common
+// to all stores is in state_store_test.cc.
+#include "planner/service/store/sqlite_store.h"
+
+#include <signal.h>
+#include <sqlite3.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/service/store/sqlite_store_internal.h"
+#include "planner/service/store/test_util.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::service::store {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::_;
+using ::testing::AllOf;
+using testing::EqualsProto;
+using ::testing::HasSubstr;
+using testing::TestDeployment;
+using testing::TestMetric;
+using testing::TestNode;
+using testing::TestPlan;
+
+// Plain SQLite on the same file, to inspect or damage what the store wrote.
+class RawDb {
+ public:
+  explicit RawDb(const std::string& path) {
+    EXPECT_EQ(sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  }
+  ~RawDb() { sqlite3_close_v2(db_); }
+  void Exec(const std::string& sql) {
+    char* err = nullptr;
+    EXPECT_EQ(sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK)
+        << sql << ": " << (err ? err : "");
+    sqlite3_free(err);
+  }
+  // The first column of the first row, as text.
+  std::string Query(const std::string& sql) {
+    sqlite3_stmt* stmt = nullptr;
+    EXPECT_EQ(sqlite3_prepare_v2(db_, sql.c_str(), -1, &stmt, nullptr), SQLITE_OK) << sql;
+    std::string out;
+    if (stmt != nullptr && sqlite3_step(stmt) == SQLITE_ROW) {
+      const unsigned char* text = sqlite3_column_text(stmt, 0);
+      if (text != nullptr) out = reinterpret_cast<const char*>(text);
+    }
+    sqlite3_finalize(stmt);
+    return out;
+  }
+
+ private:
+  sqlite3* db_ = nullptr;
+};
+
+class SqliteStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::NewTempDir();
+    ASSERT_NE(dir_, "");
+    path_ = dir_ + "/state.db";
+  }
+  std::unique_ptr<StateStore> Open(const SqliteStoreOptions& options = {}) {
+    absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path_, options);
+    EXPECT_THAT(store, IsOk());
+    return store.ok() ? std::move(*store) : nullptr;
+  }
+
+  std::string dir_;
+  std::string path_;
+};
+
+TEST_F(SqliteStoreTest, EverythingIsThereAfterReopening) {
+  const v1::Node node = TestNode("nodes/a");
+  const v1::Plan plan = TestPlan("plans/p", 10);
+  const v1::Deployment deployment = TestDeployment("deployments/d", 11);
+  std::string token;
+  {
+    std::unique_ptr<StateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+    ASSERT_THAT(store->UpsertNode(node), IsOk());
+    ASSERT_THAT(store->UpsertNode(TestNode("nodes/b")), IsOk());
+    ASSERT_THAT(store->UpsertNode(TestNode("nodes/c")), IsOk());
+    ASSERT_THAT(store->PutPlan(plan, "cache-key"), IsOk());
+    ASSERT_THAT(store->PutDeployment(deployment), IsOk());
+    ASSERT_THAT(
+        store->AppendStepMetrics(deployment.name(), {TestMetric(0, 0, 2.5), TestMetric(0, 1, 2.5)}),
+        IsOk());
+    absl::StatusOr<Page<v1::Node>> page = store->ListNodes(1, "");
+    ASSERT_THAT(page, IsOk());
+    token = page->next_page_token;
+  }
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  absl::StatusOr<v1::Node> got_node = store->GetNode("nodes/a");
+  ASSERT_THAT(got_node, IsOk());
+  EXPECT_THAT(*got_node, EqualsProto(node));
+  absl::StatusOr<v1::Plan> got_plan = store->GetPlan("plans/p");
+  ASSERT_THAT(got_plan, IsOk());
+  EXPECT_THAT(*got_plan, EqualsProto(plan));
+  absl::StatusOr<v1::Plan> cached = store->FindPlanByCacheKey("cache-key");
+  ASSERT_THAT(cached, IsOk());
+  EXPECT_THAT(*cached, EqualsProto(plan));
+  absl::StatusOr<v1::Deployment> got_deployment = store->GetDeployment("deployments/d");
+  ASSERT_THAT(got_deployment, IsOk());
+  EXPECT_THAT(*got_deployment, EqualsProto(deployment));
+  absl::StatusOr<std::vector<v1::StepMetric>> metrics =
+      store->ListStepMetrics("deployments/d", 0, 10);
+  ASSERT_THAT(metrics, IsOk());
+  EXPECT_EQ(metrics->size(), 2u);
+  // A page token from before the restart goes on where it left off.
+  absl::StatusOr<Page<v1::Node>> rest = store->ListNodes(10, token);
+  ASSERT_THAT(rest, IsOk());
+  ASSERT_EQ(rest->items.size(), 2u);
+  EXPECT_EQ(rest->items[0].name(), "nodes/b");
+}
+
+TEST_F(SqliteStoreTest, FileUsesWriteAheadLog) {
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_THAT(store->UpsertNode(TestNode("nodes/a")), IsOk());
+  struct stat st;
+  EXPECT_EQ(stat((path_ + "-wal").c_str(), &st), 0) << "no " << path_ << "-wal";
+  RawDb raw(path_);
+  EXPECT_EQ(raw.Query("PRAGMA journal_mode"), "wal");
+  EXPECT_EQ(raw.Query("SELECT version FROM schema_version"),
+            absl::StrCat(internal::SqliteSchemaMigrations().size()));
+}
+
+// Two store objects (as two processes would) on one file see each other's
+// commits.
+TEST_F(SqliteStoreTest, TwoConnectionsShareTheFile) {
+  std::unique_ptr<StateStore> a = Open();
+  std::unique_ptr<StateStore> b = Open();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_THAT(a->PutPlan(TestPlan("plans/p", 1), "k"), IsOk());
+  absl::StatusOr<v1::Plan> got = b->FindPlanByCacheKey("k");
+  ASSERT_THAT(got, IsOk());
+  EXPECT_EQ(got->name(), "plans/p");
+  ASSERT_THAT(b->DeletePlan("plans/p"), IsOk());
+  EXPECT_THAT(a->GetPlan("plans/p"), StatusIs(absl::StatusCode::kNotFound, _));
+}
+
+// A child process writes plans (and rewrites one node) and reports each
+// commit through a pipe; the parent SIGKILLs it mid-stream. Every commit it
+// reported must be there when the file is opened again — with either
+// synchronous setting, since a killed process loses nothing the kernel has.
+void CheckCommittedWritesSurviveSigkill(const std::string& path,
+                                        SqliteStoreOptions::Synchronous synchronous) {
+  constexpr int kKillAfter = 60;
+  SqliteStoreOptions options;
+  options.synchronous = synchronous;
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // child: no gtest here, only _exit
+    close(fds[0]);
+    absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path, options);
+    if (!store.ok()) _exit(2);
+    for (int32_t i = 0; i < 1'000'000; ++i) {
+      if (!(*store)->UpsertNode(TestNode("nodes/n", absl::StrCat("10.0.0.1:", i))).ok()) _exit(3);
+      v1::Plan plan = TestPlan(absl::StrCat("plans/p", i), i);
+      for (int d = 0; d < 64; ++d) plan.add_devices(absl::StrCat("node", d, "/cpu0"));
+      if (!(*store)->PutPlan(plan, absl::StrCat("key", i)).ok()) _exit(4);
+      if (write(fds[1], &i, sizeof i) != sizeof i) _exit(5);
+    }
+    _exit(6);  // not killed: the parent failed to
+  }
+  close(fds[1]);
+  std::vector<int32_t> reported;
+  int32_t i = 0;
+  bool killed = false;
+  // A 4-byte write to a pipe is atomic; read until the child is gone.
+  while (read(fds[0], &i, sizeof i) == sizeof i) {
+    reported.push_back(i);
+    if (!killed && reported.size() == kKillAfter) {
+      ASSERT_EQ(kill(pid, SIGKILL), 0);
+      killed = true;
+    }
+  }
+  close(fds[0]);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(wstatus)) << "child exited with " << WEXITSTATUS(wstatus);
+  ASSERT_EQ(WTERMSIG(wstatus), SIGKILL);
+  ASSERT_GE(reported.size(), static_cast<size_t>(kKillAfter));
+
+  absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path);
+  ASSERT_THAT(store, IsOk());
+  for (int32_t r : reported) {
+    absl::StatusOr<v1::Plan> plan = (*store)->GetPlan(absl::StrCat("plans/p", r));
+    ASSERT_THAT(plan, IsOk());
+    EXPECT_EQ(plan->create_time().seconds(), r);
+    EXPECT_THAT((*store)->FindPlanByCacheKey(absl::StrCat("key", r)), IsOk());
+  }
+  absl::StatusOr<v1::Node> node = (*store)->GetNode("nodes/n");
+  ASSERT_THAT(node, IsOk());
+  int32_t last_port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(node->address().substr(node->address().rfind(':') + 1), &last_port));
+  EXPECT_GE(last_port, reported.back());
+  // Nothing torn: every stored plan parses, one at most beyond the reports.
+  absl::StatusOr<Page<v1::Plan>> all = (*store)->ListPlans(kMaxPageSize, "");
+  ASSERT_THAT(all, IsOk());
+  EXPECT_GE(all->items.size(), reported.size());
+  EXPECT_LE(all->items.size(), reported.size() + 1);
+}
+
+TEST_F(SqliteStoreTest, CommittedWritesSurviveSigkill) {
+  CheckCommittedWritesSurviveSigkill(path_, SqliteStoreOptions::Synchronous::kFull);
+}
+
+TEST_F(SqliteStoreTest, CommittedWritesSurviveSigkillWithSynchronousNormal) {
+  CheckCommittedWritesSurviveSigkill(path_, SqliteStoreOptions::Synchronous::kNormal);
+}
+
+TEST_F(SqliteStoreTest, GarbageFileIsDataLoss) {
+  {
+    std::ofstream out(path_, std::ios::binary);
+    for (int i = 0; i < 8192; ++i) out.put(static_cast<char>((i * 37 + 11) & 0xff));
+  }
+  EXPECT_THAT(
+      OpenSqliteStore(path_),
+      StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(path_), HasSubstr("not a database"))));
+}
+
+// Pages after the first overwritten: the header still says SQLite, the
+// tables are garbage. Whichever call first reads them says DataLoss.
+TEST_F(SqliteStoreTest, DamagedPagesAreDataLoss) {
+  {
+    std::unique_ptr<StateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 50; ++i) {
+      ASSERT_THAT(store->PutPlan(TestPlan(absl::StrCat("plans/p", i), i), ""), IsOk());
+    }
+  }  // closing checkpoints the log into the file
+  struct stat st;
+  ASSERT_EQ(stat(path_.c_str(), &st), 0);
+  ASSERT_GT(st.st_size, 4096 * 2);
+  {
+    std::fstream f(path_, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096);
+    for (off_t i = 4096; i < st.st_size; ++i) f.put(static_cast<char>(0xA5));
+  }
+  absl::Status status;
+  absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path_);
+  if (!store.ok()) {
+    status = store.status();
+  } else {
+    status = (*store)->ListPlans(0, "").status();
+  }
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
+}
+
+TEST_F(SqliteStoreTest, RowThatDoesNotParseIsDataLoss) {
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_THAT(store->PutPlan(TestPlan("plans/p", 1), ""), IsOk());
+  RawDb(path_).Exec("UPDATE plans SET body = X'FFFFFFFF' WHERE name = 'plans/p'");
+  EXPECT_THAT(store->GetPlan("plans/p"),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("plan 'plans/p' does not parse"), HasSubstr(path_))));
+  EXPECT_THAT(store->ListPlans(0, ""), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("plans/p")));
+}
+
+TEST_F(SqliteStoreTest, UnopenablePathIsFailedPrecondition) {
+  const std::string path = dir_ + "/no/such/dir/state.db";
+  EXPECT_THAT(OpenSqliteStore(path),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(path)));
+}
+
+TEST_F(SqliteStoreTest, SchemaFromANewerPlannerIsRefused) {
+  ASSERT_NE(Open(), nullptr);
+  RawDb(path_).Exec("UPDATE schema_version SET version = 99");
+  EXPECT_THAT(OpenSqliteStore(path_),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("schema version 99"), HasSubstr("newer"))));
+}
+
+TEST_F(SqliteStoreTest, MigrationsRunOnceEachAndAllOrNothing) {
+  std::vector<internal::SchemaMigration> migrations = internal::SqliteSchemaMigrations();
+  const int base = static_cast<int>(migrations.size());
+  {
+    std::unique_ptr<StateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+    ASSERT_THAT(store->UpsertNode(TestNode("nodes/a")), IsOk());
+  }
+  // One more migration: it runs once (a second run would fail: the table
+  // exists), and the data stays.
+  migrations.push_back({base + 1, "CREATE TABLE extra (x INTEGER);"});
+  for (int round = 0; round < 2; ++round) {
+    absl::StatusOr<std::unique_ptr<StateStore>> store =
+        internal::OpenSqliteStoreWithMigrations(path_, {}, migrations);
+    ASSERT_THAT(store, IsOk());
+    EXPECT_THAT((*store)->GetNode("nodes/a"), IsOk());
+  }
+  EXPECT_EQ(RawDb(path_).Query("SELECT version FROM schema_version"), absl::StrCat(base + 1));
+
+  // A failing migration leaves the file as it was.
+  migrations.push_back({base + 2, "CREATE TABLE extra2 (y INTEGER); CREATE TABLE extra (x);"});
+  EXPECT_THAT(internal::OpenSqliteStoreWithMigrations(path_, {}, migrations),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr(absl::StrCat("migrating the schema to version ", base + 2))));
+  {
+    RawDb raw(path_);
+    EXPECT_EQ(raw.Query("SELECT version FROM schema_version"), absl::StrCat(base + 1));
+    EXPECT_EQ(raw.Query("SELECT count(*) FROM sqlite_master WHERE name = 'extra2'"), "0");
+  }
+
+  // Versions must count up from 1.
+  std::vector<internal::SchemaMigration> gap = {{1, "SELECT 1;"}, {3, "SELECT 1;"}};
+  EXPECT_THAT(internal::OpenSqliteStoreWithMigrations(dir_ + "/other.db", {}, gap),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("has version 3")));
+}
+
+TEST_F(SqliteStoreTest, InMemoryDatabasesArePrivate) {
+  absl::StatusOr<std::unique_ptr<StateStore>> a = OpenSqliteStore(":memory:");
+  absl::StatusOr<std::unique_ptr<StateStore>> b = OpenSqliteStore(":memory:");
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  ASSERT_THAT((*a)->UpsertNode(TestNode("nodes/a")), IsOk());
+  EXPECT_THAT((*b)->GetNode("nodes/a"), StatusIs(absl::StatusCode::kNotFound, _));
+}
+
+}  // namespace
+}  // namespace hap::service::store
