@@ -17,6 +17,7 @@ PACKAGES=(
   libssl-dev
   python3-torch
   prometheus
+  python3-yaml
 )
 
 missing=()
@@ -33,4 +34,17 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq >/dev/null
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# deploy/ tests: kubernetes-models validates the rendered manifests offline. Installed with
+# npm (when Node.js is there) into deploy/tools/node_modules, which git ignores. kubectl is
+# not installed: Debian 12's kubernetes-client (1.20) is too old for the kustomizations, and
+# the deploy tests skip without it.
+TOOLS="$(cd "$(dirname "$0")/.." && pwd)/deploy/tools"
+if command -v npm >/dev/null 2>&1 && [ -f "$TOOLS/package.json" ] &&
+   { [ ! -f "$TOOLS/node_modules/kubernetes-models/package.json" ] ||
+     [ ! -f "$TOOLS/node_modules/@kubernetes-models/prometheus-operator/package.json" ]; }; then
+  echo "setup: installing kubernetes-models into deploy/tools/node_modules" >&2
+  (cd "$TOOLS" && npm install --no-audit --no-fund --loglevel=error --package-lock=false \
+    >/dev/null)
 fi

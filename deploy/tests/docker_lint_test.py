@@ -1,0 +1,118 @@
+"""deploy/docker: no Docker engine runs here, so the Dockerfile is linted: every FROM pinned
+to a version, no ADD (of URLs or at all), every image stage ends as a non-root USER, the build
+stage uses the repository's own scripts/setup.sh and `bazel build -c opt`, the CUDA images sit
+on nvidia/cuda, and each image's entrypoint and ports match the binaries and the manifests."""
+import json
+import os
+import re
+import sys
+
+import deploy_testlib as lib
+
+DOCKERFILE = os.path.join(lib.deploy_dir(), "docker", "Dockerfile")
+IMAGES = {  # target: (binary, ports)
+    "planner": ("hap-planner", {7070, 9464}),
+    "agent": ("hap-agent", {7071}),
+    "executor": ("hap-executor", {7100}),
+    "agent-cuda": ("hap-agent", {7071}),
+    "executor-cuda": ("hap-executor", {7100}),
+}
+
+
+def instructions(text):
+    """(keyword, arguments) per instruction: continuation lines joined, comments dropped."""
+    out, cur = [], ""
+    for line in text.splitlines():
+        if re.match(r"\s*#", line):
+            continue
+        cur += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            if cur.strip():
+                kw, _, args = cur.strip().partition(" ")
+                out.append((kw.upper(), args.strip()))
+            cur = ""
+    return out
+
+
+def main():
+    failures = []
+    stages, current = {}, None
+    for kw, args in instructions(open(DOCKERFILE).read()):
+        if kw == "FROM":
+            m = re.match(r"(\S+)\s+AS\s+(\S+)$", args, re.I)
+            if not m:
+                failures.append(f"FROM {args}: every stage is named (FROM image AS name)")
+                continue
+            image, current = m.group(1), m.group(2)
+            stages[current] = {"from": image, "user": None, "run": [], "entrypoint": None,
+                               "expose": set(), "copy": []}
+            if image not in stages:
+                name, _, tag = image.partition(":")
+                if "@sha256:" not in image and (not tag or tag == "latest" or
+                                                not re.search(r"\d", tag)):
+                    failures.append(f"FROM {image}: not pinned to a version")
+        elif current is None:
+            failures.append(f"{kw} before the first FROM")
+        elif kw == "ADD":
+            failures.append(f"ADD {args}: use COPY (and never ADD a URL)")
+        elif kw == "USER":
+            stages[current]["user"] = args
+        elif kw == "RUN":
+            stages[current]["run"].append(args)
+        elif kw == "ENTRYPOINT":
+            stages[current]["entrypoint"] = json.loads(args)
+        elif kw == "EXPOSE":
+            stages[current]["expose"] |= {int(p.split("/")[0]) for p in args.split()}
+        elif kw == "COPY":
+            stages[current]["copy"].append(args)
+
+    def inherited(stage, key):
+        while stage in stages:
+            if stages[stage][key]:
+                return stages[stage][key]
+            stage = stages[stage]["from"]
+        return None
+
+    build = stages.get("build")
+    if not build:
+        failures.append("no build stage")
+    else:
+        runs = " ".join(build["run"])
+        if not build["from"].startswith("debian:12"):
+            failures.append(f"build stage is {build['from']}, not Debian 12")
+        if "scripts/setup.sh" not in runs:
+            failures.append("build stage does not run scripts/setup.sh")
+        if not re.search(r"bazel build -c opt", runs):
+            failures.append("build stage does not run bazel build -c opt")
+    for target, (binary, ports) in IMAGES.items():
+        s = stages.get(target)
+        if not s:
+            failures.append(f"no image target {target}")
+            continue
+        user = inherited(target, "user")
+        if not user or user.split(":")[0] in ("root", "0"):
+            failures.append(f"{target}: USER {user!r} is not a non-root user")
+        entry = s["entrypoint"] or []
+        if not entry or os.path.basename(entry[0]) != binary:
+            failures.append(f"{target}: entrypoint {entry} does not run {binary}")
+        if binary == "hap-executor" and "--serve" not in entry:
+            failures.append(f"{target}: the executor image must run the daemon (--serve)")
+        if s["expose"] != ports:
+            failures.append(f"{target}: EXPOSE {s['expose']} != {ports}")
+        base = target
+        while base in stages:
+            root = stages[base]["from"]
+            base = root
+        if target.endswith("-cuda") != root.startswith("nvidia/cuda:"):
+            failures.append(f"{target}: base image {root}")
+        if target in ("planner", "agent", "executor") and not root.startswith("debian:12"):
+            failures.append(f"{target}: runtime base {root} is not Debian 12")
+    if failures:
+        print("\n".join("FAIL: " + f for f in failures))
+        sys.exit(1)
+    print(f"{len(stages)} stages: " + ", ".join(f"{k} <- {v['from']}" for k, v in stages.items()))
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""deploy/prometheus and deploy/grafana: promtool accepts the configuration and the rules;
+the dashboard is well formed and every query names a metric that a live planner exports
+(after an agent, a plan and a few training steps); a real Prometheus with the local
+configuration scrapes that planner and answers hap_executor_step_seconds through its API."""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+import yaml
+
+import deploy_testlib as lib
+
+DEPLOY = lib.deploy_dir()
+CONFIG = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
+RULES = os.path.join(DEPLOY, "prometheus", "hap-rules.yml")
+DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "hap-overview.json")
+DASHBOARD_UID = "hap-overview"  # links and provisioning rely on it: never change it
+METRIC = re.compile(r"\b((?:hap|grpc)_[a-z0-9_]+)\b")
+# Label lists and matchers, which hold label names (grpc_code, ...), not metrics.
+LABELS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)|\{[^}]*\}")
+
+
+def promtool_checks(promtool):
+    for args in (["check", "config", CONFIG], ["check", "rules", RULES]):
+        out = subprocess.run([promtool] + args, capture_output=True, text=True)
+        print(f"promtool {' '.join(args[:2])}: rc {out.returncode}\n{out.stdout}{out.stderr}", end="")
+        assert out.returncode == 0, f"promtool {args} failed"
+    config = yaml.safe_load(open(CONFIG))
+    targets = [t for job in config["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]]
+    return config, targets
+
+
+def dashboard_queries():
+    dash = json.load(open(DASHBOARD))
+    assert dash.get("uid") == DASHBOARD_UID, f"dashboard uid {dash.get('uid')!r}"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables.get("datasource", {}).get("type") == "datasource", "no datasource variable"
+    assert variables["datasource"].get("query") == "prometheus"
+    queries = []
+    for p in dash["panels"]:
+        assert p.get("datasource", {}).get("uid") == "${datasource}", f"panel {p['title']}"
+        assert p.get("targets"), f"panel {p['title']} has no queries"
+        ids = [p["id"] for p in dash["panels"]]
+        assert len(ids) == len(set(ids)), "panel ids repeat"
+        for t in p["targets"]:
+            assert t.get("datasource", {}).get("uid") == "${datasource}", f"query in {p['title']}"
+            queries.append((p["title"], t["expr"]))
+    # The provisioning files name the folder the dashboard is loaded from.
+    prov = yaml.safe_load(open(os.path.join(DEPLOY, "grafana", "provisioning", "dashboards",
+                                            "hap.yml")))
+    assert prov["providers"][0]["type"] == "file"
+    ds = yaml.safe_load(open(os.path.join(DEPLOY, "grafana", "provisioning", "datasources",
+                                          "prometheus.yml")))
+    assert ds["datasources"][0]["type"] == "prometheus"
+    print(f"dashboard {DASHBOARD_UID}: {len(dash['panels'])} panels, {len(queries)} queries")
+    return queries
+
+
+def rule_queries():
+    rules = yaml.safe_load(open(RULES))
+    return [(r.get("alert") or r.get("record"), r["expr"])
+            for g in rules["groups"] for r in g["rules"]]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(base, promql):
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def prometheus_scrapes(prometheus, config, planner):
+    tmp = tempfile.mkdtemp(prefix="hap-prometheus-test-")
+    try:
+        # The local configuration with its target moved to this planner's metrics port.
+        text = open(CONFIG).read()
+        target = config["scrape_configs"][0]["static_configs"][0]["targets"][0]
+        text = text.replace(f'"{target}"', f'"{planner.metrics_hostport}"')
+        open(os.path.join(tmp, "prometheus.yml"), "w").write(text)
+        shutil.copy(RULES, tmp)
+        port = free_port()
+        proc = subprocess.Popen(
+            [prometheus, f"--config.file={tmp}/prometheus.yml",
+             f"--storage.tsdb.path={tmp}/data", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=open(os.path.join(tmp, "log"), "w"), stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.time() + 90
+            result = []
+            while time.time() < deadline:
+                try:
+                    result = query(base, "hap_executor_step_seconds_count")
+                    if result:
+                        break
+                except OSError:
+                    pass
+                time.sleep(1)
+            if not result:
+                print(open(os.path.join(tmp, "log")).read()[-3000:])
+                sys.exit("FAIL: Prometheus returned no hap_executor_step_seconds samples")
+            print(f"Prometheus on {base}: hap_executor_step_seconds_count = {result}")
+            buckets = query(base, "hap_executor_step_seconds_bucket")
+            assert buckets, "no hap_executor_step_seconds_bucket samples"
+            with urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10) as r:
+                groups = json.load(r)["data"]["groups"]
+            names = {rule["name"] for g in groups for rule in g["rules"]}
+            print(f"rules loaded: {sorted(names)}")
+            for alert in ("HapNodeStale", "HapStepTimeAbovePrediction", "HapTrainingLossNaN"):
+                assert alert in names, f"alert {alert} not loaded"
+            return float(result[0]["value"][1])
+        finally:
+            lib.stop(proc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main():
+    promtool = lib.tool("promtool", "Debian package prometheus; run scripts/setup.sh")
+    prometheus = lib.tool("prometheus", "Debian package prometheus; run scripts/setup.sh")
+    config, targets = promtool_checks(promtool)
+    queries = dashboard_queries()
+    rules = rule_queries()
+
+    with lib.Planner(lib.binary("HAP_PLANNER_BIN")) as planner:
+        # The local configuration scrapes the planner's default metrics address.
+        assert targets == ["127.0.0.1:9464"], f"local scrape targets {targets}"
+        procs = lib.train_a_little(planner, lib.binary("HAPCTL_BIN"),
+                                   lib.binary("HAP_AGENT_BIN"), lib.binary("HAP_EXECUTOR_BIN"))
+        try:
+            exported = lib.metric_names(planner.scrape())
+            print(f"planner exports: {' '.join(sorted(exported))}")
+            missing = []
+            for where, expr in queries + rules:
+                names = METRIC.findall(LABELS.sub(" ", expr))
+                if not names:
+                    missing.append(f"{where}: {expr!r} names no hap_/grpc_ metric")
+                for n in names:
+                    if n not in exported:
+                        missing.append(f"{where}: {n} is not in the live /metrics scrape")
+            if missing:
+                sys.exit("FAIL:\n" + "\n".join(missing))
+            steps = prometheus_scrapes(prometheus, config, planner)
+            assert steps > 0, "Prometheus saw no steps"
+        finally:
+            for p in procs:
+                lib.stop(p)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
