@@ -18,6 +18,7 @@ PACKAGES=(
   python3-torch
   prometheus
   python3-yaml
+  chromium
 )
 
 missing=()

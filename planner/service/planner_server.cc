@@ -9,6 +9,7 @@
 #include "planner/service/grpc/planner_service_impl.h"
 #include "planner/service/metrics/metrics.h"
 #include "planner/service/metrics/metrics_http.h"
+#include "planner/service/status_page.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
@@ -231,6 +232,11 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     ho.bind_address = o.metrics_address;
     ho.port = o.metrics_port;
     m.http = std::make_unique<metrics::MetricsHttpServer>(&m.metrics.registry, ho);
+    // The status page for people; the core and service outlive the HTTP
+    // server (Shutdown stops it first).
+    HAP_RETURN_IF_ERROR(m.http->AddHandler(
+        "/", [sources = StatusSourcesFor(m.core.get(), m.service.get())](
+                 absl::string_view path) { return ServeStatusPage(sources, path); }));
     HAP_RETURN_IF_ERROR(m.http->Start());
   }
   return s;

@@ -1,7 +1,7 @@
 // The hap-planner daemon put together: durable state, the core, the gRPC
 // service (with grpc.health.v1 and server reflection), and Prometheus
-// metrics over HTTP. main.cc is flags around this; tests start it in
-// process on 127.0.0.1 with port 0.
+// metrics and the status page (status_page.h) over HTTP. main.cc is flags
+// around this; tests start it in process on 127.0.0.1 with port 0.
 #ifndef HAP_PLANNER_SERVICE_PLANNER_SERVER_H_
 #define HAP_PLANNER_SERVICE_PLANNER_SERVER_H_
 

@@ -488,6 +488,25 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
   });
 }
 
+std::vector<v1::Deployment> PlannerServiceImpl::Deployments() const {
+  absl::MutexLock l(&s_->mu);
+  std::vector<v1::Deployment> out;
+  out.reserve(s_->deployments.size());
+  for (const auto& [name, d] : s_->deployments) out.push_back(d);
+  return out;
+}
+
+absl::StatusOr<std::vector<v1::StepMetric>> PlannerServiceImpl::StepMetrics(
+    const std::string& deployment) const {
+  absl::MutexLock l(&s_->mu);
+  if (!s_->deployments.count(deployment)) {
+    return absl::NotFoundError(absl::StrCat("deployment '", deployment, "' does not exist"));
+  }
+  auto it = s_->metrics.find(deployment);
+  if (it == s_->metrics.end()) return std::vector<v1::StepMetric>{};
+  return it->second;
+}
+
 grpc::Status PlannerServiceImpl::ListStepMetrics(grpc::ServerContext* ctx,
                                                  const v1::ListStepMetricsRequest* r,
                                                  v1::ListStepMetricsResponse* out) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/grpc/grpc_util.h"
@@ -46,6 +47,13 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
   void Shutdown();
   // Set once the listening port is known, before serving.
   void set_advertise_address(const std::string& a) { o_.advertise_address = a; }
+
+  // Read-only snapshots for the status page (thread-safe): every
+  // deployment, by name; the step metrics reported for one deployment, in
+  // arrival order (NotFound for an unknown deployment).
+  std::vector<hap::v1::Deployment> Deployments() const;
+  absl::StatusOr<std::vector<hap::v1::StepMetric>> StepMetrics(
+      const std::string& deployment) const;
 
   grpc::Status RegisterNode(grpc::ServerContext*, const hap::v1::RegisterNodeRequest*,
                             hap::v1::RegisterNodeResponse*) override;

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
@@ -39,31 +40,6 @@ int Respond(mg_connection* conn, int status, const char* content_type,
   mg_response_header_send(conn);
   if (send_body && !body.empty()) mg_write(conn, body.data(), body.size());
   return status;
-}
-
-// Serves every path (registered at "/", which civetweb treats as a prefix
-// of all URIs). `cbdata` is the MetricsRegistry.
-int HandleRequest(mg_connection* conn, void* cbdata) {
-  const auto* registry = static_cast<const MetricsRegistry*>(cbdata);
-  const mg_request_info* request = mg_get_request_info(conn);
-  const absl::string_view path =
-      request->local_uri != nullptr ? request->local_uri : "";
-  const absl::string_view method =
-      request->request_method != nullptr ? request->request_method : "";
-  const bool is_metrics = path == "/metrics";
-  const bool is_health = path == "/healthz";
-  if (!is_metrics && !is_health) {
-    return Respond(conn, 404, kTextContentType, "not found\n",
-                   method != "HEAD");
-  }
-  if (method != "GET" && method != "HEAD") {
-    return Respond(conn, 405, kTextContentType, "method not allowed\n", true,
-                   "GET, HEAD");
-  }
-  const bool send_body = method == "GET";
-  if (is_health) return Respond(conn, 200, kTextContentType, "ok", send_body);
-  return Respond(conn, 200, kMetricsContentType, registry->Serialize(),
-                 send_body);
 }
 
 // civetweb would log to stderr. Bad requests are the client's business;
@@ -112,6 +88,78 @@ void StopContext(mg_context* context, const std::string& address, int port) {
 }
 
 }  // namespace
+
+// Serves every path (registered at "/", which civetweb treats as a prefix
+// of all URIs).
+int MetricsHttpServer::OnRequest(mg_connection* conn, void* cbdata) {
+  const auto* server = static_cast<const MetricsHttpServer*>(cbdata);
+  const mg_request_info* request = mg_get_request_info(conn);
+  const absl::string_view path =
+      request->local_uri != nullptr ? request->local_uri : "";
+  const absl::string_view method =
+      request->request_method != nullptr ? request->request_method : "";
+  const bool is_metrics = path == "/metrics";
+  const bool is_health = path == "/healthz";
+  const HttpHandler* handler =
+      is_metrics || is_health ? nullptr : server->FindHandler(path);
+  if (!is_metrics && !is_health && handler == nullptr) {
+    return Respond(conn, 404, kTextContentType, "not found\n",
+                   method != "HEAD");
+  }
+  if (method != "GET" && method != "HEAD") {
+    return Respond(conn, 405, kTextContentType, "method not allowed\n", true,
+                   "GET, HEAD");
+  }
+  const bool send_body = method == "GET";
+  if (is_health) return Respond(conn, 200, kTextContentType, "ok", send_body);
+  if (is_metrics) {
+    return Respond(conn, 200, kMetricsContentType,
+                   server->registry_->Serialize(), send_body);
+  }
+  const HttpResponse response = (*handler)(path);
+  return Respond(conn, response.status, response.content_type.c_str(),
+                 response.body, send_body);
+}
+
+const HttpHandler* MetricsHttpServer::FindHandler(absl::string_view path) const {
+  const HttpHandler* best = nullptr;
+  size_t best_length = 0;
+  for (const auto& [pattern, handler] : handlers_) {
+    const bool subtree = pattern.back() == '/';
+    const bool match = subtree ? absl::StartsWith(path, pattern) : path == pattern;
+    if (match && pattern.size() >= best_length) {
+      best = &handler;
+      best_length = pattern.size();
+    }
+  }
+  return best;
+}
+
+absl::Status MetricsHttpServer::AddHandler(const std::string& pattern,
+                                           HttpHandler handler) {
+  if (pattern.empty() || pattern[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "handler pattern \"", pattern, "\" does not start with '/'"));
+  }
+  if (pattern == "/metrics" || pattern == "/healthz") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("handler pattern ", pattern, " is served by the registry"));
+  }
+  if (!handler) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("empty handler for ", pattern));
+  }
+  absl::MutexLock lock(&mu_);
+  if (context_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot add handler ", pattern, " while serving on port ", port_));
+  }
+  if (!handlers_.emplace(pattern, std::move(handler)).second) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a handler for ", pattern, " was already added"));
+  }
+  return absl::OkStatus();
+}
 
 MetricsHttpServer::MetricsHttpServer(const MetricsRegistry* registry,
                                      MetricsHttpServerOptions options)
@@ -188,8 +236,7 @@ absl::Status MetricsHttpServer::Start() {
     return absl::InternalError(absl::StrCat(
         "metrics server on ", listening, " started but reports no bound port"));
   }
-  mg_set_request_handler(context, "/", &HandleRequest,
-                         const_cast<MetricsRegistry*>(registry_));
+  mg_set_request_handler(context, "/", &MetricsHttpServer::OnRequest, this);
   context_ = context;
   port_ = bound;
   return absl::OkStatus();

@@ -2,8 +2,12 @@
 //   GET /metrics  200, Content-Type "text/plain; version=0.0.4;
 //                 charset=utf-8", the registry's Serialize() output
 //   GET /healthz  200, "ok"
-//   other paths   404; other methods on those two paths 405
+//   paths added with AddHandler: what the handler returns
+//   other paths   404; methods other than GET and HEAD 405
 // HEAD is answered like GET, without a body.
+//
+// Extra pages (e.g. a status page) are plain functions from a path to a
+// response, so this library knows nothing of what they show.
 //
 //   MetricsHttpServerOptions options;
 //   options.port = flags.metrics_port;  // 0: any free port
@@ -12,18 +16,23 @@
 //   ... serving on 127.0.0.1:server.port() ...
 //
 // Thread safety: requests are served on civetweb's own threads, which only
-// read the registry (itself thread-safe). Start, Stop and port may be
-// called from any thread.
+// read the registry (itself thread-safe) and call the added handlers
+// (which must be thread-safe). Start, Stop and port may be called from any
+// thread; AddHandler only before Start.
 #ifndef HAP_PLANNER_SERVICE_METRICS_METRICS_HTTP_H_
 #define HAP_PLANNER_SERVICE_METRICS_METRICS_HTTP_H_
 
+#include <functional>
+#include <map>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "planner/service/metrics/metrics.h"
 
+struct mg_connection;
 struct mg_context;
 
 namespace hap::metrics {
@@ -38,6 +47,17 @@ struct MetricsHttpServerOptions {
   int num_threads = 2;
 };
 
+// What an added handler answers.
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "text/html; charset=utf-8";
+  std::string body;
+};
+
+// Answers a GET (or HEAD) for `path`: the request's path, percent-decoded,
+// without the query string. Called on civetweb's threads, concurrently.
+using HttpHandler = std::function<HttpResponse(absl::string_view path)>;
+
 class MetricsHttpServer {
  public:
   // `registry` is not owned and must outlive the server.
@@ -46,6 +66,15 @@ class MetricsHttpServer {
   ~MetricsHttpServer();  // Stop()s.
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  // Serves GET and HEAD for `pattern` with `handler`. As in Go's ServeMux,
+  // a pattern ending in '/' matches that subtree ("/status/" matches
+  // "/status/plans/x"; "/" matches every path) and any other pattern
+  // matches only itself; the longest matching pattern wins, and /metrics
+  // and /healthz always go to the registry. InvalidArgument for a pattern
+  // not starting with '/', one already added, /metrics or /healthz, or an
+  // empty handler; FailedPrecondition while serving.
+  absl::Status AddHandler(const std::string& pattern, HttpHandler handler);
 
   // Binds and starts serving. Unavailable when the address cannot be bound
   // (e.g. the port is taken), with civetweb's reason; InvalidArgument for a
@@ -63,11 +92,19 @@ class MetricsHttpServer {
   int port() const;
 
  private:
+  // civetweb's request callback; `cbdata` is the server.
+  static int OnRequest(mg_connection* conn, void* cbdata);
+  // The handler for `path`, or null.
+  const HttpHandler* FindHandler(absl::string_view path) const;
+
   const MetricsRegistry* const registry_;
   const MetricsHttpServerOptions options_;
   mutable absl::Mutex mu_;
   mg_context* context_ ABSL_GUARDED_BY(mu_) = nullptr;
   int port_ ABSL_GUARDED_BY(mu_) = 0;
+  // Pattern -> handler. Written only while stopped; read by requests,
+  // which only run while started, so they read it without the lock.
+  std::map<std::string, HttpHandler> handlers_;
 };
 
 }  // namespace hap::metrics

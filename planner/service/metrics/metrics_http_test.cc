@@ -185,6 +185,57 @@ TEST_F(MetricsHttpServerTest, HealthzNotFoundAndMethods) {
   EXPECT_EQ(query->status, 200);
 }
 
+TEST_F(MetricsHttpServerTest, AddedHandlersServeTheirPatterns) {
+  MetricsHttpServer server(&registry_);
+  auto answer = [](const std::string& who) {
+    return [who](absl::string_view path) {
+      ::hap::metrics::HttpResponse r;
+      r.status = path == "/status/missing" ? 404 : 200;
+      r.body = absl::StrCat(who, " ", path);
+      return r;
+    };
+  };
+  ASSERT_THAT(server.AddHandler("/", answer("root")), IsOk());
+  ASSERT_THAT(server.AddHandler("/status/", answer("subtree")), IsOk());
+  ASSERT_THAT(server.AddHandler("/status", answer("exact")), IsOk());
+  EXPECT_THAT(server.AddHandler("/status", answer("again")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("already")));
+  EXPECT_THAT(server.AddHandler("/metrics", answer("x")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("registry")));
+  EXPECT_THAT(server.AddHandler("status", answer("x")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'/'")));
+  EXPECT_THAT(server.AddHandler("/x", nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
+  ASSERT_THAT(server.Start(), IsOk());
+  EXPECT_THAT(server.AddHandler("/late", answer("late")),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("while serving")));
+
+  const std::map<std::string, std::string> expected = {
+      {"/", "root /"},
+      {"/other", "root /other"},
+      {"/status", "exact /status"},
+      {"/status/", "subtree /status/"},
+      {"/status/plans/a%20b?x=1", "subtree /status/plans/a b"},
+  };
+  for (const auto& [path, body] : expected) {
+    absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", path);
+    ASSERT_THAT(r, IsOk()) << path;
+    EXPECT_EQ(r->status, 200) << path;
+    EXPECT_EQ(r->headers["content-type"], "text/html; charset=utf-8");
+    EXPECT_EQ(r->body, body) << path;
+  }
+  absl::StatusOr<HttpResponse> missing = Fetch(server.port(), "GET", "/status/missing");
+  ASSERT_THAT(missing, IsOk());
+  EXPECT_EQ(missing->status, 404);
+  absl::StatusOr<HttpResponse> post = Fetch(server.port(), "POST", "/status");
+  ASSERT_THAT(post, IsOk());
+  EXPECT_EQ(post->status, 405);
+  // The registry's paths are not shadowed by "/".
+  absl::StatusOr<HttpResponse> health = Fetch(server.port(), "GET", "/healthz");
+  ASSERT_THAT(health, IsOk());
+  EXPECT_EQ(health->body, "ok");
+}
+
 TEST_F(MetricsHttpServerTest, TakenPortIsUnavailable) {
   MetricsHttpServer first(&registry_);
   ASSERT_THAT(first.Start(), IsOk());

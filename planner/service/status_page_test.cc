@@ -1,0 +1,164 @@
+// The status page over hand-built state: what each page shows, escaping,
+// and 404/500 pages for bad ids and failing sources.
+#include "planner/service/status_page.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class StatusPageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    v1::Node* n = cluster_.add_nodes();
+    n->set_name("node<a>");
+    n->set_address("10.0.0.1:7000");
+    n->set_state(v1::Node::READY);
+    v1::Device* d = n->add_devices();
+    d->set_id("node<a>/cpu0");
+    d->set_kind(v1::CPU);
+    d->set_memory_bytes(int64_t{8} << 30);
+    auto* f = d->add_flops();
+    f->set_dtype(v1::FLOAT32);
+    f->set_flops(5e10);
+    v1::Link* l = cluster_.add_links();
+    l->set_src("node<a>/cpu0");
+    l->set_dst("b/cpu0");
+    l->set_bandwidth_bytes_per_second(1.25e9);
+
+    plan_.set_name("plans/p1");
+    plan_.set_state(v1::Plan::SUCCEEDED);
+    plan_.add_devices("node<a>/cpu0");
+    plan_.add_devices("b/cpu0");
+    *plan_.mutable_cluster() = cluster_;
+    auto* r = plan_.add_ratios();
+    r->add_ratios(0.625);
+    r->add_ratios(0.375);
+    plan_.mutable_prediction()->set_step_seconds(0.0125);
+    plan_.mutable_prediction()->add_memory_bytes_per_device(1 << 20);
+    auto* comm = plan_.mutable_program()->add_instructions();
+    comm->set_kind(v1::Instruction::COMMUNICATE);
+    comm->set_op("x");
+    comm->set_collective(v1::ALL_GATHER);
+    comm->add_input_forms()->set_kind(v1::TensorForm::SHARDED);
+    comm->add_output_forms()->set_kind(v1::TensorForm::REPLICATED);
+    auto* op = plan_.mutable_program()->add_instructions();
+    op->set_kind(v1::Instruction::COMPUTE);
+    op->set_op("dense0.matmul");
+    op->set_rule("column");
+    op->add_input_forms()->set_kind(v1::TensorForm::REPLICATED);
+    auto* out = op->add_output_forms();
+    out->set_kind(v1::TensorForm::SHARDED);
+    out->set_dim(1);
+
+    deployment_.set_name("deployments/d1");
+    deployment_.set_plan("plans/p1");
+    deployment_.set_state(v1::Deployment::RUNNING);
+    deployment_.set_median_step_seconds(0.02);
+    for (int step = 0; step < 5; ++step) {
+      for (int rank = 0; rank < 2; ++rank) {
+        v1::StepMetric m;
+        m.set_deployment("deployments/d1");
+        m.set_rank(rank);
+        m.set_step(step);
+        m.set_loss(2.0 - 0.1 * step);
+        m.set_step_seconds(0.02 + 0.001 * rank);
+        metrics_.push_back(m);
+      }
+    }
+
+    sources_.cluster = [this] { return cluster_; };
+    sources_.plans = [this]() -> absl::StatusOr<std::vector<v1::Plan>> {
+      if (!plans_ok_) return absl::UnavailableError("store <down>");
+      return std::vector<v1::Plan>{plan_};
+    };
+    sources_.plan = [this](const std::string& name) -> absl::StatusOr<v1::Plan> {
+      if (name == plan_.name()) return plan_;
+      return absl::NotFoundError(name + " does not exist");
+    };
+    sources_.deployments = [this] { return std::vector<v1::Deployment>{deployment_}; };
+    sources_.step_metrics =
+        [this](const std::string& name) -> absl::StatusOr<std::vector<v1::StepMetric>> {
+      if (name == deployment_.name()) return metrics_;
+      return absl::NotFoundError(name);
+    };
+  }
+
+  v1::Cluster cluster_;
+  v1::Plan plan_;
+  v1::Deployment deployment_;
+  std::vector<v1::StepMetric> metrics_;
+  bool plans_ok_ = true;
+  StatusSources sources_;
+};
+
+TEST_F(StatusPageTest, IndexShowsNodesLinksPlansAndDeployments) {
+  for (const char* path : {"/", "/status", "/status/"}) {
+    metrics::HttpResponse r = ServeStatusPage(sources_, path);
+    EXPECT_EQ(r.status, 200) << path;
+    EXPECT_EQ(r.content_type, "text/html; charset=utf-8");
+    EXPECT_THAT(r.body, AllOf(HasSubstr("node&lt;a&gt;"), Not(HasSubstr("node<a>")),
+                              HasSubstr("10.0.0.1:7000"), HasSubstr("50.0 GFLOP/s"),
+                              HasSubstr("8.00 GiB"), HasSubstr("1.25 GB/s"),
+                              HasSubstr("<a href=\"/status/plans/p1\">plans/p1</a>"),
+                              HasSubstr("SUCCEEDED"), HasSubstr("12.50 ms"),
+                              HasSubstr("20.00 ms"), HasSubstr("deployments/d1")));
+    EXPECT_THAT(r.body, Not(HasSubstr("<script")));
+  }
+}
+
+TEST_F(StatusPageTest, PlanPageShowsRatiosAndShardingTable) {
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status/plans/p1");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body, AllOf(HasSubstr("0.6250"), HasSubstr("0.3750"),
+                            HasSubstr("dense0.matmul"), HasSubstr("column"),
+                            HasSubstr("S(1)"), HasSubstr("ALL_GATHER <code>x</code> S(0) → R"),
+                            HasSubstr("1.00 MiB")));
+}
+
+TEST_F(StatusPageTest, DeploymentPageChartsStepTimeAndLoss) {
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status/deployments/d1");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body, AllOf(HasSubstr("<svg id=\"step-time\""), HasSubstr("<svg id=\"loss\""),
+                            HasSubstr("<polyline"), HasSubstr("21.00 ms"), HasSubstr("RUNNING")));
+}
+
+TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
+  metrics_[0].set_loss(std::nan(""));
+  metrics_[1].set_loss(std::nan(""));
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status/deployments/d1");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body, HasSubstr("1 non-finite values left out"));
+}
+
+TEST_F(StatusPageTest, UnknownAndBadIdsAre404WithTheReason) {
+  EXPECT_THAT(ServeStatusPage(sources_, "/status/plans/nope").body,
+              HasSubstr("There is no plan &quot;plans/nope&quot;"));
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/plans/nope").status, 404);
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/plans/").status, 404);
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/plans/a/b").status, 404);
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/deployments/zz").status, 404);
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status/<img>");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_THAT(r.body, AllOf(HasSubstr("/status/&lt;img&gt;"), Not(HasSubstr("<img>"))));
+}
+
+TEST_F(StatusPageTest, FailingSourceIs500WithItsStatus) {
+  plans_ok_ = false;
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status");
+  EXPECT_EQ(r.status, 500);
+  EXPECT_THAT(r.body, HasSubstr("store &lt;down&gt;"));
+}
+
+TEST(HtmlEscapeTest, EscapesTheFiveSpecialCharacters) {
+  EXPECT_EQ(HtmlEscape("a&b<c>d\"e'f"), "a&amp;b&lt;c&gt;d&quot;e&#39;f");
+}
+
+}  // namespace
+}  // namespace hap::service
