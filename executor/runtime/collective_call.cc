@@ -38,28 +38,46 @@ int64_t Outer(const TensorView& v, int dim) {
   return n;
 }
 
+// Elements of each rank's chunk: its shard length times the elements of
+// one slice along `dim` of the whole tensor.
+std::vector<int64_t> Counts(const TensorView& whole, int dim,
+                            const std::vector<int64_t>& sizes) {
+  const int64_t per = whole.num_elements() / (whole.shape[dim] == 0 ? 1 : whole.shape[dim]);
+  std::vector<int64_t> counts;
+  for (int64_t s : sizes) counts.push_back(s * per);
+  return counts;
+}
+
+// Copies between the whole tensor and `buf`, which holds every rank's shard
+// along `dim` as one contiguous chunk in rank order: into the chunks
+// (`to_chunks`) or back out of them.
+absl::Status Restage(const TensorView& whole, int dim, const std::vector<int64_t>& sizes,
+                     void* buf, bool to_chunks, Device& dev) {
+  std::vector<int64_t> off = Offsets(sizes);
+  std::vector<int64_t> counts = Counts(whole, dim, sizes);
+  const int64_t esize = graph::DTypeBytes(whole.dtype);
+  int64_t at = 0;
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    TensorView chunk = WithDim(whole, dim, sizes[r], At(buf, at * esize));
+    std::vector<int64_t> zero(whole.rank(), 0), start(whole.rank(), 0);
+    start[dim] = off[r];
+    HAP_RETURN_IF_ERROR(to_chunks ? dev.CopyBox(whole, start, chunk, zero, chunk.shape)
+                                  : dev.CopyBox(chunk, zero, whole, start, chunk.shape));
+    at += counts[r];
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AllGather(const v1::CollectiveCall& c, TensorView in, TensorView out,
                        Device& dev, Communicator& comm, Staging& st) {
   const int dim = c.dim();
   std::vector<int64_t> sizes(c.shard_sizes().begin(), c.shard_sizes().end());
-  const int64_t per = out.num_elements() / (out.shape[dim] == 0 ? 1 : out.shape[dim]);
-  std::vector<int64_t> counts;
-  for (int64_t s : sizes) counts.push_back(s * per);
+  std::vector<int64_t> counts = Counts(out, dim, sizes);
   if (Outer(out, dim) == 1) return comm.AllGather(in, out, counts, Method(c));
   HAP_ASSIGN_OR_RETURN(void* buf, st.Get(0, out.bytes()));
   TensorView flat{out.dtype, {out.num_elements()}, buf};
   HAP_RETURN_IF_ERROR(comm.AllGather(in, flat, counts, Method(c)));
-  std::vector<int64_t> off = Offsets(sizes);
-  const int64_t esize = graph::DTypeBytes(out.dtype);
-  int64_t at = 0;
-  for (size_t r = 0; r < sizes.size(); ++r) {
-    TensorView chunk = WithDim(out, dim, sizes[r], At(buf, at * esize));
-    std::vector<int64_t> zero(out.rank(), 0), dst(out.rank(), 0);
-    dst[dim] = off[r];
-    HAP_RETURN_IF_ERROR(dev.CopyBox(chunk, zero, out, dst, chunk.shape));
-    at += counts[r];
-  }
-  return absl::OkStatus();
+  return Restage(out, dim, sizes, buf, /*to_chunks=*/false, dev);
 }
 
 absl::Status ReduceScatter(const v1::CollectiveCall& c, TensorView in,
@@ -67,21 +85,10 @@ absl::Status ReduceScatter(const v1::CollectiveCall& c, TensorView in,
                            Staging& st) {
   const int dim = c.dim();
   std::vector<int64_t> sizes(c.shard_sizes().begin(), c.shard_sizes().end());
-  const int64_t per = in.num_elements() / (in.shape[dim] == 0 ? 1 : in.shape[dim]);
-  std::vector<int64_t> counts;
-  for (int64_t s : sizes) counts.push_back(s * per);
+  std::vector<int64_t> counts = Counts(in, dim, sizes);
   if (Outer(in, dim) == 1) return comm.ReduceScatter(in, out, counts, Method(c));
   HAP_ASSIGN_OR_RETURN(void* buf, st.Get(0, in.bytes()));
-  std::vector<int64_t> off = Offsets(sizes);
-  const int64_t esize = graph::DTypeBytes(in.dtype);
-  int64_t at = 0;
-  for (size_t r = 0; r < sizes.size(); ++r) {
-    TensorView chunk = WithDim(in, dim, sizes[r], At(buf, at * esize));
-    std::vector<int64_t> zero(in.rank(), 0), src(in.rank(), 0);
-    src[dim] = off[r];
-    HAP_RETURN_IF_ERROR(dev.CopyBox(in, src, chunk, zero, chunk.shape));
-    at += counts[r];
-  }
+  HAP_RETURN_IF_ERROR(Restage(in, dim, sizes, buf, /*to_chunks=*/true, dev));
   TensorView flat{in.dtype, {in.num_elements()}, buf};
   return comm.ReduceScatter(flat, out, counts, Method(c));
 }
