@@ -12,6 +12,7 @@
 #include "executor/daemon/executor_server.h"
 #include "planner/util/status_macros.h"
 #include "tools/cli_args.h"
+#include "tools/stop_signal.h"
 
 namespace hap::executor {
 namespace {
@@ -39,17 +40,6 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
   --timeout       Gloo connect and collective timeout in seconds (60)
   --drain-seconds NOT_SERVING before shutdown on SIGTERM (1)
 )";
-
-// SIGTERM/SIGINT write their number to this pipe (the only thing a handler
-// may safely do); a thread reads it and shuts the server down. A handler
-// rather than a blocked mask with sigwait, because libraries (OpenBLAS)
-// start threads of their own with every signal unblocked.
-int signal_pipe[2] = {-1, -1};
-
-void OnSignal(int sig) {
-  const char c = static_cast<char>(sig);
-  (void)!write(signal_pipe[1], &c, 1);
-}
 
 absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def) {
   std::string v = a.GetOrEnv(flag, "");
@@ -104,16 +94,10 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
     std::cerr << "error: " << options.status().message() << "\n";
     return 2;
   }
-  if (pipe(signal_pipe) != 0) {
-    std::cerr << "error: cannot create the signal pipe\n";
+  if (absl::Status s = hap::tools::InstallStopSignalHandler(); !s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
     return 1;
   }
-  struct sigaction sa = {};
-  sa.sa_handler = OnSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
 
   auto server = ExecutorServer::Start(*std::move(options));
   if (!server.ok()) {
@@ -122,9 +106,7 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   }
   std::cout << "listening on " << (*server)->address() << std::endl;
   std::thread waiter([&] {
-    char sig = 0;
-    while (read(signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
-    }
+    int sig = hap::tools::WaitForStopSignal();
     std::cerr << "hap-executor: signal " << static_cast<int>(sig)
               << ", NOT_SERVING, then shutting down\n";
     (*server)->Shutdown();
