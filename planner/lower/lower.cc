@@ -89,7 +89,6 @@ class DimClasses {
   const ShardLayout& Layout(TensorId t, int dim) const {
     return layout_[id_.at({t, dim})];
   }
-  bool Has(TensorId t, int dim) const { return id_.count({t, dim}) > 0; }
 
  private:
   int Find(int a) {
@@ -312,8 +311,6 @@ class RankBuilder {
     if (it != grad_.end()) return it->second;
     int8_t gf = GradForm(k);
     int id = NewBuffer(k.first, gf, v1::Buffer::GRADIENT, "#grad");
-    // The buffer's local shape is the forward buffer's (P and R are whole).
-    if (k.second == kZeroStorage) *prog_.mutable_buffers(id)->mutable_form() = FormProto(0);
     grad_[k] = id;
     Fill(phase, id, 0.0);
     return id;
@@ -419,7 +416,6 @@ class RankBuilder {
         slot.storage = K(l.tensor, l.form);
         fwd_[slot.storage] = NewBuffer(l.tensor, l.form.raw(), v1::Buffer::PARAMETER);
       }
-      slot.zero = l.storage == synth::ParamStorage::kZero;
       slot.replicated = l.storage == synth::ParamStorage::kReplicated;
       if (!t.frozen) params_.push_back(slot);
     }
@@ -542,7 +538,6 @@ class RankBuilder {
   absl::Status Backward(int k) {
     const synth::OpStep& s = p_.steps[k];
     const graph::Op& op = g_.op(s.op);
-    const auto B = v1::Step::BACKWARD;
     // The op's gradient kernel.
     bool any_dy = false;
     for (size_t j = 0; j < op.outputs.size(); ++j) {
@@ -564,7 +559,6 @@ class RankBuilder {
     for (const synth::SourceLoad& l : s.loads) {
       if (l.parameter && !g_.tensor(l.tensor).frozen) SyncParameter(l);
     }
-    (void)B;
     return absl::OkStatus();
   }
 
@@ -614,14 +608,14 @@ class RankBuilder {
       v1::KernelCall* call = Kernel(B, op.type + "_grad", inputs, dxs, op.name);
       OpAttrs(s, op, call);
     }
-    if (sfb >= 0) HAP_RETURN_IF_ERROR(SfbBackward(k, s, op, in, outs));
+    if (sfb >= 0) HAP_RETURN_IF_ERROR(SfbBackward(k, s, op, in));
     return absl::OkStatus();
   }
 
   // Sufficient factor broadcasting: gather x and dy of a data-parallel
   // linear, and every rank computes the whole weight gradient.
   absl::Status SfbBackward(int k, const synth::OpStep& s, const graph::Op& op,
-                           const std::vector<int>& in, const std::vector<int>& outs) {
+                           const std::vector<int>& in) {
     const auto B = v1::Step::GRADIENT_SYNC;
     TensorId x = op.inputs[0], y = op.outputs[0], w = op.inputs[1];
     Form xf = s.rule.inputs[0];
@@ -644,7 +638,6 @@ class RankBuilder {
     }
     inputs.push_back(dys);  // the output's value is not read by linear_grad
     inputs.push_back(dys);
-    (void)outs;
     if (dw >= 0) Kernel(B, "linear_grad", inputs, dx, op.name);
     return absl::OkStatus();
   }
@@ -818,7 +811,6 @@ class RankBuilder {
   struct ParamSlot {
     TensorId tensor = -1;
     Key storage;
-    bool zero = false;
     bool replicated = false;
   };
   static constexpr int kEnd = std::numeric_limits<int>::max() - 1;

@@ -521,8 +521,6 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   }
 
   // The cache: same graph, same devices and profiles, same options.
-  v1::Cluster chosen;
-  *chosen.mutable_defaults() = job->cluster.defaults();
   v1::Plan key_parts;
   key_parts.set_graph_hash(lower::Sha256Hex(graph::ToProto(job->graph)));
   key_parts.set_cluster_hash(lower::Sha256Hex(job->cluster));
