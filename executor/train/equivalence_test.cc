@@ -21,14 +21,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "executor/data/batches.h"
+#include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "planner/synth/checker.h"
-#include "planner/synth/search.h"
 
 namespace hap {
 namespace {
@@ -63,18 +61,6 @@ graph::Graph Model(const std::string& name, int ranks) {
   return *std::move(g);
 }
 
-// Slow devices on fast links, so the search splits work wherever it may.
-cost::ClusterModel Cluster(int n) {
-  std::vector<cost::DeviceModel> d;
-  for (int i = 0; i < n; ++i) {
-    d.push_back({"cpu" + std::to_string(i), "node0", "test", 1e7 * (1 + i % 2),
-                 int64_t{1} << 34, 0});
-  }
-  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 1e12)),
-      lat(n, std::vector<double>(n, 0));
-  return *cost::ClusterModel::Create(d, bw, lat);
-}
-
 std::vector<double> Ratios(int n, bool uneven) {
   std::vector<double> r(n, 1.0 / n);
   if (!uneven || n == 1) return r;
@@ -82,56 +68,6 @@ std::vector<double> Ratios(int n, bool uneven) {
   for (int i = 0; i < n; ++i) sum += r[i] = 1.0 + 0.6 * i;
   for (double& x : r) x /= sum;
   return r;
-}
-
-bool DataParallel(const synth::ShardRule& r) {
-  if (r.kind == synth::RuleKind::kTensor) return false;
-  for (const auto* forms : {&r.inputs, &r.outputs}) {
-    for (synth::Form f : *forms) {
-      if (f.is_sharded() && f.dim() != 0) return false;
-    }
-  }
-  return true;
-}
-
-absl::StatusOr<synth::Program> MakeProgram(const graph::Graph& g, int n,
-                                           const std::string& kind,
-                                           const std::vector<double>& ratios) {
-  cost::ClusterModel cluster = Cluster(n);
-  synth::SearchOptions o;
-  o.ratios = ratios;
-  o.allow_sfb = false;
-  o.max_seconds = 20;
-  if (kind == "dp" || kind == "sfb") {
-    o.rule_filter = DataParallel;
-    o.force_storage = synth::ParamStorage::kReplicated;
-  } else if (kind == "tp") {
-    o.rule_filter = [](const synth::ShardRule& r) {
-      return r.kind != synth::RuleKind::kData;
-    };
-  } else if (kind == "zero") {
-    o.rule_filter = DataParallel;
-    o.force_storage = synth::ParamStorage::kZero;
-  } else {
-    o.allow_sfb = true;  // "mix": the unrestricted search
-  }
-  auto p = synth::Synthesize(g, cluster, o);
-  if (!p.ok()) return p.status();
-  if (kind == "sfb") {
-    // Force SFB on every data-parallel linear weight with a partial gradient.
-    for (synth::OpStep& s : p->steps) {
-      if (g.op(s.op).type != "linear" || s.rule.kind != synth::RuleKind::kData) continue;
-      for (synth::SourceLoad& l : s.loads) {
-        if (l.parameter && l.grad_allreduce && l.tensor == g.op(s.op).inputs[1]) {
-          l.grad_allreduce = false;
-          l.sfb = true;
-        }
-      }
-    }
-  }
-  absl::Status check = synth::CheckProgram(g, *p, n);
-  if (!check.ok()) return check;
-  return p;
 }
 
 v1::OptimizerConfig Optimizer(bool adam) {
@@ -213,7 +149,7 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
   const TrainResult& ref = References()[ref_key][0];
 
   std::vector<double> ratios = Ratios(c.ranks, c.uneven);
-  auto program = MakeProgram(g, c.ranks, c.kind, ratios);
+  auto program = hap::testing::ProgramOfKind(g, c.ranks, c.kind, ratios);
   ASSERT_TRUE(program.ok()) << program.status();
   auto runs = RunPlan(g, *program, c.ranks, ratios, c.adam, Name({c, 0}));
   ASSERT_TRUE(runs.ok()) << runs.status();

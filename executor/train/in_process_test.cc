@@ -9,12 +9,10 @@
 #include "executor/data/batches.h"
 #include "executor/runtime/program_runner.h"
 #include "executor/train/in_process_comm.h"
+#include "executor/train/test_programs.h"
 #include "gtest/gtest.h"
-#include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "planner/synth/checker.h"
-#include "planner/synth/search.h"
 
 namespace hap {
 namespace {
@@ -59,13 +57,6 @@ std::vector<std::vector<double>> RunRanks(const graph::Graph& g, const synth::Pr
   return losses;
 }
 
-cost::ClusterModel Cluster(int n) {
-  std::vector<cost::DeviceModel> d;
-  for (int i = 0; i < n; ++i) d.push_back({"c" + std::to_string(i), "n", "t", 1e7, int64_t{1} << 34, 0});
-  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 1e12)), lat(n, std::vector<double>(n, 0));
-  return *cost::ClusterModel::Create(d, bw, lat);
-}
-
 class InProcessTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(InProcessTest, MatchesSingleDevice) {
@@ -78,33 +69,9 @@ TEST_P(InProcessTest, MatchesSingleDevice) {
   auto g = graph::BuildZooModel(model, params);
   ASSERT_TRUE(g.ok());
   auto ref = RunRanks(*g, lower::SingleDeviceProgram(*g), 1, {1.0}, 3, nullptr);
-  synth::SearchOptions o;
   std::vector<double> ratios = {0.5, 0.3, 0.2};
-  o.ratios = ratios;
-  o.allow_sfb = false;
-  if (kind == "tp") {
-    o.rule_filter = [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kData; };
-  } else if (kind == "dp" || kind == "sfb" || kind == "zero") {
-    o.rule_filter = [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kTensor; };
-    o.force_storage = kind == "zero" ? synth::ParamStorage::kZero : synth::ParamStorage::kReplicated;
-  }
-  auto p = synth::Synthesize(*g, Cluster(3), o);
+  auto p = hap::testing::ProgramOfKind(*g, 3, kind, ratios);
   ASSERT_TRUE(p.ok()) << p.status();
-  if (kind == "sfb") {
-    int forced = 0;
-    for (synth::OpStep& st : p->steps) {
-      if (g->op(st.op).type != "linear" || st.rule.kind != synth::RuleKind::kData) continue;
-      for (synth::SourceLoad& l : st.loads) {
-        if (l.parameter && l.grad_allreduce && l.tensor == g->op(st.op).inputs[1]) {
-          l.grad_allreduce = false;
-          l.sfb = true;
-          ++forced;
-        }
-      }
-    }
-    EXPECT_GT(forced, 0);
-  }
-  ASSERT_TRUE(synth::CheckProgram(*g, *p, 3).ok());
   auto got = RunRanks(*g, *p, 3, ratios, 3, nullptr);
   // A real run: the loss moves, and the program splits work.
   EXPECT_GT(std::abs(ref[0][0] - ref[0][2]), 1e-4) << ref[0][0];

@@ -8,6 +8,7 @@
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/arena.h"
+#include "planner/synth/planner.h"
 #include "planner/synth/search.h"
 #include "planner/util/status_matchers.h"
 
@@ -36,16 +37,6 @@ cost::ClusterModel Cluster(int n) {
   return *cost::ClusterModel::Create(d, bw, lat);
 }
 
-bool DataParallel(const synth::ShardRule& r) {
-  if (r.kind == synth::RuleKind::kTensor) return false;
-  for (const auto* forms : {&r.inputs, &r.outputs}) {
-    for (synth::Form f : *forms) {
-      if (f.is_sharded() && f.dim() != 0) return false;
-    }
-  }
-  return true;
-}
-
 synth::Program Search(const graph::Graph& g, int n, std::vector<double> ratios,
                       std::optional<synth::ParamStorage> storage,
                       std::function<bool(const synth::ShardRule&)> filter) {
@@ -70,7 +61,7 @@ const v1::Buffer* Find(const v1::RankProgram& p, const std::string& tensor,
 TEST(LowerTest, ShardsFollowTheDimensionClassAcrossReshapes) {
   graph::Graph g = Gpt(7);
   std::vector<double> ratios = {0.5, 0.3, 0.2};
-  synth::Program p = Search(g, 3, ratios, synth::ParamStorage::kReplicated, DataParallel);
+  synth::Program p = Search(g, 3, ratios, synth::ParamStorage::kReplicated, synth::DataParallelRule);
   LowerOptions o;
   o.world_size = 3;
   o.ratios = ratios;
@@ -120,7 +111,7 @@ void ExpectMatchingCollectives(const std::vector<v1::RankProgram>& progs) {
 
 TEST(LowerTest, DataParallelAllReducesEveryWeightGradient) {
   graph::Graph g = Gpt(8);
-  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kReplicated, DataParallel);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kReplicated, synth::DataParallelRule);
   LowerOptions o;
   o.world_size = 2;
   auto progs = Lower(g, p, o);
@@ -146,7 +137,7 @@ TEST(LowerTest, DataParallelAllReducesEveryWeightGradient) {
 
 TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   graph::Graph g = Gpt(8);
-  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, DataParallel);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, synth::DataParallelRule);
   LowerOptions o;
   o.world_size = 2;
   o.optimizer.set_kind(v1::OptimizerConfig::ADAM);
@@ -188,7 +179,7 @@ TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
 TEST(LowerTest, BuffersAliveTogetherNeverOverlapAndMemoryIsReused) {
   graph::Graph g = Gpt(8);
   synth::Program p = Search(g, 2, {0.6, 0.4}, std::nullopt,
-                            [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kData; });
+                            synth::TensorParallelRule);
   LowerOptions o;
   o.world_size = 2;
   o.ratios = {0.6, 0.4};
@@ -223,7 +214,7 @@ TEST(LowerTest, BuffersAliveTogetherNeverOverlapAndMemoryIsReused) {
 TEST(LowerTest, AnOperandAddedOnceIntoAPartialSumIsReadOnRankZeroOnly) {
   graph::Graph g = Gpt(8);
   synth::Program p = Search(g, 2, {0.5, 0.5}, std::nullopt,
-                            [](const synth::ShardRule& r) { return r.kind != synth::RuleKind::kData; });
+                            synth::TensorParallelRule);
   bool found = false;
   for (const auto& s : p.steps) {
     if (g.op(s.op).type == "linear" && s.rule.name == "row" && g.op(s.op).inputs.size() == 3) {

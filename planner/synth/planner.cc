@@ -12,20 +12,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-bool DataParallelRule(const ShardRule& r) {
-  if (r.kind == RuleKind::kTensor) return false;
-  for (const auto* forms : {&r.inputs, &r.outputs}) {
-    for (Form f : *forms) {
-      if (f.is_sharded() && f.dim() != 0) return false;
-    }
-  }
-  return true;
-}
-
-bool TensorParallelRule(const ShardRule& r) {
-  return r.kind != RuleKind::kData;
-}
-
 double OptimizerStateMultiple(OptimizerKind k) {
   switch (k) {
     case OptimizerKind::kSgd:
@@ -46,6 +32,20 @@ struct Candidate {
 };
 
 }  // namespace
+
+bool DataParallelRule(const ShardRule& r) {
+  if (r.kind == RuleKind::kTensor) return false;
+  for (const auto* forms : {&r.inputs, &r.outputs}) {
+    for (Form f : *forms) {
+      if (f.is_sharded() && f.dim() != 0) return false;
+    }
+  }
+  return true;
+}
+
+bool TensorParallelRule(const ShardRule& r) {
+  return r.kind != RuleKind::kData;
+}
 
 const char* BaselineName(Baseline b) {
   switch (b) {

@@ -35,6 +35,12 @@ enum class Baseline { kNone, kDpEven, kDpProportional, kMegatron, kZero3 };
 const char* BaselineName(Baseline b);
 absl::StatusOr<Baseline> ParseBaseline(const std::string& name);
 
+// The rule filters of the baselines: data parallel (batch-like splits of
+// dimension 0, replicated or partial rules) and tensor parallel (anything
+// but data rules).
+bool DataParallelRule(const ShardRule& r);
+bool TensorParallelRule(const ShardRule& r);
+
 enum class OptimizerKind { kSgd, kSgdMomentum, kAdam };
 
 struct PlanOptions {

@@ -1,0 +1,60 @@
+#include "executor/train/test_programs.h"
+
+#include "absl/strings/str_cat.h"
+#include "planner/synth/checker.h"
+#include "planner/synth/planner.h"
+#include "planner/synth/search.h"
+
+namespace hap::testing {
+
+cost::ClusterModel SlowDevicesFastLinks(int n) {
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < n; ++i) {
+    d.push_back({"cpu" + std::to_string(i), "node0", "test", 1e7 * (1 + i % 2),
+                 int64_t{1} << 34, 0});
+  }
+  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 1e12)),
+      lat(n, std::vector<double>(n, 0));
+  return *cost::ClusterModel::Create(d, bw, lat);
+}
+
+absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
+                                             const std::string& kind,
+                                             const std::vector<double>& ratios) {
+  synth::SearchOptions o;
+  o.ratios = ratios;
+  o.allow_sfb = kind == "mix";
+  o.max_seconds = 20;
+  if (kind == "dp" || kind == "sfb" || kind == "zero") {
+    o.rule_filter = synth::DataParallelRule;
+    o.force_storage =
+        kind == "zero" ? synth::ParamStorage::kZero : synth::ParamStorage::kReplicated;
+  } else if (kind == "tp") {
+    o.rule_filter = synth::TensorParallelRule;
+  } else if (kind != "mix") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown program kind '", kind, "'"));
+  }
+  auto p = synth::Synthesize(g, SlowDevicesFastLinks(n), o);
+  if (!p.ok()) return p.status();
+  if (kind == "sfb") {
+    int forced = 0;
+    for (synth::OpStep& s : p->steps) {
+      if (g.op(s.op).type != "linear" || s.rule.kind != synth::RuleKind::kData) continue;
+      for (synth::SourceLoad& l : s.loads) {
+        if (l.parameter && l.grad_allreduce && l.tensor == g.op(s.op).inputs[1]) {
+          l.grad_allreduce = false;
+          l.sfb = true;
+          ++forced;
+        }
+      }
+    }
+    if (forced == 0) {
+      return absl::FailedPreconditionError("no data-parallel linear weight to force SFB on");
+    }
+  }
+  absl::Status check = synth::CheckProgram(g, *p, n);
+  if (!check.ok()) return check;
+  return p;
+}
+
+}  // namespace hap::testing

@@ -1,0 +1,34 @@
+// Test-only: synthesized programs of a chosen kind, for checking execution
+// against the single-device run (equivalence_test, in_process_test).
+//   dp    data-parallel rules, replicated parameters
+//   tp    tensor-parallel rules
+//   mix   the unrestricted search (SFB and ZeRO allowed)
+//   zero  data-parallel rules, ZeRO-sharded parameters
+//   sfb   dp with SFB forced on every data-parallel linear weight
+#ifndef HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
+#define HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/graph.h"
+#include "planner/synth/program.h"
+
+namespace hap::testing {
+
+// n devices of alternating 1e7 / 2e7 FLOP/s on 1e12 B/s links: compute is
+// so dear that the search splits work wherever a rule lets it.
+cost::ClusterModel SlowDevicesFastLinks(int n);
+
+// A program of `kind` for n devices at `ratios`, checked by
+// synth::CheckProgram. FailedPrecondition when "sfb" finds no weight to
+// force SFB on.
+absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
+                                             const std::string& kind,
+                                             const std::vector<double>& ratios);
+
+}  // namespace hap::testing
+
+#endif  // HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
