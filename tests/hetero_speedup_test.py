@@ -67,7 +67,10 @@ def losses(out):
     return [m.group(1) for m in re.finditer(r"^step \d+ loss (\S+)", out, re.M)]
 
 
-@unittest.skipIf(cgroups_writable(), cgroups_writable())
+CGROUPS_PROBLEM = cgroups_writable()
+
+
+@unittest.skipIf(CGROUPS_PROBLEM, CGROUPS_PROBLEM)
 class HeteroSpeedupTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

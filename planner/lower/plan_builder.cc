@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "planner/cost/collectives.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/lower.h"
 #include "planner/util/status_macros.h"
@@ -59,13 +60,7 @@ v1::Instruction::Storage StorageOf(synth::ParamStorage s) {
 
 void AddInstructions(const graph::Graph& g, const synth::Program& p,
                      const std::vector<double>& ratios, v1::SynthesizedProgram* out) {
-  auto eval = [&](const ratios::CostTerm& t) {
-    double worst = 0;
-    for (size_t i = 0; i < ratios.size(); ++i) {
-      worst = std::max(worst, t.coef[i] * ratios[i] + t.constant[i]);
-    }
-    return worst * t.weight;
-  };
+  auto eval = [&](const ratios::CostTerm& t) { return cost::EvaluateTerm(t, ratios); };
   for (const synth::OpStep& s : p.steps) {
     const graph::Op& op = g.op(s.op);
     for (const synth::SourceLoad& l : s.loads) {
