@@ -18,6 +18,7 @@
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
 #include "planner/synth/planner.h"
+#include "planner/service/core/pagination.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
@@ -26,8 +27,6 @@ namespace {
 namespace v1 = ::hap::v1;
 using google::protobuf::util::TimeUtil;
 
-constexpr int kDefaultPageSize = 50;
-constexpr int kMaxPageSize = 1000;
 
 google::protobuf::Timestamp ToProto(absl::Time t) {
   return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
@@ -61,32 +60,6 @@ bool ValidNodeName(const std::string& n) {
   return true;
 }
 
-// Pages over a sorted map: the token is the last key of the previous page,
-// web-safe base64 with a marker so that garbage is recognised.
-template <typename Map, typename Fn>
-absl::StatusOr<std::string> Paginate(const Map& m, int page_size, const std::string& token,
-                                     const Fn& emit) {
-  if (page_size < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("page_size must not be negative, got ", page_size));
-  }
-  if (page_size == 0) page_size = kDefaultPageSize;
-  page_size = std::min(page_size, kMaxPageSize);
-  auto it = m.begin();
-  if (!token.empty()) {
-    std::string raw;
-    if (!absl::WebSafeBase64Unescape(token, &raw) || raw.rfind("after:", 0) != 0) {
-      return absl::InvalidArgumentError(
-          "page_token is not a token this server returned (pass next_page_token as is)");
-    }
-    it = m.upper_bound(raw.substr(6));
-  }
-  int n = 0;
-  for (; it != m.end() && n < page_size; ++it, ++n) emit(it->second);
-  if (it == m.end()) return std::string();
-  auto last = std::prev(it);
-  return absl::WebSafeBase64Escape("after:" + last->first);
-}
 
 std::string RandomId() {
   static std::atomic<uint64_t> counter{0};

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/util/time_util.h"
 #include "hap/v1/executor_service.grpc.pb.h"
+#include "planner/service/core/pagination.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
@@ -407,21 +408,11 @@ grpc::Status PlannerServiceImpl::ListDeployments(grpc::ServerContext* ctx,
                                                  const v1::ListDeploymentsRequest* r,
                                                  v1::ListDeploymentsResponse* out) {
   return Handle("ListDeployments", ctx, [&]() -> absl::Status {
-    if (r->page_size() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("page_size must not be negative, got ", r->page_size()));
-    }
-    int size = r->page_size() == 0 ? 50 : std::min(r->page_size(), 1000);
     absl::MutexLock l(&s_->mu);
-    auto it = r->page_token().empty() ? s_->deployments.begin()
-                                      : s_->deployments.upper_bound(r->page_token());
-    if (!r->page_token().empty() && r->page_token().rfind("deployments/", 0) != 0) {
-      return absl::InvalidArgumentError("page_token is not a token this server returned");
-    }
-    for (int n = 0; it != s_->deployments.end() && n < size; ++it, ++n) {
-      *out->add_deployments() = it->second;
-    }
-    if (it != s_->deployments.end()) out->set_next_page_token(std::prev(it)->first);
+    HAP_ASSIGN_OR_RETURN(std::string next,
+                         Paginate(s_->deployments, r->page_size(), r->page_token(),
+                                  [&](const v1::Deployment& d) { *out->add_deployments() = d; }));
+    out->set_next_page_token(next);
     return absl::OkStatus();
   });
 }
