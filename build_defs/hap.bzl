@@ -61,3 +61,51 @@ def hap_proto_library(name, srcs, grpc_srcs = [], deps = [], visibility = None):
         deps = [":" + name, "//third_party:grpc"],
         visibility = visibility,
     )
+
+# --- CUDA ---------------------------------------------------------------
+
+# Target compatibility for CUDA code: built only under --config=cuda.
+CUDA_ONLY = select({
+    "//build_defs/cuda:enabled": [],
+    "//conditions:default": ["//build_defs/cuda:cuda_toolkit_required"],
+})
+
+# GPU architectures compiled to SASS (comma list, --define=hap_cuda_archs=..;
+# default in .bazelrc: T4, A100, A10/L4, L40/4090, H100/H200), plus PTX of the
+# last one so newer GPUs JIT it.
+_GENCODE_SH = ("gencode=; last=; for a in $$(echo $(hap_cuda_archs) | tr , ' '); do " +
+               "gencode=\"$$gencode -gencode=arch=compute_$$a,code=sm_$$a\"; last=$$a; done; " +
+               "gencode=\"$$gencode -gencode=arch=compute_$$last,code=compute_$$last\"; ")
+
+def hap_cuda_library(name, srcs, hdrs = [], cu_deps_hdrs = [], deps = [], copts = [], **kwargs):
+    """Compiles .cu files with nvcc (one genrule each) into a cc_library.
+
+    The .cu files see the workspace root on the include path (`#include
+    "executor/cuda/x.h"`) and the CUDA headers; keep them free of Abseil and
+    protobuf (plain C++17 + CUDA). `hdrs` are the library's public headers;
+    `cu_deps_hdrs` other headers the .cu files include.
+    """
+    objs = []
+    for src in srcs:
+        obj = "_objs_cuda/" + name + "/" + src.replace(".cu", ".o")
+        native.genrule(
+            name = name + "_nvcc_" + src.replace("/", "_").replace(".", "_"),
+            srcs = [src] + hdrs + cu_deps_hdrs + ["@local_cuda//:headers"],
+            outs = [obj],
+            tools = ["@local_cuda//:nvcc"],
+            cmd = (_GENCODE_SH + "$(location @local_cuda//:nvcc) -std=c++17 -O3 -lineinfo " +
+                   "-Xcompiler=-fPIC,-Wall -Werror=all-warnings " +
+                   "--expt-relaxed-constexpr $$gencode " +
+                   "-I. -I$(GENDIR) -c $(location %s) -o $@") % src,
+            target_compatible_with = CUDA_ONLY,
+        )
+        objs.append(obj)
+    native.cc_library(
+        name = name,
+        srcs = objs,
+        hdrs = hdrs,
+        copts = HAP_COPTS + copts,
+        deps = deps + ["@local_cuda//:cuda"],
+        target_compatible_with = CUDA_ONLY,
+        **kwargs
+    )

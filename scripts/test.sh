@@ -8,7 +8,16 @@ bash scripts/setup.sh || { echo "setup failed"; echo "0 passed, 1 failed"; exit 
 
 # CI has 2 cores; keep Bazel's footprint modest.
 # Tests that read ../shared/data find it through HAP_DATA_DIR.
-bazel test //... --test_env=HAP_DATA_DIR="$(cd .. && pwd)/shared/data" "$@"
+# CUDA targets build (and their tests run, skipping without a GPU) where
+# nvcc is present; elsewhere they are skipped as incompatible.
+CUDA_FLAGS=()
+if [ -x "${HAP_CUDA_PATH:-/usr/local/cuda}/bin/nvcc" ]; then
+  CUDA_FLAGS=(--config=cuda)
+  echo "test.sh: nvcc found, building the CUDA targets too (--config=cuda)"
+else
+  echo "test.sh: no nvcc at ${HAP_CUDA_PATH:-/usr/local/cuda}; CUDA targets skipped"
+fi
+bazel test //... "${CUDA_FLAGS[@]}" --test_env=HAP_DATA_DIR="$(cd .. && pwd)/shared/data" "$@"
 rc=$?
 
 /usr/bin/python3 scripts/count_tests.py bazel-testlogs

@@ -1,0 +1,40 @@
+// The CUDA device (DESIGN.md §10): device memory from a caching allocator,
+// copies and kernels on one compute stream, cuBLAS for matrix products. It
+// implements executor/runtime/device.h with the same kernel names and
+// contracts as the CPU backend (executor/cpu/kernels.h), so the interpreter
+// and the collectives run unchanged on it.
+//
+// Built only under `--config=cuda` (build_defs/hap.bzl); tests skip with a
+// message naming the reason when no GPU is visible.
+#ifndef HAP_EXECUTOR_CUDA_CUDA_DEVICE_H_
+#define HAP_EXECUTOR_CUDA_CUDA_DEVICE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "executor/runtime/device.h"
+
+namespace hap::executor {
+
+struct CudaDeviceOptions {
+  // Matrix products of float32 tensors may use TF32 tensor cores
+  // (plan.proto compute_dtype asks for it); false = exact fp32 GEMM.
+  bool allow_tf32 = false;
+  // Upper bound on memory the caching allocator holds (0 = all the GPU has).
+  int64_t memory_limit_bytes = 0;
+};
+
+// OK when at least one GPU and a working driver are visible; otherwise
+// Unavailable naming the reason (no driver, driver too old, no device).
+absl::Status CudaAvailable();
+
+// The device for GPU `ordinal`. Unavailable when it cannot be opened,
+// InvalidArgument for an ordinal out of range.
+absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(
+    int ordinal, const CudaDeviceOptions& options = {});
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_CUDA_CUDA_DEVICE_H_
