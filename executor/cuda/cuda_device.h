@@ -9,6 +9,8 @@
 #ifndef HAP_EXECUTOR_CUDA_CUDA_DEVICE_H_
 #define HAP_EXECUTOR_CUDA_CUDA_DEVICE_H_
 
+#include <cuda_runtime.h>
+
 #include <memory>
 #include <string>
 
@@ -34,6 +36,13 @@ absl::Status CudaAvailable();
 // InvalidArgument for an ordinal out of range.
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(
     int ordinal, const CudaDeviceOptions& options = {});
+
+// The compute stream of a device made by NewCudaDevice (kernels and copies
+// run on it, in order), or nullptr for any other device. The NCCL
+// communicator orders its own stream after it with events.
+cudaStream_t CudaComputeStream(Device& device);
+// The GPU ordinal of a device made by NewCudaDevice, or -1.
+int CudaOrdinal(const Device& device);
 
 }  // namespace hap::executor
 
