@@ -1,102 +1,283 @@
 #!/usr/bin/env bash
-# The main job, with embedded defaults: set-up, build, the model zoo, a
-# synthesized plan for the GPT-style LM on a heterogeneous 2-node cluster
-# against the baselines, and real training: a small GPT planned for this
-# machine as 2 CPU ranks, run by hap-launch on WikiText-2 over Gloo.
-# Options: --model NAME, --cluster FILE, --steps N (training steps), --with-prometheus
-# (also a planner and Debian's Prometheus on 127.0.0.1 with deploy/prometheus/).
+# The main job, with embedded defaults. On this machine it builds a
+# heterogeneous CPU cluster and trains on it through the services:
+#
+#   1. set-up and build (scripts/setup.sh, bazel);
+#   2. a planner on 127.0.0.1 (free ports), and per rank a cgroup
+#      (/sys/fs/cgroup/cpu/hap-demo-PID-rI, cpu.cfs_quota_us = share x period)
+#      holding that rank's profiler agent and executor daemon, pinned to one
+#      core: the agents measure the devices as they really are (the throttled
+#      one measures slower);
+#   3. a plan synthesized by the planner for the GPT-style LM from those
+#      measurements (ratios, predicted step time), deployed to the executors
+#      and trained on WikiText-2: the loss going down, predicted vs. measured
+#      step time, the /metrics and /status addresses;
+#   4. the same model at paper scale planned offline against the baselines.
+#
+# Everything it starts is stopped by pid, and its cgroups removed, on exit
+# and on Ctrl-C. Without writable cgroups (not root, no cgroup v1 cpu
+# controller) it says so and falls back to unthrottled ranks pinned to cores:
+# a homogeneous cluster, so the plan is (close to) an even split.
+#
+# Options (defaults in brackets):
+#   --shares F,F[,F,F]  CPU share of each rank, 2-4 values in (0,1] [1,0.4]
+#   --steps N           training steps [150]
+#   --model NAME        zoo model [gpt]; --layers/--hidden/--heads/--ffn/--seq/--batch
+#                       size it [2/64/4/256/32/16]
+#   --data wikitext|synthetic [wikitext, from $HAP_DATA_DIR or ../shared/data]
+#   --with-prometheus   also run Debian's Prometheus scraping the planner
+#   --keep-running      leave the cluster up until Enter or Ctrl-C
+#   --no-paper-scale    skip step 4
+#   --no-setup --bin-dir DIR   use already built binaries (tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SHARES=1,0.4
+STEPS=150
 MODEL=gpt
-CLUSTER=planner/examples/mixed-2node.json
-STEPS=60
+LAYERS=2 HIDDEN=64 HEADS=4 FFN=256 SEQ=32 BATCH=16
+DATA=wikitext
 WITH_PROMETHEUS=0
+KEEP_RUNNING=0
+PAPER_SCALE=1
+SETUP=1
+BIN=""
+PERIOD_US=20000  # cgroup CPU period: 20 ms keeps throttling fine-grained
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --model) MODEL=$2; shift 2 ;;
-    --cluster) CLUSTER=$2; shift 2 ;;
+    --shares) SHARES=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
+    --layers) LAYERS=$2; shift 2 ;;
+    --hidden) HIDDEN=$2; shift 2 ;;
+    --heads) HEADS=$2; shift 2 ;;
+    --ffn) FFN=$2; shift 2 ;;
+    --seq) SEQ=$2; shift 2 ;;
+    --batch) BATCH=$2; shift 2 ;;
+    --data) DATA=$2; shift 2 ;;
     --with-prometheus) WITH_PROMETHEUS=1; shift ;;
-    -h|--help) echo "usage: scripts/demo.sh [--model NAME] [--cluster FILE.json] [--steps N] [--with-prometheus]"; exit 0 ;;
-    *) echo "demo: unknown option $1" >&2; exit 1 ;;
+    --keep-running) KEEP_RUNNING=1; shift ;;
+    --no-paper-scale) PAPER_SCALE=0; shift ;;
+    --no-setup) SETUP=0; shift ;;
+    --bin-dir) BIN=$2; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "demo: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+IFS=, read -r -a SHARE_LIST <<<"$SHARES"
+RANKS=${#SHARE_LIST[@]}
+if [ "$RANKS" -lt 2 ] || [ "$RANKS" -gt 4 ]; then
+  echo "demo: --shares needs 2 to 4 values, got '$SHARES'" >&2; exit 2
+fi
+for s in "${SHARE_LIST[@]}"; do
+  if ! awk -v s="$s" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }'; then
+    echo "demo: every --shares value must be in (0, 1], got '$s'" >&2; exit 2
+  fi
+done
+case "$STEPS" in ''|*[!0-9]*) echo "demo: --steps must be a positive integer" >&2; exit 2 ;; esac
+case "$DATA" in wikitext|synthetic) ;; *) echo "demo: --data must be wikitext or synthetic" >&2; exit 2 ;; esac
 
-bash scripts/setup.sh
-TARGETS=(//tools:hapctl //executor/cli:hap-executor //executor/cli:hap-launch)
-bazel build "${TARGETS[@]}" >/dev/null 2>&1 || bazel build "${TARGETS[@]}"
-BIN="$(bazel info bazel-bin 2>/dev/null)"
+if [ "$SETUP" = 1 ]; then
+  bash scripts/setup.sh
+  TARGETS=(//tools:hapctl //planner/service:hap-planner //profiler_agent:hap-agent
+           //executor/cli:hap-executor)
+  bazel build "${TARGETS[@]}" >/dev/null 2>&1 || bazel build "${TARGETS[@]}"
+  BIN="$(bazel info bazel-bin 2>/dev/null)"
+fi
+[ -n "$BIN" ] || { echo "demo: --no-setup needs --bin-dir" >&2; exit 2; }
 HAPCTL="$BIN/tools/hapctl"
+for b in "$HAPCTL" "$BIN/planner/service/hap-planner" "$BIN/profiler_agent/hap-agent" \
+         "$BIN/executor/cli/hap-executor"; do
+  [ -x "$b" ] || { echo "demo: missing binary $b" >&2; exit 2; }
+done
 
-if [ "$WITH_PROMETHEUS" = 1 ]; then
-  # A planner exporting /metrics on 127.0.0.1:9464 (the address deploy/prometheus/prometheus.yml
-  # scrapes) and Prometheus on 127.0.0.1:9090 with that configuration and its alerting rules;
-  # both get temporary state and are stopped by pid when the demo exits.
-  bazel build //planner/service:hap-planner >/dev/null 2>&1 || bazel build //planner/service:hap-planner
-  OBS_DIR=$(mktemp -d /tmp/hap-demo-prometheus.XXXXXX)
-  OBS_PIDS=()
-  stop_observability() {
-    for pid in "${OBS_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${OBS_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-    rm -rf "$OBS_DIR"
-  }
-  trap stop_observability EXIT
-  "$BIN/planner/service/hap-planner" --listen 127.0.0.1:7070 --metrics-listen 127.0.0.1:9464 \
-    --database "$OBS_DIR/planner.db" >"$OBS_DIR/planner.log" 2>&1 &
-  OBS_PIDS+=($!)
-  /usr/bin/prometheus --config.file=deploy/prometheus/prometheus.yml \
-    --storage.tsdb.path="$OBS_DIR/prometheus" --web.listen-address=127.0.0.1:9090 \
-    >"$OBS_DIR/prometheus.log" 2>&1 &
-  OBS_PIDS+=($!)
-  ready=0
+# --- state, processes, clean-up -------------------------------------------
+STATE=$(mktemp -d /tmp/hap-demo.XXXXXX)
+CGROUP_ROOT=/sys/fs/cgroup/cpu
+GROUP_PREFIX="hap-demo-$$"
+PIDS=()
+GROUPS_MADE=()
+cleanup() {
+  trap - EXIT INT TERM
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for _ in $(seq 50); do
-    curl -sf http://127.0.0.1:9090/-/ready >/dev/null 2>&1 && { ready=1; break; }
-    sleep 0.2
+    alive=0
+    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
   done
-  echo "== Observability =="
-  [ "$ready" = 1 ] || echo "   WARNING: Prometheus is not ready yet; see $OBS_DIR/prometheus.log"
-  echo "   planner gRPC 127.0.0.1:7070, metrics http://127.0.0.1:9464/metrics (log $OBS_DIR/planner.log)"
-  echo "   Prometheus http://127.0.0.1:9090 (targets: /targets, alerts: /alerts; log $OBS_DIR/prometheus.log)"
-  echo "   try: $HAPCTL get nodes; Grafana: deploy/grafana/ (deploy/README.md)"
-  echo
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  for g in "${GROUPS_MADE[@]}"; do
+    # A group can only go once its last task is gone.
+    for _ in $(seq 50); do rmdir "$g" 2>/dev/null && break; sleep 0.1; done
+  done
+  rm -rf "$STATE"
+}
+on_signal() { echo; echo "demo: interrupted, stopping everything it started"; cleanup; exit 130; }
+trap cleanup EXIT
+trap on_signal INT TERM
+echo "$$" >"$STATE/demo.pid"
+echo "demo: state in $STATE (removed on exit)"
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+json() { python3 -c "import json, sys; d = json.load(sys.stdin); $1"; }
+
+# Starts "$@" in the background, inside cgroup $1 (or none when "-") and
+# pinned to core $2 (or none when "-"); output to $3. Appends its pid to PIDS.
+start_in() {
+  local group=$1 core=$2 log=$3; shift 3
+  (
+    [ "$group" != - ] && echo "$BASHPID" >"$group/cgroup.procs"
+    if [ "$core" != - ] && command -v taskset >/dev/null; then exec taskset -c "$core" "$@"; fi
+    exec "$@"
+  ) >"$log" 2>&1 &
+  PIDS+=($!)
+}
+wait_line() {  # wait_line LOG PATTERN SECONDS: prints the first matching line
+  local i
+  for i in $(seq $(($3 * 10))); do
+    if grep -m1 -E "$2" "$1" 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  echo "demo: timed out waiting for '$2' in $1:" >&2; tail -5 "$1" >&2; return 1
+}
+
+# --- the cluster -------------------------------------------------------------
+CGROUPS=1
+probe="$CGROUP_ROOT/$GROUP_PREFIX-probe"
+if ! { mkdir "$probe" && echo "$PERIOD_US" >"$probe/cpu.cfs_period_us"; } 2>"$STATE/cgroup.err"; then
+  CGROUPS=0
+  echo "demo: cgroups unavailable ($(tr -d '\n' <"$STATE/cgroup.err"));"
+  echo "      fallback: ranks run unthrottled, each pinned to a core (a homogeneous cluster)."
+fi
+rmdir "$probe" 2>/dev/null || true
+CORES=$(nproc)
+
+echo "x" >"$STATE/token"
+PLANNER="127.0.0.1:$(free_port)"
+if [ "$WITH_PROMETHEUS" = 1 ]; then METRICS="127.0.0.1:9464"; else METRICS="127.0.0.1:$(free_port)"; fi
+start_in - - "$STATE/planner.log" "$BIN/planner/service/hap-planner" --listen "$PLANNER" \
+  --metrics-listen "$METRICS" --database "$STATE/planner.db" --token-file "$STATE/token" \
+  --heartbeat-seconds 2
+wait_line "$STATE/planner.log" "listening on" 30 >/dev/null
+CTL=(--server "$PLANNER" --token-file "$STATE/token")
+
+DATA_DIR="${HAP_DATA_DIR:-$(cd .. && pwd)/shared/data}"
+if [ "$DATA" = wikitext ] && [ ! -d "$DATA_DIR/wikitext-2" ]; then
+  echo "demo: WikiText-2 not found under $DATA_DIR: synthetic data"
+  DATA=synthetic
 fi
 
-echo "== The model zoo (paper defaults: 12 layers, hidden 768, batch 32 x 8 devices) =="
-"$HAPCTL" zoo
 echo
-echo "== Synthesized plan: $MODEL on $CLUSTER =="
-plan=$("$HAPCTL" plan --model "$MODEL" --cluster "$CLUSTER")
-echo "$plan" | sed -n '1,20p'
-echo "   (full per-op table: $HAPCTL plan --model $MODEL --cluster $CLUSTER)"
-echo
-echo "== Predicted step time against the baselines (same cost model) =="
-hap=$("$HAPCTL" plan --model "$MODEL" --cluster "$CLUSTER" -o json | awk -F': ' '/"predicted_step_seconds"/ {gsub(",","",$2); print $2}')
-printf "%-10s %10.4f s\n" hap "$hap"
-for b in dp-even dp-prop zero3 megatron; do
-  if out=$("$HAPCTL" plan --model "$MODEL" --cluster "$CLUSTER" --baseline "$b" -o json 2>&1); then
-    t=$(echo "$out" | awk -F': ' '/"predicted_step_seconds"/ {gsub(",","",$2); print $2}')
-    printf "%-10s %10.4f s   (hap is %.2fx faster)\n" "$b" "$t" "$(awk -v a="$t" -v b="$hap" 'BEGIN {print a / b}')"
+echo "== A heterogeneous CPU cluster on this machine: $RANKS ranks =="
+declare -A EXECUTOR_ADDR
+for r in $(seq 0 $((RANKS - 1))); do
+  share=${SHARE_LIST[$r]}
+  core=$((r % CORES))
+  group=-
+  if [ "$CGROUPS" = 1 ]; then
+    group="$CGROUP_ROOT/$GROUP_PREFIX-r$r"
+    mkdir "$group"
+    GROUPS_MADE+=("$group")
+    echo "$PERIOD_US" >"$group/cpu.cfs_period_us"
+    awk -v s="$share" -v p="$PERIOD_US" 'BEGIN { printf "%d\n", s * p }' >"$group/cpu.cfs_quota_us"
+  fi
+  # The agent shares its rank's cgroup and core, so it measures what the
+  # rank gets. No drift checks or link re-probes while training.
+  start_in "$group" "$core" "$STATE/agent$r.log" "$BIN/profiler_agent/hap-agent" \
+    --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
+    --probe-seconds 3 --drift 0 --link-probe-seconds 3600
+  start_in "$group" "$core" "$STATE/executor$r.log" "$BIN/executor/cli/hap-executor" --serve \
+    --planner "$PLANNER" --device-id "node$r/cpu0" --token-file "$STATE/token" --threads 1 \
+    --data-dir "$DATA_DIR" --timeout 120
+  addr=$(wait_line "$STATE/executor$r.log" "listening on" 30 | sed 's/.*listening on //')
+  EXECUTOR_ADDR[node$r/cpu0]=$addr
+  if [ "$CGROUPS" = 1 ]; then
+    echo "   rank $r: core $core, cgroup $(basename "$group") at $(awk -v s="$share" 'BEGIN { print s * 100 }')% of the core, executor $addr"
   else
-    printf "%-10s %s\n" "$b" "$(echo "$out" | head -1)"
+    echo "   rank $r: core $core (unthrottled), executor $addr"
   fi
 done
 
-echo
-echo "== Training: a 2-layer GPT on WikiText-2, this machine as 2 CPU ranks (Gloo on 127.0.0.1) =="
-PLAN="$(mktemp -d)/gpt-cpu.pb"
-"$HAPCTL" plan --cluster planner/examples/cpu-2rank.json --model gpt --layers 2 --hidden 64 \
-  --heads 4 --ffn 128 --seq 32 --batch 16 --optimizer adam --lr 3e-3 --clip-norm 1 \
-  --save-plan "$PLAN" | sed -n '1,6p'
-DATA_DIR="${HAP_DATA_DIR:-$(cd .. && pwd)/shared/data}"
-if [ -d "$DATA_DIR/wikitext-2" ]; then
-  DATA=(--data wikitext --data-dir "$DATA_DIR")
-else
-  echo "(WikiText-2 not found in $DATA_DIR: synthetic data)"
-  DATA=(--data synthetic)
-fi
-"$BIN/executor/cli/hap-launch" --plan "$PLAN" --steps "$STEPS" --log-every 10 "${DATA[@]}"
+echo "   waiting for the agents to measure their devices ..."
+for _ in $(seq 300); do
+  ready=$("$HAPCTL" get nodes -o json "${CTL[@]}" 2>/dev/null |
+          json 'print(sum(1 for n in d.get("nodes", []) if n.get("state") == "READY"))' 2>/dev/null || echo 0)
+  [ "$ready" = "$RANKS" ] && break
+  sleep 0.2
+done
+[ "$ready" = "$RANKS" ] || { echo "demo: only $ready of $RANKS agents registered; logs in $STATE" >&2; exit 1; }
+"$HAPCTL" get nodes -o json "${CTL[@]}" | json '
+for n in sorted(d["nodes"], key=lambda n: n["name"]):
+    dev = n["devices"][0]
+    f = [x["flops"] for x in dev["flops"] if x["dtype"] == "FLOAT32"][0]
+    print("   %-8s measured %6.1f GFLOP/s   (%s)" % (n["name"], f / 1e9, dev["model"]))'
 
-if [ "$WITH_PROMETHEUS" = 1 ] && [ -t 0 ]; then
-  read -r -p "Prometheus and the planner keep running; press Enter to stop them. " _
+echo
+echo "== Plan: $MODEL (layers $LAYERS, hidden $HIDDEN, seq $SEQ, batch $BATCH), synthesized by the planner =="
+"$HAPCTL" create plan "${CTL[@]}" --id demo --wait --timeout 300 --model "$MODEL" \
+  --layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" --ffn "$FFN" --seq "$SEQ" \
+  --batch "$BATCH" --optimizer adam --lr 3e-3 --clip-norm 1 >/dev/null
+"$HAPCTL" describe plan demo "${CTL[@]}" | sed 's/^/   /'
+PREDICTED=$("$HAPCTL" describe plan demo -o json "${CTL[@]}" | json 'print(d["prediction"]["stepSeconds"])')
+
+echo
+echo "== Training: deployed to the $RANKS executors, $STEPS steps on $DATA =="
+DEPLOY=(deploy plan demo --steps "$STEPS" --data "$DATA")
+for dev in "${!EXECUTOR_ADDR[@]}"; do DEPLOY+=(--executor "$dev=${EXECUTOR_ADDR[$dev]}"); done
+DEPLOYMENT=$("$HAPCTL" "${DEPLOY[@]}" -o json "${CTL[@]}" | json 'print(d["name"])')
+echo "   $DEPLOYMENT; metrics http://$METRICS/metrics, status page http://$METRICS/status"
+last=-1
+state=RUNNING
+while :; do
+  dep=$("$HAPCTL" describe deployment "$DEPLOYMENT" -o json "${CTL[@]}")
+  read -r state done_steps loss median <<<"$(echo "$dep" | json '
+print(d.get("state", "?"), d.get("stepsCompleted", 0), d.get("lastLoss", 0), d.get("medianStepSeconds", 0))')"
+  if [ "$done_steps" != "$last" ] && [ "$done_steps" -gt 0 ] &&
+     { [ $((done_steps / 10)) != $((last / 10)) ] || [ "$state" != RUNNING ]; }; then
+    printf "   step %4d/%d  loss %7.4f  median step %.3f s\n" "$done_steps" "$STEPS" "$loss" "$median"
+    last=$done_steps
+  fi
+  case "$state" in SUCCEEDED|FAILED|STOPPED) break ;; esac
+  sleep 1
+done
+if [ "$state" != SUCCEEDED ]; then
+  echo "demo: deployment ended $state: $(echo "$dep" | json 'print(d.get("error", ""))')" >&2
+  exit 1
+fi
+echo "$dep" | json "
+pred = $PREDICTED
+meas = d.get('medianStepSeconds', 0)
+print('   predicted step %.3f s, measured median %.3f s (prediction off by %+.0f%%)' % (pred, meas, 100 * (pred - meas) / meas))"
+
+if [ "$PAPER_SCALE" = 1 ]; then
+  echo
+  echo "== At paper scale: $MODEL on planner/examples/mixed-2node.json, offline, against the baselines =="
+  hap=$("$HAPCTL" plan --model "$MODEL" --cluster planner/examples/mixed-2node.json -o json |
+        json 'print(d["predicted_step_seconds"])')
+  printf "   %-10s %10.4f s (predicted)\n" hap "$hap"
+  for b in dp-even dp-prop zero3 megatron; do
+    if out=$("$HAPCTL" plan --model "$MODEL" --cluster planner/examples/mixed-2node.json --baseline "$b" -o json 2>&1); then
+      t=$(echo "$out" | json 'print(d["predicted_step_seconds"])')
+      printf "   %-10s %10.4f s   (hap is %.2fx faster)\n" "$b" "$t" "$(awk -v a="$t" -v b="$hap" 'BEGIN {print a / b}')"
+    else
+      printf "   %-10s %s\n" "$b" "$(echo "$out" | head -1)"
+    fi
+  done
+fi
+
+if [ "$WITH_PROMETHEUS" = 1 ]; then
+  start_in - - "$STATE/prometheus.log" /usr/bin/prometheus \
+    --config.file=deploy/prometheus/prometheus.yml --storage.tsdb.path="$STATE/prometheus" \
+    --web.listen-address=127.0.0.1:9090
+  echo
+  echo "== Prometheus http://127.0.0.1:9090 scrapes http://$METRICS/metrics (deploy/prometheus/) =="
+fi
+if [ "$KEEP_RUNNING" = 1 ] || [ "$WITH_PROMETHEUS" = 1 ]; then
+  echo
+  echo "The cluster keeps running: planner $PLANNER (try: $HAPCTL get nodes --server $PLANNER --token-file $STATE/token),"
+  echo "status http://$METRICS/status. Press Enter or Ctrl-C to stop everything."
+  read -r _ || true
 fi

@@ -33,7 +33,8 @@ constexpr char kUsage[] = R"(usage:
   hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                      [--no-sfb] [--no-zero] [--no-grouped] [--max-seconds S]
-                     [--optimizer sgd|momentum|adam] [--lr X] [--seed N] [--id ID] [--wait]
+                     [--optimizer sgd|momentum|adam] [--lr X] [--clip-norm X]
+                     [--weight-decay X] [--seed N] [--id ID] [--wait]
   hapctl watch plan NAME
   hapctl cancel plan NAME
   hapctl delete plan NAME
@@ -362,6 +363,12 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   if (opt == "momentum") o->mutable_optimizer()->set_momentum(0.9);
   HAP_ASSIGN_OR_RETURN(double lr, a.Number("lr", 0));
   o->mutable_optimizer()->set_learning_rate(lr);
+  HAP_ASSIGN_OR_RETURN(double clip, a.Number("clip-norm", 0));
+  if (clip < 0) return absl::InvalidArgumentError("--clip-norm must be 0 (off) or positive");
+  o->mutable_optimizer()->set_clip_global_norm(clip);
+  HAP_ASSIGN_OR_RETURN(double wd, a.Number("weight-decay", 0));
+  if (wd < 0) return absl::InvalidArgumentError("--weight-decay must not be negative");
+  o->mutable_optimizer()->set_weight_decay(wd);
   HAP_ASSIGN_OR_RETURN(double seed, a.Number("seed", 0));
   o->set_seed(static_cast<uint64_t>(seed));
   r.set_plan_id(a.Get("id"));
@@ -402,7 +409,7 @@ int Watch(Client& c, const std::string& name) {
 int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   std::set<std::string> values = ZooParamFlags();
   values.insert({"server", "timeout", "token-file", "tls-ca-file", "o", "output", "model",
-                 "graph", "devices", "baseline", "max-seconds", "optimizer", "lr", "seed",
+                 "graph", "devices", "baseline", "max-seconds", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
                  "id", "executor", "steps", "data", "data-path", "threads", "set"});
   auto a = Args::Parse(argv, values, {"help", "no-sfb", "no-zero", "no-grouped", "wait"});
   if (!a.ok()) return Fail(a.status());

@@ -30,6 +30,11 @@
 namespace hap::executor {
 namespace {
 
+// The CFS period of --cpu-shares groups: 20 ms keeps throttling
+// fine-grained against step times of tens of milliseconds (with the
+// default 100 ms a short step runs at full speed or not at all).
+constexpr int64_t kCpuPeriodUs = 20000;
+
 namespace v1 = ::hap::v1;
 
 constexpr char kUsage[] =
@@ -231,10 +236,10 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       std::error_code ec;
       std::filesystem::create_directory(dir, ec);
       std::ofstream period(dir + "/cpu.cfs_period_us");
-      period << 100000;
+      period << kCpuPeriodUs;
       period.close();
       std::ofstream quota(dir + "/cpu.cfs_quota_us");
-      quota << static_cast<int64_t>(share * 100000);
+      quota << static_cast<int64_t>(share * kCpuPeriodUs);
       quota.close();
       if (ec || !period || !quota) {
         std::cerr << "error: cgroups unavailable (cannot write " << dir
