@@ -32,6 +32,16 @@ class Scratch {
   virtual absl::StatusOr<void*> Get(int64_t bytes) = 0;
 };
 
+// Where a kernel reports an error it can only find on the GPU (a target or
+// id out of range): it sets `*word` to `code` if still 0 (atomicCAS) and
+// carries on with the bad element skipped; the device turns a set word into
+// InvalidArgument naming the kernel at its next Synchronize (or CopyToHost).
+// `word == nullptr`: no reporting (the kernel only skips).
+struct DeviceFault {
+  int* word = nullptr;
+  int code = 0;
+};
+
 struct KernelArgs {
   const std::string& name;
   const KernelContext& ctx;
@@ -42,6 +52,7 @@ struct KernelArgs {
   cublasHandle_t cublas;  // bound to `stream`
   bool allow_tf32;
   Scratch& scratch;
+  DeviceFault fault = {};
 };
 
 using KernelFn = std::function<absl::Status(const KernelArgs&)>;

@@ -1,0 +1,319 @@
+// Element-wise, broadcasting and reduction kernels (launch_elementwise.h).
+// Plain C++17 + CUDA. Loops are grid-stride over 64-bit indices; sums are
+// double and run in a fixed order (no atomics), so results are reproducible.
+#include <cstdint>
+
+#include "executor/cuda/launch_elementwise.h"
+#include "executor/runtime/counter_random.h"
+
+namespace hap::executor::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned Blocks(int64_t n) {
+  int64_t b = (n + kThreads - 1) / kThreads;
+  if (b < 1) b = 1;
+  if (b > 65535LL * 16) b = 65535LL * 16;
+  return static_cast<unsigned>(b);
+}
+
+__device__ inline int64_t GridStart() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ inline int64_t GridStep() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+__device__ inline float Exp(float x) { return expf(x); }
+__device__ inline double Exp(double x) { return exp(x); }
+__device__ inline float Erf(float x) { return erff(x); }
+__device__ inline double Erf(double x) { return erf(x); }
+__device__ inline float Tanh(float x) { return tanhf(x); }
+__device__ inline double Tanh(double x) { return tanh(x); }
+
+// F(x) and F'(x) given y = F(x), as executor/cpu/kernels_elementwise.cc.
+template <Activation A, typename T>
+__device__ inline T ActF(T x) {
+  if constexpr (A == Activation::kRelu) {
+    return x < T(0) ? T(0) : x;  // NaN propagates
+  } else if constexpr (A == Activation::kGelu) {
+    return T(0.5) * x * (T(1) + Erf(x * T(0.70710678118654752440)));
+  } else if constexpr (A == Activation::kSigmoid) {
+    return T(1) / (T(1) + Exp(-x));
+  } else {
+    return Tanh(x);
+  }
+}
+
+template <Activation A, typename T>
+__device__ inline T ActD(T x, T y) {
+  if constexpr (A == Activation::kRelu) {
+    return x > T(0) ? T(1) : T(0);
+  } else if constexpr (A == Activation::kGelu) {
+    const T cdf = T(0.5) * (T(1) + Erf(x * T(0.70710678118654752440)));
+    const T pdf = Exp(T(-0.5) * x * x) * T(0.3989422804014327);
+    return cdf + x * pdf;
+  } else if constexpr (A == Activation::kSigmoid) {
+    return y * (T(1) - y);
+  } else {
+    return T(1) - y * y;
+  }
+}
+
+template <Activation A, typename T>
+__global__ void ActivationKernel(const T* x, T* y, int64_t n) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) y[i] = ActF<A>(x[i]);
+}
+
+template <Activation A, typename T>
+__global__ void ActivationGradKernel(const T* x, const T* y, const T* dy,
+                                     T* dx, int64_t n) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const T yi = y != nullptr ? y[i] : ActF<A>(x[i]);
+    dx[i] += dy[i] * ActD<A>(x[i], yi);
+  }
+}
+
+template <typename T>
+__global__ void ScaleKernel(T factor, const T* in, T* out, int64_t n,
+                            bool accumulate) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const T v = factor * in[i];
+    out[i] = accumulate ? out[i] + v : v;
+  }
+}
+
+template <typename T>
+__global__ void DropoutKernel(DropoutMask m, T scale, const T* in, T* out,
+                              int64_t n, bool accumulate) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    int64_t r = i, g = 0;
+    for (int d = m.rank - 1; d >= 0; --d) {
+      const int64_t idx = r % m.local[d];
+      r /= m.local[d];
+      g += (idx + m.offsets[d]) * m.global_strides[d];
+    }
+    const bool keep = CounterUniform(m.key, static_cast<uint64_t>(g)) >= m.p;
+    const T v = keep ? in[i] * scale : T(0);
+    out[i] = accumulate ? out[i] + v : v;
+  }
+}
+
+// Offsets of element i of `s` for operands [0, K).
+template <int K>
+__device__ inline void Offsets(const StridedSpace& s, int64_t i,
+                               int64_t* off) {
+  for (int k = 0; k < K; ++k) off[k] = 0;
+  for (int d = s.rank - 1; d >= 0; --d) {
+    const int64_t idx = i % s.shape[d];
+    i /= s.shape[d];
+    for (int k = 0; k < K; ++k) off[k] += idx * s.stride[k][d];
+  }
+}
+
+template <BinaryOp op, typename T>
+__global__ void BinaryKernel(StridedSpace s, const T* p, const T* q, T* out) {
+  for (int64_t i = GridStart(); i < s.count; i += GridStep()) {
+    int64_t off[3];
+    Offsets<3>(s, i, off);
+    const T a = p != nullptr ? p[off[1]] : T(0);
+    const T b = q != nullptr ? q[off[2]] : T(0);
+    T v;
+    if constexpr (op == BinaryOp::kAdd) {
+      v = a + b;
+    } else if constexpr (op == BinaryOp::kSub) {
+      v = a - b;
+    } else {
+      v = a * b;
+    }
+    out[off[0]] = v;
+  }
+}
+
+// One thread per output: the reduced space is walked row by row, its
+// innermost dimension without divisions.
+template <typename T>
+__global__ void ReduceThreadKernel(ReduceSpace s, const T* a, const T* b,
+                                   double scale, T* out, bool accumulate) {
+  const StridedSpace& r = s.reduced;
+  const int inner_d = r.rank - 1;
+  const int64_t inner = r.rank > 0 ? r.shape[inner_d] : 1;
+  const int64_t sa = r.rank > 0 ? r.stride[1][inner_d] : 0;
+  const int64_t sb = r.rank > 0 ? r.stride[2][inner_d] : 0;
+  const int64_t rows = inner > 0 ? r.count / inner : 0;
+  for (int64_t o = GridStart(); o < s.kept.count; o += GridStep()) {
+    int64_t base[3];
+    Offsets<3>(s.kept, o, base);
+    double acc = 0;
+    for (int64_t row = 0; row < rows; ++row) {
+      // Offsets of the row's first element over the outer reduced dims.
+      int64_t rr = row, oa = base[1], ob = base[2];
+      for (int d = inner_d - 1; d >= 0; --d) {
+        const int64_t idx = rr % r.shape[d];
+        rr /= r.shape[d];
+        oa += idx * r.stride[1][d];
+        ob += idx * r.stride[2][d];
+      }
+      if (b != nullptr) {
+        for (int64_t j = 0; j < inner; ++j) {
+          acc += static_cast<double>(a[oa + j * sa]) *
+                 static_cast<double>(b[ob + j * sb]);
+        }
+      } else {
+        for (int64_t j = 0; j < inner; ++j) acc += static_cast<double>(a[oa + j * sa]);
+      }
+    }
+    const T v = static_cast<T>(acc * scale);
+    out[base[0]] = accumulate ? out[base[0]] + v : v;
+  }
+}
+
+// One block per output: threads take reduced elements k = tid, tid + 256,
+// ...; a fixed-shape tree combines them.
+template <typename T>
+__global__ void ReduceBlockKernel(ReduceSpace s, const T* a, const T* b,
+                                  double scale, T* out, bool accumulate) {
+  __shared__ double part[kThreads];
+  for (int64_t o = blockIdx.x; o < s.kept.count; o += gridDim.x) {
+    int64_t base[3];
+    Offsets<3>(s.kept, o, base);
+    double acc = 0;
+    for (int64_t k = threadIdx.x; k < s.reduced.count; k += blockDim.x) {
+      int64_t off[3];
+      Offsets<3>(s.reduced, k, off);
+      double v = static_cast<double>(a[base[1] + off[1]]);
+      if (b != nullptr) v *= static_cast<double>(b[base[2] + off[2]]);
+      acc += v;
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w /= 2) {
+      if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      const T v = static_cast<T>(part[0] * scale);
+      out[base[0]] = accumulate ? out[base[0]] + v : v;
+    }
+    __syncthreads();  // part[] is reused by the next output
+  }
+}
+
+template <typename T, Activation A>
+void ActivationAs(const T* x, T* y, int64_t n, cudaStream_t stream) {
+  ActivationKernel<A, T><<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
+}
+
+template <typename T, Activation A>
+void ActivationGradAs(const T* x, const T* y, const T* dy, T* dx, int64_t n,
+                      cudaStream_t stream) {
+  ActivationGradKernel<A, T><<<Blocks(n), kThreads, 0, stream>>>(x, y, dy, dx, n);
+}
+
+}  // namespace
+
+template <typename T>
+void LaunchActivation(Activation act, const T* x, T* y, int64_t n,
+                      cudaStream_t stream) {
+  if (n <= 0) return;
+  switch (act) {
+    case Activation::kRelu:
+      return ActivationAs<T, Activation::kRelu>(x, y, n, stream);
+    case Activation::kGelu:
+      return ActivationAs<T, Activation::kGelu>(x, y, n, stream);
+    case Activation::kSigmoid:
+      return ActivationAs<T, Activation::kSigmoid>(x, y, n, stream);
+    case Activation::kTanh:
+      return ActivationAs<T, Activation::kTanh>(x, y, n, stream);
+  }
+}
+
+template <typename T>
+void LaunchActivationGrad(Activation act, const T* x, const T* y, const T* dy,
+                          T* dx, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  switch (act) {
+    case Activation::kRelu:
+      return ActivationGradAs<T, Activation::kRelu>(x, y, dy, dx, n, stream);
+    case Activation::kGelu:
+      return ActivationGradAs<T, Activation::kGelu>(x, y, dy, dx, n, stream);
+    case Activation::kSigmoid:
+      return ActivationGradAs<T, Activation::kSigmoid>(x, y, dy, dx, n, stream);
+    case Activation::kTanh:
+      return ActivationGradAs<T, Activation::kTanh>(x, y, dy, dx, n, stream);
+  }
+}
+
+template <typename T>
+void LaunchScale(T factor, const T* in, T* out, int64_t n, bool accumulate,
+                 cudaStream_t stream) {
+  if (n <= 0) return;
+  ScaleKernel<T><<<Blocks(n), kThreads, 0, stream>>>(factor, in, out, n, accumulate);
+}
+
+template <typename T>
+void LaunchDropout(const DropoutMask& mask, T scale, const T* in, T* out,
+                   int64_t n, bool accumulate, cudaStream_t stream) {
+  if (n <= 0) return;
+  DropoutKernel<T><<<Blocks(n), kThreads, 0, stream>>>(mask, scale, in, out, n,
+                                                       accumulate);
+}
+
+template <typename T>
+void LaunchBinary(BinaryOp op, const StridedSpace& space, const T* p,
+                  const T* q, T* out, cudaStream_t stream) {
+  if (space.count <= 0) return;
+  const unsigned blocks = Blocks(space.count);
+  switch (op) {
+    case BinaryOp::kAdd:
+      BinaryKernel<BinaryOp::kAdd, T><<<blocks, kThreads, 0, stream>>>(space, p, q, out);
+      break;
+    case BinaryOp::kSub:
+      BinaryKernel<BinaryOp::kSub, T><<<blocks, kThreads, 0, stream>>>(space, p, q, out);
+      break;
+    case BinaryOp::kMul:
+      BinaryKernel<BinaryOp::kMul, T><<<blocks, kThreads, 0, stream>>>(space, p, q, out);
+      break;
+  }
+}
+
+template <typename T>
+void LaunchReduce(const ReduceSpace& space, const T* a, const T* b,
+                  double scale, T* out, bool accumulate, cudaStream_t stream) {
+  const int64_t outs = space.kept.count, k = space.reduced.count;
+  if (outs <= 0) return;
+  const StridedSpace& r = space.reduced;
+  // A contiguous innermost reduced dimension is read coalesced by a block;
+  // otherwise many outputs are read coalesced by neighbouring threads.
+  const bool inner_contiguous = r.rank > 0 && r.stride[1][r.rank - 1] == 1;
+  const bool per_block =
+      k >= 64 && (inner_contiguous || outs < 2048);
+  if (per_block) {
+    const unsigned blocks =
+        static_cast<unsigned>(outs < 65535LL * 16 ? outs : 65535LL * 16);
+    ReduceBlockKernel<T><<<blocks, kThreads, 0, stream>>>(space, a, b, scale,
+                                                          out, accumulate);
+  } else {
+    ReduceThreadKernel<T><<<Blocks(outs), kThreads, 0, stream>>>(
+        space, a, b, scale, out, accumulate);
+  }
+}
+
+#define HAP_INSTANTIATE(T)                                                    \
+  template void LaunchActivation<T>(Activation, const T*, T*, int64_t,        \
+                                    cudaStream_t);                            \
+  template void LaunchActivationGrad<T>(Activation, const T*, const T*,       \
+                                        const T*, T*, int64_t, cudaStream_t); \
+  template void LaunchScale<T>(T, const T*, T*, int64_t, bool, cudaStream_t); \
+  template void LaunchDropout<T>(const DropoutMask&, T, const T*, T*,         \
+                                 int64_t, bool, cudaStream_t);                \
+  template void LaunchBinary<T>(BinaryOp, const StridedSpace&, const T*,      \
+                                const T*, T*, cudaStream_t);                  \
+  template void LaunchReduce<T>(const ReduceSpace&, const T*, const T*,       \
+                                double, T*, bool, cudaStream_t);
+HAP_INSTANTIATE(float)
+HAP_INSTANTIATE(double)
+#undef HAP_INSTANTIATE
+
+}  // namespace hap::executor::cuda
