@@ -1,0 +1,247 @@
+// Matrix products through cuBLAS: linear (x @ w^T + b) and (batched) matmul,
+// with the contracts of executor/cpu/kernels_dense.cc. Transposes are
+// cuBLAS flags, never copies; float32 products use TF32 tensor cores only
+// when the call allows it (KernelArgs::allow_tf32).
+#include <cublas_v2.h>
+
+#include <algorithm>
+
+#include "executor/cuda/kernel_checks.h"
+#include "executor/cuda/launch_elementwise.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::cuda {
+namespace {
+
+// Row-major C = alpha * op(A) @ op(B) + beta * C for `batch` matrices
+// `sa`, `sb`, `sc` elements apart; A is m x k after op, B k x n after op.
+// cuBLAS is column-major, where a row-major matrix reads as its transpose,
+// so this is the column-major C^T = op(B)^T @ op(A)^T: the operands swap
+// and m and n trade places.
+template <typename T>
+absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
+                  int64_t n, int64_t k, T alpha, const T* pa, int64_t lda,
+                  const T* pb, int64_t ldb, T beta, T* pc, int64_t ldc,
+                  int64_t batch = 1, int64_t sa = 0, int64_t sb = 0,
+                  int64_t sc = 0) {
+  if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
+  if (k == 0) {  // C = beta * C with beta 0 or 1 here; cuBLAS wants ld >= 1
+    if (beta != T(0)) return absl::OkStatus();
+    for (int64_t i = 0; i < batch; ++i) {
+      cudaError_t e = cudaMemset2DAsync(pc + i * sc, ldc * sizeof(T), 0,
+                                        n * sizeof(T), m, a.stream);
+      if (e != cudaSuccess) {
+        return absl::InternalError(
+            absl::StrCat("CUDA kernel '", a.name, "': cudaMemset2DAsync: ",
+                         cudaGetErrorString(e)));
+      }
+    }
+    return absl::OkStatus();
+  }
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const cudaDataType_t type = kFloat ? CUDA_R_32F : CUDA_R_64F;
+  const cublasComputeType_t compute =
+      kFloat ? (a.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
+             : CUBLAS_COMPUTE_64F;
+  cublasStatus_t s = cublasGemmStridedBatchedEx(
+      a.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+      trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+      static_cast<int>(m), static_cast<int>(k), &alpha, pb, type,
+      static_cast<int>(std::max<int64_t>(ldb, 1)), sb, pa, type,
+      static_cast<int>(std::max<int64_t>(lda, 1)), sa, &beta, pc, type,
+      static_cast<int>(std::max<int64_t>(ldc, 1)), sc, static_cast<int>(batch),
+      compute, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(absl::StrCat(
+        "CUDA kernel '", a.name, "': cublasGemmStridedBatchedEx (m=", m,
+        ", n=", n, ", k=", k, ", batch=", batch,
+        ") failed: ", cublasGetStatusString(s)));
+  }
+  return absl::OkStatus();
+}
+
+// --- linear -----------------------------------------------------------------
+
+struct LinearDims {
+  int64_t rows = 0, in = 0, out = 0;
+  Shape y;
+};
+
+// x[..., in], w[out, in], bias[out] (when present) of dtype t.
+absl::StatusOr<LinearDims> CheckLinear(const KernelArgs& a, DType t,
+                                       bool has_bias_slot) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 1, t));
+  const TensorView& x = a.in[0];
+  const TensorView& w = a.in[1];
+  if (x.rank() < 1 || w.rank() != 2 || w.shape[1] != x.shape.back()) {
+    return Invalid(a, cpu::InLabel(c, 0), " and weight ", cpu::InLabel(c, 1),
+                   " do not fit x[..., in] @ w[out, in]^T");
+  }
+  LinearDims d;
+  d.in = w.shape[1];
+  d.out = w.shape[0];
+  d.rows = d.in == 0 ? 0 : x.num_elements() / d.in;
+  if (d.in == 0) {
+    d.rows = 1;
+    for (size_t i = 0; i + 1 < x.shape.size(); ++i) d.rows *= x.shape[i];
+  }
+  d.y = x.shape;
+  d.y.back() = d.out;
+  HAP_RETURN_IF_ERROR(cpu::CheckBias(c, t, has_bias_slot, d.out));
+  HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {d.rows, d.in, d.out}));
+  return d;
+}
+
+template <typename T>
+absl::Status LinearForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
+  const bool has_bias = a.in.size() == 3 && a.in[2].present();
+  HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, a.in.size() == 3));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, d.y));
+  T* y = a.out[0].as<T>();
+  if (has_bias) {  // y rows = bias, then y += x @ w^T
+    HAP_ASSIGN_OR_RETURN(
+        StridedSpace space,
+        MakeSpace(a, {d.rows, d.out}, {{d.out, 1}, {0, 1}, {0, 0}}));
+    LaunchBinary<T>(BinaryOp::kAdd, space, a.in[2].as<const T>(), nullptr, y,
+                    a.stream);
+    HAP_RETURN_IF_ERROR(CheckLaunch(a));
+  }
+  return Gemm<T>(a, false, true, d.rows, d.out, d.in, T(1),
+                 a.in[0].as<const T>(), d.in, a.in[1].as<const T>(), d.in,
+                 has_bias ? T(1) : T(0), y, d.out);
+}
+
+template <typename T>
+absl::Status LinearBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 2, 3, 1));
+  HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, g.n() == 3));
+  HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const T* dy = g.dy(0).as<const T>();
+  if (g.dx(0).present()) {  // dx += dy @ w
+    HAP_RETURN_IF_ERROR(Gemm<T>(a, false, false, d.rows, d.in, d.out, T(1), dy,
+                                d.out, g.x(1).as<const T>(), d.in, T(1),
+                                g.dx(0).as<T>(), d.in));
+  }
+  if (g.dx(1).present()) {  // dw += dy^T @ x
+    HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.out, d.in, d.rows, T(1), dy,
+                                d.out, g.x(0).as<const T>(), d.in, T(1),
+                                g.dx(1).as<T>(), d.in));
+  }
+  if (g.n() == 3 && g.dx(2).present()) {  // db += column sums of dy
+    HAP_ASSIGN_OR_RETURN(
+        ReduceSpace space,
+        MakeReduceSpace(a, {d.rows, d.out}, {0, 1}, {d.out, 1}, {}));
+    LaunchReduce<T>(space, dy, nullptr, 1.0, g.dx(2).as<T>(), true, a.stream);
+    HAP_RETURN_IF_ERROR(CheckLaunch(a));
+  }
+  return absl::OkStatus();
+}
+
+// --- matmul -----------------------------------------------------------------
+
+struct MatmulDims {
+  int64_t batch = 1, m = 0, k = 0, n = 0;
+  bool shared_b = false;  // b is [k, n] for every batch entry
+  Shape y;
+};
+
+absl::StatusOr<MatmulDims> CheckMatmul(const KernelArgs& a, DType t) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 1, t));
+  const Shape& as = a.in[0].shape;
+  const Shape& bs = a.in[1].shape;
+  const int r = static_cast<int>(as.size());
+  bool ok = r >= 2 && (bs.size() == 2 || bs.size() == as.size()) &&
+            as[r - 1] == bs[bs.size() - 2];
+  for (int i = 0; ok && bs.size() == as.size() && i + 2 < r; ++i) {
+    ok = as[i] == bs[i];
+  }
+  if (!ok) {
+    return Invalid(a, cpu::InLabel(c, 0), " and ", cpu::InLabel(c, 1),
+                   " do not fit a[..., m, k] @ b[..., k, n] or b[k, n]");
+  }
+  MatmulDims d;
+  d.m = as[r - 2];
+  d.k = as[r - 1];
+  d.n = bs.back();
+  d.shared_b = bs.size() == 2;
+  for (int i = 0; i + 2 < r; ++i) d.batch *= as[i];
+  d.y = as;
+  d.y.back() = d.n;
+  HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {d.batch * d.m, d.k, d.n}));
+  return d;
+}
+
+template <typename T>
+absl::Status MatmulForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 2, 1));
+  HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, d.y));
+  const T* pa = a.in[0].as<const T>();
+  const T* pb = a.in[1].as<const T>();
+  T* y = a.out[0].as<T>();
+  if (d.shared_b) {
+    return Gemm<T>(a, false, false, d.batch * d.m, d.n, d.k, T(1), pa, d.k, pb,
+                   d.n, T(0), y, d.n);
+  }
+  return Gemm<T>(a, false, false, d.m, d.n, d.k, T(1), pa, d.k, pb, d.n, T(0),
+                 y, d.n, d.batch, d.m * d.k, d.k * d.n, d.m * d.n);
+}
+
+template <typename T>
+absl::Status MatmulBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 2, 2, 1));
+  HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
+  HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const T* pa = g.x(0).as<const T>();
+  const T* pb = g.x(1).as<const T>();
+  const T* dy = g.dy(0).as<const T>();
+  T* da = g.dx(0).present() ? g.dx(0).as<T>() : nullptr;
+  T* db = g.dx(1).present() ? g.dx(1).as<T>() : nullptr;
+  if (d.shared_b) {
+    if (da != nullptr) {  // da += dy @ b^T
+      HAP_RETURN_IF_ERROR(Gemm<T>(a, false, true, d.batch * d.m, d.k, d.n,
+                                  T(1), dy, d.n, pb, d.n, T(1), da, d.k));
+    }
+    if (db != nullptr) {  // db += a^T @ dy, over every batch row at once
+      HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.k, d.n, d.batch * d.m,
+                                  T(1), pa, d.k, dy, d.n, T(1), db, d.n));
+    }
+    return absl::OkStatus();
+  }
+  const int64_t sa = d.m * d.k, sb = d.k * d.n, sy = d.m * d.n;
+  if (da != nullptr) {  // da_i += dy_i @ b_i^T
+    HAP_RETURN_IF_ERROR(Gemm<T>(a, false, true, d.m, d.k, d.n, T(1), dy, d.n,
+                                pb, d.n, T(1), da, d.k, d.batch, sy, sb, sa));
+  }
+  if (db != nullptr) {  // db_i += a_i^T @ dy_i
+    HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.k, d.n, d.m, T(1), pa, d.k,
+                                dy, d.n, T(1), db, d.n, d.batch, sa, sy, sb));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void RegisterDenseKernels(KernelTable& t) {
+  t["linear"] = HAP_CUDA_FLOAT_KERNEL(LinearForward);
+  t["linear_grad"] = HAP_CUDA_FLOAT_KERNEL(LinearBackward);
+  t["matmul"] = HAP_CUDA_FLOAT_KERNEL(MatmulForward);
+  t["matmul_grad"] = HAP_CUDA_FLOAT_KERNEL(MatmulBackward);
+}
+
+}  // namespace hap::executor::cuda

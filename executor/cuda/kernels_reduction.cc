@@ -1,0 +1,106 @@
+// sum and mean over a set of axes (all when none are given), as
+// executor/cpu/kernels_reduction.cc: sums in double, in a fixed order.
+#include "executor/cuda/kernel_checks.h"
+#include "executor/cuda/launch_elementwise.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::cuda {
+namespace {
+
+struct Reduced {
+  Shape out;
+  // The output's strides read over x's shape: 0 along reduced dimensions.
+  std::vector<int64_t> strides;
+  int64_t count = 1;  // local elements per output element
+};
+
+absl::StatusOr<Reduced> CheckReduction(const KernelArgs& a,
+                                       const TensorView& x) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> axes, cpu::AttrInts(c, "axes", {}));
+  HAP_ASSIGN_OR_RETURN(bool keep, cpu::AttrBool(c, "keepdims", false));
+  const int rank = x.rank();
+  std::vector<bool> reduced(rank, axes.empty());
+  for (int64_t ax : axes) {
+    HAP_ASSIGN_OR_RETURN(int d, cpu::NormalizeAxis(c, ax, rank, "axis"));
+    if (reduced[d]) return Invalid(a, "axis ", ax, " is listed twice");
+    reduced[d] = true;
+  }
+  Reduced r;
+  Shape kept;
+  for (int d = 0; d < rank; ++d) {
+    if (reduced[d]) {
+      r.count *= x.shape[d];
+      if (keep) r.out.push_back(1);
+    } else {
+      r.out.push_back(x.shape[d]);
+      kept.push_back(x.shape[d]);
+    }
+  }
+  std::vector<int64_t> ks = cpu::ContiguousStrides(kept);
+  for (int d = 0, k = 0; d < rank; ++d) {
+    r.strides.push_back(reduced[d] ? 0 : ks[k++]);
+  }
+  return r;
+}
+
+template <bool kMean>
+absl::StatusOr<double> Factor(const KernelArgs& a, const Reduced& r) {
+  if (!kMean) return 1.0;
+  HAP_ASSIGN_OR_RETURN(int64_t count,
+                       cpu::AttrInt(CpuArgs(a), "global_count", r.count));
+  if (count < 1) return Invalid(a, "attribute 'global_count' must be >= 1");
+  return 1.0 / static_cast<double>(count);
+}
+
+template <typename T, bool kMean>
+absl::Status ReduceForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckUnary(c, t));
+  HAP_ASSIGN_OR_RETURN(Reduced r, CheckReduction(a, a.in[0]));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, r.out));
+  HAP_ASSIGN_OR_RETURN(double factor, Factor<kMean>(a, r));
+  const Shape& s = a.in[0].shape;
+  HAP_ASSIGN_OR_RETURN(
+      ReduceSpace space,
+      MakeReduceSpace(a, s, r.strides, cpu::ContiguousStrides(s), {}));
+  LaunchReduce<T>(space, a.in[0].as<const T>(), nullptr, factor,
+                  a.out[0].as<T>(), false, a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T, bool kMean>
+absl::Status ReduceBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Unary(c, t));
+  HAP_ASSIGN_OR_RETURN(Reduced r, CheckReduction(a, g.x(0)));
+  HAP_RETURN_IF_ERROR(g.Check(t, {r.out}));
+  HAP_ASSIGN_OR_RETURN(double factor, Factor<kMean>(a, r));
+  if (!g.active()) return absl::OkStatus();
+  // dx += factor * dy broadcast over the reduced axes: a "reduction" that
+  // sums nothing (dx's strides are never 0).
+  const Shape& s = g.x(0).shape;
+  HAP_ASSIGN_OR_RETURN(
+      ReduceSpace space,
+      MakeReduceSpace(a, s, cpu::ContiguousStrides(s), r.strides, {}));
+  LaunchReduce<T>(space, g.dy(0).as<const T>(), nullptr, factor,
+                  g.dx(0).as<T>(), true, a.stream);
+  return CheckLaunch(a);
+}
+
+}  // namespace
+
+void RegisterReductionKernels(KernelTable& t) {
+  t["sum"] = FloatKernel(&ReduceForward<float, false>,
+                         &ReduceForward<double, false>);
+  t["sum_grad"] = FloatKernel(&ReduceBackward<float, false>,
+                              &ReduceBackward<double, false>);
+  t["mean"] = FloatKernel(&ReduceForward<float, true>,
+                          &ReduceForward<double, true>);
+  t["mean_grad"] = FloatKernel(&ReduceBackward<float, true>,
+                               &ReduceBackward<double, true>);
+}
+
+}  // namespace hap::executor::cuda
