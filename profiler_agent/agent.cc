@@ -177,6 +177,14 @@ struct Agent::Impl : public ProfileSource {
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
     if (!node.ok()) return Annotate(node.status(), "probing this node");
     node->set_agent_version(kAgentVersion);
+    // Links between local devices (GPU peers) are part of the profile; a
+    // failure there leaves them out rather than failing the devices.
+    std::vector<v1::Link> local_links;
+    if (auto l = ProbeNodeLinks(o.name, RawProbers(), opts); l.ok()) {
+      local_links = std::move(*l);
+    } else {
+      Log(absl::StrCat("probing the links between this node's devices: ", l.status().ToString()));
+    }
     std::vector<double> baseline;
     if (o.drift > 0) {
       auto quick = QuickFlopsLocked();
@@ -191,6 +199,7 @@ struct Agent::Impl : public ProfileSource {
     }
     v1::ProbeResponse r;
     *r.mutable_node() = std::move(*node);
+    for (auto& l : local_links) *r.add_links() = std::move(l);
     ToProto(absl::Now() - start, r.mutable_probe_duration());
     absl::MutexLock l(&mu);
     profile = std::move(r);
@@ -350,7 +359,8 @@ struct Agent::Impl : public ProfileSource {
   }
 
   // Asks the planner for probe assignments, measures each peer and reports
-  // the links. A failing peer is logged and skipped.
+  // the links, with those between this node's own devices (from the last
+  // probe). A failing peer is logged and skipped. Returns the peer links.
   std::vector<v1::Link> MeasurePeers() {
     std::vector<v1::Link> links;
     v1::GetProbeAssignmentsRequest req;
@@ -365,10 +375,12 @@ struct Agent::Impl : public ProfileSource {
       }
     }
     std::vector<std::string> local;
+    std::vector<v1::Link> local_links;
     {
       absl::MutexLock l(&mu);
       if (profile) {
         for (const auto& d : profile->node().devices()) local.push_back(d.id());
+        local_links.assign(profile->links().begin(), profile->links().end());
       }
     }
     for (const v1::ProbeAssignment& a : assignments.assignments()) {
@@ -395,9 +407,10 @@ struct Agent::Impl : public ProfileSource {
         for (const auto& dst : *peer_devices) links.push_back(MakeLink(src, dst, *m, kind));
       }
     }
-    if (links.empty()) return links;
+    if (links.empty() && local_links.empty()) return links;
     v1::ReportLinksRequest report;
     report.set_node(o.name);
+    for (const auto& l : local_links) *report.add_links() = l;
     for (const auto& l : links) *report.add_links() = l;
     v1::ReportLinksResponse ignored;
     Call call(this, o.rpc_timeout);
@@ -451,7 +464,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
   Impl& impl = *agent->impl_;
   impl.o = std::move(options);
   impl.probers = std::move(probers);
-  if (impl.probers.empty()) impl.probers.push_back(NewCpuProber());
+  if (impl.probers.empty()) {
+    std::string why;
+    HAP_ASSIGN_OR_RETURN(impl.probers, MakeDeviceProbers(impl.o.devices, &why));
+    Log(why);
+  }
   HAP_RETURN_IF_ERROR(impl.ConnectPlanner());
   HAP_ASSIGN_OR_RETURN(impl.server, AgentServer::Start(impl.o.listen, impl.o.security, &impl));
   impl.address = impl.o.advertise.empty() ? Advertised(impl.server->address()) : impl.o.advertise;

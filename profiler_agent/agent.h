@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "planner/service/grpc/grpc_util.h"
+#include "profiler_agent/devices.h"
 #include "profiler_agent/link_probe.h"
 #include "profiler_agent/probes.h"
 
@@ -31,6 +32,8 @@ struct AgentOptions {
   // The token is sent on every call and required on every call served;
   // tls_ca_file verifies the planner and peers; tls_cert/key_file serve TLS.
   hap::service::Security security;
+  // Which devices to measure when Start is given no probers (devices.h).
+  DeviceSelection devices = DeviceSelection::kAuto;
   ProbeOptions probe;
   // Zero = the interval RegisterNode returns (5 s if it returns none).
   absl::Duration heartbeat_interval = absl::ZeroDuration();
@@ -52,8 +55,10 @@ class Agent {
  public:
   // Validates the options, starts the server, probes once (a failed probe
   // is logged and retried by the loop) and starts the loops. `probers`
-  // empty = the CPU prober. InvalidArgument for missing planner/name;
-  // the server's error when it cannot bind.
+  // empty = those `options.devices` selects (MakeDeviceProbers, whose
+  // FailedPrecondition for --devices gpu without a GPU or without CUDA is
+  // returned). InvalidArgument for missing planner/name; the server's error
+  // when it cannot bind.
   static absl::StatusOr<std::unique_ptr<Agent>> Start(
       AgentOptions options, std::vector<std::unique_ptr<DeviceProber>> probers = {});
   ~Agent();  // Shutdown(zero)

@@ -44,8 +44,11 @@ const char kAgentUsage[] =
     "  --token-file FILE         bearer token sent and required on every call\n"
     "  --tls-ca-file FILE        CA bundle verifying the planner and peers\n"
     "  --tls-cert-file FILE --tls-key-file FILE  serve TLS\n"
+    "  --devices auto|cpu|gpu    devices to measure (default auto: the GPUs when this\n"
+    "                            build has CUDA and a GPU is visible, else the CPU)\n"
     "  --threads N               compute threads for probes (default: the CPU share)\n"
-    "  --probe-seconds S         bound on one device's probe (default 2)\n"
+    "  --probe-seconds S         bound on one device's probe, and on the GPU peer\n"
+    "                            links of the node in all (default 2)\n"
     "  --heartbeat-seconds S     default: what the planner says at registration\n"
     "  --drift F                 re-probe when quick FLOP/s checks differ by more\n"
     "                            than this fraction (default 0.2; 0 = off)\n"
@@ -61,6 +64,7 @@ const std::set<std::string>& AgentValueFlags() {
                                                                               "tls-ca-file",
                                                                               "tls-cert-file",
                                                                               "tls-key-file",
+                                                                              "devices",
                                                                               "threads",
                                                                               "probe-seconds",
                                                                               "heartbeat-seconds",
@@ -85,6 +89,15 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");
+  {
+    std::string devices = a.GetOrEnv("devices", "auto");
+    auto selection = ParseDeviceSelection(devices);
+    if (!selection.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--devices (or HAP_DEVICES) must be auto, cpu or gpu, got '", devices, "'"));
+    }
+    o.devices = *selection;
+  }
   HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 0, 0));
   HAP_ASSIGN_OR_RETURN(double probe, Number(a, "probe-seconds", 2, 0.001));
   HAP_ASSIGN_OR_RETURN(double heartbeat, Number(a, "heartbeat-seconds", 0, 0));

@@ -3,7 +3,8 @@
 // agent's service and daemon call these and put the result on the wire.
 //
 // A DeviceProber measures every device of one backend on this node. The CPU
-// prober is the first; the CUDA backend adds a GPU prober next to it.
+// prober is the first; gpu_probe.h has the GPU prober (CUDA builds only) and
+// devices.h picks between them.
 #ifndef HAP_PROFILER_AGENT_PROBES_H_
 #define HAP_PROFILER_AGENT_PROBES_H_
 
@@ -69,6 +70,15 @@ class DeviceProber {
   // A quick float32 FLOP/s check of each device, in Probe's order, for drift
   // detection: cheaper than Probe (one size, a few runs).
   virtual absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions& options) = 0;
+  // The links between this backend's devices on node `node` (GPU to GPU over
+  // NVLink or PCIe), measured within options.max_duration in all. Default:
+  // none (one device, or a backend without such links).
+  virtual absl::StatusOr<std::vector<hap::v1::Link>> ProbeLinks(const std::string& node,
+                                                                const ProbeOptions& options) {
+    (void)node;
+    (void)options;
+    return std::vector<hap::v1::Link>{};
+  }
 };
 
 // The CPU as one device "<node>/cpu0": OpenBLAS sgemm FLOP/s (which already
@@ -92,6 +102,13 @@ double MeasureLaunchOverhead(int threads);
 // Runs every prober and assembles the node: name, agent address, devices
 // (local_index kept as each prober numbered them). The first prober error
 // fails the whole probe, annotated with the prober's position.
+// The links every prober measures between its own devices (ProbeLinks), in
+// prober order. The first error fails the whole probe, annotated with the
+// prober's position.
+absl::StatusOr<std::vector<hap::v1::Link>> ProbeNodeLinks(const std::string& name,
+                                                         absl::Span<DeviceProber* const> probers,
+                                                         const ProbeOptions& options);
+
 absl::StatusOr<hap::v1::Node> ProbeNode(const std::string& name, const std::string& address,
                                         absl::Span<DeviceProber* const> probers,
                                         const ProbeOptions& options);
