@@ -1,0 +1,334 @@
+// Convolution and pooling over NCHW images on the GPU, with the contracts
+// and argument checks of executor/cpu/kernels_convolution.cc. conv2d is
+// im2col (kernels_convolution.cu) + cuBLAS strided-batched GEMMs over groups
+// of images sized to bound the im2col scratch; a 1x1, stride-1, unpadded
+// convolution multiplies the images directly. Backward: dw through one GEMM
+// per group over the images side by side, dx through w^T @ dy per image and
+// a gathering col2im. No atomics anywhere: results are deterministic.
+#include <algorithm>
+
+#include "executor/cuda/kernel_checks.h"
+#include "executor/cuda/kernels_b_util.h"
+#include "executor/cuda/launch_convolution.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::cuda {
+namespace {
+
+// An attribute of 1 or 2 integers >= min_value, as a (height, width) pair.
+absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
+    const KernelArgs& a, const std::string& name,
+    const std::vector<int64_t>& def, int64_t min_value) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> v,
+                       def.empty() ? cpu::AttrInts(c, name)
+                                   : cpu::AttrInts(c, name, def));
+  if (v.size() == 1) v.push_back(v[0]);
+  if (v.size() != 2 || v[0] < min_value || v[1] < min_value) {
+    return Invalid(a, "attribute '", name, "' must be 1 or 2 integers >= ",
+                   min_value);
+  }
+  return std::make_pair(v[0], v[1]);
+}
+
+absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
+                                  std::pair<int64_t, int64_t> k,
+                                  std::pair<int64_t, int64_t> s,
+                                  std::pair<int64_t, int64_t> p) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  if (x.rank() != 4) return Invalid(a, cpu::InLabel(c, 0), " must be NCHW");
+  Window g;
+  g.n = x.shape[0];
+  g.c = x.shape[1];
+  g.h = x.shape[2];
+  g.w = x.shape[3];
+  std::tie(g.kh, g.kw) = k;
+  std::tie(g.sh, g.sw) = s;
+  std::tie(g.ph, g.pw) = p;
+  if (g.h + 2 * g.ph < g.kh || g.w + 2 * g.pw < g.kw) {
+    return Invalid(a, "kernel ", g.kh, "x", g.kw,
+                   " is larger than the padded ", cpu::InLabel(c, 0));
+  }
+  g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
+  g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
+  return g;
+}
+
+// --- conv2d -----------------------------------------------------------------------
+
+// The most elements an im2col (or gradient staging) buffer may hold; groups
+// of images are sized to it.
+constexpr int64_t kMaxScratchElements = int64_t{1} << 25;
+// The CPU's grouping constants, for the same size checks (CheckFitsBlas).
+constexpr int64_t kCpuGemmColumns = 512;
+constexpr int64_t kCpuMaxColElements = int64_t{1} << 23;
+
+struct Conv {
+  Window g;
+  int64_t o = 0, ckk = 0, op = 0;
+  bool direct = false;  // 1x1, stride 1, no padding: x is its own im2col
+  int64_t group = 1;    // images per GEMM batch
+  Shape y;
+
+  // fn(first image, images) for each group of images.
+  template <typename F>
+  absl::Status ForEachGroup(F fn) const {
+    for (int64_t i0 = 0; i0 < g.n; i0 += group) {
+      HAP_RETURN_IF_ERROR(fn(i0, std::min(group, g.n - i0)));
+    }
+    return absl::OkStatus();
+  }
+};
+
+absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
+                               bool has_bias_slot) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 1, t));
+  const TensorView& w = a.in[1];
+  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] != a.in[0].shape[1]) {
+    return Invalid(a, "weight ", cpu::InLabel(c, 1), " does not fit image ",
+                   cpu::InLabel(c, 0));
+  }
+  HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
+  HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
+  Conv cv;
+  HAP_ASSIGN_OR_RETURN(cv.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]},
+                                        stride, pad));
+  const Window& g = cv.g;
+  cv.o = w.shape[0];
+  cv.ckk = w.shape[1] * w.shape[2] * w.shape[3];
+  cv.op = g.oh * g.ow;
+  cv.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 &&
+              g.pw == 0;
+  // The CPU's group, only for its size check.
+  int64_t cpu_group = 1;
+  if (!cv.direct && cv.op > 0 && cv.ckk > 0) {
+    cpu_group = std::min(
+        {g.n, std::max<int64_t>(1, kCpuGemmColumns / cv.op),
+         std::max<int64_t>(1, kCpuMaxColElements / (cv.ckk * cv.op))});
+  }
+  cv.y = {g.n, cv.o, g.oh, g.ow};
+  HAP_RETURN_IF_ERROR(cpu::CheckBias(c, t, has_bias_slot, cv.o));
+  HAP_RETURN_IF_ERROR(
+      cpu::CheckFitsBlas(c, {cv.o, cv.ckk, cpu_group * cv.op}));
+  // Ours: as many images as the scratch bound allows (all of them when
+  // direct), and GEMM columns (group * op) within int.
+  const int64_t per_image = std::max<int64_t>(1, std::max(cv.ckk, cv.o) * cv.op);
+  cv.group = cv.direct ? std::max<int64_t>(1, g.n)
+                       : std::clamp<int64_t>(kMaxScratchElements / per_image,
+                                             1, std::max<int64_t>(1, g.n));
+  return cv;
+}
+
+// y[m] = w @ im2col(x[m]) (+ bias): one strided-batched GEMM per group.
+template <typename T>
+absl::Status Conv2dForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
+  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, cv.y));
+  const T* bias = a.in.size() == 3 && a.in[2].present()
+                      ? a.in[2].as<const T>()
+                      : nullptr;
+  const Window& g = cv.g;
+  const int64_t plane = g.c * g.h * g.w;
+  const T* x = a.in[0].as<const T>();
+  const T* w = a.in[1].as<const T>();
+  T* y = a.out[0].as<T>();
+  T* col = nullptr;
+  if (!cv.direct) {
+    HAP_ASSIGN_OR_RETURN(col, ScratchArray<T>(a, cv.ckk * cv.group * cv.op));
+  }
+  HAP_RETURN_IF_ERROR(cv.ForEachGroup([&](int64_t i0, int64_t m) {
+    const T* xi = x + i0 * plane;
+    T* yi = y + i0 * cv.o * cv.op;
+    const T* b = xi;  // direct: the image is [c, op]
+    if (!cv.direct) {
+      LaunchIm2Col<T>(g, xi, m, cv.op, cv.ckk * cv.op, col, a.stream);
+      HAP_RETURN_IF_ERROR(CheckLaunch(a));
+      b = col;
+    }
+    return BatchedGemm<T>(a, false, false, cv.o, cv.op, cv.ckk, w, cv.ckk, 0,
+                          b, cv.op, cv.direct ? plane : cv.ckk * cv.op, T(0),
+                          yi, cv.op, cv.o * cv.op, m);
+  }));
+  if (bias != nullptr) {
+    LaunchAddBias<T>(bias, g.n, cv.o, cv.op, y, a.stream);
+    return CheckLaunch(a);
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Conv2dBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 2, 3, 1));
+  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3));
+  HAP_RETURN_IF_ERROR(gr.Check(t, {cv.y}));
+  if (!gr.dy(0).present()) return absl::OkStatus();
+  const Window& g = cv.g;
+  const int64_t plane = g.c * g.h * g.w;
+  const T* x = gr.x(0).as<const T>();
+  const T* w = gr.x(1).as<const T>();
+  const T* dy = gr.dy(0).as<const T>();
+  T* dx = gr.dx(0).present() ? gr.dx(0).as<T>() : nullptr;
+  T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
+  T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
+  T* col = nullptr;
+  T* dyg = nullptr;
+  if (dw != nullptr || (dx != nullptr && !cv.direct)) {
+    HAP_ASSIGN_OR_RETURN(col, ScratchArray<T>(a, cv.ckk * cv.group * cv.op));
+  }
+  if (dw != nullptr) {
+    HAP_ASSIGN_OR_RETURN(dyg, ScratchArray<T>(a, cv.o * cv.group * cv.op));
+  }
+  HAP_RETURN_IF_ERROR(cv.ForEachGroup([&](int64_t i0,
+                                          int64_t m) -> absl::Status {
+    const T* xi = x + i0 * plane;
+    const T* dyi = dy + i0 * cv.o * cv.op;
+    const int64_t cols = m * cv.op;
+    if (dw != nullptr) {
+      // dw += dy_g @ col_g^T, the group's images side by side: dy_g is
+      // [o, m * op], col_g [ckk, m * op].
+      LaunchChannelsFirst<T>(dyi, m, cv.o, cv.op, dyg, a.stream);
+      LaunchIm2Col<T>(g, xi, m, cols, cv.op, col, a.stream);
+      HAP_RETURN_IF_ERROR(CheckLaunch(a));
+      HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, false, true, cv.o, cv.ckk, cols,
+                                         dyg, cols, 0, col, cols, 0, T(1), dw,
+                                         cv.ckk, 0, 1));
+    }
+    if (dx != nullptr) {
+      T* dxi = dx + i0 * plane;
+      if (cv.direct) {  // dx[m] += w^T @ dy[m]
+        return BatchedGemm<T>(a, true, false, cv.ckk, cv.op, cv.o, w, cv.ckk,
+                              0, dyi, cv.op, cv.o * cv.op, T(1), dxi, cv.op,
+                              plane, m);
+      }
+      // dcol[m] = w^T @ dy[m] (one matrix an image), gathered into dx.
+      HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, true, false, cv.ckk, cv.op, cv.o,
+                                         w, cv.ckk, 0, dyi, cv.op,
+                                         cv.o * cv.op, T(0), col, cv.op,
+                                         cv.ckk * cv.op, m));
+      LaunchCol2Im<T>(g, col, m, cv.op, cv.ckk * cv.op, dxi, a.stream);
+      HAP_RETURN_IF_ERROR(CheckLaunch(a));
+    }
+    return absl::OkStatus();
+  }));
+  if (db != nullptr) {
+    LaunchBiasGrad<T>(dy, g.n, cv.o, cv.op, db, a.stream);
+    return CheckLaunch(a);
+  }
+  return absl::OkStatus();
+}
+
+// --- pooling ----------------------------------------------------------------------
+
+// Validates a pooling op's input and attributes; returns its window.
+using PoolCheck = absl::StatusOr<Window> (*)(const KernelArgs&, DType);
+
+absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(CpuArgs(a), 0, t));
+  HAP_ASSIGN_OR_RETURN(auto k, Pair(a, "kernel", {}, 1));
+  HAP_ASSIGN_OR_RETURN(auto s, Pair(a, "stride", {k.first, k.second}, 1));
+  HAP_ASSIGN_OR_RETURN(auto p, Pair(a, "padding", {0, 0}, 0));
+  if (p.first > k.first / 2 || p.second > k.second / 2) {
+    return Invalid(a, "padding must be at most half the kernel");
+  }
+  return MakeWindow(a, a.in[0], k, s, p);
+}
+
+absl::StatusOr<Window> CheckAdaptive(const KernelArgs& a, DType t) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
+  HAP_ASSIGN_OR_RETURN(auto o, Pair(a, "output_size", {}, 1));
+  if (a.in[0].rank() != 4) {
+    return Invalid(a, cpu::InLabel(c, 0), " must be NCHW");
+  }
+  Window g;
+  g.n = a.in[0].shape[0];
+  g.c = a.in[0].shape[1];
+  g.h = a.in[0].shape[2];
+  g.w = a.in[0].shape[3];
+  std::tie(g.oh, g.ow) = o;
+  return g;
+}
+
+template <typename T>
+absl::StatusOr<Window> PoolForwardChecks(const KernelArgs& a,
+                                         PoolCheck check) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, {g.n, g.c, g.oh, g.ow}));
+  return g;
+}
+
+// The window, or nullopt-like: `active` false when there is nothing to do.
+template <typename T>
+absl::StatusOr<Window> PoolBackwardChecks(const KernelArgs& a,
+                                          PoolCheck check, bool* active) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
+  HAP_RETURN_IF_ERROR(gr.Check(t, {{g.n, g.c, g.oh, g.ow}}));
+  *active = gr.active();
+  return g;
+}
+
+template <typename T>
+absl::Status MaxPoolForward(const KernelArgs& a) {
+  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckMaxPool));
+  LaunchMaxPool<T>(g, a.in[0].as<const T>(), a.out[0].as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+// Inputs (x, y, dy): y is not needed (the maxima are found again).
+template <typename T>
+absl::Status MaxPoolBackward(const KernelArgs& a) {
+  bool active = false;
+  HAP_ASSIGN_OR_RETURN(Window g,
+                       PoolBackwardChecks<T>(a, CheckMaxPool, &active));
+  if (!active) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(int64_t * argmax,
+                       ScratchArray<int64_t>(a, g.n * g.c * g.oh * g.ow));
+  LaunchMaxPoolGrad<T>(g, a.in[0].as<const T>(), a.in[2].as<const T>(),
+                       a.out[0].as<T>(), argmax, a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status AdaptivePoolForward(const KernelArgs& a) {
+  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckAdaptive));
+  LaunchAdaptiveAvgPool<T>(g, a.in[0].as<const T>(), a.out[0].as<T>(),
+                           a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status AdaptivePoolBackward(const KernelArgs& a) {
+  bool active = false;
+  HAP_ASSIGN_OR_RETURN(Window g,
+                       PoolBackwardChecks<T>(a, CheckAdaptive, &active));
+  if (!active) return absl::OkStatus();
+  LaunchAdaptiveAvgPoolGrad<T>(g, a.in[2].as<const T>(), a.out[0].as<T>(),
+                               a.stream);
+  return CheckLaunch(a);
+}
+
+}  // namespace
+
+void RegisterConvolutionKernels(KernelTable& t) {
+  t["conv2d"] = HAP_CUDA_FLOAT_KERNEL(Conv2dForward);
+  t["conv2d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv2dBackward);
+  t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolForward);
+  t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolBackward);
+  t["adaptive_avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolForward);
+  t["adaptive_avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolBackward);
+}
+
+}  // namespace hap::executor::cuda

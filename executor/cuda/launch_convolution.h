@@ -1,0 +1,79 @@
+// Internal to executor/cuda: launchers of the convolution and pooling
+// kernels over NCHW images (kernels_convolution.cu). conv2d itself is im2col
+// + cuBLAS (kernels_convolution.cc); these are its data movement, bias, and
+// the pooling ops. Adjoint scatters are written as gathers (each output
+// element sums its own contributions in a fixed order): no atomics,
+// deterministic. Every launcher enqueues on `stream` and returns; launch
+// errors are read by CheckLaunch. T is float or double.
+#ifndef HAP_EXECUTOR_CUDA_LAUNCH_CONVOLUTION_H_
+#define HAP_EXECUTOR_CUDA_LAUNCH_CONVOLUTION_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hap::executor::cuda {
+
+// The geometry of a sliding window over one image plane (as the CPU's).
+struct Window {
+  int64_t n = 0, c = 0, h = 0, w = 0;  // input
+  int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
+  int64_t oh = 0, ow = 0;
+};
+
+// The im2col matrix of `images` images starting at x:
+//   col[row * row_stride + m * image_stride + oy * ow + ox] =
+//     x_m[ch][oy * sh - ph + i][ox * sw - pw + j]  (0 in the padding),
+// row = (ch * kh + i) * kw + j. row_stride = images * oh * ow and
+// image_stride = oh * ow give one [c*kh*kw, images*oh*ow] matrix;
+// row_stride = oh * ow and image_stride = c*kh*kw*oh*ow one matrix an image.
+template <typename T>
+void LaunchIm2Col(const Window& g, const T* x, int64_t images,
+                  int64_t row_stride, int64_t image_stride, T* col,
+                  cudaStream_t stream);
+
+// The adjoint of LaunchIm2Col: dx_m += the col entries that read each
+// element (same layout arguments).
+template <typename T>
+void LaunchCol2Im(const Window& g, const T* col, int64_t images,
+                  int64_t row_stride, int64_t image_stride, T* dx,
+                  cudaStream_t stream);
+
+// y[m][ch][p] += bias[ch] for m < images, p < plane.
+template <typename T>
+void LaunchAddBias(const T* bias, int64_t images, int64_t channels,
+                   int64_t plane, T* y, cudaStream_t stream);
+
+// dst[ch][m * plane + p] = src[m][ch][p]: images side by side per channel.
+template <typename T>
+void LaunchChannelsFirst(const T* src, int64_t images, int64_t channels,
+                         int64_t plane, T* dst, cudaStream_t stream);
+
+// db[ch] += sum over m < images, p < plane of dy[m][ch][p].
+template <typename T>
+void LaunchBiasGrad(const T* dy, int64_t images, int64_t channels,
+                    int64_t plane, T* db, cudaStream_t stream);
+
+// max_pool2d over every (n, c) plane: padding reads as -inf, the first
+// maximum in scan order (a NaN wins) is the window's value.
+template <typename T>
+void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream);
+
+// dx[first maximum of each window] += dy; `argmax` is scratch of
+// n * c * oh * ow int64.
+template <typename T>
+void LaunchMaxPoolGrad(const Window& g, const T* x, const T* dy, T* dx,
+                       int64_t* argmax, cudaStream_t stream);
+
+// adaptive_avg_pool2d (PyTorch's windows: output i of `out` over `in`
+// averages [floor(i * in / out), ceil((i + 1) * in / out))).
+template <typename T>
+void LaunchAdaptiveAvgPool(const Window& g, const T* x, T* y,
+                           cudaStream_t stream);
+template <typename T>
+void LaunchAdaptiveAvgPoolGrad(const Window& g, const T* dy, T* dx,
+                               cudaStream_t stream);
+
+}  // namespace hap::executor::cuda
+
+#endif  // HAP_EXECUTOR_CUDA_LAUNCH_CONVOLUTION_H_
