@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -43,6 +44,10 @@ absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(
 cudaStream_t CudaComputeStream(Device& device);
 // The GPU ordinal of a device made by NewCudaDevice, or -1.
 int CudaOrdinal(const Device& device);
+
+// The names of the CUDA device's kernels, sorted (no GPU needed): the same
+// set as executor/cpu/kernels.h CpuKernelNames().
+std::vector<std::string> CudaKernelNames();
 
 }  // namespace hap::executor
 
