@@ -459,16 +459,16 @@ struct Agent::Impl : public ProfileSource {
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
     AgentOptions options, std::vector<std::unique_ptr<DeviceProber>> probers) {
   HAP_RETURN_IF_ERROR(Validate(options));
+  std::string devices_note;
+  if (probers.empty()) {
+    HAP_ASSIGN_OR_RETURN(probers, MakeDeviceProbers(options.devices, &devices_note));
+  }
   std::unique_ptr<Agent> agent(new Agent());
   agent->impl_ = std::make_unique<Impl>();
   Impl& impl = *agent->impl_;
   impl.o = std::move(options);
   impl.probers = std::move(probers);
-  if (impl.probers.empty()) {
-    std::string why;
-    HAP_ASSIGN_OR_RETURN(impl.probers, MakeDeviceProbers(impl.o.devices, &why));
-    Log(why);
-  }
+  if (!devices_note.empty()) Log(devices_note);
   HAP_RETURN_IF_ERROR(impl.ConnectPlanner());
   HAP_ASSIGN_OR_RETURN(impl.server, AgentServer::Start(impl.o.listen, impl.o.security, &impl));
   impl.address = impl.o.advertise.empty() ? Advertised(impl.server->address()) : impl.o.advertise;
@@ -493,7 +493,8 @@ void Agent::Shutdown(absl::Duration deadline) {
   }
   if (impl_->heartbeat_thread.joinable()) impl_->heartbeat_thread.join();
   if (impl_->link_thread.joinable()) impl_->link_thread.join();
-  impl_->server->Shutdown(deadline);
+  // No server when Start failed before it was up.
+  if (impl_->server) impl_->server->Shutdown(deadline);
 }
 
 }  // namespace hap::agent

@@ -35,6 +35,21 @@ TEST(AgentFlagsTest, DefaultsAndTheFlagWinningOverTheEnvironment) {
   EXPECT_EQ(o->probe.max_duration, absl::Seconds(2));
   EXPECT_EQ(o->probe.threads, 0);
   EXPECT_TRUE(o->security.token.empty());
+  EXPECT_EQ(o->devices, DeviceSelection::kAuto);
+}
+
+TEST(AgentFlagsTest, DevicesFromTheFlagOrHapDevices) {
+  setenv("HAP_DEVICES", "gpu", 1);
+  auto from_env = FromArgv({"--planner", "p:1"});
+  auto from_flag = FromArgv({"--planner", "p:1", "--devices", "cpu"});
+  unsetenv("HAP_DEVICES");
+  ASSERT_THAT(from_env, IsOk());
+  EXPECT_EQ(from_env->devices, DeviceSelection::kGpu);
+  ASSERT_THAT(from_flag, IsOk());
+  EXPECT_EQ(from_flag->devices, DeviceSelection::kCpu);
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--devices", "tpu"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--devices (or HAP_DEVICES) must be auto, cpu or gpu")));
 }
 
 TEST(AgentFlagsTest, ReadsTheTokenFile) {

@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
@@ -232,6 +234,86 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   EXPECT_EQ(link.kind(), v1::LOOPBACK);
 }
 
+// Two GPU-like devices and the links between them, as the GPU prober
+// reports them; or a link probe that fails.
+class FakeGpuPairProber : public DeviceProber {
+ public:
+  explicit FakeGpuPairProber(bool links_fail) : links_fail_(links_fail) {}
+  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
+                                                const ProbeOptions&) override {
+    std::vector<v1::Device> devices;
+    for (int i = 0; i < 2; ++i) {
+      v1::Device d;
+      d.set_id(absl::StrCat(node, "/gpu", i));
+      d.set_kind(v1::GPU);
+      d.set_node(node);
+      d.set_local_index(i);
+      auto* f = d.add_flops();
+      f->set_dtype(v1::FLOAT32);
+      f->set_flops(5e12);
+      d.set_memory_bytes(int64_t{80} << 30);
+      devices.push_back(d);
+    }
+    return devices;
+  }
+  absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions&) override {
+    return std::vector<double>{5e12, 5e12};
+  }
+  absl::StatusOr<std::vector<v1::Link>> ProbeLinks(const std::string& node,
+                                                   const ProbeOptions&) override {
+    if (links_fail_) return absl::UnavailableError("peer copy failed");
+    std::vector<v1::Link> links;
+    for (auto [src, dst] : {std::pair{0, 1}, std::pair{1, 0}}) {
+      v1::Link l;
+      l.set_src(absl::StrCat(node, "/gpu", src));
+      l.set_dst(absl::StrCat(node, "/gpu", dst));
+      l.set_bandwidth_bytes_per_second(200e9);
+      l.set_latency_seconds(5e-6);
+      l.set_kind(v1::NVLINK);
+      links.push_back(l);
+    }
+    return links;
+  }
+
+ private:
+  bool links_fail_;
+};
+
+TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::make_unique<FakeGpuPairProber>(false));
+  auto agent = Agent::Start(Options("node-g"), std::move(probers));
+  ASSERT_THAT(agent, IsOk());
+  // Reported right after registering, with no peer assigned.
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.links.size() >= 2; }));
+  Record r = planner_.Snapshot();
+  EXPECT_EQ(r.links[0].src(), "node-g/gpu0");
+  EXPECT_EQ(r.links[0].dst(), "node-g/gpu1");
+  EXPECT_EQ(r.links[0].kind(), v1::NVLINK);
+  EXPECT_EQ(r.nodes.at("node-g").devices_size(), 2);
+
+  auto channel = hap::service::MakeChannel((*agent)->listen_address(), {});
+  ASSERT_THAT(channel, IsOk());
+  grpc::ClientContext ctx;
+  v1::ProbeResponse profile;
+  ASSERT_THAT(FromGrpc(v1::Agent::NewStub(*channel)->GetProfile(&ctx, v1::GetProfileRequest(),
+                                                                 &profile)),
+              IsOk());
+  ASSERT_EQ(profile.links_size(), 2);
+  EXPECT_EQ(profile.links(1).src(), "node-g/gpu1");
+  EXPECT_EQ(profile.links(1).dst(), "node-g/gpu0");
+}
+
+TEST_F(AgentTest, AFailingLocalLinkProbeLeavesTheDevicesRegistered) {
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::make_unique<FakeGpuPairProber>(true));
+  auto agent = Agent::Start(Options("node-g"), std::move(probers));
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(Registered("node-g"));
+  EXPECT_EQ(planner_.Snapshot().nodes.at("node-g").devices_size(), 2);
+  EXPECT_TRUE(planner_.Snapshot().links.empty());
+}
+
 TEST(AgentTokenTest, SendsTheTokenToThePlannerAndRequiresItFromCallers) {
   FakePlanner planner(absl::Milliseconds(20), "tok");
   FakeProber::State state;
@@ -274,6 +356,19 @@ TEST(AgentStartTest, RejectsMissingPlannerOrName) {
   o.name = "n";
   o.drift = -1;
   EXPECT_THAT(Agent::Start(o), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("drift")));
+}
+
+TEST(AgentStartTest, DevicesGpuWithoutCudaOrAGpuFailsToStartNamingWhy) {
+  if (BuiltWithCuda() && MakeDeviceProbers(DeviceSelection::kGpu).ok()) {
+    GTEST_SKIP() << "built with CUDA and a GPU is visible: --devices gpu works here";
+  }
+  AgentOptions o;
+  o.planner = "127.0.0.1:1";
+  o.name = "n";
+  o.devices = DeviceSelection::kGpu;
+  EXPECT_THAT(Agent::Start(o),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr(BuiltWithCuda() ? "no GPU is visible" : "built without CUDA")));
 }
 
 TEST(AgentStartTest, ShutdownIsPromptWhileRetryingAnUnreachablePlanner) {

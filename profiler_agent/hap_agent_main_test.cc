@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "hap/v1/agent_service.grpc.pb.h"
 #include "planner/service/grpc/grpc_util.h"
 #include "planner/util/status_matchers.h"
+#include "profiler_agent/devices.h"
 #include "profiler_agent/fake_planner.h"
 
 extern char** environ;
@@ -37,16 +40,20 @@ std::string AgentBinary() {
 }
 
 // The agent binary with stdout on a pipe (stderr passes through to the
-// test log). Stopped by pid.
+// test log, or goes to `stderr_path` when given). Stopped by pid.
 class AgentProcess {
  public:
-  explicit AgentProcess(std::vector<std::string> args) {
+  explicit AgentProcess(std::vector<std::string> args, const std::string& stderr_path = "") {
     int p[2];
     if (pipe(p) != 0) return;
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, p[1], 1);
     posix_spawn_file_actions_addclose(&fa, p[0]);
+    if (!stderr_path.empty()) {
+      posix_spawn_file_actions_addopen(&fa, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                       0644);
+    }
     args.insert(args.begin(), AgentBinary());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -109,7 +116,7 @@ class AgentProcess {
 TEST(HapAgentBinaryTest, PrintsItsPortRegistersAndExitsCleanlyOnSigterm) {
   FakePlanner planner(absl::Milliseconds(50));
   AgentProcess agent({"--planner", planner.address(), "--name", "bin-node", "--probe-seconds",
-                      "0.2", "--drift", "0"});
+                      "0.2", "--drift", "0", "--devices", "cpu"});
   ASSERT_GT(agent.pid(), 0);
   std::string address = agent.ReadLine("listening on ", absl::Seconds(60));
   ASSERT_TRUE(absl::StartsWith(address, "127.0.0.1:")) << "got '" << address << "'";
@@ -157,13 +164,32 @@ TEST(HapAgentBinaryTest, MissingPlannerOrBadFlagsExitTwo) {
   for (std::vector<std::string> args :
        {std::vector<std::string>{"--name", "x"},
         std::vector<std::string>{"--planner", "127.0.0.1:1", "--bogus"},
-        std::vector<std::string>{"--planner", "127.0.0.1:1", "--drift", "lots"}}) {
+        std::vector<std::string>{"--planner", "127.0.0.1:1", "--drift", "lots"},
+        std::vector<std::string>{"--planner", "127.0.0.1:1", "--devices", "tpu"}}) {
     AgentProcess agent(args);
     ASSERT_GT(agent.pid(), 0);
     int status = agent.Stop(0, absl::Seconds(10));  // signal 0: just wait
     ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
     EXPECT_EQ(WEXITSTATUS(status), 2) << args.back();
   }
+}
+
+TEST(HapAgentBinaryTest, DevicesGpuWithoutAGpuExitsOneNamingWhy) {
+  if (BuiltWithCuda() && MakeDeviceProbers(DeviceSelection::kGpu).ok()) {
+    GTEST_SKIP() << "built with CUDA and a GPU is visible: --devices gpu works here";
+  }
+  std::string err = absl::StrCat(std::getenv("TEST_TMPDIR"), "/devices_gpu.stderr");
+  AgentProcess agent({"--planner", "127.0.0.1:1", "--name", "x", "--devices", "gpu"}, err);
+  ASSERT_GT(agent.pid(), 0);
+  int status = agent.Stop(0, absl::Seconds(30));
+  ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  std::ifstream f(err);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, ::testing::HasSubstr(BuiltWithCuda()
+                                             ? "--devices gpu: no GPU is visible"
+                                             : "--devices gpu: this hap-agent was built without "
+                                               "CUDA"));
 }
 
 }  // namespace
