@@ -93,8 +93,8 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     std::string devices = a.GetOrEnv("devices", "auto");
     auto selection = ParseDeviceSelection(devices);
     if (!selection.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--devices (or HAP_DEVICES) must be auto, cpu or gpu, got '", devices, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices (or HAP_DEVICES) must be auto, cpu or gpu, got '", devices, "'"));
     }
     o.devices = *selection;
   }

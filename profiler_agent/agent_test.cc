@@ -296,9 +296,9 @@ TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
   ASSERT_THAT(channel, IsOk());
   grpc::ClientContext ctx;
   v1::ProbeResponse profile;
-  ASSERT_THAT(FromGrpc(v1::Agent::NewStub(*channel)->GetProfile(&ctx, v1::GetProfileRequest(),
-                                                                 &profile)),
-              IsOk());
+  ASSERT_THAT(
+      FromGrpc(v1::Agent::NewStub(*channel)->GetProfile(&ctx, v1::GetProfileRequest(), &profile)),
+      IsOk());
   ASSERT_EQ(profile.links_size(), 2);
   EXPECT_EQ(profile.links(1).src(), "node-g/gpu1");
   EXPECT_EQ(profile.links(1).dst(), "node-g/gpu0");

@@ -47,8 +47,8 @@ TEST(DevicesTest, GpuFailsNamingWhyWhereThereIsNone) {
     EXPECT_THAT(probers, StatusIs(absl::StatusCode::kFailedPrecondition,
                                   HasSubstr("--devices gpu: this hap-agent was built without "
                                             "CUDA")));
-    EXPECT_THAT(probers, StatusIs(absl::StatusCode::kFailedPrecondition,
-                                  HasSubstr("--config=cuda")));
+    EXPECT_THAT(probers,
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--config=cuda")));
     return;
   }
   if (probers.ok()) GTEST_SKIP() << "built with CUDA and a GPU is visible: gpu works here";

@@ -67,9 +67,8 @@ class GpuProber : public DeviceProber {
     std::vector<double> flops;
     for (int ordinal = 0; ordinal < count_; ++ordinal) {
       std::vector<gpu::GemmRate> rates;
-      HAP_RETURN_IF_ERROR(
-          Check(gpu::MeasureGemmRates(ordinal, {GemmKind::kFloat32}, quick, &rates),
-                absl::StrCat("GPU ", ordinal, ": quick float32 GEMM check")));
+      HAP_RETURN_IF_ERROR(Check(gpu::MeasureGemmRates(ordinal, {GemmKind::kFloat32}, quick, &rates),
+                                absl::StrCat("GPU ", ordinal, ": quick float32 GEMM check")));
       flops.push_back(rates.at(0).flops);
     }
     return flops;
@@ -165,8 +164,7 @@ absl::StatusOr<std::unique_ptr<DeviceProber>> NewGpuProber(GpuProbeOptions optio
 }
 
 v1::LinkKind GpuLinkKind(const gpu::PeerMeasurement& m) {
-  if (m.attributes.native_atomics ||
-      m.bandwidth_bytes_per_second > kPcieCeilingBytesPerSecond) {
+  if (m.attributes.native_atomics || m.bandwidth_bytes_per_second > kPcieCeilingBytesPerSecond) {
     return v1::NVLINK;
   }
   return v1::PCIE;

@@ -49,20 +49,20 @@ std::string CublasText(cublasStatus_t s) {
   return std::string(cublasGetStatusName(s)) + ": " + cublasGetStatusString(s);
 }
 
-#define HAP_CUDA_TRY(call)                                                    \
-  do {                                                                        \
-    cudaError_t hap_cuda_error_ = (call);                                     \
-    if (hap_cuda_error_ != cudaSuccess) {                                     \
-      return Failure(#call, __FILE__, __LINE__, CudaText(hap_cuda_error_));   \
-    }                                                                         \
+#define HAP_CUDA_TRY(call)                                                  \
+  do {                                                                      \
+    cudaError_t hap_cuda_error_ = (call);                                   \
+    if (hap_cuda_error_ != cudaSuccess) {                                   \
+      return Failure(#call, __FILE__, __LINE__, CudaText(hap_cuda_error_)); \
+    }                                                                       \
   } while (0)
 
-#define HAP_CUBLAS_TRY(call)                                                    \
-  do {                                                                          \
-    cublasStatus_t hap_cublas_status_ = (call);                                 \
-    if (hap_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                          \
+#define HAP_CUBLAS_TRY(call)                                                     \
+  do {                                                                           \
+    cublasStatus_t hap_cublas_status_ = (call);                                  \
+    if (hap_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                           \
       return Failure(#call, __FILE__, __LINE__, CublasText(hap_cublas_status_)); \
-    }                                                                           \
+    }                                                                            \
   } while (0)
 
 // Makes a GPU current and restores the caller's current GPU on exit.
@@ -174,9 +174,9 @@ class CublasHandle {
   cublasHandle_t h_ = nullptr;
 };
 
-#define HAP_TRY(expr)                     \
-  do {                                    \
-    std::string hap_error_ = (expr);      \
+#define HAP_TRY(expr)                           \
+  do {                                          \
+    std::string hap_error_ = (expr);            \
     if (!hap_error_.empty()) return hap_error_; \
   } while (0)
 
@@ -262,9 +262,9 @@ struct GemmBench {
     const GemmTypes t = TypesOf(kind);
     const float alpha = 1.0f, beta = 0.0f;
     for (int i = 0; i < count; ++i) {
-      HAP_CUBLAS_TRY(cublasGemmEx(handle.get(), CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha,
-                                  a.get(), t.data, n, b.get(), t.data, n, &beta, c.get(), t.data,
-                                  n, t.compute, CUBLAS_GEMM_DEFAULT));
+      HAP_CUBLAS_TRY(cublasGemmEx(handle.get(), CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(),
+                                  t.data, n, b.get(), t.data, n, &beta, c.get(), t.data, n,
+                                  t.compute, CUBLAS_GEMM_DEFAULT));
     }
     return "";
   }

@@ -26,12 +26,12 @@ namespace hap::agent::gpu {
 int VisibleGpuCount(std::string* reason);
 
 struct GpuProperties {
-  std::string name;          // "NVIDIA H100 80GB HBM3"
-  int compute_major = 0;     // compute capability, 8.0 = A100
+  std::string name;       // "NVIDIA H100 80GB HBM3"
+  int compute_major = 0;  // compute capability, 8.0 = A100
   int compute_minor = 0;
-  int64_t total_bytes = 0;   // cudaMemGetInfo total
-  int64_t free_bytes = 0;    // cudaMemGetInfo free, at the time of the call
-  std::string pci_bus_id;    // "0000:3B:00.0"
+  int64_t total_bytes = 0;  // cudaMemGetInfo total
+  int64_t free_bytes = 0;   // cudaMemGetInfo free, at the time of the call
+  std::string pci_bus_id;   // "0000:3B:00.0"
 };
 
 std::string GetGpuProperties(int ordinal, GpuProperties* out);

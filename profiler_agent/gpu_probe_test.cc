@@ -160,7 +160,7 @@ TEST(GpuProbeCudaTest, WithoutAGpuTheCountIsZeroWithAReason) {
   EXPECT_THAT(VisibleGpus(), ::hap::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
                                                       ::testing::HasSubstr("no GPU is visible")));
   EXPECT_THAT(NewGpuProber(), ::hap::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
-                                                        ::testing::HasSubstr(reason)));
+                                                       ::testing::HasSubstr(reason)));
 }
 
 }  // namespace

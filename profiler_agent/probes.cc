@@ -153,13 +153,14 @@ absl::StatusOr<hap::v1::Node> ProbeNode(const std::string& name, const std::stri
 }
 
 absl::StatusOr<std::vector<hap::v1::Link>> ProbeNodeLinks(const std::string& name,
-                                                         absl::Span<DeviceProber* const> probers,
-                                                         const ProbeOptions& options) {
+                                                          absl::Span<DeviceProber* const> probers,
+                                                          const ProbeOptions& options) {
   std::vector<hap::v1::Link> links;
   for (size_t i = 0; i < probers.size(); ++i) {
     auto some = probers[i]->ProbeLinks(name, options);
     if (!some.ok()) {
-      return Annotate(some.status(), absl::StrCat("probing links between devices (prober ", i, ")"));
+      return Annotate(some.status(),
+                      absl::StrCat("probing links between devices (prober ", i, ")"));
     }
     for (auto& l : *some) links.push_back(std::move(l));
   }

@@ -106,8 +106,8 @@ double MeasureLaunchOverhead(int threads);
 // prober order. The first error fails the whole probe, annotated with the
 // prober's position.
 absl::StatusOr<std::vector<hap::v1::Link>> ProbeNodeLinks(const std::string& name,
-                                                         absl::Span<DeviceProber* const> probers,
-                                                         const ProbeOptions& options);
+                                                          absl::Span<DeviceProber* const> probers,
+                                                          const ProbeOptions& options);
 
 absl::StatusOr<hap::v1::Node> ProbeNode(const std::string& name, const std::string& address,
                                         absl::Span<DeviceProber* const> probers,
