@@ -188,7 +188,7 @@ for r in $(seq 0 $((RANKS - 1))); do
   # rank gets. No drift checks or link re-probes while training.
   start_in "$group" "$core" "$STATE/agent$r.log" "$BIN/profiler_agent/hap-agent" \
     --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
-    --probe-seconds 3 --drift 0 --link-probe-seconds 3600
+    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --devices cpu
   start_in "$group" "$core" "$STATE/executor$r.log" "$BIN/executor/cli/hap-executor" --serve \
     --planner "$PLANNER" --device-id "node$r/cpu0" --token-file "$STATE/token" --threads 1 \
     --data-dir "$DATA_DIR" --timeout 120

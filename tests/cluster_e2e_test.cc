@@ -44,7 +44,8 @@ class ClusterTest : public ::testing::Test {
                       ->Start({Runfile("profiler_agent/hap-agent"), "--planner=" + Planner(),
                                "--name=" + name, "--listen=127.0.0.1:0",
                                "--token-file=" + dir_ + "/token", "--threads=1",
-                               "--probe-seconds=0.3", "--link-probe-seconds=3600"})
+                               "--probe-seconds=0.3", "--link-probe-seconds=3600",
+                               "--devices=cpu"})
                       .ok());
       ASSERT_TRUE(agents_.back()->WaitForLine("listening on ").ok()) << agents_.back()->output();
       executors_.push_back(std::make_unique<Process>());
