@@ -7,10 +7,13 @@ same command line and protocol as step_worker:
 
     /usr/bin/python3 bench/torch_step.py --model gpt --threads 1 \
         --layers 2 --hidden 256 ... [--steps 10] [--warmup 2] [--breakdown] \
-        [--serve]
+        [--serve] [--device cuda]
 
 A step's time covers forward, backward, optimizer.step() and
-zero_grad(set_to_none=True); making the batch is not timed. Output: one JSON
+zero_grad(set_to_none=True); making the batch is not timed. --device cuda
+(scripts/gpu-check.sh) runs on the GPU: moving the batch there is timed (as
+our side loads it into its arena) and the step ends with
+torch.cuda.synchronize(). Output: one JSON
 line per block, {"seconds": [...], "losses": [...]}. --breakdown (without
 --serve) profiles the timed steps and adds the profiler's per-operator table.
 Needs Debian's python3-torch (run with /usr/bin/python3).
@@ -43,6 +46,7 @@ def parse(argv):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--device", default="cpu")
     args, rest = ap.parse_known_args(argv)
     if len(rest) % 2:
         ap.error(f"zoo parameters come as --NAME VALUE pairs: {rest}")
@@ -86,15 +90,20 @@ def build(model, params):
     return m, make
 
 
-def run_block(m, opt, make, n):
+def run_block(m, opt, make, n, device="cpu"):
     seconds, losses = [], []
+    cuda = device.startswith("cuda")
     for _ in range(n):
         batch = make()
         t0 = time.perf_counter()
+        if cuda:
+            batch = {k: v.to(device) for k, v in batch.items()}
         loss = m(**batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         losses.append(loss.item())
     return {"seconds": seconds, "losses": losses}
@@ -105,18 +114,22 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
     m, make = build(args.model, params)
+    m.to(args.device)
     m.train()
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     if args.serve:
         for line in sys.stdin:
-            print(json.dumps(run_block(m, opt, make, int(line))), flush=True)
+            print(json.dumps(run_block(m, opt, make, int(line), args.device)),
+                  flush=True)
         return
-    run_block(m, opt, make, args.warmup)
+    run_block(m, opt, make, args.warmup, args.device)
     if not args.breakdown:
-        print(json.dumps(run_block(m, opt, make, args.steps)), flush=True)
+        print(json.dumps(run_block(m, opt, make, args.steps, args.device)),
+              flush=True)
         return
     with torch.autograd.profiler.profile() as prof:
-        print(json.dumps(run_block(m, opt, make, args.steps)), flush=True)
+        print(json.dumps(run_block(m, opt, make, args.steps, args.device)),
+              flush=True)
     print(f"PyTorch profiler, totals over {args.steps} steps:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total",
                                     row_limit=25))

@@ -45,8 +45,8 @@ absl::Status CudaStatus(cudaError_t e, const char* expr, int line) {
 // code alone does not say.
 absl::Status NcclStatus(ncclResult_t r, const char* expr, int line, ncclComm_t comm) {
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
-  std::string msg = absl::StrCat("NCCL error ", static_cast<int>(r), " (",
-                                 ncclGetErrorString(r), ")");
+  std::string msg =
+      absl::StrCat("NCCL error ", static_cast<int>(r), " (", ncclGetErrorString(r), ")");
   const char* last = ncclGetLastError(comm);
   if (last != nullptr && *last != '\0') absl::StrAppend(&msg, ": ", last);
   if (expr != nullptr) {
@@ -59,8 +59,7 @@ absl::Status NcclStatus(ncclResult_t r, const char* expr, int line, ncclComm_t c
 }
 
 #define HAP_CUDA(expr) HAP_RETURN_IF_ERROR(CudaStatus((expr), #expr, __LINE__))
-#define HAP_NCCL(expr, comm) \
-  HAP_RETURN_IF_ERROR(NcclStatus((expr), #expr, __LINE__, (comm)))
+#define HAP_NCCL(expr, comm) HAP_RETURN_IF_ERROR(NcclStatus((expr), #expr, __LINE__, (comm)))
 
 // Polls `done` until it returns true, yielding first and then sleeping, so a
 // short wait costs little latency and a long one little CPU.
@@ -184,8 +183,7 @@ class NcclCommunicator : public Communicator {
     HAP_RETURN_IF_ERROR(OnDevice("all-reduce", {buf}));
     return Run("all-reduce", [&]() -> absl::Status {
       return Group([&]() -> absl::Status {
-        HAP_NCCL(ncclAllReduce(buf.data, buf.data, n, SumType(buf.dtype), ncclSum, comm_,
-                               stream_),
+        HAP_NCCL(ncclAllReduce(buf.data, buf.data, n, SumType(buf.dtype), ncclSum, comm_, stream_),
                  comm_);
         return absl::OkStatus();
       });
@@ -210,8 +208,7 @@ class NcclCommunicator : public Communicator {
             if (counts[r] == 0) continue;
             char* dst = At(out, off[r]);
             const void* src = r == rank_ ? in.data : dst;
-            HAP_NCCL(ncclBroadcast(src, dst, counts[r] * es, ncclUint8, r, comm_, stream_),
-                     comm_);
+            HAP_NCCL(ncclBroadcast(src, dst, counts[r] * es, ncclUint8, r, comm_, stream_), comm_);
           }
           return absl::OkStatus();
         });
@@ -231,8 +228,8 @@ class NcclCommunicator : public Communicator {
     HAP_ASSIGN_OR_RETURN(char* recv, Scratch(1, m * es * size_));
     return Run("all-gather (padded)", [&]() -> absl::Status {
       if (counts[rank_] > 0) {
-        HAP_CUDA(cudaMemcpyAsync(send, in.data, counts[rank_] * es, cudaMemcpyDeviceToDevice,
-                                 stream_));
+        HAP_CUDA(
+            cudaMemcpyAsync(send, in.data, counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_));
       }
       HAP_RETURN_IF_ERROR(Group([&]() -> absl::Status {
         HAP_NCCL(ncclAllGather(send, recv, m * es, ncclUint8, comm_, stream_), comm_);
@@ -298,8 +295,8 @@ class NcclCommunicator : public Communicator {
         return absl::OkStatus();
       }));
       if (counts[rank_] > 0) {
-        HAP_CUDA(cudaMemcpyAsync(out.data, recv, counts[rank_] * es, cudaMemcpyDeviceToDevice,
-                                 stream_));
+        HAP_CUDA(
+            cudaMemcpyAsync(out.data, recv, counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_));
       }
       return absl::OkStatus();
     });
@@ -321,8 +318,8 @@ class NcclCommunicator : public Communicator {
     const std::vector<int64_t> soff = Offsets(send_counts), roff = Offsets(recv_counts);
     return Run("all-to-all", [&]() -> absl::Status {
       if (send_counts[rank_] > 0) {  // this rank's own chunk: a copy
-        HAP_CUDA(cudaMemcpyAsync(At(out, roff[rank_]), At(in, soff[rank_]),
-                                 send_counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_));
+        HAP_CUDA(cudaMemcpyAsync(At(out, roff[rank_]), At(in, soff[rank_]), send_counts[rank_] * es,
+                                 cudaMemcpyDeviceToDevice, stream_));
       }
       return Group([&]() -> absl::Status {
         for (int j = 0; j < size_; ++j) {
@@ -404,17 +401,15 @@ class NcclCommunicator : public Communicator {
 
   absl::Status CheckRoot(const char* what, int root) const {
     if (root < 0 || root >= size_) {
-      return Invalid(
-          absl::StrCat(what, ": root ", root, " is out of range for ", size_, " ranks"));
+      return Invalid(absl::StrCat(what, ": root ", root, " is out of range for ", size_, " ranks"));
     }
     return absl::OkStatus();
   }
 
   static absl::Status SameDType(const char* what, const TensorView& a, const TensorView& b) {
     if (a.dtype != b.dtype) {
-      return Invalid(absl::StrCat(what, ": the buffers' dtypes differ (",
-                                  graph::DTypeName(a.dtype), " and ",
-                                  graph::DTypeName(b.dtype), ")"));
+      return Invalid(absl::StrCat(what, ": the buffers' dtypes differ (", graph::DTypeName(a.dtype),
+                                  " and ", graph::DTypeName(b.dtype), ")"));
     }
     return absl::OkStatus();
   }
@@ -422,8 +417,7 @@ class NcclCommunicator : public Communicator {
   // counts: one per rank, non-negative; `whole` holds their sum and, when
   // `check_part`, `part` (of the same dtype) holds counts[rank()].
   absl::Status CheckCounts(const char* what, absl::Span<const int64_t> counts,
-                           const TensorView& part, const TensorView& whole,
-                           bool check_part) const {
+                           const TensorView& part, const TensorView& whole, bool check_part) const {
     if (check_part) HAP_RETURN_IF_ERROR(SameDType(what, part, whole));
     if (static_cast<int>(counts.size()) != size_) {
       return Invalid(absl::StrCat(what, ": ", counts.size(), " counts for ", size_, " ranks"));
@@ -434,9 +428,8 @@ class NcclCommunicator : public Communicator {
       sum += c;
     }
     if (sum != whole.num_elements()) {
-      return Invalid(absl::StrCat(what, ": counts [", absl::StrJoin(counts, ","), "] sum to ",
-                                  sum, " but the buffer holds ", whole.num_elements(),
-                                  " elements"));
+      return Invalid(absl::StrCat(what, ": counts [", absl::StrJoin(counts, ","), "] sum to ", sum,
+                                  " but the buffer holds ", whole.num_elements(), " elements"));
     }
     if (check_part && counts[rank_] != part.num_elements()) {
       return Invalid(absl::StrCat(what, ": rank ", rank_, " holds ", part.num_elements(),
@@ -451,8 +444,8 @@ class NcclCommunicator : public Communicator {
     for (const TensorView& v : views) {
       if (v.bytes() == 0) continue;
       if (v.data == nullptr) {
-        return Invalid(absl::StrCat(what, ": a buffer of ", v.num_elements(),
-                                    " elements is absent"));
+        return Invalid(
+            absl::StrCat(what, ": a buffer of ", v.num_elements(), " elements is absent"));
       }
       cudaPointerAttributes a;
       cudaError_t e = cudaPointerGetAttributes(&a, v.data);
@@ -488,8 +481,8 @@ class NcclCommunicator : public Communicator {
     if (e != cudaSuccess) {
       cudaGetLastError();
       scratch_[which] = nullptr;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "NCCL scratch of ", bytes, " bytes on GPU ", ordinal_, ": ", cudaGetErrorString(e)));
+      return absl::ResourceExhaustedError(absl::StrCat("NCCL scratch of ", bytes, " bytes on GPU ",
+                                                       ordinal_, ": ", cudaGetErrorString(e)));
     }
     scratch_size_[which] = bytes;
     return static_cast<char*>(scratch_[which]);
@@ -610,8 +603,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(const NcclOptions& o,
     return Invalid(absl::StrCat("NCCL needs a CUDA device, got ",
                                 o.device == nullptr ? "none" : o.device->name()));
   }
-  const std::string what = absl::StrCat("connecting rank ", o.rank, " of ", o.size,
-                                        " over NCCL on GPU ", ordinal);
+  const std::string what =
+      absl::StrCat("connecting rank ", o.rank, " of ", o.size, " over NCCL on GPU ", ordinal);
   const absl::Time deadline = absl::Now() + o.timeout;
   absl::StatusOr<ncclComm_t> comm = [&]() -> absl::StatusOr<ncclComm_t> {
     HAP_CUDA(cudaSetDevice(ordinal));
@@ -625,8 +618,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(const NcclOptions& o,
       if (!v.ok()) return Annotate(v.status(), "waiting for rank 0's NCCL id");
       if (v->size() != sizeof(id.internal)) {
         return absl::InternalError(absl::StrCat("the value of '", key, "' holds ", v->size(),
-                                                " bytes, not an NCCL id of ",
-                                                sizeof(id.internal)));
+                                                " bytes, not an NCCL id of ", sizeof(id.internal)));
       }
       std::memcpy(id.internal, v->data(), sizeof(id.internal));
     }

@@ -66,8 +66,8 @@ struct NcclOptions {
 // positive or a device that is not a CUDA device; DeadlineExceeded when a
 // peer does not show up within the timeout; the store's errors; Internal or
 // Unavailable when NCCL fails (naming NCCL's reason).
-absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(
-    const NcclOptions& options, RendezvousStore& store);
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(const NcclOptions& options,
+                                                          RendezvousStore& store);
 
 // NCCL's version as "2.28.9" (the library linked at run time).
 std::string NcclVersion();

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "executor/daemon/executor_server.h"
+#include "executor/train/backend.h"
 #include "planner/util/status_macros.h"
 #include "tools/cli_args.h"
 #include "tools/stop_signal.h"
@@ -22,10 +23,11 @@ constexpr char kUsage[] =
                     [--token-file F] [--tls-cert-file F --tls-key-file F]
                     [--tls-ca-file F] [--device-id ID] [--data-dir DIR]
                     [--threads T] [--timeout SECONDS] [--drain-seconds S]
+                    [--device cpu|cuda[:N]]
 
 Serves hap.v1.Executor: one rank of a deployment pushed by the planner at
 --planner, the only planner whose plans it accepts. Ranks meet through the
-planner's rendezvous store and train over Gloo; each step's loss and time go
+planner's rendezvous store and train over Gloo (NCCL on GPUs); each step's loss and time go
 to the planner. Every flag may instead come from the environment as
 HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
 
@@ -34,10 +36,13 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
   --token-file    bearer token required on every call, and sent to the planner
   --tls-cert-file/--tls-key-file  serve TLS; --tls-ca-file verifies the planner
   --device-id     the device of this node it serves (default node0/cpu0)
+  --device        the backend: cpu (Gloo) or cuda[:N], GPU N (NCCL; builds
+                  made with --config=cuda); default the plan's device for the
+                  rank when the plan says it is a GPU, else cpu
   --data-dir      WikiText-2 root when a deployment names no data_path
                   (default ../shared/data)
   --threads       kernel threads per rank unless the deployment says (1)
-  --timeout       Gloo connect and collective timeout in seconds (60)
+  --timeout       connect and collective timeout in seconds (60)
   --drain-seconds NOT_SERVING before shutdown on SIGTERM (1)
 )";
 
@@ -61,6 +66,14 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   o.security.tls_key_file = a.GetOrEnv("tls-key-file");
   o.security.tls_ca_file = a.GetOrEnv("tls-ca-file");
   o.core.device_id = a.GetOrEnv("device-id", "node0/cpu0");
+  o.core.device = a.GetOrEnv("device");
+  if (!o.core.device.empty()) {
+    HAP_ASSIGN_OR_RETURN(DeviceSpec spec, ParseDeviceSpec(o.core.device));
+    if (spec.kind == DeviceSpec::Kind::kCuda && !CudaBuilt()) {
+      return absl::FailedPreconditionError(
+          "--device cuda: this build has no CUDA support; rebuild with --config=cuda");
+    }
+  }
   o.core.data_dir = a.GetOrEnv("data-dir", "../shared/data");
   HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1));
   HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60));
@@ -82,7 +95,7 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   auto a = tools::Args::Parse(
       argv,
       {"planner", "listen", "token-file", "tls-cert-file", "tls-key-file", "tls-ca-file",
-       "device-id", "data-dir", "threads", "timeout", "drain-seconds"},
+       "device-id", "device", "data-dir", "threads", "timeout", "drain-seconds"},
       {"serve", "help"});
   if (!a.ok() || a->Bool("help")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";

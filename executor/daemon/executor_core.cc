@@ -8,10 +8,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/data/wikitext.h"
 #include "executor/runtime/program_runner.h"
+#include "executor/train/backend.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_builder.h"
@@ -184,7 +184,15 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     loaded->batches = *std::move(b);
   }
   const int threads = t.threads_per_rank() > 0 ? t.threads_per_rank() : std::max(1, o_.threads);
-  loaded->device = o_.make_device ? o_.make_device(threads) : NewCpuDevice(threads);
+  if (o_.make_device) {
+    loaded->device = o_.make_device(threads);
+  } else {
+    auto spec = ChooseDevice(o_.device, in.plan, in.rank);
+    if (!spec.ok()) return Annotate(spec.status(), "device");
+    auto device = MakeDevice(*spec, threads);
+    if (!device.ok()) return Annotate(device.status(), "device");
+    loaded->device = *std::move(device);
+  }
   loaded->comm = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
   {
     auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank), loaded->graph,
@@ -271,7 +279,7 @@ void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
     go.prefix = absl::StrCat(lo.deployment, "/", lo.generation);
     go.hostname = o_.gloo_hostname;
     go.timeout = o_.comm_timeout;
-    auto comm = o_.connect ? o_.connect(go, *store) : ConnectGloo(go, *store);
+    auto comm = o_.connect ? o_.connect(go, *store) : ConnectBackend(*loaded->device, go, *store);
     if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
     loaded->comm->Attach(comm->get());
     TrainOptions to;

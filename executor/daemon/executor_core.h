@@ -13,7 +13,7 @@
 //             device (ProgramRunner), the training config and its data; the
 //             arena is allocated here. Allowed in every state but TRAINING
 //             (FailedPrecondition), replacing what was loaded.
-//   Start     LOADED -> TRAINING: a thread connects Gloo through the
+//   Start     LOADED -> TRAINING: a thread connects Gloo (NCCL on a GPU) through the
 //             rendezvous store (key prefix "<deployment>/<generation>") and
 //             runs TrainRank. Idempotent while TRAINING the same deployment.
 //             From FINISHED/FAILED it is FailedPrecondition: the generation's
@@ -63,6 +63,10 @@ struct LoadOptions {
 
 struct ExecutorCoreOptions {
   std::string device_id;  // reported in the status, e.g. "node0/cpu0"
+  // The backend (executor/train/backend.h): "cpu" (Gloo), "cuda" or
+  // "cuda:N" (NCCL); empty = the plan's device for the loaded rank when the
+  // plan's cluster says it is a GPU, else cpu. Used unless make_device is set.
+  std::string device;
   // The only planner this executor takes plans from: LoadPlan naming another
   // rendezvous address is PermissionDenied. Empty = any (tests, local use).
   std::string planner_address;
@@ -77,11 +81,12 @@ struct ExecutorCoreOptions {
   // The rendezvous store of a load (the planner's store). Required to train.
   std::function<absl::StatusOr<std::unique_ptr<RendezvousStore>>(const LoadOptions&)>
       make_store;
-  // Connects the communicator; default ConnectGloo(options, store).
+  // Connects the communicator; default ConnectBackend: NCCL on a CUDA
+  // device, Gloo otherwise.
   std::function<absl::StatusOr<std::unique_ptr<Communicator>>(const GlooOptions&,
                                                               RendezvousStore&)>
       connect;
-  // The device for `threads` threads; default the CPU device.
+  // The device for `threads` threads; default the `device` option's.
   std::function<std::unique_ptr<Device>(int threads)> make_device;
   // Every step's metric, on the training thread; must not block.
   std::function<void(const hap::v1::StepMetric&)> on_step;

@@ -1,0 +1,117 @@
+#include "executor/train/backend.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "executor/cpu/cpu_device.h"
+#include "planner/util/status_macros.h"
+
+#ifdef HAP_WITH_CUDA
+#include "executor/cuda/cuda_device.h"
+#include "executor/cuda/nccl_communicator.h"
+#endif
+
+namespace hap::executor {
+
+namespace v1 = ::hap::v1;
+
+std::string DeviceSpec::ToString() const {
+  return kind == Kind::kCpu ? "cpu" : absl::StrCat("cuda:", ordinal);
+}
+
+absl::StatusOr<DeviceSpec> ParseDeviceSpec(const std::string& text) {
+  DeviceSpec spec;
+  if (text == "cpu") return spec;
+  absl::string_view rest = text;
+  if (absl::ConsumePrefix(&rest, "cuda")) {
+    spec.kind = DeviceSpec::Kind::kCuda;
+    if (rest.empty()) return spec;
+    int ordinal = -1;
+    if (absl::ConsumePrefix(&rest, ":") && absl::SimpleAtoi(rest, &ordinal) && ordinal >= 0) {
+      spec.ordinal = ordinal;
+      return spec;
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("device '", text, "' is not cpu, cuda or cuda:N (N a GPU index)"));
+}
+
+bool CudaBuilt() {
+#ifdef HAP_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+DeviceSpec PlannedDevice(const v1::Plan& plan, int rank) {
+  DeviceSpec spec;
+  if (rank < 0 || rank >= plan.devices_size()) return spec;
+  const std::string& id = plan.devices(rank);
+  for (const v1::Node& node : plan.cluster().nodes()) {
+    for (const v1::Device& d : node.devices()) {
+      if (d.id() != id) continue;
+      if (d.kind() == v1::GPU) {
+        spec.kind = DeviceSpec::Kind::kCuda;
+        spec.ordinal = d.local_index();
+      }
+      return spec;
+    }
+  }
+  return spec;
+}
+
+absl::StatusOr<DeviceSpec> ChooseDevice(const std::string& requested, const v1::Plan& plan,
+                                        int rank, std::string* note) {
+  if (!requested.empty()) return ParseDeviceSpec(requested);
+  DeviceSpec planned = PlannedDevice(plan, rank);
+  if (planned.kind == DeviceSpec::Kind::kCuda && !CudaBuilt()) {
+    if (note != nullptr) {
+      *note = absl::StrCat("the plan places rank ", rank, " on a GPU (", planned.ToString(),
+                           ") but this build has no CUDA support; running it on the CPU");
+    }
+    return DeviceSpec{};
+  }
+  return planned;
+}
+
+absl::StatusOr<std::unique_ptr<Device>> MakeDevice(const DeviceSpec& spec, int threads) {
+  if (spec.kind == DeviceSpec::Kind::kCpu) return NewCpuDevice(threads);
+#ifdef HAP_WITH_CUDA
+  absl::StatusOr<std::unique_ptr<Device>> d = NewCudaDevice(spec.ordinal);
+  if (!d.ok()) return Annotate(d.status(), absl::StrCat("device ", spec.ToString()));
+  return d;
+#else
+  return absl::FailedPreconditionError(absl::StrCat(
+      "device ", spec.ToString(), ": this build has no CUDA support; rebuild with --config=cuda"));
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectBackend(Device& device,
+                                                             const GlooOptions& options,
+                                                             RendezvousStore& store) {
+#ifdef HAP_WITH_CUDA
+  if (CudaOrdinal(device) >= 0) {
+    NcclOptions n;
+    n.rank = options.rank;
+    n.size = options.size;
+    n.prefix = options.prefix;
+    n.timeout = options.timeout;
+    n.device = &device;
+    return ConnectNccl(n, store);
+  }
+#else
+  (void)device;
+#endif
+  return ConnectGloo(options, store);
+}
+
+absl::StatusOr<Backend> MakeBackend(const DeviceSpec& spec, int threads, const GlooOptions& options,
+                                    RendezvousStore& store) {
+  Backend b;
+  HAP_ASSIGN_OR_RETURN(b.device, MakeDevice(spec, threads));
+  HAP_ASSIGN_OR_RETURN(b.comm, ConnectBackend(*b.device, options, store));
+  return b;
+}
+
+}  // namespace hap::executor

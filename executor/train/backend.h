@@ -1,0 +1,76 @@
+// A rank's backend (DESIGN.md §10): the device its program runs on and the
+// communicator its collectives go through. `cpu` is the CPU device (OpenBLAS
+// and our kernels) with Gloo over TCP; `cuda[:N]` is GPU N (cuBLAS and our
+// CUDA kernels) with NCCL. The CUDA half exists only in builds made with
+// `--config=cuda`; elsewhere asking for it is an error that says so.
+#ifndef HAP_EXECUTOR_TRAIN_BACKEND_H_
+#define HAP_EXECUTOR_TRAIN_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "executor/comm/communicator.h"
+#include "executor/runtime/device.h"
+#include "hap/v1/plan.pb.h"
+
+namespace hap::executor {
+
+struct DeviceSpec {
+  enum class Kind { kCpu, kCuda };
+  Kind kind = Kind::kCpu;
+  int ordinal = 0;  // the GPU, for kCuda
+
+  std::string ToString() const;  // "cpu", "cuda:1"
+  bool operator==(const DeviceSpec& o) const {
+    return kind == o.kind && (kind == Kind::kCpu || ordinal == o.ordinal);
+  }
+};
+
+// "cpu", "cuda" (GPU 0) or "cuda:N". InvalidArgument naming the text
+// otherwise.
+absl::StatusOr<DeviceSpec> ParseDeviceSpec(const std::string& text);
+
+// Whether this build has the CUDA backend (built with --config=cuda).
+bool CudaBuilt();
+
+// The device the plan places `rank` on: cuda:<its index on the node> when
+// the plan's cluster profile says that device is a GPU, else cpu.
+DeviceSpec PlannedDevice(const hap::v1::Plan& plan, int rank);
+
+// The device to run `rank` on: `requested` ("--device") when not empty,
+// else the plan's. A GPU the plan asks for in a build without CUDA falls
+// back to the CPU, and `*note` (when given) says so; an explicit request
+// for cuda there is FailedPrecondition (MakeDevice).
+absl::StatusOr<DeviceSpec> ChooseDevice(const std::string& requested, const hap::v1::Plan& plan,
+                                        int rank, std::string* note = nullptr);
+
+// The device of `spec`; `threads` kernel threads on the CPU. CUDA: NCCL
+// needs one GPU per rank, so ranks of one plan on one machine pass
+// different ordinals. FailedPrecondition "this build has no CUDA support;
+// rebuild with --config=cuda" for cuda in a build without it; the CUDA
+// device's errors (Unavailable without a GPU, InvalidArgument for an
+// ordinal out of range).
+absl::StatusOr<std::unique_ptr<Device>> MakeDevice(const DeviceSpec& spec, int threads);
+
+// Connects `device`'s communicator: NCCL for a CUDA device, Gloo for any
+// other. `options` are Gloo's (hostname is Gloo's alone); NCCL takes the
+// same rank, size, prefix and timeout. `device` must outlive the result.
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectBackend(Device& device,
+                                                             const GlooOptions& options,
+                                                             RendezvousStore& store);
+
+// A device and its communicator. Members are destroyed in reverse order:
+// the communicator before the device it uses.
+struct Backend {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Communicator> comm;
+};
+
+// MakeDevice, then ConnectBackend.
+absl::StatusOr<Backend> MakeBackend(const DeviceSpec& spec, int threads, const GlooOptions& options,
+                                    RendezvousStore& store);
+
+}  // namespace hap::executor
+
+#endif  // HAP_EXECUTOR_TRAIN_BACKEND_H_

@@ -1,0 +1,101 @@
+#include "executor/train/backend.h"
+
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+TEST(BackendTest, ParsesDeviceSpecs) {
+  auto cpu = ParseDeviceSpec("cpu");
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ(cpu->kind, DeviceSpec::Kind::kCpu);
+  auto cuda = ParseDeviceSpec("cuda");
+  ASSERT_TRUE(cuda.ok());
+  EXPECT_EQ(cuda->ToString(), "cuda:0");
+  auto three = ParseDeviceSpec("cuda:3");
+  ASSERT_TRUE(three.ok());
+  EXPECT_EQ(three->ToString(), "cuda:3");
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:x", "cudax", "", "CPU"}) {
+    EXPECT_THAT(ParseDeviceSpec(bad).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cpu, cuda or cuda:N")))
+        << bad;
+  }
+}
+
+// rank 0 on node0/gpu1 (a GPU, index 1), rank 1 on node0/cpu0.
+v1::Plan TwoDevicePlan() {
+  v1::Plan plan;
+  plan.add_devices("node0/gpu1");
+  plan.add_devices("node0/cpu0");
+  v1::Node* node = plan.mutable_cluster()->add_nodes();
+  v1::Device* gpu = node->add_devices();
+  gpu->set_id("node0/gpu1");
+  gpu->set_kind(v1::GPU);
+  gpu->set_local_index(1);
+  v1::Device* cpu = node->add_devices();
+  cpu->set_id("node0/cpu0");
+  cpu->set_kind(v1::CPU);
+  return plan;
+}
+
+TEST(BackendTest, PlannedDeviceFollowsTheClusterProfile) {
+  v1::Plan plan = TwoDevicePlan();
+  EXPECT_EQ(PlannedDevice(plan, 0).ToString(), "cuda:1");
+  EXPECT_EQ(PlannedDevice(plan, 1).ToString(), "cpu");
+  EXPECT_EQ(PlannedDevice(plan, 7).ToString(), "cpu");  // no such rank
+  EXPECT_EQ(PlannedDevice(v1::Plan(), 0).ToString(), "cpu");
+}
+
+TEST(BackendTest, ChooseDevice) {
+  v1::Plan plan = TwoDevicePlan();
+  std::string note;
+  auto flag = ChooseDevice("cpu", plan, 0, &note);
+  ASSERT_TRUE(flag.ok());
+  EXPECT_EQ(flag->ToString(), "cpu");  // the flag wins
+  EXPECT_EQ(note, "");
+  auto planned = ChooseDevice("", plan, 0, &note);
+  ASSERT_TRUE(planned.ok());
+  if (CudaBuilt()) {
+    EXPECT_EQ(planned->ToString(), "cuda:1");
+    EXPECT_EQ(note, "");
+  } else {
+    EXPECT_EQ(planned->ToString(), "cpu");
+    EXPECT_THAT(note, HasSubstr("no CUDA support; running it on the CPU"));
+  }
+  EXPECT_THAT(ChooseDevice("tpu", plan, 0).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'tpu'")));
+}
+
+TEST(BackendTest, CudaWithoutSupportSaysHowToGetIt) {
+  if (CudaBuilt()) GTEST_SKIP() << "this build has CUDA support (--config=cuda)";
+  EXPECT_THAT(MakeDevice(DeviceSpec{DeviceSpec::Kind::kCuda, 0}, 1).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("this build has no CUDA support; rebuild with --config=cuda")));
+}
+
+TEST(BackendTest, CpuBackendIsGloo) {
+  std::string dir = absl::StrCat(::testing::TempDir(), "/backend_cpu");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  GlooOptions o;
+  o.timeout = absl::Seconds(10);
+  auto b = MakeBackend(DeviceSpec{}, 1, o, **store);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->device->name(), "cpu");
+  EXPECT_EQ(b->comm->size(), 1);
+  EXPECT_TRUE(b->comm->Barrier().ok());
+}
+
+}  // namespace
+}  // namespace hap::executor
