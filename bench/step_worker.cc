@@ -28,7 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "bench/timing_device.h"
+#include "executor/runtime/timing_device.h"
 #include "executor/comm/communicator.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<hap::executor::Device> cpu =
       hap::executor::NewCpuDevice(flags->threads);
-  hap::bench::TimingDevice timing(cpu.get());
+  hap::executor::TimingDevice timing(cpu.get());
   hap::executor::Device* device = flags->breakdown ? &timing : cpu.get();
   auto runner = ProgramRunner::Create((*programs)[0], *g, device, comm->get());
   if (!runner.ok()) return Fail(runner.status());

@@ -22,6 +22,8 @@ Models:
 Planning (offline, no server):
   plan --cluster FILE [--model M | --graph FILE] [--baseline B] [-o table|json]
                             [--save-plan PLAN.pb]
+  calibrate --cluster FILE --plan PLAN.pb --profile PREFIX --out FILE
+                            cost model calibrated from measured runs
 
 Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070):
   get nodes|plans|deployments        list (-o table|json|yaml)
@@ -49,6 +51,7 @@ int main(int argc, char** argv) {
   if (cmd == "zoo") return hap::tools::RunZoo(rest);
   if (cmd == "validate") return hap::tools::RunValidate(rest);
   if (cmd == "plan") return hap::tools::RunPlan(rest);
+  if (cmd == "calibrate") return hap::tools::RunCalibrate(rest);
   for (const char* verb : {"get", "describe", "create", "watch", "cancel", "delete", "deploy",
                            "stop"}) {
     if (cmd == verb) return hap::tools::RunClient(cmd, rest);

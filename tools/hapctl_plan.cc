@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "google/protobuf/util/json_util.h"
+#include "planner/calibrate/calibration.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
@@ -326,6 +327,85 @@ int RunPlan(const std::vector<std::string>& argv) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("-o must be table or json, got '", fmt, "'")));
   }
+  return 0;
+}
+
+constexpr char kCalibrateUsage[] =
+    R"(usage: hapctl calibrate --cluster FILE.json (--plan PLAN.pb --profile PREFIX)...
+                        --out CALIBRATED.json
+
+Calibrates the cost model from measured runs: each --plan was run with
+`hap-launch --plan PLAN.pb --profile PREFIX` (or hap-executor --profile),
+which wrote PREFIX.rankR.json for every rank R. Writes the cluster with,
+per device, op_time_scale (measured / modelled seconds per op type),
+optimizer_seconds_per_element and step_overhead_seconds, and link
+bandwidths scaled by modelled / measured communication time; prints what
+was modelled and measured. Plan with it: hapctl plan --cluster CALIBRATED.json.
+)";
+
+int RunCalibrate(const std::vector<std::string>& argv) {
+  auto args = Args::Parse(argv, {"cluster", "plan", "profile", "out"}, {"help"});
+  if (!args.ok()) return Fail(args.status());
+  if (args->Bool("help")) {
+    std::cout << kCalibrateUsage;
+    return 0;
+  }
+  std::vector<std::string> plans = args->GetAll("plan"), prefixes = args->GetAll("profile");
+  if (!args->Has("cluster") || !args->Has("out") || plans.empty() ||
+      plans.size() != prefixes.size()) {
+    std::cerr << "error: --cluster, --out and one --profile per --plan are required\n"
+              << kCalibrateUsage;
+    return 1;
+  }
+  auto cluster = ReadCluster(args->Get("cluster"));
+  if (!cluster.ok()) return Fail(cluster.status());
+  std::vector<calibrate::ProfiledRun> runs;
+  for (size_t k = 0; k < plans.size(); ++k) {
+    calibrate::ProfiledRun run;
+    std::ifstream f(plans[k], std::ios::binary);
+    if (!f || !run.plan.ParseFromIstream(&f)) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("cannot read plan '", plans[k], "' (a hapctl plan --save-plan file)")));
+    }
+    for (int r = 0; r < run.plan.devices_size(); ++r) {
+      std::string path = absl::StrCat(prefixes[k], ".rank", r, ".json");
+      std::ifstream pf(path);
+      if (!pf) return Fail(absl::NotFoundError(absl::StrCat("cannot open profile '", path, "'")));
+      std::stringstream ss;
+      ss << pf.rdbuf();
+      auto profile = calibrate::ParseRankProfile(ss.str());
+      if (!profile.ok()) {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat(path, ": ", profile.status().message())));
+      }
+      run.ranks.push_back(*std::move(profile));
+    }
+    runs.push_back(std::move(run));
+  }
+  auto cal = calibrate::Calibrate(*cluster, runs);
+  if (!cal.ok()) return Fail(cal.status());
+  std::cout << absl::StrFormat("%-16s %-18s %14s %14s %8s\n", "DEVICE", "OP TYPE",
+                               "MODELLED MS", "MEASURED MS", "SCALE");
+  for (const auto& row : cal->rows) {
+    std::cout << absl::StrFormat(
+        "%-16s %-18s %14.3f %14.3f %8s\n", row.device, row.op_type, 1e3 * row.modelled_seconds,
+        1e3 * row.measured_seconds,
+        row.modelled_seconds > 0 && row.measured_seconds > 0
+            ? absl::StrFormat("%.2f", row.measured_seconds / row.modelled_seconds)
+            : "-");
+  }
+  std::string json;
+  google::protobuf::util::JsonPrintOptions jo;
+  jo.add_whitespace = true;
+  auto st = google::protobuf::util::MessageToJsonString(cal->cluster, &json, jo);
+  if (!st.ok()) return Fail(absl::InternalError(std::string(st.message())));
+  std::ofstream out(args->Get("out"));
+  out << json;
+  out.close();
+  if (!out) {
+    return Fail(absl::PermissionDeniedError(absl::StrCat("cannot write '", args->Get("out"), "'")));
+  }
+  std::cout << "wrote the calibrated cluster to " << args->Get("out") << "\n";
   return 0;
 }
 

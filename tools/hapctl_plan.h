@@ -9,6 +9,8 @@
 namespace hap::tools {
 
 int RunPlan(const std::vector<std::string>& argv);
+// hapctl calibrate: the cost model calibrated from --profile runs.
+int RunCalibrate(const std::vector<std::string>& argv);
 
 }  // namespace hap::tools
 

@@ -85,6 +85,23 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
           "device '", id, "' has an invalid launch_overhead_seconds"));
     }
     dm.launch_overhead_seconds = d.launch_overhead_seconds();
+    for (const auto& [type, scale] : d.op_time_scale()) {
+      if (!Positive(scale)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "device '", id, "' has op_time_scale[", type, "] = ", scale,
+            "; calibration scales must be positive and finite"));
+      }
+      dm.op_time_scale[type] = scale;
+    }
+    for (double v : {d.optimizer_seconds_per_element(), d.step_overhead_seconds()}) {
+      if (!(std::isfinite(v) && v >= 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "device '", id, "' has an invalid optimizer_seconds_per_element or "
+            "step_overhead_seconds (", v, "); they must be finite and >= 0"));
+      }
+    }
+    dm.optimizer_seconds_per_element = d.optimizer_seconds_per_element();
+    dm.step_overhead_seconds = d.step_overhead_seconds();
     rank[id] = m.size();
     m.devices_.push_back(dm);
   }

@@ -9,6 +9,7 @@
 #define HAP_PLANNER_COST_CLUSTER_MODEL_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,16 @@ struct DeviceModel {
   double flops = 0;  // float32 matmul FLOP/s
   int64_t memory_bytes = 0;
   double launch_overhead_seconds = 0;
+  // Calibration (cluster.proto Device): compute seconds of op type T are
+  // scaled by op_time_scale[T] (1 when absent).
+  std::map<std::string, double> op_time_scale = {};
+  double optimizer_seconds_per_element = 0;
+  double step_overhead_seconds = 0;
+
+  double OpTimeScale(const std::string& op_type) const {
+    auto it = op_time_scale.find(op_type);
+    return it == op_time_scale.end() ? 1.0 : it->second;
+  }
 };
 
 class ClusterModel {

@@ -55,10 +55,12 @@ std::vector<CostTerm> Program::Terms(std::vector<bool>* is_compute) const {
     out.push_back(t);
     if (is_compute) is_compute->push_back(compute);
   };
+  if (!overhead.constant.empty()) add(overhead, true);
   for (const OpStep& s : steps) {
     add(s.compute, true);
     for (const SourceLoad& l : s.loads) {
       for (const CostTerm& t : l.costs) add(t, false);
+      for (const CostTerm& t : l.update_costs) add(t, true);
     }
     for (const CommStep& c : s.comms) {
       add(c.forward_cost, false);

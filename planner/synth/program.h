@@ -60,6 +60,8 @@ struct SourceLoad {
   bool sfb = false;
   Method method = Method::kNone;    // ZeRO gathers / SFB gathers
   std::vector<CostTerm> costs;
+  // Compute: the optimizer update of the stored elements (calibrated).
+  std::vector<CostTerm> update_costs;
 };
 
 struct OpStep {
@@ -81,6 +83,10 @@ struct Program {
   int64_t states_expanded = 0;
   int64_t states_generated = 0;
   double search_seconds = 0;
+
+  // Per-step time outside ops and collectives on each device (calibrated
+  // step_overhead_seconds; empty = none).
+  CostTerm overhead;
 
   // Every cost term (compute terms flagged), for re-costing and the LP.
   std::vector<CostTerm> Terms(std::vector<bool>* is_compute = nullptr) const;

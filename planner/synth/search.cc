@@ -90,6 +90,7 @@ class Searcher {
              OpStep* detail) const;
   bool Convert(TensorId t, Form from, Form to, CommStep* out,
                double* cost) const;
+  void AddUpdateCost(const graph::Tensor& p, bool sharded, SourceLoad* l) const;
   bool LoadParameter(TensorId t, Form need, const ShardRule& rule, int input,
                      OpId op, SourceLoad* out, double* cost) const;
   CostTerm Gather(double bytes, Method* m) const { return Uneven(bytes, true, m); }
@@ -149,27 +150,19 @@ void Searcher::Prepare() {
   compute_.resize(n_);
   compute_eval_.resize(n_);
   h_.assign(n_ + 1, 0);
+  const std::vector<OpWork> work = TrainingWork(g_);
   for (OpId i = 0; i < n_; ++i) {
     const graph::Op& op = g_.op(i);
-    const graph::OpDef* def = graph::OpRegistry::Global().Find(op.type);
-    std::vector<int> nondiff = def->non_differentiable_inputs;
-    bool any_grad = false;
-    for (size_t j = 0; j < op.inputs.size(); ++j) {
-      bool diff = std::find(nondiff.begin(), nondiff.end(),
-                            static_cast<int>(j)) == nondiff.end();
-      if (diff && requires_grad_[op.inputs[j]]) any_grad = true;
-    }
-    for (TensorId o : op.outputs) requires_grad_[o] = any_grad;
-    double flops = g_.OpForwardFlops(i) *
-                   (1.0 + (any_grad ? def->backward_flops_multiple : 0.0));
-    double launches = any_grad ? 3.0 : 1.0;
+    for (TensorId o : op.outputs) requires_grad_[o] = work[i].backward;
+    const double flops = work[i].flops;
+    const double launches = work[i].backward ? 3.0 : 1.0;
     std::vector<ShardRule> all = RulesFor(g_, i, ctx);
     for (size_t r = 0; r < all.size(); ++r) {
       if (opt_.rule_filter && !opt_.rule_filter(all[r])) continue;
       CostTerm t = coll_.Constant(0);
       for (int d = 0; d < cluster_.size(); ++d) {
         const auto& dev = cluster_.device(d);
-        double secs = flops / dev.flops;
+        double secs = flops / dev.flops * dev.OpTimeScale(op.type);
         t.constant[d] = launches * dev.launch_overhead_seconds;
         if (all[r].split) {
           t.coef[d] = secs;
@@ -253,6 +246,24 @@ bool Searcher::Convert(TensorId t, Form from, Form to, CommStep* out,
   return true;
 }
 
+// The optimizer update of a parameter's stored elements (calibrated
+// seconds per element; nothing for frozen parameters or an uncalibrated
+// cluster): on every device for replicated storage, on each shard for
+// sharded and ZeRO storage.
+void Searcher::AddUpdateCost(const graph::Tensor& p, bool sharded,
+                             SourceLoad* l) const {
+  if (p.frozen) return;
+  const double elements = static_cast<double>(p.type.num_elements());
+  CostTerm t = coll_.Constant(0);
+  bool any = false;
+  for (int d = 0; d < cluster_.size(); ++d) {
+    const double secs = elements * cluster_.device(d).optimizer_seconds_per_element;
+    any = any || secs > 0;
+    (sharded ? t.coef[d] : t.constant[d]) = secs;
+  }
+  if (any) l->update_costs.push_back(std::move(t));
+}
+
 bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
                              int input, OpId op, SourceLoad* out,
                              double* cost) const {
@@ -269,7 +280,9 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     }
     l.storage = ParamStorage::kSharded;
     l.storage_form = need;
+    AddUpdateCost(p, /*sharded=*/true, &l);
     *cost = 0;
+    for (const auto& t2 : l.update_costs) *cost += Eval(t2);
     *out = std::move(l);
     return true;
   }
@@ -297,8 +310,10 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
       a.grad_allreduce = true;
       a.costs.push_back(coll_.Constant(coll_.AllReduce(bytes)));
     }
+    AddUpdateCost(p, /*sharded=*/false, &a);
     double c = 0;
     for (const auto& t2 : a.costs) c += Eval(t2);
+    for (const auto& t2 : a.update_costs) c += Eval(t2);
     options.push_back({a, c});
     // Sufficient factor broadcasting for a data-parallel linear weight:
     // gather x and dy, every device computes the whole dW.
@@ -320,11 +335,14 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
       double flops = 2.0 * rows * static_cast<double>(w[0] * w[1]);
       CostTerm extra = coll_.Constant(0);
       for (int d = 0; d < cluster_.size(); ++d) {
-        extra.constant[d] = flops / cluster_.device(d).flops;
+        extra.constant[d] =
+            flops / cluster_.device(d).flops * cluster_.device(d).OpTimeScale("linear");
       }
       s.costs.push_back(extra);
+      AddUpdateCost(p, /*sharded=*/false, &s);
       double c2 = 0;
       for (const auto& t2 : s.costs) c2 += Eval(t2);
+      for (const auto& t2 : s.update_costs) c2 += Eval(t2);
       options.push_back({s, c2});
     }
   }
@@ -341,8 +359,10 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
       Method m;
       z.costs.push_back(Scatter(bytes, &m));
     }
+    AddUpdateCost(p, /*sharded=*/true, &z);
     double c = 0;
     for (const auto& t2 : z.costs) c += Eval(t2);
+    for (const auto& t2 : z.update_costs) c += Eval(t2);
     options.push_back({z, c});
   }
   if (options.empty()) return false;
@@ -612,6 +632,10 @@ std::string Searcher::EntryKey(const State& s) const {
 }
 
 Program Searcher::Finish(Program p, bool optimal) {
+  p.overhead = coll_.Constant(0);
+  for (int d = 0; d < cluster_.size(); ++d) {
+    p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds;
+  }
   ProgramCost pc = EvaluateProgram(p, ratios_);
   p.cost = pc.total;
   p.compute_seconds = pc.compute;
@@ -830,6 +854,32 @@ absl::StatusOr<Program> Searcher::Run() {
 }
 
 }  // namespace
+
+std::vector<OpWork> TrainingWork(const graph::Graph& g) {
+  std::vector<bool> requires_grad(g.tensors().size(), false);
+  for (size_t t = 0; t < g.tensors().size(); ++t) {
+    const graph::Tensor& x = g.tensors()[t];
+    requires_grad[t] = x.kind == graph::TensorKind::kParameter && !x.frozen;
+  }
+  std::vector<OpWork> out(g.ops().size());
+  for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
+    const graph::Op& op = g.op(i);
+    const graph::OpDef* def = graph::OpRegistry::Global().Find(op.type);
+    const std::vector<int>& nondiff = def->non_differentiable_inputs;
+    bool any_grad = false;
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      bool diff = std::find(nondiff.begin(), nondiff.end(),
+                            static_cast<int>(j)) == nondiff.end();
+      if (diff && requires_grad[op.inputs[j]]) any_grad = true;
+    }
+    for (graph::TensorId o : op.outputs) requires_grad[o] = any_grad;
+    out[i].backward = any_grad;
+    out[i].flops = g.OpForwardFlops(i) *
+                   (1.0 + (any_grad ? def->backward_flops_multiple : 0.0));
+  }
+  return out;
+}
+
 
 absl::StatusOr<Program> Synthesize(const graph::Graph& g,
                                    const cost::ClusterModel& cluster,

@@ -59,6 +59,14 @@ absl::StatusOr<Program> Synthesize(const graph::Graph& g,
                                    const cost::ClusterModel& cluster,
                                    const SearchOptions& options);
 
+// The work of each op of a training step as the search costs it: forward
+// FLOPs, plus backward FLOPs where a gradient flows through the op.
+struct OpWork {
+  double flops = 0;
+  bool backward = false;
+};
+std::vector<OpWork> TrainingWork(const graph::Graph& g);
+
 }  // namespace hap::synth
 
 #endif  // HAP_PLANNER_SYNTH_SEARCH_H_

@@ -1,4 +1,4 @@
-#include "bench/timing_device.h"
+#include "executor/runtime/timing_device.h"
 
 #include <algorithm>
 #include <chrono>
@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-namespace hap::bench {
+namespace hap::executor {
 
 template <typename F>
 absl::Status TimingDevice::Timed(const std::string& key, F&& f) {
@@ -21,22 +21,22 @@ absl::Status TimingDevice::Timed(const std::string& key, F&& f) {
 }
 
 absl::Status TimingDevice::CopyFromHost(const void* src,
-                                        executor::TensorView dst) {
+                                        TensorView dst) {
   return Timed("(copy from host)",
                [&] { return inner_->CopyFromHost(src, dst); });
 }
 
-absl::Status TimingDevice::CopyToHost(executor::TensorView src, void* dst) {
+absl::Status TimingDevice::CopyToHost(TensorView src, void* dst) {
   return Timed("(copy to host)", [&] { return inner_->CopyToHost(src, dst); });
 }
 
-absl::Status TimingDevice::Fill(executor::TensorView dst, double value) {
+absl::Status TimingDevice::Fill(TensorView dst, double value) {
   return Timed("(fill)", [&] { return inner_->Fill(dst, value); });
 }
 
-absl::Status TimingDevice::CopyBox(executor::TensorView src,
+absl::Status TimingDevice::CopyBox(TensorView src,
                                    absl::Span<const int64_t> src_start,
-                                   executor::TensorView dst,
+                                   TensorView dst,
                                    absl::Span<const int64_t> dst_start,
                                    absl::Span<const int64_t> extent) {
   return Timed("(copy box)", [&] {
@@ -45,9 +45,9 @@ absl::Status TimingDevice::CopyBox(executor::TensorView src,
 }
 
 absl::Status TimingDevice::RunKernel(
-    const std::string& name, const executor::KernelContext& ctx,
-    const graph::Attrs& attrs, absl::Span<const executor::TensorView> inputs,
-    absl::Span<const executor::TensorView> outputs) {
+    const std::string& name, const KernelContext& ctx,
+    const graph::Attrs& attrs, absl::Span<const TensorView> inputs,
+    absl::Span<const TensorView> outputs) {
   return Timed(name, [&] {
     return inner_->RunKernel(name, ctx, attrs, inputs, outputs);
   });
@@ -76,4 +76,35 @@ std::string TimingDevice::Table(int64_t steps) const {
   return out + buf;
 }
 
-}  // namespace hap::bench
+std::map<std::string, double> TimingDevice::SecondsByOpType(
+    int64_t steps) const {
+  static const char* const kOptimizer[] = {"sgd_update", "adam_update",
+                                           "sq_norm"};
+  static const char* const kRuntime[] = {"fill_zero", "copy", "accumulate"};
+  std::map<std::string, double> out;
+  const double per = steps > 0 ? 1.0 / steps : 0.0;
+  for (const auto& [name, t] : totals_) {
+    std::string type = name;
+    if (name.empty() || name[0] == '(') {
+      type = "(runtime)";
+    } else if (std::find(std::begin(kOptimizer), std::end(kOptimizer), name) !=
+               std::end(kOptimizer)) {
+      type = "(optimizer)";
+    } else if (std::find(std::begin(kRuntime), std::end(kRuntime), name) !=
+               std::end(kRuntime)) {
+      type = "(runtime)";
+    } else if (name.size() > 5 && name.compare(name.size() - 5, 5, "_grad") == 0) {
+      type = name.substr(0, name.size() - 5);
+    }
+    out[type] += t.seconds * per;
+  }
+  return out;
+}
+
+double TimingDevice::TotalSeconds(int64_t steps) const {
+  double total = 0;
+  for (const auto& [name, t] : totals_) total += t.seconds;
+  return steps > 0 ? total / steps : 0.0;
+}
+
+}  // namespace hap::executor

@@ -1,0 +1,243 @@
+#include "planner/calibrate/calibration.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/synth/rules.h"
+#include "planner/synth/search.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::calibrate {
+namespace {
+
+constexpr char kOptimizer[] = "(optimizer)";
+constexpr char kRuntime[] = "(runtime)";
+constexpr char kCommunication[] = "(communication)";
+
+absl::StatusOr<double> Number(const google::protobuf::Struct& s, const std::string& key) {
+  auto it = s.fields().find(key);
+  if (it == s.fields().end() || !it->second.has_number_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile has no number '", key, "'"));
+  }
+  const double v = it->second.number_value();
+  if (!std::isfinite(v) || v < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile's '", key, "' must be finite and >= 0, got ", v));
+  }
+  return v;
+}
+
+std::string String(const google::protobuf::Struct& s, const std::string& key) {
+  auto it = s.fields().find(key);
+  return it == s.fields().end() ? "" : it->second.string_value();
+}
+
+double FloatFlops(const v1::Device& d) {
+  double flops = -1;
+  for (const auto& f : d.flops()) {
+    if (f.dtype() == v1::FLOAT32 || (flops < 0 && f.dtype() == v1::DTYPE_UNSPECIFIED)) {
+      flops = f.flops();
+    }
+  }
+  if (flops < 0 && d.flops_size() > 0) flops = d.flops(0).flops();
+  return flops;
+}
+
+// Per device: op type -> seconds, summed over runs.
+struct Sums {
+  std::map<std::string, double> modelled, measured;
+  double stored_elements = 0;  // parameter elements updated per step
+  double overhead = 0;         // summed over runs
+  int runs = 0;
+};
+
+// What the uncalibrated model gives rank `rank` of `plan` per op type, and
+// the parameter elements it stores.
+absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const v1::Device& dev,
+                   Sums* sums) {
+  const double flops = FloatFlops(dev);
+  if (!(std::isfinite(flops) && flops > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device '", dev.id(), "' has no valid float32 FLOP/s to calibrate against"));
+  }
+  const double share = plan.ratios_size() > 0 && rank < plan.ratios(0).ratios_size()
+                           ? plan.ratios(0).ratios(rank)
+                           : 1.0 / plan.devices_size();
+  std::map<std::string, graph::OpId> ops;
+  for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
+    ops[g.op(i).name] = i;
+  }
+  const std::vector<synth::OpWork> work = synth::TrainingWork(g);
+  synth::RuleContext ctx;
+  ctx.num_devices = plan.devices_size();
+  for (const v1::Instruction& ins : plan.program().instructions()) {
+    if (ins.kind() == v1::Instruction::COMPUTE) {
+      auto it = ops.find(ins.op());
+      if (it == ops.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the plan computes op '", ins.op(), "' its graph lacks"));
+      }
+      const graph::OpId op = it->second;
+      const std::vector<synth::ShardRule> rules = synth::RulesFor(g, op, ctx);
+      auto rule = std::find_if(rules.begin(), rules.end(),
+                               [&](const synth::ShardRule& r) { return r.name == ins.rule(); });
+      if (rule == rules.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "op '", ins.op(), "' has no sharding rule '", ins.rule(), "'"));
+      }
+      const double secs = work[op].flops / flops * (rule->split ? share : 1.0) +
+                          (work[op].backward ? 3.0 : 1.0) * dev.launch_overhead_seconds();
+      sums->modelled[g.op(op).type] += secs;
+    } else if (ins.kind() == v1::Instruction::SOURCE &&
+               ins.storage() != v1::Instruction::STORAGE_UNSPECIFIED) {
+      std::optional<graph::TensorId> t = g.FindTensor(ins.op());
+      if (!t) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the plan loads parameter '", ins.op(), "' its graph lacks"));
+      }
+      const graph::Tensor& p = g.tensor(*t);
+      if (p.frozen) continue;
+      const double elements = static_cast<double>(p.type.num_elements());
+      sums->stored_elements +=
+          ins.storage() == v1::Instruction::STORAGE_REPLICATED ? elements : elements * share;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
+  google::protobuf::Struct s;
+  auto st = google::protobuf::util::JsonStringToMessage(json, &s);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile is not valid JSON: ", std::string(st.message())));
+  }
+  RankProfile p;
+  HAP_ASSIGN_OR_RETURN(double rank, Number(s, "rank"));
+  p.rank = static_cast<int>(rank);
+  p.device = String(s, "device");
+  p.plan_content_hash = String(s, "plan_content_hash");
+  HAP_ASSIGN_OR_RETURN(p.step_seconds_median, Number(s, "step_seconds_median"));
+  HAP_ASSIGN_OR_RETURN(p.device_seconds, Number(s, "device_seconds"));
+  auto ops = s.fields().find("op_seconds");
+  if (ops == s.fields().end() || !ops->second.has_struct_value()) {
+    return absl::InvalidArgumentError("profile has no object 'op_seconds'");
+  }
+  for (const auto& [type, v] : ops->second.struct_value().fields()) {
+    if (!v.has_number_value() || !std::isfinite(v.number_value()) || v.number_value() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("profile's op_seconds['", type, "'] must be a number >= 0"));
+    }
+    p.op_seconds[type] = v.number_value();
+  }
+  return p;
+}
+
+absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vector<ProfiledRun>& runs) {
+  if (runs.empty()) return absl::InvalidArgumentError("no runs to calibrate from");
+  std::map<std::string, const v1::Device*> devices;
+  for (const auto& n : cluster.nodes()) {
+    for (const auto& d : n.devices()) devices[d.id()] = &d;
+  }
+  std::map<std::string, Sums> sums;
+  double comm_measured = 0, comm_modelled = 0;
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const ProfiledRun& run = runs[k];
+    const v1::Plan& plan = run.plan;
+    HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
+    std::set<int> seen;
+    double busiest = 0, step = 0;
+    for (const RankProfile& r : run.ranks) {
+      if (r.rank < 0 || r.rank >= plan.devices_size() || !seen.insert(r.rank).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "run ", k, ": rank ", r.rank, " is out of range or given twice (plan has ",
+            plan.devices_size(), " ranks)"));
+      }
+      if (!r.plan_content_hash.empty() && r.plan_content_hash != plan.content_hash()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "run ", k, ": rank ", r.rank, "'s profile is of plan ",
+            r.plan_content_hash.substr(0, 12), ", not ", plan.content_hash().substr(0, 12)));
+      }
+      const std::string& id = plan.devices(r.rank);
+      auto dev = devices.find(id);
+      if (dev == devices.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("run ", k, ": the plan's device '", id, "' is not in the cluster"));
+      }
+      Sums& s = sums[id];
+      HAP_RETURN_IF_ERROR(Model(plan, g, r.rank, *dev->second, &s));
+      double overhead = 0;
+      for (const auto& [type, secs] : r.op_seconds) {
+        if (type == kRuntime) {
+          overhead += secs;
+        } else {
+          s.measured[type] += secs;
+        }
+      }
+      s.overhead += overhead;
+      s.runs += 1;
+      busiest = std::max(busiest, r.device_seconds);
+      step = std::max(step, r.step_seconds_median);
+    }
+    if (static_cast<int>(seen.size()) != plan.devices_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "run ", k, ": profiles of ", seen.size(), " of the plan's ", plan.devices_size(),
+          " ranks; every rank's profile is needed"));
+    }
+    comm_measured += std::max(0.0, step - busiest);
+    comm_modelled += plan.prediction().communication_seconds();
+  }
+
+  Calibration out;
+  out.cluster = cluster;
+  for (auto& n : *out.cluster.mutable_nodes()) {
+    for (auto& d : *n.mutable_devices()) {
+      auto it = sums.find(d.id());
+      if (it == sums.end()) continue;
+      Sums& s = it->second;
+      d.clear_op_time_scale();
+      double overhead = s.overhead;
+      std::set<std::string> types;
+      for (const auto& [t, v] : s.modelled) types.insert(t);
+      for (const auto& [t, v] : s.measured) types.insert(t);
+      types.erase(kOptimizer);
+      for (const std::string& t : types) {
+        const double m = s.modelled[t], x = s.measured[t];
+        out.rows.push_back({d.id(), t, m, x});
+        if (m > 0 && x > 0) {
+          (*d.mutable_op_time_scale())[t] = x / m;
+        } else if (x > 0) {
+          overhead += x;  // time the model gives no FLOPs: per-step overhead
+        }
+      }
+      const double opt = s.measured[kOptimizer];
+      out.rows.push_back({d.id(), kOptimizer, 0, opt});
+      d.set_optimizer_seconds_per_element(s.stored_elements > 0 ? opt / s.stored_elements : 0);
+      out.rows.push_back({d.id(), kRuntime, 0, overhead / s.runs});
+      d.set_step_overhead_seconds(overhead / s.runs);
+    }
+  }
+  if (comm_modelled > 0 && comm_measured > 0) {
+    out.communication_scale = comm_measured / comm_modelled;
+    for (auto& l : *out.cluster.mutable_links()) {
+      l.set_bandwidth_bytes_per_second(l.bandwidth_bytes_per_second() / out.communication_scale);
+    }
+    auto* def = out.cluster.mutable_defaults();
+    def->set_intra_node_bandwidth_bytes_per_second(def->intra_node_bandwidth_bytes_per_second() /
+                                                   out.communication_scale);
+    def->set_inter_node_bandwidth_bytes_per_second(def->inter_node_bandwidth_bytes_per_second() /
+                                                   out.communication_scale);
+  }
+  out.rows.push_back({"*", kCommunication, comm_modelled, comm_measured});
+  return out;
+}
+
+}  // namespace hap::calibrate

@@ -1,0 +1,75 @@
+// Cost-model calibration from measured runs (DESIGN.md §8; issue 7). The
+// uncalibrated model prices an op at its FLOP count over the device's
+// measured matmul rate; real kernels differ by op type (a log-softmax over a
+// large vocabulary is memory bound and costs far more than its FLOPs say), the
+// optimizer update and the runtime's own work (gradient zeroing, copies) are
+// not ops at all, and collectives over a busy or throttled CPU are slower
+// than the link probes say.
+//
+// A run of a plan with `hap-executor --profile` (or hap-launch --profile)
+// writes, per rank, seconds per step by op type. Calibrate() compares them
+// with what the model says for that rank's device and share of the plan,
+// and returns the cluster profile with, per device:
+//   op_time_scale[T]  = measured / modelled seconds of op type T,
+//   optimizer_seconds_per_element = optimizer seconds / stored elements,
+//   step_overhead_seconds = runtime seconds + ops the model gives no FLOPs,
+// and the link bandwidths scaled by modelled / measured communication time
+// (measured: median step time less the busiest rank's kernel time). Several
+// runs (plans) can be combined: sums over runs are divided, so op types seen
+// in any run are calibrated. The planner then searches and predicts with it.
+#ifndef HAP_PLANNER_CALIBRATE_CALIBRATION_H_
+#define HAP_PLANNER_CALIBRATE_CALIBRATION_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "hap/v1/cluster.pb.h"
+#include "hap/v1/plan.pb.h"
+
+namespace hap::calibrate {
+
+// One rank's `--profile` file.
+struct RankProfile {
+  int rank = 0;
+  std::string device;
+  std::string plan_content_hash;
+  double step_seconds_median = 0;
+  double device_seconds = 0;                 // every kernel call, per step
+  std::map<std::string, double> op_seconds;  // per step, by op type
+};
+
+// Parses a profile file's JSON; InvalidArgument naming what is missing.
+absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json);
+
+// A plan and the profiles of all its ranks.
+struct ProfiledRun {
+  v1::Plan plan;
+  std::vector<RankProfile> ranks;
+};
+
+// Per device and op type: what the model said and what was measured.
+struct Row {
+  std::string device;
+  std::string op_type;  // or "(optimizer)", "(runtime)", "(communication)"
+  double modelled_seconds = 0;
+  double measured_seconds = 0;
+};
+
+struct Calibration {
+  v1::Cluster cluster;    // the input cluster, calibrated
+  std::vector<Row> rows;  // device by device, op types sorted
+  double communication_scale = 1;  // bandwidths were divided by this
+};
+
+// InvalidArgument when a run's profiles do not match its plan (a rank
+// missing or twice, another plan's hash, a device the cluster lacks).
+// Calibration from the cluster's own earlier calibration is not compounded:
+// the model used for "modelled" is always the uncalibrated one.
+absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster,
+                                      const std::vector<ProfiledRun>& runs);
+
+}  // namespace hap::calibrate
+
+#endif  // HAP_PLANNER_CALIBRATE_CALIBRATION_H_

@@ -1,0 +1,234 @@
+#include "planner/calibrate/calibration.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/plan_builder.h"
+#include "planner/synth/planner.h"
+#include "planner/synth/search.h"
+
+namespace hap::calibrate {
+namespace {
+
+v1::Cluster TwoCpus() {
+  v1::Cluster c;
+  auto* node = c.add_nodes();
+  node->set_name("local");
+  const double flops[] = {80e9, 32e9};
+  for (int i = 0; i < 2; ++i) {
+    auto* d = node->add_devices();
+    d->set_id(absl::StrCat("cpu", i));
+    d->set_kind(v1::CPU);
+    auto* f = d->add_flops();
+    f->set_dtype(v1::FLOAT32);
+    f->set_flops(flops[i]);
+    d->set_memory_bytes(int64_t{8} << 30);
+    d->set_launch_overhead_seconds(2e-6);
+    d->set_node("local");
+    d->set_local_index(i);
+  }
+  c.mutable_defaults()->set_intra_node_bandwidth_bytes_per_second(2e9);
+  c.mutable_defaults()->set_intra_node_latency_seconds(2e-5);
+  c.mutable_defaults()->set_inter_node_bandwidth_bytes_per_second(1e9);
+  c.mutable_defaults()->set_inter_node_latency_seconds(5e-5);
+  return c;
+}
+
+graph::Graph Gpt() {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2}, {"hidden", 64}, {"heads", 4},
+                                        {"ffn", 256}, {"seq", 32}, {"batch", 16},
+                                        {"vocab", 2000}});
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+v1::Plan MakePlan(const graph::Graph& g, const v1::Cluster& c, synth::Baseline b) {
+  auto model = cost::ClusterModel::FromProto(c);
+  EXPECT_TRUE(model.ok()) << model.status();
+  synth::PlanOptions po;
+  po.baseline = b;
+  po.optimizer = synth::OptimizerKind::kAdam;
+  auto r = synth::PlanModel(g, *model, po);
+  EXPECT_TRUE(r.ok()) << r.status();
+  v1::PlanOptions options;
+  options.mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
+  options.mutable_optimizer()->set_learning_rate(1e-3);
+  auto plan = lower::BuildPlan(g, c, *model, *r, options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return *std::move(plan);
+}
+
+// Profiles of every rank saying each op type took 1 ms: Calibrate's rows
+// then tell what the model says per device and type.
+ProfiledRun UnitRun(const v1::Plan& plan) {
+  ProfiledRun run{plan, {}};
+  for (int r = 0; r < plan.devices_size(); ++r) {
+    RankProfile p;
+    p.rank = r;
+    p.device = plan.devices(r);
+    p.plan_content_hash = plan.content_hash();
+    p.step_seconds_median = 1;
+    p.device_seconds = 0.5;
+    for (const char* t : {"linear", "log_softmax", "(optimizer)", "(runtime)"}) {
+      p.op_seconds[t] = 1e-3;
+    }
+    run.ranks.push_back(p);
+  }
+  return run;
+}
+
+double Modelled(const Calibration& c, const std::string& device, const std::string& type) {
+  for (const Row& r : c.rows) {
+    if (r.device == device && r.op_type == type) return r.modelled_seconds;
+  }
+  return -1;
+}
+
+TEST(CalibrationTest, ModelledTimeIsFlopsOverRateAtTheRanksShare) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  v1::Plan dp = MakePlan(g, c, synth::Baseline::kDpEven);
+  auto cal = Calibrate(c, {UnitRun(dp)});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  // Data parallel, even: every linear is split, each rank does half.
+  const std::vector<synth::OpWork> work = synth::TrainingWork(g);
+  double linear_flops = 0;
+  for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
+    if (g.op(i).type == "linear") linear_flops += work[i].flops;
+  }
+  ASSERT_GT(linear_flops, 0);
+  EXPECT_NEAR(Modelled(*cal, "cpu0", "linear"), 0.5 * linear_flops / 80e9,
+              0.02 * 0.5 * linear_flops / 80e9);
+  EXPECT_NEAR(Modelled(*cal, "cpu1", "linear"), 0.5 * linear_flops / 32e9,
+              0.02 * 0.5 * linear_flops / 32e9);
+}
+
+TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  v1::Plan plan = MakePlan(g, c, synth::Baseline::kNone);
+  auto unit = Calibrate(c, {UnitRun(plan)});
+  ASSERT_TRUE(unit.ok()) << unit.status();
+  // "Measured": the model distorted by known factors per device and type.
+  const std::map<std::string, double> scale = {{"linear", 1.5}, {"log_softmax", 20},
+                                               {"layer_norm", 4}};
+  const double per_element[] = {2e-9, 5e-9};
+  const double overhead[] = {0.003, 0.007};
+  const double comm_factor = 3;
+  ProfiledRun run{plan, {}};
+  double busiest = 0;
+  for (int r = 0; r < 2; ++r) {
+    RankProfile p;
+    p.rank = r;
+    p.device = plan.devices(r);
+    p.plan_content_hash = plan.content_hash();
+    double total = 0;
+    for (const Row& row : unit->rows) {
+      if (row.device != p.device || row.modelled_seconds <= 0) continue;
+      auto s = scale.find(row.op_type);
+      p.op_seconds[row.op_type] = row.modelled_seconds * (s == scale.end() ? 1.0 : s->second);
+      total += p.op_seconds[row.op_type];
+    }
+    p.op_seconds["(runtime)"] = overhead[r];
+    p.op_seconds["(optimizer)"] = 1e-3;  // replaced below once elements are known
+    p.device_seconds = total + overhead[r];
+    busiest = std::max(busiest, p.device_seconds);
+    run.ranks.push_back(p);
+  }
+  // Optimizer seconds = elements x rate: find the elements from a first pass.
+  auto first = Calibrate(c, {run});
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (int r = 0; r < 2; ++r) {
+    const v1::Device* d = nullptr;
+    for (const auto& dev : first->cluster.nodes(0).devices()) {
+      if (dev.id() == plan.devices(r)) d = &dev;
+    }
+    ASSERT_NE(d, nullptr);
+    ASSERT_GT(d->optimizer_seconds_per_element(), 0);
+    const double elements = 1e-3 / d->optimizer_seconds_per_element();
+    run.ranks[r].op_seconds["(optimizer)"] = elements * per_element[r];
+  }
+  const double comm = plan.prediction().communication_seconds();
+  ASSERT_GT(comm, 0);
+  for (auto& p : run.ranks) p.step_seconds_median = busiest + comm_factor * comm;
+
+  auto cal = Calibrate(c, {run});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_NEAR(cal->communication_scale, comm_factor, 1e-6);
+  EXPECT_NEAR(cal->cluster.defaults().intra_node_bandwidth_bytes_per_second(), 2e9 / comm_factor,
+              1);
+  for (int r = 0; r < 2; ++r) {
+    const v1::Device& d = cal->cluster.nodes(0).devices(r);
+    SCOPED_TRACE(d.id());
+    EXPECT_NEAR(d.op_time_scale().at("linear"), 1.5, 1e-9);
+    EXPECT_NEAR(d.op_time_scale().at("log_softmax"), 20, 1e-9);
+    EXPECT_NEAR(d.op_time_scale().at("layer_norm"), 4, 1e-9);
+    EXPECT_NEAR(d.op_time_scale().at("gelu"), 1, 1e-9);
+    EXPECT_NEAR(d.optimizer_seconds_per_element(), per_element[r], 1e-15);
+    EXPECT_NEAR(d.step_overhead_seconds(), overhead[r], 1e-12);
+  }
+
+  // The calibrated cluster plans: the model now charges the measured
+  // factors, so the same kind of plan is predicted slower than before.
+  auto before = cost::ClusterModel::FromProto(c);
+  auto after = cost::ClusterModel::FromProto(cal->cluster);
+  ASSERT_TRUE(before.ok() && after.ok()) << after.status();
+  synth::PlanOptions po;
+  po.optimizer = synth::OptimizerKind::kAdam;
+  auto p0 = synth::PlanModel(g, *before, po);
+  auto p1 = synth::PlanModel(g, *after, po);
+  ASSERT_TRUE(p0.ok() && p1.ok());
+  EXPECT_GT(p1->cost.total, 1.5 * p0->cost.total);
+}
+
+TEST(CalibrationTest, RejectsProfilesThatDoNotMatchThePlan) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpEven);
+  ProfiledRun missing = UnitRun(plan);
+  missing.ranks.pop_back();
+  auto s = Calibrate(c, {missing}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("every rank's profile"), std::string::npos) << s;
+
+  ProfiledRun twice = UnitRun(plan);
+  twice.ranks[1].rank = 0;
+  EXPECT_EQ(Calibrate(c, {twice}).status().code(), absl::StatusCode::kInvalidArgument);
+
+  ProfiledRun other = UnitRun(plan);
+  other.ranks[0].plan_content_hash = "0123456789abcdef";
+  s = Calibrate(c, {other}).status();
+  EXPECT_NE(s.message().find("profile is of plan 0123456789ab"), std::string::npos) << s;
+
+  v1::Cluster renamed = c;
+  renamed.mutable_nodes(0)->mutable_devices(1)->set_id("gpu7");
+  s = Calibrate(renamed, {UnitRun(plan)}).status();
+  EXPECT_NE(s.message().find("'cpu1' is not in the cluster"), std::string::npos) << s;
+
+  EXPECT_EQ(Calibrate(c, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CalibrationTest, ParsesTheExecutorsProfileFormatAndNamesWhatIsWrong) {
+  auto p = ParseRankProfile(R"json({"plan_content_hash": "ab", "rank": 1, "device": "cpu1",
+      "steps": 10, "step_seconds_median": 0.25, "device_seconds": 0.125,
+      "op_seconds": {"linear": 0.05, "(optimizer)": 0.01}})json");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->rank, 1);
+  EXPECT_EQ(p->device, "cpu1");
+  EXPECT_DOUBLE_EQ(p->step_seconds_median, 0.25);
+  EXPECT_DOUBLE_EQ(p->op_seconds.at("linear"), 0.05);
+
+  auto bad = ParseRankProfile("{not json");
+  EXPECT_NE(bad.status().message().find("not valid JSON"), std::string::npos);
+  bad = ParseRankProfile(R"({"rank": 0, "device_seconds": 1, "op_seconds": {}})");
+  EXPECT_NE(bad.status().message().find("step_seconds_median"), std::string::npos);
+  bad = ParseRankProfile(
+      R"({"rank": 0, "step_seconds_median": 1, "device_seconds": 1, "op_seconds": {"x": -1}})");
+  EXPECT_NE(bad.status().message().find("op_seconds['x']"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace hap::calibrate
