@@ -21,6 +21,7 @@
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/data/wikitext.h"
+#include "executor/train/backend.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_builder.h"
@@ -41,6 +42,7 @@ constexpr char kUsage[] =
     R"(usage: hap-executor --plan PLAN.pb --rank R --world N --rendezvous DIR
                     [--steps K] [--data synthetic|wikitext] [--data-dir DIR]
                     [--threads T] [--timeout SECONDS] [--log-every N]
+                    [--device cpu|cuda[:N]]
 
 Runs rank R of a plan written by `hapctl plan --save-plan`. The ranks meet
 through files in DIR (shared by all ranks; use a fresh one per run) and talk
@@ -48,21 +50,26 @@ over Gloo on 127.0.0.1. --data wikitext trains the GPT-style model on the
 WikiText-2 valid split (word level) from --data-dir (default $HAP_DATA_DIR,
 else ../shared/data); synthetic data is deterministic. Rank 0 prints each
 step's loss and time, and at the end the perplexity (wikitext).
+--device (or $HAP_DEVICE) picks the backend: cpu (Gloo between ranks) or
+cuda[:N], GPU N (NCCL between ranks, one GPU each; builds made with
+--config=cuda only). Default: the plan's device for this rank when the
+plan's cluster says it is a GPU, else cpu.
 )";
 
 constexpr char kLaunchUsage[] =
     R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [--cpu-shares F,F,...]
-                  [--pin-cores] [hap-executor flags]
+                  [--pin-cores] [--device cpu|cuda|cuda:N] [hap-executor flags]
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
 --cpu-shares gives rank i the fraction F_i of one core through a cgroup
 (/sys/fs/cgroup/cpu/hap-launch-PID-rI, cpu.cfs_quota_us): a heterogeneous
 cluster on one machine. --pin-cores pins rank i to core i (mod cores).
+--device cuda runs rank i on GPU i (NCCL needs one GPU per rank).
 The cgroups are removed when the ranks end (also on SIGINT/SIGTERM).
 )";
 
-const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",
+const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "device",
                                            "rendezvous", "steps",  "data",
                                            "data-dir", "threads",  "timeout",
                                            "log-every", "executor", "cpu-shares"};
@@ -136,8 +143,14 @@ absl::Status Run(const tools::Args& a) {
   go.size = static_cast<int>(world);
   go.prefix = absl::StrCat("plan-", plan.content_hash().substr(0, 16));
   go.timeout = absl::Seconds(timeout);
-  HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm, ConnectGloo(go, *store));
-  std::unique_ptr<Device> device = NewCpuDevice(static_cast<int>(threads));
+  std::string note;
+  HAP_ASSIGN_OR_RETURN(DeviceSpec spec, ChooseDevice(a.GetOrEnv("device"), plan,
+                                                     static_cast<int>(rank), &note));
+  if (!note.empty()) std::cerr << "hap-executor: " << note << "\n";
+  HAP_ASSIGN_OR_RETURN(Backend backend,
+                       MakeBackend(spec, static_cast<int>(threads), go, *store));
+  std::unique_ptr<Device>& device = backend.device;
+  std::unique_ptr<Communicator>& comm = backend.comm;
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
                        ProgramRunner::Create(plan.rank_programs(rank), g,
                                              device.get(), comm.get()));
@@ -215,6 +228,10 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       continue;
     }
     if (argv[i] == "--pin-cores") continue;
+    if (argv[i].rfind("--device", 0) == 0) {  // given per rank below
+      if (argv[i] == "--device") ++i;
+      continue;
+    }
     pass.push_back(argv[i]);
   }
   // CPU shares through cgroup v1: one group per rank.
@@ -251,6 +268,8 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       groups.push_back(dir);
     }
   }
+  // NCCL needs a GPU per rank: plain "cuda" means GPU r for rank r.
+  const std::string device = a->GetOrEnv("device");
   const bool pin = a->Bool("pin-cores");
   const int cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
   std::vector<pid_t> pids;
@@ -258,6 +277,10 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     std::vector<std::string> args = {executor, "--rank", std::to_string(r), "--world",
                                      std::to_string(world), "--rendezvous", tmpl};
     args.insert(args.end(), pass.begin(), pass.end());
+    if (!device.empty()) {
+      args.push_back("--device");
+      args.push_back(device == "cuda" ? absl::StrCat("cuda:", r) : device);
+    }
     pid_t pid = fork();
     if (pid == 0) {
       if (!groups.empty()) {
