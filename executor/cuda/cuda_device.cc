@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "executor/cuda/box_copy.h"
 #include "executor/cuda/caching_allocator.h"
 #include "executor/cuda/kernels_internal.h"
 #include "executor/cuda/launch_runtime.h"
@@ -287,89 +288,14 @@ absl::Status CudaDevice::CopyBox(TensorView src,
                                  TensorView dst,
                                  absl::Span<const int64_t> dst_start,
                                  absl::Span<const int64_t> extent) {
-  // The checks of HostCopyBox (executor/runtime/device.cc).
-  const int rank = src.rank();
-  if (dst.rank() != rank || static_cast<int>(src_start.size()) != rank ||
-      static_cast<int>(dst_start.size()) != rank ||
-      static_cast<int>(extent.size()) != rank || src.dtype != dst.dtype) {
-    return absl::InvalidArgumentError("copy box: ranks or dtypes differ");
-  }
-  for (int d = 0; d < rank; ++d) {
-    if (extent[d] < 0 || src_start[d] < 0 || dst_start[d] < 0 ||
-        src_start[d] + extent[d] > src.shape[d] ||
-        dst_start[d] + extent[d] > dst.shape[d]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("copy box: dimension ", d, " out of range"));
-    }
-    if (extent[d] == 0) return absl::OkStatus();
-  }
-  // Byte strides, with the element's bytes as an innermost dimension; the
-  // box starts at byte offsets so, to.
-  const int64_t esize = graph::DTypeBytes(src.dtype);
-  std::vector<int64_t> ext(extent.begin(), extent.end()), ss(rank + 1),
-      ds(rank + 1);
-  ext.push_back(esize);
-  ss[rank] = ds[rank] = 1;
-  int64_t so = 0, to = 0;
-  for (int d = rank - 1; d >= 0; --d) {
-    ss[d] = ss[d + 1] * (d + 1 < rank ? src.shape[d + 1] : esize);
-    ds[d] = ds[d + 1] * (d + 1 < rank ? dst.shape[d + 1] : esize);
-  }
-  for (int d = 0; d < rank; ++d) {
-    so += src_start[d] * ss[d];
-    to += dst_start[d] * ds[d];
-  }
-  // Merge dimensions contiguous in both (outer stride = inner stride *
-  // inner extent), dropping extent-1 ones.
-  cuda::BoxCopy box;
-  int r = 0;
-  for (int d = 0; d <= rank; ++d) {
-    if (ext[d] == 1 && d < rank) continue;
-    if (r > 0 && box.src_stride[r - 1] == ss[d] * ext[d] &&
-        box.dst_stride[r - 1] == ds[d] * ext[d]) {
-      box.extent[r - 1] *= ext[d];
-      box.src_stride[r - 1] = ss[d];
-      box.dst_stride[r - 1] = ds[d];
-      continue;
-    }
-    if (r == cuda::kMaxDims + 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "copy box on ", name_, ": more than ", cuda::kMaxDims,
-          " dimensions remain after merging"));
-    }
-    box.extent[r] = ext[d];
-    box.src_stride[r] = ss[d];
-    box.dst_stride[r] = ds[d];
-    ++r;
-  }
-  box.rank = r;
-  // The innermost dimension is the contiguous run (stride 1). Copy in the
-  // widest unit that divides it, every stride and both start addresses.
-  const auto src_addr = reinterpret_cast<uintptr_t>(src.data) + so;
-  const auto dst_addr = reinterpret_cast<uintptr_t>(dst.data) + to;
-  int unit = 16;
-  while (unit > 1) {
-    bool ok = box.extent[r - 1] % unit == 0 && src_addr % unit == 0 &&
-              dst_addr % unit == 0;
-    for (int d = 0; ok && d < r - 1; ++d) {
-      ok = box.src_stride[d] % unit == 0 && box.dst_stride[d] % unit == 0;
-    }
-    if (ok) break;
-    unit /= 2;
-  }
-  box.unit = unit;
-  box.extent[r - 1] /= unit;
-  box.count = 1;
-  for (int d = 0; d < r; ++d) {
-    if (d < r - 1) {
-      box.src_stride[d] /= unit;
-      box.dst_stride[d] /= unit;
-    }
-    box.count *= box.extent[d];
-  }
+  HAP_ASSIGN_OR_RETURN(
+      cuda::BoxCopyPlan plan,
+      cuda::PlanBoxCopy(src, src_start, dst, dst_start, extent));
+  if (plan.empty) return absl::OkStatus();
   HAP_DEVICE_SCOPE();
-  cuda::LaunchCopyBox(box, static_cast<const char*>(src.data) + so,
-                      static_cast<char*>(dst.data) + to, stream_);
+  cuda::LaunchCopyBox(plan.box,
+                      static_cast<const char*>(src.data) + plan.src_offset,
+                      static_cast<char*>(dst.data) + plan.dst_offset, stream_);
   HAP_CUDA_CHECK(cudaGetLastError(), absl::StrCat(name_, ": copy box"));
   return absl::OkStatus();
 }

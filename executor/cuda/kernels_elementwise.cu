@@ -100,23 +100,11 @@ __global__ void DropoutKernel(DropoutMask m, T scale, const T* in, T* out,
   }
 }
 
-// Offsets of element i of `s` for operands [0, K).
-template <int K>
-__device__ inline void Offsets(const StridedSpace& s, int64_t i,
-                               int64_t* off) {
-  for (int k = 0; k < K; ++k) off[k] = 0;
-  for (int d = s.rank - 1; d >= 0; --d) {
-    const int64_t idx = i % s.shape[d];
-    i /= s.shape[d];
-    for (int k = 0; k < K; ++k) off[k] += idx * s.stride[k][d];
-  }
-}
-
 template <BinaryOp op, typename T>
 __global__ void BinaryKernel(StridedSpace s, const T* p, const T* q, T* out) {
   for (int64_t i = GridStart(); i < s.count; i += GridStep()) {
     int64_t off[3];
-    Offsets<3>(s, i, off);
+    SpaceOffsets<3>(s, i, off);
     const T a = p != nullptr ? p[off[1]] : T(0);
     const T b = q != nullptr ? q[off[2]] : T(0);
     T v;
@@ -131,39 +119,15 @@ __global__ void BinaryKernel(StridedSpace s, const T* p, const T* q, T* out) {
   }
 }
 
-// One thread per output: the reduced space is walked row by row, its
-// innermost dimension without divisions.
+// One thread per output (ReducedSum: the reduced space row by row, its
+// innermost dimension without divisions).
 template <typename T>
 __global__ void ReduceThreadKernel(ReduceSpace s, const T* a, const T* b,
                                    double scale, T* out, bool accumulate) {
-  const StridedSpace& r = s.reduced;
-  const int inner_d = r.rank - 1;
-  const int64_t inner = r.rank > 0 ? r.shape[inner_d] : 1;
-  const int64_t sa = r.rank > 0 ? r.stride[1][inner_d] : 0;
-  const int64_t sb = r.rank > 0 ? r.stride[2][inner_d] : 0;
-  const int64_t rows = inner > 0 ? r.count / inner : 0;
   for (int64_t o = GridStart(); o < s.kept.count; o += GridStep()) {
     int64_t base[3];
-    Offsets<3>(s.kept, o, base);
-    double acc = 0;
-    for (int64_t row = 0; row < rows; ++row) {
-      // Offsets of the row's first element over the outer reduced dims.
-      int64_t rr = row, oa = base[1], ob = base[2];
-      for (int d = inner_d - 1; d >= 0; --d) {
-        const int64_t idx = rr % r.shape[d];
-        rr /= r.shape[d];
-        oa += idx * r.stride[1][d];
-        ob += idx * r.stride[2][d];
-      }
-      if (b != nullptr) {
-        for (int64_t j = 0; j < inner; ++j) {
-          acc += static_cast<double>(a[oa + j * sa]) *
-                 static_cast<double>(b[ob + j * sb]);
-        }
-      } else {
-        for (int64_t j = 0; j < inner; ++j) acc += static_cast<double>(a[oa + j * sa]);
-      }
-    }
+    SpaceOffsets<3>(s.kept, o, base);
+    const double acc = ReducedSum(s, a, b, base);
     const T v = static_cast<T>(acc * scale);
     out[base[0]] = accumulate ? out[base[0]] + v : v;
   }
@@ -177,11 +141,11 @@ __global__ void ReduceBlockKernel(ReduceSpace s, const T* a, const T* b,
   __shared__ double part[kThreads];
   for (int64_t o = blockIdx.x; o < s.kept.count; o += gridDim.x) {
     int64_t base[3];
-    Offsets<3>(s.kept, o, base);
+    SpaceOffsets<3>(s.kept, o, base);
     double acc = 0;
     for (int64_t k = threadIdx.x; k < s.reduced.count; k += blockDim.x) {
       int64_t off[3];
-      Offsets<3>(s.reduced, k, off);
+      SpaceOffsets<3>(s.reduced, k, off);
       double v = static_cast<double>(a[base[1] + off[1]]);
       if (b != nullptr) v *= static_cast<double>(b[base[2] + off[2]]);
       acc += v;

@@ -45,13 +45,8 @@ __global__ void FillKernel(T value, T* out, int64_t n) {
 template <typename U>
 __global__ void CopyBoxKernel(BoxCopy box, const U* src, U* dst) {
   for (int64_t i = GridStart(); i < box.count; i += GridStep()) {
-    int64_t r = i, so = 0, to = 0;
-    for (int d = box.rank - 1; d >= 0; --d) {
-      const int64_t idx = r % box.extent[d];
-      r /= box.extent[d];
-      so += idx * box.src_stride[d];
-      to += idx * box.dst_stride[d];
-    }
+    int64_t so, to;
+    BoxOffsets(box, i, &so, &to);
     dst[to] = src[so];
   }
 }

@@ -7,6 +7,14 @@
 
 #include <cstdint>
 
+// Index math shared by device code and host tests (so it is checked
+// without a GPU): __host__ __device__ under nvcc.
+#if defined(__CUDACC__)
+#define HAP_CUDA_HD __host__ __device__
+#else
+#define HAP_CUDA_HD
+#endif
+
 namespace hap::executor::cuda {
 
 inline constexpr int kMaxDims = 8;
@@ -29,6 +37,54 @@ struct ReduceSpace {
   StridedSpace kept;
   StridedSpace reduced;
 };
+
+// off[k] = the offset in operand k (k < K) of element i of `s`.
+template <int K>
+HAP_CUDA_HD inline void SpaceOffsets(const StridedSpace& s, int64_t i,
+                                     int64_t* off) {
+  for (int k = 0; k < K; ++k) off[k] = 0;
+  for (int d = s.rank - 1; d >= 0; --d) {
+    const int64_t idx = i % s.shape[d];
+    i /= s.shape[d];
+    for (int k = 0; k < K; ++k) off[k] += idx * s.stride[k][d];
+  }
+}
+
+// The sum over `s.reduced` of a * b (b null: 1) for the output whose kept
+// offsets are base[0..2], in double, in row-major order of the reduced
+// space: rows (every dimension but the innermost) found by division, the
+// innermost dimension walked by its strides.
+template <typename T>
+HAP_CUDA_HD inline double ReducedSum(const ReduceSpace& s, const T* a,
+                                     const T* b, const int64_t* base) {
+  const StridedSpace& r = s.reduced;
+  const int inner_d = r.rank - 1;
+  const int64_t inner = r.rank > 0 ? r.shape[inner_d] : 1;
+  const int64_t sa = r.rank > 0 ? r.stride[1][inner_d] : 0;
+  const int64_t sb = r.rank > 0 ? r.stride[2][inner_d] : 0;
+  const int64_t rows = inner > 0 ? r.count / inner : 0;
+  double acc = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t rr = row, oa = base[1], ob = base[2];
+    for (int d = inner_d - 1; d >= 0; --d) {
+      const int64_t idx = rr % r.shape[d];
+      rr /= r.shape[d];
+      oa += idx * r.stride[1][d];
+      ob += idx * r.stride[2][d];
+    }
+    if (b != nullptr) {
+      for (int64_t j = 0; j < inner; ++j) {
+        acc += static_cast<double>(a[oa + j * sa]) *
+               static_cast<double>(b[ob + j * sb]);
+      }
+    } else {
+      for (int64_t j = 0; j < inner; ++j) {
+        acc += static_cast<double>(a[oa + j * sa]);
+      }
+    }
+  }
+  return acc;
+}
 
 }  // namespace hap::executor::cuda
 

@@ -30,6 +30,19 @@ struct BoxCopy {
 };
 void LaunchCopyBox(const BoxCopy& box, const void* src, void* dst,
                    cudaStream_t stream);
+// The offsets (in units) of box element i in src and dst.
+HAP_CUDA_HD inline void BoxOffsets(const BoxCopy& box, int64_t i,
+                                   int64_t* src_off, int64_t* dst_off) {
+  int64_t so = 0, to = 0;
+  for (int d = box.rank - 1; d >= 0; --d) {
+    const int64_t idx = i % box.extent[d];
+    i /= box.extent[d];
+    so += idx * box.src_stride[d];
+    to += idx * box.dst_stride[d];
+  }
+  *src_off = so;
+  *dst_off = to;
+}
 
 // Blocks (and so partial sums) LaunchSquares uses for n elements: a
 // function of n alone, so the sum's order is fixed.
