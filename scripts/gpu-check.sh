@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# The CUDA backend on a real GPU, in one go (DESIGN.md §10): at most about
+# 8 minutes on one GPU, most of it the build when Bazel's cache is cold.
+#
+#   bash scripts/gpu-check.sh        (from anywhere; it works in the repo root)
+#
+# Needs: an NVIDIA GPU with its driver, CUDA + NCCL at ${HAP_CUDA_PATH:-/usr/local/cuda},
+# Bazel and python3. No network: the build is offline (system libraries).
+#
+#   1. build   --config=cuda, nvcc narrowed to this machine's GPU architecture
+#              (nvidia-smi compute_cap; --define=hap_cuda_archs=90 on an H100/H200)
+#   2. tests   //executor/cuda: kernels_a_test and kernels_b_test (every CUDA
+#              kernel against the CPU backend), cuda_device_test,
+#              nccl_communicator_test (multi-rank cases need one GPU per rank;
+#              on one GPU they skip and say why), gpu_training_test (training
+#              steps of the GPT-style LM and an MLP on the GPU equal to the CPU
+#              backend); tests not in this build yet are reported as missing
+#   3. GEMM    our `linear` kernel against cublasSgemm and cublasGemmEx (TF32,
+#              and bf16 as the GPU's dense peak), cudaEvents after warm-up
+#              (bench/gpu_bench.cc)
+#   4. step    the GPT-style LM's training step on the GPU (median of 10
+#              after 2 warm-up steps, SGD with momentum), ours against
+#              PyTorch on the same GPU when python3 has torch with CUDA
+#              ("PyTorch with CUDA not available: skipped" otherwise)
+#
+# Output: each step's log under $LOGS (default $OUT/gpu-check-logs when $OUT is
+# set, else /tmp/hap-gpu-check-PID); a short Markdown table printed last and
+# written to $OUT/gpu-check.md when $OUT is set.
+#
+# Exit status: 0 when every check passed; 1 when the build, a test or a
+# benchmark failed (or no Bazel); 0 with the one line "no GPU: nothing run"
+# when no GPU is visible (no nvidia-smi, or it lists none), so that machines
+# without a GPU are not failures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "no GPU: nothing run"
+  exit 0
+fi
+
+START=$SECONDS
+BUDGET=${HAP_GPU_CHECK_BUDGET:-470}  # seconds; later steps are skipped past it
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  LOGS=${LOGS:-$OUT/gpu-check-logs}
+else
+  LOGS=${LOGS:-/tmp/hap-gpu-check-$$}
+fi
+mkdir -p "$LOGS"
+ROWS="$LOGS/rows.tsv"  # check <TAB> result <TAB> detail
+: > "$ROWS"
+FAILED=0
+row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$ROWS"; }
+left() { echo $((BUDGET - (SECONDS - START))); }
+# A timeout for the next step: what is left, but never 0 (timeout 0 = none).
+limit() { local l=$(( $(left) < $1 ? $(left) : $1 )); echo $(( l < 5 ? 5 : l )); }
+say() { echo "gpu-check [$((SECONDS - START))s]: $*"; }
+
+PY=$(command -v python3 || echo /usr/bin/python3)
+BAZEL=$(command -v bazel || command -v bazelisk || true)
+CUDA_PATH=${HAP_CUDA_PATH:-/usr/local/cuda}
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+GPUS=$(nvidia-smi -L | grep -c '^GPU')
+DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+ARCHS=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | tr -d ' .' | sort -u | paste -sd, -)
+NVCC_VERSION=$("$CUDA_PATH/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+NCCL_VERSION=$(sed -n 's/^#define NCCL_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\).*/\2/p' \
+  "$CUDA_PATH/include/nccl.h" 2>/dev/null | paste -sd. -)
+HEADER="GPU check: $GPUS x $GPU_NAME (sm_$ARCHS), driver $DRIVER, CUDA ${NVCC_VERSION:-?}, NCCL ${NCCL_VERSION:-?}, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "$HEADER"
+
+finish() {
+  local table="$LOGS/gpu-check.md"
+  {
+    echo "## $HEADER"
+    echo
+    echo "| check | result | detail |"
+    echo "|---|---|---|"
+    while IFS=$'\t' read -r check result detail; do
+      echo "| $check | $result | $detail |"
+    done < "$ROWS"
+    echo
+    echo "Total $((SECONDS - START)) s; logs in $LOGS."
+  } > "$table"
+  [ -n "${OUT:-}" ] && cp "$table" "$OUT/gpu-check.md"
+  echo
+  cat "$table"
+  exit "$FAILED"
+}
+
+if [ -z "$BAZEL" ]; then
+  row "build" "FAIL" "no bazel on PATH"
+  FAILED=1
+  finish
+fi
+
+# --- 1. build ---------------------------------------------------------------
+FLAGS=(--config=cuda "--define=hap_cuda_archs=$ARCHS" "--jobs=$(nproc)")
+WANTED=(kernels_a_test kernels_b_test cuda_device_test nccl_communicator_test gpu_training_test)
+# Only the tests this tree has (another one may not be written yet).
+EXISTING=$("$BAZEL" query 'tests(//executor/cuda:all)' 2>"$LOGS/query.log" | sed 's|^//executor/cuda:||')
+TESTS=()
+for t in "${WANTED[@]}"; do
+  if grep -qx "$t" <<< "$EXISTING"; then
+    TESTS+=("//executor/cuda:$t")
+  else
+    row "$t" "MISSING" "no such target in this tree"
+    FAILED=1
+  fi
+done
+say "building (${FLAGS[*]})"
+b0=$SECONDS
+timeout "$(limit 400)" "$BAZEL" build "${FLAGS[@]}" //bench:gpu_bench //executor/cli:hap-executor \
+  "${TESTS[@]}" > "$LOGS/build.log" 2>&1
+rc=$?
+if [ $rc -ne 0 ]; then
+  row "build (--config=cuda, sm_$ARCHS)" "FAIL" "rc $rc after $((SECONDS - b0)) s; see build.log: $(grep -m1 -E 'error|ERROR' "$LOGS/build.log" | cut -c1-160 | tr '|' '/')"
+  FAILED=1
+  finish
+fi
+row "build (--config=cuda, sm_$ARCHS)" "PASS" "$((SECONDS - b0)) s"
+
+# --- 2. tests ---------------------------------------------------------------
+if [ ${#TESTS[@]} -gt 0 ] && [ "$(left)" -gt 60 ]; then
+  say "testing ${TESTS[*]}"
+  t0=$SECONDS
+  limit=$(( $(left) - 150 > 120 ? $(left) - 150 : 120 ))  # leave time for the benchmarks
+  timeout "$((limit + 30))" "$BAZEL" test "${FLAGS[@]}" --test_timeout="$limit" \
+    --local_test_jobs=4 --test_output=errors "${TESTS[@]}" > "$LOGS/test.log" 2>&1
+  say "tests done in $((SECONDS - t0)) s"
+  for t in "${TESTS[@]}"; do
+    name=${t#//executor/cuda:}
+    status=$(grep -E "^$t +" "$LOGS/test.log" | grep -oE 'PASSED|FAILED TO BUILD|FAILED|TIMEOUT|NO STATUS|SKIPPED' | head -1)
+    logs=$(find "bazel-testlogs/executor/cuda/$name" -name test.log 2>/dev/null)
+    ok=0 bad=0 skipped=0 why=""
+    if [ -n "$logs" ]; then
+      for l in $logs; do cp "$l" "$LOGS/$name.$(basename "$(dirname "$l")").log"; done
+      ok=$(cat $logs | grep -cE '^\[       OK \] .*\([0-9]+ ms\)')
+      bad=$(cat $logs | grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)')
+      skipped=$(cat $logs | grep -cE '^\[  SKIPPED \] .*\([0-9]+ ms\)')
+      why=$(cat $logs | grep -A1 ': Skipped$' | grep -vE ': Skipped$|^--$' | sort | uniq -c | sort -rn | head -2 | sed 's/^ *//' | paste -sd';' - | cut -c1-200 | tr '|' '/')
+    fi
+    detail="$ok passed, $bad failed, $skipped skipped"
+    [ -n "$why" ] && detail="$detail (skips: $why)"
+    if [ "$name" = gpu_training_test ] && [ -n "$logs" ]; then
+      last=$(cat $logs | grep -E '^gpt_adamw_dropout step [0-9]+ loss' | tail -1)
+      [ -n "$last" ] && detail="$detail; $last"
+    fi
+    if [ "$status" = PASSED ]; then
+      if [ "$ok" -eq 0 ]; then
+        row "$name" "PASS (all skipped)" "$detail"
+      else
+        row "$name" "PASS" "$detail"
+      fi
+    else
+      row "$name" "FAIL" "${status:-no result} - $detail; see $name.*.log"
+      FAILED=1
+    fi
+  done
+else
+  row "tests" "NOT RUN" "out of time ($(left) s left)"
+  FAILED=1
+fi
+
+GPU_BENCH=bazel-bin/bench/gpu_bench
+
+# --- 3. GEMM ----------------------------------------------------------------
+if [ "$(left)" -gt 40 ]; then
+  say "GEMM: linear against cuBLAS"
+  timeout "$(limit 90)" "$GPU_BENCH" gemm --iters 20 \
+    > "$LOGS/gemm.jsonl" 2> "$LOGS/gemm.err"
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    row "GEMM" "FAIL" "rc $rc: $(head -c 200 "$LOGS/gemm.err" | tr '\n|' ' /')"
+    FAILED=1
+  fi
+  "$PY" - "$LOGS/gemm.jsonl" >> "$ROWS" <<'EOF'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    rows.setdefault(r["shape"], {})[r["kind"]] = r["tflops"]
+for shape, k in rows.items():
+    def get(name):
+        return k.get(name, float("nan"))
+    ours, sgemm = get("ours_fp32"), get("cublas_sgemm_fp32")
+    ours32, tf32, bf16 = get("ours_tf32"), get("cublas_gemmex_tf32"), get("cublas_gemmex_bf16")
+    print(f"GEMM {shape} (MxNxK) fp32\tours {ours:.1f} TFLOP/s = {ours / sgemm:.0%} of cublasSgemm"
+          f"\tcublasSgemm {sgemm:.1f}; TF32: ours {ours32:.1f} vs cublasGemmEx {tf32:.1f}"
+          f" ({ours32 / tf32:.0%}); bf16 GemmEx peak {bf16:.1f} TFLOP/s")
+EOF
+else
+  row "GEMM" "NOT RUN" "out of time"
+fi
+
+# --- 4. training step: ours against PyTorch on the same GPU ------------------
+TORCH_PY=""
+for p in "$PY" /usr/bin/python3; do
+  if "$p" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    TORCH_PY=$p
+    break
+  fi
+done
+CONFIGS=(
+  "GPT 4 layers, h 512, seq 128, batch 8|--layers 4 --hidden 512 --heads 8 --ffn 2048 --seq 128 --vocab 18328 --batch 8"
+  "GPT 12 layers, h 768, seq 512, batch 8|--layers 12 --hidden 768 --heads 12 --ffn 3072 --seq 512 --vocab 18328 --batch 8"
+)
+i=0
+for c in "${CONFIGS[@]}"; do
+  i=$((i + 1))
+  label=${c%%|*}
+  read -r -a params <<< "${c#*|}"
+  if [ "$(left)" -lt 30 ]; then
+    row "step: $label" "NOT RUN" "out of time"
+    continue
+  fi
+  say "step: $label (ours)"
+  timeout "$(limit 90)" "$GPU_BENCH" step --model gpt --steps 10 \
+    --warmup 2 "${params[@]}" > "$LOGS/step$i.ours.json" 2> "$LOGS/step$i.ours.err"
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    row "step: $label" "FAIL" "ours: rc $rc: $(head -c 200 "$LOGS/step$i.ours.err" | tr '\n|' ' /')"
+    FAILED=1
+    continue
+  fi
+  torch_note="PyTorch with CUDA not available: skipped"
+  if [ -n "$TORCH_PY" ] && [ "$(left)" -gt 30 ]; then
+    say "step: $label (PyTorch)"
+    if timeout "$(limit 90)" "$TORCH_PY" bench/torch_step.py \
+      --model gpt --device cuda --steps 10 --warmup 2 "${params[@]}" \
+      > "$LOGS/step$i.torch.json" 2> "$LOGS/step$i.torch.err"; then
+      torch_note=""
+    else
+      torch_note="PyTorch failed: $(tail -c 200 "$LOGS/step$i.torch.err" | tr '\n|' ' /')"
+    fi
+  elif [ -n "$TORCH_PY" ]; then
+    torch_note="PyTorch: out of time"
+  fi
+  "$PY" - "$label" "$LOGS/step$i.ours.json" "$LOGS/step$i.torch.json" "$torch_note" >> "$ROWS" <<'EOF'
+import json, os, statistics, sys
+label, ours_path, torch_path, note = sys.argv[1:5]
+
+
+def last_json(path):
+    return json.loads(open(path).read().strip().splitlines()[-1])
+
+
+try:
+    ours = last_json(ours_path)
+    o = statistics.median(ours["seconds"])
+    detail = f"our losses {ours['losses'][0]:.3f} -> {ours['losses'][-1]:.3f}"
+    result = f"ours {o * 1e3:.1f} ms"
+    if not note and os.path.exists(torch_path):
+        torch = last_json(torch_path)
+        t = statistics.median(torch["seconds"])
+        result += f", PyTorch {t * 1e3:.1f} ms: ours/torch {o / t:.2f}x"
+        detail += f", torch {torch['losses'][0]:.3f} -> {torch['losses'][-1]:.3f}"
+    else:
+        detail += "; " + note
+except (OSError, ValueError, KeyError, IndexError) as e:
+    result, detail = "FAIL", f"unreadable result: {e}"
+print(f"step: {label} (median of 10)\t{result}\t{detail}")
+EOF
+  tail -1 "$ROWS" | grep -q $'\tFAIL\t' && FAILED=1
+done
+[ -z "$TORCH_PY" ] && say "PyTorch with CUDA not available: skipped"
+
+finish
