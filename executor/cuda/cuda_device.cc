@@ -128,6 +128,7 @@ class CudaDevice final : public Device {
   // kernel that got it since the last synchronization.
   int* fault_word_ = nullptr;
   std::mutex fault_mu_;
+  std::mutex run_mu_;  // serializes RunKernel
   std::vector<const std::string*> fault_kernels_;
 };
 
@@ -316,6 +317,8 @@ absl::Status CudaDevice::RunKernel(const std::string& name,
     fault_kernels_.push_back(&it->first);
     fault = {fault_word_, static_cast<int>(fault_kernels_.size())};
   }
+  // One call at a time: the cuBLAS handle is not to be used concurrently.
+  std::lock_guard<std::mutex> run_lock(run_mu_);
   CallScratch scratch(*this);
   cuda::KernelArgs args{it->first, ctx,      attrs,   inputs,
                         outputs,   stream_,  cublas_, options_.allow_tf32,

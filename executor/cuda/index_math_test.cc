@@ -6,9 +6,11 @@
 #include <random>
 #include <vector>
 
+#include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/cuda/box_copy.h"
 #include "executor/cuda/kernel_checks.h"
+#include "executor/cuda/launch_elementwise.h"
 #include "executor/runtime/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -278,6 +280,56 @@ TEST(IndexMathTest, PlannedBoxCopiesMatchHostCopyBox) {
     }
     ExpectPlannedCopyMatches(trial % 2 ? DType::kFloat32 : DType::kFloat16, s,
                              d, ss, ds, ext, 0);
+  }
+}
+
+// The device's mask function against the CPU's dropout of a tensor of ones
+// (kept elements become 1 / (1 - p), dropped ones 0), sharded and not.
+TEST(IndexMathTest, DropoutKeepsWhatTheCpuKeeps) {
+  struct Shard {
+    Shape local, global;
+    std::vector<int64_t> offsets;
+  };
+  const std::vector<Shard> shards = {{{4, 33}, {8, 40}, {2, 5}},
+                                     {{1000}, {1000}, {0}},
+                                     {{2, 3, 7}, {5, 3, 9}, {3, 0, 2}},
+                                     {{}, {}, {}}};
+  for (const Shard& sh : shards) {
+    for (int64_t step : {0, 3}) {
+      const double p = 0.3;
+      graph::Attrs attrs{{"p", p},
+                         {"rng_key", int64_t{11}},
+                         {"global_shape", sh.global},
+                         {"offsets", sh.offsets}};
+      HostTensor ones(DType::kFloat64, sh.local), out(DType::kFloat64, sh.local);
+      const int64_t n = ones.num_elements();
+      for (int64_t i = 0; i < n; ++i) ones.as<double>()[i] = 1;
+      KernelContext ctx;
+      ctx.step = step;
+      TensorView in[] = {ones.view()};
+      TensorView outs[] = {out.view()};
+      ASSERT_THAT(RunCpuKernel("dropout", ctx, attrs, in, outs), IsOk());
+      DropoutMask m;
+      m.p = p;
+      m.key = CounterKey(11, static_cast<uint64_t>(step));
+      m.rank = static_cast<int>(sh.local.size());
+      const std::vector<int64_t> gs = cpu::ContiguousStrides(sh.global);
+      for (int d = 0; d < m.rank; ++d) {
+        m.local[d] = sh.local[d];
+        m.offsets[d] = sh.offsets[d];
+        m.global_strides[d] = gs[d];
+      }
+      int kept = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(DropoutKeeps(m, i), out.as<double>()[i] != 0)
+            << graph::ShapeString(sh.local) << " element " << i;
+        kept += DropoutKeeps(m, i);
+      }
+      if (n >= 100) {
+        EXPECT_GT(kept, n / 2);  // about 70% kept
+        EXPECT_LT(kept, n);
+      }
+    }
   }
 }
 

@@ -4,7 +4,6 @@
 #include <cstdint>
 
 #include "executor/cuda/launch_elementwise.h"
-#include "executor/runtime/counter_random.h"
 
 namespace hap::executor::cuda {
 namespace {
@@ -88,14 +87,7 @@ template <typename T>
 __global__ void DropoutKernel(DropoutMask m, T scale, const T* in, T* out,
                               int64_t n, bool accumulate) {
   for (int64_t i = GridStart(); i < n; i += GridStep()) {
-    int64_t r = i, g = 0;
-    for (int d = m.rank - 1; d >= 0; --d) {
-      const int64_t idx = r % m.local[d];
-      r /= m.local[d];
-      g += (idx + m.offsets[d]) * m.global_strides[d];
-    }
-    const bool keep = CounterUniform(m.key, static_cast<uint64_t>(g)) >= m.p;
-    const T v = keep ? in[i] * scale : T(0);
+    const T v = DropoutKeeps(m, i) ? in[i] * scale : T(0);
     out[i] = accumulate ? out[i] + v : v;
   }
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "executor/cuda/launch_common.h"
+#include "executor/runtime/counter_random.h"
 
 namespace hap::executor::cuda {
 
@@ -41,6 +42,17 @@ struct DropoutMask {
   int64_t offsets[kMaxDims] = {};
   int64_t global_strides[kMaxDims] = {};
 };
+// Whether local element i (row-major over m.local) is kept.
+HAP_CUDA_HD inline bool DropoutKeeps(const DropoutMask& m, int64_t i) {
+  int64_t g = 0;
+  for (int d = m.rank - 1; d >= 0; --d) {
+    const int64_t idx = i % m.local[d];
+    i /= m.local[d];
+    g += (idx + m.offsets[d]) * m.global_strides[d];
+  }
+  return CounterUniform(m.key, static_cast<uint64_t>(g)) >= m.p;
+}
+
 // out (+)= keep ? in * scale : 0 over n elements.
 template <typename T>
 void LaunchDropout(const DropoutMask& mask, T scale, const T* in, T* out,
