@@ -35,6 +35,15 @@ absl::Status CudaAvailable();
 
 // The device for GPU `ordinal`. Unavailable when it cannot be opened,
 // InvalidArgument for an ordinal out of range.
+//
+// Its memory comes from a caching allocator (freed blocks are reused in
+// stream order; ResourceExhausted names the bytes requested, held and the
+// limit). Kernels and copies are queued on one non-blocking stream and run
+// in order; CopyToHost and Synchronize wait for it. An error a kernel can
+// only find on the GPU (a target or id out of range) is InvalidArgument
+// naming the kernel at the next CopyToHost or Synchronize. Thread-safety:
+// every method may be called from any thread; RunKernel calls are
+// serialized.
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(
     int ordinal, const CudaDeviceOptions& options = {});
 
