@@ -256,15 +256,17 @@ class NcclCommunicator : public Communicator {
     const ncclDataType_t type = SumType(in.dtype);
     const std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
-      // One reduce per rank, rooted at the chunk's owner. Elsewhere the
-      // receive buffer is ignored by NCCL; the chunk itself is passed
-      // (NCCL's in-place form), so nothing is written there.
+      // One reduce per rank, rooted at the chunk's owner. Off the root NCCL
+      // documents the receive buffer as unused; scratch is passed anyway
+      // (shared by those reduces), so that the input stays as it was even
+      // if an algorithm did write there.
+      HAP_ASSIGN_OR_RETURN(char* unused, Scratch(1, m * es));
       return Run("reduce-scatter (grouped)", [&]() -> absl::Status {
         return Group([&]() -> absl::Status {
           for (int r = 0; r < size_; ++r) {
             if (counts[r] == 0) continue;
             char* src = At(in, off[r]);
-            void* dst = r == rank_ ? out.data : src;
+            void* dst = r == rank_ ? out.data : unused;
             HAP_NCCL(ncclReduce(src, dst, counts[r], type, ncclSum, r, comm_, stream_), comm_);
           }
           return absl::OkStatus();
@@ -366,10 +368,13 @@ class NcclCommunicator : public Communicator {
     const int64_t n = in.num_elements();
     if (n == 0) return absl::OkStatus();
     HAP_RETURN_IF_ERROR(rank_ == root ? OnDevice("reduce", {in, out}) : OnDevice("reduce", {in}));
+    char* unused = nullptr;  // the receive buffer off the root (see ReduceScatter)
+    if (rank_ != root) {
+      HAP_ASSIGN_OR_RETURN(unused, Scratch(1, in.bytes()));
+    }
     return Run("reduce", [&]() -> absl::Status {
       return Group([&]() -> absl::Status {
-        // Off the root NCCL ignores the receive buffer (in-place form).
-        void* dst = rank_ == root ? out.data : in.data;
+        void* dst = rank_ == root ? out.data : unused;
         HAP_NCCL(ncclReduce(in.data, dst, n, SumType(in.dtype), ncclSum, root, comm_, stream_),
                  comm_);
         return absl::OkStatus();
