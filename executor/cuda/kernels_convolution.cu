@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "executor/cuda/kernels_b_device.cuh"
+#include "executor/cuda/kernels_b_index.h"
 #include "executor/cuda/launch_convolution.h"
 
 namespace hap::executor::cuda {
@@ -21,57 +22,21 @@ __global__ void Im2ColKernel(Window g, const T* x, int64_t images,
                              T* col) {
   const int64_t total = g.c * g.kh * g.kw * images * g.oh * g.ow;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
-    int64_t t = k;
-    const int64_t ox = t % g.ow;
-    t /= g.ow;
-    const int64_t oy = t % g.oh;
-    t /= g.oh;
-    const int64_t m = t % images;
-    const int64_t row = t / images;
-    const int64_t j = row % g.kw;
-    const int64_t i = (row / g.kw) % g.kh;
-    const int64_t ch = row / (g.kw * g.kh);
-    const int64_t iy = oy * g.sh - g.ph + i;
-    const int64_t ix = ox * g.sw - g.pw + j;
-    const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-    col[row * row_stride + m * image_stride + oy * g.ow + ox] =
-        inside ? x[((m * g.c + ch) * g.h + iy) * g.w + ix] : T(0);
+    int64_t at;
+    const int64_t src = Im2ColSource(g, k, images, row_stride, image_stride,
+                                     &at);
+    col[at] = src >= 0 ? x[src] : T(0);
   }
 }
 
-// One thread per input element: the sum over the (i, j) kernel taps whose
-// output position (oy, ox) reads it.
+// One thread per input element (Col2ImSum).
 template <typename T>
 __global__ void Col2ImKernel(Window g, const T* col, int64_t images,
                              int64_t row_stride, int64_t image_stride,
                              T* dx) {
   const int64_t total = images * g.c * g.h * g.w;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
-    int64_t t = k;
-    const int64_t ix = t % g.w;
-    t /= g.w;
-    const int64_t iy = t % g.h;
-    t /= g.h;
-    const int64_t ch = t % g.c;
-    const int64_t m = t / g.c;
-    T acc = T(0);
-    for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t ty = iy + g.ph - i;  // = oy * sh
-      if (ty < 0) break;                 // and for every larger i
-      if (ty % g.sh != 0) continue;
-      const int64_t oy = ty / g.sh;
-      if (oy >= g.oh) continue;
-      for (int64_t j = 0; j < g.kw; ++j) {
-        const int64_t tx = ix + g.pw - j;
-        if (tx < 0) break;
-        if (tx % g.sw != 0) continue;
-        const int64_t ox = tx / g.sw;
-        if (ox >= g.ow) continue;
-        const int64_t row = (ch * g.kh + i) * g.kw + j;
-        acc += col[row * row_stride + m * image_stride + oy * g.ow + ox];
-      }
-    }
-    dx[k] += acc;
+    dx[k] += Col2ImSum(g, col, images, row_stride, image_stride, k);
   }
 }
 
@@ -117,32 +82,6 @@ __global__ void BiasGradKernel(const T* dy, int64_t images, int64_t channels,
 
 // --- max_pool2d -------------------------------------------------------------------
 
-// The first maximum of output (oy, ox)'s window over plane xp (as the CPU's
-// ForEachMax): its index in the plane and value.
-template <typename T>
-__device__ void WindowMax(const Window& g, const T* xp, int64_t oy, int64_t ox,
-                          int64_t* best_out, T* max_out) {
-  const int64_t y0 = oy * g.sh - g.ph > 0 ? oy * g.sh - g.ph : 0;
-  const int64_t y1 = oy * g.sh - g.ph + g.kh < g.h ? oy * g.sh - g.ph + g.kh
-                                                    : g.h;
-  const int64_t x0 = ox * g.sw - g.pw > 0 ? ox * g.sw - g.pw : 0;
-  const int64_t x1 = ox * g.sw - g.pw + g.kw < g.w ? ox * g.sw - g.pw + g.kw
-                                                    : g.w;
-  int64_t best = y0 * g.w + x0;
-  T mx = -static_cast<T>(INFINITY);
-  for (int64_t iy = y0; iy < y1; ++iy) {
-    for (int64_t ix = x0; ix < x1; ++ix) {
-      const T v = xp[iy * g.w + ix];
-      if (v > mx || isnan(v)) {
-        mx = v;
-        best = iy * g.w + ix;
-      }
-    }
-  }
-  *best_out = best;
-  *max_out = mx;
-}
-
 template <typename T>
 __global__ void MaxPoolKernel(Window g, const T* x, T* y, int64_t* argmax) {
   const int64_t out_plane = g.oh * g.ow;
@@ -158,8 +97,7 @@ __global__ void MaxPoolKernel(Window g, const T* x, T* y, int64_t* argmax) {
   }
 }
 
-// One thread per input element: the sum of dy over the windows whose first
-// maximum it is, in output scan order.
+// One thread per input element (MaxPoolGradSum).
 template <typename T>
 __global__ void MaxPoolGradKernel(Window g, const int64_t* argmax,
                                   const T* dy, T* dx) {
@@ -168,41 +106,15 @@ __global__ void MaxPoolGradKernel(Window g, const int64_t* argmax,
   const int64_t total = g.n * g.c * plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / plane;
-    const int64_t e = k - pl * plane;
-    const int64_t iy = e / g.w, ix = e % g.w;
-    // Windows [oy * sh - ph, oy * sh - ph + kh) containing iy.
-    const int64_t ay = iy + g.ph - g.kh;
-    const int64_t oy0 = ay < 0 ? 0 : ay / g.sh + 1;
-    const int64_t oy1 = (iy + g.ph) / g.sh < g.oh - 1 ? (iy + g.ph) / g.sh
-                                                      : g.oh - 1;
-    const int64_t ax = ix + g.pw - g.kw;
-    const int64_t ox0 = ax < 0 ? 0 : ax / g.sw + 1;
-    const int64_t ox1 = (ix + g.pw) / g.sw < g.ow - 1 ? (ix + g.pw) / g.sw
-                                                      : g.ow - 1;
-    const int64_t* am = argmax + pl * out_plane;
-    const T* dyp = dy + pl * out_plane;
-    T acc = T(0);
-    bool any = false;
-    for (int64_t oy = oy0; oy <= oy1; ++oy) {
-      for (int64_t ox = ox0; ox <= ox1; ++ox) {
-        if (am[oy * g.ow + ox] == e) {
-          acc += dyp[oy * g.ow + ox];
-          any = true;
-        }
-      }
+    T sum;
+    if (MaxPoolGradSum(g, argmax + pl * out_plane, dy + pl * out_plane,
+                       k - pl * plane, &sum)) {
+      dx[k] += sum;
     }
-    if (any) dx[k] += acc;
   }
 }
 
 // --- adaptive_avg_pool2d ----------------------------------------------------------
-
-__device__ inline int64_t RangeStart(int64_t i, int64_t in, int64_t out) {
-  return i * in / out;
-}
-__device__ inline int64_t RangeEnd(int64_t i, int64_t in, int64_t out) {
-  return ((i + 1) * in + out - 1) / out;
-}
 
 template <typename T>
 __global__ void AdaptivePoolKernel(Window g, const T* x, T* y) {
@@ -211,22 +123,11 @@ __global__ void AdaptivePoolKernel(Window g, const T* x, T* y) {
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / out_plane;
     const int64_t o = k - pl * out_plane;
-    const int64_t oy = o / g.ow, ox = o % g.ow;
-    const int64_t y0 = RangeStart(oy, g.h, g.oh), y1 = RangeEnd(oy, g.h, g.oh);
-    const int64_t x0 = RangeStart(ox, g.w, g.ow), x1 = RangeEnd(ox, g.w, g.ow);
-    const T* xp = x + pl * g.h * g.w;
-    T acc = T(0);
-    for (int64_t iy = y0; iy < y1; ++iy) {
-      for (int64_t ix = x0; ix < x1; ++ix) acc += xp[iy * g.w + ix];
-    }
-    y[k] = static_cast<T>(
-        static_cast<double>(acc) /
-        static_cast<double>((y1 - y0) * (x1 - x0)));
+    y[k] = AdaptiveAvg(g, x + pl * g.h * g.w, o / g.ow, o % g.ow);
   }
 }
 
-// One thread per input element: dy / window size summed over the windows
-// containing it (a superset of candidate windows is tested exactly).
+// One thread per input element (AdaptiveGradSum).
 template <typename T>
 __global__ void AdaptivePoolGradKernel(Window g, const T* dy, T* dx) {
   const int64_t plane = g.h * g.w;
@@ -234,28 +135,7 @@ __global__ void AdaptivePoolGradKernel(Window g, const T* dy, T* dx) {
   const int64_t total = g.n * g.c * plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / plane;
-    const int64_t e = k - pl * plane;
-    const int64_t iy = e / g.w, ix = e % g.w;
-    const int64_t oy_lo = iy * g.oh / g.h - 1 > 0 ? iy * g.oh / g.h - 1 : 0;
-    const int64_t oy_hi_raw = ((iy + 1) * g.oh + g.h - 1) / g.h;
-    const int64_t oy_hi = oy_hi_raw < g.oh - 1 ? oy_hi_raw : g.oh - 1;
-    const int64_t ox_lo = ix * g.ow / g.w - 1 > 0 ? ix * g.ow / g.w - 1 : 0;
-    const int64_t ox_hi_raw = ((ix + 1) * g.ow + g.w - 1) / g.w;
-    const int64_t ox_hi = ox_hi_raw < g.ow - 1 ? ox_hi_raw : g.ow - 1;
-    const T* dyp = dy + pl * out_plane;
-    T acc = T(0);
-    for (int64_t oy = oy_lo; oy <= oy_hi; ++oy) {
-      const int64_t y0 = RangeStart(oy, g.h, g.oh), y1 = RangeEnd(oy, g.h, g.oh);
-      if (iy < y0 || iy >= y1) continue;
-      for (int64_t ox = ox_lo; ox <= ox_hi; ++ox) {
-        const int64_t x0 = RangeStart(ox, g.w, g.ow);
-        const int64_t x1 = RangeEnd(ox, g.w, g.ow);
-        if (ix < x0 || ix >= x1) continue;
-        const double inv = 1.0 / static_cast<double>((y1 - y0) * (x1 - x0));
-        acc += static_cast<T>(dyp[oy * g.ow + ox] * inv);
-      }
-    }
-    dx[k] += acc;
+    dx[k] += AdaptiveGradSum(g, dy + pl * out_plane, k - pl * plane);
   }
 }
 

@@ -3,6 +3,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "executor/cuda/kernels_b_device.cuh"
+#include "executor/cuda/kernels_b_index.h"
 #include "executor/cuda/launch_moe.h"
 
 namespace hap::executor::cuda {
@@ -17,50 +18,12 @@ constexpr int kScan = 256;    // threads of the scanning kernels
 
 // --- moe_gate -----------------------------------------------------------------------
 
-// A token's softmax over experts in double, as the CPU's Route: the row
-// maximum (in T) and the sum of exp(logit - max).
-template <typename T>
-struct TokenSoftmax {
-  const T* row;
-  double mx = 0, sum = 0;
-
-  __device__ TokenSoftmax(const T* r, int64_t experts) : row(r) {
-    T m = r[0];
-    for (int64_t e = 1; e < experts; ++e) m = r[e] > m ? r[e] : m;
-    mx = static_cast<double>(m);
-    for (int64_t e = 0; e < experts; ++e) {
-      sum += exp(static_cast<double>(r[e]) - mx);
-    }
-  }
-  __device__ double Prob(int64_t e) const {
-    return exp(static_cast<double>(row[e]) - mx) / sum;
-  }
-};
-
-// One thread per token: the j-th pick is the best expert strictly after
-// the (j-1)-th in the order (probability descending, index ascending).
+// One thread per token (TopK).
 template <typename T>
 __global__ void GateTopKKernel(GateDims d, const T* logits, int32_t* expert) {
   for (int64_t t = GridStart(); t < d.tokens; t += GridStep()) {
     const TokenSoftmax<T> s(logits + t * d.experts, d.experts);
-    int64_t prev = -1;
-    double prev_p = 0;
-    for (int64_t j = 0; j < d.k; ++j) {
-      int64_t best = -1;
-      double bp = 0;
-      for (int64_t e = 0; e < d.experts; ++e) {
-        const double p = s.Prob(e);
-        const bool after =
-            prev < 0 || p < prev_p || (p == prev_p && e > prev);
-        if (after && (best < 0 || p > bp)) {
-          best = e;
-          bp = p;
-        }
-      }
-      expert[t * d.k + j] = static_cast<int32_t>(best);
-      prev = best;
-      prev_p = bp;
-    }
+    TopK(s, d.experts, d.k, expert + t * d.k);
   }
 }
 

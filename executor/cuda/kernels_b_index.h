@@ -1,0 +1,241 @@
+// Internal to executor/cuda: the per-element index math of the convolution,
+// pooling and MoE gate kernels (kernels_convolution.cu, kernels_moe.cu),
+// __host__ __device__ under nvcc so kernels_b_index_test checks it on the
+// host against direct loops, without a GPU. Plain C++ (no Abseil).
+#ifndef HAP_EXECUTOR_CUDA_KERNELS_B_INDEX_H_
+#define HAP_EXECUTOR_CUDA_KERNELS_B_INDEX_H_
+
+#include <cmath>
+#include <cstdint>
+
+#include "executor/cuda/launch_common.h"
+#include "executor/cuda/launch_convolution.h"
+#include "executor/cuda/launch_moe.h"
+
+namespace hap::executor::cuda {
+
+// --- im2col ---------------------------------------------------------------------
+
+// Element k of the im2col matrix of `images` images (k row-major over
+// [c*kh*kw rows, images, oh, ow]; layout as LaunchIm2Col): sets *col to
+// its index in the matrix and returns the index of the input element it
+// reads (images counted from the first), or -1 in the padding.
+HAP_CUDA_HD inline int64_t Im2ColSource(const Window& g, int64_t k,
+                                        int64_t images, int64_t row_stride,
+                                        int64_t image_stride, int64_t* col) {
+  int64_t t = k;
+  const int64_t ox = t % g.ow;
+  t /= g.ow;
+  const int64_t oy = t % g.oh;
+  t /= g.oh;
+  const int64_t m = t % images;
+  const int64_t row = t / images;
+  const int64_t j = row % g.kw;
+  const int64_t i = (row / g.kw) % g.kh;
+  const int64_t ch = row / (g.kw * g.kh);
+  const int64_t iy = oy * g.sh - g.ph + i;
+  const int64_t ix = ox * g.sw - g.pw + j;
+  *col = row * row_stride + m * image_stride + oy * g.ow + ox;
+  const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+  return inside ? ((m * g.c + ch) * g.h + iy) * g.w + ix : -1;
+}
+
+// The adjoint for input element k (row-major over [images, c, h, w]): the
+// sum of the im2col entries that read it, kernel taps in order.
+template <typename T>
+HAP_CUDA_HD inline T Col2ImSum(const Window& g, const T* col, int64_t images,
+                               int64_t row_stride, int64_t image_stride,
+                               int64_t k) {
+  int64_t t = k;
+  const int64_t ix = t % g.w;
+  t /= g.w;
+  const int64_t iy = t % g.h;
+  t /= g.h;
+  const int64_t ch = t % g.c;
+  const int64_t m = t / g.c;
+  (void)images;
+  T acc = T(0);
+  for (int64_t i = 0; i < g.kh; ++i) {
+    const int64_t ty = iy + g.ph - i;  // = oy * sh
+    if (ty < 0) break;                 // and for every larger i
+    if (ty % g.sh != 0) continue;
+    const int64_t oy = ty / g.sh;
+    if (oy >= g.oh) continue;
+    for (int64_t j = 0; j < g.kw; ++j) {
+      const int64_t tx = ix + g.pw - j;
+      if (tx < 0) break;
+      if (tx % g.sw != 0) continue;
+      const int64_t ox = tx / g.sw;
+      if (ox >= g.ow) continue;
+      const int64_t row = (ch * g.kh + i) * g.kw + j;
+      acc += col[row * row_stride + m * image_stride + oy * g.ow + ox];
+    }
+  }
+  return acc;
+}
+
+// --- max_pool2d -----------------------------------------------------------------
+
+// The first maximum of output (oy, ox)'s window over plane xp (as the CPU's
+// ForEachMax: padding never wins, a NaN does): its index in the plane and
+// value.
+template <typename T>
+HAP_CUDA_HD inline void WindowMax(const Window& g, const T* xp, int64_t oy,
+                                  int64_t ox, int64_t* best_out, T* max_out) {
+  const int64_t ty = oy * g.sh - g.ph, tx = ox * g.sw - g.pw;
+  const int64_t y0 = ty > 0 ? ty : 0;
+  const int64_t y1 = ty + g.kh < g.h ? ty + g.kh : g.h;
+  const int64_t x0 = tx > 0 ? tx : 0;
+  const int64_t x1 = tx + g.kw < g.w ? tx + g.kw : g.w;
+  int64_t best = y0 * g.w + x0;
+  T mx = -static_cast<T>(INFINITY);
+  for (int64_t iy = y0; iy < y1; ++iy) {
+    for (int64_t ix = x0; ix < x1; ++ix) {
+      const T v = xp[iy * g.w + ix];
+      if (v > mx || v != v) {
+        mx = v;
+        best = iy * g.w + ix;
+      }
+    }
+  }
+  *best_out = best;
+  *max_out = mx;
+}
+
+// For plane element e: *sum = dy summed over the windows whose first
+// maximum (argmax, per output of the plane) it is, in output order; false
+// when there is none.
+template <typename T>
+HAP_CUDA_HD inline bool MaxPoolGradSum(const Window& g, const int64_t* argmax,
+                                       const T* dyp, int64_t e, T* sum) {
+  const int64_t iy = e / g.w, ix = e % g.w;
+  // Windows [oy * sh - ph, oy * sh - ph + kh) containing iy:
+  // oy <= (iy + ph) / sh and oy * sh > iy + ph - kh.
+  const int64_t ay = iy + g.ph - g.kh;
+  const int64_t oy0 = ay < 0 ? 0 : ay / g.sh + 1;
+  const int64_t oy1 =
+      (iy + g.ph) / g.sh < g.oh - 1 ? (iy + g.ph) / g.sh : g.oh - 1;
+  const int64_t ax = ix + g.pw - g.kw;
+  const int64_t ox0 = ax < 0 ? 0 : ax / g.sw + 1;
+  const int64_t ox1 =
+      (ix + g.pw) / g.sw < g.ow - 1 ? (ix + g.pw) / g.sw : g.ow - 1;
+  T acc = T(0);
+  bool any = false;
+  for (int64_t oy = oy0; oy <= oy1; ++oy) {
+    for (int64_t ox = ox0; ox <= ox1; ++ox) {
+      if (argmax[oy * g.ow + ox] == e) {
+        acc += dyp[oy * g.ow + ox];
+        any = true;
+      }
+    }
+  }
+  *sum = acc;
+  return any;
+}
+
+// --- adaptive_avg_pool2d --------------------------------------------------------
+
+// PyTorch's window of output i of `out` over an input of `in`:
+// [floor(i * in / out), ceil((i + 1) * in / out)).
+HAP_CUDA_HD inline int64_t AdaptiveStart(int64_t i, int64_t in, int64_t out) {
+  return i * in / out;
+}
+HAP_CUDA_HD inline int64_t AdaptiveEnd(int64_t i, int64_t in, int64_t out) {
+  return ((i + 1) * in + out - 1) / out;
+}
+
+// The mean of output (oy, ox)'s window over plane xp.
+template <typename T>
+HAP_CUDA_HD inline T AdaptiveAvg(const Window& g, const T* xp, int64_t oy,
+                                 int64_t ox) {
+  const int64_t y0 = AdaptiveStart(oy, g.h, g.oh);
+  const int64_t y1 = AdaptiveEnd(oy, g.h, g.oh);
+  const int64_t x0 = AdaptiveStart(ox, g.w, g.ow);
+  const int64_t x1 = AdaptiveEnd(ox, g.w, g.ow);
+  T acc = T(0);
+  for (int64_t iy = y0; iy < y1; ++iy) {
+    for (int64_t ix = x0; ix < x1; ++ix) acc += xp[iy * g.w + ix];
+  }
+  return static_cast<T>(static_cast<double>(acc) /
+                        static_cast<double>((y1 - y0) * (x1 - x0)));
+}
+
+// For plane element e: dy / window size summed over the windows containing
+// it. The candidates are a superset of those windows (they start at
+// floor(iy * oh / h) and end by ceil((iy + 1) * oh / h) - 1), each tested.
+template <typename T>
+HAP_CUDA_HD inline T AdaptiveGradSum(const Window& g, const T* dyp,
+                                     int64_t e) {
+  const int64_t iy = e / g.w, ix = e % g.w;
+  const int64_t oy_lo = iy * g.oh / g.h - 1 > 0 ? iy * g.oh / g.h - 1 : 0;
+  const int64_t oy_top = ((iy + 1) * g.oh + g.h - 1) / g.h;
+  const int64_t oy_hi = oy_top < g.oh - 1 ? oy_top : g.oh - 1;
+  const int64_t ox_lo = ix * g.ow / g.w - 1 > 0 ? ix * g.ow / g.w - 1 : 0;
+  const int64_t ox_top = ((ix + 1) * g.ow + g.w - 1) / g.w;
+  const int64_t ox_hi = ox_top < g.ow - 1 ? ox_top : g.ow - 1;
+  T acc = T(0);
+  for (int64_t oy = oy_lo; oy <= oy_hi; ++oy) {
+    const int64_t y0 = AdaptiveStart(oy, g.h, g.oh);
+    const int64_t y1 = AdaptiveEnd(oy, g.h, g.oh);
+    if (iy < y0 || iy >= y1) continue;
+    for (int64_t ox = ox_lo; ox <= ox_hi; ++ox) {
+      const int64_t x0 = AdaptiveStart(ox, g.w, g.ow);
+      const int64_t x1 = AdaptiveEnd(ox, g.w, g.ow);
+      if (ix < x0 || ix >= x1) continue;
+      const double inv = 1.0 / static_cast<double>((y1 - y0) * (x1 - x0));
+      acc += static_cast<T>(dyp[oy * g.ow + ox] * inv);
+    }
+  }
+  return acc;
+}
+
+// --- moe_gate -------------------------------------------------------------------
+
+// A token's softmax over experts in double, as the CPU's Route: the row
+// maximum (in T) and the sum of exp(logit - max).
+template <typename T>
+struct TokenSoftmax {
+  const T* row;
+  double mx = 0, sum = 0;
+
+  HAP_CUDA_HD TokenSoftmax(const T* r, int64_t experts) : row(r) {
+    T m = r[0];
+    for (int64_t e = 1; e < experts; ++e) m = r[e] > m ? r[e] : m;
+    mx = static_cast<double>(m);
+    for (int64_t e = 0; e < experts; ++e) {
+      sum += exp(static_cast<double>(r[e]) - mx);
+    }
+  }
+  HAP_CUDA_HD double Prob(int64_t e) const {
+    return exp(static_cast<double>(row[e]) - mx) / sum;
+  }
+};
+
+// A token's top-k experts in order (probability descending, ties to the
+// lower index, as the CPU's partial_sort): the j-th pick is the best expert
+// strictly after the (j-1)-th in that order.
+template <typename T>
+HAP_CUDA_HD inline void TopK(const TokenSoftmax<T>& s, int64_t experts,
+                             int64_t k, int32_t* expert) {
+  int64_t prev = -1;
+  double prev_p = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    double bp = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const double p = s.Prob(e);
+      const bool after = prev < 0 || p < prev_p || (p == prev_p && e > prev);
+      if (after && (best < 0 || p > bp)) {
+        best = e;
+        bp = p;
+      }
+    }
+    expert[j] = static_cast<int32_t>(best);
+    prev = best;
+    prev_p = bp;
+  }
+}
+
+}  // namespace hap::executor::cuda
+
+#endif  // HAP_EXECUTOR_CUDA_KERNELS_B_INDEX_H_

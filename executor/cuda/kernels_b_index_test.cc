@@ -1,0 +1,249 @@
+// The index math of the convolution, pooling and MoE gate kernels
+// (kernels_b_index.h) on the host, against direct loops: im2col against a
+// direct convolution and col2im as its exact adjoint, the pooling gathers
+// against the CPU's scatters, the gate's top-k against a sort. Needs the
+// CUDA headers, not a GPU.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "executor/cuda/kernels_b_index.h"
+#include "gtest/gtest.h"
+
+namespace hap::executor::cuda {
+namespace {
+
+Window MakeWindow(int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh,
+                  int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
+  Window g;
+  g.n = n;
+  g.c = c;
+  g.h = h;
+  g.w = w;
+  g.kh = kh;
+  g.kw = kw;
+  g.sh = sh;
+  g.sw = sw;
+  g.ph = ph;
+  g.pw = pw;
+  g.oh = (h + 2 * ph - kh) / sh + 1;
+  g.ow = (w + 2 * pw - kw) / sw + 1;
+  return g;
+}
+
+std::vector<double> Random(int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<double> v(n);
+  for (double& x : v) x = u(rng);
+  return v;
+}
+
+// Geometries: strides, paddings, rectangular kernels, 1x1.
+const Window kConvs[] = {
+    MakeWindow(2, 3, 9, 11, 3, 3, 2, 2, 1, 1),
+    MakeWindow(3, 5, 8, 8, 1, 1, 1, 1, 0, 0),
+    MakeWindow(2, 3, 10, 9, 5, 4, 1, 2, 0, 1),
+    MakeWindow(3, 2, 6, 6, 3, 3, 1, 1, 2, 2),
+    MakeWindow(3, 2, 7, 5, 2, 3, 3, 1, 1, 0),
+};
+
+// The im2col of all images in one of the two layouts of LaunchIm2Col.
+std::vector<double> Im2Col(const Window& g, const std::vector<double>& x,
+                           bool image_major) {
+  const int64_t ckk = g.c * g.kh * g.kw, op = g.oh * g.ow;
+  const int64_t rs = image_major ? op : g.n * op;
+  const int64_t is = image_major ? ckk * op : op;
+  std::vector<double> col(ckk * g.n * op, -7.0);
+  for (int64_t k = 0; k < ckk * g.n * op; ++k) {
+    int64_t at = -1;
+    const int64_t src = Im2ColSource(g, k, g.n, rs, is, &at);
+    EXPECT_GE(at, 0);
+    EXPECT_LT(at, static_cast<int64_t>(col.size()));
+    col[at] = src >= 0 ? x[src] : 0.0;
+  }
+  return col;
+}
+
+TEST(Im2ColTest, TimesTheWeightsIsTheConvolution) {
+  std::mt19937_64 rng(1);
+  for (const Window& g : kConvs) {
+    const int64_t o = 4, ckk = g.c * g.kh * g.kw, op = g.oh * g.ow;
+    const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
+    const std::vector<double> w = Random(o * ckk, rng);
+    for (bool image_major : {true, false}) {
+      const std::vector<double> col = Im2Col(g, x, image_major);
+      for (double v : col) ASSERT_NE(v, -7.0);  // every entry written
+      for (int64_t m = 0; m < g.n; ++m) {
+        for (int64_t oc = 0; oc < o; ++oc) {
+          for (int64_t oy = 0; oy < g.oh; ++oy) {
+            for (int64_t ox = 0; ox < g.ow; ++ox) {
+              double want = 0, got = 0;
+              for (int64_t c = 0; c < g.c; ++c) {
+                for (int64_t i = 0; i < g.kh; ++i) {
+                  for (int64_t j = 0; j < g.kw; ++j) {
+                    const int64_t iy = oy * g.sh - g.ph + i;
+                    const int64_t ix = ox * g.sw - g.pw + j;
+                    if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+                    want += x[((m * g.c + c) * g.h + iy) * g.w + ix] *
+                            w[((oc * g.c + c) * g.kh + i) * g.kw + j];
+                  }
+                }
+              }
+              for (int64_t r = 0; r < ckk; ++r) {
+                const int64_t at =
+                    image_major ? (m * ckk + r) * op + oy * g.ow + ox
+                                : r * g.n * op + m * op + oy * g.ow + ox;
+                got += w[oc * ckk + r] * col[at];
+              }
+              EXPECT_NEAR(got, want, 1e-12);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// <im2col(x), c> == <x, col2im(c)> for every x and c: col2im is im2col's
+// adjoint (the backward of conv2d's input).
+TEST(Col2ImTest, IsTheAdjointOfIm2Col) {
+  std::mt19937_64 rng(2);
+  for (const Window& g : kConvs) {
+    const int64_t ckk = g.c * g.kh * g.kw, op = g.oh * g.ow;
+    for (bool image_major : {true, false}) {
+      const int64_t rs = image_major ? op : g.n * op;
+      const int64_t is = image_major ? ckk * op : op;
+      const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
+      const std::vector<double> c = Random(ckk * g.n * op, rng);
+      const std::vector<double> col = Im2Col(g, x, image_major);
+      double lhs = 0, rhs = 0;
+      for (size_t i = 0; i < c.size(); ++i) lhs += col[i] * c[i];
+      for (size_t k = 0; k < x.size(); ++k) {
+        rhs += x[k] * Col2ImSum(g, c.data(), g.n, rs, is,
+                                static_cast<int64_t>(k));
+      }
+      EXPECT_NEAR(lhs, rhs, 1e-9);
+    }
+  }
+}
+
+const Window kPools[] = {
+    MakeWindow(1, 1, 9, 11, 3, 3, 2, 2, 1, 1),
+    MakeWindow(1, 1, 8, 8, 2, 2, 2, 2, 0, 0),
+    MakeWindow(1, 1, 7, 9, 3, 3, 1, 1, 1, 1),
+    MakeWindow(1, 1, 9, 10, 3, 2, 2, 1, 1, 0),
+    MakeWindow(1, 1, 30, 5, 5, 5, 3, 3, 2, 2),
+    MakeWindow(1, 1, 6, 6, 4, 4, 1, 3, 2, 1),
+};
+
+TEST(MaxPoolTest, WindowMaxAndGatheredGradientMatchTheScatter) {
+  std::mt19937_64 rng(3);
+  for (const Window& g : kPools) {
+    std::vector<double> x = Random(g.h * g.w, rng);
+    x[g.w + 1] = x[g.w + 2];  // a tie: the first in scan order wins
+    const std::vector<double> dy = Random(g.oh * g.ow, rng);
+    std::vector<int64_t> argmax(g.oh * g.ow);
+    std::vector<double> want(g.h * g.w, 0.0);
+    for (int64_t oy = 0; oy < g.oh; ++oy) {
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        // The CPU's ForEachMax.
+        int64_t best = -1;
+        double mx = -INFINITY;
+        for (int64_t iy = std::max<int64_t>(0, oy * g.sh - g.ph);
+             iy < std::min(g.h, oy * g.sh - g.ph + g.kh); ++iy) {
+          for (int64_t ix = std::max<int64_t>(0, ox * g.sw - g.pw);
+               ix < std::min(g.w, ox * g.sw - g.pw + g.kw); ++ix) {
+            if (x[iy * g.w + ix] > mx) {
+              mx = x[iy * g.w + ix];
+              best = iy * g.w + ix;
+            }
+          }
+        }
+        int64_t got_best = -1;
+        double got_max = 0;
+        WindowMax(g, x.data(), oy, ox, &got_best, &got_max);
+        EXPECT_EQ(got_best, best);
+        EXPECT_EQ(got_max, mx);
+        argmax[oy * g.ow + ox] = got_best;
+        want[best] += dy[oy * g.ow + ox];
+      }
+    }
+    for (int64_t e = 0; e < g.h * g.w; ++e) {
+      double sum = 0;
+      const bool any = MaxPoolGradSum(g, argmax.data(), dy.data(), e, &sum);
+      EXPECT_NEAR(any ? sum : 0.0, want[e], 1e-12) << e;
+    }
+  }
+}
+
+TEST(AdaptivePoolTest, AverageAndGatheredGradientMatchTheScatter) {
+  std::mt19937_64 rng(4);
+  struct S {
+    int64_t h, w, oh, ow;
+  };
+  for (const S& s : {S{9, 11, 4, 5}, S{7, 7, 1, 1}, S{5, 6, 13, 17},
+                     S{32, 32, 7, 7}, S{3, 10, 7, 3}, S{1, 1, 5, 5}}) {
+    Window g;
+    g.n = g.c = 1;
+    g.h = s.h;
+    g.w = s.w;
+    g.oh = s.oh;
+    g.ow = s.ow;
+    const std::vector<double> x = Random(g.h * g.w, rng);
+    const std::vector<double> dy = Random(g.oh * g.ow, rng);
+    std::vector<double> want(g.h * g.w, 0.0);
+    for (int64_t oy = 0; oy < g.oh; ++oy) {
+      // PyTorch's windows.
+      const int64_t y0 = oy * g.h / g.oh;
+      const int64_t y1 = ((oy + 1) * g.h + g.oh - 1) / g.oh;
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        const int64_t x0 = ox * g.w / g.ow;
+        const int64_t x1 = ((ox + 1) * g.w + g.ow - 1) / g.ow;
+        double mean = 0;
+        for (int64_t iy = y0; iy < y1; ++iy) {
+          for (int64_t ix = x0; ix < x1; ++ix) mean += x[iy * g.w + ix];
+        }
+        const double n = static_cast<double>((y1 - y0) * (x1 - x0));
+        EXPECT_NEAR(AdaptiveAvg(g, x.data(), oy, ox), mean / n, 1e-12);
+        for (int64_t iy = y0; iy < y1; ++iy) {
+          for (int64_t ix = x0; ix < x1; ++ix) {
+            want[iy * g.w + ix] += dy[oy * g.ow + ox] / n;
+          }
+        }
+      }
+    }
+    for (int64_t e = 0; e < g.h * g.w; ++e) {
+      EXPECT_NEAR(AdaptiveGradSum(g, dy.data(), e), want[e], 1e-12) << e;
+    }
+  }
+}
+
+TEST(GateTest, TopKIsTheCpusPartialSortOrder) {
+  std::mt19937_64 rng(5);
+  for (int64_t experts : {1, 3, 8, 33}) {
+    for (int64_t k = 1; k <= std::min<int64_t>(experts, 4); ++k) {
+      for (int trial = 0; trial < 20; ++trial) {
+        std::vector<float> row(experts);
+        std::uniform_int_distribution<int> q(-4, 4);  // ties are common
+        for (float& v : row) v = 0.5f * static_cast<float>(q(rng));
+        const TokenSoftmax<float> s(row.data(), experts);
+        std::vector<int64_t> order(experts);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+          return s.Prob(a) > s.Prob(b);
+        });
+        std::vector<int32_t> got(k);
+        TopK(s, experts, k, got.data());
+        for (int64_t j = 0; j < k; ++j) EXPECT_EQ(got[j], order[j]) << j;
+        double total = 0;
+        for (int64_t e = 0; e < experts; ++e) total += s.Prob(e);
+        EXPECT_NEAR(total, 1.0, 1e-12);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hap::executor::cuda
