@@ -14,7 +14,7 @@
 
 namespace hap::executor::cuda {
 
-// --- im2col ---------------------------------------------------------------------
+// --- im2col ------------------------------------------------------------------
 
 // Element k of the im2col matrix of `images` images (k row-major over
 // [c*kh*kw rows, images, oh, ow]; layout as LaunchIm2Col): sets *col to
@@ -74,7 +74,7 @@ HAP_CUDA_HD inline T Col2ImSum(const Window& g, const T* col, int64_t images,
   return acc;
 }
 
-// --- max_pool2d -----------------------------------------------------------------
+// --- max_pool2d --------------------------------------------------------------
 
 // The first maximum of output (oy, ox)'s window over plane xp (as the CPU's
 // ForEachMax: padding never wins, a NaN does): its index in the plane and
@@ -133,7 +133,7 @@ HAP_CUDA_HD inline bool MaxPoolGradSum(const Window& g, const int64_t* argmax,
   return any;
 }
 
-// --- adaptive_avg_pool2d --------------------------------------------------------
+// --- adaptive_avg_pool2d -----------------------------------------------------
 
 // PyTorch's window of output i of `out` over an input of `in`:
 // [floor(i * in / out), ceil((i + 1) * in / out)).
@@ -164,8 +164,7 @@ HAP_CUDA_HD inline T AdaptiveAvg(const Window& g, const T* xp, int64_t oy,
 // it. The candidates are a superset of those windows (they start at
 // floor(iy * oh / h) and end by ceil((iy + 1) * oh / h) - 1), each tested.
 template <typename T>
-HAP_CUDA_HD inline T AdaptiveGradSum(const Window& g, const T* dyp,
-                                     int64_t e) {
+HAP_CUDA_HD inline T AdaptiveGradSum(const Window& g, const T* dyp, int64_t e) {
   const int64_t iy = e / g.w, ix = e % g.w;
   const int64_t oy_lo = iy * g.oh / g.h - 1 > 0 ? iy * g.oh / g.h - 1 : 0;
   const int64_t oy_top = ((iy + 1) * g.oh + g.h - 1) / g.h;
@@ -189,7 +188,7 @@ HAP_CUDA_HD inline T AdaptiveGradSum(const Window& g, const T* dyp,
   return acc;
 }
 
-// --- moe_gate -------------------------------------------------------------------
+// --- moe_gate ----------------------------------------------------------------
 
 // A token's softmax over experts in double, as the CPU's Route: the row
 // maximum (in T) and the sum of exp(logit - max).

@@ -3,13 +3,14 @@
 // direct convolution and col2im as its exact adjoint, the pooling gathers
 // against the CPU's scatters, the gate's top-k against a sort. Needs the
 // CUDA headers, not a GPU.
+#include "executor/cuda/kernels_b_index.h"
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
 #include <vector>
 
-#include "executor/cuda/kernels_b_index.h"
 #include "gtest/gtest.h"
 
 namespace hap::executor::cuda {
@@ -92,9 +93,9 @@ TEST(Im2ColTest, TimesTheWeightsIsTheConvolution) {
                 }
               }
               for (int64_t r = 0; r < ckk; ++r) {
-                const int64_t at =
-                    image_major ? (m * ckk + r) * op + oy * g.ow + ox
-                                : r * g.n * op + m * op + oy * g.ow + ox;
+                const int64_t at = image_major
+                                       ? (m * ckk + r) * op + oy * g.ow + ox
+                                       : r * g.n * op + m * op + oy * g.ow + ox;
                 got += w[oc * ckk + r] * col[at];
               }
               EXPECT_NEAR(got, want, 1e-12);
@@ -121,8 +122,8 @@ TEST(Col2ImTest, IsTheAdjointOfIm2Col) {
       double lhs = 0, rhs = 0;
       for (size_t i = 0; i < c.size(); ++i) lhs += col[i] * c[i];
       for (size_t k = 0; k < x.size(); ++k) {
-        rhs += x[k] * Col2ImSum(g, c.data(), g.n, rs, is,
-                                static_cast<int64_t>(k));
+        rhs +=
+            x[k] * Col2ImSum(g, c.data(), g.n, rs, is, static_cast<int64_t>(k));
       }
       EXPECT_NEAR(lhs, rhs, 1e-9);
     }

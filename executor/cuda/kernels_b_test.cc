@@ -45,9 +45,7 @@ Tol ElementTol(DType t) {
   return t == kF32 ? Tol{1e-5, 1e-6} : Tol{1e-12, 1e-13};
 }
 Tol RowTol(DType t) { return t == kF32 ? Tol{1e-4, 1e-5} : Tol{1e-11, 1e-12}; }
-Tol GemmTol(DType t) {
-  return t == kF32 ? Tol{1e-4, 1e-5} : Tol{1e-11, 1e-12};
-}
+Tol GemmTol(DType t) { return t == kF32 ? Tol{1e-4, 1e-5} : Tol{1e-11, 1e-12}; }
 constexpr Tol kExact{0, 0};
 
 using Ints = std::vector<int64_t>;
@@ -91,19 +89,16 @@ class KernelsBTest : public ::testing::Test {
   uint64_t seed_ = 2000;
 };
 
-// --- layout -------------------------------------------------------------------
+// --- layout ------------------------------------------------------------------
 
 TEST_F(KernelsBTest, Transpose) {
   struct P {
     Shape x;
     Ints perm;
   };
-  const P cases[] = {{{37, 300}, {1, 0}},
-                     {{3, 33, 65}, {0, 2, 1}},
-                     {{3, 33, 65}, {2, 0, 1}},
-                     {{2, 3, 5, 7}, {3, 1, 0, 2}},
-                     {{2, 3, 5, 7}, {0, 1, 2, 3}},
-                     {{4, 1, 6}, {-1, 0, 1}}};
+  const P cases[] = {{{37, 300}, {1, 0}},          {{3, 33, 65}, {0, 2, 1}},
+                     {{3, 33, 65}, {2, 0, 1}},     {{2, 3, 5, 7}, {3, 1, 0, 2}},
+                     {{2, 3, 5, 7}, {0, 1, 2, 3}}, {{4, 1, 6}, {-1, 0, 1}}};
   for (const P& p : cases) {
     Shape y;
     for (int64_t d : p.perm) y.push_back(p.x[d < 0 ? d + p.x.size() : d]);
@@ -129,7 +124,8 @@ TEST_F(KernelsBTest, ReshapeAndFlatten) {
   }
   for (DType t : kDtypes) {
     for (const char* k : {"reshape_grad", "flatten_grad"}) {
-      Expect(Case(k, ElementTol(t), {R(t, {5, 301}), R(t, {1505}), R(t, {1505})},
+      Expect(Case(k, ElementTol(t),
+                  {R(t, {5, 301}), R(t, {1505}), R(t, {1505})},
                   {R(t, {5, 301})}));
       Expect(Case(k, ElementTol(t), {R(t, {5, 7}), HostTensor(), R(t, {35})},
                   {R(t, {5, 7})}, {}, {true, false, true}));
@@ -228,10 +224,10 @@ TEST_F(KernelsBTest, EmbeddingWithShardsAndOutOfShardIds) {
     int64_t rows, d, offset, vocab;  // vocab 0: no attribute
   };
   const Em cases[] = {{{4, 33}, 50, 300, 0, 0},
-                      {{4, 33}, 20, 7, 10, 50},     // ids outside the shard
-                      {{257}, 20, 260, 30, 50},     // last shard
-                      {{3, 5}, 1, 3, 0, 0},         // one row, every id 0
-                      {{1000}, 13, 33, 0, 0}};      // hot rows
+                      {{4, 33}, 20, 7, 10, 50},  // ids outside the shard
+                      {{257}, 20, 260, 30, 50},  // last shard
+                      {{3, 5}, 1, 3, 0, 0},      // one row, every id 0
+                      {{1000}, 13, 33, 0, 0}};   // hot rows
   for (const Em& e : cases) {
     graph::Attrs attrs;
     if (e.offset != 0) attrs.Set("vocab_offset", e.offset);
@@ -242,8 +238,8 @@ TEST_F(KernelsBTest, EmbeddingWithShardsAndOutOfShardIds) {
     for (DType t : kDtypes) {
       for (DType it : {kI64, kI32}) {
         HostTensor ids = R(it, e.ids, 0, static_cast<double>(vocab));
-        Expect(Case("embedding", kExact, {ids, R(t, {e.rows, e.d})},
-                    {R(t, y)}, attrs));
+        Expect(Case("embedding", kExact, {ids, R(t, {e.rows, e.d})}, {R(t, y)},
+                    attrs));
         // (ids, table, y, dy) -> (dids absent, dtable).
         Expect(Case("embedding_grad", ElementTol(t),
                     {ids, R(t, {e.rows, e.d}), HostTensor(), R(t, y)},
@@ -254,7 +250,7 @@ TEST_F(KernelsBTest, EmbeddingWithShardsAndOutOfShardIds) {
   }
 }
 
-// --- normalization ----------------------------------------------------------------
+// --- normalization -----------------------------------------------------------
 
 TEST_F(KernelsBTest, LayerNorm) {
   for (DType t : kDtypes) {
@@ -262,28 +258,27 @@ TEST_F(KernelsBTest, LayerNorm) {
     for (Shape x : {Shape{37, 300}, Shape{5, 3, 1030}, Shape{9, 1},
                     Shape{2000, 64}, Shape{7}}) {
       const int64_t d = x.back();
-      for (graph::Attrs attrs :
-           {graph::Attrs{}, graph::Attrs{{"eps", 1e-3}}}) {
+      for (graph::Attrs attrs : {graph::Attrs{}, graph::Attrs{{"eps", 1e-3}}}) {
         Expect(Case("layer_norm", tol,
                     {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d})}, {R(t, x)},
                     attrs));
         // (x, gamma, beta, y, dy) -> (dx, dgamma, dbeta).
-        Expect(Case("layer_norm_grad", tol,
-                    {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d}), HostTensor(),
-                     R(t, x)},
-                    {R(t, x), R(t, {d}), R(t, {d})}, attrs,
-                    {true, true, true, false, true}));
+        Expect(Case(
+            "layer_norm_grad", tol,
+            {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d}), HostTensor(), R(t, x)},
+            {R(t, x), R(t, {d}), R(t, {d})}, attrs,
+            {true, true, true, false, true}));
       }
-      Expect(Case("layer_norm_grad", tol,
-                  {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d}), HostTensor(),
-                   R(t, x)},
-                  {HostTensor(), R(t, {d}), HostTensor()}, {},
-                  {true, true, true, false, true}, {false, true, false}));
-      Expect(Case("layer_norm_grad", tol,
-                  {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d}), HostTensor(),
-                   R(t, x)},
-                  {R(t, x), HostTensor(), HostTensor()}, {},
-                  {true, true, true, false, true}, {true, false, false}));
+      Expect(
+          Case("layer_norm_grad", tol,
+               {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d}), HostTensor(), R(t, x)},
+               {HostTensor(), R(t, {d}), HostTensor()}, {},
+               {true, true, true, false, true}, {false, true, false}));
+      Expect(
+          Case("layer_norm_grad", tol,
+               {R(t, x), R(t, {d}, 0.5, 1.5), R(t, {d}), HostTensor(), R(t, x)},
+               {R(t, x), HostTensor(), HostTensor()}, {},
+               {true, true, true, false, true}, {true, false, false}));
     }
   }
 }
@@ -330,8 +325,7 @@ TEST_F(KernelsBTest, SoftmaxWithMasks) {
           out.push_back(HostTensor());
           out_present.push_back(false);
         }
-        Expect(Case("softmax_grad", tol, in, out, attrs, present,
-                    out_present));
+        Expect(Case("softmax_grad", tol, in, out, attrs, present, out_present));
       }
     }
     for (Shape x : {Shape{37, 300}, Shape{3, 2000}, Shape{5, 1}}) {
@@ -343,7 +337,7 @@ TEST_F(KernelsBTest, SoftmaxWithMasks) {
   }
 }
 
-// --- convolution ----------------------------------------------------------------
+// --- convolution -------------------------------------------------------------
 
 TEST_F(KernelsBTest, Conv2d) {
   struct C {
@@ -352,7 +346,7 @@ TEST_F(KernelsBTest, Conv2d) {
     bool bias;
   };
   const C cases[] = {{{2, 3, 9, 11}, {4, 3, 3, 3}, {2}, {1}, true},
-                     {{3, 5, 8, 8}, {6, 5, 1, 1}, {1}, {0}, true},   // direct
+                     {{3, 5, 8, 8}, {6, 5, 1, 1}, {1}, {0}, true},  // direct
                      {{3, 5, 8, 7}, {6, 5, 1, 1}, {1}, {0}, false},
                      {{2, 3, 10, 9}, {2, 3, 5, 4}, {1, 2}, {0, 1}, false},
                      {{1, 2, 33, 40}, {3, 2, 3, 3}, {1}, {1}, true},
@@ -394,7 +388,7 @@ TEST_F(KernelsBTest, Pooling) {
   };
   const P max_cases[] = {{{2, 3, 9, 11}, {3}, {2}, {1}},
                          {{2, 3, 8, 8}, {2}, {}, {0}},
-                         {{1, 2, 7, 9}, {3}, {1}, {1}},     // overlapping
+                         {{1, 2, 7, 9}, {3}, {1}, {1}},  // overlapping
                          {{2, 1, 9, 10}, {3, 2}, {2, 1}, {1, 0}},
                          {{1, 1, 300, 5}, {5}, {3}, {2}}};
   for (DType t : kDtypes) {
@@ -423,8 +417,7 @@ TEST_F(KernelsBTest, Pooling) {
                            {{3, 2, 32, 32}, {7}, {3, 2, 7, 7}}};
     for (const A& p : avg_cases) {
       const graph::Attrs attrs{{"output_size", p.out}};
-      Expect(Case("adaptive_avg_pool2d", tol, {R(t, p.x)}, {R(t, p.y)},
-                  attrs));
+      Expect(Case("adaptive_avg_pool2d", tol, {R(t, p.x)}, {R(t, p.y)}, attrs));
       Expect(Case("adaptive_avg_pool2d_grad", tol,
                   {R(t, p.x), HostTensor(), R(t, p.y)}, {R(t, p.x)}, attrs,
                   {true, false, true}));
@@ -432,7 +425,7 @@ TEST_F(KernelsBTest, Pooling) {
   }
 }
 
-// --- MoE ------------------------------------------------------------------------
+// --- MoE ---------------------------------------------------------------------
 
 // Sparse combine weights [tokens, experts, capacity]: each entry nonzero
 // with probability about `density` (a fixed pattern), so slots hold zero,
@@ -440,8 +433,8 @@ TEST_F(KernelsBTest, Pooling) {
 HostTensor SparseCombine(DType t, int64_t tokens, int64_t experts,
                          int64_t capacity, double density, uint64_t seed) {
   HostTensor w = RandomTensor(t, {tokens, experts, capacity}, 0.1, 1, seed);
-  HostTensor keep = RandomTensor(kF64, {tokens, experts, capacity}, 0, 1,
-                                 seed + 1);
+  HostTensor keep =
+      RandomTensor(kF64, {tokens, experts, capacity}, 0, 1, seed + 1);
   for (int64_t i = 0; i < w.num_elements(); ++i) {
     if (keep.as<double>()[i] >= density) {
       if (t == kF32) {
@@ -458,8 +451,11 @@ TEST_F(KernelsBTest, MoeGateWithUnevenLoads) {
   struct G {
     int64_t tokens, experts, k, capacity;
   };
-  const G cases[] = {{50, 6, 2, 12}, {300, 8, 2, 40}, {33, 4, 1, 20},
-                     {600, 16, 3, 100}, {10, 3, 3, 10}};
+  const G cases[] = {{50, 6, 2, 12},
+                     {300, 8, 2, 40},
+                     {33, 4, 1, 20},
+                     {600, 16, 3, 100},
+                     {10, 3, 3, 10}};
   for (DType t : kDtypes) {
     const Tol tol = ElementTol(t);
     for (const G& g : cases) {
@@ -500,8 +496,7 @@ TEST_F(KernelsBTest, MoeDispatchAndCombine) {
       const Shape c = {m.tokens, m.experts, m.capacity};
       Expect(Case("moe_dispatch", tol, {R(t, x), w}, {R(t, y)}));
       // (x, combine, y, dy) -> (dx, dcombine absent).
-      Expect(Case("moe_dispatch_grad", tol,
-                  {R(t, x), w, HostTensor(), R(t, y)},
+      Expect(Case("moe_dispatch_grad", tol, {R(t, x), w, HostTensor(), R(t, y)},
                   {R(t, x), HostTensor()}, {}, {true, true, false, true},
                   {true, false}));
       Expect(Case("moe_combine", tol, {R(t, y), w}, {R(t, x)}));
@@ -524,10 +519,10 @@ TEST_F(KernelsBTest, MoeGateOutputDrivesDispatch) {
     HostTensor logits = R(t, {300, 8});
     HostTensor combine(t, {300, 8, 50});
     std::vector<TensorView> in = {logits.view()}, out = {combine.view()};
-    ASSERT_THAT(cpu->RunKernel("moe_gate", {}, {{"k", int64_t{2}},
-                                                {"capacity", int64_t{50}}},
-                               in, out),
-                IsOk());
+    ASSERT_THAT(
+        cpu->RunKernel("moe_gate", {},
+                       {{"k", int64_t{2}}, {"capacity", int64_t{50}}}, in, out),
+        IsOk());
     Expect(Case("moe_dispatch", GemmTol(t), {R(t, {300, 260}), combine},
                 {R(t, {8, 50, 260})}));
     Expect(Case("moe_combine", GemmTol(t), {R(t, {8, 50, 260}), combine},
@@ -535,7 +530,7 @@ TEST_F(KernelsBTest, MoeGateOutputDrivesDispatch) {
   }
 }
 
-// --- errors -----------------------------------------------------------------------
+// --- errors ------------------------------------------------------------------
 
 // Runs `kernel` on a device with the given tensors (uploaded) and returns
 // the status of the call and of the synchronization after it.
@@ -581,44 +576,44 @@ class KernelsBErrorTest : public KernelsBTest {
 
 TEST_F(KernelsBErrorTest, BadArgumentsAreTheCpusInvalidArgument) {
   ExpectSameError("transpose", {R(kF32, {2, 3})}, {R(kF32, {3, 2})},
-                  {{"perm", Ints{0, 0}}});                     // not a perm
+                  {{"perm", Ints{0, 0}}});  // not a perm
   ExpectSameError("transpose", {R(kF32, {2, 3})}, {R(kF32, {2, 3})},
-                  {{"perm", Ints{1, 0}}});                     // out shape
-  ExpectSameError("transpose_grad", {R(kF32, {2, 3}), R(kF64, {3, 2}),
-                                     R(kF64, {3, 2})},
+                  {{"perm", Ints{1, 0}}});  // out shape
+  ExpectSameError("transpose_grad",
+                  {R(kF32, {2, 3}), R(kF64, {3, 2}), R(kF64, {3, 2})},
                   {R(kF32, {2, 3})}, {{"perm", Ints{1, 0}}});  // dtype
   ExpectSameError("reshape", {R(kF32, {2, 3})}, {R(kF32, {7})});
   ExpectSameError("concat", {R(kF32, {2, 3}), R(kF32, {3, 3})},
                   {R(kF32, {5, 3})}, {{"axis", int64_t{1}}});  // off axis
   ExpectSameError("split", {R(kF64, {4, 3})},
                   {R(kF64, {1, 3}), R(kF64, {2, 3})},
-                  {{"axis", int64_t{0}}});                     // sizes
+                  {{"axis", int64_t{0}}});  // sizes
   ExpectSameError("slice", {R(kF32, {4, 3})}, {R(kF32, {2, 3})},
-                  {{"axis", int64_t{0}}, {"start", int64_t{3}},
-                   {"end", int64_t{5}}});                      // range
+                  {{"axis", int64_t{0}},
+                   {"start", int64_t{3}},
+                   {"end", int64_t{5}}});  // range
   ExpectSameError("expand", {R(kF32, {2, 3})}, {R(kF32, {4, 3})});
   ExpectSameError("embedding", {R(kF32, {4}), R(kF32, {5, 3})},
-                  {R(kF32, {4, 3})});                          // float ids
-  ExpectSameError("embedding", {R(kI64, {4}, 0, 5), R(kF32, {5, 3})},
-                  {R(kF32, {4, 3})},
-                  {{"vocab_offset", int64_t{4}},
-                   {"vocab_size", int64_t{8}}});               // shard
+                  {R(kF32, {4, 3})});  // float ids
+  ExpectSameError(
+      "embedding", {R(kI64, {4}, 0, 5), R(kF32, {5, 3})}, {R(kF32, {4, 3})},
+      {{"vocab_offset", int64_t{4}}, {"vocab_size", int64_t{8}}});  // shard
   ExpectSameError("layer_norm", {R(kF32, {4, 3}), R(kF32, {4}), R(kF32, {3})},
-                  {R(kF32, {4, 3})});                          // gamma
-  ExpectSameError("layer_norm", {R(kI32, {4, 3}, 0, 3), R(kF32, {3}),
-                                 R(kF32, {3})},
-                  {R(kF32, {4, 3})});                          // dtype
+                  {R(kF32, {4, 3})});  // gamma
+  ExpectSameError("layer_norm",
+                  {R(kI32, {4, 3}, 0, 3), R(kF32, {3}), R(kF32, {3})},
+                  {R(kF32, {4, 3})});  // dtype
   ExpectSameError("softmax", {R(kF32, {4, 3})}, {R(kF32, {4, 3})},
-                  {{"axis", int64_t{0}}});                     // axis
+                  {{"axis", int64_t{0}}});  // axis
   ExpectSameError("softmax", {R(kF32, {4, 3}), R(kF32, {2, 3})},
-                  {R(kF32, {4, 3})});                          // mask
+                  {R(kF32, {4, 3})});  // mask
   ExpectSameError("log_softmax", {R(kF32, {4, 3}), R(kF32, {4, 3})},
-                  {R(kF32, {4, 3})});                          // arity
+                  {R(kF32, {4, 3})});  // arity
   ExpectSameError("conv2d", {R(kF32, {1, 3, 5, 5}), R(kF32, {2, 4, 3, 3})},
-                  {R(kF32, {1, 2, 3, 3})});                    // channels
-  ExpectSameError("conv2d", {R(kF32, {1, 3, 5, 5}), R(kF32, {2, 3, 3, 3}),
-                             R(kF32, {3})},
-                  {R(kF32, {1, 2, 3, 3})});                    // bias
+                  {R(kF32, {1, 2, 3, 3})});  // channels
+  ExpectSameError("conv2d",
+                  {R(kF32, {1, 3, 5, 5}), R(kF32, {2, 3, 3, 3}), R(kF32, {3})},
+                  {R(kF32, {1, 2, 3, 3})});  // bias
   ExpectSameError("max_pool2d", {R(kF32, {1, 1, 5, 5})},
                   {R(kF32, {1, 1, 3, 3})},
                   {{"kernel", Ints{2}}, {"padding", Ints{2}}});  // padding
@@ -627,11 +622,11 @@ TEST_F(KernelsBErrorTest, BadArgumentsAreTheCpusInvalidArgument) {
   ExpectSameError("moe_gate", {R(kF32, {5, 3})}, {R(kF32, {5, 3, 2})},
                   {{"k", int64_t{4}}, {"capacity", int64_t{2}}});  // k
   ExpectSameError("moe_dispatch", {R(kF32, {5, 4}), R(kF32, {6, 3, 2})},
-                  {R(kF32, {3, 2, 4})});                       // tokens
+                  {R(kF32, {3, 2, 4})});  // tokens
   ExpectSameError("moe_combine_grad",
                   {R(kF32, {3, 2, 4}), R(kF32, {5, 3, 2}), R(kF32, {5, 4}),
                    R(kF32, {5, 5})},
-                  {R(kF32, {3, 2, 4}), R(kF32, {5, 3, 2})});   // dout
+                  {R(kF32, {3, 2, 4}), R(kF32, {5, 3, 2})});  // dout
 }
 
 // An id outside the vocabulary is found on the GPU: the device reports the

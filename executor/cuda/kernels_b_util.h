@@ -39,9 +39,9 @@ absl::StatusOr<T*> ScratchArray(const KernelArgs& a, int64_t count) {
 template <typename T>
 absl::Status BatchedGemm(const KernelArgs& a, bool trans_a, bool trans_b,
                          int64_t m, int64_t n, int64_t k, const T* A,
-                         int64_t lda, int64_t stride_a, const T* B,
-                         int64_t ldb, int64_t stride_b, T beta, T* C,
-                         int64_t ldc, int64_t stride_c, int64_t batch);
+                         int64_t lda, int64_t stride_a, const T* B, int64_t ldb,
+                         int64_t stride_b, T beta, T* C, int64_t ldc,
+                         int64_t stride_c, int64_t batch);
 
 }  // namespace hap::executor::cuda
 

@@ -20,13 +20,13 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
     const KernelArgs& a, const std::string& name,
     const std::vector<int64_t>& def, int64_t min_value) {
   const cpu::KernelArgs c = CpuArgs(a);
-  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> v,
-                       def.empty() ? cpu::AttrInts(c, name)
-                                   : cpu::AttrInts(c, name, def));
+  HAP_ASSIGN_OR_RETURN(
+      std::vector<int64_t> v,
+      def.empty() ? cpu::AttrInts(c, name) : cpu::AttrInts(c, name, def));
   if (v.size() == 1) v.push_back(v[0]);
   if (v.size() != 2 || v[0] < min_value || v[1] < min_value) {
-    return Invalid(a, "attribute '", name, "' must be 1 or 2 integers >= ",
-                   min_value);
+    return Invalid(a, "attribute '", name,
+                   "' must be 1 or 2 integers >= ", min_value);
   }
   return std::make_pair(v[0], v[1]);
 }
@@ -46,15 +46,15 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
   std::tie(g.sh, g.sw) = s;
   std::tie(g.ph, g.pw) = p;
   if (g.h + 2 * g.ph < g.kh || g.w + 2 * g.pw < g.kw) {
-    return Invalid(a, "kernel ", g.kh, "x", g.kw,
-                   " is larger than the padded ", cpu::InLabel(c, 0));
+    return Invalid(a, "kernel ", g.kh, "x", g.kw, " is larger than the padded ",
+                   cpu::InLabel(c, 0));
   }
   g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
   g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
   return g;
 }
 
-// --- conv2d -----------------------------------------------------------------------
+// --- conv2d ------------------------------------------------------------------
 
 // The most elements an im2col (or gradient staging) buffer may hold; groups
 // of images are sized to it.
@@ -93,8 +93,8 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
   HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
   Conv cv;
-  HAP_ASSIGN_OR_RETURN(cv.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]},
-                                        stride, pad));
+  HAP_ASSIGN_OR_RETURN(
+      cv.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad));
   const Window& g = cv.g;
   cv.o = w.shape[0];
   cv.ckk = w.shape[1] * w.shape[2] * w.shape[3];
@@ -104,20 +104,20 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   // The CPU's group, only for its size check.
   int64_t cpu_group = 1;
   if (!cv.direct && cv.op > 0 && cv.ckk > 0) {
-    cpu_group = std::min(
-        {g.n, std::max<int64_t>(1, kCpuGemmColumns / cv.op),
-         std::max<int64_t>(1, kCpuMaxColElements / (cv.ckk * cv.op))});
+    cpu_group =
+        std::min({g.n, std::max<int64_t>(1, kCpuGemmColumns / cv.op),
+                  std::max<int64_t>(1, kCpuMaxColElements / (cv.ckk * cv.op))});
   }
   cv.y = {g.n, cv.o, g.oh, g.ow};
   HAP_RETURN_IF_ERROR(cpu::CheckBias(c, t, has_bias_slot, cv.o));
-  HAP_RETURN_IF_ERROR(
-      cpu::CheckFitsBlas(c, {cv.o, cv.ckk, cpu_group * cv.op}));
+  HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {cv.o, cv.ckk, cpu_group * cv.op}));
   // Ours: as many images as the scratch bound allows (all of them when
   // direct), and GEMM columns (group * op) within int.
-  const int64_t per_image = std::max<int64_t>(1, std::max(cv.ckk, cv.o) * cv.op);
+  const int64_t per_image =
+      std::max<int64_t>(1, std::max(cv.ckk, cv.o) * cv.op);
   cv.group = cv.direct ? std::max<int64_t>(1, g.n)
-                       : std::clamp<int64_t>(kMaxScratchElements / per_image,
-                                             1, std::max<int64_t>(1, g.n));
+                       : std::clamp<int64_t>(kMaxScratchElements / per_image, 1,
+                                             std::max<int64_t>(1, g.n));
   return cv;
 }
 
@@ -129,9 +129,8 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, cv.y));
-  const T* bias = a.in.size() == 3 && a.in[2].present()
-                      ? a.in[2].as<const T>()
-                      : nullptr;
+  const T* bias =
+      a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>() : nullptr;
   const Window& g = cv.g;
   const int64_t plane = g.c * g.h * g.w;
   const T* x = a.in[0].as<const T>();
@@ -150,9 +149,9 @@ absl::Status Conv2dForward(const KernelArgs& a) {
       HAP_RETURN_IF_ERROR(CheckLaunch(a));
       b = col;
     }
-    return BatchedGemm<T>(a, false, false, cv.o, cv.op, cv.ckk, w, cv.ckk, 0,
-                          b, cv.op, cv.direct ? plane : cv.ckk * cv.op, T(0),
-                          yi, cv.op, cv.o * cv.op, m);
+    return BatchedGemm<T>(a, false, false, cv.o, cv.op, cv.ckk, w, cv.ckk, 0, b,
+                          cv.op, cv.direct ? plane : cv.ckk * cv.op, T(0), yi,
+                          cv.op, cv.o * cv.op, m);
   }));
   if (bias != nullptr) {
     LaunchAddBias<T>(bias, g.n, cv.o, cv.op, y, a.stream);
@@ -185,38 +184,37 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   if (dw != nullptr) {
     HAP_ASSIGN_OR_RETURN(dyg, ScratchArray<T>(a, cv.o * cv.group * cv.op));
   }
-  HAP_RETURN_IF_ERROR(cv.ForEachGroup([&](int64_t i0,
-                                          int64_t m) -> absl::Status {
-    const T* xi = x + i0 * plane;
-    const T* dyi = dy + i0 * cv.o * cv.op;
-    const int64_t cols = m * cv.op;
-    if (dw != nullptr) {
-      // dw += dy_g @ col_g^T, the group's images side by side: dy_g is
-      // [o, m * op], col_g [ckk, m * op].
-      LaunchChannelsFirst<T>(dyi, m, cv.o, cv.op, dyg, a.stream);
-      LaunchIm2Col<T>(g, xi, m, cols, cv.op, col, a.stream);
-      HAP_RETURN_IF_ERROR(CheckLaunch(a));
-      HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, false, true, cv.o, cv.ckk, cols,
-                                         dyg, cols, 0, col, cols, 0, T(1), dw,
-                                         cv.ckk, 0, 1));
-    }
-    if (dx != nullptr) {
-      T* dxi = dx + i0 * plane;
-      if (cv.direct) {  // dx[m] += w^T @ dy[m]
-        return BatchedGemm<T>(a, true, false, cv.ckk, cv.op, cv.o, w, cv.ckk,
-                              0, dyi, cv.op, cv.o * cv.op, T(1), dxi, cv.op,
-                              plane, m);
-      }
-      // dcol[m] = w^T @ dy[m] (one matrix an image), gathered into dx.
-      HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, true, false, cv.ckk, cv.op, cv.o,
-                                         w, cv.ckk, 0, dyi, cv.op,
-                                         cv.o * cv.op, T(0), col, cv.op,
-                                         cv.ckk * cv.op, m));
-      LaunchCol2Im<T>(g, col, m, cv.op, cv.ckk * cv.op, dxi, a.stream);
-      HAP_RETURN_IF_ERROR(CheckLaunch(a));
-    }
-    return absl::OkStatus();
-  }));
+  HAP_RETURN_IF_ERROR(
+      cv.ForEachGroup([&](int64_t i0, int64_t m) -> absl::Status {
+        const T* xi = x + i0 * plane;
+        const T* dyi = dy + i0 * cv.o * cv.op;
+        const int64_t cols = m * cv.op;
+        if (dw != nullptr) {
+          // dw += dy_g @ col_g^T, the group's images side by side: dy_g is
+          // [o, m * op], col_g [ckk, m * op].
+          LaunchChannelsFirst<T>(dyi, m, cv.o, cv.op, dyg, a.stream);
+          LaunchIm2Col<T>(g, xi, m, cols, cv.op, col, a.stream);
+          HAP_RETURN_IF_ERROR(CheckLaunch(a));
+          HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, false, true, cv.o, cv.ckk, cols,
+                                             dyg, cols, 0, col, cols, 0, T(1),
+                                             dw, cv.ckk, 0, 1));
+        }
+        if (dx != nullptr) {
+          T* dxi = dx + i0 * plane;
+          if (cv.direct) {  // dx[m] += w^T @ dy[m]
+            return BatchedGemm<T>(a, true, false, cv.ckk, cv.op, cv.o, w,
+                                  cv.ckk, 0, dyi, cv.op, cv.o * cv.op, T(1),
+                                  dxi, cv.op, plane, m);
+          }
+          // dcol[m] = w^T @ dy[m] (one matrix an image), gathered into dx.
+          HAP_RETURN_IF_ERROR(BatchedGemm<T>(
+              a, true, false, cv.ckk, cv.op, cv.o, w, cv.ckk, 0, dyi, cv.op,
+              cv.o * cv.op, T(0), col, cv.op, cv.ckk * cv.op, m));
+          LaunchCol2Im<T>(g, col, m, cv.op, cv.ckk * cv.op, dxi, a.stream);
+          HAP_RETURN_IF_ERROR(CheckLaunch(a));
+        }
+        return absl::OkStatus();
+      }));
   if (db != nullptr) {
     LaunchBiasGrad<T>(dy, g.n, cv.o, cv.op, db, a.stream);
     return CheckLaunch(a);
@@ -224,7 +222,7 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
-// --- pooling ----------------------------------------------------------------------
+// --- pooling -----------------------------------------------------------------
 
 // Validates a pooling op's input and attributes; returns its window.
 using PoolCheck = absl::StatusOr<Window> (*)(const KernelArgs&, DType);
@@ -257,8 +255,7 @@ absl::StatusOr<Window> CheckAdaptive(const KernelArgs& a, DType t) {
 }
 
 template <typename T>
-absl::StatusOr<Window> PoolForwardChecks(const KernelArgs& a,
-                                         PoolCheck check) {
+absl::StatusOr<Window> PoolForwardChecks(const KernelArgs& a, PoolCheck check) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
@@ -269,8 +266,8 @@ absl::StatusOr<Window> PoolForwardChecks(const KernelArgs& a,
 
 // The window, or nullopt-like: `active` false when there is nothing to do.
 template <typename T>
-absl::StatusOr<Window> PoolBackwardChecks(const KernelArgs& a,
-                                          PoolCheck check, bool* active) {
+absl::StatusOr<Window> PoolBackwardChecks(const KernelArgs& a, PoolCheck check,
+                                          bool* active) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 1, 1, 1));

@@ -14,17 +14,16 @@ using dev::GridStart;
 using dev::GridStep;
 using dev::kThreads;
 
-// --- im2col ---------------------------------------------------------------------
+// --- im2col ------------------------------------------------------------------
 
 template <typename T>
 __global__ void Im2ColKernel(Window g, const T* x, int64_t images,
-                             int64_t row_stride, int64_t image_stride,
-                             T* col) {
+                             int64_t row_stride, int64_t image_stride, T* col) {
   const int64_t total = g.c * g.kh * g.kw * images * g.oh * g.ow;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     int64_t at;
-    const int64_t src = Im2ColSource(g, k, images, row_stride, image_stride,
-                                     &at);
+    const int64_t src =
+        Im2ColSource(g, k, images, row_stride, image_stride, &at);
     col[at] = src >= 0 ? x[src] : T(0);
   }
 }
@@ -32,8 +31,7 @@ __global__ void Im2ColKernel(Window g, const T* x, int64_t images,
 // One thread per input element (Col2ImSum).
 template <typename T>
 __global__ void Col2ImKernel(Window g, const T* col, int64_t images,
-                             int64_t row_stride, int64_t image_stride,
-                             T* dx) {
+                             int64_t row_stride, int64_t image_stride, T* dx) {
   const int64_t total = images * g.c * g.h * g.w;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     dx[k] += Col2ImSum(g, col, images, row_stride, image_stride, k);
@@ -80,7 +78,7 @@ __global__ void BiasGradKernel(const T* dy, int64_t images, int64_t channels,
   }
 }
 
-// --- max_pool2d -------------------------------------------------------------------
+// --- max_pool2d --------------------------------------------------------------
 
 template <typename T>
 __global__ void MaxPoolKernel(Window g, const T* x, T* y, int64_t* argmax) {
@@ -99,8 +97,8 @@ __global__ void MaxPoolKernel(Window g, const T* x, T* y, int64_t* argmax) {
 
 // One thread per input element (MaxPoolGradSum).
 template <typename T>
-__global__ void MaxPoolGradKernel(Window g, const int64_t* argmax,
-                                  const T* dy, T* dx) {
+__global__ void MaxPoolGradKernel(Window g, const int64_t* argmax, const T* dy,
+                                  T* dx) {
   const int64_t plane = g.h * g.w;
   const int64_t out_plane = g.oh * g.ow;
   const int64_t total = g.n * g.c * plane;
@@ -114,7 +112,7 @@ __global__ void MaxPoolGradKernel(Window g, const int64_t* argmax,
   }
 }
 
-// --- adaptive_avg_pool2d ----------------------------------------------------------
+// --- adaptive_avg_pool2d -----------------------------------------------------
 
 template <typename T>
 __global__ void AdaptivePoolKernel(Window g, const T* x, T* y) {
@@ -191,8 +189,8 @@ template <typename T>
 void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream) {
   const int64_t total = g.n * g.c * g.oh * g.ow;
   if (total == 0) return;
-  MaxPoolKernel<T><<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(
-      g, x, y, nullptr);
+  MaxPoolKernel<T>
+      <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, x, y, nullptr);
 }
 
 template <typename T>
@@ -203,8 +201,8 @@ void LaunchMaxPoolGrad(const Window& g, const T* x, const T* dy, T* dx,
   if (outs == 0 || ins == 0) return;
   MaxPoolKernel<T><<<BlocksFor(outs, kThreads), kThreads, 0, stream>>>(
       g, x, nullptr, argmax);
-  MaxPoolGradKernel<T><<<BlocksFor(ins, kThreads), kThreads, 0, stream>>>(
-      g, argmax, dy, dx);
+  MaxPoolGradKernel<T>
+      <<<BlocksFor(ins, kThreads), kThreads, 0, stream>>>(g, argmax, dy, dx);
 }
 
 template <typename T>
@@ -212,8 +210,8 @@ void LaunchAdaptiveAvgPool(const Window& g, const T* x, T* y,
                            cudaStream_t stream) {
   const int64_t total = g.n * g.c * g.oh * g.ow;
   if (total == 0) return;
-  AdaptivePoolKernel<T><<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(
-      g, x, y);
+  AdaptivePoolKernel<T>
+      <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, x, y);
 }
 
 template <typename T>
@@ -226,9 +224,9 @@ void LaunchAdaptiveAvgPoolGrad(const Window& g, const T* dy, T* dx,
 }
 
 #define HAP_INSTANTIATE_CONVOLUTION(T)                                       \
-  template void LaunchIm2Col<T>(const Window&, const T*, int64_t, int64_t,  \
+  template void LaunchIm2Col<T>(const Window&, const T*, int64_t, int64_t,   \
                                 int64_t, T*, cudaStream_t);                  \
-  template void LaunchCol2Im<T>(const Window&, const T*, int64_t, int64_t,  \
+  template void LaunchCol2Im<T>(const Window&, const T*, int64_t, int64_t,   \
                                 int64_t, T*, cudaStream_t);                  \
   template void LaunchAddBias<T>(const T*, int64_t, int64_t, int64_t, T*,    \
                                  cudaStream_t);                              \
@@ -239,9 +237,9 @@ void LaunchAdaptiveAvgPoolGrad(const Window& g, const T* dy, T* dx,
   template void LaunchMaxPool<T>(const Window&, const T*, T*, cudaStream_t); \
   template void LaunchMaxPoolGrad<T>(const Window&, const T*, const T*, T*,  \
                                      int64_t*, cudaStream_t);                \
-  template void LaunchAdaptiveAvgPool<T>(const Window&, const T*, T*,       \
+  template void LaunchAdaptiveAvgPool<T>(const Window&, const T*, T*,        \
                                          cudaStream_t);                      \
-  template void LaunchAdaptiveAvgPoolGrad<T>(const Window&, const T*, T*,   \
+  template void LaunchAdaptiveAvgPoolGrad<T>(const Window&, const T*, T*,    \
                                              cudaStream_t);
 HAP_INSTANTIATE_CONVOLUTION(float)
 HAP_INSTANTIATE_CONVOLUTION(double)

@@ -18,7 +18,7 @@
 namespace hap::executor::cuda {
 namespace {
 
-// --- transpose --------------------------------------------------------------------
+// --- transpose ---------------------------------------------------------------
 
 absl::StatusOr<std::vector<int>> Perm(const KernelArgs& a, int rank) {
   const cpu::KernelArgs c = CpuArgs(a);
@@ -58,8 +58,8 @@ Permuted PermuteShape(const Shape& in, const std::vector<int>& perm) {
 // dst (+)= src over `shape`, each read through its strides.
 template <typename T>
 absl::Status StridedCopy(const KernelArgs& a, const Shape& shape, T* dst,
-                         const std::vector<int64_t>& dst_strides,
-                         const T* src, const std::vector<int64_t>& src_strides,
+                         const std::vector<int64_t>& dst_strides, const T* src,
+                         const std::vector<int64_t>& src_strides,
                          bool accumulate) {
   HAP_ASSIGN_OR_RETURN(StridedSpace space,
                        MakeSpace(a, shape, {dst_strides, src_strides}));
@@ -96,7 +96,7 @@ absl::Status TransposeBackward(const KernelArgs& a) {
                         true);
 }
 
-// --- reshape, flatten: the same elements in a new shape ---------------------------
+// --- reshape, flatten: the same elements in a new shape ----------------------
 
 template <typename T>
 absl::Status ReshapeForward(const KernelArgs& a) {
@@ -113,8 +113,9 @@ absl::Status ReshapeForward(const KernelArgs& a) {
         cudaMemcpyAsync(a.out[0].data, a.in[0].data, a.in[0].bytes(),
                         cudaMemcpyDeviceToDevice, a.stream);
     if (e != cudaSuccess) {
-      return absl::InternalError(absl::StrCat(
-          "kernel '", a.name, "': device copy failed: ", cudaGetErrorString(e)));
+      return absl::InternalError(
+          absl::StrCat("kernel '", a.name,
+                       "': device copy failed: ", cudaGetErrorString(e)));
     }
   }
   return absl::OkStatus();
@@ -136,7 +137,7 @@ absl::Status ReshapeBackward(const KernelArgs& a) {
   return CheckLaunch(a);
 }
 
-// --- concat, split, slice: blocks along one axis ----------------------------------
+// --- concat, split, slice: blocks along one axis -----------------------------
 
 // A tensor seen as [outer, len, inner] around axis `axis`.
 struct AxisView {
@@ -344,8 +345,7 @@ absl::Status SliceForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, s));
   AxisView x = AroundAxis(a.in[0].shape, r.axis);
   LaunchAxisCopy<T>(x.outer, x.inner, a.in[0].as<const T>(), x.len, r.start,
-                    a.out[0].as<T>(), s[r.axis], 0, s[r.axis], false,
-                    a.stream);
+                    a.out[0].as<T>(), s[r.axis], 0, s[r.axis], false, a.stream);
   return CheckLaunch(a);
 }
 
@@ -361,12 +361,11 @@ absl::Status SliceBackward(const KernelArgs& a) {
   if (!g.active()) return absl::OkStatus();
   AxisView x = AroundAxis(g.x(0).shape, r.axis);
   LaunchAxisCopy<T>(x.outer, x.inner, g.dy(0).as<const T>(), s[r.axis], 0,
-                    g.dx(0).as<T>(), x.len, r.start, s[r.axis], true,
-                    a.stream);
+                    g.dx(0).as<T>(), x.len, r.start, s[r.axis], true, a.stream);
   return CheckLaunch(a);
 }
 
-// --- expand -----------------------------------------------------------------------
+// --- expand ------------------------------------------------------------------
 
 template <typename T>
 absl::Status ExpandForward(const KernelArgs& a) {
@@ -407,7 +406,7 @@ absl::Status ExpandBackward(const KernelArgs& a) {
   return CheckLaunch(a);
 }
 
-// --- embedding --------------------------------------------------------------------
+// --- embedding ---------------------------------------------------------------
 
 // ids[...] int, table[rows, d]: the local table holds rows [offset, offset +
 // rows) of the vocabulary (executor/cpu/kernels.h). The CPU's checks but
@@ -435,9 +434,9 @@ absl::StatusOr<EmbeddingDims> CheckEmbedding(const KernelArgs& a, DType t) {
   // only (it cannot know the vocabulary).
   HAP_ASSIGN_OR_RETURN(
       e.vocab,
-      cpu::AttrInt(c, "vocab_size",
-                   e.offset == 0 ? e.rows
-                                 : std::numeric_limits<int64_t>::max()));
+      cpu::AttrInt(
+          c, "vocab_size",
+          e.offset == 0 ? e.rows : std::numeric_limits<int64_t>::max()));
   if (e.offset < 0 || e.offset + e.rows > e.vocab) {
     return Invalid(a, "table rows [", e.offset, ", ", e.offset + e.rows,
                    ") do not fit in the vocabulary of ", e.vocab);
@@ -459,13 +458,11 @@ absl::Status EmbeddingForward(const KernelArgs& a) {
   const T* table = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
   if (a.in[0].dtype == DType::kInt64) {
-    LaunchEmbedding<T, int64_t>(a.in[0].as<const int64_t>(), e.n, table,
-                                e.rows, e.d, e.offset, e.vocab, y, Fault(a),
-                                a.stream);
+    LaunchEmbedding<T, int64_t>(a.in[0].as<const int64_t>(), e.n, table, e.rows,
+                                e.d, e.offset, e.vocab, y, Fault(a), a.stream);
   } else {
-    LaunchEmbedding<T, int32_t>(a.in[0].as<const int32_t>(), e.n, table,
-                                e.rows, e.d, e.offset, e.vocab, y, Fault(a),
-                                a.stream);
+    LaunchEmbedding<T, int32_t>(a.in[0].as<const int32_t>(), e.n, table, e.rows,
+                                e.d, e.offset, e.vocab, y, Fault(a), a.stream);
   }
   return CheckLaunch(a);
 }
@@ -495,8 +492,8 @@ absl::Status EmbeddingBackward(const KernelArgs& a) {
                 g.x(0).as<const int32_t>(), e.n, dy, e.rows, e.d, e.offset,
                 e.vocab, dtable, scratch, bytes, Fault(a), a.stream);
   if (err != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("kernel '", a.name,
-                                            "': ", cudaGetErrorString(err)));
+    return absl::InternalError(
+        absl::StrCat("kernel '", a.name, "': ", cudaGetErrorString(err)));
   }
   return CheckLaunch(a);
 }

@@ -12,11 +12,11 @@ using dev::GridStart;
 using dev::GridStep;
 using dev::kThreads;
 
-// --- copies ---------------------------------------------------------------------
+// --- copies ------------------------------------------------------------------
 
 // Offsets of element i (row-major over the space) in operands 0 and 1.
-__device__ inline void Offsets2(const StridedSpace& s, int64_t i,
-                                int64_t* dst, int64_t* src) {
+__device__ inline void Offsets2(const StridedSpace& s, int64_t i, int64_t* dst,
+                                int64_t* src) {
   int64_t d0 = 0, d1 = 0;
   for (int d = s.rank - 1; d >= 0; --d) {
     const int64_t idx = i % s.shape[d];
@@ -64,7 +64,7 @@ __global__ void AccumulateKernel(const T* src, T* dst, int64_t n) {
   for (int64_t i = GridStart(); i < n; i += GridStep()) dst[i] += src[i];
 }
 
-// --- embedding ------------------------------------------------------------------
+// --- embedding ---------------------------------------------------------------
 
 __device__ inline void RaiseFault(FaultWord f) {
   if (f.word != nullptr) atomicCAS(f.word, 0, f.code);
@@ -114,10 +114,9 @@ __global__ void EmbeddingKeysKernel(const I* ids, int64_t n, int64_t rows,
 // block sums the run's gradient rows in position order (stable sort) and
 // adds the sum to the table row.
 template <typename T>
-__global__ void EmbeddingGradRunsKernel(const int64_t* keys,
-                                        const int64_t* pos, int64_t n,
-                                        const T* dy, int64_t rows, int64_t d,
-                                        T* dtable) {
+__global__ void EmbeddingGradRunsKernel(const int64_t* keys, const int64_t* pos,
+                                        int64_t n, const T* dy, int64_t rows,
+                                        int64_t d, T* dtable) {
   for (int64_t s = blockIdx.x; s < n; s += gridDim.x) {
     const int64_t key = keys[s];
     // Uniform over the block: every thread reads the same keys.
@@ -160,18 +159,18 @@ void LaunchStridedCopy(const StridedSpace& space, const T* src, T* dst,
   if (space.count == 0) return;
   const unsigned blocks = BlocksFor(space.count, kThreads);
   if (accumulate) {
-    StridedCopyKernel<T, true><<<blocks, kThreads, 0, stream>>>(space, src, dst);
+    StridedCopyKernel<T, true>
+        <<<blocks, kThreads, 0, stream>>>(space, src, dst);
   } else {
-    StridedCopyKernel<T, false><<<blocks, kThreads, 0, stream>>>(space, src,
-                                                                 dst);
+    StridedCopyKernel<T, false>
+        <<<blocks, kThreads, 0, stream>>>(space, src, dst);
   }
 }
 
 template <typename T>
-void LaunchAxisCopy(int64_t outer, int64_t inner, const T* src,
-                    int64_t src_len, int64_t src_at, T* dst, int64_t dst_len,
-                    int64_t dst_at, int64_t n, bool accumulate,
-                    cudaStream_t stream) {
+void LaunchAxisCopy(int64_t outer, int64_t inner, const T* src, int64_t src_len,
+                    int64_t src_at, T* dst, int64_t dst_len, int64_t dst_at,
+                    int64_t n, bool accumulate, cudaStream_t stream) {
   const int64_t block = n * inner;
   if (outer * block == 0) return;
   const unsigned blocks = BlocksFor(outer * block, kThreads);
@@ -187,8 +186,8 @@ void LaunchAxisCopy(int64_t outer, int64_t inner, const T* src,
 template <typename T>
 void LaunchAccumulate(const T* src, T* dst, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  AccumulateKernel<T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(src, dst,
-                                                                       n);
+  AccumulateKernel<T>
+      <<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(src, dst, n);
 }
 
 template <typename T, typename I>
@@ -197,8 +196,8 @@ void LaunchEmbedding(const I* ids, int64_t n, const T* table, int64_t rows,
                      FaultWord fault, cudaStream_t stream) {
   if (n == 0) return;
   if (d == 0) {  // no rows to copy, but the ids are still checked
-    CheckIdsKernel<I><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(
-        ids, n, vocab, fault);
+    CheckIdsKernel<I>
+        <<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(ids, n, vocab, fault);
     return;
   }
   EmbeddingKernel<T, I><<<BlocksFor(n * d, kThreads), kThreads, 0, stream>>>(
@@ -234,7 +233,8 @@ cudaError_t LaunchEmbeddingGrad(const I* ids, int64_t n, const T* dy,
                                       stream);
   if (e != cudaSuccess) return e;
   if (d == 0 || rows == 0) return cudaSuccess;
-  const unsigned blocks = static_cast<unsigned>(n < 65535 * 16 ? n : 65535 * 16);
+  const unsigned blocks =
+      static_cast<unsigned>(n < 65535 * 16 ? n : 65535 * 16);
   const int threads = d >= 256 ? 256 : (d >= 128 ? 128 : 64);
   EmbeddingGradRunsKernel<T><<<blocks, threads, 0, stream>>>(
       keys_out, pos_out, n, dy, rows, d, dtable);
@@ -252,12 +252,12 @@ HAP_INSTANTIATE_COPY(double)
 HAP_INSTANTIATE_COPY(int32_t)
 HAP_INSTANTIATE_COPY(int64_t)
 
-#define HAP_INSTANTIATE_EMBEDDING(T, I)                                      \
-  template void LaunchEmbedding<T, I>(const I*, int64_t, const T*, int64_t,  \
-                                      int64_t, int64_t, int64_t, T*,         \
-                                      FaultWord, cudaStream_t);              \
-  template cudaError_t LaunchEmbeddingGrad<T, I>(                            \
-      const I*, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, T*,   \
+#define HAP_INSTANTIATE_EMBEDDING(T, I)                                     \
+  template void LaunchEmbedding<T, I>(const I*, int64_t, const T*, int64_t, \
+                                      int64_t, int64_t, int64_t, T*,        \
+                                      FaultWord, cudaStream_t);             \
+  template cudaError_t LaunchEmbeddingGrad<T, I>(                           \
+      const I*, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, T*,  \
       void*, size_t, FaultWord, cudaStream_t);
 HAP_INSTANTIATE_EMBEDDING(float, int32_t)
 HAP_INSTANTIATE_EMBEDDING(float, int64_t)

@@ -13,7 +13,7 @@
 namespace hap::executor::cuda {
 namespace {
 
-// --- moe_gate ---------------------------------------------------------------------
+// --- moe_gate ----------------------------------------------------------------
 
 absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t) {
   const cpu::KernelArgs c = CpuArgs(a);
@@ -27,8 +27,8 @@ absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t) {
   HAP_ASSIGN_OR_RETURN(d.k, cpu::AttrInt(c, "k", 2));
   HAP_ASSIGN_OR_RETURN(d.capacity, cpu::AttrInt(c, "capacity"));
   if (d.k < 1 || d.k > d.experts) {
-    return Invalid(a, "attribute 'k' = ", d.k, " must be in [1, experts = ",
-                   d.experts, "]");
+    return Invalid(a, "attribute 'k' = ", d.k,
+                   " must be in [1, experts = ", d.experts, "]");
   }
   if (d.capacity < 1) return Invalid(a, "attribute 'capacity' must be >= 1");
   if (d.experts > INT32_MAX || d.capacity > INT32_MAX) {
@@ -65,8 +65,7 @@ absl::Status GateForward(const KernelArgs& a) {
       cpu::CheckOutput(c, 0, t, {d.tokens, d.experts, d.capacity}));
   const T* logits = a.in[0].as<const T>();
   HAP_ASSIGN_OR_RETURN(Routing r, Route<T>(a, d, logits));
-  LaunchGateCombine<T>(d, logits, r.expert, r.slot, a.out[0].as<T>(),
-                       a.stream);
+  LaunchGateCombine<T>(d, logits, r.expert, r.slot, a.out[0].as<T>(), a.stream);
   return CheckLaunch(a);
 }
 
@@ -85,7 +84,7 @@ absl::Status GateBackward(const KernelArgs& a) {
   return CheckLaunch(a);
 }
 
-// --- moe_dispatch, moe_combine ----------------------------------------------------
+// --- moe_dispatch, moe_combine -----------------------------------------------
 
 struct MoeDims {
   int64_t tokens = 0, experts = 0, capacity = 0, d = 0;
@@ -127,11 +126,10 @@ absl::Status DispatchForward(const KernelArgs& a) {
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 2, 1));
   HAP_ASSIGN_OR_RETURN(MoeDims m, CheckMoe(a, t, false));
-  HAP_RETURN_IF_ERROR(
-      cpu::CheckOutput(c, 0, t, {m.experts, m.capacity, m.d}));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, {m.experts, m.capacity, m.d}));
   LaunchMoeGather<T>(a.in[1].as<const T>(), m.slots(), m.tokens, 1, m.slots(),
-                     a.in[0].as<const T>(), m.d, false, false,
-                     a.out[0].as<T>(), a.stream);
+                     a.in[0].as<const T>(), m.d, false, false, a.out[0].as<T>(),
+                     a.stream);
   return CheckLaunch(a);
 }
 
@@ -160,8 +158,8 @@ absl::Status CombineForward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(MoeDims m, CheckMoe(a, t, true));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, {m.tokens, m.d}));
   LaunchMoeGather<T>(a.in[1].as<const T>(), m.tokens, m.slots(), m.slots(), 1,
-                     a.in[0].as<const T>(), m.d, true, false,
-                     a.out[0].as<T>(), a.stream);
+                     a.in[0].as<const T>(), m.d, true, false, a.out[0].as<T>(),
+                     a.stream);
   return CheckLaunch(a);
 }
 
@@ -185,8 +183,8 @@ absl::Status CombineBackward(const KernelArgs& a) {
   }
   if (g.dx(1).present()) {
     HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {m.tokens, m.slots(), m.d}));
-    HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, false, true, m.tokens, m.slots(),
-                                       m.d, dout, m.d, 0, y, m.d, 0, T(1),
+    HAP_RETURN_IF_ERROR(BatchedGemm<T>(a, false, true, m.tokens, m.slots(), m.d,
+                                       dout, m.d, 0, y, m.d, 0, T(1),
                                        g.dx(1).as<T>(), m.slots(), 0, 1));
   }
   return absl::OkStatus();

@@ -16,7 +16,7 @@ using dev::GridStep;
 constexpr int kTokens = 128;  // threads of the per-token kernels
 constexpr int kScan = 256;    // threads of the scanning kernels
 
-// --- moe_gate -----------------------------------------------------------------------
+// --- moe_gate ----------------------------------------------------------------
 
 // One thread per token (TopK).
 template <typename T>
@@ -95,10 +95,10 @@ __global__ void GateGradKernel(GateDims d, const T* logits, const T* dcombine,
     const int32_t* sl = slot + t * d.k;
     const double top = TopSum(d, s, ex);
     auto gw = [&](int64_t j) -> double {
-      return sl[j] >= 0 ? static_cast<double>(
-                              dcombine[(t * d.experts + ex[j]) * d.capacity +
-                                       sl[j]])
-                        : 0.0;
+      return sl[j] >= 0
+                 ? static_cast<double>(
+                       dcombine[(t * d.experts + ex[j]) * d.capacity + sl[j]])
+                 : 0.0;
     };
     double gw_dot_p = 0;
     for (int64_t j = 0; j < d.k; ++j) gw_dot_p += gw(j) * s.Prob(ex[j]);
@@ -118,7 +118,7 @@ __global__ void GateGradKernel(GateDims d, const T* logits, const T* dcombine,
   }
 }
 
-// --- dispatch, combine ------------------------------------------------------------
+// --- dispatch, combine -------------------------------------------------------
 
 // One block per output row: the row's weights are scanned kScan at a time,
 // the nonzero ones compacted in order into shared memory, and each thread
@@ -173,8 +173,8 @@ template <typename T>
 void LaunchGateRoute(const GateDims& d, const T* logits, int32_t* expert,
                      int32_t* slot, cudaStream_t stream) {
   if (d.tokens == 0 || d.experts == 0) return;
-  GateTopKKernel<T><<<BlocksFor(d.tokens, kTokens), kTokens, 0, stream>>>(
-      d, logits, expert);
+  GateTopKKernel<T>
+      <<<BlocksFor(d.tokens, kTokens), kTokens, 0, stream>>>(d, logits, expert);
   GateSlotsKernel<<<BlocksFor(d.experts, 1), kScan, 0, stream>>>(d, expert,
                                                                  slot);
 }
@@ -206,8 +206,8 @@ void LaunchMoeGather(const T* weights, int64_t out_rows, int64_t in_rows,
                      cudaStream_t stream) {
   if (out_rows == 0 || d == 0) return;
   const unsigned blocks = BlocksFor(out_rows, 1);
-#define HAP_GATHER(W, A)                                                \
-  MoeGatherKernel<T, W, A><<<blocks, kScan, 0, stream>>>(               \
+#define HAP_GATHER(W, A)                                  \
+  MoeGatherKernel<T, W, A><<<blocks, kScan, 0, stream>>>( \
       weights, out_rows, in_rows, w_row_stride, w_col_stride, src, d, out)
   if (weighted) {
     if (accumulate) {
@@ -225,18 +225,18 @@ void LaunchMoeGather(const T* weights, int64_t out_rows, int64_t in_rows,
 #undef HAP_GATHER
 }
 
-#define HAP_INSTANTIATE_MOE(T)                                               \
-  template void LaunchGateRoute<T>(const GateDims&, const T*, int32_t*,      \
-                                   int32_t*, cudaStream_t);                  \
-  template void LaunchGateCombine<T>(const GateDims&, const T*,              \
-                                     const int32_t*, const int32_t*, T*,     \
-                                     cudaStream_t);                          \
-  template void LaunchGateGrad<T>(const GateDims&, const T*, const T*,       \
-                                  const int32_t*, const int32_t*, T*,        \
-                                  cudaStream_t);                             \
-  template void LaunchMoeGather<T>(const T*, int64_t, int64_t, int64_t,      \
-                                   int64_t, const T*, int64_t, bool, bool,   \
-                                   T*, cudaStream_t);
+#define HAP_INSTANTIATE_MOE(T)                                                 \
+  template void LaunchGateRoute<T>(const GateDims&, const T*, int32_t*,        \
+                                   int32_t*, cudaStream_t);                    \
+  template void LaunchGateCombine<T>(const GateDims&, const T*,                \
+                                     const int32_t*, const int32_t*, T*,       \
+                                     cudaStream_t);                            \
+  template void LaunchGateGrad<T>(const GateDims&, const T*, const T*,         \
+                                  const int32_t*, const int32_t*, T*,          \
+                                  cudaStream_t);                               \
+  template void LaunchMoeGather<T>(const T*, int64_t, int64_t, int64_t,        \
+                                   int64_t, const T*, int64_t, bool, bool, T*, \
+                                   cudaStream_t);
 HAP_INSTANTIATE_MOE(float)
 HAP_INSTANTIATE_MOE(double)
 

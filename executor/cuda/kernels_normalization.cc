@@ -11,7 +11,7 @@
 namespace hap::executor::cuda {
 namespace {
 
-// --- layer_norm -------------------------------------------------------------------
+// --- layer_norm --------------------------------------------------------------
 
 // x[..., d], gamma[d], beta[d] of dtype t; returns d.
 absl::StatusOr<int64_t> CheckLayerNorm(const KernelArgs& a, DType t) {
@@ -60,16 +60,17 @@ absl::Status LayerNormBackward(const KernelArgs& a) {
   char* scratch = nullptr;
   if (dgamma != nullptr || dbeta != nullptr) {
     HAP_ASSIGN_OR_RETURN(
-        scratch, ScratchArray<char>(a, static_cast<int64_t>(
-                                           LayerNormGradScratchBytes<T>(rows, d))));
+        scratch,
+        ScratchArray<char>(
+            a, static_cast<int64_t>(LayerNormGradScratchBytes<T>(rows, d))));
   }
   LaunchLayerNormGrad<T>(g.x(0).as<const T>(), g.x(1).as<const T>(),
-                         g.dy(0).as<const T>(), rows, d, eps, dx, dgamma,
-                         dbeta, scratch, a.stream);
+                         g.dy(0).as<const T>(), rows, d, eps, dx, dgamma, dbeta,
+                         scratch, a.stream);
   return CheckLaunch(a);
 }
 
-// --- softmax, log_softmax ---------------------------------------------------------
+// --- softmax, log_softmax ----------------------------------------------------
 
 // The last-axis check of both ops: attribute "axis" must name it.
 absl::Status CheckLastAxis(const KernelArgs& a, const TensorView& x) {
@@ -106,8 +107,8 @@ absl::StatusOr<SoftmaxMask> MakeMask(const KernelArgs& a, const Shape& x,
     m.col_stride = st.back();
     const Shape lead(x.begin(), x.end() - 1);
     HAP_ASSIGN_OR_RETURN(
-        m.lead, MakeSpace(a, lead, {std::vector<int64_t>(st.begin(),
-                                                         st.end() - 1)}));
+        m.lead,
+        MakeSpace(a, lead, {std::vector<int64_t>(st.begin(), st.end() - 1)}));
   }
   return m;
 }
@@ -149,8 +150,7 @@ absl::Status SoftmaxBackward(const KernelArgs& a) {
   const int64_t rows = RowsOf(x, cols);
   const T* y = g.y(0).present() ? g.y(0).as<const T>() : nullptr;
   if (y == nullptr) {
-    HAP_ASSIGN_OR_RETURN(T * recomputed,
-                         ScratchArray<T>(a, x.num_elements()));
+    HAP_ASSIGN_OR_RETURN(T * recomputed, ScratchArray<T>(a, x.num_elements()));
     LaunchSoftmax<T, kLog>(x.as<const T>(), m, rows, cols, recomputed,
                            a.stream);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
@@ -170,8 +170,8 @@ void RegisterNormalizationKernels(KernelTable& t) {
                              &SoftmaxForward<double, false>);
   t["softmax_grad"] = FloatKernel(&SoftmaxBackward<float, false>,
                                   &SoftmaxBackward<double, false>);
-  t["log_softmax"] = FloatKernel(&SoftmaxForward<float, true>,
-                                 &SoftmaxForward<double, true>);
+  t["log_softmax"] =
+      FloatKernel(&SoftmaxForward<float, true>, &SoftmaxForward<double, true>);
   t["log_softmax_grad"] = FloatKernel(&SoftmaxBackward<float, true>,
                                       &SoftmaxBackward<double, true>);
 }

@@ -20,7 +20,7 @@ constexpr int64_t kTargetBlocks = 1024;
 
 unsigned RowBlocks(int64_t rows) { return BlocksFor(rows, 1); }
 
-// --- layer_norm -------------------------------------------------------------------
+// --- layer_norm --------------------------------------------------------------
 
 // Mean and 1 / sqrt(var + eps) of a row, on every thread of the block.
 template <typename T, typename R>
@@ -58,9 +58,9 @@ __global__ void LayerNormKernel(const T* x, const T* gamma, const T* beta,
 // Per row: the statistics (for the parameter gradients, when `stats` is not
 // null) and dx (when not null).
 template <typename T>
-__global__ void LayerNormGradRowKernel(const T* x, const T* gamma,
-                                       const T* dy, int64_t rows, int64_t d,
-                                       double eps, T* dx, T* stats) {
+__global__ void LayerNormGradRowKernel(const T* x, const T* gamma, const T* dy,
+                                       int64_t rows, int64_t d, double eps,
+                                       T* dx, T* stats) {
   using R = dev::BlockAll<T, kRow>;
   __shared__ typename R::Storage s;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -144,7 +144,7 @@ Chunking ParamChunks(int64_t rows, int64_t d) {
   return c;
 }
 
-// --- softmax ----------------------------------------------------------------------
+// --- softmax -----------------------------------------------------------------
 
 __device__ inline int64_t MaskRowOffset(const StridedSpace& lead, int64_t r) {
   int64_t off = 0;
@@ -229,8 +229,8 @@ template <typename T>
 void LaunchLayerNorm(const T* x, const T* gamma, const T* beta, int64_t rows,
                      int64_t d, double eps, T* y, cudaStream_t stream) {
   if (rows == 0 || d == 0) return;
-  LayerNormKernel<T><<<RowBlocks(rows), kRow, 0, stream>>>(x, gamma, beta,
-                                                           rows, d, eps, y);
+  LayerNormKernel<T>
+      <<<RowBlocks(rows), kRow, 0, stream>>>(x, gamma, beta, rows, d, eps, y);
 }
 
 template <typename T>
@@ -273,24 +273,24 @@ template <typename T, bool kLog>
 void LaunchSoftmaxGrad(const T* y, const T* dy, int64_t rows, int64_t cols,
                        T* dx, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  SoftmaxGradKernel<T, kLog><<<RowBlocks(rows), kRow, 0, stream>>>(
-      y, dy, rows, cols, dx);
+  SoftmaxGradKernel<T, kLog>
+      <<<RowBlocks(rows), kRow, 0, stream>>>(y, dy, rows, cols, dx);
 }
 
-#define HAP_INSTANTIATE_NORMALIZATION(T)                                      \
-  template void LaunchLayerNorm<T>(const T*, const T*, const T*, int64_t,    \
-                                   int64_t, double, T*, cudaStream_t);        \
-  template size_t LayerNormGradScratchBytes<T>(int64_t, int64_t);             \
-  template void LaunchLayerNormGrad<T>(const T*, const T*, const T*, int64_t, \
-                                       int64_t, double, T*, T*, T*, void*,    \
-                                       cudaStream_t);                         \
-  template void LaunchSoftmax<T, false>(const T*, const SoftmaxMask&,         \
-                                        int64_t, int64_t, T*, cudaStream_t);  \
-  template void LaunchSoftmax<T, true>(const T*, const SoftmaxMask&, int64_t, \
-                                       int64_t, T*, cudaStream_t);            \
-  template void LaunchSoftmaxGrad<T, false>(const T*, const T*, int64_t,      \
-                                            int64_t, T*, cudaStream_t);       \
-  template void LaunchSoftmaxGrad<T, true>(const T*, const T*, int64_t,       \
+#define HAP_INSTANTIATE_NORMALIZATION(T)                                       \
+  template void LaunchLayerNorm<T>(const T*, const T*, const T*, int64_t,      \
+                                   int64_t, double, T*, cudaStream_t);         \
+  template size_t LayerNormGradScratchBytes<T>(int64_t, int64_t);              \
+  template void LaunchLayerNormGrad<T>(const T*, const T*, const T*, int64_t,  \
+                                       int64_t, double, T*, T*, T*, void*,     \
+                                       cudaStream_t);                          \
+  template void LaunchSoftmax<T, false>(const T*, const SoftmaxMask&, int64_t, \
+                                        int64_t, T*, cudaStream_t);            \
+  template void LaunchSoftmax<T, true>(const T*, const SoftmaxMask&, int64_t,  \
+                                       int64_t, T*, cudaStream_t);             \
+  template void LaunchSoftmaxGrad<T, false>(const T*, const T*, int64_t,       \
+                                            int64_t, T*, cudaStream_t);        \
+  template void LaunchSoftmaxGrad<T, true>(const T*, const T*, int64_t,        \
                                            int64_t, T*, cudaStream_t);
 HAP_INSTANTIATE_NORMALIZATION(float)
 HAP_INSTANTIATE_NORMALIZATION(double)

@@ -26,10 +26,9 @@ void LaunchStridedCopy(const StridedSpace& space, const T* src, T* dst,
 // src[(o * src_len + src_at) * inner + i] for i < n * inner (blocks along
 // one axis: concat, split, slice).
 template <typename T>
-void LaunchAxisCopy(int64_t outer, int64_t inner, const T* src,
-                    int64_t src_len, int64_t src_at, T* dst, int64_t dst_len,
-                    int64_t dst_at, int64_t n, bool accumulate,
-                    cudaStream_t stream);
+void LaunchAxisCopy(int64_t outer, int64_t inner, const T* src, int64_t src_len,
+                    int64_t src_at, T* dst, int64_t dst_len, int64_t dst_at,
+                    int64_t n, bool accumulate, cudaStream_t stream);
 
 // dst[i] += src[i], i < n.
 template <typename T>
