@@ -124,11 +124,15 @@ class CudaDevice final : public Device {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   std::unique_ptr<CachingAllocator> allocator_;
+  // Serializes RunKernel (one cuBLAS handle) and the fault bookkeeping
+  // against synchronizations, so a code always indexes the list it was
+  // given from.
+  std::mutex mu_;
   // KernelArgs::fault: a device int (0 = no fault) and, per code - 1, the
-  // kernel that got it since the last synchronization.
+  // kernel that got it since the last synchronization (at most
+  // kMaxFaultNames; later kernels share code kMaxFaultNames + 1).
+  static constexpr size_t kMaxFaultNames = 1 << 16;
   int* fault_word_ = nullptr;
-  std::mutex fault_mu_;
-  std::mutex run_mu_;  // serializes RunKernel
   std::vector<const std::string*> fault_kernels_;
 };
 
@@ -311,14 +315,12 @@ absl::Status CudaDevice::RunKernel(const std::string& name,
     return absl::NotFoundError(absl::StrCat("no CUDA kernel '", name, "'"));
   }
   HAP_DEVICE_SCOPE();
-  cuda::DeviceFault fault;
-  {
-    std::lock_guard<std::mutex> lock(fault_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
+  cuda::DeviceFault fault{fault_word_, static_cast<int>(kMaxFaultNames + 1)};
+  if (fault_kernels_.size() < kMaxFaultNames) {
     fault_kernels_.push_back(&it->first);
-    fault = {fault_word_, static_cast<int>(fault_kernels_.size())};
+    fault.code = static_cast<int>(fault_kernels_.size());
   }
-  // One call at a time: the cuBLAS handle is not to be used concurrently.
-  std::lock_guard<std::mutex> run_lock(run_mu_);
   CallScratch scratch(*this);
   cuda::KernelArgs args{it->first, ctx,      attrs,   inputs,
                         outputs,   stream_,  cublas_, options_.allow_tf32,
@@ -332,15 +334,15 @@ absl::Status CudaDevice::Synchronize() {
 }
 
 absl::Status CudaDevice::SyncAndCheckFault() {
-  HAP_CUDA_CHECK(cudaStreamSynchronize(stream_),
-                 absl::StrCat(name_, ": synchronize"));
+  std::lock_guard<std::mutex> lock(mu_);
+  // The fault word, read behind every queued kernel; an asynchronous error
+  // of one of them surfaces here too.
   int code = 0;
   HAP_CUDA_CHECK(cudaMemcpyAsync(&code, fault_word_, sizeof(int),
                                  cudaMemcpyDeviceToHost, stream_),
-                 absl::StrCat(name_, ": reading the fault word"));
+                 absl::StrCat(name_, ": synchronize"));
   HAP_CUDA_CHECK(cudaStreamSynchronize(stream_),
-                 absl::StrCat(name_, ": reading the fault word"));
-  std::lock_guard<std::mutex> lock(fault_mu_);
+                 absl::StrCat(name_, ": synchronize"));
   std::vector<const std::string*> kernels = std::move(fault_kernels_);
   fault_kernels_.clear();
   if (code == 0) return absl::OkStatus();
@@ -348,10 +350,11 @@ absl::Status CudaDevice::SyncAndCheckFault() {
                  absl::StrCat(name_, ": clearing the fault word"));
   const std::string kernel =
       code >= 1 && code <= static_cast<int>(kernels.size())
-          ? *kernels[code - 1]
-          : std::string("?");
+          ? absl::StrCat("'", *kernels[code - 1], "'")
+          : absl::StrCat("(one of more than ", kMaxFaultNames,
+                         " run since the last synchronize)");
   return absl::InvalidArgumentError(absl::StrCat(
-      "kernel '", kernel, "' on ", name_,
+      "kernel ", kernel, " on ", name_,
       ": a target or id is out of range (found on the GPU; the element was "
       "skipped)"));
 }
