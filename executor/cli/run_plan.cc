@@ -6,6 +6,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/data/wikitext.h"
+#include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
@@ -43,6 +45,7 @@ constexpr char kUsage[] =
                     [--steps K] [--data synthetic|wikitext] [--data-dir DIR]
                     [--threads T] [--timeout SECONDS] [--log-every N]
                     [--device cpu|cuda[:N]]
+                    [--profile PREFIX]
 
 Runs rank R of a plan written by `hapctl plan --save-plan`. The ranks meet
 through files in DIR (shared by all ranks; use a fresh one per run) and talk
@@ -54,6 +57,10 @@ step's loss and time, and at the end the perplexity (wikitext).
 cuda[:N], GPU N (NCCL between ranks, one GPU each; builds made with
 --config=cuda only). Default: the plan's device for this rank when the
 plan's cluster says it is a GPU, else cpu.
+--profile PREFIX times every kernel call after two warm-up steps and writes
+PREFIX.rankR.json: median step seconds and seconds per step by op type
+(optimizer kernels as (optimizer), fills and copies as (runtime); the rest
+of a step is communication and waiting), the input of hapctl calibrate.
 )";
 
 constexpr char kLaunchUsage[] =
@@ -72,7 +79,8 @@ The cgroups are removed when the ranks end (also on SIGINT/SIGTERM).
 const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "device",
                                            "rendezvous", "steps",  "data",
                                            "data-dir", "threads",  "timeout",
-                                           "log-every", "executor", "cpu-shares"};
+                                           "log-every", "executor", "cpu-shares",
+                                           "profile"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -99,6 +107,29 @@ std::string DataDir(const tools::Args& a) {
   if (a.Has("data-dir")) return a.Get("data-dir");
   if (const char* e = std::getenv("HAP_DATA_DIR")) return e;
   return "../shared/data";
+}
+
+// The --profile file (hapctl calibrate reads it; planner/calibrate).
+absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int rank,
+                          std::vector<double> step_seconds, const TimingDevice& timing) {
+  std::sort(step_seconds.begin(), step_seconds.end());
+  const int64_t n = static_cast<int64_t>(step_seconds.size());
+  const double median = n % 2 ? step_seconds[n / 2]
+                              : 0.5 * (step_seconds[n / 2 - 1] + step_seconds[n / 2]);
+  std::string ops;
+  for (const auto& [type, seconds] : timing.SecondsByOpType(n)) {
+    absl::StrAppend(&ops, ops.empty() ? "" : ",\n", absl::StrFormat("    \"%s\": %.9g", type, seconds));
+  }
+  std::ofstream f(path);
+  f << absl::StrFormat(
+      "{\n  \"plan_content_hash\": \"%s\",\n  \"rank\": %d,\n  \"device\": \"%s\",\n"
+      "  \"steps\": %d,\n  \"step_seconds_median\": %.9g,\n  \"device_seconds\": %.9g,\n"
+      "  \"op_seconds\": {\n%s\n  }\n}\n",
+      plan.content_hash(), rank, rank < plan.devices_size() ? plan.devices(rank) : "", n, median,
+      timing.TotalSeconds(n), ops);
+  f.close();
+  if (!f) return absl::InternalError(absl::StrCat("cannot write the profile ", path));
+  return absl::OkStatus();
 }
 
 absl::Status Run(const tools::Args& a) {
@@ -151,24 +182,38 @@ absl::Status Run(const tools::Args& a) {
                        MakeBackend(spec, static_cast<int>(threads), go, *store));
   std::unique_ptr<Device>& device = backend.device;
   std::unique_ptr<Communicator>& comm = backend.comm;
+  const std::string profile = a.Get("profile");
+  constexpr int64_t kProfileWarmup = 2;
+  if (!profile.empty() && steps <= kProfileWarmup) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--profile needs more than ", kProfileWarmup, " --steps"));
+  }
+  TimingDevice timing(device.get());
+  Device* run_on = profile.empty() ? device.get() : &timing;
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
-                       ProgramRunner::Create(plan.rank_programs(rank), g,
-                                             device.get(), comm.get()));
+                       ProgramRunner::Create(plan.rank_programs(rank), g, run_on,
+                                             comm.get()));
   if (rank == 0) {
     std::cout << absl::StrFormat(
-        "training %s on %d ranks (plan %s, predicted step %.4f s), %d steps\n",
+        "training %s on %d ranks (plan %s, predicted step %.4f s), %d steps, rank 0 on %s\n",
         g.name(), world, plan.content_hash().substr(0, 12),
-        plan.prediction().step_seconds(), steps);
+        plan.prediction().step_seconds(), steps, device->name());
   }
   TrainOptions to;
   to.steps = steps;
   to.on_step = [&](int64_t step, double loss, double seconds) {
+    if (step + 1 == kProfileWarmup) timing.Reset();
     if (rank == 0 && (step % log_every == 0 || step + 1 == steps)) {
       std::cout << absl::StrFormat("step %d loss %.6f time %.4f s\n", step, loss, seconds)
                 << std::flush;
     }
   };
   HAP_ASSIGN_OR_RETURN(TrainResult r, TrainRank(*runner, *batches, to));
+  if (!profile.empty()) {
+    std::vector<double> timed(r.step_seconds.begin() + kProfileWarmup, r.step_seconds.end());
+    HAP_RETURN_IF_ERROR(WriteProfile(absl::StrCat(profile, ".rank", rank, ".json"), plan,
+                                     static_cast<int>(rank), timed, timing));
+  }
   if (rank == 0) {
     double mean_time = 0;
     for (double s : r.step_seconds) mean_time += s;

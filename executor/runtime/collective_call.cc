@@ -132,6 +132,34 @@ absl::Status AllToAll(const v1::CollectiveCall& c, TensorView in, TensorView out
   return absl::OkStatus();
 }
 
+// Sums `first` and every buffer of `rest` over ranks in one call: packed
+// into the send staging region, all-reduced, copied back.
+absl::Status CoalescedAllReduce(TensorView first, absl::Span<const TensorView> rest,
+                                Device& dev, Communicator& comm, Staging& st) {
+  std::vector<TensorView> all = {first};
+  all.insert(all.end(), rest.begin(), rest.end());
+  int64_t total = 0;
+  for (const TensorView& v : all) total += v.num_elements();
+  const int64_t esize = graph::DTypeBytes(first.dtype);
+  HAP_ASSIGN_OR_RETURN(void* packed, st.Get(0, std::max<int64_t>(total * esize, 1)));
+  TensorView bucket{first.dtype, {total}, packed};
+  auto flat = [](const TensorView& v) {
+    return TensorView{v.dtype, {v.num_elements()}, v.data};
+  };
+  int64_t at = 0;
+  for (const TensorView& v : all) {
+    HAP_RETURN_IF_ERROR(dev.CopyBox(flat(v), {0}, bucket, {at}, {v.num_elements()}));
+    at += v.num_elements();
+  }
+  HAP_RETURN_IF_ERROR(comm.AllReduce(bucket));
+  at = 0;
+  for (const TensorView& v : all) {
+    HAP_RETURN_IF_ERROR(dev.CopyBox(bucket, {at}, flat(v), {0}, {v.num_elements()}));
+    at += v.num_elements();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Staging::~Staging() {
@@ -153,7 +181,7 @@ absl::StatusOr<void*> Staging::Get(int which, int64_t bytes) {
 
 absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
                            TensorView out, Device& dev, Communicator& comm,
-                           Staging& st) {
+                           Staging& st, absl::Span<const TensorView> coalesced) {
   absl::Status s;
   switch (c.collective()) {
     case v1::ALL_REDUCE:
@@ -161,7 +189,12 @@ absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
         s = dev.CopyBox(in, std::vector<int64_t>(in.rank(), 0), out,
                         std::vector<int64_t>(out.rank(), 0), out.shape);
       }
-      if (s.ok()) s = comm.AllReduce(out);
+      if (!s.ok()) break;
+      if (coalesced.empty()) {
+        s = comm.AllReduce(out);
+      } else {
+        s = CoalescedAllReduce(out, coalesced, dev, comm, st);
+      }
       break;
     case v1::ALL_GATHER:
       s = AllGather(c, in, out, dev, comm, st);

@@ -30,11 +30,14 @@ class Staging {
   int64_t size_[2] = {0, 0};
 };
 
-// `in` and `out` are the call's input and output buffers on this rank.
+// `in` and `out` are the call's input and output buffers on this rank;
+// `coalesced` the views of call.coalesced() (ALL_REDUCE: packed with `out`
+// into one staging buffer, summed in one call, copied back).
 // Errors: the communicator's, annotated with the collective and tensor.
 absl::Status RunCollective(const hap::v1::CollectiveCall& call, TensorView in,
                            TensorView out, Device& device, Communicator& comm,
-                           Staging& staging);
+                           Staging& staging,
+                           absl::Span<const TensorView> coalesced = {});
 
 }  // namespace hap::executor
 

@@ -198,6 +198,20 @@ absl::Status ProgramRunner::Validate() {
         }
         return absl::OkStatus();
       };
+      if (c.coalesced_size() > 0 &&
+          (c.collective() != v1::ALL_REDUCE || c.input() != c.output())) {
+        return bad(absl::StrCat(StepName(p, i),
+                                ": coalesced buffers are for in-place ALL_REDUCE only"));
+      }
+      for (int id : c.coalesced()) {
+        if (!id_ok(id, false)) {
+          return bad(absl::StrCat(StepName(p, i), ": coalesced buffer ", id, " does not exist"));
+        }
+        if (views_[id].dtype != out.dtype) {
+          return bad(absl::StrCat(StepName(p, i), ": coalesced buffer ", id,
+                                  " has another dtype than the call's"));
+        }
+      }
       switch (c.collective()) {
         case v1::ALL_REDUCE:
           if (in.shape != out.shape) return bad(absl::StrCat(StepName(p, i), ": shapes differ"));
@@ -298,8 +312,10 @@ absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) 
       st = RunKernelStep(i, s.kernel(), step);
     } else {
       const v1::CollectiveCall& c = s.collective();
+      std::vector<TensorView> coalesced;
+      for (int id : c.coalesced()) coalesced.push_back(views_[id]);
       st = RunCollective(c, views_[c.input()], views_[c.output()], *device_,
-                         *comm_, staging_);
+                         *comm_, staging_, coalesced);
     }
     if (!st.ok()) {
       return Annotate(st, absl::StrCat("training step ", step, ", ",

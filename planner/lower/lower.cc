@@ -223,6 +223,7 @@ class RankBuilder {
     for (int k = static_cast<int>(p_.steps.size()) - 1; k >= 0; --k) {
       HAP_RETURN_IF_ERROR(Backward(k));
     }
+    FlushGradientBuckets();
     Optimizer();
     Finish();
     return std::move(prog_);
@@ -701,6 +702,8 @@ class RankBuilder {
     return absl::OkStatus();
   }
 
+  std::vector<int> bucket_;  // replicated gradients awaiting their all-reduce
+
   void SyncParameter(const synth::SourceLoad& l) {
     const auto G = v1::Step::GRADIENT_SYNC;
     Key whole = K(l.tensor, Form::R());
@@ -717,9 +720,50 @@ class RankBuilder {
       }
     } else if (l.storage == synth::ParamStorage::kReplicated) {
       if (HasGrad(whole) && a_.partial_grad[l.tensor]) {
+        // Deferred into a gradient bucket, all-reduced once backward is
+        // done (FlushGradientBuckets): one synchronisation, not one per
+        // parameter. Nothing reads these gradients before the optimizer.
         int gt = grad_.at(whole);
-        Coll(G, v1::ALL_REDUCE, gt, gt, l.tensor);
+        if (std::find(bucket_.begin(), bucket_.end(), gt) == bucket_.end()) {
+          bucket_.push_back(gt);
+        }
       }
+    }
+  }
+
+  // The deferred all-reduces of replicated gradients, in the order their
+  // backward produced them, as coalesced ALL_REDUCE calls of one dtype and
+  // at most kBucketBytes each (a larger gradient gets a call of its own).
+  static constexpr int64_t kBucketBytes = int64_t{64} << 20;
+  void FlushGradientBuckets() {
+    const auto G = v1::Step::GRADIENT_SYNC;
+    std::vector<int> pending = std::move(bucket_);
+    bucket_.clear();
+    while (!pending.empty()) {
+      const v1::Buffer& first = prog_.buffers(pending.front());
+      std::vector<int> take, rest;
+      int64_t bytes = 0;
+      for (int id : pending) {
+        const v1::Buffer& b = prog_.buffers(id);
+        int64_t n = graph::DTypeBytes(graph::FromProtoDType(b.dtype()));
+        for (int64_t d : b.shape()) n *= d;
+        if (b.dtype() == first.dtype() && (take.empty() || bytes + n <= kBucketBytes)) {
+          take.push_back(id);
+          bytes += n;
+        } else {
+          rest.push_back(id);
+        }
+      }
+      const int step = prog_.steps_size();
+      v1::CollectiveCall* c =
+          Coll(G, v1::ALL_REDUCE, take.front(), take.front(), g_.loss());
+      c->set_tensor(absl::StrCat("gradient bucket of ", take.size(), " tensor(s), ", bytes,
+                                 " bytes"));
+      for (size_t i = 1; i < take.size(); ++i) {
+        c->add_coalesced(take[i]);
+        Use(take[i], step);
+      }
+      pending = std::move(rest);
     }
   }
 

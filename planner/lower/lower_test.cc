@@ -117,15 +117,27 @@ TEST(LowerTest, DataParallelAllReducesEveryWeightGradient) {
   auto progs = Lower(g, p, o);
   ASSERT_TRUE(progs.ok()) << progs.status();
   ExpectMatchingCollectives(*progs);
+  // Every weight gradient is all-reduced, all of them in one coalesced call
+  // (a gradient bucket) after backward: one synchronisation, not one each.
+  const v1::RankProgram& r0 = (*progs)[0];
   std::set<std::string> reduced;
-  for (const auto& s : (*progs)[0].steps()) {
+  int calls = 0;
+  int last_backward = -1, bucket_step = -1;
+  for (int i = 0; i < r0.steps_size(); ++i) {
+    const auto& s = r0.steps(i);
+    if (s.phase() == v1::Step::BACKWARD) last_backward = i;
     if (s.phase() == v1::Step::GRADIENT_SYNC && s.has_collective() &&
         s.collective().collective() == v1::ALL_REDUCE) {
-      reduced.insert(s.collective().tensor());
+      ++calls;
+      bucket_step = i;
+      reduced.insert(r0.buffers(s.collective().input()).tensor());
+      for (int id : s.collective().coalesced()) reduced.insert(r0.buffers(id).tensor());
     }
   }
+  EXPECT_EQ(calls, 1);
+  EXPECT_GT(bucket_step, last_backward);
   for (graph::TensorId t : g.Parameters()) {
-    EXPECT_TRUE(reduced.count(g.tensor(t).name)) << g.tensor(t).name;
+    EXPECT_TRUE(reduced.count(g.tensor(t).name + "#grad")) << g.tensor(t).name;
   }
   // One optimizer update per parameter.
   int updates = 0;
