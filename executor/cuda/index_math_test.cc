@@ -2,6 +2,7 @@
 // spaces MakeSpace/MakeReduceSpace build, walked with the very functions the
 // kernels use (SpaceOffsets, ReducedSum, BoxOffsets), against direct
 // multi-index loops and HostCopyBox, on random shapes.
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -194,6 +195,80 @@ TEST(IndexMathTest, ReductionsMatchDirectSums) {
           << "trial " << trial << " output " << o << " shape "
           << graph::ShapeString(s);
       ASSERT_NEAR(block_sum, w, 1e-12) << "trial " << trial;
+    }
+  }
+}
+
+// Long reductions over few outputs, split into chunks (SplitFor) and
+// combined in chunk order as the two-stage kernels do.
+TEST(IndexMathTest, SplitReductionsMatchDirectSums) {
+  std::mt19937 rng(3);
+  Call call;
+  struct C {
+    Shape s;
+    std::vector<bool> red;
+    bool with_b;
+  };
+  const std::vector<C> cases = {{{3, 70000}, {false, true}, false},
+                                {{100000}, {true}, true},
+                                {{5, 40000, 2}, {false, true, false}, true},
+                                {{2, 300, 3, 250}, {true, false, true, true}, false},
+                                {{1025, 70}, {false, true}, false}};
+  for (const C& c : cases) {
+    Shape kept;
+    for (size_t d = 0; d < c.s.size(); ++d) {
+      if (!c.red[d]) kept.push_back(c.s[d]);
+    }
+    const std::vector<int64_t> ks = cpu::ContiguousStrides(kept);
+    std::vector<int64_t> out_st;
+    for (size_t d = 0, k = 0; d < c.s.size(); ++d) {
+      out_st.push_back(c.red[d] ? 0 : ks[k++]);
+    }
+    std::vector<double> a(Count(c.s)), b(Count(c.s));
+    for (double& v : a) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+    for (double& v : b) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+    const std::vector<int64_t> st = cpu::ContiguousStrides(c.s);
+    const std::vector<double> want =
+        DirectReduce(c.s, c.red, a, st, c.with_b ? &b : nullptr, st);
+    auto space = MakeReduceSpace(call.args(), c.s, out_st, st,
+                                 c.with_b ? st : std::vector<int64_t>{});
+    ASSERT_THAT(space, IsOk());
+    const ReduceSplit split = SplitFor(*space);
+    const int64_t outs = space->kept.count, k = space->reduced.count;
+    if (outs > kSplitMaxOutputs || k < kSplitMinReduced) {
+      EXPECT_EQ(split.chunks, 1);
+      EXPECT_EQ(ReduceScratchDoubles(*space), 0);
+      continue;
+    }
+    ASSERT_GT(split.chunks, 1) << graph::ShapeString(c.s);
+    EXPECT_GE(split.chunks * split.chunk_len, k);
+    EXPECT_LT((split.chunks - 1) * split.chunk_len, k);  // no empty chunk
+    EXPECT_LE(split.chunks * outs, kSplitMaxPartials);
+    EXPECT_EQ(ReduceScratchDoubles(*space), split.chunks * outs);
+    std::vector<double> partial(split.chunks * outs, 0.0);
+    for (int64_t o = 0; o < outs; ++o) {  // stage 1
+      int64_t base[3];
+      SpaceOffsets<3>(space->kept, o, base);
+      for (int64_t ch = 0; ch < split.chunks; ++ch) {
+        const int64_t k0 = ch * split.chunk_len;
+        const int64_t k1 = std::min(k, k0 + split.chunk_len);
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          int64_t off[3];
+          SpaceOffsets<3>(space->reduced, kk, off);
+          double v = a[base[1] + off[1]];
+          if (c.with_b) v *= b[base[2] + off[2]];
+          partial[o * split.chunks + ch] += v;
+        }
+      }
+    }
+    for (int64_t o = 0; o < outs; ++o) {  // stage 2
+      int64_t base[3];
+      SpaceOffsets<3>(space->kept, o, base);
+      double acc = 0;
+      for (int64_t ch = 0; ch < split.chunks; ++ch) {
+        acc += partial[o * split.chunks + ch];
+      }
+      ASSERT_NEAR(acc, want[base[0]], 1e-9) << graph::ShapeString(c.s);
     }
   }
 }

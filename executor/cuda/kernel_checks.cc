@@ -99,4 +99,12 @@ absl::StatusOr<ReduceSpace> MakeReduceSpace(
   return r;
 }
 
+absl::StatusOr<double*> ReduceScratch(const KernelArgs& a,
+                                      const ReduceSpace& space) {
+  const int64_t doubles = ReduceScratchDoubles(space);
+  if (doubles == 0) return nullptr;
+  HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(doubles * sizeof(double)));
+  return static_cast<double*>(p);
+}
+
 }  // namespace hap::executor::cuda

@@ -90,6 +90,12 @@ absl::StatusOr<ReduceSpace> MakeReduceSpace(
     const std::vector<int64_t>& a_strides,
     const std::vector<int64_t>& b_strides = {});
 
+// Scratch for LaunchReduce to split a long reduction of `space` across
+// blocks (launch_elementwise.h), from the call's Scratch; nullptr when the
+// reduction runs in one pass.
+absl::StatusOr<double*> ReduceScratch(const KernelArgs& a,
+                                      const ReduceSpace& space);
+
 }  // namespace hap::executor::cuda
 
 #endif  // HAP_EXECUTOR_CUDA_KERNEL_CHECKS_H_

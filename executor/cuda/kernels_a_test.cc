@@ -182,6 +182,7 @@ TEST_F(KernelsATest, BinaryOpsWithBroadcasting) {
       {{5, 7}, {5, 7}},       {{4, 1, 6}, {3, 1}},     {{300}, {1}},
       {{2, 3, 4}, {}},        {{1, 5}, {6, 1}},        {{64, 512}, {512}},
       {{3000, 70}, {70}},     {{70, 3000}, {70, 1}},   {{2, 1, 3, 1, 5}, {4, 1, 1}},
+      {{70000}, {}},  // the scalar's gradient: a split reduction
   };
   for (DType t : kDtypes) {
     const Tol tol = ElementTol(t);
@@ -227,6 +228,9 @@ TEST_F(KernelsATest, SumAndMean) {
       {{1000, 300}, {0}, false},   {{1000, 300}, {1}, true},
       {{300, 1000}, {1}, false},   {{5000}, {}, false},
       {{3, 1, 4, 5}, {1, 3}, false},
+      // Long reductions over few outputs: split across blocks.
+      {{3, 70000}, {1}, false},    {{100000}, {}, false},
+      {{5, 40000, 2}, {1}, true},
   };
   for (DType t : kDtypes) {
     const Tol tol = ElementTol(t);

@@ -139,7 +139,9 @@ absl::Status LinearBackward(const KernelArgs& a) {
     HAP_ASSIGN_OR_RETURN(
         ReduceSpace space,
         MakeReduceSpace(a, {d.rows, d.out}, {0, 1}, {d.out, 1}, {}));
-    LaunchReduce<T>(space, dy, nullptr, 1.0, g.dx(2).as<T>(), true, a.stream);
+    HAP_ASSIGN_OR_RETURN(double* scratch, ReduceScratch(a, space));
+    LaunchReduce<T>(space, dy, nullptr, 1.0, g.dx(2).as<T>(), true, a.stream,
+                    scratch);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
   }
   return absl::OkStatus();

@@ -218,8 +218,9 @@ absl::Status BinaryBackward(const KernelArgs& a) {
         ReduceSpace space,
         MakeReduceSpace(a, s, dx_strides, dy_strides, other_strides));
     const double sign = op == BinaryOp::kSub && i == 1 ? -1.0 : 1.0;
+    HAP_ASSIGN_OR_RETURN(double* scratch, ReduceScratch(a, space));
     LaunchReduce<T>(space, g.dy(0).as<const T>(), other, sign, g.dx(i).as<T>(),
-                    true, a.stream);
+                    true, a.stream, scratch);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
   }
   return absl::OkStatus();

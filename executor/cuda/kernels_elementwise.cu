@@ -156,6 +156,50 @@ __global__ void ReduceBlockKernel(ReduceSpace s, const T* a, const T* b,
   }
 }
 
+// Stage 1 of a split reduction: block (c, o) sums chunk c of output o.
+template <typename T>
+__global__ void ReducePartialKernel(ReduceSpace s, ReduceSplit split,
+                                    const T* a, const T* b, double* partial) {
+  __shared__ double part[kThreads];
+  const int64_t o = blockIdx.y, c = blockIdx.x;
+  int64_t base[3];
+  SpaceOffsets<3>(s.kept, o, base);
+  const int64_t k0 = c * split.chunk_len;
+  const int64_t k1 = k0 + split.chunk_len < s.reduced.count
+                         ? k0 + split.chunk_len
+                         : s.reduced.count;
+  double acc = 0;
+  for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
+    int64_t off[3];
+    SpaceOffsets<3>(s.reduced, k, off);
+    double v = static_cast<double>(a[base[1] + off[1]]);
+    if (b != nullptr) v *= static_cast<double>(b[base[2] + off[2]]);
+    acc += v;
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[o * split.chunks + c] = part[0];
+}
+
+// Stage 2: one thread per output adds its partials in chunk order.
+template <typename T>
+__global__ void ReduceCombineKernel(ReduceSpace s, ReduceSplit split,
+                                    const double* partial, double scale, T* out,
+                                    bool accumulate) {
+  for (int64_t o = GridStart(); o < s.kept.count; o += GridStep()) {
+    int64_t base[3];
+    SpaceOffsets<3>(s.kept, o, base);
+    double acc = 0;
+    for (int64_t c = 0; c < split.chunks; ++c) acc += partial[o * split.chunks + c];
+    const T v = static_cast<T>(acc * scale);
+    out[base[0]] = accumulate ? out[base[0]] + v : v;
+  }
+}
+
 template <typename T, Activation A>
 void ActivationAs(const T* x, T* y, int64_t n, cudaStream_t stream) {
   ActivationKernel<A, T><<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
@@ -236,9 +280,20 @@ void LaunchBinary(BinaryOp op, const StridedSpace& space, const T* p,
 
 template <typename T>
 void LaunchReduce(const ReduceSpace& space, const T* a, const T* b,
-                  double scale, T* out, bool accumulate, cudaStream_t stream) {
+                  double scale, T* out, bool accumulate, cudaStream_t stream,
+                  double* scratch) {
   const int64_t outs = space.kept.count, k = space.reduced.count;
   if (outs <= 0) return;
+  const ReduceSplit split = SplitFor(space);
+  if (scratch != nullptr && split.chunks > 1) {
+    const dim3 grid(static_cast<unsigned>(split.chunks),
+                    static_cast<unsigned>(outs));
+    ReducePartialKernel<T><<<grid, kThreads, 0, stream>>>(space, split, a, b,
+                                                          scratch);
+    ReduceCombineKernel<T><<<Blocks(outs), kThreads, 0, stream>>>(
+        space, split, scratch, scale, out, accumulate);
+    return;
+  }
   const StridedSpace& r = space.reduced;
   // A contiguous innermost reduced dimension is read coalesced by a block;
   // otherwise many outputs are read coalesced by neighbouring threads.
@@ -267,7 +322,7 @@ void LaunchReduce(const ReduceSpace& space, const T* a, const T* b,
   template void LaunchBinary<T>(BinaryOp, const StridedSpace&, const T*,      \
                                 const T*, T*, cudaStream_t);                  \
   template void LaunchReduce<T>(const ReduceSpace&, const T*, const T*,       \
-                                double, T*, bool, cudaStream_t);
+                                double, T*, bool, cudaStream_t, double*);
 HAP_INSTANTIATE(float)
 HAP_INSTANTIATE(double)
 #undef HAP_INSTANTIATE

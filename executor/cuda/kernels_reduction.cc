@@ -65,8 +65,9 @@ absl::Status ReduceForward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(
       ReduceSpace space,
       MakeReduceSpace(a, s, r.strides, cpu::ContiguousStrides(s), {}));
+  HAP_ASSIGN_OR_RETURN(double* scratch, ReduceScratch(a, space));
   LaunchReduce<T>(space, a.in[0].as<const T>(), nullptr, factor,
-                  a.out[0].as<T>(), false, a.stream);
+                  a.out[0].as<T>(), false, a.stream, scratch);
   return CheckLaunch(a);
 }
 

@@ -86,6 +86,38 @@ HAP_CUDA_HD inline double ReducedSum(const ReduceSpace& s, const T* a,
   return acc;
 }
 
+// How a long reduction over few outputs is split across blocks: chunk c of
+// output o sums reduced elements [c * chunk_len, (c + 1) * chunk_len) into
+// a partial, and the partials of o are then added in chunk order (a fixed
+// order: deterministic). chunks == 1: no split (one pass). A function of the
+// space alone.
+struct ReduceSplit {
+  int64_t chunks = 1;
+  int64_t chunk_len = 0;
+};
+inline constexpr int64_t kSplitMinReduced = 1 << 16;  // shorter: one pass
+inline constexpr int64_t kSplitMaxOutputs = 1024;     // more: one pass
+inline constexpr int64_t kSplitChunk = 1 << 14;       // elements per chunk
+inline constexpr int64_t kSplitMaxPartials = 1 << 16;
+
+HAP_CUDA_HD inline ReduceSplit SplitFor(const ReduceSpace& s) {
+  ReduceSplit r;
+  const int64_t outs = s.kept.count, k = s.reduced.count;
+  if (outs <= 0 || outs > kSplitMaxOutputs || k < kSplitMinReduced) return r;
+  int64_t chunks = (k + kSplitChunk - 1) / kSplitChunk;
+  const int64_t cap = kSplitMaxPartials / outs;
+  if (chunks > cap) chunks = cap;
+  r.chunk_len = (k + chunks - 1) / chunks;
+  r.chunks = (k + r.chunk_len - 1) / r.chunk_len;  // no empty chunk
+  return r;
+}
+
+// The scratch a split reduction of `space` needs, in doubles (0: none).
+inline int64_t ReduceScratchDoubles(const ReduceSpace& space) {
+  const ReduceSplit split = SplitFor(space);
+  return split.chunks > 1 ? split.chunks * space.kept.count : 0;
+}
+
 }  // namespace hap::executor::cuda
 
 #endif  // HAP_EXECUTOR_CUDA_LAUNCH_COMMON_H_

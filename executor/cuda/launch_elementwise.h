@@ -66,10 +66,13 @@ void LaunchBinary(BinaryOp op, const StridedSpace& space, const T* p,
                   const T* q, T* out, cudaStream_t stream);
 
 // out[o] (+)= scale * sum a * b (ReduceSpace), summed in double in a fixed
-// order (deterministic). b may be null (1).
+// order (deterministic). b may be null (1). `scratch`, when not null, holds
+// ReduceScratchDoubles(space) doubles (launch_common.h): a long reduction over few outputs is
+// then split across blocks (SplitFor); null: always one pass.
 template <typename T>
 void LaunchReduce(const ReduceSpace& space, const T* a, const T* b,
-                  double scale, T* out, bool accumulate, cudaStream_t stream);
+                  double scale, T* out, bool accumulate, cudaStream_t stream,
+                  double* scratch = nullptr);
 
 }  // namespace hap::executor::cuda
 
