@@ -1,5 +1,6 @@
 // Device code of the normalization kernels (launch_normalization.h).
 #include <cmath>
+#include <type_traits>
 
 #include "executor/cuda/kernels_b_device.cuh"
 #include "executor/cuda/launch_normalization.h"
@@ -11,8 +12,6 @@ using dev::BlocksFor;
 using dev::MaxOp;
 using dev::SumOp;
 
-// Threads of a row block.
-constexpr int kRow = 256;
 // Threads (columns) of a parameter-gradient block, and the partial-sum
 // chunks aimed at.
 constexpr int kCols = 256;
@@ -20,17 +19,30 @@ constexpr int64_t kTargetBlocks = 1024;
 
 unsigned RowBlocks(int64_t rows) { return BlocksFor(rows, 1); }
 
+// Calls launch(std::integral_constant<int, B>()) with the row block size B
+// for rows of `cols` elements: short rows leave fewer threads idle.
+template <typename F>
+void WithRowBlock(int64_t cols, F launch) {
+  if (cols <= 64) {
+    launch(std::integral_constant<int, 64>());
+  } else if (cols <= 256) {
+    launch(std::integral_constant<int, 128>());
+  } else {
+    launch(std::integral_constant<int, 256>());
+  }
+}
+
 // --- layer_norm --------------------------------------------------------------
 
 // Mean and 1 / sqrt(var + eps) of a row, on every thread of the block.
-template <typename T, typename R>
+template <typename T, int kBlock, typename R>
 __device__ void RowStats(const T* xr, int64_t d, double eps,
                          typename R::Storage& s, T* mean_out, T* rstd_out) {
   T sum = T(0);
-  for (int64_t j = threadIdx.x; j < d; j += kRow) sum += xr[j];
+  for (int64_t j = threadIdx.x; j < d; j += kBlock) sum += xr[j];
   const T mean = R::Run(sum, SumOp(), s) / static_cast<T>(d);
   T sq = T(0);
-  for (int64_t j = threadIdx.x; j < d; j += kRow) {
+  for (int64_t j = threadIdx.x; j < d; j += kBlock) {
     const T c = xr[j] - mean;
     sq += c * c;
   }
@@ -39,17 +51,17 @@ __device__ void RowStats(const T* xr, int64_t d, double eps,
   *rstd_out = T(1) / sqrt(var + static_cast<T>(eps));
 }
 
-template <typename T>
+template <typename T, int kBlock>
 __global__ void LayerNormKernel(const T* x, const T* gamma, const T* beta,
                                 int64_t rows, int64_t d, double eps, T* y) {
-  using R = dev::BlockAll<T, kRow>;
+  using R = dev::BlockAll<T, kBlock>;
   __shared__ typename R::Storage s;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * d;
     T* yr = y + r * d;
     T mean, rstd;
-    RowStats<T, R>(xr, d, eps, s, &mean, &rstd);
-    for (int64_t j = threadIdx.x; j < d; j += kRow) {
+    RowStats<T, kBlock, R>(xr, d, eps, s, &mean, &rstd);
+    for (int64_t j = threadIdx.x; j < d; j += kBlock) {
       yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
     }
   }
@@ -57,16 +69,16 @@ __global__ void LayerNormKernel(const T* x, const T* gamma, const T* beta,
 
 // Per row: the statistics (for the parameter gradients, when `stats` is not
 // null) and dx (when not null).
-template <typename T>
+template <typename T, int kBlock>
 __global__ void LayerNormGradRowKernel(const T* x, const T* gamma, const T* dy,
                                        int64_t rows, int64_t d, double eps,
                                        T* dx, T* stats) {
-  using R = dev::BlockAll<T, kRow>;
+  using R = dev::BlockAll<T, kBlock>;
   __shared__ typename R::Storage s;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * d;
     T mean, rstd;
-    RowStats<T, R>(xr, d, eps, s, &mean, &rstd);
+    RowStats<T, kBlock, R>(xr, d, eps, s, &mean, &rstd);
     if (stats != nullptr && threadIdx.x == 0) {
       stats[2 * r] = mean;
       stats[2 * r + 1] = rstd;
@@ -74,7 +86,7 @@ __global__ void LayerNormGradRowKernel(const T* x, const T* gamma, const T* dy,
     if (dx == nullptr) continue;  // uniform over the block
     const T* dyr = dy + r * d;
     T sg = T(0), sgx = T(0);
-    for (int64_t j = threadIdx.x; j < d; j += kRow) {
+    for (int64_t j = threadIdx.x; j < d; j += kBlock) {
       const T g = dyr[j] * gamma[j];
       sg += g;
       sgx += g * ((xr[j] - mean) * rstd);
@@ -82,7 +94,7 @@ __global__ void LayerNormGradRowKernel(const T* x, const T* gamma, const T* dy,
     const T mg = R::Run(sg, SumOp(), s) / static_cast<T>(d);
     const T mgx = R::Run(sgx, SumOp(), s) / static_cast<T>(d);
     T* dxr = dx + r * d;
-    for (int64_t j = threadIdx.x; j < d; j += kRow) {
+    for (int64_t j = threadIdx.x; j < d; j += kBlock) {
       const T g = dyr[j] * gamma[j];
       const T xhat = (xr[j] - mean) * rstd;
       dxr[j] += rstd * (g - mg - xhat * mgx);
@@ -155,11 +167,11 @@ __device__ inline int64_t MaskRowOffset(const StridedSpace& lead, int64_t r) {
   return off;
 }
 
-template <typename T, bool kLog>
+template <typename T, bool kLog, int kBlock>
 __global__ void SoftmaxKernel(const T* x, const T* mask, StridedSpace lead,
                               int64_t col_stride, bool causal, int64_t square,
                               int64_t rows, int64_t cols, T* y) {
-  using R = dev::BlockAll<T, kRow>;
+  using R = dev::BlockAll<T, kBlock>;
   __shared__ typename R::Storage s;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
@@ -171,49 +183,49 @@ __global__ void SoftmaxKernel(const T* x, const T* mask, StridedSpace lead,
       return mr != nullptr ? xr[j] + mr[j * col_stride] : xr[j];
     };
     T mx = -static_cast<T>(INFINITY);
-    for (int64_t j = threadIdx.x; j < valid; j += kRow) {
+    for (int64_t j = threadIdx.x; j < valid; j += kBlock) {
       const T v = value(j);
       mx = v > mx ? v : mx;
     }
     mx = R::Run(mx, MaxOp(), s);
     T sum = T(0);
     if constexpr (kLog) {
-      for (int64_t j = threadIdx.x; j < valid; j += kRow) {
+      for (int64_t j = threadIdx.x; j < valid; j += kBlock) {
         sum += exp(value(j) - mx);
       }
       const T lse = mx + log(R::Run(sum, SumOp(), s));
-      for (int64_t j = threadIdx.x; j < valid; j += kRow) {
+      for (int64_t j = threadIdx.x; j < valid; j += kBlock) {
         yr[j] = value(j) - lse;
       }
     } else {
-      for (int64_t j = threadIdx.x; j < valid; j += kRow) {
+      for (int64_t j = threadIdx.x; j < valid; j += kBlock) {
         const T e = exp(value(j) - mx);
         yr[j] = e;
         sum += e;
       }
       const T inv = T(1) / R::Run(sum, SumOp(), s);
       // Each thread rescales the columns it wrote.
-      for (int64_t j = threadIdx.x; j < valid; j += kRow) yr[j] *= inv;
+      for (int64_t j = threadIdx.x; j < valid; j += kBlock) yr[j] *= inv;
     }
-    for (int64_t j = valid + threadIdx.x; j < cols; j += kRow) yr[j] = T(0);
+    for (int64_t j = valid + threadIdx.x; j < cols; j += kBlock) yr[j] = T(0);
   }
 }
 
-template <typename T, bool kLog>
+template <typename T, bool kLog, int kBlock>
 __global__ void SoftmaxGradKernel(const T* y, const T* dy, int64_t rows,
                                   int64_t cols, T* dx) {
-  using R = dev::BlockAll<T, kRow>;
+  using R = dev::BlockAll<T, kBlock>;
   __shared__ typename R::Storage s;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* yr = y + r * cols;
     const T* dyr = dy + r * cols;
     T* dxr = dx + r * cols;
     T part = T(0);
-    for (int64_t j = threadIdx.x; j < cols; j += kRow) {
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
       part += kLog ? dyr[j] : dyr[j] * yr[j];
     }
     const T sum = R::Run(part, SumOp(), s);
-    for (int64_t j = threadIdx.x; j < cols; j += kRow) {
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
       if constexpr (kLog) {
         dxr[j] += dyr[j] - exp(yr[j]) * sum;
       } else {
@@ -229,8 +241,11 @@ template <typename T>
 void LaunchLayerNorm(const T* x, const T* gamma, const T* beta, int64_t rows,
                      int64_t d, double eps, T* y, cudaStream_t stream) {
   if (rows == 0 || d == 0) return;
-  LayerNormKernel<T>
-      <<<RowBlocks(rows), kRow, 0, stream>>>(x, gamma, beta, rows, d, eps, y);
+  WithRowBlock(d, [&](auto block) {
+    constexpr int kBlock = decltype(block)::value;
+    LayerNormKernel<T, kBlock><<<RowBlocks(rows), kBlock, 0, stream>>>(
+        x, gamma, beta, rows, d, eps, y);
+  });
 }
 
 template <typename T>
@@ -247,8 +262,11 @@ void LaunchLayerNormGrad(const T* x, const T* gamma, const T* dy, int64_t rows,
   const bool params = dgamma != nullptr || dbeta != nullptr;
   if (dx == nullptr && !params) return;
   T* stats = params ? static_cast<T*>(scratch) : nullptr;
-  LayerNormGradRowKernel<T><<<RowBlocks(rows), kRow, 0, stream>>>(
-      x, gamma, dy, rows, d, eps, dx, stats);
+  WithRowBlock(d, [&](auto block) {
+    constexpr int kBlock = decltype(block)::value;
+    LayerNormGradRowKernel<T, kBlock><<<RowBlocks(rows), kBlock, 0, stream>>>(
+        x, gamma, dy, rows, d, eps, dx, stats);
+  });
   if (!params) return;
   const Chunking c = ParamChunks(rows, d);
   T* partial = stats + 2 * rows;
@@ -264,17 +282,23 @@ template <typename T, bool kLog>
 void LaunchSoftmax(const T* x, const SoftmaxMask& mask, int64_t rows,
                    int64_t cols, T* y, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  SoftmaxKernel<T, kLog><<<RowBlocks(rows), kRow, 0, stream>>>(
-      x, static_cast<const T*>(mask.mask), mask.lead, mask.col_stride,
-      mask.causal, mask.square, rows, cols, y);
+  WithRowBlock(cols, [&](auto block) {
+    constexpr int kBlock = decltype(block)::value;
+    SoftmaxKernel<T, kLog, kBlock><<<RowBlocks(rows), kBlock, 0, stream>>>(
+        x, static_cast<const T*>(mask.mask), mask.lead, mask.col_stride,
+        mask.causal, mask.square, rows, cols, y);
+  });
 }
 
 template <typename T, bool kLog>
 void LaunchSoftmaxGrad(const T* y, const T* dy, int64_t rows, int64_t cols,
                        T* dx, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  SoftmaxGradKernel<T, kLog>
-      <<<RowBlocks(rows), kRow, 0, stream>>>(y, dy, rows, cols, dx);
+  WithRowBlock(cols, [&](auto block) {
+    constexpr int kBlock = decltype(block)::value;
+    SoftmaxGradKernel<T, kLog, kBlock>
+        <<<RowBlocks(rows), kBlock, 0, stream>>>(y, dy, rows, cols, dx);
+  });
 }
 
 #define HAP_INSTANTIATE_NORMALIZATION(T)                                       \
