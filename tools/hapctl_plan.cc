@@ -339,8 +339,8 @@ Calibrates the cost model from measured runs: each --plan was run with
 which wrote PREFIX.rankR.json for every rank R. Writes the cluster with,
 per device, op_time_scale (measured / modelled seconds per op type),
 optimizer_seconds_per_element and step_overhead_seconds, and link
-bandwidths scaled by modelled / measured communication time; prints what
-was modelled and measured. Plan with it: hapctl plan --cluster CALIBRATED.json.
+the per-collective-call overhead that explains the measured communication
+time; prints what was modelled and measured. Plan with it: hapctl plan --cluster CALIBRATED.json.
 )";
 
 int RunCalibrate(const std::vector<std::string>& argv) {
@@ -405,6 +405,9 @@ int RunCalibrate(const std::vector<std::string>& argv) {
   if (!out) {
     return Fail(absl::PermissionDeniedError(absl::StrCat("cannot write '", args->Get("out"), "'")));
   }
+  std::cout << absl::StrFormat(
+      "collective overhead %.3f ms per call (%.0f calls per step over the runs)\n",
+      1e3 * cal->collective_overhead_seconds, cal->collective_calls);
   std::cout << "wrote the calibrated cluster to " << args->Get("out") << "\n";
   return 0;
 }

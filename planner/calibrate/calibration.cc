@@ -111,6 +111,22 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
   return absl::OkStatus();
 }
 
+// Collective calls one step of `plan` makes (rank 0's program; every rank
+// makes the same): a grouped uneven gather or scatter is one call per rank.
+double CollectiveCallsPerStep(const v1::Plan& plan) {
+  if (plan.rank_programs_size() == 0) return 0;
+  const v1::RankProgram& p = plan.rank_programs(0);
+  double calls = 0;
+  for (const v1::Step& s : p.steps()) {
+    if (!s.has_collective()) continue;
+    const v1::CollectiveCall& c = s.collective();
+    const bool grouped = c.method() == v1::GROUPED && (c.collective() == v1::ALL_GATHER ||
+                                                       c.collective() == v1::REDUCE_SCATTER);
+    calls += grouped ? p.world_size() : 1;
+  }
+  return calls;
+}
+
 }  // namespace
 
 absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
@@ -148,7 +164,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     for (const auto& d : n.devices()) devices[d.id()] = &d;
   }
   std::map<std::string, Sums> sums;
-  double comm_measured = 0, comm_modelled = 0;
+  double comm_measured = 0, comm_modelled = 0, calls = 0;
   for (size_t k = 0; k < runs.size(); ++k) {
     const ProfiledRun& run = runs[k];
     const v1::Plan& plan = run.plan;
@@ -194,6 +210,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     }
     comm_measured += std::max(0.0, step - busiest);
     comm_modelled += plan.prediction().communication_seconds();
+    calls += CollectiveCallsPerStep(plan);
   }
 
   Calibration out;
@@ -225,17 +242,16 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       d.set_step_overhead_seconds(overhead / s.runs);
     }
   }
-  if (comm_modelled > 0 && comm_measured > 0) {
-    out.communication_scale = comm_measured / comm_modelled;
-    for (auto& l : *out.cluster.mutable_links()) {
-      l.set_bandwidth_bytes_per_second(l.bandwidth_bytes_per_second() / out.communication_scale);
-    }
-    auto* def = out.cluster.mutable_defaults();
-    def->set_intra_node_bandwidth_bytes_per_second(def->intra_node_bandwidth_bytes_per_second() /
-                                                   out.communication_scale);
-    def->set_inter_node_bandwidth_bytes_per_second(def->inter_node_bandwidth_bytes_per_second() /
-                                                   out.communication_scale);
+  // What the model misses of communication, spread over the calls: the
+  // synchronisation cost of every collective (a throttled or busy peer
+  // reaches it late), on top of the measured links' latency and bandwidth.
+  auto* def = out.cluster.mutable_defaults();
+  if (calls > 0) {
+    def->set_collective_overhead_seconds(std::max(
+        0.0, def->collective_overhead_seconds() + (comm_measured - comm_modelled) / calls));
   }
+  out.collective_overhead_seconds = def->collective_overhead_seconds();
+  out.collective_calls = calls;
   out.rows.push_back({"*", kCommunication, comm_modelled, comm_measured});
   return out;
 }

@@ -13,8 +13,10 @@
 //   op_time_scale[T]  = measured / modelled seconds of op type T,
 //   optimizer_seconds_per_element = optimizer seconds / stored elements,
 //   step_overhead_seconds = runtime seconds + ops the model gives no FLOPs,
-// and the link bandwidths scaled by modelled / measured communication time
-// (measured: median step time less the busiest rank's kernel time). Several
+// and a per-collective-call overhead (LinkDefaults.collective_overhead_seconds)
+// that accounts for the communication time the model misses (measured:
+// median step time less the busiest rank's kernel time; spread over the
+// collective calls of a step; the agents' link bandwidths stay). Several
 // runs (plans) can be combined: sums over runs are divided, so op types seen
 // in any run are calibrated. The planner then searches and predicts with it.
 #ifndef HAP_PLANNER_CALIBRATE_CALIBRATION_H_
@@ -60,13 +62,18 @@ struct Row {
 struct Calibration {
   v1::Cluster cluster;    // the input cluster, calibrated
   std::vector<Row> rows;  // device by device, op types sorted
-  double communication_scale = 1;  // bandwidths were divided by this
+  // defaults.collective_overhead_seconds of `cluster` (seconds per call)
+  // and the collective calls per step it was fitted over (all runs).
+  double collective_overhead_seconds = 0;
+  double collective_calls = 0;
 };
 
 // InvalidArgument when a run's profiles do not match its plan (a rank
 // missing or twice, another plan's hash, a device the cluster lacks).
-// Calibration from the cluster's own earlier calibration is not compounded:
-// the model used for "modelled" is always the uncalibrated one.
+// Compute and optimizer calibration replace any earlier one (the "modelled"
+// side is always the uncalibrated model); the collective overhead is fitted
+// against each plan's own prediction, so runs should be of plans made from
+// `cluster`.
 absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster,
                                       const std::vector<ProfiledRun>& runs);
 

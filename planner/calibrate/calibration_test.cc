@@ -117,7 +117,6 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
                                                {"layer_norm", 4}};
   const double per_element[] = {2e-9, 5e-9};
   const double overhead[] = {0.003, 0.007};
-  const double comm_factor = 3;
   ProfiledRun run{plan, {}};
   double busiest = 0;
   for (int r = 0; r < 2; ++r) {
@@ -153,13 +152,17 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
   }
   const double comm = plan.prediction().communication_seconds();
   ASSERT_GT(comm, 0);
-  for (auto& p : run.ranks) p.step_seconds_median = busiest + comm_factor * comm;
+  double calls = 0;
+  for (const auto& s : plan.rank_programs(0).steps()) calls += s.has_collective();
+  ASSERT_GT(calls, 0);
+  const double per_call = 0.004;
+  for (auto& p : run.ranks) p.step_seconds_median = busiest + comm + calls * per_call;
 
   auto cal = Calibrate(c, {run});
   ASSERT_TRUE(cal.ok()) << cal.status();
-  EXPECT_NEAR(cal->communication_scale, comm_factor, 1e-6);
-  EXPECT_NEAR(cal->cluster.defaults().intra_node_bandwidth_bytes_per_second(), 2e9 / comm_factor,
-              1);
+  EXPECT_NEAR(cal->collective_overhead_seconds, per_call, 1e-9);
+  EXPECT_NEAR(cal->cluster.defaults().collective_overhead_seconds(), per_call, 1e-9);
+  EXPECT_EQ(cal->collective_calls, calls);
   for (int r = 0; r < 2; ++r) {
     const v1::Device& d = cal->cluster.nodes(0).devices(r);
     SCOPED_TRACE(d.id());

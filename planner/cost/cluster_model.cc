@@ -126,6 +126,13 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
     m.latency_[s->second][t->second] = l.latency_seconds();
   }
   const auto& def = cluster.defaults();
+  if (!(std::isfinite(def.collective_overhead_seconds()) &&
+        def.collective_overhead_seconds() >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "defaults.collective_overhead_seconds must be finite and >= 0, got ",
+        def.collective_overhead_seconds()));
+  }
+  m.collective_overhead_ = def.collective_overhead_seconds();
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
       if (i == j || m.bandwidth_[i][j] > 0) continue;

@@ -56,6 +56,8 @@ class ClusterModel {
   double bandwidth(int i, int j) const { return bandwidth_[i][j]; }
   double latency(int i, int j) const { return latency_[i][j]; }
   double total_flops() const { return total_flops_; }
+  // Added to every collective call (LinkDefaults.collective_overhead_seconds).
+  double collective_overhead_seconds() const { return collective_overhead_; }
 
   // Devices grouped by node, in rank order.
   const std::vector<std::vector<int>>& node_groups() const { return nodes_; }
@@ -78,6 +80,7 @@ class ClusterModel {
   std::vector<std::vector<int>> nodes_;
   std::vector<int> all_;     // ring order over all devices
   double total_flops_ = 0;
+  double collective_overhead_ = 0;
 };
 
 }  // namespace hap::cost

@@ -28,6 +28,11 @@ double CollectiveModel::RingAllReduce(double bytes,
 
 double CollectiveModel::AllReduce(double bytes) const {
   if (bytes <= 0) return 0;
+  return AllReduceTransfer(bytes) + cluster_.collective_overhead_seconds();
+}
+
+double CollectiveModel::AllReduceTransfer(double bytes) const {
+  if (bytes <= 0) return 0;
   double ring = RingAllReduce(bytes, cluster_.all());
   const auto& nodes = cluster_.node_groups();
   if (nodes.size() < 2) return ring;
@@ -50,7 +55,7 @@ double CollectiveModel::AllReduce(double bytes) const {
 double CollectiveModel::Broadcast(double bytes) const {
   if (bytes <= 0) return 0;
   int n = cluster_.size();
-  return bytes / ring_bw_ + (n - 1) * ring_lat_;
+  return bytes / ring_bw_ + (n - 1) * ring_lat_ + cluster_.collective_overhead_seconds();
 }
 
 double CollectiveModel::Reduce(double bytes) const { return Broadcast(bytes); }
@@ -92,12 +97,14 @@ CostTerm CollectiveModel::Sharded(double bytes, Method m, int segment,
                        bytes / (grouped_eff * intra_bw) + n * inter_lat;
     grouped = std::min(grouped, h_grouped);
   }
+  // The grouped form is one call per rank (a broadcast or reduce each).
+  const double ov = cluster_.collective_overhead_seconds();
   for (int i = 0; i < n; ++i) {
     if (m == Method::kPadded) {
       t.coef[i] = coef;
-      t.constant[i] = lat;
+      t.constant[i] = lat + ov;
     } else {
-      t.constant[i] = grouped;
+      t.constant[i] = grouped + n * ov;
     }
   }
   return t;
@@ -125,7 +132,7 @@ CostTerm CollectiveModel::AllToAll(double bytes, int segment) const {
       lat = std::max(lat, cluster_.latency(i, j));
     }
     t.coef[i] = bytes * (n - 1) / n / bw;
-    t.constant[i] = (n - 1) * lat;
+    t.constant[i] = (n - 1) * lat + cluster_.collective_overhead_seconds();
   }
   return t;
 }

@@ -39,8 +39,12 @@ class CollectiveModel {
  public:
   explicit CollectiveModel(const ClusterModel& cluster);
 
-  // P -> R of a full tensor: min(ring, hierarchical).
+  // P -> R of a full tensor: min(ring, hierarchical), plus the per-call
+  // overhead (ClusterModel::collective_overhead_seconds).
   double AllReduce(double bytes) const;
+  // The same without the per-call overhead: a tensor's share of a coalesced
+  // all-reduce (gradient buckets pay the overhead once, not per tensor).
+  double AllReduceTransfer(double bytes) const;
   double Broadcast(double bytes) const;
   double Reduce(double bytes) const;
   // S(d) -> R, shard i = b_i * bytes (bytes = the full tensor).

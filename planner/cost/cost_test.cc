@@ -161,6 +161,28 @@ TEST(CollectivesTest, RingFormulasOnAHomogeneousRing) {
                    EvaluateTerm(c.AllGather(bytes, Method::kGrouped), even));
 }
 
+TEST(CollectivesTest, CalibratedCallOverheadIsPaidPerCall) {
+  hap::v1::Cluster proto = MakeProto({1e12, 1e12, 1e12, 1e12}, 4);
+  auto plain = *ClusterModel::FromProto(proto);
+  proto.mutable_defaults()->set_collective_overhead_seconds(0.003);
+  auto slow = *ClusterModel::FromProto(proto);
+  CollectiveModel a(plain), b(slow);
+  const double bytes = 4e8;
+  std::vector<double> even(4, 0.25);
+  EXPECT_NEAR(b.AllReduce(bytes), a.AllReduce(bytes) + 0.003, 1e-12);
+  // A tensor's share of a gradient bucket carries no per-call overhead.
+  EXPECT_NEAR(b.AllReduceTransfer(bytes), a.AllReduce(bytes), 1e-12);
+  EXPECT_NEAR(EvaluateTerm(b.AllGather(bytes, Method::kPadded), even),
+              EvaluateTerm(a.AllGather(bytes, Method::kPadded), even) + 0.003, 1e-12);
+  // Grouped: one broadcast per rank, so four calls.
+  EXPECT_NEAR(EvaluateTerm(b.ReduceScatter(bytes, Method::kGrouped), even),
+              EvaluateTerm(a.ReduceScatter(bytes, Method::kGrouped), even) + 4 * 0.003, 1e-12);
+  EXPECT_NEAR(EvaluateTerm(b.AllToAll(bytes), even), EvaluateTerm(a.AllToAll(bytes), even) + 0.003,
+              1e-12);
+  proto.mutable_defaults()->set_collective_overhead_seconds(-1);
+  EXPECT_EQ(ClusterModel::FromProto(proto).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CollectivesTest, SlowestLinkBottlenecksAndHierarchyHelps) {
   // Two nodes of 4: fast inside, slow between.
   auto m = *ClusterModel::FromProto(

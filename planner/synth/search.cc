@@ -308,7 +308,9 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     a.storage_form = Form::R();
     if (partial) {
       a.grad_allreduce = true;
-      a.costs.push_back(coll_.Constant(coll_.AllReduce(bytes)));
+      // Coalesced into the gradient bucket (planner/lower): the transfer
+      // only, the bucket's one call overhead is not counted per tensor.
+      a.costs.push_back(coll_.Constant(coll_.AllReduceTransfer(bytes)));
     }
     AddUpdateCost(p, /*sharded=*/false, &a);
     double c = 0;
