@@ -58,6 +58,8 @@ limit() { local l=$(( $(left) < $1 ? $(left) : $1 )); echo $(( l < 5 ? 5 : l ));
 say() { echo "gpu-check [$((SECONDS - START))s]: $*"; }
 
 PY=$(command -v python3 || echo /usr/bin/python3)
+# NCCL's bootstrap sockets on loopback (one machine; nothing else is needed).
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 BAZEL=$(command -v bazel || command -v bazelisk || true)
 CUDA_PATH=${HAP_CUDA_PATH:-/usr/local/cuda}
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -111,8 +113,8 @@ for t in "${WANTED[@]}"; do
 done
 say "building (${FLAGS[*]})"
 b0=$SECONDS
-timeout "$(limit 400)" "$BAZEL" build "${FLAGS[@]}" //bench:gpu_bench //executor/cli:hap-executor \
-  "${TESTS[@]}" > "$LOGS/build.log" 2>&1
+timeout "$(limit 400)" "$BAZEL" build "${FLAGS[@]}" //bench:gpu_bench //executor/cli:hap-executor //executor/cli:hap-launch \
+  //tools:hapctl "${TESTS[@]}" > "$LOGS/build.log" 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then
   row "build (--config=cuda, sm_$ARCHS)" "FAIL" "rc $rc after $((SECONDS - b0)) s; see build.log: $(grep -m1 -E 'error|ERROR' "$LOGS/build.log" | cut -c1-160 | tr '|' '/')"
@@ -164,6 +166,62 @@ else
 fi
 
 GPU_BENCH=bazel-bin/bench/gpu_bench
+
+# --- 2b. the executor binaries end to end -----------------------------------
+# A 2-GPU cluster profile, a plan of the GPT-style LM for it (hapctl), then
+# hap-launch with no --device (each rank on the plan's GPU, NCCL) and with
+# --device cpu (Gloo): the same losses within 1e-3. The planner plans for 2
+# or more devices and NCCL needs a GPU per rank, so one GPU is not enough.
+CLI_CHECK="hap-executor: the plan's GPUs vs --device cpu"
+if [ "$GPUS" -lt 2 ]; then
+  row "$CLI_CHECK" "SKIPPED" "needs 2 GPUs (plans have 2 or more ranks; NCCL needs one GPU per rank); gpu_training_test covers the same backend factory on one GPU"
+elif [ "$(left)" -gt 60 ]; then
+  say "hap-launch: the plan's GPUs against --device cpu"
+  dev() {
+    echo "{\"id\": \"gpu$1\", \"kind\": \"GPU\", \"model\": \"$GPU_NAME\", \"flops\": [{\"dtype\": \"FLOAT32\", \"flops\": 5e13}], \"memoryBytes\": \"100000000000\", \"launchOverheadSeconds\": 5e-06, \"node\": \"local\", \"localIndex\": $1}"
+  }
+  cat > "$LOGS/two-gpus.json" <<JSON
+{"nodes": [{"name": "local", "devices": [$(dev 0), $(dev 1)]}],
+ "defaults": {"intraNodeBandwidthBytesPerSecond": 1e11, "intraNodeLatencySeconds": 1e-05,
+  "interNodeBandwidthBytesPerSecond": 1e10, "interNodeLatencySeconds": 5e-05}}
+JSON
+  cli="FAIL"$'\t'"hapctl plan failed (hapctl-plan.log)"
+  if timeout "$(limit 60)" bazel-bin/tools/hapctl plan --cluster "$LOGS/two-gpus.json" --model gpt \
+      --layers 2 --hidden 64 --heads 4 --ffn 256 --seq 32 --vocab 211 --batch 8 \
+      --save-plan "$LOGS/gpt-2gpus.pb" > "$LOGS/hapctl-plan.log" 2>&1; then
+    for d in plan cpu; do
+      extra=()
+      [ "$d" = cpu ] && extra=(--device cpu)
+      timeout "$(limit 60)" bazel-bin/executor/cli/hap-launch --plan "$LOGS/gpt-2gpus.pb" \
+        --executor bazel-bin/executor/cli/hap-executor --steps 5 "${extra[@]}" \
+        > "$LOGS/cli-$d.log" 2>&1
+      echo "rc=$?" >> "$LOGS/cli-$d.log"
+    done
+    cli=$("$PY" - "$LOGS/cli-plan.log" "$LOGS/cli-cpu.log" <<'EOF'
+import re, sys
+def read(path):
+    text = open(path).read()
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)", text, re.M)]
+    device = re.search(r"steps, rank 0 on (\S+)", text)
+    return losses, device.group(1) if device else "?", "rc=0" in text
+g, gdev, gok = read(sys.argv[1])
+c, cdev, cok = read(sys.argv[2])
+ok = (gok and cok and gdev.startswith("cuda") and cdev == "cpu" and len(g) == len(c) == 5 and
+      all(abs(a - b) <= 1e-3 * abs(b) + 1e-5 for a, b in zip(g, c)))
+worst = max((abs(a - b) / abs(b) for a, b in zip(g, c)), default=float("nan"))
+print(("PASS" if ok else "FAIL") + "\t" +
+      f"rank 0 by default on {gdev}: last loss {g[-1] if g else '?'}; on {cdev}: "
+      f"{c[-1] if c else '?'} (worst relative difference {worst:.1e})")
+EOF
+)
+  fi
+  if [[ "$cli" == PASS* ]]; then
+    row "$CLI_CHECK" "PASS" "${cli#*$'\t'}"
+  else
+    row "$CLI_CHECK" "FAIL" "${cli#*$'\t'}; see cli-*.log"
+    FAILED=1
+  fi
+fi
 
 # --- 3. GEMM ----------------------------------------------------------------
 if [ "$(left)" -gt 40 ]; then

@@ -65,6 +65,19 @@ absl::StatusOr<DeviceSpec> ChooseDevice(const std::string& requested, const v1::
                                         int rank, std::string* note) {
   if (!requested.empty()) return ParseDeviceSpec(requested);
   DeviceSpec planned = PlannedDevice(plan, rank);
+  if (CudaBuilt()) {
+    // NCCL (between GPUs) and Gloo (between CPUs) do not talk to each other,
+    // and Gloo cannot read GPU memory: a plan is all GPUs or all CPUs.
+    for (int r = 0; r < plan.devices_size(); ++r) {
+      if (PlannedDevice(plan, r).kind != planned.kind) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the plan puts rank ", rank, " on ", planned.ToString(), " but rank ", r, " on ",
+            PlannedDevice(plan, r).ToString(),
+            ": plans mixing GPU and CPU ranks cannot run (NCCL and Gloo do not talk to each "
+            "other); run every rank with --device cpu"));
+      }
+    }
+  }
   if (planned.kind == DeviceSpec::Kind::kCuda && !CudaBuilt()) {
     if (note != nullptr) {
       *note = absl::StrCat("the plan places rank ", rank, " on a GPU (", planned.ToString(),

@@ -41,7 +41,9 @@ DeviceSpec PlannedDevice(const hap::v1::Plan& plan, int rank);
 // The device to run `rank` on: `requested` ("--device") when not empty,
 // else the plan's. A GPU the plan asks for in a build without CUDA falls
 // back to the CPU, and `*note` (when given) says so; an explicit request
-// for cuda there is FailedPrecondition (MakeDevice).
+// for cuda there is FailedPrecondition (MakeDevice). In a CUDA build, a plan
+// mixing GPU and CPU ranks is FailedPrecondition without `requested`: NCCL
+// and Gloo ranks cannot talk to each other.
 absl::StatusOr<DeviceSpec> ChooseDevice(const std::string& requested, const hap::v1::Plan& plan,
                                         int rank, std::string* note = nullptr);
 

@@ -63,14 +63,23 @@ TEST(BackendTest, ChooseDevice) {
   EXPECT_EQ(flag->ToString(), "cpu");  // the flag wins
   EXPECT_EQ(note, "");
   auto planned = ChooseDevice("", plan, 0, &note);
-  ASSERT_TRUE(planned.ok());
-  if (CudaBuilt()) {
-    EXPECT_EQ(planned->ToString(), "cuda:1");
-    EXPECT_EQ(note, "");
+  if (CudaBuilt()) {  // a GPU rank and a CPU rank cannot talk
+    EXPECT_THAT(planned.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                           HasSubstr("plans mixing GPU and CPU ranks")));
+    EXPECT_THAT(ChooseDevice("", plan, 1).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("rank 0 on cuda:1")));
   } else {
+    ASSERT_TRUE(planned.ok());
     EXPECT_EQ(planned->ToString(), "cpu");
     EXPECT_THAT(note, HasSubstr("no CUDA support; running it on the CPU"));
   }
+  // All GPUs: each rank on its own.
+  v1::Plan gpus = TwoDevicePlan();
+  gpus.mutable_cluster()->mutable_nodes(0)->mutable_devices(1)->set_kind(v1::GPU);
+  gpus.mutable_cluster()->mutable_nodes(0)->mutable_devices(1)->set_local_index(0);
+  auto r1 = ChooseDevice("", gpus, 1);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_EQ(r1->ToString(), CudaBuilt() ? "cuda:0" : "cpu");
   EXPECT_THAT(ChooseDevice("tpu", plan, 0).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'tpu'")));
 }
