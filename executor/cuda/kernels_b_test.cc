@@ -256,7 +256,7 @@ TEST_F(KernelsBTest, LayerNorm) {
   for (DType t : kDtypes) {
     const Tol tol = RowTol(t);
     for (Shape x : {Shape{37, 300}, Shape{5, 3, 1030}, Shape{9, 1},
-                    Shape{2000, 64}, Shape{7}}) {
+                    Shape{2000, 64}, Shape{7}, Shape{33, 200}}) {
       const int64_t d = x.back();
       for (graph::Attrs attrs : {graph::Attrs{}, graph::Attrs{{"eps", 1e-3}}}) {
         Expect(Case("layer_norm", tol,
@@ -328,7 +328,8 @@ TEST_F(KernelsBTest, SoftmaxWithMasks) {
         Expect(Case("softmax_grad", tol, in, out, attrs, present, out_present));
       }
     }
-    for (Shape x : {Shape{37, 300}, Shape{3, 2000}, Shape{5, 1}}) {
+    for (Shape x :
+         {Shape{37, 300}, Shape{3, 2000}, Shape{5, 1}, Shape{70, 100}}) {
       Expect(Case("log_softmax", tol, {R(t, x, -4, 4)}, {R(t, x)}));
       Expect(Case("log_softmax_grad", tol,
                   {R(t, x, -4, 4), HostTensor(), R(t, x)}, {R(t, x)}, {},
