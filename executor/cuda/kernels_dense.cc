@@ -8,6 +8,7 @@
 
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/launch_elementwise.h"
+#include "executor/cuda/launch_runtime.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
@@ -18,12 +19,14 @@ namespace {
 // cuBLAS is column-major, where a row-major matrix reads as its transpose,
 // so this is the column-major C^T = op(B)^T @ op(A)^T: the operands swap
 // and m and n trade places.
+// `exact`: plain float32 math even when the call allows TF32 (for sums
+// that are not matrix products of the model).
 template <typename T>
 absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
                   int64_t n, int64_t k, T alpha, const T* pa, int64_t lda,
                   const T* pb, int64_t ldb, T beta, T* pc, int64_t ldc,
                   int64_t batch = 1, int64_t sa = 0, int64_t sb = 0,
-                  int64_t sc = 0) {
+                  int64_t sc = 0, bool exact = false) {
   if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
   if (k == 0) {  // C = beta * C with beta 0 or 1 here; cuBLAS wants ld >= 1
     if (beta != T(0)) return absl::OkStatus();
@@ -41,7 +44,8 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
   constexpr bool kFloat = std::is_same_v<T, float>;
   const cudaDataType_t type = kFloat ? CUDA_R_32F : CUDA_R_64F;
   const cublasComputeType_t compute =
-      kFloat ? (a.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
+      kFloat ? (a.allow_tf32 && !exact ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                       : CUBLAS_COMPUTE_32F)
              : CUBLAS_COMPUTE_64F;
   cublasStatus_t s = cublasGemmStridedBatchedEx(
       a.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -135,14 +139,16 @@ absl::Status LinearBackward(const KernelArgs& a) {
                                 d.out, g.x(0).as<const T>(), d.in, T(1),
                                 g.dx(1).as<T>(), d.in));
   }
-  if (g.n() == 3 && g.dx(2).present()) {  // db += column sums of dy
-    HAP_ASSIGN_OR_RETURN(
-        ReduceSpace space,
-        MakeReduceSpace(a, {d.rows, d.out}, {0, 1}, {d.out, 1}, {}));
-    HAP_ASSIGN_OR_RETURN(double* scratch, ReduceScratch(a, space));
-    LaunchReduce<T>(space, dy, nullptr, 1.0, g.dx(2).as<T>(), true, a.stream,
-                    scratch);
+  if (g.n() == 3 && g.dx(2).present() && d.rows > 0) {
+    // db += column sums of dy = dy^T @ ones (a GEMV: cuBLAS reads dy once,
+    // coalesced; deterministic), in plain float32 math.
+    HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(d.rows * sizeof(T)));
+    T* ones = static_cast<T*>(p);
+    LaunchFill<T>(T(1), ones, d.rows, a.stream);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
+    HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.out, 1, d.rows, T(1), dy,
+                                d.out, ones, 1, T(1), g.dx(2).as<T>(), 1,
+                                /*batch=*/1, 0, 0, 0, /*exact=*/true));
   }
   return absl::OkStatus();
 }
