@@ -634,9 +634,26 @@ std::string Searcher::EntryKey(const State& s) const {
 }
 
 Program Searcher::Finish(Program p, bool optimal) {
+  // Calls the lowering adds outside the searched steps, each paying the
+  // per-call overhead: the gradient bucket's all-reduce and the all-reduce
+  // of a partial loss.
+  int extra_calls = 0;
+  bool bucket = false, partial_loss = false;
+  for (const OpStep& s : p.steps) {
+    for (const SourceLoad& l : s.loads) bucket = bucket || l.grad_allreduce;
+    const graph::Op& op = g_.op(s.op);
+    for (size_t j = 0; j < op.outputs.size(); ++j) {
+      if (op.outputs[j] == g_.loss() && j < s.rule.outputs.size() &&
+          s.rule.outputs[j].is_partial()) {
+        partial_loss = true;
+      }
+    }
+  }
+  extra_calls = (bucket ? 1 : 0) + (partial_loss ? 1 : 0);
   p.overhead = coll_.Constant(0);
   for (int d = 0; d < cluster_.size(); ++d) {
-    p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds;
+    p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds +
+                             extra_calls * cluster_.collective_overhead_seconds();
   }
   ProgramCost pc = EvaluateProgram(p, ratios_);
   p.cost = pc.total;
