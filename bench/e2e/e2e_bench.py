@@ -66,6 +66,9 @@ CONFIGS = ["hap", "dp-even", "dp-prop", "ddp-even", "ddp-prop"]
 # Diagnostics (--quota-profile): the same plans from the measured profile
 # with each rank's FLOP/s replaced by the fastest measurement x its share.
 QUOTA_CONFIGS = ["hap-q", "dp-prop-q"]
+# With calibration (default; --no-calibrate skips it): the synthesized plan
+# again, from the cluster calibrated on separate profiled runs.
+CALIBRATED_CONFIGS = ["hap-cal"]
 LABELS = {
     "hap": "HAP (synthesized plan)",
     "dp-even": "DP-even (ours)",
@@ -74,6 +77,7 @@ LABELS = {
     "ddp-prop": "PyTorch DDP, proportional split",
     "hap-q": "diagnostic: HAP, quota-scaled profile",
     "dp-prop-q": "diagnostic: DP-proportional, quota-scaled profile",
+    "hap-cal": "HAP (synthesized from the calibrated cost model)",
 }
 STEP_RE = re.compile(r"^step (\d+) loss (\S+) time (\S+) s", re.M)
 
@@ -344,11 +348,13 @@ def proportional_split(batch, weights):
 
 
 # --- 3. run --------------------------------------------------------------------
-def run_hap_launch(c, bins, plan, args, tag):
-    steps = args.warmup + args.steps
+def run_hap_launch(c, bins, plan, args, tag, profile=None):
+    steps = max(args.warmup, 2) + args.steps if profile else args.warmup + args.steps
     cmd = [bins["launch"], "--plan", plan, "--cpu-shares", ",".join(map(str, c.shares)),
            "--pin-cores", "--threads", "1", "--steps", str(steps), "--data", "synthetic",
            "--executor", bins["executor"], "--timeout", "120"]
+    if profile:
+        cmd += ["--profile", profile]
     log_path = os.path.join(c.state, f"{tag}.log")
     p = c.start(cmd, log_path)
     c.launch_pids.append(p.pid)
@@ -443,6 +449,9 @@ def main():
     ap.add_argument("--quota-profile", action="store_true",
                     help="also run " + ",".join(QUOTA_CONFIGS) + ": HAP and DP-proportional "
                          "planned from the fastest measured rate x each share")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the calibration phase (profiled runs, hapctl calibrate,\n"
+                         "the HAP plan again from the calibrated model, accuracy table)")
     ap.add_argument("--weight", type=int, default=262144,
                     help="cpu.shares of every rank's cgroup (its weight against other "
                          "work on the machine; 0 = leave the default 1024) [262144]")
@@ -470,6 +479,8 @@ def main():
         ap.error(f"--configs must name some of {','.join(CONFIGS)}")
     if args.quota_profile:
         configs += QUOTA_CONFIGS
+    if not args.no_calibrate:
+        configs += CALIBRATED_CONFIGS
     bins = {k: os.path.join(args.bin_dir, v) for k, v in (
         ("hapctl", "tools/hapctl"), ("launch", "executor/cli/hap-launch"),
         ("executor", "executor/cli/hap-executor"),
@@ -538,6 +549,21 @@ def bench(c, bins, args, configs):
         with open(qpath, "w") as f:
             json.dump(quota_scaled(cluster, shares), f, indent=1)
         plans.update(make_plans(c, bins, qpath, ids, model, opt, ("hap", "dp-prop"), "-q"))
+    if "hap-cal" in configs:
+        log("\n== 2b. Calibration: each plan run once with --profile, then hapctl calibrate ==")
+        runs = []
+        for name in ("hap", "dp-even", "dp-prop"):
+            prefix = os.path.join(c.state, f"profile-{name}")
+            run_hap_launch(c, bins, plans[name]["path"], args, f"profile-{name}", profile=prefix)
+            runs += ["--plan", plans[name]["path"], "--profile", prefix]
+        cal_path = os.path.join(c.state, "cluster-calibrated.json")
+        p = subprocess.run([bins["hapctl"], "calibrate", "--cluster", cluster_path, *runs,
+                            "--out", cal_path], capture_output=True, text=True)
+        if p.returncode:
+            die(f"hapctl calibrate failed:\n{p.stderr}")
+        log("\n".join("   " + l for l in p.stdout.strip().splitlines()))
+        plans.update(make_plans(c, bins, cal_path, ids, model, opt,
+                                ("hap", "dp-even", "dp-prop"), "-cal"))
     for name, p in plans.items():
         log(f"   {name:8s} predicted {p['predicted']:.4f} s, ratios "
             + ", ".join(f"{x:.3f}" for x in p["ratios"]))
@@ -629,6 +655,21 @@ def bench(c, bins, args, configs):
     if "hap" in configs and best_prop:
         log(f"HAP vs best proportional ({best_prop}): "
             f"{med[best_prop] / med['hap']:.2f}x (target >= 1.05x)")
+    if "hap-cal" in configs:
+        log("\nCost-model accuracy: predicted vs measured median step (error = predicted / "
+            "measured - 1); 'after' plans and predicts with the calibrated cluster")
+        log("| plan | predicted before | predicted after | measured | error before | error after |")
+        log("|---|---|---|---|---|---|")
+        for x, before, after in (("dp-even", "dp-even", "dp-even-cal"),
+                                 ("dp-prop", "dp-prop", "dp-prop-cal"),
+                                 ("hap", "hap", None), ("hap-cal", None, "hap-cal")):
+            if x not in med:
+                continue
+            b = plans[before]["predicted"] if before else None
+            a = plans[after]["predicted"] if after else None
+            fmt = lambda v: f"{v:.4f}" if v is not None else "-"
+            err = lambda v: f"{100 * (v / med[x] - 1):+.0f}%" if v is not None else "-"
+            log(f"| {LABELS[x]} | {fmt(b)} | {fmt(a)} | {med[x]:.4f} | {err(b)} | {err(a)} |")
     with open(os.path.join(c.state, "results.json"), "w") as f:
         json.dump({"times": times, "per_round": per_round, "loads": loads,
                    "plans": {k: {kk: vv for kk, vv in v.items() if kk != "table"}
