@@ -273,7 +273,7 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       continue;
     }
     if (argv[i] == "--pin-cores") continue;
-    if (argv[i].rfind("--device", 0) == 0) {  // given per rank below
+    if (argv[i] == "--device" || argv[i].rfind("--device=", 0) == 0) {  // given per rank below
       if (argv[i] == "--device") ++i;
       continue;
     }
