@@ -127,8 +127,8 @@ row "build (--config=cuda, sm_$ARCHS)" "PASS" "$((SECONDS - b0)) s"
 if [ ${#TESTS[@]} -gt 0 ] && [ "$(left)" -gt 60 ]; then
   say "testing ${TESTS[*]}"
   t0=$SECONDS
-  limit=$(( $(left) - 150 > 120 ? $(left) - 150 : 120 ))  # leave time for the benchmarks
-  timeout "$((limit + 30))" "$BAZEL" test "${FLAGS[@]}" --test_timeout="$limit" \
+  test_limit=$(( $(left) - 150 > 120 ? $(left) - 150 : 120 ))  # time left for the benchmarks
+  timeout "$((test_limit + 30))" "$BAZEL" test "${FLAGS[@]}" --test_timeout="$test_limit" \
     --local_test_jobs=4 --test_output=errors "${TESTS[@]}" > "$LOGS/test.log" 2>&1
   say "tests done in $((SECONDS - t0)) s"
   for t in "${TESTS[@]}"; do
