@@ -129,7 +129,7 @@ if [ ${#TESTS[@]} -gt 0 ] && [ "$(left)" -gt 60 ]; then
   t0=$SECONDS
   test_limit=$(( $(left) - 150 > 120 ? $(left) - 150 : 120 ))  # time left for the benchmarks
   timeout "$((test_limit + 30))" "$BAZEL" test "${FLAGS[@]}" --test_timeout="$test_limit" \
-    --local_test_jobs=4 --test_output=errors "${TESTS[@]}" > "$LOGS/test.log" 2>&1
+    --local_test_jobs=4 --test_output=errors --nocache_test_results "${TESTS[@]}" > "$LOGS/test.log" 2>&1
   say "tests done in $((SECONDS - t0)) s"
   for t in "${TESTS[@]}"; do
     name=${t#//executor/cuda:}
