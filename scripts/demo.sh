@@ -183,6 +183,8 @@ for r in $(seq 0 $((RANKS - 1))); do
     GROUPS_MADE+=("$group")
     echo "$PERIOD_US" >"$group/cpu.cfs_period_us"
     awk -v s="$share" -v p="$PERIOD_US" 'BEGIN { printf "%d\n", s * p }' >"$group/cpu.cfs_quota_us"
+    # The largest weight: other work on the machine takes little of the share.
+    echo 262144 >"$group/cpu.shares" 2>/dev/null || true
   fi
   # The agent shares its rank's cgroup and core, so it measures what the
   # rank gets. No drift checks or link re-probes while training.

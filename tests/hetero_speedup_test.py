@@ -8,6 +8,11 @@ ideal for 100%/40% is 1.75x). Both plans compute the same model, so their
 losses agree. Afterwards no cgroup made by hap-launch remains, also when it
 is interrupted with SIGINT.
 
+The synthesized plan is the product's: planned, run once with --profile
+next to DP-even, the cost model calibrated from those runs (hapctl
+calibrate) and planned again. The test also checks that calibration brings
+DP-even's predicted step time closer to the measured one.
+
 Skipped, with the reason, only where cgroups cannot be written (not root,
 or no cgroup v1 cpu controller)."""
 
@@ -30,7 +35,7 @@ EXECUTOR = os.path.abspath(os.environ.get("HAP_EXECUTOR", ""))
 LAUNCH = os.path.abspath(os.environ.get("HAP_LAUNCH", ""))
 CGROUP = "/sys/fs/cgroup/cpu"
 MODEL = ["--model", "gpt", "--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "512",
-         "--seq", "32", "--batch", "16", "--vocab", "2048"]
+         "--seq", "32", "--batch", "32", "--vocab", "2048"]
 SHARES = "1,0.4"
 
 
@@ -70,6 +75,21 @@ def losses(out):
 CGROUPS_PROBLEM = cgroups_writable()
 
 
+def launch(plan, steps, extra=()):
+    """Runs `plan` on the throttled ranks; returns rank 0's output. The
+    cgroups hap-launch made are gone when it returns."""
+    p = subprocess.Popen([LAUNCH, "--plan", plan, "--steps", str(steps), "--cpu-shares",
+                          SHARES, "--pin-cores", "--threads", "1", "--executor", EXECUTOR,
+                          *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=600)
+    if p.returncode != 0:
+        raise AssertionError(f"hap-launch failed ({p.returncode}): {err}")
+    if groups_of(p.pid):
+        raise AssertionError(f"hap-launch left cgroups behind: {groups_of(p.pid)}")
+    return out
+
+
 @unittest.skipIf(CGROUPS_PROBLEM, CGROUPS_PROBLEM)
 class HeteroSpeedupTest(unittest.TestCase):
     @classmethod
@@ -87,39 +107,55 @@ class HeteroSpeedupTest(unittest.TestCase):
         cls.cluster = os.path.join(cls.dir, "cluster.json")
         with open(cls.cluster, "w") as f:
             json.dump(cluster, f)
-        cls.plans = {}
-        for name, extra in (("hap", []), ("dp-even", ["--baseline", "dp-even"])):
-            path = os.path.join(cls.dir, f"{name}.pb")
-            util.run([HAPCTL, "plan", "--cluster", cls.cluster, *MODEL, "--save-plan", path,
-                      *extra])
-            cls.plans[name] = path
+        cls.plans, cls.predicted = {}, {}
+        cls.plan("hap", cls.cluster, [])
+        cls.plan("dp-even", cls.cluster, ["--baseline", "dp-even"])
+        # Calibration: each plan run once with --profile, then hapctl calibrate.
+        runs = []
+        for name in ("hap", "dp-even"):
+            prefix = os.path.join(cls.dir, f"profile-{name}")
+            launch(cls.plans[name], 8, ["--profile", prefix])
+            runs += ["--plan", cls.plans[name], "--profile", prefix]
+        cls.calibrated = os.path.join(cls.dir, "cluster-calibrated.json")
+        print(util.run([HAPCTL, "calibrate", "--cluster", cls.cluster, *runs,
+                        "--out", cls.calibrated]).stdout)
+        cls.plan("hap-cal", cls.calibrated, [])
+        cls.plan("dp-even-cal", cls.calibrated, ["--baseline", "dp-even"])
 
-    def launch(self, plan, steps):
-        p = subprocess.Popen([LAUNCH, "--plan", plan, "--steps", str(steps), "--cpu-shares",
-                              SHARES, "--pin-cores", "--threads", "1", "--executor", EXECUTOR],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = p.communicate(timeout=600)
-        self.assertEqual(p.returncode, 0, err)
-        self.assertEqual(groups_of(p.pid), [])
-        return out
+    @classmethod
+    def plan(cls, name, cluster, extra):
+        path = os.path.join(cls.dir, f"{name}.pb")
+        out = util.run([HAPCTL, "plan", "--cluster", cluster, *MODEL, "--save-plan", path,
+                        "-o", "json", *extra]).stdout
+        cls.plans[name] = path
+        cls.predicted[name] = json.loads(out[out.index("{"):out.rindex("}") + 1])[
+            "predicted_step_seconds"]
 
     def test_synthesized_plan_beats_even_data_parallel(self):
-        times = {"hap": [], "dp-even": []}
+        times = {"hap-cal": [], "dp-even": []}
         first_losses = {}
         for _ in range(3):
-            for name in ("hap", "dp-even"):
-                out = self.launch(self.plans[name], 8)
+            for name in ("hap-cal", "dp-even"):
+                out = launch(self.plans[name], 8)
                 ts = step_times(out)
                 self.assertEqual(len(ts), 8, out)
                 times[name] += ts[2:]  # after warm-up
                 first_losses.setdefault(name, losses(out))
-        hap, even = statistics.median(times["hap"]), statistics.median(times["dp-even"])
-        print(f"median step: synthesized {hap:.4f} s, dp-even {even:.4f} s, "
+        hap, even = statistics.median(times["hap-cal"]), statistics.median(times["dp-even"])
+        print(f"median step: synthesized (calibrated) {hap:.4f} s, dp-even {even:.4f} s, "
               f"speed-up {even / hap:.2f}x (ideal 1.75x)")
         self.assertGreater(even / hap, 1.2)
         # The same model and data: the same losses, whatever the plan.
-        for a, b in zip(first_losses["hap"], first_losses["dp-even"]):
+        for a, b in zip(first_losses["hap-cal"], first_losses["dp-even"]):
             self.assertAlmostEqual(float(a), float(b), delta=1e-3 * abs(float(b)))
+        # Calibration brings the prediction closer to what was measured.
+        before = abs(self.predicted["dp-even"] / even - 1)
+        after = abs(self.predicted["dp-even-cal"] / even - 1)
+        print(f"dp-even predicted {self.predicted['dp-even']:.4f} s before calibration "
+              f"({100 * before:.0f}% off), {self.predicted['dp-even-cal']:.4f} s after "
+              f"({100 * after:.0f}% off); calibrated HAP predicted "
+              f"{self.predicted['hap-cal']:.4f} s, measured {hap:.4f} s")
+        self.assertLess(after, before)
 
     def test_cgroups_are_removed_after_an_interrupt(self):
         p = subprocess.Popen([LAUNCH, "--plan", self.plans["hap"], "--steps", "100000",

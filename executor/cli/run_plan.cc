@@ -37,6 +37,7 @@ namespace {
 // fine-grained against step times of tens of milliseconds (with the
 // default 100 ms a short step runs at full speed or not at all).
 constexpr int64_t kCpuPeriodUs = 20000;
+constexpr int64_t kCpuWeight = 262144;
 
 namespace v1 = ::hap::v1;
 
@@ -303,6 +304,10 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       std::ofstream quota(dir + "/cpu.cfs_quota_us");
       quota << static_cast<int64_t>(share * kCpuPeriodUs);
       quota.close();
+      // The largest weight, so that other work on the machine (weight 1024
+      // in the root group) takes little of what the quota grants: the rank
+      // gets its share, no more (the quota) and hardly less. Best effort.
+      std::ofstream(dir + "/cpu.shares") << kCpuWeight;
       if (ec || !period || !quota) {
         std::cerr << "error: cgroups unavailable (cannot write " << dir
                   << "; needs cgroup v1 cpu mounted and root)\n";
