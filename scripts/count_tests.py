@@ -39,10 +39,11 @@ def main(root):
                 passed += 1
     for n in failed_names:
         print("FAILED:", n)
-    line = "%d passed, %d failed" % (passed, failed)
     if skipped:
-        line += ", %d skipped" % skipped
-    print(line)
+        # Skipped cases (e.g. GPU tests without a GPU) are reported on their
+        # own line so that the last line stays the plain count.
+        print("%d skipped (each says why in its test log)" % skipped)
+    print("%d passed, %d failed" % (passed, failed))
     return 1 if failed or passed == 0 else 0
 
 
