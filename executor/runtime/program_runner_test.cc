@@ -117,6 +117,42 @@ TEST_F(ProgramRunnerTest, RejectsCollectivesWhoseShardsDoNotAddUp) {
                                   HasSubstr("shard sizes do not add up")));
 }
 
+TEST_F(ProgramRunnerTest, RejectsBadCoalescedBuffers) {
+  int f32 = -1, f32b = -1, integer = -1;
+  for (const auto& b : program_.buffers()) {
+    if (b.dtype() == v1::FLOAT32 && f32 >= 0 && f32b < 0) f32b = b.id();
+    if (b.dtype() == v1::FLOAT32 && f32 < 0) f32 = b.id();
+    if ((b.dtype() == v1::INT64 || b.dtype() == v1::INT32) && integer < 0) integer = b.id();
+  }
+  ASSERT_GE(f32b, 0);
+  ASSERT_GE(integer, 0);
+  auto with = [&](v1::Collective kind, int in, int out, int extra) {
+    v1::RankProgram p = program_;
+    v1::CollectiveCall* c = p.add_steps()->mutable_collective();
+    c->set_collective(kind);
+    c->set_input(in);
+    c->set_output(out);
+    c->set_tensor("bucket");
+    c->add_coalesced(extra);
+    return p;
+  };
+  EXPECT_THAT(Create(with(v1::ALL_REDUCE, f32, f32, 9999)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("coalesced buffer 9999 does not exist")));
+  EXPECT_THAT(Create(with(v1::ALL_REDUCE, f32, f32, integer)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has another dtype")));
+  EXPECT_THAT(Create(with(v1::BROADCAST, f32, f32, f32)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("for in-place ALL_REDUCE only")));
+  // A well-formed bucket of one world rank runs (the sum over one rank is
+  // the buffer itself).
+  auto r = Create(with(v1::ALL_REDUCE, f32, f32, f32b));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE((*r)->InitializeParameters().ok());
+  auto batches = data::NewSyntheticBatches(*g_, 1);
+  EXPECT_TRUE((*r)->RunStep(*batches->Get(0), 0).ok());
+}
+
 TEST_F(ProgramRunnerTest, BadBatchesAndKernelFailuresNameTheProblem) {
   auto r = Create(program_);
   ASSERT_TRUE(r.ok()) << r.status();
