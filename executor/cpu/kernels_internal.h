@@ -379,6 +379,48 @@ absl::Status CheckFitsBlas(const KernelArgs& a,
 // The optional bias input 2 (when `has_slot` and present): dtype t, [n].
 absl::Status CheckBias(const KernelArgs& a, DType t, bool has_slot, int64_t n);
 
+// --- layout checks (kernels_layout.cc; the CUDA layout kernels use them too) -
+
+// Attribute 'perm' checked as a permutation of [0, rank).
+absl::StatusOr<std::vector<int>> Perm(const KernelArgs& a, int rank);
+
+// out[i] = in[perm[i]]: the output's shape, and the input's strides read in
+// output order.
+struct Permuted {
+  Shape shape;
+  std::vector<int64_t> in_strides;
+};
+Permuted PermuteShape(const Shape& in, const std::vector<int>& perm);
+
+// A tensor seen as [outer, len, inner] around axis `axis`.
+struct AxisView {
+  int64_t outer = 1, len = 1, inner = 1;
+};
+AxisView AroundAxis(const Shape& s, int axis);
+
+// Shapes equal except along `axis`.
+bool SameOffAxis(const Shape& x, const Shape& y, int axis);
+
+// The parts of a concat (its inputs) or split (its outputs): each part's
+// size along the whole's axis. `parts[i]` may be absent when
+// `fallback_sizes` gives its size. `what` names a part in errors.
+absl::StatusOr<std::vector<int64_t>> PartSizes(
+    const KernelArgs& a, const TensorView& whole, int axis,
+    const std::vector<const TensorView*>& parts, absl::string_view what,
+    const std::vector<int64_t>& fallback_sizes);
+
+// Attribute 'axis' mapped into [0, x's rank).
+absl::StatusOr<int> AxisAttr(const KernelArgs& a, const TensorView& x);
+
+// slice: attributes axis, start, end; the output's size along the axis is
+// end - start.
+struct SliceRange {
+  int axis = 0;
+  int64_t start = 0, end = 0;
+};
+absl::StatusOr<SliceRange> CheckSlice(const KernelArgs& a,
+                                      const TensorView& x);
+
 }  // namespace hap::executor::cpu
 
 #endif  // HAP_EXECUTOR_CPU_KERNELS_INTERNAL_H_

@@ -8,9 +8,8 @@
 #include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
-namespace {
 
-// --- transpose --------------------------------------------------------------------
+// --- shared with executor/cuda (declared in kernels_internal.h) ------------
 
 absl::StatusOr<std::vector<int>> Perm(const KernelArgs& a, int rank) {
   HAP_ASSIGN_OR_RETURN(std::vector<int64_t> perm, AttrInts(a, "perm"));
@@ -28,13 +27,6 @@ absl::StatusOr<std::vector<int>> Perm(const KernelArgs& a, int rank) {
   return p;
 }
 
-// out[i] = in[perm[i]]: the output's shape, and the input's strides read in
-// output order.
-struct Permuted {
-  Shape shape;
-  std::vector<int64_t> in_strides;
-};
-
 Permuted PermuteShape(const Shape& in, const std::vector<int>& perm) {
   std::vector<int64_t> st = ContiguousStrides(in);
   Permuted p;
@@ -44,6 +36,77 @@ Permuted PermuteShape(const Shape& in, const std::vector<int>& perm) {
   }
   return p;
 }
+
+AxisView AroundAxis(const Shape& s, int axis) {
+  AxisView v;
+  for (int d = 0; d < axis; ++d) v.outer *= s[d];
+  v.len = s[axis];
+  for (size_t d = axis + 1; d < s.size(); ++d) v.inner *= s[d];
+  return v;
+}
+
+// Shapes equal except along `axis`.
+bool SameOffAxis(const Shape& x, const Shape& y, int axis) {
+  if (x.size() != y.size()) return false;
+  for (size_t d = 0; d < x.size(); ++d) {
+    if (static_cast<int>(d) != axis && x[d] != y[d]) return false;
+  }
+  return true;
+}
+
+// The parts of a concat (its inputs) or split (its outputs): the whole's
+// axis and each part's size along it. `parts[i]` may be absent when
+// `fallback_sizes` gives its size.
+absl::StatusOr<std::vector<int64_t>> PartSizes(
+    const KernelArgs& a, const TensorView& whole, int axis,
+    const std::vector<const TensorView*>& parts, absl::string_view what,
+    const std::vector<int64_t>& fallback_sizes) {
+  std::vector<int64_t> sizes;
+  int64_t total = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const TensorView& p = *parts[i];
+    if (p.present()) {
+      if (!SameOffAxis(p.shape, whole.shape, axis)) {
+        return Invalid(a, what, " ", i, " (", Describe(p), ") does not match ",
+                       Describe(whole), " outside axis ", axis);
+      }
+      sizes.push_back(p.shape[axis]);
+    } else if (i < fallback_sizes.size()) {
+      sizes.push_back(fallback_sizes[i]);
+    } else {
+      return Invalid(a, what, " ", i, " is absent and its size is unknown");
+    }
+    total += sizes.back();
+  }
+  if (total != whole.shape[axis]) {
+    return Invalid(a, "the ", what, "s' sizes along axis ", axis, " sum to ",
+                   total, " but ", Describe(whole), " has ", whole.shape[axis]);
+  }
+  return sizes;
+}
+
+absl::StatusOr<int> AxisAttr(const KernelArgs& a, const TensorView& x) {
+  HAP_ASSIGN_OR_RETURN(int64_t axis, AttrInt(a, "axis"));
+  return NormalizeAxis(a, axis, x.rank(), "axis");
+}
+
+absl::StatusOr<SliceRange> CheckSlice(const KernelArgs& a,
+                                      const TensorView& x) {
+  SliceRange r;
+  HAP_ASSIGN_OR_RETURN(r.axis, AxisAttr(a, x));
+  HAP_ASSIGN_OR_RETURN(r.start, AttrInt(a, "start"));
+  HAP_ASSIGN_OR_RETURN(r.end, AttrInt(a, "end"));
+  if (r.start < 0 || r.end <= r.start || r.end > x.shape[r.axis]) {
+    return Invalid(a, "slice [", r.start, ", ", r.end,
+                   ") is empty or out of range for axis ", r.axis, " of ",
+                   Describe(x));
+  }
+  return r;
+}
+
+namespace {
+
+// --- transpose --------------------------------------------------------------------
 
 template <typename T>
 absl::Status TransposeForward(const KernelArgs& a) {
@@ -105,19 +168,6 @@ absl::Status ReshapeBackward(const KernelArgs& a) {
 
 // --- concat, split, slice: blocks along one axis ----------------------------------
 
-// A tensor seen as [outer, len, inner] around axis `axis`.
-struct AxisView {
-  int64_t outer = 1, len = 1, inner = 1;
-};
-
-AxisView AroundAxis(const Shape& s, int axis) {
-  AxisView v;
-  for (int d = 0; d < axis; ++d) v.outer *= s[d];
-  v.len = s[axis];
-  for (size_t d = axis + 1; d < s.size(); ++d) v.inner *= s[d];
-  return v;
-}
-
 // For each of `outer` rows: dst[row, dst_at : dst_at + n] (+)=
 // src[row, src_at : src_at + n], rows `src_len` and `dst_len` long (all in
 // units of the axis, times `inner` elements).
@@ -139,46 +189,6 @@ void CopyAlongAxis(const KernelArgs& a, int64_t outer, int64_t inner,
                   }
                 }
               });
-}
-
-// Shapes equal except along `axis`.
-bool SameOffAxis(const Shape& x, const Shape& y, int axis) {
-  if (x.size() != y.size()) return false;
-  for (size_t d = 0; d < x.size(); ++d) {
-    if (static_cast<int>(d) != axis && x[d] != y[d]) return false;
-  }
-  return true;
-}
-
-// The parts of a concat (its inputs) or split (its outputs): the whole's
-// axis and each part's size along it. `parts[i]` may be absent when
-// `fallback_sizes` gives its size.
-absl::StatusOr<std::vector<int64_t>> PartSizes(
-    const KernelArgs& a, const TensorView& whole, int axis,
-    const std::vector<const TensorView*>& parts, absl::string_view what,
-    const std::vector<int64_t>& fallback_sizes) {
-  std::vector<int64_t> sizes;
-  int64_t total = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const TensorView& p = *parts[i];
-    if (p.present()) {
-      if (!SameOffAxis(p.shape, whole.shape, axis)) {
-        return Invalid(a, what, " ", i, " (", Describe(p), ") does not match ",
-                       Describe(whole), " outside axis ", axis);
-      }
-      sizes.push_back(p.shape[axis]);
-    } else if (i < fallback_sizes.size()) {
-      sizes.push_back(fallback_sizes[i]);
-    } else {
-      return Invalid(a, what, " ", i, " is absent and its size is unknown");
-    }
-    total += sizes.back();
-  }
-  if (total != whole.shape[axis]) {
-    return Invalid(a, "the ", what, "s' sizes along axis ", axis, " sum to ",
-                   total, " but ", Describe(whole), " has ", whole.shape[axis]);
-  }
-  return sizes;
 }
 
 // Moves every part into (to_whole) or out of the whole along the axis.
@@ -203,11 +213,6 @@ void Scatter(const KernelArgs& a, const TensorView& whole, int axis,
     }
     at += sizes[i];
   }
-}
-
-absl::StatusOr<int> AxisAttr(const KernelArgs& a, const TensorView& x) {
-  HAP_ASSIGN_OR_RETURN(int64_t axis, AttrInt(a, "axis"));
-  return NormalizeAxis(a, axis, x.rank(), "axis");
 }
 
 template <typename T>
@@ -292,27 +297,6 @@ absl::Status SplitBackward(const KernelArgs& a) {
   if (!g.dx(0).present()) return absl::OkStatus();
   Scatter<T>(a, g.dx(0), axis, dys, sizes, true, true);
   return absl::OkStatus();
-}
-
-// slice: attributes axis, start, end; the output's size along the axis is
-// end - start.
-struct SliceRange {
-  int axis = 0;
-  int64_t start = 0, end = 0;
-};
-
-absl::StatusOr<SliceRange> CheckSlice(const KernelArgs& a,
-                                      const TensorView& x) {
-  SliceRange r;
-  HAP_ASSIGN_OR_RETURN(r.axis, AxisAttr(a, x));
-  HAP_ASSIGN_OR_RETURN(r.start, AttrInt(a, "start"));
-  HAP_ASSIGN_OR_RETURN(r.end, AttrInt(a, "end"));
-  if (r.start < 0 || r.end <= r.start || r.end > x.shape[r.axis]) {
-    return Invalid(a, "slice [", r.start, ", ", r.end,
-                   ") is empty or out of range for axis ", r.axis, " of ",
-                   Describe(x));
-  }
-  return r;
 }
 
 template <typename T>

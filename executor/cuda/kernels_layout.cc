@@ -18,42 +18,14 @@
 namespace hap::executor::cuda {
 namespace {
 
+// The shape helpers and checks shared with the CPU (kernels_internal.h).
+using cpu::AroundAxis;
+using cpu::AxisView;
+using cpu::Permuted;
+using cpu::PermuteShape;
+using cpu::SliceRange;
+
 // --- transpose ---------------------------------------------------------------
-
-absl::StatusOr<std::vector<int>> Perm(const KernelArgs& a, int rank) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> perm, cpu::AttrInts(c, "perm"));
-  if (static_cast<int>(perm.size()) != rank) {
-    return Invalid(a, "attribute 'perm' has ", perm.size(), " entries for ",
-                   cpu::InLabel(c, 0));
-  }
-  std::vector<int> p(rank);
-  std::vector<bool> seen(rank, false);
-  for (int i = 0; i < rank; ++i) {
-    HAP_ASSIGN_OR_RETURN(p[i],
-                         cpu::NormalizeAxis(c, perm[i], rank, "perm entry"));
-    if (seen[p[i]]) return Invalid(a, "attribute 'perm' is not a permutation");
-    seen[p[i]] = true;
-  }
-  return p;
-}
-
-// out[i] = in[perm[i]]: the output's shape, and the input's strides read in
-// output order.
-struct Permuted {
-  Shape shape;
-  std::vector<int64_t> in_strides;
-};
-
-Permuted PermuteShape(const Shape& in, const std::vector<int>& perm) {
-  std::vector<int64_t> st = cpu::ContiguousStrides(in);
-  Permuted p;
-  for (int d : perm) {
-    p.shape.push_back(in[d]);
-    p.in_strides.push_back(st[d]);
-  }
-  return p;
-}
 
 // dst (+)= src over `shape`, each read through its strides.
 template <typename T>
@@ -72,7 +44,7 @@ absl::Status TransposeForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckUnary(c, t));
-  HAP_ASSIGN_OR_RETURN(std::vector<int> perm, Perm(a, a.in[0].rank()));
+  HAP_ASSIGN_OR_RETURN(std::vector<int> perm, cpu::Perm(c, a.in[0].rank()));
   Permuted p = PermuteShape(a.in[0].shape, perm);
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, p.shape));
   return StridedCopy<T>(a, p.shape, a.out[0].as<T>(),
@@ -85,7 +57,7 @@ absl::Status TransposeBackward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Unary(c, t));
-  HAP_ASSIGN_OR_RETURN(std::vector<int> perm, Perm(a, g.x(0).rank()));
+  HAP_ASSIGN_OR_RETURN(std::vector<int> perm, cpu::Perm(c, g.x(0).rank()));
   Permuted p = PermuteShape(g.x(0).shape, perm);
   HAP_RETURN_IF_ERROR(g.Check(t, {p.shape}));
   if (!g.active()) return absl::OkStatus();
@@ -139,61 +111,6 @@ absl::Status ReshapeBackward(const KernelArgs& a) {
 
 // --- concat, split, slice: blocks along one axis -----------------------------
 
-// A tensor seen as [outer, len, inner] around axis `axis`.
-struct AxisView {
-  int64_t outer = 1, len = 1, inner = 1;
-};
-
-AxisView AroundAxis(const Shape& s, int axis) {
-  AxisView v;
-  for (int d = 0; d < axis; ++d) v.outer *= s[d];
-  v.len = s[axis];
-  for (size_t d = axis + 1; d < s.size(); ++d) v.inner *= s[d];
-  return v;
-}
-
-// Shapes equal except along `axis`.
-bool SameOffAxis(const Shape& x, const Shape& y, int axis) {
-  if (x.size() != y.size()) return false;
-  for (size_t d = 0; d < x.size(); ++d) {
-    if (static_cast<int>(d) != axis && x[d] != y[d]) return false;
-  }
-  return true;
-}
-
-// The parts of a concat (its inputs) or split (its outputs): each part's
-// size along the axis. `parts[i]` may be absent when `fallback_sizes` gives
-// its size. As the CPU's PartSizes.
-absl::StatusOr<std::vector<int64_t>> PartSizes(
-    const KernelArgs& a, const TensorView& whole, int axis,
-    const std::vector<const TensorView*>& parts, absl::string_view what,
-    const std::vector<int64_t>& fallback_sizes) {
-  std::vector<int64_t> sizes;
-  int64_t total = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const TensorView& p = *parts[i];
-    if (p.present()) {
-      if (!SameOffAxis(p.shape, whole.shape, axis)) {
-        return Invalid(a, what, " ", i, " (", cpu::Describe(p),
-                       ") does not match ", cpu::Describe(whole),
-                       " outside axis ", axis);
-      }
-      sizes.push_back(p.shape[axis]);
-    } else if (i < fallback_sizes.size()) {
-      sizes.push_back(fallback_sizes[i]);
-    } else {
-      return Invalid(a, what, " ", i, " is absent and its size is unknown");
-    }
-    total += sizes.back();
-  }
-  if (total != whole.shape[axis]) {
-    return Invalid(a, "the ", what, "s' sizes along axis ", axis, " sum to ",
-                   total, " but ", cpu::Describe(whole), " has ",
-                   whole.shape[axis]);
-  }
-  return sizes;
-}
-
 // Moves every present part into (to_whole) or out of the whole along the
 // axis; the parts are disjoint blocks of the whole, so accumulation is
 // race-free.
@@ -222,12 +139,6 @@ absl::Status Scatter(const KernelArgs& a, const TensorView& whole, int axis,
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> AxisAttr(const KernelArgs& a, const TensorView& x) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  HAP_ASSIGN_OR_RETURN(int64_t axis, cpu::AttrInt(c, "axis"));
-  return cpu::NormalizeAxis(c, axis, x.rank(), "axis");
-}
-
 template <typename T>
 absl::Status ConcatForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
@@ -239,9 +150,9 @@ absl::Status ConcatForward(const KernelArgs& a) {
     parts.push_back(&a.in[i]);
   }
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, a.out[0].shape));
-  HAP_ASSIGN_OR_RETURN(int axis, AxisAttr(a, a.out[0]));
+  HAP_ASSIGN_OR_RETURN(int axis, cpu::AxisAttr(c, a.out[0]));
   HAP_ASSIGN_OR_RETURN(std::vector<int64_t> sizes,
-                       PartSizes(a, a.out[0], axis, parts, "input", {}));
+                       cpu::PartSizes(c, a.out[0], axis, parts, "input", {}));
   return Scatter<T>(a, a.out[0], axis, parts, sizes, true, false);
 }
 
@@ -257,9 +168,9 @@ absl::Status ConcatBackward(const KernelArgs& a) {
     dxs.push_back(&g.dx(i));
   }
   if (!g.dy(0).present()) return absl::OkStatus();
-  HAP_ASSIGN_OR_RETURN(int axis, AxisAttr(a, g.dy(0)));
+  HAP_ASSIGN_OR_RETURN(int axis, cpu::AxisAttr(c, g.dy(0)));
   HAP_ASSIGN_OR_RETURN(std::vector<int64_t> sizes,
-                       PartSizes(a, g.dy(0), axis, xs, "input", {}));
+                       cpu::PartSizes(c, g.dy(0), axis, xs, "input", {}));
   HAP_RETURN_IF_ERROR(g.Check(t, {g.dy(0).shape}));
   return Scatter<T>(a, g.dy(0), axis, dxs, sizes, false, true);
 }
@@ -278,9 +189,9 @@ absl::Status SplitForward(const KernelArgs& a) {
     HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, j, t, a.out[j].shape));
     parts.push_back(&a.out[j]);
   }
-  HAP_ASSIGN_OR_RETURN(int axis, AxisAttr(a, a.in[0]));
+  HAP_ASSIGN_OR_RETURN(int axis, cpu::AxisAttr(c, a.in[0]));
   HAP_ASSIGN_OR_RETURN(std::vector<int64_t> sizes,
-                       PartSizes(a, a.in[0], axis, parts, "output", {}));
+                       cpu::PartSizes(c, a.in[0], axis, parts, "output", {}));
   return Scatter<T>(a, a.in[0], axis, parts, sizes, false, false);
 }
 
@@ -290,7 +201,7 @@ absl::Status SplitBackward(const KernelArgs& a) {
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 1, 1, -1));
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
-  HAP_ASSIGN_OR_RETURN(int axis, AxisAttr(a, g.x(0)));
+  HAP_ASSIGN_OR_RETURN(int axis, cpu::AxisAttr(c, g.x(0)));
   HAP_ASSIGN_OR_RETURN(std::vector<int64_t> attr_sizes,
                        cpu::AttrInts(c, "sizes", {}));
   // A part's size: from its value, else its gradient, else the attribute.
@@ -302,7 +213,7 @@ absl::Status SplitBackward(const KernelArgs& a) {
   }
   HAP_ASSIGN_OR_RETURN(
       std::vector<int64_t> sizes,
-      PartSizes(a, g.x(0), axis, shapes, "output", attr_sizes));
+      cpu::PartSizes(c, g.x(0), axis, shapes, "output", attr_sizes));
   for (int j = 0; j < g.m(); ++j) {
     y_shapes.push_back(g.x(0).shape);
     y_shapes.back()[axis] = sizes[j];
@@ -312,34 +223,12 @@ absl::Status SplitBackward(const KernelArgs& a) {
   return Scatter<T>(a, g.dx(0), axis, dys, sizes, true, true);
 }
 
-// slice: attributes axis, start, end; the output's size along the axis is
-// end - start.
-struct SliceRange {
-  int axis = 0;
-  int64_t start = 0, end = 0;
-};
-
-absl::StatusOr<SliceRange> CheckSlice(const KernelArgs& a,
-                                      const TensorView& x) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  SliceRange r;
-  HAP_ASSIGN_OR_RETURN(r.axis, AxisAttr(a, x));
-  HAP_ASSIGN_OR_RETURN(r.start, cpu::AttrInt(c, "start"));
-  HAP_ASSIGN_OR_RETURN(r.end, cpu::AttrInt(c, "end"));
-  if (r.start < 0 || r.end <= r.start || r.end > x.shape[r.axis]) {
-    return Invalid(a, "slice [", r.start, ", ", r.end,
-                   ") is empty or out of range for axis ", r.axis, " of ",
-                   cpu::Describe(x));
-  }
-  return r;
-}
-
 template <typename T>
 absl::Status SliceForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckUnary(c, t));
-  HAP_ASSIGN_OR_RETURN(SliceRange r, CheckSlice(a, a.in[0]));
+  HAP_ASSIGN_OR_RETURN(SliceRange r, cpu::CheckSlice(c, a.in[0]));
   Shape s = a.in[0].shape;
   s[r.axis] = r.end - r.start;
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, s));
@@ -354,7 +243,7 @@ absl::Status SliceBackward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Unary(c, t));
-  HAP_ASSIGN_OR_RETURN(SliceRange r, CheckSlice(a, g.x(0)));
+  HAP_ASSIGN_OR_RETURN(SliceRange r, cpu::CheckSlice(c, g.x(0)));
   Shape s = g.x(0).shape;
   s[r.axis] = r.end - r.start;
   HAP_RETURN_IF_ERROR(g.Check(t, {s}));
