@@ -38,6 +38,68 @@ struct KernelArgs {
 using KernelFn = std::function<absl::Status(const KernelArgs&)>;
 using KernelTable = std::map<std::string, KernelFn>;
 
+// The dtype dispatch of FloatKernel and AnyKernel below, for any call type
+// `Args` with the fields name, in and out (the CUDA kernels' too), so both
+// backends pick a dtype and reject one with the same messages.
+template <typename Args>
+std::function<absl::Status(const Args&)> FloatDispatch(
+    absl::Status (*f32)(const Args&), absl::Status (*f64)(const Args&)) {
+  return [f32, f64](const Args& a) -> absl::Status {
+    const TensorView* v = nullptr;
+    for (absl::Span<const TensorView> side : {a.in, a.out}) {
+      for (const TensorView& t : side) {
+        if (v == nullptr && t.present() && graph::IsFloating(t.dtype)) v = &t;
+      }
+    }
+    if (v == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kernel '", a.name,
+                       "': no floating-point tensor among its arguments"));
+    }
+    switch (v->dtype) {
+      case DType::kFloat32:
+        return f32(a);
+      case DType::kFloat64:
+        return f64(a);
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kernel '", a.name, "': dtype ", graph::DTypeName(v->dtype),
+            " is not supported (f32 or f64)"));
+    }
+  };
+}
+template <typename Args>
+std::function<absl::Status(const Args&)> AnyDispatch(
+    absl::Status (*f32)(const Args&), absl::Status (*f64)(const Args&),
+    absl::Status (*i32)(const Args&), absl::Status (*i64)(const Args&)) {
+  return [f32, f64, i32, i64](const Args& a) -> absl::Status {
+    const TensorView* v = nullptr;
+    for (absl::Span<const TensorView> side : {a.in, a.out}) {
+      for (const TensorView& t : side) {
+        if (v == nullptr && t.present()) v = &t;
+      }
+    }
+    if (v == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kernel '", a.name, "': every argument is absent"));
+    }
+    switch (v->dtype) {
+      case DType::kFloat32:
+        return f32(a);
+      case DType::kFloat64:
+        return f64(a);
+      case DType::kInt32:
+        return i32(a);
+      case DType::kInt64:
+        return i64(a);
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kernel '", a.name, "': dtype ", graph::DTypeName(v->dtype),
+            " is not supported (f32, f64, i32 or i64)"));
+    }
+  };
+}
+
 // A floating kernel instantiated for float and double. The call's dtype is
 // that of its first present floating input (its first present floating
 // output when no input is floating); other dtypes are InvalidArgument.

@@ -9,52 +9,12 @@
 namespace hap::executor::cpu {
 
 KernelFn FloatKernel(TypedKernel f32, TypedKernel f64) {
-  return [f32, f64](const KernelArgs& a) -> absl::Status {
-    const TensorView* v = nullptr;
-    for (absl::Span<const TensorView> side : {a.in, a.out}) {
-      for (const TensorView& t : side) {
-        if (v == nullptr && t.present() && graph::IsFloating(t.dtype)) v = &t;
-      }
-    }
-    if (v == nullptr) {
-      return Invalid(a, "no floating-point tensor among its arguments");
-    }
-    switch (v->dtype) {
-      case DType::kFloat32:
-        return f32(a);
-      case DType::kFloat64:
-        return f64(a);
-      default:
-        return Invalid(a, "dtype ", graph::DTypeName(v->dtype),
-                       " is not supported (f32 or f64)");
-    }
-  };
+  return FloatDispatch<KernelArgs>(f32, f64);
 }
 
 KernelFn AnyKernel(TypedKernel f32, TypedKernel f64, TypedKernel i32,
                    TypedKernel i64) {
-  return [f32, f64, i32, i64](const KernelArgs& a) -> absl::Status {
-    const TensorView* v = nullptr;
-    for (absl::Span<const TensorView> side : {a.in, a.out}) {
-      for (const TensorView& t : side) {
-        if (v == nullptr && t.present()) v = &t;
-      }
-    }
-    if (v == nullptr) return Invalid(a, "every argument is absent");
-    switch (v->dtype) {
-      case DType::kFloat32:
-        return f32(a);
-      case DType::kFloat64:
-        return f64(a);
-      case DType::kInt32:
-        return i32(a);
-      case DType::kInt64:
-        return i64(a);
-      default:
-        return Invalid(a, "dtype ", graph::DTypeName(v->dtype),
-                       " is not supported (f32, f64, i32 or i64)");
-    }
-  };
+  return AnyDispatch<KernelArgs>(f32, f64, i32, i64);
 }
 
 std::string Describe(const TensorView& v) {

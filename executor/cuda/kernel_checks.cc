@@ -5,26 +5,7 @@
 namespace hap::executor::cuda {
 
 KernelFn FloatKernel(TypedKernel f32, TypedKernel f64) {
-  return [f32, f64](const KernelArgs& a) -> absl::Status {
-    const TensorView* v = nullptr;
-    for (absl::Span<const TensorView> side : {a.in, a.out}) {
-      for (const TensorView& t : side) {
-        if (v == nullptr && t.present() && graph::IsFloating(t.dtype)) v = &t;
-      }
-    }
-    if (v == nullptr) {
-      return Invalid(a, "no floating-point tensor among its arguments");
-    }
-    switch (v->dtype) {
-      case DType::kFloat32:
-        return f32(a);
-      case DType::kFloat64:
-        return f64(a);
-      default:
-        return Invalid(a, "dtype ", graph::DTypeName(v->dtype),
-                       " is not supported (f32 or f64)");
-    }
-  };
+  return cpu::FloatDispatch<KernelArgs>(f32, f64);
 }
 
 }  // namespace hap::executor::cuda

@@ -46,28 +46,7 @@ KernelFn FloatKernel(TypedKernel f32, TypedKernel f64);
 // CPU's AnyKernel.
 inline KernelFn AnyKernel(TypedKernel f32, TypedKernel f64, TypedKernel i32,
                           TypedKernel i64) {
-  return [f32, f64, i32, i64](const KernelArgs& a) -> absl::Status {
-    const TensorView* v = nullptr;
-    for (absl::Span<const TensorView> side : {a.in, a.out}) {
-      for (const TensorView& t : side) {
-        if (v == nullptr && t.present()) v = &t;
-      }
-    }
-    if (v == nullptr) return Invalid(a, "every argument is absent");
-    switch (v->dtype) {
-      case DType::kFloat32:
-        return f32(a);
-      case DType::kFloat64:
-        return f64(a);
-      case DType::kInt32:
-        return i32(a);
-      case DType::kInt64:
-        return i64(a);
-      default:
-        return Invalid(a, "dtype ", graph::DTypeName(v->dtype),
-                       " is not supported (f32, f64, i32 or i64)");
-    }
-  };
+  return cpu::AnyDispatch<KernelArgs>(f32, f64, i32, i64);
 }
 #define HAP_CUDA_ANY_KERNEL(fn)                                            \
   ::hap::executor::cuda::AnyKernel(&fn<float>, &fn<double>, &fn<int32_t>, \
