@@ -483,6 +483,28 @@ struct SliceRange {
 absl::StatusOr<SliceRange> CheckSlice(const KernelArgs& a,
                                       const TensorView& x);
 
+// --- reduction checks (kernels_reduction.cc; the CUDA sum/mean use them) ----
+
+// sum/mean over attribute 'axes' (all when empty), 'keepdims' kept or not.
+struct Reduced {
+  Shape out;
+  // The output's strides read over x's shape: 0 along reduced dimensions.
+  std::vector<int64_t> strides;
+  int64_t count = 1;  // local elements per output element
+};
+absl::StatusOr<Reduced> CheckReduction(const KernelArgs& a,
+                                       const TensorView& x);
+
+// The factor applied to sums: 1 (sum) or 1 / elements averaged (mean).
+template <bool kMean>
+absl::StatusOr<double> Factor(const KernelArgs& a, const Reduced& r) {
+  if (!kMean) return 1.0;
+  absl::StatusOr<int64_t> count = AttrInt(a, "global_count", r.count);
+  if (!count.ok()) return count.status();
+  if (*count < 1) return Invalid(a, "attribute 'global_count' must be >= 1");
+  return 1.0 / static_cast<double>(*count);
+}
+
 }  // namespace hap::executor::cpu
 
 #endif  // HAP_EXECUTOR_CPU_KERNELS_INTERNAL_H_

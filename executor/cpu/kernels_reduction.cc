@@ -4,14 +4,6 @@
 #include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
-namespace {
-
-struct Reduced {
-  Shape out;
-  // The output's strides read over x's shape: 0 along reduced dimensions.
-  std::vector<int64_t> strides;
-  int64_t count = 1;  // local elements per output element
-};
 
 absl::StatusOr<Reduced> CheckReduction(const KernelArgs& a,
                                        const TensorView& x) {
@@ -42,14 +34,8 @@ absl::StatusOr<Reduced> CheckReduction(const KernelArgs& a,
   return r;
 }
 
-// The factor applied to sums: 1 (sum) or 1 / elements averaged (mean).
-template <bool kMean>
-absl::StatusOr<double> Factor(const KernelArgs& a, const Reduced& r) {
-  if (!kMean) return 1.0;
-  HAP_ASSIGN_OR_RETURN(int64_t count, AttrInt(a, "global_count", r.count));
-  if (count < 1) return Invalid(a, "attribute 'global_count' must be >= 1");
-  return 1.0 / static_cast<double>(count);
-}
+namespace {
+
 
 template <typename T, bool kMean>
 absl::Status ReduceForward(const KernelArgs& a) {

@@ -7,50 +7,17 @@
 namespace hap::executor::cuda {
 namespace {
 
-struct Reduced {
-  Shape out;
-  // The output's strides read over x's shape: 0 along reduced dimensions.
-  std::vector<int64_t> strides;
-  int64_t count = 1;  // local elements per output element
-};
+// The checks shared with the CPU (kernels_internal.h).
+using cpu::Reduced;
 
 absl::StatusOr<Reduced> CheckReduction(const KernelArgs& a,
                                        const TensorView& x) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> axes, cpu::AttrInts(c, "axes", {}));
-  HAP_ASSIGN_OR_RETURN(bool keep, cpu::AttrBool(c, "keepdims", false));
-  const int rank = x.rank();
-  std::vector<bool> reduced(rank, axes.empty());
-  for (int64_t ax : axes) {
-    HAP_ASSIGN_OR_RETURN(int d, cpu::NormalizeAxis(c, ax, rank, "axis"));
-    if (reduced[d]) return Invalid(a, "axis ", ax, " is listed twice");
-    reduced[d] = true;
-  }
-  Reduced r;
-  Shape kept;
-  for (int d = 0; d < rank; ++d) {
-    if (reduced[d]) {
-      r.count *= x.shape[d];
-      if (keep) r.out.push_back(1);
-    } else {
-      r.out.push_back(x.shape[d]);
-      kept.push_back(x.shape[d]);
-    }
-  }
-  std::vector<int64_t> ks = cpu::ContiguousStrides(kept);
-  for (int d = 0, k = 0; d < rank; ++d) {
-    r.strides.push_back(reduced[d] ? 0 : ks[k++]);
-  }
-  return r;
+  return cpu::CheckReduction(CpuArgs(a), x);
 }
 
 template <bool kMean>
 absl::StatusOr<double> Factor(const KernelArgs& a, const Reduced& r) {
-  if (!kMean) return 1.0;
-  HAP_ASSIGN_OR_RETURN(int64_t count,
-                       cpu::AttrInt(CpuArgs(a), "global_count", r.count));
-  if (count < 1) return Invalid(a, "attribute 'global_count' must be >= 1");
-  return 1.0 / static_cast<double>(count);
+  return cpu::Factor<kMean>(CpuArgs(a), r);
 }
 
 template <typename T, bool kMean>
