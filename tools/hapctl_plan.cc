@@ -171,6 +171,7 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
       if (!l.parameter) continue;
       std::string what = absl::StrCat(g.tensor(l.tensor).name, " stored ",
                                       synth::StorageName(l.storage));
+      if (l.gather_once) absl::StrAppend(&what, ", gathered once per step");
       if (l.grad_allreduce) absl::StrAppend(&what, ", grad all-reduce");
       if (l.sfb) absl::StrAppend(&what, ", SFB");
       if (l.storage == synth::ParamStorage::kReplicated && !l.grad_allreduce &&

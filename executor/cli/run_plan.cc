@@ -61,7 +61,8 @@ plan's cluster says it is a GPU, else cpu.
 --profile PREFIX times every kernel call after two warm-up steps and writes
 PREFIX.rankR.json: median step seconds and seconds per step by op type
 (optimizer kernels as (optimizer), fills and copies as (runtime); the rest
-of a step is communication and waiting), the input of hapctl calibrate.
+of a step is communication and waiting), the input of hapctl calibrate,
+and PREFIX.rankR.kernels.md, the same timings per kernel name as a table.
 )";
 
 constexpr char kLaunchUsage[] =
@@ -214,6 +215,12 @@ absl::Status Run(const tools::Args& a) {
     std::vector<double> timed(r.step_seconds.begin() + kProfileWarmup, r.step_seconds.end());
     HAP_RETURN_IF_ERROR(WriteProfile(absl::StrCat(profile, ".rank", rank, ".json"), plan,
                                      static_cast<int>(rank), timed, timing));
+    // The same timings per kernel name, for people: PREFIX.rankR.kernels.md.
+    const std::string table_path = absl::StrCat(profile, ".rank", rank, ".kernels.md");
+    std::ofstream table(table_path);
+    table << timing.Table(static_cast<int64_t>(timed.size()));
+    table.close();
+    if (!table) return absl::InternalError(absl::StrCat("cannot write ", table_path));
   }
   if (rank == 0) {
     double mean_time = 0;

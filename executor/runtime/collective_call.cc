@@ -160,6 +160,125 @@ absl::Status CoalescedAllReduce(TensorView first, absl::Span<const TensorView> r
   return absl::OkStatus();
 }
 
+// One tensor of a coalesced dim-0 ALL_GATHER / REDUCE_SCATTER: the whole
+// tensor, this rank's shard, every rank's length along dim 0, and elements
+// per dim-0 row.
+struct Dim0Member {
+  TensorView whole, part;
+  std::vector<int64_t> sizes, offsets;
+  int64_t row = 1;
+};
+
+std::vector<Dim0Member> Dim0Members(const v1::CollectiveCall& c, TensorView whole,
+                                    TensorView part,
+                                    absl::Span<const TensorView> wholes,
+                                    absl::Span<const TensorView> parts) {
+  const size_t world = c.shard_sizes_size();
+  std::vector<Dim0Member> m;
+  auto add = [&](const TensorView& w, const TensorView& p, std::vector<int64_t> sizes) {
+    Dim0Member x;
+    x.whole = TensorView{w.dtype, {w.num_elements()}, w.data};
+    x.part = TensorView{p.dtype, {p.num_elements()}, p.data};
+    x.row = w.shape.empty() || w.shape[0] == 0 ? 1 : w.num_elements() / w.shape[0];
+    x.offsets = Offsets(sizes);
+    x.sizes = std::move(sizes);
+    m.push_back(std::move(x));
+  };
+  add(whole, part, {c.shard_sizes().begin(), c.shard_sizes().end()});
+  for (size_t i = 0; i < wholes.size(); ++i) {
+    auto from = c.coalesced_shard_sizes().begin() + i * world;
+    add(wholes[i], parts[i], {from, from + world});
+  }
+  return m;
+}
+
+// Elements of rank r's chunk of the flat transfer: its shard of every member.
+std::vector<int64_t> Dim0Counts(const std::vector<Dim0Member>& m) {
+  std::vector<int64_t> counts(m.front().sizes.size(), 0);
+  for (const Dim0Member& x : m) {
+    for (size_t r = 0; r < counts.size(); ++r) counts[r] += x.sizes[r] * x.row;
+  }
+  return counts;
+}
+
+// Copies rank r's rows of every member between the wholes and `flat` (whose
+// chunk for rank r starts at element `at`): into the chunk or out of it.
+absl::Status Dim0Restage(const std::vector<Dim0Member>& m, size_t r, TensorView flat,
+                         int64_t at, bool to_chunk, Device& dev) {
+  for (const Dim0Member& x : m) {
+    const int64_t n = x.sizes[r] * x.row, off = x.offsets[r] * x.row;
+    if (n > 0) {
+      HAP_RETURN_IF_ERROR(to_chunk ? dev.CopyBox(x.whole, {off}, flat, {at}, {n})
+                                   : dev.CopyBox(flat, {at}, x.whole, {off}, {n}));
+    }
+    at += n;
+  }
+  return absl::OkStatus();
+}
+
+// Every member's shard gathered into its whole tensor, in one call.
+absl::Status CoalescedAllGather(const v1::CollectiveCall& c, TensorView in, TensorView out,
+                                absl::Span<const TensorView> ins,
+                                absl::Span<const TensorView> outs, Device& dev,
+                                Communicator& comm, Staging& st) {
+  std::vector<Dim0Member> m = Dim0Members(c, out, in, outs, ins);
+  std::vector<int64_t> counts = Dim0Counts(m);
+  const int me = comm.rank();
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  const int64_t es = graph::DTypeBytes(in.dtype);
+  HAP_ASSIGN_OR_RETURN(void* send, st.Get(0, std::max<int64_t>(counts[me] * es, 1)));
+  HAP_ASSIGN_OR_RETURN(void* recv, st.Get(1, std::max<int64_t>(total * es, 1)));
+  TensorView send_v{in.dtype, {counts[me]}, send};
+  TensorView recv_v{in.dtype, {total}, recv};
+  int64_t at = 0;
+  for (const Dim0Member& x : m) {  // this rank's shards, packed
+    if (x.part.num_elements() > 0) {
+      HAP_RETURN_IF_ERROR(dev.CopyBox(x.part, {0}, send_v, {at}, {x.part.num_elements()}));
+    }
+    at += x.part.num_elements();
+  }
+  HAP_RETURN_IF_ERROR(comm.AllGather(send_v, recv_v, counts, Method(c)));
+  at = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    HAP_RETURN_IF_ERROR(Dim0Restage(m, r, recv_v, at, /*to_chunk=*/false, dev));
+    at += counts[r];
+  }
+  return absl::OkStatus();
+}
+
+// Every member's whole tensor summed over ranks into this rank's shard of
+// it, in one call.
+absl::Status CoalescedReduceScatter(const v1::CollectiveCall& c, TensorView in,
+                                    TensorView out, absl::Span<const TensorView> ins,
+                                    absl::Span<const TensorView> outs, Device& dev,
+                                    Communicator& comm, Staging& st) {
+  std::vector<Dim0Member> m = Dim0Members(c, in, out, ins, outs);
+  std::vector<int64_t> counts = Dim0Counts(m);
+  const int me = comm.rank();
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  const int64_t es = graph::DTypeBytes(in.dtype);
+  HAP_ASSIGN_OR_RETURN(void* send, st.Get(0, std::max<int64_t>(total * es, 1)));
+  HAP_ASSIGN_OR_RETURN(void* recv, st.Get(1, std::max<int64_t>(counts[me] * es, 1)));
+  TensorView send_v{in.dtype, {total}, send};
+  TensorView recv_v{in.dtype, {counts[me]}, recv};
+  int64_t at = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    HAP_RETURN_IF_ERROR(Dim0Restage(m, r, send_v, at, /*to_chunk=*/true, dev));
+    at += counts[r];
+  }
+  HAP_RETURN_IF_ERROR(comm.ReduceScatter(send_v, recv_v, counts, Method(c)));
+  at = 0;
+  for (const Dim0Member& x : m) {  // this rank's chunk, unpacked
+    if (x.part.num_elements() > 0) {
+      HAP_RETURN_IF_ERROR(dev.CopyBox(recv_v, {at}, x.part, {0}, {x.part.num_elements()}));
+    }
+    at += x.part.num_elements();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Staging::~Staging() {
@@ -181,7 +300,8 @@ absl::StatusOr<void*> Staging::Get(int which, int64_t bytes) {
 
 absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
                            TensorView out, Device& dev, Communicator& comm,
-                           Staging& st, absl::Span<const TensorView> coalesced) {
+                           Staging& st, absl::Span<const TensorView> coalesced,
+                           absl::Span<const TensorView> coalesced_outputs) {
   absl::Status s;
   switch (c.collective()) {
     case v1::ALL_REDUCE:
@@ -197,10 +317,14 @@ absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
       }
       break;
     case v1::ALL_GATHER:
-      s = AllGather(c, in, out, dev, comm, st);
+      s = coalesced.empty() ? AllGather(c, in, out, dev, comm, st)
+                            : CoalescedAllGather(c, in, out, coalesced, coalesced_outputs,
+                                                 dev, comm, st);
       break;
     case v1::REDUCE_SCATTER:
-      s = ReduceScatter(c, in, out, dev, comm, st);
+      s = coalesced.empty() ? ReduceScatter(c, in, out, dev, comm, st)
+                            : CoalescedReduceScatter(c, in, out, coalesced,
+                                                     coalesced_outputs, dev, comm, st);
       break;
     case v1::ALL_TO_ALL:
       s = AllToAll(c, in, out, dev, comm, st);

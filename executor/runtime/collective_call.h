@@ -32,12 +32,16 @@ class Staging {
 
 // `in` and `out` are the call's input and output buffers on this rank;
 // `coalesced` the views of call.coalesced() (ALL_REDUCE: packed with `out`
-// into one staging buffer, summed in one call, copied back).
+// into one staging buffer, summed in one call, copied back) and
+// `coalesced_outputs` those of call.coalesced_outputs() (ALL_GATHER and
+// REDUCE_SCATTER along dim 0: every pair's shards packed per rank into one
+// flat transfer). The program runner has checked the shapes.
 // Errors: the communicator's, annotated with the collective and tensor.
 absl::Status RunCollective(const hap::v1::CollectiveCall& call, TensorView in,
                            TensorView out, Device& device, Communicator& comm,
                            Staging& staging,
-                           absl::Span<const TensorView> coalesced = {});
+                           absl::Span<const TensorView> coalesced = {},
+                           absl::Span<const TensorView> coalesced_outputs = {});
 
 }  // namespace hap::executor
 

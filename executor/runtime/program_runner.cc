@@ -188,7 +188,7 @@ absl::Status ProgramRunner::Validate() {
       auto check_sizes = [&](int dim, const auto& sizes, const TensorView& whole,
                              const TensorView& part) -> absl::Status {
         if (dim < 0 || dim >= whole.rank() || whole.rank() != part.rank() ||
-            sizes.size() != p.world_size()) {
+            static_cast<int64_t>(sizes.size()) != p.world_size()) {
           return bad(absl::StrCat(StepName(p, i), ": dimension or shard sizes do not fit"));
         }
         int64_t sum = 0;
@@ -198,18 +198,50 @@ absl::Status ProgramRunner::Validate() {
         }
         return absl::OkStatus();
       };
-      if (c.coalesced_size() > 0 &&
+      const bool dim0 = c.collective() == v1::ALL_GATHER || c.collective() == v1::REDUCE_SCATTER;
+      if (c.coalesced_size() > 0 && !dim0 &&
           (c.collective() != v1::ALL_REDUCE || c.input() != c.output())) {
         return bad(absl::StrCat(StepName(p, i),
-                                ": coalesced buffers are for in-place ALL_REDUCE only"));
+                                ": coalesced buffers are for in-place ALL_REDUCE, ALL_GATHER "
+                                "and REDUCE_SCATTER only"));
       }
-      for (int id : c.coalesced()) {
-        if (!id_ok(id, false)) {
-          return bad(absl::StrCat(StepName(p, i), ": coalesced buffer ", id, " does not exist"));
+      const int extra_outputs = dim0 ? c.coalesced_size() : 0;
+      if (c.coalesced_outputs_size() != extra_outputs ||
+          c.coalesced_shard_sizes_size() != extra_outputs * p.world_size()) {
+        return bad(absl::StrCat(StepName(p, i), ": ", c.coalesced_size(), " coalesced buffers, ",
+                                c.coalesced_outputs_size(), " coalesced outputs and ",
+                                c.coalesced_shard_sizes_size(),
+                                " coalesced shard sizes do not match (world ", p.world_size(),
+                                ")"));
+      }
+      if (c.coalesced_size() > 0 && dim0 && c.dim() != 0) {
+        return bad(absl::StrCat(StepName(p, i), ": a coalesced ",
+                                v1::Collective_Name(c.collective()), " must be along dim 0"));
+      }
+      for (int k = 0; k < c.coalesced_size(); ++k) {
+        for (int id : {c.coalesced(k), dim0 ? c.coalesced_outputs(k) : c.coalesced(k)}) {
+          if (!id_ok(id, false)) {
+            return bad(absl::StrCat(StepName(p, i), ": coalesced buffer ", id, " does not exist"));
+          }
+          if (views_[id].dtype != out.dtype) {
+            return bad(absl::StrCat(StepName(p, i), ": coalesced buffer ", id,
+                                    " has another dtype than the call's"));
+          }
         }
-        if (views_[id].dtype != out.dtype) {
-          return bad(absl::StrCat(StepName(p, i), ": coalesced buffer ", id,
-                                  " has another dtype than the call's"));
+        if (!dim0) continue;
+        std::vector<int64_t> sizes(c.coalesced_shard_sizes().begin() + k * p.world_size(),
+                                   c.coalesced_shard_sizes().begin() + (k + 1) * p.world_size());
+        const TensorView& a = views_[c.coalesced(k)];
+        const TensorView& b = views_[c.coalesced_outputs(k)];
+        const bool gather = c.collective() == v1::ALL_GATHER;
+        HAP_RETURN_IF_ERROR(check_sizes(0, sizes, gather ? b : a, gather ? a : b));
+        const TensorView& whole = gather ? b : a;
+        const TensorView& part = gather ? a : b;
+        for (int d = 1; d < whole.rank(); ++d) {
+          if (whole.shape[d] != part.shape[d]) {
+            return bad(absl::StrCat(StepName(p, i), ": coalesced buffers ", c.coalesced(k),
+                                    " and ", c.coalesced_outputs(k), " differ beyond dim 0"));
+          }
         }
       }
       switch (c.collective()) {
@@ -312,10 +344,11 @@ absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) 
       st = RunKernelStep(i, s.kernel(), step);
     } else {
       const v1::CollectiveCall& c = s.collective();
-      std::vector<TensorView> coalesced;
+      std::vector<TensorView> coalesced, coalesced_outputs;
       for (int id : c.coalesced()) coalesced.push_back(views_[id]);
+      for (int id : c.coalesced_outputs()) coalesced_outputs.push_back(views_[id]);
       st = RunCollective(c, views_[c.input()], views_[c.output()], *device_,
-                         *comm_, staging_, coalesced);
+                         *comm_, staging_, coalesced, coalesced_outputs);
     }
     if (!st.ok()) {
       return Annotate(st, absl::StrCat("training step ", step, ", ",

@@ -143,7 +143,42 @@ TEST_F(ProgramRunnerTest, RejectsBadCoalescedBuffers) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has another dtype")));
   EXPECT_THAT(Create(with(v1::BROADCAST, f32, f32, f32)),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("for in-place ALL_REDUCE only")));
+                       HasSubstr("for in-place ALL_REDUCE, ALL_GATHER and REDUCE_SCATTER only")));
+  // Coalesced dim-0 gathers: every extra input needs an output and its
+  // per-rank lengths, along dim 0, adding up.
+  const v1::Buffer& fb = program_.buffers(f32b);
+  auto gather = [&](int extra_out, std::vector<int64_t> extra_sizes, int dim) {
+    v1::RankProgram p = with(v1::ALL_GATHER, f32, f32, f32b);
+    v1::CollectiveCall* c = p.mutable_steps(p.steps_size() - 1)->mutable_collective();
+    c->set_dim(dim);
+    c->add_shard_sizes(program_.buffers(f32).shape(0));
+    if (extra_out >= 0) c->add_coalesced_outputs(extra_out);
+    for (int64_t x : extra_sizes) c->add_coalesced_shard_sizes(x);
+    return p;
+  };
+  EXPECT_THAT(Create(gather(-1, {fb.shape(0)}, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("1 coalesced buffers, 0 coalesced outputs and 1 coalesced shard "
+                                 "sizes do not match")));
+  EXPECT_THAT(Create(gather(f32b, {}, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("do not match (world 1)")));
+  EXPECT_THAT(Create(gather(f32b, {fb.shape(0) + 1}, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("shard sizes do not add up to dimension 0")));
+  EXPECT_THAT(Create(gather(integer, {fb.shape(0)}, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has another dtype")));
+  if (program_.buffers(f32).shape_size() > 1) {
+    EXPECT_THAT(Create(gather(f32b, {fb.shape(0)}, 1)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be along dim 0")));
+  }
+  // A well-formed coalesced gather of one rank copies each shard into place.
+  {
+    auto r = Create(gather(f32b, {fb.shape(0)}, 0));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE((*r)->InitializeParameters().ok());
+    auto batches = data::NewSyntheticBatches(*g_, 1);
+    EXPECT_TRUE((*r)->RunStep(*batches->Get(0), 0).ok());
+  }
   // A well-formed bucket of one world rank runs (the sum over one rank is
   // the buffer itself).
   auto r = Create(with(v1::ALL_REDUCE, f32, f32, f32b));

@@ -203,7 +203,7 @@ std::vector<Case> Cases() {
   std::vector<Case> out;
   for (std::string model : {"mlp", "gpt", "vit", "moe"}) {
     for (int n : {2, 3, 4}) {
-      for (std::string kind : {"dp", "tp", "mix", "zero", "sfb"}) {
+      for (std::string kind : {"dp", "tp", "mix", "zero", "zero2", "sfb"}) {
         for (bool uneven : {false, true}) {
           // Adam with clipping on half the cases, SGD with momentum on the rest.
           bool adam = (n + (kind == "tp") + uneven) % 2 == 0;

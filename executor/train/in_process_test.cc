@@ -88,7 +88,7 @@ TEST_P(InProcessTest, MatchesSingleDevice) {
 
 INSTANTIATE_TEST_SUITE_P(Models, InProcessTest,
                          ::testing::Combine(::testing::Values("mlp", "gpt", "vit", "moe"),
-                                            ::testing::Values("dp", "tp", "mix", "zero", "sfb")));
+                                            ::testing::Values("dp", "tp", "mix", "zero", "zero2", "sfb")));
 
 }  // namespace
 }  // namespace hap

@@ -25,10 +25,10 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
   o.ratios = ratios;
   o.allow_sfb = kind == "mix";
   o.max_seconds = 20;
-  if (kind == "dp" || kind == "sfb" || kind == "zero") {
+  const bool zero = kind == "zero" || kind == "zero2";
+  if (kind == "dp" || kind == "sfb" || zero) {
     o.rule_filter = synth::DataParallelRule;
-    o.force_storage =
-        kind == "zero" ? synth::ParamStorage::kZero : synth::ParamStorage::kReplicated;
+    o.force_storage = zero ? synth::ParamStorage::kZero : synth::ParamStorage::kReplicated;
   } else if (kind == "tp") {
     o.rule_filter = synth::TensorParallelRule;
   } else if (kind != "mix") {
@@ -36,6 +36,18 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
   }
   auto p = synth::Synthesize(g, SlowDevicesFastLinks(n), o);
   if (!p.ok()) return p.status();
+  if (kind == "zero2") {
+    int once = 0;
+    for (synth::OpStep& s : p->steps) {
+      for (synth::SourceLoad& l : s.loads) {
+        if (l.parameter && l.storage == synth::ParamStorage::kZero) {
+          l.gather_once = true;
+          ++once;
+        }
+      }
+    }
+    if (once == 0) return absl::FailedPreconditionError("no ZeRO parameter to gather once");
+  }
   if (kind == "sfb") {
     int forced = 0;
     for (synth::OpStep& s : p->steps) {

@@ -3,7 +3,10 @@
 //   dp    data-parallel rules, replicated parameters
 //   tp    tensor-parallel rules
 //   mix   the unrestricted search (SFB and ZeRO allowed)
-//   zero  data-parallel rules, ZeRO-sharded parameters
+//   zero  data-parallel rules, ZeRO-sharded parameters gathered again for
+//         backward (ZeRO-3)
+//   zero2 the same, every ZeRO parameter gathered once per step and kept for
+//         backward, gathers and gradient reduce-scatters coalesced
 //   sfb   dp with SFB forced on every data-parallel linear weight
 #ifndef HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
 #define HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
@@ -24,7 +27,7 @@ cost::ClusterModel SlowDevicesFastLinks(int n);
 
 // A program of `kind` for n devices at `ratios`, checked by
 // synth::CheckProgram. FailedPrecondition when "sfb" finds no weight to
-// force SFB on.
+// force SFB on, or "zero2" no ZeRO parameter.
 absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
                                              const std::string& kind,
                                              const std::vector<double>& ratios);

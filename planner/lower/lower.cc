@@ -216,6 +216,7 @@ class RankBuilder {
     prog_.set_world_size(o_.world_size);
     prog_.set_seed(o_.seed);
     if (r_ < static_cast<int>(o_.devices.size())) prog_.set_device(o_.devices[r_]);
+    GatherOnceParameters();
     for (size_t k = 0; k < p_.steps.size(); ++k) {
       HAP_RETURN_IF_ERROR(Forward(p_.steps[k]));
     }
@@ -404,7 +405,14 @@ class RankBuilder {
       }
       ParamSlot slot;
       slot.tensor = l.tensor;
-      if (l.storage == synth::ParamStorage::kZero) {
+      auto once = gather_once_.find(l.tensor);
+      if (once != gather_once_.end()) {
+        // Gathered before forward (GatherOnceParameters); the whole copy
+        // stays for backward.
+        slot.storage = {l.tensor, kZeroStorage};
+        fwd_[slot.storage] = once->second.in;
+        fwd_[K(l.tensor, Form::R())] = once->second.out;
+      } else if (l.storage == synth::ParamStorage::kZero) {
         slot.storage = {l.tensor, kZeroStorage};
         int shard = NewBuffer(l.tensor, kZeroStorage, v1::Buffer::PARAMETER);
         fwd_[slot.storage] = shard;
@@ -704,12 +712,92 @@ class RankBuilder {
 
   std::vector<int> bucket_;  // replicated gradients awaiting their all-reduce
 
+  // A pair of buffers of a coalesced dim-0 ALL_GATHER or REDUCE_SCATTER.
+  struct ShardedItem {
+    int in = -1, out = -1;
+    TensorId tensor = -1;
+    synth::Method method = synth::Method::kNone;
+  };
+  std::vector<ShardedItem> zero_bucket_;  // gathered-once ZeRO gradients
+  std::map<TensorId, ShardedItem> gather_once_;  // shard -> whole
+
+  // The ZeRO parameters the program gathers once per step (ZeRO-2-like): their
+  // shards (the stored parameters) and whole copies, gathered by one
+  // coalesced ALL_GATHER per dtype before forward; the whole copies stay for
+  // backward.
+  void GatherOnceParameters() {
+    std::vector<ShardedItem> items;
+    for (const synth::OpStep& s : p_.steps) {
+      for (const synth::SourceLoad& l : s.loads) {
+        if (!l.parameter || l.storage != synth::ParamStorage::kZero || !l.gather_once ||
+            gather_once_.count(l.tensor)) {
+          continue;
+        }
+        ShardedItem it;
+        it.tensor = l.tensor;
+        it.method = l.method;
+        it.in = NewBuffer(l.tensor, kZeroStorage, v1::Buffer::PARAMETER);
+        it.out = NewBuffer(l.tensor, Form::R().raw(), v1::Buffer::ACTIVATION, "#gathered");
+        gather_once_[l.tensor] = it;
+        items.push_back(it);
+      }
+    }
+    CoalescedDim0(v1::Step::FORWARD, v1::ALL_GATHER, std::move(items),
+                  "parameters gathered once");
+  }
+
+  // One coalesced `kind` (ALL_GATHER or REDUCE_SCATTER along dim 0) per
+  // dtype over `items`, in their order; the method is the largest tensor's.
+  void CoalescedDim0(v1::Step::Phase phase, v1::Collective kind,
+                     std::vector<ShardedItem> items, const std::string& what) {
+    while (!items.empty()) {
+      const graph::DType dtype = g_.tensor(items.front().tensor).type.dtype;
+      std::vector<ShardedItem> take, rest;
+      for (const ShardedItem& it : items) {
+        (g_.tensor(it.tensor).type.dtype == dtype ? take : rest).push_back(it);
+      }
+      int64_t bytes = 0, largest = -1;
+      synth::Method method = take.front().method;
+      for (const ShardedItem& it : take) {
+        const int64_t b = g_.tensor(it.tensor).type.bytes();
+        bytes += b;
+        if (b > largest) {
+          largest = b;
+          method = it.method;
+        }
+      }
+      v1::CollectiveCall* c = Sharded(phase, kind, method, take.front().in,
+                                      take.front().out, take.front().tensor, 0);
+      const int step = prog_.steps_size() - 1;
+      c->set_tensor(absl::StrCat(what, ": ", take.size(), " tensor(s), ", bytes, " bytes"));
+      for (size_t i = 1; i < take.size(); ++i) {
+        c->add_coalesced(take[i].in);
+        c->add_coalesced_outputs(take[i].out);
+        for (int64_t l : dims_.Layout(take[i].tensor, 0).lengths) {
+          c->add_coalesced_shard_sizes(l);
+        }
+        Use(take[i].in, step);
+        Use(take[i].out, step);
+      }
+      items = std::move(rest);
+    }
+  }
+
   void SyncParameter(const synth::SourceLoad& l) {
     const auto G = v1::Step::GRADIENT_SYNC;
     Key whole = K(l.tensor, Form::R());
     if (l.storage == synth::ParamStorage::kZero) {
       if (!HasGrad(whole)) return;
       int gt = grad_.at(whole);
+      if (gather_once_.count(l.tensor) && a_.partial_grad[l.tensor]) {
+        // Deferred into the coalesced reduce-scatter after backward
+        // (FlushGradientBuckets), which writes the whole shard gradient.
+        Key shard = {l.tensor, kZeroStorage};
+        int dst = NewBuffer(l.tensor, kZeroStorage, v1::Buffer::GRADIENT, "#grad");
+        grad_[shard] = dst;
+        zero_bucket_.push_back({gt, dst, l.tensor, l.method});
+        return;
+      }
       int dst = Grad({l.tensor, kZeroStorage}, G);
       if (a_.partial_grad[l.tensor]) {
         Sharded(G, v1::REDUCE_SCATTER, l.method, gt, dst, l.tensor, 0);
@@ -737,6 +825,9 @@ class RankBuilder {
   static constexpr int64_t kBucketBytes = int64_t{64} << 20;
   void FlushGradientBuckets() {
     const auto G = v1::Step::GRADIENT_SYNC;
+    CoalescedDim0(G, v1::REDUCE_SCATTER, std::move(zero_bucket_),
+                  "gradients of parameters gathered once");
+    zero_bucket_.clear();
     std::vector<int> pending = std::move(bucket_);
     bucket_.clear();
     while (!pending.empty()) {

@@ -188,6 +188,78 @@ TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   EXPECT_EQ(states, 2);
 }
 
+TEST(LowerTest, ZeroGatheredOnceIsOneCoalescedGatherAndOneCoalescedReduceScatter) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.7, 0.3}, synth::ParamStorage::kZero, synth::DataParallelRule);
+  int once = 0;
+  for (synth::OpStep& s : p.steps) {
+    for (synth::SourceLoad& l : s.loads) {
+      if (l.parameter && l.storage == synth::ParamStorage::kZero) {
+        l.gather_once = true;
+        ++once;
+      }
+    }
+  }
+  ASSERT_GT(once, 2);
+  LowerOptions o;
+  o.world_size = 2;
+  o.ratios = {0.7, 0.3};
+  o.optimizer.set_kind(v1::OptimizerConfig::ADAM);
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  const v1::RankProgram& r1 = (*progs)[1];
+  int gathers = 0, scatters = 0, backward_gathers = 0;
+  for (const auto& s : r1.steps()) {
+    if (!s.has_collective()) continue;
+    const v1::CollectiveCall& c = s.collective();
+    if (c.collective() == v1::ALL_GATHER) {
+      if (s.phase() == v1::Step::BACKWARD) ++backward_gathers;
+      if (s.phase() != v1::Step::FORWARD) continue;
+      ++gathers;
+      // Every ZeRO parameter in the one call, before any kernel.
+      EXPECT_EQ(c.coalesced_size() + 1, once);
+      EXPECT_EQ(c.coalesced_outputs_size(), c.coalesced_size());
+      EXPECT_EQ(c.coalesced_shard_sizes_size(), 2 * c.coalesced_size());
+      EXPECT_EQ(c.dim(), 0);
+      EXPECT_EQ(&s, &r1.steps(0));
+      for (int k = 0; k < c.coalesced_size(); ++k) {
+        const v1::Buffer& shard = r1.buffers(c.coalesced(k));
+        const v1::Buffer& whole = r1.buffers(c.coalesced_outputs(k));
+        EXPECT_EQ(shard.role(), v1::Buffer::PARAMETER);
+        EXPECT_EQ(whole.shape(0), whole.global_shape(0));
+        EXPECT_EQ(c.coalesced_shard_sizes(2 * k) + c.coalesced_shard_sizes(2 * k + 1),
+                  whole.shape(0));
+        EXPECT_EQ(c.coalesced_shard_sizes(2 * k + 1), shard.shape(0));
+      }
+    }
+    if (c.collective() == v1::REDUCE_SCATTER) {
+      EXPECT_EQ(s.phase(), v1::Step::GRADIENT_SYNC);
+      EXPECT_EQ(c.coalesced_size() + 1, once);
+      ++scatters;
+    }
+  }
+  EXPECT_EQ(gathers, 1);
+  EXPECT_EQ(scatters, 1);
+  EXPECT_EQ(backward_gathers, 0);
+  // The gathered copy is kept for backward.
+  const v1::Buffer* whole = Find(r1, "layer0/mlp/fc1/weight#gathered", v1::Buffer::ACTIVATION);
+  ASSERT_NE(whole, nullptr);
+  int first_backward = 0;
+  while (r1.steps(first_backward).phase() == v1::Step::FORWARD) ++first_backward;
+  EXPECT_GT(whole->last_use(), first_backward);
+  // The optimizer runs on the shard: Adam moments of the shard's rows.
+  const v1::Buffer* w = Find(r1, "layer0/mlp/fc1/weight", v1::Buffer::PARAMETER);
+  ASSERT_NE(w, nullptr);
+  for (const auto& b : r1.buffers()) {
+    if (b.role() == v1::Buffer::OPTIMIZER_STATE &&
+        b.tensor().rfind("layer0/mlp/fc1/weight#", 0) == 0) {
+      EXPECT_EQ(b.shape(0), w->shape(0));
+      EXPECT_LT(b.shape(0), b.global_shape(0));
+    }
+  }
+}
+
 TEST(LowerTest, BuffersAliveTogetherNeverOverlapAndMemoryIsReused) {
   graph::Graph g = Gpt(8);
   synth::Program p = Search(g, 2, {0.6, 0.4}, std::nullopt,

@@ -71,6 +71,7 @@ void AddInstructions(const graph::Graph& g, const synth::Program& p,
       if (l.parameter) {
         i->set_storage(StorageOf(l.storage));
         i->set_sfb(l.sfb);
+        i->set_zero_gather_once(l.gather_once);
       }
       double comm = 0;
       for (const auto& c : l.costs) comm += eval(c);

@@ -102,6 +102,9 @@ ratios::MemoryConstraint MemoryModel(const graph::Graph& g,
       if (l.parameter) {
         double mult = t.frozen ? 1.0 : state;
         add(bytes * mult, l.storage_form);
+        // Gathered once: the whole value and its whole gradient live
+        // through the step beside the shards.
+        if (l.gather_once) add(bytes * (t.frozen ? 1.0 : 2.0), Form::R());
       } else {
         add(bytes, l.form);
       }

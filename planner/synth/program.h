@@ -58,6 +58,12 @@ struct SourceLoad {
   // sufficient factor broadcasting (all-gather x and dy, recompute dW).
   bool grad_allreduce = false;
   bool sfb = false;
+  // ZeRO storage gathered once per step (ZeRO-2-like: the gathered copy is
+  // kept for backward) instead of again for backward (ZeRO-3). The lowering
+  // coalesces these parameters into one all-gather before forward and their
+  // gradients into one reduce-scatter after backward.
+  bool gather_once = false;
+  bool grad_reduce_scatter = false;  // gather_once with a partial gradient
   Method method = Method::kNone;    // ZeRO gathers / SFB gathers
   std::vector<CostTerm> costs;
   // Compute: the optimizer update of the stored elements (calibrated).

@@ -98,6 +98,7 @@ class Searcher {
     return Uneven(bytes, false, m);
   }
   CostTerm Uneven(double bytes, bool gather, Method* method) const;
+  CostTerm WithoutCallOverhead(CostTerm t, Method m) const;
   std::string Key(const State& s) const;
   std::optional<int> Greedy(int from, int64_t node_budget);
   Program Reconstruct(int goal) const;
@@ -186,6 +187,15 @@ void Searcher::Prepare() {
       h_[i] = h_[i + 1] + best;
     }
   }
+}
+
+// `t` less the per-call overhead the collective model adds (once per rank
+// for the grouped form): a tensor's share of a coalesced call.
+CostTerm Searcher::WithoutCallOverhead(CostTerm t, Method m) const {
+  const double ov = cluster_.collective_overhead_seconds();
+  const double calls = m == Method::kGrouped ? cluster_.size() : 1;
+  for (double& c : t.constant) c = std::max(0.0, c - calls * ov);
+  return t;
 }
 
 // The cheaper of the padded and grouped forms of an uneven collective.
@@ -360,6 +370,29 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     if (partial) {
       Method m;
       z.costs.push_back(Scatter(bytes, &m));
+    }
+    AddUpdateCost(p, /*sharded=*/true, &z);
+    double c = 0;
+    for (const auto& t2 : z.costs) c += Eval(t2);
+    for (const auto& t2 : z.update_costs) c += Eval(t2);
+    options.push_back({z, c});
+  }
+  if (allowed(ParamStorage::kZero) && opt_.allow_zero && !opt_.force_storage &&
+      zero_possible) {
+    // ZeRO gathered once per step: one gather kept for backward, the
+    // gradient reduce-scattered. Both are coalesced with the other such
+    // parameters (planner/lower), so a tensor pays the transfer only; the
+    // two calls' overhead is counted once per step (Finish).
+    SourceLoad z = l;
+    z.storage = ParamStorage::kZero;
+    z.storage_form = Form::S(0);
+    z.gather_once = true;
+    z.costs.push_back(WithoutCallOverhead(Gather(bytes, &z.method), z.method));
+    if (partial) {
+      z.grad_reduce_scatter = true;
+      Method m;
+      CostTerm scatter = Scatter(bytes, &m);
+      z.costs.push_back(WithoutCallOverhead(scatter, m));
     }
     AddUpdateCost(p, /*sharded=*/true, &z);
     double c = 0;
@@ -638,9 +671,17 @@ Program Searcher::Finish(Program p, bool optimal) {
   // per-call overhead: the gradient bucket's all-reduce and the all-reduce
   // of a partial loss.
   int extra_calls = 0;
-  bool bucket = false, partial_loss = false;
+  bool bucket = false, partial_loss = false, gather = false, scatter = false;
   for (const OpStep& s : p.steps) {
-    for (const SourceLoad& l : s.loads) bucket = bucket || l.grad_allreduce;
+    for (const SourceLoad& l : s.loads) {
+      bucket = bucket || l.grad_allreduce;
+      // The coalesced all-gather of the parameters gathered once and the
+      // reduce-scatter of their gradients.
+      if (l.gather_once) {
+        gather = true;
+        scatter = scatter || l.grad_reduce_scatter;
+      }
+    }
     const graph::Op& op = g_.op(s.op);
     for (size_t j = 0; j < op.outputs.size(); ++j) {
       if (op.outputs[j] == g_.loss() && j < s.rule.outputs.size() &&
@@ -649,7 +690,8 @@ Program Searcher::Finish(Program p, bool optimal) {
       }
     }
   }
-  extra_calls = (bucket ? 1 : 0) + (partial_loss ? 1 : 0);
+  extra_calls = (bucket ? 1 : 0) + (partial_loss ? 1 : 0) + (gather ? 1 : 0) +
+                (scatter ? 1 : 0);
   p.overhead = coll_.Constant(0);
   for (int d = 0; d < cluster_.size(); ++d) {
     p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds +
