@@ -407,8 +407,10 @@ int RunCalibrate(const std::vector<std::string>& argv) {
     return Fail(absl::PermissionDeniedError(absl::StrCat("cannot write '", args->Get("out"), "'")));
   }
   std::cout << absl::StrFormat(
-      "collective overhead %.3f ms per call (%.0f calls per step over the runs)\n",
-      1e3 * cal->collective_overhead_seconds, cal->collective_calls);
+      "communication: link transfer time x%.3f, collective overhead %.3f ms per call (%.0f "
+      "calls per step over the runs; fitted %s)\n",
+      cal->transfer_scale, 1e3 * cal->collective_overhead_seconds, cal->collective_calls,
+      cal->communication_fit);
   std::cout << "wrote the calibrated cluster to " << args->Get("out") << "\n";
   return 0;
 }

@@ -551,11 +551,16 @@ def bench(c, bins, args, configs):
         plans.update(make_plans(c, bins, qpath, ids, model, opt, ("hap", "dp-prop"), "-q"))
     if "hap-cal" in configs:
         log("\n== 2b. Calibration: each plan run once with --profile, then hapctl calibrate ==")
+        # ZeRO-3 (a gather and a scatter per parameter) beside the data-parallel
+        # plans (one gradient bucket): their different calls per byte let the
+        # calibration tell slow transfers from per-call synchronisation.
+        calib = dict(plans)
+        calib.update(make_plans(c, bins, cluster_path, ids, model, opt, ("zero3",)))
         runs = []
-        for name in ("hap", "dp-even", "dp-prop"):
+        for name in ("hap", "dp-even", "dp-prop", "zero3"):
             prefix = os.path.join(c.state, f"profile-{name}")
-            run_hap_launch(c, bins, plans[name]["path"], args, f"profile-{name}", profile=prefix)
-            runs += ["--plan", plans[name]["path"], "--profile", prefix]
+            run_hap_launch(c, bins, calib[name]["path"], args, f"profile-{name}", profile=prefix)
+            runs += ["--plan", calib[name]["path"], "--profile", prefix]
         cal_path = os.path.join(c.state, "cluster-calibrated.json")
         p = subprocess.run([bins["hapctl"], "calibrate", "--cluster", cluster_path, *runs,
                             "--out", cal_path], capture_output=True, text=True)

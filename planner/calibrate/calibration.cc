@@ -127,6 +127,64 @@ double CollectiveCallsPerStep(const v1::Plan& plan) {
   return calls;
 }
 
+// One run's communication per step: measured (median step less the busiest
+// rank's kernel time), the model's transfer seconds and collective calls.
+struct CommSample {
+  double measured = 0, transfer = 0, calls = 0;
+};
+
+struct CommFit {
+  double transfer_scale = 1;
+  double per_call_seconds = 0;
+  std::string how;
+};
+
+// measured ~ A * transfer + B * calls with A, B >= 0 by least squares. When
+// the runs cannot tell the two apart (every run has about the same transfer
+// per call) or the fit leaves A at 0, the links stay as probed (A = 1) and
+// the rest goes to the calls (B >= 0); when B would be negative, A alone.
+CommFit FitCommunication(const std::vector<CommSample>& runs, double prior_per_call) {
+  CommFit f;
+  f.per_call_seconds = prior_per_call;
+  double tt = 0, tc = 0, cc = 0, tm = 0, cm = 0, sum_m = 0, sum_t = 0, sum_c = 0;
+  for (const CommSample& r : runs) {
+    tt += r.transfer * r.transfer;
+    tc += r.transfer * r.calls;
+    cc += r.calls * r.calls;
+    tm += r.transfer * r.measured;
+    cm += r.calls * r.measured;
+    sum_m += r.measured;
+    sum_t += r.transfer;
+    sum_c += r.calls;
+  }
+  auto calls_only = [&](const char* why) {
+    f.transfer_scale = 1;
+    if (sum_c > 0) f.per_call_seconds = std::max(0.0, (sum_m - sum_t) / sum_c);
+    f.how = why;
+  };
+  const double det = tt * cc - tc * tc;
+  // |cos| of the angle between the transfer and call columns above 0.995:
+  // collinear for our purposes.
+  if (tt <= 0 || cc <= 0 || det <= 0.01 * tt * cc) {
+    calls_only("per call (the runs do not separate transfers from calls)");
+    return f;
+  }
+  double a = (tm * cc - cm * tc) / det;
+  double b = (cm * tt - tm * tc) / det;
+  if (a <= 0) {
+    calls_only("per call (the fit gave transfers no time)");
+    return f;
+  }
+  if (b < 0) {
+    b = 0;
+    a = tm / tt;
+  }
+  f.transfer_scale = a;
+  f.per_call_seconds = b;
+  f.how = "transfers and calls (least squares over the runs)";
+  return f;
+}
+
 }  // namespace
 
 absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
@@ -165,6 +223,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   }
   std::map<std::string, Sums> sums;
   double comm_measured = 0, comm_modelled = 0, calls = 0;
+  std::vector<CommSample> comm;  // per run
   for (size_t k = 0; k < runs.size(); ++k) {
     const ProfiledRun& run = runs[k];
     const v1::Plan& plan = run.plan;
@@ -208,9 +267,17 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
           "run ", k, ": profiles of ", seen.size(), " of the plan's ", plan.devices_size(),
           " ranks; every rank's profile is needed"));
     }
-    comm_measured += std::max(0.0, step - busiest);
+    CommSample c;
+    c.measured = std::max(0.0, step - busiest);
+    c.calls = CollectiveCallsPerStep(plan);
+    // The prediction's transfers: its communication less the per-call
+    // overhead of the cluster the plan was made for.
+    c.transfer = std::max(0.0, plan.prediction().communication_seconds() -
+                                   c.calls * plan.cluster().defaults().collective_overhead_seconds());
+    comm.push_back(c);
+    comm_measured += c.measured;
     comm_modelled += plan.prediction().communication_seconds();
-    calls += CollectiveCallsPerStep(plan);
+    calls += c.calls;
   }
 
   Calibration out;
@@ -242,14 +309,26 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       d.set_step_overhead_seconds(overhead / s.runs);
     }
   }
-  // What the model misses of communication, spread over the calls: the
-  // synchronisation cost of every collective (a throttled or busy peer
-  // reaches it late), on top of the measured links' latency and bandwidth.
+  // What the model misses of communication: measured = A * transfers +
+  // B * calls, fitted over the runs. A scales the links' transfer time (a
+  // busy or throttled CPU moves and sums bytes slower than the probes saw),
+  // B is the synchronisation cost of every collective call (a throttled or
+  // busy peer reaches it late).
   auto* def = out.cluster.mutable_defaults();
-  if (calls > 0) {
-    def->set_collective_overhead_seconds(std::max(
-        0.0, def->collective_overhead_seconds() + (comm_measured - comm_modelled) / calls));
+  const CommFit fit = FitCommunication(comm, def->collective_overhead_seconds());
+  if (calls > 0) def->set_collective_overhead_seconds(fit.per_call_seconds);
+  if (fit.transfer_scale != 1) {
+    auto slower = [&](double bw) { return bw / fit.transfer_scale; };
+    def->set_intra_node_bandwidth_bytes_per_second(
+        slower(def->intra_node_bandwidth_bytes_per_second()));
+    def->set_inter_node_bandwidth_bytes_per_second(
+        slower(def->inter_node_bandwidth_bytes_per_second()));
+    for (auto& l : *out.cluster.mutable_links()) {
+      l.set_bandwidth_bytes_per_second(slower(l.bandwidth_bytes_per_second()));
+    }
   }
+  out.transfer_scale = fit.transfer_scale;
+  out.communication_fit = fit.how;
   out.collective_overhead_seconds = def->collective_overhead_seconds();
   out.collective_calls = calls;
   out.rows.push_back({"*", kCommunication, comm_modelled, comm_measured});

@@ -13,10 +13,13 @@
 //   op_time_scale[T]  = measured / modelled seconds of op type T,
 //   optimizer_seconds_per_element = optimizer seconds / stored elements,
 //   step_overhead_seconds = runtime seconds + ops the model gives no FLOPs,
-// and a per-collective-call overhead (LinkDefaults.collective_overhead_seconds)
-// that accounts for the communication time the model misses (measured:
-// median step time less the busiest rank's kernel time; spread over the
-// collective calls of a step; the agents' link bandwidths stay). Several
+// and for the communication time the model misses (measured: median step
+// time less the busiest rank's kernel time) a least-squares fit over the
+// runs of measured = A x the model's transfer seconds + B x collective calls:
+// link bandwidths divided by A, B the per-collective-call overhead
+// (LinkDefaults.collective_overhead_seconds). Runs of plans with different
+// transfers per call (e.g. data parallelism and ZeRO-3) separate the two;
+// when the runs cannot, the links stay and the calls take it all. Several
 // runs (plans) can be combined: sums over runs are divided, so op types seen
 // in any run are calibrated. The planner then searches and predicts with it.
 #ifndef HAP_PLANNER_CALIBRATE_CALIBRATION_H_
@@ -66,6 +69,10 @@ struct Calibration {
   // and the collective calls per step it was fitted over (all runs).
   double collective_overhead_seconds = 0;
   double collective_calls = 0;
+  // Measured transfer time over the model's: the cluster's link bandwidths
+  // were divided by it (1 = kept as probed).
+  double transfer_scale = 1;
+  std::string communication_fit;  // how the two were fitted, for people
 };
 
 // InvalidArgument when a run's profiles do not match its plan (a rank

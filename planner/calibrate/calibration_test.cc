@@ -187,6 +187,56 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
   EXPECT_GT(p1->cost.total, 1.5 * p0->cost.total);
 }
 
+// A run of `plan` whose communication took `scale` x the model's transfers
+// plus `per_call` per collective call.
+ProfiledRun CommRun(const v1::Plan& plan, double scale, double per_call) {
+  ProfiledRun run = UnitRun(plan);
+  double calls = 0;
+  for (const auto& s : plan.rank_programs(0).steps()) {
+    if (!s.has_collective()) continue;
+    const auto& c = s.collective();
+    const bool grouped = c.method() == v1::GROUPED &&
+                         (c.collective() == v1::ALL_GATHER || c.collective() == v1::REDUCE_SCATTER);
+    calls += grouped ? plan.devices_size() : 1;
+  }
+  const double comm = plan.prediction().communication_seconds();
+  for (auto& r : run.ranks) r.step_seconds_median = r.device_seconds + scale * comm + calls * per_call;
+  return run;
+}
+
+TEST(CalibrationTest, SeparatesSlowTransfersFromPerCallOverheadAcrossPlans) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  // Data parallelism (a few calls, the gradients' bytes) and ZeRO-3 (a
+  // gather and a scatter per parameter: many calls).
+  v1::Plan dp = MakePlan(g, c, synth::Baseline::kDpEven);
+  v1::Plan zero = MakePlan(g, c, synth::Baseline::kZero3);
+  ASSERT_GT(dp.prediction().communication_seconds(), 0);
+  auto cal = Calibrate(c, {CommRun(dp, 3.0, 0.002), CommRun(zero, 3.0, 0.002)});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_NEAR(cal->transfer_scale, 3.0, 1e-6);
+  EXPECT_NEAR(cal->collective_overhead_seconds, 0.002, 1e-9);
+  EXPECT_NEAR(cal->cluster.defaults().intra_node_bandwidth_bytes_per_second(), 2e9 / 3, 1);
+  EXPECT_NEAR(cal->cluster.defaults().inter_node_bandwidth_bytes_per_second(), 1e9 / 3, 1);
+  EXPECT_NE(cal->communication_fit.find("least squares"), std::string::npos)
+      << cal->communication_fit;
+
+  // No per-call cost at all: the transfers alone.
+  cal = Calibrate(c, {CommRun(dp, 2.0, 0), CommRun(zero, 2.0, 0)});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_NEAR(cal->transfer_scale, 2.0, 1e-6);
+  EXPECT_NEAR(cal->collective_overhead_seconds, 0, 1e-9);
+
+  // One plan twice cannot separate them: the links stay, the calls take it.
+  cal = Calibrate(c, {CommRun(dp, 3.0, 0.002), CommRun(dp, 3.0, 0.002)});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_EQ(cal->transfer_scale, 1.0);
+  EXPECT_EQ(cal->cluster.defaults().intra_node_bandwidth_bytes_per_second(), 2e9);
+  EXPECT_GT(cal->collective_overhead_seconds, 0.002);
+  EXPECT_NE(cal->communication_fit.find("do not separate"), std::string::npos)
+      << cal->communication_fit;
+}
+
 TEST(CalibrationTest, RejectsProfilesThatDoNotMatchThePlan) {
   graph::Graph g = Gpt();
   v1::Cluster c = TwoCpus();
