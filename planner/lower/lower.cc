@@ -533,7 +533,11 @@ class RankBuilder {
     int loss = NewBuffer(l, Form::R().raw(), v1::Buffer::LOSS, "#value");
     prog_.set_loss_buffer(loss);
     if (Form::FromRaw(k.second).is_partial()) {
-      Coll(v1::Step::FORWARD, v1::ALL_REDUCE, fwd_[k], loss, l);
+      // This rank's part now; summed with the gradient bucket after backward
+      // (FlushGradientBuckets): nothing reads the value before the step
+      // ends, and one synchronisation fewer per step.
+      Kernel(v1::Step::FORWARD, "copy", {fwd_[k]}, {loss});
+      partial_loss_ = loss;
     } else {
       Kernel(v1::Step::FORWARD, "copy", {fwd_[k]}, {loss});
     }
@@ -711,6 +715,7 @@ class RankBuilder {
   }
 
   std::vector<int> bucket_;  // replicated gradients awaiting their all-reduce
+  int partial_loss_ = -1;    // the loss buffer when it holds a partial sum
 
   // A pair of buffers of a coalesced dim-0 ALL_GATHER or REDUCE_SCATTER.
   struct ShardedItem {
@@ -828,6 +833,7 @@ class RankBuilder {
     CoalescedDim0(G, v1::REDUCE_SCATTER, std::move(zero_bucket_),
                   "gradients of parameters gathered once");
     zero_bucket_.clear();
+    if (partial_loss_ >= 0) bucket_.push_back(partial_loss_);
     std::vector<int> pending = std::move(bucket_);
     bucket_.clear();
     while (!pending.empty()) {
@@ -870,12 +876,16 @@ class RankBuilder {
     if (cfg.clip_global_norm() > 0 && !live.empty()) {
       norm = NewNorm();
       Fill(O, norm, 0.0);
+      // Every gradient replicated (synchronised): each rank sums them all
+      // itself, in the same order, and needs no all-reduce.
+      bool all_replicated = true;
+      for (const ParamSlot* p : live) all_replicated = all_replicated && p->replicated;
       for (const ParamSlot* p : live) {
-        // A replicated parameter counts once: on rank 0.
-        if (p->replicated && r_ != 0) continue;
+        // Otherwise a replicated parameter counts once: on rank 0.
+        if (!all_replicated && p->replicated && r_ != 0) continue;
         Kernel(O, "sq_norm", {grad_.at(p->storage)}, {norm});
       }
-      Coll(O, v1::ALL_REDUCE, norm, norm, g_.loss());
+      if (!all_replicated) Coll(O, v1::ALL_REDUCE, norm, norm, g_.loss());
     }
     bool adam = cfg.kind() == v1::OptimizerConfig::ADAM;
     for (const ParamSlot* p : live) {

@@ -668,8 +668,8 @@ std::string Searcher::EntryKey(const State& s) const {
 
 Program Searcher::Finish(Program p, bool optimal) {
   // Calls the lowering adds outside the searched steps, each paying the
-  // per-call overhead: the gradient bucket's all-reduce and the all-reduce
-  // of a partial loss.
+  // per-call overhead: the gradient bucket's all-reduce (with a partial
+  // loss in it), the gathered-once parameters' all-gather and reduce-scatter.
   int extra_calls = 0;
   bool bucket = false, partial_loss = false, gather = false, scatter = false;
   for (const OpStep& s : p.steps) {
@@ -690,8 +690,8 @@ Program Searcher::Finish(Program p, bool optimal) {
       }
     }
   }
-  extra_calls = (bucket ? 1 : 0) + (partial_loss ? 1 : 0) + (gather ? 1 : 0) +
-                (scatter ? 1 : 0);
+  // A partial loss is summed in the gradient bucket's call when there is one.
+  extra_calls = (bucket || partial_loss ? 1 : 0) + (gather ? 1 : 0) + (scatter ? 1 : 0);
   p.overhead = coll_.Constant(0);
   for (int d = 0; d < cluster_.size(); ++d) {
     p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds +
