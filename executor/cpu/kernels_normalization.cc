@@ -1,9 +1,12 @@
 // Normalisations over the last dimension: layer_norm, softmax (additive mask,
-// causal mask), log_softmax. Row statistics accumulate in double.
+// causal mask), log_softmax. Row statistics accumulate in double (float
+// softmax rows: in float lanes within blocks of simd::kSumBlock columns, in
+// double across them).
 #include <cmath>
 #include <limits>
 
 #include "executor/cpu/kernels_internal.h"
+#include "executor/cpu/kernels_simd.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
@@ -197,28 +200,27 @@ absl::StatusOr<SoftmaxMask<T>> MakeMask(const KernelArgs& a, const Shape& x,
 }
 
 // y = softmax (or log_softmax) of row x (+ mask row) over its first `valid`
-// columns; masked columns get 0 (softmax).
-template <typename T, bool kLog>
-void SoftmaxRow(const T* x, const T* mask, int64_t ms, int64_t valid,
-                int64_t cols, T* y) {
+// columns; masked columns get 0 (softmax). The double path; float rows run
+// simd::FloatRows::softmax_row (kernels_simd.h), the same computation.
+template <bool kLog>
+void SoftmaxRow(const double* x, const double* mask, int64_t ms,
+                int64_t valid, int64_t cols, double* y) {
   if (mask != nullptr) {
     for (int64_t j = 0; j < valid; ++j) y[j] = x[j] + mask[j * ms];
   } else {
     std::copy(x, x + valid, y);
   }
-  const T mx = MaxOf(y, valid);
+  const double mx = MaxOf(y, valid);
   if constexpr (kLog) {
-    const double sum =
-        SumOver(valid, [&](int64_t j) { return double(Exp<T>(y[j] - mx)); });
-    const T lse = mx + static_cast<T>(std::log(sum));
+    const double sum = SumOver(valid, [&](int64_t j) { return std::exp(y[j] - mx); });
+    const double lse = mx + std::log(sum);
     for (int64_t j = 0; j < valid; ++j) y[j] -= lse;
   } else {
-    for (int64_t j = 0; j < valid; ++j) y[j] = Exp<T>(y[j] - mx);
-    const double sum = SumOver(valid, [&](int64_t j) { return double(y[j]); });
-    const T inv = static_cast<T>(1.0 / sum);
+    for (int64_t j = 0; j < valid; ++j) y[j] = std::exp(y[j] - mx);
+    const double inv = 1.0 / SumOver(valid, [&](int64_t j) { return y[j]; });
     for (int64_t j = 0; j < valid; ++j) y[j] *= inv;
   }
-  for (int64_t j = valid; j < cols; ++j) y[j] = T(0);
+  for (int64_t j = valid; j < cols; ++j) y[j] = 0;
 }
 
 // Forward of softmax (kLog false; inputs x, mask?) or log_softmax.
@@ -229,8 +231,14 @@ void SoftmaxRows(const KernelArgs& a, const T* x, const SoftmaxMask<T>& m,
               [&](int64_t b, int64_t e) {
                 for (int64_t r = b; r < e; ++r) {
                   const T* mr = m.mask ? m.mask + m.MaskOffset(r) : nullptr;
-                  SoftmaxRow<T, kLog>(x + r * cols, mr, m.col_stride,
-                                      m.Valid(r, cols), cols, y + r * cols);
+                  const int64_t valid = m.Valid(r, cols);
+                  if constexpr (std::is_same_v<T, float>) {
+                    simd::Rows().softmax_row(x + r * cols, mr, m.col_stride,
+                                             valid, cols, kLog, y + r * cols);
+                  } else {
+                    SoftmaxRow<kLog>(x + r * cols, mr, m.col_stride, valid,
+                                     cols, y + r * cols);
+                  }
                 }
               });
 }
@@ -250,6 +258,23 @@ absl::Status SoftmaxForward(const KernelArgs& a) {
   SoftmaxRows<T, kLog>(a, x.as<const T>(), m, x.num_elements() / cols, cols,
                        a.out[0].as<T>());
   return absl::OkStatus();
+}
+
+// One row of the backward, the double path (float rows run
+// simd::FloatRows::softmax_grad_row).
+template <bool kLog>
+void SoftmaxGradRow(const double* y, const double* dy, int64_t cols,
+                    double* dx) {
+  const double s = SumOver(cols, [&](int64_t j) {
+    return kLog ? dy[j] : dy[j] * y[j];
+  });
+  for (int64_t j = 0; j < cols; ++j) {
+    if constexpr (kLog) {
+      dx[j] += dy[j] - std::exp(y[j]) * s;
+    } else {
+      dx[j] += y[j] * (dy[j] - s);
+    }
+  }
 }
 
 // softmax: dx += y * (dy - sum(dy * y)); log_softmax: dx += dy - exp(y) *
@@ -281,18 +306,12 @@ absl::Status SoftmaxBackward(const KernelArgs& a) {
   ParallelFor(a.ctx.num_threads, rows, GrainFor(4 * cols),
               [&](int64_t b, int64_t e) {
                 for (int64_t r = b; r < e; ++r) {
-                  const T* yr = y + r * cols;
-                  const T* dyr = dy + r * cols;
-                  T* dxr = dx + r * cols;
-                  const T s = static_cast<T>(SumOver(cols, [&](int64_t j) {
-                    return kLog ? double(dyr[j]) : double(dyr[j]) * yr[j];
-                  }));
-                  for (int64_t j = 0; j < cols; ++j) {
-                    if constexpr (kLog) {
-                      dxr[j] += dyr[j] - Exp<T>(yr[j]) * s;
-                    } else {
-                      dxr[j] += yr[j] * (dyr[j] - s);
-                    }
+                  if constexpr (std::is_same_v<T, float>) {
+                    simd::Rows().softmax_grad_row(y + r * cols, dy + r * cols,
+                                                  cols, kLog, dx + r * cols);
+                  } else {
+                    SoftmaxGradRow<kLog>(y + r * cols, dy + r * cols, cols,
+                                         dx + r * cols);
                   }
                 }
               });

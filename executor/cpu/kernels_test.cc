@@ -102,6 +102,23 @@ void ExpectAllNear(const HostTensor& got, const HostTensor& want, double tol,
   }
 }
 
+// |got - want| <= rel * |want| + abs element by element (infinities equal):
+// relative where ExpectAllNear is absolute below 1 (probabilities).
+void ExpectRelativelyNear(const HostTensor& got, const HostTensor& want,
+                          double rel, double abs, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  for (int64_t i = 0; i < got.num_elements(); ++i) {
+    const double g = got.dtype() == DType::kFloat32 ? got.as<float>()[i]
+                                                   : got.as<double>()[i];
+    const double w = want.as<double>()[i];
+    if (std::isinf(w)) {
+      ASSERT_EQ(g, w) << what << " element " << i;
+    } else {
+      ASSERT_NEAR(g, w, rel * std::abs(w) + abs) << what << " element " << i;
+    }
+  }
+}
+
 // A kernel argument: a view of a tensor the caller keeps (a temporary lives
 // until the call returns).
 struct Arg {
@@ -509,6 +526,76 @@ TEST(KernelTest, Float32MatchesFloat64) {
     ASSERT_THAT(RunKernel(c.op, c.attrs, Args(c.in), {want}), IsOk()) << c.op;
     ASSERT_THAT(RunKernel(c.op, c.attrs, Args(in32), {got}), IsOk()) << c.op;
     ExpectAllNear(got, want, 1e-5, c.op);
+  }
+}
+
+// The float softmax rows are vectorized (kernels_simd.h): rows whose length
+// is not a multiple of the vector width, exp's whole range (-100 underflows,
+// -inf mask entries) and the LM's 18,328-column rows, forward and backward,
+// against the float64 kernels. Tolerances: softmax 1e-5 relative (FastExp's
+// few ulp, x - max rounded to float, float sums within blocks of 256; exp
+// below -87.3 flushes to 0), log_softmax 1e-6 relative and 1e-5 absolute
+// (the log-sum-exp rounded to float); gradients 1e-5 relative and 1e-6
+// absolute (from y rounded to float).
+TEST(KernelTest, Float32SoftmaxRowsMatchFloat64) {
+  for (int64_t cols : {1, 7, 8, 9, 33, 257, 1000, 18328}) {
+    HostTensor x = Rand({3, cols}, 100 + cols, 20.0);
+    for (int64_t j = 2; j < 3 * cols; j += 7) x.as<double>()[j] = -100.0;
+    HostTensor dy = Rand({3, cols}, 200 + cols);
+    for (const char* op : {"softmax", "log_softmax"}) {
+      const std::string what = absl::StrCat(op, " cols ", cols);
+      HostTensor y64(DType::kFloat64, x.shape()), y32(DType::kFloat32, x.shape());
+      ASSERT_THAT(RunKernel(op, {}, {x}, {y64}), IsOk()) << what;
+      ASSERT_THAT(RunKernel(op, {}, {ToF32(x)}, {y32}), IsOk()) << what;
+      const bool log = std::string(op) == "log_softmax";
+      ExpectRelativelyNear(y32, y64, log ? 1e-6 : 1e-5, log ? 1e-5 : 1e-37,
+                           what);
+      // The backward from the float64 y, so both see the same y; dx
+      // accumulates onto kPrefill.
+      HostTensor dx64 = Full(x.shape(), kPrefill);
+      HostTensor dx32 = Full(x.shape(), kPrefill, DType::kFloat32);
+      const std::string grad = absl::StrCat(op, "_grad");
+      ASSERT_THAT(RunKernel(grad, {}, {x, y64, dy}, {dx64}), IsOk()) << what;
+      ASSERT_THAT(RunKernel(grad, {}, {ToF32(x), ToF32(y64), ToF32(dy)}, {dx32}),
+                  IsOk())
+          << what;
+      ExpectRelativelyNear(dx32, dx64, 1e-5, 1e-6, what + " grad");
+    }
+  }
+}
+
+TEST(KernelTest, Float32MaskedCausalSoftmaxMatchesFloat64) {
+  // Causal rows keep 1..9 columns of 9 (every tail length); the additive
+  // mask has -inf entries (never a whole kept row).
+  for (int64_t n : {9, 33}) {
+    HostTensor x = Rand({2, n, n}, 300 + n, 10.0);
+    HostTensor mask = Rand({n, n}, 400 + n, 2.0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < i; j += 3) mask.as<double>()[i * n + j] = -INFINITY;
+    }
+    HostTensor dy = Rand({2, n, n}, 500 + n);
+    const std::string what = absl::StrCat("causal masked softmax n ", n);
+    const Attrs causal = {{"causal", true}};
+    HostTensor y64(DType::kFloat64, x.shape()), y32(DType::kFloat32, x.shape());
+    ASSERT_THAT(RunKernel("softmax", causal, {x, mask}, {y64}), IsOk());
+    ASSERT_THAT(RunKernel("softmax", causal, {ToF32(x), ToF32(mask)}, {y32}),
+                IsOk());
+    ExpectRelativelyNear(y32, y64, 1e-5, 1e-37, what);
+    for (int64_t i = 0; i < y32.num_elements(); ++i) {
+      const int64_t row = (i / n) % n, col = i % n;
+      if (col > row || std::isinf(mask.as<double>()[row * n + col])) {
+        ASSERT_EQ(y32.as<float>()[i], 0.0f) << what << " element " << i;
+      }
+    }
+    HostTensor dx64 = Full(x.shape(), kPrefill);
+    HostTensor dx32 = Full(x.shape(), kPrefill, DType::kFloat32);
+    ASSERT_THAT(RunKernel("softmax_grad", causal, {x, mask, y64, dy}, {dx64, kAbsent}),
+                IsOk());
+    ASSERT_THAT(RunKernel("softmax_grad", causal,
+                          {ToF32(x), ToF32(mask), ToF32(y64), ToF32(dy)},
+                          {dx32, kAbsent}),
+                IsOk());
+    ExpectRelativelyNear(dx32, dx64, 1e-5, 1e-6, what + " grad");
   }
 }
 
