@@ -1,10 +1,13 @@
 // The runtime's own kernels (kernels.h): fill_zero, copy, accumulate, and the
 // optimizer pieces — sq_norm, sgd_update, adam_update (PyTorch's SGD and
-// AdamW, with clip_grad_norm_'s clipping factor).
+// AdamW, with clip_grad_norm_'s clipping factor). Their float loops are
+// simd::FloatRows' (kernels_simd.h); the double loops here are the same
+// arithmetic.
 #include <cmath>
 #include <cstring>
 
 #include "executor/cpu/kernels_internal.h"
+#include "executor/cpu/kernels_simd.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
@@ -48,10 +51,9 @@ absl::Status Accumulate(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
-template <typename T>
-double SumSquares(const T* p, int64_t n) {
+double SumSquares(const double* p, int64_t n) {
   double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(p[i]) * p[i];
+  for (int64_t i = 0; i < n; ++i) s += p[i] * p[i];
   return s;
 }
 
@@ -73,7 +75,7 @@ absl::Status SqNorm(const KernelArgs& a) {
     const TensorView& g = a.in[i];
     if (!g.present()) continue;
     if (g.dtype == DType::kFloat32) {
-      s += SumSquares(g.as<const float>(), g.num_elements());
+      s += simd::Rows().sum_squares(g.as<const float>(), g.num_elements());
     } else if (g.dtype == DType::kFloat64) {
       s += SumSquares(g.as<const double>(), g.num_elements());
     } else {
@@ -133,19 +135,25 @@ absl::Status SgdUpdate(const KernelArgs& a) {
   if (momentum != 0 && mbuf == nullptr) {
     return Invalid(a, "momentum ", momentum, " needs a momentum buffer (output 1)");
   }
+  if (momentum == 0) mbuf = nullptr;
   const T* param = a.in[0].as<const T>();
   const T* grad = a.in[1].as<const T>();
   T* out = a.out[0].as<T>();
   const T clip = static_cast<T>(o.clip), tlr = static_cast<T>(lr),
           twd = static_cast<T>(wd), tm = static_cast<T>(momentum);
   ParallelFor(a.ctx.num_threads, o.n, kParallelWork, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      T g = grad[i] * clip + twd * param[i];
-      if (momentum != 0) {
-        mbuf[i] = tm * mbuf[i] + g;
-        g = mbuf[i];
+    if constexpr (std::is_same_v<T, float>) {
+      simd::Rows().sgd({clip, tlr, twd, tm}, param + b, grad + b,
+                       mbuf != nullptr ? mbuf + b : nullptr, out + b, e - b);
+    } else {
+      for (int64_t i = b; i < e; ++i) {
+        T g = grad[i] * clip + twd * param[i];
+        if (mbuf != nullptr) {
+          mbuf[i] = tm * mbuf[i] + g;
+          g = mbuf[i];
+        }
+        out[i] = param[i] - tlr * g;
       }
-      out[i] = param[i] - tlr * g;
     }
   });
   return absl::OkStatus();
@@ -177,12 +185,17 @@ absl::Status AdamUpdate(const KernelArgs& a) {
           step = static_cast<T>(lr / bc1),
           sqrt_bc2 = static_cast<T>(std::sqrt(bc2)), teps = static_cast<T>(eps);
   ParallelFor(a.ctx.num_threads, o.n, kParallelWork, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const T g = grad[i] * clip;
-      m[i] = tb1 * m[i] + (T(1) - tb1) * g;
-      v[i] = tb2 * v[i] + (T(1) - tb2) * g * g;
-      const T denom = std::sqrt(v[i]) / sqrt_bc2 + teps;
-      out[i] = param[i] * decay - step * m[i] / denom;
+    if constexpr (std::is_same_v<T, float>) {
+      simd::Rows().adam({clip, decay, tb1, tb2, step, sqrt_bc2, teps},
+                        param + b, grad + b, m + b, v + b, out + b, e - b);
+    } else {
+      for (int64_t i = b; i < e; ++i) {
+        const T g = grad[i] * clip;
+        m[i] = tb1 * m[i] + (T(1) - tb1) * g;
+        v[i] = tb2 * v[i] + (T(1) - tb2) * g * g;
+        const T denom = std::sqrt(v[i]) / sqrt_bc2 + teps;
+        out[i] = param[i] * decay - step * m[i] / denom;
+      }
     }
   });
   return absl::OkStatus();

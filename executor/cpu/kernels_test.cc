@@ -823,6 +823,57 @@ TEST(RuntimeKernelTest, AdamWTwoSteps) {
   }
 }
 
+// The float optimizer loops are vectorized (kernels_simd.h): lengths with
+// tails, and one long enough for two threads' chunks, against the float64
+// kernels element by element (1e-6: float rounding of values near 1).
+TEST(RuntimeKernelTest, Float32OptimizersMatchFloat64) {
+  for (int64_t n : {1, 7, 17, 1000, 100003}) {
+    const std::string what = absl::StrCat("n ", n);
+    const HostTensor param = Rand({n}, 600 + n), grad = Rand({n}, 700 + n, 3.0);
+    const HostTensor norm = Vals({1}, {4.0 * n});  // clips by about 1/2
+    // AdamW, two steps so the moments are non-zero going in.
+    const Attrs adam = {{"learning_rate", 1e-2}, {"weight_decay", 0.1},
+                        {"clip_global_norm", 1.0 * std::sqrt(n)}};
+    HostTensor p64 = param, m64 = Full({n}, 0.0), v64 = Full({n}, 0.0);
+    HostTensor p32 = ToF32(param), m32 = Full({n}, 0.0, DType::kFloat32),
+               v32 = Full({n}, 0.0, DType::kFloat32);
+    for (int64_t step : {0, 1}) {
+      ASSERT_THAT(RunKernel("adam_update", adam, {p64, grad, norm}, {p64, m64, v64},
+                            step, 2),
+                  IsOk());
+      ASSERT_THAT(RunKernel("adam_update", adam, {p32, ToF32(grad), norm},
+                            {p32, m32, v32}, step, 2),
+                  IsOk());
+    }
+    ExpectAllNear(p32, p64, 1e-6, "adam param " + what);
+    ExpectAllNear(m32, m64, 1e-6, "adam m " + what);
+    ExpectAllNear(v32, v64, 1e-6, "adam v " + what);
+    // SGD with momentum and weight decay, and without momentum.
+    for (double momentum : {0.9, 0.0}) {
+      const Attrs sgd = {{"learning_rate", 0.1}, {"momentum", momentum},
+                         {"weight_decay", 0.01}, {"clip_global_norm", 1.0 * std::sqrt(n)}};
+      HostTensor q64 = param, b64 = Full({n}, 0.5);
+      HostTensor q32 = ToF32(param), b32 = Full({n}, 0.5, DType::kFloat32);
+      ASSERT_THAT(RunKernel("sgd_update", sgd, {q64, grad, norm}, {q64, b64}, 0, 2),
+                  IsOk());
+      ASSERT_THAT(RunKernel("sgd_update", sgd, {q32, ToF32(grad), norm}, {q32, b32},
+                            0, 2),
+                  IsOk());
+      ExpectAllNear(q32, q64, 1e-6, absl::StrCat("sgd momentum ", momentum, " ", what));
+      ExpectAllNear(b32, b64, 1e-6, absl::StrCat("sgd buffer ", momentum, " ", what));
+    }
+    // The squared norm: every float square is exact in double.
+    HostTensor acc = Full({1}, 1.0);
+    const HostTensor param32 = ToF32(param);
+    ASSERT_THAT(RunKernel("sq_norm", {}, {param32}, {acc}), IsOk());
+    double want = 1.0;
+    for (int64_t i = 0; i < n; ++i) {
+      want += double(param32.as<float>()[i]) * param32.as<float>()[i];
+    }
+    EXPECT_NEAR(acc.as<double>()[0], want, 1e-13 * want) << what;
+  }
+}
+
 // --- errors -----------------------------------------------------------------------------
 
 TEST(KernelErrorTest, UnknownKernelIsNotFound) {
