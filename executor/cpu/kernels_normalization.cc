@@ -203,8 +203,8 @@ absl::StatusOr<SoftmaxMask<T>> MakeMask(const KernelArgs& a, const Shape& x,
 // columns; masked columns get 0 (softmax). The double path; float rows run
 // simd::FloatRows::softmax_row (kernels_simd.h), the same computation.
 template <bool kLog>
-void SoftmaxRow(const double* x, const double* mask, int64_t ms,
-                int64_t valid, int64_t cols, double* y) {
+void SoftmaxRow(const double* x, const double* mask, int64_t ms, int64_t valid,
+                int64_t cols, double* y) {
   if (mask != nullptr) {
     for (int64_t j = 0; j < valid; ++j) y[j] = x[j] + mask[j * ms];
   } else {
@@ -212,7 +212,8 @@ void SoftmaxRow(const double* x, const double* mask, int64_t ms,
   }
   const double mx = MaxOf(y, valid);
   if constexpr (kLog) {
-    const double sum = SumOver(valid, [&](int64_t j) { return std::exp(y[j] - mx); });
+    const double sum =
+        SumOver(valid, [&](int64_t j) { return std::exp(y[j] - mx); });
     const double lse = mx + std::log(sum);
     for (int64_t j = 0; j < valid; ++j) y[j] -= lse;
   } else {
@@ -265,9 +266,8 @@ absl::Status SoftmaxForward(const KernelArgs& a) {
 template <bool kLog>
 void SoftmaxGradRow(const double* y, const double* dy, int64_t cols,
                     double* dx) {
-  const double s = SumOver(cols, [&](int64_t j) {
-    return kLog ? dy[j] : dy[j] * y[j];
-  });
+  const double s =
+      SumOver(cols, [&](int64_t j) { return kLog ? dy[j] : dy[j] * y[j]; });
   for (int64_t j = 0; j < cols; ++j) {
     if constexpr (kLog) {
       dx[j] += dy[j] - std::exp(y[j]) * s;

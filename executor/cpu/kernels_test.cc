@@ -109,7 +109,7 @@ void ExpectRelativelyNear(const HostTensor& got, const HostTensor& want,
   ASSERT_EQ(got.shape(), want.shape()) << what;
   for (int64_t i = 0; i < got.num_elements(); ++i) {
     const double g = got.dtype() == DType::kFloat32 ? got.as<float>()[i]
-                                                   : got.as<double>()[i];
+                                                    : got.as<double>()[i];
     const double w = want.as<double>()[i];
     if (std::isinf(w)) {
       ASSERT_EQ(g, w) << what << " element " << i;
@@ -544,7 +544,8 @@ TEST(KernelTest, Float32SoftmaxRowsMatchFloat64) {
     HostTensor dy = Rand({3, cols}, 200 + cols);
     for (const char* op : {"softmax", "log_softmax"}) {
       const std::string what = absl::StrCat(op, " cols ", cols);
-      HostTensor y64(DType::kFloat64, x.shape()), y32(DType::kFloat32, x.shape());
+      HostTensor y64(DType::kFloat64, x.shape()),
+          y32(DType::kFloat32, x.shape());
       ASSERT_THAT(RunKernel(op, {}, {x}, {y64}), IsOk()) << what;
       ASSERT_THAT(RunKernel(op, {}, {ToF32(x)}, {y32}), IsOk()) << what;
       const bool log = std::string(op) == "log_softmax";
@@ -556,8 +557,9 @@ TEST(KernelTest, Float32SoftmaxRowsMatchFloat64) {
       HostTensor dx32 = Full(x.shape(), kPrefill, DType::kFloat32);
       const std::string grad = absl::StrCat(op, "_grad");
       ASSERT_THAT(RunKernel(grad, {}, {x, y64, dy}, {dx64}), IsOk()) << what;
-      ASSERT_THAT(RunKernel(grad, {}, {ToF32(x), ToF32(y64), ToF32(dy)}, {dx32}),
-                  IsOk())
+      ASSERT_THAT(
+          RunKernel(grad, {}, {ToF32(x), ToF32(y64), ToF32(dy)}, {dx32}),
+          IsOk())
           << what;
       ExpectRelativelyNear(dx32, dx64, 1e-5, 1e-6, what + " grad");
     }
@@ -571,7 +573,9 @@ TEST(KernelTest, Float32MaskedCausalSoftmaxMatchesFloat64) {
     HostTensor x = Rand({2, n, n}, 300 + n, 10.0);
     HostTensor mask = Rand({n, n}, 400 + n, 2.0);
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < i; j += 3) mask.as<double>()[i * n + j] = -INFINITY;
+      for (int64_t j = 0; j < i; j += 3) {
+        mask.as<double>()[i * n + j] = -INFINITY;
+      }
     }
     HostTensor dy = Rand({2, n, n}, 500 + n);
     const std::string what = absl::StrCat("causal masked softmax n ", n);
@@ -589,8 +593,9 @@ TEST(KernelTest, Float32MaskedCausalSoftmaxMatchesFloat64) {
     }
     HostTensor dx64 = Full(x.shape(), kPrefill);
     HostTensor dx32 = Full(x.shape(), kPrefill, DType::kFloat32);
-    ASSERT_THAT(RunKernel("softmax_grad", causal, {x, mask, y64, dy}, {dx64, kAbsent}),
-                IsOk());
+    ASSERT_THAT(
+        RunKernel("softmax_grad", causal, {x, mask, y64, dy}, {dx64, kAbsent}),
+        IsOk());
     ASSERT_THAT(RunKernel("softmax_grad", causal,
                           {ToF32(x), ToF32(mask), ToF32(y64), ToF32(dy)},
                           {dx32, kAbsent}),
@@ -832,14 +837,15 @@ TEST(RuntimeKernelTest, Float32OptimizersMatchFloat64) {
     const HostTensor param = Rand({n}, 600 + n), grad = Rand({n}, 700 + n, 3.0);
     const HostTensor norm = Vals({1}, {4.0 * n});  // clips by about 1/2
     // AdamW, two steps so the moments are non-zero going in.
-    const Attrs adam = {{"learning_rate", 1e-2}, {"weight_decay", 0.1},
+    const Attrs adam = {{"learning_rate", 1e-2},
+                        {"weight_decay", 0.1},
                         {"clip_global_norm", 1.0 * std::sqrt(n)}};
     HostTensor p64 = param, m64 = Full({n}, 0.0), v64 = Full({n}, 0.0);
     HostTensor p32 = ToF32(param), m32 = Full({n}, 0.0, DType::kFloat32),
                v32 = Full({n}, 0.0, DType::kFloat32);
     for (int64_t step : {0, 1}) {
-      ASSERT_THAT(RunKernel("adam_update", adam, {p64, grad, norm}, {p64, m64, v64},
-                            step, 2),
+      ASSERT_THAT(RunKernel("adam_update", adam, {p64, grad, norm},
+                            {p64, m64, v64}, step, 2),
                   IsOk());
       ASSERT_THAT(RunKernel("adam_update", adam, {p32, ToF32(grad), norm},
                             {p32, m32, v32}, step, 2),
@@ -850,17 +856,22 @@ TEST(RuntimeKernelTest, Float32OptimizersMatchFloat64) {
     ExpectAllNear(v32, v64, 1e-6, "adam v " + what);
     // SGD with momentum and weight decay, and without momentum.
     for (double momentum : {0.9, 0.0}) {
-      const Attrs sgd = {{"learning_rate", 0.1}, {"momentum", momentum},
-                         {"weight_decay", 0.01}, {"clip_global_norm", 1.0 * std::sqrt(n)}};
+      const Attrs sgd = {{"learning_rate", 0.1},
+                         {"momentum", momentum},
+                         {"weight_decay", 0.01},
+                         {"clip_global_norm", 1.0 * std::sqrt(n)}};
       HostTensor q64 = param, b64 = Full({n}, 0.5);
       HostTensor q32 = ToF32(param), b32 = Full({n}, 0.5, DType::kFloat32);
-      ASSERT_THAT(RunKernel("sgd_update", sgd, {q64, grad, norm}, {q64, b64}, 0, 2),
+      ASSERT_THAT(
+          RunKernel("sgd_update", sgd, {q64, grad, norm}, {q64, b64}, 0, 2),
+          IsOk());
+      ASSERT_THAT(RunKernel("sgd_update", sgd, {q32, ToF32(grad), norm},
+                            {q32, b32}, 0, 2),
                   IsOk());
-      ASSERT_THAT(RunKernel("sgd_update", sgd, {q32, ToF32(grad), norm}, {q32, b32},
-                            0, 2),
-                  IsOk());
-      ExpectAllNear(q32, q64, 1e-6, absl::StrCat("sgd momentum ", momentum, " ", what));
-      ExpectAllNear(b32, b64, 1e-6, absl::StrCat("sgd buffer ", momentum, " ", what));
+      ExpectAllNear(q32, q64, 1e-6,
+                    absl::StrCat("sgd momentum ", momentum, " ", what));
+      ExpectAllNear(b32, b64, 1e-6,
+                    absl::StrCat("sgd buffer ", momentum, " ", what));
     }
     // The squared norm: every float square is exact in double.
     HostTensor acc = Full({1}, 1.0);
