@@ -120,13 +120,13 @@ HAP_SIMD_INLINE V Sqrt(V v) {
   return r;
 }
 
-// FastExp (kernels_internal.h) lane by lane, bit for bit: the same clamp
-// above, Cody-Waite reduction and polynomial. 2^n comes from t's bits
+// FastExp (kernels_internal.h) lane by lane, bit for bit: the same clamp at
+// 88.3, Cody-Waite reduction and polynomial. 2^n comes from t's bits
 // instead of a float-to-int conversion: t = x log2(e) + 1.5 2^23 holds n in
 // its low mantissa bits, so (bits(t) + 127) << 23 is 2^n's exponent field
-// (the bits above wrap out of the shift). FastExp's clamp below is left
-// out: lanes below -87.3 compute garbage (no traps) that the last select
-// replaces with 0.
+// (the bits above wrap out of the shift). FastExp's clamp at -87.3 is left
+// out: lanes below it compute garbage (no traps) that the last select
+// replaces with 0, as FastExp returns.
 template <typename V>
 HAP_SIMD_INLINE V Exp(V x) {
   typedef typename Native<V>::U U;
