@@ -333,19 +333,26 @@ int RunPlan(const std::vector<std::string>& argv) {
 
 constexpr char kCalibrateUsage[] =
     R"(usage: hapctl calibrate --cluster FILE.json (--plan PLAN.pb --profile PREFIX)...
-                        --out CALIBRATED.json
+                        --out CALIBRATED.json [--op-scales per-device|per-kind]
 
 Calibrates the cost model from measured runs: each --plan was run with
 `hap-launch --plan PLAN.pb --profile PREFIX` (or hap-executor --profile),
 which wrote PREFIX.rankR.json for every rank R. Writes the cluster with,
 per device, op_time_scale (measured / modelled seconds per op type),
-optimizer_seconds_per_element and step_overhead_seconds, and link
-the per-collective-call overhead that explains the measured communication
-time; prints what was modelled and measured. Plan with it: hapctl plan --cluster CALIBRATED.json.
+optimizer_seconds_per_element and step_overhead_seconds, and for
+communication a fit over the runs of measured = A x modelled transfers +
+B x collective calls (link bandwidths divided by A, B the per-call
+overhead); prints what was modelled and measured. Plan with it: hapctl plan
+--cluster CALIBRATED.json.
+
+--op-scales per-kind gives every device of a kind (CPU, GPU) the same
+op_time_scale per op type, pooled over them, and leaves ranking the devices
+to their measured FLOP/s: use it under CPU quotas, where a throttled rank's
+kernel wall times depend on when it waited (default per-device).
 )";
 
 int RunCalibrate(const std::vector<std::string>& argv) {
-  auto args = Args::Parse(argv, {"cluster", "plan", "profile", "out"}, {"help"});
+  auto args = Args::Parse(argv, {"cluster", "plan", "profile", "out", "op-scales"}, {"help"});
   if (!args.ok()) return Fail(args.status());
   if (args->Bool("help")) {
     std::cout << kCalibrateUsage;
@@ -383,7 +390,15 @@ int RunCalibrate(const std::vector<std::string>& argv) {
     }
     runs.push_back(std::move(run));
   }
-  auto cal = calibrate::Calibrate(*cluster, runs);
+  calibrate::CalibrateOptions co;
+  const std::string op_scales = args->Has("op-scales") ? args->Get("op-scales") : "per-device";
+  if (op_scales == "per-kind") {
+    co.pool_op_scales_by_kind = true;
+  } else if (op_scales != "per-device") {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--op-scales must be per-device or per-kind, got '", op_scales, "'")));
+  }
+  auto cal = calibrate::Calibrate(*cluster, runs, co);
   if (!cal.ok()) return Fail(cal.status());
   std::cout << absl::StrFormat("%-16s %-18s %14s %14s %8s\n", "DEVICE", "OP TYPE",
                                "MODELLED MS", "MEASURED MS", "SCALE");

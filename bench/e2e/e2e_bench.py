@@ -562,8 +562,12 @@ def bench(c, bins, args, configs):
             run_hap_launch(c, bins, calib[name]["path"], args, f"profile-{name}", profile=prefix)
             runs += ["--plan", calib[name]["path"], "--profile", prefix]
         cal_path = os.path.join(c.state, "cluster-calibrated.json")
+        # Op-time scales pooled over the (CPU) devices: the throttled rank's
+        # kernel wall times depend on the plan (when it waits it runs in
+        # bursts); the agents' measured FLOP/s rank the devices.
         p = subprocess.run([bins["hapctl"], "calibrate", "--cluster", cluster_path, *runs,
-                            "--out", cal_path], capture_output=True, text=True)
+                            "--out", cal_path, "--op-scales", "per-kind"],
+                           capture_output=True, text=True)
         if p.returncode:
             die(f"hapctl calibrate failed:\n{p.stderr}")
         log("\n".join("   " + l for l in p.stdout.strip().splitlines()))

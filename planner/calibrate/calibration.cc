@@ -215,7 +215,8 @@ absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
   return p;
 }
 
-absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vector<ProfiledRun>& runs) {
+absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vector<ProfiledRun>& runs,
+                                      const CalibrateOptions& options) {
   if (runs.empty()) return absl::InvalidArgumentError("no runs to calibrate from");
   std::map<std::string, const v1::Device*> devices;
   for (const auto& n : cluster.nodes()) {
@@ -280,6 +281,19 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     calls += c.calls;
   }
 
+  // Pooled op-time scales: modelled and measured seconds per (device kind,
+  // op type) over all devices of the kind.
+  std::map<std::pair<int, std::string>, std::pair<double, double>> pooled;
+  if (options.pool_op_scales_by_kind) {
+    for (const auto& n : cluster.nodes()) {
+      for (const auto& d : n.devices()) {
+        auto it = sums.find(d.id());
+        if (it == sums.end()) continue;
+        for (const auto& [t, m] : it->second.modelled) pooled[{d.kind(), t}].first += m;
+        for (const auto& [t, x] : it->second.measured) pooled[{d.kind(), t}].second += x;
+      }
+    }
+  }
   Calibration out;
   out.cluster = cluster;
   for (auto& n : *out.cluster.mutable_nodes()) {
@@ -297,7 +311,12 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
         const double m = s.modelled[t], x = s.measured[t];
         out.rows.push_back({d.id(), t, m, x});
         if (m > 0 && x > 0) {
-          (*d.mutable_op_time_scale())[t] = x / m;
+          double scale = x / m;
+          if (options.pool_op_scales_by_kind) {
+            const auto& [pm, px] = pooled[{d.kind(), t}];
+            scale = px / pm;
+          }
+          (*d.mutable_op_time_scale())[t] = scale;
         } else if (x > 0) {
           overhead += x;  // time the model gives no FLOPs: per-step overhead
         }

@@ -81,8 +81,21 @@ struct Calibration {
 // side is always the uncalibrated model); the collective overhead is fitted
 // against each plan's own prediction, so runs should be of plans made from
 // `cluster`.
+struct CalibrateOptions {
+  // One op_time_scale per (device kind, op type), from the sums over all
+  // devices of the kind, instead of one per device: the op types' cost
+  // relative to the FLOP model is the kernels' property, and the agents'
+  // measured FLOP/s keep ranking the devices. Use it where per-device kernel
+  // times mislead: under a CPU quota, a rank that waited earlier in the
+  // quota period runs its next kernels in a burst faster than it can
+  // sustain, so a throttled rank's wall-clock kernel times depend on the
+  // plan it ran.
+  bool pool_op_scales_by_kind = false;
+};
+
 absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster,
-                                      const std::vector<ProfiledRun>& runs);
+                                      const std::vector<ProfiledRun>& runs,
+                                      const CalibrateOptions& options = {});
 
 }  // namespace hap::calibrate
 

@@ -237,6 +237,32 @@ TEST(CalibrationTest, SeparatesSlowTransfersFromPerCallOverheadAcrossPlans) {
       << cal->communication_fit;
 }
 
+TEST(CalibrationTest, PooledOpScalesAreOnePerKindWeightedByModelledTime) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  v1::Plan dp = MakePlan(g, c, synth::Baseline::kDpEven);
+  auto unit = Calibrate(c, {UnitRun(dp)});
+  ASSERT_TRUE(unit.ok()) << unit.status();
+  // cpu0's linears measured 2x the model, cpu1's 1x.
+  ProfiledRun run = UnitRun(dp);
+  const double m0 = Modelled(*unit, "cpu0", "linear"), m1 = Modelled(*unit, "cpu1", "linear");
+  ASSERT_GT(m0, 0);
+  ASSERT_GT(m1, 0);
+  run.ranks[0].op_seconds["linear"] = 2 * m0;
+  run.ranks[1].op_seconds["linear"] = m1;
+  auto per_device = Calibrate(c, {run});
+  ASSERT_TRUE(per_device.ok()) << per_device.status();
+  EXPECT_NEAR(per_device->cluster.nodes(0).devices(0).op_time_scale().at("linear"), 2, 1e-9);
+  EXPECT_NEAR(per_device->cluster.nodes(0).devices(1).op_time_scale().at("linear"), 1, 1e-9);
+  CalibrateOptions pool;
+  pool.pool_op_scales_by_kind = true;
+  auto pooled = Calibrate(c, {run}, pool);
+  ASSERT_TRUE(pooled.ok()) << pooled.status();
+  const double want = (2 * m0 + m1) / (m0 + m1);
+  EXPECT_NEAR(pooled->cluster.nodes(0).devices(0).op_time_scale().at("linear"), want, 1e-9);
+  EXPECT_NEAR(pooled->cluster.nodes(0).devices(1).op_time_scale().at("linear"), want, 1e-9);
+}
+
 TEST(CalibrationTest, RejectsProfilesThatDoNotMatchThePlan) {
   graph::Graph g = Gpt();
   v1::Cluster c = TwoCpus();
