@@ -118,7 +118,7 @@ class HeteroSpeedupTest(unittest.TestCase):
             runs += ["--plan", cls.plans[name], "--profile", prefix]
         cls.calibrated = os.path.join(cls.dir, "cluster-calibrated.json")
         print(util.run([HAPCTL, "calibrate", "--cluster", cls.cluster, *runs,
-                        "--out", cls.calibrated]).stdout)
+                        "--out", cls.calibrated, "--op-scales", "per-kind"]).stdout)
         cls.plan("hap-cal", cls.calibrated, [])
         cls.plan("dp-even-cal", cls.calibrated, ["--baseline", "dp-even"])
 
