@@ -115,6 +115,9 @@ void PrintJson(const graph::Graph& g, const cost::ClusterModel& cl,
         o << ", \"storage\": " << Json(synth::StorageName(l.storage))
           << ", \"grad_allreduce\": " << (l.grad_allreduce ? "true" : "false")
           << ", \"sfb\": " << (l.sfb ? "true" : "false");
+        if (l.storage == synth::ParamStorage::kZero) {
+          o << ", \"gathered_once\": " << (l.gather_once ? "true" : "false");
+        }
       }
       o << "}";
     }

@@ -216,67 +216,52 @@ absl::Status Dim0Restage(const std::vector<Dim0Member>& m, size_t r, TensorView 
   return absl::OkStatus();
 }
 
-// Every member's shard gathered into its whole tensor, in one call.
-absl::Status CoalescedAllGather(const v1::CollectiveCall& c, TensorView in, TensorView out,
-                                absl::Span<const TensorView> ins,
-                                absl::Span<const TensorView> outs, Device& dev,
-                                Communicator& comm, Staging& st) {
-  std::vector<Dim0Member> m = Dim0Members(c, out, in, outs, ins);
+// One call for every member: gather (ALL_GATHER) puts each member's shards
+// into its whole tensor; otherwise (REDUCE_SCATTER) each member's whole
+// tensor is summed over ranks into this rank's shard of it.
+absl::Status CoalescedDim0(const v1::CollectiveCall& c, TensorView whole, TensorView part,
+                           absl::Span<const TensorView> wholes,
+                           absl::Span<const TensorView> parts, bool gather, Device& dev,
+                           Communicator& comm, Staging& st) {
+  std::vector<Dim0Member> m = Dim0Members(c, whole, part, wholes, parts);
   std::vector<int64_t> counts = Dim0Counts(m);
-  const int me = comm.rank();
+  const int64_t mine = counts[comm.rank()];
   int64_t total = 0;
   for (int64_t n : counts) total += n;
-  const int64_t es = graph::DTypeBytes(in.dtype);
-  HAP_ASSIGN_OR_RETURN(void* send, st.Get(0, std::max<int64_t>(counts[me] * es, 1)));
-  HAP_ASSIGN_OR_RETURN(void* recv, st.Get(1, std::max<int64_t>(total * es, 1)));
-  TensorView send_v{in.dtype, {counts[me]}, send};
-  TensorView recv_v{in.dtype, {total}, recv};
-  int64_t at = 0;
-  for (const Dim0Member& x : m) {  // this rank's shards, packed
-    if (x.part.num_elements() > 0) {
-      HAP_RETURN_IF_ERROR(dev.CopyBox(x.part, {0}, send_v, {at}, {x.part.num_elements()}));
+  const int64_t es = graph::DTypeBytes(whole.dtype);
+  // Every rank's chunk in rank order, and this rank's chunk.
+  HAP_ASSIGN_OR_RETURN(void* all, st.Get(0, std::max<int64_t>(total * es, 1)));
+  HAP_ASSIGN_OR_RETURN(void* own, st.Get(1, std::max<int64_t>(mine * es, 1)));
+  TensorView all_v{whole.dtype, {total}, all};
+  TensorView own_v{whole.dtype, {mine}, own};
+  auto restage_all = [&](bool to_chunk) -> absl::Status {
+    int64_t at = 0;
+    for (size_t r = 0; r < counts.size(); ++r) {
+      HAP_RETURN_IF_ERROR(Dim0Restage(m, r, all_v, at, to_chunk, dev));
+      at += counts[r];
     }
-    at += x.part.num_elements();
-  }
-  HAP_RETURN_IF_ERROR(comm.AllGather(send_v, recv_v, counts, Method(c)));
-  at = 0;
-  for (size_t r = 0; r < counts.size(); ++r) {
-    HAP_RETURN_IF_ERROR(Dim0Restage(m, r, recv_v, at, /*to_chunk=*/false, dev));
-    at += counts[r];
-  }
-  return absl::OkStatus();
-}
-
-// Every member's whole tensor summed over ranks into this rank's shard of
-// it, in one call.
-absl::Status CoalescedReduceScatter(const v1::CollectiveCall& c, TensorView in,
-                                    TensorView out, absl::Span<const TensorView> ins,
-                                    absl::Span<const TensorView> outs, Device& dev,
-                                    Communicator& comm, Staging& st) {
-  std::vector<Dim0Member> m = Dim0Members(c, in, out, ins, outs);
-  std::vector<int64_t> counts = Dim0Counts(m);
-  const int me = comm.rank();
-  int64_t total = 0;
-  for (int64_t n : counts) total += n;
-  const int64_t es = graph::DTypeBytes(in.dtype);
-  HAP_ASSIGN_OR_RETURN(void* send, st.Get(0, std::max<int64_t>(total * es, 1)));
-  HAP_ASSIGN_OR_RETURN(void* recv, st.Get(1, std::max<int64_t>(counts[me] * es, 1)));
-  TensorView send_v{in.dtype, {total}, send};
-  TensorView recv_v{in.dtype, {counts[me]}, recv};
-  int64_t at = 0;
-  for (size_t r = 0; r < counts.size(); ++r) {
-    HAP_RETURN_IF_ERROR(Dim0Restage(m, r, send_v, at, /*to_chunk=*/true, dev));
-    at += counts[r];
-  }
-  HAP_RETURN_IF_ERROR(comm.ReduceScatter(send_v, recv_v, counts, Method(c)));
-  at = 0;
-  for (const Dim0Member& x : m) {  // this rank's chunk, unpacked
-    if (x.part.num_elements() > 0) {
-      HAP_RETURN_IF_ERROR(dev.CopyBox(recv_v, {at}, x.part, {0}, {x.part.num_elements()}));
+    return absl::OkStatus();
+  };
+  auto restage_own = [&](bool to_chunk) -> absl::Status {
+    int64_t at = 0;
+    for (const Dim0Member& x : m) {
+      const int64_t n = x.part.num_elements();
+      if (n > 0) {
+        HAP_RETURN_IF_ERROR(to_chunk ? dev.CopyBox(x.part, {0}, own_v, {at}, {n})
+                                     : dev.CopyBox(own_v, {at}, x.part, {0}, {n}));
+      }
+      at += n;
     }
-    at += x.part.num_elements();
+    return absl::OkStatus();
+  };
+  if (gather) {
+    HAP_RETURN_IF_ERROR(restage_own(/*to_chunk=*/true));
+    HAP_RETURN_IF_ERROR(comm.AllGather(own_v, all_v, counts, Method(c)));
+    return restage_all(/*to_chunk=*/false);
   }
-  return absl::OkStatus();
+  HAP_RETURN_IF_ERROR(restage_all(/*to_chunk=*/true));
+  HAP_RETURN_IF_ERROR(comm.ReduceScatter(all_v, own_v, counts, Method(c)));
+  return restage_own(/*to_chunk=*/false);
 }
 
 }  // namespace
@@ -318,13 +303,13 @@ absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
       break;
     case v1::ALL_GATHER:
       s = coalesced.empty() ? AllGather(c, in, out, dev, comm, st)
-                            : CoalescedAllGather(c, in, out, coalesced, coalesced_outputs,
-                                                 dev, comm, st);
+                            : CoalescedDim0(c, out, in, coalesced_outputs, coalesced,
+                                            /*gather=*/true, dev, comm, st);
       break;
     case v1::REDUCE_SCATTER:
       s = coalesced.empty() ? ReduceScatter(c, in, out, dev, comm, st)
-                            : CoalescedReduceScatter(c, in, out, coalesced,
-                                                     coalesced_outputs, dev, comm, st);
+                            : CoalescedDim0(c, in, out, coalesced, coalesced_outputs,
+                                            /*gather=*/false, dev, comm, st);
       break;
     case v1::ALL_TO_ALL:
       s = AllToAll(c, in, out, dev, comm, st);
