@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "executor/cpu/kernels_internal.h"
+#include "executor/cpu/kernels_simd.h"
 #include "executor/runtime/random.h"
 #include "planner/util/status_macros.h"
 
@@ -23,6 +24,8 @@ struct Relu {
   }
 };
 
+// Gelu's float loops run simd::FloatRows::gelu and gelu_grad
+// (kernels_simd.h): these expressions, bit for bit.
 struct Gelu {  // exact (erf) form: x * Phi(x)
   template <typename T>
   static T F(T x) {
@@ -82,7 +85,14 @@ absl::Status UnaryForward(const KernelArgs& a) {
   const T* x = a.in[0].as<const T>();
   T* y = a.out[0].as<T>();
   ParallelFor(a.ctx.num_threads, a.in[0].num_elements(), kParallelWork,
-              [&](int64_t b, int64_t e) { ActivationRange<Act>(x, y, b, e); });
+              [&](int64_t b, int64_t e) {
+                if constexpr (std::is_same_v<Act, Gelu> &&
+                              std::is_same_v<T, float>) {
+                  simd::Rows().gelu(x + b, e - b, y + b);
+                } else {
+                  ActivationRange<Act>(x, y, b, e);
+                }
+              });
   return absl::OkStatus();
 }
 
@@ -97,7 +107,12 @@ absl::Status UnaryBackward(const KernelArgs& a) {
   T* dx = g.dx(0).as<T>();
   ParallelFor(a.ctx.num_threads, g.x(0).num_elements(), kParallelWork,
               [&](int64_t b, int64_t e) {
-                ActivationGradRange<Act>(x, y, dy, dx, b, e);
+                if constexpr (std::is_same_v<Act, Gelu> &&
+                              std::is_same_v<T, float>) {
+                  simd::Rows().gelu_grad(x + b, dy + b, e - b, dx + b);
+                } else {
+                  ActivationGradRange<Act>(x, y, dy, dx, b, e);
+                }
               });
   return absl::OkStatus();
 }
@@ -148,14 +163,25 @@ class DropoutMask {
 
   double scale() const { return 1.0 / (1.0 - p_); }
   int64_t row_length() const { return row_; }
+  // The float loops' constants (simd::FloatRows::dropout): the same mask.
+  simd::DropoutConstants simd_constants() const {
+    return {key_, simd::DropoutThreshold(p_), static_cast<float>(scale())};
+  }
 
-  // keep[j] for the elements of local row r (rows of the last dimension).
-  void Row(int64_t r, std::vector<char>& keep) const {
+  // The global index of local row r's first element (rows of the last
+  // dimension); the row's elements follow it.
+  int64_t RowStart(int64_t r) const {
     int64_t g = local_.empty() ? 0 : offsets_.back();
     for (int d = static_cast<int>(local_.size()) - 2; d >= 0; --d) {
       g += (r % local_[d] + offsets_[d]) * global_strides_[d];
       r /= local_[d];
     }
+    return g;
+  }
+
+  // keep[j] for the elements of local row r.
+  void Row(int64_t r, std::vector<char>& keep) const {
+    const int64_t g = RowStart(r);
     keep.resize(row_);
     for (int64_t j = 0; j < row_; ++j) {
       keep[j] = CounterUniform(key_, static_cast<uint64_t>(g + j)) >= p_;
@@ -181,11 +207,24 @@ void MaskRow(const char* keep, const T* in, T scale, T* out, int64_t n,
   }
 }
 
-// out (+)= in * mask / (1 - p).
+// out (+)= in * mask / (1 - p). Float rows run simd::FloatRows::dropout
+// (kernels_simd.h): the same mask and products, bit for bit.
 template <typename T>
 void ApplyDropout(const KernelArgs& a, const DropoutMask& m, const T* in,
                   T* out, int64_t n, bool accumulate) {
   const int64_t row = m.row_length();
+  if constexpr (std::is_same_v<T, float>) {
+    const simd::DropoutConstants c = m.simd_constants();
+    ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
+                [&](int64_t b, int64_t e) {
+                  for (int64_t r = b; r < e; ++r) {
+                    simd::Rows().dropout(
+                        c, static_cast<uint64_t>(m.RowStart(r)), in + r * row,
+                        row, accumulate, out + r * row);
+                  }
+                });
+    return;
+  }
   const T scale = static_cast<T>(m.scale());
   ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
               [&](int64_t b, int64_t e) {

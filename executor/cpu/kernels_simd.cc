@@ -45,6 +45,8 @@ struct Native {
   static constexpr int kParts = kLanes / kWidth;
   typedef int32_t I __attribute__((vector_size(sizeof(V))));
   typedef uint32_t U __attribute__((vector_size(sizeof(V))));
+  // kWidth / 2 64-bit lanes (dropout's counters).
+  typedef uint64_t Q __attribute__((vector_size(sizeof(V))));
   static_assert(kLanes % kWidth == 0, "a logical vector holds whole parts");
 };
 
@@ -413,6 +415,111 @@ HAP_SIMD_INLINE double SumSquares(const float* p, int64_t n) {
   return s;
 }
 
+// --- dropout -----------------------------------------------------------------
+
+// counter_random.h's Mix64 (SplitMix64's finaliser) in 64-bit lanes. Each
+// u64 multiply is exact whatever instructions the target lowers it to.
+template <typename Q>
+HAP_SIMD_INLINE Q Mix64(Q z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Dropout over native vectors of kWidth floats. The mask of a vector comes
+// from two vectors Q of kWidth / 2 64-bit lanes: `odd` draws the elements
+// at + 1, at + 3, ..., `even` those at + 0, at + 2, .... d = (top 53 bits)
+// - threshold is negative (as int64; both are below 2^53) exactly where an
+// element is dropped, so the high 32-bit half of d carries the decision in
+// its sign. Odd elements' high halves already sit in float lanes 2k + 1;
+// even elements' move down to lanes 2k. An arithmetic shift by 31 of those
+// 32-bit lanes gives all ones where dropped, which clears the product to
+// +0.0f (the scalar loop's 0).
+template <typename V>
+HAP_SIMD_INLINE void Dropout(const DropoutConstants& c, uint64_t counter,
+                             const float* x, int64_t n, bool accumulate,
+                             float* y) {
+  typedef typename Native<V>::I I;
+  typedef typename Native<V>::Q Q;
+  constexpr int kHalf = Native<V>::kWidth / 2;
+  Q odd_at, even_at;
+  for (int k = 0; k < kHalf; ++k) {
+    odd_at[k] = 2 * k + 1;
+    even_at[k] = 2 * k;
+  }
+  const uint64_t key = c.key, threshold = c.threshold;
+  const V scale = Splat<V>(c.scale);
+  const Q high = Q{} + 0xffffffff00000000ULL;
+  auto drop_mask = [&](int64_t at) HAP_SIMD_INLINE_LAMBDA {
+    const Q base = Q{} + (counter + static_cast<uint64_t>(at));
+    const Q d_odd = (Mix64(key ^ Mix64(base + odd_at)) >> 11) - threshold;
+    const Q d_even = (Mix64(key ^ Mix64(base + even_at)) >> 11) - threshold;
+    return __builtin_bit_cast(I, (d_odd & high) | (d_even >> 32)) >> 31;
+  };
+  if (accumulate) {
+    ForVectors<V>(n, [&](int64_t at, int64_t k) HAP_SIMD_INLINE_LAMBDA {
+      const I drop = drop_mask(at);
+      const V kept = __builtin_bit_cast(
+          V, __builtin_bit_cast(I, LoadFirst<V>(x, at, k) * scale) & ~drop);
+      StoreFirst(y, at, k, LoadFirst<V>(y, at, k) + kept);
+    });
+  } else {
+    ForVectors<V>(n, [&](int64_t at, int64_t k) HAP_SIMD_INLINE_LAMBDA {
+      const I drop = drop_mask(at);
+      StoreFirst(y, at, k,
+                 __builtin_bit_cast(
+                     V, __builtin_bit_cast(I, LoadFirst<V>(x, at, k) * scale) &
+                            ~drop));
+    });
+  }
+}
+
+// --- gelu ------------------------------------------------------------------
+
+// FastErf (kernels_internal.h) lane by lane, bit for bit: fabs and copysign
+// as sign-bit masks, then the same float operations in the same order.
+template <typename V>
+HAP_SIMD_INLINE V Erf(V x) {
+  typedef typename Native<V>::U U;
+  const U bits = __builtin_bit_cast(U, x);
+  const U sign = bits & 0x80000000u;
+  const V ax = __builtin_bit_cast(V, bits & 0x7fffffffu);
+  const V t = 1.0f / (1.0f + 0.3275911f * ax);
+  V p = Splat<V>(1.061405429f);
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const V r = 1.0f - p * t * Exp(-ax * ax);
+  return __builtin_bit_cast(V, (__builtin_bit_cast(U, r) & 0x7fffffffu) | sign);
+}
+
+// kernels_elementwise.cc Gelu's float constants.
+constexpr float kSqrtHalf = static_cast<float>(M_SQRT1_2);
+constexpr float kInvSqrt2Pi = static_cast<float>(0.3989422804014327);
+
+template <typename V>
+HAP_SIMD_INLINE void Gelu(const float* x, int64_t n, float* y) {
+  ForVectors<V>(n, [&](int64_t at, int64_t k) HAP_SIMD_INLINE_LAMBDA {
+    const V v = LoadFirst<V>(x, at, k);
+    StoreFirst(y, at, k, 0.5f * v * (1.0f + Erf(v * kSqrtHalf)));
+  });
+}
+
+template <typename V>
+HAP_SIMD_INLINE void GeluGrad(const float* x, const float* dy, int64_t n,
+                              float* dx) {
+  ForVectors<V>(n, [&](int64_t at, int64_t k) HAP_SIMD_INLINE_LAMBDA {
+    const V v = LoadFirst<V>(x, at, k);
+    const V cdf = 0.5f * (1.0f + Erf(v * kSqrtHalf));
+    const V pdf = Exp(-0.5f * v * v) * kInvSqrt2Pi;
+    StoreFirst(dx, at, k,
+               LoadFirst<V>(dx, at, k) + LoadFirst<V>(dy, at, k) *
+                                             (cdf + v * pdf));
+  });
+}
+
 // One Isa's wrappers (plain functions built for TARGET on native vectors V,
 // the body inlined) and their table.
 #define HAP_SIMD_ROWS(NAME, ISA, V, TARGET)                                   \
@@ -438,9 +545,22 @@ HAP_SIMD_INLINE double SumSquares(const float* p, int64_t n) {
   TARGET double SumSquares##NAME(const float* p, int64_t n) {                 \
     return SumSquares(p, n);                                                  \
   }                                                                           \
+  TARGET void Dropout##NAME(const DropoutConstants& c, uint64_t counter,      \
+                            const float* x, int64_t n, bool accumulate,       \
+                            float* y) {                                       \
+    Dropout<V>(c, counter, x, n, accumulate, y);                              \
+  }                                                                           \
+  TARGET void Gelu##NAME(const float* x, int64_t n, float* y) {               \
+    Gelu<V>(x, n, y);                                                         \
+  }                                                                           \
+  TARGET void GeluGrad##NAME(const float* x, const float* dy, int64_t n,      \
+                             float* dx) {                                     \
+    GeluGrad<V>(x, dy, n, dx);                                                \
+  }                                                                           \
   const FloatRows k##NAME##Rows = {                                           \
       ISA,         &SoftmaxRow##NAME, &SoftmaxGradRow##NAME,                  \
-      &Adam##NAME, &Sgd##NAME,        &SumSquares##NAME};
+      &Adam##NAME, &Sgd##NAME,        &SumSquares##NAME,                      \
+      &Dropout##NAME, &Gelu##NAME,    &GeluGrad##NAME};
 
 // SSE2 on x86-64 (NEON on AArch64): 4 floats.
 HAP_SIMD_ROWS(Baseline, Isa::kBaseline, F4, )
@@ -451,6 +571,10 @@ HAP_SIMD_ROWS(Avx512, Isa::kAvx512, F16, __attribute__((target("avx512f"))))
 #endif
 
 }  // namespace
+
+uint64_t DropoutThreshold(double p) {
+  return static_cast<uint64_t>(std::ceil(p * 9007199254740992.0));  // 2^53
+}
 
 const char* IsaName(Isa isa) {
   switch (isa) {

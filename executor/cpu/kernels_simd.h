@@ -1,5 +1,6 @@
 // Float32 loops of the hottest non-GEMM kernels — softmax and log_softmax
-// rows and their gradients, the SGD and AdamW updates, the sum of squares —
+// rows and their gradients, the SGD and AdamW updates, the sum of squares,
+// dropout (its counter-based mask included) and gelu with its gradient —
 // written with GCC/Clang vector extensions, so that they vectorize at the
 // baseline x86-64 target and -O2. On x86-64 with GCC the same code is also
 // built for AVX2 and for AVX-512, and Rows() picks the widest one this CPU
@@ -27,6 +28,19 @@ inline constexpr int kLanes = 16;
 // Sums accumulate in float lanes over blocks of at most this many elements;
 // the blocks' sums are added in double.
 inline constexpr int kSumBlock = 256;
+
+// Dropout's per-call constants (kernels_elementwise.cc DropoutMask): the
+// element with global index i is kept iff CounterUniform(key, i) >= p
+// (counter_random.h), that is iff the top 53 bits of Mix64(key ^ Mix64(i))
+// are >= threshold = DropoutThreshold(p) (an integer comparison, exact).
+struct DropoutConstants {
+  uint64_t key;        // CounterKey(rng_key, step)
+  uint64_t threshold;  // DropoutThreshold(p)
+  float scale;         // float(1 / (1 - p))
+};
+// ceil(p * 2^53) for p in [0, 1): CounterUniform is k * 2^-53 with k the top
+// 53 bits, and k * 2^-53 >= p iff k >= ceil(p * 2^53) (p * 2^53 is exact).
+uint64_t DropoutThreshold(double p);
 
 // The instruction sets the row functions are built for.
 enum class Isa { kBaseline, kAvx2, kAvx512 };
@@ -74,6 +88,19 @@ struct FloatRows {
               float* mbuf, float* out, int64_t n);
   // The sum of p[i]^2, each square and the sum in double.
   double (*sum_squares)(const float* p, int64_t n);
+  // y[j] = keep(counter + j) ? x[j] * scale : 0 (or y[j] += that, when
+  // `accumulate`) for j < n; keep as DropoutConstants says. The same bits as
+  // that scalar loop over CounterUniform: the mask is drawn in 64-bit integer
+  // lanes (Mix64 lane by lane), the product is one float multiply.
+  void (*dropout)(const DropoutConstants& c, uint64_t counter, const float* x,
+                  int64_t n, bool accumulate, float* y);
+  // y[j] = 0.5 x (1 + erf(x / sqrt(2))), x = x[j], j < n; erf and exp are
+  // FastErf's and FastExp's (kernels_internal.h), and the result is the
+  // scalar float expression's (kernels_elementwise.cc Gelu::F) bit for bit.
+  void (*gelu)(const float* x, int64_t n, float* y);
+  // dx[j] += dy[j] * (Phi(x) + x phi(x)), x = x[j], j < n: Gelu::D's
+  // float expression bit for bit.
+  void (*gelu_grad)(const float* x, const float* dy, int64_t n, float* dx);
 };
 
 // The widest of AvailableIsas().

@@ -3,7 +3,8 @@
 // the vector bodies and the tails (not multiples of kLanes, a partial last
 // block of kSumBlock), values across exp's range (-100 underflows to 0, -inf
 // masks), nothing written past a row's end, and bit-identical results across
-// Isas and against the scalar FastExp and the scalar optimizer arithmetic.
+// Isas and against the scalar FastExp, the scalar optimizer arithmetic, the
+// scalar dropout over CounterUniform and the scalar gelu expressions.
 #include "executor/cpu/kernels_simd.h"
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "executor/cpu/kernels_internal.h"
+#include "executor/runtime/counter_random.h"
 #include "gtest/gtest.h"
 
 namespace hap::executor::cpu::simd {
@@ -388,6 +390,207 @@ TEST(SimdRowsTest, SumSquaresMatchesDouble) {
           << Label(isa, n);
     }
     EXPECT_EQ(RowsFor(isa).sum_squares(nullptr, 0), 0.0);
+  }
+}
+
+// --- dropout and gelu -------------------------------------------------------
+
+// Element-wise lengths: below a vector, around 8 and 16, tails, a long run.
+const int64_t kElementLengths[] = {1, 7, 8, 9, 33, 257, 1000, 100003};
+
+// The scalar loop of kernels_elementwise.cc (DropoutMask::Row, MaskRow).
+float DropoutReference(uint64_t key, double p, uint64_t counter, float x,
+                       float y0, bool accumulate) {
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  const float v = CounterUniform(key, counter) >= p ? x * scale : 0.0f;
+  return accumulate ? y0 + v : v;
+}
+
+TEST(SimdRowsTest, DropoutThresholdIsTheUniformsComparison) {
+  // k * 2^-53 >= p iff k >= DropoutThreshold(p), at and around the
+  // threshold, for p on and between the uniforms' grid.
+  for (double p : {0.0, 0.1, 0.25, 0.5, 0.9, 1.0 - 0x1p-53, 0x1p-53, 3e-300,
+                   0.3 + 0x1p-55}) {
+    const uint64_t t = DropoutThreshold(p);
+    for (uint64_t k : {t - 1, t, t + 1}) {
+      if (k > t && t == 0) continue;
+      if (k >= (uint64_t{1} << 53)) continue;
+      const double u = static_cast<double>(k) * (1.0 / 9007199254740992.0);
+      EXPECT_EQ(k >= t, u >= p) << "p " << p << " k " << k;
+    }
+  }
+}
+
+TEST(SimdRowsTest, DropoutMatchesScalarCounterUniformBitForBit) {
+  const uint64_t key = CounterKey(7, 3);
+  for (Isa isa : AvailableIsas()) {
+    for (int64_t n : kElementLengths) {
+      const std::vector<float> x = Uniform(n, -4.0f, 4.0f, 200 + n);
+      const std::vector<float> y0 = Uniform(n, -1.0f, 1.0f, 210 + n);
+      // Counters near 0, past 2^32 (the high half of the 64-bit lanes) and
+      // odd, as a shard's row starts are.
+      for (uint64_t counter : {uint64_t{0}, (uint64_t{1} << 40) + 3}) {
+        // p == 0 keeps everything; the last p is the uniform of element 5
+        // (or 0), so that element lies exactly on the threshold (kept).
+        for (double p : {0.0, 0.1, 0.5, 0.9,
+                         CounterUniform(key, counter + (n > 5 ? 5 : 0))}) {
+          const DropoutConstants c = {key, DropoutThreshold(p),
+                                      static_cast<float>(1.0 / (1.0 - p))};
+          for (bool accumulate : {false, true}) {
+            const std::string what =
+                Label(isa, n) + " counter " + std::to_string(counter) + " p " +
+                std::to_string(p) + (accumulate ? " accumulate" : "");
+            std::vector<float> y = Guarded(n, 0.0f);
+            std::copy(y0.begin(), y0.end(), y.begin());
+            RowsFor(isa).dropout(c, counter, x.data(), n, accumulate,
+                                 y.data());
+            int64_t kept = 0;
+            for (int64_t j = 0; j < n; ++j) {
+              const float want = DropoutReference(key, p, counter + j, x[j],
+                                                  y0[j], accumulate);
+              ASSERT_EQ(Bits(y[j]), Bits(want))
+                  << what << " element " << j << ": " << y[j] << " vs " << want;
+              kept += CounterUniform(key, counter + j) >= p;
+            }
+            if (n >= 1000) {  // and the mask keeps about 1 - p
+              EXPECT_NEAR(kept / static_cast<double>(n), 1.0 - p, 0.05) << what;
+            }
+            ASSERT_NO_FATAL_FAILURE(ExpectGuardIntact(y, n, what));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SimdRowsTest, DropoutZeroesNonFiniteDroppedValues) {
+  // The scalar loop selects 0 for a dropped element, whatever its value.
+  const uint64_t key = CounterKey(1, 2);
+  const int64_t n = 64;
+  std::vector<float> x(n, std::nanf(""));
+  for (int64_t j = 0; j < n; j += 2) x[j] = kInf;
+  for (Isa isa : AvailableIsas()) {
+    std::vector<float> y(n, -0.0f);
+    RowsFor(isa).dropout({key, DropoutThreshold(0.5), 2.0f}, 11, x.data(), n,
+                         false, y.data());
+    for (int64_t j = 0; j < n; ++j) {
+      const float want = DropoutReference(key, 0.5, 11 + j, x[j], 0, false);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(y[j])) << Label(isa, n) << " element " << j;
+      } else {
+        EXPECT_EQ(Bits(y[j]), Bits(want)) << Label(isa, n) << " element " << j;
+      }
+    }
+  }
+}
+
+// kernels_elementwise.cc Gelu::F and Gelu::D in float, as the scalar
+// kernels computed them.
+float GeluScalar(float x) {
+  return 0.5f * x * (1.0f + FastErf(x * static_cast<float>(M_SQRT1_2)));
+}
+float GeluGradScalar(float x) {
+  const float cdf = 0.5f * (1.0f + FastErf(x * static_cast<float>(M_SQRT1_2)));
+  const float pdf =
+      FastExp(-0.5f * x * x) * static_cast<float>(0.3989422804014327);
+  return cdf + x * pdf;
+}
+
+// Inputs: uniform over [-10, 10] (both tails of erf), and special values
+// at the front: signed zeros, tiny and huge values, infinities.
+std::vector<float> GeluInputs(int64_t n, uint64_t seed) {
+  std::vector<float> x = Uniform(n, -10.0f, 10.0f, seed);
+  const float special[] = {0.0f,    -0.0f,  1e-30f, -1e-30f, 0.5f,
+                           -0.5f,   3.0f,   -3.0f,  13.2f,   -13.2f,
+                           14.0f,   -14.0f, 1e30f,  -1e30f,  kInf,
+                           -kInf,   2.5e-3f, -6.0f, 6.0f,    1.0f};
+  for (int64_t j = 0; j < n && j < 20; ++j) x[j] = special[j];
+  return x;
+}
+
+// Accuracy against double arithmetic with std::erf: FastErf is within
+// 1.5e-7 absolute (A&S 7.1.26) and float rounding adds a few ulp, so
+// gelu(x) is within 2e-7 |x| + 1e-6 |gelu(x)|, and gelu'(x) within
+// 3e-7 (1 + |x|) (the cdf's absolute error plus x phi(x)'s relative one).
+double GeluDouble(double x) { return 0.5 * x * (1 + std::erf(x * M_SQRT1_2)); }
+double GeluGradDouble(double x) {
+  return 0.5 * (1 + std::erf(x * M_SQRT1_2)) +
+         x * std::exp(-0.5 * x * x) * 0.3989422804014327;
+}
+
+TEST(SimdRowsTest, GeluMatchesScalarBitForBitAndDouble) {
+  for (Isa isa : AvailableIsas()) {
+    for (int64_t n : kElementLengths) {
+      const std::string what = Label(isa, n);
+      const std::vector<float> x = GeluInputs(n, 220 + n);
+      std::vector<float> y = Guarded(n, std::nanf(""));
+      RowsFor(isa).gelu(x.data(), n, y.data());
+      for (int64_t j = 0; j < n; ++j) {
+        ASSERT_EQ(Bits(y[j]), Bits(GeluScalar(x[j])))
+            << what << " gelu(" << x[j] << ") = " << y[j] << ", scalar "
+            << GeluScalar(x[j]);
+        if (std::isinf(x[j])) continue;  // -inf * 0 is NaN in both
+        const double want = GeluDouble(x[j]);
+        ASSERT_NEAR(y[j], want, 2e-7 * std::abs(x[j]) + 1e-6 * std::abs(want))
+            << what << " gelu(" << x[j] << ") vs double";
+      }
+      ASSERT_NO_FATAL_FAILURE(ExpectGuardIntact(y, n, what));
+    }
+  }
+}
+
+TEST(SimdRowsTest, GeluGradMatchesScalarBitForBitAndDouble) {
+  for (Isa isa : AvailableIsas()) {
+    for (int64_t n : kElementLengths) {
+      const std::string what = Label(isa, n);
+      const std::vector<float> x = GeluInputs(n, 230 + n);
+      const std::vector<float> dy = Uniform(n, -1.0f, 1.0f, 240 + n);
+      std::vector<float> dx = Guarded(n, 0.25f);  // gradients accumulate
+      RowsFor(isa).gelu_grad(x.data(), dy.data(), n, dx.data());
+      for (int64_t j = 0; j < n; ++j) {
+        const float scalar = 0.25f + dy[j] * GeluGradScalar(x[j]);
+        ASSERT_EQ(Bits(dx[j]), Bits(scalar))
+            << what << " gelu'(" << x[j] << "): " << dx[j] << ", scalar "
+            << scalar;
+        if (std::isinf(x[j]) || std::abs(x[j]) > 1e20f) continue;
+        const double want = 0.25 + dy[j] * GeluGradDouble(x[j]);
+        ASSERT_NEAR(dx[j], want, 3e-7 * (1 + std::abs(x[j])) + 1e-7)
+            << what << " gelu'(" << x[j] << ") vs double";
+      }
+      ASSERT_NO_FATAL_FAILURE(ExpectGuardIntact(dx, n, what));
+    }
+  }
+}
+
+TEST(SimdRowsTest, DropoutAndGeluGiveTheSameBitsOnEveryIsa) {
+  const std::vector<Isa> isas = AvailableIsas();
+  if (isas.size() == 1) GTEST_SKIP() << "this CPU runs the baseline only";
+  const uint64_t key = CounterKey(5, 9);
+  for (int64_t n : kElementLengths) {
+    const std::vector<float> x = GeluInputs(n, 250 + n);
+    const std::vector<float> dy = Uniform(n, -1.0f, 1.0f, 260 + n);
+    std::vector<std::vector<float>> outs;
+    for (Isa isa : isas) {
+      const FloatRows& rows = RowsFor(isa);
+      std::vector<float> y(n), dx(n, 0.5f), d(n), da(n, 0.125f);
+      rows.gelu(x.data(), n, y.data());
+      rows.gelu_grad(x.data(), dy.data(), n, dx.data());
+      const DropoutConstants c = {key, DropoutThreshold(0.3),
+                                  static_cast<float>(1.0 / 0.7)};
+      rows.dropout(c, 12345, dy.data(), n, false, d.data());
+      rows.dropout(c, 12345, dy.data(), n, true, da.data());
+      std::vector<float> out = y;
+      for (const std::vector<float>* v : {&dx, &d, &da}) {
+        out.insert(out.end(), v->begin(), v->end());
+      }
+      outs.push_back(out);
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      for (size_t k = 0; k < outs[0].size(); ++k) {
+        ASSERT_EQ(Bits(outs[i][k]), Bits(outs[0][k]))
+            << IsaName(isas[i]) << " vs baseline, n=" << n << " value " << k;
+      }
+    }
   }
 }
 

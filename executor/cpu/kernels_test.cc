@@ -604,6 +604,27 @@ TEST(KernelTest, Float32MaskedCausalSoftmaxMatchesFloat64) {
   }
 }
 
+// The float gelu runs vectorized loops (kernels_simd.h), the scalar float
+// expressions bit for bit: lengths with tails, two threads, against the
+// float64 kernels (FastErf's 1.5e-7 absolute error and float rounding).
+TEST(KernelTest, Float32GeluMatchesFloat64) {
+  for (int64_t n : {1, 7, 8, 9, 33, 257, 1000, 100003}) {
+    const std::string what = absl::StrCat("n ", n);
+    const HostTensor x = Rand({n}, 500 + n, 6.0), dy = Rand({n}, 510 + n);
+    HostTensor y64(DType::kFloat64, {n}), y32(DType::kFloat32, {n});
+    ASSERT_THAT(RunKernel("gelu", {}, {x}, {y64}, 0, 2), IsOk()) << what;
+    ASSERT_THAT(RunKernel("gelu", {}, {ToF32(x)}, {y32}, 0, 2), IsOk()) << what;
+    ExpectAllNear(y32, y64, 2e-6, "gelu " + what);
+    HostTensor dx64 = Full({n}, kPrefill);
+    HostTensor dx32 = Full({n}, kPrefill, DType::kFloat32);
+    ASSERT_THAT(RunKernel("gelu_grad", {}, {x, y64, dy}, {dx64}, 0, 2), IsOk());
+    ASSERT_THAT(RunKernel("gelu_grad", {}, {ToF32(x), y32, ToF32(dy)}, {dx32},
+                          0, 2),
+                IsOk());
+    ExpectAllNear(dx32, dx64, 3e-6, "gelu_grad " + what);
+  }
+}
+
 TEST(KernelTest, ThreadsGiveTheSameResults) {
   // Large enough for the parallel paths.
   HostTensor x = Rand({64, 1024}, 1), g = Rand({1024}, 2), b = Rand({1024}, 3);
@@ -664,6 +685,57 @@ TEST(KernelShardTest, DropoutKeepsAboutOneMinusPAndRescales) {
     kept += v != 0;
   }
   EXPECT_NEAR(kept / 10000.0, 0.75, 0.02);
+}
+
+// The float dropout runs vectorized loops (kernels_simd.h) that draw the
+// mask in 64-bit lanes: the same mask as the float64 kernel (its scalar
+// CounterUniform loop), whole or sharded, and the same float products bit
+// for bit: y = x * float(1 / (1 - p)) where kept, 0 elsewhere; the gradient
+// accumulates onto kPrefill.
+TEST(KernelShardTest, Float32DropoutIsTheFloat64Mask) {
+  const Attrs attrs = {{"p", 0.3}, {"rng_key", int64_t{99}}};
+  const float scale = static_cast<float>(1.0 / 0.7);
+  for (int64_t cols : {1, 7, 8, 9, 33, 257, 1000, 100003}) {
+    const Shape global = {3, cols};
+    const HostTensor x = Rand(global, 300 + cols);
+    const HostTensor dy = Rand(global, 400 + cols);
+    HostTensor mask(DType::kFloat64, global);
+    ASSERT_THAT(RunKernel("dropout", attrs, {Full(global, 1.0)}, {mask}, 5, 2),
+                IsOk());
+    // The whole tensor, and a shard: rows [1, 3), columns from an odd offset.
+    const int64_t c0 = cols > 2 ? (cols / 3) | 1 : 0;
+    for (auto [r0, rows, c1, width] :
+         std::vector<std::array<int64_t, 4>>{{0, 3, 0, cols},
+                                             {1, 2, c0, cols - c0}}) {
+      const std::string what = absl::StrCat("cols ", cols, " shard ", r0, ",",
+                                            c1, " width ", width);
+      Attrs a = attrs;
+      if (r0 != 0 || c1 != 0) {
+        a.Set("global_shape", std::vector<int64_t>(global));
+        a.Set("offsets", std::vector<int64_t>{r0, c1});
+      }
+      const HostTensor xs = ToF32(Box(x, {r0, c1}, {rows, width}));
+      const HostTensor dys = ToF32(Box(dy, {r0, c1}, {rows, width}));
+      HostTensor y(DType::kFloat32, {rows, width});
+      HostTensor dx = Full({rows, width}, kPrefill, DType::kFloat32);
+      ASSERT_THAT(RunKernel("dropout", a, {xs}, {y}, 5, 2), IsOk()) << what;
+      ASSERT_THAT(RunKernel("dropout_grad", a, {xs, y, dys}, {dx}, 5, 2),
+                  IsOk())
+          << what;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < width; ++c) {
+          const int64_t i = r * width + c;
+          const bool keep = mask.as<double>()[(r0 + r) * cols + c1 + c] != 0;
+          const float want = keep ? xs.as<float>()[i] * scale : 0.0f;
+          const float want_dx =
+              static_cast<float>(kPrefill) +
+              (keep ? dys.as<float>()[i] * scale : 0.0f);
+          ASSERT_EQ(y.as<float>()[i], want) << what << " element " << i;
+          ASSERT_EQ(dx.as<float>()[i], want_dx) << what << " grad " << i;
+        }
+      }
+    }
+  }
 }
 
 TEST(KernelShardTest, NllLossGlobalRows) {
