@@ -11,6 +11,11 @@
 //                        (the GPT LM's decoder output: vocabulary 18,328)
 //   adam_update          2.4 M parameters
 //   sq_norm              2.4 M values
+//   gelu fwd+bwd         [512, 1024]: "gelu" then "gelu_grad" (the GPT FFN's
+//                        activation at hidden 256, 512 tokens)
+//   dropout fwd+bwd      [512, 1024] and [8192, 64]: "dropout" then
+//                        "dropout_grad", p = 0.1 (rows of 1,024 and of 64,
+//                        the attention probabilities' rows at seq 64)
 // "kernel table" rows go through RunCpuKernel (the widest Isa this CPU
 // runs); "Isa <name>" rows call that Isa's loops directly, on one thread.
 // The baseline is the previous implementation, copied below verbatim and
@@ -31,6 +36,7 @@
 #include "absl/status/status.h"
 #include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_simd.h"
+#include "executor/runtime/counter_random.h"
 #include "executor/runtime/tensor.h"
 
 namespace {
@@ -133,6 +139,60 @@ HAP_OLD_ROW double SumSquares(const float* p, int64_t n) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += static_cast<double>(p[i]) * p[i];
   return s;
+}
+
+// FastErf and kernels_elementwise.cc's Gelu (float) and activation loops.
+inline float FastErf(float x) {
+  const float ax = std::fabs(x);
+  const float t = 1.0f / (1.0f + 0.3275911f * ax);
+  float p = 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  return std::copysign(1.0f - p * t * FastExp(-ax * ax), x);
+}
+
+struct Gelu {
+  static float F(float x) {
+    return 0.5f * x * (1.0f + FastErf(x * static_cast<float>(M_SQRT1_2)));
+  }
+  static float D(float x, float) {
+    const float cdf =
+        0.5f * (1.0f + FastErf(x * static_cast<float>(M_SQRT1_2)));
+    const float pdf =
+        FastExp(-0.5f * x * x) * static_cast<float>(0.3989422804014327);
+    return cdf + x * pdf;
+  }
+};
+
+HAP_OLD_ROW void GeluRange(const float* x, float* y, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) y[i] = Gelu::F(x[i]);
+}
+
+HAP_OLD_ROW void GeluGradRange(const float* x, const float* y, const float* dy,
+                               float* dx, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) dx[i] += dy[i] * Gelu::D(x[i], y[i]);
+}
+
+// DropoutMask::Row (unsharded: row r starts at global index r * row) and
+// MaskRow<float>.
+HAP_OLD_ROW void DropoutMaskRow(uint64_t key, double p, int64_t g, int64_t row,
+                                std::vector<char>& keep) {
+  keep.resize(row);
+  for (int64_t j = 0; j < row; ++j) {
+    keep[j] =
+        hap::executor::CounterUniform(key, static_cast<uint64_t>(g + j)) >= p;
+  }
+}
+
+HAP_OLD_ROW void MaskRow(const char* keep, const float* in, float scale,
+                         float* out, int64_t n, bool accumulate) {
+  if (accumulate) {
+    for (int64_t j = 0; j < n; ++j) out[j] += keep[j] ? in[j] * scale : 0.0f;
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = keep[j] ? in[j] * scale : 0.0f;
+  }
 }
 
 }  // namespace old
@@ -381,6 +441,132 @@ void SqNorm(int threads, int rounds, std::mt19937& rng) {
             [&] { sink = sink + old::SumSquares(g.as<float>(), n); }, rounds));
 }
 
+void GeluCase(int threads, int rounds, std::mt19937& rng) {
+  const int64_t rows = 512, cols = 1024, n = rows * cols;
+  // Pre-activations of a trained FFN's scale: both of erf's tails.
+  HostTensor x = Random({rows, cols}, -6.0f, 6.0f, rng);
+  HostTensor dy = Random({rows, cols}, -1e-3f, 1e-3f, rng);
+  HostTensor y(DType::kFloat32, {rows, cols}),
+      dx(DType::kFloat32, {rows, cols});
+  HostTensor yb(DType::kFloat32, {rows, cols}),
+      dxb(DType::kFloat32, {rows, cols});
+  std::memset(dx.data(), 0, n * sizeof(float));
+  std::memset(dxb.data(), 0, n * sizeof(float));
+  KernelContext ctx;
+  ctx.num_threads = threads;
+  const hap::graph::Attrs none;
+  const TensorView fin[] = {x.view()}, fout[] = {y.view()};
+  const TensorView bin[] = {x.view(), y.view(), dy.view()},
+                   bout[] = {dx.view()};
+  auto baseline = [&] {
+    Split(threads, n, [&](int64_t b, int64_t e) {
+      old::GeluRange(x.as<float>(), yb.as<float>(), b, e);
+    });
+    Split(threads, n, [&](int64_t b, int64_t e) {
+      old::GeluGradRange(x.as<float>(), yb.as<float>(), dy.as<float>(),
+                         dxb.as<float>(), b, e);
+    });
+  };
+  auto ours = [&] {
+    Check(hap::executor::RunCpuKernel("gelu", ctx, none, fin, fout));
+    Check(hap::executor::RunCpuKernel("gelu_grad", ctx, none, bin, bout));
+  };
+  if (threads == 1) {  // one call each from dx = 0: the same bits
+    ours();
+    baseline();
+    ExpectSame(y, yb, 0, "gelu");
+    ExpectSame(dx, dxb, 0, "gelu_grad");
+  }
+  const char* size = "[512, 1024]";
+  Print("gelu fwd+bwd", size, "kernel table", threads, n,
+        Compare(ours, baseline, rounds));
+  if (threads != 1) return;
+  for (simd::Isa isa : simd::AvailableIsas()) {
+    const simd::FloatRows& v = simd::RowsFor(isa);
+    Print("gelu fwd+bwd", size, "Isa " + std::string(simd::IsaName(isa)),
+          threads, n,
+          Compare(
+              [&] {
+                v.gelu(x.as<float>(), n, y.as<float>());
+                v.gelu_grad(x.as<float>(), dy.as<float>(), n, dx.as<float>());
+              },
+              baseline, rounds));
+  }
+}
+
+void DropoutCase(int threads, int rounds, int64_t rows, int64_t cols,
+                 std::mt19937& rng) {
+  const int64_t n = rows * cols;
+  const double p = 0.1;
+  const int64_t rng_key = 17, step = 3;
+  HostTensor x = Random({rows, cols}, -1.0f, 1.0f, rng);
+  HostTensor dy = Random({rows, cols}, -1e-3f, 1e-3f, rng);
+  HostTensor y(DType::kFloat32, {rows, cols}),
+      dx(DType::kFloat32, {rows, cols});
+  HostTensor yb(DType::kFloat32, {rows, cols}),
+      dxb(DType::kFloat32, {rows, cols});
+  std::memset(dx.data(), 0, n * sizeof(float));
+  std::memset(dxb.data(), 0, n * sizeof(float));
+  KernelContext ctx;
+  ctx.num_threads = threads;
+  ctx.step = step;
+  const hap::graph::Attrs attrs = {{"p", p}, {"rng_key", rng_key}};
+  // DropoutMask's key and scale for these attributes.
+  const uint64_t key = hap::executor::CounterKey(
+      static_cast<uint64_t>(rng_key), static_cast<uint64_t>(step));
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  const TensorView fin[] = {x.view()}, fout[] = {y.view()};
+  const TensorView bin[] = {x.view(), y.view(), dy.view()},
+                   bout[] = {dx.view()};
+  auto baseline = [&] {
+    for (bool accumulate : {false, true}) {
+      const float* in = accumulate ? dy.as<float>() : x.as<float>();
+      float* out = accumulate ? dxb.as<float>() : yb.as<float>();
+      Split(threads, rows, [&](int64_t b, int64_t e) {
+        std::vector<char> keep;
+        for (int64_t r = b; r < e; ++r) {
+          old::DropoutMaskRow(key, p, r * cols, cols, keep);
+          old::MaskRow(keep.data(), in + r * cols, scale, out + r * cols, cols,
+                       accumulate);
+        }
+      });
+    }
+  };
+  auto ours = [&] {
+    Check(hap::executor::RunCpuKernel("dropout", ctx, attrs, fin, fout));
+    Check(hap::executor::RunCpuKernel("dropout_grad", ctx, attrs, bin, bout));
+  };
+  if (threads == 1) {  // one call each from dx = 0: the same bits
+    ours();
+    baseline();
+    ExpectSame(y, yb, 0, "dropout");
+    ExpectSame(dx, dxb, 0, "dropout_grad");
+  }
+  const std::string size =
+      "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+  Print("dropout fwd+bwd", size.c_str(), "kernel table", threads, n,
+        Compare(ours, baseline, rounds));
+  if (threads != 1) return;
+  const simd::DropoutConstants c = {key, simd::DropoutThreshold(p), scale};
+  for (simd::Isa isa : simd::AvailableIsas()) {
+    const simd::FloatRows& v = simd::RowsFor(isa);
+    Print("dropout fwd+bwd", size.c_str(),
+          "Isa " + std::string(simd::IsaName(isa)), threads, n,
+          Compare(
+              [&] {
+                for (int64_t r = 0; r < rows; ++r) {
+                  v.dropout(c, r * cols, x.as<float>() + r * cols, cols, false,
+                            y.as<float>() + r * cols);
+                }
+                for (int64_t r = 0; r < rows; ++r) {
+                  v.dropout(c, r * cols, dy.as<float>() + r * cols, cols, true,
+                            dx.as<float>() + r * cols);
+                }
+              },
+              baseline, rounds));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -397,6 +583,9 @@ int main(int argc, char** argv) {
     Adam(threads, rounds, rng);
     // sq_norm runs on one thread (it is one serial sum).
     if (threads == 1) SqNorm(threads, rounds, rng);
+    GeluCase(threads, rounds, rng);
+    DropoutCase(threads, rounds, 512, 1024, rng);
+    DropoutCase(threads, rounds, 8192, 64, rng);
   }
   return 0;
 }
