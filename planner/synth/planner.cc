@@ -163,7 +163,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
       -> absl::StatusOr<std::pair<std::vector<double>, double>> {
     ratios::RatioLpRequest req;
     req.num_devices = cluster.size();
-    req.terms = MergeTerms(p.Terms());
+    req.terms = MergeTerms(p.BlockTerms());
     if (!o.ignore_memory) req.memory = MemoryModel(g, cluster, p, o.optimizer);
     req.time_limit_seconds = std::max(1.0, o.max_seconds - elapsed());
     if (fixed != nullptr) {

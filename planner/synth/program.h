@@ -94,8 +94,23 @@ struct Program {
   // step_overhead_seconds; empty = none).
   CostTerm overhead;
 
-  // Every cost term (compute terms flagged), for re-costing and the LP.
+  // Every cost term (compute terms flagged), one per instruction.
   std::vector<CostTerm> Terms(std::vector<bool>* is_compute = nullptr) const;
+
+  // The terms a step takes (compute terms flagged), for re-costing and the
+  // LP: the communication terms as in Terms(), and the compute between two
+  // synchronising collectives summed into one term per block. A device runs
+  // its kernels between two collectives without waiting for the others, so
+  // a block takes the slowest device's sum, not the sum of per-kernel
+  // maxima; a device's fixed per-step time (step_overhead_seconds, the
+  // optimizer over replicated parameters) thus weighs against its share of
+  // the batch in the same block, and the LP gives it less. The step is taken
+  // in execution order: gathers of parameters gathered once, forward (each
+  // op's form changes, then a third of its compute), backward in reverse
+  // (two thirds of the compute, then the gradients' form changes), the
+  // gradient bucket and reduce-scatters, the optimizer and the per-step
+  // overhead; the last block continues into the next step's first.
+  std::vector<CostTerm> BlockTerms(std::vector<bool>* is_compute = nullptr) const;
 };
 
 // Step time of `p` at `ratios` (one segment), split in compute and

@@ -141,6 +141,80 @@ TEST(SynthTest, ComputeBoundRatiosFollowFlops) {
   }
 }
 
+// A device's fixed per-step time (calibrated step_overhead_seconds) runs
+// in the same block as its share of the batch when nothing synchronises in
+// between, so the LP gives that device less; a per-instruction maximum would
+// leave the split even.
+TEST(SynthTest, FixedStepTimeOfADeviceLowersItsRatio) {
+  graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64},
+                               {"batch", 4096}});
+  // Slow links: data parallelism (one gradient all-reduce after backward)
+  // is the program, forward and backward one block.
+  auto even = MakeCluster({1e12, 1e12}, 2, 1e9, 1e9);
+  auto base = PlanModel(g, even, PlanOptions());
+  ASSERT_TRUE(base.ok()) << base.status();
+  EXPECT_NEAR(base->ratios[1], 0.5, 1e-3);
+  std::vector<cost::DeviceModel> d = even.devices();
+  // Device 1 spends a fifth of the even step's compute on fixed work.
+  d[1].step_overhead_seconds = 0.2 * base->cost.compute;
+  std::vector<std::vector<double>> bw = {{0, 1e9}, {1e9, 0}},
+                                   lat = {{0, 5e-6}, {5e-6, 0}};
+  auto c = *cost::ClusterModel::Create(d, bw, lat);
+  auto r = PlanModel(g, c, PlanOptions());
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Balanced: 2 * r1 * C + 0.2 C = 2 * r0 * C -> r1 = 0.45.
+  EXPECT_NEAR(r->ratios[1], 0.45, 0.01);
+  EXPECT_LT(r->cost.total, base->cost.total * 1.2);
+}
+
+// BlockTerms: compute between synchronising collectives summed per block,
+// in execution order, the last block joining the first.
+TEST(SynthTest, BlockTermsSumComputeBetweenCollectives) {
+  auto term = [](std::vector<double> coef, std::vector<double> constant) {
+    CostTerm t;
+    t.coef = std::move(coef);
+    t.constant = std::move(constant);
+    return t;
+  };
+  Program p;
+  p.steps.resize(3);
+  p.steps[0].compute = term({3, 6}, {0, 0});
+  p.steps[1].compute = term({6, 3}, {0, 0});
+  p.steps[2].compute = term({3, 3}, {0.3, 0});
+  CommStep c;
+  c.has_backward = true;
+  c.forward_cost = term({0, 0}, {1, 1});
+  c.backward_cost = term({0, 0}, {2, 2});
+  p.steps[1].comms.push_back(c);
+  CommStep local;  // a slice: no cost, no synchronisation
+  local.forward_cost = term({0, 0}, {0, 0});
+  p.steps[2].comms.push_back(local);
+  p.overhead = term({0, 0}, {0.5, 0.25});
+  std::vector<bool> is_compute;
+  std::vector<CostTerm> t = p.BlockTerms(&is_compute);
+  // [step 0 fwd + step 0 bwd + overhead] [fwd comm] [steps 1, 2 fwd+bwd]
+  // [bwd comm].
+  ASSERT_EQ(t.size(), 4u);
+  EXPECT_EQ(is_compute, (std::vector<bool>{true, false, true, false}));
+  EXPECT_NEAR(t[0].coef[0], 3, 1e-12);
+  EXPECT_NEAR(t[0].coef[1], 6, 1e-12);
+  EXPECT_NEAR(t[0].constant[0], 0.5, 1e-12);
+  EXPECT_NEAR(t[0].constant[1], 0.25, 1e-12);
+  EXPECT_NEAR(t[1].constant[0], 1, 1e-12);
+  EXPECT_NEAR(t[2].coef[0], 9, 1e-12);
+  EXPECT_NEAR(t[2].coef[1], 6, 1e-12);
+  EXPECT_NEAR(t[2].constant[0], 0.3, 1e-12);
+  EXPECT_NEAR(t[3].constant[0], 2, 1e-12);
+  // At ratios (0.5, 0.5): blocks max(2, 3.25) + max(4.8, 3) = 8.05, against
+  // 9.55 for the sum of per-instruction maxima.
+  ProgramCost pc = EvaluateProgram(p, {0.5, 0.5});
+  EXPECT_NEAR(pc.compute, 3.25 + 4.8, 1e-9);
+  EXPECT_NEAR(pc.communication, 3, 1e-9);
+  // Without any collective, one block.
+  p.steps[1].comms.clear();
+  EXPECT_EQ(p.BlockTerms().size(), 1u);
+}
+
 // SFB: all-gathering x and dy beats all-reducing dW when the batch is small
 // next to the layer's width, and not when it is large.
 TEST(SynthTest, SfbChosenForSmallBatchOnly) {
