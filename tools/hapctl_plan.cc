@@ -337,6 +337,7 @@ int RunPlan(const std::vector<std::string>& argv) {
 constexpr char kCalibrateUsage[] =
     R"(usage: hapctl calibrate --cluster FILE.json (--plan PLAN.pb --profile PREFIX)...
                         --out CALIBRATED.json [--op-scales per-device|per-kind]
+                        [--fixed-time fit|none]
 
 Calibrates the cost model from measured runs: each --plan was run with
 `hap-launch --plan PLAN.pb --profile PREFIX` (or hap-executor --profile),
@@ -348,6 +349,11 @@ B x collective calls (link bandwidths divided by A, B the per-call
 overhead); prints what was modelled and measured. Plan with it: hapctl plan
 --cluster CALIBRATED.json.
 
+With runs at different shares of a device (e.g. DP-even and DP-proportional),
+each device's time per step is fitted as a x the scaled model + b: b (the
+time it spends whatever its share) becomes its step_overhead_seconds and the
+op scales are multiplied by a (--fixed-time none keeps the runtime alone).
+
 --op-scales per-kind gives every device of a kind (CPU, GPU) the same
 op_time_scale per op type, pooled over them, and leaves ranking the devices
 to their measured FLOP/s: use it under CPU quotas, where a throttled rank's
@@ -355,7 +361,7 @@ kernel wall times depend on when it waited (default per-device).
 )";
 
 int RunCalibrate(const std::vector<std::string>& argv) {
-  auto args = Args::Parse(argv, {"cluster", "plan", "profile", "out", "op-scales"}, {"help"});
+  auto args = Args::Parse(argv, {"cluster", "plan", "profile", "out", "op-scales", "fixed-time"}, {"help"});
   if (!args.ok()) return Fail(args.status());
   if (args->Bool("help")) {
     std::cout << kCalibrateUsage;
@@ -401,6 +407,13 @@ int RunCalibrate(const std::vector<std::string>& argv) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--op-scales must be per-device or per-kind, got '", op_scales, "'")));
   }
+  const std::string fixed = args->Has("fixed-time") ? args->Get("fixed-time") : "fit";
+  if (fixed == "none") {
+    co.fit_fixed_time = false;
+  } else if (fixed != "fit") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--fixed-time must be fit or none, got '", fixed, "'")));
+  }
   auto cal = calibrate::Calibrate(*cluster, runs, co);
   if (!cal.ok()) return Fail(cal.status());
   std::cout << absl::StrFormat("%-16s %-18s %14s %14s %8s\n", "DEVICE", "OP TYPE",
@@ -429,6 +442,12 @@ int RunCalibrate(const std::vector<std::string>& argv) {
       "calls per step over the runs; fitted %s)\n",
       cal->transfer_scale, 1e3 * cal->collective_overhead_seconds, cal->collective_calls,
       cal->communication_fit);
+  for (const auto& f : cal->fixed_time) {
+    std::cout << absl::StrFormat(
+        "fixed time: %s %.3f ms per step whatever its share, op scales x%.3f (fitted over %d "
+        "runs at different shares)\n",
+        f.device, 1e3 * f.fixed_seconds, f.scale, f.runs);
+  }
   std::cout << "wrote the calibrated cluster to " << args->Get("out") << "\n";
   return 0;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -49,13 +50,77 @@ double FloatFlops(const v1::Device& d) {
   return flops;
 }
 
+// One run on one device: op type -> seconds per step.
+struct RunTimes {
+  std::map<std::string, double> modelled, measured;
+};
+
 // Per device: op type -> seconds, summed over runs.
 struct Sums {
   std::map<std::string, double> modelled, measured;
   double stored_elements = 0;  // parameter elements updated per step
   double overhead = 0;         // summed over runs
   int runs = 0;
+  std::vector<RunTimes> per_run;
 };
+
+// measured ~ alpha * scaled modelled + beta over one device's runs (least
+// squares, alpha > 0, beta >= 0); nullopt when the runs do not spread the
+// modelled time by 10% or the fit gives no positive alpha.
+std::optional<std::pair<double, double>> FitFixedTime(const std::vector<double>& x,
+                                                      const std::vector<double>& y) {
+  if (x.size() < 2) return std::nullopt;
+  const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
+  if (!(*lo > 0) || *hi < 1.1 * *lo) return std::nullopt;
+  const double n = static_cast<double>(x.size());
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    mx += x[i] / n;
+    my += y[i] / n;
+  }
+  double sxy = 0, sxx = 0, xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    sxy += (x[i] - mx) * (y[i] - my);
+    sxx += (x[i] - mx) * (x[i] - mx);
+    xy += x[i] * y[i];
+    xx += x[i] * x[i];
+  }
+  double alpha = sxy / sxx, beta = my - alpha * mx;
+  if (beta < 0) {
+    beta = 0;
+    alpha = xy / xx;
+  }
+  if (!(alpha > 0) || !std::isfinite(alpha) || !std::isfinite(beta)) return std::nullopt;
+  return std::make_pair(alpha, beta);
+}
+
+// The share of the work rank `rank` of `plan` really ran: the plan's ratio
+// is rounded to whole units (sequences of the batch) when it is lowered, so
+// a ratio of 0.717 over 16 sequences runs 12 of them, 0.75. Taken from the
+// rank's buffers sharded along one dimension (local / global length,
+// weighted by their global elements); the plan's ratio where none is.
+double ExecutedShare(const v1::Plan& plan, int rank, double ratio) {
+  if (rank >= plan.rank_programs_size()) return ratio;
+  double weight = 0, sum = 0;
+  for (const v1::Buffer& b : plan.rank_programs(rank).buffers()) {
+    if (b.role() != v1::Buffer::ACTIVATION && b.role() != v1::Buffer::INPUT &&
+        b.role() != v1::Buffer::GRADIENT) {
+      continue;
+    }
+    if (b.shape_size() != b.global_shape_size()) continue;
+    int split = -1;
+    double global = 1;
+    for (int d = 0; d < b.shape_size(); ++d) {
+      global *= static_cast<double>(b.global_shape(d));
+      if (b.shape(d) == b.global_shape(d)) continue;
+      split = split == -1 ? d : -2;
+    }
+    if (split < 0 || b.global_shape(split) <= 0) continue;
+    weight += global;
+    sum += global * static_cast<double>(b.shape(split)) / static_cast<double>(b.global_shape(split));
+  }
+  return weight > 0 ? sum / weight : ratio;
+}
 
 // What the uncalibrated model gives rank `rank` of `plan` per op type, and
 // the parameter elements it stores.
@@ -66,9 +131,10 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
     return absl::InvalidArgumentError(
         absl::StrCat("device '", dev.id(), "' has no valid float32 FLOP/s to calibrate against"));
   }
-  const double share = plan.ratios_size() > 0 && rank < plan.ratios(0).ratios_size()
-                           ? plan.ratios(0).ratios(rank)
-                           : 1.0 / plan.devices_size();
+  const double share = ExecutedShare(
+      plan, rank,
+      plan.ratios_size() > 0 && rank < plan.ratios(0).ratios_size() ? plan.ratios(0).ratios(rank)
+                                                                     : 1.0 / plan.devices_size());
   std::map<std::string, graph::OpId> ops;
   for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
     ops[g.op(i).name] = i;
@@ -249,7 +315,10 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
             absl::StrCat("run ", k, ": the plan's device '", id, "' is not in the cluster"));
       }
       Sums& s = sums[id];
-      HAP_RETURN_IF_ERROR(Model(plan, g, r.rank, *dev->second, &s));
+      Sums one;
+      HAP_RETURN_IF_ERROR(Model(plan, g, r.rank, *dev->second, &one));
+      for (const auto& [type, secs] : one.modelled) s.modelled[type] += secs;
+      s.stored_elements += one.stored_elements;
       double overhead = 0;
       for (const auto& [type, secs] : r.op_seconds) {
         if (type == kRuntime) {
@@ -260,6 +329,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       }
       s.overhead += overhead;
       s.runs += 1;
+      s.per_run.push_back({std::move(one.modelled), r.op_seconds});
       busiest = std::max(busiest, r.device_seconds);
       step = std::max(step, r.step_seconds_median);
     }
@@ -326,6 +396,28 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       d.set_optimizer_seconds_per_element(s.stored_elements > 0 ? opt / s.stored_elements : 0);
       out.rows.push_back({d.id(), kRuntime, 0, overhead / s.runs});
       d.set_step_overhead_seconds(overhead / s.runs);
+      if (options.fit_fixed_time) {
+        // Per run: the model's time with these scales against everything
+        // measured but the optimizer.
+        std::vector<double> x, y;
+        for (const RunTimes& run : s.per_run) {
+          double scaled = 0, measured = 0;
+          for (const auto& [t, m] : run.modelled) {
+            auto it = d.op_time_scale().find(t);
+            if (it != d.op_time_scale().end()) scaled += m * it->second;
+          }
+          for (const auto& [t, v] : run.measured) {
+            if (t != kOptimizer) measured += v;
+          }
+          x.push_back(scaled);
+          y.push_back(measured);
+        }
+        if (auto fit = FitFixedTime(x, y)) {
+          for (auto& [t, scale] : *d.mutable_op_time_scale()) scale *= fit->first;
+          d.set_step_overhead_seconds(fit->second);
+          out.fixed_time.push_back({d.id(), static_cast<int>(x.size()), fit->first, fit->second});
+        }
+      }
     }
   }
   // What the model misses of communication: measured = A * transfers +

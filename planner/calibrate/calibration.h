@@ -73,6 +73,16 @@ struct Calibration {
   // were divided by it (1 = kept as probed).
   double transfer_scale = 1;
   std::string communication_fit;  // how the two were fitted, for people
+  // Devices whose fixed per-step time was fitted (CalibrateOptions::
+  // fit_fixed_time): their op scales were multiplied by `scale` and their
+  // step_overhead_seconds set to `fixed_seconds`.
+  struct FixedTimeFit {
+    std::string device;
+    int runs = 0;
+    double scale = 1;
+    double fixed_seconds = 0;
+  };
+  std::vector<FixedTimeFit> fixed_time;
 };
 
 // InvalidArgument when a run's profiles do not match its plan (a rank
@@ -91,6 +101,15 @@ struct CalibrateOptions {
   // sustain, so a throttled rank's wall-clock kernel times depend on the
   // plan it ran.
   bool pool_op_scales_by_kind = false;
+  // Per device, over its runs at different shares: everything measured but
+  // the optimizer = alpha x the scaled model's time + beta (least squares,
+  // beta >= 0); the op scales are multiplied by alpha and beta becomes
+  // step_overhead_seconds, the time a device spends per step whatever its
+  // share (small kernels' fixed costs, buffers the size of the parameters,
+  // a throttled CPU's stalls). With runs at one share only, or when the fit
+  // gives no positive alpha, step_overhead_seconds stays the measured
+  // runtime (gradient zeroing, copies) and unmodelled ops.
+  bool fit_fixed_time = true;
 };
 
 absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster,

@@ -104,6 +104,20 @@ TEST(CalibrationTest, ModelledTimeIsFlopsOverRateAtTheRanksShare) {
               0.02 * 0.5 * linear_flops / 80e9);
   EXPECT_NEAR(Modelled(*cal, "cpu1", "linear"), 0.5 * linear_flops / 32e9,
               0.02 * 0.5 * linear_flops / 32e9);
+  // Proportional: the ratios 80:32 (0.714) run as 11 and 5 of the 16
+  // sequences; the planner says so (ratios snapped to whole sequences), and
+  // a plan that still says 0.714 (made before snapping) is measured at the
+  // share its rank programs ran.
+  v1::Plan prop = MakePlan(g, c, synth::Baseline::kDpProportional);
+  EXPECT_NEAR(prop.ratios(0).ratios(0), 11.0 / 16, 1e-12);
+  prop.mutable_ratios(0)->set_ratios(0, 80.0 / 112);
+  prop.mutable_ratios(0)->set_ratios(1, 32.0 / 112);
+  auto cal_prop = Calibrate(c, {UnitRun(prop)});
+  ASSERT_TRUE(cal_prop.ok()) << cal_prop.status();
+  EXPECT_NEAR(Modelled(*cal_prop, "cpu0", "linear"), 11.0 / 16 * linear_flops / 80e9,
+              0.02 * 11.0 / 16 * linear_flops / 80e9);
+  EXPECT_NEAR(Modelled(*cal_prop, "cpu1", "linear"), 5.0 / 16 * linear_flops / 32e9,
+              0.02 * 5.0 / 16 * linear_flops / 32e9);
 }
 
 TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
@@ -185,6 +199,82 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
   auto p1 = synth::PlanModel(g, *after, po);
   ASSERT_TRUE(p0.ok() && p1.ok());
   EXPECT_GT(p1->cost.total, 1.5 * p0->cost.total);
+}
+
+// Runs at two shares whose kernels hide a fixed per-step time (in the
+// linears and the runtime): the fit per device recovers it as
+// step_overhead_seconds, and the calibrated model reproduces both runs.
+TEST(CalibrationTest, FitsEachDevicesFixedTimeAcrossShares) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  const std::map<std::string, double> scale = {{"linear", 1.5}, {"log_softmax", 20}};
+  const double fixed_linear[] = {0.002, 0.010};
+  const double runtime = 0.002;
+  std::vector<ProfiledRun> runs;
+  std::vector<std::map<std::pair<std::string, std::string>, double>> modelled;
+  for (synth::Baseline b : {synth::Baseline::kDpEven, synth::Baseline::kDpProportional}) {
+    v1::Plan plan = MakePlan(g, c, b);
+    auto unit = Calibrate(c, {UnitRun(plan)});
+    ASSERT_TRUE(unit.ok()) << unit.status();
+    ProfiledRun run{plan, {}};
+    modelled.emplace_back();
+    for (int r = 0; r < 2; ++r) {
+      RankProfile p;
+      p.rank = r;
+      p.device = plan.devices(r);
+      p.plan_content_hash = plan.content_hash();
+      double total = 0;
+      for (const Row& row : unit->rows) {
+        if (row.device != p.device || row.modelled_seconds <= 0) continue;
+        modelled.back()[{row.device, row.op_type}] = row.modelled_seconds;
+        auto s = scale.find(row.op_type);
+        double t = row.modelled_seconds * (s == scale.end() ? 1.0 : s->second);
+        if (row.op_type == "linear") t += fixed_linear[r];
+        p.op_seconds[row.op_type] = t;
+        total += t;
+      }
+      p.op_seconds["(runtime)"] = runtime;
+      p.op_seconds["(optimizer)"] = 1e-3;
+      p.device_seconds = total + runtime + 1e-3;
+      p.step_seconds_median = p.device_seconds + 0.01;
+      run.ranks.push_back(p);
+    }
+    runs.push_back(run);
+  }
+  auto cal = Calibrate(c, runs);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  ASSERT_EQ(cal->fixed_time.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    const v1::Device& d = cal->cluster.nodes(0).devices(r);
+    SCOPED_TRACE(d.id());
+    // Near, not exact: the model's own launch overheads do not scale with
+    // the share either, so the fitted line's intercept moves by theirs.
+    EXPECT_NEAR(d.step_overhead_seconds(), fixed_linear[r] + runtime,
+                0.05 * (fixed_linear[r] + runtime));
+    // Both runs reproduced: the scaled model plus the fixed time.
+    for (size_t k = 0; k < runs.size(); ++k) {
+      double predicted = d.step_overhead_seconds(), measured = 0;
+      for (const auto& [key, m] : modelled[k]) {
+        if (key.first == d.id()) predicted += m * d.op_time_scale().at(key.second);
+      }
+      for (const auto& [t, v] : runs[k].ranks[r].op_seconds) {
+        if (t != "(optimizer)") measured += v;
+      }
+      EXPECT_NEAR(predicted, measured, 1e-9 * measured) << "run " << k;
+    }
+  }
+  // Without the fit, the runtime alone is the fixed time and the linears'
+  // fixed part is spread over their scale.
+  CalibrateOptions no_fit;
+  no_fit.fit_fixed_time = false;
+  auto plain = Calibrate(c, runs, no_fit);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->fixed_time.empty());
+  EXPECT_NEAR(plain->cluster.nodes(0).devices(1).step_overhead_seconds(), runtime, 1e-12);
+  // One run (one share) cannot separate the two: no fit.
+  auto one = Calibrate(c, {runs[0]});
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_TRUE(one->fixed_time.empty());
 }
 
 // A run of `plan` whose communication took `scale` x the model's transfers

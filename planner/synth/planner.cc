@@ -175,7 +175,58 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     return std::make_pair(r.ratios[0], r.objective);
   };
 
+  // Whole samples: the lowering runs RoundShards(batch, ratios) samples per
+  // device, so the plan is predicted (and reported) at those. For the
+  // search's own result the split is also moved by one sample between any
+  // two devices where the model says that is faster.
+  auto snap = [&](Candidate* c, bool neighbours) {
+    if (!o.snap_ratios_to_batch || g.Inputs().empty()) return;
+    const graph::Tensor& in = g.tensor(g.Inputs().front());
+    const int n = cluster.size();
+    if (in.type.rank() < 1 || in.type.shape[0] < n || c->ratios.size() != static_cast<size_t>(n)) {
+      return;
+    }
+    const int64_t batch = in.type.shape[0];
+    std::vector<int64_t> base = ratios::RoundShards(batch, c->ratios);
+    std::vector<std::vector<int64_t>> splits = {base};
+    if (neighbours) {
+      for (int i = 0; i < n; ++i) {
+        for (int j = 0; j < n; ++j) {
+          if (i == j || base[i] <= 1) continue;
+          std::vector<int64_t> m = base;
+          --m[i];
+          ++m[j];
+          splits.push_back(std::move(m));
+        }
+      }
+    }
+    const ratios::MemoryConstraint mem = MemoryModel(g, cluster, c->program, o.optimizer);
+    double best_cost = INFINITY;
+    std::vector<double> best;
+    for (const std::vector<int64_t>& m : splits) {
+      std::vector<double> r;
+      bool ok = true;
+      for (int d = 0; d < n; ++d) {
+        ok = ok && m[d] >= 1;
+        r.push_back(static_cast<double>(m[d]) / static_cast<double>(batch));
+      }
+      if (!ok) continue;
+      if (!o.ignore_memory) {
+        const std::vector<int64_t> bytes = MemoryAt(mem, r);
+        for (int d = 0; d < n && ok; ++d) ok = bytes[d] <= cluster.device(d).memory_bytes;
+        if (!ok) continue;
+      }
+      const double cost = EvaluateProgram(c->program, r).total;
+      if (cost < best_cost * (1 - 1e-9)) {
+        best_cost = cost;
+        best = std::move(r);
+      }
+    }
+    if (!best.empty()) c->ratios = std::move(best);
+  };
+
   auto finish = [&](Candidate c, bool optimal) -> PlanResult {
+    snap(&c, o.baseline == Baseline::kNone);
     PlanResult r;
     r.cost = EvaluateProgram(c.program, c.ratios);
     r.memory_bytes =

@@ -53,6 +53,9 @@ struct PlanOptions {
   int64_t max_states = 2'000'000;
   double max_seconds = 60;       // whole planning, search and LP
   bool ignore_memory = false;
+  // Ratios snapped to whole samples of the batch (what the lowering runs),
+  // the search's split moved by one sample where that is predicted faster.
+  bool snap_ratios_to_batch = true;
   OptimizerKind optimizer = OptimizerKind::kSgdMomentum;
   std::function<bool()> cancelled;
   // states expanded (cumulative), best cost so far, joint iteration.

@@ -167,6 +167,37 @@ TEST(SynthTest, FixedStepTimeOfADeviceLowersItsRatio) {
   EXPECT_LT(r->cost.total, base->cost.total * 1.2);
 }
 
+// Ratios come out as whole samples of the batch (what the lowering runs),
+// predicted there; the search's split is the best of its one-sample
+// neighbours, a baseline's is its ratios rounded.
+TEST(SynthTest, RatiosAreWholeSamplesAndTheBestNeighbour) {
+  graph::Graph g = Zoo("gpt", Small("gpt", 16));
+  auto c = MakeCluster({2.5e12, 1e12}, 2, 1e10, 1e10);
+  auto r = PlanModel(g, c, PlanOptions());
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double samples = r->ratios[0] * 16;
+  EXPECT_NEAR(samples, std::round(samples), 1e-9);
+  EXPECT_NEAR(r->ratios[0] + r->ratios[1], 1.0, 1e-12);
+  EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total, 1e-12);
+  for (int m : {-1, 1}) {
+    const double k = std::round(samples) + m;
+    if (k < 1 || k > 15) continue;
+    EXPECT_LE(r->cost.total, EvaluateProgram(r->program, {k / 16, 1 - k / 16}).total * (1 + 1e-9))
+        << k << " samples on device 0";
+  }
+  PlanOptions bo;
+  bo.baseline = Baseline::kDpProportional;
+  auto b = PlanModel(g, c, bo);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_NEAR(b->ratios[0], 11.0 / 16, 1e-12);  // 2.5:1 = 11.43 -> 11 of 16
+  PlanOptions raw;
+  raw.baseline = Baseline::kDpProportional;
+  raw.snap_ratios_to_batch = false;
+  auto unsnapped = PlanModel(g, c, raw);
+  ASSERT_TRUE(unsnapped.ok()) << unsnapped.status();
+  EXPECT_NEAR(unsnapped->ratios[0], 2.5 / 3.5, 1e-9);
+}
+
 // BlockTerms: compute between synchronising collectives summed per block,
 // in execution order, the last block joining the first.
 TEST(SynthTest, BlockTermsSumComputeBetweenCollectives) {
