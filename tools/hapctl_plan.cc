@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -24,6 +25,7 @@ namespace {
 constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model NAME | --graph FILE]
                    [--layers N --hidden N --batch N ... (zoo parameters)]
                    [--devices ID,ID,...] [--baseline hap|dp-even|dp-prop|megatron|zero3]
+                   [--ratios R,R,... (with --baseline: its split, one per device)]
                    [--no-sfb] [--no-zero] [--no-grouped] [--zero-heuristic]
                    [--optimizer sgd|momentum|adam] [--ignore-memory]
                    [--max-states N] [--max-seconds S] [-o table|json]
@@ -34,6 +36,9 @@ Synthesizes the SPMD program and sharding ratios offline. Zoo models default
 to a batch of 32 per device and (moe/switch) 2 experts per device.
 --save-plan lowers the plan to per-rank programs (with the optimizer flags)
 and writes the hap.v1.Plan in binary for hap-executor / hap-launch.
+--ratios gives a baseline another split than its own (e.g. --baseline
+dp-prop --ratios 0.75,0.25: data parallelism at a synthesized plan's split);
+ratios are rounded to whole samples of the batch, as they will run.
 )";
 
 int Fail(const absl::Status& s) {
@@ -245,7 +250,7 @@ int RunPlan(const std::vector<std::string>& argv) {
   value_flags.insert({"o", "output", "set", "cluster", "model", "graph",
                       "devices", "baseline", "optimizer", "max-states",
                       "max-seconds", "save-plan", "lr", "momentum",
-                      "weight-decay", "clip-norm", "seed"});
+                      "weight-decay", "clip-norm", "seed", "ratios"});
   auto args = Args::Parse(argv, value_flags,
                           {"help", "no-sfb", "no-zero", "no-grouped",
                            "zero-heuristic", "ignore-memory"});
@@ -291,6 +296,20 @@ int RunPlan(const std::vector<std::string>& argv) {
   auto b = synth::ParseBaseline(args->Get("baseline", "hap"));
   if (!b.ok()) return Fail(b.status());
   po.baseline = *b;
+  if (args->Has("ratios")) {
+    if (po.baseline == synth::Baseline::kNone) {
+      return Fail(absl::InvalidArgumentError(
+          "--ratios needs --baseline (the synthesized plan chooses its own ratios)"));
+    }
+    for (absl::string_view part : absl::StrSplit(args->Get("ratios"), ',')) {
+      double x;
+      if (!absl::SimpleAtod(part, &x)) {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("--ratios must be numbers separated by commas, got '", part, "'")));
+      }
+      po.baseline_ratios.push_back(x);
+    }
+  }
   po.allow_sfb = !args->Bool("no-sfb");
   po.allow_zero = !args->Bool("no-zero");
   po.allow_grouped = !args->Bool("no-grouped");

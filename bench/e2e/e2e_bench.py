@@ -68,7 +68,9 @@ CONFIGS = ["hap", "dp-even", "dp-prop", "ddp-even", "ddp-prop"]
 QUOTA_CONFIGS = ["hap-q", "dp-prop-q"]
 # With calibration (default; --no-calibrate skips it): the synthesized plan
 # again, from the cluster calibrated on separate profiled runs.
-CALIBRATED_CONFIGS = ["hap-cal"]
+# dp-split-cal: data parallelism at hap-cal's split, to tell the program's
+# gain from the split's.
+CALIBRATED_CONFIGS = ["hap-cal", "dp-split-cal"]
 LABELS = {
     "hap": "HAP (synthesized plan)",
     "dp-even": "DP-even (ours)",
@@ -78,6 +80,7 @@ LABELS = {
     "hap-q": "diagnostic: HAP, quota-scaled profile",
     "dp-prop-q": "diagnostic: DP-proportional, quota-scaled profile",
     "hap-cal": "HAP (synthesized from the calibrated cost model)",
+    "dp-split-cal": "DP at the calibrated HAP's split (ours)",
 }
 STEP_RE = re.compile(r"^step (\d+) loss (\S+) time (\S+) s", re.M)
 
@@ -110,8 +113,9 @@ class Cluster:
     """Owns what the run starts: processes (stopped by pid) and cgroups
     (removed), its own and those hap-launch makes."""
 
-    def __init__(self, shares, state_dir, weight=0):
+    def __init__(self, shares, state_dir, weight=0, period_us=PERIOD_US):
         self.shares = shares
+        self.period_us = period_us
         self.weight = weight
         self.state = state_dir
         self.cores = os.cpu_count() or 1
@@ -127,7 +131,7 @@ class Cluster:
             os.mkdir(probe)
             try:
                 with open(os.path.join(probe, "cpu.cfs_period_us"), "w") as f:
-                    f.write(str(PERIOD_US))
+                    f.write(str(self.period_us))
             finally:
                 os.rmdir(probe)
         except OSError as e:
@@ -140,9 +144,9 @@ class Cluster:
             os.mkdir(g)
             self.groups.append(g)
             with open(os.path.join(g, "cpu.cfs_period_us"), "w") as f:
-                f.write(str(PERIOD_US))
+                f.write(str(self.period_us))
             with open(os.path.join(g, "cpu.cfs_quota_us"), "w") as f:
-                f.write(str(int(share * PERIOD_US)))
+                f.write(str(int(share * self.period_us)))
             self.prioritize(g)
 
     def prioritize(self, group):
@@ -305,13 +309,17 @@ def quota_scaled(cluster, shares):
 
 
 def make_plans(c, bins, cluster_path, device_ids, model, opt,
-               names=("hap", "dp-even", "dp-prop"), suffix=""):
+               names=("hap", "dp-even", "dp-prop"), suffix="", split=None):
+    """Plans `names` (hap, a baseline, or dp-split: data parallelism at the
+    ratios `split`)."""
     plans = {}
     for name in names:
         path = os.path.join(c.state, f"{name}{suffix}.pb")
         cmd = [bins["hapctl"], "plan", "--cluster", cluster_path, "--devices",
                ",".join(device_ids), *model, *opt, "--save-plan", path]
-        if name != "hap":
+        if name == "dp-split":
+            cmd += ["--baseline", "dp-prop", "--ratios", ",".join(f"{r:.12g}" for r in split)]
+        elif name != "hap":
             cmd += ["--baseline", name]
         p = subprocess.run(cmd + ["-o", "json"], capture_output=True, text=True)
         if p.returncode:
@@ -356,7 +364,7 @@ def proportional_split(batch, weights):
 def run_hap_launch(c, bins, plan, args, tag, profile=None):
     steps = max(args.warmup, 2) + args.steps if profile else args.warmup + args.steps
     cmd = [bins["launch"], "--plan", plan, "--cpu-shares", ",".join(map(str, c.shares)),
-           "--pin-cores", "--threads", "1", "--steps", str(steps), "--data", "synthetic",
+           "--cpu-period-us", str(c.period_us), "--pin-cores", "--threads", "1", "--steps", str(steps), "--data", "synthetic",
            "--executor", bins["executor"], "--timeout", "120"]
     if profile:
         cmd += ["--profile", profile]
@@ -457,6 +465,9 @@ def main():
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the calibration phase (profiled runs, hapctl calibrate,\n"
                          "the HAP plan again from the calibrated model, accuracy table)")
+    ap.add_argument("--period-us", type=int, default=PERIOD_US,
+                    help=f"CFS period of the ranks' cgroups, microseconds [{PERIOD_US}]; "
+                         "the quota is share x period")
     ap.add_argument("--weight", type=int, default=262144,
                     help="cpu.shares of every rank's cgroup (its weight against other "
                          "work on the machine; 0 = leave the default 1024) [262144]")
@@ -499,7 +510,7 @@ def main():
     state = tempfile.mkdtemp(prefix="hap-e2e.")
     if args.weight and not 2 <= args.weight <= 262144:
         ap.error("--weight must be 0 or within 2..262144")
-    c = Cluster(shares, state, args.weight)
+    c = Cluster(shares, state, args.weight, args.period_us)
     c.check_cgroups()
 
     def on_signal(sig, _):
@@ -578,6 +589,8 @@ def bench(c, bins, args, configs):
         log("\n".join("   " + l for l in p.stdout.strip().splitlines()))
         plans.update(make_plans(c, bins, cal_path, ids, model, opt,
                                 ("hap", "dp-even", "dp-prop"), "-cal"))
+        plans.update(make_plans(c, bins, cal_path, ids, model, opt, ("dp-split",), "-cal",
+                                split=plans["hap-cal"]["ratios"]))
     for name, p in plans.items():
         log(f"   {name:8s} predicted {p['predicted']:.4f} s, ratios "
             + ", ".join(f"{x:.3f}" for x in p["ratios"]))
@@ -627,7 +640,7 @@ def bench(c, bins, args, configs):
     commit = subprocess.run(["git", "-C", WORKSPACE, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "?"
     log(f"\n== Results: median step time over {args.rounds} x {args.steps} steps, "
-        f"ranks at {args.shares} of a core ==")
+        f"ranks at {args.shares} of a core, CFS period {c.period_us} us ==")
     log(f"{date}, {c.cores} cores, commit {commit}, load averages per round {loads}")
     log(f"gpt: layers {args.layers}, hidden {args.hidden}, heads {args.heads}, "
         f"ffn {args.ffn}, seq {args.seq}, global batch {args.batch}, vocab {args.vocab}; "
@@ -673,6 +686,10 @@ def bench(c, bins, args, configs):
         if best_prop:
             log(f"{what} vs best proportional ({best_prop}): "
                 f"{med[best_prop] / med[h]:.2f}x (target >= 1.05x)")
+    if "hap-cal" in configs and "dp-split-cal" in configs:
+        log(f"HAP, calibrated vs DP at its split: "
+            f"{med['dp-split-cal'] / med['hap-cal']:.2f}x (the program's gain; the rest of "
+            f"the gain over DP-proportional is the split's)")
     # Two configurations that run the same rank programs (the same program and
     # the same per-rank shards) differ only by noise: say so.
     for a in configs:
@@ -688,7 +705,8 @@ def bench(c, bins, args, configs):
         log("|---|---|---|---|---|---|")
         for x, before, after in (("dp-even", "dp-even", "dp-even-cal"),
                                  ("dp-prop", "dp-prop", "dp-prop-cal"),
-                                 ("hap", "hap", None), ("hap-cal", None, "hap-cal")):
+                                 ("hap", "hap", None), ("hap-cal", None, "hap-cal"),
+                                 ("dp-split-cal", None, "dp-split-cal")):
             if x not in med:
                 continue
             b = plans[before]["predicted"] if before else None

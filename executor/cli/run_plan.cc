@@ -33,9 +33,10 @@
 namespace hap::executor {
 namespace {
 
-// The CFS period of --cpu-shares groups: 20 ms keeps throttling
+// The default CFS period of --cpu-shares groups: 20 ms keeps throttling
 // fine-grained against step times of tens of milliseconds (with the
-// default 100 ms a short step runs at full speed or not at all).
+// kernel's default 100 ms a short step runs at full speed or not at all).
+// --cpu-period-us sets another (1000 to 1000000, the kernel's bounds).
 constexpr int64_t kCpuPeriodUs = 20000;
 constexpr int64_t kCpuWeight = 262144;
 
@@ -67,13 +68,16 @@ and PREFIX.rankR.kernels.md, the same timings per kernel name as a table.
 
 constexpr char kLaunchUsage[] =
     R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [--cpu-shares F,F,...]
-                  [--pin-cores] [--device cpu|cuda|cuda:N] [hap-executor flags]
+                  [--cpu-period-us US] [--pin-cores] [--device cpu|cuda|cuda:N]
+                  [hap-executor flags]
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
 --cpu-shares gives rank i the fraction F_i of one core through a cgroup
 (/sys/fs/cgroup/cpu/hap-launch-PID-rI, cpu.cfs_quota_us): a heterogeneous
-cluster on one machine. --pin-cores pins rank i to core i (mod cores).
+cluster on one machine, each group's CFS period --cpu-period-us (default
+20000; a shorter one spreads a rank's throttling more evenly, closer to a
+uniformly slower device). --pin-cores pins rank i to core i (mod cores).
 --device cuda runs rank i on GPU i (NCCL needs one GPU per rank).
 The cgroups are removed when the ranks end (also on SIGINT/SIGTERM).
 )";
@@ -82,7 +86,7 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "rendezvous", "steps",  "data",
                                            "data-dir", "threads",  "timeout",
                                            "log-every", "executor", "cpu-shares",
-                                           "profile"};
+                                           "cpu-period-us", "profile"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -276,8 +280,11 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   }
   std::vector<std::string> pass;
   for (size_t i = 0; i < argv.size(); ++i) {
-    if (argv[i].rfind("--executor", 0) == 0 || argv[i].rfind("--cpu-shares", 0) == 0) {
-      if (argv[i] == "--executor" || argv[i] == "--cpu-shares") ++i;
+    if (argv[i].rfind("--executor", 0) == 0 || argv[i].rfind("--cpu-shares", 0) == 0 ||
+        argv[i].rfind("--cpu-period-us", 0) == 0) {
+      if (argv[i] == "--executor" || argv[i] == "--cpu-shares" || argv[i] == "--cpu-period-us") {
+        ++i;
+      }
       continue;
     }
     if (argv[i] == "--pin-cores") continue;
@@ -289,6 +296,13 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   }
   // CPU shares through cgroup v1: one group per rank.
   std::vector<std::string> groups;
+  auto period_us = Int(*a, "cpu-period-us", kCpuPeriodUs);
+  if (!period_us.ok() || *period_us < 1000 || *period_us > 1000000) {
+    std::cerr << "error: --cpu-period-us must be an integer from 1000 to 1000000"
+              << (period_us.ok() ? "" : absl::StrCat(" (", period_us.status().message(), ")"))
+              << "\n";
+    return 2;
+  }
   if (a->Has("cpu-shares")) {
     std::vector<std::string> parts = absl::StrSplit(a->Get("cpu-shares"), ',');
     if (static_cast<int>(parts.size()) != world) {
@@ -302,14 +316,21 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
         std::cerr << "error: --cpu-shares values must be in (0, 1], got '" << parts[r] << "'\n";
         return 2;
       }
+      if (share * static_cast<double>(*period_us) < 1000) {
+        std::cerr << "error: --cpu-shares " << parts[r] << " of a " << *period_us
+                  << " us period is a quota under the kernel's minimum of 1000 us; "
+                     "use a longer --cpu-period-us\n";
+        for (const auto& g : groups) rmdir(g.c_str());
+        return 2;
+      }
       std::string dir = absl::StrCat("/sys/fs/cgroup/cpu/hap-launch-", getpid(), "-r", r);
       std::error_code ec;
       std::filesystem::create_directory(dir, ec);
       std::ofstream period(dir + "/cpu.cfs_period_us");
-      period << kCpuPeriodUs;
+      period << *period_us;
       period.close();
       std::ofstream quota(dir + "/cpu.cfs_quota_us");
-      quota << static_cast<int64_t>(share * kCpuPeriodUs);
+      quota << static_cast<int64_t>(share * static_cast<double>(*period_us));
       quota.close();
       // The largest weight, so that other work on the machine (weight 1024
       // in the root group) takes little of what the quota grants: the rank

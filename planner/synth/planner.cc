@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "planner/cost/collectives.h"
 #include "planner/util/status_macros.h"
 
@@ -249,6 +250,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     bo.max_seconds = std::max(0.1, o.max_seconds - elapsed());
     bool even = b != Baseline::kDpProportional;
     bo.ratios = even ? cluster.EvenRatios() : cluster.ProportionalRatios();
+    if (b == o.baseline && !o.baseline_ratios.empty()) bo.ratios = o.baseline_ratios;
     if (b == Baseline::kMegatron) {
       bo.rule_filter = TensorParallelRule;
       bo.force_storage = std::nullopt;
@@ -268,6 +270,20 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   };
 
   if (o.baseline != Baseline::kNone) {
+    if (!o.baseline_ratios.empty()) {
+      double sum = 0;
+      bool ok = static_cast<int>(o.baseline_ratios.size()) == cluster.size();
+      for (double x : o.baseline_ratios) {
+        ok = ok && std::isfinite(x) && x > 0;
+        sum += x;
+      }
+      if (!ok || std::abs(sum - 1) > 1e-6) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "baseline ratios must be ", cluster.size(),
+            " positive numbers (one per device) summing to 1, got ",
+            absl::StrJoin(o.baseline_ratios, ",")));
+      }
+    }
     HAP_ASSIGN_OR_RETURN(Candidate c, baseline(o.baseline));
     if (!o.ignore_memory) {
       auto fit = memory_lp(c.program, &c.ratios);

@@ -56,6 +56,11 @@ struct PlanOptions {
   // Ratios snapped to whole samples of the batch (what the lowering runs),
   // the search's split moved by one sample where that is predicted faster.
   bool snap_ratios_to_batch = true;
+  // A baseline's ratios instead of even (dp-even) or proportional to FLOP/s
+  // (the others), one per device: e.g. data parallelism at the split a
+  // synthesized plan chose, to tell the program's gain from the split's.
+  // Ignored without a baseline.
+  std::vector<double> baseline_ratios;
   OptimizerKind optimizer = OptimizerKind::kSgdMomentum;
   std::function<bool()> cancelled;
   // states expanded (cumulative), best cost so far, joint iteration.

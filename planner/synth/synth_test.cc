@@ -196,6 +196,20 @@ TEST(SynthTest, RatiosAreWholeSamplesAndTheBestNeighbour) {
   auto unsnapped = PlanModel(g, c, raw);
   ASSERT_TRUE(unsnapped.ok()) << unsnapped.status();
   EXPECT_NEAR(unsnapped->ratios[0], 2.5 / 3.5, 1e-9);
+  // A baseline at a given split; bad splits named.
+  PlanOptions at;
+  at.baseline = Baseline::kDpProportional;
+  at.baseline_ratios = {0.75, 0.25};
+  auto fixed = PlanModel(g, c, at);
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  EXPECT_NEAR(fixed->ratios[0], 0.75, 1e-12);
+  for (std::vector<double> bad : std::vector<std::vector<double>>{{0.5}, {0.7, 0.7}, {1.0, 0.0}}) {
+    at.baseline_ratios = bad;
+    auto e = PlanModel(g, c, at);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(e.status().message()), HasSubstr("baseline ratios"));
+  }
 }
 
 // BlockTerms: compute between synchronising collectives summed per block,
