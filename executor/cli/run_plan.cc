@@ -273,6 +273,38 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   const int world = plan->rank_programs_size();
   std::string executor = a->Get(
       "executor", (std::filesystem::path(self).parent_path() / "hap-executor").string());
+  // Checked before anything is made: the CFS period and one share per rank,
+  // each quota at least the kernel's minimum of 1 ms.
+  auto period_us = Int(*a, "cpu-period-us", kCpuPeriodUs);
+  if (!period_us.ok() || *period_us < 1000 || *period_us > 1000000) {
+    std::cerr << "error: --cpu-period-us must be an integer from 1000 to 1000000"
+              << (period_us.ok() ? "" : absl::StrCat(" (", period_us.status().message(), ")"))
+              << "\n";
+    return 2;
+  }
+  std::vector<double> shares;
+  if (a->Has("cpu-shares")) {
+    std::vector<std::string> parts = absl::StrSplit(a->Get("cpu-shares"), ',');
+    if (static_cast<int>(parts.size()) != world) {
+      std::cerr << "error: --cpu-shares has " << parts.size() << " values for " << world
+                << " ranks\n";
+      return 2;
+    }
+    for (const std::string& part : parts) {
+      double share;
+      if (!absl::SimpleAtod(part, &share) || !(share > 0) || share > 1) {
+        std::cerr << "error: --cpu-shares values must be in (0, 1], got '" << part << "'\n";
+        return 2;
+      }
+      if (share * static_cast<double>(*period_us) < 1000) {
+        std::cerr << "error: --cpu-shares " << part << " of a " << *period_us
+                  << " us period is a quota under the kernel's minimum of 1000 us; "
+                     "use a longer --cpu-period-us\n";
+        return 2;
+      }
+      shares.push_back(share);
+    }
+  }
   char tmpl[] = "/tmp/hap-rendezvous-XXXXXX";
   if (!mkdtemp(tmpl)) {
     std::cerr << "error: cannot create a rendezvous directory\n";
@@ -280,13 +312,20 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   }
   std::vector<std::string> pass;
   for (size_t i = 0; i < argv.size(); ++i) {
-    if (argv[i].rfind("--executor", 0) == 0 || argv[i].rfind("--cpu-shares", 0) == 0 ||
-        argv[i].rfind("--cpu-period-us", 0) == 0) {
-      if (argv[i] == "--executor" || argv[i] == "--cpu-shares" || argv[i] == "--cpu-period-us") {
-        ++i;
+    // hap-launch's own flags, --flag VALUE or --flag=VALUE, stay here.
+    bool own = false;
+    for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us"}) {
+      if (argv[i] == f) {
+        ++i;  // and its value
+        own = true;
+        break;
       }
-      continue;
+      if (argv[i].rfind(f + "=", 0) == 0) {
+        own = true;
+        break;
+      }
     }
+    if (own) continue;
     if (argv[i] == "--pin-cores") continue;
     if (argv[i] == "--device" || argv[i].rfind("--device=", 0) == 0) {  // given per rank below
       if (argv[i] == "--device") ++i;
@@ -296,33 +335,9 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   }
   // CPU shares through cgroup v1: one group per rank.
   std::vector<std::string> groups;
-  auto period_us = Int(*a, "cpu-period-us", kCpuPeriodUs);
-  if (!period_us.ok() || *period_us < 1000 || *period_us > 1000000) {
-    std::cerr << "error: --cpu-period-us must be an integer from 1000 to 1000000"
-              << (period_us.ok() ? "" : absl::StrCat(" (", period_us.status().message(), ")"))
-              << "\n";
-    return 2;
-  }
-  if (a->Has("cpu-shares")) {
-    std::vector<std::string> parts = absl::StrSplit(a->Get("cpu-shares"), ',');
-    if (static_cast<int>(parts.size()) != world) {
-      std::cerr << "error: --cpu-shares has " << parts.size() << " values for " << world
-                << " ranks\n";
-      return 2;
-    }
+  if (!shares.empty()) {
     for (int r = 0; r < world; ++r) {
-      double share;
-      if (!absl::SimpleAtod(parts[r], &share) || !(share > 0) || share > 1) {
-        std::cerr << "error: --cpu-shares values must be in (0, 1], got '" << parts[r] << "'\n";
-        return 2;
-      }
-      if (share * static_cast<double>(*period_us) < 1000) {
-        std::cerr << "error: --cpu-shares " << parts[r] << " of a " << *period_us
-                  << " us period is a quota under the kernel's minimum of 1000 us; "
-                     "use a longer --cpu-period-us\n";
-        for (const auto& g : groups) rmdir(g.c_str());
-        return 2;
-      }
+      const double share = shares[r];
       std::string dir = absl::StrCat("/sys/fs/cgroup/cpu/hap-launch-", getpid(), "-r", r);
       std::error_code ec;
       std::filesystem::create_directory(dir, ec);

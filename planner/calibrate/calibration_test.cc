@@ -80,6 +80,28 @@ ProfiledRun UnitRun(const v1::Plan& plan) {
   return run;
 }
 
+// Rank `r`'s profile of `plan` saying each op type took the model's time
+// (the rows of `unit`, a calibration against UnitRun(plan)) x scale[type]
+// plus add[type]; device_seconds is their sum.
+RankProfile Distorted(const v1::Plan& plan, const Calibration& unit, int r,
+                      const std::map<std::string, double>& scale,
+                      const std::map<std::string, double>& add = {}) {
+  RankProfile p;
+  p.rank = r;
+  p.device = plan.devices(r);
+  p.plan_content_hash = plan.content_hash();
+  for (const Row& row : unit.rows) {
+    if (row.device != p.device || row.modelled_seconds <= 0) continue;
+    auto s = scale.find(row.op_type);
+    auto a = add.find(row.op_type);
+    const double t = row.modelled_seconds * (s == scale.end() ? 1.0 : s->second) +
+                     (a == add.end() ? 0.0 : a->second);
+    p.op_seconds[row.op_type] = t;
+    p.device_seconds += t;
+  }
+  return p;
+}
+
 double Modelled(const Calibration& c, const std::string& device, const std::string& type) {
   for (const Row& r : c.rows) {
     if (r.device == device && r.op_type == type) return r.modelled_seconds;
@@ -134,20 +156,10 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
   ProfiledRun run{plan, {}};
   double busiest = 0;
   for (int r = 0; r < 2; ++r) {
-    RankProfile p;
-    p.rank = r;
-    p.device = plan.devices(r);
-    p.plan_content_hash = plan.content_hash();
-    double total = 0;
-    for (const Row& row : unit->rows) {
-      if (row.device != p.device || row.modelled_seconds <= 0) continue;
-      auto s = scale.find(row.op_type);
-      p.op_seconds[row.op_type] = row.modelled_seconds * (s == scale.end() ? 1.0 : s->second);
-      total += p.op_seconds[row.op_type];
-    }
+    RankProfile p = Distorted(plan, *unit, r, scale);
     p.op_seconds["(runtime)"] = overhead[r];
     p.op_seconds["(optimizer)"] = 1e-3;  // replaced below once elements are known
-    p.device_seconds = total + overhead[r];
+    p.device_seconds += overhead[r];
     busiest = std::max(busiest, p.device_seconds);
     run.ranks.push_back(p);
   }
@@ -218,24 +230,14 @@ TEST(CalibrationTest, FitsEachDevicesFixedTimeAcrossShares) {
     ASSERT_TRUE(unit.ok()) << unit.status();
     ProfiledRun run{plan, {}};
     modelled.emplace_back();
+    for (const Row& row : unit->rows) {
+      if (row.modelled_seconds > 0) modelled.back()[{row.device, row.op_type}] = row.modelled_seconds;
+    }
     for (int r = 0; r < 2; ++r) {
-      RankProfile p;
-      p.rank = r;
-      p.device = plan.devices(r);
-      p.plan_content_hash = plan.content_hash();
-      double total = 0;
-      for (const Row& row : unit->rows) {
-        if (row.device != p.device || row.modelled_seconds <= 0) continue;
-        modelled.back()[{row.device, row.op_type}] = row.modelled_seconds;
-        auto s = scale.find(row.op_type);
-        double t = row.modelled_seconds * (s == scale.end() ? 1.0 : s->second);
-        if (row.op_type == "linear") t += fixed_linear[r];
-        p.op_seconds[row.op_type] = t;
-        total += t;
-      }
+      RankProfile p = Distorted(plan, *unit, r, scale, {{"linear", fixed_linear[r]}});
       p.op_seconds["(runtime)"] = runtime;
       p.op_seconds["(optimizer)"] = 1e-3;
-      p.device_seconds = total + runtime + 1e-3;
+      p.device_seconds += runtime + 1e-3;
       p.step_seconds_median = p.device_seconds + 0.01;
       run.ranks.push_back(p);
     }

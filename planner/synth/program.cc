@@ -49,27 +49,6 @@ const char* StorageName(ParamStorage s) {
   return "?";
 }
 
-std::vector<CostTerm> Program::Terms(std::vector<bool>* is_compute) const {
-  std::vector<CostTerm> out;
-  auto add = [&](const CostTerm& t, bool compute) {
-    out.push_back(t);
-    if (is_compute) is_compute->push_back(compute);
-  };
-  if (!overhead.constant.empty()) add(overhead, true);
-  for (const OpStep& s : steps) {
-    add(s.compute, true);
-    for (const SourceLoad& l : s.loads) {
-      for (const CostTerm& t : l.costs) add(t, false);
-      for (const CostTerm& t : l.update_costs) add(t, true);
-    }
-    for (const CommStep& c : s.comms) {
-      add(c.forward_cost, false);
-      if (c.has_backward) add(c.backward_cost, false);
-    }
-  }
-  return out;
-}
-
 namespace {
 
 bool IsZero(const CostTerm& t) {
@@ -80,6 +59,16 @@ bool IsZero(const CostTerm& t) {
     if (t.constant[i] != 0) return false;
   }
   return true;
+}
+
+// dst += f x src, coefficient by coefficient.
+void AddInto(CostTerm* dst, const CostTerm& src, double f) {
+  for (size_t i = 0; i < src.coef.size() && i < dst->coef.size(); ++i) {
+    dst->coef[i] += f * src.coef[i];
+  }
+  for (size_t i = 0; i < src.constant.size() && i < dst->constant.size(); ++i) {
+    dst->constant[i] += f * src.constant[i];
+  }
 }
 
 // Compute terms summed per segment until a collective that synchronises.
@@ -93,38 +82,25 @@ class Blocks {
       b.coef.assign(t.coef.size(), 0);
       b.constant.assign(t.constant.size(), 0);
     }
-    const double f = fraction * t.weight;
-    for (size_t i = 0; i < t.coef.size() && i < b.coef.size(); ++i) b.coef[i] += f * t.coef[i];
-    for (size_t i = 0; i < t.constant.size() && i < b.constant.size(); ++i) {
-      b.constant[i] += f * t.constant[i];
-    }
+    AddInto(&b, t, fraction * t.weight);
   }
   void Communication(const CostTerm& t) {
     if (IsZero(t)) return;
     Close();
     items_.push_back({t, false});
   }
-  // The terms in order; the open block joins the step's first one.
+  // The terms in order; the open block (the end of the step) joins the
+  // step's first block, which the next step continues.
   std::vector<CostTerm> Finish(std::vector<bool>* is_compute) {
-    std::map<int, CostTerm> tail = std::move(open_);
-    open_.clear();
-    if (first_ < 0) {
-      open_ = std::move(tail);
-      Close();
-    } else {
-      for (auto& [segment, t] : tail) {
-        bool merged = false;
-        for (size_t i = first_; i < items_.size() && items_[i].compute; ++i) {
-          CostTerm& f = items_[i].term;
-          if (f.segment != segment) continue;
-          for (size_t k = 0; k < f.coef.size(); ++k) f.coef[k] += t.coef[k];
-          for (size_t k = 0; k < f.constant.size(); ++k) f.constant[k] += t.constant[k];
-          merged = true;
-          break;
-        }
-        if (!merged) items_.push_back({std::move(t), true});
+    if (first_ >= 0) {
+      for (size_t i = first_; i < items_.size() && items_[i].compute; ++i) {
+        auto it = open_.find(items_[i].term.segment);
+        if (it == open_.end()) continue;
+        AddInto(&items_[i].term, it->second, 1.0);
+        open_.erase(it);
       }
     }
+    Close();  // what found no first block of its segment
     std::vector<CostTerm> out;
     for (Item& it : items_) {
       out.push_back(std::move(it.term));
@@ -225,11 +201,7 @@ std::vector<CostTerm> MergeTerms(const std::vector<CostTerm>& terms) {
       index;
   std::vector<CostTerm> out;
   for (const CostTerm& t : terms) {
-    bool zero = true;
-    for (size_t i = 0; i < t.coef.size() && zero; ++i) {
-      zero = t.coef[i] == 0 && t.constant[i] == 0;
-    }
-    if (zero) continue;
+    if (IsZero(t)) continue;
     auto key = std::make_tuple(t.segment, t.coef, t.constant);
     auto it = index.find(key);
     if (it == index.end()) {

@@ -94,11 +94,8 @@ struct Program {
   // step_overhead_seconds; empty = none).
   CostTerm overhead;
 
-  // Every cost term (compute terms flagged), one per instruction.
-  std::vector<CostTerm> Terms(std::vector<bool>* is_compute = nullptr) const;
-
   // The terms a step takes (compute terms flagged), for re-costing and the
-  // LP: the communication terms as in Terms(), and the compute between two
+  // LP: every collective's term, and the compute between two
   // synchronising collectives summed into one term per block. A device runs
   // its kernels between two collectives without waiting for the others, so
   // a block takes the slowest device's sum, not the sum of per-kernel
