@@ -85,6 +85,9 @@ struct GlooOptions {
   std::string prefix = "hap";
   std::string hostname = "127.0.0.1";  // interface to listen on
   absl::Duration timeout = absl::Seconds(60);  // per collective and connect
+  // Run Gloo's event-loop thread at SCHED_IDLE (gloo_communicator.cc says
+  // why); false keeps the default policy (bench/comm_bench compares both).
+  bool idle_progress_thread = true;
 };
 
 // Connects to every peer through `store` (full mesh over TCP). The store

@@ -1,3 +1,4 @@
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,6 +21,8 @@ using ::hap::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+
+using ::hap::testing::IsOk;
 
 std::string FreshDir(const std::string& name) {
   static int counter = 0;
@@ -332,6 +335,37 @@ TEST(GlooCommunicatorTest, TheMissingRanksAreNamed) {
     EXPECT_THAT(
         s, StatusIs(absl::StatusCode::kDeadlineExceeded,
                     HasSubstr("ranks 2, 3 never published their address")));
+  }
+}
+
+// Threads of this process per scheduling policy.
+int ThreadsWithPolicy(int policy) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    const pid_t tid = std::stoi(e.path().filename().string());
+    if (sched_getscheduler(tid) == policy) ++n;
+  }
+  return n;
+}
+
+TEST(GlooCommunicatorTest, TheEventLoopThreadRunsAtIdlePriority) {
+  // One communicator adds Gloo's loop thread at SCHED_IDLE and leaves the
+  // caller's policy alone; with the option off the loop thread is ordinary.
+  const int caller_policy = sched_getscheduler(0);
+  const int idle_before = ThreadsWithPolicy(SCHED_IDLE);
+  for (bool idle : {true, false}) {
+    auto store = NewFileStore(FreshDir(idle ? "idle_loop" : "default_loop"));
+    ASSERT_TRUE(store.ok());
+    GlooOptions o = Rank(0, 1, absl::Seconds(5));
+    o.idle_progress_thread = idle;
+    auto comm = ConnectGloo(o, **store);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EXPECT_EQ(ThreadsWithPolicy(SCHED_IDLE), idle_before + (idle ? 1 : 0))
+        << (idle ? "idle" : "default") << " loop thread";
+    EXPECT_EQ(sched_getscheduler(0), caller_policy);
+    std::vector<float> v = {1.5f, 2.5f};
+    ASSERT_THAT((*comm)->AllReduce(View(v)), IsOk());
+    EXPECT_EQ(v, (std::vector<float>{1.5f, 2.5f}));
   }
 }
 
