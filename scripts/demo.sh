@@ -153,6 +153,17 @@ if ! { mkdir "$probe" && echo "$PERIOD_US" >"$probe/cpu.cfs_period_us"; } 2>"$ST
   echo "      fallback: ranks run unthrottled, each pinned to a core (a homogeneous cluster)."
 fi
 rmdir "$probe" 2>/dev/null || true
+# Groups left by a demo or hap-launch that was killed outright (SIGKILL
+# leaves no chance to clean up): removed when their process is gone and
+# they hold no task.
+if [ "$CGROUPS" = 1 ]; then
+  for g in "$CGROUP_ROOT"/hap-demo-*-* "$CGROUP_ROOT"/hap-launch-*-*; do
+    [ -d "$g" ] || continue
+    owner=$(basename "$g" | sed -n 's/^hap-[a-z]*-\([0-9]*\)-.*/\1/p')
+    [ -n "$owner" ] && ! kill -0 "$owner" 2>/dev/null && [ -z "$(cat "$g/tasks" 2>/dev/null)" ] &&
+      rmdir "$g" 2>/dev/null && echo "demo: removed $(basename "$g"), left by process $owner that is gone"
+  done
+fi
 CORES=$(nproc)
 
 echo "x" >"$STATE/token"

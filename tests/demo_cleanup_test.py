@@ -81,7 +81,21 @@ class DemoCleanupTest(unittest.TestCase):
         self.assertEqual(groups_of(demo_pid), [], "".join(log))
         self.assertFalse(os.path.exists(state), "".join(log))
 
+    def stale_group(self):
+        """A group as a demo killed outright leaves it: its process gone, no
+        task in it. None where cgroups cannot be written."""
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        path = os.path.join(CGROUP, f"hap-demo-{gone.pid}-r0")
+        try:
+            os.mkdir(path)
+        except OSError:
+            return None
+        self.addCleanup(lambda: os.path.isdir(path) and os.rmdir(path))
+        return path
+
     def test_normal_exit_leaves_nothing(self):
+        stale = self.stale_group()
         demo = self.start(steps=4)
         log = []
         state = self.read_until(demo, r"state in (\S+)", log).group(1)
@@ -95,6 +109,10 @@ class DemoCleanupTest(unittest.TestCase):
         self.assertRegex("".join(log), r"step +4/4 +loss")
         self.assertRegex("".join(log), r"predicted step [0-9.]+ s, measured median [0-9.]+ s")
         self.assert_nothing_left(demo.pid, state, log)
+        if stale is not None:
+            # The earlier demo's group went at start-up.
+            self.assertFalse(os.path.exists(stale), "".join(log))
+            self.assertIn(f"removed {os.path.basename(stale)}", "".join(log))
 
     def test_sigint_mid_training_leaves_nothing(self):
         demo = self.start(steps=100000)
