@@ -1,6 +1,11 @@
 // Losses averaged over rows: nll_loss on log-probabilities, cross_entropy on
 // logits. A shard divides its local sum by "global_rows" (kernels.h).
 #include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "executor/cpu/kernels_simd.h"
 
 #include "executor/cpu/kernels_internal.h"
 #include "planner/util/status_macros.h"
@@ -55,6 +60,36 @@ double LogSumExp(const T* x, int64_t n) {
   return mx + std::log(SumOver(n, [&](int64_t j) { return double(Exp<T>(x[j] - mx)); }));
 }
 
+// y = log_softmax (kLog) or softmax of a row of n values: float rows run the
+// vectorized simd::FloatRows::softmax_row, double rows the same in double.
+template <typename T, bool kLog>
+void SoftmaxOfRow(const T* x, int64_t n, T* y) {
+  if constexpr (std::is_same_v<T, float>) {
+    simd::Rows().softmax_row(x, nullptr, 0, n, n, kLog, y);
+  } else {
+    const double lse = LogSumExp(x, n);
+    for (int64_t j = 0; j < n; ++j) y[j] = kLog ? x[j] - lse : std::exp(x[j] - lse);
+  }
+}
+
+// Rows [b, e) in blocks, each thread with its own row of scratch; fn(i,
+// scratch) per row.
+template <typename T, typename Fn>
+void RowsWithScratch(const KernelArgs& a, int64_t rows, int64_t cols, Fn&& fn) {
+  ParallelFor(a.ctx.num_threads, rows, GrainFor(4 * cols),
+              [&](int64_t b, int64_t e) {
+                std::vector<T> scratch(static_cast<size_t>(cols));
+                for (int64_t i = b; i < e; ++i) fn(i, scratch.data());
+              });
+}
+
+// Sum of per-row values in row order (the same result for any thread count).
+double SumInOrder(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s;
+}
+
 template <typename T, bool kLogits>
 absl::Status LossForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
@@ -67,21 +102,19 @@ absl::Status LossForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(CheckScalar(a, a.out[0], "output 0"));
   const T* x = a.in[0].as<const T>();
   double sum = 0;
-  for (int64_t i = 0; i < d.rows; ++i) {
-    const T* row = x + i * d.classes;
-    const double picked = row[IdAt(a.in[1], i)];
-    sum += kLogits ? LogSumExp(row, d.classes) - picked : -picked;
+  if constexpr (kLogits) {
+    // -log_softmax at the target, as log_softmax then nll_loss compute it.
+    std::vector<double> per_row(static_cast<size_t>(d.rows));
+    RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* y) {
+      SoftmaxOfRow<T, true>(x + i * d.classes, d.classes, y);
+      per_row[i] = -static_cast<double>(y[IdAt(a.in[1], i)]);
+    });
+    sum = SumInOrder(per_row);
+  } else {
+    for (int64_t i = 0; i < d.rows; ++i) sum -= x[i * d.classes + IdAt(a.in[1], i)];
   }
   *a.out[0].as<T>() = static_cast<T>(sum * d.inv_rows);
   return absl::OkStatus();
-}
-
-// dx += scale * softmax(x) over a row.
-template <typename T>
-void SoftmaxGradRow(const T* x, int64_t n, double scale, T* dx) {
-  const T lse = static_cast<T>(LogSumExp(x, n));
-  const T s = static_cast<T>(scale);
-  for (int64_t j = 0; j < n; ++j) dx[j] += s * Exp<T>(x[j] - lse);
 }
 
 // nll_loss: dx[i, t_i] -= g / rows; cross_entropy: dx[i] += g / rows *
@@ -104,15 +137,137 @@ absl::Status LossBackward(const KernelArgs& a) {
   const double scale = *g.dy(0).as<const T>() * d.inv_rows;
   const T* x = g.x(0).as<const T>();
   T* dx = g.dx(0).as<T>();
-  ParallelFor(a.ctx.num_threads, d.rows, GrainFor(4 * d.classes),
-              [&](int64_t b, int64_t e) {
-                for (int64_t i = b; i < e; ++i) {
-                  const int64_t c = IdAt(g.x(1), i);
-                  T* dr = dx + i * d.classes;
-                  if (kLogits) SoftmaxGradRow(x + i * d.classes, d.classes, scale, dr);
-                  dr[c] -= static_cast<T>(scale);
-                }
-              });
+  const T s = static_cast<T>(scale);
+  RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* p) {
+    T* dr = dx + i * d.classes;
+    if (kLogits) {
+      SoftmaxOfRow<T, false>(x + i * d.classes, d.classes, p);
+      for (int64_t j = 0; j < d.classes; ++j) dr[j] += s * p[j];
+    }
+    dr[IdAt(g.x(1), i)] -= s;
+  });
+  return absl::OkStatus();
+}
+
+// --- cross-entropy over logits sharded by class (vocabulary-parallel) ------
+// A rank holds x[rows, classes_local], the classes [vocab_offset,
+// vocab_offset + classes_local) of "vocab_size". "cross_entropy_lse" gives
+// its rows' log-sum-exp over its classes; the ranks all-gather those
+// ([ranks * rows], rank-major); then "cross_entropy_sharded" gives this
+// rank's part of the mean loss (its targets' -x, and on rank 0 the rows'
+// global log-sum-exp), and "cross_entropy_sharded_grad" its classes'
+// gradient, dx += dy / global_rows * (softmax - onehot).
+
+struct ShardedLoss {
+  int64_t rows = 0, classes = 0, offset = 0, vocab = 0, rank = 0, ranks = 1;
+  double inv_rows = 1;
+};
+
+template <typename T>
+absl::StatusOr<ShardedLoss> CheckShardedLoss(const KernelArgs& a, bool with_lse) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
+  const TensorView& x = a.in[0];
+  if (x.rank() != 2) return Invalid(a, InLabel(a, 0), " must have rank 2");
+  ShardedLoss d;
+  d.rows = x.shape[0];
+  d.classes = x.shape[1];
+  HAP_ASSIGN_OR_RETURN(d.offset, AttrInt(a, "vocab_offset"));
+  HAP_ASSIGN_OR_RETURN(d.vocab, AttrInt(a, "vocab_size"));
+  if (d.offset < 0 || d.offset + d.classes > d.vocab) {
+    return Invalid(a, "classes [", d.offset, ", ", d.offset + d.classes,
+                   ") are outside the vocabulary of ", d.vocab);
+  }
+  if (!with_lse) return d;
+  HAP_RETURN_IF_ERROR(CheckIdsInput(a, 1));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 2, t));
+  HAP_ASSIGN_OR_RETURN(d.rank, AttrInt(a, "rank"));
+  HAP_ASSIGN_OR_RETURN(d.ranks, AttrInt(a, "ranks"));
+  if (d.ranks < 1 || d.rank < 0 || d.rank >= d.ranks) {
+    return Invalid(a, "rank ", d.rank, " is outside a world of ", d.ranks);
+  }
+  if (a.in[1].shape != Shape{d.rows}) {
+    return Invalid(a, "targets ", InLabel(a, 1), " must have one entry per row of ",
+                   InLabel(a, 0));
+  }
+  HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], InLabel(a, 2), {d.ranks * d.rows}));
+  for (int64_t i = 0; i < d.rows; ++i) {
+    const int64_t c = IdAt(a.in[1], i);
+    if (c < 0 || c >= d.vocab) {
+      return Invalid(a, "target ", c, " at row ", i, " is outside [0, ", d.vocab, ")");
+    }
+  }
+  HAP_ASSIGN_OR_RETURN(int64_t global, AttrInt(a, "global_rows", d.rows));
+  if (global < 1) return Invalid(a, "attribute 'global_rows' must be >= 1");
+  d.inv_rows = 1.0 / static_cast<double>(global);
+  return d;
+}
+
+// Row i's log-sum-exp over every rank's classes, from the gathered ones.
+template <typename T>
+double GlobalLse(const T* lse, const ShardedLoss& d, int64_t i) {
+  double mx = lse[i];
+  for (int64_t r = 1; r < d.ranks; ++r) mx = std::max(mx, double(lse[r * d.rows + i]));
+  double sum = 0;
+  for (int64_t r = 0; r < d.ranks; ++r) sum += std::exp(double(lse[r * d.rows + i]) - mx);
+  return mx + std::log(sum);
+}
+
+template <typename T>
+absl::Status ShardedLse(const KernelArgs& a) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLoss d, CheckShardedLoss<T>(a, false));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {d.rows}));
+  const T* x = a.in[0].as<const T>();
+  T* out = a.out[0].as<T>();
+  if (d.classes == 0) return Invalid(a, "a shard without classes has no log-sum-exp");
+  RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* y) {
+    // log_softmax at column 0 is x[0] - lse.
+    SoftmaxOfRow<T, true>(x + i * d.classes, d.classes, y);
+    out[i] = x[i * d.classes] - y[0];
+  });
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ShardedLossForward(const KernelArgs& a) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLoss d, CheckShardedLoss<T>(a, true));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {}));
+  const T* x = a.in[0].as<const T>();
+  const T* lse = a.in[2].as<const T>();
+  double sum = 0;
+  for (int64_t i = 0; i < d.rows; ++i) {
+    const int64_t c = IdAt(a.in[1], i) - d.offset;
+    if (c >= 0 && c < d.classes) sum -= x[i * d.classes + c];
+    if (d.rank == 0) sum += GlobalLse(lse, d, i);
+  }
+  *a.out[0].as<T>() = static_cast<T>(sum * d.inv_rows);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ShardedLossBackward(const KernelArgs& a) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 4, 4, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLoss d, CheckShardedLoss<T>(a, true));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 3, DTypeOf<T>()));
+  HAP_RETURN_IF_ERROR(CheckScalar(a, a.in[3], "input 3 (the loss gradient)"));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), a.in[0].shape));
+  const T* x = a.in[0].as<const T>();
+  const T* lse = a.in[2].as<const T>();
+  const double scale = double(*a.in[3].as<const T>()) * d.inv_rows;
+  T* dx = a.out[0].as<T>();
+  if (d.classes == 0) return absl::OkStatus();
+  RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* q) {
+    // softmax over this rank's classes, rescaled to the whole row's.
+    SoftmaxOfRow<T, false>(x + i * d.classes, d.classes, q);
+    const T f = static_cast<T>(
+        scale * std::exp(double(lse[d.rank * d.rows + i]) - GlobalLse(lse, d, i)));
+    T* dr = dx + i * d.classes;
+    for (int64_t j = 0; j < d.classes; ++j) dr[j] += f * q[j];
+    const int64_t c = IdAt(a.in[1], i) - d.offset;
+    if (c >= 0 && c < d.classes) dr[c] -= static_cast<T>(scale);
+  });
   return absl::OkStatus();
 }
 
@@ -127,6 +282,11 @@ void RegisterLossKernels(KernelTable& t) {
       FloatKernel(&LossForward<float, true>, &LossForward<double, true>);
   t["cross_entropy_grad"] =
       FloatKernel(&LossBackward<float, true>, &LossBackward<double, true>);
+  t["cross_entropy_lse"] = FloatKernel(&ShardedLse<float>, &ShardedLse<double>);
+  t["cross_entropy_sharded"] =
+      FloatKernel(&ShardedLossForward<float>, &ShardedLossForward<double>);
+  t["cross_entropy_sharded_grad"] =
+      FloatKernel(&ShardedLossBackward<float>, &ShardedLossBackward<double>);
 }
 
 }  // namespace hap::executor::cpu

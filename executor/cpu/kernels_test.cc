@@ -410,6 +410,85 @@ TEST(KernelGradTest, Losses) {
                         {Rand({4, 5}, 3), targets}});
 }
 
+// Vocabulary-parallel cross-entropy: shards' log-sum-exps gathered, each
+// shard's partial loss and its classes' gradient, against the whole row.
+TEST(KernelTest, CrossEntropyShardedByClassMatchesTheWholeRows) {
+  const int64_t rows = 4, vocab = 11;
+  const std::vector<int64_t> bounds = {0, 4, 7, 11};  // three ranks
+  const int64_t ranks = 3;
+  HostTensor x = Rand({rows, vocab}, 21, 4.0);
+  HostTensor targets = Ints({rows}, {2, 10, 4, 7});
+  const Attrs whole_attrs = {{"global_rows", int64_t{6}}};
+  HostTensor loss(DType::kFloat64, {});
+  ASSERT_THAT(RunKernel("cross_entropy", whole_attrs, {x, targets}, {loss}), IsOk());
+  HostTensor dy = Vals({}, {1.7});
+  HostTensor dx = Full({rows, vocab}, kPrefill);
+  ASSERT_THAT(RunKernel("cross_entropy_grad", whole_attrs,
+                      {x, targets, loss, dy}, {dx, kAbsent}), IsOk());
+  std::vector<HostTensor> shard, lse;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const int64_t c = bounds[r + 1] - bounds[r];
+    HostTensor xs(DType::kFloat64, {rows, c});
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < c; ++j) {
+        xs.as<double>()[i * c + j] = x.as<double>()[i * vocab + bounds[r] + j];
+      }
+    }
+    HostTensor l(DType::kFloat64, {rows});
+    ASSERT_THAT(RunKernel("cross_entropy_lse",
+                        {{"vocab_offset", bounds[r]}, {"vocab_size", vocab}},
+                        {xs}, {l}), IsOk());
+    shard.push_back(std::move(xs));
+    lse.push_back(std::move(l));
+  }
+  HostTensor gathered(DType::kFloat64, {ranks * rows});
+  for (int64_t r = 0; r < ranks; ++r) {
+    std::copy(lse[r].as<double>(), lse[r].as<double>() + rows,
+              gathered.as<double>() + r * rows);
+  }
+  double total = 0;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const Attrs a = {{"vocab_offset", bounds[r]}, {"vocab_size", vocab},
+                     {"rank", r}, {"ranks", ranks}, {"global_rows", int64_t{6}}};
+    HostTensor part(DType::kFloat64, {});
+    ASSERT_THAT(RunKernel("cross_entropy_sharded", a, {shard[r], targets, gathered},
+                        {part}), IsOk());
+    total += part.as<double>()[0];
+    const int64_t c = bounds[r + 1] - bounds[r];
+    HostTensor dxs = Full({rows, c}, kPrefill);
+    ASSERT_THAT(RunKernel("cross_entropy_sharded_grad", a,
+                        {shard[r], targets, gathered, dy}, {dxs}), IsOk());
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < c; ++j) {
+        EXPECT_NEAR(dxs.as<double>()[i * c + j],
+                    dx.as<double>()[i * vocab + bounds[r] + j], 1e-12)
+            << "rank " << r << " row " << i << " class " << bounds[r] + j;
+      }
+    }
+  }
+  EXPECT_NEAR(total, loss.as<double>()[0], 1e-12);
+
+  // Bad input is named.
+  HostTensor part(DType::kFloat64, {});
+  EXPECT_THAT(RunKernel("cross_entropy_sharded",
+                        {{"vocab_offset", int64_t{0}}, {"vocab_size", vocab},
+                         {"rank", int64_t{3}}, {"ranks", ranks}},
+                        {shard[0], targets, gathered}, {part}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outside a world of 3")));
+  EXPECT_THAT(RunKernel("cross_entropy_sharded",
+                        {{"vocab_offset", int64_t{0}}, {"vocab_size", int64_t{9}},
+                         {"rank", int64_t{0}}, {"ranks", ranks}},
+                        {shard[0], targets, gathered}, {part}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("target 10 at row 1 is outside [0, 9)")));
+  EXPECT_THAT(RunKernel("cross_entropy_lse",
+                        {{"vocab_offset", int64_t{9}}, {"vocab_size", vocab}},
+                        {shard[0]}, {lse[0]}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outside the vocabulary of 11")));
+}
+
 TEST(KernelGradTest, Convolution) {
   ExpectGradientsMatch({"conv2d",
                         {{"stride", std::vector<int64_t>{2}},

@@ -96,9 +96,109 @@ absl::Status LossBackward(const KernelArgs& a) {
   return CheckLaunch(a);
 }
 
+// Cross-entropy over logits sharded by class (launch_loss.h).
+template <typename T>
+absl::StatusOr<ShardedLossShape> CheckSharded(const KernelArgs& a, bool with_lse) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, cpu::DTypeOf<T>()));
+  const TensorView& x = a.in[0];
+  if (x.rank() != 2) return Invalid(a, cpu::InLabel(c, 0), " must have rank 2");
+  ShardedLossShape d;
+  d.base.rows = x.shape[0];
+  d.base.classes = x.shape[1];
+  d.base.fault = a.fault.word;
+  d.base.fault_code = a.fault.code;
+  HAP_ASSIGN_OR_RETURN(d.offset, cpu::AttrInt(c, "vocab_offset"));
+  HAP_ASSIGN_OR_RETURN(d.vocab, cpu::AttrInt(c, "vocab_size"));
+  if (d.offset < 0 || d.offset + d.base.classes > d.vocab) {
+    return Invalid(a, "classes [", d.offset, ", ", d.offset + d.base.classes,
+                   ") are outside the vocabulary of ", d.vocab);
+  }
+  if (!with_lse) return d;
+  HAP_RETURN_IF_ERROR(cpu::CheckIdsInput(c, 1));
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 2, cpu::DTypeOf<T>()));
+  HAP_ASSIGN_OR_RETURN(d.rank, cpu::AttrInt(c, "rank"));
+  HAP_ASSIGN_OR_RETURN(d.ranks, cpu::AttrInt(c, "ranks"));
+  if (d.ranks < 1 || d.rank < 0 || d.rank >= d.ranks) {
+    return Invalid(a, "rank ", d.rank, " is outside a world of ", d.ranks);
+  }
+  if (a.in[1].shape != Shape{d.base.rows}) {
+    return Invalid(a, "targets ", cpu::InLabel(c, 1),
+                   " must have one entry per row of ", cpu::InLabel(c, 0));
+  }
+  HAP_RETURN_IF_ERROR(cpu::CheckShape(c, a.in[2], cpu::InLabel(c, 2),
+                                      {d.ranks * d.base.rows}));
+  HAP_ASSIGN_OR_RETURN(int64_t global, cpu::AttrInt(c, "global_rows", d.base.rows));
+  if (global < 1) return Invalid(a, "attribute 'global_rows' must be >= 1");
+  d.base.inv_rows = 1.0 / static_cast<double>(global);
+  return d;
+}
+
+template <typename T>
+absl::Status ShardedLse(const KernelArgs& a) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLossShape d, CheckSharded<T>(a, false));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, cpu::DTypeOf<T>(), {d.base.rows}));
+  if (d.base.classes == 0) {
+    return Invalid(a, "a shard without classes has no log-sum-exp");
+  }
+  LaunchShardedLse<T>(d, a.in[0].as<const T>(), a.out[0].as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status ShardedForward(const KernelArgs& a) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLossShape d, CheckSharded<T>(a, true));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, cpu::DTypeOf<T>(), {}));
+  double* row_loss = nullptr;
+  if (d.base.rows > 0) {
+    HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(d.base.rows * sizeof(double)));
+    row_loss = static_cast<double*>(p);
+  }
+  const T* x = a.in[0].as<const T>();
+  const T* lse = a.in[2].as<const T>();
+  if (a.in[1].dtype == DType::kInt64) {
+    LaunchShardedLossForward<T, int64_t>(d, x, a.in[1].as<const int64_t>(), lse,
+                                         row_loss, a.out[0].as<T>(), a.stream);
+  } else {
+    LaunchShardedLossForward<T, int32_t>(d, x, a.in[1].as<const int32_t>(), lse,
+                                         row_loss, a.out[0].as<T>(), a.stream);
+  }
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status ShardedBackward(const KernelArgs& a) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 4, 4, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLossShape d, CheckSharded<T>(a, true));
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 3, cpu::DTypeOf<T>()));
+  HAP_RETURN_IF_ERROR(CheckScalar(a, a.in[3], "input 3 (the loss gradient)"));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, cpu::DTypeOf<T>(), a.in[0].shape));
+  const T* x = a.in[0].as<const T>();
+  const T* lse = a.in[2].as<const T>();
+  const T* dy = a.in[3].as<const T>();
+  if (a.in[1].dtype == DType::kInt64) {
+    LaunchShardedLossBackward<T, int64_t>(d, x, a.in[1].as<const int64_t>(), lse,
+                                          dy, a.out[0].as<T>(), a.stream);
+  } else {
+    LaunchShardedLossBackward<T, int32_t>(d, x, a.in[1].as<const int32_t>(), lse,
+                                          dy, a.out[0].as<T>(), a.stream);
+  }
+  return CheckLaunch(a);
+}
+
 }  // namespace
 
 void RegisterLossKernels(KernelTable& t) {
+  t["cross_entropy_lse"] = FloatKernel(&ShardedLse<float>, &ShardedLse<double>);
+  t["cross_entropy_sharded"] =
+      FloatKernel(&ShardedForward<float>, &ShardedForward<double>);
+  t["cross_entropy_sharded_grad"] =
+      FloatKernel(&ShardedBackward<float>, &ShardedBackward<double>);
   t["nll_loss"] =
       FloatKernel(&LossForward<float, false>, &LossForward<double, false>);
   t["nll_loss_grad"] =

@@ -119,6 +119,73 @@ __global__ void CrossEntropyGradKernel(LossShape s, const T* x,
   }
 }
 
+// Row i's log-sum-exp over every rank's classes.
+template <typename T>
+__device__ double GlobalLse(const ShardedLossShape& s, const T* lse, int64_t i) {
+  const int64_t rows = s.base.rows;
+  double mx = static_cast<double>(lse[i]);
+  for (int64_t r = 1; r < s.ranks; ++r) {
+    const double v = static_cast<double>(lse[r * rows + i]);
+    mx = v > mx ? v : mx;
+  }
+  double sum = 0;
+  for (int64_t r = 0; r < s.ranks; ++r) {
+    sum += exp(static_cast<double>(lse[r * rows + i]) - mx);
+  }
+  return mx + log(sum);
+}
+
+template <typename T>
+__global__ void ShardedLseKernel(ShardedLossShape s, const T* x, T* out) {
+  for (int64_t i = blockIdx.x; i < s.base.rows; i += gridDim.x) {
+    const double lse = RowLogSumExp(x + i * s.base.classes, s.base.classes);
+    if (threadIdx.x == 0) out[i] = static_cast<T>(lse);
+  }
+}
+
+template <typename T, typename I>
+__global__ void ShardedRowLossKernel(ShardedLossShape s, const T* x,
+                                     const I* targets, const T* lse,
+                                     double* row_loss) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < s.base.rows; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = static_cast<int64_t>(targets[i]);
+    if (t < 0 || t >= s.vocab) {
+      Report(s.base.fault, s.base.fault_code);
+      row_loss[i] = 0;
+      continue;
+    }
+    double v = s.rank == 0 ? GlobalLse(s, lse, i) : 0.0;
+    const int64_t c = t - s.offset;
+    if (c >= 0 && c < s.base.classes) v -= static_cast<double>(x[i * s.base.classes + c]);
+    row_loss[i] = v;
+  }
+}
+
+template <typename T, typename I>
+__global__ void ShardedGradKernel(ShardedLossShape s, const T* x,
+                                  const I* targets, const T* lse, const T* dy,
+                                  T* dx) {
+  const double scale = static_cast<double>(dy[0]) * s.base.inv_rows;
+  const T ts = static_cast<T>(scale);
+  for (int64_t i = blockIdx.x; i < s.base.rows; i += gridDim.x) {
+    const int64_t t = static_cast<int64_t>(targets[i]);
+    if (t < 0 || t >= s.vocab) {  // uniform over the block
+      if (threadIdx.x == 0) Report(s.base.fault, s.base.fault_code);
+      continue;
+    }
+    const T whole = static_cast<T>(GlobalLse(s, lse, i));
+    const T* row = x + i * s.base.classes;
+    T* drow = dx + i * s.base.classes;
+    const int64_t c = t - s.offset;
+    for (int64_t j = threadIdx.x; j < s.base.classes; j += blockDim.x) {
+      T v = drow[j] + ts * Exp(static_cast<T>(row[j] - whole));
+      if (j == c) v -= ts;
+      drow[j] = v;
+    }
+  }
+}
+
 unsigned RowBlocks(int64_t rows) {
   return static_cast<unsigned>(rows < 65535LL * 16 ? rows : 65535LL * 16);
 }
@@ -153,11 +220,52 @@ void LaunchLossBackward(bool logits, const LossShape& s, const T* x,
   }
 }
 
+template <typename T>
+void LaunchShardedLse(const ShardedLossShape& s, const T* x, T* out,
+                      cudaStream_t stream) {
+  if (s.base.rows <= 0) return;
+  ShardedLseKernel<T><<<RowBlocks(s.base.rows), kThreads, 0, stream>>>(s, x, out);
+}
+
+template <typename T, typename I>
+void LaunchShardedLossForward(const ShardedLossShape& s, const T* x,
+                              const I* targets, const T* lse, double* row_loss,
+                              T* out, cudaStream_t stream) {
+  if (s.base.rows > 0) {
+    int64_t blocks = (s.base.rows + kThreads - 1) / kThreads;
+    if (blocks > 65535LL * 16) blocks = 65535LL * 16;
+    ShardedRowLossKernel<T, I><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        s, x, targets, lse, row_loss);
+  }
+  SumRowsKernel<T><<<1, kThreads, 0, stream>>>(row_loss, s.base.rows,
+                                               s.base.inv_rows, out);
+}
+
+template <typename T, typename I>
+void LaunchShardedLossBackward(const ShardedLossShape& s, const T* x,
+                               const I* targets, const T* lse, const T* dy,
+                               T* dx, cudaStream_t stream) {
+  if (s.base.rows <= 0 || s.base.classes <= 0) return;
+  ShardedGradKernel<T, I><<<RowBlocks(s.base.rows), kThreads, 0, stream>>>(
+      s, x, targets, lse, dy, dx);
+}
+
+template void LaunchShardedLse<float>(const ShardedLossShape&, const float*, float*,
+                                      cudaStream_t);
+template void LaunchShardedLse<double>(const ShardedLossShape&, const double*,
+                                       double*, cudaStream_t);
+
 #define HAP_INSTANTIATE(T, I)                                                 \
   template void LaunchLossForward<T, I>(bool, const LossShape&, const T*,     \
                                         const I*, double*, T*, cudaStream_t); \
   template void LaunchLossBackward<T, I>(bool, const LossShape&, const T*,    \
-                                         const I*, const T*, T*, cudaStream_t);
+                                         const I*, const T*, T*, cudaStream_t); \
+  template void LaunchShardedLossForward<T, I>(                               \
+      const ShardedLossShape&, const T*, const I*, const T*, double*, T*,     \
+      cudaStream_t);                                                          \
+  template void LaunchShardedLossBackward<T, I>(                              \
+      const ShardedLossShape&, const T*, const I*, const T*, const T*, T*,    \
+      cudaStream_t);
 HAP_INSTANTIATE(float, int32_t)
 HAP_INSTANTIATE(float, int64_t)
 HAP_INSTANTIATE(double, int32_t)

@@ -33,6 +33,27 @@ void LaunchLossBackward(bool logits, const LossShape& s, const T* x,
                         const I* targets, const T* dy, T* dx,
                         cudaStream_t stream);
 
+// Cross-entropy over logits sharded by class (executor/cpu/kernels_loss.cc
+// "cross_entropy_lse", "cross_entropy_sharded" and its gradient): this
+// rank holds classes [offset, offset + classes) of `vocab`; `lse` is every
+// rank's row log-sum-exp, rank-major ([ranks * rows]). A target outside
+// [0, vocab) is reported as above.
+struct ShardedLossShape {
+  LossShape base;  // rows, classes (this rank's), inv_rows, fault
+  int64_t offset = 0, vocab = 0, rank = 0, ranks = 1;
+};
+template <typename T>
+void LaunchShardedLse(const ShardedLossShape& s, const T* x, T* out,
+                      cudaStream_t stream);
+template <typename T, typename I>
+void LaunchShardedLossForward(const ShardedLossShape& s, const T* x,
+                              const I* targets, const T* lse, double* row_loss,
+                              T* out, cudaStream_t stream);
+template <typename T, typename I>
+void LaunchShardedLossBackward(const ShardedLossShape& s, const T* x,
+                               const I* targets, const T* lse, const T* dy,
+                               T* dx, cudaStream_t stream);
+
 }  // namespace hap::executor::cuda
 
 #endif  // HAP_EXECUTOR_CUDA_LAUNCH_LOSS_H_

@@ -203,7 +203,10 @@ std::vector<Case> Cases() {
   std::vector<Case> out;
   for (std::string model : {"mlp", "gpt", "vit", "moe"}) {
     for (int n : {2, 3, 4}) {
-      for (std::string kind : {"dp", "tp", "mix", "zero", "zero2", "sfb"}) {
+      std::vector<std::string> kinds = {"dp", "tp", "mix", "zero", "zero2", "sfb"};
+      // Vocabulary-parallel cross-entropy (the classifier's and the LM's).
+      if (model == "gpt" || model == "mlp") kinds.push_back("vocab");
+      for (const std::string& kind : kinds) {
         for (bool uneven : {false, true}) {
           // Adam with clipping on half the cases, SGD with momentum on the rest.
           bool adam = (n + (kind == "tp") + uneven) % 2 == 0;

@@ -31,6 +31,13 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
     o.force_storage = zero ? synth::ParamStorage::kZero : synth::ParamStorage::kReplicated;
   } else if (kind == "tp") {
     o.rule_filter = synth::TensorParallelRule;
+  } else if (kind == "vocab") {
+    // Anything but a loss over rows split by sample: the loss must shard
+    // its logits by class (or stay whole, which the search finds slower).
+    o.rule_filter = [](const synth::ShardRule& r) {
+      return !(r.name == "data(0)" && r.inputs.size() == 2 && r.inputs[1].is_sharded() &&
+               r.outputs.size() == 1 && r.outputs[0].is_partial());
+    };
   } else if (kind != "mix") {
     return absl::InvalidArgumentError(absl::StrCat("unknown program kind '", kind, "'"));
   }
@@ -47,6 +54,11 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
       }
     }
     if (once == 0) return absl::FailedPreconditionError("no ZeRO parameter to gather once");
+  }
+  if (kind == "vocab") {
+    bool vocab = false;
+    for (const synth::OpStep& s : p->steps) vocab = vocab || s.rule.name == "vocab";
+    if (!vocab) return absl::FailedPreconditionError("the loss does not shard by class");
   }
   if (kind == "sfb") {
     int forced = 0;

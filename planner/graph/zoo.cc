@@ -24,7 +24,7 @@ const std::vector<ZooModelInfo>& Infos() {
         {"seq", 128}, {"classes", 10}, {"batch", 256}, {"dropout", 0.1}}},
       {"gpt",
        "GPT-style LM on WikiText-2 words: causal pre-norm blocks, untied "
-       "decoder, log_softmax + nll_loss",
+       "decoder, cross-entropy loss",
        {{"layers", 12}, {"hidden", 768}, {"heads", 12}, {"ffn", 3072},
         {"seq", 128}, {"vocab", kWikiText2Vocab}, {"batch", 256},
         {"dropout", 0.1}}},
@@ -350,8 +350,9 @@ absl::StatusOr<Graph> BuildLm(const std::string& name, Params& p, bool moe) {
   TensorId logits = L.Linear("decoder", x, hidden, vocab, /*bias=*/false);
   logits = b.Add("reshape", "decoder/flat", {logits},
                  {{"shape", std::vector<int64_t>{num_tokens, vocab}}});
-  TensorId logp = b.Add("log_softmax", "log_probs", {logits});
-  b.SetLoss(b.Add("nll_loss", "loss", {logp, labels}));
+  // log_softmax and nll_loss fused: one pass over the logits each way, and
+  // the logits may be sharded by class (vocabulary-parallel).
+  b.SetLoss(b.Add("cross_entropy", "loss", {logits, labels}));
   return b.Build();
 }
 

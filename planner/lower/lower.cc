@@ -445,8 +445,61 @@ class RankBuilder {
       fwd_[k] = id;
       out.push_back(id);
     }
+    if (IsVocabCrossEntropy(s, op)) return VocabCrossEntropy(s, op, in, out);
     v1::KernelCall* call = Kernel(F, op.type, in, out, op.name);
     OpAttrs(s, op, call);
+    return absl::OkStatus();
+  }
+
+  // Cross-entropy over logits sharded by class (the "vocab" rule): each
+  // rank's row log-sum-exps over its classes are all-gathered, then each
+  // rank computes its part of the loss (P) and, in backward, its classes'
+  // gradient (executor/cpu/kernels_loss.cc).
+  static bool IsVocabCrossEntropy(const synth::OpStep& s, const graph::Op& op) {
+    return op.type == "cross_entropy" && s.rule.name == "vocab";
+  }
+  void VocabAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* k) {
+    OpAttrs(s, op, k);
+    auto& a = *k->mutable_attrs();
+    a["vocab_offset"].set_i(dims_.Layout(op.inputs[0], 1).offsets[r_]);
+    a["vocab_size"].set_i(g_.tensor(op.inputs[0]).type.shape[1]);
+    a["rank"].set_i(r_);
+    a["ranks"].set_i(o_.world_size);
+  }
+  // A scratch buffer of explicit shape, dtype of tensor `like`.
+  int RowBuffer(const std::string& name, int64_t n, TensorId like) {
+    v1::Buffer* b = prog_.add_buffers();
+    const int id = prog_.buffers_size() - 1;
+    b->set_id(id);
+    b->set_tensor(name);
+    b->add_shape(n);
+    b->set_dtype(graph::ToProtoDType(g_.tensor(like).type.dtype));
+    b->set_role(v1::Buffer::SCRATCH);
+    *b->mutable_form() = FormProto(Form::R().raw());
+    b->add_global_shape(n);
+    b->add_offsets(0);
+    b->set_persistent(false);
+    first_.push_back(std::numeric_limits<int>::max());
+    last_.push_back(-1);
+    return id;
+  }
+  absl::Status VocabCrossEntropy(const synth::OpStep& s, const graph::Op& op,
+                                 const std::vector<int>& in,
+                                 const std::vector<int>& out) {
+    const auto F = v1::Step::FORWARD;
+    const int64_t rows = g_.tensor(op.inputs[0]).type.shape[0];
+    const int n = o_.world_size;
+    const int lse = RowBuffer(op.name + "#lse", rows, op.inputs[0]);
+    const int all = RowBuffer(op.name + "#lse_all", rows * n, op.inputs[0]);
+    VocabAttrs(s, op, Kernel(F, "cross_entropy_lse", {in[0]}, {lse}, op.name));
+    v1::CollectiveCall* c = Coll(F, v1::ALL_GATHER, lse, all, op.inputs[0]);
+    c->set_tensor(op.name + "#lse");
+    c->set_method(MethodProto(synth::Method::kPadded));
+    c->set_dim(0);
+    for (int r = 0; r < n; ++r) c->add_shard_sizes(rows);
+    VocabAttrs(s, op, Kernel(F, "cross_entropy_sharded", {in[0], in[1], all},
+                             {out[0]}, op.name));
+    vocab_lse_[s.op] = all;
     return absl::OkStatus();
   }
 
@@ -617,7 +670,15 @@ class RankBuilder {
     inputs.insert(inputs.end(), dys.begin(), dys.end());
     bool any_out = std::any_of(dxs.begin(), dxs.end(), [](int x) { return x >= 0; });
     bool any_in = std::any_of(dys.begin(), dys.end(), [](int x) { return x >= 0; });
-    if (any_out && any_in) {
+    if (any_out && any_in && IsVocabCrossEntropy(s, op)) {
+      // softmax - onehot over this rank's classes, from the gathered
+      // log-sum-exps; the targets get no gradient.
+      if (dxs[0] >= 0 && dys[0] >= 0) {
+        VocabAttrs(s, op, Kernel(B, "cross_entropy_sharded_grad",
+                                 {in[0], in[1], vocab_lse_.at(s.op), dys[0]},
+                                 {dxs[0]}, op.name));
+      }
+    } else if (any_out && any_in) {
       v1::KernelCall* call = Kernel(B, op.type + "_grad", inputs, dxs, op.name);
       OpAttrs(s, op, call);
     }
@@ -970,6 +1031,7 @@ class RankBuilder {
   std::map<Key, int> fwd_, grad_;
   std::map<Key, std::pair<int, synth::Method>> zero_gathered_;  // -> shard
   std::map<Key, int> regathered_;
+  std::map<graph::OpId, int> vocab_lse_;  // gathered log-sum-exps per op
   std::vector<int> first_, last_;
   std::vector<ParamSlot> params_;
 };

@@ -144,6 +144,7 @@ std::vector<CostTerm> Program::BlockTerms(std::vector<bool>* is_compute) const {
     }
     for (const CommStep& c : s.comms) b.Communication(c.forward_cost);
     b.Compute(s.compute, 1.0 / 3);
+    b.Communication(s.internal);
   }
   for (auto s = steps.rbegin(); s != steps.rend(); ++s) {
     b.Compute(s->compute, 2.0 / 3);

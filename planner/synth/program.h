@@ -77,6 +77,9 @@ struct OpStep {
   std::vector<SourceLoad> loads;
   std::vector<CommStep> comms;
   CostTerm compute;
+  // The rule's all-gather inside the op (ShardRule::internal_gather_bytes):
+  // a synchronising collective after the op's forward kernels start.
+  CostTerm internal;
 };
 
 struct Program {

@@ -32,6 +32,10 @@ struct ShardRule {
   // though the work is split (e.g. a bias added on one device). Otherwise an
   // R input of a split rule gets a partial gradient.
   std::vector<bool> replicated_grad;
+  // Bytes of an all-gather the op runs between its kernels (a synchronising
+  // collective inside the op: vocabulary-parallel cross-entropy gathers its
+  // row log-sum-exps); 0 for none.
+  double internal_gather_bytes = 0;
 };
 
 struct RuleContext {

@@ -110,10 +110,24 @@ void Reduction(const RuleInput& x, std::vector<ShardRule>& r) {
 }
 
 // Mean-reduced losses over rows: rows sharded give a partial loss.
+// cross_entropy may also shard its logits by class (vocabulary-parallel, as
+// Megatron-LM's): every device reads every row's target, computes the rows'
+// log-sum-exp over its classes, all-gathers those, and contributes its
+// targets' logits (and, on one device, the log-sum-exps) to a partial loss.
 void Loss(const RuleInput& x, std::vector<ShardRule>& r) {
-  if (!x.Shardable(x.in(0)[0])) return;
-  r.push_back(MakeRule("data(0)", RuleKind::kData, {Form::S(0), Form::S(0)},
-                       {Form::P()}, true));
+  if (x.Shardable(x.in(0)[0])) {
+    r.push_back(MakeRule("data(0)", RuleKind::kData, {Form::S(0), Form::S(0)},
+                         {Form::P()}, true));
+  }
+  if (x.op.type == "cross_entropy" && x.in(0).size() == 2 &&
+      x.Shardable(x.in(0)[1])) {
+    ShardRule v = MakeRule("vocab", RuleKind::kTensor, {Form::S(1), Form::R()},
+                           {Form::P()}, true);
+    const graph::TensorType& t = x.g.tensor(x.op.inputs[0]).type;
+    v.internal_gather_bytes = static_cast<double>(x.in(0)[0]) * x.ctx.num_devices *
+                              graph::DTypeBytes(t.dtype);
+    r.push_back(std::move(v));
+  }
 }
 
 }  // namespace

@@ -120,7 +120,8 @@ class Searcher {
   std::vector<std::vector<ShardRule>> rules_;     // per op (filtered)
   std::vector<std::vector<int>> rule_index_;      // position in RulesFor
   std::vector<std::vector<CostTerm>> compute_;    // per op, per rule
-  std::vector<std::vector<double>> compute_eval_;
+  std::vector<std::vector<double>> compute_eval_;  // compute + internal
+  std::vector<std::vector<CostTerm>> internal_;   // per op, per rule
   std::vector<int> last_use_;                     // per tensor
   std::vector<bool> requires_grad_;
   std::vector<double> h_;                         // per step
@@ -150,6 +151,7 @@ void Searcher::Prepare() {
   rule_index_.resize(n_);
   compute_.resize(n_);
   compute_eval_.resize(n_);
+  internal_.resize(n_);
   h_.assign(n_ + 1, 0);
   const std::vector<OpWork> work = TrainingWork(g_);
   for (OpId i = 0; i < n_; ++i) {
@@ -171,8 +173,17 @@ void Searcher::Prepare() {
           t.constant[d] += secs;
         }
       }
-      compute_eval_[i].push_back(Eval(t));
+      CostTerm internal;
+      if (all[r].internal_gather_bytes > 0) {
+        // Equal chunks from every device: the padded all-gather at even
+        // ratios.
+        const std::vector<double> even(cluster_.size(), 1.0 / cluster_.size());
+        internal = coll_.Constant(cost::EvaluateTerm(
+            coll_.AllGather(all[r].internal_gather_bytes, cost::Method::kPadded), even));
+      }
+      compute_eval_[i].push_back(Eval(t) + (internal.constant.empty() ? 0 : Eval(internal)));
       compute_[i].push_back(std::move(t));
+      internal_[i].push_back(std::move(internal));
       rule_index_[i].push_back(static_cast<int>(r));
       rules_[i].push_back(std::move(all[r]));
     }
@@ -427,6 +438,7 @@ bool Searcher::Apply(const State& s, int r, State* out, double* cost,
     detail->rule_index = rule_index_[op_id][r];
     detail->rule = rule;
     detail->compute = compute_[op_id][r];
+    detail->internal = internal_[op_id][r];
   }
   for (size_t j = 0; j < op.inputs.size(); ++j) {
     TensorId t = op.inputs[j];
