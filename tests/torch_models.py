@@ -95,7 +95,8 @@ class ZooPreNormBlock(nn.Module):
 class ZooGpt(nn.Module):
     """zoo gpt: token embedding + position table, causal pre-norm blocks,
     final LayerNorm, untied Linear(hidden, vocab, bias=False), log_softmax +
-    nll_loss over [batch * seq] labels."""
+    nll_loss over [batch * seq] labels (the zoo fuses the two as cross_entropy:
+    the same loss)."""
 
     def __init__(self, layers=12, hidden=768, heads=12, ffn=3072, seq=128,
                  vocab=18328, dropout=0.1, device=None):
