@@ -94,9 +94,8 @@ class ZooPreNormBlock(nn.Module):
 
 class ZooGpt(nn.Module):
     """zoo gpt: token embedding + position table, causal pre-norm blocks,
-    final LayerNorm, untied Linear(hidden, vocab, bias=False), log_softmax +
-    nll_loss over [batch * seq] labels (the zoo fuses the two as cross_entropy:
-    the same loss)."""
+    final LayerNorm, untied Linear(hidden, vocab, bias=False), cross-entropy
+    (log_softmax and nll_loss fused, as the zoo) over [batch * seq] labels."""
 
     def __init__(self, layers=12, hidden=768, heads=12, ffn=3072, seq=128,
                  vocab=18328, dropout=0.1, device=None):
@@ -119,7 +118,7 @@ class ZooGpt(nn.Module):
         for b in self.blocks:
             x = b(x)
         logits = self.decoder(self.ln_f(x)).view(-1, self.vocab)
-        return F.nll_loss(F.log_softmax(logits, dim=-1), labels)
+        return F.cross_entropy(logits, labels)
 
 
 class ZooVit(nn.Module):
@@ -206,8 +205,8 @@ class TorchTransformerClassifier(nn.Module):
 class TorchGpt(nn.Module):
     """A GPT-style LM from nn.TransformerEncoderLayer(norm_first=True,
     activation='gelu') with a causal mask: token and position nn.Embedding,
-    final LayerNorm (the encoder's norm), untied decoder, log_softmax +
-    NLLLoss. Structurally the zoo's `gpt`."""
+    final LayerNorm (the encoder's norm), untied decoder, cross-entropy
+    (F.cross_entropy). Structurally the zoo's `gpt`."""
 
     def __init__(self, layers=2, hidden=64, heads=4, ffn=128, seq=16,
                  vocab=100, dropout=0.1, device=None):
@@ -222,7 +221,6 @@ class TorchGpt(nn.Module):
         self.blocks = nn.TransformerEncoder(
             layer, layers, norm=nn.LayerNorm(hidden, device=device))
         self.decoder = nn.Linear(hidden, vocab, bias=False, device=device)
-        self.nll = nn.NLLLoss()
 
     def forward(self, tokens, labels):
         B, S = tokens.shape
@@ -231,7 +229,7 @@ class TorchGpt(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(S)
         x = self.blocks(x, mask=mask)
         logits = self.decoder(x).view(-1, self.vocab)
-        return self.nll(F.log_softmax(logits, dim=-1), labels.view(-1))
+        return F.cross_entropy(logits, labels.view(-1))
 
 
 class SmallCnn(nn.Module):

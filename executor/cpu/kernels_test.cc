@@ -574,9 +574,14 @@ TEST(KernelTest, EveryOpHasForwardAndBackwardKernels) {
                         "sgd_update", "adam_update"}) {
     EXPECT_TRUE(HasCpuKernel(k)) << k;
   }
+  // The kernels of ops run sharded (vocabulary-parallel cross-entropy).
+  for (const char* k : {"cross_entropy_lse", "cross_entropy_sharded",
+                        "cross_entropy_sharded_grad"}) {
+    EXPECT_TRUE(HasCpuKernel(k)) << k;
+  }
   std::vector<std::string> names = CpuKernelNames();
   EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
-  EXPECT_EQ(names.size(), 2 * graph::OpRegistry::Global().All().size() + 6);
+  EXPECT_EQ(names.size(), 2 * graph::OpRegistry::Global().All().size() + 6 + 3);
   EXPECT_FALSE(HasCpuKernel("no_such_kernel"));
 }
 

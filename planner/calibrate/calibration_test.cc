@@ -72,7 +72,7 @@ ProfiledRun UnitRun(const v1::Plan& plan) {
     p.plan_content_hash = plan.content_hash();
     p.step_seconds_median = 1;
     p.device_seconds = 0.5;
-    for (const char* t : {"linear", "log_softmax", "(optimizer)", "(runtime)"}) {
+    for (const char* t : {"linear", "cross_entropy", "(optimizer)", "(runtime)"}) {
       p.op_seconds[t] = 1e-3;
     }
     run.ranks.push_back(p);
@@ -149,7 +149,7 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
   auto unit = Calibrate(c, {UnitRun(plan)});
   ASSERT_TRUE(unit.ok()) << unit.status();
   // "Measured": the model distorted by known factors per device and type.
-  const std::map<std::string, double> scale = {{"linear", 1.5}, {"log_softmax", 20},
+  const std::map<std::string, double> scale = {{"linear", 1.5}, {"cross_entropy", 20},
                                                {"layer_norm", 4}};
   const double per_element[] = {2e-9, 5e-9};
   const double overhead[] = {0.003, 0.007};
@@ -193,7 +193,7 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
     const v1::Device& d = cal->cluster.nodes(0).devices(r);
     SCOPED_TRACE(d.id());
     EXPECT_NEAR(d.op_time_scale().at("linear"), 1.5, 1e-9);
-    EXPECT_NEAR(d.op_time_scale().at("log_softmax"), 20, 1e-9);
+    EXPECT_NEAR(d.op_time_scale().at("cross_entropy"), 20, 1e-9);
     EXPECT_NEAR(d.op_time_scale().at("layer_norm"), 4, 1e-9);
     EXPECT_NEAR(d.op_time_scale().at("gelu"), 1, 1e-9);
     EXPECT_NEAR(d.optimizer_seconds_per_element(), per_element[r], 1e-15);
@@ -219,7 +219,7 @@ TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
 TEST(CalibrationTest, FitsEachDevicesFixedTimeAcrossShares) {
   graph::Graph g = Gpt();
   v1::Cluster c = TwoCpus();
-  const std::map<std::string, double> scale = {{"linear", 1.5}, {"log_softmax", 20}};
+  const std::map<std::string, double> scale = {{"linear", 1.5}, {"cross_entropy", 20}};
   const double fixed_linear[] = {0.002, 0.010};
   const double runtime = 0.002;
   std::vector<ProfiledRun> runs;
