@@ -13,6 +13,11 @@
 //   sq_norm              2.4 M values
 //   gelu fwd+bwd         [512, 1024]: "gelu" then "gelu_grad" (the GPT FFN's
 //                        activation at hidden 256, 512 tokens)
+//   cross-entropy fwd+bwd [512, 18328]: "cross_entropy" then
+//                        "cross_entropy_grad" (the GPT LM's fused loss)
+//                        against what the model ran before: "log_softmax",
+//                        "nll_loss", zeroing the log-probabilities'
+//                        gradient, "nll_loss_grad", "log_softmax_grad"
 //   dropout fwd+bwd      [512, 1024] and [8192, 64]: "dropout" then
 //                        "dropout_grad", p = 0.1 (rows of 1,024 and of 64,
 //                        the attention probabilities' rows at seq 64)
@@ -569,6 +574,54 @@ void DropoutCase(int threads, int rounds, int64_t rows, int64_t cols,
 
 }  // namespace
 
+// The GPT LM's loss fused (cross_entropy) against the two ops it replaced,
+// both through the kernel table.
+void CrossEntropyCase(int threads, int rounds, std::mt19937& rng) {
+  const int64_t rows = 512, cols = 18328;
+  HostTensor x = Random({rows, cols}, -12.0f, 12.0f, rng);
+  HostTensor targets(DType::kInt64, {rows});
+  std::uniform_int_distribution<int64_t> pick(0, cols - 1);
+  for (int64_t i = 0; i < rows; ++i) targets.as<int64_t>()[i] = pick(rng);
+  HostTensor loss(DType::kFloat32, {}), lossb(DType::kFloat32, {});
+  HostTensor dl(DType::kFloat32, {});
+  dl.as<float>()[0] = 1.0f;
+  HostTensor dx(DType::kFloat32, {rows, cols}), dxb(DType::kFloat32, {rows, cols});
+  HostTensor logp(DType::kFloat32, {rows, cols}), dlogp(DType::kFloat32, {rows, cols});
+  KernelContext ctx;
+  ctx.num_threads = threads;
+  const hap::graph::Attrs none;
+  using hap::executor::RunCpuKernel;
+  auto ours = [&] {
+    const TensorView in[] = {x.view(), targets.view()}, out[] = {loss.view()};
+    Check(RunCpuKernel("cross_entropy", ctx, none, in, out));
+    const TensorView bin[] = {x.view(), targets.view(), loss.view(), dl.view()};
+    const TensorView bout[] = {dx.view(), TensorView{}};
+    Check(RunCpuKernel("cross_entropy_grad", ctx, none, bin, bout));
+  };
+  auto baseline = [&] {
+    const TensorView lin[] = {x.view()}, lout[] = {logp.view()};
+    Check(RunCpuKernel("log_softmax", ctx, none, lin, lout));
+    const TensorView nin[] = {logp.view(), targets.view()}, nout[] = {lossb.view()};
+    Check(RunCpuKernel("nll_loss", ctx, none, nin, nout));
+    std::memset(dlogp.data(), 0, rows * cols * sizeof(float));
+    const TensorView gin[] = {logp.view(), targets.view(), lossb.view(), dl.view()};
+    const TensorView gout[] = {dlogp.view(), TensorView{}};
+    Check(RunCpuKernel("nll_loss_grad", ctx, none, gin, gout));
+    const TensorView sin[] = {x.view(), logp.view(), dlogp.view()}, sout[] = {dxb.view()};
+    Check(RunCpuKernel("log_softmax_grad", ctx, none, sin, sout));
+  };
+  if (threads == 1) {  // one call each from dx = 0: the same values
+    std::memset(dx.data(), 0, rows * cols * sizeof(float));
+    std::memset(dxb.data(), 0, rows * cols * sizeof(float));
+    ours();
+    baseline();
+    ExpectSame(loss, lossb, 1e-5, "cross_entropy");
+    ExpectSame(dx, dxb, 1e-6, "cross_entropy_grad");
+  }
+  Print("cross-entropy fwd+bwd", "[512, 18328]", "fused", threads,
+        static_cast<double>(rows * cols), Compare(ours, baseline, rounds));
+}
+
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const int rounds = quick ? 3 : 7;
@@ -580,6 +633,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   for (int threads : {1, 2}) {
     LogSoftmax(threads, rounds, rng);
+    CrossEntropyCase(threads, rounds, rng);
     Adam(threads, rounds, rng);
     // sq_norm runs on one thread (it is one serial sum).
     if (threads == 1) SqNorm(threads, rounds, rng);
