@@ -14,6 +14,7 @@
 #include "planner/graph/op_registry.h"
 #include "planner/lower/arena.h"
 #include "planner/ratios/ratio_lp.h"
+#include "planner/synth/gradients.h"
 #include "planner/synth/rules.h"
 #include "planner/util/status_macros.h"
 
@@ -103,36 +104,9 @@ class DimClasses {
 };
 
 // What lowering knows of the program independently of the rank.
-struct Analysis {
-  std::vector<bool> requires_grad;  // per tensor
-  // Per tensor: the gradient of its R buffer is partial.
-  std::vector<bool> partial_grad;
-  // Per step: the parameter whose weight gradient SFB recomputes (-1: none).
-  std::vector<TensorId> sfb_param;
-};
-
-bool Differentiable(const graph::Graph& g, const graph::Op& op, int j) {
-  const graph::OpDef* def = graph::OpRegistry::Global().Find(op.type);
-  if (def) {
-    for (int k : def->non_differentiable_inputs) {
-      if (k == j) return false;
-    }
-  }
-  return graph::IsFloating(g.tensor(op.inputs[j]).type.dtype);
-}
-
-// The form of op input j's gradient contribution when it reads an R input:
-// a split or partial-sum rule leaves a partial gradient unless it declares
-// the gradient replicated; a replicated rule passes on its outputs' forms.
-bool PartialContribution(const synth::OpStep& s, const graph::Op& op, int j,
-                         const std::vector<bool>& partial_grad) {
-  const synth::ShardRule& r = s.rule;
-  if (r.split || r.kind == synth::RuleKind::kPartial) return !r.replicated_grad[j];
-  for (TensorId o : op.outputs) {
-    if (partial_grad[o]) return true;
-  }
-  return false;
-}
+using Analysis = synth::GradientAnalysis;
+using synth::Differentiable;
+using synth::PartialContribution;
 
 // R operands a rule adds once into a P result: read on rank 0 only.
 bool AddedOnce(const synth::ShardRule& r, int j) {
@@ -141,47 +115,6 @@ bool AddedOnce(const synth::ShardRule& r, int j) {
     if (f.is_partial()) return true;
   }
   return false;
-}
-
-Analysis Analyze(const graph::Graph& g, const synth::Program& p) {
-  Analysis a;
-  const int nt = static_cast<int>(g.tensors().size());
-  a.requires_grad.assign(nt, false);
-  a.partial_grad.assign(nt, false);
-  a.sfb_param.assign(p.steps.size(), -1);
-  for (TensorId t : g.Parameters()) a.requires_grad[t] = !g.tensor(t).frozen;
-  for (const graph::Op& op : g.ops()) {
-    bool any = false;
-    for (size_t j = 0; j < op.inputs.size(); ++j) {
-      any = any || (a.requires_grad[op.inputs[j]] &&
-                    Differentiable(g, op, static_cast<int>(j)));
-    }
-    for (TensorId o : op.outputs) a.requires_grad[o] = any;
-  }
-  for (size_t k = 0; k < p.steps.size(); ++k) {
-    for (const synth::SourceLoad& l : p.steps[k].loads) {
-      if (l.sfb) a.sfb_param[k] = l.tensor;
-    }
-  }
-  for (int k = static_cast<int>(p.steps.size()) - 1; k >= 0; --k) {
-    const synth::OpStep& s = p.steps[k];
-    const graph::Op& op = g.op(s.op);
-    for (size_t j = 0; j < op.inputs.size(); ++j) {
-      TensorId t = op.inputs[j];
-      if (!a.requires_grad[t] || !Differentiable(g, op, static_cast<int>(j))) continue;
-      if (!s.rule.inputs[j].is_replicated()) continue;
-      if (a.sfb_param[k] == t && j == 1) continue;  // SFB: whole dW
-      if (PartialContribution(s, op, static_cast<int>(j), a.partial_grad)) {
-        a.partial_grad[t] = true;
-      }
-    }
-    for (const synth::CommStep& c : s.comms) {
-      if (c.from.is_replicated() && a.requires_grad[c.tensor]) {
-        a.partial_grad[c.tensor] = true;  // slice or zero-out: one part each
-      }
-    }
-  }
-  return a;
 }
 
 v1::TensorForm FormProto(int8_t raw) {
@@ -1108,7 +1041,7 @@ absl::StatusOr<std::vector<v1::RankProgram>> Lower(const graph::Graph& g,
   DimClasses dims(g);
   LinkDims(g, program, dims);
   dims.Solve(ratios);
-  Analysis analysis = Analyze(g, program);
+  Analysis analysis = synth::AnalyzeGradients(g, program);
   std::vector<v1::RankProgram> out;
   for (int r = 0; r < n; ++r) {
     RankBuilder b(g, program, options, dims, analysis, r);

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "planner/synth/gradients.h"
 #include "planner/synth/rules.h"
 
 namespace hap::synth {
@@ -141,6 +142,7 @@ absl::Status CheckProgram(const graph::Graph& g, const Program& p,
   if (!loss.count(Form::R().raw()) && !loss.count(Form::P().raw())) {
     return fail(nullptr, "the loss is not reached in form R or P");
   }
+  const GradientAnalysis grads = AnalyzeGradients(g, p);
   for (graph::TensorId t : g.Parameters()) {
     const graph::Tensor& par = g.tensor(t);
     if (par.consumers.empty()) continue;
@@ -151,7 +153,8 @@ absl::Status CheckProgram(const graph::Graph& g, const Program& p,
     }
     if (par.frozen) continue;
     const SourceLoad& l = *it->second;
-    bool partial = partial_grad[t];
+    // Direct (a split rule reads it) or through later ops.
+    bool partial = partial_grad[t] || grads.partial_grad[t];
     bool synced = l.grad_allreduce || l.sfb || l.storage != ParamStorage::kReplicated;
     if (partial && !synced) {
       return fail(nullptr, absl::StrCat("parameter '", par.name,

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "planner/graph/op_registry.h"
+#include "planner/synth/gradients.h"
 
 namespace hap::synth {
 namespace {
@@ -679,6 +680,22 @@ std::string Searcher::EntryKey(const State& s) const {
 }
 
 Program Searcher::Finish(Program p, bool optimal) {
+  // Gradients that end partial through later ops (a split rule reading a
+  // replicated activation, its partial gradient passed back through
+  // replicated ops): the lowering all-reduces such a replicated parameter's
+  // gradient in the bucket, so the program pays for it here.
+  const GradientAnalysis grads = AnalyzeGradients(g_, p);
+  for (OpStep& s : p.steps) {
+    for (SourceLoad& l : s.loads) {
+      if (!l.parameter || l.storage != ParamStorage::kReplicated || l.grad_allreduce ||
+          l.sfb || !grads.partial_grad[l.tensor]) {
+        continue;
+      }
+      l.grad_allreduce = true;
+      l.costs.push_back(coll_.Constant(
+          coll_.AllReduceTransfer(static_cast<double>(g_.tensor(l.tensor).type.bytes()))));
+    }
+  }
   // Calls the lowering adds outside the searched steps, each paying the
   // per-call overhead: the gradient bucket's all-reduce (with a partial
   // loss in it), the gathered-once parameters' all-gather and reduce-scatter.

@@ -5,6 +5,7 @@
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/synth/checker.h"
+#include "planner/synth/gradients.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
 
@@ -284,6 +285,40 @@ TEST(SynthTest, SfbChosenForSmallBatchOnly) {
   };
   EXPECT_GT(uses_sfb(8), 0);
   EXPECT_EQ(uses_sfb(8192), 0);
+}
+
+// A replicated parameter whose gradient ends partial only through later ops
+// (a column-parallel decoder reading the replicated layers' output makes
+// their gradients partial) is all-reduced by the lowering; the program must
+// price that all-reduce like any other.
+TEST(SynthTest, PartialGradientsThroughLaterOpsArePriced) {
+  graph::Graph g = Zoo("gpt", {{"layers", 1}, {"hidden", 64}, {"heads", 4}, {"ffn", 128},
+                               {"seq", 16}, {"vocab", 4096}, {"batch", 8}});
+  // Slow links: the layers stay replicated, the large decoder is split.
+  auto c = MakeCluster({1e10, 1e10}, 1, 1e8, 1e8);
+  int propagated = 0;
+  for (bool tensor_parallel : {false, true}) {
+    SearchOptions so;
+    so.allow_zero = false;
+    if (tensor_parallel) so.rule_filter = TensorParallelRule;
+    auto p = Synthesize(g, c, so);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(CheckProgram(g, *p, c.size()).ok());
+    const GradientAnalysis grads = AnalyzeGradients(g, *p);
+    for (const OpStep& s : p->steps) {
+      for (const SourceLoad& l : s.loads) {
+        if (!l.parameter || l.storage != ParamStorage::kReplicated || l.sfb) continue;
+        const std::string& name = g.tensor(l.tensor).name;
+        EXPECT_EQ(l.grad_allreduce, grads.partial_grad[l.tensor]) << name;
+        if (l.grad_allreduce) {
+          EXPECT_FALSE(l.costs.empty()) << name;
+        }
+        if (l.grad_allreduce && !s.rule.split) ++propagated;
+      }
+    }
+  }
+  // The case this is about happened at least once.
+  EXPECT_GT(propagated, 0);
 }
 
 TEST(SynthTest, SmallMemoryDeviceGetsNoMoreThanFits) {
