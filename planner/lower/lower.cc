@@ -692,12 +692,14 @@ class RankBuilder {
         }
         return accumulate(tmp, false);
       }
-      case C::kSlice: {  // R -> S(d): this rank's part of a partial gradient
-        HAP_ASSIGN_OR_RETURN(int dst, GradTarget(from, true, B, what));
-        v1::KernelCall* k =
-            Kernel(B, "slice_grad", {BwdValue(from), BwdValue(to), gt}, {dst});
-        SliceAttrs(k, c.tensor, c.to.dim());
-        return absl::OkStatus();
+      case C::kSlice: {  // R -> S(d); gradient back to R by all-gather
+        // The S(d) gradients gathered make the R gradient whole: a small
+        // activation gathered (e.g. the embedding's output) instead of the
+        // parameters before it all-reducing partial gradients (the
+        // embedding table), as the search prices it.
+        int tmp = Scratch(c.tensor, c.from.raw());
+        Sharded(B, v1::ALL_GATHER, c.method, gt, tmp, c.tensor, c.to.dim());
+        return accumulate(tmp, false);
       }
       case C::kZeroOut: {  // R -> P: only rank 0's copy counted
         HAP_ASSIGN_OR_RETURN(int dst, GradTarget(from, true, B, what));

@@ -57,8 +57,10 @@ GradientAnalysis AnalyzeGradients(const graph::Graph& g, const Program& p) {
       }
     }
     for (const CommStep& c : s.comms) {
-      if (c.from.is_replicated() && a.requires_grad[c.tensor]) {
-        a.partial_grad[c.tensor] = true;  // slice or zero-out: one part each
+      // Zero-out R -> P: each device's part of the gradient. (A slice
+      // R -> S(d) gets its gradient back whole, by all-gather.)
+      if (c.forward == Collective::kZeroOut && a.requires_grad[c.tensor]) {
+        a.partial_grad[c.tensor] = true;
       }
     }
   }

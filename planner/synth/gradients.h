@@ -6,7 +6,8 @@
 // A split or partial-sum rule that reads an R input leaves a partial
 // gradient for it (unless the rule declares that gradient replicated); a
 // replicated rule passes its outputs' partial gradients on to its inputs;
-// a slice or zero-out R -> S/P leaves the R tensor's gradient partial. So a
+// a zero-out R -> P leaves the R tensor's gradient partial (a slice R -> S
+// gets it back whole, by all-gather). So a
 // partial gradient made late in the program (a column-parallel decoder
 // reading a replicated activation) reaches the parameters of every
 // replicated op before it.
