@@ -271,6 +271,18 @@ TEST_F(KernelsATest, Losses) {
                         {true, false}));
           }
         }
+        // Logits sharded by class: this rank (1 of 2) holds classes
+        // [2, 2 + classes) of classes + 5.
+        const int64_t vocab = classes + 5;
+        const graph::Attrs sharded = {{"vocab_offset", int64_t{2}}, {"vocab_size", vocab},
+                                      {"rank", int64_t{1}}, {"ranks", int64_t{2}},
+                                      {"global_rows", int64_t{50}}};
+        HostTensor target = R(ids, {rows}, 0, static_cast<double>(vocab));
+        Expect(Case("cross_entropy_lse", tol, {R(t, x)}, {R(t, {rows})}, sharded));
+        Expect(Case("cross_entropy_sharded", tol, {R(t, x), target, R(t, {2 * rows})},
+                    {R(t, {})}, sharded));
+        Expect(Case("cross_entropy_sharded_grad", tol,
+                    {R(t, x), target, R(t, {2 * rows}), R(t, {})}, {R(t, x)}, sharded));
       }
     }
   }
