@@ -222,9 +222,12 @@ absl::Status ShardedLse(const KernelArgs& a) {
   T* out = a.out[0].as<T>();
   if (d.classes == 0) return Invalid(a, "a shard without classes has no log-sum-exp");
   RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* y) {
-    // log_softmax at column 0 is x[0] - lse.
-    SoftmaxOfRow<T, true>(x + i * d.classes, d.classes, y);
-    out[i] = x[i * d.classes] - y[0];
+    // log_softmax at column 0 is x[0] - lse; a non-finite x[0] (or a
+    // row that over/underflows) takes the direct log-sum-exp instead.
+    const T* row = x + i * d.classes;
+    SoftmaxOfRow<T, true>(row, d.classes, y);
+    out[i] = row[0] - y[0];
+    if (!std::isfinite(out[i])) out[i] = static_cast<T>(LogSumExp(row, d.classes));
   });
   return absl::OkStatus();
 }

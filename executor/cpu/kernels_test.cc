@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "gmock/gmock.h"
@@ -487,6 +488,29 @@ TEST(KernelTest, CrossEntropyShardedByClassMatchesTheWholeRows) {
                         {shard[0]}, {lse[0]}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("outside the vocabulary of 11")));
+}
+
+// A class whose logit is -inf (masked out) leaves the shard's log-sum-exp
+// that of the others, in float as in double.
+TEST(KernelTest, CrossEntropyLseSkipsAMinusInfinityLogit) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::kFloat64, DType::kFloat32}) {
+    HostTensor x(dt, {1, 3}), lse(dt, {1});
+    const double v[] = {-inf, 1.0, 2.0};
+    for (int j = 0; j < 3; ++j) {
+      if (dt == DType::kFloat64) {
+        x.as<double>()[j] = v[j];
+      } else {
+        x.as<float>()[j] = static_cast<float>(v[j]);
+      }
+    }
+    ASSERT_THAT(RunKernel("cross_entropy_lse",
+                          {{"vocab_offset", int64_t{0}}, {"vocab_size", int64_t{3}}},
+                          {x}, {lse}),
+                IsOk());
+    const double got = dt == DType::kFloat64 ? lse.as<double>()[0] : lse.as<float>()[0];
+    EXPECT_NEAR(got, std::log(std::exp(1.0) + std::exp(2.0)), 1e-6);
+  }
 }
 
 TEST(KernelGradTest, Convolution) {
