@@ -87,6 +87,10 @@ struct GlooOptions {
   absl::Duration timeout = absl::Seconds(60);  // per collective and connect
   // Run Gloo's event-loop thread at SCHED_IDLE (gloo_communicator.cc says
   // why); false keeps the default policy (bench/comm_bench compares both).
+  // Our collectives are synchronous, so the loop runs while the rank's own
+  // thread waits; a core oversubscribed by other normal-policy processes
+  // would starve it (collectives then slow down, up to the timeout): turn
+  // it off there.
   bool idle_progress_thread = true;
 };
 

@@ -1,6 +1,7 @@
 // Losses averaged over rows: nll_loss on log-probabilities, cross_entropy on
 // logits. A shard divides its local sum by "global_rows" (kernels.h).
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -138,12 +139,14 @@ absl::Status LossBackward(const KernelArgs& a) {
   const T* x = g.x(0).as<const T>();
   T* dx = g.dx(0).as<T>();
   const T s = static_cast<T>(scale);
+  if (!kLogits) {
+    for (int64_t i = 0; i < d.rows; ++i) dx[i * d.classes + IdAt(g.x(1), i)] -= s;
+    return absl::OkStatus();
+  }
   RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* p) {
     T* dr = dx + i * d.classes;
-    if (kLogits) {
-      SoftmaxOfRow<T, false>(x + i * d.classes, d.classes, p);
-      for (int64_t j = 0; j < d.classes; ++j) dr[j] += s * p[j];
-    }
+    SoftmaxOfRow<T, false>(x + i * d.classes, d.classes, p);
+    for (int64_t j = 0; j < d.classes; ++j) dr[j] += s * p[j];
     dr[IdAt(g.x(1), i)] -= s;
   });
   return absl::OkStatus();
@@ -157,6 +160,9 @@ absl::Status LossBackward(const KernelArgs& a) {
 // rank's part of the mean loss (its targets' -x, and on rank 0 the rows'
 // global log-sum-exp), and "cross_entropy_sharded_grad" its classes'
 // gradient, dx += dy / global_rows * (softmax - onehot).
+
+// Bounds 'ranks' (so ranks x rows cannot overflow).
+constexpr int64_t kMaxRanks = int64_t{1} << 20;
 
 struct ShardedLoss {
   int64_t rows = 0, classes = 0, offset = 0, vocab = 0, rank = 0, ranks = 1;
@@ -174,23 +180,26 @@ absl::StatusOr<ShardedLoss> CheckShardedLoss(const KernelArgs& a, bool with_lse)
   d.classes = x.shape[1];
   HAP_ASSIGN_OR_RETURN(d.offset, AttrInt(a, "vocab_offset"));
   HAP_ASSIGN_OR_RETURN(d.vocab, AttrInt(a, "vocab_size"));
-  if (d.offset < 0 || d.offset + d.classes > d.vocab) {
-    return Invalid(a, "classes [", d.offset, ", ", d.offset + d.classes,
-                   ") are outside the vocabulary of ", d.vocab);
+  if (d.vocab < 1 || d.offset < 0 || d.offset > d.vocab - d.classes) {
+    return Invalid(a, "attributes 'vocab_offset' ", d.offset, " and 'vocab_size' ", d.vocab,
+                   ": this shard's ", d.classes, " classes do not fit the vocabulary");
   }
   if (!with_lse) return d;
   HAP_RETURN_IF_ERROR(CheckIdsInput(a, 1));
   HAP_RETURN_IF_ERROR(CheckInput(a, 2, t));
   HAP_ASSIGN_OR_RETURN(d.rank, AttrInt(a, "rank"));
   HAP_ASSIGN_OR_RETURN(d.ranks, AttrInt(a, "ranks"));
-  if (d.ranks < 1 || d.rank < 0 || d.rank >= d.ranks) {
-    return Invalid(a, "rank ", d.rank, " is outside a world of ", d.ranks);
+  if (d.ranks < 1 || d.ranks > kMaxRanks || d.rank < 0 || d.rank >= d.ranks) {
+    return Invalid(a, "attribute 'rank' ", d.rank, " is outside a world of 'ranks' ",
+                   d.ranks, " (at most ", kMaxRanks, ")");
   }
   if (a.in[1].shape != Shape{d.rows}) {
     return Invalid(a, "targets ", InLabel(a, 1), " must have one entry per row of ",
                    InLabel(a, 0));
   }
-  HAP_RETURN_IF_ERROR(CheckShape(a, a.in[2], InLabel(a, 2), {d.ranks * d.rows}));
+  HAP_RETURN_IF_ERROR(CheckShape(
+      a, a.in[2], absl::StrCat(InLabel(a, 2), " (every rank's row log-sum-exps, ranks x rows)"),
+      {d.ranks * d.rows}));
   for (int64_t i = 0; i < d.rows; ++i) {
     const int64_t c = IdAt(a.in[1], i);
     if (c < 0 || c >= d.vocab) {
@@ -220,14 +229,20 @@ absl::Status ShardedLse(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {d.rows}));
   const T* x = a.in[0].as<const T>();
   T* out = a.out[0].as<T>();
-  if (d.classes == 0) return Invalid(a, "a shard without classes has no log-sum-exp");
+  if (d.classes == 0) {  // no classes here: contributes nothing to the sum
+    for (int64_t i = 0; i < d.rows; ++i) out[i] = -std::numeric_limits<T>::infinity();
+    return absl::OkStatus();
+  }
   RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* y) {
-    // log_softmax at column 0 is x[0] - lse; a non-finite x[0] (or a
-    // row that over/underflows) takes the direct log-sum-exp instead.
+    // log_softmax at column 0 is x[0] - lse, exact enough while x[0] is
+    // within 64 of it; a column 0 far below (a masked logit) or not finite
+    // takes the direct log-sum-exp instead (slower, exact).
     const T* row = x + i * d.classes;
     SoftmaxOfRow<T, true>(row, d.classes, y);
     out[i] = row[0] - y[0];
-    if (!std::isfinite(out[i])) out[i] = static_cast<T>(LogSumExp(row, d.classes));
+    if (!(y[0] > T(-64)) || !std::isfinite(out[i])) {
+      out[i] = static_cast<T>(LogSumExp(row, d.classes));
+    }
   });
   return absl::OkStatus();
 }

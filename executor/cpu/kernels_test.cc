@@ -476,18 +476,30 @@ TEST(KernelTest, CrossEntropyShardedByClassMatchesTheWholeRows) {
                          {"rank", int64_t{3}}, {"ranks", ranks}},
                         {shard[0], targets, gathered}, {part}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("outside a world of 3")));
+                       HasSubstr("outside a world of 'ranks' 3")));
   EXPECT_THAT(RunKernel("cross_entropy_sharded",
                         {{"vocab_offset", int64_t{0}}, {"vocab_size", int64_t{9}},
                          {"rank", int64_t{0}}, {"ranks", ranks}},
                         {shard[0], targets, gathered}, {part}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("target 10 at row 1 is outside [0, 9)")));
+  EXPECT_THAT(RunKernel("cross_entropy_sharded",
+                        {{"vocab_offset", int64_t{0}}, {"vocab_size", vocab},
+                         {"rank", int64_t{0}}, {"ranks", int64_t{1} << 62}},
+                        {shard[0], targets, gathered}, {part}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'ranks'")));
+  // A rank without classes contributes nothing: -inf.
+  HostTensor none(DType::kFloat64, {rows, 0}), empty_lse(DType::kFloat64, {rows});
+  ASSERT_THAT(RunKernel("cross_entropy_lse",
+                        {{"vocab_offset", vocab}, {"vocab_size", vocab}}, {none},
+                        {empty_lse}),
+              IsOk());
+  EXPECT_EQ(empty_lse.as<double>()[0], -std::numeric_limits<double>::infinity());
   EXPECT_THAT(RunKernel("cross_entropy_lse",
                         {{"vocab_offset", int64_t{9}}, {"vocab_size", vocab}},
                         {shard[0]}, {lse[0]}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("outside the vocabulary of 11")));
+                       HasSubstr("do not fit the vocabulary")));
 }
 
 // A class whose logit is -inf (masked out) leaves the shard's log-sum-exp

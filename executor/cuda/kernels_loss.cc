@@ -110,17 +110,19 @@ absl::StatusOr<ShardedLossShape> CheckSharded(const KernelArgs& a, bool with_lse
   d.base.fault_code = a.fault.code;
   HAP_ASSIGN_OR_RETURN(d.offset, cpu::AttrInt(c, "vocab_offset"));
   HAP_ASSIGN_OR_RETURN(d.vocab, cpu::AttrInt(c, "vocab_size"));
-  if (d.offset < 0 || d.offset + d.base.classes > d.vocab) {
-    return Invalid(a, "classes [", d.offset, ", ", d.offset + d.base.classes,
-                   ") are outside the vocabulary of ", d.vocab);
+  if (d.vocab < 1 || d.offset < 0 || d.offset > d.vocab - d.base.classes) {
+    return Invalid(a, "attributes 'vocab_offset' ", d.offset, " and 'vocab_size' ", d.vocab,
+                   ": this shard's ", d.base.classes, " classes do not fit the vocabulary");
   }
   if (!with_lse) return d;
   HAP_RETURN_IF_ERROR(cpu::CheckIdsInput(c, 1));
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 2, cpu::DTypeOf<T>()));
   HAP_ASSIGN_OR_RETURN(d.rank, cpu::AttrInt(c, "rank"));
   HAP_ASSIGN_OR_RETURN(d.ranks, cpu::AttrInt(c, "ranks"));
-  if (d.ranks < 1 || d.rank < 0 || d.rank >= d.ranks) {
-    return Invalid(a, "rank ", d.rank, " is outside a world of ", d.ranks);
+  constexpr int64_t kMaxRanks = int64_t{1} << 20;  // ranks x rows cannot overflow
+  if (d.ranks < 1 || d.ranks > kMaxRanks || d.rank < 0 || d.rank >= d.ranks) {
+    return Invalid(a, "attribute 'rank' ", d.rank, " is outside a world of 'ranks' ",
+                   d.ranks, " (at most ", kMaxRanks, ")");
   }
   if (a.in[1].shape != Shape{d.base.rows}) {
     return Invalid(a, "targets ", cpu::InLabel(c, 1),
@@ -140,9 +142,6 @@ absl::Status ShardedLse(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(ShardedLossShape d, CheckSharded<T>(a, false));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, cpu::DTypeOf<T>(), {d.base.rows}));
-  if (d.base.classes == 0) {
-    return Invalid(a, "a shard without classes has no log-sum-exp");
-  }
   LaunchShardedLse<T>(d, a.in[0].as<const T>(), a.out[0].as<T>(), a.stream);
   return CheckLaunch(a);
 }

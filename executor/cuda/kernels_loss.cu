@@ -138,7 +138,10 @@ __device__ double GlobalLse(const ShardedLossShape& s, const T* lse, int64_t i) 
 template <typename T>
 __global__ void ShardedLseKernel(ShardedLossShape s, const T* x, T* out) {
   for (int64_t i = blockIdx.x; i < s.base.rows; i += gridDim.x) {
-    const double lse = RowLogSumExp(x + i * s.base.classes, s.base.classes);
+    // No classes here: contributes nothing to the row's sum.
+    const double lse = s.base.classes > 0
+                           ? RowLogSumExp(x + i * s.base.classes, s.base.classes)
+                           : -INFINITY;
     if (threadIdx.x == 0) out[i] = static_cast<T>(lse);
   }
 }

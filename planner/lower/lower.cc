@@ -606,10 +606,15 @@ class RankBuilder {
     if (any_out && any_in && IsVocabCrossEntropy(s, op)) {
       // softmax - onehot over this rank's classes, from the gathered
       // log-sum-exps; the targets get no gradient.
+      auto lse = vocab_lse_.find(s.op);
+      if (lse == vocab_lse_.end()) {
+        return absl::InternalError(absl::StrCat(
+            "op '", op.name, "': no gathered log-sum-exps from its forward"));
+      }
       if (dxs[0] >= 0 && dys[0] >= 0) {
         VocabAttrs(s, op, Kernel(B, "cross_entropy_sharded_grad",
-                                 {in[0], in[1], vocab_lse_.at(s.op), dys[0]},
-                                 {dxs[0]}, op.name));
+                                 {in[0], in[1], lse->second, dys[0]}, {dxs[0]},
+                                 op.name));
       }
     } else if (any_out && any_in) {
       v1::KernelCall* call = Kernel(B, op.type + "_grad", inputs, dxs, op.name);
