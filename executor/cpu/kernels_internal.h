@@ -436,6 +436,18 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
           const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
           int64_t ldc);
 // Every one of `dims` fits BLAS's 32-bit int; InvalidArgument otherwise.
+// --- vocabulary-parallel cross-entropy (kernels_loss.cc; CUDA uses it too) -
+// Input 0 holds classes [offset, offset + classes) of `vocab`; with
+// `with_lse`, input 1 the targets (ids, one per row), input 2 every rank's
+// row log-sum-exps ([ranks * rows], dtype t), attributes rank/ranks and
+// global_rows. Target values are not read (CUDA's live on the device).
+struct ShardedLossDims {
+  int64_t rows = 0, classes = 0, offset = 0, vocab = 0, rank = 0, ranks = 1;
+  double inv_rows = 1;  // 1 / global_rows
+};
+absl::StatusOr<ShardedLossDims> CheckShardedLoss(const KernelArgs& a, DType t,
+                                                 bool with_lse);
+
 absl::Status CheckFitsBlas(const KernelArgs& a,
                            std::initializer_list<int64_t> dims);
 // The optional bias input 2 (when `has_slot` and present): dtype t, [n].

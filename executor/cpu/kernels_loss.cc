@@ -2,6 +2,7 @@
 // logits. A shard divides its local sum by "global_rows" (kernels.h).
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -61,15 +62,23 @@ double LogSumExp(const T* x, int64_t n) {
   return mx + std::log(SumOver(n, [&](int64_t j) { return double(Exp<T>(x[j] - mx)); }));
 }
 
-// y = log_softmax (kLog) or softmax of a row of n values: float rows run the
-// vectorized simd::FloatRows::softmax_row, double rows the same in double.
-template <typename T, bool kLog>
+// A row's log-sum-exp and softmax: float rows run the vectorized loops of
+// simd::FloatRows, double rows the same in double.
+template <typename T>
+double RowLse(const T* x, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return simd::Rows().log_sum_exp_row(x, n);
+  } else {
+    return LogSumExp(x, n);
+  }
+}
+template <typename T>
 void SoftmaxOfRow(const T* x, int64_t n, T* y) {
   if constexpr (std::is_same_v<T, float>) {
-    simd::Rows().softmax_row(x, nullptr, 0, n, n, kLog, y);
+    simd::Rows().softmax_row(x, nullptr, 0, n, n, false, y);
   } else {
     const double lse = LogSumExp(x, n);
-    for (int64_t j = 0; j < n; ++j) y[j] = kLog ? x[j] - lse : std::exp(x[j] - lse);
+    for (int64_t j = 0; j < n; ++j) y[j] = std::exp(x[j] - lse);
   }
 }
 
@@ -82,13 +91,6 @@ void RowsWithScratch(const KernelArgs& a, int64_t rows, int64_t cols, Fn&& fn) {
                 std::vector<T> scratch(static_cast<size_t>(cols));
                 for (int64_t i = b; i < e; ++i) fn(i, scratch.data());
               });
-}
-
-// Sum of per-row values in row order (the same result for any thread count).
-double SumInOrder(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return s;
 }
 
 template <typename T, bool kLogits>
@@ -104,13 +106,16 @@ absl::Status LossForward(const KernelArgs& a) {
   const T* x = a.in[0].as<const T>();
   double sum = 0;
   if constexpr (kLogits) {
-    // -log_softmax at the target, as log_softmax then nll_loss compute it.
+    // Rows in parallel, summed in row order (the same for any thread count).
     std::vector<double> per_row(static_cast<size_t>(d.rows));
-    RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* y) {
-      SoftmaxOfRow<T, true>(x + i * d.classes, d.classes, y);
-      per_row[i] = -static_cast<double>(y[IdAt(a.in[1], i)]);
-    });
-    sum = SumInOrder(per_row);
+    ParallelFor(a.ctx.num_threads, d.rows, GrainFor(2 * d.classes),
+                [&](int64_t b, int64_t e) {
+                  for (int64_t i = b; i < e; ++i) {
+                    const T* row = x + i * d.classes;
+                    per_row[i] = RowLse(row, d.classes) - row[IdAt(a.in[1], i)];
+                  }
+                });
+    sum = std::accumulate(per_row.begin(), per_row.end(), 0.0);
   } else {
     for (int64_t i = 0; i < d.rows; ++i) sum -= x[i * d.classes + IdAt(a.in[1], i)];
   }
@@ -145,7 +150,7 @@ absl::Status LossBackward(const KernelArgs& a) {
   }
   RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* p) {
     T* dr = dx + i * d.classes;
-    SoftmaxOfRow<T, false>(x + i * d.classes, d.classes, p);
+    SoftmaxOfRow<T>(x + i * d.classes, d.classes, p);
     for (int64_t j = 0; j < d.classes; ++j) dr[j] += s * p[j];
     dr[IdAt(g.x(1), i)] -= s;
   });
@@ -161,21 +166,102 @@ absl::Status LossBackward(const KernelArgs& a) {
 // global log-sum-exp), and "cross_entropy_sharded_grad" its classes'
 // gradient, dx += dy / global_rows * (softmax - onehot).
 
-// Bounds 'ranks' (so ranks x rows cannot overflow).
-constexpr int64_t kMaxRanks = int64_t{1} << 20;
+// CheckShardedLoss, and every target within the vocabulary.
+template <typename T>
+absl::StatusOr<ShardedLossDims> CheckShardedLossOnHost(const KernelArgs& a, bool with_lse) {
+  HAP_ASSIGN_OR_RETURN(ShardedLossDims d, CheckShardedLoss(a, DTypeOf<T>(), with_lse));
+  if (!with_lse) return d;
+  for (int64_t i = 0; i < d.rows; ++i) {
+    const int64_t c = IdAt(a.in[1], i);
+    if (c < 0 || c >= d.vocab) {
+      return Invalid(a, "target ", c, " at row ", i, " is outside [0, ", d.vocab, ")");
+    }
+  }
+  return d;
+}
 
-struct ShardedLoss {
-  int64_t rows = 0, classes = 0, offset = 0, vocab = 0, rank = 0, ranks = 1;
-  double inv_rows = 1;
-};
+// Row i's log-sum-exp over every rank's classes, from the gathered ones.
+template <typename T>
+double GlobalLse(const T* lse, const ShardedLossDims& d, int64_t i) {
+  double mx = lse[i];
+  for (int64_t r = 1; r < d.ranks; ++r) mx = std::max(mx, double(lse[r * d.rows + i]));
+  double sum = 0;
+  for (int64_t r = 0; r < d.ranks; ++r) sum += std::exp(double(lse[r * d.rows + i]) - mx);
+  return mx + std::log(sum);
+}
 
 template <typename T>
-absl::StatusOr<ShardedLoss> CheckShardedLoss(const KernelArgs& a, bool with_lse) {
-  constexpr DType t = DTypeOf<T>();
+absl::Status ShardedLse(const KernelArgs& a) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLossDims d, CheckShardedLossOnHost<T>(a, false));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {d.rows}));
+  const T* x = a.in[0].as<const T>();
+  T* out = a.out[0].as<T>();
+  if (d.classes == 0) {  // no classes here: contributes nothing to the sum
+    for (int64_t i = 0; i < d.rows; ++i) out[i] = -std::numeric_limits<T>::infinity();
+    return absl::OkStatus();
+  }
+  ParallelFor(a.ctx.num_threads, d.rows, GrainFor(2 * d.classes),
+              [&](int64_t b, int64_t e) {
+                for (int64_t i = b; i < e; ++i) {
+                  out[i] = static_cast<T>(RowLse(x + i * d.classes, d.classes));
+                }
+              });
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ShardedLossForward(const KernelArgs& a) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLossDims d, CheckShardedLossOnHost<T>(a, true));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {}));
+  const T* x = a.in[0].as<const T>();
+  const T* lse = a.in[2].as<const T>();
+  double sum = 0;
+  for (int64_t i = 0; i < d.rows; ++i) {
+    const int64_t c = IdAt(a.in[1], i) - d.offset;
+    if (c >= 0 && c < d.classes) sum -= x[i * d.classes + c];
+    if (d.rank == 0) sum += GlobalLse(lse, d, i);
+  }
+  *a.out[0].as<T>() = static_cast<T>(sum * d.inv_rows);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ShardedLossBackward(const KernelArgs& a) {
+  HAP_RETURN_IF_ERROR(CheckArity(a, 4, 4, 1));
+  HAP_ASSIGN_OR_RETURN(ShardedLossDims d, CheckShardedLossOnHost<T>(a, true));
+  HAP_RETURN_IF_ERROR(CheckInput(a, 3, DTypeOf<T>()));
+  HAP_RETURN_IF_ERROR(CheckScalar(a, a.in[3], "input 3 (the loss gradient)"));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), a.in[0].shape));
+  const T* x = a.in[0].as<const T>();
+  const T* lse = a.in[2].as<const T>();
+  const double scale = double(*a.in[3].as<const T>()) * d.inv_rows;
+  T* dx = a.out[0].as<T>();
+  if (d.classes == 0) return absl::OkStatus();
+  RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* q) {
+    // softmax over this rank's classes, rescaled to the whole row's.
+    SoftmaxOfRow<T>(x + i * d.classes, d.classes, q);
+    const T f = static_cast<T>(
+        scale * std::exp(double(lse[d.rank * d.rows + i]) - GlobalLse(lse, d, i)));
+    T* dr = dx + i * d.classes;
+    for (int64_t j = 0; j < d.classes; ++j) dr[j] += f * q[j];
+    const int64_t c = IdAt(a.in[1], i) - d.offset;
+    if (c >= 0 && c < d.classes) dr[c] -= static_cast<T>(scale);
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ShardedLossDims> CheckShardedLoss(const KernelArgs& a, DType t,
+                                                 bool with_lse) {
+  // Bounds 'ranks' (so ranks x rows cannot overflow).
+  constexpr int64_t kMaxRanks = int64_t{1} << 20;
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
   const TensorView& x = a.in[0];
   if (x.rank() != 2) return Invalid(a, InLabel(a, 0), " must have rank 2");
-  ShardedLoss d;
+  ShardedLossDims d;
   d.rows = x.shape[0];
   d.classes = x.shape[1];
   HAP_ASSIGN_OR_RETURN(d.offset, AttrInt(a, "vocab_offset"));
@@ -200,96 +286,11 @@ absl::StatusOr<ShardedLoss> CheckShardedLoss(const KernelArgs& a, bool with_lse)
   HAP_RETURN_IF_ERROR(CheckShape(
       a, a.in[2], absl::StrCat(InLabel(a, 2), " (every rank's row log-sum-exps, ranks x rows)"),
       {d.ranks * d.rows}));
-  for (int64_t i = 0; i < d.rows; ++i) {
-    const int64_t c = IdAt(a.in[1], i);
-    if (c < 0 || c >= d.vocab) {
-      return Invalid(a, "target ", c, " at row ", i, " is outside [0, ", d.vocab, ")");
-    }
-  }
   HAP_ASSIGN_OR_RETURN(int64_t global, AttrInt(a, "global_rows", d.rows));
   if (global < 1) return Invalid(a, "attribute 'global_rows' must be >= 1");
   d.inv_rows = 1.0 / static_cast<double>(global);
   return d;
 }
-
-// Row i's log-sum-exp over every rank's classes, from the gathered ones.
-template <typename T>
-double GlobalLse(const T* lse, const ShardedLoss& d, int64_t i) {
-  double mx = lse[i];
-  for (int64_t r = 1; r < d.ranks; ++r) mx = std::max(mx, double(lse[r * d.rows + i]));
-  double sum = 0;
-  for (int64_t r = 0; r < d.ranks; ++r) sum += std::exp(double(lse[r * d.rows + i]) - mx);
-  return mx + std::log(sum);
-}
-
-template <typename T>
-absl::Status ShardedLse(const KernelArgs& a) {
-  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
-  HAP_ASSIGN_OR_RETURN(ShardedLoss d, CheckShardedLoss<T>(a, false));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {d.rows}));
-  const T* x = a.in[0].as<const T>();
-  T* out = a.out[0].as<T>();
-  if (d.classes == 0) {  // no classes here: contributes nothing to the sum
-    for (int64_t i = 0; i < d.rows; ++i) out[i] = -std::numeric_limits<T>::infinity();
-    return absl::OkStatus();
-  }
-  RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* y) {
-    // log_softmax at column 0 is x[0] - lse, exact enough while x[0] is
-    // within 64 of it; a column 0 far below (a masked logit) or not finite
-    // takes the direct log-sum-exp instead (slower, exact).
-    const T* row = x + i * d.classes;
-    SoftmaxOfRow<T, true>(row, d.classes, y);
-    out[i] = row[0] - y[0];
-    if (!(y[0] > T(-64)) || !std::isfinite(out[i])) {
-      out[i] = static_cast<T>(LogSumExp(row, d.classes));
-    }
-  });
-  return absl::OkStatus();
-}
-
-template <typename T>
-absl::Status ShardedLossForward(const KernelArgs& a) {
-  HAP_RETURN_IF_ERROR(CheckArity(a, 3, 3, 1));
-  HAP_ASSIGN_OR_RETURN(ShardedLoss d, CheckShardedLoss<T>(a, true));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), {}));
-  const T* x = a.in[0].as<const T>();
-  const T* lse = a.in[2].as<const T>();
-  double sum = 0;
-  for (int64_t i = 0; i < d.rows; ++i) {
-    const int64_t c = IdAt(a.in[1], i) - d.offset;
-    if (c >= 0 && c < d.classes) sum -= x[i * d.classes + c];
-    if (d.rank == 0) sum += GlobalLse(lse, d, i);
-  }
-  *a.out[0].as<T>() = static_cast<T>(sum * d.inv_rows);
-  return absl::OkStatus();
-}
-
-template <typename T>
-absl::Status ShardedLossBackward(const KernelArgs& a) {
-  HAP_RETURN_IF_ERROR(CheckArity(a, 4, 4, 1));
-  HAP_ASSIGN_OR_RETURN(ShardedLoss d, CheckShardedLoss<T>(a, true));
-  HAP_RETURN_IF_ERROR(CheckInput(a, 3, DTypeOf<T>()));
-  HAP_RETURN_IF_ERROR(CheckScalar(a, a.in[3], "input 3 (the loss gradient)"));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DTypeOf<T>(), a.in[0].shape));
-  const T* x = a.in[0].as<const T>();
-  const T* lse = a.in[2].as<const T>();
-  const double scale = double(*a.in[3].as<const T>()) * d.inv_rows;
-  T* dx = a.out[0].as<T>();
-  if (d.classes == 0) return absl::OkStatus();
-  RowsWithScratch<T>(a, d.rows, d.classes, [&](int64_t i, T* q) {
-    // softmax over this rank's classes, rescaled to the whole row's.
-    SoftmaxOfRow<T, false>(x + i * d.classes, d.classes, q);
-    const T f = static_cast<T>(
-        scale * std::exp(double(lse[d.rank * d.rows + i]) - GlobalLse(lse, d, i)));
-    T* dr = dx + i * d.classes;
-    for (int64_t j = 0; j < d.classes; ++j) dr[j] += f * q[j];
-    const int64_t c = IdAt(a.in[1], i) - d.offset;
-    if (c >= 0 && c < d.classes) dr[c] -= static_cast<T>(scale);
-  });
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 void RegisterLossKernels(KernelTable& t) {
   t["nll_loss"] =

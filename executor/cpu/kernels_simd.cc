@@ -234,9 +234,13 @@ HAP_SIMD_INLINE V Masked(const float* x, const float* mask, int64_t at,
 
 // The row of softmax_row with `valid` >= 1. The passes reread x (and the
 // mask) rather than storing x + mask: one store pass less.
-template <typename V, MaskKind kKind, bool kLog>
-HAP_SIMD_INLINE void SoftmaxRowOf(const float* x, const float* mask,
-                                  int64_t valid, float* y) {
+// The row's max and the sum of exp(x + mask - max) over its first `valid`
+// (>= 1) columns: in float over blocks, in double across them. With
+// kStore, y receives the exponentials.
+template <typename V, MaskKind kKind, bool kStore>
+HAP_SIMD_INLINE std::pair<float, double> RowMaxAndSum(const float* x,
+                                                      const float* mask,
+                                                      int64_t valid, float* y) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   Pack<V> vmax = SplatPack<V>(-kInf);
   ForLogical<V>(valid, [&](int64_t at, int64_t n,
@@ -246,7 +250,6 @@ HAP_SIMD_INLINE void SoftmaxRowOf(const float* x, const float* mask,
   });
   const float row_max = MaxLanes(vmax);
   const V mx = Splat<V>(row_max);
-  // Exponentials, summed in float over blocks and in double across them.
   double sum = 0;
   for (int64_t b = 0; b < valid; b += kSumBlock) {
     const int64_t len = valid - b < kSumBlock ? valid - b : kSumBlock;
@@ -256,10 +259,17 @@ HAP_SIMD_INLINE void SoftmaxRowOf(const float* x, const float* mask,
           const V e = KeepFirst(Exp(Masked<V, kKind>(x, mask, b + at, n) - mx),
                                 n, 0.0f);
           acc.part[p] += e;
-          if constexpr (!kLog) StoreFirst(y, b + at, n, e);
+          if constexpr (kStore) StoreFirst(y, b + at, n, e);
         });
     sum += SumLanes(acc);
   }
+  return {row_max, sum};
+}
+
+template <typename V, MaskKind kKind, bool kLog>
+HAP_SIMD_INLINE void SoftmaxRowOf(const float* x, const float* mask,
+                                  int64_t valid, float* y) {
+  const auto [row_max, sum] = RowMaxAndSum<V, kKind, !kLog>(x, mask, valid, y);
   if constexpr (kLog) {
     const V lse = Splat<V>(row_max + static_cast<float>(std::log(sum)));
     ForVectors<V>(valid, [&](int64_t at, int64_t n) HAP_SIMD_INLINE_LAMBDA {
@@ -271,6 +281,14 @@ HAP_SIMD_INLINE void SoftmaxRowOf(const float* x, const float* mask,
       StoreFirst(y, at, n, LoadFirst<V>(y, at, n) * inv);
     });
   }
+}
+
+// log_softmax's lse: the max plus the log of the sum, in float.
+template <typename V>
+HAP_SIMD_INLINE float LogSumExpRow(const float* x, int64_t n) {
+  if (n <= 0) return -std::numeric_limits<float>::infinity();
+  const auto [row_max, sum] = RowMaxAndSum<V, MaskKind::kNone, false>(x, nullptr, n, nullptr);
+  return row_max + static_cast<float>(std::log(sum));
 }
 
 template <typename V, bool kLog>
@@ -557,10 +575,14 @@ HAP_SIMD_INLINE void GeluGrad(const float* x, const float* dy, int64_t n,
                              float* dx) {                                     \
     GeluGrad<V>(x, dy, n, dx);                                                \
   }                                                                           \
+  TARGET float LogSumExpRow##NAME(const float* x, int64_t n) {                \
+    return LogSumExpRow<V>(x, n);                                             \
+  }                                                                           \
   const FloatRows k##NAME##Rows = {                                           \
       ISA,         &SoftmaxRow##NAME, &SoftmaxGradRow##NAME,                  \
       &Adam##NAME, &Sgd##NAME,        &SumSquares##NAME,                      \
-      &Dropout##NAME, &Gelu##NAME,    &GeluGrad##NAME};
+      &Dropout##NAME, &Gelu##NAME,    &GeluGrad##NAME,                        \
+      &LogSumExpRow##NAME};
 
 // SSE2 on x86-64 (NEON on AArch64): 4 floats.
 HAP_SIMD_ROWS(Baseline, Isa::kBaseline, F4, )

@@ -101,6 +101,9 @@ struct FloatRows {
   // dx[j] += dy[j] * (Phi(x) + x phi(x)), x = x[j], j < n: Gelu::D's
   // float expression bit for bit.
   void (*gelu_grad)(const float* x, const float* dy, int64_t n, float* dx);
+  // log sum_j exp(x[j]) over j < n (-inf for n = 0): the lse softmax_row
+  // subtracts for log_softmax, the same float.
+  float (*log_sum_exp_row)(const float* x, int64_t n);
 };
 
 // The widest of AvailableIsas().

@@ -168,6 +168,37 @@ TEST(SimdRowsTest, SoftmaxRowsMatchDoubleReference) {
   }
 }
 
+// The row's log-sum-exp: the reference's within log_softmax's tolerance, the
+// very lse log_softmax subtracts (y = x - lse in float, bit for bit), and the
+// same bits on every Isa.
+TEST(SimdRowsTest, LogSumExpRowIsTheLseOfLogSoftmax) {
+  for (int64_t n : kLengths) {
+    for (float shift : {0.0f, -180.0f}) {
+      std::vector<float> x = Uniform(n, -30.0f + shift, 30.0f + shift, 40 + n);
+      for (int64_t j = 3; j < n; j += 11) x[j] = -100.0f + shift;
+      double mx = -kInf, sum = 0;
+      for (float v : x) mx = std::max(mx, static_cast<double>(v));
+      for (float v : x) sum += std::exp(v - mx);
+      const double want = mx + std::log(sum);
+      std::vector<float> bits;
+      for (Isa isa : AvailableIsas()) {
+        const FloatRows& rows = RowsFor(isa);
+        const std::string what = Label(isa, n) + " shift " + std::to_string(shift);
+        const float lse = rows.log_sum_exp_row(x.data(), n);
+        ASSERT_NO_FATAL_FAILURE(ExpectClose(lse, want, 0, kLogSoftmaxAbs, what));
+        std::vector<float> y(n);
+        rows.softmax_row(x.data(), nullptr, 0, n, n, true, y.data());
+        for (int64_t j = 0; j < n; ++j) {
+          ASSERT_EQ(Bits(y[j]), Bits(x[j] - lse)) << what << " column " << j;
+        }
+        bits.push_back(lse);
+      }
+      for (float b : bits) EXPECT_EQ(Bits(b), Bits(bits[0])) << "n=" << n;
+    }
+  }
+  EXPECT_EQ(Rows().log_sum_exp_row(nullptr, 0), -std::numeric_limits<float>::infinity());
+}
+
 TEST(SimdRowsTest, MaskedAndCausalRows) {
   for (Isa isa : AvailableIsas()) {
     const FloatRows& rows = RowsFor(isa);

@@ -40,6 +40,17 @@ absl::Status CheckScalar(const KernelArgs& a, const TensorView& v,
   return absl::OkStatus();
 }
 
+// Calls f with the targets as int64_t or int32_t (CheckIdsInput admits
+// those two).
+template <typename F>
+void WithIds(const TensorView& ids, F&& f) {
+  if (ids.dtype == DType::kInt64) {
+    f(ids.as<const int64_t>());
+  } else {
+    f(ids.as<const int32_t>());
+  }
+}
+
 template <typename T, bool kLogits>
 absl::Status LossForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
@@ -56,14 +67,10 @@ absl::Status LossForward(const KernelArgs& a) {
     HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(d.rows * sizeof(double)));
     row_loss = static_cast<double*>(p);
   }
-  const T* x = a.in[0].as<const T>();
-  if (a.in[1].dtype == DType::kInt64) {
-    LaunchLossForward<T, int64_t>(kLogits, d, x, a.in[1].as<const int64_t>(),
-                                  row_loss, a.out[0].as<T>(), a.stream);
-  } else {
-    LaunchLossForward<T, int32_t>(kLogits, d, x, a.in[1].as<const int32_t>(),
-                                  row_loss, a.out[0].as<T>(), a.stream);
-  }
+  WithIds(a.in[1], [&](const auto* ids) {
+    LaunchLossForward<T>(kLogits, d, a.in[0].as<const T>(), ids, row_loss,
+                         a.out[0].as<T>(), a.stream);
+  });
   return CheckLaunch(a);
 }
 
@@ -86,54 +93,29 @@ absl::Status LossBackward(const KernelArgs& a) {
   const T* x = g.x(0).as<const T>();
   const T* dy = g.dy(0).as<const T>();
   T* dx = g.dx(0).as<T>();
-  if (g.x(1).dtype == DType::kInt64) {
-    LaunchLossBackward<T, int64_t>(kLogits, d, x, g.x(1).as<const int64_t>(),
-                                   dy, dx, a.stream);
-  } else {
-    LaunchLossBackward<T, int32_t>(kLogits, d, x, g.x(1).as<const int32_t>(),
-                                   dy, dx, a.stream);
-  }
+  WithIds(g.x(1), [&](const auto* ids) {
+    LaunchLossBackward<T>(kLogits, d, x, ids, dy, dx, a.stream);
+  });
   return CheckLaunch(a);
 }
 
-// Cross-entropy over logits sharded by class (launch_loss.h).
+// Cross-entropy over logits sharded by class (launch_loss.h), checked as
+// the CPU checks it.
 template <typename T>
 absl::StatusOr<ShardedLossShape> CheckSharded(const KernelArgs& a, bool with_lse) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, cpu::DTypeOf<T>()));
-  const TensorView& x = a.in[0];
-  if (x.rank() != 2) return Invalid(a, cpu::InLabel(c, 0), " must have rank 2");
-  ShardedLossShape d;
-  d.base.rows = x.shape[0];
-  d.base.classes = x.shape[1];
-  d.base.fault = a.fault.word;
-  d.base.fault_code = a.fault.code;
-  HAP_ASSIGN_OR_RETURN(d.offset, cpu::AttrInt(c, "vocab_offset"));
-  HAP_ASSIGN_OR_RETURN(d.vocab, cpu::AttrInt(c, "vocab_size"));
-  if (d.vocab < 1 || d.offset < 0 || d.offset > d.vocab - d.base.classes) {
-    return Invalid(a, "attributes 'vocab_offset' ", d.offset, " and 'vocab_size' ", d.vocab,
-                   ": this shard's ", d.base.classes, " classes do not fit the vocabulary");
-  }
-  if (!with_lse) return d;
-  HAP_RETURN_IF_ERROR(cpu::CheckIdsInput(c, 1));
-  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 2, cpu::DTypeOf<T>()));
-  HAP_ASSIGN_OR_RETURN(d.rank, cpu::AttrInt(c, "rank"));
-  HAP_ASSIGN_OR_RETURN(d.ranks, cpu::AttrInt(c, "ranks"));
-  constexpr int64_t kMaxRanks = int64_t{1} << 20;  // ranks x rows cannot overflow
-  if (d.ranks < 1 || d.ranks > kMaxRanks || d.rank < 0 || d.rank >= d.ranks) {
-    return Invalid(a, "attribute 'rank' ", d.rank, " is outside a world of 'ranks' ",
-                   d.ranks, " (at most ", kMaxRanks, ")");
-  }
-  if (a.in[1].shape != Shape{d.base.rows}) {
-    return Invalid(a, "targets ", cpu::InLabel(c, 1),
-                   " must have one entry per row of ", cpu::InLabel(c, 0));
-  }
-  HAP_RETURN_IF_ERROR(cpu::CheckShape(c, a.in[2], cpu::InLabel(c, 2),
-                                      {d.ranks * d.base.rows}));
-  HAP_ASSIGN_OR_RETURN(int64_t global, cpu::AttrInt(c, "global_rows", d.base.rows));
-  if (global < 1) return Invalid(a, "attribute 'global_rows' must be >= 1");
-  d.base.inv_rows = 1.0 / static_cast<double>(global);
-  return d;
+  HAP_ASSIGN_OR_RETURN(cpu::ShardedLossDims d,
+                       cpu::CheckShardedLoss(CpuArgs(a), cpu::DTypeOf<T>(), with_lse));
+  ShardedLossShape s;
+  s.base.rows = d.rows;
+  s.base.classes = d.classes;
+  s.base.inv_rows = d.inv_rows;
+  s.base.fault = a.fault.word;
+  s.base.fault_code = a.fault.code;
+  s.offset = d.offset;
+  s.vocab = d.vocab;
+  s.rank = d.rank;
+  s.ranks = d.ranks;
+  return s;
 }
 
 template <typename T>
@@ -157,15 +139,10 @@ absl::Status ShardedForward(const KernelArgs& a) {
     HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(d.base.rows * sizeof(double)));
     row_loss = static_cast<double*>(p);
   }
-  const T* x = a.in[0].as<const T>();
-  const T* lse = a.in[2].as<const T>();
-  if (a.in[1].dtype == DType::kInt64) {
-    LaunchShardedLossForward<T, int64_t>(d, x, a.in[1].as<const int64_t>(), lse,
-                                         row_loss, a.out[0].as<T>(), a.stream);
-  } else {
-    LaunchShardedLossForward<T, int32_t>(d, x, a.in[1].as<const int32_t>(), lse,
-                                         row_loss, a.out[0].as<T>(), a.stream);
-  }
+  WithIds(a.in[1], [&](const auto* ids) {
+    LaunchShardedLossForward<T>(d, a.in[0].as<const T>(), ids, a.in[2].as<const T>(),
+                                row_loss, a.out[0].as<T>(), a.stream);
+  });
   return CheckLaunch(a);
 }
 
@@ -177,16 +154,10 @@ absl::Status ShardedBackward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 3, cpu::DTypeOf<T>()));
   HAP_RETURN_IF_ERROR(CheckScalar(a, a.in[3], "input 3 (the loss gradient)"));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, cpu::DTypeOf<T>(), a.in[0].shape));
-  const T* x = a.in[0].as<const T>();
-  const T* lse = a.in[2].as<const T>();
-  const T* dy = a.in[3].as<const T>();
-  if (a.in[1].dtype == DType::kInt64) {
-    LaunchShardedLossBackward<T, int64_t>(d, x, a.in[1].as<const int64_t>(), lse,
-                                          dy, a.out[0].as<T>(), a.stream);
-  } else {
-    LaunchShardedLossBackward<T, int32_t>(d, x, a.in[1].as<const int32_t>(), lse,
-                                          dy, a.out[0].as<T>(), a.stream);
-  }
+  WithIds(a.in[1], [&](const auto* ids) {
+    LaunchShardedLossBackward<T>(d, a.in[0].as<const T>(), ids, a.in[2].as<const T>(),
+                                 a.in[3].as<const T>(), a.out[0].as<T>(), a.stream);
+  });
   return CheckLaunch(a);
 }
 
