@@ -179,17 +179,30 @@ class RankBuilder {
   }
   int NewBuffer(TensorId t, int8_t raw, v1::Buffer::Role role,
                 const std::string& suffix = "") {
+    const graph::Tensor& tensor = g_.tensor(t);
+    return AddBuffer(tensor.name + suffix, LocalShape(t, raw), tensor.type.dtype, role,
+                     raw, tensor.type.shape, Offsets(t, raw));
+  }
+  // A replicated scratch vector of n elements of tensor `like`'s dtype (not
+  // the shape of any graph tensor).
+  int RowBuffer(const std::string& name, int64_t n, TensorId like) {
+    return AddBuffer(name, {n}, g_.tensor(like).type.dtype, v1::Buffer::SCRATCH,
+                     Form::R().raw(), {n}, {0});
+  }
+  int AddBuffer(const std::string& name, const std::vector<int64_t>& shape,
+                graph::DType dtype, v1::Buffer::Role role, int8_t raw,
+                const std::vector<int64_t>& global_shape,
+                const std::vector<int64_t>& offsets) {
     v1::Buffer* b = prog_.add_buffers();
     int id = prog_.buffers_size() - 1;
-    const graph::Tensor& tensor = g_.tensor(t);
     b->set_id(id);
-    b->set_tensor(tensor.name + suffix);
-    for (int64_t d : LocalShape(t, raw)) b->add_shape(d);
-    b->set_dtype(graph::ToProtoDType(tensor.type.dtype));
+    b->set_tensor(name);
+    for (int64_t d : shape) b->add_shape(d);
+    b->set_dtype(graph::ToProtoDType(dtype));
     b->set_role(role);
     *b->mutable_form() = FormProto(raw);
-    for (int64_t d : tensor.type.shape) b->add_global_shape(d);
-    for (int64_t d : Offsets(t, raw)) b->add_offsets(d);
+    for (int64_t d : global_shape) b->add_global_shape(d);
+    for (int64_t d : offsets) b->add_offsets(d);
     bool persistent = role == v1::Buffer::PARAMETER ||
                       role == v1::Buffer::OPTIMIZER_STATE;
     b->set_persistent(persistent);
@@ -398,23 +411,6 @@ class RankBuilder {
     a["vocab_size"].set_i(g_.tensor(op.inputs[0]).type.shape[1]);
     a["rank"].set_i(r_);
     a["ranks"].set_i(o_.world_size);
-  }
-  // A scratch buffer of explicit shape, dtype of tensor `like`.
-  int RowBuffer(const std::string& name, int64_t n, TensorId like) {
-    v1::Buffer* b = prog_.add_buffers();
-    const int id = prog_.buffers_size() - 1;
-    b->set_id(id);
-    b->set_tensor(name);
-    b->add_shape(n);
-    b->set_dtype(graph::ToProtoDType(g_.tensor(like).type.dtype));
-    b->set_role(v1::Buffer::SCRATCH);
-    *b->mutable_form() = FormProto(Form::R().raw());
-    b->add_global_shape(n);
-    b->add_offsets(0);
-    b->set_persistent(false);
-    first_.push_back(std::numeric_limits<int>::max());
-    last_.push_back(-1);
-    return id;
   }
   absl::Status VocabCrossEntropy(const synth::OpStep& s, const graph::Op& op,
                                  const std::vector<int>& in,
