@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include "planner/graph/op_registry.h"
+
 namespace hap::executor {
 
 template <typename F>
@@ -76,6 +78,30 @@ std::string TimingDevice::Table(int64_t steps) const {
   return out + buf;
 }
 
+namespace {
+
+// The IR op type a kernel runs for: "T" and "T_grad" for op type T, and a
+// kernel of an op run in parts ("cross_entropy_lse", "cross_entropy_sharded"
+// for a cross_entropy sharded by class) the longest registered op type it
+// starts with, followed by '_'. Other names stand for themselves.
+std::string OpTypeOfKernel(const std::string& name) {
+  const graph::OpRegistry& ops = graph::OpRegistry::Global();
+  std::string base = name;
+  if (base.size() > 5 && base.compare(base.size() - 5, 5, "_grad") == 0) {
+    base.resize(base.size() - 5);
+  }
+  if (ops.Find(base) != nullptr) return base;
+  for (size_t cut = base.rfind('_'); cut != std::string::npos && cut > 0;
+       cut = base.rfind('_', cut - 1)) {
+    if (ops.Find(absl::string_view(base).substr(0, cut)) != nullptr) {
+      return base.substr(0, cut);
+    }
+  }
+  return base;
+}
+
+}  // namespace
+
 std::map<std::string, double> TimingDevice::SecondsByOpType(
     int64_t steps) const {
   static const char* const kOptimizer[] = {"sgd_update", "adam_update",
@@ -93,13 +119,8 @@ std::map<std::string, double> TimingDevice::SecondsByOpType(
     } else if (std::find(std::begin(kRuntime), std::end(kRuntime), name) !=
                std::end(kRuntime)) {
       type = "(runtime)";
-    } else if (name.size() > 5 && name.compare(name.size() - 5, 5, "_grad") == 0) {
-      type = name.substr(0, name.size() - 5);
-    }
-    // The kernels of one op run sharded (lowering: vocabulary-parallel
-    // cross-entropy) count as that op.
-    if (type == "cross_entropy_lse" || type == "cross_entropy_sharded") {
-      type = "cross_entropy";
+    } else {
+      type = OpTypeOfKernel(name);
     }
     out[type] += t.seconds * per;
   }

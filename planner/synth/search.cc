@@ -182,7 +182,7 @@ void Searcher::Prepare() {
         internal = coll_.Constant(cost::EvaluateTerm(
             coll_.AllGather(all[r].internal_gather_bytes, cost::Method::kPadded), even));
       }
-      compute_eval_[i].push_back(Eval(t) + (internal.constant.empty() ? 0 : Eval(internal)));
+      compute_eval_[i].push_back(Eval(t) + Eval(internal));  // an empty term is 0
       compute_[i].push_back(std::move(t));
       internal_[i].push_back(std::move(internal));
       rule_index_[i].push_back(static_cast<int>(r));
