@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
+#include "absl/status/status.h"
 #include "executor/comm/communicator.h"
 
 namespace {

@@ -1,11 +1,12 @@
 // The Gloo backend of the communicator (communicator.h). Gloo reports
 // failures by throwing; every call into it happens inside Guard(), which
 // turns exceptions into statuses — nothing else in the project sees one.
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <csignal>
-#include <pthread.h>
-#include <sched.h>
 #include <cstring>
 #include <exception>
 #include <numeric>
