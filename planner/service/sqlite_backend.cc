@@ -42,22 +42,32 @@ class StoreBackend : public StateBackend {
                            return s_->ListDeployments(n, t);
                          }));
     for (const auto& d : l.deployments) {
-      int64_t from = 0;
-      while (true) {
-        HAP_ASSIGN_OR_RETURN(std::vector<v1::StepMetric> batch,
-                             s_->ListStepMetrics(d.name(), from, store::kMaxStepMetricsLimit));
-        const bool last = static_cast<int>(batch.size()) < store::kMaxStepMetricsLimit;
-        // A full batch may end inside a step: read that step again next time.
-        int64_t cut = last ? batch.back().step() + 1 : batch.back().step();
-        for (auto& m : batch) {
-          if (m.step() < cut) l.metrics.push_back(std::move(m));
-        }
-        if (last) break;
-        from = cut;
-      }
+      HAP_RETURN_IF_ERROR(LoadStepMetrics(d.name(), &l.metrics));
     }
     return l;
   }
+  // Every step metric of deployment `name`, in step order. Reads in pages of
+  // kMaxStepMetricsLimit; a full page may end inside a step, so the next page
+  // starts at that step again. A deployment that never reported a step (one
+  // deployed to an unreachable executor) has no metrics at all.
+  absl::Status LoadStepMetrics(const std::string& name, std::vector<v1::StepMetric>* out) {
+    int64_t from = 0;
+    while (true) {
+      HAP_ASSIGN_OR_RETURN(std::vector<v1::StepMetric> batch,
+                           s_->ListStepMetrics(name, from, store::kMaxStepMetricsLimit));
+      if (batch.empty()) return absl::OkStatus();
+      const bool last = static_cast<int>(batch.size()) < store::kMaxStepMetricsLimit;
+      int64_t cut = last ? batch.back().step() + 1 : batch.back().step();
+      // A full page of one single step cannot be split: keep it whole.
+      if (cut <= from) cut = batch.back().step() + 1;
+      for (auto& m : batch) {
+        if (m.step() < cut) out->push_back(std::move(m));
+      }
+      if (last) return absl::OkStatus();
+      from = cut;
+    }
+  }
+
   absl::Status SaveNode(const v1::Node& n) override { return s_->UpsertNode(n); }
   absl::Status SavePlan(const v1::Plan& p) override { return s_->PutPlan(p, ""); }
   absl::Status DeletePlan(const std::string& name) override { return s_->DeletePlan(name); }
