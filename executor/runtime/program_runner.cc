@@ -367,20 +367,64 @@ absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) 
   return static_cast<double>(v);
 }
 
-absl::StatusOr<std::vector<ParameterShard>> ProgramRunner::Parameters() const {
+namespace {
+
+absl::StatusOr<std::vector<ParameterShard>> CopyPersistent(
+    const v1::RankProgram& program, const std::vector<TensorView>& views, Device* device,
+    bool with_optimizer_state) {
   std::vector<ParameterShard> out;
-  for (const v1::Buffer& b : program_.buffers()) {
-    if (b.role() != v1::Buffer::PARAMETER) continue;
-    const TensorView& v = views_[b.id()];
+  for (const v1::Buffer& b : program.buffers()) {
+    const bool state = b.role() == v1::Buffer::OPTIMIZER_STATE;
+    if (b.role() != v1::Buffer::PARAMETER && !(state && with_optimizer_state)) continue;
+    const TensorView& v = views[b.id()];
     ParameterShard s;
     s.name = b.tensor();
     s.global_shape.assign(b.global_shape().begin(), b.global_shape().end());
     s.offsets.assign(b.offsets().begin(), b.offsets().end());
     s.value = HostTensor(v.dtype, v.shape);
-    HAP_RETURN_IF_ERROR(device_->CopyToHost(v, s.value.data()));
+    s.optimizer_state = state;
+    HAP_RETURN_IF_ERROR(device->CopyToHost(v, s.value.data()));
     out.push_back(std::move(s));
   }
   return out;
+}
+
+}  // namespace
+
+void ProgramRunner::OverrideSeed(uint64_t seed) {
+  if (seed == program_.seed()) return;
+  program_.set_seed(seed);
+  for (int i = 0; i < program_.steps_size(); ++i) {
+    v1::Step* step = program_.mutable_steps(i);
+    if (!step->has_kernel()) continue;
+    auto& attrs = *step->mutable_kernel()->mutable_attrs();
+    auto it = attrs.find("rng_key");
+    if (it == attrs.end()) continue;
+    // planner/lower: rng_key = CounterKey(seed, HashName(op name)).
+    const auto key = static_cast<int64_t>(CounterKey(seed, HashName(step->kernel().op())));
+    it->second.set_i(key);
+    attrs_[i].Set("rng_key", key);
+  }
+}
+
+absl::StatusOr<std::vector<ParameterShard>> ProgramRunner::Parameters() const {
+  return CopyPersistent(program_, views_, device_, /*with_optimizer_state=*/false);
+}
+
+absl::StatusOr<std::vector<ParameterShard>> ProgramRunner::PersistentState() const {
+  return CopyPersistent(program_, views_, device_, /*with_optimizer_state=*/true);
+}
+
+absl::Status ProgramRunner::SetPersistentState(
+    const std::function<absl::Status(const v1::Buffer&, HostTensor&)>& fill) {
+  for (const v1::Buffer& b : program_.buffers()) {
+    if (b.role() != v1::Buffer::PARAMETER && b.role() != v1::Buffer::OPTIMIZER_STATE) continue;
+    const TensorView& v = views_[b.id()];
+    HostTensor host(v.dtype, v.shape);
+    HAP_RETURN_IF_ERROR(fill(b, host));
+    HAP_RETURN_IF_ERROR(device_->CopyFromHost(host.data(), v));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace hap::executor

@@ -8,6 +8,7 @@
 #ifndef HAP_EXECUTOR_RUNTIME_PROGRAM_RUNNER_H_
 #define HAP_EXECUTOR_RUNTIME_PROGRAM_RUNNER_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -29,6 +30,7 @@ struct ParameterShard {
   Shape global_shape;
   std::vector<int64_t> offsets;  // where the piece starts, per dimension
   HostTensor value;
+  bool optimizer_state = false;  // "<parameter>#momentum", "#adam_m", "#adam_v"
 };
 
 // The global batch of one step: one tensor per graph input, by name, with
@@ -58,8 +60,21 @@ class ProgramRunner {
 
   // This rank's parameter pieces (copied to the host).
   absl::StatusOr<std::vector<ParameterShard>> Parameters() const;
+  // Parameters and optimizer state: every persistent buffer (a checkpoint).
+  absl::StatusOr<std::vector<ParameterShard>> PersistentState() const;
+  // Sets every persistent buffer (parameters and optimizer state) from
+  // `fill`, which gets the buffer and a host tensor of its local shape and
+  // dtype to fill (a restore; instead of InitializeParameters). The first
+  // error of `fill` is returned, annotated with the buffer.
+  absl::Status SetPersistentState(
+      const std::function<absl::Status(const hap::v1::Buffer&, HostTensor&)>& fill);
+  // The seed of dropout keys (and initialisers) from now on: a resumed run
+  // keeps the seed its checkpoint was trained with. Rewrites the dropout
+  // kernels' rng_key attributes as the lowering derives them.
+  void OverrideSeed(uint64_t seed);
 
   const hap::v1::RankProgram& program() const { return program_; }
+  Communicator& comm() const { return *comm_; }
 
  private:
   ProgramRunner(const hap::v1::RankProgram& program, const graph::Graph& graph,

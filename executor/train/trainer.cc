@@ -14,7 +14,11 @@ namespace hap::executor {
 absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
                                       data::BatchSource& batches,
                                       const TrainOptions& options) {
-  HAP_RETURN_IF_ERROR(runner.InitializeParameters());
+  if (options.initialize) {
+    HAP_RETURN_IF_ERROR(options.initialize(runner));
+  } else {
+    HAP_RETURN_IF_ERROR(runner.InitializeParameters());
+  }
   TrainResult result;
   for (int64_t i = 0; i < options.steps; ++i) {
     if (options.cancelled && options.cancelled()) {
@@ -35,6 +39,7 @@ absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
     result.losses.push_back(loss);
     result.step_seconds.push_back(seconds);
     if (options.on_step) options.on_step(step, loss, seconds);
+    if (options.after_step) HAP_RETURN_IF_ERROR(options.after_step(runner, step + 1));
   }
   HAP_ASSIGN_OR_RETURN(result.parameters, runner.Parameters());
   return result;

@@ -28,6 +28,13 @@ struct TrainOptions {
   std::function<void(int64_t step, double loss, double seconds)> on_step;
   // Polled before every step; true stops training (Cancelled).
   std::function<bool()> cancelled;
+  // Sets the parameters and optimizer state before the first step (a resume
+  // from a checkpoint, or starting weights); empty: the graph's
+  // initialisers (ProgramRunner::InitializeParameters).
+  std::function<absl::Status(ProgramRunner&)> initialize;
+  // Called after every step (after on_step) with the global number of steps
+  // done; an error stops training (a checkpoint that did not save).
+  std::function<absl::Status(ProgramRunner&, int64_t steps_done)> after_step;
 };
 
 struct TrainResult {

@@ -1,0 +1,649 @@
+#include "executor/checkpoint/checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "executor/checkpoint/file_util.h"
+#include "executor/runtime/device.h"
+#include "google/protobuf/util/json_util.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::checkpoint {
+namespace {
+
+namespace v1 = ::hap::v1;
+namespace fs = std::filesystem;
+
+constexpr char kIndexFile[] = "index.json";
+constexpr char kTrainerFile[] = "trainer.json";
+constexpr char kCommittedFile[] = "COMMITTED";
+constexpr char kStepPrefix[] = "step-";
+constexpr char kTmpPrefix[] = ".tmp-step-";
+
+bool IsPersistent(const v1::Buffer& b) {
+  return b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::OPTIMIZER_STATE;
+}
+
+// The step of a "step-NNNNNNNN" name, or -1.
+int64_t StepOf(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0) return -1;
+  int64_t step;
+  if (!absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step) || step < 0) return -1;
+  return step;
+}
+
+bool Exists(const std::string& path) {
+  std::error_code ec;
+  return fs::exists(path, ec);
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.preserve_proto_field_names = true;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);  // cannot fail for our messages
+  return out;
+}
+
+absl::Status FromJsonFile(const std::string& path, google::protobuf::Message* m) {
+  auto text = ReadFile(path);
+  if (!text.ok()) {
+    return absl::DataLossError(absl::StrCat("the checkpoint file ", path,
+                                            " cannot be read: ", text.status().message()));
+  }
+  google::protobuf::util::JsonParseOptions o;
+  o.ignore_unknown_fields = true;  // newer writers may add fields
+  auto s = google::protobuf::util::JsonStringToMessage(*text, m, o);
+  if (!s.ok()) {
+    return absl::DataLossError(absl::StrCat("the checkpoint file ", path, " is corrupted: ",
+                                            std::string(s.message())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoveAll(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot remove ", path, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+// Committed checkpoints in `dir`, by step.
+std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
+  std::map<int64_t, std::string> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const int64_t step = StepOf(name);
+    if (step >= 0 && Exists((it->path() / kCommittedFile).string())) {
+      out[step] = it->path().string();
+    }
+  }
+  return out;
+}
+
+// Rank 0, after every rank wrote its file: checks them, writes the index
+// and the trainer state, and commits.
+absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointIndex& index,
+                                   const std::string& tmp, const std::string& final_dir) {
+  const int world = static_cast<int>(r.programs->size());
+  for (int rank = 0; rank < world; ++rank) {
+    const std::string file = (fs::path(tmp) / RankFileName(rank, world)).string();
+    auto opened = SafetensorsFile::Open(file);
+    if (!opened.ok()) {
+      return absl::AbortedError(absl::StrCat("rank ", rank, " did not write its checkpoint file (",
+                                             opened.status().message(), ")"));
+    }
+    for (const std::string& name : OwnedTensors(index, rank, world)) {
+      if (!(*opened)->tensors().count(name)) {
+        return absl::DataLossError(absl::StrCat(file, " lacks tensor '", name, "'"));
+      }
+    }
+  }
+  v1::TrainerState trainer = r.trainer;
+  trainer.set_format_version(kCheckpointFormatVersion);
+  trainer.set_world_size(world);
+  trainer.set_time(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
+  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kIndexFile).string(), ToJson(index)));
+  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kTrainerFile).string(), ToJson(trainer)));
+  HAP_RETURN_IF_ERROR(SyncDirectory(tmp));
+  // A directory of this step left without COMMITTED (a crash after the
+  // rename) is replaced; a committed one is never overwritten in place.
+  if (Exists(final_dir)) {
+    if (Exists((fs::path(final_dir) / kCommittedFile).string())) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("a complete checkpoint ", final_dir, " exists already"));
+    }
+    HAP_RETURN_IF_ERROR(RemoveAll(final_dir));
+  }
+  std::error_code ec;
+  fs::rename(tmp, final_dir, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", tmp, " to ", final_dir, ": ", ec.message()));
+  }
+  HAP_RETURN_IF_ERROR(SyncDirectory(r.dir));
+  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(final_dir) / kCommittedFile).string(),
+                                      absl::StrCat(trainer.step(), "\n")));
+  HAP_RETURN_IF_ERROR(SyncDirectory(final_dir));
+  // Keep the newest `keep`; drop what older runs left unfinished.
+  std::map<int64_t, std::string> committed = CommittedSteps(r.dir);
+  int extra = static_cast<int>(committed.size()) - std::max(1, r.keep);
+  for (auto it = committed.begin(); extra > 0 && it != committed.end(); ++it, --extra) {
+    HAP_RETURN_IF_ERROR(RemoveAll(it->second));
+  }
+  for (fs::directory_iterator it(r.dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kTmpPrefix, 0) == 0 ||
+        (StepOf(name) >= 0 && StepOf(name) < trainer.step() &&
+         !Exists((it->path() / kCommittedFile).string()))) {
+      HAP_RETURN_IF_ERROR(RemoveAll(it->path().string()));
+    }
+  }
+  return final_dir;
+}
+
+}  // namespace
+
+std::string StepDirName(int64_t step) { return absl::StrFormat("%s%08d", kStepPrefix, step); }
+
+std::string RankFileName(int rank, int world_size) {
+  return absl::StrFormat("rank-%05d-of-%05d.safetensors", rank, world_size);
+}
+
+absl::StatusOr<v1::CheckpointIndex> BuildIndex(const std::vector<v1::RankProgram>& programs,
+                                               int64_t step) {
+  v1::CheckpointIndex index;
+  index.set_format_version(kCheckpointFormatVersion);
+  index.set_step(step);
+  const int world = static_cast<int>(programs.size());
+  std::map<std::string, v1::CheckpointIndex::Tensor> tensors;
+  std::map<std::string, int64_t> covered;
+  int64_t total = 0;
+  for (int rank = 0; rank < world; ++rank) {
+    for (const v1::Buffer& b : programs[rank].buffers()) {
+      if (!IsPersistent(b)) continue;
+      const graph::DType dtype = graph::FromProtoDType(b.dtype());
+      const std::string dname(SafetensorsDType(dtype));
+      auto [it, fresh] = tensors.try_emplace(b.tensor());
+      v1::CheckpointIndex::Tensor& t = it->second;
+      if (fresh) {
+        t.set_name(b.tensor());
+        t.set_dtype(dname);
+        *t.mutable_shape() = b.global_shape();
+        t.set_optimizer_state(b.role() == v1::Buffer::OPTIMIZER_STATE);
+      } else if (t.dtype() != dname ||
+                 !std::equal(t.shape().begin(), t.shape().end(), b.global_shape().begin(),
+                             b.global_shape().end())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the pieces of '", b.tensor(), "' disagree in global shape or dtype (rank ", rank, ")"));
+      }
+      if (b.offsets_size() != b.global_shape_size() || b.shape_size() != b.global_shape_size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("buffer of '", b.tensor(), "' on rank ", rank, " has malformed offsets"));
+      }
+      bool duplicate = false;
+      for (const auto& s : t.slices()) {
+        if (std::equal(s.offsets().begin(), s.offsets().end(), b.offsets().begin(),
+                       b.offsets().end()) &&
+            std::equal(s.extents().begin(), s.extents().end(), b.shape().begin(),
+                       b.shape().end())) {
+          duplicate = true;  // replicated: its lowest rank writes it
+          break;
+        }
+      }
+      if (duplicate) continue;
+      v1::CheckpointIndex::Slice* s = t.add_slices();
+      s->set_file(RankFileName(rank, world));
+      *s->mutable_offsets() = b.offsets();
+      *s->mutable_extents() = b.shape();
+      int64_t n = 1;
+      for (int64_t d : b.shape()) n *= d;
+      covered[b.tensor()] += n;
+      total += n * graph::DTypeBytes(dtype);
+    }
+  }
+  for (auto& [name, t] : tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape()) n *= d;
+    if (covered[name] < n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the plan's pieces of '", name, "' leave elements uncovered"));
+    }
+    *index.add_tensors() = std::move(t);
+  }
+  for (int rank = 0; rank < world; ++rank) index.add_files(RankFileName(rank, world));
+  index.set_total_bytes(total);
+  return index;
+}
+
+std::vector<std::string> OwnedTensors(const v1::CheckpointIndex& index, int rank,
+                                      int world_size) {
+  const std::string file = RankFileName(rank, world_size);
+  std::vector<std::string> out;
+  for (const auto& t : index.tensors()) {
+    for (const auto& s : t.slices()) {
+      if (s.file() == file) {
+        out.push_back(t.name());
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
+                                           const std::vector<ParameterShard>& state,
+                                           Communicator& comm) {
+  if (r.programs == nullptr || static_cast<int>(r.programs->size()) != comm.size() ||
+      r.rank != comm.rank() || r.dir.empty() || r.trainer.step() < 0) {
+    return absl::InvalidArgumentError(
+        "SaveCheckpoint needs a directory, every rank's program and this rank's communicator");
+  }
+  const int world = comm.size();
+  const std::string final_dir = (fs::path(r.dir) / StepDirName(r.trainer.step())).string();
+  const std::string tmp =
+      (fs::path(r.dir) / absl::StrFormat("%s%08d", kTmpPrefix, r.trainer.step())).string();
+  // Every rank computes the same index from the plan: no messages needed.
+  HAP_ASSIGN_OR_RETURN(v1::CheckpointIndex index, BuildIndex(*r.programs, r.trainer.step()));
+
+  // 1. Rank 0 makes a fresh temporary directory.
+  absl::Status prepared = absl::OkStatus();
+  if (r.rank == 0) {
+    std::error_code ec;
+    fs::create_directories(r.dir, ec);
+    if (ec) {
+      prepared = absl::InternalError(
+          absl::StrCat("cannot create the checkpoint directory ", r.dir, ": ", ec.message()));
+    } else if (prepared = RemoveAll(tmp); prepared.ok()) {
+      fs::create_directory(tmp, ec);
+      if (ec) prepared = absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
+    }
+  }
+  HAP_RETURN_IF_ERROR(comm.Barrier());
+
+  // 2. Every rank writes the slices it owns.
+  absl::Status wrote = absl::OkStatus();
+  if (Exists(tmp)) {
+    const std::vector<std::string> owned = OwnedTensors(index, r.rank, world);
+    const std::set<std::string> own(owned.begin(), owned.end());
+    std::vector<SafetensorsEntry> entries;
+    for (const ParameterShard& s : state) {
+      if (own.count(s.name)) entries.push_back({s.name, s.value.view()});
+    }
+    if (entries.size() != owned.size()) {
+      wrote = absl::InternalError(absl::StrCat("rank ", r.rank, " holds ", entries.size(), " of the ",
+                                               owned.size(), " tensors the index gives it"));
+    } else {
+      wrote = WriteSafetensors(
+          (fs::path(tmp) / RankFileName(r.rank, world)).string(), entries,
+          {{"format", "hap-checkpoint"},
+           {"step", std::to_string(r.trainer.step())},
+           {"rank", std::to_string(r.rank)},
+           {"world_size", std::to_string(world)}});
+    }
+  } else if (r.rank != 0) {
+    wrote = absl::FailedPreconditionError(absl::StrCat(
+        "rank ", r.rank, " does not see ", tmp, " (the checkpoint directory must be shared)"));
+  }
+  HAP_RETURN_IF_ERROR(comm.Barrier());
+
+  // 3. Rank 0 commits.
+  absl::StatusOr<std::string> committed = final_dir;
+  if (r.rank == 0) {
+    if (!prepared.ok()) {
+      committed = prepared;
+    } else if (!wrote.ok()) {
+      committed = wrote;
+    } else {
+      committed = Commit(r, index, tmp, final_dir);
+    }
+    if (!committed.ok()) (void)RemoveAll(tmp);  // best effort; the next save retries
+  }
+  HAP_RETURN_IF_ERROR(comm.Barrier());
+  if (!wrote.ok()) return wrote;
+  if (!committed.ok()) return committed.status();
+  if (!Exists((fs::path(final_dir) / kCommittedFile).string())) {
+    return absl::AbortedError(
+        absl::StrCat("the checkpoint ", final_dir, " did not commit (see rank 0's error)"));
+  }
+  return final_dir;
+}
+
+absl::StatusOr<std::string> FindCheckpoint(const std::string& path) {
+  if (!fs::is_directory(path)) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint directory ", path));
+  }
+  const std::string name = fs::path(path).lexically_normal().filename().string();
+  if (StepOf(name.empty() ? fs::path(path).parent_path().filename().string() : name) >= 0) {
+    if (!Exists((fs::path(path) / kCommittedFile).string())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint ", path, " is incomplete (no ", kCommittedFile, "; a write was cut)"));
+    }
+    return path;
+  }
+  std::map<int64_t, std::string> committed = CommittedSteps(path);
+  if (committed.empty()) {
+    return absl::NotFoundError(absl::StrCat("no complete checkpoint (step-*/", kCommittedFile,
+                                            ") in ", path));
+  }
+  return committed.rbegin()->second;
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
+    const std::string& path) {
+  HAP_ASSIGN_OR_RETURN(std::string dir, FindCheckpoint(path));
+  std::unique_ptr<CheckpointReader> r(new CheckpointReader);
+  r->dir_ = dir;
+  HAP_RETURN_IF_ERROR(FromJsonFile((fs::path(dir) / kIndexFile).string(), &r->index_));
+  HAP_RETURN_IF_ERROR(FromJsonFile((fs::path(dir) / kTrainerFile).string(), &r->trainer_));
+  for (const int version : {r->index_.format_version(), r->trainer_.format_version()}) {
+    if (version != kCheckpointFormatVersion) {
+      return absl::DataLossError(absl::StrCat("the checkpoint ", dir, " has format version ", version,
+                                              "; this build reads version ",
+                                              kCheckpointFormatVersion));
+    }
+  }
+  for (const auto& t : r->index_.tensors()) {
+    auto dtype = FromSafetensorsDType(t.dtype());
+    if (!dtype.ok() || t.name().empty()) {
+      return absl::DataLossError(absl::StrCat("the checkpoint index of ", dir,
+                                              " is corrupted at tensor '", t.name(), "'"));
+    }
+    for (const auto& s : t.slices()) {
+      if (s.offsets_size() != t.shape_size() || s.extents_size() != t.shape_size() ||
+          s.file().find('/') != std::string::npos || s.file().empty()) {
+        return absl::DataLossError(absl::StrCat("the checkpoint index of ", dir,
+                                                " has a malformed slice of '", t.name(), "'"));
+      }
+    }
+    if (!r->by_name_.emplace(t.name(), &t).second) {
+      return absl::DataLossError(
+          absl::StrCat("the checkpoint index of ", dir, " lists '", t.name(), "' twice"));
+    }
+  }
+  return r;
+}
+
+absl::Status CheckpointReader::CheckGraph(const graph::Graph& g) const {
+  std::map<std::string, const graph::Tensor*> model;
+  for (graph::TensorId id : g.Parameters()) model[g.tensor(id).name] = &g.tensor(id);
+  std::map<std::string, const v1::CheckpointIndex::Tensor*> saved;
+  for (const auto& [name, t] : by_name_) {
+    if (!t->optimizer_state()) saved[name] = t;
+  }
+  auto m = model.begin();
+  auto s = saved.begin();
+  while (m != model.end() || s != saved.end()) {
+    if (s == saved.end() || (m != model.end() && m->first < s->first)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint ", dir_, " is of another graph: the model's parameter '", m->first,
+          "' is not in it"));
+    }
+    if (m == model.end() || s->first < m->first) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint ", dir_, " is of another graph: its parameter '", s->first,
+          "' is not in the model"));
+    }
+    const graph::TensorType& type = m->second->type;
+    const Shape saved_shape(s->second->shape().begin(), s->second->shape().end());
+    if (saved_shape != type.shape || s->second->dtype() != SafetensorsDType(type.dtype)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint ", dir_, " is of another graph: parameter '", m->first, "' is ",
+          s->second->dtype(), graph::ShapeString(saved_shape), " there and ",
+          SafetensorsDType(type.dtype), graph::ShapeString(type.shape), " in the model"));
+    }
+    ++m;
+    ++s;
+  }
+  return absl::OkStatus();
+}
+
+bool CheckpointReader::Has(const std::string& name) const { return by_name_.count(name) > 0; }
+
+absl::StatusOr<const SafetensorsFile*> CheckpointReader::File(const std::string& name) {
+  auto it = files_.find(name);
+  if (it == files_.end()) {
+    auto f = SafetensorsFile::Open((fs::path(dir_) / name).string());
+    // A shard the index names must be there: its absence is a damaged checkpoint.
+    if (!f.ok()) return absl::DataLossError(std::string(f.status().message()));
+    it = files_.emplace(name, *std::move(f)).first;
+  }
+  return it->second.get();
+}
+
+namespace {
+
+// Copies into dst (the box [dst_offsets, +dst.shape) of a global tensor)
+// the part of `src` (the box [src_offsets, +src.shape)) that overlaps it.
+// Returns the number of elements copied.
+absl::StatusOr<int64_t> CopyOverlap(TensorView src, absl::Span<const int64_t> src_offsets,
+                                    TensorView dst, absl::Span<const int64_t> dst_offsets) {
+  const size_t rank = dst.shape.size();
+  std::vector<int64_t> src_start(rank), dst_start(rank), extent(rank);
+  int64_t n = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    const int64_t lo = std::max(src_offsets[d], dst_offsets[d]);
+    const int64_t hi = std::min(src_offsets[d] + src.shape[d], dst_offsets[d] + dst.shape[d]);
+    if (hi <= lo) return 0;
+    src_start[d] = lo - src_offsets[d];
+    dst_start[d] = lo - dst_offsets[d];
+    extent[d] = hi - lo;
+    n *= extent[d];
+  }
+  HAP_RETURN_IF_ERROR(HostCopyBox(src, src_start, dst, dst_start, extent));
+  return n;
+}
+
+absl::Status CheckRequest(const std::string& name, DType saved_dtype, const Shape& saved_shape,
+                          const Shape& global, absl::Span<const int64_t> offsets,
+                          const TensorView& dst, const std::string& where) {
+  if (saved_shape != global || saved_dtype != dst.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", name, "' is ", SafetensorsDType(saved_dtype), graph::ShapeString(saved_shape),
+        " in ", where, " but ", SafetensorsDType(dst.dtype), graph::ShapeString(global),
+        " in the plan"));
+  }
+  if (offsets.size() != global.size() || dst.shape.size() != global.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("a malformed piece of '", name, "'"));
+  }
+  for (size_t d = 0; d < global.size(); ++d) {
+    if (offsets[d] < 0 || offsets[d] + dst.shape[d] > global[d]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a piece of '", name, "' lies outside ", graph::ShapeString(global)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckpointReader::Read(const std::string& name, const Shape& global,
+                                    absl::Span<const int64_t> offsets, TensorView dst) {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' is not in the checkpoint ", dir_));
+  }
+  const v1::CheckpointIndex::Tensor& t = *it->second;
+  HAP_ASSIGN_OR_RETURN(DType dtype, FromSafetensorsDType(t.dtype()));
+  HAP_RETURN_IF_ERROR(CheckRequest(name, dtype, Shape(t.shape().begin(), t.shape().end()), global,
+                                   offsets, dst, absl::StrCat("the checkpoint ", dir_)));
+  int64_t copied = 0;
+  for (const auto& s : t.slices()) {
+    // Slices that miss the box are skipped before their file is opened.
+    bool overlaps = true;
+    for (int d = 0; d < s.offsets_size(); ++d) {
+      overlaps = overlaps && s.offsets(d) < offsets[d] + dst.shape[d] &&
+                 offsets[d] < s.offsets(d) + s.extents(d);
+    }
+    if (!overlaps) continue;
+    HAP_ASSIGN_OR_RETURN(const SafetensorsFile* f, File(s.file()));
+    auto view = f->View(name);
+    if (!view.ok()) return absl::DataLossError(std::string(view.status().message()));
+    const Shape extents(s.extents().begin(), s.extents().end());
+    if (view->shape != extents || view->dtype != dtype) {
+      return absl::DataLossError(absl::StrCat(f->path(), " holds '", name, "' as ",
+                                              SafetensorsDType(view->dtype),
+                                              graph::ShapeString(view->shape), ", the index says ",
+                                              t.dtype(), graph::ShapeString(extents)));
+    }
+    HAP_ASSIGN_OR_RETURN(int64_t n, CopyOverlap(*view, s.offsets(), dst, offsets));
+    copied += n;
+  }
+  if (copied < dst.num_elements()) {
+    return absl::DataLossError(absl::StrCat("the slices of '", name, "' in ", dir_,
+                                            " do not cover the piece this rank needs"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Open(const std::string& path) {
+  std::unique_ptr<WeightsReader> r(new WeightsReader);
+  HAP_ASSIGN_OR_RETURN(r->file_, SafetensorsFile::Open(path));
+  return r;
+}
+
+absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
+  std::set<std::string> model;
+  std::vector<std::string> missing, extra, mismatched;
+  for (graph::TensorId id : g.Parameters()) {
+    const graph::Tensor& t = g.tensor(id);
+    model.insert(t.name);
+    auto it = file_->tensors().find(t.name);
+    if (it == file_->tensors().end()) {
+      missing.push_back(t.name);
+    } else if (it->second.shape != t.type.shape || it->second.dtype != t.type.dtype) {
+      mismatched.push_back(absl::StrCat(t.name, " (", SafetensorsDType(it->second.dtype),
+                                        graph::ShapeString(it->second.shape), " in the file, ",
+                                        SafetensorsDType(t.type.dtype),
+                                        graph::ShapeString(t.type.shape), " in the model)"));
+    }
+  }
+  for (const auto& [name, t] : file_->tensors()) {
+    if (!model.count(name)) extra.push_back(name);
+  }
+  if (missing.empty() && extra.empty() && mismatched.empty()) return absl::OkStatus();
+  std::string msg = absl::StrCat("the weights ", file_->path(), " do not fit the model");
+  if (!missing.empty()) absl::StrAppend(&msg, "; missing: ", absl::StrJoin(missing, ", "));
+  if (!extra.empty()) absl::StrAppend(&msg, "; not in the model: ", absl::StrJoin(extra, ", "));
+  if (!mismatched.empty()) {
+    absl::StrAppend(&msg, "; other shape or dtype: ", absl::StrJoin(mismatched, ", "));
+  }
+  return absl::FailedPreconditionError(msg);
+}
+
+bool WeightsReader::Has(const std::string& name) const {
+  return file_->tensors().count(name) > 0;
+}
+
+absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
+                                 absl::Span<const int64_t> offsets, TensorView dst) {
+  HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(name));
+  HAP_RETURN_IF_ERROR(
+      CheckRequest(name, whole.dtype, whole.shape, global, offsets, dst, file_->path()));
+  const std::vector<int64_t> zero(global.size(), 0);
+  return CopyOverlap(whole, zero, dst, offsets).status();
+}
+
+absl::Status Restore(TensorSource& source, ProgramRunner& runner,
+                     bool zero_missing_optimizer_state) {
+  return runner.SetPersistentState([&](const v1::Buffer& b, HostTensor& host) -> absl::Status {
+    if (b.role() == v1::Buffer::OPTIMIZER_STATE && zero_missing_optimizer_state &&
+        !source.Has(b.tensor())) {
+      std::memset(host.data(), 0, static_cast<size_t>(host.view().bytes()));
+      return absl::OkStatus();
+    }
+    if (!source.Has(b.tensor())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          b.role() == v1::Buffer::OPTIMIZER_STATE ? "optimizer state '" : "parameter '",
+          b.tensor(), "' is not in the checkpoint",
+          b.role() == v1::Buffer::OPTIMIZER_STATE
+              ? " (was it saved with another optimizer?)"
+              : ""));
+    }
+    const Shape global(b.global_shape().begin(), b.global_shape().end());
+    return source.Read(b.tensor(), global, b.offsets(), host.view());
+  });
+}
+
+std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
+    CheckpointPolicy policy, const std::vector<v1::RankProgram>* programs,
+    v1::TrainerState trainer, std::function<void(const std::string&, int64_t)> on_saved) {
+  return [policy, programs, trainer, on_saved](ProgramRunner& runner,
+                                               int64_t done) -> absl::Status {
+    if (policy.dir.empty()) return absl::OkStatus();
+    const bool due = (policy.every > 0 && done % policy.every == 0) || done == policy.last_step;
+    if (!due) return absl::OkStatus();
+    SaveRequest r;
+    r.dir = policy.dir;
+    r.keep = policy.keep;
+    r.rank = runner.program().rank();
+    r.programs = programs;
+    r.trainer = trainer;
+    r.trainer.set_step(done);
+    r.trainer.set_samples_seen(done * trainer.global_batch());
+    HAP_ASSIGN_OR_RETURN(std::vector<ParameterShard> state, runner.PersistentState());
+    auto saved = SaveCheckpoint(r, state, runner.comm());
+    if (!saved.ok()) return Annotate(saved.status(), absl::StrCat("checkpoint at step ", done));
+    if (on_saved) on_saved(*saved, done);
+    return absl::OkStatus();
+  };
+}
+
+std::function<absl::Status(ProgramRunner&)> ResumeHook(std::shared_ptr<CheckpointReader> reader,
+                                                       const graph::Graph* g) {
+  auto mu = std::make_shared<std::mutex>();
+  return [reader, g, mu](ProgramRunner& runner) -> absl::Status {
+    std::lock_guard<std::mutex> lock(*mu);
+    HAP_RETURN_IF_ERROR(reader->CheckGraph(*g));
+    HAP_RETURN_IF_ERROR(Restore(*reader, runner, /*zero_missing_optimizer_state=*/false));
+    runner.OverrideSeed(reader->trainer().seed());
+    return absl::OkStatus();
+  };
+}
+
+std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<WeightsReader> w,
+                                                            const graph::Graph* g) {
+  return [w, g](ProgramRunner& runner) -> absl::Status {
+    HAP_RETURN_IF_ERROR(w->CheckGraph(*g));
+    return Restore(*w, runner, /*zero_missing_optimizer_state=*/true);
+  };
+}
+
+absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
+                                         bool with_optimizer_state) {
+  std::vector<HostTensor> tensors;
+  std::vector<SafetensorsEntry> entries;
+  tensors.reserve(reader.index().tensors_size());
+  int64_t bytes = 0;
+  for (const auto& t : reader.index().tensors()) {
+    if (t.optimizer_state() && !with_optimizer_state) continue;
+    HAP_ASSIGN_OR_RETURN(DType dtype, FromSafetensorsDType(t.dtype()));
+    const Shape shape(t.shape().begin(), t.shape().end());
+    tensors.emplace_back(dtype, shape);
+    const std::vector<int64_t> zero(shape.size(), 0);
+    HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, tensors.back().view()));
+    entries.push_back({t.name(), tensors.back().view()});
+    bytes += tensors.back().view().bytes();
+  }
+  HAP_RETURN_IF_ERROR(WriteSafetensors(
+      out, entries,
+      {{"format", "pt"},
+       {"hap_step", std::to_string(reader.trainer().step())},
+       {"hap_graph", reader.trainer().graph_name()},
+       {"hap_graph_hash", reader.trainer().graph_hash()}}));
+  return bytes;
+}
+
+}  // namespace hap::executor::checkpoint

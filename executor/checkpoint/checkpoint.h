@@ -1,0 +1,198 @@
+// Checkpoints of a training run: saved by every rank in parallel, each
+// writing only the slices it owns, and restored onto any plan of the same
+// graph (another world size, other ratios, other forms), each rank reading
+// only the bytes it needs.
+//
+// Layout of a checkpoint directory DIR (format version 1):
+//   DIR/step-00000012/                 one complete checkpoint, after 12 steps
+//       rank-00000-of-00003.safetensors  the slices rank 0 owns
+//       ...
+//       index.json     hap.v1.CheckpointIndex: tensor -> global shape, dtype,
+//                      and every slice's file, offsets and extents
+//       trainer.json   hap.v1.TrainerState: global step, data cursor, seed,
+//                      optimizer, graph and plan hashes
+//       COMMITTED      written last; without it the directory does not count
+//   DIR/.tmp-step-00000012/            a checkpoint being written
+//
+// A tensor's slices are the persistent buffers of the plan's rank programs
+// (parameters and optimizer state: #momentum, #adam_m, #adam_v); a slice
+// held identically by several ranks (a replicated tensor) is written once,
+// by the lowest of them. The checkpoint directory must be one file system
+// that every rank sees (a local disk for one machine, a shared one across
+// machines), as for PyTorch's distributed checkpoints.
+//
+// Saving is collective: every rank calls SaveCheckpoint at the same step.
+// Rank 0 prepares the temporary directory, every rank writes and fsyncs its
+// file, rank 0 checks every file, writes the index and trainer state,
+// renames the directory into place, fsyncs, writes COMMITTED, and removes
+// all but the newest `keep` checkpoints. A rank killed at any point leaves
+// the previous checkpoints as they were.
+#ifndef HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_
+#define HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "executor/checkpoint/safetensors.h"
+#include "executor/comm/communicator.h"
+#include "executor/runtime/program_runner.h"
+#include "hap/v1/checkpoint.pb.h"
+#include "hap/v1/plan.pb.h"
+#include "planner/graph/graph.h"
+
+namespace hap::executor::checkpoint {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+inline constexpr int kDefaultKeep = 3;
+
+// "step-00000012".
+std::string StepDirName(int64_t step);
+// "rank-00000-of-00003.safetensors".
+std::string RankFileName(int rank, int world_size);
+
+// The index of a checkpoint of `programs` (every rank's program of one
+// plan): which rank writes which slice. InvalidArgument when a tensor's
+// pieces disagree in global shape or dtype, or leave elements uncovered.
+absl::StatusOr<hap::v1::CheckpointIndex> BuildIndex(
+    const std::vector<hap::v1::RankProgram>& programs, int64_t step);
+
+// The slices `rank` writes (names of its persistent buffers it owns).
+std::vector<std::string> OwnedTensors(const hap::v1::CheckpointIndex& index, int rank,
+                                      int world_size);
+
+struct SaveRequest {
+  std::string dir;         // DIR (created when missing)
+  int keep = kDefaultKeep;  // complete checkpoints kept, newest first; >= 1
+  int rank = 0;
+  const std::vector<hap::v1::RankProgram>* programs = nullptr;  // every rank's
+  hap::v1::TrainerState trainer;  // step and the rest; format_version and time are set here
+};
+
+// Collective: every rank of `comm` calls it with the same dir, programs and
+// trainer.step. `state` is this rank's persistent buffers
+// (ProgramRunner::PersistentState()). Returns the committed step directory.
+// Every rank returns an error when the checkpoint did not commit (its own
+// write error, or "rank R did not write its file" on the others); earlier
+// checkpoints are untouched then.
+absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& request,
+                                           const std::vector<ParameterShard>& state,
+                                           Communicator& comm);
+
+// The step directory to resume from: `path` itself when it is a committed
+// step-* directory, else the committed step-* directory in `path` with the
+// highest step. NotFound when there is none (a checkpoint without COMMITTED
+// does not count); FailedPrecondition for a step directory without
+// COMMITTED.
+absl::StatusOr<std::string> FindCheckpoint(const std::string& path);
+
+// Where tensors come from: a checkpoint, or a weights file.
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  virtual bool Has(const std::string& name) const = 0;
+  // Copies the box [offsets, offsets + dst.shape) of the global tensor
+  // `name` into `dst`. InvalidArgument naming the tensor when its global
+  // shape or dtype differs from `global`/`dst.dtype`; DataLoss naming the
+  // file when the stored data does not cover the box or is malformed.
+  virtual absl::Status Read(const std::string& name, const Shape& global,
+                            absl::Span<const int64_t> offsets, TensorView dst) = 0;
+};
+
+// A committed checkpoint, opened for reading (files mapped on first use).
+class CheckpointReader : public TensorSource {
+ public:
+  // `path`: as FindCheckpoint. DataLoss naming the file for a missing or
+  // malformed index.json or trainer.json, or an unknown format version.
+  static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& path);
+
+  const std::string& step_dir() const { return dir_; }
+  const hap::v1::CheckpointIndex& index() const { return index_; }
+  const hap::v1::TrainerState& trainer() const { return trainer_; }
+
+  // OK when the checkpoint's parameters are the graph's: FailedPrecondition
+  // naming the first parameter (by name) whose name, shape or dtype differs.
+  absl::Status CheckGraph(const graph::Graph& g) const;
+
+  bool Has(const std::string& name) const override;
+  absl::Status Read(const std::string& name, const Shape& global,
+                    absl::Span<const int64_t> offsets, TensorView dst) override;
+
+ private:
+  CheckpointReader() = default;
+  absl::StatusOr<const SafetensorsFile*> File(const std::string& name);
+  std::string dir_;
+  hap::v1::CheckpointIndex index_;
+  hap::v1::TrainerState trainer_;
+  std::map<std::string, const hap::v1::CheckpointIndex::Tensor*> by_name_;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+};
+
+// A safetensors file of whole tensors by name (--init-weights, the
+// exporter's --weights, `hapctl checkpoint export`).
+class WeightsReader : public TensorSource {
+ public:
+  static absl::StatusOr<std::unique_ptr<WeightsReader>> Open(const std::string& path);
+  const SafetensorsFile& file() const { return *file_; }
+  // OK when the file holds exactly the graph's parameters with their shapes
+  // and dtypes; else FailedPrecondition listing the missing, the extra and
+  // the mismatched names.
+  absl::Status CheckGraph(const graph::Graph& g) const;
+  bool Has(const std::string& name) const override;
+  absl::Status Read(const std::string& name, const Shape& global,
+                    absl::Span<const int64_t> offsets, TensorView dst) override;
+
+ private:
+  WeightsReader() = default;
+  std::unique_ptr<SafetensorsFile> file_;
+};
+
+// Restores the runner's parameters and optimizer state from `source`.
+// Optimizer state missing from the source starts at zero when
+// `zero_missing_optimizer_state` (weights files carry none); otherwise it is
+// an error naming the tensor.
+absl::Status Restore(TensorSource& source, ProgramRunner& runner,
+                     bool zero_missing_optimizer_state);
+
+// When and where a training run saves.
+struct CheckpointPolicy {
+  std::string dir;          // empty: no checkpoints
+  int64_t every = 0;        // steps between checkpoints; 0: only the last step
+  int keep = kDefaultKeep;
+  int64_t last_step = 0;    // the run's final global step: always saved
+};
+
+// TrainOptions::after_step for `policy`: after step counts that are
+// multiples of `every`, and after `last_step`, saves through
+// SaveCheckpoint. `trainer` is the run's state; its step and samples_seen
+// (step * global_batch) are set per save. `programs` must outlive the hook.
+// `on_saved` (optional) is told each committed directory.
+std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
+    CheckpointPolicy policy, const std::vector<hap::v1::RankProgram>* programs,
+    hap::v1::TrainerState trainer,
+    std::function<void(const std::string& dir, int64_t step)> on_saved = nullptr);
+
+// TrainOptions::initialize resuming from `reader` (shared by the ranks of a
+// process; thread-safe through a mutex): checks the graph, restores the
+// parameters and optimizer state, and keeps the checkpoint's seed.
+std::function<absl::Status(ProgramRunner&)> ResumeHook(std::shared_ptr<CheckpointReader> reader,
+                                                       const graph::Graph* g);
+
+// TrainOptions::initialize from a weights file: checks that it holds the
+// graph's parameters exactly, sets them, zeroes the optimizer state.
+std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<WeightsReader> w,
+                                                            const graph::Graph* g);
+
+// Writes every tensor of a checkpoint whole into one safetensors file
+// (parameters only unless `with_optimizer_state`). Returns the bytes written.
+absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
+                                         bool with_optimizer_state);
+
+}  // namespace hap::executor::checkpoint
+
+#endif  // HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_

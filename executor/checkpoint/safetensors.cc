@@ -1,0 +1,262 @@
+#include "executor/checkpoint/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "executor/checkpoint/file_util.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor::checkpoint {
+namespace {
+
+namespace pb = ::google::protobuf;
+
+// A JSON string literal (the header's names come from users).
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          absl::StrAppendFormat(&out, "\\u%04x", static_cast<unsigned char>(c));
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// A non-negative integer held in a JSON number (exact below 2^53).
+bool ToInt(const pb::Value& v, int64_t* out) {
+  if (v.kind_case() != pb::Value::kNumberValue) return false;
+  const double d = v.number_value();
+  if (!(d >= 0) || d > 9007199254740992.0 || d != std::floor(d)) return false;
+  *out = static_cast<int64_t>(d);
+  return true;
+}
+
+}  // namespace
+
+absl::string_view SafetensorsDType(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "F32";
+    case DType::kFloat64: return "F64";
+    case DType::kFloat16: return "F16";
+    case DType::kBFloat16: return "BF16";
+    case DType::kInt32: return "I32";
+    case DType::kInt64: return "I64";
+  }
+  return "?";
+}
+
+absl::StatusOr<DType> FromSafetensorsDType(absl::string_view s) {
+  for (DType t : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
+                  DType::kInt32, DType::kInt64}) {
+    if (SafetensorsDType(t) == s) return t;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype '", s, "' is not one of F32, F64, F16, BF16, I32, I64"));
+}
+
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<SafetensorsEntry>& entries,
+                              const std::map<std::string, std::string>& metadata) {
+  std::vector<const SafetensorsEntry*> order;
+  std::set<std::string> names;
+  for (const SafetensorsEntry& e : entries) {
+    if (e.name.empty() || e.name == "__metadata__") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a tensor of ", path, " has the reserved or empty name '", e.name, "'"));
+    }
+    if (!names.insert(e.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", e.name, "' appears twice in ", path));
+    }
+    order.push_back(&e);
+  }
+  std::sort(order.begin(), order.end(), [](const SafetensorsEntry* a, const SafetensorsEntry* b) {
+    const int64_t sa = graph::DTypeBytes(a->data.dtype), sb = graph::DTypeBytes(b->data.dtype);
+    return sa != sb ? sa > sb : a->name < b->name;
+  });
+  std::string header = "{";
+  if (!metadata.empty()) {
+    header += "\"__metadata__\":{";
+    bool first = true;
+    for (const auto& [k, v] : metadata) {
+      absl::StrAppend(&header, first ? "" : ",", JsonString(k), ":", JsonString(v));
+      first = false;
+    }
+    header += "}";
+  }
+  int64_t offset = 0;
+  for (const SafetensorsEntry* e : order) {
+    const int64_t bytes = e->data.bytes();
+    absl::StrAppend(&header, header.size() > 1 ? "," : "", JsonString(e->name), ":{\"dtype\":\"",
+                    SafetensorsDType(e->data.dtype), "\",\"shape\":[");
+    for (size_t i = 0; i < e->data.shape.size(); ++i) {
+      absl::StrAppend(&header, i ? "," : "", e->data.shape[i]);
+    }
+    absl::StrAppend(&header, "],\"data_offsets\":[", offset, ",", offset + bytes, "]}");
+    offset += bytes;
+  }
+  header += "}";
+  while (header.size() % 8 != 0) header += ' ';
+  unsigned char length[8];
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(n >> (8 * i));
+
+  HAP_ASSIGN_OR_RETURN(FileWriter out, FileWriter::Create(path));
+  HAP_RETURN_IF_ERROR(out.Write(length, 8));
+  HAP_RETURN_IF_ERROR(out.Write(header.data(), header.size()));
+  for (const SafetensorsEntry* e : order) {
+    HAP_RETURN_IF_ERROR(out.Write(e->data.data, static_cast<size_t>(e->data.bytes())));
+  }
+  return out.SyncAndClose();
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat("no file ", path));
+    return absl::InternalError(absl::StrCat("cannot open ", path, ": ", std::strerror(err)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("cannot stat ", path, ": ", std::strerror(err)));
+  }
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile);
+  f->path_ = path;
+  f->map_bytes_ = st.st_size;
+  auto bad = [&](auto&&... what) {
+    return absl::DataLossError(absl::StrCat(path, " is not a valid safetensors file: ", what...));
+  };
+  if (st.st_size < 8) {
+    ::close(fd);
+    return bad("it has ", st.st_size, " bytes, fewer than the 8 of the header length");
+  }
+  void* m = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_err = errno;
+  ::close(fd);
+  if (m == MAP_FAILED) {
+    return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(map_err)));
+  }
+  f->map_ = m;
+  const auto* bytes = static_cast<const unsigned char*>(m);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(bytes[i]) << (8 * i);
+  if (n > static_cast<uint64_t>(kMaxSafetensorsHeaderBytes)) {
+    return bad("its header length ", n, " is over the 100 MB limit");
+  }
+  if (n > static_cast<uint64_t>(st.st_size - 8)) {
+    return bad("its header length ", n, " runs past the end of the file (", st.st_size,
+               " bytes; truncated?)");
+  }
+  const std::string header(reinterpret_cast<const char*>(bytes + 8), n);
+  pb::Struct json;
+  pb::util::JsonParseOptions jo;
+  if (!pb::util::JsonStringToMessage(header, &json, jo).ok()) {
+    return bad("its header is not a JSON object");
+  }
+  f->data_ = reinterpret_cast<const char*>(bytes + 8 + n);
+  const int64_t data_bytes = st.st_size - 8 - static_cast<int64_t>(n);
+  for (const auto& [name, value] : json.fields()) {
+    if (name == "__metadata__") {
+      if (value.kind_case() != pb::Value::kStructValue) return bad("__metadata__ is not an object");
+      for (const auto& [k, v] : value.struct_value().fields()) {
+        if (v.kind_case() != pb::Value::kStringValue) {
+          return bad("__metadata__ value '", k, "' is not a string");
+        }
+        f->metadata_[k] = v.string_value();
+      }
+      continue;
+    }
+    if (value.kind_case() != pb::Value::kStructValue) return bad("tensor '", name, "' is not an object");
+    const auto& fields = value.struct_value().fields();
+    auto dt = fields.find("dtype");
+    auto sh = fields.find("shape");
+    auto off = fields.find("data_offsets");
+    if (dt == fields.end() || sh == fields.end() || off == fields.end() ||
+        dt->second.kind_case() != pb::Value::kStringValue ||
+        sh->second.kind_case() != pb::Value::kListValue ||
+        off->second.kind_case() != pb::Value::kListValue ||
+        off->second.list_value().values_size() != 2) {
+      return bad("tensor '", name, "' lacks a string dtype, a shape list or two data_offsets");
+    }
+    auto dtype = FromSafetensorsDType(dt->second.string_value());
+    if (!dtype.ok()) return bad("tensor '", name, "': ", dtype.status().message());
+    Tensor t;
+    t.dtype = *dtype;
+    int64_t elements = 1;
+    for (const pb::Value& d : sh->second.list_value().values()) {
+      int64_t dim;
+      if (!ToInt(d, &dim)) return bad("tensor '", name, "' has a shape entry that is not a count");
+      if (dim != 0 && elements > (int64_t{1} << 53) / dim) return bad("tensor '", name, "' is too large");
+      elements *= dim;
+      t.shape.push_back(dim);
+    }
+    if (!ToInt(off->second.list_value().values(0), &t.begin) ||
+        !ToInt(off->second.list_value().values(1), &t.end) || t.end < t.begin) {
+      return bad("tensor '", name, "' has malformed data_offsets");
+    }
+    if (t.end - t.begin != elements * graph::DTypeBytes(t.dtype)) {
+      return bad("tensor '", name, "' has ", t.end - t.begin, " bytes for shape ",
+                 graph::ShapeString(t.shape), " of ", dt->second.string_value());
+    }
+    f->tensors_.emplace(name, std::move(t));
+  }
+  // The entries tile the data buffer: sorted by offset, each starts where the
+  // one before ended, and the last ends with the file.
+  std::vector<std::pair<int64_t, const std::string*>> spans;
+  for (const auto& [name, t] : f->tensors_) spans.emplace_back(t.begin, &name);
+  std::sort(spans.begin(), spans.end());
+  int64_t at = 0;
+  for (const auto& [begin, name] : spans) {
+    const Tensor& t = f->tensors_.at(*name);
+    if (begin != at) {
+      return bad("tensor '", *name, "' starts at byte ", begin, " of the data, expected ", at,
+                 " (overlapping or non-contiguous offsets)");
+    }
+    at = t.end;
+  }
+  if (at != data_bytes) {
+    return bad("the tensors cover ", at, " bytes of a ", data_bytes,
+               "-byte data buffer (truncated or trailing bytes?)");
+  }
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) munmap(map_, static_cast<size_t>(map_bytes_));
+}
+
+absl::StatusOr<TensorView> SafetensorsFile::View(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("no tensor '", name, "' in ", path_));
+  }
+  return TensorView{it->second.dtype, it->second.shape,
+                    const_cast<char*>(data_ + it->second.begin)};
+}
+
+}  // namespace hap::executor::checkpoint

@@ -1,0 +1,157 @@
+#include "executor/checkpoint/safetensors.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor::checkpoint {
+namespace {
+
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::string TempPath(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void Spit(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << bytes;
+}
+
+// A file made by hand from the specification: header length, JSON, data.
+std::string HandMade(const std::string& json, const std::string& data) {
+  std::string out(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(n >> (8 * i));
+  return out + json + data;
+}
+
+TEST(SafetensorsTest, WritesTheSpecifiedLayoutAndReadsItBack) {
+  HostTensor a(DType::kFloat32, {2, 3});
+  HostTensor b(DType::kFloat64, {3});
+  HostTensor c(DType::kInt64, {});
+  for (int i = 0; i < 6; ++i) a.as<float>()[i] = 0.5f * i;
+  for (int i = 0; i < 3; ++i) b.as<double>()[i] = -1.25 * i;
+  c.as<int64_t>()[0] = 42;
+  const std::string path = TempPath("layout.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"layer/w \"quoted\"", a.view()}, {"b", b.view()}, {"c", c.view()}},
+                               {{"format", "pt"}})
+                  .ok());
+
+  // The bytes, checked against the specification without our reader.
+  const std::string bytes = Slurp(path);
+  ASSERT_GE(bytes.size(), 8u);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  EXPECT_EQ(n % 8, 0u);
+  const std::string header = bytes.substr(8, n);
+  EXPECT_EQ(header.front(), '{');
+  EXPECT_THAT(header, HasSubstr("\"__metadata__\":{\"format\":\"pt\"}"));
+  // Eight-byte elements first (b, c), then the floats: every tensor aligned.
+  EXPECT_THAT(header, HasSubstr("\"b\":{\"dtype\":\"F64\",\"shape\":[3],\"data_offsets\":[0,24]}"));
+  EXPECT_THAT(header, HasSubstr("\"c\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[24,32]}"));
+  EXPECT_THAT(header, HasSubstr("\"layer/w \\\"quoted\\\"\":{\"dtype\":\"F32\",\"shape\":[2,3],"
+                                "\"data_offsets\":[32,56]}"));
+  ASSERT_EQ(bytes.size(), 8 + n + 56);
+  double b1;
+  std::memcpy(&b1, bytes.data() + 8 + n + 8, 8);
+  EXPECT_EQ(b1, -1.25);
+
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->metadata().at("format"), "pt");
+  ASSERT_EQ((*f)->tensors().size(), 3u);
+  auto v = (*f)->View("layer/w \"quoted\"");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->shape, (Shape{2, 3}));
+  EXPECT_EQ(v->dtype, DType::kFloat32);
+  EXPECT_EQ(v->as<float>()[5], 2.5f);
+  EXPECT_EQ((*f)->View("c")->as<int64_t>()[0], 42);
+  EXPECT_THAT((*f)->View("nope").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope'")));
+}
+
+TEST(SafetensorsTest, RejectsRepeatedOrReservedNames) {
+  HostTensor a(DType::kFloat32, {1});
+  EXPECT_THAT(WriteSafetensors(TempPath("dup.safetensors"), {{"x", a.view()}, {"x", a.view()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'x' appears twice")));
+  EXPECT_THAT(WriteSafetensors(TempPath("meta.safetensors"), {{"__metadata__", a.view()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("reserved")));
+}
+
+TEST(SafetensorsTest, AFailedWriteIsAnErrorNamingTheFile) {
+  HostTensor a(DType::kFloat32, {1});
+  EXPECT_THAT(WriteSafetensors("/nonexistent-dir/x.safetensors", {{"x", a.view()}}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent-dir/x.safetensors")));
+}
+
+TEST(SafetensorsTest, ReadsAHandMadeFile) {
+  const std::string json = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  float data[2] = {1.5f, -2.0f};
+  const std::string path = TempPath("hand.safetensors");
+  Spit(path, HandMade(json, std::string(reinterpret_cast<char*>(data), 8)));
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->View("w")->as<float>()[1], -2.0f);
+}
+
+struct BadCase {
+  const char* name;
+  std::string bytes;
+  const char* message;
+};
+
+TEST(SafetensorsTest, MalformedFilesAreDataLossNamingTheFileAndTheProblem) {
+  const std::string ok_json = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const std::string eight(8, '\1');
+  std::string huge(8, '\0');
+  huge[4] = 1;  // 2^32 bytes of header
+  const std::vector<BadCase> cases = {
+      {"short", "abc", "fewer than the 8"},
+      {"huge_header", huge + "{}", "over the 100 MB limit"},
+      {"past_end", HandMade(ok_json, eight).substr(0, 20), "runs past the end"},
+      {"not_json", HandMade("{not json", eight), "not a JSON object"},
+      {"truncated_data", HandMade(ok_json, eight.substr(0, 4)), "truncated or trailing"},
+      {"trailing", HandMade(ok_json, eight + "x"), "truncated or trailing"},
+      {"bad_dtype", HandMade(R"({"w":{"dtype":"U7","shape":[2],"data_offsets":[0,8]}})", eight),
+       "dtype 'U7'"},
+      {"wrong_size", HandMade(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight),
+       "has 8 bytes for shape [3]"},
+      {"overlap",
+       HandMade(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                eight),
+       "overlapping or non-contiguous"},
+      {"missing_field", HandMade(R"({"w":{"dtype":"F32","shape":[2]}})", eight), "two data_offsets"},
+      {"negative", HandMade(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight),
+       "not a count"},
+  };
+  for (const BadCase& c : cases) {
+    const std::string path = TempPath(std::string(c.name) + ".safetensors");
+    Spit(path, c.bytes);
+    EXPECT_THAT(SafetensorsFile::Open(path).status(),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr(c.message)))
+        << c.name;
+    EXPECT_THAT(SafetensorsFile::Open(path).status(),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path)))
+        << c.name;
+  }
+  EXPECT_THAT(SafetensorsFile::Open(TempPath("missing.safetensors")).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing.safetensors")));
+}
+
+}  // namespace
+}  // namespace hap::executor::checkpoint
