@@ -1,0 +1,302 @@
+// Checkpoint directories: commit, retention, and every kind of damage
+// giving a clear error that names the file or tensor, with nothing
+// overwritten. Ranks are threads over the in-process communicator.
+#include "executor/checkpoint/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "executor/cpu/cpu_device.h"
+#include "executor/data/batches.h"
+#include "executor/train/in_process_comm.h"
+#include "executor/train/test_programs.h"
+#include "executor/train/trainer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/lower.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor::checkpoint {
+namespace {
+
+namespace v1 = ::hap::v1;
+namespace fs = std::filesystem;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+graph::Graph Mlp(int hidden = 24) {
+  auto g = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", static_cast<double>(hidden)}, {"input", 12},
+              {"classes", 5}, {"batch", 9}});
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+std::vector<v1::RankProgram> Programs(const graph::Graph& g, int n, const std::string& kind,
+                                      bool momentum = true) {
+  std::vector<double> ratios(n, 1.0 / n);
+  synth::Program p = lower::SingleDeviceProgram(g);
+  if (n > 1) {
+    auto q = hap::testing::ProgramOfKind(g, n, kind, ratios);
+    EXPECT_TRUE(q.ok()) << q.status();
+    p = *q;
+  }
+  lower::LowerOptions lo;
+  lo.world_size = n;
+  lo.ratios = ratios;
+  lo.optimizer.set_kind(v1::OptimizerConfig::SGD);
+  lo.optimizer.set_learning_rate(0.1);
+  lo.optimizer.set_momentum(momentum ? 0.9 : 0.0);
+  lo.seed = 5;
+  auto programs = lower::Lower(g, p, lo);
+  EXPECT_TRUE(programs.ok()) << programs.status();
+  return *programs;
+}
+
+std::string Fresh(const std::string& name) {
+  std::string dir = absl::StrCat(::testing::TempDir(), "/", name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+// Trains `steps` steps from `to.first_step` with the in-process communicator.
+absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g,
+                                               const std::vector<v1::RankProgram>& programs,
+                                               const TrainOptions& to) {
+  LocalRanksOptions lro;
+  auto comms = std::make_shared<std::vector<std::unique_ptr<Communicator>>>(
+      NewInProcessGroup(static_cast<int>(programs.size())));
+  lro.connect = [comms](int r) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::move((*comms)[r]);
+  };
+  return RunLocalRanks(
+      programs, g, [&](int) { return data::NewSyntheticBatches(g, 3); }, to, lro);
+}
+
+// Saves after every step of `steps`, keeping `keep`.
+std::vector<TrainResult> TrainAndSave(const graph::Graph& g,
+                                      const std::vector<v1::RankProgram>& programs,
+                                      const std::string& dir, int steps, int keep) {
+  v1::TrainerState trainer;
+  trainer.set_seed(5);
+  trainer.set_global_batch(9);
+  TrainOptions to;
+  to.steps = steps;
+  to.after_step = SaveHook({dir, 1, keep, steps}, &programs, trainer);
+  auto r = Train(g, programs, to);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : std::vector<TrainResult>{};
+}
+
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(CheckpointTest, KeepsTheNewestCompleteCheckpointsOnly) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "dp");
+  const std::string dir = Fresh("keep");
+  TrainAndSave(g, programs, dir, 5, 2);
+  EXPECT_EQ(Entries(dir), (std::vector<std::string>{"step-00000004", "step-00000005"}));
+  EXPECT_EQ(Entries(dir + "/step-00000005"),
+            (std::vector<std::string>{"COMMITTED", "index.json", "rank-00000-of-00002.safetensors",
+                                      "rank-00001-of-00002.safetensors", "trainer.json"}));
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000005");
+}
+
+TEST(CheckpointTest, AReplicatedTensorIsWrittenOnceByItsLowestRank) {
+  graph::Graph g = Mlp();
+  auto index = BuildIndex(Programs(g, 2, "dp"), 7);
+  ASSERT_TRUE(index.ok()) << index.status();
+  int64_t params = 0, states = 0;
+  for (const auto& t : index->tensors()) {
+    ASSERT_EQ(t.slices_size(), 1) << t.name();
+    EXPECT_EQ(t.slices(0).file(), "rank-00000-of-00002.safetensors");
+    (t.optimizer_state() ? states : params) += 1;
+  }
+  EXPECT_EQ(params, static_cast<int64_t>(g.Parameters().size()));
+  EXPECT_EQ(states, params);  // one momentum buffer each
+  EXPECT_TRUE(OwnedTensors(*index, 1, 2).empty());
+  // Tensor parallel: a sharded weight has one slice per rank.
+  auto tp = BuildIndex(Programs(g, 2, "tp"), 7);
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  int sharded = 0;
+  for (const auto& t : tp->tensors()) sharded += t.slices_size() == 2;
+  EXPECT_GT(sharded, 0);
+}
+
+TEST(CheckpointTest, AnIncompleteCheckpointDoesNotCountAndIsRemovedByTheNextSave) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "dp");
+  const std::string dir = Fresh("incomplete");
+  TrainAndSave(g, programs, dir, 2, 3);
+  // What a rank killed mid-write leaves: a temporary directory with one
+  // file, and a renamed directory without COMMITTED.
+  fs::create_directories(dir + "/.tmp-step-00000009");
+  std::ofstream(dir + "/.tmp-step-00000009/rank-00000-of-00002.safetensors") << "partial";
+  fs::copy(dir + "/step-00000002", dir + "/step-00000003", fs::copy_options::recursive);
+  fs::remove(dir + "/step-00000003/COMMITTED");
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000002");
+  EXPECT_THAT(FindCheckpoint(dir + "/step-00000003").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("incomplete")));
+  EXPECT_THAT(FindCheckpoint(Fresh("empty_dir_missing")).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("empty_dir_missing")));
+
+  // Resume from step 2 and save steps 3 and 4: the leftovers go, the
+  // committed step 3 replaces the incomplete one.
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  v1::TrainerState trainer = (*reader)->trainer();
+  TrainOptions to;
+  to.first_step = 2;
+  to.steps = 2;
+  to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  to.after_step = SaveHook({dir, 1, 3, 4}, &programs, trainer);
+  auto r = Train(g, programs, to);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{"step-00000002", "step-00000003", "step-00000004"}));
+  EXPECT_TRUE(fs::exists(dir + "/step-00000003/COMMITTED"));
+}
+
+TEST(CheckpointTest, ACommittedCheckpointIsNeverOverwritten) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 1, "single");
+  const std::string dir = Fresh("no_overwrite");
+  auto first = TrainAndSave(g, programs, dir, 2, 3);
+  const std::string before = [&] {
+    std::ifstream f(dir + "/step-00000002/rank-00000-of-00001.safetensors", std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }();
+  v1::TrainerState trainer;
+  trainer.set_global_batch(9);
+  TrainOptions to;
+  to.steps = 2;
+  to.after_step = SaveHook({dir, 2, 3, 2}, &programs, trainer);
+  EXPECT_THAT(Train(g, programs, to).status(),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("step-00000002")));
+  std::ifstream f(dir + "/step-00000002/rank-00000-of-00001.safetensors", std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), before);
+}
+
+// A 1-rank resume of a 2-rank checkpoint after `damage`.
+absl::Status ResumeAfter(const std::string& name,
+                         const std::function<void(const std::string& step_dir)>& damage,
+                         const graph::Graph* other = nullptr) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh(name);
+  TrainAndSave(g, Programs(g, 2, "tp"), dir, 1, 3);
+  damage(dir + "/step-00000001");
+  const graph::Graph& target = other != nullptr ? *other : g;
+  auto reader = CheckpointReader::Open(dir);
+  if (!reader.ok()) return reader.status();
+  TrainOptions to;
+  to.first_step = 1;
+  to.steps = 1;
+  to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &target);
+  return Train(target, Programs(target, 1, "single"), to).status();
+}
+
+TEST(CheckpointTest, DamageIsAClearErrorNamingTheFileOrTensor) {
+  EXPECT_TRUE(ResumeAfter("undamaged", [](const std::string&) {}).ok());
+  EXPECT_THAT(ResumeAfter("truncated",
+                          [](const std::string& d) {
+                            fs::resize_file(d + "/rank-00001-of-00002.safetensors", 100);
+                          }),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("rank-00001-of-00002.safetensors is not a valid safetensors")));
+  EXPECT_THAT(
+      ResumeAfter("missing_shard",
+                  [](const std::string& d) { fs::remove(d + "/rank-00001-of-00002.safetensors"); }),
+      StatusIs(absl::StatusCode::kDataLoss, HasSubstr("no file")));
+  EXPECT_THAT(ResumeAfter("bad_index",
+                          [](const std::string& d) { std::ofstream(d + "/index.json") << "{\"tens"; }),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("index.json is corrupted")));
+  EXPECT_THAT(ResumeAfter("no_trainer",
+                          [](const std::string& d) { fs::remove(d + "/trainer.json"); }),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("trainer.json cannot be read")));
+  EXPECT_THAT(ResumeAfter("version",
+                          [](const std::string& d) {
+                            std::ofstream(d + "/trainer.json") << "{\"format_version\": 7}";
+                          }),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("format version 7")));
+  graph::Graph wider = Mlp(20);
+  EXPECT_THAT(ResumeAfter("other_graph", [](const std::string&) {}, &wider),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("is of another graph: parameter 'head/weight' is F32[5,24] there "
+                                 "and F32[5,20] in the model")));
+}
+
+TEST(CheckpointTest, OptimizerStateOfAnotherOptimizerIsNamed) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("no_momentum");
+  TrainAndSave(g, Programs(g, 1, "single", /*momentum=*/false), dir, 1, 3);
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  TrainOptions to;
+  to.first_step = 1;
+  to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  EXPECT_THAT(Train(g, Programs(g, 1, "single", true), to).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("#momentum' is not in the checkpoint (was it saved with another "
+                                 "optimizer?)")));
+}
+
+TEST(CheckpointTest, ExportWritesWholeTensorsThatStartAnotherRun) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("export");
+  auto runs = TrainAndSave(g, Programs(g, 2, "tp"), dir, 2, 3);
+  ASSERT_EQ(runs.size(), 2u);
+  auto whole = AssembleParameters({runs[0].parameters, runs[1].parameters});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string out = dir + "/model.safetensors";
+  auto bytes = ExportCheckpoint(**reader, out, false);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto file = SafetensorsFile::Open(out);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->tensors().size(), whole->size());
+  for (const auto& [name, t] : *whole) {
+    auto v = (*file)->View(name);
+    ASSERT_TRUE(v.ok()) << v.status();
+    ASSERT_EQ(v->shape, t.shape());
+    EXPECT_EQ(std::memcmp(v->data, t.data(), t.view().bytes()), 0) << name;
+  }
+  // The file starts a 1-rank run with those parameters (momentum at zero).
+  auto weights = WeightsReader::Open(out);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  auto programs = Programs(g, 1, "single");
+  auto comm = NewInProcessGroup(1);
+  std::unique_ptr<Device> device = NewCpuDevice(1);
+  auto runner = ProgramRunner::Create(programs[0], g, device.get(), comm[0].get());
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ASSERT_TRUE(InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(*weights)), &g)(**runner).ok());
+  auto params = (*runner)->Parameters();
+  ASSERT_TRUE(params.ok());
+  for (const auto& p : *params) {
+    EXPECT_EQ(std::memcmp(p.value.data(), whole->at(p.name).data(), p.value.view().bytes()), 0);
+  }
+  // A file of another model: every missing, extra and mismatched name listed.
+  graph::Graph wider = Mlp(20);
+  auto w2 = WeightsReader::Open(out);
+  ASSERT_TRUE(w2.ok());
+  EXPECT_THAT((*w2)->CheckGraph(wider),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("other shape or dtype: layer0/fc/weight (F32[24,12] in the file, "
+                                 "F32[20,12] in the model), layer0/fc/bias")));
+}
+
+}  // namespace
+}  // namespace hap::executor::checkpoint
