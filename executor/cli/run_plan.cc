@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
+#include "executor/checkpoint/checkpoint.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/data/wikitext.h"
@@ -48,6 +49,9 @@ constexpr char kUsage[] =
                     [--threads T] [--timeout SECONDS] [--log-every N]
                     [--device cpu|cuda[:N]]
                     [--profile PREFIX]
+                    [--checkpoint-dir DIR [--checkpoint-every N]
+                     [--checkpoint-keep K]] [--resume DIR|DIR/step-N]
+                    [--init-weights FILE.safetensors]
 
 Runs rank R of a plan written by `hapctl plan --save-plan`. The ranks meet
 through files in DIR (shared by all ranks; use a fresh one per run) and talk
@@ -64,6 +68,17 @@ PREFIX.rankR.json: median step seconds and seconds per step by op type
 (optimizer kernels as (optimizer), fills and copies as (runtime); the rest
 of a step is communication and waiting), the input of hapctl calibrate,
 and PREFIX.rankR.kernels.md, the same timings per kernel name as a table.
+--steps N trains until global step N (default 10): a resumed run does the
+steps that remain.
+--checkpoint-dir DIR saves a checkpoint every --checkpoint-every steps (0,
+the default: only at the end) and after the last step into
+DIR/step-NNNNNNNN/, keeping the newest --checkpoint-keep (default 3). Every
+rank writes its own slices; DIR must be visible to every rank.
+--resume DIR starts from DIR's latest complete checkpoint (or the given
+step-* directory), onto this plan whatever plan wrote it, if the graph is
+the same. --init-weights FILE starts from the parameters of a safetensors
+file of whole tensors (tools/export_fx.py --weights, hapctl checkpoint
+export) instead of the initialisers.
 )";
 
 constexpr char kLaunchUsage[] =
@@ -86,7 +101,9 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "rendezvous", "steps",  "data",
                                            "data-dir", "threads",  "timeout",
                                            "log-every", "executor", "cpu-shares",
-                                           "cpu-period-us", "profile"};
+                                           "cpu-period-us", "profile",
+                                           "checkpoint-dir", "checkpoint-every",
+                                           "checkpoint-keep", "resume", "init-weights"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -145,6 +162,15 @@ absl::Status Run(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(int64_t rank, Int(a, "rank", 0));
   HAP_ASSIGN_OR_RETURN(int64_t world, Int(a, "world", 1));
   HAP_ASSIGN_OR_RETURN(int64_t steps, Int(a, "steps", 10));
+  HAP_ASSIGN_OR_RETURN(int64_t checkpoint_every, Int(a, "checkpoint-every", 0));
+  HAP_ASSIGN_OR_RETURN(int64_t checkpoint_keep, Int(a, "checkpoint-keep", checkpoint::kDefaultKeep));
+  if (checkpoint_every < 0 || checkpoint_keep < 1) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-every must be 0 or more and --checkpoint-keep 1 or more");
+  }
+  if (a.Has("resume") && a.Has("init-weights")) {
+    return absl::InvalidArgumentError("--resume and --init-weights exclude each other");
+  }
   HAP_ASSIGN_OR_RETURN(int64_t threads, Int(a, "threads", 1));
   HAP_ASSIGN_OR_RETURN(int64_t log_every, Int(a, "log-every", 1));
   HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
@@ -156,6 +182,36 @@ absl::Status Run(const tools::Args& a) {
   HAP_RETURN_IF_ERROR(lower::CheckPlanForRank(plan, static_cast<int>(rank),
                                               static_cast<int>(world)));
   HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
+
+  // Where training starts: a checkpoint (its step), weights, or the
+  // initialisers. Checked before anything connects.
+  int64_t first_step = 0;
+  std::function<absl::Status(ProgramRunner&)> initialize;
+  if (a.Has("resume")) {
+    HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
+                         checkpoint::CheckpointReader::Open(a.Get("resume")));
+    HAP_RETURN_IF_ERROR(reader->CheckGraph(g));
+    first_step = reader->trainer().step();
+    if (rank == 0) {
+      std::cout << absl::StrFormat("resuming from %s (step %d, written by plan %s on %d ranks)\n",
+                                   reader->step_dir(), first_step,
+                                   reader->trainer().plan_hash().substr(0, 12),
+                                   reader->trainer().world_size());
+    }
+    initialize = checkpoint::ResumeHook(std::move(reader), &g);
+  } else if (a.Has("init-weights")) {
+    HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WeightsReader> w,
+                         checkpoint::WeightsReader::Open(a.Get("init-weights")));
+    HAP_RETURN_IF_ERROR(w->CheckGraph(g));
+    initialize = checkpoint::InitWeightsHook(std::move(w), &g);
+  }
+  if (first_step >= steps) {
+    if (rank == 0) {
+      std::cout << absl::StrFormat("nothing to do: the checkpoint is at step %d, --steps is %d\n",
+                                   first_step, steps);
+    }
+    return absl::OkStatus();
+  }
 
   std::unique_ptr<data::BatchSource> batches;
   std::string source = a.Get("data", "synthetic");
@@ -190,7 +246,7 @@ absl::Status Run(const tools::Args& a) {
   std::unique_ptr<Communicator>& comm = backend.comm;
   const std::string profile = a.Get("profile");
   constexpr int64_t kProfileWarmup = 2;
-  if (!profile.empty() && steps <= kProfileWarmup) {
+  if (!profile.empty() && steps - first_step <= kProfileWarmup) {
     return absl::InvalidArgumentError(
         absl::StrCat("--profile needs more than ", kProfileWarmup, " --steps"));
   }
@@ -201,19 +257,42 @@ absl::Status Run(const tools::Args& a) {
                                              comm.get()));
   if (rank == 0) {
     std::cout << absl::StrFormat(
-        "training %s on %d ranks (plan %s, predicted step %.4f s), %d steps, rank 0 on %s\n",
+        "training %s on %d ranks (plan %s, predicted step %.4f s), steps %d to %d, rank 0 on %s\n",
         g.name(), world, plan.content_hash().substr(0, 12),
-        plan.prediction().step_seconds(), steps, device->name());
+        plan.prediction().step_seconds(), first_step, steps, device->name());
   }
   TrainOptions to;
-  to.steps = steps;
+  to.first_step = first_step;
+  to.steps = steps - first_step;
+  to.initialize = initialize;
   to.on_step = [&](int64_t step, double loss, double seconds) {
-    if (step + 1 == kProfileWarmup) timing.Reset();
+    if (step - first_step + 1 == kProfileWarmup) timing.Reset();
     if (rank == 0 && (step % log_every == 0 || step + 1 == steps)) {
       std::cout << absl::StrFormat("step %d loss %.6f time %.4f s\n", step, loss, seconds)
                 << std::flush;
     }
   };
+  std::vector<v1::RankProgram> programs(plan.rank_programs().begin(),
+                                        plan.rank_programs().end());
+  if (a.Has("checkpoint-dir")) {
+    v1::TrainerState trainer;
+    trainer.set_seed(plan.options().seed());
+    trainer.set_global_batch(plan.global_batch());
+    trainer.set_data(source);
+    *trainer.mutable_optimizer() = plan.options().optimizer();
+    trainer.set_graph_name(g.name());
+    trainer.set_graph_hash(plan.graph_hash());
+    trainer.set_plan_name(plan.name());
+    trainer.set_plan_hash(plan.content_hash());
+    to.after_step = checkpoint::SaveHook(
+        {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps},
+        &programs, trainer, [&](const std::string& dir, int64_t step) {
+          if (rank == 0) {
+            std::cout << absl::StrFormat("checkpoint: %d steps done -> %s\n", step, dir)
+                      << std::flush;
+          }
+        });
+  }
   HAP_ASSIGN_OR_RETURN(TrainResult r, TrainRank(*runner, *batches, to));
   if (!profile.empty()) {
     std::vector<double> timed(r.step_seconds.begin() + kProfileWarmup, r.step_seconds.end());
