@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/runtime/device.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/util/status_macros.h"
@@ -29,6 +30,11 @@ constexpr char kTrainerFile[] = "trainer.json";
 constexpr char kCommittedFile[] = "COMMITTED";
 constexpr char kStepPrefix[] = "step-";
 constexpr char kTmpPrefix[] = ".tmp-step-";
+
+bool IsConstantInit(const graph::Initializer& i) {
+  using K = graph::Initializer::Kind;
+  return i.kind == K::kZeros || i.kind == K::kOnes || i.kind == K::kConstant;
+}
 
 bool IsPersistent(const v1::Buffer& b) {
   return b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::OPTIMIZER_STATE;
@@ -508,9 +514,81 @@ absl::Status CheckpointReader::Read(const std::string& name, const Shape& global
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Open(const std::string& path) {
+absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
+  namespace pb = ::google::protobuf;
+  pb::Struct root;
+  if (!pb::util::JsonStringToMessage(json, &root).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the graph's ", kStateDictSlicesKey, " metadata is not a JSON object"));
+  }
+  StateDictSlices out;
+  for (const auto& [name, v] : root.fields()) {
+    auto bad = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat(kStateDictSlicesKey, " entry '", name,
+                                                     "': ", what));
+    };
+    if (v.kind_case() != pb::Value::kStructValue) return bad("not an object");
+    const auto& f = v.struct_value().fields();
+    auto source = f.find("source");
+    auto axis = f.find("axis");
+    auto offset = f.find("offset");
+    auto shape = f.find("source_shape");
+    if (source == f.end() || source->second.kind_case() != pb::Value::kStringValue ||
+        axis == f.end() || axis->second.kind_case() != pb::Value::kNumberValue ||
+        offset == f.end() || offset->second.kind_case() != pb::Value::kNumberValue ||
+        shape == f.end() || shape->second.kind_case() != pb::Value::kListValue) {
+      return bad("needs a string source, numbers axis and offset, a list source_shape");
+    }
+    StateDictSlice s;
+    s.source = source->second.string_value();
+    s.axis = static_cast<int>(axis->second.number_value());
+    s.offset = static_cast<int64_t>(offset->second.number_value());
+    for (const auto& d : shape->second.list_value().values()) {
+      if (d.kind_case() != pb::Value::kNumberValue || d.number_value() < 0) {
+        return bad("source_shape holds a non-count");
+      }
+      s.source_shape.push_back(static_cast<int64_t>(d.number_value()));
+    }
+    if (s.axis < 0 || s.axis >= static_cast<int>(s.source_shape.size()) || s.offset < 0 ||
+        s.source.empty()) {
+      return bad("axis or offset out of range");
+    }
+    out.emplace(name, std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
+  auto it = g.metadata().find(kStateDictSlicesKey);
+  if (it == g.metadata().end()) return StateDictSlices{};
+  HAP_ASSIGN_OR_RETURN(StateDictSlices slices, ParseStateDictSlices(it->second));
+  for (const auto& [name, s] : slices) {
+    auto id = g.FindTensor(name);
+    if (!id.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kStateDictSlicesKey, " names '", name, "', not a tensor of the graph"));
+    }
+    const Shape& shape = g.tensor(*id).type.shape;
+    bool fits = shape.size() == s.source_shape.size();
+    for (size_t d = 0; fits && d < shape.size(); ++d) {
+      fits = static_cast<int>(d) == s.axis ? s.offset + shape[d] <= s.source_shape[d]
+                                           : shape[d] == s.source_shape[d];
+    }
+    if (!fits) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kStateDictSlicesKey, " entry '", name, "' ", graph::ShapeString(shape),
+          " does not fit in ", s.source, graph::ShapeString(s.source_shape), " at offset ",
+          s.offset, " of axis ", s.axis));
+    }
+  }
+  return slices;
+}
+
+absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Open(const std::string& path,
+                                                                  StateDictSlices slices) {
   std::unique_ptr<WeightsReader> r(new WeightsReader);
   HAP_ASSIGN_OR_RETURN(r->file_, SafetensorsFile::Open(path));
+  r->slices_ = std::move(slices);
   return r;
 }
 
@@ -519,10 +597,30 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
   std::vector<std::string> missing, extra, mismatched;
   for (graph::TensorId id : g.Parameters()) {
     const graph::Tensor& t = g.tensor(id);
+    auto slice = slices_.find(t.name);
+    if (slice != slices_.end()) {
+      // Read from a slice of its source tensor, which must be there whole.
+      const StateDictSlice& s = slice->second;
+      model.insert(s.source);
+      auto it = file_->tensors().find(s.source);
+      if (it == file_->tensors().end()) {
+        if (std::find(missing.begin(), missing.end(), s.source) == missing.end()) {
+          missing.push_back(s.source);
+        }
+      } else if (it->second.shape != s.source_shape || it->second.dtype != t.type.dtype) {
+        mismatched.push_back(absl::StrCat(s.source, " (", SafetensorsDType(it->second.dtype),
+                                          graph::ShapeString(it->second.shape), " in the file, ",
+                                          SafetensorsDType(t.type.dtype),
+                                          graph::ShapeString(s.source_shape), " in the model)"));
+      }
+      continue;
+    }
     model.insert(t.name);
     auto it = file_->tensors().find(t.name);
     if (it == file_->tensors().end()) {
-      missing.push_back(t.name);
+      // The exporter's constants (frozen, constant initialisers) are not
+      // PyTorch parameters: they start from their initialiser.
+      if (!(t.frozen && IsConstantInit(t.init))) missing.push_back(t.name);
     } else if (it->second.shape != t.type.shape || it->second.dtype != t.type.dtype) {
       mismatched.push_back(absl::StrCat(t.name, " (", SafetensorsDType(it->second.dtype),
                                         graph::ShapeString(it->second.shape), " in the file, ",
@@ -544,11 +642,31 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
 }
 
 bool WeightsReader::Has(const std::string& name) const {
+  auto slice = slices_.find(name);
+  if (slice != slices_.end()) return file_->tensors().count(slice->second.source) > 0;
   return file_->tensors().count(name) > 0;
 }
 
 absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
                                  absl::Span<const int64_t> offsets, TensorView dst) {
+  auto slice = slices_.find(name);
+  if (slice != slices_.end()) {
+    const StateDictSlice& s = slice->second;
+    HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(s.source));
+    HAP_RETURN_IF_ERROR(CheckRequest(s.source, whole.dtype, whole.shape, s.source_shape,
+                                     std::vector<int64_t>(s.source_shape.size(), 0),
+                                     TensorView{dst.dtype, s.source_shape, nullptr},
+                                     file_->path()));
+    if (global.size() != s.source_shape.size() || offsets.size() != global.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("a malformed piece of '", name, "'"));
+    }
+    // The graph parameter is the box [offset, offset + global[axis]) of the
+    // source along `axis`; the piece asked for lies inside it.
+    std::vector<int64_t> in_source(offsets.begin(), offsets.end());
+    in_source[s.axis] += s.offset;
+    const std::vector<int64_t> zero(global.size(), 0);
+    return CopyOverlap(whole, zero, dst, in_source).status();
+  }
   HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(name));
   HAP_RETURN_IF_ERROR(
       CheckRequest(name, whole.dtype, whole.shape, global, offsets, dst, file_->path()));
@@ -617,25 +735,56 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
                                                             const graph::Graph* g) {
   return [w, g](ProgramRunner& runner) -> absl::Status {
     HAP_RETURN_IF_ERROR(w->CheckGraph(*g));
-    return Restore(*w, runner, /*zero_missing_optimizer_state=*/true);
+    // Initialisers first (the exporter's constants, zero optimizer state),
+    // then every parameter the file holds.
+    HAP_RETURN_IF_ERROR(runner.InitializeParameters());
+    return runner.SetPersistentState(
+        [&](const v1::Buffer& b, HostTensor& host) {
+          const Shape global(b.global_shape().begin(), b.global_shape().end());
+          return w->Read(b.tensor(), global, b.offsets(), host.view());
+        },
+        [&](const v1::Buffer& b) {
+          return b.role() == v1::Buffer::PARAMETER && w->Has(b.tensor());
+        });
   };
 }
 
 absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
                                          bool with_optimizer_state) {
-  std::vector<HostTensor> tensors;
-  std::vector<SafetensorsEntry> entries;
-  tensors.reserve(reader.index().tensors_size());
-  int64_t bytes = 0;
+  StateDictSlices slices;
+  if (!reader.trainer().state_dict_slices().empty()) {
+    HAP_ASSIGN_OR_RETURN(slices, ParseStateDictSlices(reader.trainer().state_dict_slices()));
+  }
+  std::map<std::string, HostTensor> tensors;  // by the name written
   for (const auto& t : reader.index().tensors()) {
     if (t.optimizer_state() && !with_optimizer_state) continue;
     HAP_ASSIGN_OR_RETURN(DType dtype, FromSafetensorsDType(t.dtype()));
     const Shape shape(t.shape().begin(), t.shape().end());
-    tensors.emplace_back(dtype, shape);
     const std::vector<int64_t> zero(shape.size(), 0);
-    HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, tensors.back().view()));
-    entries.push_back({t.name(), tensors.back().view()});
-    bytes += tensors.back().view().bytes();
+    auto slice = slices.find(t.name());
+    if (slice == slices.end()) {
+      HostTensor& whole = tensors.try_emplace(t.name(), dtype, shape).first->second;
+      HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, whole.view()));
+      continue;
+    }
+    // A slice of a PyTorch parameter (q of in_proj_weight): into its source.
+    const StateDictSlice& s = slice->second;
+    HostTensor part(dtype, shape);
+    HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, part.view()));
+    HostTensor& source = tensors.try_emplace(s.source, dtype, s.source_shape).first->second;
+    std::vector<int64_t> at(shape.size(), 0);
+    at[s.axis] = s.offset;
+    if (source.shape() != s.source_shape || source.dtype() != dtype ||
+        shape.size() != s.source_shape.size()) {
+      return absl::DataLossError(absl::StrCat("the slices of '", s.source, "' disagree"));
+    }
+    HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), zero, source.view(), at, shape));
+  }
+  std::vector<SafetensorsEntry> entries;
+  int64_t bytes = 0;
+  for (const auto& [name, t] : tensors) {
+    entries.push_back({name, t.view()});
+    bytes += t.view().bytes();
   }
   HAP_RETURN_IF_ERROR(WriteSafetensors(
       out, entries,

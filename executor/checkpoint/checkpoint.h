@@ -91,6 +91,25 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& request,
 // COMMITTED.
 absl::StatusOr<std::string> FindCheckpoint(const std::string& path);
 
+// Graph parameters that are slices of one PyTorch parameter: the exporter
+// splits nn.MultiheadAttention's in_proj_weight into q, k and v and records
+// that in the graph's metadata under kStateDictSlicesKey as JSON:
+//   {"<graph parameter>": {"source": "<state_dict name>", "axis": 0,
+//                          "offset": 768, "source_shape": [2304, 768]}, ...}
+// Weights files and exports carry the source tensor whole.
+inline constexpr char kStateDictSlicesKey[] = "hap.state_dict_slices";
+struct StateDictSlice {
+  std::string source;
+  int axis = 0;
+  int64_t offset = 0;
+  Shape source_shape;
+};
+using StateDictSlices = std::map<std::string, StateDictSlice>;
+// The graph's slices (empty without the key). InvalidArgument naming the
+// entry that is malformed or does not fit its graph parameter's shape.
+absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g);
+absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json);
+
 // Where tensors come from: a checkpoint, or a weights file.
 class TensorSource {
  public:
@@ -137,7 +156,9 @@ class CheckpointReader : public TensorSource {
 // exporter's --weights, `hapctl checkpoint export`).
 class WeightsReader : public TensorSource {
  public:
-  static absl::StatusOr<std::unique_ptr<WeightsReader>> Open(const std::string& path);
+  // `slices`: graph parameters read from a slice of a tensor of the file.
+  static absl::StatusOr<std::unique_ptr<WeightsReader>> Open(const std::string& path,
+                                                            StateDictSlices slices = {});
   const SafetensorsFile& file() const { return *file_; }
   // OK when the file holds exactly the graph's parameters with their shapes
   // and dtypes; else FailedPrecondition listing the missing, the extra and
@@ -150,6 +171,7 @@ class WeightsReader : public TensorSource {
  private:
   WeightsReader() = default;
   std::unique_ptr<SafetensorsFile> file_;
+  StateDictSlices slices_;
 };
 
 // Restores the runner's parameters and optimizer state from `source`.
@@ -189,7 +211,9 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
                                                             const graph::Graph* g);
 
 // Writes every tensor of a checkpoint whole into one safetensors file
-// (parameters only unless `with_optimizer_state`). Returns the bytes written.
+// (parameters only unless `with_optimizer_state`), the slices of the
+// trainer state's state_dict_slices joined into their source tensors, so
+// that PyTorch's load_state_dict takes the file. Returns the bytes written.
 absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
                                          bool with_optimizer_state);
 

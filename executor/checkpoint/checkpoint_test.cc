@@ -16,6 +16,7 @@
 #include "executor/train/trainer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
 #include "planner/util/status_matchers.h"
@@ -296,6 +297,87 @@ TEST(CheckpointTest, ExportWritesWholeTensorsThatStartAnotherRun) {
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("other shape or dtype: layer0/fc/weight (F32[24,12] in the file, "
                                  "F32[20,12] in the model), layer0/fc/bias")));
+}
+
+// Two graph parameters stored as one PyTorch parameter (as the exporter
+// records nn.MultiheadAttention's q, k, v in in_proj_weight): the export
+// joins them, --init-weights splits them again.
+TEST(CheckpointTest, StateDictSlicesAreJoinedOnExportAndSplitOnInit) {
+  auto base = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", 24}, {"input", 24}, {"classes", 5}, {"batch", 9}});
+  ASSERT_TRUE(base.ok()) << base.status();
+  const std::string json =
+      R"({"layer0/fc/weight": {"source": "stacked", "axis": 0, "offset": 0, "source_shape": [48, 24]},)"
+      R"( "layer1/fc/weight": {"source": "stacked", "axis": 0, "offset": 24, "source_shape": [48, 24]}})";
+  v1::Graph proto = graph::ToProto(*base);
+  (*proto.mutable_metadata())[kStateDictSlicesKey] = json;
+  auto g = graph::FromProto(proto);
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto slices = GraphStateDictSlices(*g);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  ASSERT_EQ(slices->size(), 2u);
+
+  const std::string dir = Fresh("slices");
+  auto programs = Programs(*g, 2, "tp");
+  v1::TrainerState trainer;
+  trainer.set_state_dict_slices(json);
+  TrainOptions to;
+  to.steps = 2;
+  to.after_step = SaveHook({dir, 0, 3, 2}, &programs, trainer);
+  auto runs = Train(*g, programs, to);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  auto whole = AssembleParameters({(*runs)[0].parameters, (*runs)[1].parameters});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string out = dir + "/model.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(**reader, out, false).ok());
+  auto file = SafetensorsFile::Open(out);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_FALSE((*file)->tensors().count("layer0/fc/weight"));
+  auto stacked = (*file)->View("stacked");
+  ASSERT_TRUE(stacked.ok()) << stacked.status();
+  ASSERT_EQ(stacked->shape, (Shape{48, 24}));
+  const int64_t half = 24 * 24 * 4;
+  EXPECT_EQ(std::memcmp(stacked->data, whole->at("layer0/fc/weight").data(), half), 0);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(stacked->data) + half,
+                        whole->at("layer1/fc/weight").data(), half), 0);
+
+  // Split again onto a 2-rank tensor-parallel plan.
+  auto weights = WeightsReader::Open(out, *slices);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  ASSERT_TRUE((*weights)->CheckGraph(*g).ok()) << (*weights)->CheckGraph(*g);
+  auto plain = WeightsReader::Open(out);  // without the mapping: named
+  ASSERT_TRUE(plain.ok());
+  EXPECT_THAT((*plain)->CheckGraph(*g),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("missing: layer0/fc/weight")));
+  TrainOptions init;
+  init.steps = 1;
+  init.initialize = InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(*weights)), &*g);
+  auto again = Train(*g, programs, init);
+  ASSERT_TRUE(again.ok()) << again.status();
+  // The weights arrived whole: the first loss equals that of a run that
+  // resumes from the checkpoint itself (same plan, same batch).
+  auto resumed_reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(resumed_reader.ok());
+  TrainOptions resume;
+  resume.steps = 1;
+  resume.initialize =
+      ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*resumed_reader)), &*g);
+  auto resumed = Train(*g, programs, resume);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ((*again)[0].losses[0], (*resumed)[0].losses[0]);
+
+  // A mapping that does not fit the graph is named.
+  (*proto.mutable_metadata())[kStateDictSlicesKey] =
+      R"({"layer0/fc/weight": {"source": "s", "axis": 0, "offset": 30, "source_shape": [48, 24]}})";
+  auto bad = graph::FromProto(proto);
+  ASSERT_TRUE(bad.ok());
+  EXPECT_THAT(GraphStateDictSlices(*bad).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("'layer0/fc/weight' [24,24] does not fit in s[48,24] at offset 30")));
 }
 
 }  // namespace

@@ -200,8 +200,10 @@ absl::Status Run(const tools::Args& a) {
     }
     initialize = checkpoint::ResumeHook(std::move(reader), &g);
   } else if (a.Has("init-weights")) {
+    HAP_ASSIGN_OR_RETURN(checkpoint::StateDictSlices slices,
+                         checkpoint::GraphStateDictSlices(g));
     HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WeightsReader> w,
-                         checkpoint::WeightsReader::Open(a.Get("init-weights")));
+                         checkpoint::WeightsReader::Open(a.Get("init-weights"), slices));
     HAP_RETURN_IF_ERROR(w->CheckGraph(g));
     initialize = checkpoint::InitWeightsHook(std::move(w), &g);
   }
@@ -284,6 +286,9 @@ absl::Status Run(const tools::Args& a) {
     trainer.set_graph_hash(plan.graph_hash());
     trainer.set_plan_name(plan.name());
     trainer.set_plan_hash(plan.content_hash());
+    if (auto it = g.metadata().find(checkpoint::kStateDictSlicesKey); it != g.metadata().end()) {
+      trainer.set_state_dict_slices(it->second);
+    }
     to.after_step = checkpoint::SaveHook(
         {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps},
         &programs, trainer, [&](const std::string& dir, int64_t step) {

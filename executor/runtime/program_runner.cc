@@ -416,9 +416,11 @@ absl::StatusOr<std::vector<ParameterShard>> ProgramRunner::PersistentState() con
 }
 
 absl::Status ProgramRunner::SetPersistentState(
-    const std::function<absl::Status(const v1::Buffer&, HostTensor&)>& fill) {
+    const std::function<absl::Status(const v1::Buffer&, HostTensor&)>& fill,
+    const std::function<bool(const v1::Buffer&)>& select) {
   for (const v1::Buffer& b : program_.buffers()) {
     if (b.role() != v1::Buffer::PARAMETER && b.role() != v1::Buffer::OPTIMIZER_STATE) continue;
+    if (select && !select(b)) continue;
     const TensorView& v = views_[b.id()];
     HostTensor host(v.dtype, v.shape);
     HAP_RETURN_IF_ERROR(fill(b, host));

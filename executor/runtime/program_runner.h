@@ -66,8 +66,11 @@ class ProgramRunner {
   // `fill`, which gets the buffer and a host tensor of its local shape and
   // dtype to fill (a restore; instead of InitializeParameters). The first
   // error of `fill` is returned, annotated with the buffer.
+  // With `select`, only the buffers it accepts are set; the rest keep
+  // their values.
   absl::Status SetPersistentState(
-      const std::function<absl::Status(const hap::v1::Buffer&, HostTensor&)>& fill);
+      const std::function<absl::Status(const hap::v1::Buffer&, HostTensor&)>& fill,
+      const std::function<bool(const hap::v1::Buffer&)>& select = nullptr);
   // The seed of dropout keys (and initialisers) from now on: a resumed run
   // keeps the seed its checkpoint was trained with. Rewrites the dropout
   // kernels' rng_key attributes as the lowering derives them.
