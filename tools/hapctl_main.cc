@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/hapctl_checkpoint.h"
 #include "tools/hapctl_client.h"
 #include "tools/hapctl_graph.h"
 #include "tools/hapctl_plan.h"
@@ -24,6 +25,11 @@ Planning (offline, no server):
                             [--save-plan PLAN.pb]
   calibrate --cluster FILE --plan PLAN.pb --profile PREFIX --out FILE
                             cost model calibrated from measured runs
+
+Checkpoints (hap-executor --checkpoint-dir):
+  checkpoint inspect DIR    step, plan, files, tensors and their slices
+  checkpoint export DIR -o FILE.safetensors
+                            every parameter whole, by name (PyTorch, --init-weights)
 
 Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070):
   get nodes|plans|deployments        list (-o table|json|yaml)
@@ -52,6 +58,7 @@ int main(int argc, char** argv) {
   if (cmd == "validate") return hap::tools::RunValidate(rest);
   if (cmd == "plan") return hap::tools::RunPlan(rest);
   if (cmd == "calibrate") return hap::tools::RunCalibrate(rest);
+  if (cmd == "checkpoint") return hap::tools::RunCheckpoint(rest);
   for (const char* verb : {"get", "describe", "create", "watch", "cancel", "delete", "deploy",
                            "stop"}) {
     if (cmd == verb) return hap::tools::RunClient(cmd, rest);

@@ -1,0 +1,141 @@
+#include "tools/hapctl_checkpoint.h"
+
+#include <filesystem>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "executor/checkpoint/checkpoint.h"
+#include "google/protobuf/util/json_util.h"
+#include "tools/cli_args.h"
+
+namespace hap::tools {
+namespace {
+
+namespace ckpt = ::hap::executor::checkpoint;
+namespace fs = std::filesystem;
+
+constexpr char kUsage[] =
+    R"(usage: hapctl checkpoint inspect DIR [-o table|json]
+       hapctl checkpoint export DIR -o FILE.safetensors [--with-optimizer-state]
+
+DIR is a checkpoint directory (its latest complete checkpoint is used) or one
+step-NNNNNNNN directory in it.
+inspect  lists the step, the plan and graph it was written by, the files and
+         every tensor with its shape, dtype and slices.
+export   writes every parameter whole into one safetensors file under the
+         model's names (PyTorch state_dict names for exported modules:
+         `model.load_state_dict(safetensors_io.read(FILE))`), for
+         --init-weights or PyTorch.
+)";
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << s.message() << "\n";
+  return 1;
+}
+
+std::string Shape(const google::protobuf::RepeatedField<int64_t>& s) {
+  return absl::StrCat("[", absl::StrJoin(s, ","), "]");
+}
+
+int64_t Elements(const google::protobuf::RepeatedField<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+int Inspect(const Args& a) {
+  auto reader = ckpt::CheckpointReader::Open(a.positional()[1]);
+  if (!reader.ok()) return Fail(reader.status());
+  const auto& index = (*reader)->index();
+  const auto& trainer = (*reader)->trainer();
+  int64_t file_bytes = 0;
+  for (const auto& f : index.files()) {
+    std::error_code ec;
+    auto n = fs::file_size(fs::path((*reader)->step_dir()) / f, ec);
+    if (!ec) file_bytes += static_cast<int64_t>(n);
+  }
+  const std::string fmt = a.Get("o", a.Get("output", "table"));
+  if (fmt == "json") {
+    google::protobuf::util::JsonPrintOptions o;
+    o.preserve_proto_field_names = true;
+    std::string idx, tr;
+    (void)google::protobuf::util::MessageToJsonString(index, &idx, o);
+    (void)google::protobuf::util::MessageToJsonString(trainer, &tr, o);
+    std::cout << "{\"path\": \"" << (*reader)->step_dir() << "\", \"bytes\": " << file_bytes
+              << ", \"trainer\": " << tr << ", \"index\": " << idx << "}\n";
+    return 0;
+  }
+  if (fmt != "table") return Fail(absl::InvalidArgumentError("-o must be table or json"));
+  int64_t params = 0, states = 0;
+  for (const auto& t : index.tensors()) (t.optimizer_state() ? states : params) += Elements(t.shape());
+  std::cout << absl::StrFormat("checkpoint  %s\n", (*reader)->step_dir());
+  std::cout << absl::StrFormat("step        %d (%d samples seen, global batch %d)\n", trainer.step(),
+                               trainer.samples_seen(), trainer.global_batch());
+  std::cout << absl::StrFormat("graph       %s (hash %s)\n", trainer.graph_name(),
+                               trainer.graph_hash().substr(0, 12));
+  std::cout << absl::StrFormat("plan        %s (hash %s) on %d ranks\n",
+                               trainer.plan_name().empty() ? "-" : trainer.plan_name(),
+                               trainer.plan_hash().substr(0, 12), trainer.world_size());
+  std::cout << absl::StrFormat("written     %s, format version %d\n", trainer.time(),
+                               trainer.format_version());
+  std::cout << absl::StrFormat("data        %s%s, seed %d\n",
+                               trainer.data().empty() ? "-" : trainer.data(),
+                               trainer.shuffle() ? absl::StrCat(", shuffled (seed ",
+                                                                trainer.shuffle_seed(), ")")
+                                                 : "",
+                               trainer.seed());
+  std::cout << absl::StrFormat(
+      "size        %.2f MB in %d files: %d parameters, %d optimizer state values\n",
+      file_bytes / 1e6, index.files_size(), params, states);
+  std::cout << absl::StrFormat("\n%-44s %-6s %-16s %s\n", "TENSOR", "DTYPE", "SHAPE", "SLICES");
+  for (const auto& t : index.tensors()) {
+    std::vector<std::string> slices;
+    for (const auto& s : t.slices()) {
+      std::string file = s.file();
+      if (auto dash = file.find("-of-"); dash != std::string::npos) file = file.substr(0, dash);
+      slices.push_back(absl::StrCat(file, "@", Shape(s.offsets()), "+", Shape(s.extents())));
+    }
+    std::cout << absl::StrFormat("%-44s %-6s %-16s %s\n", t.name(), t.dtype(), Shape(t.shape()),
+                                 absl::StrJoin(slices, " "));
+  }
+  return 0;
+}
+
+int Export(const Args& a) {
+  const std::string out = a.Get("o", a.Get("output"));
+  if (out.empty()) return Fail(absl::InvalidArgumentError("export needs -o FILE.safetensors"));
+  auto reader = ckpt::CheckpointReader::Open(a.positional()[1]);
+  if (!reader.ok()) return Fail(reader.status());
+  auto bytes = ckpt::ExportCheckpoint(**reader, out, a.Bool("with-optimizer-state"));
+  if (!bytes.ok()) return Fail(bytes.status());
+  std::cout << absl::StrFormat("wrote %s: %.2f MB of tensors from %s (step %d)\n", out,
+                               *bytes / 1e6, (*reader)->step_dir(), (*reader)->trainer().step());
+  return 0;
+}
+
+}  // namespace
+
+int RunCheckpoint(const std::vector<std::string>& argv) {
+  auto a = Args::Parse(argv, {"o", "output"}, {"help", "with-optimizer-state"});
+  if (!a.ok()) {
+    std::cerr << "error: " << a.status().message() << "\n" << kUsage;
+    return 2;
+  }
+  if (a->Bool("help")) {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (a->positional().size() != 2) {
+    std::cerr << kUsage;
+    return 2;
+  }
+  const std::string& verb = a->positional()[0];
+  if (verb == "inspect") return Inspect(*a);
+  if (verb == "export") return Export(*a);
+  std::cerr << "error: unknown checkpoint command '" << verb << "'\n" << kUsage;
+  return 2;
+}
+
+}  // namespace hap::tools
