@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "executor/checkpoint/checkpoint.h"
 #include "executor/data/batches.h"
 #include "executor/data/wikitext.h"
 #include "executor/runtime/program_runner.h"
@@ -134,8 +135,64 @@ struct ExecutorCore::Loaded {
   std::unique_ptr<data::BatchSource> batches;
   std::unique_ptr<ProgramRunner> runner;  // uses graph, device, comm
   std::deque<v1::StepMetric> metrics;     // guarded by the core's mu_
+  // Where training starts (a checkpoint or weights; empty: initialisers)
+  // and the checkpoints it writes.
+  int64_t first_step = 0;
+  std::function<absl::Status(ProgramRunner&)> initialize;
+  std::vector<v1::RankProgram> programs;  // every rank's, for the checkpoint index
+  std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
   ~Loaded() { runner.reset(); }           // before what it points into
 };
+
+absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loaded) {
+  namespace ckpt = checkpoint;
+  const v1::TrainingConfig& t = in.training;
+  const graph::Graph* g = &loaded->graph;
+  if (!t.resume().empty()) {
+    auto reader = ckpt::CheckpointReader::Open(t.resume());
+    if (!reader.ok()) return Annotate(reader.status(), "training.resume");
+    HAP_RETURN_IF_ERROR(Annotate((*reader)->CheckGraph(*g), "training.resume"));
+    loaded->first_step = (*reader)->trainer().step();
+    if (loaded->first_step >= t.steps()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training.resume: the checkpoint ", (*reader)->step_dir(), " is at step ",
+          loaded->first_step, ", not before training.steps ", t.steps(), ": nothing to train"));
+    }
+    loaded->initialize = ckpt::ResumeHook(*std::move(reader), g);
+  } else if (!t.init_weights().empty()) {
+    auto slices = ckpt::GraphStateDictSlices(*g);
+    if (!slices.ok()) return Annotate(slices.status(), "plan.graph");
+    auto w = ckpt::WeightsReader::Open(t.init_weights(), *slices);
+    if (!w.ok()) return Annotate(w.status(), "training.init_weights");
+    HAP_RETURN_IF_ERROR(Annotate((*w)->CheckGraph(*g), "training.init_weights"));
+    loaded->initialize = ckpt::InitWeightsHook(*std::move(w), g);
+  }
+  if (!t.checkpoint_dir().empty()) {
+    loaded->programs.assign(in.plan.rank_programs().begin(), in.plan.rank_programs().end());
+    v1::TrainerState trainer;
+    trainer.set_seed(in.plan.options().seed());
+    trainer.set_global_batch(in.plan.global_batch());
+    trainer.set_data(t.data_spec().empty() ? v1::TrainingConfig::DataSource_Name(t.data())
+                                           : t.data_spec());
+    trainer.set_shuffle(t.shuffle());
+    trainer.set_shuffle_seed(t.shuffle_seed());
+    *trainer.mutable_optimizer() = in.plan.options().optimizer();
+    trainer.set_graph_name(g->name());
+    trainer.set_graph_hash(in.plan.graph_hash());
+    trainer.set_plan_name(in.plan.name());
+    trainer.set_plan_hash(in.plan.content_hash());
+    if (auto it = g->metadata().find(ckpt::kStateDictSlicesKey); it != g->metadata().end()) {
+      trainer.set_state_dict_slices(it->second);
+    }
+    ckpt::CheckpointPolicy policy;
+    policy.dir = t.checkpoint_dir();
+    policy.every = t.checkpoint_every();
+    policy.keep = t.checkpoint_keep() > 0 ? t.checkpoint_keep() : ckpt::kDefaultKeep;
+    policy.last_step = t.steps();
+    loaded->after_step = ckpt::SaveHook(policy, &loaded->programs, trainer);
+  }
+  return absl::OkStatus();
+}
 
 ExecutorCore::ExecutorCore(ExecutorCoreOptions options) : o_(std::move(options)) {}
 
@@ -171,6 +228,15 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
         "training.threads_per_rank must not be negative, got ", t.threads_per_rank()));
   }
 
+  if (t.checkpoint_every() < 0 || t.checkpoint_keep() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "training.checkpoint_every and checkpoint_keep must not be negative, got ",
+        t.checkpoint_every(), " and ", t.checkpoint_keep()));
+  }
+  if (!t.resume().empty() && !t.init_weights().empty()) {
+    return absl::InvalidArgumentError("training.resume and init_weights exclude each other");
+  }
+
   auto loaded = std::make_unique<Loaded>();
   HAP_ASSIGN_OR_RETURN(loaded->graph,
                        [&]() -> absl::StatusOr<graph::Graph> {
@@ -178,6 +244,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
                          if (!g.ok()) return Annotate(g.status(), "plan.graph");
                          return g;
                        }());
+  HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));
   {
     auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir);
     if (!b.ok()) return Annotate(b.status(), "training data");
@@ -283,7 +350,10 @@ void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
     if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
     loaded->comm->Attach(comm->get());
     TrainOptions to;
-    to.steps = steps;
+    to.first_step = loaded->first_step;
+    to.steps = steps - loaded->first_step;
+    to.initialize = loaded->initialize;
+    to.after_step = loaded->after_step;
     to.cancelled = [this] { return cancelled_.load(); };
     to.on_step = [&](int64_t step, double loss, double seconds) {
       v1::StepMetric m;

@@ -133,6 +133,8 @@ class ExecutorCore {
  private:
   struct Loaded;
   void Train(Loaded* loaded, int64_t load_id);
+  // Opens training.resume / init_weights and sets up training.checkpoint_dir.
+  absl::Status SetUpCheckpoints(const LoadOptions& in, Loaded* loaded);
   absl::Status CheckDeployment(const std::string& deployment) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   hap::v1::ExecutorStatus StatusLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -261,5 +261,61 @@ TEST(ExecutorCoreTest, ShutdownRefusesLoads) {
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
 }
 
+
+
+// Trains two ranks of `Load(2, r, steps)` as changed by `edit`; returns
+// rank 0's final status.
+v1::ExecutorStatus TrainTwo(int64_t steps, const std::function<void(LoadOptions&)>& edit) {
+  Group group(2);
+  ExecutorCore a(Options(&group)), b(Options(&group));
+  for (int r = 0; r < 2; ++r) {
+    LoadOptions o = Load(2, r, steps);
+    edit(o);
+    EXPECT_THAT((r == 0 ? a : b).LoadPlan(o), IsOk());
+  }
+  EXPECT_THAT(a.Start(""), IsOk());
+  EXPECT_THAT(b.Start(""), IsOk());
+  b.WaitUntilDone(absl::InfiniteFuture());
+  return a.WaitUntilDone(absl::InfiniteFuture());
+}
+
+TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
+  const std::string dir = ::testing::TempDir() + "/core_ckpt";
+  std::filesystem::remove_all(dir);
+  v1::ExecutorStatus first = TrainTwo(4, [&](LoadOptions& o) {
+    o.training.set_checkpoint_dir(dir);
+    o.training.set_checkpoint_every(2);
+  });
+  ASSERT_EQ(first.state(), v1::ExecutorStatus::FINISHED) << first.error();
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step-00000002/COMMITTED"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step-00000004/COMMITTED"));
+
+  // Resume to step 6: two more steps, counted globally.
+  v1::ExecutorStatus resumed = TrainTwo(6, [&](LoadOptions& o) {
+    o.training.set_resume(dir);
+    o.training.set_checkpoint_dir(dir);
+  });
+  ASSERT_EQ(resumed.state(), v1::ExecutorStatus::FINISHED) << resumed.error();
+  EXPECT_EQ(resumed.steps_completed(), 6);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step-00000006/COMMITTED"));
+
+  // Nothing left to train, and a missing checkpoint: LoadPlan says so.
+  Group group(2);
+  ExecutorCore c(Options(&group));
+  LoadOptions done = Load(2, 0, 6);
+  done.training.set_resume(dir);
+  EXPECT_THAT(c.LoadPlan(done), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         HasSubstr("is at step 6, not before training.steps 6")));
+  LoadOptions missing = Load(2, 0, 6);
+  missing.training.set_resume(dir + "/nope");
+  EXPECT_THAT(c.LoadPlan(missing), StatusIs(absl::StatusCode::kNotFound,
+                                            HasSubstr("training.resume")));
+  LoadOptions both = Load(2, 0, 6);
+  both.training.set_resume(dir);
+  both.training.set_init_weights(dir + "/w.safetensors");
+  EXPECT_THAT(c.LoadPlan(both), StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("exclude each other")));
+}
+
 }  // namespace
 }  // namespace hap::executor
