@@ -39,7 +39,10 @@ constexpr char kUsage[] = R"(usage:
   hapctl cancel plan NAME
   hapctl delete plan NAME
   hapctl deploy plan NAME --executor DEVICE=HOST:PORT ... [--steps N]
-                     [--data synthetic|wikitext] [--data-path FILE] [--threads T]
+                     [--data synthetic|wikitext|npy:DIR|tokens:FILE[:uint16|uint32]]
+                     [--data-path FILE] [--shuffle SEED] [--threads T]
+                     [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
+                     [--resume DIR] [--init-weights FILE.safetensors]
   hapctl stop deployment NAME
 Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
   --timeout SECONDS (default 30), --token-file FILE (else $HAP_TOKEN_FILE),
@@ -410,7 +413,9 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   std::set<std::string> values = ZooParamFlags();
   values.insert({"server", "timeout", "token-file", "tls-ca-file", "o", "output", "model",
                  "graph", "devices", "baseline", "max-seconds", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
-                 "id", "executor", "steps", "data", "data-path", "threads", "set"});
+                 "id", "executor", "steps", "data", "data-path", "threads", "set",
+                 "checkpoint-dir", "checkpoint-every", "checkpoint-keep", "resume",
+                 "init-weights", "shuffle"});
   auto a = Args::Parse(argv, values, {"help", "no-sfb", "no-zero", "no-grouped", "wait"});
   if (!a.ok()) return Fail(a.status());
   if (a->Bool("help")) {
@@ -515,10 +520,33 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     if (!threads.ok()) return Fail(threads.status());
     r.mutable_training()->set_steps(static_cast<int64_t>(*steps));
     r.mutable_training()->set_threads_per_rank(static_cast<int>(*threads));
-    r.mutable_training()->set_data(a->Get("data", "synthetic") == "wikitext"
-                                       ? v1::TrainingConfig::WIKITEXT2
-                                       : v1::TrainingConfig::SYNTHETIC);
-    r.mutable_training()->set_data_path(a->Get("data-path"));
+    const std::string data = a->Get("data", "synthetic");
+    v1::TrainingConfig& t = *r.mutable_training();
+    if (data == "wikitext") {
+      t.set_data(v1::TrainingConfig::WIKITEXT2);
+    } else if (data == "synthetic") {
+      t.set_data(v1::TrainingConfig::SYNTHETIC);
+    } else {
+      t.set_data_spec(data);  // npy:DIR, tokens:FILE[:uint16|uint32]; checked by the executors
+    }
+    t.set_data_path(a->Get("data-path"));
+    auto every = a->Number("checkpoint-every", 0);
+    auto keep = a->Number("checkpoint-keep", 0);
+    if (!every.ok()) return Fail(every.status());
+    if (!keep.ok()) return Fail(keep.status());
+    t.set_checkpoint_dir(a->Get("checkpoint-dir"));
+    t.set_checkpoint_every(static_cast<int64_t>(*every));
+    t.set_checkpoint_keep(static_cast<int>(*keep));
+    t.set_resume(a->Get("resume"));
+    t.set_init_weights(a->Get("init-weights"));
+    if (a->Has("shuffle")) {
+      auto seed = a->Number("shuffle", 0);
+      if (!seed.ok() || *seed < 0) {
+        return Fail(absl::InvalidArgumentError("--shuffle takes a seed, a non-negative integer"));
+      }
+      t.set_shuffle(true);
+      t.set_shuffle_seed(static_cast<uint64_t>(*seed));
+    }
     grpc::ClientContext ctx;
     c->Prepare(&ctx);
     v1::Deployment d;
