@@ -12,7 +12,11 @@
 #      measurements (ratios, predicted step time), deployed to the executors
 #      and trained on WikiText-2: the loss going down, predicted vs. measured
 #      step time, the /metrics and /status addresses;
-#   4. the same model at paper scale planned offline against the baselines.
+#   4. a checkpoint every third of the run and at the end, in a fresh
+#      directory under --checkpoint-dir that the demo leaves behind, and
+#      `hapctl checkpoint inspect` of the last one (resume it with
+#      hap-launch --resume, or export it with hapctl checkpoint export);
+#   5. the same model at paper scale planned offline against the baselines.
 #
 # Everything it starts is stopped by pid, and its cgroups removed, on exit
 # and on Ctrl-C. Without writable cgroups (not root, no cgroup v1 cpu
@@ -25,9 +29,10 @@
 #   --model NAME        zoo model [gpt]; --layers/--hidden/--heads/--ffn/--seq/--batch
 #                       size it [2/64/4/256/32/16]
 #   --data wikitext|synthetic [wikitext, from $HAP_DATA_DIR or ../shared/data]
+#   --checkpoint-dir DIR  checkpoints go to DIR/run-DATE-TIME [demo-checkpoints]
 #   --with-prometheus   also run Debian's Prometheus scraping the planner
 #   --keep-running      leave the cluster up until Enter or Ctrl-C
-#   --no-paper-scale    skip step 4
+#   --no-paper-scale    skip step 5
 #   --no-setup --bin-dir DIR   use already built binaries (tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +42,7 @@ STEPS=150
 MODEL=gpt
 LAYERS=2 HIDDEN=64 HEADS=4 FFN=256 SEQ=32 BATCH=16
 DATA=wikitext
+CHECKPOINTS=demo-checkpoints
 WITH_PROMETHEUS=0
 KEEP_RUNNING=0
 PAPER_SCALE=1
@@ -56,6 +62,7 @@ while [ $# -gt 0 ]; do
     --seq) SEQ=$2; shift 2 ;;
     --batch) BATCH=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
+    --checkpoint-dir) CHECKPOINTS=$2; shift 2 ;;
     --with-prometheus) WITH_PROMETHEUS=1; shift ;;
     --keep-running) KEEP_RUNNING=1; shift ;;
     --no-paper-scale) PAPER_SCALE=0; shift ;;
@@ -238,7 +245,10 @@ PREDICTED=$("$HAPCTL" describe plan demo -o json "${CTL[@]}" | json 'print(d["pr
 
 echo
 echo "== Training: deployed to the $RANKS executors, $STEPS steps on $DATA =="
-DEPLOY=(deploy plan demo --steps "$STEPS" --data "$DATA")
+mkdir -p "$CHECKPOINTS"
+CKPT="$(cd "$CHECKPOINTS" && pwd)/run-$(date +%Y%m%d-%H%M%S)-$$"
+DEPLOY=(deploy plan demo --steps "$STEPS" --data "$DATA"
+        --checkpoint-dir "$CKPT" --checkpoint-every "$(( STEPS >= 3 ? STEPS / 3 : 1 ))")
 for dev in "${!EXECUTOR_ADDR[@]}"; do DEPLOY+=(--executor "$dev=${EXECUTOR_ADDR[$dev]}"); done
 DEPLOYMENT=$("$HAPCTL" "${DEPLOY[@]}" -o json "${CTL[@]}" | json 'print(d["name"])')
 echo "   $DEPLOYMENT; metrics http://$METRICS/metrics, status page http://$METRICS/status"
@@ -264,6 +274,11 @@ echo "$dep" | json "
 pred = $PREDICTED
 meas = d.get('medianStepSeconds', 0)
 print('   predicted step %.3f s, measured median %.3f s (prediction off by %+.0f%%)' % (pred, meas, 100 * (pred - meas) / meas))"
+
+echo
+echo "== Checkpoints in $CKPT (kept): the last one =="
+"$HAPCTL" checkpoint inspect "$CKPT" |
+  awk -v dir="$CKPT" 'NR <= 20 { print "   " $0 } END { if (NR > 20) printf "   ... %d more tensors (%s checkpoint inspect %s)\n", NR - 20, "hapctl", dir }'
 
 if [ "$PAPER_SCALE" = 1 ]; then
   echo

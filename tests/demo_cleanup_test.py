@@ -21,6 +21,7 @@ ROOT = os.getcwd()  # the runfiles root: scripts/ and the binaries' packages
 CGROUP = "/sys/fs/cgroup/cpu"
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq", "16",
         "--batch", "8", "--data", "synthetic", "--no-paper-scale", "--shares", "1,0.5"]
+CHECKPOINTS = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "demo-checkpoints")
 
 
 def processes_mentioning(text):
@@ -49,7 +50,7 @@ class DemoCleanupTest(unittest.TestCase):
     def start(self, steps):
         demo = subprocess.Popen(
             ["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--no-setup", "--bin-dir", ROOT,
-             "--steps", str(steps)] + TINY,
+             "--steps", str(steps), "--checkpoint-dir", CHECKPOINTS] + TINY,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
             # As from a terminal: SIGINT at its default (a test runner may
             # start us with it ignored, and a shell cannot trap a signal
@@ -108,6 +109,11 @@ class DemoCleanupTest(unittest.TestCase):
         self.assertEqual(demo.returncode, 0, "".join(log))
         self.assertRegex("".join(log), r"step +4/4 +loss")
         self.assertRegex("".join(log), r"predicted step [0-9.]+ s, measured median [0-9.]+ s")
+        # It ends with its last checkpoint, kept, inspected.
+        run = re.search(r"== Checkpoints in (\S+) \(kept\)", "".join(log))
+        self.assertTrue(run, "".join(log))
+        self.assertRegex("".join(log), r"step +4 \(32 samples seen, global batch 8\)")
+        self.assertTrue(os.path.exists(os.path.join(run.group(1), "step-00000004", "COMMITTED")))
         self.assert_nothing_left(demo.pid, state, log)
         if stale is not None:
             # The earlier demo's group went at start-up.
