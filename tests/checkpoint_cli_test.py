@@ -1,0 +1,189 @@
+"""Checkpoints through the real binaries (hap-executor, hap-launch,
+hapctl): a rank SIGKILLed while a checkpoint is being written leaves the
+previous checkpoint intact, and a run resumed from it, on another plan with
+another world size, continues with the losses of an uninterrupted run;
+`hapctl checkpoint inspect` and `export` read what the ranks wrote; bad
+checkpoints are refused before step 1 with the file or tensor named."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_test_util as util  # noqa: E402
+
+HAPCTL = util.HAPCTL
+EXECUTOR = os.path.abspath(os.environ.get("HAP_EXECUTOR", ""))
+LAUNCH = os.path.abspath(os.environ.get("HAP_LAUNCH", ""))
+CLUSTER2 = os.path.abspath(os.environ.get("CPU_CLUSTER2", ""))
+CLUSTER4 = os.path.abspath(os.environ.get("CPU_CLUSTER4", ""))
+
+# Big enough that a checkpoint takes a while to write (~50 MB with Adam).
+GPT = ["--model", "gpt", "--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256",
+       "--seq", "16", "--batch", "8", "--optimizer", "adam", "--lr", "1e-3", "--seed", "3"]
+
+
+def plan(path, cluster, *extra):
+    util.run([HAPCTL, "plan", "--cluster", cluster, *GPT, "--save-plan", path, *extra])
+    return path
+
+
+def losses(out):
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"^step (\d+) loss (\S+)", out, re.M)}
+
+
+def launch(*args, timeout=600):
+    return subprocess.run([LAUNCH, "--executor", EXECUTOR, *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class CheckpointCliTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = util.tmpdir()
+        cls.plan2 = plan(os.path.join(cls.dir, "p2.pb"), CLUSTER2)
+        cls.plan4 = plan(os.path.join(cls.dir, "p4.pb"), CLUSTER4)
+        p = launch("--plan", cls.plan2, "--steps", "12")
+        assert p.returncode == 0, p.stderr
+        cls.reference = losses(p.stdout)
+        assert len(cls.reference) == 12, p.stdout
+
+    def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(self):
+        ckpt = os.path.join(util.tmpdir(), "ckpt")
+        rdv = util.tmpdir()
+        common = ["--plan", self.plan2, "--world", "2", "--rendezvous", rdv, "--steps", "100000",
+                  "--checkpoint-dir", ckpt, "--checkpoint-every", "2", "--timeout", "10"]
+        ranks = [subprocess.Popen([EXECUTOR, "--rank", str(r), *common],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        for p in ranks:
+            self.addCleanup(lambda p=p: p.poll() is None and p.kill())
+        # Wait for a committed checkpoint, then for the next write to be in
+        # progress (its temporary directory holding a file), and kill rank 1.
+        deadline = time.time() + 240
+        killed_during = None
+        while time.time() < deadline and killed_during is None:
+            names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+            committed = [n for n in names if n.startswith("step-") and
+                         os.path.exists(os.path.join(ckpt, n, "COMMITTED"))]
+            for n in names:
+                tmp = os.path.join(ckpt, n)
+                if committed and n.startswith(".tmp-step-") and os.path.isdir(tmp):
+                    try:
+                        busy = bool(os.listdir(tmp))
+                    except OSError:
+                        busy = False
+                    if busy:
+                        ranks[1].send_signal(signal.SIGKILL)
+                        killed_during = n
+                        break
+            time.sleep(0.0005)
+        self.assertIsNotNone(killed_during, "no checkpoint write was caught in progress")
+        ranks[1].wait(timeout=30)
+        out0, err0 = ranks[0].communicate(timeout=120)
+        self.assertNotEqual(ranks[0].returncode, 0, out0)  # its peer died: a clear error
+        in_progress = int(killed_during[len(".tmp-step-"):])
+        complete = sorted(int(n[5:]) for n in os.listdir(ckpt) if n.startswith("step-") and
+                          os.path.exists(os.path.join(ckpt, n, "COMMITTED")))
+        self.assertTrue(complete, os.listdir(ckpt))
+        last = complete[-1]
+        self.assertLess(last, in_progress + 1)
+        # The previous checkpoint resumes, on 4 ranks, to two steps past it,
+        # with the losses of the uninterrupted 2-rank run (where it has them).
+        target = last + 2
+        p = launch("--plan", self.plan4, "--resume", ckpt, "--steps", str(target))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(f"resuming from {ckpt}/step-{last:08d} (step {last}", p.stdout)
+        got = losses(p.stdout)
+        self.assertEqual(sorted(got), [last, last + 1], p.stdout)
+        for step, loss in got.items():
+            if step in self.reference:
+                self.assertAlmostEqual(loss, self.reference[step], delta=1e-4 * abs(loss) + 1e-5)
+
+    def test_resume_on_another_world_size_equals_the_uninterrupted_run(self):
+        ckpt = os.path.join(util.tmpdir(), "ckpt")
+        p = launch("--plan", self.plan4, "--steps", "6", "--checkpoint-dir", ckpt)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(f"checkpoint: 6 steps done -> {ckpt}/step-00000006", p.stdout)
+        p = launch("--plan", self.plan2, "--steps", "12", "--resume", ckpt)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        got = losses(p.stdout)
+        self.assertEqual(sorted(got), list(range(6, 12)), p.stdout)
+        for step, loss in got.items():
+            self.assertAlmostEqual(loss, self.reference[step], delta=1e-4 * abs(loss) + 1e-5)
+        # Nothing left to do past the end.
+        p = launch("--plan", self.plan2, "--steps", "6", "--resume", ckpt)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("nothing to do: the checkpoint is at step 6", p.stdout)
+
+        # inspect and export read it.
+        info = json.loads(util.run([HAPCTL, "checkpoint", "inspect", ckpt, "-o", "json"]).stdout)
+        self.assertEqual(int(info["trainer"]["step"]), 6)
+        self.assertEqual(info["trainer"]["world_size"], 4)
+        names = {t["name"] for t in info["index"]["tensors"]}
+        self.assertIn("decoder/weight#adam_m", names)
+        table = util.run([HAPCTL, "checkpoint", "inspect", ckpt]).stdout
+        self.assertRegex(table, r"step +6 \(48 samples seen, global batch 8\)")
+        out = os.path.join(util.tmpdir(), "model.safetensors")
+        util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+        with open(out, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        self.assertIn("decoder/weight", header)
+        self.assertNotIn("decoder/weight#adam_m", header)
+
+        # --init-weights from the export starts from the trained weights: the
+        # loss of step 0's batch is not a fresh start's.
+        p = launch("--plan", self.plan2, "--steps", "1", "--init-weights", out)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertNotAlmostEqual(losses(p.stdout)[0], self.reference[0], places=3)
+
+    def test_bad_checkpoints_are_refused_before_step_1(self):
+        ckpt = os.path.join(util.tmpdir(), "ckpt")
+        p = launch("--plan", self.plan2, "--steps", "2", "--checkpoint-dir", ckpt)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        step = os.path.join(ckpt, "step-00000002")
+
+        def refused(damage, message, *extra):
+            bad = os.path.join(util.tmpdir(), "bad")
+            shutil.copytree(ckpt, bad)
+            damage(os.path.join(bad, "step-00000002"))
+            before = {n: open(os.path.join(bad, "step-00000002", n), "rb").read()
+                      for n in os.listdir(os.path.join(bad, "step-00000002"))}
+            r = launch("--plan", self.plan2, "--steps", "4", "--resume", bad, *extra)
+            self.assertEqual(r.returncode, 1, r.stdout)
+            self.assertIn(message, r.stderr)
+            self.assertNotIn("step 2 loss", r.stdout)
+            after = {n: open(os.path.join(bad, "step-00000002", n), "rb").read()
+                     for n in os.listdir(os.path.join(bad, "step-00000002"))}
+            self.assertEqual(before, after)  # nothing overwritten
+
+        def truncate(d):
+            with open(os.path.join(d, "rank-00001-of-00002.safetensors"), "r+b") as f:
+                f.truncate(1000)
+
+        refused(truncate, "rank-00001-of-00002.safetensors is not a valid safetensors file")
+        refused(lambda d: os.remove(os.path.join(d, "rank-00000-of-00002.safetensors")),
+                "rank-00000-of-00002.safetensors")
+        refused(lambda d: open(os.path.join(d, "index.json"), "w").write("{oops"),
+                "index.json is corrupted")
+        other = plan(os.path.join(self.dir, "other.pb"), CLUSTER2, "--hidden", "64")
+        r = launch("--plan", other, "--steps", "4", "--resume", ckpt)
+        self.assertEqual(r.returncode, 1)
+        self.assertRegex(r.stderr, r"is of another graph: parameter '[^']+' is F32\[[0-9,]+\] "
+                                   r"there and F32\[[0-9,]+\] in the model")
+        r = launch("--plan", self.plan2, "--steps", "4", "--resume", step + "-nope")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("no checkpoint directory", r.stderr)
+
+
+if __name__ == "__main__":
+    util.main("checkpoint_cli_test", needs_torch=False)
