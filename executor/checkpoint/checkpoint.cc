@@ -452,6 +452,48 @@ absl::StatusOr<int64_t> CopyOverlap(TensorView src, absl::Span<const int64_t> sr
   return n;
 }
 
+// The overlap of a stored slice (`src`: its shape, at `src_offsets` of the
+// global tensor) with the piece `dst` (at `dst_offsets`), read from the file
+// `f`. A region that is one contiguous run of bytes in both (row ranges of
+// a ZeRO or row-sharded tensor, a whole tensor) is one pread; others copy
+// from the mapping row by row. Returns the elements copied.
+absl::StatusOr<int64_t> ReadOverlap(const SafetensorsFile& f, const std::string& name,
+                                    TensorView src, absl::Span<const int64_t> src_offsets,
+                                    TensorView dst, absl::Span<const int64_t> dst_offsets) {
+  const size_t rank = dst.shape.size();
+  std::vector<int64_t> lo(rank), extent(rank);
+  int64_t n = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    lo[d] = std::max(src_offsets[d], dst_offsets[d]);
+    const int64_t hi = std::min(src_offsets[d] + src.shape[d], dst_offsets[d] + dst.shape[d]);
+    if (hi <= lo[d]) return 0;
+    extent[d] = hi - lo[d];
+    n *= extent[d];
+  }
+  // Contiguous in a tensor of `shape`: after the first dimension with an
+  // extent above 1, every dimension is whole.
+  auto contiguous = [&](const Shape& shape) {
+    size_t d = 0;
+    while (d < rank && extent[d] == 1) ++d;
+    for (++d; d < rank; ++d) {
+      if (extent[d] != shape[d]) return false;
+    }
+    return true;
+  };
+  if (rank > 0 && contiguous(src.shape) && contiguous(dst.shape)) {
+    int64_t src_at = 0, dst_at = 0;
+    for (size_t d = 0; d < rank; ++d) {
+      src_at = src_at * src.shape[d] + (lo[d] - src_offsets[d]);
+      dst_at = dst_at * dst.shape[d] + (lo[d] - dst_offsets[d]);
+    }
+    const int64_t size = graph::DTypeBytes(dst.dtype);
+    HAP_RETURN_IF_ERROR(f.ReadBytes(name, src_at * size, n * size,
+                                    static_cast<char*>(dst.data) + dst_at * size));
+    return n;
+  }
+  return CopyOverlap(src, src_offsets, dst, dst_offsets);
+}
+
 absl::Status CheckRequest(const std::string& name, DType saved_dtype, const Shape& saved_shape,
                           const Shape& global, absl::Span<const int64_t> offsets,
                           const TensorView& dst, const std::string& where) {
@@ -504,7 +546,7 @@ absl::Status CheckpointReader::Read(const std::string& name, const Shape& global
                                               graph::ShapeString(view->shape), ", the index says ",
                                               t.dtype(), graph::ShapeString(extents)));
     }
-    HAP_ASSIGN_OR_RETURN(int64_t n, CopyOverlap(*view, s.offsets(), dst, offsets));
+    HAP_ASSIGN_OR_RETURN(int64_t n, ReadOverlap(*f, name, *view, s.offsets(), dst, offsets));
     copied += n;
   }
   if (copied < dst.num_elements()) {

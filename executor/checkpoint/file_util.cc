@@ -53,6 +53,10 @@ absl::Status FileWriter::Write(const void* data, size_t bytes) {
   return absl::OkStatus();
 }
 
+void FileWriter::Reserve(int64_t bytes) {
+  if (fd_ >= 0 && bytes > 0) (void)::fallocate(fd_, 0, 0, bytes);  // an optimisation only
+}
+
 absl::Status FileWriter::SyncAndClose() {
   if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
   int fd = fd_;

@@ -21,6 +21,10 @@ class FileWriter {
   ~FileWriter();
 
   absl::Status Write(const void* data, size_t bytes);
+  // Reserves `bytes` of disk for the file (fallocate) so that writing a
+  // new file does not allocate block by block; best effort (a file system
+  // without fallocate just writes).
+  void Reserve(int64_t bytes);
   // fsync, then close; the first error of either.
   absl::Status SyncAndClose();
 

@@ -157,7 +157,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   }
   void* m = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_err = errno;
-  ::close(fd);
+  f->fd_ = fd;  // closed by the destructor
   if (m == MAP_FAILED) {
     return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(map_err)));
   }
@@ -179,6 +179,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     return bad("its header is not a JSON object");
   }
   f->data_ = reinterpret_cast<const char*>(bytes + 8 + n);
+  f->data_offset_ = static_cast<int64_t>(8 + n);
   const int64_t data_bytes = st.st_size - 8 - static_cast<int64_t>(n);
   for (const auto& [name, value] : json.fields()) {
     if (name == "__metadata__") {
@@ -248,6 +249,34 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) munmap(map_, static_cast<size_t>(map_bytes_));
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status SafetensorsFile::ReadBytes(const std::string& name, int64_t offset, int64_t bytes,
+                                        void* dst) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("no tensor '", name, "' in ", path_));
+  }
+  const Tensor& t = it->second;
+  if (offset < 0 || bytes < 0 || t.begin + offset + bytes > t.end) {
+    return absl::OutOfRangeError(absl::StrCat("bytes [", offset, ", ", offset + bytes,
+                                              ") lie outside tensor '", name, "' of ", path_));
+  }
+  char* out = static_cast<char*>(dst);
+  int64_t at = data_offset_ + t.begin + offset;
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd_, out, static_cast<size_t>(bytes), at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::DataLossError(absl::StrCat("cannot read tensor '", name, "' of ", path_, ": ",
+                                              n < 0 ? std::strerror(errno) : "end of file"));
+    }
+    out += n;
+    at += n;
+    bytes -= n;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TensorView> SafetensorsFile::View(const std::string& name) const {

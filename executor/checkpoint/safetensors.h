@@ -69,6 +69,11 @@ class SafetensorsFile {
   // The tensor's bytes in the mapping (read-only memory: never write
   // through the view). NotFound naming the tensor and the file.
   absl::StatusOr<TensorView> View(const std::string& name) const;
+  // Copies `bytes` bytes from byte `offset` of tensor `name` into `dst`
+  // with pread: a sequential read without page faults on the mapping, for
+  // large contiguous pieces. OutOfRange past the tensor's end.
+  absl::Status ReadBytes(const std::string& name, int64_t offset, int64_t bytes,
+                         void* dst) const;
 
  private:
   SafetensorsFile() = default;
@@ -76,6 +81,8 @@ class SafetensorsFile {
   void* map_ = nullptr;
   int64_t map_bytes_ = 0;
   const char* data_ = nullptr;  // the data buffer
+  int fd_ = -1;                 // kept open for ReadBytes
+  int64_t data_offset_ = 0;     // of the data buffer in the file
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::string> metadata_;
 };
