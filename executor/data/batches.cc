@@ -13,18 +13,11 @@ using executor::CounterNormal;
 using executor::CounterUniform;
 using executor::HashName;
 
-// The number of distinct values an integer input may take.
+// The number of distinct values an integer input may take (2 when no
+// consumer says).
 int64_t IdRange(const graph::Graph& g, graph::TensorId t) {
-  for (graph::OpId c : g.tensor(t).consumers) {
-    const graph::Op& op = g.op(c);
-    if (op.type == "embedding" && op.inputs[0] == t) {
-      return g.tensor(op.inputs[1]).type.shape[0];
-    }
-    if ((op.type == "nll_loss" || op.type == "cross_entropy") && op.inputs[1] == t) {
-      return g.tensor(op.inputs[0]).type.shape[1];
-    }
-  }
-  return 2;
+  std::optional<IdLimit> l = IntegerInputLimit(g, t);
+  return l ? l->limit : 2;
 }
 
 template <typename T>
@@ -111,6 +104,25 @@ class Lm : public BatchSource {
 };
 
 }  // namespace
+
+std::optional<IdLimit> IntegerInputLimit(const graph::Graph& g, graph::TensorId t) {
+  std::optional<IdLimit> best;
+  for (graph::OpId c : g.tensor(t).consumers) {
+    const graph::Op& op = g.op(c);
+    IdLimit l;
+    if (op.type == "embedding" && op.inputs[0] == t) {
+      l.limit = g.tensor(op.inputs[1]).type.shape[0];
+      l.source = absl::StrCat("the vocabulary of ", l.limit, " of embedding '", op.name, "'");
+    } else if ((op.type == "nll_loss" || op.type == "cross_entropy") && op.inputs[1] == t) {
+      l.limit = g.tensor(op.inputs[0]).type.shape[1];
+      l.source = absl::StrCat("the ", l.limit, " classes of ", op.type, " '", op.name, "'");
+    } else {
+      continue;
+    }
+    if (!best || l.limit < best->limit) best = std::move(l);
+  }
+  return best;
+}
 
 std::unique_ptr<BatchSource> NewSyntheticBatches(const graph::Graph& g, uint64_t seed) {
   return std::make_unique<Synthetic>(g, seed);

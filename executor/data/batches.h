@@ -14,6 +14,8 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,18 @@ class BatchSource {
   virtual ~BatchSource() = default;
   virtual absl::StatusOr<GlobalBatch> Get(int64_t step) = 0;
 };
+
+// The range [0, limit) an integer graph input's values must lie in, as its
+// consumers say: ids of an embedding index its table's rows (the
+// vocabulary), targets of nll_loss / cross_entropy its classes. The tightest
+// over all such consumers; nullopt when no consumer constrains `t`.
+// `source` names the consumer for messages ("the vocabulary of 18328 of
+// embedding 'embed/tokens'").
+struct IdLimit {
+  int64_t limit = 0;
+  std::string source;
+};
+std::optional<IdLimit> IntegerInputLimit(const graph::Graph& g, graph::TensorId t);
 
 std::unique_ptr<BatchSource> NewSyntheticBatches(const graph::Graph& g, uint64_t seed);
 
