@@ -40,6 +40,21 @@ def losses(out):
             for m in re.finditer(r"^step (\d+) loss (\S+)", out, re.M)}
 
 
+def write_npy(path, n, s, high, seed, poison=None):
+    """An int64 (n, s) .npy, version 1.0, written from the format's spec;
+    `poison` = (row, value) puts a value in column 0 of that row."""
+    import random
+    rng = random.Random(seed)
+    values = [rng.randrange(high) for _ in range(n * s)]
+    if poison:
+        values[poison[0] * s] = poison[1]
+    header = "{'descr': '<i8', 'fortran_order': False, 'shape': (%d, %d), }" % (n, s)
+    header += " " * (64 - (10 + len(header) + 1) % 64) + "\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+        f.write(b"".join(v.to_bytes(8, "little", signed=True) for v in values))
+
+
 def launch(*args, timeout=600):
     return subprocess.run([LAUNCH, "--executor", EXECUTOR, *args], capture_output=True,
                           text=True, timeout=timeout)
@@ -145,6 +160,35 @@ class CheckpointCliTest(unittest.TestCase):
         p = launch("--plan", self.plan2, "--steps", "1", "--init-weights", out)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertNotAlmostEqual(losses(p.stdout)[0], self.reference[0], places=3)
+
+    def test_npy_data_shuffled_continues_its_sequence_across_a_resume(self):
+        data = os.path.join(util.tmpdir(), "data")
+        os.makedirs(data)
+        # GPT inputs tokens[8, 16] and labels[8*16]: files (N, 16), N = 20.
+        write_npy(os.path.join(data, "tokens.npy"), 20, 16, 18328, seed=1)
+        write_npy(os.path.join(data, "labels.npy"), 20, 16, 18328, seed=2)
+        spec = ["--data", "npy:" + data, "--shuffle", "7"]
+        whole = launch("--plan", self.plan2, "--steps", "8", *spec)
+        self.assertEqual(whole.returncode, 0, whole.stderr)
+        ckpt = os.path.join(util.tmpdir(), "ckpt")
+        first = launch("--plan", self.plan4, "--steps", "4", "--checkpoint-dir", ckpt, *spec)
+        self.assertEqual(first.returncode, 0, first.stderr)
+        rest = launch("--plan", self.plan2, "--steps", "8", "--resume", ckpt, *spec)
+        self.assertEqual(rest.returncode, 0, rest.stderr)
+        want, got = losses(whole.stdout), {**losses(first.stdout), **losses(rest.stdout)}
+        self.assertEqual(sorted(got), list(range(8)))
+        for step in range(8):
+            self.assertAlmostEqual(got[step], want[step], delta=1e-4 * abs(want[step]) + 1e-5)
+        # Another shuffle seed is another sequence.
+        other = launch("--plan", self.plan2, "--steps", "2", "--data", "npy:" + data,
+                       "--shuffle", "8")
+        self.assertNotAlmostEqual(losses(other.stdout)[1], want[1], places=4)
+        # Bad data stops before step 1, naming file, row and value.
+        write_npy(os.path.join(data, "labels.npy"), 20, 16, 18328, seed=2, poison=(13, 99999))
+        bad = launch("--plan", self.plan2, "--steps", "2", "--data", "npy:" + data)
+        self.assertEqual(bad.returncode, 1, bad.stdout)
+        self.assertRegex(bad.stderr, r"labels\.npy.*13.*99999")
+        self.assertNotIn("step 0 loss", bad.stdout)
 
     def test_bad_checkpoints_are_refused_before_step_1(self):
         ckpt = os.path.join(util.tmpdir(), "ckpt")

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -22,6 +23,7 @@
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
+#include "executor/data/user_data.h"
 #include "executor/data/wikitext.h"
 #include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
@@ -45,7 +47,8 @@ namespace v1 = ::hap::v1;
 
 constexpr char kUsage[] =
     R"(usage: hap-executor --plan PLAN.pb --rank R --world N --rendezvous DIR
-                    [--steps K] [--data synthetic|wikitext] [--data-dir DIR]
+                    [--steps K] [--data synthetic|wikitext|npy:DIR|tokens:FILE]
+                    [--shuffle SEED] [--data-dir DIR]
                     [--threads T] [--timeout SECONDS] [--log-every N]
                     [--device cpu|cuda[:N]]
                     [--profile PREFIX]
@@ -68,6 +71,11 @@ PREFIX.rankR.json: median step seconds and seconds per step by op type
 (optimizer kernels as (optimizer), fills and copies as (runtime); the rest
 of a step is communication and waiting), the input of hapctl calibrate,
 and PREFIX.rankR.kernels.md, the same timings per kernel name as a table.
+--data npy:DIR reads one DIR/<input>.npy per graph input (first dimension:
+samples); --data tokens:FILE[:uint16|uint32] a flat token stream for a
+language model. Step k's global batch is samples k*B..k*B+B-1 (mod the
+number of samples), or with --shuffle SEED a seeded permutation per epoch:
+the same whatever the plan or world size.
 --steps N trains until global step N (default 10): a resumed run does the
 steps that remain.
 --checkpoint-dir DIR saves a checkpoint every --checkpoint-every steps (0,
@@ -103,7 +111,8 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "log-every", "executor", "cpu-shares",
                                            "cpu-period-us", "profile",
                                            "checkpoint-dir", "checkpoint-every",
-                                           "checkpoint-keep", "resume", "init-weights"};
+                                           "checkpoint-keep", "resume", "init-weights",
+                                           "shuffle"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -217,6 +226,16 @@ absl::Status Run(const tools::Args& a) {
 
   std::unique_ptr<data::BatchSource> batches;
   std::string source = a.Get("data", "synthetic");
+  data::DataOptions data_options;
+  if (a.Has("shuffle")) {
+    uint64_t seed;
+    if (!absl::SimpleAtoi(a.Get("shuffle"), &seed)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shuffle takes a seed (a non-negative integer), got '",
+                       a.Get("shuffle"), "'"));
+    }
+    data_options.shuffle_seed = seed;
+  }
   if (source == "wikitext") {
     std::string dir = DataDir(a) + "/wikitext-2";
     HAP_ASSIGN_OR_RETURN(data::Vocabulary vocab,
@@ -226,9 +245,16 @@ absl::Status Run(const tools::Args& a) {
     HAP_ASSIGN_OR_RETURN(batches, data::NewLmBatches(g, std::move(corpus)));
   } else if (source == "synthetic") {
     batches = data::NewSyntheticBatches(g, plan.options().seed());
+  } else if (absl::StartsWith(source, "npy:") || absl::StartsWith(source, "tokens:")) {
+    HAP_ASSIGN_OR_RETURN(batches, data::OpenUserData(source, g, data_options));
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--data must be synthetic or wikitext, got '", source, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got '",
+        source, "'"));
+  }
+  if (data_options.shuffle_seed.has_value() && !absl::StartsWith(source, "npy:") &&
+      !absl::StartsWith(source, "tokens:")) {
+    return absl::InvalidArgumentError("--shuffle applies to npy: and tokens: data only");
   }
 
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
@@ -281,6 +307,8 @@ absl::Status Run(const tools::Args& a) {
     trainer.set_seed(plan.options().seed());
     trainer.set_global_batch(plan.global_batch());
     trainer.set_data(source);
+    trainer.set_shuffle(data_options.shuffle_seed.has_value());
+    trainer.set_shuffle_seed(data_options.shuffle_seed.value_or(0));
     *trainer.mutable_optimizer() = plan.options().optimizer();
     trainer.set_graph_name(g.name());
     trainer.set_graph_hash(plan.graph_hash());

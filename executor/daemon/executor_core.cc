@@ -10,6 +10,7 @@
 #include "absl/strings/strip.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/data/batches.h"
+#include "executor/data/user_data.h"
 #include "executor/data/wikitext.h"
 #include "executor/runtime/program_runner.h"
 #include "executor/train/backend.h"
@@ -91,6 +92,14 @@ bool Ended(v1::ExecutorStatus::State s) {
 absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(
     const graph::Graph& g, const v1::Plan& plan, const v1::TrainingConfig& t,
     const std::string& data_dir) {
+  if (!t.data_spec().empty()) {
+    data::DataOptions o;
+    if (t.shuffle()) o.shuffle_seed = t.shuffle_seed();
+    return data::OpenUserData(t.data_spec(), g, o);
+  }
+  if (t.shuffle()) {
+    return absl::InvalidArgumentError("shuffle applies to data_spec (npy:, tokens:) data only");
+  }
   switch (t.data()) {
     case v1::TrainingConfig::DATA_SOURCE_UNSPECIFIED:
     case v1::TrainingConfig::SYNTHETIC:
