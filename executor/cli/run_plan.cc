@@ -29,7 +29,7 @@
 #include "executor/train/backend.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
-#include "planner/lower/plan_builder.h"
+#include "planner/lower/plan_file.h"
 #include "planner/util/status_macros.h"
 #include "tools/cli_args.h"
 

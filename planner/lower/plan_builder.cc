@@ -1,11 +1,6 @@
 #include "planner/lower/plan_builder.h"
 
-#include <openssl/sha.h>
-
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "planner/cost/collectives.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/lower.h"
@@ -103,30 +98,6 @@ void AddInstructions(const graph::Graph& g, const synth::Program& p,
 
 }  // namespace
 
-std::string Sha256Hex(const google::protobuf::Message& m) {
-  std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream s(&bytes);
-    google::protobuf::io::CodedOutputStream out(&s);
-    out.SetSerializationDeterministic(true);
-    m.SerializeToCodedStream(&out);
-  }
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
-}
-
-std::string ContentHash(const v1::Plan& plan) {
-  v1::Plan content;
-  *content.mutable_program() = plan.program();
-  *content.mutable_ratios() = plan.ratios();
-  *content.mutable_rank_programs() = plan.rank_programs();
-  *content.mutable_options() = plan.options();
-  content.set_graph_hash(plan.graph_hash());
-  return Sha256Hex(content);
-}
-
 absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
                                    const v1::Cluster& cluster_profile,
                                    const cost::ClusterModel& cluster,
@@ -173,36 +144,6 @@ absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
   plan.set_state(v1::Plan::SUCCEEDED);
   plan.set_content_hash(ContentHash(plan));
   return plan;
-}
-
-absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
-  if (plan.format_version() != kPlanFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "plan format version ", plan.format_version(), " is not supported (this "
-        "executor reads version ", kPlanFormatVersion, ")"));
-  }
-  if (plan.rank_programs_size() == 0) {
-    return absl::InvalidArgumentError("the plan has no rank programs (not lowered)");
-  }
-  if (world != plan.rank_programs_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the plan is for a world of ", plan.rank_programs_size(),
-        " ranks, not ", world));
-  }
-  if (rank < 0 || rank >= world) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is out of range for a world of ", world));
-  }
-  if (plan.rank_programs(rank).rank() != rank ||
-      plan.rank_programs(rank).world_size() != world) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the plan's program ", rank, " is not rank ", rank, "'s"));
-  }
-  if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
-    return absl::InvalidArgumentError(
-        "the plan's content hash does not match its content (corrupted?)");
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace hap::lower

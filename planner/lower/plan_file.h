@@ -1,0 +1,29 @@
+// What an executor needs of a plan file (hap.v1.Plan) without the planner:
+// the format version, the check that a plan fits a rank, and the hashes.
+// No synthesis, no GLPK: executors and tools link this, not plan_builder.
+#ifndef HAP_PLANNER_LOWER_PLAN_FILE_H_
+#define HAP_PLANNER_LOWER_PLAN_FILE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "hap/v1/plan.pb.h"
+
+namespace hap::lower {
+
+// The format_version this code writes and executors accept.
+inline constexpr int kPlanFormatVersion = 1;
+
+// Checks a plan an executor is about to run as rank `rank` of `world`:
+// format version, rank programs for that world, content hash.
+// InvalidArgument naming what does not fit.
+absl::Status CheckPlanForRank(const hap::v1::Plan& plan, int rank, int world);
+
+// sha256 (hex) of the deterministic serialization of a message.
+std::string Sha256Hex(const google::protobuf::Message& m);
+// The hash over program, ratios and rank programs (Plan.content_hash).
+std::string ContentHash(const hap::v1::Plan& plan);
+
+}  // namespace hap::lower
+
+#endif  // HAP_PLANNER_LOWER_PLAN_FILE_H_
