@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -50,6 +51,11 @@ bool ValidId(const std::string& id) {
   return true;
 }
 
+// "nodes/a" -> "a"; a bare name as it is.
+std::string NodeId(const std::string& name) {
+  return name.rfind("nodes/", 0) == 0 ? name.substr(6) : name;
+}
+
 bool ValidNodeName(const std::string& n) {
   if (n.empty() || n.size() > 253) return false;
   for (char c : n) {
@@ -60,6 +66,84 @@ bool ValidNodeName(const std::string& n) {
   return true;
 }
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// OK when lo <= v < hi (so never for NaN or an infinity); otherwise
+// InvalidArgument naming `field`, what it must be, and `v`.
+absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
+                        absl::string_view must_be) {
+  if (std::isfinite(v) && v >= lo && v < hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, " must be ", must_be, ", got ", v));
+}
+
+// What every node profile must hold, whether it comes from RegisterNode or
+// from a Heartbeat with re-measured devices: device ids non-empty and unique
+// in the node, and every measurement a finite number in its range (one NaN
+// FLOP/s or negative memory poisons every plan made for the cluster). Adds
+// the ids to `ids`. Ownership across nodes is checked by CheckOwners.
+absl::Status ValidateDevices(const std::string& node,
+                             const google::protobuf::RepeatedPtrField<v1::Device>& devices,
+                             std::set<std::string>* ids) {
+  if (devices.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("node '", node, "' reports no devices"));
+  }
+  for (const v1::Device& d : devices) {
+    if (d.id().empty() || !ids->insert(d.id()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "node '", node, "': device ids must be non-empty and unique, got '", d.id(), "'"));
+    }
+    const std::string dev = absl::StrCat("device '", d.id(), "': ");
+    double f32 = 0;
+    for (const auto& t : d.flops()) {
+      HAP_RETURN_IF_ERROR(CheckRange(
+          absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"), t.flops(), 0, kInf,
+          "a finite number >= 0"));
+      if (t.dtype() == v1::FLOAT32) f32 = t.flops();
+    }
+    if (!(f32 > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device '", d.id(), "' has no positive float32 FLOP/s measurement"));
+    }
+    if (d.memory_bytes() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device '", d.id(), "' reports no memory: memory_bytes must be positive, got ",
+          d.memory_bytes()));
+    }
+    const std::pair<const char*, double> non_negative[] = {
+        {"tf32_flops", d.tf32_flops()},
+        {"launch_overhead_seconds", d.launch_overhead_seconds()},
+        {"optimizer_seconds_per_element", d.optimizer_seconds_per_element()},
+        {"step_overhead_seconds", d.step_overhead_seconds()},
+    };
+    for (const auto& [field, v] : non_negative) {
+      HAP_RETURN_IF_ERROR(
+          CheckRange(absl::StrCat(dev, field), v, 0, kInf, "a finite number >= 0"));
+    }
+    for (const auto& [op, scale] : d.op_time_scale()) {
+      if (!(std::isfinite(scale) && scale > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dev, "op_time_scale[\"", op, "\"] must be a finite number > 0, got ", scale));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// AlreadyExists, naming the device and its owner, when one of `ids` belongs
+// to a node other than `node`.
+absl::Status CheckOwners(const std::map<std::string, v1::Node>& nodes, const std::string& node,
+                         const std::set<std::string>& ids) {
+  for (const auto& [name, other] : nodes) {
+    if (name == node) continue;
+    for (const auto& d : other.devices()) {
+      if (ids.count(d.id())) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "device '", d.id(), "' is already registered by node '", name, "'"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::string RandomId() {
   static std::atomic<uint64_t> counter{0};
@@ -98,19 +182,56 @@ struct PlannerCore::Job {
   v1::PlanOptions proto_options;
   std::string cache_key;
   absl::Time deadline = absl::InfiniteFuture();
+  // Set (under the core's lock) when a state of the plan could not be saved
+  // and it became FAILED instead; a CreatePlan that waits returns it.
+  absl::Status save_error;
 };
 
 absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
                             const PlannerCoreOptions& o_) {
-  if (po.budget().max_states() < 0 || po.budget().max_seconds() < 0 ||
-      !std::isfinite(po.budget().max_seconds())) {
+  // Everything the plan carries to the executors is checked here: a NaN
+  // learning rate would otherwise reach every rank's optimizer.
+  if (po.budget().max_states() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.budget.max_states must not be negative, got ", po.budget().max_states()));
+  }
+  HAP_RETURN_IF_ERROR(CheckRange("options.budget.max_seconds", po.budget().max_seconds(), 0,
+                                 kInf, "a finite number >= 0 (0 = the default)"));
+  if (po.segments() < 0) {
     return absl::InvalidArgumentError(
-        "options.budget: max_states and max_seconds must not be negative");
+        absl::StrCat("options.segments must not be negative, got ", po.segments()));
   }
   if (po.segments() > 1) {
     return absl::InvalidArgumentError(
         "options.segments > 1 (per-layer-group ratios) is not supported yet");
   }
+  if (po.max_joint_iterations() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.max_joint_iterations must not be negative, got ", po.max_joint_iterations()));
+  }
+  if (!v1::DType_IsValid(po.compute_dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.compute_dtype ", po.compute_dtype(), " is not a known dtype"));
+  }
+  const v1::OptimizerConfig& opt = po.optimizer();
+  if (!v1::OptimizerConfig::Kind_IsValid(opt.kind())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.optimizer.kind ", opt.kind(), " is not a known optimizer (SGD or ADAM)"));
+  }
+  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.learning_rate", opt.learning_rate(), 0,
+                                 kInf, "a finite number >= 0 (0 = the default)"));
+  HAP_RETURN_IF_ERROR(
+      CheckRange("options.optimizer.momentum", opt.momentum(), 0, 1, "in [0, 1)"));
+  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.beta1", opt.beta1(), 0, 1,
+                                 "in [0, 1) (0 = the default)"));
+  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.beta2", opt.beta2(), 0, 1,
+                                 "in [0, 1) (0 = the default)"));
+  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.epsilon", opt.epsilon(), 0, kInf,
+                                 "a finite number >= 0 (0 = the default)"));
+  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.weight_decay", opt.weight_decay(), 0, kInf,
+                                 "a finite number >= 0"));
+  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.clip_global_norm", opt.clip_global_norm(),
+                                 0, kInf, "a finite number >= 0 (0 = no clipping)"));
   synth::PlanOptions& so = job->options;
   switch (po.baseline()) {
     case v1::BASELINE_UNSPECIFIED:
@@ -207,7 +328,13 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
       failed.set_state(v1::Plan::FAILED);
       failed.set_error(absl::StrCat("could not resume after a restart: ", st.message()));
       failed.set_error_code(static_cast<int>(st.code()));
-      if (core->o_.sink) (void)core->o_.sink->SavePlan(failed);
+      if (core->o_.sink) {
+        // A planner that cannot write its store does not start.
+        HAP_RETURN_IF_ERROR(Annotate(
+            core->o_.sink->SavePlan(failed),
+            absl::StrCat(p.name(), " could not resume (", st.message(),
+                         ") and could not be saved as FAILED")));
+      }
     }
   }
   for (int i = 0; i < core->o_.workers; ++i) {
@@ -226,14 +353,55 @@ void PlannerCore::RefreshLiveness() {
 void PlannerCore::RefreshLivenessLocked() {
   absl::Time now = o_.now();
   absl::Duration limit = o_.heartbeat_interval * o_.missed_heartbeats;
+  std::vector<std::string> expired;
   for (auto& [name, n] : s_->nodes) {
-    bool stale = now - FromProto(n.last_heartbeat()) > limit;
-    auto want = stale ? v1::Node::STALE : v1::Node::READY;
-    if (n.state() != want) {
-      n.set_state(want);
-      if (o_.sink) (void)o_.sink->SaveNode(n);
+    absl::Duration silent = now - FromProto(n.last_heartbeat());
+    // Derived from last_heartbeat, which every heartbeat saves; a restart
+    // derives it again, so reads do not write it.
+    n.set_state(silent > limit ? v1::Node::STALE : v1::Node::READY);
+    if (silent > limit + o_.node_expiry) expired.push_back(name);
+  }
+  for (const std::string& name : expired) {
+    absl::Status removed = RemoveNodeLocked(name);
+    if (!removed.ok()) {
+      // The store still holds the node, so it stays (STALE); the next
+      // refresh tries again.
+      continue;
     }
   }
+}
+
+absl::Status PlannerCore::RemoveNodeLocked(const std::string& name) {
+  if (o_.sink) {
+    absl::Status st = o_.sink->DeleteNode(name);
+    if (!st.ok() && !absl::IsNotFound(st)) {
+      return Annotate(st, absl::StrCat("node '", name, "' was not deleted"));
+    }
+  }
+  auto it = s_->nodes.find(name);
+  if (it == s_->nodes.end()) return absl::OkStatus();
+  std::set<std::string> devices;
+  for (const auto& d : it->second.devices()) devices.insert(d.id());
+  for (auto l = s_->links.begin(); l != s_->links.end();) {
+    bool gone = devices.count(l->first.first) || devices.count(l->first.second);
+    l = gone ? s_->links.erase(l) : std::next(l);
+  }
+  s_->nodes.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status PlannerCore::DeleteNode(const std::string& name) {
+  std::string id = NodeId(name);
+  if (!ValidNodeName(id)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node name '", name, "' must look like nodes/{node} or {node}, with 1-253 letters, "
+        "digits, '-', '.' or '_'"));
+  }
+  absl::MutexLock l(&s_->mu);
+  if (!s_->nodes.count(id)) {
+    return absl::NotFoundError(absl::StrCat("node '", id, "' is not registered"));
+  }
+  return RemoveNodeLocked(id);
 }
 
 absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Node& in) {
@@ -241,46 +409,19 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
     return absl::InvalidArgumentError(absl::StrCat(
         "node name '", in.name(), "' must be 1-253 letters, digits, '-', '.' or '_'"));
   }
-  if (in.devices().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node '", in.name(), "' reports no devices"));
-  }
-  v1::Node node = in;
   std::set<std::string> ids;
-  for (v1::Device& d : *node.mutable_devices()) {
-    if (d.id().empty() || !ids.insert(d.id()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "node '", in.name(), "': device ids must be non-empty and unique, got '", d.id(),
-          "'"));
-    }
-    double f32 = 0;
-    for (const auto& t : d.flops()) {
-      if (t.dtype() == v1::FLOAT32) f32 = t.flops();
-    }
-    if (!(f32 > 0) || !std::isfinite(f32)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device '", d.id(), "' has no positive float32 FLOP/s measurement"));
-    }
-    if (d.memory_bytes() <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device '", d.id(), "' reports no memory"));
-    }
-    d.set_node(node.name());
-  }
+  HAP_RETURN_IF_ERROR(ValidateDevices(in.name(), in.devices(), &ids));
+  v1::Node node = in;
+  for (v1::Device& d : *node.mutable_devices()) d.set_node(node.name());
   absl::MutexLock l(&s_->mu);
-  for (const auto& [name, other] : s_->nodes) {
-    if (name == node.name()) continue;
-    for (const auto& d : other.devices()) {
-      if (ids.count(d.id())) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "device '", d.id(), "' is already registered by node '", name, "'"));
-      }
-    }
-  }
+  HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, node.name(), ids));
   *node.mutable_last_heartbeat() = ToProto(o_.now());
   node.set_state(v1::Node::READY);
+  if (o_.sink) {
+    HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(node),
+                                 absl::StrCat("node '", node.name(), "' was not registered")));
+  }
   s_->nodes[node.name()] = node;
-  if (o_.sink) HAP_RETURN_IF_ERROR(o_.sink->SaveNode(node));
   v1::RegisterNodeResponse r;
   *r.mutable_node() = node;
   r.mutable_heartbeat_interval()->set_seconds(
@@ -291,25 +432,32 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
 }
 
 absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::HeartbeatRequest& r) {
-  std::string name = r.name().rfind("nodes/", 0) == 0 ? r.name().substr(6) : r.name();
+  std::string name = NodeId(r.name());
+  std::set<std::string> ids;
+  if (!r.devices().empty()) HAP_RETURN_IF_ERROR(ValidateDevices(name, r.devices(), &ids));
   v1::HeartbeatResponse out;
   absl::MutexLock l(&s_->mu);
+  RefreshLivenessLocked();  // (may expire the node)
   auto it = s_->nodes.find(name);
   if (it == s_->nodes.end()) {
     out.set_unknown_node(true);  // register again
     return out;
   }
-  v1::Node& n = it->second;
+  v1::Node n = it->second;
   // A node back from STALE may have changed: ask it to measure again.
-  RefreshLivenessLocked();
   out.set_reprobe(n.state() == v1::Node::STALE);
   if (!r.devices().empty()) {
+    HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, name, ids));
     n.mutable_devices()->CopyFrom(r.devices());
     for (auto& d : *n.mutable_devices()) d.set_node(name);
   }
   *n.mutable_last_heartbeat() = ToProto(o_.now());
   n.set_state(v1::Node::READY);
-  if (o_.sink) HAP_RETURN_IF_ERROR(o_.sink->SaveNode(n));
+  if (o_.sink) {
+    HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(n),
+                                 absl::StrCat("heartbeat of node '", name, "' was not saved")));
+  }
+  it->second = std::move(n);
   return out;
 }
 
@@ -348,7 +496,7 @@ absl::StatusOr<v1::ListNodesResponse> PlannerCore::ListNodes(int page_size,
 
 absl::Status PlannerCore::ReportLinks(const std::string& node,
                                       const std::vector<v1::Link>& links) {
-  std::string name = node.rfind("nodes/", 0) == 0 ? node.substr(6) : node;
+  std::string name = NodeId(node);
   absl::MutexLock l(&s_->mu);
   auto it = s_->nodes.find(name);
   if (it == s_->nodes.end()) {
@@ -363,12 +511,15 @@ absl::Status PlannerCore::ReportLinks(const std::string& node,
       return absl::NotFoundError(absl::StrCat("link ", l.src(), " -> ", l.dst(),
                                               " names a device no node has registered"));
     }
-    if (!(l.bandwidth_bytes_per_second() > 0) || l.latency_seconds() < 0 ||
-        !std::isfinite(l.bandwidth_bytes_per_second())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "link ", l.src(), " -> ", l.dst(), " needs a positive bandwidth and a "
-          "non-negative latency"));
+    const std::string link = absl::StrCat("link ", l.src(), " -> ", l.dst(), ": ");
+    if (!(std::isfinite(l.bandwidth_bytes_per_second()) &&
+          l.bandwidth_bytes_per_second() > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0, got ",
+                       l.bandwidth_bytes_per_second()));
     }
+    HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(),
+                                   0, kInf, "a finite number >= 0"));
   }
   for (const v1::Link& l : links) s_->links[{l.src(), l.dst()}] = l;
   return absl::OkStatus();
@@ -376,7 +527,7 @@ absl::Status PlannerCore::ReportLinks(const std::string& node,
 
 absl::StatusOr<v1::GetProbeAssignmentsResponse> PlannerCore::GetProbeAssignments(
     const std::string& node, int64_t bytes) {
-  std::string name = node.rfind("nodes/", 0) == 0 ? node.substr(6) : node;
+  std::string name = NodeId(node);
   absl::MutexLock l(&s_->mu);
   RefreshLivenessLocked();
   if (!s_->nodes.count(name)) {
@@ -523,8 +674,11 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       copy.set_uid(plan.uid());
       *copy.mutable_create_time() = plan.create_time();
       *copy.mutable_update_time() = plan.create_time();
+      if (o_.sink) {
+        HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(copy),
+                                     absl::StrCat(copy.name(), " was not created")));
+      }
       s_->plans[copy.name()] = copy;
-      if (o_.sink) HAP_RETURN_IF_ERROR(o_.sink->SavePlan(copy));
       ++s_->version;
       if (o_.on_plan_done) o_.on_plan_done(copy);
       s_->changed.SignalAll();
@@ -534,8 +688,12 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     // Kept so that a restarted planner can run it again.
     *plan.mutable_graph() = graph::ToProto(job->graph);
     *plan.mutable_cluster() = job->cluster;
+    // Saved before it exists here: a plan the store refused is no plan.
+    if (o_.sink) {
+      HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(plan),
+                                   absl::StrCat(plan.name(), " was not created")));
+    }
     s_->plans[plan.name()] = plan;
-    if (o_.sink) HAP_RETURN_IF_ERROR(o_.sink->SavePlan(plan));
     s_->jobs[plan.name()] = job;
     s_->queue.push_back(job);
     ++s_->version;
@@ -543,10 +701,16 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   }
   if (!r.wait()) return plan;
   absl::MutexLock l(&s_->mu);
-  while (!Final(s_->plans[job->name].state()) && !s_->stopping) {
+  auto it = s_->plans.find(job->name);
+  while (it != s_->plans.end() && !Final(it->second.state()) && !s_->stopping) {
     if (s_->changed.WaitWithDeadline(&s_->mu, deadline)) break;
+    it = s_->plans.find(job->name);
   }
-  v1::Plan out = s_->plans[job->name];
+  if (!job->save_error.ok()) return job->save_error;
+  if (it == s_->plans.end()) {
+    return absl::NotFoundError(absl::StrCat(job->name, " was deleted while it was planned"));
+  }
+  v1::Plan out = it->second;
   out.clear_rank_programs();
   return out;
 }
@@ -580,35 +744,58 @@ void PlannerCore::Worker() {
   }
 }
 
+// Applies `edit` to the job's plan, unless the plan is gone (deleted) or
+// already final (cancelled). A change of state is saved before it is made;
+// when the sink refuses it, the plan becomes FAILED instead (see CreatePlan
+// in the header), the search is told to stop, and job->save_error keeps the
+// sink's error for a CreatePlan that waits.
 void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
                              const std::function<void(v1::Plan&)>& edit) {
-  {
-    absl::MutexLock l(&s_->mu);
-    auto it = s_->plans.find(job->name);
-    if (it == s_->plans.end()) return;  // deleted
-    edit(it->second);
-    *it->second.mutable_update_time() = ToProto(o_.now());
-    if (Final(it->second.state())) {
-      s_->jobs.erase(job->name);
-      if (it->second.state() == v1::Plan::SUCCEEDED) s_->cache[job->cache_key] = job->name;
-      if (o_.sink) (void)o_.sink->SavePlan(it->second);
-      // Before waiters wake: whoever sees the final state sees it counted.
-      if (o_.on_plan_done) o_.on_plan_done(it->second);
-    } else if (o_.sink && it->second.state() == v1::Plan::RUNNING &&
-               !it->second.progress().states_expanded()) {
-      (void)o_.sink->SavePlan(it->second);
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->plans.find(job->name);
+  if (it == s_->plans.end() || Final(it->second.state())) return;
+  v1::Plan next = it->second;
+  edit(next);
+  *next.mutable_update_time() = ToProto(o_.now());
+  if (o_.sink && next.state() != it->second.state()) {
+    absl::Status saved = o_.sink->SavePlan(next);
+    if (!saved.ok()) {
+      job->cancel = true;
+      job->save_error = absl::Status(
+          saved.code(), absl::StrCat(job->name, " became ", v1::Plan::State_Name(next.state()),
+                                     " but that could not be saved: ", saved.message()));
+      next = it->second;  // without the result that is not saved
+      next.set_state(v1::Plan::FAILED);
+      next.set_error(std::string(job->save_error.message()));
+      next.set_error_code(static_cast<int>(saved.code()));
+      *next.mutable_update_time() = ToProto(o_.now());
+      absl::Status failed_saved = o_.sink->SavePlan(next);
+      if (!failed_saved.ok()) {
+        next.set_error(absl::StrCat(next.error(), "; nor could FAILED (the store keeps it "
+                                    "unfinished and a restart runs it again): ",
+                                    failed_saved.message()));
+      }
     }
-    ++s_->version;
-    s_->changed.SignalAll();
   }
+  it->second = std::move(next);
+  if (Final(it->second.state())) FinishPlanLocked(job, it->second);
+  ++s_->version;
+  s_->changed.SignalAll();
+}
+
+void PlannerCore::FinishPlanLocked(const std::shared_ptr<Job>& job, const v1::Plan& plan) {
+  s_->jobs.erase(job->name);
+  if (plan.state() == v1::Plan::SUCCEEDED) s_->cache[job->cache_key] = job->name;
+  // Before waiters wake: whoever sees the final state sees it counted.
+  if (o_.on_plan_done) o_.on_plan_done(plan);
 }
 
 void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
-  if (job->cancel) {
-    UpdatePlan(job, [](v1::Plan& p) { p.set_state(v1::Plan::CANCELLED); });
-    return;
-  }
+  // Cancelled (the plan is CANCELLED already), deleted, or the core is
+  // stopping (the plan stays as it is stored, for the next start).
+  if (job->cancel) return;
   UpdatePlan(job, [](v1::Plan& p) { p.set_state(v1::Plan::RUNNING); });
+  if (job->cancel) return;  // RUNNING could not be saved: the plan FAILED
   synth::PlanOptions so = job->options;
   so.cancelled = [job, this] {
     return job->cancel.load() || o_.now() > job->deadline;
@@ -625,9 +812,12 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
     });
   };
   auto fail = [&](const absl::Status& s) {
+    // Stopped by CancelPlan or DeletePlan (which recorded that), by a save
+    // that failed (recorded too), or by the core stopping (the plan stays
+    // RUNNING, as stored, and runs again at the next start).
+    if (s.code() == absl::StatusCode::kCancelled && job->cancel) return;
     UpdatePlan(job, [&](v1::Plan& p) {
-      bool cancelled = s.code() == absl::StatusCode::kCancelled && job->cancel;
-      p.set_state(cancelled ? v1::Plan::CANCELLED : v1::Plan::FAILED);
+      p.set_state(v1::Plan::FAILED);
       p.set_error(std::string(s.message()));
       p.set_error_code(static_cast<int>(s.code()));
     });
@@ -636,7 +826,7 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
   if (!cluster.ok()) return fail(cluster.status());
   auto result = synth::PlanModel(job->graph, *cluster, so);
   if (!result.ok()) return fail(result.status());
-  if (job->cancel) return fail(absl::CancelledError("cancelled"));
+  if (job->cancel) return;  // as in `fail`
   auto built = lower::BuildPlan(job->graph, job->cluster, *cluster, *result, job->proto_options);
   if (!built.ok()) return fail(built.status());
   UpdatePlan(job, [&](v1::Plan& p) {
@@ -681,29 +871,33 @@ absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
 
 absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
-  std::shared_ptr<Job> job;
-  {
-    absl::MutexLock l(&s_->mu);
-    auto it = s_->plans.find(name);
-    if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-    auto j = s_->jobs.find(name);
-    if (j == s_->jobs.end()) {  // already final: cancelling is a no-op
-      v1::Plan p = it->second;
-      p.clear_rank_programs();
-      return p;
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->plans.find(name);
+  if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+  auto j = s_->jobs.find(name);
+  if (j != s_->jobs.end()) {  // not final yet (final: cancelling is a no-op)
+    // CANCELLED is saved first, so that a restart does not run the plan
+    // again; a running search stops at its next poll and its result, if
+    // any, is dropped (UpdatePlan leaves final plans alone).
+    v1::Plan cancelled = it->second;
+    cancelled.set_state(v1::Plan::CANCELLED);
+    *cancelled.mutable_update_time() = ToProto(o_.now());
+    if (o_.sink) {
+      HAP_RETURN_IF_ERROR(
+          Annotate(o_.sink->SavePlan(cancelled), absl::StrCat(name, " was not cancelled")));
     }
-    job = j->second;
+    std::shared_ptr<Job> job = j->second;
     job->cancel = true;
     auto q = std::find(s_->queue.begin(), s_->queue.end(), job);
-    if (q == s_->queue.end()) {  // running: the search stops at its next poll
-      v1::Plan p = it->second;
-      p.clear_rank_programs();
-      return p;
-    }
-    s_->queue.erase(q);
+    if (q != s_->queue.end()) s_->queue.erase(q);
+    it->second = std::move(cancelled);
+    FinishPlanLocked(job, it->second);
+    ++s_->version;
+    s_->changed.SignalAll();
   }
-  UpdatePlan(job, [](v1::Plan& p) { p.set_state(v1::Plan::CANCELLED); });
-  return GetPlan(name, false);
+  v1::Plan p = it->second;
+  p.clear_rank_programs();
+  return p;
 }
 
 absl::Status PlannerCore::DeletePlan(const std::string& name) {
@@ -711,6 +905,13 @@ absl::Status PlannerCore::DeletePlan(const std::string& name) {
   absl::MutexLock l(&s_->mu);
   auto it = s_->plans.find(name);
   if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+  // Removed from the store first: a plan the store keeps stays here too.
+  if (o_.sink) {
+    absl::Status st = o_.sink->DeletePlan(name);
+    if (!st.ok() && !absl::IsNotFound(st)) {
+      return Annotate(st, absl::StrCat(name, " was not deleted"));
+    }
+  }
   auto j = s_->jobs.find(name);
   if (j != s_->jobs.end()) {
     j->second->cancel = true;
@@ -722,7 +923,6 @@ absl::Status PlannerCore::DeletePlan(const std::string& name) {
     c = c->second == name ? s_->cache.erase(c) : std::next(c);
   }
   s_->plans.erase(it);
-  if (o_.sink) HAP_RETURN_IF_ERROR(o_.sink->DeletePlan(name));
   ++s_->version;
   s_->changed.SignalAll();
   return absl::OkStatus();

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "hap/v1/cluster.pb.h"
 #include "hap/v1/plan.pb.h"
@@ -28,11 +29,25 @@ namespace hap::service {
 
 // What the core persists (planner/service/store implements it over SQLite).
 // Calls happen under the core's lock, in order.
+//
+// The core writes before it changes its own state, so that what it serves
+// is what a restart would find: a write that fails leaves the core as it
+// was and the call that needed it fails with the sink's status (naming the
+// store, with context added by the core). The one exception is a plan's
+// final state (below, PlannerCore::CreatePlan).
 class PlannerStateSink {
  public:
   virtual ~PlannerStateSink() = default;
   virtual absl::Status SaveNode(const hap::v1::Node& node) = 0;
+  // Removes node `name` (its name, not "nodes/..."). NotFound is taken as
+  // done. Sinks that cannot delete nodes answer Unimplemented, and
+  // PlannerCore::DeleteNode fails with it.
+  virtual absl::Status DeleteNode(const std::string& name) {
+    return absl::UnimplementedError(
+        absl::StrCat("this planner's state store cannot delete nodes (node '", name, "')"));
+  }
   virtual absl::Status SavePlan(const hap::v1::Plan& plan) = 0;
+  // NotFound is taken as done.
   virtual absl::Status DeletePlan(const std::string& name) = 0;
   virtual absl::Status SaveDeployment(const hap::v1::Deployment&) { return absl::OkStatus(); }
   virtual absl::Status AppendStepMetrics(const std::vector<hap::v1::StepMetric>&) {
@@ -48,6 +63,11 @@ struct PlannerCoreOptions {
   // a row goes STALE and is left out of new plans.
   absl::Duration heartbeat_interval = absl::Seconds(5);
   int missed_heartbeats = 3;
+  // A node STALE for longer than this (no heartbeat for
+  // heartbeat_interval * missed_heartbeats + node_expiry) is removed, as by
+  // DeleteNode; its agent is told to register again if it comes back.
+  // InfiniteDuration() (the default) keeps stale nodes until deleted.
+  absl::Duration node_expiry = absl::InfiniteDuration();
   int workers = 1;  // plans synthesized at once
   // Search budget when a request sets none; always also bounded by the
   // request's deadline.
@@ -65,15 +85,29 @@ struct PlannerCoreOptions {
 class PlannerCore {
  public:
   // `nodes` and `plans` are the persisted state to start from (plans that
-  // were PENDING or RUNNING when the planner stopped are run again).
+  // were PENDING or RUNNING when the planner stopped are run again; one that
+  // cannot be is saved FAILED, and Create fails with the sink's error when
+  // that save does).
   static absl::StatusOr<std::unique_ptr<PlannerCore>> Create(
       PlannerCoreOptions options, std::vector<hap::v1::Node> nodes = {},
       std::vector<hap::v1::Plan> plans = {});
-  ~PlannerCore();  // cancels running plans and joins the workers
+  // Stops running searches and joins the workers. Their plans stay as
+  // stored (PENDING or RUNNING), to run again at the next start.
+  ~PlannerCore();
 
-  // Nodes.
+  // Nodes. RegisterNode and a Heartbeat that reports devices run the same
+  // checks: InvalidArgument (naming the device and field) for a missing or
+  // duplicate device id or a measurement that is not a finite number in
+  // range (FLOP/s, memory, overheads); AlreadyExists (naming the device and
+  // its owner) for a device id another node registered.
   absl::StatusOr<hap::v1::RegisterNodeResponse> RegisterNode(const hap::v1::Node& node);
+  // An unknown (or expired) node gets unknown_node: register again.
   absl::StatusOr<hap::v1::HeartbeatResponse> Heartbeat(const hap::v1::HeartbeatRequest& r);
+  // Removes node `name` ("nodes/{node}" or "{node}") and the links of its
+  // devices; plans made for it keep their copy of the cluster. NotFound for
+  // an unknown node; the sink's error when the removal cannot be saved (the
+  // node then stays).
+  absl::Status DeleteNode(const std::string& name);
   hap::v1::Cluster GetCluster(bool include_stale);
   absl::StatusOr<hap::v1::ListNodesResponse> ListNodes(int page_size,
                                                        const std::string& page_token);
@@ -84,14 +118,29 @@ class PlannerCore {
   absl::StatusOr<hap::v1::GetProbeAssignmentsResponse> GetProbeAssignments(
       const std::string& node, int64_t bytes);
 
-  // Plans. CreatePlan validates synchronously and returns the PENDING plan
-  // (or the finished one with `wait`, bounded by `deadline`).
+  // Plans. CreatePlan validates synchronously (InvalidArgument naming the
+  // option and its value for options out of range: a learning rate that is
+  // NaN, a negative clip norm, an unknown optimizer) and returns the PENDING
+  // plan (or the finished one with `wait`, bounded by `deadline`). The
+  // PENDING plan is saved before it is accepted: when the sink refuses it,
+  // CreatePlan fails with the sink's error and there is no such plan.
+  //
+  // A plan whose state cannot be saved when it starts running or ends
+  // becomes FAILED with the sink's code and an error saying it was not
+  // saved (and never SUCCEEDED); its FAILED state is saved if the sink takes
+  // it, or else the store still holds it unfinished and a restart runs it
+  // again. CreatePlan with `wait` then fails with the sink's error.
   absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r,
                                            absl::Time deadline);
   absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name, bool full);
   absl::StatusOr<hap::v1::ListPlansResponse> ListPlans(int page_size,
                                                        const std::string& page_token);
+  // A plan not yet final becomes CANCELLED at once, saved as such (a
+  // restart does not run it again), and its search stops at its next poll;
+  // a final plan is returned as it is. When the CANCELLED state cannot be
+  // saved, CancelPlan fails with the sink's error and the plan goes on.
   absl::StatusOr<hap::v1::Plan> CancelPlan(const std::string& name);
+  // Removed from the sink first; when that fails the plan stays.
   absl::Status DeletePlan(const std::string& name);
   // Calls `on_update` with the plan now and on every change (progress,
   // state) until it is final, `on_update` returns false, or `stop()` turns
@@ -115,7 +164,9 @@ class PlannerCore {
   void RunJob(const std::shared_ptr<Job>& job);
   void UpdatePlan(const std::shared_ptr<Job>& job,
                   const std::function<void(hap::v1::Plan&)>& edit);
+  void FinishPlanLocked(const std::shared_ptr<Job>& job, const hap::v1::Plan& plan);
   void RefreshLivenessLocked();
+  absl::Status RemoveNodeLocked(const std::string& name);
   hap::v1::Cluster ClusterLocked(bool include_stale) const;
 
   struct State;

@@ -1,6 +1,9 @@
 #include "planner/service/core/planner_core.h"
 
 #include <atomic>
+#include <cmath>
+#include <limits>
+#include <set>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -15,6 +18,7 @@ namespace {
 
 namespace v1 = ::hap::v1;
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // A clock the test moves.
@@ -31,25 +35,69 @@ struct FakeClock {
   }
 };
 
-// Records what the core persists.
+// Records what the core persists; refuses writes on demand, as a store on
+// a full disk does.
 struct RecordingSink : PlannerStateSink {
   absl::Mutex mu;
   std::map<std::string, v1::Node> nodes;
   std::map<std::string, v1::Plan> plans;
+  // Plans saved in these states are refused; so is every node write while
+  // refuse_nodes is set.
+  std::set<v1::Plan::State> refuse_plan_states;
+  bool refuse_nodes = false;
+
+  static absl::Status Full() {
+    return absl::UnavailableError(
+        "sqlite store '/var/lib/hap/planner.db': database or disk is full");
+  }
+  void RefusePlans(std::set<v1::Plan::State> states) {
+    absl::MutexLock l(&mu);
+    refuse_plan_states = std::move(states);
+  }
+  void RefuseNodes(bool refuse) {
+    absl::MutexLock l(&mu);
+    refuse_nodes = refuse;
+  }
   absl::Status SaveNode(const v1::Node& n) override {
     absl::MutexLock l(&mu);
+    if (refuse_nodes) return Full();
     nodes[n.name()] = n;
+    return absl::OkStatus();
+  }
+  absl::Status DeleteNode(const std::string& name) override {
+    absl::MutexLock l(&mu);
+    if (refuse_nodes) return Full();
+    nodes.erase(name);
     return absl::OkStatus();
   }
   absl::Status SavePlan(const v1::Plan& p) override {
     absl::MutexLock l(&mu);
+    if (refuse_plan_states.count(p.state())) return Full();
     plans[p.name()] = p;
     return absl::OkStatus();
   }
   absl::Status DeletePlan(const std::string& name) override {
     absl::MutexLock l(&mu);
+    if (!refuse_plan_states.empty()) return Full();
     plans.erase(name);
     return absl::OkStatus();
+  }
+  v1::Plan::State Stored(const std::string& plan) {
+    absl::MutexLock l(&mu);
+    auto it = plans.find(plan);
+    return it == plans.end() ? v1::Plan::STATE_UNSPECIFIED : it->second.state();
+  }
+  std::vector<v1::Node> Nodes() {
+    absl::MutexLock l(&mu);
+    std::vector<v1::Node> out;
+    for (const auto& [name, n] : nodes) out.push_back(n);
+    return out;
+  }
+  std::vector<v1::Plan> Plans() {
+    absl::MutexLock l(&mu);
+    std::vector<v1::Plan> out;
+    for (const auto& [name, p] : plans) out.push_back(p);
+    return out;
   }
 };
 
@@ -91,6 +139,7 @@ class PlannerCoreTest : public ::testing::Test {
     o.now = [this] { return clock_.Now(); };
     o.heartbeat_interval = absl::Seconds(5);
     o.missed_heartbeats = 3;
+    o.node_expiry = node_expiry_;
     o.sink = &sink_;
     auto c = PlannerCore::Create(o, std::move(nodes), std::move(plans));
     ASSERT_TRUE(c.ok()) << c.status();
@@ -99,6 +148,7 @@ class PlannerCoreTest : public ::testing::Test {
   absl::Time Deadline() { return clock_.Now() + absl::Seconds(60); }
 
   FakeClock clock_;
+  absl::Duration node_expiry_ = absl::InfiniteDuration();
   RecordingSink sink_;
   std::unique_ptr<PlannerCore> core_;
 };
@@ -334,6 +384,394 @@ TEST_F(PlannerCoreTest, APlanCutOffByARestartRunsAgain) {
                   .ok());
   EXPECT_EQ(last.state(), v1::Plan::SUCCEEDED) << last.error();
   EXPECT_EQ(core_->GetPlan("plans/interrupted", true)->rank_programs_size(), 2);
+}
+
+// A search that takes seconds (about 7 s on 2 cores): long enough to act
+// on while it runs.
+v1::CreatePlanRequest LongSearch(const std::string& id) {
+  v1::CreatePlanRequest r;
+  r.set_plan_id(id);
+  r.mutable_model()->mutable_zoo()->set_name("gpt");
+  (*r.mutable_model()->mutable_zoo()->mutable_params())["layers"] = 96;
+  r.mutable_options()->mutable_budget()->set_max_seconds(120);
+  r.mutable_options()->set_ignore_memory_limits(true);
+  return r;
+}
+
+// --- Writes that fail (a full disk) ------------------------------------
+
+TEST_F(PlannerCoreTest, AResultTheStoreRefusesIsNotReportedAsSucceeded) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  sink_.RefusePlans({v1::Plan::SUCCEEDED});
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("unsaved");
+  EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("plans/unsaved became SUCCEEDED but that could not be "
+                                       "saved"),
+                             HasSubstr("database or disk is full"))));
+  // What the planner serves is what the store holds: FAILED, with the
+  // store's code, and no result.
+  auto p = core_->GetPlan("plans/unsaved", true);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::FAILED);
+  EXPECT_EQ(p->error_code(), static_cast<int>(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(p->error(), HasSubstr("database or disk is full"));
+  EXPECT_EQ(p->rank_programs_size(), 0);
+  EXPECT_EQ(sink_.Stored("plans/unsaved"), v1::Plan::FAILED);
+  // Nothing unsaved was cached: once the disk has room, the same request
+  // is planned again and succeeds.
+  sink_.RefusePlans({});
+  auto again = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state(), v1::Plan::SUCCEEDED) << again->error();
+  EXPECT_EQ(sink_.Stored(again->name()), v1::Plan::SUCCEEDED);
+}
+
+TEST_F(PlannerCoreTest, APlanWhoseEndNoWriteRecordsRunsAgainAfterARestart) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  sink_.RefusePlans({v1::Plan::SUCCEEDED, v1::Plan::FAILED, v1::Plan::CANCELLED});
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("cut");
+  EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("could not be saved")));
+  auto p = core_->GetPlan("plans/cut", false);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->state(), v1::Plan::FAILED);  // never SUCCEEDED
+  EXPECT_THAT(p->error(), HasSubstr("a restart runs it again"));
+  ASSERT_EQ(sink_.Stored("plans/cut"), v1::Plan::RUNNING);
+  sink_.RefusePlans({});
+  Start(sink_.Nodes(), sink_.Plans());
+  v1::Plan last;
+  ASSERT_TRUE(core_->WatchPlan("plans/cut",
+                               [&](const v1::Plan& u) {
+                                 last = u;
+                                 return true;
+                               },
+                               [] { return false; })
+                  .ok());
+  EXPECT_EQ(last.state(), v1::Plan::SUCCEEDED) << last.error();
+  EXPECT_EQ(sink_.Stored("plans/cut"), v1::Plan::SUCCEEDED);
+}
+
+TEST_F(PlannerCoreTest, APlanTheStoreRefusesIsNotCreated) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  sink_.RefusePlans({v1::Plan::PENDING});
+  v1::CreatePlanRequest r = MlpRequest(/*wait=*/false);
+  r.set_plan_id("zombie");
+  EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("plans/zombie was not created"),
+                             HasSubstr("database or disk is full"))));
+  // No trace of it: not listed, cancel and get say NotFound, and the id is
+  // free once the disk has room.
+  EXPECT_THAT(core_->GetPlan("plans/zombie", false),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/zombie")));
+  EXPECT_THAT(core_->CancelPlan("plans/zombie"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/zombie")));
+  EXPECT_EQ(core_->ListPlans(0, "")->plans_size(), 0);
+  sink_.RefusePlans({});
+  auto p = core_->CreatePlan(r, Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->name(), "plans/zombie");
+
+  // A plan served from the cache is saved before it exists, too.
+  ASSERT_TRUE(core_->CreatePlan(MlpRequest(), Deadline()).ok());
+  sink_.RefusePlans({v1::Plan::SUCCEEDED});
+  v1::CreatePlanRequest cached = MlpRequest();
+  cached.set_plan_id("cached");
+  EXPECT_THAT(core_->CreatePlan(cached, Deadline()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("plans/cached was not created")));
+  EXPECT_THAT(core_->GetPlan("plans/cached", false),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/cached")));
+}
+
+TEST_F(PlannerCoreTest, ADeleteTheStoreRefusesKeepsThePlan) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("kept");
+  ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  sink_.RefusePlans({v1::Plan::SUCCEEDED});
+  EXPECT_THAT(core_->DeletePlan("plans/kept"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("plans/kept was not deleted")));
+  EXPECT_TRUE(core_->GetPlan("plans/kept", false).ok());
+  EXPECT_EQ(sink_.Stored("plans/kept"), v1::Plan::SUCCEEDED);
+}
+
+TEST_F(PlannerCoreTest, ANodeTheStoreRefusesIsNotRegisteredNorUpdated) {
+  sink_.RefuseNodes(true);
+  EXPECT_THAT(core_->RegisterNode(MakeNode("a", 2, 2e12)),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("node 'a' was not registered"),
+                             HasSubstr("database or disk is full"))));
+  EXPECT_EQ(core_->ListNodes(0, "")->nodes_size(), 0);
+  sink_.RefuseNodes(false);
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  // A heartbeat with re-measured devices the store refuses changes nothing.
+  sink_.RefuseNodes(true);
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  *hb.mutable_devices() = MakeNode("a", 3, 2e12).devices();
+  EXPECT_THAT(core_->Heartbeat(hb),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("node 'a'")));
+  EXPECT_EQ(core_->ListNodes(0, "")->nodes(0).devices_size(), 2);
+}
+
+TEST_F(PlannerCoreTest, CancellingARunningPlanIsSavedAndARestartDoesNotRunItAgain) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 4, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 4, 1e12)).ok());
+  ASSERT_TRUE(core_->CreatePlan(LongSearch("long"), Deadline()).ok());
+  absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (sink_.Stored("plans/long") != v1::Plan::RUNNING && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(sink_.Stored("plans/long"), v1::Plan::RUNNING);
+  auto cancelled = core_->CancelPlan("plans/long");
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::Plan::CANCELLED);
+  EXPECT_EQ(sink_.Stored("plans/long"), v1::Plan::CANCELLED);
+
+  // A restart (the old core stops its search first) finds it CANCELLED and
+  // leaves it so.
+  Start(sink_.Nodes(), sink_.Plans());
+  auto p = core_->GetPlan("plans/long", false);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->state(), v1::Plan::CANCELLED);
+  EXPECT_EQ(sink_.Stored("plans/long"), v1::Plan::CANCELLED);
+  // Cancelling a final plan changes nothing.
+  EXPECT_EQ(core_->CancelPlan("plans/long")->state(), v1::Plan::CANCELLED);
+}
+
+TEST_F(PlannerCoreTest, ACancelTheStoreRefusesFailsAndThePlanGoesOn) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  sink_.RefusePlans({v1::Plan::CANCELLED});
+  ASSERT_TRUE(core_->CreatePlan(LongSearch("goes-on"), Deadline()).ok());
+  EXPECT_THAT(core_->CancelPlan("plans/goes-on"),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("plans/goes-on was not cancelled")));
+  auto p = core_->GetPlan("plans/goes-on", false);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(p->state(), v1::Plan::CANCELLED);
+  EXPECT_NE(sink_.Stored("plans/goes-on"), v1::Plan::CANCELLED);
+}
+
+TEST_F(PlannerCoreTest, AShutdownLeavesRunningPlansToRunAgain) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 4, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 4, 1e12)).ok());
+  ASSERT_TRUE(core_->CreatePlan(LongSearch("interrupted"), Deadline()).ok());
+  absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (sink_.Stored("plans/interrupted") != v1::Plan::RUNNING && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(sink_.Stored("plans/interrupted"), v1::Plan::RUNNING);
+  core_.reset();  // stops the search; the plan is not CANCELLED by that
+  EXPECT_EQ(sink_.Stored("plans/interrupted"), v1::Plan::RUNNING);
+}
+
+// --- Node profiles -------------------------------------------------------
+
+TEST_F(PlannerCoreTest, AHeartbeatIsCheckedLikeARegistration) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  auto heartbeat = [&](const v1::Node& measured) {
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/a");
+    *hb.mutable_devices() = measured.devices();
+    return core_->Heartbeat(hb);
+  };
+  v1::Node nan_flops = MakeNode("a", 2, std::nan(""));
+  EXPECT_THAT(heartbeat(nan_flops),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'a/cpu0'"), HasSubstr("FLOAT32 FLOP/s"),
+                             HasSubstr("got nan"))));
+  v1::Node negative_memory = MakeNode("a", 2, 2e12, -5);
+  EXPECT_THAT(heartbeat(negative_memory),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'a/cpu0'"), HasSubstr("memory_bytes"), HasSubstr("-5"))));
+  v1::Node theft = MakeNode("a", 2, 2e12);
+  theft.mutable_devices(1)->set_id("b/cpu0");
+  EXPECT_THAT(heartbeat(theft),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       HasSubstr("device 'b/cpu0' is already registered by node 'b'")));
+  v1::Node twice = MakeNode("a", 2, 2e12);
+  twice.mutable_devices(1)->set_id("a/cpu0");
+  EXPECT_THAT(heartbeat(twice),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unique, got 'a/cpu0'")));
+  // None of them got in: the cluster still plans, on its four devices.
+  auto p = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  EXPECT_EQ(p->devices_size(), 4);
+  // A valid re-measurement is taken.
+  ASSERT_TRUE(heartbeat(MakeNode("a", 3, 3e12)).ok());
+  EXPECT_EQ(core_->GetCluster(false).nodes(0).devices_size(), 3);
+}
+
+TEST_F(PlannerCoreTest, MeasurementsThatAreNotFiniteNumbersAreRefusedAtRegistration) {
+  const double nan = std::nan("");
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    std::function<void(v1::Device&)> edit;
+    std::string field, value;
+  };
+  std::vector<Case> cases = {
+      {[&](v1::Device& d) { d.set_launch_overhead_seconds(nan); }, "launch_overhead_seconds",
+       "nan"},
+      {[&](v1::Device& d) { d.set_step_overhead_seconds(-1); }, "step_overhead_seconds", "-1"},
+      {[&](v1::Device& d) { d.set_optimizer_seconds_per_element(inf); },
+       "optimizer_seconds_per_element", "inf"},
+      {[&](v1::Device& d) { d.set_tf32_flops(nan); }, "tf32_flops", "nan"},
+      {[&](v1::Device& d) {
+         auto* f = d.add_flops();
+         f->set_dtype(v1::FLOAT16);
+         f->set_flops(inf);
+       },
+       "FLOAT16 FLOP/s", "inf"},
+      {[&](v1::Device& d) { (*d.mutable_op_time_scale())["linear"] = nan; },
+       "op_time_scale[\"linear\"]", "nan"},
+      {[&](v1::Device& d) { (*d.mutable_op_time_scale())["linear"] = 0; },
+       "op_time_scale[\"linear\"]", "got 0"},
+  };
+  for (const Case& c : cases) {
+    v1::Node n = MakeNode("a", 2, 2e12);
+    c.edit(*n.mutable_devices(1));
+    EXPECT_THAT(core_->RegisterNode(n),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("'a/cpu1'"), HasSubstr(c.field), HasSubstr(c.value))))
+        << c.field;
+  }
+  EXPECT_EQ(core_->ListNodes(0, "")->nodes_size(), 0);
+
+  // Links: a latency that is NaN or infinite, a bandwidth that is NaN.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  auto link = [](double bandwidth, double latency) {
+    v1::Link l;
+    l.set_src("a/cpu0");
+    l.set_dst("a/cpu1");
+    l.set_bandwidth_bytes_per_second(bandwidth);
+    l.set_latency_seconds(latency);
+    return std::vector<v1::Link>{l};
+  };
+  EXPECT_THAT(core_->ReportLinks("nodes/a", link(1e9, nan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("a/cpu0 -> a/cpu1"), HasSubstr("latency_seconds"),
+                             HasSubstr("got nan"))));
+  EXPECT_THAT(core_->ReportLinks("nodes/a", link(1e9, inf)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("latency_seconds"), HasSubstr("got inf"))));
+  EXPECT_THAT(core_->ReportLinks("nodes/a", link(nan, 1e-5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("bandwidth_bytes_per_second"), HasSubstr("got nan"))));
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 0);
+  ASSERT_TRUE(core_->ReportLinks("nodes/a", link(1e9, 1e-5)).ok());
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
+}
+
+TEST_F(PlannerCoreTest, DeleteNodeRemovesTheNodeItsDevicesAndItsLinks) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  v1::Link l;
+  l.set_src("a/cpu0");
+  l.set_dst("b/cpu0");
+  l.set_bandwidth_bytes_per_second(1e9);
+  ASSERT_TRUE(core_->ReportLinks("nodes/a", {l}).ok());
+  ASSERT_TRUE(core_->DeleteNode("nodes/b").ok());
+  v1::Cluster c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 1);
+  EXPECT_EQ(c.nodes(0).name(), "a");
+  EXPECT_EQ(c.links_size(), 0);
+  EXPECT_EQ(sink_.Nodes().size(), 1u);
+  // Its agent is told to register again; its device ids are free.
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/b");
+  EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
+  v1::Node heir = MakeNode("c", 1, 1e12);
+  heir.mutable_devices(0)->set_id("b/cpu0");
+  EXPECT_TRUE(core_->RegisterNode(heir).ok());
+  EXPECT_THAT(core_->DeleteNode("nodes/b"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("node 'b' is not registered")));
+  EXPECT_THAT(core_->DeleteNode("nodes/no such"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'nodes/no such'")));
+  // A removal the store refuses leaves the node.
+  sink_.RefuseNodes(true);
+  EXPECT_THAT(core_->DeleteNode("c"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("node 'c' was not deleted")));
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+}
+
+TEST_F(PlannerCoreTest, ANodeStaleLongerThanTheExpiryIsRemoved) {
+  node_expiry_ = absl::Minutes(1);
+  Start({}, {});
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  // b is stale after 15 s and expires 60 s later; a keeps heartbeating.
+  for (int i = 0; i < 14; ++i) {
+    clock_.Advance(absl::Seconds(5));
+    ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  }
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);  // 70 s: stale, kept
+  clock_.Advance(absl::Seconds(6));
+  v1::Cluster c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 1);
+  EXPECT_EQ(c.nodes(0).name(), "a");
+  EXPECT_EQ(sink_.Nodes().size(), 1u);
+  hb.set_name("nodes/b");
+  EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
+}
+
+// --- Options -------------------------------------------------------------
+
+TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValue) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  const double nan = std::nan("");
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    std::function<void(v1::PlanOptions&)> edit;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_learning_rate(nan); },
+       "options.optimizer.learning_rate must be a finite number >= 0 (0 = the default), got nan"},
+      {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_clip_global_norm(-3); },
+       "options.optimizer.clip_global_norm must be a finite number >= 0 (0 = no clipping), got "
+       "-3"},
+      {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_weight_decay(inf); },
+       "options.optimizer.weight_decay must be a finite number >= 0, got inf"},
+      {[&](v1::PlanOptions& o) {
+         o.mutable_optimizer()->set_kind(static_cast<v1::OptimizerConfig::Kind>(77));
+       },
+       "options.optimizer.kind 77 is not a known optimizer"},
+      {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_momentum(1.5); },
+       "options.optimizer.momentum must be in [0, 1), got 1.5"},
+      {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_beta2(1); },
+       "options.optimizer.beta2 must be in [0, 1) (0 = the default), got 1"},
+      {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_epsilon(-1e-8); },
+       "options.optimizer.epsilon must be a finite number >= 0"},
+      {[&](v1::PlanOptions& o) { o.mutable_budget()->set_max_seconds(nan); },
+       "options.budget.max_seconds must be a finite number >= 0 (0 = the default), got nan"},
+      {[&](v1::PlanOptions& o) { o.set_max_joint_iterations(-2); },
+       "options.max_joint_iterations must not be negative, got -2"},
+      {[&](v1::PlanOptions& o) { o.set_compute_dtype(static_cast<v1::DType>(99)); },
+       "options.compute_dtype 99 is not a known dtype"},
+  };
+  for (const Case& c : cases) {
+    v1::CreatePlanRequest r = MlpRequest();
+    c.edit(*r.mutable_options());
+    EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)));
+  }
+  EXPECT_EQ(core_->ListPlans(0, "")->plans_size(), 0);
+  // In range: planned.
+  v1::CreatePlanRequest ok = MlpRequest();
+  ok.mutable_options()->mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
+  ok.mutable_options()->mutable_optimizer()->set_learning_rate(3e-4);
+  ok.mutable_options()->mutable_optimizer()->set_clip_global_norm(1);
+  ok.mutable_options()->mutable_optimizer()->set_weight_decay(0.01);
+  auto p = core_->CreatePlan(ok, Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
 }
 
 }  // namespace
