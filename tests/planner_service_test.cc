@@ -3,6 +3,7 @@
 // Prometheus server scraping /metrics.
 #include <signal.h>
 
+#include <cmath>
 #include <fstream>
 
 #include "absl/strings/numbers.h"
@@ -255,6 +256,59 @@ TEST_F(PlannerServiceTest, StateSurvivesSigkillAndNodesReRegisterWithoutDuplicat
   ASSERT_TRUE(s2->ListNodes(Ctx().get(), ln, &nodes).ok());
   ASSERT_EQ(nodes.nodes_size(), 1);
   EXPECT_EQ(nodes.nodes(0).devices_size(), 2);
+  again.proc.Stop(SIGTERM);
+}
+
+TEST_F(PlannerServiceTest, HostileProfilesOptionsAndRendezvousCallsAreRefused) {
+  auto stub = planner_.Stub();
+  v1::RegisterNodeResponse rr;
+  for (const char* n : {"n1", "n2"}) {
+    v1::RegisterNodeRequest reg;
+    *reg.mutable_node() = FakeNode(n, 1e12);
+    ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  }
+  // A heartbeat that claims n2's device, or reports NaN FLOP/s.
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/n1");
+  *hb.mutable_devices() = FakeNode("n1", 1e12).devices();
+  hb.mutable_devices(1)->set_id("n2/cpu0");
+  v1::HeartbeatResponse hr;
+  grpc::Status s = stub->Heartbeat(Ctx().get(), hb, &hr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(s.error_message(), HasSubstr("device 'n2/cpu0' is already registered by node 'n2'"));
+  *hb.mutable_devices() = FakeNode("n1", std::nan("")).devices();
+  s = stub->Heartbeat(Ctx().get(), hb, &hr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("FLOAT32 FLOP/s must be a finite number >= 0, got nan"));
+  // Options out of range.
+  v1::CreatePlanRequest nan_lr = Mlp();
+  nan_lr.mutable_options()->mutable_optimizer()->set_learning_rate(std::nan(""));
+  v1::Plan plan;
+  s = stub->CreatePlan(Ctx().get(), nan_lr, &plan);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("options.optimizer.learning_rate"));
+  // Rendezvous keys of a deployment that does not exist.
+  v1::StoreSetRequest set;
+  set.set_deployment("deployments/ghost-g1");
+  set.set_generation(1);
+  set.set_key("k");
+  v1::StoreSetResponse set_out;
+  s = stub->StoreSet(Ctx().get(), set, &set_out);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("deployments/ghost-g1"));
+  // The cluster still plans on its four devices, also after a restart.
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), Mlp(), &plan).ok());
+  EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  EXPECT_EQ(plan.devices_size(), 4);
+  planner_.proc.Stop(SIGKILL);
+  Planner again;
+  again.Start(planner_.dir);
+  v1::CreatePlanRequest r = Mlp();
+  r.set_plan_id("after-restart");
+  ASSERT_TRUE(again.Stub()->CreatePlan(Ctx().get(), r, &plan).ok());
+  EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  EXPECT_EQ(plan.devices_size(), 4);
   again.proc.Stop(SIGTERM);
 }
 

@@ -33,6 +33,24 @@ absl::Time Deadline(const grpc::ServerContext* ctx) {
   return absl::FromChrono(d);
 }
 
+// Rendezvous keys belong to a deployment that exists, at its generation: a
+// store open to any name would grow without bound.
+absl::Status CheckRendezvous(const std::map<std::string, v1::Deployment>& deployments,
+                             const std::string& deployment, int64_t generation) {
+  auto it = deployments.find(deployment);
+  if (it == deployments.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "deployment '", deployment,
+        "' does not exist (rendezvous keys belong to a deployment the planner made)"));
+  }
+  if (it->second.generation() != generation) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("deployment '", deployment, "' is generation ", it->second.generation(),
+                     ", not ", generation));
+  }
+  return absl::OkStatus();
+}
+
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -136,6 +154,12 @@ grpc::Status PlannerServiceImpl::ListNodes(grpc::ServerContext* ctx,
   });
 }
 
+grpc::Status PlannerServiceImpl::DeleteNode(grpc::ServerContext* ctx,
+                                            const v1::DeleteNodeRequest* r,
+                                            v1::DeleteNodeResponse*) {
+  return Handle("DeleteNode", ctx, [&]() { return core_->DeleteNode(r->name()); });
+}
+
 grpc::Status PlannerServiceImpl::GetProbeAssignments(grpc::ServerContext* ctx,
                                                      const v1::GetProbeAssignmentsRequest* r,
                                                      v1::GetProbeAssignmentsResponse* out) {
@@ -222,8 +246,20 @@ void PlannerServiceImpl::UpdateDeployment(const std::string& name,
   absl::MutexLock l(&s_->mu);
   auto it = s_->deployments.find(name);
   if (it == s_->deployments.end()) return;
-  edit(it->second);
-  if (sink_) (void)sink_->SaveDeployment(it->second);
+  v1::Deployment next = it->second;
+  edit(next);
+  if (sink_) {
+    absl::Status saved = sink_->SaveDeployment(next);
+    if (!saved.ok()) {
+      // The executors did change state; say so, and that the store still
+      // holds the state before (a restarted planner shows that one).
+      next.set_error(absl::StrCat(next.error(), next.error().empty() ? "" : "; ",
+                                  "the planner could not save this deployment as ",
+                                  v1::Deployment::State_Name(next.state()), ": ",
+                                  saved.message()));
+    }
+  }
+  it->second = std::move(next);
   s_->changed.SignalAll();
 }
 
@@ -276,7 +312,7 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
     {
       absl::MutexLock l(&s_->mu);
       if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
-      int64_t gen = ++s_->generations[plan.name()];
+      int64_t gen = s_->generations[plan.name()] + 1;
       d.set_name(absl::StrCat("deployments/", id, "-g", gen));
       d.set_plan(plan.name());
       d.set_generation(gen);
@@ -284,9 +320,14 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
       *d.mutable_training() = r->training();
       if (d.training().steps() == 0) d.mutable_training()->set_steps(100);
       *d.mutable_create_time() = TimeUtil::GetCurrentTime();
+      // Saved before it exists here: a deployment the store refused is none.
+      if (sink_) {
+        HAP_RETURN_IF_ERROR(Annotate(sink_->SaveDeployment(d),
+                                     absl::StrCat(d.name(), " was not created")));
+      }
+      s_->generations[plan.name()] = gen;
       s_->deployments[d.name()] = d;
       s_->stop_requested[d.name()] = false;
-      if (sink_) HAP_RETURN_IF_ERROR(sink_->SaveDeployment(d));
       s_->pushes.emplace_back([this, d, plan] { Push(d, plan); });
     }
     *out = d;
@@ -456,6 +497,10 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
               m.step(), " outside the deployment"));
         }
       }
+      // Saved first: what is served is what a restart finds.
+      if (sink_) {
+        HAP_RETURN_IF_ERROR(Annotate(sink_->AppendStepMetrics(batch), "step metrics not saved"));
+      }
       for (const auto& m : batch) {
         auto& list = s_->metrics[m.deployment()];
         if (list.size() < kMaxMetricsPerDeployment) list.push_back(m);
@@ -470,7 +515,6 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
           d.set_median_step_seconds(Median(times));
         }
       }
-      if (sink_) HAP_RETURN_IF_ERROR(sink_->AppendStepMetrics(batch));
     }
     if (o_.on_step_metric) {
       for (const auto& m : batch) o_.on_step_metric(m);
@@ -535,6 +579,7 @@ grpc::Status PlannerServiceImpl::StoreSet(grpc::ServerContext* ctx,
       return absl::InvalidArgumentError("StoreSet needs a deployment and a key");
     }
     absl::MutexLock l(&s_->mu);
+    HAP_RETURN_IF_ERROR(CheckRendezvous(s_->deployments, r->deployment(), r->generation()));
     s_->kv[{r->deployment(), r->generation(), r->key()}] = r->value();
     s_->changed.SignalAll();
     return absl::OkStatus();
@@ -554,6 +599,7 @@ grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx,
                                         absl::Nanoseconds(r->timeout().nanos()));
     }
     absl::MutexLock l(&s_->mu);
+    HAP_RETURN_IF_ERROR(CheckRendezvous(s_->deployments, r->deployment(), r->generation()));
     while (true) {
       std::vector<std::string> missing;
       for (const auto& k : r->keys()) {
@@ -583,15 +629,22 @@ grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx,
       return absl::InvalidArgumentError("StoreAdd needs a deployment and a key");
     }
     absl::MutexLock l(&s_->mu);
-    std::string& v = s_->kv[{r->deployment(), r->generation(), r->key()}];
+    HAP_RETURN_IF_ERROR(CheckRendezvous(s_->deployments, r->deployment(), r->generation()));
+    std::tuple<std::string, int64_t, std::string> key{r->deployment(), r->generation(),
+                                                      r->key()};
+    auto it = s_->kv.find(key);
     int64_t n = 0;
-    if (!v.empty() && !absl::SimpleAtoi(v, &n)) {
+    if (it != s_->kv.end() && !it->second.empty() && !absl::SimpleAtoi(it->second, &n)) {
       return absl::FailedPreconditionError(
           absl::StrCat("key '", r->key(), "' holds a value that is not a counter"));
     }
-    n += r->delta();
-    v = absl::StrCat(n);
-    out->set_value(n);
+    int64_t sum = 0;
+    if (__builtin_add_overflow(n, r->delta(), &sum)) {
+      return absl::OutOfRangeError(absl::StrCat("key '", r->key(), "' holds ", n, ": adding ",
+                                                r->delta(), " overflows a 64-bit counter"));
+    }
+    s_->kv[key] = absl::StrCat(sum);
+    out->set_value(sum);
     s_->changed.SignalAll();
     return absl::OkStatus();
   });

@@ -1,7 +1,11 @@
 // hap.v1.Planner over gRPC: a thin translator over PlannerCore (nodes,
 // plans), plus the parts that only exist in the service — deployments
 // (pushing a plan's rank programs to executors), step metrics from
-// executors, and the rendezvous key-value store Gloo ranks meet through.
+// executors, and the rendezvous key-value store Gloo ranks meet through
+// (keys only for deployments that exist, at their generation).
+//
+// Deployments and step metrics are saved before they are served: a save the
+// sink refuses fails the RPC with the sink's error and changes nothing.
 //
 // Every RPC checks the bearer token (when configured), maps absl statuses
 // to gRPC codes one to one, and reports (method, code, seconds) to
@@ -63,6 +67,8 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
                           hap::v1::Cluster*) override;
   grpc::Status ListNodes(grpc::ServerContext*, const hap::v1::ListNodesRequest*,
                          hap::v1::ListNodesResponse*) override;
+  grpc::Status DeleteNode(grpc::ServerContext*, const hap::v1::DeleteNodeRequest*,
+                          hap::v1::DeleteNodeResponse*) override;
   grpc::Status GetProbeAssignments(grpc::ServerContext*,
                                    const hap::v1::GetProbeAssignmentsRequest*,
                                    hap::v1::GetProbeAssignmentsResponse*) override;
@@ -110,6 +116,8 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
   grpc::Status Handle(const char* method, grpc::ServerContext* ctx,
                       const std::function<absl::Status()>& fn);
   void Push(hap::v1::Deployment d, hap::v1::Plan plan);
+  // Applies `edit` and saves the deployment; a save that fails is noted in
+  // its error (the executors changed state whatever the store says).
   void UpdateDeployment(const std::string& name,
                         const std::function<void(hap::v1::Deployment&)>& edit);
 
