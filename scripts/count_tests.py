@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Counts test cases over Bazel's test.xml files; prints 'N passed, N failed'.
+"""Counts test cases over the test.xml files under each directory given
+(default bazel-testlogs); prints 'N passed, N failed'.
 
 Exit status 1 when any case failed or no test ran. Suites that wrote no XML
 (a crash before the runner started) count as one failure each.
@@ -9,10 +10,11 @@ import sys
 import xml.etree.ElementTree as ET
 
 
-def main(root):
+def main(roots):
     passed = failed = skipped = 0
     failed_names = []
-    for dirpath, _, files in os.walk(root, followlinks=True):
+    walks = [w for root in roots for w in os.walk(root, followlinks=True)]
+    for dirpath, _, files in walks:
         if "test.xml" not in files:
             continue
         path = os.path.join(dirpath, "test.xml")
@@ -48,4 +50,4 @@ def main(root):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bazel-testlogs"))
+    sys.exit(main(sys.argv[1:] or ["bazel-testlogs"]))

@@ -19,6 +19,7 @@ PACKAGES=(
   prometheus
   python3-yaml
   chromium
+  clang-14 libfuzzer-14-dev
 )
 
 missing=()

@@ -20,7 +20,12 @@ fi
 bazel test //... "${CUDA_FLAGS[@]}" --test_env=HAP_DATA_DIR="$(cd .. && pwd)/shared/data" "$@"
 rc=$?
 
-/usr/bin/python3 scripts/count_tests.py bazel-testlogs
+# A short libFuzzer run of each parser target (scripts/fuzz.sh; long runs:
+# scripts/fuzz.sh --seconds N). Its cases join the count below.
+rm -rf out/fuzz-results
+bash scripts/fuzz.sh --smoke --junit out/fuzz-results/test.xml || rc=1
+
+/usr/bin/python3 scripts/count_tests.py bazel-testlogs out/fuzz-results
 count_rc=$?
 if [ $rc -ne 0 ] || [ $count_rc -ne 0 ]; then
   exit 1

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# libFuzzer targets (tests/fuzz/*_fuzzer.cc) built with Debian's clang 14,
+# AddressSanitizer and UndefinedBehaviorSanitizer, seeded from real inputs
+# (zoo graphs, the example clusters, a plan file, a checkpoint shard).
+#
+#   scripts/fuzz.sh [--seconds S] [TARGET ...]   long runs (default 300 s each)
+#   scripts/fuzz.sh --smoke [--junit FILE]       a short run of each (scripts/test.sh)
+#
+# Targets: graph cluster plan safetensors (default: all). Objects, binaries,
+# corpora and crash files go to out/fuzz/ (git ignores out/). A crash leaves
+# out/fuzz/crash-* and exits 1; reproduce with out/fuzz/bin/TARGET FILE.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SECONDS_EACH=300
+SMOKE=0
+JUNIT=""
+TARGETS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seconds) SECONDS_EACH=$2; shift 2 ;;
+    --smoke) SMOKE=1; shift ;;
+    --junit) JUNIT=$2; shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) TARGETS+=("$1"); shift ;;
+  esac
+done
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(graph cluster plan safetensors)
+
+CXX=clang++-14
+if ! command -v "$CXX" >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.fuzzer-x86_64.a ]; then
+  echo "fuzz: needs clang-14 and libfuzzer-14-dev (scripts/setup.sh installs them)" >&2
+  exit 2
+fi
+# Generated protobuf code and the seed tools come from the Bazel build.
+bazel build //proto:hap_v1 //tools:hapctl >/dev/null 2>&1 ||
+  { echo "fuzz: bazel build //proto:hap_v1 //tools:hapctl failed" >&2; exit 2; }
+GEN=bazel-bin/proto
+OUT=out/fuzz
+mkdir -p "$OUT/obj" "$OUT/bin" "$OUT/corpus"
+
+ABSL=$(grep -o '"-labsl_[a-z0-9_]*"' third_party/BUILD.bazel | tr -d '"' | sort -u | tr '\n' ' ')
+FLAGS=(-std=c++17 -O1 -g -fno-omit-frame-pointer -I. -I"$GEN" -Wno-unused-command-line-argument)
+SAN=-fsanitize=address,undefined
+
+GRAPH_SRCS=(planner/graph/graph.cc planner/graph/op_registry.cc planner/graph/types.cc
+            planner/graph/graph_proto.cc $(ls planner/graph/ops_*.cc))
+PROTO_SRCS=($(ls "$GEN"/hap/v1/*.pb.cc | grep -v grpc))
+declare -A SRCS=(
+  [graph]="${GRAPH_SRCS[*]}"
+  [cluster]="planner/cost/cluster_model.cc planner/cost/collectives.cc planner/ratios/ratio_lp.cc"
+  [plan]="planner/lower/plan_file.cc ${GRAPH_SRCS[*]}"
+  [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/file_util.cc planner/graph/types.cc"
+)
+
+# One object per source, rebuilt when the source is newer (headers: rm -r out/fuzz/obj).
+object() {
+  local src=$1 obj="$OUT/obj/$(echo "$1" | tr '/' '_').o"
+  if [ ! -e "$obj" ] || [ "$src" -nt "$obj" ]; then
+    "$CXX" "${FLAGS[@]}" $SAN -fsanitize=fuzzer-no-link -c "$src" -o "$obj" || return 1
+  fi
+  echo "$obj"
+}
+
+build() {
+  local t=$1 objs=() o
+  for s in ${SRCS[$t]} "${PROTO_SRCS[@]}"; do
+    o=$(object "$s") || { echo "fuzz: compiling $s failed" >&2; return 1; }
+    objs+=("$o")
+  done
+  "$CXX" "${FLAGS[@]}" $SAN -fsanitize=fuzzer "tests/fuzz/${t}_fuzzer.cc" "${objs[@]}" \
+    -o "$OUT/bin/$t" -lprotobuf -lglpk -lcrypto $ABSL -lpthread
+}
+
+seed() {
+  local t=$1 dir="$OUT/corpus/$1"
+  mkdir -p "$dir"
+  [ -n "$(ls -A "$dir" 2>/dev/null)" ] && return 0
+  case "$t" in
+    graph)
+      for m in mlp gpt vit moe; do
+        bazel-bin/tools/hapctl zoo "$m" --layers 1 --export "$dir/$m.json" >/dev/null 2>&1
+      done ;;
+    cluster) cp planner/examples/*.json "$dir/" ;;
+    plan)
+      bazel-bin/tools/hapctl plan --cluster planner/examples/cpu-2rank.json --model mlp \
+        --save-plan "$dir/mlp.pb" >/dev/null 2>&1 ;;
+    safetensors)
+      # A small hand-made file: one F32 [2] tensor.
+      printf '\x38\x00\x00\x00\x00\x00\x00\x00{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}\x00\x00\x80\x3f\x00\x00\x00\x40' \
+        >"$dir/one.safetensors" ;;
+  esac
+}
+
+failed=0
+cases=""
+for t in "${TARGETS[@]}"; do
+  [ -n "${SRCS[$t]:-}" ] || { echo "fuzz: unknown target $t" >&2; exit 2; }
+  start=$(date +%s)
+  if ! build "$t"; then
+    failed=$((failed + 1)); cases+="<testcase classname=\"fuzz\" name=\"$t\"><failure message=\"build failed\"/></testcase>"
+    continue
+  fi
+  seed "$t"
+  if [ "$SMOKE" = 1 ]; then budget=(-runs=20000 -max_total_time=30); else budget=(-max_total_time="$SECONDS_EACH"); fi
+  if "$OUT/bin/$t" "${budget[@]}" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+      -artifact_prefix="$OUT/crash-$t-" "$OUT/corpus/$t" >"$OUT/$t.log" 2>&1; then
+    echo "fuzz: $t ok ($(grep -o 'Done [0-9]* runs' "$OUT/$t.log" | tail -1), $(( $(date +%s) - start )) s)"
+    cases+="<testcase classname=\"fuzz\" name=\"$t\"/>"
+  else
+    failed=$((failed + 1))
+    echo "fuzz: $t FAILED; see $OUT/$t.log and $OUT/crash-$t-*" >&2
+    tail -30 "$OUT/$t.log" >&2
+    cases+="<testcase classname=\"fuzz\" name=\"$t\"><failure message=\"crash\"/></testcase>"
+  fi
+done
+if [ -n "$JUNIT" ]; then
+  mkdir -p "$(dirname "$JUNIT")"
+  echo "<?xml version=\"1.0\"?><testsuites><testsuite name=\"fuzz\">$cases</testsuite></testsuites>" >"$JUNIT"
+fi
+[ "$failed" = 0 ]
