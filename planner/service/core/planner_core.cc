@@ -362,12 +362,9 @@ void PlannerCore::RefreshLivenessLocked() {
     if (silent > limit + o_.node_expiry) expired.push_back(name);
   }
   for (const std::string& name : expired) {
-    absl::Status removed = RemoveNodeLocked(name);
-    if (!removed.ok()) {
-      // The store still holds the node, so it stays (STALE); the next
-      // refresh tries again.
-      continue;
-    }
+    // A removal the store refuses leaves the node (STALE), as the store
+    // still holds it; the next refresh tries again.
+    RemoveNodeLocked(name).IgnoreError();
   }
 }
 

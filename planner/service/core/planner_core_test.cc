@@ -713,6 +713,10 @@ TEST_F(PlannerCoreTest, ANodeStaleLongerThanTheExpiryIsRemoved) {
   }
   EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);  // 70 s: stale, kept
   clock_.Advance(absl::Seconds(6));
+  // While the store refuses the removal, the node stays, as stored.
+  sink_.RefuseNodes(true);
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+  sink_.RefuseNodes(false);
   v1::Cluster c = core_->GetCluster(true);
   ASSERT_EQ(c.nodes_size(), 1);
   EXPECT_EQ(c.nodes(0).name(), "a");
