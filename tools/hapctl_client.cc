@@ -38,6 +38,7 @@ constexpr char kUsage[] = R"(usage:
   hapctl watch plan NAME
   hapctl cancel plan NAME
   hapctl delete plan NAME
+  hapctl delete node NAME              (its devices leave the cluster)
   hapctl deploy plan NAME --executor DEVICE=HOST:PORT ... [--steps N]
                      [--data synthetic|wikitext|npy:DIR|tokens:FILE[:uint16|uint32]]
                      [--data-path FILE] [--shuffle SEED] [--threads T]
@@ -487,6 +488,16 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     grpc::ClientContext ctx;
     c->Prepare(&ctx);
     grpc::Status s;
+    if (verb == "delete" && (pos[0] == "node" || pos[0] == "nodes")) {
+      v1::DeleteNodeRequest r;
+      const std::string name = pos[1].rfind("nodes/", 0) == 0 ? pos[1] : "nodes/" + pos[1];
+      r.set_name(name);
+      v1::DeleteNodeResponse resp;
+      s = c->stub->DeleteNode(&ctx, r, &resp);
+      if (!s.ok()) return Fail(s);
+      std::cout << name << " deleted\n";
+      return 0;
+    }
     if (verb == "cancel") {
       v1::CancelPlanRequest r;
       r.set_name(PlanName(pos[1]));

@@ -36,7 +36,7 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
   describe plan|deployment NAME      one resource in detail
   create plan --model M [...]        synthesize on the live cluster (--wait)
   watch plan NAME                    stream progress until it ends
-  cancel plan NAME / delete plan NAME
+  cancel plan NAME / delete plan NAME / delete node NAME
   deploy plan NAME --executor DEV=HOST:PORT ... [--steps N]
   stop deployment NAME
 

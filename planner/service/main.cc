@@ -9,6 +9,7 @@
 //   --heartbeat-seconds S --missed-heartbeats N --workers N --max-seconds S
 //   --max-request-bytes N     larger requests get RESOURCE_EXHAUSTED
 //   --drain-seconds S         NOT_SERVING this long before stopping
+//   --node-expiry-seconds S   remove nodes STALE for longer than S (default: never)
 #include <csignal>
 #include <iostream>
 #include <thread>
@@ -59,7 +60,8 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   auto max_seconds = number("max-seconds", 60);
   auto max_request = number("max-request-bytes", hap::service::kMaxMessageBytes);
   auto drain = number("drain-seconds", 1);
-  for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain}) {
+  auto expiry = number("node-expiry-seconds", 0);
+  for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
@@ -68,6 +70,7 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.core.default_max_seconds = *max_seconds;
   o.max_message_bytes = static_cast<int>(std::min<double>(*max_request, 1 << 30));
   o.drain = absl::Seconds(*drain);
+  if (*expiry > 0) o.core.node_expiry = absl::Seconds(*expiry);
   return o;
 }
 
@@ -79,6 +82,7 @@ int main(int argc, char** argv) {
       args,
       {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
        "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds",
+       "node-expiry-seconds",
        "max-request-bytes", "drain-seconds"},
       {"help"});
   if (!a.ok()) {

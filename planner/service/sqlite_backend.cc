@@ -69,6 +69,7 @@ class StoreBackend : public StateBackend {
   }
 
   absl::Status SaveNode(const v1::Node& n) override { return s_->UpsertNode(n); }
+  absl::Status DeleteNode(const std::string& name) override { return s_->DeleteNode(name); }
   absl::Status SavePlan(const v1::Plan& p) override { return s_->PutPlan(p, ""); }
   absl::Status DeletePlan(const std::string& name) override { return s_->DeletePlan(name); }
   absl::Status SaveDeployment(const v1::Deployment& d) override { return s_->PutDeployment(d); }

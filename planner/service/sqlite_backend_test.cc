@@ -81,6 +81,27 @@ TEST(SqliteBackendTest, LoadsEveryMetricOfEveryDeploymentInStepOrder) {
   }
 }
 
+// DeleteNode reaches the database: a deleted node is not loaded again.
+TEST(SqliteBackendTest, ADeletedNodeStaysDeleted) {
+  const std::string db = TempDatabase("nodes.db");
+  {
+    auto backend = OpenSqliteBackend(db);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    for (const char* name : {"nodes/a", "nodes/b"}) {
+      v1::Node n;
+      n.set_name(name);
+      ASSERT_TRUE((*backend)->SaveNode(n).ok());
+    }
+    ASSERT_TRUE((*backend)->DeleteNode("nodes/a").ok());
+  }
+  auto backend = OpenSqliteBackend(db);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto loaded = (*backend)->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->nodes.size(), 1u);
+  EXPECT_EQ(loaded->nodes[0].name(), "nodes/b");
+}
+
 // The whole daemon starts on such a database (it exited with SIGSEGV).
 TEST(SqliteBackendTest, PlannerStartsWithADeploymentThatNeverReported) {
   const std::string db = TempDatabase("server.db");
