@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -24,23 +26,49 @@ absl::Status Errno(absl::string_view what, const std::string& path, int err) {
 
 }  // namespace
 
-absl::StatusOr<FileWriter> FileWriter::Create(const std::string& path) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("create", path, errno);
-  return FileWriter(path, fd);
+namespace {
+constexpr size_t kAlign = 4096;
+constexpr size_t kStagingBytes = 8 << 20;
+}  // namespace
+
+FileWriter::FileWriter(std::string path, int fd, bool direct)
+    : path_(std::move(path)), fd_(fd), direct_(direct) {
+  if (direct_) {
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, kStagingBytes) == 0) {
+      staging_ = static_cast<char*>(p);
+    } else {
+      direct_ = false;
+    }
+  }
 }
 
-FileWriter::FileWriter(FileWriter&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_) {
+absl::StatusOr<FileWriter> FileWriter::Create(const std::string& path, bool direct) {
+  const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  if (direct) {
+    int fd = ::open(path.c_str(), flags | O_DIRECT, 0644);
+    if (fd >= 0) return FileWriter(path, fd, true);
+    if (errno != EINVAL) return Errno("create", path, errno);
+    // The file system refuses O_DIRECT: buffered writes.
+  }
+  int fd = ::open(path.c_str(), flags, 0644);
+  if (fd < 0) return Errno("create", path, errno);
+  return FileWriter(path, fd, false);
+}
+
+FileWriter::FileWriter(FileWriter&& o) noexcept
+    : path_(std::move(o.path_)), fd_(o.fd_), direct_(o.direct_), staging_(o.staging_),
+      staged_(o.staged_) {
   o.fd_ = -1;
+  o.staging_ = nullptr;
 }
 
 FileWriter::~FileWriter() {
   if (fd_ >= 0) ::close(fd_);
+  free(staging_);
 }
 
-absl::Status FileWriter::Write(const void* data, size_t bytes) {
-  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
-  const char* p = static_cast<const char*>(data);
+absl::Status FileWriter::WriteAll(const char* p, size_t bytes) {
   while (bytes > 0) {
     ssize_t n = ::write(fd_, p, bytes);
     if (n < 0) {
@@ -53,14 +81,50 @@ absl::Status FileWriter::Write(const void* data, size_t bytes) {
   return absl::OkStatus();
 }
 
-void FileWriter::Reserve(int64_t bytes) {
-  if (fd_ >= 0 && bytes > 0) (void)::fallocate(fd_, 0, 0, bytes);  // an optimisation only
+absl::Status FileWriter::FlushStaging(bool last) {
+  const size_t aligned = staged_ / kAlign * kAlign;
+  if (aligned > 0) HAP_RETURN_IF_ERROR(WriteAll(staging_, aligned));
+  const size_t tail = staged_ - aligned;
+  if (tail > 0) {
+    if (!last) {
+      std::memmove(staging_, staging_ + aligned, tail);
+    } else {
+      // The last partial block goes through the page cache.
+      const int fl = ::fcntl(fd_, F_GETFL);
+      if (fl < 0 || ::fcntl(fd_, F_SETFL, fl & ~O_DIRECT) < 0) {
+        return Errno("write (clearing O_DIRECT)", path_, errno);
+      }
+      HAP_RETURN_IF_ERROR(WriteAll(staging_ + aligned, tail));
+    }
+  }
+  staged_ = last ? 0 : tail;
+  return absl::OkStatus();
+}
+
+absl::Status FileWriter::Write(const void* data, size_t bytes) {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
+  const char* p = static_cast<const char*>(data);
+  if (!direct_) return WriteAll(p, bytes);
+  while (bytes > 0) {
+    const size_t n = std::min(bytes, kStagingBytes - staged_);
+    std::memcpy(staging_ + staged_, p, n);
+    staged_ += n;
+    p += n;
+    bytes -= n;
+    if (staged_ == kStagingBytes) HAP_RETURN_IF_ERROR(FlushStaging(/*last=*/false));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status FileWriter::SyncAndClose() {
   if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
+  absl::Status flushed = direct_ ? FlushStaging(/*last=*/true) : absl::OkStatus();
   int fd = fd_;
   fd_ = -1;
+  if (!flushed.ok()) {
+    ::close(fd);
+    return flushed;
+  }
   if (::fsync(fd) != 0) {
     const int err = errno;
     ::close(fd);

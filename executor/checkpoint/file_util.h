@@ -12,26 +12,34 @@
 namespace hap::executor::checkpoint {
 
 // A file being written. Closes (without syncing) on destruction.
+//
+// Direct mode (large files: checkpoint shards) writes through an aligned
+// staging buffer with O_DIRECT, bypassing the page cache: a checkpoint is
+// not read back soon, and on virtual disks this is up to twice as fast as
+// filling the page cache and flushing it at fsync. The last partial block
+// is written through the page cache. Where O_DIRECT is refused (tmpfs,
+// some network file systems) the writer falls back to buffered writes.
 class FileWriter {
  public:
   // Creates or truncates `path`.
-  static absl::StatusOr<FileWriter> Create(const std::string& path);
+  static absl::StatusOr<FileWriter> Create(const std::string& path, bool direct = false);
   FileWriter(FileWriter&& o) noexcept;
   FileWriter& operator=(FileWriter&&) = delete;
   ~FileWriter();
 
   absl::Status Write(const void* data, size_t bytes);
-  // Reserves `bytes` of disk for the file (fallocate) so that writing a
-  // new file does not allocate block by block; best effort (a file system
-  // without fallocate just writes).
-  void Reserve(int64_t bytes);
   // fsync, then close; the first error of either.
   absl::Status SyncAndClose();
 
  private:
-  FileWriter(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  FileWriter(std::string path, int fd, bool direct);
+  absl::Status WriteAll(const char* p, size_t bytes);
+  absl::Status FlushStaging(bool last);
   std::string path_;
   int fd_ = -1;
+  bool direct_ = false;
+  char* staging_ = nullptr;  // direct mode: kStagingBytes, 4096-aligned
+  size_t staged_ = 0;
 };
 
 // Writes `contents` to `path` and fsyncs it.

@@ -123,7 +123,7 @@ absl::Status WriteSafetensors(const std::string& path,
   const uint64_t n = header.size();
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(n >> (8 * i));
 
-  HAP_ASSIGN_OR_RETURN(FileWriter out, FileWriter::Create(path));
+  HAP_ASSIGN_OR_RETURN(FileWriter out, FileWriter::Create(path, /*direct=*/offset >= (1 << 20)));
   HAP_RETURN_IF_ERROR(out.Write(length, 8));
   HAP_RETURN_IF_ERROR(out.Write(header.data(), header.size()));
   for (const SafetensorsEntry* e : order) {

@@ -1,5 +1,7 @@
 #include "executor/checkpoint/safetensors.h"
 
+#include "executor/checkpoint/file_util.h"
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -82,6 +84,44 @@ TEST(SafetensorsTest, WritesTheSpecifiedLayoutAndReadsItBack) {
   EXPECT_EQ(v->as<float>()[5], 2.5f);
   EXPECT_EQ((*f)->View("c")->as<int64_t>()[0], 42);
   EXPECT_THAT((*f)->View("nope").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope'")));
+}
+
+// Files of a MB or more go through O_DIRECT and an aligned staging buffer,
+// the last partial block through the page cache: the bytes must be exact.
+TEST(SafetensorsTest, LargeFilesWrittenDirectlyReadBackExactly) {
+  HostTensor big(DType::kFloat32, {(1 << 19) + 7});  // 2 MB + 28 bytes
+  HostTensor small(DType::kFloat64, {3});
+  for (int64_t i = 0; i < big.num_elements(); ++i) big.as<float>()[i] = 0.25f * (i % 1009);
+  for (int i = 0; i < 3; ++i) small.as<double>()[i] = i - 0.5;
+  const std::string path = TempPath("large.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"big", big.view()}, {"small", small.view()}}).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto v = (*f)->View("big");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(std::memcmp(v->data, big.data(), big.view().bytes()), 0);
+  EXPECT_EQ((*f)->View("small")->as<double>()[2], 1.5);
+  float last;
+  ASSERT_TRUE((*f)->ReadBytes("big", big.view().bytes() - 4, 4, &last).ok());
+  EXPECT_EQ(last, big.as<float>()[big.num_elements() - 1]);
+  EXPECT_THAT((*f)->ReadBytes("big", big.view().bytes() - 2, 4, &last),
+              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("outside tensor 'big'")));
+}
+
+TEST(FileWriterTest, DirectWritesOfAnySizeKeepEveryByte) {
+  std::string want;
+  for (int i = 0; i < (9 << 20) + 4099; ++i) want.push_back(static_cast<char>(i * 7 % 251));
+  const std::string path = TempPath("direct.bin");
+  auto w = FileWriter::Create(path, /*direct=*/true);
+  ASSERT_TRUE(w.ok()) << w.status();
+  size_t at = 0;
+  for (size_t chunk : {size_t{1}, size_t{4095}, size_t{8 << 20}, size_t{3}, size_t{1 << 20}}) {
+    ASSERT_TRUE(w->Write(want.data() + at, chunk).ok());
+    at += chunk;
+  }
+  ASSERT_TRUE(w->Write(want.data() + at, want.size() - at).ok());
+  ASSERT_TRUE(w->SyncAndClose().ok());
+  EXPECT_EQ(Slurp(path), want);
 }
 
 TEST(SafetensorsTest, RejectsRepeatedOrReservedNames) {
