@@ -3,8 +3,10 @@ validate with `hapctl validate`, match the zoo exactly where they are the same
 model, and compute the same loss as PyTorch (checked with the reference
 evaluator tests/hap_ir_eval.py and the module's own weights)."""
 
+import importlib.util
 import json
 import os
+import struct
 import unittest
 
 import torch
@@ -14,6 +16,9 @@ import torch.nn.functional as F
 import torch_test_util as U  # noqa: E402  (sets sys.path)
 import export_fx  # noqa: E402
 import hap_ir_eval  # noqa: E402
+
+# tools/safetensors_io.py, found next to export_fx.py (through symlinks).
+safetensors_io = export_fx._safetensors_io()
 import torch_models as M  # noqa: E402
 
 MODELS_PY = os.path.join(U.HERE, "torch_models.py")
@@ -23,6 +28,93 @@ SUMMARY_KEYS = ("parameters", "trainable_parameters", "forward_flops",
 
 def labels(n, hi):
     return torch.randint(0, hi, (n,))
+
+
+# ---- an independent safetensors reader, from the format's specification ----
+# (8-byte little-endian header length N, N bytes of JSON, then the data
+# buffer); deliberately not tools/safetensors_io.py.
+SPEC_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4),
+               "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+               "I64": (torch.int64, 8), "I32": (torch.int32, 4)}
+
+
+def spec_read(path):
+    """(tensors, metadata, header length N, header entries in data order)."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n].decode("utf-8"))
+    data = blob[8 + n:]
+    meta = header.pop("__metadata__", {})
+    tensors = {}
+    for name, e in header.items():
+        dtype, size = SPEC_DTYPES[e["dtype"]]
+        begin, end = e["data_offsets"]
+        count = (end - begin) // size
+        t = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype,
+                             count=count) if count else \
+            torch.empty(0, dtype=dtype)
+        tensors[name] = t.reshape(e["shape"])
+    order = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    return tensors, meta, n, order, len(data)
+
+
+# A module with nested submodules, an nn.TransformerEncoder, a bare
+# nn.MultiheadAttention, a LayerNorm without affine (frozen exporter
+# parameters), a constant (+ 1.0: a "const.*" parameter), a buffer (the
+# causal mask: in the state_dict, not a parameter) and a zero-initialised head.
+NAMES_MODULE = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(),
+                                   nn.Linear(2 * d, d))
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+
+    def forward(self, x):
+        return self.norm(x + self.inner(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, heads=2, classes=5, seq=6):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.stack = nn.ModuleDict({"pre": Block(d)})
+        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2,
+                                             enable_nested_tensor=False)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.register_buffer("mask", torch.triu(
+            torch.full((seq, seq), float("-inf")), 1))
+        self.head = nn.Linear(d, classes)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def features(self, x):
+        h = self.stack["pre"](self.embed(x))
+        h = self.encoder(h)
+        a, _ = self.attn(h, h, h, attn_mask=self.mask)
+        return (a + 1.0).mean(dim=1)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class NetWithLoss(Net):
+    def forward(self, x, labels):
+        return F.cross_entropy(self.head(self.features(x)), labels)
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return NetWithLoss()
+"""
 
 
 class ExportFxTest(unittest.TestCase):
@@ -321,7 +413,11 @@ class ExportFxTest(unittest.TestCase):
         self.check_graph(g)
         got = U.validate(out)
         self.assertEqual(got["parameters"], M.num_params(m))
-        self.assertIn("attn.k.weight", self.params(g))
+        # Separate q/k/v_proj_weight keep their state_dict names; the bias
+        # is split from in_proj_bias.
+        self.assertIn("attn.k_proj_weight", self.params(g))
+        self.assertEqual(sorted(export_fx.state_dict_slices(g)),
+                         ["attn.k.bias", "attn.q.bias", "attn.v.bias"])
         self.assertEqual(self.roles(g)["mask"], "FEATURES")
         self.check_numerics(m, inputs)
 
@@ -337,6 +433,329 @@ class ExportFxTest(unittest.TestCase):
         with open(out, "w") as f:
             json.dump(g, f)
         self.assertEqual(U.validate(out)["parameters"], M.num_params(model))
+
+    # ---- names, slices, weights ---------------------------------------------
+    def names_module(self):
+        """tests' NAMES_MODULE, written to a file (also for the CLI)."""
+        path = os.path.join(self.dir, "names_module.py")
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                f.write(NAMES_MODULE)
+        spec = importlib.util.spec_from_file_location("names_module", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod, path
+
+    def names_inputs(self):
+        return {"x": torch.randn(3, 6, 8), "labels": labels(3, 5)}
+
+    def assert_state_dict_names(self, g, module):
+        """Every graph parameter is a state_dict parameter by name and shape,
+        a listed slice of one, or an exporter constant (frozen, not in the
+        state_dict); together they cover every parameter."""
+        params = dict(module.named_parameters())
+        state = module.state_dict()
+        slices = export_fx.state_dict_slices(g)
+        covered = set()
+        for p in g["parameters"]:
+            name, shape = p["tensor"]["name"], p["tensor"]["shape"]
+            if name in slices:
+                src = slices[name]["source"]
+                self.assertIn(src, params, name)
+                self.assertEqual(slices[name]["source_shape"],
+                                 list(params[src].shape), name)
+                covered.add(src)
+            elif p.get("frozen"):
+                self.assertNotIn(name, state, f"{name} frozen")
+            else:
+                self.assertIn(name, params)
+                self.assertEqual(shape, list(params[name].shape), name)
+                covered.add(name)
+        self.assertEqual(covered, set(params))
+
+    def test_parameter_names_are_state_dict_names(self):
+        """Nested submodules, nn.TransformerEncoder, nn.MultiheadAttention:
+        graph parameter names are the module's state_dict names, both when
+        forward returns the loss and with export(loss=...)'s wrapper."""
+        mod, _ = self.names_module()
+        m = mod.make()
+        g = export_fx.export(m, self.names_inputs())
+        self.check_graph(g)
+        self.assert_state_dict_names(g, m)
+        p = self.params(g)
+        for name in ("embed.weight", "stack.pre.inner.0.weight",
+                     "stack.pre.inner.2.bias",
+                     "encoder.layers.1.self_attn.out_proj.weight",
+                     "encoder.layers.0.linear1.weight",
+                     "encoder.layers.1.norm2.bias", "attn.out_proj.bias",
+                     "head.weight"):
+            self.assertIn(name, p)
+            self.assertNotIn("frozen", p[name])
+        self.assertTrue(p["stack.pre.norm.weight"]["frozen"])  # no affine
+        self.assertTrue(any(n.startswith("const.") for n in p))
+        self.assertEqual(g["metadata"]["torch.module"], "NetWithLoss")
+
+        # The same module through export(loss=...): same names.
+        net = mod.Net()
+        net.load_state_dict(m.state_dict())
+        gw, vw = export_fx.export(net, self.names_inputs(),
+                                  loss=nn.CrossEntropyLoss(),
+                                  return_values=True)
+        self.check_graph(gw)
+        self.assert_state_dict_names(gw, net)
+        self.assertEqual([q["tensor"]["name"] for q in gw["parameters"]],
+                         [q["tensor"]["name"] for q in g["parameters"]])
+        self.assertEqual(gw["metadata"][export_fx.SLICES_KEY],
+                         g["metadata"][export_fx.SLICES_KEY])
+        self.assertEqual(gw["metadata"]["torch.module"], "Net")
+        self.assertFalse([op["name"] for op in gw["ops"]
+                          if op["name"].startswith("model.")])
+        self.assertFalse([op["scope"] for op in gw["ops"]
+                          if op.get("scope", "").startswith("model")])
+        w = export_fx.state_dict_weights(gw, vw)
+        self.assertEqual(set(w), set(dict(net.named_parameters())))
+        self.check_numerics(m, self.names_inputs())
+
+    def test_state_dict_slices_metadata(self):
+        """hap.state_dict_slices lists exactly the q/k/v parameters split
+        from in_proj_weight/in_proj_bias; slicing the source at offset along
+        axis gives the values return_values reports."""
+        mod, _ = self.names_module()
+        m = mod.make()
+        g, values = export_fx.export(m, self.names_inputs(),
+                                     return_values=True)
+        slices = json.loads(g["metadata"]["hap.state_dict_slices"])
+        mhas = ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
+                "attn"]
+        want = {f"{a}.{x}.{k}": (f"{a}.in_proj_{k}", i)
+                for a in mhas for i, x in enumerate("qkv")
+                for k in ("weight", "bias")}
+        self.assertEqual(set(slices), set(want))
+        state = m.state_dict()
+        p = self.params(g)
+        E = 16
+        for name, s in slices.items():
+            src, i = want[name]
+            self.assertEqual(set(s), {"source", "axis", "offset",
+                                      "source_shape"})
+            self.assertEqual((s["source"], s["axis"], s["offset"]),
+                             (src, 0, i * E), name)
+            self.assertEqual(s["source_shape"], list(state[src].shape))
+            shape = p[name]["tensor"]["shape"]
+            part = state[src].narrow(s["axis"], s["offset"], shape[s["axis"]])
+            self.assertEqual(list(part.shape), shape)
+            self.assertTrue(torch.equal(part, values[name]), name)
+        # Graph parameters that are not slices carry their state_dict values.
+        for name, v in values.items():
+            if name not in slices and not p[name].get("frozen"):
+                self.assertTrue(torch.equal(v, state[name]), name)
+        # A module without split parameters records an empty mapping.
+        g2 = export_fx.export(nn.Sequential(nn.Linear(4, 3)),
+                              {"input": torch.randn(2, 4),
+                               "labels": labels(2, 3)},
+                              loss=nn.CrossEntropyLoss())
+        self.assertEqual(export_fx.state_dict_slices(g2), {})
+
+    def test_parameter_named_like_an_input(self):
+        """A parameter whose state_dict name an input already has becomes a
+        whole-tensor slice of it (so --weights still writes its name)."""
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(4, 3))
+                self.fc = nn.Linear(3, 3)
+
+            def forward(self, w, labels):
+                return F.cross_entropy(self.fc(w @ self.w), labels)
+
+        m = M()
+        g, values = export_fx.export(m, {"w": torch.randn(2, 4),
+                                         "labels": labels(2, 3)},
+                                     return_values=True)
+        self.assertEqual(export_fx.state_dict_slices(g), {
+            "w_1": {"source": "w", "axis": 0, "offset": 0,
+                    "source_shape": [4, 3]}})
+        w = export_fx.state_dict_weights(g, values)
+        self.assertEqual(set(w), {"w", "fc.weight", "fc.bias"})
+        self.assertTrue(torch.equal(w["w"], m.w.detach()))
+
+    def test_module_initial_values_kept(self):
+        """A parameter whose values are all equal keeps them (ZEROS / ONES /
+        CONSTANT) instead of the module type's default init; the others keep
+        today's kinds."""
+        mod, _ = self.names_module()
+        m = mod.make()
+        with torch.no_grad():
+            m.embed.bias.fill_(0.5)
+            m.encoder.layers[0].norm1.weight.fill_(2.0)
+            m.encoder.layers[0].norm1.bias.fill_(1.0)
+            m.attn.in_proj_bias[16:32] = 0.25  # k's bias only
+        g = export_fx.export(m, self.names_inputs())
+        p = {k: v["init"] for k, v in self.params(g).items()}
+        self.assertEqual(p["head.weight"], {"kind": "ZEROS"})
+        self.assertEqual(p["head.bias"], {"kind": "ZEROS"})
+        self.assertEqual(p["embed.bias"], {"kind": "CONSTANT", "value": 0.5})
+        self.assertEqual(p["encoder.layers.0.norm1.weight"],
+                         {"kind": "CONSTANT", "value": 2.0})
+        self.assertEqual(p["encoder.layers.0.norm1.bias"], {"kind": "ONES"})
+        self.assertEqual(p["attn.q.bias"], {"kind": "ZEROS"})
+        self.assertEqual(p["attn.k.bias"], {"kind": "CONSTANT",
+                                            "value": 0.25})
+        self.assertEqual(p["encoder.layers.1.norm1.weight"], {"kind": "ONES"})
+        # Not constant: the module type's default kinds, as before.
+        self.assertEqual(p["embed.weight"]["kind"], "UNIFORM")
+        self.assertAlmostEqual(p["embed.weight"]["high"], 1 / 8 ** 0.5)
+        self.assertEqual(p["attn.q.weight"]["kind"], "UNIFORM")
+        self.assertAlmostEqual(p["attn.q.weight"]["high"], (6 / 64) ** 0.5)
+        # On the meta device there are no values: default kinds.
+        meta = nn.Sequential(nn.Linear(6, 4)).to("meta")
+        gm = export_fx.export(meta, {"input": torch.zeros(2, 6),
+                                     "labels": labels(2, 4)},
+                              loss=nn.CrossEntropyLoss(), run_on="meta")
+        self.assertEqual(self.params(gm)["0.weight"]["init"]["kind"],
+                         "UNIFORM")
+
+    def test_weights_cli_round_trip(self):
+        """export_fx.py --weights OUT.safetensors: the module's parameters
+        under state_dict names (in_proj_weight whole, no exporter constants),
+        read by a reader written here from the specification, restored
+        exactly by load_state_dict(strict=False) (only buffers missing)."""
+        mod, path = self.names_module()
+        m = mod.make(seed=0)
+        weights = os.path.join(self.dir, "names.safetensors")
+        out, p = self.cli(f"{path}:make", ["x=3,6,8", "labels=3:int64:5"],
+                          extra=["--weights", weights])
+        self.assertIn("names.safetensors", p.stderr)
+        with open(out) as f:
+            g = json.load(f)
+        self.assertEqual(self.params(g)["head.weight"]["init"],
+                         {"kind": "ZEROS"})
+
+        tensors, meta, n, order, data_len = spec_read(weights)
+        params = dict(m.named_parameters())
+        self.assertEqual(set(tensors), set(params))
+        for name, t in tensors.items():
+            self.assertEqual(t.dtype, params[name].dtype, name)
+            self.assertTrue(torch.equal(t, params[name].detach()), name)
+        for a in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
+                  "attn"):
+            self.assertEqual(list(tensors[f"{a}.in_proj_weight"].shape),
+                             [48, 16])
+            self.assertEqual(list(tensors[f"{a}.in_proj_bias"].shape), [48])
+            self.assertNotIn(f"{a}.q.weight", tensors)
+        self.assertFalse([k for k in tensors if k.startswith("const.")])
+        self.assertNotIn("mask", tensors)  # a buffer
+        self.assertNotIn("stack.pre.norm.weight", tensors)  # exporter's
+        self.assertEqual(meta.get("format"), "pt")
+        # Layout: header padded to 8 bytes; tensors back to back from 0,
+        # covering the data buffer; each aligned to its element size.
+        self.assertEqual(n % 8, 0)
+        pos = 0
+        for name, e in order:
+            begin, end = e["data_offsets"]
+            self.assertEqual(begin, pos, name)
+            self.assertEqual((8 + n + begin) % SPEC_DTYPES[e["dtype"]][1], 0)
+            pos = end
+        self.assertEqual(pos, data_len)
+
+        # Our reader agrees; load_state_dict restores exactly.
+        ours, ours_meta = safetensors_io.read_safetensors(weights)
+        self.assertEqual(ours_meta, meta)
+        self.assertEqual(list(ours), [k for k, _ in order])
+        for k, v in tensors.items():
+            self.assertTrue(torch.equal(ours[k], v), k)
+        fresh = mod.make(seed=1)
+        self.assertFalse(torch.equal(
+            fresh.encoder.layers[0].self_attn.in_proj_weight,
+            m.encoder.layers[0].self_attn.in_proj_weight))
+        res = fresh.load_state_dict(tensors, strict=False)
+        self.assertEqual(res.unexpected_keys, [])
+        self.assertEqual(res.missing_keys, ["mask"])
+        for k, v in m.state_dict().items():
+            self.assertTrue(torch.equal(fresh.state_dict()[k], v), k)
+
+        # The file's in_proj_weight is the graph's q, k, v stacked.
+        _, values = export_fx.export(m, self.names_inputs(),
+                                     return_values=True)
+        for a in ("encoder.layers.1.self_attn", "attn"):
+            qkv = torch.cat([values[f"{a}.{x}.weight"] for x in "qkv"])
+            self.assertTrue(torch.equal(qkv, tensors[f"{a}.in_proj_weight"]))
+
+    def test_weights_cli_errors(self):
+        """--weights on a module without values (meta device) fails before
+        writing anything; a module with an unused parameter gets a note."""
+        src = os.path.join(self.dir, "meta_module.py")
+        with open(src, "w") as f:
+            f.write("import torch.nn as nn\n"
+                    "import torch.nn.functional as F\n\n"
+                    "class M(nn.Module):\n"
+                    "    def __init__(self, device=None):\n"
+                    "        super().__init__()\n"
+                    "        self.fc = nn.Linear(4, 3, device=device)\n"
+                    "        self.spare = nn.Linear(2, 2, device=device)\n\n"
+                    "    def forward(self, x, labels):\n"
+                    "        return F.cross_entropy(self.fc(x), labels)\n\n"
+                    "def meta():\n"
+                    "    return M(device='meta')\n")
+        weights = os.path.join(self.dir, "meta.safetensors")
+        out, p = self.cli(f"{src}:meta", ["x=2,4", "labels=2:int64:3"],
+                          check=False, extra=["--weights", weights])
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("meta device", p.stderr)
+        self.assertFalse(os.path.exists(out))
+        self.assertFalse(os.path.exists(weights))
+        out, p = self.cli(f"{src}:M", ["x=2,4", "labels=2:int64:3"],
+                          extra=["--weights", weights])
+        self.assertIn("spare.weight", p.stderr)
+        tensors = spec_read(weights)[0]
+        self.assertEqual(set(tensors), {"fc.weight", "fc.bias"})
+
+    def test_safetensors_io_layout(self):
+        """tools/safetensors_io.py writes what the specification says (read
+        back by the reader written here): 8-byte dtypes first, every tensor
+        aligned, the header padded to 8 bytes, metadata strings."""
+        g = torch.Generator().manual_seed(3)
+        ts = {"h": torch.randn(3, generator=g).half(),
+              "w": torch.randn(2, 3, generator=g),
+              "i": torch.arange(5),
+              "bf": torch.randn(4, generator=g).bfloat16(),
+              "d": torch.randn(2, 2, generator=g, dtype=torch.float64),
+              "n": torch.arange(3, dtype=torch.int32),
+              "s": torch.tensor(1.5),
+              "e": torch.zeros(0, 3),
+              "t": torch.randn(3, 4, generator=g).t()}  # not contiguous
+        path = os.path.join(self.dir, "layout.safetensors")
+        safetensors_io.write_safetensors(path, ts, {"k": "v"})
+        tensors, meta, n, order, data_len = spec_read(path)
+        self.assertEqual(meta, {"k": "v"})
+        self.assertEqual(n % 8, 0)
+        sizes = [SPEC_DTYPES[e["dtype"]][1] for _, e in order]
+        self.assertEqual(sizes, sorted(sizes, reverse=True))
+        self.assertEqual([k for k, _ in order][:2], ["i", "d"])
+        pos = 0
+        for name, e in order:
+            self.assertEqual(e["data_offsets"][0], pos)
+            self.assertEqual((8 + n + pos) % SPEC_DTYPES[e["dtype"]][1], 0)
+            pos = e["data_offsets"][1]
+        self.assertEqual(pos, data_len)
+        for k, v in ts.items():
+            self.assertEqual(tensors[k].dtype, v.dtype, k)
+            self.assertEqual(tensors[k].shape, v.shape, k)
+            self.assertTrue(torch.equal(tensors[k], v), k)
+            self.assertTrue(torch.equal(safetensors_io.read(path)[k], v), k)
+        # Our reader refuses a truncated file, naming it.
+        with open(path, "rb") as f:
+            blob = f.read()
+        bad = os.path.join(self.dir, "truncated.safetensors")
+        with open(bad, "wb") as f:
+            f.write(blob[:-3])
+        with self.assertRaises(safetensors_io.SafetensorsError) as cm:
+            safetensors_io.read_safetensors(bad)
+        self.assertIn("truncated.safetensors", str(cm.exception))
+        with self.assertRaises(safetensors_io.SafetensorsError):
+            safetensors_io.write_safetensors(
+                bad, {"m": torch.zeros(2, device="meta")})
 
     # ---- errors ----------------------------------------------------------------
     def test_unsupported_op_fails_naming_it(self):

@@ -8,22 +8,45 @@ scalar training loss (for example a wrapper that applies nn.CrossEntropyLoss
 to the model's output and a labels input), or pass `loss=` (see export()).
 
 Conventions (the same as the model zoo, planner/graph/zoo.cc):
+  * Graph parameters are named as in the module's state_dict() (also with
+    export(loss=...), whose wrapper adds no prefix), except
+      - the parameters split from one PyTorch tensor, listed in the graph's
+        metadata "hap.state_dict_slices" (below; so is, as a whole-tensor
+        slice "<name>_1", a parameter whose name an input already has), and
+      - exporter constants: frozen parameters with a constant initialiser
+        that are not in the state_dict ("const.<node>" for literal tensors
+        and scalars, "<module>.weight"/".bias" of a LayerNorm without affine).
   * nn.MultiheadAttention becomes three q/k/v linears (parameters sliced from
-    in_proj_weight/in_proj_bias, named "<module>.q.weight" ...), reshape to
-    heads, transpose, matmul, scale, softmax, dropout, matmul, transpose,
-    reshape and the output linear ("<module>.out_proj.weight").
+    in_proj_weight/in_proj_bias, named "<module>.q.weight", ".k.weight",
+    ".v.weight", ".q.bias" ...), reshape to heads, transpose, matmul, scale,
+    softmax, dropout, matmul, transpose, reshape and the output linear
+    ("<module>.out_proj.weight"). With kdim/vdim != embed_dim its separate
+    q/k/v_proj_weight keep their state_dict names.
+  * metadata["hap.state_dict_slices"] (always present; "{}" when nothing is
+    split) is a JSON object string: graph parameter -> {"source": state_dict
+    name, "axis": int, "offset": int, "source_shape": [int, ...]}: the graph
+    parameter is source.narrow(axis, offset, its size along axis), e.g.
+    "enc.layers.0.self_attn.k.weight" -> {"source":
+    "enc.layers.0.self_attn.in_proj_weight", "axis": 0, "offset": E,
+    "source_shape": [3E, E]}. hap-executor --init-weights and
+    `hapctl checkpoint export` read and write the source whole through it.
   * nn.TransformerEncoderLayer (post-norm or norm_first, relu or gelu) and
     nn.TransformerEncoder are decomposed the same way as the zoo's
     BuildTransformer / PreNormBlock.
-  * Parameters carry the kind of PyTorch's default initialisation of their
-    module (UNIFORM / NORMAL / ONES / ZEROS); values are not exported.
+  * Initialisers keep the module's own values where the IR can: a parameter
+    whose values are all equal is ZEROS / ONES / CONSTANT (a zero-initialised
+    head stays zero); the others carry the kind of PyTorch's default
+    initialisation of their module (UNIFORM / NORMAL), or for a bare
+    nn.Parameter a kind fitted to its values. Values themselves go into the
+    --weights file, not the graph.
   * Integer inputs become INT64; the ones used only as loss targets are LABELS.
   * Dropout is exported as in training mode (the IR is one training step).
 
 Command line:
   /usr/bin/python3 tools/export_fx.py --module pkg.mod:factory_or_class \
       [--kwargs '{"hidden": 64}'] [--input-shape x=8,16] \
-      [--input-shape tokens=8,128:int64[:HIGH]] [--name NAME] -o out.json
+      [--input-shape tokens=8,128:int64[:HIGH]] [--name NAME] -o out.json \
+      [--weights OUT.safetensors]
 
   MODULE is "package.module:attr" or "path/to/file.py:attr"; attr is an
   nn.Module instance, a class or a factory called with --kwargs. A factory may
@@ -32,12 +55,22 @@ Command line:
   adds or replaces inputs: float32 random normal, or an integer dtype filled
   with zeros (or random integers in [0, HIGH) when HIGH is given).
 
+  --weights OUT.safetensors also writes the module's current parameters (the
+  ones the graph uses; a note on stderr names any that forward leaves
+  unused) as a safetensors file under their state_dict names, split tensors
+  whole (in_proj_weight, not q/k/v), exporter constants and buffers left out:
+  `module.load_state_dict(safetensors_io.read(OUT), strict=False)` restores
+  them exactly (tools/safetensors_io.py) and `hap-executor --init-weights OUT`
+  starts training from them. In Python: export(..., return_values=True), then
+  state_dict_weights(graph, values) or write_weights(path, graph, values).
+
 Exit status: 0 on success, 2 on an unsupported op/module or a bad argument
 (the message names the fx node and its target).
 """
 
 import argparse
 import dis
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -55,6 +88,12 @@ import torch.nn.functional as F
 
 class ExportError(Exception):
     """The module cannot be expressed in the HAP IR."""
+
+
+# Graph metadata key: JSON object, graph parameter -> {"source": state_dict
+# name, "axis": int, "offset": int, "source_shape": [..]} for the graph
+# parameters that are slices of one state_dict tensor (q/k/v of in_proj_*).
+SLICES_KEY = "hap.state_dict_slices"
 
 
 _MISSING = object()
@@ -281,6 +320,22 @@ def _xavier_uniform(fan_in, fan_out):
     return _uniform(math.sqrt(6.0 / (fan_in + fan_out)))
 
 
+def _constant_init(t):
+    """ZEROS / ONES / CONSTANT when every value of `t` is the same (the
+    module's own initial values kept), else None (also for meta tensors)."""
+    if t.is_meta or t.numel() == 0:
+        return None
+    v = t.detach()
+    lo, hi = float(v.min()), float(v.max())
+    if lo != hi or not math.isfinite(lo):
+        return None
+    if lo == 0:
+        return dict(_ZEROS)
+    if lo == 1:
+        return dict(_ONES)
+    return {"kind": "CONSTANT", "value": lo}
+
+
 def _init_from_values(t):
     """Initializer for a bare nn.Parameter (no module default): constant when
     all values are equal, else UNIFORM over [min, max] when the values look
@@ -368,20 +423,46 @@ def _pair(v):
     return [v, v]
 
 
+def _join(path, leaf):
+    return f"{path}.{leaf}" if path else leaf
+
+
 class _Exporter:
-    def __init__(self, gm, root, name, loss_node, input_nodes):
+    """`root` is what was traced: the user's `module` itself, or a loss
+    wrapper holding it as the submodule `prefix` ("model"); every name the
+    graph shows (parameters, ops, scopes) is relative to `module`, so the
+    parameters are named as in module.state_dict()."""
+
+    def __init__(self, gm, root, name, loss_node, input_nodes, module=None,
+                 prefix=""):
         self.gm, self.root, self.name = gm, root, name
+        self.module = root if module is None else module
+        self.prefix = prefix
         self.loss_node = loss_node
         self.input_nodes = input_nodes  # placeholder node -> example tensor
         self.inputs, self.params, self.ops, self.value_info = [], {}, [], []
         self.used = set()
         self.env = {}
-        self.qualname = {}
+        self.qualname = {}  # id(parameter) -> its state_dict name
         for n, p in root.named_parameters():
-            self.qualname.setdefault(id(p), n)
+            self.qualname.setdefault(id(p), self.pub(n))
+        # State_dict names are kept for their parameters: other tensors and
+        # ops do not take them.
+        self.reserved = set(self.qualname.values())
+        self.slices = {}  # graph parameter -> slice of a state_dict tensor
         self.node = None  # the node being exported (for error messages)
         self.n_const = 0
         self.values = {}  # parameter name -> torch tensor (its PyTorch value)
+
+    def pub(self, path):
+        """A module path of `root` as a path of the user's module."""
+        if not self.prefix:
+            return path
+        if path == self.prefix:
+            return ""
+        if path.startswith(self.prefix + "."):
+            return path[len(self.prefix) + 1:]
+        return path
 
     # ---- errors -----------------------------------------------------------
     def fail(self, why, node=None):
@@ -393,39 +474,69 @@ class _Exporter:
             f"{why}")
 
     # ---- names, tensors, parameters, ops ----------------------------------
-    def fresh(self, base):
+    def fresh(self, base, own=False):
+        """A new tensor/op name from `base`; `own`: base is the state_dict
+        name of the parameter being declared (reserved for it)."""
         name, k = base, 1
-        while name in self.used:
+        while name in self.used or (name in self.reserved and not own):
             name = f"{base}_{k}"
             k += 1
+            own = False
         self.used.add(name)
         return name
 
     def param(self, tensor, name=None, init=None, frozen=False, key=None,
-              shape=None, value=None):
+              shape=None, value=None, slice_of=None):
         """Declares (once per `key`) a parameter; `value` (default `tensor`)
-        is what export(..., return_values=True) reports for it."""
+        is what export(..., return_values=True) reports for it.
+
+        Without `name`, `tensor` is a parameter of the module and the graph
+        parameter takes its state_dict name. `slice_of=(axis, offset)`: the
+        graph parameter `name` is `value`, the slice of the module parameter
+        `tensor` starting at `offset` along `axis` (recorded in the graph's
+        metadata, see SLICES_KEY)."""
         key = key if key is not None else id(tensor)
         if key in self.params:
             return self.params[key][1]
-        if name is None:
-            name = self.qualname.get(id(tensor))
-            if name is None:
+        source = None
+        if name is None or slice_of is not None:
+            source = self.qualname.get(id(tensor))
+            if source is None:
                 self.fail("uses a tensor that is not a parameter of the module")
+        if name is None:
+            name = source
+        val = (tensor if value is None else value).detach()
         if init is None:
             init = self.default_init(name, tensor)
+        if not frozen:
+            init = _constant_init(val) or init
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
         dtype = _ir_dtype(tensor.dtype, f"parameter '{name}'")
         if dtype == "INT64":
             self.fail(f"parameter '{name}' is not floating point")
-        name = self.fresh(name)
+        whole = slice_of is None and name == source
+        gname = self.fresh(name, own=whole)
+        if whole and gname != source:
+            # Its state_dict name is taken (by an input of the same name):
+            # record the parameter as the whole of its source.
+            if not shape:
+                self.fail(f"parameter '{source}' has the name of an input; "
+                          f"rename one of them")
+            slice_of = (0, 0)
+        if slice_of is not None:
+            axis, offset = slice_of
+            self.slices[gname] = {"source": source, "axis": int(axis),
+                                  "offset": int(offset),
+                                  "source_shape": [int(d) for d in
+                                                   tensor.shape]}
+        name = gname
         t = _T(name, shape, dtype)
         entry = {"tensor": {"name": name, "shape": list(shape), "dtype": dtype},
                  "init": init}
         if frozen:
             entry["frozen"] = True
         self.params[key] = (entry, t)
-        self.values[name] = (tensor if value is None else value).detach()
+        self.values[name] = val
         return t
 
     def const(self, value, like):
@@ -458,15 +569,16 @@ class _Exporter:
     def default_init(self, name, tensor):
         """PyTorch's default initialisation of the module owning `name`."""
         owner_path, _, attr = name.rpartition(".")
+        root = self.module
         try:
-            owner = self.root.get_submodule(owner_path) if owner_path else self.root
+            owner = root.get_submodule(owner_path) if owner_path else root
         except AttributeError:
             owner = None
         parent = None
         if owner_path:
             pp, _, leaf = owner_path.rpartition(".")
             try:
-                parent = self.root.get_submodule(pp) if pp else self.root
+                parent = root.get_submodule(pp) if pp else root
             except AttributeError:
                 parent = None
             if isinstance(parent, nn.MultiheadAttention) and leaf == "out_proj":
@@ -513,16 +625,16 @@ class _Exporter:
 
     def scope_of(self, node):
         if node.op == "call_module":
-            path = node.target.rpartition(".")[0]
+            path = self.pub(node.target).rpartition(".")[0]
         else:
-            path = node.meta.get("hap_scope", "")
+            path = self.pub(node.meta.get("hap_scope", ""))
         return path.replace(".", "/")
 
     def base_name(self, node):
         if node is self.loss_node:
             return "loss"
         if node.op == "call_module":
-            return node.target
+            return self.pub(node.target) or node.name
         return node.name
 
     # ---- argument conversion ----------------------------------------------
@@ -633,17 +745,25 @@ class _Exporter:
             self.fail("the loss must be computed by an op")
         self.node = None
         self.assign_roles()
+        params = [e for e, _ in self.params.values()]
+        for e in params:
+            pname = e["tensor"]["name"]
+            if not (e.get("frozen") or pname in self.slices or
+                    pname in self.reserved):
+                raise ExportError(f"internal: graph parameter '{pname}' is "
+                                  f"neither a state_dict name nor a slice")
         return {
             "name": self.name,
             "inputs": self.inputs,
-            "parameters": [e for e, _ in self.params.values()],
+            "parameters": params,
             "ops": self.ops,
             "loss": loss.name,
             "value_info": self.value_info,
             "metadata": {"source": "torch.fx",
                          "exporter": "tools/export_fx.py",
-                         "torch.module": type(self.root).__qualname__,
-                         "torch.version": torch.__version__},
+                         "torch.module": type(self.module).__qualname__,
+                         "torch.version": torch.__version__,
+                         SLICES_KEY: json.dumps(self.slices, sort_keys=True)},
         }
 
     def assign_roles(self):
@@ -684,6 +804,7 @@ class _Exporter:
         return self.linear(path, x, w, b, scope)
 
     def layer_norm(self, mod, path, x, scope):
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
         if len(mod.normalized_shape) != 1:
             self.fail(f"LayerNorm '{path}' normalises over "
                       f"{list(mod.normalized_shape)}; only the last dimension "
@@ -692,9 +813,9 @@ class _Exporter:
         if mod.elementwise_affine:
             g, b = self.param(mod.weight), self.param(mod.bias)
         else:
-            g = self.param(torch.ones(d), f"{path}.weight", dict(_ONES), True,
+            g = self.param(torch.ones(d), at("weight"), dict(_ONES), True,
                            key=("ln_w", path))
-            b = self.param(torch.zeros(d), f"{path}.bias", dict(_ZEROS), True,
+            b = self.param(torch.zeros(d), at("bias"), dict(_ZEROS), True,
                            key=("ln_b", path))
         return self.emit("layer_norm", path, [x, g, b], {"eps": float(mod.eps)},
                          x.shape, scope=scope)
@@ -753,6 +874,7 @@ class _Exporter:
 
     def mha(self, mod, path, query, key, value, attn_mask, key_padding_mask,
             batch_first=None):
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
         if key_padding_mask is not None:
             self.fail(f"{path}: key_padding_mask is not supported")
         if mod.bias_k is not None or mod.add_zero_attn:
@@ -771,7 +893,7 @@ class _Exporter:
             for i, x in enumerate(ins):
                 if x.name not in done:
                     done[x.name] = self.transpose(
-                        f"{path}.{('query', 'key', 'value')[i]}_batch_first",
+                        at(f"{('query', 'key', 'value')[i]}_batch_first"),
                         x, (1, 0, 2), scope)
                 ins[i] = done[x.name]
         q_in, k_in, v_in = ins
@@ -779,113 +901,122 @@ class _Exporter:
         Sk = k_in.shape[1]
         causal, mask = self.attention_mask(attn_mask, Sq, Sk)
         ws, bs = [], []
+        # in_proj_weight/in_proj_bias are split into q, k and v parameters
+        # ("<module>.q.weight" ...), recorded as slices of their source;
+        # separate q/k/v_proj_weight (kdim != embed_dim) keep their names.
         if mod._qkv_same_embed_dim:
             W = mod.in_proj_weight
             init = _xavier_uniform(W.shape[1], W.shape[0])
             for i, nm in enumerate("qkv"):
-                ws.append(self.param(W, f"{path}.{nm}.weight", dict(init),
+                ws.append(self.param(W, at(f"{nm}.weight"),
+                                     dict(init),
                                      key=("in_proj_weight", id(W), i),
                                      shape=(E, E),
-                                     value=W[i * E:(i + 1) * E]))
+                                     value=W[i * E:(i + 1) * E],
+                                     slice_of=(0, i * E)))
         else:
             for nm in "qkv":
                 W = getattr(mod, f"{nm}_proj_weight")
-                ws.append(self.param(W, f"{path}.{nm}.weight",
-                                     _xavier_uniform(W.shape[1], W.shape[0])))
+                ws.append(self.param(
+                    W, init=_xavier_uniform(W.shape[1], W.shape[0])))
         if mod.in_proj_bias is not None:
+            b = mod.in_proj_bias
             for i, nm in enumerate("qkv"):
-                bs.append(self.param(mod.in_proj_bias, f"{path}.{nm}.bias",
+                bs.append(self.param(b, at(f"{nm}.bias"),
                                      dict(_ZEROS),
-                                     key=("in_proj_bias", id(mod.in_proj_bias),
-                                          i), shape=(E,),
-                                     value=mod.in_proj_bias[i * E:(i + 1) * E]))
+                                     key=("in_proj_bias", id(b), i),
+                                     shape=(E,),
+                                     value=b[i * E:(i + 1) * E],
+                                     slice_of=(0, i * E)))
         else:
             bs = [None] * 3
-        q = self.linear(f"{path}.q", q_in, ws[0], bs[0], scope)
-        k = self.linear(f"{path}.k", k_in, ws[1], bs[1], scope)
-        v = self.linear(f"{path}.v", v_in, ws[2], bs[2], scope)
-        q = self.reshape(f"{path}.q_heads", q, (B, Sq, H, dh), scope)
-        k = self.reshape(f"{path}.k_heads", k, (B, Sk, H, dh), scope)
-        v = self.reshape(f"{path}.v_heads", v, (B, Sk, H, dh), scope)
-        q = self.transpose(f"{path}.q_t", q, (0, 2, 1, 3), scope)
-        k = self.transpose(f"{path}.k_t", k, (0, 2, 3, 1), scope)
-        v = self.transpose(f"{path}.v_t", v, (0, 2, 1, 3), scope)
-        s = self.emit("matmul", f"{path}.scores", [q, k], None, (B, H, Sq, Sk),
+        q = self.linear(at("q"), q_in, ws[0], bs[0], scope)
+        k = self.linear(at("k"), k_in, ws[1], bs[1], scope)
+        v = self.linear(at("v"), v_in, ws[2], bs[2], scope)
+        q = self.reshape(at("q_heads"), q, (B, Sq, H, dh), scope)
+        k = self.reshape(at("k_heads"), k, (B, Sk, H, dh), scope)
+        v = self.reshape(at("v_heads"), v, (B, Sk, H, dh), scope)
+        q = self.transpose(at("q_t"), q, (0, 2, 1, 3), scope)
+        k = self.transpose(at("k_t"), k, (0, 2, 3, 1), scope)
+        v = self.transpose(at("v_t"), v, (0, 2, 1, 3), scope)
+        s = self.emit("matmul", at("scores"), [q, k], None, (B, H, Sq, Sk),
                       scope=scope)
-        s = self.emit("scale", f"{path}.scaled", [s],
+        s = self.emit("scale", at("scaled"), [s],
                       {"factor": 1.0 / math.sqrt(dh)}, s.shape, scope=scope)
-        s = self.emit("softmax", f"{path}.probs", [s] + ([mask] if mask else []),
+        s = self.emit("softmax", at("probs"), [s] + ([mask] if mask else []),
                       {"causal": causal}, s.shape, scope=scope)
-        s = self.dropout(mod.dropout, f"{path}.probs_drop", s, scope)
-        ctx = self.emit("matmul", f"{path}.context", [s, v], None,
+        s = self.dropout(mod.dropout, at("probs_drop"), s, scope)
+        ctx = self.emit("matmul", at("context"), [s, v], None,
                         (B, H, Sq, dh), scope=scope)
-        ctx = self.transpose(f"{path}.context_t", ctx, (0, 2, 1, 3), scope)
-        ctx = self.reshape(f"{path}.context_merged", ctx, (B, Sq, E), scope)
-        out = self.linear_module(mod.out_proj, f"{path}.out_proj", ctx, scope)
+        ctx = self.transpose(at("context_t"), ctx, (0, 2, 1, 3), scope)
+        ctx = self.reshape(at("context_merged"), ctx, (B, Sq, E), scope)
+        out = self.linear_module(mod.out_proj, at("out_proj"), ctx, scope)
         if not bf:
-            out = self.transpose(f"{path}.output_seq_first", out, (1, 0, 2),
+            out = self.transpose(at("output_seq_first"), out, (1, 0, 2),
                                  scope)
         return out
 
     def encoder_layer(self, mod, path, x, mask, key_padding_mask,
                       batch_first=None):
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
         scope = path.replace(".", "/")
 
         def sa(h):
-            h = self.mha(mod.self_attn, f"{path}.self_attn", h, h, h, mask,
+            h = self.mha(mod.self_attn, at("self_attn"), h, h, h, mask,
                          key_padding_mask, batch_first)
-            return self.dropout(mod.dropout1.p, f"{path}.dropout1", h, scope)
+            return self.dropout(mod.dropout1.p, at("dropout1"), h, scope)
 
         def ff(h):
-            h = self.linear_module(mod.linear1, f"{path}.linear1", h, scope)
-            h = self.activation(mod.activation, f"{path}.activation", h, scope)
-            h = self.dropout(mod.dropout.p, f"{path}.dropout", h, scope)
-            h = self.linear_module(mod.linear2, f"{path}.linear2", h, scope)
-            return self.dropout(mod.dropout2.p, f"{path}.dropout2", h, scope)
+            h = self.linear_module(mod.linear1, at("linear1"), h, scope)
+            h = self.activation(mod.activation, at("activation"), h, scope)
+            h = self.dropout(mod.dropout.p, at("dropout"), h, scope)
+            h = self.linear_module(mod.linear2, at("linear2"), h, scope)
+            return self.dropout(mod.dropout2.p, at("dropout2"), h, scope)
 
         def add(name, a, b):
-            return self.emit("add", f"{path}.{name}", [a, b], None, a.shape,
+            return self.emit("add", at(name), [a, b], None, a.shape,
                              scope=scope)
 
         if mod.norm_first:
             x = add("attn_residual", x,
-                    sa(self.layer_norm(mod.norm1, f"{path}.norm1", x, scope)))
+                    sa(self.layer_norm(mod.norm1, at("norm1"), x, scope)))
             x = add("ff_residual", x,
-                    ff(self.layer_norm(mod.norm2, f"{path}.norm2", x, scope)))
+                    ff(self.layer_norm(mod.norm2, at("norm2"), x, scope)))
         else:
-            x = self.layer_norm(mod.norm1, f"{path}.norm1",
+            x = self.layer_norm(mod.norm1, at("norm1"),
                                 add("attn_residual", x, sa(x)), scope)
-            x = self.layer_norm(mod.norm2, f"{path}.norm2",
+            x = self.layer_norm(mod.norm2, at("norm2"),
                                 add("ff_residual", x, ff(x)), scope)
         return x
 
     def encoder(self, mod, path, x, mask, key_padding_mask):
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
         layers = list(mod.layers)
         if not all(isinstance(l, nn.TransformerEncoderLayer) for l in layers):
             self.fail(f"{path}: layers must be nn.TransformerEncoderLayer")
         seq_first = bool(layers) and not layers[0].self_attn.batch_first
         if seq_first:  # one transpose for the whole stack, not per layer
-            x = self.transpose(f"{path}.batch_first", x, (1, 0, 2),
+            x = self.transpose(at("batch_first"), x, (1, 0, 2),
                                path.replace(".", "/"))
         for i, layer in enumerate(layers):
             if layer.self_attn.batch_first != (not seq_first):
                 self.fail(f"{path}: mixed batch_first layers")
-            x = self.encoder_layer(layer, f"{path}.layers.{i}", x, mask,
+            x = self.encoder_layer(layer, at(f"layers.{i}"), x, mask,
                                    key_padding_mask, batch_first=True)
         if mod.norm is not None:
             if not isinstance(mod.norm, nn.LayerNorm):
                 self.fail(f"{path}: norm must be an nn.LayerNorm")
-            x = self.layer_norm(mod.norm, f"{path}.norm", x,
+            x = self.layer_norm(mod.norm, at("norm"), x,
                                 path.replace(".", "/"))
         if seq_first:
-            x = self.transpose(f"{path}.seq_first", x, (1, 0, 2),
+            x = self.transpose(at("seq_first"), x, (1, 0, 2),
                                path.replace(".", "/"))
         return x
 
     # ---- modules -----------------------------------------------------------
     def call_module(self, n):
         mod = self.root.get_submodule(n.target)
-        path, scope = n.target, self.scope_of(n)
+        path, scope = self.pub(n.target), self.scope_of(n)
 
         def bound():
             try:
@@ -1583,14 +1714,17 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
                      tries meta first and falls back to cpu.
     return_values:   also return {parameter name: its current PyTorch value}
                      (q/k/v slices of in_proj_weight, constants filled), e.g.
-                     to run the graph with the module's weights.
+                     to run the graph with the module's weights;
+                     state_dict_weights(graph, values) turns them back into
+                     state_dict tensors.
     """
     if not isinstance(module, nn.Module):
         raise ExportError(f"expected an nn.Module, got {type(module).__name__}")
     example_inputs = dict(example_inputs)
-    root = module
+    root, prefix = module, ""
     if callable(loss) and not isinstance(loss, (str, int)):
         root = _wrap_with_loss(module, loss, example_inputs, labels)
+        prefix = "model"  # the wrapper's submodule; not part of any name
         loss = None
     sig = inspect.signature(root.forward)
     concrete = {}
@@ -1680,11 +1814,101 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
                               f" (add a loss such as nn.CrossEntropyLoss)")
         input_nodes = {n: t for n, t in input_nodes.items() if t is not None}
         gname = name or type(module).__name__.lower()
-        ex = _Exporter(gm, root, gname, res, input_nodes)
+        ex = _Exporter(gm, root, gname, res, input_nodes, module=module,
+                       prefix=prefix)
         g = ex.run()
         return (g, ex.values) if return_values else g
     finally:
         root.train(was_training)
+
+
+def state_dict_slices(graph):
+    """The graph's SLICES_KEY metadata as a dict ({} when absent)."""
+    raw = graph.get("metadata", {}).get(SLICES_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def state_dict_weights(graph, values):
+    """The module's parameters as the graph uses them, under their
+    state_dict names (what `--weights` writes): each graph parameter by its
+    name, the slices of SLICES_KEY reassembled into their source tensor
+    (in_proj_weight whole), exporter constants (frozen parameters that are
+    not in the state_dict) left out. `values`: export(...,
+    return_values=True)'s second result."""
+    slices = state_dict_slices(graph)
+    out, parts = {}, {}
+    for p in graph["parameters"]:
+        name = p["tensor"]["name"]
+        if name in slices:
+            s = slices[name]
+            if s["source"] not in parts:
+                out[s["source"]] = None  # keeps the graph's order
+            parts.setdefault(s["source"], []).append((name, s))
+        elif not p.get("frozen"):
+            out[name] = values[name]
+    for src, pieces in parts.items():
+        shape, axis = pieces[0][1]["source_shape"], pieces[0][1]["axis"]
+        first = values[pieces[0][0]]
+        whole = torch.empty(shape, dtype=first.dtype, device=first.device)
+        covered = torch.zeros(shape[axis], dtype=torch.int64)
+        for name, s in pieces:
+            v = values[name]
+            if s["source_shape"] != shape or s["axis"] != axis:
+                raise ExportError(f"{SLICES_KEY}: the slices of '{src}' "
+                                  f"disagree on its shape or axis")
+            n = v.shape[axis]
+            whole.narrow(axis, s["offset"], n).copy_(v)
+            covered[s["offset"]:s["offset"] + n] += 1
+        if not bool((covered == 1).all()):
+            raise ExportError(f"{SLICES_KEY}: the slices of '{src}' do not "
+                              f"cover it exactly once")
+        out[src] = whole
+    meta = [k for k, v in out.items() if v.is_meta]
+    if meta:
+        raise ExportError(f"the module's parameters are on the meta device "
+                          f"(e.g. '{meta[0]}'): there are no weights to "
+                          f"write")
+    return out
+
+
+def _safetensors_io():
+    """tools/safetensors_io.py, next to this file (also when this file is
+    reached through a symlink, as in Bazel's runfiles)."""
+    try:
+        import safetensors_io  # noqa: PLC0415
+        return safetensors_io
+    except ImportError:
+        pass
+    here = os.path.dirname(os.path.realpath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "safetensors_io", os.path.join(here, "safetensors_io.py"))
+    if spec is None or not os.path.exists(spec.origin):
+        raise ExportError(f"--weights needs safetensors_io.py next to "
+                          f"{__file__}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["safetensors_io"] = mod
+    return mod
+
+
+def write_weights(path, graph, values, module=None, weights=None):
+    """Writes state_dict_weights(graph, values) (or `weights`, its result)
+    as a safetensors file; returns (tensor count, the parameters of `module`
+    left out because the graph does not use them)."""
+    if weights is None:
+        weights = state_dict_weights(graph, values)
+    unused = []
+    if module is not None:
+        have = set(weights)
+        unused = [n for n, _ in module.named_parameters() if n not in have]
+    st = _safetensors_io()
+    try:
+        st.write_safetensors(path, weights, {
+            "format": "pt", "exporter": "tools/export_fx.py",
+            "graph": graph["name"]})
+    except (st.SafetensorsError, OSError) as e:
+        raise ExportError(f"cannot write the weights to {path}: {e}") from e
+    return len(weights), unused
 
 
 # --------------------------------------------------------------------------
@@ -1767,6 +1991,10 @@ def main(argv=None):
                          "inputs; auto: meta, falling back to cpu")
     ap.add_argument("-o", "--output", required=True,
                     help="output JSON file ('-' for stdout)")
+    ap.add_argument("--weights", default=None, metavar="OUT.safetensors",
+                    help="also write the module's current parameters as a "
+                         "safetensors file under their state_dict names "
+                         "(for --init-weights, or load_state_dict)")
     a = ap.parse_args(argv)
     try:
         obj = _load_attr(a.module)
@@ -1796,7 +2024,11 @@ def main(argv=None):
         loss = a.loss
         if loss is not None and loss.isdigit():
             loss = int(loss)
-        g = export(module, examples, loss=loss, name=a.name, run_on=a.run_on)
+        g, values = export(module, examples, loss=loss, name=a.name,
+                           run_on=a.run_on, return_values=True)
+        weights = None
+        if a.weights is not None:
+            weights = state_dict_weights(g, values)  # fails before writing
     except ExportError as e:
         print(f"export_fx: error: {e}", file=sys.stderr)
         return 2
@@ -1810,6 +2042,18 @@ def main(argv=None):
         print(f"export_fx: wrote {a.output}: {len(g['ops'])} ops, "
               f"{len(g['parameters'])} parameter tensors ({n_params} values)",
               file=sys.stderr)
+    if a.weights is not None:
+        try:
+            n, unused = write_weights(a.weights, g, values, module, weights)
+        except ExportError as e:
+            print(f"export_fx: error: {e}", file=sys.stderr)
+            return 2
+        print(f"export_fx: wrote {a.weights}: {n} tensors (state_dict names)",
+              file=sys.stderr)
+        if unused:
+            print(f"export_fx: note: {len(unused)} parameters not used by "
+                  f"forward are not in {a.weights}: {', '.join(unused)}",
+                  file=sys.stderr)
     return 0
 
 
