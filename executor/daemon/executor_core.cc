@@ -150,7 +150,18 @@ struct ExecutorCore::Loaded {
   std::function<absl::Status(ProgramRunner&)> initialize;
   std::vector<v1::RankProgram> programs;  // every rank's, for the checkpoint index
   std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
-  ~Loaded() { runner.reset(); }           // before what it points into
+  // Set by Stop; read by the training thread between steps.
+  std::atomic<bool> cancelled{false};
+  // Set (under the core's mu_) when Stop gave up waiting for the step in
+  // progress: the thread's later steps, metrics and end change nothing.
+  std::atomic<bool> abandoned{false};
+  std::atomic<bool> ended{false};  // the training thread is about to return
+  ~Loaded() { runner.reset(); }    // before what it points into
+};
+
+struct ExecutorCore::Retired {
+  std::thread thread;
+  std::shared_ptr<Loaded> loaded;
 };
 
 absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loaded) {
@@ -246,7 +257,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     return absl::InvalidArgumentError("training.resume and init_weights exclude each other");
   }
 
-  auto loaded = std::make_unique<Loaded>();
+  auto loaded = std::make_shared<Loaded>();
   HAP_ASSIGN_OR_RETURN(loaded->graph,
                        [&]() -> absl::StatusOr<graph::Graph> {
                          auto g = graph::FromProto(in.plan.graph());
@@ -290,7 +301,8 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     }
   }
   JoinTrainingThread();  // a thread that ended may still be returning
-  std::unique_ptr<Loaded> old;
+  ReapRetired(/*all=*/false);
+  std::shared_ptr<Loaded> old;
   absl::MutexLock l(&mu_);
   old = std::move(loaded_);
   loaded_ = std::move(loaded);
@@ -299,8 +311,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
   steps_completed_ = 0;
   last_loss_ = 0;
   error_.clear();
-  cancelled_ = false;
-  return hash;  // `old` is freed here, outside no lock that matters
+  return hash;  // `old` is freed here (unless a retired thread holds it)
 }
 
 absl::Status ExecutorCore::CheckDeployment(const std::string& deployment) const {
@@ -337,14 +348,13 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Start(const std::string& deploy
         "this executor has no rendezvous store configured (no planner)");
   }
   state_ = v1::ExecutorStatus::TRAINING;
-  cancelled_ = false;
-  Loaded* loaded = loaded_.get();
+  std::shared_ptr<Loaded> loaded = loaded_;
   const int64_t id = load_id_;
   thread_ = std::thread([this, loaded, id] { Train(loaded, id); });
   return StatusLocked();
 }
 
-void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
+void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
   const LoadOptions& lo = loaded->options;
   const int64_t steps = lo.training.steps();
   absl::Status s = [&]() -> absl::Status {
@@ -362,8 +372,14 @@ void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
     to.first_step = loaded->first_step;
     to.steps = steps - loaded->first_step;
     to.initialize = loaded->initialize;
-    to.after_step = loaded->after_step;
-    to.cancelled = [this] { return cancelled_.load(); };
+    if (loaded->after_step) {
+      // No checkpoint from a retired thread: a new load may own the directory.
+      to.after_step = [&loaded](ProgramRunner& runner, int64_t steps_done) {
+        if (loaded->abandoned) return absl::OkStatus();
+        return loaded->after_step(runner, steps_done);
+      };
+    }
+    to.cancelled = [&loaded] { return loaded->cancelled.load(); };
     to.on_step = [&](int64_t step, double loss, double seconds) {
       v1::StepMetric m;
       m.set_deployment(lo.deployment);
@@ -374,6 +390,7 @@ void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
       *m.mutable_time() = ToTimestamp(o_.now());
       {
         absl::MutexLock l(&mu_);
+        if (load_id_ != load_id || loaded->abandoned) return;  // retired: report nothing
         steps_completed_ = step + 1;
         last_loss_ = loss;
         loaded->metrics.push_back(m);
@@ -387,16 +404,33 @@ void ExecutorCore::Train(Loaded* loaded, int64_t load_id) {
   }();
   if (o_.on_end) o_.on_end();
   absl::MutexLock l(&mu_);
-  if (load_id_ != load_id) return;  // cannot happen: loads wait for this thread
+  loaded->ended = true;
+  // Another load only replaces this one once Stop retired this thread.
+  if (load_id_ != load_id || loaded->abandoned) return;
   if (s.ok()) {
     state_ = v1::ExecutorStatus::FINISHED;
   } else {
     state_ = v1::ExecutorStatus::FAILED;
-    error_ = cancelled_ ? absl::StrCat("stopped by StopTraining after ", steps_completed_,
-                                       " of ", steps, " steps")
-                        : s.ToString();
+    error_ = loaded->cancelled ? absl::StrCat("stopped by StopTraining after ",
+                                              steps_completed_, " of ", steps, " steps")
+                               : s.ToString();
   }
 }
+
+void ExecutorCore::ReapRetired(bool all) {
+  std::vector<Retired> keep;
+  for (Retired& r : retired_) {
+    if (all || r.loaded->ended) {
+      r.thread.join();
+    } else {
+      keep.push_back(std::move(r));
+    }
+  }
+  retired_.swap(keep);
+  retired_count_ = static_cast<int>(retired_.size());
+}
+
+int ExecutorCore::RetiredThreads() const { return retired_count_.load(); }
 
 void ExecutorCore::JoinTrainingThread() {
   if (thread_.joinable()) thread_.join();
@@ -416,9 +450,29 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
       return StatusLocked();
     }
     if (state_ != v1::ExecutorStatus::TRAINING) return StatusLocked();
-    cancelled_ = true;
+    loaded_->cancelled = true;
   }
-  return WaitUntilDone(std::min(wait_until, absl::Now() + o_.stop_wait));
+  const absl::Time asked = absl::Now();
+  WaitUntilDone(std::min(wait_until, asked + o_.stop_wait));
+  ReapRetired(/*all=*/false);
+  absl::MutexLock l(&mu_);
+  if (state_ == v1::ExecutorStatus::TRAINING) {
+    // The step in progress did not end: most likely a collective waiting for
+    // a peer that is frozen or gone, which only the communicator timeout
+    // ends. Nothing more comes from this load; its thread is retired.
+    loaded_->abandoned = true;
+    state_ = v1::ExecutorStatus::FAILED;
+    error_ = absl::StrCat(
+        "stopped by StopTraining after ", steps_completed_, " of ",
+        loaded_->options.training.steps(), " steps; the step in progress did not end within ",
+        absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Milliseconds(1))),
+        " and was abandoned (a collective waiting for a peer that is gone ends at the "
+        "communicator timeout, ",
+        absl::FormatDuration(o_.comm_timeout), ")");
+    retired_.push_back(Retired{std::move(thread_), loaded_});
+    retired_count_ = static_cast<int>(retired_.size());
+  }
+  return StatusLocked();
 }
 
 v1::ExecutorStatus ExecutorCore::WaitUntilDone(absl::Time deadline) const {
@@ -480,9 +534,10 @@ void ExecutorCore::Shutdown() {
   {
     absl::MutexLock l(&mu_);
     shutdown_ = true;
-    if (state_ == v1::ExecutorStatus::TRAINING) cancelled_ = true;
+    if (state_ == v1::ExecutorStatus::TRAINING) loaded_->cancelled = true;
   }
   JoinTrainingThread();
+  ReapRetired(/*all=*/true);
 }
 
 }  // namespace hap::executor

@@ -21,8 +21,14 @@
 //             (a new generation) to train again.
 //   Stop      TRAINING: cancels between steps, waits (bounded) for the step
 //             in progress, -> FAILED "stopped ...". Peers still inside a
-//             collective with this rank time out. LOADED: unloads -> IDLE.
-//             Otherwise a no-op.
+//             collective with this rank time out. A step that does not end
+//             within the wait (typically a collective waiting for a peer
+//             that is frozen or gone) is abandoned: the state is FAILED at
+//             once, and the training thread, which can only leave the
+//             collective at the communicator timeout, is retired: it keeps
+//             its load's memory until then, reports nothing more and changes
+//             no state, and LoadPlan does not wait for it. LOADED: unloads
+//             -> IDLE. Otherwise a no-op.
 //
 // Deployment names in Start/Stop/WaitMetrics must match the loaded one
 // (NotFound naming both) unless empty.
@@ -110,7 +116,8 @@ class ExecutorCore {
   absl::StatusOr<std::string> LoadPlan(LoadOptions options);
   absl::StatusOr<hap::v1::ExecutorStatus> Start(const std::string& deployment);
   // Waits for the step in progress until `wait_until` or stop_wait,
-  // whichever is sooner (the status may still say TRAINING then).
+  // whichever is sooner, then abandons it (see the state diagram): the
+  // status returned is never TRAINING.
   absl::StatusOr<hap::v1::ExecutorStatus> Stop(const std::string& deployment,
                                                absl::Time wait_until = absl::InfiniteFuture());
   hap::v1::ExecutorStatus Status() const;
@@ -128,11 +135,18 @@ class ExecutorCore {
       bool* done) const;
 
   // Stops training (as Stop) and refuses further loads (Unavailable).
+  // Waits for every training thread, retired ones included.
   void Shutdown();
+
+  // Training threads abandoned by Stop that have not ended yet.
+  int RetiredThreads() const;
 
  private:
   struct Loaded;
-  void Train(Loaded* loaded, int64_t load_id);
+  struct Retired;
+  void Train(std::shared_ptr<Loaded> loaded, int64_t load_id);
+  // Joins the retired threads that have ended (all of them when `all`).
+  void ReapRetired(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Opens training.resume / init_weights and sets up training.checkpoint_dir.
   absl::Status SetUpCheckpoints(const LoadOptions& in, Loaded* loaded);
   absl::Status CheckDeployment(const std::string& deployment) const
@@ -143,14 +157,16 @@ class ExecutorCore {
   const ExecutorCoreOptions o_;
   mutable absl::Mutex mu_;
   hap::v1::ExecutorStatus::State state_ ABSL_GUARDED_BY(mu_) = hap::v1::ExecutorStatus::IDLE;
-  std::unique_ptr<Loaded> loaded_ ABSL_GUARDED_BY(mu_);
+  // Shared with the training thread, which may outlive the load (retired).
+  std::shared_ptr<Loaded> loaded_ ABSL_GUARDED_BY(mu_);
   int64_t load_id_ ABSL_GUARDED_BY(mu_) = 0;  // bumps on every load and unload
   int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
   double last_loss_ ABSL_GUARDED_BY(mu_) = 0;
   std::string error_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> cancelled_{false};
   std::thread thread_;  // the training thread; started and joined under ops_mu_
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(ops_mu_);
+  std::atomic<int> retired_count_{0};
   // Serialises the operations that change state (LoadPlan's install, Start,
   // Stop, Shutdown), so joining the training thread never races a start.
   // Taken before mu_.

@@ -211,6 +211,93 @@ TEST(ExecutorCoreTest, StopCancelsBetweenStepsAndThePeerTimesOut) {
   EXPECT_THAT(peer.error(), HasSubstr("peer"));
 }
 
+// A communicator whose peer never answers: every collective blocks until
+// `release` is notified, then fails as a vanished peer does.
+class HungPeerCommunicator : public Communicator {
+ public:
+  HungPeerCommunicator(int rank, absl::Notification* entered, absl::Notification* release)
+      : rank_(rank), entered_(entered), release_(release) {}
+  int rank() const override { return rank_; }
+  int size() const override { return 2; }
+  absl::Status AllReduce(TensorView) override { return Hang(); }
+  absl::Status AllGather(TensorView, TensorView, absl::Span<const int64_t>,
+                         CommMethod) override {
+    return Hang();
+  }
+  absl::Status ReduceScatter(TensorView, TensorView, absl::Span<const int64_t>,
+                             CommMethod) override {
+    return Hang();
+  }
+  absl::Status AllToAll(TensorView, absl::Span<const int64_t>, TensorView,
+                        absl::Span<const int64_t>) override {
+    return Hang();
+  }
+  absl::Status Broadcast(TensorView, int) override { return Hang(); }
+  absl::Status Reduce(TensorView, TensorView, int) override { return Hang(); }
+  absl::Status Barrier() override { return Hang(); }
+
+ private:
+  absl::Status Hang() {
+    if (!entered_->HasBeenNotified()) entered_->Notify();
+    release_->WaitForNotification();
+    return absl::UnavailableError("connection closed by peer 1");
+  }
+  const int rank_;
+  absl::Notification* entered_;
+  absl::Notification* release_;
+};
+
+// A rank whose peer froze sits in a collective that only the communicator
+// timeout ends. Stop does not wait for that: the rank is FAILED at once,
+// takes a new plan, and the old thread, when it finally returns, changes
+// nothing.
+TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
+  absl::Notification entered, release;
+  ExecutorCoreOptions options = Options(nullptr);
+  options.stop_wait = absl::Milliseconds(200);
+  options.connect = [&](const GlooOptions& go, RendezvousStore&)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::make_unique<HungPeerCommunicator>(go.rank, &entered, &release);
+  };
+  absl::Mutex mu;
+  int reported = 0;
+  options.on_step = [&](const v1::StepMetric&) {
+    absl::MutexLock l(&mu);
+    ++reported;
+  };
+  ExecutorCore core(options);
+  ASSERT_THAT(core.LoadPlan(Load(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(core.Start("deployments/d1"), IsOk());
+  entered.WaitForNotification();  // inside step 0's first collective
+
+  const absl::Time asked = absl::Now();
+  auto stopped = core.Stop("deployments/d1");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_LT(absl::Now() - asked, absl::Seconds(5));
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(), ::testing::AllOf(HasSubstr("stopped by StopTraining after 0"),
+                                                 HasSubstr("abandoned")));
+  EXPECT_EQ(core.RetiredThreads(), 1);
+  EXPECT_THAT(core.Stop("deployments/d1"), IsOk());  // again: a no-op
+
+  // A new plan is taken while the old thread is still stuck.
+  LoadOptions next = Load(2, 0, 3);
+  next.deployment = "deployments/d2";
+  ASSERT_THAT(core.LoadPlan(next), IsOk());
+  EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::LOADED);
+
+  release.Notify();  // the collective times out at last
+  core.Shutdown();   // joins the retired thread
+  EXPECT_EQ(core.RetiredThreads(), 0);
+  v1::ExecutorStatus after = core.Status();
+  EXPECT_EQ(after.state(), v1::ExecutorStatus::LOADED);
+  EXPECT_EQ(after.deployment(), "deployments/d2");
+  EXPECT_EQ(after.steps_completed(), 0);
+  EXPECT_TRUE(after.error().empty()) << after.error();
+  absl::MutexLock l(&mu);
+  EXPECT_EQ(reported, 0);
+}
+
 TEST(ExecutorCoreTest, ConnectFailureIsFailedWithTheReason) {
   ExecutorCoreOptions options = Options(nullptr);
   options.connect = [](const GlooOptions&, RendezvousStore&)

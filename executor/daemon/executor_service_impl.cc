@@ -52,7 +52,13 @@ grpc::Status ExecutorServiceImpl::StopTraining(grpc::ServerContext* ctx,
                                                const v1::StopTrainingRequest* r,
                                                v1::ExecutorStatus* out) {
   if (grpc::Status s = CheckToken(ctx, token_); !s.ok()) return s;
-  auto st = core_->Stop(r->deployment(), Deadline(ctx));
+  // Wait for the step in progress at most half the time left, so that the
+  // answer (FAILED, the step abandoned if need be) reaches the caller in time.
+  const absl::Time now = absl::Now();
+  const absl::Time deadline = Deadline(ctx);
+  const absl::Time wait_until =
+      deadline == absl::InfiniteFuture() ? deadline : now + (deadline - now) / 2;
+  auto st = core_->Stop(r->deployment(), wait_until);
   if (!st.ok()) return ToGrpc(st.status());
   *out = *std::move(st);
   return grpc::Status::OK;
