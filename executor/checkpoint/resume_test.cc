@@ -30,7 +30,7 @@ using executor::TrainResult;
 constexpr int kSteps = 12;
 constexpr int kSplit = 6;
 constexpr uint64_t kSeed = 99;
-constexpr double kAdamLr = 0.01;
+constexpr double kAdamLr = hap::testing::kEquivalenceAdamLr;
 
 graph::Graph Model(const std::string& name) {
   std::map<std::string, double> p;
@@ -45,22 +45,7 @@ graph::Graph Model(const std::string& name) {
   return *std::move(g);
 }
 
-v1::OptimizerConfig Optimizer(bool adam) {
-  v1::OptimizerConfig o;
-  if (adam) {
-    o.set_kind(v1::OptimizerConfig::ADAM);
-    o.set_learning_rate(kAdamLr);
-    o.set_weight_decay(0.01);
-    o.set_clip_global_norm(0.5);
-    o.set_epsilon(1e-6);
-  } else {
-    o.set_kind(v1::OptimizerConfig::SGD);
-    o.set_learning_rate(0.1);
-    o.set_momentum(0.9);
-    o.set_weight_decay(1e-3);
-  }
-  return o;
-}
+v1::OptimizerConfig Optimizer(bool adam) { return hap::testing::EquivalenceOptimizer(adam); }
 
 struct PlanSpec {
   int ranks;

@@ -37,7 +37,7 @@ using executor::TrainResult;
 
 constexpr int kSteps = 5;
 constexpr uint64_t kSeed = 1234;
-constexpr double kAdamLr = 0.01;
+constexpr double kAdamLr = hap::testing::kEquivalenceAdamLr;
 
 graph::Graph Model(const std::string& name, int ranks) {
   // Batches divisible by nothing in particular: uneven shards everywhere.
@@ -70,25 +70,7 @@ std::vector<double> Ratios(int n, bool uneven) {
   return r;
 }
 
-v1::OptimizerConfig Optimizer(bool adam) {
-  v1::OptimizerConfig o;
-  if (adam) {
-    o.set_kind(v1::OptimizerConfig::ADAM);
-    o.set_learning_rate(kAdamLr);
-    o.set_weight_decay(0.01);
-    o.set_clip_global_norm(0.5);
-    // Adam divides by the gradient's magnitude, so a gradient that is zero
-    // in exact arithmetic (the attention key bias) steps by +-lr on float
-    // noise alone; a larger epsilon keeps such noise from being amplified.
-    o.set_epsilon(1e-6);
-  } else {
-    o.set_kind(v1::OptimizerConfig::SGD);
-    o.set_learning_rate(0.1);
-    o.set_momentum(0.9);
-    o.set_weight_decay(1e-3);
-  }
-  return o;
-}
+v1::OptimizerConfig Optimizer(bool adam) { return hap::testing::EquivalenceOptimizer(adam); }
 
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g,
                                              const synth::Program& p, int n,

@@ -81,4 +81,24 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
   return p;
 }
 
+hap::v1::OptimizerConfig EquivalenceOptimizer(bool adam) {
+  hap::v1::OptimizerConfig o;
+  if (adam) {
+    o.set_kind(hap::v1::OptimizerConfig::ADAM);
+    o.set_learning_rate(kEquivalenceAdamLr);
+    o.set_weight_decay(0.01);
+    o.set_clip_global_norm(0.5);
+    // Adam divides by the gradient's magnitude, so a gradient that is zero
+    // in exact arithmetic (the attention key bias) steps by +-lr on float
+    // noise alone; a larger epsilon keeps such noise from being amplified.
+    o.set_epsilon(1e-6);
+  } else {
+    o.set_kind(hap::v1::OptimizerConfig::SGD);
+    o.set_learning_rate(0.1);
+    o.set_momentum(0.9);
+    o.set_weight_decay(1e-3);
+  }
+  return o;
+}
+
 }  // namespace hap::testing

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph.h"
+#include "hap/v1/plan.pb.h"
 #include "planner/synth/program.h"
 
 namespace hap::testing {
@@ -31,6 +32,12 @@ cost::ClusterModel SlowDevicesFastLinks(int n);
 absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
                                              const std::string& kind,
                                              const std::vector<double>& ratios);
+
+// The optimizers of the equivalence tests: AdamW (lr kEquivalenceAdamLr,
+// weight decay 0.01, clipping at global norm 0.5, epsilon 1e-6) or SGD
+// with momentum 0.9 (lr 0.1, weight decay 1e-3).
+inline constexpr double kEquivalenceAdamLr = 0.01;
+hap::v1::OptimizerConfig EquivalenceOptimizer(bool adam);
 
 }  // namespace hap::testing
 
