@@ -5,6 +5,7 @@
 #include <deque>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -152,6 +153,52 @@ std::string RandomId() {
   return absl::StrCat("p-", absl::Hex(x, absl::kZeroPad16));
 }
 
+// What the plan of a request depends on, hashed: the graph, the chosen
+// devices in their order, their profiles, the node each is on, the links
+// between them and the link defaults, and the options. Heartbeat times,
+// node states, addresses, labels and devices not chosen are left out, so
+// that agents heartbeating do not change the key.
+std::string CacheKey(const v1::Graph& graph, const v1::Cluster& cluster,
+                     const std::vector<std::string>& devices,
+                     const v1::PlanOptions& options, std::string* graph_hash) {
+  const std::set<std::string> chosen(devices.begin(), devices.end());
+  v1::Cluster profile;
+  *profile.mutable_defaults() = cluster.defaults();
+  for (const v1::Node& n : cluster.nodes()) {
+    v1::Node kept;
+    kept.set_name(n.name());
+    for (const v1::Device& d : n.devices()) {
+      if (chosen.count(d.id())) *kept.add_devices() = d;
+    }
+    if (kept.devices_size() > 0) *profile.add_nodes() = std::move(kept);
+  }
+  for (const v1::Link& l : cluster.links()) {
+    if (chosen.count(l.src()) && chosen.count(l.dst())) *profile.add_links() = l;
+  }
+  v1::Plan key_parts;
+  key_parts.set_graph_hash(lower::Sha256Hex(graph));
+  key_parts.set_cluster_hash(lower::Sha256Hex(profile));
+  *key_parts.mutable_options() = options;
+  for (const auto& d : devices) key_parts.add_devices(d);
+  if (graph_hash) *graph_hash = key_parts.graph_hash();
+  return lower::Sha256Hex(key_parts);
+}
+
+// Failures that come from the request itself: another search for the same
+// request fails the same way, so merged plans take them over.
+bool FailsForAnyone(int code) {
+  switch (static_cast<absl::StatusCode>(code)) {
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kUnimplemented:
+    case absl::StatusCode::kOutOfRange:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 v1::LinkDefaults DefaultLinks() {
@@ -185,6 +232,10 @@ struct PlannerCore::Job {
   // Set (under the core's lock) when a state of the plan could not be saved
   // and it became FAILED instead; a CreatePlan that waits returns it.
   absl::Status save_error;
+  // Merging (under the core's lock): the job whose search this one waits
+  // for, or the jobs waiting for this one's.
+  std::shared_ptr<Job> leader;
+  std::vector<std::shared_ptr<Job>> followers;
 };
 
 absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
@@ -282,10 +333,28 @@ struct PlannerCore::State {
   std::map<std::string, v1::Plan> plans;
   std::map<std::string, std::shared_ptr<Job>> jobs;  // not yet final
   std::deque<std::shared_ptr<Job>> queue;
-  std::map<std::string, std::string> cache;  // key -> plan name
+  // Cache key -> the newest SUCCEEDED plan with it; plan name -> its key.
+  std::map<std::string, std::string> cache;
+  std::map<std::string, std::string> cached_key;
+  // Cache key -> the job searching for it (merging).
+  std::map<std::string, std::shared_ptr<Job>> in_flight;
   std::map<std::pair<std::string, std::string>, v1::Link> links;  // (src, dst)
   bool stopping = false;
   std::vector<std::thread> workers;
+
+  // Plan `name` SUCCEEDED with `key`: the next request with that key gets
+  // a copy of it.
+  void Cache(const std::string& name, const std::string& key) {
+    cache[key] = name;
+    cached_key[name] = key;
+  }
+  void Uncache(const std::string& name) {
+    auto k = cached_key.find(name);
+    if (k == cached_key.end()) return;
+    auto c = cache.find(k->second);
+    if (c != cache.end() && c->second == name) cache.erase(c);
+    cached_key.erase(k);
+  }
 };
 
 PlannerCore::PlannerCore(PlannerCoreOptions options)
@@ -307,6 +376,16 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
       options.heartbeat_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         "workers, missed_heartbeats and heartbeat_interval must be positive");
+  }
+  if (options.plan_retention_count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan_retention_count must be >= 0 (0 = no limit), got ",
+        options.plan_retention_count));
+  }
+  if (options.plan_retention_age <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan_retention_age must be positive (InfiniteDuration = no limit), got ",
+        absl::FormatDuration(options.plan_retention_age)));
   }
   std::unique_ptr<PlannerCore> core(new PlannerCore(std::move(options)));
   std::vector<v1::Plan> resume;
@@ -641,13 +720,11 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     return absl::InvalidArgumentError("model is required: a graph or a zoo model");
   }
 
-  // The cache: same graph, same devices and profiles, same options.
-  v1::Plan key_parts;
-  key_parts.set_graph_hash(lower::Sha256Hex(graph::ToProto(job->graph)));
-  key_parts.set_cluster_hash(lower::Sha256Hex(job->cluster));
-  *key_parts.mutable_options() = job->proto_options;
-  for (const auto& d : job->devices) key_parts.add_devices(d);
-  job->cache_key = lower::Sha256Hex(key_parts);
+  // The cache key: what the plan depends on (see CacheKey).
+  v1::Graph graph_proto = graph::ToProto(job->graph);
+  std::string graph_hash;
+  job->cache_key =
+      CacheKey(graph_proto, job->cluster, job->devices, job->proto_options, &graph_hash);
 
   v1::Plan plan;
   plan.set_name(job->name);
@@ -657,7 +734,9 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   plan.set_format_version(lower::kPlanFormatVersion);
   for (const auto& d : job->devices) plan.add_devices(d);
   *plan.mutable_options() = job->proto_options;
-  plan.set_graph_hash(key_parts.graph_hash());
+  plan.set_graph_hash(graph_hash);
+  bool over_count = false;
+  std::optional<v1::Plan> cached;
   {
     absl::MutexLock l(&s_->mu);
     if (s_->plans.count(job->name)) {
@@ -676,26 +755,36 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
                                      absl::StrCat(copy.name(), " was not created")));
       }
       s_->plans[copy.name()] = copy;
+      // The newest copy answers the next hits: retention deletes the
+      // oldest plans first.
+      s_->Cache(copy.name(), job->cache_key);
       ++s_->version;
       if (o_.on_plan_done) o_.on_plan_done(copy);
       s_->changed.SignalAll();
-      return copy;
+      cached = std::move(copy);
+    } else {
+      plan.set_state(v1::Plan::PENDING);
+      // Kept so that a restarted planner can run it again.
+      *plan.mutable_graph() = std::move(graph_proto);
+      *plan.mutable_cluster() = job->cluster;
+      // Saved before it exists here: a plan the store refused is no plan.
+      if (o_.sink) {
+        HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(plan),
+                                     absl::StrCat(plan.name(), " was not created")));
+      }
+      s_->plans[plan.name()] = plan;
+      s_->jobs[plan.name()] = job;
+      EnqueueLocked(job);
+      ++s_->version;
+      s_->changed.SignalAll();
     }
-    plan.set_state(v1::Plan::PENDING);
-    // Kept so that a restarted planner can run it again.
-    *plan.mutable_graph() = graph::ToProto(job->graph);
-    *plan.mutable_cluster() = job->cluster;
-    // Saved before it exists here: a plan the store refused is no plan.
-    if (o_.sink) {
-      HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(plan),
-                                   absl::StrCat(plan.name(), " was not created")));
-    }
-    s_->plans[plan.name()] = plan;
-    s_->jobs[plan.name()] = job;
-    s_->queue.push_back(job);
-    ++s_->version;
-    s_->changed.SignalAll();
+    over_count = OverCountLocked();
   }
+  // Each new plan may push an old one past the count. A pass that fails
+  // leaves the plans for the next one (the daemon's periodic pass reports
+  // the error); the new plan is made either way.
+  if (over_count) EnforceRetention().IgnoreError();
+  if (cached) return *std::move(cached);
   if (!r.wait()) return plan;
   absl::MutexLock l(&s_->mu);
   auto it = s_->plans.find(job->name);
@@ -719,12 +808,79 @@ absl::Status PlannerCore::Resume(const v1::Plan& p) {
   HAP_ASSIGN_OR_RETURN(job->graph, graph::FromProto(p.graph()));
   job->cluster = p.cluster();
   job->devices.assign(p.devices().begin(), p.devices().end());
-  job->cache_key = "resumed:" + p.name();
+  // Identical plans cut off together merge again.
+  job->cache_key = CacheKey(graph::ToProto(job->graph), job->cluster, job->devices,
+                            job->proto_options, nullptr);
   absl::MutexLock l(&s_->mu);
   s_->plans[p.name()].set_state(v1::Plan::PENDING);
   s_->jobs[p.name()] = job;
-  s_->queue.push_back(job);
+  EnqueueLocked(job);
   return absl::OkStatus();
+}
+
+bool PlannerCore::OverCountLocked() const {
+  return o_.plan_retention_count > 0 &&
+         s_->plans.size() > s_->jobs.size() + static_cast<size_t>(o_.plan_retention_count);
+}
+
+void PlannerCore::EnqueueLocked(const std::shared_ptr<Job>& job) {
+  auto it = s_->in_flight.find(job->cache_key);
+  if (it != s_->in_flight.end() && it->second != job &&
+      it->second->options.max_seconds >= job->options.max_seconds) {
+    job->leader = it->second;
+    it->second->followers.push_back(job);
+    return;
+  }
+  // No search for it yet, or only one with a smaller budget (a caller
+  // waiting with a short deadline): this one searches, and the next
+  // identical requests follow it.
+  s_->in_flight[job->cache_key] = job;
+  s_->queue.push_back(job);
+}
+
+void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job,
+                                         const v1::Plan* result) {
+  auto in = s_->in_flight.find(job->cache_key);
+  if (in != s_->in_flight.end() && in->second == job) s_->in_flight.erase(in);
+  std::vector<std::shared_ptr<Job>> followers;
+  followers.swap(job->followers);
+  std::vector<std::shared_ptr<Job>> waiting;  // still to be planned
+  for (auto& f : followers) {
+    f->leader = nullptr;
+    auto p = s_->plans.find(f->name);
+    if (f->cancel || p == s_->plans.end() || Final(p->second.state())) continue;
+    waiting.push_back(f);
+  }
+  if (waiting.empty()) return;
+  const bool shared = result != nullptr && job->save_error.ok() &&
+                      (result->state() == v1::Plan::SUCCEEDED ||
+                       (result->state() == v1::Plan::FAILED &&
+                        FailsForAnyone(result->error_code())));
+  if (shared) {
+    for (auto& f : waiting) {
+      UpdatePlanLocked(f, [&](v1::Plan& p) {
+        if (result->state() == v1::Plan::SUCCEEDED) {
+          v1::Plan copy = *result;
+          copy.set_name(p.name());
+          copy.set_uid(p.uid());
+          *copy.mutable_create_time() = p.create_time();
+          p = std::move(copy);
+        } else {
+          p.set_state(v1::Plan::FAILED);
+          p.set_error(result->error());
+          p.set_error_code(result->error_code());
+        }
+      });
+    }
+    return;
+  }
+  // Cancelled, deleted, out of time or not saved: the first follower
+  // searches itself and the others follow it.
+  std::shared_ptr<Job> next = waiting.front();
+  next->followers.assign(waiting.begin() + 1, waiting.end());
+  for (auto& f : next->followers) f->leader = next;
+  s_->in_flight[next->cache_key] = next;
+  s_->queue.push_back(next);
 }
 
 void PlannerCore::Worker() {
@@ -749,6 +905,11 @@ void PlannerCore::Worker() {
 void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
                              const std::function<void(v1::Plan&)>& edit) {
   absl::MutexLock l(&s_->mu);
+  UpdatePlanLocked(job, edit);
+}
+
+void PlannerCore::UpdatePlanLocked(const std::shared_ptr<Job>& job,
+                                   const std::function<void(v1::Plan&)>& edit) {
   auto it = s_->plans.find(job->name);
   if (it == s_->plans.end() || Final(it->second.state())) return;
   v1::Plan next = it->second;
@@ -782,9 +943,14 @@ void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
 
 void PlannerCore::FinishPlanLocked(const std::shared_ptr<Job>& job, const v1::Plan& plan) {
   s_->jobs.erase(job->name);
-  if (plan.state() == v1::Plan::SUCCEEDED) s_->cache[job->cache_key] = job->name;
+  if (plan.state() == v1::Plan::SUCCEEDED) s_->Cache(job->name, job->cache_key);
   // Before waiters wake: whoever sees the final state sees it counted.
   if (o_.on_plan_done) o_.on_plan_done(plan);
+  if (job->leader == nullptr) {
+    ReleaseFollowersLocked(job, &plan);
+  }
+  // (A follower that ends on its own — cancelled — is skipped by its
+  // leader when that one ends.)
 }
 
 void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
@@ -909,20 +1075,77 @@ absl::Status PlannerCore::DeletePlan(const std::string& name) {
       return Annotate(st, absl::StrCat(name, " was not deleted"));
     }
   }
+  ErasePlanLocked(name);
+  return absl::OkStatus();
+}
+
+void PlannerCore::ErasePlanLocked(const std::string& name) {
   auto j = s_->jobs.find(name);
   if (j != s_->jobs.end()) {
-    j->second->cancel = true;
-    auto q = std::find(s_->queue.begin(), s_->queue.end(), j->second);
+    std::shared_ptr<Job> job = j->second;
+    job->cancel = true;
+    auto q = std::find(s_->queue.begin(), s_->queue.end(), job);
     if (q != s_->queue.end()) s_->queue.erase(q);
     s_->jobs.erase(j);
+    // A leader's followers search themselves (a follower is skipped by its
+    // leader, being cancelled).
+    if (job->leader == nullptr) ReleaseFollowersLocked(job, nullptr);
   }
-  for (auto c = s_->cache.begin(); c != s_->cache.end();) {
-    c = c->second == name ? s_->cache.erase(c) : std::next(c);
-  }
-  s_->plans.erase(it);
+  s_->Uncache(name);
+  s_->plans.erase(name);
   ++s_->version;
   s_->changed.SignalAll();
-  return absl::OkStatus();
+}
+
+absl::StatusOr<int> PlannerCore::EnforceRetention() {
+  const bool by_count = o_.plan_retention_count > 0;
+  const bool by_age = o_.plan_retention_age != absl::InfiniteDuration();
+  if (!by_count && !by_age) return 0;
+  std::set<std::string> in_use;
+  if (o_.plans_in_use) {
+    absl::StatusOr<std::set<std::string>> used = o_.plans_in_use();
+    if (!used.ok()) {
+      return Annotate(used.status(),
+                      "plan retention skipped: the plans in use by deployments are unknown");
+    }
+    in_use = *std::move(used);
+  }
+  // The victims, chosen under the lock; deleted one at a time so that
+  // other calls get the lock in between.
+  std::vector<std::string> victims;
+  {
+    absl::MutexLock l(&s_->mu);
+    std::vector<std::pair<absl::Time, const std::string*>> finished;
+    for (const auto& [name, p] : s_->plans) {
+      if (Final(p.state())) finished.push_back({FromProto(p.update_time()), &name});
+    }
+    // Most recently finished first; ties by name, newest id last.
+    std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : *a.second > *b.second;
+    });
+    const absl::Time oldest = by_age ? o_.now() - o_.plan_retention_age : absl::InfinitePast();
+    for (size_t i = 0; i < finished.size(); ++i) {
+      const bool beyond = (by_count && i >= static_cast<size_t>(o_.plan_retention_count)) ||
+                          finished[i].first < oldest;
+      if (beyond && !in_use.count(*finished[i].second)) victims.push_back(*finished[i].second);
+    }
+  }
+  int deleted = 0;
+  for (const std::string& name : victims) {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->plans.find(name);
+    if (it == s_->plans.end() || !Final(it->second.state())) continue;  // gone meanwhile
+    if (o_.sink) {
+      absl::Status st = o_.sink->DeletePlan(name);
+      if (!st.ok() && !absl::IsNotFound(st)) {
+        return Annotate(st, absl::StrCat("plan retention: ", name, " was not deleted (",
+                                         deleted, " deleted before it)"));
+      }
+    }
+    ErasePlanLocked(name);
+    ++deleted;
+  }
+  return deleted;
 }
 
 absl::Status PlannerCore::WatchPlan(const std::string& name,

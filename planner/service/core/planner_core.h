@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -80,6 +81,21 @@ struct PlannerCoreOptions {
   // Observers (metrics): a plan reached a final state. Called under the
   // core's lock: it must not call back into the core.
   std::function<void(const hap::v1::Plan&)> on_plan_done;
+
+  // Plan retention (PlannerCore::EnforceRetention). Finished plans
+  // (SUCCEEDED, FAILED, CANCELLED) are deleted, from the sink first, when
+  // they are not among the `plan_retention_count` most recently finished
+  // (0 = no limit by count) or finished longer than `plan_retention_age`
+  // ago (InfiniteDuration() = no limit by age). Plans not yet final and the
+  // plans `plans_in_use` names are never deleted (they still take places in
+  // the count).
+  int plan_retention_count = 1000;
+  absl::Duration plan_retention_age = absl::Hours(24 * 7);
+  // The plans that must be kept whatever their age: those deployments use.
+  // Called without the core's lock (it may take other components' locks,
+  // not the core's). An error skips that retention pass, deleting nothing;
+  // unset = no plan is in use.
+  std::function<absl::StatusOr<std::set<std::string>>()> plans_in_use;
 };
 
 class PlannerCore {
@@ -130,6 +146,21 @@ class PlannerCore {
   // saved (and never SUCCEEDED); its FAILED state is saved if the sink takes
   // it, or else the store still holds it unfinished and a restart runs it
   // again. CreatePlan with `wait` then fails with the sink's error.
+  //
+  // Identical requests share one search. Identical means the same graph,
+  // the same devices in the same order with the same profiles (measurements,
+  // node, links between them, link defaults) and the same options;
+  // heartbeat times, node states, addresses and devices not chosen do not
+  // count. A request identical to a plan that SUCCEEDED is answered at once
+  // with a copy of it under the new name (saved SUCCEEDED). A request
+  // identical to a plan still PENDING or RUNNING whose search budget is no
+  // smaller is merged into it: its plan is saved PENDING but starts no
+  // search, and ends with the other's result (a copy when it succeeds; the
+  // same error when it fails for a reason of the request itself —
+  // ResourceExhausted, InvalidArgument, FailedPrecondition, Unimplemented,
+  // OutOfRange). When the other plan is cancelled or deleted, or fails for
+  // any other reason, the first merged plan runs its own search and the
+  // rest follow that one.
   absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r,
                                            absl::Time deadline);
   absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name, bool full);
@@ -154,6 +185,14 @@ class PlannerCore {
   // that reads the cluster).
   void RefreshLiveness();
 
+  // Deletes the finished plans beyond the retention limits (see
+  // PlannerCoreOptions::plan_retention_count and plan_retention_age) and
+  // returns how many it deleted. CreatePlan runs it whenever the count is
+  // exceeded; the daemon also runs it periodically (for the age). A plan
+  // the sink refuses to delete stays, and the pass stops there with the
+  // sink's error; an error from plans_in_use deletes nothing.
+  absl::StatusOr<int> EnforceRetention();
+
  private:
   struct Job;
   friend absl::Status ConvertOptions(const hap::v1::PlanOptions&, Job*,
@@ -164,7 +203,19 @@ class PlannerCore {
   void RunJob(const std::shared_ptr<Job>& job);
   void UpdatePlan(const std::shared_ptr<Job>& job,
                   const std::function<void(hap::v1::Plan&)>& edit);
+  void UpdatePlanLocked(const std::shared_ptr<Job>& job,
+                        const std::function<void(hap::v1::Plan&)>& edit);
   void FinishPlanLocked(const std::shared_ptr<Job>& job, const hap::v1::Plan& plan);
+  // Queues `job`, or merges it into an identical job in flight.
+  void EnqueueLocked(const std::shared_ptr<Job>& job);
+  // `job` will not search (any more): its followers end with `result`
+  // (when it SUCCEEDED or failed for a reason of the request) or the first
+  // of them takes over the search. `result` null: deleted.
+  void ReleaseFollowersLocked(const std::shared_ptr<Job>& job, const hap::v1::Plan* result);
+  // Forgets plan `name` (already removed from the sink).
+  void ErasePlanLocked(const std::string& name);
+  // More finished plans than the retention count.
+  bool OverCountLocked() const;
   void RefreshLivenessLocked();
   absl::Status RemoveNodeLocked(const std::string& name);
   hap::v1::Cluster ClusterLocked(bool include_stale) const;

@@ -74,8 +74,15 @@ struct RecordingSink : PlannerStateSink {
     absl::MutexLock l(&mu);
     if (refuse_plan_states.count(p.state())) return Full();
     plans[p.name()] = p;
+    saved_states[p.name()].push_back(p.state());
     return absl::OkStatus();
   }
+  // Every state plan `name` was saved in, in order.
+  std::vector<v1::Plan::State> History(const std::string& name) {
+    absl::MutexLock l(&mu);
+    return saved_states[name];
+  }
+  std::map<std::string, std::vector<v1::Plan::State>> saved_states;
   absl::Status DeletePlan(const std::string& name) override {
     absl::MutexLock l(&mu);
     if (!refuse_plan_states.empty()) return Full();
@@ -141,6 +148,10 @@ class PlannerCoreTest : public ::testing::Test {
     o.missed_heartbeats = 3;
     o.node_expiry = node_expiry_;
     o.sink = &sink_;
+    o.workers = workers_;
+    o.plan_retention_count = retention_count_;
+    o.plan_retention_age = retention_age_;
+    o.plans_in_use = plans_in_use_;
     auto c = PlannerCore::Create(o, std::move(nodes), std::move(plans));
     ASSERT_TRUE(c.ok()) << c.status();
     core_ = *std::move(c);
@@ -149,6 +160,10 @@ class PlannerCoreTest : public ::testing::Test {
 
   FakeClock clock_;
   absl::Duration node_expiry_ = absl::InfiniteDuration();
+  int workers_ = 1;
+  int retention_count_ = 1000;
+  absl::Duration retention_age_ = absl::Hours(24 * 7);
+  std::function<absl::StatusOr<std::set<std::string>>()> plans_in_use_;
   RecordingSink sink_;
   std::unique_ptr<PlannerCore> core_;
 };
@@ -776,6 +791,302 @@ TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValu
   auto p = core_->CreatePlan(ok, Deadline());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+}
+
+// --- The cache, merging and retention (issue 15 item 7) -----------------
+
+// Waits (real time, bounded) until plan `name` is final; returns it.
+v1::Plan WaitFinal(PlannerCore& core, const std::string& name) {
+  v1::Plan last;
+  absl::Status s = core.WatchPlan(
+      name,
+      [&](const v1::Plan& p) {
+        last = p;
+        return true;
+      },
+      [] { return false; });
+  EXPECT_TRUE(s.ok()) << s;
+  return last;
+}
+
+std::vector<std::string> PlanNames(PlannerCore& core) {
+  std::vector<std::string> names;
+  auto page = core.ListPlans(1000, "");
+  EXPECT_TRUE(page.ok()) << page.status();
+  if (page.ok()) {
+    for (const auto& p : page->plans()) names.push_back(p.name());
+  }
+  return names;
+}
+
+bool Ran(const std::vector<v1::Plan::State>& history) {
+  return std::count(history.begin(), history.end(), v1::Plan::RUNNING) > 0;
+}
+
+TEST_F(PlannerCoreTest, HeartbeatsDoNotChangeTheCacheKeyButNewMeasurementsDo) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->state(), v1::Plan::SUCCEEDED) << first->error();
+  // Agents heartbeat (new heartbeat times; b misses enough to go stale and
+  // comes back): the same request is answered from the cache, at once.
+  for (int i = 0; i < 4; ++i) {
+    clock_.Advance(absl::Seconds(5));
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/a");
+    ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  }
+  v1::HeartbeatRequest hb_b;
+  hb_b.set_name("nodes/b");
+  ASSERT_TRUE(core_->Heartbeat(hb_b).ok());
+  auto second = core_->CreatePlan(MlpRequest(/*wait=*/false), Deadline());
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->state(), v1::Plan::SUCCEEDED);
+  EXPECT_EQ(second->content_hash(), first->content_hash());
+  EXPECT_FALSE(Ran(sink_.History(second->name())));
+  // A device measured again at another speed is another cluster.
+  v1::HeartbeatRequest remeasured;
+  remeasured.set_name("nodes/b");
+  *remeasured.mutable_devices() = MakeNode("b", 2, 1.5e12).devices();
+  ASSERT_TRUE(core_->Heartbeat(remeasured).ok());
+  auto third = core_->CreatePlan(MlpRequest(/*wait=*/false), Deadline());
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->state(), v1::Plan::PENDING);
+  EXPECT_EQ(WaitFinal(*core_, third->name()).state(), v1::Plan::SUCCEEDED);
+  EXPECT_TRUE(Ran(sink_.History(third->name())));
+}
+
+// Occupies the only worker with a long search until it is cancelled, so
+// that the next requests wait in the queue.
+class BusyWorker {
+ public:
+  explicit BusyWorker(PlannerCore* core) : core_(core) {
+    auto p = core_->CreatePlan(LongSearch("blocker"), absl::InfiniteFuture());
+    EXPECT_TRUE(p.ok()) << p.status();
+  }
+  ~BusyWorker() { Release(); }
+  void Release() {
+    if (released_) return;
+    released_ = true;
+    EXPECT_TRUE(core_->CancelPlan("plans/blocker").ok());
+  }
+
+ private:
+  PlannerCore* core_;
+  bool released_ = false;
+};
+
+TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  BusyWorker busy(core_.get());
+  std::vector<std::string> names;
+  for (const char* id : {"one", "two", "three"}) {
+    v1::CreatePlanRequest r = MlpRequest(/*wait=*/false);
+    r.set_plan_id(id);
+    auto p = core_->CreatePlan(r, Deadline());
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->state(), v1::Plan::PENDING);
+    names.push_back(p->name());
+  }
+  busy.Release();
+  std::vector<v1::Plan> done;
+  for (const auto& n : names) done.push_back(WaitFinal(*core_, n));
+  for (const auto& p : done) {
+    EXPECT_EQ(p.state(), v1::Plan::SUCCEEDED) << p.name() << ": " << p.error();
+    EXPECT_EQ(p.content_hash(), done[0].content_hash());
+  }
+  // One search: the first plan ran; the others never did, and were saved
+  // PENDING then SUCCEEDED.
+  EXPECT_TRUE(Ran(sink_.History("plans/one")));
+  for (const char* n : {"plans/two", "plans/three"}) {
+    EXPECT_EQ(sink_.History(n), (std::vector<v1::Plan::State>{v1::Plan::PENDING,
+                                                               v1::Plan::SUCCEEDED}))
+        << n;
+    auto full = core_->GetPlan(n, true);
+    ASSERT_TRUE(full.ok());
+    EXPECT_EQ(full->name(), n);
+    EXPECT_EQ(full->rank_programs_size(), 2);
+  }
+}
+
+TEST_F(PlannerCoreTest, WhenTheSharedSearchIsCancelledOrDeletedAFollowerSearches) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  BusyWorker busy(core_.get());
+  for (const char* id : {"lead", "follow-1", "follow-2", "other-lead", "other-follow"}) {
+    v1::CreatePlanRequest r = MlpRequest(/*wait=*/false);
+    r.set_plan_id(id);
+    if (absl::string_view(id).find("other") == 0) {
+      (*r.mutable_model()->mutable_zoo()->mutable_params())["hidden"] = 48;
+    }
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  ASSERT_EQ(core_->CancelPlan("plans/lead")->state(), v1::Plan::CANCELLED);
+  ASSERT_TRUE(core_->DeletePlan("plans/other-lead").ok());
+  busy.Release();
+  for (const char* n : {"plans/follow-1", "plans/follow-2", "plans/other-follow"}) {
+    v1::Plan p = WaitFinal(*core_, n);
+    EXPECT_EQ(p.state(), v1::Plan::SUCCEEDED) << n << ": " << p.error();
+  }
+  // follow-1 took over the search; follow-2 followed it.
+  EXPECT_TRUE(Ran(sink_.History("plans/follow-1")));
+  EXPECT_FALSE(Ran(sink_.History("plans/follow-2")));
+  EXPECT_TRUE(Ran(sink_.History("plans/other-follow")));
+  EXPECT_FALSE(Ran(sink_.History("plans/lead")));
+}
+
+TEST_F(PlannerCoreTest, AMergedRequestSharesAFailureOfTheRequestItself) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12, int64_t{1} << 20)).ok());
+  BusyWorker busy(core_.get());
+  for (const char* id : {"big-1", "big-2"}) {
+    v1::CreatePlanRequest r = MlpRequest(/*wait=*/false);
+    r.set_plan_id(id);
+    (*r.mutable_model()->mutable_zoo()->mutable_params())["hidden"] = 4096;
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  busy.Release();
+  for (const char* n : {"plans/big-1", "plans/big-2"}) {
+    v1::Plan p = WaitFinal(*core_, n);
+    EXPECT_EQ(p.state(), v1::Plan::FAILED) << n;
+    EXPECT_EQ(p.error_code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << n;
+  }
+  EXPECT_FALSE(Ran(sink_.History("plans/big-2")));
+}
+
+TEST_F(PlannerCoreTest, ARequestWithALargerBudgetIsNotMergedIntoASmallerOne) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  BusyWorker busy(core_.get());
+  v1::CreatePlanRequest small = MlpRequest(/*wait=*/false);
+  small.set_plan_id("small");
+  small.mutable_options()->mutable_budget()->set_max_seconds(5);
+  ASSERT_TRUE(core_->CreatePlan(small, Deadline()).ok());
+  // Not identical to "small" (the budget is an option), and a deadline-
+  // bounded budget below another identical request's is not merged either.
+  v1::CreatePlanRequest waits = MlpRequest(/*wait=*/false);
+  waits.set_plan_id("waits");
+  ASSERT_TRUE(core_->CreatePlan(waits, Deadline()).ok());
+  v1::CreatePlanRequest same = MlpRequest(/*wait=*/false);
+  same.set_plan_id("same");
+  ASSERT_TRUE(core_->CreatePlan(same, Deadline()).ok());
+  busy.Release();
+  for (const char* n : {"plans/small", "plans/waits", "plans/same"}) {
+    EXPECT_EQ(WaitFinal(*core_, n).state(), v1::Plan::SUCCEEDED) << n;
+  }
+  EXPECT_TRUE(Ran(sink_.History("plans/small")));
+  EXPECT_TRUE(Ran(sink_.History("plans/waits")));
+  EXPECT_FALSE(Ran(sink_.History("plans/same")));
+}
+
+TEST_F(PlannerCoreTest, RetentionKeepsTheNewestFinishedPlansByCount) {
+  retention_count_ = 3;
+  Start({}, {});
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (int i = 0; i < 6; ++i) {
+    clock_.Advance(absl::Seconds(1));
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id("p" + std::to_string(i));
+    auto p = core_->CreatePlan(r, Deadline());
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_EQ(p->state(), v1::Plan::SUCCEEDED);
+  }
+  // Each new plan pushed the oldest out, from the store too; the cache
+  // still answers (from the newest copy).
+  std::vector<std::string> names = PlanNames(*core_);
+  EXPECT_EQ(names, (std::vector<std::string>{"plans/p3", "plans/p4", "plans/p5"}));
+  std::vector<std::string> stored;
+  for (const auto& p : sink_.Plans()) stored.push_back(p.name());
+  EXPECT_EQ(stored, names);
+  EXPECT_EQ(core_->CreatePlan(MlpRequest(/*wait=*/false), Deadline())->state(),
+            v1::Plan::SUCCEEDED);
+  EXPECT_EQ(*core_->EnforceRetention(), 0);
+  EXPECT_EQ(core_->ListPlans(0, "")->plans_size(), 3);
+}
+
+TEST_F(PlannerCoreTest, RetentionDeletesPlansFinishedLongerAgoThanTheAge) {
+  retention_count_ = 0;
+  retention_age_ = absl::Hours(1);
+  Start({}, {});
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (const char* id : {"old-1", "old-2"}) {
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id(id);
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  clock_.Advance(absl::Minutes(61));
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("new");
+  ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  EXPECT_EQ(*core_->EnforceRetention(), 2);
+  EXPECT_EQ(sink_.Plans().size(), 1u);
+  EXPECT_EQ(core_->CreatePlan(MlpRequest(/*wait=*/false), Deadline())->state(),
+            v1::Plan::SUCCEEDED);  // the cache still answers, from "new"
+  ASSERT_TRUE(core_->DeletePlan(sink_.Plans().back().name()).ok());
+  // A plan not yet final is never deleted, however old.
+  {
+    BusyWorker busy(core_.get());
+    clock_.Advance(absl::Minutes(61));
+    EXPECT_EQ(*core_->EnforceRetention(), 1);  // "new"; the blocker runs on
+    EXPECT_TRUE(core_->GetPlan("plans/blocker", false).ok());
+  }
+  EXPECT_EQ(sink_.Plans().size(), 1u);  // the cancelled blocker
+  EXPECT_THAT(core_->GetPlan("plans/old-1", false),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+TEST_F(PlannerCoreTest, RetentionKeepsPlansInUseAndSkipsAPassWhenTheyAreUnknown) {
+  retention_count_ = 1;
+  absl::Mutex mu;
+  absl::StatusOr<std::set<std::string>> in_use = std::set<std::string>{"plans/deployed"};
+  plans_in_use_ = [&]() -> absl::StatusOr<std::set<std::string>> {
+    absl::MutexLock l(&mu);
+    return in_use;
+  };
+  Start({}, {});
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (const char* id : {"deployed", "p1", "p2"}) {
+    clock_.Advance(absl::Seconds(1));
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id(id);
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  std::vector<std::string> names = PlanNames(*core_);
+  EXPECT_EQ(names, (std::vector<std::string>{"plans/deployed", "plans/p2"}));
+  // Which plans are deployed is unknown: nothing is deleted.
+  {
+    absl::MutexLock l(&mu);
+    in_use = absl::UnavailableError("the service is shutting down");
+  }
+  EXPECT_THAT(core_->EnforceRetention(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("plan retention skipped")));
+  EXPECT_EQ(core_->ListPlans(0, "")->plans_size(), 2);
+  // A delete the store refuses keeps the plan.
+  {
+    absl::MutexLock l(&mu);
+    in_use = std::set<std::string>{};
+  }
+  sink_.RefusePlans({v1::Plan::FAILED});
+  EXPECT_THAT(core_->EnforceRetention(),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("plans/deployed was not deleted")));
+  EXPECT_TRUE(core_->GetPlan("plans/deployed", false).ok());
+  sink_.RefusePlans({});
+  EXPECT_EQ(*core_->EnforceRetention(), 1);
+  EXPECT_THAT(core_->GetPlan("plans/deployed", false),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+TEST_F(PlannerCoreTest, RetentionOptionsAreChecked) {
+  PlannerCoreOptions o;
+  o.plan_retention_count = -1;
+  EXPECT_THAT(PlannerCore::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("plan_retention_count")));
+  o.plan_retention_count = 1;
+  o.plan_retention_age = absl::ZeroDuration();
+  EXPECT_THAT(PlannerCore::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("plan_retention_age")));
 }
 
 }  // namespace
