@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/util/time_util.h"
 #include "hap/v1/executor_service.grpc.pb.h"
@@ -57,6 +59,120 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// A deployment's executors over gRPC, the token and TLS of `security`.
+// GetStatus and StopTraining go to every rank at once (callback API), so
+// one silent rank costs one deadline, not one per rank.
+class GrpcExecutors final : public DeploymentExecutors {
+ public:
+  GrpcExecutors(const v1::Deployment& d, const Security& security) : security_(security) {
+    for (const auto& a : d.ranks()) {
+      auto channel = MakeChannel(a.executor_address(), security);
+      if (channel.ok()) {
+        stubs_.push_back(v1::Executor::NewStub(*channel));
+        channel_errors_.push_back(absl::OkStatus());
+      } else {
+        stubs_.push_back(nullptr);
+        channel_errors_.push_back(channel.status());
+      }
+    }
+  }
+
+  absl::Status LoadPlan(int rank, const v1::LoadPlanRequest& request,
+                        absl::Duration timeout) override {
+    if (stubs_[rank] == nullptr) return channel_errors_[rank];
+    grpc::ClientContext ctx;
+    PrepareClientContext(&ctx, security_, timeout);
+    v1::LoadPlanResponse response;
+    return FromGrpc(stubs_[rank]->LoadPlan(&ctx, request, &response));
+  }
+
+  absl::Status StartTraining(int rank, const std::string& deployment,
+                             absl::Duration timeout) override {
+    if (stubs_[rank] == nullptr) return channel_errors_[rank];
+    grpc::ClientContext ctx;
+    PrepareClientContext(&ctx, security_, timeout);
+    v1::StartTrainingRequest request;
+    request.set_deployment(deployment);
+    v1::ExecutorStatus status;
+    return FromGrpc(stubs_[rank]->StartTraining(&ctx, request, &status));
+  }
+
+  Statuses GetStatus(absl::Duration timeout) override {
+    const v1::GetStatusRequest request;
+    return EveryRank(timeout, [&](v1::Executor::Stub* stub, grpc::ClientContext* ctx,
+                                  v1::ExecutorStatus* out,
+                                  std::function<void(grpc::Status)> done) {
+      stub->async()->GetStatus(ctx, &request, out, std::move(done));
+    });
+  }
+
+  Statuses StopTraining(const std::string& deployment, absl::Duration timeout) override {
+    v1::StopTrainingRequest request;
+    request.set_deployment(deployment);
+    return EveryRank(timeout, [&](v1::Executor::Stub* stub, grpc::ClientContext* ctx,
+                                  v1::ExecutorStatus* out,
+                                  std::function<void(grpc::Status)> done) {
+      stub->async()->StopTraining(ctx, &request, out, std::move(done));
+    });
+  }
+
+ private:
+  // Starts `call` on every rank and waits for every answer (each bounded by
+  // `timeout`).
+  template <typename Call>
+  Statuses EveryRank(absl::Duration timeout, const Call& call) {
+    const int n = static_cast<int>(stubs_.size());
+    std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
+    std::vector<v1::ExecutorStatus> answers(n);
+    std::vector<grpc::Status> results(n);
+    absl::BlockingCounter pending(n);
+    for (int r = 0; r < n; ++r) {
+      if (stubs_[r] == nullptr) {
+        pending.DecrementCount();
+        continue;
+      }
+      contexts[r] = std::make_unique<grpc::ClientContext>();
+      PrepareClientContext(contexts[r].get(), security_, timeout);
+      call(stubs_[r].get(), contexts[r].get(), &answers[r],
+           [&results, &pending, r](grpc::Status s) {
+             results[r] = std::move(s);
+             pending.DecrementCount();
+           });
+    }
+    pending.Wait();
+    Statuses out;
+    out.reserve(n);
+    for (int r = 0; r < n; ++r) {
+      if (stubs_[r] == nullptr) {
+        out.push_back(channel_errors_[r]);
+      } else if (!results[r].ok()) {
+        out.push_back(FromGrpc(results[r]));
+      } else {
+        out.push_back(std::move(answers[r]));
+      }
+    }
+    return out;
+  }
+
+  const Security security_;
+  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs_;
+  std::vector<absl::Status> channel_errors_;
+};
+
+DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
+  const DeploymentWatchOptions defaults;
+  auto positive = [](absl::Duration& x, absl::Duration def) {
+    if (!(x > absl::ZeroDuration())) x = def;
+  };
+  positive(o.call_timeout, defaults.call_timeout);
+  positive(o.status_interval, defaults.status_interval);
+  positive(o.status_timeout, defaults.status_timeout);
+  positive(o.stop_timeout, defaults.stop_timeout);
+  if (o.missed_status_limit < 1) o.missed_status_limit = defaults.missed_status_limit;
+  if (o.stop_attempts < 1) o.stop_attempts = defaults.stop_attempts;
+  return o;
+}
+
 }  // namespace
 
 struct PlannerServiceImpl::State {
@@ -66,10 +182,14 @@ struct PlannerServiceImpl::State {
   std::map<std::string, v1::Deployment> deployments;
   std::map<std::string, int64_t> generations;  // plan -> last generation
   std::map<std::string, std::vector<v1::StepMetric>> metrics;  // per deployment
-  std::map<std::string, bool> stop_requested;
+  std::set<std::string> stop_requested;
+  std::set<std::string> supervised;  // deployments whose supervisor runs
   // Rendezvous: (deployment, generation, key) -> value.
   std::map<std::tuple<std::string, int64_t, std::string>, std::string> kv;
-  std::vector<std::thread> pushes;
+  // Supervisor threads by id; the ids of those that returned.
+  std::map<int64_t, std::thread> supervisors;
+  std::vector<int64_t> returned;
+  int64_t next_supervisor = 0;
 };
 
 PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink,
@@ -77,31 +197,101 @@ PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink
                                        std::vector<v1::Deployment> deployments,
                                        std::vector<v1::StepMetric> metrics)
     : core_(core), sink_(sink), o_(std::move(o)), s_(std::make_unique<State>()) {
+  o_.deployments = Sanitized(o_.deployments);
+  for (auto& m : metrics) s_->metrics[m.deployment()].push_back(std::move(m));
+  absl::MutexLock l(&s_->mu);
   for (auto& d : deployments) {
     s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());
-    // Pushes in flight when the planner stopped are not resumed: the
-    // executors keep training on their own; their status shows through
-    // metrics, so keep the state as it was.
-    s_->deployments[d.name()] = std::move(d);
+    s_->deployments[d.name()] = d;
+    if (d.state() == v1::Deployment::RUNNING) {
+      // Re-attach: the first poll finds out whether each rank still trains it.
+      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
+        WatchDeployment(d, ex, o_.deployments, c);
+      });
+    } else if (d.state() == v1::Deployment::PENDING) {
+      // Its push died with the previous planner, and the rendezvous keys
+      // with it: whatever ranks it loaded or started are stopped.
+      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
+        FailUnfinishedDeployment(
+            d, "the planner restarted before every rank had started training", ex,
+            o_.deployments, c);
+      });
+    }
   }
-  for (auto& m : metrics) s_->metrics[m.deployment()].push_back(std::move(m));
 }
 
 PlannerServiceImpl::~PlannerServiceImpl() {
   Shutdown();
-  std::vector<std::thread> pushes;
+  std::map<int64_t, std::thread> supervisors;
   {
     absl::MutexLock l(&s_->mu);
-    pushes.swap(s_->pushes);
+    supervisors.swap(s_->supervisors);
+    s_->returned.clear();
   }
-  for (auto& t : pushes) t.join();
+  for (auto& [id, t] : supervisors) t.join();
 }
 
 void PlannerServiceImpl::Shutdown() {
   absl::MutexLock l(&s_->mu);
   s_->shutdown = true;
-  for (auto& [name, stop] : s_->stop_requested) stop = true;
   s_->changed.SignalAll();
+}
+
+void PlannerServiceImpl::Supervise(
+    const v1::Deployment& d,
+    std::function<void(DeploymentExecutors&, const DeploymentControl&)> body) {
+  const int64_t id = s_->next_supervisor++;
+  s_->supervised.insert(d.name());
+  s_->supervisors[id] = std::thread([this, d, body = std::move(body), id] {
+    {
+      std::unique_ptr<DeploymentExecutors> executors = MakeExecutors(d);
+      body(*executors, Control(d.name()));
+    }
+    absl::MutexLock l(&s_->mu);
+    s_->supervised.erase(d.name());
+    s_->stop_requested.erase(d.name());
+    s_->returned.push_back(id);
+    s_->changed.SignalAll();
+  });
+}
+
+void PlannerServiceImpl::ReapSupervisors() {
+  std::vector<std::thread> done;
+  {
+    absl::MutexLock l(&s_->mu);
+    for (int64_t id : s_->returned) {
+      auto it = s_->supervisors.find(id);
+      if (it == s_->supervisors.end()) continue;
+      done.push_back(std::move(it->second));
+      s_->supervisors.erase(it);
+    }
+    s_->returned.clear();
+  }
+  for (auto& t : done) t.join();  // each has returned or is returning
+}
+
+std::unique_ptr<DeploymentExecutors> PlannerServiceImpl::MakeExecutors(
+    const v1::Deployment& d) const {
+  if (o_.executors) return o_.executors(d);
+  return std::make_unique<GrpcExecutors>(d, o_.security);
+}
+
+DeploymentControl PlannerServiceImpl::Control(const std::string& deployment) {
+  DeploymentControl c;
+  c.now = [] { return absl::Now(); };
+  c.wait = [this, deployment](absl::Time deadline, bool stop_wakes) {
+    absl::MutexLock l(&s_->mu);
+    while (true) {
+      if (s_->shutdown) return Wake::kShutdown;
+      if (stop_wakes && s_->stop_requested.count(deployment)) return Wake::kStop;
+      if (absl::Now() >= deadline) return Wake::kTimeout;
+      s_->changed.WaitWithDeadline(&s_->mu, deadline);
+    }
+  };
+  c.update = [this, deployment](const std::function<void(v1::Deployment&)>& edit) {
+    UpdateDeployment(deployment, edit);
+  };
+  return c;
 }
 
 grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContext* ctx,
@@ -260,6 +450,7 @@ void PlannerServiceImpl::UpdateDeployment(const std::string& name,
     }
   }
   it->second = std::move(next);
+  if (o_.on_deployment) o_.on_deployment(it->second);
   s_->changed.SignalAll();
 }
 
@@ -309,6 +500,7 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
       }
     }
     HAP_ASSIGN_OR_RETURN(std::string id, PlanId(plan.name()));
+    ReapSupervisors();
     {
       absl::MutexLock l(&s_->mu);
       if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
@@ -327,108 +519,15 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
       }
       s_->generations[plan.name()] = gen;
       s_->deployments[d.name()] = d;
-      s_->stop_requested[d.name()] = false;
-      s_->pushes.emplace_back([this, d, plan] { Push(d, plan); });
+      if (o_.on_deployment) o_.on_deployment(d);
+      Supervise(d, [this, d, plan, rendezvous = o_.advertise_address](
+                       DeploymentExecutors& ex, const DeploymentControl& c) {
+        RunDeployment(d, plan, rendezvous, ex, o_.deployments, c);
+      });
     }
     *out = d;
     return absl::OkStatus();
   });
-}
-
-// Loads the plan on every executor, starts training, and follows it until
-// it ends (executor statuses), is stopped, or the planner shuts down.
-void PlannerServiceImpl::Push(v1::Deployment d, v1::Plan plan) {
-  const int world = d.ranks_size();
-  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
-  auto fail = [&](const std::string& what) {
-    UpdateDeployment(d.name(), [&](v1::Deployment& x) {
-      x.set_state(v1::Deployment::FAILED);
-      x.set_error(what);
-    });
-  };
-  for (const auto& a : d.ranks()) {
-    auto ch = MakeChannel(a.executor_address(), o_.security);
-    if (!ch.ok()) return fail(std::string(ch.status().message()));
-    stubs.push_back(v1::Executor::NewStub(*ch));
-  }
-  auto call = [&](int rank, const char* what, auto&& rpc) -> bool {
-    grpc::ClientContext ctx;
-    PrepareClientContext(&ctx, o_.security, o_.executor_timeout);
-    grpc::Status s = rpc(ctx);
-    if (!s.ok()) {
-      fail(absl::StrCat(what, " on rank ", rank, " (", d.ranks(rank).device(), " at ",
-                        d.ranks(rank).executor_address(), "): ", s.error_message()));
-    }
-    return s.ok();
-  };
-  for (int r = 0; r < world; ++r) {
-    v1::LoadPlanRequest req;
-    *req.mutable_plan() = plan;
-    req.set_deployment(d.name());
-    req.set_generation(d.generation());
-    req.set_rank(r);
-    req.set_world_size(world);
-    req.set_rendezvous_address(o_.advertise_address);
-    *req.mutable_training() = d.training();
-    v1::LoadPlanResponse resp;
-    if (!call(r, "LoadPlan", [&](grpc::ClientContext& c) {
-          return stubs[r]->LoadPlan(&c, req, &resp);
-        })) {
-      return;
-    }
-  }
-  for (int r = 0; r < world; ++r) {
-    v1::StartTrainingRequest req;
-    req.set_deployment(d.name());
-    v1::ExecutorStatus st;
-    if (!call(r, "StartTraining", [&](grpc::ClientContext& c) {
-          return stubs[r]->StartTraining(&c, req, &st);
-        })) {
-      return;
-    }
-  }
-  UpdateDeployment(d.name(), [](v1::Deployment& x) { x.set_state(v1::Deployment::RUNNING); });
-  while (true) {
-    {
-      absl::MutexLock l(&s_->mu);
-      s_->changed.WaitWithTimeout(&s_->mu, absl::Seconds(1));
-      if (s_->stop_requested[d.name()] || s_->shutdown) break;
-    }
-    int finished = 0;
-    for (int r = 0; r < world; ++r) {
-      v1::GetStatusRequest req;
-      v1::ExecutorStatus st;
-      if (!call(r, "GetStatus", [&](grpc::ClientContext& c) {
-            return stubs[r]->GetStatus(&c, req, &st);
-          })) {
-        return;
-      }
-      if (st.state() == v1::ExecutorStatus::FAILED) {
-        return fail(absl::StrCat("rank ", r, " failed: ", st.error()));
-      }
-      finished += st.state() == v1::ExecutorStatus::FINISHED;
-    }
-    if (finished == world) {
-      UpdateDeployment(d.name(),
-                       [](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });
-      return;
-    }
-  }
-  bool shutting_down;
-  {
-    absl::MutexLock l(&s_->mu);
-    shutting_down = s_->shutdown && !s_->stop_requested[d.name()];
-  }
-  if (shutting_down) return;  // executors keep training; state stays RUNNING
-  for (int r = 0; r < world; ++r) {
-    v1::StopTrainingRequest req;
-    req.set_deployment(d.name());
-    v1::ExecutorStatus st;
-    grpc::ClientContext c;
-    PrepareClientContext(&c, o_.security, o_.executor_timeout);
-    (void)stubs[r]->StopTraining(&c, req, &st);
-  }
-  UpdateDeployment(d.name(), [](v1::Deployment& x) { x.set_state(v1::Deployment::STOPPED); });
 }
 
 grpc::Status PlannerServiceImpl::GetDeployment(grpc::ServerContext* ctx,
@@ -462,17 +561,41 @@ grpc::Status PlannerServiceImpl::StopDeployment(grpc::ServerContext* ctx,
                                                 const v1::StopDeploymentRequest* r,
                                                 v1::Deployment* out) {
   return Handle("StopDeployment", ctx, [&]() -> absl::Status {
-    absl::MutexLock l(&s_->mu);
-    auto it = s_->deployments.find(r->name());
-    if (it == s_->deployments.end()) {
-      return absl::NotFoundError(absl::StrCat("deployment '", r->name(), "' does not exist"));
+    v1::Deployment d;
+    {
+      absl::MutexLock l(&s_->mu);
+      auto it = s_->deployments.find(r->name());
+      if (it == s_->deployments.end()) {
+        return absl::NotFoundError(absl::StrCat("deployment '", r->name(), "' does not exist"));
+      }
+      if (!FinalDeployment(it->second.state())) {
+        if (s_->shutdown || !s_->supervised.count(r->name())) {
+          return absl::UnavailableError(absl::StrCat(
+              "the planner is shutting down; ", r->name(),
+              " keeps running and a restarted planner can stop it"));
+        }
+        // Its supervisor stops every rank, then marks it STOPPED.
+        s_->stop_requested.insert(r->name());
+        s_->changed.SignalAll();
+        const absl::Time deadline = Deadline(ctx);
+        while (!FinalDeployment(s_->deployments[r->name()].state()) && !s_->shutdown &&
+               !ctx->IsCancelled() && absl::Now() < deadline) {
+          s_->changed.WaitWithDeadline(&s_->mu,
+                                       std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+        }
+        *out = s_->deployments[r->name()];
+        return absl::OkStatus();
+      }
+      d = it->second;
     }
-    if (!FinalDeployment(it->second.state())) {
-      s_->stop_requested[r->name()] = true;  // the push thread stops the executors
-      s_->changed.SignalAll();
-    }
-    *out = it->second;
-    return absl::OkStatus();
+    *out = d;
+    if (d.state() == v1::Deployment::SUCCEEDED) return absl::OkStatus();
+    // FAILED or STOPPED: tell every rank again; those still training it (a
+    // stop that did not reach them before) stop now.
+    std::unique_ptr<DeploymentExecutors> executors = MakeExecutors(d);
+    return Annotate(StopRanksOnce(d, *executors, o_.deployments),
+                    absl::StrCat(d.name(), " is ", v1::Deployment::State_Name(d.state()),
+                                 "; its ranks were told to stop again"));
   });
 }
 

@@ -7,6 +7,12 @@
 // Deployments and step metrics are saved before they are served: a save the
 // sink refuses fails the RPC with the sink's error and changes nothing.
 //
+// Each deployment that is not over has a supervisor thread running
+// planner/service/core/deployments.h: it pushes the plan, polls the ranks,
+// and stops every rank when the deployment fails or is stopped. Deployments
+// given to the constructor that are still RUNNING are re-attached to (a
+// restarted planner); PENDING ones are failed and their ranks stopped.
+//
 // Every RPC checks the bearer token (when configured), maps absl statuses
 // to gRPC codes one to one, and reports (method, code, seconds) to
 // `on_rpc` for the go-grpc-prometheus style metrics.
@@ -20,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/service/core/deployments.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/grpc/grpc_util.h"
 
@@ -29,7 +36,16 @@ struct PlannerServiceOptions {
   Security security;  // token required from callers; TLS for executors
   // The address executors reach this planner at (rendezvous, metrics).
   std::string advertise_address;
-  absl::Duration executor_timeout = absl::Seconds(30);
+  // Deadlines of the calls to executors, status polls (how soon a dead or
+  // frozen executor fails its deployment) and stop retries. Must pass
+  // ValidateDeploymentWatchOptions; out-of-range values are replaced by
+  // their defaults.
+  DeploymentWatchOptions deployments;
+  // The executors of a deployment; empty = over gRPC with `security`.
+  std::function<std::unique_ptr<DeploymentExecutors>(const hap::v1::Deployment&)> executors;
+  // Every change of a deployment's record, as served from then on. Called
+  // with the service's lock held: it must not call the service.
+  std::function<void(const hap::v1::Deployment&)> on_deployment;
   int64_t probe_bytes = 8 << 20;  // bandwidth probe payload per peer
   // Metrics hooks (may be empty): a call started; a call ended.
   std::function<void(const std::string& method)> on_rpc_start;
@@ -41,13 +57,18 @@ struct PlannerServiceOptions {
 class PlannerServiceImpl final : public hap::v1::Planner::Service {
  public:
   // `core` and `sink` (may be null) must outlive the service. `deployments`
-  // and `metrics` are the persisted state to start from.
+  // and `metrics` are the persisted state to start from; supervisors start
+  // here for the RUNNING and PENDING deployments among them.
   PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink, PlannerServiceOptions o,
                      std::vector<hap::v1::Deployment> deployments = {},
                      std::vector<hap::v1::StepMetric> metrics = {});
-  ~PlannerServiceImpl() override;  // waits for deployment pushes in flight
+  // Shutdown(), then waits for the supervisors (each returns within a call
+  // deadline to an executor).
+  ~PlannerServiceImpl() override;
 
-  // Stops waiting RPCs (watches, rendezvous gets) so the server can stop.
+  // Stops waiting RPCs (watches, rendezvous gets, stops) so the server can
+  // stop, and the supervisors: RUNNING deployments stay RUNNING, their
+  // executors training, for a restarted planner to re-attach to.
   void Shutdown();
   // Set once the listening port is known, before serving.
   void set_advertise_address(const std::string& a) { o_.advertise_address = a; }
@@ -94,6 +115,11 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
                              hap::v1::Deployment*) override;
   grpc::Status ListDeployments(grpc::ServerContext*, const hap::v1::ListDeploymentsRequest*,
                                hap::v1::ListDeploymentsResponse*) override;
+  // PENDING/RUNNING: every rank stopped, then STOPPED; waits for that
+  // within the call's deadline and returns the deployment as it is then.
+  // FAILED/STOPPED: the ranks are told to stop again (idempotent; OK when
+  // each confirms it is not training the deployment, UNAVAILABLE naming
+  // those that did not). SUCCEEDED: nothing to do.
   grpc::Status StopDeployment(grpc::ServerContext*, const hap::v1::StopDeploymentRequest*,
                               hap::v1::Deployment*) override;
 
@@ -115,7 +141,13 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
   // Checks the token, runs `fn`, reports the call.
   grpc::Status Handle(const char* method, grpc::ServerContext* ctx,
                       const std::function<absl::Status()>& fn);
-  void Push(hap::v1::Deployment d, hap::v1::Plan plan);
+  // Starts a thread running `body` for deployment `d` (mu held).
+  void Supervise(const hap::v1::Deployment& d,
+                 std::function<void(DeploymentExecutors&, const DeploymentControl&)> body);
+  std::unique_ptr<DeploymentExecutors> MakeExecutors(const hap::v1::Deployment& d) const;
+  DeploymentControl Control(const std::string& deployment);
+  // Joins the supervisors that have returned.
+  void ReapSupervisors();
   // Applies `edit` and saves the deployment; a save that fails is noted in
   // its error (the executors changed state whatever the store says).
   void UpdateDeployment(const std::string& name,

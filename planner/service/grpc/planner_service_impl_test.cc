@@ -1,7 +1,10 @@
 // hap.v1.Planner in process on 127.0.0.1:0, over a sink that refuses
 // writes on demand (a full disk): RPCs fail with the store's error and leave
 // nothing behind; node removal; the rendezvous store only for deployments
-// that exist, with counters that do not wrap.
+// that exist, with counters that do not wrap. Deployments against fake
+// executors over gRPC (each its own server on 127.0.0.1:0) that can be
+// frozen (SIGSTOP) or shut down (SIGKILL): every rank of a deployment that
+// fails or is stopped is stopped, also after a planner restart.
 #include "planner/service/grpc/planner_service_impl.h"
 
 #include <cstdint>
@@ -13,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/grpc/grpc_util.h"
 #include "planner/util/status_matchers.h"
@@ -55,6 +59,12 @@ class Sink : public PlannerStateSink {
   v1::Deployment deployment(const std::string& name) {
     absl::MutexLock l(&mu_);
     return deployments_[name];
+  }
+  std::vector<v1::Deployment> deployments() {
+    absl::MutexLock l(&mu_);
+    std::vector<v1::Deployment> out;
+    for (const auto& [name, d] : deployments_) out.push_back(d);
+    return out;
   }
 
   absl::Status SaveNode(const v1::Node& n) override {
@@ -122,6 +132,123 @@ v1::CreatePlanRequest Mlp(const std::string& id) {
   return r;
 }
 
+absl::Time Deadline(const grpc::ServerContext* ctx) {
+  auto d = ctx->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(d);
+}
+
+// An executor daemon's API over gRPC on 127.0.0.1:0 that trains nothing:
+// LoadPlan and StartTraining move its state as the real one's (a load while
+// TRAINING is refused); Finish/Fail end its training. Frozen, every call
+// hangs until its deadline (a SIGSTOPped process); Kill shuts its server
+// down (a SIGKILLed one: connections refused).
+class FakeExecutor final : public v1::Executor::Service {
+ public:
+  FakeExecutor() {
+    status_.set_state(v1::ExecutorStatus::IDLE);
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    b.RegisterService(this);
+    server_ = b.BuildAndStart();
+  }
+  ~FakeExecutor() override {
+    Freeze(false);
+    Kill();
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  void Kill() {
+    if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
+  void Freeze(bool frozen) {
+    absl::MutexLock l(&mu_);
+    frozen_ = frozen;
+  }
+  void Set(v1::ExecutorStatus::State state, const std::string& error = "") {
+    absl::MutexLock l(&mu_);
+    status_.set_state(state);
+    status_.set_error(error);
+  }
+  v1::ExecutorStatus status() {
+    absl::MutexLock l(&mu_);
+    return status_;
+  }
+  int stops() {
+    absl::MutexLock l(&mu_);
+    return stops_;
+  }
+  // Waits until at least `n` StopTraining calls were answered.
+  bool WaitForStops(int n, absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock l(&mu_);
+    auto reached = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stops_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+  }
+
+  grpc::Status LoadPlan(grpc::ServerContext* ctx, const v1::LoadPlanRequest* r,
+                        v1::LoadPlanResponse*) override {
+    absl::MutexLock l(&mu_);
+    if (!Answer(ctx)) return Hung();
+    if (status_.state() == v1::ExecutorStatus::TRAINING) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("training ", status_.deployment(),
+                                       "; stop it before loading another plan"));
+    }
+    status_.set_state(v1::ExecutorStatus::LOADED);
+    status_.set_deployment(r->deployment());
+    status_.set_generation(r->generation());
+    status_.set_rank(r->rank());
+    status_.clear_error();
+    return grpc::Status::OK;
+  }
+  grpc::Status StartTraining(grpc::ServerContext* ctx, const v1::StartTrainingRequest*,
+                             v1::ExecutorStatus* out) override {
+    absl::MutexLock l(&mu_);
+    if (!Answer(ctx)) return Hung();
+    status_.set_state(v1::ExecutorStatus::TRAINING);
+    *out = status_;
+    return grpc::Status::OK;
+  }
+  grpc::Status StopTraining(grpc::ServerContext* ctx, const v1::StopTrainingRequest* r,
+                            v1::ExecutorStatus* out) override {
+    absl::MutexLock l(&mu_);
+    if (!Answer(ctx)) return Hung();
+    ++stops_;
+    if (!status_.deployment().empty() && r->deployment() != status_.deployment()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "holds another deployment");
+    }
+    if (status_.state() == v1::ExecutorStatus::TRAINING) {
+      status_.set_state(v1::ExecutorStatus::FAILED);
+      status_.set_error("stopped by StopTraining");
+    }
+    *out = status_;
+    return grpc::Status::OK;
+  }
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
+                         v1::ExecutorStatus* out) override {
+    absl::MutexLock l(&mu_);
+    if (!Answer(ctx)) return Hung();
+    *out = status_;
+    return grpc::Status::OK;
+  }
+
+ private:
+  // False when frozen until the call's deadline.
+  bool Answer(grpc::ServerContext* ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto thawed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !frozen_; };
+    return mu_.AwaitWithDeadline(absl::Condition(&thawed), Deadline(ctx));
+  }
+  static grpc::Status Hung() {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "frozen");
+  }
+
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Mutex mu_;
+  v1::ExecutorStatus status_ ABSL_GUARDED_BY(mu_);
+  bool frozen_ ABSL_GUARDED_BY(mu_) = false;
+  int stops_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 class PlannerServiceImplTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -130,10 +257,35 @@ class PlannerServiceImplTest : public ::testing::Test {
     auto core = PlannerCore::Create(co);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = *std::move(core);
+    StartService({});
+  }
+  void TearDown() override {
+    for (auto& e : executors_) e->Freeze(false);  // calls in flight return
+    StopService();
+    executors_.clear();
+    core_.reset();
+  }
+
+  // The service over the core and sink, starting from `deployments`.
+  void StartService(std::vector<v1::Deployment> deployments) {
     PlannerServiceOptions so;
     so.security.token = kToken;
-    so.executor_timeout = absl::Seconds(5);
-    service_ = std::make_unique<PlannerServiceImpl>(core_.get(), &sink_, so);
+    so.deployments.call_timeout = absl::Seconds(5);
+    // Fast polls: a silent rank fails its deployment within about 150 ms.
+    so.deployments.status_interval = absl::Milliseconds(50);
+    so.deployments.status_timeout = absl::Milliseconds(100);
+    so.deployments.missed_status_limit = 3;
+    so.deployments.stop_timeout = absl::Milliseconds(500);
+    so.deployments.stop_attempts = 2;
+    so.on_deployment = [this](const v1::Deployment& d) {
+      absl::MutexLock l(&seen_mu_);
+      seen_[d.name()] = d;
+      if (d.state() == v1::Deployment::FAILED && !failed_at_.count(d.name())) {
+        failed_at_[d.name()] = absl::Now();
+      }
+    };
+    service_ = std::make_unique<PlannerServiceImpl>(core_.get(), &sink_, so,
+                                                    std::move(deployments));
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -144,11 +296,10 @@ class PlannerServiceImplTest : public ::testing::Test {
     ASSERT_TRUE(channel.ok()) << channel.status();
     stub_ = v1::Planner::NewStub(*channel);
   }
-  void TearDown() override {
+  void StopService() {
     service_->Shutdown();
     server_->Shutdown();
-    service_.reset();  // joins the deployment pushes
-    core_.reset();
+    service_.reset();  // joins the deployment supervisors
   }
 
   std::unique_ptr<grpc::ClientContext> Ctx() {
@@ -178,6 +329,55 @@ class PlannerServiceImplTest : public ::testing::Test {
     if (!s.ok()) return s;
     return d;
   }
+  // Waits until deployment `name` is in `state` (as on_deployment saw it);
+  // the deployment then (or as last seen).
+  v1::Deployment WaitForState(const std::string& name, v1::Deployment::State state,
+                              absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock l(&seen_mu_);
+    auto reached = [&]() ABSL_SHARED_LOCKS_REQUIRED(seen_mu_) {
+      auto it = seen_.find(name);
+      return it != seen_.end() && it->second.state() == state;
+    };
+    EXPECT_TRUE(seen_mu_.AwaitWithTimeout(absl::Condition(&reached), timeout))
+        << name << " never reached " << v1::Deployment::State_Name(state) << "; last seen: "
+        << seen_[name].DebugString();
+    return seen_[name];
+  }
+  absl::Time FailedAt(const std::string& name) {
+    absl::MutexLock l(&seen_mu_);
+    return failed_at_[name];
+  }
+  // A plan on node "n" (two devices) deployed to two fake executors.
+  absl::StatusOr<v1::Deployment> DeployToFakes(const std::string& plan_id) {
+    if (executors_.empty()) {
+      for (int i = 0; i < 2; ++i) executors_.push_back(std::make_unique<FakeExecutor>());
+    }
+    v1::Plan plan;
+    v1::GetPlanRequest g;
+    g.set_name("plans/" + plan_id);
+    if (!stub_->GetPlan(Ctx().get(), g, &plan).ok()) {
+      absl::Status s = FromGrpc(stub_->CreatePlan(Ctx().get(), Mlp(plan_id), &plan));
+      if (!s.ok()) return s;
+    }
+    v1::DeployPlanRequest r;
+    r.set_plan(plan.name());
+    for (int i = 0; i < plan.devices_size(); ++i) {
+      (*r.mutable_executors())[plan.devices(i)] = executors_[i]->address();
+    }
+    v1::Deployment d;
+    absl::Status s = FromGrpc(stub_->DeployPlan(Ctx().get(), r, &d));
+    if (!s.ok()) return s;
+    return d;
+  }
+  absl::StatusOr<v1::Deployment> Stop(const std::string& name) {
+    v1::StopDeploymentRequest r;
+    r.set_name(name);
+    v1::Deployment d;
+    absl::Status s = FromGrpc(stub_->StopDeployment(Ctx().get(), r, &d));
+    if (!s.ok()) return s;
+    return d;
+  }
+
   // The deployment once its push has ended.
   v1::Deployment Settled(const std::string& name) {
     v1::GetDeploymentRequest r;
@@ -192,6 +392,10 @@ class PlannerServiceImplTest : public ::testing::Test {
   }
 
   Sink sink_;
+  std::vector<std::unique_ptr<FakeExecutor>> executors_;
+  absl::Mutex seen_mu_;
+  std::map<std::string, v1::Deployment> seen_ ABSL_GUARDED_BY(seen_mu_);
+  std::map<std::string, absl::Time> failed_at_ ABSL_GUARDED_BY(seen_mu_);
   std::unique_ptr<PlannerCore> core_;
   std::unique_ptr<PlannerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -360,6 +564,139 @@ TEST_F(PlannerServiceImplTest, StoreAddDoesNotWrapAround) {
   ASSERT_EQ(*add("down", kMin), kMin);
   EXPECT_THAT(add("down", -1), StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("overflows")));
   EXPECT_EQ(*add("down", 1), kMin + 1);
+}
+
+// SIGSTOP: a frozen executor is noticed within missed_status_limit polls
+// (not a 30 s call deadline); the deployment fails and the other rank is
+// stopped.
+TEST_F(PlannerServiceImplTest, AFrozenExecutorFailsItsDeploymentAndTheOtherRankIsStopped) {
+  Register("n");
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  const absl::Time frozen = absl::Now();
+  executors_[1]->Freeze(true);
+  v1::Deployment failed = WaitForState(d->name(), v1::Deployment::FAILED);
+  EXPECT_LT(FailedAt(d->name()) - frozen, absl::Seconds(3));
+  EXPECT_THAT(failed.error(),
+              AllOf(HasSubstr("rank 1 (n/cpu1 at " + executors_[1]->address() + ")"),
+                    HasSubstr("did not answer 3 status polls in a row")));
+  ASSERT_TRUE(executors_[0]->WaitForStops(1));
+  EXPECT_EQ(executors_[0]->status().state(), v1::ExecutorStatus::FAILED);
+  EXPECT_EQ(executors_[0]->status().error(), "stopped by StopTraining");
+  // Thawed, the frozen rank is stopped too when asked again.
+  executors_[1]->Freeze(false);
+  ASSERT_THAT(Stop(d->name()), IsOk());
+  EXPECT_EQ(executors_[1]->status().state(), v1::ExecutorStatus::FAILED);
+}
+
+// SIGKILL: connections refused; the survivor is stopped, and a new
+// deployment of the plan to it (and a replacement) works with no manual stop.
+TEST_F(PlannerServiceImplTest, AKilledExecutorFailsItsDeploymentAndANewOneWorks) {
+  Register("n");
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  executors_[1]->Kill();
+  v1::Deployment failed = WaitForState(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("rank 1 (n/cpu1 at " + executors_[1]->address()));
+  ASSERT_TRUE(executors_[0]->WaitForStops(1));
+  EXPECT_NE(executors_[0]->status().state(), v1::ExecutorStatus::TRAINING);
+
+  executors_[1] = std::make_unique<FakeExecutor>();  // the replacement
+  auto again = DeployToFakes("p");
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->name(), "deployments/p-g2");
+  WaitForState(again->name(), v1::Deployment::RUNNING);
+  EXPECT_EQ(executors_[0]->status().deployment(), "deployments/p-g2");
+  EXPECT_EQ(executors_[0]->status().state(), v1::ExecutorStatus::TRAINING);
+}
+
+// A rank that reports FAILED fails the deployment and the other is stopped;
+// StopDeployment on the FAILED deployment tells every rank again
+// (idempotent), stopping one still training it.
+TEST_F(PlannerServiceImplTest, StopDeploymentOnAFailedDeploymentStopsRanksStillTraining) {
+  Register("n");
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  executors_[1]->Set(v1::ExecutorStatus::FAILED, "out of memory");
+  v1::Deployment failed = WaitForState(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("rank 1 (n/cpu1 at " + executors_[1]->address() +
+                                        ") failed: out of memory"));
+  ASSERT_TRUE(executors_[0]->WaitForStops(1));
+  EXPECT_EQ(executors_[0]->status().state(), v1::ExecutorStatus::FAILED);
+
+  // Say rank 0 never got that stop and trains on.
+  executors_[0]->Set(v1::ExecutorStatus::TRAINING);
+  auto stopped = Stop(d->name());
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::FAILED);
+  EXPECT_EQ(executors_[0]->stops(), 2);
+  EXPECT_EQ(executors_[0]->status().state(), v1::ExecutorStatus::FAILED);
+  // A rank that cannot be reached is named, and the call can be retried.
+  executors_[0]->Set(v1::ExecutorStatus::TRAINING);
+  executors_[1]->Kill();
+  EXPECT_THAT(Stop(d->name()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr(d->name() + " is FAILED; its ranks were told to stop"),
+                             HasSubstr("not confirmed stopped after 1 attempt: rank 1"))));
+  EXPECT_EQ(executors_[0]->status().state(), v1::ExecutorStatus::FAILED);
+}
+
+TEST_F(PlannerServiceImplTest, StopDeploymentStopsEveryRankThenSaysStopped) {
+  Register("n");
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  auto stopped = Stop(d->name());
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::STOPPED);
+  for (auto& e : executors_) {
+    EXPECT_EQ(e->stops(), 1);
+    EXPECT_EQ(e->status().state(), v1::ExecutorStatus::FAILED);
+  }
+  EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::STOPPED);
+}
+
+// The planner restarts (shut down, a new service from the saved state) while
+// a deployment runs: its executors train on meanwhile; the new planner
+// re-attaches, and StopDeployment stops them.
+TEST_F(PlannerServiceImplTest, ARestartedPlannerReattachesAndStopDeploymentStopsTheRanks) {
+  Register("n");
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  StopService();
+  for (auto& e : executors_) {
+    EXPECT_EQ(e->stops(), 0);
+    EXPECT_EQ(e->status().state(), v1::ExecutorStatus::TRAINING);
+  }
+  ASSERT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::RUNNING);
+  StartService(sink_.deployments());
+  auto stopped = Stop(d->name());
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::STOPPED);
+  for (auto& e : executors_) {
+    EXPECT_EQ(e->stops(), 1);
+    EXPECT_EQ(e->status().state(), v1::ExecutorStatus::FAILED);
+  }
+}
+
+// ... and one whose executor died while the planner was away is failed on
+// re-attaching, the other rank stopped.
+TEST_F(PlannerServiceImplTest, ARestartedPlannerFailsADeploymentWhoseRankIsGone) {
+  Register("n");
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  StopService();
+  executors_[0]->Kill();
+  StartService(sink_.deployments());
+  v1::Deployment failed = WaitForState(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("rank 0 (n/cpu0 at " + executors_[0]->address()));
+  ASSERT_TRUE(executors_[1]->WaitForStops(1));
+  EXPECT_EQ(executors_[1]->status().state(), v1::ExecutorStatus::FAILED);
 }
 
 }  // namespace

@@ -1,0 +1,283 @@
+#include "planner/service/core/deployments.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+
+void SetFailed(const DeploymentControl& control, const std::string& error) {
+  control.update([&](v1::Deployment& x) {
+    x.set_state(v1::Deployment::FAILED);
+    x.set_error(error);
+  });
+}
+
+// Appends the ranks that could not be stopped to the deployment's error.
+void NoteUnstopped(const DeploymentControl& control, const absl::Status& stopped) {
+  if (stopped.ok()) return;
+  control.update([&](v1::Deployment& x) {
+    x.set_error(absl::StrCat(x.error(), x.error().empty() ? "" : "; ", stopped.message()));
+  });
+}
+
+// FAILED with `error`, then every rank stopped.
+void FailAndStop(const v1::Deployment& d, const std::string& error,
+                 DeploymentExecutors& executors, const DeploymentWatchOptions& o,
+                 const DeploymentControl& control) {
+  SetFailed(control, error);
+  NoteUnstopped(control, StopEveryRank(d, executors, o, control));
+}
+
+// Every rank stopped, then STOPPED.
+void StopAndMarkStopped(const v1::Deployment& d, DeploymentExecutors& executors,
+                        const DeploymentWatchOptions& o, const DeploymentControl& control) {
+  absl::Status stopped = StopEveryRank(d, executors, o, control);
+  control.update([&](v1::Deployment& x) {
+    x.set_state(v1::Deployment::STOPPED);
+    if (!stopped.ok()) x.set_error(std::string(stopped.message()));
+  });
+}
+
+std::string Unstopped(const v1::Deployment& d, int rank,
+                      const absl::StatusOr<v1::ExecutorStatus>& answer) {
+  if (!answer.ok()) {
+    return absl::StrCat(DescribeRank(d, rank), ": ", answer.status().message());
+  }
+  return absl::StrCat(DescribeRank(d, rank), ": still ",
+                      v1::ExecutorStatus::State_Name(answer->state()));
+}
+
+}  // namespace
+
+absl::Status ValidateDeploymentWatchOptions(const DeploymentWatchOptions& o) {
+  auto positive = [](absl::Duration x) { return x > absl::ZeroDuration(); };
+  if (!positive(o.call_timeout) || !positive(o.status_interval) ||
+      !positive(o.status_timeout) || !positive(o.stop_timeout)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "deployment watch: call_timeout (", absl::FormatDuration(o.call_timeout),
+        "), status_interval (", absl::FormatDuration(o.status_interval), "), status_timeout (",
+        absl::FormatDuration(o.status_timeout), ") and stop_timeout (",
+        absl::FormatDuration(o.stop_timeout), ") must be positive"));
+  }
+  if (o.missed_status_limit < 1 || o.stop_attempts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "deployment watch: missed_status_limit (", o.missed_status_limit,
+        ") and stop_attempts (", o.stop_attempts, ") must be at least 1"));
+  }
+  return absl::OkStatus();
+}
+
+std::string DescribeRank(const v1::Deployment& d, int rank) {
+  if (rank < 0 || rank >= d.ranks_size()) return absl::StrCat("rank ", rank);
+  return absl::StrCat("rank ", rank, " (", d.ranks(rank).device(), " at ",
+                      d.ranks(rank).executor_address(), ")");
+}
+
+RankWatch::RankWatch(const v1::Deployment& d, int missed_status_limit)
+    : d_(d), limit_(missed_status_limit), missed_(d.ranks_size(), 0) {}
+
+RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statuses) {
+  std::vector<std::string> problems;
+  bool failed = false;
+  int finished = 0;
+  for (int r = 0; r < d_.ranks_size(); ++r) {
+    const absl::StatusOr<v1::ExecutorStatus> st =
+        r < static_cast<int>(statuses.size())
+            ? statuses[r]
+            : absl::InternalError("the executors' client gave no answer for this rank");
+    if (!st.ok()) {
+      ++missed_[r];
+      failed |= missed_[r] >= limit_;
+      problems.push_back(absl::StrCat(DescribeRank(d_, r), " did not answer ", missed_[r],
+                                      missed_[r] == 1 ? " status poll" : " status polls in a row",
+                                      ": ", st.status().message()));
+      continue;
+    }
+    missed_[r] = 0;
+    if (st->deployment() != d_.name() || st->generation() != d_.generation()) {
+      failed = true;
+      problems.push_back(absl::StrCat(
+          DescribeRank(d_, r), " no longer holds this deployment: its executor holds ",
+          st->deployment().empty()
+              ? std::string("none")
+              : absl::StrCat("'", st->deployment(), "' generation ", st->generation()),
+          " (", v1::ExecutorStatus::State_Name(st->state()),
+          "); it restarted or took another plan"));
+      continue;
+    }
+    switch (st->state()) {
+      case v1::ExecutorStatus::TRAINING:
+        break;
+      case v1::ExecutorStatus::FINISHED:
+        ++finished;
+        break;
+      case v1::ExecutorStatus::FAILED:
+        failed = true;
+        problems.push_back(absl::StrCat(DescribeRank(d_, r), " failed: ", st->error()));
+        break;
+      default:
+        failed = true;
+        problems.push_back(absl::StrCat(DescribeRank(d_, r), " is not training it (",
+                                        v1::ExecutorStatus::State_Name(st->state()), ")"));
+    }
+  }
+  if (failed) {
+    error_ = absl::StrJoin(problems, "; ");
+    return Verdict::kFailed;
+  }
+  error_.clear();
+  return finished == d_.ranks_size() ? Verdict::kSucceeded : Verdict::kRunning;
+}
+
+bool RankStopped(const v1::Deployment& d, const absl::StatusOr<v1::ExecutorStatus>& answer) {
+  if (!answer.ok()) return absl::IsNotFound(answer.status());  // holds another deployment
+  return !(answer->deployment() == d.name() && answer->generation() == d.generation() &&
+           answer->state() == v1::ExecutorStatus::TRAINING);
+}
+
+namespace {
+
+// One round of StopTraining to the ranks in `pending`; leaves there those
+// that did not confirm, with their answers in `why`.
+void StopRound(const v1::Deployment& d, DeploymentExecutors& executors,
+               const DeploymentWatchOptions& o, std::vector<int>* pending,
+               std::vector<std::string>* why) {
+  DeploymentExecutors::Statuses answers = executors.StopTraining(d.name(), o.stop_timeout);
+  std::vector<int> left;
+  why->clear();
+  for (int r : *pending) {
+    absl::StatusOr<v1::ExecutorStatus> answer =
+        r < static_cast<int>(answers.size())
+            ? answers[r]
+            : absl::StatusOr<v1::ExecutorStatus>(absl::InternalError("no answer"));
+    if (RankStopped(d, answer)) continue;
+    left.push_back(r);
+    why->push_back(Unstopped(d, r, answer));
+  }
+  pending->swap(left);
+}
+
+absl::Status NotStopped(const std::vector<std::string>& why, int attempts) {
+  return absl::UnavailableError(absl::StrCat("not confirmed stopped after ", attempts,
+                                             attempts == 1 ? " attempt: " : " attempts: ",
+                                             absl::StrJoin(why, "; ")));
+}
+
+}  // namespace
+
+absl::Status StopRanksOnce(const v1::Deployment& d, DeploymentExecutors& executors,
+                           const DeploymentWatchOptions& o) {
+  std::vector<int> pending;
+  for (int r = 0; r < d.ranks_size(); ++r) pending.push_back(r);
+  std::vector<std::string> why;
+  StopRound(d, executors, o, &pending, &why);
+  return pending.empty() ? absl::OkStatus() : NotStopped(why, 1);
+}
+
+absl::Status StopEveryRank(const v1::Deployment& d, DeploymentExecutors& executors,
+                           const DeploymentWatchOptions& o, const DeploymentControl& control) {
+  std::vector<int> pending;
+  for (int r = 0; r < d.ranks_size(); ++r) pending.push_back(r);
+  std::vector<std::string> why;
+  int attempts = 0;
+  while (!pending.empty() && attempts < o.stop_attempts) {
+    if (attempts > 0 && control.wait(control.now() + o.status_interval,
+                                     /*stop_wakes=*/false) == Wake::kShutdown) {
+      break;
+    }
+    // Every rank is asked again, not only the pending ones: the executors'
+    // client sends to all at once, and a repeated stop is a no-op.
+    StopRound(d, executors, o, &pending, &why);
+    ++attempts;
+  }
+  return pending.empty() ? absl::OkStatus() : NotStopped(why, attempts);
+}
+
+void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
+                   const std::string& rendezvous_address, DeploymentExecutors& executors,
+                   const DeploymentWatchOptions& o, const DeploymentControl& control) {
+  const int world = d.ranks_size();
+  // Between calls: a stop request ends the push, a shutdown leaves it.
+  auto interrupted = [&]() -> bool {
+    switch (control.wait(absl::InfinitePast(), /*stop_wakes=*/true)) {
+      case Wake::kTimeout:
+        return false;
+      case Wake::kStop:
+        StopAndMarkStopped(d, executors, o, control);
+        return true;
+      case Wake::kShutdown:
+        return true;  // PENDING: a restarted planner fails it and stops its ranks
+    }
+    return true;
+  };
+  for (int r = 0; r < world; ++r) {
+    if (interrupted()) return;
+    v1::LoadPlanRequest req;
+    *req.mutable_plan() = plan;
+    req.set_deployment(d.name());
+    req.set_generation(d.generation());
+    req.set_rank(r);
+    req.set_world_size(world);
+    req.set_rendezvous_address(rendezvous_address);
+    *req.mutable_training() = d.training();
+    absl::Status s = executors.LoadPlan(r, req, o.call_timeout);
+    if (!s.ok()) {
+      return FailAndStop(d, absl::StrCat("LoadPlan on ", DescribeRank(d, r), ": ", s.message()),
+                         executors, o, control);
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    if (interrupted()) return;
+    absl::Status s = executors.StartTraining(r, d.name(), o.call_timeout);
+    if (!s.ok()) {
+      return FailAndStop(d,
+                         absl::StrCat("StartTraining on ", DescribeRank(d, r), ": ", s.message()),
+                         executors, o, control);
+    }
+  }
+  control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::RUNNING); });
+  WatchDeployment(d, executors, o, control);
+}
+
+void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
+                     const DeploymentWatchOptions& o, const DeploymentControl& control) {
+  RankWatch watch(d, o.missed_status_limit);
+  absl::Time next = control.now();
+  while (true) {
+    switch (control.wait(next, /*stop_wakes=*/true)) {
+      case Wake::kShutdown:
+        return;  // the executors keep training; a restarted planner re-attaches
+      case Wake::kStop:
+        return StopAndMarkStopped(d, executors, o, control);
+      case Wake::kTimeout:
+        break;
+    }
+    // Polls start status_interval apart, however long one takes (at most
+    // status_timeout), so a silent rank is found after about
+    // missed_status_limit intervals.
+    const absl::Time started = control.now();
+    switch (watch.Observe(executors.GetStatus(o.status_timeout))) {
+      case RankWatch::Verdict::kRunning:
+        break;
+      case RankWatch::Verdict::kSucceeded:
+        control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });
+        return;
+      case RankWatch::Verdict::kFailed:
+        return FailAndStop(d, watch.error(), executors, o, control);
+    }
+    next = started + o.status_interval;
+  }
+}
+
+void FailUnfinishedDeployment(const v1::Deployment& d, const std::string& reason,
+                              DeploymentExecutors& executors, const DeploymentWatchOptions& o,
+                              const DeploymentControl& control) {
+  FailAndStop(d, reason, executors, o, control);
+}
+
+}  // namespace hap::service
