@@ -6,15 +6,26 @@
 // deployments are there and the agents re-register without duplicates.
 // Finally an agent that stops heartbeating (SIGSTOP) goes stale and is left
 // out of the next plan.
+//
+// Deployments under faults (issue 15 item 8), each on a long run of three
+// ranks: an executor SIGKILLed or SIGSTOPped fails its deployment within
+// seconds and the other ranks are stopped (they report not TRAINING); a new
+// deployment then works with no manual stop; a planner SIGKILLed and
+// restarted re-attaches, and StopDeployment stops the executors. The times
+// to FAILED and to stopped are printed ("timing: ...").
 #include <signal.h>
 
 #include <fstream>
+#include <functional>
+#include <iostream>
 #include <map>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/grpc/grpc_util.h"
 #include "tests/service_harness.h"
@@ -29,6 +40,7 @@ using ::hap::testing::Runfile;
 constexpr char kToken[] = "e2e-token";
 constexpr int kNodes = 3;
 constexpr int kSteps = 20;
+constexpr int64_t kLongRun = 100'000'000;  // steps: trains until stopped
 
 class ClusterTest : public ::testing::Test {
  protected:
@@ -48,26 +60,40 @@ class ClusterTest : public ::testing::Test {
                                "--devices=cpu"})
                       .ok());
       ASSERT_TRUE(agents_.back()->WaitForLine("listening on ").ok()) << agents_.back()->output();
-      executors_.push_back(std::make_unique<Process>());
-      ASSERT_TRUE(executors_.back()
-                      ->Start({Runfile("executor/cli/hap-executor"), "--serve",
-                               "--planner=" + Planner(), "--listen=127.0.0.1:0",
-                               "--token-file=" + dir_ + "/token",
-                               "--device-id=" + name + "/cpu0", "--threads=1",
-                               "--timeout=30"})
-                      .ok());
-      auto addr = executors_.back()->WaitForLine("listening on ");
-      ASSERT_TRUE(addr.ok()) << addr.status();
-      executor_address_[name + "/cpu0"] = *addr;
+      executors_.push_back(nullptr);
+      StartExecutor(i);
     }
   }
+  // Starts (or replaces) the executor of node i's cpu0.
+  void StartExecutor(int i) {
+    const std::string device = absl::StrCat("node", i, "/cpu0");
+    executors_[i] = std::make_unique<Process>();
+    ASSERT_TRUE(executors_[i]
+                    ->Start({Runfile("executor/cli/hap-executor"), "--serve",
+                             "--planner=" + Planner(), "--listen=127.0.0.1:0",
+                             "--token-file=" + dir_ + "/token", "--device-id=" + device,
+                             "--threads=1", "--timeout=30"})
+                    .ok());
+    auto addr = executors_[i]->WaitForLine("listening on ");
+    ASSERT_TRUE(addr.ok()) << addr.status();
+    executor_address_[device] = *addr;
+  }
   void TearDown() override {
-    for (auto& e : executors_) e->Stop(SIGTERM);
+    for (auto& e : executors_) {
+      if (e->pid() > 0) kill(e->pid(), SIGCONT);  // never kill(-1, ...)
+      e->Stop(SIGTERM);
+    }
     for (auto& a : agents_) {
       kill(a->pid(), SIGCONT);
       a->Stop(SIGTERM);
     }
     planner_.Stop(SIGTERM);
+    if (HasFailure()) {  // what the daemons said, read to the end by Stop
+      std::cerr << "planner output:\n" << planner_.output() << "\n";
+      for (size_t i = 0; i < executors_.size(); ++i) {
+        std::cerr << "executor " << i << " output:\n" << executors_[i]->output() << "\n";
+      }
+    }
   }
 
   void StartPlanner() {
@@ -131,6 +157,96 @@ class ClusterTest : public ::testing::Test {
     r.mutable_options()->mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
     r.mutable_options()->mutable_optimizer()->set_learning_rate(3e-3);
     return r;
+  }
+
+  // A SUCCEEDED plan over the three nodes.
+  void CreatePlan(const std::string& id) {
+    WaitForReadyNodes(kNodes);
+    v1::CreatePlanRequest r = Request(id);
+    r.set_wait(true);
+    v1::Plan plan;
+    grpc::Status s = stub_->CreatePlan(Ctx(240).get(), r, &plan);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+    ASSERT_EQ(plan.devices_size(), kNodes);
+  }
+  // Deploys plans/<id> to the executors for `steps` steps and waits until
+  // it is RUNNING and every rank has trained a step.
+  v1::Deployment DeployAndWaitForSteps(const std::string& id, int64_t steps) {
+    v1::DeployPlanRequest d;
+    d.set_plan("plans/" + id);
+    for (const auto& [dev, addr] : executor_address_) (*d.mutable_executors())[dev] = addr;
+    d.mutable_training()->set_steps(steps);
+    d.mutable_training()->set_data(v1::TrainingConfig::SYNTHETIC);
+    v1::Deployment dep;
+    grpc::Status s = stub_->DeployPlan(Ctx().get(), d, &dep);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    dep = WaitForDeployment(
+        dep.name(),
+        [](const v1::Deployment& x) {
+          return x.steps_completed() > 0 || (x.state() != v1::Deployment::PENDING &&
+                                             x.state() != v1::Deployment::RUNNING);
+        },
+        absl::Seconds(120));
+    EXPECT_EQ(dep.state(), v1::Deployment::RUNNING) << dep.error();
+    for (int i = 0; i < kNodes; ++i) {
+      auto st = ExecutorStatus(i);
+      EXPECT_TRUE(st.ok()) << st.status();
+      if (st.ok()) {
+        EXPECT_EQ(st->state(), v1::ExecutorStatus::TRAINING) << st->DebugString();
+        EXPECT_EQ(st->deployment(), dep.name());
+      }
+    }
+    return dep;
+  }
+  // Polls GetDeployment until `done` holds or `timeout` passes.
+  v1::Deployment WaitForDeployment(const std::string& name,
+                                   const std::function<bool(const v1::Deployment&)>& done,
+                                   absl::Duration timeout = absl::Seconds(30)) {
+    absl::Time deadline = absl::Now() + timeout;
+    v1::GetDeploymentRequest g;
+    g.set_name(name);
+    v1::Deployment d;
+    while (absl::Now() < deadline) {
+      if (stub_->GetDeployment(Ctx(5).get(), g, &d).ok() && done(d)) return d;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ADD_FAILURE() << name << " never reached the state waited for; last: " << d.DebugString();
+    return d;
+  }
+  absl::StatusOr<v1::ExecutorStatus> ExecutorStatus(int i) {
+    auto channel = service::MakeChannel(executor_address_[absl::StrCat("node", i, "/cpu0")], {});
+    if (!channel.ok()) return channel.status();
+    auto stub = v1::Executor::NewStub(*channel);
+    v1::ExecutorStatus st;
+    grpc::Status s = stub->GetStatus(Ctx(2).get(), v1::GetStatusRequest(), &st);
+    if (!s.ok()) return service::FromGrpc(s);
+    return st;
+  }
+  // Polls the executors `ranks` until none is TRAINING; the time it took,
+  // or a failure naming those still training after `timeout`.
+  absl::Duration WaitUntilNotTraining(const std::vector<int>& ranks,
+                                      absl::Duration timeout = absl::Seconds(30)) {
+    const absl::Time start = absl::Now();
+    std::string training;
+    while (absl::Now() < start + timeout) {
+      training.clear();
+      for (int i : ranks) {
+        auto st = ExecutorStatus(i);
+        if (!st.ok() || st->state() == v1::ExecutorStatus::TRAINING) {
+          absl::StrAppend(&training, " node", i, ": ",
+                          st.ok() ? st->DebugString() : st.status().ToString());
+        }
+      }
+      if (training.empty()) return absl::Now() - start;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ADD_FAILURE() << "still training after " << timeout << ":" << training;
+    return timeout;
+  }
+  static bool Final(const v1::Deployment& d) {
+    return d.state() == v1::Deployment::SUCCEEDED || d.state() == v1::Deployment::FAILED ||
+           d.state() == v1::Deployment::STOPPED;
   }
 
   std::string dir_;
@@ -255,6 +371,118 @@ TEST_F(ClusterTest, PlansFromMeasuredProfilesTrainsAndSurvivesAPlannerKill) {
   EXPECT_EQ(two.devices_size(), kNodes - 1);
   for (const auto& dev : two.devices()) EXPECT_NE(dev, "node2/cpu0");
   kill(agents_[2]->pid(), SIGCONT);
+}
+
+// SIGKILL one executor of three mid-run: within seconds the deployment is
+// FAILED and the other two are not training; a new deployment (with a
+// replacement executor) then trains to the end with no manual stop.
+TEST_F(ClusterTest, AKilledExecutorFailsItsDeploymentAndStopsTheOthers) {
+  CreatePlan("gpt-kill");
+  v1::Deployment dep = DeployAndWaitForSteps("gpt-kill", kLongRun);
+  ASSERT_EQ(dep.state(), v1::Deployment::RUNNING);
+
+  const absl::Time killed = absl::Now();
+  executors_[2]->Stop(SIGKILL);
+  v1::Deployment failed = WaitForDeployment(dep.name(), Final, absl::Seconds(30));
+  const absl::Duration to_failed = absl::Now() - killed;
+  ASSERT_EQ(failed.state(), v1::Deployment::FAILED) << failed.DebugString();
+  WaitUntilNotTraining({0, 1});
+  const absl::Duration to_stopped = absl::Now() - killed;
+  std::cout << "timing: SIGKILL -> FAILED " << to_failed << ", -> survivors not TRAINING "
+            << to_stopped << " (error: " << failed.error() << ")" << std::endl;
+  for (int i : {0, 1}) {
+    auto st = ExecutorStatus(i);
+    if (st.ok()) std::cout << "node" << i << ": " << st->error() << std::endl;
+  }
+  EXPECT_LT(to_failed, absl::Seconds(8));
+  EXPECT_LT(to_stopped, absl::Seconds(15));
+
+  // A replacement for the dead executor; the survivors need no manual stop.
+  StartExecutor(2);
+  v1::DeployPlanRequest d;
+  d.set_plan("plans/gpt-kill");
+  for (const auto& [dev, addr] : executor_address_) (*d.mutable_executors())[dev] = addr;
+  d.mutable_training()->set_steps(kSteps);
+  d.mutable_training()->set_data(v1::TrainingConfig::SYNTHETIC);
+  v1::Deployment next;
+  grpc::Status s = stub_->DeployPlan(Ctx().get(), d, &next);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  next = WaitForDeployment(next.name(), Final, absl::Seconds(240));
+  EXPECT_EQ(next.state(), v1::Deployment::SUCCEEDED) << next.error();
+  EXPECT_EQ(next.steps_completed(), kSteps);
+}
+
+// SIGSTOP one executor: its status polls go unanswered and the deployment
+// fails within about missed polls x interval; the other two are stopped
+// although they sit in a collective waiting for it. Once thawed, it still
+// trains the failed deployment until StopDeployment tells it again.
+TEST_F(ClusterTest, AFrozenExecutorFailsItsDeploymentWithinSecondsAndStopsTheOthers) {
+  CreatePlan("gpt-stop");
+  v1::Deployment dep = DeployAndWaitForSteps("gpt-stop", kLongRun);
+  ASSERT_EQ(dep.state(), v1::Deployment::RUNNING);
+
+  const absl::Time frozen = absl::Now();
+  ASSERT_EQ(kill(executors_[1]->pid(), SIGSTOP), 0);
+  v1::Deployment failed = WaitForDeployment(dep.name(), Final, absl::Seconds(40));
+  const absl::Duration to_failed = absl::Now() - frozen;
+  ASSERT_EQ(failed.state(), v1::Deployment::FAILED) << failed.DebugString();
+  EXPECT_THAT(failed.error(), ::testing::HasSubstr("rank 1 (node1/cpu0 at"));
+  EXPECT_THAT(failed.error(), ::testing::HasSubstr("status polls in a row"));
+  WaitUntilNotTraining({0, 2});
+  const absl::Duration to_stopped = absl::Now() - frozen;
+  std::cout << "timing: SIGSTOP -> FAILED " << to_failed << ", -> others not TRAINING "
+            << to_stopped << " (error: " << failed.error() << ")" << std::endl;
+  for (int i : {0, 2}) {
+    auto st = ExecutorStatus(i);
+    if (st.ok()) std::cout << "node" << i << ": " << st->error() << std::endl;
+  }
+  EXPECT_LT(to_failed, absl::Seconds(8));
+  EXPECT_LT(to_stopped, absl::Seconds(15));
+
+  // Thawed: StopDeployment on the FAILED deployment reaches it now.
+  ASSERT_EQ(kill(executors_[1]->pid(), SIGCONT), 0);
+  v1::StopDeploymentRequest stop;
+  stop.set_name(dep.name());
+  v1::Deployment out;
+  grpc::Status s = stub_->StopDeployment(Ctx().get(), stop, &out);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(out.state(), v1::Deployment::FAILED);
+  WaitUntilNotTraining({0, 1, 2}, absl::Seconds(10));
+}
+
+// The planner is SIGKILLed while a deployment runs and restarted on the same
+// database and port: the executors trained on meanwhile; the new planner
+// re-attaches, and StopDeployment stops every rank.
+TEST_F(ClusterTest, ARestartedPlannerReattachesAndStopDeploymentStopsTheExecutors) {
+  CreatePlan("gpt-restart");
+  v1::Deployment dep = DeployAndWaitForSteps("gpt-restart", kLongRun);
+  ASSERT_EQ(dep.state(), v1::Deployment::RUNNING);
+
+  planner_.Stop(SIGKILL);
+  for (int i = 0; i < kNodes; ++i) {
+    auto st = ExecutorStatus(i);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->state(), v1::ExecutorStatus::TRAINING) << st->DebugString();
+  }
+  StartPlanner();
+  v1::Deployment back = WaitForDeployment(dep.name(), [](const v1::Deployment&) { return true; });
+  EXPECT_EQ(back.state(), v1::Deployment::RUNNING) << back.DebugString();
+
+  const absl::Time asked = absl::Now();
+  v1::StopDeploymentRequest stop;
+  stop.set_name(dep.name());
+  v1::Deployment out;
+  grpc::Status s = stub_->StopDeployment(Ctx().get(), stop, &out);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(out.state(), v1::Deployment::STOPPED) << out.DebugString();
+  WaitUntilNotTraining({0, 1, 2}, absl::Seconds(10));
+  std::cout << "timing: StopDeployment after a planner restart -> every rank not TRAINING "
+            << absl::Now() - asked << std::endl;
+  for (int i = 0; i < kNodes; ++i) {
+    auto st = ExecutorStatus(i);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_THAT(st->error(), ::testing::HasSubstr("stopped by StopTraining"));
+  }
 }
 
 }  // namespace
