@@ -156,6 +156,11 @@ struct ExecutorCore::Loaded {
   // progress: the thread's later steps, metrics and end change nothing.
   std::atomic<bool> abandoned{false};
   std::atomic<bool> ended{false};  // the training thread is about to return
+  // How training ended, set (under mu_) before on_end runs, so that a Stop
+  // during on_end reports it rather than an abandoned step.
+  bool trained = false;
+  v1::ExecutorStatus::State final_state = v1::ExecutorStatus::FAILED;
+  std::string final_error;
   ~Loaded() { runner.reset(); }    // before what it points into
 };
 
@@ -402,19 +407,26 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     loaded->comm->Attach(nullptr);
     return r.status();
   }();
+  {
+    absl::MutexLock l(&mu_);
+    if (load_id_ == load_id && !loaded->abandoned) {
+      loaded->trained = true;
+      loaded->final_state = s.ok() ? v1::ExecutorStatus::FINISHED : v1::ExecutorStatus::FAILED;
+      if (!s.ok()) {
+        loaded->final_error = loaded->cancelled
+                                  ? absl::StrCat("stopped by StopTraining after ",
+                                                 steps_completed_, " of ", steps, " steps")
+                                  : s.ToString();
+      }
+    }
+  }
   if (o_.on_end) o_.on_end();
   absl::MutexLock l(&mu_);
   loaded->ended = true;
   // Another load only replaces this one once Stop retired this thread.
   if (load_id_ != load_id || loaded->abandoned) return;
-  if (s.ok()) {
-    state_ = v1::ExecutorStatus::FINISHED;
-  } else {
-    state_ = v1::ExecutorStatus::FAILED;
-    error_ = loaded->cancelled ? absl::StrCat("stopped by StopTraining after ",
-                                              steps_completed_, " of ", steps, " steps")
-                               : s.ToString();
-  }
+  state_ = loaded->final_state;
+  error_ = loaded->final_error;
 }
 
 void ExecutorCore::ReapRetired(bool all) {
@@ -461,6 +473,13 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
     // a peer that is frozen or gone, which only the communicator timeout
     // ends. Nothing more comes from this load; its thread is retired.
     loaded_->abandoned = true;
+    retired_.push_back(Retired{std::move(thread_), loaded_});
+    retired_count_ = static_cast<int>(retired_.size());
+    if (loaded_->trained) {  // only on_end (flushing metrics) was left
+      state_ = loaded_->final_state;
+      error_ = loaded_->final_error;
+      return StatusLocked();
+    }
     state_ = v1::ExecutorStatus::FAILED;
     error_ = absl::StrCat(
         "stopped by StopTraining after ", steps_completed_, " of ",
@@ -469,8 +488,6 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
         " and was abandoned (a collective waiting for a peer that is gone ends at the "
         "communicator timeout, ",
         absl::FormatDuration(o_.comm_timeout), ")");
-    retired_.push_back(Retired{std::move(thread_), loaded_});
-    retired_count_ = static_cast<int>(retired_.size());
   }
   return StatusLocked();
 }

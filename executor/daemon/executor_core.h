@@ -27,8 +27,9 @@
 //             once, and the training thread, which can only leave the
 //             collective at the communicator timeout, is retired: it keeps
 //             its load's memory until then, reports nothing more and changes
-//             no state, and LoadPlan does not wait for it. LOADED: unloads
-//             -> IDLE. Otherwise a no-op.
+//             no state, and LoadPlan does not wait for it. (Training that
+//             had already ended, its thread still in on_end, shows how it
+//             ended instead.) LOADED: unloads -> IDLE. Otherwise a no-op.
 //
 // Deployment names in Start/Stop/WaitMetrics must match the loaded one
 // (NotFound naming both) unless empty.

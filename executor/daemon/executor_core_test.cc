@@ -298,6 +298,37 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   EXPECT_EQ(reported, 0);
 }
 
+// Training failed by itself (a peer died) and the thread is still flushing
+// metrics (on_end) when Stop comes: Stop does not wait for the flush, and
+// reports the real error, not an abandoned step.
+TEST(ExecutorCoreTest, StopDuringTheEndOfTrainingReportsHowItEnded) {
+  absl::Notification entered, release, in_on_end, flushed;
+  release.Notify();  // every collective fails at once
+  ExecutorCoreOptions options = Options(nullptr);
+  options.stop_wait = absl::Milliseconds(200);
+  options.connect = [&](const GlooOptions& go, RendezvousStore&)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::make_unique<HungPeerCommunicator>(go.rank, &entered, &release);
+  };
+  options.on_end = [&] {
+    in_on_end.Notify();
+    flushed.WaitForNotification();
+  };
+  ExecutorCore core(options);
+  ASSERT_THAT(core.LoadPlan(Load(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(core.Start(""), IsOk());
+  in_on_end.WaitForNotification();
+  EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::TRAINING);
+  auto stopped = core.Stop("");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(), HasSubstr("connection closed by peer 1"));
+  EXPECT_THAT(stopped->error(), ::testing::Not(HasSubstr("abandoned")));
+  flushed.Notify();
+  core.Shutdown();
+  EXPECT_THAT(core.Status().error(), HasSubstr("connection closed by peer 1"));
+}
+
 TEST(ExecutorCoreTest, ConnectFailureIsFailedWithTheReason) {
   ExecutorCoreOptions options = Options(nullptr);
   options.connect = [](const GlooOptions&, RendezvousStore&)
