@@ -3,13 +3,22 @@
 // Prometheus server scraping /metrics.
 #include <signal.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <fstream>
+#include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -400,6 +409,205 @@ TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
   auto plain = v1::Planner::NewStub(*service::MakeChannel(p.Address(), {}));
   EXPECT_FALSE(plain->ListNodes(Ctx(true, 3).get(), r, &out).ok());
   p.proc.Stop(SIGTERM);
+}
+
+// --- Authentication before the message is read (issue 15 item 5) ---------
+
+// A field of /proc/PID/status in KiB ("VmHWM", "VmRSS"), or -1.
+int64_t ProcKib(pid_t pid, const std::string& field) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(field + ":", 0) != 0) continue;
+    int64_t kib = -1;
+    std::string number(absl::StripAsciiWhitespace(line.substr(field.size() + 1)));
+    number = number.substr(0, number.find(' '));
+    if (absl::SimpleAtoi(number, &kib)) return kib;
+  }
+  return -1;
+}
+
+// One GET with `headers` ("Name: value\r\n" lines); returns the status code
+// (0 when there is no answer) and the body.
+std::pair<int, std::string> HttpGetWith(int port, const std::string& path,
+                                        const std::string& headers) {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{10, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(s);
+    return {0, ""};
+  }
+  std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n", headers, "\r\n");
+  (void)!write(s, req.data(), req.size());
+  std::string resp;
+  char buf[8192];
+  ssize_t n;
+  while ((n = read(s, buf, sizeof(buf))) > 0) resp.append(buf, n);
+  close(s);
+  int code = 0;
+  if (resp.size() > 12) (void)absl::SimpleAtoi(resp.substr(9, 3), &code);
+  size_t body = resp.find("\r\n\r\n");
+  return {code, body == std::string::npos ? "" : resp.substr(body + 4)};
+}
+
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo with one
+// list_services request, through the generic stub (no generated code):
+// the call's status and the response's bytes.
+std::pair<grpc::Status, std::string> ListServicesByReflection(int port, bool token) {
+  auto channel = *service::MakeChannel(absl::StrCat("127.0.0.1:", port), {});
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  auto ctx = Ctx(token, 10);
+  auto call = stub.PrepareCall(
+      ctx.get(), "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  auto step = [&](intptr_t want) {
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(tag), want);
+    return ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  step(1);
+  // ServerReflectionRequest{list_services: ""}: field 7, length 0.
+  grpc::Slice request(std::string("\x3a\x00", 2));
+  grpc::ByteBuffer out(&request, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  step(2);
+  call->WritesDone(reinterpret_cast<void*>(3));
+  step(3);
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(4));
+  std::string response;
+  if (step(4)) {
+    std::vector<grpc::Slice> slices;
+    if (in.Dump(&slices).ok()) {
+      for (const auto& sl : slices) response.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+  }
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  step(5);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return {status, response};
+}
+
+TEST(PlannerAuthTest, TokenlessCallsAreRefusedBeforeTheirMessagesAreRead) {
+  Planner p;
+  // A request limit far above the messages below: only the token check
+  // can refuse them.
+  p.Start(hap::testing::TempDir("auth"), {"--max-request-bytes=536870912"});
+  auto stub = p.Stub();
+  v1::ListNodesResponse nodes;
+  ASSERT_TRUE(stub->ListNodes(Ctx().get(), {}, &nodes).ok());
+  const int64_t peak_before = ProcKib(p.proc.pid(), "VmHWM");
+  ASSERT_GT(peak_before, 0);
+
+  // Four concurrent token-less 64 MiB requests (two StoreSets, two
+  // CreatePlans): refused, UNAUTHENTICATED, and the planner's peak RSS does
+  // not grow by their size (read first, they would add at least 256 MiB).
+  constexpr int kMib = 1 << 20;
+  v1::StoreSetRequest set;
+  set.set_deployment("deployments/anything-g1");
+  set.set_generation(1);
+  set.set_key("k");
+  set.set_value(std::string(64 * kMib, 'v'));
+  v1::CreatePlanRequest create = Mlp();
+  create.set_plan_id(std::string(64 * kMib, 'x'));
+  std::vector<grpc::Status> results(4);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 4; ++i) {
+    callers.emplace_back([&, i] {
+      auto ctx = Ctx(/*token=*/false, 60);
+      if (i % 2 == 0) {
+        v1::StoreSetResponse out;
+        results[i] = stub->StoreSet(ctx.get(), set, &out);
+      } else {
+        v1::Plan out;
+        results[i] = stub->CreatePlan(ctx.get(), create, &out);
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (const grpc::Status& s : results) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("bearer token"));
+  }
+  const int64_t peak_after = ProcKib(p.proc.pid(), "VmHWM");
+  std::cout << "planner peak RSS " << peak_before << " KiB before, " << peak_after
+            << " KiB after 4 x 64 MiB token-less requests\n";
+  EXPECT_LT(peak_after - peak_before, 32 * 1024)
+      << "peak RSS grew from " << peak_before << " KiB to " << peak_after << " KiB";
+  // A wrong token is no token.
+  service::Security wrong;
+  wrong.token = "not-the-token";
+  grpc::ClientContext wrong_ctx;
+  service::PrepareClientContext(&wrong_ctx, wrong, absl::Seconds(10));
+  EXPECT_EQ(stub->ListNodes(&wrong_ctx, {}, &nodes).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  // The planner serves on, and health stays open without the token.
+  EXPECT_TRUE(stub->ListNodes(Ctx().get(), {}, &nodes).ok());
+  EXPECT_EQ(Health(p.port, "hap.v1.Planner"), grpc::health::v1::HealthCheckResponse::SERVING);
+  p.proc.Stop(SIGTERM);
+}
+
+TEST_F(PlannerServiceTest, ReflectionAndTheStatusPageNeedTheTokenHealthAndMetricsDoNot) {
+  // Reflection: refused without the token, served with it.
+  auto [anon, anon_bytes] = ListServicesByReflection(planner_.port, /*token=*/false);
+  EXPECT_EQ(anon.error_code(), grpc::StatusCode::UNAUTHENTICATED) << anon.error_message();
+  EXPECT_EQ(anon_bytes.find("hap.v1.Planner"), std::string::npos);
+  auto [authed, authed_bytes] = ListServicesByReflection(planner_.port, /*token=*/true);
+  EXPECT_TRUE(authed.ok()) << authed.error_message();
+  EXPECT_THAT(authed_bytes, HasSubstr("hap.v1.Planner"));
+  // The status page: 401 with a Basic challenge without the token; the
+  // token as a bearer token or a Basic password opens it.
+  auto [code, body] = HttpGetWith(planner_.metrics_port, "/status", "");
+  EXPECT_EQ(code, 401) << body;
+  EXPECT_EQ(body.find("HAP planner status"), std::string::npos);
+  auto [wrong, wrong_body] =
+      HttpGetWith(planner_.metrics_port, "/status", "Authorization: Bearer guess\r\n");
+  EXPECT_EQ(wrong, 401);
+  auto [bearer, page] = HttpGetWith(planner_.metrics_port, "/status",
+                                    absl::StrCat("Authorization: Bearer ", kToken, "\r\n"));
+  EXPECT_EQ(bearer, 200);
+  EXPECT_THAT(page, HasSubstr("HAP planner status"));
+  auto [basic, basic_page] = HttpGetWith(
+      planner_.metrics_port, "/status/plans/none",
+      absl::StrCat("Authorization: Basic ", absl::Base64Escape(absl::StrCat("me:", kToken)),
+                   "\r\n"));
+  EXPECT_EQ(basic, 404) << basic_page;  // past the token: no such plan
+  // Health (gRPC and HTTP) and /metrics stay open.
+  EXPECT_EQ(Health(planner_.port, ""), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_TRUE(hap::testing::HttpGet(planner_.metrics_port, "/healthz").ok());
+  auto metrics = hap::testing::HttpGet(planner_.metrics_port, "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics, HasSubstr("hap_nodes{state=\"ready\"}"));
+}
+
+TEST(PlannerLimitsTest, TheDefaultRequestLimitAdmitsA48LayerGptManyTimesOver) {
+  // GPT-2 XL's shape: 48 layers, hidden 1600, 25 heads, 1024 tokens, a
+  // 50257-word vocabulary (1.6 B parameters, 1303 ops).
+  auto g = graph::BuildZooModel("gpt", {{"layers", 48},
+                                        {"hidden", 1600},
+                                        {"heads", 25},
+                                        {"ffn", 6400},
+                                        {"seq", 1024},
+                                        {"vocab", 50257},
+                                        {"batch", 8}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  v1::CreatePlanRequest r;
+  *r.mutable_model()->mutable_graph() = graph::ToProto(*g);
+  const size_t bytes = r.ByteSizeLong();
+  std::cout << "CreatePlan of a 48-layer GPT: " << g->ops().size() << " ops, " << bytes
+            << " bytes\n";
+  EXPECT_LT(bytes * 16, static_cast<size_t>(service::kDefaultMaxRequestBytes));
 }
 
 }  // namespace

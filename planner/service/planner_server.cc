@@ -1,6 +1,8 @@
 #include "planner/service/planner_server.h"
 
 #include <iostream>
+#include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -17,6 +19,21 @@ namespace {
 
 namespace v1 = ::hap::v1;
 constexpr char kService[] = "hap.v1.Planner";
+
+// The model label of a plan: its graph's name, which callers choose, cut
+// to 64 bytes of [A-Za-z0-9_.:/-] (anything else becomes '_'); "unnamed"
+// when empty. Together with the registry's bound on label sets per family
+// this keeps /metrics small whatever names arrive.
+std::string ModelLabel(const std::string& graph_name) {
+  constexpr size_t kMaxModelLabel = 64;
+  std::string label;
+  for (char c : graph_name.substr(0, kMaxModelLabel)) {
+    const bool ok = std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' ||
+                    c == ':' || c == '/' || c == '-';
+    label.push_back(ok ? c : '_');
+  }
+  return label.empty() ? "unnamed" : label;
+}
 
 // The planner's metrics: gRPC server metrics under the go-grpc-prometheus
 // names, plans, devices, training.
@@ -56,7 +73,8 @@ struct PlannerMetrics {
     HAP_ASSIGN_OR_RETURN(predicted, registry.AddGaugeFamily(
                                         "hap_plan_predicted_step_seconds",
                                         "Predicted step time of the latest plan of each "
-                                        "model, in seconds.",
+                                        "model (its graph's name, at most 64 characters), "
+                                        "in seconds.",
                                         {"model"}));
     HAP_ASSIGN_OR_RETURN(step_seconds,
                          registry.AddHistogram("hap_executor_step_seconds",
@@ -146,7 +164,7 @@ struct PlannerMetrics {
     if (auto c = plans->Get({result}); c.ok()) (*c)->Increment();
     if (p.state() != v1::Plan::SUCCEEDED) return;
     plan_duration->Observe(p.synthesis_seconds());
-    if (auto g = predicted->Get({p.graph().name()}); g.ok()) {
+    if (auto g = predicted->Get({ModelLabel(p.graph().name())}); g.ok()) {
       (*g)->Set(p.prediction().step_seconds());
     }
   }
@@ -174,6 +192,24 @@ struct PlannerServer::Impl {
   absl::Mutex mu;
   bool shut = false;
   absl::Notification done;
+  // Retention: the periodic pass, and whether the service can say which
+  // plans deployments use (only while it exists).
+  std::thread retention;
+  absl::Notification stop_retention;
+  absl::Mutex service_mu;
+  bool service_up ABSL_GUARDED_BY(service_mu) = false;
+
+  // The plans deployments use: every deployment keeps its plan, over or
+  // not (a deployment's record names its plan).
+  absl::StatusOr<std::set<std::string>> PlansInUse() {
+    absl::MutexLock l(&service_mu);
+    if (!service_up) {
+      return absl::UnavailableError("the planner service is not running (starting or stopping)");
+    }
+    std::set<std::string> plans;
+    for (const v1::Deployment& d : service->Deployments()) plans.insert(d.plan());
+    return plans;
+  }
 };
 
 absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServerOptions o) {
@@ -190,6 +226,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   PlannerCoreOptions co = o.core;
   co.sink = m.backend.get();
   co.on_plan_done = [&m](const v1::Plan& p) { m.metrics.PlanDone(p); };
+  co.plans_in_use = [&m] { return m.PlansInUse(); };
   HAP_ASSIGN_OR_RETURN(m.core, PlannerCore::Create(co, std::move(loaded.nodes),
                                                    std::move(loaded.plans)));
   m.core_ptr = m.core.get();
@@ -231,6 +268,9 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     metrics::MetricsHttpServerOptions ho;
     ho.bind_address = o.metrics_address;
     ho.port = o.metrics_port;
+    // The status page shows the cluster and plans: behind the token when
+    // there is one (/metrics and /healthz stay open).
+    ho.token = o.security.token;
     m.http = std::make_unique<metrics::MetricsHttpServer>(&m.metrics.registry, ho);
     // The status page for people; the core and service outlive the HTTP
     // server (Shutdown stops it first).
@@ -239,6 +279,18 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
                  absl::string_view path) { return ServeStatusPage(sources, path); }));
     HAP_RETURN_IF_ERROR(m.http->Start());
   }
+  {
+    absl::MutexLock l(&m.service_mu);
+    m.service_up = true;
+  }
+  // Retention by age needs a clock tick, not a new plan; the first pass
+  // also trims what a restart loaded.
+  m.retention = std::thread([&m] {
+    do {
+      absl::StatusOr<int> deleted = m.core->EnforceRetention();
+      if (!deleted.ok()) std::cerr << "hap-planner: " << deleted.status().message() << "\n";
+    } while (!m.stop_retention.WaitForNotificationWithTimeout(m.o.retention_interval));
+  });
   return s;
 }
 
@@ -260,13 +312,23 @@ void PlannerServer::Shutdown() {
     if (m.shut) return;
     m.shut = true;
   }
-  m.server->GetHealthCheckService()->SetServingStatus(kService, false);
-  m.server->GetHealthCheckService()->SetServingStatus(false);
-  absl::SleepFor(m.o.drain);
-  m.service->Shutdown();
-  m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  m.server->Wait();
+  if (m.server) {
+    m.server->GetHealthCheckService()->SetServingStatus(kService, false);
+    m.server->GetHealthCheckService()->SetServingStatus(false);
+    absl::SleepFor(m.o.drain);
+  }
+  if (m.service) m.service->Shutdown();
+  if (m.server) {
+    m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    m.server->Wait();
+  }
   if (m.http) m.http->Stop();
+  m.stop_retention.Notify();
+  if (m.retention.joinable()) m.retention.join();
+  {
+    absl::MutexLock l(&m.service_mu);
+    m.service_up = false;
+  }
   m.service.reset();
   m.core.reset();
   m.core_ptr = nullptr;

@@ -40,10 +40,16 @@ struct PlannerServerOptions {
   int metrics_port = 0;         // /metrics over HTTP; -1 = off
   std::string database;         // SQLite file; empty = state in memory only
   Security security;            // token and TLS for every RPC
-  int max_message_bytes = kMaxMessageBytes;
+  // Largest request accepted (RESOURCE_EXHAUSTED beyond); see
+  // kDefaultMaxRequestBytes.
+  int max_message_bytes = kDefaultMaxRequestBytes;
   // While shutting down, health reports NOT_SERVING for this long before
   // the server stops taking calls (load balancers drain meanwhile).
   absl::Duration drain = absl::Seconds(1);
+  // How often plan retention runs (PlannerCore::EnforceRetention; the
+  // limits are core.plan_retention_count and core.plan_retention_age).
+  // Plans deployments use are kept. A pass runs at start too.
+  absl::Duration retention_interval = absl::Minutes(1);
   PlannerCoreOptions core;
 };
 

@@ -2,9 +2,13 @@
 
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "grpc/grpc.h"
+#include "grpc/grpc_security.h"
+#include "grpc/slice.h"
 
 namespace hap::service {
 namespace {
@@ -16,6 +20,71 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) 
   ss << f.rdbuf();
   return ss.str();
 }
+
+constexpr char kNeedToken[] =
+    "this server requires a bearer token: pass --token-file (or HAP_TOKEN_FILE) with the "
+    "token it was started with";
+
+// Compares in a time that depends only on the lengths.
+bool SameSecret(absl::string_view got, absl::string_view want) {
+  if (got.size() != want.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff |= got[i] ^ want[i];
+  return diff == 0;
+}
+
+absl::string_view View(const grpc_slice& s) {
+  return absl::string_view(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(s)),
+                           GRPC_SLICE_LENGTH(s));
+}
+
+// The token check as gRPC core's server auth filter runs it: on a call's
+// initial metadata, before the server asks for the request message, so a
+// caller without the token is refused (UNAUTHENTICATED) having sent no
+// more than the HTTP/2 flow-control window, which is discarded with the
+// call. Methods in `open_paths` ("/package.Service/Method") pass without
+// the token.
+struct TokenCheck {
+  std::string want;  // "Bearer <token>"
+  std::vector<std::string> open_paths;
+
+  static void Process(void* state, grpc_auth_context*, const grpc_metadata* md, size_t n,
+                      grpc_process_auth_metadata_done_cb done, void* user_data) {
+    const auto* check = static_cast<const TokenCheck*>(state);
+    bool pass = false;
+    for (size_t i = 0; i < n && !pass; ++i) {
+      const absl::string_view key = View(md[i].key);
+      if (key == "authorization") {
+        pass = SameSecret(View(md[i].value), check->want);
+      } else if (key == ":path") {
+        for (const std::string& open : check->open_paths) pass = pass || View(md[i].value) == open;
+      }
+    }
+    // Nothing is consumed: the handlers' own CheckToken sees the token too.
+    done(user_data, nullptr, 0, nullptr, 0,
+         pass ? GRPC_STATUS_OK : GRPC_STATUS_UNAUTHENTICATED, pass ? nullptr : kNeedToken);
+  }
+  static void Destroy(void* state) { delete static_cast<TokenCheck*>(state); }
+};
+
+// Server credentials made with gRPC core's C API, which (unlike
+// grpc::InsecureServerCredentials in gRPC 1.51) take an auth metadata
+// processor on plaintext ports too.
+class CoreServerCredentials final : public grpc::ServerCredentials {
+ public:
+  explicit CoreServerCredentials(grpc_server_credentials* creds) : creds_(creds) {}
+  ~CoreServerCredentials() override { grpc_server_credentials_release(creds_); }
+  // The processor is set at creation (MakeServerCredentials); a C++ one is
+  // not supported here.
+  void SetAuthMetadataProcessor(const std::shared_ptr<grpc::AuthMetadataProcessor>&) override {}
+
+ private:
+  int AddPortToServer(const std::string& addr, grpc_server* server) override {
+    return grpc_server_add_http2_port(server, addr.c_str(), creds_);
+  }
+
+  grpc_server_credentials* const creds_;
+};
 
 }  // namespace
 
@@ -41,18 +110,35 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const Security& s) {
+    const Security& s, std::vector<std::string> open_methods) {
   if (s.tls_cert_file.empty() != s.tls_key_file.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and a key file");
   }
-  if (s.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
-  auto cert = ReadFile(s.tls_cert_file, "TLS certificate");
-  if (!cert.ok()) return cert.status();
-  auto key = ReadFile(s.tls_key_file, "TLS key");
-  if (!key.ok()) return key.status();
-  grpc::SslServerCredentialsOptions o;
-  o.pem_key_cert_pairs.push_back({*key, *cert});
-  return grpc::SslServerCredentials(o);
+  grpc_server_credentials* creds = nullptr;
+  if (s.tls_cert_file.empty()) {
+    creds = grpc_insecure_server_credentials_create();
+  } else {
+    auto cert = ReadFile(s.tls_cert_file, "TLS certificate");
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFile(s.tls_key_file, "TLS key");
+    if (!key.ok()) return key.status();
+    grpc_ssl_pem_key_cert_pair pair = {key->c_str(), cert->c_str()};
+    creds = grpc_ssl_server_credentials_create_ex(
+        nullptr, &pair, 1, GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE, nullptr);
+  }
+  if (creds == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gRPC refused the server credentials (TLS certificate '", s.tls_cert_file,
+        "', key '", s.tls_key_file, "')"));
+  }
+  if (!s.token.empty()) {
+    grpc_auth_metadata_processor processor;
+    processor.process = &TokenCheck::Process;
+    processor.destroy = &TokenCheck::Destroy;
+    processor.state = new TokenCheck{"Bearer " + s.token, std::move(open_methods)};
+    grpc_server_credentials_set_auth_metadata_processor(creds, processor);
+  }
+  return std::shared_ptr<grpc::ServerCredentials>(new CoreServerCredentials(creds));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
@@ -70,15 +156,11 @@ grpc::Status CheckToken(const grpc::ServerContext* ctx, const std::string& token
   const std::string want = "Bearer " + token;
   auto range = ctx->client_metadata().equal_range("authorization");
   for (auto it = range.first; it != range.second; ++it) {
-    const grpc::string_ref& got = it->second;
-    if (got.size() != want.size()) continue;
-    unsigned char diff = 0;
-    for (size_t i = 0; i < want.size(); ++i) diff |= got.data()[i] ^ want[i];
-    if (diff == 0) return grpc::Status::OK;
+    if (SameSecret(absl::string_view(it->second.data(), it->second.size()), want)) {
+      return grpc::Status::OK;
+    }
   }
-  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                      "this server requires a bearer token: pass --token-file (or "
-                      "HAP_TOKEN_FILE) with the token it was started with");
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kNeedToken);
 }
 
 void PrepareClientContext(grpc::ClientContext* ctx, const Security& s,

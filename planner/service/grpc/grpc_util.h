@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -16,6 +17,11 @@ namespace hap::service {
 
 grpc::Status ToGrpc(const absl::Status& s);
 absl::Status FromGrpc(const grpc::Status& s);
+
+// grpc.health.v1.Health's methods, as paths.
+inline std::vector<std::string> HealthMethods() {
+  return {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"};
+}
 
 struct Security {
   // When set, every call must carry "authorization: Bearer <token>";
@@ -31,8 +37,16 @@ struct Security {
 // Reads a token from a file (trailing whitespace dropped); empty path = "".
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
+// Plaintext, or TLS with the certificate and key. When `s.token` is set,
+// every call without "authorization: Bearer <token>" is refused with
+// UNAUTHENTICATED as its metadata arrives, before the server reads its
+// request message (gRPC core's server auth filter), so that callers
+// without the token cannot make the server buffer large requests. Methods
+// in `open_methods` ("/package.Service/Method") are let through without
+// it; by default the health checks, which load balancers call without
+// credentials. Handlers still check the token (CheckToken) themselves.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const Security& s);
+    const Security& s, std::vector<std::string> open_methods = HealthMethods());
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const Security& s);
 
@@ -49,9 +63,18 @@ void PrepareClientContext(grpc::ClientContext* ctx, const Security& s,
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
                                                            const Security& s);
 
-// Largest request/response a server accepts (plans with rank programs of
-// large clusters are tens of MiB).
+// Largest message a client accepts and a server sends (plans with rank
+// programs of large clusters are tens of MiB), and the executors' request
+// limit (LoadPlan carries a plan).
 inline constexpr int kMaxMessageBytes = 256 << 20;
+
+// The planner's default request limit (hap-planner --max-request-bytes).
+// Its largest requests are CreatePlans carrying a graph: a 48-layer GPT
+// (GPT-2 XL's shape, 1.6 B parameters, 1303 ops) is 176 KB as a proto
+// (480 KB as JSON; tests/planner_service_test.cc measures it), so 16 MiB
+// admits graphs some 95 times that size while bounding what one
+// authenticated call can make the planner buffer.
+inline constexpr int kDefaultMaxRequestBytes = 16 << 20;
 
 }  // namespace hap::service
 

@@ -109,6 +109,21 @@ absl::Status CheckLabelValues(const internal::FamilyBase& family,
   return absl::OkStatus();
 }
 
+bool FitsLabelValues(const std::vector<std::string>& values, size_t max_bytes) {
+  for (const std::string& v : values) {
+    if (v.size() > max_bytes) return false;
+  }
+  return true;
+}
+
+std::vector<std::string> TruncateLabelValues(const std::vector<std::string>& values,
+                                             size_t max_bytes) {
+  std::vector<std::string> out;
+  out.reserve(values.size());
+  for (const std::string& v : values) out.push_back(TruncateLabelValue(v, max_bytes));
+  return out;
+}
+
 // Appends `name{l1="v1",...,le="bound"} value\n` (no braces without labels).
 void AppendSample(std::string* out, absl::string_view name,
                   const std::vector<std::string>& label_names,
@@ -165,11 +180,12 @@ class CallbackGaugeFamily final : public internal::FamilyBase {
   CallbackGaugeFamily(std::string name, std::string help,
                       std::vector<std::string> label_names,
                       std::function<std::vector<LabeledValue>()> rows,
-                      size_t max_rows)
+                      size_t max_rows, size_t max_value_bytes)
       : FamilyBase(std::move(name), std::move(help), "gauge",
                    std::move(label_names)),
         rows_(std::move(rows)),
-        max_rows_(max_rows) {}
+        max_rows_(max_rows),
+        max_value_bytes_(max_value_bytes) {}
 
  private:
   void WriteSamples(std::string* out) const override {
@@ -177,6 +193,9 @@ class CallbackGaugeFamily final : public internal::FamilyBase {
     for (LabeledValue& row : rows_()) {
       if (sorted.size() >= max_rows_) break;
       if (!CheckLabelValues(*this, row.label_values).ok()) continue;
+      if (!FitsLabelValues(row.label_values, max_value_bytes_)) {
+        row.label_values = TruncateLabelValues(row.label_values, max_value_bytes_);
+      }
       sorted.emplace(std::move(row.label_values), row.value);
     }
     for (const auto& [values, value] : sorted) {
@@ -187,6 +206,7 @@ class CallbackGaugeFamily final : public internal::FamilyBase {
 
   const std::function<std::vector<LabeledValue>()> rows_;
   const size_t max_rows_;
+  const size_t max_value_bytes_;
 };
 
 // Validates bucket bounds and drops a trailing +Inf.
@@ -355,16 +375,29 @@ void FamilyBase::Write(std::string* out) const {
 template <typename Metric>
 Family<Metric>::Family(std::string name, std::string help, std::string type,
                        std::vector<std::string> label_names, Factory factory,
-                       size_t max_children)
+                       size_t max_children, size_t max_value_bytes)
     : FamilyBase(std::move(name), std::move(help), std::move(type),
                  std::move(label_names)),
       factory_(std::move(factory)),
-      max_children_(max_children) {}
+      max_children_(max_children),
+      max_value_bytes_(max_value_bytes) {}
 
 template <typename Metric>
 absl::StatusOr<Metric*> Family<Metric>::Get(
+    const std::vector<std::string>& values) {
+  HAP_RETURN_IF_ERROR(CheckLabelValues(*this, values));
+  std::vector<std::string> cut;
+  const std::vector<std::string>* label_values = &values;
+  if (!FitsLabelValues(values, max_value_bytes_)) {
+    cut = TruncateLabelValues(values, max_value_bytes_);
+    label_values = &cut;
+  }
+  return GetChecked(*label_values);
+}
+
+template <typename Metric>
+absl::StatusOr<Metric*> Family<Metric>::GetChecked(
     const std::vector<std::string>& label_values) {
-  HAP_RETURN_IF_ERROR(CheckLabelValues(*this, label_values));
   absl::MutexLock lock(&mu_);
   auto it = children_.find(label_values);
   if (it != children_.end()) return it->second.get();
@@ -470,7 +503,8 @@ absl::StatusOr<Family<Metric>*> MetricsRegistry::AddFamily(
   auto family = std::make_unique<Family<Metric>>(
       std::string(name), std::string(help), std::string(type),
       std::move(label_names), std::move(factory),
-      options_.max_label_sets_per_family);
+      options_.max_label_sets_per_family,
+      std::max<size_t>(options_.max_label_value_bytes, 4));
   Family<Metric>* raw = family.get();
   HAP_RETURN_IF_ERROR(AddFamilyBase(std::move(family)));
   return raw;
@@ -543,7 +577,8 @@ absl::Status MetricsRegistry::AddCallbackGaugeFamily(
   }
   return AddFamilyBase(std::make_unique<CallbackGaugeFamily>(
       std::string(name), std::string(help), std::move(label_names),
-      std::move(rows), options_.max_label_sets_per_family));
+      std::move(rows), options_.max_label_sets_per_family,
+      std::max<size_t>(options_.max_label_value_bytes, 4)));
 }
 
 std::string MetricsRegistry::Serialize() const {
@@ -559,6 +594,14 @@ std::string MetricsRegistry::Serialize() const {
   std::string out;
   for (const internal::FamilyBase* family : families) family->Write(&out);
   return out;
+}
+
+std::string TruncateLabelValue(absl::string_view value, size_t max_bytes) {
+  if (value.size() <= max_bytes) return std::string(value);
+  size_t keep = max_bytes < 3 ? 0 : max_bytes - 3;
+  // Back up over continuation bytes (10xxxxxx) to a character's start.
+  while (keep > 0 && (static_cast<unsigned char>(value[keep]) & 0xC0) == 0x80) --keep;
+  return absl::StrCat(value.substr(0, keep), "...");
 }
 
 }  // namespace hap::metrics

@@ -27,7 +27,11 @@
 // sets). Family::Get for a new set beyond the bound returns
 // ResourceExhausted rather than a shared overflow child, so no series ever
 // carries made-up label values; callers drop the observation (and may count
-// the drop). Existing children keep working.
+// the drop). Existing children keep working. Label values are bounded in
+// length too: a value longer than
+// MetricsRegistryOptions::max_label_value_bytes is cut (at a UTF-8
+// character boundary) and ends in "...", so that one huge value (a 1 MiB
+// model name) cannot grow every scrape by its size.
 //
 // Lifetime: families and children are owned by the registry and live as
 // long as it does; pointers returned by Add*/Get stay valid until then, so
@@ -173,20 +177,24 @@ class Family final : public internal::FamilyBase {
   using Factory = std::function<std::unique_ptr<Metric>()>;
   Family(std::string name, std::string help, std::string type,
          std::vector<std::string> label_names, Factory factory,
-         size_t max_children);
+         size_t max_children, size_t max_value_bytes);
 
   // The child for `label_values` (one per label name, in the order they
-  // were declared), created at zero on first use. InvalidArgument when the
-  // number of values differs from the number of label names or a value is
-  // not UTF-8; ResourceExhausted when the set is new and the family already
+  // were declared, each cut to max_value_bytes as TruncateLabelValue
+  // does), created at zero on first use. InvalidArgument when the number
+  // of values differs from the number of label names or a value is not
+  // UTF-8; ResourceExhausted when the set is new and the family already
   // holds its maximum number of children.
   absl::StatusOr<Metric*> Get(const std::vector<std::string>& label_values);
 
  private:
   void WriteSamples(std::string* out) const override;
+  // Get for values already checked and cut.
+  absl::StatusOr<Metric*> GetChecked(const std::vector<std::string>& label_values);
 
   const Factory factory_;
   const size_t max_children_;
+  const size_t max_value_bytes_;
   mutable absl::Mutex mu_;
   std::map<std::vector<std::string>, std::unique_ptr<Metric>> children_
       ABSL_GUARDED_BY(mu_);
@@ -202,6 +210,9 @@ struct MetricsRegistryOptions {
   // The most label-value sets one family holds (see Family::Get); also the
   // most rows taken from one callback gauge family per scrape.
   size_t max_label_sets_per_family = 1000;
+  // The longest label value kept whole, in bytes (see TruncateLabelValue);
+  // also applied to callback gauge rows. At least 4.
+  size_t max_label_value_bytes = 256;
 };
 
 class MetricsRegistry {
@@ -279,6 +290,10 @@ class MetricsRegistry {
 std::string FormatValue(double value);
 // Escapes for "# HELP" text (\\ and \n) and for label values (\\, \" and \n).
 std::string EscapeHelp(absl::string_view help);
+// `value` when it has at most `max_bytes` bytes (max_bytes >= 4); otherwise
+// its longest prefix that ends on a UTF-8 character boundary and leaves
+// room for "...", followed by "...".
+std::string TruncateLabelValue(absl::string_view value, size_t max_bytes);
 std::string EscapeLabelValue(absl::string_view value);
 
 }  // namespace hap::metrics

@@ -13,8 +13,11 @@
 #include <string>
 #include <thread>
 
-#include "absl/strings/numbers.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
@@ -30,13 +33,16 @@ constexpr char kTextContentType[] = "text/plain; charset=utf-8";
 // Writes a whole response; returns `status` (what civetweb logs).
 int Respond(mg_connection* conn, int status, const char* content_type,
             absl::string_view body, bool send_body,
-            const char* allow = nullptr) {
+            const char* allow = nullptr, const char* authenticate = nullptr) {
   const std::string length = absl::StrCat(body.size());
   mg_response_header_start(conn, status);
   mg_response_header_add(conn, "Content-Type", content_type, -1);
   mg_response_header_add(conn, "Content-Length", length.c_str(), -1);
   mg_response_header_add(conn, "Cache-Control", "no-store", -1);
   if (allow != nullptr) mg_response_header_add(conn, "Allow", allow, -1);
+  if (authenticate != nullptr) {
+    mg_response_header_add(conn, "WWW-Authenticate", authenticate, -1);
+  }
   mg_response_header_send(conn);
   if (send_body && !body.empty()) mg_write(conn, body.data(), body.size());
   return status;
@@ -87,6 +93,31 @@ void StopContext(mg_context* context, const std::string& address, int port) {
   stopper.join();
 }
 
+// Compares in a time that depends only on the lengths.
+bool SameSecret(absl::string_view got, absl::string_view want) {
+  if (got.size() != want.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff |= got[i] ^ want[i];
+  return diff == 0;
+}
+
+// Whether an Authorization header carries `token`: "Bearer <token>", or
+// HTTP Basic with the token as the password (any user name), which is what
+// browsers send when the page asks for credentials.
+bool Authorized(const char* header, const std::string& token) {
+  if (header == nullptr) return false;
+  absl::string_view h = absl::StripAsciiWhitespace(header);
+  if (absl::ConsumePrefix(&h, "Bearer ")) return SameSecret(h, token);
+  if (absl::ConsumePrefix(&h, "Basic ")) {
+    std::string decoded;
+    if (!absl::Base64Unescape(h, &decoded)) return false;
+    const size_t colon = decoded.find(':');
+    return colon != std::string::npos &&
+           SameSecret(absl::string_view(decoded).substr(colon + 1), token);
+  }
+  return false;
+}
+
 }  // namespace
 
 // Serves every path (registered at "/", which civetweb treats as a prefix
@@ -115,6 +146,13 @@ int MetricsHttpServer::OnRequest(mg_connection* conn, void* cbdata) {
   if (is_metrics) {
     return Respond(conn, 200, kMetricsContentType,
                    server->registry_->Serialize(), send_body);
+  }
+  if (!server->options_.token.empty() &&
+      !Authorized(mg_get_header(conn, "Authorization"), server->options_.token)) {
+    return Respond(conn, 401, kTextContentType,
+                   "this page needs the planner's token: send \"Authorization: Bearer "
+                   "<token>\", or give the token as the password when the browser asks\n",
+                   send_body, nullptr, "Basic realm=\"hap\", charset=\"UTF-8\"");
   }
   const HttpResponse response = (*handler)(path);
   return Respond(conn, response.status, response.content_type.c_str(),

@@ -2,7 +2,9 @@
 //   GET /metrics  200, Content-Type "text/plain; version=0.0.4;
 //                 charset=utf-8", the registry's Serialize() output
 //   GET /healthz  200, "ok"
-//   paths added with AddHandler: what the handler returns
+//   paths added with AddHandler: what the handler returns; with a token
+//                 set (MetricsHttpServerOptions::token), 401 unless the
+//                 request carries it
 //   other paths   404; methods other than GET and HEAD 405
 // HEAD is answered like GET, without a body.
 //
@@ -45,6 +47,12 @@ struct MetricsHttpServerOptions {
   int port = 0;
   // Threads serving requests (scrapes are rare and short).
   int num_threads = 2;
+  // When set, pages added with AddHandler (e.g. the status page) answer
+  // 401, with a "WWW-Authenticate: Basic" challenge, unless the request
+  // carries "Authorization: Bearer <token>" or HTTP Basic credentials whose
+  // password is the token (any user name: what a browser sends once asked).
+  // /metrics and /healthz stay open, for Prometheus and load balancers.
+  std::string token;
 };
 
 // What an added handler answers.

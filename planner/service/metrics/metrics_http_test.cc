@@ -58,7 +58,8 @@ int Connect(int port) {
 // A minimal HTTP/1.1 client: one request with "Connection: close", the
 // response read to EOF.
 absl::StatusOr<HttpResponse> Fetch(int port, const std::string& method,
-                                   const std::string& path) {
+                                   const std::string& path,
+                                   const std::string& extra_headers = "") {
   const int fd = Connect(port);
   if (fd < 0) {
     return absl::UnavailableError(
@@ -66,7 +67,7 @@ absl::StatusOr<HttpResponse> Fetch(int port, const std::string& method,
   }
   const std::string request =
       absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
-                   "\r\nConnection: close\r\n\r\n");
+                   "\r\nConnection: close\r\n", extra_headers, "\r\n");
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n = send(fd, request.data() + sent, request.size() - sent, 0);
@@ -234,6 +235,50 @@ TEST_F(MetricsHttpServerTest, AddedHandlersServeTheirPatterns) {
   absl::StatusOr<HttpResponse> health = Fetch(server.port(), "GET", "/healthz");
   ASSERT_THAT(health, IsOk());
   EXPECT_EQ(health->body, "ok");
+}
+
+TEST_F(MetricsHttpServerTest, WithATokenAddedPagesNeedItAndMetricsStayOpen) {
+  MetricsHttpServerOptions options;
+  options.token = "s3cret";
+  MetricsHttpServer server(&registry_, options);
+  ASSERT_THAT(server.AddHandler("/", [](absl::string_view path) {
+                ::hap::metrics::HttpResponse r;
+                r.body = absl::StrCat("page ", path);
+                return r;
+              }),
+              IsOk());
+  ASSERT_THAT(server.Start(), IsOk());
+  // No token, a wrong one, a malformed header: 401 with a Basic challenge
+  // (a browser then asks for the credentials), and nothing of the page.
+  for (const std::string& header :
+       {std::string(), std::string("Authorization: Bearer wrong\r\n"),
+        std::string("Authorization: Bearer s3cret-but-longer\r\n"),
+        std::string("Authorization: Basic !!!\r\n"),
+        // "user:wrong"
+        std::string("Authorization: Basic dXNlcjp3cm9uZw==\r\n"),
+        std::string("Authorization: s3cret\r\n")}) {
+    absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", "/status", header);
+    ASSERT_THAT(r, IsOk()) << header;
+    EXPECT_EQ(r->status, 401) << header;
+    EXPECT_EQ(r->headers["www-authenticate"], "Basic realm=\"hap\", charset=\"UTF-8\"");
+    EXPECT_THAT(r->body, ::testing::Not(HasSubstr("page /status")));
+  }
+  // The token as a bearer token, or as a Basic password ("hap:s3cret").
+  for (const std::string& header : {std::string("Authorization: Bearer s3cret\r\n"),
+                                     std::string("Authorization: Basic aGFwOnMzY3JldA==\r\n")}) {
+    absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", "/status", header);
+    ASSERT_THAT(r, IsOk()) << header;
+    EXPECT_EQ(r->status, 200) << header;
+    EXPECT_EQ(r->body, "page /status");
+  }
+  // Prometheus and load balancers need no token.
+  absl::StatusOr<HttpResponse> metrics = Fetch(server.port(), "GET", "/metrics");
+  ASSERT_THAT(metrics, IsOk());
+  EXPECT_EQ(metrics->status, 200);
+  EXPECT_THAT(metrics->body, HasSubstr("hap_plans_total"));
+  absl::StatusOr<HttpResponse> health = Fetch(server.port(), "GET", "/healthz");
+  ASSERT_THAT(health, IsOk());
+  EXPECT_EQ(health->status, 200);
 }
 
 TEST_F(MetricsHttpServerTest, TakenPortIsUnavailable) {

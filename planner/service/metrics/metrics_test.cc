@@ -316,6 +316,36 @@ TEST(FamilyTest, CardinalityBoundRefusesNewLabelSets) {
       StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("1000")));
 }
 
+TEST(FamilyTest, LongLabelValuesAreCutSoAScrapeStaysSmall) {
+  MetricsRegistryOptions options;
+  options.max_label_value_bytes = 16;
+  MetricsRegistry registry(options);
+  Family<Gauge>* family =
+      registry.AddGaugeFamily("hap_g", "help", {"model"}).value();
+  // A 1 MiB value is kept as 16 bytes; a value of that size is whole.
+  family->Get({std::string(1 << 20, 'm')}).value()->Set(1);
+  family->Get({"exactly-16-bytes"}).value()->Set(2);
+  // Cut at a character boundary: "é" is two bytes.
+  family->Get({"aaaaaaaaaaaa\xc3\xa9\xc3\xa9\xc3\xa9"}).value()->Set(3);
+  const std::string text = registry.Serialize();
+  EXPECT_LT(text.size(), 200u);
+  EXPECT_THAT(text, HasSubstr("hap_g{model=\"mmmmmmmmmmmmm...\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("hap_g{model=\"exactly-16-bytes\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("hap_g{model=\"aaaaaaaaaaaa...\"} 3\n"));
+  // The same long value finds the same child.
+  family->Get({std::string(1 << 20, 'm')}).value()->Increment();
+  EXPECT_THAT(registry.Serialize(), HasSubstr("hap_g{model=\"mmmmmmmmmmmmm...\"} 2\n"));
+  // Callback rows are cut too.
+  ASSERT_THAT(registry.AddCallbackGaugeFamily(
+                  "hap_cb", "help", {"node"},
+                  [] { return std::vector<LabeledValue>{{{std::string(5000, 'n')}, 7}}; }),
+              IsOk());
+  EXPECT_THAT(registry.Serialize(), HasSubstr("hap_cb{node=\"nnnnnnnnnnnnn...\"} 7\n"));
+  // The default bound.
+  EXPECT_EQ(MetricsRegistryOptions().max_label_value_bytes, 256u);
+  EXPECT_EQ(TruncateLabelValue(std::string(300, 'x'), 256).size(), 256u);
+}
+
 TEST(MetricsTest, CounterIgnoresNegativeAndNaN) {
   Counter counter;
   counter.Increment(2.5);
