@@ -2,61 +2,21 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
-#include <set>
-#include <thread>
+#include <utility>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
-#include "absl/synchronization/mutex.h"
-#include "google/protobuf/util/time_util.h"
 #include "hap/v1/executor_service.grpc.pb.h"
-#include "planner/service/core/pagination.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {
 
 namespace v1 = ::hap::v1;
-using google::protobuf::util::TimeUtil;
-
-constexpr size_t kMaxMetricsPerDeployment = 100'000;
-
-bool FinalDeployment(v1::Deployment::State s) {
-  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
-         s == v1::Deployment::STOPPED;
-}
 
 absl::Time Deadline(const grpc::ServerContext* ctx) {
   auto d = ctx->deadline();
   if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(d);
-}
-
-// Rendezvous keys belong to a deployment that exists, at its generation: a
-// store open to any name would grow without bound.
-absl::Status CheckRendezvous(const std::map<std::string, v1::Deployment>& deployments,
-                             const std::string& deployment, int64_t generation) {
-  auto it = deployments.find(deployment);
-  if (it == deployments.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "deployment '", deployment,
-        "' does not exist (rendezvous keys belong to a deployment the planner made)"));
-  }
-  if (it->second.generation() != generation) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("deployment '", deployment, "' is generation ", it->second.generation(),
-                     ", not ", generation));
-  }
-  return absl::OkStatus();
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
 }
 
 // A deployment's executors over gRPC, the token and TLS of `security`.
@@ -159,140 +119,30 @@ class GrpcExecutors final : public DeploymentExecutors {
   std::vector<absl::Status> channel_errors_;
 };
 
-DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
-  const DeploymentWatchOptions defaults;
-  auto positive = [](absl::Duration& x, absl::Duration def) {
-    if (!(x > absl::ZeroDuration())) x = def;
-  };
-  positive(o.call_timeout, defaults.call_timeout);
-  positive(o.status_interval, defaults.status_interval);
-  positive(o.status_timeout, defaults.status_timeout);
-  positive(o.stop_timeout, defaults.stop_timeout);
-  if (o.missed_status_limit < 1) o.missed_status_limit = defaults.missed_status_limit;
-  if (o.stop_attempts < 1) o.stop_attempts = defaults.stop_attempts;
-  return o;
-}
-
 }  // namespace
-
-struct PlannerServiceImpl::State {
-  absl::Mutex mu;
-  absl::CondVar changed;
-  bool shutdown = false;
-  std::map<std::string, v1::Deployment> deployments;
-  std::map<std::string, int64_t> generations;  // plan -> last generation
-  std::map<std::string, std::vector<v1::StepMetric>> metrics;  // per deployment
-  std::set<std::string> stop_requested;
-  std::set<std::string> supervised;  // deployments whose supervisor runs
-  // Rendezvous: (deployment, generation, key) -> value.
-  std::map<std::tuple<std::string, int64_t, std::string>, std::string> kv;
-  // Supervisor threads by id; the ids of those that returned.
-  std::map<int64_t, std::thread> supervisors;
-  std::vector<int64_t> returned;
-  int64_t next_supervisor = 0;
-};
 
 PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink,
                                        PlannerServiceOptions o,
                                        std::vector<v1::Deployment> deployments,
                                        std::vector<v1::StepMetric> metrics)
-    : core_(core), sink_(sink), o_(std::move(o)), s_(std::make_unique<State>()) {
-  o_.deployments = Sanitized(o_.deployments);
-  for (auto& m : metrics) s_->metrics[m.deployment()].push_back(std::move(m));
-  absl::MutexLock l(&s_->mu);
-  for (auto& d : deployments) {
-    s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());
-    s_->deployments[d.name()] = d;
-    if (d.state() == v1::Deployment::RUNNING) {
-      // Re-attach: the first poll finds out whether each rank still trains it.
-      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
-        WatchDeployment(d, ex, o_.deployments, c);
-      });
-    } else if (d.state() == v1::Deployment::PENDING) {
-      // Its push died with the previous planner, and the rendezvous keys
-      // with it: whatever ranks it loaded or started are stopped.
-      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
-        FailUnfinishedDeployment(
-            d, "the planner restarted before every rank had started training", ex,
-            o_.deployments, c);
-      });
-    }
-  }
+    : core_(core), o_(std::move(o)) {
+  DeploymentManagerOptions mo;
+  mo.watch = o_.deployments;
+  mo.sink = sink;
+  mo.on_change = o_.on_deployment;
+  mo.executors = o_.executors ? o_.executors : [security = o_.security](const v1::Deployment& d) {
+    return std::unique_ptr<DeploymentExecutors>(std::make_unique<GrpcExecutors>(d, security));
+  };
+  deployments_ = std::make_unique<DeploymentManager>(std::move(mo), std::move(deployments),
+                                                     std::move(metrics));
 }
 
 PlannerServiceImpl::~PlannerServiceImpl() {
   Shutdown();
-  std::map<int64_t, std::thread> supervisors;
-  {
-    absl::MutexLock l(&s_->mu);
-    supervisors.swap(s_->supervisors);
-    s_->returned.clear();
-  }
-  for (auto& [id, t] : supervisors) t.join();
+  deployments_.reset();  // joins the supervisors
 }
 
-void PlannerServiceImpl::Shutdown() {
-  absl::MutexLock l(&s_->mu);
-  s_->shutdown = true;
-  s_->changed.SignalAll();
-}
-
-void PlannerServiceImpl::Supervise(
-    const v1::Deployment& d,
-    std::function<void(DeploymentExecutors&, const DeploymentControl&)> body) {
-  const int64_t id = s_->next_supervisor++;
-  s_->supervised.insert(d.name());
-  s_->supervisors[id] = std::thread([this, d, body = std::move(body), id] {
-    {
-      std::unique_ptr<DeploymentExecutors> executors = MakeExecutors(d);
-      body(*executors, Control(d.name()));
-    }
-    absl::MutexLock l(&s_->mu);
-    s_->supervised.erase(d.name());
-    s_->stop_requested.erase(d.name());
-    s_->returned.push_back(id);
-    s_->changed.SignalAll();
-  });
-}
-
-void PlannerServiceImpl::ReapSupervisors() {
-  std::vector<std::thread> done;
-  {
-    absl::MutexLock l(&s_->mu);
-    for (int64_t id : s_->returned) {
-      auto it = s_->supervisors.find(id);
-      if (it == s_->supervisors.end()) continue;
-      done.push_back(std::move(it->second));
-      s_->supervisors.erase(it);
-    }
-    s_->returned.clear();
-  }
-  for (auto& t : done) t.join();  // each has returned or is returning
-}
-
-std::unique_ptr<DeploymentExecutors> PlannerServiceImpl::MakeExecutors(
-    const v1::Deployment& d) const {
-  if (o_.executors) return o_.executors(d);
-  return std::make_unique<GrpcExecutors>(d, o_.security);
-}
-
-DeploymentControl PlannerServiceImpl::Control(const std::string& deployment) {
-  DeploymentControl c;
-  c.now = [] { return absl::Now(); };
-  c.wait = [this, deployment](absl::Time deadline, bool stop_wakes) {
-    absl::MutexLock l(&s_->mu);
-    while (true) {
-      if (s_->shutdown) return Wake::kShutdown;
-      if (stop_wakes && s_->stop_requested.count(deployment)) return Wake::kStop;
-      if (absl::Now() >= deadline) return Wake::kTimeout;
-      s_->changed.WaitWithDeadline(&s_->mu, deadline);
-    }
-  };
-  c.update = [this, deployment](const std::function<void(v1::Deployment&)>& edit) {
-    UpdateDeployment(deployment, edit);
-  };
-  return c;
-}
+void PlannerServiceImpl::Shutdown() { deployments_->Shutdown(); }
 
 grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContext* ctx,
                                         const std::function<absl::Status()>& fn) {
@@ -420,10 +270,7 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx,
           write_failed = !w->Write(p);
           return !write_failed;
         },
-        [&] {
-          absl::MutexLock l(&s_->mu);
-          return ctx->IsCancelled() || s_->shutdown;
-        }));
+        [&] { return ctx->IsCancelled() || deployments_->shutting_down(); }));
     if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the watch");
     return absl::OkStatus();
   });
@@ -431,101 +278,13 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx,
 
 // ---------------------------------------------------------- deployments --
 
-void PlannerServiceImpl::UpdateDeployment(const std::string& name,
-                                          const std::function<void(v1::Deployment&)>& edit) {
-  absl::MutexLock l(&s_->mu);
-  auto it = s_->deployments.find(name);
-  if (it == s_->deployments.end()) return;
-  v1::Deployment next = it->second;
-  edit(next);
-  if (sink_) {
-    absl::Status saved = sink_->SaveDeployment(next);
-    if (!saved.ok()) {
-      // The executors did change state; say so, and that the store still
-      // holds the state before (a restarted planner shows that one).
-      next.set_error(absl::StrCat(next.error(), next.error().empty() ? "" : "; ",
-                                  "the planner could not save this deployment as ",
-                                  v1::Deployment::State_Name(next.state()), ": ",
-                                  saved.message()));
-    }
-  }
-  it->second = std::move(next);
-  if (o_.on_deployment) o_.on_deployment(it->second);
-  s_->changed.SignalAll();
-}
-
 grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
                                             const v1::DeployPlanRequest* r,
                                             v1::Deployment* out) {
   return Handle("DeployPlan", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->GetPlan(r->plan(), /*full=*/true));
-    if (plan.state() != v1::Plan::SUCCEEDED) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          r->plan(), " is ", v1::Plan::State_Name(plan.state()),
-          "; only a SUCCEEDED plan can be deployed"));
-    }
-    if (r->training().steps() < 0 || r->training().threads_per_rank() < 0) {
-      return absl::InvalidArgumentError("training.steps and threads_per_rank must not be negative");
-    }
-    // Each device's executor: from the request, else the node's label
-    // "hap.executor/<device id>".
-    v1::Cluster cluster = core_->GetCluster(true);
-    std::map<std::string, std::string> labelled;
-    for (const auto& n : cluster.nodes()) {
-      for (const auto& [k, v] : n.labels()) {
-        if (k.rfind("hap.executor/", 0) == 0) labelled[k.substr(13)] = v;
-      }
-    }
-    v1::Deployment d;
-    for (int rank = 0; rank < plan.devices_size(); ++rank) {
-      const std::string& dev = plan.devices(rank);
-      auto it = r->executors().find(dev);
-      std::string addr = it != r->executors().end() ? it->second
-                         : labelled.count(dev)     ? labelled[dev]
-                                                   : "";
-      if (addr.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "no executor address for device '", dev, "' (rank ", rank,
-            "): pass executors[\"", dev, "\"] = host:port"));
-      }
-      auto* a = d.add_ranks();
-      a->set_rank(rank);
-      a->set_device(dev);
-      a->set_executor_address(addr);
-    }
-    for (const auto& [dev, addr] : r->executors()) {
-      if (std::find(plan.devices().begin(), plan.devices().end(), dev) == plan.devices().end()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("executors names device '", dev, "', which the plan does not use"));
-      }
-    }
-    HAP_ASSIGN_OR_RETURN(std::string id, PlanId(plan.name()));
-    ReapSupervisors();
-    {
-      absl::MutexLock l(&s_->mu);
-      if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
-      int64_t gen = s_->generations[plan.name()] + 1;
-      d.set_name(absl::StrCat("deployments/", id, "-g", gen));
-      d.set_plan(plan.name());
-      d.set_generation(gen);
-      d.set_state(v1::Deployment::PENDING);
-      *d.mutable_training() = r->training();
-      if (d.training().steps() == 0) d.mutable_training()->set_steps(100);
-      *d.mutable_create_time() = TimeUtil::GetCurrentTime();
-      // Saved before it exists here: a deployment the store refused is none.
-      if (sink_) {
-        HAP_RETURN_IF_ERROR(Annotate(sink_->SaveDeployment(d),
-                                     absl::StrCat(d.name(), " was not created")));
-      }
-      s_->generations[plan.name()] = gen;
-      s_->deployments[d.name()] = d;
-      if (o_.on_deployment) o_.on_deployment(d);
-      Supervise(d, [this, d, plan, rendezvous = o_.advertise_address](
-                       DeploymentExecutors& ex, const DeploymentControl& c) {
-        RunDeployment(d, plan, rendezvous, ex, o_.deployments, c);
-      });
-    }
-    *out = d;
+    HAP_ASSIGN_OR_RETURN(*out, deployments_->Deploy(plan, *r, core_->GetCluster(true),
+                                                    o_.advertise_address));
     return absl::OkStatus();
   });
 }
@@ -534,12 +293,7 @@ grpc::Status PlannerServiceImpl::GetDeployment(grpc::ServerContext* ctx,
                                                const v1::GetDeploymentRequest* r,
                                                v1::Deployment* out) {
   return Handle("GetDeployment", ctx, [&]() -> absl::Status {
-    absl::MutexLock l(&s_->mu);
-    auto it = s_->deployments.find(r->name());
-    if (it == s_->deployments.end()) {
-      return absl::NotFoundError(absl::StrCat("deployment '", r->name(), "' does not exist"));
-    }
-    *out = it->second;
+    HAP_ASSIGN_OR_RETURN(*out, deployments_->Get(r->name()));
     return absl::OkStatus();
   });
 }
@@ -548,11 +302,7 @@ grpc::Status PlannerServiceImpl::ListDeployments(grpc::ServerContext* ctx,
                                                  const v1::ListDeploymentsRequest* r,
                                                  v1::ListDeploymentsResponse* out) {
   return Handle("ListDeployments", ctx, [&]() -> absl::Status {
-    absl::MutexLock l(&s_->mu);
-    HAP_ASSIGN_OR_RETURN(std::string next,
-                         Paginate(s_->deployments, r->page_size(), r->page_token(),
-                                  [&](const v1::Deployment& d) { *out->add_deployments() = d; }));
-    out->set_next_page_token(next);
+    HAP_ASSIGN_OR_RETURN(*out, deployments_->List(r->page_size(), r->page_token()));
     return absl::OkStatus();
   });
 }
@@ -561,41 +311,9 @@ grpc::Status PlannerServiceImpl::StopDeployment(grpc::ServerContext* ctx,
                                                 const v1::StopDeploymentRequest* r,
                                                 v1::Deployment* out) {
   return Handle("StopDeployment", ctx, [&]() -> absl::Status {
-    v1::Deployment d;
-    {
-      absl::MutexLock l(&s_->mu);
-      auto it = s_->deployments.find(r->name());
-      if (it == s_->deployments.end()) {
-        return absl::NotFoundError(absl::StrCat("deployment '", r->name(), "' does not exist"));
-      }
-      if (!FinalDeployment(it->second.state())) {
-        if (s_->shutdown || !s_->supervised.count(r->name())) {
-          return absl::UnavailableError(absl::StrCat(
-              "the planner is shutting down; ", r->name(),
-              " keeps running and a restarted planner can stop it"));
-        }
-        // Its supervisor stops every rank, then marks it STOPPED.
-        s_->stop_requested.insert(r->name());
-        s_->changed.SignalAll();
-        const absl::Time deadline = Deadline(ctx);
-        while (!FinalDeployment(s_->deployments[r->name()].state()) && !s_->shutdown &&
-               !ctx->IsCancelled() && absl::Now() < deadline) {
-          s_->changed.WaitWithDeadline(&s_->mu,
-                                       std::min(deadline, absl::Now() + absl::Milliseconds(200)));
-        }
-        *out = s_->deployments[r->name()];
-        return absl::OkStatus();
-      }
-      d = it->second;
-    }
-    *out = d;
-    if (d.state() == v1::Deployment::SUCCEEDED) return absl::OkStatus();
-    // FAILED or STOPPED: tell every rank again; those still training it (a
-    // stop that did not reach them before) stop now.
-    std::unique_ptr<DeploymentExecutors> executors = MakeExecutors(d);
-    return Annotate(StopRanksOnce(d, *executors, o_.deployments),
-                    absl::StrCat(d.name(), " is ", v1::Deployment::State_Name(d.state()),
-                                 "; its ranks were told to stop again"));
+    HAP_ASSIGN_OR_RETURN(*out, deployments_->Stop(r->name(), Deadline(ctx),
+                                                  [ctx] { return ctx->IsCancelled(); }));
+    return absl::OkStatus();
   });
 }
 
@@ -606,39 +324,7 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
                                                    v1::ReportStepMetricsResponse*) {
   return Handle("ReportStepMetrics", ctx, [&]() -> absl::Status {
     std::vector<v1::StepMetric> batch(r->metrics().begin(), r->metrics().end());
-    {
-      absl::MutexLock l(&s_->mu);
-      for (const auto& m : batch) {
-        auto it = s_->deployments.find(m.deployment());
-        if (it == s_->deployments.end()) {
-          return absl::NotFoundError(
-              absl::StrCat("step metric for unknown deployment '", m.deployment(), "'"));
-        }
-        if (m.rank() < 0 || m.rank() >= it->second.ranks_size() || m.step() < 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "step metric of ", m.deployment(), " has rank ", m.rank(), " and step ",
-              m.step(), " outside the deployment"));
-        }
-      }
-      // Saved first: what is served is what a restart finds.
-      if (sink_) {
-        HAP_RETURN_IF_ERROR(Annotate(sink_->AppendStepMetrics(batch), "step metrics not saved"));
-      }
-      for (const auto& m : batch) {
-        auto& list = s_->metrics[m.deployment()];
-        if (list.size() < kMaxMetricsPerDeployment) list.push_back(m);
-        v1::Deployment& d = s_->deployments[m.deployment()];
-        if (m.rank() == 0) {
-          d.set_steps_completed(std::max(d.steps_completed(), m.step() + 1));
-          d.set_last_loss(m.loss());
-          std::vector<double> times;
-          for (const auto& x : list) {
-            if (x.rank() == 0) times.push_back(x.step_seconds());
-          }
-          d.set_median_step_seconds(Median(times));
-        }
-      }
-    }
+    HAP_RETURN_IF_ERROR(deployments_->ReportStepMetrics(batch));
     if (o_.on_step_metric) {
       for (const auto& m : batch) o_.on_step_metric(m);
     }
@@ -647,48 +333,20 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
 }
 
 std::vector<v1::Deployment> PlannerServiceImpl::Deployments() const {
-  absl::MutexLock l(&s_->mu);
-  std::vector<v1::Deployment> out;
-  out.reserve(s_->deployments.size());
-  for (const auto& [name, d] : s_->deployments) out.push_back(d);
-  return out;
+  return deployments_->All();
 }
 
 absl::StatusOr<std::vector<v1::StepMetric>> PlannerServiceImpl::StepMetrics(
     const std::string& deployment) const {
-  absl::MutexLock l(&s_->mu);
-  if (!s_->deployments.count(deployment)) {
-    return absl::NotFoundError(absl::StrCat("deployment '", deployment, "' does not exist"));
-  }
-  auto it = s_->metrics.find(deployment);
-  if (it == s_->metrics.end()) return std::vector<v1::StepMetric>{};
-  return it->second;
+  return deployments_->StepMetrics(deployment);
 }
 
 grpc::Status PlannerServiceImpl::ListStepMetrics(grpc::ServerContext* ctx,
                                                  const v1::ListStepMetricsRequest* r,
                                                  v1::ListStepMetricsResponse* out) {
   return Handle("ListStepMetrics", ctx, [&]() -> absl::Status {
-    if (r->page_size() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("page_size must not be negative, got ", r->page_size()));
-    }
-    int64_t from = 0;
-    if (!r->page_token().empty() && !absl::SimpleAtoi(r->page_token(), &from)) {
-      return absl::InvalidArgumentError("page_token is not a token this server returned");
-    }
-    int size = r->page_size() == 0 ? 500 : std::min(r->page_size(), 10000);
-    absl::MutexLock l(&s_->mu);
-    if (!s_->deployments.count(r->deployment())) {
-      return absl::NotFoundError(
-          absl::StrCat("deployment '", r->deployment(), "' does not exist"));
-    }
-    const auto& list = s_->metrics[r->deployment()];
-    int64_t i = from;
-    for (; i < static_cast<int64_t>(list.size()) && i < from + size; ++i) {
-      *out->add_metrics() = list[i];
-    }
-    if (i < static_cast<int64_t>(list.size())) out->set_next_page_token(absl::StrCat(i));
+    HAP_ASSIGN_OR_RETURN(*out, deployments_->ListStepMetrics(r->deployment(), r->page_size(),
+                                                             r->page_token()));
     return absl::OkStatus();
   });
 }
@@ -697,15 +355,8 @@ grpc::Status PlannerServiceImpl::ListStepMetrics(grpc::ServerContext* ctx,
 
 grpc::Status PlannerServiceImpl::StoreSet(grpc::ServerContext* ctx,
                                           const v1::StoreSetRequest* r, v1::StoreSetResponse*) {
-  return Handle("StoreSet", ctx, [&]() -> absl::Status {
-    if (r->deployment().empty() || r->key().empty()) {
-      return absl::InvalidArgumentError("StoreSet needs a deployment and a key");
-    }
-    absl::MutexLock l(&s_->mu);
-    HAP_RETURN_IF_ERROR(CheckRendezvous(s_->deployments, r->deployment(), r->generation()));
-    s_->kv[{r->deployment(), r->generation(), r->key()}] = r->value();
-    s_->changed.SignalAll();
-    return absl::OkStatus();
+  return Handle("StoreSet", ctx, [&]() {
+    return deployments_->StoreSet(r->deployment(), r->generation(), r->key(), r->value());
   });
 }
 
@@ -713,34 +364,17 @@ grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx,
                                           const v1::StoreGetRequest* r,
                                           v1::StoreGetResponse* out) {
   return Handle("StoreGet", ctx, [&]() -> absl::Status {
-    if (r->deployment().empty() || r->keys().empty()) {
-      return absl::InvalidArgumentError("StoreGet needs a deployment and at least one key");
-    }
     absl::Time deadline = Deadline(ctx);
     if (r->has_timeout()) {
       deadline = std::min(deadline, absl::Now() + absl::Seconds(r->timeout().seconds()) +
                                         absl::Nanoseconds(r->timeout().nanos()));
     }
-    absl::MutexLock l(&s_->mu);
-    HAP_RETURN_IF_ERROR(CheckRendezvous(s_->deployments, r->deployment(), r->generation()));
-    while (true) {
-      std::vector<std::string> missing;
-      for (const auto& k : r->keys()) {
-        if (!s_->kv.count({r->deployment(), r->generation(), k})) missing.push_back(k);
-      }
-      if (missing.empty()) break;
-      if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
-      if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled");
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rendezvous keys not set in time for ", r->deployment(), " generation ",
-            r->generation(), ": ", absl::StrJoin(missing, ", ")));
-      }
-      s_->changed.WaitWithDeadline(&s_->mu, std::min(deadline, absl::Now() + absl::Milliseconds(200)));
-    }
-    for (const auto& k : r->keys()) {
-      out->add_values(s_->kv[{r->deployment(), r->generation(), k}]);
-    }
+    HAP_ASSIGN_OR_RETURN(
+        std::vector<std::string> values,
+        deployments_->StoreGet(r->deployment(), r->generation(),
+                               std::vector<std::string>(r->keys().begin(), r->keys().end()),
+                               deadline, [ctx] { return ctx->IsCancelled(); }));
+    for (auto& v : values) out->add_values(std::move(v));
     return absl::OkStatus();
   });
 }
@@ -748,27 +382,9 @@ grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx,
 grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx,
                                           const v1::StoreAddRequest* r, v1::StoreAddResponse* out) {
   return Handle("StoreAdd", ctx, [&]() -> absl::Status {
-    if (r->deployment().empty() || r->key().empty()) {
-      return absl::InvalidArgumentError("StoreAdd needs a deployment and a key");
-    }
-    absl::MutexLock l(&s_->mu);
-    HAP_RETURN_IF_ERROR(CheckRendezvous(s_->deployments, r->deployment(), r->generation()));
-    std::tuple<std::string, int64_t, std::string> key{r->deployment(), r->generation(),
-                                                      r->key()};
-    auto it = s_->kv.find(key);
-    int64_t n = 0;
-    if (it != s_->kv.end() && !it->second.empty() && !absl::SimpleAtoi(it->second, &n)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("key '", r->key(), "' holds a value that is not a counter"));
-    }
-    int64_t sum = 0;
-    if (__builtin_add_overflow(n, r->delta(), &sum)) {
-      return absl::OutOfRangeError(absl::StrCat("key '", r->key(), "' holds ", n, ": adding ",
-                                                r->delta(), " overflows a 64-bit counter"));
-    }
-    s_->kv[key] = absl::StrCat(sum);
+    HAP_ASSIGN_OR_RETURN(int64_t sum, deployments_->StoreAdd(r->deployment(), r->generation(),
+                                                             r->key(), r->delta()));
     out->set_value(sum);
-    s_->changed.SignalAll();
     return absl::OkStatus();
   });
 }

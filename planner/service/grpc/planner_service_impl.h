@@ -1,17 +1,7 @@
 // hap.v1.Planner over gRPC: a thin translator over PlannerCore (nodes,
-// plans), plus the parts that only exist in the service — deployments
-// (pushing a plan's rank programs to executors), step metrics from
-// executors, and the rendezvous key-value store Gloo ranks meet through
-// (keys only for deployments that exist, at their generation).
-//
-// Deployments and step metrics are saved before they are served: a save the
-// sink refuses fails the RPC with the sink's error and changes nothing.
-//
-// Each deployment that is not over has a supervisor thread running
-// planner/service/core/deployments.h: it pushes the plan, polls the ranks,
-// and stops every rank when the deployment fails or is stopped. Deployments
-// given to the constructor that are still RUNNING are re-attached to (a
-// restarted planner); PENDING ones are failed and their ranks stopped.
+// plans) and DeploymentManager (deployments, step metrics from executors,
+// the rendezvous store; planner/service/core/deployment_manager.h), plus
+// the executors' gRPC client the deployments are pushed and watched with.
 //
 // Every RPC checks the bearer token (when configured), maps absl statuses
 // to gRPC codes one to one, and reports (method, code, seconds) to
@@ -26,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/service/core/deployment_manager.h"
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/grpc/grpc_util.h"
@@ -57,8 +48,9 @@ struct PlannerServiceOptions {
 class PlannerServiceImpl final : public hap::v1::Planner::Service {
  public:
   // `core` and `sink` (may be null) must outlive the service. `deployments`
-  // and `metrics` are the persisted state to start from; supervisors start
-  // here for the RUNNING and PENDING deployments among them.
+  // and `metrics` are the persisted state to start from; RUNNING
+  // deployments among them are re-attached to, PENDING ones failed and
+  // their ranks stopped (DeploymentManager).
   PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink, PlannerServiceOptions o,
                      std::vector<hap::v1::Deployment> deployments = {},
                      std::vector<hap::v1::StepMetric> metrics = {});
@@ -67,8 +59,8 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
   ~PlannerServiceImpl() override;
 
   // Stops waiting RPCs (watches, rendezvous gets, stops) so the server can
-  // stop, and the supervisors: RUNNING deployments stay RUNNING, their
-  // executors training, for a restarted planner to re-attach to.
+  // stop, and the deployments' supervisors: RUNNING deployments stay
+  // RUNNING, their executors training, for a restarted planner.
   void Shutdown();
   // Set once the listening port is known, before serving.
   void set_advertise_address(const std::string& a) { o_.advertise_address = a; }
@@ -115,11 +107,7 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
                              hap::v1::Deployment*) override;
   grpc::Status ListDeployments(grpc::ServerContext*, const hap::v1::ListDeploymentsRequest*,
                                hap::v1::ListDeploymentsResponse*) override;
-  // PENDING/RUNNING: every rank stopped, then STOPPED; waits for that
-  // within the call's deadline and returns the deployment as it is then.
-  // FAILED/STOPPED: the ranks are told to stop again (idempotent; OK when
-  // each confirms it is not training the deployment, UNAVAILABLE naming
-  // those that did not). SUCCEEDED: nothing to do.
+  // DeploymentManager::Stop within the call's deadline.
   grpc::Status StopDeployment(grpc::ServerContext*, const hap::v1::StopDeploymentRequest*,
                               hap::v1::Deployment*) override;
 
@@ -137,26 +125,13 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
                         hap::v1::StoreAddResponse*) override;
 
  private:
-  struct State;
   // Checks the token, runs `fn`, reports the call.
   grpc::Status Handle(const char* method, grpc::ServerContext* ctx,
                       const std::function<absl::Status()>& fn);
-  // Starts a thread running `body` for deployment `d` (mu held).
-  void Supervise(const hap::v1::Deployment& d,
-                 std::function<void(DeploymentExecutors&, const DeploymentControl&)> body);
-  std::unique_ptr<DeploymentExecutors> MakeExecutors(const hap::v1::Deployment& d) const;
-  DeploymentControl Control(const std::string& deployment);
-  // Joins the supervisors that have returned.
-  void ReapSupervisors();
-  // Applies `edit` and saves the deployment; a save that fails is noted in
-  // its error (the executors changed state whatever the store says).
-  void UpdateDeployment(const std::string& name,
-                        const std::function<void(hap::v1::Deployment&)>& edit);
 
   PlannerCore* core_;
-  PlannerStateSink* sink_;
   PlannerServiceOptions o_;
-  std::unique_ptr<State> s_;
+  std::unique_ptr<DeploymentManager> deployments_;
 };
 
 }  // namespace hap::service

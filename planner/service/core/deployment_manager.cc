@@ -1,0 +1,504 @@
+#include "planner/service/core/deployment_manager.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "google/protobuf/util/time_util.h"
+#include "planner/service/core/pagination.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+using google::protobuf::util::TimeUtil;
+
+bool Final(v1::Deployment::State s) {
+  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
+         s == v1::Deployment::STOPPED;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
+  const DeploymentWatchOptions defaults;
+  auto positive = [](absl::Duration& x, absl::Duration def) {
+    if (!(x > absl::ZeroDuration())) x = def;
+  };
+  positive(o.call_timeout, defaults.call_timeout);
+  positive(o.status_interval, defaults.status_interval);
+  positive(o.status_timeout, defaults.status_timeout);
+  positive(o.stop_timeout, defaults.stop_timeout);
+  if (o.missed_status_limit < 1) o.missed_status_limit = defaults.missed_status_limit;
+  if (o.stop_attempts < 1) o.stop_attempts = defaults.stop_attempts;
+  return o;
+}
+
+// The deployment's ranks: each of the plan's devices at its executor.
+absl::StatusOr<v1::Deployment> AssignRanks(const v1::Plan& plan,
+                                           const v1::DeployPlanRequest& request,
+                                           const v1::Cluster& cluster) {
+  // Each device's executor: from the request, else the node's label
+  // "hap.executor/<device id>".
+  std::map<std::string, std::string> labelled;
+  for (const auto& n : cluster.nodes()) {
+    for (const auto& [k, v] : n.labels()) {
+      if (k.rfind("hap.executor/", 0) == 0) labelled[k.substr(13)] = v;
+    }
+  }
+  v1::Deployment d;
+  for (int rank = 0; rank < plan.devices_size(); ++rank) {
+    const std::string& dev = plan.devices(rank);
+    auto it = request.executors().find(dev);
+    std::string addr = it != request.executors().end() ? it->second
+                       : labelled.count(dev)           ? labelled[dev]
+                                                       : "";
+    if (addr.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("no executor address for device '", dev,
+                                                     "' (rank ", rank, "): pass executors[\"",
+                                                     dev, "\"] = host:port"));
+    }
+    auto* a = d.add_ranks();
+    a->set_rank(rank);
+    a->set_device(dev);
+    a->set_executor_address(addr);
+  }
+  for (const auto& [dev, addr] : request.executors()) {
+    if (std::find(plan.devices().begin(), plan.devices().end(), dev) == plan.devices().end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("executors names device '", dev, "', which the plan does not use"));
+    }
+  }
+  return d;
+}
+
+}  // namespace
+
+struct DeploymentManager::State {
+  mutable absl::Mutex mu;
+  absl::CondVar changed;  // any record, key or stop request; shutdown
+  bool shutdown = false;
+  std::map<std::string, v1::Deployment> deployments;
+  std::map<std::string, int64_t> generations;                  // plan -> last generation
+  std::map<std::string, std::vector<v1::StepMetric>> metrics;  // per deployment
+  std::set<std::string> stop_requested;
+  std::set<std::string> supervised;  // deployments whose supervisor runs
+  // Rendezvous: (deployment, generation, key) -> value.
+  std::map<std::tuple<std::string, int64_t, std::string>, std::string> kv;
+  // Supervisor threads by id; the ids of those that returned.
+  std::map<int64_t, std::thread> supervisors;
+  std::vector<int64_t> returned;
+  int64_t next_supervisor = 0;
+
+  // Rendezvous keys belong to a deployment that exists, at its generation.
+  absl::Status CheckRendezvous(const std::string& deployment, int64_t generation) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    auto it = deployments.find(deployment);
+    if (it == deployments.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "deployment '", deployment,
+          "' does not exist (rendezvous keys belong to a deployment the planner made)"));
+    }
+    if (it->second.generation() != generation) {
+      return absl::FailedPreconditionError(absl::StrCat("deployment '", deployment,
+                                                        "' is generation ",
+                                                        it->second.generation(), ", not ",
+                                                        generation));
+    }
+    return absl::OkStatus();
+  }
+};
+
+DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
+                                     std::vector<v1::Deployment> deployments,
+                                     std::vector<v1::StepMetric> metrics)
+    : o_(std::move(options)), s_(std::make_unique<State>()) {
+  o_.watch = Sanitized(o_.watch);
+  absl::MutexLock l(&s_->mu);
+  for (auto& m : metrics) s_->metrics[m.deployment()].push_back(std::move(m));
+  for (auto& d : deployments) {
+    s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());
+    s_->deployments[d.name()] = d;
+    if (d.state() == v1::Deployment::RUNNING) {
+      // Re-attach: the first poll finds out whether each rank still trains it.
+      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
+        WatchDeployment(d, ex, o_.watch, c);
+      });
+    } else if (d.state() == v1::Deployment::PENDING) {
+      // Its push died with the previous planner, and the rendezvous keys
+      // with it: whatever ranks it loaded or started are stopped.
+      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
+        FailUnfinishedDeployment(
+            d, "the planner restarted before every rank had started training", ex, o_.watch,
+            c);
+      });
+    }
+  }
+}
+
+DeploymentManager::~DeploymentManager() {
+  Shutdown();
+  std::map<int64_t, std::thread> supervisors;
+  {
+    absl::MutexLock l(&s_->mu);
+    supervisors.swap(s_->supervisors);
+    s_->returned.clear();
+  }
+  for (auto& [id, t] : supervisors) t.join();
+}
+
+void DeploymentManager::Shutdown() {
+  absl::MutexLock l(&s_->mu);
+  s_->shutdown = true;
+  s_->changed.SignalAll();
+}
+
+bool DeploymentManager::shutting_down() const {
+  absl::MutexLock l(&s_->mu);
+  return s_->shutdown;
+}
+
+// ---------------------------------------------------------- supervisors --
+
+void DeploymentManager::Supervise(
+    const v1::Deployment& d,
+    std::function<void(DeploymentExecutors&, const DeploymentControl&)> body) {
+  const int64_t id = s_->next_supervisor++;
+  s_->supervised.insert(d.name());
+  s_->supervisors[id] = std::thread([this, d, body = std::move(body), id] {
+    {
+      std::unique_ptr<DeploymentExecutors> executors = o_.executors(d);
+      body(*executors, Control(d.name()));
+    }
+    absl::MutexLock l(&s_->mu);
+    s_->supervised.erase(d.name());
+    s_->stop_requested.erase(d.name());
+    s_->returned.push_back(id);
+    s_->changed.SignalAll();
+  });
+}
+
+void DeploymentManager::ReapSupervisors() {
+  std::vector<std::thread> done;
+  {
+    absl::MutexLock l(&s_->mu);
+    for (int64_t id : s_->returned) {
+      auto it = s_->supervisors.find(id);
+      if (it == s_->supervisors.end()) continue;
+      done.push_back(std::move(it->second));
+      s_->supervisors.erase(it);
+    }
+    s_->returned.clear();
+  }
+  for (auto& t : done) t.join();  // each has returned or is returning
+}
+
+DeploymentControl DeploymentManager::Control(const std::string& deployment) {
+  DeploymentControl c;
+  c.now = [] { return absl::Now(); };
+  c.wait = [this, deployment](absl::Time deadline, bool stop_wakes) {
+    absl::MutexLock l(&s_->mu);
+    while (true) {
+      if (s_->shutdown) return Wake::kShutdown;
+      if (stop_wakes && s_->stop_requested.count(deployment)) return Wake::kStop;
+      if (absl::Now() >= deadline) return Wake::kTimeout;
+      s_->changed.WaitWithDeadline(&s_->mu, deadline);
+    }
+  };
+  c.update = [this, deployment](const std::function<void(v1::Deployment&)>& edit) {
+    Update(deployment, edit);
+  };
+  return c;
+}
+
+void DeploymentManager::Update(const std::string& name,
+                               const std::function<void(v1::Deployment&)>& edit) {
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->deployments.find(name);
+  if (it == s_->deployments.end()) return;
+  v1::Deployment next = it->second;
+  edit(next);
+  if (o_.sink != nullptr) {
+    absl::Status saved = o_.sink->SaveDeployment(next);
+    if (!saved.ok()) {
+      // The executors did change state; say so, and that the store still
+      // holds the state before (a restarted planner shows that one).
+      next.set_error(absl::StrCat(next.error(), next.error().empty() ? "" : "; ",
+                                  "the planner could not save this deployment as ",
+                                  v1::Deployment::State_Name(next.state()), ": ",
+                                  saved.message()));
+    }
+  }
+  it->second = std::move(next);
+  if (o_.on_change) o_.on_change(it->second);
+  s_->changed.SignalAll();
+}
+
+// ---------------------------------------------------------- deployments --
+
+absl::StatusOr<v1::Deployment> DeploymentManager::Deploy(const v1::Plan& plan,
+                                                         const v1::DeployPlanRequest& request,
+                                                         const v1::Cluster& cluster,
+                                                         const std::string& rendezvous_address) {
+  if (plan.state() != v1::Plan::SUCCEEDED) {
+    return absl::FailedPreconditionError(absl::StrCat(plan.name(), " is ",
+                                                      v1::Plan::State_Name(plan.state()),
+                                                      "; only a SUCCEEDED plan can be deployed"));
+  }
+  if (request.training().steps() < 0 || request.training().threads_per_rank() < 0) {
+    return absl::InvalidArgumentError("training.steps and threads_per_rank must not be negative");
+  }
+  HAP_ASSIGN_OR_RETURN(v1::Deployment d, AssignRanks(plan, request, cluster));
+  HAP_ASSIGN_OR_RETURN(std::string id, PlanId(plan.name()));
+  ReapSupervisors();
+  absl::MutexLock l(&s_->mu);
+  if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
+  const int64_t gen = s_->generations[plan.name()] + 1;
+  d.set_name(absl::StrCat("deployments/", id, "-g", gen));
+  d.set_plan(plan.name());
+  d.set_generation(gen);
+  d.set_state(v1::Deployment::PENDING);
+  *d.mutable_training() = request.training();
+  if (d.training().steps() == 0) d.mutable_training()->set_steps(100);
+  *d.mutable_create_time() = TimeUtil::GetCurrentTime();
+  // Saved before it exists here: a deployment the store refused is none.
+  if (o_.sink != nullptr) {
+    HAP_RETURN_IF_ERROR(
+        Annotate(o_.sink->SaveDeployment(d), absl::StrCat(d.name(), " was not created")));
+  }
+  s_->generations[plan.name()] = gen;
+  s_->deployments[d.name()] = d;
+  if (o_.on_change) o_.on_change(d);
+  Supervise(d, [this, d, plan, rendezvous_address](DeploymentExecutors& ex,
+                                                   const DeploymentControl& c) {
+    RunDeployment(d, plan, rendezvous_address, ex, o_.watch, c);
+  });
+  return d;
+}
+
+absl::StatusOr<v1::Deployment> DeploymentManager::Get(const std::string& name) const {
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->deployments.find(name);
+  if (it == s_->deployments.end()) {
+    return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<v1::ListDeploymentsResponse> DeploymentManager::List(
+    int page_size, const std::string& page_token) const {
+  v1::ListDeploymentsResponse out;
+  absl::MutexLock l(&s_->mu);
+  HAP_ASSIGN_OR_RETURN(std::string next,
+                       Paginate(s_->deployments, page_size, page_token,
+                                [&](const v1::Deployment& d) { *out.add_deployments() = d; }));
+  out.set_next_page_token(next);
+  return out;
+}
+
+std::vector<v1::Deployment> DeploymentManager::All() const {
+  absl::MutexLock l(&s_->mu);
+  std::vector<v1::Deployment> out;
+  out.reserve(s_->deployments.size());
+  for (const auto& [name, d] : s_->deployments) out.push_back(d);
+  return out;
+}
+
+absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
+                                                       absl::Time deadline,
+                                                       const std::function<bool()>& cancelled) {
+  v1::Deployment d;
+  {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->deployments.find(name);
+    if (it == s_->deployments.end()) {
+      return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
+    }
+    if (!Final(it->second.state())) {
+      if (s_->shutdown || !s_->supervised.count(name)) {
+        return absl::UnavailableError(absl::StrCat(
+            "the planner is shutting down; ", name,
+            " keeps running and a restarted planner can stop it"));
+      }
+      // Its supervisor stops every rank, then marks it STOPPED.
+      s_->stop_requested.insert(name);
+      s_->changed.SignalAll();
+      // Short waits, so a cancelled caller is noticed promptly.
+      while (!Final(s_->deployments[name].state()) && !s_->shutdown && !cancelled() &&
+             absl::Now() < deadline) {
+        s_->changed.WaitWithDeadline(&s_->mu,
+                                     std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+      }
+      return s_->deployments[name];
+    }
+    d = it->second;
+  }
+  if (d.state() == v1::Deployment::SUCCEEDED) return d;
+  // FAILED or STOPPED: tell every rank again; those still training it (a
+  // stop that did not reach them before) stop now.
+  std::unique_ptr<DeploymentExecutors> executors = o_.executors(d);
+  HAP_RETURN_IF_ERROR(Annotate(StopRanksOnce(d, *executors, o_.watch),
+                               absl::StrCat(d.name(), " is ",
+                                            v1::Deployment::State_Name(d.state()),
+                                            "; its ranks were told to stop again")));
+  return d;
+}
+
+// -------------------------------------------------------------- metrics --
+
+absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetric>& batch) {
+  absl::MutexLock l(&s_->mu);
+  for (const auto& m : batch) {
+    auto it = s_->deployments.find(m.deployment());
+    if (it == s_->deployments.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("step metric for unknown deployment '", m.deployment(), "'"));
+    }
+    if (m.rank() < 0 || m.rank() >= it->second.ranks_size() || m.step() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step metric of ", m.deployment(),
+                                                     " has rank ", m.rank(), " and step ",
+                                                     m.step(), " outside the deployment"));
+    }
+  }
+  // Saved first: what is served is what a restart finds.
+  if (o_.sink != nullptr) {
+    HAP_RETURN_IF_ERROR(Annotate(o_.sink->AppendStepMetrics(batch), "step metrics not saved"));
+  }
+  for (const auto& m : batch) {
+    auto& list = s_->metrics[m.deployment()];
+    if (list.size() < o_.max_metrics_per_deployment) list.push_back(m);
+    v1::Deployment& d = s_->deployments[m.deployment()];
+    if (m.rank() == 0) {
+      d.set_steps_completed(std::max(d.steps_completed(), m.step() + 1));
+      d.set_last_loss(m.loss());
+      std::vector<double> times;
+      for (const auto& x : list) {
+        if (x.rank() == 0) times.push_back(x.step_seconds());
+      }
+      d.set_median_step_seconds(Median(times));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::StepMetric>> DeploymentManager::StepMetrics(
+    const std::string& deployment) const {
+  absl::MutexLock l(&s_->mu);
+  if (!s_->deployments.count(deployment)) {
+    return absl::NotFoundError(absl::StrCat("deployment '", deployment, "' does not exist"));
+  }
+  auto it = s_->metrics.find(deployment);
+  if (it == s_->metrics.end()) return std::vector<v1::StepMetric>{};
+  return it->second;
+}
+
+absl::StatusOr<v1::ListStepMetricsResponse> DeploymentManager::ListStepMetrics(
+    const std::string& deployment, int page_size, const std::string& page_token) const {
+  if (page_size < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size must not be negative, got ", page_size));
+  }
+  int64_t from = 0;
+  if (!page_token.empty() && (!absl::SimpleAtoi(page_token, &from) || from < 0)) {
+    return absl::InvalidArgumentError("page_token is not a token this server returned");
+  }
+  const int size = page_size == 0 ? 500 : std::min(page_size, 10000);
+  v1::ListStepMetricsResponse out;
+  absl::MutexLock l(&s_->mu);
+  if (!s_->deployments.count(deployment)) {
+    return absl::NotFoundError(absl::StrCat("deployment '", deployment, "' does not exist"));
+  }
+  auto it = s_->metrics.find(deployment);
+  if (it == s_->metrics.end()) return out;
+  const auto& list = it->second;
+  int64_t i = from;
+  for (; i < static_cast<int64_t>(list.size()) && i < from + size; ++i) {
+    *out.add_metrics() = list[i];
+  }
+  if (i < static_cast<int64_t>(list.size())) out.set_next_page_token(absl::StrCat(i));
+  return out;
+}
+
+// ----------------------------------------------------------- rendezvous --
+
+absl::Status DeploymentManager::StoreSet(const std::string& deployment, int64_t generation,
+                                         const std::string& key, const std::string& value) {
+  if (deployment.empty() || key.empty()) {
+    return absl::InvalidArgumentError("StoreSet needs a deployment and a key");
+  }
+  absl::MutexLock l(&s_->mu);
+  HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
+  s_->kv[{deployment, generation, key}] = value;
+  s_->changed.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> DeploymentManager::StoreGet(
+    const std::string& deployment, int64_t generation, const std::vector<std::string>& keys,
+    absl::Time deadline, const std::function<bool()>& cancelled) {
+  if (deployment.empty() || keys.empty()) {
+    return absl::InvalidArgumentError("StoreGet needs a deployment and at least one key");
+  }
+  absl::MutexLock l(&s_->mu);
+  HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
+  while (true) {
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (!s_->kv.count({deployment, generation, k})) missing.push_back(k);
+    }
+    if (missing.empty()) break;
+    if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
+    if (cancelled()) return absl::CancelledError("the client cancelled");
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("rendezvous keys not set in time for ", deployment, " generation ",
+                       generation, ": ", absl::StrJoin(missing, ", ")));
+    }
+    // Short waits, so a cancelled caller is noticed promptly.
+    s_->changed.WaitWithDeadline(&s_->mu,
+                                 std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+  }
+  std::vector<std::string> values;
+  values.reserve(keys.size());
+  for (const auto& k : keys) values.push_back(s_->kv[{deployment, generation, k}]);
+  return values;
+}
+
+absl::StatusOr<int64_t> DeploymentManager::StoreAdd(const std::string& deployment,
+                                                    int64_t generation, const std::string& key,
+                                                    int64_t delta) {
+  if (deployment.empty() || key.empty()) {
+    return absl::InvalidArgumentError("StoreAdd needs a deployment and a key");
+  }
+  absl::MutexLock l(&s_->mu);
+  HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
+  std::tuple<std::string, int64_t, std::string> k{deployment, generation, key};
+  auto it = s_->kv.find(k);
+  int64_t n = 0;
+  if (it != s_->kv.end() && !it->second.empty() && !absl::SimpleAtoi(it->second, &n)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("key '", key, "' holds a value that is not a counter"));
+  }
+  int64_t sum = 0;
+  if (__builtin_add_overflow(n, delta, &sum)) {
+    return absl::OutOfRangeError(absl::StrCat("key '", key, "' holds ", n, ": adding ", delta,
+                                              " overflows a 64-bit counter"));
+  }
+  s_->kv[k] = absl::StrCat(sum);
+  s_->changed.SignalAll();
+  return sum;
+}
+
+}  // namespace hap::service

@@ -1,0 +1,146 @@
+// The planner's deployments, with no gRPC: their records, the step metrics
+// executors report, the rendezvous store their ranks meet through, and one
+// supervisor thread per deployment that is not over (deployments.h: push,
+// status polls, stops). The gRPC service (planner/service/grpc) translates
+// requests into these calls and back.
+//
+// Records and step metrics are saved to the sink before they are served: a
+// save the sink refuses fails the call with the sink's error and changes
+// nothing. A state change a supervisor makes (the executors did change)
+// is kept even when its save fails, and the failed save is noted in the
+// deployment's error.
+//
+// Rendezvous keys belong to a deployment that exists, at its generation (a
+// store open to any name would grow without bound); counters do not wrap.
+//
+// Deployments given to the constructor that are RUNNING are re-attached to
+// (WatchDeployment); PENDING ones are failed and their ranks stopped.
+// Shutdown leaves RUNNING deployments running for a restarted planner.
+//
+// Thread-safe.
+#ifndef HAP_PLANNER_SERVICE_CORE_DEPLOYMENT_MANAGER_H_
+#define HAP_PLANNER_SERVICE_CORE_DEPLOYMENT_MANAGER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "hap/v1/cluster.pb.h"
+#include "hap/v1/plan.pb.h"
+#include "hap/v1/planner_service.pb.h"
+#include "planner/service/core/deployments.h"
+#include "planner/service/core/planner_core.h"
+
+namespace hap::service {
+
+struct DeploymentManagerOptions {
+  // Call deadlines, status polls and stop retries; values out of range
+  // (ValidateDeploymentWatchOptions) are replaced by their defaults.
+  DeploymentWatchOptions watch;
+  // The executors of a deployment. Required.
+  std::function<std::unique_ptr<DeploymentExecutors>(const hap::v1::Deployment&)> executors;
+  // Where records and step metrics are saved; may be null (memory only).
+  PlannerStateSink* sink = nullptr;
+  // Every change of a deployment's record, as served from then on. Called
+  // with the manager's lock held: it must not call the manager.
+  std::function<void(const hap::v1::Deployment&)> on_change;
+  // Step metrics kept in memory per deployment (the sink keeps all).
+  size_t max_metrics_per_deployment = 100'000;
+};
+
+class DeploymentManager {
+ public:
+  // `deployments` and `metrics` are the persisted state to start from.
+  DeploymentManager(DeploymentManagerOptions options,
+                    std::vector<hap::v1::Deployment> deployments = {},
+                    std::vector<hap::v1::StepMetric> metrics = {});
+  // Shutdown(), then waits for the supervisors (each returns within one
+  // call deadline to an executor).
+  ~DeploymentManager();
+  DeploymentManager(const DeploymentManager&) = delete;
+  DeploymentManager& operator=(const DeploymentManager&) = delete;
+
+  // Wakes every wait (rendezvous gets, stops) and the supervisors, which
+  // return leaving their executors as they are. Later deploys are
+  // Unavailable.
+  void Shutdown();
+  bool shutting_down() const;
+
+  // A new deployment (PENDING, a new generation of the plan) of `plan`, a
+  // SUCCEEDED plan with its rank programs; its supervisor pushes it to the
+  // executors, which reach the rendezvous store at `rendezvous_address`.
+  // Rank r runs on plan.devices(r), at the executor `request.executors`
+  // names for it, else the one its node's label "hap.executor/<device>"
+  // names. FailedPrecondition for a plan not SUCCEEDED; InvalidArgument for
+  // a device without an executor, an executor for a device the plan does
+  // not use, or negative steps/threads; Unavailable while shutting down;
+  // the sink's error (nothing created, no generation used) when it refuses.
+  absl::StatusOr<hap::v1::Deployment> Deploy(const hap::v1::Plan& plan,
+                                             const hap::v1::DeployPlanRequest& request,
+                                             const hap::v1::Cluster& cluster,
+                                             const std::string& rendezvous_address);
+  // NotFound for an unknown name.
+  absl::StatusOr<hap::v1::Deployment> Get(const std::string& name) const;
+  absl::StatusOr<hap::v1::ListDeploymentsResponse> List(int page_size,
+                                                        const std::string& page_token) const;
+  std::vector<hap::v1::Deployment> All() const;  // by name
+  // PENDING/RUNNING: its supervisor stops every rank, then marks it
+  // STOPPED; waits for that until `deadline` or `cancelled()` and returns
+  // the deployment as it is then. FAILED/STOPPED: every rank is told to stop
+  // again (idempotent): Unavailable naming the ranks that did not confirm.
+  // SUCCEEDED: nothing to do. NotFound for an unknown name; Unavailable
+  // while shutting down.
+  absl::StatusOr<hap::v1::Deployment> Stop(const std::string& name, absl::Time deadline,
+                                           const std::function<bool()>& cancelled);
+
+  // A batch of step metrics from executors, all or none: NotFound for an
+  // unknown deployment, InvalidArgument for a rank or step outside it, the
+  // sink's error when it refuses. Rank 0's metrics update the deployment's
+  // steps_completed, last_loss and median_step_seconds.
+  absl::Status ReportStepMetrics(const std::vector<hap::v1::StepMetric>& batch);
+  // One deployment's metrics in arrival order (NotFound for an unknown
+  // deployment); a page of them (page_size 0 = 500, at most 10,000).
+  absl::StatusOr<std::vector<hap::v1::StepMetric>> StepMetrics(
+      const std::string& deployment) const;
+  absl::StatusOr<hap::v1::ListStepMetricsResponse> ListStepMetrics(
+      const std::string& deployment, int page_size, const std::string& page_token) const;
+
+  // The rendezvous store: keys of (deployment, generation). NotFound for a
+  // deployment that does not exist, FailedPrecondition for another
+  // generation of it, InvalidArgument without a deployment or key.
+  absl::Status StoreSet(const std::string& deployment, int64_t generation,
+                        const std::string& key, const std::string& value);
+  // Waits until every key is set: DeadlineExceeded naming the missing keys
+  // at `deadline`, Cancelled when `cancelled()`, Unavailable on shutdown.
+  absl::StatusOr<std::vector<std::string>> StoreGet(const std::string& deployment,
+                                                    int64_t generation,
+                                                    const std::vector<std::string>& keys,
+                                                    absl::Time deadline,
+                                                    const std::function<bool()>& cancelled);
+  // Adds `delta` to the counter at `key` (absent = 0); the sum.
+  // FailedPrecondition when the key holds no counter; OutOfRange when the
+  // sum overflows (the counter is left).
+  absl::StatusOr<int64_t> StoreAdd(const std::string& deployment, int64_t generation,
+                                   const std::string& key, int64_t delta);
+
+ private:
+  struct State;
+  // Starts a supervisor running `body` for `d` (mu held).
+  void Supervise(const hap::v1::Deployment& d,
+                 std::function<void(DeploymentExecutors&, const DeploymentControl&)> body);
+  DeploymentControl Control(const std::string& deployment);
+  void ReapSupervisors();
+  void Update(const std::string& name, const std::function<void(hap::v1::Deployment&)>& edit);
+
+  DeploymentManagerOptions o_;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace hap::service
+
+#endif  // HAP_PLANNER_SERVICE_CORE_DEPLOYMENT_MANAGER_H_

@@ -1,0 +1,361 @@
+// DeploymentManager in process against a fleet of fake executors (no gRPC,
+// supervisor threads for real, fast polls): deploy and validation, every
+// rank stopped when one fails or on StopDeployment, idempotent stops of a
+// FAILED deployment, re-attaching after a restart, step metrics and the
+// rendezvous store. Waits are on conditions with deadlines, never sleeps.
+#include "planner/service/core/deployment_manager.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Executors by address, as state machines; thread-safe. An unreachable one
+// fails every call (a dead or frozen process).
+class Fleet {
+ public:
+  struct Executor {
+    v1::ExecutorStatus status;
+    bool reachable = true;
+    int stops = 0;
+  };
+
+  void Add(const std::string& address) {
+    absl::MutexLock l(&mu_);
+    executors_[address].status.set_state(v1::ExecutorStatus::IDLE);
+  }
+  void SetReachable(const std::string& address, bool reachable) {
+    absl::MutexLock l(&mu_);
+    executors_[address].reachable = reachable;
+  }
+  void Set(const std::string& address, v1::ExecutorStatus::State state,
+           const std::string& error = "") {
+    absl::MutexLock l(&mu_);
+    executors_[address].status.set_state(state);
+    executors_[address].status.set_error(error);
+  }
+  v1::ExecutorStatus status(const std::string& address) {
+    absl::MutexLock l(&mu_);
+    return executors_[address].status;
+  }
+  int stops(const std::string& address) {
+    absl::MutexLock l(&mu_);
+    return executors_[address].stops;
+  }
+
+  absl::StatusOr<v1::ExecutorStatus> Call(const std::string& address,
+                                          const std::function<absl::Status(Executor&)>& fn) {
+    absl::MutexLock l(&mu_);
+    auto it = executors_.find(address);
+    if (it == executors_.end() || !it->second.reachable) {
+      return absl::UnavailableError(absl::StrCat(address, ": connection refused"));
+    }
+    absl::Status s = fn(it->second);
+    if (!s.ok()) return s;
+    return it->second.status;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, Executor> executors_ ABSL_GUARDED_BY(mu_);
+};
+
+class FleetExecutors : public DeploymentExecutors {
+ public:
+  FleetExecutors(Fleet* fleet, const v1::Deployment& d) : fleet_(fleet) {
+    for (const auto& a : d.ranks()) addresses_.push_back(a.executor_address());
+  }
+  absl::Status LoadPlan(int rank, const v1::LoadPlanRequest& r, absl::Duration) override {
+    return fleet_
+        ->Call(addresses_[rank],
+               [&](Fleet::Executor& x) {
+                 if (x.status.state() == v1::ExecutorStatus::TRAINING) {
+                   return absl::FailedPreconditionError(absl::StrCat(
+                       "training ", x.status.deployment(), "; stop it before loading another"));
+                 }
+                 x.status.set_state(v1::ExecutorStatus::LOADED);
+                 x.status.set_deployment(r.deployment());
+                 x.status.set_generation(r.generation());
+                 x.status.set_rank(r.rank());
+                 x.status.clear_error();
+                 return absl::OkStatus();
+               })
+        .status();
+  }
+  absl::Status StartTraining(int rank, const std::string&, absl::Duration) override {
+    return fleet_
+        ->Call(addresses_[rank],
+               [](Fleet::Executor& x) {
+                 x.status.set_state(v1::ExecutorStatus::TRAINING);
+                 return absl::OkStatus();
+               })
+        .status();
+  }
+  Statuses GetStatus(absl::Duration) override {
+    Statuses out;
+    for (const auto& a : addresses_) {
+      out.push_back(fleet_->Call(a, [](Fleet::Executor&) { return absl::OkStatus(); }));
+    }
+    return out;
+  }
+  Statuses StopTraining(const std::string& deployment, absl::Duration) override {
+    Statuses out;
+    for (const auto& a : addresses_) {
+      out.push_back(fleet_->Call(a, [&](Fleet::Executor& x) {
+        ++x.stops;
+        if (!x.status.deployment().empty() && x.status.deployment() != deployment) {
+          return absl::NotFoundError("holds another deployment");
+        }
+        if (x.status.state() == v1::ExecutorStatus::TRAINING) {
+          x.status.set_state(v1::ExecutorStatus::FAILED);
+          x.status.set_error("stopped by StopTraining");
+        }
+        return absl::OkStatus();
+      }));
+    }
+    return out;
+  }
+
+ private:
+  Fleet* fleet_;
+  std::vector<std::string> addresses_;
+};
+
+// Keeps what the manager saves.
+class Sink : public PlannerStateSink {
+ public:
+  absl::Status SaveNode(const v1::Node&) override { return absl::OkStatus(); }
+  absl::Status SavePlan(const v1::Plan&) override { return absl::OkStatus(); }
+  absl::Status DeletePlan(const std::string&) override { return absl::OkStatus(); }
+  absl::Status SaveDeployment(const v1::Deployment& d) override {
+    absl::MutexLock l(&mu_);
+    deployments_[d.name()] = d;
+    return absl::OkStatus();
+  }
+  std::vector<v1::Deployment> deployments() {
+    absl::MutexLock l(&mu_);
+    std::vector<v1::Deployment> out;
+    for (const auto& [name, d] : deployments_) out.push_back(d);
+    return out;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::Plan TwoDevicePlan() {
+  v1::Plan p;
+  p.set_name("plans/p");
+  p.set_state(v1::Plan::SUCCEEDED);
+  p.add_devices("a/cpu0");
+  p.add_devices("b/cpu0");
+  return p;
+}
+
+class DeploymentManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fleet_.Add("a:1");
+    fleet_.Add("b:1");
+    Start({});
+  }
+  void TearDown() override { manager_.reset(); }
+
+  void Start(std::vector<v1::Deployment> deployments) {
+    manager_.reset();
+    DeploymentManagerOptions o;
+    o.watch.status_interval = absl::Milliseconds(20);
+    o.watch.status_timeout = absl::Milliseconds(20);
+    o.watch.missed_status_limit = 3;
+    o.watch.stop_attempts = 2;
+    o.sink = &sink_;
+    o.executors = [this](const v1::Deployment& d) {
+      return std::make_unique<FleetExecutors>(&fleet_, d);
+    };
+    o.on_change = [this](const v1::Deployment& d) {
+      absl::MutexLock l(&mu_);
+      seen_[d.name()] = d;
+    };
+    manager_ = std::make_unique<DeploymentManager>(std::move(o), std::move(deployments));
+  }
+  v1::DeployPlanRequest Request() {
+    v1::DeployPlanRequest r;
+    r.set_plan("plans/p");
+    (*r.mutable_executors())["a/cpu0"] = "a:1";
+    (*r.mutable_executors())["b/cpu0"] = "b:1";
+    r.mutable_training()->set_steps(1000);
+    return r;
+  }
+  v1::Deployment WaitFor(const std::string& name, v1::Deployment::State state) {
+    absl::MutexLock l(&mu_);
+    auto reached = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return seen_.count(name) && seen_[name].state() == state;
+    };
+    EXPECT_TRUE(mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30)))
+        << name << " never " << v1::Deployment::State_Name(state) << ": "
+        << seen_[name].DebugString();
+    return seen_[name];
+  }
+
+  Fleet fleet_;
+  Sink sink_;
+  absl::Mutex mu_;
+  std::map<std::string, v1::Deployment> seen_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<DeploymentManager> manager_;
+};
+
+TEST_F(DeploymentManagerTest, DeployChecksThePlanAndTheExecutors) {
+  v1::Plan pending = TwoDevicePlan();
+  pending.set_state(v1::Plan::RUNNING);
+  EXPECT_THAT(manager_->Deploy(pending, Request(), v1::Cluster(), "planner:1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("only a SUCCEEDED plan can be deployed")));
+  v1::DeployPlanRequest missing = Request();
+  missing.mutable_executors()->erase("b/cpu0");
+  EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), missing, v1::Cluster(), "planner:1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("no executor address for device 'b/cpu0' (rank 1)")));
+  // ... unless the node's label names it.
+  v1::Cluster labelled;
+  auto* node = labelled.add_nodes();
+  (*node->mutable_labels())["hap.executor/b/cpu0"] = "b:1";
+  auto d = manager_->Deploy(TwoDevicePlan(), missing, labelled, "planner:1");
+  ASSERT_THAT(d, IsOk());
+  EXPECT_EQ(d->name(), "deployments/p-g1");
+  EXPECT_EQ(d->ranks(1).executor_address(), "b:1");
+  v1::DeployPlanRequest extra = Request();
+  (*extra.mutable_executors())["c/cpu0"] = "c:1";
+  EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), extra, v1::Cluster(), "planner:1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("'c/cpu0', which the plan does not use")));
+}
+
+TEST_F(DeploymentManagerTest, AFailedRankFailsTheDeploymentAndTheOtherIsStopped) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  fleet_.Set("b:1", v1::ExecutorStatus::FAILED, "out of memory");
+  v1::Deployment failed = WaitFor(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("rank 1 (b/cpu0 at b:1) failed: out of memory"));
+  // The supervisor stops the ranks after saying FAILED; a StopDeployment
+  // now tells them again and is OK once each confirms.
+  auto stopped = manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; });
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::FAILED);
+  EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::FAILED);
+  EXPECT_GE(fleet_.stops("a:1"), 1);
+
+  // A new deployment of the plan is taken by the same executors.
+  auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->name(), "deployments/p-g2");
+  WaitFor(next->name(), v1::Deployment::RUNNING);
+  EXPECT_EQ(fleet_.status("a:1").deployment(), "deployments/p-g2");
+}
+
+TEST_F(DeploymentManagerTest, AnUnreachableRankFailsTheDeploymentAndIsNamedByStop) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  fleet_.SetReachable("a:1", false);
+  v1::Deployment failed = WaitFor(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(failed.error(),
+              HasSubstr("rank 0 (a/cpu0 at a:1) did not answer 3 status polls in a row"));
+  EXPECT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("deployments/p-g1 is FAILED; its ranks were told to "
+                                       "stop again"),
+                             HasSubstr("rank 0 (a/cpu0 at a:1): a:1: connection refused"))));
+  EXPECT_EQ(fleet_.status("b:1").state(), v1::ExecutorStatus::FAILED);
+}
+
+TEST_F(DeploymentManagerTest, StopStopsEveryRankThenSaysStopped) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  auto stopped = manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; });
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::STOPPED);
+  for (const char* a : {"a:1", "b:1"}) {
+    EXPECT_EQ(fleet_.stops(a), 1) << a;
+    EXPECT_EQ(fleet_.status(a).state(), v1::ExecutorStatus::FAILED) << a;
+  }
+  EXPECT_THAT(manager_->Stop("deployments/nope", absl::InfiniteFuture(), [] { return false; }),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'deployments/nope'")));
+}
+
+TEST_F(DeploymentManagerTest, ARestartedManagerReattachesAndStops) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  manager_->Shutdown();
+  EXPECT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+  Start(sink_.deployments());  // the old one is gone; its executors train on
+  EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::TRAINING);
+  EXPECT_EQ(fleet_.stops("a:1"), 0);
+  auto again = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->name(), "deployments/p-g2");  // generations go on from the saved ones
+  // g2 is refused by the executors still training g1, and fails; g1 is
+  // watched on and stopped on request.
+  WaitFor("deployments/p-g2", v1::Deployment::FAILED);
+  auto stopped = manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; });
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::STOPPED);
+  EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::FAILED);
+  EXPECT_EQ(fleet_.status("b:1").state(), v1::ExecutorStatus::FAILED);
+}
+
+TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeployment) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  v1::StepMetric m;
+  m.set_deployment(d->name());
+  m.set_rank(0);
+  m.set_step(4);
+  m.set_loss(2.5);
+  ASSERT_THAT(manager_->ReportStepMetrics({m}), IsOk());
+  EXPECT_EQ(manager_->Get(d->name())->steps_completed(), 5);
+  m.set_rank(2);
+  EXPECT_THAT(manager_->ReportStepMetrics({m}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 2 and step 4")));
+  EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, "-3"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  auto page = manager_->ListStepMetrics(d->name(), 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_EQ(page->metrics_size(), 1);
+
+  ASSERT_THAT(manager_->StoreSet(d->name(), 1, "k", "v"), IsOk());
+  EXPECT_THAT(manager_->StoreSet("deployments/ghost-g1", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("ghost")));
+  EXPECT_THAT(manager_->StoreGet(d->name(), 1, {"k"}, absl::InfiniteFuture(),
+                                 [] { return false; }),
+              IsOk());
+  EXPECT_THAT(manager_->StoreGet(d->name(), 1, {"k", "missing"}, absl::InfinitePast(),
+                                 [] { return false; }),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("missing")));
+  EXPECT_THAT(manager_->StoreAdd(d->name(), 1, "n", 2), IsOk());
+  EXPECT_THAT(manager_->StoreAdd(d->name(), 1, "k", 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a counter")));
+}
+
+}  // namespace
+}  // namespace hap::service
