@@ -140,7 +140,8 @@ int FreePort() {
   return port;
 }
 
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Duration timeout) {
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Duration timeout,
+                                    const std::string& bearer) {
   int s = socket(AF_INET, SOCK_STREAM, 0);
   timeval tv{static_cast<time_t>(absl::ToInt64Seconds(timeout)), 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
@@ -152,7 +153,10 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Dur
     close(s);
     return absl::UnavailableError(absl::StrCat("cannot connect to 127.0.0.1:", port));
   }
-  std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+  std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n",
+                                 bearer.empty() ? "" : absl::StrCat("Authorization: Bearer ",
+                                                                    bearer, "\r\n"),
+                                 "\r\n");
   (void)!write(s, req.data(), req.size());
   std::string resp;
   char buf[8192];

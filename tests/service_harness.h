@@ -50,8 +50,10 @@ class Process {
 int FreePort();
 
 // GET http://127.0.0.1:port/path; returns the body of a 200 response.
+// `bearer`: sent as "Authorization: Bearer ..." when not empty.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path,
-                                    absl::Duration timeout = absl::Seconds(10));
+                                    absl::Duration timeout = absl::Seconds(10),
+                                    const std::string& bearer = "");
 
 std::string TempDir(const std::string& name);
 

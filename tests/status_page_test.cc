@@ -111,10 +111,16 @@ class StatusPageTest : public ::testing::Test {
     ASSERT_EQ(rc, 0) << cmd << "\n" << ReadFile(log);
   }
 
+  // The page needs the token (HTTP Basic, any user name, the token as the
+  // password): a browser takes it from the URL.
+  std::string StatusUrl(const std::string& path) const {
+    return absl::StrCat("http://hap:", kToken, "@127.0.0.1:", metrics_port_, path);
+  }
+
   std::string DumpDom(const std::string& path) {
     static int n = 0;
     const std::string out = absl::StrCat(dir_, "/dom-", n++, ".html");
-    RunChromium("--dump-dom", absl::StrCat("http://127.0.0.1:", metrics_port_, path), out);
+    RunChromium("--dump-dom", StatusUrl(path), out);
     return ReadFile(out);
   }
 
@@ -159,8 +165,8 @@ TEST_F(StatusPageTest, ChromiumShowsNodesAndPlanAndTakesAScreenshot) {
 
   // (2) A screenshot of it.
   const std::string png = dir_ + "/status.png";
-  RunChromium(absl::StrCat("--window-size=1280,900 --screenshot=", png),
-              absl::StrCat("http://127.0.0.1:", metrics_port_, "/status"), dir_ + "/shot.out");
+  RunChromium(absl::StrCat("--window-size=1280,900 --screenshot=", png), StatusUrl("/status"),
+              dir_ + "/shot.out");
   const std::string image = ReadFile(png);
   ASSERT_GT(image.size(), 10000u) << "screenshot " << png << " is missing or blank";
   EXPECT_EQ(image.substr(0, 8), "\x89PNG\r\n\x1a\n");
@@ -186,16 +192,22 @@ TEST_F(StatusPageTest, ChromiumShowsNodesAndPlanAndTakesAScreenshot) {
       << plan_dom;
 
   // Bad and unknown ids are 404s with a reason, and the planner lives on.
-  absl::StatusOr<std::string> missing =
-      hap::testing::HttpGet(metrics_port_, "/status/plans/no-such-plan");
+  absl::StatusOr<std::string> missing = hap::testing::HttpGet(
+      metrics_port_, "/status/plans/no-such-plan", absl::Seconds(10), kToken);
   ASSERT_FALSE(missing.ok());
   EXPECT_THAT(missing.status().message(), HasSubstr("404"));
   for (const char* bad : {"/status/plans/", "/status/plans/a/b", "/status/deployments/nope",
                           "/status/nothing-here"}) {
-    absl::StatusOr<std::string> r = hap::testing::HttpGet(metrics_port_, bad);
+    absl::StatusOr<std::string> r =
+        hap::testing::HttpGet(metrics_port_, bad, absl::Seconds(10), kToken);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_THAT(r.status().message(), HasSubstr("404")) << bad;
   }
+  // Without the token the page is refused; health and metrics stay open.
+  absl::StatusOr<std::string> anonymous = hap::testing::HttpGet(metrics_port_, "/status");
+  ASSERT_FALSE(anonymous.ok());
+  EXPECT_THAT(anonymous.status().message(), HasSubstr("401"));
+  EXPECT_TRUE(hap::testing::HttpGet(metrics_port_, "/metrics").ok());
   const std::string not_found = DumpDom("/status/plans/no-such-plan");
   EXPECT_THAT(not_found, HasSubstr("There is no plan \"plans/no-such-plan\""));
   EXPECT_TRUE(hap::testing::HttpGet(metrics_port_, "/healthz").ok());
