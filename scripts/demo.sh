@@ -251,7 +251,7 @@ DEPLOY=(deploy plan demo --steps "$STEPS" --data "$DATA"
         --checkpoint-dir "$CKPT" --checkpoint-every "$(( STEPS >= 3 ? STEPS / 3 : 1 ))")
 for dev in "${!EXECUTOR_ADDR[@]}"; do DEPLOY+=(--executor "$dev=${EXECUTOR_ADDR[$dev]}"); done
 DEPLOYMENT=$("$HAPCTL" "${DEPLOY[@]}" -o json "${CTL[@]}" | json 'print(d["name"])')
-echo "   $DEPLOYMENT; metrics http://$METRICS/metrics, status page http://$METRICS/status"
+echo "   $DEPLOYMENT; metrics http://$METRICS/metrics, status page http://hap:$(cat "$STATE/token")@$METRICS/status (the token is the password)"
 last=-1
 state=RUNNING
 while :; do
@@ -306,6 +306,6 @@ fi
 if [ "$KEEP_RUNNING" = 1 ] || [ "$WITH_PROMETHEUS" = 1 ]; then
   echo
   echo "The cluster keeps running: planner $PLANNER (try: $HAPCTL get nodes --server $PLANNER --token-file $STATE/token),"
-  echo "status http://$METRICS/status. Press Enter or Ctrl-C to stop everything."
+  echo "status http://hap:$(cat "$STATE/token")@$METRICS/status. Press Enter or Ctrl-C to stop everything."
   read -r _ || true
 fi
