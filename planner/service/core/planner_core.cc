@@ -325,12 +325,45 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   return absl::OkStatus();
 }
 
+// A plan as the core serves it: immutable snapshots, replaced (never
+// changed) on each change, so that reads copy them outside the core's lock.
+// `summary` is the plan without its rank programs, graph and program (the
+// list view), kept so that lists and watches copy a kilobyte, not the
+// megabytes of a plan's programs.
+struct PlanEntry {
+  std::shared_ptr<const v1::Plan> full;
+  std::shared_ptr<const v1::Plan> summary;
+
+  explicit PlanEntry(v1::Plan plan) {
+    // The big fields step aside (pointer moves) while the rest is copied.
+    google::protobuf::RepeatedPtrField<v1::RankProgram> ranks;
+    ranks.Swap(plan.mutable_rank_programs());
+    v1::Graph* graph = plan.has_graph() ? plan.release_graph() : nullptr;
+    v1::SynthesizedProgram* program = plan.has_program() ? plan.release_program() : nullptr;
+    summary = std::make_shared<const v1::Plan>(plan);
+    ranks.Swap(plan.mutable_rank_programs());
+    if (graph) plan.set_allocated_graph(graph);
+    if (program) plan.set_allocated_program(program);
+    full = std::make_shared<const v1::Plan>(std::move(plan));
+  }
+  const v1::Plan& operator*() const { return *full; }
+  const v1::Plan* operator->() const { return full.get(); }
+};
+
+// The BASIC view of GetPlan: everything but the rank programs.
+v1::Plan BasicView(const PlanEntry& e) {
+  v1::Plan p = *e.summary;
+  if (e.full->has_graph()) *p.mutable_graph() = e.full->graph();
+  if (e.full->has_program()) *p.mutable_program() = e.full->program();
+  return p;
+}
+
 struct PlannerCore::State {
   absl::Mutex mu;
   absl::CondVar changed;
   int64_t version = 0;  // bumps on every plan change
   std::map<std::string, v1::Node> nodes;
-  std::map<std::string, v1::Plan> plans;
+  std::map<std::string, PlanEntry> plans;
   std::map<std::string, std::shared_ptr<Job>> jobs;  // not yet final
   std::deque<std::shared_ptr<Job>> queue;
   // Cache key -> the newest SUCCEEDED plan with it; plan name -> its key.
@@ -347,6 +380,11 @@ struct PlannerCore::State {
   void Cache(const std::string& name, const std::string& key) {
     cache[key] = name;
     cached_key[name] = key;
+  }
+  // Serves `plan` (replacing a plan of its name).
+  void Put(v1::Plan plan) {
+    std::string name = plan.name();
+    plans.insert_or_assign(std::move(name), PlanEntry(std::move(plan)));
   }
   void Uncache(const std::string& name) {
     auto k = cached_key.find(name);
@@ -394,7 +432,7 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
     for (auto& n : nodes) core->s_->nodes[n.name()] = std::move(n);
     for (auto& p : plans) {
       if (!Final(p.state())) resume.push_back(p);
-      core->s_->plans[p.name()] = std::move(p);
+      core->s_->Put(std::move(p));
     }
   }
   // Plans cut off by a restart run again: the plan keeps what they need
@@ -403,7 +441,7 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
     absl::Status st = core->Resume(p);
     if (!st.ok()) {
       absl::MutexLock l(&core->s_->mu);
-      v1::Plan& failed = core->s_->plans[p.name()];
+      v1::Plan failed = *core->s_->plans.at(p.name());
       failed.set_state(v1::Plan::FAILED);
       failed.set_error(absl::StrCat("could not resume after a restart: ", st.message()));
       failed.set_error_code(static_cast<int>(st.code()));
@@ -414,6 +452,7 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
             absl::StrCat(p.name(), " could not resume (", st.message(),
                          ") and could not be saved as FAILED")));
       }
+      core->s_->Put(std::move(failed));
     }
   }
   for (int i = 0; i < core->o_.workers; ++i) {
@@ -743,9 +782,10 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       return absl::AlreadyExistsError(absl::StrCat(job->name, " already exists"));
     }
     auto hit = s_->cache.find(job->cache_key);
-    if (hit != s_->cache.end() && s_->plans.count(hit->second) &&
-        s_->plans[hit->second].state() == v1::Plan::SUCCEEDED) {
-      v1::Plan copy = s_->plans[hit->second];
+    auto cached_plan = hit == s_->cache.end() ? s_->plans.end() : s_->plans.find(hit->second);
+    if (cached_plan != s_->plans.end() &&
+        cached_plan->second->state() == v1::Plan::SUCCEEDED) {
+      v1::Plan copy = *cached_plan->second;
       copy.set_name(plan.name());
       copy.set_uid(plan.uid());
       *copy.mutable_create_time() = plan.create_time();
@@ -754,7 +794,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
         HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(copy),
                                      absl::StrCat(copy.name(), " was not created")));
       }
-      s_->plans[copy.name()] = copy;
+      s_->Put(copy);
       // The newest copy answers the next hits: retention deletes the
       // oldest plans first.
       s_->Cache(copy.name(), job->cache_key);
@@ -772,7 +812,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
         HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(plan),
                                      absl::StrCat(plan.name(), " was not created")));
       }
-      s_->plans[plan.name()] = plan;
+      s_->Put(plan);
       s_->jobs[plan.name()] = job;
       EnqueueLocked(job);
       ++s_->version;
@@ -786,19 +826,21 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   if (over_count) EnforceRetention().IgnoreError();
   if (cached) return *std::move(cached);
   if (!r.wait()) return plan;
-  absl::MutexLock l(&s_->mu);
-  auto it = s_->plans.find(job->name);
-  while (it != s_->plans.end() && !Final(it->second.state()) && !s_->stopping) {
-    if (s_->changed.WaitWithDeadline(&s_->mu, deadline)) break;
-    it = s_->plans.find(job->name);
+  std::optional<PlanEntry> done;
+  {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->plans.find(job->name);
+    while (it != s_->plans.end() && !Final(it->second->state()) && !s_->stopping) {
+      if (s_->changed.WaitWithDeadline(&s_->mu, deadline)) break;
+      it = s_->plans.find(job->name);
+    }
+    if (!job->save_error.ok()) return job->save_error;
+    if (it == s_->plans.end()) {
+      return absl::NotFoundError(absl::StrCat(job->name, " was deleted while it was planned"));
+    }
+    done = it->second;
   }
-  if (!job->save_error.ok()) return job->save_error;
-  if (it == s_->plans.end()) {
-    return absl::NotFoundError(absl::StrCat(job->name, " was deleted while it was planned"));
-  }
-  v1::Plan out = it->second;
-  out.clear_rank_programs();
-  return out;
+  return BasicView(*done);
 }
 
 absl::Status PlannerCore::Resume(const v1::Plan& p) {
@@ -812,7 +854,9 @@ absl::Status PlannerCore::Resume(const v1::Plan& p) {
   job->cache_key = CacheKey(graph::ToProto(job->graph), job->cluster, job->devices,
                             job->proto_options, nullptr);
   absl::MutexLock l(&s_->mu);
-  s_->plans[p.name()].set_state(v1::Plan::PENDING);
+  v1::Plan pending = *s_->plans.at(p.name());
+  pending.set_state(v1::Plan::PENDING);
+  s_->Put(std::move(pending));
   s_->jobs[p.name()] = job;
   EnqueueLocked(job);
   return absl::OkStatus();
@@ -848,7 +892,7 @@ void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job,
   for (auto& f : followers) {
     f->leader = nullptr;
     auto p = s_->plans.find(f->name);
-    if (f->cancel || p == s_->plans.end() || Final(p->second.state())) continue;
+    if (f->cancel || p == s_->plans.end() || Final(p->second->state())) continue;
     waiting.push_back(f);
   }
   if (waiting.empty()) return;
@@ -911,18 +955,18 @@ void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
 void PlannerCore::UpdatePlanLocked(const std::shared_ptr<Job>& job,
                                    const std::function<void(v1::Plan&)>& edit) {
   auto it = s_->plans.find(job->name);
-  if (it == s_->plans.end() || Final(it->second.state())) return;
-  v1::Plan next = it->second;
+  if (it == s_->plans.end() || Final(it->second->state())) return;
+  v1::Plan next = *it->second;
   edit(next);
   *next.mutable_update_time() = ToProto(o_.now());
-  if (o_.sink && next.state() != it->second.state()) {
+  if (o_.sink && next.state() != it->second->state()) {
     absl::Status saved = o_.sink->SavePlan(next);
     if (!saved.ok()) {
       job->cancel = true;
       job->save_error = absl::Status(
           saved.code(), absl::StrCat(job->name, " became ", v1::Plan::State_Name(next.state()),
                                      " but that could not be saved: ", saved.message()));
-      next = it->second;  // without the result that is not saved
+      next = *it->second;  // without the result that is not saved
       next.set_state(v1::Plan::FAILED);
       next.set_error(std::string(job->save_error.message()));
       next.set_error_code(static_cast<int>(saved.code()));
@@ -935,8 +979,10 @@ void PlannerCore::UpdatePlanLocked(const std::shared_ptr<Job>& job,
       }
     }
   }
-  it->second = std::move(next);
-  if (Final(it->second.state())) FinishPlanLocked(job, it->second);
+  it->second = PlanEntry(std::move(next));
+  // (Held here: finishing replaces other plans, never this one.)
+  std::shared_ptr<const v1::Plan> now = it->second.full;
+  if (Final(now->state())) FinishPlanLocked(job, *now);
   ++s_->version;
   s_->changed.SignalAll();
 }
@@ -1006,28 +1052,45 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
   });
 }
 
+// Reads take the snapshots under the lock and copy them after it.
 absl::StatusOr<v1::Plan> PlannerCore::GetPlan(const std::string& name, bool full) {
+  HAP_RETURN_IF_ERROR(PlanId(name).status());
+  std::optional<PlanEntry> entry;
+  {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->plans.find(name);
+    if (it == s_->plans.end()) {
+      return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+    }
+    entry = it->second;
+  }
+  if (full) return *entry->full;
+  return BasicView(*entry);
+}
+
+absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
+    const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
   absl::MutexLock l(&s_->mu);
   auto it = s_->plans.find(name);
   if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-  v1::Plan p = it->second;
-  if (!full) p.clear_rank_programs();
-  return p;
+  return it->second.full;
 }
 
 absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
-                                                             const std::string& token) {
-  absl::MutexLock l(&s_->mu);
+                                                             const std::string& token,
+                                                             bool full) {
+  std::vector<std::shared_ptr<const v1::Plan>> page;
+  std::string next;
+  {
+    absl::MutexLock l(&s_->mu);
+    HAP_ASSIGN_OR_RETURN(next, Paginate(s_->plans, page_size, token, [&](const PlanEntry& e) {
+                           page.push_back(full ? e.full : e.summary);
+                         }));
+  }
   v1::ListPlansResponse r;
-  HAP_ASSIGN_OR_RETURN(std::string next,
-                       Paginate(s_->plans, page_size, token, [&](const v1::Plan& p) {
-                         v1::Plan* out = r.add_plans();
-                         *out = p;
-                         out->clear_rank_programs();
-                         out->clear_graph();
-                         out->clear_program();
-                       }));
+  r.mutable_plans()->Reserve(static_cast<int>(page.size()));
+  for (const auto& p : page) *r.add_plans() = *p;
   r.set_next_page_token(next);
   return r;
 }
@@ -1042,7 +1105,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {
     // CANCELLED is saved first, so that a restart does not run the plan
     // again; a running search stops at its next poll and its result, if
     // any, is dropped (UpdatePlan leaves final plans alone).
-    v1::Plan cancelled = it->second;
+    v1::Plan cancelled = *it->second;
     cancelled.set_state(v1::Plan::CANCELLED);
     *cancelled.mutable_update_time() = ToProto(o_.now());
     if (o_.sink) {
@@ -1053,14 +1116,13 @@ absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {
     job->cancel = true;
     auto q = std::find(s_->queue.begin(), s_->queue.end(), job);
     if (q != s_->queue.end()) s_->queue.erase(q);
-    it->second = std::move(cancelled);
-    FinishPlanLocked(job, it->second);
+    it->second = PlanEntry(std::move(cancelled));
+    std::shared_ptr<const v1::Plan> now = it->second.full;
+    FinishPlanLocked(job, *now);
     ++s_->version;
     s_->changed.SignalAll();
   }
-  v1::Plan p = it->second;
-  p.clear_rank_programs();
-  return p;
+  return BasicView(it->second);
 }
 
 absl::Status PlannerCore::DeletePlan(const std::string& name) {
@@ -1117,7 +1179,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     absl::MutexLock l(&s_->mu);
     std::vector<std::pair<absl::Time, const std::string*>> finished;
     for (const auto& [name, p] : s_->plans) {
-      if (Final(p.state())) finished.push_back({FromProto(p.update_time()), &name});
+      if (Final(p->state())) finished.push_back({FromProto(p->update_time()), &name});
     }
     // Most recently finished first; ties by name, newest id last.
     std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) {
@@ -1134,7 +1196,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
   for (const std::string& name : victims) {
     absl::MutexLock l(&s_->mu);
     auto it = s_->plans.find(name);
-    if (it == s_->plans.end() || !Final(it->second.state())) continue;  // gone meanwhile
+    if (it == s_->plans.end() || !Final(it->second->state())) continue;  // gone meanwhile
     if (o_.sink) {
       absl::Status st = o_.sink->DeletePlan(name);
       if (!st.ok() && !absl::IsNotFound(st)) {
@@ -1153,9 +1215,9 @@ absl::Status PlannerCore::WatchPlan(const std::string& name,
                                     const std::function<bool()>& stop) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
   int64_t seen = -1;
-  std::string last;
+  std::shared_ptr<const v1::Plan> last;  // held: a new snapshot is a change
   while (true) {
-    v1::Plan p;
+    std::shared_ptr<const v1::Plan> p;
     {
       absl::MutexLock l(&s_->mu);
       while (s_->version == seen && !s_->stopping && !stop()) {
@@ -1167,15 +1229,11 @@ absl::Status PlannerCore::WatchPlan(const std::string& name,
       if (it == s_->plans.end()) {
         return absl::NotFoundError(absl::StrCat(name, " does not exist"));
       }
-      p = it->second;
+      p = it->second.summary;
     }
-    p.clear_rank_programs();
-    p.clear_graph();
-    p.clear_program();
-    std::string bytes = p.SerializeAsString();
-    if (bytes == last) continue;  // another plan changed
-    last = std::move(bytes);
-    if (!on_update(p) || Final(p.state())) return absl::OkStatus();
+    if (p == last) continue;  // another plan changed
+    last = p;
+    if (!on_update(*p) || Final(p->state())) return absl::OkStatus();
   }
 }
 

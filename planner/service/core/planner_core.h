@@ -163,9 +163,20 @@ class PlannerCore {
   // rest follow that one.
   absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r,
                                            absl::Time deadline);
+  // Reads serve immutable snapshots: the core's lock is held only to find
+  // them, and the copying into the result happens after it. GetPlan's BASIC
+  // view (full = false) leaves out the rank programs.
   absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name, bool full);
+  // The plan as it is now, shared and never changed (the core replaces a
+  // snapshot when the plan changes): for callers that only read a plan and
+  // need not copy it. NotFound / InvalidArgument as GetPlan.
+  absl::StatusOr<std::shared_ptr<const hap::v1::Plan>> GetPlanSnapshot(const std::string& name);
+  // A page of plans, by name. The BASIC view (full = false, ListPlans'
+  // default) leaves out the rank programs, the graph and the program, which
+  // are most of a plan's size; FULL has everything.
   absl::StatusOr<hap::v1::ListPlansResponse> ListPlans(int page_size,
-                                                       const std::string& page_token);
+                                                       const std::string& page_token,
+                                                       bool full = false);
   // A plan not yet final becomes CANCELLED at once, saved as such (a
   // restart does not run it again), and its search stops at its next poll;
   // a final plan is returned as it is. When the CANCELLED state cannot be

@@ -1078,6 +1078,43 @@ TEST_F(PlannerCoreTest, RetentionKeepsPlansInUseAndSkipsAPassWhenTheyAreUnknown)
               StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
+// --- Reads from snapshots (issue 15 item 6) -------------------------------
+
+TEST_F(PlannerCoreTest, ListsLeaveOutProgramsUnlessFullAndSnapshotsNeverChange) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  auto done = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(done.ok()) << done.status();
+  auto basic = core_->ListPlans(0, "");
+  ASSERT_TRUE(basic.ok());
+  ASSERT_EQ(basic->plans_size(), 1);
+  EXPECT_EQ(basic->plans(0).rank_programs_size(), 0);
+  EXPECT_FALSE(basic->plans(0).has_graph());
+  EXPECT_FALSE(basic->plans(0).has_program());
+  EXPECT_EQ(basic->plans(0).content_hash(), done->content_hash());
+  auto full = core_->ListPlans(0, "", /*full=*/true);
+  ASSERT_TRUE(full.ok());
+  EXPECT_EQ(full->plans(0).rank_programs_size(), 2);
+  EXPECT_TRUE(full->plans(0).has_program());
+  // GetPlan's BASIC view keeps the program, not the rank programs.
+  auto one = core_->GetPlan(done->name(), false);
+  ASSERT_TRUE(one.ok());
+  EXPECT_TRUE(one->has_program());
+  EXPECT_EQ(one->rank_programs_size(), 0);
+  EXPECT_EQ(one->SerializeAsString(), done->SerializeAsString());
+
+  // A snapshot taken before a change keeps what it showed.
+  BusyWorker busy(core_.get());
+  auto before = core_->GetPlanSnapshot("plans/blocker");
+  ASSERT_TRUE(before.ok());
+  const v1::Plan::State was = (*before)->state();
+  ASSERT_NE(was, v1::Plan::CANCELLED);
+  busy.Release();
+  EXPECT_EQ((*before)->state(), was);
+  EXPECT_EQ((*core_->GetPlanSnapshot("plans/blocker"))->state(), v1::Plan::CANCELLED);
+  EXPECT_THAT(core_->GetPlanSnapshot("plans/none"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/none")));
+}
+
 TEST_F(PlannerCoreTest, RetentionOptionsAreChecked) {
   PlannerCoreOptions o;
   o.plan_retention_count = -1;
