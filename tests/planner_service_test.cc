@@ -591,6 +591,73 @@ TEST_F(PlannerServiceTest, ReflectionAndTheStatusPageNeedTheTokenHealthAndMetric
   EXPECT_THAT(*metrics, HasSubstr("hap_nodes{state=\"ready\"}"));
 }
 
+// --- Retention and bounded labels (issue 15 item 7) -----------------------
+
+TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {
+  Planner p;
+  p.Start(hap::testing::TempDir("retention"), {"--plan-retention-count=2"});
+  auto stub = p.Stub();
+  v1::RegisterNodeRequest reg;
+  *reg.mutable_node() = FakeNode("n1", 1e12);
+  v1::RegisterNodeResponse rr;
+  ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  v1::CreatePlanRequest r = Mlp();
+  r.set_plan_id("deployed");
+  v1::Plan plan;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), r, &plan).ok());
+  ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  // A deployment (to executors that are not there) keeps its plan.
+  v1::DeployPlanRequest deploy;
+  deploy.set_plan("plans/deployed");
+  (*deploy.mutable_executors())["n1/cpu0"] = "127.0.0.1:1";
+  (*deploy.mutable_executors())["n1/cpu1"] = "127.0.0.1:1";
+  v1::Deployment d;
+  grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (int i = 1; i <= 4; ++i) {
+    r.set_plan_id(absl::StrCat("p", i));
+    ASSERT_TRUE(stub->CreatePlan(Ctx().get(), r, &plan).ok());
+    ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED);
+  }
+  auto names = [](v1::Planner::Stub* st) {
+    v1::ListPlansRequest lp;
+    v1::ListPlansResponse out;
+    EXPECT_TRUE(st->ListPlans(Ctx().get(), lp, &out).ok());
+    std::vector<std::string> n;
+    for (const auto& x : out.plans()) n.push_back(x.name());
+    return n;
+  };
+  const std::vector<std::string> kept = {"plans/deployed", "plans/p3", "plans/p4"};
+  EXPECT_EQ(names(stub.get()), kept);
+
+  // A model name of 100,000 characters: the model label is 64 of them, so
+  // /metrics stays small.
+  auto g = graph::BuildZooModel("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 32},
+                                        {"batch", 32}});
+  ASSERT_TRUE(g.ok());
+  v1::CreatePlanRequest named;
+  *named.mutable_model()->mutable_graph() = graph::ToProto(*g);
+  named.mutable_model()->mutable_graph()->set_name(std::string(100'000, 'm') + "\"{}\n");
+  named.set_wait(true);
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), named, &plan).ok());
+  ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  auto text = hap::testing::HttpGet(p.metrics_port, "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_LT(text->size(), 32u << 10);
+  EXPECT_THAT(*text, HasSubstr(absl::StrCat("hap_plan_predicted_step_seconds{model=\"",
+                                            std::string(64, 'm'), "\"}")));
+
+  // Deleted from the database too: a restart finds the same plans.
+  p.proc.Stop(SIGKILL);
+  Planner again;
+  again.Start(p.dir, {"--plan-retention-count=2"});
+  auto again_stub = again.Stub();
+  std::vector<std::string> after = names(again_stub.get());
+  EXPECT_EQ(after.size(), 3u);
+  EXPECT_EQ(after.front(), "plans/deployed");
+  again.proc.Stop(SIGTERM);
+}
+
 TEST(PlannerLimitsTest, TheDefaultRequestLimitAdmitsA48LayerGptManyTimesOver) {
   // GPT-2 XL's shape: 48 layers, hidden 1600, 25 heads, 1024 tokens, a
   // 50257-word vocabulary (1.6 B parameters, 1303 ops).
