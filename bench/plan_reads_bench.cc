@@ -74,9 +74,10 @@ int main(int argc, char** argv) {
   full_bytes = (*core)->GetPlan(name, true)->ByteSizeLong();
   size_t list_bytes = (*core)->ListPlans(50, "")->ByteSizeLong();
 
-  std::printf("20 plans of a 12-layer GPT on 8 devices; a full plan is %.2f MB, a page of "
-              "20 in the BASIC view %.2f MB\n\n",
-              full_bytes / 1e6, list_bytes / 1e6);
+  std::printf(
+      "20 plans of a 12-layer GPT on 8 devices; a full plan is %.2f MB, a page of "
+      "20 in the BASIC view %.2f MB\n\n",
+      full_bytes / 1e6, list_bytes / 1e6);
   std::printf("| call | ms per call |\n|---|---:|\n");
   double list_ms = MsPerCall(calls, [&] { (void)(*core)->ListPlans(50, ""); });
   std::printf("| ListPlans (20, BASIC) | %.3f |\n", list_ms);

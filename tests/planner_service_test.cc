@@ -1,10 +1,9 @@
 // hap-planner as a process on 127.0.0.1: health, bad requests and their
 // codes, liveness of nodes, state that survives SIGKILL, and a real
 // Prometheus server scraping /metrics.
-#include <signal.h>
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,17 +13,17 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
-#include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/service/grpc/grpc_util.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "tests/service_harness.h"
 
 namespace hap {
@@ -487,7 +486,8 @@ std::pair<grpc::Status, std::string> ListServicesByReflection(int port, bool tok
   if (step(4)) {
     std::vector<grpc::Slice> slices;
     if (in.Dump(&slices).ok()) {
-      for (const auto& sl : slices) response.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+      for (const auto& sl : slices)
+        response.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
     }
   }
   grpc::Status status;
@@ -578,10 +578,10 @@ TEST_F(PlannerServiceTest, ReflectionAndTheStatusPageNeedTheTokenHealthAndMetric
                                     absl::StrCat("Authorization: Bearer ", kToken, "\r\n"));
   EXPECT_EQ(bearer, 200);
   EXPECT_THAT(page, HasSubstr("HAP planner status"));
-  auto [basic, basic_page] = HttpGetWith(
-      planner_.metrics_port, "/status/plans/none",
-      absl::StrCat("Authorization: Basic ", absl::Base64Escape(absl::StrCat("me:", kToken)),
-                   "\r\n"));
+  auto [basic, basic_page] =
+      HttpGetWith(planner_.metrics_port, "/status/plans/none",
+                  absl::StrCat("Authorization: Basic ",
+                               absl::Base64Escape(absl::StrCat("me:", kToken)), "\r\n"));
   EXPECT_EQ(basic, 404) << basic_page;  // past the token: no such plan
   // Health (gRPC and HTTP) and /metrics stay open.
   EXPECT_EQ(Health(planner_.port, ""), grpc::health::v1::HealthCheckResponse::SERVING);
@@ -632,8 +632,8 @@ TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabel
 
   // A model name of 100,000 characters: the model label is 64 of them, so
   // /metrics stays small.
-  auto g = graph::BuildZooModel("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 32},
-                                        {"batch", 32}});
+  auto g =
+      graph::BuildZooModel("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 32}, {"batch", 32}});
   ASSERT_TRUE(g.ok());
   v1::CreatePlanRequest named;
   *named.mutable_model()->mutable_graph() = graph::ToProto(*g);

@@ -90,8 +90,8 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
     return x;
   };
   auto keep_count = non_negative("plan-retention-count", o.core.plan_retention_count);
-  auto keep_seconds = non_negative("plan-retention-seconds",
-                                   absl::ToDoubleSeconds(o.core.plan_retention_age));
+  auto keep_seconds =
+      non_negative("plan-retention-seconds", absl::ToDoubleSeconds(o.core.plan_retention_age));
   for (auto* s : {&keep_count, &keep_seconds}) {
     if (!s->ok()) return s->status();
   }
@@ -109,8 +109,8 @@ int main(int argc, char** argv) {
       args,
       {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
        "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds",
-       "node-expiry-seconds", "plan-retention-count", "plan-retention-seconds",
-       "max-request-bytes", "drain-seconds"},
+       "node-expiry-seconds", "plan-retention-count", "plan-retention-seconds", "max-request-bytes",
+       "drain-seconds"},
       {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n";

@@ -70,12 +70,12 @@ struct PlannerMetrics {
                          registry.AddHistogram("hap_plan_duration_seconds",
                                                "Synthesis time of finished plans (search, "
                                                "LP, lowering), in seconds."));
-    HAP_ASSIGN_OR_RETURN(predicted, registry.AddGaugeFamily(
-                                        "hap_plan_predicted_step_seconds",
-                                        "Predicted step time of the latest plan of each "
-                                        "model (its graph's name, at most 64 characters), "
-                                        "in seconds.",
-                                        {"model"}));
+    HAP_ASSIGN_OR_RETURN(predicted,
+                         registry.AddGaugeFamily("hap_plan_predicted_step_seconds",
+                                                 "Predicted step time of the latest plan of each "
+                                                 "model (its graph's name, at most 64 characters), "
+                                                 "in seconds.",
+                                                 {"model"}));
     HAP_ASSIGN_OR_RETURN(step_seconds,
                          registry.AddHistogram("hap_executor_step_seconds",
                                                "Training step times reported by executors, "

@@ -19,8 +19,8 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
-#include "planner/synth/planner.h"
 #include "planner/service/core/pagination.h"
+#include "planner/synth/planner.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
@@ -159,8 +159,8 @@ std::string RandomId() {
 // node states, addresses, labels and devices not chosen are left out, so
 // that agents heartbeating do not change the key.
 std::string CacheKey(const v1::Graph& graph, const v1::Cluster& cluster,
-                     const std::vector<std::string>& devices,
-                     const v1::PlanOptions& options, std::string* graph_hash) {
+                     const std::vector<std::string>& devices, const v1::PlanOptions& options,
+                     std::string* graph_hash) {
   const std::set<std::string> chosen(devices.begin(), devices.end());
   v1::Cluster profile;
   *profile.mutable_defaults() = cluster.defaults();
@@ -417,13 +417,12 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
   }
   if (options.plan_retention_count < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "plan_retention_count must be >= 0 (0 = no limit), got ",
-        options.plan_retention_count));
+        "plan_retention_count must be >= 0 (0 = no limit), got ", options.plan_retention_count));
   }
   if (options.plan_retention_age <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "plan_retention_age must be positive (InfiniteDuration = no limit), got ",
-        absl::FormatDuration(options.plan_retention_age)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan_retention_age must be positive (InfiniteDuration = no limit), got ",
+                     absl::FormatDuration(options.plan_retention_age)));
   }
   std::unique_ptr<PlannerCore> core(new PlannerCore(std::move(options)));
   std::vector<v1::Plan> resume;
@@ -783,8 +782,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     }
     auto hit = s_->cache.find(job->cache_key);
     auto cached_plan = hit == s_->cache.end() ? s_->plans.end() : s_->plans.find(hit->second);
-    if (cached_plan != s_->plans.end() &&
-        cached_plan->second->state() == v1::Plan::SUCCEEDED) {
+    if (cached_plan != s_->plans.end() && cached_plan->second->state() == v1::Plan::SUCCEEDED) {
       v1::Plan copy = *cached_plan->second;
       copy.set_name(plan.name());
       copy.set_uid(plan.uid());
@@ -809,8 +807,8 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       *plan.mutable_cluster() = job->cluster;
       // Saved before it exists here: a plan the store refused is no plan.
       if (o_.sink) {
-        HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(plan),
-                                     absl::StrCat(plan.name(), " was not created")));
+        HAP_RETURN_IF_ERROR(
+            Annotate(o_.sink->SavePlan(plan), absl::StrCat(plan.name(), " was not created")));
       }
       s_->Put(plan);
       s_->jobs[plan.name()] = job;
@@ -851,8 +849,8 @@ absl::Status PlannerCore::Resume(const v1::Plan& p) {
   job->cluster = p.cluster();
   job->devices.assign(p.devices().begin(), p.devices().end());
   // Identical plans cut off together merge again.
-  job->cache_key = CacheKey(graph::ToProto(job->graph), job->cluster, job->devices,
-                            job->proto_options, nullptr);
+  job->cache_key =
+      CacheKey(graph::ToProto(job->graph), job->cluster, job->devices, job->proto_options, nullptr);
   absl::MutexLock l(&s_->mu);
   v1::Plan pending = *s_->plans.at(p.name());
   pending.set_state(v1::Plan::PENDING);
@@ -882,8 +880,7 @@ void PlannerCore::EnqueueLocked(const std::shared_ptr<Job>& job) {
   s_->queue.push_back(job);
 }
 
-void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job,
-                                         const v1::Plan* result) {
+void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job, const v1::Plan* result) {
   auto in = s_->in_flight.find(job->cache_key);
   if (in != s_->in_flight.end() && in->second == job) s_->in_flight.erase(in);
   std::vector<std::shared_ptr<Job>> followers;
@@ -896,10 +893,10 @@ void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job,
     waiting.push_back(f);
   }
   if (waiting.empty()) return;
-  const bool shared = result != nullptr && job->save_error.ok() &&
-                      (result->state() == v1::Plan::SUCCEEDED ||
-                       (result->state() == v1::Plan::FAILED &&
-                        FailsForAnyone(result->error_code())));
+  const bool shared =
+      result != nullptr && job->save_error.ok() &&
+      (result->state() == v1::Plan::SUCCEEDED ||
+       (result->state() == v1::Plan::FAILED && FailsForAnyone(result->error_code())));
   if (shared) {
     for (auto& f : waiting) {
       UpdatePlanLocked(f, [&](v1::Plan& p) {
@@ -1078,8 +1075,7 @@ absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
 }
 
 absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
-                                                             const std::string& token,
-                                                             bool full) {
+                                                             const std::string& token, bool full) {
   std::vector<std::shared_ptr<const v1::Plan>> page;
   std::string next;
   {
@@ -1200,8 +1196,8 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     if (o_.sink) {
       absl::Status st = o_.sink->DeletePlan(name);
       if (!st.ok() && !absl::IsNotFound(st)) {
-        return Annotate(st, absl::StrCat("plan retention: ", name, " was not deleted (",
-                                         deleted, " deleted before it)"));
+        return Annotate(st, absl::StrCat("plan retention: ", name, " was not deleted (", deleted,
+                                         " deleted before it)"));
       }
     }
     ErasePlanLocked(name);

@@ -174,8 +174,7 @@ class PlannerCore {
   // A page of plans, by name. The BASIC view (full = false, ListPlans'
   // default) leaves out the rank programs, the graph and the program, which
   // are most of a plan's size; FULL has everything.
-  absl::StatusOr<hap::v1::ListPlansResponse> ListPlans(int page_size,
-                                                       const std::string& page_token,
+  absl::StatusOr<hap::v1::ListPlansResponse> ListPlans(int page_size, const std::string& page_token,
                                                        bool full = false);
   // A plan not yet final becomes CANCELLED at once, saved as such (a
   // restart does not run it again), and its search stops at its next poll;

@@ -900,8 +900,8 @@ TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
   // PENDING then SUCCEEDED.
   EXPECT_TRUE(Ran(sink_.History("plans/one")));
   for (const char* n : {"plans/two", "plans/three"}) {
-    EXPECT_EQ(sink_.History(n), (std::vector<v1::Plan::State>{v1::Plan::PENDING,
-                                                               v1::Plan::SUCCEEDED}))
+    EXPECT_EQ(sink_.History(n),
+              (std::vector<v1::Plan::State>{v1::Plan::PENDING, v1::Plan::SUCCEEDED}))
         << n;
     auto full = core_->GetPlan(n, true);
     ASSERT_TRUE(full.ok());
@@ -1068,9 +1068,8 @@ TEST_F(PlannerCoreTest, RetentionKeepsPlansInUseAndSkipsAPassWhenTheyAreUnknown)
     in_use = std::set<std::string>{};
   }
   sink_.RefusePlans({v1::Plan::FAILED});
-  EXPECT_THAT(core_->EnforceRetention(),
-              StatusIs(absl::StatusCode::kUnavailable,
-                       HasSubstr("plans/deployed was not deleted")));
+  EXPECT_THAT(core_->EnforceRetention(), StatusIs(absl::StatusCode::kUnavailable,
+                                                  HasSubstr("plans/deployed was not deleted")));
   EXPECT_TRUE(core_->GetPlan("plans/deployed", false).ok());
   sink_.RefusePlans({});
   EXPECT_EQ(*core_->EnforceRetention(), 1);

@@ -61,8 +61,8 @@ struct TokenCheck {
       }
     }
     // Nothing is consumed: the handlers' own CheckToken sees the token too.
-    done(user_data, nullptr, 0, nullptr, 0,
-         pass ? GRPC_STATUS_OK : GRPC_STATUS_UNAUTHENTICATED, pass ? nullptr : kNeedToken);
+    done(user_data, nullptr, 0, nullptr, 0, pass ? GRPC_STATUS_OK : GRPC_STATUS_UNAUTHENTICATED,
+         pass ? nullptr : kNeedToken);
   }
   static void Destroy(void* state) { delete static_cast<TokenCheck*>(state); }
 };
@@ -127,9 +127,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
         nullptr, &pair, 1, GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE, nullptr);
   }
   if (creds == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gRPC refused the server credentials (TLS certificate '", s.tls_cert_file,
-        "', key '", s.tls_key_file, "')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gRPC refused the server credentials (TLS certificate '", s.tls_cert_file,
+                     "', key '", s.tls_key_file, "')"));
   }
   if (!s.token.empty()) {
     grpc_auth_metadata_processor processor;

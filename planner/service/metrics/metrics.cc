@@ -116,11 +116,12 @@ bool FitsLabelValues(const std::vector<std::string>& values, size_t max_bytes) {
   return true;
 }
 
-std::vector<std::string> TruncateLabelValues(const std::vector<std::string>& values,
-                                             size_t max_bytes) {
+std::vector<std::string> TruncateLabelValues(
+    const std::vector<std::string>& values, size_t max_bytes) {
   std::vector<std::string> out;
   out.reserve(values.size());
-  for (const std::string& v : values) out.push_back(TruncateLabelValue(v, max_bytes));
+  for (const std::string& v : values)
+    out.push_back(TruncateLabelValue(v, max_bytes));
   return out;
 }
 
@@ -194,7 +195,8 @@ class CallbackGaugeFamily final : public internal::FamilyBase {
       if (sorted.size() >= max_rows_) break;
       if (!CheckLabelValues(*this, row.label_values).ok()) continue;
       if (!FitsLabelValues(row.label_values, max_value_bytes_)) {
-        row.label_values = TruncateLabelValues(row.label_values, max_value_bytes_);
+        row.label_values =
+            TruncateLabelValues(row.label_values, max_value_bytes_);
       }
       sorted.emplace(std::move(row.label_values), row.value);
     }
@@ -600,7 +602,8 @@ std::string TruncateLabelValue(absl::string_view value, size_t max_bytes) {
   if (value.size() <= max_bytes) return std::string(value);
   size_t keep = max_bytes < 3 ? 0 : max_bytes - 3;
   // Back up over continuation bytes (10xxxxxx) to a character's start.
-  while (keep > 0 && (static_cast<unsigned char>(value[keep]) & 0xC0) == 0x80) --keep;
+  while (keep > 0 && (static_cast<unsigned char>(value[keep]) & 0xC0) == 0x80)
+    --keep;
   return absl::StrCat(value.substr(0, keep), "...");
 }
 

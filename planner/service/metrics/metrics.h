@@ -190,7 +190,8 @@ class Family final : public internal::FamilyBase {
  private:
   void WriteSamples(std::string* out) const override;
   // Get for values already checked and cut.
-  absl::StatusOr<Metric*> GetChecked(const std::vector<std::string>& label_values);
+  absl::StatusOr<Metric*> GetChecked(
+      const std::vector<std::string>& label_values);
 
   const Factory factory_;
   const size_t max_children_;

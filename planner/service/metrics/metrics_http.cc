@@ -13,13 +13,13 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 
@@ -32,8 +32,8 @@ constexpr char kTextContentType[] = "text/plain; charset=utf-8";
 
 // Writes a whole response; returns `status` (what civetweb logs).
 int Respond(mg_connection* conn, int status, const char* content_type,
-            absl::string_view body, bool send_body,
-            const char* allow = nullptr, const char* authenticate = nullptr) {
+            absl::string_view body, bool send_body, const char* allow = nullptr,
+            const char* authenticate = nullptr) {
   const std::string length = absl::StrCat(body.size());
   mg_response_header_start(conn, status);
   mg_response_header_add(conn, "Content-Type", content_type, -1);
@@ -148,11 +148,13 @@ int MetricsHttpServer::OnRequest(mg_connection* conn, void* cbdata) {
                    server->registry_->Serialize(), send_body);
   }
   if (!server->options_.token.empty() &&
-      !Authorized(mg_get_header(conn, "Authorization"), server->options_.token)) {
-    return Respond(conn, 401, kTextContentType,
-                   "this page needs the planner's token: send \"Authorization: Bearer "
-                   "<token>\", or give the token as the password when the browser asks\n",
-                   send_body, nullptr, "Basic realm=\"hap\", charset=\"UTF-8\"");
+      !Authorized(mg_get_header(conn, "Authorization"),
+                  server->options_.token)) {
+    return Respond(
+        conn, 401, kTextContentType,
+        "this page needs the planner's token: send \"Authorization: Bearer "
+        "<token>\", or give the token as the password when the browser asks\n",
+        send_body, nullptr, "Basic realm=\"hap\", charset=\"UTF-8\"");
   }
   const HttpResponse response = (*handler)(path);
   return Respond(conn, response.status, response.content_type.c_str(),

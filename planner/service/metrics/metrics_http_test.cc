@@ -241,11 +241,12 @@ TEST_F(MetricsHttpServerTest, WithATokenAddedPagesNeedItAndMetricsStayOpen) {
   MetricsHttpServerOptions options;
   options.token = "s3cret";
   MetricsHttpServer server(&registry_, options);
-  ASSERT_THAT(server.AddHandler("/", [](absl::string_view path) {
-                ::hap::metrics::HttpResponse r;
-                r.body = absl::StrCat("page ", path);
-                return r;
-              }),
+  ASSERT_THAT(server.AddHandler("/",
+                                [](absl::string_view path) {
+                                  ::hap::metrics::HttpResponse r;
+                                  r.body = absl::StrCat("page ", path);
+                                  return r;
+                                }),
               IsOk());
   ASSERT_THAT(server.Start(), IsOk());
   // No token, a wrong one, a malformed header: 401 with a Basic challenge
@@ -257,22 +258,27 @@ TEST_F(MetricsHttpServerTest, WithATokenAddedPagesNeedItAndMetricsStayOpen) {
         // "user:wrong"
         std::string("Authorization: Basic dXNlcjp3cm9uZw==\r\n"),
         std::string("Authorization: s3cret\r\n")}) {
-    absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", "/status", header);
+    absl::StatusOr<HttpResponse> r =
+        Fetch(server.port(), "GET", "/status", header);
     ASSERT_THAT(r, IsOk()) << header;
     EXPECT_EQ(r->status, 401) << header;
-    EXPECT_EQ(r->headers["www-authenticate"], "Basic realm=\"hap\", charset=\"UTF-8\"");
+    EXPECT_EQ(r->headers["www-authenticate"],
+              "Basic realm=\"hap\", charset=\"UTF-8\"");
     EXPECT_THAT(r->body, ::testing::Not(HasSubstr("page /status")));
   }
   // The token as a bearer token, or as a Basic password ("hap:s3cret").
-  for (const std::string& header : {std::string("Authorization: Bearer s3cret\r\n"),
-                                     std::string("Authorization: Basic aGFwOnMzY3JldA==\r\n")}) {
-    absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", "/status", header);
+  for (const std::string& header :
+       {std::string("Authorization: Bearer s3cret\r\n"),
+        std::string("Authorization: Basic aGFwOnMzY3JldA==\r\n")}) {
+    absl::StatusOr<HttpResponse> r =
+        Fetch(server.port(), "GET", "/status", header);
     ASSERT_THAT(r, IsOk()) << header;
     EXPECT_EQ(r->status, 200) << header;
     EXPECT_EQ(r->body, "page /status");
   }
   // Prometheus and load balancers need no token.
-  absl::StatusOr<HttpResponse> metrics = Fetch(server.port(), "GET", "/metrics");
+  absl::StatusOr<HttpResponse> metrics =
+      Fetch(server.port(), "GET", "/metrics");
   ASSERT_THAT(metrics, IsOk());
   EXPECT_EQ(metrics->status, 200);
   EXPECT_THAT(metrics->body, HasSubstr("hap_plans_total"));

@@ -334,13 +334,18 @@ TEST(FamilyTest, LongLabelValuesAreCutSoAScrapeStaysSmall) {
   EXPECT_THAT(text, HasSubstr("hap_g{model=\"aaaaaaaaaaaa...\"} 3\n"));
   // The same long value finds the same child.
   family->Get({std::string(1 << 20, 'm')}).value()->Increment();
-  EXPECT_THAT(registry.Serialize(), HasSubstr("hap_g{model=\"mmmmmmmmmmmmm...\"} 2\n"));
+  EXPECT_THAT(registry.Serialize(),
+              HasSubstr("hap_g{model=\"mmmmmmmmmmmmm...\"} 2\n"));
   // Callback rows are cut too.
-  ASSERT_THAT(registry.AddCallbackGaugeFamily(
-                  "hap_cb", "help", {"node"},
-                  [] { return std::vector<LabeledValue>{{{std::string(5000, 'n')}, 7}}; }),
-              IsOk());
-  EXPECT_THAT(registry.Serialize(), HasSubstr("hap_cb{node=\"nnnnnnnnnnnnn...\"} 7\n"));
+  ASSERT_THAT(
+      registry.AddCallbackGaugeFamily(
+          "hap_cb", "help", {"node"},
+          [] {
+            return std::vector<LabeledValue>{{{std::string(5000, 'n')}, 7}};
+          }),
+      IsOk());
+  EXPECT_THAT(registry.Serialize(),
+              HasSubstr("hap_cb{node=\"nnnnnnnnnnnnn...\"} 7\n"));
   // The default bound.
   EXPECT_EQ(MetricsRegistryOptions().max_label_value_bytes, 256u);
   EXPECT_EQ(TruncateLabelValue(std::string(300, 'x'), 256).size(), 256u);
