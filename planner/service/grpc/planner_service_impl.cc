@@ -240,7 +240,8 @@ grpc::Status PlannerServiceImpl::ListPlans(grpc::ServerContext* ctx,
                                            const v1::ListPlansRequest* r,
                                            v1::ListPlansResponse* out) {
   return Handle("ListPlans", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, core_->ListPlans(r->page_size(), r->page_token()));
+    HAP_ASSIGN_OR_RETURN(*out, core_->ListPlans(r->page_size(), r->page_token(),
+                                                  r->view() == v1::GetPlanRequest::FULL));
     return absl::OkStatus();
   });
 }
