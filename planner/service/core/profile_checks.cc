@@ -1,0 +1,116 @@
+#include "planner/service/core/profile_checks.h"
+
+#include <cctype>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service {
+
+namespace v1 = ::hap::v1;
+
+bool ValidId(const std::string& id) {
+  if (id.empty() || id.size() > 63) return false;
+  for (char c : id) {
+    if (!(std::islower(static_cast<unsigned char>(c)) ||
+          std::isdigit(static_cast<unsigned char>(c)) || c == '-')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// "nodes/a" -> "a"; a bare name as it is.
+std::string NodeId(const std::string& name) {
+  return name.rfind("nodes/", 0) == 0 ? name.substr(6) : name;
+}
+
+bool ValidNodeName(const std::string& n) {
+  if (n.empty() || n.size() > 253) return false;
+  for (char c : n) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// OK when lo <= v < hi (so never for NaN or an infinity); otherwise
+// InvalidArgument naming `field`, what it must be, and `v`.
+absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
+                        absl::string_view must_be) {
+  if (std::isfinite(v) && v >= lo && v < hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, " must be ", must_be, ", got ", v));
+}
+
+// What every node profile must hold, whether it comes from RegisterNode or
+// from a Heartbeat with re-measured devices: device ids non-empty and unique
+// in the node, and every measurement a finite number in its range (one NaN
+// FLOP/s or negative memory poisons every plan made for the cluster). Adds
+// the ids to `ids`. Ownership across nodes is checked by CheckOwners.
+absl::Status ValidateDevices(const std::string& node,
+                             const google::protobuf::RepeatedPtrField<v1::Device>& devices,
+                             std::set<std::string>* ids) {
+  if (devices.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("node '", node, "' reports no devices"));
+  }
+  for (const v1::Device& d : devices) {
+    if (d.id().empty() || !ids->insert(d.id()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "node '", node, "': device ids must be non-empty and unique, got '", d.id(), "'"));
+    }
+    const std::string dev = absl::StrCat("device '", d.id(), "': ");
+    double f32 = 0;
+    for (const auto& t : d.flops()) {
+      HAP_RETURN_IF_ERROR(CheckRange(
+          absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"), t.flops(), 0, kInf,
+          "a finite number >= 0"));
+      if (t.dtype() == v1::FLOAT32) f32 = t.flops();
+    }
+    if (!(f32 > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device '", d.id(), "' has no positive float32 FLOP/s measurement"));
+    }
+    if (d.memory_bytes() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device '", d.id(), "' reports no memory: memory_bytes must be positive, got ",
+          d.memory_bytes()));
+    }
+    const std::pair<const char*, double> non_negative[] = {
+        {"tf32_flops", d.tf32_flops()},
+        {"launch_overhead_seconds", d.launch_overhead_seconds()},
+        {"optimizer_seconds_per_element", d.optimizer_seconds_per_element()},
+        {"step_overhead_seconds", d.step_overhead_seconds()},
+    };
+    for (const auto& [field, v] : non_negative) {
+      HAP_RETURN_IF_ERROR(
+          CheckRange(absl::StrCat(dev, field), v, 0, kInf, "a finite number >= 0"));
+    }
+    for (const auto& [op, scale] : d.op_time_scale()) {
+      if (!(std::isfinite(scale) && scale > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dev, "op_time_scale[\"", op, "\"] must be a finite number > 0, got ", scale));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// AlreadyExists, naming the device and its owner, when one of `ids` belongs
+// to a node other than `node`.
+absl::Status CheckOwners(const std::map<std::string, v1::Node>& nodes, const std::string& node,
+                         const std::set<std::string>& ids) {
+  for (const auto& [name, other] : nodes) {
+    if (name == node) continue;
+    for (const auto& d : other.devices()) {
+      if (ids.count(d.id())) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "device '", d.id(), "' is already registered by node '", name, "'"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hap::service

@@ -1,0 +1,49 @@
+// What the planner core accepts as names and measurements, shared by node
+// registration, heartbeats, link reports and plan options: pure checks,
+// each an InvalidArgument (or AlreadyExists) that names the field, what it
+// must be and the value. No state; thread-safe.
+#ifndef HAP_PLANNER_SERVICE_CORE_PROFILE_CHECKS_H_
+#define HAP_PLANNER_SERVICE_CORE_PROFILE_CHECKS_H_
+
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "hap/v1/cluster.pb.h"
+
+namespace hap::service {
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A resource id: 1-63 lower-case letters, digits and '-'.
+bool ValidId(const std::string& id);
+// "nodes/a" -> "a"; a bare name as it is.
+std::string NodeId(const std::string& name);
+// A node name: 1-253 letters, digits, '-', '.', '_'.
+bool ValidNodeName(const std::string& n);
+
+// OK when lo <= v < hi (so never for NaN or an infinity); otherwise
+// InvalidArgument naming `field`, what it must be, and `v`.
+absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
+                        absl::string_view must_be);
+
+// What every node profile must hold, whether it comes from RegisterNode or
+// from a Heartbeat with re-measured devices: device ids non-empty and unique
+// in the node, and every measurement a finite number in its range (one NaN
+// FLOP/s or negative memory poisons every plan made for the cluster). Adds
+// the ids to `ids`. Ownership across nodes is checked by CheckOwners.
+absl::Status ValidateDevices(const std::string& node,
+                             const google::protobuf::RepeatedPtrField<hap::v1::Device>& devices,
+                             std::set<std::string>* ids);
+
+// AlreadyExists, naming the device and its owner, when one of `ids` belongs
+// to a node other than `node`.
+absl::Status CheckOwners(const std::map<std::string, hap::v1::Node>& nodes,
+                         const std::string& node, const std::set<std::string>& ids);
+
+}  // namespace hap::service
+
+#endif  // HAP_PLANNER_SERVICE_CORE_PROFILE_CHECKS_H_
