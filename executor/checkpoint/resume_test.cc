@@ -24,7 +24,6 @@ namespace {
 
 namespace v1 = ::hap::v1;
 namespace ckpt = ::hap::executor::checkpoint;
-using executor::HostTensor;
 using executor::TrainResult;
 
 constexpr int kSteps = 12;
@@ -165,18 +164,12 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedSingleDevice) {
   ASSERT_TRUE(got.ok()) << got.status();
   auto want = executor::AssembleParameters({ref.parameters});
   ASSERT_TRUE(want.ok()) << want.status();
-  ASSERT_EQ(got->size(), want->size());
-  for (const auto& [name, w] : *want) {
-    ASSERT_TRUE(got->count(name)) << name;
-    const HostTensor& h = got->at(name);
-    ASSERT_EQ(h.shape(), w.shape()) << name;
-    double scale = 1e-3, worst = 0;
-    for (int64_t i = 0; i < w.num_elements(); ++i) {
-      scale = std::max(scale, std::abs(double{w.as<float>()[i]}));
-      worst = std::max(worst, std::abs(double{h.as<float>()[i]} - double{w.as<float>()[i]}));
-    }
-    const double tol = 1e-4 * scale + (c.adam ? 1e-3 * kAdamLr * kSteps : 0.0);
-    EXPECT_LE(worst, tol) << "parameter " << name;
+  auto deviations = hap::testing::CompareParameters(*got, *want);
+  ASSERT_TRUE(deviations.ok()) << deviations.status();
+  for (const auto& d : *deviations) {
+    const double tol = 1e-4 * d.scale + (c.adam ? 1e-3 * kAdamLr * kSteps : 0.0);
+    EXPECT_LE(d.worst, tol) << "parameter " << d.name << " element " << d.at << ": " << d.got
+                            << " vs " << d.want;
   }
 }
 

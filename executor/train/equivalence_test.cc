@@ -32,7 +32,6 @@ namespace hap {
 namespace {
 
 namespace v1 = ::hap::v1;
-using executor::HostTensor;
 using executor::TrainResult;
 
 constexpr int kSteps = 5;
@@ -155,29 +154,15 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
   ASSERT_TRUE(got.ok()) << got.status();
   auto want = executor::AssembleParameters({ref.parameters});
   ASSERT_TRUE(want.ok()) << want.status();
-  ASSERT_EQ(got->size(), want->size());
-  for (const auto& [name, w] : *want) {
-    ASSERT_TRUE(got->count(name)) << name;
-    const HostTensor& h = got->at(name);
-    ASSERT_EQ(h.shape(), w.shape()) << name;
-    const float* a = h.as<float>();
-    const float* b = w.as<float>();
-    double scale = 1e-3, worst = 0;
-    int64_t at = 0;
-    for (int64_t i = 0; i < w.num_elements(); ++i) scale = std::max(scale, std::abs(double{b[i]}));
-    for (int64_t i = 0; i < w.num_elements(); ++i) {
-      double d = std::abs(double{a[i]} - double{b[i]});
-      if (d > worst) {
-        worst = d;
-        at = i;
-      }
-    }
+  auto deviations = hap::testing::CompareParameters(*got, *want);
+  ASSERT_TRUE(deviations.ok()) << deviations.status();
+  for (const auto& d : *deviations) {
     // Adam normalises each step to about lr, so float noise on a tiny
     // gradient moves an element by up to a fraction of lr: allow 1e-3 of
     // the total step length lr * steps on top.
-    double tol = 1e-4 * scale + (c.adam ? 1e-3 * kAdamLr * kSteps : 0.0);
-    EXPECT_LE(worst, tol) << "parameter " << name << " element " << at
-                                   << ": " << a[at] << " vs " << b[at];
+    double tol = 1e-4 * d.scale + (c.adam ? 1e-3 * kAdamLr * kSteps : 0.0);
+    EXPECT_LE(d.worst, tol) << "parameter " << d.name << " element " << d.at << ": " << d.got
+                            << " vs " << d.want;
   }
 }
 

@@ -1,5 +1,8 @@
 #include "executor/train/test_programs.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "planner/synth/checker.h"
 #include "planner/synth/planner.h"
@@ -99,6 +102,42 @@ hap::v1::OptimizerConfig EquivalenceOptimizer(bool adam) {
     o.set_weight_decay(1e-3);
   }
   return o;
+}
+
+absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
+    const std::map<std::string, executor::HostTensor>& got,
+    const std::map<std::string, executor::HostTensor>& want) {
+  if (got.size() != want.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(got.size(), " parameters, expected ",
+                                                   want.size()));
+  }
+  std::vector<ParameterDeviation> out;
+  for (const auto& [name, w] : want) {
+    auto it = got.find(name);
+    if (it == got.end()) return absl::InvalidArgumentError(absl::StrCat("no parameter ", name));
+    const executor::HostTensor& h = it->second;
+    if (h.shape() != w.shape()) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", name, " has another shape"));
+    }
+    ParameterDeviation d;
+    d.name = name;
+    const float* a = h.as<float>();
+    const float* b = w.as<float>();
+    for (int64_t i = 0; i < w.num_elements(); ++i) {
+      d.scale = std::max(d.scale, std::abs(double{b[i]}));
+      const double diff = std::abs(double{a[i]} - double{b[i]});
+      if (diff > d.worst) {
+        d.worst = diff;
+        d.at = i;
+      }
+    }
+    if (w.num_elements() > 0) {
+      d.got = a[d.at];
+      d.want = b[d.at];
+    }
+    out.push_back(d);
+  }
+  return out;
 }
 
 }  // namespace hap::testing

@@ -11,12 +11,14 @@
 #ifndef HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
 #define HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
 
+#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph.h"
+#include "executor/runtime/tensor.h"
 #include "hap/v1/plan.pb.h"
 #include "planner/synth/program.h"
 
@@ -38,6 +40,22 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
 // with momentum 0.9 (lr 0.1, weight decay 1e-3).
 inline constexpr double kEquivalenceAdamLr = 0.01;
 hap::v1::OptimizerConfig EquivalenceOptimizer(bool adam);
+
+// How far parameters `got` are from `want` (float32), per parameter of
+// `want`: the largest absolute element difference, at which element, the
+// two values there, and the tensor's scale (its largest magnitude, at
+// least 1e-3). InvalidArgument naming a parameter missing from `got` or of
+// another shape, or when `got` holds other parameters.
+struct ParameterDeviation {
+  std::string name;
+  double worst = 0;
+  int64_t at = 0;
+  double got = 0, want = 0;  // at `at`
+  double scale = 1e-3;
+};
+absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
+    const std::map<std::string, executor::HostTensor>& got,
+    const std::map<std::string, executor::HostTensor>& want);
 
 }  // namespace hap::testing
 
