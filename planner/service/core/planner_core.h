@@ -54,6 +54,7 @@ class PlannerStateSink {
   virtual absl::Status AppendStepMetrics(const std::vector<hap::v1::StepMetric>&) {
     return absl::OkStatus();
   }
+  virtual absl::Status SaveJob(const hap::v1::Job&) { return absl::OkStatus(); }
 };
 
 hap::v1::LinkDefaults DefaultLinks();

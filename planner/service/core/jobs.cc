@@ -1,0 +1,943 @@
+#include "planner/service/core/jobs.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <cctype>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "google/protobuf/util/time_util.h"
+#include "planner/service/core/pagination.h"
+#include "planner/service/core/profile_checks.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+namespace fs = std::filesystem;
+using google::protobuf::util::TimeUtil;
+using Reason = v1::JobEvent::Reason;
+
+constexpr double kDefaultMinGain = 0.10;
+constexpr absl::Duration kDefaultJoinStable = absl::Seconds(30);
+constexpr int kDefaultMaxReplans = 20;
+constexpr size_t kMaxJobId = 50;  // "{job}-p{n}" stays a valid plan id
+
+bool Final(v1::JobStatus::State s) {
+  return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED ||
+         s == v1::JobStatus::STOPPED;
+}
+bool DeploymentFinal(v1::Deployment::State s) {
+  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
+         s == v1::Deployment::STOPPED;
+}
+
+google::protobuf::Timestamp ToProto(absl::Time t) {
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
+}
+absl::Time FromProto(const google::protobuf::Timestamp& t) {
+  return absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(t));
+}
+
+std::string RandomJobId() {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ (counter++ << 48);
+  return absl::StrCat("j-", absl::Hex(x, absl::kZeroPad16));
+}
+
+absl::StatusOr<std::string> JobId(const std::string& name) {
+  if (name.rfind("jobs/", 0) != 0 || !ValidId(name.substr(5))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job name '", name, "' is not jobs/{id}"));
+  }
+  return name.substr(5);
+}
+
+std::string ReasonLabel(Reason r) {
+  std::string s = v1::JobEvent::Reason_Name(r);
+  std::transform(s.begin(), s.end(), s.begin(), [](char c) { return static_cast<char>(std::tolower(static_cast<unsigned char>(c))); });
+  return s;
+}
+
+double MinGain(const v1::JobSpec& s) {
+  return s.replan().min_gain() > 0 ? s.replan().min_gain() : kDefaultMinGain;
+}
+absl::Duration JoinStable(const v1::JobSpec& s) {
+  const auto& d = s.replan().join_stable();
+  absl::Duration x = absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+  return x > absl::ZeroDuration() ? x : kDefaultJoinStable;
+}
+int MaxReplans(const v1::JobSpec& s) {
+  return s.replan().max_replans() > 0 ? s.replan().max_replans() : kDefaultMaxReplans;
+}
+int MinDevices(const v1::JobSpec& s) {
+  return std::max(1, s.devices().min_devices());
+}
+
+// The devices of READY nodes.
+std::set<std::string> ReadyDevices(const v1::Cluster& c) {
+  std::set<std::string> out;
+  for (const auto& n : c.nodes()) {
+    if (n.state() == v1::Node::STALE) continue;
+    for (const auto& d : n.devices()) out.insert(d.id());
+  }
+  return out;
+}
+
+// The devices the job may use now, in cluster order: READY nodes' devices
+// that pass the selector, and (when `only` is given) are in it; at most
+// max_devices.
+std::vector<std::string> UsableDevices(const v1::Cluster& c, const v1::DeviceSelector& sel,
+                                       const std::set<std::string>* only = nullptr) {
+  std::set<std::string> allowed(sel.devices().begin(), sel.devices().end());
+  std::vector<std::string> out;
+  for (const auto& n : c.nodes()) {
+    if (n.state() == v1::Node::STALE) continue;
+    bool labelled = true;
+    for (const auto& [k, v] : sel.node_labels()) {
+      auto it = n.labels().find(k);
+      labelled &= it != n.labels().end() && it->second == v;
+    }
+    if (!labelled) continue;
+    for (const auto& d : n.devices()) {
+      if (!allowed.empty() && !allowed.count(d.id())) continue;
+      if (only != nullptr && !only->count(d.id())) continue;
+      out.push_back(d.id());
+    }
+  }
+  if (sel.max_devices() > 0 && static_cast<int>(out.size()) > sel.max_devices()) {
+    out.resize(sel.max_devices());
+  }
+  return out;
+}
+
+template <typename C>
+std::vector<std::string> Missing(const C& want, const std::set<std::string>& have) {
+  std::vector<std::string> out;
+  for (const auto& x : want) {
+    if (!have.count(x)) out.push_back(x);
+  }
+  return out;
+}
+
+// One reconciliation pass over one job: observe, decide, act, save.
+class Pass {
+ public:
+  struct Env {
+    JobBackend* backend;
+    absl::Time now;
+    v1::Cluster cluster;
+    std::set<std::string> ready;   // devices of READY nodes
+    std::set<std::string> stable;  // ... READY for at least join_stable
+    std::function<bool(const v1::Job&)> commit;
+    std::function<void(const v1::Job&, Reason)> on_replan;
+    std::function<void(const v1::Job&, const v1::JobEvent&)> on_resumed;
+    size_t max_events;
+  };
+
+  Pass(v1::Job job, Env env) : j_(std::move(job)), e_(std::move(env)), b_(*e_.backend) {}
+
+  void Run() {
+    if (st().stop_requested()) return RunStop();
+    if (!st().deployment().empty() && !FollowDeployment()) return;
+    if (Final(st().state())) return;
+    PlanAndDeploy();
+  }
+
+ private:
+  v1::JobStatus& st() { return *j_.mutable_status(); }
+  const v1::JobSpec& spec() const { return j_.spec(); }
+  // Saves the job; the observers hear of a re-plan or a resumption only
+  // once it is saved (a pass that could not save repeats it).
+  bool Commit() {
+    if (!e_.commit(j_)) return false;
+    for (Reason r : replanned_) {
+      if (e_.on_replan) e_.on_replan(j_, r);
+    }
+    replanned_.clear();
+    if (resumed_.has_value() && e_.on_resumed) e_.on_resumed(j_, *resumed_);
+    resumed_.reset();
+    return true;
+  }
+
+  void Finish(v1::JobStatus::State state, const std::string& message) {
+    st().set_state(state);
+    st().set_message(message);
+    st().clear_pending();
+    st().clear_next_plan();
+    st().clear_candidate_plan();
+    st().clear_switch_pending();
+    Commit();
+  }
+
+  void RefreshCheckpoint() {
+    absl::StatusOr<int64_t> step = b_.LatestCheckpoint(spec().training().checkpoint_dir());
+    if (step.ok()) {
+      st().set_checkpoint_step(*step);
+    } else if (absl::IsNotFound(step.status())) {
+      st().set_checkpoint_step(-1);
+    }  // unreadable: keep what was seen
+  }
+
+  void CancelPlan(const std::string& name) {
+    if (!name.empty()) (void)b_.CancelPlan(name);  // a plan already gone or final is fine
+  }
+
+  // Stop asked: cancel plans in flight, stop the deployment, then STOPPED.
+  void RunStop() {
+    CancelPlan(st().next_plan());
+    CancelPlan(st().candidate_plan());
+    st().clear_next_plan();
+    st().clear_candidate_plan();
+    if (!st().deployment().empty()) {
+      absl::StatusOr<v1::Deployment> d = b_.GetDeployment(st().deployment());
+      if (d.ok() && !DeploymentFinal(d->state())) {
+        absl::Status s = b_.StopDeployment(d->name());
+        st().set_message(s.ok() ? absl::StrCat("stopping ", d->name())
+                                : absl::StrCat("stopping ", d->name(), ": ", s.message()));
+        Commit();
+        return;
+      }
+    }
+    Finish(v1::JobStatus::STOPPED, "stopped on request");
+  }
+
+  // A re-plan begins: from a loss (the deployment failed or has a STALE
+  // node) or a switch to more devices. A failure while recovering starts
+  // the recovery again; its downtime counts from the first failure.
+  void BeginReplan(Reason reason, const std::string& detail) {
+    if (st().has_pending()) {
+      v1::JobEvent& p = *st().mutable_pending();
+      p.set_detail(absl::StrCat(p.detail(), "; then, while recovering: ", detail));
+      p.clear_plan();
+      p.clear_deployment();
+    } else {
+      v1::JobEvent& p = *st().mutable_pending();
+      p.Clear();
+      p.set_reason(reason);
+      p.set_detail(detail);
+      *p.mutable_detect_time() = ToProto(e_.now);
+      p.set_steps_done_before(st().steps_done());
+      p.set_predicted_step_before(st().predicted_step_seconds());
+      *p.mutable_devices_before() = st().devices();
+    }
+    st().set_replans(st().replans() + 1);
+    st().set_state(v1::JobStatus::RECOVERING);
+    st().set_message(absl::StrCat("re-planning (", ReasonLabel(reason), "): ", detail));
+    if (reason != v1::JobEvent::NODE_JOINED) CancelPlan(st().next_plan());
+    st().clear_next_plan();
+    CancelPlan(st().candidate_plan());
+    st().clear_candidate_plan();
+    st().clear_switch_pending();
+    st().clear_judged_devices();
+    replanned_.push_back(reason);
+  }
+
+  bool OverReplanLimit() {
+    if (st().replans() <= MaxReplans(spec())) return false;
+    std::string why = absl::StrCat("gave up after ", st().replans() - 1, " re-plans (max_replans ",
+                                   MaxReplans(spec()), "); the last: ", st().pending().detail());
+    if (!st().deployment().empty()) (void)b_.StopDeployment(st().deployment());
+    Finish(v1::JobStatus::FAILED, why);
+    return true;
+  }
+
+  // The job's deployment: training, done, failed or being stopped. Returns
+  // true when the pass should go on to plan and deploy (no deployment now).
+  bool FollowDeployment() {
+    absl::StatusOr<v1::Deployment> d = b_.GetDeployment(st().deployment());
+    if (!d.ok()) {
+      if (!absl::IsNotFound(d.status())) {
+        st().set_message(absl::StrCat("cannot read ", st().deployment(), ": ",
+                                      d.status().message()));
+        Commit();
+        return false;
+      }
+      if (!(st().has_pending() && st().pending().deployment().empty())) {
+        BeginReplan(v1::JobEvent::EXECUTOR_LOST,
+                    absl::StrCat(st().deployment(), " no longer exists"));
+        if (OverReplanLimit()) return false;
+      }
+      st().clear_deployment();
+      return true;
+    }
+    if (d->steps_completed() > st().steps_done()) st().set_steps_done(d->steps_completed());
+    if (d->median_step_seconds() > 0) st().set_measured_step_seconds(d->median_step_seconds());
+    RefreshCheckpoint();
+    // Part of a recovery already under way: the old deployment being stopped.
+    const bool old_of_recovery = st().has_pending() && st().pending().deployment().empty();
+    switch (d->state()) {
+      case v1::Deployment::SUCCEEDED:
+        st().set_steps_done(std::max(st().steps_done(), spec().training().steps()));
+        Finish(v1::JobStatus::SUCCEEDED, "every step done");
+        return false;
+      case v1::Deployment::FAILED:
+        if (!old_of_recovery) {
+          BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
+          if (OverReplanLimit()) return false;
+        }
+        st().clear_deployment();
+        return true;
+      case v1::Deployment::STOPPED:
+        if (!st().has_pending()) {
+          BeginReplan(v1::JobEvent::DEPLOYMENT_STOPPED,
+                      absl::StrCat(d->name(), " was stopped outside the job"));
+          if (OverReplanLimit()) return false;
+        }
+        st().clear_deployment();
+        return true;
+      default:
+        break;
+    }
+    if (old_of_recovery) {  // asked to stop; ask again until it has
+      (void)b_.StopDeployment(d->name());
+      Commit();
+      return false;
+    }
+    std::vector<std::string> devices;
+    for (const auto& r : d->ranks()) devices.push_back(r.device());
+    std::vector<std::string> lost = Missing(devices, e_.ready);
+    if (!lost.empty()) {
+      BeginReplan(v1::JobEvent::NODE_STALE,
+                  absl::StrCat("the node of ", absl::StrJoin(lost, ", "),
+                               " missed its heartbeats (STALE); stopping ", d->name()));
+      if (OverReplanLimit()) return false;
+      absl::Status s = b_.StopDeployment(d->name());
+      if (!s.ok()) st().set_message(absl::StrCat(st().message(), "; stop: ", s.message()));
+      Commit();
+      return false;
+    }
+    if (d->state() == v1::Deployment::RUNNING) {
+      if (st().has_pending() && st().pending().deployment() == d->name()) {
+        Resumed();
+      } else if (st().state() != v1::JobStatus::RUNNING && !st().has_pending()) {
+        st().set_state(v1::JobStatus::RUNNING);
+      }
+      if (st().state() == v1::JobStatus::RUNNING) ConsiderJoin();
+    }
+    Commit();
+    return false;
+  }
+
+  // The (re)start in progress reached RUNNING: its event is complete.
+  void Resumed() {
+    v1::JobEvent ev = st().pending();
+    *ev.mutable_resume_time() = ToProto(e_.now);
+    ev.set_downtime_seconds(
+        std::max(0.0, absl::ToDoubleSeconds(e_.now - FromProto(ev.detect_time()))));
+    *st().add_events() = ev;
+    while (st().events_size() > static_cast<int>(e_.max_events)) {
+      st().mutable_events()->DeleteSubrange(0, 1);
+    }
+    st().clear_pending();
+    st().set_state(v1::JobStatus::RUNNING);
+    st().set_message("");
+    resumed_ = ev;
+  }
+
+  // More usable devices than the job has: a plan on all of them, judged
+  // against the current one; a switch at the next checkpoint when it pays.
+  void ConsiderJoin() {
+    if (spec().replan().disable_join()) return;
+    if (st().candidate_plan().empty()) {
+      std::set<std::string> pool(st().devices().begin(), st().devices().end());
+      const size_t had = pool.size();
+      for (const auto& x : e_.stable) pool.insert(x);
+      if (pool.size() == had) return;
+      std::vector<std::string> want = UsableDevices(e_.cluster, spec().devices(), &pool);
+      if (want.size() <= static_cast<size_t>(st().devices_size())) return;
+      if (std::equal(want.begin(), want.end(), st().judged_devices().begin(),
+                     st().judged_devices().end())) {
+        return;  // judged already: not worth it
+      }
+      st().set_candidate_plan(NextPlanName());
+      st().set_message(absl::StrCat("judging a plan on ", want.size(), " devices (",
+                                    st().candidate_plan(), ")"));
+      if (!Commit()) return;
+      absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), want));
+      if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
+        st().set_message(absl::StrCat("a plan on ", want.size(), " devices: ",
+                                      p.status().message()));
+        *st().mutable_judged_devices() = {want.begin(), want.end()};
+        st().clear_candidate_plan();
+      }
+      return;
+    }
+    absl::StatusOr<v1::Plan> p = b_.GetPlan(st().candidate_plan());
+    if (!p.ok()) {
+      st().clear_candidate_plan();
+      return;
+    }
+    switch (p->state()) {
+      case v1::Plan::SUCCEEDED:
+        break;
+      case v1::Plan::FAILED:
+      case v1::Plan::CANCELLED:
+        *st().mutable_judged_devices() = p->devices();
+        st().set_message(absl::StrCat("staying: ", p->name(), " on ", p->devices_size(),
+                                      " devices ended ", v1::Plan::State_Name(p->state()), ": ",
+                                      p->error()));
+        st().clear_candidate_plan();
+        return;
+      default:
+        return;  // still planning
+    }
+    if (!Missing(p->devices(), e_.ready).empty()) {  // a joiner left again
+      st().clear_candidate_plan();
+      st().clear_switch_pending();
+      return;
+    }
+    const double now_s = st().predicted_step_seconds();
+    const double then_s = p->prediction().step_seconds();
+    const double gain = then_s > 0 ? now_s / then_s - 1 : 0;
+    const std::string what =
+        absl::StrFormat("%s on %d devices is predicted %.1f%% faster (%.4f s -> %.4f s)",
+                        p->name(), p->devices_size(), 100 * gain, now_s, then_s);
+    if (gain < MinGain(spec())) {
+      *st().mutable_judged_devices() = p->devices();
+      st().set_message(absl::StrFormat("staying: %s, below min_gain %.1f%%", what,
+                                       100 * MinGain(spec())));
+      st().clear_candidate_plan();
+      return;
+    }
+    if (spec().training().checkpoint_every() <= 0) {
+      *st().mutable_judged_devices() = p->devices();
+      st().set_message(absl::StrCat("staying: ", what,
+                                    ", but the job has no periodic checkpoints (a switch "
+                                    "would lose every step)"));
+      st().clear_candidate_plan();
+      return;
+    }
+    if (!st().switch_pending()) {
+      st().set_switch_pending(true);
+      st().set_switch_after_step(st().checkpoint_step());
+      st().set_message(absl::StrCat("switching at the next checkpoint: ", what));
+      return;
+    }
+    if (st().checkpoint_step() <= st().switch_after_step()) return;
+    const std::string candidate = st().candidate_plan();
+    st().clear_candidate_plan();  // becomes next_plan, not cancelled
+    BeginReplan(v1::JobEvent::NODE_JOINED, what);
+    if (OverReplanLimit()) return;
+    st().set_next_plan(candidate);
+    (void)b_.StopDeployment(st().deployment());
+  }
+
+  std::string NextPlanName() {
+    st().set_plans_made(st().plans_made() + 1);
+    return absl::StrCat("plans/", j_.name().substr(5), "-p", st().plans_made());
+  }
+
+  v1::CreatePlanRequest PlanRequest(const std::string& plan,
+                                    const std::vector<std::string>& devices) const {
+    v1::CreatePlanRequest r;
+    *r.mutable_model() = spec().model();
+    for (const auto& d : devices) r.add_devices(d);
+    r.set_global_batch(spec().global_batch());
+    *r.mutable_options() = spec().options();
+    r.set_plan_id(plan.substr(6));
+    return r;
+  }
+
+  // No deployment running: plan on the usable devices, then deploy.
+  void PlanAndDeploy() {
+    RefreshCheckpoint();
+    if (st().checkpoint_step() >= spec().training().steps()) {
+      st().set_steps_done(spec().training().steps());
+      return Finish(v1::JobStatus::SUCCEEDED,
+                    absl::StrCat("every step done (checkpoint at step ", st().checkpoint_step(),
+                                 " committed)"));
+    }
+    if (st().next_plan().empty()) {
+      std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices());
+      if (static_cast<int>(usable.size()) < MinDevices(spec())) {
+        st().set_message(absl::StrCat("waiting for devices: ", usable.size(),
+                                      " usable, the job needs ", MinDevices(spec())));
+        Commit();
+        return;
+      }
+      st().set_next_plan(NextPlanName());
+      if (st().state() == v1::JobStatus::PENDING) st().set_state(v1::JobStatus::PLANNING);
+      st().set_message(absl::StrCat("planning on ", usable.size(), " devices (",
+                                    st().next_plan(), ")"));
+      if (!Commit()) return;  // the intent first: a restart finds the plan by name
+      absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().next_plan(), usable));
+      if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
+        if (absl::IsInvalidArgument(p.status())) {
+          return Finish(v1::JobStatus::FAILED,
+                        absl::StrCat("cannot plan: ", p.status().message()));
+        }
+        st().set_message(absl::StrCat("plan ", st().next_plan(), " not started (",
+                                      p.status().message(), "); trying again"));
+        st().clear_next_plan();
+        Commit();
+        return;
+      }
+    }
+    absl::StatusOr<v1::Plan> p = b_.GetPlan(st().next_plan());
+    if (!p.ok()) {
+      st().set_message(absl::StrCat(st().next_plan(), ": ", p.status().message(),
+                                    "; planning again"));
+      st().clear_next_plan();
+      Commit();
+      return;
+    }
+    switch (p->state()) {
+      case v1::Plan::SUCCEEDED:
+        break;
+      case v1::Plan::FAILED:
+      case v1::Plan::CANCELLED:
+        return Finish(v1::JobStatus::FAILED,
+                      absl::StrCat(p->name(), " ended ", v1::Plan::State_Name(p->state()),
+                                   ": ", p->error()));
+      default:
+        st().set_message(absl::StrCat("planning: ", p->name(), " is ",
+                                      v1::Plan::State_Name(p->state())));
+        Commit();
+        return;
+    }
+    std::vector<std::string> lost = Missing(p->devices(), e_.ready);
+    if (!lost.empty()) {
+      const std::string why = absl::StrCat("the node of ", absl::StrJoin(lost, ", "),
+                                           " went STALE before ", p->name(), " was deployed");
+      if (st().has_pending()) {
+        BeginReplan(v1::JobEvent::NODE_STALE, why);
+        if (OverReplanLimit()) return;
+      } else {
+        st().set_message(absl::StrCat(why, "; planning again"));
+        st().clear_next_plan();
+      }
+      Commit();
+      return;
+    }
+    Deploy(*p);
+  }
+
+  void Deploy(const v1::Plan& p) {
+    const int64_t resume = std::max<int64_t>(0, st().checkpoint_step());
+    absl::StatusOr<v1::Deployment> d = absl::NotFoundError("none");
+    // A deployment of this plan not over (made before a restart) is the
+    // job's: adopt it rather than make another.
+    for (const v1::Deployment& x : b_.DeploymentsOf(p.name())) {
+      if (!DeploymentFinal(x.state())) d = x;
+    }
+    if (!d.ok()) {
+      v1::TrainingConfig t = spec().training();
+      t.set_resume(st().checkpoint_step() >= 0
+                       ? CheckpointStepDir(t.checkpoint_dir(), st().checkpoint_step())
+                       : "");
+      d = b_.Deploy(p.name(), t);
+      if (!d.ok()) {
+        st().set_message(absl::StrCat("cannot deploy ", p.name(), ": ", d.status().message(),
+                                      "; trying again"));
+        Commit();
+        return;
+      }
+    }
+    if (!st().has_pending()) {  // the first deployment
+      v1::JobEvent& ev = *st().mutable_pending();
+      ev.Clear();
+      ev.set_reason(v1::JobEvent::STARTED);
+      ev.set_detail(absl::StrCat("started on ", p.devices_size(), " devices"));
+      *ev.mutable_detect_time() = j_.create_time();
+    }
+    v1::JobEvent& ev = *st().mutable_pending();
+    ev.set_plan(p.name());
+    ev.set_deployment(d->name());
+    ev.set_predicted_step_after(p.prediction().step_seconds());
+    *ev.mutable_devices_after() = p.devices();
+    ev.set_resume_step(resume);
+    ev.set_steps_lost(std::max<int64_t>(0, ev.steps_done_before() - resume));
+    st().set_plan(p.name());
+    st().clear_next_plan();
+    st().set_deployment(d->name());
+    st().set_generation(st().generation() + 1);
+    *st().mutable_devices() = p.devices();
+    st().set_predicted_step_seconds(p.prediction().step_seconds());
+    st().set_steps_done(resume);
+    st().set_message(absl::StrCat("deployed ", d->name(), " on ", p.devices_size(),
+                                  " devices, from step ", resume));
+    Commit();
+  }
+
+  v1::Job j_;
+  Env e_;
+  JobBackend& b_;
+  std::vector<Reason> replanned_;         // re-plans begun, not yet saved
+  std::optional<v1::JobEvent> resumed_;  // a resumption, not yet saved
+};
+
+// The daemon's backend over the planner core and the deployment manager.
+class CoreJobBackend final : public JobBackend {
+ public:
+  CoreJobBackend(PlannerCore* core, DeploymentManager* deployments,
+                 std::function<std::string()> rendezvous)
+      : core_(core), deployments_(deployments), rendezvous_(std::move(rendezvous)) {}
+
+  v1::Cluster Cluster() override { return core_->GetCluster(/*include_stale=*/true); }
+  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r) override {
+    return core_->CreatePlan(r, absl::InfiniteFuture());
+  }
+  absl::StatusOr<v1::Plan> GetPlan(const std::string& name) override {
+    return core_->GetPlan(name, /*full=*/false);
+  }
+  absl::Status CancelPlan(const std::string& name) override {
+    return core_->CancelPlan(name).status();
+  }
+  absl::StatusOr<v1::Deployment> Deploy(const std::string& plan,
+                                        const v1::TrainingConfig& training) override {
+    HAP_ASSIGN_OR_RETURN(v1::Plan p, core_->GetPlan(plan, /*full=*/true));
+    v1::DeployPlanRequest r;
+    r.set_plan(plan);
+    *r.mutable_training() = training;
+    return deployments_->Deploy(p, r, core_->GetCluster(true), rendezvous_());
+  }
+  absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {
+    return deployments_->Get(name);
+  }
+  std::vector<v1::Deployment> DeploymentsOf(const std::string& plan) override {
+    std::vector<v1::Deployment> out;
+    for (auto& d : deployments_->All()) {
+      if (d.plan() == plan) out.push_back(std::move(d));
+    }
+    return out;
+  }
+  absl::Status StopDeployment(const std::string& name) override {
+    // A deadline already past: ask, do not wait.
+    return deployments_->Stop(name, absl::InfinitePast(), [] { return true; }).status();
+  }
+  absl::StatusOr<int64_t> LatestCheckpoint(const std::string& dir) override {
+    return LatestCommittedCheckpoint(dir);
+  }
+
+ private:
+  PlannerCore* core_;
+  DeploymentManager* deployments_;
+  std::function<std::string()> rendezvous_;
+};
+
+}  // namespace
+
+absl::StatusOr<int64_t> LatestCommittedCheckpoint(const std::string& dir) {
+  std::error_code ec;
+  if (dir.empty() || !fs::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint directory ", dir));
+  }
+  int64_t best = -1;
+  fs::directory_iterator it(dir, ec), end;
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("cannot read ", dir, ": ", ec.message()));
+  }
+  for (; it != end; it.increment(ec)) {
+    if (ec) {
+      return absl::UnavailableError(absl::StrCat("cannot read ", dir, ": ", ec.message()));
+    }
+    const std::string name = it->path().filename().string();
+    int64_t step = 0;
+    if (name.rfind("step-", 0) != 0 || name.size() == 5 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos ||
+        !absl::SimpleAtoi(name.substr(5), &step)) {
+      continue;
+    }
+    if (step > best && fs::exists(it->path() / "COMMITTED", ec)) best = step;
+  }
+  if (best < 0) {
+    return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", dir));
+  }
+  return best;
+}
+
+std::string CheckpointStepDir(const std::string& dir, int64_t step) {
+  return (fs::path(dir) / absl::StrFormat("step-%08d", step)).string();
+}
+
+std::unique_ptr<JobBackend> NewCoreJobBackend(PlannerCore* core, DeploymentManager* deployments,
+                                              std::function<std::string()> rendezvous_address) {
+  return std::make_unique<CoreJobBackend>(core, deployments, std::move(rendezvous_address));
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (spec.model().model_case() == v1::ModelSpec::MODEL_NOT_SET) {
+    return absl::InvalidArgumentError("spec.model: a zoo model or a graph is required");
+  }
+  const v1::TrainingConfig& t = spec.training();
+  if (t.steps() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.training.steps must be positive, got ", t.steps()));
+  }
+  if (t.checkpoint_dir().empty()) {
+    return absl::InvalidArgumentError(
+        "spec.training.checkpoint_dir is required: a job resumes from it after a re-plan "
+        "(a directory every executor and the planner see)");
+  }
+  if (t.checkpoint_every() < 0 || t.checkpoint_keep() < 0 || t.threads_per_rank() < 0) {
+    return absl::InvalidArgumentError(
+        "spec.training.checkpoint_every, checkpoint_keep and threads_per_rank must not be "
+        "negative");
+  }
+  if (!t.resume().empty() || !t.init_weights().empty()) {
+    return absl::InvalidArgumentError(
+        "spec.training.resume and init_weights are set by the job (it resumes from "
+        "checkpoint_dir); leave them empty");
+  }
+  if (spec.global_batch() < 0) {
+    return absl::InvalidArgumentError("spec.global_batch must not be negative");
+  }
+  const v1::DeviceSelector& d = spec.devices();
+  if (d.min_devices() < 0 || d.max_devices() < 0 ||
+      (d.max_devices() > 0 && d.max_devices() < d.min_devices())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.devices: min_devices (", d.min_devices(), ") and max_devices (", d.max_devices(),
+        ") must not be negative, and max_devices (when set) at least min_devices"));
+  }
+  const v1::ReplanPolicy& r = spec.replan();
+  if (!(r.min_gain() >= 0 && r.min_gain() < 100)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.replan.min_gain must be a fraction in [0, 100), got ", r.min_gain()));
+  }
+  if (r.join_stable().seconds() < 0 || r.join_stable().nanos() < 0 || r.max_replans() < 0) {
+    return absl::InvalidArgumentError(
+        "spec.replan.join_stable and max_replans must not be negative");
+  }
+  return absl::OkStatus();
+}
+
+struct JobController::State {
+  mutable absl::Mutex mu;
+  absl::CondVar changed;  // a job changed; shutdown; a pass asked for
+  bool shutdown = false;
+  bool wake = false;
+  std::map<std::string, v1::Job> jobs;
+  // When each device was first seen on a READY node, in an unbroken run.
+  std::map<std::string, absl::Time> ready_since;
+  absl::Mutex pass_mu;  // one pass at a time
+  std::thread loop;
+};
+
+JobController::JobController(JobControllerOptions options, std::vector<v1::Job> jobs)
+    : o_(std::move(options)), s_(std::make_unique<State>()) {
+  absl::MutexLock l(&s_->mu);
+  for (auto& j : jobs) s_->jobs[j.name()] = std::move(j);
+}
+
+JobController::~JobController() { Shutdown(); }
+
+void JobController::Start() {
+  absl::MutexLock l(&s_->mu);
+  if (s_->loop.joinable() || s_->shutdown) return;
+  s_->loop = std::thread([this] {
+    while (true) {
+      Reconcile();
+      absl::MutexLock l(&s_->mu);
+      const absl::Time until = absl::Now() + o_.interval;
+      while (!s_->shutdown && !s_->wake && absl::Now() < until) {
+        s_->changed.WaitWithDeadline(&s_->mu, until);
+      }
+      if (s_->shutdown) return;
+      s_->wake = false;
+    }
+  });
+}
+
+void JobController::Shutdown() {
+  std::thread loop;
+  {
+    absl::MutexLock l(&s_->mu);
+    s_->shutdown = true;
+    s_->changed.SignalAll();
+    loop.swap(s_->loop);
+  }
+  if (loop.joinable()) loop.join();
+}
+
+absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
+  HAP_RETURN_IF_ERROR(ValidateJobSpec(r.spec()));
+  const std::string id = r.job_id().empty() ? RandomJobId() : r.job_id();
+  if (!ValidId(id) || id.size() > kMaxJobId) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job_id '", id, "' must be 1-", kMaxJobId, " lowercase letters, digits or '-'"));
+  }
+  v1::Job j;
+  j.set_name("jobs/" + id);
+  *j.mutable_spec() = r.spec();
+  *j.mutable_create_time() = ToProto(o_.now());
+  v1::JobStatus& st = *j.mutable_status();
+  st.set_state(v1::JobStatus::PENDING);
+  st.set_checkpoint_step(-1);
+  st.set_switch_after_step(-1);
+  *st.mutable_update_time() = j.create_time();
+  absl::MutexLock l(&s_->mu);
+  if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
+  if (s_->jobs.count(j.name())) {
+    return absl::AlreadyExistsError(absl::StrCat(j.name(), " already exists"));
+  }
+  if (o_.sink != nullptr) {
+    HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveJob(j), absl::StrCat(j.name(), " was not created")));
+  }
+  s_->jobs[j.name()] = j;
+  if (o_.on_change) o_.on_change(j);
+  s_->wake = true;
+  s_->changed.SignalAll();
+  return j;
+}
+
+absl::StatusOr<v1::Job> JobController::Get(const std::string& name) const {
+  HAP_RETURN_IF_ERROR(JobId(name).status());
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->jobs.find(name);
+  if (it == s_->jobs.end()) {
+    return absl::NotFoundError(absl::StrCat("job '", name, "' does not exist"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<v1::ListJobsResponse> JobController::List(int page_size,
+                                                         const std::string& page_token) const {
+  v1::ListJobsResponse out;
+  absl::MutexLock l(&s_->mu);
+  HAP_ASSIGN_OR_RETURN(std::string next,
+                       Paginate(s_->jobs, page_size, page_token,
+                                [&](const v1::Job& j) { *out.add_jobs() = j; }));
+  out.set_next_page_token(next);
+  return out;
+}
+
+std::vector<v1::Job> JobController::All() const {
+  absl::MutexLock l(&s_->mu);
+  std::vector<v1::Job> out;
+  for (const auto& [name, j] : s_->jobs) out.push_back(j);
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobController::Stop(const std::string& name) {
+  HAP_RETURN_IF_ERROR(JobId(name).status());
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->jobs.find(name);
+  if (it == s_->jobs.end()) {
+    return absl::NotFoundError(absl::StrCat("job '", name, "' does not exist"));
+  }
+  if (Final(it->second.status().state()) || it->second.status().stop_requested()) {
+    return it->second;
+  }
+  v1::Job next = it->second;
+  next.mutable_status()->set_stop_requested(true);
+  next.mutable_status()->set_message("stop requested");
+  *next.mutable_status()->mutable_update_time() = ToProto(o_.now());
+  if (o_.sink != nullptr) {
+    HAP_RETURN_IF_ERROR(
+        Annotate(o_.sink->SaveJob(next), absl::StrCat(name, ": the stop was not saved")));
+  }
+  it->second = next;
+  if (o_.on_change) o_.on_change(next);
+  s_->wake = true;
+  s_->changed.SignalAll();
+  return next;
+}
+
+absl::Status JobController::Watch(const std::string& name,
+                                  const std::function<bool(const v1::Job&)>& on_update,
+                                  const std::function<bool()>& stop) {
+  HAP_ASSIGN_OR_RETURN(v1::Job last, Get(name));
+  if (!on_update(last)) return absl::OkStatus();
+  while (!Final(last.status().state()) && !stop()) {
+    v1::Job now;
+    {
+      absl::MutexLock l(&s_->mu);
+      if (s_->shutdown) return absl::OkStatus();
+      auto changed = [&]() ABSL_SHARED_LOCKS_REQUIRED(s_->mu) {
+        auto it = s_->jobs.find(name);
+        return it == s_->jobs.end() || s_->shutdown ||
+               !google::protobuf::util::MessageDifferencer::Equals(it->second, last);
+      };
+      const absl::Time until = absl::Now() + absl::Milliseconds(100);
+      while (!changed() && absl::Now() < until) s_->changed.WaitWithDeadline(&s_->mu, until);
+      auto it = s_->jobs.find(name);
+      if (it == s_->jobs.end()) return absl::OkStatus();
+      now = it->second;
+    }
+    if (google::protobuf::util::MessageDifferencer::Equals(now, last)) continue;
+    last = now;
+    if (!on_update(last)) return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+bool JobController::Commit(const v1::Job& in) {
+  v1::Job next = in;
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->jobs.find(next.name());
+  if (it == s_->jobs.end()) return false;
+  // A stop asked while the pass ran is kept (the next pass acts on it).
+  if (it->second.status().stop_requested()) next.mutable_status()->set_stop_requested(true);
+  next.mutable_status()->clear_update_time();
+  v1::Job cur = it->second;
+  cur.mutable_status()->clear_update_time();
+  if (google::protobuf::util::MessageDifferencer::Equals(cur, next)) return true;
+  *next.mutable_status()->mutable_update_time() = ToProto(o_.now());
+  if (o_.sink != nullptr) {
+    absl::Status saved = o_.sink->SaveJob(next);
+    if (!saved.ok()) {
+      // Left as stored (what a restart would find); the next pass tries again.
+      it->second.mutable_status()->set_message(
+          absl::StrCat("the planner could not save this job: ", saved.message()));
+      s_->changed.SignalAll();
+      return false;
+    }
+  }
+  it->second = std::move(next);
+  if (o_.on_change) o_.on_change(it->second);
+  s_->changed.SignalAll();
+  return true;
+}
+
+void JobController::Reconcile() {
+  absl::MutexLock pass(&s_->pass_mu);
+  const absl::Time now = o_.now();
+  const v1::Cluster cluster = o_.backend->Cluster();
+  const std::set<std::string> ready = ReadyDevices(cluster);
+  std::vector<std::string> names;
+  {
+    absl::MutexLock l(&s_->mu);
+    for (auto it = s_->ready_since.begin(); it != s_->ready_since.end();) {
+      it = ready.count(it->first) ? std::next(it) : s_->ready_since.erase(it);
+    }
+    for (const auto& d : ready) s_->ready_since.emplace(d, now);
+    for (const auto& [name, j] : s_->jobs) {
+      if (!Final(j.status().state())) names.push_back(name);
+    }
+  }
+  for (const std::string& name : names) {
+    v1::Job job;
+    std::set<std::string> stable;
+    {
+      absl::MutexLock l(&s_->mu);
+      if (s_->shutdown) return;
+      job = s_->jobs[name];
+      const absl::Duration window = JoinStable(job.spec());
+      for (const auto& [d, since] : s_->ready_since) {
+        if (now - since >= window) stable.insert(d);
+      }
+    }
+    Pass::Env env{o_.backend, now,  cluster, ready, std::move(stable),
+                  [this](const v1::Job& j) { return Commit(j); },
+                  o_.on_replan, o_.on_resumed, o_.max_events};
+    Pass(std::move(job), std::move(env)).Run();
+  }
+}
+
+}  // namespace hap::service
