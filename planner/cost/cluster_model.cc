@@ -100,6 +100,16 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
             "step_overhead_seconds (", v, "); they must be finite and >= 0"));
       }
     }
+    const double eff = d.overlap_efficiency();
+    if (!(std::isfinite(eff) && eff >= 0 && eff <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device '", id, "' has overlap_efficiency ", eff,
+          "; it must be in [0, 1] (0 = unset: ", kGpuOverlapEfficiency,
+          " for GPUs, ", kCpuOverlapEfficiency, " for CPUs)"));
+    }
+    dm.overlap_efficiency =
+        eff > 0 ? eff
+                : (d.kind() == hap::v1::CPU ? kCpuOverlapEfficiency : kGpuOverlapEfficiency);
     dm.optimizer_seconds_per_element = d.optimizer_seconds_per_element();
     dm.step_overhead_seconds = d.step_overhead_seconds();
     rank[id] = m.size();

@@ -18,6 +18,11 @@
 
 namespace hap::cost {
 
+// Overlap efficiency where the profile leaves it unset (cluster.proto
+// Device.overlap_efficiency).
+inline constexpr double kGpuOverlapEfficiency = 1.0;
+inline constexpr double kCpuOverlapEfficiency = 0.5;
+
 struct DeviceModel {
   std::string id;
   std::string node;
@@ -30,6 +35,9 @@ struct DeviceModel {
   std::map<std::string, double> op_time_scale = {};
   double optimizer_seconds_per_element = 0;
   double step_overhead_seconds = 0;
+  // The fraction of an overlapped collective this device hides behind its
+  // compute (cluster.proto Device.overlap_efficiency; defaults by kind).
+  double overlap_efficiency = 1.0;
 
   double OpTimeScale(const std::string& op_type) const {
     auto it = op_time_scale.find(op_type);

@@ -1,6 +1,7 @@
 #include "planner/cost/collectives.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace hap::cost {
 
@@ -26,36 +27,84 @@ double CollectiveModel::RingAllReduce(double bytes,
          2.0 * (n - 1) * cluster_.RingLatency(g);
 }
 
-double CollectiveModel::AllReduce(double bytes) const {
-  if (bytes <= 0) return 0;
-  return AllReduceTransfer(bytes) + cluster_.collective_overhead_seconds();
+double CollectiveModel::TreeAllReduce(double bytes,
+                                      const std::vector<int>& g) const {
+  int n = static_cast<int>(g.size());
+  if (n < 2 || bytes <= 0) return 0;
+  const double depth = std::ceil(std::log2(static_cast<double>(n)));
+  return 2.0 * bytes / cluster_.RingBandwidth(g) +
+         2.0 * depth * cluster_.RingLatency(g);
 }
 
-double CollectiveModel::AllReduceTransfer(double bytes) const {
+double CollectiveModel::AllReduce(double bytes) const {
   if (bytes <= 0) return 0;
-  double ring = RingAllReduce(bytes, cluster_.all());
+  return AllReduceAlgorithm(bytes).seconds +
+         cluster_.collective_overhead_seconds();
+}
+
+CollectiveModel::Choice CollectiveModel::AllReduceAlgorithm(
+    double bytes) const {
+  Choice best;
+  if (bytes <= 0) return best;
+  best.seconds = INFINITY;
+  auto consider = [&](const char* name, double seconds) {
+    if (seconds < best.seconds) best = {name, seconds};
+  };
+  consider("ring", RingAllReduce(bytes, cluster_.all()));
+  consider("tree", TreeAllReduce(bytes, cluster_.all()));
   const auto& nodes = cluster_.node_groups();
-  if (nodes.size() < 2) return ring;
+  if (nodes.size() < 2) return best;
   // Hierarchical: reduce-scatter inside each node, all-reduce the 1/k slices
-  // across nodes (k in parallel rings of node leaders), all-gather inside.
+  // across nodes (k in parallel, one per local rank), all-gather inside.
   size_t kmin = nodes[0].size();
   double intra = 0;
   for (const auto& g : nodes) {
     kmin = std::min(kmin, g.size());
     intra = std::max(intra, RingAllReduce(bytes, g));  // RS + AG = one AR
   }
+  // The leaders' ring or tree uses the slowest inter-node link; other local
+  // ranks' cross the same class of links.
   std::vector<int> leaders;
   for (const auto& g : nodes) leaders.push_back(g[0]);
-  double inter = RingAllReduce(bytes / static_cast<double>(kmin), leaders);
-  // Leaders' ring uses the slowest inter-node link; other local ranks' rings
-  // cross the same class of links.
-  return std::min(ring, intra + inter);
+  const double slice = bytes / static_cast<double>(kmin);
+  consider("hierarchical ring", intra + RingAllReduce(slice, leaders));
+  consider("hierarchical tree", intra + TreeAllReduce(slice, leaders));
+  return best;
+}
+
+double CollectiveModel::AllReduceTransfer(double bytes) const {
+  if (bytes <= 0) return 0;
+  // The bandwidth terms of flat and hierarchical rings (trees move about the
+  // same bytes per link); latency is the bucket's, paid once.
+  const int n = cluster_.size();
+  double flat = 2.0 * (n - 1) / n * bytes / ring_bw_;
+  const auto& nodes = cluster_.node_groups();
+  if (nodes.size() < 2) return flat;
+  size_t kmin = nodes[0].size();
+  double intra = 0;
+  for (const auto& g : nodes) {
+    kmin = std::min(kmin, g.size());
+    const double k = static_cast<double>(g.size());
+    if (g.size() > 1) {
+      intra = std::max(intra, 2.0 * (k - 1) / k * bytes / cluster_.RingBandwidth(g));
+    }
+  }
+  std::vector<int> leaders;
+  for (const auto& g : nodes) leaders.push_back(g[0]);
+  const double m = static_cast<double>(nodes.size());
+  const double inter = 2.0 * (m - 1) / m * bytes / static_cast<double>(kmin) /
+                       cluster_.RingBandwidth(leaders);
+  return std::min(flat, intra + inter);
 }
 
 double CollectiveModel::Broadcast(double bytes) const {
   if (bytes <= 0) return 0;
   int n = cluster_.size();
-  return bytes / ring_bw_ + (n - 1) * ring_lat_ + cluster_.collective_overhead_seconds();
+  // Pipelined along a chain (n-1 hops of latency) or down a binary tree
+  // (log2 n hops); the data crosses the slowest link once either way.
+  const double hops = std::min<double>(
+      n - 1, std::ceil(std::log2(static_cast<double>(n))));
+  return bytes / ring_bw_ + hops * ring_lat_ + cluster_.collective_overhead_seconds();
 }
 
 double CollectiveModel::Reduce(double bytes) const { return Broadcast(bytes); }

@@ -1,6 +1,16 @@
 // Collective communication costs (DESIGN.md §8) over a ClusterModel:
-// latency + bytes / bandwidth for ring and hierarchical (intra-node, then
-// inter-node) algorithms, bottlenecked by the slowest link each crosses.
+// latency + bytes / bandwidth for ring, tree and hierarchical (intra-node,
+// then inter-node) algorithms, bottlenecked by the slowest link each crosses.
+//
+// All-reduce, as NCCL does, picks by size and device count the cheapest of
+//   ring:  2 (n-1)/n * S / bw + 2 (n-1) * lat      (bandwidth-optimal)
+//   tree:  2 S / bw + 2 ceil(log2 n) * lat          (double binary tree,
+//          pipelined: about the ring's bandwidth, logarithmic latency)
+// flat over all devices or hierarchical (a ring reduce-scatter and
+// all-gather inside each node, ring or tree across nodes on 1/k slices).
+// nccl-tests' bus bandwidth of an all-reduce is S / t * 2 (n-1)/n: for
+// large S these models keep it near the slowest link's bandwidth at any n,
+// as published nccl-tests runs do (cost_test checks it from 16 to 2,048).
 //
 // Costs of collectives on sharded tensors depend on the sharding ratios b_i,
 // so they are returned as a ratios::CostTerm, max_i(coef_i * b_i + const_i):
@@ -39,12 +49,21 @@ class CollectiveModel {
  public:
   explicit CollectiveModel(const ClusterModel& cluster);
 
-  // P -> R of a full tensor: min(ring, hierarchical), plus the per-call
-  // overhead (ClusterModel::collective_overhead_seconds).
+  // P -> R of a full tensor: the cheapest algorithm (AllReduceAlgorithm),
+  // plus the per-call overhead (ClusterModel::collective_overhead_seconds).
   double AllReduce(double bytes) const;
-  // The same without the per-call overhead: a tensor's share of a coalesced
-  // all-reduce (gradient buckets pay the overhead once, not per tensor).
+  // A tensor's share of a coalesced all-reduce (a gradient bucket): the
+  // bandwidth term of the large-message algorithm only. The bucket pays
+  // the latency and the call overhead once (AllReduce of its bytes), so
+  // latency does not multiply with the number of tensors in it.
   double AllReduceTransfer(double bytes) const;
+  // The all-reduce algorithm AllReduce(bytes) uses and its time without the
+  // call overhead: "ring", "tree", "hierarchical ring", "hierarchical tree".
+  struct Choice {
+    const char* algorithm = "none";
+    double seconds = 0;
+  };
+  Choice AllReduceAlgorithm(double bytes) const;
   double Broadcast(double bytes) const;
   double Reduce(double bytes) const;
   // S(d) -> R, shard i = b_i * bytes (bytes = the full tensor).
@@ -57,6 +76,8 @@ class CollectiveModel {
   CostTerm Constant(double seconds, int segment = 0) const;
   // Ring all-reduce over a subgroup (used by hierarchical plans/baselines).
   double RingAllReduce(double bytes, const std::vector<int>& group) const;
+  // Double-binary-tree all-reduce over a subgroup.
+  double TreeAllReduce(double bytes, const std::vector<int>& group) const;
 
   const ClusterModel& cluster() const { return cluster_; }
 

@@ -109,6 +109,33 @@ absl::Status ValidateRequest(const RatioLpRequest& r) {
           name, ".weight = ", t.weight, "; expected a finite value > 0"));
     }
   }
+  if (r.path.has_value()) {
+    const CriticalPath& p = *r.path;
+    if (p.num_events < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "path.num_events = ", p.num_events, "; expected >= 2 (start and end)"));
+    }
+    if (!std::isfinite(p.weight) || p.weight <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "path.weight = ", p.weight, "; expected a finite value > 0"));
+    }
+    for (size_t e = 0; e < p.edges.size(); ++e) {
+      const Precedence& x = p.edges[e];
+      const std::string name = absl::StrCat("path.edges[", e, "]");
+      if (x.from < 0 || x.to <= x.from || x.to >= p.num_events) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, " goes from event ", x.from, " to ", x.to,
+            "; expected 0 <= from < to < num_events = ", p.num_events));
+      }
+      for (int k : x.terms) {
+        if (k < 0 || k >= static_cast<int>(r.terms.size())) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              name, " names term ", k, ", out of range [0, ", r.terms.size(), ")"));
+        }
+      }
+      HAP_RETURN_IF_ERROR(CheckNonNegative(x.constant, absl::StrCat(name, ".constant")));
+    }
+  }
   if (r.memory.has_value()) {
     const MemoryConstraint& m = *r.memory;
     HAP_RETURN_IF_ERROR(CheckSize(m.coef.size(), r.num_segments, "memory.coef",
@@ -571,14 +598,19 @@ double RoundForKey(double x) {
   return std::ldexp(std::round(std::ldexp(mantissa, 40)), exponent - 40);
 }
 
-// Returns the shapes; adds the constant parts to *constant.
+// Returns the shapes of the terms not on the critical path (in_path[k]
+// false); adds their constant parts to *constant.
 std::vector<Shape> ReduceTerms(const RatioLpRequest& r,
-                               const DeviceClasses& classes, double* constant) {
+                               const DeviceClasses& classes,
+                               const std::vector<bool>& in_path,
+                               double* constant) {
   const int n = classes.num_classes();
   std::vector<Shape> shapes;
   std::map<std::pair<int, std::vector<double>>, size_t> index;
   std::vector<double> key(2 * n);
-  for (const CostTerm& t : r.terms) {
+  for (size_t k = 0; k < r.terms.size(); ++k) {
+    if (in_path[k]) continue;
+    const CostTerm& t = r.terms[k];
     const double alpha = *std::max_element(t.coef.begin(), t.coef.end());
     if (alpha == 0) {  // replicated: no ratio dependence
       *constant +=
@@ -656,7 +688,13 @@ absl::StatusOr<RatioLpResult> SolveRatioLp(const RatioLpRequest& request) {
   const int nc = classes.num_classes();
   auto x_row = [nc](int s, int c) { return s * nc + c; };
   double constant = 0;
-  const std::vector<Shape> shapes = ReduceTerms(r, classes, &constant);
+  std::vector<bool> in_path(r.terms.size(), false);
+  if (r.path.has_value()) {
+    for (const Precedence& e : r.path->edges) {
+      for (int k : e.terms) in_path[k] = true;
+    }
+  }
+  const std::vector<Shape> shapes = ReduceTerms(r, classes, in_path, &constant);
   double weight_scale = 0;
   for (const Shape& g : shapes) weight_scale = std::max(weight_scale, g.weight);
   if (weight_scale == 0) weight_scale = 1;
@@ -687,6 +725,61 @@ absl::StatusOr<RatioLpResult> SolveRatioLp(const RatioLpRequest& request) {
       if (g.v[c] == 0) continue;
       dual.AddColumn(0, kInf, g.u[c] - lower,  // y_gc
                      {{t_row, 1}, {x_row(g.segment, c), -g.v[c]}});
+    }
+  }
+  // Critical-path terms, each its own shape: value_k = scale_k * t'_k +
+  // fixed_k with t'_k >= max_c(v_c x_c + u_c) - lb_k >= 0 (one row of the
+  // dual, rhs 0: its y columns are paid for by the edges' pi columns).
+  std::vector<int> path_row(r.terms.size(), -1);
+  std::vector<double> path_scale(r.terms.size(), 0), path_fixed(r.terms.size(), 0);
+  for (size_t k = 0; k < r.terms.size(); ++k) {
+    if (!in_path[k]) continue;
+    const CostTerm& t = r.terms[k];
+    const double alpha = *std::max_element(t.coef.begin(), t.coef.end());
+    if (alpha == 0) {
+      path_fixed[k] = t.weight * *std::max_element(t.constant.begin(), t.constant.end());
+      continue;
+    }
+    const double beta = *std::min_element(t.constant.begin(), t.constant.end());
+    double lower = 0;
+    std::vector<double> v(nc), u(nc);
+    for (int c = 0; c < nc; ++c) {
+      const int i = classes.representative[c];
+      v[c] = t.coef[i] / alpha;
+      u[c] = (t.constant[i] - beta) / alpha;
+      if (v[c] == 0) lower = std::max(lower, u[c]);
+    }
+    path_scale[k] = t.weight * alpha;
+    path_fixed[k] = t.weight * (alpha * lower + beta);
+    path_row[k] = dual.AddRow(-kInf, 0, {});
+    for (int c = 0; c < nc; ++c) {
+      if (v[c] == 0) continue;
+      dual.AddColumn(0, kInf, u[c] - lower,  // y_kc
+                     {{path_row[k], 1}, {x_row(t.segment, c), -v[c]}});
+    }
+  }
+  if (r.path.has_value()) {
+    // Rows of E_j (j >= 1): sum of pi into j - sum of pi out of j <= the
+    // objective's weight on E_j (only the last event's). Columns pi_e:
+    // E_to - E_from - sum_k scale_k t'_k >= constant_e + sum_k fixed_k.
+    const CriticalPath& cp = *r.path;
+    std::vector<int> event_row(cp.num_events, -1);
+    for (int j = 1; j < cp.num_events; ++j) {
+      event_row[j] = dual.AddRow(
+          -kInf, j == cp.num_events - 1 ? cp.weight / weight_scale : 0, {});
+    }
+    for (const Precedence& e : cp.edges) {
+      std::map<int, double> entries;
+      double kappa = e.constant;
+      entries[event_row[e.to]] += 1;
+      if (e.from > 0) entries[event_row[e.from]] -= 1;
+      for (int k : e.terms) {
+        kappa += path_fixed[k];
+        if (path_row[k] >= 0) entries[path_row[k]] -= path_scale[k];
+      }
+      column.clear();
+      for (const auto& [row, value] : entries) column.push_back({row, value});
+      dual.AddColumn(0, kInf, kappa, column);  // pi_e
     }
   }
   if (r.memory.has_value()) {
@@ -743,6 +836,28 @@ absl::StatusOr<RatioLpResult> SolveRatioLp(const RatioLpRequest& request) {
   return result;
 }
 
+std::vector<double> EventTimes(const CriticalPath& path,
+                               const std::vector<double>& term_values) {
+  if (path.num_events < 1) return {};
+  std::vector<std::vector<const Precedence*>> into(path.num_events);
+  for (const Precedence& e : path.edges) {
+    if (e.from < 0 || e.to <= e.from || e.to >= path.num_events) return {};
+    into[e.to].push_back(&e);
+  }
+  std::vector<double> t(path.num_events, 0);
+  for (int j = 1; j < path.num_events; ++j) {
+    for (const Precedence* e : into[j]) {
+      double len = t[e->from] + e->constant;
+      for (int k : e->terms) {
+        if (k < 0 || k >= static_cast<int>(term_values.size())) return {};
+        len += term_values[k];
+      }
+      t[j] = std::max(t[j], len);
+    }
+  }
+  return t;
+}
+
 // Returns NaN when `ratios` does not have the request's shape.
 double EvaluateObjective(const RatioLpRequest& request,
                          const std::vector<std::vector<double>>& ratios) {
@@ -751,8 +866,19 @@ double EvaluateObjective(const RatioLpRequest& request,
   for (const auto& seg : ratios) {
     if (seg.size() != static_cast<size_t>(request.num_devices)) return nan;
   }
+  std::vector<bool> in_path(request.terms.size(), false);
+  if (request.path.has_value()) {
+    for (const Precedence& e : request.path->edges) {
+      for (int k : e.terms) {
+        if (k < 0 || k >= static_cast<int>(in_path.size())) return nan;
+        in_path[k] = true;
+      }
+    }
+  }
   double total = 0;
-  for (const CostTerm& t : request.terms) {
+  std::vector<double> value(request.terms.size(), 0);
+  for (size_t k = 0; k < request.terms.size(); ++k) {
+    const CostTerm& t = request.terms[k];
     if (t.segment < 0 || t.segment >= request.num_segments ||
         t.coef.size() != ratios[t.segment].size() ||
         t.constant.size() != ratios[t.segment].size()) {
@@ -762,7 +888,13 @@ double EvaluateObjective(const RatioLpRequest& request,
     for (int i = 0; i < request.num_devices; ++i) {
       worst = std::max(worst, t.coef[i] * ratios[t.segment][i] + t.constant[i]);
     }
-    total += t.weight * worst;
+    value[k] = t.weight * worst;
+    if (!in_path[k]) total += value[k];
+  }
+  if (request.path.has_value()) {
+    const std::vector<double> times = EventTimes(*request.path, value);
+    if (times.empty()) return nan;
+    total += request.path->weight * times.back();
   }
   return total;
 }

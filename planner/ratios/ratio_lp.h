@@ -16,6 +16,14 @@
 //               memory: sum_s mem_coef[s][i] * b[s][i] + mem_constant[i]
 //                         <= capacity[i]                          for all i
 //
+// A step whose communication overlaps its compute is priced as a critical
+// path (CriticalPath): event times E_j are further variables, 0 = the step's
+// start, with precedence rows
+//               E_to >= E_from + sum_{k in edge} value_k + constant_edge
+// (value_k = weight_k * max_i(...), term k's t_k) and path.weight * E_last
+// in the objective in place of the terms the edges name. Linear: a max over
+// the compute and the communication resource is two edges into one event.
+//
 // Thread-safety: SolveRatioLp is thread-safe (GLPK state is per call).
 #ifndef HAP_PLANNER_RATIOS_RATIO_LP_H_
 #define HAP_PLANNER_RATIOS_RATIO_LP_H_
@@ -43,10 +51,28 @@ struct MemoryConstraint {
   std::vector<std::string> device_names;  // for error messages
 };
 
+// E[to] >= E[from] + the named terms' values + constant (from < to).
+struct Precedence {
+  int from = 0;
+  int to = 0;
+  std::vector<int> terms;  // indices into RatioLpRequest::terms
+  double constant = 0;     // seconds
+};
+
+// Events 0 .. num_events-1 in an order where every edge goes forward; event
+// 0 is the start (time 0), the last event the end whose time counts.
+struct CriticalPath {
+  int num_events = 0;
+  std::vector<Precedence> edges;
+  double weight = 1.0;
+};
+
 struct RatioLpRequest {
   int num_devices = 0;
   int num_segments = 1;
   std::vector<CostTerm> terms;
+  // Terms named by its edges count through the path only.
+  std::optional<CriticalPath> path;
   std::optional<MemoryConstraint> memory;
   double time_limit_seconds = 10;  // GLPK's time limit
 };
@@ -65,6 +91,10 @@ absl::StatusOr<RatioLpResult> SolveRatioLp(const RatioLpRequest& request);
 // The objective for given ratios, computed directly (not by GLPK).
 double EvaluateObjective(const RatioLpRequest& request,
                          const std::vector<std::vector<double>>& ratios);
+// The earliest time of every event of `path` given each term's value
+// (weight included); empty when an edge is malformed.
+std::vector<double> EventTimes(const CriticalPath& path,
+                               const std::vector<double>& term_values);
 // Checks ratios against the constraints (sum 1, >= 0, memory); tolerance
 // relative 1e-6.
 absl::Status CheckRatios(const RatioLpRequest& request,

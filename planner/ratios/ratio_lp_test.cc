@@ -329,6 +329,108 @@ TEST(RatioLpTest, MatchesGridSearchOnThreeDevices) {
 }
 
 // ---------------------------------------------------------------------------
+// Critical paths (communication overlapping compute).
+// ---------------------------------------------------------------------------
+
+TEST(RatioLpTest, CriticalPathIsTheMaxOfComputeAndOverlappedCommunication) {
+  // Compute 2 b0 vs 1 b1 (best alone: b = 1/3, 2/3, time 2/3) overlapped
+  // with a collective of `comm` seconds: the step is max(compute, comm).
+  for (double comm : {0.5, 0.9}) {
+    RatioLpRequest r = Request(2, {Term({2, 1}), Term({0, 0}, {comm, comm})});
+    CriticalPath path;
+    path.num_events = 2;
+    path.edges = {{0, 1, {0}, 0}, {0, 1, {1}, 0}};
+    r.path = path;
+    absl::StatusOr<RatioLpResult> result = SolveRatioLp(r);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectConsistent(r, *result);
+    EXPECT_NEAR(result->objective, std::max(comm, 2.0 / 3), 1e-9);
+    // Summed instead (no path): compute + comm.
+    r.path.reset();
+    EXPECT_NEAR(SolveRatioLp(r)->objective, 2.0 / 3 + comm, 1e-9);
+  }
+}
+
+TEST(RatioLpTest, CriticalPathThroughALaunchPoint) {
+  // A collective launched after the first part of the compute (prefix term
+  // 1 b0 | 0.5 b1) runs 0.6 s; the rest of the compute follows: the step is
+  // max(prefix + comm, whole compute) with whole = 2 b0 | 1 b1 (+ a 0.1 s
+  // tail on the wait edge's side as a constant).
+  RatioLpRequest r = Request(2, {Term({1, 0.5}), Term({0, 0}, {0.6, 0.6}),
+                                 Term({2, 1})});
+  CriticalPath path;
+  path.num_events = 3;  // 0 start, 1 launch, 2 end
+  path.edges = {{0, 1, {0}, 0}, {1, 2, {1}, 0.1}, {0, 2, {2}, 0}};
+  r.path = path;
+  absl::StatusOr<RatioLpResult> result = SolveRatioLp(r);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ExpectConsistent(r, *result);
+  // At b = 1/3, 2/3: prefix 1/3, + 0.6 + 0.1 = 1.0333; whole 2/3. Both
+  // terms are minimised by the same split, so the optimum is 1/3 + 0.7.
+  EXPECT_NEAR(result->objective, 1.0 / 3 + 0.7, 1e-9);
+  EXPECT_NEAR(result->ratios[0][0], 1.0 / 3, 1e-6);
+  std::vector<double> values = {1.0 / 3, 0.6, 2.0 / 3};
+  std::vector<double> times = EventTimes(path, values);
+  ASSERT_EQ(times.size(), 3u);
+  EXPECT_NEAR(times[2], 1.0 / 3 + 0.7, 1e-12);
+}
+
+void AddRandomPath(std::mt19937& rng, RatioLpRequest* r) {
+  std::uniform_real_distribution<double> u01(0, 1);
+  CriticalPath path;
+  path.num_events = 2 + static_cast<int>(rng() % 4);
+  for (int j = 0; j + 1 < path.num_events; ++j) {
+    path.edges.push_back({j, j + 1, {}, 0.1 * u01(rng)});
+  }
+  for (size_t k = 0; k < r->terms.size(); ++k) {
+    if (rng() % 3 == 0) continue;  // stays outside the path
+    const int from = static_cast<int>(rng() % (path.num_events - 1));
+    const int to = from + 1 + static_cast<int>(rng() % (path.num_events - 1 - from));
+    path.edges.push_back({from, to, {static_cast<int>(k)}, 0});
+  }
+  r->path = path;
+}
+
+TEST(RatioLpTest, CriticalPathsMatchGridSearch) {
+  std::mt19937 rng(4242);
+  for (int n = 0; n < 40; ++n) {
+    const int devices = 2 + n % 2;
+    RatioLpRequest r = RandomInstance(rng, devices, devices == 2 ? 1 + n % 2 : 1, n % 3 != 0);
+    AddRandomPath(rng, &r);
+    SCOPED_TRACE(absl::StrCat("instance ", n));
+    absl::StatusOr<RatioLpResult> result = SolveRatioLp(r);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectConsistent(r, *result);
+    const int steps = devices == 2 ? 200 : 60;
+    const GridResult grid = GridSearch(r, steps);
+    ASSERT_GT(grid.feasible_points, 0);
+    const double tol = GridTolerance(r, steps);
+    EXPECT_LE(result->objective, grid.best + 1e-9 * std::abs(grid.best) + 1e-12);
+    EXPECT_GE(result->objective, grid.best - tol)
+        << "LP " << result->objective << " grid " << grid.best;
+  }
+}
+
+TEST(RatioLpTest, RejectsMalformedPaths) {
+  RatioLpRequest r = Request(2, {Term({1, 1})});
+  CriticalPath path;
+  path.num_events = 2;
+  path.edges = {{1, 1, {0}, 0}};
+  r.path = path;
+  EXPECT_THAT(SolveRatioLp(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("path.edges[0] goes from event 1 to 1")));
+  r.path->edges = {{0, 1, {3}, 0}};
+  EXPECT_THAT(SolveRatioLp(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("names term 3")));
+  r.path->edges = {{0, 1, {0}, -1}};
+  EXPECT_THAT(SolveRatioLp(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("path.edges[0].constant")));
+  r.path->num_events = 1;
+  EXPECT_THAT(SolveRatioLp(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("path.num_events")));
+}
+
+// ---------------------------------------------------------------------------
 // (c) Memory.
 // ---------------------------------------------------------------------------
 
