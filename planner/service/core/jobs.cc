@@ -454,6 +454,12 @@ class Pass {
     return r;
   }
 
+  void WaitForDevices(const std::vector<std::string>& usable) {
+    st().set_message(absl::StrCat("waiting for devices: ", usable.size(),
+                                  " usable, the job needs ", MinDevices(spec())));
+    Commit();
+  }
+
   // No deployment running: plan on the usable devices, then deploy.
   void PlanAndDeploy() {
     RefreshCheckpoint();
@@ -463,37 +469,32 @@ class Pass {
                     absl::StrCat("every step done (checkpoint at step ", st().checkpoint_step(),
                                  " committed)"));
     }
+    std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices());
     if (st().next_plan().empty()) {
-      std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices());
-      if (static_cast<int>(usable.size()) < MinDevices(spec())) {
-        st().set_message(absl::StrCat("waiting for devices: ", usable.size(),
-                                      " usable, the job needs ", MinDevices(spec())));
-        Commit();
-        return;
-      }
+      if (static_cast<int>(usable.size()) < MinDevices(spec())) return WaitForDevices(usable);
       st().set_next_plan(NextPlanName());
       if (st().state() == v1::JobStatus::PENDING) st().set_state(v1::JobStatus::PLANNING);
       st().set_message(absl::StrCat("planning on ", usable.size(), " devices (",
                                     st().next_plan(), ")"));
       if (!Commit()) return;  // the intent first: a restart finds the plan by name
-      absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().next_plan(), usable));
-      if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
-        if (absl::IsInvalidArgument(p.status())) {
-          return Finish(v1::JobStatus::FAILED,
-                        absl::StrCat("cannot plan: ", p.status().message()));
-        }
-        st().set_message(absl::StrCat("plan ", st().next_plan(), " not started (",
-                                      p.status().message(), "); trying again"));
-        st().clear_next_plan();
-        Commit();
-        return;
-      }
     }
     absl::StatusOr<v1::Plan> p = b_.GetPlan(st().next_plan());
+    if (absl::IsNotFound(p.status())) {
+      // Not made yet (the planner restarted between the intent and the
+      // call) or deleted: made now, under the name saved.
+      if (static_cast<int>(usable.size()) < MinDevices(spec())) {
+        st().clear_next_plan();
+        return WaitForDevices(usable);
+      }
+      p = b_.CreatePlan(PlanRequest(st().next_plan(), usable));
+      if (absl::IsAlreadyExists(p.status())) p = b_.GetPlan(st().next_plan());
+      if (absl::IsInvalidArgument(p.status())) {
+        return Finish(v1::JobStatus::FAILED, absl::StrCat("cannot plan: ", p.status().message()));
+      }
+    }
     if (!p.ok()) {
       st().set_message(absl::StrCat(st().next_plan(), ": ", p.status().message(),
-                                    "; planning again"));
-      st().clear_next_plan();
+                                    "; trying again"));
       Commit();
       return;
     }
