@@ -9,6 +9,10 @@
 //   --heartbeat-seconds S --missed-heartbeats N --workers N --max-seconds S
 //   --max-request-bytes N     larger requests get RESOURCE_EXHAUSTED (default
 //                             16 MiB; a 48-layer GPT graph is 176 KB)
+//   --max-threads N           threads for calls that block (planning, deploys,
+//                             watches, rendezvous waits; default 256); beyond
+//                             them such calls get RESOURCE_EXHAUSTED. Reads
+//                             (Get/List) take no thread of their own.
 //   --drain-seconds S         NOT_SERVING this long before stopping
 //   --node-expiry-seconds S   remove nodes STALE for longer than S (default: never)
 //   --plan-retention-count N  keep the N most recently finished plans (default
@@ -68,7 +72,9 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   auto max_request = number("max-request-bytes", hap::service::kDefaultMaxRequestBytes);
   auto drain = number("drain-seconds", 1);
   auto expiry = number("node-expiry-seconds", 0);
-  for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry}) {
+  auto threads = number("max-threads", o.max_threads);
+  for (auto* s :
+       {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
@@ -77,6 +83,7 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.core.default_max_seconds = *max_seconds;
   o.max_message_bytes = static_cast<int>(std::min<double>(*max_request, 1 << 30));
   o.drain = absl::Seconds(*drain);
+  o.max_threads = static_cast<int>(std::min<double>(std::max(*threads, 4.0), 1 << 16));
   if (*expiry > 0) o.core.node_expiry = absl::Seconds(*expiry);
   // Retention: 0 turns a limit off.
   auto non_negative = [&](const char* flag, double def) -> absl::StatusOr<double> {
@@ -110,7 +117,7 @@ int main(int argc, char** argv) {
       {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
        "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds",
        "node-expiry-seconds", "plan-retention-count", "plan-retention-seconds", "max-request-bytes",
-       "drain-seconds"},
+       "drain-seconds", "max-threads"},
       {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n";

@@ -1,5 +1,6 @@
 #include "planner/service/planner_server.h"
 
+#include <algorithm>
 #include <iostream>
 #include <set>
 #include <thread>
@@ -8,6 +9,7 @@
 #include "absl/synchronization/notification.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "planner/service/grpc/planner_service_impl.h"
 #include "planner/service/metrics/metrics.h"
 #include "planner/service/metrics/metrics_http.h"
@@ -239,6 +241,9 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   b.AddListeningPort(o.listen, creds, &m.port);
   b.SetMaxReceiveMessageSize(o.max_message_bytes);
   b.SetMaxSendMessageSize(kMaxMessageBytes);
+  grpc::ResourceQuota quota("hap-planner");
+  quota.SetMaxThreads(std::max(4, o.max_threads));
+  b.SetResourceQuota(quota);
   PlannerServiceOptions so;
   so.security = o.security;
   so.on_rpc_start = [&m](const std::string& method) { m.metrics.Started(method); };

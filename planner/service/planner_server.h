@@ -43,6 +43,10 @@ struct PlannerServerOptions {
   // Largest request accepted (RESOURCE_EXHAUSTED beyond); see
   // kDefaultMaxRequestBytes.
   int max_message_bytes = kDefaultMaxRequestBytes;
+  // Threads for the calls that block (CreatePlan, deploys, watches,
+  // rendezvous waits); such a call beyond them gets RESOURCE_EXHAUSTED.
+  // Reads are answered on gRPC's callback API and need none (at least 4).
+  int max_threads = 256;
   // While shutting down, health reports NOT_SERVING for this long before
   // the server stops taking calls (load balancers drain meanwhile).
   absl::Duration drain = absl::Seconds(1);

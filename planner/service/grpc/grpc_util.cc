@@ -151,7 +151,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return grpc::SslCredentials(o);
 }
 
-grpc::Status CheckToken(const grpc::ServerContext* ctx, const std::string& token) {
+grpc::Status CheckToken(const grpc::ServerContextBase* ctx, const std::string& token) {
   if (token.empty()) return grpc::Status::OK;
   const std::string want = "Bearer " + token;
   auto range = ctx->client_metadata().equal_range("authorization");

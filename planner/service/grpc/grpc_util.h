@@ -52,7 +52,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 
 // OK, or UNAUTHENTICATED when `token` is set and the call lacks it (the
 // comparison takes the same time whatever the mismatch).
-grpc::Status CheckToken(const grpc::ServerContext* ctx, const std::string& token);
+grpc::Status CheckToken(const grpc::ServerContextBase* ctx, const std::string& token);
 
 // A client context with the token and a deadline.
 void PrepareClientContext(grpc::ClientContext* ctx, const Security& s,

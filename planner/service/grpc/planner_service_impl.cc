@@ -144,7 +144,7 @@ PlannerServiceImpl::~PlannerServiceImpl() {
 
 void PlannerServiceImpl::Shutdown() { deployments_->Shutdown(); }
 
-grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContext* ctx,
+grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContextBase* ctx,
                                         const std::function<absl::Status()>& fn) {
   auto start = std::chrono::steady_clock::now();
   if (o_.on_rpc_start) o_.on_rpc_start(method);
@@ -155,6 +155,14 @@ grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContext*
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return s;
+}
+
+grpc::ServerUnaryReactor* PlannerServiceImpl::HandleNow(const char* method,
+                                                        grpc::CallbackServerContext* ctx,
+                                                        const std::function<absl::Status()>& fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Handle(method, ctx, fn));
+  return reactor;
 }
 
 // ---------------------------------------------------------------- nodes --
@@ -177,18 +185,18 @@ grpc::Status PlannerServiceImpl::Heartbeat(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status PlannerServiceImpl::GetCluster(grpc::ServerContext* ctx,
-                                            const v1::GetClusterRequest* r, v1::Cluster* out) {
-  return Handle("GetCluster", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::GetCluster(grpc::CallbackServerContext* ctx,
+                                                         const v1::GetClusterRequest* r, v1::Cluster* out) {
+  return HandleNow("GetCluster", ctx, [&]() -> absl::Status {
     *out = core_->GetCluster(r->include_stale());
     return absl::OkStatus();
   });
 }
 
-grpc::Status PlannerServiceImpl::ListNodes(grpc::ServerContext* ctx,
-                                           const v1::ListNodesRequest* r,
-                                           v1::ListNodesResponse* out) {
-  return Handle("ListNodes", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,
+                                                        const v1::ListNodesRequest* r,
+                                                        v1::ListNodesResponse* out) {
+  return HandleNow("ListNodes", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, core_->ListNodes(r->page_size(), r->page_token()));
     return absl::OkStatus();
   });
@@ -228,18 +236,19 @@ grpc::Status PlannerServiceImpl::CreatePlan(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status PlannerServiceImpl::GetPlan(grpc::ServerContext* ctx, const v1::GetPlanRequest* r,
-                                         v1::Plan* out) {
-  return Handle("GetPlan", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::GetPlan(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetPlanRequest* r,
+                                                      v1::Plan* out) {
+  return HandleNow("GetPlan", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, core_->GetPlan(r->name(), r->view() == v1::GetPlanRequest::FULL));
     return absl::OkStatus();
   });
 }
 
-grpc::Status PlannerServiceImpl::ListPlans(grpc::ServerContext* ctx,
-                                           const v1::ListPlansRequest* r,
-                                           v1::ListPlansResponse* out) {
-  return Handle("ListPlans", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::ListPlans(grpc::CallbackServerContext* ctx,
+                                                        const v1::ListPlansRequest* r,
+                                                        v1::ListPlansResponse* out) {
+  return HandleNow("ListPlans", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, core_->ListPlans(r->page_size(), r->page_token(),
                                                   r->view() == v1::GetPlanRequest::FULL));
     return absl::OkStatus();
@@ -290,19 +299,19 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status PlannerServiceImpl::GetDeployment(grpc::ServerContext* ctx,
-                                               const v1::GetDeploymentRequest* r,
-                                               v1::Deployment* out) {
-  return Handle("GetDeployment", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::GetDeployment(grpc::CallbackServerContext* ctx,
+                                                            const v1::GetDeploymentRequest* r,
+                                                            v1::Deployment* out) {
+  return HandleNow("GetDeployment", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, deployments_->Get(r->name()));
     return absl::OkStatus();
   });
 }
 
-grpc::Status PlannerServiceImpl::ListDeployments(grpc::ServerContext* ctx,
-                                                 const v1::ListDeploymentsRequest* r,
-                                                 v1::ListDeploymentsResponse* out) {
-  return Handle("ListDeployments", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::ListDeployments(grpc::CallbackServerContext* ctx,
+                                                              const v1::ListDeploymentsRequest* r,
+                                                              v1::ListDeploymentsResponse* out) {
+  return HandleNow("ListDeployments", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, deployments_->List(r->page_size(), r->page_token()));
     return absl::OkStatus();
   });
@@ -342,10 +351,10 @@ absl::StatusOr<std::vector<v1::StepMetric>> PlannerServiceImpl::StepMetrics(
   return deployments_->StepMetrics(deployment);
 }
 
-grpc::Status PlannerServiceImpl::ListStepMetrics(grpc::ServerContext* ctx,
-                                                 const v1::ListStepMetricsRequest* r,
-                                                 v1::ListStepMetricsResponse* out) {
-  return Handle("ListStepMetrics", ctx, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* PlannerServiceImpl::ListStepMetrics(grpc::CallbackServerContext* ctx,
+                                                              const v1::ListStepMetricsRequest* r,
+                                                              v1::ListStepMetricsResponse* out) {
+  return HandleNow("ListStepMetrics", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, deployments_->ListStepMetrics(r->deployment(), r->page_size(),
                                                              r->page_token()));
     return absl::OkStatus();

@@ -45,7 +45,21 @@ struct PlannerServiceOptions {
   std::function<void(const hap::v1::StepMetric&)> on_step_metric;
 };
 
-class PlannerServiceImpl final : public hap::v1::Planner::Service {
+// Reads that only copy a snapshot (plans, nodes, deployments, step metrics)
+// are served on gRPC's callback API, on the threads that poll the
+// connections: thousands of them in flight take no thread each. The rest
+// block (planning, deploying, waits) and run on the synchronous server's
+// thread pool.
+using PlannerServiceBase = hap::v1::Planner::WithCallbackMethod_GetCluster<
+    hap::v1::Planner::WithCallbackMethod_ListNodes<
+        hap::v1::Planner::WithCallbackMethod_GetPlan<
+            hap::v1::Planner::WithCallbackMethod_ListPlans<
+                hap::v1::Planner::WithCallbackMethod_GetDeployment<
+                    hap::v1::Planner::WithCallbackMethod_ListDeployments<
+                        hap::v1::Planner::WithCallbackMethod_ListStepMetrics<
+                            hap::v1::Planner::Service>>>>>>>;
+
+class PlannerServiceImpl final : public PlannerServiceBase {
  public:
   // `core` and `sink` (may be null) must outlive the service. `deployments`
   // and `metrics` are the persisted state to start from; RUNNING
@@ -76,10 +90,10 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
                             hap::v1::RegisterNodeResponse*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const hap::v1::HeartbeatRequest*,
                          hap::v1::HeartbeatResponse*) override;
-  grpc::Status GetCluster(grpc::ServerContext*, const hap::v1::GetClusterRequest*,
-                          hap::v1::Cluster*) override;
-  grpc::Status ListNodes(grpc::ServerContext*, const hap::v1::ListNodesRequest*,
-                         hap::v1::ListNodesResponse*) override;
+  grpc::ServerUnaryReactor* GetCluster(grpc::CallbackServerContext*, const hap::v1::GetClusterRequest*,
+                                       hap::v1::Cluster*) override;
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext*, const hap::v1::ListNodesRequest*,
+                                      hap::v1::ListNodesResponse*) override;
   grpc::Status DeleteNode(grpc::ServerContext*, const hap::v1::DeleteNodeRequest*,
                           hap::v1::DeleteNodeResponse*) override;
   grpc::Status GetProbeAssignments(grpc::ServerContext*,
@@ -90,10 +104,10 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
 
   grpc::Status CreatePlan(grpc::ServerContext*, const hap::v1::CreatePlanRequest*,
                           hap::v1::Plan*) override;
-  grpc::Status GetPlan(grpc::ServerContext*, const hap::v1::GetPlanRequest*,
-                       hap::v1::Plan*) override;
-  grpc::Status ListPlans(grpc::ServerContext*, const hap::v1::ListPlansRequest*,
-                         hap::v1::ListPlansResponse*) override;
+  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext*, const hap::v1::GetPlanRequest*,
+                                    hap::v1::Plan*) override;
+  grpc::ServerUnaryReactor* ListPlans(grpc::CallbackServerContext*, const hap::v1::ListPlansRequest*,
+                                      hap::v1::ListPlansResponse*) override;
   grpc::Status CancelPlan(grpc::ServerContext*, const hap::v1::CancelPlanRequest*,
                           hap::v1::Plan*) override;
   grpc::Status DeletePlan(grpc::ServerContext*, const hap::v1::DeletePlanRequest*,
@@ -103,10 +117,10 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
 
   grpc::Status DeployPlan(grpc::ServerContext*, const hap::v1::DeployPlanRequest*,
                           hap::v1::Deployment*) override;
-  grpc::Status GetDeployment(grpc::ServerContext*, const hap::v1::GetDeploymentRequest*,
-                             hap::v1::Deployment*) override;
-  grpc::Status ListDeployments(grpc::ServerContext*, const hap::v1::ListDeploymentsRequest*,
-                               hap::v1::ListDeploymentsResponse*) override;
+  grpc::ServerUnaryReactor* GetDeployment(grpc::CallbackServerContext*, const hap::v1::GetDeploymentRequest*,
+                                          hap::v1::Deployment*) override;
+  grpc::ServerUnaryReactor* ListDeployments(grpc::CallbackServerContext*, const hap::v1::ListDeploymentsRequest*,
+                                            hap::v1::ListDeploymentsResponse*) override;
   // DeploymentManager::Stop within the call's deadline.
   grpc::Status StopDeployment(grpc::ServerContext*, const hap::v1::StopDeploymentRequest*,
                               hap::v1::Deployment*) override;
@@ -114,8 +128,8 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
   grpc::Status ReportStepMetrics(grpc::ServerContext*,
                                  const hap::v1::ReportStepMetricsRequest*,
                                  hap::v1::ReportStepMetricsResponse*) override;
-  grpc::Status ListStepMetrics(grpc::ServerContext*, const hap::v1::ListStepMetricsRequest*,
-                               hap::v1::ListStepMetricsResponse*) override;
+  grpc::ServerUnaryReactor* ListStepMetrics(grpc::CallbackServerContext*, const hap::v1::ListStepMetricsRequest*,
+                                            hap::v1::ListStepMetricsResponse*) override;
 
   grpc::Status StoreSet(grpc::ServerContext*, const hap::v1::StoreSetRequest*,
                         hap::v1::StoreSetResponse*) override;
@@ -126,8 +140,11 @@ class PlannerServiceImpl final : public hap::v1::Planner::Service {
 
  private:
   // Checks the token, runs `fn`, reports the call.
-  grpc::Status Handle(const char* method, grpc::ServerContext* ctx,
+  grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx,
                       const std::function<absl::Status()>& fn);
+  // Handle, answered on the callback API.
+  grpc::ServerUnaryReactor* HandleNow(const char* method, grpc::CallbackServerContext* ctx,
+                                      const std::function<absl::Status()>& fn);
 
   PlannerCore* core_;
   PlannerServiceOptions o_;

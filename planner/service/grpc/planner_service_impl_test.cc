@@ -7,6 +7,7 @@
 // fails or is stopped is stopped, also after a planner restart.
 #include "planner/service/grpc/planner_service_impl.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -15,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/resource_quota.h"
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -267,7 +269,8 @@ class PlannerServiceImplTest : public ::testing::Test {
   }
 
   // The service over the core and sink, starting from `deployments`.
-  void StartService(std::vector<v1::Deployment> deployments) {
+  // `max_threads` > 0: the server's thread quota (as hap-planner sets it).
+  void StartService(std::vector<v1::Deployment> deployments, int max_threads = 0) {
     PlannerServiceOptions so;
     so.security.token = kToken;
     so.deployments.call_timeout = absl::Seconds(5);
@@ -290,6 +293,11 @@ class PlannerServiceImplTest : public ::testing::Test {
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     b.RegisterService(service_.get());
+    grpc::ResourceQuota quota("test");
+    if (max_threads > 0) {
+      quota.SetMaxThreads(max_threads);
+      b.SetResourceQuota(quota);
+    }
     server_ = b.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port), {});
@@ -536,6 +544,101 @@ TEST_F(PlannerServiceImplTest, RendezvousKeysBelongToADeploymentThatExists) {
   ASSERT_THAT(FromGrpc(stub_->StoreGet(Ctx().get(), get, &get_out)), IsOk());
   ASSERT_EQ(get_out.values_size(), 1);
   EXPECT_EQ(get_out.values(0), "v");
+}
+
+// Reads take no thread: with every thread of the server's quota held by
+// rendezvous waits (more waits than threads: the surplus is refused with
+// RESOURCE_EXHAUSTED, not queued), GetPlan, ListPlans, ListNodes,
+// GetCluster, GetDeployment and ListDeployments are still answered.
+TEST_F(PlannerServiceImplTest, ReadsAreAnsweredWhileEveryThreadIsBusy) {
+  Register("n");
+  auto d = Deploy("p");
+  ASSERT_THAT(d, IsOk());
+  StopService();
+  StartService(sink_.deployments(), /*max_threads=*/4);
+
+  constexpr int kWaits = 12;
+  struct Wait {
+    grpc::ClientContext ctx;
+    v1::StoreGetRequest request;
+    v1::StoreGetResponse response;
+  };
+  std::vector<std::unique_ptr<Wait>> waits;
+  absl::Mutex mu;
+  std::vector<grpc::StatusCode> codes;
+  for (int i = 0; i < kWaits; ++i) {
+    auto w = std::make_unique<Wait>();
+    Security s;
+    s.token = kToken;
+    PrepareClientContext(&w->ctx, s, absl::Seconds(30));
+    w->request.set_deployment(d->name());
+    w->request.set_generation(1);
+    w->request.add_keys("never-set");
+    w->request.mutable_timeout()->set_seconds(20);
+    stub_->async()->StoreGet(&w->ctx, &w->request, &w->response, [&](grpc::Status st) {
+      absl::MutexLock l(&mu);
+      codes.push_back(st.error_code());
+    });
+    waits.push_back(std::move(w));
+  }
+  // The quota is full once a wait is refused.
+  {
+    absl::MutexLock l(&mu);
+    auto refused = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return std::count(codes.begin(), codes.end(), grpc::StatusCode::RESOURCE_EXHAUSTED) > 0;
+    };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&refused), absl::Seconds(20)))
+        << "no wait was refused: the thread quota does not bound blocking calls";
+    EXPECT_LT(codes.size(), static_cast<size_t>(kWaits)) << "no wait is holding a thread";
+  }
+  for (int i = 0; i < 50; ++i) {
+    v1::GetPlanRequest g;
+    g.set_name("plans/p");
+    v1::Plan plan;
+    ASSERT_THAT(FromGrpc(stub_->GetPlan(Ctx().get(), g, &plan)), IsOk()) << "call " << i;
+    EXPECT_EQ(plan.name(), "plans/p");
+    v1::ListPlansRequest lp;
+    v1::ListPlansResponse plans;
+    ASSERT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), lp, &plans)), IsOk());
+    EXPECT_EQ(plans.plans_size(), 1);
+    v1::ListNodesRequest ln;
+    v1::ListNodesResponse nodes;
+    ASSERT_THAT(FromGrpc(stub_->ListNodes(Ctx().get(), ln, &nodes)), IsOk());
+    v1::GetClusterRequest gc;
+    v1::Cluster cluster;
+    ASSERT_THAT(FromGrpc(stub_->GetCluster(Ctx().get(), gc, &cluster)), IsOk());
+    v1::GetDeploymentRequest gd;
+    gd.set_name(d->name());
+    v1::Deployment dep;
+    ASSERT_THAT(FromGrpc(stub_->GetDeployment(Ctx().get(), gd, &dep)), IsOk());
+    v1::ListDeploymentsRequest ld;
+    v1::ListDeploymentsResponse deps;
+    ASSERT_THAT(FromGrpc(stub_->ListDeployments(Ctx().get(), ld, &deps)), IsOk());
+  }
+  // A blocking method meanwhile has no thread (what every read got before
+  // reads moved to the callback API).
+  {
+    v1::StoreSetRequest set;
+    set.set_deployment(d->name());
+    set.set_generation(1);
+    set.set_key("k");
+    set.set_value("v");
+    v1::StoreSetResponse out;
+    EXPECT_EQ(stub_->StoreSet(Ctx().get(), set, &out).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  // A read without the token is still refused on the callback path.
+  {
+    grpc::ClientContext c;
+    v1::GetPlanRequest g;
+    g.set_name("plans/p");
+    v1::Plan plan;
+    EXPECT_EQ(stub_->GetPlan(&c, g, &plan).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  for (auto& w : waits) w->ctx.TryCancel();
+  absl::MutexLock l(&mu);
+  auto all = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return codes.size() == kWaits; };
+  ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(30)));
 }
 
 TEST_F(PlannerServiceImplTest, StoreAddDoesNotWrapAround) {
