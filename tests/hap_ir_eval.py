@@ -44,6 +44,10 @@ def _op(t, x, a):
         return torch.sigmoid(x[0])
     if t == "tanh":
         return torch.tanh(x[0])
+    if t == "silu":
+        return F.silu(x[0])
+    if t == "relu6":
+        return F.relu6(x[0])
     if t == "dropout":
         return x[0]
     if t == "layer_norm":
@@ -88,7 +92,13 @@ def _op(t, x, a):
                         a.get("stride", [1, 1]), a.get("padding", [0, 0]))
     if t == "max_pool2d":
         return F.max_pool2d(x[0], a["kernel"], a.get("stride", a["kernel"]),
-                            a.get("padding", [0, 0]))
+                            a.get("padding", [0, 0]),
+                            ceil_mode=a.get("ceil_mode", False))
+    if t == "avg_pool2d":
+        return F.avg_pool2d(x[0], a["kernel"], a.get("stride", a["kernel"]),
+                            a.get("padding", [0, 0]),
+                            ceil_mode=a.get("ceil_mode", False),
+                            count_include_pad=a.get("count_include_pad", True))
     if t == "adaptive_avg_pool2d":
         return F.adaptive_avg_pool2d(x[0], a["output_size"])
     raise NotImplementedError(f"hap_ir_eval: op type '{t}'")

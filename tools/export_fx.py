@@ -837,9 +837,15 @@ class _Exporter:
             kind = "sigmoid"
         elif act in (torch.tanh, F.tanh) or isinstance(act, nn.Tanh):
             kind = "tanh"
+        elif act is F.silu or isinstance(act, nn.SiLU):
+            kind = "silu"
+        elif act is F.relu6 or isinstance(act, nn.ReLU6):
+            kind = "relu6"
+        elif isinstance(act, nn.Hardtanh) and (act.min_val, act.max_val) == (0, 6):
+            kind = "relu6"
         if kind is None:
             self.fail(f"activation {act!r} is not supported (relu, gelu, "
-                      f"sigmoid, tanh)")
+                      f"sigmoid, tanh, silu, relu6)")
         return self.emit(kind, name, [x], None, x.shape, scope=scope)
 
     def reshape(self, name, x, shape, scope):
@@ -1058,7 +1064,8 @@ class _Exporter:
         name = self.base_name(n)
         if isinstance(mod, nn.Linear):
             return self.linear_module(mod, name, x0(), scope)
-        if isinstance(mod, (nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh)):
+        if isinstance(mod, (nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh, nn.SiLU,
+                            nn.ReLU6)):
             return self.activation(mod, name, x0(), scope)
         if isinstance(mod, nn.LayerNorm):
             return self.layer_norm(mod, name, x0(), scope)
@@ -1082,6 +1089,11 @@ class _Exporter:
             return self.max_pool2d(x0(), mod.kernel_size, mod.stride,
                                    mod.padding, mod.dilation, mod.ceil_mode,
                                    mod.return_indices)
+        if isinstance(mod, nn.AvgPool2d):
+            return self.avg_pool2d(x0(), mod.kernel_size, mod.stride,
+                                   mod.padding, mod.ceil_mode,
+                                   mod.count_include_pad,
+                                   mod.divisor_override)
         if isinstance(mod, nn.AdaptiveAvgPool2d):
             return self.adaptive_avg_pool2d(x0())
         if isinstance(mod, nn.Flatten):
@@ -1160,19 +1172,37 @@ class _Exporter:
         return self.op("conv2d", ins, {"stride": _pair(stride),
                                        "padding": _pair(padding)})
 
-    def max_pool2d(self, x, kernel, stride, padding, dilation, ceil_mode,
-                   return_indices):
-        if tuple(_pair(dilation)) != (1, 1) or ceil_mode or return_indices:
-            self.fail("max_pool2d with dilation, ceil_mode or return_indices "
-                      "is not supported")
+    def pool_attrs(self, kind, x, kernel, stride, padding, ceil_mode):
         if len(x.shape) != 4:
-            self.fail("max_pool2d needs an NCHW (rank-4) input")
+            self.fail(f"{kind} needs an NCHW (rank-4) input")
         if stride is None or (isinstance(stride, (list, tuple)) and
                               len(stride) == 0):
             stride = kernel
-        return self.op("max_pool2d", [x], {"kernel": _pair(kernel),
-                                           "stride": _pair(stride),
-                                           "padding": _pair(padding)})
+        attrs = {"kernel": _pair(kernel), "stride": _pair(stride),
+                 "padding": _pair(padding)}
+        if any(2 * p > k for p, k in zip(attrs["padding"], attrs["kernel"])):
+            self.fail(f"{kind} padding must be at most half the kernel")
+        if ceil_mode:
+            attrs["ceil_mode"] = True
+        return attrs
+
+    def max_pool2d(self, x, kernel, stride, padding, dilation, ceil_mode,
+                   return_indices):
+        if tuple(_pair(dilation)) != (1, 1) or return_indices:
+            self.fail("max_pool2d with dilation or return_indices is not "
+                      "supported")
+        return self.op("max_pool2d", [x], self.pool_attrs(
+            "max_pool2d", x, kernel, stride, padding, ceil_mode))
+
+    def avg_pool2d(self, x, kernel, stride, padding, ceil_mode,
+                   count_include_pad, divisor_override):
+        if divisor_override is not None:
+            self.fail("avg_pool2d with divisor_override is not supported")
+        attrs = self.pool_attrs("avg_pool2d", x, kernel, stride, padding,
+                                ceil_mode)
+        if not count_include_pad:
+            attrs["count_include_pad"] = False
+        return self.op("avg_pool2d", [x], attrs)
 
     def adaptive_avg_pool2d(self, x):
         if len(x.shape) != 4:
@@ -1453,6 +1483,14 @@ class _Exporter:
                                    self.scope_of(n))
         if f in (torch.sigmoid, F.sigmoid):
             return self.op("sigmoid", [T(0, "input")])
+        if f in (F.silu, F.relu6):
+            return self.activation(f, self.base_name(n), T(0, "input"),
+                                   self.scope_of(n))
+        if f is F.hardtanh:
+            if (V(1, "min_val", -1.0), V(2, "max_val", 1.0)) != (0, 6):
+                self.fail("hardtanh is supported as relu6 (0, 6) only")
+            return self.activation(F.relu6, self.base_name(n), T(0, "input"),
+                                   self.scope_of(n))
         if f in (torch.tanh, F.tanh):
             return self.op("tanh", [T(0, "input")])
         if f in (F.softmax, torch.softmax, F.log_softmax, torch.log_softmax):
@@ -1500,6 +1538,17 @@ class _Exporter:
                                    self.v(a["stride"]), self.v(a["padding"]),
                                    self.v(a["dilation"]), self.v(a["ceil_mode"]),
                                    self.v(a["return_indices"]))
+        if f is F.avg_pool2d:
+            a = _args(n, ["input", "kernel_size", "stride", "padding",
+                          "ceil_mode", "count_include_pad",
+                          "divisor_override"],
+                      {"stride": None, "padding": 0, "ceil_mode": False,
+                       "count_include_pad": True, "divisor_override": None})
+            return self.avg_pool2d(self.t(a["input"]), self.v(a["kernel_size"]),
+                                   self.v(a["stride"]), self.v(a["padding"]),
+                                   self.v(a["ceil_mode"]),
+                                   self.v(a["count_include_pad"]),
+                                   self.v(a["divisor_override"]))
         if f is F.adaptive_avg_pool2d:
             return self.adaptive_avg_pool2d(T(0, "input"))
         if f is torch.flatten:

@@ -1,11 +1,13 @@
 // Convolution and pooling over NCHW images: conv2d as im2col + GEMM (one
 // image at a time; a 1x1, stride-1, unpadded convolution needs no im2col),
 // max_pool2d (padding reads as -inf, the first maximum in scan order takes
-// the gradient, as PyTorch), adaptive_avg_pool2d (PyTorch's windows).
+// the gradient, as PyTorch), avg_pool2d and adaptive_avg_pool2d (PyTorch's
+// windows; ceil_mode as PyTorch's, executor/cpu/pool_window.h).
 #include <cmath>
 #include <limits>
 
 #include "executor/cpu/kernels_internal.h"
+#include "executor/cpu/pool_window.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
@@ -31,6 +33,7 @@ struct Window {
   int64_t n = 0, c = 0, h = 0, w = 0;  // input
   int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
   int64_t oh = 0, ow = 0;
+  bool count_include_pad = true;  // avg_pool2d's divisor
   int64_t plane() const { return h * w; }
   int64_t out_plane() const { return oh * ow; }
 };
@@ -38,7 +41,8 @@ struct Window {
 absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
                                   std::pair<int64_t, int64_t> k,
                                   std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p) {
+                                  std::pair<int64_t, int64_t> p,
+                                  bool ceil_mode = false) {
   if (x.rank() != 4) return Invalid(a, InLabel(a, 0), " must be NCHW");
   Window g;
   g.n = x.shape[0];
@@ -52,8 +56,8 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
     return Invalid(a, "kernel ", g.kh, "x", g.kw, " is larger than the padded ",
                    InLabel(a, 0));
   }
-  g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
-  g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
+  g.oh = pool::OutputSize(g.h, g.kh, g.sh, g.ph, ceil_mode);
+  g.ow = pool::OutputSize(g.w, g.kw, g.sw, g.pw, ceil_mode);
   return g;
 }
 
@@ -341,10 +345,11 @@ absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
   HAP_ASSIGN_OR_RETURN(auto k, Pair(a, "kernel", {}, 1));
   HAP_ASSIGN_OR_RETURN(auto s, Pair(a, "stride", {k.first, k.second}, 1));
   HAP_ASSIGN_OR_RETURN(auto p, Pair(a, "padding", {0, 0}, 0));
+  HAP_ASSIGN_OR_RETURN(bool ceil_mode, AttrBool(a, "ceil_mode", false));
   if (p.first > k.first / 2 || p.second > k.second / 2) {
     return Invalid(a, "padding must be at most half the kernel");
   }
-  return MakeWindow(a, a.in[0], k, s, p);
+  return MakeWindow(a, a.in[0], k, s, p, ceil_mode);
 }
 
 // fn(out_index, in_index of the window's first maximum, maximum) over a
@@ -388,6 +393,55 @@ absl::Status MaxPoolBackward(const KernelArgs& a) {
   return PoolBackward<T>(
       a, CheckMaxPool, [](const Window& g, const T* xp, const T* dyp, T* dxp) {
         ForEachMax(g, xp, [&](int64_t o, int64_t best, T) { dxp[best] += dyp[o]; });
+      });
+}
+
+// --- avg_pool2d -------------------------------------------------------------------
+
+absl::StatusOr<Window> CheckAvgPool(const KernelArgs& a, DType t) {
+  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool(a, t));
+  HAP_ASSIGN_OR_RETURN(g.count_include_pad,
+                       AttrBool(a, "count_include_pad", true));
+  return g;
+}
+
+// fn(out_index, in_index, 1 / divisor) over every window element of a plane
+// (pool::AvgWindow: PyTorch's windows and divisors), outputs in order.
+template <typename F>
+void ForEachAvg(const Window& g, F fn) {
+  for (int64_t oy = 0; oy < g.oh; ++oy) {
+    const pool::AvgSpan wy = pool::AvgWindow(oy, g.h, g.kh, g.sh, g.ph);
+    for (int64_t ox = 0; ox < g.ow; ++ox) {
+      const pool::AvgSpan wx = pool::AvgWindow(ox, g.w, g.kw, g.sw, g.pw);
+      const int64_t divisor = g.count_include_pad
+                                  ? wy.padded * wx.padded
+                                  : (wy.hi - wy.lo) * (wx.hi - wx.lo);
+      const double inv = 1.0 / static_cast<double>(divisor);
+      for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
+        for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
+          fn(oy * g.ow + ox, iy * g.w + ix, inv);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+absl::Status AvgPoolForward(const KernelArgs& a) {
+  return PoolForward<T>(a, CheckAvgPool, [](const Window& g, const T* xp, T* yp) {
+    std::vector<double> acc(g.out_plane(), 0.0);
+    ForEachAvg(g, [&](int64_t o, int64_t i, double inv) { acc[o] += xp[i] * inv; });
+    for (int64_t o = 0; o < g.out_plane(); ++o) yp[o] = static_cast<T>(acc[o]);
+  });
+}
+
+template <typename T>
+absl::Status AvgPoolBackward(const KernelArgs& a) {
+  return PoolBackward<T>(
+      a, CheckAvgPool, [](const Window& g, const T*, const T* dyp, T* dxp) {
+        ForEachAvg(g, [&](int64_t o, int64_t i, double inv) {
+          dxp[i] += static_cast<T>(dyp[o] * inv);
+        });
       });
 }
 
@@ -454,6 +508,8 @@ void RegisterConvolutionKernels(KernelTable& t) {
   t["conv2d_grad"] = HAP_FLOAT_KERNEL(Conv2dBackward);
   t["max_pool2d"] = HAP_FLOAT_KERNEL(MaxPoolForward);
   t["max_pool2d_grad"] = HAP_FLOAT_KERNEL(MaxPoolBackward);
+  t["avg_pool2d"] = HAP_FLOAT_KERNEL(AvgPoolForward);
+  t["avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AvgPoolBackward);
   t["adaptive_avg_pool2d"] = HAP_FLOAT_KERNEL(AdaptivePoolForward);
   t["adaptive_avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AdaptivePoolBackward);
 }

@@ -61,6 +61,29 @@ struct Tanh {
   }
 };
 
+struct Silu {  // x * sigmoid(x)
+  template <typename T>
+  static T F(T x) {
+    return x / (T(1) + Exp<T>(-x));
+  }
+  template <typename T>
+  static T D(T x, T) {
+    const T s = T(1) / (T(1) + Exp<T>(-x));
+    return s * (T(1) + x * (T(1) - s));
+  }
+};
+
+struct Relu6 {  // PyTorch's hardtanh(x, 0, 6): NaN propagates
+  template <typename T>
+  static T F(T x) {
+    return x < T(0) ? T(0) : (x > T(6) ? T(6) : x);
+  }
+  template <typename T>
+  static T D(T x, T) {
+    return x > T(0) && x < T(6) ? T(1) : T(0);
+  }
+};
+
 // The element loops take their pointers as parameters so that they
 // vectorize (pointers captured by a lambda are reloaded every iteration).
 template <typename Act, typename T>
@@ -473,6 +496,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Gelu>(t, "gelu");
   RegisterUnary<Sigmoid>(t, "sigmoid");
   RegisterUnary<Tanh>(t, "tanh");
+  RegisterUnary<Silu>(t, "silu");
+  RegisterUnary<Relu6>(t, "relu6");
   t["dropout"] = HAP_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_FLOAT_KERNEL(DropoutBackward);
   t["scale"] = HAP_FLOAT_KERNEL(ScaleForward);

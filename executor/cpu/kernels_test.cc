@@ -328,9 +328,11 @@ TEST(KernelGradTest, BinaryAbsentOperand) {
 }
 
 TEST(KernelGradTest, Activations) {
-  for (const char* op : {"relu", "gelu", "sigmoid", "tanh"}) {
+  for (const char* op : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6"}) {
     ExpectGradientsMatch({op, {}, {Rand({3, 5}, 1, 3.0)}});
   }
+  // relu6 on both sides of its clamp.
+  ExpectGradientsMatch({"relu6", {}, {Rand({4, 6}, 3, 9.0)}});
   ExpectGradientsMatch({"scale", {{"factor", 0.37}}, {Rand({2, 3}, 2)}});
 }
 
@@ -541,6 +543,27 @@ TEST(KernelGradTest, Convolution) {
                         {Rand({2, 2, 5, 5}, 9)}});
   ExpectGradientsMatch({"max_pool2d", {{"kernel", std::vector<int64_t>{2, 2}}},
                         {Rand({1, 3, 4, 6}, 10)}});
+  // ceil_mode: a last, partial window on each axis.
+  ExpectGradientsMatch({"max_pool2d",
+                        {{"kernel", std::vector<int64_t>{3}},
+                         {"stride", std::vector<int64_t>{2}},
+                         {"ceil_mode", true}},
+                        {Rand({1, 2, 6, 8}, 13)}});
+  for (bool include_pad : {true, false}) {
+    ExpectGradientsMatch({"avg_pool2d",
+                          {{"kernel", std::vector<int64_t>{3}},
+                           {"stride", std::vector<int64_t>{2}},
+                           {"padding", std::vector<int64_t>{1}},
+                           {"count_include_pad", include_pad}},
+                          {Rand({2, 2, 5, 6}, 14)}});
+    ExpectGradientsMatch({"avg_pool2d",
+                          {{"kernel", std::vector<int64_t>{3, 2}},
+                           {"stride", std::vector<int64_t>{2}},
+                           {"padding", std::vector<int64_t>{1, 0}},
+                           {"ceil_mode", true},
+                           {"count_include_pad", include_pad}},
+                          {Rand({1, 2, 6, 7}, 15)}});
+  }
   ExpectGradientsMatch({"adaptive_avg_pool2d",
                         {{"output_size", std::vector<int64_t>{3, 4}}},
                         {Rand({2, 2, 5, 7}, 11)}});

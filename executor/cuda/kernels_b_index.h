@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "executor/cpu/pool_window.h"
 #include "executor/cuda/launch_common.h"
 #include "executor/cuda/launch_convolution.h"
 #include "executor/cuda/launch_moe.h"
@@ -131,6 +132,56 @@ HAP_CUDA_HD inline bool MaxPoolGradSum(const Window& g, const int64_t* argmax,
   }
   *sum = acc;
   return any;
+}
+
+// --- avg_pool2d --------------------------------------------------------------
+
+// 1 / the divisor of output (oy, ox)'s window (PyTorch's), and its input
+// ranges.
+HAP_CUDA_HD inline double AvgWindowInverse(const Window& g, int64_t oy,
+                                           int64_t ox, pool::AvgSpan* wy,
+                                           pool::AvgSpan* wx) {
+  *wy = pool::AvgWindow(oy, g.h, g.kh, g.sh, g.ph);
+  *wx = pool::AvgWindow(ox, g.w, g.kw, g.sw, g.pw);
+  const int64_t divisor = g.count_include_pad
+                              ? wy->padded * wx->padded
+                              : (wy->hi - wy->lo) * (wx->hi - wx->lo);
+  return 1.0 / static_cast<double>(divisor);
+}
+
+// Output (oy, ox) of avg_pool2d over plane xp: sum of x / divisor in double,
+// in the CPU's order.
+template <typename T>
+HAP_CUDA_HD inline T AvgPoolValue(const Window& g, const T* xp, int64_t oy,
+                                  int64_t ox) {
+  pool::AvgSpan wy, wx;
+  const double inv = AvgWindowInverse(g, oy, ox, &wy, &wx);
+  double acc = 0;
+  for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
+    for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
+      acc += static_cast<double>(xp[iy * g.w + ix]) * inv;
+    }
+  }
+  return static_cast<T>(acc);
+}
+
+// For plane element e: dy / divisor summed over the windows containing it,
+// in output order.
+template <typename T>
+HAP_CUDA_HD inline T AvgPoolGradSum(const Window& g, const T* dyp, int64_t e) {
+  const int64_t iy = e / g.w, ix = e % g.w;
+  int64_t oy0, oy1, ox0, ox1;
+  pool::CoveringOutputs(iy, g.kh, g.sh, g.ph, g.oh, &oy0, &oy1);
+  pool::CoveringOutputs(ix, g.kw, g.sw, g.pw, g.ow, &ox0, &ox1);
+  T acc = T(0);
+  for (int64_t oy = oy0; oy <= oy1; ++oy) {
+    for (int64_t ox = ox0; ox <= ox1; ++ox) {
+      pool::AvgSpan wy, wx;
+      const double inv = AvgWindowInverse(g, oy, ox, &wy, &wx);
+      acc += static_cast<T>(dyp[oy * g.ow + ox] * inv);
+    }
+  }
+  return acc;
 }
 
 // --- adaptive_avg_pool2d -----------------------------------------------------

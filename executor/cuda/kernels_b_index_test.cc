@@ -221,6 +221,69 @@ TEST(AdaptivePoolTest, AverageAndGatheredGradientMatchTheScatter) {
   }
 }
 
+// avg_pool2d: PyTorch's windows (divisor with or without the padding, a
+// ceil_mode window cut at the padded edge) written out here, against
+// AvgPoolValue and the gathered gradient.
+TEST(AvgPoolTest, AverageAndGatheredGradientMatchTheScatter) {
+  std::mt19937_64 rng(6);
+  struct S {
+    int64_t h, w, kh, kw, sh, sw, ph, pw;
+    bool ceil;
+  };
+  for (const S& s : {S{9, 11, 3, 3, 2, 2, 1, 1, false}, S{6, 7, 3, 2, 2, 2, 1, 0, true},
+                     S{13, 10, 3, 3, 2, 2, 0, 0, true}, S{5, 5, 2, 2, 1, 1, 1, 1, false},
+                     S{8, 8, 4, 4, 3, 3, 2, 1, true}}) {
+    for (bool include_pad : {true, false}) {
+      Window g;
+      g.n = g.c = 1;
+      g.h = s.h;
+      g.w = s.w;
+      g.kh = s.kh;
+      g.kw = s.kw;
+      g.sh = s.sh;
+      g.sw = s.sw;
+      g.ph = s.ph;
+      g.pw = s.pw;
+      g.count_include_pad = include_pad;
+      auto out = [&](int64_t in, int64_t k, int64_t st, int64_t p) {
+        int64_t o = (in + 2 * p - k + (s.ceil ? st - 1 : 0)) / st + 1;
+        if (s.ceil && (o - 1) * st >= in + p) --o;
+        return o;
+      };
+      g.oh = out(g.h, g.kh, g.sh, g.ph);
+      g.ow = out(g.w, g.kw, g.sw, g.pw);
+      const std::vector<double> x = Random(g.h * g.w, rng);
+      const std::vector<double> dy = Random(g.oh * g.ow, rng);
+      std::vector<double> want(g.h * g.w, 0.0);
+      for (int64_t oy = 0; oy < g.oh; ++oy) {
+        int64_t y0 = oy * g.sh - g.ph, y1 = std::min(y0 + g.kh, g.h + g.ph);
+        const int64_t pool_h = y1 - y0;
+        y0 = std::max<int64_t>(y0, 0);
+        y1 = std::min(y1, g.h);
+        for (int64_t ox = 0; ox < g.ow; ++ox) {
+          int64_t x0 = ox * g.sw - g.pw, x1 = std::min(x0 + g.kw, g.w + g.pw);
+          const int64_t pool_w = x1 - x0;
+          x0 = std::max<int64_t>(x0, 0);
+          x1 = std::min(x1, g.w);
+          const double n = static_cast<double>(
+              include_pad ? pool_h * pool_w : (y1 - y0) * (x1 - x0));
+          double sum = 0;
+          for (int64_t iy = y0; iy < y1; ++iy) {
+            for (int64_t ix = x0; ix < x1; ++ix) {
+              sum += x[iy * g.w + ix];
+              want[iy * g.w + ix] += dy[oy * g.ow + ox] / n;
+            }
+          }
+          EXPECT_NEAR(AvgPoolValue(g, x.data(), oy, ox), sum / n, 1e-12);
+        }
+      }
+      for (int64_t e = 0; e < g.h * g.w; ++e) {
+        EXPECT_NEAR(AvgPoolGradSum(g, dy.data(), e), want[e], 1e-12) << e;
+      }
+    }
+  }
+}
+
 TEST(GateTest, TopKIsTheCpusPartialSortOrder) {
   std::mt19937_64 rng(5);
   for (int64_t experts : {1, 3, 8, 33}) {

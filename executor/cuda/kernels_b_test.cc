@@ -21,6 +21,7 @@
 #include "executor/cpu/cpu_device.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/kernel_compare.h"
+#include "planner/graph/op_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/util/status_matchers.h"
@@ -406,6 +407,38 @@ TEST_F(KernelsBTest, Pooling) {
       Expect(Case("max_pool2d", kExact, {R(t, p.x)}, {R(t, y)}, attrs));
       Expect(Case("max_pool2d_grad", tol, {R(t, p.x), HostTensor(), R(t, y)},
                   {R(t, p.x)}, attrs, {true, false, true}));
+    }
+    // ceil_mode and avg_pool2d: output shapes from the op registry.
+    struct C {
+      Shape x;
+      graph::Attrs attrs;
+    };
+    const C ceil_cases[] = {
+        {{2, 3, 13, 10}, {{"kernel", Ints{3}}, {"stride", Ints{2}}, {"ceil_mode", true}}},
+        {{1, 2, 9, 8}, {{"kernel", Ints{3}}, {"stride", Ints{2}}, {"padding", Ints{1}}}},
+        {{2, 2, 10, 7},
+         {{"kernel", Ints{3, 2}}, {"stride", Ints{2}}, {"padding", Ints{1, 0}},
+          {"ceil_mode", true}, {"count_include_pad", false}}}};
+    for (const C& p : ceil_cases) {
+      for (const char* op : {"max_pool2d", "avg_pool2d"}) {
+        graph::Attrs attrs = p.attrs;
+        if (std::string(op) == "max_pool2d") {
+          graph::Attrs m;
+          for (const auto& [k, v] : attrs.values()) {
+            if (k != "count_include_pad") m.Set(k, v);
+          }
+          attrs = m;
+        }
+        auto inferred = graph::InferOp("pool", op, attrs, {"x"},
+                                       {{t, p.x}});
+        ASSERT_TRUE(inferred.ok()) << inferred.status();
+        const Shape y = (*inferred)[0].shape;
+        Expect(Case(op, std::string(op) == "max_pool2d" ? kExact : tol,
+                    {R(t, p.x)}, {R(t, y)}, attrs));
+        Expect(Case(std::string(op) + "_grad", tol,
+                    {R(t, p.x), HostTensor(), R(t, y)}, {R(t, p.x)}, attrs,
+                    {true, false, true}));
+      }
     }
     struct A {
       Shape x;

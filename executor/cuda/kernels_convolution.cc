@@ -7,6 +7,7 @@
 // a gathering col2im. No atomics anywhere: results are deterministic.
 #include <algorithm>
 
+#include "executor/cpu/pool_window.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_convolution.h"
@@ -34,7 +35,8 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
 absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
                                   std::pair<int64_t, int64_t> k,
                                   std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p) {
+                                  std::pair<int64_t, int64_t> p,
+                                  bool ceil_mode = false) {
   const cpu::KernelArgs c = CpuArgs(a);
   if (x.rank() != 4) return Invalid(a, cpu::InLabel(c, 0), " must be NCHW");
   Window g;
@@ -49,8 +51,8 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
     return Invalid(a, "kernel ", g.kh, "x", g.kw, " is larger than the padded ",
                    cpu::InLabel(c, 0));
   }
-  g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
-  g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
+  g.oh = pool::OutputSize(g.h, g.kh, g.sh, g.ph, ceil_mode);
+  g.ow = pool::OutputSize(g.w, g.kw, g.sw, g.pw, ceil_mode);
   return g;
 }
 
@@ -232,10 +234,19 @@ absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
   HAP_ASSIGN_OR_RETURN(auto k, Pair(a, "kernel", {}, 1));
   HAP_ASSIGN_OR_RETURN(auto s, Pair(a, "stride", {k.first, k.second}, 1));
   HAP_ASSIGN_OR_RETURN(auto p, Pair(a, "padding", {0, 0}, 0));
+  HAP_ASSIGN_OR_RETURN(bool ceil_mode,
+                       cpu::AttrBool(CpuArgs(a), "ceil_mode", false));
   if (p.first > k.first / 2 || p.second > k.second / 2) {
     return Invalid(a, "padding must be at most half the kernel");
   }
-  return MakeWindow(a, a.in[0], k, s, p);
+  return MakeWindow(a, a.in[0], k, s, p, ceil_mode);
+}
+
+absl::StatusOr<Window> CheckAvgPool(const KernelArgs& a, DType t) {
+  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool(a, t));
+  HAP_ASSIGN_OR_RETURN(g.count_include_pad,
+                       cpu::AttrBool(CpuArgs(a), "count_include_pad", true));
+  return g;
 }
 
 absl::StatusOr<Window> CheckAdaptive(const KernelArgs& a, DType t) {
@@ -299,6 +310,23 @@ absl::Status MaxPoolBackward(const KernelArgs& a) {
 }
 
 template <typename T>
+absl::Status AvgPoolForward(const KernelArgs& a) {
+  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckAvgPool));
+  LaunchAvgPool<T>(g, a.in[0].as<const T>(), a.out[0].as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status AvgPoolBackward(const KernelArgs& a) {
+  bool active = false;
+  HAP_ASSIGN_OR_RETURN(Window g,
+                       PoolBackwardChecks<T>(a, CheckAvgPool, &active));
+  if (!active) return absl::OkStatus();
+  LaunchAvgPoolGrad<T>(g, a.in[2].as<const T>(), a.out[0].as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
 absl::Status AdaptivePoolForward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckAdaptive));
   LaunchAdaptiveAvgPool<T>(g, a.in[0].as<const T>(), a.out[0].as<T>(),
@@ -324,6 +352,8 @@ void RegisterConvolutionKernels(KernelTable& t) {
   t["conv2d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv2dBackward);
   t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolForward);
   t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolBackward);
+  t["avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AvgPoolForward);
+  t["avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AvgPoolBackward);
   t["adaptive_avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolForward);
   t["adaptive_avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolBackward);
 }

@@ -112,29 +112,57 @@ __global__ void MaxPoolGradKernel(Window g, const int64_t* argmax, const T* dy,
   }
 }
 
-// --- adaptive_avg_pool2d -----------------------------------------------------
+// --- avg_pool2d and adaptive_avg_pool2d ---------------------------------------
 
-template <typename T>
-__global__ void AdaptivePoolKernel(Window g, const T* x, T* y) {
+// One thread per output: AvgPoolValue (kAdaptive: AdaptiveAvg).
+template <typename T, bool kAdaptive>
+__global__ void AvgPoolKernel(Window g, const T* x, T* y) {
   const int64_t out_plane = g.oh * g.ow;
   const int64_t total = g.n * g.c * out_plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / out_plane;
     const int64_t o = k - pl * out_plane;
-    y[k] = AdaptiveAvg(g, x + pl * g.h * g.w, o / g.ow, o % g.ow);
+    const T* xp = x + pl * g.h * g.w;
+    if constexpr (kAdaptive) {
+      y[k] = AdaptiveAvg(g, xp, o / g.ow, o % g.ow);
+    } else {
+      y[k] = AvgPoolValue(g, xp, o / g.ow, o % g.ow);
+    }
   }
 }
 
-// One thread per input element (AdaptiveGradSum).
-template <typename T>
-__global__ void AdaptivePoolGradKernel(Window g, const T* dy, T* dx) {
+// One thread per input element: AvgPoolGradSum (kAdaptive:
+// AdaptiveGradSum).
+template <typename T, bool kAdaptive>
+__global__ void AvgPoolGradKernel(Window g, const T* dy, T* dx) {
   const int64_t plane = g.h * g.w;
   const int64_t out_plane = g.oh * g.ow;
   const int64_t total = g.n * g.c * plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / plane;
-    dx[k] += AdaptiveGradSum(g, dy + pl * out_plane, k - pl * plane);
+    const T* dyp = dy + pl * out_plane;
+    if constexpr (kAdaptive) {
+      dx[k] += AdaptiveGradSum(g, dyp, k - pl * plane);
+    } else {
+      dx[k] += AvgPoolGradSum(g, dyp, k - pl * plane);
+    }
   }
+}
+
+template <typename T, bool kAdaptive>
+void LaunchAvg(const Window& g, const T* x, T* y, cudaStream_t stream) {
+  const int64_t total = g.n * g.c * g.oh * g.ow;
+  if (total == 0) return;
+  AvgPoolKernel<T, kAdaptive>
+      <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, x, y);
+}
+
+template <typename T, bool kAdaptive>
+void LaunchAvgGrad(const Window& g, const T* dy, T* dx, cudaStream_t stream) {
+  const int64_t total = g.n * g.c * g.h * g.w;
+  if (total == 0 || g.oh * g.ow == 0) return;
+  AvgPoolGradKernel<T, kAdaptive>
+      <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, dy, dx);
 }
 
 }  // namespace
@@ -206,21 +234,26 @@ void LaunchMaxPoolGrad(const Window& g, const T* x, const T* dy, T* dx,
 }
 
 template <typename T>
+void LaunchAvgPool(const Window& g, const T* x, T* y, cudaStream_t stream) {
+  LaunchAvg<T, false>(g, x, y, stream);
+}
+
+template <typename T>
+void LaunchAvgPoolGrad(const Window& g, const T* dy, T* dx,
+                       cudaStream_t stream) {
+  LaunchAvgGrad<T, false>(g, dy, dx, stream);
+}
+
+template <typename T>
 void LaunchAdaptiveAvgPool(const Window& g, const T* x, T* y,
                            cudaStream_t stream) {
-  const int64_t total = g.n * g.c * g.oh * g.ow;
-  if (total == 0) return;
-  AdaptivePoolKernel<T>
-      <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, x, y);
+  LaunchAvg<T, true>(g, x, y, stream);
 }
 
 template <typename T>
 void LaunchAdaptiveAvgPoolGrad(const Window& g, const T* dy, T* dx,
                                cudaStream_t stream) {
-  const int64_t total = g.n * g.c * g.h * g.w;
-  if (total == 0 || g.oh * g.ow == 0) return;
-  AdaptivePoolGradKernel<T>
-      <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, dy, dx);
+  LaunchAvgGrad<T, true>(g, dy, dx, stream);
 }
 
 #define HAP_INSTANTIATE_CONVOLUTION(T)                                       \
@@ -237,6 +270,9 @@ void LaunchAdaptiveAvgPoolGrad(const Window& g, const T* dy, T* dx,
   template void LaunchMaxPool<T>(const Window&, const T*, T*, cudaStream_t); \
   template void LaunchMaxPoolGrad<T>(const Window&, const T*, const T*, T*,  \
                                      int64_t*, cudaStream_t);                \
+  template void LaunchAvgPool<T>(const Window&, const T*, T*, cudaStream_t); \
+  template void LaunchAvgPoolGrad<T>(const Window&, const T*, T*,            \
+                                     cudaStream_t);                          \
   template void LaunchAdaptiveAvgPool<T>(const Window&, const T*, T*,        \
                                          cudaStream_t);                      \
   template void LaunchAdaptiveAvgPoolGrad<T>(const Window&, const T*, T*,    \

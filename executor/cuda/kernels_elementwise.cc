@@ -240,6 +240,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Activation::kGelu>(t, "gelu");
   RegisterUnary<Activation::kSigmoid>(t, "sigmoid");
   RegisterUnary<Activation::kTanh>(t, "tanh");
+  RegisterUnary<Activation::kSilu>(t, "silu");
+  RegisterUnary<Activation::kRelu6>(t, "relu6");
   t["dropout"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_CUDA_FLOAT_KERNEL(DropoutBackward);
   t["scale"] = HAP_CUDA_FLOAT_KERNEL(ScaleForward);

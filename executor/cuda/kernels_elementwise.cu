@@ -40,6 +40,10 @@ __device__ inline T ActF(T x) {
     return T(0.5) * x * (T(1) + Erf(x * T(0.70710678118654752440)));
   } else if constexpr (A == Activation::kSigmoid) {
     return T(1) / (T(1) + Exp(-x));
+  } else if constexpr (A == Activation::kSilu) {
+    return x / (T(1) + Exp(-x));
+  } else if constexpr (A == Activation::kRelu6) {
+    return x < T(0) ? T(0) : (x > T(6) ? T(6) : x);  // NaN propagates
   } else {
     return Tanh(x);
   }
@@ -55,6 +59,11 @@ __device__ inline T ActD(T x, T y) {
     return cdf + x * pdf;
   } else if constexpr (A == Activation::kSigmoid) {
     return y * (T(1) - y);
+  } else if constexpr (A == Activation::kSilu) {
+    const T s = T(1) / (T(1) + Exp(-x));
+    return s * (T(1) + x * (T(1) - s));
+  } else if constexpr (A == Activation::kRelu6) {
+    return x > T(0) && x < T(6) ? T(1) : T(0);
   } else {
     return T(1) - y * y;
   }
@@ -226,6 +235,10 @@ void LaunchActivation(Activation act, const T* x, T* y, int64_t n,
       return ActivationAs<T, Activation::kSigmoid>(x, y, n, stream);
     case Activation::kTanh:
       return ActivationAs<T, Activation::kTanh>(x, y, n, stream);
+    case Activation::kSilu:
+      return ActivationAs<T, Activation::kSilu>(x, y, n, stream);
+    case Activation::kRelu6:
+      return ActivationAs<T, Activation::kRelu6>(x, y, n, stream);
   }
 }
 
@@ -242,6 +255,10 @@ void LaunchActivationGrad(Activation act, const T* x, const T* y, const T* dy,
       return ActivationGradAs<T, Activation::kSigmoid>(x, y, dy, dx, n, stream);
     case Activation::kTanh:
       return ActivationGradAs<T, Activation::kTanh>(x, y, dy, dx, n, stream);
+    case Activation::kSilu:
+      return ActivationGradAs<T, Activation::kSilu>(x, y, dy, dx, n, stream);
+    case Activation::kRelu6:
+      return ActivationGradAs<T, Activation::kRelu6>(x, y, dy, dx, n, stream);
   }
 }
 

@@ -19,6 +19,7 @@ struct Window {
   int64_t n = 0, c = 0, h = 0, w = 0;  // input
   int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
   int64_t oh = 0, ow = 0;
+  bool count_include_pad = true;  // avg_pool2d's divisor
 };
 
 // The im2col matrix of `images` images starting at x:
@@ -64,6 +65,14 @@ void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream);
 template <typename T>
 void LaunchMaxPoolGrad(const Window& g, const T* x, const T* dy, T* dx,
                        int64_t* argmax, cudaStream_t stream);
+
+// avg_pool2d (PyTorch's windows and divisors, executor/cpu/pool_window.h).
+template <typename T>
+void LaunchAvgPool(const Window& g, const T* x, T* y, cudaStream_t stream);
+// dx += the adjoint of LaunchAvgPool applied to dy.
+template <typename T>
+void LaunchAvgPoolGrad(const Window& g, const T* dy, T* dx,
+                       cudaStream_t stream);
 
 // adaptive_avg_pool2d (PyTorch's windows: output i of `out` over `in`
 // averages [floor(i * in / out), ceil((i + 1) * in / out))).

@@ -14,7 +14,7 @@
 
 namespace hap::executor::cuda {
 
-enum class Activation { kRelu, kGelu, kSigmoid, kTanh };
+enum class Activation { kRelu, kGelu, kSigmoid, kTanh, kSilu, kRelu6 };
 
 // y = F(x) over n elements.
 template <typename T>

@@ -38,6 +38,49 @@ absl::StatusOr<int64_t> OutSize(int64_t in, int64_t k, int64_t s, int64_t p,
   return span / s + 1;
 }
 
+// Pooling output size (PyTorch's pooling_output_shape): with ceil_mode the
+// last window may hang over the padded input but must start inside the
+// input or its left padding.
+absl::StatusOr<int64_t> PoolOutSize(int64_t in, int64_t k, int64_t s,
+                                    int64_t p, bool ceil_mode,
+                                    const char* what) {
+  HAP_ASSIGN_OR_RETURN(int64_t out, OutSize(in, k, s, p, what));
+  if (ceil_mode && (in + 2 * p - k) % s != 0) {
+    ++out;
+    if ((out - 1) * s >= in + p) --out;
+  }
+  return out;
+}
+
+// Shape rule of max_pool2d and avg_pool2d.
+absl::StatusOr<std::vector<TensorType>> InferPool(const OpCall& c) {
+  HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+  HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
+  HAP_ASSIGN_OR_RETURN(auto k, Pair(c.attrs, "kernel", {}, 1));
+  HAP_ASSIGN_OR_RETURN(auto s, Pair(c.attrs, "stride", {k.first, k.second}, 1));
+  HAP_ASSIGN_OR_RETURN(auto p, Pair(c.attrs, "padding", {0, 0}, 0));
+  HAP_ASSIGN_OR_RETURN(bool ceil_mode, c.attrs.Bool("ceil_mode", false));
+  if (p.first > k.first / 2 || p.second > k.second / 2) {
+    return absl::InvalidArgumentError(
+        "padding must be at most half the kernel");
+  }
+  HAP_ASSIGN_OR_RETURN(int64_t h, PoolOutSize(c.shape(0)[2], k.first, s.first,
+                                              p.first, ceil_mode, "height"));
+  HAP_ASSIGN_OR_RETURN(int64_t w, PoolOutSize(c.shape(0)[3], k.second,
+                                              s.second, p.second, ceil_mode,
+                                              "width"));
+  return std::vector<TensorType>{
+      {c.in(0).dtype, {c.shape(0)[0], c.shape(0)[1], h, w}}};
+}
+
+// Elements of a pooling window; `infer` accepted the kernel (1 or 2
+// positive integers).
+double WindowElements(const OpCall& c) {
+  auto k = c.attrs.Ints("kernel").value();
+  return static_cast<double>(k[0]) *
+         static_cast<double>(k.size() == 1 ? k[0] : k[1]);
+}
+
 }  // namespace
 
 void RegisterConvolutionOps(OpRegistry& r) {
@@ -86,33 +129,31 @@ void RegisterConvolutionOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "max_pool2d";
-    d.attrs = {"kernel", "stride", "padding"};
+    d.attrs = {"kernel", "stride", "padding", "ceil_mode"};
     d.summary =
-        "max_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0])";
+        "max_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0], "
+        "ceil_mode=false) -> [n, c, h', w'] (PyTorch's output size)";
+    d.infer = InferPool;
+    d.flops = [](const OpCall& c) {
+      return WindowElements(c) * static_cast<double>(c.outputs[0].num_elements());
+    };
+    d.backward_flops_multiple = 1.0;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "avg_pool2d";
+    d.attrs = {"kernel", "stride", "padding", "ceil_mode", "count_include_pad"};
+    d.summary =
+        "avg_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0], "
+        "ceil_mode=false, count_include_pad=true) -> [n, c, h', w'] "
+        "(PyTorch's windows and divisors)";
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
-      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
-      HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
-      HAP_ASSIGN_OR_RETURN(auto k, Pair(c.attrs, "kernel", {}, 1));
-      HAP_ASSIGN_OR_RETURN(auto s,
-                           Pair(c.attrs, "stride", {k.first, k.second}, 1));
-      HAP_ASSIGN_OR_RETURN(auto p, Pair(c.attrs, "padding", {0, 0}, 0));
-      if (p.first > k.first / 2 || p.second > k.second / 2) {
-        return absl::InvalidArgumentError(
-            "padding must be at most half the kernel");
-      }
-      HAP_ASSIGN_OR_RETURN(int64_t h, OutSize(c.shape(0)[2], k.first, s.first,
-                                              p.first, "height"));
-      HAP_ASSIGN_OR_RETURN(int64_t w, OutSize(c.shape(0)[3], k.second,
-                                              s.second, p.second, "width"));
-      return std::vector<TensorType>{
-          {c.in(0).dtype, {c.shape(0)[0], c.shape(0)[1], h, w}}};
+      HAP_RETURN_IF_ERROR(c.attrs.Bool("count_include_pad", true).status());
+      return InferPool(c);
     };
     d.flops = [](const OpCall& c) {
-      // `infer` accepted the kernel: 1 or 2 positive integers.
-      auto k = c.attrs.Ints("kernel").value();
-      double kk = static_cast<double>(k[0]) *
-                  static_cast<double>(k.size() == 1 ? k[0] : k[1]);
-      return kk * static_cast<double>(c.outputs[0].num_elements());
+      return WindowElements(c) * static_cast<double>(c.outputs[0].num_elements());
     };
     d.backward_flops_multiple = 1.0;
     r.Register(std::move(d));

@@ -54,6 +54,8 @@ void RegisterElementwiseOps(OpRegistry& r) {
   Unary(r, "gelu", 8, "gelu(x) -> x * Phi(x) (exact, erf form)");
   Unary(r, "sigmoid", 4, "sigmoid(x) -> 1 / (1 + exp(-x))");
   Unary(r, "tanh", 4, "tanh(x)");
+  Unary(r, "silu", 5, "silu(x) -> x * sigmoid(x) (swish)");
+  Unary(r, "relu6", 2, "relu6(x) -> min(max(x, 0), 6)");
   {
     OpDef d;
     d.type = "dropout";

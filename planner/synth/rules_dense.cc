@@ -128,7 +128,8 @@ void Pool(const RuleInput& x, std::vector<ShardRule>& r) {
                          d == 0 ? RuleKind::kData : RuleKind::kTensor,
                          {Form::S(d)}, {Form::S(d)}, true));
   }
-  if (x.op.type == "adaptive_avg_pool2d") {
+  if (x.op.type == "adaptive_avg_pool2d" || x.op.type == "avg_pool2d") {
+    // Averages are linear: partial sums stay partial.
     r.push_back(MakeRule("partial", RuleKind::kPartial, {Form::P()},
                          {Form::P()}, false));
   }
@@ -141,7 +142,9 @@ RuleFn DenseRules(const std::string& t) {
   if (t == "matmul") return Matmul;
   if (t == "embedding") return Embedding;
   if (t == "conv2d") return Conv;
-  if (t == "max_pool2d" || t == "adaptive_avg_pool2d") return Pool;
+  if (t == "max_pool2d" || t == "avg_pool2d" || t == "adaptive_avg_pool2d") {
+    return Pool;
+  }
   return nullptr;
 }
 

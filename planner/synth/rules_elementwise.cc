@@ -133,7 +133,8 @@ void Loss(const RuleInput& x, std::vector<ShardRule>& r) {
 }  // namespace
 
 RuleFn ElementwiseRules(const std::string& t) {
-  if (t == "relu" || t == "gelu" || t == "sigmoid" || t == "tanh") {
+  if (t == "relu" || t == "gelu" || t == "sigmoid" || t == "tanh" ||
+      t == "silu" || t == "relu6") {
     return UnaryNonlinear;
   }
   if (t == "dropout" || t == "scale") return UnaryLinear;

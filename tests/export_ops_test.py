@@ -1,0 +1,111 @@
+"""tools/export_fx.py on the ops of issue 20 (the blockers of common
+torchvision models): each module exports, validates with `hapctl validate`,
+and computes PyTorch's loss with the reference evaluator
+(tests/hap_ir_eval.py) and the module's own weights."""
+
+import json
+import os
+import unittest
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_test_util as U  # noqa: E402  (sets sys.path)
+import export_fx  # noqa: E402
+import hap_ir_eval  # noqa: E402
+
+
+def labels(n, hi):
+    return torch.randint(0, hi, (n,))
+
+
+class ActPoolNet(nn.Module):
+    """SiLU, ReLU6 (module, function and Hardtanh(0, 6)), AvgPool2d with and
+    without count_include_pad, MaxPool2d and AvgPool2d with ceil_mode (as in
+    squeezenet1_0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.act1 = nn.SiLU(inplace=True)
+        self.pool1 = nn.MaxPool2d(3, stride=2, ceil_mode=True)
+        self.act2 = nn.ReLU6(inplace=True)
+        self.pool2 = nn.AvgPool2d(3, stride=2, padding=1,
+                                  count_include_pad=False, ceil_mode=True)
+        self.pool3 = nn.AvgPool2d(2)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        h = self.pool1(self.act1(self.conv(x)))
+        h = self.pool2(self.act2(h * 4))
+        h = F.hardtanh(F.silu(h) * 3, 0.0, 6.0)
+        h = F.relu6(F.avg_pool2d(h, 3, 1, 1))
+        h = self.pool3(h)
+        h = F.adaptive_avg_pool2d(h, 1).flatten(1)
+        return F.cross_entropy(self.fc(h), labels)
+
+
+class ExportOpsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = U.tmpdir()
+        cls.n = 0
+
+    def setUp(self):
+        torch.manual_seed(0)
+
+    def export(self, module, inputs, **kw):
+        g = export_fx.export(module, inputs, **kw)
+        type(self).n += 1
+        out = os.path.join(self.dir, f"{g['name']}_{self.n}.json")
+        with open(out, "w") as f:
+            json.dump(g, f)
+        return g, out
+
+    def check_numerics(self, module, inputs, tol=1e-5):
+        g, values = export_fx.export(module, inputs, return_values=True)
+        module.eval()
+        with torch.no_grad():
+            ref = module(**inputs).item()
+            got = hap_ir_eval.evaluate(g, inputs, values).item()
+        self.assertAlmostEqual(ref, got, delta=tol * max(1.0, abs(ref)),
+                               msg=f"{type(module).__name__}: torch {ref} vs "
+                                   f"graph {got}")
+
+    def test_activations_and_pooling(self):
+        m = ActPoolNet()
+        # 17x17 -> max pool ceil 8x8 -> avg pool ceil 4x4 (a partial window).
+        inputs = {"x": torch.randn(2, 3, 17, 17), "labels": labels(2, 5)}
+        g, out = self.export(m, inputs)
+        got = U.validate(out)
+        for t in ("silu", "relu6", "avg_pool2d", "max_pool2d"):
+            self.assertIn(t, got["op_types"])
+        attrs = [op.get("attrs", {}) for op in g["ops"]
+                 if op["type"] in ("max_pool2d", "avg_pool2d")]
+        self.assertTrue(any("ceil_mode" in a for a in attrs), attrs)
+        self.assertTrue(any("count_include_pad" in a for a in attrs), attrs)
+        self.check_numerics(m, inputs)
+
+    def test_pooling_arguments_the_ir_lacks_fail_naming_them(self):
+        class Div(nn.Module):
+            def forward(self, x, labels):
+                h = F.avg_pool2d(x, 2, divisor_override=3).flatten(1)
+                return F.cross_entropy(h, labels)
+
+        class Dilated(nn.Module):
+            def forward(self, x, labels):
+                h = F.max_pool2d(x, 2, dilation=2).flatten(1)
+                return F.cross_entropy(h, labels)
+
+        for mod, needle in ((Div(), "divisor_override"),
+                            (Dilated(), "dilation")):
+            with self.subTest(module=type(mod).__name__):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(mod, {"x": torch.randn(2, 1, 4, 4),
+                                           "labels": labels(2, 4)})
+                self.assertIn(needle, str(cm.exception))
+
+
+if __name__ == "__main__":
+    U.main("export_ops_test")
