@@ -1,11 +1,14 @@
 #include "planner/synth/planner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/cost/collectives.h"
+#include "planner/synth/snap.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::synth {
@@ -143,9 +146,30 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
           " devices of the plan; give each device at least one sample"));
     }
   }
-  auto start = Clock::now();
+  const auto start = Clock::now();
   auto elapsed = [&]() {
     return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  // Every phase (search, LP, snap, baselines) runs against one deadline.
+  std::optional<Clock::time_point> deadline;
+  if (o.max_seconds < 1e9) {
+    deadline = start + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(
+                               std::max(0.0, o.max_seconds)));
+  }
+  auto left = [&]() { return o.max_seconds - elapsed(); };
+  PhaseSeconds phases;
+  auto timed = [](double* into, auto f) {
+    const auto t0 = Clock::now();
+    auto r = f();
+    *into += std::chrono::duration<double>(Clock::now() - t0).count();
+    return r;
+  };
+  std::vector<std::string> notes;
+  auto note = [&](std::string n) {
+    if (std::find(notes.begin(), notes.end(), n) == notes.end()) {
+      notes.push_back(std::move(n));
+    }
   };
   int64_t states = 0;
   SearchOptions so;
@@ -159,71 +183,82 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   so.progress = [&](int64_t expanded, double best) {
     if (o.progress) o.progress(states + expanded, best, iteration);
   };
+  auto search = [&](const SearchOptions& opts) {
+    auto p = timed(&phases.search, [&]() { return Synthesize(g, cluster, opts); });
+    if (p.ok()) {
+      states += p->states_expanded;
+      if (!p->optimal && !(o.cancelled && o.cancelled())) {
+        note(p->states_expanded >= opts.max_states
+                 ? absl::StrCat("the state budget (", opts.max_states,
+                                " states) cut a search: the plan is the best "
+                                "found, not proven optimal")
+                 : absl::StrCat("the time budget (", o.max_seconds,
+                                " s) cut a search: the plan is the best found, "
+                                "not proven optimal"));
+      }
+    }
+    return p;
+  };
+  // Set when memory was only checked at fixed ratios because the budget left
+  // no time for the LP: a misfit there proves nothing.
+  bool unproven_misfit = false;
 
-  auto memory_lp = [&](const Program& p, const std::vector<double>* fixed)
+  // The LP's ratios for `p`; `fixed` (a baseline's own split) is only
+  // checked. When the budget ends before or inside the LP, the ratios `p` was
+  // searched at stand in for the LP's, if they fit.
+  auto memory_lp = [&](const Program& p, const std::vector<double>& at,
+                       bool fixed)
       -> absl::StatusOr<std::pair<std::vector<double>, double>> {
     ratios::RatioLpRequest req;
     req.num_devices = cluster.size();
-    req.terms = MergeTerms(p.BlockTerms());
+    AddProgramTerms(p, &req);
     if (!o.ignore_memory) req.memory = MemoryModel(g, cluster, p, o.optimizer);
-    req.time_limit_seconds = std::max(1.0, o.max_seconds - elapsed());
-    if (fixed != nullptr) {
-      // Baselines keep their ratios; check they fit.
-      HAP_RETURN_IF_ERROR(ratios::CheckRatios(req, {*fixed}));
-      return std::make_pair(*fixed, ratios::EvaluateObjective(req, {*fixed}));
+    if (!fixed && left() > 0) {
+      req.time_limit_seconds = left();
+      auto r = timed(&phases.lp, [&]() { return ratios::SolveRatioLp(req); });
+      if (r.ok()) return std::make_pair(r->ratios[0], r->objective);
+      if (r.status().code() != absl::StatusCode::kDeadlineExceeded) {
+        return r.status();
+      }
     }
-    HAP_ASSIGN_OR_RETURN(ratios::RatioLpResult r, ratios::SolveRatioLp(req));
-    return std::make_pair(r.ratios[0], r.objective);
+    if (!fixed) {
+      note(absl::StrCat("the time budget (", o.max_seconds,
+                        " s) ran out before a ratio LP finished: a program "
+                        "kept the split it was searched at"));
+    }
+    absl::Status fits = ratios::CheckRatios(req, {at});
+    if (!fixed && !fits.ok()) unproven_misfit = true;
+    HAP_RETURN_IF_ERROR(fits);
+    return std::make_pair(at, ratios::EvaluateObjective(req, {at}));
   };
 
-  // Whole samples: the lowering runs RoundShards(batch, ratios) samples per
-  // device, so the plan is predicted (and reported) at those. For the
-  // search's own result the split is also moved by one sample between any
-  // two devices where the model says that is faster.
+  // Whole samples (snap.h); the search's own result also tries the
+  // one-sample moves, within the budget.
   auto snap = [&](Candidate* c, bool neighbours) {
     if (!o.snap_ratios_to_batch || g.Inputs().empty()) return;
     const graph::Tensor& in = g.tensor(g.Inputs().front());
     const int n = cluster.size();
-    if (in.type.rank() < 1 || in.type.shape[0] < n || c->ratios.size() != static_cast<size_t>(n)) {
+    if (in.type.rank() < 1 || in.type.shape[0] < n ||
+        c->ratios.size() != static_cast<size_t>(n)) {
       return;
     }
-    const int64_t batch = in.type.shape[0];
-    std::vector<int64_t> base = ratios::RoundShards(batch, c->ratios);
-    std::vector<std::vector<int64_t>> splits = {base};
-    if (neighbours) {
-      for (int i = 0; i < n; ++i) {
-        for (int j = 0; j < n; ++j) {
-          if (i == j || base[i] <= 1) continue;
-          std::vector<int64_t> m = base;
-          --m[i];
-          ++m[j];
-          splits.push_back(std::move(m));
-        }
-      }
+    std::optional<ratios::MemoryConstraint> mem;
+    if (!o.ignore_memory) mem = MemoryModel(g, cluster, c->program, o.optimizer);
+    SnapRequest q;
+    q.program = &c->program;
+    q.ratios = c->ratios;
+    q.batch = in.type.shape[0];
+    q.memory = mem ? &*mem : nullptr;
+    q.neighbours = neighbours;
+    q.deadline = deadline;
+    SnapResult s = timed(&phases.snap, [&]() { return SnapToSamples(q); });
+    if (!s.complete) {
+      note(absl::StrCat("the time budget (", o.max_seconds,
+                        " s) ran out while moving single samples between "
+                        "devices: ",
+                        s.moves_evaluated, " moves of device groups tried"));
     }
-    const ratios::MemoryConstraint mem = MemoryModel(g, cluster, c->program, o.optimizer);
-    double best_cost = INFINITY;
-    std::vector<double> best;
-    for (const std::vector<int64_t>& m : splits) {
-      std::vector<double> r;
-      bool ok = true;
-      for (int d = 0; d < n; ++d) {
-        ok = ok && m[d] >= 1;
-        r.push_back(static_cast<double>(m[d]) / static_cast<double>(batch));
-      }
-      if (!ok) continue;
-      if (!o.ignore_memory) {
-        const std::vector<int64_t> bytes = MemoryAt(mem, r);
-        for (int d = 0; d < n && ok; ++d) ok = bytes[d] <= cluster.device(d).memory_bytes;
-        if (!ok) continue;
-      }
-      const double cost = EvaluateProgram(c->program, r).total;
-      if (cost < best_cost * (1 - 1e-9)) {
-        best_cost = cost;
-        best = std::move(r);
-      }
-    }
-    if (!best.empty()) c->ratios = std::move(best);
+    if (!s.ratios.empty()) c->ratios = std::move(s.ratios);
   };
 
   auto finish = [&](Candidate c, bool optimal) -> PlanResult {
@@ -238,16 +273,25 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     r.optimal = optimal;
     r.joint_iterations = iteration;
     r.source = c.source;
+    r.phases = phases;
+    r.notes = std::move(notes);
     r.synthesis_seconds = elapsed();
     return r;
   };
 
-  // Baselines: a restricted search at fixed ratios.
+  // Baselines: a restricted search at fixed ratios. As candidates beside the
+  // search (not asked for by o.baseline) they are also the fallback when the
+  // search's state budget left no program that fits, so they search with at
+  // least the default state budget (their spaces are small; the time budget
+  // still holds).
   auto baseline = [&](Baseline b) -> absl::StatusOr<Candidate> {
     SearchOptions bo = so;
+    if (b != o.baseline) {
+      bo.max_states = std::max(so.max_states, SearchOptions().max_states);
+    }
     bo.allow_sfb = false;
     bo.allow_zero = b == Baseline::kZero3;
-    bo.max_seconds = std::max(0.1, o.max_seconds - elapsed());
+    bo.max_seconds = std::max(0.1, left());
     bool even = b != Baseline::kDpProportional;
     bo.ratios = even ? cluster.EvenRatios() : cluster.ProportionalRatios();
     if (b == o.baseline && !o.baseline_ratios.empty()) bo.ratios = o.baseline_ratios;
@@ -259,8 +303,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
       bo.force_storage = b == Baseline::kZero3 ? ParamStorage::kZero
                                                : ParamStorage::kReplicated;
     }
-    HAP_ASSIGN_OR_RETURN(Program p, Synthesize(g, cluster, bo));
-    states += p.states_expanded;
+    HAP_ASSIGN_OR_RETURN(Program p, search(bo));
     Candidate c;
     c.ratios = bo.ratios;
     c.cost = EvaluateProgram(p, c.ratios).total;
@@ -286,7 +329,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     }
     HAP_ASSIGN_OR_RETURN(Candidate c, baseline(o.baseline));
     if (!o.ignore_memory) {
-      auto fit = memory_lp(c.program, &c.ratios);
+      auto fit = memory_lp(c.program, c.ratios, /*fixed=*/true);
       if (!fit.ok()) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "baseline ", BaselineName(o.baseline),
@@ -302,18 +345,41 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   bool all_optimal = true;
   std::vector<double> r = cluster.ProportionalRatios();
   int max_iter = std::max(1, o.max_joint_iterations);
-  absl::Status memory_error;
+  // The errors that leave no plan: memory (a proven misfit), the search's
+  // budget with no complete program, anything else.
+  absl::Status memory_error, other_error;
+  bool budget_error = false;
+  auto keep_error = [&](const absl::Status& s) {
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      memory_error = s;
+    } else if (other_error.ok()) {
+      other_error = s;
+    }
+  };
   for (iteration = 1; iteration <= max_iter; ++iteration) {
+    if (iteration > 1 && left() <= 0) {
+      note(absl::StrCat("the time budget (", o.max_seconds,
+                        " s) ended the search-LP loop after ", iteration - 1,
+                        " iterations"));
+      break;
+    }
     so.ratios = r;
-    so.max_seconds = std::max(0.1, o.max_seconds - elapsed());
-    auto p = Synthesize(g, cluster, so);
+    so.max_seconds = std::max(0.1, left());
+    auto p = search(so);
     if (!p.ok()) {
-      if (best.program.steps.empty()) return p.status();
+      if (p.status().code() == absl::StatusCode::kCancelled &&
+          best.program.steps.empty()) {
+        return p.status();
+      }
+      if (p.status().code() == absl::StatusCode::kResourceExhausted) {
+        budget_error = true;
+      } else if (other_error.ok()) {
+        other_error = p.status();
+      }
       break;  // keep the best so far (budget or cancellation)
     }
-    states += p->states_expanded;
     all_optimal = all_optimal && p->optimal;
-    auto lp = memory_lp(*p, nullptr);
+    auto lp = memory_lp(*p, r, /*fixed=*/false);
     if (!lp.ok() && lp.status().code() == absl::StatusCode::kResourceExhausted &&
         so.allow_zero && !so.force_storage) {
       // Memory-bound: prefer sharded parameter storage and try again.
@@ -322,7 +388,10 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
       --iteration;
       continue;
     }
-    if (!lp.ok()) return lp.status();
+    if (!lp.ok()) {
+      keep_error(lp.status());
+      break;  // the baselines below may still fit
+    }
     if (lp->second < best.cost * (1 - 1e-9)) {
       best.cost = lp->second;
       best.ratios = lp->first;
@@ -334,24 +403,56 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     }
     if (o.cancelled && o.cancelled()) break;
   }
-  if (best.program.steps.empty()) {
-    return memory_error.ok()
-               ? absl::FailedPreconditionError("no program found")
-               : memory_error;
-  }
-  // Baseline programs, ratios re-optimised: candidates in the same space.
+  // Baseline programs, ratios re-optimised: candidates in the same space,
+  // and the plan when the search's programs do not fit. Once the budget is
+  // spent they are skipped, unless nothing was found yet.
   for (Baseline b : {Baseline::kDpEven, Baseline::kDpProportional,
                      Baseline::kZero3, Baseline::kMegatron}) {
+    if (!best.program.steps.empty() && left() <= 0) {
+      note(absl::StrCat("the time budget (", o.max_seconds,
+                        " s) ran out before the baseline programs from ",
+                        BaselineName(b), " on were compared"));
+      break;
+    }
     auto c = baseline(b);
-    if (!c.ok()) continue;
-    auto lp = memory_lp(c->program, nullptr);
-    if (!lp.ok()) continue;
+    if (!c.ok()) {
+      if (c.status().code() == absl::StatusCode::kCancelled) break;
+      budget_error = budget_error ||
+                     c.status().code() == absl::StatusCode::kResourceExhausted;
+      continue;
+    }
+    auto lp = memory_lp(c->program, c->ratios, /*fixed=*/false);
+    if (!lp.ok()) {
+      if (best.program.steps.empty() && memory_error.ok()) {
+        keep_error(lp.status());
+      }
+      continue;
+    }
     if (lp->second < best.cost * (1 - 1e-9)) {
+      if (best.program.steps.empty()) {
+        note(absl::StrCat("no searched program fit or was found (",
+                          (memory_error.ok() ? other_error : memory_error)
+                              .message(),
+                          "); the plan is the best baseline program"));
+        all_optimal = false;
+      }
       best.cost = lp->second;
       best.ratios = lp->first;
       best.program = std::move(c->program);
       best.source = absl::StrCat(BaselineName(b), " program, LP ratios");
     }
+  }
+  if (best.program.steps.empty()) {
+    if (unproven_misfit || budget_error) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the planning budget (", o.max_seconds, " s, ", o.max_states,
+          " states) ran out before any plan that fits was found; raise it",
+          memory_error.ok() ? "" : " (at the split searched: ",
+          memory_error.message(), memory_error.ok() ? "" : ")"));
+    }
+    if (!memory_error.ok()) return memory_error;
+    if (!other_error.ok()) return other_error;
+    return absl::FailedPreconditionError("no program found");
   }
   iteration = std::min(iteration, max_iter);
   return finish(std::move(best), all_optimal);

@@ -50,8 +50,12 @@ struct PlanOptions {
   bool allow_grouped = true;
   bool zero_heuristic = false;
   int max_joint_iterations = 4;
+  // Budgets. Each search stops at max_states; max_seconds bounds the whole
+  // planning (searches, LPs, the baselines and the snap to whole samples).
+  // A budget that runs out returns the best plan found so far (a note in
+  // PlanResult::notes says so), never an error, when one that fits is known.
   int64_t max_states = 2'000'000;
-  double max_seconds = 60;       // whole planning, search and LP
+  double max_seconds = 60;
   bool ignore_memory = false;
   // Ratios snapped to whole samples of the batch (what the lowering runs),
   // the search's split moved by one sample where that is predicted faster.
@@ -67,6 +71,13 @@ struct PlanOptions {
   std::function<void(int64_t, double, int)> progress;
 };
 
+// Where the planning time went (seconds).
+struct PhaseSeconds {
+  double search = 0;  // the joint loop's and the baselines' searches
+  double lp = 0;      // ratio LPs
+  double snap = 0;    // whole samples and one-sample moves
+};
+
 struct PlanResult {
   Program program;
   std::vector<double> ratios;  // per device (one segment)
@@ -77,10 +88,17 @@ struct PlanResult {
   bool optimal = false;
   int joint_iterations = 0;
   std::string source;  // "search", or the baseline candidate that won
+  PhaseSeconds phases;
+  // What cut the planning short, for the user: a budget (states or seconds)
+  // that ended a search, the LP, the loop, the baselines or the one-sample
+  // moves; the plan is then the best found, not proven optimal.
+  std::vector<std::string> notes;
 };
 
-// Errors: those of Synthesize and SolveRatioLp; ResourceExhausted "does not
-// fit" naming the device and bytes when no ratios satisfy memory.
+// Errors: those of Synthesize and SolveRatioLp when no plan was found;
+// ResourceExhausted "does not fit" naming the device and bytes when no
+// candidate program has ratios that satisfy memory; DeadlineExceeded when the
+// budget ran out before any plan that fits was found.
 absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
                                      const cost::ClusterModel& cluster,
                                      const PlanOptions& options);

@@ -1,13 +1,17 @@
+#include <chrono>
 #include <cmath>
+#include <random>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/synth/checker.h"
 #include "planner/synth/gradients.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
+#include "planner/synth/snap.h"
 
 namespace hap::synth {
 namespace {
@@ -437,6 +441,254 @@ TEST(SynthTest, ProgressReportsStates) {
   };
   ASSERT_TRUE(Synthesize(g, c, so).ok());
   EXPECT_GT(calls, 2);
+}
+
+// The snap before device groups (test-only reference): the rounded split and
+// all N(N-1) one-sample moves built whole and each costed by EvaluateProgram;
+// the first strictly better (relative 1e-9) valid split in that order wins.
+std::vector<double> ExhaustiveSnap(const Program& p,
+                                   const std::vector<double>& ratios,
+                                   int64_t batch,
+                                   const ratios::MemoryConstraint* mem) {
+  const int n = static_cast<int>(ratios.size());
+  const std::vector<int64_t> base = ratios::RoundShards(batch, ratios);
+  std::vector<std::vector<int64_t>> splits = {base};
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j || base[i] <= 1) continue;
+      std::vector<int64_t> m = base;
+      --m[i];
+      ++m[j];
+      splits.push_back(std::move(m));
+    }
+  }
+  double best_cost = INFINITY;
+  std::vector<double> best;
+  for (const std::vector<int64_t>& m : splits) {
+    std::vector<double> r;
+    bool ok = true;
+    for (int d = 0; d < n; ++d) {
+      ok = ok && m[d] >= 1;
+      r.push_back(static_cast<double>(m[d]) / static_cast<double>(batch));
+    }
+    if (!ok) continue;
+    if (mem != nullptr) {
+      const std::vector<int64_t> bytes = MemoryAt(*mem, r);
+      for (int d = 0; d < n && ok; ++d) {
+        ok = bytes[d] <= static_cast<int64_t>(mem->capacity[d]);
+      }
+      if (!ok) continue;
+    }
+    const double cost = EvaluateProgram(p, r).total;
+    if (cost < best_cost * (1 - 1e-9)) {
+      best_cost = cost;
+      best = std::move(r);
+    }
+  }
+  return best;
+}
+
+// The group snap picks the split the exhaustive one picks: clusters with
+// repeated and distinct devices, programs searched at several splits, the
+// LP's, proportional and perturbed ratios, with memory free, tight on some
+// devices (a sample more does not fit), and missing (a device at 0).
+TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
+  struct SnapCase {
+    std::string name;
+    cost::ClusterModel cluster;
+  };
+  std::vector<SnapCase> cases;
+  cases.push_back({"4 same", MakeCluster({1e13, 1e13, 1e13, 1e13}, 4)});
+  cases.push_back({"2 kinds x 3", MakeCluster({2e13, 2e13, 2e13, 1e13, 1e13, 1e13}, 3)});
+  cases.push_back({"3 kinds, 2 a node",
+                   MakeCluster({3e13, 2e13, 1e13, 3e13, 2e13, 1e13, 3e13, 1e13}, 2)});
+  cases.push_back({"all distinct", MakeCluster({1e13, 1.3e13, 1.7e13, 2.2e13, 2.9e13}, 5)});
+  cases.push_back({"12 of 2 kinds, slow links",
+                   MakeCluster({2.5e12, 2.5e12, 2.5e12, 1e12, 1e12, 1e12, 1e12, 1e12,
+                                1e12, 2.5e12, 1e12, 1e12},
+                               4, 1e10, 1e9)});
+  std::mt19937 rng(7);
+  int cases_run = 0, moved = 0, memory_bound = 0;
+  for (const SnapCase& c : cases) {
+    const int n = c.cluster.size();
+    for (const char* model : {"gpt", "mlp"}) {
+      for (int per_device : {3, 8}) {
+        SCOPED_TRACE(absl::StrCat(c.name, ", ", model, ", batch ", per_device * n));
+        graph::Graph g = Zoo(model, Small(model, per_device * n));
+        const int64_t batch = per_device * n;
+        PlanOptions po;
+        po.snap_ratios_to_batch = false;
+        auto plan = PlanModel(g, c.cluster, po);
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        std::vector<std::vector<double>> splits = {plan->ratios,
+                                                   c.cluster.ProportionalRatios()};
+        std::uniform_real_distribution<double> jitter(0.5, 1.5);
+        for (int k = 0; k < 3; ++k) {
+          std::vector<double> r = plan->ratios;
+          double sum = 0;
+          for (double& x : r) sum += (x *= jitter(rng));
+          for (double& x : r) x /= sum;
+          splits.push_back(r);
+        }
+        std::vector<double> starved = c.cluster.EvenRatios();  // a device at 0
+        starved[0] += starved[n - 1];
+        starved[n - 1] = 0;
+        splits.push_back(starved);
+        const ratios::MemoryConstraint free_mem =
+            MemoryModel(g, c.cluster, plan->program, OptimizerKind::kSgdMomentum);
+        for (const std::vector<double>& r : splits) {
+          // Tight: every other device (every device) holds exactly its
+          // rounded share.
+          ratios::MemoryConstraint tight = free_mem, tightest = free_mem;
+          const std::vector<int64_t> base = ratios::RoundShards(batch, r);
+          for (int d = 0; d < n; ++d) {
+            const double at = std::floor(free_mem.constant[d] +
+                                         free_mem.coef[0][d] * base[d] / static_cast<double>(batch));
+            tightest.capacity[d] = at;
+            if (d % 2 == 0) tight.capacity[d] = at;
+          }
+          for (const ratios::MemoryConstraint* mem : std::vector<const ratios::MemoryConstraint*>{
+                   nullptr, &free_mem, &tight, &tightest}) {
+            SnapRequest q;
+            q.program = &plan->program;
+            q.ratios = r;
+            q.batch = batch;
+            q.memory = mem;
+            const SnapResult got = SnapToSamples(q);
+            const std::vector<double> want = ExhaustiveSnap(plan->program, r, batch, mem);
+            ASSERT_EQ(got.ratios, want);
+            EXPECT_TRUE(got.complete);
+            EXPECT_LE(got.moves_evaluated, static_cast<int64_t>(got.groups) * got.groups);
+            if (!want.empty()) {
+              EXPECT_NEAR(got.cost, EvaluateProgram(plan->program, want).total,
+                          1e-9 * got.cost);
+              std::vector<double> rounded;
+              for (int64_t m : base) rounded.push_back(m / static_cast<double>(batch));
+              moved += want != rounded;
+              memory_bound +=
+                  mem == &tightest && want != ExhaustiveSnap(plan->program, r, batch, nullptr);
+            }
+            ++cases_run;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases_run, 5 * 2 * 2 * 6 * 4);
+  // The comparisons covered moves and memory that changed the answer.
+  EXPECT_GT(moved, 10);
+  EXPECT_GT(memory_bound, 0);
+}
+
+// Groups: 64 devices of 2 kinds snap with a handful of group moves, not
+// 64 x 63; a deadline already passed leaves the rounded split.
+TEST(SynthTest, SnapMovesBetweenGroupsAndStopsAtTheDeadline) {
+  std::vector<double> flops;
+  for (int i = 0; i < 64; ++i) flops.push_back(i % 4 == 0 ? 2.5e12 : 1e12);
+  auto c = MakeCluster(flops, 8);
+  graph::Graph g = Zoo("gpt", Small("gpt", 64 * 5));
+  SearchOptions so;
+  auto p = Synthesize(g, c, so);
+  ASSERT_TRUE(p.ok()) << p.status();
+  SnapRequest q;
+  q.program = &*p;
+  q.ratios = c.ProportionalRatios();
+  q.batch = 64 * 5;
+  const SnapResult s = SnapToSamples(q);
+  EXPECT_TRUE(s.complete);
+  EXPECT_LE(s.groups, 4);  // 2 kinds x (k, k + 1 samples)
+  EXPECT_GE(s.groups, 2);
+  EXPECT_LE(s.moves_evaluated, 16);
+  EXPECT_EQ(s.ratios, ExhaustiveSnap(*p, q.ratios, q.batch, nullptr));
+
+  // 64 distinct devices make 64 x 63 group moves; the deadline is looked at
+  // every 256.
+  q.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  std::vector<double> distinct;
+  for (int i = 0; i < 64; ++i) distinct.push_back(1e12 * (1 + i / 64.0));
+  auto dc = MakeCluster(distinct, 64, 1e11, 1e11);
+  auto dp = Synthesize(g, dc, so);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  q.program = &*dp;
+  q.ratios = dc.ProportionalRatios();
+  const SnapResult cut = SnapToSamples(q);
+  EXPECT_FALSE(cut.complete);
+  EXPECT_EQ(cut.moves_evaluated, 255);  // then the deadline was looked at
+  // The best of the rounded split and the moves tried.
+  std::vector<double> rounded;
+  for (int64_t m : ratios::RoundShards(q.batch, q.ratios)) {
+    rounded.push_back(m / static_cast<double>(q.batch));
+  }
+  EXPECT_LE(EvaluateProgram(*dp, cut.ratios).total, EvaluateProgram(*dp, rounded).total);
+  q.deadline.reset();
+  const SnapResult whole = SnapToSamples(q);
+  EXPECT_TRUE(whole.complete);
+  EXPECT_GT(whole.moves_evaluated, 64 * 60);
+  EXPECT_EQ(whole.ratios, ExhaustiveSnap(*dp, q.ratios, q.batch, nullptr));
+}
+
+// Budgets return the best plan found, with a note, not an error: a state
+// budget too small to finish any search, and a time budget spent before the
+// LP, on a model that fits.
+TEST(SynthTest, SpentBudgetsReturnTheBestPlanWithANote) {
+  graph::Graph g = Zoo("gpt", {{"layers", 2}, {"hidden", 256}, {"heads", 4},
+                               {"ffn", 1024}, {"seq", 64}, {"vocab", 1024},
+                               {"batch", 64}});
+  auto c = MakeCluster({2e13, 2e13, 1e13, 1e13}, 2);
+  auto full = PlanModel(g, c, PlanOptions());
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_THAT(full->notes, ::testing::IsEmpty());
+  for (int64_t states : {1, 10, 1000}) {
+    SCOPED_TRACE(absl::StrCat(states, " states"));
+    PlanOptions o;
+    o.max_states = states;
+    auto r = PlanModel(g, c, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->optimal);
+    EXPECT_THAT(r->notes, ::testing::Contains(HasSubstr("state budget")));
+    EXPECT_TRUE(CheckProgram(g, r->program, c.size()).ok());
+    EXPECT_GE(r->cost.total, full->cost.total * (1 - 1e-9));
+    for (int d = 0; d < c.size(); ++d) {
+      EXPECT_LE(r->memory_bytes[d], c.device(d).memory_bytes);
+    }
+  }
+  PlanOptions o;
+  o.max_seconds = 1e-9;
+  auto r = PlanModel(g, c, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->notes, ::testing::Contains(HasSubstr("time budget")));
+  EXPECT_TRUE(CheckProgram(g, r->program, c.size()).ok());
+  double sum = 0;
+  for (double x : r->ratios) sum += x;
+  EXPECT_NEAR(sum, 1.0, 1e-12);
+  EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total, 1e-12);
+}
+
+// A state budget too small for any search (GPT-12 on 64 devices): the
+// greedy complete programs the cut searches return, data-parallel ones too,
+// keep whole activations on every device (234 GiB) and do not fit, where
+// data parallelism does; the planner falls back to the baseline programs
+// searched with their own state budget and returns a plan that fits, never
+// a false "does not fit".
+TEST(SynthTest, StateBudgetOnATightClusterStillFits) {
+  graph::Graph g = Zoo("gpt", {{"layers", 12}, {"batch", 32 * 64}});
+  std::vector<double> flops;
+  for (int i = 0; i < 64; ++i) flops.push_back(i < 16 ? 3.86e12 : 2.15e12);
+  auto c = MakeCluster(flops, 8, 9.5e9, 3e9, 40 * kGiB);
+  auto unlimited = PlanModel(g, c, PlanOptions());
+  ASSERT_TRUE(unlimited.ok()) << unlimited.status();
+  for (int64_t states : {1, 1000}) {
+    SCOPED_TRACE(absl::StrCat(states, " states"));
+    PlanOptions o;
+    o.max_states = states;
+    auto r = PlanModel(g, c, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int i = 0; i < c.size(); ++i) {
+      EXPECT_LE(r->memory_bytes[i], c.device(i).memory_bytes);
+    }
+    EXPECT_TRUE(CheckProgram(g, r->program, c.size()).ok());
+    EXPECT_THAT(r->notes, ::testing::Contains(HasSubstr("state budget")));
+  }
 }
 
 TEST(SynthTest, BadInput) {
