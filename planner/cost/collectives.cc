@@ -21,19 +21,22 @@ CostTerm CollectiveModel::Constant(double seconds, int segment) const {
 
 double CollectiveModel::RingAllReduce(double bytes,
                                       const std::vector<int>& g) const {
-  int n = static_cast<int>(g.size());
-  if (n < 2 || bytes <= 0) return 0;
-  return 2.0 * (n - 1) / n * bytes / cluster_.RingBandwidth(g) +
-         2.0 * (n - 1) * cluster_.RingLatency(g);
+  return AllReduceOver(bytes, g, /*tree=*/false, /*latency=*/true);
 }
 
 double CollectiveModel::TreeAllReduce(double bytes,
                                       const std::vector<int>& g) const {
-  int n = static_cast<int>(g.size());
+  return AllReduceOver(bytes, g, /*tree=*/true, /*latency=*/true);
+}
+
+double CollectiveModel::AllReduceOver(double bytes, const std::vector<int>& g,
+                                      bool tree, bool latency) const {
+  const int n = static_cast<int>(g.size());
   if (n < 2 || bytes <= 0) return 0;
-  const double depth = std::ceil(std::log2(static_cast<double>(n)));
-  return 2.0 * bytes / cluster_.RingBandwidth(g) +
-         2.0 * depth * cluster_.RingLatency(g);
+  const double hops = tree ? std::ceil(std::log2(static_cast<double>(n))) : n - 1;
+  const double volume = tree ? 2.0 : 2.0 * (n - 1) / n;
+  return volume * bytes / cluster_.RingBandwidth(g) +
+         (latency ? 2.0 * hops * cluster_.RingLatency(g) : 0.0);
 }
 
 double CollectiveModel::AllReduce(double bytes) const {
@@ -42,16 +45,16 @@ double CollectiveModel::AllReduce(double bytes) const {
          cluster_.collective_overhead_seconds();
 }
 
-CollectiveModel::Choice CollectiveModel::AllReduceAlgorithm(
-    double bytes) const {
+CollectiveModel::Choice CollectiveModel::Cheapest(double bytes,
+                                                  bool latency) const {
   Choice best;
   if (bytes <= 0) return best;
   best.seconds = INFINITY;
   auto consider = [&](const char* name, double seconds) {
     if (seconds < best.seconds) best = {name, seconds};
   };
-  consider("ring", RingAllReduce(bytes, cluster_.all()));
-  consider("tree", TreeAllReduce(bytes, cluster_.all()));
+  consider("ring", AllReduceOver(bytes, cluster_.all(), false, latency));
+  consider("tree", AllReduceOver(bytes, cluster_.all(), true, latency));
   const auto& nodes = cluster_.node_groups();
   if (nodes.size() < 2) return best;
   // Hierarchical: reduce-scatter inside each node, all-reduce the 1/k slices
@@ -60,41 +63,29 @@ CollectiveModel::Choice CollectiveModel::AllReduceAlgorithm(
   double intra = 0;
   for (const auto& g : nodes) {
     kmin = std::min(kmin, g.size());
-    intra = std::max(intra, RingAllReduce(bytes, g));  // RS + AG = one AR
+    // RS + AG = one AR
+    intra = std::max(intra, AllReduceOver(bytes, g, false, latency));
   }
   // The leaders' ring or tree uses the slowest inter-node link; other local
   // ranks' cross the same class of links.
   std::vector<int> leaders;
   for (const auto& g : nodes) leaders.push_back(g[0]);
   const double slice = bytes / static_cast<double>(kmin);
-  consider("hierarchical ring", intra + RingAllReduce(slice, leaders));
-  consider("hierarchical tree", intra + TreeAllReduce(slice, leaders));
+  consider("hierarchical ring", intra + AllReduceOver(slice, leaders, false, latency));
+  consider("hierarchical tree", intra + AllReduceOver(slice, leaders, true, latency));
   return best;
 }
 
+CollectiveModel::Choice CollectiveModel::AllReduceAlgorithm(
+    double bytes) const {
+  return Cheapest(bytes, /*latency=*/true);
+}
+
 double CollectiveModel::AllReduceTransfer(double bytes) const {
-  if (bytes <= 0) return 0;
-  // The bandwidth terms of flat and hierarchical rings (trees move about the
-  // same bytes per link); latency is the bucket's, paid once.
-  const int n = cluster_.size();
-  double flat = 2.0 * (n - 1) / n * bytes / ring_bw_;
-  const auto& nodes = cluster_.node_groups();
-  if (nodes.size() < 2) return flat;
-  size_t kmin = nodes[0].size();
-  double intra = 0;
-  for (const auto& g : nodes) {
-    kmin = std::min(kmin, g.size());
-    const double k = static_cast<double>(g.size());
-    if (g.size() > 1) {
-      intra = std::max(intra, 2.0 * (k - 1) / k * bytes / cluster_.RingBandwidth(g));
-    }
-  }
-  std::vector<int> leaders;
-  for (const auto& g : nodes) leaders.push_back(g[0]);
-  const double m = static_cast<double>(nodes.size());
-  const double inter = 2.0 * (m - 1) / m * bytes / static_cast<double>(kmin) /
-                       cluster_.RingBandwidth(leaders);
-  return std::min(flat, intra + inter);
+  // The cheapest algorithm's bandwidth term (a ring's, flat or
+  // hierarchical: trees move no fewer bytes per link); the bucket pays the
+  // latency once.
+  return Cheapest(bytes, /*latency=*/false).seconds;
 }
 
 double CollectiveModel::Broadcast(double bytes) const {

@@ -82,6 +82,10 @@ class CollectiveModel {
   const ClusterModel& cluster() const { return cluster_; }
 
  private:
+  // A ring or tree all-reduce over `group`, with or without its latency.
+  double AllReduceOver(double bytes, const std::vector<int>& group, bool tree,
+                       bool latency) const;
+  Choice Cheapest(double bytes, bool latency) const;
   CostTerm Sharded(double bytes, Method m, int segment, double grouped_eff) const;
 
   const ClusterModel& cluster_;

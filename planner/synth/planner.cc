@@ -176,6 +176,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   so.allow_sfb = o.allow_sfb;
   so.allow_zero = o.allow_zero;
   so.allow_grouped = o.allow_grouped;
+  so.overlap = o.overlap_communication;
   so.zero_heuristic = o.zero_heuristic;
   so.max_states = o.max_states;
   so.cancelled = o.cancelled;

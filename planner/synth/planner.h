@@ -48,6 +48,10 @@ struct PlanOptions {
   bool allow_sfb = true;
   bool allow_zero = true;
   bool allow_grouped = true;
+  // Price collectives as overlapping compute (Program::overlap): what an
+  // executor that overlaps runs. Off (the default) prices them in line,
+  // where today's executors run them.
+  bool overlap_communication = false;
   bool zero_heuristic = false;
   int max_joint_iterations = 4;
   // Budgets. Each search stops at max_states; max_seconds bounds the whole

@@ -8,9 +8,11 @@
 #define HAP_PLANNER_SYNTH_PROGRAM_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "planner/cost/collectives.h"
 #include "planner/graph/graph.h"
 #include "planner/ratios/ratio_lp.h"
 #include "planner/synth/form.h"
@@ -82,6 +84,17 @@ struct OpStep {
   CostTerm internal;
 };
 
+// Replicated parameters' partial gradients, all-reduced in buckets of about
+// Program::bucket_bytes, filled in the order backward completes them.
+struct GradientBucket {
+  std::vector<graph::TensorId> tensors;
+  int64_t bytes = 0;
+  // Its last gradient is complete after the backward of steps[ready_step].
+  int ready_step = 0;
+  CostTerm cost;             // one all-reduce call: latency, bytes, overhead
+  const char* algorithm = "";  // CollectiveModel::AllReduceAlgorithm
+};
+
 struct Program {
   std::vector<OpStep> steps;  // one per op, topological order
   // Cost at the ratios it was searched with.
@@ -96,6 +109,21 @@ struct Program {
   // Per-step time outside ops and collectives on each device (calibrated
   // step_overhead_seconds; empty = none).
   CostTerm overhead;
+
+  // Communication overlapped with compute (ProgramCost is then the critical
+  // path over a compute and a communication stream): gradient buckets start
+  // during backward once their gradients are complete, ZeRO gathers are
+  // prefetched one parameter ahead, waits sit just before first use (the
+  // optimizer for gradients); other collectives synchronise. Off: every
+  // collective in line, where the executors run it today.
+  bool overlap = false;
+  // Gradient buckets (AssignGradientBuckets); empty = each replicated
+  // gradient's own SourceLoad::costs, summed after backward.
+  int64_t bucket_bytes = 0;
+  std::vector<GradientBucket> buckets;
+  // Per device: 1 - overlap_efficiency, the share of an overlapped
+  // collective that still slows its compute (empty = none).
+  std::vector<double> interference;
 
   // The terms a step takes (compute terms flagged), for re-costing and the
   // LP: every collective's term, and the compute between two
@@ -114,13 +142,43 @@ struct Program {
 };
 
 // Step time of `p` at `ratios` (one segment), split in compute and
-// communication (each a sum of per-instruction maxima).
+// communication. Without overlap each is a sum of per-block maxima; with
+// overlap `total` is the critical path, `compute` the same path with every
+// collective taking no time, and `communication` the rest (exposed).
 struct ProgramCost {
   double total = 0;
   double compute = 0;
-  double communication = 0;
+  double communication = 0;        // exposed: total - compute
+  double communication_busy = 0;   // every collective's time, hidden or not
 };
 ProgramCost EvaluateProgram(const Program& p, const std::vector<double>& ratios);
+
+// The ratio LP's terms for `p` (added to req->terms): BlockTerms merged
+// without overlap; with overlap the terms of the critical path and the path
+// (req->path).
+void AddProgramTerms(const Program& p, ratios::RatioLpRequest* req);
+
+// The executors' gradient bucket (planner/lower kBucketBytes), and the
+// sizes the planner chooses from when collectives overlap compute.
+inline constexpr int64_t kLoweringBucketBytes = int64_t{64} << 20;
+inline constexpr int64_t kBucketCandidates[] = {int64_t{1} << 20, int64_t{4} << 20,
+                                                int64_t{25} << 20, int64_t{64} << 20,
+                                                int64_t{100} << 20};
+
+// Buckets of `bucket_bytes` (a gradient larger than that gets its own) for
+// the replicated parameters whose gradient is all-reduced, priced with
+// `bucket_cost(bytes)`; sets p->buckets and p->bucket_bytes.
+void AssignGradientBuckets(const graph::Graph& g, int64_t bucket_bytes,
+                           const std::function<CostTerm(double bytes, const char** algorithm)>&
+                               bucket_cost,
+                           Program* p);
+
+// Sets p->overlap, the devices' interference and the gradient buckets: the
+// lowering's size without overlap; with overlap the candidate whose step is
+// shortest at `ratios`. Each bucket is one all-reduce call
+// (CollectiveModel::AllReduce: ring or tree, latency and overhead once).
+void ScheduleCommunication(const graph::Graph& g, const cost::CollectiveModel& coll,
+                           const std::vector<double>& ratios, bool overlap, Program* p);
 
 // Merges identical terms (same segment, coefficients, constants) into one
 // with a weight: 12 identical layers give one term of weight 12.

@@ -719,13 +719,15 @@ Program Searcher::Finish(Program p, bool optimal) {
       }
     }
   }
-  // A partial loss is summed in the gradient bucket's call when there is one.
-  extra_calls = (bucket || partial_loss ? 1 : 0) + (gather ? 1 : 0) + (scatter ? 1 : 0);
+  // A partial loss is summed in the gradient bucket's call when there is
+  // one; the buckets (ScheduleCommunication) pay their own calls.
+  extra_calls = (partial_loss && !bucket ? 1 : 0) + (gather ? 1 : 0) + (scatter ? 1 : 0);
   p.overhead = coll_.Constant(0);
   for (int d = 0; d < cluster_.size(); ++d) {
     p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds +
                              extra_calls * cluster_.collective_overhead_seconds();
   }
+  ScheduleCommunication(g_, coll_, ratios_, opt_.overlap, &p);
   ProgramCost pc = EvaluateProgram(p, ratios_);
   p.cost = pc.total;
   p.compute_seconds = pc.compute;

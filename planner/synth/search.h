@@ -49,6 +49,9 @@ struct SearchOptions {
   std::function<void(int64_t states_expanded, double best_cost)> progress;
   int64_t progress_every = 4096;
   int64_t min_shard_length = 2;
+  // Price the program with communication overlapping compute
+  // (Program::overlap; ScheduleCommunication chooses the bucket size).
+  bool overlap = false;
 };
 
 // Errors: InvalidArgument for ratios of the wrong size or not summing to 1;

@@ -1,0 +1,265 @@
+// Communication overlapped with compute (Program::overlap): hand-built
+// programs where a collective is hidden entirely, partly or not at all, ZeRO
+// prefetching, the LP's critical path against the evaluator, and planning
+// with overlap on real models.
+#include <cmath>
+#include <set>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/cost/collectives.h"
+#include "planner/graph/zoo.h"
+#include "planner/ratios/ratio_lp.h"
+#include "planner/synth/checker.h"
+#include "planner/synth/planner.h"
+#include "planner/synth/program.h"
+#include "planner/synth/search.h"
+
+namespace hap::synth {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+CostTerm Const(double seconds, int n = 2) {
+  CostTerm t;
+  t.coef.assign(n, 0);
+  t.constant.assign(n, seconds);
+  return t;
+}
+
+// Compute of `seconds` at an even split on 2 devices: coef 2 s per unit ratio.
+CostTerm Compute(double seconds) {
+  CostTerm t;
+  t.coef = {2 * seconds, 2 * seconds};
+  t.constant = {0, 0};
+  return t;
+}
+
+// Two ops: op 0 computes c0, op 1 computes c1 and holds a replicated
+// parameter whose gradient bucket (`comm` seconds) is complete after op 1's
+// backward; op 0's backward (2/3 c0) is left to hide it.
+Program TwoOps(double c0, double c1, double comm) {
+  Program p;
+  p.steps.resize(2);
+  p.steps[0].op = 0;
+  p.steps[0].compute = Compute(c0);
+  p.steps[1].op = 1;
+  p.steps[1].compute = Compute(c1);
+  SourceLoad l;
+  l.tensor = 0;
+  l.parameter = true;
+  l.grad_allreduce = true;
+  l.costs.push_back(Const(comm));  // per-tensor share; buckets replace it
+  p.steps[1].loads.push_back(l);
+  GradientBucket b;
+  b.tensors = {0};
+  b.bytes = 1 << 20;
+  b.ready_step = 1;
+  b.cost = Const(comm);
+  p.buckets.push_back(b);
+  return p;
+}
+
+const std::vector<double> kEven = {0.5, 0.5};
+
+TEST(OverlapTest, CollectiveHiddenEntirelyPartlyOrNotAtAll) {
+  const double c0 = 0.3, c1 = 0.6;  // op 0's backward: 0.2 s
+  struct Case {
+    double comm, interference, exposed;
+  };
+  for (const Case& k : {Case{0.15, 0, 0},          // all hidden
+                        Case{0.25, 0, 0.05},       // part: 0.05 s sticks out
+                        Case{0.15, 1, 0.15},       // efficiency 0: none hidden
+                        Case{0.15, 0.5, 0.075}}) {  // half the slowdown
+    SCOPED_TRACE(::testing::Message() << "comm " << k.comm << " interference "
+                                      << k.interference);
+    Program p = TwoOps(c0, c1, k.comm);
+    const ProgramCost off = EvaluateProgram(p, kEven);
+    EXPECT_NEAR(off.total, c0 + c1 + k.comm, 1e-12);
+    EXPECT_NEAR(off.communication, k.comm, 1e-12);
+    p.overlap = true;
+    p.interference = {k.interference, k.interference};
+    const ProgramCost on = EvaluateProgram(p, kEven);
+    EXPECT_NEAR(on.total, c0 + c1 + k.exposed, 1e-12);
+    EXPECT_NEAR(on.communication_busy, k.comm, 1e-12);
+    EXPECT_NEAR(on.compute + on.communication, on.total, 1e-12);
+    // The compute alone is the same step with no collective.
+    EXPECT_NEAR(on.compute, c0 + c1, 1e-12);
+  }
+}
+
+TEST(OverlapTest, TheLastBucketIsExposed) {
+  // A bucket complete only at the end of backward (op 0's) hides nothing:
+  // the optimizer waits for it.
+  Program p = TwoOps(0.3, 0.6, 0.1);
+  p.buckets[0].ready_step = 0;
+  p.overlap = true;
+  EXPECT_NEAR(EvaluateProgram(p, kEven).total, 0.9 + 0.1, 1e-12);
+}
+
+TEST(OverlapTest, BucketsRunOneAtATime) {
+  // Two buckets started together after op 1's backward share the stream:
+  // 0.15 + 0.15 s behind 0.2 s of compute leaves 0.1 s exposed.
+  Program p = TwoOps(0.3, 0.6, 0.15);
+  p.buckets.push_back(p.buckets[0]);
+  p.overlap = true;
+  EXPECT_NEAR(EvaluateProgram(p, kEven).total, 0.9 + 0.1, 1e-12);
+}
+
+TEST(OverlapTest, ZeroGathersArePrefetchedOneAhead) {
+  // Op 0 and op 1 hold ZeRO-3 parameters; each gather (forward, then again
+  // for backward) takes g seconds, each op's compute c (c/3 forward).
+  const double c = 0.3, g = 0.05;
+  Program p;
+  p.steps.resize(2);
+  for (int k = 0; k < 2; ++k) {
+    p.steps[k].op = k;
+    p.steps[k].compute = Compute(c);
+    SourceLoad l;
+    l.tensor = k;
+    l.parameter = true;
+    l.storage = ParamStorage::kZero;
+    l.costs = {Const(g), Const(g)};
+    p.steps[k].loads.push_back(l);
+  }
+  EXPECT_NEAR(EvaluateProgram(p, kEven).total, 2 * c + 4 * g, 1e-12);
+  p.overlap = true;
+  // Forward: op 0's gather waited for first (exposed), op 1's runs behind
+  // op 0's forward (0.1 s > g). Backward: op 1's gather starts when forward
+  // ends (exposed), op 0's behind op 1's backward.
+  EXPECT_NEAR(EvaluateProgram(p, kEven).total, 2 * c + 2 * g, 1e-12);
+  // A gather longer than the compute in front of it shows the difference.
+  for (auto& s : p.steps) s.loads[0].costs = {Const(0.15), Const(0.15)};
+  EXPECT_NEAR(EvaluateProgram(p, kEven).total, 2 * c + 0.15 + 0.05 + 0.15, 1e-12);
+}
+
+TEST(OverlapTest, RatioLpOptimisesTheCriticalPath) {
+  // Device 0 computes twice as fast as device 1. The collective is hidden
+  // behind op 0's backward at any split near the optimum, so the LP gives the
+  // compute split (2/3, 1/3); its objective is the evaluator's.
+  Program p = TwoOps(0.3, 0.6, 0.15);
+  for (OpStep& s : p.steps) s.compute.coef[1] *= 2;
+  p.overlap = true;
+  ratios::RatioLpRequest req;
+  req.num_devices = 2;
+  AddProgramTerms(p, &req);
+  ASSERT_TRUE(req.path.has_value());
+  auto r = ratios::SolveRatioLp(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->ratios[0][0], 2.0 / 3, 1e-6);
+  EXPECT_NEAR(r->objective, EvaluateProgram(p, r->ratios[0]).total, 1e-9);
+  EXPECT_NEAR(r->objective, 2 * 0.9 * 2.0 / 3, 1e-9);
+  // Without overlap the LP sums: the same split, the collective on top.
+  p.overlap = false;
+  ratios::RatioLpRequest sum;
+  sum.num_devices = 2;
+  AddProgramTerms(p, &sum);
+  EXPECT_FALSE(sum.path.has_value());
+  EXPECT_NEAR(ratios::SolveRatioLp(sum)->objective, 2 * 0.9 * 2.0 / 3 + 0.15, 1e-9);
+}
+
+cost::ClusterModel TwoNodes(double inter_bw, double efficiency = 1.0) {
+  std::vector<cost::DeviceModel> d;
+  const int n = 8;
+  for (int i = 0; i < n; ++i) {
+    d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 4), "test",
+                 i < 4 ? 3.86e12 : 2.15e12, 40 * kGiB, 1e-5});
+    d.back().overlap_efficiency = efficiency;
+  }
+  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 0)),
+      lat(n, std::vector<double>(n, 0));
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      const bool same = i / 4 == j / 4;
+      bw[i][j] = same ? 9.5e9 : inter_bw;
+      lat[i][j] = same ? 1e-5 : 5e-5;
+    }
+  }
+  return *cost::ClusterModel::Create(d, bw, lat);
+}
+
+TEST(OverlapTest, BucketsCoverEveryAllReducedGradientOnce) {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2}, {"batch", 16}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  cost::ClusterModel c = TwoNodes(3e9);
+  SearchOptions so;
+  so.overlap = true;
+  auto p = Synthesize(*g, c, so);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->overlap);
+  std::set<graph::TensorId> reduced;
+  for (const OpStep& s : p->steps) {
+    for (const SourceLoad& l : s.loads) {
+      if (l.grad_allreduce) reduced.insert(l.tensor);
+    }
+  }
+  ASSERT_FALSE(reduced.empty());
+  std::set<graph::TensorId> bucketed;
+  int prev_ready = static_cast<int>(p->steps.size());
+  for (const GradientBucket& b : p->buckets) {
+    int64_t bytes = 0;
+    for (graph::TensorId t : b.tensors) {
+      EXPECT_TRUE(bucketed.insert(t).second) << "tensor " << t << " twice";
+      bytes += g->tensor(t).type.bytes();
+    }
+    EXPECT_EQ(bytes, b.bytes);
+    EXPECT_TRUE(b.tensors.size() == 1 || b.bytes <= p->bucket_bytes);
+    EXPECT_LE(b.ready_step, prev_ready);  // filled in backward order
+    prev_ready = b.ready_step;
+  }
+  EXPECT_EQ(bucketed, reduced);
+  EXPECT_THAT(std::vector<int64_t>(std::begin(kBucketCandidates), std::end(kBucketCandidates)),
+              ::testing::Contains(p->bucket_bytes));
+  // The chosen size is the best of the candidates at the search's ratios.
+  Program q = *p;
+  const double chosen = EvaluateProgram(*p, c.ProportionalRatios()).total;
+  cost::CollectiveModel coll(c);
+  for (int64_t bytes : kBucketCandidates) {
+    AssignGradientBuckets(*g, bytes,
+                          [&](double b, const char** a) {
+                            *a = coll.AllReduceAlgorithm(b).algorithm;
+                            return coll.Constant(coll.AllReduce(b));
+                          },
+                          &q);
+    EXPECT_GE(EvaluateProgram(q, c.ProportionalRatios()).total, chosen * (1 - 1e-12));
+  }
+  // Without overlap the executors' bucket size is used.
+  so.overlap = false;
+  auto off = Synthesize(*g, c, so);
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->bucket_bytes, kLoweringBucketBytes);
+}
+
+TEST(OverlapTest, PlanningWithOverlapHidesTheGradientAllReduce) {
+  // GPT at batch 64 on two nodes joined by 10 GbE: in line the gradient
+  // all-reduce is a large part of the step; overlapped behind backward much
+  // of it is hidden, and the plan is never predicted slower.
+  auto g = graph::BuildZooModel("gpt", {{"layers", 4}, {"batch", 64}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  for (double eff : {1.0, 0.5}) {
+    SCOPED_TRACE(::testing::Message() << "efficiency " << eff);
+    cost::ClusterModel c = TwoNodes(1.25e9, eff);
+    PlanOptions o;
+    auto off = PlanModel(*g, c, o);
+    ASSERT_TRUE(off.ok()) << off.status();
+    o.overlap_communication = true;
+    auto on = PlanModel(*g, c, o);
+    ASSERT_TRUE(on.ok()) << on.status();
+    EXPECT_TRUE(on->program.overlap);
+    EXPECT_FALSE(off->program.overlap);
+    EXPECT_TRUE(CheckProgram(*g, on->program, c.size()).ok());
+    EXPECT_LT(on->cost.total, off->cost.total);
+    EXPECT_LT(on->cost.communication, off->cost.communication);
+    EXPECT_NEAR(on->cost.total, EvaluateProgram(on->program, on->ratios).total, 1e-12);
+    EXPECT_GE(on->cost.total, on->cost.compute);
+    if (eff == 1.0) {
+      EXPECT_LT(on->cost.total, 0.8 * off->cost.total)
+          << "on " << on->cost.total << " off " << off->cost.total;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hap::synth
