@@ -1,7 +1,9 @@
 #include "planner/service/planner_server.h"
 
 #include <algorithm>
+#include <cctype>
 #include <iostream>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -50,8 +52,11 @@ struct PlannerMetrics {
   metrics::Histogram* step_seconds = nullptr;
   metrics::Family<metrics::Gauge>* loss = nullptr;
   metrics::Counter* steps = nullptr;
+  metrics::Family<metrics::Counter>* job_replans = nullptr;
+  metrics::Histogram* job_recovery = nullptr;
+  metrics::Counter* job_steps_lost = nullptr;
 
-  absl::Status Init(PlannerCore** core) {
+  absl::Status Init(PlannerCore** core, PlannerServiceImpl** service) {
     HAP_ASSIGN_OR_RETURN(started, registry.AddCounterFamily(
                                       "grpc_server_started_total",
                                       "RPCs started on the server.",
@@ -116,6 +121,33 @@ struct PlannerMetrics {
           }
           return rows;
         }));
+    HAP_ASSIGN_OR_RETURN(job_replans,
+                         registry.AddCounterFamily("hap_job_replans_total",
+                                                   "Re-plans of elastic jobs, by reason (a device "
+                                                   "lost, a node joined, ...).",
+                                                   {"reason"}));
+    HAP_ASSIGN_OR_RETURN(job_recovery,
+                         registry.AddHistogram("hap_job_recovery_seconds",
+                                               "Downtime of each job re-plan: failure (or switch) "
+                                               "seen until the new deployment runs, in seconds."));
+    HAP_ASSIGN_OR_RETURN(job_steps_lost,
+                         registry.AddCounter("hap_job_steps_lost_total",
+                                             "Training steps done again after re-plans (done "
+                                             "after the checkpoint resumed from)."));
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_jobs", "Elastic jobs, by state.", {"state"}, [service] {
+          std::vector<metrics::LabeledValue> rows;
+          if (!*service) return rows;
+          std::map<std::string, double> by_state;
+          for (int s = v1::JobStatus::PENDING; s <= v1::JobStatus::STOPPED; ++s) {
+            by_state[v1::JobStatus::State_Name(static_cast<v1::JobStatus::State>(s))] = 0;
+          }
+          for (const v1::Job& j : (*service)->Jobs()) {
+            by_state[v1::JobStatus::State_Name(j.status().state())] += 1;
+          }
+          for (const auto& [state, n] : by_state) rows.push_back({{state}, n});
+          return rows;
+        }));
     HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
         "hap_nodes", "Registered nodes, by state.", {"state"}, [core] {
           std::vector<metrics::LabeledValue> rows;
@@ -133,7 +165,7 @@ struct PlannerMetrics {
   }
 
   static const char* Type(const std::string& method) {
-    return method == "WatchPlan" ? "server_stream" : "unary";
+    return method == "WatchPlan" || method == "WatchJob" ? "server_stream" : "unary";
   }
   void Started(const std::string& method) {
     if (auto c = started->Get({Type(method), kService, method}); c.ok()) (*c)->Increment();
@@ -170,6 +202,16 @@ struct PlannerMetrics {
       (*g)->Set(p.prediction().step_seconds());
     }
   }
+  void JobReplan(v1::JobEvent::Reason reason) {
+    std::string label = v1::JobEvent::Reason_Name(reason);
+    for (char& c : label) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (auto c = job_replans->Get({label}); c.ok()) (*c)->Increment();
+  }
+  void JobResumed(const v1::JobEvent& e) {
+    if (e.reason() == v1::JobEvent::STARTED) return;  // a start is no recovery
+    job_recovery->Observe(e.downtime_seconds());
+    job_steps_lost->Increment(static_cast<double>(e.steps_lost()));
+  }
   void Step(const v1::StepMetric& m) {
     steps->Increment();
     step_seconds->Observe(m.step_seconds());
@@ -185,6 +227,7 @@ struct PlannerServer::Impl {
   PlannerServerOptions o;
   std::unique_ptr<StateBackend> backend;
   PlannerCore* core_ptr = nullptr;  // read by metric callbacks
+  PlannerServiceImpl* service_ptr = nullptr;
   PlannerMetrics metrics;
   std::unique_ptr<PlannerCore> core;
   std::unique_ptr<PlannerServiceImpl> service;
@@ -219,7 +262,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   s->impl_ = std::make_unique<Impl>();
   Impl& m = *s->impl_;
   m.o = o;
-  HAP_RETURN_IF_ERROR(m.metrics.Init(&m.core_ptr));
+  HAP_RETURN_IF_ERROR(m.metrics.Init(&m.core_ptr, &m.service_ptr));
   StateBackend::Loaded loaded;
   if (!o.database.empty()) {
     HAP_ASSIGN_OR_RETURN(m.backend, OpenSqliteBackend(o.database));
@@ -251,11 +294,15 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     m.metrics.Handled(method, c, sec);
   };
   so.on_step_metric = [&m](const v1::StepMetric& x) { m.metrics.Step(x); };
+  so.on_job_replan = [&m](const v1::Job&, v1::JobEvent::Reason r) { m.metrics.JobReplan(r); };
+  so.on_job_resumed = [&m](const v1::Job&, const v1::JobEvent& e) { m.metrics.JobResumed(e); };
   // The advertised address is known once the port is bound; the service
   // reads it at deploy time.
   m.service = std::make_unique<PlannerServiceImpl>(m.core.get(), m.backend.get(), so,
                                                    std::move(loaded.deployments),
-                                                   std::move(loaded.metrics));
+                                                   std::move(loaded.metrics),
+                                                   std::move(loaded.jobs));
+  m.service_ptr = m.service.get();
   b.RegisterService(m.service.get());
   m.server = b.BuildAndStart();
   if (!m.server || m.port == 0) {
@@ -267,6 +314,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
           ? absl::StrCat(o.listen.substr(0, o.listen.rfind(':')), ":", m.port)
           : o.advertise;
   m.service->set_advertise_address(advertise);
+  m.service->StartJobs();
   m.server->GetHealthCheckService()->SetServingStatus(kService, true);
   m.server->GetHealthCheckService()->SetServingStatus(true);
   if (o.metrics_port >= 0) {
@@ -334,6 +382,7 @@ void PlannerServer::Shutdown() {
     absl::MutexLock l(&m.service_mu);
     m.service_up = false;
   }
+  m.service_ptr = nullptr;
   m.service.reset();
   m.core.reset();
   m.core_ptr = nullptr;

@@ -24,6 +24,7 @@ class StateBackend : public PlannerStateSink {
     std::vector<hap::v1::Plan> plans;
     std::vector<hap::v1::Deployment> deployments;
     std::vector<hap::v1::StepMetric> metrics;
+    std::vector<hap::v1::Job> jobs;
   };
   virtual absl::StatusOr<Loaded> Load() = 0;
 };

@@ -44,6 +44,9 @@ class StoreBackend : public StateBackend {
     for (const auto& d : l.deployments) {
       HAP_RETURN_IF_ERROR(LoadStepMetrics(d.name(), &l.metrics));
     }
+    HAP_ASSIGN_OR_RETURN(l.jobs, All<v1::Job>([&](int n, const std::string& t) {
+                           return s_->ListJobs(n, t);
+                         }));
     return l;
   }
   // Every step metric of deployment `name`, in step order. Reads in pages of
@@ -73,6 +76,7 @@ class StoreBackend : public StateBackend {
   absl::Status SavePlan(const v1::Plan& p) override { return s_->PutPlan(p, ""); }
   absl::Status DeletePlan(const std::string& name) override { return s_->DeletePlan(name); }
   absl::Status SaveDeployment(const v1::Deployment& d) override { return s_->PutDeployment(d); }
+  absl::Status SaveJob(const v1::Job& j) override { return s_->PutJob(j); }
   absl::Status AppendStepMetrics(const std::vector<v1::StepMetric>& ms) override {
     std::map<std::string, std::vector<v1::StepMetric>> by;
     for (const auto& m : ms) by[m.deployment()].push_back(m);

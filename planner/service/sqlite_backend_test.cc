@@ -56,6 +56,29 @@ TEST(SqliteBackendTest, LoadsADeploymentWithoutStepMetrics) {
   EXPECT_TRUE(loaded->metrics.empty());
 }
 
+TEST(SqliteBackendTest, LoadsJobsAsLastSaved) {
+  const std::string db = TempDatabase("jobs.db");
+  v1::Job j;
+  j.set_name("jobs/train");
+  j.mutable_create_time()->set_seconds(1700000000);
+  j.mutable_status()->set_state(v1::JobStatus::PLANNING);
+  {
+    auto backend = OpenSqliteBackend(db);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    ASSERT_TRUE((*backend)->SaveJob(j).ok());
+    j.mutable_status()->set_state(v1::JobStatus::RUNNING);
+    j.mutable_status()->set_deployment("deployments/train-p1-g1");
+    ASSERT_TRUE((*backend)->SaveJob(j).ok());
+  }
+  auto backend = OpenSqliteBackend(db);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto loaded = (*backend)->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->jobs.size(), 1u);
+  EXPECT_EQ(loaded->jobs[0].status().state(), v1::JobStatus::RUNNING);
+  EXPECT_EQ(loaded->jobs[0].status().deployment(), "deployments/train-p1-g1");
+}
+
 TEST(SqliteBackendTest, LoadsEveryMetricOfEveryDeploymentInStepOrder) {
   const std::string db = TempDatabase("metrics.db");
   {

@@ -10,10 +10,13 @@ namespace {
 
 namespace v1 = ::hap::v1;
 
-void SetFailed(const DeploymentControl& control, const std::string& error) {
+void SetFailed(const DeploymentControl& control, const std::string& error,
+               const std::vector<int>& failed_ranks) {
   control.update([&](v1::Deployment& x) {
     x.set_state(v1::Deployment::FAILED);
     x.set_error(error);
+    x.clear_failed_ranks();
+    for (int r : failed_ranks) x.add_failed_ranks(r);
   });
 }
 
@@ -27,9 +30,9 @@ void NoteUnstopped(const DeploymentControl& control, const absl::Status& stopped
 
 // FAILED with `error`, then every rank stopped.
 void FailAndStop(const v1::Deployment& d, const std::string& error,
-                 DeploymentExecutors& executors, const DeploymentWatchOptions& o,
-                 const DeploymentControl& control) {
-  SetFailed(control, error);
+                 const std::vector<int>& failed_ranks, DeploymentExecutors& executors,
+                 const DeploymentWatchOptions& o, const DeploymentControl& control) {
+  SetFailed(control, error, failed_ranks);
   NoteUnstopped(control, StopEveryRank(d, executors, o, control));
 }
 
@@ -83,6 +86,7 @@ RankWatch::RankWatch(const v1::Deployment& d, int missed_status_limit)
 
 RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statuses) {
   std::vector<std::string> problems;
+  failed_ranks_.clear();
   bool failed = false;
   int finished = 0;
   for (int r = 0; r < d_.ranks_size(); ++r) {
@@ -92,7 +96,10 @@ RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statu
             : absl::InternalError("the executors' client gave no answer for this rank");
     if (!st.ok()) {
       ++missed_[r];
-      failed |= missed_[r] >= limit_;
+      if (missed_[r] >= limit_) {
+        failed = true;
+        failed_ranks_.push_back(r);
+      }
       problems.push_back(absl::StrCat(DescribeRank(d_, r), " did not answer ", missed_[r],
                                       missed_[r] == 1 ? " status poll" : " status polls in a row",
                                       ": ", st.status().message()));
@@ -101,6 +108,7 @@ RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statu
     missed_[r] = 0;
     if (st->deployment() != d_.name() || st->generation() != d_.generation()) {
       failed = true;
+      failed_ranks_.push_back(r);
       problems.push_back(absl::StrCat(
           DescribeRank(d_, r), " no longer holds this deployment: its executor holds ",
           st->deployment().empty()
@@ -118,10 +126,12 @@ RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statu
         break;
       case v1::ExecutorStatus::FAILED:
         failed = true;
+        failed_ranks_.push_back(r);
         problems.push_back(absl::StrCat(DescribeRank(d_, r), " failed: ", st->error()));
         break;
       default:
         failed = true;
+        failed_ranks_.push_back(r);
         problems.push_back(absl::StrCat(DescribeRank(d_, r), " is not training it (",
                                         v1::ExecutorStatus::State_Name(st->state()), ")"));
     }
@@ -228,6 +238,7 @@ void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
     absl::Status s = executors.LoadPlan(r, req, o.call_timeout);
     if (!s.ok()) {
       return FailAndStop(d, absl::StrCat("LoadPlan on ", DescribeRank(d, r), ": ", s.message()),
+                         {r},
                          executors, o, control);
     }
   }
@@ -237,6 +248,7 @@ void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
     if (!s.ok()) {
       return FailAndStop(d,
                          absl::StrCat("StartTraining on ", DescribeRank(d, r), ": ", s.message()),
+                         {r},
                          executors, o, control);
     }
   }
@@ -268,7 +280,7 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
         control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });
         return;
       case RankWatch::Verdict::kFailed:
-        return FailAndStop(d, watch.error(), executors, o, control);
+        return FailAndStop(d, watch.error(), watch.failed_ranks(), executors, o, control);
     }
     next = started + o.status_interval;
   }
@@ -277,7 +289,7 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
 void FailUnfinishedDeployment(const v1::Deployment& d, const std::string& reason,
                               DeploymentExecutors& executors, const DeploymentWatchOptions& o,
                               const DeploymentControl& control) {
-  FailAndStop(d, reason, executors, o, control);
+  FailAndStop(d, reason, {}, executors, o, control);
 }
 
 }  // namespace hap::service

@@ -115,12 +115,15 @@ class RankWatch {
   // rank FINISHED.
   Verdict Observe(const DeploymentExecutors::Statuses& statuses);
   const std::string& error() const { return error_; }
+  // After kFailed: the ranks that failed it, in rank order.
+  const std::vector<int>& failed_ranks() const { return failed_ranks_; }
 
  private:
   hap::v1::Deployment d_;
   int limit_;
   std::vector<int> missed_;
   std::string error_;
+  std::vector<int> failed_ranks_;
 };
 
 // "rank 2 (node2/cpu0 at 127.0.0.1:5000)".

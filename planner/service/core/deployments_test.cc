@@ -180,6 +180,7 @@ TEST(RankWatchTest, CountsMissedPollsPerRankInARow) {
               AllOf(HasSubstr("rank 1 (node1/cpu0 at 127.0.0.1:5001) did not answer 3 status "
                               "polls in a row"),
                     HasSubstr("Deadline Exceeded")));
+  EXPECT_THAT(watch.failed_ranks(), ::testing::ElementsAre(1));
 }
 
 TEST(RankWatchTest, FailsOnAFailedRankAndNamesEveryProblem) {
@@ -199,6 +200,8 @@ TEST(RankWatchTest, FailsOnAFailedRankAndNamesEveryProblem) {
                               "ranks: connection closed by peer 2"),
                     HasSubstr("rank 2 (node2/cpu0 at 127.0.0.1:5002) did not answer 1 status "
                               "poll: connection refused")));
+  // Rank 2 missed one poll of three: not (yet) to blame.
+  EXPECT_THAT(watch.failed_ranks(), ::testing::ElementsAre(0));
 }
 
 TEST(RankWatchTest, ARankThatHoldsAnotherDeploymentOrNoneIsGone) {
@@ -218,6 +221,8 @@ TEST(RankWatchTest, ARankThatHoldsAnotherDeploymentOrNoneIsGone) {
   RankWatch b(d, 3);
   EXPECT_EQ(b.Observe({training, training, older}), RankWatch::Verdict::kFailed);
   EXPECT_THAT(b.error(), HasSubstr("holds 'deployments/p-g2' generation 1 (TRAINING)"));
+  EXPECT_THAT(a.failed_ranks(), ::testing::ElementsAre(1));
+  EXPECT_THAT(b.failed_ranks(), ::testing::ElementsAre(2));
 }
 
 TEST(RankWatchTest, SucceedsWhenEveryRankFinished) {

@@ -103,6 +103,7 @@ std::set<std::string> ReadyDevices(const v1::Cluster& c) {
 // that pass the selector, and (when `only` is given) are in it; at most
 // max_devices.
 std::vector<std::string> UsableDevices(const v1::Cluster& c, const v1::DeviceSelector& sel,
+                                       const std::set<std::string>& held,
                                        const std::set<std::string>* only = nullptr) {
   std::set<std::string> allowed(sel.devices().begin(), sel.devices().end());
   std::vector<std::string> out;
@@ -117,6 +118,7 @@ std::vector<std::string> UsableDevices(const v1::Cluster& c, const v1::DeviceSel
     for (const auto& d : n.devices()) {
       if (!allowed.empty() && !allowed.count(d.id())) continue;
       if (only != nullptr && !only->count(d.id())) continue;
+      if (held.count(d.id())) continue;
       out.push_back(d.id());
     }
   }
@@ -153,6 +155,7 @@ class Pass {
   Pass(v1::Job job, Env env) : j_(std::move(job)), e_(std::move(env)), b_(*e_.backend) {}
 
   void Run() {
+    PruneHolds();
     if (st().stop_requested()) return RunStop();
     if (!st().deployment().empty() && !FollowDeployment()) return;
     if (Final(st().state())) return;
@@ -161,6 +164,32 @@ class Pass {
 
  private:
   v1::JobStatus& st() { return *j_.mutable_status(); }
+
+  // Devices whose executor failed a deployment lately.
+  std::set<std::string> Held() const {
+    std::set<std::string> out;
+    for (const auto& h : j_.status().held()) out.insert(h.device());
+    return out;
+  }
+  void PruneHolds() {
+    auto* held = st().mutable_held();
+    for (int i = held->size() - 1; i >= 0; --i) {
+      if (FromProto(held->Get(i).until()) <= e_.now) held->DeleteSubrange(i, 1);
+    }
+  }
+  // Leaves the devices of the ranks that failed `d` out for join_stable.
+  void Hold(const v1::Deployment& d) {
+    for (int r : d.failed_ranks()) {
+      if (r < 0 || r >= d.ranks_size()) continue;
+      v1::JobStatus::Hold* h = nullptr;
+      for (auto& x : *st().mutable_held()) {
+        if (x.device() == d.ranks(r).device()) h = &x;
+      }
+      if (h == nullptr) h = st().add_held();
+      h->set_device(d.ranks(r).device());
+      *h->mutable_until() = ToProto(e_.now + JoinStable(spec()));
+    }
+  }
   const v1::JobSpec& spec() const { return j_.spec(); }
   // Saves the job; the observers hear of a re-plan or a resumption only
   // once it is saved (a pass that could not save repeats it).
@@ -287,6 +316,7 @@ class Pass {
         Finish(v1::JobStatus::SUCCEEDED, "every step done");
         return false;
       case v1::Deployment::FAILED:
+        Hold(*d);
         if (!old_of_recovery) {
           BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
           if (OverReplanLimit()) return false;
@@ -357,9 +387,12 @@ class Pass {
     if (st().candidate_plan().empty()) {
       std::set<std::string> pool(st().devices().begin(), st().devices().end());
       const size_t had = pool.size();
-      for (const auto& x : e_.stable) pool.insert(x);
+      const std::set<std::string> held = Held();
+      for (const auto& x : e_.stable) {
+        if (!held.count(x)) pool.insert(x);
+      }
       if (pool.size() == had) return;
-      std::vector<std::string> want = UsableDevices(e_.cluster, spec().devices(), &pool);
+      std::vector<std::string> want = UsableDevices(e_.cluster, spec().devices(), held, &pool);
       if (want.size() <= static_cast<size_t>(st().devices_size())) return;
       if (std::equal(want.begin(), want.end(), st().judged_devices().begin(),
                      st().judged_devices().end())) {
@@ -469,7 +502,7 @@ class Pass {
                     absl::StrCat("every step done (checkpoint at step ", st().checkpoint_step(),
                                  " committed)"));
     }
-    std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices());
+    std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices(), Held());
     if (st().next_plan().empty()) {
       if (static_cast<int>(usable.size()) < MinDevices(spec())) return WaitForDevices(usable);
       st().set_next_plan(NextPlanName());

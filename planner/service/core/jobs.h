@@ -13,7 +13,10 @@
 //   RUNNING --deployment FAILED (an executor lost or failed), a node of it
 //       STALE, or it stopped outside the job--> RECOVERING: the survivors
 //       are stopped, a plan is made on the usable devices and deployed,
-//       resuming from the latest COMMITTED checkpoint
+//       resuming from the latest COMMITTED checkpoint. The devices of the
+//       ranks that failed it (Deployment.failed_ranks) are held out for
+//       join_stable even while their node stays READY (an executor can die
+//       while its node's agent goes on); then they may join again.
 //   RUNNING --usable devices the job does not use, READY for
 //       policy.join_stable, and a plan on all of them predicted at least
 //       policy.min_gain faster--> (at the next committed checkpoint)

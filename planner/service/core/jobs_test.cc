@@ -338,6 +338,29 @@ TEST_F(JobsTest, LostExecutorReplansOnTheSurvivorsFromTheLatestCommittedCheckpoi
   EXPECT_EQ(resumed_[1].reason(), v1::JobEvent::EXECUTOR_LOST);
 }
 
+TEST_F(JobsTest, TheDeviceOfAFailedRankIsHeldOutWhileItsNodeStaysReady) {
+  Make();
+  const std::string first = StartRunning();
+  // Rank 1's executor died; its node's agent still heartbeats.
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(1);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d2"));
+  ASSERT_EQ(Job().status().held_size(), 1);
+  EXPECT_EQ(Job().status().held(0).device(), "d1");
+  fake_.SetState(Deployment(), v1::Deployment::RUNNING);
+  c_->Reconcile();
+  now_ += absl::Seconds(29);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);  // still held
+  now_ += absl::Seconds(2);
+  c_->Reconcile();  // the hold ends: d1 may join again (judged like any join)
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0", "d1", "d2"));
+  EXPECT_EQ(Job().status().held_size(), 0);
+}
+
 TEST_F(JobsTest, StaleNodeStopsTheSurvivorsBeforeReplanning) {
   Make();
   const std::string first = StartRunning();

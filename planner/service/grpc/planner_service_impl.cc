@@ -124,7 +124,8 @@ class GrpcExecutors final : public DeploymentExecutors {
 PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink,
                                        PlannerServiceOptions o,
                                        std::vector<v1::Deployment> deployments,
-                                       std::vector<v1::StepMetric> metrics)
+                                       std::vector<v1::StepMetric> metrics,
+                                       std::vector<v1::Job> jobs)
     : core_(core), o_(std::move(o)) {
   DeploymentManagerOptions mo;
   mo.watch = o_.deployments;
@@ -135,14 +136,29 @@ PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink
   };
   deployments_ = std::make_unique<DeploymentManager>(std::move(mo), std::move(deployments),
                                                      std::move(metrics));
+  job_backend_ = NewCoreJobBackend(core_, deployments_.get(),
+                                   [this] { return o_.advertise_address; });
+  JobControllerOptions jo;
+  jo.backend = job_backend_.get();
+  jo.sink = sink;
+  jo.interval = o_.job_interval;
+  jo.on_replan = o_.on_job_replan;
+  jo.on_resumed = o_.on_job_resumed;
+  jobs_ = std::make_unique<JobController>(std::move(jo), std::move(jobs));
 }
 
 PlannerServiceImpl::~PlannerServiceImpl() {
   Shutdown();
+  jobs_.reset();         // joins the reconciliation loop
   deployments_.reset();  // joins the supervisors
 }
 
-void PlannerServiceImpl::Shutdown() { deployments_->Shutdown(); }
+void PlannerServiceImpl::StartJobs() { jobs_->Start(); }
+
+void PlannerServiceImpl::Shutdown() {
+  jobs_->Shutdown();  // first: it acts through the deployments
+  deployments_->Shutdown();
+}
 
 grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContextBase* ctx,
                                         const std::function<absl::Status()>& fn) {
@@ -395,6 +411,55 @@ grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx,
     HAP_ASSIGN_OR_RETURN(int64_t sum, deployments_->StoreAdd(r->deployment(), r->generation(),
                                                              r->key(), r->delta()));
     out->set_value(sum);
+    return absl::OkStatus();
+  });
+}
+
+// ----------------------------------------------------------------- jobs --
+
+std::vector<v1::Job> PlannerServiceImpl::Jobs() const { return jobs_->All(); }
+
+grpc::Status PlannerServiceImpl::CreateJob(grpc::ServerContext* ctx,
+                                           const v1::CreateJobRequest* r, v1::Job* out) {
+  return Handle("CreateJob", ctx, [&]() -> absl::Status {
+    HAP_ASSIGN_OR_RETURN(*out, jobs_->Create(*r));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PlannerServiceImpl::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* r,
+                                        v1::Job* out) {
+  return Handle("GetJob", ctx, [&]() -> absl::Status {
+    HAP_ASSIGN_OR_RETURN(*out, jobs_->Get(r->name()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PlannerServiceImpl::ListJobs(grpc::ServerContext* ctx,
+                                          const v1::ListJobsRequest* r,
+                                          v1::ListJobsResponse* out) {
+  return Handle("ListJobs", ctx, [&]() -> absl::Status {
+    HAP_ASSIGN_OR_RETURN(*out, jobs_->List(r->page_size(), r->page_token()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PlannerServiceImpl::WatchJob(grpc::ServerContext* ctx,
+                                          const v1::WatchJobRequest* r,
+                                          grpc::ServerWriter<v1::Job>* w) {
+  return Handle("WatchJob", ctx, [&]() -> absl::Status {
+    HAP_RETURN_IF_ERROR(jobs_->Watch(
+        r->name(), [&](const v1::Job& j) { return w->Write(j); },
+        [&] { return ctx->IsCancelled() || deployments_->shutting_down(); }));
+    if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the watch");
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PlannerServiceImpl::StopJob(grpc::ServerContext* ctx, const v1::StopJobRequest* r,
+                                         v1::Job* out) {
+  return Handle("StopJob", ctx, [&]() -> absl::Status {
+    HAP_ASSIGN_OR_RETURN(*out, jobs_->Stop(r->name()));
     return absl::OkStatus();
   });
 }

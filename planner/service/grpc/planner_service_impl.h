@@ -1,7 +1,8 @@
 // hap.v1.Planner over gRPC: a thin translator over PlannerCore (nodes,
-// plans) and DeploymentManager (deployments, step metrics from executors,
-// the rendezvous store; planner/service/core/deployment_manager.h), plus
-// the executors' gRPC client the deployments are pushed and watched with.
+// plans), DeploymentManager (deployments, step metrics from executors,
+// the rendezvous store; planner/service/core/deployment_manager.h) and
+// JobController (elastic jobs; planner/service/core/jobs.h), plus the
+// executors' gRPC client the deployments are pushed and watched with.
 //
 // Every RPC checks the bearer token (when configured), maps absl statuses
 // to gRPC codes one to one, and reports (method, code, seconds) to
@@ -18,6 +19,7 @@
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/core/deployment_manager.h"
 #include "planner/service/core/deployments.h"
+#include "planner/service/core/jobs.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/grpc/grpc_util.h"
 
@@ -43,6 +45,11 @@ struct PlannerServiceOptions {
   std::function<void(const std::string& method, grpc::StatusCode code, double seconds)>
       on_rpc;
   std::function<void(const hap::v1::StepMetric&)> on_step_metric;
+  // Jobs: how often the controller reconciles, and its observers
+  // (JobControllerOptions).
+  absl::Duration job_interval = absl::Seconds(1);
+  std::function<void(const hap::v1::Job&, hap::v1::JobEvent::Reason)> on_job_replan;
+  std::function<void(const hap::v1::Job&, const hap::v1::JobEvent&)> on_job_resumed;
 };
 
 // Reads that only copy a snapshot (plans, nodes, deployments, step metrics)
@@ -61,13 +68,15 @@ using PlannerServiceBase = hap::v1::Planner::WithCallbackMethod_GetCluster<
 
 class PlannerServiceImpl final : public PlannerServiceBase {
  public:
-  // `core` and `sink` (may be null) must outlive the service. `deployments`
-  // and `metrics` are the persisted state to start from; RUNNING
+  // `core` and `sink` (may be null) must outlive the service. `deployments`,
+  // `metrics` and `jobs` are the persisted state to start from; RUNNING
   // deployments among them are re-attached to, PENDING ones failed and
-  // their ranks stopped (DeploymentManager).
+  // their ranks stopped (DeploymentManager); unfinished jobs go on once
+  // StartJobs() is called.
   PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink, PlannerServiceOptions o,
                      std::vector<hap::v1::Deployment> deployments = {},
-                     std::vector<hap::v1::StepMetric> metrics = {});
+                     std::vector<hap::v1::StepMetric> metrics = {},
+                     std::vector<hap::v1::Job> jobs = {});
   // Shutdown(), then waits for the supervisors (each returns within a call
   // deadline to an executor).
   ~PlannerServiceImpl() override;
@@ -78,6 +87,9 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   void Shutdown();
   // Set once the listening port is known, before serving.
   void set_advertise_address(const std::string& a) { o_.advertise_address = a; }
+  // Starts the jobs' reconciliation loop (after set_advertise_address: the
+  // jobs deploy with it).
+  void StartJobs();
 
   // Read-only snapshots for the status page (thread-safe): every
   // deployment, by name; the step metrics reported for one deployment, in
@@ -85,6 +97,7 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   std::vector<hap::v1::Deployment> Deployments() const;
   absl::StatusOr<std::vector<hap::v1::StepMetric>> StepMetrics(
       const std::string& deployment) const;
+  std::vector<hap::v1::Job> Jobs() const;  // every job, by name
 
   grpc::Status RegisterNode(grpc::ServerContext*, const hap::v1::RegisterNodeRequest*,
                             hap::v1::RegisterNodeResponse*) override;
@@ -138,6 +151,17 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   grpc::Status StoreAdd(grpc::ServerContext*, const hap::v1::StoreAddRequest*,
                         hap::v1::StoreAddResponse*) override;
 
+  grpc::Status CreateJob(grpc::ServerContext*, const hap::v1::CreateJobRequest*,
+                         hap::v1::Job*) override;
+  grpc::Status GetJob(grpc::ServerContext*, const hap::v1::GetJobRequest*,
+                      hap::v1::Job*) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const hap::v1::ListJobsRequest*,
+                        hap::v1::ListJobsResponse*) override;
+  grpc::Status WatchJob(grpc::ServerContext*, const hap::v1::WatchJobRequest*,
+                        grpc::ServerWriter<hap::v1::Job>*) override;
+  grpc::Status StopJob(grpc::ServerContext*, const hap::v1::StopJobRequest*,
+                       hap::v1::Job*) override;
+
  private:
   // Checks the token, runs `fn`, reports the call.
   grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx,
@@ -149,6 +173,8 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   PlannerCore* core_;
   PlannerServiceOptions o_;
   std::unique_ptr<DeploymentManager> deployments_;
+  std::unique_ptr<JobBackend> job_backend_;
+  std::unique_ptr<JobController> jobs_;
 };
 
 }  // namespace hap::service

@@ -177,12 +177,31 @@ class InMemoryStore final : public StateStore {
     return out;
   }
 
+  absl::Status PutJob(const v1::Job& job) override {
+    absl::MutexLock lock(&mu_);
+    return jobs_.Put(job);
+  }
+  absl::StatusOr<v1::Job> GetJob(const std::string& name) override {
+    absl::MutexLock lock(&mu_);
+    HAP_ASSIGN_OR_RETURN(const v1::Job* job, jobs_.Get(name));
+    return *job;
+  }
+  absl::StatusOr<Page<v1::Job>> ListJobs(int page_size, const std::string& page_token) override {
+    absl::MutexLock lock(&mu_);
+    return jobs_.List(page_size, page_token);
+  }
+  absl::Status DeleteJob(const std::string& name) override {
+    absl::MutexLock lock(&mu_);
+    return jobs_.Delete(name);
+  }
+
  private:
   absl::Mutex mu_;
   Table<v1::Node> nodes_ ABSL_GUARDED_BY(mu_){ListKind::kNodes, "node"};
   Table<v1::Plan> plans_ ABSL_GUARDED_BY(mu_){ListKind::kPlans, "plan"};
   std::map<std::string, std::string> cache_keys_ ABSL_GUARDED_BY(mu_);  // plan name -> key
   Table<v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_){ListKind::kDeployments, "deployment"};
+  Table<v1::Job> jobs_ ABSL_GUARDED_BY(mu_){ListKind::kJobs, "job"};
   // deployment name -> (step, rank) -> metric
   std::map<std::string, std::map<std::pair<int64_t, int32_t>, v1::StepMetric>> metrics_
       ABSL_GUARDED_BY(mu_);

@@ -60,6 +60,15 @@ const std::vector<SchemaMigration>& SqliteSchemaMigrations() {
           PRIMARY KEY (deployment, step, rank)
         ) WITHOUT ROWID;
       )sql"},
+      {2, R"sql(
+        CREATE TABLE jobs (
+          name TEXT PRIMARY KEY NOT NULL,
+          create_seconds INTEGER NOT NULL,
+          create_nanos INTEGER NOT NULL,
+          body BLOB NOT NULL
+        );
+        CREATE INDEX jobs_by_create_time ON jobs (create_seconds, create_nanos, name);
+      )sql"},
   };
   return *kMigrations;
 }
@@ -348,6 +357,25 @@ class SqliteStore final : public StateStore {
     return out;
   }
 
+  // --- Jobs ----------------------------------------------------------------
+  absl::Status PutJob(const v1::Job& job) override {
+    HAP_RETURN_IF_ERROR(CheckName("job", job.name()));
+    HAP_ASSIGN_OR_RETURN(std::string body, Serialize(job, "job"));
+    ListCursor at = CursorOf(job);
+    absl::MutexLock lock(&mu_);
+    return Use(s_.put_job).Text(1, job.name()).Int(2, at.seconds).Int(3, at.nanos).Blob(4, body).Run();
+  }
+  absl::StatusOr<v1::Job> GetJob(const std::string& name) override {
+    return Get<v1::Job>(&SqliteStore::Statements::get_job, "job", name);
+  }
+  absl::StatusOr<Page<v1::Job>> ListJobs(int page_size, const std::string& page_token) override {
+    return List<v1::Job>(ListKind::kJobs, &SqliteStore::Statements::list_jobs, "job", page_size,
+                         page_token);
+  }
+  absl::Status DeleteJob(const std::string& name) override {
+    return Delete(&SqliteStore::Statements::delete_job, "job", name);
+  }
+
  private:
   // Prepared once, used under mu_.
   struct Statements {
@@ -370,6 +398,10 @@ class SqliteStore final : public StateStore {
     sqlite3_stmt* put_step_metric = nullptr;
     sqlite3_stmt* list_step_metrics = nullptr;
     sqlite3_stmt* delete_step_metrics = nullptr;
+    sqlite3_stmt* put_job = nullptr;
+    sqlite3_stmt* get_job = nullptr;
+    sqlite3_stmt* list_jobs = nullptr;
+    sqlite3_stmt* delete_job = nullptr;
   };
   using StatementField = sqlite3_stmt* Statements::*;
 
@@ -418,6 +450,14 @@ class SqliteStore final : public StateStore {
        "SELECT body, step, rank FROM step_metrics WHERE deployment = ?1 AND step >= ?2"
        " ORDER BY step, rank LIMIT ?3"},
       {&Statements::delete_step_metrics, "DELETE FROM step_metrics WHERE deployment = ?1"},
+      {&Statements::put_job,
+       "INSERT OR REPLACE INTO jobs (name, create_seconds, create_nanos, body)"
+       " VALUES (?1, ?2, ?3, ?4)"},
+      {&Statements::get_job, "SELECT body FROM jobs WHERE name = ?1"},
+      {&Statements::list_jobs,
+       "SELECT body, name FROM jobs WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
+       " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
+      {&Statements::delete_job, "DELETE FROM jobs WHERE name = ?1"},
   };
 
   std::vector<sqlite3_stmt**> AllStatements() {

@@ -1,5 +1,6 @@
 // StateStore: the planner service's durable state — nodes, plans (with the
-// plan-cache key stored beside each), deployments and their step metrics —
+// plan-cache key stored beside each), deployments and their step metrics,
+// elastic jobs —
 // so that a planner restarted (even after SIGKILL) finds them again.
 // Rendezvous keys are ephemeral and are not stored here.
 //
@@ -18,8 +19,8 @@
 //   - Put/Upsert replace the whole stored message (the last write wins).
 //   - Writes are atomic: after an error nothing of that call is stored.
 //
-// Lists are pages in a stable order (nodes by name; plans and deployments by
-// create_time, then name). page_size 0 means kDefaultPageSize; larger sizes
+// Lists are pages in a stable order (nodes by name; plans, deployments and
+// jobs by create_time, then name). page_size 0 means kDefaultPageSize; larger sizes
 // are capped at kMaxPageSize. A page token is opaque: pass next_page_token
 // back unchanged; it stays valid across writes and restarts (it records
 // where the last page ended, not an offset), and an empty one means the
@@ -104,6 +105,14 @@ class StateStore {
   // (step, rank) pairs already seen. NotFound for an unknown deployment.
   virtual absl::StatusOr<std::vector<hap::v1::StepMetric>> ListStepMetrics(
       const std::string& deployment, int64_t from_step, int limit) = 0;
+
+  // --- Jobs, keyed by job.name() ("jobs/{id}"). ---------------------------
+  virtual absl::Status PutJob(const hap::v1::Job& job) = 0;
+  virtual absl::StatusOr<hap::v1::Job> GetJob(const std::string& name) = 0;
+  // By create_time, then name.
+  virtual absl::StatusOr<Page<hap::v1::Job>> ListJobs(int page_size,
+                                                      const std::string& page_token) = 0;
+  virtual absl::Status DeleteJob(const std::string& name) = 0;
 };
 
 }  // namespace hap::service::store

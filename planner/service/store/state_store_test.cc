@@ -76,6 +76,7 @@ TYPED_TEST_SUITE(StateStoreTest, Factories, FactoryNames);
 std::string NameOf(const v1::Node& m) { return m.name(); }
 std::string NameOf(const v1::Plan& m) { return m.name(); }
 std::string NameOf(const v1::Deployment& m) { return m.name(); }
+std::string NameOf(const v1::Job& m) { return m.name(); }
 
 // Follows next_page_token to the end; returns the names in order and the
 // number of pages, or the first error.
@@ -363,6 +364,52 @@ TYPED_TEST(StateStoreTest, DeploymentRoundTripsAndLists) {
   absl::StatusOr<Listed<v1::Deployment>> all = ListAll<v1::Deployment>(list, 0);
   ASSERT_THAT(all, IsOk());
   EXPECT_THAT(all->names, ElementsAre("deployments/c", "deployments/b"));
+}
+
+// --- Jobs ----------------------------------------------------------------
+
+v1::Job TestJob(const std::string& name, int64_t create_seconds) {
+  v1::Job j;
+  j.set_name(name);
+  j.mutable_create_time()->set_seconds(create_seconds);
+  j.mutable_spec()->mutable_model()->mutable_zoo()->set_name("gpt");
+  j.mutable_spec()->mutable_training()->set_checkpoint_dir("/c");
+  j.mutable_status()->set_state(v1::JobStatus::RUNNING);
+  return j;
+}
+
+TYPED_TEST(StateStoreTest, JobRoundTripsAndLists) {
+  v1::Job j = TestJob("jobs/b", 7);
+  ASSERT_THAT(this->store_->PutJob(j), IsOk());
+  ASSERT_THAT(this->store_->PutJob(TestJob("jobs/a", 7)), IsOk());
+  ASSERT_THAT(this->store_->PutJob(TestJob("jobs/c", 3)), IsOk());
+  j.mutable_status()->set_state(v1::JobStatus::RECOVERING);
+  v1::JobEvent* e = j.mutable_status()->add_events();
+  e->set_reason(v1::JobEvent::NODE_STALE);
+  e->set_steps_lost(4);
+  ASSERT_THAT(this->store_->PutJob(j), IsOk());
+  absl::StatusOr<v1::Job> got = this->store_->GetJob("jobs/b");
+  ASSERT_THAT(got, IsOk());
+  EXPECT_THAT(*got, EqualsProto(j));
+  auto list = [&](int size, const std::string& token) { return this->store_->ListJobs(size, token); };
+  for (int page_size : {1, 2}) {
+    absl::StatusOr<Listed<v1::Job>> all = ListAll<v1::Job>(list, page_size);
+    ASSERT_THAT(all, IsOk());
+    EXPECT_THAT(all->names, ElementsAre("jobs/c", "jobs/a", "jobs/b"));
+  }
+  ASSERT_THAT(this->store_->DeleteJob("jobs/a"), IsOk());
+  EXPECT_THAT(this->store_->GetJob("jobs/a"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("jobs/a")));
+  EXPECT_THAT(this->store_->DeleteJob("jobs/a"), StatusIs(absl::StatusCode::kNotFound, _));
+  EXPECT_THAT(this->store_->PutJob(v1::Job()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job name is empty")));
+  // A deployment's page token is not a job list's.
+  ASSERT_THAT(this->store_->PutDeployment(TestDeployment("deployments/a", 1)), IsOk());
+  ASSERT_THAT(this->store_->PutDeployment(TestDeployment("deployments/b", 2)), IsOk());
+  absl::StatusOr<Page<v1::Deployment>> page = this->store_->ListDeployments(1, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(this->store_->ListJobs(1, page->next_page_token),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("jobs")));
 }
 
 // --- Step metrics --------------------------------------------------------

@@ -46,12 +46,15 @@ absl::string_view ListKindName(ListKind kind) {
       return "plans";
     case ListKind::kDeployments:
       return "deployments";
+    case ListKind::kJobs:
+      return "jobs";
   }
   return "unknown";
 }
 
 ListCursor CursorOf(const hap::v1::Node& node) { return {0, 0, node.name()}; }
 ListCursor CursorOf(const hap::v1::Plan& plan) { return CursorOf(plan.create_time(), plan.name()); }
+ListCursor CursorOf(const hap::v1::Job& job) { return CursorOf(job.create_time(), job.name()); }
 ListCursor CursorOf(const hap::v1::Deployment& deployment) {
   return CursorOf(deployment.create_time(), deployment.name());
 }

@@ -21,7 +21,7 @@ namespace hap::service::store::internal {
 
 // Which list a page token belongs to; a token of one list is refused by
 // another.
-enum class ListKind { kNodes, kPlans, kDeployments };
+enum class ListKind { kNodes, kPlans, kDeployments, kJobs };
 absl::string_view ListKindName(ListKind kind);  // "nodes", "plans", ...
 
 // A position in a list: rows are ordered by (seconds, nanos, name) —
@@ -46,6 +46,7 @@ struct ListCursor {
 ListCursor CursorOf(const hap::v1::Node& node);
 ListCursor CursorOf(const hap::v1::Plan& plan);
 ListCursor CursorOf(const hap::v1::Deployment& deployment);
+ListCursor CursorOf(const hap::v1::Job& job);
 
 // A validated list request: return up to `page_size` rows after `after`.
 struct PageRequest {
