@@ -4,11 +4,16 @@
 // that exist, with counters that do not wrap. Deployments against fake
 // executors over gRPC (each its own server on 127.0.0.1:0) that can be
 // frozen (SIGSTOP) or shut down (SIGKILL): every rank of a deployment that
-// fails or is stopped is stopped, also after a planner restart.
+// fails or is stopped is stopped, also after a planner restart. An elastic
+// job over those fake executors: an executor lost, the job re-planned on
+// the rest, resumed from the committed checkpoint, and done; across a
+// planner restart too.
 #include "planner/service/grpc/planner_service_impl.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 
@@ -96,11 +101,23 @@ class Sink : public PlannerStateSink {
     absl::MutexLock l(&mu_);
     return refuse_metrics_ ? Full() : absl::OkStatus();
   }
+  absl::Status SaveJob(const v1::Job& j) override {
+    absl::MutexLock l(&mu_);
+    jobs_[j.name()] = j;
+    return absl::OkStatus();
+  }
+  std::vector<v1::Job> jobs() {
+    absl::MutexLock l(&mu_);
+    std::vector<v1::Job> out;
+    for (const auto& [name, j] : jobs_) out.push_back(j);
+    return out;
+  }
 
  private:
   absl::Mutex mu_;
   std::map<std::string, v1::Node> nodes_;
   std::map<std::string, v1::Deployment> deployments_;
+  std::map<std::string, v1::Job> jobs_;
   v1::Plan::State refuse_plans_ = v1::Plan::STATE_UNSPECIFIED;
   int deployment_saves_left_ = -1;
   bool refuse_metrics_ = false;
@@ -175,6 +192,10 @@ class FakeExecutor final : public v1::Executor::Service {
     absl::MutexLock l(&mu_);
     return status_;
   }
+  std::string last_resume() {
+    absl::MutexLock l(&mu_);
+    return last_resume_;
+  }
   int stops() {
     absl::MutexLock l(&mu_);
     return stops_;
@@ -196,6 +217,7 @@ class FakeExecutor final : public v1::Executor::Service {
                                        "; stop it before loading another plan"));
     }
     status_.set_state(v1::ExecutorStatus::LOADED);
+    last_resume_ = r->training().resume();
     status_.set_deployment(r->deployment());
     status_.set_generation(r->generation());
     status_.set_rank(r->rank());
@@ -247,6 +269,7 @@ class FakeExecutor final : public v1::Executor::Service {
   std::unique_ptr<grpc::Server> server_;
   absl::Mutex mu_;
   v1::ExecutorStatus status_ ABSL_GUARDED_BY(mu_);
+  std::string last_resume_ ABSL_GUARDED_BY(mu_);
   bool frozen_ ABSL_GUARDED_BY(mu_) = false;
   int stops_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -256,6 +279,8 @@ class PlannerServiceImplTest : public ::testing::Test {
   void SetUp() override {
     PlannerCoreOptions co;
     co.sink = &sink_;
+    // No agent heartbeats here: nodes stay READY for the test's length.
+    co.heartbeat_interval = absl::Hours(1);
     auto core = PlannerCore::Create(co);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = *std::move(core);
@@ -270,7 +295,8 @@ class PlannerServiceImplTest : public ::testing::Test {
 
   // The service over the core and sink, starting from `deployments`.
   // `max_threads` > 0: the server's thread quota (as hap-planner sets it).
-  void StartService(std::vector<v1::Deployment> deployments, int max_threads = 0) {
+  void StartService(std::vector<v1::Deployment> deployments, int max_threads = 0,
+                    std::vector<v1::Job> jobs = {}) {
     PlannerServiceOptions so;
     so.security.token = kToken;
     so.deployments.call_timeout = absl::Seconds(5);
@@ -287,8 +313,11 @@ class PlannerServiceImplTest : public ::testing::Test {
         failed_at_[d.name()] = absl::Now();
       }
     };
+    so.job_interval = absl::Milliseconds(20);
     service_ = std::make_unique<PlannerServiceImpl>(core_.get(), &sink_, so,
-                                                    std::move(deployments));
+                                                    std::move(deployments),
+                                                    std::vector<v1::StepMetric>{}, std::move(jobs));
+    service_->StartJobs();
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -800,6 +829,160 @@ TEST_F(PlannerServiceImplTest, ARestartedPlannerFailsADeploymentWhoseRankIsGone)
   EXPECT_THAT(failed.error(), HasSubstr("rank 0 (n/cpu0 at " + executors_[0]->address()));
   ASSERT_TRUE(executors_[1]->WaitForStops(1));
   EXPECT_EQ(executors_[1]->status().state(), v1::ExecutorStatus::FAILED);
+}
+
+// --------------------------------------------------------------- jobs --
+
+class JobTest : public PlannerServiceImplTest {
+ protected:
+  // Nodes "a" and "b", two devices each, at four fake executors (named by
+  // the nodes' labels, as agents report them); a checkpoint directory with
+  // step 5 committed and step 10 cut short.
+  void SetUp() override {
+    PlannerServiceImplTest::SetUp();
+    for (int i = 0; i < 4; ++i) executors_.push_back(std::make_unique<FakeExecutor>());
+    for (int n = 0; n < 2; ++n) {
+      v1::RegisterNodeRequest r;
+      *r.mutable_node() = TestNode(n == 0 ? "a" : "b");
+      for (int i = 0; i < 2; ++i) {
+        (*r.mutable_node()->mutable_labels())[absl::StrCat(
+            "hap.executor/", r.node().devices(i).id())] = executors_[2 * n + i]->address();
+      }
+      v1::RegisterNodeResponse out;
+      ASSERT_THAT(FromGrpc(stub_->RegisterNode(Ctx().get(), r, &out)), IsOk());
+    }
+    dir_ = std::filesystem::path(::testing::TempDir()) / "job-checkpoints";
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "step-00000005");
+    std::ofstream(dir_ / "step-00000005" / "COMMITTED") << "";
+    std::filesystem::create_directories(dir_ / "step-00000010");  // no COMMITTED
+  }
+  void TearDown() override {
+    PlannerServiceImplTest::TearDown();
+    std::filesystem::remove_all(dir_);
+  }
+
+  v1::CreateJobRequest JobRequest() {
+    v1::CreateJobRequest r;
+    r.set_job_id("train");
+    *r.mutable_spec()->mutable_model() = Mlp("unused").model();
+    r.mutable_spec()->mutable_training()->set_steps(50);
+    r.mutable_spec()->mutable_training()->set_checkpoint_dir(dir_.string());
+    r.mutable_spec()->mutable_training()->set_checkpoint_every(5);
+    // The lost executor's device stays out for the whole test.
+    r.mutable_spec()->mutable_replan()->mutable_join_stable()->set_seconds(600);
+    return r;
+  }
+
+  // Follows WatchJob until `done` holds for the job; the job then.
+  v1::Job WatchUntil(const std::function<bool(const v1::Job&)>& done) {
+    grpc::ClientContext ctx;
+    Security s;
+    s.token = kToken;
+    PrepareClientContext(&ctx, s, absl::Seconds(60));
+    v1::WatchJobRequest r;
+    r.set_name("jobs/train");
+    auto reader = stub_->WatchJob(&ctx, r);
+    v1::Job j;
+    while (reader->Read(&j)) {
+      if (done(j)) {
+        ctx.TryCancel();
+        break;
+      }
+    }
+    reader->Finish();
+    EXPECT_TRUE(done(j)) << j.DebugString();
+    return j;
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(JobTest, ALostExecutorIsReplannedAroundAndTheJobSucceeds) {
+  v1::Job job;
+  ASSERT_THAT(FromGrpc(stub_->CreateJob(Ctx().get(), JobRequest(), &job)), IsOk());
+  EXPECT_EQ(job.name(), "jobs/train");
+  EXPECT_EQ(job.status().state(), v1::JobStatus::PENDING);
+  job = WatchUntil([](const v1::Job& j) { return j.status().state() == v1::JobStatus::RUNNING; });
+  EXPECT_EQ(job.status().devices_size(), 4);
+  EXPECT_EQ(job.status().generation(), 1);
+  // Step 5 is the latest complete checkpoint (step 10 was cut short).
+  EXPECT_EQ(executors_[0]->last_resume(), (dir_ / "step-00000005").string());
+
+  executors_[3]->Kill();  // b/cpu1's executor dies; node b stays READY
+  job = WatchUntil([](const v1::Job& j) {
+    return j.status().state() == v1::JobStatus::RUNNING && j.status().generation() == 2;
+  });
+  EXPECT_THAT(job.status().devices(), ::testing::ElementsAre("a/cpu0", "a/cpu1", "b/cpu0"));
+  ASSERT_EQ(job.status().events_size(), 2);
+  const v1::JobEvent& e = job.status().events(1);
+  EXPECT_EQ(e.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_THAT(e.detail(), HasSubstr("rank 3 (b/cpu1 at " + executors_[3]->address()));
+  EXPECT_EQ(e.resume_step(), 5);
+  EXPECT_GE(e.downtime_seconds(), 0);
+  EXPECT_EQ(e.devices_before_size(), 4);
+  EXPECT_EQ(job.status().replans(), 1);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(executors_[i]->status().deployment(), job.status().deployment());
+    EXPECT_EQ(executors_[i]->status().state(), v1::ExecutorStatus::TRAINING);
+  }
+
+  for (int i = 0; i < 3; ++i) executors_[i]->Set(v1::ExecutorStatus::FINISHED);
+  job = WatchUntil(
+      [](const v1::Job& j) { return j.status().state() == v1::JobStatus::SUCCEEDED; });
+  EXPECT_EQ(job.status().steps_done(), 50);
+
+  v1::ListJobsResponse list;
+  ASSERT_THAT(FromGrpc(stub_->ListJobs(Ctx().get(), v1::ListJobsRequest(), &list)), IsOk());
+  ASSERT_EQ(list.jobs_size(), 1);
+  EXPECT_EQ(list.jobs(0).status().state(), v1::JobStatus::SUCCEEDED);
+  v1::StopJobRequest stop;
+  stop.set_name("jobs/train");
+  ASSERT_THAT(FromGrpc(stub_->StopJob(Ctx().get(), stop, &job)), IsOk());
+  EXPECT_EQ(job.status().state(), v1::JobStatus::SUCCEEDED);  // final: as it is
+}
+
+TEST_F(JobTest, ErrorsAreStatusesNamingWhatIsWrong) {
+  v1::Job job;
+  v1::GetJobRequest get;
+  get.set_name("jobs/none");
+  EXPECT_THAT(FromGrpc(stub_->GetJob(Ctx().get(), get, &job)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("jobs/none")));
+  get.set_name("train");
+  EXPECT_THAT(FromGrpc(stub_->GetJob(Ctx().get(), get, &job)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("jobs/{id}")));
+  v1::CreateJobRequest r = JobRequest();
+  r.mutable_spec()->mutable_training()->clear_checkpoint_dir();
+  EXPECT_THAT(FromGrpc(stub_->CreateJob(Ctx().get(), r, &job)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("checkpoint_dir")));
+  grpc::ClientContext no_token;
+  EXPECT_THAT(FromGrpc(stub_->CreateJob(&no_token, JobRequest(), &job)),
+              StatusIs(absl::StatusCode::kUnauthenticated, ::testing::_));
+  v1::ListJobsRequest bad;
+  bad.set_page_token("garbage");
+  v1::ListJobsResponse list;
+  EXPECT_THAT(FromGrpc(stub_->ListJobs(Ctx().get(), bad, &list)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+}
+
+TEST_F(JobTest, ARestartedPlannerGoesOnWithTheJobAndStopJobStopsIt) {
+  v1::Job job;
+  ASSERT_THAT(FromGrpc(stub_->CreateJob(Ctx().get(), JobRequest(), &job)), IsOk());
+  job = WatchUntil([](const v1::Job& j) { return j.status().state() == v1::JobStatus::RUNNING; });
+  const std::string deployment = job.status().deployment();
+  StopService();  // the executors go on training
+  StartService(sink_.deployments(), 0, sink_.jobs());
+  job = WatchUntil([](const v1::Job& j) { return j.status().state() == v1::JobStatus::RUNNING; });
+  EXPECT_EQ(job.status().deployment(), deployment);  // re-attached, not redeployed
+  EXPECT_EQ(job.status().generation(), 1);
+  v1::StopJobRequest stop;
+  stop.set_name("jobs/train");
+  ASSERT_THAT(FromGrpc(stub_->StopJob(Ctx().get(), stop, &job)), IsOk());
+  EXPECT_TRUE(job.status().stop_requested());
+  job = WatchUntil([](const v1::Job& j) { return j.status().state() == v1::JobStatus::STOPPED; });
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_NE(executors_[i]->status().state(), v1::ExecutorStatus::TRAINING) << i;
+  }
 }
 
 }  // namespace
