@@ -4,11 +4,30 @@
 // (uniform-cost search, the reference algorithm) as the baseline. Prints a
 // Markdown table. Runs on one thread.
 //
+// --scale: planning at scale, a GPT at 32 samples per device on generated
+// clusters of 64 to 2,048 devices (8 a node): the whole
+// PlanModel's time, states and peak memory (RSS, each size in a child
+// process of its own), and the predicted step of the plan against
+// data parallelism split by FLOP/s (dp-prop) in the same cost model.
+//
 //   bazel run -c opt //bench:synth_bench -- [--quick]
+//   bazel run -c opt //bench:synth_bench -- --scale [--devices 64,128,...
+//       [--layers N] [--types N]] [--timeout S] [--budget S]
+//
+// Without --devices the series is GPT-12 on 4 types at 64 to 2,048 devices,
+// GPT-48 at 256, 1,024 and 2,048, and GPT-12 with every node (8 devices) a
+// type of its own (1% apart) at 256 and 2,048: the case where few devices
+// merge. --budget is PlanOptions::max_seconds (60); --timeout kills a row.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <map>
 #include <cstdio>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -27,6 +46,7 @@ using hap::cost::DeviceModel;
 // four-type clusters.
 constexpr double kClasses[] = {3.86e12, 2.15e12, 5.97e12, 1.2e12};
 
+// More than 4 types: the 4 classes again, each 1% slower per round.
 ClusterModel Make(int devices, int types, int per_node) {
   std::vector<DeviceModel> d;
   for (int i = 0; i < devices; ++i) {
@@ -34,7 +54,8 @@ ClusterModel Make(int devices, int types, int per_node) {
     int type = node % types;
     if (types == 2) type = (i < devices / 4) ? 0 : 1;  // 1 fast : 3 slow
     d.push_back({"d" + std::to_string(i), "n" + std::to_string(node), "",
-                 kClasses[type], int64_t{40} << 30, 1e-5});
+                 kClasses[type % 4] * (1 - 0.01 * (type / 4)),
+                 int64_t{40} << 30, 1e-5});
   }
   std::vector<std::vector<double>> bw(devices, std::vector<double>(devices)),
       lat = bw;
@@ -74,9 +95,179 @@ Run Search(const hap::graph::Graph& g, const ClusterModel& c, bool zero,
   return r;
 }
 
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
+// A fingerprint of a plan, to tell whether two runs chose the same one: FNV-1a
+// over each step's rule, each load's storage and the samples per device.
+unsigned PlanHash(const hap::synth::PlanResult& r, int64_t batch) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const std::string& s) {
+    for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ 0xff) * 1099511628211ull;
+  };
+  for (const hap::synth::OpStep& s : r.program.steps) {
+    mix(s.rule.name);
+    for (const hap::synth::SourceLoad& l : s.loads) {
+      mix(hap::synth::StorageName(l.storage));
+    }
+  }
+  for (double x : r.ratios) mix(std::to_string(std::llround(x * batch)));
+  return static_cast<unsigned>(h ^ (h >> 32));
+}
+
+struct ScaleConfig {
+  int layers, devices, types;
+};
+
+// One row of the scale series, run in this (child) process: prints it.
+int ScaleRow(const ScaleConfig& cfg, double budget) {
+  const int devices = cfg.devices;
+  ClusterModel c = Make(devices, cfg.types, 8);
+  auto g = hap::graph::BuildZooModel(
+      "gpt", {{"batch", 32.0 * devices}, {"layers", cfg.layers}});
+  if (!g.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(g.status().message()).c_str());
+    return 1;
+  }
+  hap::synth::PlanOptions o;
+  o.max_seconds = budget;
+  auto t0 = std::chrono::steady_clock::now();
+  auto hap = hap::synth::PlanModel(*g, c, o);
+  const double hap_s = Seconds(t0);
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);  // peak RSS of the whole planning, in KiB
+  o.baseline = hap::synth::Baseline::kDpProportional;
+  t0 = std::chrono::steady_clock::now();
+  auto dp = hap::synth::PlanModel(*g, c, o);
+  const double dp_s = Seconds(t0);
+  if (!hap.ok()) {
+    std::printf("| %d | %d | %d | failed: %s | | | | | | | | | | | |\n",
+                cfg.layers, devices, cfg.types,
+                std::string(hap.status().message()).c_str());
+    std::fflush(stdout);
+    return 1;
+  }
+  // Data parallelism may not fit (48 layers replicated): then no ratio.
+  std::string dp_cost = "does not fit", ratio = "-";
+  if (dp.ok()) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.3f", dp->cost.total);
+    dp_cost = buf;
+    std::snprintf(buf, sizeof(buf), "%.2fx", dp->cost.total / hap->cost.total);
+    ratio = buf;
+  }
+  std::printf(
+      "| %d | %d | %d | %.2f | %.2f | %.2f | %.3f | %lld | %.0f | %.3f | %s "
+      "| %s | %.2f | %s%s | %08x |\n",
+      cfg.layers, devices, cfg.types, hap_s, hap->phases.search,
+      hap->phases.lp, hap->phases.snap,
+      static_cast<long long>(hap->states_expanded),
+      static_cast<double>(ru.ru_maxrss) / 1024, hap->cost.total,
+      dp_cost.c_str(), ratio.c_str(), dp_s, hap->source.c_str(),
+      hap->notes.empty() ? "" : " (budget cut)",
+      PlanHash(*hap, static_cast<int64_t>(32) * devices));
+  std::fflush(stdout);
+  return 0;
+}
+
+int Scale(const std::vector<ScaleConfig>& configs, double budget,
+          int timeout) {
+  std::printf(
+      "| layers | devices | types | plan s | search s | LP s | snap s | states "
+      "| peak RSS MiB | hap predicted s | dp-prop predicted s | dp-prop / hap | dp-prop plan s "
+      "| plan from | plan hash |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+  int failures = 0;
+  for (const ScaleConfig& cfg : configs) {
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::perror("fork");
+      return 1;
+    }
+    if (pid == 0) {
+      alarm(static_cast<unsigned>(timeout));
+      _exit(ScaleRow(cfg, budget));
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) {
+      std::printf(
+          "| %d | %d | %d | over %d s (killed, signal %d) | | | | | | | | | | "
+          "| |\n",
+          cfg.layers, cfg.devices, cfg.types, timeout, WTERMSIG(status));
+      std::fflush(stdout);
+      ++failures;
+    } else if (WEXITSTATUS(status) != 0) {
+      ++failures;
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  bool scale = false;
+  std::vector<int> sizes;
+  int layers = 12, types = 4;  // with --devices
+  int timeout = 600;
+  double budget = 60;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool valued = a == "--devices" || a == "--timeout" ||
+                        a == "--budget" || a == "--layers" || a == "--types";
+    if (a == "--scale") {
+      scale = true;
+    } else if (valued && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (a == "--timeout") {
+        timeout = std::atoi(v.c_str());
+      } else if (a == "--budget") {
+        budget = std::atof(v.c_str());
+      } else if (a == "--layers") {
+        layers = std::atoi(v.c_str());
+      } else if (a == "--types") {
+        types = std::atoi(v.c_str());
+      } else {
+        for (size_t p = 0; p < v.size();) {
+          size_t q = v.find(',', p);
+          if (q == std::string::npos) q = v.size();
+          const int n = std::atoi(v.substr(p, q - p).c_str());
+          if (n < 2) {
+            std::fprintf(stderr, "--devices: '%s' is not a device count >= 2\n",
+                         v.substr(p, q - p).c_str());
+            return 2;
+          }
+          sizes.push_back(n);
+          p = q + 1;
+        }
+      }
+    } else if (a != "--quick") {
+      std::fprintf(stderr,
+                   "usage: synth_bench [--quick] | --scale [--devices N,N,... "
+                   "[--layers N] [--types N]] [--timeout S] [--budget S]\n");
+      return 2;
+    }
+  }
+  if (timeout < 1 || budget <= 0 || layers < 1 || types < 1) {
+    std::fprintf(stderr, "--timeout, --budget, --layers and --types must be positive\n");
+    return 2;
+  }
+  if (scale) {
+    std::vector<ScaleConfig> series;
+    for (int n : sizes) series.push_back({layers, n, types});
+    if (sizes.empty()) {
+      // GPT-12 on 4 device types; 48 layers; every node a type of its own.
+      for (int n : {64, 128, 256, 512, 1024, 2048}) series.push_back({12, n, 4});
+      for (int n : {256, 1024, 2048}) series.push_back({48, n, 4});
+      for (int n : {256, 2048}) series.push_back({12, n, n / 8});
+    }
+    return Scale(series, budget, timeout);
+  }
   bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   struct Config {
     std::string model;
@@ -95,7 +286,7 @@ int main(int argc, char** argv) {
       configs.push_back({m, 12, 16, 2, 8});
     }
   }
-  double budget = quick ? 10 : 30;
+  budget = quick ? 10 : 30;
   std::printf(
       "| model | layers | devices | types | block s | block states | A* s | "
       "A* states | uniform-cost s | uniform-cost states | time ratio "
