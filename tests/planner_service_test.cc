@@ -677,5 +677,35 @@ TEST(PlannerLimitsTest, TheDefaultRequestLimitAdmitsA48LayerGptManyTimesOver) {
   EXPECT_LT(bytes * 16, static_cast<size_t>(service::kDefaultMaxRequestBytes));
 }
 
+// The deployment watch's flags: out-of-range values stop the planner at
+// start with the flag's name, rather than being replaced silently.
+TEST(PlannerFlagsTest, BadDeploymentWatchFlagsAreRefusedAtStart) {
+  const std::string dir = testing::TempDir("planner-flags");
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--missed-status-polls=0", "--missed-status-polls must be a positive number"},
+           {"--missed-status-polls=2.5", "--missed-status-polls must be a whole number"},
+           {"--status-poll-seconds=-1", "--status-poll-seconds must be a positive number"},
+           {"--max-threads=nan", "--max-threads must be a positive number"}}) {
+    Process p;
+    ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
+                         "--metrics-listen=off", "--database=" + dir + "/planner.db", flag})
+                    .ok());
+    auto line = p.WaitForLine("error: ", absl::Seconds(30));
+    ASSERT_TRUE(line.ok()) << flag << ": " << line.status() << "\n" << p.output();
+    EXPECT_THAT(*line, HasSubstr(message)) << flag;
+    const int status = p.Stop(0);  // no signal: waits for its exit
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << flag << ": " << status;
+  }
+  // In range, they are taken.
+  Process p;
+  ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
+                       "--metrics-listen=off", "--database=" + dir + "/planner.db",
+                       "--status-poll-seconds=0.25", "--missed-status-polls=5",
+                       "--max-threads=16"})
+                  .ok());
+  EXPECT_TRUE(p.WaitForLine("listening on 127.0.0.1:").ok()) << p.output();
+  p.Stop(SIGTERM);
+}
+
 }  // namespace
 }  // namespace hap

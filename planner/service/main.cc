@@ -13,6 +13,11 @@
 //                             watches, rendezvous waits; default 256); beyond
 //                             them such calls get RESOURCE_EXHAUSTED. Reads
 //                             (Get/List) take no thread of their own.
+//   --status-poll-seconds S   how often each rank of a running deployment is
+//                             polled, and each poll's deadline (default 1)
+//   --missed-status-polls N   polls a rank may leave unanswered in a row before
+//                             its deployment fails and the others are stopped
+//                             (default 3)
 //   --drain-seconds S         NOT_SERVING this long before stopping
 //   --node-expiry-seconds S   remove nodes STALE for longer than S (default: never)
 //   --plan-retention-count N  keep the N most recently finished plans (default
@@ -73,8 +78,11 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   auto drain = number("drain-seconds", 1);
   auto expiry = number("node-expiry-seconds", 0);
   auto threads = number("max-threads", o.max_threads);
-  for (auto* s :
-       {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads}) {
+  auto poll = number("status-poll-seconds",
+                     absl::ToDoubleSeconds(o.deployments.status_interval));
+  auto polls = number("missed-status-polls", o.deployments.missed_status_limit);
+  for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads,
+                  &poll, &polls}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
@@ -84,6 +92,13 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.max_message_bytes = static_cast<int>(std::min<double>(*max_request, 1 << 30));
   o.drain = absl::Seconds(*drain);
   o.max_threads = static_cast<int>(std::min<double>(std::max(*threads, 4.0), 1 << 16));
+  o.deployments.status_interval = absl::Seconds(std::min(*poll, 3600.0));
+  o.deployments.status_timeout = o.deployments.status_interval;
+  if (*polls != std::floor(*polls) || *polls > 1000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--missed-status-polls must be a whole number from 1 to 1000, got ", *polls));
+  }
+  o.deployments.missed_status_limit = static_cast<int>(*polls);
   if (*expiry > 0) o.core.node_expiry = absl::Seconds(*expiry);
   // Retention: 0 turns a limit off.
   auto non_negative = [&](const char* flag, double def) -> absl::StatusOr<double> {
@@ -117,7 +132,7 @@ int main(int argc, char** argv) {
       {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
        "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds",
        "node-expiry-seconds", "plan-retention-count", "plan-retention-seconds", "max-request-bytes",
-       "drain-seconds", "max-threads"},
+       "drain-seconds", "max-threads", "status-poll-seconds", "missed-status-polls"},
       {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n";

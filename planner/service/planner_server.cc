@@ -262,6 +262,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   s->impl_ = std::make_unique<Impl>();
   Impl& m = *s->impl_;
   m.o = o;
+  HAP_RETURN_IF_ERROR(ValidateDeploymentWatchOptions(o.deployments));
   HAP_RETURN_IF_ERROR(m.metrics.Init(&m.core_ptr, &m.service_ptr));
   StateBackend::Loaded loaded;
   if (!o.database.empty()) {
@@ -289,6 +290,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   b.SetResourceQuota(quota);
   PlannerServiceOptions so;
   so.security = o.security;
+  so.deployments = o.deployments;
   so.on_rpc_start = [&m](const std::string& method) { m.metrics.Started(method); };
   so.on_rpc = [&m](const std::string& method, grpc::StatusCode c, double sec) {
     m.metrics.Handled(method, c, sec);

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "planner/service/core/deployments.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/grpc/grpc_util.h"
 
@@ -48,6 +49,9 @@ struct PlannerServerOptions {
   // rendezvous waits); such a call beyond them gets RESOURCE_EXHAUSTED.
   // Reads are answered on gRPC's callback API and need none (at least 4).
   int max_threads = 256;
+  // How running deployments are watched (poll interval, missed polls,
+  // deadlines); must pass ValidateDeploymentWatchOptions.
+  DeploymentWatchOptions deployments;
   // While shutting down, health reports NOT_SERVING for this long before
   // the server stops taking calls (load balancers drain meanwhile).
   absl::Duration drain = absl::Seconds(1);
