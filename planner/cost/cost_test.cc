@@ -211,5 +211,74 @@ TEST(CollectivesTest, SlowestLinkBottlenecksAndHierarchyHelps) {
             bytes / (kGroupedEfficiency * 1e10) + 8 * 1e-5);
 }
 
+TEST(CollectivesTest, TreeForSmallMessagesRingForLargeOnes) {
+  // 64 devices on one node (1e10 B/s, 1e-5 s): a ring pays 2 (n-1) latencies,
+  // a tree 2 log2 n, at about the same bandwidth.
+  std::vector<double> flops(64, 1e12);
+  hap::v1::Cluster proto = MakeProto(flops, 64);
+  proto.mutable_defaults()->set_intra_node_bandwidth_bytes_per_second(1e10);
+  proto.mutable_defaults()->set_intra_node_latency_seconds(1e-5);
+  auto m = *ClusterModel::FromProto(proto);
+  CollectiveModel c(m);
+  const double small = 1e3, large = 1e9;
+  EXPECT_NEAR(c.TreeAllReduce(small, m.all()), 2 * small / 1e10 + 2 * 6 * 1e-5, 1e-15);
+  EXPECT_NEAR(c.RingAllReduce(small, m.all()), 2.0 * 63 / 64 * small / 1e10 + 126 * 1e-5,
+              1e-15);
+  EXPECT_STREQ(c.AllReduceAlgorithm(small).algorithm, "tree");
+  EXPECT_DOUBLE_EQ(c.AllReduce(small), c.TreeAllReduce(small, m.all()));
+  EXPECT_STREQ(c.AllReduceAlgorithm(large).algorithm, "ring");
+  EXPECT_DOUBLE_EQ(c.AllReduce(large), c.RingAllReduce(large, m.all()));
+  // Two devices: a ring moves half the bytes a tree does.
+  auto two = *ClusterModel::FromProto(MakeProto({1e12, 1e12}, 2));
+  EXPECT_STREQ(CollectiveModel(two).AllReduceAlgorithm(small).algorithm, "ring");
+}
+
+// nccl-tests report an all-reduce's bus bandwidth, busbw = S / t * 2 (n-1)/n
+// (doc/PERFORMANCE.md in NVIDIA/nccl-tests), defined so that it does not
+// depend on the number of ranks and compares with the links' speed: for
+// large messages it stays flat as a job grows. Nodes of 8 devices at 9.5e9
+// B/s inside and 3e9 B/s between (the hetero-64gpu profile's links), 450 MB
+// (a 12-layer GPT's fp32 gradients), 16 to 2,048 devices: the model's busbw
+// must stay within 15% of its 16-device value, and above the inter-node
+// link's bandwidth (each local rank's slice crosses its own link). Small
+// messages' time grows with log2 of the node count (trees), not with n.
+TEST(CollectivesTest, AllReduceBusBandwidthHoldsFrom16To2048Devices) {
+  const double bytes = 4.5e8, tiny = 8;
+  double busbw16 = 0, tiny16 = 0;
+  for (int n : {16, 64, 256, 1024, 2048}) {
+    SCOPED_TRACE(n);
+    std::vector<DeviceModel> d;
+    for (int i = 0; i < n; ++i) {
+      d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 8), "gpu", 2.15e12,
+                   int64_t{40} << 30, 1e-5});
+    }
+    std::vector<std::vector<double>> bw(n, std::vector<double>(n)), lat = bw;
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) {
+        const bool same = i / 8 == j / 8;
+        bw[i][j] = same ? 9.5e9 : 3e9;
+        lat[i][j] = same ? 1e-5 : 5e-5;
+      }
+    }
+    auto m = ClusterModel::Create(std::move(d), std::move(bw), std::move(lat));
+    ASSERT_TRUE(m.ok()) << m.status();
+    CollectiveModel c(*m);
+    const double t = c.AllReduce(bytes);
+    const double busbw = bytes / t * 2.0 * (n - 1) / n;
+    if (n == 16) {
+      busbw16 = busbw;
+      tiny16 = c.AllReduce(tiny);
+    }
+    EXPECT_GE(busbw, 0.85 * busbw16) << "t " << t;
+    EXPECT_GT(busbw, 3e9);
+    EXPECT_LE(c.AllReduce(tiny), tiny16 * (1 + std::log2(n / 16.0)))
+        << c.AllReduceAlgorithm(tiny).algorithm;
+    // A flat ring's latency alone would be 2 (n-1) x 5e-5 s.
+    if (n >= 256) {
+      EXPECT_LT(c.AllReduce(tiny), 2.0 * (n - 1) * 5e-5 / 10);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hap::cost

@@ -137,6 +137,10 @@ absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
   pred->set_compute_seconds(result.cost.compute);
   pred->set_communication_seconds(result.cost.communication);
   for (int64_t m : result.memory_bytes) pred->add_memory_bytes_per_device(m);
+  pred->set_overlap_assumed(result.program.overlap);
+  pred->set_communication_busy_seconds(result.cost.communication_busy);
+  plan.set_gradient_bucket_bytes(result.program.bucket_bytes);
+  plan.set_gradient_buckets(static_cast<int>(result.program.buckets.size()));
   plan.set_synthesis_seconds(result.synthesis_seconds);
   plan.set_states_expanded(result.states_expanded);
   plan.set_optimal(result.optimal);

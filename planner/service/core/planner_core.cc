@@ -203,6 +203,7 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   so.allow_sfb = !po.disable_sfb();
   so.allow_zero = !po.disable_zero();
   so.allow_grouped = !po.disable_grouped_collectives();
+  so.overlap_communication = po.overlap_communication();
   so.ignore_memory = po.ignore_memory_limits();
   so.max_states = po.budget().max_states() > 0 ? po.budget().max_states()
                                                : o_.default_max_states;
