@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -28,8 +29,8 @@ using service::Security;
 constexpr char kDefaultServer[] = "127.0.0.1:7070";
 
 constexpr char kUsage[] = R"(usage:
-  hapctl get nodes|plans|deployments
-  hapctl describe plan|deployment NAME
+  hapctl get nodes|plans|deployments|jobs
+  hapctl describe plan|deployment|job NAME
   hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                      [--no-sfb] [--no-zero] [--no-grouped] [--max-seconds S]
@@ -45,6 +46,14 @@ constexpr char kUsage[] = R"(usage:
                      [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
                      [--resume DIR] [--init-weights FILE.safetensors]
   hapctl stop deployment NAME
+  hapctl create job --id ID (--model NAME [...] | --graph FILE) [--batch N] [plan flags]
+                     --checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]
+                     [--steps N] [--data ...] [--data-path FILE] [--shuffle SEED] [--threads T]
+                     [--devices ID,...] [--label KEY=VALUE ...] [--min-devices N]
+                     [--max-devices N] [--min-gain FRACTION] [--no-join]
+                     [--join-stable SECONDS] [--max-replans N]
+  hapctl watch job NAME               (until it ends)
+  hapctl stop job NAME
 Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
   --timeout SECONDS (default 30), --token-file FILE (else $HAP_TOKEN_FILE),
   --tls-ca-file FILE, -o table|json|yaml. Errors go to stderr, exit code 1.
@@ -169,6 +178,54 @@ void PrintPlanRow(const v1::Plan& p) {
                                p.devices_size(), p.prediction().step_seconds(),
                                p.synthesis_seconds(),
                                p.state() == v1::Plan::FAILED ? p.error() : Ts(p.create_time()));
+}
+
+std::string JobName(const std::string& s) { return s.rfind("jobs/", 0) == 0 ? s : "jobs/" + s; }
+
+std::string JobState(const v1::Job& j) {
+  return v1::JobStatus::State_Name(j.status().state());
+}
+
+void PrintJobHeader() {
+  std::cout << absl::StrFormat("%-24s %-10s %4s %8s %9s %8s %12s %s\n", "NAME", "STATE", "GEN",
+                               "DEVICES", "STEPS", "REPLANS", "PRED STEP S", "MESSAGE");
+}
+
+void PrintJobRow(const v1::Job& j) {
+  const v1::JobStatus& s = j.status();
+  std::cout << absl::StrFormat("%-24s %-10s %4d %8d %4d/%-4d %8d %12.4f %s\n", j.name(),
+                               JobState(j), s.generation(), s.devices_size(), s.steps_done(),
+                               j.spec().training().steps(), s.replans(),
+                               s.predicted_step_seconds(), s.message());
+}
+
+// The job and its timeline: one line per (re)start.
+void DescribeJob(const v1::Job& j) {
+  PrintJobHeader();
+  PrintJobRow(j);
+  const v1::JobStatus& s = j.status();
+  std::cout << "plan: " << (s.plan().empty() ? "-" : s.plan())
+            << "  deployment: " << (s.deployment().empty() ? "-" : s.deployment())
+            << "  checkpoint: " << (s.checkpoint_step() < 0 ? std::string("none")
+                                                             : absl::StrCat("step ", s.checkpoint_step()))
+            << "\ndevices: " << absl::StrJoin(s.devices(), ",") << "\n";
+  if (s.measured_step_seconds() > 0) {
+    std::cout << absl::StrFormat("step time: predicted %.4f s, measured %.4f s (median)\n",
+                                 s.predicted_step_seconds(), s.measured_step_seconds());
+  }
+  std::cout << absl::StrFormat("\n%-24s %-18s %10s %8s %10s %21s  %s\n", "TIME", "REASON",
+                               "DOWNTIME S", "LOST", "FROM STEP", "PRED STEP S BEFORE->AFTER",
+                               "DEVICES / DETAIL");
+  auto row = [](const v1::JobEvent& e, bool pending) {
+    std::cout << absl::StrFormat(
+        "%-24s %-18s %10s %8d %10d %10.4f -> %-7.4f  %d -> %d: %s\n", Ts(e.detect_time()),
+        v1::JobEvent::Reason_Name(e.reason()),
+        pending ? std::string("(ongoing)") : absl::StrFormat("%.2f", e.downtime_seconds()),
+        e.steps_lost(), e.resume_step(), e.predicted_step_before(), e.predicted_step_after(),
+        e.devices_before_size(), e.devices_after_size(), e.detail());
+  };
+  for (const auto& e : s.events()) row(e, false);
+  if (s.has_pending()) row(s.pending(), true);
 }
 
 void PrintPlanHeader() {
@@ -306,8 +363,30 @@ int Get(Client& c, const std::string& what) {
     }
     return 0;
   }
+  if (what == "jobs" || what == "job") {
+    v1::ListJobsResponse all;
+    std::string token;
+    do {
+      v1::ListJobsRequest r;
+      r.set_page_token(token);
+      v1::ListJobsResponse page;
+      grpc::ClientContext ctx;
+      c.Prepare(&ctx);
+      grpc::Status s = c.stub->ListJobs(&ctx, r, &page);
+      if (!s.ok()) return Fail(s);
+      for (auto& j : *page.mutable_jobs()) *all.add_jobs() = std::move(j);
+      token = page.next_page_token();
+    } while (!token.empty());
+    if (c.format != "table") {
+      PrintMessage(all, c.format);
+      return 0;
+    }
+    PrintJobHeader();
+    for (const auto& j : all.jobs()) PrintJobRow(j);
+    return 0;
+  }
   return Fail(absl::InvalidArgumentError(
-      absl::StrCat("cannot get '", what, "': use nodes, plans or deployments")));
+      absl::StrCat("cannot get '", what, "': use nodes, plans, deployments or jobs")));
 }
 
 absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
@@ -380,6 +459,107 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   return r;
 }
 
+// The training flags of `deploy plan` and `create job`.
+absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
+  v1::TrainingConfig t;
+  HAP_ASSIGN_OR_RETURN(double steps, a.Number("steps", 100));
+  HAP_ASSIGN_OR_RETURN(double threads, a.Number("threads", 1));
+  t.set_steps(static_cast<int64_t>(steps));
+  t.set_threads_per_rank(static_cast<int>(threads));
+  const std::string data = a.Get("data", "synthetic");
+  if (data == "wikitext") {
+    t.set_data(v1::TrainingConfig::WIKITEXT2);
+  } else if (data == "synthetic") {
+    t.set_data(v1::TrainingConfig::SYNTHETIC);
+  } else {
+    t.set_data_spec(data);  // npy:DIR, tokens:FILE[:uint16|uint32]; checked by the executors
+  }
+  t.set_data_path(a.Get("data-path"));
+  HAP_ASSIGN_OR_RETURN(double every, a.Number("checkpoint-every", 0));
+  HAP_ASSIGN_OR_RETURN(double keep, a.Number("checkpoint-keep", 0));
+  t.set_checkpoint_dir(a.Get("checkpoint-dir"));
+  t.set_checkpoint_every(static_cast<int64_t>(every));
+  t.set_checkpoint_keep(static_cast<int>(keep));
+  t.set_resume(a.Get("resume"));
+  t.set_init_weights(a.Get("init-weights"));
+  if (a.Has("shuffle")) {
+    auto seed = a.Number("shuffle", 0);
+    if (!seed.ok() || *seed < 0) {
+      return absl::InvalidArgumentError("--shuffle takes a seed, a non-negative integer");
+    }
+    t.set_shuffle(true);
+    t.set_shuffle_seed(static_cast<uint64_t>(*seed));
+  }
+  return t;
+}
+
+// `create job`: the model and plan options as `create plan`, training as
+// `deploy plan`, the device selector and the re-plan policy.
+absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
+  HAP_ASSIGN_OR_RETURN(v1::CreatePlanRequest plan, CreateRequest(a));
+  v1::CreateJobRequest r;
+  r.set_job_id(a.Get("id"));
+  v1::JobSpec& s = *r.mutable_spec();
+  *s.mutable_model() = plan.model();
+  *s.mutable_options() = plan.options();
+  HAP_ASSIGN_OR_RETURN(*s.mutable_training(), TrainingFromArgs(a));
+  HAP_ASSIGN_OR_RETURN(double batch, a.Number("global-batch", 0));
+  s.set_global_batch(static_cast<int64_t>(batch));
+  v1::DeviceSelector& sel = *s.mutable_devices();
+  *sel.mutable_devices() = plan.devices();
+  for (const std::string& kv : a.GetAll("label")) {
+    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (p.first.empty() || kv.find('=') == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("--label ", kv, ": not KEY=VALUE"));
+    }
+    (*sel.mutable_node_labels())[p.first] = p.second;
+  }
+  HAP_ASSIGN_OR_RETURN(double min_devices, a.Number("min-devices", 0));
+  HAP_ASSIGN_OR_RETURN(double max_devices, a.Number("max-devices", 0));
+  sel.set_min_devices(static_cast<int>(min_devices));
+  sel.set_max_devices(static_cast<int>(max_devices));
+  v1::ReplanPolicy& p = *s.mutable_replan();
+  HAP_ASSIGN_OR_RETURN(double gain, a.Number("min-gain", 0));
+  p.set_min_gain(gain);
+  p.set_disable_join(a.Bool("no-join"));
+  HAP_ASSIGN_OR_RETURN(double stable, a.Number("join-stable", 0));
+  if (stable < 0) return absl::InvalidArgumentError("--join-stable must not be negative");
+  p.mutable_join_stable()->set_seconds(static_cast<int64_t>(stable));
+  p.mutable_join_stable()->set_nanos(
+      static_cast<int32_t>((stable - static_cast<int64_t>(stable)) * 1e9));
+  HAP_ASSIGN_OR_RETURN(double replans, a.Number("max-replans", 0));
+  p.set_max_replans(static_cast<int>(replans));
+  return r;
+}
+
+int WatchJob(Client& c, const std::string& name) {
+  v1::WatchJobRequest r;
+  r.set_name(JobName(name));
+  grpc::ClientContext ctx;
+  service::PrepareClientContext(&ctx, c.security, absl::InfiniteDuration());
+  auto reader = c.stub->WatchJob(&ctx, r);
+  v1::Job j;
+  while (reader->Read(&j)) {
+    if (c.format == "table") {
+      const v1::JobStatus& s = j.status();
+      std::cout << absl::StrFormat("%s %-10s gen %d devices %d steps %d/%d replans %d %s\n",
+                                   Ts(s.update_time()), JobState(j), s.generation(),
+                                   s.devices_size(), s.steps_done(),
+                                   j.spec().training().steps(), s.replans(), s.message())
+                << std::flush;
+    } else {
+      PrintMessage(j, c.format);
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return Fail(s);
+  if (j.status().state() == v1::JobStatus::FAILED) {
+    std::cerr << "error: the job failed: " << j.status().message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 int Watch(Client& c, const std::string& name) {
   v1::WatchPlanRequest r;
   r.set_name(PlanName(name));
@@ -416,8 +596,10 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
                  "graph", "devices", "baseline", "max-seconds", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
                  "id", "executor", "steps", "data", "data-path", "threads", "set",
                  "checkpoint-dir", "checkpoint-every", "checkpoint-keep", "resume",
-                 "init-weights", "shuffle"});
-  auto a = Args::Parse(argv, values, {"help", "no-sfb", "no-zero", "no-grouped", "wait"});
+                 "init-weights", "shuffle", "global-batch", "label", "min-devices",
+                 "max-devices", "min-gain", "join-stable", "max-replans"});
+  auto a = Args::Parse(argv, values,
+                       {"help", "no-sfb", "no-zero", "no-grouped", "wait", "no-join"});
   if (!a.ok()) return Fail(a.status());
   if (a->Bool("help")) {
     std::cout << kUsage;
@@ -441,6 +623,19 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     if (!need(2)) return 1;
     grpc::ClientContext ctx;
     c->Prepare(&ctx);
+    if (pos[0] == "job") {
+      v1::GetJobRequest r;
+      r.set_name(JobName(pos[1]));
+      v1::Job j;
+      grpc::Status s = c->stub->GetJob(&ctx, r, &j);
+      if (!s.ok()) return Fail(s);
+      if (c->format == "table") {
+        DescribeJob(j);
+      } else {
+        PrintMessage(j, c->format);
+      }
+      return 0;
+    }
     if (pos[0] == "deployment") {
       v1::GetDeploymentRequest r;
       r.set_name(DeploymentName(pos[1]));
@@ -459,6 +654,22 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       DescribePlan(p);
     } else {
       PrintMessage(p, c->format);
+    }
+    return 0;
+  }
+  if (verb == "create" && pos.size() >= 1 && pos[0] == "job") {
+    auto r = JobRequest(*a);
+    if (!r.ok()) return Fail(r.status());
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    v1::Job j;
+    grpc::Status s = c->stub->CreateJob(&ctx, *r, &j);
+    if (!s.ok()) return Fail(s);
+    if (c->format == "table") {
+      PrintJobHeader();
+      PrintJobRow(j);
+    } else {
+      PrintMessage(j, c->format);
     }
     return 0;
   }
@@ -481,6 +692,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   }
   if (verb == "watch") {
     if (!need(2)) return 1;
+    if (pos[0] == "job") return WatchJob(*c, pos[1]);
     return Watch(*c, pos[1]);
   }
   if (verb == "cancel" || verb == "delete") {
@@ -525,39 +737,9 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       }
       (*r.mutable_executors())[kv.first] = kv.second;
     }
-    auto steps = a->Number("steps", 100);
-    auto threads = a->Number("threads", 1);
-    if (!steps.ok()) return Fail(steps.status());
-    if (!threads.ok()) return Fail(threads.status());
-    r.mutable_training()->set_steps(static_cast<int64_t>(*steps));
-    r.mutable_training()->set_threads_per_rank(static_cast<int>(*threads));
-    const std::string data = a->Get("data", "synthetic");
-    v1::TrainingConfig& t = *r.mutable_training();
-    if (data == "wikitext") {
-      t.set_data(v1::TrainingConfig::WIKITEXT2);
-    } else if (data == "synthetic") {
-      t.set_data(v1::TrainingConfig::SYNTHETIC);
-    } else {
-      t.set_data_spec(data);  // npy:DIR, tokens:FILE[:uint16|uint32]; checked by the executors
-    }
-    t.set_data_path(a->Get("data-path"));
-    auto every = a->Number("checkpoint-every", 0);
-    auto keep = a->Number("checkpoint-keep", 0);
-    if (!every.ok()) return Fail(every.status());
-    if (!keep.ok()) return Fail(keep.status());
-    t.set_checkpoint_dir(a->Get("checkpoint-dir"));
-    t.set_checkpoint_every(static_cast<int64_t>(*every));
-    t.set_checkpoint_keep(static_cast<int>(*keep));
-    t.set_resume(a->Get("resume"));
-    t.set_init_weights(a->Get("init-weights"));
-    if (a->Has("shuffle")) {
-      auto seed = a->Number("shuffle", 0);
-      if (!seed.ok() || *seed < 0) {
-        return Fail(absl::InvalidArgumentError("--shuffle takes a seed, a non-negative integer"));
-      }
-      t.set_shuffle(true);
-      t.set_shuffle_seed(static_cast<uint64_t>(*seed));
-    }
+    auto training = TrainingFromArgs(*a);
+    if (!training.ok()) return Fail(training.status());
+    *r.mutable_training() = *training;
     grpc::ClientContext ctx;
     c->Prepare(&ctx);
     v1::Deployment d;
@@ -567,6 +749,23 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       std::cout << d.name() << " " << v1::Deployment::State_Name(d.state()) << "\n";
     } else {
       PrintMessage(d, c->format);
+    }
+    return 0;
+  }
+  if (verb == "stop" && pos.size() >= 2 && pos[0] == "job") {
+    v1::StopJobRequest r;
+    r.set_name(JobName(pos[1]));
+    grpc::ClientContext ctx;
+    c->Prepare(&ctx);
+    v1::Job j;
+    grpc::Status s = c->stub->StopJob(&ctx, r, &j);
+    if (!s.ok()) return Fail(s);
+    if (c->format == "table") {
+      std::cout << j.name() << " " << JobState(j) << (j.status().stop_requested() &&
+                                                       j.status().state() != v1::JobStatus::STOPPED
+                                                       ? " (stopping)\n" : "\n");
+    } else {
+      PrintMessage(j, c->format);
     }
     return 0;
   }

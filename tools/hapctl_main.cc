@@ -32,13 +32,16 @@ Checkpoints (hap-executor --checkpoint-dir):
                             every parameter whole, by name (PyTorch, --init-weights)
 
 Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070):
-  get nodes|plans|deployments        list (-o table|json|yaml)
-  describe plan|deployment NAME      one resource in detail
+  get nodes|plans|deployments|jobs   list (-o table|json|yaml)
+  describe plan|deployment|job NAME  one resource in detail (a job: its timeline)
   create plan --model M [...]        synthesize on the live cluster (--wait)
   watch plan NAME                    stream progress until it ends
   cancel plan NAME / delete plan NAME / delete node NAME
   deploy plan NAME --executor DEV=HOST:PORT ... [--steps N]
   stop deployment NAME
+  create job --id ID --model M [...] --checkpoint-dir DIR [--checkpoint-every N] [--steps N]
+                                     an elastic job: re-planned as devices fail and join
+  watch job NAME / stop job NAME
 
 Run `hapctl COMMAND --help` for a command's flags.
 )";
