@@ -121,7 +121,9 @@ def prometheus_scrapes(prometheus, config, planner):
                 groups = json.load(r)["data"]["groups"]
             names = {rule["name"] for g in groups for rule in g["rules"]}
             print(f"rules loaded: {sorted(names)}")
-            for alert in ("HapNodeStale", "HapStepTimeAbovePrediction", "HapTrainingLossNaN"):
+            for alert in (
+                "HapNodeStale", "HapStepTimeAbovePrediction", "HapTrainingLossNaN",
+                "HapJobReplanningRepeatedly"):
                 assert alert in names, f"alert {alert} not loaded"
             return float(result[0]["value"][1])
         finally:

@@ -126,6 +126,12 @@ struct PlannerMetrics {
                                                    "Re-plans of elastic jobs, by reason (a device "
                                                    "lost, a node joined, ...).",
                                                    {"reason"}));
+    // Every reason at 0 from the start, so rates and alerts see the series
+    // before the first re-plan.
+    for (int r = v1::JobEvent::EXECUTOR_LOST; r <= v1::JobEvent::DEPLOYMENT_STOPPED; ++r) {
+      HAP_RETURN_IF_ERROR(
+          job_replans->Get({ReasonLabel(static_cast<v1::JobEvent::Reason>(r))}).status());
+    }
     HAP_ASSIGN_OR_RETURN(job_recovery,
                          registry.AddHistogram("hap_job_recovery_seconds",
                                                "Downtime of each job re-plan: failure (or switch) "
@@ -202,10 +208,13 @@ struct PlannerMetrics {
       (*g)->Set(p.prediction().step_seconds());
     }
   }
-  void JobReplan(v1::JobEvent::Reason reason) {
+  static std::string ReasonLabel(v1::JobEvent::Reason reason) {
     std::string label = v1::JobEvent::Reason_Name(reason);
     for (char& c : label) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (auto c = job_replans->Get({label}); c.ok()) (*c)->Increment();
+    return label;
+  }
+  void JobReplan(v1::JobEvent::Reason reason) {
+    if (auto c = job_replans->Get({ReasonLabel(reason)}); c.ok()) (*c)->Increment();
   }
   void JobResumed(const v1::JobEvent& e) {
     if (e.reason() == v1::JobEvent::STARTED) return;  // a start is no recovery
