@@ -46,6 +46,32 @@ class ActPoolNet(nn.Module):
         return F.cross_entropy(self.fc(h), labels)
 
 
+class BnNet(nn.Module):
+    """BatchNorm2d after a convolution (resnet's pattern), BatchNorm1d on
+    features, one without affine parameters and one without running
+    statistics, and F.batch_norm with module buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(6, momentum=0.2)
+        self.bn_plain = nn.BatchNorm2d(6, affine=False)
+        self.bn_nostats = nn.BatchNorm2d(6, track_running_stats=False)
+        self.fc = nn.Linear(6, 8)
+        self.bn1d = nn.BatchNorm1d(8, eps=1e-3)
+        self.register_buffer("fmean", torch.zeros(8))
+        self.register_buffer("fvar", torch.ones(8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, labels):
+        h = F.relu(self.bn(self.conv(x)))
+        h = self.bn_nostats(self.bn_plain(h))
+        h = F.adaptive_avg_pool2d(h, 1).flatten(1)
+        h = F.relu(self.bn1d(self.fc(h)))
+        h = F.batch_norm(h, self.fmean, self.fvar, None, None, True, 0.5)
+        return F.cross_entropy(self.head(h), labels)
+
+
 class ExportOpsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -86,6 +112,72 @@ class ExportOpsTest(unittest.TestCase):
         self.assertTrue(any("ceil_mode" in a for a in attrs), attrs)
         self.assertTrue(any("count_include_pad" in a for a in attrs), attrs)
         self.check_numerics(m, inputs)
+
+    def test_batch_norm(self):
+        m = BnNet()
+        inputs = {"x": torch.randn(5, 3, 6, 6), "labels": labels(5, 4)}
+        g, values = export_fx.export(m, inputs, return_values=True)
+        type(self).n += 1
+        out = os.path.join(self.dir, f"bn_{self.n}.json")
+        with open(out, "w") as f:
+            json.dump(g, f)
+        got = U.validate(out)
+        bns = [op for op in g["ops"] if op["type"] == "batch_norm"]
+        self.assertEqual(len(bns), 5)
+        params = {p["tensor"]["name"]: p for p in g["parameters"]}
+        # Running statistics: frozen parameters under their state_dict names.
+        for name in ("bn.running_mean", "bn.running_var", "bn1d.running_var",
+                     "fmean", "fvar"):
+            self.assertTrue(params[name].get("frozen"), name)
+        self.assertEqual(params["bn.running_var"]["init"]["kind"], "ONES")
+        self.assertNotIn("bn_nostats.running_mean", params)
+        self.assertEqual(bns[0]["attrs"]["momentum"], {"f": 0.2})
+        # Trainable: conv, bn, bn_nostats, fc, bn1d, head weights and biases.
+        self.assertEqual(got["trainable_parameters"],
+                         sum(p.numel() for p in m.parameters()))
+        # --weights writes the running statistics (module buffers) too.
+        w = export_fx.state_dict_weights(g, values)
+        for name in ("bn.running_mean", "bn.running_var", "bn1d.running_mean",
+                     "fmean", "fvar"):
+            self.assertIn(name, w)
+        self.assertNotIn("bn_plain.weight", w)  # an exporter constant
+        sd = m.state_dict()
+        for k, v in w.items():
+            self.assertTrue(torch.equal(v, sd[k]), k)
+        # Training-mode numerics (batch statistics), on a copy: forward in
+        # training mode moves the module's running statistics.
+        import copy
+        ref_m = copy.deepcopy(m).train()
+        with torch.no_grad():
+            ref = ref_m(**inputs).item()
+            val = hap_ir_eval.evaluate(g, inputs, values).item()
+        self.assertAlmostEqual(ref, val, delta=1e-5 * max(1.0, abs(ref)))
+
+    def test_batch_norm_the_ir_lacks_fails_naming_it(self):
+        class Cumulative(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.bn = nn.BatchNorm1d(4, momentum=None)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.bn(x), labels)
+
+        class EvalStats(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("m", torch.zeros(4))
+                self.register_buffer("v", torch.ones(4))
+
+            def forward(self, x, labels):
+                return F.cross_entropy(F.batch_norm(x, self.m, self.v), labels)
+
+        for mod, needle in ((Cumulative(), "momentum=None"),
+                            (EvalStats(), "training=False")):
+            with self.subTest(module=type(mod).__name__):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(mod, {"x": torch.randn(3, 4),
+                                           "labels": labels(3, 4)})
+                self.assertIn(needle, str(cm.exception))
 
     def test_pooling_arguments_the_ir_lacks_fail_naming_them(self):
         class Div(nn.Module):

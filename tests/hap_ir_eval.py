@@ -1,7 +1,9 @@
 """A reference evaluator of HAP graphs (hap.v1.Graph in proto3 JSON form) on
 PyTorch tensors, for tests: runs the forward graph of one step with given
 input and parameter values and returns the loss. Dropout is the identity (an
-evaluation-mode forward), so results compare with module.eval().
+evaluation-mode forward), so results compare with module.eval(); batch_norm
+normalises with the batch's statistics (training mode), so models with it
+compare with module.train() and no dropout.
 
 Op semantics follow `hapctl ops` (planner/graph/ops_*.cc).
 """
@@ -52,6 +54,10 @@ def _op(t, x, a):
         return x[0]
     if t == "layer_norm":
         return F.layer_norm(x[0], x[0].shape[-1:], x[1], x[2],
+                            a.get("eps", 1e-5))
+    if t == "batch_norm":
+        # Training mode: the batch's statistics (running ones not read).
+        return F.batch_norm(x[0], None, None, x[1], x[2], True, 0.0,
                             a.get("eps", 1e-5))
     if t == "softmax":
         s = x[0] + x[1] if len(x) > 1 else x[0]

@@ -156,7 +156,7 @@ class KernelsTorchTest(unittest.TestCase):
     def test_every_op_with_a_torch_equivalent_is_covered(self):
         ops = {c["op"] for c in cases()}
         want = {"linear", "matmul", "add", "sub", "mul", "relu", "gelu",
-                "sigmoid", "tanh", "silu", "relu6", "avg_pool2d", "dropout", "scale", "layer_norm",
+                "sigmoid", "tanh", "silu", "relu6", "avg_pool2d", "batch_norm", "dropout", "scale", "layer_norm",
                 "softmax", "log_softmax", "embedding", "transpose",
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d",

@@ -58,7 +58,9 @@ Command line:
   --weights OUT.safetensors also writes the module's current parameters (the
   ones the graph uses; a note on stderr names any that forward leaves
   unused) as a safetensors file under their state_dict names, split tensors
-  whole (in_proj_weight, not q/k/v), exporter constants and buffers left out:
+  whole (in_proj_weight, not q/k/v), BatchNorm running statistics included
+  (module buffers the graph keeps as state), exporter constants and other
+  buffers left out:
   `module.load_state_dict(safetensors_io.read(OUT), strict=False)` restores
   them exactly (tools/safetensors_io.py) and `hap-executor --init-weights OUT`
   starts training from them. In Python: export(..., return_values=True), then
@@ -94,6 +96,13 @@ class ExportError(Exception):
 # name, "axis": int, "offset": int, "source_shape": [..]} for the graph
 # parameters that are slices of one state_dict tensor (q/k/v of in_proj_*).
 SLICES_KEY = "hap.state_dict_slices"
+
+
+# Graph metadata key: JSON list of the graph parameters that are module
+# buffers kept as state (BatchNorm's running_mean/running_var: frozen
+# parameters the op updates, written by --weights under their state_dict
+# names).
+BUFFERS_KEY = "hap.state_dict_buffers"
 
 
 _MISSING = object()
@@ -453,6 +462,9 @@ class _Exporter:
         self.node = None  # the node being exported (for error messages)
         self.n_const = 0
         self.values = {}  # parameter name -> torch tensor (its PyTorch value)
+        self.buffers = []  # graph parameters that are module buffers
+        self.buffer_names = {id(b): self.pub(n)
+                             for n, b in root.named_buffers()}
 
     def pub(self, path):
         """A module path of `root` as a path of the user's module."""
@@ -763,7 +775,8 @@ class _Exporter:
                          "exporter": "tools/export_fx.py",
                          "torch.module": type(self.module).__qualname__,
                          "torch.version": torch.__version__,
-                         SLICES_KEY: json.dumps(self.slices, sort_keys=True)},
+                         SLICES_KEY: json.dumps(self.slices, sort_keys=True),
+                         BUFFERS_KEY: json.dumps(sorted(self.buffers))},
         }
 
     def assign_roles(self):
@@ -819,6 +832,46 @@ class _Exporter:
                            key=("ln_b", path))
         return self.emit("layer_norm", path, [x, g, b], {"eps": float(mod.eps)},
                          x.shape, scope=scope)
+
+    def batch_norm(self, path, x, weight, bias, running_mean, running_var,
+                   momentum, eps):
+        """Training-mode batch normalisation over channel dim 1; the running
+        statistics (module buffers) become frozen parameters under their
+        state_dict names, updated by the op."""
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
+        if len(x.shape) < 2:
+            self.fail("batch_norm needs an [N, C, ...] input")
+        if momentum is None:
+            self.fail("batch_norm with momentum=None (a cumulative average of "
+                      "the statistics) is not supported")
+        c = x.shape[1]
+        ins = [x]
+        for t, leaf, init in ((weight, "weight", _ONES), (bias, "bias", _ZEROS)):
+            if isinstance(t, torch.Tensor) and id(t) in self.qualname:
+                ins.append(self.param(t))
+            elif t is not None and not isinstance(t, torch.Tensor):
+                ins.append(self.t(t))
+            else:
+                ins.append(self.param(torch.full((c,), 1.0 if leaf == "weight"
+                                                 else 0.0), at(leaf),
+                                      dict(init), True, key=("bn_" + leaf, path)))
+        if (running_mean is None) != (running_var is None):
+            self.fail("batch_norm needs both running statistics or neither")
+        if running_mean is not None:
+            for buf, leaf in ((running_mean, "running_mean"),
+                              (running_var, "running_var")):
+                if not isinstance(buf, torch.Tensor):
+                    self.fail("batch_norm's running statistics must be module "
+                              "buffers")
+                init = _constant_init(buf) or _init_from_values(buf)
+                t = self.param(buf, self.buffer_names.get(id(buf), at(leaf)),
+                               init, True, key=id(buf))
+                if t.name not in self.buffers:
+                    self.buffers.append(t.name)
+                ins.append(t)
+        return self.emit("batch_norm", path, ins,
+                         {"eps": float(eps), "momentum": float(momentum)},
+                         x.shape, scope=self.scope_of(self.node))
 
     def dropout(self, p, name, x, scope):
         if p == 0:
@@ -1096,6 +1149,15 @@ class _Exporter:
                                    mod.divisor_override)
         if isinstance(mod, nn.AdaptiveAvgPool2d):
             return self.adaptive_avg_pool2d(x0())
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            if mod.affine:
+                w, b = mod.weight, mod.bias
+            else:
+                w = b = None
+            rm = mod.running_mean if mod.track_running_stats else None
+            rv = mod.running_var if mod.track_running_stats else None
+            return self.batch_norm(name, x0(), w, b, rm, rv, mod.momentum,
+                                   mod.eps)
         if isinstance(mod, nn.Flatten):
             return self.flatten(x0(), mod.start_dim, mod.end_dim)
         if isinstance(mod, nn.Unflatten):
@@ -1549,6 +1611,29 @@ class _Exporter:
                                    self.v(a["ceil_mode"]),
                                    self.v(a["count_include_pad"]),
                                    self.v(a["divisor_override"]))
+        if f is F.batch_norm:
+            a = _args(n, ["input", "running_mean", "running_var", "weight",
+                          "bias", "training", "momentum", "eps"],
+                      {"weight": None, "bias": None, "training": False,
+                       "momentum": 0.1, "eps": 1e-5})
+            if not self.v(a["training"]):
+                self.fail("batch_norm with training=False (normalising by "
+                          "the running statistics) is not supported: the IR "
+                          "is one training step")
+
+            def tensor_or_none(v):
+                if v is None:
+                    return None
+                if isinstance(v, fx.Node) and v.op == "get_attr":
+                    return _fetch_attr(self.root, v.target)
+                return v
+
+            return self.batch_norm(self.base_name(n), self.t(a["input"]),
+                                   tensor_or_none(a["weight"]),
+                                   tensor_or_none(a["bias"]),
+                                   tensor_or_none(a["running_mean"]),
+                                   tensor_or_none(a["running_var"]),
+                                   self.v(a["momentum"]), self.v(a["eps"]))
         if f is F.adaptive_avg_pool2d:
             return self.adaptive_avg_pool2d(T(0, "input"))
         if f is torch.flatten:
@@ -1881,14 +1966,18 @@ def state_dict_weights(graph, values):
     """The module's parameters as the graph uses them, under their
     state_dict names (what `--weights` writes): each graph parameter by its
     name, the slices of SLICES_KEY reassembled into their source tensor
-    (in_proj_weight whole), exporter constants (frozen parameters that are
-    not in the state_dict) left out. `values`: export(...,
+    (in_proj_weight whole), module buffers kept as state (BUFFERS_KEY:
+    running statistics) included, exporter constants (frozen parameters that
+    are not in the state_dict) left out. `values`: export(...,
     return_values=True)'s second result."""
     slices = state_dict_slices(graph)
+    buffers = set(json.loads(graph.get("metadata", {}).get(BUFFERS_KEY, "[]")))
     out, parts = {}, {}
     for p in graph["parameters"]:
         name = p["tensor"]["name"]
-        if name in slices:
+        if name in buffers:
+            out[name] = values[name]
+        elif name in slices:
             s = slices[name]
             if s["source"] not in parts:
                 out[s["source"]] = None  # keeps the graph's order

@@ -15,6 +15,7 @@ const cpu::KernelTable& Table() {
     cpu::RegisterConvolutionKernels(*t);
     cpu::RegisterElementwiseKernels(*t);
     cpu::RegisterNormalizationKernels(*t);
+    cpu::RegisterBatchNormKernels(*t);
     cpu::RegisterLayoutKernels(*t);
     cpu::RegisterReductionKernels(*t);
     cpu::RegisterLossKernels(*t);

@@ -121,6 +121,7 @@ void RegisterDenseKernels(KernelTable& t);          // linear, matmul
 void RegisterConvolutionKernels(KernelTable& t);    // conv2d, pooling
 void RegisterElementwiseKernels(KernelTable& t);    // activations, binary
 void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
+void RegisterBatchNormKernels(KernelTable& t);      // batch_norm and pieces
 void RegisterLayoutKernels(KernelTable& t);         // shape ops, embedding
 void RegisterReductionKernels(KernelTable& t);      // sum, mean
 void RegisterLossKernels(KernelTable& t);           // nll_loss, cross_entropy
@@ -447,6 +448,23 @@ struct ShardedLossDims {
 };
 absl::StatusOr<ShardedLossDims> CheckShardedLoss(const KernelArgs& a, DType t,
                                                  bool with_lse);
+
+// --- batch_norm checks (kernels_batch_norm.cc; the CUDA kernels use them) ----
+
+// x (input 0) viewed as [n, c, s]; count = attribute global_count (default
+// n * s: the batch is all here).
+struct BatchNormDims {
+  int64_t n = 0, c = 0, s = 0;
+  double count = 0, eps = 1e-5, momentum = 0.1;
+};
+// Input 0 of dtype t and rank >= 2; the present inputs among
+// `channel_inputs` of dtype t and shape [c]; attributes eps, momentum,
+// global_count.
+absl::StatusOr<BatchNormDims> CheckBatchNorm(
+    const KernelArgs& a, DType t, std::initializer_list<int> channel_inputs);
+// `v` (named `label`) is a present f64 [2, c] tensor of per-channel sums.
+absl::Status CheckBatchNormSums(const KernelArgs& a, const TensorView& v,
+                                absl::string_view label, int64_t c);
 
 absl::Status CheckFitsBlas(const KernelArgs& a,
                            std::initializer_list<int64_t> dims);

@@ -347,6 +347,92 @@ TEST(KernelGradTest, LayerNorm) {
                         {Rand({2, 3, 5}, 1), Rand({5}, 2), Rand({5}, 3)}});
 }
 
+TEST(KernelGradTest, BatchNorm) {
+  // NCHW with running statistics (not differentiated), [n, c] without.
+  ExpectGradientsMatch({"batch_norm", {{"eps", 1e-5}, {"momentum", 0.2}},
+                        {Rand({3, 4, 2, 3}, 1, 2.0), Rand({4}, 2), Rand({4}, 3),
+                         Rand({4}, 4), Full({4}, 1.0)}});
+  ExpectGradientsMatch({"batch_norm", {}, {Rand({5, 3}, 5, 2.0), Rand({3}, 6), Rand({3}, 7)}});
+}
+
+// The running statistics move towards the batch's mean and unbiased
+// variance (PyTorch's rule); y is normalised with the biased variance.
+TEST(KernelTest, BatchNormUpdatesRunningStatistics) {
+  HostTensor x = Vals({4, 1}, {1, 2, 3, 6}), y(DType::kFloat64, {4, 1});
+  HostTensor rm = Vals({1}, {1.0}), rv = Vals({1}, {2.0});
+  ASSERT_THAT(RunKernel("batch_norm", {{"momentum", 0.25}, {"eps", 1e-9}},
+                        {x, Full({1}, 1.0), Full({1}, 0.0), rm, rv}, {y}),
+              IsOk());
+  // mean 3, biased variance 3.5, unbiased 14/3.
+  EXPECT_NEAR(rm.as<double>()[0], 0.75 * 1.0 + 0.25 * 3.0, 1e-12);
+  EXPECT_NEAR(rv.as<double>()[0], 0.75 * 2.0 + 0.25 * 14.0 / 3.0, 1e-12);
+  EXPECT_NEAR(y.as<double>()[3], 3.0 / std::sqrt(3.5), 1e-7);
+}
+
+// The pieces of a batch-sharded batch_norm (kernels_batch_norm.cc) on two
+// uneven shards, their sums added as the all-reduce would, give the
+// single-device kernels' y, dx, dgamma + dbeta (summed over shards) and
+// running statistics.
+TEST(KernelShardTest, BatchNormPiecesOnShardsMatchTheWholeBatch) {
+  const int64_t c = 3;
+  const HostTensor x = Rand({7, c, 2, 2}, 11, 2.0), dy = Rand({7, c, 2, 2}, 12);
+  const HostTensor gamma = Rand({c}, 13), beta = Rand({c}, 14);
+  const Attrs attrs = {{"eps", 1e-5}, {"momentum", 0.3}};
+  HostTensor rm = Rand({c}, 15), rv = Full({c}, 1.5);
+  HostTensor y(DType::kFloat64, x.shape());
+  ASSERT_THAT(RunKernel("batch_norm", attrs, {x, gamma, beta, rm, rv}, {y}), IsOk());
+  HostTensor dx = Full(x.shape(), 0.0), dg = Full({c}, 0.0), db = Full({c}, 0.0);
+  ASSERT_THAT(RunKernel("batch_norm_grad", attrs,
+                        {x, gamma, beta, kAbsent, kAbsent, y, dy},
+                        {dx, dg, db, kAbsent, kAbsent}),
+              IsOk());
+
+  Attrs sharded = attrs;
+  sharded.Set("global_count", int64_t{7 * 4});
+  const int64_t starts[] = {0, 2}, lengths[] = {2, 5};
+  std::vector<HostTensor> xs, dys;
+  HostTensor sums = Full({2, c}, 0.0);
+  for (int r = 0; r < 2; ++r) {
+    xs.push_back(Box(x, {starts[r], 0, 0, 0}, {lengths[r], c, 2, 2}));
+    dys.push_back(Box(dy, {starts[r], 0, 0, 0}, {lengths[r], c, 2, 2}));
+    HostTensor local(DType::kFloat64, {2, c});
+    ASSERT_THAT(RunKernel("batch_norm_stats", sharded, {xs[r]}, {local}), IsOk());
+    for (int i = 0; i < 2 * c; ++i) sums.as<double>()[i] += local.as<double>()[i];
+  }
+  HostTensor gsums = Full({2, c}, 0.0);
+  for (int r = 0; r < 2; ++r) {
+    HostTensor local(DType::kFloat64, {2, c});
+    ASSERT_THAT(RunKernel("batch_norm_grad_stats", sharded, {xs[r], sums, dys[r]}, {local}),
+                IsOk());
+    for (int i = 0; i < 2 * c; ++i) gsums.as<double>()[i] += local.as<double>()[i];
+  }
+  HostTensor dg_sum = Full({c}, 0.0), db_sum = Full({c}, 0.0);
+  for (int r = 0; r < 2; ++r) {
+    // Each rank updates its own (replicated) copy of the running statistics.
+    HostTensor rm_r = Rand({c}, 15), rv_r = Full({c}, 1.5);
+    HostTensor yr(DType::kFloat64, xs[r].shape());
+    ASSERT_THAT(RunKernel("batch_norm_apply", sharded,
+                          {xs[r], gamma, beta, rm_r, rv_r, sums}, {yr}),
+                IsOk());
+    ExpectAllNear(yr, Box(y, {starts[r], 0, 0, 0}, yr.shape()), 1e-12, "y");
+    ExpectAllNear(rm_r, rm, 1e-12, "running_mean");
+    ExpectAllNear(rv_r, rv, 1e-12, "running_var");
+    HostTensor dxr = Full(xs[r].shape(), 0.0);
+    ASSERT_THAT(RunKernel("batch_norm_grad_apply", sharded,
+                          {xs[r], gamma, sums, gsums, dys[r]}, {dxr, dg_sum, db_sum}),
+                IsOk());
+    ExpectAllNear(dxr, Box(dx, {starts[r], 0, 0, 0}, dxr.shape()), 1e-12, "dx");
+  }
+  ExpectAllNear(dg_sum, dg, 1e-12, "dgamma");
+  ExpectAllNear(db_sum, db, 1e-12, "dbeta");
+  // A global count below the local batch is an error naming the attribute.
+  HostTensor local(DType::kFloat64, {2, c});
+  Attrs bad = attrs;
+  bad.Set("global_count", int64_t{3});
+  EXPECT_THAT(RunKernel("batch_norm_stats", bad, {xs[1]}, {local}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("global_count")));
+}
+
 TEST(KernelGradTest, Softmax) {
   ExpectGradientsMatch({"softmax", {}, {Rand({3, 5}, 1, 2.0)}});
   ExpectGradientsMatch({"softmax", {{"causal", true}}, {Rand({2, 4, 4}, 2, 2.0)}});
@@ -638,9 +724,14 @@ TEST(KernelTest, EveryOpHasForwardAndBackwardKernels) {
                         "cross_entropy_sharded_grad"}) {
     EXPECT_TRUE(HasCpuKernel(k)) << k;
   }
+  // ... and batch-sharded batch_norm.
+  for (const char* k : {"batch_norm_stats", "batch_norm_apply",
+                        "batch_norm_grad_stats", "batch_norm_grad_apply"}) {
+    EXPECT_TRUE(HasCpuKernel(k)) << k;
+  }
   std::vector<std::string> names = CpuKernelNames();
   EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
-  EXPECT_EQ(names.size(), 2 * graph::OpRegistry::Global().All().size() + 6 + 3);
+  EXPECT_EQ(names.size(), 2 * graph::OpRegistry::Global().All().size() + 6 + 3 + 4);
   EXPECT_FALSE(HasCpuKernel("no_such_kernel"));
 }
 

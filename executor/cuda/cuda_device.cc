@@ -47,6 +47,7 @@ const KernelTable& Table() {
     cuda::RegisterRuntimeKernels(*t);
     cuda::RegisterLayoutKernels(*t);
     cuda::RegisterNormalizationKernels(*t);
+    cuda::RegisterBatchNormKernels(*t);
     cuda::RegisterConvolutionKernels(*t);
     cuda::RegisterMoeKernels(*t);
     return t;

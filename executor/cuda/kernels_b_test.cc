@@ -459,6 +459,41 @@ TEST_F(KernelsBTest, Pooling) {
   }
 }
 
+// --- batch_norm --------------------------------------------------------------
+
+TEST_F(KernelsBTest, BatchNorm) {
+  for (DType t : kDtypes) {
+    const Tol tol = ElementTol(t);
+    for (const Shape& x : {Shape{6, 3, 5, 4}, Shape{9, 7}, Shape{2, 300, 33}}) {
+      const Shape ch = {x[1]};
+      const graph::Attrs attrs{{"eps", 1e-5}, {"momentum", 0.2}};
+      Expect(Case("batch_norm", tol,
+                  {R(t, x), R(t, ch), R(t, ch), R(t, ch), R(t, ch, 0.5, 2)},
+                  {R(t, x)}, attrs));
+      Expect(Case("batch_norm_grad", tol,
+                  {R(t, x), R(t, ch), R(t, ch), HostTensor(), HostTensor(),
+                   HostTensor(), R(t, x)},
+                  {R(t, x), R(t, ch), R(t, ch), HostTensor(), HostTensor()}, attrs,
+                  {true, true, true, false, false, false, true},
+                  {true, true, true, false, false}));
+      // The pieces, on a shard whose statistics come from a larger batch.
+      graph::Attrs sharded = attrs;
+      sharded.Set("global_count", 2 * graph::NumElements(x) / x[1]);
+      const HostTensor sums = R(DType::kFloat64, {2, x[1]}, 0.5, 3);
+      Expect(Case("batch_norm_stats", tol, {R(t, x)}, {R(DType::kFloat64, {2, x[1]})},
+                  sharded));
+      Expect(Case("batch_norm_apply", tol,
+                  {R(t, x), R(t, ch), R(t, ch), R(t, ch), R(t, ch, 0.5, 2), sums},
+                  {R(t, x)}, sharded));
+      Expect(Case("batch_norm_grad_stats", tol, {R(t, x), sums, R(t, x)},
+                  {R(DType::kFloat64, {2, x[1]})}, sharded));
+      Expect(Case("batch_norm_grad_apply", tol,
+                  {R(t, x), R(t, ch), sums, R(DType::kFloat64, {2, x[1]}), R(t, x)},
+                  {R(t, x), R(t, ch), R(t, ch)}, sharded));
+    }
+  }
+}
+
 // --- MoE ---------------------------------------------------------------------
 
 // Sparse combine weights [tokens, experts, capacity]: each entry nonzero

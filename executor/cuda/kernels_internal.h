@@ -66,6 +66,7 @@ void RegisterLossKernels(KernelTable& t);           // nll_loss, cross_entropy
 void RegisterRuntimeKernels(KernelTable& t);        // copies, optimizers
 void RegisterLayoutKernels(KernelTable& t);         // shape ops, embedding
 void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
+void RegisterBatchNormKernels(KernelTable& t);      // batch_norm and pieces
 void RegisterConvolutionKernels(KernelTable& t);    // conv2d, pooling
 void RegisterMoeKernels(KernelTable& t);            // moe_*
 

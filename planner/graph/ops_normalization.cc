@@ -1,5 +1,5 @@
-// Normalisations: layer_norm, softmax (with causal or additive mask),
-// log_softmax.
+// Normalisations: layer_norm, batch_norm, softmax (with causal or additive
+// mask), log_softmax.
 #include "absl/strings/str_cat.h"
 #include "planner/graph/op_util.h"
 #include "planner/util/status_macros.h"
@@ -51,6 +51,54 @@ void RegisterNormalizationOps(OpRegistry& r) {
     };
     d.flops = [](const OpCall& c) {
       return 8.0 * static_cast<double>(c.in(0).num_elements());
+    };
+    d.backward_flops_multiple = 1.5;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "batch_norm";
+    d.attrs = {"eps", "momentum"};
+    d.summary =
+        "batch_norm(x[n, c, ...], gamma[c], beta[c], running_mean[c]?, "
+        "running_var[c]?; eps=1e-5, momentum=0.1) -> normalised per channel "
+        "with the statistics of the whole (global) batch, as in training; "
+        "updates running_mean/running_var (frozen parameters) in place with "
+        "the batch mean and unbiased variance";
+    d.min_inputs = 3;
+    d.max_inputs = 5;
+    d.non_differentiable_inputs = {3, 4};
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 2));
+      Shape want = {c.shape(0)[1]};
+      for (size_t i = 1; i < c.inputs.size(); ++i) {
+        HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, static_cast<int>(i)));
+        if (c.shape(static_cast<int>(i)) != want) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(c.Describe(static_cast<int>(i)),
+                           " must have shape ", ShapeString(want),
+                           " (the channels, dimension 1 of x)"));
+        }
+      }
+      if (c.in(0).num_elements() / c.shape(0)[1] < 2) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            c.Describe(0), " has one value per channel: batch statistics "
+            "need at least two"));
+      }
+      HAP_ASSIGN_OR_RETURN(double eps, c.attrs.Float("eps", 1e-5));
+      if (!(eps > 0)) {
+        return absl::InvalidArgumentError("attribute 'eps' must be positive");
+      }
+      HAP_ASSIGN_OR_RETURN(double momentum, c.attrs.Float("momentum", 0.1));
+      if (!(momentum >= 0 && momentum <= 1)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attribute 'momentum' must be in [0, 1], got ", momentum));
+      }
+      return std::vector<TensorType>{c.in(0)};
+    };
+    d.flops = [](const OpCall& c) {
+      return 7.0 * static_cast<double>(c.in(0).num_elements());
     };
     d.backward_flops_multiple = 1.5;
     r.Register(std::move(d));

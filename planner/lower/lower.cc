@@ -392,9 +392,57 @@ class RankBuilder {
       out.push_back(id);
     }
     if (IsVocabCrossEntropy(s, op)) return VocabCrossEntropy(s, op, in, out);
-    v1::KernelCall* call = Kernel(F, op.type, in, out, op.name);
-    OpAttrs(s, op, call);
+    if (IsShardedBatchNorm(s, op)) {
+      ShardedBatchNorm(s, op, in, out);
+    } else {
+      v1::KernelCall* call = Kernel(F, op.type, in, out, op.name);
+      OpAttrs(s, op, call);
+    }
+    if (op.type == "batch_norm") WriteBackRunningStats(op, in);
     return absl::OkStatus();
+  }
+
+  // batch_norm over a batch sharded along dimension 0 (its "data(0)" rule):
+  // the per-channel sums of x and x^2 are all-reduced between its pieces,
+  // so every rank normalises with the global batch's statistics
+  // (executor/cpu/kernels_batch_norm.cc); backward likewise with the sums of
+  // dy and dy * xhat.
+  static bool IsShardedBatchNorm(const synth::OpStep& s, const graph::Op& op) {
+    return op.type == "batch_norm" && s.rule.inputs[0].is_sharded() &&
+           s.rule.inputs[0].dim() == 0;
+  }
+  // A replicated f64 [2, c] buffer of per-channel sums.
+  int SumsBuffer(const std::string& name, int64_t c) {
+    return AddBuffer(name, {2, c}, graph::DType::kFloat64, v1::Buffer::SCRATCH,
+                     Form::R().raw(), {2, c}, {0, 0});
+  }
+  void AllReduceSums(v1::Step::Phase phase, int in, int out, TensorId x,
+                     const std::string& name) {
+    Coll(phase, v1::ALL_REDUCE, in, out, x)->set_tensor(name);
+  }
+  void ShardedBatchNorm(const synth::OpStep& s, const graph::Op& op,
+                        std::vector<int> in, const std::vector<int>& out) {
+    const auto F = v1::Step::FORWARD;
+    const int64_t c = g_.tensor(op.inputs[0]).type.shape[1];
+    const int local = SumsBuffer(op.name + "#sums", c);
+    const int global = SumsBuffer(op.name + "#sums_all", c);
+    OpAttrs(s, op, Kernel(F, "batch_norm_stats", {in[0]}, {local}, op.name));
+    AllReduceSums(F, local, global, op.inputs[0], op.name + "#sums");
+    in.resize(5, -1);  // running statistics absent
+    in.push_back(global);
+    OpAttrs(s, op, Kernel(F, "batch_norm_apply", in, out, op.name));
+    bn_sums_[s.op] = global;
+  }
+  // batch_norm updates its running statistics (frozen parameters) in place;
+  // one stored ZeRO-sharded was updated in its gathered whole copy, so the
+  // rank's shard takes its slice back.
+  void WriteBackRunningStats(const graph::Op& op, const std::vector<int>& in) {
+    for (size_t j = 3; j < op.inputs.size() && j < in.size(); ++j) {
+      auto shard = fwd_.find({op.inputs[j], kZeroStorage});
+      if (shard == fwd_.end() || in[j] < 0) continue;
+      SliceAttrs(Kernel(v1::Step::FORWARD, "slice", {in[j]}, {shard->second}),
+                 op.inputs[j], 0);
+    }
   }
 
   // Cross-entropy over logits sharded by class (the "vocab" rule): each
@@ -484,6 +532,9 @@ class RankBuilder {
       for (int64_t d : Offsets(op.inputs[0], s.rule.inputs[0].raw())) off->add_values(d);
     } else if (op.type == "nll_loss" || op.type == "cross_entropy") {
       a["global_rows"].set_i(in0[0]);
+    } else if (op.type == "batch_norm") {
+      // Elements per channel of the whole batch.
+      a["global_count"].set_i(graph::NumElements(in0) / in0[1]);
     } else if (op.type == "mean") {
       std::vector<int64_t> axes = op.attrs.Ints("axes", {}).value_or(std::vector<int64_t>{});
       int64_t count = 1;
@@ -611,6 +662,23 @@ class RankBuilder {
         VocabAttrs(s, op, Kernel(B, "cross_entropy_sharded_grad",
                                  {in[0], in[1], lse->second, dys[0]}, {dxs[0]},
                                  op.name));
+      }
+    } else if (any_out && any_in && IsShardedBatchNorm(s, op)) {
+      auto sums = bn_sums_.find(s.op);
+      if (sums == bn_sums_.end()) {
+        return absl::InternalError(absl::StrCat(
+            "op '", op.name, "': no all-reduced sums from its forward"));
+      }
+      if (dys[0] >= 0) {
+        const int64_t c = g_.tensor(op.inputs[0]).type.shape[1];
+        const int local = SumsBuffer(op.name + "#grad_sums", c);
+        const int global = SumsBuffer(op.name + "#grad_sums_all", c);
+        OpAttrs(s, op, Kernel(B, "batch_norm_grad_stats",
+                              {in[0], sums->second, dys[0]}, {local}, op.name));
+        AllReduceSums(B, local, global, op.inputs[0], op.name + "#grad_sums");
+        OpAttrs(s, op, Kernel(B, "batch_norm_grad_apply",
+                              {in[0], in[1], sums->second, global, dys[0]},
+                              {dxs[0], dxs[1], dxs[2]}, op.name));
       }
     } else if (any_out && any_in) {
       v1::KernelCall* call = Kernel(B, op.type + "_grad", inputs, dxs, op.name);
@@ -968,6 +1036,7 @@ class RankBuilder {
   std::map<Key, std::pair<int, synth::Method>> zero_gathered_;  // -> shard
   std::map<Key, int> regathered_;
   std::map<graph::OpId, int> vocab_lse_;  // gathered log-sum-exps per op
+  std::map<graph::OpId, int> bn_sums_;    // all-reduced batch_norm sums per op
   std::vector<int> first_, last_;
   std::vector<ParamSlot> params_;
 };

@@ -84,6 +84,30 @@ void LastAxis(const RuleInput& x, std::vector<ShardRule>& r) {
   }
 }
 
+// batch_norm: channels sharded need nothing (each channel's statistics are
+// whole on one device); the batch sharded all-reduces the per-channel sums
+// of x and x^2 in forward and of dy and dy * xhat in backward (planner/lower
+// emits the pieces), so every device normalises with the global batch's
+// statistics whatever its share. Those two small all-reduces (2 x c
+// doubles each) are priced as internal gathers of twice their bytes (an
+// all-reduce moves about twice what an all-gather of its result does).
+void BatchNorm(const RuleInput& x, std::vector<ShardRule>& r) {
+  const auto& s = x.in(0);
+  const int extra = x.num_inputs() - 1;  // gamma, beta, running stats
+  if (x.Shardable(s[0])) {
+    std::vector<Form> in = {Form::S(0)};
+    in.insert(in.end(), extra, Form::R());
+    ShardRule d = MakeRule("data(0)", RuleKind::kData, in, {Form::S(0)}, true);
+    d.internal_gather_bytes = 2.0 * 2.0 * (2.0 * static_cast<double>(s[1]) * 8.0);
+    r.push_back(std::move(d));
+  }
+  if (x.Shardable(s[1])) {
+    std::vector<Form> in = {Form::S(1)};
+    in.insert(in.end(), extra, Form::S(0));
+    r.push_back(MakeRule("channels", RuleKind::kTensor, in, {Form::S(1)}, true));
+  }
+}
+
 void Reduction(const RuleInput& x, std::vector<ShardRule>& r) {
   const auto& s = x.in(0);
   int rank = static_cast<int>(s.size());
@@ -140,6 +164,7 @@ RuleFn ElementwiseRules(const std::string& t) {
   if (t == "dropout" || t == "scale") return UnaryLinear;
   if (t == "add" || t == "sub" || t == "mul") return Binary;
   if (t == "layer_norm" || t == "softmax" || t == "log_softmax") return LastAxis;
+  if (t == "batch_norm") return BatchNorm;
   if (t == "sum" || t == "mean") return Reduction;
   if (t == "nll_loss" || t == "cross_entropy") return Loss;
   return nullptr;

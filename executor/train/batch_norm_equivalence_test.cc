@@ -1,0 +1,159 @@
+// batch_norm trains on n ranks as on one device (issue 20): a small CNN
+// (conv2d, batch_norm with running statistics, relu, avg_pool2d, linear,
+// cross-entropy) planned data parallel (the batch sharded at uneven
+// ratios: each rank's statistics cover its own samples, so the per-channel
+// sums must be all-reduced), tensor parallel (channels sharded), the
+// unrestricted search, and ZeRO (running statistics stored sharded and
+// updated through their gathered copy). Ranks are threads over real Gloo on
+// 127.0.0.1; the reference is the single-device program. Losses and every
+// parameter after 4 steps — running_mean and running_var included — must
+// match (tolerances of equivalence_test).
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "executor/data/batches.h"
+#include "executor/train/test_programs.h"
+#include "executor/train/trainer.h"
+#include "gtest/gtest.h"
+#include "planner/graph/graph.h"
+#include "planner/lower/lower.h"
+
+namespace hap {
+namespace {
+
+using executor::TrainResult;
+using graph::F32;
+using graph::I64;
+using graph::Initializer;
+
+constexpr int kSteps = 4;
+constexpr uint64_t kSeed = 77;
+
+graph::Graph BatchNormCnn(int64_t batch) {
+  graph::GraphBuilder b("bn_cnn");
+  graph::TensorId x = b.Input("images", F32({batch, 3, 6, 6}));
+  graph::TensorId labels = b.Input("labels", I64({batch}), graph::InputRole::kLabels);
+  graph::TensorId w = b.Parameter("conv.weight", F32({4, 3, 3, 3}),
+                                  Initializer::Uniform(-0.3, 0.3));
+  graph::TensorId gamma = b.Parameter("bn.weight", F32({4}), Initializer::Ones());
+  graph::TensorId beta = b.Parameter("bn.bias", F32({4}), Initializer::Zeros());
+  graph::TensorId rm = b.Parameter("bn.running_mean", F32({4}), Initializer::Zeros(),
+                                   /*frozen=*/true);
+  graph::TensorId rv = b.Parameter("bn.running_var", F32({4}), Initializer::Ones(),
+                                   /*frozen=*/true);
+  x = b.Add("conv2d", "conv", {x, w}, {{"padding", std::vector<int64_t>{1}}});
+  x = b.Add("batch_norm", "bn", {x, gamma, beta, rm, rv}, {{"momentum", 0.3}});
+  x = b.Add("relu", "relu", {x});
+  x = b.Add("avg_pool2d", "pool", {x}, {{"kernel", std::vector<int64_t>{2}}});
+  x = b.Add("flatten", "flatten", {x});
+  graph::TensorId fw = b.Parameter("fc.weight", F32({5, 36}), Initializer::Uniform(-0.2, 0.2));
+  graph::TensorId fb = b.Parameter("fc.bias", F32({5}), Initializer::Zeros());
+  x = b.Add("linear", "fc", {x, fw, fb});
+  b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
+  auto g = b.Build();
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
+                                             int n, const std::vector<double>& ratios,
+                                             const std::string& tag) {
+  lower::LowerOptions lo;
+  lo.world_size = n;
+  lo.ratios = ratios;
+  lo.optimizer = hap::testing::EquivalenceOptimizer(/*adam=*/false);
+  lo.seed = kSeed;
+  auto programs = lower::Lower(g, p, lo);
+  if (!programs.ok()) return programs.status();
+  std::string dir = absl::StrCat(::testing::TempDir(), "/rdv_bn_", tag);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  executor::TrainOptions to;
+  to.steps = kSteps;
+  executor::LocalRanksOptions lro;
+  lro.rendezvous_dir = dir;
+  lro.prefix = "bn_" + tag;
+  lro.timeout = absl::Seconds(60);
+  return executor::RunLocalRanks(
+      *programs, g, [&](int) { return data::NewSyntheticBatches(g, kSeed); }, to, lro);
+}
+
+struct Case {
+  int ranks;
+  std::string kind;
+  std::string bn_rule;  // the rule batch_norm must run ("" = any)
+};
+
+class BatchNormEquivalenceTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BatchNormEquivalenceTest, LossesParametersAndRunningStatisticsMatchSingleDevice) {
+  const Case& c = GetParam();
+  const graph::Graph g = BatchNormCnn(4 * c.ranks + 3);
+  auto ref = RunPlan(g, lower::SingleDeviceProgram(g), 1, {1.0}, absl::StrCat("ref", c.ranks, c.kind));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+
+  // Uneven: rank i gets a share growing with i.
+  std::vector<double> ratios;
+  double sum = 0;
+  for (int i = 0; i < c.ranks; ++i) sum += ratios.emplace_back(1.0 + 0.7 * i);
+  for (double& r : ratios) r /= sum;
+  auto program = hap::testing::ProgramOfKind(g, c.ranks, c.kind, ratios);
+  ASSERT_TRUE(program.ok()) << program.status();
+  std::string rule;
+  for (const synth::OpStep& s : program->steps) {
+    if (g.op(s.op).type == "batch_norm") rule = s.rule.name;
+  }
+  if (!c.bn_rule.empty()) {
+    ASSERT_EQ(rule, c.bn_rule);
+  }
+  auto runs = RunPlan(g, *program, c.ranks, ratios, absl::StrCat(c.ranks, c.kind));
+  ASSERT_TRUE(runs.ok()) << runs.status();
+
+  const TrainResult& want = (*ref)[0];
+  for (int r = 0; r < c.ranks; ++r) {
+    ASSERT_EQ((*runs)[r].losses.size(), want.losses.size());
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_NEAR((*runs)[r].losses[s], want.losses[s], 2e-5 * std::abs(want.losses[s]) + 2e-6)
+          << "rank " << r << " step " << s << " (batch_norm rule " << rule << ")";
+    }
+  }
+  EXPECT_GT(std::abs(want.losses.front() - want.losses.back()), 1e-4);
+
+  std::vector<std::vector<executor::ParameterShard>> pieces;
+  for (const auto& run : *runs) pieces.push_back(run.parameters);
+  auto got = executor::AssembleParameters(pieces);
+  ASSERT_TRUE(got.ok()) << got.status();
+  auto ref_params = executor::AssembleParameters({want.parameters});
+  ASSERT_TRUE(ref_params.ok()) << ref_params.status();
+  // The running statistics moved away from their initial 0 and 1.
+  ASSERT_TRUE(ref_params->count("bn.running_mean"));
+  const executor::HostTensor& rm = ref_params->at("bn.running_mean");
+  const executor::HostTensor& rv = ref_params->at("bn.running_var");
+  EXPECT_GT(std::abs(rm.as<float>()[0]), 1e-3);
+  EXPECT_GT(std::abs(rv.as<float>()[0] - 1.0f), 1e-3);
+  auto deviations = hap::testing::CompareParameters(*got, *ref_params);
+  ASSERT_TRUE(deviations.ok()) << deviations.status();
+  for (const auto& d : *deviations) {
+    EXPECT_LE(d.worst, 1e-4 * d.scale)
+        << "parameter " << d.name << " element " << d.at << ": " << d.got << " vs "
+        << d.want << " (batch_norm rule " << rule << ")";
+  }
+}
+
+std::string Name(const ::testing::TestParamInfo<Case>& i) {
+  return absl::StrCat(i.param.ranks, "ranks_", i.param.kind);
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, BatchNormEquivalenceTest,
+                         ::testing::Values(Case{2, "dp", "data(0)"}, Case{3, "dp", "data(0)"},
+                                           Case{2, "tp", "channels"}, Case{3, "mix", ""},
+                                           Case{2, "zero", "data(0)"},
+                                           Case{3, "zero2", "data(0)"}),
+                         Name);
+
+}  // namespace
+}  // namespace hap
