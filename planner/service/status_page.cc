@@ -23,6 +23,7 @@ constexpr char kStyle[] =
     "vertical-align:top}"
     "th{background:#eee}td.n{text-align:right;font-variant-numeric:tabular-nums}"
     ".SUCCEEDED,.READY,.RUNNING{color:#060}.FAILED,.STALE{color:#a00}"
+    ".RECOVERING,.PLANNING,.PENDING{color:#a60}"
     ".muted{color:#777}code{font-size:.9em}nav a{margin-right:1em}";
 
 // ---------------------------------------------------------------- format --
@@ -253,13 +254,40 @@ std::string DeploymentsSection(const std::vector<v1::Deployment>& deployments) {
   return h;
 }
 
+std::string JobLink(const std::string& name) {
+  return absl::StrCat("<a href=\"/status/jobs/", HtmlEscape(Id(name)), "\">", HtmlEscape(name),
+                      "</a>");
+}
+
+std::string JobsSection(const std::vector<v1::Job>& jobs) {
+  std::string h = absl::StrCat("<h2>Elastic jobs (", jobs.size(), ")</h2>");
+  if (jobs.empty()) return h + "<p class=\"muted\">No jobs.</p>";
+  absl::StrAppend(&h,
+                  "<table id=\"jobs\"><tr><th>Job</th><th>State</th><th>Generation</th>"
+                  "<th>Devices</th><th>Steps</th><th>Re-plans</th><th>Deployment</th>"
+                  "<th>Message</th></tr>");
+  for (const auto& j : jobs) {
+    const v1::JobStatus& s = j.status();
+    absl::StrAppend(&h, "<tr><td>", JobLink(j.name()), "</td><td>",
+                    State(v1::JobStatus::State_Name(s.state())), "</td><td class=\"n\">",
+                    s.generation(), "</td><td class=\"n\">", s.devices_size(),
+                    "</td><td class=\"n\">", s.steps_done(), " / ", j.spec().training().steps(),
+                    "</td><td class=\"n\">", s.replans(), "</td><td>",
+                    s.deployment().empty() ? "-" : DeploymentLink(s.deployment()), "</td><td>",
+                    HtmlEscape(s.message()), "</td></tr>");
+  }
+  absl::StrAppend(&h, "</table>");
+  return h;
+}
+
 metrics::HttpResponse IndexPage(const StatusSources& src) {
   absl::StatusOr<std::vector<v1::Plan>> plans = src.plans();
   if (!plans.ok()) return Failed("listing plans", plans.status());
   const std::vector<v1::Deployment> deployments = src.deployments();
   return Page(200, "HAP planner status",
               absl::StrCat(NodesSection(src.cluster()), PlansSection(*plans, deployments),
-                           DeploymentsSection(deployments)),
+                           DeploymentsSection(deployments),
+                           src.jobs ? JobsSection(src.jobs()) : ""),
               /*refresh=*/true);
 }
 
@@ -505,6 +533,99 @@ metrics::HttpResponse DeploymentPage(const StatusSources& src, const std::string
   return Page(200, name, h);
 }
 
+// ---------------------------------------------------------------- one job --
+
+absl::Time ToTime(const google::protobuf::Timestamp& t) {
+  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
+}
+
+std::string TimeText(const google::protobuf::Timestamp& t) {
+  if (t.seconds() == 0 && t.nanos() == 0) return "-";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", ToTime(t), absl::UTCTimeZone());
+}
+
+// The job's life on one time axis: from its creation to its last update,
+// each (re)start's downtime (detected to training again) in red over the
+// training time in green.
+std::string TimelineSvg(const v1::Job& j) {
+  constexpr double kWidth = 720, kHeight = 28;
+  const absl::Time start = ToTime(j.create_time());
+  const absl::Time end = std::max(ToTime(j.status().update_time()), start + absl::Seconds(1));
+  const double span = absl::ToDoubleSeconds(end - start);
+  auto x = [&](absl::Time t) {
+    return std::clamp(absl::ToDoubleSeconds(t - start) / span, 0.0, 1.0) * kWidth;
+  };
+  std::string h = absl::StrFormat(
+      "<svg id=\"timeline\" width=\"%.0f\" height=\"%.0f\" role=\"img\" "
+      "aria-label=\"timeline\"><rect x=\"0\" y=\"4\" width=\"%.0f\" height=\"20\" "
+      "fill=\"#cfc\"/>",
+      kWidth, kHeight, kWidth);
+  auto down = [&](const v1::JobEvent& e, absl::Time until) {
+    const double a = x(ToTime(e.detect_time())), b = x(until);
+    absl::StrAppend(&h, absl::StrFormat("<rect x=\"%.1f\" y=\"4\" width=\"%.1f\" height=\"20\" "
+                                        "fill=\"#e88\"><title>%s</title></rect>",
+                                        a, std::max(1.0, b - a),
+                                        HtmlEscape(v1::JobEvent::Reason_Name(e.reason()))));
+  };
+  for (const auto& e : j.status().events()) down(e, ToTime(e.resume_time()));
+  if (j.status().has_pending()) down(j.status().pending(), end);
+  absl::StrAppend(&h, "</svg><p class=\"muted\">", TimeText(j.create_time()), " to ",
+                  TimeText(j.status().update_time()),
+                  ": green training (or waiting to start), red from a failure or switch until "
+                  "training again.</p>");
+  return h;
+}
+
+std::string EventRow(const v1::JobEvent& e, bool ongoing) {
+  return absl::StrCat(
+      "<tr><td>", TimeText(e.detect_time()), "</td><td>",
+      HtmlEscape(v1::JobEvent::Reason_Name(e.reason())), "</td><td class=\"n\">",
+      ongoing ? "ongoing" : Seconds(e.downtime_seconds()), "</td><td class=\"n\">",
+      e.steps_done_before(), "</td><td class=\"n\">", e.resume_step(),
+      "</td><td class=\"n\">", e.steps_lost(), "</td><td class=\"n\">",
+      e.predicted_step_before() > 0 ? Seconds(e.predicted_step_before()) : "-", " &rarr; ",
+      e.predicted_step_after() > 0 ? Seconds(e.predicted_step_after()) : "-",
+      "</td><td class=\"n\">", e.devices_before_size(), " &rarr; ", e.devices_after_size(),
+      "</td><td>", e.deployment().empty() ? "-" : DeploymentLink(e.deployment()), "</td><td>",
+      HtmlEscape(e.detail()), "</td></tr>");
+}
+
+metrics::HttpResponse JobPage(const StatusSources& src, const std::string& id) {
+  const std::string name = absl::StrCat("jobs/", id);
+  if (!src.jobs) return NotFound(absl::StrCat("There is no job \"", name, "\"."));
+  for (const v1::Job& j : src.jobs()) {
+    if (j.name() != name) continue;
+    const v1::JobStatus& s = j.status();
+    std::string h = absl::StrCat(
+        "<table id=\"summary\">", SummaryRow("State", State(v1::JobStatus::State_Name(s.state()))),
+        SummaryRow("Steps", absl::StrCat(s.steps_done(), " / ", j.spec().training().steps())),
+        SummaryRow("Latest checkpoint",
+                   s.checkpoint_step() < 0 ? "none" : absl::StrCat("step ", s.checkpoint_step())),
+        SummaryRow("Plan", s.plan().empty() ? "-" : PlanLink(s.plan())),
+        SummaryRow("Deployment", s.deployment().empty() ? "-" : DeploymentLink(s.deployment())),
+        SummaryRow("Generation", absl::StrCat(s.generation())),
+        SummaryRow("Devices", HtmlEscape(absl::StrJoin(s.devices(), ", "))),
+        SummaryRow("Re-plans", absl::StrCat(s.replans())));
+    if (s.predicted_step_seconds() > 0) {
+      absl::StrAppend(&h, SummaryRow("Predicted step", Seconds(s.predicted_step_seconds())));
+    }
+    if (s.measured_step_seconds() > 0) {
+      absl::StrAppend(&h, SummaryRow("Measured step", Seconds(s.measured_step_seconds())));
+    }
+    if (!s.message().empty()) absl::StrAppend(&h, SummaryRow("Message", HtmlEscape(s.message())));
+    absl::StrAppend(&h, "</table><h2>Timeline</h2>", TimelineSvg(j),
+                    "<table id=\"events\"><tr><th>Detected</th><th>Reason</th><th>Downtime</th>"
+                    "<th>Steps before</th><th>Resumed from</th><th>Steps lost</th>"
+                    "<th>Predicted step</th><th>Devices</th><th>Deployment</th><th>Detail</th>"
+                    "</tr>");
+    for (const auto& e : s.events()) absl::StrAppend(&h, EventRow(e, false));
+    if (s.has_pending()) absl::StrAppend(&h, EventRow(s.pending(), true));
+    absl::StrAppend(&h, "</table>");
+    return Page(200, name, h, /*refresh=*/true);
+  }
+  return NotFound(absl::StrCat("There is no job \"", name, "\"."));
+}
+
 // "abc" from "/status/plans/abc" after the prefix; empty when it is not
 // a single path segment.
 std::string Segment(absl::string_view rest) {
@@ -547,6 +668,7 @@ StatusSources StatusSourcesFor(PlannerCore* core, const PlannerServiceImpl* serv
   s.plan = [core](const std::string& name) { return core->GetPlan(name, /*full=*/false); };
   s.deployments = [service] { return service->Deployments(); };
   s.step_metrics = [service](const std::string& name) { return service->StepMetrics(name); };
+  s.jobs = [service] { return service->Jobs(); };
   return s;
 }
 
@@ -558,6 +680,12 @@ metrics::HttpResponse ServeStatusPage(const StatusSources& sources, absl::string
     const std::string id = Segment(path.substr(kPlans.size()));
     if (id.empty()) return NotFound("A plan page is /status/plans/{id}.");
     return PlanPage(sources, id);
+  }
+  constexpr absl::string_view kJobs = "/status/jobs/";
+  if (absl::StartsWith(path, kJobs)) {
+    const std::string id = Segment(path.substr(kJobs.size()));
+    if (id.empty()) return NotFound("A job page is /status/jobs/{id}.");
+    return JobPage(sources, id);
   }
   if (absl::StartsWith(path, kDeployments)) {
     const std::string id = Segment(path.substr(kDeployments.size()));

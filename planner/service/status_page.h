@@ -8,6 +8,8 @@
 //   /status/plans/{id}         one plan: devices with ratios and memory,
 //                              the per-op sharding table
 //   /status/deployments/{id}   step time and loss charts of a deployment
+//   /status/jobs/{id}          an elastic job and its timeline: each
+//                              (re)start, its reason, downtime, steps lost
 //
 // Unknown paths and bad or unknown ids get a 404 page saying what was not
 // found; a source that fails gets a 500 page with its status. Everything
@@ -44,6 +46,8 @@ struct StatusSources {
   // is no such deployment.
   std::function<absl::StatusOr<std::vector<hap::v1::StepMetric>>(const std::string& name)>
       step_metrics;
+  // Every elastic job; may be unset (no jobs section).
+  std::function<std::vector<hap::v1::Job>()> jobs;
 };
 
 // Sources reading `core` and `service`, which must outlive every call.

@@ -129,6 +129,51 @@ TEST_F(StatusPageTest, DeploymentPageChartsStepTimeAndLoss) {
                             HasSubstr("<polyline"), HasSubstr("21.00 ms"), HasSubstr("RUNNING")));
 }
 
+TEST_F(StatusPageTest, JobsAreListedAndAJobPageShowsItsTimeline) {
+  v1::Job j;
+  j.set_name("jobs/train<x>");
+  j.mutable_create_time()->set_seconds(1000);
+  j.mutable_spec()->mutable_training()->set_steps(300);
+  v1::JobStatus& s = *j.mutable_status();
+  s.set_state(v1::JobStatus::RECOVERING);
+  s.set_steps_done(47);
+  s.set_replans(2);
+  s.set_checkpoint_step(40);
+  s.mutable_update_time()->set_seconds(1100);
+  v1::JobEvent* e = s.add_events();
+  e->set_reason(v1::JobEvent::EXECUTOR_LOST);
+  e->mutable_detect_time()->set_seconds(1020);
+  e->mutable_resume_time()->set_seconds(1024);
+  e->set_downtime_seconds(4);
+  e->set_steps_lost(7);
+  e->set_predicted_step_before(0.5);
+  e->set_predicted_step_after(0.75);
+  e->set_detail("rank 2 <gone>");
+  v1::JobEvent* p = s.mutable_pending();
+  p->set_reason(v1::JobEvent::NODE_STALE);
+  p->mutable_detect_time()->set_seconds(1090);
+  sources_.jobs = [j] { return std::vector<v1::Job>{j}; };
+  metrics::HttpResponse index = ServeStatusPage(sources_, "/status");
+  EXPECT_THAT(index.body, AllOf(HasSubstr("Elastic jobs (1)"),
+                                HasSubstr("<a href=\"/status/jobs/train&lt;x&gt;\">"),
+                                HasSubstr("47 / 300"), HasSubstr("RECOVERING")));
+  // Its page (an id as the planner makes them):
+  j.set_name("jobs/train");
+  sources_.jobs = [j] { return std::vector<v1::Job>{j}; };
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status/jobs/train");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body, AllOf(HasSubstr("<svg id=\"timeline\""), HasSubstr("EXECUTOR_LOST"),
+                            HasSubstr("NODE_STALE"), HasSubstr("ongoing"),
+                            HasSubstr("rank 2 &lt;gone&gt;"), HasSubstr("step 40"),
+                            HasSubstr("4.000 s"), HasSubstr("x=\"144.0\""),
+                            Not(HasSubstr("<script"))));
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/jobs/none").status, 404);
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/jobs/").status, 404);
+  sources_.jobs = nullptr;  // a page without jobs
+  EXPECT_EQ(ServeStatusPage(sources_, "/status/jobs/train").status, 404);
+  EXPECT_THAT(ServeStatusPage(sources_, "/status").body, Not(HasSubstr("Elastic jobs")));
+}
+
 TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
   metrics_[0].set_loss(std::nan(""));
   metrics_[1].set_loss(std::nan(""));
