@@ -941,6 +941,16 @@ bool JobController::Commit(const v1::Job& in) {
 
 void JobController::Reconcile() {
   absl::MutexLock pass(&s_->pass_mu);
+  {
+    absl::MutexLock l(&s_->mu);
+    const bool any = std::any_of(s_->jobs.begin(), s_->jobs.end(), [](const auto& kv) {
+      return !Final(kv.second.status().state());
+    });
+    if (!any) {  // nothing to drive: no need to read the cluster every second
+      s_->ready_since.clear();
+      return;
+    }
+  }
   const absl::Time now = o_.now();
   const v1::Cluster cluster = o_.backend->Cluster();
   const std::set<std::string> ready = ReadyDevices(cluster);
