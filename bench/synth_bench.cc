@@ -16,8 +16,8 @@
 //
 // Without --devices the series is GPT-12 on 4 types at 64 to 2,048 devices,
 // GPT-48 at 256, 1,024 and 2,048, and GPT-12 with every node (8 devices) a
-// type of its own (1% apart) at 256 and 2,048: the case where few devices
-// merge. --budget is PlanOptions::max_seconds (60); --timeout kills a row.
+// type of its own (1% apart) at 256 and 2,048 and every device at 2,048: the
+// cases where few devices merge. --budget is PlanOptions::max_seconds (60); --timeout kills a row.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -46,15 +46,16 @@ using hap::cost::DeviceModel;
 // four-type clusters.
 constexpr double kClasses[] = {3.86e12, 2.15e12, 5.97e12, 1.2e12};
 
-// More than 4 types: the 4 classes again, each 1% slower per round.
+// More than 4 types: the 4 classes again, 1% slower each round; as many
+// types as devices: every device its own.
 ClusterModel Make(int devices, int types, int per_node) {
   std::vector<DeviceModel> d;
   for (int i = 0; i < devices; ++i) {
     int node = i / per_node;
-    int type = node % types;
+    int type = types >= devices ? i : node % types;  // all distinct
     if (types == 2) type = (i < devices / 4) ? 0 : 1;  // 1 fast : 3 slow
     d.push_back({"d" + std::to_string(i), "n" + std::to_string(node), "",
-                 kClasses[type % 4] * (1 - 0.01 * (type / 4)),
+                 kClasses[type % 4] / (1 + 0.01 * (type / 4)),
                  int64_t{40} << 30, 1e-5});
   }
   std::vector<std::vector<double>> bw(devices, std::vector<double>(devices)),
@@ -261,10 +262,11 @@ int main(int argc, char** argv) {
     std::vector<ScaleConfig> series;
     for (int n : sizes) series.push_back({layers, n, types});
     if (sizes.empty()) {
-      // GPT-12 on 4 device types; 48 layers; every node a type of its own.
+      // GPT-12 on 4 device types; 48 layers; every node (device) a type.
       for (int n : {64, 128, 256, 512, 1024, 2048}) series.push_back({12, n, 4});
       for (int n : {256, 1024, 2048}) series.push_back({48, n, 4});
       for (int n : {256, 2048}) series.push_back({12, n, n / 8});
+      series.push_back({12, 2048, 2048});
     }
     return Scale(series, budget, timeout);
   }
