@@ -507,6 +507,12 @@ int RunCalibrate(const std::vector<std::string>& argv) {
         "runs at different shares)\n",
         f.device, 1e3 * f.fixed_seconds, f.scale, f.runs);
   }
+  if (cal->overlap_runs > 0) {
+    std::cout << absl::StrFormat(
+        "overlap: efficiency %.3f (the part of an overlapped collective that does not slow "
+        "compute), fitted over %d run(s) of plans that assumed overlap\n",
+        cal->overlap_efficiency, cal->overlap_runs);
+  }
   std::cout << "wrote the calibrated cluster to " << args->Get("out") << "\n";
   return 0;
 }

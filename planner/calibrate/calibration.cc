@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "planner/cost/cluster_model.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/synth/rules.h"
 #include "planner/synth/search.h"
@@ -281,6 +282,18 @@ absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
   return p;
 }
 
+std::optional<double> FitOverlapEfficiency(const std::vector<OverlapSample>& samples) {
+  double hh = 0, hy = 0;
+  for (const OverlapSample& x : samples) {
+    const double hidden = x.busy - x.exposed;
+    if (!(hidden > 0)) continue;
+    hh += hidden * hidden;
+    hy += hidden * (x.measured - x.compute - x.exposed);
+  }
+  if (!(hh > 0)) return std::nullopt;
+  return 1.0 - std::clamp(hy / hh, 0.0, 1.0);
+}
+
 absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vector<ProfiledRun>& runs,
                                       const CalibrateOptions& options) {
   if (runs.empty()) return absl::InvalidArgumentError("no runs to calibrate from");
@@ -291,6 +304,8 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   std::map<std::string, Sums> sums;
   double comm_measured = 0, comm_modelled = 0, calls = 0;
   std::vector<CommSample> comm;  // per run
+  std::vector<OverlapSample> overlap;  // runs of plans that assumed overlap
+  std::set<std::string> overlap_devices;
   for (size_t k = 0; k < runs.size(); ++k) {
     const ProfiledRun& run = runs[k];
     const v1::Plan& plan = run.plan;
@@ -337,6 +352,28 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       return absl::InvalidArgumentError(absl::StrCat(
           "run ", k, ": profiles of ", seen.size(), " of the plan's ", plan.devices_size(),
           " ranks; every rank's profile is needed"));
+    }
+    if (plan.prediction().overlap_assumed()) {
+      // Its communication is mostly hidden: it tells the overlap, not the
+      // links.
+      for (const auto& n : plan.cluster().nodes()) {
+        for (const auto& d : n.devices()) {
+          const double e = d.overlap_efficiency() > 0 ? d.overlap_efficiency()
+                           : d.kind() == v1::CPU   ? cost::kCpuOverlapEfficiency
+                                                   : cost::kGpuOverlapEfficiency;
+          if (e != 1 && std::count(plan.devices().begin(), plan.devices().end(), d.id())) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "run ", k, ": its plan assumed overlap at overlap_efficiency ", e,
+                " for device '", d.id(),
+                "'; fit the overlap from plans made with overlap_efficiency 1 on every device"));
+          }
+        }
+      }
+      const auto& pr = plan.prediction();
+      overlap.push_back({step, pr.compute_seconds(), pr.communication_seconds(),
+                         pr.communication_busy_seconds()});
+      overlap_devices.insert(plan.devices().begin(), plan.devices().end());
+      continue;
     }
     CommSample c;
     c.measured = std::max(0.0, step - busiest);
@@ -443,6 +480,17 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   out.collective_overhead_seconds = def->collective_overhead_seconds();
   out.collective_calls = calls;
   out.rows.push_back({"*", kCommunication, comm_modelled, comm_measured});
+  if (std::optional<double> e = FitOverlapEfficiency(overlap)) {
+    // 0 in the profile means "the default": keep a fitted 0 distinguishable.
+    const double eff = std::max(*e, 1e-6);
+    for (auto& n : *out.cluster.mutable_nodes()) {
+      for (auto& d : *n.mutable_devices()) {
+        if (overlap_devices.count(d.id())) d.set_overlap_efficiency(eff);
+      }
+    }
+    out.overlap_efficiency = eff;
+    out.overlap_runs = static_cast<int>(overlap.size());
+  }
   return out;
 }
 

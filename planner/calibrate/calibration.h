@@ -13,7 +13,9 @@
 //   op_time_scale[T]  = measured / modelled seconds of op type T,
 //   optimizer_seconds_per_element = optimizer seconds / stored elements,
 //   step_overhead_seconds = runtime seconds + ops the model gives no FLOPs,
-// and for the communication time the model misses (measured: median step
+// (runs of plans that assumed overlap fit the devices' overlap_efficiency
+// instead: FitOverlapEfficiency), and for the communication time the model
+// misses (measured: median step
 // time less the busiest rank's kernel time) a least-squares fit over the
 // runs of measured = A x the model's transfer seconds + B x collective calls:
 // link bandwidths divided by A, B the per-collective-call overhead
@@ -26,6 +28,7 @@
 #define HAP_PLANNER_CALIBRATE_CALIBRATION_H_
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,7 +86,28 @@ struct Calibration {
     double fixed_seconds = 0;
   };
   std::vector<FixedTimeFit> fixed_time;
+  // Devices' overlap efficiency fitted from runs of plans that assumed
+  // communication overlapped with compute (FitOverlapEfficiency); 0 and no
+  // runs when there were none.
+  double overlap_efficiency = 0;
+  int overlap_runs = 0;
 };
+
+// One run of a plan that assumed overlap (PlanPrediction.overlap_assumed):
+// its measured step (the slowest rank's median) and the prediction's
+// compute, exposed and busy communication seconds.
+struct OverlapSample {
+  double measured = 0;
+  double compute = 0;
+  double exposed = 0;
+  double busy = 0;
+};
+// The overlap efficiency e that explains the samples, the hidden part of
+// the communication (busy - exposed) slowing compute by (1 - e) of itself:
+//   measured = compute + exposed + (1 - e) (busy - exposed),
+// least squares for (1 - e), clipped to [0, 1]. The plans' predictions must
+// have assumed e = 1 (the GPU default). nullopt when nothing was hidden.
+std::optional<double> FitOverlapEfficiency(const std::vector<OverlapSample>& samples);
 
 // InvalidArgument when a run's profiles do not match its plan (a rank
 // missing or twice, another plan's hash, a device the cluster lacks).

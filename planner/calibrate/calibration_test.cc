@@ -45,11 +45,13 @@ graph::Graph Gpt() {
   return *std::move(g);
 }
 
-v1::Plan MakePlan(const graph::Graph& g, const v1::Cluster& c, synth::Baseline b) {
+v1::Plan MakePlan(const graph::Graph& g, const v1::Cluster& c, synth::Baseline b,
+                  bool overlap = false) {
   auto model = cost::ClusterModel::FromProto(c);
   EXPECT_TRUE(model.ok()) << model.status();
   synth::PlanOptions po;
   po.baseline = b;
+  po.overlap_communication = overlap;
   po.optimizer = synth::OptimizerKind::kAdam;
   auto r = synth::PlanModel(g, *model, po);
   EXPECT_TRUE(r.ok()) << r.status();
@@ -399,6 +401,47 @@ TEST(CalibrationTest, ParsesTheExecutorsProfileFormatAndNamesWhatIsWrong) {
   bad = ParseRankProfile(
       R"({"rank": 0, "step_seconds_median": 1, "device_seconds": 1, "op_seconds": {"x": -1}})");
   EXPECT_NE(bad.status().message().find("op_seconds['x']"), std::string::npos);
+}
+
+TEST(CalibrationTest, FitsOverlapEfficiencyFromRunsThatOverlapped) {
+  // measured = compute + exposed + (1 - e) (busy - exposed) at e = 0.6.
+  std::vector<OverlapSample> samples = {{0, 1.0, 0.1, 0.5}, {0, 2.0, 0.0, 0.8}};
+  for (OverlapSample& x : samples) x.measured = x.compute + x.exposed + 0.4 * (x.busy - x.exposed);
+  ASSERT_TRUE(FitOverlapEfficiency(samples).has_value());
+  EXPECT_NEAR(*FitOverlapEfficiency(samples), 0.6, 1e-12);
+  // Slower than no overlap at all clips to 0; faster than full overlap to 1.
+  EXPECT_DOUBLE_EQ(*FitOverlapEfficiency({{3.0, 1.0, 0.1, 0.5}}), 0.0);
+  EXPECT_DOUBLE_EQ(*FitOverlapEfficiency({{1.0, 1.0, 0.1, 0.5}}), 1.0);
+  EXPECT_FALSE(FitOverlapEfficiency({{1.0, 1.0, 0.5, 0.5}}).has_value());  // nothing hidden
+  EXPECT_FALSE(FitOverlapEfficiency({}).has_value());
+
+  // Through Calibrate: a run of a plan made with overlap at efficiency 1.
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  for (auto& d : *c.mutable_nodes(0)->mutable_devices()) d.set_overlap_efficiency(1);
+  const v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpProportional, /*overlap=*/true);
+  ASSERT_TRUE(plan.prediction().overlap_assumed());
+  const auto& pr = plan.prediction();
+  ASSERT_GT(pr.communication_busy_seconds(), pr.communication_seconds());
+  ProfiledRun run = UnitRun(plan);
+  for (auto& r : run.ranks) {
+    r.step_seconds_median = pr.compute_seconds() + pr.communication_seconds() +
+                            0.3 * (pr.communication_busy_seconds() - pr.communication_seconds());
+  }
+  auto cal = Calibrate(c, {run});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_NEAR(cal->overlap_efficiency, 0.7, 1e-9);
+  EXPECT_EQ(cal->overlap_runs, 1);
+  for (const auto& d : cal->cluster.nodes(0).devices()) {
+    EXPECT_NEAR(d.overlap_efficiency(), 0.7, 1e-9);
+  }
+  // A plan that assumed the CPUs' default (0.5) cannot be fitted against.
+  const v1::Plan cpu = MakePlan(g, TwoCpus(), synth::Baseline::kDpProportional, true);
+  auto bad = Calibrate(TwoCpus(), {UnitRun(cpu)});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(std::string(bad.status().message()).find("overlap_efficiency 0.5"),
+            std::string::npos)
+      << bad.status();
 }
 
 }  // namespace
