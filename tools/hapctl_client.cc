@@ -34,6 +34,7 @@ constexpr char kUsage[] = R"(usage:
   hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                      [--no-sfb] [--no-zero] [--no-grouped] [--max-seconds S]
+                     [--overlap on|off]
                      [--optimizer sgd|momentum|adam] [--lr X] [--clip-norm X]
                      [--weight-decay X] [--seed N] [--id ID] [--wait]
   hapctl watch plan NAME
@@ -438,6 +439,12 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   o->set_disable_sfb(a.Bool("no-sfb"));
   o->set_disable_zero(a.Bool("no-zero"));
   o->set_disable_grouped_collectives(a.Bool("no-grouped"));
+  const std::string overlap = a.Get("overlap", "off");
+  if (overlap != "on" && overlap != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--overlap must be on or off, got '", overlap, "'"));
+  }
+  o->set_overlap_communication(overlap == "on");
   HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
   o->mutable_budget()->set_max_seconds(ms);
   std::string opt = a.Get("optimizer", "momentum");
@@ -593,7 +600,7 @@ int Watch(Client& c, const std::string& name) {
 int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   std::set<std::string> values = ZooParamFlags();
   values.insert({"server", "timeout", "token-file", "tls-ca-file", "o", "output", "model",
-                 "graph", "devices", "baseline", "max-seconds", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
+                 "graph", "devices", "baseline", "max-seconds", "overlap", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
                  "id", "executor", "steps", "data", "data-path", "threads", "set",
                  "checkpoint-dir", "checkpoint-every", "checkpoint-keep", "resume",
                  "init-weights", "shuffle", "global-batch", "label", "min-devices",
