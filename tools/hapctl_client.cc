@@ -50,7 +50,8 @@ constexpr char kUsage[] = R"(usage:
   hapctl create job --id ID (--model NAME [...] | --graph FILE) [--batch N] [plan flags]
                      --checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]
                      [--steps N] [--data ...] [--data-path FILE] [--shuffle SEED] [--threads T]
-                     [--devices ID,...] [--label KEY=VALUE ...] [--min-devices N]
+                     [--executor DEVICE=HOST:PORT ...] [--devices ID,...]
+                     [--label KEY=VALUE ...] [--min-devices N]
                      [--max-devices N] [--min-gain FRACTION] [--no-join]
                      [--join-stable SECONDS] [--max-replans N]
   hapctl watch job NAME               (until it ends)
@@ -520,6 +521,14 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
       return absl::InvalidArgumentError(absl::StrCat("--label ", kv, ": not KEY=VALUE"));
     }
     (*sel.mutable_node_labels())[p.first] = p.second;
+  }
+  for (const std::string& e : a.GetAll("executor")) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(e, absl::MaxSplits('=', 1));
+    if (kv.second.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--executor ", e, ": expected DEVICE=HOST:PORT"));
+    }
+    (*s.mutable_executors())[kv.first] = kv.second;
   }
   HAP_ASSIGN_OR_RETURN(double min_devices, a.Number("min-devices", 0));
   HAP_ASSIGN_OR_RETURN(double max_devices, a.Number("max-devices", 0));

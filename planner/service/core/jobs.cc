@@ -575,7 +575,9 @@ class Pass {
       t.set_resume(st().checkpoint_step() >= 0
                        ? CheckpointStepDir(t.checkpoint_dir(), st().checkpoint_step())
                        : "");
-      d = b_.Deploy(p.name(), t);
+      d = b_.Deploy(p.name(), t,
+                    std::map<std::string, std::string>(spec().executors().begin(),
+                                                       spec().executors().end()));
       if (!d.ok()) {
         st().set_message(absl::StrCat("cannot deploy ", p.name(), ": ", d.status().message(),
                                       "; trying again"));
@@ -633,12 +635,17 @@ class CoreJobBackend final : public JobBackend {
   absl::Status CancelPlan(const std::string& name) override {
     return core_->CancelPlan(name).status();
   }
-  absl::StatusOr<v1::Deployment> Deploy(const std::string& plan,
-                                        const v1::TrainingConfig& training) override {
+  absl::StatusOr<v1::Deployment> Deploy(
+      const std::string& plan, const v1::TrainingConfig& training,
+      const std::map<std::string, std::string>& executors) override {
     HAP_ASSIGN_OR_RETURN(v1::Plan p, core_->GetPlan(plan, /*full=*/true));
     v1::DeployPlanRequest r;
     r.set_plan(plan);
     *r.mutable_training() = training;
+    for (const auto& d : p.devices()) {
+      auto it = executors.find(d);
+      if (it != executors.end()) (*r.mutable_executors())[d] = it->second;
+    }
     return deployments_->Deploy(p, r, core_->GetCluster(true), rendezvous_());
   }
   absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {

@@ -40,6 +40,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,9 +69,12 @@ class JobBackend {
   // The plan without its rank programs; NotFound when it does not exist.
   virtual absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name) = 0;
   virtual absl::Status CancelPlan(const std::string& name) = 0;
-  // Deploys SUCCEEDED plan `plan` on the executors its nodes' labels name.
-  virtual absl::StatusOr<hap::v1::Deployment> Deploy(const std::string& plan,
-                                                     const hap::v1::TrainingConfig& training) = 0;
+  // Deploys SUCCEEDED plan `plan`, each device at the executor `executors`
+  // names for it (entries for devices the plan does not use are ignored),
+  // else the one its node's label "hap.executor/<device>" names.
+  virtual absl::StatusOr<hap::v1::Deployment> Deploy(
+      const std::string& plan, const hap::v1::TrainingConfig& training,
+      const std::map<std::string, std::string>& executors) = 0;
   virtual absl::StatusOr<hap::v1::Deployment> GetDeployment(const std::string& name) = 0;
   // Every deployment made of `plan`, in any state.
   virtual std::vector<hap::v1::Deployment> DeploymentsOf(const std::string& plan) = 0;

@@ -89,9 +89,11 @@ class FakeBackend : public JobBackend {
     }
     return absl::OkStatus();
   }
-  absl::StatusOr<v1::Deployment> Deploy(const std::string& plan,
-                                        const v1::TrainingConfig& training) override {
+  absl::StatusOr<v1::Deployment> Deploy(
+      const std::string& plan, const v1::TrainingConfig& training,
+      const std::map<std::string, std::string>& executors) override {
     if (!deploy_error.ok()) return deploy_error;
+    deployed_executors = executors;
     const v1::Plan& p = plans.at(plan);
     EXPECT_EQ(p.state(), v1::Plan::SUCCEEDED);
     v1::Deployment d;
@@ -144,6 +146,7 @@ class FakeBackend : public JobBackend {
   bool plans_finish_at_once = true;
   bool stops_take_effect = true;
   absl::Status deploy_error;
+  std::map<std::string, std::string> deployed_executors;
   int64_t checkpoint = -1;
   int generation = 0;
   // Predicted step time of a device set: more devices, faster.
@@ -228,7 +231,9 @@ class JobsTest : public ::testing::Test {
 
 TEST_F(JobsTest, PlansOnEveryUsableDeviceDeploysAndSucceeds) {
   Make();
-  ASSERT_OK_AND_ASSIGN(v1::Job j, c_->Create(Request()));
+  v1::CreateJobRequest request = Request();
+  (*request.mutable_spec()->mutable_executors())["d1"] = "127.0.0.1:7001";
+  ASSERT_OK_AND_ASSIGN(v1::Job j, c_->Create(request));
   EXPECT_EQ(j.name(), "jobs/train");
   EXPECT_EQ(j.status().state(), v1::JobStatus::PENDING);
   EXPECT_EQ(sink_.jobs.at("jobs/train").status().state(), v1::JobStatus::PENDING);
@@ -242,6 +247,7 @@ TEST_F(JobsTest, PlansOnEveryUsableDeviceDeploysAndSucceeds) {
   EXPECT_EQ(j.status().plan(), "plans/train-p1");
   EXPECT_EQ(j.status().generation(), 1);
   const v1::Deployment& d = fake_.Only(j.status().deployment());
+  EXPECT_EQ(fake_.deployed_executors.at("d1"), "127.0.0.1:7001");  // from the spec
   EXPECT_EQ(d.training().checkpoint_dir(), kDir);
   EXPECT_EQ(d.training().resume(), "");  // nothing to resume from yet
   EXPECT_EQ(d.training().steps(), 100);

@@ -835,8 +835,8 @@ TEST_F(PlannerServiceImplTest, ARestartedPlannerFailsADeploymentWhoseRankIsGone)
 
 class JobTest : public PlannerServiceImplTest {
  protected:
-  // Nodes "a" and "b", two devices each, at four fake executors (named by
-  // the nodes' labels, as agents report them); a checkpoint directory with
+  // Nodes "a" and "b", two devices each, at four fake executors (a's named
+  // by its node's labels, b's by the job's spec); a checkpoint directory with
   // step 5 committed and step 10 cut short.
   void SetUp() override {
     PlannerServiceImplTest::SetUp();
@@ -844,9 +844,9 @@ class JobTest : public PlannerServiceImplTest {
     for (int n = 0; n < 2; ++n) {
       v1::RegisterNodeRequest r;
       *r.mutable_node() = TestNode(n == 0 ? "a" : "b");
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; n == 0 && i < 2; ++i) {  // node b's executors: in the job's spec
         (*r.mutable_node()->mutable_labels())[absl::StrCat(
-            "hap.executor/", r.node().devices(i).id())] = executors_[2 * n + i]->address();
+            "hap.executor/", r.node().devices(i).id())] = executors_[i]->address();
       }
       v1::RegisterNodeResponse out;
       ASSERT_THAT(FromGrpc(stub_->RegisterNode(Ctx().get(), r, &out)), IsOk());
@@ -871,6 +871,8 @@ class JobTest : public PlannerServiceImplTest {
     r.mutable_spec()->mutable_training()->set_checkpoint_every(5);
     // The lost executor's device stays out for the whole test.
     r.mutable_spec()->mutable_replan()->mutable_join_stable()->set_seconds(600);
+    (*r.mutable_spec()->mutable_executors())["b/cpu0"] = executors_[2]->address();
+    (*r.mutable_spec()->mutable_executors())["b/cpu1"] = executors_[3]->address();
     return r;
   }
 
