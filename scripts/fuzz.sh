@@ -6,7 +6,9 @@
 #   scripts/fuzz.sh [--seconds S] [TARGET ...]   long runs (default 300 s each)
 #   scripts/fuzz.sh --smoke [--junit FILE]       a short run of each (scripts/test.sh)
 #
-# Targets: graph cluster plan safetensors (default: all). Objects, binaries,
+# Targets: graph cluster plan safetensors rpc (default: all). rpc: sequences of
+# planner requests (nodes, plans, deployments, step metrics, rendezvous) given
+# to the core and the deployment manager as the gRPC service gives them. Objects, binaries,
 # corpora and crash files go to out/fuzz/ (git ignores out/). A crash leaves
 # out/fuzz/crash-* and exits 1; reproduce with out/fuzz/bin/TARGET FILE.
 set -uo pipefail
@@ -25,7 +27,7 @@ while [ $# -gt 0 ]; do
     *) TARGETS+=("$1"); shift ;;
   esac
 done
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(graph cluster plan safetensors)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(graph cluster plan safetensors rpc)
 
 CXX=clang++-14
 if ! command -v "$CXX" >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.fuzzer-x86_64.a ]; then
@@ -33,7 +35,10 @@ if ! command -v "$CXX" >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/li
   exit 2
 fi
 # Generated protobuf code and the seed tools come from the Bazel build.
-bazel build //proto:hap_v1 //tools:hapctl >/dev/null 2>&1 ||
+# With nvcc, the same configuration as scripts/test.sh (one analysis cache).
+CONFIG=()
+if [ -x "${HAP_CUDA_PATH:-/usr/local/cuda}/bin/nvcc" ]; then CONFIG=(--config=cuda); fi
+bazel build //proto:hap_v1 //tools:hapctl "${CONFIG[@]}" >/dev/null 2>&1 ||
   { echo "fuzz: bazel build //proto:hap_v1 //tools:hapctl failed" >&2; exit 2; }
 GEN=bazel-bin/proto
 OUT=out/fuzz
@@ -46,17 +51,28 @@ SAN=-fsanitize=address,undefined
 GRAPH_SRCS=(planner/graph/graph.cc planner/graph/op_registry.cc planner/graph/types.cc
             planner/graph/graph_proto.cc $(ls planner/graph/ops_*.cc))
 PROTO_SRCS=($(ls "$GEN"/hap/v1/*.pb.cc | grep -v grpc))
+# The planner's library sources (no tests, no mains) for the rpc target.
+planner_srcs() {
+  ls planner/graph/*.cc planner/synth/*.cc planner/cost/*.cc planner/ratios/*.cc \
+    planner/lower/*.cc | grep -v -e '_test\.cc$' -e '_main\.cc$' -e '/test_util\.cc$'
+  echo planner/service/core/planner_core.cc planner/service/core/profile_checks.cc \
+    planner/service/core/deployments.cc planner/service/core/deployment_manager.cc
+}
 declare -A SRCS=(
   [graph]="${GRAPH_SRCS[*]}"
   [cluster]="planner/cost/cluster_model.cc planner/cost/collectives.cc planner/ratios/ratio_lp.cc"
   [plan]="planner/lower/plan_file.cc ${GRAPH_SRCS[*]}"
   [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/file_util.cc planner/graph/types.cc"
+  [rpc]="$(planner_srcs | tr '\n' ' ')"
 )
 
-# One object per source, rebuilt when the source is newer (headers: rm -r out/fuzz/obj).
+# One object per source, rebuilt when the source or any generated protobuf
+# header is newer (other headers: rm -r out/fuzz/obj). A message that grew
+# fields must not meet objects compiled against its old layout.
+NEWEST_PB_H=$(ls -t "$GEN"/hap/v1/*.pb.h | head -1)
 object() {
   local src=$1 obj="$OUT/obj/$(echo "$1" | tr '/' '_').o"
-  if [ ! -e "$obj" ] || [ "$src" -nt "$obj" ]; then
+  if [ ! -e "$obj" ] || [ "$src" -nt "$obj" ] || [ "$NEWEST_PB_H" -nt "$obj" ]; then
     "$CXX" "${FLAGS[@]}" $SAN -fsanitize=fuzzer-no-link -c "$src" -o "$obj" || return 1
   fi
   echo "$obj"
@@ -69,7 +85,7 @@ build() {
     objs+=("$o")
   done
   "$CXX" "${FLAGS[@]}" $SAN -fsanitize=fuzzer "tests/fuzz/${t}_fuzzer.cc" "${objs[@]}" \
-    -o "$OUT/bin/$t" -lprotobuf -lglpk -lcrypto $ABSL -lpthread
+    -o "$OUT/bin/$t" -lprotobuf -lglpk -lcrypto -lopenblas $ABSL -lpthread
 }
 
 seed() {
@@ -85,6 +101,33 @@ seed() {
     plan)
       bazel-bin/tools/hapctl plan --cluster planner/examples/cpu-2rank.json --model mlp \
         --save-plan "$dir/mlp.pb" >/dev/null 2>&1 ;;
+    rpc)
+      # Register a node, plan an MLP on it, list, deploy (to no executor),
+      # use the rendezvous store: each call [method][length, 2 bytes][request].
+      local tmp; tmp=$(mktemp -d)
+      enc() { protoc -Iproto --encode="hap.v1.$1" proto/hap/v1/planner_service.proto >"$tmp/$2"; }
+      enc RegisterNodeRequest 0 <<'PB'
+node { name: "n" address: "127.0.0.1:1"
+  devices { id: "n/cpu0" kind: CPU flops { dtype: FLOAT32 flops: 1e12 } memory_bytes: 8000000000 }
+  devices { id: "n/cpu1" kind: CPU flops { dtype: FLOAT32 flops: 2e12 } memory_bytes: 8000000000 } }
+PB
+      enc CreatePlanRequest 6 <<'PB'
+model { zoo { name: "mlp" params { key: "layers" value: 2 } params { key: "hidden" value: 16 } } }
+plan_id: "p" wait: true
+PB
+      enc ListPlansRequest 8 <<<'page_size: 5'
+      enc DeployPlanRequest 11 <<<'plan: "plans/p" executors { key: "n/cpu0" value: "127.0.0.1:1" } executors { key: "n/cpu1" value: "127.0.0.1:1" }'
+      enc StoreSetRequest 17 <<<'deployment: "deployments/p-g1" generation: 1 key: "k" value: "v"'
+      enc StoreAddRequest 19 <<<'deployment: "deployments/p-g1" generation: 1 key: "c" delta: 3'
+      python3 - "$tmp" "$dir/sequence" <<'PY'
+import os, struct, sys
+tmp, out = sys.argv[1], sys.argv[2]
+with open(out, "wb") as f:
+    for m in (0, 6, 8, 11, 17, 19, 8):
+        b = open(os.path.join(tmp, str(m)), "rb").read()
+        f.write(struct.pack("<BH", m, len(b)) + b)
+PY
+      rm -r "$tmp" ;;
     safetensors)
       # A small hand-made file: one F32 [2] tensor.
       printf '\x38\x00\x00\x00\x00\x00\x00\x00{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}\x00\x00\x80\x3f\x00\x00\x00\x40' \
