@@ -17,18 +17,19 @@
 // Without --devices the series is GPT-12 on 4 types at 64 to 2,048 devices,
 // GPT-48 at 256, 1,024 and 2,048, and GPT-12 with every node (8 devices) a
 // type of its own (1% apart) at 256 and 2,048 and every device at 2,048: the
-// cases where few devices merge. --budget is PlanOptions::max_seconds (60); --timeout kills a row.
+// cases where few devices merge. --budget is PlanOptions::max_seconds (60);
+// --timeout kills a row.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
-#include <map>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,7 @@ ClusterModel Make(int devices, int types, int per_node) {
   std::vector<DeviceModel> d;
   for (int i = 0; i < devices; ++i) {
     int node = i / per_node;
-    int type = types >= devices ? i : node % types;  // all distinct
+    int type = types >= devices ? i : node % types;    // all distinct
     if (types == 2) type = (i < devices / 4) ? 0 : 1;  // 1 fast : 3 slow
     d.push_back({"d" + std::to_string(i), "n" + std::to_string(node), "",
                  kClasses[type % 4] / (1 + 0.01 * (type / 4)),
@@ -86,8 +87,9 @@ Run Search(const hap::graph::Graph& g, const ClusterModel& c, bool zero,
   auto t0 = std::chrono::steady_clock::now();
   auto p = hap::synth::Synthesize(g, c, o);
   Run r;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                  .count();
+  r.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
   if (p.ok()) {
     r.states = p->states_expanded;
     r.cost = p->cost;
@@ -163,9 +165,8 @@ int ScaleRow(const ScaleConfig& cfg, double budget) {
   std::printf(
       "| %d | %d | %d | %.2f | %.2f | %.2f | %.3f | %lld | %.0f | %.3f | %s "
       "| %s | %.2f | %s%s | %08x |\n",
-      cfg.layers, devices, cfg.types, hap_s, hap->phases.search,
-      hap->phases.lp, hap->phases.snap,
-      static_cast<long long>(hap->states_expanded),
+      cfg.layers, devices, cfg.types, hap_s, hap->phases.search, hap->phases.lp,
+      hap->phases.snap, static_cast<long long>(hap->states_expanded),
       static_cast<double>(ru.ru_maxrss) / 1024, hap->cost.total,
       dp_cost.c_str(), ratio.c_str(), dp_s, hap->source.c_str(),
       hap->notes.empty() ? "" : " (budget cut)",
@@ -174,11 +175,11 @@ int ScaleRow(const ScaleConfig& cfg, double budget) {
   return 0;
 }
 
-int Scale(const std::vector<ScaleConfig>& configs, double budget,
-          int timeout) {
+int Scale(const std::vector<ScaleConfig>& configs, double budget, int timeout) {
   std::printf(
       "| layers | devices | types | plan s | search s | LP s | snap s | states "
-      "| peak RSS MiB | hap predicted s | dp-prop predicted s | dp-prop / hap | dp-prop plan s "
+      "| peak RSS MiB | hap predicted s | dp-prop predicted s | dp-prop / hap "
+      "| dp-prop plan s "
       "| plan from | plan hash |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
@@ -255,7 +256,8 @@ int main(int argc, char** argv) {
     }
   }
   if (timeout < 1 || budget <= 0 || layers < 1 || types < 1) {
-    std::fprintf(stderr, "--timeout, --budget, --layers and --types must be positive\n");
+    std::fprintf(
+        stderr, "--timeout, --budget, --layers and --types must be positive\n");
     return 2;
   }
   if (scale) {
@@ -263,7 +265,8 @@ int main(int argc, char** argv) {
     for (int n : sizes) series.push_back({layers, n, types});
     if (sizes.empty()) {
       // GPT-12 on 4 device types; 48 layers; every node (device) a type.
-      for (int n : {64, 128, 256, 512, 1024, 2048}) series.push_back({12, n, 4});
+      for (int n : {64, 128, 256, 512, 1024, 2048})
+        series.push_back({12, n, 4});
       for (int n : {256, 1024, 2048}) series.push_back({48, n, 4});
       for (int n : {256, 2048}) series.push_back({12, n, n / 8});
       series.push_back({12, 2048, 2048});
@@ -314,11 +317,12 @@ int main(int argc, char** argv) {
     Run z = Search(*g, c, true, false, budget);
     auto t0 = std::chrono::steady_clock::now();
     auto plan = hap::synth::PlanModel(*g, c, hap::synth::PlanOptions());
-    double joint = std::chrono::duration<double>(
-                       std::chrono::steady_clock::now() - t0)
-                       .count();
+    double joint =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count();
     auto eq = [](const Run& x, const Run& y) {
-      return x.optimal && y.optimal && std::abs(x.cost - y.cost) <= 1e-9 * x.cost;
+      return x.optimal && y.optimal &&
+             std::abs(x.cost - y.cost) <= 1e-9 * x.cost;
     };
     const char* same = (eq(b, a) && (eq(b, z) || !z.optimal)) ? "yes" : "NO";
     std::printf(

@@ -70,12 +70,13 @@ const char* BaselineName(Baseline b) {
 absl::StatusOr<Baseline> ParseBaseline(const std::string& n) {
   if (n.empty() || n == "hap" || n == "none") return Baseline::kNone;
   if (n == "dp-even") return Baseline::kDpEven;
-  if (n == "dp-prop" || n == "dp-proportional") return Baseline::kDpProportional;
+  if (n == "dp-prop" || n == "dp-proportional")
+    return Baseline::kDpProportional;
   if (n == "megatron") return Baseline::kMegatron;
   if (n == "zero3" || n == "zero-3") return Baseline::kZero3;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown baseline '", n,
-      "' (known: hap, dp-even, dp-prop, megatron, zero3)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown baseline '", n,
+                   "' (known: hap, dp-even, dp-prop, megatron, zero3)"));
 }
 
 ratios::MemoryConstraint MemoryModel(const graph::Graph& g,
@@ -153,9 +154,9 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   // Every phase (search, LP, snap, baselines) runs against one deadline.
   std::optional<Clock::time_point> deadline;
   if (o.max_seconds < 1e9) {
-    deadline = start + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(
-                               std::max(0.0, o.max_seconds)));
+    deadline = start +
+               std::chrono::duration_cast<Clock::duration>(
+                   std::chrono::duration<double>(std::max(0.0, o.max_seconds)));
   }
   auto left = [&]() { return o.max_seconds - elapsed(); };
   PhaseSeconds phases;
@@ -185,7 +186,8 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     if (o.progress) o.progress(states + expanded, best, iteration);
   };
   auto search = [&](const SearchOptions& opts) {
-    auto p = timed(&phases.search, [&]() { return Synthesize(g, cluster, opts); });
+    auto p =
+        timed(&phases.search, [&]() { return Synthesize(g, cluster, opts); });
     if (p.ok()) {
       states += p->states_expanded;
       if (!p->optimal && !(o.cancelled && o.cancelled())) {
@@ -244,7 +246,8 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
       return;
     }
     std::optional<ratios::MemoryConstraint> mem;
-    if (!o.ignore_memory) mem = MemoryModel(g, cluster, c->program, o.optimizer);
+    if (!o.ignore_memory)
+      mem = MemoryModel(g, cluster, c->program, o.optimizer);
     SnapRequest q;
     q.program = &c->program;
     q.ratios = c->ratios;
@@ -295,7 +298,8 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     bo.max_seconds = std::max(0.1, left());
     bool even = b != Baseline::kDpProportional;
     bo.ratios = even ? cluster.EvenRatios() : cluster.ProportionalRatios();
-    if (b == o.baseline && !o.baseline_ratios.empty()) bo.ratios = o.baseline_ratios;
+    if (b == o.baseline && !o.baseline_ratios.empty())
+      bo.ratios = o.baseline_ratios;
     if (b == Baseline::kMegatron) {
       bo.rule_filter = TensorParallelRule;
       bo.force_storage = std::nullopt;
@@ -332,9 +336,9 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     if (!o.ignore_memory) {
       auto fit = memory_lp(c.program, c.ratios, /*fixed=*/true);
       if (!fit.ok()) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "baseline ", BaselineName(o.baseline),
-            " does not fit: ", fit.status().message()));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("baseline ", BaselineName(o.baseline),
+                         " does not fit: ", fit.status().message()));
       }
     }
     bool opt = c.program.optimal;
@@ -381,7 +385,8 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     }
     all_optimal = all_optimal && p->optimal;
     auto lp = memory_lp(*p, r, /*fixed=*/false);
-    if (!lp.ok() && lp.status().code() == absl::StatusCode::kResourceExhausted &&
+    if (!lp.ok() &&
+        lp.status().code() == absl::StatusCode::kResourceExhausted &&
         so.allow_zero && !so.force_storage) {
       // Memory-bound: prefer sharded parameter storage and try again.
       memory_error = lp.status();
@@ -431,10 +436,10 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     }
     if (lp->second < best.cost * (1 - 1e-9)) {
       if (best.program.steps.empty()) {
-        note(absl::StrCat("no searched program fit or was found (",
-                          (memory_error.ok() ? other_error : memory_error)
-                              .message(),
-                          "); the plan is the best baseline program"));
+        note(absl::StrCat(
+            "no searched program fit or was found (",
+            (memory_error.ok() ? other_error : memory_error).message(),
+            "); the plan is the best baseline program"));
         all_optimal = false;
       }
       best.cost = lp->second;

@@ -6,10 +6,10 @@
 //           until the LP cost stops improving
 //
 // The baselines are restricted searches in the same cost model:
-//   dp-even          data-parallel rules only, replicated parameters, equal split
-//   dp-proportional  the same, split proportional to FLOPS
-//   zero3            data-parallel rules, ZeRO-sharded parameters, equal split
-//   megatron         tensor-parallel rules (column/row/heads) over the plan's
+//   dp-even          data-parallel rules only, replicated parameters, equal
+//   split dp-proportional  the same, split proportional to FLOPS zero3
+//   data-parallel rules, ZeRO-sharded parameters, equal split megatron
+//   tensor-parallel rules (column/row/heads) over the plan's
 //                    devices, equal split
 // Because each baseline program is in the synthesizer's search space, the
 // planner also re-optimises the data-parallel and ZeRO programs' ratios with
@@ -84,8 +84,8 @@ struct PhaseSeconds {
 
 struct PlanResult {
   Program program;
-  std::vector<double> ratios;  // per device (one segment)
-  ProgramCost cost;            // at `ratios`
+  std::vector<double> ratios;         // per device (one segment)
+  ProgramCost cost;                   // at `ratios`
   std::vector<int64_t> memory_bytes;  // per device, at `ratios`
   double synthesis_seconds = 0;
   int64_t states_expanded = 0;

@@ -169,8 +169,8 @@ class Snapper {
 
   // Every device valid after one sample from a device of a to one of b.
   bool Valid(int a, int b) const {
-    const int64_t after = bad_ - bad_same_[a] - bad_same_[b] + bad_less_[a] +
-                          bad_more_[b];
+    const int64_t after =
+        bad_ - bad_same_[a] - bad_same_[b] + bad_less_[a] + bad_more_[b];
     return after == 0;
   }
 

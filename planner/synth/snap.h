@@ -53,10 +53,10 @@ struct SnapResult {
   // Whole samples / batch per device; empty when no candidate is valid
   // (a device with no sample or over its memory in all of them).
   std::vector<double> ratios;
-  double cost = 0;               // T at `ratios` (merged terms)
-  int groups = 0;                // G
-  int64_t moves_evaluated = 0;   // group moves, not device pairs
-  bool complete = true;          // false: the deadline cut the moves
+  double cost = 0;              // T at `ratios` (merged terms)
+  int groups = 0;               // G
+  int64_t moves_evaluated = 0;  // group moves, not device pairs
+  bool complete = true;         // false: the deadline cut the moves
 };
 
 SnapResult SnapToSamples(const SnapRequest& request);

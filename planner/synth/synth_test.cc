@@ -2,9 +2,9 @@
 #include <cmath>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "absl/strings/str_cat.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/synth/checker.h"
@@ -86,7 +86,8 @@ std::vector<Case> Clusters() {
   std::vector<Case> c;
   c.push_back({"homogeneous-4", MakeCluster({1e13, 1e13, 1e13, 1e13}, 4)});
   c.push_back({"mixed-2x2", MakeCluster({2e13, 2e13, 1e13, 1e13}, 2)});
-  c.push_back({"three-kinds-2x3", MakeCluster({3e13, 2e13, 1e13, 3e13, 2e13, 1e13}, 3)});
+  c.push_back({"three-kinds-2x3",
+               MakeCluster({3e13, 2e13, 1e13, 3e13, 2e13, 1e13}, 3)});
   return c;
 }
 
@@ -129,8 +130,8 @@ TEST(SynthTest, EveryZooModelChecksAndBeatsBaselines) {
 
 TEST(SynthTest, ComputeBoundRatiosFollowFlops) {
   // A wide MLP with a large batch and fast links is compute bound.
-  graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64},
-                               {"batch", 4096}});
+  graph::Graph g = Zoo(
+      "mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64}, {"batch", 4096}});
   {
     auto c = MakeCluster({1e12, 1e12}, 2, 1e13, 1e13);
     auto r = PlanModel(g, c, PlanOptions());
@@ -151,8 +152,8 @@ TEST(SynthTest, ComputeBoundRatiosFollowFlops) {
 // between, so the LP gives that device less; a per-instruction maximum would
 // leave the split even.
 TEST(SynthTest, FixedStepTimeOfADeviceLowersItsRatio) {
-  graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64},
-                               {"batch", 4096}});
+  graph::Graph g = Zoo(
+      "mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64}, {"batch", 4096}});
   // Slow links: data parallelism (one gradient all-reduce after backward)
   // is the program, forward and backward one block.
   auto even = MakeCluster({1e12, 1e12}, 2, 1e9, 1e9);
@@ -183,11 +184,14 @@ TEST(SynthTest, RatiosAreWholeSamplesAndTheBestNeighbour) {
   const double samples = r->ratios[0] * 16;
   EXPECT_NEAR(samples, std::round(samples), 1e-9);
   EXPECT_NEAR(r->ratios[0] + r->ratios[1], 1.0, 1e-12);
-  EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total, 1e-12);
+  EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total,
+              1e-12);
   for (int m : {-1, 1}) {
     const double k = std::round(samples) + m;
     if (k < 1 || k > 15) continue;
-    EXPECT_LE(r->cost.total, EvaluateProgram(r->program, {k / 16, 1 - k / 16}).total * (1 + 1e-9))
+    EXPECT_LE(
+        r->cost.total,
+        EvaluateProgram(r->program, {k / 16, 1 - k / 16}).total * (1 + 1e-9))
         << k << " samples on device 0";
   }
   PlanOptions bo;
@@ -208,12 +212,14 @@ TEST(SynthTest, RatiosAreWholeSamplesAndTheBestNeighbour) {
   auto fixed = PlanModel(g, c, at);
   ASSERT_TRUE(fixed.ok()) << fixed.status();
   EXPECT_NEAR(fixed->ratios[0], 0.75, 1e-12);
-  for (std::vector<double> bad : std::vector<std::vector<double>>{{0.5}, {0.7, 0.7}, {1.0, 0.0}}) {
+  for (std::vector<double> bad :
+       std::vector<std::vector<double>>{{0.5}, {0.7, 0.7}, {1.0, 0.0}}) {
     at.baseline_ratios = bad;
     auto e = PlanModel(g, c, at);
     ASSERT_FALSE(e.ok());
     EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(e.status().message()), HasSubstr("baseline ratios"));
+    EXPECT_THAT(std::string(e.status().message()),
+                HasSubstr("baseline ratios"));
   }
 }
 
@@ -271,8 +277,9 @@ TEST(SynthTest, SfbChosenForSmallBatchOnly) {
   // Slow devices, so that computing every layer replicated is no way out.
   auto c = MakeCluster({1e11, 1e11, 1e11, 1e11}, 4, 1e9, 1e9);
   auto uses_sfb = [&](int batch) {
-    graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 2048},
-                                 {"input", 2048}, {"batch", batch}});
+    graph::Graph g = Zoo(
+        "mlp",
+        {{"layers", 2}, {"hidden", 2048}, {"input", 2048}, {"batch", batch}});
     SearchOptions so;
     so.allow_zero = false;
     so.rule_filter = [](const ShardRule& r) {
@@ -296,8 +303,13 @@ TEST(SynthTest, SfbChosenForSmallBatchOnly) {
 // their gradients partial) is all-reduced by the lowering; the program must
 // price that all-reduce like any other.
 TEST(SynthTest, PartialGradientsThroughLaterOpsArePriced) {
-  graph::Graph g = Zoo("gpt", {{"layers", 1}, {"hidden", 64}, {"heads", 4}, {"ffn", 128},
-                               {"seq", 16}, {"vocab", 4096}, {"batch", 8}});
+  graph::Graph g = Zoo("gpt", {{"layers", 1},
+                               {"hidden", 64},
+                               {"heads", 4},
+                               {"ffn", 128},
+                               {"seq", 16},
+                               {"vocab", 4096},
+                               {"batch", 8}});
   // Slow links: the layers stay replicated, the large decoder is split.
   auto c = MakeCluster({1e10, 1e10}, 1, 1e8, 1e8);
   int propagated = 0;
@@ -311,7 +323,8 @@ TEST(SynthTest, PartialGradientsThroughLaterOpsArePriced) {
     const GradientAnalysis grads = AnalyzeGradients(g, *p);
     for (const OpStep& s : p->steps) {
       for (const SourceLoad& l : s.loads) {
-        if (!l.parameter || l.storage != ParamStorage::kReplicated || l.sfb) continue;
+        if (!l.parameter || l.storage != ParamStorage::kReplicated || l.sfb)
+          continue;
         const std::string& name = g.tensor(l.tensor).name;
         EXPECT_EQ(l.grad_allreduce, grads.partial_grad[l.tensor]) << name;
         if (l.grad_allreduce) {
@@ -326,8 +339,12 @@ TEST(SynthTest, PartialGradientsThroughLaterOpsArePriced) {
 }
 
 TEST(SynthTest, SmallMemoryDeviceGetsNoMoreThanFits) {
-  graph::Graph g = Zoo("gpt", {{"layers", 2}, {"hidden", 256}, {"heads", 4},
-                               {"ffn", 1024}, {"seq", 64}, {"vocab", 1024},
+  graph::Graph g = Zoo("gpt", {{"layers", 2},
+                               {"hidden", 256},
+                               {"heads", 4},
+                               {"ffn", 1024},
+                               {"seq", 64},
+                               {"vocab", 1024},
                                {"batch", 64}});
   // Find the unconstrained memory, then give device 1 a third of it.
   auto big = MakeCluster({1e13, 1e13}, 2, 1e11, 1e11, 64 * kGiB);
@@ -355,12 +372,16 @@ TEST(SynthTest, SmallMemoryDeviceGetsNoMoreThanFits) {
 
 TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
   // The reference profile's GPU classes and link rates (DESIGN.md §8).
-  graph::Graph g = Zoo("gpt", {{"layers", 2}, {"hidden", 256}, {"heads", 4},
-                               {"ffn", 1024}, {"seq", 64}, {"vocab", 1024},
+  graph::Graph g = Zoo("gpt", {{"layers", 2},
+                               {"hidden", 256},
+                               {"heads", 4},
+                               {"ffn", 1024},
+                               {"seq", 64},
+                               {"vocab", 1024},
                                {"batch", 64}});
-  auto c = MakeCluster({3.86e12, 3.86e12, 3.86e12, 3.86e12, 2.15e12, 2.15e12,
-                        2.15e12, 2.15e12},
-                       4, 9.5e9, 3e9);
+  auto c = MakeCluster(
+      {3.86e12, 3.86e12, 3.86e12, 3.86e12, 2.15e12, 2.15e12, 2.15e12, 2.15e12},
+      4, 9.5e9, 3e9);
   SearchOptions a;
   a.block_search = false;  // plain A*
   SearchOptions z;
@@ -499,13 +520,16 @@ TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
   };
   std::vector<SnapCase> cases;
   cases.push_back({"4 same", MakeCluster({1e13, 1e13, 1e13, 1e13}, 4)});
-  cases.push_back({"2 kinds x 3", MakeCluster({2e13, 2e13, 2e13, 1e13, 1e13, 1e13}, 3)});
-  cases.push_back({"3 kinds, 2 a node",
-                   MakeCluster({3e13, 2e13, 1e13, 3e13, 2e13, 1e13, 3e13, 1e13}, 2)});
-  cases.push_back({"all distinct", MakeCluster({1e13, 1.3e13, 1.7e13, 2.2e13, 2.9e13}, 5)});
+  cases.push_back(
+      {"2 kinds x 3", MakeCluster({2e13, 2e13, 2e13, 1e13, 1e13, 1e13}, 3)});
+  cases.push_back(
+      {"3 kinds, 2 a node",
+       MakeCluster({3e13, 2e13, 1e13, 3e13, 2e13, 1e13, 3e13, 1e13}, 2)});
+  cases.push_back(
+      {"all distinct", MakeCluster({1e13, 1.3e13, 1.7e13, 2.2e13, 2.9e13}, 5)});
   cases.push_back({"12 of 2 kinds, slow links",
-                   MakeCluster({2.5e12, 2.5e12, 2.5e12, 1e12, 1e12, 1e12, 1e12, 1e12,
-                                1e12, 2.5e12, 1e12, 1e12},
+                   MakeCluster({2.5e12, 2.5e12, 2.5e12, 1e12, 1e12, 1e12, 1e12,
+                                1e12, 1e12, 2.5e12, 1e12, 1e12},
                                4, 1e10, 1e9)});
   std::mt19937 rng(7);
   int cases_run = 0, moved = 0, memory_bound = 0;
@@ -513,15 +537,16 @@ TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
     const int n = c.cluster.size();
     for (const char* model : {"gpt", "mlp"}) {
       for (int per_device : {3, 8}) {
-        SCOPED_TRACE(absl::StrCat(c.name, ", ", model, ", batch ", per_device * n));
+        SCOPED_TRACE(
+            absl::StrCat(c.name, ", ", model, ", batch ", per_device * n));
         graph::Graph g = Zoo(model, Small(model, per_device * n));
         const int64_t batch = per_device * n;
         PlanOptions po;
         po.snap_ratios_to_batch = false;
         auto plan = PlanModel(g, c.cluster, po);
         ASSERT_TRUE(plan.ok()) << plan.status();
-        std::vector<std::vector<double>> splits = {plan->ratios,
-                                                   c.cluster.ProportionalRatios()};
+        std::vector<std::vector<double>> splits = {
+            plan->ratios, c.cluster.ProportionalRatios()};
         std::uniform_real_distribution<double> jitter(0.5, 1.5);
         for (int k = 0; k < 3; ++k) {
           std::vector<double> r = plan->ratios;
@@ -534,8 +559,8 @@ TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
         starved[0] += starved[n - 1];
         starved[n - 1] = 0;
         splits.push_back(starved);
-        const ratios::MemoryConstraint free_mem =
-            MemoryModel(g, c.cluster, plan->program, OptimizerKind::kSgdMomentum);
+        const ratios::MemoryConstraint free_mem = MemoryModel(
+            g, c.cluster, plan->program, OptimizerKind::kSgdMomentum);
         for (const std::vector<double>& r : splits) {
           // Tight: every other device (every device) holds exactly its
           // rounded share.
@@ -543,11 +568,13 @@ TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
           const std::vector<int64_t> base = ratios::RoundShards(batch, r);
           for (int d = 0; d < n; ++d) {
             const double at = std::floor(free_mem.constant[d] +
-                                         free_mem.coef[0][d] * base[d] / static_cast<double>(batch));
+                                         free_mem.coef[0][d] * base[d] /
+                                             static_cast<double>(batch));
             tightest.capacity[d] = at;
             if (d % 2 == 0) tight.capacity[d] = at;
           }
-          for (const ratios::MemoryConstraint* mem : std::vector<const ratios::MemoryConstraint*>{
+          for (const ratios::MemoryConstraint* mem :
+               std::vector<const ratios::MemoryConstraint*>{
                    nullptr, &free_mem, &tight, &tightest}) {
             SnapRequest q;
             q.program = &plan->program;
@@ -555,18 +582,22 @@ TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
             q.batch = batch;
             q.memory = mem;
             const SnapResult got = SnapToSamples(q);
-            const std::vector<double> want = ExhaustiveSnap(plan->program, r, batch, mem);
+            const std::vector<double> want =
+                ExhaustiveSnap(plan->program, r, batch, mem);
             ASSERT_EQ(got.ratios, want);
             EXPECT_TRUE(got.complete);
-            EXPECT_LE(got.moves_evaluated, static_cast<int64_t>(got.groups) * got.groups);
+            EXPECT_LE(got.moves_evaluated,
+                      static_cast<int64_t>(got.groups) * got.groups);
             if (!want.empty()) {
               EXPECT_NEAR(got.cost, EvaluateProgram(plan->program, want).total,
                           1e-9 * got.cost);
               std::vector<double> rounded;
-              for (int64_t m : base) rounded.push_back(m / static_cast<double>(batch));
+              for (int64_t m : base)
+                rounded.push_back(m / static_cast<double>(batch));
               moved += want != rounded;
               memory_bound +=
-                  mem == &tightest && want != ExhaustiveSnap(plan->program, r, batch, nullptr);
+                  mem == &tightest &&
+                  want != ExhaustiveSnap(plan->program, r, batch, nullptr);
             }
             ++cases_run;
           }
@@ -619,7 +650,8 @@ TEST(SynthTest, SnapMovesBetweenGroupsAndStopsAtTheDeadline) {
   for (int64_t m : ratios::RoundShards(q.batch, q.ratios)) {
     rounded.push_back(m / static_cast<double>(q.batch));
   }
-  EXPECT_LE(EvaluateProgram(*dp, cut.ratios).total, EvaluateProgram(*dp, rounded).total);
+  EXPECT_LE(EvaluateProgram(*dp, cut.ratios).total,
+            EvaluateProgram(*dp, rounded).total);
   q.deadline.reset();
   const SnapResult whole = SnapToSamples(q);
   EXPECT_TRUE(whole.complete);
@@ -631,8 +663,12 @@ TEST(SynthTest, SnapMovesBetweenGroupsAndStopsAtTheDeadline) {
 // budget too small to finish any search, and a time budget spent before the
 // LP, on a model that fits.
 TEST(SynthTest, SpentBudgetsReturnTheBestPlanWithANote) {
-  graph::Graph g = Zoo("gpt", {{"layers", 2}, {"hidden", 256}, {"heads", 4},
-                               {"ffn", 1024}, {"seq", 64}, {"vocab", 1024},
+  graph::Graph g = Zoo("gpt", {{"layers", 2},
+                               {"hidden", 256},
+                               {"heads", 4},
+                               {"ffn", 1024},
+                               {"seq", 64},
+                               {"vocab", 1024},
                                {"batch", 64}});
   auto c = MakeCluster({2e13, 2e13, 1e13, 1e13}, 2);
   auto full = PlanModel(g, c, PlanOptions());
@@ -661,7 +697,8 @@ TEST(SynthTest, SpentBudgetsReturnTheBestPlanWithANote) {
   double sum = 0;
   for (double x : r->ratios) sum += x;
   EXPECT_NEAR(sum, 1.0, 1e-12);
-  EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total, 1e-12);
+  EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total,
+              1e-12);
 }
 
 // A state budget too small for any search (GPT-12 on 64 devices): the
