@@ -72,6 +72,31 @@ class BnNet(nn.Module):
         return F.cross_entropy(self.head(h), labels)
 
 
+class MobileBlock(nn.Module):
+    """An inverted residual block as mobilenet_v2's: 1x1 expansion,
+    depthwise 3x3 (groups = channels), BatchNorm and ReLU6, 1x1 projection;
+    then a grouped convolution (2 groups)."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(4, 12, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(12)
+        self.dw = nn.Conv2d(12, 12, 3, stride=2, padding=1, groups=12,
+                            bias=False)
+        self.bn2 = nn.BatchNorm2d(12)
+        self.project = nn.Conv2d(12, 4, 1, bias=False)
+        self.grouped = nn.Conv2d(4, 6, 3, padding=1, groups=2)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        h = F.relu6(self.bn1(self.expand(x)))
+        h = F.relu6(self.bn2(self.dw(h)))
+        h = self.project(h) + F.avg_pool2d(x, 2)
+        h = F.silu(self.grouped(h))
+        h = F.adaptive_avg_pool2d(h, 1).flatten(1)
+        return F.cross_entropy(self.fc(h), labels)
+
+
 class ExportOpsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -150,6 +175,26 @@ class ExportOpsTest(unittest.TestCase):
         ref_m = copy.deepcopy(m).train()
         with torch.no_grad():
             ref = ref_m(**inputs).item()
+            val = hap_ir_eval.evaluate(g, inputs, values).item()
+        self.assertAlmostEqual(ref, val, delta=1e-5 * max(1.0, abs(ref)))
+
+    def test_grouped_and_depthwise_convolution(self):
+        m = MobileBlock()
+        inputs = {"x": torch.randn(3, 4, 8, 8), "labels": labels(3, 3)}
+        g, values = export_fx.export(m, inputs, return_values=True)
+        type(self).n += 1
+        out = os.path.join(self.dir, f"mobile_{self.n}.json")
+        with open(out, "w") as f:
+            json.dump(g, f)
+        got = U.validate(out)
+        self.assertEqual(got["trainable_parameters"],
+                         sum(p.numel() for p in m.parameters()))
+        groups = sorted(op.get("attrs", {}).get("groups", {"i": 1})["i"]
+                        for op in g["ops"] if op["type"] == "conv2d")
+        self.assertEqual(groups, [1, 1, 2, 12])
+        import copy
+        with torch.no_grad():
+            ref = copy.deepcopy(m).train()(**inputs).item()
             val = hap_ir_eval.evaluate(g, inputs, values).item()
         self.assertAlmostEqual(ref, val, delta=1e-5 * max(1.0, abs(ref)))
 

@@ -1213,8 +1213,6 @@ class _Exporter:
         return self.op("embedding", [ids, w])
 
     def conv2d(self, x, weight, bias, stride, padding, dilation, groups):
-        if groups != 1:
-            self.fail("grouped convolution is not supported")
         if tuple(_pair(dilation)) != (1, 1):
             self.fail("dilated convolution is not supported")
         w = self.param(weight) if isinstance(weight, torch.Tensor) else self.t(weight)
@@ -1231,8 +1229,10 @@ class _Exporter:
                     self.fail("padding='same' is supported for odd kernels and "
                               "stride 1 only")
                 padding = [(k - 1) // 2 for k in ks]
-        return self.op("conv2d", ins, {"stride": _pair(stride),
-                                       "padding": _pair(padding)})
+        attrs = {"stride": _pair(stride), "padding": _pair(padding)}
+        if groups != 1:
+            attrs["groups"] = int(groups)
+        return self.op("conv2d", ins, attrs)
 
     def pool_attrs(self, kind, x, kernel, stride, padding, ceil_mode):
         if len(x.shape) != 4:

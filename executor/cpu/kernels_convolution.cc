@@ -152,6 +152,11 @@ void Col2Im(const KernelArgs& a, const Window& g, const T* col, int64_t images,
 struct Conv {
   Window g;
   int64_t o = 0, ckk = 0;
+  // Input channels / the weight's: > 1 for a grouped (depthwise)
+  // convolution, which runs the direct loops below. Derived from the
+  // shapes, so a shard holding whole groups is a smaller grouped
+  // convolution.
+  int64_t groups = 1;
   bool direct = false;  // 1x1, stride 1, no padding: x is its own im2col
   int64_t group = 1;    // images per GEMM
   Shape y;
@@ -176,9 +181,13 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
   HAP_RETURN_IF_ERROR(CheckInput(a, 1, t));
   const TensorView& w = a.in[1];
-  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] != a.in[0].shape[1]) {
+  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] < 1 ||
+      a.in[0].shape[1] % w.shape[1] != 0 ||
+      w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
     return Invalid(a, "weight ", InLabel(a, 1), " does not fit image ",
-                   InLabel(a, 0));
+                   InLabel(a, 0),
+                   " (its channels must be a whole number of groups of the "
+                   "weight's input channels, dividing its output channels)");
   }
   HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
   HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
@@ -186,6 +195,7 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   HAP_ASSIGN_OR_RETURN(c.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]},
                                        stride, pad));
   c.o = w.shape[0];
+  c.groups = a.in[0].shape[1] / w.shape[1];
   c.ckk = w.shape[1] * w.shape[2] * w.shape[3];
   c.direct = c.g.kh == 1 && c.g.kw == 1 && c.g.sh == 1 && c.g.sw == 1 &&
              c.g.ph == 0 && c.g.pw == 0;
@@ -198,6 +208,112 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   HAP_RETURN_IF_ERROR(CheckBias(a, t, has_bias_slot, c.o));
   HAP_RETURN_IF_ERROR(CheckFitsBlas(a, {c.o, c.ckk, c.group * c.g.out_plane()}));
   return c;
+}
+
+// --- grouped convolution: direct loops ---------------------------------------------
+// Output channel oc of group q = oc / og reads input channels
+// [q * cg, (q + 1) * cg) (cg = the weight's input channels, og = o / groups):
+//   y[m][oc][oy][ox] = b[oc] + sum_{k, i, j} w[oc][k][i][j] *
+//                      x[m][q * cg + k][oy * sh - ph + i][ox * sw - pw + j].
+// Sums in double, in the order k, i, j.
+
+// fn(oy, ox, iy, ix, i, j) over the taps of plane positions inside the image.
+template <typename F>
+void ForEachTap(const Window& g, F fn) {
+  for (int64_t oy = 0; oy < g.oh; ++oy) {
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const int64_t iy = oy * g.sh - g.ph + i;
+      if (iy < 0 || iy >= g.h) continue;
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        for (int64_t j = 0; j < g.kw; ++j) {
+          const int64_t ix = ox * g.sw - g.pw + j;
+          if (ix >= 0 && ix < g.w) fn(oy, ox, iy, ix, i, j);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void GroupedForward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
+                    const T* bias, T* y) {
+  const Window& g = c.g;
+  const int64_t cg = g.c / c.groups, og = c.o / c.groups, kk = g.kh * g.kw;
+  ParallelFor(a.ctx.num_threads, g.n * c.o, GrainFor(g.out_plane() * cg * kk),
+              [&](int64_t b, int64_t e) {
+                std::vector<double> acc(g.out_plane());
+                for (int64_t mo = b; mo < e; ++mo) {
+                  const int64_t m = mo / c.o, oc = mo % c.o, q = oc / og;
+                  std::fill(acc.begin(), acc.end(),
+                            bias != nullptr ? double(bias[oc]) : 0.0);
+                  for (int64_t k = 0; k < cg; ++k) {
+                    const T* xp = x + (m * g.c + q * cg + k) * g.plane();
+                    const T* wk = w + (oc * cg + k) * kk;
+                    ForEachTap(g, [&](int64_t oy, int64_t ox, int64_t iy,
+                                      int64_t ix, int64_t i, int64_t j) {
+                      acc[oy * g.ow + ox] +=
+                          double(wk[i * g.kw + j]) * double(xp[iy * g.w + ix]);
+                    });
+                  }
+                  T* yp = y + mo * g.out_plane();
+                  for (int64_t p = 0; p < g.out_plane(); ++p) yp[p] = T(acc[p]);
+                }
+              });
+}
+
+// dx (parallel over images and groups: disjoint channels), dw (parallel
+// over output channels), db.
+template <typename T>
+void GroupedBackward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
+                     const T* dy, T* dx, T* dw, T* db) {
+  const Window& g = c.g;
+  const int64_t cg = g.c / c.groups, og = c.o / c.groups, kk = g.kh * g.kw;
+  const int64_t op = g.out_plane();
+  if (dx != nullptr) {
+    ParallelFor(a.ctx.num_threads, g.n * c.groups, GrainFor(og * op * cg * kk),
+                [&](int64_t b, int64_t e) {
+                  for (int64_t mq = b; mq < e; ++mq) {
+                    const int64_t m = mq / c.groups, q = mq % c.groups;
+                    for (int64_t oc = q * og; oc < (q + 1) * og; ++oc) {
+                      const T* dyp = dy + (m * c.o + oc) * op;
+                      for (int64_t k = 0; k < cg; ++k) {
+                        T* dxp = dx + (m * g.c + q * cg + k) * g.plane();
+                        const T* wk = w + (oc * cg + k) * kk;
+                        ForEachTap(g, [&](int64_t oy, int64_t ox, int64_t iy,
+                                          int64_t ix, int64_t i, int64_t j) {
+                          dxp[iy * g.w + ix] += wk[i * g.kw + j] * dyp[oy * g.ow + ox];
+                        });
+                      }
+                    }
+                  }
+                });
+  }
+  if (dw == nullptr && db == nullptr) return;
+  ParallelFor(a.ctx.num_threads, c.o, GrainFor(g.n * op * cg * kk),
+              [&](int64_t b, int64_t e) {
+                std::vector<double> acc(cg * kk);
+                for (int64_t oc = b; oc < e; ++oc) {
+                  const int64_t q = oc / og;
+                  std::fill(acc.begin(), acc.end(), 0.0);
+                  double bsum = 0;
+                  for (int64_t m = 0; m < g.n; ++m) {
+                    const T* dyp = dy + (m * c.o + oc) * op;
+                    for (int64_t p = 0; p < op; ++p) bsum += double(dyp[p]);
+                    for (int64_t k = 0; dw != nullptr && k < cg; ++k) {
+                      const T* xp = x + (m * g.c + q * cg + k) * g.plane();
+                      ForEachTap(g, [&](int64_t oy, int64_t ox, int64_t iy,
+                                        int64_t ix, int64_t i, int64_t j) {
+                        acc[k * kk + i * g.kw + j] +=
+                            double(dyp[oy * g.ow + ox]) * double(xp[iy * g.w + ix]);
+                      });
+                    }
+                  }
+                  if (dw != nullptr) {
+                    for (int64_t r = 0; r < cg * kk; ++r) dw[oc * cg * kk + r] += T(acc[r]);
+                  }
+                  if (db != nullptr) db[oc] += T(bsum);
+                }
+              });
 }
 
 // y[m] = w @ im2col(x[m]) (+ bias), `group` images per GEMM: their columns
@@ -215,6 +331,10 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   const T* x = a.in[0].as<const T>();
   const T* w = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
+  if (c.groups > 1) {
+    GroupedForward<T>(a, c, x, w, bias, y);
+    return absl::OkStatus();
+  }
   std::vector<T> col(c.direct ? 0 : c.ckk * c.group * op);
   std::vector<T> out(c.group > 1 ? c.o * c.group * op : 0);
   c.ForEachGroup([&](int64_t i0, int64_t m, int64_t cols) {
@@ -255,6 +375,10 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   T* dx = gr.dx(0).present() ? gr.dx(0).as<T>() : nullptr;
   T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
   T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
+  if (c.groups > 1) {
+    GroupedBackward<T>(a, c, x, w, dy, dx, dw, db);
+    return absl::OkStatus();
+  }
   std::vector<T> col(c.direct ? 0 : c.ckk * c.group * op);
   std::vector<T> dyg(c.group > 1 ? c.o * c.group * op : 0);
   c.ForEachGroup([&](int64_t i0, int64_t m, int64_t cols) {

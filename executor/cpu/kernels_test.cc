@@ -620,6 +620,16 @@ TEST(KernelGradTest, Convolution) {
                         {Rand({2, 3, 5, 5}, 1), Rand({4, 3, 3, 3}, 2), Rand({4}, 3)}});
   ExpectGradientsMatch({"conv2d", {{"stride", std::vector<int64_t>{1, 2}}},
                         {Rand({1, 2, 4, 5}, 4), Rand({3, 2, 2, 3}, 5)}});
+  // Grouped (2 groups of 2 input and 3 output channels) and depthwise
+  // (channel multiplier 2), the direct loops.
+  ExpectGradientsMatch({"conv2d",
+                        {{"stride", std::vector<int64_t>{2, 1}},
+                         {"padding", std::vector<int64_t>{1}},
+                         {"groups", int64_t{2}}},
+                        {Rand({2, 4, 5, 4}, 20), Rand({6, 2, 3, 2}, 21), Rand({6}, 22)}});
+  ExpectGradientsMatch({"conv2d",
+                        {{"padding", std::vector<int64_t>{1}}, {"groups", int64_t{3}}},
+                        {Rand({2, 3, 4, 4}, 23), Rand({6, 1, 3, 3}, 24)}});
   ExpectGradientsMatch({"conv2d", {},  // 1x1: no im2col
                         {Rand({2, 3, 3, 2}, 6), Rand({2, 3, 1, 1}, 7), Rand({2}, 8)}});
   ExpectGradientsMatch({"max_pool2d",

@@ -75,6 +75,89 @@ HAP_CUDA_HD inline T Col2ImSum(const Window& g, const T* col, int64_t images,
   return acc;
 }
 
+// --- grouped conv2d (direct; executor/cpu/kernels_convolution.cc) -----------
+// Output channel oc of group q = oc / og (og = o / groups) reads input
+// channels [q * cg, (q + 1) * cg), cg = c / groups; w is [o, cg, kh, kw].
+
+// y[m][oc][oy][ox] without the bias: the taps in the CPU's order (k, i,
+// j), summed in double.
+template <typename T>
+HAP_CUDA_HD inline double GroupedConvValue(const Window& g, int64_t groups,
+                                           int64_t o, const T* x, const T* w,
+                                           int64_t m, int64_t oc, int64_t oy,
+                                           int64_t ox) {
+  const int64_t cg = g.c / groups, og = o / groups, q = oc / og;
+  double acc = 0;
+  for (int64_t k = 0; k < cg; ++k) {
+    const T* xp = x + (m * g.c + q * cg + k) * g.h * g.w;
+    const T* wk = w + (oc * cg + k) * g.kh * g.kw;
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const int64_t iy = oy * g.sh - g.ph + i;
+      if (iy < 0 || iy >= g.h) continue;
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const int64_t ix = ox * g.sw - g.pw + j;
+        if (ix < 0 || ix >= g.w) continue;
+        acc += static_cast<double>(wk[i * g.kw + j]) *
+               static_cast<double>(xp[iy * g.w + ix]);
+      }
+    }
+  }
+  return acc;
+}
+
+// dL/dx[m][ic][iy][ix]: w * dy over the outputs of ic's group and the taps
+// that read it.
+template <typename T>
+HAP_CUDA_HD inline double GroupedConvDx(const Window& g, int64_t groups,
+                                        int64_t o, const T* w, const T* dy,
+                                        int64_t m, int64_t ic, int64_t iy,
+                                        int64_t ix) {
+  const int64_t cg = g.c / groups, og = o / groups, q = ic / cg, k = ic % cg;
+  double acc = 0;
+  for (int64_t oc = q * og; oc < (q + 1) * og; ++oc) {
+    const T* dyp = dy + (m * o + oc) * g.oh * g.ow;
+    const T* wk = w + (oc * cg + k) * g.kh * g.kw;
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const int64_t ty = iy + g.ph - i;  // = oy * sh
+      if (ty < 0) break;
+      if (ty % g.sh != 0 || ty / g.sh >= g.oh) continue;
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const int64_t tx = ix + g.pw - j;
+        if (tx < 0) break;
+        if (tx % g.sw != 0 || tx / g.sw >= g.ow) continue;
+        acc += static_cast<double>(wk[i * g.kw + j]) *
+               static_cast<double>(dyp[(ty / g.sh) * g.ow + tx / g.sw]);
+      }
+    }
+  }
+  return acc;
+}
+
+// dL/dw[oc][k][i][j]: dy * x over the images and output positions.
+template <typename T>
+HAP_CUDA_HD inline double GroupedConvDw(const Window& g, int64_t groups,
+                                        int64_t o, const T* x, const T* dy,
+                                        int64_t oc, int64_t k, int64_t i,
+                                        int64_t j) {
+  const int64_t cg = g.c / groups, og = o / groups, q = oc / og;
+  double acc = 0;
+  for (int64_t m = 0; m < g.n; ++m) {
+    const T* xp = x + (m * g.c + q * cg + k) * g.h * g.w;
+    const T* dyp = dy + (m * o + oc) * g.oh * g.ow;
+    for (int64_t oy = 0; oy < g.oh; ++oy) {
+      const int64_t iy = oy * g.sh - g.ph + i;
+      if (iy < 0 || iy >= g.h) continue;
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        const int64_t ix = ox * g.sw - g.pw + j;
+        if (ix < 0 || ix >= g.w) continue;
+        acc += static_cast<double>(dyp[oy * g.ow + ox]) *
+               static_cast<double>(xp[iy * g.w + ix]);
+      }
+    }
+  }
+  return acc;
+}
+
 // --- max_pool2d --------------------------------------------------------------
 
 // The first maximum of output (oy, ox)'s window over plane xp (as the CPU's

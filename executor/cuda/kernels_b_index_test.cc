@@ -284,6 +284,77 @@ TEST(AvgPoolTest, AverageAndGatheredGradientMatchTheScatter) {
   }
 }
 
+// Grouped conv2d: the gathered dx and dw of GroupedConvDx/GroupedConvDw
+// against the scatter of the forward's taps (GroupedConvValue checked
+// against the same loops).
+TEST(GroupedConvTest, ValueAndGatheredGradientsMatchTheScatter) {
+  std::mt19937_64 rng(7);
+  struct S {
+    int64_t n, c, h, w, o, groups, kh, kw, sh, sw, ph, pw;
+  };
+  for (const S& s : {S{2, 4, 5, 6, 6, 2, 3, 3, 2, 1, 1, 1}, S{1, 3, 4, 4, 6, 3, 3, 2, 1, 2, 1, 0},
+                     S{2, 6, 7, 5, 6, 6, 3, 3, 2, 2, 1, 1}}) {
+    Window g;
+    g.n = s.n;
+    g.c = s.c;
+    g.h = s.h;
+    g.w = s.w;
+    g.kh = s.kh;
+    g.kw = s.kw;
+    g.sh = s.sh;
+    g.sw = s.sw;
+    g.ph = s.ph;
+    g.pw = s.pw;
+    g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
+    g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
+    const int64_t cg = g.c / s.groups, og = s.o / s.groups;
+    const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
+    const std::vector<double> w = Random(s.o * cg * g.kh * g.kw, rng);
+    const std::vector<double> dy = Random(g.n * s.o * g.oh * g.ow, rng);
+    std::vector<double> dx(x.size(), 0.0), dw(w.size(), 0.0);
+    for (int64_t m = 0; m < g.n; ++m) {
+      for (int64_t oc = 0; oc < s.o; ++oc) {
+        for (int64_t oy = 0; oy < g.oh; ++oy) {
+          for (int64_t ox = 0; ox < g.ow; ++ox) {
+            const double d = dy[((m * s.o + oc) * g.oh + oy) * g.ow + ox];
+            double y = 0;
+            for (int64_t k = 0; k < cg; ++k) {
+              const int64_t ic = (oc / og) * cg + k;
+              for (int64_t i = 0; i < g.kh; ++i) {
+                for (int64_t j = 0; j < g.kw; ++j) {
+                  const int64_t iy = oy * g.sh - g.ph + i, ix = ox * g.sw - g.pw + j;
+                  if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+                  const int64_t xi = ((m * g.c + ic) * g.h + iy) * g.w + ix;
+                  const int64_t wi = ((oc * cg + k) * g.kh + i) * g.kw + j;
+                  y += w[wi] * x[xi];
+                  dx[xi] += w[wi] * d;
+                  dw[wi] += x[xi] * d;
+                }
+              }
+            }
+            EXPECT_NEAR(GroupedConvValue(g, s.groups, s.o, x.data(), w.data(), m, oc, oy, ox),
+                        y, 1e-12);
+          }
+        }
+      }
+    }
+    for (int64_t e = 0; e < static_cast<int64_t>(x.size()); ++e) {
+      const int64_t ix = e % g.w, iy = (e / g.w) % g.h, ic = (e / (g.w * g.h)) % g.c,
+                    m = e / (g.w * g.h * g.c);
+      EXPECT_NEAR(GroupedConvDx(g, s.groups, s.o, w.data(), dy.data(), m, ic, iy, ix), dx[e],
+                  1e-12)
+          << e;
+    }
+    for (int64_t e = 0; e < static_cast<int64_t>(w.size()); ++e) {
+      const int64_t j = e % g.kw, i = (e / g.kw) % g.kh, k = (e / (g.kw * g.kh)) % cg,
+                    oc = e / (g.kw * g.kh * cg);
+      EXPECT_NEAR(GroupedConvDw(g, s.groups, s.o, x.data(), dy.data(), oc, k, i, j), dw[e],
+                  1e-12)
+          << e;
+    }
+  }
+}
+
 TEST(GateTest, TopKIsTheCpusPartialSortOrder) {
   std::mt19937_64 rng(5);
   for (int64_t experts : {1, 3, 8, 33}) {

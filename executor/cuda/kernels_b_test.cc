@@ -352,11 +352,16 @@ TEST_F(KernelsBTest, Conv2d) {
                      {{3, 5, 8, 7}, {6, 5, 1, 1}, {1}, {0}, false},
                      {{2, 3, 10, 9}, {2, 3, 5, 4}, {1, 2}, {0, 1}, false},
                      {{1, 2, 33, 40}, {3, 2, 3, 3}, {1}, {1}, true},
-                     {{4, 16, 6, 6}, {8, 16, 3, 3}, {1}, {2}, true}};
+                     {{4, 16, 6, 6}, {8, 16, 3, 3}, {1}, {2}, true},
+                     // Grouped (2 groups) and depthwise (multiplier 2):
+                     // the direct kernels; groups from the shapes.
+                     {{2, 4, 9, 8}, {6, 2, 3, 3}, {2}, {1}, true},
+                     {{3, 5, 7, 7}, {10, 1, 3, 3}, {1}, {1}, false}};
   for (DType t : kDtypes) {
     const Tol tol = GemmTol(t);
     for (const C& c : cases) {
-      const graph::Attrs attrs{{"stride", c.stride}, {"padding", c.padding}};
+      graph::Attrs attrs{{"stride", c.stride}, {"padding", c.padding}};
+      if (c.w[1] != c.x[1]) attrs.Set("groups", c.x[1] / c.w[1]);
       const int64_t sh = c.stride[0], sw = c.stride.back();
       const int64_t ph = c.padding[0], pw = c.padding.back();
       const Shape y = {c.x[0], c.w[0], (c.x[2] + 2 * ph - c.w[2]) / sh + 1,

@@ -68,6 +68,7 @@ constexpr int64_t kCpuMaxColElements = int64_t{1} << 23;
 struct Conv {
   Window g;
   int64_t o = 0, ckk = 0, op = 0;
+  int64_t groups = 1;  // > 1: grouped, the direct kernels (as the CPU's)
   bool direct = false;  // 1x1, stride 1, no padding: x is its own im2col
   int64_t group = 1;    // images per GEMM batch
   Shape y;
@@ -88,9 +89,13 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 1, t));
   const TensorView& w = a.in[1];
-  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] != a.in[0].shape[1]) {
+  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] < 1 ||
+      a.in[0].shape[1] % w.shape[1] != 0 ||
+      w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
     return Invalid(a, "weight ", cpu::InLabel(c, 1), " does not fit image ",
-                   cpu::InLabel(c, 0));
+                   cpu::InLabel(c, 0),
+                   " (its channels must be a whole number of groups of the "
+                   "weight's input channels, dividing its output channels)");
   }
   HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
   HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
@@ -99,6 +104,7 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
       cv.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad));
   const Window& g = cv.g;
   cv.o = w.shape[0];
+  cv.groups = a.in[0].shape[1] / w.shape[1];
   cv.ckk = w.shape[1] * w.shape[2] * w.shape[3];
   cv.op = g.oh * g.ow;
   cv.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 &&
@@ -138,6 +144,10 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   const T* x = a.in[0].as<const T>();
   const T* w = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
+  if (cv.groups > 1) {
+    LaunchGroupedConv<T>(g, cv.groups, cv.o, x, w, bias, y, a.stream);
+    return CheckLaunch(a);
+  }
   T* col = nullptr;
   if (!cv.direct) {
     HAP_ASSIGN_OR_RETURN(col, ScratchArray<T>(a, cv.ckk * cv.group * cv.op));
@@ -178,6 +188,11 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   T* dx = gr.dx(0).present() ? gr.dx(0).as<T>() : nullptr;
   T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
   T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
+  if (cv.groups > 1) {
+    LaunchGroupedConvGrad<T>(g, cv.groups, cv.o, x, w, dy, dx, dw, a.stream);
+    if (db != nullptr) LaunchBiasGrad<T>(dy, g.n, cv.o, cv.op, db, a.stream);
+    return CheckLaunch(a);
+  }
   T* col = nullptr;
   T* dyg = nullptr;
   if (dw != nullptr || (dx != nullptr && !cv.direct)) {

@@ -78,6 +78,43 @@ __global__ void BiasGradKernel(const T* dy, int64_t images, int64_t channels,
   }
 }
 
+// --- grouped conv2d ----------------------------------------------------------
+
+template <typename T>
+__global__ void GroupedConvKernel(Window g, int64_t groups, int64_t o,
+                                  const T* x, const T* w, const T* bias, T* y) {
+  const int64_t total = g.n * o * g.oh * g.ow;
+  for (int64_t k = GridStart(); k < total; k += GridStep()) {
+    const int64_t ox = k % g.ow, oy = (k / g.ow) % g.oh;
+    const int64_t oc = (k / (g.ow * g.oh)) % o, m = k / (g.ow * g.oh * o);
+    const double b = bias != nullptr ? static_cast<double>(bias[oc]) : 0.0;
+    y[k] = static_cast<T>(b + GroupedConvValue(g, groups, o, x, w, m, oc, oy, ox));
+  }
+}
+
+template <typename T>
+__global__ void GroupedConvDxKernel(Window g, int64_t groups, int64_t o,
+                                    const T* w, const T* dy, T* dx) {
+  const int64_t total = g.n * g.c * g.h * g.w;
+  for (int64_t k = GridStart(); k < total; k += GridStep()) {
+    const int64_t ix = k % g.w, iy = (k / g.w) % g.h;
+    const int64_t ic = (k / (g.w * g.h)) % g.c, m = k / (g.w * g.h * g.c);
+    dx[k] += static_cast<T>(GroupedConvDx(g, groups, o, w, dy, m, ic, iy, ix));
+  }
+}
+
+template <typename T>
+__global__ void GroupedConvDwKernel(Window g, int64_t groups, int64_t o,
+                                    const T* x, const T* dy, T* dw) {
+  const int64_t cg = g.c / groups;
+  const int64_t total = o * cg * g.kh * g.kw;
+  for (int64_t e = GridStart(); e < total; e += GridStep()) {
+    const int64_t j = e % g.kw, i = (e / g.kw) % g.kh;
+    const int64_t k = (e / (g.kw * g.kh)) % cg, oc = e / (g.kw * g.kh * cg);
+    dw[e] += static_cast<T>(GroupedConvDw(g, groups, o, x, dy, oc, k, i, j));
+  }
+}
+
 // --- max_pool2d --------------------------------------------------------------
 
 template <typename T>
@@ -214,6 +251,32 @@ void LaunchBiasGrad(const T* dy, int64_t images, int64_t channels,
 }
 
 template <typename T>
+void LaunchGroupedConv(const Window& g, int64_t groups, int64_t o, const T* x,
+                       const T* w, const T* bias, T* y, cudaStream_t stream) {
+  const int64_t total = g.n * o * g.oh * g.ow;
+  if (total == 0) return;
+  GroupedConvKernel<T><<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(
+      g, groups, o, x, w, bias, y);
+}
+
+template <typename T>
+void LaunchGroupedConvGrad(const Window& g, int64_t groups, int64_t o,
+                           const T* x, const T* w, const T* dy, T* dx, T* dw,
+                           cudaStream_t stream) {
+  const int64_t ins = g.n * g.c * g.h * g.w;
+  const int64_t weights = o * (g.c / groups) * g.kh * g.kw;
+  if (dx != nullptr && ins > 0) {
+    GroupedConvDxKernel<T><<<BlocksFor(ins, kThreads), kThreads, 0, stream>>>(
+        g, groups, o, w, dy, dx);
+  }
+  if (dw != nullptr && weights > 0) {
+    GroupedConvDwKernel<T>
+        <<<BlocksFor(weights, kThreads), kThreads, 0, stream>>>(g, groups, o, x,
+                                                                dy, dw);
+  }
+}
+
+template <typename T>
 void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream) {
   const int64_t total = g.n * g.c * g.oh * g.ow;
   if (total == 0) return;
@@ -267,6 +330,12 @@ void LaunchAdaptiveAvgPoolGrad(const Window& g, const T* dy, T* dx,
                                        T*, cudaStream_t);                    \
   template void LaunchBiasGrad<T>(const T*, int64_t, int64_t, int64_t, T*,   \
                                   cudaStream_t);                             \
+  template void LaunchGroupedConv<T>(const Window&, int64_t, int64_t,        \
+                                     const T*, const T*, const T*, T*,       \
+                                     cudaStream_t);                          \
+  template void LaunchGroupedConvGrad<T>(const Window&, int64_t, int64_t,    \
+                                         const T*, const T*, const T*, T*,   \
+                                         T*, cudaStream_t);                  \
   template void LaunchMaxPool<T>(const Window&, const T*, T*, cudaStream_t); \
   template void LaunchMaxPoolGrad<T>(const Window&, const T*, const T*, T*,  \
                                      int64_t*, cudaStream_t);                \

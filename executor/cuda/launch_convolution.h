@@ -55,6 +55,16 @@ template <typename T>
 void LaunchBiasGrad(const T* dy, int64_t images, int64_t channels,
                     int64_t plane, T* db, cudaStream_t stream);
 
+// Grouped (depthwise) conv2d, direct (kernels_b_index.h GroupedConv*):
+// y = conv + bias (bias may be null); dx += and dw += (either may be null).
+template <typename T>
+void LaunchGroupedConv(const Window& g, int64_t groups, int64_t o, const T* x,
+                       const T* w, const T* bias, T* y, cudaStream_t stream);
+template <typename T>
+void LaunchGroupedConvGrad(const Window& g, int64_t groups, int64_t o,
+                           const T* x, const T* w, const T* dy, T* dx, T* dw,
+                           cudaStream_t stream);
+
 // max_pool2d over every (n, c) plane: padding reads as -inf, the first
 // maximum in scan order (a NaN wins) is the window's value.
 template <typename T>

@@ -1,5 +1,6 @@
-// batch_norm trains on n ranks as on one device (issue 20): a small CNN
-// (conv2d, batch_norm with running statistics, relu, avg_pool2d, linear,
+// batch_norm and depthwise convolution train on n ranks as on one device
+// (issue 20): a small CNN (conv2d, batch_norm with running statistics, relu,
+// a depthwise conv2d with channel multiplier 2, avg_pool2d, linear,
 // cross-entropy) planned data parallel (the batch sharded at uneven
 // ratios: each rank's statistics cover its own samples, so the per-channel
 // sums must be all-reduced), tensor parallel (channels sharded), the
@@ -48,9 +49,14 @@ graph::Graph BatchNormCnn(int64_t batch) {
   x = b.Add("conv2d", "conv", {x, w}, {{"padding", std::vector<int64_t>{1}}});
   x = b.Add("batch_norm", "bn", {x, gamma, beta, rm, rv}, {{"momentum", 0.3}});
   x = b.Add("relu", "relu", {x});
+  graph::TensorId dw = b.Parameter("dw.weight", F32({8, 1, 3, 3}),
+                                   Initializer::Uniform(-0.5, 0.5));
+  graph::TensorId dwb = b.Parameter("dw.bias", F32({8}), Initializer::Uniform(-0.1, 0.1));
+  x = b.Add("conv2d", "dw", {x, dw, dwb},
+            {{"padding", std::vector<int64_t>{1}}, {"groups", int64_t{4}}});
   x = b.Add("avg_pool2d", "pool", {x}, {{"kernel", std::vector<int64_t>{2}}});
   x = b.Add("flatten", "flatten", {x});
-  graph::TensorId fw = b.Parameter("fc.weight", F32({5, 36}), Initializer::Uniform(-0.2, 0.2));
+  graph::TensorId fw = b.Parameter("fc.weight", F32({5, 72}), Initializer::Uniform(-0.2, 0.2));
   graph::TensorId fb = b.Parameter("fc.bias", F32({5}), Initializer::Zeros());
   x = b.Add("linear", "fc", {x, fw, fb});
   b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
@@ -86,6 +92,7 @@ struct Case {
   int ranks;
   std::string kind;
   std::string bn_rule;  // the rule batch_norm must run ("" = any)
+  std::string dw_rule;  // the rule the depthwise conv2d must run ("" = any)
 };
 
 class BatchNormEquivalenceTest : public ::testing::TestWithParam<Case> {};
@@ -103,12 +110,16 @@ TEST_P(BatchNormEquivalenceTest, LossesParametersAndRunningStatisticsMatchSingle
   for (double& r : ratios) r /= sum;
   auto program = hap::testing::ProgramOfKind(g, c.ranks, c.kind, ratios);
   ASSERT_TRUE(program.ok()) << program.status();
-  std::string rule;
+  std::string rule, dw_rule;
   for (const synth::OpStep& s : program->steps) {
     if (g.op(s.op).type == "batch_norm") rule = s.rule.name;
+    if (g.op(s.op).name == "dw") dw_rule = s.rule.name;
   }
   if (!c.bn_rule.empty()) {
     ASSERT_EQ(rule, c.bn_rule);
+  }
+  if (!c.dw_rule.empty()) {
+    ASSERT_EQ(dw_rule, c.dw_rule);
   }
   auto runs = RunPlan(g, *program, c.ranks, ratios, absl::StrCat(c.ranks, c.kind));
   ASSERT_TRUE(runs.ok()) << runs.status();
@@ -149,10 +160,12 @@ std::string Name(const ::testing::TestParamInfo<Case>& i) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, BatchNormEquivalenceTest,
-                         ::testing::Values(Case{2, "dp", "data(0)"}, Case{3, "dp", "data(0)"},
-                                           Case{2, "tp", "channels"}, Case{3, "mix", ""},
-                                           Case{2, "zero", "data(0)"},
-                                           Case{3, "zero2", "data(0)"}),
+                         ::testing::Values(Case{2, "dp", "data(0)", "data(0)"},
+                                           Case{3, "dp", "data(0)", "data(0)"},
+                                           Case{2, "tp", "channels", "groups"},
+                                           Case{3, "tp", "", "groups"}, Case{3, "mix", "", ""},
+                                           Case{2, "zero", "data(0)", ""},
+                                           Case{3, "zero2", "data(0)", ""}),
                          Name);
 
 }  // namespace

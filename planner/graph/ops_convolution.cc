@@ -87,10 +87,12 @@ void RegisterConvolutionOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "conv2d";
-    d.attrs = {"stride", "padding"};
+    d.attrs = {"stride", "padding", "groups"};
     d.summary =
-        "conv2d(x[n, c, h, w], w[o, c, kh, kw], b[o]?; stride=[1,1], "
-        "padding=[0,0]) -> [n, o, h', w']";
+        "conv2d(x[n, c, h, w], w[o, c/groups, kh, kw], b[o]?; stride=[1,1], "
+        "padding=[0,0], groups=1) -> [n, o, h', w'] (groups > 1: output "
+        "channels of group g read input channels of group g; groups = c: "
+        "depthwise)";
     d.min_inputs = 2;
     d.max_inputs = 3;
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
@@ -98,12 +100,19 @@ void RegisterConvolutionOps(OpRegistry& r) {
       HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
       HAP_RETURN_IF_ERROR(ExpectRank(c, 1, 4));
       HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, 1));
-      if (c.shape(1)[1] != c.shape(0)[1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "weight ", c.Describe(1), " expects ", c.shape(1)[1],
-            " input channels but ", c.Describe(0), " has ", c.shape(0)[1]));
-      }
+      HAP_ASSIGN_OR_RETURN(int64_t groups, c.attrs.Int("groups", 1));
       int64_t o = c.shape(1)[0];
+      if (groups < 1 || c.shape(0)[1] % groups != 0 || o % groups != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attribute 'groups' ", groups, " must be positive and divide the ",
+            c.shape(0)[1], " input and ", o, " output channels"));
+      }
+      if (c.shape(1)[1] * groups != c.shape(0)[1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "weight ", c.Describe(1), " expects ", c.shape(1)[1] * groups,
+            " input channels (", c.shape(1)[1], " per group, ", groups,
+            " groups) but ", c.Describe(0), " has ", c.shape(0)[1]));
+      }
       if (c.inputs.size() == 3 && c.shape(2) != Shape{o}) {
         return absl::InvalidArgumentError(
             absl::StrCat("bias ", c.Describe(2), " must have shape [", o, "]"));

@@ -1,4 +1,6 @@
 // Rules of the dense ops: linear, matmul, embedding, conv2d, pooling.
+#include <numeric>
+
 #include "absl/strings/str_cat.h"
 #include "planner/synth/rules.h"
 
@@ -105,6 +107,20 @@ void Conv(const RuleInput& x, std::vector<ShardRule>& r) {
     r.push_back(MakeRule("data(0)", RuleKind::kData,
                          with_bias({Form::S(0), Form::R()}, Form::R()),
                          {Form::S(0)}, true));
+  }
+  const int64_t groups = x.op.attrs.Int("groups", 1).value_or(1);
+  if (groups > 1) {
+    // Grouped (depthwise when groups = c): whole groups per device, their
+    // input channels, weight rows and output channels. The three are cut
+    // together in units of their gcd, a whole group only when the per-group
+    // channel counts are coprime (depthwise: 1 input channel a group).
+    const int64_t cg = s[1] / groups, og = x.in(1)[0] / groups;
+    if (x.Shardable(groups) && std::gcd(cg, og) == 1) {
+      r.push_back(MakeRule("groups", RuleKind::kTensor,
+                           with_bias({Form::S(1), Form::S(0)}, Form::S(0)),
+                           {Form::S(1)}, true));
+    }
+    return;
   }
   if (x.Shardable(x.in(1)[0])) {
     r.push_back(MakeRule("out-channels", RuleKind::kTensor,
