@@ -56,7 +56,8 @@ planner_srcs() {
   ls planner/graph/*.cc planner/synth/*.cc planner/cost/*.cc planner/ratios/*.cc \
     planner/lower/*.cc | grep -v -e '_test\.cc$' -e '_main\.cc$' -e '/test_util\.cc$'
   echo planner/service/core/planner_core.cc planner/service/core/profile_checks.cc \
-    planner/service/core/deployments.cc planner/service/core/deployment_manager.cc
+    planner/service/core/deployments.cc planner/service/core/deployment_manager.cc \
+    planner/service/core/jobs.cc
 }
 declare -A SRCS=(
   [graph]="${GRAPH_SRCS[*]}"

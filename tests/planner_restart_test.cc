@@ -1,14 +1,17 @@
 // Restart cycles: a planner SIGKILLed at random moments while a client
-// creates, cancels and deletes plans, restarted on the same database, 25
+// creates, cancels and deletes plans and deploys them (to executors nobody
+// runs, so each deployment fails), restarted on the same database, 25
 // times. After every restart: every plan whose creation was acknowledged is
 // there (unless its deletion was acknowledged), no acknowledged deletion is
 // brought back, an acknowledged cancel stays CANCELLED (never runs again),
-// no plan appears twice, the node is there once; at the end the SQLite file
+// no plan appears twice, every acknowledged deployment is there once, the
+// node is there once; at the end the SQLite file
 // passes PRAGMA integrity_check. Calls cut by the kill have no expectation.
 #include <sqlite3.h>
 
 #include <atomic>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <random>
 #include <set>
@@ -101,9 +104,20 @@ class Ledger {
     return out;
   }
 
+ // Deployments whose creation was acknowledged.
+  void Deployed(const std::string& name) {
+    std::lock_guard<std::mutex> l(mu_);
+    deployed_.insert(name);
+  }
+  std::set<std::string> Deployments() {
+    std::lock_guard<std::mutex> l(mu_);
+    return deployed_;
+  }
+
  private:
   std::mutex mu_;
   std::map<std::string, Told> told_;
+  std::set<std::string> deployed_;
 };
 
 v1::CreatePlanRequest Mlp(const std::string& id) {
@@ -124,7 +138,7 @@ void Client(Planner* p, Ledger* ledger, std::atomic<bool>* stop, int cycle, uint
   auto stub = p->Stub();
   std::mt19937_64 rng(seed);
   for (int k = 0; !stop->load(); ++k) {
-    const int op = static_cast<int>(rng() % 4);
+    const int op = static_cast<int>(rng() % 5);
     if (op <= 1) {
       const std::string id = absl::StrCat("c", cycle, "-", k);
       ledger->Set(id, Told::kUnknown);
@@ -135,7 +149,16 @@ void Client(Planner* p, Ledger* ledger, std::atomic<bool>* stop, int cycle, uint
       if (created.empty()) continue;
       const std::string id = created[rng() % created.size()];
       ledger->Set(id, Told::kUnknown);
-      if (op == 2) {
+      if (op == 4) {  // deploy: the plan is not touched (unless it is not done yet)
+        ledger->Set(id, Told::kCreated);
+        v1::DeployPlanRequest r;
+        r.set_plan("plans/" + id);
+        for (int d = 0; d < 2; ++d) {
+          (*r.mutable_executors())[absl::StrCat("n1/cpu", d)] = "127.0.0.1:1";
+        }
+        v1::Deployment dep;
+        if (stub->DeployPlan(Ctx().get(), r, &dep).ok()) ledger->Deployed(dep.name());
+      } else if (op == 2) {
         v1::CancelPlanRequest r;
         r.set_name("plans/" + id);
         v1::Plan plan;
@@ -189,6 +212,24 @@ void CheckAgainst(Planner& p, Ledger& ledger, int cycle) {
         break;
     }
   }
+  std::set<std::string> deployments;
+  token.clear();
+  do {
+    v1::ListDeploymentsRequest r;
+    r.set_page_size(500);
+    r.set_page_token(token);
+    v1::ListDeploymentsResponse resp;
+    grpc::Status s = stub->ListDeployments(Ctx(30).get(), r, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    for (const auto& d : resp.deployments()) {
+      EXPECT_TRUE(deployments.insert(d.name()).second) << d.name() << " listed twice";
+      EXPECT_NE(d.state(), v1::Deployment::RUNNING) << d.name() << " runs on no executor";
+    }
+    token = resp.next_page_token();
+  } while (!token.empty());
+  for (const std::string& name : ledger.Deployments()) {
+    EXPECT_TRUE(deployments.count(name)) << "acknowledged deployment " << name << " lost";
+  }
   v1::ListNodesRequest ln;
   v1::ListNodesResponse nodes;
   ASSERT_TRUE(stub->ListNodes(Ctx().get(), ln, &nodes).ok());
@@ -228,6 +269,9 @@ TEST(PlannerRestartTest, SigkillAtRandomMomentsLosesDuplicatesAndRevivesNothing)
   int created = 0;
   for (const auto& [id, told] : ledger.Snapshot()) created += told != Told::kUnknown;
   EXPECT_GT(created, kCycles) << "the client got too few calls through to test anything";
+  EXPECT_GE(ledger.Deployments().size(), 3u) << "too few deployments got through";
+  std::cout << created << " plans acknowledged, " << ledger.Deployments().size()
+            << " deployments\n";
   last.proc.Stop(SIGTERM);
 
   sqlite3* db = nullptr;

@@ -3,8 +3,9 @@
 // the bytes are parsed as that RPC's request message (unparseable ones are
 // skipped) and given to the core (nodes, plans) or the deployment manager
 // (deployments, step metrics, the rendezvous store) as the gRPC service
-// does. One core and one manager live across inputs, so calls meet the
-// state earlier inputs left (nodes, plans, deployments). Crashes, sanitizer
+// does, and job specs to CreateJob's validation. One core and one manager
+// live across inputs, so calls meet the state earlier inputs left (nodes,
+// plans, deployments). Crashes, sanitizer
 // reports and hangs (libFuzzer's -timeout) are the findings; every status
 // is acceptable, since validation answering is the point.
 //
@@ -20,6 +21,7 @@
 
 #include "hap/v1/planner_service.pb.h"
 #include "planner/service/core/deployment_manager.h"
+#include "planner/service/core/jobs.h"
 #include "planner/service/core/planner_core.h"
 
 namespace {
@@ -89,7 +91,7 @@ void Bound(v1::PlanOptions* o) {
 void Call(Service& s, uint8_t method, const uint8_t* data, size_t size) {
   const absl::Time soon = absl::Now() + absl::Milliseconds(20);
   const auto never = [] { return false; };
-  switch (method % 20) {
+  switch (method % 21) {
     case 0: {
       v1::RegisterNodeRequest r;
       if (Parse(data, size, &r)) (void)s.core->RegisterNode(r.node());
@@ -213,6 +215,11 @@ void Call(Service& s, uint8_t method, const uint8_t* data, size_t size) {
       if (Parse(data, size, &r)) {
         (void)s.deployments->StoreAdd(r.deployment(), r.generation(), r.key(), r.delta());
       }
+      break;
+    }
+    case 20: {  // CreateJob's validation of the spec
+      v1::CreateJobRequest r;
+      if (Parse(data, size, &r)) (void)hap::service::ValidateJobSpec(r.spec());
       break;
     }
   }
