@@ -128,15 +128,7 @@ cost::ClusterModel Hetero(int n) {
     d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 8), "gpu",
                  i % 4 == 0 ? 3.86e12 : 2.15e12, int64_t{40} << 30, 1e-5});
   }
-  std::vector<std::vector<double>> bw(n, std::vector<double>(n)), lat = bw;
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < n; ++j) {
-      const bool same = i / 8 == j / 8;
-      bw[i][j] = same ? 9.5e9 : 3e9;
-      lat[i][j] = same ? 1e-5 : 5e-5;
-    }
-  }
-  return *cost::ClusterModel::Create(std::move(d), std::move(bw), std::move(lat));
+  return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 3e9, 5e-5);
 }
 
 void WeakScaling() {

@@ -203,6 +203,22 @@ absl::StatusOr<ClusterModel> ClusterModel::Create(
   return m;
 }
 
+absl::StatusOr<ClusterModel> ClusterModel::TwoLevel(std::vector<DeviceModel> devices,
+                                                    double intra_bw, double intra_lat,
+                                                    double inter_bw, double inter_lat) {
+  const size_t n = devices.size();
+  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 0)), lat = bw;
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      if (i == j) continue;
+      const bool same = devices[i].node == devices[j].node;
+      bw[i][j] = same ? intra_bw : inter_bw;
+      lat[i][j] = same ? intra_lat : inter_lat;
+    }
+  }
+  return Create(std::move(devices), std::move(bw), std::move(lat));
+}
+
 absl::Status ClusterModel::Finish() {
   int n = size();
   if (n < 2) {

@@ -57,6 +57,11 @@ class ClusterModel {
       std::vector<DeviceModel> devices,
       std::vector<std::vector<double>> bandwidth,
       std::vector<std::vector<double>> latency);
+  // For tests and benchmarks: devices whose `node` says where they are,
+  // links at one bandwidth and latency inside a node and another between.
+  static absl::StatusOr<ClusterModel> TwoLevel(std::vector<DeviceModel> devices,
+                                               double intra_bandwidth, double intra_latency,
+                                               double inter_bandwidth, double inter_latency);
 
   int size() const { return static_cast<int>(devices_.size()); }
   const DeviceModel& device(int i) const { return devices_[i]; }

@@ -252,15 +252,7 @@ TEST(CollectivesTest, AllReduceBusBandwidthHoldsFrom16To2048Devices) {
       d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 8), "gpu", 2.15e12,
                    int64_t{40} << 30, 1e-5});
     }
-    std::vector<std::vector<double>> bw(n, std::vector<double>(n)), lat = bw;
-    for (int i = 0; i < n; ++i) {
-      for (int j = 0; j < n; ++j) {
-        const bool same = i / 8 == j / 8;
-        bw[i][j] = same ? 9.5e9 : 3e9;
-        lat[i][j] = same ? 1e-5 : 5e-5;
-      }
-    }
-    auto m = ClusterModel::Create(std::move(d), std::move(bw), std::move(lat));
+    auto m = ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 3e9, 5e-5);
     ASSERT_TRUE(m.ok()) << m.status();
     CollectiveModel c(*m);
     const double t = c.AllReduce(bytes);

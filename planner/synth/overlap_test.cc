@@ -167,17 +167,7 @@ cost::ClusterModel TwoNodes(double inter_bw, double efficiency = 1.0) {
                  i < 4 ? 3.86e12 : 2.15e12, 40 * kGiB, 1e-5});
     d.back().overlap_efficiency = efficiency;
   }
-  std::vector<std::vector<double>> bw(n, std::vector<double>(n, 0)),
-      lat(n, std::vector<double>(n, 0));
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < n; ++j) {
-      if (i == j) continue;
-      const bool same = i / 4 == j / 4;
-      bw[i][j] = same ? 9.5e9 : inter_bw;
-      lat[i][j] = same ? 1e-5 : 5e-5;
-    }
-  }
-  return *cost::ClusterModel::Create(d, bw, lat);
+  return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, inter_bw, 5e-5);
 }
 
 TEST(OverlapTest, BucketsCoverEveryAllReducedGradientOnce) {
