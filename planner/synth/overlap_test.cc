@@ -89,6 +89,36 @@ TEST(OverlapTest, CollectiveHiddenEntirelyPartlyOrNotAtAll) {
   }
 }
 
+TEST(OverlapTest, FreeCollectivesDoNotSynchronise) {
+  // Device 0 is slow in op 0, device 1 in op 1: each runs its kernels
+  // without waiting between them, so the step is the larger per-device sum
+  // (0.9 s each), not the sum of per-op maxima. Every op carries a zero-cost
+  // internal gather and a free slice, as real programs do, and a zero-cost
+  // launch before the bucket; none of them may synchronise the devices.
+  Program p = TwoOps(0.3, 0.6, 0.1);
+  p.steps[0].compute.coef = {2 * 0.6, 2 * 0.3};
+  p.steps[1].compute.coef = {2 * 0.3, 2 * 0.6};
+  for (OpStep& s : p.steps) {
+    s.internal = Const(0);
+    CommStep c;
+    c.forward_cost = Const(0);
+    c.backward_cost = Const(0);
+    c.has_backward = true;
+    s.comms.push_back(c);
+  }
+  GradientBucket empty = p.buckets[0];
+  empty.cost = Const(0);
+  p.buckets.insert(p.buckets.begin(), empty);
+  const ProgramCost off = EvaluateProgram(p, kEven);
+  EXPECT_NEAR(off.compute, 0.9, 1e-12);
+  p.overlap = true;
+  const ProgramCost on = EvaluateProgram(p, kEven);
+  EXPECT_NEAR(on.compute, 0.9, 1e-12);
+  // The bucket (0.1 s) is started after op 1's backward: device 0 has 0.4 s
+  // of op 0's backward left, device 1 0.2 s, both hide it.
+  EXPECT_NEAR(on.total, 0.9, 1e-12);
+}
+
 TEST(OverlapTest, TheLastBucketIsExposed) {
   // A bucket complete only at the end of backward (op 0's) hides nothing:
   // the optimizer waits for it.

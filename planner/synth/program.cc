@@ -286,7 +286,30 @@ class Timeline {
 
   explicit Timeline(const std::vector<double>& interference) : interference_(interference) {}
 
-  void Run(std::vector<StepItem> items) {
+  void Run(std::vector<StepItem> all) {
+    // Collectives that cost nothing (a free slice, a rule without an
+    // internal gather) are no synchronisation; a wait for one waits for the
+    // last real collective started before it (the stream runs in order), or
+    // for nothing.
+    std::vector<StepItem> items;
+    std::map<int, int> alias;  // skipped launch -> the real one before it
+    int last_real = -1;
+    for (StepItem it : all) {
+      const bool comm = it.kind == ItemKind::kBlocking || it.kind == ItemKind::kLaunch;
+      if (comm && IsZero(*it.term)) {
+        if (it.kind == ItemKind::kLaunch) alias[it.id] = last_real;
+        continue;
+      }
+      if (it.kind == ItemKind::kLaunch) last_real = it.id;
+      if (it.kind == ItemKind::kWait) {
+        auto a = alias.find(it.id);
+        if (a != alias.end()) {
+          if (a->second < 0) continue;
+          it.id = a->second;
+        }
+      }
+      items.push_back(it);
+    }
     int last_sync = -1;
     for (size_t i = 0; i < items.size(); ++i) {
       if (items[i].kind == ItemKind::kWait || items[i].kind == ItemKind::kBlocking) {
