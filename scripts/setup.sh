@@ -15,7 +15,7 @@ PACKAGES=(
   libcivetweb-dev
   libsqlite3-dev
   libssl-dev
-  python3-torch
+  python3-torch python3-torchvision
   prometheus
   python3-yaml
   chromium

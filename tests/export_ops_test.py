@@ -11,6 +11,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:  # Debian's python3-torchvision (scripts/setup.sh)
+    from torchvision.ops import StochasticDepth, stochastic_depth
+except ImportError:
+    StochasticDepth = stochastic_depth = None
+
 import torch_test_util as U  # noqa: E402  (sets sys.path)
 import export_fx  # noqa: E402
 import hap_ir_eval  # noqa: E402
@@ -197,6 +202,36 @@ class ExportOpsTest(unittest.TestCase):
             ref = copy.deepcopy(m).train()(**inputs).item()
             val = hap_ir_eval.evaluate(g, inputs, values).item()
         self.assertAlmostEqual(ref, val, delta=1e-5 * max(1.0, abs(ref)))
+
+    def test_stochastic_depth(self):
+        if stochastic_depth is None:
+            self.skipTest("torchvision is not installed (scripts/setup.sh)")
+
+        class Residual(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = nn.Linear(6, 6)
+                self.fc2 = nn.Linear(6, 6)
+                self.sd = StochasticDepth(0.25, "row")
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                h = x + self.sd(F.gelu(self.fc1(x)))
+                h = h + stochastic_depth(self.fc2(h), 0.5, "batch",
+                                         self.training)
+                h = h + stochastic_depth(h, 0.5, "row", False)  # identity
+                return F.cross_entropy(self.head(h), labels)
+
+        m = Residual()
+        inputs = {"x": torch.randn(4, 6), "labels": labels(4, 3)}
+        g, out = self.export(m, inputs)
+        U.validate(out)
+        dps = [op["attrs"] for op in g["ops"] if op["type"] == "drop_path"]
+        self.assertEqual(dps, [{"p": {"f": 0.25}, "mode": {"s": "row"}},
+                               {"p": {"f": 0.5}, "mode": {"s": "batch"}}])
+        # Evaluation mode (drop_path is the identity there, as in
+        # hap_ir_eval).
+        self.check_numerics(m, inputs)
 
     def test_batch_norm_the_ir_lacks_fails_naming_it(self):
         class Cumulative(nn.Module):

@@ -50,7 +50,7 @@ def _op(t, x, a):
         return F.silu(x[0])
     if t == "relu6":
         return F.relu6(x[0])
-    if t == "dropout":
+    if t in ("dropout", "drop_path"):
         return x[0]
     if t == "layer_norm":
         return F.layer_norm(x[0], x[0].shape[-1:], x[1], x[2],

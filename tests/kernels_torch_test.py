@@ -58,6 +58,17 @@ def dropout_ref(x, attrs, step):
     return x * keep.reshape(x.shape).to(x.dtype) / (1 - p)
 
 
+def drop_path_ref(x, attrs, step):
+    """Stochastic depth (torchvision.ops.stochastic_depth, mode row): each
+    sample kept whole with probability 1 - p, keyed by its global index."""
+    p = attrs.get("p", 0.1)
+    key = counter_key(attrs.get("rng_key", 0) & M64, step)
+    off = attrs.get("offsets", [0] * x.dim())[0]
+    keep = torch.tensor([counter_uniform(key, off + m) >= p
+                         for m in range(x.shape[0])], dtype=x.dtype)
+    return x * keep.reshape([-1] + [1] * (x.dim() - 1)) / (1 - p)
+
+
 # --- MoE references (GShard, the routing rule of planner/graph/ops_moe.cc) ---
 
 def moe_gate_ref(logits, k, capacity):
@@ -95,6 +106,8 @@ def reference(case, x):
     op, a = case["op"], case["attrs"]
     if op == "dropout":
         return dropout_ref(x[0], a, case["step"])
+    if op == "drop_path":
+        return drop_path_ref(x[0], a, case["step"])
     if op == "moe_gate":
         return moe_gate_ref(x[0], a.get("k", 2), a["capacity"])
     if op == "moe_dispatch":
@@ -156,7 +169,8 @@ class KernelsTorchTest(unittest.TestCase):
     def test_every_op_with_a_torch_equivalent_is_covered(self):
         ops = {c["op"] for c in cases()}
         want = {"linear", "matmul", "add", "sub", "mul", "relu", "gelu",
-                "sigmoid", "tanh", "silu", "relu6", "avg_pool2d", "batch_norm", "dropout", "scale", "layer_norm",
+                "sigmoid", "tanh", "silu", "relu6", "avg_pool2d", "batch_norm",
+                "drop_path", "dropout", "scale", "layer_norm",
                 "softmax", "log_softmax", "embedding", "transpose",
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d",

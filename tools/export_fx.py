@@ -160,6 +160,16 @@ def _wrap_factory(orig):
     return factory
 
 
+def _stochastic_depth_functions():
+    mod = sys.modules.get("torchvision.ops.stochastic_depth")
+    f = getattr(mod, "stochastic_depth", None)
+    return (f,) if f is not None else ()
+
+
+def _is_stochastic_depth(f):
+    return f in _stochastic_depth_functions()
+
+
 class HapTracer(fx.Tracer):
     """fx tracer that keeps the transformer modules whole (they are decomposed
     by the exporter) and records the module path of every node."""
@@ -168,7 +178,10 @@ class HapTracer(fx.Tracer):
               nn.MultiheadAttention)
 
     def __init__(self):
-        super().__init__()
+        # torchvision's stochastic_depth draws its mask with torch.empty and
+        # bernoulli_: recorded as one call (an IR drop_path) instead. Only
+        # when the traced code has imported torchvision.
+        super().__init__(autowrap_functions=_stochastic_depth_functions())
         self._stack = []
         # Buffers become get_attr nodes (constants folded at export time), so
         # `self.mask[:S, :S]` with a traced S works.
@@ -1611,6 +1624,19 @@ class _Exporter:
                                    self.v(a["ceil_mode"]),
                                    self.v(a["count_include_pad"]),
                                    self.v(a["divisor_override"]))
+        if _is_stochastic_depth(f):
+            a = _args(n, ["input", "p", "mode", "training"],
+                      {"training": True})
+            x = self.t(a["input"])
+            p, mode = float(self.v(a["p"])), self.v(a["mode"])
+            if mode not in ("row", "batch"):
+                self.fail(f"stochastic_depth mode '{mode}' is not supported")
+            if not self.v(a["training"]) or p == 0:
+                return x
+            if p >= 1:
+                self.fail("stochastic_depth with p=1 (every sample dropped) "
+                          "is not supported")
+            return self.op("drop_path", [x], {"p": p, "mode": mode})
         if f is F.batch_norm:
             a = _args(n, ["input", "running_mean", "running_var", "weight",
                           "bias", "training", "momentum", "eps"],

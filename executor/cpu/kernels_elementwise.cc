@@ -179,13 +179,16 @@ class DropoutMask {
     m.key_ = CounterKey(static_cast<uint64_t>(key),
                         static_cast<uint64_t>(a.ctx.step));
     m.local_ = local;
-    m.global_strides_ = ContiguousStrides(global);
+    HAP_ASSIGN_OR_RETURN(m.global_strides_, MaskCounterStrides(a, global));
     m.row_ = local.empty() ? 1 : local.back();
+    m.last_stride_ = local.empty() ? 1 : m.global_strides_.back();
     return m;
   }
 
   double scale() const { return 1.0 / (1.0 - p_); }
   int64_t row_length() const { return row_; }
+  // A row's elements have consecutive counters (dropout, not drop_path).
+  bool consecutive() const { return last_stride_ == 1; }
   // The float loops' constants (simd::FloatRows::dropout): the same mask.
   simd::DropoutConstants simd_constants() const {
     return {key_, simd::DropoutThreshold(p_), static_cast<float>(scale())};
@@ -194,7 +197,7 @@ class DropoutMask {
   // The global index of local row r's first element (rows of the last
   // dimension); the row's elements follow it.
   int64_t RowStart(int64_t r) const {
-    int64_t g = local_.empty() ? 0 : offsets_.back();
+    int64_t g = local_.empty() ? 0 : offsets_.back() * last_stride_;
     for (int d = static_cast<int>(local_.size()) - 2; d >= 0; --d) {
       g += (r % local_[d] + offsets_[d]) * global_strides_[d];
       r /= local_[d];
@@ -207,7 +210,7 @@ class DropoutMask {
     const int64_t g = RowStart(r);
     keep.resize(row_);
     for (int64_t j = 0; j < row_; ++j) {
-      keep[j] = CounterUniform(key_, static_cast<uint64_t>(g + j)) >= p_;
+      keep[j] = CounterUniform(key_, static_cast<uint64_t>(g + j * last_stride_)) >= p_;
     }
   }
 
@@ -216,7 +219,7 @@ class DropoutMask {
   uint64_t key_ = 0;
   Shape local_;
   std::vector<int64_t> offsets_, global_strides_;
-  int64_t row_ = 1;
+  int64_t row_ = 1, last_stride_ = 1;
 };
 
 // out[j] (+)= keep[j] ? in[j] * scale : 0 over a row.
@@ -237,16 +240,18 @@ void ApplyDropout(const KernelArgs& a, const DropoutMask& m, const T* in,
                   T* out, int64_t n, bool accumulate) {
   const int64_t row = m.row_length();
   if constexpr (std::is_same_v<T, float>) {
-    const simd::DropoutConstants c = m.simd_constants();
-    ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
-                [&](int64_t b, int64_t e) {
-                  for (int64_t r = b; r < e; ++r) {
-                    simd::Rows().dropout(
-                        c, static_cast<uint64_t>(m.RowStart(r)), in + r * row,
-                        row, accumulate, out + r * row);
-                  }
-                });
-    return;
+    if (m.consecutive()) {
+      const simd::DropoutConstants c = m.simd_constants();
+      ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
+                  [&](int64_t b, int64_t e) {
+                    for (int64_t r = b; r < e; ++r) {
+                      simd::Rows().dropout(
+                          c, static_cast<uint64_t>(m.RowStart(r)),
+                          in + r * row, row, accumulate, out + r * row);
+                    }
+                  });
+      return;
+    }
   }
   const T scale = static_cast<T>(m.scale());
   ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
@@ -500,6 +505,10 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Relu6>(t, "relu6");
   t["dropout"] = HAP_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_FLOAT_KERNEL(DropoutBackward);
+  // Stochastic depth: dropout's kernels with a mask keyed by sample
+  // (MaskCounterStrides).
+  t["drop_path"] = HAP_FLOAT_KERNEL(DropoutForward);
+  t["drop_path_grad"] = HAP_FLOAT_KERNEL(DropoutBackward);
   t["scale"] = HAP_FLOAT_KERNEL(ScaleForward);
   t["scale_grad"] = HAP_FLOAT_KERNEL(ScaleBackward);
   RegisterBinary<BinOp::kAdd>(t, "add");

@@ -449,6 +449,16 @@ struct ShardedLossDims {
 absl::StatusOr<ShardedLossDims> CheckShardedLoss(const KernelArgs& a, DType t,
                                                  bool with_lse);
 
+// --- counter-based masks (dropout, drop_path; the CUDA kernels use it) --------
+
+// The counter of a mask element is sum_d global_index_d * stride_d with
+// these strides over `global` (the unsharded shape): dropout's are the
+// contiguous strides (one draw per element); drop_path's (kernels named
+// "drop_path*") mode "row" [1, 0, ...] (one draw per sample), mode "batch"
+// all 0 (one draw). InvalidArgument for another mode.
+absl::StatusOr<std::vector<int64_t>> MaskCounterStrides(const KernelArgs& a,
+                                                        const Shape& global);
+
 // --- batch_norm checks (kernels_batch_norm.cc; the CUDA kernels use them) ----
 
 // x (input 0) viewed as [n, c, s]; count = attribute global_count (default

@@ -342,6 +342,53 @@ TEST(KernelGradTest, Dropout) {
   ExpectGradientsMatch({"dropout", {{"p", 0.5}}, {Rand({4, 2, 3}, 2)}});
 }
 
+TEST(KernelGradTest, DropPath) {
+  ExpectGradientsMatch(
+      {"drop_path", {{"p", 0.4}, {"rng_key", int64_t{9}}}, {Rand({6, 2, 3}, 1)}, {}, 3});
+  ExpectGradientsMatch({"drop_path", {{"p", 0.5}, {"mode", std::string("batch")}},
+                        {Rand({4, 3}, 2)}, {}, 1});
+}
+
+// Row mode keeps or drops each sample whole (about 1 - p of them), scaled by
+// 1 / (1 - p); a shard's mask is its slice of the whole batch's.
+TEST(KernelShardTest, DropPathDropsWholeSamplesAndShardsAreSlices) {
+  const Attrs attrs = {{"p", 0.3}, {"rng_key", int64_t{41}}};
+  const HostTensor x = Full({200, 3, 2}, 1.0);
+  HostTensor y(DType::kFloat64, x.shape());
+  ASSERT_THAT(RunKernel("drop_path", attrs, {x}, {y}, 5), IsOk());
+  int kept = 0;
+  for (int64_t m = 0; m < 200; ++m) {
+    const double v = y.as<double>()[m * 6];
+    EXPECT_TRUE(v == 0.0 || std::abs(v - 1 / 0.7) < 1e-12) << v;
+    for (int j = 1; j < 6; ++j) EXPECT_EQ(y.as<double>()[m * 6 + j], v) << m;
+    kept += v != 0.0;
+  }
+  EXPECT_GT(kept, 110);
+  EXPECT_LT(kept, 170);
+  Attrs shard = attrs;
+  shard.Set("global_shape", std::vector<int64_t>{200, 3, 2});
+  shard.Set("offsets", std::vector<int64_t>{50, 1, 0});
+  const HostTensor xs = Full({30, 2, 2}, 1.0);
+  HostTensor ys(DType::kFloat64, xs.shape());
+  ASSERT_THAT(RunKernel("drop_path", shard, {xs}, {ys}, 5), IsOk());
+  ExpectAllNear(ys, Box(y, {50, 1, 0}, {30, 2, 2}), 0, "shard");
+  // Batch mode: all or nothing; another step draws again.
+  Attrs batch = attrs;
+  batch.Set("mode", std::string("batch"));
+  int all_kept = 0;
+  for (int64_t step = 0; step < 40; ++step) {
+    ASSERT_THAT(RunKernel("drop_path", batch, {x}, {y}, step), IsOk());
+    const double v = y.as<double>()[0];
+    for (int64_t i = 1; i < x.num_elements(); ++i) ASSERT_EQ(y.as<double>()[i], v);
+    all_kept += v != 0.0;
+  }
+  EXPECT_GT(all_kept, 10);
+  EXPECT_LT(all_kept, 40);
+  batch.Set("mode", std::string("column"));
+  EXPECT_THAT(RunKernel("drop_path", batch, {x}, {y}, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mode")));
+}
+
 TEST(KernelGradTest, LayerNorm) {
   ExpectGradientsMatch({"layer_norm", {{"eps", 1e-5}},
                         {Rand({2, 3, 5}, 1), Rand({5}, 2), Rand({5}, 3)}});

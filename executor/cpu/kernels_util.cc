@@ -350,4 +350,18 @@ StridedLoop::StridedLoop(const Shape& shape,
   }
 }
 
+absl::StatusOr<std::vector<int64_t>> MaskCounterStrides(const KernelArgs& a,
+                                                        const Shape& global) {
+  if (a.name.rfind("drop_path", 0) != 0) return ContiguousStrides(global);
+  HAP_ASSIGN_OR_RETURN(std::string mode, a.attrs.String("mode", "row"));
+  std::vector<int64_t> strides(global.size(), 0);
+  if (mode == "row") {
+    if (!strides.empty()) strides[0] = 1;
+  } else if (mode != "batch") {
+    return Invalid(a, "attribute 'mode' must be \"row\" or \"batch\", got \"",
+                   mode, "\"");
+  }
+  return strides;
+}
+
 }  // namespace hap::executor::cpu

@@ -76,7 +76,8 @@ absl::StatusOr<DropoutMask> MakeMask(const KernelArgs& a, const Shape& local) {
   m.key = CounterKey(static_cast<uint64_t>(key),
                      static_cast<uint64_t>(a.ctx.step));
   m.rank = static_cast<int>(local.size());
-  const std::vector<int64_t> gs = cpu::ContiguousStrides(global);
+  HAP_ASSIGN_OR_RETURN(const std::vector<int64_t> gs,
+                       cpu::MaskCounterStrides(c, global));
   for (int d = 0; d < m.rank; ++d) {
     m.local[d] = local[d];
     m.offsets[d] = offsets[d];
@@ -244,6 +245,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Activation::kRelu6>(t, "relu6");
   t["dropout"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_CUDA_FLOAT_KERNEL(DropoutBackward);
+  t["drop_path"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);
+  t["drop_path_grad"] = HAP_CUDA_FLOAT_KERNEL(DropoutBackward);
   t["scale"] = HAP_CUDA_FLOAT_KERNEL(ScaleForward);
   t["scale_grad"] = HAP_CUDA_FLOAT_KERNEL(ScaleBackward);
   RegisterBinary<BinaryOp::kAdd>(t, "add");

@@ -1,6 +1,6 @@
 // batch_norm and depthwise convolution train on n ranks as on one device
 // (issue 20): a small CNN (conv2d, batch_norm with running statistics, relu,
-// a depthwise conv2d with channel multiplier 2, avg_pool2d, linear,
+// a depthwise conv2d with channel multiplier 2, drop_path, avg_pool2d, linear,
 // cross-entropy) planned data parallel (the batch sharded at uneven
 // ratios: each rank's statistics cover its own samples, so the per-channel
 // sums must be all-reduced), tensor parallel (channels sharded), the
@@ -54,6 +54,8 @@ graph::Graph BatchNormCnn(int64_t batch) {
   graph::TensorId dwb = b.Parameter("dw.bias", F32({8}), Initializer::Uniform(-0.1, 0.1));
   x = b.Add("conv2d", "dw", {x, dw, dwb},
             {{"padding", std::vector<int64_t>{1}}, {"groups", int64_t{4}}});
+  // Stochastic depth: whole samples dropped, keyed by their global index.
+  x = b.Add("drop_path", "drop_path", {x}, {{"p", 0.4}});
   x = b.Add("avg_pool2d", "pool", {x}, {{"kernel", std::vector<int64_t>{2}}});
   x = b.Add("flatten", "flatten", {x});
   graph::TensorId fw = b.Parameter("fc.weight", F32({5, 72}), Initializer::Uniform(-0.2, 0.2));

@@ -80,6 +80,37 @@ void RegisterElementwiseOps(OpRegistry& r) {
   }
   {
     OpDef d;
+    d.type = "drop_path";
+    d.attrs = {"p", "mode"};
+    d.summary =
+        "drop_path(x[n, ...]; p=0.1, mode=\"row\") -> x * mask / (1-p), "
+        "stochastic depth: mode row keeps or drops each sample whole (mask "
+        "from a counter-based RNG keyed by the sample's global index), batch "
+        "the whole batch";
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      HAP_RETURN_IF_ERROR(ExpectMinRank(c, 0, 1));
+      HAP_ASSIGN_OR_RETURN(double p, c.attrs.Float("p", 0.1));
+      if (!(p >= 0 && p < 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attribute 'p' must be in [0, 1), got ", p));
+      }
+      HAP_ASSIGN_OR_RETURN(std::string mode, c.attrs.String("mode", "row"));
+      if (mode != "row" && mode != "batch") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attribute 'mode' must be \"row\" or \"batch\", got \"", mode,
+            "\""));
+      }
+      return std::vector<TensorType>{c.in(0)};
+    };
+    d.flops = [](const OpCall& c) {
+      return static_cast<double>(c.in(0).num_elements());
+    };
+    d.backward_flops_multiple = 1.0;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
     d.type = "scale";
     d.attrs = {"factor"};
     d.summary = "scale(x; factor) -> factor * x";

@@ -523,7 +523,8 @@ class RankBuilder {
       graph::AttrToProto(v, &a[name]);
     }
     const graph::Shape& in0 = g_.tensor(op.inputs[0]).type.shape;
-    if (op.type == "dropout") {
+    if (op.type == "dropout" || op.type == "drop_path") {
+      // Counter-based masks keyed by global indices (drop_path: by sample).
       uint64_t key = executor::CounterKey(o_.seed, executor::HashName(op.name));
       a["rng_key"].set_i(static_cast<int64_t>(key));
       auto* gs = a["global_shape"].mutable_ints();

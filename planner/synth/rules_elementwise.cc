@@ -161,7 +161,7 @@ RuleFn ElementwiseRules(const std::string& t) {
       t == "silu" || t == "relu6") {
     return UnaryNonlinear;
   }
-  if (t == "dropout" || t == "scale") return UnaryLinear;
+  if (t == "dropout" || t == "drop_path" || t == "scale") return UnaryLinear;
   if (t == "add" || t == "sub" || t == "mul") return Binary;
   if (t == "layer_norm" || t == "softmax" || t == "log_softmax") return LastAxis;
   if (t == "batch_norm") return BatchNorm;
