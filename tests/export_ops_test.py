@@ -233,6 +233,46 @@ class ExportOpsTest(unittest.TestCase):
         # hap_ir_eval).
         self.check_numerics(m, inputs)
 
+    def test_transformer_decoder_and_transformer(self):
+        class Seq2Seq(nn.Module):
+            """nn.Transformer (batch first, causal target mask) and a
+            sequence-first nn.TransformerDecoder (norm_first, gelu) over its
+            output."""
+
+            def __init__(self):
+                super().__init__()
+                self.tf = nn.Transformer(16, 2, num_encoder_layers=1,
+                                         num_decoder_layers=2,
+                                         dim_feedforward=24, dropout=0.1,
+                                         batch_first=True)
+                layer = nn.TransformerDecoderLayer(16, 4, 20, 0.1, "gelu",
+                                                   norm_first=True)
+                self.dec = nn.TransformerDecoder(layer, 1, nn.LayerNorm(16))
+                self.head = nn.Linear(16, 7)
+
+            def forward(self, src, tgt, labels):
+                mask = self.tf.generate_square_subsequent_mask(tgt.size(1))
+                h = self.tf(src, tgt, tgt_mask=mask)
+                h = self.dec(h.transpose(0, 1), src.transpose(0, 1))
+                logits = self.head(h.transpose(0, 1))
+                return F.cross_entropy(logits.reshape(-1, 7),
+                                       labels.reshape(-1))
+
+        m = Seq2Seq()
+        inputs = {"src": torch.randn(2, 5, 16), "tgt": torch.randn(2, 4, 16),
+                  "labels": torch.randint(0, 7, (2, 4))}
+        g, out = self.export(m, inputs)
+        got = U.validate(out)
+        self.assertEqual(got["trainable_parameters"],
+                         sum(p.numel() for p in m.parameters()))
+        names = {op["name"] for op in g["ops"]}
+        self.assertIn("tf.decoder.layers.1.multihead_attn.scores", names)
+        self.assertIn("dec.layers.0.cross_attn_residual", names)
+        causal = [op for op in g["ops"] if op["type"] == "softmax" and
+                  op.get("attrs", {}).get("causal", {}).get("b")]
+        self.assertEqual(len(causal), 2)  # the target self-attentions
+        self.check_numerics(m, inputs)
+
     def test_batch_norm_the_ir_lacks_fails_naming_it(self):
         class Cumulative(nn.Module):
             def __init__(self):

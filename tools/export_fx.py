@@ -32,7 +32,9 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     `hapctl checkpoint export` read and write the source whole through it.
   * nn.TransformerEncoderLayer (post-norm or norm_first, relu or gelu) and
     nn.TransformerEncoder are decomposed the same way as the zoo's
-    BuildTransformer / PreNormBlock.
+    BuildTransformer / PreNormBlock; nn.TransformerDecoderLayer,
+    nn.TransformerDecoder and nn.Transformer likewise (self-attention,
+    attention over the memory, feed-forward, in PyTorch's order).
   * Initialisers keep the module's own values where the IR can: a parameter
     whose values are all equal is ZEROS / ONES / CONSTANT (a zero-initialised
     head stays zero); the others carry the kind of PyTorch's default
@@ -175,7 +177,8 @@ class HapTracer(fx.Tracer):
     by the exporter) and records the module path of every node."""
 
     LEAVES = (nn.TransformerEncoderLayer, nn.TransformerEncoder,
-              nn.MultiheadAttention)
+              nn.TransformerDecoderLayer, nn.TransformerDecoder,
+              nn.Transformer, nn.MultiheadAttention)
 
     def __init__(self):
         # torchvision's stochastic_depth draws its mask with torch.empty and
@@ -1062,27 +1065,88 @@ class _Exporter:
         return x
 
     def encoder(self, mod, path, x, mask, key_padding_mask):
+        return self.layer_stack(mod, path, nn.TransformerEncoderLayer, x, None,
+                          lambda layer, at_i, h, mem: self.encoder_layer(
+                              layer, at_i, h, mask, key_padding_mask,
+                              batch_first=True))
+
+    def decoder_layer(self, mod, path, x, memory, tgt_mask, memory_mask,
+                      tgt_key_padding_mask, memory_key_padding_mask,
+                      batch_first=None):
+        """nn.TransformerDecoderLayer: self-attention (tgt_mask), attention
+        over the memory (memory_mask), feed-forward, each with its dropout
+        and residual, post-norm or norm_first (PyTorch's order)."""
         at = functools.partial(_join, path)  # "<path>.<leaf>"
+        scope = path.replace(".", "/")
+
+        def sa(h):
+            h = self.mha(mod.self_attn, at("self_attn"), h, h, h, tgt_mask,
+                         tgt_key_padding_mask, batch_first)
+            return self.dropout(mod.dropout1.p, at("dropout1"), h, scope)
+
+        def ca(h):
+            h = self.mha(mod.multihead_attn, at("multihead_attn"), h, memory,
+                         memory, memory_mask, memory_key_padding_mask,
+                         batch_first)
+            return self.dropout(mod.dropout2.p, at("dropout2"), h, scope)
+
+        def ff(h):
+            h = self.linear_module(mod.linear1, at("linear1"), h, scope)
+            h = self.activation(mod.activation, at("activation"), h, scope)
+            h = self.dropout(mod.dropout.p, at("dropout"), h, scope)
+            h = self.linear_module(mod.linear2, at("linear2"), h, scope)
+            return self.dropout(mod.dropout3.p, at("dropout3"), h, scope)
+
+        def add(name, a, b):
+            return self.emit("add", at(name), [a, b], None, a.shape,
+                             scope=scope)
+
+        norms = [(mod.norm1, "norm1"), (mod.norm2, "norm2"),
+                 (mod.norm3, "norm3")]
+        for (norm, leaf), (block, res) in zip(
+                norms, ((sa, "self_attn_residual"),
+                        (ca, "cross_attn_residual"), (ff, "ff_residual"))):
+            if mod.norm_first:
+                x = add(res, x, block(self.layer_norm(norm, at(leaf), x,
+                                                      scope)))
+            else:
+                x = self.layer_norm(norm, at(leaf), add(res, x, block(x)),
+                                    scope)
+        return x
+
+    def decoder(self, mod, path, x, memory, tgt_mask, memory_mask,
+                tgt_key_padding_mask, memory_key_padding_mask):
+        return self.layer_stack(mod, path, nn.TransformerDecoderLayer, x, memory,
+                          lambda layer, at_i, h, mem: self.decoder_layer(
+                              layer, at_i, h, mem, tgt_mask, memory_mask,
+                              tgt_key_padding_mask, memory_key_padding_mask,
+                              batch_first=True))
+
+    def layer_stack(self, mod, path, layer_type, x, memory, run_layer):
+        """nn.TransformerEncoder/Decoder: its layers (run_layer, batch
+        first) and optional final LayerNorm; sequence-first stacks are
+        transposed once (x and memory), not per layer."""
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
+        scope = path.replace(".", "/")
         layers = list(mod.layers)
-        if not all(isinstance(l, nn.TransformerEncoderLayer) for l in layers):
-            self.fail(f"{path}: layers must be nn.TransformerEncoderLayer")
+        if not all(isinstance(l, layer_type) for l in layers):
+            self.fail(f"{path}: layers must be nn.{layer_type.__name__}")
         seq_first = bool(layers) and not layers[0].self_attn.batch_first
         if seq_first:  # one transpose for the whole stack, not per layer
-            x = self.transpose(at("batch_first"), x, (1, 0, 2),
-                               path.replace(".", "/"))
+            x = self.transpose(at("batch_first"), x, (1, 0, 2), scope)
+            if memory is not None:
+                memory = self.transpose(at("memory_batch_first"), memory,
+                                        (1, 0, 2), scope)
         for i, layer in enumerate(layers):
             if layer.self_attn.batch_first != (not seq_first):
                 self.fail(f"{path}: mixed batch_first layers")
-            x = self.encoder_layer(layer, at(f"layers.{i}"), x, mask,
-                                   key_padding_mask, batch_first=True)
+            x = run_layer(layer, at(f"layers.{i}"), x, memory)
         if mod.norm is not None:
             if not isinstance(mod.norm, nn.LayerNorm):
                 self.fail(f"{path}: norm must be an nn.LayerNorm")
-            x = self.layer_norm(mod.norm, at("norm"), x,
-                                path.replace(".", "/"))
+            x = self.layer_norm(mod.norm, at("norm"), x, scope)
         if seq_first:
-            x = self.transpose(at("seq_first"), x, (1, 0, 2),
-                               path.replace(".", "/"))
+            x = self.transpose(at("seq_first"), x, (1, 0, 2), scope)
         return x
 
     # ---- modules -----------------------------------------------------------
@@ -1127,6 +1191,34 @@ class _Exporter:
             return self.encoder(mod, path, self.t(a["src"]),
                                 opt_tensor(a["mask"]),
                                 opt_tensor(a["src_key_padding_mask"]))
+        if isinstance(mod, nn.TransformerDecoderLayer):
+            a = bound()
+            return self.decoder_layer(
+                mod, path, self.t(a["tgt"]), self.t(a["memory"]),
+                opt_tensor(a["tgt_mask"]), opt_tensor(a["memory_mask"]),
+                opt_tensor(a["tgt_key_padding_mask"]),
+                opt_tensor(a["memory_key_padding_mask"]))
+        if isinstance(mod, nn.TransformerDecoder):
+            a = bound()
+            return self.decoder(
+                mod, path, self.t(a["tgt"]), self.t(a["memory"]),
+                opt_tensor(a["tgt_mask"]), opt_tensor(a["memory_mask"]),
+                opt_tensor(a["tgt_key_padding_mask"]),
+                opt_tensor(a["memory_key_padding_mask"]))
+        if isinstance(mod, nn.Transformer):
+            a = bound()
+            if not isinstance(mod.encoder, nn.TransformerEncoder) or \
+                    not isinstance(mod.decoder, nn.TransformerDecoder):
+                self.fail("nn.Transformer with a custom encoder or decoder "
+                          "is not supported")
+            memory = self.encoder(mod.encoder, _join(path, "encoder"),
+                                  self.t(a["src"]), opt_tensor(a["src_mask"]),
+                                  opt_tensor(a["src_key_padding_mask"]))
+            return self.decoder(
+                mod.decoder, _join(path, "decoder"), self.t(a["tgt"]), memory,
+                opt_tensor(a["tgt_mask"]), opt_tensor(a["memory_mask"]),
+                opt_tensor(a["tgt_key_padding_mask"]),
+                opt_tensor(a["memory_key_padding_mask"]))
         name = self.base_name(n)
         if isinstance(mod, nn.Linear):
             return self.linear_module(mod, name, x0(), scope)
