@@ -96,10 +96,8 @@ RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statu
             : absl::InternalError("the executors' client gave no answer for this rank");
     if (!st.ok()) {
       ++missed_[r];
-      if (missed_[r] >= limit_) {
-        failed = true;
-        failed_ranks_.push_back(r);
-      }
+      failed |= missed_[r] >= limit_;
+      failed_ranks_.push_back(r);  // unreachable now: to blame if it fails
       problems.push_back(absl::StrCat(DescribeRank(d_, r), " did not answer ", missed_[r],
                                       missed_[r] == 1 ? " status poll" : " status polls in a row",
                                       ": ", st.status().message()));
@@ -124,9 +122,8 @@ RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statu
       case v1::ExecutorStatus::FINISHED:
         ++finished;
         break;
-      case v1::ExecutorStatus::FAILED:
+      case v1::ExecutorStatus::FAILED:  // it answers: alive (a peer's loss fails it too)
         failed = true;
-        failed_ranks_.push_back(r);
         problems.push_back(absl::StrCat(DescribeRank(d_, r), " failed: ", st->error()));
         break;
       default:

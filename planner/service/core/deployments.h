@@ -115,7 +115,10 @@ class RankWatch {
   // rank FINISHED.
   Verdict Observe(const DeploymentExecutors::Statuses& statuses);
   const std::string& error() const { return error_; }
-  // After kFailed: the ranks that failed it, in rank order.
+  // After kFailed: the ranks whose executor is to blame, in rank order:
+  // those that did not answer this poll, hold another deployment (or none),
+  // or are not training it. A rank that answers FAILED is alive (a peer's
+  // loss fails every rank) and is not among them.
   const std::vector<int>& failed_ranks() const { return failed_ranks_; }
 
  private:

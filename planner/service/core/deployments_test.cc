@@ -200,8 +200,8 @@ TEST(RankWatchTest, FailsOnAFailedRankAndNamesEveryProblem) {
                               "ranks: connection closed by peer 2"),
                     HasSubstr("rank 2 (node2/cpu0 at 127.0.0.1:5002) did not answer 1 status "
                               "poll: connection refused")));
-  // Rank 2 missed one poll of three: not (yet) to blame.
-  EXPECT_THAT(watch.failed_ranks(), ::testing::ElementsAre(0));
+  // Rank 0 answers (alive); rank 2 is unreachable when it fails.
+  EXPECT_THAT(watch.failed_ranks(), ::testing::ElementsAre(2));
 }
 
 TEST(RankWatchTest, ARankThatHoldsAnotherDeploymentOrNoneIsGone) {
