@@ -18,7 +18,8 @@
 // the job re-plans onto the other two, resumes from the latest committed
 // checkpoint and SUCCEEDS with every step done, at most a checkpoint
 // interval (and the steps of the failure's detection) lost; the recovery
-// time is printed ("timing: ...").
+// time is printed ("timing: ..."). The planner SIGKILLed mid-job: restarted,
+// it re-attaches to the job's deployment and the job completes.
 #include <signal.h>
 
 #include <fstream>
@@ -250,6 +251,38 @@ class ClusterTest : public ::testing::Test {
     }
     ADD_FAILURE() << "still training after " << timeout << ":" << training;
     return timeout;
+  }
+  // The job "elastic": the test model on every executor, synthetic data,
+  // checkpoints every `every` steps.
+  v1::CreateJobRequest JobRequest(int64_t steps, int64_t every) {
+    v1::CreateJobRequest r;
+    r.set_job_id("elastic");
+    v1::CreatePlanRequest plan = Request("unused");
+    *r.mutable_spec()->mutable_model() = plan.model();
+    *r.mutable_spec()->mutable_options() = plan.options();
+    v1::TrainingConfig& t = *r.mutable_spec()->mutable_training();
+    t.set_steps(steps);
+    t.set_data(v1::TrainingConfig::SYNTHETIC);
+    t.set_checkpoint_dir(dir_ + "/job-checkpoints");
+    t.set_checkpoint_every(every);
+    for (const auto& [dev, addr] : executor_address_) {
+      (*r.mutable_spec()->mutable_executors())[dev] = addr;
+    }
+    return r;
+  }
+  // Polls GetJob until `done` holds (true) or `timeout` passes (a failure);
+  // the job as last read in `job`.
+  bool WaitForJob(const std::function<bool(const v1::Job&)>& done, absl::Duration timeout,
+                  v1::Job* job) {
+    v1::GetJobRequest g;
+    g.set_name("jobs/elastic");
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      if (stub_->GetJob(Ctx(5).get(), g, job).ok() && done(*job)) return true;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    ADD_FAILURE() << "the job never reached the state waited for: " << job->DebugString();
+    return false;
   }
   static bool Final(const v1::Deployment& d) {
     return d.state() == v1::Deployment::SUCCEEDED || d.state() == v1::Deployment::FAILED ||
@@ -498,33 +531,11 @@ TEST_F(ClusterTest, AJobLosesANodeReplansOntoTheRestAndSucceeds) {
   // a node in the middle of it.
   constexpr int64_t kJobSteps = 3000;
   constexpr int64_t kEvery = 100;
-  v1::CreateJobRequest r;
-  r.set_job_id("elastic");
-  v1::CreatePlanRequest plan = Request("unused");
-  *r.mutable_spec()->mutable_model() = plan.model();
-  *r.mutable_spec()->mutable_options() = plan.options();
-  v1::TrainingConfig& t = *r.mutable_spec()->mutable_training();
-  t.set_steps(kJobSteps);
-  t.set_data(v1::TrainingConfig::SYNTHETIC);
-  t.set_checkpoint_dir(dir_ + "/job-checkpoints");
-  t.set_checkpoint_every(kEvery);
-  for (const auto& [dev, addr] : executor_address_) {
-    (*r.mutable_spec()->mutable_executors())[dev] = addr;
-  }
   v1::Job job;
-  grpc::Status s = stub_->CreateJob(Ctx().get(), r, &job);
+  grpc::Status s = stub_->CreateJob(Ctx().get(), JobRequest(kJobSteps, kEvery), &job);
   ASSERT_TRUE(s.ok()) << s.error_message();
-
-  v1::GetJobRequest g;
-  g.set_name("jobs/elastic");
   auto wait_for = [&](const std::function<bool(const v1::Job&)>& done, absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      if (stub_->GetJob(Ctx(5).get(), g, &job).ok() && done(job)) return true;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    ADD_FAILURE() << "the job never reached the state waited for: " << job.DebugString();
-    return false;
+    return WaitForJob(done, timeout, &job);
   };
   // Training on three, a third of the way in (a checkpoint committed).
   ASSERT_TRUE(wait_for(
@@ -595,6 +606,35 @@ TEST_F(ClusterTest, AJobLosesANodeReplansOntoTheRestAndSucceeds) {
   EXPECT_THAT(describe.output(), ::testing::AllOf(::testing::HasSubstr("SUCCEEDED"),
                                                   ::testing::HasSubstr("STARTED")));
   std::cout << describe.output() << std::endl;
+}
+
+// The planner SIGKILLed while a job trains, and restarted on its database:
+// the job's deployment is re-attached (not made again) and the job completes.
+TEST_F(ClusterTest, AJobOutlivesAPlannerKill) {
+  WaitForReadyNodes(kNodes);
+  constexpr int64_t kJobSteps = 3000;
+  v1::Job job;
+  grpc::Status s = stub_->CreateJob(Ctx().get(), JobRequest(kJobSteps, 100), &job);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(WaitForJob(
+      [&](const v1::Job& j) {
+        return j.status().state() == v1::JobStatus::RUNNING && j.status().steps_done() > 0 &&
+               j.status().steps_done() < kJobSteps / 2;
+      },
+      absl::Seconds(240), &job));
+  const std::string deployment = job.status().deployment();
+  planner_.Stop(SIGKILL);
+  StartPlanner();
+  ASSERT_TRUE(WaitForJob(
+      [](const v1::Job& j) {
+        return j.status().state() == v1::JobStatus::SUCCEEDED ||
+               j.status().state() == v1::JobStatus::FAILED;
+      },
+      absl::Seconds(300), &job));
+  EXPECT_EQ(job.status().state(), v1::JobStatus::SUCCEEDED) << job.DebugString();
+  EXPECT_EQ(job.status().steps_done(), kJobSteps);
+  EXPECT_EQ(job.status().deployment(), deployment) << job.DebugString();
+  EXPECT_EQ(job.status().replans(), 0) << job.DebugString();
 }
 
 }  // namespace
