@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
-#include <cctype>
 #include <map>
 #include <optional>
 #include <random>
@@ -38,8 +38,7 @@ constexpr int kDefaultMaxReplans = 20;
 constexpr size_t kMaxJobId = 50;  // "{job}-p{n}" stays a valid plan id
 
 bool Final(v1::JobStatus::State s) {
-  return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED ||
-         s == v1::JobStatus::STOPPED;
+  return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED || s == v1::JobStatus::STOPPED;
 }
 bool DeploymentFinal(v1::Deployment::State s) {
   return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
@@ -62,15 +61,16 @@ std::string RandomJobId() {
 
 absl::StatusOr<std::string> JobId(const std::string& name) {
   if (name.rfind("jobs/", 0) != 0 || !ValidId(name.substr(5))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job name '", name, "' is not jobs/{id}"));
+    return absl::InvalidArgumentError(absl::StrCat("job name '", name, "' is not jobs/{id}"));
   }
   return name.substr(5);
 }
 
 std::string ReasonLabel(Reason r) {
   std::string s = v1::JobEvent::Reason_Name(r);
-  std::transform(s.begin(), s.end(), s.begin(), [](char c) { return static_cast<char>(std::tolower(static_cast<unsigned char>(c))); });
+  std::transform(s.begin(), s.end(), s.begin(), [](char c) {
+    return static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  });
   return s;
 }
 
@@ -85,9 +85,7 @@ absl::Duration JoinStable(const v1::JobSpec& s) {
 int MaxReplans(const v1::JobSpec& s) {
   return s.replan().max_replans() > 0 ? s.replan().max_replans() : kDefaultMaxReplans;
 }
-int MinDevices(const v1::JobSpec& s) {
-  return std::max(1, s.devices().min_devices());
-}
+int MinDevices(const v1::JobSpec& s) { return std::max(1, s.devices().min_devices()); }
 
 // The devices of READY nodes.
 std::set<std::string> ReadyDevices(const v1::Cluster& c) {
@@ -292,8 +290,8 @@ class Pass {
     absl::StatusOr<v1::Deployment> d = b_.GetDeployment(st().deployment());
     if (!d.ok()) {
       if (!absl::IsNotFound(d.status())) {
-        st().set_message(absl::StrCat("cannot read ", st().deployment(), ": ",
-                                      d.status().message()));
+        st().set_message(
+            absl::StrCat("cannot read ", st().deployment(), ": ", d.status().message()));
         Commit();
         return false;
       }
@@ -404,8 +402,8 @@ class Pass {
       if (!Commit()) return;
       absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), want));
       if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
-        st().set_message(absl::StrCat("a plan on ", want.size(), " devices: ",
-                                      p.status().message()));
+        st().set_message(
+            absl::StrCat("a plan on ", want.size(), " devices: ", p.status().message()));
         *st().mutable_judged_devices() = {want.begin(), want.end()};
         st().clear_candidate_plan();
       }
@@ -439,12 +437,12 @@ class Pass {
     const double then_s = p->prediction().step_seconds();
     const double gain = then_s > 0 ? now_s / then_s - 1 : 0;
     const std::string what =
-        absl::StrFormat("%s on %d devices is predicted %.1f%% faster (%.4f s -> %.4f s)",
-                        p->name(), p->devices_size(), 100 * gain, now_s, then_s);
+        absl::StrFormat("%s on %d devices is predicted %.1f%% faster (%.4f s -> %.4f s)", p->name(),
+                        p->devices_size(), 100 * gain, now_s, then_s);
     if (gain < MinGain(spec())) {
       *st().mutable_judged_devices() = p->devices();
-      st().set_message(absl::StrFormat("staying: %s, below min_gain %.1f%%", what,
-                                       100 * MinGain(spec())));
+      st().set_message(
+          absl::StrFormat("staying: %s, below min_gain %.1f%%", what, 100 * MinGain(spec())));
       st().clear_candidate_plan();
       return;
     }
@@ -488,8 +486,8 @@ class Pass {
   }
 
   void WaitForDevices(const std::vector<std::string>& usable) {
-    st().set_message(absl::StrCat("waiting for devices: ", usable.size(),
-                                  " usable, the job needs ", MinDevices(spec())));
+    st().set_message(absl::StrCat("waiting for devices: ", usable.size(), " usable, the job needs ",
+                                  MinDevices(spec())));
     Commit();
   }
 
@@ -498,17 +496,16 @@ class Pass {
     RefreshCheckpoint();
     if (st().checkpoint_step() >= spec().training().steps()) {
       st().set_steps_done(spec().training().steps());
-      return Finish(v1::JobStatus::SUCCEEDED,
-                    absl::StrCat("every step done (checkpoint at step ", st().checkpoint_step(),
-                                 " committed)"));
+      return Finish(v1::JobStatus::SUCCEEDED, absl::StrCat("every step done (checkpoint at step ",
+                                                           st().checkpoint_step(), " committed)"));
     }
     std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices(), Held());
     if (st().next_plan().empty()) {
       if (static_cast<int>(usable.size()) < MinDevices(spec())) return WaitForDevices(usable);
       st().set_next_plan(NextPlanName());
       if (st().state() == v1::JobStatus::PENDING) st().set_state(v1::JobStatus::PLANNING);
-      st().set_message(absl::StrCat("planning on ", usable.size(), " devices (",
-                                    st().next_plan(), ")"));
+      st().set_message(
+          absl::StrCat("planning on ", usable.size(), " devices (", st().next_plan(), ")"));
       if (!Commit()) return;  // the intent first: a restart finds the plan by name
     }
     absl::StatusOr<v1::Plan> p = b_.GetPlan(st().next_plan());
@@ -526,8 +523,8 @@ class Pass {
       }
     }
     if (!p.ok()) {
-      st().set_message(absl::StrCat(st().next_plan(), ": ", p.status().message(),
-                                    "; trying again"));
+      st().set_message(
+          absl::StrCat(st().next_plan(), ": ", p.status().message(), "; trying again"));
       Commit();
       return;
     }
@@ -536,12 +533,12 @@ class Pass {
         break;
       case v1::Plan::FAILED:
       case v1::Plan::CANCELLED:
-        return Finish(v1::JobStatus::FAILED,
-                      absl::StrCat(p->name(), " ended ", v1::Plan::State_Name(p->state()),
-                                   ": ", p->error()));
+        return Finish(
+            v1::JobStatus::FAILED,
+            absl::StrCat(p->name(), " ended ", v1::Plan::State_Name(p->state()), ": ", p->error()));
       default:
-        st().set_message(absl::StrCat("planning: ", p->name(), " is ",
-                                      v1::Plan::State_Name(p->state())));
+        st().set_message(
+            absl::StrCat("planning: ", p->name(), " is ", v1::Plan::State_Name(p->state())));
         Commit();
         return;
     }
@@ -575,12 +572,12 @@ class Pass {
       t.set_resume(st().checkpoint_step() >= 0
                        ? CheckpointStepDir(t.checkpoint_dir(), st().checkpoint_step())
                        : "");
-      d = b_.Deploy(p.name(), t,
-                    std::map<std::string, std::string>(spec().executors().begin(),
-                                                       spec().executors().end()));
+      d = b_.Deploy(
+          p.name(), t,
+          std::map<std::string, std::string>(spec().executors().begin(), spec().executors().end()));
       if (!d.ok()) {
-        st().set_message(absl::StrCat("cannot deploy ", p.name(), ": ", d.status().message(),
-                                      "; trying again"));
+        st().set_message(
+            absl::StrCat("cannot deploy ", p.name(), ": ", d.status().message(), "; trying again"));
         Commit();
         return;
       }
@@ -614,7 +611,7 @@ class Pass {
   v1::Job j_;
   Env e_;
   JobBackend& b_;
-  std::vector<Reason> replanned_;         // re-plans begun, not yet saved
+  std::vector<Reason> replanned_;        // re-plans begun, not yet saved
   std::optional<v1::JobEvent> resumed_;  // a resumption, not yet saved
 };
 
@@ -748,8 +745,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   }
   const v1::ReplanPolicy& r = spec.replan();
   if (!(r.min_gain() >= 0 && r.min_gain() < 100)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.replan.min_gain must be a fraction in [0, 100), got ", r.min_gain()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.replan.min_gain must be a fraction in [0, 100), got ", r.min_gain()));
   }
   if (r.join_stable().seconds() < 0 || r.join_stable().nanos() < 0 || r.max_replans() < 0) {
     return absl::InvalidArgumentError(
@@ -810,8 +807,8 @@ absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   HAP_RETURN_IF_ERROR(ValidateJobSpec(r.spec()));
   const std::string id = r.job_id().empty() ? RandomJobId() : r.job_id();
   if (!ValidId(id) || id.size() > kMaxJobId) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "job_id '", id, "' must be 1-", kMaxJobId, " lowercase letters, digits or '-'"));
+    return absl::InvalidArgumentError(absl::StrCat("job_id '", id, "' must be 1-", kMaxJobId,
+                                                   " lowercase letters, digits or '-'"));
   }
   v1::Job j;
   j.set_name("jobs/" + id);
@@ -851,9 +848,8 @@ absl::StatusOr<v1::ListJobsResponse> JobController::List(int page_size,
                                                          const std::string& page_token) const {
   v1::ListJobsResponse out;
   absl::MutexLock l(&s_->mu);
-  HAP_ASSIGN_OR_RETURN(std::string next,
-                       Paginate(s_->jobs, page_size, page_token,
-                                [&](const v1::Job& j) { *out.add_jobs() = j; }));
+  HAP_ASSIGN_OR_RETURN(std::string next, Paginate(s_->jobs, page_size, page_token,
+                                                  [&](const v1::Job& j) { *out.add_jobs() = j; }));
   out.set_next_page_token(next);
   return out;
 }
@@ -950,9 +946,8 @@ void JobController::Reconcile() {
   absl::MutexLock pass(&s_->pass_mu);
   {
     absl::MutexLock l(&s_->mu);
-    const bool any = std::any_of(s_->jobs.begin(), s_->jobs.end(), [](const auto& kv) {
-      return !Final(kv.second.status().state());
-    });
+    const bool any = std::any_of(s_->jobs.begin(), s_->jobs.end(),
+                                 [](const auto& kv) { return !Final(kv.second.status().state()); });
     if (!any) {  // nothing to drive: no need to read the cluster every second
       s_->ready_since.clear();
       return;
@@ -984,9 +979,11 @@ void JobController::Reconcile() {
         if (now - since >= window) stable.insert(d);
       }
     }
-    Pass::Env env{o_.backend, now,  cluster, ready, std::move(stable),
-                  [this](const v1::Job& j) { return Commit(j); },
-                  o_.on_replan, o_.on_resumed, o_.max_events};
+    Pass::Env env{o_.backend,        now,
+                  cluster,           ready,
+                  std::move(stable), [this](const v1::Job& j) { return Commit(j); },
+                  o_.on_replan,      o_.on_resumed,
+                  o_.max_events};
     Pass(std::move(job), std::move(env)).Run();
   }
 }

@@ -1,12 +1,12 @@
 #include "planner/service/core/jobs.h"
 
+#include <unistd.h>
+
+#include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <cmath>
 #include <map>
 #include <thread>
-
-#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -125,8 +125,8 @@ class FakeBackend : public JobBackend {
   absl::Status StopDeployment(const std::string& name) override {
     stops.push_back(name);
     v1::Deployment& d = deployments.at(name);
-    if (stops_take_effect && (d.state() == v1::Deployment::PENDING ||
-                              d.state() == v1::Deployment::RUNNING)) {
+    if (stops_take_effect &&
+        (d.state() == v1::Deployment::PENDING || d.state() == v1::Deployment::RUNNING)) {
       d.set_state(v1::Deployment::STOPPED);
     }
     return absl::OkStatus();
@@ -687,12 +687,11 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
                                       HasSubstr("checkpoint_dir is required")));
   r = Request();
   r.mutable_spec()->clear_model();
-  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
-                                      HasSubstr("spec.model")));
+  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.model")));
   r = Request();
   r.mutable_spec()->mutable_training()->set_steps(0);
-  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
-                                      HasSubstr("steps must be positive")));
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("steps must be positive")));
   r = Request();
   r.mutable_spec()->mutable_training()->set_resume("/x");
   EXPECT_THAT(c_->Create(r),
@@ -703,16 +702,16 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
   r = Request();
   r.mutable_spec()->mutable_devices()->set_min_devices(3);
   r.mutable_spec()->mutable_devices()->set_max_devices(2);
-  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
-                                      HasSubstr("max_devices")));
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_devices")));
   EXPECT_THAT(c_->Create(Request("Bad_Id")),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id 'Bad_Id'")));
   EXPECT_THAT(c_->Create(Request(std::string(51, 'a'))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("1-50")));
   ASSERT_OK(c_->Create(Request()).status());
   EXPECT_THAT(c_->Create(Request()), StatusIs(absl::StatusCode::kAlreadyExists, ::testing::_));
-  EXPECT_THAT(c_->Get("train"), StatusIs(absl::StatusCode::kInvalidArgument,
-                                         HasSubstr("not jobs/{id}")));
+  EXPECT_THAT(c_->Get("train"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not jobs/{id}")));
   EXPECT_THAT(c_->Get("jobs/nope"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_THAT(c_->Stop("jobs/nope"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_THAT(c_->List(-1, ""), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
@@ -753,7 +752,8 @@ TEST_F(JobsTest, ListPagesAndWatchSeesEveryChangeToTheEnd) {
   ASSERT_GE(seen.size(), 2u);
   EXPECT_EQ(seen.front(), v1::JobStatus::PENDING);
   EXPECT_EQ(seen.back(), v1::JobStatus::STOPPED);
-  EXPECT_THAT(c_->Watch("jobs/x", [](const v1::Job&) { return true; }, [] { return false; }),
+  EXPECT_THAT(c_->Watch(
+                  "jobs/x", [](const v1::Job&) { return true; }, [] { return false; }),
               StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
@@ -788,13 +788,14 @@ class CheckpointScanTest : public ::testing::Test {
 };
 
 TEST_F(CheckpointScanTest, OnlyCommittedStepDirectoriesCount) {
-  EXPECT_THAT(LatestCommittedCheckpoint(dir_.string()), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(LatestCommittedCheckpoint(dir_.string()),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_THAT(LatestCommittedCheckpoint((dir_ / "absent").string()),
               StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   Step("step-00000010", true);
   Step("step-00000020", true);
-  Step("step-00000030", false);       // a save cut short
-  Step(".tmp-step-00000040", true);   // being written
+  Step("step-00000030", false);      // a save cut short
+  Step(".tmp-step-00000040", true);  // being written
   Step("step-x", true);
   Step("step-", true);
   absl::StatusOr<int64_t> latest = LatestCommittedCheckpoint(dir_.string());
