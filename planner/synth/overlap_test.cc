@@ -281,5 +281,35 @@ TEST(OverlapTest, PlanningWithOverlapHidesTheGradientAllReduce) {
   }
 }
 
+TEST(OverlapTest, HiddenPricingLetsTheSearchPreferOverlappableCollectives) {
+  // A wide MLP at a small batch over a slow link (1e8 B/s between nodes).
+  // The program's own cost stays the critical path either way; the planner
+  // compares both by it.
+  auto g = graph::BuildZooModel("mlp", {{"batch", 8}, {"hidden", 2048}, {"layers", 4}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  cost::ClusterModel c = TwoNodes(1e8);
+  SearchOptions so;
+  so.overlap = true;
+  auto priced = Synthesize(*g, c, so);
+  so.async_price = 0;
+  auto hidden = Synthesize(*g, c, so);
+  ASSERT_TRUE(priced.ok() && hidden.ok());
+  auto count = [](const Program& p, bool sfb) {
+    int n = 0;
+    for (const OpStep& s : p.steps) {
+      for (const SourceLoad& l : s.loads) n += sfb ? l.sfb : l.grad_allreduce;
+    }
+    return n;
+  };
+  // In line, the slow link makes every op replicated (each device computes
+  // the whole batch, no collective at all); priced as hidden, the gradient
+  // all-reduce of data parallelism is free to the search.
+  EXPECT_EQ(count(*priced, false), 0);
+  EXPECT_EQ(count(*hidden, true), 0);
+  EXPECT_GT(count(*hidden, false), 0);
+  EXPECT_TRUE(CheckProgram(*g, *hidden, c.size()).ok());
+  EXPECT_NEAR(hidden->cost, EvaluateProgram(*hidden, c.ProportionalRatios()).total, 1e-12);
+}
+
 }  // namespace
 }  // namespace hap::synth

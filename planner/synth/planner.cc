@@ -409,6 +409,29 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     }
     if (o.cancelled && o.cancelled()) break;
   }
+  // With overlap, the search once more at the best split, pricing the
+  // collectives that can run behind compute at what they slow it (1 - the
+  // lowest overlap efficiency): programs that lean on them get considered;
+  // the LP's critical path decides.
+  if (o.overlap_communication && !best.program.steps.empty() && left() > 0) {
+    SearchOptions ho = so;
+    ho.ratios = best.ratios;
+    ho.max_seconds = std::max(0.1, left());
+    ho.async_price = 0;
+    for (const cost::DeviceModel& d : cluster.devices()) {
+      ho.async_price = std::max(ho.async_price, 1 - d.overlap_efficiency);
+    }
+    auto p = ho.async_price < 1 ? search(ho) : absl::StatusOr<Program>(absl::CancelledError());
+    if (p.ok()) {
+      auto lp = memory_lp(*p, best.ratios, /*fixed=*/false);
+      if (lp.ok() && lp->second < best.cost * (1 - 1e-9)) {
+        best.cost = lp->second;
+        best.ratios = lp->first;
+        best.program = *std::move(p);
+        best.source = "search (overlapped collectives priced as hidden)";
+      }
+    }
+  }
   // Baseline programs, ratios re-optimised: candidates in the same space,
   // and the plan when the search's programs do not fit. Once the budget is
   // spent they are skipped, unless nothing was found yet.

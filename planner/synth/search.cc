@@ -336,7 +336,7 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     }
     AddUpdateCost(p, /*sharded=*/false, &a);
     double c = 0;
-    for (const auto& t2 : a.costs) c += Eval(t2);
+    for (const auto& t2 : a.costs) c += opt_.async_price * Eval(t2);
     for (const auto& t2 : a.update_costs) c += Eval(t2);
     options.push_back({a, c});
     // Sufficient factor broadcasting for a data-parallel linear weight:
@@ -385,7 +385,7 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     }
     AddUpdateCost(p, /*sharded=*/true, &z);
     double c = 0;
-    for (const auto& t2 : z.costs) c += Eval(t2);
+    for (const auto& t2 : z.costs) c += opt_.async_price * Eval(t2);
     for (const auto& t2 : z.update_costs) c += Eval(t2);
     options.push_back({z, c});
   }

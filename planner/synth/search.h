@@ -52,6 +52,11 @@ struct SearchOptions {
   // Price the program with communication overlapping compute
   // (Program::overlap; ScheduleCommunication chooses the bucket size).
   bool overlap = false;
+  // The search's own price of the collectives that can run behind compute
+  // (replicated gradients' all-reduce shares, ZeRO-3 gathers and gradient
+  // reduce-scatters), as a fraction of their time. The program keeps their
+  // true costs, so its cost (the critical path with overlap) is exact.
+  double async_price = 1.0;
 };
 
 // Errors: InvalidArgument for ratios of the wrong size or not summing to 1;
