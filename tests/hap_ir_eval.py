@@ -50,6 +50,10 @@ def _op(t, x, a):
         return F.silu(x[0])
     if t == "relu6":
         return F.relu6(x[0])
+    if t == "hardsigmoid":
+        return F.hardsigmoid(x[0])
+    if t == "hardswish":
+        return F.hardswish(x[0])
     if t in ("dropout", "drop_path"):
         return x[0]
     if t == "layer_norm":

@@ -170,7 +170,7 @@ class KernelsTorchTest(unittest.TestCase):
         ops = {c["op"] for c in cases()}
         want = {"linear", "matmul", "add", "sub", "mul", "relu", "gelu",
                 "sigmoid", "tanh", "silu", "relu6", "avg_pool2d", "batch_norm",
-                "drop_path", "dropout", "scale", "layer_norm",
+                "drop_path", "hardsigmoid", "hardswish", "dropout", "scale", "layer_norm",
                 "softmax", "log_softmax", "embedding", "transpose",
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d",

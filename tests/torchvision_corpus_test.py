@@ -6,10 +6,10 @@ on 2 ranks (float64, so the comparison is not at the mercy of batch_norm's
 conditioning on a few samples) with two different plans (data parallel at
 an even split and the synthesized plan), whose losses must agree.
 
-Models: the twelve that issue 20 names or that share their ops (resnet18,
+Models: those issue 20 names and others that share their ops (resnet18,
 mobilenet_v2, efficientnet_b0, densenet121, squeezenet1_0, convnext_tiny,
 vgg11, alexnet, shufflenet_v2_x0_5, resnext50_32x4d, googlenet,
-regnet_y_400mf)."""
+regnet_y_400mf, mobilenet_v3_small)."""
 
 import json
 import os
@@ -32,7 +32,7 @@ BIG_CLUSTER = os.path.abspath(os.environ.get("BIG_CLUSTER", ""))
 MODELS = ["resnet18", "mobilenet_v2", "efficientnet_b0", "densenet121",
           "squeezenet1_0", "convnext_tiny", "vgg11", "alexnet",
           "shufflenet_v2_x0_5", "resnext50_32x4d", "googlenet",
-          "regnet_y_400mf"]
+          "regnet_y_400mf", "mobilenet_v3_small"]
 TRAINED = ["resnet18", "mobilenet_v2", "squeezenet1_0", "shufflenet_v2_x0_5"]
 IMAGE = 64  # alexnet's smallest input
 

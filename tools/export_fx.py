@@ -912,9 +912,14 @@ class _Exporter:
             kind = "relu6"
         elif isinstance(act, nn.Hardtanh) and (act.min_val, act.max_val) == (0, 6):
             kind = "relu6"
+        elif act is F.hardsigmoid or isinstance(act, nn.Hardsigmoid):
+            kind = "hardsigmoid"
+        elif act is F.hardswish or isinstance(act, nn.Hardswish):
+            kind = "hardswish"
         if kind is None:
             self.fail(f"activation {act!r} is not supported (relu, gelu, "
-                      f"sigmoid, tanh, silu, relu6)")
+                      f"sigmoid, tanh, silu, relu6, hardsigmoid, "
+                      f"hardswish)")
         return self.emit(kind, name, [x], None, x.shape, scope=scope)
 
     def reshape(self, name, x, shape, scope):
@@ -1223,7 +1228,7 @@ class _Exporter:
         if isinstance(mod, nn.Linear):
             return self.linear_module(mod, name, x0(), scope)
         if isinstance(mod, (nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh, nn.SiLU,
-                            nn.ReLU6)):
+                            nn.ReLU6, nn.Hardsigmoid, nn.Hardswish)):
             return self.activation(mod, name, x0(), scope)
         if isinstance(mod, nn.LayerNorm):
             return self.layer_norm(mod, name, x0(), scope)
@@ -1650,7 +1655,7 @@ class _Exporter:
                                    self.scope_of(n))
         if f in (torch.sigmoid, F.sigmoid):
             return self.op("sigmoid", [T(0, "input")])
-        if f in (F.silu, F.relu6):
+        if f in (F.silu, F.relu6, F.hardsigmoid, F.hardswish):
             return self.activation(f, self.base_name(n), T(0, "input"),
                                    self.scope_of(n))
         if f is F.hardtanh:

@@ -200,6 +200,8 @@ std::vector<Case> Cases() {
       {"tanh", "tanh", {}, {Rand({16, 65}, 27, 3.0)}},
       {"silu", "silu", {}, {Rand({16, 65}, 82, 6.0)}},
       {"relu6", "relu6", {}, {Rand({16, 65}, 83, 9.0)}},
+      {"hardsigmoid", "hardsigmoid", {}, {Rand({16, 65}, 99, 6.0)}},
+      {"hardswish", "hardswish", {}, {Rand({16, 65}, 100, 6.0)}},
       {"dropout", "dropout", {{"p", 0.2}, {"rng_key", int64_t{12345}}},
        {Rand({8, 33}, 28)}, {}, 7},
       {"dropout_shard", "dropout",

@@ -84,6 +84,29 @@ struct Relu6 {  // PyTorch's hardtanh(x, 0, 6): NaN propagates
   }
 };
 
+// PyTorch's hardsigmoid and hardswish (their backward's boundaries too).
+struct Hardsigmoid {  // relu6(x + 3) / 6
+  template <typename T>
+  static T F(T x) {
+    return Relu6::F<T>(x + T(3)) / T(6);
+  }
+  template <typename T>
+  static T D(T x, T) {
+    return x > T(-3) && x < T(3) ? T(1) / T(6) : T(0);
+  }
+};
+
+struct Hardswish {  // x * relu6(x + 3) / 6
+  template <typename T>
+  static T F(T x) {
+    return x * Relu6::F<T>(x + T(3)) / T(6);
+  }
+  template <typename T>
+  static T D(T x, T) {
+    return x < T(-3) ? T(0) : (x <= T(3) ? x / T(3) + T(0.5) : T(1));
+  }
+};
+
 // The element loops take their pointers as parameters so that they
 // vectorize (pointers captured by a lambda are reloaded every iteration).
 template <typename Act, typename T>
@@ -503,6 +526,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Tanh>(t, "tanh");
   RegisterUnary<Silu>(t, "silu");
   RegisterUnary<Relu6>(t, "relu6");
+  RegisterUnary<Hardsigmoid>(t, "hardsigmoid");
+  RegisterUnary<Hardswish>(t, "hardswish");
   t["dropout"] = HAP_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_FLOAT_KERNEL(DropoutBackward);
   // Stochastic depth: dropout's kernels with a mask keyed by sample

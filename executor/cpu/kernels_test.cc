@@ -328,11 +328,15 @@ TEST(KernelGradTest, BinaryAbsentOperand) {
 }
 
 TEST(KernelGradTest, Activations) {
-  for (const char* op : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6"}) {
+  for (const char* op : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6",
+                         "hardsigmoid", "hardswish"}) {
     ExpectGradientsMatch({op, {}, {Rand({3, 5}, 1, 3.0)}});
   }
   // relu6 on both sides of its clamp.
   ExpectGradientsMatch({"relu6", {}, {Rand({4, 6}, 3, 9.0)}});
+  for (const char* op : {"hardsigmoid", "hardswish"}) {
+    ExpectGradientsMatch({op, {}, {Rand({4, 6}, 4, 6.0)}});
+  }
   ExpectGradientsMatch({"scale", {{"factor", 0.37}}, {Rand({2, 3}, 2)}});
 }
 

@@ -119,7 +119,8 @@ class KernelsATest : public ::testing::Test {
 TEST_F(KernelsATest, Activations) {
   for (DType t : kDtypes) {
     const Tol tol = ElementTol(t);
-    for (const char* name : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6"}) {
+    for (const char* name : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6",
+                             "hardsigmoid", "hardswish"}) {
       for (Shape s : {Shape{1}, Shape{257}, Shape{3, 1031}}) {
         Expect(Case(name, tol, {R(t, s)}, {R(t, s)}));
         const std::string g = std::string(name) + "_grad";

@@ -243,6 +243,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Activation::kTanh>(t, "tanh");
   RegisterUnary<Activation::kSilu>(t, "silu");
   RegisterUnary<Activation::kRelu6>(t, "relu6");
+  RegisterUnary<Activation::kHardsigmoid>(t, "hardsigmoid");
+  RegisterUnary<Activation::kHardswish>(t, "hardswish");
   t["dropout"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_CUDA_FLOAT_KERNEL(DropoutBackward);
   t["drop_path"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);

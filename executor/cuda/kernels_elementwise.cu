@@ -44,6 +44,10 @@ __device__ inline T ActF(T x) {
     return x / (T(1) + Exp(-x));
   } else if constexpr (A == Activation::kRelu6) {
     return x < T(0) ? T(0) : (x > T(6) ? T(6) : x);  // NaN propagates
+  } else if constexpr (A == Activation::kHardsigmoid) {
+    return ActF<Activation::kRelu6>(x + T(3)) / T(6);
+  } else if constexpr (A == Activation::kHardswish) {
+    return x * ActF<Activation::kRelu6>(x + T(3)) / T(6);
   } else {
     return Tanh(x);
   }
@@ -64,6 +68,10 @@ __device__ inline T ActD(T x, T y) {
     return s * (T(1) + x * (T(1) - s));
   } else if constexpr (A == Activation::kRelu6) {
     return x > T(0) && x < T(6) ? T(1) : T(0);
+  } else if constexpr (A == Activation::kHardsigmoid) {
+    return x > T(-3) && x < T(3) ? T(1) / T(6) : T(0);
+  } else if constexpr (A == Activation::kHardswish) {
+    return x < T(-3) ? T(0) : (x <= T(3) ? x / T(3) + T(0.5) : T(1));
   } else {
     return T(1) - y * y;
   }
@@ -239,6 +247,10 @@ void LaunchActivation(Activation act, const T* x, T* y, int64_t n,
       return ActivationAs<T, Activation::kSilu>(x, y, n, stream);
     case Activation::kRelu6:
       return ActivationAs<T, Activation::kRelu6>(x, y, n, stream);
+    case Activation::kHardsigmoid:
+      return ActivationAs<T, Activation::kHardsigmoid>(x, y, n, stream);
+    case Activation::kHardswish:
+      return ActivationAs<T, Activation::kHardswish>(x, y, n, stream);
   }
 }
 
@@ -259,6 +271,12 @@ void LaunchActivationGrad(Activation act, const T* x, const T* y, const T* dy,
       return ActivationGradAs<T, Activation::kSilu>(x, y, dy, dx, n, stream);
     case Activation::kRelu6:
       return ActivationGradAs<T, Activation::kRelu6>(x, y, dy, dx, n, stream);
+    case Activation::kHardsigmoid:
+      return ActivationGradAs<T, Activation::kHardsigmoid>(x, y, dy, dx, n,
+                                                           stream);
+    case Activation::kHardswish:
+      return ActivationGradAs<T, Activation::kHardswish>(x, y, dy, dx, n,
+                                                         stream);
   }
 }
 

@@ -14,7 +14,16 @@
 
 namespace hap::executor::cuda {
 
-enum class Activation { kRelu, kGelu, kSigmoid, kTanh, kSilu, kRelu6 };
+enum class Activation {
+  kRelu,
+  kGelu,
+  kSigmoid,
+  kTanh,
+  kSilu,
+  kRelu6,
+  kHardsigmoid,
+  kHardswish
+};
 
 // y = F(x) over n elements.
 template <typename T>

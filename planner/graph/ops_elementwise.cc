@@ -56,6 +56,8 @@ void RegisterElementwiseOps(OpRegistry& r) {
   Unary(r, "tanh", 4, "tanh(x)");
   Unary(r, "silu", 5, "silu(x) -> x * sigmoid(x) (swish)");
   Unary(r, "relu6", 2, "relu6(x) -> min(max(x, 0), 6)");
+  Unary(r, "hardsigmoid", 3, "hardsigmoid(x) -> relu6(x + 3) / 6");
+  Unary(r, "hardswish", 4, "hardswish(x) -> x * relu6(x + 3) / 6");
   {
     OpDef d;
     d.type = "dropout";
