@@ -58,6 +58,20 @@ class ExecutorCliTest(unittest.TestCase):
         self.assertLess(sum(ls[-5:]) / 5, sum(ls[:5]) / 5, p.stdout)
         self.assertIn("mean step time", p.stdout)
 
+    def test_a_spent_budget_is_noted_in_the_plan(self):
+        """A state budget that cuts the search still gives a plan (saved), and
+        says so in the table and in -o json; an uncut search has no notes."""
+        path = os.path.join(util.tmpdir(), "cut.pb")
+        args = ["plan", "--cluster", CLUSTER, *SMALL_GPT, "--max-states", "1"]
+        table = util.run([HAPCTL, *args, "--save-plan", path]).stdout
+        self.assertIn("note: the state budget (1 states) cut a search", table)
+        self.assertGreater(os.path.getsize(path), 0)
+        cut = util.hapctl_json(*args)
+        self.assertTrue(any("state budget" in n for n in cut["notes"]), cut["notes"])
+        self.assertFalse(cut["optimal"])
+        whole = util.hapctl_json("plan", "--cluster", CLUSTER, *SMALL_GPT)
+        self.assertEqual(whole["notes"], [])
+
     def test_plan_for_another_world_size(self):
         p = self.run_rank("--plan", self.plan2, "--rank", "0", "--world", "3",
                           "--rendezvous", util.tmpdir())

@@ -245,6 +245,7 @@ void DescribePlan(const v1::Plan& p) {
   std::cout << absl::StrFormat("search: %d states, %s, %d joint iteration(s)\n",
                                p.states_expanded(), p.optimal() ? "proven optimal" : "not proven optimal",
                                p.joint_iterations());
+  for (const std::string& note : p.notes()) std::cout << "note: " << note << "\n";
   std::cout << absl::StrFormat("%-28s %10s %14s\n", "DEVICE", "RATIO", "MEMORY GiB");
   for (int i = 0; i < p.devices_size(); ++i) {
     double ratio = p.ratios_size() ? p.ratios(0).ratios(i) : 0;

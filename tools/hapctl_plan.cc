@@ -102,6 +102,9 @@ void PrintJson(const graph::Graph& g, const cost::ClusterModel& cl,
   o << "  \"states_expanded\": " << r.states_expanded << ",\n";
   o << "  \"optimal\": " << (r.optimal ? "true" : "false") << ",\n";
   o << "  \"joint_iterations\": " << r.joint_iterations << ",\n";
+  o << "  \"notes\": [";
+  for (size_t i = 0; i < r.notes.size(); ++i) o << (i ? ", " : "") << Json(r.notes[i]);
+  o << "],\n";
   o << "  \"devices\": [";
   for (int i = 0; i < cl.size(); ++i) {
     o << (i ? ", " : "") << Json(cl.device(i).id);
@@ -190,6 +193,8 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
       r.synthesis_seconds, r.states_expanded,
       r.optimal ? "proven optimal" : "NOT proven optimal (budget cut)",
       r.joint_iterations);
+  for (const std::string& note : r.notes) std::cout << "note: " << note << "\n";
+  if (!r.notes.empty()) std::cout << "\n";
   std::cout << absl::StrFormat("%-22s %10s %12s %14s\n", "DEVICE", "RATIO",
                                "TFLOP/S", "MEMORY");
   for (int i = 0; i < cl.size(); ++i) {

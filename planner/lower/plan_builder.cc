@@ -143,6 +143,7 @@ absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
   plan.set_gradient_buckets(static_cast<int>(result.program.buckets.size()));
   plan.set_synthesis_seconds(result.synthesis_seconds);
   plan.set_states_expanded(result.states_expanded);
+  for (const std::string& note : result.notes) plan.add_notes(note);
   plan.set_optimal(result.optimal);
   plan.set_joint_iterations(result.joint_iterations);
   plan.set_state(v1::Plan::SUCCEEDED);
