@@ -379,6 +379,21 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
           absl::StrCat("the checkpoint index of ", dir, " lists '", t.name(), "' twice"));
     }
   }
+  // The checkpoint is refused as a whole when any of its shards is damaged
+  // or missing, also one this rank (or this plan) would not read: damage
+  // is the storage's, and the next resume on another plan would meet it.
+  // Opening maps a file and checks its header and size; no data is read.
+  std::set<std::string> files;
+  for (const auto& t : r->index_.tensors()) {
+    for (const auto& s : t.slices()) files.insert(s.file());
+  }
+  const int world = r->trainer_.world_size();
+  if (world < 0 || world > (1 << 20)) {
+    return absl::DataLossError(
+        absl::StrCat("the checkpoint ", dir, " says it was written by ", world, " ranks"));
+  }
+  for (int rank = 0; rank < world; ++rank) files.insert(RankFileName(rank, world));
+  for (const std::string& f : files) HAP_RETURN_IF_ERROR(r->File(f).status());
   return r;
 }
 

@@ -239,6 +239,23 @@ TEST(CheckpointTest, DamageIsAClearErrorNamingTheFileOrTensor) {
                                  "and F32[5,20] in the model")));
 }
 
+// A shard that no slice of this plan needs (data parallelism: every tensor
+// is written by rank 0) is still part of the checkpoint: damaged, the
+// checkpoint is refused at open, before any rank reads it.
+TEST(CheckpointTest, ADamagedShardIsRefusedEvenWhenNothingIsReadFromIt) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("damaged_unread_shard");
+  TrainAndSave(g, Programs(g, 2, "dp"), dir, 1, 3);
+  ASSERT_TRUE(CheckpointReader::Open(dir).ok());
+  fs::resize_file(dir + "/step-00000001/rank-00001-of-00002.safetensors", 10);
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("rank-00001-of-00002.safetensors is not a valid safetensors")));
+  fs::remove(dir + "/step-00000001/rank-00001-of-00002.safetensors");
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-00001-of-00002.safetensors")));
+}
+
 TEST(CheckpointTest, OptimizerStateOfAnotherOptimizerIsNamed) {
   graph::Graph g = Mlp();
   const std::string dir = Fresh("no_momentum");
