@@ -75,19 +75,7 @@ absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const sy
   lo.ratios = ratios;
   lo.optimizer = hap::testing::EquivalenceOptimizer(/*adam=*/false);
   lo.seed = kSeed;
-  auto programs = lower::Lower(g, p, lo);
-  if (!programs.ok()) return programs.status();
-  std::string dir = absl::StrCat(::testing::TempDir(), "/rdv_bn_", tag);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  executor::TrainOptions to;
-  to.steps = kSteps;
-  executor::LocalRanksOptions lro;
-  lro.rendezvous_dir = dir;
-  lro.prefix = "bn_" + tag;
-  lro.timeout = absl::Seconds(60);
-  return executor::RunLocalRanks(
-      *programs, g, [&](int) { return data::NewSyntheticBatches(g, kSeed); }, to, lro);
+  return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, "bn_" + tag);
 }
 
 struct Case {

@@ -80,19 +80,7 @@ absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g,
   lo.ratios = ratios;
   lo.optimizer = Optimizer(adam);
   lo.seed = kSeed;
-  auto programs = lower::Lower(g, p, lo);
-  if (!programs.ok()) return programs.status();
-  std::string dir = absl::StrCat(::testing::TempDir(), "/rdv_", tag);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  executor::TrainOptions to;
-  to.steps = kSteps;
-  executor::LocalRanksOptions lro;
-  lro.rendezvous_dir = dir;
-  lro.prefix = tag;
-  lro.timeout = absl::Seconds(60);
-  return executor::RunLocalRanks(
-      *programs, g, [&](int) { return data::NewSyntheticBatches(g, kSeed); }, to, lro);
+  return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, tag);
 }
 
 struct Case {

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "executor/data/batches.h"
 #include "planner/synth/checker.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
@@ -138,6 +141,28 @@ absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
     out.push_back(d);
   }
   return out;
+}
+
+absl::StatusOr<std::vector<executor::TrainResult>> RunLoweredOverGloo(
+    const graph::Graph& g, const synth::Program& p, const lower::LowerOptions& lo, int steps,
+    const std::string& tag) {
+  auto programs = lower::Lower(g, p, lo);
+  if (!programs.ok()) return programs.status();
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::filesystem::path dir =
+      std::filesystem::path(tmp != nullptr ? tmp : std::filesystem::temp_directory_path()) /
+      ("rdv_" + tag);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  executor::TrainOptions to;
+  to.steps = steps;
+  executor::LocalRanksOptions lro;
+  lro.rendezvous_dir = dir.string();
+  lro.prefix = tag;
+  lro.timeout = absl::Seconds(60);
+  const uint64_t seed = lo.seed;
+  return executor::RunLocalRanks(
+      *programs, g, [&](int) { return data::NewSyntheticBatches(g, seed); }, to, lro);
 }
 
 }  // namespace hap::testing

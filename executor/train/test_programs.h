@@ -19,7 +19,9 @@
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph.h"
 #include "executor/runtime/tensor.h"
+#include "executor/train/trainer.h"
 #include "hap/v1/plan.pb.h"
+#include "planner/lower/lower.h"
 #include "planner/synth/program.h"
 
 namespace hap::testing {
@@ -56,6 +58,14 @@ struct ParameterDeviation {
 absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
     const std::map<std::string, executor::HostTensor>& got,
     const std::map<std::string, executor::HostTensor>& want);
+
+// Lowers `p` with `lo` and trains `steps` steps on lo.world_size local
+// ranks over Gloo (rendezvous in a fresh directory under the test's temp
+// dir, named by `tag`), every rank reading the synthetic batches of
+// lo.seed: the multi-rank run the equivalence tests compare.
+absl::StatusOr<std::vector<executor::TrainResult>> RunLoweredOverGloo(
+    const graph::Graph& g, const synth::Program& p, const lower::LowerOptions& lo, int steps,
+    const std::string& tag);
 
 }  // namespace hap::testing
 
