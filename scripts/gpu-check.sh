@@ -61,6 +61,14 @@ PY=$(command -v python3 || echo /usr/bin/python3)
 # NCCL's bootstrap sockets on loopback (one machine; nothing else is needed).
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 BAZEL=$(command -v bazel || command -v bazelisk || true)
+# Without Bazel (or with $HAP_GPU_BUNDLE set), a bundle made elsewhere by
+# scripts/gpu-bundle.sh (the same programs, prebuilt, with the libraries they
+# need; default .gpu) is run instead of building.
+BUNDLE=${HAP_GPU_BUNDLE:-.gpu}
+USE_BUNDLE=0
+if { [ -z "$BAZEL" ] || [ -n "${HAP_GPU_BUNDLE:-}" ]; } && { [ -f "$BUNDLE/bundle.tar.xz" ] || [ -d "$BUNDLE/bin" ]; }; then
+  USE_BUNDLE=1
+fi
 CUDA_PATH=${HAP_CUDA_PATH:-/usr/local/cuda}
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 GPUS=$(nvidia-smi -L | grep -c '^GPU')
@@ -91,8 +99,90 @@ finish() {
   exit "$FAILED"
 }
 
+# Gathers a test's gtest counts into a row: $1 name, $2 status, $3.. logs.
+test_row() {
+  local name=$1 status=$2
+  shift 2
+  local logs="$*" ok=0 bad=0 skipped=0 why=""
+  if [ -n "$logs" ]; then
+    ok=$(cat $logs | grep -cE '^\[       OK \] .*\([0-9]+ ms\)')
+    bad=$(cat $logs | grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)')
+    skipped=$(cat $logs | grep -cE '^\[  SKIPPED \] .*\([0-9]+ ms\)')
+    why=$(cat $logs | grep -A1 ': Skipped$' | grep -vE ': Skipped$|^--$' | sort | uniq -c | sort -rn | head -2 | sed 's/^ *//' | paste -sd';' - | cut -c1-200 | tr '|' '/')
+  fi
+  local detail="$ok passed, $bad failed, $skipped skipped"
+  [ -n "$why" ] && detail="$detail (skips: $why)"
+  if [ "$bad" -gt 0 ] && [ -n "$logs" ]; then
+    detail="$detail; failed: $(cat $logs | grep -E '^\[  FAILED  \] .*\([0-9]+ ms\)' | sed 's/^\[  FAILED  \] //; s/ ([0-9]* ms)//' | head -6 | paste -sd' ' - | cut -c1-300 | tr '|' '/')"
+  fi
+  if [ "$name" = gpu_training_test ] && [ -n "$logs" ]; then
+    local last
+    last=$(cat $logs | grep -E '^gpt_adamw_dropout step [0-9]+ loss' | tail -1)
+    [ -n "$last" ] && detail="$detail; $last"
+  fi
+  if [ "$status" = PASSED ]; then
+    if [ "$ok" -eq 0 ]; then
+      row "$name" "PASS (all skipped)" "$detail"
+    else
+      row "$name" "PASS" "$detail"
+    fi
+  else
+    row "$name" "FAIL" "${status:-no result} - $detail; see $name.*.log"
+    FAILED=1
+  fi
+}
+
+if [ "$USE_BUNDLE" = 1 ]; then
+  # --- 1+2 from a bundle: no build; every CUDA test binary, run directly ----
+  B=$BUNDLE
+  if [ -f "$BUNDLE/bundle.tar.xz" ]; then
+    B=/tmp/hap-gpu-bundle
+    rm -rf "$B"
+    mkdir -p "$B"
+    tar -C "$B" -xJf "$BUNDLE/bundle.tar.xz"
+  fi
+  # CUDA's libraries from this machine: the toolkit's, else Python's nvidia-* packages.
+  CUDA_DIRS=""
+  for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+    f=$(find "$CUDA_PATH/lib64/" "$CUDA_PATH/targets/x86_64-linux/lib/" -maxdepth 1 -name "$lib" 2>/dev/null | head -1)
+    [ -z "$f" ] && f=$("$PY" -c 'import site, sys; print("\n".join(site.getsitepackages()))' 2>/dev/null |
+      while read -r d; do find "$d/nvidia" -name "$lib" 2>/dev/null; done | head -1)
+    [ -n "$f" ] && ! grep -q ":$(dirname "$f")\(:\|$\)" <<< "$CUDA_DIRS" && CUDA_DIRS="$CUDA_DIRS:$(dirname "$f")"
+  done
+  export LD_LIBRARY_PATH="$B/lib$CUDA_DIRS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  say "bundle from commit $(paste -sd' ' "$B/commit.txt" 2>/dev/null); LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  missing=$(for b in "$B"/bin/*; do ldd "$b" | grep 'not found'; done | awk '{print $1}' | sort -u | paste -sd' ' -)
+  if [ -n "$missing" ]; then
+    row "bundle (scripts/gpu-bundle.sh)" "FAIL" "libraries not found: $missing"
+    FAILED=1
+    finish
+  fi
+  row "bundle (scripts/gpu-bundle.sh)" "PASS" "commit $(paste -sd' ' "$B/commit.txt" 2>/dev/null), built elsewhere for .bazelrc's archs"
+  say "testing $(paste -sd' ' "$B/tests.txt")"
+  t0=$SECONDS
+  test_limit=$(( $(left) - 150 > 120 ? $(left) - 150 : 120 ))
+  pids=()
+  while read -r name; do
+    timeout "$test_limit" "$B/bin/$name" > "$LOGS/$name.log" 2>&1 &
+    pids+=("$!:$name")
+  done < "$B/tests.txt"
+  for p in "${pids[@]}"; do
+    wait "${p%%:*}"
+    rc=$?
+    name=${p#*:}
+    status=PASSED
+    [ $rc -eq 124 ] && status=TIMEOUT
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] && status="FAILED (rc $rc)"
+    test_row "$name" "$status" "$LOGS/$name.log"
+  done
+  say "tests done in $((SECONDS - t0)) s"
+  GPU_BENCH=$B/bin/gpu_bench
+  HAPCTL=$B/bin/hapctl
+  LAUNCH=$B/bin/hap-launch
+  EXECUTOR=$B/bin/hap-executor
+else
 if [ -z "$BAZEL" ]; then
-  row "build" "FAIL" "no bazel on PATH"
+  row "build" "FAIL" "no bazel on PATH and no bundle at $BUNDLE (scripts/gpu-bundle.sh)"
   FAILED=1
   finish
 fi
@@ -135,30 +225,8 @@ if [ ${#TESTS[@]} -gt 0 ] && [ "$(left)" -gt 60 ]; then
     name=${t#//executor/cuda:}
     status=$(grep -E "^$t +" "$LOGS/test.log" | grep -oE 'PASSED|FAILED TO BUILD|FAILED|TIMEOUT|NO STATUS|SKIPPED' | head -1)
     logs=$(find "bazel-testlogs/executor/cuda/$name" -name test.log 2>/dev/null)
-    ok=0 bad=0 skipped=0 why=""
-    if [ -n "$logs" ]; then
-      for l in $logs; do cp "$l" "$LOGS/$name.$(basename "$(dirname "$l")").log"; done
-      ok=$(cat $logs | grep -cE '^\[       OK \] .*\([0-9]+ ms\)')
-      bad=$(cat $logs | grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)')
-      skipped=$(cat $logs | grep -cE '^\[  SKIPPED \] .*\([0-9]+ ms\)')
-      why=$(cat $logs | grep -A1 ': Skipped$' | grep -vE ': Skipped$|^--$' | sort | uniq -c | sort -rn | head -2 | sed 's/^ *//' | paste -sd';' - | cut -c1-200 | tr '|' '/')
-    fi
-    detail="$ok passed, $bad failed, $skipped skipped"
-    [ -n "$why" ] && detail="$detail (skips: $why)"
-    if [ "$name" = gpu_training_test ] && [ -n "$logs" ]; then
-      last=$(cat $logs | grep -E '^gpt_adamw_dropout step [0-9]+ loss' | tail -1)
-      [ -n "$last" ] && detail="$detail; $last"
-    fi
-    if [ "$status" = PASSED ]; then
-      if [ "$ok" -eq 0 ]; then
-        row "$name" "PASS (all skipped)" "$detail"
-      else
-        row "$name" "PASS" "$detail"
-      fi
-    else
-      row "$name" "FAIL" "${status:-no result} - $detail; see $name.*.log"
-      FAILED=1
-    fi
+    for l in $logs; do cp "$l" "$LOGS/$name.$(basename "$(dirname "$l")").log"; done
+    test_row "$name" "$status" $logs
   done
 else
   row "tests" "NOT RUN" "out of time ($(left) s left)"
@@ -166,6 +234,10 @@ else
 fi
 
 GPU_BENCH=bazel-bin/bench/gpu_bench
+HAPCTL=bazel-bin/tools/hapctl
+LAUNCH=bazel-bin/executor/cli/hap-launch
+EXECUTOR=bazel-bin/executor/cli/hap-executor
+fi
 
 # --- 2b. the executor binaries end to end -----------------------------------
 # A 2-GPU cluster profile, a plan of the GPT-style LM for it (hapctl), then
@@ -186,14 +258,14 @@ elif [ "$(left)" -gt 60 ]; then
   "interNodeBandwidthBytesPerSecond": 1e10, "interNodeLatencySeconds": 5e-05}}
 JSON
   cli="FAIL"$'\t'"hapctl plan failed (hapctl-plan.log)"
-  if timeout "$(limit 60)" bazel-bin/tools/hapctl plan --cluster "$LOGS/two-gpus.json" --model gpt \
+  if timeout "$(limit 60)" "$HAPCTL" plan --cluster "$LOGS/two-gpus.json" --model gpt \
       --layers 2 --hidden 64 --heads 4 --ffn 256 --seq 32 --vocab 211 --batch 8 \
       --save-plan "$LOGS/gpt-2gpus.pb" > "$LOGS/hapctl-plan.log" 2>&1; then
     for d in plan cpu; do
       extra=()
       [ "$d" = cpu ] && extra=(--device cpu)
-      timeout "$(limit 60)" bazel-bin/executor/cli/hap-launch --plan "$LOGS/gpt-2gpus.pb" \
-        --executor bazel-bin/executor/cli/hap-executor --steps 5 "${extra[@]}" \
+      timeout "$(limit 60)" "$LAUNCH" --plan "$LOGS/gpt-2gpus.pb" \
+        --executor "$EXECUTOR" --steps 5 "${extra[@]}" \
         > "$LOGS/cli-$d.log" 2>&1
       echo "rc=$?" >> "$LOGS/cli-$d.log"
     done
