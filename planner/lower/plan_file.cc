@@ -41,6 +41,13 @@ absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
         "plan format version ", plan.format_version(), " is not supported (this "
         "executor reads version ", kPlanFormatVersion, ")"));
   }
+  if (plan.pipeline().stages_size() > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "pipeline plans are not executable yet: the plan has ",
+        plan.pipeline().stages_size(), " pipeline stages (", plan.pipeline().microbatches(),
+        " microbatches), and the lowering has no microbatch loop or send/recv between "
+        "stages; plan with --pipeline off (PlanOptions.pipeline PIPELINE_OFF) to run it"));
+  }
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError("the plan has no rank programs (not lowered)");
   }
