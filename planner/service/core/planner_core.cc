@@ -248,10 +248,14 @@ struct PlanEntry {
 };
 
 // The BASIC view of GetPlan: everything but the rank programs.
+void FillBasicView(const PlanEntry& e, v1::Plan* out) {
+  *out = *e.summary;
+  if (e.full->has_graph()) *out->mutable_graph() = e.full->graph();
+  if (e.full->has_program()) *out->mutable_program() = e.full->program();
+}
 v1::Plan BasicView(const PlanEntry& e) {
-  v1::Plan p = *e.summary;
-  if (e.full->has_graph()) *p.mutable_graph() = e.full->graph();
-  if (e.full->has_program()) *p.mutable_program() = e.full->program();
+  v1::Plan p;
+  FillBasicView(e, &p);
   return p;
 }
 
@@ -948,6 +952,12 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
 
 // Reads take the snapshots under the lock and copy them after it.
 absl::StatusOr<v1::Plan> PlannerCore::GetPlan(const std::string& name, bool full) {
+  v1::Plan p;
+  HAP_RETURN_IF_ERROR(GetPlan(name, full, &p));
+  return p;
+}
+
+absl::Status PlannerCore::GetPlan(const std::string& name, bool full, v1::Plan* out) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
   std::optional<PlanEntry> entry;
   {
@@ -958,8 +968,12 @@ absl::StatusOr<v1::Plan> PlannerCore::GetPlan(const std::string& name, bool full
     }
     entry = it->second;
   }
-  if (full) return *entry->full;
-  return BasicView(*entry);
+  if (full) {
+    *out = *entry->full;
+  } else {
+    FillBasicView(*entry, out);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
@@ -973,6 +987,13 @@ absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
 
 absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
                                                              const std::string& token, bool full) {
+  v1::ListPlansResponse r;
+  HAP_RETURN_IF_ERROR(ListPlans(page_size, token, full, &r));
+  return r;
+}
+
+absl::Status PlannerCore::ListPlans(int page_size, const std::string& token, bool full,
+                                    v1::ListPlansResponse* out) {
   std::vector<std::shared_ptr<const v1::Plan>> page;
   std::string next;
   {
@@ -981,11 +1002,11 @@ absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
                            page.push_back(full ? e.full : e.summary);
                          }));
   }
-  v1::ListPlansResponse r;
-  r.mutable_plans()->Reserve(static_cast<int>(page.size()));
-  for (const auto& p : page) *r.add_plans() = *p;
-  r.set_next_page_token(next);
-  return r;
+  out->Clear();
+  out->mutable_plans()->Reserve(static_cast<int>(page.size()));
+  for (const auto& p : page) *out->add_plans() = *p;
+  out->set_next_page_token(next);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {

@@ -168,6 +168,9 @@ class PlannerCore {
   // them, and the copying into the result happens after it. GetPlan's BASIC
   // view (full = false) leaves out the rank programs.
   absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name, bool full);
+  // The same, copied straight into `out` (e.g. a response on an arena: one
+  // copy of the snapshot, no intermediate message).
+  absl::Status GetPlan(const std::string& name, bool full, hap::v1::Plan* out);
   // The plan as it is now, shared and never changed (the core replaces a
   // snapshot when the plan changes): for callers that only read a plan and
   // need not copy it. NotFound / InvalidArgument as GetPlan.
@@ -177,6 +180,9 @@ class PlannerCore {
   // are most of a plan's size; FULL has everything.
   absl::StatusOr<hap::v1::ListPlansResponse> ListPlans(int page_size, const std::string& page_token,
                                                        bool full = false);
+  // The same, into `out` (left as it was on an error).
+  absl::Status ListPlans(int page_size, const std::string& page_token, bool full,
+                         hap::v1::ListPlansResponse* out);
   // A plan not yet final becomes CANCELLED at once, saved as such (a
   // restart does not run it again), and its search stops at its next poll;
   // a final plan is returned as it is. When the CANCELLED state cannot be

@@ -127,6 +127,8 @@ PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink
                                        std::vector<v1::StepMetric> metrics,
                                        std::vector<v1::Job> jobs)
     : core_(core), o_(std::move(o)) {
+  SetMessageAllocatorFor_GetPlan(&get_plan_messages_);
+  SetMessageAllocatorFor_ListPlans(&list_plans_messages_);
   DeploymentManagerOptions mo;
   mo.watch = o_.deployments;
   mo.sink = sink;
@@ -256,8 +258,7 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::GetPlan(grpc::CallbackServerContex
                                                       const v1::GetPlanRequest* r,
                                                       v1::Plan* out) {
   return HandleNow("GetPlan", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, core_->GetPlan(r->name(), r->view() == v1::GetPlanRequest::FULL));
-    return absl::OkStatus();
+    return core_->GetPlan(r->name(), r->view() == v1::GetPlanRequest::FULL, out);
   });
 }
 
@@ -265,9 +266,8 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ListPlans(grpc::CallbackServerCont
                                                         const v1::ListPlansRequest* r,
                                                         v1::ListPlansResponse* out) {
   return HandleNow("ListPlans", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, core_->ListPlans(r->page_size(), r->page_token(),
-                                                  r->view() == v1::GetPlanRequest::FULL));
-    return absl::OkStatus();
+    return core_->ListPlans(r->page_size(), r->page_token(),
+                            r->view() == v1::GetPlanRequest::FULL, out);
   });
 }
 

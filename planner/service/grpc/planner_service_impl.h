@@ -172,6 +172,10 @@ class PlannerServiceImpl final : public PlannerServiceBase {
 
   PlannerCore* core_;
   PlannerServiceOptions o_;
+  // GetPlan and ListPlans copy plans into their responses in place, on an
+  // arena per call.
+  ArenaMessageAllocator<hap::v1::GetPlanRequest, hap::v1::Plan> get_plan_messages_;
+  ArenaMessageAllocator<hap::v1::ListPlansRequest, hap::v1::ListPlansResponse> list_plans_messages_;
   std::unique_ptr<DeploymentManager> deployments_;
   std::unique_ptr<JobBackend> job_backend_;
   std::unique_ptr<JobController> jobs_;
