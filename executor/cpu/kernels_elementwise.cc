@@ -470,6 +470,12 @@ void MulGrad(const KernelArgs& a, const Shape& s, T* dst,
       T* d = dst + off[0];
       const T* g = dy + off[1];
       const T* o = other.data + off[2];
+      if (sd == 0) {  // a row summed into one element: in double
+        double acc = 0;
+        for (int64_t i = 0; i < len; ++i) acc += double(g[i]) * double(o[i * so]);
+        *d += static_cast<T>(acc);
+        return;
+      }
       for (int64_t i = 0; i < len; ++i) d[i * sd] += g[i] * o[i * so];
     });
   };

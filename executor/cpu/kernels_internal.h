@@ -321,10 +321,11 @@ void StridedCopy(int threads, const Shape& shape, D* dst,
     loop.ForRows(b, e, [&](const int64_t* off) {
       D* d = dst + off[0];
       const S* s = src + off[1];
-      if (sd == 0) {
-        D acc = 0;
-        for (int64_t i = 0; i < n; ++i) acc += static_cast<D>(s[i * ss]);
-        *d += scale * acc;
+      if (sd == 0) {  // a row summed into one element: in double for floats
+        using Acc = std::conditional_t<std::is_floating_point_v<D>, double, D>;
+        Acc acc = 0;
+        for (int64_t i = 0; i < n; ++i) acc += static_cast<Acc>(static_cast<D>(s[i * ss]));
+        *d += scale * static_cast<D>(acc);
       } else if (accumulate) {
         for (int64_t i = 0; i < n; ++i) d[i * sd] += scale * static_cast<D>(s[i * ss]);
       } else {
