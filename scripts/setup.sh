@@ -12,6 +12,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgloo-dev
   libopenblas-dev
+  libdnnl-dev
   libcivetweb-dev
   libsqlite3-dev
   libssl-dev

@@ -37,6 +37,14 @@
 //                        rows (vocabulary parallel). "vocab_size" (int): ids
 //                        outside [0, vocab_size) are InvalidArgument
 //                        (default: local rows when offset is 0).
+// - Mixed precision (PlanOptions.precision BF16): attribute "bf16" (bool,
+//   float32 calls only; InvalidArgument on float64) on linear, matmul,
+//   conv2d and their _grad kernels makes every matrix product read bf16
+//   roundings (to nearest even) of its operands, sum in float32 and round
+//   its result to bf16: forward y = bf16(x_b @ w_b^T + b_b); backward each
+//   gradient product (bias gradient: the column sums of bf16(dy)) is
+//   rounded to bf16, then added (+=) in float32. PyTorch's bf16 autocast
+//   computes these products so (oneDNN on the CPU, kernels_bf16.cc).
 // - Runtime kernels:
 //     "fill_zero"    () -> (out)              out = 0
 //     "copy"         (x) -> (out)             out = x (same element count)

@@ -1,5 +1,6 @@
 // Matrix products through BLAS: linear (x @ w^T + b) and (batched) matmul.
-// Transposes are BLAS flags, never copies.
+// Transposes are BLAS flags, never copies. With attribute "bf16" (float32
+// only) the products are bf16 products (kernels.h), the bias too.
 #include "executor/cpu/kernels_internal.h"
 #include "planner/util/status_macros.h"
 
@@ -42,11 +43,20 @@ absl::Status LinearForward(const KernelArgs& a) {
   const bool has_bias = a.in.size() == 3 && a.in[2].present();
   HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, a.in.size() == 3));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, d.y));
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Attr<T>(a));
   T* y = a.out[0].as<T>();
   if (has_bias) {
     const T* b = a.in[2].as<const T>();
     for (int64_t r = 0; r < d.rows; ++r) {
       std::copy(b, b + d.out, y + r * d.out);
+    }
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16) {  // y = bf16(x_bf16 @ w_bf16^T + b_bf16)
+      if (has_bias) RoundBf16InPlace(y, d.rows * d.out);
+      return GemmBf16(a.ctx.num_threads, false, true, d.rows, d.out, d.in,
+                      a.in[0].as<const float>(), d.in, a.in[1].as<const float>(), d.in,
+                      has_bias, y, d.out);
     }
   }
   Gemm<T>(false, true, d.rows, d.out, d.in, T(1), a.in[0].as<const T>(), d.in,
@@ -60,19 +70,28 @@ absl::Status LinearBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, g.n() == 3));
   HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Attr<T>(a));
   if (!g.dy(0).present()) return absl::OkStatus();
   const T* dy = g.dy(0).as<const T>();
   if (g.dx(0).present()) {  // dx += dy @ w
-    Gemm<T>(false, false, d.rows, d.in, d.out, T(1), dy, d.out,
-            g.x(1).as<const T>(), d.in, T(1), g.dx(0).as<T>(), d.in);
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, false, d.rows, d.in, d.out, dy, d.out,
+                                   g.x(1).as<const T>(), d.in, true, g.dx(0).as<T>(), d.in));
   }
   if (g.dx(1).present()) {  // dw += dy^T @ x
-    Gemm<T>(true, false, d.out, d.in, d.rows, T(1), dy, d.out,
-            g.x(0).as<const T>(), d.in, T(1), g.dx(1).as<T>(), d.in);
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, true, false, d.out, d.in, d.rows, dy, d.out,
+                                   g.x(0).as<const T>(), d.in, true, g.dx(1).as<T>(), d.in));
   }
   if (g.n() == 3 && g.dx(2).present()) {  // db += column sums of dy
     T* db = g.dx(2).as<T>();
-    for (int64_t r = 0; r < d.rows; ++r) AddTo(db, dy + r * d.out, d.out);
+    if (!bf16) {
+      for (int64_t r = 0; r < d.rows; ++r) AddTo(db, dy + r * d.out, d.out);
+    } else {  // the bf16 bias's gradient: sums of bf16(dy), rounded
+      std::vector<T> sums(d.out, T(0));
+      for (int64_t r = 0; r < d.rows; ++r) {
+        for (int64_t j = 0; j < d.out; ++j) sums[j] += RoundBf16(dy[r * d.out + j]);
+      }
+      for (int64_t j = 0; j < d.out; ++j) db[j] += RoundBf16(sums[j]);
+    }
   }
   return absl::OkStatus();
 }
@@ -118,17 +137,18 @@ absl::Status MatmulForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(CheckArity(a, 2, 2, 1));
   HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, d.y));
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Attr<T>(a));
   const T* pa = a.in[0].as<const T>();
   const T* pb = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
   if (d.shared_b) {
-    Gemm<T>(false, false, d.batch * d.m, d.n, d.k, T(1), pa, d.k, pb, d.n,
-            T(0), y, d.n);
-    return absl::OkStatus();
+    return Product<T>(a, bf16, false, false, d.batch * d.m, d.n, d.k, pa, d.k, pb, d.n,
+                      false, y, d.n);
   }
   for (int64_t i = 0; i < d.batch; ++i) {
-    Gemm<T>(false, false, d.m, d.n, d.k, T(1), pa + i * d.m * d.k, d.k,
-            pb + i * d.k * d.n, d.n, T(0), y + i * d.m * d.n, d.n);
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, false, d.m, d.n, d.k,
+                                   pa + i * d.m * d.k, d.k, pb + i * d.k * d.n, d.n,
+                                   false, y + i * d.m * d.n, d.n));
   }
   return absl::OkStatus();
 }
@@ -139,6 +159,7 @@ absl::Status MatmulBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 2, 2, 1));
   HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
   HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Attr<T>(a));
   if (!g.dy(0).present()) return absl::OkStatus();
   const T* pa = g.x(0).as<const T>();
   const T* pb = g.x(1).as<const T>();
@@ -147,24 +168,24 @@ absl::Status MatmulBackward(const KernelArgs& a) {
   T* db = g.dx(1).present() ? g.dx(1).as<T>() : nullptr;
   if (d.shared_b) {
     if (da != nullptr) {  // da += dy @ b^T
-      Gemm<T>(false, true, d.batch * d.m, d.k, d.n, T(1), dy, d.n, pb, d.n,
-              T(1), da, d.k);
+      HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, true, d.batch * d.m, d.k, d.n, dy,
+                                     d.n, pb, d.n, true, da, d.k));
     }
     if (db != nullptr) {  // db += a^T @ dy, over every batch row at once
-      Gemm<T>(true, false, d.k, d.n, d.batch * d.m, T(1), pa, d.k, dy, d.n,
-              T(1), db, d.n);
+      HAP_RETURN_IF_ERROR(Product<T>(a, bf16, true, false, d.k, d.n, d.batch * d.m, pa,
+                                     d.k, dy, d.n, true, db, d.n));
     }
     return absl::OkStatus();
   }
   const int64_t sa = d.m * d.k, sb = d.k * d.n, sy = d.m * d.n;
   for (int64_t i = 0; i < d.batch; ++i) {
     if (da != nullptr) {
-      Gemm<T>(false, true, d.m, d.k, d.n, T(1), dy + i * sy, d.n, pb + i * sb,
-              d.n, T(1), da + i * sa, d.k);
+      HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, true, d.m, d.k, d.n, dy + i * sy, d.n,
+                                     pb + i * sb, d.n, true, da + i * sa, d.k));
     }
     if (db != nullptr) {
-      Gemm<T>(true, false, d.k, d.n, d.m, T(1), pa + i * sa, d.k, dy + i * sy,
-              d.n, T(1), db + i * sb, d.n);
+      HAP_RETURN_IF_ERROR(Product<T>(a, bf16, true, false, d.k, d.n, d.m, pa + i * sa, d.k,
+                                     dy + i * sy, d.n, true, db + i * sb, d.n));
     }
   }
   return absl::OkStatus();

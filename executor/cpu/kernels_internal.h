@@ -437,6 +437,40 @@ template <typename T>
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
           const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
           int64_t ldc);
+
+// --- bfloat16 (kernels_bf16.cc; attribute "bf16" of kernels.h) ---------------
+
+// x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN,
+// infinities stay, values beyond bf16's largest finite round to infinity.
+inline float RoundBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : r;
+  float y;
+  std::memcpy(&y, &r, 4);
+  return y;
+}
+void RoundBf16InPlace(float* x, int64_t n);
+// Row-major C = bf16(op(A)) @ bf16(op(B)) (+ C when `accumulate`), summed
+// in float32 (oneDNN's bf16 matmul), then every element of C rounded to
+// bfloat16: PyTorch autocast's bf16 matmul with a bf16 result. `threads`
+// bounds oneDNN's OpenMP threads. Internal for an error of oneDNN.
+absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                      int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                      bool accumulate, float* c, int64_t ldc);
+// The call's attribute "bf16" (default false); InvalidArgument when it is
+// set on a call whose floating dtype T is not float32.
+template <typename T>
+absl::StatusOr<bool> Bf16Attr(const KernelArgs& a);
+// C = op(A) @ op(B), or C += it when `accumulate`, in the call's precision:
+// BLAS in T, or with `bf16` GemmBf16's rounded product added to C in
+// float32 (how autocast adds a bf16 gradient into a float32 one).
+template <typename T>
+absl::Status Product(const KernelArgs& a, bool bf16, bool trans_a, bool trans_b,
+                     int64_t m, int64_t n, int64_t k, const T* pa, int64_t lda,
+                     const T* pb, int64_t ldb, bool accumulate, T* c, int64_t ldc);
+
 // Every one of `dims` fits BLAS's 32-bit int; InvalidArgument otherwise.
 // --- vocabulary-parallel cross-entropy (kernels_loss.cc; CUDA uses it too) -
 // Input 0 holds classes [offset, offset + classes) of `vocab`; with

@@ -1,0 +1,201 @@
+// Tests of bf16 mixed precision in the CPU kernels (kernels.h attribute
+// "bf16"): the rounding, and linear / matmul forward and backward against a
+// float64 reference computed on bf16-rounded operands and rounded like
+// PyTorch's bf16 autocast (the product rounded to bf16, then accumulated
+// into float32 gradients).
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "executor/cpu/kernels.h"
+#include "executor/cpu/kernels_internal.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+using cpu::RoundBf16;
+using graph::Attrs;
+using graph::DType;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+HostTensor Rand(Shape s, uint64_t seed, DType dt = DType::kFloat32) {
+  HostTensor t(dt, std::move(s));
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    if (dt == DType::kFloat32) {
+      t.as<float>()[i] = static_cast<float>(u(gen));
+    } else {
+      t.as<double>()[i] = u(gen);
+    }
+  }
+  return t;
+}
+
+HostTensor Copy(const HostTensor& x) {
+  HostTensor t(x.dtype(), x.shape());
+  std::memcpy(t.data(), x.data(), x.num_elements() * graph::DTypeBytes(x.dtype()));
+  return t;
+}
+
+absl::Status RunK(const std::string& name, bool bf16, const std::vector<const HostTensor*>& in,
+                 const std::vector<const HostTensor*>& out, int threads = 2) {
+  KernelContext ctx;
+  ctx.num_threads = threads;
+  Attrs attrs;
+  if (bf16) attrs.Set("bf16", true);
+  std::vector<TensorView> iv, ov;
+  for (const HostTensor* t : in) iv.push_back(t == nullptr ? TensorView{} : t->view());
+  for (const HostTensor* t : out) ov.push_back(t == nullptr ? TensorView{} : t->view());
+  return RunCpuKernel(name, ctx, attrs, iv, ov);
+}
+
+bool IsBf16(float x) { return RoundBf16(x) == x || std::isnan(x); }
+
+// got equals want (a double reference on rounded operands, then rounded to
+// bf16) exactly or, where float32 and float64 sums fall on two sides of a
+// rounding boundary, one bf16 step away.
+void ExpectBf16Near(float got, double want_unrounded, const std::string& where) {
+  const float want = RoundBf16(static_cast<float>(want_unrounded));
+  const double ulp = std::ldexp(1.0, std::ilogb(std::max(std::fabs(want_unrounded), 1e-30)) - 7);
+  EXPECT_TRUE(IsBf16(got)) << where << ": " << got << " is not a bf16 value";
+  EXPECT_LE(std::fabs(got - want), ulp * 1.01) << where << ": got " << got << " want " << want;
+}
+
+// got = prefill + a bf16 product (added in float32), the product as above.
+void ExpectAccumulated(float got, float prefill, double want_unrounded, const std::string& where) {
+  const float want = prefill + RoundBf16(static_cast<float>(want_unrounded));
+  const double ulp = std::ldexp(1.0, std::ilogb(std::max(std::fabs(want_unrounded), 1e-30)) - 7);
+  EXPECT_LE(std::fabs(got - want), ulp * 1.01 + 1e-6 * std::fabs(want))
+      << where << ": got " << got << " want " << want;
+}
+
+TEST(Bf16Test, RoundsToNearestEven) {
+  EXPECT_EQ(RoundBf16(1.0f), 1.0f);
+  EXPECT_EQ(RoundBf16(1.0f + std::ldexp(1.0f, -8)), 1.0f);  // tie: to even (1.0)
+  EXPECT_EQ(RoundBf16(1.0f + 3 * std::ldexp(1.0f, -8)),    // tie: to even (1 + 2^-6)
+            1.0f + std::ldexp(1.0f, -6));
+  EXPECT_EQ(RoundBf16(1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -20)),
+            1.0f + std::ldexp(1.0f, -7));  // above the tie: up
+  EXPECT_EQ(RoundBf16(-2.5f), -2.5f);
+  EXPECT_TRUE(std::isnan(RoundBf16(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(RoundBf16(std::numeric_limits<float>::infinity()),
+            std::numeric_limits<float>::infinity());
+  EXPECT_EQ(RoundBf16(std::numeric_limits<float>::max()), std::numeric_limits<float>::infinity());
+}
+
+TEST(Bf16Test, LinearForwardRoundsOperandsAndResult) {
+  const int64_t rows = 37, in = 70, out = 19;
+  HostTensor x = Rand({rows, in}, 1), w = Rand({out, in}, 2), b = Rand({out}, 3);
+  HostTensor y(DType::kFloat32, {rows, out}), y32(DType::kFloat32, {rows, out});
+  ASSERT_THAT(RunK("linear", true, {&x, &w, &b}, {&y}), IsOk());
+  ASSERT_THAT(RunK("linear", false, {&x, &w, &b}, {&y32}), IsOk());
+  int differs = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double s = RoundBf16(b.as<float>()[o]);
+      for (int64_t i = 0; i < in; ++i) {
+        s += double(RoundBf16(x.as<float>()[r * in + i])) * RoundBf16(w.as<float>()[o * in + i]);
+      }
+      ExpectBf16Near(y.as<float>()[r * out + o], s, "y");
+      differs += y.as<float>()[r * out + o] != y32.as<float>()[r * out + o];
+    }
+  }
+  EXPECT_GT(differs, rows * out / 2) << "the bf16 result should not be the fp32 one";
+}
+
+TEST(Bf16Test, LinearBackwardAccumulatesRoundedProducts) {
+  const int64_t rows = 23, in = 40, out = 17;
+  HostTensor x = Rand({rows, in}, 4), w = Rand({out, in}, 5), b = Rand({out}, 6);
+  HostTensor y(DType::kFloat32, {rows, out}), dy = Rand({rows, out}, 7);
+  HostTensor dx = Rand({rows, in}, 8), dw = Rand({out, in}, 9), db = Rand({out}, 10);
+  HostTensor dx0 = Copy(dx), dw0 = Copy(dw), db0 = Copy(db);
+  ASSERT_THAT(RunK("linear_grad", true, {&x, &w, &b, &y, &dy}, {&dx, &dw, &db}), IsOk());
+  auto rx = [&](int64_t r, int64_t i) { return double(RoundBf16(x.as<float>()[r * in + i])); };
+  auto rw = [&](int64_t o, int64_t i) { return double(RoundBf16(w.as<float>()[o * in + i])); };
+  auto rdy = [&](int64_t r, int64_t o) { return double(RoundBf16(dy.as<float>()[r * out + o])); };
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < in; ++i) {
+      double s = 0;
+      for (int64_t o = 0; o < out; ++o) s += rdy(r, o) * rw(o, i);
+      ExpectAccumulated(dx.as<float>()[r * in + i], dx0.as<float>()[r * in + i], s, "dx");
+    }
+  }
+  for (int64_t o = 0; o < out; ++o) {
+    for (int64_t i = 0; i < in; ++i) {
+      double s = 0;
+      for (int64_t r = 0; r < rows; ++r) s += rdy(r, o) * rx(r, i);
+      ExpectAccumulated(dw.as<float>()[o * in + i], dw0.as<float>()[o * in + i], s, "dw");
+    }
+    double s = 0;
+    for (int64_t r = 0; r < rows; ++r) s += rdy(r, o);
+    ExpectAccumulated(db.as<float>()[o], db0.as<float>()[o], s, "db");
+  }
+}
+
+TEST(Bf16Test, BatchedMatmulForwardAndBackward) {
+  const int64_t batch = 3, m = 9, k = 33, n = 14;
+  HostTensor a = Rand({batch, m, k}, 11), b = Rand({batch, k, n}, 12);
+  HostTensor y(DType::kFloat32, {batch, m, n}), dy = Rand({batch, m, n}, 13);
+  HostTensor da(DType::kFloat32, {batch, m, k}), db(DType::kFloat32, {batch, k, n});
+  std::memset(da.data(), 0, batch * m * k * 4);
+  std::memset(db.data(), 0, batch * k * n * 4);
+  ASSERT_THAT(RunK("matmul", true, {&a, &b}, {&y}), IsOk());
+  ASSERT_THAT(RunK("matmul_grad", true, {&a, &b, &y, &dy}, {&da, &db}), IsOk());
+  auto ra = [&](int64_t i, int64_t r, int64_t c) {
+    return double(RoundBf16(a.as<float>()[(i * m + r) * k + c]));
+  };
+  auto rb = [&](int64_t i, int64_t r, int64_t c) {
+    return double(RoundBf16(b.as<float>()[(i * k + r) * n + c]));
+  };
+  auto rdy = [&](int64_t i, int64_t r, int64_t c) {
+    return double(RoundBf16(dy.as<float>()[(i * m + r) * n + c]));
+  };
+  for (int64_t i = 0; i < batch; ++i) {
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        double s = 0;
+        for (int64_t j = 0; j < k; ++j) s += ra(i, r, j) * rb(i, j, c);
+        ExpectBf16Near(y.as<float>()[(i * m + r) * n + c], s, "y");
+      }
+      for (int64_t c = 0; c < k; ++c) {
+        double s = 0;
+        for (int64_t j = 0; j < n; ++j) s += rdy(i, r, j) * rb(i, c, j);
+        ExpectBf16Near(da.as<float>()[(i * m + r) * k + c], s, "da");
+      }
+    }
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        double s = 0;
+        for (int64_t j = 0; j < m; ++j) s += ra(i, j, r) * rdy(i, j, c);
+        ExpectBf16Near(db.as<float>()[(i * k + r) * n + c], s, "db");
+      }
+    }
+  }
+}
+
+TEST(Bf16Test, ThreadCountsGiveTheSameBits) {
+  HostTensor x = Rand({64, 96}, 14), w = Rand({48, 96}, 15);
+  HostTensor y1(DType::kFloat32, {64, 48}), y2(DType::kFloat32, {64, 48});
+  ASSERT_THAT(RunK("linear", true, {&x, &w}, {&y1}, 1), IsOk());
+  ASSERT_THAT(RunK("linear", true, {&x, &w}, {&y2}, 2), IsOk());
+  EXPECT_EQ(std::memcmp(y1.data(), y2.data(), 64 * 48 * 4), 0);
+}
+
+TEST(Bf16Test, Float64CallsRejectTheAttribute) {
+  HostTensor x = Rand({2, 3}, 16, DType::kFloat64), w = Rand({4, 3}, 17, DType::kFloat64);
+  HostTensor y(DType::kFloat64, {2, 4});
+  EXPECT_THAT(RunK("linear", true, {&x, &w}, {&y}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("kernel 'linear': attribute bf16 (mixed precision) needs "
+                                 "float32 tensors, not f64")));
+}
+
+}  // namespace
+}  // namespace hap::executor
