@@ -1,0 +1,118 @@
+// hap-netns: the network testbed (executor/cli/netns_testbed.h) for scripts
+// and benchmarks: make it, run commands in its nodes, remove it.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "executor/cli/netns_testbed.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(usage:
+  hap-netns up --network SPEC [--owner PID]   make the testbed; prints its nodes
+  hap-netns down [--owner PID]                remove the owner's testbed
+  hap-netns exec NODE|sw [--owner PID] -- COMMAND [ARGS...]
+                                              run COMMAND in node NODE's namespace
+                                              (or the switch's, which has the planner address)
+  hap-netns clean                             remove the sets whose owner is gone
+  hap-netns list                              the testbed namespaces present
+
+The testbed belongs to --owner (default: the calling process, e.g. the shell
+script that runs `hap-netns up`): `down` removes it, and once the owner is
+gone the next `up`, `clean` or hap-launch --network removes it too. SPEC:
+"nodes=N between=RATE[:DELAY] inside=RATE[:DELAY] pair=I-J:RATE[:DELAY]",
+e.g. "nodes=3 between=1gbit pair=0-2:300mbit". Node i has the address
+10.213.0.<i+1>, the switch 10.213.0.254. Root only.
+)";
+
+int Fail(const std::string& message, int code = 1) {
+  std::cerr << "hap-netns: " << message << "\n";
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+    std::cerr << kUsage;
+    return args.empty() ? 2 : 0;
+  }
+  const std::string cmd = args[0];
+  hap::netns::TestbedOptions options;
+  options.owner = getppid();
+  std::string network, node;
+  std::vector<std::string> command;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") {
+      command.assign(args.begin() + i + 1, args.end());
+      break;
+    }
+    if ((a == "--owner" || a == "--network") && i + 1 < args.size()) {
+      if (a == "--network") {
+        network = args[++i];
+      } else if (!absl::SimpleAtoi(args[++i], &options.owner) || options.owner <= 0) {
+        return Fail("--owner must be a pid, got '" + args[i] + "'", 2);
+      }
+    } else if (cmd == "exec" && node.empty() && a.rfind("--", 0) != 0) {
+      node = a;
+    } else {
+      return Fail("unexpected argument '" + a + "' (see --help)", 2);
+    }
+  }
+  if (cmd == "up") {
+    if (network.empty()) return Fail("up needs --network SPEC", 2);
+    auto spec = hap::netns::ParseNetworkSpec(network);
+    if (!spec.ok()) return Fail(std::string(spec.status().message()), 2);
+    if (spec->nodes == 0) return Fail("up needs nodes=N in the network spec", 2);
+    auto testbed = hap::netns::Testbed::Create(*spec, options);
+    if (!testbed.ok()) {
+      return Fail(std::string(testbed.status().message()),
+                  testbed.status().code() == absl::StatusCode::kFailedPrecondition ? 3 : 1);
+    }
+    (*testbed)->Detach();
+    std::cout << "switch " << (*testbed)->SwitchNamespace() << " "
+              << hap::netns::Testbed::SwitchAddress() << "\n";
+    for (int i = 0; i < (*testbed)->nodes(); ++i) {
+      std::cout << "node " << i << " " << (*testbed)->NodeNamespace(i) << " "
+                << hap::netns::Testbed::NodeAddress(i) << "\n";
+    }
+    return 0;
+  }
+  if (cmd == "down") {
+    absl::Status s = hap::netns::RemoveOwned(options);
+    return s.ok() ? 0 : Fail(std::string(s.message()));
+  }
+  if (cmd == "clean") {
+    auto removed = hap::netns::RemoveStale(options);
+    if (!removed.ok()) return Fail(std::string(removed.status().message()));
+    for (const std::string& ns : *removed) std::cout << "removed " << ns << "\n";
+    return 0;
+  }
+  if (cmd == "list") {
+    for (const std::string& ns : hap::netns::ListNamespaces(options)) std::cout << ns << "\n";
+    return 0;
+  }
+  if (cmd == "exec") {
+    if (node.empty() || command.empty()) return Fail("exec needs NODE -- COMMAND", 2);
+    int index = -1;
+    if (node != "sw" && (!absl::SimpleAtoi(node, &index) || index < 0)) {
+      return Fail("exec: NODE must be a node number or 'sw', got '" + node + "'", 2);
+    }
+    const std::string ns = std::string(options.prefix) + "-" + std::to_string(options.owner) +
+                           (node == "sw" ? "-sw" : "-n" + node);
+    absl::Status s = hap::netns::EnterNamespace(ns, options.netns_dir);
+    if (!s.ok()) return Fail(std::string(s.message()));
+    std::vector<char*> cargs;
+    for (std::string& c : command) cargs.push_back(c.data());
+    cargs.push_back(nullptr);
+    execvp(cargs[0], cargs.data());
+    return Fail("cannot run " + command[0], 127);
+  }
+  return Fail("unknown command '" + cmd + "' (see --help)", 2);
+}
