@@ -44,6 +44,7 @@
 #include "executor/cuda/nccl_communicator.h"
 #include "executor/data/batches.h"
 #include "executor/runtime/program_runner.h"
+#include "executor/runtime/timing_device.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
 #include "planner/util/status_macros.h"
@@ -73,6 +74,7 @@ struct Flags {
   int steps = 20;
   int warmup = 3;
   int device = 0;
+  int profile = 0;  // step: a per-kernel table of the timed steps on stderr
   std::map<std::string, double> params;  // zoo parameters
 };
 
@@ -94,13 +96,15 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       f.model = v;
     } else if (key == "shapes") {
       f.shapes = v;
-    } else if (key == "iters" || key == "steps" || key == "warmup" || key == "device") {
+    } else if (key == "iters" || key == "steps" || key == "warmup" || key == "device" ||
+               key == "profile") {
       if (!absl::SimpleAtoi(v, &n) || n < 0) {
         return absl::InvalidArgumentError(absl::StrCat(a, " needs a count, got '", v, "'"));
       }
       (key == "iters"    ? f.iters
        : key == "steps"  ? f.steps
        : key == "warmup" ? f.warmup
+       : key == "profile" ? f.profile
                          : f.device) = n;
     } else {
       double d = 0;
@@ -253,14 +257,20 @@ absl::Status Step(const Flags& f) {
   auto comm = hap::executor::ConnectNccl(no, *store);
   std::filesystem::remove_all(dir);
   HAP_RETURN_IF_ERROR(comm.status());
+  // --profile 1: each kernel synchronized and timed (slower steps; the
+  // table says where a step's time goes, not how fast it is).
+  std::unique_ptr<hap::executor::TimingDevice> timing;
+  if (f.profile) timing = std::make_unique<hap::executor::TimingDevice>(device.get(), true);
   HAP_ASSIGN_OR_RETURN(
       std::unique_ptr<hap::executor::ProgramRunner> runner,
-      hap::executor::ProgramRunner::Create(programs[0], g, device.get(), comm->get()));
+      hap::executor::ProgramRunner::Create(programs[0], g,
+                                           timing ? timing.get() : device.get(), comm->get()));
   HAP_RETURN_IF_ERROR(runner->InitializeParameters());
   std::unique_ptr<hap::data::BatchSource> batches = hap::data::NewSyntheticBatches(g, 1);
   std::string seconds, losses;
   for (int i = 0; i < f.warmup + f.steps; ++i) {
     HAP_ASSIGN_OR_RETURN(hap::data::GlobalBatch batch, batches->Get(i));
+    if (timing && i == f.warmup) timing->Reset();
     auto t0 = std::chrono::steady_clock::now();
     HAP_ASSIGN_OR_RETURN(double loss, runner->RunStep(batch, i));
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -269,6 +279,7 @@ absl::Status Step(const Flags& f) {
     absl::StrAppend(&losses, losses.empty() ? "" : ", ", absl::StrFormat("%.6g", loss));
   }
   std::printf("{\"seconds\": [%s], \"losses\": [%s]}\n", seconds.c_str(), losses.c_str());
+  if (timing) std::fprintf(stderr, "%s", timing->Table(f.steps).c_str());
   runner.reset();
   comm->reset();
   return absl::OkStatus();

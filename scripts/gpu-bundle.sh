@@ -21,7 +21,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.gpu}
 
-TESTS=$(bazel query 'tests(//executor/cuda:all)' 2>/dev/null)
+# The CUDA tests, and the tests elsewhere that skip without a GPU.
+TESTS="$(bazel query 'tests(//executor/cuda:all)' 2>/dev/null)
+//executor/train:backend_test
+//profiler_agent:gpu_probe_test
+//profiler_agent:devices_test
+//profiler_agent:agent_test"
 TOOLS="//bench:gpu_bench //tools:hapctl"
 # shellcheck disable=SC2086
 bazel build --config=cuda $TESTS $TOOLS
@@ -35,7 +40,7 @@ for t in $TESTS $TOOLS; do
   cp -L "bazel-bin/$path" "$DEST/bin/"
   ORIGINALS+=("bazel-bin/$path")
 done
-printf '%s\n' $TESTS | sed 's|^//executor/cuda:||' > "$DEST/tests.txt"
+printf '%s\n' $TESTS | sed 's|^//.*:||' > "$DEST/tests.txt"
 
 # Every library the binaries load, except the ones the GPU machine must
 # provide itself (its C library and C++ runtime, which are newer than ours,

@@ -399,4 +399,22 @@ EOF
 done
 [ -z "$TORCH_PY" ] && say "PyTorch with CUDA not available: skipped"
 
+# --- 4b. where the last configuration's step goes: each kernel synchronized
+# and timed (gpu_bench step --profile 1; slower than the step above).
+if [ "$(left)" -gt 30 ]; then
+  label=${CONFIGS[-1]%%|*}
+  read -r -a params <<< "${CONFIGS[-1]#*|}"
+  say "step profile: $label"
+  if timeout "$(limit 90)" "$GPU_BENCH" step --model gpt --steps 3 --warmup 1 --profile 1 \
+      "${params[@]}" > "$LOGS/step-profile.json" 2> "$LOGS/step-profile.md"; then
+    top=$(grep -E '^\| [a-z(]' "$LOGS/step-profile.md" | grep -v '^| kernel' | head -6 |
+      awk -F'|' '{gsub(/ /, "", $2); gsub(/ /, "", $4); gsub(/ /, "", $5); printf "%s %s ms (%s); ", $2, $4, $5}')
+    total=$(grep -E '^\| total' "$LOGS/step-profile.md" | awk -F'|' '{gsub(/ /, "", $4); print $4}')
+    row "step profile: $label" "INFO" "synchronized kernels ${total:-?} ms/step; top: ${top%; }"
+  else
+    row "step profile: $label" "FAIL" "$(head -c 200 "$LOGS/step-profile.md" | tr '\n|' ' /')"
+    FAILED=1
+  fi
+fi
+
 finish

@@ -12,8 +12,13 @@ namespace hap::executor {
 
 template <typename F>
 absl::Status TimingDevice::Timed(const std::string& key, F&& f) {
+  if (synchronize_) {
+    absl::Status before = inner_->Synchronize();
+    if (!before.ok()) return before;
+  }
   auto t0 = std::chrono::steady_clock::now();
   absl::Status s = f();
+  if (synchronize_ && s.ok()) s = inner_->Synchronize();
   Total& t = totals_[key];
   t.calls += 1;
   t.seconds +=

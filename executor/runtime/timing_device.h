@@ -3,7 +3,8 @@
 // breakdown of bench/step_worker.cc and the per-op-type profile that
 // `hap-executor --profile` writes for cost-model calibration. On the CPU
 // device kernels run synchronously, so a call's wall time is the kernel's
-// time (a CUDA device would need Synchronize around each call).
+// time; a CUDA device is timed with `synchronize` (Synchronize around each
+// call).
 //
 // Thread-compatible, like the device it wraps.
 #ifndef HAP_EXECUTOR_RUNTIME_TIMING_DEVICE_H_
@@ -19,8 +20,12 @@ namespace hap::executor {
 
 class TimingDevice : public Device {
  public:
-  // `inner` must outlive this device.
-  explicit TimingDevice(Device* inner) : inner_(inner) {}
+  // `inner` must outlive this device. With `synchronize`, every call waits
+  // for the device's queued work before it starts and after it returns, so
+  // an asynchronous device (CUDA) is timed per kernel too (at the cost of
+  // the overlap between launches).
+  explicit TimingDevice(Device* inner, bool synchronize = false)
+      : inner_(inner), synchronize_(synchronize) {}
 
   // Forgets what was recorded (after warm-up).
   void Reset() { totals_.clear(); }
@@ -67,6 +72,7 @@ class TimingDevice : public Device {
   absl::Status Timed(const std::string& key, F&& f);
 
   Device* inner_;
+  bool synchronize_;
   std::map<std::string, Total> totals_;
 };
 
