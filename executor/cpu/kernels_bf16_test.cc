@@ -45,10 +45,10 @@ HostTensor Copy(const HostTensor& x) {
 }
 
 absl::Status RunK(const std::string& name, bool bf16, const std::vector<const HostTensor*>& in,
-                 const std::vector<const HostTensor*>& out, int threads = 2) {
+                 const std::vector<const HostTensor*>& out, int threads = 2,
+                 Attrs attrs = {}) {
   KernelContext ctx;
   ctx.num_threads = threads;
-  Attrs attrs;
   if (bf16) attrs.Set("bf16", true);
   std::vector<TensorView> iv, ov;
   for (const HostTensor* t : in) iv.push_back(t == nullptr ? TensorView{} : t->view());
@@ -177,6 +177,50 @@ TEST(Bf16Test, BatchedMatmulForwardAndBackward) {
         ExpectBf16Near(db.as<float>()[(i * k + r) * n + c], s, "db");
       }
     }
+  }
+}
+
+// x rounded to bf16, in float64.
+HostTensor RoundedF64(const HostTensor& x) {
+  HostTensor t(DType::kFloat64, x.shape());
+  for (int64_t i = 0; i < x.num_elements(); ++i) t.as<double>()[i] = RoundBf16(x.as<float>()[i]);
+  return t;
+}
+
+TEST(Bf16Test, Conv2dAgainstFloat64OnRoundedOperands) {
+  // Padding 1, stride 2: im2col, several images grouped into one product.
+  const Attrs attrs{{"padding", std::vector<int64_t>{1}}, {"stride", std::vector<int64_t>{2}}};
+  HostTensor x = Rand({3, 4, 7, 7}, 18), w = Rand({5, 4, 3, 3}, 19), b = Rand({5}, 20);
+  HostTensor y(DType::kFloat32, {3, 5, 4, 4}), dy = Rand({3, 5, 4, 4}, 21);
+  HostTensor dx(DType::kFloat32, x.shape()), dw(DType::kFloat32, w.shape()),
+      db(DType::kFloat32, {5});
+  for (HostTensor* t : {&dx, &dw, &db}) std::memset(t->data(), 0, t->num_elements() * 4);
+  ASSERT_THAT(RunK("conv2d", true, {&x, &w, &b}, {&y}, 2, attrs), IsOk());
+  ASSERT_THAT(RunK("conv2d_grad", true, {&x, &w, &b, &y, &dy}, {&dx, &dw, &db}, 2, attrs),
+              IsOk());
+  HostTensor x64 = RoundedF64(x), w64 = RoundedF64(w), b64 = RoundedF64(b),
+             dy64 = RoundedF64(dy);
+  HostTensor y64(DType::kFloat64, y.shape()), dx64(DType::kFloat64, x.shape()),
+      dw64(DType::kFloat64, w.shape()), db64(DType::kFloat64, {5});
+  for (HostTensor* t : {&dx64, &dw64, &db64}) std::memset(t->data(), 0, t->num_elements() * 8);
+  ASSERT_THAT(RunK("conv2d", false, {&x64, &w64, &b64}, {&y64}, 2, attrs), IsOk());
+  ASSERT_THAT(RunK("conv2d_grad", false, {&x64, &w64, &b64, &y64, &dy64}, {&dx64, &dw64, &db64},
+                   2, attrs),
+              IsOk());
+  for (int64_t i = 0; i < y.num_elements(); ++i) {
+    ExpectBf16Near(y.as<float>()[i], y64.as<double>()[i], "y");
+  }
+  for (int64_t i = 0; i < dw.num_elements(); ++i) {
+    ExpectBf16Near(dw.as<float>()[i], dw64.as<double>()[i], "dw");
+  }
+  for (int64_t i = 0; i < db.num_elements(); ++i) {
+    ExpectBf16Near(db.as<float>()[i], db64.as<double>()[i], "db");
+  }
+  // dx: bf16 column products (each rounded, of magnitude up to ~1) summed
+  // over overlapping windows in float32.
+  for (int64_t i = 0; i < dx.num_elements(); ++i) {
+    const double want = dx64.as<double>()[i];
+    EXPECT_NEAR(dx.as<float>()[i], want, std::ldexp(std::fabs(want) + 0.5, -6)) << "dx " << i;
   }
 }
 

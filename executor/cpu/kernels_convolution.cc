@@ -331,17 +331,38 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   const T* x = a.in[0].as<const T>();
   const T* w = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Attr<T>(a));
   if (c.groups > 1) {
+    if (bf16) return absl::UnimplementedError(
+          absl::StrCat("kernel '", a.name, "': bf16 (mixed precision) with groups > 1"));
     GroupedForward<T>(a, c, x, w, bias, y);
     return absl::OkStatus();
   }
   std::vector<T> col(c.direct ? 0 : c.ckk * c.group * op);
   std::vector<T> out(c.group > 1 ? c.o * c.group * op : 0);
+  absl::Status status;
   c.ForEachGroup([&](int64_t i0, int64_t m, int64_t cols) {
+    if (!status.ok()) return;
     const T* xi = x + i0 * g.c * g.plane();
     T* yi = y + i0 * c.o * op;
     T* dst = c.group > 1 ? out.data() : yi;
     if (!c.direct) Im2Col(a, g, xi, m, col.data());
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16) {  // y = bf16(w_b @ col_b + b_b): the bias goes in before rounding
+        for (int64_t ch = 0; bias != nullptr && ch < c.o; ++ch) {
+          std::fill(dst + ch * cols, dst + (ch + 1) * cols, RoundBf16(bias[ch]));
+        }
+        status = GemmBf16(a.ctx.num_threads, false, false, c.o, cols, c.ckk, w, c.ckk,
+                          c.direct ? xi : col.data(), cols, bias != nullptr, dst, cols);
+        for (int64_t k = 0; dst != yi && k < m; ++k) {
+          for (int64_t ch = 0; ch < c.o; ++ch) {
+            std::copy(dst + ch * cols + k * op, dst + ch * cols + (k + 1) * op,
+                      yi + (k * c.o + ch) * op);
+          }
+        }
+        return;
+      }
+    }
     Gemm<T>(false, false, c.o, cols, c.ckk, T(1), w, c.ckk,
             c.direct ? xi : col.data(), cols, T(0), dst, cols);
     for (int64_t k = 0; k < m; ++k) {
@@ -357,7 +378,7 @@ absl::Status Conv2dForward(const KernelArgs& a) {
       }
     }
   });
-  return absl::OkStatus();
+  return status;
 }
 
 template <typename T>
@@ -375,13 +396,18 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   T* dx = gr.dx(0).present() ? gr.dx(0).as<T>() : nullptr;
   T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
   T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Attr<T>(a));
   if (c.groups > 1) {
+    if (bf16) return absl::UnimplementedError(
+          absl::StrCat("kernel '", a.name, "': bf16 (mixed precision) with groups > 1"));
     GroupedBackward<T>(a, c, x, w, dy, dx, dw, db);
     return absl::OkStatus();
   }
   std::vector<T> col(c.direct ? 0 : c.ckk * c.group * op);
   std::vector<T> dyg(c.group > 1 ? c.o * c.group * op : 0);
+  absl::Status status;
   c.ForEachGroup([&](int64_t i0, int64_t m, int64_t cols) {
+    if (!status.ok()) return;
     const T* xi = x + i0 * g.c * g.plane();
     const T* dyi = dy + i0 * c.o * op;
     if (c.group > 1) {  // dy of the group as [o, m * ohw]
@@ -395,21 +421,29 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
     const T* d = c.group > 1 ? dyg.data() : dyi;
     if (dw != nullptr) {  // dw += dy @ col^T
       if (!c.direct) Im2Col(a, g, xi, m, col.data());
-      Gemm<T>(false, true, c.o, c.ckk, cols, T(1), d, cols,
-              c.direct ? xi : col.data(), cols, T(1), dw, c.ckk);
+      status.Update(Product<T>(a, bf16, false, true, c.o, c.ckk, cols, d, cols,
+                               c.direct ? xi : col.data(), cols, true, dw, c.ckk));
     }
     if (dx != nullptr) {  // dcol = w^T @ dy, scattered back into dx
       T* dxi = dx + i0 * g.c * g.plane();
       if (c.direct) {
-        Gemm<T>(true, false, c.ckk, cols, c.o, T(1), w, c.ckk, d, cols, T(1),
-                dxi, cols);
+        status.Update(Product<T>(a, bf16, true, false, c.ckk, cols, c.o, w, c.ckk, d, cols,
+                                 true, dxi, cols));
       } else {
-        Gemm<T>(true, false, c.ckk, cols, c.o, T(1), w, c.ckk, d, cols, T(0),
-                col.data(), cols);
+        // With bf16 the columns' gradients are bf16 products, summed over
+        // overlapping windows in float32.
+        status.Update(Product<T>(a, bf16, true, false, c.ckk, cols, c.o, w, c.ckk, d, cols,
+                                 false, col.data(), cols));
         Col2Im(a, g, col.data(), m, dxi);
       }
     }
-    if (db != nullptr) {
+    if (db != nullptr && bf16) {  // bf16(sum of bf16(dy)) per channel and group
+      for (int64_t ch = 0; ch < c.o; ++ch) {
+        db[ch] += static_cast<T>(RoundBf16(static_cast<float>(SumOver(cols, [&](int64_t j) {
+          return double(RoundBf16(static_cast<float>(d[ch * cols + j])));
+        }))));
+      }
+    } else if (db != nullptr) {
       for (int64_t ch = 0; ch < c.o; ++ch) {
         db[ch] += static_cast<T>(SumOver(cols, [&](int64_t j) {
           return double(d[ch * cols + j]);
@@ -417,7 +451,7 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
       }
     }
   });
-  return absl::OkStatus();
+  return status;
 }
 
 // --- pooling ----------------------------------------------------------------------
