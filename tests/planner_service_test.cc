@@ -558,6 +558,39 @@ TEST(PlannerAuthTest, TokenlessCallsAreRefusedBeforeTheirMessagesAreRead) {
   p.proc.Stop(SIGTERM);
 }
 
+// Calls refused by the token check never reach a handler; they are still
+// counted in grpc_server_handled_total (Unauthenticated), under their
+// method when it is the planner's and under "(other)" otherwise, so that
+// an unknown path cannot add label values.
+TEST_F(PlannerServiceTest, TokenlessCallsAreCountedAsUnauthenticated) {
+  auto stub = planner_.Stub();
+  v1::GetPlanRequest g;
+  g.set_name("plans/nothing");
+  v1::Plan plan;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(stub->GetPlan(Ctx(false).get(), g, &plan).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(ListServicesByReflection(planner_.port, /*token=*/false).first.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  // With the token: NotFound, counted by the handler.
+  EXPECT_EQ(stub->GetPlan(Ctx().get(), g, &plan).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  auto text = hap::testing::HttpGet(planner_.metrics_port, "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_THAT(*text, HasSubstr("grpc_server_handled_total{grpc_type=\"unary\","
+                               "grpc_service=\"hap.v1.Planner\",grpc_method=\"GetPlan\","
+                               "grpc_code=\"Unauthenticated\"} 3"));
+  EXPECT_THAT(*text, HasSubstr("grpc_server_handled_total{grpc_type=\"unary\","
+                               "grpc_service=\"hap.v1.Planner\",grpc_method=\"GetPlan\","
+                               "grpc_code=\"NotFound\"} 1"));
+  EXPECT_THAT(*text, HasSubstr("grpc_server_handled_total{grpc_type=\"unary\","
+                               "grpc_service=\"(other)\",grpc_method=\"(other)\","
+                               "grpc_code=\"Unauthenticated\"} 1"));
+  EXPECT_THAT(*text, HasSubstr("grpc_server_started_total{grpc_type=\"unary\","
+                               "grpc_service=\"hap.v1.Planner\",grpc_method=\"GetPlan\"} 4"));
+}
+
 TEST_F(PlannerServiceTest, ReflectionAndTheStatusPageNeedTheTokenHealthAndMetricsDoNot) {
   // Reflection: refused without the token, served with it.
   auto [anon, anon_bytes] = ListServicesByReflection(planner_.port, /*token=*/false);

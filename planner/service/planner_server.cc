@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -197,6 +199,24 @@ struct PlannerMetrics {
       (*h)->Observe(seconds);
     }
   }
+  // A call the token check refused before any handler saw it (gRPC core's
+  // thread): counted as started and handled with Unauthenticated, no
+  // latency. The path is the caller's, so the labels are bounded: a method
+  // of hap.v1.Planner by name, anything else service and method "(other)".
+  void Refused(absl::string_view path) {
+    std::string service = "(other)", method = "(other)";
+    static const google::protobuf::ServiceDescriptor* const planner =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(kService);
+    if (absl::ConsumePrefix(&path, absl::StrCat("/", kService, "/")) && planner != nullptr &&
+        planner->FindMethodByName(std::string(path)) != nullptr) {
+      service = kService;
+      method = std::string(path);
+    }
+    if (auto c = started->Get({Type(method), service, method}); c.ok()) (*c)->Increment();
+    if (auto c = handled->Get({Type(method), service, method, "Unauthenticated"}); c.ok()) {
+      (*c)->Increment();
+    }
+  }
   void PlanDone(const v1::Plan& p) {
     std::string result = p.state() == v1::Plan::SUCCEEDED   ? "succeeded"
                          : p.state() == v1::Plan::CANCELLED ? "cancelled"
@@ -286,8 +306,10 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
                                                    std::move(loaded.plans)));
   m.core_ptr = m.core.get();
 
-  HAP_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds,
-                       MakeServerCredentials(o.security));
+  HAP_ASSIGN_OR_RETURN(
+      std::shared_ptr<grpc::ServerCredentials> creds,
+      MakeServerCredentials(o.security, HealthMethods(),
+                            [&m](absl::string_view path) { m.metrics.Refused(path); }));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder b;

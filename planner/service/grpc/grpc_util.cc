@@ -47,18 +47,27 @@ absl::string_view View(const grpc_slice& s) {
 struct TokenCheck {
   std::string want;  // "Bearer <token>"
   std::vector<std::string> open_paths;
+  std::function<void(absl::string_view)> on_refused;
 
   static void Process(void* state, grpc_auth_context*, const grpc_metadata* md, size_t n,
                       grpc_process_auth_metadata_done_cb done, void* user_data) {
     const auto* check = static_cast<const TokenCheck*>(state);
     bool pass = false;
+    absl::string_view path;
     for (size_t i = 0; i < n && !pass; ++i) {
       const absl::string_view key = View(md[i].key);
       if (key == "authorization") {
         pass = SameSecret(View(md[i].value), check->want);
       } else if (key == ":path") {
-        for (const std::string& open : check->open_paths) pass = pass || View(md[i].value) == open;
+        path = View(md[i].value);
+        for (const std::string& open : check->open_paths) pass = pass || path == open;
       }
+    }
+    if (!pass && check->on_refused) {
+      for (size_t i = 0; i < n && path.empty(); ++i) {
+        if (View(md[i].key) == ":path") path = View(md[i].value);
+      }
+      check->on_refused(path);
     }
     // Nothing is consumed: the handlers' own CheckToken sees the token too.
     done(user_data, nullptr, 0, nullptr, 0, pass ? GRPC_STATUS_OK : GRPC_STATUS_UNAUTHENTICATED,
@@ -110,7 +119,8 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const Security& s, std::vector<std::string> open_methods) {
+    const Security& s, std::vector<std::string> open_methods,
+    std::function<void(absl::string_view)> on_refused) {
   if (s.tls_cert_file.empty() != s.tls_key_file.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and a key file");
   }
@@ -135,7 +145,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     grpc_auth_metadata_processor processor;
     processor.process = &TokenCheck::Process;
     processor.destroy = &TokenCheck::Destroy;
-    processor.state = new TokenCheck{"Bearer " + s.token, std::move(open_methods)};
+    processor.state =
+        new TokenCheck{"Bearer " + s.token, std::move(open_methods), std::move(on_refused)};
     grpc_server_credentials_set_auth_metadata_processor(creds, processor);
   }
   return std::shared_ptr<grpc::ServerCredentials>(new CoreServerCredentials(creds));

@@ -4,12 +4,14 @@
 #ifndef HAP_PLANNER_SERVICE_GRPC_GRPC_UTIL_H_
 #define HAP_PLANNER_SERVICE_GRPC_GRPC_UTIL_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "google/protobuf/arena.h"
 #include "grpcpp/grpcpp.h"
@@ -47,8 +49,12 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 // in `open_methods` ("/package.Service/Method") are let through without
 // it; by default the health checks, which load balancers call without
 // credentials. Handlers still check the token (CheckToken) themselves.
+// `on_refused`, when set, is called with the ":path" of each call refused
+// there (gRPC core's thread; the path is the caller's, unchecked), which
+// never reaches a handler: for the RPC metrics.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const Security& s, std::vector<std::string> open_methods = HealthMethods());
+    const Security& s, std::vector<std::string> open_methods = HealthMethods(),
+    std::function<void(absl::string_view path)> on_refused = nullptr);
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const Security& s);
 
