@@ -145,9 +145,11 @@ TEST(TestbedTest, CommandsShapeEveryLinkInItsNamespaces) {
   EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 qdisc add dev hapnet-n0 root handle 1: htb "
                           "default 10"));
   EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 class add dev hapnet-n0 parent 1: classid 1:10 "
-                          "htb rate 1000000000bit ceil 1000000000bit quantum 200000"));
+                          "htb rate 1000000000bit ceil 1000000000bit burst 125000b cburst 125000b "
+                          "quantum 200000"));
   EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 class add dev hapnet-n0 parent 1: classid "
-                          "1:104 htb rate 300000000bit ceil 300000000bit quantum 200000"));
+                          "1:104 htb rate 300000000bit ceil 300000000bit burst 65536b cburst 65536b "
+                          "quantum 200000"));
   EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 filter add dev hapnet-n0 parent 1: protocol ip "
                           "prio 1 u32 match ip dst 10.213.0.3/32 flowid 1:104"));
   // Node 2 the other way (to node 0, 10.213.0.1); node 1 has no pair.
