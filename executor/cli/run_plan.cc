@@ -1,5 +1,7 @@
 #include "executor/cli/run_plan.h"
 
+#include "executor/cli/netns_testbed.h"
+
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,6 +14,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <iostream>
 #include <sstream>
 
@@ -54,11 +58,12 @@ constexpr char kUsage[] =
                     [--profile PREFIX]
                     [--checkpoint-dir DIR [--checkpoint-every N]
                      [--checkpoint-keep K]] [--resume DIR|DIR/step-N]
-                    [--init-weights FILE.safetensors]
+                    [--init-weights FILE.safetensors] [--gloo-host HOST]
 
 Runs rank R of a plan written by `hapctl plan --save-plan`. The ranks meet
 through files in DIR (shared by all ranks; use a fresh one per run) and talk
-over Gloo on 127.0.0.1. --data wikitext trains the GPT-style model on the
+over Gloo on 127.0.0.1 (--gloo-host, or $HAP_GLOO_HOST: the address Gloo
+listens on, e.g. the node's in hap-launch --network). --data wikitext trains the GPT-style model on the
 WikiText-2 valid split (word level) from --data-dir (default $HAP_DATA_DIR,
 else ../shared/data); synthetic data is deterministic. Rank 0 prints each
 step's loss and time, and at the end the perplexity (wikitext).
@@ -92,7 +97,7 @@ export) instead of the initialisers.
 constexpr char kLaunchUsage[] =
     R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [--cpu-shares F,F,...]
                   [--cpu-period-us US] [--pin-cores] [--device cpu|cuda|cuda:N]
-                  [hap-executor flags]
+                  [--network SPEC] [hap-executor flags]
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
@@ -103,6 +108,14 @@ cluster on one machine, each group's CFS period --cpu-period-us (default
 uniformly slower device). --pin-cores pins rank i to core i (mod cores).
 --device cuda runs rank i on GPU i (NCCL needs one GPU per rank).
 The cgroups are removed when the ranks end (also on SIGINT/SIGTERM).
+--network SPEC runs the ranks on the network testbed (root only; README
+"The network testbed"): each node a network namespace, its ranks inside
+talking over Gloo on the node's address, links shaped with tc. SPEC, e.g.
+"between=1gbit inside=10gbit pair=0-2:300mbit": nodes= defaults to the
+plan's nodes (those of its cluster holding the ranks' devices, numbered in
+rank order), ranks=N,N,... places the ranks otherwise. Made before the ranks start and removed after
+they end (also on SIGINT/SIGTERM); one left by a launcher killed outright is
+removed at the next start.
 )";
 
 const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "device",
@@ -112,7 +125,7 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "cpu-period-us", "profile",
                                            "checkpoint-dir", "checkpoint-every",
                                            "checkpoint-keep", "resume", "init-weights",
-                                           "shuffle"};
+                                           "shuffle", "network", "gloo-host"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -264,6 +277,7 @@ absl::Status Run(const tools::Args& a) {
   go.size = static_cast<int>(world);
   go.prefix = absl::StrCat("plan-", plan.content_hash().substr(0, 16));
   go.timeout = absl::Seconds(timeout);
+  go.hostname = a.GetOrEnv("gloo-host", go.hostname);
   std::string note;
   HAP_ASSIGN_OR_RETURN(DeviceSpec spec, ChooseDevice(a.GetOrEnv("device"), plan,
                                                      static_cast<int>(rank), &note));
@@ -370,6 +384,47 @@ int RunPlanMain(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// The network of --network for this plan: rank r's node in (*rank_node)[r],
+// from ranks= or else from the plan's cluster (nodes numbered in order of
+// first appearance among the ranks); nodes= from the spec or
+// the number of nodes found.
+absl::StatusOr<netns::NetworkSpec> NetworkForPlan(const std::string& text, const v1::Plan& plan,
+                                                  std::vector<int>* rank_node) {
+  HAP_ASSIGN_OR_RETURN(netns::NetworkSpec spec, netns::ParseNetworkSpec(text));
+  const int world = plan.rank_programs_size();
+  if (!spec.rank_nodes.empty()) {
+    if (static_cast<int>(spec.rank_nodes.size()) != world) {
+      return absl::InvalidArgumentError(absl::StrCat("ranks= places ", spec.rank_nodes.size(),
+                                                     " ranks, the plan has ", world));
+    }
+    *rank_node = spec.rank_nodes;
+  } else {
+    // The node of each device in the plan's cluster; a device the cluster
+    // does not list is on the node its id names ("node1/cpu0").
+    std::map<std::string, std::string> node_of;
+    for (const auto& n : plan.cluster().nodes()) {
+      for (const auto& d : n.devices()) node_of[d.id()] = n.name();
+    }
+    std::vector<std::string> names;
+    for (const auto& p : plan.rank_programs()) {
+      auto known = node_of.find(p.device());
+      const std::string node = known != node_of.end() ? known->second
+                                                      : p.device().substr(0, p.device().find('/'));
+      auto it = std::find(names.begin(), names.end(), node);
+      rank_node->push_back(static_cast<int>(it - names.begin()));
+      if (it == names.end()) names.push_back(node);
+    }
+  }
+  const int used = 1 + *std::max_element(rank_node->begin(), rank_node->end());
+  if (spec.nodes == 0) spec.nodes = used;
+  if (spec.nodes < used) {
+    return absl::InvalidArgumentError(absl::StrCat("nodes=", spec.nodes, " but the ranks are on ",
+                                                   used, " nodes"));
+  }
+  HAP_RETURN_IF_ERROR(spec.Validate());
+  return spec;
+}
+
 int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   auto a = tools::Args::Parse(argv, kValueFlags, {"help", "pin-cores"});
   if (!a.ok() || a->Bool("help") || !a->Has("plan")) {
@@ -417,6 +472,31 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       shares.push_back(share);
     }
   }
+  // The network testbed: the node of each rank, then the namespaces.
+  std::vector<int> rank_node;
+  std::unique_ptr<netns::Testbed> testbed;
+  if (a->Has("network")) {
+    auto net = NetworkForPlan(a->Get("network"), *plan, &rank_node);
+    if (!net.ok()) {
+      std::cerr << "error: --network: " << net.status().message() << "\n";
+      return 2;
+    }
+    auto t = netns::Testbed::Create(*net);
+    if (!t.ok()) {
+      std::cerr << "error: --network: " << t.status().message() << "\n";
+      return 1;
+    }
+    testbed = std::move(*t);
+    for (int n = 0; n < testbed->nodes(); ++n) {
+      std::cerr << "hap-launch: node " << n << " = namespace " << testbed->NodeNamespace(n)
+                << " at " << netns::Testbed::NodeAddress(n) << ", ranks";
+      for (int r = 0; r < world; ++r) {
+        if (rank_node[r] == n) std::cerr << " " << r;
+      }
+      std::cerr << "\n";
+    }
+    std::cerr << "hap-launch: network " << net->ToString() << "\n";
+  }
   char tmpl[] = "/tmp/hap-rendezvous-XXXXXX";
   if (!mkdtemp(tmpl)) {
     std::cerr << "error: cannot create a rendezvous directory\n";
@@ -426,7 +506,7 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   for (size_t i = 0; i < argv.size(); ++i) {
     // hap-launch's own flags, --flag VALUE or --flag=VALUE, stay here.
     bool own = false;
-    for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us"}) {
+    for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us", "--network"}) {
       if (argv[i] == f) {
         ++i;  // and its value
         own = true;
@@ -486,8 +566,21 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       args.push_back("--device");
       args.push_back(device == "cuda" ? absl::StrCat("cuda:", r) : device);
     }
+    std::string node_namespace;
+    if (testbed) {
+      node_namespace = testbed->NodeNamespace(rank_node[r]);
+      args.push_back("--gloo-host");
+      args.push_back(netns::Testbed::NodeAddress(rank_node[r]));
+    }
     pid_t pid = fork();
     if (pid == 0) {
+      if (!node_namespace.empty()) {
+        absl::Status s = netns::EnterNamespace(node_namespace);
+        if (!s.ok()) {
+          std::cerr << "error: rank " << r << ": " << s.message() << "\n";
+          _exit(127);
+        }
+      }
       if (!groups.empty()) {
         std::ofstream procs(groups[r] + "/cgroup.procs");
         procs << 0;  // this process
@@ -541,6 +634,10 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     if (rmdir(g.c_str()) != 0) std::cerr << "hap-launch: could not remove " << g << "\n";
   }
   children = nullptr;
+  if (testbed) {
+    absl::Status s = testbed->Destroy();
+    if (!s.ok()) std::cerr << "hap-launch: " << s.message() << "\n";
+  }
   return failed;
 }
 
