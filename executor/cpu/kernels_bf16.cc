@@ -87,6 +87,10 @@ class Dnnl {
     HAP_DNNL(dnnl_matmul_desc_init(&desc, &a_md, &b_md, nullptr, &c_md), "matmul_desc_init");
     dnnl_primitive_attr_t attr = nullptr;
     HAP_DNNL(dnnl_primitive_attr_create(&attr), "primitive_attr_create");
+    // Our scratchpad, per call: the library's is shared between threads,
+    // and ranks run as threads executing the same primitives at once.
+    HAP_DNNL(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user),
+             "set_scratchpad_mode");
     dnnl_post_ops_t ops = nullptr;
     if (acc) {
       HAP_DNNL(dnnl_post_ops_create(&ops), "post_ops_create");
@@ -154,7 +158,11 @@ absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_
   if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
   const_dnnl_primitive_desc_t pd = nullptr;
   HAP_DNNL(dnnl_primitive_get_primitive_desc(p, &pd), "primitive_get_primitive_desc");
-  dnnl_memory_t ma = nullptr, mb = nullptr, mc = nullptr;
+  const dnnl_memory_desc_t* scratch_md =
+      dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+  thread_local std::vector<unsigned char> scratch;
+  scratch.resize(scratch_md == nullptr ? 0 : dnnl_memory_desc_get_size(scratch_md) + 64);
+  dnnl_memory_t ma = nullptr, mb = nullptr, mc = nullptr, ms = nullptr;
   HAP_DNNL(dnnl_memory_create(&ma, dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0),
                               d->engine(), a16.data()),
            "memory_create (A)");
@@ -164,17 +172,25 @@ absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_
   HAP_DNNL(dnnl_memory_create(&mc, dnnl_primitive_desc_query_md(pd, dnnl_query_dst_md, 0),
                               d->engine(), c),
            "memory_create (C)");
+  if (scratch_md != nullptr) {
+    HAP_DNNL(dnnl_memory_create(&ms, scratch_md, d->engine(), scratch.data()),
+             "memory_create (scratchpad)");
+  }
   thread_local dnnl_stream_t stream = nullptr;
   dnnl_status_t s = dnnl_success;
   if (stream == nullptr) s = dnnl_stream_create(&stream, d->engine(), dnnl_stream_default_flags);
   if (s == dnnl_success) {
-    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
-    s = dnnl_primitive_execute(p, stream, 3, args);
+    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma},
+                               {DNNL_ARG_WEIGHTS, mb},
+                               {DNNL_ARG_DST, mc},
+                               {DNNL_ARG_SCRATCHPAD, ms}};
+    s = dnnl_primitive_execute(p, stream, ms != nullptr ? 4 : 3, args);
     if (s == dnnl_success) s = dnnl_stream_wait(stream);
   }
   dnnl_memory_destroy(ma);
   dnnl_memory_destroy(mb);
   dnnl_memory_destroy(mc);
+  if (ms != nullptr) dnnl_memory_destroy(ms);
   if (s != dnnl_success) return DnnlError(s, "bf16 matmul");
   for (int64_t r = 0; r < m; ++r) RoundBf16InPlace(c + r * ldc, n);
   return absl::OkStatus();

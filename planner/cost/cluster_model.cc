@@ -219,6 +219,33 @@ absl::StatusOr<ClusterModel> ClusterModel::TwoLevel(std::vector<DeviceModel> dev
   return Create(std::move(devices), std::move(bw), std::move(lat));
 }
 
+absl::StatusOr<ClusterModel> ClusterModel::Subset(const std::vector<int>& indices) const {
+  std::vector<bool> seen(devices_.size(), false);
+  std::vector<DeviceModel> devices;
+  std::vector<std::vector<double>> bw, lat;
+  for (int i : indices) {
+    if (i < 0 || i >= size() || seen[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device index ", i, " is out of range (", size(), " devices) or repeated"));
+    }
+    seen[i] = true;
+    devices.push_back(devices_[i]);
+    bw.emplace_back();
+    lat.emplace_back();
+    for (int j : indices) {
+      bw.back().push_back(bandwidth_[i][j]);
+      lat.back().push_back(latency_[i][j]);
+    }
+  }
+  ClusterModel m;
+  m.devices_ = std::move(devices);
+  m.bandwidth_ = std::move(bw);
+  m.latency_ = std::move(lat);
+  m.collective_overhead_ = collective_overhead_;
+  HAP_RETURN_IF_ERROR(m.Finish());
+  return m;
+}
+
 absl::Status ClusterModel::Finish() {
   int n = size();
   if (n < 2) {

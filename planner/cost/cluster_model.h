@@ -63,6 +63,11 @@ class ClusterModel {
                                                double intra_bandwidth, double intra_latency,
                                                double inter_bandwidth, double inter_latency);
 
+  // The devices `indices` (into this model, in that order) with their links
+  // and the collective overhead: a pipeline stage's group. InvalidArgument
+  // for an index out of range or repeated, or fewer than two devices.
+  absl::StatusOr<ClusterModel> Subset(const std::vector<int>& indices) const;
+
   int size() const { return static_cast<int>(devices_.size()); }
   const DeviceModel& device(int i) const { return devices_[i]; }
   const std::vector<DeviceModel>& devices() const { return devices_; }

@@ -522,6 +522,13 @@ class RankBuilder {
            (op.type == "conv2d" && op.attrs.Int("groups", 1).value_or(1) == 1);
   }
 
+  // The ops whose products bf16 mixed precision rounds (LowerOptions::bf16);
+  // grouped convolutions have no bf16 kernels and stay float32.
+  static bool IsBf16Product(const graph::Op& op) {
+    return op.type == "linear" || op.type == "matmul" ||
+           (op.type == "conv2d" && op.attrs.Int("groups", 1).value_or(1) == 1);
+  }
+
   // Attributes for sharded execution (executor/cpu/kernels.h).
   void OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* call) {
     auto& a = *call->mutable_attrs();
@@ -529,6 +536,7 @@ class RankBuilder {
       if (name.rfind(graph::kAnnotationPrefix, 0) == 0) continue;
       graph::AttrToProto(v, &a[name]);
     }
+    if (o_.bf16 && IsBf16Product(op)) a["bf16"].set_b(true);
     if (o_.bf16 && IsBf16Product(op)) a["bf16"].set_b(true);
     const graph::Shape& in0 = g_.tensor(op.inputs[0]).type.shape;
     if (op.type == "dropout" || op.type == "drop_path") {

@@ -60,6 +60,11 @@ struct LowerOptions {
   // get attribute "bf16" (executor/cpu/kernels.h); buffers, parameters and
   // optimizer state stay float32.
   bool bf16 = false;
+  // bf16 mixed precision (PlanOptions.precision BF16): the kernel calls of
+  // linear, matmul and conv2d (grouped ones excepted), forward and backward,
+  // get attribute "bf16" (executor/cpu/kernels.h); buffers, parameters and
+  // optimizer state stay float32.
+  bool bf16 = false;
   uint64_t seed = 0;
 };
 

@@ -305,6 +305,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   HAP_ASSIGN_OR_RETURN(m.core, PlannerCore::Create(co, std::move(loaded.nodes),
                                                    std::move(loaded.plans)));
   m.core_ptr = m.core.get();
+  for (const std::string& note : m.core->StartNotes()) std::cerr << "hap-planner: " << note << "\n";
 
   HAP_ASSIGN_OR_RETURN(
       std::shared_ptr<grpc::ServerCredentials> creds,

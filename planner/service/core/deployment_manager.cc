@@ -1,6 +1,7 @@
 #include "planner/service/core/deployment_manager.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
@@ -116,6 +117,12 @@ struct DeploymentManager::State {
                                                         "' is generation ",
                                                         it->second.generation(), ", not ",
                                                         generation));
+    }
+    if (Final(it->second.state())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("deployment '", deployment, "' is ",
+                       v1::Deployment::State_Name(it->second.state()),
+                       ": its rendezvous is closed"));
     }
     return absl::OkStatus();
   }
@@ -242,6 +249,12 @@ void DeploymentManager::Update(const std::string& name,
     }
   }
   it->second = std::move(next);
+  if (Final(it->second.state())) {
+    // No rank meets through a finished deployment again: its keys go (a
+    // planner that served many deployments would otherwise keep them all).
+    auto k = s_->kv.lower_bound({name, std::numeric_limits<int64_t>::min(), ""});
+    while (k != s_->kv.end() && std::get<0>(k->first) == name) k = s_->kv.erase(k);
+  }
   if (o_.on_change) o_.on_change(it->second);
   s_->changed.SignalAll();
 }
@@ -433,6 +446,11 @@ absl::StatusOr<v1::ListStepMetricsResponse> DeploymentManager::ListStepMetrics(
 
 // ----------------------------------------------------------- rendezvous --
 
+int64_t DeploymentManager::rendezvous_keys() const {
+  absl::MutexLock l(&s_->mu);
+  return static_cast<int64_t>(s_->kv.size());
+}
+
 absl::Status DeploymentManager::StoreSet(const std::string& deployment, int64_t generation,
                                          const std::string& key, const std::string& value) {
   if (deployment.empty() || key.empty()) {
@@ -452,8 +470,9 @@ absl::StatusOr<std::vector<std::string>> DeploymentManager::StoreGet(
     return absl::InvalidArgumentError("StoreGet needs a deployment and at least one key");
   }
   absl::MutexLock l(&s_->mu);
-  HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
   while (true) {
+    // Again after each wait: a deployment that finished meanwhile answers.
+    HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
     std::vector<std::string> missing;
     for (const auto& k : keys) {
       if (!s_->kv.count({deployment, generation, k})) missing.push_back(k);

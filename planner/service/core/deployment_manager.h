@@ -122,6 +122,10 @@ class DeploymentManager {
                                                     const std::vector<std::string>& keys,
                                                     absl::Time deadline,
                                                     const std::function<bool()>& cancelled);
+  // How many keys the store holds (every deployment's). A deployment's keys
+  // are dropped when it finishes, and its rendezvous refuses calls from
+  // then on (FailedPrecondition).
+  int64_t rendezvous_keys() const;
   // Adds `delta` to the counter at `key` (absent = 0); the sum.
   // FailedPrecondition when the key holds no counter; OutOfRange when the
   // sum overflows (the counter is left).

@@ -355,6 +355,18 @@ TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeploymen
   EXPECT_THAT(manager_->StoreAdd(d->name(), 1, "n", 2), IsOk());
   EXPECT_THAT(manager_->StoreAdd(d->name(), 1, "k", 1),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a counter")));
+  EXPECT_EQ(manager_->rendezvous_keys(), 2);
+
+  // A finished deployment's keys are dropped and its rendezvous closed.
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  ASSERT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }), IsOk());
+  EXPECT_EQ(manager_->rendezvous_keys(), 0);
+  EXPECT_THAT(manager_->StoreSet(d->name(), 1, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("STOPPED")));
+  EXPECT_THAT(manager_->StoreGet(d->name(), 1, {"k"}, absl::InfiniteFuture(),
+                                 [] { return false; }),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("rendezvous is closed")));
+  EXPECT_EQ(manager_->rendezvous_keys(), 0);
 }
 
 }  // namespace

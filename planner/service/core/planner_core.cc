@@ -1,5 +1,6 @@
 #include "planner/service/core/planner_core.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <deque>
@@ -329,7 +330,23 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
   std::vector<v1::Plan> resume;
   {
     absl::MutexLock l(&core->s_->mu);
-    for (auto& n : nodes) core->s_->nodes[n.name()] = std::move(n);
+    // In name order, so that of two nodes claiming one device the first
+    // by name keeps it, whatever order the store gave.
+    std::sort(nodes.begin(), nodes.end(),
+              [](const v1::Node& a, const v1::Node& b) { return a.name() < b.name(); });
+    for (auto& n : nodes) {
+      std::set<std::string> ids;
+      absl::Status ok = ValidNodeName(n.name())
+                            ? ValidateDevices(n.name(), n.devices(), &ids)
+                            : absl::InvalidArgumentError("its name is not a valid node name");
+      if (ok.ok()) ok = CheckOwners(core->s_->nodes, n.name(), ids);
+      if (!ok.ok()) {
+        core->start_notes_.push_back(absl::StrCat("stored node '", n.name(),
+                                                  "' was not loaded: ", ok.message()));
+        continue;
+      }
+      core->s_->nodes[n.name()] = std::move(n);
+    }
     for (auto& p : plans) {
       if (!Final(p.state())) resume.push_back(p);
       core->s_->Put(std::move(p));

@@ -105,9 +105,15 @@ class PlannerCore {
   // were PENDING or RUNNING when the planner stopped are run again; one that
   // cannot be is saved FAILED, and Create fails with the sink's error when
   // that save does).
+  // Stored nodes are checked as RegisterNode checks them (a database
+  // written by an older planner may hold a NaN FLOP/s or a device id
+  // claimed by two nodes); one that fails is not loaded (its agent's next
+  // registration replaces it) and StartNotes() says why.
   static absl::StatusOr<std::unique_ptr<PlannerCore>> Create(
       PlannerCoreOptions options, std::vector<hap::v1::Node> nodes = {},
       std::vector<hap::v1::Plan> plans = {});
+  // What Create left out of the stored state, one line each (for the log).
+  const std::vector<std::string>& StartNotes() const { return start_notes_; }
   // Stops running searches and joins the workers. Their plans stay as
   // stored (PENDING or RUNNING), to run again at the next start.
   ~PlannerCore();
@@ -240,6 +246,7 @@ class PlannerCore {
   struct State;
   std::unique_ptr<State> s_;
   PlannerCoreOptions o_;
+  std::vector<std::string> start_notes_;
 };
 
 // "plans/abc" -> "abc"; InvalidArgument naming the expected pattern.

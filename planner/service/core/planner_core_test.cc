@@ -682,6 +682,34 @@ TEST_F(PlannerCoreTest, MeasurementsThatAreNotFiniteNumbersAreRefusedAtRegistrat
   EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
 }
 
+// A database written before registrations were checked may hold nodes
+// that no registration would let in now: they are not loaded (and said
+// so), and the good ones plan as before.
+TEST_F(PlannerCoreTest, StoredNodesThatFailTheChecksAreNotLoaded) {
+  v1::Node good = MakeNode("a", 2, 1e12);
+  v1::Node nan = MakeNode("b", 1, std::nan(""));
+  v1::Node thief = MakeNode("c", 1, 1e12);
+  thief.mutable_devices(0)->set_id("a/cpu0");  // a's device
+  v1::Node negative = MakeNode("d", 1, 1e12, -5);
+  Start({thief, nan, good, negative}, {});
+  const v1::Cluster cluster = core_->GetCluster(true);
+  ASSERT_EQ(cluster.nodes_size(), 1);
+  EXPECT_EQ(cluster.nodes(0).name(), "a");
+  const auto& notes = core_->StartNotes();
+  ASSERT_EQ(notes.size(), 3u);
+  EXPECT_THAT(notes[0], AllOf(HasSubstr("'b'"), HasSubstr("not loaded")));
+  EXPECT_THAT(notes[1], AllOf(HasSubstr("'c'"), HasSubstr("a/cpu0")));
+  EXPECT_THAT(notes[2], HasSubstr("'d'"));
+  // Its agent back, a's devices plan alone (no "device id appears twice").
+  ASSERT_TRUE(core_->RegisterNode(good).ok());
+  auto plan = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->state(), v1::Plan::SUCCEEDED);
+  // The node's agent registering again (with good measurements) is let in.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 2e12)).ok());
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+}
+
 TEST_F(PlannerCoreTest, DeleteNodeRemovesTheNodeItsDevicesAndItsLinks) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());

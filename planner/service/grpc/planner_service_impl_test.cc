@@ -18,6 +18,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -534,7 +535,8 @@ TEST_F(PlannerServiceImplTest, StepMetricsTheStoreRefusesAreNotKept) {
 
 TEST_F(PlannerServiceImplTest, RendezvousKeysBelongToADeploymentThatExists) {
   Register("n");
-  auto d = Deploy("p");
+  // The rendezvous is open while the deployment runs (fake executors).
+  auto d = DeployToFakes("p");
   ASSERT_THAT(d, IsOk());
   v1::StoreSetRequest set;
   set.set_deployment("deployments/ghost-g1");
@@ -573,6 +575,13 @@ TEST_F(PlannerServiceImplTest, RendezvousKeysBelongToADeploymentThatExists) {
   ASSERT_THAT(FromGrpc(stub_->StoreGet(Ctx().get(), get, &get_out)), IsOk());
   ASSERT_EQ(get_out.values_size(), 1);
   EXPECT_EQ(get_out.values(0), "v");
+  // A stopped deployment's rendezvous is closed (its keys were dropped).
+  ASSERT_THAT(Stop(d->name()), IsOk());
+  EXPECT_THAT(FromGrpc(stub_->StoreGet(Ctx().get(), get, &get_out)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("'deployments/p-g1' is STOPPED: its rendezvous is closed")));
+  EXPECT_THAT(FromGrpc(stub_->StoreSet(Ctx().get(), set, &set_out)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("STOPPED")));
 }
 
 // Reads take no thread: with every thread of the server's quota held by
@@ -581,8 +590,11 @@ TEST_F(PlannerServiceImplTest, RendezvousKeysBelongToADeploymentThatExists) {
 // GetCluster, GetDeployment and ListDeployments are still answered.
 TEST_F(PlannerServiceImplTest, ReadsAreAnsweredWhileEveryThreadIsBusy) {
   Register("n");
-  auto d = Deploy("p");
+  // The rendezvous is open while the deployment runs (fake executors; a
+  // restart re-attaches it once RUNNING).
+  auto d = DeployToFakes("p");
   ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
   StopService();
   StartService(sink_.deployments(), /*max_threads=*/4);
 
@@ -617,7 +629,10 @@ TEST_F(PlannerServiceImplTest, ReadsAreAnsweredWhileEveryThreadIsBusy) {
       return std::count(codes.begin(), codes.end(), grpc::StatusCode::RESOURCE_EXHAUSTED) > 0;
     };
     ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&refused), absl::Seconds(20)))
-        << "no wait was refused: the thread quota does not bound blocking calls";
+        << "no wait was refused: the thread quota does not bound blocking calls; codes: "
+        << absl::StrJoin(codes, ",", [](std::string* out, grpc::StatusCode c) {
+             absl::StrAppend(out, static_cast<int>(c));
+           });
     EXPECT_LT(codes.size(), static_cast<size_t>(kWaits)) << "no wait is holding a thread";
   }
   for (int i = 0; i < 50; ++i) {
@@ -672,7 +687,8 @@ TEST_F(PlannerServiceImplTest, ReadsAreAnsweredWhileEveryThreadIsBusy) {
 
 TEST_F(PlannerServiceImplTest, StoreAddDoesNotWrapAround) {
   Register("n");
-  auto d = Deploy("p");
+  // The rendezvous is open while the deployment runs (fake executors).
+  auto d = DeployToFakes("p");
   ASSERT_THAT(d, IsOk());
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   constexpr int64_t kMin = std::numeric_limits<int64_t>::min();

@@ -1,0 +1,289 @@
+#include "planner/pipeline/pipeline.h"
+
+#include <numeric>
+#include <set>
+
+#include "planner/graph/zoo.h"
+#include "planner/lower/plan_file.h"
+#include "planner/pipeline/layers.h"
+#include "planner/pipeline/schedule.h"
+#include "planner/util/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hap::pipeline {
+namespace {
+
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+StageTimes Times(double f, double b, double send = 0, double grad = 0,
+                 double sync = 0) {
+  StageTimes t;
+  t.forward = f;
+  t.backward = b;
+  t.send = send;
+  t.gradient = grad;
+  t.sync = sync;
+  return t;
+}
+
+// Hand-computed 1F1B timelines (stage 0 runs F1 | F2 B1 | F3 B2 | B3 with
+// one warm-up forward; stage 1 F1 B1 F2 B2 F3 B3):
+//   s0 F1 0-1; s1 F1 1-2 B1 2-4; s0 F2 1-2 B1 4-6 F3 6-7;
+//   s1 F2 4-5 B2 5-7; s0 B2 7-9; s1 F3 7-8 B3 8-10; s0 B3 10-12.
+TEST(Schedule, TwoEqualStagesThreeMicrobatches) {
+  auto r = Simulate1F1B({Times(1, 2), Times(1, 2)}, 3);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_DOUBLE_EQ(r->step, 12);  // (M + S - 1)(f + b)
+  EXPECT_DOUBLE_EQ(r->bubble, 3); // (S - 1)(f + b)
+  EXPECT_DOUBLE_EQ(ClosedForm1F1B({Times(1, 2), Times(1, 2)}, 3), 12);
+}
+
+// With 0.5 s each way on the link, M = 2:
+//   s0 F1 0-1, send 1-1.5; s1 F1 1.5-2.5 B1 2.5-4.5, gradient 4.5-5;
+//   s0 F2 1-2, send 2-2.5; s0 B1 5-7; s1 F2 4.5-5.5 B2 5.5-7.5, gradient
+//   7.5-8; s0 B2 8-10. Syncs of 1 s and 3 s end at 11 and 10.5.
+TEST(Schedule, TransfersAndSync) {
+  auto r = Simulate1F1B({Times(1, 2, 0.5, 0.5), Times(1, 2)}, 2);
+  ASSERT_TRUE(r.ok());
+  EXPECT_DOUBLE_EQ(r->step, 10);
+  EXPECT_DOUBLE_EQ(ClosedForm1F1B({Times(1, 2, 0.5, 0.5), Times(1, 2)}, 2), 10);
+  auto s = Simulate1F1B({Times(1, 2, 0.5, 0.5, 1), Times(1, 2, 0, 0, 3)}, 2);
+  ASSERT_TRUE(s.ok());
+  EXPECT_DOUBLE_EQ(s->stage_finish[0], 11);
+  EXPECT_DOUBLE_EQ(s->stage_finish[1], 10.5);
+  EXPECT_DOUBLE_EQ(s->step, 11);
+}
+
+// A slow second stage: s0 F1 0-1; s1 F1 1-3 B1 3-7; s0 F2 1-2 B1 7-9;
+// s1 F2 7-9 B2 9-13; s0 B2 13-15.
+TEST(Schedule, UnequalStages) {
+  auto r = Simulate1F1B({Times(1, 2), Times(2, 4)}, 2);
+  ASSERT_TRUE(r.ok());
+  EXPECT_DOUBLE_EQ(r->step, 15);
+  EXPECT_DOUBLE_EQ(r->bubble, 3); // 15 - 2 * 6
+  // A link slower than the stages is the bottleneck: sends of 5 s
+  // serialise (arrivals at 6 and 11), s1 F2 11-12 B2 12-14, s0 B2 14-16...
+  auto slow = Simulate1F1B({Times(1, 1, 5, 0), Times(1, 1)}, 2);
+  ASSERT_TRUE(slow.ok());
+  // s0 F1 0-1 send 1-6; F2 1-2 send 6-11; s1 F1 6-7 B1 7-8; s0 B1 8-9;
+  // s1 F2 11-12 B2 12-13; s0 B2 13-14.
+  EXPECT_DOUBLE_EQ(slow->step, 14);
+}
+
+TEST(Schedule, Errors) {
+  EXPECT_THAT(Simulate1F1B({}, 2).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("at least one stage")));
+  EXPECT_THAT(
+      Simulate1F1B({Times(1, 1)}, 0).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatch")));
+  EXPECT_THAT(
+      Simulate1F1B({Times(1, -1)}, 2).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stage 0")));
+  EXPECT_EQ(InFlightMicrobatches(0, 4, 8), 4);
+  EXPECT_EQ(InFlightMicrobatches(3, 4, 8), 1);
+  EXPECT_EQ(InFlightMicrobatches(0, 4, 2), 2);
+}
+
+TEST(Layers, GptCutsAtTheResidualStream) {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 3},
+                                        {"hidden", 64},
+                                        {"heads", 4},
+                                        {"ffn", 128},
+                                        {"seq", 8},
+                                        {"vocab", 100},
+                                        {"batch", 8}});
+  ASSERT_TRUE(g.ok());
+  Layers l = FindLayers(*g, 64);
+  // Two residual adds per block, plus cuts around embedding and head.
+  EXPECT_GE(l.size(), 7);
+  ASSERT_EQ(l.boundary.size(), static_cast<size_t>(l.size() - 1));
+  int residual = 0;
+  for (graph::TensorId t : l.boundary) {
+    if (g->tensor(t).type.shape == std::vector<int64_t>{8, 8, 64})
+      ++residual;
+  }
+  EXPECT_GE(residual, 6);
+  EXPECT_EQ(l.begin.front(), 0);
+  EXPECT_EQ(l.begin.back(), static_cast<int>(g->ops().size()));
+  // At most max_layers, cut where one activation crosses.
+  Layers few = FindLayers(*g, 3);
+  EXPECT_EQ(few.size(), 3);
+  std::vector<int> valid = ValidCuts(*g);
+  for (size_t k = 1; k + 1 < few.begin.size(); ++k) {
+    EXPECT_NE(std::find(valid.begin(), valid.end(), few.begin[k]), valid.end());
+  }
+}
+
+TEST(Layers, Rebatch) {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
+                                        {"hidden", 64},
+                                        {"heads", 4},
+                                        {"ffn", 128},
+                                        {"seq", 8},
+                                        {"vocab", 100},
+                                        {"batch", 8}});
+  ASSERT_TRUE(g.ok());
+  auto m = Rebatch(*g, 2);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(GraphBatch(*m), 2);
+  ASSERT_EQ(m->ops().size(), g->ops().size());
+  EXPECT_NEAR(m->ForwardFlops() / g->ForwardFlops(), 0.25, 1e-9);
+  EXPECT_THAT(Rebatch(*g, 3).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("does not divide")));
+}
+
+cost::ClusterModel TwoNodes(double inter_bw) {
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < 4; ++i) {
+    d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 2), "test",
+                 i < 2 ? 3.86e12 : 2.15e12, 40 * kGiB, 1e-5});
+  }
+  return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, inter_bw,
+                                       5e-5);
+}
+
+absl::StatusOr<graph::Graph> SmallGpt() {
+  return graph::BuildZooModel("gpt", {{"layers", 4},
+                                      {"hidden", 256},
+                                      {"heads", 4},
+                                      {"ffn", 1024},
+                                      {"seq", 64},
+                                      {"vocab", 2000},
+                                      {"batch", 32}});
+}
+
+PipelineOptions Fast(Mode mode, int stages = 0) {
+  PipelineOptions o;
+  o.mode = mode;
+  o.stages = stages;
+  o.max_microbatches = 8;
+  o.max_layers = 8;
+  o.threads = 2;
+  o.stage_options.max_joint_iterations = 2;
+  return o;
+}
+
+TEST(Subset, KeepsLinksAndOrder) {
+  cost::ClusterModel c = TwoNodes(1e9);
+  auto s = c.Subset({3, 1});
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->device(0).id, "d3");
+  EXPECT_DOUBLE_EQ(s->bandwidth(0, 1), 1e9);
+  EXPECT_THAT(
+      c.Subset({1, 1}).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("repeated")));
+  EXPECT_THAT(
+      c.Subset({0}).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 2")));
+}
+
+TEST(Planner, NoPipelineOverFastLinks) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  auto p = PlanPipeline(*g, TwoNodes(100e9), Fast(Mode::kAuto));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->pipelined());
+  EXPECT_TRUE(p->has_spmd);
+  EXPECT_DOUBLE_EQ(p->step_seconds, p->spmd.cost.total);
+  EXPECT_GT(p->syntheses, 0); // pipelines were priced and lost
+  ASSERT_FALSE(p->notes.empty());
+  EXPECT_THAT(p->notes.back(),
+              HasSubstr("no pipeline is predicted faster than the SPMD plan"));
+}
+
+TEST(Planner, PipelineOverSlowLinks) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  cost::ClusterModel c = TwoNodes(1.25e9);
+  auto p = PlanPipeline(*g, c, Fast(Mode::kAuto));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->pipelined()) << ::testing::PrintToString(p->notes);
+  ASSERT_EQ(p->stages.size(), 2u);
+  EXPECT_LT(p->step_seconds, p->spmd_step_seconds);
+  // Stages cover the ops in order, on disjoint node groups.
+  EXPECT_EQ(p->stages[0].begin_op, 0);
+  EXPECT_EQ(p->stages[0].end_op, p->stages[1].begin_op);
+  EXPECT_EQ(p->stages[1].end_op, static_cast<int>(g->ops().size()));
+  std::set<int> devices;
+  std::vector<StageTimes> times;
+  for (const StagePlan &s : p->stages) {
+    EXPECT_EQ(s.program.steps.size(),
+              static_cast<size_t>(s.end_op - s.begin_op));
+    EXPECT_NEAR(std::accumulate(s.ratios.begin(), s.ratios.end(), 0.0), 1,
+                1e-6);
+    EXPECT_EQ(s.ratios.size(), s.devices.size());
+    devices.insert(s.devices.begin(), s.devices.end());
+    times.push_back(s.times);
+  }
+  EXPECT_EQ(devices.size(), 4u);
+  EXPECT_EQ(p->stages[0].in_flight, 2);
+  EXPECT_EQ(p->stages[1].in_flight, 1);
+  EXPECT_GE(p->stages[0].output_tensor, 0);
+  EXPECT_EQ(p->stages[0].output_tensor, p->stages[1].input_tensor);
+  // The reported step is the schedule's at the stages' own times.
+  auto sim = Simulate1F1B(times, p->microbatches);
+  ASSERT_TRUE(sim.ok());
+  EXPECT_DOUBLE_EQ(sim->step, p->step_seconds);
+  EXPECT_EQ(p->microbatch_size * p->microbatches, 32);
+}
+
+TEST(Planner, Baselines) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  cost::ClusterModel c = TwoNodes(1.25e9);
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  auto hap = PlanPipeline(*g, c, o);
+  o.variant = Variant::kDataParallel;
+  auto metis = PlanPipeline(*g, c, o);
+  o.variant = Variant::kEvenSplit;
+  auto even = PlanPipeline(*g, c, o);
+  ASSERT_TRUE(hap.ok()) << hap.status();
+  ASSERT_TRUE(metis.ok()) << metis.status();
+  ASSERT_TRUE(even.ok()) << even.status();
+  ASSERT_EQ(even->stages.size(), 2u);
+  EXPECT_EQ(even->stages[0].end_layer, even->layers / 2);
+  EXPECT_NEAR(even->stages[0].ratios[0], 0.5,
+              1e-12); // data parallelism, equal split
+  // The synthesized stages search a space holding the others' programs.
+  EXPECT_LE(hap->step_seconds, metis->step_seconds * (1 + 1e-9));
+  EXPECT_LE(metis->step_seconds, even->step_seconds * (1 + 1e-9));
+}
+
+TEST(Planner, BadOptions) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  EXPECT_THAT(PlanPipeline(*g, TwoNodes(1e9), Fast(Mode::kStages, 0)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("at least 1 stage")));
+  EXPECT_THAT(PlanPipeline(*g, TwoNodes(1e9), Fast(Mode::kStages, 40)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("cannot make 40 stages")));
+  PipelineOptions o = Fast(Mode::kAuto);
+  o.microbatches = 5;
+  EXPECT_THAT(PlanPipeline(*g, TwoNodes(1e9), o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("must divide the batch")));
+}
+
+TEST(Executor, RefusesPipelinePlans) {
+  hap::v1::Plan plan;
+  plan.set_format_version(lower::kPlanFormatVersion);
+  plan.mutable_pipeline()->add_stages();
+  plan.mutable_pipeline()->add_stages();
+  plan.mutable_pipeline()->set_microbatches(4);
+  EXPECT_THAT(
+      lower::CheckPlanForRank(plan, 0, 2),
+      StatusIs(
+          absl::StatusCode::kUnimplemented,
+          HasSubstr("pipeline plans are not executable yet: the plan has 2 "
+                    "pipeline stages (4 microbatches)")));
+}
+
+} // namespace
+} // namespace hap::pipeline
