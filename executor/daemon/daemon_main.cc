@@ -23,7 +23,7 @@ constexpr char kUsage[] =
                     [--token-file F] [--tls-cert-file F --tls-key-file F]
                     [--tls-ca-file F] [--device-id ID] [--data-dir DIR]
                     [--threads T] [--timeout SECONDS] [--drain-seconds S]
-                    [--device cpu|cuda[:N]]
+                    [--device cpu|cuda[:N]] [--gloo-host HOST]
 
 Serves hap.v1.Executor: one rank of a deployment pushed by the planner at
 --planner, the only planner whose plans it accepts. Ranks meet through the
@@ -44,6 +44,8 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
   --threads       kernel threads per rank unless the deployment says (1)
   --timeout       connect and collective timeout in seconds (60)
   --drain-seconds NOT_SERVING before shutdown on SIGTERM (1)
+  --gloo-host     the address Gloo listens on and peers dial (127.0.0.1; a
+                  node's address on the network testbed, hap-netns)
 )";
 
 absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def) {
@@ -75,6 +77,7 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
     }
   }
   o.core.data_dir = a.GetOrEnv("data-dir", "../shared/data");
+  o.core.gloo_hostname = a.GetOrEnv("gloo-host", o.core.gloo_hostname);
   HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1));
   HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60));
   HAP_ASSIGN_OR_RETURN(double drain, Number(a, "drain-seconds", 1));
@@ -95,7 +98,7 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   auto a = tools::Args::Parse(
       argv,
       {"planner", "listen", "token-file", "tls-cert-file", "tls-key-file", "tls-ca-file",
-       "device-id", "device", "data-dir", "threads", "timeout", "drain-seconds"},
+       "device-id", "device", "data-dir", "threads", "timeout", "drain-seconds", "gloo-host"},
       {"serve", "help"});
   if (!a.ok() || a->Bool("help")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
