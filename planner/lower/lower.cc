@@ -150,15 +150,19 @@ class RankBuilder {
     prog_.set_seed(o_.seed);
     if (r_ < static_cast<int>(o_.devices.size())) prog_.set_device(o_.devices[r_]);
     GatherOnceParameters();
+    if (o_.overlap) PlanOverlap();
+    if (!zero3_steps_.empty()) PrefetchGathers(zero3_steps_.front());
     for (size_t k = 0; k < p_.steps.size(); ++k) {
       HAP_RETURN_IF_ERROR(Forward(p_.steps[k]));
     }
     HAP_RETURN_IF_ERROR(Loss());
+    if (!zero3_steps_.empty()) PrefetchRegathers(zero3_steps_.back());
     for (int k = static_cast<int>(p_.steps.size()) - 1; k >= 0; --k) {
       HAP_RETURN_IF_ERROR(Backward(k));
     }
     FlushGradientBuckets();
     Optimizer();
+    AwaitAll();
     Finish();
     return std::move(prog_);
   }
@@ -235,9 +239,16 @@ class RankBuilder {
     if (z == zero_gathered_.end()) return fwd_.at(k);
     auto it = regathered_.find(k);
     if (it != regathered_.end()) return it->second;
+    return Regather(k, /*async=*/false);
+  }
+  // The backward all-gather of ZeRO-3 parameter copy `k` (a key of
+  // zero_gathered_), started and left running with `async`.
+  int Regather(Key k, bool async) {
+    const auto& z = zero_gathered_.at(k);
     int whole = NewBuffer(k.first, Form::R().raw(), v1::Buffer::ACTIVATION, "#regathered");
-    Sharded(v1::Step::BACKWARD, v1::ALL_GATHER, z->second.second, z->second.first, whole,
-            k.first, 0);
+    v1::CollectiveCall* c =
+        Sharded(v1::Step::BACKWARD, v1::ALL_GATHER, z.second, z.first, whole, k.first, 0);
+    if (async) Started(c);
     regathered_[k] = whole;
     return whole;
   }
@@ -288,6 +299,8 @@ class RankBuilder {
   v1::KernelCall* Kernel(v1::Step::Phase phase, const std::string& name,
                          const std::vector<int>& in, const std::vector<int>& out,
                          const std::string& op = "") {
+    for (int i : in) Await(i, phase);
+    for (int i : out) Await(i, phase);
     int step = prog_.steps_size();
     v1::Step* s = prog_.add_steps();
     s->set_phase(phase);
@@ -310,6 +323,8 @@ class RankBuilder {
   }
   v1::CollectiveCall* Coll(v1::Step::Phase phase, v1::Collective kind, int in,
                            int out, TensorId t) {
+    Await(in, phase);
+    Await(out, phase);
     int step = prog_.steps_size();
     v1::Step* s = prog_.add_steps();
     s->set_phase(phase);
@@ -360,19 +375,29 @@ class RankBuilder {
         fwd_[K(l.tensor, Form::R())] = once->second.out;
       } else if (l.storage == synth::ParamStorage::kZero) {
         slot.storage = {l.tensor, kZeroStorage};
-        int shard = NewBuffer(l.tensor, kZeroStorage, v1::Buffer::PARAMETER);
-        fwd_[slot.storage] = shard;
-        int whole = NewBuffer(l.tensor, Form::R().raw(), v1::Buffer::ACTIVATION,
-                              "#gathered");
-        fwd_[K(l.tensor, Form::R())] = whole;
-        Sharded(F, v1::ALL_GATHER, l.method, shard, whole, l.tensor, 0);
-        zero_gathered_[K(l.tensor, Form::R())] = {shard, l.method};
+        auto pre = prefetched_.find(l.tensor);
+        std::pair<int, int> gathered;
+        if (pre == prefetched_.end()) {
+          gathered = GatherZero3(l, /*async=*/false);
+        } else {
+          gathered = pre->second;
+          prefetched_.erase(pre);
+        }
+        fwd_[slot.storage] = gathered.first;
+        fwd_[K(l.tensor, Form::R())] = gathered.second;
+        zero_gathered_[K(l.tensor, Form::R())] = {fwd_.at(slot.storage), l.method};
       } else {
         slot.storage = K(l.tensor, l.form);
         fwd_[slot.storage] = NewBuffer(l.tensor, l.form.raw(), v1::Buffer::PARAMETER);
       }
       slot.replicated = l.storage == synth::ParamStorage::kReplicated;
       if (!t.frozen) params_.push_back(slot);
+    }
+    if (IsZero3Step(s.op)) {
+      // The next op's gathers queue behind this op's (waited for at their
+      // first use below): one op ahead.
+      auto next = std::upper_bound(zero3_steps_.begin(), zero3_steps_.end(), s.op);
+      if (next != zero3_steps_.end()) PrefetchGathers(*next);
     }
     for (const synth::CommStep& c : s.comms) {
       HAP_ASSIGN_OR_RETURN(int in, Fwd(K(c.tensor, c.from), op));
@@ -522,13 +547,6 @@ class RankBuilder {
            (op.type == "conv2d" && op.attrs.Int("groups", 1).value_or(1) == 1);
   }
 
-  // The ops whose products bf16 mixed precision rounds (LowerOptions::bf16);
-  // grouped convolutions have no bf16 kernels and stay float32.
-  static bool IsBf16Product(const graph::Op& op) {
-    return op.type == "linear" || op.type == "matmul" ||
-           (op.type == "conv2d" && op.attrs.Int("groups", 1).value_or(1) == 1);
-  }
-
   // Attributes for sharded execution (executor/cpu/kernels.h).
   void OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* call) {
     auto& a = *call->mutable_attrs();
@@ -536,7 +554,6 @@ class RankBuilder {
       if (name.rfind(graph::kAnnotationPrefix, 0) == 0) continue;
       graph::AttrToProto(v, &a[name]);
     }
-    if (o_.bf16 && IsBf16Product(op)) a["bf16"].set_b(true);
     if (o_.bf16 && IsBf16Product(op)) a["bf16"].set_b(true);
     const graph::Shape& in0 = g_.tensor(op.inputs[0]).type.shape;
     if (op.type == "dropout" || op.type == "drop_path") {
@@ -601,6 +618,13 @@ class RankBuilder {
   absl::Status Backward(int k) {
     const synth::OpStep& s = p_.steps[k];
     const graph::Op& op = g_.op(s.op);
+    if (IsZero3Step(k)) {
+      // This op's backward gathers (those not started yet), then the
+      // previous op's, one ahead; each waited for at its first use.
+      PrefetchRegathers(k);
+      auto prev = std::lower_bound(zero3_steps_.begin(), zero3_steps_.end(), k);
+      if (prev != zero3_steps_.begin()) PrefetchRegathers(*(prev - 1));
+    }
     // The op's gradient kernel.
     bool any_dy = false;
     for (size_t j = 0; j < op.outputs.size(); ++j) {
@@ -622,6 +646,7 @@ class RankBuilder {
     for (const synth::SourceLoad& l : s.loads) {
       if (l.parameter && !g_.tensor(l.tensor).frozen) SyncParameter(l);
     }
+    StartGradientBuckets(k);
     return absl::OkStatus();
   }
 
@@ -853,6 +878,10 @@ class RankBuilder {
           method = it.method;
         }
       }
+      for (const ShardedItem& it : take) {
+        Await(it.in, phase);
+        Await(it.out, phase);
+      }
       v1::CollectiveCall* c = Sharded(phase, kind, method, take.front().in,
                                       take.front().out, take.front().tensor, 0);
       const int step = prog_.steps_size() - 1;
@@ -887,7 +916,8 @@ class RankBuilder {
       }
       int dst = Grad({l.tensor, kZeroStorage}, G);
       if (a_.partial_grad[l.tensor]) {
-        Sharded(G, v1::REDUCE_SCATTER, l.method, gt, dst, l.tensor, 0);
+        v1::CollectiveCall* c = Sharded(G, v1::REDUCE_SCATTER, l.method, gt, dst, l.tensor, 0);
+        if (o_.overlap) Started(c);
       } else {
         int tmp = Scratch(l.tensor, kZeroStorage);
         SliceAttrs(Kernel(G, "slice", {gt}, {tmp}), l.tensor, 0);
@@ -899,9 +929,10 @@ class RankBuilder {
         // done (FlushGradientBuckets): one synchronisation, not one per
         // parameter. Nothing reads these gradients before the optimizer.
         int gt = grad_.at(whole);
-        if (std::find(bucket_.begin(), bucket_.end(), gt) == bucket_.end()) {
-          bucket_.push_back(gt);
-        }
+        std::vector<int>& into = o_.overlap
+                                     ? overlap_buckets_[overlap_bucket_of_.at(l.tensor)].grads
+                                     : bucket_;
+        if (std::find(into.begin(), into.end(), gt) == into.end()) into.push_back(gt);
       }
     }
   }
@@ -915,7 +946,7 @@ class RankBuilder {
     CoalescedDim0(G, v1::REDUCE_SCATTER, std::move(zero_bucket_),
                   "gradients of parameters gathered once");
     zero_bucket_.clear();
-    if (partial_loss_ >= 0) bucket_.push_back(partial_loss_);
+    if (partial_loss_ >= 0 && !loss_bucketed_) bucket_.push_back(partial_loss_);
     std::vector<int> pending = std::move(bucket_);
     bucket_.clear();
     while (!pending.empty()) {
@@ -933,18 +964,182 @@ class RankBuilder {
           rest.push_back(id);
         }
       }
-      const int step = prog_.steps_size();
-      v1::CollectiveCall* c =
-          Coll(G, v1::ALL_REDUCE, take.front(), take.front(), g_.loss());
-      c->set_tensor(absl::StrCat("gradient bucket of ", take.size(), " tensor(s), ", bytes,
-                                 " bytes"));
-      for (size_t i = 1; i < take.size(); ++i) {
-        c->add_coalesced(take[i]);
-        Use(take[i], step);
-      }
+      AllReduceBucket(take, bytes);
       pending = std::move(rest);
     }
   }
+
+  // A coalesced in-place ALL_REDUCE of the gradients `take` (bytes in all).
+  v1::CollectiveCall* AllReduceBucket(const std::vector<int>& take, int64_t bytes) {
+    const auto G = v1::Step::GRADIENT_SYNC;
+    for (size_t i = 1; i < take.size(); ++i) Await(take[i], G);
+    v1::CollectiveCall* c = Coll(G, v1::ALL_REDUCE, take.front(), take.front(), g_.loss());
+    const int step = prog_.steps_size() - 1;
+    c->set_tensor(absl::StrCat("gradient bucket of ", take.size(), " tensor(s), ", bytes,
+                               " bytes"));
+    for (size_t i = 1; i < take.size(); ++i) {
+      c->add_coalesced(take[i]);
+      Use(take[i], step);
+    }
+    return c;
+  }
+
+  // --- overlap (LowerOptions::overlap) -------------------------------------
+  // A gradient bucket started during backward: the replicated parameters
+  // whose partial gradients it sums, in the order backward completes them
+  // (as synth::AssignGradientBuckets prices them), and the step whose
+  // backward completes the last.
+  struct OverlapBucket {
+    std::vector<TensorId> tensors;
+    std::vector<int> grads;  // gradient buffers, as SyncParameter meets them
+    int ready_step = 0;
+    graph::DType dtype = graph::DType::kFloat32;
+  };
+
+  bool IsZero3(const synth::SourceLoad& l) const {
+    return l.parameter && l.storage == synth::ParamStorage::kZero && !l.gather_once;
+  }
+  bool IsZero3Step(int k) const {
+    return std::binary_search(zero3_steps_.begin(), zero3_steps_.end(), k);
+  }
+
+  // The buckets and the steps holding ZeRO-3 parameters.
+  void PlanOverlap() {
+    const int64_t cap = o_.gradient_bucket_bytes > 0 ? o_.gradient_bucket_bytes : kBucketBytes;
+    std::set<TensorId> seen;
+    OverlapBucket open;
+    int64_t bytes = 0;
+    auto close = [&]() {
+      if (!open.tensors.empty()) overlap_buckets_.push_back(std::move(open));
+      open = OverlapBucket();
+      bytes = 0;
+    };
+    for (int k = static_cast<int>(p_.steps.size()) - 1; k >= 0; --k) {
+      for (const synth::SourceLoad& l : p_.steps[k].loads) {
+        const graph::Tensor& t = g_.tensor(l.tensor);
+        if (!l.parameter || t.frozen || l.storage != synth::ParamStorage::kReplicated ||
+            !a_.partial_grad[l.tensor] || !seen.insert(l.tensor).second) {
+          continue;
+        }
+        if (!open.tensors.empty() &&
+            (bytes + t.type.bytes() > cap || t.type.dtype != open.dtype)) {
+          close();
+        }
+        open.dtype = t.type.dtype;
+        open.tensors.push_back(l.tensor);
+        open.ready_step = k;
+        bytes += t.type.bytes();
+        overlap_bucket_of_[l.tensor] = overlap_buckets_.size();
+      }
+    }
+    close();
+    for (size_t k = 0; k < p_.steps.size(); ++k) {
+      for (const synth::SourceLoad& l : p_.steps[k].loads) {
+        if (IsZero3(l)) {
+          zero3_steps_.push_back(static_cast<int>(k));
+          break;
+        }
+      }
+    }
+  }
+
+  // Starts the buckets whose last gradient the backward of step k completed.
+  void StartGradientBuckets(int k) {
+    for (OverlapBucket& b : overlap_buckets_) {
+      if (b.ready_step != k || b.grads.empty()) continue;
+      std::vector<int> take = b.grads;
+      // The partial loss rides with the first bucket of its dtype.
+      if (partial_loss_ >= 0 && !loss_bucketed_ &&
+          prog_.buffers(partial_loss_).dtype() == prog_.buffers(take.front()).dtype()) {
+        take.push_back(partial_loss_);
+        loss_bucketed_ = true;
+      }
+      int64_t bytes = 0;
+      for (int id : take) bytes += BufferBytes(prog_.buffers(id));
+      Started(AllReduceBucket(take, bytes));
+    }
+  }
+
+  // The forward all-gather of a ZeRO-3 parameter into new buffers (its
+  // stored shard, its whole copy), started and left running with `async`.
+  std::pair<int, int> GatherZero3(const synth::SourceLoad& l, bool async) {
+    int shard = NewBuffer(l.tensor, kZeroStorage, v1::Buffer::PARAMETER);
+    int whole = NewBuffer(l.tensor, Form::R().raw(), v1::Buffer::ACTIVATION, "#gathered");
+    v1::CollectiveCall* c =
+        Sharded(v1::Step::FORWARD, v1::ALL_GATHER, l.method, shard, whole, l.tensor, 0);
+    if (async) Started(c);
+    return {shard, whole};
+  }
+  // Starts the forward gathers of step k's ZeRO-3 parameters (Forward takes
+  // them from prefetched_).
+  void PrefetchGathers(int k) {
+    for (const synth::SourceLoad& l : p_.steps[k].loads) {
+      if (!IsZero3(l) || prefetched_.count(l.tensor) ||
+          fwd_.count({l.tensor, kZeroStorage})) {
+        continue;
+      }
+      prefetched_[l.tensor] = GatherZero3(l, /*async=*/true);
+    }
+  }
+  // Starts the backward gathers of step k's ZeRO-3 parameters not gathered
+  // again yet (BwdValue then finds them).
+  void PrefetchRegathers(int k) {
+    for (const synth::SourceLoad& l : p_.steps[k].loads) {
+      const Key whole = K(l.tensor, Form::R());
+      if (IsZero3(l) && zero_gathered_.count(whole) && !regathered_.count(whole)) {
+        Regather(whole, /*async=*/true);
+      }
+    }
+  }
+
+  // Marks the collective just emitted as started: it runs until a step
+  // touches one of its buffers, which waits for it first (Await).
+  void Started(v1::CollectiveCall* c) {
+    c->set_async(true);
+    const int step = prog_.steps_size() - 1;
+    std::vector<int> ids = {c->input(), c->output()};
+    ids.insert(ids.end(), c->coalesced().begin(), c->coalesced().end());
+    ids.insert(ids.end(), c->coalesced_outputs().begin(), c->coalesced_outputs().end());
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    for (int id : ids) awaited_by_[id] = step;
+    async_buffers_[step] = std::move(ids);
+  }
+  // The wait for the started collective using buffer `id`, if any; its
+  // buffers live until here.
+  void Await(int id, v1::Step::Phase phase) {
+    auto it = awaited_by_.find(id);
+    if (id < 0 || it == awaited_by_.end()) return;
+    const int start = it->second;
+    const int step = prog_.steps_size();
+    v1::Step* s = prog_.add_steps();
+    s->set_phase(phase);
+    s->mutable_wait()->set_start_step(start);
+    for (int b : async_buffers_[start]) {
+      Use(b, step);
+      awaited_by_.erase(b);
+    }
+    async_buffers_.erase(start);
+  }
+  // Waits for every collective still running (the loss, unread gathers).
+  void AwaitAll() {
+    while (!async_buffers_.empty()) {
+      Await(async_buffers_.begin()->second.front(), v1::Step::OPTIMIZER);
+    }
+  }
+  static int64_t BufferBytes(const v1::Buffer& b) {
+    int64_t n = graph::DTypeBytes(graph::FromProtoDType(b.dtype()));
+    for (int64_t d : b.shape()) n *= d;
+    return n;
+  }
+
+  std::vector<OverlapBucket> overlap_buckets_;
+  std::map<TensorId, size_t> overlap_bucket_of_;
+  std::vector<int> zero3_steps_;  // ascending; with overlap only
+  std::map<TensorId, std::pair<int, int>> prefetched_;  // -> shard, whole
+  std::map<int, int> awaited_by_;                 // buffer -> start step
+  std::map<int, std::vector<int>> async_buffers_;  // start step -> buffers
+  bool loss_bucketed_ = false;
 
   // --- optimizer ---------------------------------------------------------
   void Optimizer() {

@@ -60,12 +60,21 @@ struct LowerOptions {
   // get attribute "bf16" (executor/cpu/kernels.h); buffers, parameters and
   // optimizer state stay float32.
   bool bf16 = false;
-  // bf16 mixed precision (PlanOptions.precision BF16): the kernel calls of
-  // linear, matmul and conv2d (grouped ones excepted), forward and backward,
-  // get attribute "bf16" (executor/cpu/kernels.h); buffers, parameters and
-  // optimizer state stay float32.
-  bool bf16 = false;
   uint64_t seed = 0;
+  // Collectives behind compute (the plan's PlanOptions.overlap_communication,
+  // priced by the planner's Program::overlap): the replicated gradients'
+  // all-reduces go in buckets of `gradient_bucket_bytes`, filled in the
+  // order backward completes them, each started (CollectiveCall.async) right
+  // after backward completes its last gradient; ZeRO-3 parameters are
+  // gathered one parameter-holding op ahead (forward and backward) and their
+  // gradients' reduce-scatters started once complete. Every such collective
+  // is waited for (a WaitCall step) just before the first step that touches
+  // one of its buffers (the optimizer, for gradients), or at the end.
+  // False: every collective in line, as before.
+  bool overlap = false;
+  // The buckets' size with `overlap` (Plan.gradient_bucket_bytes); 0 = the
+  // in-line buckets' 64 MiB. A larger gradient gets a bucket of its own.
+  int64_t gradient_bucket_bytes = 0;
 };
 
 // The shard lengths of a tensor's sharded dimension on every rank (from

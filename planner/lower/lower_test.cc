@@ -188,6 +188,187 @@ TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   EXPECT_EQ(states, 2);
 }
 
+// The buffers a step reads or writes.
+std::vector<int> Touched(const v1::Step& s) {
+  std::vector<int> ids;
+  if (s.has_kernel()) {
+    ids.assign(s.kernel().inputs().begin(), s.kernel().inputs().end());
+    ids.insert(ids.end(), s.kernel().outputs().begin(), s.kernel().outputs().end());
+  } else if (s.has_collective()) {
+    const v1::CollectiveCall& c = s.collective();
+    ids = {c.input(), c.output()};
+    ids.insert(ids.end(), c.coalesced().begin(), c.coalesced().end());
+    ids.insert(ids.end(), c.coalesced_outputs().begin(), c.coalesced_outputs().end());
+  }
+  return ids;
+}
+
+// Every asynchronous collective of `p` is waited for once, later; no step
+// in between touches its buffers; and the wait sits just before the first
+// step touching one of them (only other waits and starts in between), or in the
+// waits at the program's end. Returns the wait step of each start.
+std::map<int, int> CheckAsyncPlacement(const v1::RankProgram& p) {
+  std::map<int, int> wait_of;
+  for (int i = 0; i < p.steps_size(); ++i) {
+    if (p.steps(i).has_wait()) {
+      const int start = p.steps(i).wait().start_step();
+      EXPECT_TRUE(p.steps(start).has_collective() && p.steps(start).collective().async())
+          << "step " << i;
+      EXPECT_FALSE(wait_of.count(start)) << "waited twice: " << start;
+      EXPECT_LT(start, i);
+      wait_of[start] = i;
+    }
+  }
+  for (int i = 0; i < p.steps_size(); ++i) {
+    if (!p.steps(i).has_collective() || !p.steps(i).collective().async()) continue;
+    EXPECT_TRUE(wait_of.count(i)) << "never waited for: step " << i;
+    if (!wait_of.count(i)) continue;
+    const std::vector<int> mine = Touched(p.steps(i));
+    auto touches = [&](int j) {
+      for (int id : Touched(p.steps(j))) {
+        if (std::find(mine.begin(), mine.end(), id) != mine.end()) return true;
+      }
+      return false;
+    };
+    const int w = wait_of[i];
+    for (int j = i + 1; j < w; ++j) EXPECT_FALSE(touches(j)) << "step " << j << " inside " << i;
+    int next = w + 1;
+    // Other waits, and the next prefetch started right after this wait.
+    while (next < p.steps_size() &&
+           (p.steps(next).has_wait() ||
+            (p.steps(next).has_collective() && p.steps(next).collective().async()))) {
+      ++next;
+    }
+    if (next < p.steps_size()) {
+      EXPECT_TRUE(touches(next)) << "the wait for step " << i << " at " << w
+                                 << " is not just before a use";
+    }
+  }
+  return wait_of;
+}
+
+int CountAsync(const v1::RankProgram& p) {
+  int n = 0;
+  for (const auto& s : p.steps()) n += s.has_wait() + (s.has_collective() && s.collective().async());
+  return n;
+}
+
+TEST(LowerTest, OverlapStartsEachGradientBucketOnceItsGradientsAreDone) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.6, 0.4}, synth::ParamStorage::kReplicated,
+                            synth::DataParallelRule);
+  LowerOptions o;
+  o.world_size = 2;
+  o.ratios = {0.6, 0.4};
+  auto inline_progs = Lower(g, p, o);
+  ASSERT_TRUE(inline_progs.ok()) << inline_progs.status();
+  EXPECT_EQ(CountAsync((*inline_progs)[0]), 0);  // without overlap: in line
+
+  o.overlap = true;
+  o.gradient_bucket_bytes = 4096;
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  // The planner's buckets for the same size: as many calls.
+  synth::Program priced = p;
+  synth::AssignGradientBuckets(
+      g, 4096, [](double, const char**) { return ratios::CostTerm(); }, &priced);
+  ASSERT_GT(priced.buckets.size(), 2u);
+  for (const v1::RankProgram& r : *progs) {
+    std::map<int, int> wait_of = CheckAsyncPlacement(r);
+    std::map<int, int> last_write;  // buffer -> last step writing it
+    int buckets = 0, first_optimizer = -1;
+    std::set<std::string> reduced;
+    for (int i = 0; i < r.steps_size(); ++i) {
+      const v1::Step& s = r.steps(i);
+      if (s.phase() == v1::Step::OPTIMIZER && first_optimizer < 0 && !s.has_wait()) {
+        first_optimizer = i;
+      }
+      if (s.has_kernel()) {
+        for (int id : s.kernel().outputs()) last_write[id] = i;
+      }
+      if (!s.has_collective() || s.collective().collective() != v1::ALL_REDUCE ||
+          s.phase() != v1::Step::GRADIENT_SYNC) {
+        continue;
+      }
+      ASSERT_TRUE(s.collective().async()) << "step " << i;
+      ++buckets;
+      std::vector<int> grads = {s.collective().input()};
+      grads.insert(grads.end(), s.collective().coalesced().begin(),
+                   s.collective().coalesced().end());
+      // Started right after the backward kernel that completed its last
+      // gradient: no backward kernel of another op in between.
+      int done = -1;
+      for (int id : grads) {
+        done = std::max(done, last_write[id]);
+        reduced.insert(r.buffers(id).tensor());
+      }
+      ASSERT_GE(done, 0);
+      for (int j = done + 1; j < i; ++j) {
+        const v1::Step& t = r.steps(j);
+        EXPECT_FALSE(t.has_kernel() && t.phase() == v1::Step::BACKWARD &&
+                     !t.kernel().op().empty() && t.kernel().op() != r.steps(done).kernel().op())
+            << "bucket at " << i << " waits past step " << j;
+      }
+      // Started during backward, waited for in the optimizer.
+      EXPECT_LT(i, first_optimizer < 0 ? r.steps_size() : first_optimizer);
+      EXPECT_EQ(r.steps(wait_of[i]).phase(), v1::Step::OPTIMIZER);
+    }
+    EXPECT_EQ(buckets, static_cast<int>(priced.buckets.size()));
+    for (graph::TensorId t : g.Parameters()) {
+      EXPECT_TRUE(reduced.count(g.tensor(t).name + "#grad")) << g.tensor(t).name;
+    }
+    // The first bucket starts before backward ends: it overlaps backward.
+    int last_backward = 0;
+    for (int i = 0; i < r.steps_size(); ++i) {
+      if (r.steps(i).phase() == v1::Step::BACKWARD && r.steps(i).has_kernel()) last_backward = i;
+    }
+    EXPECT_LT(wait_of.begin()->first, last_backward);
+  }
+}
+
+TEST(LowerTest, OverlapPrefetchesZero3GathersOneOpAheadAndStartsReduceScatters) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero,
+                            synth::DataParallelRule);
+  LowerOptions o;
+  o.world_size = 2;
+  o.overlap = true;
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  const v1::RankProgram& r = (*progs)[1];
+  std::map<int, int> wait_of = CheckAsyncPlacement(r);
+  int gathers = 0, prefetched = 0, regathers = 0, scatters = 0;
+  for (int i = 0; i < r.steps_size(); ++i) {
+    const v1::Step& s = r.steps(i);
+    if (!s.has_collective()) continue;
+    const v1::CollectiveCall& c = s.collective();
+    if (c.collective() == v1::ALL_GATHER && s.phase() != v1::Step::GRADIENT_SYNC) {
+      EXPECT_TRUE(c.async()) << "step " << i;
+      (s.phase() == v1::Step::FORWARD ? gathers : regathers) += 1;
+      // One ahead: the previous parameter-holding op's kernel runs behind it.
+      for (int j = i + 1; j < wait_of[i]; ++j) {
+        const v1::Step& t = r.steps(j);
+        if (t.has_kernel() && !t.kernel().op().empty() && t.kernel().kernel() != "fill") {
+          ++prefetched;
+          break;
+        }
+      }
+    }
+    if (c.collective() == v1::REDUCE_SCATTER) {
+      EXPECT_TRUE(c.async()) << "step " << i;
+      EXPECT_EQ(r.steps(wait_of[i]).phase(), v1::Step::OPTIMIZER);
+      ++scatters;
+    }
+  }
+  EXPECT_GT(gathers, 4);
+  EXPECT_GT(regathers, 4);
+  EXPECT_GT(scatters, 4);
+  // All but the first op's (forward and backward) run behind an op.
+  EXPECT_GE(prefetched, gathers + regathers - 6);
+}
+
 TEST(LowerTest, ZeroGatheredOnceIsOneCoalescedGatherAndOneCoalescedReduceScatter) {
   graph::Graph g = Gpt(8);
   synth::Program p = Search(g, 2, {0.7, 0.3}, synth::ParamStorage::kZero, synth::DataParallelRule);

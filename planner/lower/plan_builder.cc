@@ -130,7 +130,9 @@ absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
   lo.optimizer = options.optimizer();
   lo.seed = options.seed();
   lo.bf16 = options.precision() == v1::PRECISION_BF16;
-  lo.bf16 = options.precision() == v1::PRECISION_BF16;
+  // Executors overlap what the prediction assumed overlapped.
+  lo.overlap = result.program.overlap;
+  lo.gradient_bucket_bytes = result.program.bucket_bytes;
   HAP_ASSIGN_OR_RETURN(std::vector<v1::RankProgram> programs,
                        Lower(g, result.program, lo));
   for (auto& p : programs) *plan.add_rank_programs() = std::move(p);
