@@ -124,13 +124,14 @@ std::string Ptr(const void* p) { return absl::StrFormat("%p", p); }
 class NcclCommunicator : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int ordinal, cudaStream_t compute,
-                   absl::Duration timeout)
+                   absl::Duration timeout, bool order_compute_after)
       : comm_(comm),
         rank_(rank),
         size_(size),
         ordinal_(ordinal),
         compute_(compute),
-        timeout_(timeout) {}
+        timeout_(timeout),
+        order_compute_after_(order_compute_after) {}
 
   // Streams, events and the barrier's element; called once before use.
   absl::Status Init() {
@@ -557,7 +558,7 @@ class NcclCommunicator : public Communicator {
       HAP_CUDA(cudaStreamWaitEvent(stream_, ready_, 0));
       HAP_RETURN_IF_ERROR(queue());
       HAP_CUDA(cudaEventRecord(done_, stream_));
-      HAP_CUDA(cudaStreamWaitEvent(compute_, done_, 0));
+      if (order_compute_after_) HAP_CUDA(cudaStreamWaitEvent(compute_, done_, 0));
       return WaitForCompletion();
     }();
     if (s.ok()) return s;
@@ -576,6 +577,7 @@ class NcclCommunicator : public Communicator {
   const int ordinal_;
   cudaStream_t compute_;  // the device's; not owned
   const absl::Duration timeout_;
+  const bool order_compute_after_;  // NcclOptions::order_compute_after
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;  // on compute_: what the collective waits for
   cudaEvent_t done_ = nullptr;   // on stream_: the collective's completion
@@ -646,7 +648,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(const NcclOptions& o,
   }();
   if (!comm.ok()) return Annotate(comm.status(), what);
   auto nccl = std::make_unique<NcclCommunicator>(*comm, o.rank, o.size, ordinal,
-                                                 CudaComputeStream(*o.device), o.timeout);
+                                                 CudaComputeStream(*o.device), o.timeout,
+                                                 o.order_compute_after);
   HAP_RETURN_IF_ERROR(Annotate(nccl->Init(), what));
   return std::unique_ptr<Communicator>(std::move(nccl));
 }

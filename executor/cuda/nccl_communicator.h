@@ -56,6 +56,14 @@ struct NcclOptions {
   // The rank's device, made by NewCudaDevice; not owned. It must outlive the
   // communicator. Its compute stream and GPU are the communicator's.
   Device* device = nullptr;
+  // Whether each call orders the compute stream after the collective (an
+  // event). False for the communicator of the asynchronous collectives
+  // (train/backend.h ConnectOverlap): kernels queued meanwhile by another
+  // thread run on, overlapping the collective; the call still returns only
+  // once the collective completed (the host waits), so what its caller
+  // queues on the compute stream afterwards (copies out of staging) sees
+  // the result.
+  bool order_compute_after = true;
 };
 
 // Connects rank `options.rank` of `options.size`: rank 0 creates NCCL's

@@ -1,6 +1,8 @@
 #include "executor/runtime/program_runner.h"
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +17,9 @@ namespace v1 = ::hap::v1;
 
 std::string StepName(const v1::RankProgram& p, int i) {
   const v1::Step& s = p.steps(i);
+  if (s.has_wait()) {
+    return absl::StrCat("step ", i, " (wait for step ", s.wait().start_step(), ")");
+  }
   if (s.has_kernel()) {
     return absl::StrCat("step ", i, " (kernel '", s.kernel().kernel(), "'",
                         s.kernel().op().empty() ? "" : " of op '",
@@ -66,21 +71,24 @@ void FillInit(HostTensor& t, const graph::Initializer& init, uint64_t key,
 
 ProgramRunner::ProgramRunner(const v1::RankProgram& program,
                              const graph::Graph& graph, Device* device,
-                             Communicator* comm)
+                             Communicator* comm, const RunnerOptions& options)
     : program_(program),
       graph_(graph),
       device_(device),
       comm_(comm),
-      staging_(device) {}
+      staging_(device),
+      options_(options) {}
 
 ProgramRunner::~ProgramRunner() {
+  // Collectives still running write into the arena.
+  if (options_.async != nullptr) options_.async->WaitAll().IgnoreError();
   if (arena_) device_->Free(arena_);
 }
 
 absl::StatusOr<std::unique_ptr<ProgramRunner>> ProgramRunner::Create(
     const v1::RankProgram& program, const graph::Graph& graph, Device* device,
-    Communicator* comm) {
-  std::unique_ptr<ProgramRunner> r(new ProgramRunner(program, graph, device, comm));
+    Communicator* comm, const RunnerOptions& options) {
+  std::unique_ptr<ProgramRunner> r(new ProgramRunner(program, graph, device, comm, options));
   HAP_RETURN_IF_ERROR(r->Validate());
   HAP_ASSIGN_OR_RETURN(r->arena_, device->Allocate(program.arena_bytes()));
   for (TensorView& v : r->views_) {
@@ -261,12 +269,121 @@ absl::Status ProgramRunner::Validate() {
         default:
           return bad(absl::StrCat(StepName(p, i), ": unsupported collective"));
       }
-    } else {
+    } else if (!s.has_wait()) {
       return bad(absl::StrCat("step ", i, " has no call"));
     }
     attrs_.push_back(std::move(attrs));
   }
+  // Asynchronous collectives: each waited for once, later, and no step in
+  // between touches its buffers (they are the communication thread's).
+  std::map<int, int> busy;                  // buffer -> start step
+  std::map<int, std::vector<int>> running;  // start step -> buffers
+  for (int i = 0; i < p.steps_size(); ++i) {
+    const v1::Step& s = p.steps(i);
+    if (s.has_wait()) {
+      auto it = running.find(s.wait().start_step());
+      if (it == running.end()) {
+        return bad(absl::StrCat(StepName(p, i), ": no asynchronous collective started at step ",
+                                s.wait().start_step(), " is running there"));
+      }
+      for (int b : it->second) busy.erase(b);
+      running.erase(it);
+      continue;
+    }
+    std::vector<int> ids;
+    if (s.has_kernel()) {
+      ids.assign(s.kernel().inputs().begin(), s.kernel().inputs().end());
+      ids.insert(ids.end(), s.kernel().outputs().begin(), s.kernel().outputs().end());
+    } else {
+      ids = CollectiveBuffers(i);
+    }
+    for (int id : ids) {
+      auto it = busy.find(id);
+      if (it != busy.end()) {
+        return bad(absl::StrCat(StepName(p, i), " touches buffer ", id, " ('",
+                                p.buffers(id).tensor(), "') of the asynchronous ",
+                                StepName(p, it->second), " before its wait"));
+      }
+    }
+    if (s.has_collective() && s.collective().async()) {
+      for (int id : ids) busy[id] = i;
+      running[i] = std::move(ids);
+    }
+  }
+  if (!running.empty()) {
+    return bad(absl::StrCat("asynchronous ", StepName(p, running.begin()->first),
+                            " is never waited for"));
+  }
   return absl::OkStatus();
+}
+
+std::vector<int> ProgramRunner::CollectiveBuffers(int i) const {
+  const v1::CollectiveCall& c = program_.steps(i).collective();
+  std::vector<int> ids = {c.input(), c.output()};
+  ids.insert(ids.end(), c.coalesced().begin(), c.coalesced().end());
+  ids.insert(ids.end(), c.coalesced_outputs().begin(), c.coalesced_outputs().end());
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+absl::Status ProgramRunner::RunCollectiveStep(int i, Communicator& comm, Staging& staging) {
+  const v1::CollectiveCall& c = program_.steps(i).collective();
+  std::vector<TensorView> coalesced, coalesced_outputs;
+  for (int id : c.coalesced()) coalesced.push_back(views_[id]);
+  for (int id : c.coalesced_outputs()) coalesced_outputs.push_back(views_[id]);
+  return RunCollective(c, views_[c.input()], views_[c.output()], *device_, comm, staging,
+                       coalesced, coalesced_outputs);
+}
+
+absl::Status ProgramRunner::StartAsync(int i) {
+  if (options_.test_hold_until_wait) {
+    const v1::CollectiveCall& c = program_.steps(i).collective();
+    std::set<int> inputs = {c.input()};
+    const bool in_place = c.collective() == v1::ALL_REDUCE;
+    for (int id : c.coalesced()) inputs.insert(id);
+    std::vector<int> outputs = {c.output()};
+    if (!in_place) outputs.insert(outputs.end(), c.coalesced_outputs().begin(),
+                                  c.coalesced_outputs().end());
+    for (int id : outputs) {
+      const TensorView& v = views_[id];
+      if (inputs.count(id) || (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64)) {
+        continue;
+      }
+      HAP_RETURN_IF_ERROR(device_->Fill(v, std::nan("")));
+    }
+    held_[i] = true;
+    return absl::OkStatus();
+  }
+  if (options_.async == nullptr) return RunCollectiveStep(i, *comm_, staging_);
+  return options_.async->Start(
+      i, [this, i](Communicator& comm, Staging& staging) {
+        return RunCollectiveStep(i, comm, staging);
+      });
+}
+
+absl::Status ProgramRunner::WaitAsync(int start) {
+  auto held = held_.find(start);
+  if (held != held_.end()) {
+    held_.erase(held);
+    if (options_.async == nullptr) return RunCollectiveStep(start, *comm_, staging_);
+    HAP_RETURN_IF_ERROR(options_.async->Start(
+        start, [this, start](Communicator& comm, Staging& staging) {
+          return RunCollectiveStep(start, comm, staging);
+        }));
+  }
+  if (options_.async == nullptr) return absl::OkStatus();
+  return options_.async->Wait(start);
+}
+
+absl::Status ProgramRunner::FinishAsync() {
+  absl::Status first;
+  while (!held_.empty()) {
+    const int start = held_.begin()->first;
+    first.Update(Annotate(WaitAsync(start), StepName(program_, start)));
+  }
+  if (options_.async != nullptr) first.Update(options_.async->WaitAll());
+  return first;
 }
 
 absl::Status ProgramRunner::InitializeParameters() {
@@ -342,19 +459,21 @@ absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) 
     absl::Status st;
     if (s.has_kernel()) {
       st = RunKernelStep(i, s.kernel(), step);
+    } else if (s.has_wait()) {
+      if (!options_.test_skip_waits) st = WaitAsync(s.wait().start_step());
+    } else if (s.collective().async()) {
+      st = StartAsync(i);
     } else {
-      const v1::CollectiveCall& c = s.collective();
-      std::vector<TensorView> coalesced, coalesced_outputs;
-      for (int id : c.coalesced()) coalesced.push_back(views_[id]);
-      for (int id : c.coalesced_outputs()) coalesced_outputs.push_back(views_[id]);
-      st = RunCollective(c, views_[c.input()], views_[c.output()], *device_,
-                         *comm_, staging_, coalesced, coalesced_outputs);
+      st = RunCollectiveStep(i, *comm_, staging_);
     }
     if (!st.ok()) {
       return Annotate(st, absl::StrCat("training step ", step, ", ",
                                        StepName(program_, i)));
     }
   }
+  // Nothing runs across steps: the held collectives (tests) and any not
+  // waited for yet complete here.
+  HAP_RETURN_IF_ERROR(Annotate(FinishAsync(), absl::StrCat("training step ", step)));
   HAP_RETURN_IF_ERROR(device_->Synchronize());
   const TensorView& loss = views_[program_.loss_buffer()];
   if (loss.dtype == DType::kFloat64) {

@@ -3,6 +3,9 @@
 // parameters from the plan's seed (shard-invariant: a shard holds exactly
 // its slice of the single-device tensor), and runs training steps — every
 // kernel through the Device, every collective through the Communicator.
+// Asynchronous collectives (CollectiveCall.async, completed by a WaitCall
+// step) run behind the kernels through RunnerOptions::async when given, in
+// line at their start otherwise.
 //
 // Thread-compatible: one thread drives a runner.
 #ifndef HAP_EXECUTOR_RUNTIME_PROGRAM_RUNNER_H_
@@ -16,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "executor/comm/communicator.h"
+#include "executor/runtime/async_collectives.h"
 #include "executor/runtime/collective_call.h"
 #include "executor/runtime/device.h"
 #include "executor/runtime/tensor.h"
@@ -37,6 +41,23 @@ struct ParameterShard {
 // the single-device shape. Each rank takes its own slice.
 using Batch = std::map<std::string, HostTensor>;
 
+struct RunnerOptions {
+  // Runs the program's asynchronous collectives behind compute (a
+  // communication thread, NewCommThread); not owned, must outlive the
+  // runner. Null: each runs in line at its start step, and its wait does
+  // nothing (the same results, no overlap).
+  AsyncCollectives* async = nullptr;
+  // Test only: every started collective is held back until its wait (or
+  // the end of the step), and its outputs that are not also its inputs are
+  // filled with NaN at the start, so a step that reads them before the
+  // wait reads poison, and one that reads an in-place result (a gradient
+  // bucket) reads the value before the collective.
+  bool test_hold_until_wait = false;
+  // Test only: wait steps do nothing; held collectives run at the end of
+  // the step (with test_hold_until_wait: a program whose waits are gone).
+  bool test_skip_waits = false;
+};
+
 class ProgramRunner {
  public:
   // Validates `program` against `graph` (the plan's model), the device and
@@ -45,7 +66,7 @@ class ProgramRunner {
   // `device` and `comm` must outlive the runner.
   static absl::StatusOr<std::unique_ptr<ProgramRunner>> Create(
       const hap::v1::RankProgram& program, const graph::Graph& graph,
-      Device* device, Communicator* comm);
+      Device* device, Communicator* comm, const RunnerOptions& options = {});
   ~ProgramRunner();
 
   // Parameters from their initialisers and the program's seed; optimizer
@@ -81,8 +102,15 @@ class ProgramRunner {
 
  private:
   ProgramRunner(const hap::v1::RankProgram& program, const graph::Graph& graph,
-                Device* device, Communicator* comm);
+                Device* device, Communicator* comm, const RunnerOptions& options);
   absl::Status Validate();
+  // The buffers of collective step i (input, output, coalesced ones).
+  std::vector<int> CollectiveBuffers(int i) const;
+  // Runs collective step i with `comm` and `staging`.
+  absl::Status RunCollectiveStep(int i, Communicator& comm, Staging& staging);
+  absl::Status StartAsync(int i);
+  absl::Status WaitAsync(int start);
+  absl::Status FinishAsync();
   absl::Status LoadInputs(const Batch& batch);
   absl::Status RunKernelStep(int index, const hap::v1::KernelCall& k,
                              int64_t step);
@@ -95,6 +123,8 @@ class ProgramRunner {
   void* arena_ = nullptr;
   std::vector<TensorView> views_;          // per buffer
   std::vector<graph::Attrs> attrs_;        // per step (kernels)
+  RunnerOptions options_;
+  std::map<int, bool> held_;  // test_hold_until_wait: started, not yet run
 };
 
 }  // namespace hap::executor

@@ -2,6 +2,9 @@
 // or step, and reports failures inside a step with the step and op.
 #include "executor/runtime/program_runner.h"
 
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
@@ -9,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
+#include "planner/util/status_macros.h"
 #include "planner/util/status_matchers.h"
 
 namespace hap::executor {
@@ -204,6 +208,139 @@ TEST_F(ProgramRunnerTest, BadBatchesAndKernelFailuresNameTheProblem) {
   auto loss = (*r)->RunStep(batch, 0);
   EXPECT_THAT(loss, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("training step 0")));
   EXPECT_THAT(loss, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cross_entropy")));
+}
+
+// A communicator of one rank that counts all-reduces, or fails them.
+class OneRankComm : public Communicator {
+ public:
+  explicit OneRankComm(bool fail) : fail_(fail) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  absl::Status AllReduce(TensorView) override {
+    ++all_reduces;
+    return fail_ ? absl::UnavailableError("peer 1 is gone") : absl::OkStatus();
+  }
+  absl::Status AllGather(TensorView, TensorView, absl::Span<const int64_t>, CommMethod) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status ReduceScatter(TensorView, TensorView, absl::Span<const int64_t>,
+                             CommMethod) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status AllToAll(TensorView, absl::Span<const int64_t>, TensorView,
+                        absl::Span<const int64_t>) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status Broadcast(TensorView, int) override { return absl::UnimplementedError(""); }
+  absl::Status Reduce(TensorView, TensorView, int) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status Barrier() override { return absl::OkStatus(); }
+  std::atomic<int> all_reduces{0};
+
+ private:
+  const bool fail_;
+};
+
+// program_ with an asynchronous in-place all-reduce of the first weight
+// gradient started after its last backward write, and its wait (or none)
+// before the optimizer reads it.
+class AsyncProgramTest : public ProgramRunnerTest {
+ protected:
+  void SetUp() override {
+    ProgramRunnerTest::SetUp();
+    for (const auto& b : program_.buffers()) {
+      if (b.role() == v1::Buffer::GRADIENT && b.tensor() == "layer0/fc/weight#grad") grad_ = b.id();
+    }
+    ASSERT_GE(grad_, 0);
+    int first_update = -1;
+    for (int i = 0; i < program_.steps_size(); ++i) {
+      if (program_.steps(i).phase() == v1::Step::OPTIMIZER && first_update < 0) first_update = i;
+    }
+    ASSERT_GT(first_update, 0);
+    // Steps [0, first_update), start, wait, the optimizer.
+    v1::RankProgram p = program_;
+    p.clear_steps();
+    for (int i = 0; i < first_update; ++i) *p.add_steps() = program_.steps(i);
+    start_ = p.steps_size();
+    v1::Step* s = p.add_steps();
+    s->set_phase(v1::Step::GRADIENT_SYNC);
+    s->mutable_collective()->set_collective(v1::ALL_REDUCE);
+    s->mutable_collective()->set_input(grad_);
+    s->mutable_collective()->set_output(grad_);
+    s->mutable_collective()->set_tensor("layer0/fc/weight#grad");
+    s->mutable_collective()->set_async(true);
+    wait_ = p.steps_size();
+    p.add_steps()->mutable_wait()->set_start_step(start_);
+    for (int i = first_update; i < program_.steps_size(); ++i) *p.add_steps() = program_.steps(i);
+    async_program_ = p;
+  }
+  // A runner of async_program_ whose communication thread talks through
+  // `comm`, initialised.
+  absl::StatusOr<std::unique_ptr<ProgramRunner>> CreateAsync(std::unique_ptr<Communicator> comm) {
+    async_ = NewCommThread(device_.get(), std::move(comm));
+    RunnerOptions ro;
+    ro.async = async_.get();
+    HAP_ASSIGN_OR_RETURN(auto r, ProgramRunner::Create(async_program_, *g_, device_.get(),
+                                                       comms_[0].get(), ro));
+    HAP_RETURN_IF_ERROR(r->InitializeParameters());
+    return r;
+  }
+  int grad_ = -1, start_ = -1, wait_ = -1;
+  std::unique_ptr<AsyncCollectives> async_;
+  v1::RankProgram async_program_;
+};
+
+TEST_F(AsyncProgramTest, RunsStartedCollectivesOnTheCommunicationThread) {
+  auto own = std::make_unique<OneRankComm>(false);
+  OneRankComm* counted = own.get();
+  auto r = CreateAsync(std::move(own));
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto batches = data::NewSyntheticBatches(*g_, 1);
+  for (int step = 0; step < 2; ++step) {
+    auto loss = (*r)->RunStep(*batches->Get(step), step);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+  }
+  EXPECT_EQ(counted->all_reduces.load(), 2);
+  // Without a communication thread the same program runs it in line.
+  auto inline_runner = Create(async_program_);
+  ASSERT_TRUE(inline_runner.ok()) << inline_runner.status();
+  ASSERT_TRUE((*inline_runner)->InitializeParameters().ok());
+  EXPECT_TRUE((*inline_runner)->RunStep(*batches->Get(0), 0).ok());
+}
+
+TEST_F(AsyncProgramTest, AFailedCollectiveFailsTheStepAtItsWaitAndEveryLaterOne) {
+  auto r = CreateAsync(std::make_unique<OneRankComm>(true));
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto batches = data::NewSyntheticBatches(*g_, 1);
+  auto first = (*r)->RunStep(*batches->Get(0), 0);
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("peer 1 is gone")));
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kUnavailable,
+                              HasSubstr(absl::StrCat("step ", wait_, " (wait for step ",
+                                                     start_, ")"))));
+  EXPECT_THAT((*r)->RunStep(*batches->Get(1), 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("failed before")));
+}
+
+TEST_F(AsyncProgramTest, RejectsMissingWaitsAndStepsTouchingBuffersInFlight) {
+  // The program cut after the start.
+  v1::RankProgram no_wait = async_program_;
+  no_wait.mutable_steps()->DeleteSubrange(wait_, no_wait.steps_size() - wait_);
+  EXPECT_THAT(Create(no_wait), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("is never waited for")));
+  // The wait moved past the optimizer's first read of the gradient.
+  v1::RankProgram late = async_program_;
+  late.mutable_steps()->DeleteSubrange(wait_, 1);
+  *late.add_steps() = async_program_.steps(wait_);
+  EXPECT_THAT(Create(late),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("touches buffer ", grad_,
+                                              " ('layer0/fc/weight#grad') of the asynchronous step ",
+                                              start_))));
+  v1::RankProgram stray = async_program_;
+  stray.mutable_steps(wait_)->mutable_wait()->set_start_step(0);
+  EXPECT_THAT(Create(stray), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("no asynchronous collective started at step 0")));
 }
 
 }  // namespace

@@ -100,23 +100,57 @@ absl::StatusOr<std::unique_ptr<Device>> MakeDevice(const DeviceSpec& spec, int t
 #endif
 }
 
+#ifdef HAP_WITH_CUDA
+// NCCL's options from Gloo's (the same rank, size, prefix and timeout).
+NcclOptions NcclOptionsOf(Device& device, const GlooOptions& options) {
+  NcclOptions n;
+  n.rank = options.rank;
+  n.size = options.size;
+  n.prefix = options.prefix;
+  n.timeout = options.timeout;
+  n.device = &device;
+  return n;
+}
+#endif
+
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectBackend(Device& device,
                                                              const GlooOptions& options,
                                                              RendezvousStore& store) {
 #ifdef HAP_WITH_CUDA
-  if (CudaOrdinal(device) >= 0) {
-    NcclOptions n;
-    n.rank = options.rank;
-    n.size = options.size;
-    n.prefix = options.prefix;
-    n.timeout = options.timeout;
-    n.device = &device;
-    return ConnectNccl(n, store);
-  }
+  if (CudaOrdinal(device) >= 0) return ConnectNccl(NcclOptionsOf(device, options), store);
 #else
   (void)device;
 #endif
   return ConnectGloo(options, store);
+}
+
+bool HasAsyncCollectives(const v1::RankProgram& program) {
+  for (const v1::Step& s : program.steps()) {
+    if (s.has_collective() && s.collective().async()) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<std::unique_ptr<AsyncCollectives>> ConnectOverlap(Device& device,
+                                                                 const GlooOptions& options,
+                                                                 RendezvousStore& store) {
+  GlooOptions o = options;
+  o.prefix = absl::StrCat(options.prefix, "/overlap");
+  std::unique_ptr<Communicator> comm;
+#ifdef HAP_WITH_CUDA
+  if (CudaOrdinal(device) >= 0) {
+    NcclOptions n = NcclOptionsOf(device, o);
+    n.order_compute_after = false;
+    HAP_ASSIGN_OR_RETURN(comm, ConnectNccl(n, store));
+  }
+#endif
+  if (comm == nullptr) {
+    // The main context's event loop stays as configured; this one serves a
+    // thread that overlaps compute, so it keeps the default policy.
+    o.idle_progress_thread = false;
+    HAP_ASSIGN_OR_RETURN(comm, ConnectGloo(o, store));
+  }
+  return NewCommThread(&device, std::move(comm));
 }
 
 absl::StatusOr<Backend> MakeBackend(const DeviceSpec& spec, int threads, const GlooOptions& options,

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "executor/comm/communicator.h"
+#include "executor/runtime/async_collectives.h"
 #include "executor/runtime/device.h"
 #include "hap/v1/plan.pb.h"
 
@@ -62,11 +63,28 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectBackend(Device& device,
                                                              const GlooOptions& options,
                                                              RendezvousStore& store);
 
+// Whether `program` has asynchronous collectives (a plan lowered with
+// overlap): its runner then wants ConnectOverlap's communication thread.
+bool HasAsyncCollectives(const hap::v1::RankProgram& program);
+
+// The communication thread (async_collectives.h) of the asynchronous
+// collectives, with a communicator of its own: Gloo, a second context from
+// the same store under "<prefix>/overlap"; NCCL, a second communicator
+// (its own unique id under that prefix and its own stream) that orders its
+// stream after the compute stream's work but not the compute stream after
+// it, so kernels run on while it communicates (the thread waits for the
+// collective, then queues the copies out of staging). Every rank of a plan
+// calls it, or none. Errors: those of ConnectBackend.
+absl::StatusOr<std::unique_ptr<AsyncCollectives>> ConnectOverlap(Device& device,
+                                                                 const GlooOptions& options,
+                                                                 RendezvousStore& store);
+
 // A device and its communicator. Members are destroyed in reverse order:
-// the communicator before the device it uses.
+// the communication thread, then the communicator, then the device they use.
 struct Backend {
   std::unique_ptr<Device> device;
   std::unique_ptr<Communicator> comm;
+  std::unique_ptr<AsyncCollectives> async;  // ConnectOverlap; may be null
 };
 
 // MakeDevice, then ConnectBackend.

@@ -13,6 +13,7 @@
 // The distributed runs sum in other orders (partial sums, collectives), so
 // bitwise equality is not expected; a wrong shard, offset or gradient form
 // gives errors of order 1e-2 or more.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -71,16 +72,24 @@ std::vector<double> Ratios(int n, bool uneven) {
 
 v1::OptimizerConfig Optimizer(bool adam) { return hap::testing::EquivalenceOptimizer(adam); }
 
+// With overlap, gradient buckets this small: several per model, so
+// buckets start at several points of backward.
+constexpr int64_t kOverlapBucketBytes = 2048;
+
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g,
                                              const synth::Program& p, int n,
                                              const std::vector<double>& ratios,
-                                             bool adam, const std::string& tag) {
+                                             bool adam, const std::string& tag,
+                                             bool overlap = false,
+                                             const executor::RunnerOptions& runner = {}) {
   lower::LowerOptions lo;
   lo.world_size = n;
   lo.ratios = ratios;
   lo.optimizer = Optimizer(adam);
   lo.seed = kSeed;
-  return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, tag);
+  lo.overlap = overlap;
+  lo.gradient_bucket_bytes = overlap ? kOverlapBucketBytes : 0;
+  return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, tag, runner);
 }
 
 struct Case {
@@ -89,12 +98,15 @@ struct Case {
   std::string kind;
   bool uneven;
   bool adam;
+  // Lowered with overlap: asynchronous collectives on a communication
+  // thread with a second Gloo context.
+  bool overlap = false;
 };
 
 std::string Name(const ::testing::TestParamInfo<Case>& i) {
   const Case& c = i.param;
   return absl::StrCat(c.model, "_", c.ranks, "ranks_", c.kind, c.uneven ? "_uneven" : "_even",
-                      c.adam ? "_adam" : "_sgd");
+                      c.adam ? "_adam" : "_sgd", c.overlap ? "_overlap" : "");
 }
 
 class EquivalenceTest : public ::testing::TestWithParam<Case> {};
@@ -120,7 +132,7 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
   std::vector<double> ratios = Ratios(c.ranks, c.uneven);
   auto program = hap::testing::ProgramOfKind(g, c.ranks, c.kind, ratios);
   ASSERT_TRUE(program.ok()) << program.status();
-  auto runs = RunPlan(g, *program, c.ranks, ratios, c.adam, Name({c, 0}));
+  auto runs = RunPlan(g, *program, c.ranks, ratios, c.adam, Name({c, 0}), c.overlap);
   ASSERT_TRUE(runs.ok()) << runs.status();
 
   // Losses: every rank reports the single-device loss.
@@ -165,7 +177,7 @@ std::vector<Case> Cases() {
         for (bool uneven : {false, true}) {
           // Adam with clipping on half the cases, SGD with momentum on the rest.
           bool adam = (n + (kind == "tp") + uneven) % 2 == 0;
-          out.push_back({model, n, kind, uneven, adam});
+          for (bool overlap : {false, true}) out.push_back({model, n, kind, uneven, adam, overlap});
         }
       }
     }
@@ -174,6 +186,60 @@ std::vector<Case> Cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, EquivalenceTest, ::testing::ValuesIn(Cases()), Name);
+
+// The waits matter: every started collective held back until its wait
+// (outputs poisoned with NaN at the start, in-place gradient buckets left
+// unsummed) still gives the single-device run, and the same with the waits
+// skipped does not. Data parallel (gradient buckets) and ZeRO-3 (prefetched
+// gathers, reduce-scatters) on 3 ranks at uneven ratios.
+class DroppedWaitTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DroppedWaitTest, HeldCollectivesMatchAndSkippedWaitsAreCaught) {
+  const std::string kind = GetParam();
+  const int n = 3;
+  graph::Graph g = Model("mlp", n);
+  auto ref = RunPlan(g, lower::SingleDeviceProgram(g), 1, {1.0}, false, "held_ref_" + kind);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto want = executor::AssembleParameters({(*ref)[0].parameters});
+  ASSERT_TRUE(want.ok()) << want.status();
+  std::vector<double> ratios = Ratios(n, true);
+  auto program = hap::testing::ProgramOfKind(g, n, kind, ratios);
+  ASSERT_TRUE(program.ok()) << program.status();
+
+  auto worst = [&](const std::vector<TrainResult>& runs) -> double {
+    std::vector<std::vector<executor::ParameterShard>> pieces;
+    for (const auto& run : runs) pieces.push_back(run.parameters);
+    auto got = executor::AssembleParameters(pieces);
+    EXPECT_TRUE(got.ok()) << got.status();
+    auto d = hap::testing::CompareParameters(*got, *want);
+    EXPECT_TRUE(d.ok()) << d.status();
+    double w = 0;
+    for (const auto& x : *d) w = std::max(w, x.worst / x.scale);
+    return w;
+  };
+  executor::RunnerOptions held;
+  held.test_hold_until_wait = true;
+  auto ok = RunPlan(g, *program, n, ratios, false, "held_" + kind, true, held);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_LE(worst(*ok), 1e-4);
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_NEAR((*ok)[0].losses[s], (*ref)[0].losses[s], 2e-5 * std::abs((*ref)[0].losses[s]));
+  }
+
+  executor::RunnerOptions dropped = held;
+  dropped.test_skip_waits = true;
+  auto bad = RunPlan(g, *program, n, ratios, false, "dropped_" + kind, true, dropped);
+  if (kind == "dp") {
+    // Unsummed gradients reach the optimizer.
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    EXPECT_GT(worst(*bad), 1e-2);
+  } else {
+    // Poisoned gathered parameters reach the forward: the loss is NaN.
+    EXPECT_THAT(bad.status().message(), ::testing::HasSubstr("the loss is nan"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, DroppedWaitTest, ::testing::Values("dp", "zero"));
 
 }  // namespace
 }  // namespace hap

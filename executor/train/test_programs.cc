@@ -145,7 +145,7 @@ absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
 
 absl::StatusOr<std::vector<executor::TrainResult>> RunLoweredOverGloo(
     const graph::Graph& g, const synth::Program& p, const lower::LowerOptions& lo, int steps,
-    const std::string& tag) {
+    const std::string& tag, const executor::RunnerOptions& runner) {
   auto programs = lower::Lower(g, p, lo);
   if (!programs.ok()) return programs.status();
   const char* tmp = std::getenv("TEST_TMPDIR");
@@ -160,6 +160,7 @@ absl::StatusOr<std::vector<executor::TrainResult>> RunLoweredOverGloo(
   lro.rendezvous_dir = dir.string();
   lro.prefix = tag;
   lro.timeout = absl::Seconds(60);
+  lro.runner = runner;
   const uint64_t seed = lo.seed;
   return executor::RunLocalRanks(
       *programs, g, [&](int) { return data::NewSyntheticBatches(g, seed); }, to, lro);

@@ -62,10 +62,12 @@ absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
 // Lowers `p` with `lo` and trains `steps` steps on lo.world_size local
 // ranks over Gloo (rendezvous in a fresh directory under the test's temp
 // dir, named by `tag`), every rank reading the synthetic batches of
-// lo.seed: the multi-rank run the equivalence tests compare.
+// lo.seed: the multi-rank run the equivalence tests compare. Programs with
+// asynchronous collectives (lo.overlap) run them on a communication thread
+// with a second Gloo context; `runner` carries the runners' test options.
 absl::StatusOr<std::vector<executor::TrainResult>> RunLoweredOverGloo(
     const graph::Graph& g, const synth::Program& p, const lower::LowerOptions& lo, int steps,
-    const std::string& tag);
+    const std::string& tag, const executor::RunnerOptions& runner = {});
 
 }  // namespace hap::testing
 

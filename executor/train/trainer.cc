@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "executor/cpu/cpu_device.h"
+#include "executor/train/backend.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor {
@@ -56,7 +57,10 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       results[r] = [&]() -> absl::StatusOr<TrainResult> {
+        std::unique_ptr<Device> device = NewCpuDevice(options.threads_per_rank);
         std::unique_ptr<Communicator> comm;
+        std::unique_ptr<AsyncCollectives> async;
+        RunnerOptions ro = options.runner;
         if (options.connect) {
           HAP_ASSIGN_OR_RETURN(comm, options.connect(r));
         } else {
@@ -68,11 +72,14 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
           go.prefix = options.prefix;
           go.timeout = options.timeout;
           HAP_ASSIGN_OR_RETURN(comm, ConnectGloo(go, *store));
+          if (options.overlap && HasAsyncCollectives(programs[r])) {
+            HAP_ASSIGN_OR_RETURN(async, ConnectOverlap(*device, go, *store));
+            ro.async = async.get();
+          }
         }
-        std::unique_ptr<Device> device = NewCpuDevice(options.threads_per_rank);
         HAP_ASSIGN_OR_RETURN(
             std::unique_ptr<ProgramRunner> runner,
-            ProgramRunner::Create(programs[r], g, device.get(), comm.get()));
+            ProgramRunner::Create(programs[r], g, device.get(), comm.get(), ro));
         std::unique_ptr<data::BatchSource> source = batches(r);
         return TrainRank(*runner, *source, train);
       }();

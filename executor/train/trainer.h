@@ -58,6 +58,12 @@ struct LocalRanksOptions {
   // Makes rank r's communicator; empty: Gloo over a file store in
   // rendezvous_dir. Called on rank r's thread.
   std::function<absl::StatusOr<std::unique_ptr<Communicator>>(int rank)> connect;
+  // The runners' options. With Gloo (no `connect`), a program with
+  // asynchronous collectives gets a communication thread with a second
+  // Gloo context (ConnectOverlap), unless `overlap` is false: they then
+  // run in line.
+  RunnerOptions runner;
+  bool overlap = true;
 };
 
 // Runs rank r's program on thread r. Each rank's batches come from
