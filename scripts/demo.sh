@@ -30,6 +30,11 @@
 #                       size it [2/64/4/256/32/16]
 #   --data wikitext|synthetic [wikitext, from $HAP_DATA_DIR or ../shared/data]
 #   --checkpoint-dir DIR  checkpoints go to DIR/run-DATE-TIME [demo-checkpoints]
+#   --network SPEC      each rank a node of the network testbed (README "The network
+#                       testbed"; root): a network namespace whose links are shaped,
+#                       e.g. "between=1gbit pair=0-1:300mbit"; the planner and hapctl
+#                       run in its switch namespace. Where namespaces cannot be made
+#                       it says why and the ranks talk over loopback.
 #   --with-prometheus   also run Debian's Prometheus scraping the planner
 #   --keep-running      leave the cluster up until Enter or Ctrl-C
 #   --no-paper-scale    skip step 5
@@ -42,6 +47,7 @@ STEPS=150
 MODEL=gpt
 LAYERS=2 HIDDEN=64 HEADS=4 FFN=256 SEQ=32 BATCH=16
 DATA=wikitext
+NETWORK=""
 CHECKPOINTS=demo-checkpoints
 WITH_PROMETHEUS=0
 KEEP_RUNNING=0
@@ -62,6 +68,7 @@ while [ $# -gt 0 ]; do
     --seq) SEQ=$2; shift 2 ;;
     --batch) BATCH=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
+    --network) NETWORK=$2; shift 2 ;;
     --checkpoint-dir) CHECKPOINTS=$2; shift 2 ;;
     --with-prometheus) WITH_PROMETHEUS=1; shift ;;
     --keep-running) KEEP_RUNNING=1; shift ;;
@@ -88,7 +95,7 @@ case "$DATA" in wikitext|synthetic) ;; *) echo "demo: --data must be wikitext or
 if [ "$SETUP" = 1 ]; then
   bash scripts/setup.sh
   TARGETS=(//tools:hapctl //planner/service:hap-planner //profiler_agent:hap-agent
-           //executor/cli:hap-executor)
+           //executor/cli:hap-executor //executor/cli:hap-netns)
   bazel build "${TARGETS[@]}" >/dev/null 2>&1 || bazel build "${TARGETS[@]}"
   BIN="$(bazel info bazel-bin 2>/dev/null)"
 fi
@@ -116,6 +123,8 @@ cleanup() {
   done
   for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  # The network testbed: its namespaces, and anything still inside.
+  [ -n "${NETNS:-}" ] && "$NETNS" down --owner $$ || true
   for g in "${GROUPS_MADE[@]}"; do
     # A group can only go once its last task is gone.
     for _ in $(seq 50); do rmdir "$g" 2>/dev/null && break; sleep 0.1; done
@@ -173,10 +182,37 @@ if [ "$CGROUPS" = 1 ]; then
 fi
 CORES=$(nproc)
 
+# --network: node r = rank r's namespace; the planner and hapctl in the
+# switch's. hap-netns removes a set left by a demo killed outright.
+NETNS="" SW=()
+rank_host() { if [ -n "$NETNS" ]; then echo "10.213.0.$(($1 + 1))"; else echo 127.0.0.1; fi; }
+in_rank() { NS=(); [ -z "$NETNS" ] || NS=("$NETNS" exec "$1" --owner $$ --); }
+if [ -n "$NETWORK" ]; then
+  [ -x "$BIN/executor/cli/hap-netns" ] || { echo "demo: missing binary $BIN/executor/cli/hap-netns" >&2; exit 2; }
+  if out=$("$BIN/executor/cli/hap-netns" up --owner $$ --network "nodes=$RANKS $NETWORK" 2>&1); then
+    NETNS="$BIN/executor/cli/hap-netns"
+    SW=("$NETNS" exec sw --owner $$ --)
+    echo "demo: network testbed nodes=$RANKS $NETWORK:"
+    echo "$out" | sed 's/^/      /'
+    printf '#!/bin/sh\nexec %s exec sw --owner %s -- %s "$@"\n' "$NETNS" $$ "$BIN/tools/hapctl" >"$STATE/hapctl"
+    chmod +x "$STATE/hapctl"
+    HAPCTL="$STATE/hapctl"
+  else
+    rc=$?
+    [ "$rc" = 2 ] && { echo "demo: --network: ${out#hap-netns: }" >&2; exit 2; }
+    echo "demo: network testbed unavailable (${out#hap-netns: });"
+    echo "      fallback: the ranks talk over loopback."
+  fi
+fi
+
 echo "x" >"$STATE/token"
-PLANNER="127.0.0.1:$(free_port)"
-if [ "$WITH_PROMETHEUS" = 1 ]; then METRICS="127.0.0.1:9464"; else METRICS="127.0.0.1:$(free_port)"; fi
-start_in - - "$STATE/planner.log" "$BIN/planner/service/hap-planner" --listen "$PLANNER" \
+if [ -n "$NETNS" ]; then
+  PLANNER="10.213.0.254:7070" METRICS="10.213.0.254:9464"  # a fresh namespace: both free
+else
+  PLANNER="127.0.0.1:$(free_port)"
+  if [ "$WITH_PROMETHEUS" = 1 ]; then METRICS="127.0.0.1:9464"; else METRICS="127.0.0.1:$(free_port)"; fi
+fi
+start_in - - "$STATE/planner.log" "${SW[@]}" "$BIN/planner/service/hap-planner" --listen "$PLANNER" \
   --metrics-listen "$METRICS" --database "$STATE/planner.db" --token-file "$STATE/token" \
   --heartbeat-seconds 2
 wait_line "$STATE/planner.log" "listening on" 30 >/dev/null
@@ -206,12 +242,14 @@ for r in $(seq 0 $((RANKS - 1))); do
   fi
   # The agent shares its rank's cgroup and core, so it measures what the
   # rank gets. No drift checks or link re-probes while training.
-  start_in "$group" "$core" "$STATE/agent$r.log" "$BIN/profiler_agent/hap-agent" \
+  in_rank "$r"
+  start_in "$group" "$core" "$STATE/agent$r.log" "${NS[@]}" "$BIN/profiler_agent/hap-agent" \
     --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
-    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --devices cpu
-  start_in "$group" "$core" "$STATE/executor$r.log" "$BIN/executor/cli/hap-executor" --serve \
+    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --devices cpu \
+    --listen "$(rank_host "$r"):0"
+  start_in "$group" "$core" "$STATE/executor$r.log" "${NS[@]}" "$BIN/executor/cli/hap-executor" --serve \
     --planner "$PLANNER" --device-id "node$r/cpu0" --token-file "$STATE/token" --threads 1 \
-    --data-dir "$DATA_DIR" --timeout 120
+    --data-dir "$DATA_DIR" --timeout 120 --listen "$(rank_host "$r"):0" --gloo-host "$(rank_host "$r")"
   addr=$(wait_line "$STATE/executor$r.log" "listening on" 30 | sed 's/.*listening on //')
   EXECUTOR_ADDR[node$r/cpu0]=$addr
   if [ "$CGROUPS" = 1 ]; then
