@@ -28,7 +28,7 @@ constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model 
                    [--devices ID,ID,...] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                    [--ratios R,R,... (with --baseline: its split, one per device)]
                    [--no-sfb] [--no-zero] [--no-grouped] [--zero-heuristic]
-                   [--overlap on|off]
+                   [--overlap on|off] [--precision fp32|bf16]
                    [--optimizer sgd|momentum|adam] [--ignore-memory]
                    [--max-states N] [--max-seconds S] [-o table|json]
                    [--save-plan PLAN.pb] [--lr X] [--momentum X]
@@ -45,6 +45,9 @@ ratios are rounded to whole samples of the batch, as they will run.
 during backward, the bucket size chosen by the planner; ZeRO gathers
 prefetched): the step of an executor that overlaps. Off (the default)
 prices them in line, as today's executors run them.
+--precision bf16 plans bf16 mixed precision (README "Precision"): products
+in bf16 with fp32 accumulation, fp32 master weights; each device priced at
+its bf16 FLOP/s (its fp32 rate when its profile has none).
 )";
 
 int Fail(const absl::Status& s) {
@@ -83,10 +86,11 @@ std::string Json(const std::string& s) {
 }
 
 void PrintJson(const graph::Graph& g, const cost::ClusterModel& cl,
-               const synth::PlanResult& r, synth::Baseline b) {
+               const synth::PlanResult& r, synth::Baseline b, const std::string& precision) {
   std::ostringstream o;
   o << "{\n";
   o << "  \"model\": " << Json(g.name()) << ",\n";
+  o << "  \"precision\": " << Json(precision) << ",\n";
   o << "  \"baseline\": " << Json(synth::BaselineName(b)) << ",\n";
   o << "  \"source\": " << Json(r.source) << ",\n";
   o << absl::StrFormat("  \"predicted_step_seconds\": %.9g,\n", r.cost.total);
@@ -161,12 +165,13 @@ std::string Bytes(double b) {
 }
 
 void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
-                const synth::PlanResult& r, synth::Baseline b) {
+                const synth::PlanResult& r, synth::Baseline b, const std::string& precision) {
   std::cout << absl::StrFormat(
-      "Plan for %s on %d devices (%s)\n", g.name(), cl.size(),
+      "Plan for %s on %d devices (%s)%s\n", g.name(), cl.size(),
       b == synth::Baseline::kNone ? "synthesized: " + r.source
                                   : std::string("baseline ") +
-                                        synth::BaselineName(b));
+                                        synth::BaselineName(b),
+      precision == "bf16" ? ", bf16 mixed precision" : "");
   if (r.program.overlap) {
     std::cout << absl::StrFormat(
         "predicted step %.4f s = compute %.4f s + exposed communication %.4f s "
@@ -245,8 +250,10 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
 absl::Status SavePlan(const Args& args, const graph::Graph& g,
                       const hap::v1::Cluster& profile,
                       const cost::ClusterModel& cluster,
-                      const synth::PlanResult& r, const std::string& opt) {
+                      const synth::PlanResult& r, const std::string& opt,
+                      hap::v1::Precision precision) {
   hap::v1::PlanOptions po;
+  po.set_precision(precision);
   hap::v1::OptimizerConfig* o = po.mutable_optimizer();
   o->set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM
                             : hap::v1::OptimizerConfig::SGD);
@@ -289,7 +296,8 @@ int RunPlan(const std::vector<std::string>& argv) {
   value_flags.insert({"o", "output", "set", "cluster", "model", "graph",
                       "devices", "baseline", "optimizer", "max-states",
                       "max-seconds", "save-plan", "lr", "momentum",
-                      "weight-decay", "clip-norm", "seed", "ratios", "overlap"});
+                      "weight-decay", "clip-norm", "seed", "ratios", "overlap",
+                      "precision"});
   auto args = Args::Parse(argv, value_flags,
                           {"help", "no-sfb", "no-zero", "no-grouped",
                            "zero-heuristic", "ignore-memory"});
@@ -308,7 +316,14 @@ int RunPlan(const std::vector<std::string>& argv) {
   if (args->Has("devices")) {
     devices = absl::StrSplit(args->Get("devices"), ',', absl::SkipEmpty());
   }
-  auto cluster = cost::ClusterModel::FromProto(*cluster_proto, devices);
+  const std::string precision_name = args->Get("precision", "fp32");
+  if (precision_name != "fp32" && precision_name != "bf16") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--precision must be fp32 or bf16, got '", precision_name, "'")));
+  }
+  const bool bf16 = precision_name == "bf16";
+  auto cluster = cost::ClusterModel::FromProto(*cluster_proto, devices,
+                                               bf16 ? hap::v1::BFLOAT16 : hap::v1::FLOAT32);
   if (!cluster.ok()) return Fail(cluster.status());
 
   // Zoo defaults that depend on the cluster: batch 32 and 2 experts per device.
@@ -383,14 +398,15 @@ int RunPlan(const std::vector<std::string>& argv) {
   auto r = synth::PlanModel(*g, *cluster, po);
   if (!r.ok()) return Fail(r.status());
   if (args->Has("save-plan")) {
-    auto st = SavePlan(*args, *g, *cluster_proto, *cluster, *r, opt);
+    auto st = SavePlan(*args, *g, *cluster_proto, *cluster, *r, opt,
+                       bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
     if (!st.ok()) return Fail(st);
   }
   std::string fmt = args->Get("o", args->Get("output", "table"));
   if (fmt == "json") {
-    PrintJson(*g, *cluster, *r, *b);
+    PrintJson(*g, *cluster, *r, *b, precision_name);
   } else if (fmt == "table") {
-    PrintTable(*g, *cluster, *r, *b);
+    PrintTable(*g, *cluster, *r, *b, precision_name);
   } else {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("-o must be table or json, got '", fmt, "'")));

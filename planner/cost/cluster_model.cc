@@ -17,7 +17,12 @@ bool Positive(double v) { return std::isfinite(v) && v > 0; }
 }  // namespace
 
 absl::StatusOr<ClusterModel> ClusterModel::FromProto(
-    const hap::v1::Cluster& cluster, const std::vector<std::string>& ids) {
+    const hap::v1::Cluster& cluster, const std::vector<std::string>& ids,
+    hap::v1::DType compute) {
+  if (compute != hap::v1::FLOAT32 && compute != hap::v1::BFLOAT16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute precision ", hap::v1::DType_Name(compute), " is not priced (FLOAT32 or BFLOAT16)"));
+  }
   absl::flat_hash_map<std::string, const hap::v1::Device*> by_id;
   absl::flat_hash_map<std::string, std::string> node_of;
   std::vector<std::string> live_order;
@@ -71,6 +76,15 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
       return absl::InvalidArgumentError(absl::StrCat(
           "device '", id, "' has no valid float32 FLOPS (got ", flops,
           "); FLOPS must be positive and finite"));
+    }
+    for (const auto& f : d.flops()) {
+      if (compute == hap::v1::BFLOAT16 && f.dtype() == hap::v1::BFLOAT16) {
+        if (!Positive(f.flops())) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "device '", id, "' has bf16 FLOPS ", f.flops(), "; they must be positive and finite"));
+        }
+        flops = f.flops();
+      }
     }
     dm.flops = flops;
     if (d.memory_bytes() <= 0) {

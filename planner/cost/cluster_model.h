@@ -27,7 +27,7 @@ struct DeviceModel {
   std::string id;
   std::string node;
   std::string model;
-  double flops = 0;  // float32 matmul FLOP/s
+  double flops = 0;  // matmul FLOP/s at the plan's precision (FromProto)
   int64_t memory_bytes = 0;
   double launch_overhead_seconds = 0;
   // Calibration (cluster.proto Device): compute seconds of op type T are
@@ -49,9 +49,14 @@ class ClusterModel {
  public:
   // `device_ids` chooses and orders the plan's devices; empty = every device
   // of every node that is not STALE, node by node.
+  // `compute` is the precision of the plan's matrix products
+  // (PlanOptions.precision): FLOAT32, or BFLOAT16, which prices each device
+  // at its measured bf16 rate (Device.flops with dtype BFLOAT16), or at its
+  // float32 rate when its profile has none.
   static absl::StatusOr<ClusterModel> FromProto(
       const hap::v1::Cluster& cluster,
-      const std::vector<std::string>& device_ids = {});
+      const std::vector<std::string>& device_ids = {},
+      hap::v1::DType compute = hap::v1::FLOAT32);
   // For tests and benchmarks: devices plus a full bandwidth/latency matrix.
   static absl::StatusOr<ClusterModel> Create(
       std::vector<DeviceModel> devices,

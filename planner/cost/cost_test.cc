@@ -83,6 +83,35 @@ TEST(ClusterModelTest, StaleNodesAreLeftOut) {
   EXPECT_EQ(m->size(), 2);
 }
 
+// bf16 plans price each device at its bf16 rate where its profile has one,
+// at its float32 rate where not; the ratios follow.
+TEST(ClusterModelTest, Bf16PlansUseEachDevicesBf16Rate) {
+  auto c = MakeProto({1e12, 1e12, 1e12}, 3);
+  auto* f0 = c.mutable_nodes(0)->mutable_devices(0)->add_flops();
+  f0->set_dtype(hap::v1::BFLOAT16);
+  f0->set_flops(4e12);
+  auto* f1 = c.mutable_nodes(0)->mutable_devices(1)->add_flops();
+  f1->set_dtype(hap::v1::BFLOAT16);
+  f1->set_flops(2e12);
+  auto fp32 = ClusterModel::FromProto(c);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_DOUBLE_EQ(fp32->device(0).flops, 1e12);
+  EXPECT_DOUBLE_EQ(fp32->device(1).flops, 1e12);
+  auto bf16 = ClusterModel::FromProto(c, {}, hap::v1::BFLOAT16);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_DOUBLE_EQ(bf16->device(0).flops, 4e12);
+  EXPECT_DOUBLE_EQ(bf16->device(1).flops, 2e12);
+  EXPECT_DOUBLE_EQ(bf16->device(2).flops, 1e12);  // no bf16 rate: float32's
+  EXPECT_DOUBLE_EQ(bf16->total_flops(), 7e12);
+  f1->set_flops(-1);
+  auto bad = ClusterModel::FromProto(c, {}, hap::v1::BFLOAT16);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("device 'd1' has bf16 FLOPS -1"));
+  auto f16 = ClusterModel::FromProto(c, {}, hap::v1::FLOAT16);
+  EXPECT_THAT(std::string(f16.status().message()),
+              HasSubstr("compute precision FLOAT16 is not priced"));
+}
+
 TEST(ClusterModelTest, BadProfilesGiveClearErrors) {
   auto base = MakeProto({1e12, 1e12}, 2);
   ExpectInvalid(base, "unknown device 'gpu9'", {"d0", "gpu9"});
