@@ -635,7 +635,8 @@ class CoreJobBackend final : public JobBackend {
   absl::StatusOr<v1::Deployment> Deploy(
       const std::string& plan, const v1::TrainingConfig& training,
       const std::map<std::string, std::string>& executors) override {
-    HAP_ASSIGN_OR_RETURN(v1::Plan p, core_->GetPlan(plan, /*full=*/true));
+    // Pinned: retention cannot delete the plan under the new deployment.
+    HAP_ASSIGN_OR_RETURN(v1::Plan p, core_->PinPlan(plan));
     v1::DeployPlanRequest r;
     r.set_plan(plan);
     *r.mutable_training() = training;
@@ -643,7 +644,10 @@ class CoreJobBackend final : public JobBackend {
       auto it = executors.find(d);
       if (it != executors.end()) (*r.mutable_executors())[d] = it->second;
     }
-    return deployments_->Deploy(p, r, core_->GetCluster(true), rendezvous_());
+    absl::StatusOr<v1::Deployment> d =
+        deployments_->Deploy(p, r, core_->GetCluster(true), rendezvous_());
+    if (!d.ok()) core_->UnpinPlan(plan);
+    return d;
   }
   absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {
     return deployments_->Get(name);

@@ -274,6 +274,7 @@ struct PlannerCore::State {
   // Cache key -> the job searching for it (merging).
   std::map<std::string, std::shared_ptr<Job>> in_flight;
   std::map<std::pair<std::string, std::string>, v1::Link> links;  // (src, dst)
+  std::map<std::string, int> pins;  // plan -> deploys holding it (PinPlan)
   bool stopping = false;
   std::vector<std::thread> workers;
 
@@ -1120,7 +1121,9 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     for (size_t i = 0; i < finished.size(); ++i) {
       const bool beyond = (by_count && i >= static_cast<size_t>(o_.plan_retention_count)) ||
                           finished[i].first < oldest;
-      if (beyond && !in_use.count(*finished[i].second)) victims.push_back(*finished[i].second);
+      if (beyond && !in_use.count(*finished[i].second) && !s_->pins.count(*finished[i].second)) {
+        victims.push_back(*finished[i].second);
+      }
     }
   }
   int deleted = 0;
@@ -1128,6 +1131,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     absl::MutexLock l(&s_->mu);
     auto it = s_->plans.find(name);
     if (it == s_->plans.end() || !Final(it->second->state())) continue;  // gone meanwhile
+    if (s_->pins.count(name)) continue;  // a deploy took it meanwhile
     if (o_.sink) {
       absl::Status st = o_.sink->DeletePlan(name);
       if (!st.ok() && !absl::IsNotFound(st)) {
@@ -1139,6 +1143,21 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     ++deleted;
   }
   return deleted;
+}
+
+absl::StatusOr<v1::Plan> PlannerCore::PinPlan(const std::string& name) {
+  HAP_RETURN_IF_ERROR(PlanId(name).status());
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->plans.find(name);
+  if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+  s_->pins[name] += 1;
+  return *it->second.full;
+}
+
+void PlannerCore::UnpinPlan(const std::string& name) {
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->pins.find(name);
+  if (it != s_->pins.end() && --it->second <= 0) s_->pins.erase(it);
 }
 
 absl::Status PlannerCore::WatchPlan(const std::string& name,

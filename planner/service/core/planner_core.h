@@ -215,6 +215,14 @@ class PlannerCore {
   // the sink refuses to delete stays, and the pass stops there with the
   // sink's error; an error from plans_in_use deletes nothing.
   absl::StatusOr<int> EnforceRetention();
+  // A plan about to be deployed, held against retention from now on: a
+  // deploy that raced a retention pass either holds the plan before the
+  // pass deletes it or gets NotFound, never a deployment whose plan was
+  // deleted under it (plans_in_use only sees deployments that exist).
+  // The plan is kept while pinned; UnpinPlan when the deploy failed (a
+  // deployment that exists keeps its plan through plans_in_use).
+  absl::StatusOr<hap::v1::Plan> PinPlan(const std::string& name);
+  void UnpinPlan(const std::string& name);
 
  private:
   struct Job;

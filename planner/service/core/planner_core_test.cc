@@ -1105,6 +1105,37 @@ TEST_F(PlannerCoreTest, RetentionKeepsPlansInUseAndSkipsAPassWhenTheyAreUnknown)
               StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
+// A deploy that starts while a retention pass runs (after the pass asked
+// which plans deployments use, before it deletes) pins its plan: the plan
+// stays until the deploy unpins it (it failed) and is deleted after.
+TEST_F(PlannerCoreTest, RetentionKeepsAPlanADeployPinnedDuringThePass) {
+  retention_count_ = 1;
+  PlannerCore* core = nullptr;
+  bool deploy_races = false;
+  plans_in_use_ = [&]() -> absl::StatusOr<std::set<std::string>> {
+    if (deploy_races) {
+      EXPECT_TRUE(core->PinPlan("plans/p1").ok());
+    }
+    return std::set<std::string>{};  // no deployment exists yet
+  };
+  Start({}, {});
+  core = core_.get();
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (const char* id : {"p1", "p2"}) {
+    clock_.Advance(absl::Seconds(1));
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id(id);
+    if (std::string(id) == "p2") deploy_races = true;
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  deploy_races = false;
+  EXPECT_TRUE(core_->GetPlan("plans/p1", false).ok()) << "a pinned plan was deleted";
+  EXPECT_EQ(*core_->EnforceRetention(), 0);
+  core_->UnpinPlan("plans/p1");
+  EXPECT_EQ(*core_->EnforceRetention(), 1);
+  EXPECT_THAT(core_->PinPlan("plans/p1"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("p1")));
+}
+
 // --- Reads from snapshots (issue 15 item 6) -------------------------------
 
 TEST_F(PlannerCoreTest, ListsLeaveOutProgramsUnlessFullAndSnapshotsNeverChange) {

@@ -308,9 +308,15 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
                                             const v1::DeployPlanRequest* r,
                                             v1::Deployment* out) {
   return Handle("DeployPlan", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->GetPlan(r->plan(), /*full=*/true));
-    HAP_ASSIGN_OR_RETURN(*out, deployments_->Deploy(plan, *r, core_->GetCluster(true),
-                                                    o_.advertise_address));
+    // Pinned: retention cannot delete the plan under the new deployment.
+    HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->PinPlan(r->plan()));
+    absl::StatusOr<v1::Deployment> d =
+        deployments_->Deploy(plan, *r, core_->GetCluster(true), o_.advertise_address);
+    if (!d.ok()) {
+      core_->UnpinPlan(plan.name());
+      return d.status();
+    }
+    *out = *std::move(d);
     return absl::OkStatus();
   });
 }
