@@ -31,6 +31,11 @@ namespace {
 namespace v1 = ::hap::v1;
 using google::protobuf::util::TimeUtil;
 
+// The dtype a plan's matrix products are priced at (PlanOptions.precision).
+v1::DType ComputeDType(const v1::PlanOptions& o) {
+  return o.precision() == v1::PRECISION_BF16 ? v1::BFLOAT16 : v1::FLOAT32;
+}
+
 
 google::protobuf::Timestamp ToProto(absl::Time t) {
   return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
@@ -156,6 +161,10 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   if (po.max_joint_iterations() < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.max_joint_iterations must not be negative, got ", po.max_joint_iterations()));
+  }
+  if (!v1::Precision_IsValid(po.precision())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.precision ", po.precision(), " is not a known precision (FP32 or BF16)"));
   }
   if (!v1::DType_IsValid(po.compute_dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -640,7 +649,8 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       for (const auto& d : n.devices()) job->devices.push_back(d.id());
     }
   }
-  auto cluster_model = cost::ClusterModel::FromProto(job->cluster, job->devices);
+  auto cluster_model =
+      cost::ClusterModel::FromProto(job->cluster, job->devices, ComputeDType(job->proto_options));
   if (!cluster_model.ok()) {
     return absl::Status(cluster_model.status().code() == absl::StatusCode::kInvalidArgument
                             ? absl::StatusCode::kFailedPrecondition
@@ -947,7 +957,8 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
       p.set_error_code(static_cast<int>(s.code()));
     });
   };
-  auto cluster = cost::ClusterModel::FromProto(job->cluster, job->devices);
+  auto cluster =
+      cost::ClusterModel::FromProto(job->cluster, job->devices, ComputeDType(job->proto_options));
   if (!cluster.ok()) return fail(cluster.status());
   auto result = synth::PlanModel(job->graph, *cluster, so);
   if (!result.ok()) return fail(result.status());
