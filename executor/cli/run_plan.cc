@@ -59,6 +59,7 @@ constexpr char kUsage[] =
                     [--checkpoint-dir DIR [--checkpoint-every N]
                      [--checkpoint-keep K]] [--resume DIR|DIR/step-N]
                     [--init-weights FILE.safetensors] [--gloo-host HOST]
+                    [--overlap on|off]
 
 Runs rank R of a plan written by `hapctl plan --save-plan`. The ranks meet
 through files in DIR (shared by all ranks; use a fresh one per run) and talk
@@ -71,6 +72,10 @@ step's loss and time, and at the end the perplexity (wikitext).
 cuda[:N], GPU N (NCCL between ranks, one GPU each; builds made with
 --config=cuda only). Default: the plan's device for this rank when the
 plan's cluster says it is a GPU, else cpu.
+--overlap (default on): a plan made with `hapctl plan --overlap on` starts
+its gradient all-reduces and ZeRO-3 gathers early and runs them behind
+compute, on a communication thread with a second Gloo context (a second
+NCCL communicator on its own stream); off runs them in line.
 --profile PREFIX times every kernel call after two warm-up steps and writes
 PREFIX.rankR.json: median step seconds and seconds per step by op type
 (optimizer kernels as (optimizer), fills and copies as (runtime); the rest
@@ -125,7 +130,7 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "cpu-period-us", "profile",
                                            "checkpoint-dir", "checkpoint-every",
                                            "checkpoint-keep", "resume", "init-weights",
-                                           "shuffle", "network", "gloo-host"};
+                                           "shuffle", "network", "gloo-host", "overlap"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -294,9 +299,22 @@ absl::Status Run(const tools::Args& a) {
   }
   TimingDevice timing(device.get());
   Device* run_on = profile.empty() ? device.get() : &timing;
+  // A plan lowered with overlap starts collectives that run behind compute
+  // on a communication thread with a communicator of its own; --overlap off
+  // runs them in line (the same plan without overlap, for comparison).
+  const std::string overlap = a.Get("overlap", "on");
+  if (overlap != "on" && overlap != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--overlap must be on or off, not '", overlap, "'"));
+  }
+  RunnerOptions ro;
+  if (overlap == "on" && HasAsyncCollectives(plan.rank_programs(rank))) {
+    HAP_ASSIGN_OR_RETURN(backend.async, ConnectOverlap(*device, go, *store));
+    ro.async = backend.async.get();
+  }
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
                        ProgramRunner::Create(plan.rank_programs(rank), g, run_on,
-                                             comm.get()));
+                                             comm.get(), ro));
   if (rank == 0) {
     std::cout << absl::StrFormat(
         "training %s on %d ranks (plan %s, predicted step %.4f s), steps %d to %d, rank 0 on %s\n",
