@@ -10,6 +10,7 @@
 #include <sqlite3.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -250,7 +251,13 @@ TEST(PlannerRestartTest, SigkillAtRandomMomentsLosesDuplicatesAndRevivesNothing)
     p.proc.Stop(SIGKILL);
   }
   std::mt19937_64 rng(20261204);
-  constexpr int kCycles = 25;
+  // 25 in CI; HAP_RESTART_CYCLES sets another count for long runs
+  // (bazel test --test_env=HAP_RESTART_CYCLES=100).
+  int kCycles = 25;
+  if (const char* n = std::getenv("HAP_RESTART_CYCLES")) {
+    ASSERT_TRUE(absl::SimpleAtoi(n, &kCycles) && kCycles > 0)
+        << "HAP_RESTART_CYCLES must be a positive count, got '" << n << "'";
+  }
   for (int cycle = 0; cycle < kCycles; ++cycle) {
     Planner p;
     p.Start(dir);
@@ -270,8 +277,8 @@ TEST(PlannerRestartTest, SigkillAtRandomMomentsLosesDuplicatesAndRevivesNothing)
   for (const auto& [id, told] : ledger.Snapshot()) created += told != Told::kUnknown;
   EXPECT_GT(created, kCycles) << "the client got too few calls through to test anything";
   EXPECT_GE(ledger.Deployments().size(), 3u) << "too few deployments got through";
-  std::cout << created << " plans acknowledged, " << ledger.Deployments().size()
-            << " deployments\n";
+  std::cout << kCycles << " SIGKILL cycles: " << created << " plans acknowledged, "
+            << ledger.Deployments().size() << " deployments, none lost, duplicated or revived\n";
   last.proc.Stop(SIGTERM);
 
   sqlite3* db = nullptr;
