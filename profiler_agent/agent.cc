@@ -426,11 +426,16 @@ struct Agent::Impl : public ProfileSource {
   }
 
   void RunLinkProbes() {
+    bool first = true;
     while (true) {
       mu.LockWhen(absl::Condition(this, &Impl::StoppingOrRegistered));
       bool stop = stopping;
       mu.Unlock();
       if (stop) break;
+      if (first && o.link_probe_delay > absl::ZeroDuration() && !WaitFor(o.link_probe_delay)) {
+        break;
+      }
+      first = false;
       MeasurePeers();
       if (!WaitFor(o.link_probe_interval)) break;
     }

@@ -44,6 +44,11 @@ struct AgentOptions {
   // How often to ask the planner for probe assignments (first time right
   // after registering).
   absl::Duration link_probe_interval = absl::Seconds(300);
+  // The first link measurement waits this long after registering (zero: at
+  // once). A node that joins a cluster already training would measure the
+  // training's load on its peers, not the links: the links it reported
+  // before (the planner keeps them) stay in use meanwhile.
+  absl::Duration link_probe_delay = absl::ZeroDuration();
   LinkProbeOptions link;
   absl::Duration rpc_timeout = absl::Seconds(10);
   // Registration retries: doubling from initial to max.

@@ -53,7 +53,9 @@ const char kAgentUsage[] =
     "  --drift F                 re-probe when quick FLOP/s checks differ by more\n"
     "                            than this fraction (default 0.2; 0 = off)\n"
     "  --drift-check-seconds S   how often to check (default 60)\n"
-    "  --link-probe-seconds S    how often to measure peer links (default 300)\n";
+    "  --link-probe-seconds S    how often to measure peer links (default 300)\n"
+    "  --link-probe-delay S      the first link measurement S seconds after\n"
+    "                            registering (default 0: at once)\n";
 
 const std::set<std::string>& AgentValueFlags() {
   static const std::set<std::string>* const flags = new std::set<std::string>{"planner",
@@ -70,7 +72,8 @@ const std::set<std::string>& AgentValueFlags() {
                                                                               "heartbeat-seconds",
                                                                               "drift",
                                                                               "drift-check-seconds",
-                                                                              "link-probe-seconds"};
+                                                                              "link-probe-seconds",
+                                                                              "link-probe-delay"};
   return *flags;
 }
 
@@ -109,6 +112,8 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   o.heartbeat_interval = absl::Seconds(heartbeat);
   o.drift_check_interval = absl::Seconds(drift_check);
   o.link_probe_interval = absl::Seconds(links);
+  HAP_ASSIGN_OR_RETURN(double delay, Number(a, "link-probe-delay", 0, 0));
+  o.link_probe_delay = absl::Seconds(delay);
   return o;
 }
 

@@ -52,6 +52,17 @@ TEST(AgentFlagsTest, DevicesFromTheFlagOrHapDevices) {
                        HasSubstr("--devices (or HAP_DEVICES) must be auto, cpu or gpu")));
 }
 
+TEST(AgentFlagsTest, LinkProbeDelay) {
+  auto none = FromArgv({"--planner", "p:1"});
+  ASSERT_THAT(none, IsOk());
+  EXPECT_EQ(none->link_probe_delay, absl::ZeroDuration());
+  auto later = FromArgv({"--planner", "p:1", "--link-probe-delay", "90"});
+  ASSERT_THAT(later, IsOk());
+  EXPECT_EQ(later->link_probe_delay, absl::Seconds(90));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--link-probe-delay", "-1"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--link-probe-delay")));
+}
+
 TEST(AgentFlagsTest, ReadsTheTokenFile) {
   std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/token";
   std::ofstream(path) << "s3cret\n";
