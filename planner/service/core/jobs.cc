@@ -36,6 +36,9 @@ constexpr double kDefaultMinGain = 0.10;
 constexpr absl::Duration kDefaultJoinStable = absl::Seconds(30);
 constexpr int kDefaultMaxReplans = 20;
 constexpr size_t kMaxJobId = 50;  // "{job}-p{n}" stays a valid plan id
+// A deployment's median step counts as measured once it trained this many
+// steps (fewer: start-up dominates).
+constexpr int64_t kMinMeasuredSteps = 20;
 
 bool Final(v1::JobStatus::State s) {
   return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED || s == v1::JobStatus::STOPPED;
@@ -87,12 +90,13 @@ int MaxReplans(const v1::JobSpec& s) {
 }
 int MinDevices(const v1::JobSpec& s) { return std::max(1, s.devices().min_devices()); }
 
-// The devices of READY nodes.
-std::set<std::string> ReadyDevices(const v1::Cluster& c) {
-  std::set<std::string> out;
+// The devices of READY nodes, each with its node's agent address (a node
+// registered again by a new agent comes back at another one).
+std::map<std::string, std::string> ReadyDevices(const v1::Cluster& c) {
+  std::map<std::string, std::string> out;
   for (const auto& n : c.nodes()) {
     if (n.state() == v1::Node::STALE) continue;
-    for (const auto& d : n.devices()) out.insert(d.id());
+    for (const auto& d : n.devices()) out[d.id()] = n.address();
   }
   return out;
 }
@@ -143,7 +147,7 @@ class Pass {
     absl::Time now;
     v1::Cluster cluster;
     std::set<std::string> ready;   // devices of READY nodes
-    std::set<std::string> stable;  // ... READY for at least join_stable
+    std::set<std::string> stable;  // ... READY (one agent) for at least join_stable
     std::function<bool(const v1::Job&)> commit;
     std::function<void(const v1::Job&, Reason)> on_replan;
     std::function<void(const v1::Job&, const v1::JobEvent&)> on_resumed;
@@ -304,7 +308,12 @@ class Pass {
       return true;
     }
     if (d->steps_completed() > st().steps_done()) st().set_steps_done(d->steps_completed());
-    if (d->median_step_seconds() > 0) st().set_measured_step_seconds(d->median_step_seconds());
+    if (d->median_step_seconds() > 0) {
+      st().set_measured_step_seconds(d->median_step_seconds());
+      for (auto& ev : *st().mutable_events()) {
+        if (ev.deployment() == d->name()) ev.set_measured_step_seconds(d->median_step_seconds());
+      }
+    }
     RefreshCheckpoint();
     // Part of a recovery already under way: the old deployment being stopped.
     const bool old_of_recovery = st().has_pending() && st().pending().deployment().empty();
@@ -382,6 +391,23 @@ class Pass {
   // against the current one; a switch at the next checkpoint when it pays.
   void ConsiderJoin() {
     if (spec().replan().disable_join()) return;
+    // Judged against the current deployment as measured: once it is
+    // measuring, not before it has trained enough steps.
+    if (st().measured_step_seconds() > 0 &&
+        StepsMeasured(st().events_size() - 1) < kMinMeasuredSteps) {
+      return;
+    }
+    // A set judged not worth it is judged again once a joiner of it has
+    // left or come back (its node measured anew: the plan may differ).
+    {
+      const std::set<std::string> used(st().devices().begin(), st().devices().end());
+      for (const auto& d : st().judged_devices()) {
+        if (!used.count(d) && !e_.stable.count(d)) {
+          st().clear_judged_devices();
+          break;
+        }
+      }
+    }
     if (st().candidate_plan().empty()) {
       std::set<std::string> pool(st().devices().begin(), st().devices().end());
       const size_t had = pool.size();
@@ -428,17 +454,18 @@ class Pass {
       default:
         return;  // still planning
     }
-    if (!Missing(p->devices(), e_.ready).empty()) {  // a joiner left again
-      st().clear_candidate_plan();
-      st().clear_switch_pending();
-      return;
+    {  // a joiner left again, or its node was registered anew since
+      std::set<std::string> have(st().devices().begin(), st().devices().end());
+      have.insert(e_.stable.begin(), e_.stable.end());
+      if (!Missing(p->devices(), e_.ready).empty() || !Missing(p->devices(), have).empty()) {
+        st().clear_candidate_plan();
+        st().clear_switch_pending();
+        return;
+      }
     }
-    const double now_s = st().predicted_step_seconds();
-    const double then_s = p->prediction().step_seconds();
-    const double gain = then_s > 0 ? now_s / then_s - 1 : 0;
-    const std::string what =
-        absl::StrFormat("%s on %d devices is predicted %.1f%% faster (%.4f s -> %.4f s)", p->name(),
-                        p->devices_size(), 100 * gain, now_s, then_s);
+    const Judgement g = Judge(*p);
+    const double gain = g.gain;
+    const std::string what = g.what;
     if (gain < MinGain(spec())) {
       *st().mutable_judged_devices() = p->devices();
       st().set_message(
@@ -467,6 +494,61 @@ class Pass {
     if (OverReplanLimit()) return;
     st().set_next_plan(candidate);
     (void)b_.StopDeployment(st().deployment());
+  }
+
+  // The gain of switching to plan `p`, predicted and, where the job has
+  // measured steps, calibrated: the current deployment's measured median
+  // against the plan's prediction scaled by measured/predicted of the
+  // latest deployment the job ran on the same devices, else of the current
+  // one (the model's error on this cluster). The cost model alone can be
+  // far off (CPU ranks, links measured under load); this is the job's own
+  // calibration from what it ran.
+  struct Judgement {
+    double gain = 0;
+    std::string what;
+  };
+  // Steps trained by the deployment of events(i): up to the next event's
+  // detection, or up to now for the current one.
+  int64_t StepsMeasured(int i) const {
+    const v1::JobStatus& s = j_.status();
+    if (i < 0 || i >= s.events_size()) return 0;
+    const int64_t end =
+        i + 1 < s.events_size() ? s.events(i + 1).steps_done_before() : s.steps_done();
+    return end - s.events(i).resume_step();
+  }
+  Judgement Judge(const v1::Plan& p) const {
+    const v1::JobStatus& s = j_.status();
+    const double now_pred = s.predicted_step_seconds();
+    const double then_pred = p.prediction().step_seconds();
+    Judgement g;
+    g.gain = then_pred > 0 ? now_pred / then_pred - 1 : 0;
+    g.what = absl::StrFormat("%s on %d devices is predicted %.1f%% faster (%.4f s -> %.4f s)",
+                             p.name(), p.devices_size(), 100 * g.gain, now_pred, then_pred);
+    const double now_meas = s.measured_step_seconds();
+    if (now_meas <= 0 || now_pred <= 0 || then_pred <= 0) return g;
+    const std::set<std::string> want(p.devices().begin(), p.devices().end());
+    double factor = now_meas / now_pred;
+    std::string basis = "the current deployment's";
+    for (int i = s.events_size() - 1; i >= 0; --i) {
+      const v1::JobEvent& e = s.events(i);
+      if (e.measured_step_seconds() <= 0 || e.predicted_step_after() <= 0 ||
+          StepsMeasured(i) < kMinMeasuredSteps) {
+        continue;
+      }
+      if (std::set<std::string>(e.devices_after().begin(), e.devices_after().end()) != want) {
+        continue;
+      }
+      factor = e.measured_step_seconds() / e.predicted_step_after();
+      basis = absl::StrCat(e.deployment(), "'s on the same devices");
+      break;
+    }
+    const double then_cal = then_pred * factor;
+    g.gain = now_meas / then_cal - 1;
+    g.what = absl::StrFormat(
+        "%s on %d devices is expected %.1f%% faster (measured %.4f s now -> %.4f s: predicted "
+        "%.4f s x %.2f, %s measured/predicted)",
+        p.name(), p.devices_size(), 100 * g.gain, now_meas, then_cal, then_pred, factor, basis);
+    return g;
   }
 
   std::string NextPlanName() {
@@ -602,6 +684,7 @@ class Pass {
     st().set_generation(st().generation() + 1);
     *st().mutable_devices() = p.devices();
     st().set_predicted_step_seconds(p.prediction().step_seconds());
+    st().clear_measured_step_seconds();  // the new deployment's, once it has trained
     st().set_steps_done(resume);
     st().set_message(absl::StrCat("deployed ", d->name(), " on ", p.devices_size(),
                                   " devices, from step ", resume));
@@ -765,8 +848,13 @@ struct JobController::State {
   bool shutdown = false;
   bool wake = false;
   std::map<std::string, v1::Job> jobs;
-  // When each device was first seen on a READY node, in an unbroken run.
-  std::map<std::string, absl::Time> ready_since;
+  // When each device was first seen on a READY node, in an unbroken run
+  // with the same agent (address): a node registered again starts anew.
+  struct Seen {
+    absl::Time since;
+    std::string address;
+  };
+  std::map<std::string, Seen> ready_since;
   absl::Mutex pass_mu;  // one pass at a time
   std::thread loop;
 };
@@ -959,14 +1047,18 @@ void JobController::Reconcile() {
   }
   const absl::Time now = o_.now();
   const v1::Cluster cluster = o_.backend->Cluster();
-  const std::set<std::string> ready = ReadyDevices(cluster);
+  const std::map<std::string, std::string> ready_at = ReadyDevices(cluster);
+  std::set<std::string> ready;
+  for (const auto& [d, address] : ready_at) ready.insert(d);
   std::vector<std::string> names;
   {
     absl::MutexLock l(&s_->mu);
     for (auto it = s_->ready_since.begin(); it != s_->ready_since.end();) {
-      it = ready.count(it->first) ? std::next(it) : s_->ready_since.erase(it);
+      auto r = ready_at.find(it->first);
+      const bool same = r != ready_at.end() && r->second == it->second.address;
+      it = same ? std::next(it) : s_->ready_since.erase(it);
     }
-    for (const auto& d : ready) s_->ready_since.emplace(d, now);
+    for (const auto& [d, address] : ready_at) s_->ready_since.emplace(d, State::Seen{now, address});
     for (const auto& [name, j] : s_->jobs) {
       if (!Final(j.status().state())) names.push_back(name);
     }
@@ -979,8 +1071,8 @@ void JobController::Reconcile() {
       if (s_->shutdown) return;
       job = s_->jobs[name];
       const absl::Duration window = JoinStable(job.spec());
-      for (const auto& [d, since] : s_->ready_since) {
-        if (now - since >= window) stable.insert(d);
+      for (const auto& [d, seen] : s_->ready_since) {
+        if (now - seen.since >= window) stable.insert(d);
       }
     }
     Pass::Env env{o_.backend,        now,
