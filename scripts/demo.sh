@@ -39,6 +39,16 @@
 #   --keep-running      leave the cluster up until Enter or Ctrl-C
 #   --no-paper-scale    skip step 5
 #   --no-setup --bin-dir DIR   use already built binaries (tests)
+#
+# --elastic: an elastic job instead of steps 3-5 (README "Elastic jobs").
+# Three ranks [shares 0.7,1,0.3; 900 steps, a checkpoint every
+# --checkpoint-every 50 steps] train as the job `demo`; a third of the way
+# in, rank --kill-rank's [1] agent and executor are SIGKILLed: the job
+# re-plans onto the other two and resumes from its latest checkpoint. Once
+# it trains again the rank is started again (same cgroup, same executor
+# port), rejoins, and after --join-stable [5] s the job re-plans onto all
+# three at its next checkpoint. It prints the job's timeline, and ends with
+# `elastic: job SUCCEEDED; replans N; recovery S s (max); steps lost K`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,12 +64,21 @@ KEEP_RUNNING=0
 PAPER_SCALE=1
 SETUP=1
 BIN=""
+ELASTIC=0
+KILL_RANK=1
+JOIN_STABLE=5
+EVERY=""
+SHARES_SET=0 STEPS_SET=0
 PERIOD_US=20000  # cgroup CPU period: 20 ms keeps throttling fine-grained
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --shares) SHARES=$2; shift 2 ;;
-    --steps) STEPS=$2; shift 2 ;;
+    --shares) SHARES=$2; SHARES_SET=1; shift 2 ;;
+    --steps) STEPS=$2; STEPS_SET=1; shift 2 ;;
+    --elastic) ELASTIC=1; shift ;;
+    --kill-rank) KILL_RANK=$2; shift 2 ;;
+    --join-stable) JOIN_STABLE=$2; shift 2 ;;
+    --checkpoint-every) EVERY=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --layers) LAYERS=$2; shift 2 ;;
     --hidden) HIDDEN=$2; shift 2 ;;
@@ -79,6 +98,11 @@ while [ $# -gt 0 ]; do
     *) echo "demo: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ "$ELASTIC" = 1 ]; then
+  [ "$SHARES_SET" = 1 ] || SHARES=0.7,1,0.3
+  [ "$STEPS_SET" = 1 ] || STEPS=900
+  [ -n "$EVERY" ] || EVERY=50
+fi
 IFS=, read -r -a SHARE_LIST <<<"$SHARES"
 RANKS=${#SHARE_LIST[@]}
 if [ "$RANKS" -lt 2 ] || [ "$RANKS" -gt 4 ]; then
@@ -90,6 +114,19 @@ for s in "${SHARE_LIST[@]}"; do
   fi
 done
 case "$STEPS" in ''|*[!0-9]*) echo "demo: --steps must be a positive integer" >&2; exit 2 ;; esac
+if [ "$ELASTIC" = 1 ]; then
+  if [ "$RANKS" -lt 3 ]; then
+    echo "demo: --elastic needs at least 3 ranks (--shares), got $RANKS" >&2; exit 2
+  fi
+  case "$KILL_RANK" in ''|*[!0-9]*) echo "demo: --kill-rank must be a rank number" >&2; exit 2 ;; esac
+  if [ "$KILL_RANK" -ge "$RANKS" ]; then
+    echo "demo: --kill-rank $KILL_RANK: there are ranks 0-$((RANKS - 1))" >&2; exit 2
+  fi
+  case "$EVERY" in ''|*[!0-9]*|0) echo "demo: --checkpoint-every must be a positive integer" >&2; exit 2 ;; esac
+  if ! awk -v s="$JOIN_STABLE" 'BEGIN { exit !(s + 0 >= 0 && s ~ /^[0-9.]+$/) }'; then
+    echo "demo: --join-stable must be a number of seconds, got '$JOIN_STABLE'" >&2; exit 2
+  fi
+fi
 case "$DATA" in wikitext|synthetic) ;; *) echo "demo: --data must be wikitext or synthetic" >&2; exit 2 ;; esac
 
 if [ "$SETUP" = 1 ]; then
@@ -227,6 +264,33 @@ fi
 echo
 echo "== A heterogeneous CPU cluster on this machine: $RANKS ranks =="
 declare -A EXECUTOR_ADDR
+RANK_GROUP=() AGENT_PID=() EXECUTOR_PID=()
+# start_rank R [LOG-SUFFIX]: rank R's agent and executor daemon, in its
+# cgroup and on its core; an executor started again listens where it did.
+start_rank() {
+  local r=$1 suffix=${2:-} listen=127.0.0.1:0 links=0
+  # Started again: its executor listens where it did, and its agent does
+  # not measure links while the others train (a probe would measure their
+  # load: the links measured at start stay in use).
+  [ -z "$NETNS" ] || listen="$(rank_host "$r"):0"  # --network: the node's address
+  if [ -n "${EXECUTOR_ADDR[node$r/cpu0]:-}" ]; then listen=${EXECUTOR_ADDR[node$r/cpu0]} links=3600; fi
+  in_rank "$r"
+  # The agent shares its rank's cgroup and core, so it measures what the
+  # rank gets. No drift checks or link re-probes while training.
+  start_in "${RANK_GROUP[$r]}" "$((r % CORES))" "$STATE/agent$r$suffix.log" \
+    "${NS[@]}" "$BIN/profiler_agent/hap-agent" --listen "$(rank_host "$r"):0" \
+    --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
+    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --link-probe-delay "$links" --devices cpu
+  AGENT_PID[$r]=${PIDS[-1]}
+  start_in "${RANK_GROUP[$r]}" "$((r % CORES))" "$STATE/executor$r$suffix.log" \
+    "${NS[@]}" "$BIN/executor/cli/hap-executor" --serve --listen "$listen" \
+    --gloo-host "$(rank_host "$r")" \
+    --planner "$PLANNER" --device-id "node$r/cpu0" --token-file "$STATE/token" --threads 1 \
+    --data-dir "$DATA_DIR" --timeout 120
+  EXECUTOR_PID[$r]=${PIDS[-1]}
+  EXECUTOR_ADDR[node$r/cpu0]=$(wait_line "$STATE/executor$r$suffix.log" "listening on" 30 |
+                               sed 's/.*listening on //')
+}
 for r in $(seq 0 $((RANKS - 1))); do
   share=${SHARE_LIST[$r]}
   core=$((r % CORES))
@@ -240,18 +304,9 @@ for r in $(seq 0 $((RANKS - 1))); do
     # The largest weight: other work on the machine takes little of the share.
     echo 262144 >"$group/cpu.shares" 2>/dev/null || true
   fi
-  # The agent shares its rank's cgroup and core, so it measures what the
-  # rank gets. No drift checks or link re-probes while training.
-  in_rank "$r"
-  start_in "$group" "$core" "$STATE/agent$r.log" "${NS[@]}" "$BIN/profiler_agent/hap-agent" \
-    --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
-    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --devices cpu \
-    --listen "$(rank_host "$r"):0"
-  start_in "$group" "$core" "$STATE/executor$r.log" "${NS[@]}" "$BIN/executor/cli/hap-executor" --serve \
-    --planner "$PLANNER" --device-id "node$r/cpu0" --token-file "$STATE/token" --threads 1 \
-    --data-dir "$DATA_DIR" --timeout 120 --listen "$(rank_host "$r"):0" --gloo-host "$(rank_host "$r")"
-  addr=$(wait_line "$STATE/executor$r.log" "listening on" 30 | sed 's/.*listening on //')
-  EXECUTOR_ADDR[node$r/cpu0]=$addr
+  RANK_GROUP[$r]=$group
+  start_rank "$r"
+  addr=${EXECUTOR_ADDR[node$r/cpu0]}
   if [ "$CGROUPS" = 1 ]; then
     echo "   rank $r: core $core, cgroup $(basename "$group") at $(awk -v s="$share" 'BEGIN { print s * 100 }')% of the core, executor $addr"
   else
@@ -273,6 +328,79 @@ for n in sorted(d["nodes"], key=lambda n: n["name"]):
     f = [x["flops"] for x in dev["flops"] if x["dtype"] == "FLOAT32"][0]
     print("   %-8s measured %6.1f GFLOP/s   (%s)" % (n["name"], f / 1e9, dev["model"]))'
 
+mkdir -p "$CHECKPOINTS"
+CKPT="$(cd "$CHECKPOINTS" && pwd)/run-$(date +%Y%m%d-%H%M%S)-$$"
+
+# --- --elastic: a job that loses a node and gets it back ---------------------
+job_json() { "$HAPCTL" describe job demo -o json "${CTL[@]}"; }
+run_elastic() {
+  local victim=$KILL_RANK
+  echo
+  echo "== Elastic job: $MODEL (layers $LAYERS, hidden $HIDDEN, seq $SEQ, batch $BATCH), $STEPS steps on $DATA, a checkpoint every $EVERY =="
+  local job=(create job --id demo --model "$MODEL" --layers "$LAYERS" --hidden "$HIDDEN"
+             --heads "$HEADS" --ffn "$FFN" --seq "$SEQ" --batch "$BATCH" --optimizer adam
+             --lr 3e-3 --clip-norm 1 --steps "$STEPS" --data "$DATA" --checkpoint-dir "$CKPT"
+             --checkpoint-every "$EVERY" --join-stable "$JOIN_STABLE")
+  local dev
+  for dev in "${!EXECUTOR_ADDR[@]}"; do job+=(--executor "$dev=${EXECUTOR_ADDR[$dev]}"); done
+  "$HAPCTL" "${job[@]}" "${CTL[@]}" >/dev/null
+  echo "   jobs/demo: checkpoints in $CKPT (kept); status page http://hap:$(cat "$STATE/token")@$METRICS/status/jobs/demo"
+  local phase=0 stay="" last_key="" last_tenth=-1 killed_at=0 restarted_at=0 j state done_steps gen ndev pred meas msg now
+  while :; do
+    j=$(job_json)
+    read -r state done_steps gen ndev pred meas <<<"$(echo "$j" | json '
+s = d.get("status", {})
+print(s.get("state", "?"), int(s.get("stepsDone", 0)), int(s.get("generation", 0)), len(s.get("devices", [])),
+      s.get("predictedStepSeconds", 0), s.get("measuredStepSeconds", 0))')"
+    now=$(date +%s.%N)
+    msg=$(echo "$j" | json 'print(d.get("status", {}).get("message", ""))')
+    case "$msg" in staying:*) stay=$msg ;; esac
+    if [ "$state:$gen:$ndev" != "$last_key" ] || [ $((done_steps * 10 / STEPS)) != "$last_tenth" ]; then
+      printf "   %6.1f s  step %4d/%d  %-10s generation %d on %d devices  predicted step %.4f s, measured %.4f s  %s\n" \
+        "$(awk -v a="$now" -v b="$START" 'BEGIN { print a - b }')" "$done_steps" "$STEPS" "$state" "$gen" "$ndev" \
+        "$pred" "$meas" "${msg:0:90}"
+      last_key="$state:$gen:$ndev"; last_tenth=$((done_steps * 10 / STEPS))
+    fi
+    case "$state" in SUCCEEDED|FAILED|STOPPED) break ;; esac
+    if [ $phase = 0 ] && [ "$state" = RUNNING ] && [ "$done_steps" -ge $((STEPS / 3)) ]; then
+      echo "   --- SIGKILL node$victim's agent (pid ${AGENT_PID[$victim]}) and executor (pid ${EXECUTOR_PID[$victim]}) ---"
+      kill -KILL "${AGENT_PID[$victim]}" "${EXECUTOR_PID[$victim]}" 2>/dev/null || true
+      wait "${AGENT_PID[$victim]}" "${EXECUTOR_PID[$victim]}" 2>/dev/null || true
+      killed_at=$now phase=1
+    elif [ $phase = 1 ] && [ "$state" = RUNNING ] && [ "$gen" -ge 2 ]; then
+      printf "   --- training again on %d devices, %.1f s after the SIGKILL; node%d started again ---\n" \
+        "$ndev" "$(awk -v a="$now" -v b="$killed_at" 'BEGIN { print a - b }')" "$victim"
+      start_rank "$victim" "-again"
+      restarted_at=$(date +%s.%N) phase=2
+    elif [ $phase = 2 ] && [ "$state" = RUNNING ] && [ "$gen" -ge 3 ] && [ "$ndev" = "$RANKS" ]; then
+      printf "   --- node%d rejoined: training on %d devices, %.1f s after it was started again ---\n" \
+        "$victim" "$ndev" "$(awk -v a="$now" -v b="$restarted_at" 'BEGIN { print a - b }')"
+      phase=3
+    fi
+    sleep 0.5
+  done
+  echo
+  echo "== The job's timeline (hapctl describe job demo) =="
+  "$HAPCTL" describe job demo "${CTL[@]}" | sed 's/^/   /'
+  if [ $phase != 3 ]; then
+    echo "   node$victim did not rejoin before the job ended; the job's last judgement of a join:"
+    echo "   ${stay:-(none: give it more --steps)}"
+  fi
+  echo
+  job_json | json '
+s = d.get("status", {})
+ev = [e for e in s.get("events", []) if e.get("reason") != "STARTED"]
+rec = max([float(e.get("downtimeSeconds", 0)) for e in ev] or [0])
+lost = sum(int(e.get("stepsLost", 0)) for e in ev)
+print("elastic: job %s; replans %d; recovery %.1f s (max); steps lost %d" % (s.get("state", "?"), int(s.get("replans", 0)), rec, lost))'
+  [ "$state" = SUCCEEDED ]
+}
+START=$(date +%s.%N)
+if [ "$ELASTIC" = 1 ]; then
+  run_elastic
+  exit $?
+fi
+
 echo
 echo "== Plan: $MODEL (layers $LAYERS, hidden $HIDDEN, seq $SEQ, batch $BATCH), synthesized by the planner =="
 "$HAPCTL" create plan "${CTL[@]}" --id demo --wait --timeout 300 --model "$MODEL" \
@@ -283,10 +411,9 @@ PREDICTED=$("$HAPCTL" describe plan demo -o json "${CTL[@]}" | json 'print(d["pr
 
 echo
 echo "== Training: deployed to the $RANKS executors, $STEPS steps on $DATA =="
-mkdir -p "$CHECKPOINTS"
-CKPT="$(cd "$CHECKPOINTS" && pwd)/run-$(date +%Y%m%d-%H%M%S)-$$"
+[ -n "$EVERY" ] || EVERY=$(( STEPS >= 3 ? STEPS / 3 : 1 ))
 DEPLOY=(deploy plan demo --steps "$STEPS" --data "$DATA"
-        --checkpoint-dir "$CKPT" --checkpoint-every "$(( STEPS >= 3 ? STEPS / 3 : 1 ))")
+        --checkpoint-dir "$CKPT" --checkpoint-every "$EVERY")
 for dev in "${!EXECUTOR_ADDR[@]}"; do DEPLOY+=(--executor "$dev=${EXECUTOR_ADDR[$dev]}"); done
 DEPLOYMENT=$("$HAPCTL" "${DEPLOY[@]}" -o json "${CTL[@]}" | json 'print(d["name"])')
 echo "   $DEPLOYMENT; metrics http://$METRICS/metrics, status page http://hap:$(cat "$STATE/token")@$METRICS/status (the token is the password)"
