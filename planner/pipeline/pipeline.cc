@@ -1,6 +1,7 @@
 #include "planner/pipeline/pipeline.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -45,8 +46,7 @@ Program SubProgram(const Program &p, int begin, int end, Part part, int n) {
     for (synth::SourceLoad &l : s.loads) {
       const bool per_step = (l.grad_allreduce && !l.sfb) || l.gather_once;
       if (part == Part::kMicro) {
-        if (per_step)
-          l.costs.clear();
+        if (per_step) l.costs.clear();
         l.update_costs.clear();
       } else if (part == Part::kSync && !per_step) {
         l.costs.clear();
@@ -73,8 +73,7 @@ double ForwardShare(const Program &micro, const std::vector<double> &r) {
     b += 2 * c / 3;
     for (const synth::CommStep &m : s.comms) {
       f += cost::EvaluateTerm(m.forward_cost, r);
-      if (m.has_backward)
-        b += cost::EvaluateTerm(m.backward_cost, r);
+      if (m.has_backward) b += cost::EvaluateTerm(m.backward_cost, r);
     }
     for (const synth::SourceLoad &l : s.loads) {
       for (size_t i = 0; i < l.costs.size(); ++i) {
@@ -86,7 +85,7 @@ double ForwardShare(const Program &micro, const std::vector<double> &r) {
 }
 
 struct Group {
-  std::vector<int> devices; // cluster indices
+  std::vector<int> devices;  // cluster indices
   std::string signature;
 };
 
@@ -96,14 +95,14 @@ struct Entry {
   std::unique_ptr<cost::ClusterModel> cluster;
   std::unique_ptr<cost::CollectiveModel> coll;
   synth::PlanResult plan;
-  std::vector<double> micro, forward_share, sync; // per layer
+  std::vector<double> micro, forward_share, sync;  // per layer
   // Per layer then device: bytes held for the step, and per microbatch.
   std::vector<std::vector<double>> static_bytes, act_bytes;
-  std::vector<Form> boundary_form; // per boundary: the producer's output form
+  std::vector<Form> boundary_form;  // per boundary: the producer's output form
   double overhead = 0;
   // Prefix sums over layers (index l = layers [0, l)).
   std::vector<double> micro_prefix, forward_prefix, sync_prefix;
-  std::vector<std::vector<double>> static_prefix, act_prefix; // [l][device]
+  std::vector<std::vector<double>> static_prefix, act_prefix;  // [l][device]
   // max_in_flight[i][j]: the most in-flight microbatches layers [i, j) fit
   // with on every device (-1: not even one); kNoLimit without memory checks.
   std::vector<std::vector<int>> max_in_flight;
@@ -114,14 +113,11 @@ std::string Signature(const cost::ClusterModel &c, const std::vector<int> &d) {
   std::string s;
   for (int i : d) {
     const cost::DeviceModel &m = c.device(i);
-    absl::StrAppend(&s, m.model, "|", m.flops, "|", m.memory_bytes, "|",
-                    m.launch_overhead_seconds, "|",
-                    m.optimizer_seconds_per_element, "|",
-                    m.step_overhead_seconds, "|", m.overlap_efficiency, "|");
-    for (const auto &[k, v] : m.op_time_scale)
-      absl::StrAppend(&s, k, "=", v, ",");
-    for (int j : d)
-      absl::StrAppend(&s, c.bandwidth(i, j), "/", c.latency(i, j), ",");
+    absl::StrAppend(&s, m.model, "|", m.flops, "|", m.memory_bytes, "|", m.launch_overhead_seconds,
+                    "|", m.optimizer_seconds_per_element, "|", m.step_overhead_seconds, "|",
+                    m.overlap_efficiency, "|");
+    for (const auto &[k, v] : m.op_time_scale) absl::StrAppend(&s, k, "=", v, ",");
+    for (int j : d) absl::StrAppend(&s, c.bandwidth(i, j), "/", c.latency(i, j), ",");
     s += ";";
   }
   return s;
@@ -131,8 +127,7 @@ double MinBandwidth(const cost::ClusterModel &c, const std::vector<int> &a,
                     const std::vector<int> &b) {
   double bw = INFINITY;
   for (int i : a) {
-    for (int j : b)
-      bw = std::min(bw, c.bandwidth(i, j));
+    for (int j : b) bw = std::min(bw, c.bandwidth(i, j));
   }
   return bw;
 }
@@ -141,17 +136,15 @@ double MaxLatency(const cost::ClusterModel &c, const std::vector<int> &a,
                   const std::vector<int> &b) {
   double lat = 0;
   for (int i : a) {
-    for (int j : b)
-      lat = std::max(lat, c.latency(i, j));
+    for (int j : b) lat = std::max(lat, c.latency(i, j));
   }
   return lat;
 }
 
 // Prices the entry's program per layer.
 absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
-                         const std::vector<graph::TensorId> &boundary,
-                         synth::OptimizerKind opt, bool ignore_memory,
-                         Entry *e) {
+                         const std::vector<graph::TensorId> &boundary, synth::OptimizerKind opt,
+                         bool ignore_memory, Entry *e) {
   const Program &p = e->plan.program;
   const std::vector<double> &r = e->plan.ratios;
   const int n = e->cluster->size();
@@ -173,8 +166,7 @@ absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
     e->sync.push_back(synth::EvaluateProgram(sync, r).total);
     Program all = SubProgram(p, b, end, Part::kAll, n);
     Program outputs = all;
-    for (synth::OpStep &s : outputs.steps)
-      s.loads.clear();
+    for (synth::OpStep &s : outputs.steps) s.loads.clear();
     const std::vector<int64_t> total =
         synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, all, opt), r);
     const std::vector<int64_t> act =
@@ -186,8 +178,7 @@ absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
       e->act_bytes.back().push_back(static_cast<double>(act[d]));
     }
   }
-  if (!p.overhead.constant.empty())
-    e->overhead = cost::EvaluateTerm(p.overhead, r);
+  if (!p.overhead.constant.empty()) e->overhead = cost::EvaluateTerm(p.overhead, r);
   const int L = layers.size();
   e->micro_prefix.assign(L + 1, 0);
   e->forward_prefix.assign(L + 1, 0);
@@ -196,12 +187,10 @@ absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
   e->act_prefix = e->static_prefix;
   for (int l = 0; l < L; ++l) {
     e->micro_prefix[l + 1] = e->micro_prefix[l] + e->micro[l];
-    e->forward_prefix[l + 1] =
-        e->forward_prefix[l] + e->micro[l] * e->forward_share[l];
+    e->forward_prefix[l + 1] = e->forward_prefix[l] + e->micro[l] * e->forward_share[l];
     e->sync_prefix[l + 1] = e->sync_prefix[l] + e->sync[l];
     for (int d = 0; d < n; ++d) {
-      e->static_prefix[l + 1][d] =
-          e->static_prefix[l][d] + e->static_bytes[l][d];
+      e->static_prefix[l + 1][d] = e->static_prefix[l][d] + e->static_bytes[l][d];
       e->act_prefix[l + 1][d] = e->act_prefix[l][d] + e->act_bytes[l][d];
     }
   }
@@ -211,9 +200,8 @@ absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
       int k = kNoLimit;
       if (!ignore_memory) {
         for (int d = 0; d < n && k >= 0; ++d) {
-          const double cap =
-              static_cast<double>(e->cluster->device(d).memory_bytes) -
-              (e->static_prefix[j][d] - e->static_prefix[i][d]);
+          const double cap = static_cast<double>(e->cluster->device(d).memory_bytes) -
+                             (e->static_prefix[j][d] - e->static_prefix[i][d]);
           const double act = e->act_prefix[j][d] - e->act_prefix[i][d];
           if (cap < act) {
             k = -1;
@@ -240,8 +228,8 @@ struct Transfer {
   double send_sender = 0, send_receiver = 0;
   double grad_sender = 0, grad_receiver = 0;
 };
-Transfer PriceTransfer(double bytes, double bw, double lat, const Entry &a,
-                       Form fa, const Entry &b, Form fb) {
+Transfer PriceTransfer(double bytes, double bw, double lat, const Entry &a, Form fa, const Entry &b,
+                       Form fb) {
   Transfer t;
   const double link = lat + bytes / bw;
   t.send_sender = link + (fa.is_partial() ? a.coll->AllReduce(bytes) : 0);
@@ -257,72 +245,63 @@ Transfer PriceTransfer(double bytes, double bw, double lat, const Entry &a,
 
 struct StageChoice {
   int first_layer, end_layer, first_unit, end_unit;
+  int group;  // index into the groups (an alternative program of the units)
 };
 
-} // namespace
+}  // namespace
 
 const char *VariantName(Variant v) {
   switch (v) {
-  case Variant::kSynthesized:
-    return "pipeline x spmd";
-  case Variant::kDataParallel:
-    return "metis-style dp x pp";
-  case Variant::kEvenSplit:
-    return "1f1b even split";
+    case Variant::kSynthesized:
+      return "pipeline x spmd";
+    case Variant::kDataParallel:
+      return "metis-style dp x pp";
+    case Variant::kEvenSplit:
+      return "1f1b even split";
   }
   return "?";
 }
 
-absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
-                                          const cost::ClusterModel &cluster,
+absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::ClusterModel &cluster,
                                           const PipelineOptions &o) {
   const auto start = Clock::now();
   PipelinePlan out;
   out.variant = o.variant;
   auto note = [&](std::string s) { out.notes.push_back(std::move(s)); };
   const int64_t batch = GraphBatch(g);
-  if (batch <= 0)
-    return absl::InvalidArgumentError("the graph has no batched input");
+  if (batch <= 0) return absl::InvalidArgumentError("the graph has no batched input");
   if (o.mode == Mode::kStages && o.stages < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("a pipeline needs at least 1 stage, got ", o.stages));
   }
-  if (o.microbatches < 0 ||
-      (o.microbatches > 0 && batch % o.microbatches != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "microbatches ", o.microbatches, " must divide the batch ", batch));
+  if (o.microbatches < 0 || (o.microbatches > 0 && batch % o.microbatches != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("microbatches ", o.microbatches, " must divide the batch ", batch));
   }
   // The SPMD plan: one stage on every device, the whole batch at once.
-  if (o.mode == Mode::kOff || o.plan_spmd ||
-      (o.mode == Mode::kStages && o.stages == 1)) {
-    HAP_ASSIGN_OR_RETURN(out.spmd,
-                         synth::PlanModel(g, cluster, o.stage_options));
+  if (o.mode == Mode::kOff || o.plan_spmd || (o.mode == Mode::kStages && o.stages == 1)) {
+    HAP_ASSIGN_OR_RETURN(out.spmd, synth::PlanModel(g, cluster, o.stage_options));
     out.has_spmd = true;
     out.spmd_step_seconds = out.spmd.cost.total;
     out.step_seconds = out.spmd_step_seconds;
     out.microbatch_size = batch;
   }
-  const bool want_pipeline =
-      o.mode == Mode::kAuto || (o.mode == Mode::kStages && o.stages > 1);
+  const bool want_pipeline = o.mode == Mode::kAuto || (o.mode == Mode::kStages && o.stages > 1);
   auto finish = [&]() {
-    out.planning_seconds =
-        std::chrono::duration<double>(Clock::now() - start).count();
+    out.planning_seconds = std::chrono::duration<double>(Clock::now() - start).count();
     return out;
   };
-  if (!want_pipeline)
-    return finish();
+  if (!want_pipeline) return finish();
 
   // Units: nodes, split when more stages are asked for than nodes.
   std::vector<std::vector<int>> units;
   {
     const auto &nodes = cluster.node_groups();
     const int want = o.mode == Mode::kStages ? o.stages : 1;
-    const int parts =
-        std::max<int>(1, (want + static_cast<int>(nodes.size()) - 1) /
-                             static_cast<int>(nodes.size()));
+    const int parts = std::max<int>(
+        1, (want + static_cast<int>(nodes.size()) - 1) / static_cast<int>(nodes.size()));
     for (const auto &node : nodes) {
-      const int k = std::min<int>(
-          parts, std::max<int>(1, static_cast<int>(node.size()) / 2));
+      const int k = std::min<int>(parts, std::max<int>(1, static_cast<int>(node.size()) / 2));
       for (int i = 0; i < k; ++i) {
         const size_t a = node.size() * i / k, b = node.size() * (i + 1) / k;
         units.emplace_back(node.begin() + a, node.begin() + b);
@@ -335,33 +314,31 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   out.layers = L;
   const int max_stages = std::min(U, L);
   if (o.mode == Mode::kStages && o.stages > max_stages) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot make ", o.stages, " stages: the model has ", L,
-        " layers to cut between and the cluster ", U,
-        " groups of devices (nodes, split in parts of at least 2 devices)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot make ", o.stages, " stages: the model has ", L,
+                     " layers to cut between and the cluster ", U,
+                     " groups of devices (nodes, split in parts of at least 2 devices)"));
   }
   if (max_stages < 2) {
-    note(absl::StrCat("no pipeline: ",
-                      U == 1 ? "the cluster is one node"
-                             : "the model has one layer",
-                      "; the plan is the SPMD plan"));
+    note(absl::StrCat(
+        "no pipeline: ", U == 1 ? "the cluster is one node" : "the model has one layer",
+        "; the plan is the SPMD plan"));
     return finish();
   }
   // Groups: contiguous unit ranges [u, v) with at least 2 devices.
   std::vector<std::vector<int>> group_of(U, std::vector<int>(U + 1, -1));
   std::vector<Group> groups;
   std::map<std::string, int> by_signature;
-  std::vector<int> group_kind; // group -> distinct signature index
+  std::vector<int> group_kind;  // group -> distinct signature index
   for (int u = 0; u < U; ++u) {
     for (int v = u + 1; v <= U; ++v) {
       Group gr;
       for (int k = u; k < v; ++k)
         gr.devices.insert(gr.devices.end(), units[k].begin(), units[k].end());
-      if (gr.devices.size() < 2)
-        continue;
+      if (gr.devices.size() < 2) continue;
       gr.signature = Signature(cluster, gr.devices);
-      auto [it, inserted] = by_signature.emplace(
-          gr.signature, static_cast<int>(by_signature.size()));
+      auto [it, inserted] =
+          by_signature.emplace(gr.signature, static_cast<int>(by_signature.size()));
       (void)inserted;
       group_of[u][v] = static_cast<int>(groups.size());
       group_kind.push_back(it->second);
@@ -369,10 +346,24 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
     }
   }
   const int kinds = static_cast<int>(by_signature.size());
-  std::vector<int> kind_group(kinds, -1); // a representative group per kind
+  std::vector<int> kind_group(kinds, -1);  // a representative group per kind
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    if (kind_group[group_kind[gi]] < 0)
-      kind_group[group_kind[gi]] = static_cast<int>(gi);
+    if (kind_group[group_kind[gi]] < 0) kind_group[group_kind[gi]] = static_cast<int>(gi);
+  }
+  // Alternatives: the synthesized stages also get the data-parallel program
+  // of their group (it prices gradient sync once per microbatch in the
+  // search, which a pipeline pays once per step).
+  const int A = o.variant == Variant::kSynthesized ? 2 : 1;
+  const int G = static_cast<int>(groups.size());
+  for (int a = 1; a < A; ++a) {
+    for (int gi = 0; gi < G; ++gi) {
+      groups.push_back(groups[gi]);
+      group_kind.push_back(group_kind[gi] + a * kinds);
+    }
+  }
+  kind_group.resize(static_cast<size_t>(kinds) * A);
+  for (int a = 1; a < A; ++a) {
+    for (int k = 0; k < kinds; ++k) kind_group[a * kinds + k] = kind_group[k] + a * G;
   }
   // Microbatch counts.
   std::vector<int> counts;
@@ -380,13 +371,11 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
     counts.push_back(o.microbatches);
   } else {
     for (int m = 2; m <= o.max_microbatches && m <= batch; m *= 2) {
-      if (batch % m == 0)
-        counts.push_back(m);
+      if (batch % m == 0) counts.push_back(m);
     }
   }
   if (counts.empty()) {
-    note(absl::StrCat("no pipeline: the batch ", batch,
-                      " has no power-of-two microbatch count"));
+    note(absl::StrCat("no pipeline: the batch ", batch, " has no power-of-two microbatch count"));
     return finish();
   }
   // Graphs at each microbatch size.
@@ -394,15 +383,12 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   std::vector<std::vector<graph::TensorId>> boundaries;
   for (int m : counts) {
     auto gm = Rebatch(g, batch / m);
-    if (!gm.ok())
-      return gm.status();
+    if (!gm.ok()) return gm.status();
     auto ptr = std::make_shared<const graph::Graph>(*std::move(gm));
     std::vector<graph::TensorId> b;
     for (graph::TensorId t : layers.boundary) {
       auto found = ptr->FindTensor(g.tensor(t).name);
-      if (!found)
-        return absl::InternalError(
-            "a boundary tensor vanished when rebatching");
+      if (!found) return absl::InternalError("a boundary tensor vanished when rebatching");
       b.push_back(*found);
     }
     graphs.push_back(std::move(ptr));
@@ -411,22 +397,20 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   // Synthesize every (kind, microbatch count).
   synth::PlanOptions so = o.stage_options;
   so.progress = nullptr;
-  if (o.variant == Variant::kDataParallel)
-    so.baseline = synth::Baseline::kDpProportional;
-  if (o.variant == Variant::kEvenSplit)
-    so.baseline = synth::Baseline::kDpEven;
+  if (o.variant == Variant::kDataParallel) so.baseline = synth::Baseline::kDpProportional;
+  if (o.variant == Variant::kEvenSplit) so.baseline = synth::Baseline::kDpEven;
   const int C = static_cast<int>(counts.size());
-  std::vector<Entry> entries(static_cast<size_t>(kinds) * C);
+  std::vector<Entry> entries(static_cast<size_t>(kinds) * A * C);
+  std::vector<synth::PlanOptions> alt_options(A, so);
+  if (A > 1) alt_options[1].baseline = synth::Baseline::kDpProportional;
   {
     std::vector<int> jobs;
-    for (int k = 0; k < kinds; ++k) {
+    for (int k = 0; k < kinds * A; ++k) {
       for (int c = 0; c < C; ++c) {
-        if (batch / counts[c] >=
-            static_cast<int64_t>(groups[kind_group[k]].devices.size())) {
+        if (batch / counts[c] >= static_cast<int64_t>(groups[kind_group[k]].devices.size())) {
           jobs.push_back(k * C + c);
         } else {
-          entries[k * C + c].status =
-              absl::FailedPreconditionError("microbatch below group size");
+          entries[k * C + c].status = absl::FailedPreconditionError("microbatch below group size");
         }
       }
     }
@@ -437,8 +421,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
         int job;
         {
           std::lock_guard<std::mutex> lock(mu);
-          if (next >= jobs.size())
-            return;
+          if (next >= jobs.size()) return;
           job = jobs[next++];
         }
         const int k = job / C, c = job % C;
@@ -450,32 +433,26 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
         }
         e.cluster = std::make_unique<cost::ClusterModel>(*std::move(sub));
         e.coll = std::make_unique<cost::CollectiveModel>(*e.cluster);
-        auto r = synth::PlanModel(*graphs[c], *e.cluster, so);
+        auto r = synth::PlanModel(*graphs[c], *e.cluster, alt_options[k / kinds]);
         if (!r.ok()) {
           e.status = r.status();
           continue;
         }
         e.plan = *std::move(r);
-        e.status = PriceLayers(*graphs[c], layers, boundaries[c], so.optimizer,
-                               so.ignore_memory, &e);
+        e.status =
+            PriceLayers(*graphs[c], layers, boundaries[c], so.optimizer, so.ignore_memory, &e);
       }
     };
-    int threads = o.threads > 0
-                      ? o.threads
-                      : static_cast<int>(std::thread::hardware_concurrency());
-    threads =
-        std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
+    int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+    threads = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
     std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t)
-      pool.emplace_back(work);
+    for (int t = 1; t < threads; ++t) pool.emplace_back(work);
     work();
-    for (std::thread &t : pool)
-      t.join();
+    for (std::thread &t : pool) t.join();
     out.syntheses = static_cast<int>(jobs.size());
   }
   auto entry = [&](int gi, int c) -> const Entry * {
-    if (gi < 0)
-      return nullptr;
+    if (gi < 0) return nullptr;
     const Entry &e = entries[group_kind[gi] * C + c];
     return e.status.ok() ? &e : nullptr;
   };
@@ -490,8 +467,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   auto price_stage = [&](int i, int j, int gi, int c, int s, int S) -> Priced {
     Priced p;
     const Entry *e = entry(gi, c);
-    if (e == nullptr)
-      return p;
+    if (e == nullptr) return p;
     const int k = InFlightMicrobatches(s, S, counts[c]);
     const int n = e->cluster->size();
     p.work = e->micro_prefix[j] - e->micro_prefix[i];
@@ -499,9 +475,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
     p.sync = e->sync_prefix[j] - e->sync_prefix[i] + e->overhead;
     p.fits = e->max_in_flight[i][j] >= k;
     for (int d = 0; d < n; ++d) {
-      p.memory.push_back(static_cast<int64_t>(
-          e->static_prefix[j][d] - e->static_prefix[i][d] +
-          k * (e->act_prefix[j][d] - e->act_prefix[i][d])));
+      p.memory.push_back(static_cast<int64_t>(e->static_prefix[j][d] - e->static_prefix[i][d] +
+                                              k * (e->act_prefix[j][d] - e->act_prefix[i][d])));
     }
     return p;
   };
@@ -510,12 +485,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
     const Entry *a = entry(ga, c);
     const Entry *b = entry(gb, c);
     const graph::Graph &gm = *graphs[c];
-    const double bytes =
-        static_cast<double>(gm.tensor(boundaries[c][j - 1]).type.bytes());
-    return PriceTransfer(
-        bytes, MinBandwidth(cluster, groups[ga].devices, groups[gb].devices),
-        MaxLatency(cluster, groups[ga].devices, groups[gb].devices), *a,
-        a->boundary_form[j - 1], *b, b->boundary_form[j - 1]);
+    const double bytes = static_cast<double>(gm.tensor(boundaries[c][j - 1]).type.bytes());
+    return PriceTransfer(bytes, MinBandwidth(cluster, groups[ga].devices, groups[gb].devices),
+                         MaxLatency(cluster, groups[ga].devices, groups[gb].devices), *a,
+                         a->boundary_form[j - 1], *b, b->boundary_form[j - 1]);
   };
   // A full assignment priced exactly.
   struct Candidate {
@@ -530,16 +503,15 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
     cand.c = c;
     const int S = static_cast<int>(st.size());
     for (int s = 0; s < S; ++s) {
-      const int gi = group_of[st[s].first_unit][st[s].end_unit];
+      const int gi = st[s].group;
       Priced p = price_stage(st[s].first_layer, st[s].end_layer, gi, c, s, S);
-      if (!p.fits)
-        return cand;
+      if (!p.fits) return cand;
       StageTimes t;
       t.forward = p.forward;
       t.backward = p.work - p.forward;
       t.sync = p.sync;
       if (s + 1 < S) {
-        const int gb = group_of[st[s + 1].first_unit][st[s + 1].end_unit];
+        const int gb = st[s + 1].group;
         Transfer x = transfer(st[s].end_layer, gi, gb, c);
         t.send = x.send_sender + x.send_receiver;
         t.gradient = x.grad_sender + x.grad_receiver;
@@ -555,28 +527,25 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   };
   Candidate best;
   auto consider = [&](Candidate c) {
-    if (c.step < best.step)
-      best = std::move(c);
+    if (c.step < best.step) best = std::move(c);
   };
 
   std::vector<int> stage_counts;
   if (o.mode == Mode::kStages) {
     stage_counts.push_back(o.stages);
   } else {
-    for (int S = 2; S <= max_stages; ++S)
-      stage_counts.push_back(S);
+    for (int S = 2; S <= max_stages; ++S) stage_counts.push_back(S);
   }
   if (o.variant == Variant::kEvenSplit) {
     // One stage per unit (or the asked count of equal unit runs), equal
     // numbers of layers.
     for (int S : stage_counts) {
-      if (o.mode == Mode::kAuto && S != U)
-        continue;
+      if (o.mode == Mode::kAuto && S != U) continue;
       for (int c = 0; c < C; ++c) {
         std::vector<StageChoice> st;
         for (int s = 0; s < S; ++s) {
-          st.push_back(
-              {L * s / S, L * (s + 1) / S, U * s / S, U * (s + 1) / S});
+          st.push_back({L * s / S, L * (s + 1) / S, U * s / S, U * (s + 1) / S,
+                        group_of[U * s / S][U * (s + 1) / S]});
         }
         consider(evaluate(st, c));
       }
@@ -588,14 +557,11 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
       const int M = counts[c];
       std::vector<double> boundary_bytes;
       for (graph::TensorId t : boundaries[c]) {
-        boundary_bytes.push_back(
-            static_cast<double>(graphs[c]->tensor(t).type.bytes()));
+        boundary_bytes.push_back(static_cast<double>(graphs[c]->tensor(t).type.bytes()));
       }
       // Links from each group to each unit.
-      std::vector<std::vector<double>> link_bw(
-          groups.size(), std::vector<double>(U + 1, INFINITY));
-      std::vector<std::vector<double>> link_lat(groups.size(),
-                                                std::vector<double>(U + 1, 0));
+      std::vector<std::vector<double>> link_bw(groups.size(), std::vector<double>(U + 1, INFINITY));
+      std::vector<std::vector<double>> link_lat(groups.size(), std::vector<double>(U + 1, 0));
       for (size_t gi = 0; gi < groups.size(); ++gi) {
         for (int v = 0; v < U; ++v) {
           link_bw[gi][v] = MinBandwidth(cluster, groups[gi].devices, units[v]);
@@ -606,8 +572,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
       std::vector<double> values;
       for (size_t gi = 0; gi < groups.size(); ++gi) {
         const Entry *e = entry(static_cast<int>(gi), c);
-        if (e == nullptr)
-          continue;
+        if (e == nullptr) continue;
         for (int i = 0; i < L; ++i) {
           double w = 0;
           for (int j = i + 1; j <= L; ++j) {
@@ -616,24 +581,19 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
           }
         }
       }
-      if (values.empty())
-        continue;
+      if (values.empty()) continue;
       // A link can be the bottleneck too.
       for (size_t gi = 0; gi < groups.size(); ++gi) {
         const Entry *e = entry(static_cast<int>(gi), c);
-        if (e == nullptr)
-          continue;
+        if (e == nullptr) continue;
         for (int v = 0; v < U; ++v) {
-          if (!std::isfinite(link_bw[gi][v]))
-            continue;
+          if (!std::isfinite(link_bw[gi][v])) continue;
           for (size_t j = 0; j < boundary_bytes.size(); ++j) {
             const double bytes = boundary_bytes[j];
             const double link = link_lat[gi][v] + bytes / link_bw[gi][v];
-            const double t = link + (e->boundary_form[j].is_partial()
-                                         ? e->coll->AllReduce(bytes)
-                                         : 0);
-            if (std::isfinite(t))
-              values.push_back(t);
+            const double t =
+                link + (e->boundary_form[j].is_partial() ? e->coll->AllReduce(bytes) : 0);
+            if (std::isfinite(t)) values.push_back(t);
           }
         }
       }
@@ -645,86 +605,72 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
         tmax = values;
       } else {
         for (size_t q = 0; q < kMaxCandidates; ++q) {
-          tmax.push_back(
-              values[(values.size() - 1) * q / (kMaxCandidates - 1)]);
+          tmax.push_back(values[(values.size() - 1) * q / (kMaxCandidates - 1)]);
         }
       }
       for (int S : stage_counts) {
         for (double cap : tmax) {
-          if ((M - 1) * cap >= best.step)
-            break;
+          if ((M - 1) * cap >= best.step) break;
           // F[s][i][u]: best sum placing layers [0, i) on units [0, u) in s
           // stages; choice for reconstruction.
           const double kInf = INFINITY;
           std::vector<std::vector<std::vector<double>>> F(
-              S + 1, std::vector<std::vector<double>>(
-                         L + 1, std::vector<double>(U + 1, kInf)));
-          std::vector<std::vector<std::vector<std::pair<int, int>>>> from(
-              S + 1,
-              std::vector<std::vector<std::pair<int, int>>>(
-                  L + 1, std::vector<std::pair<int, int>>(U + 1, {-1, -1})));
+              S + 1, std::vector<std::vector<double>>(L + 1, std::vector<double>(U + 1, kInf)));
+          std::vector<std::vector<std::vector<std::array<int, 3>>>> from(
+              S + 1, std::vector<std::vector<std::array<int, 3>>>(
+                         L + 1, std::vector<std::array<int, 3>>(U + 1, {-1, -1, -1})));
           F[0][0][0] = 0;
           for (int s = 0; s < S; ++s) {
             for (int i = 0; i < L; ++i) {
               for (int u = 0; u < U; ++u) {
-                if (F[s][i][u] == kInf)
-                  continue;
+                if (F[s][i][u] == kInf) continue;
                 const int rest = S - s - 1;
                 for (int v = u + 1; v <= U - rest; ++v) {
-                  const int gi = group_of[u][v];
-                  const Entry *e = entry(gi, c);
-                  if (e == nullptr)
-                    continue;
-                  for (int j = i + 1; j <= L - rest; ++j) {
-                    if (rest == 0 && (j != L || v != U))
-                      continue;
-                    const double work = e->micro_prefix[j] - e->micro_prefix[i];
-                    if (work > cap)
-                      break;
-                    if (e->max_in_flight[i][j] < InFlightMicrobatches(s, S, M))
-                      continue;
-                    double cost =
-                        work + (e->sync_prefix[j] - e->sync_prefix[i]) / S;
-                    if (j < L) {
-                      // Sender's part towards the next unit's devices.
-                      const double bytes = boundary_bytes[j - 1];
-                      const double link =
-                          link_lat[gi][v] + bytes / link_bw[gi][v];
-                      const Form fa = e->boundary_form[j - 1];
-                      const double send =
-                          link +
-                          (fa.is_partial() ? e->coll->AllReduce(bytes) : 0);
-                      const double grad =
-                          link +
-                          (fa.is_partial() ? e->coll->Broadcast(bytes) : 0);
-                      if (send > cap || grad > cap)
-                        continue;
-                      cost += send + grad;
-                    }
-                    if (i > 0) {
-                      const Form fb = e->boundary_form[i - 1];
-                      if (!fb.is_sharded() && e->cluster->size() > 1) {
-                        const double bytes = boundary_bytes[i - 1];
-                        cost +=
-                            e->coll->Broadcast(bytes) + e->coll->Reduce(bytes);
+                  for (int a = 0; a < A; ++a) {
+                    const int gi = group_of[u][v] < 0 ? -1 : group_of[u][v] + a * G;
+                    const Entry *e = entry(gi, c);
+                    if (e == nullptr) continue;
+                    for (int j = i + 1; j <= L - rest; ++j) {
+                      if (rest == 0 && (j != L || v != U)) continue;
+                      const double work = e->micro_prefix[j] - e->micro_prefix[i];
+                      if (work > cap) break;
+                      if (e->max_in_flight[i][j] < InFlightMicrobatches(s, S, M)) continue;
+                      double cost = work + (e->sync_prefix[j] - e->sync_prefix[i]) / S;
+                      if (j < L) {
+                        // Sender's part towards the next unit's devices.
+                        const double bytes = boundary_bytes[j - 1];
+                        const double link = link_lat[gi][v] + bytes / link_bw[gi][v];
+                        const Form fa = e->boundary_form[j - 1];
+                        const double send =
+                            link + (fa.is_partial() ? e->coll->AllReduce(bytes) : 0);
+                        const double grad =
+                            link + (fa.is_partial() ? e->coll->Broadcast(bytes) : 0);
+                        if (send > cap || grad > cap) continue;
+                        cost += send + grad;
                       }
-                    }
-                    if (F[s][i][u] + cost < F[s + 1][j][v]) {
-                      F[s + 1][j][v] = F[s][i][u] + cost;
-                      from[s + 1][j][v] = {i, u};
+                      if (i > 0) {
+                        const Form fb = e->boundary_form[i - 1];
+                        if (!fb.is_sharded() && e->cluster->size() > 1) {
+                          const double bytes = boundary_bytes[i - 1];
+                          cost += e->coll->Broadcast(bytes) + e->coll->Reduce(bytes);
+                        }
+                      }
+                      if (F[s][i][u] + cost < F[s + 1][j][v]) {
+                        F[s + 1][j][v] = F[s][i][u] + cost;
+                        from[s + 1][j][v] = {i, u, gi};
+                      }
                     }
                   }
                 }
               }
             }
           }
-          if (F[S][L][U] == kInf)
-            continue;
+          if (F[S][L][U] == kInf) continue;
           std::vector<StageChoice> st(S);
           int j = L, v = U;
           for (int s = S; s >= 1; --s) {
-            auto [i, u] = from[s][j][v];
-            st[s - 1] = {i, j, u, v};
+            auto [i, u, gi] = from[s][j][v];
+            st[s - 1] = {i, j, u, v, gi};
             j = i;
             v = u;
           }
@@ -736,17 +682,15 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   if (best.stages.empty() || !std::isfinite(best.step)) {
     std::string why;
     for (const Entry &e : entries) {
-      if (!e.status.ok() &&
-          e.status.code() != absl::StatusCode::kFailedPrecondition) {
+      if (!e.status.ok() && e.status.code() != absl::StatusCode::kFailedPrecondition) {
         why = absl::StrCat(": a stage synthesis failed: ", e.status.message());
         break;
       }
     }
     if (o.mode == Mode::kStages) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "no ", o.stages,
-          "-stage pipeline fits (memory or microbatches smaller than groups)",
-          why));
+      return absl::FailedPreconditionError(
+          absl::StrCat("no ", o.stages,
+                       "-stage pipeline fits (memory or microbatches smaller than groups)", why));
     }
     note(absl::StrCat("no pipeline fits", why, "; the plan is the SPMD plan"));
     return finish();
@@ -761,7 +705,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   std::vector<StageTimes> lp_times = best.times;
   for (int s = 0; s < S; ++s) {
     const StageChoice &ch = best.stages[s];
-    const int gi = group_of[ch.first_unit][ch.end_unit];
+    const int gi = ch.group;
     const Entry &e = *entry(gi, c);
     const int n = e.cluster->size();
     StagePlan sp;
@@ -770,8 +714,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
     sp.begin_op = layers.begin[ch.first_layer];
     sp.end_op = layers.begin[ch.end_layer];
     sp.devices = groups[gi].devices;
-    sp.program =
-        SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kAll, n);
+    sp.program = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kAll, n);
     sp.ratios = e.plan.ratios;
     sp.in_flight = InFlightMicrobatches(s, S, M);
     if (ch.first_layer > 0) {
@@ -783,36 +726,28 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
       sp.output_form = e.boundary_form[ch.end_layer - 1];
     }
     sp.times = best.times[s];
-    sp.memory_bytes =
-        price_stage(ch.first_layer, ch.end_layer, gi, c, s, S).memory;
+    sp.memory_bytes = price_stage(ch.first_layer, ch.end_layer, gi, c, s, S).memory;
     StagePlan lp = sp;
     if (o.variant != Variant::kEvenSplit) {
       // minimise M * micro(r) + sync(r) subject to memory at sp.in_flight.
       const graph::Graph &gm = *graphs[c];
-      Program micro =
-          SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kMicro, n);
-      Program sync =
-          SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kSync, n);
+      Program micro = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kMicro, n);
+      Program sync = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kSync, n);
       auto price = [&](double bytes, const char **algorithm) {
         *algorithm = e.coll->AllReduceAlgorithm(bytes).algorithm;
         return e.coll->Constant(e.coll->AllReduce(bytes));
       };
-      synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price,
-                                   &sync);
+      synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &sync);
       ratios::RatioLpRequest req;
       req.num_devices = n;
       synth::AddProgramTerms(micro, &req);
-      for (ratios::CostTerm &t : req.terms)
-        t.weight *= M;
+      for (ratios::CostTerm &t : req.terms) t.weight *= M;
       synth::AddProgramTerms(sync, &req);
       if (!so.ignore_memory) {
         Program outputs = sp.program;
-        for (synth::OpStep &st : outputs.steps)
-          st.loads.clear();
-        ratios::MemoryConstraint all =
-            synth::MemoryModel(gm, *e.cluster, sp.program, so.optimizer);
-        ratios::MemoryConstraint act =
-            synth::MemoryModel(gm, *e.cluster, outputs, so.optimizer);
+        for (synth::OpStep &st : outputs.steps) st.loads.clear();
+        ratios::MemoryConstraint all = synth::MemoryModel(gm, *e.cluster, sp.program, so.optimizer);
+        ratios::MemoryConstraint act = synth::MemoryModel(gm, *e.cluster, outputs, so.optimizer);
         for (int d = 0; d < n; ++d) {
           all.coef[0][d] += (sp.in_flight - 1) * act.coef[0][d];
           all.constant[d] += (sp.in_flight - 1) * act.constant[d];
@@ -826,12 +761,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
         const double work = synth::EvaluateProgram(micro, lp.ratios).total;
         lp.times.forward = work * ForwardShare(micro, lp.ratios);
         lp.times.backward = work - lp.times.forward;
-        lp.times.sync =
-            synth::EvaluateProgram(sync, lp.ratios).total + e.overhead;
-        ratios::MemoryConstraint m =
-            req.memory ? *req.memory : ratios::MemoryConstraint();
-        if (req.memory)
-          lp.memory_bytes = synth::MemoryAt(m, lp.ratios);
+        lp.times.sync = synth::EvaluateProgram(sync, lp.ratios).total + e.overhead;
+        ratios::MemoryConstraint m = req.memory ? *req.memory : ratios::MemoryConstraint();
+        if (req.memory) lp.memory_bytes = synth::MemoryAt(m, lp.ratios);
         lp_times[s] = lp.times;
       }
     }
@@ -845,10 +777,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   const bool use_lp = lp_sim->step < sim->step * (1 - 1e-9);
   const double step = use_lp ? lp_sim->step : sim->step;
   if (o.mode == Mode::kAuto && out.has_spmd && step >= out.spmd_step_seconds) {
-    note(absl::StrCat(
-        "no pipeline is predicted faster than the SPMD plan (best: ", S,
-        " stages, ", M, " microbatches, ", step, " s against ",
-        out.spmd_step_seconds, " s)"));
+    note(absl::StrCat("no pipeline is predicted faster than the SPMD plan (best: ", S, " stages, ",
+                      M, " microbatches, ", step, " s against ", out.spmd_step_seconds, " s)"));
     return finish();
   }
   out.stages = use_lp ? std::move(lp_stages) : std::move(stages);
@@ -860,4 +790,4 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
   return finish();
 }
 
-} // namespace hap::pipeline
+}  // namespace hap::pipeline

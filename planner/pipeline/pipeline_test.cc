@@ -3,13 +3,13 @@
 #include <numeric>
 #include <set>
 
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_file.h"
 #include "planner/pipeline/layers.h"
 #include "planner/pipeline/schedule.h"
 #include "planner/util/status_matchers.h"
-#include "gmock/gmock.h"
-#include "gtest/gtest.h"
 
 namespace hap::pipeline {
 namespace {
@@ -19,8 +19,7 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-StageTimes Times(double f, double b, double send = 0, double grad = 0,
-                 double sync = 0) {
+StageTimes Times(double f, double b, double send = 0, double grad = 0, double sync = 0) {
   StageTimes t;
   t.forward = f;
   t.backward = b;
@@ -37,8 +36,8 @@ StageTimes Times(double f, double b, double send = 0, double grad = 0,
 TEST(Schedule, TwoEqualStagesThreeMicrobatches) {
   auto r = Simulate1F1B({Times(1, 2), Times(1, 2)}, 3);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_DOUBLE_EQ(r->step, 12);  // (M + S - 1)(f + b)
-  EXPECT_DOUBLE_EQ(r->bubble, 3); // (S - 1)(f + b)
+  EXPECT_DOUBLE_EQ(r->step, 12);   // (M + S - 1)(f + b)
+  EXPECT_DOUBLE_EQ(r->bubble, 3);  // (S - 1)(f + b)
   EXPECT_DOUBLE_EQ(ClosedForm1F1B({Times(1, 2), Times(1, 2)}, 3), 12);
 }
 
@@ -64,7 +63,7 @@ TEST(Schedule, UnequalStages) {
   auto r = Simulate1F1B({Times(1, 2), Times(2, 4)}, 2);
   ASSERT_TRUE(r.ok());
   EXPECT_DOUBLE_EQ(r->step, 15);
-  EXPECT_DOUBLE_EQ(r->bubble, 3); // 15 - 2 * 6
+  EXPECT_DOUBLE_EQ(r->bubble, 3);  // 15 - 2 * 6
   // A link slower than the stages is the bottleneck: sends of 5 s
   // serialise (arrivals at 6 and 11), s1 F2 11-12 B2 12-14, s0 B2 14-16...
   auto slow = Simulate1F1B({Times(1, 1, 5, 0), Times(1, 1)}, 2);
@@ -76,27 +75,28 @@ TEST(Schedule, UnequalStages) {
 
 TEST(Schedule, Errors) {
   EXPECT_THAT(Simulate1F1B({}, 2).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("at least one stage")));
-  EXPECT_THAT(
-      Simulate1F1B({Times(1, 1)}, 0).status(),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatch")));
-  EXPECT_THAT(
-      Simulate1F1B({Times(1, -1)}, 2).status(),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stage 0")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least one stage")));
+  EXPECT_THAT(Simulate1F1B({Times(1, 1)}, 0).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatch")));
+  EXPECT_THAT(Simulate1F1B({Times(1, -1)}, 2).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stage 0")));
   EXPECT_EQ(InFlightMicrobatches(0, 4, 8), 4);
   EXPECT_EQ(InFlightMicrobatches(3, 4, 8), 1);
   EXPECT_EQ(InFlightMicrobatches(0, 4, 2), 2);
 }
 
+absl::StatusOr<graph::Graph> TinyGpt(int layers) {
+  return graph::BuildZooModel("gpt", {{"layers", layers},
+                                      {"hidden", 64},
+                                      {"heads", 4},
+                                      {"ffn", 128},
+                                      {"seq", 8},
+                                      {"vocab", 100},
+                                      {"batch", 8}});
+}
+
 TEST(Layers, GptCutsAtTheResidualStream) {
-  auto g = graph::BuildZooModel("gpt", {{"layers", 3},
-                                        {"hidden", 64},
-                                        {"heads", 4},
-                                        {"ffn", 128},
-                                        {"seq", 8},
-                                        {"vocab", 100},
-                                        {"batch", 8}});
+  auto g = TinyGpt(3);
   ASSERT_TRUE(g.ok());
   Layers l = FindLayers(*g, 64);
   // Two residual adds per block, plus cuts around embedding and head.
@@ -104,8 +104,7 @@ TEST(Layers, GptCutsAtTheResidualStream) {
   ASSERT_EQ(l.boundary.size(), static_cast<size_t>(l.size() - 1));
   int residual = 0;
   for (graph::TensorId t : l.boundary) {
-    if (g->tensor(t).type.shape == std::vector<int64_t>{8, 8, 64})
-      ++residual;
+    if (g->tensor(t).type.shape == std::vector<int64_t>{8, 8, 64}) ++residual;
   }
   EXPECT_GE(residual, 6);
   EXPECT_EQ(l.begin.front(), 0);
@@ -120,13 +119,7 @@ TEST(Layers, GptCutsAtTheResidualStream) {
 }
 
 TEST(Layers, Rebatch) {
-  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
-                                        {"hidden", 64},
-                                        {"heads", 4},
-                                        {"ffn", 128},
-                                        {"seq", 8},
-                                        {"vocab", 100},
-                                        {"batch", 8}});
+  auto g = TinyGpt(2);
   ASSERT_TRUE(g.ok());
   auto m = Rebatch(*g, 2);
   ASSERT_TRUE(m.ok()) << m.status();
@@ -134,8 +127,7 @@ TEST(Layers, Rebatch) {
   ASSERT_EQ(m->ops().size(), g->ops().size());
   EXPECT_NEAR(m->ForwardFlops() / g->ForwardFlops(), 0.25, 1e-9);
   EXPECT_THAT(Rebatch(*g, 3).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("does not divide")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("does not divide")));
 }
 
 cost::ClusterModel TwoNodes(double inter_bw) {
@@ -144,8 +136,7 @@ cost::ClusterModel TwoNodes(double inter_bw) {
     d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 2), "test",
                  i < 2 ? 3.86e12 : 2.15e12, 40 * kGiB, 1e-5});
   }
-  return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, inter_bw,
-                                       5e-5);
+  return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, inter_bw, 5e-5);
 }
 
 absl::StatusOr<graph::Graph> SmallGpt() {
@@ -175,12 +166,10 @@ TEST(Subset, KeepsLinksAndOrder) {
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->device(0).id, "d3");
   EXPECT_DOUBLE_EQ(s->bandwidth(0, 1), 1e9);
-  EXPECT_THAT(
-      c.Subset({1, 1}).status(),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("repeated")));
-  EXPECT_THAT(
-      c.Subset({0}).status(),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 2")));
+  EXPECT_THAT(c.Subset({1, 1}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("repeated")));
+  EXPECT_THAT(c.Subset({0}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 2")));
 }
 
 TEST(Planner, NoPipelineOverFastLinks) {
@@ -191,10 +180,9 @@ TEST(Planner, NoPipelineOverFastLinks) {
   EXPECT_FALSE(p->pipelined());
   EXPECT_TRUE(p->has_spmd);
   EXPECT_DOUBLE_EQ(p->step_seconds, p->spmd.cost.total);
-  EXPECT_GT(p->syntheses, 0); // pipelines were priced and lost
+  EXPECT_GT(p->syntheses, 0);  // pipelines were priced and lost
   ASSERT_FALSE(p->notes.empty());
-  EXPECT_THAT(p->notes.back(),
-              HasSubstr("no pipeline is predicted faster than the SPMD plan"));
+  EXPECT_THAT(p->notes.back(), HasSubstr("no pipeline is predicted faster than the SPMD plan"));
 }
 
 TEST(Planner, PipelineOverSlowLinks) {
@@ -213,10 +201,8 @@ TEST(Planner, PipelineOverSlowLinks) {
   std::set<int> devices;
   std::vector<StageTimes> times;
   for (const StagePlan &s : p->stages) {
-    EXPECT_EQ(s.program.steps.size(),
-              static_cast<size_t>(s.end_op - s.begin_op));
-    EXPECT_NEAR(std::accumulate(s.ratios.begin(), s.ratios.end(), 0.0), 1,
-                1e-6);
+    EXPECT_EQ(s.program.steps.size(), static_cast<size_t>(s.end_op - s.begin_op));
+    EXPECT_NEAR(std::accumulate(s.ratios.begin(), s.ratios.end(), 0.0), 1, 1e-6);
     EXPECT_EQ(s.ratios.size(), s.devices.size());
     devices.insert(s.devices.begin(), s.devices.end());
     times.push_back(s.times);
@@ -249,7 +235,7 @@ TEST(Planner, Baselines) {
   ASSERT_EQ(even->stages.size(), 2u);
   EXPECT_EQ(even->stages[0].end_layer, even->layers / 2);
   EXPECT_NEAR(even->stages[0].ratios[0], 0.5,
-              1e-12); // data parallelism, equal split
+              1e-12);  // data parallelism, equal split
   // The synthesized stages search a space holding the others' programs.
   EXPECT_LE(hap->step_seconds, metis->step_seconds * (1 + 1e-9));
   EXPECT_LE(metis->step_seconds, even->step_seconds * (1 + 1e-9));
@@ -259,16 +245,13 @@ TEST(Planner, BadOptions) {
   auto g = SmallGpt();
   ASSERT_TRUE(g.ok());
   EXPECT_THAT(PlanPipeline(*g, TwoNodes(1e9), Fast(Mode::kStages, 0)).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("at least 1 stage")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 1 stage")));
   EXPECT_THAT(PlanPipeline(*g, TwoNodes(1e9), Fast(Mode::kStages, 40)).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("cannot make 40 stages")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cannot make 40 stages")));
   PipelineOptions o = Fast(Mode::kAuto);
   o.microbatches = 5;
   EXPECT_THAT(PlanPipeline(*g, TwoNodes(1e9), o).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("must divide the batch")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must divide the batch")));
 }
 
 TEST(Executor, RefusesPipelinePlans) {
@@ -277,13 +260,11 @@ TEST(Executor, RefusesPipelinePlans) {
   plan.mutable_pipeline()->add_stages();
   plan.mutable_pipeline()->add_stages();
   plan.mutable_pipeline()->set_microbatches(4);
-  EXPECT_THAT(
-      lower::CheckPlanForRank(plan, 0, 2),
-      StatusIs(
-          absl::StatusCode::kUnimplemented,
-          HasSubstr("pipeline plans are not executable yet: the plan has 2 "
-                    "pipeline stages (4 microbatches)")));
+  EXPECT_THAT(lower::CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("pipeline plans are not executable yet: the plan has 2 "
+                                 "pipeline stages (4 microbatches)")));
 }
 
-} // namespace
-} // namespace hap::pipeline
+}  // namespace
+}  // namespace hap::pipeline
