@@ -17,6 +17,7 @@
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
 #include "planner/synth/planner.h"
+#include "planner/pipeline/pipeline.h"
 #include "planner/util/status_macros.h"
 #include "tools/hapctl_graph.h"
 
@@ -33,6 +34,7 @@ constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model 
                    [--max-states N] [--max-seconds S] [-o table|json]
                    [--save-plan PLAN.pb] [--lr X] [--momentum X]
                    [--weight-decay X] [--clip-norm X] [--seed N]
+                   [--pipeline off|auto|N] [--microbatches N]
 
 Synthesizes the SPMD program and sharding ratios offline. Zoo models default
 to a batch of 32 per device and (moe/switch) 2 experts per device.
@@ -48,6 +50,11 @@ prices them in line, as today's executors run them.
 --precision bf16 plans bf16 mixed precision (README "Precision"): products
 in bf16 with fp32 accumulation, fp32 master weights; each device priced at
 its bf16 FLOP/s (its fp32 rate when its profile has none).
+--pipeline auto plans pipeline stages with a synthesized SPMD program each
+(README "Pipeline plans"): stage count, cuts, device groups and microbatches
+(--microbatches N fixes it) chosen together, one stage (the SPMD plan)
+included; N asks for exactly N stages. Off (the default): the executors
+cannot run pipeline plans yet, so a plan with stages is shown, not saved.
 )";
 
 int Fail(const absl::Status& s) {
@@ -289,6 +296,129 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
   return absl::OkStatus();
 }
 
+std::string StageOps(const graph::Graph& g, const pipeline::StagePlan& s) {
+  return absl::StrCat(g.op(s.begin_op).name, " .. ", g.op(s.end_op - 1).name);
+}
+
+void PrintPipelineTable(const pipeline::PipelinePlan& p, const cost::ClusterModel& cl) {
+  const graph::Graph& g = *p.microbatch_graph;
+  std::cout << absl::StrFormat(
+      "pipeline: %d stages, %d microbatches of %d samples (1F1B), %d layers to cut between\n",
+      p.stages.size(), p.microbatches, p.microbatch_size, p.layers);
+  std::cout << absl::StrFormat(
+      "predicted step: %.4f s (bubble %.4f s); best SPMD plan %.4f s (%.2fx)\n",
+      p.step_seconds, p.bubble_seconds, p.spmd_step_seconds,
+      p.spmd_step_seconds / p.step_seconds);
+  std::cout << absl::StrFormat("planned in %.2f s (%d stage syntheses)\n", p.planning_seconds,
+                               p.syntheses);
+  for (const std::string& n : p.notes) std::cout << "note: " << n << "\n";
+  std::cout << "note: pipeline plans are not executable yet (the executors run --pipeline off "
+               "plans)\n\n";
+  std::cout << absl::StrFormat("%-5s %-8s %-38s %-9s %-9s %-9s %-9s %-9s %-5s %s\n", "stage",
+                               "layers", "ops", "fwd s", "bwd s", "send s", "grad s", "sync s",
+                               "held", "devices (ratio, memory GiB)");
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const pipeline::StagePlan& s = p.stages[i];
+    std::vector<std::string> dev;
+    for (size_t d = 0; d < s.devices.size(); ++d) {
+      dev.push_back(absl::StrFormat("%s (%.3f, %.1f)", cl.device(s.devices[d]).id, s.ratios[d],
+                                    s.memory_bytes[d] / double(int64_t{1} << 30)));
+    }
+    std::string ops = StageOps(g, s);
+    if (ops.size() > 38) ops = "…" + ops.substr(ops.size() - 37);
+    std::cout << absl::StrFormat("%-5d %-8s %-38s %-9.4f %-9.4f %-9.4f %-9.4f %-9.4f %-5d %s\n",
+                                 i, absl::StrCat(s.first_layer, "-", s.end_layer - 1), ops,
+                                 s.times.forward, s.times.backward, s.times.send,
+                                 s.times.gradient, s.times.sync, s.in_flight,
+                                 absl::StrJoin(dev, ", "));
+    if (s.output_tensor >= 0) {
+      std::cout << absl::StrFormat("      sends %s %s\n", g.tensor(s.output_tensor).name,
+                                   s.output_form.ToString());
+    }
+  }
+}
+
+void PrintPipelineJson(const pipeline::PipelinePlan& p, const cost::ClusterModel& cl) {
+  const graph::Graph& g = *p.microbatch_graph;
+  std::ostringstream o;
+  o << "{\n  \"model\": " << Json(g.name()) << ",\n";
+  o << "  \"pipeline\": {\n";
+  o << "    \"variant\": " << Json(pipeline::VariantName(p.variant)) << ",\n";
+  o << "    \"schedule\": \"1f1b\",\n";
+  o << "    \"microbatches\": " << p.microbatches << ",\n";
+  o << "    \"microbatch_size\": " << p.microbatch_size << ",\n";
+  o << "    \"layers\": " << p.layers << ",\n";
+  o << absl::StrFormat("    \"step_seconds\": %.9g,\n", p.step_seconds);
+  o << absl::StrFormat("    \"bubble_seconds\": %.9g,\n", p.bubble_seconds);
+  o << absl::StrFormat("    \"spmd_step_seconds\": %.9g,\n", p.spmd_step_seconds);
+  o << absl::StrFormat("    \"planning_seconds\": %.6g,\n", p.planning_seconds);
+  o << "    \"executable\": false,\n";
+  o << "    \"stages\": [\n";
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const pipeline::StagePlan& s = p.stages[i];
+    o << "      {\"index\": " << i << ", \"first_layer\": " << s.first_layer
+      << ", \"end_layer\": " << s.end_layer << ", \"begin_op\": " << s.begin_op
+      << ", \"end_op\": " << s.end_op << ", \"first_op\": " << Json(g.op(s.begin_op).name)
+      << ", \"last_op\": " << Json(g.op(s.end_op - 1).name) << ", \"devices\": [";
+    for (size_t d = 0; d < s.devices.size(); ++d) {
+      o << (d ? ", " : "") << Json(cl.device(s.devices[d]).id);
+    }
+    o << "], \"ratios\": [";
+    for (size_t d = 0; d < s.ratios.size(); ++d) {
+      o << (d ? ", " : "") << absl::StrFormat("%.9g", s.ratios[d]);
+    }
+    o << "], \"memory_bytes_per_device\": [";
+    for (size_t d = 0; d < s.memory_bytes.size(); ++d) {
+      o << (d ? ", " : "") << s.memory_bytes[d];
+    }
+    o << "]" << absl::StrFormat(
+        ", \"forward_seconds\": %.9g, \"backward_seconds\": %.9g, \"send_seconds\": %.9g, "
+        "\"gradient_receive_seconds\": %.9g, \"sync_seconds\": %.9g",
+        s.times.forward, s.times.backward, s.times.send, s.times.gradient, s.times.sync);
+    o << ", \"in_flight_microbatches\": " << s.in_flight;
+    o << ", \"output_tensor\": "
+      << Json(s.output_tensor >= 0 ? g.tensor(s.output_tensor).name : "")
+      << ", \"output_form\": " << Json(s.output_tensor >= 0 ? s.output_form.ToString() : "");
+    o << ", \"rules\": [";
+    for (size_t k = 0; k < s.program.steps.size(); ++k) {
+      o << (k ? ", " : "") << Json(s.program.steps[k].rule.name);
+    }
+    o << "]}" << (i + 1 < p.stages.size() ? "," : "") << "\n";
+  }
+  o << "    ]\n  },\n  \"notes\": [";
+  for (size_t i = 0; i < p.notes.size(); ++i) o << (i ? ", " : "") << Json(p.notes[i]);
+  o << "]\n}\n";
+  std::cout << o.str();
+}
+
+absl::StatusOr<pipeline::PipelineOptions> ParsePipeline(const Args& args) {
+  pipeline::PipelineOptions pp;
+  const std::string v = args.Get("pipeline", "off");
+  int n = 0;
+  if (v == "off") {
+    pp.mode = pipeline::Mode::kOff;
+  } else if (v == "auto") {
+    pp.mode = pipeline::Mode::kAuto;
+  } else if (absl::SimpleAtoi(v, &n) && n >= 1) {
+    pp.mode = pipeline::Mode::kStages;
+    pp.stages = n;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pipeline must be off, auto or a stage count >= 1, got '", v, "'"));
+  }
+  if (args.Has("microbatches")) {
+    if (!absl::SimpleAtoi(args.Get("microbatches"), &n) || n < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--microbatches must be a positive integer, got '", args.Get("microbatches"), "'"));
+    }
+    if (pp.mode == pipeline::Mode::kOff) {
+      return absl::InvalidArgumentError("--microbatches needs --pipeline auto or N");
+    }
+    pp.microbatches = n;
+  }
+  return pp;
+}
+
 }  // namespace
 
 int RunPlan(const std::vector<std::string>& argv) {
@@ -297,7 +427,7 @@ int RunPlan(const std::vector<std::string>& argv) {
                       "devices", "baseline", "optimizer", "max-states",
                       "max-seconds", "save-plan", "lr", "momentum",
                       "weight-decay", "clip-norm", "seed", "ratios", "overlap",
-                      "precision"});
+                      "precision", "pipeline", "microbatches"});
   auto args = Args::Parse(argv, value_flags,
                           {"help", "no-sfb", "no-zero", "no-grouped",
                            "zero-heuristic", "ignore-memory"});
@@ -395,7 +525,39 @@ int RunPlan(const std::vector<std::string>& argv) {
   }
   po.max_states = static_cast<int64_t>(*ms);
   po.max_seconds = *mx;
-  auto r = synth::PlanModel(*g, *cluster, po);
+  auto pp = ParsePipeline(*args);
+  if (!pp.ok()) return Fail(pp.status());
+  if (pp->mode != pipeline::Mode::kOff && po.baseline != synth::Baseline::kNone) {
+    return Fail(absl::InvalidArgumentError(
+        "--baseline plans one SPMD program; it cannot be combined with --pipeline"));
+  }
+  absl::StatusOr<synth::PlanResult> r;
+  if (pp->mode == pipeline::Mode::kOff) {
+    r = synth::PlanModel(*g, *cluster, po);
+  } else {
+    pp->stage_options = po;
+    auto pr = pipeline::PlanPipeline(*g, *cluster, *pp);
+    if (!pr.ok()) return Fail(pr.status());
+    if (pr->pipelined()) {
+      if (args->Has("save-plan")) {
+        return Fail(absl::FailedPreconditionError(
+            "pipeline plans are not executable yet, so --save-plan writes none; plan with "
+            "--pipeline off to save an executable plan"));
+      }
+      std::string fmt = args->Get("o", args->Get("output", "table"));
+      if (fmt == "json") {
+        PrintPipelineJson(*pr, *cluster);
+      } else if (fmt == "table") {
+        PrintPipelineTable(*pr, *cluster);
+      } else {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("-o must be table or json, got '", fmt, "'")));
+      }
+      return 0;
+    }
+    r = std::move(pr->spmd);
+    for (std::string& n : pr->notes) r->notes.push_back(std::move(n));
+  }
   if (!r.ok()) return Fail(r.status());
   if (args->Has("save-plan")) {
     auto st = SavePlan(*args, *g, *cluster_proto, *cluster, *r, opt,
