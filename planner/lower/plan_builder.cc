@@ -53,6 +53,8 @@ v1::Instruction::Storage StorageOf(synth::ParamStorage s) {
   return v1::Instruction::STORAGE_UNSPECIFIED;
 }
 
+}  // namespace
+
 void AddInstructions(const graph::Graph& g, const synth::Program& p,
                      const std::vector<double>& ratios, v1::SynthesizedProgram* out) {
   auto eval = [&](const ratios::CostTerm& t) { return cost::EvaluateTerm(t, ratios); };
@@ -95,8 +97,6 @@ void AddInstructions(const graph::Graph& g, const synth::Program& p,
     i->set_predicted_compute_seconds(eval(s.compute));
   }
 }
-
-}  // namespace
 
 absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
                                    const v1::Cluster& cluster_profile,

@@ -19,6 +19,12 @@ namespace hap::lower {
 // Lowers `result` for the cluster's devices (rank order = cluster order)
 // and fills every field but name/uid/timestamps. `options` carries the
 // optimizer and the seed. Errors: those of Lower.
+// Appends `p`'s steps as instructions (sources, form changes, computes),
+// each with its predicted seconds at `ratios`. BuildPlan uses it for the
+// plan's program; planner/pipeline for each stage's.
+void AddInstructions(const graph::Graph& g, const synth::Program& p,
+                     const std::vector<double>& ratios, hap::v1::SynthesizedProgram* out);
+
 absl::StatusOr<hap::v1::Plan> BuildPlan(const graph::Graph& g,
                                         const hap::v1::Cluster& cluster_profile,
                                         const cost::ClusterModel& cluster,

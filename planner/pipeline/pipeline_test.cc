@@ -8,6 +8,7 @@
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_file.h"
 #include "planner/pipeline/layers.h"
+#include "planner/pipeline/pipeline_plan.h"
 #include "planner/pipeline/schedule.h"
 #include "planner/util/status_matchers.h"
 
@@ -200,7 +201,7 @@ TEST(Planner, PipelineOverSlowLinks) {
   EXPECT_EQ(p->stages[1].end_op, static_cast<int>(g->ops().size()));
   std::set<int> devices;
   std::vector<StageTimes> times;
-  for (const StagePlan &s : p->stages) {
+  for (const StagePlan& s : p->stages) {
     EXPECT_EQ(s.program.steps.size(), static_cast<size_t>(s.end_op - s.begin_op));
     EXPECT_NEAR(std::accumulate(s.ratios.begin(), s.ratios.end(), 0.0), 1, 1e-6);
     EXPECT_EQ(s.ratios.size(), s.devices.size());
@@ -217,6 +218,41 @@ TEST(Planner, PipelineOverSlowLinks) {
   ASSERT_TRUE(sim.ok());
   EXPECT_DOUBLE_EQ(sim->step, p->step_seconds);
   EXPECT_EQ(p->microbatch_size * p->microbatches, 32);
+
+  // As a plan: stages with their programs, refused by the executors.
+  hap::v1::Cluster profile;
+  hap::v1::PlanOptions po;
+  po.set_pipeline(hap::v1::PlanOptions::PIPELINE_AUTO);
+  auto plan = BuildPipelinePlan(*g, profile, c, *p, po);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->pipeline().stages_size(), 2);
+  EXPECT_EQ(plan->pipeline().microbatches(), p->microbatches);
+  EXPECT_EQ(plan->global_batch(), 32);
+  EXPECT_EQ(plan->rank_programs_size(), 0);
+  const hap::v1::PipelineStage& s1 = plan->pipeline().stages(1);
+  EXPECT_EQ(s1.devices_size(), static_cast<int>(p->stages[1].devices.size()));
+  EXPECT_EQ(s1.input_tensor(), plan->pipeline().stages(0).output_tensor());
+  EXPECT_FALSE(s1.input_tensor().empty());
+  EXPECT_GE(s1.program().instructions_size(), s1.end_op() - s1.begin_op());
+  EXPECT_DOUBLE_EQ(plan->prediction().step_seconds(), p->step_seconds);
+  EXPECT_THAT(lower::CheckPlanForRank(*plan, 0, 4),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("pipeline plans are not executable yet")));
+}
+
+TEST(PipelinePlan, OptionsFromProto) {
+  hap::v1::PlanOptions po;
+  EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
+  po.set_pipeline(hap::v1::PlanOptions::PIPELINE_STAGES);
+  EXPECT_THAT(FromProto(po).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pipeline_stages")));
+  po.set_pipeline_stages(3);
+  po.set_pipeline_microbatches(8);
+  auto o = FromProto(po);
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->mode, Mode::kStages);
+  EXPECT_EQ(o->stages, 3);
+  EXPECT_EQ(o->microbatches, 8);
 }
 
 TEST(Planner, Baselines) {

@@ -1,0 +1,118 @@
+#include "planner/pipeline/pipeline_plan.h"
+
+#include "absl/strings/str_cat.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/lower/plan_builder.h"
+#include "planner/pipeline/layers.h"
+
+namespace hap::pipeline {
+namespace v1 = ::hap::v1;
+
+namespace {
+v1::TensorForm FormOf(synth::Form f) {
+  v1::TensorForm t;
+  if (f.is_replicated()) {
+    t.set_kind(v1::TensorForm::REPLICATED);
+  } else if (f.is_partial()) {
+    t.set_kind(v1::TensorForm::PARTIAL);
+  } else {
+    t.set_kind(v1::TensorForm::SHARDED);
+    t.set_dim(f.dim());
+  }
+  return t;
+}
+}  // namespace
+
+absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
+                                           const v1::Cluster& cluster_profile,
+                                           const cost::ClusterModel& cluster, const PipelinePlan& p,
+                                           const v1::PlanOptions& options) {
+  if (!p.pipelined() || p.microbatch_graph == nullptr) {
+    return absl::InvalidArgumentError("the plan has no pipeline stages");
+  }
+  const graph::Graph& gm = *p.microbatch_graph;
+  v1::Plan plan;
+  plan.set_format_version(lower::kPlanFormatVersion);
+  *plan.mutable_graph() = graph::ToProto(g);
+  *plan.mutable_cluster() = cluster_profile;
+  *plan.mutable_options() = options;
+  plan.set_graph_hash(lower::Sha256Hex(plan.graph()));
+  plan.set_cluster_hash(lower::Sha256Hex(plan.cluster()));
+  for (int i = 0; i < cluster.size(); ++i) plan.add_devices(cluster.device(i).id);
+  plan.set_global_batch(GraphBatch(g));
+  v1::PlanPrediction* pred = plan.mutable_prediction();
+  pred->set_step_seconds(p.step_seconds);
+  for (const std::string& n : p.notes) plan.add_notes(n);
+  plan.add_notes(
+      "pipeline plans are not executable yet: the executors run plans made with pipeline off");
+  v1::PipelinePlan* out = plan.mutable_pipeline();
+  out->set_microbatches(p.microbatches);
+  out->set_microbatch_size(p.microbatch_size);
+  out->set_schedule("1f1b");
+  out->set_step_seconds(p.step_seconds);
+  out->set_bubble_seconds(p.bubble_seconds);
+  out->set_spmd_step_seconds(p.spmd_step_seconds);
+  out->set_variant(VariantName(p.variant));
+  double compute = 0;
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const StagePlan& s = p.stages[i];
+    v1::PipelineStage* st = out->add_stages();
+    st->set_index(static_cast<int>(i));
+    st->set_begin_op(s.begin_op);
+    st->set_end_op(s.end_op);
+    st->set_first_op(gm.op(s.begin_op).name);
+    st->set_last_op(gm.op(s.end_op - 1).name);
+    for (int d : s.devices) st->add_devices(cluster.device(d).id);
+    lower::AddInstructions(gm, s.program, s.ratios, st->mutable_program());
+    for (double r : s.ratios) st->add_ratios(r);
+    if (s.input_tensor >= 0) {
+      st->set_input_tensor(gm.tensor(s.input_tensor).name);
+      *st->mutable_input_form() = FormOf(s.input_form);
+    }
+    if (s.output_tensor >= 0) {
+      st->set_output_tensor(gm.tensor(s.output_tensor).name);
+      *st->mutable_output_form() = FormOf(s.output_form);
+    }
+    st->set_forward_seconds(s.times.forward);
+    st->set_backward_seconds(s.times.backward);
+    st->set_send_seconds(s.times.send);
+    st->set_gradient_receive_seconds(s.times.gradient);
+    st->set_sync_seconds(s.times.sync);
+    st->set_in_flight_microbatches(s.in_flight);
+    for (int64_t m : s.memory_bytes) st->add_memory_bytes_per_device(m);
+    compute = std::max(compute, p.microbatches * (s.times.forward + s.times.backward));
+  }
+  pred->set_compute_seconds(compute);
+  pred->set_communication_seconds(std::max(0.0, p.step_seconds - compute));
+  plan.set_content_hash(lower::ContentHash(plan));
+  return plan;
+}
+
+absl::StatusOr<PipelineOptions> FromProto(const v1::PlanOptions& o) {
+  PipelineOptions p;
+  switch (o.pipeline()) {
+    case v1::PlanOptions::PIPELINE_AUTO:
+      p.mode = Mode::kAuto;
+      break;
+    case v1::PlanOptions::PIPELINE_STAGES:
+      if (o.pipeline_stages() < 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("options.pipeline_stages must be at least 1 with PIPELINE_STAGES, got ",
+                         o.pipeline_stages()));
+      }
+      p.mode = Mode::kStages;
+      p.stages = o.pipeline_stages();
+      break;
+    default:
+      p.mode = Mode::kOff;
+      break;
+  }
+  if (o.pipeline_microbatches() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.pipeline_microbatches must not be negative, got ", o.pipeline_microbatches()));
+  }
+  p.microbatches = o.pipeline_microbatches();
+  return p;
+}
+
+}  // namespace hap::pipeline
