@@ -6,12 +6,14 @@
 #include <atomic>
 #include <cmath>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/util/status_macros.h"
 #include "profiler_agent/agent_service.h"
@@ -99,6 +101,9 @@ struct Agent::Impl : public ProfileSource {
   // they differ.
   int64_t profile_generation ABSL_GUARDED_BY(mu) = 0;
   int64_t sent_generation ABSL_GUARDED_BY(mu) = 0;
+  // Executors of o.executors that did not answer at the last registration
+  // (the heartbeat thread's alone).
+  int executors_unresolved = 0;
   std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
   std::shared_ptr<v1::Planner::Stub> planner_stub ABSL_GUARDED_BY(mu);
 
@@ -233,6 +238,39 @@ struct Agent::Impl : public ProfileSource {
     return false;
   }
 
+  // The device the executor daemon at `address` serves.
+  absl::StatusOr<std::string> ExecutorDevice(const std::string& address) {
+    HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(address, o.security));
+    auto stub = v1::Executor::NewStub(channel);
+    v1::ExecutorStatus st;
+    Call call(this, o.rpc_timeout);
+    HAP_RETURN_IF_ERROR(FromGrpc(stub->GetStatus(call.ctx(), v1::GetStatusRequest(), &st)));
+    if (st.device().empty()) {
+      return absl::FailedPreconditionError("the executor names no device it serves");
+    }
+    return st.device();
+  }
+
+  // "hap.executor/<device>" = address for each executor of o.executors that
+  // answers; `unresolved` counts those that did not.
+  std::map<std::string, std::string> ExecutorLabels(int* unresolved) {
+    std::map<std::string, std::string> labels;
+    *unresolved = 0;
+    for (const std::string& address : o.executors) {
+      absl::StatusOr<std::string> device = ExecutorDevice(address);
+      if (device.ok()) {
+        labels["hap.executor/" + *device] = address;
+      } else {
+        ++*unresolved;
+        if (!Stopping()) {
+          Log(absl::StrCat("the executor at ", address, " (--executor): ",
+                           device.status().ToString(), "; asking again at the next heartbeat"));
+        }
+      }
+    }
+    return labels;
+  }
+
   // RegisterNode with the current profile; the heartbeat interval to use.
   absl::StatusOr<absl::Duration> Register() {
     v1::RegisterNodeRequest req;
@@ -242,6 +280,9 @@ struct Agent::Impl : public ProfileSource {
       *req.mutable_node() = profile->node();
       generation = profile_generation;
     }
+    int unresolved = 0;
+    for (auto& [k, v] : ExecutorLabels(&unresolved)) (*req.mutable_node()->mutable_labels())[k] = v;
+    executors_unresolved = unresolved;
     v1::RegisterNodeResponse resp;
     Call call(this, o.rpc_timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(Planner()->RegisterNode(call.ctx(), req, &resp)));
@@ -337,8 +378,19 @@ struct Agent::Impl : public ProfileSource {
       if (absl::Now() >= next_heartbeat) {
         HeartbeatOnce();
         next_heartbeat = absl::Now() + interval;
-        absl::MutexLock l(&mu);
-        if (!registered) continue;  // unknown_node: register again at once
+        {
+          absl::MutexLock l(&mu);
+          if (!registered) continue;  // unknown_node: register again at once
+        }
+        if (executors_unresolved > 0) {
+          int unresolved = 0;
+          ExecutorLabels(&unresolved);
+          if (unresolved == 0) {  // every executor answers now: register with the labels
+            absl::MutexLock l(&mu);
+            registered = false;
+            continue;
+          }
+        }
       }
       absl::Time next = o.drift > 0 ? std::min(next_heartbeat, next_drift) : next_heartbeat;
       if (!WaitFor(std::max(next - absl::Now(), absl::ZeroDuration()))) break;

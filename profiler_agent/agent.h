@@ -49,6 +49,13 @@ struct AgentOptions {
   // training's load on its peers, not the links: the links it reported
   // before (the planner keeps them) stay in use meanwhile.
   absl::Duration link_probe_delay = absl::ZeroDuration();
+  // The executor daemons of this node (HOST:PORT, as their clients dial
+  // them): each is asked which device it serves (Executor.GetStatus) and
+  // the node registers with the label "hap.executor/<device>" = HOST:PORT,
+  // which deployments and jobs use for a device given no executor. One
+  // that does not answer yet is asked again at each heartbeat; once all
+  // have, the node registers again with their labels.
+  std::vector<std::string> executors;
   LinkProbeOptions link;
   absl::Duration rpc_timeout = absl::Seconds(10);
   // Registration retries: doubling from initial to max.

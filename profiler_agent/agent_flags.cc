@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "planner/service/grpc/grpc_util.h"
 #include "planner/util/status_macros.h"
 
@@ -55,7 +56,9 @@ const char kAgentUsage[] =
     "  --drift-check-seconds S   how often to check (default 60)\n"
     "  --link-probe-seconds S    how often to measure peer links (default 300)\n"
     "  --link-probe-delay S      the first link measurement S seconds after\n"
-    "                            registering (default 0: at once)\n";
+    "                            registering (default 0: at once)\n"
+    "  --executor HOST:PORT      an executor daemon of this node (repeatable): the\n"
+    "                            node is labelled hap.executor/<its device> = HOST:PORT\n";
 
 const std::set<std::string>& AgentValueFlags() {
   static const std::set<std::string>* const flags = new std::set<std::string>{"planner",
@@ -73,7 +76,8 @@ const std::set<std::string>& AgentValueFlags() {
                                                                               "drift",
                                                                               "drift-check-seconds",
                                                                               "link-probe-seconds",
-                                                                              "link-probe-delay"};
+                                                                              "link-probe-delay",
+                                                                              "executor"};
   return *flags;
 }
 
@@ -114,6 +118,18 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   o.link_probe_interval = absl::Seconds(links);
   HAP_ASSIGN_OR_RETURN(double delay, Number(a, "link-probe-delay", 0, 0));
   o.link_probe_delay = absl::Seconds(delay);
+  o.executors = a.GetAll("executor");
+  if (o.executors.empty()) {
+    const std::string env = a.GetOrEnv("executor", "");
+    if (!env.empty()) o.executors = absl::StrSplit(env, ',', absl::SkipEmpty());
+  }
+  for (const std::string& e : o.executors) {
+    const auto colon = e.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == e.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--executor ", e, ": expected HOST:PORT of an executor daemon"));
+    }
+  }
   return o;
 }
 

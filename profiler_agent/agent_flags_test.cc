@@ -63,6 +63,15 @@ TEST(AgentFlagsTest, LinkProbeDelay) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--link-probe-delay")));
 }
 
+TEST(AgentFlagsTest, Executors) {
+  auto o = FromArgv({"--planner", "p:1", "--executor", "127.0.0.1:7101", "--executor=h:7102"});
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->executors, (std::vector<std::string>{"127.0.0.1:7101", "h:7102"}));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--executor", "7101"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--executor 7101: expected HOST:PORT")));
+}
+
 TEST(AgentFlagsTest, ReadsTheTokenFile) {
   std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/token";
   std::ofstream(path) << "s3cret\n";

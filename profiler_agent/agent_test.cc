@@ -10,7 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "grpcpp/grpcpp.h"
 #include "hap/v1/agent_service.grpc.pb.h"
+#include "hap/v1/executor_service.grpc.pb.h"
 #include "planner/util/status_matchers.h"
 #include "profiler_agent/fake_planner.h"
 
@@ -55,6 +57,32 @@ class FakeProber : public DeviceProber {
 };
 
 double Flops(const v1::Device& d) { return d.flops(0).flops(); }
+
+// An executor daemon serving `device`: GetStatus only, on `address`
+// ("127.0.0.1:0" picks a free port).
+class FakeExecutor final : public v1::Executor::Service {
+ public:
+  FakeExecutor(std::string device, const std::string& address) : device_(std::move(device)) {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(this);
+    server_ = b.BuildAndStart();
+    address_ = absl::StrCat("127.0.0.1:", port);
+  }
+  ~FakeExecutor() override { server_->Shutdown(); }
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                         v1::ExecutorStatus* out) override {
+    out->set_state(v1::ExecutorStatus::IDLE);
+    out->set_device(device_);
+    return grpc::Status::OK;
+  }
+  const std::string& address() const { return address_; }
+
+ private:
+  std::string device_, address_;
+  std::unique_ptr<grpc::Server> server_;
+};
 
 class AgentTest : public ::testing::Test {
  protected:
@@ -104,6 +132,45 @@ TEST_F(AgentTest, RegistersThenHeartbeatsAtThePlannersInterval) {
   // Nothing changed: heartbeats carry no devices.
   EXPECT_TRUE(r.heartbeats_with_devices.empty());
   EXPECT_EQ(state_.probes.load(), 1);
+}
+
+// --executor: the node registers labelled with each executor daemon's
+// address under the device it serves (what deployments and jobs use for a
+// device given no executor).
+TEST_F(AgentTest, LabelsTheNodeWithItsExecutorsAddresses) {
+  FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
+  AgentOptions o = Options("node-a");
+  o.executors = {executor.address()};
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  const v1::Node n = planner_.Snapshot().nodes.at("node-a");
+  ASSERT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
+  EXPECT_EQ(n.labels().at("hap.executor/node-a/cpu0"), executor.address());
+  EXPECT_EQ(n.labels().size(), 1u);
+}
+
+// An executor that starts after the agent: the node registers without its
+// label, then again with it once the executor answers.
+TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {
+  std::string address;
+  {
+    FakeExecutor probe("x", "127.0.0.1:0");  // a port free a moment ago
+    address = probe.address();
+  }
+  AgentOptions o = Options("node-a");
+  o.executors = {address};
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  EXPECT_EQ(planner_.Snapshot().nodes.at("node-a").labels().size(), 0u);
+  FakeExecutor executor("node-a/cpu0", address);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) {
+    return r.nodes.count("node-a") && r.nodes.at("node-a").labels().count("hap.executor/node-a/cpu0");
+  })) << planner_.Snapshot().nodes.at("node-a").DebugString();
+  Record r = planner_.Snapshot();
+  EXPECT_EQ(r.registrations, 2);
+  EXPECT_EQ(r.nodes.at("node-a").labels().at("hap.executor/node-a/cpu0"), address);
 }
 
 TEST_F(AgentTest, RetriesRegistrationWithBackoffWhileThePlannerRefuses) {
