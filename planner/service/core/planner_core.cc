@@ -20,6 +20,7 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
+#include "planner/pipeline/pipeline_plan.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/profile_checks.h"
 #include "planner/synth/planner.h"
@@ -960,23 +961,45 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
   auto cluster =
       cost::ClusterModel::FromProto(job->cluster, job->devices, ComputeDType(job->proto_options));
   if (!cluster.ok()) return fail(cluster.status());
-  auto result = synth::PlanModel(job->graph, *cluster, so);
+  auto succeed = [&](v1::Plan b, const synth::PlanResult& r, double step) {
+    UpdatePlan(job, [&](v1::Plan& p) {
+      b.set_name(p.name());
+      b.set_uid(p.uid());
+      *b.mutable_create_time() = p.create_time();
+      *b.mutable_progress() = p.progress();
+      b.mutable_progress()->set_states_expanded(r.states_expanded);
+      b.mutable_progress()->set_best_cost_seconds(step);
+      b.mutable_progress()->set_joint_iteration(r.joint_iterations);
+      b.set_state(v1::Plan::SUCCEEDED);
+      p = std::move(b);
+    });
+  };
+  // PlanOptions.pipeline (off by default): stages planned by
+  // planner/pipeline; a plan with stages is stored but not executable yet.
+  auto pipe = pipeline::FromProto(job->proto_options);
+  if (!pipe.ok()) return fail(pipe.status());
+  absl::StatusOr<synth::PlanResult> result;
+  if (pipe->mode == pipeline::Mode::kOff) {
+    result = synth::PlanModel(job->graph, *cluster, so);
+  } else {
+    pipe->stage_options = so;
+    auto planned = pipeline::PlanPipeline(job->graph, *cluster, *pipe);
+    if (!planned.ok()) return fail(planned.status());
+    if (job->cancel) return;  // as in `fail`
+    if (planned->pipelined()) {
+      auto built = pipeline::BuildPipelinePlan(job->graph, job->cluster, *cluster, *planned,
+                                               job->proto_options);
+      if (!built.ok()) return fail(built.status());
+      return succeed(*std::move(built), planned->spmd, planned->step_seconds);
+    }
+    result = std::move(planned->spmd);
+    for (std::string& n : planned->notes) result->notes.push_back(std::move(n));
+  }
   if (!result.ok()) return fail(result.status());
   if (job->cancel) return;  // as in `fail`
   auto built = lower::BuildPlan(job->graph, job->cluster, *cluster, *result, job->proto_options);
   if (!built.ok()) return fail(built.status());
-  UpdatePlan(job, [&](v1::Plan& p) {
-    v1::Plan b = *std::move(built);
-    b.set_name(p.name());
-    b.set_uid(p.uid());
-    *b.mutable_create_time() = p.create_time();
-    *b.mutable_progress() = p.progress();
-    b.mutable_progress()->set_states_expanded(result->states_expanded);
-    b.mutable_progress()->set_best_cost_seconds(result->cost.total);
-    b.mutable_progress()->set_joint_iteration(result->joint_iterations);
-    b.set_state(v1::Plan::SUCCEEDED);
-    p = std::move(b);
-  });
+  succeed(*std::move(built), *result, result->cost.total);
 }
 
 // Reads take the snapshots under the lock and copy them after it.

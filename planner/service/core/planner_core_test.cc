@@ -193,6 +193,25 @@ TEST_F(PlannerCoreTest, PlansFromRegisteredNodesAndKeepsRankProgramsForFullView)
   EXPECT_EQ(sink_.nodes.size(), 2u);
 }
 
+TEST_F(PlannerCoreTest, PlansPipelineStagesWhenAskedAndStoresThemNotLowered) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  r.mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+  r.mutable_options()->set_pipeline_stages(2);
+  r.mutable_options()->set_pipeline_microbatches(2);
+  auto p = core_->CreatePlan(r, Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  auto full = core_->GetPlan(p->name(), true);
+  ASSERT_TRUE(full.ok());
+  ASSERT_EQ(full->pipeline().stages_size(), 2);
+  EXPECT_EQ(full->pipeline().microbatches(), 2);
+  EXPECT_EQ(full->pipeline().stages(0).devices_size(), 2);  // one node each
+  EXPECT_EQ(full->rank_programs_size(), 0);
+  EXPECT_GT(full->prediction().step_seconds(), 0);
+}
+
 TEST_F(PlannerCoreTest, ReRegistrationDoesNotDuplicateAndDevicesAreOwnedOnce) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 3, 2e12)).ok());
