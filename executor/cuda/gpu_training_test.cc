@@ -26,6 +26,7 @@
 #include "executor/cuda/cuda_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/backend.h"
+#include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
 #include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
@@ -65,7 +66,8 @@ v1::OptimizerConfig Optimizer(bool adam) {
 }
 
 absl::StatusOr<TrainResult> Train(const graph::Graph& g, const v1::RankProgram& program,
-                                  const DeviceSpec& spec, const std::string& tag) {
+                                  const DeviceSpec& spec, const std::string& tag,
+                                  bool overlap = false) {
   std::string dir = absl::StrCat(::testing::TempDir(), "/gpu_training_", tag);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
@@ -74,8 +76,16 @@ absl::StatusOr<TrainResult> Train(const graph::Graph& g, const v1::RankProgram& 
   go.prefix = tag;
   go.timeout = absl::Seconds(60);
   HAP_ASSIGN_OR_RETURN(Backend backend, MakeBackend(spec, 1, go, *store));
-  HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
-                       ProgramRunner::Create(program, g, backend.device.get(), backend.comm.get()));
+  RunnerOptions ro;
+  if (overlap) {
+    // The started collectives on the communication thread: on the GPU a
+    // second NCCL communicator on its own stream.
+    HAP_ASSIGN_OR_RETURN(backend.async, ConnectOverlap(*backend.device, go, *store));
+    ro.async = backend.async.get();
+  }
+  HAP_ASSIGN_OR_RETURN(
+      std::unique_ptr<ProgramRunner> runner,
+      ProgramRunner::Create(program, g, backend.device.get(), backend.comm.get(), ro));
   std::unique_ptr<data::BatchSource> batches = data::NewSyntheticBatches(g, kSeed);
   TrainOptions to;
   to.steps = kSteps;
@@ -157,6 +167,66 @@ std::vector<Case> Cases() {
 
 INSTANTIATE_TEST_SUITE_P(Models, GpuTrainingTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// Overlap on the GPU (issue 16 item 2): a data-parallel and a ZeRO-3
+// program lowered for one rank with overlap (gradient buckets of 2 KiB started during
+// backward, ZeRO-3 gathers prefetched) on cuda:0, the started collectives on
+// the communication thread's NCCL communicator and stream, matches the same
+// program on the CPU run in line. One rank: NCCL takes one GPU per rank.
+class GpuOverlapTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GpuOverlapTest, StartedCollectivesOnTheCommunicationStreamMatchTheCpu) {
+  setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
+  const std::string kind = GetParam();
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2}, {"hidden", 32}, {"heads", 4},
+                                        {"ffn", 64}, {"seq", 8}, {"vocab", 50},
+                                        {"batch", 4}, {"dropout", 0.1}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  // A 2-device program (plans need two) lowered for one rank: every shard
+  // whole, every partial gradient still all-reduced (over one rank).
+  auto program = hap::testing::ProgramOfKind(*g, 2, kind, {0.5, 0.5});
+  ASSERT_TRUE(program.ok()) << program.status();
+  lower::LowerOptions lo;
+  lo.world_size = 1;
+  lo.optimizer = Optimizer(/*adam=*/false);
+  lo.seed = kSeed;
+  lo.overlap = true;
+  lo.gradient_bucket_bytes = 2048;
+  auto programs = lower::Lower(*g, *program, lo);
+  ASSERT_TRUE(programs.ok()) << programs.status();
+  ASSERT_TRUE(HasAsyncCollectives((*programs)[0]));
+
+  auto cpu = Train(*g, (*programs)[0], DeviceSpec{}, "overlap_" + kind + "_cpu");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_GT(std::abs(cpu->losses.front() - cpu->losses.back()), 1e-4) << "training did not move";
+  // The program and the CPU run above are checked without a GPU too.
+  if (absl::Status s = CudaAvailable(); !s.ok()) GTEST_SKIP() << "no GPU visible: " << s;
+  auto gpu = Train(*g, (*programs)[0], DeviceSpec{DeviceSpec::Kind::kCuda, 0},
+                   "overlap_" + kind + "_gpu", /*overlap=*/true);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_EQ(gpu->losses.size(), cpu->losses.size());
+  for (size_t s = 0; s < cpu->losses.size(); ++s) {
+    EXPECT_NEAR(gpu->losses[s], cpu->losses[s], 1e-4 * std::abs(cpu->losses[s]) + 1e-5)
+        << "step " << s;
+  }
+  auto want = AssembleParameters({cpu->parameters});
+  auto got = AssembleParameters({gpu->parameters});
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (const auto& [name, w] : *want) {
+    ASSERT_TRUE(got->count(name)) << name;
+    const float* a = got->at(name).as<float>();
+    const float* b = w.as<float>();
+    double scale = 1e-3, worst = 0;
+    for (int64_t i = 0; i < w.num_elements(); ++i) {
+      scale = std::max(scale, std::abs(double{b[i]}));
+      worst = std::max(worst, std::abs(double{a[i]} - double{b[i]}));
+    }
+    EXPECT_LE(worst, 1e-3 * scale) << "parameter " << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, GpuOverlapTest, ::testing::Values("dp", "zero"));
 
 }  // namespace
 }  // namespace hap::executor
