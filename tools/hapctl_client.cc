@@ -34,7 +34,7 @@ constexpr char kUsage[] = R"(usage:
   hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                      [--no-sfb] [--no-zero] [--no-grouped] [--max-seconds S]
-                     [--overlap on|off]
+                     [--overlap on|off] [--pipeline off|auto|N] [--microbatches N]
                      [--optimizer sgd|momentum|adam] [--lr X] [--clip-norm X]
                      [--weight-decay X] [--seed N] [--id ID] [--wait]
   hapctl watch plan NAME
@@ -258,6 +258,21 @@ void DescribePlan(const v1::Plan& p) {
   for (const auto& ins : p.program().instructions()) comms += ins.kind() == v1::Instruction::COMMUNICATE;
   std::cout << absl::StrFormat("program: %d instructions, %d communications\n",
                                p.program().instructions_size(), comms);
+  const v1::PipelinePlan& pp = p.pipeline();
+  if (pp.stages_size() > 0) {
+    std::cout << absl::StrFormat(
+        "pipeline: %d stages, %d microbatches of %d (%s), step %.4f s, bubble %.4f s, best SPMD "
+        "plan %.4f s; not executable yet\n",
+        pp.stages_size(), pp.microbatches(), pp.microbatch_size(), pp.schedule(),
+        pp.step_seconds(), pp.bubble_seconds(), pp.spmd_step_seconds());
+    for (const v1::PipelineStage& st : pp.stages()) {
+      std::cout << absl::StrFormat(
+          "  stage %d: ops %s .. %s on %s; fwd %.4f s, bwd %.4f s, send %.4f s per microbatch, "
+          "sync %.4f s\n",
+          st.index(), st.first_op(), st.last_op(), absl::StrJoin(st.devices(), ","),
+          st.forward_seconds(), st.backward_seconds(), st.send_seconds(), st.sync_seconds());
+    }
+  }
   if (!p.error().empty()) std::cout << "error: " << p.error() << "\n";
 }
 
@@ -447,6 +462,24 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
         absl::StrCat("--overlap must be on or off, got '", overlap, "'"));
   }
   o->set_overlap_communication(overlap == "on");
+  // Pipeline stages (README "Pipeline plans"): off by default, as the
+  // executors cannot run them yet.
+  const std::string pipe = a.Get("pipeline", "off");
+  int stages = 0;
+  if (pipe == "auto") {
+    o->set_pipeline(v1::PlanOptions::PIPELINE_AUTO);
+  } else if (absl::SimpleAtoi(pipe, &stages) && stages >= 1) {
+    o->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+    o->set_pipeline_stages(stages);
+  } else if (pipe != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pipeline must be off, auto or a stage count >= 1, got '", pipe, "'"));
+  }
+  HAP_ASSIGN_OR_RETURN(double micro, a.Number("microbatches", 0));
+  if (micro < 0 || micro != static_cast<int>(micro)) {
+    return absl::InvalidArgumentError("--microbatches must be a positive integer");
+  }
+  o->set_pipeline_microbatches(static_cast<int>(micro));
   HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
   o->mutable_budget()->set_max_seconds(ms);
   std::string opt = a.Get("optimizer", "momentum");
@@ -610,7 +643,7 @@ int Watch(Client& c, const std::string& name) {
 int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   std::set<std::string> values = ZooParamFlags();
   values.insert({"server", "timeout", "token-file", "tls-ca-file", "o", "output", "model",
-                 "graph", "devices", "baseline", "max-seconds", "overlap", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
+                 "graph", "devices", "baseline", "max-seconds", "overlap", "pipeline", "microbatches", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
                  "id", "executor", "steps", "data", "data-path", "threads", "set",
                  "checkpoint-dir", "checkpoint-every", "checkpoint-keep", "resume",
                  "init-weights", "shuffle", "global-batch", "label", "min-devices",
