@@ -302,6 +302,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   co.sink = m.backend.get();
   co.on_plan_done = [&m](const v1::Plan& p) { m.metrics.PlanDone(p); };
   co.plans_in_use = [&m] { return m.PlansInUse(); };
+  co.load_plan = [&m](const std::string& name) { return m.backend->LoadPlan(name); };
   HAP_ASSIGN_OR_RETURN(m.core, PlannerCore::Create(co, std::move(loaded.nodes),
                                                    std::move(loaded.plans)));
   m.core_ptr = m.core.get();

@@ -27,7 +27,11 @@ class StateBackend : public PlannerStateSink {
     std::vector<hap::v1::StepMetric> metrics;
     std::vector<hap::v1::Job> jobs;
   };
+  // Plans come as summaries (store::PlanSummary: no rank programs, graph or
+  // program), except those not finished (PENDING, RUNNING), which come whole:
+  // the core reads a finished plan's body with LoadPlan when it is asked for.
   virtual absl::StatusOr<Loaded> Load() = 0;
+  virtual absl::StatusOr<hap::v1::Plan> LoadPlan(const std::string& name) = 0;
 };
 
 // The SQLite database at `path` (created when missing).

@@ -36,8 +36,13 @@ class StoreBackend : public StateBackend {
                            return s_->ListNodes(n, t);
                          }));
     HAP_ASSIGN_OR_RETURN(l.plans, All<v1::Plan>([&](int n, const std::string& t) {
-                           return s_->ListPlans(n, t);
+                           return s_->ListPlanSummaries(n, t);
                          }));
+    for (v1::Plan& p : l.plans) {  // plans to run again need everything
+      if (p.state() == v1::Plan::PENDING || p.state() == v1::Plan::RUNNING) {
+        HAP_ASSIGN_OR_RETURN(p, s_->GetPlan(p.name()));
+      }
+    }
     HAP_ASSIGN_OR_RETURN(l.deployments, All<v1::Deployment>([&](int n, const std::string& t) {
                            return s_->ListDeployments(n, t);
                          }));
@@ -71,6 +76,9 @@ class StoreBackend : public StateBackend {
     }
   }
 
+  absl::StatusOr<v1::Plan> LoadPlan(const std::string& name) override {
+    return s_->GetPlan(name);
+  }
   absl::Status SaveNode(const v1::Node& n) override { return s_->UpsertNode(n); }
   absl::Status DeleteNode(const std::string& name) override { return s_->DeleteNode(name); }
   absl::Status SavePlan(const v1::Plan& p) override { return s_->PutPlan(p, ""); }

@@ -239,9 +239,17 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
 // list view), kept so that lists and watches copy a kilobyte, not the
 // megabytes of a plan's programs.
 struct PlanEntry {
+  // Null for a finished plan loaded at start as its summary until a read
+  // needs the rest (PlannerCore::Whole loads it then).
   std::shared_ptr<const v1::Plan> full;
-  std::shared_ptr<const v1::Plan> summary;
+  std::shared_ptr<const v1::Plan> summary;  // always
 
+  // A finished plan's summary alone (PlannerCoreOptions::load_plan).
+  static PlanEntry Summary(v1::Plan summary) {
+    PlanEntry e;
+    e.summary = std::make_shared<const v1::Plan>(std::move(summary));
+    return e;
+  }
   explicit PlanEntry(v1::Plan plan) {
     // The big fields step aside (pointer moves) while the rest is copied.
     google::protobuf::RepeatedPtrField<v1::RankProgram> ranks;
@@ -254,19 +262,27 @@ struct PlanEntry {
     if (program) plan.set_allocated_program(program);
     full = std::make_shared<const v1::Plan>(std::move(plan));
   }
+  // The whole plan: only for plans known whole (not finished, or made or
+  // loaded in this run); Whole() for any.
   const v1::Plan& operator*() const { return *full; }
-  const v1::Plan* operator->() const { return full.get(); }
+  // The summary's fields (state, name, times, options...).
+  const v1::Plan* operator->() const { return summary.get(); }
+
+ private:
+  PlanEntry() = default;
 };
 
-// The BASIC view of GetPlan: everything but the rank programs.
-void FillBasicView(const PlanEntry& e, v1::Plan* out) {
-  *out = *e.summary;
-  if (e.full->has_graph()) *out->mutable_graph() = e.full->graph();
-  if (e.full->has_program()) *out->mutable_program() = e.full->program();
+// The BASIC view of GetPlan: everything but the rank programs (the
+// summary, with the whole plan's graph and program).
+void FillBasicView(const v1::Plan& summary, const v1::Plan& whole, v1::Plan* out) {
+  *out = summary;
+  if (whole.has_graph()) *out->mutable_graph() = whole.graph();
+  if (whole.has_program()) *out->mutable_program() = whole.program();
 }
+// Of an entry known whole.
 v1::Plan BasicView(const PlanEntry& e) {
   v1::Plan p;
-  FillBasicView(e, &p);
+  FillBasicView(*e.summary, *e.full, &p);
   return p;
 }
 
@@ -360,6 +376,13 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
     }
     for (auto& p : plans) {
       if (!Final(p.state())) resume.push_back(p);
+      if (core->o_.load_plan && Final(p.state()) && p.rank_programs_size() == 0 &&
+          !p.has_graph() && !p.has_program()) {
+        // A summary: the rest is read when asked for (Whole).
+        std::string name = p.name();
+        core->s_->plans.insert_or_assign(std::move(name), PlanEntry::Summary(std::move(p)));
+        continue;
+      }
       core->s_->Put(std::move(p));
     }
   }
@@ -712,7 +735,8 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     }
     auto hit = s_->cache.find(job->cache_key);
     auto cached_plan = hit == s_->cache.end() ? s_->plans.end() : s_->plans.find(hit->second);
-    if (cached_plan != s_->plans.end() && cached_plan->second->state() == v1::Plan::SUCCEEDED) {
+    if (cached_plan != s_->plans.end() && cached_plan->second->state() == v1::Plan::SUCCEEDED &&
+        cached_plan->second.full) {
       v1::Plan copy = *cached_plan->second;
       copy.set_name(plan.name());
       copy.set_uid(plan.uid());
@@ -1020,10 +1044,11 @@ absl::Status PlannerCore::GetPlan(const std::string& name, bool full, v1::Plan* 
     }
     entry = it->second;
   }
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> whole, Whole(name, *entry));
   if (full) {
-    *out = *entry->full;
+    *out = *whole;
   } else {
-    FillBasicView(*entry, out);
+    FillBasicView(*entry->summary, *whole, out);
   }
   return absl::OkStatus();
 }
@@ -1031,10 +1056,36 @@ absl::Status PlannerCore::GetPlan(const std::string& name, bool full, v1::Plan* 
 absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
     const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
+  std::optional<PlanEntry> entry;
+  {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->plans.find(name);
+    if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+    entry = it->second;
+  }
+  return Whole(name, *entry);
+}
+
+absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::Whole(const std::string& name,
+                                                                  const PlanEntry& entry) {
+  if (entry.full) return entry.full;
+  if (!o_.load_plan) {
+    return absl::InternalError(
+        absl::StrCat(name, " is held as its summary and the planner cannot read the rest"));
+  }
+  absl::StatusOr<v1::Plan> loaded = o_.load_plan(name);
+  if (absl::IsNotFound(loaded.status())) {
+    return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+  }
+  HAP_RETURN_IF_ERROR(Annotate(loaded.status(), absl::StrCat(name, " could not be read")));
+  auto whole = std::make_shared<const v1::Plan>(*std::move(loaded));
   absl::MutexLock l(&s_->mu);
   auto it = s_->plans.find(name);
-  if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-  return it->second.full;
+  // Kept for the next read, unless the plan changed or went meanwhile.
+  if (it != s_->plans.end() && it->second.summary == entry.summary && !it->second.full) {
+    it->second.full = whole;
+  }
+  return whole;
 }
 
 absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
@@ -1046,24 +1097,36 @@ absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
 
 absl::Status PlannerCore::ListPlans(int page_size, const std::string& token, bool full,
                                     v1::ListPlansResponse* out) {
-  std::vector<std::shared_ptr<const v1::Plan>> page;
+  std::vector<std::pair<std::string, PlanEntry>> page;
   std::string next;
   {
     absl::MutexLock l(&s_->mu);
     HAP_ASSIGN_OR_RETURN(next, Paginate(s_->plans, page_size, token, [&](const PlanEntry& e) {
-                           page.push_back(full ? e.full : e.summary);
+                           page.emplace_back(e.summary->name(), e);
                          }));
   }
+  std::vector<std::shared_ptr<const v1::Plan>> plans;
+  plans.reserve(page.size());
+  for (const auto& [name, e] : page) {
+    if (!full) {
+      plans.push_back(e.summary);
+      continue;
+    }
+    absl::StatusOr<std::shared_ptr<const v1::Plan>> whole = Whole(name, e);
+    if (absl::IsNotFound(whole.status())) continue;  // deleted since the page was read
+    HAP_RETURN_IF_ERROR(whole.status());
+    plans.push_back(*std::move(whole));
+  }
   out->Clear();
-  out->mutable_plans()->Reserve(static_cast<int>(page.size()));
-  for (const auto& p : page) *out->add_plans() = *p;
+  out->mutable_plans()->Reserve(static_cast<int>(plans.size()));
+  for (const auto& p : plans) *out->add_plans() = *p;
   out->set_next_page_token(next);
   return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
-  absl::MutexLock l(&s_->mu);
+  absl::ReleasableMutexLock l(&s_->mu);
   auto it = s_->plans.find(name);
   if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
   auto j = s_->jobs.find(name);
@@ -1088,7 +1151,14 @@ absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {
     ++s_->version;
     s_->changed.SignalAll();
   }
-  return BasicView(it->second);
+  if (it->second.full) return BasicView(it->second);
+  // A final plan held as its summary: the rest is read without the lock.
+  PlanEntry entry = it->second;
+  l.Release();
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> whole, Whole(name, entry));
+  v1::Plan out;
+  FillBasicView(*entry.summary, *whole, &out);
+  return out;
 }
 
 absl::Status PlannerCore::DeletePlan(const std::string& name) {
@@ -1181,11 +1251,20 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
 
 absl::StatusOr<v1::Plan> PlannerCore::PinPlan(const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
-  absl::MutexLock l(&s_->mu);
-  auto it = s_->plans.find(name);
-  if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-  s_->pins[name] += 1;
-  return *it->second.full;
+  std::optional<PlanEntry> entry;
+  {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->plans.find(name);
+    if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+    s_->pins[name] += 1;
+    entry = it->second;
+  }
+  absl::StatusOr<std::shared_ptr<const v1::Plan>> whole = Whole(name, *entry);
+  if (!whole.ok()) {
+    UnpinPlan(name);
+    return whole.status();
+  }
+  return **whole;
 }
 
 void PlannerCore::UnpinPlan(const std::string& name) {

@@ -97,14 +97,22 @@ struct PlannerCoreOptions {
   // not the core's). An error skips that retention pass, deleting nothing;
   // unset = no plan is in use.
   std::function<absl::StatusOr<std::set<std::string>>()> plans_in_use;
+  // Reads a stored plan whole. Create's finished plans may come as
+  // summaries (no rank programs, graph or program: a planner with 10,000
+  // plans starts without parsing them); the first read that needs the rest
+  // loads it with this. Unset: every plan given to Create must be whole.
+  std::function<absl::StatusOr<hap::v1::Plan>(const std::string& name)> load_plan;
 };
+
+struct PlanEntry;  // a plan as the core holds it (planner_core.cc)
 
 class PlannerCore {
  public:
   // `nodes` and `plans` are the persisted state to start from (plans that
-  // were PENDING or RUNNING when the planner stopped are run again; one that
-  // cannot be is saved FAILED, and Create fails with the sink's error when
-  // that save does).
+  // were PENDING or RUNNING when the planner stopped are run again, and must
+  // be whole; one that cannot be is saved FAILED, and Create fails with the
+  // sink's error when that save does). Finished plans may be summaries
+  // (PlannerCoreOptions::load_plan).
   // Stored nodes are checked as RegisterNode checks them (a database
   // written by an older planner may hold a NaN FLOP/s or a device id
   // claimed by two nodes); one that fails is not loaded (its agent's next
@@ -255,6 +263,10 @@ class PlannerCore {
   std::unique_ptr<State> s_;
   PlannerCoreOptions o_;
   std::vector<std::string> start_notes_;
+  // The whole plan of an entry (loaded with o_.load_plan when the entry
+  // holds only its summary, and kept in the entry). Called without the lock.
+  absl::StatusOr<std::shared_ptr<const hap::v1::Plan>> Whole(const std::string& name,
+                                                             const PlanEntry& entry);
 };
 
 // "plans/abc" -> "abc"; InvalidArgument naming the expected pattern.

@@ -8,6 +8,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
@@ -152,6 +153,7 @@ class PlannerCoreTest : public ::testing::Test {
     o.plan_retention_count = retention_count_;
     o.plan_retention_age = retention_age_;
     o.plans_in_use = plans_in_use_;
+    o.load_plan = load_plan_;
     auto c = PlannerCore::Create(o, std::move(nodes), std::move(plans));
     ASSERT_TRUE(c.ok()) << c.status();
     core_ = *std::move(c);
@@ -164,6 +166,7 @@ class PlannerCoreTest : public ::testing::Test {
   int retention_count_ = 1000;
   absl::Duration retention_age_ = absl::Hours(24 * 7);
   std::function<absl::StatusOr<std::set<std::string>>()> plans_in_use_;
+  std::function<absl::StatusOr<v1::Plan>(const std::string&)> load_plan_;
   RecordingSink sink_;
   std::unique_ptr<PlannerCore> core_;
 };
@@ -1153,6 +1156,66 @@ TEST_F(PlannerCoreTest, RetentionKeepsAPlanADeployPinnedDuringThePass) {
   core_->UnpinPlan("plans/p1");
   EXPECT_EQ(*core_->EnforceRetention(), 1);
   EXPECT_THAT(core_->PinPlan("plans/p1"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("p1")));
+}
+
+// A restarted planner holds finished plans as summaries (a database of
+// 10,000 plans is not parsed whole at start) and reads the rest of one
+// when a call needs it, once.
+TEST_F(PlannerCoreTest, FinishedPlansStartAsSummariesAndAreReadWholeWhenAsked) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("p");
+  ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  absl::StatusOr<v1::Plan> whole = core_->GetPlan("plans/p", true);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_GT(whole->rank_programs_size(), 0);
+  ASSERT_TRUE(whole->has_graph());
+  int loads = 0;
+  load_plan_ = [&](const std::string& name) -> absl::StatusOr<v1::Plan> {
+    ++loads;
+    if (name == "plans/p") return *whole;
+    return absl::NotFoundError(absl::StrCat(name, " is not in the store"));
+  };
+  v1::Plan summary = *whole;
+  summary.clear_rank_programs();
+  summary.clear_graph();
+  summary.clear_program();
+  v1::Plan gone = summary;
+  gone.set_name("plans/gone");  // deleted from the store behind the planner
+  Start({}, {summary, gone});
+  EXPECT_EQ(loads, 0) << "plans were read whole at start";
+
+  auto list = core_->ListPlans(0, "");
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->plans_size(), 2);
+  EXPECT_EQ(list->plans(1).rank_programs_size(), 0);
+  EXPECT_EQ(loads, 0);
+
+  auto full = core_->GetPlan("plans/p", true);
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*full, *whole))
+      << "the plan read whole differs from the stored one";
+  auto basic = core_->GetPlan("plans/p", false);
+  ASSERT_TRUE(basic.ok());
+  EXPECT_TRUE(basic->has_graph());
+  EXPECT_EQ(basic->rank_programs_size(), 0);
+  auto pinned = core_->PinPlan("plans/p");
+  ASSERT_TRUE(pinned.ok());
+  EXPECT_EQ(pinned->rank_programs_size(), whole->rank_programs_size());
+  core_->UnpinPlan("plans/p");
+  EXPECT_EQ(loads, 1) << "the whole plan was not kept after it was read";
+
+  EXPECT_THAT(core_->GetPlan("plans/gone", true),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/gone does not exist")));
+  EXPECT_THAT(core_->PinPlan("plans/gone"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  auto cancelled = core_->CancelPlan("plans/p");  // final: returned as it is
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::Plan::SUCCEEDED);
+  EXPECT_TRUE(cancelled->has_graph());
+  auto full_list = core_->ListPlans(0, "", /*full=*/true);
+  ASSERT_TRUE(full_list.ok()) << full_list.status();
+  ASSERT_EQ(full_list->plans_size(), 1);  // the one the store lost is left out
+  EXPECT_EQ(full_list->plans(0).rank_programs_size(), whole->rank_programs_size());
 }
 
 // --- Reads from snapshots (issue 15 item 6) -------------------------------

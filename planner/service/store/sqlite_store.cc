@@ -5,6 +5,7 @@
 
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -13,7 +14,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/message.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "planner/service/store/sqlite_store_internal.h"
 #include "planner/service/store/store_internal.h"
 #include "planner/util/status_macros.h"
@@ -69,6 +73,12 @@ const std::vector<SchemaMigration>& SqliteSchemaMigrations() {
         );
         CREATE INDEX jobs_by_create_time ON jobs (create_seconds, create_nanos, name);
       )sql"},
+      // A plan's summary (PlanSummary: no graph, program or rank programs),
+      // what a starting planner reads; NULL in rows written before it (they
+      // are read whole and summarised then).
+      {3, R"sql(
+        ALTER TABLE plans ADD COLUMN summary BLOB;
+      )sql"},
   };
   return *kMigrations;
 }
@@ -78,6 +88,37 @@ const std::vector<SchemaMigration>& SqliteSchemaMigrations() {
 namespace {
 
 namespace v1 = ::hap::v1;
+
+// A serialized plan's bytes without its rank programs, graph and program
+// fields (PlanSummary's, without parsing or copying the big fields): the
+// top-level fields are walked in the wire format and copied or skipped.
+absl::StatusOr<std::string> PlanSummaryBytes(absl::string_view body) {
+  using google::protobuf::internal::WireFormatLite;
+  std::string out;
+  out.reserve(std::min<size_t>(body.size(), 4096));
+  {
+    google::protobuf::io::StringOutputStream sink(&out);
+    google::protobuf::io::CodedOutputStream output(&sink);
+    google::protobuf::io::CodedInputStream input(reinterpret_cast<const uint8_t*>(body.data()),
+                                                 static_cast<int>(body.size()));
+    input.SetTotalBytesLimit(std::numeric_limits<int>::max());
+    while (true) {
+      const uint32_t tag = input.ReadTag();
+      if (tag == 0) break;
+      const int field = WireFormatLite::GetTagFieldNumber(tag);
+      const bool big = field == v1::Plan::kRankProgramsFieldNumber ||
+                       field == v1::Plan::kGraphFieldNumber ||
+                       field == v1::Plan::kProgramFieldNumber;
+      const bool ok = big ? WireFormatLite::SkipField(&input, tag)
+                          : WireFormatLite::SkipField(&input, tag, &output);
+      if (!ok) return absl::DataLossError("its bytes are not a valid plan");
+    }
+    if (!input.ConsumedEntireMessage()) {
+      return absl::DataLossError("its bytes are not a valid plan (they end inside a field)");
+    }
+  }
+  return out;
+}
 using internal::CheckName;
 using internal::CursorOf;
 using internal::ListCursor;
@@ -250,6 +291,7 @@ class SqliteStore final : public StateStore {
   absl::Status PutPlan(const v1::Plan& plan, const std::string& cache_key) override {
     HAP_RETURN_IF_ERROR(CheckName("plan", plan.name()));
     HAP_ASSIGN_OR_RETURN(std::string body, Serialize(plan, "plan"));
+    HAP_ASSIGN_OR_RETURN(std::string summary, PlanSummaryBytes(body));
     ListCursor at = CursorOf(plan);
     absl::MutexLock lock(&mu_);
     return Use(s_.put_plan)
@@ -258,7 +300,15 @@ class SqliteStore final : public StateStore {
         .Int(3, at.nanos)
         .TextOrNull(4, cache_key)
         .Blob(5, body)
+        .Blob(6, summary)
         .Run();
+  }
+  absl::StatusOr<Page<v1::Plan>> ListPlanSummaries(int page_size,
+                                                   const std::string& page_token) override {
+    // Rows from before the summary column give the whole plan, whose big
+    // fields are skipped in its bytes before it is parsed.
+    return List<v1::Plan>(ListKind::kPlans, &SqliteStore::Statements::list_summaries,
+                          "plan summary", page_size, page_token, &PlanSummaryBytes);
   }
   absl::StatusOr<v1::Plan> GetPlan(const std::string& name) override {
     return Get<v1::Plan>(&SqliteStore::Statements::get_plan, "plan", name);
@@ -389,6 +439,7 @@ class SqliteStore final : public StateStore {
     sqlite3_stmt* put_plan = nullptr;
     sqlite3_stmt* get_plan = nullptr;
     sqlite3_stmt* list_plans = nullptr;
+    sqlite3_stmt* list_summaries = nullptr;
     sqlite3_stmt* delete_plan = nullptr;
     sqlite3_stmt* find_plan_by_cache_key = nullptr;
     sqlite3_stmt* put_deployment = nullptr;
@@ -424,8 +475,12 @@ class SqliteStore final : public StateStore {
        "SELECT body, name FROM nodes WHERE name > ?3 ORDER BY name LIMIT ?4"},
       {&Statements::delete_node, "DELETE FROM nodes WHERE name = ?1"},
       {&Statements::put_plan,
-       "INSERT OR REPLACE INTO plans (name, create_seconds, create_nanos, cache_key, body)"
-       " VALUES (?1, ?2, ?3, ?4, ?5)"},
+       "INSERT OR REPLACE INTO plans (name, create_seconds, create_nanos, cache_key, body,"
+       " summary) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"},
+      {&Statements::list_summaries,
+       "SELECT COALESCE(summary, body), name FROM plans"
+       " WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
+       " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
       {&Statements::get_plan, "SELECT body FROM plans WHERE name = ?1"},
       {&Statements::list_plans,
        "SELECT body, name FROM plans WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
@@ -626,8 +681,10 @@ class SqliteStore final : public StateStore {
   }
 
   template <typename M>
-  absl::StatusOr<Page<M>> List(ListKind kind, StatementField stmt, absl::string_view what,
-                               int page_size, const std::string& page_token) {
+  absl::StatusOr<Page<M>> List(
+      ListKind kind, StatementField stmt, absl::string_view what, int page_size,
+      const std::string& page_token,
+      absl::StatusOr<std::string> (*filter)(absl::string_view body) = nullptr) {
     HAP_ASSIGN_OR_RETURN(internal::PageRequest request,
                          internal::ParsePageRequest(kind, page_size, page_token));
     absl::MutexLock lock(&mu_);
@@ -640,6 +697,17 @@ class SqliteStore final : public StateStore {
     while (true) {
       HAP_ASSIGN_OR_RETURN(bool row, st.Step());
       if (!row) break;
+      if (filter != nullptr) {
+        absl::StatusOr<std::string> kept = filter(st.ColumnBlob(0));
+        if (!kept.ok()) {
+          return absl::DataLossError(absl::StrCat("sqlite store '", path_, "': ", what, " '",
+                                                  st.ColumnBlob(1), "': ",
+                                                  kept.status().message()));
+        }
+        HAP_ASSIGN_OR_RETURN(M m, Parse<M>(*kept, what, st.ColumnBlob(1)));
+        rows.push_back(std::move(m));
+        continue;
+      }
       HAP_ASSIGN_OR_RETURN(M m, Parse<M>(st.ColumnBlob(0), what, st.ColumnBlob(1)));
       rows.push_back(std::move(m));
     }

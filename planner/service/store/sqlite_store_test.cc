@@ -279,6 +279,30 @@ TEST_F(SqliteStoreTest, RowThatDoesNotParseIsDataLoss) {
   EXPECT_THAT(store->ListPlans(0, ""), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("plans/p")));
 }
 
+// Rows written before the summary column (schema 3) have none: their
+// summaries come from the whole plan's bytes, its big fields skipped.
+TEST_F(SqliteStoreTest, PlansWithoutAStoredSummaryAreSummarisedWhenListed) {
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  v1::Plan plan = TestPlan("plans/p", 1);
+  plan.set_state(v1::Plan::FAILED);
+  plan.set_error("no fit");
+  plan.add_rank_programs()->set_rank(0);
+  plan.mutable_graph()->set_name("g");
+  ASSERT_THAT(store->PutPlan(plan, ""), IsOk());
+  RawDb(path_).Exec("UPDATE plans SET summary = NULL");
+  absl::StatusOr<Page<v1::Plan>> page = store->ListPlanSummaries(0, "");
+  ASSERT_THAT(page, IsOk());
+  ASSERT_EQ(page->items.size(), 1u);
+  EXPECT_THAT(page->items[0], EqualsProto(PlanSummary(plan)));
+  EXPECT_EQ(page->items[0].error(), "no fit");
+  // Bytes that are not a plan are DataLoss, naming the plan.
+  RawDb(path_).Exec("UPDATE plans SET body = X'FFFFFFFF'");
+  EXPECT_THAT(store->ListPlanSummaries(0, ""),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("'plans/p'"), HasSubstr("not a valid plan"))));
+}
+
 TEST_F(SqliteStoreTest, UnopenablePathIsFailedPrecondition) {
   const std::string path = dir_ + "/no/such/dir/state.db";
   EXPECT_THAT(OpenSqliteStore(path),

@@ -54,6 +54,16 @@ struct Page {
   std::string next_page_token;  // empty: this was the last page
 };
 
+// A plan without its rank programs, graph and program: what lists and a
+// starting planner need.
+inline hap::v1::Plan PlanSummary(const hap::v1::Plan& plan) {
+  hap::v1::Plan s = plan;
+  s.clear_rank_programs();
+  s.clear_graph();
+  s.clear_program();
+  return s;
+}
+
 class StateStore {
  public:
   virtual ~StateStore() = default;
@@ -79,6 +89,17 @@ class StateStore {
   virtual absl::StatusOr<Page<hap::v1::Plan>> ListPlans(int page_size,
                                                         const std::string& page_token) = 0;
   virtual absl::Status DeletePlan(const std::string& name) = 0;
+  // ListPlans' pages of PlanSummary(plan): what a starting planner reads
+  // (a plan's rank programs, graph and program are most of its size; they
+  // are read by GetPlan when asked for). This default summarises ListPlans.
+  virtual absl::StatusOr<Page<hap::v1::Plan>> ListPlanSummaries(int page_size,
+                                                                const std::string& page_token) {
+    absl::StatusOr<Page<hap::v1::Plan>> page = ListPlans(page_size, page_token);
+    if (page.ok()) {
+      for (hap::v1::Plan& p : page->items) p = PlanSummary(p);
+    }
+    return page;
+  }
   // The plan stored with `cache_key`; where several are, the latest by
   // (create_time, name). NotFound when none is.
   virtual absl::StatusOr<hap::v1::Plan> FindPlanByCacheKey(const std::string& cache_key) = 0;

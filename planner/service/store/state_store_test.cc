@@ -282,6 +282,40 @@ TYPED_TEST(StateStoreTest, PlanRoundTripsAndIsReplaced) {
   EXPECT_THAT(this->store_->FindPlanByCacheKey("key"), StatusIs(absl::StatusCode::kNotFound, _));
 }
 
+// A plan with the fields a summary leaves out.
+v1::Plan BigPlan(const std::string& name, int64_t seconds) {
+  v1::Plan plan = TestPlan(name, seconds);
+  plan.set_state(v1::Plan::SUCCEEDED);
+  plan.add_rank_programs()->set_rank(0);
+  plan.add_rank_programs()->set_rank(1);
+  plan.mutable_graph()->set_name("graph of " + name);
+  plan.mutable_program()->add_instructions();
+  plan.add_notes("a note");
+  return plan;
+}
+
+TYPED_TEST(StateStoreTest, PlanSummariesLeaveOutProgramsAndGraph) {
+  ASSERT_THAT(this->store_->PutPlan(BigPlan("plans/b", 20), "key"), IsOk());
+  ASSERT_THAT(this->store_->PutPlan(BigPlan("plans/a", 10), ""), IsOk());
+  absl::StatusOr<Page<v1::Plan>> page = this->store_->ListPlanSummaries(1, "");
+  ASSERT_THAT(page, IsOk());
+  ASSERT_EQ(page->items.size(), 1u);
+  EXPECT_THAT(page->items[0], EqualsProto(PlanSummary(BigPlan("plans/a", 10))));
+  EXPECT_EQ(page->items[0].rank_programs_size(), 0);
+  EXPECT_FALSE(page->items[0].has_graph());
+  EXPECT_FALSE(page->items[0].has_program());
+  EXPECT_EQ(page->items[0].notes_size(), 1);
+  page = this->store_->ListPlanSummaries(1, page->next_page_token);
+  ASSERT_THAT(page, IsOk());
+  ASSERT_EQ(page->items.size(), 1u);
+  EXPECT_THAT(page->items[0], EqualsProto(PlanSummary(BigPlan("plans/b", 20))));
+  EXPECT_EQ(page->next_page_token, "");
+  // The whole plan is still what GetPlan reads.
+  absl::StatusOr<v1::Plan> whole = this->store_->GetPlan("plans/b");
+  ASSERT_THAT(whole, IsOk());
+  EXPECT_THAT(*whole, EqualsProto(BigPlan("plans/b", 20)));
+}
+
 TYPED_TEST(StateStoreTest, ListPlansByCreateTimeThenName) {
   // Inserted out of order; ties in create_time are broken by name.
   ASSERT_THAT(this->store_->PutPlan(TestPlan("plans/z", 10), ""), IsOk());
