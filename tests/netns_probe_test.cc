@@ -1,9 +1,13 @@
 // The network testbed as the planner sees it: three nodes in network
-// namespaces (executor/cli/netns_testbed.h), 1 Gbit/s between nodes and one
-// slower pair (node 0 - node 2 at 300 Mbit/s), a real planner in the switch
+// namespaces (executor/cli/netns_testbed.h), 500 Mbit/s between nodes and one
+// slower pair (node 0 - node 2 at 150 Mbit/s), a real planner in the switch
 // namespace and a real profiler agent in each node. The agents' link probes
 // (Agent.Echo streams over TCP through the shaped veths) must report every
 // node pair within 20% of the configured rate, the slow pair included.
+//
+// Rates well under what one gRPC stream moves on a busy 2-core machine: at
+// 1 Gbit/s the probe, not the link, set the figure whenever other builds ran
+// (27-97% of the rate; bench/README.md).
 //
 // Root only: where namespaces cannot be made the test skips with the reason.
 // The test's main thread enters the switch namespace before any gRPC use, so
@@ -36,7 +40,7 @@ namespace v1 = ::hap::v1;
 using ::hap::testing::Process;
 using ::hap::testing::Runfile;
 
-constexpr char kSpec[] = "nodes=3 between=1gbit inside=10gbit pair=0-2:300mbit";
+constexpr char kSpec[] = "nodes=3 between=500mbit inside=10gbit pair=0-2:150mbit";
 constexpr double kTolerance = 0.2;
 
 class NetnsProbeTest : public ::testing::Test {
@@ -107,8 +111,9 @@ TEST_F(NetnsProbeTest, AgentsMeasureTheConfiguredRates) {
           absl::StrCat("--name=node", i),
           absl::StrCat("--listen=", netns::Testbed::NodeAddress(i), ":0"), std::string("--threads=1"),
           std::string("--probe-seconds=0.2"), std::string("--drift=0"),
-          // No periodic rounds: the test asks for the probes below.
-          std::string("--link-probe-seconds=3600"), std::string("--devices=cpu")}) {
+          // No rounds of their own (at registration or periodic): one
+          // would overlap the test's probes below and share the CPU.
+          std::string("--link-probe-seconds=3600"), std::string("--link-probe-delay=3600"), std::string("--devices=cpu")}) {
       argv.push_back(a);
     }
     agents_.push_back(std::make_unique<Process>());
