@@ -1,5 +1,5 @@
 // Predicted step against the compute lower bound, with collectives in line
-// (overlap off, what today's executors run) and overlapped with compute
+// (overlap off) and overlapped with compute
 // (overlap on), in one run: gpt, vit and transformer on the example clusters
 // and on mixed-2node with a 10 GbE (1.25e9 B/s) inter-node link at batch 64.
 // Then data parallelism's weak scaling (GPT-12, 32 samples per device) from

@@ -45,8 +45,9 @@ dp-prop --ratios 0.75,0.25: data parallelism at a synthesized plan's split);
 ratios are rounded to whole samples of the batch, as they will run.
 --overlap on prices collectives as overlapping compute (gradient buckets
 during backward, the bucket size chosen by the planner; ZeRO gathers
-prefetched): the step of an executor that overlaps. Off (the default)
-prices them in line, as today's executors run them.
+prefetched) and lowers them so: hap-executor starts them early and runs
+them behind compute (hap-executor --overlap off runs them in line). Off
+(the default) prices and runs them in line.
 --precision bf16 plans bf16 mixed precision (README "Precision"): products
 in bf16 with fp32 accumulation, fp32 master weights; each device priced at
 its bf16 FLOP/s (its fp32 rate when its profile has none).
@@ -188,7 +189,7 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
   } else {
     std::cout << absl::StrFormat(
         "predicted step %.4f s = compute %.4f s + communication %.4f s "
-        "(collectives in line, as today's executors run them)\n",
+        "(collectives in line)\n",
         r.cost.total, r.cost.compute, r.cost.communication);
   }
   if (!r.program.buckets.empty()) {
@@ -288,11 +289,6 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
   }
   std::cerr << "wrote plan for " << plan.rank_programs_size() << " ranks to " << path
             << "\n";
-  if (r.program.overlap) {
-    std::cerr << "note: the plan's prediction assumes communication overlapped with "
-                 "compute; today's executors run its collectives in line (plan with "
-                 "--overlap off for their step time)\n";
-  }
   return absl::OkStatus();
 }
 

@@ -48,9 +48,9 @@ struct PlanOptions {
   bool allow_sfb = true;
   bool allow_zero = true;
   bool allow_grouped = true;
-  // Price collectives as overlapping compute (Program::overlap): what an
-  // executor that overlaps runs. Off (the default) prices them in line,
-  // where today's executors run them.
+  // Price collectives as overlapping compute (Program::overlap), as the
+  // executors run a plan lowered with it. Off (the default) prices them in
+  // line.
   bool overlap_communication = false;
   bool zero_heuristic = false;
   int max_joint_iterations = 4;
