@@ -69,12 +69,16 @@ graph::Graph BatchNormCnn(int64_t batch) {
 
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
                                              int n, const std::vector<double>& ratios,
-                                             const std::string& tag) {
+                                             const std::string& tag, bool overlap = false) {
   lower::LowerOptions lo;
   lo.world_size = n;
   lo.ratios = ratios;
   lo.optimizer = hap::testing::EquivalenceOptimizer(/*adam=*/false);
   lo.seed = kSeed;
+  // With overlap: started collectives on a communication thread, buckets
+  // of 256 bytes (several per step).
+  lo.overlap = overlap;
+  lo.gradient_bucket_bytes = overlap ? 256 : 0;
   return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, "bn_" + tag);
 }
 
@@ -83,6 +87,7 @@ struct Case {
   std::string kind;
   std::string bn_rule;  // the rule batch_norm must run ("" = any)
   std::string dw_rule;  // the rule the depthwise conv2d must run ("" = any)
+  bool overlap = false;  // lowered with overlap (issue 16)
 };
 
 class BatchNormEquivalenceTest : public ::testing::TestWithParam<Case> {};
@@ -111,7 +116,8 @@ TEST_P(BatchNormEquivalenceTest, LossesParametersAndRunningStatisticsMatchSingle
   if (!c.dw_rule.empty()) {
     ASSERT_EQ(dw_rule, c.dw_rule);
   }
-  auto runs = RunPlan(g, *program, c.ranks, ratios, absl::StrCat(c.ranks, c.kind));
+  auto runs = RunPlan(g, *program, c.ranks, ratios,
+                      absl::StrCat(c.ranks, c.kind, c.overlap ? "_overlap" : ""), c.overlap);
   ASSERT_TRUE(runs.ok()) << runs.status();
 
   const TrainResult& want = (*ref)[0];
@@ -146,17 +152,27 @@ TEST_P(BatchNormEquivalenceTest, LossesParametersAndRunningStatisticsMatchSingle
 }
 
 std::string Name(const ::testing::TestParamInfo<Case>& i) {
-  return absl::StrCat(i.param.ranks, "ranks_", i.param.kind);
+  return absl::StrCat(i.param.ranks, "ranks_", i.param.kind,
+                      i.param.overlap ? "_overlap" : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, BatchNormEquivalenceTest,
-                         ::testing::Values(Case{2, "dp", "data(0)", "data(0)"},
-                                           Case{3, "dp", "data(0)", "data(0)"},
-                                           Case{2, "tp", "channels", "groups"},
-                                           Case{3, "tp", "", "groups"}, Case{3, "mix", "", ""},
-                                           Case{2, "zero", "data(0)", ""},
-                                           Case{3, "zero2", "data(0)", ""}),
-                         Name);
+std::vector<Case> Cases() {
+  std::vector<Case> out = {Case{2, "dp", "data(0)", "data(0)"},
+                           Case{3, "dp", "data(0)", "data(0)"},
+                           Case{2, "tp", "channels", "groups"},
+                           Case{3, "tp", "", "groups"},
+                           Case{3, "mix", "", ""},
+                           Case{2, "zero", "data(0)", ""},
+                           Case{3, "zero2", "data(0)", ""}};
+  const size_t n = out.size();
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(out[i]);
+    out.back().overlap = true;
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, BatchNormEquivalenceTest, ::testing::ValuesIn(Cases()), Name);
 
 }  // namespace
 }  // namespace hap
