@@ -16,6 +16,12 @@ this shared machine). The target is ours <= 1.2x torch.
     # or, with the worker built:
     /usr/bin/python3 bench/step_bench.py --worker PATH/TO/step_worker
 
+--precision bf16: bf16 mixed precision on both sides (ours: the plan option,
+oneDNN's bf16 GEMMs; PyTorch: CPU autocast). Each configuration is then
+measured twice, each pair interleaved as above: ours bf16 against PyTorch
+autocast bf16 (target <= 1.0x), and ours bf16 against ours fp32 (target
+< 1.0x: bf16 faster than our fp32).
+
 --breakdown: after the table, each configuration's time per step by kernel
 (ours) and the PyTorch profiler's per-operator table, from separate runs
 (the timed rounds run without instrumentation).
@@ -128,6 +134,35 @@ def breakdown(cmds, env, steps):
         print("\n".join(p.stdout.splitlines()[1:]))  # after the JSON line
 
 
+def bf16_tables(a, configs, rounds, threads, worker, torch_worker):
+    """--precision bf16: ours bf16 / torch autocast bf16 and ours bf16 /
+    ours fp32, each pair interleaved."""
+    print("| model | size | threads | ours bf16 ms | torch bf16 ms | ours fp32 ms | "
+          "bf16 ours / torch | <= 1.0x | ours bf16 / fp32 | < 1.0x | "
+          "first loss ours / torch (bf16) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, label, params in configs:
+        for t in threads:
+            args = worker_args(model, params, t)
+            bf = ["--precision", "bf16"]
+            env = thread_env(t, a.omp_wait)
+            vs_torch = [("ours bf16", [worker] + args + bf),
+                        ("torch bf16", [sys.executable, torch_worker] + args + bf)]
+            vs_fp32 = [("ours bf16", [worker] + args + bf), ("ours fp32", [worker] + args)]
+            times, loss, ratios = measure(vs_torch, env, rounds, a.steps, a.pause)
+            times2, _, ratios2 = measure(vs_fp32, env, rounds, a.steps, a.pause)
+            r1, r2 = statistics.median(ratios), statistics.median(ratios2)
+            print(f"| {model} | {label} | {t} | "
+                  f"{1e3 * statistics.median(times[0]):.1f} | "
+                  f"{1e3 * statistics.median(times[1]):.1f} | "
+                  f"{1e3 * statistics.median(times2[1]):.1f} | "
+                  f"{r1:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                  f"{'yes' if r1 <= 1.0 else 'NO'} | "
+                  f"{r2:.2f}x ({min(ratios2):.2f}-{max(ratios2):.2f}) | "
+                  f"{'yes' if r2 < 1.0 else 'NO'} | "
+                  f"{loss[0]:.3f} / {loss[1]:.3f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -146,6 +181,7 @@ def main():
     ap.add_argument("--omp-wait", default="passive", choices=["passive", "active"],
                     help="OMP_WAIT_POLICY for both workers (see thread_env)")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()
     configs = CONFIGS[:QUICK] if a.quick else CONFIGS
     if a.models:
@@ -159,6 +195,9 @@ def main():
           "step times are medians over all rounds; ratio = median over rounds "
           "of (median ours / median torch), min-max in brackets; "
           f"OMP_WAIT_POLICY={a.omp_wait}.\n")
+    if a.precision == "bf16":
+        bf16_tables(a, configs, rounds, threads, worker, torch_worker)
+        return
     print("| model | size | threads | ours ms/step | torch ms/step | "
           "ours / torch | <= 1.2x | first loss ours / torch |")
     print("|---|---|---|---|---|---|---|---|")

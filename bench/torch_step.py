@@ -7,7 +7,7 @@ same command line and protocol as step_worker:
 
     /usr/bin/python3 bench/torch_step.py --model gpt --threads 1 \
         --layers 2 --hidden 256 ... [--steps 10] [--warmup 2] [--breakdown] \
-        [--serve] [--device cuda]
+        [--serve] [--device cuda] [--precision fp32|bf16]
 
 A step's time covers forward, backward, optimizer.step() and
 zero_grad(set_to_none=True); making the batch is not timed. --device cuda
@@ -16,6 +16,8 @@ our side loads it into its arena) and the step ends with
 torch.cuda.synchronize(). Output: one JSON
 line per block, {"seconds": [...], "losses": [...]}. --breakdown (without
 --serve) profiles the timed steps and adds the profiler's per-operator table.
+--precision bf16 runs forward under torch.autocast(device, torch.bfloat16)
+(fp32 parameters and optimizer, as our bf16 plans).
 Needs Debian's python3-torch (run with /usr/bin/python3).
 """
 
@@ -47,6 +49,7 @@ def parse(argv):
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args, rest = ap.parse_known_args(argv)
     if len(rest) % 2:
         ap.error(f"zoo parameters come as --NAME VALUE pairs: {rest}")
@@ -90,7 +93,7 @@ def build(model, params):
     return m, make
 
 
-def run_block(m, opt, make, n, device="cpu"):
+def run_block(m, opt, make, n, device="cpu", bf16=False):
     seconds, losses = [], []
     cuda = device.startswith("cuda")
     for _ in range(n):
@@ -98,8 +101,9 @@ def run_block(m, opt, make, n, device="cpu"):
         t0 = time.perf_counter()
         if cuda:
             batch = {k: v.to(device) for k, v in batch.items()}
-        loss = m(**batch)
-        loss.backward()
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=bf16):
+            loss = m(**batch)
+        loss.float().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -117,18 +121,19 @@ def main():
     m.to(args.device)
     m.train()
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    bf16 = args.precision == "bf16"
     if args.serve:
         for line in sys.stdin:
-            print(json.dumps(run_block(m, opt, make, int(line), args.device)),
+            print(json.dumps(run_block(m, opt, make, int(line), args.device, bf16)),
                   flush=True)
         return
-    run_block(m, opt, make, args.warmup, args.device)
+    run_block(m, opt, make, args.warmup, args.device, bf16)
     if not args.breakdown:
-        print(json.dumps(run_block(m, opt, make, args.steps, args.device)),
+        print(json.dumps(run_block(m, opt, make, args.steps, args.device, bf16)),
               flush=True)
         return
     with torch.autograd.profiler.profile() as prof:
-        print(json.dumps(run_block(m, opt, make, args.steps, args.device)),
+        print(json.dumps(run_block(m, opt, make, args.steps, args.device, bf16)),
               flush=True)
     print(f"PyTorch profiler, totals over {args.steps} steps:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total",

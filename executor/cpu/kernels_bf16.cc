@@ -41,12 +41,28 @@ inline uint16_t Bf16Bits(float x) {
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r);
 }
 
-// `rows` rows of `cols` floats `ld` apart into the same layout of bf16.
-void ToBf16(const float* x, int64_t rows, int64_t cols, int64_t ld, uint16_t* y) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * ld;
-    uint16_t* yr = y + r * ld;
-    for (int64_t j = 0; j < cols; ++j) yr[j] = Bf16Bits(xr[j]);
+// op(X) (rows x cols after op; X row-major with leading dimension ld) into
+// a contiguous row-major bf16 [rows, cols]: the transpose, when asked, is
+// done here in tiles, so oneDNN always sees plain row-major operands (its
+// matmul is much slower on transposed strides).
+void ToBf16Plain(const float* x, bool trans, int64_t rows, int64_t cols, int64_t ld,
+                 uint16_t* y) {
+  if (!trans) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * ld;
+      uint16_t* yr = y + r * cols;
+      for (int64_t j = 0; j < cols; ++j) yr[j] = Bf16Bits(xr[j]);
+    }
+    return;
+  }
+  constexpr int64_t kTile = 32;  // y[r][j] = x[j][r]
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
+      const int64_t r1 = std::min(rows, r0 + kTile), j1 = std::min(cols, j0 + kTile);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t j = j0; j < j1; ++j) y[r * cols + j] = Bf16Bits(x[j * ld + r]);
+      }
+    }
   }
 }
 
@@ -143,16 +159,13 @@ absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_
   }
   HAP_ASSIGN_OR_RETURN(Dnnl * d, Dnnl::Get());
   HAP_ASSIGN_OR_RETURN(dnnl_primitive_t p,
-                       d->Matmul(GemmKey{m, n, k, trans_a, trans_b, lda, ldb, ldc, accumulate}));
-  // The operands in bf16, in their own layouts (rows x ld, the last row
-  // only as long as it is).
-  const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
-  const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+                       d->Matmul(GemmKey{m, n, k, false, false, k, n, ldc, accumulate}));
+  // The operands in bf16, row-major and contiguous: op(A) [m, k], op(B) [k, n].
   thread_local std::vector<uint16_t> a16, b16;
-  a16.resize((a_rows - 1) * lda + a_cols);
-  b16.resize((b_rows - 1) * ldb + b_cols);
-  ToBf16(a, a_rows, a_cols, lda, a16.data());
-  ToBf16(b, b_rows, b_cols, ldb, b16.data());
+  a16.resize(m * k);
+  b16.resize(k * n);
+  ToBf16Plain(a, trans_a, m, k, lda, a16.data());
+  ToBf16Plain(b, trans_b, k, n, ldb, b16.data());
 
   threads = threads < 1 ? 1 : threads;
   if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
