@@ -29,6 +29,14 @@ whole core and rank 1 40% of the other.
    proportional baseline (dp-prop or ddp-prop), and the median over rounds
    of the per-round ratios with their range.
 
+With --overlap (issue 16): the synthesized plan made with `hapctl plan
+--overlap on` (its gradient buckets and ZeRO-3 gathers started early and run
+behind compute on a communication thread with a second Gloo context), the
+same plan run with `--overlap off` (every collective in line), DP-proportional
+planned with overlap, and PyTorch DDP (which overlaps its bucketed all-reduce
+with backward) at the overlapped plan's batch split; all in the same
+interleaved rounds.
+
 The ideal speed-up of a proportional split over the even one, compute bound,
 is sum(shares) / (n x min(shares)) (1.75x for 1,0.4).
 
@@ -71,6 +79,11 @@ QUOTA_CONFIGS = ["hap-q", "dp-prop-q"]
 # dp-split-cal: data parallelism at hap-cal's split, to tell the program's
 # gain from the split's.
 CALIBRATED_CONFIGS = ["hap-cal", "dp-split-cal"]
+# With --overlap: hap-ov, its plan run in line (hap-ov-inline), DP-proportional
+# planned with overlap, PyTorch DDP at hap-ov's split.
+OVERLAP_CONFIGS = ["hap-ov", "hap-ov-inline", "dp-prop-ov", "ddp-split-ov"]
+# Flags hap-launch passes to hap-executor for a configuration.
+RUN_FLAGS = {"hap-ov-inline": ["--overlap", "off"]}
 LABELS = {
     "hap": "HAP (synthesized plan)",
     "dp-even": "DP-even (ours)",
@@ -81,6 +94,10 @@ LABELS = {
     "dp-prop-q": "diagnostic: DP-proportional, quota-scaled profile",
     "hap-cal": "HAP (synthesized from the calibrated cost model)",
     "dp-split-cal": "DP at the calibrated HAP's split (ours)",
+    "hap-ov": "HAP with overlap (synthesized with --overlap on, run overlapped)",
+    "hap-ov-inline": "the same plan run in line (--overlap off)",
+    "dp-prop-ov": "DP-proportional with overlap (ours)",
+    "ddp-split-ov": "PyTorch DDP at HAP-with-overlap's split",
 }
 STEP_RE = re.compile(r"^step (\d+) loss (\S+) time (\S+) s", re.M)
 
@@ -309,14 +326,14 @@ def quota_scaled(cluster, shares):
 
 
 def make_plans(c, bins, cluster_path, device_ids, model, opt,
-               names=("hap", "dp-even", "dp-prop"), suffix="", split=None):
+               names=("hap", "dp-even", "dp-prop"), suffix="", split=None, extra=()):
     """Plans `names` (hap, a baseline, or dp-split: data parallelism at the
-    ratios `split`)."""
+    ratios `split`), with hapctl plan flags `extra`."""
     plans = {}
     for name in names:
         path = os.path.join(c.state, f"{name}{suffix}.pb")
         cmd = [bins["hapctl"], "plan", "--cluster", cluster_path, "--devices",
-               ",".join(device_ids), *model, *opt, "--save-plan", path]
+               ",".join(device_ids), *model, *opt, *extra, "--save-plan", path]
         if name == "dp-split":
             cmd += ["--baseline", "dp-prop", "--ratios", ",".join(f"{r:.12g}" for r in split)]
         elif name != "hap":
@@ -333,7 +350,8 @@ def make_plans(c, bins, cluster_path, device_ids, model, opt,
                        # The op table and the ratios fix the rank programs
                        # (the lowering is deterministic).
                        "programs": json.dumps([d.get("ops"),
-                                               [round(r, 9) for r in d["ratios"]]],
+                                               [round(r, 9) for r in d["ratios"]],
+                                               list(extra)],
                                               sort_keys=True)}
     return plans
 
@@ -361,11 +379,11 @@ def proportional_split(batch, weights):
 
 
 # --- 3. run --------------------------------------------------------------------
-def run_hap_launch(c, bins, plan, args, tag, profile=None):
+def run_hap_launch(c, bins, plan, args, tag, profile=None, flags=()):
     steps = max(args.warmup, 2) + args.steps if profile else args.warmup + args.steps
     cmd = [bins["launch"], "--plan", plan, "--cpu-shares", ",".join(map(str, c.shares)),
            "--cpu-period-us", str(c.period_us), "--pin-cores", "--threads", "1", "--steps", str(steps), "--data", "synthetic",
-           "--executor", bins["executor"], "--timeout", "120"]
+           "--executor", bins["executor"], "--timeout", "120", *flags]
     if profile:
         cmd += ["--profile", profile]
     log_path = os.path.join(c.state, f"{tag}.log")
@@ -462,6 +480,9 @@ def main():
     ap.add_argument("--quota-profile", action="store_true",
                     help="also run " + ",".join(QUOTA_CONFIGS) + ": HAP and DP-proportional "
                          "planned from the fastest measured rate x each share")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run " + ",".join(OVERLAP_CONFIGS) + ": the plans made with\n"
+                         "--overlap on, HAP's run in line too, DDP at HAP's split")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the calibration phase (profiled runs, hapctl calibrate,\n"
                          "the HAP plan again from the calibrated model, accuracy table)")
@@ -495,6 +516,8 @@ def main():
         ap.error(f"--configs must name some of {','.join(CONFIGS)}")
     if args.quota_profile:
         configs += QUOTA_CONFIGS
+    if args.overlap:
+        configs += OVERLAP_CONFIGS
     if not args.no_calibrate:
         configs += CALIBRATED_CONFIGS
     bins = {k: os.path.join(args.bin_dir, v) for k, v in (
@@ -591,6 +614,12 @@ def bench(c, bins, args, configs):
                                 ("hap", "dp-even", "dp-prop"), "-cal"))
         plans.update(make_plans(c, bins, cal_path, ids, model, opt, ("dp-split",), "-cal",
                                 split=plans["hap-cal"]["ratios"]))
+    if "hap-ov" in configs:
+        plans.update(make_plans(c, bins, cluster_path, ids, model, opt, ("hap", "dp-prop"),
+                                "-ov", extra=["--overlap", "on"]))
+        # The same plan, its collectives run in line by the executors.
+        plans["hap-ov-inline"] = dict(plans["hap-ov"])
+        plans["hap-ov-inline"]["programs"] += " in line"
     for name, p in plans.items():
         log(f"   {name:8s} predicted {p['predicted']:.4f} s, ratios "
             + ", ".join(f"{x:.3f}" for x in p["ratios"]))
@@ -598,7 +627,10 @@ def bench(c, bins, args, configs):
     log("\n" + "\n".join("   " + l for l in hap_head.strip().splitlines()))
     even_split = proportional_split(args.batch, [1.0] * n)
     prop_split = proportional_split(args.batch, shares)
-    log(f"\n   DDP batch split: even {even_split}, proportional to the shares {prop_split}")
+    ov_split = proportional_split(args.batch, plans["hap-ov"]["ratios"]) \
+        if "hap-ov" in plans else None
+    log(f"\n   DDP batch split: even {even_split}, proportional to the shares {prop_split}"
+        + (f", HAP with overlap's {ov_split}" if ov_split else ""))
 
     log(f"\n== 3. {args.rounds} rounds x {len(configs)} configurations, "
         f"{args.warmup} warm-up + {args.steps} timed steps each ==")
@@ -614,10 +646,11 @@ def bench(c, bins, args, configs):
         for x in order:
             tag = f"{x}-round{rnd}"
             if x.startswith("ddp"):
-                out = run_ddp(c, args, even_split if x == "ddp-even" else prop_split,
-                              model_kv, tag)
+                split = {"ddp-even": even_split, "ddp-split-ov": ov_split}.get(x, prop_split)
+                out = run_ddp(c, args, split, model_kv, tag)
             else:
-                out = run_hap_launch(c, bins, plans[x]["path"], args, tag)
+                out = run_hap_launch(c, bins, plans[x]["path"], args, tag,
+                                     flags=RUN_FLAGS.get(x, ()))
             ts, losses = step_times(out, args.warmup)
             if len(ts) != args.steps:
                 die(f"{x}: expected {args.steps} timed steps, parsed {len(ts)}:\n{out[-1500:]}")
@@ -662,7 +695,8 @@ def bench(c, bins, args, configs):
             split = "ratios " + ", ".join(f"{r:.3f}" for r in plans[x]["ratios"])
             pred = f"{plans[x]['predicted']:.4f}"
         else:
-            split = ", ".join(map(str, even_split if x == "ddp-even" else prop_split))
+            split = ", ".join(map(str, {"ddp-even": even_split,
+                                        "ddp-split-ov": ov_split}.get(x, prop_split)))
             pred = "-"
         row = (f"| {LABELS[x]} | {split} | {pred} | {1e3 * med[x]:.1f} | "
                f"{1e3 * min(times[x]):.1f}-{1e3 * max(times[x]):.1f} |")
@@ -686,6 +720,16 @@ def bench(c, bins, args, configs):
         if best_prop:
             log(f"{what} vs best proportional ({best_prop}): "
                 f"{med[best_prop] / med[h]:.2f}x (target >= 1.05x)")
+    if "hap-ov" in configs:
+        for base, what in (("hap-ov-inline", "the same plan in line"),
+                           ("dp-prop", "DP-proportional in line"),
+                           ("dp-prop-ov", "DP-proportional with overlap"),
+                           ("ddp-split-ov", "PyTorch DDP at its split"),
+                           ("ddp-prop", "PyTorch DDP proportional")):
+            if base in configs:
+                m, lo, hi = round_ratio(base, "hap-ov")
+                log(f"HAP with overlap vs {what}: {med[base] / med['hap-ov']:.2f}x "
+                    f"(per round {m:.2f}, {lo:.2f}-{hi:.2f})")
     if "hap-cal" in configs and "dp-split-cal" in configs:
         log(f"HAP, calibrated vs DP at its split: "
             f"{med['dp-split-cal'] / med['hap-cal']:.2f}x (the program's gain; the rest of "
