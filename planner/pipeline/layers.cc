@@ -9,28 +9,25 @@
 
 namespace hap::pipeline {
 
-int64_t GraphBatch(const graph::Graph &g) {
+int64_t GraphBatch(const graph::Graph& g) {
   const std::vector<graph::TensorId> in = g.Inputs();
-  if (in.empty() || g.tensor(in.front()).type.rank() < 1)
-    return 0;
+  if (in.empty() || g.tensor(in.front()).type.rank() < 1) return 0;
   return g.tensor(in.front()).type.shape[0];
 }
 
-std::vector<int> ValidCuts(const graph::Graph &g) {
+std::vector<int> ValidCuts(const graph::Graph& g) {
   const int n = static_cast<int>(g.ops().size());
   // crossing[k]: activations crossing the cut before op k; blocked[k]: a
   // parameter read on both sides. Difference arrays over (first, last].
   std::vector<int> crossing(n + 1, 0), blocked(n + 1, 0);
-  for (const graph::Tensor &t : g.tensors()) {
-    if (t.consumers.empty())
-      continue;
+  for (const graph::Tensor& t : g.tensors()) {
+    if (t.consumers.empty()) continue;
     int last = 0, first = n;
     for (graph::OpId c : t.consumers) {
       last = std::max(last, c);
       first = std::min(first, c);
     }
-    if (t.kind == graph::TensorKind::kActivation && t.producer >= 0 &&
-        last > t.producer) {
+    if (t.kind == graph::TensorKind::kActivation && t.producer >= 0 && last > t.producer) {
       ++crossing[t.producer + 1];
       --crossing[last + 1];
     } else if (t.kind == graph::TensorKind::kParameter && last > first) {
@@ -44,18 +41,16 @@ std::vector<int> ValidCuts(const graph::Graph &g) {
     c += crossing[k];
     b += blocked[k];
     // crossing/blocked were accumulated from index 1: prefix sums up to k.
-    if (c == 1 && b == 0)
-      cuts.push_back(k);
+    if (c == 1 && b == 0) cuts.push_back(k);
   }
   return cuts;
 }
 
-Layers FindLayers(const graph::Graph &g, int max_layers) {
+Layers FindLayers(const graph::Graph& g, int max_layers) {
   const int n = static_cast<int>(g.ops().size());
   std::vector<int> cuts = ValidCuts(g);
-  std::vector<double> prefix(n + 1, 0); // forward FLOPs before op k
-  for (int k = 0; k < n; ++k)
-    prefix[k + 1] = prefix[k] + g.OpForwardFlops(k);
+  std::vector<double> prefix(n + 1, 0);  // forward FLOPs before op k
+  for (int k = 0; k < n; ++k) prefix[k + 1] = prefix[k] + g.OpForwardFlops(k);
   std::vector<int> chosen;
   if (static_cast<int>(cuts.size()) <= max_layers - 1) {
     chosen = cuts;
@@ -66,19 +61,13 @@ Layers FindLayers(const graph::Graph &g, int max_layers) {
       // The nearest cut at or after `at` (cuts stay increasing).
       size_t best = at;
       for (size_t j = at; j < cuts.size(); ++j) {
-        if (std::abs(prefix[cuts[j]] - target) <
-            std::abs(prefix[cuts[best]] - target))
-          best = j;
-        if (prefix[cuts[j]] > target)
-          break;
+        if (std::abs(prefix[cuts[j]] - target) < std::abs(prefix[cuts[best]] - target)) best = j;
+        if (prefix[cuts[j]] > target) break;
       }
-      if (best >= cuts.size())
-        break;
-      if (chosen.empty() || cuts[best] > chosen.back())
-        chosen.push_back(cuts[best]);
+      if (best >= cuts.size()) break;
+      if (chosen.empty() || cuts[best] > chosen.back()) chosen.push_back(cuts[best]);
       at = best + 1;
-      if (at >= cuts.size())
-        break;
+      if (at >= cuts.size()) break;
     }
   }
   Layers l;
@@ -86,13 +75,10 @@ Layers FindLayers(const graph::Graph &g, int max_layers) {
   for (int k : chosen) {
     // The one activation crossing before op k.
     for (graph::TensorId t = 0; t < static_cast<int>(g.tensors().size()); ++t) {
-      const graph::Tensor &x = g.tensor(t);
-      if (x.kind != graph::TensorKind::kActivation || x.producer < 0 ||
-          x.producer >= k)
-        continue;
+      const graph::Tensor& x = g.tensor(t);
+      if (x.kind != graph::TensorKind::kActivation || x.producer < 0 || x.producer >= k) continue;
       bool later = false;
-      for (graph::OpId c : x.consumers)
-        later = later || c >= k;
+      for (graph::OpId c : x.consumers) later = later || c >= k;
       if (later) {
         l.boundary.push_back(t);
         break;
@@ -104,56 +90,48 @@ Layers FindLayers(const graph::Graph &g, int max_layers) {
   return l;
 }
 
-absl::StatusOr<graph::Graph> Rebatch(const graph::Graph &g, int64_t batch) {
+absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
   const int64_t old = GraphBatch(g);
-  if (old <= 0)
-    return absl::InvalidArgumentError(
-        "the graph has no batched input to rebatch");
-  if (batch == old)
-    return g;
+  if (old <= 0) return absl::InvalidArgumentError("the graph has no batched input to rebatch");
+  if (batch == old) return g;
   if (batch < 1 || old % batch != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("microbatch ", batch, " does not divide the batch ", old));
   }
   hap::v1::Graph p = graph::ToProto(g);
   p.clear_value_info();
-  for (hap::v1::Input &in : *p.mutable_inputs()) {
-    auto *shape = in.mutable_tensor()->mutable_shape();
-    if (shape->empty())
-      continue;
+  for (hap::v1::Input& in : *p.mutable_inputs()) {
+    auto* shape = in.mutable_tensor()->mutable_shape();
+    if (shape->empty()) continue;
     if (shape->Get(0) % old != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("input '", in.tensor().name(), "' has dimension 0 of ",
-                       shape->Get(0), ", not a multiple of the batch ", old,
-                       ": cannot split it into microbatches"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", in.tensor().name(), "' has dimension 0 of ", shape->Get(0),
+          ", not a multiple of the batch ", old, ": cannot split it into microbatches"));
     }
     shape->Set(0, shape->Get(0) / old * batch);
   }
-  for (hap::v1::Op &op : *p.mutable_ops()) {
+  for (hap::v1::Op& op : *p.mutable_ops()) {
     auto it = op.mutable_attrs()->find("shape");
-    if (it == op.mutable_attrs()->end() || !it->second.has_ints())
-      continue;
-    auto *v = it->second.mutable_ints()->mutable_values();
+    if (it == op.mutable_attrs()->end() || !it->second.has_ints()) continue;
+    auto* v = it->second.mutable_ints()->mutable_values();
     if (!v->empty() && v->Get(0) > 0 && v->Get(0) % old == 0) {
       v->Set(0, v->Get(0) / old * batch);
     }
   }
   auto r = graph::FromProto(p);
   if (!r.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the graph does not take microbatches of ", batch, ": ",
-                     r.status().message()));
+    return absl::InvalidArgumentError(absl::StrCat("the graph does not take microbatches of ",
+                                                   batch, ": ", r.status().message()));
   }
   if (r->ops().size() != g.ops().size()) {
     return absl::InternalError("rebatching changed the number of ops");
   }
   for (size_t k = 0; k < g.ops().size(); ++k) {
     if (r->op(k).name != g.op(k).name) {
-      return absl::InternalError(
-          absl::StrCat("rebatching reordered op '", g.op(k).name, "'"));
+      return absl::InternalError(absl::StrCat("rebatching reordered op '", g.op(k).name, "'"));
     }
   }
   return r;
 }
 
-} // namespace hap::pipeline
+}  // namespace hap::pipeline

@@ -29,9 +29,9 @@ struct Layers {
 };
 
 // Every valid cut position k (1 <= k < ops), in order.
-std::vector<int> ValidCuts(const graph::Graph &g);
+std::vector<int> ValidCuts(const graph::Graph& g);
 // max_layers >= 1. A graph with no valid cut is one layer.
-Layers FindLayers(const graph::Graph &g, int max_layers);
+Layers FindLayers(const graph::Graph& g, int max_layers);
 
 // The graph with every input's dimension 0 (the first input's is the batch;
 // others are multiples of it, e.g. labels per token) scaled to `batch`, and
@@ -40,11 +40,11 @@ Layers FindLayers(const graph::Graph &g, int max_layers);
 // it. Op order and ids are kept. InvalidArgument when `batch` does not
 // divide the old batch, or the graph does not take the new batch (shapes
 // that fix it elsewhere), naming what failed.
-absl::StatusOr<graph::Graph> Rebatch(const graph::Graph &g, int64_t batch);
+absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch);
 
 // The first input's dimension 0; 0 for a graph without inputs.
-int64_t GraphBatch(const graph::Graph &g);
+int64_t GraphBatch(const graph::Graph& g);
 
-} // namespace hap::pipeline
+}  // namespace hap::pipeline
 
-#endif // HAP_PLANNER_PIPELINE_LAYERS_H_
+#endif  // HAP_PLANNER_PIPELINE_LAYERS_H_

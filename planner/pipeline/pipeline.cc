@@ -20,7 +20,7 @@ using Clock = std::chrono::steady_clock;
 using synth::Form;
 using synth::Program;
 
-bool IsZero3(const synth::SourceLoad &l) {
+bool IsZero3(const synth::SourceLoad& l) {
   return l.storage == synth::ParamStorage::kZero && !l.gather_once;
 }
 
@@ -39,11 +39,11 @@ ratios::CostTerm ZeroTerm(int n) {
 //           optimizer updates;
 //   kAll    both (for memory).
 enum class Part { kMicro, kSync, kAll };
-Program SubProgram(const Program &p, int begin, int end, Part part, int n) {
+Program SubProgram(const Program& p, int begin, int end, Part part, int n) {
   Program q;
   for (int k = begin; k < end; ++k) {
     synth::OpStep s = p.steps[k];
-    for (synth::SourceLoad &l : s.loads) {
+    for (synth::SourceLoad& l : s.loads) {
       const bool per_step = (l.grad_allreduce && !l.sfb) || l.gather_once;
       if (part == Part::kMicro) {
         if (per_step) l.costs.clear();
@@ -65,17 +65,17 @@ Program SubProgram(const Program &p, int begin, int end, Part part, int n) {
 
 // Forward's share of a steps' micro work: a third of the compute, the
 // forward collectives and gathers, against the rest (at `r`).
-double ForwardShare(const Program &micro, const std::vector<double> &r) {
+double ForwardShare(const Program& micro, const std::vector<double>& r) {
   double f = 0, b = 0;
-  for (const synth::OpStep &s : micro.steps) {
+  for (const synth::OpStep& s : micro.steps) {
     const double c = cost::EvaluateTerm(s.compute, r);
     f += c / 3 + cost::EvaluateTerm(s.internal, r);
     b += 2 * c / 3;
-    for (const synth::CommStep &m : s.comms) {
+    for (const synth::CommStep& m : s.comms) {
       f += cost::EvaluateTerm(m.forward_cost, r);
       if (m.has_backward) b += cost::EvaluateTerm(m.backward_cost, r);
     }
-    for (const synth::SourceLoad &l : s.loads) {
+    for (const synth::SourceLoad& l : s.loads) {
       for (size_t i = 0; i < l.costs.size(); ++i) {
         ((IsZero3(l) && i == 0) ? f : b) += cost::EvaluateTerm(l.costs[i], r);
       }
@@ -109,22 +109,22 @@ struct Entry {
 };
 constexpr int kNoLimit = 1 << 30;
 
-std::string Signature(const cost::ClusterModel &c, const std::vector<int> &d) {
+std::string Signature(const cost::ClusterModel& c, const std::vector<int>& d) {
   std::string s;
   for (int i : d) {
-    const cost::DeviceModel &m = c.device(i);
+    const cost::DeviceModel& m = c.device(i);
     absl::StrAppend(&s, m.model, "|", m.flops, "|", m.memory_bytes, "|", m.launch_overhead_seconds,
                     "|", m.optimizer_seconds_per_element, "|", m.step_overhead_seconds, "|",
                     m.overlap_efficiency, "|");
-    for (const auto &[k, v] : m.op_time_scale) absl::StrAppend(&s, k, "=", v, ",");
+    for (const auto& [k, v] : m.op_time_scale) absl::StrAppend(&s, k, "=", v, ",");
     for (int j : d) absl::StrAppend(&s, c.bandwidth(i, j), "/", c.latency(i, j), ",");
     s += ";";
   }
   return s;
 }
 
-double MinBandwidth(const cost::ClusterModel &c, const std::vector<int> &a,
-                    const std::vector<int> &b) {
+double MinBandwidth(const cost::ClusterModel& c, const std::vector<int>& a,
+                    const std::vector<int>& b) {
   double bw = INFINITY;
   for (int i : a) {
     for (int j : b) bw = std::min(bw, c.bandwidth(i, j));
@@ -132,8 +132,8 @@ double MinBandwidth(const cost::ClusterModel &c, const std::vector<int> &a,
   return bw;
 }
 
-double MaxLatency(const cost::ClusterModel &c, const std::vector<int> &a,
-                  const std::vector<int> &b) {
+double MaxLatency(const cost::ClusterModel& c, const std::vector<int>& a,
+                  const std::vector<int>& b) {
   double lat = 0;
   for (int i : a) {
     for (int j : b) lat = std::max(lat, c.latency(i, j));
@@ -142,16 +142,16 @@ double MaxLatency(const cost::ClusterModel &c, const std::vector<int> &a,
 }
 
 // Prices the entry's program per layer.
-absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
-                         const std::vector<graph::TensorId> &boundary, synth::OptimizerKind opt,
-                         bool ignore_memory, Entry *e) {
-  const Program &p = e->plan.program;
-  const std::vector<double> &r = e->plan.ratios;
+absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
+                         const std::vector<graph::TensorId>& boundary, synth::OptimizerKind opt,
+                         bool ignore_memory, Entry* e) {
+  const Program& p = e->plan.program;
+  const std::vector<double>& r = e->plan.ratios;
   const int n = e->cluster->size();
   if (p.steps.size() != gm.ops().size()) {
     return absl::InternalError("the group's program does not cover the graph");
   }
-  auto price = [&](double bytes, const char **algorithm) {
+  auto price = [&](double bytes, const char** algorithm) {
     const cost::CollectiveModel::Choice c = e->coll->AllReduceAlgorithm(bytes);
     *algorithm = c.algorithm;
     return e->coll->Constant(e->coll->AllReduce(bytes));
@@ -166,7 +166,7 @@ absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
     e->sync.push_back(synth::EvaluateProgram(sync, r).total);
     Program all = SubProgram(p, b, end, Part::kAll, n);
     Program outputs = all;
-    for (synth::OpStep &s : outputs.steps) s.loads.clear();
+    for (synth::OpStep& s : outputs.steps) s.loads.clear();
     const std::vector<int64_t> total =
         synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, all, opt), r);
     const std::vector<int64_t> act =
@@ -214,8 +214,8 @@ absl::Status PriceLayers(const graph::Graph &gm, const Layers &layers,
     }
   }
   for (graph::TensorId t : boundary) {
-    const graph::Tensor &x = gm.tensor(t);
-    const synth::OpStep &s = p.steps[x.producer];
+    const graph::Tensor& x = gm.tensor(t);
+    const synth::OpStep& s = p.steps[x.producer];
     e->boundary_form.push_back(s.rule.outputs[x.producer_output]);
   }
   return absl::OkStatus();
@@ -228,7 +228,7 @@ struct Transfer {
   double send_sender = 0, send_receiver = 0;
   double grad_sender = 0, grad_receiver = 0;
 };
-Transfer PriceTransfer(double bytes, double bw, double lat, const Entry &a, Form fa, const Entry &b,
+Transfer PriceTransfer(double bytes, double bw, double lat, const Entry& a, Form fa, const Entry& b,
                        Form fb) {
   Transfer t;
   const double link = lat + bytes / bw;
@@ -250,7 +250,7 @@ struct StageChoice {
 
 }  // namespace
 
-const char *VariantName(Variant v) {
+const char* VariantName(Variant v) {
   switch (v) {
     case Variant::kSynthesized:
       return "pipeline x spmd";
@@ -262,8 +262,8 @@ const char *VariantName(Variant v) {
   return "?";
 }
 
-absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::ClusterModel &cluster,
-                                          const PipelineOptions &o) {
+absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::ClusterModel& cluster,
+                                          const PipelineOptions& o) {
   const auto start = Clock::now();
   PipelinePlan out;
   out.variant = o.variant;
@@ -296,11 +296,11 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
   // Units: nodes, split when more stages are asked for than nodes.
   std::vector<std::vector<int>> units;
   {
-    const auto &nodes = cluster.node_groups();
+    const auto& nodes = cluster.node_groups();
     const int want = o.mode == Mode::kStages ? o.stages : 1;
     const int parts = std::max<int>(
         1, (want + static_cast<int>(nodes.size()) - 1) / static_cast<int>(nodes.size()));
-    for (const auto &node : nodes) {
+    for (const auto& node : nodes) {
       const int k = std::min<int>(parts, std::max<int>(1, static_cast<int>(node.size()) / 2));
       for (int i = 0; i < k; ++i) {
         const size_t a = node.size() * i / k, b = node.size() * (i + 1) / k;
@@ -425,7 +425,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
           job = jobs[next++];
         }
         const int k = job / C, c = job % C;
-        Entry &e = entries[job];
+        Entry& e = entries[job];
         auto sub = cluster.Subset(groups[kind_group[k]].devices);
         if (!sub.ok()) {
           e.status = sub.status();
@@ -448,12 +448,12 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
     std::vector<std::thread> pool;
     for (int t = 1; t < threads; ++t) pool.emplace_back(work);
     work();
-    for (std::thread &t : pool) t.join();
+    for (std::thread& t : pool) t.join();
     out.syntheses = static_cast<int>(jobs.size());
   }
-  auto entry = [&](int gi, int c) -> const Entry * {
+  auto entry = [&](int gi, int c) -> const Entry* {
     if (gi < 0) return nullptr;
-    const Entry &e = entries[group_kind[gi] * C + c];
+    const Entry& e = entries[group_kind[gi] * C + c];
     return e.status.ok() ? &e : nullptr;
   };
 
@@ -466,7 +466,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
   };
   auto price_stage = [&](int i, int j, int gi, int c, int s, int S) -> Priced {
     Priced p;
-    const Entry *e = entry(gi, c);
+    const Entry* e = entry(gi, c);
     if (e == nullptr) return p;
     const int k = InFlightMicrobatches(s, S, counts[c]);
     const int n = e->cluster->size();
@@ -482,9 +482,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
   };
   // The transfer after layer j-1 (boundary j-1) from group ga to gb.
   auto transfer = [&](int j, int ga, int gb, int c) -> Transfer {
-    const Entry *a = entry(ga, c);
-    const Entry *b = entry(gb, c);
-    const graph::Graph &gm = *graphs[c];
+    const Entry* a = entry(ga, c);
+    const Entry* b = entry(gb, c);
+    const graph::Graph& gm = *graphs[c];
     const double bytes = static_cast<double>(gm.tensor(boundaries[c][j - 1]).type.bytes());
     return PriceTransfer(bytes, MinBandwidth(cluster, groups[ga].devices, groups[gb].devices),
                          MaxLatency(cluster, groups[ga].devices, groups[gb].devices), *a,
@@ -497,7 +497,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
     double step = INFINITY, bubble = 0;
     std::vector<StageTimes> times;
   };
-  auto evaluate = [&](const std::vector<StageChoice> &st, int c) -> Candidate {
+  auto evaluate = [&](const std::vector<StageChoice>& st, int c) -> Candidate {
     Candidate cand;
     cand.stages = st;
     cand.c = c;
@@ -571,7 +571,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
       // Stage work of every (range, group) for the candidate list.
       std::vector<double> values;
       for (size_t gi = 0; gi < groups.size(); ++gi) {
-        const Entry *e = entry(static_cast<int>(gi), c);
+        const Entry* e = entry(static_cast<int>(gi), c);
         if (e == nullptr) continue;
         for (int i = 0; i < L; ++i) {
           double w = 0;
@@ -584,7 +584,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
       if (values.empty()) continue;
       // A link can be the bottleneck too.
       for (size_t gi = 0; gi < groups.size(); ++gi) {
-        const Entry *e = entry(static_cast<int>(gi), c);
+        const Entry* e = entry(static_cast<int>(gi), c);
         if (e == nullptr) continue;
         for (int v = 0; v < U; ++v) {
           if (!std::isfinite(link_bw[gi][v])) continue;
@@ -628,7 +628,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
                 for (int v = u + 1; v <= U - rest; ++v) {
                   for (int a = 0; a < A; ++a) {
                     const int gi = group_of[u][v] < 0 ? -1 : group_of[u][v] + a * G;
-                    const Entry *e = entry(gi, c);
+                    const Entry* e = entry(gi, c);
                     if (e == nullptr) continue;
                     for (int j = i + 1; j <= L - rest; ++j) {
                       if (rest == 0 && (j != L || v != U)) continue;
@@ -681,7 +681,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
   }
   if (best.stages.empty() || !std::isfinite(best.step)) {
     std::string why;
-    for (const Entry &e : entries) {
+    for (const Entry& e : entries) {
       if (!e.status.ok() && e.status.code() != absl::StatusCode::kFailedPrecondition) {
         why = absl::StrCat(": a stage synthesis failed: ", e.status.message());
         break;
@@ -704,9 +704,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
   std::vector<StagePlan> lp_stages;
   std::vector<StageTimes> lp_times = best.times;
   for (int s = 0; s < S; ++s) {
-    const StageChoice &ch = best.stages[s];
+    const StageChoice& ch = best.stages[s];
     const int gi = ch.group;
-    const Entry &e = *entry(gi, c);
+    const Entry& e = *entry(gi, c);
     const int n = e.cluster->size();
     StagePlan sp;
     sp.first_layer = ch.first_layer;
@@ -730,10 +730,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
     StagePlan lp = sp;
     if (o.variant != Variant::kEvenSplit) {
       // minimise M * micro(r) + sync(r) subject to memory at sp.in_flight.
-      const graph::Graph &gm = *graphs[c];
+      const graph::Graph& gm = *graphs[c];
       Program micro = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kMicro, n);
       Program sync = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kSync, n);
-      auto price = [&](double bytes, const char **algorithm) {
+      auto price = [&](double bytes, const char** algorithm) {
         *algorithm = e.coll->AllReduceAlgorithm(bytes).algorithm;
         return e.coll->Constant(e.coll->AllReduce(bytes));
       };
@@ -741,11 +741,11 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g, const cost::Clu
       ratios::RatioLpRequest req;
       req.num_devices = n;
       synth::AddProgramTerms(micro, &req);
-      for (ratios::CostTerm &t : req.terms) t.weight *= M;
+      for (ratios::CostTerm& t : req.terms) t.weight *= M;
       synth::AddProgramTerms(sync, &req);
       if (!so.ignore_memory) {
         Program outputs = sp.program;
-        for (synth::OpStep &st : outputs.steps) st.loads.clear();
+        for (synth::OpStep& st : outputs.steps) st.loads.clear();
         ratios::MemoryConstraint all = synth::MemoryModel(gm, *e.cluster, sp.program, so.optimizer);
         ratios::MemoryConstraint act = synth::MemoryModel(gm, *e.cluster, outputs, so.optimizer);
         for (int d = 0; d < n; ++d) {

@@ -56,52 +56,52 @@ namespace hap::pipeline {
 
 enum class Mode { kOff, kAuto, kStages };
 enum class Variant { kSynthesized, kDataParallel, kEvenSplit };
-const char *VariantName(Variant v);
+const char* VariantName(Variant v);
 
 struct PipelineOptions {
   Mode mode = Mode::kAuto;
-  int stages = 0;       // kStages: exactly this many (>= 1)
-  int microbatches = 0; // 0: chosen among the divisors of the batch
+  int stages = 0;        // kStages: exactly this many (>= 1)
+  int microbatches = 0;  // 0: chosen among the divisors of the batch
   int max_microbatches = 64;
-  int max_layers = 32; // layers the DP cuts between (layers.h)
+  int max_layers = 32;  // layers the DP cuts between (layers.h)
   Variant variant = Variant::kSynthesized;
   // The per-group syntheses (budgets apply to each); the SPMD comparison
   // uses it as given.
   synth::PlanOptions stage_options;
-  int threads = 0; // 0: the hardware's
+  int threads = 0;  // 0: the hardware's
   // Skip the one-stage SPMD plan (kStages with stages > 1 only needs it for
   // the comparison figure; benchmarks plan it once themselves).
   bool plan_spmd = true;
 };
 
 struct StagePlan {
-  int first_layer = 0, end_layer = 0; // layers [first, end)
-  int begin_op = 0, end_op = 0;       // ops [begin, end)
-  std::vector<int> devices;           // indices into the cluster
-  synth::Program program;             // the stage's steps only
-  std::vector<double> ratios;         // per device of the group
-  graph::TensorId input_tensor = -1;  // in `microbatch_graph`; -1 at the ends
+  int first_layer = 0, end_layer = 0;  // layers [first, end)
+  int begin_op = 0, end_op = 0;        // ops [begin, end)
+  std::vector<int> devices;            // indices into the cluster
+  synth::Program program;              // the stage's steps only
+  std::vector<double> ratios;          // per device of the group
+  graph::TensorId input_tensor = -1;   // in `microbatch_graph`; -1 at the ends
   graph::TensorId output_tensor = -1;
   synth::Form input_form, output_form;
   StageTimes times;
   int in_flight = 1;
-  std::vector<int64_t> memory_bytes; // per device of the group
+  std::vector<int64_t> memory_bytes;  // per device of the group
 };
 
 struct PipelinePlan {
   Variant variant = Variant::kSynthesized;
-  std::vector<StagePlan> stages; // empty: the SPMD plan is the plan
+  std::vector<StagePlan> stages;  // empty: the SPMD plan is the plan
   int microbatches = 1;
   int64_t microbatch_size = 0;
   std::shared_ptr<const graph::Graph> microbatch_graph;
-  double step_seconds = 0; // Simulate1F1B
+  double step_seconds = 0;  // Simulate1F1B
   double bubble_seconds = 0;
   // The best one-stage SPMD plan (PlanModel on the whole cluster).
   bool has_spmd = false;
   synth::PlanResult spmd;
   double spmd_step_seconds = 0;
-  int layers = 0;    // the DP's layer count
-  int syntheses = 0; // PlanModel runs (groups x microbatch counts)
+  int layers = 0;     // the DP's layer count
+  int syntheses = 0;  // PlanModel runs (groups x microbatch counts)
   double planning_seconds = 0;
   std::vector<std::string> notes;
   bool pipelined() const { return stages.size() > 1; }
@@ -111,10 +111,9 @@ struct PipelinePlan {
 // stages than layers, microbatches that do not divide the batch) and those
 // of PlanModel for the SPMD plan; FailedPrecondition when no pipeline of the
 // asked stage count fits (naming why).
-absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph &g,
-                                          const cost::ClusterModel &cluster,
-                                          const PipelineOptions &options);
+absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::ClusterModel& cluster,
+                                          const PipelineOptions& options);
 
-} // namespace hap::pipeline
+}  // namespace hap::pipeline
 
-#endif // HAP_PLANNER_PIPELINE_PIPELINE_H_
+#endif  // HAP_PLANNER_PIPELINE_PIPELINE_H_

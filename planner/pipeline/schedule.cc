@@ -11,22 +11,21 @@ int InFlightMicrobatches(int stage, int stages, int microbatches) {
   return std::max(1, std::min(stages - stage, microbatches));
 }
 
-absl::StatusOr<ScheduleResult>
-Simulate1F1B(const std::vector<StageTimes> &stages, int microbatches) {
+absl::StatusOr<ScheduleResult> Simulate1F1B(const std::vector<StageTimes>& stages,
+                                            int microbatches) {
   const int S = static_cast<int>(stages.size());
   const int M = microbatches;
-  if (S < 1)
-    return absl::InvalidArgumentError("a pipeline needs at least one stage");
+  if (S < 1) return absl::InvalidArgumentError("a pipeline needs at least one stage");
   if (M < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("a pipeline needs at least one microbatch, got ", M));
   }
   for (int s = 0; s < S; ++s) {
-    const StageTimes &t = stages[s];
+    const StageTimes& t = stages[s];
     for (double v : {t.forward, t.backward, t.send, t.gradient, t.sync}) {
       if (!std::isfinite(v) || v < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "stage ", s, " has a negative or non-finite time (", v, " s)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("stage ", s, " has a negative or non-finite time (", v, " s)"));
       }
     }
   }
@@ -34,14 +33,12 @@ Simulate1F1B(const std::vector<StageTimes> &stages, int microbatches) {
   std::vector<std::vector<std::pair<bool, int>>> order(S);
   for (int s = 0; s < S; ++s) {
     const int w = std::min(S - 1 - s, M);
-    for (int m = 0; m < w; ++m)
-      order[s].push_back({false, m});
+    for (int m = 0; m < w; ++m) order[s].push_back({false, m});
     for (int m = w; m < M; ++m) {
       order[s].push_back({false, m});
       order[s].push_back({true, m - w});
     }
-    for (int m = M - w; m < M; ++m)
-      order[s].push_back({true, m});
+    for (int m = M - w; m < M; ++m) order[s].push_back({true, m});
   }
   const double kUnset = -1;
   // End times of compute, and of the arrivals at each stage.
@@ -50,8 +47,7 @@ Simulate1F1B(const std::vector<StageTimes> &stages, int microbatches) {
   std::vector<double> fwd_link_free(S, 0), bwd_link_free(S, 0), free_at(S, 0);
   std::vector<size_t> next(S, 0);
   size_t left = 0;
-  for (const auto &o : order)
-    left += o.size();
+  for (const auto& o : order) left += o.size();
   while (left > 0) {
     bool progressed = false;
     for (int s = 0; s < S; ++s) {
@@ -63,8 +59,7 @@ Simulate1F1B(const std::vector<StageTimes> &stages, int microbatches) {
         } else {
           ready = s == S - 1 ? fend[s][m] : grad_arrive[s][m];
         }
-        if (ready == kUnset)
-          break;
+        if (ready == kUnset) break;
         const double start = std::max(free_at[s], ready);
         if (!backward) {
           fend[s][m] = start + stages[s].forward;
@@ -88,24 +83,22 @@ Simulate1F1B(const std::vector<StageTimes> &stages, int microbatches) {
         progressed = true;
       }
     }
-    if (!progressed)
-      return absl::InternalError("1F1B schedule deadlocked");
+    if (!progressed) return absl::InternalError("1F1B schedule deadlocked");
   }
   ScheduleResult r;
   double busiest = 0;
   for (int s = 0; s < S; ++s) {
     r.stage_finish.push_back(free_at[s] + stages[s].sync);
     r.step = std::max(r.step, r.stage_finish.back());
-    busiest = std::max(busiest, M * (stages[s].forward + stages[s].backward) +
-                                    stages[s].sync);
+    busiest = std::max(busiest, M * (stages[s].forward + stages[s].backward) + stages[s].sync);
   }
   r.bubble = std::max(0.0, r.step - busiest);
   return r;
 }
 
-double ClosedForm1F1B(const std::vector<StageTimes> &stages, int microbatches) {
+double ClosedForm1F1B(const std::vector<StageTimes>& stages, int microbatches) {
   double sum = 0, slowest = 0, sync = 0;
-  for (const StageTimes &t : stages) {
+  for (const StageTimes& t : stages) {
     sum += t.forward + t.backward + t.send + t.gradient;
     slowest = std::max({slowest, t.forward + t.backward, t.send, t.gradient});
     sync = std::max(sync, t.sync);
@@ -113,4 +106,4 @@ double ClosedForm1F1B(const std::vector<StageTimes> &stages, int microbatches) {
   return sum + (microbatches - 1) * slowest + sync;
 }
 
-} // namespace hap::pipeline
+}  // namespace hap::pipeline

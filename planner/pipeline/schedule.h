@@ -31,11 +31,11 @@
 namespace hap::pipeline {
 
 struct StageTimes {
-  double forward = 0; // seconds per microbatch
+  double forward = 0;  // seconds per microbatch
   double backward = 0;
-  double send = 0;     // activation to the next stage (0 for the last)
-  double gradient = 0; // its gradient back from the next stage
-  double sync = 0;     // once per step, after the last backward
+  double send = 0;      // activation to the next stage (0 for the last)
+  double gradient = 0;  // its gradient back from the next stage
+  double sync = 0;      // once per step, after the last backward
 };
 
 struct ScheduleResult {
@@ -43,18 +43,18 @@ struct ScheduleResult {
   // step - the busiest stage's own work, M (f + b) + sync: time some stage
   // idles for a dependency.
   double bubble = 0;
-  std::vector<double> stage_finish; // per stage, sync included
+  std::vector<double> stage_finish;  // per stage, sync included
 };
 
 // InvalidArgument for no stage, M < 1, or a negative or non-finite time.
-absl::StatusOr<ScheduleResult>
-Simulate1F1B(const std::vector<StageTimes> &stages, int microbatches);
-double ClosedForm1F1B(const std::vector<StageTimes> &stages, int microbatches);
+absl::StatusOr<ScheduleResult> Simulate1F1B(const std::vector<StageTimes>& stages,
+                                            int microbatches);
+double ClosedForm1F1B(const std::vector<StageTimes>& stages, int microbatches);
 
 // Microbatches of activations stage `stage` of `stages` holds at most under
 // 1F1B: min(stages - stage, microbatches).
 int InFlightMicrobatches(int stage, int stages, int microbatches);
 
-} // namespace hap::pipeline
+}  // namespace hap::pipeline
 
-#endif // HAP_PLANNER_PIPELINE_SCHEDULE_H_
+#endif  // HAP_PLANNER_PIPELINE_SCHEDULE_H_
