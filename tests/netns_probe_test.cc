@@ -103,18 +103,18 @@ TEST_F(NetnsProbeTest, AgentsMeasureTheConfiguredRates) {
   ASSERT_TRUE(line.ok()) << line.status();
   // The planner prints 127.0.0.1:PORT whatever host it listens on; the
   // port is what counts.
-  const std::string address =
-      netns::Testbed::SwitchAddress() + line->substr(line->rfind(':'));
+  const std::string address = netns::Testbed::SwitchAddress() + line->substr(line->rfind(':'));
   for (int i = 0; i < spec_.nodes; ++i) {
     std::vector<std::string> argv = testbed_->ExecPrefix(i);
     for (const std::string& a :
          {Runfile("profiler_agent/hap-agent"), "--planner=" + address,
           absl::StrCat("--name=node", i),
-          absl::StrCat("--listen=", netns::Testbed::NodeAddress(i), ":0"), std::string("--threads=1"),
-          std::string("--probe-seconds=0.2"), std::string("--drift=0"),
+          absl::StrCat("--listen=", netns::Testbed::NodeAddress(i), ":0"),
+          std::string("--threads=1"), std::string("--probe-seconds=0.2"), std::string("--drift=0"),
           // No rounds of their own (at registration or periodic): one
           // would overlap the test's probes below and share the CPU.
-          std::string("--link-probe-seconds=3600"), std::string("--link-probe-delay=3600"), std::string("--devices=cpu")}) {
+          std::string("--link-probe-seconds=3600"), std::string("--link-probe-delay=3600"),
+          std::string("--devices=cpu")}) {
       argv.push_back(a);
     }
     agents_.push_back(std::make_unique<Process>());
@@ -166,12 +166,12 @@ TEST_F(NetnsProbeTest, AgentsMeasureTheConfiguredRates) {
   // What the planner now holds for every ordered node pair.
   std::map<std::pair<int, int>, v1::Link> links;
   v1::Cluster cluster;
-  ASSERT_TRUE(stub->GetCluster(call(absl::Seconds(10)).get(), v1::GetClusterRequest(), &cluster)
-                  .ok());
+  ASSERT_TRUE(
+      stub->GetCluster(call(absl::Seconds(10)).get(), v1::GetClusterRequest(), &cluster).ok());
   for (const v1::Link& l : cluster.links()) {
     int i, j;
-    if (sscanf(l.src().c_str(), "node%d/", &i) == 1 && sscanf(l.dst().c_str(), "node%d/", &j) == 1 &&
-        i != j) {
+    if (sscanf(l.src().c_str(), "node%d/", &i) == 1 &&
+        sscanf(l.dst().c_str(), "node%d/", &j) == 1 && i != j) {
       links[{i, j}] = l;
     }
   }

@@ -142,17 +142,18 @@ absl::StatusOr<double> ParseRate(absl::string_view text) {
     double scale;
   };
   // Longest suffixes first: "bit" ends every one of them.
-  for (const Unit& u : {Unit{"tbit", 1e12}, Unit{"gbit", 1e9}, Unit{"mbit", 1e6},
-                        Unit{"kbit", 1e3}, Unit{"bit", 1}}) {
+  for (const Unit& u : {Unit{"tbit", 1e12}, Unit{"gbit", 1e9}, Unit{"mbit", 1e6}, Unit{"kbit", 1e3},
+                        Unit{"bit", 1}}) {
     absl::string_view number = text;
     if (!absl::ConsumeSuffix(&number, u.suffix)) continue;
     double v;
     if (!absl::SimpleAtod(number, &v) || !(v > 0) || v * u.scale > 1e13) break;
     return v * u.scale;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "rate '", text, "' must be a positive number with bit, kbit, mbit, gbit or tbit "
-      "(at most 10tbit), or 'unlimited'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("rate '", text,
+                   "' must be a positive number with bit, kbit, mbit, gbit or tbit "
+                   "(at most 10tbit), or 'unlimited'"));
 }
 
 absl::StatusOr<double> ParseDelay(absl::string_view text) {
@@ -213,9 +214,11 @@ std::string NetworkSpec::ToString() const {
 absl::StatusOr<NetworkSpec> ParseNetworkSpec(absl::string_view text) {
   NetworkSpec spec;
   bool any = false;
-  for (absl::string_view item : absl::StrSplit(text, absl::ByAnyChar(" \t\n;"), absl::SkipEmpty())) {
+  for (absl::string_view item :
+       absl::StrSplit(text, absl::ByAnyChar(" \t\n;"), absl::SkipEmpty())) {
     any = true;
-    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(item, absl::MaxSplits('=', 1));
     const absl::string_view key = kv.first, value = kv.second;
     auto bad = [&](const absl::Status& s) {
       return absl::InvalidArgumentError(absl::StrCat("network: ", key, ": ", s.message()));
@@ -237,8 +240,8 @@ absl::StatusOr<NetworkSpec> ParseNetworkSpec(absl::string_view text) {
       if (!absl::SimpleAtoi(ends.first, &i) || !absl::SimpleAtoi(ends.second, &j) || i < 0 ||
           j < 0 || i == j || ends_rest.second.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "network: pair must be I-J:RATE[:DELAY] with two different node numbers, got '",
-            value, "'"));
+            "network: pair must be I-J:RATE[:DELAY] with two different node numbers, got '", value,
+            "'"));
       }
       auto shape = ParseShape(ends_rest.second);
       if (!shape.ok()) return bad(shape.status());
@@ -323,11 +326,10 @@ absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return absl::UnknownError(absl::StrCat("'", absl::StrJoin(argv, " "), "' failed (",
-                                           WIFEXITED(status) ? "exit " : "signal ",
-                                           WIFEXITED(status) ? WEXITSTATUS(status)
-                                                             : WTERMSIG(status),
-                                           "): ", absl::StripAsciiWhitespace(text[1])));
+    return absl::UnknownError(absl::StrCat(
+        "'", absl::StrJoin(argv, " "), "' failed (", WIFEXITED(status) ? "exit " : "signal ",
+        WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+        "): ", absl::StripAsciiWhitespace(text[1])));
   }
   return text[0];
 }
@@ -432,8 +434,8 @@ absl::Status Testbed::Build() {
     HAP_RETURN_IF_ERROR(add_namespace(ns));
     // Made in the switch namespace with its peer straight in the node's:
     // never in the machine's own namespace.
-    HAP_RETURN_IF_ERROR(run({"ip", "-n", sw, "link", "add", SwitchPort(i), "type", "veth",
-                             "peer", "name", NodeLink(i), "netns", ns}));
+    HAP_RETURN_IF_ERROR(run({"ip", "-n", sw, "link", "add", SwitchPort(i), "type", "veth", "peer",
+                             "name", NodeLink(i), "netns", ns}));
     HAP_RETURN_IF_ERROR(run({"ip", "-n", sw, "link", "set", SwitchPort(i), "master", kBridge}));
     HAP_RETURN_IF_ERROR(run({"ip", "-n", sw, "link", "set", SwitchPort(i), "up"}));
     HAP_RETURN_IF_ERROR(
@@ -444,23 +446,39 @@ absl::Status Testbed::Build() {
   // for a delay. Class and handle numbers are hex to tc.
   auto add_class = [&](const std::string& ns, const std::string& dev, int minor,
                        const LinkShape& shape) -> absl::Status {
-    const double rate = shape.rate_bits_per_second > 0 ? shape.rate_bits_per_second
-                                                       : kUnlimitedBits;
+    const double rate =
+        shape.rate_bits_per_second > 0 ? shape.rate_bits_per_second : kUnlimitedBits;
     // tc's default burst (rate / HZ, 1375 bytes at 1 Gbit/s here) starves
     // the link between timer ticks: TCP got 89% of the rate. A millisecond's
     // worth (at least 64 KiB) gives the 95% that TCP/IP headers leave.
-    const std::string burst =
-        absl::StrFormat("%.0fb", std::max(rate / 8 * kBurstSeconds, 65536.0));
-    HAP_RETURN_IF_ERROR(run({"tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:",
-                             "classid", absl::StrFormat("1:%x", minor), "htb", "rate",
-                             RateArg(rate), "ceil", RateArg(rate), "burst", burst, "cburst",
-                             burst, "quantum", kQuantum}));
+    const std::string burst = absl::StrFormat("%.0fb", std::max(rate / 8 * kBurstSeconds, 65536.0));
+    HAP_RETURN_IF_ERROR(run({"tc",
+                             "-n",
+                             ns,
+                             "class",
+                             "add",
+                             "dev",
+                             dev,
+                             "parent",
+                             "1:",
+                             "classid",
+                             absl::StrFormat("1:%x", minor),
+                             "htb",
+                             "rate",
+                             RateArg(rate),
+                             "ceil",
+                             RateArg(rate),
+                             "burst",
+                             burst,
+                             "cburst",
+                             burst,
+                             "quantum",
+                             kQuantum}));
     if (shape.delay_seconds > 0) {
-      absl::Status s = run({"tc", "-n", ns, "qdisc", "add", "dev", dev, "parent",
-                            absl::StrFormat("1:%x", minor), "handle",
-                            absl::StrFormat("%x:", minor + 1), "netem", "delay",
-                            DelayArg(shape.delay_seconds), "limit",
-                            absl::StrCat(kNetemLimit)});
+      absl::Status s =
+          run({"tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", absl::StrFormat("1:%x", minor),
+               "handle", absl::StrFormat("%x:", minor + 1), "netem", "delay",
+               DelayArg(shape.delay_seconds), "limit", absl::StrCat(kNetemLimit)});
       if (!s.ok()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "cannot add a delay: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)? ",
@@ -484,10 +502,16 @@ absl::Status Testbed::Build() {
         if (j == i || it == spec_.pairs.end()) continue;
         const int minor = 0x100 + 2 * j;  // its netem leaf takes minor + 1
         HAP_RETURN_IF_ERROR(add_class(ns, dev, minor, it->second));
-        HAP_RETURN_IF_ERROR(run({"tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:",
-                                 "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
-                                 NodeAddress(j) + "/32", "flowid",
-                                 absl::StrFormat("1:%x", minor)}));
+        HAP_RETURN_IF_ERROR(run({"tc",     "-n",
+                                 ns,       "filter",
+                                 "add",    "dev",
+                                 dev,      "parent",
+                                 "1:",     "protocol",
+                                 "ip",     "prio",
+                                 "1",      "u32",
+                                 "match",  "ip",
+                                 "dst",    NodeAddress(j) + "/32",
+                                 "flowid", absl::StrFormat("1:%x", minor)}));
       }
     }
     if (spec_.inside.shaped()) {

@@ -34,8 +34,9 @@ std::string TempDir(const std::string& name) {
 }
 
 TEST(NetworkSpecTest, ParsesEveryItem) {
-  auto spec = ParseNetworkSpec("nodes=3 between=1gbit;inside=10gbit:50us pair=2-0:300mbit:2ms "
-                               "ranks=0,0,1,2");
+  auto spec = ParseNetworkSpec(
+      "nodes=3 between=1gbit;inside=10gbit:50us pair=2-0:300mbit:2ms "
+      "ranks=0,0,1,2");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->nodes, 3);
   EXPECT_DOUBLE_EQ(spec->between.rate_bits_per_second, 1e9);
@@ -147,9 +148,10 @@ TEST(TestbedTest, CommandsShapeEveryLinkInItsNamespaces) {
   EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 class add dev hapnet-n0 parent 1: classid 1:10 "
                           "htb rate 1000000000bit ceil 1000000000bit burst 125000b cburst 125000b "
                           "quantum 200000"));
-  EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 class add dev hapnet-n0 parent 1: classid "
-                          "1:104 htb rate 300000000bit ceil 300000000bit burst 65536b cburst 65536b "
-                          "quantum 200000"));
+  EXPECT_THAT(c,
+              Contains("tc -n hapnet-4242-n0 class add dev hapnet-n0 parent 1: classid "
+                       "1:104 htb rate 300000000bit ceil 300000000bit burst 65536b cburst 65536b "
+                       "quantum 200000"));
   EXPECT_THAT(c, Contains("tc -n hapnet-4242-n0 filter add dev hapnet-n0 parent 1: protocol ip "
                           "prio 1 u32 match ip dst 10.213.0.3/32 flowid 1:104"));
   // Node 2 the other way (to node 0, 10.213.0.1); node 1 has no pair.
@@ -211,10 +213,10 @@ absl::StatusOr<std::unique_ptr<Testbed>> RealTestbed(const std::string& text) {
   return Testbed::Create(*spec);
 }
 
-#define SKIP_UNLESS_MADE(t)                                                           \
-  if (!(t).ok() && (t).status().code() == absl::StatusCode::kFailedPrecondition) {    \
-    GTEST_SKIP() << "no network testbed here: " << (t).status().message();            \
-  }                                                                                   \
+#define SKIP_UNLESS_MADE(t)                                                        \
+  if (!(t).ok() && (t).status().code() == absl::StatusCode::kFailedPrecondition) { \
+    GTEST_SKIP() << "no network testbed here: " << (t).status().message();         \
+  }                                                                                \
   ASSERT_TRUE((t).ok()) << (t).status()
 
 TEST(RealTestbedTest, NodesTalkAcrossTheBridgeAndAllIsRemoved) {
@@ -278,8 +280,7 @@ TEST(RealTestbedTest, NodesTalkAcrossTheBridgeAndAllIsRemoved) {
   ASSERT_TRUE((*t)->Destroy().ok());
   EXPECT_THAT(ListNamespaces({}), Not(Contains(n0)));
   EXPECT_THAT(ListNamespaces({}), Not(Contains((*t)->SwitchNamespace())));
-  EXPECT_FALSE(std::filesystem::exists(
-      absl::StrCat("/run/hapnet/hapnet-", getpid(), ".state")));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat("/run/hapnet/hapnet-", getpid(), ".state")));
 }
 
 // A run SIGKILLed with its testbed up (and a process still inside): the
@@ -295,10 +296,10 @@ TEST(RealTestbedTest, AKilledRunsSetIsRemovedAtTheNextStart) {
     pause();
     _exit(0);
   }
-  auto up = RunCommand({tool, "up", "--owner", std::to_string(owner), "--network",
-                        "nodes=2 between=500mbit"});
-  if (!up.ok() && up.status().message().find("cannot make network namespaces") !=
-                      std::string::npos) {
+  auto up = RunCommand(
+      {tool, "up", "--owner", std::to_string(owner), "--network", "nodes=2 between=500mbit"});
+  if (!up.ok() &&
+      up.status().message().find("cannot make network namespaces") != std::string::npos) {
     kill(owner, SIGKILL);
     waitpid(owner, nullptr, 0);
     GTEST_SKIP() << "no network testbed here: " << up.status().message();

@@ -1,7 +1,5 @@
 #include "executor/cli/run_plan.h"
 
-#include "executor/cli/netns_testbed.h"
-
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,9 +12,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <memory>
-#include <iostream>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -25,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
 #include "executor/checkpoint/checkpoint.h"
+#include "executor/cli/netns_testbed.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/data/user_data.h"
@@ -412,8 +411,8 @@ absl::StatusOr<netns::NetworkSpec> NetworkForPlan(const std::string& text, const
   const int world = plan.rank_programs_size();
   if (!spec.rank_nodes.empty()) {
     if (static_cast<int>(spec.rank_nodes.size()) != world) {
-      return absl::InvalidArgumentError(absl::StrCat("ranks= places ", spec.rank_nodes.size(),
-                                                     " ranks, the plan has ", world));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks= places ", spec.rank_nodes.size(), " ranks, the plan has ", world));
     }
     *rank_node = spec.rank_nodes;
   } else {
@@ -426,8 +425,8 @@ absl::StatusOr<netns::NetworkSpec> NetworkForPlan(const std::string& text, const
     std::vector<std::string> names;
     for (const auto& p : plan.rank_programs()) {
       auto known = node_of.find(p.device());
-      const std::string node = known != node_of.end() ? known->second
-                                                      : p.device().substr(0, p.device().find('/'));
+      const std::string node =
+          known != node_of.end() ? known->second : p.device().substr(0, p.device().find('/'));
       auto it = std::find(names.begin(), names.end(), node);
       rank_node->push_back(static_cast<int>(it - names.begin()));
       if (it == names.end()) names.push_back(node);
@@ -436,8 +435,8 @@ absl::StatusOr<netns::NetworkSpec> NetworkForPlan(const std::string& text, const
   const int used = 1 + *std::max_element(rank_node->begin(), rank_node->end());
   if (spec.nodes == 0) spec.nodes = used;
   if (spec.nodes < used) {
-    return absl::InvalidArgumentError(absl::StrCat("nodes=", spec.nodes, " but the ranks are on ",
-                                                   used, " nodes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nodes=", spec.nodes, " but the ranks are on ", used, " nodes"));
   }
   HAP_RETURN_IF_ERROR(spec.Validate());
   return spec;
