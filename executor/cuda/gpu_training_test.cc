@@ -178,9 +178,14 @@ class GpuOverlapTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(GpuOverlapTest, StartedCollectivesOnTheCommunicationStreamMatchTheCpu) {
   setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
   const std::string kind = GetParam();
-  auto g = graph::BuildZooModel("gpt", {{"layers", 2}, {"hidden", 32}, {"heads", 4},
-                                        {"ffn", 64}, {"seq", 8}, {"vocab", 50},
-                                        {"batch", 4}, {"dropout", 0.1}});
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
+                                        {"hidden", 32},
+                                        {"heads", 4},
+                                        {"ffn", 64},
+                                        {"seq", 8},
+                                        {"vocab", 50},
+                                        {"batch", 4},
+                                        {"dropout", 0.1}});
   ASSERT_TRUE(g.ok()) << g.status();
   // A 2-device program (plans need two) lowered for one rank: every shard
   // whole, every partial gradient still all-reduced (over one rank).

@@ -1,8 +1,8 @@
 #include "executor/runtime/async_collectives.h"
 
 #include <deque>
-#include <optional>
 #include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -29,8 +29,8 @@ class CommThread : public AsyncCollectives {
   absl::Status Start(int id, Work work) override {
     absl::MutexLock l(&mu_);
     if (!failed_.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the communication thread failed before: ", failed_.message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the communication thread failed before: ", failed_.message()));
     }
     if (!done_.emplace(id, std::nullopt).second) {
       return absl::InvalidArgumentError(
@@ -46,9 +46,7 @@ class CommThread : public AsyncCollectives {
     if (it == done_.end()) {
       return absl::NotFoundError(absl::StrCat("no asynchronous collective ", id, " is running"));
     }
-    auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return done_.at(id).has_value();
-    };
+    auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_.at(id).has_value(); };
     mu_.Await(absl::Condition(&finished));
     absl::Status s = *done_.at(id);
     done_.erase(id);
@@ -72,9 +70,7 @@ class CommThread : public AsyncCollectives {
       std::pair<int, Work> item;
       {
         absl::MutexLock l(&mu_);
-        auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stop_ || !queue_.empty();
-        };
+        auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
         mu_.Await(absl::Condition(&ready));
         if (stop_) return;
         item = std::move(queue_.front());

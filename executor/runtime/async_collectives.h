@@ -47,8 +47,7 @@ class AsyncCollectives {
 // devices do), and outlive the result. The destructor drops work not begun
 // and joins the thread: work in progress ends, or fails at the
 // communicator's timeout when a peer is gone.
-std::unique_ptr<AsyncCollectives> NewCommThread(Device* device,
-                                                std::unique_ptr<Communicator> comm);
+std::unique_ptr<AsyncCollectives> NewCommThread(Device* device, std::unique_ptr<Communicator> comm);
 
 }  // namespace hap::executor
 

@@ -69,9 +69,8 @@ void FillInit(HostTensor& t, const graph::Initializer& init, uint64_t key,
 
 }  // namespace
 
-ProgramRunner::ProgramRunner(const v1::RankProgram& program,
-                             const graph::Graph& graph, Device* device,
-                             Communicator* comm, const RunnerOptions& options)
+ProgramRunner::ProgramRunner(const v1::RankProgram& program, const graph::Graph& graph,
+                             Device* device, Communicator* comm, const RunnerOptions& options)
     : program_(program),
       graph_(graph),
       device_(device),
@@ -85,9 +84,11 @@ ProgramRunner::~ProgramRunner() {
   if (arena_) device_->Free(arena_);
 }
 
-absl::StatusOr<std::unique_ptr<ProgramRunner>> ProgramRunner::Create(
-    const v1::RankProgram& program, const graph::Graph& graph, Device* device,
-    Communicator* comm, const RunnerOptions& options) {
+absl::StatusOr<std::unique_ptr<ProgramRunner>> ProgramRunner::Create(const v1::RankProgram& program,
+                                                                     const graph::Graph& graph,
+                                                                     Device* device,
+                                                                     Communicator* comm,
+                                                                     const RunnerOptions& options) {
   std::unique_ptr<ProgramRunner> r(new ProgramRunner(program, graph, device, comm, options));
   HAP_RETURN_IF_ERROR(r->Validate());
   HAP_ASSIGN_OR_RETURN(r->arena_, device->Allocate(program.arena_bytes()));
@@ -311,8 +312,8 @@ absl::Status ProgramRunner::Validate() {
     }
   }
   if (!running.empty()) {
-    return bad(absl::StrCat("asynchronous ", StepName(p, running.begin()->first),
-                            " is never waited for"));
+    return bad(
+        absl::StrCat("asynchronous ", StepName(p, running.begin()->first), " is never waited for"));
   }
   return absl::OkStatus();
 }
@@ -332,8 +333,8 @@ absl::Status ProgramRunner::RunCollectiveStep(int i, Communicator& comm, Staging
   std::vector<TensorView> coalesced, coalesced_outputs;
   for (int id : c.coalesced()) coalesced.push_back(views_[id]);
   for (int id : c.coalesced_outputs()) coalesced_outputs.push_back(views_[id]);
-  return RunCollective(c, views_[c.input()], views_[c.output()], *device_, comm, staging,
-                       coalesced, coalesced_outputs);
+  return RunCollective(c, views_[c.input()], views_[c.output()], *device_, comm, staging, coalesced,
+                       coalesced_outputs);
 }
 
 absl::Status ProgramRunner::StartAsync(int i) {
@@ -343,8 +344,8 @@ absl::Status ProgramRunner::StartAsync(int i) {
     const bool in_place = c.collective() == v1::ALL_REDUCE;
     for (int id : c.coalesced()) inputs.insert(id);
     std::vector<int> outputs = {c.output()};
-    if (!in_place) outputs.insert(outputs.end(), c.coalesced_outputs().begin(),
-                                  c.coalesced_outputs().end());
+    if (!in_place)
+      outputs.insert(outputs.end(), c.coalesced_outputs().begin(), c.coalesced_outputs().end());
     for (int id : outputs) {
       const TensorView& v = views_[id];
       if (inputs.count(id) || (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64)) {
@@ -356,10 +357,9 @@ absl::Status ProgramRunner::StartAsync(int i) {
     return absl::OkStatus();
   }
   if (options_.async == nullptr) return RunCollectiveStep(i, *comm_, staging_);
-  return options_.async->Start(
-      i, [this, i](Communicator& comm, Staging& staging) {
-        return RunCollectiveStep(i, comm, staging);
-      });
+  return options_.async->Start(i, [this, i](Communicator& comm, Staging& staging) {
+    return RunCollectiveStep(i, comm, staging);
+  });
 }
 
 absl::Status ProgramRunner::WaitAsync(int start) {
@@ -367,8 +367,8 @@ absl::Status ProgramRunner::WaitAsync(int start) {
   if (held != held_.end()) {
     held_.erase(held);
     if (options_.async == nullptr) return RunCollectiveStep(start, *comm_, staging_);
-    HAP_RETURN_IF_ERROR(options_.async->Start(
-        start, [this, start](Communicator& comm, Staging& staging) {
+    HAP_RETURN_IF_ERROR(
+        options_.async->Start(start, [this, start](Communicator& comm, Staging& staging) {
           return RunCollectiveStep(start, comm, staging);
         }));
   }

@@ -64,9 +64,10 @@ class ProgramRunner {
   // the communicator's rank and size. InvalidArgument naming the buffer or
   // step that is wrong; ResourceExhausted when the arena does not fit.
   // `device` and `comm` must outlive the runner.
-  static absl::StatusOr<std::unique_ptr<ProgramRunner>> Create(
-      const hap::v1::RankProgram& program, const graph::Graph& graph,
-      Device* device, Communicator* comm, const RunnerOptions& options = {});
+  static absl::StatusOr<std::unique_ptr<ProgramRunner>> Create(const hap::v1::RankProgram& program,
+                                                               const graph::Graph& graph,
+                                                               Device* device, Communicator* comm,
+                                                               const RunnerOptions& options = {});
   ~ProgramRunner();
 
   // Parameters from their initialisers and the program's seed; optimizer
@@ -101,8 +102,8 @@ class ProgramRunner {
   Communicator& comm() const { return *comm_; }
 
  private:
-  ProgramRunner(const hap::v1::RankProgram& program, const graph::Graph& graph,
-                Device* device, Communicator* comm, const RunnerOptions& options);
+  ProgramRunner(const hap::v1::RankProgram& program, const graph::Graph& graph, Device* device,
+                Communicator* comm, const RunnerOptions& options);
   absl::Status Validate();
   // The buffers of collective step i (input, output, coalesced ones).
   std::vector<int> CollectiveBuffers(int i) const;

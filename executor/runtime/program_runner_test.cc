@@ -232,9 +232,7 @@ class OneRankComm : public Communicator {
     return absl::UnimplementedError("");
   }
   absl::Status Broadcast(TensorView, int) override { return absl::UnimplementedError(""); }
-  absl::Status Reduce(TensorView, TensorView, int) override {
-    return absl::UnimplementedError("");
-  }
+  absl::Status Reduce(TensorView, TensorView, int) override { return absl::UnimplementedError(""); }
   absl::Status Barrier() override { return absl::OkStatus(); }
   std::atomic<int> all_reduces{0};
 
@@ -281,8 +279,8 @@ class AsyncProgramTest : public ProgramRunnerTest {
     async_ = NewCommThread(device_.get(), std::move(comm));
     RunnerOptions ro;
     ro.async = async_.get();
-    HAP_ASSIGN_OR_RETURN(auto r, ProgramRunner::Create(async_program_, *g_, device_.get(),
-                                                       comms_[0].get(), ro));
+    HAP_ASSIGN_OR_RETURN(
+        auto r, ProgramRunner::Create(async_program_, *g_, device_.get(), comms_[0].get(), ro));
     HAP_RETURN_IF_ERROR(r->InitializeParameters());
     return r;
   }
@@ -315,9 +313,9 @@ TEST_F(AsyncProgramTest, AFailedCollectiveFailsTheStepAtItsWaitAndEveryLaterOne)
   auto batches = data::NewSyntheticBatches(*g_, 1);
   auto first = (*r)->RunStep(*batches->Get(0), 0);
   EXPECT_THAT(first, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("peer 1 is gone")));
-  EXPECT_THAT(first, StatusIs(absl::StatusCode::kUnavailable,
-                              HasSubstr(absl::StrCat("step ", wait_, " (wait for step ",
-                                                     start_, ")"))));
+  EXPECT_THAT(first,
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr(absl::StrCat("step ", wait_, " (wait for step ", start_, ")"))));
   EXPECT_THAT((*r)->RunStep(*batches->Get(1), 1),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("failed before")));
 }
@@ -326,17 +324,17 @@ TEST_F(AsyncProgramTest, RejectsMissingWaitsAndStepsTouchingBuffersInFlight) {
   // The program cut after the start.
   v1::RankProgram no_wait = async_program_;
   no_wait.mutable_steps()->DeleteSubrange(wait_, no_wait.steps_size() - wait_);
-  EXPECT_THAT(Create(no_wait), StatusIs(absl::StatusCode::kInvalidArgument,
-                                        HasSubstr("is never waited for")));
+  EXPECT_THAT(Create(no_wait),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is never waited for")));
   // The wait moved past the optimizer's first read of the gradient.
   v1::RankProgram late = async_program_;
   late.mutable_steps()->DeleteSubrange(wait_, 1);
   *late.add_steps() = async_program_.steps(wait_);
   EXPECT_THAT(Create(late),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr(absl::StrCat("touches buffer ", grad_,
-                                              " ('layer0/fc/weight#grad') of the asynchronous step ",
-                                              start_))));
+                       HasSubstr(absl::StrCat(
+                           "touches buffer ", grad_,
+                           " ('layer0/fc/weight#grad') of the asynchronous step ", start_))));
   v1::RankProgram stray = async_program_;
   stray.mutable_steps(wait_)->mutable_wait()->set_start_step(0);
   EXPECT_THAT(Create(stray), StatusIs(absl::StatusCode::kInvalidArgument,

@@ -68,8 +68,8 @@ graph::Graph BatchNormCnn(int64_t batch) {
 }
 
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
-                                             int n, const std::vector<double>& ratios,
-                                             const std::string& tag, bool overlap = false) {
+                                                 int n, const std::vector<double>& ratios,
+                                                 const std::string& tag, bool overlap = false) {
   lower::LowerOptions lo;
   lo.world_size = n;
   lo.ratios = ratios;
@@ -152,8 +152,7 @@ TEST_P(BatchNormEquivalenceTest, LossesParametersAndRunningStatisticsMatchSingle
 }
 
 std::string Name(const ::testing::TestParamInfo<Case>& i) {
-  return absl::StrCat(i.param.ranks, "ranks_", i.param.kind,
-                      i.param.overlap ? "_overlap" : "");
+  return absl::StrCat(i.param.ranks, "ranks_", i.param.kind, i.param.overlap ? "_overlap" : "");
 }
 
 std::vector<Case> Cases() {

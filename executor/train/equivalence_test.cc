@@ -76,12 +76,11 @@ v1::OptimizerConfig Optimizer(bool adam) { return hap::testing::EquivalenceOptim
 // buckets start at several points of backward.
 constexpr int64_t kOverlapBucketBytes = 2048;
 
-absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g,
-                                             const synth::Program& p, int n,
-                                             const std::vector<double>& ratios,
-                                             bool adam, const std::string& tag,
-                                             bool overlap = false,
-                                             const executor::RunnerOptions& runner = {}) {
+absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
+                                                 int n, const std::vector<double>& ratios,
+                                                 bool adam, const std::string& tag,
+                                                 bool overlap = false,
+                                                 const executor::RunnerOptions& runner = {}) {
   lower::LowerOptions lo;
   lo.world_size = n;
   lo.ratios = ratios;

@@ -77,9 +77,8 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
             ro.async = async.get();
           }
         }
-        HAP_ASSIGN_OR_RETURN(
-            std::unique_ptr<ProgramRunner> runner,
-            ProgramRunner::Create(programs[r], g, device.get(), comm.get(), ro));
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
+                             ProgramRunner::Create(programs[r], g, device.get(), comm.get(), ro));
         std::unique_ptr<data::BatchSource> source = batches(r);
         return TrainRank(*runner, *source, train);
       }();

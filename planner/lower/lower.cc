@@ -929,9 +929,8 @@ class RankBuilder {
         // done (FlushGradientBuckets): one synchronisation, not one per
         // parameter. Nothing reads these gradients before the optimizer.
         int gt = grad_.at(whole);
-        std::vector<int>& into = o_.overlap
-                                     ? overlap_buckets_[overlap_bucket_of_.at(l.tensor)].grads
-                                     : bucket_;
+        std::vector<int>& into =
+            o_.overlap ? overlap_buckets_[overlap_bucket_of_.at(l.tensor)].grads : bucket_;
         if (std::find(into.begin(), into.end(), gt) == into.end()) into.push_back(gt);
       }
     }
@@ -975,8 +974,8 @@ class RankBuilder {
     for (size_t i = 1; i < take.size(); ++i) Await(take[i], G);
     v1::CollectiveCall* c = Coll(G, v1::ALL_REDUCE, take.front(), take.front(), g_.loss());
     const int step = prog_.steps_size() - 1;
-    c->set_tensor(absl::StrCat("gradient bucket of ", take.size(), " tensor(s), ", bytes,
-                               " bytes"));
+    c->set_tensor(
+        absl::StrCat("gradient bucket of ", take.size(), " tensor(s), ", bytes, " bytes"));
     for (size_t i = 1; i < take.size(); ++i) {
       c->add_coalesced(take[i]);
       Use(take[i], step);
@@ -1021,8 +1020,7 @@ class RankBuilder {
             !a_.partial_grad[l.tensor] || !seen.insert(l.tensor).second) {
           continue;
         }
-        if (!open.tensors.empty() &&
-            (bytes + t.type.bytes() > cap || t.type.dtype != open.dtype)) {
+        if (!open.tensors.empty() && (bytes + t.type.bytes() > cap || t.type.dtype != open.dtype)) {
           close();
         }
         open.dtype = t.type.dtype;
@@ -1074,8 +1072,7 @@ class RankBuilder {
   // them from prefetched_).
   void PrefetchGathers(int k) {
     for (const synth::SourceLoad& l : p_.steps[k].loads) {
-      if (!IsZero3(l) || prefetched_.count(l.tensor) ||
-          fwd_.count({l.tensor, kZeroStorage})) {
+      if (!IsZero3(l) || prefetched_.count(l.tensor) || fwd_.count({l.tensor, kZeroStorage})) {
         continue;
       }
       prefetched_[l.tensor] = GatherZero3(l, /*async=*/true);
@@ -1135,10 +1132,10 @@ class RankBuilder {
 
   std::vector<OverlapBucket> overlap_buckets_;
   std::map<TensorId, size_t> overlap_bucket_of_;
-  std::vector<int> zero3_steps_;  // ascending; with overlap only
+  std::vector<int> zero3_steps_;                        // ascending; with overlap only
   std::map<TensorId, std::pair<int, int>> prefetched_;  // -> shard, whole
-  std::map<int, int> awaited_by_;                 // buffer -> start step
-  std::map<int, std::vector<int>> async_buffers_;  // start step -> buffers
+  std::map<int, int> awaited_by_;                       // buffer -> start step
+  std::map<int, std::vector<int>> async_buffers_;       // start step -> buffers
   bool loss_bucketed_ = false;
 
   // --- optimizer ---------------------------------------------------------

@@ -249,14 +249,15 @@ std::map<int, int> CheckAsyncPlacement(const v1::RankProgram& p) {
 
 int CountAsync(const v1::RankProgram& p) {
   int n = 0;
-  for (const auto& s : p.steps()) n += s.has_wait() + (s.has_collective() && s.collective().async());
+  for (const auto& s : p.steps())
+    n += s.has_wait() + (s.has_collective() && s.collective().async());
   return n;
 }
 
 TEST(LowerTest, OverlapStartsEachGradientBucketOnceItsGradientsAreDone) {
   graph::Graph g = Gpt(8);
-  synth::Program p = Search(g, 2, {0.6, 0.4}, synth::ParamStorage::kReplicated,
-                            synth::DataParallelRule);
+  synth::Program p =
+      Search(g, 2, {0.6, 0.4}, synth::ParamStorage::kReplicated, synth::DataParallelRule);
   LowerOptions o;
   o.world_size = 2;
   o.ratios = {0.6, 0.4};
@@ -329,8 +330,7 @@ TEST(LowerTest, OverlapStartsEachGradientBucketOnceItsGradientsAreDone) {
 
 TEST(LowerTest, OverlapPrefetchesZero3GathersOneOpAheadAndStartsReduceScatters) {
   graph::Graph g = Gpt(8);
-  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero,
-                            synth::DataParallelRule);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, synth::DataParallelRule);
   LowerOptions o;
   o.world_size = 2;
   o.overlap = true;
