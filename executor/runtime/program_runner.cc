@@ -453,6 +453,14 @@ absl::Status ProgramRunner::RunKernelStep(int index, const v1::KernelCall& k,
 }
 
 absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) {
+  // A step that failed left its collectives: held ones are dropped, and
+  // those still running finish (or fail: the communicator is then unusable,
+  // and so is this step) before this step touches the arena.
+  held_.clear();
+  if (options_.async != nullptr) {
+    HAP_RETURN_IF_ERROR(Annotate(options_.async->WaitAll(),
+                                 absl::StrCat("training step ", step, ", before it starts")));
+  }
   HAP_RETURN_IF_ERROR(LoadInputs(batch));
   for (int i = 0; i < program_.steps_size(); ++i) {
     const v1::Step& s = program_.steps(i);
