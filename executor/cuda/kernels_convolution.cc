@@ -130,6 +130,18 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
 }
 
 // y[m] = w @ im2col(x[m]) (+ bias): one strided-batched GEMM per group.
+// bf16 mixed precision (attribute "bf16") has no CUDA convolution yet: a
+// clear error rather than a silently float32 convolution.
+template <typename T>
+absl::Status RefuseBf16(const KernelArgs& a) {
+  HAP_ASSIGN_OR_RETURN(bool bf16, cpu::Bf16Attr<T>(CpuArgs(a)));
+  if (!bf16) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "CUDA kernel '", a.name,
+      "': bf16 mixed precision (attribute bf16) is not implemented for convolutions on CUDA "
+      "yet; plan with --precision fp32 for convolutional models on GPUs"));
+}
+
 template <typename T>
 absl::Status Conv2dForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
@@ -137,6 +149,7 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, cv.y));
+  HAP_RETURN_IF_ERROR(RefuseBf16<T>(a));
   const T* bias =
       a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>() : nullptr;
   const Window& g = cv.g;
@@ -179,6 +192,7 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3));
   HAP_RETURN_IF_ERROR(gr.Check(t, {cv.y}));
+  HAP_RETURN_IF_ERROR(RefuseBf16<T>(a));
   if (!gr.dy(0).present()) return absl::OkStatus();
   const Window& g = cv.g;
   const int64_t plane = g.c * g.h * g.w;

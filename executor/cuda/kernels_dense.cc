@@ -1,7 +1,10 @@
 // Matrix products through cuBLAS: linear (x @ w^T + b) and (batched) matmul,
 // with the contracts of executor/cpu/kernels_dense.cc. Transposes are
 // cuBLAS flags, never copies; float32 products use TF32 tensor cores only
-// when the call allows it (KernelArgs::allow_tf32).
+// when the call allows it (KernelArgs::allow_tf32). With attribute "bf16"
+// (bf16 mixed precision, executor/cpu/kernels.h) the products run on bf16
+// tensor cores (CUBLAS_COMPUTE_32F_FAST_16BF: float32 operands converted to
+// bf16, float32 sums) and their results are rounded to bf16 (LaunchRoundBf16).
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -26,7 +29,7 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
                   int64_t n, int64_t k, T alpha, const T* pa, int64_t lda,
                   const T* pb, int64_t ldb, T beta, T* pc, int64_t ldc,
                   int64_t batch = 1, int64_t sa = 0, int64_t sb = 0,
-                  int64_t sc = 0, bool exact = false) {
+                  int64_t sc = 0, bool exact = false, bool bf16 = false) {
   if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
   if (k == 0) {  // C = beta * C with beta 0 or 1 here; cuBLAS wants ld >= 1
     if (beta != T(0)) return absl::OkStatus();
@@ -44,8 +47,9 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
   constexpr bool kFloat = std::is_same_v<T, float>;
   const cudaDataType_t type = kFloat ? CUDA_R_32F : CUDA_R_64F;
   const cublasComputeType_t compute =
-      kFloat ? (a.allow_tf32 && !exact ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                       : CUBLAS_COMPUTE_32F)
+      kFloat ? (bf16                      ? CUBLAS_COMPUTE_32F_FAST_16BF
+                : a.allow_tf32 && !exact ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                         : CUBLAS_COMPUTE_32F)
              : CUBLAS_COMPUTE_64F;
   cublasStatus_t s = cublasGemmStridedBatchedEx(
       a.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -62,6 +66,52 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
         ") failed: ", cublasGetStatusString(s)));
   }
   return absl::OkStatus();
+}
+
+// bf16 products. kOverwrite: C = bf16(P); kFused: C = bf16(P + C) (the
+// forward's bias in C); kAccumulate: C += bf16(P) in float32 (a gradient),
+// P computed into `scratch` (a.scratch when null). P = op(A) @ op(B) on bf16
+// tensor cores. C is contiguous: ldc = n and, batched, sc = m * n.
+enum class Bf16Mode { kOverwrite, kFused, kAccumulate };
+absl::Status ProductBf16(const KernelArgs& a, Bf16Mode mode, bool trans_a, bool trans_b,
+                         int64_t m, int64_t n, int64_t k, const float* pa, int64_t lda,
+                         const float* pb, int64_t ldb, float* pc, int64_t batch = 1,
+                         int64_t sa = 0, int64_t sb = 0, float* scratch = nullptr) {
+  const int64_t count = batch * m * n;
+  if (count == 0) return absl::OkStatus();
+  float* dst = pc;
+  if (mode == Bf16Mode::kAccumulate) {
+    if (scratch == nullptr) {
+      HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(count * sizeof(float)));
+      scratch = static_cast<float*>(p);
+    }
+    dst = scratch;
+  }
+  HAP_RETURN_IF_ERROR(Gemm<float>(a, trans_a, trans_b, m, n, k, 1.0f, pa, lda, pb, ldb,
+                                  mode == Bf16Mode::kFused ? 1.0f : 0.0f, dst, n, batch, sa,
+                                  sb, m * n, /*exact=*/false, /*bf16=*/true));
+  LaunchRoundBf16(dst, count, a.stream);
+  if (mode == Bf16Mode::kAccumulate) {
+    LaunchScale<float>(1.0f, dst, pc, count, /*accumulate=*/true, a.stream);
+  }
+  return CheckLaunch(a);
+}
+
+// C = op(A) @ op(B) (C += it when `accumulate`) in the call's precision;
+// C contiguous as for ProductBf16.
+template <typename T>
+absl::Status Product(const KernelArgs& a, bool bf16, bool trans_a, bool trans_b, int64_t m,
+                     int64_t n, int64_t k, const T* pa, int64_t lda, const T* pb, int64_t ldb,
+                     bool accumulate, T* pc, int64_t batch = 1, int64_t sa = 0,
+                     int64_t sb = 0) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16) {
+      return ProductBf16(a, accumulate ? Bf16Mode::kAccumulate : Bf16Mode::kOverwrite,
+                         trans_a, trans_b, m, n, k, pa, lda, pb, ldb, pc, batch, sa, sb);
+    }
+  }
+  return Gemm<T>(a, trans_a, trans_b, m, n, k, T(1), pa, lda, pb, ldb,
+                 accumulate ? T(1) : T(0), pc, n, batch, sa, sb, m * n);
 }
 
 // --- linear -----------------------------------------------------------------
@@ -106,6 +156,7 @@ absl::Status LinearForward(const KernelArgs& a) {
   const bool has_bias = a.in.size() == 3 && a.in[2].present();
   HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, a.in.size() == 3));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, d.y));
+  HAP_ASSIGN_OR_RETURN(bool bf16, cpu::Bf16Attr<T>(c));
   T* y = a.out[0].as<T>();
   if (has_bias) {  // y rows = bias, then y += x @ w^T
     HAP_ASSIGN_OR_RETURN(
@@ -114,6 +165,14 @@ absl::Status LinearForward(const KernelArgs& a) {
     LaunchBinary<T>(BinaryOp::kAdd, space, a.in[2].as<const T>(), nullptr, y,
                     a.stream);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16) {  // y = bf16(x_b @ w_b^T + b_b)
+      if (has_bias) LaunchRoundBf16(y, d.rows * d.out, a.stream);
+      return ProductBf16(a, has_bias ? Bf16Mode::kFused : Bf16Mode::kOverwrite, false, true,
+                         d.rows, d.out, d.in, a.in[0].as<const float>(), d.in,
+                         a.in[1].as<const float>(), d.in, y);
+    }
   }
   return Gemm<T>(a, false, true, d.rows, d.out, d.in, T(1),
                  a.in[0].as<const T>(), d.in, a.in[1].as<const T>(), d.in,
@@ -127,17 +186,28 @@ absl::Status LinearBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(LinearDims d, CheckLinear(a, t, g.n() == 3));
   HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  HAP_ASSIGN_OR_RETURN(bool bf16, cpu::Bf16Attr<T>(c));
   if (!g.dy(0).present()) return absl::OkStatus();
   const T* dy = g.dy(0).as<const T>();
   if (g.dx(0).present()) {  // dx += dy @ w
-    HAP_RETURN_IF_ERROR(Gemm<T>(a, false, false, d.rows, d.in, d.out, T(1), dy,
-                                d.out, g.x(1).as<const T>(), d.in, T(1),
-                                g.dx(0).as<T>(), d.in));
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, false, d.rows, d.in, d.out, dy, d.out,
+                                   g.x(1).as<const T>(), d.in, true, g.dx(0).as<T>()));
   }
   if (g.dx(1).present()) {  // dw += dy^T @ x
-    HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.out, d.in, d.rows, T(1), dy,
-                                d.out, g.x(0).as<const T>(), d.in, T(1),
-                                g.dx(1).as<T>(), d.in));
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, true, false, d.out, d.in, d.rows, dy, d.out,
+                                   g.x(0).as<const T>(), d.in, true, g.dx(1).as<T>()));
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16 && g.n() == 3 && g.dx(2).present() && d.rows > 0) {
+      // db += bf16(column sums of bf16(dy)): dy^T @ ones on the bf16 path;
+      // ones and the sums share one scratch block.
+      HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get((d.rows + d.out) * sizeof(float)));
+      float* ones = static_cast<float*>(p);
+      LaunchFill<float>(1.0f, ones, d.rows, a.stream);
+      HAP_RETURN_IF_ERROR(CheckLaunch(a));
+      return ProductBf16(a, Bf16Mode::kAccumulate, true, false, d.out, 1, d.rows, dy, d.out,
+                         ones, 1, g.dx(2).as<float>(), 1, 0, 0, ones + d.rows);
+    }
   }
   if (g.n() == 3 && g.dx(2).present() && d.rows > 0) {
     // db += column sums of dy = dy^T @ ones (a GEMV: cuBLAS reads dy once,
@@ -196,15 +266,16 @@ absl::Status MatmulForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 2, 1));
   HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, d.y));
+  HAP_ASSIGN_OR_RETURN(bool bf16, cpu::Bf16Attr<T>(c));
   const T* pa = a.in[0].as<const T>();
   const T* pb = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
   if (d.shared_b) {
-    return Gemm<T>(a, false, false, d.batch * d.m, d.n, d.k, T(1), pa, d.k, pb,
-                   d.n, T(0), y, d.n);
+    return Product<T>(a, bf16, false, false, d.batch * d.m, d.n, d.k, pa, d.k, pb, d.n,
+                      false, y);
   }
-  return Gemm<T>(a, false, false, d.m, d.n, d.k, T(1), pa, d.k, pb, d.n, T(0),
-                 y, d.n, d.batch, d.m * d.k, d.k * d.n, d.m * d.n);
+  return Product<T>(a, bf16, false, false, d.m, d.n, d.k, pa, d.k, pb, d.n, false, y,
+                    d.batch, d.m * d.k, d.k * d.n);
 }
 
 template <typename T>
@@ -214,6 +285,7 @@ absl::Status MatmulBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 2, 2, 1));
   HAP_ASSIGN_OR_RETURN(MatmulDims d, CheckMatmul(a, t));
   HAP_RETURN_IF_ERROR(g.Check(t, {d.y}));
+  HAP_ASSIGN_OR_RETURN(bool bf16, cpu::Bf16Attr<T>(c));
   if (!g.dy(0).present()) return absl::OkStatus();
   const T* pa = g.x(0).as<const T>();
   const T* pb = g.x(1).as<const T>();
@@ -222,23 +294,23 @@ absl::Status MatmulBackward(const KernelArgs& a) {
   T* db = g.dx(1).present() ? g.dx(1).as<T>() : nullptr;
   if (d.shared_b) {
     if (da != nullptr) {  // da += dy @ b^T
-      HAP_RETURN_IF_ERROR(Gemm<T>(a, false, true, d.batch * d.m, d.k, d.n,
-                                  T(1), dy, d.n, pb, d.n, T(1), da, d.k));
+      HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, true, d.batch * d.m, d.k, d.n, dy, d.n,
+                                     pb, d.n, true, da));
     }
     if (db != nullptr) {  // db += a^T @ dy, over every batch row at once
-      HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.k, d.n, d.batch * d.m,
-                                  T(1), pa, d.k, dy, d.n, T(1), db, d.n));
+      HAP_RETURN_IF_ERROR(Product<T>(a, bf16, true, false, d.k, d.n, d.batch * d.m, pa, d.k,
+                                     dy, d.n, true, db));
     }
     return absl::OkStatus();
   }
   const int64_t sa = d.m * d.k, sb = d.k * d.n, sy = d.m * d.n;
   if (da != nullptr) {  // da_i += dy_i @ b_i^T
-    HAP_RETURN_IF_ERROR(Gemm<T>(a, false, true, d.m, d.k, d.n, T(1), dy, d.n,
-                                pb, d.n, T(1), da, d.k, d.batch, sy, sb, sa));
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, false, true, d.m, d.k, d.n, dy, d.n, pb, d.n,
+                                   true, da, d.batch, sy, sb));
   }
   if (db != nullptr) {  // db_i += a_i^T @ dy_i
-    HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, d.k, d.n, d.m, T(1), pa, d.k,
-                                dy, d.n, T(1), db, d.n, d.batch, sa, sy, sb));
+    HAP_RETURN_IF_ERROR(Product<T>(a, bf16, true, false, d.k, d.n, d.m, pa, d.k, dy, d.n,
+                                   true, db, d.batch, sa, sy));
   }
   return absl::OkStatus();
 }

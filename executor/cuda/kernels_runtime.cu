@@ -113,6 +113,16 @@ __global__ void AdamKernel(const T* param, const T* grad, Clip clip,
   }
 }
 
+__global__ void RoundBf16Kernel(float* x, int64_t n) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const uint32_t u = __float_as_uint(x[i]);
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u
+                           ? (u | 0x00400000u) & 0xffff0000u
+                           : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    x[i] = __uint_as_float(r);
+  }
+}
+
 template <typename U>
 void CopyBoxAs(const BoxCopy& box, const void* src, void* dst,
                cudaStream_t stream) {
@@ -121,6 +131,11 @@ void CopyBoxAs(const BoxCopy& box, const void* src, void* dst,
 }
 
 }  // namespace
+
+void LaunchRoundBf16(float* x, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  RoundBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, n);
+}
 
 template <typename T>
 void LaunchFill(T value, T* out, int64_t n, cudaStream_t stream) {

@@ -1,0 +1,70 @@
+// bf16 mixed precision on the GPU (attribute "bf16", executor/cpu/kernels.h):
+// linear and matmul, forward and backward, on bf16 tensor cores
+// (CUBLAS_COMPUTE_32F_FAST_16BF, results rounded to bf16) against the CPU
+// bf16 kernels (oneDNN) on the same inputs. The two sum in other orders, so
+// a result may round to the neighbouring bf16 value: tolerance one bf16
+// step (2^-8 relative) of the output's scale. Skips without a GPU.
+#include "executor/cpu/cpu_device.h"
+#include "executor/cuda/cuda_device.h"
+#include "executor/cuda/kernel_compare.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::executor {
+namespace {
+
+using graph::DType;
+using ::hap::testing::IsOk;
+
+class CudaBf16Test : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::Status s = CudaAvailable();
+    if (!s.ok()) GTEST_SKIP() << "no GPU: " << s.message();
+    auto d = NewCudaDevice(0);
+    ASSERT_THAT(d, IsOk());
+    device_ = std::move(*d);
+  }
+
+  KernelCase Case(const std::string& kernel, std::vector<HostTensor> in,
+                  std::vector<HostTensor> out) {
+    KernelCase c;
+    c.kernel = kernel;
+    c.attrs.Set("bf16", true);
+    c.inputs = std::move(in);
+    c.outputs = std::move(out);
+    c.rtol = 8e-3;  // a bf16 step of the output's scale, and a little more
+    c.atol = 1e-6;
+    return c;
+  }
+  HostTensor R(Shape s, uint64_t seed) { return RandomTensor(DType::kFloat32, s, -1, 1, seed); }
+
+  std::unique_ptr<Device> device_;
+};
+
+TEST_F(CudaBf16Test, LinearForwardAndBackward) {
+  const int64_t rows = 67, in = 96, out = 45;
+  HostTensor x = R({rows, in}, 1), w = R({out, in}, 2), b = R({out}, 3);
+  EXPECT_THAT(CompareWithCpu(*device_, Case("linear", {x, w, b}, {R({rows, out}, 4)})), IsOk());
+  EXPECT_THAT(CompareWithCpu(*device_, Case("linear", {x, w}, {R({rows, out}, 4)})), IsOk());
+  // Gradients accumulate into non-zero starting values.
+  EXPECT_THAT(CompareWithCpu(*device_,
+                             Case("linear_grad", {x, w, b, R({rows, out}, 5), R({rows, out}, 6)},
+                                  {R({rows, in}, 7), R({out, in}, 8), R({out}, 9)})),
+              IsOk());
+}
+
+TEST_F(CudaBf16Test, BatchedMatmulForwardAndBackward) {
+  HostTensor a = R({3, 17, 40}, 10), b = R({3, 40, 23}, 11), y = R({3, 17, 23}, 12);
+  EXPECT_THAT(CompareWithCpu(*device_, Case("matmul", {a, b}, {y})), IsOk());
+  EXPECT_THAT(CompareWithCpu(*device_, Case("matmul_grad", {a, b, y, R({3, 17, 23}, 13)},
+                                            {R({3, 17, 40}, 14), R({3, 40, 23}, 15)})),
+              IsOk());
+  HostTensor shared = R({40, 23}, 16);  // b shared by every batch entry
+  EXPECT_THAT(CompareWithCpu(*device_, Case("matmul_grad", {a, shared, y, R({3, 17, 23}, 17)},
+                                            {R({3, 17, 40}, 18), R({40, 23}, 19)})),
+              IsOk());
+}
+
+}  // namespace
+}  // namespace hap::executor
