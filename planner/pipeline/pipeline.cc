@@ -433,7 +433,13 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         }
         e.cluster = std::make_unique<cost::ClusterModel>(*std::move(sub));
         e.coll = std::make_unique<cost::CollectiveModel>(*e.cluster);
-        auto r = synth::PlanModel(*graphs[c], *e.cluster, alt_options[k / kinds]);
+        synth::PlanOptions ao = alt_options[k / kinds];
+        // The synthesized alternative searches with gradient sync shared by
+        // the step's microbatches.
+        if (k / kinds == 0 && o.variant == Variant::kSynthesized) {
+          ao.search_async_price = ao.search_async_price / counts[c];
+        }
+        auto r = synth::PlanModel(*graphs[c], *e.cluster, ao);
         if (!r.ok()) {
           e.status = r.status();
           continue;

@@ -179,6 +179,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   so.allow_grouped = o.allow_grouped;
   so.overlap = o.overlap_communication;
   so.zero_heuristic = o.zero_heuristic;
+  so.async_price = o.search_async_price;
   so.max_states = o.max_states;
   so.cancelled = o.cancelled;
   int iteration = 0;

@@ -53,6 +53,12 @@ struct PlanOptions {
   // line.
   bool overlap_communication = false;
   bool zero_heuristic = false;
+  // The search's weight on collectives that need not run once per
+  // forward/backward (SearchOptions::async_price: replicated gradients'
+  // all-reduce, ZeRO-3 gathers and reduce-scatters). A pipeline stage runs M
+  // microbatches per gradient sync and searches at 1/M. The LP, the
+  // candidates' comparison and the reported cost still price them in full.
+  double search_async_price = 1.0;
   int max_joint_iterations = 4;
   // Budgets. Each search stops at max_states; max_seconds bounds the whole
   // planning (searches, LPs, the baselines and the snap to whole samples).
