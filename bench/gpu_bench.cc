@@ -75,6 +75,7 @@ struct Flags {
   int warmup = 3;
   int device = 0;
   int profile = 0;  // step: a per-kernel table of the timed steps on stderr
+  bool bf16 = false;  // step --precision bf16: the bf16 mixed-precision program
   std::map<std::string, double> params;  // zoo parameters
 };
 
@@ -96,6 +97,12 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       f.model = v;
     } else if (key == "shapes") {
       f.shapes = v;
+    } else if (key == "precision") {
+      if (v != "fp32" && v != "bf16") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--precision must be fp32 or bf16, got '", v, "'"));
+      }
+      f.bf16 = v == "bf16";
     } else if (key == "iters" || key == "steps" || key == "warmup" || key == "device" ||
                key == "profile") {
       if (!absl::SimpleAtoi(v, &n) || n < 0) {
@@ -190,6 +197,19 @@ absl::Status Gemm(const Flags& f) {
                                  [&] { return d->RunKernel("linear", ctx, attrs, in, out); }));
       Report(shape, d == dev.get() ? "ours_fp32" : "ours_tf32", s, flops);
     }
+    {  // bf16 mixed precision: our linear with attribute bf16 (bf16 tensor
+       // cores on fp32 operands, the result rounded to bf16)
+      hap::graph::Attrs bf16_attrs;
+      bf16_attrs.Set("bf16", true);
+      const TensorView in[] = {x, w};
+      const TensorView out[] = {y};
+      HAP_ASSIGN_OR_RETURN(double s, TimeOnStream(hap::executor::CudaComputeStream(*dev),
+                                                  f.iters, [&] {
+                                                    return dev->RunKernel("linear", ctx,
+                                                                          bf16_attrs, in, out);
+                                                  }));
+      Report(shape, "ours_bf16", s, flops);
+    }
     HAP_RETURN_IF_ERROR(dev->Synchronize());
     HAP_RETURN_IF_ERROR(dev_tf32->Synchronize());
     const float one = 1.f, zero = 0.f;
@@ -245,6 +265,7 @@ absl::Status Step(const Flags& f) {
   lo.optimizer.set_kind(hap::v1::OptimizerConfig::SGD);
   lo.optimizer.set_learning_rate(0.01);
   lo.optimizer.set_momentum(0.9);
+  lo.bf16 = f.bf16;
   HAP_ASSIGN_OR_RETURN(std::vector<hap::v1::RankProgram> programs,
                        hap::lower::Lower(g, hap::lower::SingleDeviceProgram(g), lo));
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, hap::executor::NewCudaDevice(f.device));

@@ -14,14 +14,18 @@
 #              nccl_communicator_test (multi-rank cases need one GPU per rank;
 #              on one GPU they skip and say why), gpu_training_test (training
 #              steps of the GPT-style LM and an MLP on the GPU equal to the CPU
-#              backend); tests not in this build yet are reported as missing
+#              backend), bf16_test (bf16 mixed-precision linear/matmul on
+#              the GPU equal to the CPU's); tests not in this build yet are
+#              reported as missing
 #   3. GEMM    our `linear` kernel against cublasSgemm and cublasGemmEx (TF32,
-#              and bf16 as the GPU's dense peak), cudaEvents after warm-up
-#              (bench/gpu_bench.cc)
+#              and bf16 as the GPU's dense peak; our bf16 linear against that
+#              peak), cudaEvents after warm-up (bench/gpu_bench.cc)
 #   4. step    the GPT-style LM's training step on the GPU (median of 10
 #              after 2 warm-up steps, SGD with momentum), ours against
 #              PyTorch on the same GPU when python3 has torch with CUDA
-#              ("PyTorch with CUDA not available: skipped" otherwise)
+#              ("PyTorch with CUDA not available: skipped" otherwise); also
+#              in bf16 mixed precision (--precision bf16: ours against
+#              PyTorch's bf16 autocast)
 #
 # Output: each step's log under $LOGS (default $OUT/gpu-check-logs when $OUT is
 # set, else /tmp/hap-gpu-check-PID); a short Markdown table printed last and
@@ -189,7 +193,8 @@ fi
 
 # --- 1. build ---------------------------------------------------------------
 FLAGS=(--config=cuda "--define=hap_cuda_archs=$ARCHS" "--jobs=$(nproc)")
-WANTED=(kernels_a_test kernels_b_test cuda_device_test nccl_communicator_test gpu_training_test)
+WANTED=(kernels_a_test kernels_b_test cuda_device_test nccl_communicator_test gpu_training_test
+  bf16_test)
 # Only the tests this tree has (another one may not be written yet).
 EXISTING=$("$BAZEL" query 'tests(//executor/cuda:all)' 2>"$LOGS/query.log" | sed 's|^//executor/cuda:||')
 TESTS=()
@@ -319,9 +324,11 @@ for shape, k in rows.items():
         return k.get(name, float("nan"))
     ours, sgemm = get("ours_fp32"), get("cublas_sgemm_fp32")
     ours32, tf32, bf16 = get("ours_tf32"), get("cublas_gemmex_tf32"), get("cublas_gemmex_bf16")
+    ours16 = get("ours_bf16")
     print(f"GEMM {shape} (MxNxK) fp32\tours {ours:.1f} TFLOP/s = {ours / sgemm:.0%} of cublasSgemm"
           f"\tcublasSgemm {sgemm:.1f}; TF32: ours {ours32:.1f} vs cublasGemmEx {tf32:.1f}"
-          f" ({ours32 / tf32:.0%}); bf16 GemmEx peak {bf16:.1f} TFLOP/s")
+          f" ({ours32 / tf32:.0%}); bf16 GemmEx peak {bf16:.1f} TFLOP/s, our bf16 linear"
+          f" {ours16:.1f} ({ours16 / bf16:.0%} of it)")
 EOF
 else
   row "GEMM" "NOT RUN" "out of time"
@@ -338,6 +345,7 @@ done
 CONFIGS=(
   "GPT 4 layers, h 512, seq 128, batch 8|--layers 4 --hidden 512 --heads 8 --ffn 2048 --seq 128 --vocab 18328 --batch 8"
   "GPT 12 layers, h 768, seq 512, batch 8|--layers 12 --hidden 768 --heads 12 --ffn 3072 --seq 512 --vocab 18328 --batch 8"
+  "GPT 12 layers, h 768, seq 512, batch 8, bf16 (PyTorch: autocast)|--layers 12 --hidden 768 --heads 12 --ffn 3072 --seq 512 --vocab 18328 --batch 8 --precision bf16"
 )
 i=0
 for c in "${CONFIGS[@]}"; do
