@@ -275,13 +275,6 @@ start_rank() {
   [ -z "$NETNS" ] || listen="$(rank_host "$r"):0"  # --network: the node's address
   if [ -n "${EXECUTOR_ADDR[node$r/cpu0]:-}" ]; then listen=${EXECUTOR_ADDR[node$r/cpu0]} links=3600; fi
   in_rank "$r"
-  # The agent shares its rank's cgroup and core, so it measures what the
-  # rank gets. No drift checks or link re-probes while training.
-  start_in "${RANK_GROUP[$r]}" "$((r % CORES))" "$STATE/agent$r$suffix.log" \
-    "${NS[@]}" "$BIN/profiler_agent/hap-agent" --listen "$(rank_host "$r"):0" \
-    --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
-    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --link-probe-delay "$links" --devices cpu
-  AGENT_PID[$r]=${PIDS[-1]}
   start_in "${RANK_GROUP[$r]}" "$((r % CORES))" "$STATE/executor$r$suffix.log" \
     "${NS[@]}" "$BIN/executor/cli/hap-executor" --serve --listen "$listen" \
     --gloo-host "$(rank_host "$r")" \
@@ -290,6 +283,16 @@ start_rank() {
   EXECUTOR_PID[$r]=${PIDS[-1]}
   EXECUTOR_ADDR[node$r/cpu0]=$(wait_line "$STATE/executor$r$suffix.log" "listening on" 30 |
                                sed 's/.*listening on //')
+  # The agent shares its rank's cgroup and core, so it measures what the
+  # rank gets. No drift checks or link re-probes while training. It labels
+  # its node with the executor's address (hap.executor/node$r/cpu0), where
+  # the job finds it.
+  start_in "${RANK_GROUP[$r]}" "$((r % CORES))" "$STATE/agent$r$suffix.log" \
+    "${NS[@]}" "$BIN/profiler_agent/hap-agent" --listen "$(rank_host "$r"):0" \
+    --planner "$PLANNER" --name "node$r" --token-file "$STATE/token" --threads 1 \
+    --probe-seconds 3 --drift 0 --link-probe-seconds 3600 --link-probe-delay "$links" --devices cpu \
+    --executor "${EXECUTOR_ADDR[node$r/cpu0]}"
+  AGENT_PID[$r]=${PIDS[-1]}
 }
 for r in $(seq 0 $((RANKS - 1))); do
   share=${SHARE_LIST[$r]}
@@ -341,8 +344,7 @@ run_elastic() {
              --heads "$HEADS" --ffn "$FFN" --seq "$SEQ" --batch "$BATCH" --optimizer adam
              --lr 3e-3 --clip-norm 1 --steps "$STEPS" --data "$DATA" --checkpoint-dir "$CKPT"
              --checkpoint-every "$EVERY" --join-stable "$JOIN_STABLE")
-  local dev
-  for dev in "${!EXECUTOR_ADDR[@]}"; do job+=(--executor "$dev=${EXECUTOR_ADDR[$dev]}"); done
+  # No --executor: each device's executor is in its node's labels.
   "$HAPCTL" "${job[@]}" "${CTL[@]}" >/dev/null
   echo "   jobs/demo: checkpoints in $CKPT (kept); status page http://hap:$(cat "$STATE/token")@$METRICS/status/jobs/demo"
   local phase=0 stay="" last_key="" last_tenth=-1 killed_at=0 restarted_at=0 j state done_steps gen ndev pred meas msg now
