@@ -7,7 +7,6 @@
 #include "planner/util/status_macros.h"
 
 namespace hap::lower {
-namespace {
 
 namespace v1 = ::hap::v1;
 
@@ -23,6 +22,8 @@ v1::TensorForm FormOf(synth::Form f) {
   }
   return p;
 }
+
+namespace {
 
 v1::Collective CollectiveOf(synth::Collective c) {
   switch (c) {

@@ -19,6 +19,9 @@ namespace hap::lower {
 // Lowers `result` for the cluster's devices (rank order = cluster order)
 // and fills every field but name/uid/timestamps. `options` carries the
 // optimizer and the seed. Errors: those of Lower.
+// A form as plan.proto writes it.
+hap::v1::TensorForm FormOf(synth::Form f);
+
 // Appends `p`'s steps as instructions (sources, form changes, computes),
 // each with its predicted seconds at `ratios`. BuildPlan uses it for the
 // plan's program; planner/pipeline for each stage's.

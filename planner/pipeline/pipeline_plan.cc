@@ -8,20 +8,6 @@
 namespace hap::pipeline {
 namespace v1 = ::hap::v1;
 
-namespace {
-v1::TensorForm FormOf(synth::Form f) {
-  v1::TensorForm t;
-  if (f.is_replicated()) {
-    t.set_kind(v1::TensorForm::REPLICATED);
-  } else if (f.is_partial()) {
-    t.set_kind(v1::TensorForm::PARTIAL);
-  } else {
-    t.set_kind(v1::TensorForm::SHARDED);
-    t.set_dim(f.dim());
-  }
-  return t;
-}
-}  // namespace
 
 absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
                                            const v1::Cluster& cluster_profile,
@@ -67,11 +53,11 @@ absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
     for (double r : s.ratios) st->add_ratios(r);
     if (s.input_tensor >= 0) {
       st->set_input_tensor(gm.tensor(s.input_tensor).name);
-      *st->mutable_input_form() = FormOf(s.input_form);
+      *st->mutable_input_form() = lower::FormOf(s.input_form);
     }
     if (s.output_tensor >= 0) {
       st->set_output_tensor(gm.tensor(s.output_tensor).name);
-      *st->mutable_output_form() = FormOf(s.output_form);
+      *st->mutable_output_form() = lower::FormOf(s.output_form);
     }
     st->set_forward_seconds(s.times.forward);
     st->set_backward_seconds(s.times.backward);

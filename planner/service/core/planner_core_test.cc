@@ -824,6 +824,8 @@ TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValu
        "options.max_joint_iterations must not be negative, got -2"},
       {[&](v1::PlanOptions& o) { o.set_compute_dtype(static_cast<v1::DType>(99)); },
        "options.compute_dtype 99 is not a known dtype"},
+      {[&](v1::PlanOptions& o) { o.set_precision(static_cast<v1::Precision>(7)); },
+       "options.precision 7 is not a known precision (FP32 or BF16)"},
   };
   for (const Case& c : cases) {
     v1::CreatePlanRequest r = MlpRequest();
