@@ -90,6 +90,26 @@ TEST(Bf16Test, RoundsToNearestEven) {
   EXPECT_EQ(RoundBf16(std::numeric_limits<float>::max()), std::numeric_limits<float>::infinity());
 }
 
+// With an identity weight, y = bf16(x) exactly: the operand conversion (the
+// AVX512-BF16 one where the CPU has it) rounds as RoundBf16, ties included.
+TEST(Bf16Test, OperandConversionRoundsToNearestEven) {
+  const int64_t rows = 5, in = 40;
+  HostTensor x = Rand({rows, in}, 30), w(DType::kFloat32, {in, in});
+  float* xs = x.as<float>();
+  xs[0] = 1.0f + std::ldexp(1.0f, -8);      // tie: down to 1
+  xs[1] = 1.0f + 3 * std::ldexp(1.0f, -8);  // tie: up to 1 + 2^-6
+  xs[17] = -(1.0f + std::ldexp(1.0f, -8));
+  xs[18] = 3.0e38f;  // near bf16's largest finite value
+  for (int64_t i = 0; i < in; ++i) {
+    for (int64_t j = 0; j < in; ++j) w.as<float>()[i * in + j] = i == j ? 1.0f : 0.0f;
+  }
+  HostTensor y(DType::kFloat32, {rows, in});
+  ASSERT_THAT(RunK("linear", true, {&x, &w}, {&y}), IsOk());
+  for (int64_t i = 0; i < rows * in; ++i) {
+    EXPECT_EQ(y.as<float>()[i], RoundBf16(xs[i])) << "element " << i << " of x " << xs[i];
+  }
+}
+
 TEST(Bf16Test, LinearForwardRoundsOperandsAndResult) {
   const int64_t rows = 37, in = 70, out = 19;
   HostTensor x = Rand({rows, in}, 1), w = Rand({out, in}, 2), b = Rand({out}, 3);
