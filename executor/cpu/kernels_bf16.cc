@@ -167,6 +167,24 @@ void RoundBf16InPlace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
 }
 
+void GemmBf16Blas(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, bool accumulate, float* c,
+                  int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
+  const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+  std::vector<float> ar(a_rows * a_cols), br(b_rows * b_cols);
+  for (int64_t r = 0; r < a_rows; ++r) {
+    for (int64_t j = 0; j < a_cols; ++j) ar[r * a_cols + j] = RoundBf16(a[r * lda + j]);
+  }
+  for (int64_t r = 0; r < b_rows; ++r) {
+    for (int64_t j = 0; j < b_cols; ++j) br[r * b_cols + j] = RoundBf16(b[r * ldb + j]);
+  }
+  Gemm<float>(trans_a, trans_b, m, n, k, 1.0f, ar.data(), a_cols, br.data(), b_cols,
+              accumulate ? 1.0f : 0.0f, c, ldc);
+  for (int64_t r = 0; r < m; ++r) RoundBf16InPlace(c + r * ldc, n);
+}
+
 absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n,
                       int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                       bool accumulate, float* c, int64_t ldc) {
@@ -182,8 +200,15 @@ absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_
     return absl::OkStatus();
   }
   HAP_ASSIGN_OR_RETURN(Dnnl * d, Dnnl::Get());
-  HAP_ASSIGN_OR_RETURN(dnnl_primitive_t p,
-                       d->Matmul(GemmKey{m, n, k, false, false, k, n, ldc, accumulate}));
+  absl::StatusOr<dnnl_primitive_t> made =
+      d->Matmul(GemmKey{m, n, k, false, false, k, n, ldc, accumulate});
+  if (!made.ok()) {
+    // oneDNN has no bf16 matmul for this CPU (one without AVX-512): the
+    // same arithmetic through OpenBLAS on rounded operands.
+    GemmBf16Blas(trans_a, trans_b, m, n, k, a, lda, b, ldb, accumulate, c, ldc);
+    return absl::OkStatus();
+  }
+  dnnl_primitive_t p = *made;
   // The operands in bf16, row-major and contiguous: op(A) [m, k], op(B) [k, n].
   thread_local std::vector<uint16_t> a16, b16;
   a16.resize(m * k);

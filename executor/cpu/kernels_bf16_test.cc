@@ -244,6 +244,34 @@ TEST(Bf16Test, Conv2dAgainstFloat64OnRoundedOperands) {
   }
 }
 
+// oneDNN's bf16 matmul and the OpenBLAS fallback on rounded operands give
+// the same products up to one bf16 step (their sums run in other orders),
+// for every transpose combination and with accumulation.
+TEST(Bf16Test, OneDnnAndBlasFallbackAgree) {
+  const int64_t m = 21, n = 34, k = 45;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (bool acc : {false, true}) {
+        HostTensor a = Rand({ta ? k : m, ta ? m : k}, 40), b = Rand({tb ? n : k, tb ? k : n}, 41);
+        HostTensor c1 = Rand({m, n}, 42), c2 = Copy(c1);
+        cpu::RoundBf16InPlace(c1.as<float>(), m * n);  // a bf16 bias, as linear's
+        cpu::RoundBf16InPlace(c2.as<float>(), m * n);
+        ASSERT_THAT(cpu::GemmBf16(2, ta, tb, m, n, k, a.as<float>(), ta ? m : k, b.as<float>(),
+                                  tb ? k : n, acc, c1.as<float>(), n),
+                    IsOk());
+        cpu::GemmBf16Blas(ta, tb, m, n, k, a.as<float>(), ta ? m : k, b.as<float>(), tb ? k : n,
+                          acc, c2.as<float>(), n);
+        for (int64_t i = 0; i < m * n; ++i) {
+          const float x = c1.as<float>()[i], y = c2.as<float>()[i];
+          EXPECT_TRUE(IsBf16(x) && IsBf16(y));
+          EXPECT_LE(std::fabs(x - y), std::ldexp(std::fabs(y), -7) + 1e-6)
+              << "ta " << ta << " tb " << tb << " acc " << acc << " element " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(Bf16Test, ThreadCountsGiveTheSameBits) {
   HostTensor x = Rand({64, 96}, 14), w = Rand({48, 96}, 15);
   HostTensor y1(DType::kFloat32, {64, 48}), y2(DType::kFloat32, {64, 48});

@@ -459,6 +459,12 @@ void RoundBf16InPlace(float* x, int64_t n);
 absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n,
                       int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                       bool accumulate, float* c, int64_t ldc);
+// GemmBf16's arithmetic through OpenBLAS on bf16-rounded float32 copies of
+// the operands: GemmBf16's fallback where oneDNN has no bf16 matmul for the
+// CPU, and its reference in tests.
+void GemmBf16Blas(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, bool accumulate, float* c,
+                  int64_t ldc);
 // The call's attribute "bf16" (default false); InvalidArgument when it is
 // set on a call whose floating dtype T is not float32.
 template <typename T>
