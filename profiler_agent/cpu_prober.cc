@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "executor/cpu/kernels.h"
 #include "planner/util/status_macros.h"
 #include "profiler_agent/probes.h"
 
@@ -55,6 +56,7 @@ class CpuProber : public DeviceProber {
     std::optional<double> quota = ReadCpuQuota(*files_);
     int threads = Threads(options, quota);
     HAP_ASSIGN_OR_RETURN(double flops, MeasureMatmulFlops(threads, options));
+    HAP_ASSIGN_OR_RETURN(double bf16_flops, MeasureBf16MatmulFlops(threads, options));
     HAP_ASSIGN_OR_RETURN(int64_t memory, ReadMemoryBytes(*files_));
     double share = quota ? std::min(*quota, static_cast<double>(HardwareThreads()))
                          : static_cast<double>(HardwareThreads());
@@ -65,6 +67,9 @@ class CpuProber : public DeviceProber {
     auto* f = d.add_flops();
     f->set_dtype(hap::v1::FLOAT32);
     f->set_flops(flops);
+    auto* f16 = d.add_flops();  // what bf16 plans are priced at
+    f16->set_dtype(hap::v1::BFLOAT16);
+    f16->set_flops(bf16_flops);
     d.set_memory_bytes(memory);
     d.set_launch_overhead_seconds(MeasureLaunchOverhead(threads));
     d.set_node(node);
@@ -138,6 +143,34 @@ absl::StatusOr<double> MeasureMatmulFlops(int threads, const ProbeOptions& optio
     result = Median(runs);
   }
   return result;
+}
+
+absl::StatusOr<double> MeasureBf16MatmulFlops(int threads, const ProbeOptions& options) {
+  if (options.matmul_sizes.empty() || options.repeats < 1) {
+    return absl::InvalidArgumentError("no matmul sizes or repeats to probe");
+  }
+  const int n = std::clamp(
+      *std::max_element(options.matmul_sizes.begin(), options.matmul_sizes.end()), 1, 1024);
+  executor::HostTensor x(graph::DType::kFloat32, {n, n}), w(graph::DType::kFloat32, {n, n}),
+      y(graph::DType::kFloat32, {n, n});
+  for (int64_t i = 0; i < int64_t{n} * n; ++i) {
+    x.as<float>()[i] = 0.5f;
+    w.as<float>()[i] = 0.25f;
+  }
+  executor::KernelContext ctx;
+  ctx.num_threads = std::max(1, threads);
+  graph::Attrs attrs;
+  attrs.Set("bf16", true);
+  const executor::TensorView in[] = {x.view(), w.view()};
+  const executor::TensorView out[] = {y.view()};
+  const double flop = 2.0 * n * n * n;
+  std::vector<double> runs;
+  for (int r = 0; r <= options.repeats; ++r) {  // the first run warms up
+    Clock::time_point t0 = Clock::now();
+    HAP_RETURN_IF_ERROR(executor::RunCpuKernel("linear", ctx, attrs, in, out));
+    if (r > 0) runs.push_back(flop / std::max(SecondsSince(t0), 1e-9));
+  }
+  return Median(runs);
 }
 
 double MeasureLaunchOverhead(int threads) {

@@ -99,6 +99,13 @@ absl::StatusOr<double> MeasureMatmulFlops(int threads, const ProbeOptions& optio
 // Seconds a minimal BLAS call takes (1x1x1 sgemm), the median of batches.
 double MeasureLaunchOverhead(int threads);
 
+// bf16 mixed precision's matmul FLOP/s (PlanOptions.precision BF16): the
+// executor's own bf16 linear kernel (oneDNN, executor/cpu/kernels.h "bf16")
+// on n x n operands, n the largest of options.matmul_sizes up to 1024, the
+// median of options.repeats runs after a warm-up. InvalidArgument for bad
+// options, the kernel's error otherwise.
+absl::StatusOr<double> MeasureBf16MatmulFlops(int threads, const ProbeOptions& options);
+
 // Runs every prober and assembles the node: name, agent address, devices
 // (local_index kept as each prober numbered them). The first prober error
 // fails the whole probe, annotated with the prober's position.

@@ -56,9 +56,11 @@ TEST(CpuProberTest, ReportsPositiveFlopsAndMemoryOnThisHost) {
   EXPECT_EQ(d.node(), "host-a");
   EXPECT_EQ(d.local_index(), 0);
   EXPECT_THAT(d.model(), HasSubstr("threads, share "));
-  ASSERT_EQ(d.flops_size(), 1);
+  ASSERT_EQ(d.flops_size(), 2);
   EXPECT_EQ(d.flops(0).dtype(), hap::v1::FLOAT32);
   EXPECT_GT(d.flops(0).flops(), 1e6);
+  EXPECT_EQ(d.flops(1).dtype(), hap::v1::BFLOAT16);  // the executor's bf16 GEMM
+  EXPECT_GT(d.flops(1).flops(), 1e6);
   EXPECT_GT(d.memory_bytes(), int64_t{1} << 20);
   EXPECT_GT(d.launch_overhead_seconds(), 0);
   EXPECT_LT(d.launch_overhead_seconds(), 0.1);
