@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -265,6 +266,13 @@ const char* VariantName(Variant v) {
 absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::ClusterModel& cluster,
                                           const PipelineOptions& o) {
   const auto start = Clock::now();
+  // stage_options.max_seconds bounds the whole call (the SPMD plan and every
+  // stage synthesis together), and stage_options.cancelled stops it: what
+  // was not synthesized by then is left out of the stage search.
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(
+                  std::chrono::duration<double>(std::max(0.0, o.stage_options.max_seconds)));
+  auto cancelled = [&o] { return o.stage_options.cancelled && o.stage_options.cancelled(); };
   PipelinePlan out;
   out.variant = o.variant;
   auto note = [&](std::string s) { out.notes.push_back(std::move(s)); };
@@ -416,6 +424,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     }
     std::mutex mu;
     size_t next = 0;
+    std::atomic<int> cut{0};  // syntheses left out for the budget
     auto work = [&]() {
       for (;;) {
         int job;
@@ -426,6 +435,12 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         }
         const int k = job / C, c = job % C;
         Entry& e = entries[job];
+        const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+        if (left <= 0 || cancelled()) {
+          e.status = absl::DeadlineExceededError("the time budget ran out first");
+          ++cut;
+          continue;
+        }
         auto sub = cluster.Subset(groups[kind_group[k]].devices);
         if (!sub.ok()) {
           e.status = sub.status();
@@ -434,6 +449,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         e.cluster = std::make_unique<cost::ClusterModel>(*std::move(sub));
         e.coll = std::make_unique<cost::CollectiveModel>(*e.cluster);
         synth::PlanOptions ao = alt_options[k / kinds];
+        ao.max_seconds = std::min(ao.max_seconds, left);
         // The synthesized alternative searches with gradient sync shared by
         // the step's microbatches.
         if (k / kinds == 0 && o.variant == Variant::kSynthesized) {
@@ -455,7 +471,13 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     for (int t = 1; t < threads; ++t) pool.emplace_back(work);
     work();
     for (std::thread& t : pool) t.join();
-    out.syntheses = static_cast<int>(jobs.size());
+    out.syntheses = static_cast<int>(jobs.size()) - cut.load();
+    if (cancelled()) return absl::CancelledError("the pipeline search was cancelled");
+    if (cut.load() > 0) {
+      note(absl::StrCat("the time budget (", o.stage_options.max_seconds, " s) ran out: ",
+                        cut.load(), " of ", jobs.size(),
+                        " stage syntheses were left out of the search"));
+    }
   }
   auto entry = [&](int gi, int c) -> const Entry* {
     if (gi < 0) return nullptr;

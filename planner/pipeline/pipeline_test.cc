@@ -186,6 +186,26 @@ TEST(Planner, NoPipelineOverFastLinks) {
   EXPECT_THAT(p->notes.back(), HasSubstr("no pipeline is predicted faster than the SPMD plan"));
 }
 
+// The options' max_seconds bounds the whole search, not each synthesis:
+// once it is spent no further stage is synthesized, and the answer is the
+// SPMD plan with a note. Cancelled stops it.
+TEST(Planner, TheTimeBudgetBoundsTheWholeSearch) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  PipelineOptions o = Fast(Mode::kAuto);
+  o.stage_options.max_seconds = 1e-9;
+  auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->pipelined());
+  EXPECT_EQ(p->syntheses, 0);
+  EXPECT_THAT(::testing::PrintToString(p->notes), HasSubstr("time budget"));
+
+  o = Fast(Mode::kAuto);
+  o.stage_options.cancelled = [] { return true; };
+  EXPECT_THAT(PlanPipeline(*g, TwoNodes(1.25e9), o).status(),
+              StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+}
+
 TEST(Planner, PipelineOverSlowLinks) {
   auto g = SmallGpt();
   ASSERT_TRUE(g.ok());
