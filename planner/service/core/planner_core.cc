@@ -303,6 +303,10 @@ struct PlannerCore::State {
   std::map<std::string, int> pins;  // plan -> deploys holding it (PinPlan)
   bool stopping = false;
   std::vector<std::thread> workers;
+  // When this planner started: a node is not blamed for heartbeats sent
+  // while no planner ran (silence counts from the later of its last
+  // heartbeat and this).
+  absl::Time started = absl::InfinitePast();
 
   // Plan `name` SUCCEEDED with `key`: the next request with that key gets
   // a copy of it.
@@ -354,6 +358,7 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
                      absl::FormatDuration(options.plan_retention_age)));
   }
   std::unique_ptr<PlannerCore> core(new PlannerCore(std::move(options)));
+  core->s_->started = core->o_.now();
   std::vector<v1::Plan> resume;
   {
     absl::MutexLock l(&core->s_->mu);
@@ -424,9 +429,11 @@ void PlannerCore::RefreshLivenessLocked() {
   absl::Duration limit = o_.heartbeat_interval * o_.missed_heartbeats;
   std::vector<std::string> expired;
   for (auto& [name, n] : s_->nodes) {
-    absl::Duration silent = now - FromProto(n.last_heartbeat());
+    absl::Duration silent = now - std::max(FromProto(n.last_heartbeat()), s_->started);
     // Derived from last_heartbeat, which every heartbeat saves; a restart
-    // derives it again, so reads do not write it.
+    // derives it again, so reads do not write it. Time the planner was
+    // down does not count: a node whose heartbeats went nowhere while it
+    // restarted is READY until it misses them against this planner.
     n.set_state(silent > limit ? v1::Node::STALE : v1::Node::READY);
     if (silent > limit + o_.node_expiry) expired.push_back(name);
   }

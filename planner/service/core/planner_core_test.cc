@@ -790,6 +790,37 @@ TEST_F(PlannerCoreTest, ANodeStaleLongerThanTheExpiryIsRemoved) {
   EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
 }
 
+// A restarted planner does not blame nodes for the heartbeats they sent
+// while no planner ran: a stored node whose last heartbeat is long past is
+// READY at start and goes STALE only after missing heartbeats against the
+// new planner (a job's deployment survives a planner restart).
+TEST_F(PlannerCoreTest, ARestartDoesNotMakeStoredNodesStale) {
+  v1::Node a = MakeNode("a", 2, 2e12);
+  v1::Node b = MakeNode("b", 2, 1e12);
+  const absl::Time long_ago = clock_.Now() - absl::Minutes(10);
+  for (v1::Node* n : {&a, &b}) {
+    n->mutable_last_heartbeat()->set_seconds(absl::ToUnixSeconds(long_ago));
+  }
+  Start({a, b}, {});
+  v1::Cluster c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 2);
+  for (const auto& n : c.nodes()) {
+    EXPECT_EQ(n.state(), v1::Node::READY) << n.name();
+  }
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  // 16 s later (the limit is 3 x 5 s): a heartbeat, b did not.
+  for (int i = 0; i < 4; ++i) {
+    clock_.Advance(absl::Seconds(4));
+    ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  }
+  c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 2);
+  for (const auto& n : c.nodes()) {
+    EXPECT_EQ(n.state(), n.name() == "b" ? v1::Node::STALE : v1::Node::READY) << n.name();
+  }
+}
+
 // --- Options -------------------------------------------------------------
 
 TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValue) {
