@@ -30,6 +30,7 @@ constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model 
                    [--ratios R,R,... (with --baseline: its split, one per device)]
                    [--no-sfb] [--no-zero] [--no-grouped] [--zero-heuristic]
                    [--overlap on|off] [--precision fp32|bf16]
+                   [--gradient-precision fp32|bf16]
                    [--optimizer sgd|momentum|adam] [--ignore-memory]
                    [--max-states N] [--max-seconds S] [-o table|json]
                    [--save-plan PLAN.pb] [--lr X] [--momentum X]
@@ -51,6 +52,10 @@ them behind compute (hap-executor --overlap off runs them in line). Off
 --precision bf16 plans bf16 mixed precision (README "Precision"): products
 in bf16 with fp32 accumulation, fp32 master weights; each device priced at
 its bf16 FLOP/s (its fp32 rate when its profile has none).
+--gradient-precision bf16 synchronises the parameters' gradients in bf16
+(the gradient buckets' all-reduces and ZeRO's gradient reduce-scatters send
+and sum bf16: half the bytes, priced so); fp32 (the default) sums them as
+they are. The loss, parameters and optimizer stay fp32.
 --pipeline auto plans pipeline stages with a synthesized SPMD program each
 (README "Pipeline plans"): stage count, cuts, device groups and microbatches
 (--microbatches N fixes it) chosen together, one stage (the SPMD plan)
@@ -99,6 +104,8 @@ void PrintJson(const graph::Graph& g, const cost::ClusterModel& cl,
   o << "{\n";
   o << "  \"model\": " << Json(g.name()) << ",\n";
   o << "  \"precision\": " << Json(precision) << ",\n";
+  o << "  \"gradient_precision\": "
+    << Json(r.program.gradient_wire_scale < 1 ? "bf16" : "fp32") << ",\n";
   o << "  \"baseline\": " << Json(synth::BaselineName(b)) << ",\n";
   o << "  \"source\": " << Json(r.source) << ",\n";
   o << absl::StrFormat("  \"predicted_step_seconds\": %.9g,\n", r.cost.total);
@@ -179,7 +186,8 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
       b == synth::Baseline::kNone ? "synthesized: " + r.source
                                   : std::string("baseline ") +
                                         synth::BaselineName(b),
-      precision == "bf16" ? ", bf16 mixed precision" : "");
+      absl::StrCat(precision == "bf16" ? ", bf16 mixed precision" : "",
+                   r.program.gradient_wire_scale < 1 ? ", bf16 gradients" : ""));
   if (r.program.overlap) {
     std::cout << absl::StrFormat(
         "predicted step %.4f s = compute %.4f s + exposed communication %.4f s "
@@ -262,6 +270,8 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
                       hap::v1::Precision precision) {
   hap::v1::PlanOptions po;
   po.set_precision(precision);
+  po.set_gradient_precision(r.program.gradient_wire_scale < 1 ? hap::v1::PRECISION_BF16
+                                                              : hap::v1::PRECISION_FP32);
   hap::v1::OptimizerConfig* o = po.mutable_optimizer();
   o->set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM
                             : hap::v1::OptimizerConfig::SGD);
@@ -423,7 +433,7 @@ int RunPlan(const std::vector<std::string>& argv) {
                       "devices", "baseline", "optimizer", "max-states",
                       "max-seconds", "save-plan", "lr", "momentum",
                       "weight-decay", "clip-norm", "seed", "ratios", "overlap",
-                      "precision", "pipeline", "microbatches"});
+                      "precision", "gradient-precision", "pipeline", "microbatches"});
   auto args = Args::Parse(argv, value_flags,
                           {"help", "no-sfb", "no-zero", "no-grouped",
                            "zero-heuristic", "ignore-memory"});
@@ -501,6 +511,12 @@ int RunPlan(const std::vector<std::string>& argv) {
         absl::StrCat("--overlap must be on or off, got '", overlap, "'")));
   }
   po.overlap_communication = overlap == "on";
+  const std::string gradient_precision = args->Get("gradient-precision", "fp32");
+  if (gradient_precision != "fp32" && gradient_precision != "bf16") {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--gradient-precision must be fp32 or bf16, got '", gradient_precision, "'")));
+  }
+  po.bf16_gradients = gradient_precision == "bf16";
   std::string opt = args->Get("optimizer", "momentum");
   if (opt == "sgd") {
     po.optimizer = synth::OptimizerKind::kSgd;

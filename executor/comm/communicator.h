@@ -42,7 +42,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
 
-  // Elementwise sum over ranks, in place. float32, float64.
+  // Elementwise sum over ranks, in place. float32, float64, bfloat16 (each
+  // partial sum rounded to bf16; CollectiveCall.wire_dtype).
   virtual absl::Status AllReduce(TensorView buf) = 0;
   // `in` is this rank's chunk (counts[rank()] elements); `out` receives every
   // chunk in rank order (sum of counts elements).

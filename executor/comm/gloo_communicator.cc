@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "executor/comm/communicator.h"
+#include "executor/runtime/bf16.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoallv.h"
@@ -297,9 +298,10 @@ class GlooCommunicator : public Communicator {
   }
 
   absl::Status CheckFloat(const char* what, const TensorView& v) const {
-    if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64) {
+    if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64 &&
+        v.dtype != DType::kBFloat16) {
       return Invalid(absl::StrCat(what,
-                                  ": only float32 and float64 are summed, got ",
+                                  ": only float32, float64 and bfloat16 are summed, got ",
                                   graph::DTypeName(v.dtype)));
     }
     return absl::OkStatus();
@@ -351,12 +353,15 @@ class GlooCommunicator : public Communicator {
     return absl::OkStatus();
   }
 
-  // Sums `n` elements of `t` (float32 or float64) over ranks in place.
+  // Sums `n` elements of `t` (float32, float64 or bfloat16) over ranks in
+  // place.
   void AllReduceRaw(void* data, int64_t n, DType t) {
     gloo::AllreduceOptions opts(ctx_);
     opts.setTimeout(timeout_);
     if (t == DType::kFloat64) {
       SetSum<double>(opts, nullptr, data, n);
+    } else if (t == DType::kBFloat16) {
+      SetSumBf16(opts, nullptr, data, n);
     } else {
       SetSum<float>(opts, nullptr, data, n);
     }
@@ -370,6 +375,8 @@ class GlooCommunicator : public Communicator {
     opts.setRoot(root);
     if (t == DType::kFloat64) {
       SetSum<double>(opts, in, out, n);
+    } else if (t == DType::kBFloat16) {
+      SetSumBf16(opts, in, out, n);
     } else {
       SetSum<float>(opts, in, out, n);
     }
@@ -383,6 +390,22 @@ class GlooCommunicator : public Communicator {
     opts.setOutput(static_cast<T*>(out), n);
     using ReduceFn = void (*)(void*, const void*, const void*, size_t);
     opts.setReduceFunction(static_cast<ReduceFn>(&gloo::sum<T>));
+  }
+  // bfloat16 buffers (bits in uint16_t): each partial sum is computed in
+  // float32 and rounded to bf16 (as NCCL's bf16 sum), so the result depends
+  // on the order Gloo's algorithm adds in, as a bf16 all-reduce does.
+  template <typename Options>
+  static void SetSumBf16(Options& opts, void* in, void* out, int64_t n) {
+    if (in != nullptr) opts.setInput(static_cast<uint16_t*>(in), n);
+    opts.setOutput(static_cast<uint16_t*>(out), n);
+    using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+    opts.setReduceFunction(static_cast<ReduceFn>(&SumBf16));
+  }
+  static void SumBf16(void* c, const void* a, const void* b, size_t n) {
+    auto* z = static_cast<uint16_t*>(c);
+    const auto* x = static_cast<const uint16_t*>(a);
+    const auto* y = static_cast<const uint16_t*>(b);
+    for (size_t i = 0; i < n; ++i) z[i] = Bf16Bits(Bf16ToFloat(x[i]) + Bf16ToFloat(y[i]));
   }
 
   // Every call starts here, even one with nothing to send: after a failure

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <numeric>
 #include <random>
@@ -10,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "executor/comm/communicator.h"
+#include "executor/runtime/bf16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/util/status_matchers.h"
@@ -173,6 +175,61 @@ INSTANTIATE_TEST_SUITE_P(WorldsMethodsTypes, CollectivesTest,
                                             ::testing::Bool(),
                                             ::testing::Bool()));
 
+// bf16 sums (CollectiveCall.wire_dtype): each partial sum is computed in
+// float32 and rounded to bf16. With 2 ranks there is one addition, so the
+// result is exactly bf16(a + b); with 3 each element is within two bf16
+// roundings of the exact sum, and every rank gets the same bits.
+TEST(GlooCommunicatorTest, Bf16AllReduceAndReduceScatterRoundEachSum) {
+  for (int n : {2, 3}) {
+    const int64_t len = 37;
+    std::vector<std::vector<uint16_t>> results(n);
+    std::vector<std::vector<uint16_t>> scattered(n);
+    auto input = [](int r, int64_t i) {
+      // Values whose sums need more than bf16's 8 significant bits.
+      return Bf16Bits(static_cast<float>(1.0 + 0.0078125 * (i % 7) + 0.37 * r + 1e-3 * i));
+    };
+    const std::vector<int64_t> counts = Counts(n);
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    WithRanks(n, [&](int r, Communicator& comm) {
+      std::vector<uint16_t> buf(len);
+      for (int64_t i = 0; i < len; ++i) buf[i] = input(r, i);
+      ASSERT_THAT(comm.AllReduce(TensorView{DType::kBFloat16, {len}, buf.data()}), IsOk());
+      results[r] = buf;
+      std::vector<uint16_t> in(total), out(counts[r]);
+      for (int64_t i = 0; i < total; ++i) in[i] = input(r, i);
+      ASSERT_THAT(comm.ReduceScatter(TensorView{DType::kBFloat16, {total}, in.data()},
+                                     TensorView{DType::kBFloat16, {counts[r]}, out.data()},
+                                     counts, CommMethod::kPadded),
+                  IsOk());
+      scattered[r] = out;
+    });
+    for (int64_t i = 0; i < len; ++i) {
+      double exact = 0;
+      for (int r = 0; r < n; ++r) exact += Bf16ToFloat(input(r, i));
+      const float got = Bf16ToFloat(results[0][i]);
+      for (int r = 1; r < n; ++r) EXPECT_EQ(results[r][i], results[0][i]) << "rank " << r;
+      if (n == 2) {
+        EXPECT_EQ(results[0][i], Bf16Bits(static_cast<float>(exact))) << "element " << i;
+      } else {
+        EXPECT_NEAR(got, exact, 2 * std::ldexp(std::abs(exact), -8)) << "element " << i;
+      }
+      // Not float32's sum: the result is a bf16 value (its low bits zero).
+      EXPECT_EQ(Bf16Bits(got), results[0][i]);
+    }
+    int64_t at = 0;
+    for (int r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < counts[r]; ++j) {
+        double exact = 0;
+        for (int q = 0; q < n; ++q) exact += Bf16ToFloat(input(q, at + j));
+        EXPECT_NEAR(Bf16ToFloat(scattered[r][j]), exact, 2 * std::ldexp(std::abs(exact), -8))
+            << "rank " << r << " element " << j;
+      }
+      at += counts[r];
+    }
+  }
+}
+
 TEST(GlooCommunicatorTest, InconsistentSizesAreInvalidArgument) {
   WithRanks(2, [](int r, Communicator& comm) {
     std::vector<float> in(3), out(5);
@@ -189,7 +246,7 @@ TEST(GlooCommunicatorTest, InconsistentSizesAreInvalidArgument) {
     TensorView iv{DType::kInt64, {2}, ids.data()};
     EXPECT_THAT(comm.AllReduce(iv),
                 StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr("only float32 and float64")));
+                         HasSubstr("only float32, float64 and bfloat16")));
     std::vector<double> wide(6);
     EXPECT_THAT(
         comm.AllGather(View(in), View(wide), counts, CommMethod::kGrouped),

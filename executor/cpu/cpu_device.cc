@@ -70,6 +70,9 @@ class CpuDevice : public Device {
                        absl::Span<const int64_t> extent) override {
     return HostCopyBox(src, src_start, dst, dst_start, extent);
   }
+  absl::Status Convert(TensorView src, TensorView dst) override {
+    return HostConvert(src, dst);
+  }
   bool HasKernel(const std::string& name) const override {
     return HasCpuKernel(name);
   }

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "executor/cpu/kernels_internal.h"
+#include "executor/runtime/bf16.h"
 #include "planner/util/status_macros.h"
 
 extern "C" {
@@ -38,13 +39,7 @@ absl::Status DnnlError(dnnl_status_t s, const char* what) {
     if (hap_dnnl_s != dnnl_success) return DnnlError(hap_dnnl_s, what); \
   } while (0)
 
-// Float32 to bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN.
-inline uint16_t Bf16Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r);
-}
+using ::hap::executor::Bf16Bits;  // executor/runtime/bf16.h
 
 // x[0, n) to bf16 bits, 16 at a time with AVX512-BF16's vcvtneps2bf16
 // where the CPU has it (round to nearest even like Bf16Bits; it flushes

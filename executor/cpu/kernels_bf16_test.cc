@@ -10,6 +10,8 @@
 
 #include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_internal.h"
+#include "executor/runtime/bf16.h"
+#include "executor/runtime/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/util/status_matchers.h"
@@ -88,6 +90,45 @@ TEST(Bf16Test, RoundsToNearestEven) {
   EXPECT_EQ(RoundBf16(std::numeric_limits<float>::infinity()),
             std::numeric_limits<float>::infinity());
   EXPECT_EQ(RoundBf16(std::numeric_limits<float>::max()), std::numeric_limits<float>::infinity());
+}
+
+// Device::Convert on host memory (bf16 on the wire): float32 -> bf16 bits as
+// RoundBf16 rounds, back exactly; other pairs and sizes are refused.
+TEST(Bf16Test, HostConvertRoundsAndWidens) {
+  std::vector<float> x = {1.0f,
+                          1.0f + std::ldexp(1.0f, -8),
+                          1.0f + 3 * std::ldexp(1.0f, -8),
+                          -2.5f,
+                          3.14159f,
+                          std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::max(),
+                          -1e-30f};
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<uint16_t> bits(x.size());
+  std::vector<float> back(x.size());
+  ASSERT_THAT(HostConvert(TensorView{DType::kFloat32, {n}, x.data()},
+                          TensorView{DType::kBFloat16, {n}, bits.data()}),
+              ::hap::testing::IsOk());
+  ASSERT_THAT(HostConvert(TensorView{DType::kBFloat16, {n}, bits.data()},
+                          TensorView{DType::kFloat32, {n}, back.data()}),
+              ::hap::testing::IsOk());
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(back[i]));
+      continue;
+    }
+    EXPECT_EQ(back[i], RoundBf16(x[i])) << i;
+    EXPECT_EQ(bits[i], Bf16Bits(x[i])) << i;
+  }
+  std::vector<double> d(x.size());
+  EXPECT_THAT(HostConvert(TensorView{DType::kFloat32, {n}, x.data()},
+                          TensorView{DType::kFloat64, {n}, d.data()}),
+              ::hap::testing::StatusIs(absl::StatusCode::kUnimplemented,
+                                       ::testing::HasSubstr("only float32 <-> bfloat16")));
+  EXPECT_THAT(HostConvert(TensorView{DType::kFloat32, {n}, x.data()},
+                          TensorView{DType::kBFloat16, {n - 1}, bits.data()}),
+              ::hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                       ::testing::HasSubstr("elements into")));
 }
 
 // With an identity weight, y = bf16(x) exactly: the operand conversion (the

@@ -94,6 +94,7 @@ class CudaDevice final : public Device {
   absl::Status CopyFromHost(const void* src, TensorView dst) override;
   absl::Status CopyToHost(TensorView src, void* dst) override;
   absl::Status Fill(TensorView dst, double value) override;
+  absl::Status Convert(TensorView src, TensorView dst) override;
   absl::Status CopyBox(TensorView src, absl::Span<const int64_t> src_start,
                        TensorView dst, absl::Span<const int64_t> dst_start,
                        absl::Span<const int64_t> extent) override;
@@ -286,6 +287,20 @@ absl::Status CudaDevice::Fill(TensorView dst, double value) {
           "fill of ", graph::DTypeName(dst.dtype), " on ", name_));
   }
   HAP_CUDA_CHECK(cudaGetLastError(), ctx);
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::Convert(TensorView src, TensorView dst) {
+  HAP_RETURN_IF_ERROR(CheckConvert(name_, src, dst));
+  const int64_t n = src.num_elements();
+  if (n == 0) return absl::OkStatus();
+  HAP_DEVICE_SCOPE();
+  if (src.dtype == DType::kFloat32) {
+    cuda::LaunchToBf16(src.as<float>(), static_cast<uint16_t*>(dst.data), n, stream_);
+  } else {
+    cuda::LaunchFromBf16(static_cast<const uint16_t*>(src.data), dst.as<float>(), n, stream_);
+  }
+  HAP_CUDA_CHECK(cudaGetLastError(), absl::StrCat(name_, ": convert"));
   return absl::OkStatus();
 }
 

@@ -123,6 +123,21 @@ __global__ void RoundBf16Kernel(float* x, int64_t n) {
   }
 }
 
+__global__ void ToBf16Kernel(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const uint32_t u = __float_as_uint(x[i]);
+    y[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u
+                                     ? (u >> 16) | 0x40u
+                                     : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+__global__ void FromBf16Kernel(const uint16_t* x, float* y, int64_t n) {
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    y[i] = __uint_as_float(static_cast<uint32_t>(x[i]) << 16);
+  }
+}
+
 template <typename U>
 void CopyBoxAs(const BoxCopy& box, const void* src, void* dst,
                cudaStream_t stream) {
@@ -131,6 +146,16 @@ void CopyBoxAs(const BoxCopy& box, const void* src, void* dst,
 }
 
 }  // namespace
+
+void LaunchToBf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  ToBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
+}
+
+void LaunchFromBf16(const uint16_t* x, float* y, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  FromBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
+}
 
 void LaunchRoundBf16(float* x, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;

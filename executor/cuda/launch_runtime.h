@@ -19,6 +19,9 @@ void LaunchFill(T value, T* out, int64_t n, cudaStream_t stream);
 // x[0, n) rounded to bfloat16 (to nearest even; NaN stays NaN), in place:
 // bf16 mixed precision's product results (executor/cpu/kernels.h "bf16").
 void LaunchRoundBf16(float* x, int64_t n, cudaStream_t stream);
+// float32 -> bfloat16 bits (round to nearest even) and back (Device::Convert).
+void LaunchToBf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream);
+void LaunchFromBf16(const uint16_t* x, float* y, int64_t n, cudaStream_t stream);
 
 // A box copy in units of `unit` bytes (1, 2, 4, 8 or 16; the pointers and
 // every stride are multiples of it): element idx of the box (row-major over

@@ -115,7 +115,11 @@ bool AllEqual(absl::Span<const int64_t> counts) {
   return std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
 }
 
-ncclDataType_t SumType(DType t) { return t == DType::kFloat64 ? ncclFloat64 : ncclFloat32; }
+ncclDataType_t SumType(DType t) {
+  return t == DType::kFloat64    ? ncclFloat64
+         : t == DType::kBFloat16 ? ncclBfloat16
+                                 : ncclFloat32;
+}
 
 absl::Status Invalid(const std::string& m) { return absl::InvalidArgumentError(m); }
 
@@ -398,8 +402,9 @@ class NcclCommunicator : public Communicator {
   // usable, as in the Gloo backend) ---
 
   static absl::Status CheckFloat(const char* what, const TensorView& v) {
-    if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64) {
-      return Invalid(absl::StrCat(what, ": only float32 and float64 are summed, got ",
+    if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64 &&
+        v.dtype != DType::kBFloat16) {
+      return Invalid(absl::StrCat(what, ": only float32, float64 and bfloat16 are summed, got ",
                                   graph::DTypeName(v.dtype)));
     }
     return absl::OkStatus();

@@ -392,7 +392,7 @@ void CheckArgumentErrors(Communicator& c, Buffers& b, Report& rep) {
   expect(c.ReduceScatter(v, part, std::vector<int64_t>(n, 3), CommMethod::kGrouped), "sum to",
          "reduce-scatter sum");
   TensorView ints = b.Upload(std::vector<int64_t>(4, 1), rep);
-  expect(c.AllReduce(ints), "only float32 and float64", "all-reduce of int64");
+  expect(c.AllReduce(ints), "only float32, float64 and bfloat16", "all-reduce of int64");
   expect(c.Broadcast(v, n), "out of range", "broadcast root");
   std::vector<float> host(4, 1.f);
   TensorView on_host{DType::kFloat32, {4}, host.data()};

@@ -1,5 +1,7 @@
 #include "executor/runtime/collective_call.h"
 
+#include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -264,6 +266,64 @@ absl::Status CoalescedDim0(const v1::CollectiveCall& c, TensorView whole, Tensor
   return restage_own(/*to_chunk=*/false);
 }
 
+// The communicator seen through bf16 on the wire (CollectiveCall.wire_dtype
+// BFLOAT16): AllReduce and ReduceScatter of float32 views round them into
+// bf16 staging (regions 2 and 3), run `inner`'s bf16 sum and widen the
+// result back; the other collectives are not sums and pass through.
+class Bf16Wire final : public Communicator {
+ public:
+  Bf16Wire(Communicator& inner, Device& dev, Staging& st) : inner_(inner), dev_(dev), st_(st) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  absl::Status AllReduce(TensorView buf) override {
+    HAP_ASSIGN_OR_RETURN(TensorView wire, Narrow(buf, 2));
+    HAP_RETURN_IF_ERROR(inner_.AllReduce(wire));
+    return dev_.Convert(wire, Flat(buf));
+  }
+  absl::Status ReduceScatter(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                             CommMethod method) override {
+    HAP_ASSIGN_OR_RETURN(TensorView wire_in, Narrow(in, 2));
+    HAP_ASSIGN_OR_RETURN(void* o, st_.Get(3, std::max<int64_t>(out.num_elements() * 2, 1)));
+    TensorView wire_out{DType::kBFloat16, {out.num_elements()}, o};
+    HAP_RETURN_IF_ERROR(inner_.ReduceScatter(wire_in, wire_out, counts, method));
+    return dev_.Convert(wire_out, Flat(out));
+  }
+  absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                         CommMethod method) override {
+    return inner_.AllGather(in, out, counts, method);
+  }
+  absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts, TensorView out,
+                        absl::Span<const int64_t> recv_counts) override {
+    return inner_.AllToAll(in, send_counts, out, recv_counts);
+  }
+  absl::Status Broadcast(TensorView buf, int root) override {
+    return inner_.Broadcast(buf, root);
+  }
+  absl::Status Reduce(TensorView in, TensorView out, int root) override {
+    return inner_.Reduce(in, out, root);
+  }
+  absl::Status Barrier() override { return inner_.Barrier(); }
+
+ private:
+  static TensorView Flat(const TensorView& v) {
+    return TensorView{v.dtype, {v.num_elements()}, v.data};
+  }
+  // `v` (float32) rounded to bf16 into staging region `which`.
+  absl::StatusOr<TensorView> Narrow(const TensorView& v, int which) {
+    if (v.dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "wire dtype BFLOAT16 needs float32 buffers, got ", graph::DTypeName(v.dtype)));
+    }
+    HAP_ASSIGN_OR_RETURN(void* w, st_.Get(which, std::max<int64_t>(v.num_elements() * 2, 1)));
+    TensorView wire{DType::kBFloat16, {v.num_elements()}, w};
+    HAP_RETURN_IF_ERROR(dev_.Convert(Flat(v), wire));
+    return wire;
+  }
+  Communicator& inner_;
+  Device& dev_;
+  Staging& st_;
+};
+
 }  // namespace
 
 Staging::~Staging() {
@@ -273,6 +333,9 @@ Staging::~Staging() {
 }
 
 absl::StatusOr<void*> Staging::Get(int which, int64_t bytes) {
+  if (which < 0 || which >= kRegions) {
+    return absl::InternalError(absl::StrCat("staging region ", which, " does not exist"));
+  }
   if (bytes > size_[which] || buf_[which] == nullptr) {
     if (buf_[which]) device_->Free(buf_[which]);
     buf_[which] = nullptr;
@@ -288,6 +351,20 @@ absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
                            Staging& st, absl::Span<const TensorView> coalesced,
                            absl::Span<const TensorView> coalesced_outputs) {
   absl::Status s;
+  std::optional<Bf16Wire> bf16;
+  if (c.wire_dtype() == v1::BFLOAT16) {
+    if (c.collective() != v1::ALL_REDUCE && c.collective() != v1::REDUCE_SCATTER) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          v1::Collective_Name(c.collective()), " of '", c.tensor(),
+          "': wire dtype BFLOAT16 is for ALL_REDUCE and REDUCE_SCATTER (sums) only"));
+    }
+    bf16.emplace(comm, dev, st);
+  } else if (c.wire_dtype() != v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(v1::Collective_Name(c.collective()), " of '", c.tensor(), "': wire dtype ",
+                     v1::DType_Name(c.wire_dtype()), " is not supported (BFLOAT16 only)"));
+  }
+  Communicator& wire = bf16 ? static_cast<Communicator&>(*bf16) : comm;
   switch (c.collective()) {
     case v1::ALL_REDUCE:
       if (in.data != out.data) {
@@ -296,9 +373,9 @@ absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
       }
       if (!s.ok()) break;
       if (coalesced.empty()) {
-        s = comm.AllReduce(out);
+        s = wire.AllReduce(out);
       } else {
-        s = CoalescedAllReduce(out, coalesced, dev, comm, st);
+        s = CoalescedAllReduce(out, coalesced, dev, wire, st);
       }
       break;
     case v1::ALL_GATHER:
@@ -307,9 +384,9 @@ absl::Status RunCollective(const v1::CollectiveCall& c, TensorView in,
                                             /*gather=*/true, dev, comm, st);
       break;
     case v1::REDUCE_SCATTER:
-      s = coalesced.empty() ? ReduceScatter(c, in, out, dev, comm, st)
+      s = coalesced.empty() ? ReduceScatter(c, in, out, dev, wire, st)
                             : CoalescedDim0(c, in, out, coalesced, coalesced_outputs,
-                                            /*gather=*/false, dev, comm, st);
+                                            /*gather=*/false, dev, wire, st);
       break;
     case v1::ALL_TO_ALL:
       s = AllToAll(c, in, out, dev, comm, st);

@@ -21,13 +21,15 @@ class Staging {
   ~Staging();
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
-  // Two independent regions (send, receive) of at least `bytes` each.
+  // Independent regions of at least `bytes` each: 0 and 1 (send, receive)
+  // for the collectives' restaging, 2 and 3 for bf16 on the wire.
+  static constexpr int kRegions = 4;
   absl::StatusOr<void*> Get(int which, int64_t bytes);
 
  private:
   Device* device_;
-  void* buf_[2] = {nullptr, nullptr};
-  int64_t size_[2] = {0, 0};
+  void* buf_[kRegions] = {};
+  int64_t size_[kRegions] = {};
 };
 
 // `in` and `out` are the call's input and output buffers on this rank;
@@ -36,7 +38,11 @@ class Staging {
 // `coalesced_outputs` those of call.coalesced_outputs() (ALL_GATHER and
 // REDUCE_SCATTER along dim 0: every pair's shards packed per rank into one
 // flat transfer). The program runner has checked the shapes.
-// Errors: the communicator's, annotated with the collective and tensor.
+// call.wire_dtype BFLOAT16 (ALL_REDUCE and REDUCE_SCATTER of float32
+// buffers): the transfers run in bf16 (Device::Convert into staging regions
+// 2 and 3, the communicator's bf16 sum, widened back).
+// Errors: the communicator's, annotated with the collective and tensor;
+// InvalidArgument for a wire dtype the call cannot use.
 absl::Status RunCollective(const hap::v1::CollectiveCall& call, TensorView in,
                            TensorView out, Device& device, Communicator& comm,
                            Staging& staging,

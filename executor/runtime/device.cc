@@ -3,8 +3,46 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "executor/runtime/bf16.h"
 
 namespace hap::executor {
+
+absl::Status Device::Convert(TensorView src, TensorView dst) {
+  return absl::UnimplementedError(
+      absl::StrCat(name(), " cannot convert ", graph::DTypeName(src.dtype), " to ",
+                   graph::DTypeName(dst.dtype)));
+}
+
+absl::Status CheckConvert(const std::string& device, TensorView src, TensorView dst) {
+  const bool pair = (src.dtype == DType::kFloat32 && dst.dtype == DType::kBFloat16) ||
+                    (src.dtype == DType::kBFloat16 && dst.dtype == DType::kFloat32);
+  if (!pair) {
+    return absl::UnimplementedError(absl::StrCat(
+        device, ": convert ", graph::DTypeName(src.dtype), " to ", graph::DTypeName(dst.dtype),
+        ": only float32 <-> bfloat16"));
+  }
+  if (src.num_elements() != dst.num_elements()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(device, ": convert ", src.num_elements(), " elements into ",
+                     dst.num_elements()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostConvert(TensorView src, TensorView dst) {
+  if (absl::Status s = CheckConvert("host", src, dst); !s.ok()) return s;
+  const int64_t n = src.num_elements();
+  if (src.dtype == DType::kFloat32) {
+    const float* x = src.as<float>();
+    auto* y = static_cast<uint16_t*>(dst.data);
+    for (int64_t i = 0; i < n; ++i) y[i] = Bf16Bits(x[i]);
+  } else {
+    const auto* x = static_cast<const uint16_t*>(src.data);
+    float* y = dst.as<float>();
+    for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFloat(x[i]);
+  }
+  return absl::OkStatus();
+}
 
 absl::Status HostCopyBox(TensorView src, absl::Span<const int64_t> src_start,
                          TensorView dst, absl::Span<const int64_t> dst_start,

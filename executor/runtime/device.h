@@ -46,7 +46,19 @@ class Device {
                                  absl::Span<const TensorView> outputs) = 0;
   // Waits for queued work (a no-op on the CPU).
   virtual absl::Status Synchronize() = 0;
+  // Element-wise dtype conversion between two contiguous views of the same
+  // element count in device memory: float32 -> bfloat16 rounds to nearest
+  // even, bfloat16 -> float32 is exact (bf16 on the wire,
+  // CollectiveCall.wire_dtype). Unimplemented for other pairs and, by
+  // default, on devices without it.
+  virtual absl::Status Convert(TensorView src, TensorView dst);
 };
+
+// Convert on host memory (shared by host backends).
+absl::Status HostConvert(TensorView src, TensorView dst);
+// InvalidArgument unless src and dst are a float32/bfloat16 pair of the
+// same element count.
+absl::Status CheckConvert(const std::string& device, TensorView src, TensorView dst);
 
 // CopyBox on host memory (shared by host backends and staging).
 absl::Status HostCopyBox(TensorView src, absl::Span<const int64_t> src_start,

@@ -41,6 +41,10 @@ absl::Status TimingDevice::Fill(TensorView dst, double value) {
   return Timed("(fill)", [&] { return inner_->Fill(dst, value); });
 }
 
+absl::Status TimingDevice::Convert(TensorView src, TensorView dst) {
+  return Timed("(convert)", [&] { return inner_->Convert(src, dst); });
+}
+
 absl::Status TimingDevice::CopyBox(TensorView src,
                                    absl::Span<const int64_t> src_start,
                                    TensorView dst,

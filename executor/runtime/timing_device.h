@@ -48,6 +48,7 @@ class TimingDevice : public Device {
   absl::Status CopyFromHost(const void* src, TensorView dst) override;
   absl::Status CopyToHost(TensorView src, void* dst) override;
   absl::Status Fill(TensorView dst, double value) override;
+  absl::Status Convert(TensorView src, TensorView dst) override;
   absl::Status CopyBox(TensorView src,
                        absl::Span<const int64_t> src_start,
                        TensorView dst,

@@ -9,7 +9,12 @@
 //   (measured: losses within 5e-4 relative, parameters within 0.6% of
 //   their tensor's scale);
 // - the bf16 program is not the fp32 one, but close to it;
-// - parameters are fp32 masters: updates far below bf16's resolution land.
+// - parameters are fp32 masters: updates far below bf16's resolution land;
+// - gradients synchronised in bf16 (PlanOptions.gradient_precision BF16):
+//   the lowering marks exactly the gradients' sums (the loss stays fp32),
+//   and multi-rank plans still give the single-device program's losses and
+//   parameters within bf16's tolerance, while differing from the same plan
+//   with fp32 gradients (the bf16 wire is really used).
 // PyTorch's autocast is the reference of tests/bf16_autocast_test.py.
 #include <cmath>
 #include <map>
@@ -65,6 +70,15 @@ lower::LowerOptions Options(int n, const std::vector<double>& ratios, bool bf16)
   lo.seed = kSeed;
   lo.bf16 = bf16;
   return lo;
+}
+
+// Ratios 1 : 1.6 : 2.2 ... normalised.
+std::vector<double> Uneven(int n) {
+  std::vector<double> ratios(n);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += ratios[i] = 1.0 + 0.6 * i;
+  for (double& r : ratios) r /= sum;
+  return ratios;
 }
 
 absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g, const synth::Program& p,
@@ -133,10 +147,7 @@ TEST_P(Bf16EquivalenceTest, MultiRankMatchesSingleDeviceBf16) {
   }
   EXPECT_GT(most, 1e-6) << "the bf16 losses equal the fp32 ones";
 
-  std::vector<double> ratios(c.ranks);
-  double sum = 0;
-  for (int i = 0; i < c.ranks; ++i) sum += ratios[i] = 1.0 + 0.6 * i;
-  for (double& r : ratios) r /= sum;
+  const std::vector<double> ratios = Uneven(c.ranks);
   auto program = hap::testing::ProgramOfKind(g, c.ranks, c.kind, ratios);
   ASSERT_TRUE(program.ok()) << program.status();
   auto runs = Train(g, *program, Options(c.ranks, ratios, true), kSteps, "run16_" + tag);
@@ -205,6 +216,113 @@ TEST(Bf16MasterWeightsTest, UpdatesBelowBf16ResolutionLand) {
   EXPECT_GT(tiny_moves, total / 2) << tiny_moves << " of " << total
                                    << " elements moved by less than half a bf16 step";
 }
+
+// --- bf16 gradients (LowerOptions::bf16_gradients) ---------------------------
+
+TEST(Bf16GradientsTest, LoweringMarksTheGradientSumsAndKeepsTheLossFp32) {
+  graph::Graph g = Model("gpt", 3);
+  std::vector<double> even(3, 1.0 / 3);
+  for (const std::string kind : {"dp", "zero"}) {
+    auto program = hap::testing::ProgramOfKind(g, 3, kind, even);
+    ASSERT_TRUE(program.ok()) << program.status();
+    for (bool bf16_gradients : {false, true}) {
+      lower::LowerOptions lo = Options(3, even, false);
+      lo.bf16_gradients = bf16_gradients;
+      auto programs = lower::Lower(g, *program, lo);
+      ASSERT_TRUE(programs.ok()) << programs.status();
+      int wire_bf16 = 0, gradient_sums = 0, loss_sums_fp32 = 0;
+      for (const v1::Step& s : (*programs)[0].steps()) {
+        if (!s.has_collective()) continue;
+        const v1::CollectiveCall& c = s.collective();
+        const bool bf16 = c.wire_dtype() == v1::BFLOAT16;
+        wire_bf16 += bf16;
+        if (s.phase() == v1::Step::GRADIENT_SYNC &&
+            (c.collective() == v1::ALL_REDUCE || c.collective() == v1::REDUCE_SCATTER)) {
+          const bool loss_alone = c.coalesced_size() == 0 && c.collective() == v1::ALL_REDUCE &&
+                                  (*programs)[0].buffers(c.input()).role() != v1::Buffer::GRADIENT;
+          if (loss_alone) {
+            loss_sums_fp32 += !bf16;
+            EXPECT_FALSE(bf16) << "the loss is summed in bf16: " << c.tensor();
+          } else {
+            ++gradient_sums;
+            EXPECT_EQ(bf16, bf16_gradients) << kind << ": " << c.tensor();
+          }
+        } else {
+          EXPECT_FALSE(bf16) << kind << ": " << v1::Collective_Name(c.collective()) << " of "
+                             << c.tensor() << " in phase " << v1::Step::Phase_Name(s.phase());
+        }
+      }
+      EXPECT_GT(gradient_sums, 0) << kind;
+      if (bf16_gradients) {
+        EXPECT_GT(wire_bf16, 0) << kind;
+        EXPECT_EQ(loss_sums_fp32, 1) << kind << ": the loss has a call of its own";
+      } else {
+        EXPECT_EQ(wire_bf16, 0) << kind;
+      }
+    }
+  }
+}
+
+class Bf16GradientsEquivalenceTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Bf16GradientsEquivalenceTest, MatchesSingleDeviceAndDiffersFromFp32Gradients) {
+  const Case& c = GetParam();
+  graph::Graph g = Model(c.model, c.ranks);
+  const std::string tag = absl::StrCat("g16_", c.model, c.ranks, c.kind);
+  // fp32 compute: what differs from the single-device program is only the
+  // gradients' bf16 synchronisation.
+  auto ref = Train(g, lower::SingleDeviceProgram(g), Options(1, {1.0}, false), kSteps,
+                   "ref_" + tag);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const std::vector<double> ratios = Uneven(c.ranks);
+  auto program = hap::testing::ProgramOfKind(g, c.ranks, c.kind, ratios);
+  ASSERT_TRUE(program.ok()) << program.status();
+  lower::LowerOptions lo = Options(c.ranks, ratios, false);
+  lo.bf16_gradients = true;
+  auto runs = Train(g, *program, lo, kSteps, "run_" + tag);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  auto fp32_runs = Train(g, *program, Options(c.ranks, ratios, false), kSteps, "fp32_" + tag);
+  ASSERT_TRUE(fp32_runs.ok()) << fp32_runs.status();
+  for (int r = 0; r < c.ranks; ++r) {
+    for (int s = 0; s < kSteps; ++s) {
+      const double w = (*ref)[0].losses[s], got = (*runs)[r].losses[s];
+      EXPECT_NEAR(got, w, 2e-3 * std::abs(w) + 1e-4) << "rank " << r << " step " << s;
+    }
+  }
+  auto assemble = [](const std::vector<TrainResult>& rs) {
+    std::vector<std::vector<executor::ParameterShard>> pieces;
+    for (const auto& run : rs) pieces.push_back(run.parameters);
+    return executor::AssembleParameters(pieces);
+  };
+  auto got = assemble(*runs);
+  auto want = assemble(*ref);
+  auto fp32 = assemble(*fp32_runs);
+  ASSERT_TRUE(got.ok() && want.ok() && fp32.ok());
+  auto dev = hap::testing::CompareParameters(*got, *want);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  for (const auto& d : *dev) {
+    EXPECT_LE(d.worst, 1e-2 * d.scale) << d.name << " element " << d.at << ": " << d.got
+                                       << " vs " << d.want;
+  }
+  // The fp32-gradient run of the same plan agrees with the single device to
+  // rounding; the bf16-gradient run is measurably further away.
+  auto dev32 = hap::testing::CompareParameters(*fp32, *want);
+  ASSERT_TRUE(dev32.ok()) << dev32.status();
+  double worst16 = 0, worst32 = 0;
+  for (const auto& d : *dev) worst16 = std::max(worst16, d.worst / d.scale);
+  for (const auto& d : *dev32) worst32 = std::max(worst32, d.worst / d.scale);
+  EXPECT_GT(worst16, 10 * worst32 + 1e-7)
+      << "bf16 gradients leave the parameters as fp32 gradients do (" << worst16 << " vs "
+      << worst32 << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, Bf16GradientsEquivalenceTest,
+                         ::testing::Values(Case{"mlp", 2, "dp"}, Case{"gpt", 3, "zero"},
+                                           Case{"vit", 2, "mix"}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return absl::StrCat(i.param.model, "_", i.param.ranks, "ranks_",
+                                               i.param.kind);
+                         });
 
 }  // namespace
 }  // namespace hap

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "absl/synchronization/mutex.h"
+#include "executor/runtime/bf16.h"
 
 namespace hap::executor {
 namespace {
@@ -37,7 +38,12 @@ void AddInto(T* dst, const T* src, int64_t n) {
 }
 
 void Add(DType t, void* dst, const void* src, int64_t n) {
-  if (t == DType::kFloat64) {
+  if (t == DType::kBFloat16) {
+    // Each partial sum rounded to bf16, as a bf16 all-reduce.
+    auto* d = static_cast<uint16_t*>(dst);
+    const auto* x = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) d[i] = Bf16Bits(Bf16ToFloat(d[i]) + Bf16ToFloat(x[i]));
+  } else if (t == DType::kFloat64) {
     AddInto(static_cast<double*>(dst), static_cast<const double*>(src), n);
   } else {
     AddInto(static_cast<float*>(dst), static_cast<const float*>(src), n);

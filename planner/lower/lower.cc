@@ -861,7 +861,8 @@ class RankBuilder {
   // One coalesced `kind` (ALL_GATHER or REDUCE_SCATTER along dim 0) per
   // dtype over `items`, in their order; the method is the largest tensor's.
   void CoalescedDim0(v1::Step::Phase phase, v1::Collective kind,
-                     std::vector<ShardedItem> items, const std::string& what) {
+                     std::vector<ShardedItem> items, const std::string& what,
+                     bool gradients = false) {
     while (!items.empty()) {
       const graph::DType dtype = g_.tensor(items.front().tensor).type.dtype;
       std::vector<ShardedItem> take, rest;
@@ -884,6 +885,7 @@ class RankBuilder {
       }
       v1::CollectiveCall* c = Sharded(phase, kind, method, take.front().in,
                                       take.front().out, take.front().tensor, 0);
+      if (gradients) GradientWire(c, take.front().in);
       const int step = prog_.steps_size() - 1;
       c->set_tensor(absl::StrCat(what, ": ", take.size(), " tensor(s), ", bytes, " bytes"));
       for (size_t i = 1; i < take.size(); ++i) {
@@ -896,6 +898,14 @@ class RankBuilder {
         Use(take[i].out, step);
       }
       items = std::move(rest);
+    }
+  }
+
+  // A parameter gradient's synchronisation `c` of buffer `buf` in bf16 on
+  // the wire (LowerOptions::bf16_gradients; float32 buffers only).
+  void GradientWire(v1::CollectiveCall* c, int buf) {
+    if (o_.bf16_gradients && prog_.buffers(buf).dtype() == v1::FLOAT32) {
+      c->set_wire_dtype(v1::BFLOAT16);
     }
   }
 
@@ -917,6 +927,7 @@ class RankBuilder {
       int dst = Grad({l.tensor, kZeroStorage}, G);
       if (a_.partial_grad[l.tensor]) {
         v1::CollectiveCall* c = Sharded(G, v1::REDUCE_SCATTER, l.method, gt, dst, l.tensor, 0);
+        GradientWire(c, gt);
         if (o_.overlap) Started(c);
       } else {
         int tmp = Scratch(l.tensor, kZeroStorage);
@@ -943,9 +954,18 @@ class RankBuilder {
   void FlushGradientBuckets() {
     const auto G = v1::Step::GRADIENT_SYNC;
     CoalescedDim0(G, v1::REDUCE_SCATTER, std::move(zero_bucket_),
-                  "gradients of parameters gathered once");
+                  "gradients of parameters gathered once", /*gradients=*/true);
     zero_bucket_.clear();
-    if (partial_loss_ >= 0 && !loss_bucketed_) bucket_.push_back(partial_loss_);
+    if (partial_loss_ >= 0 && !loss_bucketed_) {
+      if (o_.bf16_gradients) {
+        // The loss stays fp32: summed in a call of its own.
+        AllReduceBucket({partial_loss_}, BufferBytes(prog_.buffers(partial_loss_)),
+                        /*gradients=*/false);
+        loss_bucketed_ = true;
+      } else {
+        bucket_.push_back(partial_loss_);
+      }
+    }
     std::vector<int> pending = std::move(bucket_);
     bucket_.clear();
     while (!pending.empty()) {
@@ -968,11 +988,15 @@ class RankBuilder {
     }
   }
 
-  // A coalesced in-place ALL_REDUCE of the gradients `take` (bytes in all).
-  v1::CollectiveCall* AllReduceBucket(const std::vector<int>& take, int64_t bytes) {
+  // A coalesced in-place ALL_REDUCE of the gradients `take` (bytes in all);
+  // in bf16 on the wire with LowerOptions::bf16_gradients unless
+  // `gradients` is false (the loss alone).
+  v1::CollectiveCall* AllReduceBucket(const std::vector<int>& take, int64_t bytes,
+                                      bool gradients = true) {
     const auto G = v1::Step::GRADIENT_SYNC;
     for (size_t i = 1; i < take.size(); ++i) Await(take[i], G);
     v1::CollectiveCall* c = Coll(G, v1::ALL_REDUCE, take.front(), take.front(), g_.loss());
+    if (gradients) GradientWire(c, take.front());
     const int step = prog_.steps_size() - 1;
     c->set_tensor(
         absl::StrCat("gradient bucket of ", take.size(), " tensor(s), ", bytes, " bytes"));
@@ -1047,7 +1071,8 @@ class RankBuilder {
       if (b.ready_step != k || b.grads.empty()) continue;
       std::vector<int> take = b.grads;
       // The partial loss rides with the first bucket of its dtype.
-      if (partial_loss_ >= 0 && !loss_bucketed_ &&
+      // (Not with bf16 gradients: the loss is summed in fp32, alone.)
+      if (partial_loss_ >= 0 && !loss_bucketed_ && !o_.bf16_gradients &&
           prog_.buffers(partial_loss_).dtype() == prog_.buffers(take.front()).dtype()) {
         take.push_back(partial_loss_);
         loss_bucketed_ = true;

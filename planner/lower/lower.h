@@ -60,6 +60,11 @@ struct LowerOptions {
   // get attribute "bf16" (executor/cpu/kernels.h); buffers, parameters and
   // optimizer state stay float32.
   bool bf16 = false;
+  // Gradients synchronised in bf16 (PlanOptions.gradient_precision BF16):
+  // the gradient buckets' ALL_REDUCEs and ZeRO's gradient REDUCE_SCATTERs
+  // get CollectiveCall.wire_dtype BFLOAT16; the loss is summed in fp32 in a
+  // call of its own.
+  bool bf16_gradients = false;
   uint64_t seed = 0;
   // Collectives behind compute (the plan's PlanOptions.overlap_communication,
   // priced by the planner's Program::overlap): the replicated gradients'

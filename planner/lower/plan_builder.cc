@@ -131,6 +131,8 @@ absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
   lo.optimizer = options.optimizer();
   lo.seed = options.seed();
   lo.bf16 = options.precision() == v1::PRECISION_BF16;
+  // Gradients synchronised in the precision they were priced at.
+  lo.bf16_gradients = result.program.gradient_wire_scale < 1;
   // Executors overlap what the prediction assumed overlapped.
   lo.overlap = result.program.overlap;
   lo.gradient_bucket_bytes = result.program.bucket_bytes;

@@ -178,6 +178,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   so.allow_zero = o.allow_zero;
   so.allow_grouped = o.allow_grouped;
   so.overlap = o.overlap_communication;
+  so.gradient_wire_scale = o.bf16_gradients ? 0.5 : 1.0;
   so.zero_heuristic = o.zero_heuristic;
   so.async_price = o.search_async_price;
   so.max_states = o.max_states;

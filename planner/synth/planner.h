@@ -52,6 +52,9 @@ struct PlanOptions {
   // executors run a plan lowered with it. Off (the default) prices them in
   // line.
   bool overlap_communication = false;
+  // Gradients synchronised in bf16 (hap.v1 PlanOptions.gradient_precision
+  // BF16): priced at half the bytes (SearchOptions::gradient_wire_scale).
+  bool bf16_gradients = false;
   bool zero_heuristic = false;
   // The search's weight on collectives that need not run once per
   // forward/backward (SearchOptions::async_price: replicated gradients'

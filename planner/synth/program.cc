@@ -503,10 +503,11 @@ void ScheduleCommunication(const graph::Graph& g, const cost::CollectiveModel& c
       p->interference.push_back(1 - d.overlap_efficiency);
     }
   }
+  const double wire = p->gradient_wire_scale;
   auto price = [&](double bytes, const char** algorithm) {
-    const cost::CollectiveModel::Choice c = coll.AllReduceAlgorithm(bytes);
+    const cost::CollectiveModel::Choice c = coll.AllReduceAlgorithm(bytes * wire);
     *algorithm = c.algorithm;
-    return coll.Constant(coll.AllReduce(bytes));
+    return coll.Constant(coll.AllReduce(bytes * wire));
   };
   if (!overlap) {
     AssignGradientBuckets(g, kLoweringBucketBytes, price, p);

@@ -121,6 +121,10 @@ struct Program {
   // gradient's own SourceLoad::costs, summed after backward.
   int64_t bucket_bytes = 0;
   std::vector<GradientBucket> buckets;
+  // Bytes on the wire per gradient byte in the buckets (0.5: bf16
+  // gradients, SearchOptions::gradient_wire_scale); bucket sizes stay in
+  // the buffers' bytes, as the lowering fills them.
+  double gradient_wire_scale = 1.0;
   // Per device: 1 - overlap_efficiency, the share of an overlapped
   // collective that still slows its compute (empty = none).
   std::vector<double> interference;

@@ -332,7 +332,8 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
       a.grad_allreduce = true;
       // Coalesced into the gradient bucket (planner/lower): the transfer
       // only, the bucket's one call overhead is not counted per tensor.
-      a.costs.push_back(coll_.Constant(coll_.AllReduceTransfer(bytes)));
+      a.costs.push_back(
+          coll_.Constant(coll_.AllReduceTransfer(bytes * opt_.gradient_wire_scale)));
     }
     AddUpdateCost(p, /*sharded=*/false, &a);
     double c = 0;
@@ -381,7 +382,7 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     z.costs.push_back(z.costs.back());
     if (partial) {
       Method m;
-      z.costs.push_back(Scatter(bytes, &m));
+      z.costs.push_back(Scatter(bytes * opt_.gradient_wire_scale, &m));
     }
     AddUpdateCost(p, /*sharded=*/true, &z);
     double c = 0;
@@ -403,7 +404,7 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule,
     if (partial) {
       z.grad_reduce_scatter = true;
       Method m;
-      CostTerm scatter = Scatter(bytes, &m);
+      CostTerm scatter = Scatter(bytes * opt_.gradient_wire_scale, &m);
       z.costs.push_back(WithoutCallOverhead(scatter, m));
     }
     AddUpdateCost(p, /*sharded=*/true, &z);
@@ -692,8 +693,8 @@ Program Searcher::Finish(Program p, bool optimal) {
         continue;
       }
       l.grad_allreduce = true;
-      l.costs.push_back(coll_.Constant(
-          coll_.AllReduceTransfer(static_cast<double>(g_.tensor(l.tensor).type.bytes()))));
+      l.costs.push_back(coll_.Constant(coll_.AllReduceTransfer(
+          static_cast<double>(g_.tensor(l.tensor).type.bytes()) * opt_.gradient_wire_scale)));
     }
   }
   // Calls the lowering adds outside the searched steps, each paying the
@@ -721,12 +722,15 @@ Program Searcher::Finish(Program p, bool optimal) {
   }
   // A partial loss is summed in the gradient bucket's call when there is
   // one; the buckets (ScheduleCommunication) pay their own calls.
-  extra_calls = (partial_loss && !bucket ? 1 : 0) + (gather ? 1 : 0) + (scatter ? 1 : 0);
+  // With bf16 gradients the loss (fp32) is summed in a call of its own.
+  const bool loss_alone = partial_loss && (!bucket || opt_.gradient_wire_scale != 1.0);
+  extra_calls = (loss_alone ? 1 : 0) + (gather ? 1 : 0) + (scatter ? 1 : 0);
   p.overhead = coll_.Constant(0);
   for (int d = 0; d < cluster_.size(); ++d) {
     p.overhead.constant[d] = cluster_.device(d).step_overhead_seconds +
                              extra_calls * cluster_.collective_overhead_seconds();
   }
+  p.gradient_wire_scale = opt_.gradient_wire_scale;
   ScheduleCommunication(g_, coll_, ratios_, opt_.overlap, &p);
   ProgramCost pc = EvaluateProgram(p, ratios_);
   p.cost = pc.total;

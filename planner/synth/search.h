@@ -52,6 +52,11 @@ struct SearchOptions {
   // Price the program with communication overlapping compute
   // (Program::overlap; ScheduleCommunication chooses the bucket size).
   bool overlap = false;
+  // Bytes on the wire per byte of a parameter's gradient in its
+  // synchronisation (the gradient buckets' all-reduce, ZeRO's gradient
+  // reduce-scatter): 0.5 for bf16 gradients (PlanOptions.gradient_precision),
+  // 1 for fp32.
+  double gradient_wire_scale = 1.0;
   // The search's own price of the collectives that can run behind compute
   // (replicated gradients' all-reduce shares, ZeRO-3 gathers and gradient
   // reduce-scatters), as a fraction of their time. The program keeps their

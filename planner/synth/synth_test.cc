@@ -225,6 +225,43 @@ TEST(SynthTest, RatiosAreWholeSamplesAndTheBestNeighbour) {
 
 // BlockTerms: compute between synchronising collectives summed per block,
 // in execution order, the last block joining the first.
+// bf16 gradients (PlanOptions::bf16_gradients) price the gradients'
+// synchronisation at half the bytes: data parallelism's communication on a
+// slow link about halves, its compute does not change, and the synthesized
+// plan is no slower than with fp32 gradients. With overlap too.
+TEST(SynthTest, Bf16GradientsHalveTheGradientTransfer) {
+  graph::Graph g = Zoo("gpt", Small("gpt", 16));
+  // Slow devices, so that computing every layer replicated (no gradient to
+  // synchronise) is no way out for the data-parallel baseline.
+  cost::ClusterModel c = MakeCluster({2e11, 2e11, 1e11, 1e11}, 2, 1e10, 1e9);
+  for (bool overlap : {false, true}) {
+    PlanOptions dp;
+    dp.baseline = Baseline::kDpProportional;
+    dp.overlap_communication = overlap;
+    auto fp32 = PlanModel(g, c, dp);
+    dp.bf16_gradients = true;
+    auto bf16 = PlanModel(g, c, dp);
+    ASSERT_TRUE(fp32.ok() && bf16.ok());
+    EXPECT_EQ(bf16->program.gradient_wire_scale, 0.5);
+    EXPECT_EQ(fp32->program.gradient_wire_scale, 1.0);
+    EXPECT_NEAR(bf16->cost.compute, fp32->cost.compute, 1e-12 + 1e-9 * fp32->cost.compute);
+    if (!overlap) {
+      const double ratio = bf16->cost.communication / fp32->cost.communication;
+      EXPECT_GT(ratio, 0.45) << "latencies and call overheads do not halve";
+      EXPECT_LT(ratio, 0.6) << bf16->cost.communication << " vs " << fp32->cost.communication;
+    }
+    EXPECT_LT(bf16->cost.total, fp32->cost.total);
+    PlanOptions hap;
+    hap.overlap_communication = overlap;
+    auto h32 = PlanModel(g, c, hap);
+    hap.bf16_gradients = true;
+    auto h16 = PlanModel(g, c, hap);
+    ASSERT_TRUE(h32.ok() && h16.ok());
+    EXPECT_LE(h16->cost.total, h32->cost.total * (1 + 1e-9));
+    EXPECT_LE(h16->cost.total, bf16->cost.total * (1 + 1e-9));
+  }
+}
+
 TEST(SynthTest, BlockTermsSumComputeBetweenCollectives) {
   auto term = [](std::vector<double> coef, std::vector<double> constant) {
     CostTerm t;

@@ -167,6 +167,11 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
     return absl::InvalidArgumentError(absl::StrCat(
         "options.precision ", po.precision(), " is not a known precision (FP32 or BF16)"));
   }
+  if (!v1::Precision_IsValid(po.gradient_precision())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.gradient_precision ", po.gradient_precision(),
+                     " is not a known precision (FP32 or BF16)"));
+  }
   if (!v1::DType_IsValid(po.compute_dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.compute_dtype ", po.compute_dtype(), " is not a known dtype"));
@@ -215,6 +220,7 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   so.allow_zero = !po.disable_zero();
   so.allow_grouped = !po.disable_grouped_collectives();
   so.overlap_communication = po.overlap_communication();
+  so.bf16_gradients = po.gradient_precision() == v1::PRECISION_BF16;
   so.ignore_memory = po.ignore_memory_limits();
   so.max_states = po.budget().max_states() > 0 ? po.budget().max_states()
                                                : o_.default_max_states;

@@ -857,6 +857,10 @@ TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValu
        "options.compute_dtype 99 is not a known dtype"},
       {[&](v1::PlanOptions& o) { o.set_precision(static_cast<v1::Precision>(7)); },
        "options.precision 7 is not a known precision (FP32 or BF16)"},
+      {[&](v1::PlanOptions& o) {
+         o.set_gradient_precision(static_cast<v1::Precision>(9));
+       },
+       "options.gradient_precision 9 is not a known precision (FP32 or BF16)"},
   };
   for (const Case& c : cases) {
     v1::CreatePlanRequest r = MlpRequest();
