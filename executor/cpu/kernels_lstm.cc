@@ -116,24 +116,24 @@ absl::Status LstmBackward(const KernelArgs& a) {
         const int64_t r = b * d.s + t, o = r * d.h, op = (b * d.s + tp) * d.h;
         for (int64_t j = 0; j < d.h; ++j) {
           T& dc = dc_next[b * d.h + j];  // the next step's, then this one's c_prev's
-          dc = lstm::CellBackward<T>(act.data() + r * g4, d.h, j, c[o + j],
-                                     k > 0 ? c[op + j] : T(0), dy[o + j] + dh_next[b * d.h + j],
-                                     dc, dgates.data() + r * g4);
+          dc =
+              lstm::CellBackward<T>(act.data() + r * g4, d.h, j, c[o + j], k > 0 ? c[op + j] : T(0),
+                                    dy[o + j] + dh_next[b * d.h + j], dc, dgates.data() + r * g4);
         }
       }
     });
     if (k > 0) {  // the previous step's hidden state feeds every gate of this one
-      Gemm<T>(false, false, d.b, d.h, g4, T(1), dgates.data() + t * g4, d.s * g4, w_hh, d.h,
-              T(0), dh_next.data(), d.h);
+      Gemm<T>(false, false, d.b, d.h, g4, T(1), dgates.data() + t * g4, d.s * g4, w_hh, d.h, T(0),
+              dh_next.data(), d.h);
     }
   }
   if (g.dx(0).present()) {
-    Gemm<T>(false, false, rows, d.in, g4, T(1), dgates.data(), g4, g.x(1).as<const T>(), d.in,
-            T(1), g.dx(0).as<T>(), d.in);
+    Gemm<T>(false, false, rows, d.in, g4, T(1), dgates.data(), g4, g.x(1).as<const T>(), d.in, T(1),
+            g.dx(0).as<T>(), d.in);
   }
   if (g.dx(1).present()) {
-    Gemm<T>(true, false, g4, d.in, rows, T(1), dgates.data(), g4, g.x(0).as<const T>(), d.in,
-            T(1), g.dx(1).as<T>(), d.in);
+    Gemm<T>(true, false, g4, d.in, rows, T(1), dgates.data(), g4, g.x(0).as<const T>(), d.in, T(1),
+            g.dx(1).as<T>(), d.in);
   }
   if (g.dx(2).present()) {
     // Each step's gate gradients against the hidden state it read (zero at
@@ -153,9 +153,8 @@ absl::Status LstmBackward(const KernelArgs& a) {
     if (!g.dx(i).present()) continue;
     T* db = g.dx(i).as<T>();
     for (int64_t col = 0; col < g4; ++col) {
-      db[col] += static_cast<T>(SumOver(rows, [&](int64_t r) {
-        return static_cast<double>(dgates[r * g4 + col]);
-      }));
+      db[col] += static_cast<T>(
+          SumOver(rows, [&](int64_t r) { return static_cast<double>(dgates[r * g4 + col]); }));
     }
   }
   return absl::OkStatus();

@@ -43,8 +43,7 @@ HAP_LSTM_HD inline T Sigmoid(T x) {
 // with the activations (i, f, g, o), which the backward reads. c_prev is 0
 // at the sequence's first step. Writes the cell state and the hidden state.
 template <typename T>
-HAP_LSTM_HD inline void CellForward(T* gates, int64_t h, int64_t j, T c_prev,
-                                    T* c, T* y) {
+HAP_LSTM_HD inline void CellForward(T* gates, int64_t h, int64_t j, T c_prev, T* c, T* y) {
   const T i = Sigmoid(gates[j]);
   const T f = Sigmoid(gates[h + j]);
   const T g = Tanh(gates[2 * h + j]);
@@ -65,8 +64,8 @@ HAP_LSTM_HD inline void CellForward(T* gates, int64_t h, int64_t j, T c_prev,
 // pre-activation gradients of the four gates into `dgates` (4h) and returns
 // the gradient of c_prev.
 template <typename T>
-HAP_LSTM_HD inline T CellBackward(const T* act, int64_t h, int64_t j, T c,
-                                  T c_prev, T dh, T dc_next, T* dgates) {
+HAP_LSTM_HD inline T CellBackward(const T* act, int64_t h, int64_t j, T c, T c_prev, T dh,
+                                  T dc_next, T* dgates) {
   const T i = act[j], f = act[h + j], g = act[2 * h + j], o = act[3 * h + j];
   const T tc = Tanh(c);
   const T dc = dh * o * (T(1) - tc * tc) + dc_next;

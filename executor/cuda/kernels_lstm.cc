@@ -37,8 +37,8 @@ absl::Status Forward(const KernelArgs& a, const LstmShape& d, int64_t in, int n,
     const int64_t t = d.reverse ? d.s - 1 - k : k;
     const int64_t tp = d.reverse ? t + 1 : t - 1;
     if (k > 0) {
-      HAP_RETURN_IF_ERROR(Gemm<T>(a, false, true, d.b, g4, d.h, y + tp * d.h, d.s * d.h, w_hh,
-                                  d.h, T(1), gates + t * g4, d.s * g4));
+      HAP_RETURN_IF_ERROR(Gemm<T>(a, false, true, d.b, g4, d.h, y + tp * d.h, d.s * d.h, w_hh, d.h,
+                                  T(1), gates + t * g4, d.s * g4));
     }
     LaunchLstmCellForward<T>(d, t, tp, k > 0, gates, c, y, a.stream);
   }
@@ -99,8 +99,8 @@ absl::Status LstmBackward(const KernelArgs& a) {
     }
   }
   if (g.dx(0).present()) {
-    HAP_RETURN_IF_ERROR(Gemm<T>(a, false, false, rows, in, g4, dgates, g4, g.x(1).as<const T>(),
-                                in, T(1), g.dx(0).as<T>(), in));
+    HAP_RETURN_IF_ERROR(Gemm<T>(a, false, false, rows, in, g4, dgates, g4, g.x(1).as<const T>(), in,
+                                T(1), g.dx(0).as<T>(), in));
   }
   if (g.dx(1).present()) {
     HAP_RETURN_IF_ERROR(Gemm<T>(a, true, false, g4, in, rows, dgates, g4, g.x(0).as<const T>(), in,

@@ -24,8 +24,8 @@ __global__ void BiasKernel(int64_t rows, int64_t g4, const T* b_ih, const T* b_h
 }
 
 template <typename T>
-__global__ void CellForwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_prev, T* gates,
-                                  T* c, T* y) {
+__global__ void CellForwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_prev, T* gates, T* c,
+                                  T* y) {
   for (int64_t e = GridStart(); e < d.b * d.h; e += GridStep()) {
     const int64_t n = e / d.h, j = e - n * d.h;
     const int64_t r = n * d.s + t;
@@ -35,9 +35,9 @@ __global__ void CellForwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_p
 }
 
 template <typename T>
-__global__ void CellBackwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_prev,
-                                   bool has_next, const T* act, const T* c, const T* dy,
-                                   const T* dh_next, T* dc_next, T* dgates) {
+__global__ void CellBackwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_prev, bool has_next,
+                                   const T* act, const T* c, const T* dy, const T* dh_next,
+                                   T* dc_next, T* dgates) {
   for (int64_t e = GridStart(); e < d.b * d.h; e += GridStep()) {
     const int64_t n = e / d.h, j = e - n * d.h;
     const int64_t r = n * d.s + t;
@@ -75,22 +75,22 @@ template <typename T>
 void LaunchLstmBias(int64_t rows, int64_t g4, const T* b_ih, const T* b_hh, T* gates,
                     cudaStream_t stream) {
   if (rows * g4 == 0 || (b_ih == nullptr && b_hh == nullptr)) return;
-  BiasKernel<T><<<BlocksFor(rows * g4, kThreads), kThreads, 0, stream>>>(rows, g4, b_ih, b_hh,
-                                                                         gates);
+  BiasKernel<T>
+      <<<BlocksFor(rows * g4, kThreads), kThreads, 0, stream>>>(rows, g4, b_ih, b_hh, gates);
 }
 
 template <typename T>
-void LaunchLstmCellForward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, T* gates,
-                           T* c, T* y, cudaStream_t stream) {
+void LaunchLstmCellForward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, T* gates, T* c,
+                           T* y, cudaStream_t stream) {
   if (d.b * d.h == 0) return;
-  CellForwardKernel<T><<<BlocksFor(d.b * d.h, kThreads), kThreads, 0, stream>>>(
-      d, t, tp, has_prev, gates, c, y);
+  CellForwardKernel<T>
+      <<<BlocksFor(d.b * d.h, kThreads), kThreads, 0, stream>>>(d, t, tp, has_prev, gates, c, y);
 }
 
 template <typename T>
-void LaunchLstmCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev,
-                            bool has_next, const T* act, const T* c, const T* dy,
-                            const T* dh_next, T* dc_next, T* dgates, cudaStream_t stream) {
+void LaunchLstmCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, bool has_next,
+                            const T* act, const T* c, const T* dy, const T* dh_next, T* dc_next,
+                            T* dgates, cudaStream_t stream) {
   if (d.b * d.h == 0) return;
   CellBackwardKernel<T><<<BlocksFor(d.b * d.h, kThreads), kThreads, 0, stream>>>(
       d, t, tp, has_prev, has_next, act, c, dy, dh_next, dc_next, dgates);

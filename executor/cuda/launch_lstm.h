@@ -27,17 +27,17 @@ void LaunchLstmBias(int64_t rows, int64_t gates_per_row, const T* b_ih, const T*
 // activations, c and y at t are written; `tp` is the step read before it
 // (its c), absent (c_prev = 0) when `has_prev` is false.
 template <typename T>
-void LaunchLstmCellForward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, T* gates,
-                           T* c, T* y, cudaStream_t stream);
+void LaunchLstmCellForward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, T* gates, T* c,
+                           T* y, cudaStream_t stream);
 
 // Step t of every sample backwards (lstm_cell.h CellBackward): dh = dy at t
 // + dh_next, dc_next in, the gate gradients at t out into dgates, and
 // dc_next replaced by the gradient of c at tp. Without `has_next` (the last
 // step read) dh_next and dc_next are taken as 0 (not read).
 template <typename T>
-void LaunchLstmCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev,
-                            bool has_next, const T* act, const T* c, const T* dy,
-                            const T* dh_next, T* dc_next, T* dgates, cudaStream_t stream);
+void LaunchLstmCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, bool has_next,
+                            const T* act, const T* c, const T* dy, const T* dh_next, T* dc_next,
+                            T* dgates, cudaStream_t stream);
 
 // h_prev[b, t] = the hidden state step t read: y at the step before it in
 // reading order, 0 at the first.

@@ -28,19 +28,19 @@ void RegisterLstmOps(OpRegistry& r) {
     const int64_t b = c.shape(0)[0], s = c.shape(0)[1], in = c.shape(0)[2];
     const int64_t h = c.shape(2)[1];
     if (h < 1 || c.shape(2)[0] != 4 * h) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          c.Describe(2), " must be [4 * hidden, hidden] (gates i, f, g, o)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(c.Describe(2), " must be [4 * hidden, hidden] (gates i, f, g, o)"));
     }
     if (c.shape(1) != Shape{4 * h, in}) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          c.Describe(1), " must have shape ", ShapeString({4 * h, in}),
-          " (4 * hidden, the input features of x)"));
+      return absl::InvalidArgumentError(absl::StrCat(c.Describe(1), " must have shape ",
+                                                     ShapeString({4 * h, in}),
+                                                     " (4 * hidden, the input features of x)"));
     }
     for (size_t i = 3; i < c.inputs.size(); ++i) {
       if (c.shape(static_cast<int>(i)) != Shape{4 * h}) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(c.Describe(static_cast<int>(i)), " must have shape ",
-                         ShapeString({4 * h}), " (4 * hidden)"));
+        return absl::InvalidArgumentError(absl::StrCat(c.Describe(static_cast<int>(i)),
+                                                       " must have shape ", ShapeString({4 * h}),
+                                                       " (4 * hidden)"));
       }
     }
     HAP_RETURN_IF_ERROR(c.attrs.Bool("reverse", false).status());
