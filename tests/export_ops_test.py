@@ -102,6 +102,24 @@ class MobileBlock(nn.Module):
         return F.cross_entropy(self.fc(h), labels)
 
 
+class LstmNet(nn.Module):
+    """Two nn.LSTMs: batch first, two layers, the output's last step and
+    h_n[-1] used; sequence first, bidirectional, without biases, over the
+    first one's output, h_n whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(5, 6, num_layers=2, batch_first=True)
+        self.bi = nn.LSTM(6, 4, bidirectional=True, bias=False)
+        self.fc = nn.Linear(6 + 8 + 4, 3)
+
+    def forward(self, x, labels):
+        out, (h, c) = self.lstm(x)
+        out2, (h2, _) = self.bi(out.transpose(0, 1))
+        feats = torch.cat([out[:, -1] + h[-1], out2[-1], h2.sum(0)], dim=1)
+        return F.cross_entropy(self.fc(feats), labels)
+
+
 class ExportOpsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -272,6 +290,70 @@ class ExportOpsTest(unittest.TestCase):
                   op.get("attrs", {}).get("causal", {}).get("b")]
         self.assertEqual(len(causal), 2)  # the target self-attentions
         self.check_numerics(m, inputs)
+
+    def test_lstm(self):
+        m = LstmNet()
+        inputs = {"x": torch.randn(3, 7, 5), "labels": labels(3, 3)}
+        g, out = self.export(m, inputs)
+        got = U.validate(out)
+        self.assertEqual(got["trainable_parameters"],
+                         sum(p.numel() for p in m.parameters()))
+        lstms = [op for op in g["ops"] if op["type"] == "lstm"]
+        # Two layers, then one layer of two directions (the second reversed).
+        self.assertEqual([len(op["inputs"]) for op in lstms], [5, 5, 3, 3])
+        self.assertEqual([op.get("attrs", {}).get("reverse", {}).get("b", False)
+                          for op in lstms], [False, False, False, True])
+        # Parameters keep their state_dict names.
+        params = {p["tensor"]["name"] for p in g["parameters"]}
+        self.assertEqual(params, set(m.state_dict()))
+        self.assertIn("bi.weight_hh_l0_reverse", params)
+        self.check_numerics(m, inputs)
+
+    def test_lstm_the_ir_lacks_fails_naming_it(self):
+        class InitialState(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lstm = nn.LSTM(4, 3, batch_first=True)
+
+            def forward(self, x, labels):
+                z = torch.zeros(1, x.shape[0], 3)
+                out, _ = self.lstm(x, (z, z))
+                return F.cross_entropy(out[:, -1], labels)
+
+        class CellState(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lstm = nn.LSTM(4, 3, batch_first=True)
+
+            def forward(self, x, labels):
+                _, (h, c) = self.lstm(x)
+                return F.cross_entropy(c[-1], labels)
+
+        class Projected(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lstm = nn.LSTM(4, 3, batch_first=True, proj_size=2)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.lstm(x)[0][:, -1], labels)
+
+        class Gru(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gru = nn.GRU(4, 3, batch_first=True)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.gru(x)[0][:, -1], labels)
+
+        for mod, needle in ((InitialState(), "initial state (h_0, c_0)"),
+                            (CellState(), "c_n, the final cell state"),
+                            (Projected(), "proj_size"),
+                            (Gru(), "GRU is not supported")):
+            with self.subTest(module=type(mod).__name__):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(mod, {"x": torch.randn(2, 5, 4),
+                                           "labels": labels(2, 2)})
+                self.assertIn(needle, str(cm.exception))
 
     def test_batch_norm_the_ir_lacks_fails_naming_it(self):
         class Cumulative(nn.Module):

@@ -3,7 +3,8 @@ op's forward and backward kernel on fixed-seed float32 inputs) and checks
 each output against the PyTorch op on the same inputs, and each input
 gradient against autograd with the same output gradients. Ops without a
 PyTorch equivalent (dropout's counter-based mask, the MoE gate, dispatch and
-combine) are checked against small reference implementations written here.
+combine) are checked against small reference implementations written here;
+lstm against PyTorch's own one-layer LSTM (hap_ir_eval.lstm).
 """
 
 import json
@@ -175,7 +176,7 @@ class KernelsTorchTest(unittest.TestCase):
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d",
                 "max_pool2d", "adaptive_avg_pool2d", "moe_gate",
-                "moe_dispatch", "moe_combine"}
+                "moe_dispatch", "moe_combine", "lstm"}
         self.assertEqual(ops, want)
 
     def check_case(self, case):

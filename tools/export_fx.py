@@ -35,6 +35,15 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     BuildTransformer / PreNormBlock; nn.TransformerDecoderLayer,
     nn.TransformerDecoder and nn.Transformer likewise (self-attention,
     attention over the memory, feed-forward, in PyTorch's order).
+  * nn.LSTM becomes one lstm op per layer and direction (the reverse
+    direction with attribute reverse, both outputs concatenated on the
+    features; nn.LSTM's dropout as dropout ops between layers; transposes
+    around a sequence-first (batch_first=False) stack); its parameters keep
+    their state_dict names (weight_ih_l0, bias_hh_l1_reverse, ...). Of
+    `out, (h_n, c_n) = lstm(x)`, out and h_n are supported (h_n[k] is a
+    slice of layer k's output at its last step); c_n, an initial state
+    (h_0, c_0), proj_size and packed or unbatched sequences fail naming
+    them.
   * Initialisers keep the module's own values where the IR can: a parameter
     whose values are all equal is ZEROS / ONES / CONSTANT (a zero-initialised
     head stays zero); the others carry the kind of PyTorch's default
@@ -323,6 +332,18 @@ class _T:
 class _Static:
     def __init__(self, value):
         self.value = value
+
+
+class _LstmState:
+    """h_n or c_n of an nn.LSTM ([layers * directions, B, H]), made into IR
+    ops only when used: `parts` holds, per layer and direction, the lstm op's
+    output [B, S, H] and the step whose hidden state is the final one (h_n
+    is the output at that step); None for c_n (the lstm op keeps no cell
+    states), which fails when used."""
+
+    def __init__(self, path, parts):
+        self.path, self.parts = path, parts
+        self.whole = None  # the [layers * directions, B, H] tensor, once made
 
 
 def _uniform(bound):
@@ -621,6 +642,8 @@ class _Exporter:
             return _normal(0.0, 1.0)
         if isinstance(owner, nn.LayerNorm):
             return dict(_ONES if attr == "weight" else _ZEROS)
+        if isinstance(owner, nn.LSTM):
+            return _uniform(1.0 / math.sqrt(owner.hidden_size))
         return _init_from_values(tensor)
 
     def emit(self, type_, name, inputs, attrs=None, shape=None, dtype=None,
@@ -676,6 +699,8 @@ class _Exporter:
                     return self.const(v.value, like)
                 self.fail(f"expects a tensor, got {type(v.value).__name__} "
                           f"from '{a.name}'")
+            if isinstance(v, _LstmState):
+                v = self.lstm_state(v)
             if not isinstance(v, _T):
                 self.fail(f"expects a tensor, got {type(v).__name__} from "
                           f"'{a.name}'")
@@ -1154,6 +1179,87 @@ class _Exporter:
             x = self.transpose(at("seq_first"), x, (1, 0, 2), scope)
         return x
 
+    # ---- recurrent layers ---------------------------------------------------
+    def lstm(self, mod, path, input_arg, hx):
+        """nn.LSTM as one lstm op per layer and direction (the reverse one
+        with attribute reverse, the two outputs concatenated), dropout between
+        layers, transposes around a sequence-first stack. Returns (output,
+        (h_n, c_n)); h_n[k] is a slice of layer k's output, c_n unsupported."""
+        at = functools.partial(_join, path)  # "<path>.<leaf>"
+        scope = self.scope_of(self.node)
+        if hx is not None and not (isinstance(hx, fx.Node) and
+                                   isinstance(self.env[hx], _Static) and
+                                   self.env[hx].value is None):
+            self.fail(f"nn.LSTM '{path}' with an initial state (h_0, c_0) is "
+                      f"not supported; only the default zero state is")
+        if getattr(mod, "proj_size", 0):
+            self.fail(f"nn.LSTM '{path}' with proj_size is not supported")
+        x = self.t(input_arg)
+        if len(x.shape) != 3:
+            self.fail(f"nn.LSTM '{path}': input {list(x.shape)} must have "
+                      f"rank 3 (unbatched or packed sequences are not "
+                      f"supported)")
+        if not mod.batch_first:
+            x = self.transpose(at("batch_first"), x, (1, 0, 2), scope)
+        B, S, _ = x.shape
+        H = mod.hidden_size
+        dirs = 2 if mod.bidirectional else 1
+        h_parts = []
+        for layer in range(mod.num_layers):
+            outs = []
+            for d in range(dirs):
+                sfx = f"l{layer}" + ("_reverse" if d else "")
+                ins = [x, self.param(getattr(mod, f"weight_ih_{sfx}")),
+                       self.param(getattr(mod, f"weight_hh_{sfx}"))]
+                if mod.bias:
+                    ins += [self.param(getattr(mod, f"bias_ih_{sfx}")),
+                            self.param(getattr(mod, f"bias_hh_{sfx}"))]
+                y = self.emit("lstm", at(sfx), ins,
+                              {"reverse": True} if d else None, (B, S, H),
+                              scope=scope)
+                outs.append(y)
+                h_parts.append((y, 0 if d else S - 1))
+            if dirs == 1:
+                x = outs[0]
+            else:
+                x = self.emit("concat", at(f"l{layer}_concat"), outs,
+                              {"axis": 2}, (B, S, dirs * H), scope=scope)
+            if layer + 1 < mod.num_layers:
+                x = self.dropout(mod.dropout, at(f"l{layer}_dropout"), x,
+                                 scope)
+        if not mod.batch_first:
+            x = self.transpose(at("seq_first"), x, (1, 0, 2), scope)
+        return (x, (_LstmState(path, h_parts), _LstmState(path, None)))
+
+    def lstm_state(self, st, k=None):
+        """h_n[k] ([B, H]) or, with k None, the whole h_n; c_n fails."""
+        if st.parts is None:
+            self.fail(f"uses c_n, the final cell state of nn.LSTM "
+                      f"'{st.path}', which is not supported (use the output "
+                      f"or h_n)")
+        scope = self.scope_of(self.node)
+        if k is not None:
+            if not -len(st.parts) <= k < len(st.parts):
+                self.fail(f"h_n index {k} is out of range for nn.LSTM "
+                          f"'{st.path}' ({len(st.parts)} layers x "
+                          f"directions)")
+            y, step = st.parts[k]
+            B, S, H = y.shape
+            last = self.emit("slice", _join(st.path, "h_n"), [y],
+                             {"axis": 1, "start": step, "end": step + 1},
+                             (B, 1, H), scope=scope)
+            return self.reshape(_join(st.path, "h_n"), last, (B, H), scope)
+        if st.whole is None:
+            parts = []
+            for i in range(len(st.parts)):
+                h = self.lstm_state(st, i)
+                parts.append(self.reshape(_join(st.path, "h_n"), h,
+                                          (1,) + h.shape, scope))
+            st.whole = parts[0] if len(parts) == 1 else self.emit(
+                "concat", _join(st.path, "h_n"), parts, {"axis": 0},
+                (len(parts),) + parts[0].shape[1:], scope=scope)
+        return st.whole
+
     # ---- modules -----------------------------------------------------------
     def call_module(self, n):
         mod = self.root.get_submodule(n.target)
@@ -1180,6 +1286,11 @@ class _Exporter:
         def x0():
             return self.t(n.args[0] if n.args else next(iter(n.kwargs.values())))
 
+        if isinstance(mod, nn.LSTM):
+            a = bound()
+            return self.lstm(mod, path, a["input"], a["hx"])
+        if isinstance(mod, nn.RNNBase):
+            self.fail(f"{type(mod).__name__} is not supported (nn.LSTM is)")
         if isinstance(mod, nn.MultiheadAttention):
             a = bound()
             out = self.mha(mod, path, self.t(a["query"]), self.t(a["key"]),
@@ -1474,6 +1585,8 @@ class _Exporter:
                 self.fail("uses an output that the exporter does not produce "
                           "(e.g. the attention weights of MultiheadAttention)")
             return el
+        if isinstance(bv, _LstmState) and isinstance(self.v(idx), int):
+            return self.lstm_state(bv, self.v(idx))
         x = self.t(base)
         idx = self.v(idx)
         if not isinstance(idx, tuple):

@@ -284,6 +284,16 @@ std::vector<Case> Cases() {
        {Rand({16, 4}, 79, 2.0)}},
       {"moe_dispatch", "moe_dispatch", {}, {Rand({16, 8}, 80), combine}},
       {"moe_combine", "moe_combine", {}, {Rand({4, 6, 8}, 81), combine}},
+      {"lstm", "lstm", {},
+       {Rand({3, 6, 5}, 101), Rand({32, 5}, 102), Rand({32, 8}, 103), Rand({32}, 104),
+        Rand({32}, 105)}},
+      {"lstm_reverse", "lstm", {{"reverse", true}},
+       {Rand({2, 5, 4}, 106, 2.0), Rand({12, 4}, 107), Rand({12, 3}, 108), Rand({12}, 109),
+        Rand({12}, 110)}},
+      {"lstm_nobias", "lstm", {}, {Rand({2, 4, 3}, 111), Rand({16, 3}, 112), Rand({16, 4}, 113)}},
+      {"lstm_large", "lstm", {},
+       {Rand({4, 20, 32}, 114), Rand({256, 32}, 115, 0.2), Rand({256, 64}, 116, 0.2),
+        Rand({256}, 117), Rand({256}, 118)}},
   };
 }
 

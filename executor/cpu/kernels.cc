@@ -20,6 +20,7 @@ const cpu::KernelTable& Table() {
     cpu::RegisterReductionKernels(*t);
     cpu::RegisterLossKernels(*t);
     cpu::RegisterMoeKernels(*t);
+    cpu::RegisterLstmKernels(*t);
     cpu::RegisterRuntimeKernels(*t);
     return t;
   }();

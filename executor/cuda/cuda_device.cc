@@ -50,6 +50,7 @@ const KernelTable& Table() {
     cuda::RegisterBatchNormKernels(*t);
     cuda::RegisterConvolutionKernels(*t);
     cuda::RegisterMoeKernels(*t);
+    cuda::RegisterLstmKernels(*t);
     return t;
   }();
   return *table;

@@ -69,6 +69,7 @@ void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
 void RegisterBatchNormKernels(KernelTable& t);      // batch_norm and pieces
 void RegisterConvolutionKernels(KernelTable& t);    // conv2d, pooling
 void RegisterMoeKernels(KernelTable& t);            // moe_*
+void RegisterLstmKernels(KernelTable& t);           // lstm
 
 // OK, or Internal naming the kernel and the CUDA error of the last launch.
 absl::Status CheckLaunch(const KernelArgs& a);

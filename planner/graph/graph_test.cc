@@ -249,7 +249,7 @@ TEST(RegistryTest, ShapeRules) {
        {"linear", "layer_norm", "softmax", "log_softmax", "matmul", "flatten",
         "concat", "split", "slice", "embedding", "conv2d", "max_pool2d",
         "adaptive_avg_pool2d", "moe_gate", "moe_dispatch", "moe_combine",
-        "nll_loss", "cross_entropy"}) {
+        "nll_loss", "cross_entropy", "lstm"}) {
     SCOPED_TRACE(type);
     const OpDef* d = OpRegistry::Global().Find(type);
     ASSERT_NE(d, nullptr);
@@ -266,6 +266,41 @@ TEST(RegistryTest, ShapeRules) {
                       ins),
                 StatusIs(kInvalid, HasSubstr("op 'op'")));
   }
+}
+
+// lstm: y[b, s, h] from x[b, s, i] and PyTorch's gate-stacked weights;
+// mismatched weights, biases and ranks are errors naming the input.
+TEST(RegistryTest, LstmShapes) {
+  auto infer = [](Attrs attrs, std::vector<TensorType> ins) {
+    std::vector<std::string> names;
+    for (size_t i = 0; i < ins.size(); ++i) names.push_back("in" + std::to_string(i));
+    return InferOp("op", "lstm", attrs, names, ins);
+  };
+  using V = std::vector<TensorType>;
+  EXPECT_EQ(*infer({}, {F32({2, 5, 3}), F32({16, 3}), F32({16, 4}), F32({16}), F32({16})}),
+            V{F32({2, 5, 4})});
+  EXPECT_EQ(*infer({{"reverse", true}}, {F32({2, 5, 3}), F32({16, 3}), F32({16, 4})}),
+            V{F32({2, 5, 4})});
+  const OpDef* d = OpRegistry::Global().Find("lstm");
+  ASSERT_NE(d, nullptr);
+  // Twice the forward's products and its recomputation.
+  EXPECT_EQ(d->backward_flops_multiple, 3.0);
+  Attrs none;
+  OpCall call{"lstm", none, {"x", "w_ih", "w_hh"}, {F32({2, 5, 3}), F32({16, 3}), F32({16, 4})}, {}};
+  EXPECT_EQ(d->flops(call), 10.0 * (2 * 16 * (3 + 4) + 12 * 4));
+  EXPECT_THAT(infer({}, {F32({2, 5, 3}), F32({12, 3}), F32({16, 4})}),
+              StatusIs(kInvalid, AllOf(HasSubstr("input 'in1' (f32[12,3])"),
+                                       HasSubstr("must have shape [16,3]"))));
+  EXPECT_THAT(infer({}, {F32({2, 5, 3}), F32({16, 3}), F32({15, 4})}),
+              StatusIs(kInvalid, HasSubstr("input 'in2' (f32[15,4]) must be [4 * hidden")));
+  EXPECT_THAT(infer({}, {F32({2, 5, 3}), F32({16, 3}), F32({16, 4}), F32({4})}),
+              StatusIs(kInvalid, HasSubstr("input 'in3' (f32[4]) must have shape [16]")));
+  EXPECT_THAT(infer({}, {F32({5, 3}), F32({16, 3}), F32({16, 4})}),
+              StatusIs(kInvalid, HasSubstr("input 'in0'")));
+  EXPECT_THAT(infer({}, {F32({2, 5, 3}), TensorType{DType::kFloat64, {16, 3}}, F32({16, 4})}),
+              StatusIs(kInvalid, HasSubstr("in1")));
+  EXPECT_THAT(infer({{"hidden", int64_t{4}}}, {F32({2, 5, 3}), F32({16, 3}), F32({16, 4})}),
+              StatusIs(kInvalid, HasSubstr("hidden")));
 }
 
 TEST(BuilderTest, ErrorsAreRememberedAndNameTheOp) {

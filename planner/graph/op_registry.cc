@@ -22,6 +22,7 @@ OpRegistry::OpRegistry() {
   internal::RegisterLossOps(*this);
   internal::RegisterConvolutionOps(*this);
   internal::RegisterMoeOps(*this);
+  internal::RegisterLstmOps(*this);
   std::sort(defs_.begin(), defs_.end(),
             [](const OpDef& a, const OpDef& b) { return a.type < b.type; });
 }

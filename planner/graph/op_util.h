@@ -33,6 +33,7 @@ void RegisterReductionOps(OpRegistry& r);
 void RegisterLossOps(OpRegistry& r);
 void RegisterConvolutionOps(OpRegistry& r);
 void RegisterMoeOps(OpRegistry& r);
+void RegisterLstmOps(OpRegistry& r);
 
 }  // namespace hap::graph::internal
 

@@ -27,7 +27,8 @@ std::vector<ShardRule> RulesFor(const graph::Graph& g, graph::OpId id,
       std::vector<Form>(op.outputs.size(), Form::R()), false));
   internal::RuleInput in{g, op, ctx};
   for (auto family : {internal::ElementwiseRules, internal::DenseRules,
-                      internal::LayoutRules, internal::MoeRules}) {
+                      internal::LayoutRules, internal::MoeRules,
+                      internal::RecurrentRules}) {
     if (internal::RuleFn fn = family(op.type)) {
       fn(in, rules);
       break;

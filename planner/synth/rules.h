@@ -69,6 +69,7 @@ RuleFn ElementwiseRules(const std::string& type);
 RuleFn DenseRules(const std::string& type);
 RuleFn LayoutRules(const std::string& type);
 RuleFn MoeRules(const std::string& type);
+RuleFn RecurrentRules(const std::string& type);
 
 ShardRule MakeRule(std::string name, RuleKind kind, std::vector<Form> in,
                    std::vector<Form> out, bool split);
