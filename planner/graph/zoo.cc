@@ -220,10 +220,15 @@ class Layers {
     TensorId flat = Unary("reshape", "tokens", x,
                           {{"shape", std::vector<int64_t>{tokens, hidden}}});
     TensorId logits = Linear("gate", flat, hidden, experts, /*bias=*/false);
-    TensorId combine = Unary("moe_gate", "route", logits,
-                             {{"k", top_k}, {"capacity", capacity}});
+    // The compact routing (int64 slots and weights [tokens, top_k]): the
+    // dense combine tensor [tokens, experts, capacity] grows with tokens^2.
+    TensorId route = Unary("moe_route", "route", logits,
+                           {{"k", top_k}, {"capacity", capacity}});
+    TensorId weights =
+        Unary("moe_route_weights", "route_weights", logits, {{"k", top_k}});
     TensorId dispatched =
-        b_.Add("moe_dispatch", b_.Scoped("dispatch"), {flat, combine});
+        b_.Add("moe_dispatch_idx", b_.Scoped("dispatch"), {flat, route},
+               {{"experts", experts}, {"capacity", capacity}});
     TensorId w1 = b_.Parameter(b_.Scoped("experts/fc1/weight"),
                                F32({experts, hidden, ffn}), FanIn(hidden));
     TensorId w2 = b_.Parameter(b_.Scoped("experts/fc2/weight"),
@@ -231,7 +236,8 @@ class Layers {
     TensorId h = b_.Add("matmul", b_.Scoped("experts/fc1"), {dispatched, w1});
     h = Unary("gelu", "experts/gelu", h);
     h = b_.Add("matmul", b_.Scoped("experts/fc2"), {h, w2});
-    TensorId y = b_.Add("moe_combine", b_.Scoped("combine"), {h, combine});
+    TensorId y =
+        b_.Add("moe_combine_idx", b_.Scoped("combine"), {h, route, weights});
     y = Unary("reshape", "untokens", y,
               {{"shape", std::vector<int64_t>{batch, seq, hidden}}});
     b_.PopScope();
