@@ -404,13 +404,12 @@ absl::Status CombineBackward(const KernelArgs& a) {
 
 // --- moe_dispatch_idx, moe_combine_idx --------------------------------------------
 
-// A rank holding experts [offset, offset + experts) of "experts" (the
-// global count; attributes "expert_offset", "experts", defaults 0 and the
-// local count) sees the route through its own slots: which entry
-// (token * k + choice) each local slot holds, and each token's local slots
-// in ascending order (the dense form's summation order).
+// A rank's route (MoeIdxDims): which entry (token * k + choice) each local
+// slot holds, and each token's local slots in ascending order (the dense
+// form's summation order). Entries that are no slot, or slots taken twice,
+// are InvalidArgument.
 struct LocalRoute {
-  int64_t tokens = 0, k = 0, experts = 0, capacity = 0, offset = 0;
+  int64_t tokens = 0, k = 0, experts = 0, capacity = 0;
   std::vector<int64_t> slot_entry;  // [experts * capacity], -1: empty
   std::vector<int64_t> tok_slot;    // [tokens * k] local slot, -1 after
   std::vector<int64_t> tok_choice;  // [tokens * k] the choice j of tok_slot
@@ -418,44 +417,31 @@ struct LocalRoute {
 
 absl::StatusOr<LocalRoute> MakeLocalRoute(const KernelArgs& a,
                                           const TensorView& route,
-                                          int64_t tokens, int64_t experts,
-                                          int64_t capacity) {
-  if (!route.present() || route.dtype != DType::kInt64 || route.rank() != 2 ||
-      route.shape[0] != tokens) {
-    return Invalid(a, "the route (", Describe(route),
-                   ") must be int64 [tokens = ", tokens, ", k]");
-  }
+                                          const MoeIdxDims& m) {
   LocalRoute r;
-  r.tokens = tokens;
-  r.k = route.shape[1];
-  r.experts = experts;
-  r.capacity = capacity;
-  HAP_ASSIGN_OR_RETURN(r.offset, AttrInt(a, "expert_offset", 0));
-  HAP_ASSIGN_OR_RETURN(const int64_t global, AttrInt(a, "experts", experts));
-  HAP_ASSIGN_OR_RETURN(const int64_t cap, AttrInt(a, "capacity", capacity));
-  if (r.offset < 0 || r.offset + experts > global || cap != capacity) {
-    return Invalid(a, "experts [", r.offset, ", ", r.offset + experts,
-                   ") of capacity ", capacity, " do not fit attributes "
-                   "'experts' = ", global, ", 'capacity' = ", cap);
-  }
-  r.slot_entry.assign(experts * capacity, -1);
-  r.tok_slot.assign(tokens * r.k, -1);
-  r.tok_choice.assign(tokens * r.k, -1);
+  r.tokens = m.tokens;
+  r.k = m.k;
+  r.experts = m.experts;
+  r.capacity = m.capacity;
+  r.slot_entry.assign(m.experts * m.capacity, -1);
+  r.tok_slot.assign(m.tokens * m.k, -1);
+  r.tok_choice.assign(m.tokens * m.k, -1);
   const int64_t* v = route.as<const int64_t>();
-  for (int64_t tok = 0; tok < tokens; ++tok) {
+  for (int64_t tok = 0; tok < m.tokens; ++tok) {
     int64_t n = 0;
-    int64_t* ts = r.tok_slot.data() + tok * r.k;
-    int64_t* tc = r.tok_choice.data() + tok * r.k;
-    for (int64_t j = 0; j < r.k; ++j) {
-      const int64_t i = tok * r.k + j, s = v[i];
+    int64_t* ts = r.tok_slot.data() + tok * m.k;
+    int64_t* tc = r.tok_choice.data() + tok * m.k;
+    for (int64_t j = 0; j < m.k; ++j) {
+      const int64_t i = tok * m.k + j, s = v[i];
       if (s == -1) continue;
-      if (s < -1 || s >= global * capacity) {
+      if (s < -1 || s >= m.global * m.capacity) {
         return Invalid(a, "route entry [", tok, ", ", j, "] = ", s,
-                       " is not a slot of ", global, " experts x ", capacity);
+                       " is not a slot of ", m.global, " experts x ",
+                       m.capacity);
       }
-      const int64_t e = s / capacity;
-      if (e < r.offset || e >= r.offset + experts) continue;
-      const int64_t ls = s - r.offset * capacity;
+      const int64_t e = s / m.capacity;
+      if (e < m.offset || e >= m.offset + m.experts) continue;
+      const int64_t ls = s - m.offset * m.capacity;
       if (r.slot_entry[ls] >= 0) {
         return Invalid(a, "route entries ", r.slot_entry[ls], " and ", i,
                        " (token * k + choice) both take slot ", s);
@@ -474,17 +460,20 @@ absl::StatusOr<LocalRoute> MakeLocalRoute(const KernelArgs& a,
   return r;
 }
 
-// x[t, d] -> out[experts, capacity, d] (this rank's experts).
-absl::StatusOr<LocalRoute> CheckDispatchIdx(const KernelArgs& a, DType t,
-                                            const TensorView& x,
-                                            const TensorView& route,
-                                            const TensorView& out) {
-  if (!x.present() || x.dtype != t || x.rank() != 2 || !out.present() ||
-      out.dtype != t || out.rank() != 3 || out.shape[2] != x.shape[1]) {
-    return Invalid(a, "tokens ", Describe(x), " and dispatched ",
-                   Describe(out), " must be [t, d] and [experts, capacity, d]");
-  }
-  return MakeLocalRoute(a, route, x.shape[0], out.shape[0], out.shape[1]);
+absl::StatusOr<LocalRoute> DispatchRoute(const KernelArgs& a, DType t,
+                                         const TensorView& x,
+                                         const TensorView& route,
+                                         const TensorView& out) {
+  HAP_ASSIGN_OR_RETURN(MoeIdxDims m, CheckMoeDispatchIdx(a, t, x, route, out));
+  return MakeLocalRoute(a, route, m);
+}
+
+absl::StatusOr<LocalRoute> CombineRoute(const KernelArgs& a, DType t,
+                                        const TensorView& y,
+                                        const TensorView& route,
+                                        const TensorView& w) {
+  HAP_ASSIGN_OR_RETURN(MoeIdxDims m, CheckMoeCombineIdx(a, t, y, route, w));
+  return MakeLocalRoute(a, route, m);
 }
 
 template <typename T>
@@ -492,7 +481,7 @@ absl::Status DispatchIdxForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 2, 2, 1));
   HAP_ASSIGN_OR_RETURN(LocalRoute r,
-                       CheckDispatchIdx(a, t, a.in[0], a.in[1], a.out[0]));
+                       DispatchRoute(a, t, a.in[0], a.in[1], a.out[0]));
   const int64_t d = a.in[0].shape[1];
   const T* x = a.in[0].as<const T>();
   T* y = a.out[0].as<T>();
@@ -519,7 +508,7 @@ absl::Status DispatchIdxBackward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
   if (!g.active()) return absl::OkStatus();
   HAP_ASSIGN_OR_RETURN(LocalRoute r,
-                       CheckDispatchIdx(a, t, g.x(0), g.x(1), g.dy(0)));
+                       DispatchRoute(a, t, g.x(0), g.x(1), g.dy(0)));
   HAP_RETURN_IF_ERROR(g.Check(t, {g.dy(0).shape}));
   const int64_t d = g.x(0).shape[1];
   const T* dy = g.dy(0).as<const T>();
@@ -537,29 +526,12 @@ absl::Status DispatchIdxBackward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
-// y[experts, capacity, d], route[t, k], weights[t, k] -> out[t, d].
-absl::StatusOr<LocalRoute> CheckCombineIdx(const KernelArgs& a, DType t,
-                                           const TensorView& y,
-                                           const TensorView& route,
-                                           const TensorView& w) {
-  if (!y.present() || y.dtype != t || y.rank() != 3) {
-    return Invalid(a, "expert outputs ", Describe(y),
-                   " must be [experts, capacity, d]");
-  }
-  if (!w.present() || w.dtype != t || w.shape != route.shape) {
-    return Invalid(a, "weights ", Describe(w), " must match the route ",
-                   Describe(route));
-  }
-  const int64_t tokens = route.rank() == 2 ? route.shape[0] : -1;
-  return MakeLocalRoute(a, route, tokens, y.shape[0], y.shape[1]);
-}
-
 template <typename T>
 absl::Status CombineIdxForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 3, 3, 1));
   HAP_ASSIGN_OR_RETURN(LocalRoute r,
-                       CheckCombineIdx(a, t, a.in[0], a.in[1], a.in[2]));
+                       CombineRoute(a, t, a.in[0], a.in[1], a.in[2]));
   const int64_t d = a.in[0].shape[2];
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {r.tokens, d}));
   const T* y = a.in[0].as<const T>();
@@ -590,7 +562,7 @@ absl::Status CombineIdxBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 3, 3, 1));
   HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
   HAP_ASSIGN_OR_RETURN(LocalRoute r,
-                       CheckCombineIdx(a, t, g.x(0), g.x(1), g.x(2)));
+                       CombineRoute(a, t, g.x(0), g.x(1), g.x(2)));
   const int64_t d = g.x(0).shape[2];
   HAP_RETURN_IF_ERROR(g.Check(t, {{r.tokens, d}}));
   if (!g.dy(0).present()) return absl::OkStatus();
@@ -632,6 +604,62 @@ absl::Status CombineIdxBackward(const KernelArgs& a) {
 }
 
 }  // namespace
+
+// Route int64 [tokens, k]; this rank's experts within the attributes'.
+absl::StatusOr<MoeIdxDims> CheckMoeRoute(const KernelArgs& a,
+                                         const TensorView& route,
+                                         int64_t tokens, int64_t experts,
+                                         int64_t capacity, int64_t d) {
+  if (!route.present() || route.dtype != DType::kInt64 || route.rank() != 2 ||
+      route.shape[0] != tokens) {
+    return Invalid(a, "the route (", Describe(route),
+                   ") must be int64 [tokens = ", tokens, ", k]");
+  }
+  MoeIdxDims m;
+  m.tokens = tokens;
+  m.k = route.shape[1];
+  m.experts = experts;
+  m.capacity = capacity;
+  m.d = d;
+  HAP_ASSIGN_OR_RETURN(m.offset, AttrInt(a, "expert_offset", 0));
+  HAP_ASSIGN_OR_RETURN(m.global, AttrInt(a, "experts", experts));
+  HAP_ASSIGN_OR_RETURN(const int64_t cap, AttrInt(a, "capacity", capacity));
+  if (m.offset < 0 || m.offset + experts > m.global || cap != capacity) {
+    return Invalid(a, "experts [", m.offset, ", ", m.offset + experts,
+                   ") of capacity ", capacity, " do not fit attributes "
+                   "'experts' = ", m.global, ", 'capacity' = ", cap);
+  }
+  return m;
+}
+
+absl::StatusOr<MoeIdxDims> CheckMoeDispatchIdx(const KernelArgs& a, DType t,
+                                               const TensorView& x,
+                                               const TensorView& route,
+                                               const TensorView& out) {
+  if (!x.present() || x.dtype != t || x.rank() != 2 || !out.present() ||
+      out.dtype != t || out.rank() != 3 || out.shape[2] != x.shape[1]) {
+    return Invalid(a, "tokens ", Describe(x), " and dispatched ",
+                   Describe(out), " must be [t, d] and [experts, capacity, d]");
+  }
+  return CheckMoeRoute(a, route, x.shape[0], out.shape[0], out.shape[1],
+                       x.shape[1]);
+}
+
+absl::StatusOr<MoeIdxDims> CheckMoeCombineIdx(const KernelArgs& a, DType t,
+                                              const TensorView& y,
+                                              const TensorView& route,
+                                              const TensorView& w) {
+  if (!y.present() || y.dtype != t || y.rank() != 3) {
+    return Invalid(a, "expert outputs ", Describe(y),
+                   " must be [experts, capacity, d]");
+  }
+  if (!w.present() || w.dtype != t || w.shape != route.shape) {
+    return Invalid(a, "weights ", Describe(w), " must match the route ",
+                   Describe(route));
+  }
+  const int64_t tokens = route.rank() == 2 ? route.shape[0] : -1;
+  return CheckMoeRoute(a, route, tokens, y.shape[0], y.shape[1], y.shape[2]);
+}
 
 void RegisterMoeKernels(KernelTable& t) {
   t["moe_gate"] = HAP_FLOAT_KERNEL(GateForward);

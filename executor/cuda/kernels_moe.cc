@@ -149,32 +149,14 @@ absl::Status RouteWeightsBackward(const KernelArgs& a) {
 
 // --- moe_dispatch_idx, moe_combine_idx ---------------------------------------
 
-// The route (int64 [tokens, k]) seen by a rank holding `experts` experts of
-// `capacity` slots (attributes "expert_offset", "experts", "capacity" as
-// the CPU's).
-absl::StatusOr<IdxDims> CheckIdx(const KernelArgs& a, const TensorView& route,
-                                 int64_t tokens, int64_t experts,
-                                 int64_t capacity, int64_t d) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  if (!route.present() || route.dtype != DType::kInt64 || route.rank() != 2 ||
-      route.shape[0] != tokens) {
-    return Invalid(a, "the route (", cpu::Describe(route),
-                   ") must be int64 [tokens = ", tokens, ", k]");
-  }
+IdxDims ToIdx(const cpu::MoeIdxDims& c) {
   IdxDims m;
-  m.tokens = tokens;
-  m.k = route.shape[1];
-  m.experts = experts;
-  m.capacity = capacity;
-  m.d = d;
-  HAP_ASSIGN_OR_RETURN(m.offset, cpu::AttrInt(c, "expert_offset", 0));
-  HAP_ASSIGN_OR_RETURN(const int64_t global, cpu::AttrInt(c, "experts", experts));
-  HAP_ASSIGN_OR_RETURN(const int64_t cap, cpu::AttrInt(c, "capacity", capacity));
-  if (m.offset < 0 || m.offset + experts > global || cap != capacity) {
-    return Invalid(a, "experts [", m.offset, ", ", m.offset + experts,
-                   ") of capacity ", capacity, " do not fit attributes "
-                   "'experts' = ", global, ", 'capacity' = ", cap);
-  }
+  m.tokens = c.tokens;
+  m.k = c.k;
+  m.experts = c.experts;
+  m.capacity = c.capacity;
+  m.d = c.d;
+  m.offset = c.offset;
   return m;
 }
 
@@ -182,14 +164,18 @@ absl::StatusOr<IdxDims> CheckDispatchIdx(const KernelArgs& a, DType t,
                                          const TensorView& x,
                                          const TensorView& route,
                                          const TensorView& out) {
-  if (!x.present() || x.dtype != t || x.rank() != 2 || !out.present() ||
-      out.dtype != t || out.rank() != 3 || out.shape[2] != x.shape[1]) {
-    return Invalid(a, "tokens ", cpu::Describe(x), " and dispatched ",
-                   cpu::Describe(out),
-                   " must be [t, d] and [experts, capacity, d]");
-  }
-  return CheckIdx(a, route, x.shape[0], out.shape[0], out.shape[1],
-                  x.shape[1]);
+  HAP_ASSIGN_OR_RETURN(cpu::MoeIdxDims m, cpu::CheckMoeDispatchIdx(
+                                              CpuArgs(a), t, x, route, out));
+  return ToIdx(m);
+}
+
+absl::StatusOr<IdxDims> CheckCombineIdx(const KernelArgs& a, DType t,
+                                        const TensorView& y,
+                                        const TensorView& route,
+                                        const TensorView& w) {
+  HAP_ASSIGN_OR_RETURN(cpu::MoeIdxDims m,
+                       cpu::CheckMoeCombineIdx(CpuArgs(a), t, y, route, w));
+  return ToIdx(m);
 }
 
 absl::StatusOr<int64_t*> SlotEntries(const KernelArgs& a, const IdxDims& m,
@@ -227,22 +213,6 @@ absl::Status DispatchIdxBackward(const KernelArgs& a) {
   LaunchTokenSum<T>(m, g.x(1).as<const int64_t>(), nullptr,
                     g.dy(0).as<const T>(), true, g.dx(0).as<T>(), a.stream);
   return CheckLaunch(a);
-}
-
-absl::StatusOr<IdxDims> CheckCombineIdx(const KernelArgs& a, DType t,
-                                        const TensorView& y,
-                                        const TensorView& route,
-                                        const TensorView& w) {
-  if (!y.present() || y.dtype != t || y.rank() != 3) {
-    return Invalid(a, "expert outputs ", cpu::Describe(y),
-                   " must be [experts, capacity, d]");
-  }
-  if (!w.present() || w.dtype != t || w.shape != route.shape) {
-    return Invalid(a, "weights ", cpu::Describe(w), " must match the route ",
-                   cpu::Describe(route));
-  }
-  const int64_t tokens = route.rank() == 2 ? route.shape[0] : -1;
-  return CheckIdx(a, route, tokens, y.shape[0], y.shape[1], y.shape[2]);
 }
 
 template <typename T>
