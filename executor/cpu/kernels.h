@@ -37,6 +37,11 @@
 //                        rows (vocabulary parallel). "vocab_size" (int): ids
 //                        outside [0, vocab_size) are InvalidArgument
 //                        (default: local rows when offset is 0).
+//     moe_dispatch_idx,  "expert_offset" (int): the local [experts, capacity,
+//     moe_combine_idx    d] holds experts [offset, offset + local experts)
+//                        of "experts" (int, the global count); route
+//                        entries of other experts are skipped (defaults: 0,
+//                        the local count).
 // - Mixed precision (PlanOptions.precision BF16): attribute "bf16" (bool,
 //   float32 calls only; InvalidArgument on float64) on linear, matmul,
 //   conv2d and their _grad kernels makes every matrix product read bf16

@@ -190,6 +190,27 @@ inline int64_t IdAt(const TensorView& v, int64_t i) {
                                   : v.as<const int32_t>()[i];
 }
 
+// --- the compact MoE ops (kernels_moe.cc; the CUDA kernels share these) --------
+
+// A rank's view of moe_dispatch_idx / moe_combine_idx: the route int64
+// [tokens, k]; it holds `experts` experts of `capacity` slots from `offset`
+// on, of "experts" (the global count) with "capacity" (attributes, defaults
+// the local count and capacity; "expert_offset" default 0); rows d long.
+struct MoeIdxDims {
+  int64_t tokens = 0, k = 0, experts = 0, capacity = 0, d = 0, offset = 0,
+          global = 0;
+};
+// moe_dispatch_idx: x[t, d], route, out[experts, capacity, d].
+absl::StatusOr<MoeIdxDims> CheckMoeDispatchIdx(const KernelArgs& a, DType t,
+                                               const TensorView& x,
+                                               const TensorView& route,
+                                               const TensorView& out);
+// moe_combine_idx: y[experts, capacity, d], route, weights (route's shape).
+absl::StatusOr<MoeIdxDims> CheckMoeCombineIdx(const KernelArgs& a, DType t,
+                                              const TensorView& y,
+                                              const TensorView& route,
+                                              const TensorView& w);
+
 // --- backward kernels ---------------------------------------------------------
 
 // The argument layout of a backward kernel "T_grad" (kernels.h): inputs

@@ -2,6 +2,9 @@
 // combine weights [tokens, experts, capacity], and the dispatch and combine
 // einsums around the experts. Dispatch and combine walk the nonzero entries
 // of `combine` (at most k per token) instead of multiplying dense one-hots.
+// The compact form has the same routing without the dense tensor: moe_route
+// (int64 slot indices [tokens, k]), moe_route_weights ([tokens, k]) and the
+// index gather/scatter moe_dispatch_idx / moe_combine_idx.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -18,14 +21,17 @@ struct GateDims {
   int64_t tokens = 0, experts = 0, k = 2, capacity = 1;
 };
 
-absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t) {
+absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t,
+                                   bool capacity = true) {
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
   if (a.in[0].rank() != 2) return Invalid(a, InLabel(a, 0), " must be [tokens, experts]");
   GateDims d;
   d.tokens = a.in[0].shape[0];
   d.experts = a.in[0].shape[1];
   HAP_ASSIGN_OR_RETURN(d.k, AttrInt(a, "k", 2));
-  HAP_ASSIGN_OR_RETURN(d.capacity, AttrInt(a, "capacity"));
+  if (capacity) {
+    HAP_ASSIGN_OR_RETURN(d.capacity, AttrInt(a, "capacity"));
+  }
   if (d.k < 1 || d.k > d.experts) {
     return Invalid(a, "attribute 'k' = ", d.k, " must be in [1, experts = ",
                    d.experts, "]");
@@ -99,8 +105,29 @@ absl::Status GateForward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
-// Through the placed entries' weights: w_j = p_j / S (k > 1, S the top-k
-// sum) or p_j (k = 1), then the softmax.
+// dl[e] += d loss / d logit e of one token, given gw[j] = d loss / d w_j:
+// through w_j = p_j / S (k > 1, S the top-k sum) or p_j (k = 1), then the
+// softmax. dp is scratch of `experts` entries.
+template <typename T>
+void WeightsGrad(const GateDims& d, const TokenRoute& r,
+                 const std::vector<double>& gw, std::vector<double>& dp,
+                 T* dl) {
+  std::fill(dp.begin(), dp.end(), 0.0);
+  double gw_dot_p = 0;
+  for (int64_t j = 0; j < d.k; ++j) gw_dot_p += gw[j] * r.probs[r.experts[j]];
+  for (int64_t j = 0; j < d.k; ++j) {
+    dp[r.experts[j]] =
+        d.k > 1 ? gw[j] / r.top_sum - gw_dot_p / (r.top_sum * r.top_sum)
+                : gw[j];
+  }
+  double dot = 0;
+  for (int64_t e = 0; e < d.experts; ++e) dot += dp[e] * r.probs[e];
+  for (int64_t e = 0; e < d.experts; ++e) {
+    dl[e] += static_cast<T>(r.probs[e] * (dp[e] - dot));
+  }
+}
+
+// Through the placed entries' weights (WeightsGrad; dropped ones get none).
 template <typename T>
 absl::Status GateBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
@@ -114,27 +141,87 @@ absl::Status GateBackward(const KernelArgs& a) {
   std::vector<double> dp(d.experts);
   for (int64_t tok = 0; tok < d.tokens; ++tok) {
     const TokenRoute& r = routes[tok];
-    std::fill(dp.begin(), dp.end(), 0.0);
     std::vector<double> gw(d.k, 0.0);  // d loss / d w_j
-    double gw_dot_p = 0;
     for (int64_t j = 0; j < d.k; ++j) {
       if (r.slots[j] >= 0) {
         gw[j] = dcombine[(tok * d.experts + r.experts[j]) * d.capacity +
                          r.slots[j]];
       }
-      gw_dot_p += gw[j] * r.probs[r.experts[j]];
     }
+    WeightsGrad(d, r, gw, dp, dlogits + tok * d.experts);
+  }
+  return absl::OkStatus();
+}
+
+// --- the compact form: moe_route, moe_route_weights -------------------------------
+
+// route[t, j] = expert * capacity + slot of choice j, -1 when dropped.
+template <typename T>
+absl::Status RouteForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DType::kInt64, {d.tokens, d.k}));
+  int64_t* route = a.out[0].as<int64_t>();
+  std::vector<TokenRoute> routes = Route(d, a.in[0].as<const T>());
+  for (int64_t tok = 0; tok < d.tokens; ++tok) {
+    const TokenRoute& r = routes[tok];
     for (int64_t j = 0; j < d.k; ++j) {
-      dp[r.experts[j]] =
-          d.k > 1 ? gw[j] / r.top_sum - gw_dot_p / (r.top_sum * r.top_sum)
-                  : gw[j];
+      route[tok * d.k + j] =
+          r.slots[j] < 0 ? -1 : r.experts[j] * d.capacity + r.slots[j];
     }
-    double dot = 0;
-    for (int64_t e = 0; e < d.experts; ++e) dot += dp[e] * r.probs[e];
-    T* dl = dlogits + tok * d.experts;
-    for (int64_t e = 0; e < d.experts; ++e) {
-      dl[e] += static_cast<T>(r.probs[e] * (dp[e] - dot));
+  }
+  return absl::OkStatus();
+}
+
+// The route is piecewise constant in the logits: a zero gradient, nothing
+// to add.
+template <typename T>
+absl::Status RouteBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
+  HAP_RETURN_IF_ERROR(CheckGate(a, t).status());
+  if (g.dx(0).present() && g.dx(0).shape != g.x(0).shape) {
+    return Invalid(a, "the logits' gradient ", Describe(g.dx(0)),
+                   " must have the logits' shape");
+  }
+  return absl::OkStatus();
+}
+
+// The top-k choice and weights of a token do not depend on the others (the
+// slots do): the weights need no capacity and split by tokens.
+template <typename T>
+absl::Status RouteWeightsForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t, false));
+  d.capacity = d.tokens * d.k + 1;  // slots are not read
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {d.tokens, d.k}));
+  T* w = a.out[0].as<T>();
+  std::vector<TokenRoute> routes = Route(d, a.in[0].as<const T>());
+  for (int64_t tok = 0; tok < d.tokens; ++tok) {
+    for (int64_t j = 0; j < d.k; ++j) {
+      w[tok * d.k + j] = static_cast<T>(routes[tok].weights[j]);
     }
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status RouteWeightsBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t, false));
+  d.capacity = d.tokens * d.k + 1;
+  HAP_RETURN_IF_ERROR(g.Check(t, {{d.tokens, d.k}}));
+  if (!g.active()) return absl::OkStatus();
+  const T* dw = g.dy(0).as<const T>();
+  T* dlogits = g.dx(0).as<T>();
+  std::vector<TokenRoute> routes = Route(d, g.x(0).as<const T>());
+  std::vector<double> dp(d.experts), gw(d.k);
+  for (int64_t tok = 0; tok < d.tokens; ++tok) {
+    for (int64_t j = 0; j < d.k; ++j) gw[j] = dw[tok * d.k + j];
+    WeightsGrad(d, routes[tok], gw, dp, dlogits + tok * d.experts);
   }
   return absl::OkStatus();
 }
@@ -314,7 +401,265 @@ absl::Status CombineBackward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
+
+// --- moe_dispatch_idx, moe_combine_idx --------------------------------------------
+
+// A rank's route (MoeIdxDims): which entry (token * k + choice) each local
+// slot holds, and each token's local slots in ascending order (the dense
+// form's summation order). Entries that are no slot, or slots taken twice,
+// are InvalidArgument.
+struct LocalRoute {
+  int64_t tokens = 0, k = 0, experts = 0, capacity = 0;
+  std::vector<int64_t> slot_entry;  // [experts * capacity], -1: empty
+  std::vector<int64_t> tok_slot;    // [tokens * k] local slot, -1 after
+  std::vector<int64_t> tok_choice;  // [tokens * k] the choice j of tok_slot
+};
+
+absl::StatusOr<LocalRoute> MakeLocalRoute(const KernelArgs& a,
+                                          const TensorView& route,
+                                          const MoeIdxDims& m) {
+  LocalRoute r;
+  r.tokens = m.tokens;
+  r.k = m.k;
+  r.experts = m.experts;
+  r.capacity = m.capacity;
+  r.slot_entry.assign(m.experts * m.capacity, -1);
+  r.tok_slot.assign(m.tokens * m.k, -1);
+  r.tok_choice.assign(m.tokens * m.k, -1);
+  const int64_t* v = route.as<const int64_t>();
+  for (int64_t tok = 0; tok < m.tokens; ++tok) {
+    int64_t n = 0;
+    int64_t* ts = r.tok_slot.data() + tok * m.k;
+    int64_t* tc = r.tok_choice.data() + tok * m.k;
+    for (int64_t j = 0; j < m.k; ++j) {
+      const int64_t i = tok * m.k + j, s = v[i];
+      if (s == -1) continue;
+      if (s < -1 || s >= m.global * m.capacity) {
+        return Invalid(a, "route entry [", tok, ", ", j, "] = ", s,
+                       " is not a slot of ", m.global, " experts x ",
+                       m.capacity);
+      }
+      const int64_t e = s / m.capacity;
+      if (e < m.offset || e >= m.offset + m.experts) continue;
+      const int64_t ls = s - m.offset * m.capacity;
+      if (r.slot_entry[ls] >= 0) {
+        return Invalid(a, "route entries ", r.slot_entry[ls], " and ", i,
+                       " (token * k + choice) both take slot ", s);
+      }
+      r.slot_entry[ls] = i;
+      // Insert keeping ts[0..n) ascending.
+      int64_t p = n++;
+      for (; p > 0 && ts[p - 1] > ls; --p) {
+        ts[p] = ts[p - 1];
+        tc[p] = tc[p - 1];
+      }
+      ts[p] = ls;
+      tc[p] = j;
+    }
+  }
+  return r;
+}
+
+absl::StatusOr<LocalRoute> DispatchRoute(const KernelArgs& a, DType t,
+                                         const TensorView& x,
+                                         const TensorView& route,
+                                         const TensorView& out) {
+  HAP_ASSIGN_OR_RETURN(MoeIdxDims m, CheckMoeDispatchIdx(a, t, x, route, out));
+  return MakeLocalRoute(a, route, m);
+}
+
+absl::StatusOr<LocalRoute> CombineRoute(const KernelArgs& a, DType t,
+                                        const TensorView& y,
+                                        const TensorView& route,
+                                        const TensorView& w) {
+  HAP_ASSIGN_OR_RETURN(MoeIdxDims m, CheckMoeCombineIdx(a, t, y, route, w));
+  return MakeLocalRoute(a, route, m);
+}
+
+template <typename T>
+absl::Status DispatchIdxForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 2, 2, 1));
+  HAP_ASSIGN_OR_RETURN(LocalRoute r,
+                       DispatchRoute(a, t, a.in[0], a.in[1], a.out[0]));
+  const int64_t d = a.in[0].shape[1];
+  const T* x = a.in[0].as<const T>();
+  T* y = a.out[0].as<T>();
+  ParallelFor(a.ctx.num_threads, r.experts * r.capacity, GrainFor(d),
+              [&](int64_t b, int64_t e) {
+                for (int64_t s = b; s < e; ++s) {
+                  T* ys = y + s * d;
+                  const int64_t i = r.slot_entry[s];
+                  if (i < 0) {
+                    std::fill(ys, ys + d, T(0));
+                  } else {
+                    std::copy(x + (i / r.k) * d, x + (i / r.k + 1) * d, ys);
+                  }
+                }
+              });
+  return absl::OkStatus();
+}
+
+// dx[t] += dy[s] over the token's slots here.
+template <typename T>
+absl::Status DispatchIdxBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 2, 2, 1));
+  HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
+  if (!g.active()) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(LocalRoute r,
+                       DispatchRoute(a, t, g.x(0), g.x(1), g.dy(0)));
+  HAP_RETURN_IF_ERROR(g.Check(t, {g.dy(0).shape}));
+  const int64_t d = g.x(0).shape[1];
+  const T* dy = g.dy(0).as<const T>();
+  T* dx = g.dx(0).as<T>();
+  ParallelFor(a.ctx.num_threads, r.tokens, GrainFor(d * r.k),
+              [&](int64_t b, int64_t e) {
+                for (int64_t tok = b; tok < e; ++tok) {
+                  for (int64_t j = 0; j < r.k; ++j) {
+                    const int64_t s = r.tok_slot[tok * r.k + j];
+                    if (s < 0) break;
+                    AddTo(dx + tok * d, dy + s * d, d);
+                  }
+                }
+              });
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status CombineIdxForward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_RETURN_IF_ERROR(CheckArity(a, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(LocalRoute r,
+                       CombineRoute(a, t, a.in[0], a.in[1], a.in[2]));
+  const int64_t d = a.in[0].shape[2];
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {r.tokens, d}));
+  const T* y = a.in[0].as<const T>();
+  const T* w = a.in[2].as<const T>();
+  T* out = a.out[0].as<T>();
+  ParallelFor(a.ctx.num_threads, r.tokens, GrainFor(d * r.k),
+              [&](int64_t b, int64_t e) {
+                for (int64_t tok = b; tok < e; ++tok) {
+                  T* o = out + tok * d;
+                  std::fill(o, o + d, T(0));
+                  for (int64_t j = 0; j < r.k; ++j) {
+                    const int64_t s = r.tok_slot[tok * r.k + j];
+                    if (s < 0) break;
+                    const T wj = w[tok * r.k + r.tok_choice[tok * r.k + j]];
+                    const T* ys = y + s * d;
+                    for (int64_t c = 0; c < d; ++c) o[c] += wj * ys[c];
+                  }
+                }
+              });
+  return absl::OkStatus();
+}
+
+// dy[s] += w * dout[t] for the token t in slot s; dweights[t, j] +=
+// dout[t] . y[s] for its placed choices here (dropped ones get nothing).
+template <typename T>
+absl::Status CombineIdxBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Make(a, 3, 3, 1));
+  HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
+  HAP_ASSIGN_OR_RETURN(LocalRoute r,
+                       CombineRoute(a, t, g.x(0), g.x(1), g.x(2)));
+  const int64_t d = g.x(0).shape[2];
+  HAP_RETURN_IF_ERROR(g.Check(t, {{r.tokens, d}}));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const T* y = g.x(0).as<const T>();
+  const T* w = g.x(2).as<const T>();
+  const T* dout = g.dy(0).as<const T>();
+  if (g.dx(0).present()) {
+    T* dy = g.dx(0).as<T>();
+    ParallelFor(a.ctx.num_threads, r.experts * r.capacity, GrainFor(d),
+                [&](int64_t b, int64_t e) {
+                  for (int64_t s = b; s < e; ++s) {
+                    const int64_t i = r.slot_entry[s];
+                    if (i < 0) continue;
+                    const T wi = w[i];
+                    const T* go = dout + (i / r.k) * d;
+                    T* ds = dy + s * d;
+                    for (int64_t c = 0; c < d; ++c) ds[c] += wi * go[c];
+                  }
+                });
+  }
+  if (g.dx(2).present()) {
+    T* dw = g.dx(2).as<T>();
+    ParallelFor(a.ctx.num_threads, r.tokens, GrainFor(d * r.k),
+                [&](int64_t b, int64_t e) {
+                  for (int64_t tok = b; tok < e; ++tok) {
+                    const T* go = dout + tok * d;
+                    for (int64_t j = 0; j < r.k; ++j) {
+                      const int64_t s = r.tok_slot[tok * r.k + j];
+                      if (s < 0) break;
+                      const T* ys = y + s * d;
+                      T dot = 0;
+                      for (int64_t c = 0; c < d; ++c) dot += go[c] * ys[c];
+                      dw[tok * r.k + r.tok_choice[tok * r.k + j]] += dot;
+                    }
+                  }
+                });
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+// Route int64 [tokens, k]; this rank's experts within the attributes'.
+absl::StatusOr<MoeIdxDims> CheckMoeRoute(const KernelArgs& a,
+                                         const TensorView& route,
+                                         int64_t tokens, int64_t experts,
+                                         int64_t capacity, int64_t d) {
+  if (!route.present() || route.dtype != DType::kInt64 || route.rank() != 2 ||
+      route.shape[0] != tokens) {
+    return Invalid(a, "the route (", Describe(route),
+                   ") must be int64 [tokens = ", tokens, ", k]");
+  }
+  MoeIdxDims m;
+  m.tokens = tokens;
+  m.k = route.shape[1];
+  m.experts = experts;
+  m.capacity = capacity;
+  m.d = d;
+  HAP_ASSIGN_OR_RETURN(m.offset, AttrInt(a, "expert_offset", 0));
+  HAP_ASSIGN_OR_RETURN(m.global, AttrInt(a, "experts", experts));
+  HAP_ASSIGN_OR_RETURN(const int64_t cap, AttrInt(a, "capacity", capacity));
+  if (m.offset < 0 || m.offset + experts > m.global || cap != capacity) {
+    return Invalid(a, "experts [", m.offset, ", ", m.offset + experts,
+                   ") of capacity ", capacity, " do not fit attributes "
+                   "'experts' = ", m.global, ", 'capacity' = ", cap);
+  }
+  return m;
+}
+
+absl::StatusOr<MoeIdxDims> CheckMoeDispatchIdx(const KernelArgs& a, DType t,
+                                               const TensorView& x,
+                                               const TensorView& route,
+                                               const TensorView& out) {
+  if (!x.present() || x.dtype != t || x.rank() != 2 || !out.present() ||
+      out.dtype != t || out.rank() != 3 || out.shape[2] != x.shape[1]) {
+    return Invalid(a, "tokens ", Describe(x), " and dispatched ",
+                   Describe(out), " must be [t, d] and [experts, capacity, d]");
+  }
+  return CheckMoeRoute(a, route, x.shape[0], out.shape[0], out.shape[1],
+                       x.shape[1]);
+}
+
+absl::StatusOr<MoeIdxDims> CheckMoeCombineIdx(const KernelArgs& a, DType t,
+                                              const TensorView& y,
+                                              const TensorView& route,
+                                              const TensorView& w) {
+  if (!y.present() || y.dtype != t || y.rank() != 3) {
+    return Invalid(a, "expert outputs ", Describe(y),
+                   " must be [experts, capacity, d]");
+  }
+  if (!w.present() || w.dtype != t || w.shape != route.shape) {
+    return Invalid(a, "weights ", Describe(w), " must match the route ",
+                   Describe(route));
+  }
+  const int64_t tokens = route.rank() == 2 ? route.shape[0] : -1;
+  return CheckMoeRoute(a, route, tokens, y.shape[0], y.shape[1], y.shape[2]);
+}
 
 void RegisterMoeKernels(KernelTable& t) {
   t["moe_gate"] = HAP_FLOAT_KERNEL(GateForward);
@@ -323,6 +668,14 @@ void RegisterMoeKernels(KernelTable& t) {
   t["moe_dispatch_grad"] = HAP_FLOAT_KERNEL(DispatchBackward);
   t["moe_combine"] = HAP_FLOAT_KERNEL(CombineForward);
   t["moe_combine_grad"] = HAP_FLOAT_KERNEL(CombineBackward);
+  t["moe_route"] = HAP_FLOAT_KERNEL(RouteForward);
+  t["moe_route_grad"] = HAP_FLOAT_KERNEL(RouteBackward);
+  t["moe_route_weights"] = HAP_FLOAT_KERNEL(RouteWeightsForward);
+  t["moe_route_weights_grad"] = HAP_FLOAT_KERNEL(RouteWeightsBackward);
+  t["moe_dispatch_idx"] = HAP_FLOAT_KERNEL(DispatchIdxForward);
+  t["moe_dispatch_idx_grad"] = HAP_FLOAT_KERNEL(DispatchIdxBackward);
+  t["moe_combine_idx"] = HAP_FLOAT_KERNEL(CombineIdxForward);
+  t["moe_combine_idx_grad"] = HAP_FLOAT_KERNEL(CombineIdxBackward);
 }
 
 }  // namespace hap::executor::cpu

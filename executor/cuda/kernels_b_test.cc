@@ -659,6 +659,63 @@ TEST_F(KernelsBTest, MoeGateOutputDrivesDispatch) {
   }
 }
 
+// The compact form: the route (int64 slots), the weights, the index
+// dispatch and combine, whole and for the upper half of the experts.
+TEST_F(KernelsBTest, MoeCompactForm) {
+  struct M {
+    int64_t tokens, experts, k, capacity, d;
+  };
+  const M cases[] = {{300, 8, 2, 40, 260}, {33, 4, 1, 20, 5}, {600, 16, 3, 100, 16}};
+  for (DType t : kDtypes) {
+    std::unique_ptr<Device> cpu = NewCpuDevice(1);
+    for (const M& m : cases) {
+      HostTensor logits = R(t, {m.tokens, m.experts});
+      for (int64_t i = 0; i < m.tokens; ++i) {  // expert 0 overflows
+        if (t == kF32) {
+          logits.as<float>()[i * m.experts] += 1.5f;
+        } else {
+          logits.as<double>()[i * m.experts] += 1.5;
+        }
+      }
+      const graph::Attrs gate{{"k", m.k}, {"capacity", m.capacity}};
+      const Shape tk = {m.tokens, m.k};
+      HostTensor route(kI64, tk);
+      std::vector<TensorView> in = {logits.view()}, out = {route.view()};
+      ASSERT_THAT(cpu->RunKernel("moe_route", {}, gate, in, out), IsOk());
+      Expect(Case("moe_route", kExact, {logits}, {HostTensor(kI64, tk)}, gate));
+      const graph::Attrs top{{"k", m.k}};
+      Expect(Case("moe_route_weights", ElementTol(t), {logits}, {R(t, tk)}, top));
+      Expect(Case("moe_route_weights_grad", ElementTol(t),
+                  {logits, HostTensor(), R(t, tk)}, {R(t, {m.tokens, m.experts})},
+                  top, {true, false, true}));
+      HostTensor w = R(t, tk);
+      const Shape x = {m.tokens, m.d};
+      for (int64_t offset : {int64_t{0}, m.experts / 2}) {
+        const graph::Attrs a{{"experts", m.experts},
+                             {"capacity", m.capacity},
+                             {"expert_offset", offset}};
+        const Shape y = {m.experts - offset, m.capacity, m.d};
+        Expect(Case("moe_dispatch_idx", kExact, {R(t, x), route}, {R(t, y)}, a));
+        // (x, route, y, dy) -> (dx, droute absent).
+        Expect(Case("moe_dispatch_idx_grad", ElementTol(t),
+                    {R(t, x), route, HostTensor(), R(t, y)}, {R(t, x), HostTensor()},
+                    a, {true, true, false, true}, {true, false}));
+        Expect(Case("moe_combine_idx", RowTol(t), {R(t, y), route, w}, {R(t, x)}, a));
+        // (y, route, w, out, dout) -> (dy, droute absent, dw): each alone
+        // and together.
+        const std::vector<HostTensor> gin = {R(t, y), route, w, HostTensor(), R(t, x)};
+        const std::vector<bool> gp = {true, true, true, false, true};
+        for (const std::vector<bool>& op :
+             {std::vector<bool>{true, false, true}, {true, false, false},
+              {false, false, true}}) {
+          Expect(Case("moe_combine_idx_grad", RowTol(t), gin,
+                      {R(t, y), HostTensor(), R(t, tk)}, a, gp, op));
+        }
+      }
+    }
+  }
+}
+
 // --- errors ------------------------------------------------------------------
 
 // Runs `kernel` on a device with the given tensors (uploaded) and returns

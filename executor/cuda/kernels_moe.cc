@@ -4,7 +4,9 @@
 // token order, as the CPU: a per-token top-k, then one block per expert
 // scanning the tokens for slots), and the dispatch and combine einsums over
 // the nonzero entries of `combine` in order (kernels_moe.cu); combine's
-// weight gradient is a cuBLAS GEMM.
+// weight gradient is a cuBLAS GEMM. The compact form (moe_route,
+// moe_route_weights, moe_dispatch_idx, moe_combine_idx) has the CPU's
+// contracts too, except that its route entries are not checked here.
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_moe.h"
@@ -15,7 +17,8 @@ namespace {
 
 // --- moe_gate ----------------------------------------------------------------
 
-absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t) {
+absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t,
+                                   bool capacity = true) {
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
   if (a.in[0].rank() != 2) {
@@ -25,7 +28,9 @@ absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t) {
   d.tokens = a.in[0].shape[0];
   d.experts = a.in[0].shape[1];
   HAP_ASSIGN_OR_RETURN(d.k, cpu::AttrInt(c, "k", 2));
-  HAP_ASSIGN_OR_RETURN(d.capacity, cpu::AttrInt(c, "capacity"));
+  if (capacity) {
+    HAP_ASSIGN_OR_RETURN(d.capacity, cpu::AttrInt(c, "capacity"));
+  }
   if (d.k < 1 || d.k > d.experts) {
     return Invalid(a, "attribute 'k' = ", d.k,
                    " must be in [1, experts = ", d.experts, "]");
@@ -81,6 +86,167 @@ absl::Status GateBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(Routing r, Route<T>(a, d, logits));
   LaunchGateGrad<T>(d, logits, g.dy(0).as<const T>(), r.expert, r.slot,
                     g.dx(0).as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+// --- moe_route, moe_route_weights --------------------------------------------
+
+template <typename T>
+absl::Status RouteForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, DType::kInt64, {d.tokens, d.k}));
+  HAP_ASSIGN_OR_RETURN(Routing r, Route<T>(a, d, a.in[0].as<const T>()));
+  LaunchRouteSlots(d, r.expert, r.slot, a.out[0].as<int64_t>(), a.stream);
+  return CheckLaunch(a);
+}
+
+// The route is piecewise constant in the logits: nothing to add.
+template <typename T>
+absl::Status RouteBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 1, 1, 1));
+  HAP_RETURN_IF_ERROR(CheckGate(a, t).status());
+  if (g.dx(0).present() && g.dx(0).shape != g.x(0).shape) {
+    return Invalid(a, "the logits' gradient ", cpu::Describe(g.dx(0)),
+                   " must have the logits' shape");
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status RouteWeightsForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t, false));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, {d.tokens, d.k}));
+  HAP_ASSIGN_OR_RETURN(int32_t* expert, ScratchArray<int32_t>(a, d.tokens * d.k));
+  const T* logits = a.in[0].as<const T>();
+  LaunchGateTopK<T>(d, logits, expert, a.stream);
+  LaunchRouteWeights<T>(d, logits, expert, a.out[0].as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status RouteWeightsBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 1, 1, 1));
+  HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t, false));
+  HAP_RETURN_IF_ERROR(g.Check(t, {{d.tokens, d.k}}));
+  if (!g.active()) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(int32_t* expert, ScratchArray<int32_t>(a, d.tokens * d.k));
+  const T* logits = g.x(0).as<const T>();
+  LaunchGateTopK<T>(d, logits, expert, a.stream);
+  LaunchRouteWeightsGrad<T>(d, logits, g.dy(0).as<const T>(), expert,
+                            g.dx(0).as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+// --- moe_dispatch_idx, moe_combine_idx ---------------------------------------
+
+IdxDims ToIdx(const cpu::MoeIdxDims& c) {
+  IdxDims m;
+  m.tokens = c.tokens;
+  m.k = c.k;
+  m.experts = c.experts;
+  m.capacity = c.capacity;
+  m.d = c.d;
+  m.offset = c.offset;
+  return m;
+}
+
+absl::StatusOr<IdxDims> CheckDispatchIdx(const KernelArgs& a, DType t,
+                                         const TensorView& x,
+                                         const TensorView& route,
+                                         const TensorView& out) {
+  HAP_ASSIGN_OR_RETURN(cpu::MoeIdxDims m, cpu::CheckMoeDispatchIdx(
+                                              CpuArgs(a), t, x, route, out));
+  return ToIdx(m);
+}
+
+absl::StatusOr<IdxDims> CheckCombineIdx(const KernelArgs& a, DType t,
+                                        const TensorView& y,
+                                        const TensorView& route,
+                                        const TensorView& w) {
+  HAP_ASSIGN_OR_RETURN(cpu::MoeIdxDims m,
+                       cpu::CheckMoeCombineIdx(CpuArgs(a), t, y, route, w));
+  return ToIdx(m);
+}
+
+absl::StatusOr<int64_t*> SlotEntries(const KernelArgs& a, const IdxDims& m,
+                                     const int64_t* route) {
+  HAP_ASSIGN_OR_RETURN(int64_t* e,
+                       ScratchArray<int64_t>(a, m.experts * m.capacity));
+  LaunchSlotEntries(m, route, e, a.stream);
+  return e;
+}
+
+template <typename T>
+absl::Status DispatchIdxForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 2, 1));
+  HAP_ASSIGN_OR_RETURN(IdxDims m,
+                       CheckDispatchIdx(a, t, a.in[0], a.in[1], a.out[0]));
+  const int64_t* route = a.in[1].as<const int64_t>();
+  HAP_ASSIGN_OR_RETURN(int64_t* entries, SlotEntries(a, m, route));
+  LaunchDispatchIdx<T>(m, entries, a.in[0].as<const T>(), a.out[0].as<T>(),
+                       a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status DispatchIdxBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 2, 2, 1));
+  HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
+  if (!g.active()) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(IdxDims m,
+                       CheckDispatchIdx(a, t, g.x(0), g.x(1), g.dy(0)));
+  HAP_RETURN_IF_ERROR(g.Check(t, {g.dy(0).shape}));
+  LaunchTokenSum<T>(m, g.x(1).as<const int64_t>(), nullptr,
+                    g.dy(0).as<const T>(), true, g.dx(0).as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status CombineIdxForward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 3, 3, 1));
+  HAP_ASSIGN_OR_RETURN(IdxDims m,
+                       CheckCombineIdx(a, t, a.in[0], a.in[1], a.in[2]));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, {m.tokens, m.d}));
+  LaunchTokenSum<T>(m, a.in[1].as<const int64_t>(), a.in[2].as<const T>(),
+                    a.in[0].as<const T>(), false, a.out[0].as<T>(), a.stream);
+  return CheckLaunch(a);
+}
+
+template <typename T>
+absl::Status CombineIdxBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Make(c, 3, 3, 1));
+  HAP_RETURN_IF_ERROR(g.CheckNoGrad({1}));
+  HAP_ASSIGN_OR_RETURN(IdxDims m,
+                       CheckCombineIdx(a, t, g.x(0), g.x(1), g.x(2)));
+  HAP_RETURN_IF_ERROR(g.Check(t, {{m.tokens, m.d}}));
+  if (!g.dy(0).present()) return absl::OkStatus();
+  const int64_t* route = g.x(1).as<const int64_t>();
+  int64_t* entries = nullptr;
+  if (g.dx(0).present()) {
+    HAP_ASSIGN_OR_RETURN(entries, SlotEntries(a, m, route));
+  }
+  LaunchCombineIdxGrad<T>(
+      m, route, entries, g.x(0).as<const T>(), g.x(2).as<const T>(),
+      g.dy(0).as<const T>(), g.dx(0).present() ? g.dx(0).as<T>() : nullptr,
+      g.dx(2).present() ? g.dx(2).as<T>() : nullptr, a.stream);
   return CheckLaunch(a);
 }
 
@@ -199,6 +365,14 @@ void RegisterMoeKernels(KernelTable& t) {
   t["moe_dispatch_grad"] = HAP_CUDA_FLOAT_KERNEL(DispatchBackward);
   t["moe_combine"] = HAP_CUDA_FLOAT_KERNEL(CombineForward);
   t["moe_combine_grad"] = HAP_CUDA_FLOAT_KERNEL(CombineBackward);
+  t["moe_route"] = HAP_CUDA_FLOAT_KERNEL(RouteForward);
+  t["moe_route_grad"] = HAP_CUDA_FLOAT_KERNEL(RouteBackward);
+  t["moe_route_weights"] = HAP_CUDA_FLOAT_KERNEL(RouteWeightsForward);
+  t["moe_route_weights_grad"] = HAP_CUDA_FLOAT_KERNEL(RouteWeightsBackward);
+  t["moe_dispatch_idx"] = HAP_CUDA_FLOAT_KERNEL(DispatchIdxForward);
+  t["moe_dispatch_idx_grad"] = HAP_CUDA_FLOAT_KERNEL(DispatchIdxBackward);
+  t["moe_combine_idx"] = HAP_CUDA_FLOAT_KERNEL(CombineIdxForward);
+  t["moe_combine_idx_grad"] = HAP_CUDA_FLOAT_KERNEL(CombineIdxBackward);
 }
 
 }  // namespace hap::executor::cuda

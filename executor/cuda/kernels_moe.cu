@@ -83,8 +83,30 @@ __global__ void GateCombineKernel(GateDims d, const T* logits,
   }
 }
 
+// One token's dl[e] += d loss / d logit e given gw(j) = d loss / d w_j:
 // w_j = p_j / S (k > 1, S the top-k sum) or p_j; then the softmax:
 // dlogit_e += p_e (dp_e - sum_e' dp_e' p_e').
+template <typename T, typename GW>
+__device__ void WeightsGrad(const GateDims& d, const TokenSoftmax<T>& s,
+                            const int32_t* ex, GW gw, T* dl) {
+  const double top = TopSum(d, s, ex);
+  double gw_dot_p = 0;
+  for (int64_t j = 0; j < d.k; ++j) gw_dot_p += gw(j) * s.Prob(ex[j]);
+  auto dp = [&](int64_t j) -> double {
+    return d.k > 1 ? gw(j) / top - gw_dot_p / (top * top) : gw(j);
+  };
+  double dot = 0;
+  for (int64_t j = 0; j < d.k; ++j) dot += dp(j) * s.Prob(ex[j]);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    double dpe = 0;
+    for (int64_t j = 0; j < d.k; ++j) {
+      if (ex[j] == e) dpe = dp(j);
+    }
+    dl[e] += static_cast<T>(s.Prob(e) * (dpe - dot));
+  }
+}
+
+// Through the placed entries' weights (dropped ones get none).
 template <typename T>
 __global__ void GateGradKernel(GateDims d, const T* logits, const T* dcombine,
                                const int32_t* expert, const int32_t* slot,
@@ -93,28 +115,131 @@ __global__ void GateGradKernel(GateDims d, const T* logits, const T* dcombine,
     const TokenSoftmax<T> s(logits + t * d.experts, d.experts);
     const int32_t* ex = expert + t * d.k;
     const int32_t* sl = slot + t * d.k;
-    const double top = TopSum(d, s, ex);
     auto gw = [&](int64_t j) -> double {
       return sl[j] >= 0
                  ? static_cast<double>(
                        dcombine[(t * d.experts + ex[j]) * d.capacity + sl[j]])
                  : 0.0;
     };
-    double gw_dot_p = 0;
-    for (int64_t j = 0; j < d.k; ++j) gw_dot_p += gw(j) * s.Prob(ex[j]);
-    auto dp = [&](int64_t j) -> double {
-      return d.k > 1 ? gw(j) / top - gw_dot_p / (top * top) : gw(j);
-    };
-    double dot = 0;
-    for (int64_t j = 0; j < d.k; ++j) dot += dp(j) * s.Prob(ex[j]);
-    T* dl = dlogits + t * d.experts;
-    for (int64_t e = 0; e < d.experts; ++e) {
-      double dpe = 0;
-      for (int64_t j = 0; j < d.k; ++j) {
-        if (ex[j] == e) dpe = dp(j);
-      }
-      dl[e] += static_cast<T>(s.Prob(e) * (dpe - dot));
+    WeightsGrad(d, s, ex, gw, dlogits + t * d.experts);
+  }
+}
+
+// --- the compact form --------------------------------------------------------
+
+__global__ void RouteSlotsKernel(GateDims d, const int32_t* expert,
+                                 const int32_t* slot, int64_t* route) {
+  for (int64_t i = GridStart(); i < d.tokens * d.k; i += GridStep()) {
+    route[i] = slot[i] < 0 ? int64_t{-1}
+                           : int64_t{expert[i]} * d.capacity + slot[i];
+  }
+}
+
+template <typename T>
+__global__ void RouteWeightsKernel(GateDims d, const T* logits,
+                                   const int32_t* expert, T* w) {
+  for (int64_t t = GridStart(); t < d.tokens; t += GridStep()) {
+    const TokenSoftmax<T> s(logits + t * d.experts, d.experts);
+    const int32_t* ex = expert + t * d.k;
+    const double top = TopSum(d, s, ex);
+    for (int64_t j = 0; j < d.k; ++j) {
+      const double p = s.Prob(ex[j]);
+      w[t * d.k + j] = static_cast<T>(d.k > 1 ? p / top : p);
     }
+  }
+}
+
+template <typename T>
+__global__ void RouteWeightsGradKernel(GateDims d, const T* logits,
+                                       const T* dw, const int32_t* expert,
+                                       T* dlogits) {
+  for (int64_t t = GridStart(); t < d.tokens; t += GridStep()) {
+    const TokenSoftmax<T> s(logits + t * d.experts, d.experts);
+    auto gw = [&](int64_t j) -> double {
+      return static_cast<double>(dw[t * d.k + j]);
+    };
+    WeightsGrad(d, s, expert + t * d.k, gw, dlogits + t * d.experts);
+  }
+}
+
+// The local slot of route entry i (IdxDims), -1 when dropped, another
+// rank's or not a slot.
+__device__ inline int64_t LocalSlot(const IdxDims& m, const int64_t* route,
+                                    int64_t i) {
+  const int64_t s = route[i] - m.offset * m.capacity;
+  return s >= 0 && s < m.experts * m.capacity ? s : int64_t{-1};
+}
+
+__global__ void SlotEntriesKernel(IdxDims m, const int64_t* route,
+                                  int64_t* slot_entry) {
+  for (int64_t i = GridStart(); i < m.tokens * m.k; i += GridStep()) {
+    if (route[i] < 0) continue;
+    const int64_t s = LocalSlot(m, route, i);
+    if (s >= 0) slot_entry[s] = i;
+  }
+}
+
+// One thread per (slot, column): the slot's token row, or 0.
+template <typename T>
+__global__ void DispatchIdxKernel(IdxDims m, const int64_t* slot_entry,
+                                  const T* x, T* out) {
+  const int64_t n = m.experts * m.capacity * m.d;
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const int64_t e = slot_entry[i / m.d];
+    out[i] = e < 0 ? T(0) : x[(e / m.k) * m.d + i % m.d];
+  }
+}
+
+// One thread per (token, column): dx (+)= sum over the token's local slots
+// of (weighted ? w : 1) * src[slot]; `weighted` for combine, not for
+// dispatch's backward.
+template <typename T, bool kWeighted, bool kAccumulate>
+__global__ void TokenSumKernel(IdxDims m, const int64_t* route, const T* w,
+                               const T* src, T* out) {
+  const int64_t n = m.tokens * m.d;
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const int64_t t = i / m.d, c = i % m.d;
+    T acc = kAccumulate ? out[i] : T(0);
+    for (int64_t j = 0; j < m.k; ++j) {
+      if (route[t * m.k + j] < 0) continue;
+      const int64_t s = LocalSlot(m, route, t * m.k + j);
+      if (s < 0) continue;
+      const T v = src[s * m.d + c];
+      if constexpr (kWeighted) {
+        acc += w[t * m.k + j] * v;
+      } else {
+        acc += v;
+      }
+    }
+    out[i] = acc;
+  }
+}
+
+// dy[s] += w * dout[t] for the token in slot s, one thread per (slot,
+// column).
+template <typename T>
+__global__ void CombineIdxGradYKernel(IdxDims m, const int64_t* slot_entry,
+                                      const T* w, const T* dout, T* dy) {
+  const int64_t n = m.experts * m.capacity * m.d;
+  for (int64_t i = GridStart(); i < n; i += GridStep()) {
+    const int64_t e = slot_entry[i / m.d];
+    if (e >= 0) dy[i] += w[e] * dout[(e / m.k) * m.d + i % m.d];
+  }
+}
+
+// dw[t, j] += dout[t] . y[s] for the entries placed here, one thread each.
+template <typename T>
+__global__ void CombineIdxGradWKernel(IdxDims m, const int64_t* route,
+                                      const T* y, const T* dout, T* dw) {
+  for (int64_t i = GridStart(); i < m.tokens * m.k; i += GridStep()) {
+    if (route[i] < 0) continue;
+    const int64_t s = LocalSlot(m, route, i);
+    if (s < 0) continue;
+    const T* go = dout + (i / m.k) * m.d;
+    const T* ys = y + s * m.d;
+    T dot = 0;
+    for (int64_t c = 0; c < m.d; ++c) dot += go[c] * ys[c];
+    dw[i] += dot;
   }
 }
 
@@ -225,6 +350,92 @@ void LaunchMoeGather(const T* weights, int64_t out_rows, int64_t in_rows,
 #undef HAP_GATHER
 }
 
+template <typename T>
+void LaunchGateTopK(const GateDims& d, const T* logits, int32_t* expert,
+                    cudaStream_t stream) {
+  if (d.tokens == 0 || d.experts == 0) return;
+  GateTopKKernel<T>
+      <<<BlocksFor(d.tokens, kTokens), kTokens, 0, stream>>>(d, logits, expert);
+}
+
+void LaunchRouteSlots(const GateDims& d, const int32_t* expert,
+                      const int32_t* slot, int64_t* route,
+                      cudaStream_t stream) {
+  if (d.tokens * d.k == 0) return;
+  RouteSlotsKernel<<<BlocksFor(d.tokens * d.k, kTokens), kTokens, 0,
+                     stream>>>(d, expert, slot, route);
+}
+
+template <typename T>
+void LaunchRouteWeights(const GateDims& d, const T* logits,
+                        const int32_t* expert, T* w, cudaStream_t stream) {
+  if (d.tokens == 0) return;
+  RouteWeightsKernel<T><<<BlocksFor(d.tokens, kTokens), kTokens, 0, stream>>>(
+      d, logits, expert, w);
+}
+
+template <typename T>
+void LaunchRouteWeightsGrad(const GateDims& d, const T* logits, const T* dw,
+                            const int32_t* expert, T* dlogits,
+                            cudaStream_t stream) {
+  if (d.tokens == 0) return;
+  RouteWeightsGradKernel<T><<<BlocksFor(d.tokens, kTokens), kTokens, 0,
+                              stream>>>(d, logits, dw, expert, dlogits);
+}
+
+void LaunchSlotEntries(const IdxDims& m, const int64_t* route,
+                       int64_t* slot_entry, cudaStream_t stream) {
+  const int64_t slots = m.experts * m.capacity;
+  if (slots == 0) return;
+  cudaMemsetAsync(slot_entry, 0xff, slots * sizeof(int64_t), stream);  // -1
+  if (m.tokens * m.k == 0) return;
+  SlotEntriesKernel<<<BlocksFor(m.tokens * m.k, kTokens), kTokens, 0,
+                      stream>>>(m, route, slot_entry);
+}
+
+template <typename T>
+void LaunchDispatchIdx(const IdxDims& m, const int64_t* slot_entry,
+                       const T* x, T* out, cudaStream_t stream) {
+  const int64_t n = m.experts * m.capacity * m.d;
+  if (n == 0) return;
+  DispatchIdxKernel<T><<<BlocksFor(n, kScan), kScan, 0, stream>>>(
+      m, slot_entry, x, out);
+}
+
+template <typename T>
+void LaunchTokenSum(const IdxDims& m, const int64_t* route, const T* w,
+                    const T* src, bool accumulate, T* out,
+                    cudaStream_t stream) {
+  const int64_t n = m.tokens * m.d;
+  if (n == 0) return;
+  const unsigned blocks = BlocksFor(n, kScan);
+  if (w != nullptr) {
+    TokenSumKernel<T, true, false>
+        <<<blocks, kScan, 0, stream>>>(m, route, w, src, out);
+  } else if (accumulate) {
+    TokenSumKernel<T, false, true>
+        <<<blocks, kScan, 0, stream>>>(m, route, w, src, out);
+  } else {
+    TokenSumKernel<T, false, false>
+        <<<blocks, kScan, 0, stream>>>(m, route, w, src, out);
+  }
+}
+
+template <typename T>
+void LaunchCombineIdxGrad(const IdxDims& m, const int64_t* route,
+                          const int64_t* slot_entry, const T* y, const T* w,
+                          const T* dout, T* dy, T* dw, cudaStream_t stream) {
+  const int64_t n = m.experts * m.capacity * m.d;
+  if (dy != nullptr && n > 0) {
+    CombineIdxGradYKernel<T><<<BlocksFor(n, kScan), kScan, 0, stream>>>(
+        m, slot_entry, w, dout, dy);
+  }
+  if (dw != nullptr && m.tokens * m.k > 0) {
+    CombineIdxGradWKernel<T><<<BlocksFor(m.tokens * m.k, kTokens), kTokens, 0,
+                               stream>>>(m, route, y, dout, dw);
+  }
+}
+
 #define HAP_INSTANTIATE_MOE(T)                                                 \
   template void LaunchGateRoute<T>(const GateDims&, const T*, int32_t*,        \
                                    int32_t*, cudaStream_t);                    \
@@ -236,7 +447,20 @@ void LaunchMoeGather(const T* weights, int64_t out_rows, int64_t in_rows,
                                   cudaStream_t);                               \
   template void LaunchMoeGather<T>(const T*, int64_t, int64_t, int64_t,        \
                                    int64_t, const T*, int64_t, bool, bool, T*, \
-                                   cudaStream_t);
+                                   cudaStream_t);                              \
+  template void LaunchGateTopK<T>(const GateDims&, const T*, int32_t*,         \
+                                  cudaStream_t);                               \
+  template void LaunchRouteWeights<T>(const GateDims&, const T*,               \
+                                      const int32_t*, T*, cudaStream_t);       \
+  template void LaunchRouteWeightsGrad<T>(const GateDims&, const T*, const T*, \
+                                          const int32_t*, T*, cudaStream_t);   \
+  template void LaunchDispatchIdx<T>(const IdxDims&, const int64_t*, const T*, \
+                                     T*, cudaStream_t);                        \
+  template void LaunchTokenSum<T>(const IdxDims&, const int64_t*, const T*,    \
+                                  const T*, bool, T*, cudaStream_t);           \
+  template void LaunchCombineIdxGrad<T>(const IdxDims&, const int64_t*,        \
+                                        const int64_t*, const T*, const T*,    \
+                                        const T*, T*, T*, cudaStream_t);
 HAP_INSTANTIATE_MOE(float)
 HAP_INSTANTIATE_MOE(double)
 

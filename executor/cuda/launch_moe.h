@@ -50,6 +50,61 @@ void LaunchMoeGather(const T* weights, int64_t out_rows, int64_t in_rows,
                      int64_t d, bool weighted, bool accumulate, T* out,
                      cudaStream_t stream);
 
+// --- the compact form (moe_route, moe_route_weights, moe_dispatch_idx,
+// moe_combine_idx) ---
+
+// Only the top-k experts of every token (LaunchGateRoute's `expert`).
+template <typename T>
+void LaunchGateTopK(const GateDims& d, const T* logits, int32_t* expert,
+                    cudaStream_t stream);
+
+// route[t * k + j] = expert * capacity + slot, or -1 (slot -1).
+void LaunchRouteSlots(const GateDims& d, const int32_t* expert,
+                      const int32_t* slot, int64_t* route,
+                      cudaStream_t stream);
+
+// w[t * k + j]: the weight of choice j (as LaunchGateCombine's entries).
+template <typename T>
+void LaunchRouteWeights(const GateDims& d, const T* logits,
+                        const int32_t* expert, T* w, cudaStream_t stream);
+
+// dlogits += the gradient through the weights, given dw [tokens, k].
+template <typename T>
+void LaunchRouteWeightsGrad(const GateDims& d, const T* logits, const T* dw,
+                            const int32_t* expert, T* dlogits,
+                            cudaStream_t stream);
+
+// A rank's view of the route [tokens, k]: it holds `experts` experts from
+// `offset` on, rows `d` long. Route entries outside its slots are skipped
+// (the CPU kernels check the entries; these do not).
+struct IdxDims {
+  int64_t tokens = 0, k = 0, experts = 0, capacity = 0, d = 0, offset = 0;
+};
+
+// slot_entry[s] = the route entry (token * k + choice) in local slot s, or
+// -1 (scratch of experts * capacity).
+void LaunchSlotEntries(const IdxDims& m, const int64_t* route,
+                       int64_t* slot_entry, cudaStream_t stream);
+
+// out[s] = x[token of slot s], or 0.
+template <typename T>
+void LaunchDispatchIdx(const IdxDims& m, const int64_t* slot_entry,
+                       const T* x, T* out, cudaStream_t stream);
+
+// out[t] = sum over t's local slots s of w[t, j] * src[s] (w non-null;
+// combine) or out[t] (+)= sum of src[s] (w null; dispatch's backward).
+template <typename T>
+void LaunchTokenSum(const IdxDims& m, const int64_t* route, const T* w,
+                    const T* src, bool accumulate, T* out,
+                    cudaStream_t stream);
+
+// Combine's backward: dy[s] += w * dout[t] (dy non-null), dw[t, j] +=
+// dout[t] . y[s] (dw non-null) over the local slots.
+template <typename T>
+void LaunchCombineIdxGrad(const IdxDims& m, const int64_t* route,
+                          const int64_t* slot_entry, const T* y, const T* w,
+                          const T* dout, T* dy, T* dw, cudaStream_t stream);
+
 }  // namespace hap::executor::cuda
 
 #endif  // HAP_EXECUTOR_CUDA_LAUNCH_MOE_H_

@@ -1,6 +1,7 @@
 // The central correctness test of the project (DESIGN.md §7): a plan run on
 // n ranks gives the losses and the updated parameters of the single-device
-// program. Models: MLP, GPT-style LM, ViT, MoE (small configurations); the
+// program. Models: MLP, GPT-style LM, ViT, MoE and Switch (small
+// configurations, the compact MoE form, plans split by experts too); the
 // 1-rank run of the single-device program is the reference for 2, 3 and 4
 // ranks; even and uneven ratios; plan kinds: data parallel, tensor parallel,
 // the unrestricted search (a mix), ZeRO, SFB forced. Ranks are threads
@@ -51,10 +52,10 @@ graph::Graph Model(const std::string& name, int ranks) {
   } else if (name == "vit") {
     p = {{"layers", 1}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"image", 8},
          {"patch", 4}, {"channels", 3}, {"classes", 5}, {"batch", batch}, {"dropout", 0.1}};
-  } else if (name == "moe") {
+  } else if (name == "moe" || name == "switch") {
     p = {{"layers", 2}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 4},
          {"vocab", 29}, {"batch", batch}, {"dropout", 0.0}, {"experts", 2 * ranks + 2},
-         {"moe_every", 2}, {"top_k", 2}};
+         {"moe_every", 2}, {"top_k", name == "moe" ? 2 : 1}};
   }
   auto g = graph::BuildZooModel(name, p);
   EXPECT_TRUE(g.ok()) << g.status();
@@ -167,9 +168,13 @@ TEST_P(EquivalenceTest, LossesAndParametersMatchSingleDevice) {
 
 std::vector<Case> Cases() {
   std::vector<Case> out;
-  for (std::string model : {"mlp", "gpt", "vit", "moe"}) {
+  for (std::string model : {"mlp", "gpt", "vit", "moe", "switch"}) {
     for (int n : {2, 3, 4}) {
       std::vector<std::string> kinds = {"dp", "tp", "mix", "zero", "zero2", "sfb"};
+      // Experts split across ranks (the compact MoE form's expert offsets).
+      if (model == "moe" || model == "switch") kinds.push_back("expert");
+      // Switch (top-1) shares the MoE code: the plan kinds that differ.
+      if (model == "switch") kinds = {"dp", "mix", "expert"};
       // Vocabulary-parallel cross-entropy (the classifier's and the LM's).
       if (model == "gpt" || model == "mlp") kinds.push_back("vocab");
       for (const std::string& kind : kinds) {

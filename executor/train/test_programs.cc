@@ -44,6 +44,12 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
       return !(r.name == "data(0)" && r.inputs.size() == 2 && r.inputs[1].is_sharded() &&
                r.outputs.size() == 1 && r.outputs[0].is_partial());
     };
+  } else if (kind == "expert") {
+    // Mixture of experts split by experts: the MoE ops' other splits are
+    // left out (checked below: every dispatch and combine takes "expert").
+    o.rule_filter = [](const synth::ShardRule& r) {
+      return r.name != "tokens" && r.name != "features";
+    };
   } else if (kind != "mix") {
     return absl::InvalidArgumentError(absl::StrCat("unknown program kind '", kind, "'"));
   }
@@ -65,6 +71,23 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
     bool vocab = false;
     for (const synth::OpStep& s : p->steps) vocab = vocab || s.rule.name == "vocab";
     if (!vocab) return absl::FailedPreconditionError("the loss does not shard by class");
+  }
+  if (kind == "expert") {
+    int moe = 0;
+    for (const synth::OpStep& s : p->steps) {
+      const std::string& type = g.op(s.op).type;
+      if (type != "moe_dispatch_idx" && type != "moe_combine_idx" &&
+          type != "moe_dispatch" && type != "moe_combine") {
+        continue;
+      }
+      ++moe;
+      if (s.rule.name != "expert") {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "op '", g.op(s.op).name, "' is not split by experts (rule '",
+            s.rule.name, "')"));
+      }
+    }
+    if (moe == 0) return absl::FailedPreconditionError("no MoE dispatch or combine");
   }
   if (kind == "sfb") {
     int forced = 0;

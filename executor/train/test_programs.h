@@ -8,6 +8,7 @@
 //   zero2 the same, every ZeRO parameter gathered once per step and kept for
 //         backward, gathers and gradient reduce-scatters coalesced
 //   sfb   dp with SFB forced on every data-parallel linear weight
+//   expert the search with every MoE dispatch and combine split by experts
 #ifndef HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
 #define HAP_EXECUTOR_TRAIN_TEST_PROGRAMS_H_
 
@@ -32,7 +33,8 @@ cost::ClusterModel SlowDevicesFastLinks(int n);
 
 // A program of `kind` for n devices at `ratios`, checked by
 // synth::CheckProgram. FailedPrecondition when "sfb" finds no weight to
-// force SFB on, or "zero2" no ZeRO parameter.
+// force SFB on, "zero2" no ZeRO parameter, or "expert" an MoE op not split
+// by experts.
 absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
                                              const std::string& kind,
                                              const std::vector<double>& ratios);

@@ -243,13 +243,35 @@ TEST(RegistryTest, ShapeRules) {
   EXPECT_EQ(*infer("moe_gate", {{"k", int64_t{2}}, {"capacity", int64_t{3}}},
                    {F32({6, 4})}),
             V{F32({6, 4, 3})});
+  // The compact MoE form: int64 route, weights, index dispatch/combine.
+  const Attrs route_attrs = {{"k", int64_t{2}}, {"capacity", int64_t{3}}};
+  EXPECT_EQ(*infer("moe_route", route_attrs, {F32({6, 4})}), V{I64({6, 2})});
+  EXPECT_EQ(*infer("moe_route_weights", {{"k", int64_t{2}}}, {F32({6, 4})}),
+            V{F32({6, 2})});
+  const Attrs disp = {{"experts", int64_t{4}}, {"capacity", int64_t{3}}};
+  EXPECT_EQ(*infer("moe_dispatch_idx", disp, {F32({6, 5}), I64({6, 2})}),
+            V{F32({4, 3, 5})});
+  EXPECT_EQ(*infer("moe_combine_idx", {},
+                   {F32({4, 3, 5}), I64({6, 2}), F32({6, 2})}),
+            V{F32({6, 5})});
+  EXPECT_THAT(infer("moe_dispatch_idx", disp, {F32({6, 5}), F32({6, 2})}),
+              StatusIs(kInvalid, HasSubstr("must be an int64 route")));
+  EXPECT_THAT(infer("moe_dispatch_idx", disp, {F32({6, 5}), I64({5, 2})}),
+              StatusIs(kInvalid, HasSubstr("one row per token")));
+  EXPECT_THAT(infer("moe_combine_idx", {},
+                    {F32({4, 3, 5}), I64({6, 2}), F32({6, 1})}),
+              StatusIs(kInvalid, HasSubstr("must match")));
+  EXPECT_THAT(infer("moe_route", {{"k", int64_t{5}}, {"capacity", int64_t{3}}},
+                    {F32({6, 4})}),
+              StatusIs(kInvalid, HasSubstr("must be in [1, experts = 4]")));
 
   // Rank-0 inputs where a rank is required: errors, not out-of-range reads.
   for (const char* type :
        {"linear", "layer_norm", "softmax", "log_softmax", "matmul", "flatten",
         "concat", "split", "slice", "embedding", "conv2d", "max_pool2d",
         "adaptive_avg_pool2d", "moe_gate", "moe_dispatch", "moe_combine",
-        "nll_loss", "cross_entropy", "lstm"}) {
+        "moe_route", "moe_route_weights", "moe_dispatch_idx",
+        "moe_combine_idx", "nll_loss", "cross_entropy", "lstm"}) {
     SCOPED_TRACE(type);
     const OpDef* d = OpRegistry::Global().Find(type);
     ASSERT_NE(d, nullptr);

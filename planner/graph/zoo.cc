@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -39,13 +40,13 @@ const std::vector<ZooModelInfo>& Infos() {
        {{"layers", 12}, {"hidden", 768}, {"heads", 12}, {"ffn", 3072},
         {"seq", 128}, {"vocab", kWikiText2Vocab}, {"batch", 256},
         {"dropout", 0.1}, {"experts", 16}, {"capacity_factor", 1.25},
-        {"moe_every", 2}, {"top_k", 2}}},
+        {"moe_every", 2}, {"top_k", 2}, {"dense_routing", 0}}},
       {"switch",
        "gpt with every moe_every-th MLP a top-1 (Switch) mixture of experts",
        {{"layers", 12}, {"hidden", 768}, {"heads", 12}, {"ffn", 3072},
         {"seq", 128}, {"vocab", kWikiText2Vocab}, {"batch", 256},
         {"dropout", 0.1}, {"experts", 16}, {"capacity_factor", 1.25},
-        {"moe_every", 2}, {"top_k", 1}}},
+        {"moe_every", 2}, {"top_k", 1}, {"dense_routing", 0}}},
       {"vgg",
        "VGG-style CNN on 32x32 images (conv3x3+relu stages, max-pool)",
        {{"width", 64}, {"stages", 5}, {"convs_per_stage", 2}, {"image", 32},
@@ -86,6 +87,14 @@ class Params {
           absl::StrCat("parameter '", k, "' must be in [0, 1), got ", v));
     }
     return v;
+  }
+  bool Flag(const std::string& k) {
+    double v = values_.at(k);
+    if (status_.ok() && v != 0 && v != 1) {
+      status_ = absl::InvalidArgumentError(
+          absl::StrCat("parameter '", k, "' must be 0 or 1, got ", v));
+    }
+    return v == 1;
   }
   double Positive(const std::string& k) {
     double v = values_.at(k);
@@ -204,7 +213,9 @@ class Layers {
     return h;
   }
 
-  // GShard mixture of experts on x[batch, seq, hidden].
+  // GShard mixture of experts on x[batch, seq, hidden]; `dense_moe` builds
+  // the dense form (combine weights [tokens, experts, capacity]).
+  bool dense_moe = false;
   TensorId Moe(TensorId x, int64_t tokens, int64_t hidden, int64_t ffn,
                int64_t experts, int64_t top_k, double capacity_factor,
                int64_t batch, int64_t seq) {
@@ -220,10 +231,32 @@ class Layers {
     TensorId flat = Unary("reshape", "tokens", x,
                           {{"shape", std::vector<int64_t>{tokens, hidden}}});
     TensorId logits = Linear("gate", flat, hidden, experts, /*bias=*/false);
-    TensorId combine = Unary("moe_gate", "route", logits,
+    TensorId dispatched;
+    std::function<TensorId(TensorId)> combine;
+    if (dense_moe) {  // the earlier form, for comparisons
+      TensorId weights = Unary("moe_gate", "route", logits,
+                               {{"k", top_k}, {"capacity", capacity}});
+      dispatched =
+          b_.Add("moe_dispatch", b_.Scoped("dispatch"), {flat, weights});
+      combine = [this, weights](TensorId h) {
+        return b_.Add("moe_combine", b_.Scoped("combine"), {h, weights});
+      };
+    } else {
+      // The compact routing (int64 slots and weights [tokens, top_k]): the
+      // dense combine tensor [tokens, experts, capacity] grows with
+      // tokens^2.
+      TensorId route = Unary("moe_route", "route", logits,
                              {{"k", top_k}, {"capacity", capacity}});
-    TensorId dispatched =
-        b_.Add("moe_dispatch", b_.Scoped("dispatch"), {flat, combine});
+      TensorId weights =
+          Unary("moe_route_weights", "route_weights", logits, {{"k", top_k}});
+      dispatched =
+          b_.Add("moe_dispatch_idx", b_.Scoped("dispatch"), {flat, route},
+                 {{"experts", experts}, {"capacity", capacity}});
+      combine = [this, route, weights](TensorId h) {
+        return b_.Add("moe_combine_idx", b_.Scoped("combine"),
+                      {h, route, weights});
+      };
+    }
     TensorId w1 = b_.Parameter(b_.Scoped("experts/fc1/weight"),
                                F32({experts, hidden, ffn}), FanIn(hidden));
     TensorId w2 = b_.Parameter(b_.Scoped("experts/fc2/weight"),
@@ -231,7 +264,7 @@ class Layers {
     TensorId h = b_.Add("matmul", b_.Scoped("experts/fc1"), {dispatched, w1});
     h = Unary("gelu", "experts/gelu", h);
     h = b_.Add("matmul", b_.Scoped("experts/fc2"), {h, w2});
-    TensorId y = b_.Add("moe_combine", b_.Scoped("combine"), {h, combine});
+    TensorId y = combine(h);
     y = Unary("reshape", "untokens", y,
               {{"shape", std::vector<int64_t>{batch, seq, hidden}}});
     b_.PopScope();
@@ -325,11 +358,13 @@ absl::StatusOr<Graph> BuildLm(const std::string& name, Params& p, bool moe) {
     cf = p.Positive("capacity_factor");
     p.Require(top_k <= experts, "top_k must not exceed experts");
   }
+  const bool dense_routing = moe && p.Flag("dense_routing");
   p.Require(hidden % heads == 0, "hidden must be divisible by heads");
   const int64_t num_tokens = p.Mul(batch, seq, "batch * seq");
   HAP_RETURN_IF_ERROR(p.status());
   GraphBuilder b(name);
   Layers L(b);
+  L.dense_moe = dense_routing;
   TensorId tokens = b.Input("tokens", I64({batch, seq}));
   TensorId labels = b.Input("labels", I64({num_tokens}), InputRole::kLabels);
   TensorId wte = b.Parameter("embed/tokens", F32({vocab, hidden}),

@@ -231,6 +231,47 @@ TEST(ZooTest, MoeParameterCountCountsEveryExpert) {
   EXPECT_EQ(g->ParameterCount(), want);
 }
 
+// The compact routing (the default) and the dense one (dense_routing 1):
+// same parameters and dispatched tensor; the route is [tokens, k] where the
+// dense form has combine weights [tokens, experts, capacity].
+TEST(ZooTest, MoeRoutingForms) {
+  for (const char* model : {"moe", "switch"}) {
+    SCOPED_TRACE(model);
+    const std::map<std::string, double> p = {{"layers", 2}, {"batch", 8},
+                                             {"experts", 4}};
+    auto compact = BuildZooModel(model, p);
+    std::map<std::string, double> dp = p;
+    dp["dense_routing"] = 1;
+    auto dense = BuildZooModel(model, dp);
+    ASSERT_THAT(compact, IsOk());
+    ASSERT_THAT(dense, IsOk());
+    EXPECT_EQ(compact->ParameterCount(), dense->ParameterCount());
+    std::map<std::string, int> types;
+    for (const Op& op : compact->ops()) ++types[op.type];
+    EXPECT_EQ(types["moe_route"], 1);
+    EXPECT_EQ(types["moe_dispatch_idx"], 1);
+    EXPECT_EQ(types["moe_combine_idx"], 1);
+    EXPECT_EQ(types["moe_gate"], 0);
+    // tokens 8 * 128; capacity 1.25 * tokens * k / 4.
+    const int64_t tokens = 8 * 128, k = std::string(model) == "moe" ? 2 : 1;
+    const int64_t cap = (tokens * k * 5 + 15) / 16;
+    auto output_of = [](const Graph& g, const std::string& type) {
+      for (const Op& op : g.ops()) {
+        if (op.type == type) return g.tensor(op.outputs[0]).type;
+      }
+      return TensorType{};
+    };
+    EXPECT_EQ(output_of(*dense, "moe_gate").shape, (Shape{tokens, 4, cap}));
+    EXPECT_EQ(output_of(*compact, "moe_route").shape, (Shape{tokens, k}));
+    EXPECT_EQ(output_of(*compact, "moe_route").dtype, DType::kInt64);
+    EXPECT_EQ(output_of(*compact, "moe_dispatch_idx").shape,
+              output_of(*dense, "moe_dispatch").shape);
+  }
+  EXPECT_THAT(BuildZooModel("moe", {{"dense_routing", 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("'dense_routing' must be 0 or 1")));
+}
+
 TEST(ZooTest, UnknownModelIsInvalidArgument) {
   EXPECT_THAT(BuildZooModel("resnet"),
               StatusIs(absl::StatusCode::kInvalidArgument,

@@ -579,6 +579,16 @@ class RankBuilder {
         if (reduced) count *= in0[d];
       }
       a["global_count"].set_i(count);
+    } else if (op.type == "moe_dispatch_idx" || op.type == "moe_combine_idx") {
+      // The compact route holds global slots; a rank holding experts
+      // [offset, offset + local) keeps theirs (executor/cpu/kernels.h).
+      const bool dispatch = op.type == "moe_dispatch_idx";
+      const TensorId experts = dispatch ? op.outputs[0] : op.inputs[0];
+      const Form f = dispatch ? s.rule.outputs[0] : s.rule.inputs[0];
+      a["experts"].set_i(g_.tensor(experts).type.shape[0]);
+      a["expert_offset"].set_i(f.is_sharded() && f.dim() == 0
+                                   ? dims_.Layout(experts, 0).offsets[r_]
+                                   : 0);
     } else if (op.type == "embedding") {
       const graph::Shape& table = g_.tensor(op.inputs[1]).type.shape;
       a["vocab_size"].set_i(table[0]);

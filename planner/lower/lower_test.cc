@@ -147,6 +147,55 @@ TEST(LowerTest, DataParallelAllReducesEveryWeightGradient) {
   EXPECT_EQ(updates, static_cast<int>(g.Parameters().size()));
 }
 
+// MoE split by experts: each rank's dispatch, combine and their backward
+// kernels carry its experts' offset and the global expert count; the
+// offsets are the cumulative shard sizes (8 experts at uneven ratios).
+TEST(LowerTest, ExpertSplitMoeKernelsCarryTheRanksExpertOffset) {
+  auto g = graph::BuildZooModel(
+      "moe", {{"layers", 2}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 4},
+              {"vocab", 29}, {"batch", 7}, {"experts", 8}, {"dropout", 0.0}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  const std::vector<double> ratios = {0.5, 0.3, 0.2};
+  synth::Program p = Search(*g, 3, ratios, std::nullopt, [](const synth::ShardRule& r) {
+    return r.name != "tokens" && r.name != "features";
+  });
+  for (const synth::OpStep& s : p.steps) {
+    const std::string& type = g->op(s.op).type;
+    if (type == "moe_dispatch_idx" || type == "moe_combine_idx") {
+      ASSERT_EQ(s.rule.name, "expert") << g->op(s.op).name;
+    }
+  }
+  LowerOptions o;
+  o.world_size = 3;
+  o.ratios = ratios;
+  auto progs = Lower(*g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  int64_t next = 0;
+  for (int r = 0; r < 3; ++r) {
+    int calls = 0;
+    int64_t offset = -1;
+    for (const auto& s : (*progs)[r].steps()) {
+      if (!s.has_kernel() || s.kernel().kernel().rfind("moe_", 0) != 0 ||
+          s.kernel().kernel().find("_idx") == std::string::npos) {
+        continue;
+      }
+      ++calls;
+      const auto& a = s.kernel().attrs();
+      ASSERT_TRUE(a.count("expert_offset")) << s.kernel().kernel();
+      EXPECT_EQ(a.at("experts").i(), 8);
+      if (offset < 0) offset = a.at("expert_offset").i();
+      EXPECT_EQ(a.at("expert_offset").i(), offset) << s.kernel().kernel();
+    }
+    EXPECT_EQ(calls, 4);  // dispatch, combine and their backward, 1 MoE layer
+    EXPECT_EQ(offset, next) << "rank " << r;
+    const v1::Buffer* w = Find((*progs)[r], "layer1/moe/experts/fc1/weight",
+                               v1::Buffer::PARAMETER);
+    ASSERT_NE(w, nullptr);
+    next += w->shape(0);
+  }
+  EXPECT_EQ(next, 8);
+}
+
 TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   graph::Graph g = Gpt(8);
   synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, synth::DataParallelRule);

@@ -1,6 +1,10 @@
 // Rules of the mixture-of-experts ops. Gating places tokens by a running
 // count over all tokens, so it is computed replicated to keep the
 // single-device semantics; dispatch and combine split by tokens or experts.
+// The compact form (moe_route, moe_route_weights, moe_dispatch_idx,
+// moe_combine_idx) splits the same ways: its route holds global slot
+// indices, so a rank holding some experts is told their offset by the
+// lowering ("expert_offset") and keeps the slots of its experts.
 #include "planner/synth/rules.h"
 
 namespace hap::synth::internal {
@@ -8,12 +12,10 @@ namespace {
 
 void Gate(const RuleInput&, std::vector<ShardRule>&) {}
 
-void Dispatch(const RuleInput& x, std::vector<ShardRule>& r) {
-  // x[t, d], combine[t, e, c] -> [e, c, d].
-  if (x.Shardable(x.in(1)[1])) {
-    r.push_back(MakeRule("expert", RuleKind::kTensor, {Form::R(), Form::S(1)},
-                         {Form::S(0)}, true));
-  }
+// Dispatch by tokens (partial sums of the dispatched tensor) or features;
+// the second input (combine weights or route) splits with x's tokens.
+void DispatchByTokensOrFeatures(const RuleInput& x,
+                                std::vector<ShardRule>& r) {
   if (x.Shardable(x.in(0)[0])) {
     r.push_back(MakeRule("tokens", RuleKind::kData, {Form::S(0), Form::S(0)},
                          {Form::P()}, true));
@@ -22,6 +24,15 @@ void Dispatch(const RuleInput& x, std::vector<ShardRule>& r) {
     r.push_back(MakeRule("features", RuleKind::kTensor,
                          {Form::S(1), Form::R()}, {Form::S(2)}, true));
   }
+}
+
+void Dispatch(const RuleInput& x, std::vector<ShardRule>& r) {
+  // x[t, d], combine[t, e, c] -> [e, c, d].
+  if (x.Shardable(x.in(1)[1])) {
+    r.push_back(MakeRule("expert", RuleKind::kTensor, {Form::R(), Form::S(1)},
+                         {Form::S(0)}, true));
+  }
+  DispatchByTokensOrFeatures(x, r);
 }
 
 void Combine(const RuleInput& x, std::vector<ShardRule>& r) {
@@ -40,12 +51,52 @@ void Combine(const RuleInput& x, std::vector<ShardRule>& r) {
   }
 }
 
+// The per-token top-k weights: by tokens.
+void RouteWeights(const RuleInput& x, std::vector<ShardRule>& r) {
+  if (x.Shardable(x.in(0)[0])) {
+    r.push_back(MakeRule("tokens", RuleKind::kData, {Form::S(0)}, {Form::S(0)},
+                         true));
+  }
+}
+
+void DispatchIdx(const RuleInput& x, std::vector<ShardRule>& r) {
+  // x[t, d], route[t, k] -> [e, c, d].
+  if (x.Shardable(x.out(0)[0])) {
+    r.push_back(MakeRule("expert", RuleKind::kTensor, {Form::R(), Form::R()},
+                         {Form::S(0)}, true));
+  }
+  DispatchByTokensOrFeatures(x, r);
+}
+
+void CombineIdx(const RuleInput& x, std::vector<ShardRule>& r) {
+  // y[e, c, d], route[t, k], weights[t, k] -> [t, d].
+  if (x.Shardable(x.in(0)[0])) {
+    r.push_back(MakeRule("expert", RuleKind::kTensor,
+                         {Form::S(0), Form::R(), Form::R()}, {Form::P()},
+                         true));
+  }
+  if (x.Shardable(x.in(1)[0])) {
+    r.push_back(MakeRule("tokens", RuleKind::kData,
+                         {Form::R(), Form::S(0), Form::S(0)}, {Form::S(0)},
+                         true));
+  }
+  if (x.Shardable(x.in(0)[2])) {
+    r.push_back(MakeRule("features", RuleKind::kTensor,
+                         {Form::S(2), Form::R(), Form::R()}, {Form::S(1)},
+                         true));
+  }
+}
+
 }  // namespace
 
 RuleFn MoeRules(const std::string& t) {
   if (t == "moe_gate") return Gate;
   if (t == "moe_dispatch") return Dispatch;
   if (t == "moe_combine") return Combine;
+  if (t == "moe_route") return Gate;
+  if (t == "moe_route_weights") return RouteWeights;
+  if (t == "moe_dispatch_idx") return DispatchIdx;
+  if (t == "moe_combine_idx") return CombineIdx;
   return nullptr;
 }
 
