@@ -70,6 +70,23 @@ def validate(path):
     return hapctl_json("validate", path)
 
 
+def write_npy(path, t):
+    """A version 1.0 .npy file of a torch tensor (float64/32, int64 or
+    bool), written from the format's specification (hap-executor --data
+    npy:DIR reads DIR/<input>.npy)."""
+    import struct
+    import torch
+    descr = {torch.float64: "<f8", torch.float32: "<f4", torch.int64: "<i8",
+             torch.bool: "|b1"}[t.dtype]
+    header = ("{'descr': '%s', 'fortran_order': False, 'shape': (%s), }"
+              % (descr, "".join(f"{d}, " for d in t.shape)))
+    header += " " * (64 - (10 + len(header) + 1) % 64) + "\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) +
+                header.encode("latin1"))
+        f.write(t.contiguous().numpy().tobytes())
+
+
 class _Result(unittest.TextTestResult):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)

@@ -30,6 +30,17 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     "enc.layers.0.self_attn.in_proj_weight", "axis": 0, "offset": E,
     "source_shape": [3E, E]}. hap-executor --init-weights and
     `hapctl checkpoint export` read and write the source whole through it.
+  * Attention key padding masks (key_padding_mask, src_/tgt_/
+    memory_key_padding_mask; [batch, keys]): a bool mask (True = padding)
+    that is a graph input (it becomes an INT64 0/1 input) or is computed
+    from integer ids as `ids == c`, `ids != c`, `~mask` (the ids must also
+    index an nn.Embedding, which bounds them) is an `embedding` of the ids
+    in a [limit, 1] table of 0 and -1e30 (concatenated constants), reshaped
+    to [batch, 1, 1, keys] and added by the softmax over heads and queries
+    (plus the attn_mask, if any); one such mask per source, shared by every
+    attention. A float mask is added as it is (PyTorch's additive mask),
+    without an attn_mask only. Rows with a kept key equal PyTorch's; a row
+    whose keys are all padded gets uniform weights (PyTorch: NaN).
   * nn.TransformerEncoderLayer (post-norm or norm_first, relu or gelu) and
     nn.TransformerEncoder are decomposed the same way as the zoo's
     BuildTransformer / PreNormBlock; nn.TransformerDecoderLayer,
@@ -346,6 +357,28 @@ class _LstmState:
         self.whole = None  # the [layers * directions, B, H] tensor, once made
 
 
+class _BoolIds:
+    """A boolean tensor the IR holds through integer ids: True where the
+    INT64 tensor `ids` is in `true_ids` (`negate`: where it is not). A bool
+    input is its own ids (0/1, true_ids {1}); `tokens == pad` is
+    _BoolIds(tokens, {pad}). Only attention key padding masks consume them
+    (as an embedding of the ids in a table of 0 and a large negative)."""
+
+    def __init__(self, ids, true_ids, negate=False):
+        self.ids, self.true_ids, self.negate = ids, frozenset(true_ids), negate
+
+    def inverted(self):
+        return _BoolIds(self.ids, self.true_ids, not self.negate)
+
+
+# The additive stand-in for PyTorch's -inf at a padded key: exp(x + NEG - max)
+# is exactly 0 in these dtypes whenever one key of the row is kept, so such
+# rows equal PyTorch's; a row with every key padded (NaN in PyTorch 1.13)
+# gets uniform weights instead.
+_PAD_NEG = {"FLOAT16": -65504.0}
+_PAD_NEG_DEFAULT = -1e30
+
+
 def _uniform(bound):
     return {"kind": "UNIFORM", "low": -bound, "high": bound}
 
@@ -498,6 +531,8 @@ class _Exporter:
         self.slices = {}  # graph parameter -> slice of a state_dict tensor
         self.node = None  # the node being exported (for error messages)
         self.n_const = 0
+        self.id_limits = {}  # INT64 tensor -> its ids lie in [0, limit)
+        self.padding_masks = {}  # key padding mask source -> [B, 1, 1, Sk]
         self.values = {}  # parameter name -> torch tensor (its PyTorch value)
         self.buffers = []  # graph parameters that are module buffers
         self.buffer_names = {id(b): self.pub(n)
@@ -701,6 +736,9 @@ class _Exporter:
                           f"from '{a.name}'")
             if isinstance(v, _LstmState):
                 v = self.lstm_state(v)
+            if isinstance(v, _BoolIds):
+                self.fail(f"boolean tensor '{a.name}' is supported only as "
+                          f"an attention key_padding_mask")
             if not isinstance(v, _T):
                 self.fail(f"expects a tensor, got {type(v).__name__} from "
                           f"'{a.name}'")
@@ -755,10 +793,15 @@ class _Exporter:
         for n, ex in self.input_nodes.items():
             if n.meta.get("hap_static"):
                 continue
-            dtype = _ir_dtype(ex.dtype, f"input '{n.target}'")
+            boolean = ex.dtype == torch.bool  # 0/1 ids (a padding mask)
+            dtype = "INT64" if boolean else \
+                _ir_dtype(ex.dtype, f"input '{n.target}'")
             name = n.target
             self.used.add(name)
             self.env[n] = _T(name, tuple(ex.shape), dtype)
+            if boolean:
+                self.id_limits[name] = 2
+                self.env[n] = _BoolIds(self.env[n], {1})
             self.inputs.append({"tensor": {"name": name,
                                            "shape": list(ex.shape),
                                            "dtype": dtype}})
@@ -977,11 +1020,100 @@ class _Exporter:
                       f"[{sq}, {sk}] tensor (or a constant causal mask)")
         return False, mask
 
+    def bool_ids(self, kind, a, b=None):
+        """`a == b` / `a != b` (kind "eq"/"ne": an integer tensor and an
+        integer constant, e.g. tokens == pad_id) or the negation of a boolean
+        tensor (kind "not"): a _BoolIds, for a key_padding_mask."""
+        if kind == "not":
+            v = self.env.get(a) if isinstance(a, fx.Node) else None
+            if not isinstance(v, _BoolIds):
+                self.fail("logical negation is supported only of a boolean "
+                          "key padding mask (a bool input, or integer ids "
+                          "== a constant)")
+            return v.inverted()
+        if self.is_static(a) and not self.is_static(b):
+            a, b = b, a
+        x, c = self.t(a), self.v(b)
+        if isinstance(c, torch.Tensor) and c.numel() == 1 and \
+                not c.is_floating_point():
+            c = int(c)
+        if x.dtype != "INT64" or isinstance(c, bool) or \
+                not isinstance(c, int):
+            self.fail("comparisons are supported only between an integer "
+                      "tensor and an integer constant (tokens == pad_id, as "
+                      "a key_padding_mask)")
+        return _BoolIds(x, {c}, negate=(kind == "ne"))
+
+    def padding_mask(self, kpm, path, B, Sk, dtype, alone, scope):
+        """PyTorch's key_padding_mask [B, Sk] as an additive mask [B, 1, 1,
+        Sk] that softmax broadcasts over heads and queries, or None. Bool
+        (True: the key is padding, hidden from every query): an embedding of
+        its ids in a [limit, 1] table of 0 and _PAD_NEG (concatenated
+        constants). Float: added as it is, as PyTorch does, only `alone`
+        (without attn_mask, which PyTorch 1.13 cannot merge with a float
+        one). One mask per source tensor, shared by every attention."""
+        if kpm is None:
+            return None
+        if isinstance(kpm, _Static):
+            v = kpm.value
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bool and \
+                    not bool(v.any()):
+                return None
+            self.fail(f"{path}: a constant key_padding_mask is not supported "
+                      f"(make it an input or compute it from one)")
+        ids = kpm.ids if isinstance(kpm, _BoolIds) else kpm
+        if tuple(ids.shape) != (B, Sk):
+            self.fail(f"{path}: key_padding_mask '{ids.name}' "
+                      f"{list(ids.shape)} must have shape [{B}, {Sk}] "
+                      f"(batch, key length)")
+        if isinstance(kpm, _BoolIds):
+            key = (ids.name, kpm.true_ids, kpm.negate, dtype)
+        else:
+            if kpm.dtype == "INT64":
+                self.fail(f"{path}: key_padding_mask '{kpm.name}' is an "
+                          f"integer tensor; PyTorch takes bool (True = "
+                          f"padding) or float (additive) masks")
+            if kpm.dtype != dtype:
+                self.fail(f"{path}: float key_padding_mask '{kpm.name}' is "
+                          f"{kpm.dtype}, the attention {dtype}")
+            if not alone:
+                self.fail(f"{path}: a float key_padding_mask with an "
+                          f"attn_mask is not supported (PyTorch 1.13 merges "
+                          f"them with masked_fill, which takes a bool mask)")
+            key = (kpm.name, dtype)
+        if key in self.padding_masks:
+            return self.padding_masks[key]
+        base = f"{ids.name}.padding"
+        if isinstance(kpm, _BoolIds):
+            limit = self.id_limits.get(ids.name)
+            if limit is None:
+                self.fail(f"{path}: key_padding_mask computed from "
+                          f"'{ids.name}', whose range is unknown: its ids "
+                          f"must also index an nn.Embedding before the "
+                          f"attention")
+            neg = _PAD_NEG.get(dtype, _PAD_NEG_DEFAULT)
+            rows = [(i in kpm.true_ids) != kpm.negate for i in range(limit)]
+            like = _T("", (), dtype)
+            runs, start = [], 0
+            for i in range(1, limit + 1):  # constant runs of the table
+                if i == limit or rows[i] != rows[start]:
+                    runs.append(self.const(torch.full(
+                        (i - start, 1), neg if rows[start] else 0.0), like))
+                    start = i
+            table = runs[0] if len(runs) == 1 else self.emit(
+                "concat", f"{base}_table", runs, {"axis": 0}, (limit, 1),
+                dtype=dtype, scope=scope)
+            add = self.emit("embedding", f"{base}_additive", [ids, table],
+                            None, (B, Sk, 1), dtype=dtype, scope=scope)
+        else:
+            add = kpm
+        out = self.reshape(f"{base}_mask", add, (B, 1, 1, Sk), scope)
+        self.padding_masks[key] = out
+        return out
+
     def mha(self, mod, path, query, key, value, attn_mask, key_padding_mask,
             batch_first=None):
         at = functools.partial(_join, path)  # "<path>.<leaf>"
-        if key_padding_mask is not None:
-            self.fail(f"{path}: key_padding_mask is not supported")
         if mod.bias_k is not None or mod.add_zero_attn:
             self.fail(f"{path}: add_bias_kv / add_zero_attn are not supported")
         bf = mod.batch_first if batch_first is None else batch_first
@@ -1005,6 +1137,14 @@ class _Exporter:
         B, Sq, _ = q_in.shape
         Sk = k_in.shape[1]
         causal, mask = self.attention_mask(attn_mask, Sq, Sk)
+        pad = self.padding_mask(key_padding_mask, path, B, Sk, q_in.dtype,
+                                mask is None and not causal, scope)
+        if pad is not None:
+            # PyTorch 1.13 fills the padded keys of attn_mask with -inf
+            # (masked_fill): the sum, [B, 1, Sq, Sk].
+            mask = pad if mask is None else self.emit(
+                "add", at("attn_mask_padded"), [pad, mask], None,
+                (B, 1, Sq, Sk), scope=scope)
         ws, bs = [], []
         # in_proj_weight/in_proj_bias are split into q, k and v parameters
         # ("<module>.q.weight" ...), recorded as slices of their source;
@@ -1280,6 +1420,8 @@ class _Exporter:
                 v = self.env[a]
                 if isinstance(v, _Static):
                     return None if v.value is None else v
+                if isinstance(v, _BoolIds):
+                    return v
                 return self.t(a)
             return _Static(a)
 
@@ -1431,6 +1573,7 @@ class _Exporter:
         ids = self.t(ids_arg)
         if ids.dtype != "INT64":
             self.fail("embedding indices must be integers")
+        self.id_limits.setdefault(ids.name, w.shape[0])
         return self.op("embedding", [ids, w])
 
     def conv2d(self, x, weight, bias, stride, padding, dilation, groups):
@@ -1721,6 +1864,11 @@ class _Exporter:
         def V(i, name, default=_MISSING):
             return self.v(arg(i, name, default))
 
+        if f in (operator.eq, torch.eq, operator.ne, torch.ne):
+            return self.bool_ids("ne" if f in (operator.ne, torch.ne)
+                                 else "eq", A[0], arg(1, "other"))
+        if f in (operator.invert, torch.logical_not, torch.bitwise_not):
+            return self.bool_ids("not", A[0])
         if f in (operator.add, operator.iadd, torch.add):
             return self.binary("add", A[0], arg(1, "other"),
                                self.v(n.kwargs.get("alpha", 1)))
@@ -1953,6 +2101,10 @@ class _Exporter:
         if m in ("softmax", "log_softmax"):
             x = self.t(A[0], allow_masked=True)
             return self.softmax(m, x, V(1, "dim", None))
+        if m in ("eq", "ne", "__eq__", "__ne__"):
+            return self.bool_ids(m.strip("_"), A[0], arg(1, "other"))
+        if m in ("logical_not", "bitwise_not", "__invert__"):
+            return self.bool_ids("not", A[0])
         x = self.t(A[0])
         if m in ("add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_",
                  "__add__", "__mul__"):

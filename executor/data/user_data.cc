@@ -299,14 +299,14 @@ std::string PyShape(const Shape& s) {
 // An array in a mapped .npy file.
 struct NpyArray {
   std::string descr;  // as written: "<f4"
-  char kind = 'f';    // 'f', 'i' or 'u'
+  char kind = 'f';    // 'f', 'i', 'u' or 'b' (bool)
   int item_bytes = 4;
   Shape shape;
   const unsigned char* data = nullptr;
 };
 
 constexpr absl::string_view kNpyMagic = "\x93NUMPY";
-constexpr absl::string_view kNpyDtypes = "f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8";
+constexpr absl::string_view kNpyDtypes = "f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8 b1";
 
 absl::Status ParseDescr(const std::string& descr, NpyArray& a) {
   if (descr.size() < 3) {
@@ -472,6 +472,7 @@ void CastTo(char kind, int bytes, const unsigned char* src, D* dst, int64_t n) {
     case 'i' * 16 + 8:
       return Cast<int64_t>(src, dst, n);
     case 'u' * 16 + 1:
+    case 'b' * 16 + 1:  // NumPy's bool: one byte, 0 or 1
       return Cast<uint8_t>(src, dst, n);
     case 'u' * 16 + 2:
       return Cast<uint16_t>(src, dst, n);
@@ -518,7 +519,7 @@ absl::Status CheckDType(const NpyArray& a, DType d) {
       break;
     case DType::kInt32:
     case DType::kInt64:
-      if (a.kind == 'i' || a.kind == 'u') return absl::OkStatus();
+      if (a.kind == 'i' || a.kind == 'u' || a.kind == 'b') return absl::OkStatus();
       return absl::InvalidArgumentError(
           absl::StrCat("dtype '", a.descr, "' for an integer (", want,
                        ") input; save integer ids or labels (a.astype('int64'))"));
@@ -529,7 +530,7 @@ absl::Status CheckDType(const NpyArray& a, DType d) {
   }
   if (a.kind != 'f') {
     return absl::InvalidArgumentError(
-        absl::StrCat("integer dtype '", a.descr, "' for a float (", want,
+        absl::StrCat(a.kind == 'b' ? "bool" : "integer", " dtype '", a.descr, "' for a float (", want,
                      ") input; convert (and scale) it in NumPy, e.g. (a / 255).astype('float32')"));
   }
   return absl::InvalidArgumentError(

@@ -16,7 +16,7 @@
 //               (N, r, *shape[1:])    when r > 1  (labels[B*S] -> (N, S)),
 //             and a step's tensor is its B samples' rows in batch order.
 //             Format: NPY versions 1.0, 2.0 and 3.0, C order, little-endian
-//             (or '|' one-byte) dtypes f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8.
+//             (or '|' one-byte) dtypes f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8 b1.
 //             Files are parsed here from the NPY specification.
 //   tokens:FILE[:uint16|uint32]
 //             A flat little-endian token stream (default uint16) for a
@@ -31,7 +31,8 @@
 // f32 rounds to nearest, since NumPy's default float64 is the common case);
 // f16 inputs take f2 files; bf16 inputs are Unimplemented (NumPy has no
 // bfloat16). Integer inputs (i32, i64) take any integer file dtype, every
-// value checked to fit. Integer files for float inputs (e.g. uint8 images)
+// value checked to fit, and bool files (b1: 0/1, e.g. a padding mask, which
+// tools/export_fx.py makes an integer input). Integer files for float inputs (e.g. uint8 images)
 // and float files for integer inputs are refused: scale or cast in NumPy.
 //
 // Order. Step k's global batch holds the samples at global positions

@@ -211,6 +211,25 @@ TEST(UserDataNpyTest, ConvertsIntegerAndFloatFileDtypes) {
   }
 }
 
+TEST(UserDataNpyTest, BoolFilesFeedIntegerInputsAsZeroAndOne) {
+  std::string dir = TestDir();
+  WriteMlpData(dir, 8);
+  std::vector<uint8_t> mask = {1, 0, 0, 1, 1, 1, 0, 0};
+  WriteFile(dir + "/labels.npy", Npy("|b1", {8}, Raw(mask)));
+  graph::Graph g = Mlp();
+  auto d = MustOpen("npy:" + dir, g);
+  ASSERT_NE(d, nullptr);
+  auto b = d->Get(1);
+  ASSERT_THAT(b, IsOk());
+  const HostTensor& l = b->at("labels");
+  EXPECT_EQ(std::vector<int64_t>(l.as<int64_t>(), l.as<int64_t>() + 4),
+            (std::vector<int64_t>{1, 1, 0, 0}));
+  // Not for float inputs.
+  WriteFile(dir + "/x.npy", Npy("|b1", {8, 3}, std::string(24, '\1')));
+  EXPECT_THAT(OpenUserDataSet("npy:" + dir, g, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("x.npy")));
+}
+
 TEST(UserDataNpyTest, ReadsFormatVersions2And3) {
   for (int major : {2, 3}) {
     std::string dir = TestDir();
