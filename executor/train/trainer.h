@@ -50,6 +50,13 @@ absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
                                       data::BatchSource& batches,
                                       const TrainOptions& options);
 
+// TrainRank with every step run by `run_step` (a pipeline's) instead of
+// runner.RunStep; `runner` initialises and gives the parameters.
+absl::StatusOr<TrainResult> TrainRankWith(
+    ProgramRunner& runner,
+    const std::function<absl::StatusOr<double>(const Batch&, int64_t)>& run_step,
+    data::BatchSource& batches, const TrainOptions& options);
+
 struct LocalRanksOptions {
   std::string rendezvous_dir;  // a fresh directory
   int threads_per_rank = 1;
