@@ -30,6 +30,30 @@ absl::StatusOr<std::pair<int, int>> StageOf(const PipelineLayout& layout, int ra
   return at;
 }
 
+absl::StatusOr<PipelineLayout> PipelineLayoutOf(const v1::Plan& plan) {
+  PipelineLayout layout;
+  layout.microbatches = plan.pipeline().microbatches();
+  layout.clip = plan.options().optimizer().clip_global_norm() > 0;
+  for (const v1::PipelineStage& st : plan.pipeline().stages()) {
+    std::vector<int> ranks;
+    for (const std::string& d : st.devices()) {
+      auto it = std::find(plan.devices().begin(), plan.devices().end(), d);
+      if (it == plan.devices().end()) {
+        return absl::InvalidArgumentError(absl::StrCat("pipeline stage ", st.index(),
+                                                       "'s device ", d,
+                                                       " is not among the plan's devices"));
+      }
+      ranks.push_back(static_cast<int>(it - plan.devices().begin()));
+    }
+    layout.stage_ranks.push_back(std::move(ranks));
+  }
+  for (int r = 0; r < plan.devices_size(); ++r) HAP_RETURN_IF_ERROR(StageOf(layout, r).status());
+  if (layout.microbatches < 1) {
+    return absl::InvalidArgumentError("the pipeline plan has no microbatch count");
+  }
+  return layout;
+}
+
 std::vector<int> OneFOneBOrder(int stage, int stages, int microbatches) {
   const int w = std::min(stages - 1 - stage, microbatches);
   std::vector<int> order;
@@ -89,17 +113,21 @@ absl::Status PipelineRunner::Analyze() {
   const v1::RankProgram& prog = runner_->program();
   const int n = prog.steps_size();
   auto phase_at = [&](int i) { return prog.steps(i).phase(); };
+  // Per microbatch: the leading FORWARD steps, then up to the last
+  // BACKWARD step (gradient synchronisation inside backward, such as
+  // ZeRO's reduce-scatters, is linear and runs per microbatch); once per
+  // step: the rest.
   int i = 0;
   while (i < n && phase_at(i) == v1::Step::FORWARD) ++i;
   forward_end_ = i;
-  while (i < n && phase_at(i) == v1::Step::BACKWARD) ++i;
-  backward_end_ = i;
+  backward_end_ = forward_end_;
   for (; i < n; ++i) {
-    if (phase_at(i) != v1::Step::GRADIENT_SYNC && phase_at(i) != v1::Step::OPTIMIZER) {
+    if (phase_at(i) == v1::Step::FORWARD) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "step ", i, " of the stage program is a ", v1::Step::Phase_Name(phase_at(i)),
-          " step after the backward: not a pipeline stage program"));
+          "step ", i, " of the stage program is a FORWARD step after the backward began: "
+          "not a pipeline stage program"));
     }
+    if (phase_at(i) == v1::Step::BACKWARD) backward_end_ = i + 1;
   }
   const bool first = stage_ == 0;
   const bool last = stage_ + 1 == static_cast<int>(layout_.stage_ranks.size());
@@ -385,6 +413,15 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalPipeline(
     });
   }
   for (auto& t : threads) t.join();
+  // The cause rather than its echo: a rank that failed makes its peers'
+  // connections break or time out.
+  for (int r = 0; r < n; ++r) {
+    const absl::Status& st = results[r].status();
+    if (!st.ok() && st.code() != absl::StatusCode::kUnavailable &&
+        st.code() != absl::StatusCode::kDeadlineExceeded) {
+      return Annotate(st, absl::StrCat("rank ", r));
+    }
+  }
   std::vector<TrainResult> out;
   for (int r = 0; r < n; ++r) {
     if (!results[r].ok()) return Annotate(results[r].status(), absl::StrCat("rank ", r));

@@ -59,6 +59,10 @@ struct PipelineLayout {
   bool clip = false;
 };
 
+// The layout of a pipeline plan (Plan.pipeline; world rank r = device
+// Plan.devices(r)); InvalidArgument when a device is in no stage or two.
+absl::StatusOr<PipelineLayout> PipelineLayoutOf(const hap::v1::Plan& plan);
+
 // The (stage, rank in its group) of world rank `rank`; InvalidArgument when
 // the layout does not hold it exactly once.
 absl::StatusOr<std::pair<int, int>> StageOf(const PipelineLayout& layout, int rank);

@@ -213,6 +213,11 @@ std::vector<Case> Cases() {
       {"gpt", {2, 2}, 2, false, "tp"},
       {"gpt", {1, 2, 1}, 6, true, "mix"},
       {"gpt", {2, 1, 2}, 8, false, "dp"},
+      // ZeRO-3 and ZeRO-2 groups: gathered parameters, reduce-scattered
+      // gradients summed over microbatches.
+      {"gpt", {2, 2}, 4, true, "zero"},
+      {"mlp", {1, 2}, 2, false, "zero2"},
+      {"mlp", {2, 2, 1}, 4, true, "sfb"},
   };
 }
 

@@ -1491,7 +1491,15 @@ absl::StatusOr<std::vector<v1::RankProgram>> LowerStage(const graph::Graph& g,
   }
   LowerOptions o = options;
   o.overlap = false;
-  return LowerChecked(g, program, o, ratios, &stage);
+  // SFB computes a weight's gradient from the step's gathered inputs and
+  // output gradients after backward, which microbatches cannot share: such
+  // weights get their partial gradients all-reduced instead (summed over
+  // the microbatches first).
+  synth::Program p = program;
+  for (synth::OpStep& s : p.steps) {
+    for (synth::SourceLoad& l : s.loads) l.sfb = false;
+  }
+  return LowerChecked(g, p, o, ratios, &stage);
 }
 
 synth::Program SingleDeviceProgram(const graph::Graph& g) {

@@ -123,7 +123,9 @@ struct StageSpec {
 // buffer of 0; model inputs the stage reads but whose loads sit in other
 // stages are loaded where first read; the clipping norm is all-reduced in
 // the group even when every gradient is replicated (replicated ones counted
-// on rank 0), so the pipeline runner can sum it over stages; no overlap.
+// on rank 0), so the pipeline runner can sum it over stages; no overlap;
+// SFB weights get their partial gradients all-reduced instead (SFB's
+// gradients come from a whole step's gathered factors).
 // Errors: those of Lower; InvalidArgument for a range or steps that do not
 // match, an input or output produced on the wrong side of the cut, or a
 // stage without output that does not compute the loss.
