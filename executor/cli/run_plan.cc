@@ -305,6 +305,9 @@ absl::Status Run(const tools::Args& a) {
       }
     }
     HAP_ASSIGN_OR_RETURN(layout, PipelineLayoutOf(plan));
+    HAP_RETURN_IF_ERROR(AddBoundaryPieces(
+        layout, std::vector<v1::RankProgram>(plan.rank_programs().begin(),
+                                             plan.rank_programs().end())));
     HAP_ASSIGN_OR_RETURN(micro, pipeline::Rebatch(g, plan.pipeline().microbatch_size()));
     HAP_ASSIGN_OR_RETURN(auto at, StageOf(layout, static_cast<int>(rank)));
     GlooOptions wo = go;

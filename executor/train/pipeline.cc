@@ -54,6 +54,39 @@ absl::StatusOr<PipelineLayout> PipelineLayoutOf(const v1::Plan& plan) {
   return layout;
 }
 
+absl::Status AddBoundaryPieces(PipelineLayout& layout,
+                               const std::vector<v1::RankProgram>& programs) {
+  const int S = static_cast<int>(layout.stage_ranks.size());
+  layout.output_pieces.assign(S, {});
+  layout.input_grad_pieces.assign(S, {});
+  for (int s = 0; s < S; ++s) {
+    for (int r : layout.stage_ranks[s]) {
+      if (r < 0 || r >= static_cast<int>(programs.size())) {
+        return absl::InvalidArgumentError(absl::StrCat("no program for rank ", r));
+      }
+      for (auto role : {v1::Buffer::STAGE_OUTPUT, v1::Buffer::STAGE_INPUT_GRADIENT}) {
+        auto& pieces = role == v1::Buffer::STAGE_OUTPUT ? layout.output_pieces[s]
+                                                        : layout.input_grad_pieces[s];
+        for (const v1::Buffer& b : programs[r].buffers()) {
+          if (b.role() != role) continue;
+          PipelineLayout::Piece p;
+          p.kind = b.form().kind();
+          p.offsets.assign(b.offsets().begin(), b.offsets().end());
+          p.shape.assign(b.shape().begin(), b.shape().end());
+          pieces.push_back(std::move(p));
+        }
+      }
+    }
+    for (const auto* pieces : {&layout.output_pieces[s], &layout.input_grad_pieces[s]}) {
+      if (!pieces->empty() && pieces->size() != layout.stage_ranks[s].size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the ranks of stage ", s, " disagree about the tensors they send"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::vector<int> OneFOneBOrder(int stage, int stages, int microbatches) {
   const int w = std::min(stages - 1 - stage, microbatches);
   std::vector<int> order;
@@ -227,16 +260,23 @@ double ScalarOf(const HostTensor& t) {
 absl::Status PipelineRunner::SendWhole(int id, int to, int64_t tag) {
   const v1::Buffer& b = runner_->program().buffers(id);
   HAP_ASSIGN_OR_RETURN(HostTensor piece, Read(id));
-  Shape global(b.global_shape().begin(), b.global_shape().end());
-  HostTensor whole(piece.dtype(), global);  // zeros
   const v1::TensorForm& f = b.form();
-  if (f.kind() == v1::TensorForm::SHARDED || f.kind() == v1::TensorForm::PARTIAL ||
-      group_rank_ == 0) {
-    std::vector<int64_t> start(b.offsets().begin(), b.offsets().end());
-    HAP_RETURN_IF_ERROR(HostCopyBox(piece.view(), std::vector<int64_t>(global.size(), 0),
-                                    whole.view(), start, piece.shape()));
+  const bool known = !layout_.output_pieces.empty();
+  if (known) {
+    // Only the piece; a replicated form's from rank 0 alone.
+    if (f.kind() == v1::TensorForm::REPLICATED && group_rank_ != 0) return absl::OkStatus();
+    pending_sends_.push_back(std::move(piece));
+  } else {
+    Shape global(b.global_shape().begin(), b.global_shape().end());
+    HostTensor whole(piece.dtype(), global);  // zeros
+    if (f.kind() == v1::TensorForm::SHARDED || f.kind() == v1::TensorForm::PARTIAL ||
+        group_rank_ == 0) {
+      std::vector<int64_t> start(b.offsets().begin(), b.offsets().end());
+      HAP_RETURN_IF_ERROR(HostCopyBox(piece.view(), std::vector<int64_t>(global.size(), 0),
+                                      whole.view(), start, piece.shape()));
+    }
+    pending_sends_.push_back(std::move(whole));
   }
-  pending_sends_.push_back(std::move(whole));
   for (int peer : layout_.stage_ranks[to]) {
     HAP_RETURN_IF_ERROR(world_->Send(pending_sends_.back().view(), peer, tag));
   }
@@ -247,13 +287,31 @@ absl::Status PipelineRunner::ReceiveInto(int id, int from, int64_t tag) {
   const v1::Buffer& b = runner_->program().buffers(id);
   const TensorView& v = runner_->buffer(id);
   Shape global(b.global_shape().begin(), b.global_shape().end());
-  HostTensor whole(v.dtype, global), part(v.dtype, global);
-  bool firstmsg = true;
-  for (int peer : layout_.stage_ranks[from]) {
-    HostTensor& into = firstmsg ? whole : part;
-    HAP_RETURN_IF_ERROR(world_->Recv(into.view(), peer, tag));
-    if (!firstmsg) HAP_RETURN_IF_ERROR(Add(whole, part));
-    firstmsg = false;
+  HostTensor whole(v.dtype, global);
+  const std::vector<int>& senders = layout_.stage_ranks[from];
+  // Forward: the previous stage's outputs; backward: the next stage's
+  // input gradients.
+  const std::vector<PipelineLayout::Piece>* pieces = nullptr;
+  if (!layout_.output_pieces.empty()) {
+    pieces = from < stage_ ? &layout_.output_pieces[from] : &layout_.input_grad_pieces[from];
+  }
+  for (size_t i = 0; i < senders.size(); ++i) {
+    if (pieces == nullptr) {
+      HostTensor part(v.dtype, global);
+      HAP_RETURN_IF_ERROR(world_->Recv(i == 0 ? whole.view() : part.view(), senders[i], tag));
+      if (i > 0) HAP_RETURN_IF_ERROR(Add(whole, part));
+      continue;
+    }
+    const PipelineLayout::Piece& p = (*pieces)[i];
+    if (p.kind == v1::TensorForm::REPLICATED && i != 0) continue;
+    HostTensor part(v.dtype, p.shape);
+    HAP_RETURN_IF_ERROR(world_->Recv(part.view(), senders[i], tag));
+    if (p.kind == v1::TensorForm::PARTIAL) {
+      HAP_RETURN_IF_ERROR(Add(whole, part));
+    } else {
+      HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), std::vector<int64_t>(p.shape.size(), 0),
+                                      whole.view(), p.offsets, p.shape));
+    }
   }
   HostTensor piece(v.dtype, v.shape);  // zeros: a partial form off rank 0
   if (b.form().kind() != v1::TensorForm::PARTIAL || group_rank_ == 0) {
@@ -381,6 +439,10 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalPipeline(
     const std::function<std::unique_ptr<data::BatchSource>(int rank)>& batches,
     const TrainOptions& train, const LocalRanksOptions& options) {
   const int n = static_cast<int>(programs.size());
+  PipelineLayout with_pieces = layout;
+  if (with_pieces.output_pieces.empty() && options.pipeline_pieces) {
+    HAP_RETURN_IF_ERROR(AddBoundaryPieces(with_pieces, programs));
+  }
   std::vector<absl::StatusOr<TrainResult>> results(n, absl::UnknownError("rank did not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
@@ -404,7 +466,7 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalPipeline(
                              ProgramRunner::Create(programs[r], microbatch_graph, device.get(),
                                                    group.get(), options.runner));
         HAP_ASSIGN_OR_RETURN(std::unique_ptr<PipelineRunner> pipe,
-                             PipelineRunner::Create(runner.get(), world.get(), layout));
+                             PipelineRunner::Create(runner.get(), world.get(), with_pieces));
         std::unique_ptr<data::BatchSource> source = batches(r);
         return TrainRankWith(
             *runner, [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },

@@ -26,12 +26,13 @@
 // Transfers between stages go over the world communicator's point-to-point
 // Send/Recv on host copies (Gloo; a CUDA group may use NCCL inside itself):
 // every rank of the sending group sends every rank of the receiving group
-// its contribution to the whole tensor (its slice in place, zeros
-// elsewhere; its partial sum; the whole tensor from rank 0 of a replicated
-// form, zeros from the others), the receiver sums them and takes the piece
-// its own form holds. Simple and correct; it moves (sender ranks) times the
-// tensor's bytes. Sends are asynchronous (completed before the gradient
-// synchronisation), receives blocking, so the 1F1B order cannot deadlock.
+// its piece (a slice, a partial sum, or from rank 0 alone a replicated
+// tensor; PipelineLayout's pieces say which), the receiver assembles the
+// whole tensor and takes the piece its own form holds. Without the pieces
+// every sender sends its contribution to the whole tensor (its slice in
+// place, zeros elsewhere), which the receiver sums. Sends are asynchronous
+// (completed before the gradient synchronisation), receives blocking, so
+// the 1F1B order cannot deadlock.
 //
 // Thread-compatible: one thread drives a PipelineRunner.
 #ifndef HAP_EXECUTOR_TRAIN_PIPELINE_H_
@@ -57,7 +58,24 @@ struct PipelineLayout {
   // The step clips gradients by their global norm (the optimizer's
   // clip_global_norm > 0): the norm is then summed over the stages.
   bool clip = false;
+  // What each rank of each stage holds of the tensors it sends: its output
+  // (STAGE_OUTPUT) and its input's gradient (STAGE_INPUT_GRADIENT), per
+  // stage and group rank (AddBoundaryPieces). With them a sender sends only
+  // its piece (nothing off rank 0 of a replicated form) and the receiver
+  // places it; without them (empty) every sender sends its contribution to
+  // the whole tensor.
+  struct Piece {
+    int kind = 0;  // hap.v1.TensorForm.Kind
+    std::vector<int64_t> offsets, shape;
+  };
+  std::vector<std::vector<Piece>> output_pieces, input_grad_pieces;
 };
+
+// Fills layout.output_pieces and input_grad_pieces from every rank's
+// program (programs[r] = world rank r's). InvalidArgument when a program
+// is missing or a stage's ranks disagree about having the buffer.
+absl::Status AddBoundaryPieces(PipelineLayout& layout,
+                               const std::vector<hap::v1::RankProgram>& programs);
 
 // The layout of a pipeline plan (Plan.pipeline; world rank r = device
 // Plan.devices(r)); InvalidArgument when a device is in no stage or two.

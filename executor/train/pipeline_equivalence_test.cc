@@ -62,6 +62,8 @@ struct Case {
   int microbatches;
   bool adam;
   std::string kind;  // the groups' programs (test_programs.h kinds)
+  // Senders send contributions to the whole tensor instead of their pieces.
+  bool whole = false;
 };
 
 std::string Name(const ::testing::TestParamInfo<Case>& i) {
@@ -69,7 +71,8 @@ std::string Name(const ::testing::TestParamInfo<Case>& i) {
   std::string groups;
   for (int n : c.group_sizes) groups += std::to_string(n);
   return absl::StrCat(c.model, "_", c.group_sizes.size(), "stages_", groups, "_mb",
-                      c.microbatches, "_", c.kind, c.adam ? "_adam" : "_sgd");
+                      c.microbatches, "_", c.kind, c.adam ? "_adam" : "_sgd",
+                      c.whole ? "_whole" : "");
 }
 
 std::vector<double> Uneven(int n) {
@@ -174,6 +177,7 @@ TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchSingleDevice) {
   executor::LocalRanksOptions lro;
   lro.rendezvous_dir = TempDir(Name({c, 0}));
   lro.prefix = Name({c, 0});
+  lro.pipeline_pieces = !c.whole;
   auto runs = executor::RunLocalPipeline(
       lowered->programs, *lowered->micro, lowered->layout,
       [&](int) { return data::NewSyntheticBatches(g, kSeed); }, to, lro);
@@ -218,6 +222,8 @@ std::vector<Case> Cases() {
       {"gpt", {2, 2}, 4, true, "zero"},
       {"mlp", {1, 2}, 2, false, "zero2"},
       {"mlp", {2, 2, 1}, 4, true, "sfb"},
+      {"gpt", {2, 2}, 2, false, "tp", true},
+      {"mlp", {1, 2, 2}, 4, true, "mix", true},
   };
 }
 

@@ -71,6 +71,9 @@ struct LocalRanksOptions {
   // run in line.
   RunnerOptions runner;
   bool overlap = true;
+  // RunLocalPipeline (pipeline.h): senders send only their pieces
+  // (AddBoundaryPieces); false: contributions to the whole tensor.
+  bool pipeline_pieces = true;
 };
 
 // Runs rank r's program on thread r. Each rank's batches come from
