@@ -269,8 +269,6 @@ absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args, const st
                                                       hap::v1::Precision precision) {
   hap::v1::PlanOptions po;
   po.set_precision(precision);
-  po.set_gradient_precision(r.program.gradient_wire_scale < 1 ? hap::v1::PRECISION_BF16
-                                                              : hap::v1::PRECISION_FP32);
   hap::v1::OptimizerConfig* o = po.mutable_optimizer();
   o->set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM
                             : hap::v1::OptimizerConfig::SGD);
@@ -309,6 +307,8 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
                       const synth::PlanResult& r, const std::string& opt,
                       hap::v1::Precision precision) {
   HAP_ASSIGN_OR_RETURN(hap::v1::PlanOptions po, SavedPlanOptions(args, opt, precision));
+  po.set_gradient_precision(r.program.gradient_wire_scale < 1 ? hap::v1::PRECISION_BF16
+                                                              : hap::v1::PRECISION_FP32);
   HAP_ASSIGN_OR_RETURN(hap::v1::Plan plan,
                        lower::BuildPlan(g, profile, cluster, r, po));
   return WritePlanFile(args, plan);
