@@ -262,7 +262,7 @@ void DescribePlan(const v1::Plan& p) {
   if (pp.stages_size() > 0) {
     std::cout << absl::StrFormat(
         "pipeline: %d stages, %d microbatches of %d (%s), step %.4f s, bubble %.4f s, best SPMD "
-        "plan %.4f s; not executable yet\n",
+        "plan %.4f s\n",
         pp.stages_size(), pp.microbatches(), pp.microbatch_size(), pp.schedule(),
         pp.step_seconds(), pp.bubble_seconds(), pp.spmd_step_seconds());
     for (const v1::PipelineStage& st : pp.stages()) {

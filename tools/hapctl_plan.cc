@@ -18,6 +18,7 @@
 #include "planner/lower/plan_builder.h"
 #include "planner/synth/planner.h"
 #include "planner/pipeline/pipeline.h"
+#include "planner/pipeline/pipeline_plan.h"
 #include "planner/util/status_macros.h"
 #include "tools/hapctl_graph.h"
 
@@ -59,8 +60,8 @@ they are. The loss, parameters and optimizer stay fp32.
 --pipeline auto plans pipeline stages with a synthesized SPMD program each
 (README "Pipeline plans"): stage count, cuts, device groups and microbatches
 (--microbatches N fixes it) chosen together, one stage (the SPMD plan)
-included; N asks for exactly N stages. Off (the default): the executors
-cannot run pipeline plans yet, so a plan with stages is shown, not saved.
+included; N asks for exactly N stages. Off (the default): one SPMD program.
+--save-plan saves a plan with stages too; hap-launch runs it (1F1B).
 )";
 
 int Fail(const absl::Status& s) {
@@ -263,15 +264,11 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
   }
 }
 
-absl::Status SavePlan(const Args& args, const graph::Graph& g,
-                      const hap::v1::Cluster& profile,
-                      const cost::ClusterModel& cluster,
-                      const synth::PlanResult& r, const std::string& opt,
-                      hap::v1::Precision precision) {
+// The plan file's options from the flags (optimizer, seed, precision).
+absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args, const std::string& opt,
+                                                      hap::v1::Precision precision) {
   hap::v1::PlanOptions po;
   po.set_precision(precision);
-  po.set_gradient_precision(r.program.gradient_wire_scale < 1 ? hap::v1::PRECISION_BF16
-                                                              : hap::v1::PRECISION_FP32);
   hap::v1::OptimizerConfig* o = po.mutable_optimizer();
   o->set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM
                             : hap::v1::OptimizerConfig::SGD);
@@ -290,8 +287,10 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
   o->set_weight_decay(wd);
   o->set_clip_global_norm(clip);
   po.set_seed(static_cast<uint64_t>(seed));
-  HAP_ASSIGN_OR_RETURN(hap::v1::Plan plan,
-                       lower::BuildPlan(g, profile, cluster, r, po));
+  return po;
+}
+
+absl::Status WritePlanFile(const Args& args, const hap::v1::Plan& plan) {
   std::string path = args.Get("save-plan");
   std::ofstream f(path, std::ios::binary);
   if (!f || !plan.SerializeToOstream(&f)) {
@@ -300,6 +299,33 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
   std::cerr << "wrote plan for " << plan.rank_programs_size() << " ranks to " << path
             << "\n";
   return absl::OkStatus();
+}
+
+absl::Status SavePlan(const Args& args, const graph::Graph& g,
+                      const hap::v1::Cluster& profile,
+                      const cost::ClusterModel& cluster,
+                      const synth::PlanResult& r, const std::string& opt,
+                      hap::v1::Precision precision) {
+  HAP_ASSIGN_OR_RETURN(hap::v1::PlanOptions po, SavedPlanOptions(args, opt, precision));
+  po.set_gradient_precision(r.program.gradient_wire_scale < 1 ? hap::v1::PRECISION_BF16
+                                                              : hap::v1::PRECISION_FP32);
+  HAP_ASSIGN_OR_RETURN(hap::v1::Plan plan,
+                       lower::BuildPlan(g, profile, cluster, r, po));
+  return WritePlanFile(args, plan);
+}
+
+// A pipeline plan's file: every device's stage program (LowerStage).
+absl::Status SavePipelinePlan(const Args& args, const graph::Graph& g,
+                              const hap::v1::Cluster& profile, const cost::ClusterModel& cluster,
+                              const pipeline::PipelinePlan& p, const std::string& opt,
+                              hap::v1::Precision precision) {
+  HAP_ASSIGN_OR_RETURN(hap::v1::PlanOptions po, SavedPlanOptions(args, opt, precision));
+  po.set_pipeline(hap::v1::PlanOptions::PIPELINE_STAGES);
+  po.set_pipeline_stages(static_cast<int>(p.stages.size()));
+  po.set_pipeline_microbatches(p.microbatches);
+  HAP_ASSIGN_OR_RETURN(hap::v1::Plan plan,
+                       pipeline::BuildPipelinePlan(g, profile, cluster, p, po));
+  return WritePlanFile(args, plan);
 }
 
 std::string StageOps(const graph::Graph& g, const pipeline::StagePlan& s) {
@@ -318,8 +344,7 @@ void PrintPipelineTable(const pipeline::PipelinePlan& p, const cost::ClusterMode
   std::cout << absl::StrFormat("planned in %.2f s (%d stage syntheses)\n", p.planning_seconds,
                                p.syntheses);
   for (const std::string& n : p.notes) std::cout << "note: " << n << "\n";
-  std::cout << "note: pipeline plans are not executable yet (the executors run --pipeline off "
-               "plans)\n\n";
+  std::cout << "note: --save-plan writes it for hap-launch (README \"Pipeline plans\")\n\n";
   std::cout << absl::StrFormat("%-5s %-8s %-38s %-9s %-9s %-9s %-9s %-9s %-5s %s\n", "stage",
                                "layers", "ops", "fwd s", "bwd s", "send s", "grad s", "sync s",
                                "held", "devices (ratio, memory GiB)");
@@ -358,7 +383,7 @@ void PrintPipelineJson(const pipeline::PipelinePlan& p, const cost::ClusterModel
   o << absl::StrFormat("    \"bubble_seconds\": %.9g,\n", p.bubble_seconds);
   o << absl::StrFormat("    \"spmd_step_seconds\": %.9g,\n", p.spmd_step_seconds);
   o << absl::StrFormat("    \"planning_seconds\": %.6g,\n", p.planning_seconds);
-  o << "    \"executable\": false,\n";
+  o << "    \"executable\": true,\n";
   o << "    \"stages\": [\n";
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const pipeline::StagePlan& s = p.stages[i];
@@ -552,9 +577,9 @@ int RunPlan(const std::vector<std::string>& argv) {
     if (!pr.ok()) return Fail(pr.status());
     if (pr->pipelined()) {
       if (args->Has("save-plan")) {
-        return Fail(absl::FailedPreconditionError(
-            "pipeline plans are not executable yet, so --save-plan writes none; plan with "
-            "--pipeline off to save an executable plan"));
+        auto st = SavePipelinePlan(*args, *g, *cluster_proto, *cluster, *pr, opt,
+                                   bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
+        if (!st.ok()) return Fail(st);
       }
       std::string fmt = args->Get("o", args->Get("output", "table"));
       if (fmt == "json") {

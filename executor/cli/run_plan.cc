@@ -15,6 +15,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -30,9 +31,11 @@
 #include "executor/data/wikitext.h"
 #include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
+#include "executor/train/pipeline.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
+#include "planner/pipeline/layers.h"
 #include "planner/util/status_macros.h"
 #include "tools/cli_args.h"
 
@@ -286,8 +289,36 @@ absl::Status Run(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(DeviceSpec spec, ChooseDevice(a.GetOrEnv("device"), plan,
                                                      static_cast<int>(rank), &note));
   if (!note.empty()) std::cerr << "hap-executor: " << note << "\n";
+  // A pipeline plan (README "Pipeline plans"): the rank's stage program runs
+  // on the model at the microbatch size with its group's communicator (the
+  // backend's: Gloo, or NCCL on GPUs); the stages talk over a Gloo world.
+  const bool pipelined = plan.pipeline().stages_size() > 1;
+  std::unique_ptr<Communicator> world_comm;
+  PipelineLayout layout;
+  std::optional<graph::Graph> micro;
+  GlooOptions group = go;
+  if (pipelined) {
+    for (const char* flag : {"resume", "init-weights", "checkpoint-dir", "profile"}) {
+      if (a.Has(flag)) {
+        return absl::UnimplementedError(
+            absl::StrCat("--", flag, " is not supported with pipeline plans yet"));
+      }
+    }
+    HAP_ASSIGN_OR_RETURN(layout, PipelineLayoutOf(plan));
+    HAP_RETURN_IF_ERROR(AddBoundaryPieces(
+        layout, std::vector<v1::RankProgram>(plan.rank_programs().begin(),
+                                             plan.rank_programs().end())));
+    HAP_ASSIGN_OR_RETURN(micro, pipeline::Rebatch(g, plan.pipeline().microbatch_size()));
+    HAP_ASSIGN_OR_RETURN(auto at, StageOf(layout, static_cast<int>(rank)));
+    GlooOptions wo = go;
+    wo.prefix = absl::StrCat(go.prefix, "/world");
+    HAP_ASSIGN_OR_RETURN(world_comm, ConnectGloo(wo, *store));
+    group.rank = at.second;
+    group.size = static_cast<int>(layout.stage_ranks[at.first].size());
+    group.prefix = absl::StrCat(go.prefix, "/stage", at.first);
+  }
   HAP_ASSIGN_OR_RETURN(Backend backend,
-                       MakeBackend(spec, static_cast<int>(threads), go, *store));
+                       MakeBackend(spec, static_cast<int>(threads), group, *store));
   std::unique_ptr<Device>& device = backend.device;
   std::unique_ptr<Communicator>& comm = backend.comm;
   const std::string profile = a.Get("profile");
@@ -312,13 +343,22 @@ absl::Status Run(const tools::Args& a) {
     ro.async = backend.async.get();
   }
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
-                       ProgramRunner::Create(plan.rank_programs(rank), g, run_on,
-                                             comm.get(), ro));
+                       ProgramRunner::Create(plan.rank_programs(rank), pipelined ? *micro : g,
+                                             run_on, comm.get(), ro));
+  std::unique_ptr<PipelineRunner> pipe;
+  if (pipelined) {
+    HAP_ASSIGN_OR_RETURN(pipe, PipelineRunner::Create(runner.get(), world_comm.get(), layout));
+  }
   if (rank == 0) {
     std::cout << absl::StrFormat(
         "training %s on %d ranks (plan %s, predicted step %.4f s), steps %d to %d, rank 0 on %s\n",
         g.name(), world, plan.content_hash().substr(0, 12),
         plan.prediction().step_seconds(), first_step, steps, device->name());
+    if (pipelined) {
+      std::cout << absl::StrFormat("pipeline: %d stages, %d microbatches of %d samples (1F1B)\n",
+                                   layout.stage_ranks.size(), layout.microbatches,
+                                   plan.pipeline().microbatch_size());
+    }
   }
   TrainOptions to;
   to.first_step = first_step;
@@ -357,7 +397,13 @@ absl::Status Run(const tools::Args& a) {
           }
         });
   }
-  HAP_ASSIGN_OR_RETURN(TrainResult r, TrainRank(*runner, *batches, to));
+  HAP_ASSIGN_OR_RETURN(
+      TrainResult r,
+      pipelined ? TrainRankWith(
+                      *runner,
+                      [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
+                      *batches, to)
+                : TrainRank(*runner, *batches, to));
   if (!profile.empty()) {
     std::vector<double> timed(r.step_seconds.begin() + kProfileWarmup, r.step_seconds.end());
     HAP_RETURN_IF_ERROR(WriteProfile(absl::StrCat(profile, ".rank", rank, ".json"), plan,

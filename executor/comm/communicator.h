@@ -65,6 +65,25 @@ class Communicator {
   // Sum over ranks into `out` on `root` (out may be absent elsewhere).
   virtual absl::Status Reduce(TensorView in, TensorView out, int root) = 0;
   virtual absl::Status Barrier() = 0;
+
+  // Point-to-point (pipeline stages, executor/train/pipeline.h). Send
+  // starts sending `buf` to rank `peer` under `tag` (0 <= tag < 2^32) and
+  // returns; `buf` must stay unchanged until WaitSends returns. Recv blocks
+  // until the message from `peer` under `tag` has arrived in `buf`, which
+  // must have the sender's byte size. Messages of one (sender, receiver,
+  // tag) arrive in send order. InvalidArgument for a peer out of range or
+  // this rank itself; the errors of collectives otherwise. Backends
+  // without them say Unimplemented.
+  virtual absl::Status Send(TensorView buf, int peer, int64_t tag) {
+    (void)buf, (void)peer, (void)tag;
+    return absl::UnimplementedError("this communicator has no point-to-point send");
+  }
+  virtual absl::Status Recv(TensorView buf, int peer, int64_t tag) {
+    (void)buf, (void)peer, (void)tag;
+    return absl::UnimplementedError("this communicator has no point-to-point receive");
+  }
+  // Waits until every send started has completed.
+  virtual absl::Status WaitSends() { return absl::OkStatus(); }
 };
 
 // A key-value store for rendezvous: a file store now (file_store.h), a store

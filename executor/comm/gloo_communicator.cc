@@ -30,6 +30,8 @@
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
+#include "gloo/types.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor {
@@ -276,6 +278,40 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  absl::Status Send(TensorView buf, int peer, int64_t tag) override {
+    HAP_RETURN_IF_ERROR(Usable("send"));
+    HAP_RETURN_IF_ERROR(CheckPeer("send", peer, tag));
+    if (buf.bytes() == 0) return absl::OkStatus();
+    return Run(absl::StrCat("send to rank ", peer), [&] {
+      auto ub = ctx_->createUnboundBuffer(buf.data, buf.bytes());
+      ub->send(peer, P2pSlot(tag));
+      pending_sends_.push_back(std::move(ub));
+    });
+  }
+
+  absl::Status Recv(TensorView buf, int peer, int64_t tag) override {
+    HAP_RETURN_IF_ERROR(Usable("receive"));
+    HAP_RETURN_IF_ERROR(CheckPeer("receive", peer, tag));
+    if (buf.bytes() == 0) return absl::OkStatus();
+    return Run(absl::StrCat("receive from rank ", peer), [&] {
+      auto ub = ctx_->createUnboundBuffer(buf.data, buf.bytes());
+      ub->recv(peer, P2pSlot(tag));
+      if (!ub->waitRecv(timeout_)) throw gloo::IoException("receive aborted");
+    });
+  }
+
+  absl::Status WaitSends() override {
+    HAP_RETURN_IF_ERROR(Usable("send"));
+    return Run("waiting for sends", [&] {
+      // Drop every handle, even when one fails: the buffers go away.
+      auto sends = std::move(pending_sends_);
+      pending_sends_.clear();
+      for (auto& ub : sends) {
+        if (!ub->waitSend(timeout_)) throw gloo::IoException("send aborted");
+      }
+    });
+  }
+
   absl::Status Barrier() override {
     HAP_RETURN_IF_ERROR(Usable("barrier"));
     return Run("barrier", [&] {
@@ -425,9 +461,27 @@ class GlooCommunicator : public Communicator {
     return s;
   }
 
+  absl::Status CheckPeer(const char* what, int peer, int64_t tag) const {
+    if (peer < 0 || peer >= size() || peer == rank()) {
+      return Invalid(absl::StrCat(what, ": peer ", peer, " is not another of ", size(),
+                                  " ranks (this is rank ", rank(), ")"));
+    }
+    if (tag < 0 || tag > 0xffffffffLL) {
+      return Invalid(absl::StrCat(what, ": tag ", tag, " is outside [0, 2^32)"));
+    }
+    return absl::OkStatus();
+  }
+  // Point-to-point messages live under a slot prefix of their own, clear of
+  // the collectives' (gloo/types.h uses 0x01-0x08).
+  static uint64_t P2pSlot(int64_t tag) {
+    return gloo::Slot::build(0x40, static_cast<uint32_t>(tag));
+  }
+
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   absl::Status failed_;
+  // Sends started and not yet waited for (WaitSends).
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> pending_sends_;
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous

@@ -73,6 +73,45 @@ TensorView View(std::vector<T>& v) {
       v.empty() ? nullptr : v.data()};
 }
 
+// Point-to-point: every rank sends to every other two messages under two
+// tags, the second before the first is received (sends do not wait for
+// their receives), and receives them in the other order; then a bad peer.
+TEST(GlooCommunicatorTest, SendAndReceiveByTag) {
+  const int n = 3;
+  WithRanks(n, [&](int r, Communicator& c) {
+    std::vector<std::vector<float>> out;
+    for (int p = 0; p < n; ++p) {
+      for (int tag = 0; tag < 2; ++tag) {
+        std::vector<float> v(5 + p);
+        for (size_t i = 0; i < v.size(); ++i) v[i] = Value(r, i) + 100 * tag + 10 * p;
+        out.push_back(std::move(v));
+      }
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      for (int tag = 0; tag < 2; ++tag) {
+        ASSERT_THAT(c.Send(View(out[2 * p + tag]), p, tag), IsOk());
+      }
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      for (int tag = 1; tag >= 0; --tag) {
+        std::vector<float> in(5 + r);
+        ASSERT_THAT(c.Recv(View(in), p, tag), IsOk());
+        for (size_t i = 0; i < in.size(); ++i) {
+          EXPECT_EQ(in[i], static_cast<float>(Value(p, i) + 100 * tag + 10 * r))
+              << "from " << p << " tag " << tag << " element " << i;
+        }
+      }
+    }
+    ASSERT_THAT(c.WaitSends(), IsOk());
+    std::vector<float> x(2);
+    EXPECT_THAT(c.Send(View(x), r, 0), StatusIs(absl::StatusCode::kInvalidArgument,
+                                               HasSubstr("is not another of")));
+    EXPECT_THAT(c.Recv(View(x), n, 0), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peer")));
+  });
+}
+
 std::vector<int64_t> Counts(int n) {
   // Uneven, with a zero where there are enough ranks.
   std::vector<int64_t> c;

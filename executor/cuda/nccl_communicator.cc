@@ -387,6 +387,38 @@ class NcclCommunicator : public Communicator {
     });
   }
 
+  // Point-to-point on device buffers: NCCL has no tags, so messages between
+  // two ranks match in call order (the tag is checked only); each call
+  // completes before it returns (a send waits for its receive), so callers
+  // order sends and receives without cycles.
+  absl::Status Send(TensorView buf, int peer, int64_t tag) override {
+    HAP_RETURN_IF_ERROR(Usable("send"));
+    HAP_RETURN_IF_ERROR(CheckPeer("send", peer, tag));
+    if (buf.bytes() == 0) return absl::OkStatus();
+    HAP_RETURN_IF_ERROR(OnDevice("send", {buf}));
+    return Run(absl::StrCat("send to rank ", peer), [&]() -> absl::Status {
+      return Group([&]() -> absl::Status {
+        HAP_NCCL(ncclSend(buf.data, buf.bytes(), ncclUint8, peer, comm_, stream_), comm_);
+        return absl::OkStatus();
+      });
+    });
+  }
+
+  absl::Status Recv(TensorView buf, int peer, int64_t tag) override {
+    HAP_RETURN_IF_ERROR(Usable("receive"));
+    HAP_RETURN_IF_ERROR(CheckPeer("receive", peer, tag));
+    if (buf.bytes() == 0) return absl::OkStatus();
+    HAP_RETURN_IF_ERROR(OnDevice("receive", {buf}));
+    return Run(absl::StrCat("receive from rank ", peer), [&]() -> absl::Status {
+      return Group([&]() -> absl::Status {
+        HAP_NCCL(ncclRecv(buf.data, buf.bytes(), ncclUint8, peer, comm_, stream_), comm_);
+        return absl::OkStatus();
+      });
+    });
+  }
+
+  absl::Status WaitSends() override { return Usable("send"); }
+
   absl::Status Barrier() override {
     HAP_RETURN_IF_ERROR(Usable("barrier"));
     return Run("barrier", [&]() -> absl::Status {
@@ -400,6 +432,17 @@ class NcclCommunicator : public Communicator {
  private:
   // --- argument checks (before any traffic; they leave the communicator
   // usable, as in the Gloo backend) ---
+
+  absl::Status CheckPeer(const char* what, int peer, int64_t tag) const {
+    if (peer < 0 || peer >= size_ || peer == rank_) {
+      return Invalid(absl::StrCat(what, ": peer ", peer, " is not another of ", size_,
+                                  " ranks (this is rank ", rank_, ")"));
+    }
+    if (tag < 0 || tag > 0xffffffffLL) {
+      return Invalid(absl::StrCat(what, ": tag ", tag, " is outside [0, 2^32)"));
+    }
+    return absl::OkStatus();
+  }
 
   static absl::Status CheckFloat(const char* what, const TensorView& v) {
     if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64 &&

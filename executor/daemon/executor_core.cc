@@ -243,6 +243,11 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
   }
   HAP_RETURN_IF_ERROR(
       Annotate(lower::CheckPlanForRank(in.plan, in.rank, in.world_size), "plan"));
+  if (in.plan.pipeline().stages_size() > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the executor daemon does not run pipeline plans yet (", in.plan.pipeline().stages_size(),
+        " stages); run it with hap-launch --plan (README \"Pipeline plans\")"));
+  }
   const v1::TrainingConfig& t = in.training;
   if (t.steps() <= 0) {
     return absl::InvalidArgumentError(

@@ -518,6 +518,44 @@ absl::StatusOr<std::vector<ParameterShard>> CopyPersistent(
 
 }  // namespace
 
+absl::Status ProgramRunner::RunSteps(int begin, int end, int64_t step) {
+  for (int i = begin; i < end; ++i) {
+    const v1::Step& s = program_.steps(i);
+    absl::Status st;
+    if (s.has_kernel()) {
+      st = RunKernelStep(i, s.kernel(), step);
+    } else if (s.has_collective()) {
+      st = RunCollectiveStep(i, *comm_, staging_);
+    }  // waits: every collective ran in line
+    if (!st.ok()) {
+      return Annotate(st, absl::StrCat("training step ", step, ", ", StepName(program_, i)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void ProgramRunner::SetMicrobatch(int m, int microbatches) {
+  for (int i = 0; i < program_.steps_size(); ++i) {
+    const v1::Step& step = program_.steps(i);
+    if (!step.has_kernel()) continue;
+    const auto& attrs = step.kernel().attrs();
+    auto gs = attrs.find("global_shape");
+    auto off = attrs.find("offsets");
+    if (attrs.find("rng_key") == attrs.end() || gs == attrs.end() || off == attrs.end() ||
+        gs->second.ints().values_size() == 0 || off->second.ints().values_size() == 0) {
+      continue;
+    }
+    std::vector<int64_t> shape(gs->second.ints().values().begin(),
+                               gs->second.ints().values().end());
+    std::vector<int64_t> offsets(off->second.ints().values().begin(),
+                                 off->second.ints().values().end());
+    offsets[0] += static_cast<int64_t>(m) * shape[0];
+    shape[0] *= microbatches;
+    attrs_[i].Set("global_shape", shape);
+    attrs_[i].Set("offsets", offsets);
+  }
+}
+
 void ProgramRunner::OverrideSeed(uint64_t seed) {
   if (seed == program_.seed()) return;
   program_.set_seed(seed);

@@ -98,6 +98,22 @@ class ProgramRunner {
   // kernels' rng_key attributes as the lowering derives them.
   void OverrideSeed(uint64_t seed);
 
+  // Piecewise execution, for the pipeline runner (executor/train/pipeline.h),
+  // which drives the phases of a stage's program per microbatch itself:
+  // LoadBatch fills the INPUT buffers (as RunStep does), RunSteps runs
+  // steps [begin, end) in line (asynchronous collectives too) for training
+  // step `step`, buffer(id) is a buffer's memory on the device.
+  absl::Status LoadBatch(const Batch& batch) { return LoadInputs(batch); }
+  absl::Status RunSteps(int begin, int end, int64_t step);
+  const TensorView& buffer(int id) const { return views_[id]; }
+  Device& device() const { return *device_; }
+  // Microbatch m of `microbatches` (equal parts of the batch along dimension
+  // 0): dropout masks are keyed by the whole batch's element indices, so
+  // each sample keeps the mask it has in the single-device program. The
+  // dropout kernels' global_shape[0] is scaled by `microbatches` and their
+  // offsets[0] moved to the microbatch's rows. (0, 1): as lowered.
+  void SetMicrobatch(int m, int microbatches);
+
   const hap::v1::RankProgram& program() const { return program_; }
   Communicator& comm() const { return *comm_; }
 

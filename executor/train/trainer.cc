@@ -15,6 +15,15 @@ namespace hap::executor {
 absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
                                       data::BatchSource& batches,
                                       const TrainOptions& options) {
+  return TrainRankWith(
+      runner, [&](const Batch& b, int64_t step) { return runner.RunStep(b, step); }, batches,
+      options);
+}
+
+absl::StatusOr<TrainResult> TrainRankWith(
+    ProgramRunner& runner,
+    const std::function<absl::StatusOr<double>(const Batch&, int64_t)>& run_step,
+    data::BatchSource& batches, const TrainOptions& options) {
   if (options.initialize) {
     HAP_RETURN_IF_ERROR(options.initialize(runner));
   } else {
@@ -29,7 +38,7 @@ absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
     const int64_t step = options.first_step + i;
     HAP_ASSIGN_OR_RETURN(data::GlobalBatch batch, batches.Get(step));
     auto start = std::chrono::steady_clock::now();
-    HAP_ASSIGN_OR_RETURN(double loss, runner.RunStep(batch, step));
+    HAP_ASSIGN_OR_RETURN(double loss, run_step(batch, step));
     double seconds = std::chrono::duration<double>(
                          std::chrono::steady_clock::now() - start).count();
     if (!std::isfinite(loss)) {

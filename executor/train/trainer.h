@@ -50,6 +50,13 @@ absl::StatusOr<TrainResult> TrainRank(ProgramRunner& runner,
                                       data::BatchSource& batches,
                                       const TrainOptions& options);
 
+// TrainRank with every step run by `run_step` (a pipeline's) instead of
+// runner.RunStep; `runner` initialises and gives the parameters.
+absl::StatusOr<TrainResult> TrainRankWith(
+    ProgramRunner& runner,
+    const std::function<absl::StatusOr<double>(const Batch&, int64_t)>& run_step,
+    data::BatchSource& batches, const TrainOptions& options);
+
 struct LocalRanksOptions {
   std::string rendezvous_dir;  // a fresh directory
   int threads_per_rank = 1;
@@ -64,6 +71,9 @@ struct LocalRanksOptions {
   // run in line.
   RunnerOptions runner;
   bool overlap = true;
+  // RunLocalPipeline (pipeline.h): senders send only their pieces
+  // (AddBoundaryPieces); false: contributions to the whole tensor.
+  bool pipeline_pieces = true;
 };
 
 // Runs rank r's program on thread r. Each rank's batches come from

@@ -141,8 +141,8 @@ class RankBuilder {
  public:
   RankBuilder(const graph::Graph& g, const synth::Program& p,
               const LowerOptions& o, const DimClasses& dims, const Analysis& a,
-              int rank)
-      : g_(g), p_(p), o_(o), dims_(dims), a_(a), r_(rank) {}
+              int rank, const StageSpec* stage = nullptr)
+      : g_(g), p_(p), o_(o), dims_(dims), a_(a), r_(rank), st_(stage) {}
 
   absl::StatusOr<v1::RankProgram> Build() {
     prog_.set_rank(r_);
@@ -152,13 +152,30 @@ class RankBuilder {
     GatherOnceParameters();
     if (o_.overlap) PlanOverlap();
     if (!zero3_steps_.empty()) PrefetchGathers(zero3_steps_.front());
+    if (st_ != nullptr && st_->input >= 0) {
+      fwd_[K(st_->input, st_->input_form)] =
+          NewBuffer(st_->input, st_->input_form.raw(), v1::Buffer::STAGE_INPUT, "#stage_in");
+    }
     for (size_t k = 0; k < p_.steps.size(); ++k) {
       HAP_RETURN_IF_ERROR(Forward(p_.steps[k]));
     }
-    HAP_RETURN_IF_ERROR(Loss());
+    if (st_ != nullptr && st_->output >= 0) {
+      HAP_RETURN_IF_ERROR(StageOutput());
+    } else {
+      HAP_RETURN_IF_ERROR(Loss());
+    }
     if (!zero3_steps_.empty()) PrefetchRegathers(zero3_steps_.back());
     for (int k = static_cast<int>(p_.steps.size()) - 1; k >= 0; --k) {
       HAP_RETURN_IF_ERROR(Backward(k));
+    }
+    if (st_ != nullptr && st_->input >= 0) {
+      // The input's gradient, whole or in pieces as its form says, for the
+      // previous stage (zero where nothing in the stage needs it).
+      Key k = K(st_->input, st_->input_form);
+      int grad = Grad(k, v1::Step::BACKWARD);
+      int out = NewBuffer(st_->input, GradForm(k), v1::Buffer::STAGE_INPUT_GRADIENT,
+                          "#stage_in_grad");
+      Kernel(v1::Step::BACKWARD, "copy", {grad}, {out});
     }
     FlushGradientBuckets();
     Optimizer();
@@ -211,7 +228,8 @@ class RankBuilder {
                       role == v1::Buffer::OPTIMIZER_STATE;
     b->set_persistent(persistent);
     first_.push_back(persistent || role == v1::Buffer::INPUT ||
-                             role == v1::Buffer::LOSS
+                             role == v1::Buffer::LOSS || role == v1::Buffer::STAGE_INPUT ||
+                             role == v1::Buffer::STAGE_OUTPUT_GRADIENT
                          ? -1
                          : std::numeric_limits<int>::max());
     last_.push_back(persistent || role == v1::Buffer::LOSS ? kEnd : -1);
@@ -398,6 +416,11 @@ class RankBuilder {
       // first use below): one op ahead.
       auto next = std::upper_bound(zero3_steps_.begin(), zero3_steps_.end(), s.op);
       if (next != zero3_steps_.end()) PrefetchGathers(*next);
+    }
+    if (st_ != nullptr) {
+      // A model input whose load sits in another stage: loaded here.
+      for (const synth::CommStep& c : s.comms) StageLoad(K(c.tensor, c.from));
+      for (size_t j = 0; j < op.inputs.size(); ++j) StageLoad(K(op.inputs[j], s.rule.inputs[j]));
     }
     for (const synth::CommStep& c : s.comms) {
       HAP_ASSIGN_OR_RETURN(int in, Fwd(K(c.tensor, c.from), op));
@@ -618,10 +641,39 @@ class RankBuilder {
     } else {
       Kernel(v1::Step::FORWARD, "copy", {fwd_[k]}, {loss});
     }
-    // dL/dL = 1, whole on every rank (the gradient of a P or R loss is R).
+    // dL/dL = 1, whole on every rank (the gradient of a P or R loss is R);
+    // a pipeline stage's microbatch counts 1 / microbatches of the step.
     int seed = Grad(k, v1::Step::BACKWARD);
-    Fill(v1::Step::BACKWARD, seed, 1.0);
+    Fill(v1::Step::BACKWARD, seed, st_ != nullptr ? 1.0 / st_->microbatches : 1.0);
     return absl::OkStatus();
+  }
+
+  // A pipeline stage's end: the output for the next stage, and its
+  // gradient from there seeding backward. The LOSS buffer holds 0.
+  absl::Status StageOutput() {
+    Key k = K(st_->output, st_->output_form);
+    auto it = fwd_.find(k);
+    if (it == fwd_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the stage never produces its output '", g_.tensor(st_->output).name, "' as ",
+          st_->output_form.ToString()));
+    }
+    int out = NewBuffer(st_->output, k.second, v1::Buffer::STAGE_OUTPUT, "#stage_out");
+    Kernel(v1::Step::FORWARD, "copy", {it->second}, {out});
+    int loss = NewBuffer(g_.loss(), Form::R().raw(), v1::Buffer::LOSS, "#value");
+    prog_.set_loss_buffer(loss);
+    Fill(v1::Step::FORWARD, loss, 0.0);
+    int in = NewBuffer(st_->output, GradForm(k), v1::Buffer::STAGE_OUTPUT_GRADIENT,
+                       "#stage_out_grad");
+    Kernel(v1::Step::BACKWARD, "copy", {in}, {Grad(k, v1::Step::BACKWARD)});
+    return absl::OkStatus();
+  }
+
+  // Stage mode: a model input read as `k` and loaded by no step of this
+  // stage gets an INPUT buffer of that form.
+  void StageLoad(Key k) {
+    if (g_.tensor(k.first).kind != graph::TensorKind::kInput || fwd_.count(k)) return;
+    fwd_[k] = NewBuffer(k.first, k.second, v1::Buffer::INPUT);
   }
 
   // --- backward ----------------------------------------------------------
@@ -1187,7 +1239,9 @@ class RankBuilder {
       Fill(O, norm, 0.0);
       // Every gradient replicated (synchronised): each rank sums them all
       // itself, in the same order, and needs no all-reduce.
-      bool all_replicated = true;
+      // A pipeline stage's norm is summed over stages afterwards: always
+      // all-reduced in the group, each gradient counted once.
+      bool all_replicated = st_ == nullptr;
       for (const ParamSlot* p : live) all_replicated = all_replicated && p->replicated;
       for (const ParamSlot* p : live) {
         // Otherwise a replicated parameter counts once: on rank 0.
@@ -1275,6 +1329,7 @@ class RankBuilder {
   const DimClasses& dims_;
   const Analysis& a_;
   const int r_;
+  const StageSpec* st_;  // pipeline stage mode (LowerStage); null otherwise
   v1::RankProgram prog_;
   std::map<Key, int> fwd_, grad_;
   std::map<Key, std::pair<int, synth::Method>> zero_gathered_;  // -> shard
@@ -1313,9 +1368,11 @@ void LinkDims(const graph::Graph& g, const synth::Program& p, DimClasses& dims) 
 
 }  // namespace
 
-absl::StatusOr<std::vector<v1::RankProgram>> Lower(const graph::Graph& g,
-                                                   const synth::Program& program,
-                                                   const LowerOptions& options) {
+namespace {
+
+// The ratios Lower uses (even when empty); InvalidArgument when they are not
+// one per rank, non-negative and summing to 1.
+absl::StatusOr<std::vector<double>> CheckedRatios(const LowerOptions& options) {
   const int n = options.world_size;
   if (n < 1) {
     return absl::InvalidArgumentError(
@@ -1339,32 +1396,110 @@ absl::StatusOr<std::vector<v1::RankProgram>> Lower(const graph::Graph& g,
     return absl::InvalidArgumentError(
         absl::StrCat("sharding ratios sum to ", sum, ", not 1"));
   }
-  if (program.steps.size() != g.ops().size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the program has ", program.steps.size(), " steps for a graph of ",
-        g.ops().size(), " ops"));
-  }
+  return ratios;
+}
+
+// Steps k of `program` must be ops first + k.
+absl::Status CheckSteps(const graph::Graph& g, const synth::Program& program, int first) {
   for (size_t k = 0; k < program.steps.size(); ++k) {
     const synth::OpStep& s = program.steps[k];
-    const graph::Op& op = g.op(static_cast<int>(k));
-    if (s.op != static_cast<int>(k) || s.rule.inputs.size() != op.inputs.size() ||
+    const graph::Op& op = g.op(first + static_cast<int>(k));
+    if (s.op != first + static_cast<int>(k) || s.rule.inputs.size() != op.inputs.size() ||
         s.rule.outputs.size() != op.outputs.size() ||
         s.rule.replicated_grad.size() != op.inputs.size()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "program step ", k, " does not match op '", op.name, "'"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::RankProgram>> LowerChecked(const graph::Graph& g,
+                                                          const synth::Program& program,
+                                                          const LowerOptions& options,
+                                                          const std::vector<double>& ratios,
+                                                          const StageSpec* stage) {
   DimClasses dims(g);
   LinkDims(g, program, dims);
   dims.Solve(ratios);
   Analysis analysis = synth::AnalyzeGradients(g, program);
   std::vector<v1::RankProgram> out;
-  for (int r = 0; r < n; ++r) {
-    RankBuilder b(g, program, options, dims, analysis, r);
+  for (int r = 0; r < options.world_size; ++r) {
+    RankBuilder b(g, program, options, dims, analysis, r, stage);
     HAP_ASSIGN_OR_RETURN(v1::RankProgram p, b.Build());
     out.push_back(std::move(p));
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::RankProgram>> Lower(const graph::Graph& g,
+                                                   const synth::Program& program,
+                                                   const LowerOptions& options) {
+  HAP_ASSIGN_OR_RETURN(std::vector<double> ratios, CheckedRatios(options));
+  if (program.steps.size() != g.ops().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the program has ", program.steps.size(), " steps for a graph of ",
+        g.ops().size(), " ops"));
+  }
+  HAP_RETURN_IF_ERROR(CheckSteps(g, program, 0));
+  return LowerChecked(g, program, options, ratios, nullptr);
+}
+
+absl::StatusOr<std::vector<v1::RankProgram>> LowerStage(const graph::Graph& g,
+                                                        const synth::Program& program,
+                                                        const StageSpec& stage,
+                                                        const LowerOptions& options) {
+  HAP_ASSIGN_OR_RETURN(std::vector<double> ratios, CheckedRatios(options));
+  const int nops = static_cast<int>(g.ops().size());
+  if (stage.begin_op < 0 || stage.end_op > nops || stage.begin_op >= stage.end_op) {
+    return absl::InvalidArgumentError(absl::StrCat("stage ops [", stage.begin_op, ", ",
+                                                   stage.end_op, ") are not a range of the ",
+                                                   nops, " ops"));
+  }
+  if (static_cast<int>(program.steps.size()) != stage.end_op - stage.begin_op) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the stage program has ", program.steps.size(), " steps for ops [", stage.begin_op,
+        ", ", stage.end_op, ")"));
+  }
+  if (stage.microbatches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a stage needs at least 1 microbatch, got ", stage.microbatches));
+  }
+  HAP_RETURN_IF_ERROR(CheckSteps(g, program, stage.begin_op));
+  const int ntensors = static_cast<int>(g.tensors().size());
+  auto produced_in = [&](TensorId t, int begin, int end) {
+    if (t < 0 || t >= ntensors) return false;
+    const graph::Tensor& x = g.tensor(t);
+    return x.kind == graph::TensorKind::kActivation && x.producer >= begin && x.producer < end;
+  };
+  if (stage.input >= 0 && !produced_in(stage.input, 0, stage.begin_op)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the stage's input (tensor ", stage.input, ") is not an activation produced before op ",
+        stage.begin_op));
+  }
+  if (stage.output >= 0 && !produced_in(stage.output, stage.begin_op, stage.end_op)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the stage's output (tensor ", stage.output, ") is not produced by ops [",
+        stage.begin_op, ", ", stage.end_op, ")"));
+  }
+  if (stage.output < 0 && !produced_in(g.loss(), stage.begin_op, stage.end_op)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a stage without output must compute the loss, which ops [", stage.begin_op, ", ",
+        stage.end_op, ") do not"));
+  }
+  LowerOptions o = options;
+  o.overlap = false;
+  // SFB computes a weight's gradient from the step's gathered inputs and
+  // output gradients after backward, which microbatches cannot share: such
+  // weights get their partial gradients all-reduced instead (summed over
+  // the microbatches first).
+  synth::Program p = program;
+  for (synth::OpStep& s : p.steps) {
+    for (synth::SourceLoad& l : s.loads) l.sfb = false;
+  }
+  return LowerChecked(g, p, o, ratios, &stage);
 }
 
 synth::Program SingleDeviceProgram(const graph::Graph& g) {

@@ -98,6 +98,41 @@ absl::StatusOr<std::vector<hap::v1::RankProgram>> Lower(
     const graph::Graph& g, const synth::Program& program,
     const LowerOptions& options);
 
+// One pipeline stage (plan.proto PipelineStage): ops [begin_op, end_op)
+// of `g` (the model at the microbatch size), the activation it receives
+// (input, -1 for the first stage) and the one it sends (output, -1 for the
+// stage holding the loss), in the forms the stage's program holds them.
+struct StageSpec {
+  int begin_op = 0, end_op = 0;
+  graph::TensorId input = -1;
+  synth::Form input_form = synth::Form::R();
+  graph::TensorId output = -1;
+  synth::Form output_form = synth::Form::R();
+  // The loss gradient's seed is 1 / microbatches, so that the gradients
+  // summed over the microbatches are the mean loss's.
+  int microbatches = 1;
+};
+
+// Lowers a stage's program (its steps only: steps[k].op == begin_op + k)
+// for the stage's group (options.world_size ranks, options.ratios) as Lower
+// does, with these differences: the input is a STAGE_INPUT buffer (no
+// load) whose gradient the end of backward copies to STAGE_INPUT_GRADIENT;
+// the output is copied to STAGE_OUTPUT at the end of forward and its
+// gradient's seed copied from STAGE_OUTPUT_GRADIENT at the start of
+// backward (instead of the loss's); a stage without the loss has a LOSS
+// buffer of 0; model inputs the stage reads but whose loads sit in other
+// stages are loaded where first read; the clipping norm is all-reduced in
+// the group even when every gradient is replicated (replicated ones counted
+// on rank 0), so the pipeline runner can sum it over stages; no overlap;
+// SFB weights get their partial gradients all-reduced instead (SFB's
+// gradients come from a whole step's gathered factors).
+// Errors: those of Lower; InvalidArgument for a range or steps that do not
+// match, an input or output produced on the wrong side of the cut, or a
+// stage without output that does not compute the loss.
+absl::StatusOr<std::vector<hap::v1::RankProgram>> LowerStage(
+    const graph::Graph& g, const synth::Program& program, const StageSpec& stage,
+    const LowerOptions& options);
+
 // The single-device program: every op replicated, every parameter stored
 // replicated; lowered with world_size 1 it is the reference run.
 synth::Program SingleDeviceProgram(const graph::Graph& g);

@@ -587,5 +587,70 @@ TEST(ArenaTest, PlacesDisjointLifetimesTogetherAndOverlappingApart) {
   EXPECT_EQ(l.offsets[2] % kArenaAlignment, 0);
 }
 
+// A pipeline stage's programs: the single-device program's steps of the
+// ops after a cut, with the activation crossing it as the stage input.
+TEST(LowerStageTest, BoundaryBuffersAndSeed) {
+  graph::Graph g = Gpt(4);
+  synth::Program whole = SingleDeviceProgram(g);
+  // The embedding's output crosses the cut after op 0 (the first valid cut
+  // is not assumed: the op whose output op 1 reads).
+  const graph::Op& second = g.op(1);
+  StageSpec last;
+  last.begin_op = 1;
+  last.end_op = static_cast<int>(g.ops().size());
+  last.input = second.inputs[0];
+  last.microbatches = 4;
+  synth::Program tail;
+  for (int k = last.begin_op; k < last.end_op; ++k) tail.steps.push_back(whole.steps[k]);
+  LowerOptions o;
+  auto progs = LowerStage(g, tail, last, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  std::map<v1::Buffer::Role, int> roles;
+  for (const v1::Buffer& b : (*progs)[0].buffers()) roles[b.role()] += 1;
+  EXPECT_EQ(roles[v1::Buffer::STAGE_INPUT], 1);
+  EXPECT_EQ(roles[v1::Buffer::STAGE_INPUT_GRADIENT], 1);
+  EXPECT_EQ(roles[v1::Buffer::STAGE_OUTPUT], 0);
+  // The loss gradient's seed is 1/M.
+  bool quarter = false;
+  for (const v1::Step& st : (*progs)[0].steps()) {
+    if (st.has_kernel() && st.kernel().kernel() == "fill" && st.phase() == v1::Step::BACKWARD &&
+        st.kernel().attrs().count("value") && st.kernel().attrs().at("value").f() == 0.25) {
+      quarter = true;
+    }
+  }
+  EXPECT_TRUE(quarter);
+
+  // The first op alone: its output goes on, no loss.
+  StageSpec first;
+  first.begin_op = 0;
+  first.end_op = 1;
+  first.output = second.inputs[0];
+  synth::Program head;
+  head.steps.push_back(whole.steps[0]);
+  progs = LowerStage(g, head, first, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  roles.clear();
+  for (const v1::Buffer& b : (*progs)[0].buffers()) roles[b.role()] += 1;
+  EXPECT_EQ(roles[v1::Buffer::STAGE_OUTPUT], 1);
+  EXPECT_EQ(roles[v1::Buffer::STAGE_OUTPUT_GRADIENT], 1);
+  EXPECT_EQ(roles[v1::Buffer::STAGE_INPUT], 0);
+
+  // Bad stages are named.
+  StageSpec no_loss = first;
+  no_loss.output = -1;
+  EXPECT_THAT(LowerStage(g, head, no_loss, o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must compute the loss")));
+  StageSpec wrong_out = first;
+  wrong_out.output = g.loss();
+  EXPECT_THAT(LowerStage(g, head, wrong_out, o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not produced by ops")));
+  EXPECT_THAT(LowerStage(g, tail, first, o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("steps for ops [0, 1)")));
+  StageSpec range = last;
+  range.end_op += 1;
+  EXPECT_THAT(LowerStage(g, tail, range, o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("are not a range")));
+}
+
 }  // namespace
 }  // namespace hap::lower

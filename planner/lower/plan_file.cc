@@ -35,19 +35,61 @@ std::string ContentHash(const v1::Plan& plan) {
   return Sha256Hex(content);
 }
 
+namespace {
+
+absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world) {
+  if (plan.rank_programs_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the pipeline plan (", plan.pipeline().stages_size(),
+        " stages) has no rank programs: it was made before pipeline plans were executable; "
+        "plan it again"));
+  }
+  if (world != plan.rank_programs_size() || world != plan.devices_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the plan is for a world of ",
+                                                   plan.rank_programs_size(), " ranks, not ",
+                                                   world));
+  }
+  if (rank < 0 || rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is out of range for a world of ", world));
+  }
+  int found = 0;
+  for (const v1::PipelineStage& st : plan.pipeline().stages()) {
+    for (int i = 0; i < st.devices_size(); ++i) {
+      if (st.devices(i) != plan.devices(rank)) continue;
+      ++found;
+      const v1::RankProgram& p = plan.rank_programs(rank);
+      if (p.rank() != i || p.world_size() != st.devices_size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the plan's program ", rank, " is not rank ", i, " of pipeline stage ", st.index(),
+            "'s ", st.devices_size(), " ranks"));
+      }
+    }
+  }
+  if (found != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("device ", plan.devices(rank), " (rank ",
+                                                   rank, ") is in ", found,
+                                                   " pipeline stages, not one"));
+  }
+  if (plan.pipeline().microbatches() < 1) {
+    return absl::InvalidArgumentError("the pipeline plan has no microbatch count");
+  }
+  if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
+    return absl::InvalidArgumentError(
+        "the plan's content hash does not match its content (corrupted?)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
   if (plan.format_version() != kPlanFormatVersion) {
     return absl::InvalidArgumentError(absl::StrCat(
         "plan format version ", plan.format_version(), " is not supported (this "
         "executor reads version ", kPlanFormatVersion, ")"));
   }
-  if (plan.pipeline().stages_size() > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "pipeline plans are not executable yet: the plan has ",
-        plan.pipeline().stages_size(), " pipeline stages (", plan.pipeline().microbatches(),
-        " microbatches), and the lowering has no microbatch loop or send/recv between "
-        "stages; plan with --pipeline off (PlanOptions.pipeline PIPELINE_OFF) to run it"));
-  }
+  if (plan.pipeline().stages_size() > 1) return CheckPipelinePlanForRank(plan, rank, world);
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError("the plan has no rank programs (not lowered)");
   }

@@ -2,7 +2,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "planner/graph/graph_proto.h"
+#include "planner/lower/lower.h"
 #include "planner/lower/plan_builder.h"
+#include "planner/util/status_macros.h"
 #include "planner/pipeline/layers.h"
 
 namespace hap::pipeline {
@@ -29,8 +31,6 @@ absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
   v1::PlanPrediction* pred = plan.mutable_prediction();
   pred->set_step_seconds(p.step_seconds);
   for (const std::string& n : p.notes) plan.add_notes(n);
-  plan.add_notes(
-      "pipeline plans are not executable yet: the executors run plans made with pipeline off");
   v1::PipelinePlan* out = plan.mutable_pipeline();
   out->set_microbatches(p.microbatches);
   out->set_microbatch_size(p.microbatch_size);
@@ -40,6 +40,18 @@ absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
   out->set_spmd_step_seconds(p.spmd_step_seconds);
   out->set_variant(VariantName(p.variant));
   double compute = 0;
+  std::vector<v1::RankProgram> rank_programs(cluster.size());
+  std::vector<int> placed(cluster.size(), 0);
+  for (const StagePlan& s : p.stages) {
+    for (int d : s.devices) placed[d] += 1;
+  }
+  for (int d = 0; d < cluster.size(); ++d) {
+    if (placed[d] != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device ", cluster.device(d).id, " is in ", placed[d],
+          " pipeline stages; an executable pipeline plan places every device in one"));
+    }
+  }
   for (size_t i = 0; i < p.stages.size(); ++i) {
     const StagePlan& s = p.stages[i];
     v1::PipelineStage* st = out->add_stages();
@@ -66,8 +78,31 @@ absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
     st->set_sync_seconds(s.times.sync);
     st->set_in_flight_microbatches(s.in_flight);
     for (int64_t m : s.memory_bytes) st->add_memory_bytes_per_device(m);
+    // The stage's rank programs (LowerStage), in Plan.rank_programs at the
+    // world ranks of its devices (Plan.devices order).
+    lower::StageSpec spec;
+    spec.begin_op = s.begin_op;
+    spec.end_op = s.end_op;
+    spec.input = s.input_tensor;
+    spec.input_form = s.input_form;
+    spec.output = s.output_tensor;
+    spec.output_form = s.output_form;
+    spec.microbatches = p.microbatches;
+    lower::LowerOptions lo;
+    lo.world_size = static_cast<int>(s.devices.size());
+    lo.ratios = s.ratios;
+    for (int d : s.devices) lo.devices.push_back(cluster.device(d).id);
+    lo.optimizer = options.optimizer();
+    lo.seed = options.seed();
+    lo.bf16 = options.precision() == v1::PRECISION_BF16;
+    auto programs = lower::LowerStage(gm, s.program, spec, lo);
+    if (!programs.ok()) {
+      return Annotate(programs.status(), absl::StrCat("lowering pipeline stage ", i));
+    }
+    for (size_t k = 0; k < s.devices.size(); ++k) rank_programs[s.devices[k]] = (*programs)[k];
     compute = std::max(compute, p.microbatches * (s.times.forward + s.times.backward));
   }
+  for (v1::RankProgram& rp : rank_programs) *plan.add_rank_programs() = std::move(rp);
   pred->set_compute_seconds(compute);
   pred->set_communication_seconds(std::max(0.0, p.step_seconds - compute));
   plan.set_content_hash(lower::ContentHash(plan));

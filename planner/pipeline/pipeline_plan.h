@@ -1,9 +1,10 @@
 // A pipeline plan as hap.v1.Plan (plan.proto Plan.pipeline): the model at
 // the global batch, the cluster, the options, and per stage its op range,
 // device group, program (instructions at the microbatch size), ratios,
-// boundary tensors and forms, predicted times and memory. program, ratios
-// and rank_programs stay empty: the plan is not executable yet, and the
-// executors refuse it (CheckPlanForRank).
+// boundary tensors and forms, predicted times and memory; rank_programs
+// holds each device's stage program (planner/lower LowerStage, at the
+// microbatch size), which executor/train/pipeline.h runs. program and
+// ratios stay empty.
 #ifndef HAP_PLANNER_PIPELINE_PIPELINE_PLAN_H_
 #define HAP_PLANNER_PIPELINE_PIPELINE_PLAN_H_
 

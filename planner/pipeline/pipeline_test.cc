@@ -239,7 +239,8 @@ TEST(Planner, PipelineOverSlowLinks) {
   EXPECT_DOUBLE_EQ(sim->step, p->step_seconds);
   EXPECT_EQ(p->microbatch_size * p->microbatches, 32);
 
-  // As a plan: stages with their programs, refused by the executors.
+  // As a plan: stages with their programs, and every device's stage
+  // program for the executors.
   hap::v1::Cluster profile;
   hap::v1::PlanOptions po;
   po.set_pipeline(hap::v1::PlanOptions::PIPELINE_AUTO);
@@ -248,16 +249,33 @@ TEST(Planner, PipelineOverSlowLinks) {
   ASSERT_EQ(plan->pipeline().stages_size(), 2);
   EXPECT_EQ(plan->pipeline().microbatches(), p->microbatches);
   EXPECT_EQ(plan->global_batch(), 32);
-  EXPECT_EQ(plan->rank_programs_size(), 0);
+  ASSERT_EQ(plan->rank_programs_size(), c.size());
   const hap::v1::PipelineStage& s1 = plan->pipeline().stages(1);
   EXPECT_EQ(s1.devices_size(), static_cast<int>(p->stages[1].devices.size()));
   EXPECT_EQ(s1.input_tensor(), plan->pipeline().stages(0).output_tensor());
   EXPECT_FALSE(s1.input_tensor().empty());
   EXPECT_GE(s1.program().instructions_size(), s1.end_op() - s1.begin_op());
   EXPECT_DOUBLE_EQ(plan->prediction().step_seconds(), p->step_seconds);
-  EXPECT_THAT(lower::CheckPlanForRank(*plan, 0, 4),
-              StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("pipeline plans are not executable yet")));
+  for (int r = 0; r < c.size(); ++r) {
+    EXPECT_TRUE(lower::CheckPlanForRank(*plan, r, c.size()).ok())
+        << lower::CheckPlanForRank(*plan, r, c.size());
+  }
+  // Stage 1's first device runs rank 0 of stage 1's group, which receives
+  // the stage input.
+  int first1 = -1;
+  for (int r = 0; r < plan->devices_size(); ++r) {
+    if (plan->devices(r) == s1.devices(0)) first1 = r;
+  }
+  ASSERT_GE(first1, 0);
+  EXPECT_EQ(plan->rank_programs(first1).rank(), 0);
+  EXPECT_EQ(plan->rank_programs(first1).world_size(), s1.devices_size());
+  bool has_input = false;
+  for (const auto& b : plan->rank_programs(first1).buffers()) {
+    has_input = has_input || b.role() == hap::v1::Buffer::STAGE_INPUT;
+  }
+  EXPECT_TRUE(has_input);
+  EXPECT_THAT(lower::CheckPlanForRank(*plan, 0, c.size() + 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("world of")));
 }
 
 TEST(PipelinePlan, OptionsFromProto) {
@@ -310,16 +328,15 @@ TEST(Planner, BadOptions) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must divide the batch")));
 }
 
-TEST(Executor, RefusesPipelinePlans) {
+TEST(Executor, RefusesPipelinePlansWithoutPrograms) {
   hap::v1::Plan plan;
   plan.set_format_version(lower::kPlanFormatVersion);
   plan.mutable_pipeline()->add_stages();
   plan.mutable_pipeline()->add_stages();
   plan.mutable_pipeline()->set_microbatches(4);
   EXPECT_THAT(lower::CheckPlanForRank(plan, 0, 2),
-              StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("pipeline plans are not executable yet: the plan has 2 "
-                                 "pipeline stages (4 microbatches)")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the pipeline plan (2 stages) has no rank programs")));
 }
 
 }  // namespace

@@ -1012,7 +1012,7 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
     });
   };
   // PlanOptions.pipeline (off by default): stages planned by
-  // planner/pipeline; a plan with stages is stored but not executable yet.
+  // planner/pipeline; a plan with stages carries every device's stage program.
   auto pipe = pipeline::FromProto(job->proto_options);
   if (!pipe.ok()) return fail(pipe.status());
   absl::StatusOr<synth::PlanResult> result;

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
+#include "planner/lower/plan_file.h"
 #include "planner/util/status_matchers.h"
 
 namespace hap::service {
@@ -196,7 +197,7 @@ TEST_F(PlannerCoreTest, PlansFromRegisteredNodesAndKeepsRankProgramsForFullView)
   EXPECT_EQ(sink_.nodes.size(), 2u);
 }
 
-TEST_F(PlannerCoreTest, PlansPipelineStagesWhenAskedAndStoresThemNotLowered) {
+TEST_F(PlannerCoreTest, PlansPipelineStagesWhenAskedAndStoresThemLowered) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
   v1::CreatePlanRequest r = MlpRequest();
@@ -211,7 +212,9 @@ TEST_F(PlannerCoreTest, PlansPipelineStagesWhenAskedAndStoresThemNotLowered) {
   ASSERT_EQ(full->pipeline().stages_size(), 2);
   EXPECT_EQ(full->pipeline().microbatches(), 2);
   EXPECT_EQ(full->pipeline().stages(0).devices_size(), 2);  // one node each
-  EXPECT_EQ(full->rank_programs_size(), 0);
+  // Lowered: every device's stage program (executor/train/pipeline.h runs them).
+  EXPECT_EQ(full->rank_programs_size(), 4);
+  EXPECT_TRUE(lower::CheckPlanForRank(*full, 3, 4).ok()) << lower::CheckPlanForRank(*full, 3, 4);
   EXPECT_GT(full->prediction().step_seconds(), 0);
 }
 

@@ -1,0 +1,495 @@
+#include "executor/train/pipeline.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "executor/cpu/cpu_device.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::executor {
+
+namespace v1 = ::hap::v1;
+
+absl::StatusOr<std::pair<int, int>> StageOf(const PipelineLayout& layout, int rank) {
+  std::pair<int, int> at{-1, -1};
+  int seen = 0;
+  for (size_t s = 0; s < layout.stage_ranks.size(); ++s) {
+    const auto& g = layout.stage_ranks[s];
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (g[i] == rank) {
+        at = {static_cast<int>(s), static_cast<int>(i)};
+        ++seen;
+      }
+    }
+  }
+  if (seen != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("the pipeline layout holds rank ", rank, " ",
+                                                   seen, " times, not once"));
+  }
+  return at;
+}
+
+absl::StatusOr<PipelineLayout> PipelineLayoutOf(const v1::Plan& plan) {
+  PipelineLayout layout;
+  layout.microbatches = plan.pipeline().microbatches();
+  layout.clip = plan.options().optimizer().clip_global_norm() > 0;
+  for (const v1::PipelineStage& st : plan.pipeline().stages()) {
+    std::vector<int> ranks;
+    for (const std::string& d : st.devices()) {
+      auto it = std::find(plan.devices().begin(), plan.devices().end(), d);
+      if (it == plan.devices().end()) {
+        return absl::InvalidArgumentError(absl::StrCat("pipeline stage ", st.index(),
+                                                       "'s device ", d,
+                                                       " is not among the plan's devices"));
+      }
+      ranks.push_back(static_cast<int>(it - plan.devices().begin()));
+    }
+    layout.stage_ranks.push_back(std::move(ranks));
+  }
+  for (int r = 0; r < plan.devices_size(); ++r) HAP_RETURN_IF_ERROR(StageOf(layout, r).status());
+  if (layout.microbatches < 1) {
+    return absl::InvalidArgumentError("the pipeline plan has no microbatch count");
+  }
+  return layout;
+}
+
+absl::Status AddBoundaryPieces(PipelineLayout& layout,
+                               const std::vector<v1::RankProgram>& programs) {
+  const int S = static_cast<int>(layout.stage_ranks.size());
+  layout.output_pieces.assign(S, {});
+  layout.input_grad_pieces.assign(S, {});
+  for (int s = 0; s < S; ++s) {
+    for (int r : layout.stage_ranks[s]) {
+      if (r < 0 || r >= static_cast<int>(programs.size())) {
+        return absl::InvalidArgumentError(absl::StrCat("no program for rank ", r));
+      }
+      for (auto role : {v1::Buffer::STAGE_OUTPUT, v1::Buffer::STAGE_INPUT_GRADIENT}) {
+        auto& pieces = role == v1::Buffer::STAGE_OUTPUT ? layout.output_pieces[s]
+                                                        : layout.input_grad_pieces[s];
+        for (const v1::Buffer& b : programs[r].buffers()) {
+          if (b.role() != role) continue;
+          PipelineLayout::Piece p;
+          p.kind = b.form().kind();
+          p.offsets.assign(b.offsets().begin(), b.offsets().end());
+          p.shape.assign(b.shape().begin(), b.shape().end());
+          pieces.push_back(std::move(p));
+        }
+      }
+    }
+    for (const auto* pieces : {&layout.output_pieces[s], &layout.input_grad_pieces[s]}) {
+      if (!pieces->empty() && pieces->size() != layout.stage_ranks[s].size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the ranks of stage ", s, " disagree about the tensors they send"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int> OneFOneBOrder(int stage, int stages, int microbatches) {
+  const int w = std::min(stages - 1 - stage, microbatches);
+  std::vector<int> order;
+  for (int m = 0; m < w; ++m) order.push_back(m + 1);
+  for (int i = 0; i < microbatches - w; ++i) {
+    order.push_back(w + i + 1);
+    order.push_back(-(i + 1));
+  }
+  for (int m = microbatches - w; m < microbatches; ++m) order.push_back(-(m + 1));
+  return order;
+}
+
+absl::StatusOr<Batch> MicroBatch(const Batch& batch, int m, int microbatches) {
+  if (microbatches == 1) return batch;
+  Batch out;
+  for (const auto& [name, t] : batch) {
+    const Shape& shape = t.shape();
+    if (shape.empty() || shape[0] % microbatches != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input '", name, "' of shape ", graph::ShapeString(shape),
+                       " does not split into ", microbatches, " microbatches along dimension 0"));
+    }
+    Shape part = shape;
+    part[0] /= microbatches;
+    HostTensor piece(t.dtype(), part);
+    std::vector<int64_t> start(shape.size(), 0);
+    start[0] = m * part[0];
+    HAP_RETURN_IF_ERROR(HostCopyBox(t.view(), start, piece.view(),
+                                    std::vector<int64_t>(shape.size(), 0), part));
+    out.emplace(name, std::move(piece));
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<PipelineRunner>> PipelineRunner::Create(
+    ProgramRunner* runner, Communicator* world, const PipelineLayout& layout) {
+  if (layout.microbatches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a pipeline needs at least 1 microbatch, got ", layout.microbatches));
+  }
+  std::unique_ptr<PipelineRunner> p(new PipelineRunner(runner, world, layout));
+  HAP_ASSIGN_OR_RETURN(auto at, StageOf(layout, world->rank()));
+  p->stage_ = at.first;
+  p->group_rank_ = at.second;
+  if (static_cast<int>(layout.stage_ranks[at.first].size()) != runner->comm().size() ||
+      runner->comm().rank() != at.second) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", world->rank(), " is rank ", at.second, " of stage ", at.first, "'s ",
+        layout.stage_ranks[at.first].size(), " ranks, but its stage communicator is rank ",
+        runner->comm().rank(), " of ", runner->comm().size()));
+  }
+  HAP_RETURN_IF_ERROR(p->Analyze());
+  return p;
+}
+
+absl::Status PipelineRunner::Analyze() {
+  const v1::RankProgram& prog = runner_->program();
+  const int n = prog.steps_size();
+  auto phase_at = [&](int i) { return prog.steps(i).phase(); };
+  // Per microbatch: the leading FORWARD steps, then up to the last
+  // BACKWARD step (gradient synchronisation inside backward, such as
+  // ZeRO's reduce-scatters, is linear and runs per microbatch); once per
+  // step: the rest.
+  int i = 0;
+  while (i < n && phase_at(i) == v1::Step::FORWARD) ++i;
+  forward_end_ = i;
+  backward_end_ = forward_end_;
+  for (; i < n; ++i) {
+    if (phase_at(i) == v1::Step::FORWARD) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", i, " of the stage program is a FORWARD step after the backward began: "
+          "not a pipeline stage program"));
+    }
+    if (phase_at(i) == v1::Step::BACKWARD) backward_end_ = i + 1;
+  }
+  const bool first = stage_ == 0;
+  const bool last = stage_ + 1 == static_cast<int>(layout_.stage_ranks.size());
+  for (const v1::Buffer& b : prog.buffers()) {
+    switch (b.role()) {
+      case v1::Buffer::STAGE_INPUT: stage_in_ = b.id(); break;
+      case v1::Buffer::STAGE_OUTPUT: stage_out_ = b.id(); break;
+      case v1::Buffer::STAGE_OUTPUT_GRADIENT: out_grad_ = b.id(); break;
+      case v1::Buffer::STAGE_INPUT_GRADIENT: in_grad_ = b.id(); break;
+      case v1::Buffer::NORM: norm_ = b.id(); break;
+      default: break;
+    }
+    // Kept anyway (persistent), unused, handled apart (the loss), or
+    // written after the restore (the output's gradient).
+    if (b.persistent() || b.last_use() < 0 || b.role() == v1::Buffer::LOSS ||
+        b.role() == v1::Buffer::STAGE_OUTPUT_GRADIENT) {
+      continue;
+    }
+    const bool before_backward = b.first_use() < forward_end_;
+    const bool into_backward = b.last_use() >= forward_end_;
+    const bool into_sync = b.last_use() >= backward_end_;
+    if (before_backward && into_sync && into_backward) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer '", b.tensor(), "' lives from the forward into the gradient synchronisation; "
+          "a pipeline stage cannot keep it across microbatches"));
+    }
+    if (before_backward && into_backward) stash_ids_.push_back(b.id());
+    if (!before_backward && b.first_use() < backward_end_ && into_sync) {
+      if (b.role() != v1::Buffer::GRADIENT) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "buffer '", b.tensor(), "' (", v1::Buffer::Role_Name(b.role()),
+            ") lives from the backward into the gradient synchronisation; only gradients "
+            "are summed over microbatches"));
+      }
+      accumulate_ids_.push_back(b.id());
+    }
+  }
+  if ((stage_in_ >= 0) == first || (in_grad_ >= 0) == first || (stage_out_ >= 0) == last ||
+      (out_grad_ >= 0) == last) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the program of stage ", stage_, " of ", layout_.stage_ranks.size(),
+        (first ? " has" : " lacks"), " a stage input or its gradient, or ",
+        (last ? "has" : "lacks"), " a stage output or its gradient"));
+  }
+  if (norm_ >= 0) {
+    for (int s = backward_end_; s < n; ++s) {
+      const v1::Step& st = prog.steps(s);
+      if (st.has_collective() && st.collective().collective() == v1::ALL_REDUCE &&
+          st.collective().input() == norm_) {
+        norm_step_ = s;
+      }
+    }
+    if (norm_step_ < 0) {
+      return absl::InvalidArgumentError(
+          "the stage program does not all-reduce its clipping norm in its group");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HostTensor> PipelineRunner::Read(int id) {
+  const TensorView& v = runner_->buffer(id);
+  HostTensor t(v.dtype, v.shape);
+  HAP_RETURN_IF_ERROR(runner_->device().CopyToHost(v, t.data()));
+  return t;
+}
+
+absl::Status PipelineRunner::Write(int id, const HostTensor& t) {
+  return runner_->device().CopyFromHost(t.data(), runner_->buffer(id));
+}
+
+namespace {
+
+template <typename T>
+void AddInto(T* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+absl::Status Add(HostTensor& dst, const HostTensor& src) {
+  if (dst.dtype() == DType::kFloat32) {
+    AddInto(dst.as<float>(), src.as<float>(), dst.num_elements());
+  } else if (dst.dtype() == DType::kFloat64) {
+    AddInto(dst.as<double>(), src.as<double>(), dst.num_elements());
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot sum ", graph::DTypeName(dst.dtype()), " tensors over microbatches"));
+  }
+  return absl::OkStatus();
+}
+
+double ScalarOf(const HostTensor& t) {
+  return t.dtype() == DType::kFloat64 ? *t.as<double>() : static_cast<double>(*t.as<float>());
+}
+
+}  // namespace
+
+absl::Status PipelineRunner::SendWhole(int id, int to, int64_t tag) {
+  const v1::Buffer& b = runner_->program().buffers(id);
+  HAP_ASSIGN_OR_RETURN(HostTensor piece, Read(id));
+  const v1::TensorForm& f = b.form();
+  const bool known = !layout_.output_pieces.empty();
+  if (known) {
+    // Only the piece; a replicated form's from rank 0 alone.
+    if (f.kind() == v1::TensorForm::REPLICATED && group_rank_ != 0) return absl::OkStatus();
+    pending_sends_.push_back(std::move(piece));
+  } else {
+    Shape global(b.global_shape().begin(), b.global_shape().end());
+    HostTensor whole(piece.dtype(), global);  // zeros
+    if (f.kind() == v1::TensorForm::SHARDED || f.kind() == v1::TensorForm::PARTIAL ||
+        group_rank_ == 0) {
+      std::vector<int64_t> start(b.offsets().begin(), b.offsets().end());
+      HAP_RETURN_IF_ERROR(HostCopyBox(piece.view(), std::vector<int64_t>(global.size(), 0),
+                                      whole.view(), start, piece.shape()));
+    }
+    pending_sends_.push_back(std::move(whole));
+  }
+  for (int peer : layout_.stage_ranks[to]) {
+    HAP_RETURN_IF_ERROR(world_->Send(pending_sends_.back().view(), peer, tag));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineRunner::ReceiveInto(int id, int from, int64_t tag) {
+  const v1::Buffer& b = runner_->program().buffers(id);
+  const TensorView& v = runner_->buffer(id);
+  Shape global(b.global_shape().begin(), b.global_shape().end());
+  HostTensor whole(v.dtype, global);
+  const std::vector<int>& senders = layout_.stage_ranks[from];
+  // Forward: the previous stage's outputs; backward: the next stage's
+  // input gradients.
+  const std::vector<PipelineLayout::Piece>* pieces = nullptr;
+  if (!layout_.output_pieces.empty()) {
+    pieces = from < stage_ ? &layout_.output_pieces[from] : &layout_.input_grad_pieces[from];
+  }
+  for (size_t i = 0; i < senders.size(); ++i) {
+    if (pieces == nullptr) {
+      HostTensor part(v.dtype, global);
+      HAP_RETURN_IF_ERROR(world_->Recv(i == 0 ? whole.view() : part.view(), senders[i], tag));
+      if (i > 0) HAP_RETURN_IF_ERROR(Add(whole, part));
+      continue;
+    }
+    const PipelineLayout::Piece& p = (*pieces)[i];
+    if (p.kind == v1::TensorForm::REPLICATED && i != 0) continue;
+    HostTensor part(v.dtype, p.shape);
+    HAP_RETURN_IF_ERROR(world_->Recv(part.view(), senders[i], tag));
+    if (p.kind == v1::TensorForm::PARTIAL) {
+      HAP_RETURN_IF_ERROR(Add(whole, part));
+    } else {
+      HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), std::vector<int64_t>(p.shape.size(), 0),
+                                      whole.view(), p.offsets, p.shape));
+    }
+  }
+  HostTensor piece(v.dtype, v.shape);  // zeros: a partial form off rank 0
+  if (b.form().kind() != v1::TensorForm::PARTIAL || group_rank_ == 0) {
+    std::vector<int64_t> start(b.offsets().begin(), b.offsets().end());
+    HAP_RETURN_IF_ERROR(HostCopyBox(whole.view(), start, piece.view(),
+                                    std::vector<int64_t>(v.rank(), 0), v.shape));
+  }
+  return Write(id, piece);
+}
+
+absl::Status PipelineRunner::Forward(const Batch& batch, int m, int64_t step) {
+  runner_->SetMicrobatch(m, layout_.microbatches);
+  HAP_ASSIGN_OR_RETURN(Batch micro, MicroBatch(batch, m, layout_.microbatches));
+  HAP_RETURN_IF_ERROR(runner_->LoadBatch(micro));
+  if (stage_in_ >= 0) HAP_RETURN_IF_ERROR(ReceiveInto(stage_in_, stage_ - 1, 2 * m));
+  HAP_RETURN_IF_ERROR(runner_->RunSteps(0, forward_end_, step));
+  HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
+  if (stage_out_ >= 0) {
+    HAP_RETURN_IF_ERROR(SendWhole(stage_out_, stage_ + 1, 2 * m));
+  } else {
+    HAP_ASSIGN_OR_RETURN(HostTensor loss, Read(runner_->program().loss_buffer()));
+    loss_sum_ += ScalarOf(loss);
+  }
+  std::vector<HostTensor>& saved = stash_[m];
+  for (int id : stash_ids_) {
+    HAP_ASSIGN_OR_RETURN(HostTensor t, Read(id));
+    saved.push_back(std::move(t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineRunner::Backward(int m, int64_t step) {
+  runner_->SetMicrobatch(m, layout_.microbatches);
+  auto it = stash_.find(m);
+  if (it == stash_.end()) {
+    return absl::InternalError(absl::StrCat("backward of microbatch ", m, " before its forward"));
+  }
+  for (size_t i = 0; i < stash_ids_.size(); ++i) {
+    HAP_RETURN_IF_ERROR(Write(stash_ids_[i], it->second[i]));
+  }
+  stash_.erase(it);
+  if (out_grad_ >= 0) HAP_RETURN_IF_ERROR(ReceiveInto(out_grad_, stage_ + 1, 2 * m + 1));
+  HAP_RETURN_IF_ERROR(runner_->RunSteps(forward_end_, backward_end_, step));
+  HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
+  if (in_grad_ >= 0) HAP_RETURN_IF_ERROR(SendWhole(in_grad_, stage_ - 1, 2 * m + 1));
+  const bool first = sums_.empty();
+  for (size_t i = 0; i < accumulate_ids_.size(); ++i) {
+    HAP_ASSIGN_OR_RETURN(HostTensor g, Read(accumulate_ids_[i]));
+    if (first) {
+      sums_.push_back(std::move(g));
+    } else {
+      HAP_RETURN_IF_ERROR(Add(sums_[i], g));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineRunner::Finish(int64_t step, double* loss) {
+  const v1::RankProgram& prog = runner_->program();
+  const int S = static_cast<int>(layout_.stage_ranks.size());
+  const bool last = stage_ + 1 == S;
+  for (size_t i = 0; i < accumulate_ids_.size(); ++i) {
+    HAP_RETURN_IF_ERROR(Write(accumulate_ids_[i], sums_[i]));
+  }
+  HAP_ASSIGN_OR_RETURN(HostTensor lt, Read(prog.loss_buffer()));
+  const double mean = last ? loss_sum_ / layout_.microbatches : 0.0;
+  if (lt.dtype() == DType::kFloat64) {
+    *lt.as<double>() = mean;
+  } else {
+    *lt.as<float>() = static_cast<float>(mean);
+  }
+  HAP_RETURN_IF_ERROR(Write(prog.loss_buffer(), lt));
+  HAP_RETURN_IF_ERROR(world_->WaitSends());
+  pending_sends_.clear();
+  const int n = prog.steps_size();
+  const int split = norm_step_ >= 0 ? norm_step_ + 1 : backward_end_;
+  HAP_RETURN_IF_ERROR(runner_->RunSteps(backward_end_, split, step));
+  HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
+  if (layout_.clip) {
+    // The norm over every stage: each group's total counted on its rank 0.
+    HostTensor total(DType::kFloat64, {1});
+    if (norm_ >= 0 && group_rank_ == 0) {
+      HAP_ASSIGN_OR_RETURN(HostTensor mine, Read(norm_));
+      *total.as<double>() = ScalarOf(mine);
+    }
+    HAP_RETURN_IF_ERROR(Annotate(world_->AllReduce(total.view()),
+                                 "summing the clipping norm over the stages"));
+    if (norm_ >= 0) HAP_RETURN_IF_ERROR(Write(norm_, total));
+  }
+  HAP_RETURN_IF_ERROR(runner_->RunSteps(split, n, step));
+  HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
+  // The loss, from the last stage's rank 0 to everyone.
+  HostTensor value(DType::kFloat64, {1});
+  if (last) {
+    HAP_ASSIGN_OR_RETURN(HostTensor l, Read(prog.loss_buffer()));
+    *value.as<double>() = ScalarOf(l);
+  }
+  HAP_RETURN_IF_ERROR(world_->Broadcast(value.view(), layout_.stage_ranks[S - 1][0]));
+  *loss = *value.as<double>();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> PipelineRunner::RunStep(const Batch& batch, int64_t step) {
+  stash_.clear();
+  sums_.clear();
+  pending_sends_.clear();
+  loss_sum_ = 0;
+  const int S = static_cast<int>(layout_.stage_ranks.size());
+  for (int op : OneFOneBOrder(stage_, S, layout_.microbatches)) {
+    absl::Status s = op > 0 ? Forward(batch, op - 1, step) : Backward(-op - 1, step);
+    if (!s.ok()) {
+      return Annotate(s, absl::StrCat("stage ", stage_, ", microbatch ", std::abs(op) - 1,
+                                      op > 0 ? " forward" : " backward"));
+    }
+  }
+  double loss = 0;
+  HAP_RETURN_IF_ERROR(Annotate(Finish(step, &loss), absl::StrCat("stage ", stage_)));
+  runner_->SetMicrobatch(0, 1);
+  return loss;
+}
+
+absl::StatusOr<std::vector<TrainResult>> RunLocalPipeline(
+    const std::vector<v1::RankProgram>& programs, const graph::Graph& microbatch_graph,
+    const PipelineLayout& layout,
+    const std::function<std::unique_ptr<data::BatchSource>(int rank)>& batches,
+    const TrainOptions& train, const LocalRanksOptions& options) {
+  const int n = static_cast<int>(programs.size());
+  PipelineLayout with_pieces = layout;
+  if (with_pieces.output_pieces.empty() && options.pipeline_pieces) {
+    HAP_RETURN_IF_ERROR(AddBoundaryPieces(with_pieces, programs));
+  }
+  std::vector<absl::StatusOr<TrainResult>> results(n, absl::UnknownError("rank did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = [&]() -> absl::StatusOr<TrainResult> {
+        HAP_ASSIGN_OR_RETURN(auto at, StageOf(layout, r));
+        std::unique_ptr<Device> device = NewCpuDevice(options.threads_per_rank);
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
+                             NewFileStore(options.rendezvous_dir));
+        GlooOptions go;
+        go.rank = r;
+        go.size = n;
+        go.prefix = absl::StrCat(options.prefix, "/world");
+        go.timeout = options.timeout;
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world, ConnectGloo(go, *store));
+        go.rank = at.second;
+        go.size = static_cast<int>(layout.stage_ranks[at.first].size());
+        go.prefix = absl::StrCat(options.prefix, "/stage", at.first);
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, ConnectGloo(go, *store));
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
+                             ProgramRunner::Create(programs[r], microbatch_graph, device.get(),
+                                                   group.get(), options.runner));
+        HAP_ASSIGN_OR_RETURN(std::unique_ptr<PipelineRunner> pipe,
+                             PipelineRunner::Create(runner.get(), world.get(), with_pieces));
+        std::unique_ptr<data::BatchSource> source = batches(r);
+        return TrainRankWith(
+            *runner, [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
+            *source, train);
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  // The cause rather than its echo: a rank that failed makes its peers'
+  // connections break or time out.
+  for (int r = 0; r < n; ++r) {
+    const absl::Status& st = results[r].status();
+    if (!st.ok() && st.code() != absl::StatusCode::kUnavailable &&
+        st.code() != absl::StatusCode::kDeadlineExceeded) {
+      return Annotate(st, absl::StrCat("rank ", r));
+    }
+  }
+  std::vector<TrainResult> out;
+  for (int r = 0; r < n; ++r) {
+    if (!results[r].ok()) return Annotate(results[r].status(), absl::StrCat("rank ", r));
+    out.push_back(*std::move(results[r]));
+  }
+  return out;
+}
+
+}  // namespace hap::executor
