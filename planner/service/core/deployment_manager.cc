@@ -27,6 +27,9 @@ bool Final(v1::Deployment::State s) {
          s == v1::Deployment::STOPPED;
 }
 
+// Rank 0's latest steps that Deployment.recent_step_seconds is the median of.
+constexpr size_t kRecentSteps = 20;
+
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -401,6 +404,10 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
         if (x.rank() == 0) times.push_back(x.step_seconds());
       }
       d.set_median_step_seconds(Median(times));
+      // The latest window: what a job's slowdown is judged by.
+      const size_t w = std::min(times.size(), kRecentSteps);
+      d.set_recent_step_seconds(Median(std::vector<double>(times.end() - w, times.end())));
+      d.set_recent_steps_end(std::max(d.recent_steps_end(), m.step() + 1));
     }
   }
   return absl::OkStatus();
