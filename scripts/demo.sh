@@ -49,6 +49,9 @@
 # port), rejoins, and after --join-stable [5] s the job re-plans onto all
 # three at its next checkpoint. It prints the job's timeline, and ends with
 # `elastic: job SUCCEEDED; replans N; recovery S s (max); steps lost K`.
+# With --throttle SHARE, rank --kill-rank is not killed but throttled: its
+# cgroup's quota lowered to SHARE of its core a third of the way in; the job
+# sees the slowdown, recalibrates and re-plans when that pays.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +69,7 @@ SETUP=1
 BIN=""
 ELASTIC=0
 KILL_RANK=1
+THROTTLE=""
 JOIN_STABLE=5
 EVERY=""
 SHARES_SET=0 STEPS_SET=0
@@ -77,6 +81,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; STEPS_SET=1; shift 2 ;;
     --elastic) ELASTIC=1; shift ;;
     --kill-rank) KILL_RANK=$2; shift 2 ;;
+    --throttle) THROTTLE=$2; shift 2 ;;
     --join-stable) JOIN_STABLE=$2; shift 2 ;;
     --checkpoint-every) EVERY=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
@@ -123,6 +128,9 @@ if [ "$ELASTIC" = 1 ]; then
     echo "demo: --kill-rank $KILL_RANK: there are ranks 0-$((RANKS - 1))" >&2; exit 2
   fi
   case "$EVERY" in ''|*[!0-9]*|0) echo "demo: --checkpoint-every must be a positive integer" >&2; exit 2 ;; esac
+  if [ -n "$THROTTLE" ] && ! awk -v s="$THROTTLE" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }'; then
+    echo "demo: --throttle must be a share in (0, 1], got '$THROTTLE'" >&2; exit 2
+  fi
   if ! awk -v s="$JOIN_STABLE" 'BEGIN { exit !(s + 0 >= 0 && s ~ /^[0-9.]+$/) }'; then
     echo "demo: --join-stable must be a number of seconds, got '$JOIN_STABLE'" >&2; exit 2
   fi
@@ -356,7 +364,7 @@ print(s.get("state", "?"), int(s.get("stepsDone", 0)), int(s.get("generation", 0
       s.get("predictedStepSeconds", 0), s.get("measuredStepSeconds", 0))')"
     now=$(date +%s.%N)
     msg=$(echo "$j" | json 'print(d.get("status", {}).get("message", ""))')
-    case "$msg" in staying:*) stay=$msg ;; esac
+    case "$msg" in staying:*" devices is "*) stay=$msg ;; esac  # a join judged
     if [ "$state:$gen:$ndev" != "$last_key" ] || [ $((done_steps * 10 / STEPS)) != "$last_tenth" ]; then
       printf "   %6.1f s  step %4d/%d  %-10s generation %d on %d devices  predicted step %.4f s, measured %.4f s  %s\n" \
         "$(awk -v a="$now" -v b="$START" 'BEGIN { print a - b }')" "$done_steps" "$STEPS" "$state" "$gen" "$ndev" \
@@ -364,7 +372,15 @@ print(s.get("state", "?"), int(s.get("stepsDone", 0)), int(s.get("generation", 0
       last_key="$state:$gen:$ndev"; last_tenth=$((done_steps * 10 / STEPS))
     fi
     case "$state" in SUCCEEDED|FAILED|STOPPED) break ;; esac
-    if [ $phase = 0 ] && [ "$state" = RUNNING ] && [ "$done_steps" -ge $((STEPS / 3)) ]; then
+    if [ $phase = 0 ] && [ -n "$THROTTLE" ] && [ "$state" = RUNNING ] && [ "$done_steps" -ge $((STEPS / 3)) ]; then
+      if [ "${RANK_GROUP[$victim]}" = - ]; then
+        echo "   --- no cgroups: node$victim cannot be throttled ---"
+      else
+        awk -v s="$THROTTLE" -v p="$PERIOD_US" 'BEGIN { printf "%d\n", s * p }' >"${RANK_GROUP[$victim]}/cpu.cfs_quota_us"
+        echo "   --- node$victim throttled to $THROTTLE of its core (its cgroup's quota lowered) ---"
+      fi
+      phase=10
+    elif [ $phase = 0 ] && [ "$state" = RUNNING ] && [ "$done_steps" -ge $((STEPS / 3)) ]; then
       echo "   --- SIGKILL node$victim's agent (pid ${AGENT_PID[$victim]}) and executor (pid ${EXECUTOR_PID[$victim]}) ---"
       kill -KILL "${AGENT_PID[$victim]}" "${EXECUTOR_PID[$victim]}" 2>/dev/null || true
       wait "${AGENT_PID[$victim]}" "${EXECUTOR_PID[$victim]}" 2>/dev/null || true
@@ -384,16 +400,29 @@ print(s.get("state", "?"), int(s.get("stepsDone", 0)), int(s.get("generation", 0
   echo
   echo "== The job's timeline (hapctl describe job demo) =="
   "$HAPCTL" describe job demo "${CTL[@]}" | sed 's/^/   /'
-  if [ $phase != 3 ]; then
+  if [ $phase != 3 ] && [ $phase != 10 ]; then
     echo "   node$victim did not rejoin before the job ended; the job's last judgement of a join:"
     echo "   ${stay:-(none: give it more --steps)}"
   fi
   echo
+  # Each plan the job ran: its share of the batch per device.
+  local plan
+  for plan in $(job_json | json 'print(" ".join(e.get("plan", "") for e in d.get("status", {}).get("events", [])))'); do
+    "$HAPCTL" describe plan "$plan" -o json "${CTL[@]}" | json '
+r = (d.get("ratios") or [{}])[0].get("ratios", [])
+print("   %s ratios: %s" % (d.get("name"), ", ".join("%s %.3f" % (x, float(r[i]) if i < len(r) else 0) for i, x in enumerate(d.get("devices", [])))))' || true
+  done
   job_json | json '
 s = d.get("status", {})
 ev = [e for e in s.get("events", []) if e.get("reason") != "STARTED"]
 rec = max([float(e.get("downtimeSeconds", 0)) for e in ev] or [0])
 lost = sum(int(e.get("stepsLost", 0)) for e in ev)
+for e in s.get("events", []):
+    p, m = float(e.get("predictedStepAfter", 0)), float(e.get("measuredStepSeconds", 0))
+    if m > 0 and p > 0:
+        print("   %s on %d devices: %s prediction %.4f s, measured median %.4f s (%+.0f%%)" % (
+            e.get("plan", "?"), len(e.get("devicesAfter", [])),
+            "calibrated" if e.get("calibrated") else "uncalibrated", p, m, 100 * (p - m) / m))
 print("elastic: job %s; replans %d; recovery %.1f s (max); steps lost %d" % (s.get("state", "?"), int(s.get("replans", 0)), rec, lost))'
   [ "$state" = SUCCEEDED ]
 }

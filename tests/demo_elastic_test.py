@@ -46,13 +46,17 @@ class DemoElasticTest(unittest.TestCase):
         # The loss, then the return: two re-plans, nothing else. The return
         # is the planner's judgement (its calibrated prediction must clear
         # min_gain 10%): where it did not, the demo says why.
+        # A slowdown re-plan (the machine's load changing under the ranks)
+        # that paid by the calibrated model adds one each.
+        slowdowns = len(re.findall(r" SLOWDOWN ", out))
         rejoined = "node1 rejoined: training on 3 devices" in out
         if rejoined:
-            self.assertEqual(int(last.group(2)), 2, out)
+            self.assertEqual(int(last.group(2)), 2 + slowdowns, out)
             self.assertIn("NODE_JOINED", out)
-            self.assertRegex(out, r"step  600/600  SUCCEEDED  generation 3 on 3 devices")
+            self.assertRegex(out, r"step  600/600  SUCCEEDED  generation %d on 3 devices"
+                             % (3 + slowdowns))
         else:
-            self.assertEqual(int(last.group(2)), 1, out)
+            self.assertEqual(int(last.group(2)), 1 + slowdowns, out)
             self.assertRegex(out, r"node1 did not rejoin before the job ended; the job's last "
                                   r"judgement of a join:\n   staying: plans/demo-p\d+ on 3 devices "
                                   r"is (predicted|expected) -?[0-9.]+% faster .*below min_gain")

@@ -33,7 +33,7 @@ constexpr char kUsage[] = R"(usage:
   hapctl describe plan|deployment|job NAME
   hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
-                     [--no-sfb] [--no-zero] [--no-grouped] [--max-seconds S]
+                     [--no-sfb] [--no-zero] [--no-grouped] [--no-calibration] [--max-seconds S]
                      [--overlap on|off] [--pipeline off|auto|N] [--microbatches N]
                      [--optimizer sgd|momentum|adam] [--lr X] [--clip-norm X]
                      [--weight-decay X] [--seed N] [--id ID] [--wait]
@@ -54,6 +54,7 @@ constexpr char kUsage[] = R"(usage:
                      [--label KEY=VALUE ...] [--min-devices N]
                      [--max-devices N] [--min-gain FRACTION] [--no-join]
                      [--join-stable SECONDS] [--max-replans N]
+                     [--slowdown-threshold FRACTION] [--no-slowdown]
   hapctl watch job NAME               (until it ends)
   hapctl stop job NAME
 Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
@@ -219,12 +220,19 @@ void DescribeJob(const v1::Job& j) {
                                "DOWNTIME S", "LOST", "FROM STEP", "PRED STEP S BEFORE->AFTER",
                                "DEVICES / DETAIL");
   auto row = [](const v1::JobEvent& e, bool pending) {
+    std::string detail = e.detail();
+    if (e.measured_step_seconds() > 0) {
+      absl::StrAppend(&detail, absl::StrFormat(" [%s prediction %.4f s, measured %.4f s]",
+                                               e.calibrated() ? "calibrated" : "uncalibrated",
+                                               e.predicted_step_after(),
+                                               e.measured_step_seconds()));
+    }
     std::cout << absl::StrFormat(
         "%-24s %-18s %10s %8d %10d %10.4f -> %-7.4f  %d -> %d: %s\n", Ts(e.detect_time()),
         v1::JobEvent::Reason_Name(e.reason()),
         pending ? std::string("(ongoing)") : absl::StrFormat("%.2f", e.downtime_seconds()),
         e.steps_lost(), e.resume_step(), e.predicted_step_before(), e.predicted_step_after(),
-        e.devices_before_size(), e.devices_after_size(), e.detail());
+        e.devices_before_size(), e.devices_after_size(), detail);
   };
   for (const auto& e : s.events()) row(e, false);
   if (s.has_pending()) row(s.pending(), true);
@@ -456,6 +464,7 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   o->set_disable_sfb(a.Bool("no-sfb"));
   o->set_disable_zero(a.Bool("no-zero"));
   o->set_disable_grouped_collectives(a.Bool("no-grouped"));
+  o->set_ignore_calibration(a.Bool("no-calibration"));
   const std::string overlap = a.Get("overlap", "off");
   if (overlap != "on" && overlap != "off") {
     return absl::InvalidArgumentError(
@@ -579,6 +588,12 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
       static_cast<int32_t>((stable - static_cast<int64_t>(stable)) * 1e9));
   HAP_ASSIGN_OR_RETURN(double replans, a.Number("max-replans", 0));
   p.set_max_replans(static_cast<int>(replans));
+  HAP_ASSIGN_OR_RETURN(double slowdown, a.Number("slowdown-threshold", 0));
+  if (!(slowdown >= 0)) {
+    return absl::InvalidArgumentError("--slowdown-threshold must be a fraction >= 0");
+  }
+  p.set_slowdown_threshold(slowdown);
+  p.set_disable_slowdown(a.Bool("no-slowdown"));
   return r;
 }
 
@@ -647,9 +662,11 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
                  "id", "executor", "steps", "data", "data-path", "threads", "set",
                  "checkpoint-dir", "checkpoint-every", "checkpoint-keep", "resume",
                  "init-weights", "shuffle", "global-batch", "label", "min-devices",
-                 "max-devices", "min-gain", "join-stable", "max-replans"});
+                 "max-devices", "min-gain", "join-stable", "max-replans",
+                 "slowdown-threshold"});
   auto a = Args::Parse(argv, values,
-                       {"help", "no-sfb", "no-zero", "no-grouped", "wait", "no-join"});
+                       {"help", "no-sfb", "no-zero", "no-grouped", "wait", "no-join",
+                        "no-calibration", "no-slowdown"});
   if (!a.ok()) return Fail(a.status());
   if (a->Bool("help")) {
     std::cout << kUsage;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <deque>
 #include <filesystem>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -13,6 +14,7 @@
 #include "executor/data/user_data.h"
 #include "executor/data/wikitext.h"
 #include "executor/runtime/program_runner.h"
+#include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
@@ -140,10 +142,18 @@ struct ExecutorCore::Loaded {
   LoadOptions options;
   graph::Graph graph;
   std::unique_ptr<Device> device;
+  // Times every kernel call of `device` (the runner runs on it) when the
+  // load is profiled; null otherwise.
+  std::unique_ptr<TimingDevice> timing;
   std::unique_ptr<DeferredCommunicator> comm;
   std::unique_ptr<data::BatchSource> batches;
   std::unique_ptr<ProgramRunner> runner;  // uses graph, device, comm
   std::deque<v1::StepMetric> metrics;     // guarded by the core's mu_
+  v1::StepProfile profile;                // guarded by mu_; the latest window
+  // The window being timed (the training thread's): its first step and
+  // its steps' seconds.
+  int64_t window_first = 0;
+  std::vector<double> window;
   // Where training starts (a checkpoint or weights; empty: initialisers)
   // and the checkpoints it writes.
   int64_t first_step = 0;
@@ -292,8 +302,13 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
   }
   loaded->comm = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
   {
-    auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank), loaded->graph,
-                                   loaded->device.get(), loaded->comm.get());
+    Device* run_on = loaded->device.get();
+    if (o_.profile_window > 0 && !absl::StartsWith(run_on->name(), "cuda")) {
+      loaded->timing = std::make_unique<TimingDevice>(run_on);
+      run_on = loaded->timing.get();
+    }
+    auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank), loaded->graph, run_on,
+                                   loaded->comm.get());
     if (!r.ok()) return Annotate(r.status(), absl::StrCat("rank ", in.rank, "'s program"));
     loaded->runner = *std::move(r);
   }
@@ -391,6 +406,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     }
     to.cancelled = [&loaded] { return loaded->cancelled.load(); };
     to.on_step = [&](int64_t step, double loss, double seconds) {
+      std::optional<v1::StepProfile> profile = NextProfile(*loaded, step, seconds);
       v1::StepMetric m;
       m.set_deployment(lo.deployment);
       m.set_rank(lo.rank);
@@ -404,6 +420,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
         steps_completed_ = step + 1;
         last_loss_ = loss;
         loaded->metrics.push_back(m);
+        if (profile.has_value()) loaded->profile = *std::move(profile);
         while (loaded->metrics.size() > o_.max_kept_metrics) loaded->metrics.pop_front();
       }
       if (o_.on_step) o_.on_step(m);
@@ -432,6 +449,44 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
   if (load_id_ != load_id || loaded->abandoned) return;
   state_ = loaded->final_state;
   error_ = loaded->final_error;
+}
+
+std::optional<v1::StepProfile> ExecutorCore::NextProfile(Loaded& loaded, int64_t step,
+                                                         double seconds) const {
+  // Two warm-up steps (first touches of buffers, the communicator's
+  // connections) are left out, as `hap-executor --profile` does.
+  constexpr int64_t kWarmup = 2;
+  if (loaded.timing == nullptr) return std::nullopt;
+  const int64_t done = step - loaded.first_step + 1;
+  if (done <= kWarmup) {
+    if (done == kWarmup) {
+      loaded.timing->Reset();
+      loaded.window.clear();
+      loaded.window_first = step + 1;
+    }
+    return std::nullopt;
+  }
+  loaded.window.push_back(seconds);
+  const auto n = static_cast<int64_t>(loaded.window.size());
+  if (n < o_.profile_window) return std::nullopt;
+  const LoadOptions& lo = loaded.options;
+  v1::StepProfile p;
+  p.set_rank(lo.rank);
+  p.set_device(lo.rank < lo.plan.devices_size() ? lo.plan.devices(lo.rank) : o_.device_id);
+  p.set_plan_content_hash(lo.plan.content_hash());
+  p.set_first_step(loaded.window_first);
+  p.set_steps(n);
+  std::vector<double> sorted = loaded.window;
+  std::sort(sorted.begin(), sorted.end());
+  p.set_step_seconds_median(n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]));
+  p.set_device_seconds(loaded.timing->TotalSeconds(n));
+  for (const auto& [type, secs] : loaded.timing->SecondsByOpType(n)) {
+    (*p.mutable_op_seconds())[type] = secs;
+  }
+  loaded.timing->Reset();
+  loaded.window.clear();
+  loaded.window_first = step + 1;
+  return p;
 }
 
 void ExecutorCore::ReapRetired(bool all) {
@@ -523,6 +578,7 @@ v1::ExecutorStatus ExecutorCore::StatusLocked() const {
   s.set_steps_completed(steps_completed_);
   s.set_last_loss(last_loss_);
   s.set_error(error_);
+  if (loaded_ != nullptr && loaded_->profile.steps() > 0) *s.mutable_profile() = loaded_->profile;
   return s;
 }
 

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -102,6 +103,12 @@ struct ExecutorCoreOptions {
   std::function<void()> on_end;
   std::function<absl::Time()> now = absl::Now;
   size_t max_kept_metrics = 100'000;  // for WaitMetrics; oldest dropped first
+  // Per-op timing for the planner's calibration (ExecutorStatus.profile):
+  // every kernel call of a CPU device is timed (two clock reads), and after
+  // two warm-up steps each window of `profile_window` steps becomes the
+  // status's profile. 0 = none. Devices that run asynchronously (CUDA) are
+  // never profiled: their calls' wall times are launch times.
+  int profile_window = 20;
 };
 
 class ExecutorCore {
@@ -146,6 +153,10 @@ class ExecutorCore {
   struct Loaded;
   struct Retired;
   void Train(std::shared_ptr<Loaded> loaded, int64_t load_id);
+  // On the training thread after each step: the window's profile when
+  // `step` completed one (see ExecutorCoreOptions::profile_window).
+  std::optional<hap::v1::StepProfile> NextProfile(Loaded& loaded, int64_t step,
+                                                  double seconds) const;
   // Joins the retired threads that have ended (all of them when `all`).
   void ReapRetired(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Opens training.resume / init_weights and sets up training.checkpoint_dir.

@@ -372,6 +372,52 @@ TEST(ExecutorCoreTest, TwoRanksReportTheSameLosses) {
   }
 }
 
+// Every kernel call is timed: after two warm-up steps, each window of
+// profile_window steps becomes the status's profile (what the planner
+// calibrates from), the latest complete one.
+TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
+  Group group(2);
+  ExecutorCoreOptions o = Options(&group);
+  o.profile_window = 3;
+  ExecutorCore a(o), b(o);
+  ASSERT_THAT(a.LoadPlan(Load(2, 0, 10)), IsOk());  // 2 warm-up + 2 windows + 2
+  ASSERT_THAT(b.LoadPlan(Load(2, 1, 10)), IsOk());
+  EXPECT_FALSE(a.Status().has_profile());
+  ASSERT_THAT(a.Start(""), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  for (ExecutorCore* c : {&a, &b}) {
+    v1::ExecutorStatus s = c->WaitUntilDone(absl::InfiniteFuture());
+    EXPECT_EQ(s.state(), v1::ExecutorStatus::FINISHED) << s.error();
+  }
+  const v1::ExecutorStatus s = a.Status();
+  ASSERT_TRUE(s.has_profile());
+  const v1::StepProfile& p = s.profile();
+  EXPECT_EQ(p.first_step(), 5);  // steps 2-4, then 5-7; 8-9 incomplete
+  EXPECT_EQ(p.steps(), 3);
+  EXPECT_EQ(p.rank(), 0);
+  EXPECT_EQ(p.device(), Plan(2).devices(0));
+  EXPECT_EQ(p.plan_content_hash(), Plan(2).content_hash());
+  EXPECT_GT(p.step_seconds_median(), 0);
+  EXPECT_GT(p.device_seconds(), 0);
+  EXPECT_LE(p.device_seconds(), 3 * p.step_seconds_median());
+  ASSERT_TRUE(p.op_seconds().count("linear")) << p.DebugString();
+  EXPECT_GT(p.op_seconds().at("linear"), 0);
+  EXPECT_TRUE(p.op_seconds().count("(optimizer)"));
+  EXPECT_TRUE(b.Status().has_profile());
+  // Off: no profile.
+  Group g2(2);
+  ExecutorCoreOptions off = Options(&g2);
+  off.profile_window = 0;
+  ExecutorCore c(off), d(Options(&g2));
+  ASSERT_THAT(c.LoadPlan(Load(2, 0, 6)), IsOk());
+  ASSERT_THAT(d.LoadPlan(Load(2, 1, 6)), IsOk());
+  ASSERT_THAT(c.Start(""), IsOk());
+  ASSERT_THAT(d.Start(""), IsOk());
+  EXPECT_EQ(c.WaitUntilDone(absl::InfiniteFuture()).state(), v1::ExecutorStatus::FINISHED);
+  d.WaitUntilDone(absl::InfiniteFuture());
+  EXPECT_FALSE(c.Status().has_profile());
+}
+
 TEST(ExecutorCoreTest, ShutdownRefusesLoads) {
   ExecutorCore core(Options(nullptr));
   core.Shutdown();

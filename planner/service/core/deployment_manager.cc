@@ -27,6 +27,10 @@ bool Final(v1::Deployment::State s) {
          s == v1::Deployment::STOPPED;
 }
 
+// Each rank's latest steps that Deployment.recent_step_seconds is the
+// median of (the slowest rank's).
+constexpr size_t kRecentSteps = 20;
+
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -389,7 +393,9 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
   if (o_.sink != nullptr) {
     HAP_RETURN_IF_ERROR(Annotate(o_.sink->AppendStepMetrics(batch), "step metrics not saved"));
   }
+  std::set<std::string> touched;
   for (const auto& m : batch) {
+    touched.insert(m.deployment());
     auto& list = s_->metrics[m.deployment()];
     if (list.size() < o_.max_metrics_per_deployment) list.push_back(m);
     v1::Deployment& d = s_->deployments[m.deployment()];
@@ -401,7 +407,22 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
         if (x.rank() == 0) times.push_back(x.step_seconds());
       }
       d.set_median_step_seconds(Median(times));
+      d.set_recent_steps_end(std::max(d.recent_steps_end(), m.step() + 1));
     }
+  }
+  // The latest window, what a job's slowdown is judged by: the slowest
+  // rank's median over its last steps (ranks that share no collective run
+  // at their own pace, and the deployment ends with the slowest).
+  for (const std::string& name : touched) {
+    const auto& list = s_->metrics[name];
+    std::map<int, std::vector<double>> last;  // rank -> its latest steps, newest first
+    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+      std::vector<double>& v = last[it->rank()];
+      if (v.size() < kRecentSteps) v.push_back(it->step_seconds());
+    }
+    double slowest = 0;
+    for (auto& [rank, v] : last) slowest = std::max(slowest, Median(v));
+    s_->deployments[name].set_recent_step_seconds(slowest);
   }
   return absl::OkStatus();
 }

@@ -324,6 +324,29 @@ TEST_F(DeploymentManagerTest, ARestartedManagerReattachesAndStops) {
   EXPECT_EQ(fleet_.status("b:1").state(), v1::ExecutorStatus::FAILED);
 }
 
+// The slowest rank's median over its last 20 steps is what a job's
+// slowdown is judged by, while rank 0's whole-run median moves slowly.
+TEST_F(DeploymentManagerTest, TheRecentWindowIsRankZerosLastTwentySteps) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  std::vector<v1::StepMetric> batch;
+  for (int step = 0; step < 60; ++step) {
+    for (int rank : {0, 1}) {
+      v1::StepMetric m;
+      m.set_deployment(d->name());
+      m.set_rank(rank);
+      m.set_step(step);
+      m.set_step_seconds(rank == 1 ? (step < 50 ? 0.5 : 3.0) : step < 35 ? 1.0 : 2.0);
+      batch.push_back(m);
+    }
+  }
+  ASSERT_THAT(manager_->ReportStepMetrics(batch), IsOk());
+  const v1::Deployment now = *manager_->Get(d->name());
+  EXPECT_DOUBLE_EQ(now.recent_step_seconds(), 3.0);  // rank 1: 10 of its last 20 at 3 s
+  EXPECT_EQ(now.recent_steps_end(), 60);
+  EXPECT_DOUBLE_EQ(now.median_step_seconds(), 1.0);
+}
+
 TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeployment) {
   auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
   ASSERT_THAT(d, IsOk());

@@ -253,9 +253,41 @@ void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
   WatchDeployment(d, executors, o, control);
 }
 
+namespace {
+
+// The ranks' newest per-op profiles into the deployment's record, when a
+// poll brought a new window (every profile_window steps, not every poll).
+void KeepProfiles(const v1::Deployment& d, const DeploymentExecutors::Statuses& statuses,
+                  std::vector<v1::StepProfile>* kept, const DeploymentControl& control) {
+  bool changed = false;
+  if (kept->size() != static_cast<size_t>(d.ranks_size())) {
+    kept->assign(d.ranks_size(), v1::StepProfile());
+  }
+  for (size_t r = 0; r < statuses.size() && r < kept->size(); ++r) {
+    const auto& s = statuses[r];
+    if (!s.ok() || s->deployment() != d.name() || s->generation() != d.generation() ||
+        !s->has_profile() || s->profile().steps() <= 0) {
+      continue;
+    }
+    v1::StepProfile& k = (*kept)[r];
+    if (k.steps() > 0 && k.first_step() == s->profile().first_step()) continue;
+    k = s->profile();
+    k.set_rank(static_cast<int32_t>(r));
+    changed = true;
+  }
+  if (!changed) return;
+  control.update([&](v1::Deployment& x) {
+    x.clear_rank_profiles();
+    for (const auto& p : *kept) *x.add_rank_profiles() = p;
+  });
+}
+
+}  // namespace
+
 void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
                      const DeploymentWatchOptions& o, const DeploymentControl& control) {
   RankWatch watch(d, o.missed_status_limit);
+  std::vector<v1::StepProfile> profiles(d.rank_profiles().begin(), d.rank_profiles().end());
   absl::Time next = control.now();
   while (true) {
     switch (control.wait(next, /*stop_wakes=*/true)) {
@@ -270,8 +302,10 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
     // status_timeout), so a silent rank is found after about
     // missed_status_limit intervals.
     const absl::Time started = control.now();
-    switch (watch.Observe(executors.GetStatus(o.status_timeout))) {
+    const DeploymentExecutors::Statuses statuses = executors.GetStatus(o.status_timeout);
+    switch (watch.Observe(statuses)) {
       case RankWatch::Verdict::kRunning:
+        KeepProfiles(d, statuses, &profiles, control);
         break;
       case RankWatch::Verdict::kSucceeded:
         control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });

@@ -321,6 +321,40 @@ TEST(DeploymentsTest, AStopRequestStopsEveryRank) {
   }
 }
 
+// The ranks' per-op profiles go into the record when a poll brings a new
+// window (not at every poll).
+TEST(DeploymentsTest, KeepsEachRanksLatestProfile) {
+  v1::Deployment d = ThreeRanks();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  int updates_at_poll_4 = 0;
+  ex.before_poll = [&](int poll) {
+    auto window = [&](int r, int64_t first) {
+      v1::StepProfile* p = ex.ranks[r].status.mutable_profile();
+      p->set_first_step(first);
+      p->set_steps(20);
+      p->set_step_seconds_median(0.1 * (r + 1));
+    };
+    if (poll == 2) {
+      for (int r = 0; r < 3; ++r) window(r, 2);
+    }
+    if (poll == 4) {
+      updates_at_poll_4 = static_cast<int>(owner.history.size());
+      window(1, 22);
+    }
+    if (poll == 6) owner.stop = true;
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  ASSERT_EQ(owner.record.rank_profiles_size(), 3);
+  EXPECT_EQ(owner.record.rank_profiles(0).first_step(), 2);
+  EXPECT_EQ(owner.record.rank_profiles(1).first_step(), 22);
+  EXPECT_EQ(owner.record.rank_profiles(1).rank(), 1);
+  EXPECT_DOUBLE_EQ(owner.record.rank_profiles(2).step_seconds_median(), 0.3);
+  // RUNNING, the first windows (poll 2), rank 1's next (poll 4): one update
+  // each, none for the polls that brought nothing new.
+  EXPECT_EQ(updates_at_poll_4, 2);
+}
+
 TEST(DeploymentsTest, ShutdownLeavesTheExecutorsTraining) {
   v1::Deployment d = ThreeRanks();
   FakeExecutors ex(3);

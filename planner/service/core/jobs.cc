@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
+#include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/profile_checks.h"
 #include "planner/util/status_macros.h"
@@ -39,6 +40,12 @@ constexpr size_t kMaxJobId = 50;  // "{job}-p{n}" stays a valid plan id
 // A deployment's median step counts as measured once it trained this many
 // steps (fewer: start-up dominates).
 constexpr int64_t kMinMeasuredSteps = 20;
+// A slowdown is judged over this many steps (Deployment.recent_step_seconds
+// is the median of rank 0's last 20), after this many warm-up steps of a
+// deployment, against the default threshold.
+constexpr int64_t kSlowdownWindow = 20;
+constexpr int64_t kWarmupSteps = 2;
+constexpr double kDefaultSlowdownThreshold = 0.25;
 
 bool Final(v1::JobStatus::State s) {
   return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED || s == v1::JobStatus::STOPPED;
@@ -89,6 +96,10 @@ int MaxReplans(const v1::JobSpec& s) {
   return s.replan().max_replans() > 0 ? s.replan().max_replans() : kDefaultMaxReplans;
 }
 int MinDevices(const v1::JobSpec& s) { return std::max(1, s.devices().min_devices()); }
+double SlowdownThreshold(const v1::JobSpec& s) {
+  return s.replan().slowdown_threshold() > 0 ? s.replan().slowdown_threshold()
+                                             : kDefaultSlowdownThreshold;
+}
 
 // The devices of READY nodes, each with its node's agent address (a node
 // registered again by a new agent comes back at another one).
@@ -270,12 +281,16 @@ class Pass {
     st().set_replans(st().replans() + 1);
     st().set_state(v1::JobStatus::RECOVERING);
     st().set_message(absl::StrCat("re-planning (", ReasonLabel(reason), "): ", detail));
-    if (reason != v1::JobEvent::NODE_JOINED) CancelPlan(st().next_plan());
+    if (reason != v1::JobEvent::NODE_JOINED && reason != v1::JobEvent::SLOWDOWN) {
+      CancelPlan(st().next_plan());
+    }
     st().clear_next_plan();
     CancelPlan(st().candidate_plan());
     st().clear_candidate_plan();
     st().clear_switch_pending();
     st().clear_judged_devices();
+    st().clear_candidate_reason();
+    st().clear_slowdown_step();
     replanned_.push_back(reason);
   }
 
@@ -365,7 +380,11 @@ class Pass {
       } else if (st().state() != v1::JobStatus::RUNNING && !st().has_pending()) {
         st().set_state(v1::JobStatus::RUNNING);
       }
-      if (st().state() == v1::JobStatus::RUNNING) ConsiderJoin();
+      if (st().state() == v1::JobStatus::RUNNING) {
+        CalibrateFrom(*d);
+        ConsiderSlowdown(*d);
+        ConsiderJoin(*d);
+      }
     }
     Commit();
     return false;
@@ -389,8 +408,9 @@ class Pass {
 
   // More usable devices than the job has: a plan on all of them, judged
   // against the current one; a switch at the next checkpoint when it pays.
-  void ConsiderJoin() {
-    if (spec().replan().disable_join()) return;
+  void ConsiderJoin(const v1::Deployment& d) {
+    if (!st().candidate_plan().empty()) return JudgeCandidate(d);
+    if (spec().replan().disable_join() || st().slowdown_step() > 0) return;
     // Judged against the current deployment as measured: once it is
     // measuring, not before it has trained enough steps.
     if (st().measured_step_seconds() > 0 &&
@@ -408,7 +428,7 @@ class Pass {
         }
       }
     }
-    if (st().candidate_plan().empty()) {
+    {
       std::set<std::string> pool(st().devices().begin(), st().devices().end());
       const size_t had = pool.size();
       const std::set<std::string> held = Held();
@@ -423,6 +443,7 @@ class Pass {
         return;  // judged already: not worth it
       }
       st().set_candidate_plan(NextPlanName());
+      st().set_candidate_reason(v1::JobEvent::NODE_JOINED);
       st().set_message(absl::StrCat("judging a plan on ", want.size(), " devices (",
                                     st().candidate_plan(), ")"));
       if (!Commit()) return;
@@ -435,6 +456,13 @@ class Pass {
       }
       return;
     }
+  }
+
+  // The candidate plan (more devices joining, or the same devices after a
+  // slowdown) judged once made: a switch at the next checkpoint when it
+  // gains min_gain.
+  void JudgeCandidate(const v1::Deployment& d) {
+    const bool slowdown = st().candidate_reason() == v1::JobEvent::SLOWDOWN;
     absl::StatusOr<v1::Plan> p = b_.GetPlan(st().candidate_plan());
     if (!p.ok()) {
       st().clear_candidate_plan();
@@ -445,7 +473,11 @@ class Pass {
         break;
       case v1::Plan::FAILED:
       case v1::Plan::CANCELLED:
-        *st().mutable_judged_devices() = p->devices();
+        if (slowdown) {
+          ExpectNow(d);
+        } else {
+          *st().mutable_judged_devices() = p->devices();
+        }
         st().set_message(absl::StrCat("staying: ", p->name(), " on ", p->devices_size(),
                                       " devices ended ", v1::Plan::State_Name(p->state()), ": ",
                                       p->error()));
@@ -463,18 +495,28 @@ class Pass {
         return;
       }
     }
-    const Judgement g = Judge(*p);
+    const Judgement g = slowdown ? JudgeSlowdown(*p, d) : Judge(*p);
     const double gain = g.gain;
     const std::string what = g.what;
+    // Not worth it: a joining set is not judged again (until a joiner of
+    // it changes); after a slowdown, the step measured now becomes what the
+    // job expects of its plan.
+    auto stay = [&] {
+      if (slowdown) {
+        ExpectNow(d);
+      } else {
+        *st().mutable_judged_devices() = p->devices();
+      }
+    };
     if (gain < MinGain(spec())) {
-      *st().mutable_judged_devices() = p->devices();
+      stay();
       st().set_message(
           absl::StrFormat("staying: %s, below min_gain %.1f%%", what, 100 * MinGain(spec())));
       st().clear_candidate_plan();
       return;
     }
     if (spec().training().checkpoint_every() <= 0) {
-      *st().mutable_judged_devices() = p->devices();
+      stay();
       st().set_message(absl::StrCat("staying: ", what,
                                     ", but the job has no periodic checkpoints (a switch "
                                     "would lose every step)"));
@@ -490,7 +532,8 @@ class Pass {
     if (st().checkpoint_step() <= st().switch_after_step()) return;
     const std::string candidate = st().candidate_plan();
     st().clear_candidate_plan();  // becomes next_plan, not cancelled
-    BeginReplan(v1::JobEvent::NODE_JOINED, what);
+    BeginReplan(slowdown ? v1::JobEvent::SLOWDOWN : v1::JobEvent::NODE_JOINED,
+                slowdown ? absl::StrCat(st().slowdown_detail(), "; ", what) : what);
     if (OverReplanLimit()) return;
     st().set_next_plan(candidate);
     (void)b_.StopDeployment(st().deployment());
@@ -526,12 +569,22 @@ class Pass {
                              p.name(), p.devices_size(), 100 * g.gain, now_pred, then_pred);
     const double now_meas = s.measured_step_seconds();
     if (now_meas <= 0 || now_pred <= 0 || then_pred <= 0) return g;
+    if (!p.calibration().empty()) {
+      // Planned with the devices' calibration: its prediction is the
+      // calibrated model's already.
+      g.gain = now_meas / then_pred - 1;
+      g.what = absl::StrFormat(
+          "%s on %d devices is expected %.1f%% faster (measured %.4f s now -> %.4f s predicted "
+          "by the calibrated model)",
+          p.name(), p.devices_size(), 100 * g.gain, now_meas, then_pred);
+      return g;
+    }
     const std::set<std::string> want(p.devices().begin(), p.devices().end());
     double factor = now_meas / now_pred;
     std::string basis = "the current deployment's";
     for (int i = s.events_size() - 1; i >= 0; --i) {
       const v1::JobEvent& e = s.events(i);
-      if (e.measured_step_seconds() <= 0 || e.predicted_step_after() <= 0 ||
+      if (e.measured_step_seconds() <= 0 || e.predicted_step_after() <= 0 || e.calibrated() ||
           StepsMeasured(i) < kMinMeasuredSteps) {
         continue;
       }
@@ -549,6 +602,129 @@ class Pass {
         "%.4f s x %.2f, %s measured/predicted)",
         p.name(), p.devices_size(), 100 * g.gain, now_meas, then_cal, then_pred, factor, basis);
     return g;
+  }
+
+  // The gain of switching to `p`, a plan on the same devices made after a
+  // slowdown: the latest window's median step against p's prediction, which
+  // is the recalibrated model's (else, with no calibration, the model's
+  // alone against the current plan's prediction).
+  Judgement JudgeSlowdown(const v1::Plan& p, const v1::Deployment& d) const {
+    Judgement g;
+    const double then = p.prediction().step_seconds();
+    const double now = d.recent_step_seconds();
+    if (then <= 0) {
+      g.what = absl::StrCat(p.name(), " has no prediction");
+      return g;
+    }
+    if (p.calibration().empty() || now <= 0) {
+      const double was = j_.status().predicted_step_seconds();
+      g.gain = was / then - 1;
+      g.what = absl::StrFormat("%s is predicted %.1f%% faster (%.4f s -> %.4f s, uncalibrated)",
+                               p.name(), 100 * g.gain, was, then);
+      return g;
+    }
+    g.gain = now / then - 1;
+    g.what = absl::StrFormat(
+        "%s is expected %.1f%% faster (measured %.4f s over the last %d steps -> %.4f s "
+        "predicted by the recalibrated model)",
+        p.name(), 100 * g.gain, now, kSlowdownWindow, then);
+    return g;
+  }
+
+  // Whether every rank of `d` has reported a profile starting at `from` or
+  // later.
+  static bool Profiled(const v1::Deployment& d, int64_t from) {
+    if (d.rank_profiles_size() != d.ranks_size() || d.ranks_size() == 0) return false;
+    for (const auto& p : d.rank_profiles()) {
+      if (p.steps() <= 0 || p.first_step() < from) return false;
+    }
+    return true;
+  }
+
+  // The deployment's devices calibrated once from its ranks' profiles.
+  void CalibrateFrom(const v1::Deployment& d) {
+    if (st().calibrated_deployment() == d.name() || !Profiled(d, 0)) return;
+    st().set_calibrated_deployment(d.name());
+    absl::StatusOr<std::string> c = b_.Calibrate(d);
+    if (c.ok()) {
+      st().set_message(*c);
+    } else if (!absl::IsUnimplemented(c.status())) {
+      st().set_message(absl::StrCat("no calibration from ", d.name(), ": ", c.status().message()));
+    }
+  }
+
+  // What the job expects of its plan: the latest window's median step.
+  void ExpectNow(const v1::Deployment& d) {
+    st().set_expected_step_seconds(d.recent_step_seconds());
+    st().set_expected_until_step(d.recent_steps_end());
+    st().clear_candidate_reason();
+  }
+
+  // A slowdown seen (measured, or a device re-probed slower): once every
+  // rank's profile covers the slow steps, the devices are recalibrated and
+  // a plan on the same devices is made to be judged (JudgeCandidate).
+  void ConsiderSlowdown(const v1::Deployment& d) {
+    if (spec().replan().disable_slowdown()) return;
+    const double threshold = SlowdownThreshold(spec());
+    const int64_t resumed = st().events_size() > 0 ? st().events(st().events_size() - 1).resume_step()
+                                                   : 0;
+    if (st().expected_step_seconds() <= 0 && d.recent_step_seconds() > 0 &&
+        d.recent_steps_end() - resumed >= kSlowdownWindow + kWarmupSteps) {
+      ExpectNow(d);  // the first window after warm-up: what the plan runs at
+      return;
+    }
+    if (!st().candidate_plan().empty() || st().switch_pending()) return;
+    if (st().slowdown_step() == 0) {
+      std::string seen;
+      int64_t from = 0;
+      if (st().expected_step_seconds() > 0 &&
+          d.recent_steps_end() - kSlowdownWindow >= st().expected_until_step() &&
+          d.recent_step_seconds() > (1 + threshold) * st().expected_step_seconds()) {
+        seen = absl::StrFormat(
+            "slowdown: the median of the last %d steps is %.4f s, %.0f%% above the %.4f s "
+            "expected of %s",
+            kSlowdownWindow, d.recent_step_seconds(),
+            100 * (d.recent_step_seconds() / st().expected_step_seconds() - 1),
+            st().expected_step_seconds(), st().plan());
+        from = d.recent_steps_end() - kSlowdownWindow;
+      }
+      for (const auto& n : e_.cluster.nodes()) {
+        for (const auto& dev : n.devices()) {
+          auto it = st().device_flops().find(dev.id());
+          if (!seen.empty() || it == st().device_flops().end()) continue;
+          const double now = Fp32Flops(dev);
+          if (now > 0 && now * (1 + threshold) < it->second) {
+            seen = absl::StrFormat("slowdown: %s re-probed at %.1f GFLOP/s, was %.1f", dev.id(),
+                                   now / 1e9, it->second / 1e9);
+            from = std::max<int64_t>(1, st().steps_done());
+          }
+        }
+      }
+      if (seen.empty()) return;
+      st().set_slowdown_step(std::max<int64_t>(1, from));
+      st().set_slowdown_detail(seen);
+      st().set_message(absl::StrCat(seen, "; recalibrating once every rank profiled steps from ",
+                                    st().slowdown_step()));
+    }
+    if (!Profiled(d, st().slowdown_step())) return;
+    absl::StatusOr<std::string> c = b_.Calibrate(d);
+    st().set_calibrated_deployment(d.name());
+    const std::vector<std::string> devices(st().devices().begin(), st().devices().end());
+    st().set_candidate_plan(NextPlanName());
+    st().set_candidate_reason(v1::JobEvent::SLOWDOWN);
+    st().clear_slowdown_step();
+    st().set_message(absl::StrCat(
+        st().slowdown_detail(), "; ",
+        c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
+        "; judging ", st().candidate_plan(), " on the same devices"));
+    if (!Commit()) return;
+    absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), devices));
+    if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
+      st().set_message(absl::StrCat("after a slowdown, a plan on the same devices: ",
+                                    p.status().message()));
+      ExpectNow(d);
+      st().clear_candidate_plan();
+    }
   }
 
   std::string NextPlanName() {
@@ -675,6 +851,7 @@ class Pass {
     ev.set_plan(p.name());
     ev.set_deployment(d->name());
     ev.set_predicted_step_after(p.prediction().step_seconds());
+    ev.set_calibrated(!p.calibration().empty());
     *ev.mutable_devices_after() = p.devices();
     ev.set_resume_step(resume);
     ev.set_steps_lost(std::max<int64_t>(0, ev.steps_done_before() - resume));
@@ -685,6 +862,20 @@ class Pass {
     *st().mutable_devices() = p.devices();
     st().set_predicted_step_seconds(p.prediction().step_seconds());
     st().clear_measured_step_seconds();  // the new deployment's, once it has trained
+    st().clear_expected_step_seconds();
+    st().clear_expected_until_step();
+    st().clear_slowdown_step();
+    st().clear_slowdown_detail();
+    st().clear_candidate_reason();
+    st().clear_device_flops();
+    const std::set<std::string> used(p.devices().begin(), p.devices().end());
+    for (const auto& n : e_.cluster.nodes()) {
+      for (const auto& dev : n.devices()) {
+        if (used.count(dev.id()) && Fp32Flops(dev) > 0) {
+          (*st().mutable_device_flops())[dev.id()] = Fp32Flops(dev);
+        }
+      }
+    }
     st().set_steps_done(resume);
     st().set_message(absl::StrCat("deployed ", d->name(), " on ", p.devices_size(),
                                   " devices, from step ", resume));
@@ -748,6 +939,10 @@ class CoreJobBackend final : public JobBackend {
   }
   absl::StatusOr<int64_t> LatestCheckpoint(const std::string& dir) override {
     return LatestCommittedCheckpoint(dir);
+  }
+  absl::StatusOr<std::string> Calibrate(const v1::Deployment& d) override {
+    return core_->CalibrateDevices(d.plan(), d.name(),
+                                   {d.rank_profiles().begin(), d.rank_profiles().end()});
   }
 
  private:

@@ -17,6 +17,15 @@
 //       ranks that failed it (Deployment.failed_ranks) are held out for
 //       join_stable even while their node stays READY (an executor can die
 //       while its node's agent goes on); then they may join again.
+//   RUNNING --a slowdown: the median of the deployment's last 20 steps
+//       above the job's expectation of its plan (the median of its first 20
+//       steps after warm-up, or of the last window judged) by more than
+//       policy.slowdown_threshold (25%), or a device of it re-probed at that
+//       much less FLOP/s--> once every rank's profile covers the slow steps:
+//       the devices recalibrated, a plan on the same devices judged by the
+//       calibrated model; when it gains min_gain, (at the next committed
+//       checkpoint) RECOVERING onto it; otherwise the expectation becomes the
+//       step measured now (no re-plan, and none again until 25% beyond it)
 //   RUNNING --usable devices the job does not use, READY for
 //       policy.join_stable, and a plan on all of them predicted at least
 //       policy.min_gain faster--> (at the next committed checkpoint)
@@ -26,6 +35,11 @@
 //       flight is cancelled)
 //   any --a plan that cannot be made, more than policy.max_replans
 //       re-plans, or a spec that cannot run--> FAILED
+//
+// Every deployment's devices are calibrated once from its ranks' profiles
+// (JobBackend::Calibrate) as soon as each rank reported one, so the job's
+// later plans (and every new plan on those devices) use the calibrated
+// model.
 //
 // A failure while recovering (a device of the new plan lost before its
 // deployment runs, the new deployment failing) starts the recovery again
@@ -84,6 +98,13 @@ class JobBackend {
   // The step of the latest committed checkpoint in `dir`; NotFound when it
   // holds none (or does not exist).
   virtual absl::StatusOr<int64_t> LatestCheckpoint(const std::string& dir) = 0;
+  // Fits the calibration of `d`'s devices from its ranks' profiles
+  // (Deployment.rank_profiles) and stores it with their nodes, for the
+  // plans made from then on (PlannerCore::CalibrateDevices); a line for
+  // people. Unimplemented where the backend cannot.
+  virtual absl::StatusOr<std::string> Calibrate(const hap::v1::Deployment& /*d*/) {
+    return absl::UnimplementedError("this planner does not calibrate from deployments");
+  }
 };
 
 // The step of the newest "step-N" directory of `dir` that holds the file

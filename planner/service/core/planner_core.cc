@@ -13,6 +13,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/util/time_util.h"
@@ -21,6 +22,7 @@
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
 #include "planner/pipeline/pipeline_plan.h"
+#include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/profile_checks.h"
 #include "planner/synth/planner.h"
@@ -131,6 +133,7 @@ struct PlannerCore::Job {
   synth::PlanOptions options;
   v1::PlanOptions proto_options;
   std::string cache_key;
+  std::string calibration;  // ApplyCalibration's note (Plan.calibration)
   absl::Time deadline = absl::InfiniteFuture();
   // Set (under the core's lock) when a state of the plan could not be saved
   // and it became FAILED instead; a CreatePlan that waits returns it.
@@ -483,6 +486,67 @@ absl::Status PlannerCore::DeleteNode(const std::string& name) {
   return RemoveNodeLocked(id);
 }
 
+namespace {
+
+// A node measured anew (re-registered, re-probed): its devices keep the
+// calibration the planner fitted where their FLOP/s is about the same
+// (agents never send one; one they send is dropped).
+void KeepCalibration(const v1::Node& before, v1::Node* now) {
+  std::map<std::string, const v1::Device*> old;
+  for (const auto& d : before.devices()) old[d.id()] = &d;
+  for (auto& d : *now->mutable_devices()) {
+    d.clear_calibration();
+    auto it = old.find(d.id());
+    if (it != old.end() && CalibrationHolds(*it->second, d)) {
+      *d.mutable_calibration() = it->second->calibration();
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> PlannerCore::CalibrateDevices(
+    const std::string& plan, const std::string& deployment,
+    const std::vector<v1::StepProfile>& profiles) {
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> p, GetPlanSnapshot(plan));
+  if (p->state() != v1::Plan::SUCCEEDED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(plan, " is ", v1::Plan::State_Name(p->state()), ", not SUCCEEDED"));
+  }
+  absl::MutexLock l(&s_->mu);
+  const v1::Cluster raw = ClusterLocked(/*include_stale=*/true);
+  HAP_ASSIGN_OR_RETURN(auto fitted, FitDeviceCalibration(raw, *p, profiles, deployment, o_.now()));
+  std::map<std::string, v1::Node> changed;
+  for (const auto& [name, n] : s_->nodes) {
+    for (int i = 0; i < n.devices_size(); ++i) {
+      auto it = fitted.find(n.devices(i).id());
+      if (it == fitted.end()) continue;
+      if (!changed.count(name)) changed[name] = n;
+      *changed[name].mutable_devices(i)->mutable_calibration() = it->second;
+    }
+  }
+  if (o_.sink) {
+    for (const auto& [name, n] : changed) {
+      HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(n),
+                                   absl::StrCat("the calibration of node '", name,
+                                                "' was not saved")));
+    }
+  }
+  std::vector<std::string> parts;
+  for (auto& [name, n] : changed) s_->nodes[name] = std::move(n);
+  for (const auto& [id, c] : fitted) {
+    double scaled = 0;
+    for (const auto& [type, x] : c.op_time_scale()) scaled = std::max(scaled, x);
+    parts.push_back(absl::StrFormat("%s (op scales up to %.2f, %.2f ms per step overhead)", id,
+                                    scaled, 1e3 * c.step_overhead_seconds()));
+  }
+  const v1::DeviceCalibration& any = fitted.begin()->second;
+  return absl::StrFormat(
+      "calibrated %s from %s (measured %.4f s): %s; collective overhead %.3f ms per call",
+      absl::StrJoin(p->devices(), ", "), deployment, any.measured_step_seconds(),
+      absl::StrJoin(parts, "; "), 1e3 * any.collective_overhead_seconds());
+}
+
 absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Node& in) {
   if (!ValidNodeName(in.name())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -494,6 +558,9 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
   for (v1::Device& d : *node.mutable_devices()) d.set_node(node.name());
   absl::MutexLock l(&s_->mu);
   HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, node.name(), ids));
+  if (auto old = s_->nodes.find(node.name()); old != s_->nodes.end()) {
+    KeepCalibration(old->second, &node);
+  }
   *node.mutable_last_heartbeat() = ToProto(o_.now());
   node.set_state(v1::Node::READY);
   if (o_.sink) {
@@ -527,8 +594,10 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
   out.set_reprobe(n.state() == v1::Node::STALE);
   if (!r.devices().empty()) {
     HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, name, ids));
+    const v1::Node before = n;
     n.mutable_devices()->CopyFrom(r.devices());
     for (auto& d : *n.mutable_devices()) d.set_node(name);
+    KeepCalibration(before, &n);
   }
   *n.mutable_last_heartbeat() = ToProto(o_.now());
   n.set_state(v1::Node::READY);
@@ -686,6 +755,9 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       for (const auto& d : n.devices()) job->devices.push_back(d.id());
     }
   }
+  if (!r.options().ignore_calibration()) {
+    job->calibration = ApplyCalibration(&job->cluster, job->devices);
+  }
   auto cluster_model =
       cost::ClusterModel::FromProto(job->cluster, job->devices, ComputeDType(job->proto_options));
   if (!cluster_model.ok()) {
@@ -739,6 +811,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   for (const auto& d : job->devices) plan.add_devices(d);
   *plan.mutable_options() = job->proto_options;
   plan.set_graph_hash(graph_hash);
+  plan.set_calibration(job->calibration);
   bool over_count = false;
   std::optional<v1::Plan> cached;
   {
@@ -1002,6 +1075,7 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
     UpdatePlan(job, [&](v1::Plan& p) {
       b.set_name(p.name());
       b.set_uid(p.uid());
+      b.set_calibration(p.calibration());
       *b.mutable_create_time() = p.create_time();
       *b.mutable_progress() = p.progress();
       b.mutable_progress()->set_states_expanded(r.states_expanded);

@@ -18,6 +18,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -142,6 +143,18 @@ class PlannerCore {
   hap::v1::Cluster GetCluster(bool include_stale);
   absl::StatusOr<hap::v1::ListNodesResponse> ListNodes(int page_size,
                                                        const std::string& page_token);
+  // The devices' own calibration (Device.calibration, README "Elastic
+  // jobs"): fitted from deployment `deployment`'s rank profiles of SUCCEEDED
+  // plan `plan` (planner/calibrate against the devices as measured) and
+  // stored with their nodes (saved first), replacing earlier ones. New plans
+  // apply it (PlanOptions.ignore_calibration: not); a re-registration or a
+  // re-probe whose FLOP/s differs by more than 10% drops it. Returns a line
+  // for people. NotFound for an unknown plan or a device no longer
+  // registered; InvalidArgument for profiles that do not fit the plan; the
+  // sink's error (nothing stored) when it refuses.
+  absl::StatusOr<std::string> CalibrateDevices(const std::string& plan,
+                                               const std::string& deployment,
+                                               const std::vector<hap::v1::StepProfile>& profiles);
   // Links measured by agents (replacing earlier measurements of the same
   // pair); used by the next plans. NotFound for an unknown node or device.
   absl::Status ReportLinks(const std::string& node, const std::vector<hap::v1::Link>& links);

@@ -610,6 +610,97 @@ TEST_F(PlannerCoreTest, AShutdownLeavesRunningPlansToRunAgain) {
 
 // --- Node profiles -------------------------------------------------------
 
+// The planner's own calibration (issue 19): fitted from a deployment's rank
+// profiles, stored with the nodes, used by later plans unless asked not to,
+// kept across a re-probe that measures about the same, dropped (and then
+// borrowed from a device of the same kind) when it measures otherwise.
+TEST_F(PlannerCoreTest, CalibratesDevicesFromProfilesAndLaterPlansUseIt) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->state(), v1::Plan::SUCCEEDED) << first->error();
+  EXPECT_EQ(first->calibration(), "");  // nothing calibrated yet
+  auto full = core_->GetPlan(first->name(), true);
+  ASSERT_TRUE(full.ok());
+  std::vector<v1::StepProfile> profiles;
+  for (int r = 0; r < 2; ++r) {
+    v1::StepProfile p;
+    p.set_rank(r);
+    p.set_device(full->devices(r));
+    p.set_plan_content_hash(full->content_hash());
+    p.set_first_step(2);
+    p.set_steps(20);
+    p.set_step_seconds_median(0.05);
+    p.set_device_seconds(0.04);
+    (*p.mutable_op_seconds())["linear"] = 0.02 + 0.01 * r;
+    (*p.mutable_op_seconds())["(optimizer)"] = 0.001;
+    (*p.mutable_op_seconds())["(runtime)"] = 0.002;
+    profiles.push_back(p);
+  }
+  EXPECT_THAT(core_->CalibrateDevices(first->name(), "deployments/d1", {profiles[0]}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("profiles of 1 of the plan's 2 ranks")));
+  EXPECT_THAT(core_->CalibrateDevices("plans/none", "deployments/d1", profiles),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/none")));
+  auto line = core_->CalibrateDevices(first->name(), "deployments/d1", profiles);
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_THAT(*line, HasSubstr("from deployments/d1 (measured 0.0500 s)"));
+  std::map<std::string, v1::Device> devices;
+  const v1::Cluster cluster = core_->GetCluster(true);
+  for (const auto& n : cluster.nodes()) devices[n.devices(0).id()] = n.devices(0);
+  ASSERT_TRUE(devices.at("a/cpu0").has_calibration());
+  const v1::DeviceCalibration& ca = devices.at("a/cpu0").calibration();
+  EXPECT_EQ(ca.deployment(), "deployments/d1");
+  EXPECT_EQ(ca.plan(), first->name());
+  EXPECT_DOUBLE_EQ(ca.probed_flops(), 2e12);
+  EXPECT_GT(ca.op_time_scale().at("linear"), 1);  // the model's 2 TFLOP/s is optimistic
+  EXPECT_GT(ca.optimizer_seconds_per_element(), 0);
+  EXPECT_DOUBLE_EQ(devices.at("b/cpu0").calibration().measured_step_seconds(), 0.05);
+  {
+    absl::MutexLock l(&sink_.mu);  // saved with the nodes
+    EXPECT_TRUE(sink_.nodes.at("a").devices(0).has_calibration());
+  }
+  // A new plan uses it and says so; asked not to, the raw model as before.
+  v1::CreatePlanRequest again = MlpRequest();
+  again.set_plan_id("calibrated");
+  auto calibrated = core_->CreatePlan(again, Deadline());
+  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  ASSERT_EQ(calibrated->state(), v1::Plan::SUCCEEDED) << calibrated->error();
+  EXPECT_THAT(calibrated->calibration(),
+              AllOf(HasSubstr("a/cpu0: deployments/d1 (" + first->name() + ")"),
+                    HasSubstr("b/cpu0: deployments/d1")));
+  EXPECT_GT(calibrated->prediction().step_seconds(), 5 * first->prediction().step_seconds());
+  v1::CreatePlanRequest raw = MlpRequest();
+  raw.set_plan_id("raw");
+  raw.mutable_options()->set_ignore_calibration(true);
+  auto uncalibrated = core_->CreatePlan(raw, Deadline());
+  ASSERT_TRUE(uncalibrated.ok()) << uncalibrated.status();
+  EXPECT_EQ(uncalibrated->calibration(), "");
+  EXPECT_DOUBLE_EQ(uncalibrated->prediction().step_seconds(), first->prediction().step_seconds());
+  // Re-probed at about the same FLOP/s: kept; at 25% less: dropped, and a
+  // plan borrows b's calibration for it.
+  auto heartbeat = [&](double flops) {
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/a");
+    *hb.mutable_devices() = MakeNode("a", 1, flops).devices();
+    return core_->Heartbeat(hb);
+  };
+  ASSERT_TRUE(heartbeat(2.1e12).ok());
+  EXPECT_TRUE(core_->GetCluster(true).nodes(0).devices(0).has_calibration());
+  ASSERT_TRUE(heartbeat(1.5e12).ok());
+  EXPECT_FALSE(core_->GetCluster(true).nodes(0).devices(0).has_calibration());
+  EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
+  v1::CreatePlanRequest borrowed = MlpRequest();
+  borrowed.set_plan_id("borrowed");
+  auto b = core_->CreatePlan(borrowed, Deadline());
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_THAT(b->calibration(), HasSubstr("a/cpu0: borrowed from b/cpu0"));
+  // A re-registration keeps b's (same FLOP/s).
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
+}
+
 TEST_F(PlannerCoreTest, AHeartbeatIsCheckedLikeARegistration) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
