@@ -264,6 +264,14 @@ class ClusterTest : public ::testing::Test {
     v1::CreatePlanRequest plan = Request("unused");
     *r.mutable_spec()->mutable_model() = plan.model();
     *r.mutable_spec()->mutable_options() = plan.options();
+    // These tests are about losing a node and the planner: steps of a
+    // millisecond on a loaded machine vary by more than a slowdown's 25%,
+    // and a calibrated plan computes in another order than the uninterrupted
+    // reference, whose parameters these tests compare to rounding. Slowdowns
+    // and calibration have their own tests (jobs_test, planner_core_test,
+    // demo_throttle_test, demo_elastic_test).
+    r.mutable_spec()->mutable_options()->set_ignore_calibration(true);
+    r.mutable_spec()->mutable_replan()->set_disable_slowdown(true);
     v1::TrainingConfig& t = *r.mutable_spec()->mutable_training();
     t.set_steps(steps);
     t.set_data(v1::TrainingConfig::SYNTHETIC);
