@@ -158,13 +158,7 @@ TEST_P(Bf16EquivalenceTest, MultiRankMatchesSingleDeviceBf16) {
       EXPECT_NEAR(got, w, 2e-3 * std::abs(w) + 1e-4) << "rank " << r << " step " << s;
     }
   }
-  std::vector<std::vector<executor::ParameterShard>> pieces;
-  for (const auto& run : *runs) pieces.push_back(run.parameters);
-  auto got = executor::AssembleParameters(pieces);
-  ASSERT_TRUE(got.ok()) << got.status();
-  auto wantp = executor::AssembleParameters(std::vector<std::vector<executor::ParameterShard>>{want.parameters});
-  ASSERT_TRUE(wantp.ok()) << wantp.status();
-  auto dev = hap::testing::CompareParameters(*got, *wantp);
+  auto dev = hap::testing::CompareRunsWithReference(*runs, want);
   ASSERT_TRUE(dev.ok()) << dev.status();
   for (const auto& d : *dev) {
     // Measured: at most 0.6% of the tensor's scale (gpt, tensor parallel);
@@ -289,16 +283,7 @@ TEST_P(Bf16GradientsEquivalenceTest, MatchesSingleDeviceAndDiffersFromFp32Gradie
       EXPECT_NEAR(got, w, 2e-3 * std::abs(w) + 1e-4) << "rank " << r << " step " << s;
     }
   }
-  auto assemble = [](const std::vector<TrainResult>& rs) {
-    std::vector<std::vector<executor::ParameterShard>> pieces;
-    for (const auto& run : rs) pieces.push_back(run.parameters);
-    return executor::AssembleParameters(pieces);
-  };
-  auto got = assemble(*runs);
-  auto want = assemble(*ref);
-  auto fp32 = assemble(*fp32_runs);
-  ASSERT_TRUE(got.ok() && want.ok() && fp32.ok());
-  auto dev = hap::testing::CompareParameters(*got, *want);
+  auto dev = hap::testing::CompareRunsWithReference(*runs, (*ref)[0]);
   ASSERT_TRUE(dev.ok()) << dev.status();
   for (const auto& d : *dev) {
     EXPECT_LE(d.worst, 1e-2 * d.scale) << d.name << " element " << d.at << ": " << d.got
@@ -306,7 +291,7 @@ TEST_P(Bf16GradientsEquivalenceTest, MatchesSingleDeviceAndDiffersFromFp32Gradie
   }
   // The fp32-gradient run of the same plan agrees with the single device to
   // rounding; the bf16-gradient run is measurably further away.
-  auto dev32 = hap::testing::CompareParameters(*fp32, *want);
+  auto dev32 = hap::testing::CompareRunsWithReference(*fp32_runs, (*ref)[0]);
   ASSERT_TRUE(dev32.ok()) << dev32.status();
   double worst16 = 0, worst32 = 0;
   for (const auto& d : *dev) worst16 = std::max(worst16, d.worst / d.scale);

@@ -192,13 +192,7 @@ TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchSingleDevice) {
   }
   EXPECT_GT(std::abs(ref.losses.front() - ref.losses.back()), 1e-4);
 
-  std::vector<std::vector<executor::ParameterShard>> pieces;
-  for (const auto& run : *runs) pieces.push_back(run.parameters);
-  auto got = executor::AssembleParameters(pieces);
-  ASSERT_TRUE(got.ok()) << got.status();
-  auto want = executor::AssembleParameters({ref.parameters});
-  ASSERT_TRUE(want.ok()) << want.status();
-  auto deviations = hap::testing::CompareParameters(*got, *want);
+  auto deviations = hap::testing::CompareRunsWithReference(*runs, ref);
   ASSERT_TRUE(deviations.ok()) << deviations.status();
   for (const auto& d : *deviations) {
     const double tol = 1e-4 * d.scale +

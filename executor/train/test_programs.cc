@@ -10,6 +10,7 @@
 #include "planner/synth/checker.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
+#include "planner/util/status_macros.h"
 
 namespace hap::testing {
 
@@ -128,6 +129,15 @@ hap::v1::OptimizerConfig EquivalenceOptimizer(bool adam) {
     o.set_weight_decay(1e-3);
   }
   return o;
+}
+
+absl::StatusOr<std::vector<ParameterDeviation>> CompareRunsWithReference(
+    const std::vector<executor::TrainResult>& runs, const executor::TrainResult& ref) {
+  std::vector<std::vector<executor::ParameterShard>> pieces;
+  for (const auto& run : runs) pieces.push_back(run.parameters);
+  HAP_ASSIGN_OR_RETURN(auto got, executor::AssembleParameters(pieces));
+  HAP_ASSIGN_OR_RETURN(auto want, executor::AssembleParameters({ref.parameters}));
+  return CompareParameters(got, want);
 }
 
 absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(

@@ -61,6 +61,11 @@ absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
     const std::map<std::string, executor::HostTensor>& got,
     const std::map<std::string, executor::HostTensor>& want);
 
+// CompareParameters of the parameters assembled from every rank's pieces
+// of `runs` against those of the single-device run `ref`.
+absl::StatusOr<std::vector<ParameterDeviation>> CompareRunsWithReference(
+    const std::vector<executor::TrainResult>& runs, const executor::TrainResult& ref);
+
 // Lowers `p` with `lo` and trains `steps` steps on lo.world_size local
 // ranks over Gloo (rendezvous in a fresh directory under the test's temp
 // dir, named by `tag`), every rank reading the synthetic batches of
