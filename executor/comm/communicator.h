@@ -112,15 +112,25 @@ struct GlooOptions {
   // would starve it (collectives then slow down, up to the timeout): turn
   // it off there.
   bool idle_progress_thread = true;
+  // Tries at the full mesh when one breaks (a connection closed, reset or
+  // refused while it forms); each try has the whole timeout. All ranks of
+  // a world must use the same value.
+  int connect_attempts = 3;
 };
 
-// Connects to every peer through `store` (full mesh over TCP). The store
+// Connects to every peer through `store` (full mesh over TCP) and checks
+// the mesh with a barrier; a mesh that breaks while it forms is tried again
+// (connect_attempts), under ConnectAttemptPrefix(prefix, attempt). The store
 // must outlive the call only. Errors: DeadlineExceeded when a peer does not
-// show up within the timeout, naming the missing ranks where known.
+// show up within the timeout, naming the missing ranks where known;
+// Unavailable when every try broke.
 // The first call sets SIGPIPE to ignored for the process, so that writing
 // to a dead peer is an error (Unavailable) rather than the process's death.
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     const GlooOptions& options, RendezvousStore& store);
+
+// The key prefix of connect attempt `attempt` (0 = the first: `prefix`).
+std::string ConnectAttemptPrefix(const std::string& prefix, int attempt);
 
 // A store in a directory shared by the ranks (one file a key, written
 // atomically by rename). InvalidArgument when `dir` is not a writable

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <numeric>
@@ -17,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "executor/comm/communicator.h"
 #include "executor/runtime/bf16.h"
 #include "gloo/allgather.h"
@@ -27,8 +29,10 @@
 #include "gloo/common/error.h"
 #include "gloo/math.h"
 #include "gloo/reduce.h"
+#include "gloo/context.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
+#include "gloo/transport/context.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "gloo/types.h"
@@ -533,7 +537,177 @@ std::shared_ptr<gloo::transport::Device> CreateTcpDevice(
   return dev;
 }
 
+// A Gloo context whose connections we make ourselves (ConnectOnce), so
+// that a try can be abandoned while a pair still waits for its peer.
+class MeshContext : public gloo::Context {
+ public:
+  MeshContext(int rank, int size) : gloo::Context(rank, size) {}
+  void Adopt(std::shared_ptr<gloo::transport::Device> dev,
+             std::shared_ptr<gloo::transport::Context> transport) {
+    device_ = std::move(dev);
+    transportContext_ = std::move(transport);
+  }
+};
+
+// Watches the store for the abort key of a try while this rank is still
+// connecting. A rank whose try broke publishes the key before it tries
+// again; a rank here may be waiting, as the listening side of a pair, for
+// a connection the broken rank will never make, and Gloo would let it wait
+// out the whole timeout. On the key, the watcher closes every pair, which
+// ends such a wait at once; the try then fails (Unavailable) and this rank
+// follows the others to the next one.
+class AbortWatcher {
+ public:
+  AbortWatcher(RendezvousStore& store, std::string key,
+               gloo::transport::Context& transport)
+      : store_(store), key_(std::move(key)), transport_(transport),
+        thread_([this] { Run(); }) {}
+  ~AbortWatcher() { Stop(); }
+
+  // Ends the watch; true when the try was aborted (pairs closed).
+  bool Stop() {
+    {
+      absl::MutexLock l(&mu_);
+      stopped_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+    absl::MutexLock l(&mu_);
+    return aborted_;
+  }
+  bool aborted() {
+    absl::MutexLock l(&mu_);
+    return aborted_;
+  }
+
+ private:
+  void Run() {
+    while (true) {
+      const bool found = store_.Get(key_, absl::ZeroDuration()).ok();
+      absl::MutexLock l(&mu_);
+      if (stopped_) return;
+      if (found) {
+        aborted_ = true;
+        for (int r = 0; r < transport_.size; ++r) {
+          if (r == transport_.rank) continue;
+          try {
+            transport_.getPair(r)->close();
+          } catch (...) {
+            // A pair that cannot close is as good as closed for this try.
+          }
+        }
+        return;
+      }
+      auto stopped = [this] { return stopped_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stopped), absl::Milliseconds(20));
+      if (stopped_) return;
+    }
+  }
+
+  RendezvousStore& store_;
+  const std::string key_;
+  gloo::transport::Context& transport_;
+  absl::Mutex mu_;
+  bool stopped_ = false;
+  bool aborted_ = false;
+  std::thread thread_;
+};
+
+// One try at the full mesh under `prefix`: every rank publishes the
+// addresses of its pairs (under its decimal rank, like Gloo's own
+// rendezvous) and connects each pair, then a barrier runs over the new
+// connections. The barrier makes a broken mesh visible to every rank before
+// anyone uses it: Gloo's TCP listener (this Gloo, 2022) accepts whichever
+// connection reaches its port first, so a stray client (a probe, or a gRPC
+// client retrying a port its server gave up) can take a peer's place. The
+// ranks involved fail at once (the stray's close, a refused or reset
+// connection), the others through the abort key or their closed pairs, so
+// every rank fails this try (Unavailable) instead of one collective failing
+// later.
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
+    const GlooOptions& o, RendezvousStore& store, const std::string& prefix) {
+  const std::chrono::milliseconds timeout(absl::ToInt64Milliseconds(o.timeout));
+  const absl::Time deadline = absl::Now() + o.timeout;
+  StoreAdapter keys(store, prefix, o.timeout);
+  const std::string what =
+      absl::StrCat("connecting rank ", o.rank, " of ", o.size);
+  auto ctx = std::make_shared<MeshContext>(o.rank, o.size);
+  ctx->setTimeout(timeout);
+  std::shared_ptr<gloo::transport::Context> transport;
+  std::unique_ptr<AbortWatcher> watcher;
+  bool aborted = false;
+  absl::Status s = Guard(what, [&] {
+    gloo::transport::tcp::attr attr(o.hostname.c_str());
+    auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
+    transport = dev->createContext(o.rank, o.size);
+    transport->setTimeout(timeout);
+    std::string mine;
+    for (int r = 0; r < o.size; ++r) {
+      if (r == o.rank) continue;
+      const std::vector<char> bytes = transport->createPair(r)->address().bytes();
+      mine.append(bytes.begin(), bytes.end());
+    }
+    ctx->Adopt(dev, transport);
+    if (o.size == 1) return;
+    keys.set(std::to_string(o.rank), std::vector<char>(mine.begin(), mine.end()));
+    watcher = std::make_unique<AbortWatcher>(store, keys.Key("abort"), *transport);
+    for (int r = 0; r < o.size; ++r) {
+      if (r == o.rank) continue;
+      // The peer's addresses, polled so that an abort is seen while waiting.
+      absl::StatusOr<std::string> theirs;
+      while (true) {
+        if (watcher->aborted()) return;
+        const absl::Duration left = deadline - absl::Now();
+        theirs = store.Get(keys.Key(std::to_string(r)),
+                           std::max(absl::ZeroDuration(),
+                                    std::min(left, absl::Milliseconds(50))));
+        if (theirs.ok() || left <= absl::ZeroDuration()) break;
+      }
+      if (!theirs.ok()) {
+        if (theirs.status().code() != absl::StatusCode::kDeadlineExceeded) {
+          throw StoreFailure(theirs.status());
+        }
+        throw StoreFailure(absl::DeadlineExceededError(absl::StrCat(
+            "rendezvous store: key '", keys.Key(std::to_string(r)),
+            "' did not appear within ", absl::FormatDuration(o.timeout))));
+      }
+      const size_t each = theirs->size() / static_cast<size_t>(o.size - 1);
+      const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
+      if (each == 0 || theirs->size() % static_cast<size_t>(o.size - 1) != 0) {
+        throw StoreFailure(absl::InternalError(
+            absl::StrCat("rank ", r, " published ", theirs->size(),
+                         " bytes of addresses for ", o.size - 1, " peers")));
+      }
+      transport->getPair(r)->connect(std::vector<char>(
+          theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
+    }
+    aborted = watcher->Stop();
+    if (aborted) return;
+    gloo::BarrierOptions opts(ctx);
+    opts.setTimeout(timeout);
+    gloo::barrier(opts);
+  });
+  if (watcher != nullptr && watcher->Stop()) aborted = true;
+  if (aborted) {
+    return absl::UnavailableError(absl::StrCat(
+        what, ": another rank's connection broke, so this try was abandoned"));
+  }
+  if (!s.ok()) {
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(s.message(), MissingRanks(store, keys, o)));
+    }
+    // Tell the ranks still connecting to give this try up too.
+    if (o.size > 1) (void)store.Set(keys.Key("abort"), std::string(s.message()));
+    return s;
+  }
+  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));
+}
+
 }  // namespace
+
+std::string ConnectAttemptPrefix(const std::string& prefix, int attempt) {
+  return attempt == 0 ? prefix : absl::StrCat(prefix, "/retry", attempt);
+}
 
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     const GlooOptions& o, RendezvousStore& store) {
@@ -545,6 +719,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     return absl::InvalidArgumentError(
         "the communicator timeout must be positive");
   }
+  if (o.connect_attempts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connect_attempts must be at least 1, not ", o.connect_attempts));
+  }
   // A peer that dies leaves sockets that raise SIGPIPE on the next write;
   // without this the whole process would be killed instead of getting an
   // error it can report.
@@ -553,25 +731,27 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     return true;
   }();
   (void)sigpipe_ignored;
-  std::chrono::milliseconds timeout(absl::ToInt64Milliseconds(o.timeout));
-  std::shared_ptr<gloo::rendezvous::Context> ctx;
-  StoreAdapter adapter(store, o.prefix, o.timeout);
-  absl::Status s =
-      Guard(absl::StrCat("connecting rank ", o.rank, " of ", o.size), [&] {
-        gloo::transport::tcp::attr attr(o.hostname.c_str());
-        auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
-        ctx = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
-        ctx->setTimeout(timeout);
-        ctx->connectFullMesh(adapter, dev);
-      });
-  if (!s.ok()) {
-    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(s.message(), MissingRanks(store, adapter, o)));
+  // A try that broke (a connection closed, reset or refused, or garbage on
+  // it: Unavailable or Internal) is retried under a fresh key prefix, which
+  // every rank reaches the same way: none passes a barrier that another
+  // failed. A peer that never showed up (DeadlineExceeded) is not retried.
+  absl::Status last;
+  for (int attempt = 0; attempt < o.connect_attempts; ++attempt) {
+    auto comm = ConnectOnce(o, store, ConnectAttemptPrefix(o.prefix, attempt));
+    if (comm.ok()) return comm;
+    last = comm.status();
+    const bool broken = last.code() == absl::StatusCode::kUnavailable ||
+                        last.code() == absl::StatusCode::kInternal;
+    if (!broken) return last;
+    if (attempt + 1 < o.connect_attempts) {
+      std::fprintf(stderr, "hap: %s; retrying (attempt %d of %d)\n",
+                   std::string(last.message()).c_str(), attempt + 2,
+                   o.connect_attempts);
     }
-    return s;
   }
-  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));
+  return absl::Status(
+      last.code(), absl::StrCat(last.message(), " (after ", o.connect_attempts,
+                                " attempts)"));
 }
 
 }  // namespace hap::executor

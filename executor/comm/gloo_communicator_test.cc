@@ -1,9 +1,13 @@
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <random>
@@ -353,8 +357,12 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorsWithoutHanging) {
   // Rank 2 connects, reports it, and waits to be SIGKILLed.
   pid_t victim = ForkRank([&] {
     auto store = NewFileStore(dir);
-    if (!store.ok() || !ConnectGloo(Rank(2, 3, timeout), **store).ok())
+    if (!store.ok()) return 10;
+    auto comm = ConnectGloo(Rank(2, 3, timeout), **store);
+    if (!comm.ok()) {
+      std::fprintf(stderr, "rank 2: %s\n", comm.status().ToString().c_str());
       return 10;
+    }
     (void)(*store)->Set("test/rank2-connected", "1");
     (void)(*store)->Get("test/never", absl::Seconds(60));
     return 11;
@@ -365,7 +373,10 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorsWithoutHanging) {
     auto store = NewFileStore(dir);
     if (!store.ok()) return 10;
     auto comm = ConnectGloo(Rank(1, 3, timeout), **store);
-    if (!comm.ok()) return 10;
+    if (!comm.ok()) {
+      std::fprintf(stderr, "rank 1: %s\n", comm.status().ToString().c_str());
+      return 10;
+    }
     if (!(*store)->Get("test/rank2-dead", absl::Seconds(30)).ok()) return 11;
     std::vector<float> x(1 << 16, 1.0f);
     absl::Time start = absl::Now();
@@ -432,6 +443,107 @@ TEST(GlooCommunicatorTest, TheMissingRanksAreNamed) {
         s, StatusIs(absl::StatusCode::kDeadlineExceeded,
                     HasSubstr("ranks 2, 3 never published their address")));
   }
+}
+
+// Connects to rank 0's published listening address the way a stray
+// client would (a probe, or a gRPC client retrying a port its server gave
+// up: seen in CI) and hangs up, before rank 1 has shown up.
+void StrayConnectToRankZero(RendezvousStore& store, const std::string& prefix) {
+  auto blob = store.Get(ConnectAttemptPrefix(prefix, 0) + "/0", absl::Seconds(20));
+  ASSERT_TRUE(blob.ok()) << blob.status();
+  ASSERT_GE(blob->size(), sizeof(sockaddr_in));
+  sockaddr_in addr{};
+  std::memcpy(&addr, blob->data(), sizeof(addr));
+  ASSERT_EQ(addr.sin_family, AF_INET);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
+      << std::strerror(errno);
+  close(fd);
+}
+
+// Rank 0 publishes its address, a stray connection takes it, then rank 1
+// shows up. Which side of the pair listens depends on the ports, so a
+// stray breaks the first try in some rounds only; returns per round
+// whether both ranks connected (and all-reduced correctly) and whether a
+// second try was needed.
+struct StrayRound {
+  absl::Status rank0, rank1;
+  bool retried = false;
+};
+StrayRound RunStrayRound(int attempts, absl::Duration timeout) {
+  StrayRound round;
+  const std::string dir = FreshDir("stray");
+  auto store = NewFileStore(dir);
+  if (!store.ok()) {
+    round.rank0 = store.status();
+    return round;
+  }
+  auto rank = [&](int r, absl::Status* result) {
+    auto own = NewFileStore(dir);
+    GlooOptions o = Rank(r, 2, timeout);
+    o.connect_attempts = attempts;
+    auto comm = ConnectGloo(o, **own);
+    if (!comm.ok()) {
+      *result = comm.status();
+      return;
+    }
+    std::vector<float> v = {1.0f + r, 10.0f * (r + 1)};
+    *result = (*comm)->AllReduce(View(v));
+    if (result->ok() && v != std::vector<float>{3.0f, 30.0f}) {
+      *result = absl::InternalError("wrong all-reduce result");
+    }
+  };
+  std::thread r0(rank, 0, &round.rank0);
+  StrayConnectToRankZero(**store, "hap");
+  std::thread r1(rank, 1, &round.rank1);
+  r0.join();
+  r1.join();
+  round.retried =
+      (*store)->Get(ConnectAttemptPrefix("hap", 1) + "/0", absl::ZeroDuration()).ok();
+  return round;
+}
+
+TEST(GlooCommunicatorTest, AStrayConnectionBreaksOneTryAndTheNextConnects) {
+  const absl::Duration timeout = absl::Seconds(30);
+  // One try only: the stray breaks it in some rounds, and both ranks say
+  // so promptly (the waiting side is told through the abort key rather
+  // than waiting out the timeout).
+  int broken = 0;
+  for (int i = 0; i < 20 && broken == 0; ++i) {
+    const absl::Time start = absl::Now();
+    StrayRound round = RunStrayRound(1, timeout);
+    EXPECT_LT(absl::Now() - start, timeout / 2) << "a rank waited out its timeout";
+    if (round.rank0.ok() && round.rank1.ok()) continue;
+    ++broken;
+    for (const absl::Status& s : {round.rank0, round.rank1}) {
+      EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable,
+                              HasSubstr("connecting rank")));
+    }
+  }
+  EXPECT_EQ(broken, 1) << "a stray connection never broke a single try in 20 rounds";
+  // Three tries (the default): every round connects and sums correctly,
+  // and some needed the second try.
+  int retried = 0;
+  for (int i = 0; i < 20; ++i) {
+    const absl::Time start = absl::Now();
+    StrayRound round = RunStrayRound(3, timeout);
+    EXPECT_LT(absl::Now() - start, timeout / 2) << "a rank waited out its timeout";
+    ASSERT_THAT(round.rank0, IsOk()) << "round " << i;
+    ASSERT_THAT(round.rank1, IsOk()) << "round " << i;
+    if (round.retried) ++retried;
+  }
+  EXPECT_GE(retried, 1) << "no round needed a second try";
+}
+
+TEST(GlooCommunicatorTest, ConnectAttemptsMustBePositive) {
+  auto store = NewFileStore(FreshDir("attempts"));
+  ASSERT_TRUE(store.ok());
+  GlooOptions o = Rank(0, 1, absl::Seconds(1));
+  o.connect_attempts = 0;
+  EXPECT_THAT(ConnectGloo(o, **store),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("connect_attempts")));
 }
 
 // Threads of this process per scheduling policy.
