@@ -301,6 +301,9 @@ struct PlannerCore::State {
   int64_t version = 0;  // bumps on every plan change
   std::map<std::string, v1::Node> nodes;
   std::map<std::string, PlanEntry> plans;
+  // Names of cached copies being written to the sink (outside mu): taken,
+  // not yet served.
+  std::set<std::string> creating;
   std::map<std::string, std::shared_ptr<Job>> jobs;  // not yet final
   std::deque<std::shared_ptr<Job>> queue;
   // Cache key -> the newest SUCCEEDED plan with it; plan name -> its key.
@@ -813,33 +816,22 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   plan.set_graph_hash(graph_hash);
   plan.set_calibration(job->calibration);
   bool over_count = false;
-  std::optional<v1::Plan> cached;
+  // A cache hit: the plan to copy. The copy is made and written to the sink
+  // outside the core's mutex, so that concurrent hits are written together
+  // (the SQLite store commits them in one transaction) and reads are not
+  // held up behind the write; the name stays taken meanwhile.
+  std::shared_ptr<const v1::Plan> source;
   {
     absl::MutexLock l(&s_->mu);
-    if (s_->plans.count(job->name)) {
+    if (s_->plans.count(job->name) || s_->creating.count(job->name)) {
       return absl::AlreadyExistsError(absl::StrCat(job->name, " already exists"));
     }
     auto hit = s_->cache.find(job->cache_key);
     auto cached_plan = hit == s_->cache.end() ? s_->plans.end() : s_->plans.find(hit->second);
     if (cached_plan != s_->plans.end() && cached_plan->second->state() == v1::Plan::SUCCEEDED &&
         cached_plan->second.full) {
-      v1::Plan copy = *cached_plan->second;
-      copy.set_name(plan.name());
-      copy.set_uid(plan.uid());
-      *copy.mutable_create_time() = plan.create_time();
-      *copy.mutable_update_time() = plan.create_time();
-      if (o_.sink) {
-        HAP_RETURN_IF_ERROR(Annotate(o_.sink->SavePlan(copy),
-                                     absl::StrCat(copy.name(), " was not created")));
-      }
-      s_->Put(copy);
-      // The newest copy answers the next hits: retention deletes the
-      // oldest plans first.
-      s_->Cache(copy.name(), job->cache_key);
-      ++s_->version;
-      if (o_.on_plan_done) o_.on_plan_done(copy);
-      s_->changed.SignalAll();
-      cached = std::move(copy);
+      source = cached_plan->second.full;
+      s_->creating.insert(job->name);
     } else {
       plan.set_state(v1::Plan::PENDING);
       // Kept so that a restarted planner can run it again.
@@ -855,8 +847,29 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       EnqueueLocked(job);
       ++s_->version;
       s_->changed.SignalAll();
+      over_count = OverCountLocked();
     }
+  }
+  std::optional<v1::Plan> cached;
+  if (source != nullptr) {
+    v1::Plan copy = *source;
+    copy.set_name(plan.name());
+    copy.set_uid(plan.uid());
+    *copy.mutable_create_time() = plan.create_time();
+    *copy.mutable_update_time() = plan.create_time();
+    const absl::Status saved = o_.sink ? o_.sink->SavePlan(copy) : absl::OkStatus();
+    absl::MutexLock l(&s_->mu);
+    s_->creating.erase(copy.name());
+    HAP_RETURN_IF_ERROR(Annotate(saved, absl::StrCat(copy.name(), " was not created")));
+    s_->Put(copy);
+    // The newest copy answers the next hits: retention deletes the
+    // oldest plans first.
+    s_->Cache(copy.name(), job->cache_key);
+    ++s_->version;
+    if (o_.on_plan_done) o_.on_plan_done(copy);
+    s_->changed.SignalAll();
     over_count = OverCountLocked();
+    cached = std::move(copy);
   }
   // Each new plan may push an old one past the count. A pass that fails
   // leaves the plans for the next one (the daemon's periodic pass reports

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
@@ -72,7 +73,29 @@ struct RecordingSink : PlannerStateSink {
     nodes.erase(name);
     return absl::OkStatus();
   }
+  // The next save of plan `name` signals `entered`, then waits for
+  // `release` (a slow disk, to see what the core does meanwhile).
+  void HoldSaveOf(const std::string& name, absl::Notification* entered,
+                  absl::Notification* release) {
+    absl::MutexLock l(&mu);
+    hold_plan = name;
+    hold_entered = entered;
+    hold_release = release;
+  }
+  std::string hold_plan;
+  absl::Notification* hold_entered = nullptr;
+  absl::Notification* hold_release = nullptr;
   absl::Status SavePlan(const v1::Plan& p) override {
+    absl::Notification* release = nullptr;
+    {
+      absl::MutexLock l(&mu);
+      if (!hold_plan.empty() && p.name() == hold_plan) {
+        hold_plan.clear();
+        hold_entered->Notify();
+        release = hold_release;
+      }
+    }
+    if (release != nullptr) release->WaitForNotification();
     absl::MutexLock l(&mu);
     if (refuse_plan_states.count(p.state())) return Full();
     plans[p.name()] = p;
@@ -524,6 +547,44 @@ TEST_F(PlannerCoreTest, APlanTheStoreRefusesIsNotCreated) {
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("plans/cached was not created")));
   EXPECT_THAT(core_->GetPlan("plans/cached", false),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/cached")));
+  // And its id is free again once the disk has room.
+  sink_.RefusePlans({});
+  auto again = core_->CreatePlan(cached, Deadline());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state(), v1::Plan::SUCCEEDED);
+}
+
+TEST_F(PlannerCoreTest, ACachedCopyIsWrittenOutsideTheLockAndHoldsItsName) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->CreatePlan(MlpRequest(), Deadline()).ok());
+  absl::Notification entered, release;
+  sink_.HoldSaveOf("plans/copy", &entered, &release);
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("copy");
+  absl::StatusOr<v1::Plan> created;
+  std::thread creator([&] { created = core_->CreatePlan(r, Deadline()); });
+  entered.WaitForNotification();
+  // While the copy is on its way to the disk, reads are answered (writes
+  // of cached copies do not hold the core's lock, so concurrent ones can be
+  // committed together) and its name is taken but not yet served.
+  absl::Notification listed;
+  std::thread reader([&] {
+    (void)core_->ListPlans(0, "");
+    listed.Notify();
+  });
+  const bool read_while_writing = listed.WaitForNotificationWithTimeout(absl::Seconds(60));
+  EXPECT_TRUE(read_while_writing) << "a read waited for a cached copy's write";
+  EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("plans/copy")));
+  EXPECT_THAT(core_->GetPlan("plans/copy", false),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/copy")));
+  release.Notify();
+  creator.join();
+  reader.join();
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), v1::Plan::SUCCEEDED);
+  EXPECT_TRUE(core_->GetPlan("plans/copy", false).ok());
+  EXPECT_EQ(sink_.Stored("plans/copy"), v1::Plan::SUCCEEDED);
 }
 
 TEST_F(PlannerCoreTest, ADeleteTheStoreRefusesKeepsThePlan) {

@@ -292,16 +292,31 @@ class SqliteStore final : public StateStore {
     HAP_RETURN_IF_ERROR(CheckName("plan", plan.name()));
     HAP_ASSIGN_OR_RETURN(std::string body, Serialize(plan, "plan"));
     HAP_ASSIGN_OR_RETURN(std::string summary, PlanSummaryBytes(body));
-    ListCursor at = CursorOf(plan);
-    absl::MutexLock lock(&mu_);
-    return Use(s_.put_plan)
-        .Text(1, plan.name())
-        .Int(2, at.seconds)
-        .Int(3, at.nanos)
-        .TextOrNull(4, cache_key)
-        .Blob(5, body)
-        .Blob(6, summary)
-        .Run();
+    PlanWrite w{&plan.name(), CursorOf(plan), &cache_key, &body, &summary, absl::OkStatus(), false};
+    // Group commit: writes that arrive while one is being committed queue
+    // up, and the next writer commits them all in one transaction (one
+    // fsync with synchronous=FULL instead of one each). Each caller
+    // returns once its own write is durable or has failed.
+    absl::MutexLock batch_lock(&batch_mu_);
+    pending_plans_.push_back(&w);
+    while (!w.done) {
+      if (!writing_plans_) {
+        writing_plans_ = true;
+        std::vector<PlanWrite*> batch;
+        batch.swap(pending_plans_);
+        batch_mu_.Unlock();
+        WritePlans(batch);
+        batch_mu_.Lock();
+        for (PlanWrite* p : batch) p->done = true;
+        writing_plans_ = false;
+      } else {
+        auto ready = [&w, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(batch_mu_) {
+          return w.done || !writing_plans_;
+        };
+        batch_mu_.Await(absl::Condition(&ready));
+      }
+    }
+    return w.status;
   }
   absl::StatusOr<Page<v1::Plan>> ListPlanSummaries(int page_size,
                                                    const std::string& page_token) override {
@@ -714,10 +729,54 @@ class SqliteStore final : public StateStore {
     return internal::FinishPage(kind, request, std::move(rows));
   }
 
+  // A PutPlan waiting for its group commit (the pointers are the caller's).
+  struct PlanWrite {
+    const std::string* name;
+    ListCursor at;
+    const std::string* cache_key;
+    const std::string* body;
+    const std::string* summary;
+    absl::Status status;
+    bool done = false;
+  };
+
+  absl::Status InsertPlan(const PlanWrite& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Use(s_.put_plan)
+        .Text(1, *w.name)
+        .Int(2, w.at.seconds)
+        .Int(3, w.at.nanos)
+        .TextOrNull(4, *w.cache_key)
+        .Blob(5, *w.body)
+        .Blob(6, *w.summary)
+        .Run();
+  }
+
+  // Writes `batch`, setting each write's status: one transaction for all;
+  // where any part of it fails, nothing of it stays and each write is made
+  // again on its own, so that every status is that write's own.
+  void WritePlans(const std::vector<PlanWrite*>& batch) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (batch.size() > 1) {
+      Transaction txn(this);
+      absl::Status s = txn.Begin();
+      for (size_t i = 0; s.ok() && i < batch.size(); ++i) s = InsertPlan(*batch[i]);
+      if (s.ok()) s = txn.Commit();
+      if (s.ok()) {
+        for (PlanWrite* w : batch) w->status = absl::OkStatus();
+        return;
+      }
+    }  // (rolled back unless committed)
+    for (PlanWrite* w : batch) w->status = InsertPlan(*w);
+  }
+
   const std::string path_;
   absl::Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_) = nullptr;
   Statements s_ ABSL_GUARDED_BY(mu_);
+  // Group commit of PutPlan (see there).
+  absl::Mutex batch_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::vector<PlanWrite*> pending_plans_ ABSL_GUARDED_BY(batch_mu_);
+  bool writing_plans_ ABSL_GUARDED_BY(batch_mu_) = false;
 };
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -155,6 +156,60 @@ TEST_F(SqliteStoreTest, TwoConnectionsShareTheFile) {
   EXPECT_EQ(got->name(), "plans/p");
   ASSERT_THAT(b->DeletePlan("plans/p"), IsOk());
   EXPECT_THAT(a->GetPlan("plans/p"), StatusIs(absl::StatusCode::kNotFound, _));
+}
+
+// Plan writes from many threads are committed in groups (one transaction
+// for the writes that queued while the last one was committed). Each
+// caller gets its own write's verdict: a write the database refuses (here a
+// trigger refuses one name) fails alone, the others in its group are kept.
+TEST_F(SqliteStoreTest, ConcurrentPlanWritesAreGroupCommittedAndEachGetsItsOwnVerdict) {
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  {
+    RawDb raw(path_);
+    raw.Exec("CREATE TRIGGER refuse_bad BEFORE INSERT ON plans WHEN NEW.name = 'plans/bad' "
+             "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;");
+  }
+  constexpr int kThreads = 8;
+  constexpr int kWrites = 40;
+  std::vector<std::thread> threads;
+  std::vector<int> refused(kThreads, 0), failed(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kWrites; ++i) {
+        // Every fifth write of thread 0 is the refused name; every thread
+        // also rewrites one plan of its own (the last write must win).
+        if (t == 0 && i % 5 == 0) {
+          if (!store->PutPlan(TestPlan("plans/bad", i), "").ok()) ++refused[t];
+          continue;
+        }
+        if (!store->PutPlan(TestPlan(absl::StrCat("plans/t", t, "-", i), i),
+                            absl::StrCat("k", t, "-", i))
+                 .ok()) {
+          ++failed[t];
+        }
+        if (!store->PutPlan(TestPlan(absl::StrCat("plans/t", t), i), "").ok()) ++failed[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(refused[0], kWrites / 5);
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failed[t], 0) << "thread " << t;
+  store.reset();
+  store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_THAT(store->GetPlan("plans/bad"), StatusIs(absl::StatusCode::kNotFound, _));
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kWrites; ++i) {
+      if (t == 0 && i % 5 == 0) continue;
+      absl::StatusOr<v1::Plan> p = store->GetPlan(absl::StrCat("plans/t", t, "-", i));
+      ASSERT_THAT(p, IsOk());
+      EXPECT_EQ(p->create_time().seconds(), i);
+    }
+    absl::StatusOr<v1::Plan> last = store->GetPlan(absl::StrCat("plans/t", t));
+    ASSERT_THAT(last, IsOk());
+    EXPECT_EQ(last->create_time().seconds(), kWrites - 1);
+  }
 }
 
 // A child process writes plans (and rewrites one node) and reports each
