@@ -14,7 +14,13 @@
 //   start-up  a planner restarted on a database of 10,000 plans: seconds
 //             from exec to serving.
 //
-//   bazel run -c opt //bench:planner_load -- [--quick | --startup-only]
+//   creates-ab  --creates-ab OTHER_PLANNER [ROUNDS]: the cached-create row
+//             only, alternating between OTHER_PLANNER (e.g. a build of an
+//             earlier commit) and this build's, a fresh database each run:
+//             plans/s of each per round and the ratio of the medians.
+//
+//   bazel run -c opt //bench:planner_load -- [--quick | --startup-only |
+//                                              --creates-ab OTHER [ROUNDS]]
 //
 // Prints Markdown tables (bench/README.md, "The planner under load").
 #include <signal.h>
@@ -53,10 +59,11 @@ struct Planner {
   int port = 0;
   double start_seconds = 0;  // exec -> "listening on"
 
-  bool Start(const std::string& dir, int keep) {
+  bool Start(const std::string& dir, int keep, const std::string& binary = "") {
     std::ofstream(dir + "/token") << kToken << "\n";
     const auto t0 = Clock::now();
-    absl::Status s = proc.Start({hap::testing::Runfile("planner/service/hap-planner"),
+    absl::Status s = proc.Start({binary.empty() ? hap::testing::Runfile("planner/service/hap-planner")
+                                                : binary,
                                  "--listen=127.0.0.1:0", "--metrics-listen=off",
                                  "--database=" + dir + "/planner.db",
                                  "--token-file=" + dir + "/token", "--heartbeat-seconds=600",
@@ -260,9 +267,73 @@ int StartUp(int count) {
   return 0;
 }
 
+// A CreatePlan of variant 0's request (a new plan each call; answered from
+// the cache once the first is searched); not SUCCEEDED counts as an error.
+StartCall CachedCreateCall() {
+  return [](v1::Planner::Stub* stub, std::mt19937*,
+            std::function<void(const grpc::Status&)> done) {
+    auto ctx = std::make_shared<grpc::ClientContext>();
+    Prepare(ctx.get(), 60);
+    auto req = std::make_shared<v1::CreatePlanRequest>(PlanRequest(0));
+    auto resp = std::make_shared<v1::Plan>();
+    stub->async()->CreatePlan(ctx.get(), req.get(), resp.get(),
+                              [ctx, req, resp, done](grpc::Status s) {
+                                if (s.ok() && resp->state() != v1::Plan::SUCCEEDED) {
+                                  s = grpc::Status(grpc::StatusCode::INTERNAL, resp->error());
+                                }
+                                done(s);
+                              });
+  };
+}
+
+// Cached CreatePlan with 64 in flight for `seconds` against a fresh planner
+// (`binary`, or this build's when empty) holding one searched plan.
+bool CachedCreates(const std::string& binary, double seconds, Result* out) {
+  const std::string dir = hap::testing::TempDir("planner-load-creates");
+  Planner planner;
+  if (!planner.Start(dir, 0, binary)) return false;
+  auto stubs = Stubs(planner.port, 8);
+  std::vector<std::string> names;
+  if (!Register(stubs) || !CreatePlans(stubs, 1, 1, &names)) return false;
+  const StartCall create = CachedCreateCall();
+  *out = Drive(stubs, 64, seconds, create);
+  planner.proc.Stop(SIGTERM);
+  return true;
+}
+
+int CreatesAB(const std::string& other, int rounds) {
+  std::printf("cached CreatePlan, 64 in flight, 5 s per run, alternating runs\n\n"
+              "| round | %s plans/s | this build plans/s | ratio |\n|---:|---:|---:|---:|\n",
+              other.c_str());
+  std::vector<double> a, b;
+  for (int r = 0; r < rounds; ++r) {
+    Result ra, rb;
+    // The order alternates between rounds, so drift hits both alike.
+    const bool other_first = r % 2 == 0;
+    if (!CachedCreates(other_first ? other : "", 5, other_first ? &ra : &rb)) return 1;
+    if (!CachedCreates(other_first ? "" : other, 5, other_first ? &rb : &ra)) return 1;
+    if (Errors(ra) != "0") std::printf("errors (other): %s\n", Errors(ra).c_str());
+    if (Errors(rb) != "0") std::printf("errors (this): %s\n", Errors(rb).c_str());
+    a.push_back(ra.calls / ra.seconds);
+    b.push_back(rb.calls / rb.seconds);
+    std::printf("| %d | %.0f | %.0f | %.2fx |\n", r + 1, a.back(), b.back(), b.back() / a.back());
+    std::fflush(stdout);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  std::printf("\nmedian: %.0f against %.0f plans/s: %.2fx\n", median(b), median(a),
+              median(b) / median(a));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   signal(SIGPIPE, SIG_IGN);
+  if (argc > 2 && std::strcmp(argv[1], "--creates-ab") == 0) {
+    return CreatesAB(argv[2], argc > 3 ? std::max(1, std::atoi(argv[3])) : 6);
+  }
   // --startup-only: only the start-up row (10,000 plans).
   if (argc > 1 && std::strcmp(argv[1], "--startup-only") == 0) return StartUp(10000);
   const double seconds = quick ? 2 : 6;
@@ -309,20 +380,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
-  const StartCall create = [&](v1::Planner::Stub* stub, std::mt19937*,
-                               std::function<void(const grpc::Status&)> done) {
-    auto ctx = std::make_shared<grpc::ClientContext>();
-    Prepare(ctx.get(), 60);
-    auto req = std::make_shared<v1::CreatePlanRequest>(PlanRequest(0));
-    auto resp = std::make_shared<v1::Plan>();
-    stub->async()->CreatePlan(ctx.get(), req.get(), resp.get(),
-                              [ctx, req, resp, done](grpc::Status s) {
-                                if (s.ok() && resp->state() != v1::Plan::SUCCEEDED) {
-                                  s = grpc::Status(grpc::StatusCode::INTERNAL, resp->error());
-                                }
-                                done(s);
-                              });
-  };
+  const StartCall create = CachedCreateCall();
   {
     Result r = Drive(stubs, 64, seconds, create);
     std::printf("\ncached CreatePlan, 64 in flight: %.0f plans/s, p50 %.1f ms, p99 %.1f ms, "
