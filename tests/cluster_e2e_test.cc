@@ -108,12 +108,15 @@ class ClusterTest : public ::testing::Test {
     }
   }
 
+  // Heartbeats every 0.5 s, a node STALE after 8 missed (4 s): on a loaded
+  // 2-core machine an agent can be starved for over a second, and with 3
+  // missed a job's surviving nodes once went STALE (a second re-plan).
   void StartPlanner() {
     ASSERT_TRUE(planner_
                     .Start({Runfile("planner/service/hap-planner"), "--listen=" + Planner(),
                             "--metrics-listen=off", "--database=" + dir_ + "/planner.db",
                             "--token-file=" + dir_ + "/token", "--heartbeat-seconds=0.5",
-                            "--missed-heartbeats=3", "--drain-seconds=0.2"})
+                            "--missed-heartbeats=8", "--drain-seconds=0.2"})
                     .ok());
     auto line = planner_.WaitForLine("listening on ");
     ASSERT_TRUE(line.ok()) << line.status();
