@@ -754,22 +754,24 @@ absl::Status Restore(TensorSource& source, ProgramRunner& runner,
 
 std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     CheckpointPolicy policy, const std::vector<v1::RankProgram>* programs,
-    v1::TrainerState trainer, std::function<void(const std::string&, int64_t)> on_saved) {
-  return [policy, programs, trainer, on_saved](ProgramRunner& runner,
-                                               int64_t done) -> absl::Status {
+    v1::TrainerState trainer, std::function<void(const std::string&, int64_t)> on_saved,
+    Communicator* world) {
+  return [policy, programs, trainer, on_saved, world](ProgramRunner& runner,
+                                                      int64_t done) -> absl::Status {
     if (policy.dir.empty()) return absl::OkStatus();
     const bool due = (policy.every > 0 && done % policy.every == 0) || done == policy.last_step;
     if (!due) return absl::OkStatus();
     SaveRequest r;
     r.dir = policy.dir;
     r.keep = policy.keep;
-    r.rank = runner.program().rank();
+    Communicator& comm = world != nullptr ? *world : runner.comm();
+    r.rank = comm.rank();
     r.programs = programs;
     r.trainer = trainer;
     r.trainer.set_step(done);
     r.trainer.set_samples_seen(done * trainer.global_batch());
     HAP_ASSIGN_OR_RETURN(std::vector<ParameterShard> state, runner.PersistentState());
-    auto saved = SaveCheckpoint(r, state, runner.comm());
+    auto saved = SaveCheckpoint(r, state, comm);
     if (!saved.ok()) return Annotate(saved.status(), absl::StrCat("checkpoint at step ", done));
     if (on_saved) on_saved(*saved, done);
     return absl::OkStatus();

@@ -193,11 +193,15 @@ struct CheckpointPolicy {
 // multiples of `every`, and after `last_step`, saves through
 // SaveCheckpoint. `trainer` is the run's state; its step and samples_seen
 // (step * global_batch) are set per save. `programs` must outlive the hook.
-// `on_saved` (optional) is told each committed directory.
+// `on_saved` (optional) is told each committed directory. `world`
+// (optional) is the communicator of every rank of `programs` when the
+// runner's own is narrower (a pipeline stage's group): the save is
+// collective over it and this rank is its rank there.
 std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     CheckpointPolicy policy, const std::vector<hap::v1::RankProgram>* programs,
     hap::v1::TrainerState trainer,
-    std::function<void(const std::string& dir, int64_t step)> on_saved = nullptr);
+    std::function<void(const std::string& dir, int64_t step)> on_saved = nullptr,
+    Communicator* world = nullptr);
 
 // TrainOptions::initialize resuming from `reader` (shared by the ranks of a
 // process; thread-safe through a mutex): checks the graph, restores the

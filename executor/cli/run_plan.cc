@@ -298,7 +298,7 @@ absl::Status Run(const tools::Args& a) {
   std::optional<graph::Graph> micro;
   GlooOptions group = go;
   if (pipelined) {
-    for (const char* flag : {"resume", "init-weights", "checkpoint-dir", "profile"}) {
+    for (const char* flag : {"profile"}) {
       if (a.Has(flag)) {
         return absl::UnimplementedError(
             absl::StrCat("--", flag, " is not supported with pipeline plans yet"));
@@ -395,7 +395,10 @@ absl::Status Run(const tools::Args& a) {
             std::cout << absl::StrFormat("checkpoint: %d steps done -> %s\n", step, dir)
                       << std::flush;
           }
-        });
+        },
+        // A pipeline rank's runner talks to its stage's group; the
+        // checkpoint is every stage's, committed over the world.
+        pipelined ? world_comm.get() : nullptr);
   }
   HAP_ASSIGN_OR_RETURN(
       TrainResult r,
