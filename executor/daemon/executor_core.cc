@@ -16,9 +16,11 @@
 #include "executor/runtime/program_runner.h"
 #include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
+#include "executor/train/pipeline.h"
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
+#include "planner/pipeline/layers.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor {
@@ -147,7 +149,16 @@ struct ExecutorCore::Loaded {
   std::unique_ptr<TimingDevice> timing;
   std::unique_ptr<DeferredCommunicator> comm;
   std::unique_ptr<data::BatchSource> batches;
-  std::unique_ptr<ProgramRunner> runner;  // uses graph, device, comm
+  // A pipeline plan (README "Pipeline plans"): the stages' layout, the
+  // model at the microbatch size (the runner's graph), this rank's stage,
+  // and the communicator of every rank (the stages' point-to-point
+  // transfers, the checkpoint's commit); `comm` is the stage group's then.
+  bool pipelined = false;
+  PipelineLayout layout;
+  std::optional<graph::Graph> micro;
+  int stage = 0;
+  std::unique_ptr<DeferredCommunicator> world;
+  std::unique_ptr<ProgramRunner> runner;  // uses graph (or micro), device, comm
   std::deque<v1::StepMetric> metrics;     // guarded by the core's mu_
   v1::StepProfile profile;                // guarded by mu_; the latest window
   // The window being timed (the training thread's): its first step and
@@ -224,8 +235,32 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     policy.every = t.checkpoint_every();
     policy.keep = t.checkpoint_keep() > 0 ? t.checkpoint_keep() : ckpt::kDefaultKeep;
     policy.last_step = t.steps();
-    loaded->after_step = ckpt::SaveHook(policy, &loaded->programs, trainer);
+    loaded->after_step =
+        ckpt::SaveHook(policy, &loaded->programs, trainer, nullptr, loaded->world.get());
   }
+  return absl::OkStatus();
+}
+
+// This rank's rank in its stage's group.
+int ExecutorCore::GroupRank(const Loaded& loaded, int rank) {
+  const std::vector<int>& ranks = loaded.layout.stage_ranks[loaded.stage];
+  return static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+}
+
+// The pipeline half of a load: the stages' layout with each boundary's
+// pieces, the model at the microbatch size, this rank's stage and the world
+// communicator (connected when training starts).
+absl::Status ExecutorCore::SetUpPipeline(const LoadOptions& in, Loaded* loaded) {
+  loaded->pipelined = true;
+  HAP_ASSIGN_OR_RETURN(loaded->layout, PipelineLayoutOf(in.plan));
+  HAP_RETURN_IF_ERROR(AddBoundaryPieces(
+      loaded->layout, std::vector<v1::RankProgram>(in.plan.rank_programs().begin(),
+                                                   in.plan.rank_programs().end())));
+  HAP_ASSIGN_OR_RETURN(loaded->micro,
+                       pipeline::Rebatch(loaded->graph, in.plan.pipeline().microbatch_size()));
+  HAP_ASSIGN_OR_RETURN(auto at, StageOf(loaded->layout, in.rank));
+  loaded->stage = at.first;
+  loaded->world = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
   return absl::OkStatus();
 }
 
@@ -253,11 +288,6 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
   }
   HAP_RETURN_IF_ERROR(
       Annotate(lower::CheckPlanForRank(in.plan, in.rank, in.world_size), "plan"));
-  if (in.plan.pipeline().stages_size() > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "the executor daemon does not run pipeline plans yet (", in.plan.pipeline().stages_size(),
-        " stages); run it with hap-launch --plan (README \"Pipeline plans\")"));
-  }
   const v1::TrainingConfig& t = in.training;
   if (t.steps() <= 0) {
     return absl::InvalidArgumentError(
@@ -284,6 +314,9 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
                          if (!g.ok()) return Annotate(g.status(), "plan.graph");
                          return g;
                        }());
+  if (in.plan.pipeline().stages_size() > 1) {
+    HAP_RETURN_IF_ERROR(Annotate(SetUpPipeline(in, loaded.get()), "plan.pipeline"));
+  }
   HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));
   {
     auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir);
@@ -300,14 +333,23 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     if (!device.ok()) return Annotate(device.status(), "device");
     loaded->device = *std::move(device);
   }
-  loaded->comm = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
+  if (loaded->pipelined) {
+    loaded->comm = std::make_unique<DeferredCommunicator>(
+        GroupRank(*loaded, in.rank), static_cast<int>(loaded->layout.stage_ranks[loaded->stage].size()));
+  } else {
+    loaded->comm = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
+  }
   {
     Device* run_on = loaded->device.get();
-    if (o_.profile_window > 0 && !absl::StartsWith(run_on->name(), "cuda")) {
+    // (Not for pipeline plans: their profiles would be of the microbatch
+    // model's stage programs, which calibration does not map yet.)
+    if (o_.profile_window > 0 && !loaded->pipelined &&
+        !absl::StartsWith(run_on->name(), "cuda")) {
       loaded->timing = std::make_unique<TimingDevice>(run_on);
       run_on = loaded->timing.get();
     }
-    auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank), loaded->graph, run_on,
+    auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank),
+                                   loaded->pipelined ? *loaded->micro : loaded->graph, run_on,
                                    loaded->comm.get());
     if (!r.ok()) return Annotate(r.status(), absl::StrCat("rank ", in.rank, "'s program"));
     loaded->runner = *std::move(r);
@@ -390,9 +432,27 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     go.prefix = absl::StrCat(lo.deployment, "/", lo.generation);
     go.hostname = o_.gloo_hostname;
     go.timeout = o_.comm_timeout;
+    absl::StatusOr<std::unique_ptr<Communicator>> world;
+    if (loaded->pipelined) {
+      // Every rank over Gloo for the stages' transfers, then the stage's
+      // group on the backend (as hap-launch does).
+      GlooOptions wo = go;
+      wo.prefix = absl::StrCat(go.prefix, "/world");
+      world = o_.connect ? o_.connect(wo, *store) : ConnectGloo(wo, *store);
+      if (!world.ok()) return Annotate(world.status(), "connecting the ranks (world)");
+      loaded->world->Attach(world->get());
+      go.rank = loaded->comm->rank();
+      go.size = loaded->comm->size();
+      go.prefix = absl::StrCat(go.prefix, "/stage", loaded->stage);
+    }
     auto comm = o_.connect ? o_.connect(go, *store) : ConnectBackend(*loaded->device, go, *store);
     if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
     loaded->comm->Attach(comm->get());
+    std::unique_ptr<PipelineRunner> pipe;
+    if (loaded->pipelined) {
+      HAP_ASSIGN_OR_RETURN(pipe, PipelineRunner::Create(loaded->runner.get(), world->get(),
+                                                        loaded->layout));
+    }
     TrainOptions to;
     to.first_step = loaded->first_step;
     to.steps = steps - loaded->first_step;
@@ -425,8 +485,14 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
       }
       if (o_.on_step) o_.on_step(m);
     };
-    auto r = TrainRank(*loaded->runner, *loaded->batches, to);
+    auto r = pipe != nullptr
+                 ? TrainRankWith(
+                       *loaded->runner,
+                       [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
+                       *loaded->batches, to)
+                 : TrainRank(*loaded->runner, *loaded->batches, to);
     loaded->comm->Attach(nullptr);
+    if (loaded->world != nullptr) loaded->world->Attach(nullptr);
     return r.status();
   }();
   {

@@ -13,6 +13,12 @@ namespace hap::executor::testing {
 // momentum, seed 7.
 absl::StatusOr<hap::v1::Plan> MakeMlpPlan(int world);
 
+// A 4-layer MLP at batch 16 on 4 CPU devices in two nodes (2 each), SGD
+// with momentum, seed 7: planned as 2 pipeline stages with 4 microbatches
+// (the planner's pipeline search with PIPELINE_STAGES) when `pipelined`,
+// else as one SPMD program.
+absl::StatusOr<hap::v1::Plan> MakeMlpTwoNodePlan(bool pipelined);
+
 }  // namespace hap::executor::testing
 
 #endif  // HAP_EXECUTOR_DAEMON_TEST_PLANS_H_
