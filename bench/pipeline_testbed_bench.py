@@ -21,6 +21,11 @@ inside a node and 1 Gbit/s between the nodes).
    The table gives the median step, the ratio of the best SPMD plan's median
    to each configuration's, and the median over rounds of the per-round
    ratios with their range.
+2b. Unless --no-calibrate: spmd and dp-prop run once more on the testbed with
+   --profile, `hapctl calibrate` fits the cluster to their per-op times, and
+   hap-cal / spmd-cal are the two plans again from the calibrated cluster
+   (so the choice between a pipeline and the SPMD plan is made on measured
+   op times); they join the rounds.
 
 Needs root (cgroup v1 cpu controller, network namespaces, tc).
 
@@ -44,17 +49,25 @@ sys.path.insert(0, os.path.join(HERE, "e2e"))
 import e2e_bench as e2e  # noqa: E402  (the cgroups, agents and launcher runs)
 
 CONFIGS = ["hap", "spmd", "dp-prop", "pipe2"]
+# With calibration (default; --no-calibrate skips it): the planner's plan and
+# the best SPMD plan again, from the cluster calibrated on profiled runs of
+# spmd and dp-prop on the testbed (hapctl calibrate).
+CALIBRATED_CONFIGS = ["hap-cal", "spmd-cal"]
 LABELS = {
     "hap": "the planner's plan (--pipeline auto)",
     "spmd": "best SPMD plan (--pipeline off)",
     "dp-prop": "DP-proportional",
     "pipe2": "2-stage pipeline x SPMD (--pipeline 2)",
+    "hap-cal": "the planner's plan, calibrated model",
+    "spmd-cal": "best SPMD plan, calibrated model",
 }
 PLAN_FLAGS = {
     "hap": ["--pipeline", "auto"],
     "spmd": ["--pipeline", "off"],
     "dp-prop": ["--baseline", "dp-prop"],
     "pipe2": ["--pipeline", "2"],
+    "hap-cal": ["--pipeline", "auto"],
+    "spmd-cal": ["--pipeline", "off"],
 }
 
 
@@ -121,6 +134,8 @@ def main():
     ap.add_argument("--run-timeout", type=float, default=300)
     ap.add_argument("--bin-dir", default=os.path.join(e2e.WORKSPACE, "bazel-bin"))
     ap.add_argument("--keep-state", action="store_true")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the calibrated plans (hap-cal, spmd-cal)")
     ap.add_argument("--model", default="gpt --layers 4 --hidden 512 --heads 8 --ffn 2048 "
                     "--seq 32 --batch 8 --vocab 8192",
                     help="hapctl plan model flags")
@@ -131,6 +146,10 @@ def main():
     configs = args.configs.split(",")
     if "spmd" not in configs or any(x not in CONFIGS for x in configs):
         ap.error(f"--configs must name spmd and some of {','.join(CONFIGS)}")
+    if not args.no_calibrate:
+        if "dp-prop" not in configs:
+            ap.error("calibration profiles spmd and dp-prop: name dp-prop or pass --no-calibrate")
+        configs += CALIBRATED_CONFIGS
     bins = {k: os.path.join(args.bin_dir, v) for k, v in (
         ("hapctl", "tools/hapctl"), ("launch", "executor/cli/hap-launch"),
         ("executor", "executor/cli/hap-executor"),
@@ -177,7 +196,26 @@ def bench(c, bins, args, configs):
 
     log(f"\n== 2. Plans (hapctl plan {args.model}) ==")
     model = args.model.split()
-    plans = {name: plan(c, bins, cluster_path, model, name) for name in configs}
+    plans = {name: plan(c, bins, cluster_path, model, name) for name in configs
+             if name not in CALIBRATED_CONFIGS}
+    if "hap-cal" in configs:
+        log("\n== 2b. Calibration: spmd and dp-prop run once on the testbed with --profile, "
+            "then hapctl calibrate ==")
+        runs = []
+        for name in ("spmd", "dp-prop"):
+            prefix = os.path.join(c.state, f"profile-{name}")
+            e2e.run_hap_launch(c, bins, plans[name]["path"], args, f"profile-{name}",
+                               profile=prefix, flags=("--network", args.network))
+            runs += ["--plan", plans[name]["path"], "--profile", prefix]
+        cal_path = os.path.join(c.state, "cluster-calibrated.json")
+        p = e2e.subprocess.run([bins["hapctl"], "calibrate", "--cluster", cluster_path, *runs,
+                                "--out", cal_path, "--op-scales", "per-kind"],
+                               capture_output=True, text=True)
+        if p.returncode:
+            e2e.die(f"hapctl calibrate failed:\n{p.stderr}")
+        log("\n".join("   " + line for line in p.stdout.strip().splitlines()))
+        for name in CALIBRATED_CONFIGS:
+            plans[name] = plan(c, bins, cal_path, model, name)
     for name in configs:
         p = plans[name]
         log(f"   {name:8s} predicted {p['predicted']:.4f} s  {p['stages']}")
