@@ -530,6 +530,9 @@ class Pass {
       return;
     }
     if (st().checkpoint_step() <= st().switch_after_step()) return;
+    // A checkpoint at the job's last step ends it: nothing is left to run
+    // faster, so no switch (the demo once re-planned at step 600 of 600).
+    if (st().checkpoint_step() >= spec().training().steps()) return;
     const std::string candidate = st().candidate_plan();
     st().clear_candidate_plan();  // becomes next_plan, not cancelled
     BeginReplan(slowdown ? v1::JobEvent::SLOWDOWN : v1::JobEvent::NODE_JOINED,

@@ -517,6 +517,31 @@ TEST_F(JobsTest, ReturningNodeSwitchesAtTheNextCheckpointWhenTheGainClearsTheThr
   EXPECT_DOUBLE_EQ(e.predicted_step_after(), 1.0 / 3);
 }
 
+// A switch waiting for the next checkpoint is not made when that
+// checkpoint is the job's last step: nothing is left to run faster.
+TEST_F(JobsTest, NoSwitchAtTheJobsFinalCheckpoint) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  fake_.checkpoint = 20;
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  c_->Reconcile();  // the join pays: waits for a checkpoint
+  ASSERT_TRUE(Job().status().switch_pending());
+  fake_.checkpoint = 100;  // the job's steps
+  fake_.Only(first).set_steps_completed(100);
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_THAT(replans_, IsEmpty());
+  fake_.SetState(first, v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::SUCCEEDED);
+  EXPECT_THAT(replans_, IsEmpty());
+}
+
 TEST_F(JobsTest, JoinBelowTheThresholdStaysAndIsNotJudgedAgain) {
   Make();
   fake_.predict = [](const std::vector<std::string>& d) { return d.size() == 3 ? 0.95 : 1.0; };
@@ -1145,6 +1170,8 @@ TEST_F(JobsTest, SlowdownsCountAgainstTheReplanLimit) {
   Make();
   v1::CreateJobRequest r = Request();
   r.mutable_spec()->mutable_replan()->set_max_replans(1);
+  // Longer than the checkpoints below (no switch at a job's last step).
+  r.mutable_spec()->mutable_training()->set_steps(1000);
   fake_.calibration = "calibrated";
   fake_.predict = [](const std::vector<std::string>&) { return 0.5; };
   std::string d = StartRunning(r);
