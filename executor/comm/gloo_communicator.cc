@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -30,8 +31,6 @@
 #include "gloo/math.h"
 #include "gloo/reduce.h"
 #include "gloo/context.h"
-#include "gloo/rendezvous/context.h"
-#include "gloo/rendezvous/store.h"
 #include "gloo/transport/context.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
@@ -83,46 +82,10 @@ absl::Status Guard(const std::string& what, Fn&& fn) {
   }
 }
 
-// Our store as Gloo's: keys prefixed, waits bounded by the timeout. Gloo
-// expects exceptions from a store; StoreFailure is caught by Guard around
-// connect.
-class StoreAdapter : public gloo::rendezvous::Store {
- public:
-  StoreAdapter(RendezvousStore& store, std::string prefix,
-               absl::Duration timeout)
-      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    absl::Status s =
-        store_.Set(Key(key), std::string(data.begin(), data.end()));
-    if (!s.ok()) throw StoreFailure(std::move(s));
-  }
-  std::vector<char> get(const std::string& key) override {
-    auto v = store_.Get(Key(key), timeout_);
-    if (!v.ok()) throw StoreFailure(v.status());
-    return std::vector<char>(v->begin(), v->end());
-  }
-  void wait(const std::vector<std::string>& keys) override {
-    wait(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
-  }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    for (const auto& k : keys) {
-      auto v = store_.Get(Key(k), absl::Milliseconds(timeout.count()));
-      if (!v.ok()) throw StoreFailure(v.status());
-    }
-  }
-
-  // The key under which our store holds Gloo's `k`.
-  std::string Key(const std::string& k) const {
-    return absl::StrCat(prefix_, "/", k);
-  }
-
- private:
-  RendezvousStore& store_;
-  std::string prefix_;
-  absl::Duration timeout_;
-};
+// The key under which a connect try under `prefix` keeps `k`.
+std::string RendezvousKey(const std::string& prefix, const std::string& k) {
+  return absl::StrCat(prefix, "/", k);
+}
 
 size_t ElementSize(const TensorView& v) {
   return static_cast<size_t>(graph::DTypeBytes(v.dtype));
@@ -492,12 +455,12 @@ class GlooCommunicator : public Communicator {
 // keys each rank's address by its decimal rank, so after a timed-out connect
 // the ranks whose key is still absent are the ones that did not show up.
 // Empty when none is missing any more (a peer that came late).
-std::string MissingRanks(RendezvousStore& store, const StoreAdapter& keys,
+std::string MissingRanks(RendezvousStore& store, const std::string& prefix,
                          const GlooOptions& o) {
   std::vector<int> missing;
   for (int r = 0; r < o.size; ++r) {
     if (r == o.rank) continue;
-    if (!store.Get(keys.Key(std::to_string(r)), absl::ZeroDuration()).ok()) {
+    if (!store.Get(RendezvousKey(prefix, std::to_string(r)), absl::ZeroDuration()).ok()) {
       missing.push_back(r);
     }
   }
@@ -623,18 +586,52 @@ class AbortWatcher {
 // connection), the others through the abort key or their closed pairs, so
 // every rank fails this try (Unavailable) instead of one collective failing
 // later.
+// Rank `r`'s published pair addresses under `prefix`, polled until
+// `deadline` so that an abort is seen while waiting: nullopt once the
+// watcher saw one. Throws StoreFailure (DeadlineExceeded when the key never
+// came).
+std::optional<std::string> PeerAddresses(RendezvousStore& store, const std::string& prefix,
+                                         int r, absl::Time deadline, absl::Duration timeout,
+                                         AbortWatcher& watcher) {
+  const std::string key = RendezvousKey(prefix, std::to_string(r));
+  while (!watcher.aborted()) {
+    const absl::Duration left = deadline - absl::Now();
+    absl::StatusOr<std::string> theirs =
+        store.Get(key, std::clamp(left, absl::ZeroDuration(), absl::Milliseconds(50)));
+    if (theirs.ok()) return *std::move(theirs);
+    if (theirs.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      throw StoreFailure(theirs.status());
+    }
+    if (left <= absl::ZeroDuration()) {
+      throw StoreFailure(absl::DeadlineExceededError(absl::StrCat(
+          "rendezvous store: key '", key, "' did not appear within ",
+          absl::FormatDuration(timeout))));
+    }
+  }
+  return std::nullopt;
+}
+
+// One try at the full mesh under `prefix`: every rank publishes the
+// addresses of its pairs (under its decimal rank, like Gloo's own
+// rendezvous) and connects each pair, then a barrier runs over the new
+// connections. The barrier makes a broken mesh visible to every rank before
+// anyone uses it: Gloo's TCP listener (this Gloo, 2022) accepts whichever
+// connection reaches its port first, so a stray client (a probe, or a gRPC
+// client retrying a port its server gave up) can take a peer's place. The
+// ranks involved fail at once (the stray's close, a refused or reset
+// connection), the others through the abort key or their closed pairs, so
+// every rank fails this try (Unavailable) instead of one collective failing
+// later.
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     const GlooOptions& o, RendezvousStore& store, const std::string& prefix) {
   const std::chrono::milliseconds timeout(absl::ToInt64Milliseconds(o.timeout));
   const absl::Time deadline = absl::Now() + o.timeout;
-  StoreAdapter keys(store, prefix, o.timeout);
   const std::string what =
       absl::StrCat("connecting rank ", o.rank, " of ", o.size);
   auto ctx = std::make_shared<MeshContext>(o.rank, o.size);
   ctx->setTimeout(timeout);
   std::shared_ptr<gloo::transport::Context> transport;
   std::unique_ptr<AbortWatcher> watcher;
-  bool aborted = false;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
     auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
@@ -648,56 +645,41 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     }
     ctx->Adopt(dev, transport);
     if (o.size == 1) return;
-    keys.set(std::to_string(o.rank), std::vector<char>(mine.begin(), mine.end()));
-    watcher = std::make_unique<AbortWatcher>(store, keys.Key("abort"), *transport);
+    absl::Status published = store.Set(RendezvousKey(prefix, std::to_string(o.rank)), mine);
+    if (!published.ok()) throw StoreFailure(std::move(published));
+    watcher = std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport);
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
-      // The peer's addresses, polled so that an abort is seen while waiting.
-      absl::StatusOr<std::string> theirs;
-      while (true) {
-        if (watcher->aborted()) return;
-        const absl::Duration left = deadline - absl::Now();
-        theirs = store.Get(keys.Key(std::to_string(r)),
-                           std::max(absl::ZeroDuration(),
-                                    std::min(left, absl::Milliseconds(50))));
-        if (theirs.ok() || left <= absl::ZeroDuration()) break;
-      }
-      if (!theirs.ok()) {
-        if (theirs.status().code() != absl::StatusCode::kDeadlineExceeded) {
-          throw StoreFailure(theirs.status());
-        }
-        throw StoreFailure(absl::DeadlineExceededError(absl::StrCat(
-            "rendezvous store: key '", keys.Key(std::to_string(r)),
-            "' did not appear within ", absl::FormatDuration(o.timeout))));
-      }
-      const size_t each = theirs->size() / static_cast<size_t>(o.size - 1);
-      const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
-      if (each == 0 || theirs->size() % static_cast<size_t>(o.size - 1) != 0) {
+      std::optional<std::string> theirs =
+          PeerAddresses(store, prefix, r, deadline, o.timeout, *watcher);
+      if (!theirs.has_value()) return;  // aborted
+      const size_t peers = static_cast<size_t>(o.size - 1);
+      const size_t each = theirs->size() / peers;
+      if (each == 0 || theirs->size() % peers != 0) {
         throw StoreFailure(absl::InternalError(
             absl::StrCat("rank ", r, " published ", theirs->size(),
-                         " bytes of addresses for ", o.size - 1, " peers")));
+                         " bytes of addresses for ", peers, " peers")));
       }
+      const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
       transport->getPair(r)->connect(std::vector<char>(
           theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
     }
-    aborted = watcher->Stop();
-    if (aborted) return;
+    if (watcher->Stop()) return;  // aborted
     gloo::BarrierOptions opts(ctx);
     opts.setTimeout(timeout);
     gloo::barrier(opts);
   });
-  if (watcher != nullptr && watcher->Stop()) aborted = true;
-  if (aborted) {
+  if (watcher != nullptr && watcher->Stop()) {
     return absl::UnavailableError(absl::StrCat(
         what, ": another rank's connection broke, so this try was abandoned"));
   }
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
       return absl::DeadlineExceededError(
-          absl::StrCat(s.message(), MissingRanks(store, keys, o)));
+          absl::StrCat(s.message(), MissingRanks(store, prefix, o)));
     }
     // Tell the ranks still connecting to give this try up too.
-    if (o.size > 1) (void)store.Set(keys.Key("abort"), std::string(s.message()));
+    if (o.size > 1) (void)store.Set(RendezvousKey(prefix, "abort"), std::string(s.message()));
     return s;
   }
   return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));
