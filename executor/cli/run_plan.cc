@@ -35,7 +35,6 @@
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
-#include "planner/pipeline/layers.h"
 #include "planner/util/status_macros.h"
 #include "tools/cli_args.h"
 
@@ -294,28 +293,15 @@ absl::Status Run(const tools::Args& a) {
   // backend's: Gloo, or NCCL on GPUs); the stages talk over a Gloo world.
   const bool pipelined = plan.pipeline().stages_size() > 1;
   std::unique_ptr<Communicator> world_comm;
-  PipelineLayout layout;
-  std::optional<graph::Graph> micro;
+  std::optional<PipelineRank> at;
   GlooOptions group = go;
   if (pipelined) {
-    for (const char* flag : {"profile"}) {
-      if (a.Has(flag)) {
-        return absl::UnimplementedError(
-            absl::StrCat("--", flag, " is not supported with pipeline plans yet"));
-      }
+    if (a.Has("profile")) {
+      return absl::UnimplementedError("--profile is not supported with pipeline plans yet");
     }
-    HAP_ASSIGN_OR_RETURN(layout, PipelineLayoutOf(plan));
-    HAP_RETURN_IF_ERROR(AddBoundaryPieces(
-        layout, std::vector<v1::RankProgram>(plan.rank_programs().begin(),
-                                             plan.rank_programs().end())));
-    HAP_ASSIGN_OR_RETURN(micro, pipeline::Rebatch(g, plan.pipeline().microbatch_size()));
-    HAP_ASSIGN_OR_RETURN(auto at, StageOf(layout, static_cast<int>(rank)));
-    GlooOptions wo = go;
-    wo.prefix = absl::StrCat(go.prefix, "/world");
-    HAP_ASSIGN_OR_RETURN(world_comm, ConnectGloo(wo, *store));
-    group.rank = at.second;
-    group.size = static_cast<int>(layout.stage_ranks[at.first].size());
-    group.prefix = absl::StrCat(go.prefix, "/stage", at.first);
+    HAP_ASSIGN_OR_RETURN(at, PipelineRankOf(plan, g, static_cast<int>(rank)));
+    HAP_ASSIGN_OR_RETURN(world_comm, ConnectGloo(PipelineWorldOptions(go), *store));
+    group = PipelineGroupOptions(go, *at);
   }
   HAP_ASSIGN_OR_RETURN(Backend backend,
                        MakeBackend(spec, static_cast<int>(threads), group, *store));
@@ -343,11 +329,11 @@ absl::Status Run(const tools::Args& a) {
     ro.async = backend.async.get();
   }
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
-                       ProgramRunner::Create(plan.rank_programs(rank), pipelined ? *micro : g,
+                       ProgramRunner::Create(plan.rank_programs(rank), pipelined ? at->micro : g,
                                              run_on, comm.get(), ro));
   std::unique_ptr<PipelineRunner> pipe;
   if (pipelined) {
-    HAP_ASSIGN_OR_RETURN(pipe, PipelineRunner::Create(runner.get(), world_comm.get(), layout));
+    HAP_ASSIGN_OR_RETURN(pipe, PipelineRunner::Create(runner.get(), world_comm.get(), at->layout));
   }
   if (rank == 0) {
     std::cout << absl::StrFormat(
@@ -356,7 +342,7 @@ absl::Status Run(const tools::Args& a) {
         plan.prediction().step_seconds(), first_step, steps, device->name());
     if (pipelined) {
       std::cout << absl::StrFormat("pipeline: %d stages, %d microbatches of %d samples (1F1B)\n",
-                                   layout.stage_ranks.size(), layout.microbatches,
+                                   at->layout.stage_ranks.size(), at->layout.microbatches,
                                    plan.pipeline().microbatch_size());
     }
   }

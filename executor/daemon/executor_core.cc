@@ -20,7 +20,6 @@
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
-#include "planner/pipeline/layers.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor {
@@ -149,16 +148,14 @@ struct ExecutorCore::Loaded {
   std::unique_ptr<TimingDevice> timing;
   std::unique_ptr<DeferredCommunicator> comm;
   std::unique_ptr<data::BatchSource> batches;
-  // A pipeline plan (README "Pipeline plans"): the stages' layout, the
-  // model at the microbatch size (the runner's graph), this rank's stage,
-  // and the communicator of every rank (the stages' point-to-point
-  // transfers, the checkpoint's commit); `comm` is the stage group's then.
-  bool pipelined = false;
-  PipelineLayout layout;
-  std::optional<graph::Graph> micro;
-  int stage = 0;
+  // A pipeline plan (README "Pipeline plans"): the rank's stage, the model
+  // at the microbatch size (the runner's graph), and the communicator of
+  // every rank (the stages' point-to-point transfers, the checkpoint's
+  // commit; null for SPMD plans); `comm` is the stage group's then.
+  PipelineRank at;
   std::unique_ptr<DeferredCommunicator> world;
-  std::unique_ptr<ProgramRunner> runner;  // uses graph (or micro), device, comm
+  bool pipelined() const { return world != nullptr; }
+  std::unique_ptr<ProgramRunner> runner;  // uses graph (or at.micro), device, comm
   std::deque<v1::StepMetric> metrics;     // guarded by the core's mu_
   v1::StepProfile profile;                // guarded by mu_; the latest window
   // The window being timed (the training thread's): its first step and
@@ -241,25 +238,11 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
   return absl::OkStatus();
 }
 
-// This rank's rank in its stage's group.
-int ExecutorCore::GroupRank(const Loaded& loaded, int rank) {
-  const std::vector<int>& ranks = loaded.layout.stage_ranks[loaded.stage];
-  return static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
-}
-
-// The pipeline half of a load: the stages' layout with each boundary's
-// pieces, the model at the microbatch size, this rank's stage and the world
-// communicator (connected when training starts).
+// The pipeline half of a load: the rank's stage and the model at the
+// microbatch size, and the world communicator (connected when training
+// starts).
 absl::Status ExecutorCore::SetUpPipeline(const LoadOptions& in, Loaded* loaded) {
-  loaded->pipelined = true;
-  HAP_ASSIGN_OR_RETURN(loaded->layout, PipelineLayoutOf(in.plan));
-  HAP_RETURN_IF_ERROR(AddBoundaryPieces(
-      loaded->layout, std::vector<v1::RankProgram>(in.plan.rank_programs().begin(),
-                                                   in.plan.rank_programs().end())));
-  HAP_ASSIGN_OR_RETURN(loaded->micro,
-                       pipeline::Rebatch(loaded->graph, in.plan.pipeline().microbatch_size()));
-  HAP_ASSIGN_OR_RETURN(auto at, StageOf(loaded->layout, in.rank));
-  loaded->stage = at.first;
+  HAP_ASSIGN_OR_RETURN(loaded->at, PipelineRankOf(in.plan, loaded->graph, in.rank));
   loaded->world = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
   return absl::OkStatus();
 }
@@ -333,23 +316,20 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     if (!device.ok()) return Annotate(device.status(), "device");
     loaded->device = *std::move(device);
   }
-  if (loaded->pipelined) {
-    loaded->comm = std::make_unique<DeferredCommunicator>(
-        GroupRank(*loaded, in.rank), static_cast<int>(loaded->layout.stage_ranks[loaded->stage].size()));
-  } else {
-    loaded->comm = std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
-  }
+  loaded->comm = loaded->pipelined() ? std::make_unique<DeferredCommunicator>(
+                                         loaded->at.group_rank, loaded->at.group_size)
+                                   : std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
   {
     Device* run_on = loaded->device.get();
     // (Not for pipeline plans: their profiles would be of the microbatch
     // model's stage programs, which calibration does not map yet.)
-    if (o_.profile_window > 0 && !loaded->pipelined &&
+    if (o_.profile_window > 0 && !loaded->pipelined() &&
         !absl::StartsWith(run_on->name(), "cuda")) {
       loaded->timing = std::make_unique<TimingDevice>(run_on);
       run_on = loaded->timing.get();
     }
     auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank),
-                                   loaded->pipelined ? *loaded->micro : loaded->graph, run_on,
+                                   loaded->pipelined() ? loaded->at.micro : loaded->graph, run_on,
                                    loaded->comm.get());
     if (!r.ok()) return Annotate(r.status(), absl::StrCat("rank ", in.rank, "'s program"));
     loaded->runner = *std::move(r);
@@ -433,25 +413,22 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     go.hostname = o_.gloo_hostname;
     go.timeout = o_.comm_timeout;
     absl::StatusOr<std::unique_ptr<Communicator>> world;
-    if (loaded->pipelined) {
+    if (loaded->pipelined()) {
       // Every rank over Gloo for the stages' transfers, then the stage's
       // group on the backend (as hap-launch does).
-      GlooOptions wo = go;
-      wo.prefix = absl::StrCat(go.prefix, "/world");
+      const GlooOptions wo = PipelineWorldOptions(go);
       world = o_.connect ? o_.connect(wo, *store) : ConnectGloo(wo, *store);
       if (!world.ok()) return Annotate(world.status(), "connecting the ranks (world)");
       loaded->world->Attach(world->get());
-      go.rank = loaded->comm->rank();
-      go.size = loaded->comm->size();
-      go.prefix = absl::StrCat(go.prefix, "/stage", loaded->stage);
+      go = PipelineGroupOptions(go, loaded->at);
     }
     auto comm = o_.connect ? o_.connect(go, *store) : ConnectBackend(*loaded->device, go, *store);
     if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
     loaded->comm->Attach(comm->get());
     std::unique_ptr<PipelineRunner> pipe;
-    if (loaded->pipelined) {
+    if (loaded->pipelined()) {
       HAP_ASSIGN_OR_RETURN(pipe, PipelineRunner::Create(loaded->runner.get(), world->get(),
-                                                        loaded->layout));
+                                                        loaded->at.layout));
     }
     TrainOptions to;
     to.first_step = loaded->first_step;

@@ -163,8 +163,6 @@ class ExecutorCore {
   absl::Status SetUpCheckpoints(const LoadOptions& in, Loaded* loaded);
   // The pipeline half of a load (a plan with stages).
   static absl::Status SetUpPipeline(const LoadOptions& in, Loaded* loaded);
-  // This rank's rank in its stage's group.
-  static int GroupRank(const Loaded& loaded, int rank);
   absl::Status CheckDeployment(const std::string& deployment) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   hap::v1::ExecutorStatus StatusLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

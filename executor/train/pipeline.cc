@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "executor/cpu/cpu_device.h"
+#include "planner/pipeline/layers.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::executor {
@@ -85,6 +86,33 @@ absl::Status AddBoundaryPieces(PipelineLayout& layout,
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<PipelineRank> PipelineRankOf(const v1::Plan& plan, const graph::Graph& g,
+                                            int rank) {
+  HAP_ASSIGN_OR_RETURN(PipelineLayout layout, PipelineLayoutOf(plan));
+  HAP_RETURN_IF_ERROR(AddBoundaryPieces(
+      layout, std::vector<v1::RankProgram>(plan.rank_programs().begin(),
+                                           plan.rank_programs().end())));
+  HAP_ASSIGN_OR_RETURN(graph::Graph micro,
+                       pipeline::Rebatch(g, plan.pipeline().microbatch_size()));
+  HAP_ASSIGN_OR_RETURN(auto at, StageOf(layout, rank));
+  const int group_size = static_cast<int>(layout.stage_ranks[at.first].size());
+  return PipelineRank{std::move(layout), std::move(micro), at.first, at.second, group_size};
+}
+
+GlooOptions PipelineWorldOptions(const GlooOptions& rank_options) {
+  GlooOptions o = rank_options;
+  o.prefix = absl::StrCat(rank_options.prefix, "/world");
+  return o;
+}
+
+GlooOptions PipelineGroupOptions(const GlooOptions& rank_options, const PipelineRank& at) {
+  GlooOptions o = rank_options;
+  o.rank = at.group_rank;
+  o.size = at.group_size;
+  o.prefix = absl::StrCat(rank_options.prefix, "/stage", at.stage);
+  return o;
 }
 
 std::vector<int> OneFOneBOrder(int stage, int stages, int microbatches) {

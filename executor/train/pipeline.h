@@ -48,6 +48,7 @@
 #include "executor/runtime/tensor.h"
 #include "executor/train/trainer.h"
 #include "hap/v1/plan.pb.h"
+#include "planner/graph/graph.h"
 
 namespace hap::executor {
 
@@ -84,6 +85,25 @@ absl::StatusOr<PipelineLayout> PipelineLayoutOf(const hap::v1::Plan& plan);
 // The (stage, rank in its group) of world rank `rank`; InvalidArgument when
 // the layout does not hold it exactly once.
 absl::StatusOr<std::pair<int, int>> StageOf(const PipelineLayout& layout, int rank);
+
+// What a rank of a pipeline plan needs besides its program (hap-launch and
+// the executor daemon alike): the layout with its boundary pieces, the model
+// at the microbatch size (its stage program's graph), its stage, and its
+// rank and size in the stage's group.
+struct PipelineRank {
+  PipelineLayout layout;
+  graph::Graph micro;
+  int stage = 0;
+  int group_rank = 0;
+  int group_size = 1;
+};
+// `g` is the plan's model at the global batch.
+absl::StatusOr<PipelineRank> PipelineRankOf(const hap::v1::Plan& plan, const graph::Graph& g,
+                                            int rank);
+// Gloo options of the communicator of every rank (the stages' transfers, a
+// checkpoint's commit) and of the rank's stage group, from the rank's own.
+GlooOptions PipelineWorldOptions(const GlooOptions& rank_options);
+GlooOptions PipelineGroupOptions(const GlooOptions& rank_options, const PipelineRank& at);
 
 // The 1F1B order of stage `stage`: +m+1 is the forward of microbatch m,
 // -(m+1) its backward.
