@@ -38,8 +38,6 @@ Needs root (cgroup v1 cpu controller, network namespaces, tc).
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -150,33 +148,13 @@ def main():
         if "dp-prop" not in configs:
             ap.error("calibration profiles spmd and dp-prop: name dp-prop or pass --no-calibrate")
         configs += CALIBRATED_CONFIGS
-    bins = {k: os.path.join(args.bin_dir, v) for k, v in (
-        ("hapctl", "tools/hapctl"), ("launch", "executor/cli/hap-launch"),
-        ("executor", "executor/cli/hap-executor"),
-        ("planner", "planner/service/hap-planner"), ("agent", "profiler_agent/hap-agent"))}
-    for b in bins.values():
-        if not os.access(b, os.X_OK):
-            e2e.die(f"missing binary {b} (build it, see --help, or pass --bin-dir)")
+    bins = e2e.binaries(args.bin_dir)
     state = tempfile.mkdtemp(prefix="hap-pipebed.")
     c = e2e.Cluster(shares, state)
     c.check_cgroups()
 
-    def on_signal(sig, _):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        bench(c, bins, args, configs)
-    except KeyboardInterrupt:
-        print("\npipeline_testbed_bench: interrupted; stopping everything it started",
-              file=sys.stderr)
-        sys.exit(130)
-    finally:
-        c.cleanup()
-        if args.keep_state:
-            log(f"state kept in {state}")
-        else:
-            shutil.rmtree(state, ignore_errors=True)
+    e2e.run_guarded("pipeline_testbed_bench", c, args.keep_state,
+                    lambda: bench(c, bins, args, configs))
 
 
 def bench(c, bins, args, configs):

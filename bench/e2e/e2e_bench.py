@@ -262,6 +262,39 @@ def wait_for(pred, seconds, what):
     die(f"timed out waiting for {what}")
 
 
+def binaries(bin_dir):
+    """The programs a benchmark run starts, from a bazel-bin directory."""
+    bins = {k: os.path.join(bin_dir, v) for k, v in (
+        ("hapctl", "tools/hapctl"), ("launch", "executor/cli/hap-launch"),
+        ("executor", "executor/cli/hap-executor"),
+        ("planner", "planner/service/hap-planner"), ("agent", "profiler_agent/hap-agent"))}
+    for b in bins.values():
+        if not os.access(b, os.X_OK):
+            die(f"missing binary {b} (build it, see --help, or pass --bin-dir)")
+    return bins
+
+
+def run_guarded(name, c, keep_state, body):
+    """Runs body(); on Ctrl-C or SIGTERM, and at the end either way, stops
+    everything `c` started, removes its cgroups and (unless keep_state) its
+    state directory."""
+    def on_signal(sig, _):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        body()
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted; stopping everything it started", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        c.cleanup()
+        if keep_state:
+            log(f"state kept in {c.state}")
+        else:
+            shutil.rmtree(c.state, ignore_errors=True)
+
+
 # --- 1. measure the devices ----------------------------------------------------
 def measure_devices(c, bins, probe_seconds):
     token = os.path.join(c.state, "token")
@@ -520,13 +553,7 @@ def main():
         configs += OVERLAP_CONFIGS
     if not args.no_calibrate:
         configs += CALIBRATED_CONFIGS
-    bins = {k: os.path.join(args.bin_dir, v) for k, v in (
-        ("hapctl", "tools/hapctl"), ("launch", "executor/cli/hap-launch"),
-        ("executor", "executor/cli/hap-executor"),
-        ("planner", "planner/service/hap-planner"), ("agent", "profiler_agent/hap-agent"))}
-    for b in bins.values():
-        if not os.access(b, os.X_OK):
-            die(f"missing binary {b} (build it, see --help, or pass --bin-dir)")
+    bins = binaries(args.bin_dir)
     if any(x.startswith("ddp") for x in configs) and not os.access(args.python, os.X_OK):
         die(f"no Python at {args.python} for the DDP workers (--python)")
 
@@ -536,22 +563,7 @@ def main():
     c = Cluster(shares, state, args.weight, args.period_us)
     c.check_cgroups()
 
-    def on_signal(sig, _):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        bench(c, bins, args, configs)
-    except KeyboardInterrupt:
-        print("\ne2e_bench: interrupted; stopping everything it started", file=sys.stderr)
-        c.cleanup()
-        sys.exit(130)
-    finally:
-        c.cleanup()
-        if args.keep_state:
-            log(f"state kept in {state}")
-        else:
-            shutil.rmtree(state, ignore_errors=True)
+    run_guarded("e2e_bench", c, args.keep_state, lambda: bench(c, bins, args, configs))
 
 
 def bench(c, bins, args, configs):
