@@ -14,13 +14,12 @@ program.)"""
 
 import os
 import subprocess
-import sys
 import unittest
 
 import torch
 
 import torch_test_util as util  # noqa: E402  (sets sys.path)
-from weights_roundtrip_test import read_safetensors, write_npy  # noqa: E402
+from weights_roundtrip_test import read_safetensors  # noqa: E402
 
 LAUNCH = os.path.abspath(os.environ.get("HAP_LAUNCH", ""))
 EXECUTOR = os.path.abspath(os.environ.get("HAP_EXECUTOR", ""))
@@ -58,17 +57,14 @@ def max_rel_err(got, want):
 class LstmTrainTest(unittest.TestCase):
     def test_trained_weights_equal_pytorch_and_each_other(self):
         d = util.tmpdir()
-        with open(os.path.join(d, "lstmlm.py"), "w") as f:
-            f.write(MODULE)
-        sys.path.insert(0, d)
-        import lstmlm  # noqa: E402
+        lstmlm, source = util.module_from_source(d, "lstmlm", MODULE)
         model = lstmlm.make()
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
         graph = os.path.join(d, "model.json")
         weights = os.path.join(d, "init.safetensors")
         util.run([util.PYTHON, util.EXPORT_FX, "--module",
-                  os.path.join(d, "lstmlm.py") + ":make",
+                  source + ":make",
                   "--input-shape", f"x={B},{S}:int64:{V}",
                   "--input-shape", f"y={B},{S}:int64:{V}",
                   "-o", graph, "--weights", weights])
@@ -79,13 +75,7 @@ class LstmTrainTest(unittest.TestCase):
         self.assertEqual(set(init), set(dict(model.named_parameters())))
         self.assertIn("lstm.weight_hh_l1", init)
 
-        gen = torch.Generator().manual_seed(5)
-        xs = torch.randint(0, V, (N, S), generator=gen)
-        ys = torch.randint(0, V, (N, S), generator=gen)
-        data = os.path.join(d, "data")
-        os.makedirs(data)
-        write_npy(os.path.join(data, "x.npy"), xs)
-        write_npy(os.path.join(data, "y.npy"), ys)
+        xs, ys, data = util.token_data(d, N, S, V)
 
         # PyTorch's own SGD steps: step k takes rows k*B .. k*B+B-1 mod N.
         ref = lstmlm.make()

@@ -87,6 +87,32 @@ def write_npy(path, t):
         f.write(t.contiguous().numpy().tobytes())
 
 
+def module_from_source(d, name, source):
+    """Writes `source` as d/<name>.py and imports it: (module, its path)
+    (export_fx takes --module PATH:FUNCTION)."""
+    import importlib
+    path = os.path.join(d, name + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    return importlib.import_module(name), path
+
+
+def token_data(d, n, s, vocab, seed=5):
+    """n samples of s random token ids below `vocab` for inputs x and y,
+    written as d/data/x.npy and y.npy: (xs, ys, the data directory)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    xs = torch.randint(0, vocab, (n, s), generator=gen)
+    ys = torch.randint(0, vocab, (n, s), generator=gen)
+    data = os.path.join(d, "data")
+    os.makedirs(data)
+    write_npy(os.path.join(data, "x.npy"), xs)
+    write_npy(os.path.join(data, "y.npy"), ys)
+    return xs, ys, data
+
+
 class _Result(unittest.TextTestResult):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)

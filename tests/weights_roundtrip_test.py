@@ -75,30 +75,15 @@ def read_safetensors(path):
     return out
 
 
-def write_npy(path, array):
-    """Version 1.0 .npy of a little-endian int64 array (from the format's spec)."""
-    a = array.contiguous()
-    header = ("{'descr': '<i8', 'fortran_order': False, 'shape': (%s), }"
-              % "".join(f"{d}, " for d in a.shape))
-    pad = 64 - (10 + len(header) + 1) % 64
-    header = header + " " * pad + "\n"
-    with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1"))
-        f.write(a.numpy().astype("<i8").tobytes())
-
-
 class WeightsRoundTripTest(unittest.TestCase):
     def test_trained_weights_equal_pytorch_sgd(self):
         d = util.tmpdir()
-        with open(os.path.join(d, "tinylm.py"), "w") as f:
-            f.write(MODULE)
-        sys.path.insert(0, d)
-        import tinylm  # noqa: E402
+        tinylm, source = util.module_from_source(d, "tinylm", MODULE)
         model = tinylm.make()
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
         graph, weights = os.path.join(d, "model.json"), os.path.join(d, "init.safetensors")
-        util.run([util.PYTHON, EXPORT_FX, "--module", os.path.join(d, "tinylm.py") + ":make",
+        util.run([util.PYTHON, EXPORT_FX, "--module", source + ":make",
                   "--input-shape", f"x={B},{S}:int64:{V}", "--input-shape", f"y={B},{S}:int64:{V}",
                   "-o", graph, "--weights", weights])
         # The weights file holds the module's parameters under state_dict names.
@@ -110,13 +95,7 @@ class WeightsRoundTripTest(unittest.TestCase):
         self.assertIn("encoder.layers.0.self_attn.in_proj_weight", init)
 
         # Data: npy files, one per input, N samples.
-        gen = torch.Generator().manual_seed(5)
-        xs = torch.randint(0, V, (N, S), generator=gen)
-        ys = torch.randint(0, V, (N, S), generator=gen)
-        data = os.path.join(d, "data")
-        os.makedirs(data)
-        write_npy(os.path.join(data, "x.npy"), xs)
-        write_npy(os.path.join(data, "y.npy"), ys)
+        xs, ys, data = util.token_data(d, N, S, V)
 
         plan = os.path.join(d, "plan.pb")
         util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER, "--optimizer", "sgd",
