@@ -12,10 +12,6 @@
 namespace hap::executor::kernel_test {
 namespace {
 
-using ::hap::testing::IsOk;
-using ::hap::testing::StatusIs;
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 
 TEST(KernelGradTest, Lstm) {
   // x [2, 4, 3], hidden 2 (gates 8): with both biases, reversed, without

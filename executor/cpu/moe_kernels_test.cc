@@ -14,9 +14,7 @@
 namespace hap::executor::kernel_test {
 namespace {
 
-using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
-using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // The combine weights of moe_gate on fixed logits.

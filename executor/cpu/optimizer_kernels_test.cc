@@ -13,9 +13,7 @@
 namespace hap::executor::kernel_test {
 namespace {
 
-using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
-using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // --- runtime kernels ------------------------------------------------------------------
