@@ -526,9 +526,12 @@ class Pass {
     if (!st().switch_pending()) {
       st().set_switch_pending(true);
       st().set_switch_after_step(st().checkpoint_step());
+      st().set_judged_step_seconds(slowdown ? d.recent_step_seconds() : 0);
+      st().set_judged_until_step(slowdown ? d.recent_steps_end() : 0);
       st().set_message(absl::StrCat("switching at the next checkpoint: ", what));
       return;
     }
+    if (slowdown && ChangedSinceJudged(d, p->name())) return;
     if (st().checkpoint_step() <= st().switch_after_step()) return;
     // A checkpoint at the job's last step ends it: nothing is left to run
     // faster, so no switch (the demo once re-planned at step 600 of 600).
@@ -632,6 +635,35 @@ class Pass {
         "predicted by the recalibrated model)",
         p.name(), 100 * g.gain, now, kSlowdownWindow, then);
     return g;
+  }
+
+  // A switch judged after a slowdown, still waiting for its checkpoint,
+  // whose step moved past the slowdown threshold since (the noise that was
+  // judged passed, or another device slowed down): `candidate` was planned
+  // from profiles that no longer hold, so it is dropped and the slowdown
+  // judged anew once every rank has profiled steps after the change (the
+  // CI once switched to a plan calibrated before a throttle that came
+  // while the switch waited, and ran 25% slower).
+  bool ChangedSinceJudged(const v1::Deployment& d, const std::string& candidate) {
+    const double was = st().judged_step_seconds();
+    const double now = d.recent_step_seconds();
+    if (was <= 0 || now <= 0 || d.recent_steps_end() <= st().judged_until_step()) return false;
+    const double threshold = SlowdownThreshold(spec());
+    if (now <= (1 + threshold) * was && now * (1 + threshold) >= was) return false;
+    st().set_slowdown_step(std::max(st().judged_until_step() + 1,
+                                    d.recent_steps_end() - kSlowdownWindow));
+    st().set_slowdown_detail(absl::StrFormat(
+        "slowdown: the median of the last %d steps is %.4f s, %+.0f%% from the %.4f s %s was "
+        "judged on before its switch",
+        kSlowdownWindow, now, 100 * (now / was - 1), was, candidate));
+    st().set_message(absl::StrCat(st().slowdown_detail(),
+                                  "; recalibrating once every rank profiled steps from ",
+                                  st().slowdown_step()));
+    st().clear_candidate_plan();
+    st().clear_switch_pending();
+    st().clear_judged_step_seconds();
+    st().clear_judged_until_step();
+    return true;
   }
 
   // Whether every rank of `d` has reported a profile starting at `from` or

@@ -1103,6 +1103,56 @@ TEST_F(JobsTest, ASlowdownRecalibratesAndSwitchesToAPlanOnTheSameDevicesWhenItPa
   EXPECT_THAT(j.status().events(1).detail(), HasSubstr("expected 44.4% faster"));
 }
 
+// The step moves past the threshold again while a slowdown's switch waits
+// for its checkpoint (a throttle after noise was judged): the candidate,
+// calibrated from profiles that no longer hold, is dropped and the slowdown
+// judged anew from profiles after the change; the switch goes to that plan.
+TEST_F(JobsTest, AStepThatChangesAgainBeforeTheSwitchIsJudgedAnew) {
+  Make();
+  fake_.calibration = "calibrated";
+  const std::string first = StartRunning();
+  Profile(first, 2);
+  Window(first, 1.0, 22);
+  c_->Reconcile();
+  fake_.predict = [](const std::vector<std::string>&) { return 0.9; };
+  Window(first, 1.3, 42);
+  Profile(first, 22);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  v1::Job j = Job();
+  ASSERT_TRUE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_EQ(j.status().candidate_plan(), "plans/train-p2");
+  Window(first, 1.55, 50);  // 19% above the 1.3 judged: the switch stands
+  c_->Reconcile();
+  EXPECT_TRUE(Job().status().switch_pending());
+  Window(first, 2.6, 60);  // twice the 1.3 judged: p2 no longer holds
+  c_->Reconcile();
+  j = Job();
+  EXPECT_FALSE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_TRUE(j.status().candidate_plan().empty());
+  EXPECT_EQ(j.status().slowdown_step(), 43);
+  EXPECT_THAT(j.status().slowdown_detail(),
+              HasSubstr("the median of the last 20 steps is 2.6000 s, +100% from the 1.3000 s "
+                        "plans/train-p2 was judged on"));
+  fake_.checkpoint = 60;  // the checkpoint p2 waited for: no switch to it
+  c_->Reconcile();
+  EXPECT_THAT(replans_, IsEmpty());
+  EXPECT_EQ(fake_.requests.size(), 2u);  // the profiles predate the change
+  fake_.predict = [](const std::vector<std::string>&) { return 1.5; };
+  Profile(first, 43);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  j = Job();
+  EXPECT_EQ(j.status().candidate_plan(), "plans/train-p3");
+  EXPECT_TRUE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_THAT(j.status().message(), HasSubstr("plans/train-p3 is expected 73.3% faster"));
+  fake_.checkpoint = 80;
+  c_->Reconcile();
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::SLOWDOWN));
+  c_->Reconcile();
+  EXPECT_EQ(fake_.Only(Deployment()).plan(), "plans/train-p3");
+}
+
 // A re-plan that does not pay: the job stays, and what it measures now is
 // what it expects from then on, so the same slow level never re-plans again
 // (no flapping); only 25% beyond it does.
