@@ -237,6 +237,23 @@ class JobsTest : public ::testing::Test {
 
   void JudgeThreeNotWorthIt(const double* three);
 
+  // A running job, calibrated, that expects 1.0 s steps, measured 1.3 s over
+  // steps 23-42 and judged a plan on the same devices predicted at
+  // `predicted` s; returns its deployment.
+  std::string SlowdownJudged(double predicted) {
+    Make();
+    fake_.calibration = "calibrated";
+    const std::string first = StartRunning();
+    Profile(first, 2);
+    Window(first, 1.0, 22);
+    c_->Reconcile();
+    fake_.predict = [predicted](const std::vector<std::string>&) { return predicted; };
+    Window(first, 1.3, 42);
+    Profile(first, 22);
+    c_->Reconcile();
+    return first;
+  }
+
   // Every rank of `deployment` reported a profile of 20 steps from `first`.
   void Profile(const std::string& deployment, int64_t first) {
     v1::Deployment& d = fake_.Only(deployment);
@@ -1108,16 +1125,7 @@ TEST_F(JobsTest, ASlowdownRecalibratesAndSwitchesToAPlanOnTheSameDevicesWhenItPa
 // calibrated from profiles that no longer hold, is dropped and the slowdown
 // judged anew from profiles after the change; the switch goes to that plan.
 TEST_F(JobsTest, AStepThatChangesAgainBeforeTheSwitchIsJudgedAnew) {
-  Make();
-  fake_.calibration = "calibrated";
-  const std::string first = StartRunning();
-  Profile(first, 2);
-  Window(first, 1.0, 22);
-  c_->Reconcile();
-  fake_.predict = [](const std::vector<std::string>&) { return 0.9; };
-  Window(first, 1.3, 42);
-  Profile(first, 22);
-  c_->Reconcile();
+  const std::string first = SlowdownJudged(0.9);
   ASSERT_EQ(fake_.requests.size(), 2u);
   v1::Job j = Job();
   ASSERT_TRUE(j.status().switch_pending()) << j.DebugString();
@@ -1157,16 +1165,7 @@ TEST_F(JobsTest, AStepThatChangesAgainBeforeTheSwitchIsJudgedAnew) {
 // what it expects from then on, so the same slow level never re-plans again
 // (no flapping); only 25% beyond it does.
 TEST_F(JobsTest, ASlowdownThatDoesNotPayMovesTheExpectationAndDoesNotFlap) {
-  Make();
-  fake_.calibration = "calibrated";
-  const std::string first = StartRunning();
-  Profile(first, 2);
-  Window(first, 1.0, 22);
-  c_->Reconcile();
-  fake_.predict = [](const std::vector<std::string>&) { return 1.25; };
-  Window(first, 1.3, 42);
-  Profile(first, 22);
-  c_->Reconcile();
+  const std::string first = SlowdownJudged(1.25);
   ASSERT_EQ(fake_.requests.size(), 2u);
   v1::Job j = Job();
   EXPECT_FALSE(j.status().switch_pending());
