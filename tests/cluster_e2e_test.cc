@@ -310,6 +310,18 @@ class ClusterTest : public ::testing::Test {
     EXPECT_TRUE(f.ok()) << f.status() << "\n" << ctl.output();
     return f.ok() ? std::move(*f) : nullptr;
   }
+  // Every rank's loss of every step `deployment` reported, by step.
+  std::map<int64_t, std::vector<double>> LossesByStep(const std::string& deployment) {
+    v1::ListStepMetricsRequest lm;
+    lm.set_deployment(deployment);
+    lm.set_page_size(1000);
+    v1::ListStepMetricsResponse metrics;
+    grpc::Status s = stub_->ListStepMetrics(Ctx().get(), lm, &metrics);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    std::map<int64_t, std::vector<double>> by_step;
+    for (const auto& m : metrics.metrics()) by_step[m.step()].push_back(m.loss());
+    return by_step;
+  }
   static bool Final(const v1::Deployment& d) {
     return d.state() == v1::Deployment::SUCCEEDED || d.state() == v1::Deployment::FAILED ||
            d.state() == v1::Deployment::STOPPED;
@@ -368,13 +380,7 @@ TEST_F(ClusterTest, PlansFromMeasuredProfilesTrainsAndSurvivesAPlannerKill) {
   EXPECT_EQ(dep.steps_completed(), kSteps);
 
   // Every rank's loss of every step reached the planner; ranks agree.
-  v1::ListStepMetricsRequest lm;
-  lm.set_deployment(dep.name());
-  lm.set_page_size(1000);
-  v1::ListStepMetricsResponse metrics;
-  ASSERT_TRUE(stub_->ListStepMetrics(Ctx().get(), lm, &metrics).ok());
-  std::map<int64_t, std::vector<double>> by_step;
-  for (const auto& m : metrics.metrics()) by_step[m.step()].push_back(m.loss());
+  std::map<int64_t, std::vector<double>> by_step = LossesByStep(dep.name());
   ASSERT_EQ(by_step.size(), static_cast<size_t>(kSteps));
   for (const auto& [step, losses] : by_step) {
     ASSERT_EQ(losses.size(), static_cast<size_t>(kNodes)) << "step " << step;
@@ -724,6 +730,42 @@ TEST_F(ClusterTest, AJobOutlivesAPlannerKill) {
   EXPECT_EQ(job.status().steps_done(), kJobSteps);
   EXPECT_EQ(job.status().deployment(), deployment) << job.DebugString();
   EXPECT_EQ(job.status().replans(), 0) << job.DebugString();
+}
+
+// A pipeline plan made by the planner for three one-device nodes (three
+// stages of one device, four microbatches) deployed to the executor daemons:
+// every step's loss equals the SPMD plan's deployed the same way (both are
+// the single-device program's up to float summation order).
+TEST_F(ClusterTest, DeploysAPipelinePlanOfOneDeviceStages) {
+  std::map<std::string, std::map<int64_t, std::vector<double>>> losses;
+  for (const std::string id : {"pipe", "spmd"}) {
+    WaitForReadyNodes(kNodes);
+    v1::CreatePlanRequest r = Request(id);
+    r.set_wait(true);
+    if (id == "pipe") {
+      r.mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+      r.mutable_options()->set_pipeline_stages(3);
+      r.mutable_options()->set_pipeline_microbatches(4);
+    }
+    v1::Plan plan;
+    grpc::Status s = stub_->CreatePlan(Ctx(240).get(), r, &plan);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+    ASSERT_EQ(plan.pipeline().stages_size(), id == "pipe" ? 3 : 0) << plan.pipeline().DebugString();
+    for (const auto& stage : plan.pipeline().stages()) EXPECT_EQ(stage.devices_size(), 1);
+    v1::Deployment dep = DeployAndWaitForSteps(id, kSteps);
+    dep = WaitForDeployment(dep.name(), Final, absl::Seconds(240));
+    ASSERT_EQ(dep.state(), v1::Deployment::SUCCEEDED) << dep.error();
+    EXPECT_EQ(dep.steps_completed(), kSteps);
+    losses[id] = LossesByStep(dep.name());
+  }
+  ASSERT_EQ(losses["spmd"].size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(losses["pipe"].size(), static_cast<size_t>(kSteps));
+  for (const auto& [step, got] : losses["pipe"]) {
+    const double want = losses["spmd"][step][0];
+    for (double l : got) EXPECT_NEAR(l, want, 2e-5 * std::abs(want) + 2e-6) << "step " << step;
+  }
+  EXPECT_LT(losses["pipe"][kSteps - 1][0], losses["pipe"][0][0]) << "the model did not train";
 }
 
 }  // namespace

@@ -256,16 +256,18 @@ absl::StatusOr<ClusterModel> ClusterModel::Subset(const std::vector<int>& indice
   m.bandwidth_ = std::move(bw);
   m.latency_ = std::move(lat);
   m.collective_overhead_ = collective_overhead_;
-  HAP_RETURN_IF_ERROR(m.Finish());
+  HAP_RETURN_IF_ERROR(m.Finish(/*min_devices=*/1));
   return m;
 }
 
-absl::Status ClusterModel::Finish() {
+absl::Status ClusterModel::Finish(int min_devices) {
   int n = size();
-  if (n < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a plan needs at least 2 devices, got ", n,
-        "; a single device runs the single-device program as it is"));
+  if (n < min_devices) {
+    return absl::InvalidArgumentError(
+        min_devices == 1 ? std::string("a group of devices needs at least one device")
+                         : absl::StrCat("a plan needs at least ", min_devices, " devices, got ", n,
+                                        "; a single device runs the single-device program as "
+                                        "it is"));
   }
   std::map<std::string, int> node_index;
   for (int i = 0; i < n; ++i) {

@@ -69,8 +69,9 @@ class ClusterModel {
                                                double inter_bandwidth, double inter_latency);
 
   // The devices `indices` (into this model, in that order) with their links
-  // and the collective overhead: a pipeline stage's group. InvalidArgument
-  // for an index out of range or repeated, or fewer than two devices.
+  // and the collective overhead: a pipeline stage's group, which may be a
+  // single device (unlike a cluster a plan is made for). InvalidArgument
+  // for an index out of range or repeated, or no index.
   absl::StatusOr<ClusterModel> Subset(const std::vector<int>& indices) const;
 
   int size() const { return static_cast<int>(devices_.size()); }
@@ -95,7 +96,9 @@ class ClusterModel {
   std::vector<double> EvenRatios() const;
 
  private:
-  absl::Status Finish();
+  // Node groups and totals; InvalidArgument below `min_devices` (a plan's
+  // cluster needs two, a stage's group one).
+  absl::Status Finish(int min_devices = 2);
 
   std::vector<DeviceModel> devices_;
   std::vector<std::vector<double>> bandwidth_;

@@ -309,7 +309,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     const int parts = std::max<int>(
         1, (want + static_cast<int>(nodes.size()) - 1) / static_cast<int>(nodes.size()));
     for (const auto& node : nodes) {
-      const int k = std::min<int>(parts, std::max<int>(1, static_cast<int>(node.size()) / 2));
+      const int k = std::min<int>(parts, static_cast<int>(node.size()));
       for (int i = 0; i < k; ++i) {
         const size_t a = node.size() * i / k, b = node.size() * (i + 1) / k;
         units.emplace_back(node.begin() + a, node.begin() + b);
@@ -325,7 +325,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     return absl::InvalidArgumentError(
         absl::StrCat("cannot make ", o.stages, " stages: the model has ", L,
                      " layers to cut between and the cluster ", U,
-                     " groups of devices (nodes, split in parts of at least 2 devices)"));
+                     " groups of devices (nodes, split down to single devices)"));
   }
   if (max_stages < 2) {
     note(absl::StrCat(
@@ -333,7 +333,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         "; the plan is the SPMD plan"));
     return finish();
   }
-  // Groups: contiguous unit ranges [u, v) with at least 2 devices.
+  // Groups: contiguous unit ranges [u, v); a group of one device runs the
+  // single-device program of its layers (ratio 1, no collectives).
   std::vector<std::vector<int>> group_of(U, std::vector<int>(U + 1, -1));
   std::vector<Group> groups;
   std::map<std::string, int> by_signature;
@@ -343,7 +344,6 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       Group gr;
       for (int k = u; k < v; ++k)
         gr.devices.insert(gr.devices.end(), units[k].begin(), units[k].end());
-      if (gr.devices.size() < 2) continue;
       gr.signature = Signature(cluster, gr.devices);
       auto [it, inserted] =
           by_signature.emplace(gr.signature, static_cast<int>(by_signature.size()));

@@ -4,8 +4,9 @@
 // (schedule.h).
 //
 // Groups are contiguous runs of units in the cluster's node order; a unit is
-// a node, or a part of one when more stages are asked for than there are
-// nodes. For every distinct group (same devices and links up to naming) and
+// a node, or a part of one (down to a single device) when more stages are
+// asked for than there are nodes. A stage may be one device: its program is
+// then the single-device program of its layers. For every distinct group (same devices and links up to naming) and
 // microbatch count M, the planner synthesizes the whole model at the
 // microbatch size on the group (synth::PlanModel: the block search and the
 // ratio LP) and prices each layer from that program's steps:

@@ -169,8 +169,12 @@ TEST(Subset, KeepsLinksAndOrder) {
   EXPECT_DOUBLE_EQ(s->bandwidth(0, 1), 1e9);
   EXPECT_THAT(c.Subset({1, 1}).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("repeated")));
-  EXPECT_THAT(c.Subset({0}).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 2")));
+  auto one = c.Subset({2});  // a stage of one device
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->size(), 1);
+  EXPECT_EQ(one->device(0).id, "d2");
+  EXPECT_THAT(c.Subset({}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least one device")));
 }
 
 TEST(Planner, NoPipelineOverFastLinks) {
@@ -276,6 +280,52 @@ TEST(Planner, PipelineOverSlowLinks) {
   EXPECT_TRUE(has_input);
   EXPECT_THAT(lower::CheckPlanForRank(*plan, 0, c.size() + 1),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("world of")));
+}
+
+// Stages of one device each: four stages on two 2-device nodes split the
+// nodes down to single devices, and three 1-device nodes over a slow link
+// pipeline in auto mode. A one-device stage runs its layers' single-device
+// program (ratio 1) and its rank program has a world of one.
+TEST(Planner, OneDeviceStages) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  cost::ClusterModel c = TwoNodes(1.25e9);
+  auto p = PlanPipeline(*g, c, Fast(Mode::kStages, 4));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->stages.size(), 4u);
+  std::set<int> devices;
+  for (const StagePlan& s : p->stages) {
+    ASSERT_EQ(s.devices.size(), 1u);
+    devices.insert(s.devices[0]);
+    EXPECT_EQ(s.ratios, std::vector<double>{1.0});
+    EXPECT_EQ(s.program.steps.size(), static_cast<size_t>(s.end_op - s.begin_op));
+  }
+  EXPECT_EQ(devices.size(), 4u);
+  hap::v1::PlanOptions po;
+  po.set_pipeline(hap::v1::PlanOptions::PIPELINE_STAGES);
+  po.set_pipeline_stages(4);
+  auto plan = BuildPipelinePlan(*g, hap::v1::Cluster(), c, *p, po);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (int r = 0; r < c.size(); ++r) {
+    EXPECT_THAT(lower::CheckPlanForRank(*plan, r, c.size()), ::hap::testing::IsOk());
+    EXPECT_EQ(plan->rank_programs(r).world_size(), 1);
+    EXPECT_EQ(plan->rank_programs(r).rank(), 0);
+  }
+
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < 3; ++i) {
+    d.push_back({"d" + std::to_string(i), "n" + std::to_string(i), "test",
+                 i == 0 ? 4e11 : 2e11, 40 * kGiB, 1e-5});
+  }
+  auto three = cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 0.3e9, 5e-5);
+  ASSERT_TRUE(three.ok()) << three.status();
+  auto a = PlanPipeline(*g, *three, Fast(Mode::kAuto));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(a->pipelined()) << ::testing::PrintToString(a->notes);
+  EXPECT_LT(a->step_seconds, a->spmd_step_seconds);
+  int single = 0;
+  for (const StagePlan& s : a->stages) single += s.devices.size() == 1;
+  EXPECT_GE(single, 1);
 }
 
 TEST(PipelinePlan, OptionsFromProto) {
