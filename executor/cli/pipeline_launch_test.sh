@@ -2,8 +2,8 @@
 # hap-launch runs a pipeline plan (issue 17 item 3): hapctl plan --pipeline 2
 # --save-plan on 4 CPU ranks, then the losses of 4 steps against the SPMD
 # plan of the same model and seed (both equal the single-device losses);
-# checkpoints saved and resumed across both plans; --profile, which it cannot
-# honour with pipelines, is refused by name.
+# checkpoints saved and resumed across both plans; --profile writes every
+# rank's kernel times and hapctl calibrate takes them.
 set -u
 HAPCTL="$1"
 LAUNCH="$2"
@@ -82,7 +82,29 @@ for s in a:
 assert abs(a[0] - full[0]) > 1e-3, ("the weights were not loaded", a[0], full[0])
 PY
 
-out="$(timeout 60 "$LAUNCH" --plan "$tmp/pipe.pb" --steps 4 --profile "$tmp/prof" 2>&1)" \
-  && fail "--profile accepted with a pipeline plan"
-echo "$out" | grep -q "profile is not supported with pipeline plans" || fail "refusal: $out"
+# --profile on a pipeline plan: every rank's kernel times at the microbatch
+# size; hapctl calibrate takes them (op-type scales and the optimizer) alone
+# and beside an SPMD run's.
+run pipe_prof --plan "$tmp/pipe.pb" --steps 5 --profile "$tmp/pprof"
+run spmd_prof --plan "$tmp/spmd.pb" --steps 5 --profile "$tmp/sprof"
+for r in 0 1 2 3; do
+  [ -s "$tmp/pprof.rank$r.json" ] || fail "no profile of rank $r: $(cat "$tmp/pipe_prof.out")"
+done
+"$HAPCTL" calibrate --cluster "$CLUSTER" --plan "$tmp/pipe.pb" --profile "$tmp/pprof" \
+  --out "$tmp/cal_pipe.json" > "$tmp/cal_pipe" 2>&1 || fail "calibrate (pipeline): $(cat "$tmp/cal_pipe")"
+"$HAPCTL" calibrate --cluster "$CLUSTER" --plan "$tmp/pipe.pb" --profile "$tmp/pprof" \
+  --plan "$tmp/spmd.pb" --profile "$tmp/sprof" --out "$tmp/cal_both.json" > "$tmp/cal_both" 2>&1 \
+  || fail "calibrate (both): $(cat "$tmp/cal_both")"
+python3 - "$tmp/cal_pipe.json" <<'PY' || fail "pipeline calibration: $(cat "$tmp/cal_pipe")"
+import json, sys
+c = json.load(open(sys.argv[1]))
+devices = [d for n in c["nodes"] for d in n["devices"]]
+assert len(devices) == 4, devices
+for d in devices:
+    scales = d.get("opTimeScale", {})
+    assert "matmul" in scales and scales["matmul"] > 0, (d["id"], scales)
+    assert d.get("optimizerSecondsPerElement", 0) > 0, d
+PY
+"$HAPCTL" plan --cluster "$tmp/cal_pipe.json" "${model[@]}" --pipeline 2 --microbatches 4 \
+  > "$tmp/plan_cal" 2>&1 || fail "plan from the pipeline calibration: $(cat "$tmp/plan_cal")"
 echo PASS

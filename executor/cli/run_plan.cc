@@ -296,9 +296,6 @@ absl::Status Run(const tools::Args& a) {
   std::optional<PipelineRank> at;
   GlooOptions group = go;
   if (pipelined) {
-    if (a.Has("profile")) {
-      return absl::UnimplementedError("--profile is not supported with pipeline plans yet");
-    }
     HAP_ASSIGN_OR_RETURN(at, PipelineRankOf(plan, g, static_cast<int>(rank)));
     HAP_ASSIGN_OR_RETURN(world_comm, ConnectGloo(PipelineWorldOptions(go), *store));
     group = PipelineGroupOptions(go, *at);

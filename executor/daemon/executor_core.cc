@@ -321,10 +321,9 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
                                    : std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
   {
     Device* run_on = loaded->device.get();
-    // (Not for pipeline plans: their profiles would be of the microbatch
-    // model's stage programs, which calibration does not map yet.)
-    if (o_.profile_window > 0 && !loaded->pipelined() &&
-        !absl::StartsWith(run_on->name(), "cuda")) {
+    // (Pipeline plans too: their kernels run on the microbatch model's
+    // stage programs, which calibration maps.)
+    if (o_.profile_window > 0 && !absl::StartsWith(run_on->name(), "cuda")) {
       loaded->timing = std::make_unique<TimingDevice>(run_on);
       run_on = loaded->timing.get();
     }

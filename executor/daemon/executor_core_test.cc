@@ -2,6 +2,7 @@
 // validation, Stop between steps, two ranks over an in-process communicator.
 #include "executor/daemon/executor_core.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -487,10 +488,12 @@ TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
 
 // Four executor cores train `plan` over real Gloo (a file rendezvous store
 // in `dir`) to global step `steps`; `edit` adjusts each load. Rank 0's
-// losses by step, or the first rank's error.
+// losses by step, or the first rank's error. With `profiles`, every rank
+// profiles windows of 2 steps and its last one is returned there.
 absl::StatusOr<std::map<int64_t, double>> TrainFour(
     const v1::Plan& plan, const std::string& dir, int64_t steps,
-    const std::function<void(LoadOptions&)>& edit) {
+    const std::function<void(LoadOptions&)>& edit,
+    std::vector<v1::StepProfile>* profiles = nullptr) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   std::vector<std::unique_ptr<ExecutorCore>> cores;
@@ -501,6 +504,7 @@ absl::StatusOr<std::map<int64_t, double>> TrainFour(
     o.threads = 1;
     o.comm_timeout = absl::Seconds(60);
     o.make_store = [dir](const LoadOptions&) { return NewFileStore(dir); };
+    if (profiles != nullptr) o.profile_window = 2;
     cores.push_back(std::make_unique<ExecutorCore>(o));
     LoadOptions l;
     l.plan = plan;
@@ -519,6 +523,7 @@ absl::StatusOr<std::map<int64_t, double>> TrainFour(
     if (s.state() != v1::ExecutorStatus::FINISHED) {
       return absl::InternalError(absl::StrCat("rank ", r, ": ", s.error()));
     }
+    if (profiles != nullptr) profiles->push_back(cores[r]->Status().profile());
   }
   bool done = false;
   HAP_ASSIGN_OR_RETURN(auto metrics, cores[0]->WaitMetrics("", 0, absl::InfiniteFuture(), &done));
@@ -540,8 +545,23 @@ TEST(ExecutorCoreTest, RunsPipelinePlansAndTheirCheckpoints) {
   ASSERT_THAT(spmd, IsOk());
   const std::string base = ::testing::TempDir() + "/core_pipe";
   auto none = [](LoadOptions&) {};
-  auto p = TrainFour(*pipe, base + "/rv1", 6, none);
+  std::vector<v1::StepProfile> profiles;
+  auto p = TrainFour(*pipe, base + "/rv1", 6, none, &profiles);
   ASSERT_THAT(p, IsOk());
+  // Every rank profiles its stage's kernels (what the planner calibrates
+  // from): the loss op is the last stage's alone.
+  ASSERT_EQ(profiles.size(), 4u);
+  const std::string loss = pipe->graph().ops(pipe->graph().ops_size() - 1).type();
+  const auto& last = pipe->pipeline().stages(1).devices();
+  for (int r = 0; r < 4; ++r) {
+    const v1::StepProfile& prof = profiles[r];
+    EXPECT_EQ(prof.rank(), r);
+    EXPECT_EQ(prof.plan_content_hash(), pipe->content_hash());
+    EXPECT_EQ(prof.steps(), 2);
+    EXPECT_GT(prof.device_seconds(), 0);
+    const bool in_last = std::count(last.begin(), last.end(), pipe->devices(r)) > 0;
+    EXPECT_EQ(prof.op_seconds().count(loss), in_last ? 1u : 0u) << "rank " << r << " " << loss;
+  }
   auto s = TrainFour(*spmd, base + "/rv2", 6, none);
   ASSERT_THAT(s, IsOk());
   ASSERT_EQ(p->size(), 6u);

@@ -10,6 +10,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph_proto.h"
+#include "planner/pipeline/layers.h"
 #include "planner/synth/rules.h"
 #include "planner/synth/search.h"
 #include "planner/util/status_macros.h"
@@ -123,8 +124,45 @@ double ExecutedShare(const v1::Plan& plan, int rank, double ratio) {
   return weight > 0 ? sum / weight : ratio;
 }
 
+bool Pipelined(const v1::Plan& plan) { return plan.pipeline().stages_size() > 1; }
+
+// What rank `rank` of `plan` runs: the plan's program on its share of the
+// batch, or (a pipeline plan) its stage's program on its share of every
+// microbatch, `times` microbatches per step.
+struct RankWork {
+  const v1::SynthesizedProgram* program = nullptr;
+  int group_size = 0;
+  double ratio = 0;
+  double times = 1;
+};
+absl::StatusOr<RankWork> WorkOf(const v1::Plan& plan, int rank) {
+  RankWork w;
+  if (!Pipelined(plan)) {
+    w.program = &plan.program();
+    w.group_size = plan.devices_size();
+    w.ratio = plan.ratios_size() > 0 && rank < plan.ratios(0).ratios_size()
+                  ? plan.ratios(0).ratios(rank)
+                  : 1.0 / plan.devices_size();
+    return w;
+  }
+  const std::string& id = plan.devices(rank);
+  for (const v1::PipelineStage& s : plan.pipeline().stages()) {
+    for (int i = 0; i < s.devices_size(); ++i) {
+      if (s.devices(i) != id) continue;
+      w.program = &s.program();
+      w.group_size = s.devices_size();
+      w.ratio = i < s.ratios_size() ? s.ratios(i) : 1.0 / s.devices_size();
+      w.times = std::max(1, plan.pipeline().microbatches());
+      return w;
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("the pipeline plan's device '", id, "' is in none of its stages"));
+}
+
 // What the uncalibrated model gives rank `rank` of `plan` per op type, and
-// the parameter elements it stores.
+// the parameter elements it stores. `g` is the plan's graph, or for a
+// pipeline plan the graph at its microbatch size.
 absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const v1::Device& dev,
                    Sums* sums) {
   const double flops = FloatFlops(dev);
@@ -132,18 +170,16 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
     return absl::InvalidArgumentError(
         absl::StrCat("device '", dev.id(), "' has no valid float32 FLOP/s to calibrate against"));
   }
-  const double share = ExecutedShare(
-      plan, rank,
-      plan.ratios_size() > 0 && rank < plan.ratios(0).ratios_size() ? plan.ratios(0).ratios(rank)
-                                                                     : 1.0 / plan.devices_size());
+  HAP_ASSIGN_OR_RETURN(const RankWork w, WorkOf(plan, rank));
+  const double share = ExecutedShare(plan, rank, w.ratio);
   std::map<std::string, graph::OpId> ops;
   for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
     ops[g.op(i).name] = i;
   }
   const std::vector<synth::OpWork> work = synth::TrainingWork(g);
   synth::RuleContext ctx;
-  ctx.num_devices = plan.devices_size();
-  for (const v1::Instruction& ins : plan.program().instructions()) {
+  ctx.num_devices = w.group_size;
+  for (const v1::Instruction& ins : w.program->instructions()) {
     if (ins.kind() == v1::Instruction::COMPUTE) {
       auto it = ops.find(ins.op());
       if (it == ops.end()) {
@@ -160,7 +196,7 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
       }
       const double secs = work[op].flops / flops * (rule->split ? share : 1.0) +
                           (work[op].backward ? 3.0 : 1.0) * dev.launch_overhead_seconds();
-      sums->modelled[g.op(op).type] += secs;
+      sums->modelled[g.op(op).type] += w.times * secs;
     } else if (ins.kind() == v1::Instruction::SOURCE &&
                ins.storage() != v1::Instruction::STORAGE_UNSPECIFIED) {
       std::optional<graph::TensorId> t = g.FindTensor(ins.op());
@@ -310,6 +346,14 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     const ProfiledRun& run = runs[k];
     const v1::Plan& plan = run.plan;
     HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
+    // A pipeline run tells each device's kernel times at the microbatch
+    // size; its step also holds the bubble and the transfers between stages,
+    // which the collective fit below does not model, and M microbatches'
+    // fixed costs, so it adds to the op-type sums and the optimizer only.
+    const bool piped = Pipelined(plan);
+    if (piped) {
+      HAP_ASSIGN_OR_RETURN(g, pipeline::Rebatch(g, plan.pipeline().microbatch_size()));
+    }
     std::set<int> seen;
     double busiest = 0, step = 0;
     for (const RankProfile& r : run.ranks) {
@@ -334,6 +378,12 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       HAP_RETURN_IF_ERROR(Model(plan, g, r.rank, *dev->second, &one));
       for (const auto& [type, secs] : one.modelled) s.modelled[type] += secs;
       s.stored_elements += one.stored_elements;
+      if (piped) {
+        for (const auto& [type, secs] : r.op_seconds) {
+          if (type == kOptimizer || one.modelled.count(type)) s.measured[type] += secs;
+        }
+        continue;
+      }
       double overhead = 0;
       for (const auto& [type, secs] : r.op_seconds) {
         if (type == kRuntime) {
@@ -353,6 +403,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
           "run ", k, ": profiles of ", seen.size(), " of the plan's ", plan.devices_size(),
           " ranks; every rank's profile is needed"));
     }
+    if (piped) continue;
     if (plan.prediction().overlap_assumed()) {
       // Its communication is mostly hidden: it tells the overlap, not the
       // links.
@@ -431,8 +482,10 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       const double opt = s.measured[kOptimizer];
       out.rows.push_back({d.id(), kOptimizer, 0, opt});
       d.set_optimizer_seconds_per_element(s.stored_elements > 0 ? opt / s.stored_elements : 0);
-      out.rows.push_back({d.id(), kRuntime, 0, overhead / s.runs});
-      d.set_step_overhead_seconds(overhead / s.runs);
+      if (s.runs > 0) {  // else pipeline runs only: the device's overhead stays
+        out.rows.push_back({d.id(), kRuntime, 0, overhead / s.runs});
+        d.set_step_overhead_seconds(overhead / s.runs);
+      }
       if (options.fit_fixed_time) {
         // Per run: the model's time with these scales against everything
         // measured but the optimizer.

@@ -24,6 +24,11 @@
 // when the runs cannot, the links stay and the calls take it all. Several
 // runs (plans) can be combined: sums over runs are divided, so op types seen
 // in any run are calibrated. The planner then searches and predicts with it.
+// Runs of pipeline plans add their devices' kernel times at the microbatch
+// size (the model: the stage's program on the microbatch, M times per step)
+// and optimizer times; their steps (bubbles, transfers between stages, M
+// microbatches' fixed costs) take no part in the communication, overlap and
+// fixed-time fits.
 #ifndef HAP_PLANNER_CALIBRATE_CALIBRATION_H_
 #define HAP_PLANNER_CALIBRATE_CALIBRATION_H_
 

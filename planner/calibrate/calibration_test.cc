@@ -7,6 +7,8 @@
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
+#include "planner/pipeline/pipeline.h"
+#include "planner/pipeline/pipeline_plan.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
 
@@ -142,6 +144,65 @@ TEST(CalibrationTest, ModelledTimeIsFlopsOverRateAtTheRanksShare) {
               0.02 * 11.0 / 16 * linear_flops / 80e9);
   EXPECT_NEAR(Modelled(*cal_prop, "cpu1", "linear"), 5.0 / 16 * linear_flops / 32e9,
               0.02 * 5.0 / 16 * linear_flops / 32e9);
+}
+
+// A pipeline plan (two stages of one CPU each, 4 microbatches): each
+// device is modelled running its stage's ops on the microbatch 4 times per
+// step, so the two stages' modelled linear time at their rates adds up to
+// the whole model's; each stores its stage's parameters; the run's step
+// takes no part in the communication fit, and no device's runtime is set
+// from it.
+TEST(CalibrationTest, PipelineRunsModelEachStageAtTheMicrobatchTimesM) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  for (auto& d : *c.mutable_nodes(0)->mutable_devices()) {  // equal: the layers split
+    d.set_launch_overhead_seconds(0);
+    d.mutable_flops(0)->set_flops(50e9);
+  }
+  auto model = cost::ClusterModel::FromProto(c);
+  ASSERT_TRUE(model.ok()) << model.status();
+  pipeline::PipelineOptions po;
+  po.mode = pipeline::Mode::kStages;
+  po.stages = 2;
+  po.microbatches = 4;
+  po.threads = 1;
+  po.plan_spmd = false;
+  po.stage_options.optimizer = synth::OptimizerKind::kAdam;
+  auto pp = pipeline::PlanPipeline(g, *model, po);
+  ASSERT_TRUE(pp.ok()) << pp.status();
+  ASSERT_EQ(pp->stages.size(), 2u);
+  v1::PlanOptions options;
+  options.mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
+  options.mutable_optimizer()->set_learning_rate(1e-3);
+  auto plan = pipeline::BuildPipelinePlan(g, c, *model, *pp, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto cal = Calibrate(c, {UnitRun(*plan)});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+
+  const std::vector<synth::OpWork> work = synth::TrainingWork(g);
+  double linear_flops = 0, params = 0;
+  for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
+    if (g.op(i).type == "linear") linear_flops += work[i].flops;
+  }
+  for (const graph::Tensor& t : g.tensors()) {
+    if (t.kind == graph::TensorKind::kParameter && !t.frozen) params += static_cast<double>(t.type.num_elements());
+  }
+  const double cpu0 = Modelled(*cal, "cpu0", "linear"), cpu1 = Modelled(*cal, "cpu1", "linear");
+  ASSERT_GT(cpu0, 0);
+  ASSERT_GT(cpu1, 0);
+  EXPECT_NEAR((cpu0 + cpu1) * 50e9, linear_flops, 1e-9 * linear_flops);
+  // Cross entropy is the last stage's alone.
+  EXPECT_GT(Modelled(*cal, "cpu1", "cross_entropy"), 0);
+  EXPECT_EQ(Modelled(*cal, "cpu0", "cross_entropy"), -1);
+  double stored = 0;
+  for (const auto& d : cal->cluster.nodes(0).devices()) {
+    ASSERT_GT(d.optimizer_seconds_per_element(), 0) << d.id();
+    stored += 1e-3 / d.optimizer_seconds_per_element();
+    EXPECT_EQ(d.step_overhead_seconds(), 0) << d.id();
+    EXPECT_FALSE(d.op_time_scale().empty()) << d.id();
+  }
+  EXPECT_NEAR(stored, params, 1e-6 * params);
+  EXPECT_EQ(cal->collective_calls, 0);
 }
 
 TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {
