@@ -21,7 +21,8 @@ inside a node and 1 Gbit/s between the nodes).
    The table gives the median step, the ratio of the best SPMD plan's median
    to each configuration's, and the median over rounds of the per-round
    ratios with their range.
-2b. Unless --no-calibrate: spmd and dp-prop run once more on the testbed with
+2b. Unless --no-calibrate: spmd and dp-prop (and pipe2, when it is run: its
+   kernel times at the microbatch size) run once more on the testbed with
    --profile, `hapctl calibrate` fits the cluster to their per-op times, and
    hap-cal / spmd-cal are the two plans again from the calibrated cluster
    (so the choice between a pipeline and the SPMD plan is made on measured
@@ -49,7 +50,7 @@ import e2e_bench as e2e  # noqa: E402  (the cgroups, agents and launcher runs)
 CONFIGS = ["hap", "spmd", "dp-prop", "pipe2"]
 # With calibration (default; --no-calibrate skips it): the planner's plan and
 # the best SPMD plan again, from the cluster calibrated on profiled runs of
-# spmd and dp-prop on the testbed (hapctl calibrate).
+# spmd, dp-prop and pipe2 on the testbed (hapctl calibrate).
 CALIBRATED_CONFIGS = ["hap-cal", "spmd-cal"]
 LABELS = {
     "hap": "the planner's plan (--pipeline auto)",
@@ -177,10 +178,11 @@ def bench(c, bins, args, configs):
     plans = {name: plan(c, bins, cluster_path, model, name) for name in configs
              if name not in CALIBRATED_CONFIGS}
     if "hap-cal" in configs:
-        log("\n== 2b. Calibration: spmd and dp-prop run once on the testbed with --profile, "
-            "then hapctl calibrate ==")
+        profiled = [n for n in ("spmd", "dp-prop", "pipe2") if n in plans]
+        log(f"\n== 2b. Calibration: {', '.join(profiled)} run once on the testbed with "
+            "--profile, then hapctl calibrate ==")
         runs = []
-        for name in ("spmd", "dp-prop"):
+        for name in profiled:
             prefix = os.path.join(c.state, f"profile-{name}")
             e2e.run_hap_launch(c, bins, plans[name]["path"], args, f"profile-{name}",
                                profile=prefix, flags=("--network", args.network))

@@ -733,6 +733,13 @@ int RunCalibrate(const std::vector<std::string>& argv) {
         "compute), fitted over %d run(s) of plans that assumed overlap\n",
         cal->overlap_efficiency, cal->overlap_runs);
   }
+  if (cal->pipeline_runs > 0) {
+    std::cout << absl::StrFormat(
+        "pipeline transfers: %.3f ms of stall per transfer between stages (what the 1F1B "
+        "schedule of the measured kernel times misses of the measured step), fitted over %d "
+        "run(s) of pipeline plans\n",
+        1e3 * cal->pipeline_transfer_overhead_seconds, cal->pipeline_runs);
+  }
   std::cout << "wrote the calibrated cluster to " << args->Get("out") << "\n";
   return 0;
 }

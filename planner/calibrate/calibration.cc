@@ -11,6 +11,7 @@
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/pipeline/layers.h"
+#include "planner/pipeline/schedule.h"
 #include "planner/synth/rules.h"
 #include "planner/synth/search.h"
 #include "planner/util/status_macros.h"
@@ -230,6 +231,63 @@ double CollectiveCallsPerStep(const v1::Plan& plan) {
   return calls;
 }
 
+// The per-transfer stall between pipeline stages that explains a pipeline
+// run's measured step: each stage's per-microbatch work is its busiest
+// rank's kernel time (the optimizer aside) over M, split into forward and
+// backward as the plan predicted; its sync is the plan's or the optimizer
+// measured, whichever is longer; transfers are the plan's. The overhead
+// added to every transfer for the 1F1B schedule to take the measured step
+// (bisection; 0 when the schedule already takes as long). nullopt when the
+// profiles do not give the stages' work.
+std::optional<double> PipelineTransferOverhead(const v1::Plan& plan,
+                                               const std::vector<RankProfile>& ranks) {
+  const v1::PipelinePlan& pp = plan.pipeline();
+  const int M = std::max(1, pp.microbatches());
+  std::map<std::string, const RankProfile*> by_device;
+  double measured = 0;
+  for (const RankProfile& r : ranks) {
+    by_device[plan.devices(r.rank)] = &r;
+    measured = std::max(measured, r.step_seconds_median);
+  }
+  std::vector<pipeline::StageTimes> times;
+  for (const v1::PipelineStage& st : pp.stages()) {
+    double work = 0, optimizer = 0;
+    for (const std::string& d : st.devices()) {
+      auto it = by_device.find(d);
+      if (it == by_device.end()) return std::nullopt;
+      auto opt = it->second->op_seconds.find(kOptimizer);
+      const double o = opt == it->second->op_seconds.end() ? 0 : opt->second;
+      work = std::max(work, it->second->device_seconds - o);
+      optimizer = std::max(optimizer, o);
+    }
+    const double predicted = st.forward_seconds() + st.backward_seconds();
+    if (!(work > 0) || !(predicted > 0)) return std::nullopt;
+    pipeline::StageTimes t;
+    t.forward = work / M * st.forward_seconds() / predicted;
+    t.backward = work / M - t.forward;
+    t.send = st.send_seconds();
+    t.gradient = st.gradient_receive_seconds();
+    t.sync = std::max(st.sync_seconds(), optimizer);
+    times.push_back(t);
+  }
+  auto step = [&](double overhead) {
+    std::vector<pipeline::StageTimes> with = times;
+    for (size_t s = 0; s + 1 < with.size(); ++s) {
+      with[s].send += overhead;
+      with[s].gradient += overhead;
+    }
+    absl::StatusOr<pipeline::ScheduleResult> r = pipeline::Simulate1F1B(with, M);
+    return r.ok() ? r->step : INFINITY;
+  };
+  if (!(measured > 0) || times.size() < 2 || step(0) >= measured) return 0.0;
+  double lo = 0, hi = measured;
+  for (int i = 0; i < 60; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (step(mid) < measured ? lo : hi) = mid;
+  }
+  return 0.5 * (lo + hi);
+}
+
 // One run's communication per step: measured (median step less the busiest
 // rank's kernel time), the model's transfer seconds and collective calls.
 struct CommSample {
@@ -341,6 +399,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   double comm_measured = 0, comm_modelled = 0, calls = 0;
   std::vector<CommSample> comm;  // per run
   std::vector<OverlapSample> overlap;  // runs of plans that assumed overlap
+  std::vector<double> pipeline_overheads;  // per pipeline run
   std::set<std::string> overlap_devices;
   for (size_t k = 0; k < runs.size(); ++k) {
     const ProfiledRun& run = runs[k];
@@ -403,7 +462,12 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
           "run ", k, ": profiles of ", seen.size(), " of the plan's ", plan.devices_size(),
           " ranks; every rank's profile is needed"));
     }
-    if (piped) continue;
+    if (piped) {
+      if (std::optional<double> o = PipelineTransferOverhead(plan, run.ranks)) {
+        pipeline_overheads.push_back(*o);
+      }
+      continue;
+    }
     if (plan.prediction().overlap_assumed()) {
       // Its communication is mostly hidden: it tells the overlap, not the
       // links.
@@ -533,6 +597,13 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   out.collective_overhead_seconds = def->collective_overhead_seconds();
   out.collective_calls = calls;
   out.rows.push_back({"*", kCommunication, comm_modelled, comm_measured});
+  if (!pipeline_overheads.empty()) {
+    double sum = 0;
+    for (double o : pipeline_overheads) sum += o;
+    out.pipeline_transfer_overhead_seconds = sum / pipeline_overheads.size();
+    out.pipeline_runs = static_cast<int>(pipeline_overheads.size());
+    def->set_pipeline_transfer_overhead_seconds(out.pipeline_transfer_overhead_seconds);
+  }
   if (std::optional<double> e = FitOverlapEfficiency(overlap)) {
     // 0 in the profile means "the default": keep a fitted 0 distinguishable.
     const double eff = std::max(*e, 1e-6);

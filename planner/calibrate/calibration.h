@@ -28,7 +28,8 @@
 // size (the model: the stage's program on the microbatch, M times per step)
 // and optimizer times; their steps (bubbles, transfers between stages, M
 // microbatches' fixed costs) take no part in the communication, overlap and
-// fixed-time fits.
+// fixed-time fits; the stall per transfer between stages that explains
+// their measured steps is fitted instead.
 #ifndef HAP_PLANNER_CALIBRATE_CALIBRATION_H_
 #define HAP_PLANNER_CALIBRATE_CALIBRATION_H_
 
@@ -96,6 +97,13 @@ struct Calibration {
   // runs when there were none.
   double overlap_efficiency = 0;
   int overlap_runs = 0;
+  // The stall per transfer between pipeline stages that explains the
+  // pipeline runs' measured steps given their kernel times (the mean over
+  // them; PipelineTransferOverhead in calibration.cc), set as the cluster's
+  // defaults.pipeline_transfer_overhead_seconds; 0 and no runs when there
+  // were none.
+  double pipeline_transfer_overhead_seconds = 0;
+  int pipeline_runs = 0;
 };
 
 // One run of a plan that assumed overlap (PlanPrediction.overlap_assumed):

@@ -9,6 +9,7 @@
 #include "planner/lower/plan_builder.h"
 #include "planner/pipeline/pipeline.h"
 #include "planner/pipeline/pipeline_plan.h"
+#include "planner/pipeline/schedule.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
 
@@ -152,15 +153,19 @@ TEST(CalibrationTest, ModelledTimeIsFlopsOverRateAtTheRanksShare) {
 // the whole model's; each stores its stage's parameters; the run's step
 // takes no part in the communication fit, and no device's runtime is set
 // from it.
-TEST(CalibrationTest, PipelineRunsModelEachStageAtTheMicrobatchTimesM) {
-  graph::Graph g = Gpt();
+// Two CPUs of 50 GFLOP/s (no launch overhead) and a 2-stage, 4-microbatch
+// pipeline plan of `g` on them, one CPU per stage.
+v1::Cluster EqualCpus() {
   v1::Cluster c = TwoCpus();
   for (auto& d : *c.mutable_nodes(0)->mutable_devices()) {  // equal: the layers split
     d.set_launch_overhead_seconds(0);
     d.mutable_flops(0)->set_flops(50e9);
   }
+  return c;
+}
+v1::Plan TwoStagePlan(const graph::Graph& g, const v1::Cluster& c) {
   auto model = cost::ClusterModel::FromProto(c);
-  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_TRUE(model.ok()) << model.status();
   pipeline::PipelineOptions po;
   po.mode = pipeline::Mode::kStages;
   po.stages = 2;
@@ -169,14 +174,22 @@ TEST(CalibrationTest, PipelineRunsModelEachStageAtTheMicrobatchTimesM) {
   po.plan_spmd = false;
   po.stage_options.optimizer = synth::OptimizerKind::kAdam;
   auto pp = pipeline::PlanPipeline(g, *model, po);
-  ASSERT_TRUE(pp.ok()) << pp.status();
-  ASSERT_EQ(pp->stages.size(), 2u);
+  EXPECT_TRUE(pp.ok()) << pp.status();
+  EXPECT_EQ(pp->stages.size(), 2u);
   v1::PlanOptions options;
   options.mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
   options.mutable_optimizer()->set_learning_rate(1e-3);
   auto plan = pipeline::BuildPipelinePlan(g, c, *model, *pp, options);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  auto cal = Calibrate(c, {UnitRun(*plan)});
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return *std::move(plan);
+}
+
+TEST(CalibrationTest, PipelineRunsModelEachStageAtTheMicrobatchTimesM) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = EqualCpus();
+  const v1::Plan plan = TwoStagePlan(g, c);
+  ASSERT_EQ(plan.pipeline().stages_size(), 2);
+  auto cal = Calibrate(c, {UnitRun(plan)});
   ASSERT_TRUE(cal.ok()) << cal.status();
 
   const std::vector<synth::OpWork> work = synth::TrainingWork(g);
@@ -203,6 +216,68 @@ TEST(CalibrationTest, PipelineRunsModelEachStageAtTheMicrobatchTimesM) {
   }
   EXPECT_NEAR(stored, params, 1e-6 * params);
   EXPECT_EQ(cal->collective_calls, 0);
+}
+
+// The stall per transfer between stages: a run whose step is the 1F1B
+// schedule of its kernel times (per stage: the busiest rank's kernels but
+// the optimizer over M, split as the plan predicted forward and backward;
+// the plan's transfers and sync) with 30 ms added to every transfer gives
+// back 30 ms; a run no slower than the schedule gives 0; the cluster gets
+// the mean.
+TEST(CalibrationTest, FitsTheStallPerTransferBetweenPipelineStages) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = EqualCpus();
+  const v1::Plan plan = TwoStagePlan(g, c);
+  ASSERT_EQ(plan.pipeline().stages_size(), 2);
+  const double kernels[] = {0.02, 0.015}, optimizer = 0.001;
+  std::vector<pipeline::StageTimes> times;
+  for (int s = 0; s < 2; ++s) {
+    const v1::PipelineStage& st = plan.pipeline().stages(s);
+    const double micro = (kernels[s] - optimizer) / 4;
+    pipeline::StageTimes t;
+    t.forward = micro * st.forward_seconds() / (st.forward_seconds() + st.backward_seconds());
+    t.backward = micro - t.forward;
+    t.send = st.send_seconds() + (s == 0 ? 0.03 : 0);
+    t.gradient = st.gradient_receive_seconds() + (s == 0 ? 0.03 : 0);
+    t.sync = std::max(st.sync_seconds(), optimizer);
+    times.push_back(t);
+  }
+  auto schedule = pipeline::Simulate1F1B(times, 4);
+  ASSERT_TRUE(schedule.ok()) << schedule.status();
+  auto run = [&](double step) {
+    ProfiledRun r{plan, {}};
+    for (int k = 0; k < 2; ++k) {
+      RankProfile p;
+      p.rank = k;
+      p.device = plan.devices(k);
+      p.plan_content_hash = plan.content_hash();
+      p.step_seconds_median = step;
+      const int stage = plan.pipeline().stages(0).devices(0) == p.device ? 0 : 1;
+      p.device_seconds = kernels[stage];
+      p.op_seconds["linear"] = kernels[stage] - optimizer;
+      p.op_seconds["(optimizer)"] = optimizer;
+      r.ranks.push_back(p);
+    }
+    return r;
+  };
+  auto one = Calibrate(c, {run(schedule->step)});
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->pipeline_runs, 1);
+  EXPECT_NEAR(one->pipeline_transfer_overhead_seconds, 0.03, 1e-9);
+  EXPECT_NEAR(one->cluster.defaults().pipeline_transfer_overhead_seconds(), 0.03, 1e-9);
+  auto two = Calibrate(c, {run(schedule->step), run(1e-3)});
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->pipeline_runs, 2);
+  EXPECT_NEAR(two->pipeline_transfer_overhead_seconds, 0.015, 1e-9);
+  // The calibrated cluster carries it into the planner's model (which
+  // prices it: planner_core_test); a negative one is refused.
+  auto slower = cost::ClusterModel::FromProto(one->cluster);
+  ASSERT_TRUE(slower.ok()) << slower.status();
+  EXPECT_DOUBLE_EQ(slower->pipeline_transfer_overhead_seconds(),
+                   one->cluster.defaults().pipeline_transfer_overhead_seconds());
+  v1::Cluster bad = c;
+  bad.mutable_defaults()->set_pipeline_transfer_overhead_seconds(-1);
+  EXPECT_FALSE(cost::ClusterModel::FromProto(bad).ok());
 }
 
 TEST(CalibrationTest, RecoversKnownScalesOverheadOptimizerAndCommunication) {

@@ -157,6 +157,13 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
         def.collective_overhead_seconds()));
   }
   m.collective_overhead_ = def.collective_overhead_seconds();
+  if (!(std::isfinite(def.pipeline_transfer_overhead_seconds()) &&
+        def.pipeline_transfer_overhead_seconds() >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "defaults.pipeline_transfer_overhead_seconds must be finite and >= 0, got ",
+        def.pipeline_transfer_overhead_seconds()));
+  }
+  m.pipeline_transfer_overhead_ = def.pipeline_transfer_overhead_seconds();
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
       if (i == j || m.bandwidth_[i][j] > 0) continue;
@@ -256,6 +263,7 @@ absl::StatusOr<ClusterModel> ClusterModel::Subset(const std::vector<int>& indice
   m.bandwidth_ = std::move(bw);
   m.latency_ = std::move(lat);
   m.collective_overhead_ = collective_overhead_;
+  m.pipeline_transfer_overhead_ = pipeline_transfer_overhead_;
   HAP_RETURN_IF_ERROR(m.Finish(/*min_devices=*/1));
   return m;
 }

@@ -82,6 +82,9 @@ class ClusterModel {
   double total_flops() const { return total_flops_; }
   // Added to every collective call (LinkDefaults.collective_overhead_seconds).
   double collective_overhead_seconds() const { return collective_overhead_; }
+  // Added to every transfer between pipeline stages
+  // (LinkDefaults.pipeline_transfer_overhead_seconds).
+  double pipeline_transfer_overhead_seconds() const { return pipeline_transfer_overhead_; }
 
   // Devices grouped by node, in rank order.
   const std::vector<std::vector<int>>& node_groups() const { return nodes_; }
@@ -107,6 +110,7 @@ class ClusterModel {
   std::vector<int> all_;     // ring order over all devices
   double total_flops_ = 0;
   double collective_overhead_ = 0;
+  double pipeline_transfer_overhead_ = 0;
 };
 
 }  // namespace hap::cost

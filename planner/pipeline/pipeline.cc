@@ -508,6 +508,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     }
     return p;
   };
+  // Every transfer between stages (an activation or its gradient, per
+  // microbatch) pays the cluster's calibrated handoff stall as latency.
+  const double handoff = cluster.pipeline_transfer_overhead_seconds();
   // The transfer after layer j-1 (boundary j-1) from group ga to gb.
   auto transfer = [&](int j, int ga, int gb, int c) -> Transfer {
     const Entry* a = entry(ga, c);
@@ -515,7 +518,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     const graph::Graph& gm = *graphs[c];
     const double bytes = static_cast<double>(gm.tensor(boundaries[c][j - 1]).type.bytes());
     return PriceTransfer(bytes, MinBandwidth(cluster, groups[ga].devices, groups[gb].devices),
-                         MaxLatency(cluster, groups[ga].devices, groups[gb].devices), *a,
+                         MaxLatency(cluster, groups[ga].devices, groups[gb].devices) + handoff, *a,
                          a->boundary_form[j - 1], *b, b->boundary_form[j - 1]);
   };
   // A full assignment priced exactly.
@@ -593,7 +596,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       for (size_t gi = 0; gi < groups.size(); ++gi) {
         for (int v = 0; v < U; ++v) {
           link_bw[gi][v] = MinBandwidth(cluster, groups[gi].devices, units[v]);
-          link_lat[gi][v] = MaxLatency(cluster, groups[gi].devices, units[v]);
+          link_lat[gi][v] = MaxLatency(cluster, groups[gi].devices, units[v]) + handoff;
         }
       }
       // Stage work of every (range, group) for the candidate list.

@@ -18,9 +18,10 @@
 //   memory    parameters and optimizer state, plus activations held for
 //             every in-flight microbatch (1F1B: min(S - s, M) at stage s).
 // Transfers between stages: the boundary activation's bytes over the
-// slowest link between the two groups, plus re-sharding inside a group
-// (the sender reduces a partial form; a receiver holding it replicated
-// broadcasts it inside its group; the gradient dually).
+// slowest link between the two groups (plus the cluster's calibrated
+// pipeline_transfer_overhead_seconds per transfer), plus re-sharding inside
+// a group (the sender reduces a partial form; a receiver holding it
+// replicated broadcasts it inside its group; the gradient dually).
 //
 // The search is a DP over (layers, units, stages) per candidate bottleneck
 // t_max, as Alpa's stage DP: minimise the sum over stages of f + b +

@@ -75,6 +75,8 @@ absl::StatusOr<std::map<std::string, v1::DeviceCalibration>> FitDeviceCalibratio
   const calibrate::Calibration& cal = *fit;
   const auto fitted = DevicesById(cal.cluster);
   const auto probed = DevicesById(measured);
+  const auto before = DevicesById(raw);  // with their earlier calibrations
+  const bool pipelined = plan.pipeline().stages_size() > 1;
   double step = 0;
   for (const auto& p : profiles) step = std::max(step, p.step_seconds_median());
   std::map<std::string, v1::DeviceCalibration> out;
@@ -86,6 +88,15 @@ absl::StatusOr<std::map<std::string, v1::DeviceCalibration>> FitDeviceCalibratio
     c.set_step_overhead_seconds(f.step_overhead_seconds());
     c.set_collective_overhead_seconds(cal.collective_overhead_seconds);
     c.set_transfer_scale(cal.transfer_scale);
+    const v1::DeviceCalibration& was = before.at(id)->calibration();
+    if (pipelined) {  // what a pipeline run does not fit stays as it was
+      c.set_step_overhead_seconds(was.step_overhead_seconds());
+      c.set_collective_overhead_seconds(was.collective_overhead_seconds());
+      c.set_transfer_scale(was.transfer_scale());
+      c.set_pipeline_transfer_overhead_seconds(cal.pipeline_transfer_overhead_seconds);
+    } else {
+      c.set_pipeline_transfer_overhead_seconds(was.pipeline_transfer_overhead_seconds());
+    }
     c.set_probed_flops(Fp32Flops(*probed.at(id)));
     c.set_plan(plan.name());
     c.set_deployment(deployment);
@@ -139,7 +150,7 @@ std::string ApplyCalibration(v1::Cluster* cluster, const std::vector<std::string
     }
   }
   if (use.empty()) return "";
-  double overhead = 0, transfer = 1;
+  double overhead = 0, transfer = 1, handoff = 0;
   std::vector<std::string> notes;
   for (auto& n : *cluster->mutable_nodes()) {
     for (auto& d : *n.mutable_devices()) {
@@ -151,12 +162,15 @@ std::string ApplyCalibration(v1::Cluster* cluster, const std::vector<std::string
       d.set_optimizer_seconds_per_element(u.c.optimizer_seconds_per_element() / u.speed);
       d.set_step_overhead_seconds(u.c.step_overhead_seconds() / u.speed);
       overhead = std::max(overhead, u.c.collective_overhead_seconds());
+      handoff = std::max(handoff, u.c.pipeline_transfer_overhead_seconds());
       if (u.c.transfer_scale() > 0) transfer = std::max(transfer, u.c.transfer_scale());
       notes.push_back(u.note);
     }
   }
   v1::LinkDefaults* def = cluster->mutable_defaults();
   def->set_collective_overhead_seconds(std::max(def->collective_overhead_seconds(), overhead));
+  def->set_pipeline_transfer_overhead_seconds(
+      std::max(def->pipeline_transfer_overhead_seconds(), handoff));
   if (transfer != 1) {
     def->set_intra_node_bandwidth_bytes_per_second(def->intra_node_bandwidth_bytes_per_second() /
                                                    transfer);

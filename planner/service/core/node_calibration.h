@@ -34,8 +34,11 @@ bool CalibrationHolds(const hap::v1::Device& old, const hap::v1::Device& now);
 // Per device of `plan`, the calibration that explains the run of `plan`
 // whose rank profiles are `profiles` (one per rank, any order), fitted by
 // calibrate::Calibrate against `raw` (the registry's cluster, as measured,
-// with every device of the plan). InvalidArgument naming what is missing
-// (a rank's profile, a device) or inconsistent (another plan's profile).
+// with every device of the plan). A pipeline plan's run fits the op scales,
+// the optimizer and the stall per transfer between stages, and keeps the
+// rest of each device's earlier calibration in `raw`; an SPMD run keeps the
+// earlier stall. InvalidArgument naming what is missing (a rank's profile,
+// a device) or inconsistent (another plan's profile).
 absl::StatusOr<std::map<std::string, hap::v1::DeviceCalibration>> FitDeviceCalibration(
     const hap::v1::Cluster& raw, const hap::v1::Plan& plan,
     const std::vector<hap::v1::StepProfile>& profiles, const std::string& deployment,
@@ -46,8 +49,9 @@ absl::StatusOr<std::map<std::string, hap::v1::DeviceCalibration>> FitDeviceCalib
 // step_overhead_seconds become its calibration's; a device of the plan
 // without one borrows that of the calibrated device of the same kind
 // closest in FLOP/s (op scales as they are, the per-element and per-step
-// seconds scaled by the two devices' FLOP/s ratio); the collective overhead
-// and link transfer scale are the largest of the plan's devices'.
+// seconds scaled by the two devices' FLOP/s ratio); the collective overhead,
+// link transfer scale and pipeline transfer stall are the largest of the
+// plan's devices'.
 // Returns what was used, one clause per device ("node0/cpu0: deployments/x
 // (plans/y)", "node2/cpu0: borrowed from node0/cpu0"); empty, and the
 // cluster left as it is, when none of the cluster's devices has one.
