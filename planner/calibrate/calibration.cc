@@ -235,14 +235,18 @@ double CollectiveCallsPerStep(const v1::Plan& plan) {
 // run's measured step: each stage's per-microbatch work is its busiest
 // rank's kernel time (the optimizer aside) over M, split into forward and
 // backward as the plan predicted; its sync is the plan's or the optimizer
-// measured, whichever is longer; transfers are the plan's. The overhead
-// added to every transfer for the 1F1B schedule to take the measured step
-// (bisection; 0 when the schedule already takes as long). nullopt when the
-// profiles do not give the stages' work.
+// measured, whichever is longer; transfers are the plan's, less the stall
+// its cluster already priced into them. The overhead added to every
+// transfer for the 1F1B schedule to take the measured step (bisection; 0
+// when the schedule already takes as long). nullopt when the profiles do
+// not give the stages' work.
 std::optional<double> PipelineTransferOverhead(const v1::Plan& plan,
                                                const std::vector<RankProfile>& ranks) {
   const v1::PipelinePlan& pp = plan.pipeline();
   const int M = std::max(1, pp.microbatches());
+  // A plan made from a calibrated cluster has its transfers priced with
+  // that cluster's stall already.
+  const double priced = plan.cluster().defaults().pipeline_transfer_overhead_seconds();
   std::map<std::string, const RankProfile*> by_device;
   double measured = 0;
   for (const RankProfile& r : ranks) {
@@ -265,8 +269,8 @@ std::optional<double> PipelineTransferOverhead(const v1::Plan& plan,
     pipeline::StageTimes t;
     t.forward = work / M * st.forward_seconds() / predicted;
     t.backward = work / M - t.forward;
-    t.send = st.send_seconds();
-    t.gradient = st.gradient_receive_seconds();
+    t.send = std::max(0.0, st.send_seconds() - priced);
+    t.gradient = std::max(0.0, st.gradient_receive_seconds() - priced);
     t.sync = std::max(st.sync_seconds(), optimizer);
     times.push_back(t);
   }

@@ -265,6 +265,20 @@ TEST(CalibrationTest, FitsTheStallPerTransferBetweenPipelineStages) {
   EXPECT_EQ(one->pipeline_runs, 1);
   EXPECT_NEAR(one->pipeline_transfer_overhead_seconds, 0.03, 1e-9);
   EXPECT_NEAR(one->cluster.defaults().pipeline_transfer_overhead_seconds(), 0.03, 1e-9);
+  // A plan made from a cluster already calibrated with a 10 ms stall has it
+  // in its transfers: the fit is still of the whole stall.
+  {
+    v1::Plan priced = plan;
+    priced.mutable_cluster()->mutable_defaults()->set_pipeline_transfer_overhead_seconds(0.01);
+    v1::PipelineStage& first = *priced.mutable_pipeline()->mutable_stages(0);
+    first.set_send_seconds(first.send_seconds() + 0.01);
+    first.set_gradient_receive_seconds(first.gradient_receive_seconds() + 0.01);
+    ProfiledRun r = run(schedule->step);
+    r.plan = priced;
+    auto again = Calibrate(c, {r});
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_NEAR(again->pipeline_transfer_overhead_seconds, 0.03, 1e-9);
+  }
   auto two = Calibrate(c, {run(schedule->step), run(1e-3)});
   ASSERT_TRUE(two.ok()) << two.status();
   EXPECT_EQ(two->pipeline_runs, 2);
