@@ -180,6 +180,15 @@ std::vector<Case> Cases() {
       }
     }
   }
+  // Beyond 4 ranks: 8, at uneven ratios (18 experts over 8 ranks for the
+  // MoE models).
+  const std::pair<const char*, const char*> eight[] = {
+      {"moe", "expert"}, {"moe", "mix"}, {"switch", "expert"}, {"gpt", "mix"}, {"mlp", "zero"}};
+  for (const auto& [model, kind] : eight) {
+    for (bool overlap : {false, true}) {
+      out.push_back({model, 8, kind, true, std::string(kind) != "mix", overlap});
+    }
+  }
   return out;
 }
 
