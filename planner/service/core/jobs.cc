@@ -774,6 +774,14 @@ class Pass {
     for (const auto& d : devices) r.add_devices(d);
     r.set_global_batch(spec().global_batch());
     *r.mutable_options() = spec().options();
+    // A job that asks for N pipeline stages goes on when fewer than N
+    // devices are left: one stage per device (no plan has more stages than
+    // devices), the count asked for again once enough are back.
+    v1::PlanOptions& o = *r.mutable_options();
+    if (o.pipeline() == v1::PlanOptions::PIPELINE_STAGES &&
+        o.pipeline_stages() > static_cast<int>(devices.size())) {
+      o.set_pipeline_stages(static_cast<int>(devices.size()));
+    }
     r.set_plan_id(plan.substr(6));
     return r;
   }

@@ -397,6 +397,28 @@ TEST_F(JobsTest, LostExecutorReplansOnTheSurvivorsFromTheLatestCommittedCheckpoi
   EXPECT_EQ(resumed_[1].reason(), v1::JobEvent::EXECUTOR_LOST);
 }
 
+// A job asking for 3 pipeline stages that loses one of its 3 devices is
+// re-planned with 2 stages (one per device left), not refused.
+TEST_F(JobsTest, APipelineJobOnFewerDevicesThanStagesGetsOneStagePerDevice) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+  r.mutable_spec()->mutable_options()->set_pipeline_stages(3);
+  const std::string first = StartRunning(r);
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].options().pipeline_stages(), 3);
+  fake_.checkpoint = 10;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_error("rank 2 (d2) did not answer 3 status polls in a row");
+  fake_.SetNode(2, v1::Node::STALE);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(fake_.requests[1].options().pipeline(), v1::PlanOptions::PIPELINE_STAGES);
+  EXPECT_EQ(fake_.requests[1].options().pipeline_stages(), 2);
+  EXPECT_EQ(Job().status().state(), v1::JobStatus::RECOVERING);
+}
+
 TEST_F(JobsTest, TheDeviceOfAFailedRankIsHeldOutWhileItsNodeStaysReady) {
   Make();
   const std::string first = StartRunning();
