@@ -291,7 +291,7 @@ absl::Status Run(const tools::Args& a) {
   // A pipeline plan (README "Pipeline plans"): the rank's stage program runs
   // on the model at the microbatch size with its group's communicator (the
   // backend's: Gloo, or NCCL on GPUs); the stages talk over a Gloo world.
-  const bool pipelined = plan.pipeline().stages_size() > 1;
+  const bool pipelined = lower::IsPipelinePlan(plan);
   std::unique_ptr<Communicator> world_comm;
   std::optional<PipelineRank> at;
   GlooOptions group = go;

@@ -297,7 +297,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
                          if (!g.ok()) return Annotate(g.status(), "plan.graph");
                          return g;
                        }());
-  if (in.plan.pipeline().stages_size() > 1) {
+  if (lower::IsPipelinePlan(in.plan)) {
     HAP_RETURN_IF_ERROR(Annotate(SetUpPipeline(in, loaded.get()), "plan.pipeline"));
   }
   HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));

@@ -10,6 +10,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph_proto.h"
+#include "planner/lower/plan_file.h"
 #include "planner/pipeline/layers.h"
 #include "planner/pipeline/schedule.h"
 #include "planner/synth/rules.h"
@@ -125,8 +126,6 @@ double ExecutedShare(const v1::Plan& plan, int rank, double ratio) {
   return weight > 0 ? sum / weight : ratio;
 }
 
-bool Pipelined(const v1::Plan& plan) { return plan.pipeline().stages_size() > 1; }
-
 // What rank `rank` of `plan` runs: the plan's program on its share of the
 // batch, or (a pipeline plan) its stage's program on its share of every
 // microbatch, `times` microbatches per step.
@@ -138,7 +137,7 @@ struct RankWork {
 };
 absl::StatusOr<RankWork> WorkOf(const v1::Plan& plan, int rank) {
   RankWork w;
-  if (!Pipelined(plan)) {
+  if (!lower::IsPipelinePlan(plan)) {
     w.program = &plan.program();
     w.group_size = plan.devices_size();
     w.ratio = plan.ratios_size() > 0 && rank < plan.ratios(0).ratios_size()
@@ -413,7 +412,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     // size; its step also holds the bubble and the transfers between stages,
     // which the collective fit below does not model, and M microbatches'
     // fixed costs, so it adds to the op-type sums and the optimizer only.
-    const bool piped = Pipelined(plan);
+    const bool piped = lower::IsPipelinePlan(plan);
     if (piped) {
       HAP_ASSIGN_OR_RETURN(g, pipeline::Rebatch(g, plan.pipeline().microbatch_size()));
     }

@@ -89,7 +89,7 @@ absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
         "plan format version ", plan.format_version(), " is not supported (this "
         "executor reads version ", kPlanFormatVersion, ")"));
   }
-  if (plan.pipeline().stages_size() > 1) return CheckPipelinePlanForRank(plan, rank, world);
+  if (IsPipelinePlan(plan)) return CheckPipelinePlanForRank(plan, rank, world);
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError("the plan has no rank programs (not lowered)");
   }

@@ -14,6 +14,12 @@ namespace hap::lower {
 // The format_version this code writes and executors accept.
 inline constexpr int kPlanFormatVersion = 1;
 
+// Whether `plan` is a pipeline plan (more than one stage; README
+// "Pipeline plans"): its ranks run stage programs on the microbatch model.
+inline bool IsPipelinePlan(const hap::v1::Plan& plan) {
+  return plan.pipeline().stages_size() > 1;
+}
+
 // Checks a plan an executor is about to run as rank `rank` of `world`:
 // format version, rank programs for that world, content hash.
 // InvalidArgument naming what does not fit.

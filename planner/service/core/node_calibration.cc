@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/calibrate/calibration.h"
+#include "planner/lower/plan_file.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
@@ -76,7 +77,7 @@ absl::StatusOr<std::map<std::string, v1::DeviceCalibration>> FitDeviceCalibratio
   const auto fitted = DevicesById(cal.cluster);
   const auto probed = DevicesById(measured);
   const auto before = DevicesById(raw);  // with their earlier calibrations
-  const bool pipelined = plan.pipeline().stages_size() > 1;
+  const bool pipelined = lower::IsPipelinePlan(plan);
   double step = 0;
   for (const auto& p : profiles) step = std::max(step, p.step_seconds_median());
   std::map<std::string, v1::DeviceCalibration> out;
