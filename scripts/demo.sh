@@ -355,7 +355,7 @@ run_elastic() {
   # No --executor: each device's executor is in its node's labels.
   "$HAPCTL" "${job[@]}" "${CTL[@]}" >/dev/null
   echo "   jobs/demo: checkpoints in $CKPT (kept); status page http://hap:$(cat "$STATE/token")@$METRICS/status/jobs/demo"
-  local phase=0 stay="" last_key="" last_tenth=-1 killed_at=0 restarted_at=0 j state done_steps gen ndev pred meas msg now
+  local phase=0 stay="" last_key="" last_tenth=-1 killed_at=0 restarted_at=0 base_gen=0 j state done_steps gen ndev pred meas msg now
   while :; do
     j=$(job_json)
     read -r state done_steps gen ndev pred meas <<<"$(echo "$j" | json '
@@ -384,13 +384,15 @@ print(s.get("state", "?"), int(s.get("stepsDone", 0)), int(s.get("generation", 0
       echo "   --- SIGKILL node$victim's agent (pid ${AGENT_PID[$victim]}) and executor (pid ${EXECUTOR_PID[$victim]}) ---"
       kill -KILL "${AGENT_PID[$victim]}" "${EXECUTOR_PID[$victim]}" 2>/dev/null || true
       wait "${AGENT_PID[$victim]}" "${EXECUTOR_PID[$victim]}" 2>/dev/null || true
-      killed_at=$now phase=1
-    elif [ $phase = 1 ] && [ "$state" = RUNNING ] && [ "$gen" -ge 2 ]; then
+      # Generations counted from the one running at the kill: a slowdown
+      # re-plan before it (an agent re-probing under load) moves them on.
+      killed_at=$now base_gen=$gen phase=1
+    elif [ $phase = 1 ] && [ "$state" = RUNNING ] && [ "$gen" -gt "$base_gen" ]; then
       printf "   --- training again on %d devices, %.1f s after the SIGKILL; node%d started again ---\n" \
         "$ndev" "$(awk -v a="$now" -v b="$killed_at" 'BEGIN { print a - b }')" "$victim"
       start_rank "$victim" "-again"
-      restarted_at=$(date +%s.%N) phase=2
-    elif [ $phase = 2 ] && [ "$state" = RUNNING ] && [ "$gen" -ge 3 ] && [ "$ndev" = "$RANKS" ]; then
+      restarted_at=$(date +%s.%N) base_gen=$gen phase=2
+    elif [ $phase = 2 ] && [ "$state" = RUNNING ] && [ "$gen" -gt "$base_gen" ] && [ "$ndev" = "$RANKS" ]; then
       printf "   --- node%d rejoined: training on %d devices, %.1f s after it was started again ---\n" \
         "$victim" "$ndev" "$(awk -v a="$now" -v b="$restarted_at" 'BEGIN { print a - b }')"
       phase=3
