@@ -11,8 +11,12 @@
 // microbatches together, one stage included).
 //
 // Usage: bazel run //bench:pipeline_bench --config=cuda -- [--examples DIR] [--quick] [--stages N]
+//        [--overlap]
 // (--stages N: exactly N stages instead of --pipeline auto; each plan's
-// stages are printed on stderr.)
+// stages are printed on stderr. --overlap: every plan, the SPMD one and the
+// baselines too, priced with communication overlapping compute, as
+// `hapctl plan --overlap on`: the SPMD plan's gradient buckets behind its
+// backward, a stage's behind its last microbatch's backward.)
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -87,7 +91,7 @@ void PrintStages(const char* what, const pipeline::PipelinePlan& p) {
   }
 }
 
-int Run(const std::string& dir, bool quick, int stages) {
+int Run(const std::string& dir, bool quick, int stages, bool overlap) {
   struct ClusterCase {
     std::string name;
     absl::StatusOr<cost::ClusterModel> model;
@@ -120,6 +124,7 @@ int Run(const std::string& dir, bool quick, int stages) {
       pipeline::PipelineOptions o;
       o.mode = stages > 0 ? pipeline::Mode::kStages : pipeline::Mode::kAuto;
       o.stages = stages;
+      o.stage_options.overlap_communication = overlap;
       auto start = std::chrono::steady_clock::now();
       auto pipe = pipeline::PlanPipeline(*g, c, o);
       const double plan_s =
@@ -166,6 +171,7 @@ int main(int argc, char** argv) {
   std::string dir = "planner/examples";
   bool quick = false;
   int stages = 0;
+  bool overlap = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--examples" && i + 1 < argc) {
@@ -174,10 +180,13 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--stages" && i + 1 < argc) {
       stages = std::atoi(argv[++i]);
+    } else if (a == "--overlap") {
+      overlap = true;
     } else {
-      std::fprintf(stderr, "usage: pipeline_bench [--examples DIR] [--quick] [--stages N]\n");
+      std::fprintf(stderr,
+                   "usage: pipeline_bench [--examples DIR] [--quick] [--stages N] [--overlap]\n");
       return 2;
     }
   }
-  return hap::Run(dir, quick, stages);
+  return hap::Run(dir, quick, stages, overlap);
 }

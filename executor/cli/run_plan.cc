@@ -322,7 +322,7 @@ absl::Status Run(const tools::Args& a) {
   }
   RunnerOptions ro;
   if (overlap == "on" && HasAsyncCollectives(plan.rank_programs(rank))) {
-    HAP_ASSIGN_OR_RETURN(backend.async, ConnectOverlap(*device, go, *store));
+    HAP_ASSIGN_OR_RETURN(backend.async, ConnectOverlap(*device, group, *store));
     ro.async = backend.async.get();
   }
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,

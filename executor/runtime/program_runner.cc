@@ -456,32 +456,12 @@ absl::StatusOr<double> ProgramRunner::RunStep(const Batch& batch, int64_t step) 
   // A step that failed left its collectives: held ones are dropped, and
   // those still running finish (or fail: the communicator is then unusable,
   // and so is this step) before this step touches the arena.
-  held_.clear();
-  if (options_.async != nullptr) {
-    HAP_RETURN_IF_ERROR(Annotate(options_.async->WaitAll(),
-                                 absl::StrCat("training step ", step, ", before it starts")));
-  }
+  HAP_RETURN_IF_ERROR(BeginSteps(step));
   HAP_RETURN_IF_ERROR(LoadInputs(batch));
-  for (int i = 0; i < program_.steps_size(); ++i) {
-    const v1::Step& s = program_.steps(i);
-    absl::Status st;
-    if (s.has_kernel()) {
-      st = RunKernelStep(i, s.kernel(), step);
-    } else if (s.has_wait()) {
-      if (!options_.test_skip_waits) st = WaitAsync(s.wait().start_step());
-    } else if (s.collective().async()) {
-      st = StartAsync(i);
-    } else {
-      st = RunCollectiveStep(i, *comm_, staging_);
-    }
-    if (!st.ok()) {
-      return Annotate(st, absl::StrCat("training step ", step, ", ",
-                                       StepName(program_, i)));
-    }
-  }
+  HAP_RETURN_IF_ERROR(RunSteps(0, program_.steps_size(), step));
   // Nothing runs across steps: the held collectives (tests) and any not
   // waited for yet complete here.
-  HAP_RETURN_IF_ERROR(Annotate(FinishAsync(), absl::StrCat("training step ", step)));
+  HAP_RETURN_IF_ERROR(EndSteps(step));
   HAP_RETURN_IF_ERROR(device_->Synchronize());
   const TensorView& loss = views_[program_.loss_buffer()];
   if (loss.dtype == DType::kFloat64) {
@@ -524,14 +504,29 @@ absl::Status ProgramRunner::RunSteps(int begin, int end, int64_t step) {
     absl::Status st;
     if (s.has_kernel()) {
       st = RunKernelStep(i, s.kernel(), step);
-    } else if (s.has_collective()) {
+    } else if (s.has_wait()) {
+      if (!options_.test_skip_waits) st = WaitAsync(s.wait().start_step());
+    } else if (s.collective().async()) {
+      st = StartAsync(i);
+    } else {
       st = RunCollectiveStep(i, *comm_, staging_);
-    }  // waits: every collective ran in line
+    }
     if (!st.ok()) {
       return Annotate(st, absl::StrCat("training step ", step, ", ", StepName(program_, i)));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ProgramRunner::BeginSteps(int64_t step) {
+  held_.clear();
+  if (options_.async == nullptr) return absl::OkStatus();
+  return Annotate(options_.async->WaitAll(),
+                  absl::StrCat("training step ", step, ", before it starts"));
+}
+
+absl::Status ProgramRunner::EndSteps(int64_t step) {
+  return Annotate(FinishAsync(), absl::StrCat("training step ", step));
 }
 
 void ProgramRunner::SetMicrobatch(int m, int microbatches) {

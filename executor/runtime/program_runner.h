@@ -100,11 +100,17 @@ class ProgramRunner {
 
   // Piecewise execution, for the pipeline runner (executor/train/pipeline.h),
   // which drives the phases of a stage's program per microbatch itself:
-  // LoadBatch fills the INPUT buffers (as RunStep does), RunSteps runs
-  // steps [begin, end) in line (asynchronous collectives too) for training
-  // step `step`, buffer(id) is a buffer's memory on the device.
+  // BeginSteps before a training step's first RunSteps (what a failed
+  // step left running finishes first), LoadBatch fills the INPUT buffers
+  // (as RunStep does), RunSteps runs steps [begin, end) for training step
+  // `step` as RunStep does (asynchronous collectives started through
+  // RunnerOptions::async, waited for at their wait steps), EndSteps after
+  // the last completes every collective still running; buffer(id) is a
+  // buffer's memory on the device.
+  absl::Status BeginSteps(int64_t step);
   absl::Status LoadBatch(const Batch& batch) { return LoadInputs(batch); }
   absl::Status RunSteps(int begin, int end, int64_t step);
+  absl::Status EndSteps(int64_t step);
   const TensorView& buffer(int id) const { return views_[id]; }
   Device& device() const { return *device_; }
   // Microbatch m of `microbatches` (equal parts of the batch along dimension

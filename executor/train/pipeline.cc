@@ -1,10 +1,12 @@
 #include "executor/train/pipeline.h"
 
 #include <algorithm>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "executor/cpu/cpu_device.h"
+#include "executor/train/backend.h"
 #include "planner/pipeline/layers.h"
 #include "planner/util/status_macros.h"
 
@@ -190,6 +192,37 @@ absl::Status PipelineRunner::Analyze() {
     }
     if (phase_at(i) == v1::Step::BACKWARD) backward_end_ = i + 1;
   }
+  // Asynchronous collectives: each start and its wait in one range
+  // (forward, backward, after backward) but the gradient synchronisations
+  // started in backward and waited for after it (deferred_).
+  auto range_of = [&](int k) { return k < forward_end_ ? 0 : k < backward_end_ ? 1 : 2; };
+  std::set<int> deferred_only;  // buffers only a deferred start writes
+  std::map<int, std::vector<int>> deferred_reads;
+  for (int k = 0; k < n; ++k) {
+    if (!prog.steps(k).has_wait()) continue;
+    const int start = prog.steps(k).wait().start_step();
+    if (start < 0 || start >= k || !prog.steps(start).has_collective()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("wait step ", k, " waits for step ", start, ", not a collective before it"));
+    }
+    if (range_of(start) == range_of(k)) continue;
+    if (range_of(start) != 1 || range_of(k) != 2 ||
+        prog.steps(start).phase() != v1::Step::GRADIENT_SYNC) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the collective started at step ", start, " is waited for at step ", k,
+          " in another part of the step; a pipeline stage runs only gradient synchronisations "
+          "started in backward across microbatches"));
+    }
+    const v1::CollectiveCall& c = prog.steps(start).collective();
+    std::vector<int> reads = {c.input()};
+    reads.insert(reads.end(), c.coalesced().begin(), c.coalesced().end());
+    std::vector<int> writes = {c.output()};
+    writes.insert(writes.end(), c.coalesced_outputs().begin(), c.coalesced_outputs().end());
+    for (int id : writes) {
+      if (std::find(reads.begin(), reads.end(), id) == reads.end()) deferred_only.insert(id);
+    }
+    deferred_reads[start] = std::move(reads);
+  }
   const bool first = stage_ == 0;
   const bool last = stage_ + 1 == static_cast<int>(layout_.stage_ranks.size());
   for (const v1::Buffer& b : prog.buffers()) {
@@ -216,7 +249,8 @@ absl::Status PipelineRunner::Analyze() {
           "a pipeline stage cannot keep it across microbatches"));
     }
     if (before_backward && into_backward) stash_ids_.push_back(b.id());
-    if (!before_backward && b.first_use() < backward_end_ && into_sync) {
+    if (!before_backward && b.first_use() < backward_end_ && into_sync &&
+        !deferred_only.count(b.id())) {
       if (b.role() != v1::Buffer::GRADIENT) {
         return absl::InvalidArgumentError(absl::StrCat(
             "buffer '", b.tensor(), "' (", v1::Buffer::Role_Name(b.role()),
@@ -224,6 +258,13 @@ absl::Status PipelineRunner::Analyze() {
             "are summed over microbatches"));
       }
       accumulate_ids_.push_back(b.id());
+    }
+  }
+  for (const auto& [start, reads] : deferred_reads) {
+    std::vector<size_t>& at = deferred_[start];
+    for (int id : reads) {
+      auto it = std::find(accumulate_ids_.begin(), accumulate_ids_.end(), id);
+      if (it != accumulate_ids_.end()) at.push_back(it - accumulate_ids_.begin());
     }
   }
   if ((stage_in_ >= 0) == first || (in_grad_ >= 0) == first || (stage_out_ >= 0) == last ||
@@ -382,11 +423,16 @@ absl::Status PipelineRunner::Backward(int m, int64_t step) {
   }
   stash_.erase(it);
   if (out_grad_ >= 0) HAP_RETURN_IF_ERROR(ReceiveInto(out_grad_, stage_ + 1, 2 * m + 1));
-  HAP_RETURN_IF_ERROR(runner_->RunSteps(forward_end_, backward_end_, step));
+  HAP_RETURN_IF_ERROR(RunBackwardSteps(m + 1 == layout_.microbatches, step));
   HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
   if (in_grad_ >= 0) HAP_RETURN_IF_ERROR(SendWhole(in_grad_, stage_ - 1, 2 * m + 1));
   const bool first = sums_.empty();
   for (size_t i = 0; i < accumulate_ids_.size(); ++i) {
+    if (folded_[i]) {
+      // Summed in place; its synchronisation may be running on it.
+      if (first) sums_.emplace_back();
+      continue;
+    }
     HAP_ASSIGN_OR_RETURN(HostTensor g, Read(accumulate_ids_[i]));
     if (first) {
       sums_.push_back(std::move(g));
@@ -397,12 +443,33 @@ absl::Status PipelineRunner::Backward(int m, int64_t step) {
   return absl::OkStatus();
 }
 
+absl::Status PipelineRunner::RunBackwardSteps(bool last_microbatch, int64_t step) {
+  int from = forward_end_;
+  for (const auto& [start, reads] : deferred_) {
+    HAP_RETURN_IF_ERROR(runner_->RunSteps(from, start, step));
+    from = start + 1;
+    if (!last_microbatch) continue;
+    if (!sums_.empty()) {
+      // The earlier microbatches' sums into the buffers it synchronises.
+      HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
+      for (size_t k : reads) {
+        HAP_ASSIGN_OR_RETURN(HostTensor g, Read(accumulate_ids_[k]));
+        HAP_RETURN_IF_ERROR(Add(sums_[k], g));
+        HAP_RETURN_IF_ERROR(Write(accumulate_ids_[k], sums_[k]));
+      }
+    }
+    for (size_t k : reads) folded_[k] = true;
+    HAP_RETURN_IF_ERROR(runner_->RunSteps(start, start + 1, step));
+  }
+  return runner_->RunSteps(from, backward_end_, step);
+}
+
 absl::Status PipelineRunner::Finish(int64_t step, double* loss) {
   const v1::RankProgram& prog = runner_->program();
   const int S = static_cast<int>(layout_.stage_ranks.size());
   const bool last = stage_ + 1 == S;
   for (size_t i = 0; i < accumulate_ids_.size(); ++i) {
-    HAP_RETURN_IF_ERROR(Write(accumulate_ids_[i], sums_[i]));
+    if (!folded_[i]) HAP_RETURN_IF_ERROR(Write(accumulate_ids_[i], sums_[i]));
   }
   HAP_ASSIGN_OR_RETURN(HostTensor lt, Read(prog.loss_buffer()));
   const double mean = last ? loss_sum_ / layout_.microbatches : 0.0;
@@ -430,6 +497,7 @@ absl::Status PipelineRunner::Finish(int64_t step, double* loss) {
     if (norm_ >= 0) HAP_RETURN_IF_ERROR(Write(norm_, total));
   }
   HAP_RETURN_IF_ERROR(runner_->RunSteps(split, n, step));
+  HAP_RETURN_IF_ERROR(runner_->EndSteps(step));
   HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
   // The loss, from the last stage's rank 0 to everyone.
   HostTensor value(DType::kFloat64, {1});
@@ -445,8 +513,10 @@ absl::Status PipelineRunner::Finish(int64_t step, double* loss) {
 absl::StatusOr<double> PipelineRunner::RunStep(const Batch& batch, int64_t step) {
   stash_.clear();
   sums_.clear();
+  folded_.assign(accumulate_ids_.size(), false);
   pending_sends_.clear();
   loss_sum_ = 0;
+  HAP_RETURN_IF_ERROR(runner_->BeginSteps(step));
   const int S = static_cast<int>(layout_.stage_ranks.size());
   for (int op : OneFOneBOrder(stage_, S, layout_.microbatches)) {
     absl::Status s = op > 0 ? Forward(batch, op - 1, step) : Backward(-op - 1, step);
@@ -490,9 +560,15 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalPipeline(
         go.size = static_cast<int>(layout.stage_ranks[at.first].size());
         go.prefix = absl::StrCat(options.prefix, "/stage", at.first);
         HAP_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, ConnectGloo(go, *store));
+        RunnerOptions ro = options.runner;
+        std::unique_ptr<AsyncCollectives> async;
+        if (options.overlap && HasAsyncCollectives(programs[r])) {
+          HAP_ASSIGN_OR_RETURN(async, ConnectOverlap(*device, go, *store));
+          ro.async = async.get();
+        }
         HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
                              ProgramRunner::Create(programs[r], microbatch_graph, device.get(),
-                                                   group.get(), options.runner));
+                                                   group.get(), ro));
         HAP_ASSIGN_OR_RETURN(std::unique_ptr<PipelineRunner> pipe,
                              PipelineRunner::Create(runner.get(), world.get(), with_pieces));
         std::unique_ptr<data::BatchSource> source = batches(r);

@@ -17,7 +17,15 @@
 //             buffers gradient synchronisation reads (parameter gradients,
 //             this rank's loss part) are added to host accumulators.
 // After the last backward: the sums go back, the program's GRADIENT_SYNC
-// steps run once on its group (its own communicator), then OPTIMIZER; a
+// steps run once on its group (its own communicator), then OPTIMIZER. A
+// program lowered with overlap starts its gradient buckets during backward
+// (CollectiveCall.async, waited for before the optimizer): those starts are
+// left out of every microbatch's backward but the last, where each runs as
+// soon as the backward completed its gradients, after the sums over the
+// earlier microbatches are added into them; so the stage's gradient
+// synchronisation runs behind its last backward, on the communication
+// thread (RunnerOptions::async) with the group's second communicator. A
+
 // clipping norm is summed over the stages on the world communicator
 // (counted on each group's rank 0). The loss (the mean over microbatches =
 // the single-device loss) is broadcast from the last stage so every rank
@@ -137,6 +145,9 @@ class PipelineRunner {
   absl::Status Analyze();
   absl::Status Forward(const Batch& batch, int m, int64_t step);
   absl::Status Backward(int m, int64_t step);
+  // Steps [forward_end_, backward_end_): the deferred starts left out, or
+  // on the last microbatch started after the sums are folded in.
+  absl::Status RunBackwardSteps(bool last_microbatch, int64_t step);
   absl::Status Finish(int64_t step, double* loss);
   // Sends buffer `id` (this stage's form) to every rank of stage `to`.
   absl::Status SendWhole(int id, int to, int64_t tag);
@@ -153,8 +164,15 @@ class PipelineRunner {
   int forward_end_ = 0, backward_end_ = 0, norm_step_ = -1;
   int stage_in_ = -1, stage_out_ = -1, out_grad_ = -1, in_grad_ = -1, norm_ = -1;
   std::vector<int> stash_ids_, accumulate_ids_;
-  std::map<int, std::vector<HostTensor>> stash_;  // per microbatch in flight
+  // Gradient synchronisations a program lowered with overlap starts during
+  // backward and waits for after it (LowerOptions::overlap): step index ->
+  // the indices into accumulate_ids_ of the buffers it reads. They run once
+  // per step, started in the last microbatch's backward once the sums over
+  // the earlier microbatches are added in.
+  std::map<int, std::vector<size_t>> deferred_;
   std::vector<HostTensor> sums_;                  // per accumulate_ids_
+  std::vector<bool> folded_;                      // per accumulate_ids_: sum in place
+  std::map<int, std::vector<HostTensor>> stash_;  // per microbatch in flight
   std::vector<HostTensor> pending_sends_;         // until WaitSends
   double loss_sum_ = 0;
 };

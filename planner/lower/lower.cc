@@ -1134,7 +1134,9 @@ class RankBuilder {
       std::vector<int> take = b.grads;
       // The partial loss rides with the first bucket of its dtype.
       // (Not with bf16 gradients: the loss is summed in fp32, alone.)
-      if (partial_loss_ >= 0 && !loss_bucketed_ && !o_.bf16_gradients &&
+      // (Nor in a pipeline stage: the pipeline runner writes the loss over
+      // the microbatches after the last backward, then sums it in line.)
+      if (partial_loss_ >= 0 && !loss_bucketed_ && !o_.bf16_gradients && st_ == nullptr &&
           prog_.buffers(partial_loss_).dtype() == prog_.buffers(take.front()).dtype()) {
         take.push_back(partial_loss_);
         loss_bucketed_ = true;
@@ -1489,8 +1491,6 @@ absl::StatusOr<std::vector<v1::RankProgram>> LowerStage(const graph::Graph& g,
         "a stage without output must compute the loss, which ops [", stage.begin_op, ", ",
         stage.end_op, ") do not"));
   }
-  LowerOptions o = options;
-  o.overlap = false;
   // SFB computes a weight's gradient from the step's gathered inputs and
   // output gradients after backward, which microbatches cannot share: such
   // weights get their partial gradients all-reduced instead (summed over
@@ -1499,7 +1499,7 @@ absl::StatusOr<std::vector<v1::RankProgram>> LowerStage(const graph::Graph& g,
   for (synth::OpStep& s : p.steps) {
     for (synth::SourceLoad& l : s.loads) l.sfb = false;
   }
-  return LowerChecked(g, p, o, ratios, &stage);
+  return LowerChecked(g, p, options, ratios, &stage);
 }
 
 synth::Program SingleDeviceProgram(const graph::Graph& g) {

@@ -123,8 +123,11 @@ struct StageSpec {
 // buffer of 0; model inputs the stage reads but whose loads sit in other
 // stages are loaded where first read; the clipping norm is all-reduced in
 // the group even when every gradient is replicated (replicated ones counted
-// on rank 0), so the pipeline runner can sum it over stages; no overlap;
-// SFB weights get their partial gradients all-reduced instead (SFB's
+// on rank 0), so the pipeline runner can sum it over stages; with
+// options.overlap the gradient buckets start during backward as Lower's do
+// (the pipeline runner starts them in the last microbatch's backward), the
+// loss stays out of them (summed in line after the last microbatch); SFB
+// weights get their partial gradients all-reduced instead (SFB's
 // gradients come from a whole step's gathered factors).
 // Errors: those of Lower; InvalidArgument for a range or steps that do not
 // match, an input or output produced on the wrong side of the cut, or a

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "planner/cost/collectives.h"
@@ -220,6 +221,36 @@ absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
     e->boundary_form.push_back(s.rule.outputs[x.producer_output]);
   }
   return absl::OkStatus();
+}
+
+// With overlap (PlanOptions::overlap_communication), what a stage on entry
+// `e` runs once per step after its last backward, ops [begin, end) at
+// ratios `r`: the pipeline runner starts the gradient buckets during the
+// last microbatch's backward, so only the part of their synchronisation
+// that outlasts it counts, plus the updates and the per-step overhead. The
+// microbatch with its synchronisation and updates is priced as the
+// critical path over compute and communication (EvaluateProgram with
+// Program::overlap and the devices' interference), less the microbatch
+// alone.
+double ExposedSync(const graph::Graph& gm, const Entry& e, int begin, int end,
+                   const std::vector<double>& r) {
+  const int n = e.cluster->size();
+  Program micro = SubProgram(e.plan.program, begin, end, Part::kMicro, n);
+  Program all = SubProgram(e.plan.program, begin, end, Part::kAll, n);
+  auto price = [&](double bytes, const char** algorithm) {
+    *algorithm = e.coll->AllReduceAlgorithm(bytes).algorithm;
+    return e.coll->Constant(e.coll->AllReduce(bytes));
+  };
+  synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &all);
+  for (Program* q : {&micro, &all}) {
+    q->overlap = true;
+    for (const cost::DeviceModel& d : e.cluster->devices()) {
+      q->interference.push_back(1 - d.overlap_efficiency);
+    }
+  }
+  return std::max(0.0, synth::EvaluateProgram(all, r).total -
+                           synth::EvaluateProgram(micro, r).total) +
+         e.overhead;
 }
 
 // Re-sharding a boundary activation of `bytes` from group A (form fa) to
@@ -492,6 +523,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     double work = 0, forward = 0, sync = 0;
     std::vector<int64_t> memory;
   };
+  const bool overlap = o.stage_options.overlap_communication;
+  std::map<std::tuple<int, int, int>, double> exposed;  // (entry, i, j) -> ExposedSync
   auto price_stage = [&](int i, int j, int gi, int c, int s, int S) -> Priced {
     Priced p;
     const Entry* e = entry(gi, c);
@@ -500,7 +533,15 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     const int n = e->cluster->size();
     p.work = e->micro_prefix[j] - e->micro_prefix[i];
     p.forward = e->forward_prefix[j] - e->forward_prefix[i];
-    p.sync = e->sync_prefix[j] - e->sync_prefix[i] + e->overhead;
+    if (overlap) {
+      auto [it, fresh] = exposed.try_emplace({group_kind[gi] * C + c, i, j}, 0.0);
+      if (fresh) {
+        it->second = ExposedSync(*graphs[c], *e, layers.begin[i], layers.begin[j], e->plan.ratios);
+      }
+      p.sync = it->second;
+    } else {
+      p.sync = e->sync_prefix[j] - e->sync_prefix[i] + e->overhead;
+    }
     p.fits = e->max_in_flight[i][j] >= k;
     for (int d = 0; d < n; ++d) {
       p.memory.push_back(static_cast<int64_t>(e->static_prefix[j][d] - e->static_prefix[i][d] +
@@ -771,9 +812,25 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &sync);
       ratios::RatioLpRequest req;
       req.num_devices = n;
-      synth::AddProgramTerms(micro, &req);
-      for (ratios::CostTerm& t : req.terms) t.weight *= M;
-      synth::AddProgramTerms(sync, &req);
+      if (overlap) {
+        // M - 1 microbatches, then the last with its synchronisation behind
+        // it (ExposedSync's critical path).
+        if (M > 1) {
+          synth::AddProgramTerms(micro, &req);
+          for (ratios::CostTerm& t : req.terms) t.weight *= M - 1;
+        }
+        Program all = sp.program;
+        synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &all);
+        all.overlap = true;
+        for (const cost::DeviceModel& d : e.cluster->devices()) {
+          all.interference.push_back(1 - d.overlap_efficiency);
+        }
+        synth::AddProgramTerms(all, &req);
+      } else {
+        synth::AddProgramTerms(micro, &req);
+        for (ratios::CostTerm& t : req.terms) t.weight *= M;
+        synth::AddProgramTerms(sync, &req);
+      }
       if (!so.ignore_memory) {
         Program outputs = sp.program;
         for (synth::OpStep& st : outputs.steps) st.loads.clear();
@@ -792,7 +849,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         const double work = synth::EvaluateProgram(micro, lp.ratios).total;
         lp.times.forward = work * ForwardShare(micro, lp.ratios);
         lp.times.backward = work - lp.times.forward;
-        lp.times.sync = synth::EvaluateProgram(sync, lp.ratios).total + e.overhead;
+        lp.times.sync = overlap ? ExposedSync(gm, e, sp.begin_op, sp.end_op, lp.ratios)
+                                : synth::EvaluateProgram(sync, lp.ratios).total + e.overhead;
         ratios::MemoryConstraint m = req.memory ? *req.memory : ratios::MemoryConstraint();
         if (req.memory) lp.memory_bytes = synth::MemoryAt(m, lp.ratios);
         lp_times[s] = lp.times;
@@ -818,6 +876,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   out.microbatches = M;
   out.microbatch_size = batch / M;
   out.microbatch_graph = graphs[c];
+  out.overlap = overlap;
   return finish();
 }
 

@@ -14,7 +14,10 @@
 //             collectives, ZeRO-3 gathers, SFB included), EvaluateProgram of
 //             the layer's steps without gradient sync, updates and overhead;
 //   sync(l)   its gradient all-reduces (64 MiB buckets), ZeRO-2 gathers and
-//             reduce-scatters and optimizer updates, once per step;
+//             reduce-scatters and optimizer updates, once per step (with
+//             overlap a stage's sync is priced whole instead: what of it
+//             outlasts its last microbatch's backward, the buckets started
+//             as that backward completes their gradients);
 //   memory    parameters and optimizer state, plus activations held for
 //             every in-flight microbatch (1F1B: min(S - s, M) at stage s).
 // Transfers between stages: the boundary activation's bytes over the
@@ -102,6 +105,11 @@ struct PipelinePlan {
   bool has_spmd = false;
   synth::PlanResult spmd;
   double spmd_step_seconds = 0;
+  // Stage gradient synchronisation overlapped with the last microbatch's
+  // backward (stage_options.overlap_communication): StageTimes::sync is
+  // then only what outlasts that backward, and the stages' rank programs
+  // start their gradient buckets during it.
+  bool overlap = false;
   int layers = 0;     // the DP's layer count
   int syntheses = 0;  // PlanModel runs (groups x microbatch counts)
   double planning_seconds = 0;

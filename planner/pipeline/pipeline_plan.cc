@@ -30,6 +30,7 @@ absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
   plan.set_global_batch(GraphBatch(g));
   v1::PlanPrediction* pred = plan.mutable_prediction();
   pred->set_step_seconds(p.step_seconds);
+  pred->set_overlap_assumed(p.overlap);
   for (const std::string& n : p.notes) plan.add_notes(n);
   v1::PipelinePlan* out = plan.mutable_pipeline();
   out->set_microbatches(p.microbatches);
@@ -95,6 +96,8 @@ absl::StatusOr<v1::Plan> BuildPipelinePlan(const graph::Graph& g,
     lo.optimizer = options.optimizer();
     lo.seed = options.seed();
     lo.bf16 = options.precision() == v1::PRECISION_BF16;
+    // The executors overlap what the prediction assumed overlapped.
+    lo.overlap = p.overlap;
     auto programs = lower::LowerStage(gm, s.program, spec, lo);
     if (!programs.ok()) {
       return Annotate(programs.status(), absl::StrCat("lowering pipeline stage ", i));

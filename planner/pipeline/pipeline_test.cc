@@ -282,6 +282,57 @@ TEST(Planner, PipelineOverSlowLinks) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("world of")));
 }
 
+// Overlap (PlanOptions::overlap_communication): a stage's gradient sync
+// runs behind its last microbatch's backward, so what it adds after that
+// backward shrinks, never below nothing, and the step cannot grow (the same
+// stages, programs and microbatches: two layers, one cut, data parallelism
+// inside each node); the plan assumes overlap and its stage programs start
+// their gradient buckets during backward.
+TEST(Planner, OverlapHidesStageSyncBehindTheLastBackward) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  cost::ClusterModel c = TwoNodes(1.25e9);
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  o.microbatches = 4;
+  o.max_layers = 2;
+  o.variant = Variant::kDataParallel;
+  o.plan_spmd = false;
+  auto off = PlanPipeline(*g, c, o);
+  o.stage_options.overlap_communication = true;
+  auto on = PlanPipeline(*g, c, o);
+  ASSERT_TRUE(off.ok()) << off.status();
+  ASSERT_TRUE(on.ok()) << on.status();
+  ASSERT_EQ(off->stages.size(), 2u);
+  ASSERT_EQ(on->stages.size(), 2u);
+  EXPECT_FALSE(off->overlap);
+  EXPECT_TRUE(on->overlap);
+  double hidden = 0;
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_EQ(on->stages[s].first_layer, off->stages[s].first_layer);
+    EXPECT_GE(on->stages[s].times.sync, 0);
+    EXPECT_LE(on->stages[s].times.sync, off->stages[s].times.sync + 1e-12) << "stage " << s;
+    hidden += off->stages[s].times.sync - on->stages[s].times.sync;
+  }
+  EXPECT_GT(hidden, 0);
+  EXPECT_LE(on->step_seconds, off->step_seconds);
+
+  hap::v1::PlanOptions po;
+  po.set_pipeline(hap::v1::PlanOptions::PIPELINE_STAGES);
+  po.set_pipeline_stages(2);
+  po.set_overlap_communication(true);
+  auto plan = BuildPipelinePlan(*g, hap::v1::Cluster(), c, *on, po);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->prediction().overlap_assumed());
+  int started = 0;
+  for (const hap::v1::RankProgram& rp : plan->rank_programs()) {
+    for (const hap::v1::Step& st : rp.steps()) {
+      started += st.has_collective() && st.collective().async() &&
+                 st.phase() == hap::v1::Step::GRADIENT_SYNC;
+    }
+  }
+  EXPECT_GT(started, 0);
+}
+
 // Stages of one device each: four stages on two 2-device nodes split the
 // nodes down to single devices, and three 1-device nodes over a slow link
 // pipeline in auto mode. A one-device stage runs its layers' single-device
