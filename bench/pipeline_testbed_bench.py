@@ -74,6 +74,9 @@ PLAN_FLAGS = {
 }
 
 
+OVERLAP = ["off"]  # --overlap: every plan made with hapctl plan --overlap on
+
+
 def log(msg):
     print(msg, flush=True)
 
@@ -102,7 +105,7 @@ def plan(c, bins, cluster_path, model, name):
     path = os.path.join(c.state, f"{name}.pb")
     cmd = [bins["hapctl"], "plan", "--cluster", cluster_path, *model,
            "--optimizer", "adam", "--lr", "3e-3", "--clip-norm", "1",
-           *PLAN_FLAGS[name], "--save-plan", path]
+           *PLAN_FLAGS[name], "--overlap", OVERLAP[0], "--save-plan", path]
     p = e2e.subprocess.run(cmd + ["-o", "table"], capture_output=True, text=True)
     if p.returncode:
         e2e.die(f"hapctl plan ({name}) failed:\n{p.stderr}")
@@ -140,12 +143,17 @@ def main():
     ap.add_argument("--no-refit", action="store_true",
                     help="do not profile a pipeline the calibrated planner chose and calibrate "
                          "again")
+    ap.add_argument("--overlap", action="store_true",
+                    help="make every plan with --overlap on: the SPMD plans' gradient buckets "
+                         "behind their backward, the pipelines' behind each stage's last "
+                         "microbatch's backward (each rank's communication thread)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the calibrated plans (hap-cal, spmd-cal)")
     ap.add_argument("--model", default="gpt --layers 4 --hidden 512 --heads 8 --ffn 2048 "
                     "--seq 32 --batch 8 --vocab 8192",
                     help="hapctl plan model flags")
     args = ap.parse_args()
+    OVERLAP[0] = "on" if args.overlap else "off"
     shares = [float(s) for s in args.shares.split(",")]
     if len(shares) != 4 or not all(0 < s <= 1 for s in shares):
         ap.error("--shares needs 4 values in (0, 1]")

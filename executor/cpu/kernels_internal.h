@@ -193,13 +193,26 @@ inline int64_t IdAt(const TensorView& v, int64_t i) {
 // --- the compact MoE ops (kernels_moe.cc; the CUDA kernels share these) --------
 
 // A rank's view of moe_dispatch_idx / moe_combine_idx: the route int64
-// [tokens, k]; it holds `experts` experts of `capacity` slots from `offset`
-// on, of "experts" (the global count) with "capacity" (attributes, defaults
-// the local count and capacity; "expert_offset" default 0); rows d long.
+// [tokens, k]; it holds `experts` experts from `offset` on, of "experts"
+// (the global count), and of each the `capacity` slots from
+// `capacity_offset` on, of "capacity" (attributes, defaults the local
+// count and capacity; "expert_offset" and "capacity_offset" default 0);
+// rows d long. Route entries outside what it holds are skipped.
 struct MoeIdxDims {
   int64_t tokens = 0, k = 0, experts = 0, capacity = 0, d = 0, offset = 0,
-          global = 0;
+          global = 0, capacity_offset = 0, global_capacity = 0;
 };
+// moe_route's groups (its attribute "group_size", 0: all tokens one group)
+// for a rank holding `tokens` tokens from "token_offset" on of
+// "global_tokens" (the lowering's attributes; defaults 0 and `tokens`):
+// tokens route in runs of `group`, run q (counted from `first_group`)
+// filling slots [q * group_capacity, (q + 1) * group_capacity) of every
+// expert. InvalidArgument when the groups do not divide the tokens or
+// `capacity`, or the rank's tokens are not whole groups.
+struct MoeGroups {
+  int64_t group = 0, group_capacity = 0, first_group = 0;
+};
+absl::StatusOr<MoeGroups> CheckMoeGroups(const KernelArgs& a, int64_t tokens, int64_t capacity);
 // moe_dispatch_idx: x[t, d], route, out[experts, capacity, d].
 absl::StatusOr<MoeIdxDims> CheckMoeDispatchIdx(const KernelArgs& a, DType t,
                                                const TensorView& x,

@@ -19,6 +19,11 @@ namespace {
 
 struct GateDims {
   int64_t tokens = 0, experts = 0, k = 2, capacity = 1;
+  // Grouped routing (moe_route's "group_size"): tokens route in runs of
+  // `group`, each run q (counted from `first_group`) filling slots
+  // [q * group_capacity, (q + 1) * group_capacity) of every expert. One
+  // group of all tokens by default.
+  int64_t group = 0, group_capacity = 0, first_group = 0;
 };
 
 absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t,
@@ -37,7 +42,17 @@ absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t,
                    d.experts, "]");
   }
   if (d.capacity < 1) return Invalid(a, "attribute 'capacity' must be >= 1");
+  d.group = d.tokens;
+  d.group_capacity = d.capacity;
   return d;
+}
+
+absl::Status GroupRoute(const KernelArgs& a, GateDims& d) {
+  HAP_ASSIGN_OR_RETURN(MoeGroups g, CheckMoeGroups(a, d.tokens, d.capacity));
+  d.group = g.group;
+  d.group_capacity = g.group_capacity;
+  d.first_group = g.first_group;
+  return absl::OkStatus();
 }
 
 // One token's routing: its softmax over experts, its top-k experts (by
@@ -51,13 +66,16 @@ struct TokenRoute {
 };
 
 // Routes every token in order; each takes the next free slot of each of its
-// experts (in top-k order) while the expert has capacity.
+// experts (in top-k order) while the expert has capacity (in its group:
+// GateDims' groups; slots then count from the group's first).
 template <typename T>
 std::vector<TokenRoute> Route(const GateDims& d, const T* logits) {
   std::vector<TokenRoute> routes(d.tokens);
   std::vector<int64_t> fill(d.experts, 0);
   std::vector<int64_t> order(d.experts);
   for (int64_t t = 0; t < d.tokens; ++t) {
+    if (t > 0 && t % d.group == 0) std::fill(fill.begin(), fill.end(), 0);
+    const int64_t base = (d.first_group + t / d.group) * d.group_capacity;
     TokenRoute& r = routes[t];
     const T* row = logits + t * d.experts;
     const double mx = *std::max_element(row, row + d.experts);
@@ -78,7 +96,7 @@ std::vector<TokenRoute> Route(const GateDims& d, const T* logits) {
     for (int64_t e : r.experts) r.top_sum += r.probs[e];
     for (int64_t e : r.experts) {
       r.weights.push_back(d.k > 1 ? r.probs[e] / r.top_sum : r.probs[e]);
-      r.slots.push_back(fill[e] < d.capacity ? fill[e]++ : -1);
+      r.slots.push_back(fill[e] < d.group_capacity ? base + fill[e]++ : -1);
     }
   }
   return routes;
@@ -161,6 +179,7 @@ absl::Status RouteForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t));
+  HAP_RETURN_IF_ERROR(GroupRoute(a, d));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, DType::kInt64, {d.tokens, d.k}));
   int64_t* route = a.out[0].as<int64_t>();
   std::vector<TokenRoute> routes = Route(d, a.in[0].as<const T>());
@@ -434,14 +453,17 @@ absl::StatusOr<LocalRoute> MakeLocalRoute(const KernelArgs& a,
     for (int64_t j = 0; j < m.k; ++j) {
       const int64_t i = tok * m.k + j, s = v[i];
       if (s == -1) continue;
-      if (s < -1 || s >= m.global * m.capacity) {
+      if (s < -1 || s >= m.global * m.global_capacity) {
         return Invalid(a, "route entry [", tok, ", ", j, "] = ", s,
                        " is not a slot of ", m.global, " experts x ",
-                       m.capacity);
+                       m.global_capacity);
       }
-      const int64_t e = s / m.capacity;
-      if (e < m.offset || e >= m.offset + m.experts) continue;
-      const int64_t ls = s - m.offset * m.capacity;
+      const int64_t e = s / m.global_capacity, row = s % m.global_capacity;
+      if (e < m.offset || e >= m.offset + m.experts || row < m.capacity_offset ||
+          row >= m.capacity_offset + m.capacity) {
+        continue;
+      }
+      const int64_t ls = (e - m.offset) * m.capacity + row - m.capacity_offset;
       if (r.slot_entry[ls] >= 0) {
         return Invalid(a, "route entries ", r.slot_entry[ls], " and ", i,
                        " (token * k + choice) both take slot ", s);
@@ -605,6 +627,36 @@ absl::Status CombineIdxBackward(const KernelArgs& a) {
 
 }  // namespace
 
+absl::StatusOr<MoeGroups> CheckMoeGroups(const KernelArgs& a, int64_t tokens, int64_t capacity) {
+  HAP_ASSIGN_OR_RETURN(const int64_t g, AttrInt(a, "group_size", 0));
+  HAP_ASSIGN_OR_RETURN(const int64_t global, AttrInt(a, "global_tokens", tokens));
+  HAP_ASSIGN_OR_RETURN(const int64_t offset, AttrInt(a, "token_offset", 0));
+  if (offset < 0 || offset + tokens > global) {
+    return Invalid(a, "tokens [", offset, ", ", offset + tokens, ") are not within the ", global,
+                   " tokens");
+  }
+  MoeGroups m{tokens, capacity, 0};
+  if (g == 0) {
+    if (global != tokens) {
+      return Invalid(a, "routing all ", global, " tokens as one group needs all of them, not ",
+                     tokens, " (attribute 'group_size' = 0)");
+    }
+    return m;
+  }
+  if (g < 0 || global % g != 0 || capacity % (global / g) != 0) {
+    return Invalid(a, "attribute 'group_size' = ", g, " must divide the ", global,
+                   " tokens into groups that share 'capacity' = ", capacity, " evenly");
+  }
+  if (offset % g != 0 || tokens % g != 0) {
+    return Invalid(a, "tokens [", offset, ", ", offset + tokens,
+                   ") are not whole groups of 'group_size' = ", g);
+  }
+  m.group = g;
+  m.group_capacity = capacity / (global / g);
+  m.first_group = offset / g;
+  return m;
+}
+
 // Route int64 [tokens, k]; this rank's experts within the attributes'.
 absl::StatusOr<MoeIdxDims> CheckMoeRoute(const KernelArgs& a,
                                          const TensorView& route,
@@ -623,11 +675,14 @@ absl::StatusOr<MoeIdxDims> CheckMoeRoute(const KernelArgs& a,
   m.d = d;
   HAP_ASSIGN_OR_RETURN(m.offset, AttrInt(a, "expert_offset", 0));
   HAP_ASSIGN_OR_RETURN(m.global, AttrInt(a, "experts", experts));
-  HAP_ASSIGN_OR_RETURN(const int64_t cap, AttrInt(a, "capacity", capacity));
-  if (m.offset < 0 || m.offset + experts > m.global || cap != capacity) {
-    return Invalid(a, "experts [", m.offset, ", ", m.offset + experts,
-                   ") of capacity ", capacity, " do not fit attributes "
-                   "'experts' = ", m.global, ", 'capacity' = ", cap);
+  HAP_ASSIGN_OR_RETURN(m.global_capacity, AttrInt(a, "capacity", capacity));
+  HAP_ASSIGN_OR_RETURN(m.capacity_offset, AttrInt(a, "capacity_offset", 0));
+  if (m.offset < 0 || m.offset + experts > m.global || m.capacity_offset < 0 ||
+      m.capacity_offset + capacity > m.global_capacity) {
+    return Invalid(a, "experts [", m.offset, ", ", m.offset + experts, ") and slots [",
+                   m.capacity_offset, ", ", m.capacity_offset + capacity,
+                   ") do not fit attributes 'experts' = ", m.global,
+                   ", 'capacity' = ", m.global_capacity);
   }
   return m;
 }

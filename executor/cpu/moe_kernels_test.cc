@@ -214,6 +214,121 @@ TEST(KernelTest, MoeCompactExpertShards) {
   ExpectAllNear(dw_sum, dw, 1e-12, "weights gradient");
 }
 
+// Grouped routing ("group_size"): each group of tokens routes as if alone,
+// into its own run of every expert's slots: group q's route is the
+// ungrouped route of its tokens at the group's capacity, shifted by
+// q * group capacity. Two groups of 5 tokens, 3 experts, 2 slots per group.
+TEST(KernelTest, MoeGroupedRouting) {
+  const int64_t t = 10, e = 3, k = 2, g = 5, cap = 4;  // 2 groups x 2 slots
+  HostTensor logits = Rand({t, e}, 91, 2.0);
+  HostTensor route(DType::kInt64, {t, k});
+  ASSERT_THAT(RunKernel("moe_route", {{"k", k}, {"capacity", cap}, {"group_size", g}},
+                        {logits}, {route}),
+              IsOk());
+  int dropped = 0;
+  for (int64_t q = 0; q < 2; ++q) {
+    HostTensor alone = RouteOf(Box(logits, {q * g, 0}, {g, e}), k, cap / 2);
+    for (int64_t i = 0; i < g * k; ++i) {
+      const int64_t want = alone.as<int64_t>()[i];
+      const int64_t got = route.as<int64_t>()[q * g * k + i];
+      if (want < 0) {
+        EXPECT_EQ(got, -1) << "group " << q << " entry " << i;
+        ++dropped;
+        continue;
+      }
+      // expert * 2 + slot in the group -> expert * 4 + q * 2 + slot.
+      EXPECT_EQ(got, want / 2 * cap + q * 2 + want % 2) << "group " << q << " entry " << i;
+    }
+  }
+  EXPECT_GT(dropped, 0);  // the groups' capacity binds
+  // A rank holding group 1 only ("token_offset", "global_tokens") routes it
+  // as the whole does.
+  HostTensor part(DType::kInt64, {g, k});
+  ASSERT_THAT(RunKernel("moe_route",
+                        {{"k", k}, {"capacity", cap}, {"group_size", g},
+                         {"token_offset", g}, {"global_tokens", t}},
+                        {Box(logits, {g, 0}, {g, e})}, {part}),
+              IsOk());
+  for (int64_t i = 0; i < g * k; ++i) {
+    EXPECT_EQ(part.as<int64_t>()[i], route.as<int64_t>()[g * k + i]) << i;
+  }
+  // Tokens that are not whole groups, groups that do not share the
+  // capacity, or a part of one group are refused.
+  HostTensor half(DType::kInt64, {3, k});
+  EXPECT_THAT(RunKernel("moe_route",
+                        {{"k", k}, {"capacity", cap}, {"group_size", g},
+                         {"token_offset", int64_t{2}}, {"global_tokens", t}},
+                        {Box(logits, {2, 0}, {3, e})}, {half}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not whole groups")));
+  EXPECT_THAT(RunKernel("moe_route", {{"k", k}, {"capacity", int64_t{5}}, {"group_size", g}},
+                        {logits}, {route}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("evenly")));
+  EXPECT_THAT(RunKernel("moe_route",
+                        {{"k", k}, {"capacity", cap}, {"token_offset", g}, {"global_tokens", t}},
+                        {Box(logits, {g, 0}, {g, e})}, {part}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("as one group")));
+}
+
+// A grouped route split with the tokens: a rank holding groups [q0, q1)
+// dispatches its tokens into slots [q0, q1) x group capacity of every
+// expert ("capacity_offset"), which are the whole dispatch's; its combine
+// (and backward) from those slots alone gives its tokens' rows of the
+// whole combine. What the all-to-all of dispatched tokens relies on.
+TEST(KernelTest, MoeGroupedCapacityShards) {
+  const int64_t t = 12, e = 3, k = 2, g = 4, cap = 6, d = 2;  // 3 groups x 2 slots
+  HostTensor logits = Rand({t, e}, 93, 2.0);
+  HostTensor route(DType::kInt64, {t, k});
+  ASSERT_THAT(RunKernel("moe_route", {{"k", k}, {"capacity", cap}, {"group_size", g}},
+                        {logits}, {route}),
+              IsOk());
+  HostTensor w = WeightsOf(logits, k), x = Rand({t, d}, 94), y = Rand({e, cap, d}, 95);
+  HostTensor dout = Rand({t, d}, 96);
+  HostTensor whole(DType::kFloat64, {e, cap, d}), out(DType::kFloat64, {t, d});
+  const Attrs all = {{"experts", e}, {"capacity", cap}, {"group_size", g}};
+  ASSERT_THAT(RunKernel("moe_dispatch_idx", all, {x, route}, {whole}), IsOk());
+  ASSERT_THAT(RunKernel("moe_combine_idx", all, {y, route, w}, {out}), IsOk());
+  HostTensor dy = Full({e, cap, d}, 0.0), dw = Full({t, k}, 0.0), dx = Full({t, d}, 0.0);
+  ASSERT_THAT(RunKernel("moe_combine_idx_grad", all, {y, route, w, out, dout},
+                        {dy, kAbsent, dw}),
+              IsOk());
+  ASSERT_THAT(RunKernel("moe_dispatch_idx_grad", all, {x, route, whole, dy}, {dx, kAbsent}),
+              IsOk());
+  // Rank 0: group 0 (tokens 0-3, slots 0-1); rank 1: groups 1-2.
+  const int64_t first[] = {0, 1}, groups[] = {1, 2};
+  for (int r = 0; r < 2; ++r) {
+    const int64_t t0 = first[r] * g, tn = groups[r] * g;
+    const int64_t c0 = first[r] * 2, cn = groups[r] * 2;
+    Attrs a = all;
+    a.Set("capacity_offset", c0);
+    HostTensor rt(DType::kInt64, {tn, k}), wt = Box(w, {t0, 0}, {tn, k});
+    for (int64_t i = 0; i < tn * k; ++i) rt.as<int64_t>()[i] = route.as<int64_t>()[t0 * k + i];
+    HostTensor part(DType::kFloat64, {e, cn, d});
+    ASSERT_THAT(RunKernel("moe_dispatch_idx", a, {Box(x, {t0, 0}, {tn, d}), rt}, {part}),
+                IsOk());
+    ExpectSame(part, Box(whole, {0, c0, 0}, {e, cn, d}));
+    HostTensor ys = Box(y, {0, c0, 0}, {e, cn, d});
+    HostTensor o(DType::kFloat64, {tn, d});
+    ASSERT_THAT(RunKernel("moe_combine_idx", a, {ys, rt, wt}, {o}), IsOk());
+    ExpectAllNear(o, Box(out, {t0, 0}, {tn, d}), 1e-12, "combine");
+    HostTensor pdy = Full({e, cn, d}, 0.0), pdw = Full({tn, k}, 0.0);
+    ASSERT_THAT(RunKernel("moe_combine_idx_grad", a,
+                          {ys, rt, wt, o, Box(dout, {t0, 0}, {tn, d})}, {pdy, kAbsent, pdw}),
+                IsOk());
+    ExpectAllNear(pdy, Box(dy, {0, c0, 0}, {e, cn, d}), 1e-12, "combine's y gradient");
+    ExpectAllNear(pdw, Box(dw, {t0, 0}, {tn, k}), 1e-12, "combine's weights gradient");
+    HostTensor pdx = Full({tn, d}, 0.0);
+    ASSERT_THAT(RunKernel("moe_dispatch_idx_grad", a, {Box(x, {t0, 0}, {tn, d}), rt, part, pdy},
+                          {pdx, kAbsent}),
+                IsOk());
+    ExpectAllNear(pdx, Box(dx, {t0, 0}, {tn, d}), 1e-12, "dispatch's x gradient");
+  }
+  Attrs beyond = all;
+  beyond.Set("capacity_offset", int64_t{5});
+  HostTensor two(DType::kFloat64, {e, 2, d});
+  EXPECT_THAT(RunKernel("moe_dispatch_idx", beyond, {x, route}, {two}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("do not fit")));
+}
+
 TEST(KernelTest, MoeCompactRejectsBadRoutes) {
   HostTensor x = Rand({2, 3}, 90);
   HostTensor out(DType::kFloat64, {2, 2, 3});

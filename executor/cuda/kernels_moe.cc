@@ -40,6 +40,8 @@ absl::StatusOr<GateDims> CheckGate(const KernelArgs& a, DType t,
     return Invalid(a, "the CUDA gate supports at most ", INT32_MAX,
                    " experts and capacity");
   }
+  d.group = d.tokens;
+  d.group_capacity = d.capacity;
   return d;
 }
 
@@ -97,6 +99,10 @@ absl::Status RouteForward(const KernelArgs& a) {
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(GateDims d, CheckGate(a, t));
+  HAP_ASSIGN_OR_RETURN(cpu::MoeGroups g, cpu::CheckMoeGroups(c, d.tokens, d.capacity));
+  d.group = g.group;
+  d.group_capacity = g.group_capacity;
+  d.first_group = g.first_group;
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, DType::kInt64, {d.tokens, d.k}));
   HAP_ASSIGN_OR_RETURN(Routing r, Route<T>(a, d, a.in[0].as<const T>()));
   LaunchRouteSlots(d, r.expert, r.slot, a.out[0].as<int64_t>(), a.stream);
@@ -157,6 +163,8 @@ IdxDims ToIdx(const cpu::MoeIdxDims& c) {
   m.capacity = c.capacity;
   m.d = c.d;
   m.offset = c.offset;
+  m.capacity_offset = c.capacity_offset;
+  m.global_capacity = c.global_capacity;
   return m;
 }
 

@@ -27,18 +27,23 @@ __global__ void GateTopKKernel(GateDims d, const T* logits, int32_t* expert) {
   }
 }
 
-// One block per expert: scans the tokens in order; the i-th token routed to
-// the expert takes slot i while i < capacity.
+// One block per (group, expert): scans the group's tokens in order; the
+// i-th token routed to the expert takes the group's slot i while
+// i < group_capacity.
 __global__ void GateSlotsKernel(GateDims d, const int32_t* expert,
                                 int32_t* slot) {
   using Scan = cub::BlockScan<int, kScan>;
   __shared__ typename Scan::TempStorage tmp;
-  for (int64_t e = blockIdx.x; e < d.experts; e += gridDim.x) {
+  const int64_t groups = d.tokens / d.group;
+  for (int64_t b = blockIdx.x; b < d.experts * groups; b += gridDim.x) {
+    const int64_t e = b % d.experts, q = b / d.experts;
+    const int64_t first = q * d.group, end = first + d.group;
+    const int64_t slot0 = (d.first_group + q) * d.group_capacity;
     int64_t filled = 0;
-    for (int64_t base = 0; base < d.tokens; base += kScan) {
+    for (int64_t base = first; base < end; base += kScan) {
       const int64_t t = base + threadIdx.x;
       int64_t choice = -1;
-      if (t < d.tokens) {
+      if (t < end) {
         for (int64_t j = 0; j < d.k; ++j) {
           if (expert[t * d.k + j] == e) choice = j;
         }
@@ -48,7 +53,7 @@ __global__ void GateSlotsKernel(GateDims d, const int32_t* expert,
       if (choice >= 0) {
         const int64_t s = filled + rank;
         slot[t * d.k + choice] =
-            s < d.capacity ? static_cast<int32_t>(s) : int32_t{-1};
+            s < d.group_capacity ? static_cast<int32_t>(slot0 + s) : int32_t{-1};
       }
       filled += count;
       __syncthreads();  // tmp is reused
@@ -166,8 +171,11 @@ __global__ void RouteWeightsGradKernel(GateDims d, const T* logits,
 // rank's or not a slot.
 __device__ inline int64_t LocalSlot(const IdxDims& m, const int64_t* route,
                                     int64_t i) {
-  const int64_t s = route[i] - m.offset * m.capacity;
-  return s >= 0 && s < m.experts * m.capacity ? s : int64_t{-1};
+  if (route[i] < 0) return -1;
+  const int64_t e = route[i] / m.global_capacity - m.offset;
+  const int64_t row = route[i] % m.global_capacity - m.capacity_offset;
+  return e >= 0 && e < m.experts && row >= 0 && row < m.capacity ? e * m.capacity + row
+                                                                  : int64_t{-1};
 }
 
 __global__ void SlotEntriesKernel(IdxDims m, const int64_t* route,
@@ -300,8 +308,8 @@ void LaunchGateRoute(const GateDims& d, const T* logits, int32_t* expert,
   if (d.tokens == 0 || d.experts == 0) return;
   GateTopKKernel<T>
       <<<BlocksFor(d.tokens, kTokens), kTokens, 0, stream>>>(d, logits, expert);
-  GateSlotsKernel<<<BlocksFor(d.experts, 1), kScan, 0, stream>>>(d, expert,
-                                                                 slot);
+  GateSlotsKernel<<<BlocksFor(d.experts * (d.tokens / d.group), 1), kScan, 0, stream>>>(
+      d, expert, slot);
 }
 
 template <typename T>

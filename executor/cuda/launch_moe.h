@@ -15,13 +15,18 @@ namespace hap::executor::cuda {
 
 struct GateDims {
   int64_t tokens = 0, experts = 0, k = 2, capacity = 1;
+  // Grouped routing (moe_route's "group_size"; cpu::MoeGroups): runs of
+  // `group` tokens, run q (from `first_group`) filling slots
+  // [q * group_capacity, (q + 1) * group_capacity). One group by default.
+  int64_t group = 0, group_capacity = 0, first_group = 0;
 };
 
 // The routing of every token (scratch arrays of tokens * k): its top-k
 // experts by softmax probability (computed in double, ties to the lower
 // index) in order, expert[t * k + j], and the slot each takes,
-// slot[t * k + j]: the number of earlier tokens routed to that expert, or
-// -1 once the expert is at capacity.
+// slot[t * k + j]: its group's first slot plus the number of earlier
+// tokens of its group routed to that expert, or -1 once the expert is at
+// the group's capacity.
 template <typename T>
 void LaunchGateRoute(const GateDims& d, const T* logits, int32_t* expert,
                      int32_t* slot, cudaStream_t stream);
@@ -79,6 +84,9 @@ void LaunchRouteWeightsGrad(const GateDims& d, const T* logits, const T* dw,
 // (the CPU kernels check the entries; these do not).
 struct IdxDims {
   int64_t tokens = 0, k = 0, experts = 0, capacity = 0, d = 0, offset = 0;
+  // Of each expert, the `capacity` slots from capacity_offset on, of
+  // global_capacity (cpu::MoeIdxDims).
+  int64_t capacity_offset = 0, global_capacity = 0;
 };
 
 // slot_entry[s] = the route entry (token * k + choice) in local slot s, or

@@ -37,15 +37,37 @@ absl::Status ExpectRoute(const OpCall& c, int i, int64_t tokens) {
   return absl::OkStatus();
 }
 
+// Grouped routing (GShard's groups): attribute "group_size" g > 0 routes
+// each run of g tokens on its own, with capacity / (tokens / g) slots per
+// expert; 0 (the default) routes all tokens as one group. Checked against
+// the op's tokens and capacity.
+absl::Status CheckGroups(const OpCall& c, int64_t tokens, int64_t capacity) {
+  HAP_ASSIGN_OR_RETURN(int64_t g, c.attrs.Int("group_size", 0));
+  if (g == 0) return absl::OkStatus();
+  if (g < 0 || tokens % g != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attribute 'group_size' = ", g, " must be 0 or divide the tokens (", tokens, ")"));
+  }
+  if (capacity % (tokens / g) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attribute 'capacity' = ", capacity, " must be a multiple of the ", tokens / g,
+        " groups of 'group_size' = ", g, " tokens"));
+  }
+  return absl::OkStatus();
+}
+
 void RegisterCompactMoeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "moe_route";
-    d.attrs = {"k", "capacity"};
+    d.attrs = {"k", "capacity", "group_size"};
     d.summary =
-        "moe_route(logits[t, e]; k=2, capacity) -> i64[t, k]: moe_gate's "
-        "routing as slot indices expert * capacity + slot of each token's "
-        "top-k experts in order, -1 where the expert was full (dropped)";
+        "moe_route(logits[t, e]; k=2, capacity, group_size=0) -> i64[t, k]: "
+        "moe_gate's routing as slot indices expert * capacity + slot of each "
+        "token's top-k experts in order, -1 where the expert was full "
+        "(dropped); with group_size g each run of g tokens fills its own "
+        "capacity / (t / g) slots of every expert (slots of group q from "
+        "q * capacity / (t / g) on)";
     d.non_differentiable_inputs = {0};
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
       HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
@@ -55,6 +77,7 @@ void RegisterCompactMoeOps(OpRegistry& r) {
       if (cap < 1) {
         return absl::InvalidArgumentError("attribute 'capacity' must be >= 1");
       }
+      HAP_RETURN_IF_ERROR(CheckGroups(c, c.shape(0)[0], cap));
       return std::vector<TensorType>{{DType::kInt64, {c.shape(0)[0], k}}};
     };
     d.flops = [](const OpCall& c) {
@@ -86,11 +109,13 @@ void RegisterCompactMoeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "moe_dispatch_idx";
-    d.attrs = {"experts", "capacity"};
+    d.attrs = {"experts", "capacity", "group_size"};
     d.summary =
-        "moe_dispatch_idx(x[t, d], route[t, k]; experts, capacity) -> "
-        "[experts, capacity, d]: token rows gathered into their route slots "
-        "(moe_dispatch with the compact route), empty slots zero";
+        "moe_dispatch_idx(x[t, d], route[t, k]; experts, capacity, "
+        "group_size=0) -> [experts, capacity, d]: token rows gathered into "
+        "their route slots (moe_dispatch with the compact route), empty "
+        "slots zero; group_size: the route's (a grouped route lets plans "
+        "split the capacity with the tokens)";
     d.min_inputs = d.max_inputs = 2;
     d.non_differentiable_inputs = {1};
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
@@ -103,6 +128,7 @@ void RegisterCompactMoeOps(OpRegistry& r) {
         return absl::InvalidArgumentError(
             "attributes 'experts' and 'capacity' must be >= 1");
       }
+      HAP_RETURN_IF_ERROR(CheckGroups(c, c.shape(0)[0], cap));
       return std::vector<TensorType>{{c.in(0).dtype, {e, cap, c.shape(0)[1]}}};
     };
     d.flops = [](const OpCall& c) {  // one row copy per routed token
@@ -115,11 +141,12 @@ void RegisterCompactMoeOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "moe_combine_idx";
-    d.attrs = {};
+    d.attrs = {"group_size"};
     d.summary =
-        "moe_combine_idx(y[e, c, d], route[t, k], weights[t, k]) -> [t, d]: "
-        "each token's sum of weights[t, j] * y[route[t, j]] over its placed "
-        "choices (moe_combine with the compact route)";
+        "moe_combine_idx(y[e, c, d], route[t, k], weights[t, k]; "
+        "group_size=0) -> [t, d]: each token's sum of weights[t, j] * "
+        "y[route[t, j]] over its placed choices (moe_combine with the compact "
+        "route); group_size: the route's";
     d.min_inputs = d.max_inputs = 3;
     d.non_differentiable_inputs = {1};
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
@@ -134,6 +161,7 @@ void RegisterCompactMoeOps(OpRegistry& r) {
             c.Describe(2), " must match ", c.Describe(1), "'s shape and ",
             c.Describe(0), "'s dtype"));
       }
+      HAP_RETURN_IF_ERROR(CheckGroups(c, tokens, c.shape(0)[1]));
       return std::vector<TensorType>{{c.in(0).dtype, {tokens, c.shape(0)[2]}}};
     };
     d.flops = [](const OpCall& c) {

@@ -40,13 +40,13 @@ const std::vector<ZooModelInfo>& Infos() {
        {{"layers", 12}, {"hidden", 768}, {"heads", 12}, {"ffn", 3072},
         {"seq", 128}, {"vocab", kWikiText2Vocab}, {"batch", 256},
         {"dropout", 0.1}, {"experts", 16}, {"capacity_factor", 1.25},
-        {"moe_every", 2}, {"top_k", 2}, {"dense_routing", 0}}},
+        {"moe_every", 2}, {"top_k", 2}, {"dense_routing", 0}, {"moe_group_size", 0}}},
       {"switch",
        "gpt with every moe_every-th MLP a top-1 (Switch) mixture of experts",
        {{"layers", 12}, {"hidden", 768}, {"heads", 12}, {"ffn", 3072},
         {"seq", 128}, {"vocab", kWikiText2Vocab}, {"batch", 256},
         {"dropout", 0.1}, {"experts", 16}, {"capacity_factor", 1.25},
-        {"moe_every", 2}, {"top_k", 1}, {"dense_routing", 0}}},
+        {"moe_every", 2}, {"top_k", 1}, {"dense_routing", 0}, {"moe_group_size", 0}}},
       {"vgg",
        "VGG-style CNN on 32x32 images (conv3x3+relu stages, max-pool)",
        {{"width", 64}, {"stages", 5}, {"convs_per_stage", 2}, {"image", 32},
@@ -72,11 +72,13 @@ class Params {
       values_[k] = v;
     }
   }
-  int64_t Int(const std::string& k) {
+  // A positive integer (or 0 too with allow_zero).
+  int64_t Int(const std::string& k, bool allow_zero = false) {
     double v = values_.at(k);
-    if (status_.ok() && (!(v >= 1) || v != std::floor(v) || v > 1e15)) {
+    if (status_.ok() && (!(v >= (allow_zero ? 0 : 1)) || v != std::floor(v) || v > 1e15)) {
       status_ = absl::InvalidArgumentError(absl::StrCat(
-          "parameter '", k, "' must be a positive integer, got ", v));
+          "parameter '", k, "' must be a ", allow_zero ? "non-negative" : "positive",
+          " integer, got ", v));
     }
     return status_.ok() ? static_cast<int64_t>(v) : 1;
   }
@@ -216,15 +218,21 @@ class Layers {
   // GShard mixture of experts on x[batch, seq, hidden]; `dense_moe` builds
   // the dense form (combine weights [tokens, experts, capacity]).
   bool dense_moe = false;
+  // Tokens routed together (GShard's group size; 0: all the batch's): each
+  // group has ceil(capacity_factor * group * top_k / experts) slots per
+  // expert. The builder's caller keeps groups inside samples.
+  int64_t moe_group_size = 0;
   TensorId Moe(TensorId x, int64_t tokens, int64_t hidden, int64_t ffn,
                int64_t experts, int64_t top_k, double capacity_factor,
                int64_t batch, int64_t seq) {
     b_.PushScope("moe");
+    const int64_t group = moe_group_size > 0 ? moe_group_size : tokens;
     // In doubles (tokens * top_k may not fit), capped below 2^62 so the cast
     // is defined; a huge capacity then fails the builder's shape check.
     double cap =
-        std::ceil(capacity_factor * static_cast<double>(tokens) *
-                  static_cast<double>(top_k) / static_cast<double>(experts));
+        std::ceil(capacity_factor * static_cast<double>(group) *
+                  static_cast<double>(top_k) / static_cast<double>(experts)) *
+        static_cast<double>(tokens / group);
     int64_t capacity = static_cast<int64_t>(
         std::min(cap, static_cast<double>(int64_t{1} << 62)));
     if (capacity < 1) capacity = 1;
@@ -245,16 +253,16 @@ class Layers {
       // The compact routing (int64 slots and weights [tokens, top_k]): the
       // dense combine tensor [tokens, experts, capacity] grows with
       // tokens^2.
+      const int64_t g = moe_group_size;
       TensorId route = Unary("moe_route", "route", logits,
-                             {{"k", top_k}, {"capacity", capacity}});
+                             {{"k", top_k}, {"capacity", capacity}, {"group_size", g}});
       TensorId weights =
           Unary("moe_route_weights", "route_weights", logits, {{"k", top_k}});
-      dispatched =
-          b_.Add("moe_dispatch_idx", b_.Scoped("dispatch"), {flat, route},
-                 {{"experts", experts}, {"capacity", capacity}});
-      combine = [this, route, weights](TensorId h) {
-        return b_.Add("moe_combine_idx", b_.Scoped("combine"),
-                      {h, route, weights});
+      dispatched = b_.Add("moe_dispatch_idx", b_.Scoped("dispatch"), {flat, route},
+                          {{"experts", experts}, {"capacity", capacity}, {"group_size", g}});
+      combine = [this, route, weights, g](TensorId h) {
+        return b_.Add("moe_combine_idx", b_.Scoped("combine"), {h, route, weights},
+                      {{"group_size", g}});
       };
     }
     TensorId w1 = b_.Parameter(b_.Scoped("experts/fc1/weight"),
@@ -359,12 +367,20 @@ absl::StatusOr<Graph> BuildLm(const std::string& name, Params& p, bool moe) {
     p.Require(top_k <= experts, "top_k must not exceed experts");
   }
   const bool dense_routing = moe && p.Flag("dense_routing");
+  const int64_t moe_group = moe ? p.Int("moe_group_size", true) : 0;
+  if (moe_group > 0) {
+    p.Require(seq % moe_group == 0,
+              "moe_group_size must divide seq (routing groups stay inside samples, so a plan "
+              "that splits the batch keeps whole groups)");
+    p.Require(!dense_routing, "moe_group_size needs the compact routing (dense_routing 0)");
+  }
   p.Require(hidden % heads == 0, "hidden must be divisible by heads");
   const int64_t num_tokens = p.Mul(batch, seq, "batch * seq");
   HAP_RETURN_IF_ERROR(p.status());
   GraphBuilder b(name);
   Layers L(b);
   L.dense_moe = dense_routing;
+  L.moe_group_size = moe_group;
   TensorId tokens = b.Input("tokens", I64({batch, seq}));
   TensorId labels = b.Input("labels", I64({num_tokens}), InputRole::kLabels);
   TensorId wte = b.Parameter("embed/tokens", F32({vocab, hidden}),
