@@ -26,8 +26,12 @@
 // against the best of the baselines (dp-even, dp-prop, megatron, zero3) and
 // against the compute bound, and the dense form (dense_routing 1, the
 // earlier zoo) planned the same way, each row in a child process.
+// --moe-group-size N routes every N tokens as a group (the zoo's
+// moe_group_size; 128 = per sample at seq 128), which lets plans split the
+// routing by groups and send dispatched tokens to their experts by
+// all-to-all.
 //
-//   bazel run -c opt //bench:synth_bench -- --moe [--devices 64,256,1024]
+//   bazel run -c opt //bench:synth_bench -- --moe [--devices 64,256,1024] [--moe-group-size 128]
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -211,12 +215,13 @@ int ScaleRow(const ScaleConfig& cfg, double budget) {
 // HAP's plan against the best baseline's and against the compute bound
 // (the training FLOPs over the cluster's FLOP/s).
 int MoeRow(const std::string& model, int devices, int types, int experts,
-           double budget) {
+           int group, double budget) {
   ClusterModel c = Make(devices, types, 8);
   // The zoo's batch (256) where each device gets a sample, else one each.
   const int batch = std::max(256, devices);
   std::map<std::string, double> params = {{"batch", batch}};
   if (experts > 0) params["experts"] = experts;
+  if (group > 0) params["moe_group_size"] = group;
   auto g = hap::graph::BuildZooModel(model, params);
   if (!g.ok()) {
     std::fprintf(stderr, "%s\n", std::string(g.status().message()).c_str());
@@ -241,6 +246,7 @@ int MoeRow(const std::string& model, int devices, int types, int experts,
   // The dense form (combine weights [tokens, experts, capacity]), as before.
   std::map<std::string, double> dense_params = params;
   dense_params["dense_routing"] = 1;
+  dense_params.erase("moe_group_size");  // the dense form routes all tokens as one group
   std::string dense = "does not build";
   if (auto dg = hap::graph::BuildZooModel(model, dense_params); dg.ok()) {
     auto d = hap::synth::PlanModel(*dg, c, o);
@@ -299,10 +305,12 @@ int MoeRow(const std::string& model, int devices, int types, int experts,
   for (const auto& [k, v] : splits) {
     split += (split.empty() ? "" : ", ") + k + " x" + std::to_string(v);
   }
+  const std::string name =
+      group > 0 ? model + " (groups of " + std::to_string(group) + ")" : model;
   std::printf(
       "| %s | %d | %d | %d | %lld | %.1f | %.3f | %s | %s | %.3f | %.2f | "
       "%.1f | %.0f | %s | %s |\n",
-      model.c_str(), devices, types, batch, static_cast<long long>(e), hap_s,
+      name.c_str(), devices, types, batch, static_cast<long long>(e), hap_s,
       hap->cost.total, base, ratio, bound, hap->cost.total / bound,
       static_cast<double>(peak) / (1 << 30),
       static_cast<double>(ru.ru_maxrss) / 1024, dense.c_str(), split.c_str());
@@ -336,7 +344,7 @@ int Scale(const std::vector<ScaleConfig>& configs, double budget, int timeout) {
 // The MoE series: moe and switch at the zoo's default batch (256 samples;
 // one a device on more than 256 devices) on `sizes` devices of `types` types, with the zoo's experts and with one
 // expert per device.
-int Moe(const std::vector<int>& sizes, int types, double budget, int timeout) {
+int Moe(const std::vector<int>& sizes, int types, int group, double budget, int timeout) {
   std::printf(
       "| model | devices | types | batch | experts | plan s | hap predicted s | best "
       "baseline predicted s | baseline / hap | compute bound s | hap / bound "
@@ -349,7 +357,7 @@ int Moe(const std::vector<int>& sizes, int types, double budget, int timeout) {
     for (const char* model : {"moe", "switch"}) {
       for (int experts : {0, n}) {
         const int status = InChild(
-            [&] { return MoeRow(model, n, types, experts, budget); }, timeout);
+            [&] { return MoeRow(model, n, types, experts, group, budget); }, timeout);
         if (status < 0) {
           std::printf("| %s | %d | %d | | %d | over %d s (killed, signal %d) "
                       "| | | | | | | | | |\n",
@@ -369,12 +377,13 @@ int main(int argc, char** argv) {
   bool scale = false, moe = false;
   std::vector<int> sizes;
   int layers = 12, types = 4;  // with --devices
+  int group = 0;               // --moe-group-size
   int timeout = 600;
   double budget = 60;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    const bool valued = a == "--devices" || a == "--timeout" ||
-                        a == "--budget" || a == "--layers" || a == "--types";
+    const bool valued = a == "--devices" || a == "--timeout" || a == "--budget" ||
+                        a == "--layers" || a == "--types" || a == "--moe-group-size";
     if (a == "--scale") {
       scale = true;
     } else if (a == "--moe") {
@@ -389,6 +398,8 @@ int main(int argc, char** argv) {
         layers = std::atoi(v.c_str());
       } else if (a == "--types") {
         types = std::atoi(v.c_str());
+      } else if (a == "--moe-group-size") {
+        group = std::atoi(v.c_str());
       } else {
         for (size_t p = 0; p < v.size();) {
           size_t q = v.find(',', p);
@@ -407,8 +418,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: synth_bench [--quick] | --scale [--devices N,N,... "
                    "[--layers N] [--types N]] [--timeout S] [--budget S] | "
-                   "--moe [--devices N,N,...] [--types N] [--timeout S] "
-                   "[--budget S]\n");
+                   "--moe [--devices N,N,...] [--types N] [--moe-group-size N] "
+                   "[--timeout S] [--budget S]\n");
       return 2;
     }
   }
@@ -419,7 +430,7 @@ int main(int argc, char** argv) {
   }
   if (moe) {
     if (sizes.empty()) sizes = {64, 256};
-    return Moe(sizes, types, budget, timeout);
+    return Moe(sizes, types, group, budget, timeout);
   }
   if (scale) {
     std::vector<ScaleConfig> series;

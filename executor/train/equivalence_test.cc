@@ -52,12 +52,16 @@ graph::Graph Model(const std::string& name, int ranks) {
   } else if (name == "vit") {
     p = {{"layers", 1}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"image", 8},
          {"patch", 4}, {"channels", 3}, {"classes", 5}, {"batch", batch}, {"dropout", 0.1}};
-  } else if (name == "moe" || name == "switch") {
+  } else if (name == "moe" || name == "switch" || name == "moe_grouped" ||
+             name == "switch_grouped") {
+    const bool top2 = name.rfind("moe", 0) == 0;
     p = {{"layers", 2}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 4},
          {"vocab", 29}, {"batch", batch}, {"dropout", 0.0}, {"experts", 2 * ranks + 2},
-         {"moe_every", 2}, {"top_k", name == "moe" ? 2 : 1}};
+         {"moe_every", 2}, {"top_k", top2 ? 2 : 1}};
+    // Grouped routing: every 2 tokens of a sample route together.
+    if (name.find("grouped") != std::string::npos) p["moe_group_size"] = 2;
   }
-  auto g = graph::BuildZooModel(name, p);
+  auto g = graph::BuildZooModel(name.substr(0, name.find('_')), p);
   EXPECT_TRUE(g.ok()) << g.status();
   return *std::move(g);
 }
@@ -177,6 +181,15 @@ std::vector<Case> Cases() {
           bool adam = (n + (kind == "tp") + uneven) % 2 == 0;
           for (bool overlap : {false, true}) out.push_back({model, n, kind, uneven, adam, overlap});
         }
+      }
+    }
+  }
+  // Grouped routing split by groups, the experts' FFN by experts: the
+  // dispatched tokens travel by all-to-all.
+  for (std::string model : {"moe_grouped", "switch_grouped"}) {
+    for (int n : {2, 3, 4}) {
+      for (bool uneven : {false, true}) {
+        out.push_back({model, n, "groups", uneven, n % 2 == 0, uneven});
       }
     }
   }

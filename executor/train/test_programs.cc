@@ -51,6 +51,15 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
     o.rule_filter = [](const synth::ShardRule& r) {
       return r.name != "tokens" && r.name != "features";
     };
+  } else if (kind == "groups") {
+    // Grouped MoE routing split by whole groups of tokens: the MoE ops
+    // take their "groups" rules (or stay whole) and the experts' FFN splits
+    // by experts, so the dispatched tokens reach their experts by an
+    // all-to-all (checked below).
+    o.rule_filter = [](const synth::ShardRule& r) {
+      return r.name != "tokens" && r.name != "features" && r.name != "expert" &&
+             r.name.rfind("batch", 0) != 0;
+    };
   } else if (kind != "mix") {
     return absl::InvalidArgumentError(absl::StrCat("unknown program kind '", kind, "'"));
   }
@@ -89,6 +98,26 @@ absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
       }
     }
     if (moe == 0) return absl::FailedPreconditionError("no MoE dispatch or combine");
+  }
+  if (kind == "groups") {
+    int grouped = 0, all_to_all = 0;
+    for (const synth::OpStep& s : p->steps) {
+      const std::string& type = g.op(s.op).type;
+      if (type == "moe_dispatch_idx" || type == "moe_combine_idx") {
+        if (s.rule.name != "groups") {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "op '", g.op(s.op).name, "' is not split by groups (rule '", s.rule.name, "')"));
+        }
+        ++grouped;
+      }
+      for (const synth::CommStep& c : s.comms) {
+        all_to_all += c.forward == synth::Collective::kAllToAll;
+      }
+    }
+    if (grouped == 0) return absl::FailedPreconditionError("no grouped MoE dispatch or combine");
+    if (all_to_all == 0) {
+      return absl::FailedPreconditionError("the dispatched tokens reach no expert by all-to-all");
+    }
   }
   if (kind == "sfb") {
     int forced = 0;

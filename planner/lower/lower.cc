@@ -51,12 +51,19 @@ class DimClasses {
     b = Find(b);
     if (a != b) parent_[std::max(a, b)] = std::min(a, b);
   }
+  // Node a's shards must be whole multiples of length / units (grouped MoE
+  // routing: whole groups): its class's unit divides `units`.
+  void Granule(int a, int64_t units) { granules_.push_back({a, units}); }
   void Solve(const std::vector<double>& ratios) {
     const int n = static_cast<int>(ratios.size());
     std::map<int, int64_t> gcd;
     for (size_t i = 0; i < parent_.size(); ++i) {
       int r = Find(static_cast<int>(i));
       gcd[r] = std::gcd(gcd[r], length_[i]);
+    }
+    for (auto [a, units] : granules_) {
+      int r = Find(a);
+      gcd[r] = std::gcd(gcd[r], units);
     }
     std::map<int, std::vector<int64_t>> units;
     for (auto& [root, g] : gcd) {
@@ -100,6 +107,7 @@ class DimClasses {
   std::map<std::pair<TensorId, int>, int> id_;
   std::vector<int> parent_;
   std::vector<int64_t> length_;
+  std::vector<std::pair<int, int64_t>> granules_;
   std::vector<ShardLayout> layout_;
 };
 
@@ -612,6 +620,19 @@ class RankBuilder {
       a["expert_offset"].set_i(f.is_sharded() && f.dim() == 0
                                    ? dims_.Layout(experts, 0).offsets[r_]
                                    : 0);
+      // Grouped routing split by groups: this rank's run of every expert's
+      // slots, of the whole capacity.
+      a["capacity"].set_i(g_.tensor(experts).type.shape[1]);
+      a["capacity_offset"].set_i(f.is_sharded() && f.dim() == 1
+                                     ? dims_.Layout(experts, 1).offsets[r_]
+                                     : 0);
+    } else if (op.type == "moe_route") {
+      // Grouped routing split by groups: this rank's tokens of the whole.
+      a["global_tokens"].set_i(in0[0]);
+      const Form f = s.rule.inputs[0];
+      a["token_offset"].set_i(f.is_sharded() && f.dim() == 0
+                                  ? dims_.Layout(op.inputs[0], 0).offsets[r_]
+                                  : 0);
     } else if (op.type == "embedding") {
       const graph::Shape& table = g_.tensor(op.inputs[1]).type.shape;
       a["vocab_size"].set_i(table[0]);
@@ -1357,6 +1378,17 @@ void LinkDims(const graph::Graph& g, const synth::Program& p, DimClasses& dims) 
     };
     for (size_t j = 0; j < op.inputs.size(); ++j) link(op.inputs[j], s.rule.inputs[j]);
     for (size_t j = 0; j < op.outputs.size(); ++j) link(op.outputs[j], s.rule.outputs[j]);
+    // Grouped MoE routing split by tokens: shards of whole groups.
+    const int64_t group = op.attrs.Int("group_size", 0).value_or(0);
+    if (group > 0 && (op.type == "moe_route" || op.type == "moe_dispatch_idx" ||
+                      op.type == "moe_combine_idx")) {
+      const int j = op.type == "moe_combine_idx" ? 1 : 0;  // the tokens' input
+      const Form f = s.rule.inputs[j];
+      if (f.is_sharded() && f.dim() == 0) {
+        const TensorId t = op.inputs[j];
+        dims.Granule(dims.Node(t, 0), g.tensor(t).type.shape[0] / group);
+      }
+    }
     for (const synth::SourceLoad& l : s.loads) {
       if (l.form.is_sharded()) dims.Node(l.tensor, l.form.dim());
       if (l.storage == synth::ParamStorage::kZero) dims.Node(l.tensor, 0);

@@ -196,6 +196,61 @@ TEST(LowerTest, ExpertSplitMoeKernelsCarryTheRanksExpertOffset) {
   EXPECT_EQ(next, 8);
 }
 
+// Grouped MoE routing split by groups: every rank's tokens are whole
+// groups and its slots those groups' (token_offset and capacity_offset
+// agree), even where the token dimension alone would round across a group
+// (12 tokens in groups of 4 at equal ratios over 2 ranks: 6 + 6 without
+// the groups' granularity).
+TEST(LowerTest, GroupedMoeShardsAreWholeGroups) {
+  graph::GraphBuilder b("grouped");
+  const graph::TensorId x = b.Input("x", graph::TensorType{graph::DType::kFloat32, {12, 8}});
+  const graph::TensorId w = b.Parameter(
+      "gate", graph::TensorType{graph::DType::kFloat32, {8, 3}}, graph::Initializer::Zeros());
+  const graph::TensorId logits = b.Add("matmul", "logits", {x, w});
+  const graph::TensorId route =
+      b.Add("moe_route", "route", {logits},
+            {{"k", int64_t{1}}, {"capacity", int64_t{6}}, {"group_size", int64_t{4}}});
+  const graph::TensorId disp = b.Add(
+      "moe_dispatch_idx", "dispatch", {x, route},
+      {{"experts", int64_t{3}}, {"capacity", int64_t{6}}, {"group_size", int64_t{4}}});
+  b.SetLoss(b.Add("sum", "loss", {disp}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  synth::Program p = Search(*g, 2, {0.5, 0.5}, std::nullopt, [](const synth::ShardRule& r) {
+    return r.name != "tokens" && r.name != "features" && r.name != "expert";
+  });
+  for (const synth::OpStep& s : p.steps) {
+    const std::string& type = g->op(s.op).type;
+    if (type == "moe_route" || type == "moe_dispatch_idx") {
+      ASSERT_EQ(s.rule.name, "groups") << type;
+    }
+  }
+  LowerOptions o;
+  o.world_size = 2;
+  o.ratios = {0.5, 0.5};
+  auto progs = Lower(*g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  std::vector<int64_t> offsets;
+  for (int r = 0; r < 2; ++r) {
+    int64_t token_offset = -1, capacity_offset = -1;
+    for (const auto& s : (*progs)[r].steps()) {
+      if (!s.has_kernel()) continue;
+      const auto& a = s.kernel().attrs();
+      if (s.kernel().kernel() == "moe_route") token_offset = a.at("token_offset").i();
+      if (s.kernel().kernel() == "moe_dispatch_idx") {
+        capacity_offset = a.at("capacity_offset").i();
+        EXPECT_EQ(a.at("capacity").i(), 6);
+      }
+    }
+    EXPECT_EQ(token_offset % 4, 0) << "rank " << r << " starts at token " << token_offset;
+    EXPECT_EQ(capacity_offset, token_offset / 4 * 2) << "rank " << r;
+    offsets.push_back(token_offset);
+  }
+  EXPECT_EQ(offsets[0], 0);
+  EXPECT_GT(offsets[1], 0);
+  EXPECT_LT(offsets[1], 12);
+}
+
 TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   graph::Graph g = Gpt(8);
   synth::Program p = Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, synth::DataParallelRule);
