@@ -208,10 +208,22 @@ absl::Status GemmBf16(int threads, bool trans_a, bool trans_b, int64_t m, int64_
   thread_local std::vector<uint16_t> a16, b16;
   a16.resize(m * k);
   b16.resize(k * n);
-  ToBf16Plain(a, trans_a, m, k, lda, a16.data());
-  ToBf16Plain(b, trans_b, k, n, ldb, b16.data());
-
   threads = threads < 1 ? 1 : threads;
+  // The roundings in row blocks over the threads (each block's rows of
+  // op(X) are whole tiles of ToBf16Plain's transpose).
+  auto convert = [threads](const float* x, bool trans, int64_t rows, int64_t cols, int64_t ld,
+                           uint16_t* y) {
+    constexpr int64_t kRows = 32;
+    ParallelFor(threads, (rows + kRows - 1) / kRows, GrainFor(kRows * cols),
+                [&](int64_t b, int64_t e) {
+                  const int64_t r0 = b * kRows, r1 = std::min(rows, e * kRows);
+                  ToBf16Plain(trans ? x + r0 : x + r0 * ld, trans, r1 - r0, cols, ld,
+                              y + r0 * cols);
+                });
+  };
+  convert(a, trans_a, m, k, lda, a16.data());
+  convert(b, trans_b, k, n, ldb, b16.data());
+
   if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
   const_dnnl_primitive_desc_t pd = nullptr;
   HAP_DNNL(dnnl_primitive_get_primitive_desc(p, &pd), "primitive_get_primitive_desc");

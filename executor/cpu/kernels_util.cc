@@ -1,6 +1,10 @@
 // The helpers of kernels_internal.h: argument checks, the backward-kernel
 // layout, the parallel-for and strided loops.
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "executor/cpu/kernels_internal.h"
@@ -248,20 +252,116 @@ int NumChunks(int threads, int64_t n, int64_t grain) {
       std::max<int64_t>(1, std::min<int64_t>(threads, n / grain)));
 }
 
+namespace {
+
+// The workers RunChunks hands chunks to: threads made once and kept (a
+// thread made per call cost more than the small kernels' whole work, and
+// each new thread's OpenMP state cost oneDNN its thread team). One queue
+// for the process (ranks run as threads of one process in tests). A
+// caller waiting for its chunks runs queued chunks itself, so progress
+// never depends on a free worker; a chunk that calls RunChunks again runs
+// its chunks in line (no nesting on the workers).
+class ChunkPool {
+ public:
+  struct Batch {
+    int left;  // guarded by the pool's mutex
+    std::condition_variable done;
+  };
+  struct Task {
+    const std::function<void(int, int64_t, int64_t)>* fn;
+    int chunk;
+    int64_t begin, end;
+    Batch* batch;
+  };
+
+  static ChunkPool& Get() {
+    static ChunkPool* pool = new ChunkPool;  // never destroyed: workers outlive main
+    return *pool;
+  }
+  static bool OnWorker() { return on_worker_; }
+
+  // Queues tasks, making workers up to `want` (at most kMaxWorkers).
+  void Submit(const std::vector<Task>& tasks, int want) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Task& t : tasks) queue_.push_back(t);
+    while (workers_ < std::min(want, kMaxWorkers)) {
+      std::thread([this] { Work(); }).detach();
+      ++workers_;
+    }
+    work_.notify_all();
+  }
+
+  // Until `batch` is done, running queued tasks meanwhile.
+  void Wait(Batch& batch) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (batch.left > 0) {
+      if (!queue_.empty()) {
+        Task t = queue_.front();
+        queue_.pop_front();
+        lock.unlock();
+        Run(t);
+        lock.lock();
+        continue;
+      }
+      batch.done.wait(lock);
+    }
+  }
+
+ private:
+  static constexpr int kMaxWorkers = 64;
+
+  void Run(const Task& t) {
+    const bool was = on_worker_;
+    on_worker_ = true;
+    (*t.fn)(t.chunk, t.begin, t.end);
+    on_worker_ = was;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--t.batch->left == 0) t.batch->done.notify_all();
+  }
+
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_.wait(lock, [this] { return !queue_.empty(); });
+      Task t = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      Run(t);
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable work_;
+  std::deque<Task> queue_;
+  int workers_ = 0;
+  static thread_local bool on_worker_;
+};
+
+thread_local bool ChunkPool::on_worker_ = false;
+
+}  // namespace
+
 void RunChunks(int chunks, int64_t n,
                const std::function<void(int, int64_t, int64_t)>& fn) {
+  auto bound = [&](int c) { return n / chunks * c + n % chunks * c / chunks; };
   if (chunks <= 1) {
     fn(0, 0, n);
     return;
   }
-  auto bound = [&](int c) { return n / chunks * c + n % chunks * c / chunks; };
-  std::vector<std::thread> threads;
-  threads.reserve(chunks - 1);
-  for (int c = 1; c < chunks; ++c) {
-    threads.emplace_back(fn, c, bound(c), bound(c + 1));
+  if (ChunkPool::OnWorker()) {
+    for (int c = 0; c < chunks; ++c) fn(c, bound(c), bound(c + 1));
+    return;
   }
+  ChunkPool& pool = ChunkPool::Get();
+  ChunkPool::Batch batch;
+  batch.left = chunks - 1;
+  std::vector<ChunkPool::Task> tasks;
+  tasks.reserve(chunks - 1);
+  for (int c = 1; c < chunks; ++c) tasks.push_back({&fn, c, bound(c), bound(c + 1), &batch});
+  pool.Submit(tasks, chunks - 1);
   fn(0, 0, bound(1));
-  for (std::thread& t : threads) t.join();
+  pool.Wait(batch);
 }
 
 void ParallelFor(int threads, int64_t n, int64_t grain,
