@@ -13,6 +13,7 @@
 #include "executor/data/batches.h"
 #include "executor/data/user_data.h"
 #include "executor/data/wikitext.h"
+#include "executor/runtime/async_collectives.h"
 #include "executor/runtime/program_runner.h"
 #include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
@@ -78,6 +79,31 @@ class DeferredCommunicator : public Communicator {
   const int rank_;
   const int size_;
   Communicator* target_ = nullptr;
+};
+
+// The runner's asynchronous collectives (a plan lowered with overlap) for a
+// plan loaded before the ranks connect: the communication thread, with the
+// rank's second communicator, is attached when training connects and
+// dropped when it ends.
+class DeferredAsync : public AsyncCollectives {
+ public:
+  void Attach(std::unique_ptr<AsyncCollectives> a) { target_ = std::move(a); }
+  absl::Status Start(int id, Work work) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->Start(id, std::move(work));
+  }
+  absl::Status Wait(int id) override {
+    HAP_RETURN_IF_ERROR(Check());
+    return target_->Wait(id);
+  }
+  absl::Status WaitAll() override { return target_ == nullptr ? absl::OkStatus() : target_->WaitAll(); }
+
+ private:
+  absl::Status Check() const {
+    if (target_ != nullptr) return absl::OkStatus();
+    return absl::FailedPreconditionError("the ranks are not connected (no training running)");
+  }
+  std::unique_ptr<AsyncCollectives> target_;
 };
 
 // "dns:///h:p", "ipv4:h:p" and "h:p" name the same planner.
@@ -155,7 +181,10 @@ struct ExecutorCore::Loaded {
   PipelineRank at;
   std::unique_ptr<DeferredCommunicator> world;
   bool pipelined() const { return world != nullptr; }
-  std::unique_ptr<ProgramRunner> runner;  // uses graph (or at.micro), device, comm
+  // A plan lowered with overlap: its started collectives run on a
+  // communication thread attached while training (null otherwise).
+  std::unique_ptr<DeferredAsync> async;
+  std::unique_ptr<ProgramRunner> runner;  // uses graph (or at.micro), device, comm, async
   std::deque<v1::StepMetric> metrics;     // guarded by the core's mu_
   v1::StepProfile profile;                // guarded by mu_; the latest window
   // The window being timed (the training thread's): its first step and
@@ -327,9 +356,15 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
       loaded->timing = std::make_unique<TimingDevice>(run_on);
       run_on = loaded->timing.get();
     }
+    // Executors overlap what the plan was lowered to overlap.
+    RunnerOptions ro;
+    if (HasAsyncCollectives(in.plan.rank_programs(in.rank))) {
+      loaded->async = std::make_unique<DeferredAsync>();
+      ro.async = loaded->async.get();
+    }
     auto r = ProgramRunner::Create(in.plan.rank_programs(in.rank),
                                    loaded->pipelined() ? loaded->at.micro : loaded->graph, run_on,
-                                   loaded->comm.get());
+                                   loaded->comm.get(), ro);
     if (!r.ok()) return Annotate(r.status(), absl::StrCat("rank ", in.rank, "'s program"));
     loaded->runner = *std::move(r);
   }
@@ -424,6 +459,23 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     auto comm = o_.connect ? o_.connect(go, *store) : ConnectBackend(*loaded->device, go, *store);
     if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
     loaded->comm->Attach(comm->get());
+    if (loaded->async != nullptr) {
+      // The second communicator of the overlapped collectives (as
+      // hap-launch's ConnectOverlap; through o_.connect when given).
+      std::unique_ptr<AsyncCollectives> thread;
+      if (o_.connect) {
+        GlooOptions ov = go;
+        ov.prefix = absl::StrCat(go.prefix, "/overlap");
+        auto c = o_.connect(ov, *store);
+        if (!c.ok()) return Annotate(c.status(), "connecting the ranks (overlap)");
+        thread = NewCommThread(loaded->device.get(), *std::move(c));
+      } else {
+        auto t = ConnectOverlap(*loaded->device, go, *store);
+        if (!t.ok()) return Annotate(t.status(), "connecting the ranks (overlap)");
+        thread = *std::move(t);
+      }
+      loaded->async->Attach(std::move(thread));
+    }
     std::unique_ptr<PipelineRunner> pipe;
     if (loaded->pipelined()) {
       HAP_ASSIGN_OR_RETURN(pipe, PipelineRunner::Create(loaded->runner.get(), world->get(),
@@ -467,6 +519,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
                        [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
                        *loaded->batches, to)
                  : TrainRank(*loaded->runner, *loaded->batches, to);
+    if (loaded->async != nullptr) loaded->async->Attach(nullptr);  // joins its thread
     loaded->comm->Attach(nullptr);
     if (loaded->world != nullptr) loaded->world->Attach(nullptr);
     return r.status();

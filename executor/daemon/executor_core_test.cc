@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -374,6 +375,74 @@ TEST(ExecutorCoreTest, TwoRanksReportTheSameLosses) {
     EXPECT_EQ((*ma)[i].rank(), 0);
     EXPECT_EQ((*mb)[i].rank(), 1);
     EXPECT_EQ((*ma)[i].loss(), (*mb)[i].loss()) << "step " << i;
+  }
+}
+
+// A plan lowered with overlap: its gradient buckets run on a communication
+// thread with the rank's second communicator (prefix ".../overlap"),
+// attached when training connects; both ranks report the losses of the
+// same model's plan run in line.
+TEST(ExecutorCoreTest, OverlappedPlansRunTheirStartedCollectivesBehindCompute) {
+  auto overlapped = testing::MakeMlpPlan(2, /*overlap=*/true);
+  ASSERT_THAT(overlapped, IsOk());
+  int started = 0;
+  for (const v1::Step& st : overlapped->rank_programs(0).steps()) {
+    started += st.has_collective() && st.collective().async();
+  }
+  ASSERT_GT(started, 0) << "the plan starts no collective asynchronously";
+  std::map<std::string, std::unique_ptr<Group>> groups;
+  groups["deployments/d1/1"] = std::make_unique<Group>(2);
+  groups["deployments/d1/1/overlap"] = std::make_unique<Group>(2);
+  ExecutorCoreOptions o = Options(nullptr);
+  absl::Mutex mu;
+  std::set<std::string> asked;
+  o.connect = [&](const GlooOptions& go,
+                  RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    absl::MutexLock l(&mu);
+    asked.insert(go.prefix);
+    auto it = groups.find(go.prefix);
+    if (it == groups.end()) return absl::InternalError("unexpected prefix " + go.prefix);
+    if (it->second->comms[go.rank] == nullptr) {
+      return absl::FailedPreconditionError("communicator already taken");
+    }
+    return std::move(it->second->comms[go.rank]);
+  };
+  ExecutorCore a(o), b(o);
+  LoadOptions la = Load(2, 0, 4), lb = Load(2, 1, 4);
+  la.plan = lb.plan = *overlapped;
+  ASSERT_THAT(a.LoadPlan(la), IsOk());
+  ASSERT_THAT(b.LoadPlan(lb), IsOk());
+  ASSERT_THAT(a.Start(""), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  for (ExecutorCore* c : {&a, &b}) {
+    v1::ExecutorStatus s = c->WaitUntilDone(absl::InfiniteFuture());
+    EXPECT_EQ(s.state(), v1::ExecutorStatus::FINISHED) << s.error();
+  }
+  EXPECT_EQ(asked.count("deployments/d1/1/overlap"), 1u);
+
+  // The in-line plan of the same model and seed.
+  Group inline_group(2);
+  ExecutorCore c(Options(&inline_group)), d(Options(&inline_group));
+  ASSERT_THAT(c.LoadPlan(Load(2, 0, 4)), IsOk());
+  ASSERT_THAT(d.LoadPlan(Load(2, 1, 4)), IsOk());
+  ASSERT_THAT(c.Start(""), IsOk());
+  ASSERT_THAT(d.Start(""), IsOk());
+  for (ExecutorCore* e : {&c, &d}) {
+    EXPECT_EQ(e->WaitUntilDone(absl::InfiniteFuture()).state(), v1::ExecutorStatus::FINISHED);
+  }
+  bool done = false;
+  auto ma = a.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
+  auto mb = b.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
+  auto mc = c.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
+  ASSERT_THAT(ma, IsOk());
+  ASSERT_THAT(mb, IsOk());
+  ASSERT_THAT(mc, IsOk());
+  ASSERT_EQ(ma->size(), 4u);
+  ASSERT_EQ(mc->size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ((*ma)[i].loss(), (*mb)[i].loss()) << "step " << i;
+    const double want = (*mc)[i].loss();
+    EXPECT_NEAR((*ma)[i].loss(), want, 2e-5 * std::abs(want) + 2e-6) << "step " << i;
   }
 }
 

@@ -16,7 +16,7 @@ namespace hap::executor::testing {
 
 namespace v1 = ::hap::v1;
 
-absl::StatusOr<v1::Plan> MakeMlpPlan(int world) {
+absl::StatusOr<v1::Plan> MakeMlpPlan(int world, bool overlap) {
   std::map<std::string, double> p = {{"layers", 3},  {"hidden", 24},
                                      {"input", 12},  {"classes", 5},
                                      {"batch", 6.0 * world + 1}};
@@ -41,12 +41,14 @@ absl::StatusOr<v1::Plan> MakeMlpPlan(int world) {
   HAP_ASSIGN_OR_RETURN(cost::ClusterModel model, cost::ClusterModel::FromProto(cluster));
   synth::PlanOptions po;
   po.max_seconds = 20;
+  po.overlap_communication = overlap;
   HAP_ASSIGN_OR_RETURN(synth::PlanResult r, synth::PlanModel(g, model, po));
   v1::PlanOptions options;
   options.mutable_optimizer()->set_kind(v1::OptimizerConfig::SGD);
   options.mutable_optimizer()->set_learning_rate(0.1);
   options.mutable_optimizer()->set_momentum(0.9);
   options.set_seed(7);
+  options.set_overlap_communication(overlap);
   return lower::BuildPlan(g, cluster, model, r, options);
 }
 

@@ -10,8 +10,9 @@
 namespace hap::executor::testing {
 
 // A 3-layer MLP (batch 6 * world + 1, so shards are uneven), SGD with
-// momentum, seed 7.
-absl::StatusOr<hap::v1::Plan> MakeMlpPlan(int world);
+// momentum, seed 7; with `overlap` planned and lowered with communication
+// overlapping compute (gradient buckets started during backward).
+absl::StatusOr<hap::v1::Plan> MakeMlpPlan(int world, bool overlap = false);
 
 // A 4-layer MLP at batch 16 on 4 CPU devices in two nodes (2 each), SGD
 // with momentum, seed 7: planned as 2 pipeline stages with 4 microbatches
