@@ -102,7 +102,13 @@ class DemoCleanupTest(unittest.TestCase):
         state = self.read_until(demo, r"state in (\S+)", log).group(1)
         ranks = self.read_until(demo, r"rank 1: ", log)
         self.assertTrue(ranks)
-        # While it runs, its processes are alive and (with cgroups) its groups exist.
+        # While it runs, its processes are alive and (with cgroups) its groups
+        # exist: the planner, and each rank's executor and agent (the last
+        # agent is started just before the line read above, so it may take
+        # a moment to appear under its own command line).
+        deadline = time.time() + 30
+        while len(processes_mentioning(state)) < 5 and time.time() < deadline:
+            time.sleep(0.1)
         self.assertGreaterEqual(len(processes_mentioning(state)), 5, "".join(log))
         rest, _ = demo.communicate(timeout=300)
         log.append(rest)
