@@ -353,17 +353,21 @@ TEST(ExecutorCoreTest, ConnectFailureIsFailedWithTheReason) {
   EXPECT_TRUE(ended);
 }
 
-TEST(ExecutorCoreTest, TwoRanksReportTheSameLosses) {
-  Group group(2);
-  ExecutorCore a(Options(&group)), b(Options(&group));
-  ASSERT_THAT(a.LoadPlan(Load(2, 0, 4)), IsOk());
-  ASSERT_THAT(b.LoadPlan(Load(2, 1, 4)), IsOk());
-  ASSERT_THAT(a.Start(""), IsOk());
-  ASSERT_THAT(b.Start(""), IsOk());
-  for (ExecutorCore* c : {&a, &b}) {
+// Loads rank r's options on core r, starts every core, and expects each to
+// finish its training.
+void TrainToTheEnd(const std::vector<ExecutorCore*>& cores, const std::vector<LoadOptions>& loads) {
+  for (size_t r = 0; r < cores.size(); ++r) ASSERT_THAT(cores[r]->LoadPlan(loads[r]), IsOk());
+  for (ExecutorCore* c : cores) ASSERT_THAT(c->Start(""), IsOk());
+  for (ExecutorCore* c : cores) {
     v1::ExecutorStatus s = c->WaitUntilDone(absl::InfiniteFuture());
     EXPECT_EQ(s.state(), v1::ExecutorStatus::FINISHED) << s.error();
   }
+}
+
+TEST(ExecutorCoreTest, TwoRanksReportTheSameLosses) {
+  Group group(2);
+  ExecutorCore a(Options(&group)), b(Options(&group));
+  TrainToTheEnd({&a, &b}, {Load(2, 0, 4), Load(2, 1, 4)});
   bool done = false;
   auto ma = a.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
   auto mb = b.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
@@ -410,26 +414,13 @@ TEST(ExecutorCoreTest, OverlappedPlansRunTheirStartedCollectivesBehindCompute) {
   ExecutorCore a(o), b(o);
   LoadOptions la = Load(2, 0, 4), lb = Load(2, 1, 4);
   la.plan = lb.plan = *overlapped;
-  ASSERT_THAT(a.LoadPlan(la), IsOk());
-  ASSERT_THAT(b.LoadPlan(lb), IsOk());
-  ASSERT_THAT(a.Start(""), IsOk());
-  ASSERT_THAT(b.Start(""), IsOk());
-  for (ExecutorCore* c : {&a, &b}) {
-    v1::ExecutorStatus s = c->WaitUntilDone(absl::InfiniteFuture());
-    EXPECT_EQ(s.state(), v1::ExecutorStatus::FINISHED) << s.error();
-  }
+  TrainToTheEnd({&a, &b}, {la, lb});
   EXPECT_EQ(asked.count("deployments/d1/1/overlap"), 1u);
 
   // The in-line plan of the same model and seed.
   Group inline_group(2);
   ExecutorCore c(Options(&inline_group)), d(Options(&inline_group));
-  ASSERT_THAT(c.LoadPlan(Load(2, 0, 4)), IsOk());
-  ASSERT_THAT(d.LoadPlan(Load(2, 1, 4)), IsOk());
-  ASSERT_THAT(c.Start(""), IsOk());
-  ASSERT_THAT(d.Start(""), IsOk());
-  for (ExecutorCore* e : {&c, &d}) {
-    EXPECT_EQ(e->WaitUntilDone(absl::InfiniteFuture()).state(), v1::ExecutorStatus::FINISHED);
-  }
+  TrainToTheEnd({&c, &d}, {Load(2, 0, 4), Load(2, 1, 4)});
   bool done = false;
   auto ma = a.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
   auto mb = b.WaitMetrics("", 0, absl::InfiniteFuture(), &done);

@@ -111,6 +111,28 @@ struct Entry {
 };
 constexpr int kNoLimit = 1 << 30;
 
+// The lowering's gradient buckets (64 MiB) of `p`, each one all-reduce on
+// the entry's group.
+void AssignBuckets(const graph::Graph& gm, const Entry& e, Program* p) {
+  synth::AssignGradientBuckets(
+      gm, synth::kLoweringBucketBytes,
+      [&e](double bytes, const char** algorithm) {
+        *algorithm = e.coll->AllReduceAlgorithm(bytes).algorithm;
+        return e.coll->Constant(e.coll->AllReduce(bytes));
+      },
+      p);
+}
+
+// `p` priced with communication overlapping compute on the entry's
+// devices (Program::overlap and their interference).
+void Overlapped(const Entry& e, Program* p) {
+  p->overlap = true;
+  p->interference.clear();
+  for (const cost::DeviceModel& d : e.cluster->devices()) {
+    p->interference.push_back(1 - d.overlap_efficiency);
+  }
+}
+
 std::string Signature(const cost::ClusterModel& c, const std::vector<int>& d) {
   std::string s;
   for (int i : d) {
@@ -153,16 +175,11 @@ absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
   if (p.steps.size() != gm.ops().size()) {
     return absl::InternalError("the group's program does not cover the graph");
   }
-  auto price = [&](double bytes, const char** algorithm) {
-    const cost::CollectiveModel::Choice c = e->coll->AllReduceAlgorithm(bytes);
-    *algorithm = c.algorithm;
-    return e->coll->Constant(e->coll->AllReduce(bytes));
-  };
   for (int l = 0; l < layers.size(); ++l) {
     const int b = layers.begin[l], end = layers.begin[l + 1];
     Program micro = SubProgram(p, b, end, Part::kMicro, n);
     Program sync = SubProgram(p, b, end, Part::kSync, n);
-    synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &sync);
+    AssignBuckets(gm, *e, &sync);
     e->micro.push_back(synth::EvaluateProgram(micro, r).total);
     e->forward_share.push_back(ForwardShare(micro, r));
     e->sync.push_back(synth::EvaluateProgram(sync, r).total);
@@ -237,17 +254,9 @@ double ExposedSync(const graph::Graph& gm, const Entry& e, int begin, int end,
   const int n = e.cluster->size();
   Program micro = SubProgram(e.plan.program, begin, end, Part::kMicro, n);
   Program all = SubProgram(e.plan.program, begin, end, Part::kAll, n);
-  auto price = [&](double bytes, const char** algorithm) {
-    *algorithm = e.coll->AllReduceAlgorithm(bytes).algorithm;
-    return e.coll->Constant(e.coll->AllReduce(bytes));
-  };
-  synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &all);
-  for (Program* q : {&micro, &all}) {
-    q->overlap = true;
-    for (const cost::DeviceModel& d : e.cluster->devices()) {
-      q->interference.push_back(1 - d.overlap_efficiency);
-    }
-  }
+  AssignBuckets(gm, e, &all);
+  Overlapped(e, &micro);
+  Overlapped(e, &all);
   return std::max(0.0, synth::EvaluateProgram(all, r).total -
                            synth::EvaluateProgram(micro, r).total) +
          e.overhead;
@@ -805,11 +814,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       const graph::Graph& gm = *graphs[c];
       Program micro = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kMicro, n);
       Program sync = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kSync, n);
-      auto price = [&](double bytes, const char** algorithm) {
-        *algorithm = e.coll->AllReduceAlgorithm(bytes).algorithm;
-        return e.coll->Constant(e.coll->AllReduce(bytes));
-      };
-      synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &sync);
+      AssignBuckets(gm, e, &sync);
       ratios::RatioLpRequest req;
       req.num_devices = n;
       if (overlap) {
@@ -820,11 +825,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
           for (ratios::CostTerm& t : req.terms) t.weight *= M - 1;
         }
         Program all = sp.program;
-        synth::AssignGradientBuckets(gm, synth::kLoweringBucketBytes, price, &all);
-        all.overlap = true;
-        for (const cost::DeviceModel& d : e.cluster->devices()) {
-          all.interference.push_back(1 - d.overlap_efficiency);
-        }
+        AssignBuckets(gm, e, &all);
+        Overlapped(e, &all);
         synth::AddProgramTerms(all, &req);
       } else {
         synth::AddProgramTerms(micro, &req);
