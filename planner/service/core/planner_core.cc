@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/base/call_once.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -277,6 +278,16 @@ struct PlanEntry {
   // The summary's fields (state, name, times, options...).
   const v1::Plan* operator->() const { return summary.get(); }
 
+  // The wire form of the BASIC view (GetPlan) and of the summary
+  // (ListPlans), each serialized by the first read that needs it and shared
+  // by every copy of this snapshot; a change makes a new entry, so they
+  // never go stale. Null after its once: too large to serialize.
+  struct Encoded {
+    absl::once_flag basic_once, summary_once;
+    std::shared_ptr<const std::string> basic, summary;
+  };
+  std::shared_ptr<Encoded> encoded = std::make_shared<Encoded>();
+
  private:
   PlanEntry() = default;
 };
@@ -288,12 +299,34 @@ void FillBasicView(const v1::Plan& summary, const v1::Plan& whole, v1::Plan* out
   if (whole.has_graph()) *out->mutable_graph() = whole.graph();
   if (whole.has_program()) *out->mutable_program() = whole.program();
 }
+// `p` serialized; null when it cannot be (over protobuf's 2 GiB).
+std::shared_ptr<const std::string> Encode(const v1::Plan& p) {
+  auto bytes = std::make_shared<std::string>();
+  if (!p.SerializeToString(bytes.get())) return nullptr;
+  return bytes;
+}
+
+absl::StatusOr<std::shared_ptr<const std::string>> Encoded(
+    const std::shared_ptr<const std::string>& bytes, const std::string& name) {
+  if (bytes == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name, " is too large to send (a message over 2 GiB)"));
+  }
+  return bytes;
+}
+
 // Of an entry known whole.
 v1::Plan BasicView(const PlanEntry& e) {
   v1::Plan p;
   FillBasicView(*e.summary, *e.full, &p);
   return p;
 }
+
+struct PlannerCore::PagedPlan {
+  std::string name;
+  PlanEntry entry;
+  std::shared_ptr<const v1::Plan> whole;  // FULL views only
+};
 
 struct PlannerCore::State {
   absl::Mutex mu;
@@ -1133,37 +1166,43 @@ absl::StatusOr<v1::Plan> PlannerCore::GetPlan(const std::string& name, bool full
   return p;
 }
 
-absl::Status PlannerCore::GetPlan(const std::string& name, bool full, v1::Plan* out) {
+absl::StatusOr<PlanEntry> PlannerCore::Entry(const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
-  std::optional<PlanEntry> entry;
-  {
-    absl::MutexLock l(&s_->mu);
-    auto it = s_->plans.find(name);
-    if (it == s_->plans.end()) {
-      return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-    }
-    entry = it->second;
-  }
-  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> whole, Whole(name, *entry));
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->plans.find(name);
+  if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+  return it->second;
+}
+
+absl::Status PlannerCore::GetPlan(const std::string& name, bool full, v1::Plan* out) {
+  HAP_ASSIGN_OR_RETURN(PlanEntry entry, Entry(name));
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> whole, Whole(name, entry));
   if (full) {
     *out = *whole;
   } else {
-    FillBasicView(*entry->summary, *whole, out);
+    FillBasicView(*entry.summary, *whole, out);
   }
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<const std::string>> PlannerCore::GetPlanEncoded(
+    const std::string& name, bool full) {
+  HAP_ASSIGN_OR_RETURN(PlanEntry entry, Entry(name));
+  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> whole, Whole(name, entry));
+  if (full) return Encoded(Encode(*whole), name);
+  PlanEntry::Encoded& e = *entry.encoded;
+  absl::call_once(e.basic_once, [&] {
+    v1::Plan basic;
+    FillBasicView(*entry.summary, *whole, &basic);
+    e.basic = Encode(basic);
+  });
+  return Encoded(e.basic, name);
+}
+
 absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
     const std::string& name) {
-  HAP_RETURN_IF_ERROR(PlanId(name).status());
-  std::optional<PlanEntry> entry;
-  {
-    absl::MutexLock l(&s_->mu);
-    auto it = s_->plans.find(name);
-    if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-    entry = it->second;
-  }
-  return Whole(name, *entry);
+  HAP_ASSIGN_OR_RETURN(PlanEntry entry, Entry(name));
+  return Whole(name, entry);
 }
 
 absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::Whole(const std::string& name,
@@ -1195,32 +1234,62 @@ absl::StatusOr<v1::ListPlansResponse> PlannerCore::ListPlans(int page_size,
   return r;
 }
 
-absl::Status PlannerCore::ListPlans(int page_size, const std::string& token, bool full,
-                                    v1::ListPlansResponse* out) {
-  std::vector<std::pair<std::string, PlanEntry>> page;
-  std::string next;
+// The page's entries (under the lock) and, for FULL, their whole plans
+// (after it); plans deleted meanwhile are left out.
+absl::Status PlannerCore::PlansPage(int page_size, const std::string& token, bool full,
+                                    std::vector<PagedPlan>* page, std::string* next) {
+  std::vector<std::pair<std::string, PlanEntry>> entries;
   {
     absl::MutexLock l(&s_->mu);
-    HAP_ASSIGN_OR_RETURN(next, Paginate(s_->plans, page_size, token, [&](const PlanEntry& e) {
-                           page.emplace_back(e.summary->name(), e);
+    HAP_ASSIGN_OR_RETURN(*next, Paginate(s_->plans, page_size, token, [&](const PlanEntry& e) {
+                           entries.emplace_back(e.summary->name(), e);
                          }));
   }
-  std::vector<std::shared_ptr<const v1::Plan>> plans;
-  plans.reserve(page.size());
-  for (const auto& [name, e] : page) {
-    if (!full) {
-      plans.push_back(e.summary);
-      continue;
+  page->reserve(entries.size());
+  for (auto& [name, e] : entries) {
+    std::shared_ptr<const v1::Plan> whole;
+    if (full) {
+      absl::StatusOr<std::shared_ptr<const v1::Plan>> w = Whole(name, e);
+      if (absl::IsNotFound(w.status())) continue;  // deleted since the page was read
+      HAP_RETURN_IF_ERROR(w.status());
+      whole = *std::move(w);
     }
-    absl::StatusOr<std::shared_ptr<const v1::Plan>> whole = Whole(name, e);
-    if (absl::IsNotFound(whole.status())) continue;  // deleted since the page was read
-    HAP_RETURN_IF_ERROR(whole.status());
-    plans.push_back(*std::move(whole));
+    page->push_back({std::move(name), std::move(e), std::move(whole)});
   }
+  return absl::OkStatus();
+}
+
+absl::Status PlannerCore::ListPlans(int page_size, const std::string& token, bool full,
+                                    v1::ListPlansResponse* out) {
+  std::vector<PagedPlan> page;
+  std::string next;
+  HAP_RETURN_IF_ERROR(PlansPage(page_size, token, full, &page, &next));
   out->Clear();
-  out->mutable_plans()->Reserve(static_cast<int>(plans.size()));
-  for (const auto& p : plans) *out->add_plans() = *p;
+  out->mutable_plans()->Reserve(static_cast<int>(page.size()));
+  for (const PagedPlan& p : page) *out->add_plans() = full ? *p.whole : *p.entry.summary;
   out->set_next_page_token(next);
+  return absl::OkStatus();
+}
+
+absl::Status PlannerCore::ListPlansEncoded(int page_size, const std::string& token, bool full,
+                                           std::vector<std::shared_ptr<const std::string>>* plans,
+                                           std::string* next_page_token) {
+  std::vector<PagedPlan> page;
+  HAP_RETURN_IF_ERROR(PlansPage(page_size, token, full, &page, next_page_token));
+  plans->clear();
+  plans->reserve(page.size());
+  for (const PagedPlan& p : page) {
+    std::shared_ptr<const std::string> bytes;
+    if (full) {
+      bytes = Encode(*p.whole);
+    } else {
+      PlanEntry::Encoded& e = *p.entry.encoded;
+      absl::call_once(e.summary_once, [&] { e.summary = Encode(*p.entry.summary); });
+      bytes = e.summary;
+    }
+    HAP_ASSIGN_OR_RETURN(bytes, Encoded(bytes, p.name));
+    plans->push_back(std::move(bytes));
+  }
   return absl::OkStatus();
 }
 

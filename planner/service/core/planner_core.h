@@ -198,6 +198,13 @@ class PlannerCore {
   // The same, copied straight into `out` (e.g. a response on an arena: one
   // copy of the snapshot, no intermediate message).
   absl::Status GetPlan(const std::string& name, bool full, hap::v1::Plan* out);
+  // GetPlan's answer in protobuf's wire form (a serialized hap.v1.Plan),
+  // for a server that sends bytes: the BASIC view is serialized once per
+  // snapshot and shared by every read of it (nothing is copied per call);
+  // FULL is serialized per call. ResourceExhausted for a plan over
+  // protobuf's 2 GiB message limit.
+  absl::StatusOr<std::shared_ptr<const std::string>> GetPlanEncoded(const std::string& name,
+                                                                    bool full);
   // The plan as it is now, shared and never changed (the core replaces a
   // snapshot when the plan changes): for callers that only read a plan and
   // need not copy it. NotFound / InvalidArgument as GetPlan.
@@ -210,6 +217,12 @@ class PlannerCore {
   // The same, into `out` (left as it was on an error).
   absl::Status ListPlans(int page_size, const std::string& page_token, bool full,
                          hap::v1::ListPlansResponse* out);
+  // ListPlans' page in wire form: each plan serialized (the BASIC view's
+  // summaries once per snapshot, as GetPlanEncoded), in order, and the
+  // next page token.
+  absl::Status ListPlansEncoded(int page_size, const std::string& page_token, bool full,
+                                std::vector<std::shared_ptr<const std::string>>* plans,
+                                std::string* next_page_token);
   // A plan not yet final becomes CANCELLED at once, saved as such (a
   // restart does not run it again), and its search stops at its next poll;
   // a final plan is returned as it is. When the CANCELLED state cannot be
@@ -276,6 +289,11 @@ class PlannerCore {
   std::unique_ptr<State> s_;
   PlannerCoreOptions o_;
   std::vector<std::string> start_notes_;
+  // Plan `name`'s entry: InvalidArgument for a malformed name, NotFound.
+  absl::StatusOr<PlanEntry> Entry(const std::string& name);
+  struct PagedPlan;
+  absl::Status PlansPage(int page_size, const std::string& token, bool full,
+                         std::vector<PagedPlan>* page, std::string* next);
   // The whole plan of an entry (loaded with o_.load_plan when the entry
   // holds only its summary, and kept in the entry). Called without the lock.
   absl::StatusOr<std::shared_ptr<const hap::v1::Plan>> Whole(const std::string& name,

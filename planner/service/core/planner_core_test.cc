@@ -1502,6 +1502,83 @@ TEST_F(PlannerCoreTest, ListsLeaveOutProgramsUnlessFullAndSnapshotsNeverChange) 
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/none")));
 }
 
+// The wire forms the gRPC server sends (GetPlanEncoded, ListPlansEncoded)
+// parse to exactly the messages GetPlan and ListPlans return, page by
+// page, and a plan that changes is served as it is now, not as it was
+// when first serialized.
+TEST_F(PlannerCoreTest, EncodedReadsAreTheMessagesAndFollowChanges) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (const char* id : {"p0", "p1", "p2"}) {
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id(id);
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  using google::protobuf::util::MessageDifferencer;
+  for (const char* name : {"plans/p0", "plans/p1", "plans/p2"}) {
+    for (bool full : {false, true}) {
+      for (int twice = 0; twice < 2; ++twice) {  // the second read: the shared bytes
+        auto bytes = core_->GetPlanEncoded(name, full);
+        ASSERT_TRUE(bytes.ok()) << bytes.status();
+        v1::Plan got;
+        ASSERT_TRUE(got.ParseFromString(**bytes)) << name;
+        auto want = core_->GetPlan(name, full);
+        ASSERT_TRUE(want.ok());
+        EXPECT_TRUE(MessageDifferencer::Equals(got, *want)) << name << " full=" << full;
+        EXPECT_EQ(got.rank_programs_size() > 0, full) << name;
+      }
+    }
+  }
+  for (bool full : {false, true}) {
+    std::string token;
+    int pages = 0;
+    do {
+      std::vector<std::shared_ptr<const std::string>> plans;
+      std::string next;
+      ASSERT_TRUE(core_->ListPlansEncoded(2, token, full, &plans, &next).ok());
+      auto want = core_->ListPlans(2, token, full);
+      ASSERT_TRUE(want.ok());
+      ASSERT_EQ(static_cast<int>(plans.size()), want->plans_size());
+      for (size_t i = 0; i < plans.size(); ++i) {
+        v1::Plan got;
+        ASSERT_TRUE(got.ParseFromString(*plans[i]));
+        EXPECT_TRUE(MessageDifferencer::Equals(got, want->plans(static_cast<int>(i))))
+            << "page " << pages << " plan " << i << " full=" << full;
+      }
+      EXPECT_EQ(next, want->next_page_token());
+      token = next;
+      ++pages;
+    } while (!token.empty() && pages < 10);
+    EXPECT_EQ(pages, 2);
+  }
+
+  // Read while running, then cancelled: both views show CANCELLED.
+  BusyWorker busy(core_.get());
+  auto running = core_->GetPlanEncoded("plans/blocker", false);
+  ASSERT_TRUE(running.ok());
+  std::vector<std::shared_ptr<const std::string>> listed;
+  std::string next;
+  ASSERT_TRUE(core_->ListPlansEncoded(0, "", false, &listed, &next).ok());
+  busy.Release();
+  v1::Plan now;
+  ASSERT_TRUE(now.ParseFromString(**core_->GetPlanEncoded("plans/blocker", false)));
+  EXPECT_EQ(now.state(), v1::Plan::CANCELLED);
+  v1::Plan before;
+  ASSERT_TRUE(before.ParseFromString(**running));
+  EXPECT_NE(before.state(), v1::Plan::CANCELLED) << "the bytes read before changed";
+  ASSERT_TRUE(core_->ListPlansEncoded(0, "", false, &listed, &next).ok());
+  ASSERT_EQ(listed.size(), 4u);
+  v1::Plan in_list;
+  ASSERT_TRUE(in_list.ParseFromString(*listed[0]));  // "plans/blocker" sorts first
+  EXPECT_EQ(in_list.name(), "plans/blocker");
+  EXPECT_EQ(in_list.state(), v1::Plan::CANCELLED);
+
+  ASSERT_TRUE(core_->DeletePlan("plans/p1").ok());
+  EXPECT_THAT(core_->GetPlanEncoded("plans/p1", false),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/p1 does not exist")));
+  EXPECT_THAT(core_->GetPlanEncoded("p1", false),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+}
+
 TEST_F(PlannerCoreTest, RetentionOptionsAreChecked) {
   PlannerCoreOptions o;
   o.plan_retention_count = -1;

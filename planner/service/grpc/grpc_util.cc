@@ -1,6 +1,7 @@
 #include "planner/service/grpc/grpc_util.h"
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -97,6 +98,35 @@ class CoreServerCredentials final : public grpc::ServerCredentials {
 
 }  // namespace
 
+absl::Status ParseRequest(const grpc::ByteBuffer& request, google::protobuf::MessageLite* msg) {
+  std::vector<grpc::Slice> slices;
+  if (grpc::Status s = request.Dump(&slices); !s.ok()) return FromGrpc(s);
+  std::string joined;  // only when the request came in pieces
+  absl::string_view bytes;
+  if (slices.size() == 1) {
+    bytes = absl::string_view(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size());
+  } else {
+    for (const grpc::Slice& slice : slices) {
+      joined.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+    bytes = joined;
+  }
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max()) ||
+      !msg->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request is not a valid ", msg->GetTypeName()));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ByteBuffer SharedBytes(std::shared_ptr<const std::string> bytes) {
+  auto* holder = new std::shared_ptr<const std::string>(std::move(bytes));
+  grpc::Slice slice(
+      const_cast<char*>((*holder)->data()), (*holder)->size(),
+      [](void* p) { delete static_cast<std::shared_ptr<const std::string>*>(p); }, holder);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
@@ -174,8 +204,7 @@ grpc::Status CheckToken(const grpc::ServerContextBase* ctx, const std::string& t
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kNeedToken);
 }
 
-void PrepareClientContext(grpc::ClientContext* ctx, const Security& s,
-                          absl::Duration timeout) {
+void PrepareClientContext(grpc::ClientContext* ctx, const Security& s, absl::Duration timeout) {
   if (!s.token.empty()) ctx->AddMetadata("authorization", "Bearer " + s.token);
   if (timeout != absl::InfiniteDuration()) {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));

@@ -13,9 +13,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "google/protobuf/arena.h"
+#include "google/protobuf/message_lite.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/support/message_allocator.h"
 
 namespace hap::service {
 
@@ -84,37 +83,14 @@ inline constexpr int kMaxMessageBytes = 256 << 20;
 // authenticated call can make the planner buffer.
 inline constexpr int kDefaultMaxRequestBytes = 16 << 20;
 
-// Request and response of a callback-API call on one protobuf arena, freed
-// whole when the call is done: a response that copies a large message (a
-// plan's graph and program) then costs bump allocations instead of one
-// malloc and free per sub-message. Register with the generated
-// SetMessageAllocatorFor_<Method>(); it must outlive the server. Only worth
-// it where the handler fills the response in place (a message built on the
-// heap and moved into an arena response is copied).
-template <typename Request, typename Response>
-class ArenaMessageAllocator final : public grpc::MessageAllocator<Request, Response> {
- public:
-  grpc::MessageHolder<Request, Response>* AllocateMessages() override { return new Holder; }
-
- private:
-  class Holder final : public grpc::MessageHolder<Request, Response> {
-   public:
-    Holder() : arena_(Options()) {
-      this->set_request(google::protobuf::Arena::CreateMessage<Request>(&arena_));
-      this->set_response(google::protobuf::Arena::CreateMessage<Response>(&arena_));
-    }
-    void Release() override { delete this; }
-
-   private:
-    static google::protobuf::ArenaOptions Options() {
-      google::protobuf::ArenaOptions o;
-      o.start_block_size = 4096;
-      o.max_block_size = 1 << 20;
-      return o;
-    }
-    google::protobuf::Arena arena_;
-  };
-};
+// Raw (ByteBuffer) handlers, which answer with bytes serialized once and
+// shared rather than copying a message per call:
+// The request parsed as `msg`; InvalidArgument naming its type when the
+// bytes are not one.
+absl::Status ParseRequest(const grpc::ByteBuffer& request, google::protobuf::MessageLite* msg);
+// A response holding `bytes` without copying them: the buffer keeps them
+// alive until gRPC has sent it.
+grpc::ByteBuffer SharedBytes(std::shared_ptr<const std::string> bytes);
 
 }  // namespace hap::service
 

@@ -5,6 +5,9 @@
 #include <utility>
 
 #include "absl/synchronization/blocking_counter.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "planner/util/status_macros.h"
 
@@ -60,8 +63,7 @@ class GrpcExecutors final : public DeploymentExecutors {
   Statuses GetStatus(absl::Duration timeout) override {
     const v1::GetStatusRequest request;
     return EveryRank(timeout, [&](v1::Executor::Stub* stub, grpc::ClientContext* ctx,
-                                  v1::ExecutorStatus* out,
-                                  std::function<void(grpc::Status)> done) {
+                                  v1::ExecutorStatus* out, std::function<void(grpc::Status)> done) {
       stub->async()->GetStatus(ctx, &request, out, std::move(done));
     });
   }
@@ -70,8 +72,7 @@ class GrpcExecutors final : public DeploymentExecutors {
     v1::StopTrainingRequest request;
     request.set_deployment(deployment);
     return EveryRank(timeout, [&](v1::Executor::Stub* stub, grpc::ClientContext* ctx,
-                                  v1::ExecutorStatus* out,
-                                  std::function<void(grpc::Status)> done) {
+                                  v1::ExecutorStatus* out, std::function<void(grpc::Status)> done) {
       stub->async()->StopTraining(ctx, &request, out, std::move(done));
     });
   }
@@ -119,6 +120,28 @@ class GrpcExecutors final : public DeploymentExecutors {
   std::vector<absl::Status> channel_errors_;
 };
 
+// hap.v1.ListPlansResponse in wire form from its plans' wire forms: each
+// `plans` (field 1) length-delimited, then `next_page_token` (field 2)
+// unless empty, as the message would serialize.
+std::shared_ptr<const std::string> EncodeListPlansResponse(
+    const std::vector<std::shared_ptr<const std::string>>& plans, const std::string& next) {
+  using google::protobuf::internal::WireFormatLite;
+  auto bytes = std::make_shared<std::string>();
+  size_t size = next.size() + 16;
+  for (const auto& p : plans) size += p->size() + 8;
+  bytes->reserve(size);
+  {
+    google::protobuf::io::StringOutputStream stream(bytes.get());
+    google::protobuf::io::CodedOutputStream out(&stream);
+    for (const auto& p : plans)
+      WireFormatLite::WriteBytes(v1::ListPlansResponse::kPlansFieldNumber, *p, &out);
+    if (!next.empty()) {
+      WireFormatLite::WriteString(v1::ListPlansResponse::kNextPageTokenFieldNumber, next, &out);
+    }
+  }
+  return bytes;
+}
+
 }  // namespace
 
 PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink,
@@ -127,8 +150,6 @@ PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink
                                        std::vector<v1::StepMetric> metrics,
                                        std::vector<v1::Job> jobs)
     : core_(core), o_(std::move(o)) {
-  SetMessageAllocatorFor_GetPlan(&get_plan_messages_);
-  SetMessageAllocatorFor_ListPlans(&list_plans_messages_);
   DeploymentManagerOptions mo;
   mo.watch = o_.deployments;
   mo.sink = sink;
@@ -138,8 +159,8 @@ PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink
   };
   deployments_ = std::make_unique<DeploymentManager>(std::move(mo), std::move(deployments),
                                                      std::move(metrics));
-  job_backend_ = NewCoreJobBackend(core_, deployments_.get(),
-                                   [this] { return o_.advertise_address; });
+  job_backend_ =
+      NewCoreJobBackend(core_, deployments_.get(), [this] { return o_.advertise_address; });
   JobControllerOptions jo;
   jo.backend = job_backend_.get();
   jo.sink = sink;
@@ -194,8 +215,7 @@ grpc::Status PlannerServiceImpl::RegisterNode(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status PlannerServiceImpl::Heartbeat(grpc::ServerContext* ctx,
-                                           const v1::HeartbeatRequest* r,
+grpc::Status PlannerServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* r,
                                            v1::HeartbeatResponse* out) {
   return Handle("Heartbeat", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, core_->Heartbeat(*r));
@@ -204,7 +224,8 @@ grpc::Status PlannerServiceImpl::Heartbeat(grpc::ServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetCluster(grpc::CallbackServerContext* ctx,
-                                                         const v1::GetClusterRequest* r, v1::Cluster* out) {
+                                                         const v1::GetClusterRequest* r,
+                                                         v1::Cluster* out) {
   return HandleNow("GetCluster", ctx, [&]() -> absl::Status {
     *out = core_->GetCluster(r->include_stale());
     return absl::OkStatus();
@@ -255,19 +276,30 @@ grpc::Status PlannerServiceImpl::CreatePlan(grpc::ServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::GetPlan(grpc::CallbackServerContext* ctx,
-                                                      const v1::GetPlanRequest* r,
-                                                      v1::Plan* out) {
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* out) {
   return HandleNow("GetPlan", ctx, [&]() -> absl::Status {
-    return core_->GetPlan(r->name(), r->view() == v1::GetPlanRequest::FULL, out);
+    v1::GetPlanRequest r;
+    HAP_RETURN_IF_ERROR(ParseRequest(*request, &r));
+    HAP_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> plan,
+                         core_->GetPlanEncoded(r.name(), r.view() == v1::GetPlanRequest::FULL));
+    *out = SharedBytes(std::move(plan));
+    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::ListPlans(grpc::CallbackServerContext* ctx,
-                                                        const v1::ListPlansRequest* r,
-                                                        v1::ListPlansResponse* out) {
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* out) {
   return HandleNow("ListPlans", ctx, [&]() -> absl::Status {
-    return core_->ListPlans(r->page_size(), r->page_token(),
-                            r->view() == v1::GetPlanRequest::FULL, out);
+    v1::ListPlansRequest r;
+    HAP_RETURN_IF_ERROR(ParseRequest(*request, &r));
+    std::vector<std::shared_ptr<const std::string>> plans;
+    std::string next;
+    HAP_RETURN_IF_ERROR(core_->ListPlansEncoded(
+        r.page_size(), r.page_token(), r.view() == v1::GetPlanRequest::FULL, &plans, &next));
+    *out = SharedBytes(EncodeListPlansResponse(plans, next));
+    return absl::OkStatus();
   });
 }
 
@@ -285,8 +317,7 @@ grpc::Status PlannerServiceImpl::DeletePlan(grpc::ServerContext* ctx,
   return Handle("DeletePlan", ctx, [&]() { return core_->DeletePlan(r->name()); });
 }
 
-grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx,
-                                           const v1::WatchPlanRequest* r,
+grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,
                                            grpc::ServerWriter<v1::Plan>* w) {
   return Handle("WatchPlan", ctx, [&]() -> absl::Status {
     bool write_failed = false;
@@ -305,8 +336,7 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx,
 // ---------------------------------------------------------- deployments --
 
 grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
-                                            const v1::DeployPlanRequest* r,
-                                            v1::Deployment* out) {
+                                            const v1::DeployPlanRequest* r, v1::Deployment* out) {
   return Handle("DeployPlan", ctx, [&]() -> absl::Status {
     // Pinned: retention cannot delete the plan under the new deployment.
     HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->PinPlan(r->plan()));
@@ -343,8 +373,8 @@ grpc::Status PlannerServiceImpl::StopDeployment(grpc::ServerContext* ctx,
                                                 const v1::StopDeploymentRequest* r,
                                                 v1::Deployment* out) {
   return Handle("StopDeployment", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, deployments_->Stop(r->name(), Deadline(ctx),
-                                                  [ctx] { return ctx->IsCancelled(); }));
+    HAP_ASSIGN_OR_RETURN(
+        *out, deployments_->Stop(r->name(), Deadline(ctx), [ctx] { return ctx->IsCancelled(); }));
     return absl::OkStatus();
   });
 }
@@ -364,9 +394,7 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
   });
 }
 
-std::vector<v1::Deployment> PlannerServiceImpl::Deployments() const {
-  return deployments_->All();
-}
+std::vector<v1::Deployment> PlannerServiceImpl::Deployments() const { return deployments_->All(); }
 
 absl::StatusOr<std::vector<v1::StepMetric>> PlannerServiceImpl::StepMetrics(
     const std::string& deployment) const {
@@ -377,23 +405,22 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ListStepMetrics(grpc::CallbackServ
                                                               const v1::ListStepMetricsRequest* r,
                                                               v1::ListStepMetricsResponse* out) {
   return HandleNow("ListStepMetrics", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, deployments_->ListStepMetrics(r->deployment(), r->page_size(),
-                                                             r->page_token()));
+    HAP_ASSIGN_OR_RETURN(
+        *out, deployments_->ListStepMetrics(r->deployment(), r->page_size(), r->page_token()));
     return absl::OkStatus();
   });
 }
 
 // ----------------------------------------------------------- rendezvous --
 
-grpc::Status PlannerServiceImpl::StoreSet(grpc::ServerContext* ctx,
-                                          const v1::StoreSetRequest* r, v1::StoreSetResponse*) {
+grpc::Status PlannerServiceImpl::StoreSet(grpc::ServerContext* ctx, const v1::StoreSetRequest* r,
+                                          v1::StoreSetResponse*) {
   return Handle("StoreSet", ctx, [&]() {
     return deployments_->StoreSet(r->deployment(), r->generation(), r->key(), r->value());
   });
 }
 
-grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx,
-                                          const v1::StoreGetRequest* r,
+grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx, const v1::StoreGetRequest* r,
                                           v1::StoreGetResponse* out) {
   return Handle("StoreGet", ctx, [&]() -> absl::Status {
     absl::Time deadline = Deadline(ctx);
@@ -411,8 +438,8 @@ grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx,
-                                          const v1::StoreAddRequest* r, v1::StoreAddResponse* out) {
+grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx, const v1::StoreAddRequest* r,
+                                          v1::StoreAddResponse* out) {
   return Handle("StoreAdd", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(int64_t sum, deployments_->StoreAdd(r->deployment(), r->generation(),
                                                              r->key(), r->delta()));
@@ -425,8 +452,8 @@ grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx,
 
 std::vector<v1::Job> PlannerServiceImpl::Jobs() const { return jobs_->All(); }
 
-grpc::Status PlannerServiceImpl::CreateJob(grpc::ServerContext* ctx,
-                                           const v1::CreateJobRequest* r, v1::Job* out) {
+grpc::Status PlannerServiceImpl::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* r,
+                                           v1::Job* out) {
   return Handle("CreateJob", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, jobs_->Create(*r));
     return absl::OkStatus();
@@ -441,8 +468,7 @@ grpc::Status PlannerServiceImpl::GetJob(grpc::ServerContext* ctx, const v1::GetJ
   });
 }
 
-grpc::Status PlannerServiceImpl::ListJobs(grpc::ServerContext* ctx,
-                                          const v1::ListJobsRequest* r,
+grpc::Status PlannerServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* r,
                                           v1::ListJobsResponse* out) {
   return Handle("ListJobs", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, jobs_->List(r->page_size(), r->page_token()));
@@ -450,8 +476,7 @@ grpc::Status PlannerServiceImpl::ListJobs(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status PlannerServiceImpl::WatchJob(grpc::ServerContext* ctx,
-                                          const v1::WatchJobRequest* r,
+grpc::Status PlannerServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* r,
                                           grpc::ServerWriter<v1::Job>* w) {
   return Handle("WatchJob", ctx, [&]() -> absl::Status {
     HAP_RETURN_IF_ERROR(jobs_->Watch(

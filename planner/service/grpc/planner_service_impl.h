@@ -54,13 +54,16 @@ struct PlannerServiceOptions {
 
 // Reads that only copy a snapshot (plans, nodes, deployments, step metrics)
 // are served on gRPC's callback API, on the threads that poll the
-// connections: thousands of them in flight take no thread each. The rest
+// connections: thousands of them in flight take no thread each. GetPlan
+// and ListPlans, the hottest and largest, answer in raw bytes: each plan
+// snapshot's views are serialized once (PlannerCore::GetPlanEncoded) and
+// every read shares them. The rest
 // block (planning, deploying, waits) and run on the synchronous server's
 // thread pool.
 using PlannerServiceBase = hap::v1::Planner::WithCallbackMethod_GetCluster<
     hap::v1::Planner::WithCallbackMethod_ListNodes<
-        hap::v1::Planner::WithCallbackMethod_GetPlan<
-            hap::v1::Planner::WithCallbackMethod_ListPlans<
+        hap::v1::Planner::WithRawCallbackMethod_GetPlan<
+            hap::v1::Planner::WithRawCallbackMethod_ListPlans<
                 hap::v1::Planner::WithCallbackMethod_GetDeployment<
                     hap::v1::Planner::WithCallbackMethod_ListDeployments<
                         hap::v1::Planner::WithCallbackMethod_ListStepMetrics<
@@ -117,10 +120,12 @@ class PlannerServiceImpl final : public PlannerServiceBase {
 
   grpc::Status CreatePlan(grpc::ServerContext*, const hap::v1::CreatePlanRequest*,
                           hap::v1::Plan*) override;
-  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext*, const hap::v1::GetPlanRequest*,
-                                    hap::v1::Plan*) override;
-  grpc::ServerUnaryReactor* ListPlans(grpc::CallbackServerContext*, const hap::v1::ListPlansRequest*,
-                                      hap::v1::ListPlansResponse*) override;
+  // hap.v1.GetPlanRequest -> hap.v1.Plan, as bytes.
+  grpc::ServerUnaryReactor* GetPlan(grpc::CallbackServerContext*, const grpc::ByteBuffer*,
+                                    grpc::ByteBuffer*) override;
+  // hap.v1.ListPlansRequest -> hap.v1.ListPlansResponse, as bytes.
+  grpc::ServerUnaryReactor* ListPlans(grpc::CallbackServerContext*, const grpc::ByteBuffer*,
+                                      grpc::ByteBuffer*) override;
   grpc::Status CancelPlan(grpc::ServerContext*, const hap::v1::CancelPlanRequest*,
                           hap::v1::Plan*) override;
   grpc::Status DeletePlan(grpc::ServerContext*, const hap::v1::DeletePlanRequest*,
@@ -172,10 +177,6 @@ class PlannerServiceImpl final : public PlannerServiceBase {
 
   PlannerCore* core_;
   PlannerServiceOptions o_;
-  // GetPlan and ListPlans copy plans into their responses in place, on an
-  // arena per call.
-  ArenaMessageAllocator<hap::v1::GetPlanRequest, hap::v1::Plan> get_plan_messages_;
-  ArenaMessageAllocator<hap::v1::ListPlansRequest, hap::v1::ListPlansResponse> list_plans_messages_;
   std::unique_ptr<DeploymentManager> deployments_;
   std::unique_ptr<JobBackend> job_backend_;
   std::unique_ptr<JobController> jobs_;

@@ -23,6 +23,8 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/resource_quota.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -320,8 +322,7 @@ class PlannerServiceImplTest : public ::testing::Test {
                                                     std::vector<v1::StepMetric>{}, std::move(jobs));
     service_->StartJobs();
     grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(service_.get());
     grpc::ResourceQuota quota("test");
     if (max_threads > 0) {
@@ -330,7 +331,7 @@ class PlannerServiceImplTest : public ::testing::Test {
     }
     server_ = b.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port), {});
+    auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port_), {});
     ASSERT_TRUE(channel.ok()) << channel.status();
     stub_ = v1::Planner::NewStub(*channel);
   }
@@ -438,6 +439,7 @@ class PlannerServiceImplTest : public ::testing::Test {
   std::unique_ptr<PlannerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Planner::Stub> stub_;
+  int port_ = 0;  // the service's
 };
 
 TEST_F(PlannerServiceImplTest, DeleteNodeRemovesANode) {
@@ -457,6 +459,90 @@ TEST_F(PlannerServiceImplTest, DeleteNodeRemovesANode) {
   grpc::ClientContext anonymous;
   EXPECT_THAT(FromGrpc(stub_->DeleteNode(&anonymous, r, &out)),
               StatusIs(absl::StatusCode::kUnauthenticated, ::testing::_));
+}
+
+// GetPlan and ListPlans answer with bytes serialized once per plan
+// snapshot: what a client parses equals the core's messages, views and
+// pages (with their next-page tokens) included; a request that is not the
+// method's message is INVALID_ARGUMENT naming its type, and a caller
+// without the token is refused before anything is read.
+TEST_F(PlannerServiceImplTest, PlanReadsInWireFormAreTheCoresMessages) {
+  Register("n");
+  for (const char* id : {"a", "b", "c"}) {
+    v1::Plan plan;
+    ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), Mlp(id), &plan)), IsOk());
+  }
+  using google::protobuf::util::MessageDifferencer;
+  for (auto view : {v1::GetPlanRequest::VIEW_UNSPECIFIED, v1::GetPlanRequest::BASIC,
+                    v1::GetPlanRequest::FULL}) {
+    const bool full = view == v1::GetPlanRequest::FULL;
+    for (const char* name : {"plans/a", "plans/b", "plans/c"}) {
+      v1::GetPlanRequest g;
+      g.set_name(name);
+      g.set_view(view);
+      v1::Plan got;
+      ASSERT_THAT(FromGrpc(stub_->GetPlan(Ctx().get(), g, &got)), IsOk());
+      auto want = core_->GetPlan(name, full);
+      ASSERT_THAT(want, IsOk());
+      EXPECT_TRUE(MessageDifferencer::Equals(got, *want)) << name << " view " << view;
+    }
+    v1::ListPlansRequest lp;
+    lp.set_page_size(2);
+    lp.set_view(view);
+    std::vector<std::string> names;
+    for (int page = 0; page < 3; ++page) {
+      v1::ListPlansResponse got;
+      ASSERT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), lp, &got)), IsOk());
+      auto want = core_->ListPlans(2, lp.page_token(), full);
+      ASSERT_THAT(want, IsOk());
+      EXPECT_TRUE(MessageDifferencer::Equals(got, *want)) << "page " << page << " view " << view;
+      for (const auto& p : got.plans()) names.push_back(p.name());
+      if (got.next_page_token().empty()) break;
+      lp.set_page_token(got.next_page_token());
+    }
+    EXPECT_EQ(names, (std::vector<std::string>{"plans/a", "plans/b", "plans/c"}));
+  }
+
+  // Bytes that are not a GetPlanRequest / ListPlansRequest.
+  auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port_), {});
+  ASSERT_THAT(channel, IsOk());
+  grpc::GenericStub generic(*channel);
+  auto raw_call = [&](const std::string& method, const std::string& bytes, bool token) {
+    grpc::ClientContext ctx;
+    if (token) {
+      Security sec;
+      sec.token = kToken;
+      PrepareClientContext(&ctx, sec, absl::Seconds(30));
+    }
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    grpc::CompletionQueue cq;
+    auto call = generic.PrepareUnaryCall(&ctx, method, request, &cq);
+    call->StartCall();
+    call->Finish(&response, &status, reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return FromGrpc(status);
+  };
+  const std::string garbage = "\xff\xff\xff\xff";
+  EXPECT_THAT(raw_call("/hap.v1.Planner/GetPlan", garbage, true),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not a valid hap.v1.GetPlanRequest")));
+  EXPECT_THAT(raw_call("/hap.v1.Planner/ListPlans", garbage, true),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not a valid hap.v1.ListPlansRequest")));
+  EXPECT_THAT(raw_call("/hap.v1.Planner/GetPlan", garbage, false),
+              StatusIs(absl::StatusCode::kUnauthenticated, ::testing::_));
+  v1::GetPlanRequest gone;
+  gone.set_name("plans/none");
+  EXPECT_THAT(raw_call("/hap.v1.Planner/GetPlan", gone.SerializeAsString(), true),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/none does not exist")));
 }
 
 TEST_F(PlannerServiceImplTest, AResultTheStoreRefusesFailsCreatePlan) {
