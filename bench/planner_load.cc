@@ -30,6 +30,7 @@
 //
 // Prints Markdown tables (bench/README.md, "The planner under load").
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -38,6 +39,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -48,6 +50,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -97,6 +100,18 @@ struct Planner {
       if (line.rfind("VmRSS:", 0) == 0) return std::atof(line.c_str() + 6) / 1024;
     }
     return -1;
+  }
+
+  // CPU seconds the planner has used (user + system), from /proc.
+  double CpuSeconds() const {
+    std::ifstream f(absl::StrCat("/proc/", proc.pid(), "/stat"));
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    // Fields after the command's closing parenthesis: state is field 3,
+    // utime 14 and stime 15.
+    std::vector<std::string> fields = absl::StrSplit(stat.substr(stat.rfind(')') + 2), ' ');
+    if (fields.size() < 13) return -1;
+    return (std::atof(fields[11].c_str()) + std::atof(fields[12].c_str())) /
+           static_cast<double>(sysconf(_SC_CLK_TCK));
   }
 };
 
@@ -492,16 +507,18 @@ int main(int argc, char** argv) {
       plans, conns.size(), seconds);
 
   std::printf(
-      "| calls in flight | client | calls/s | p50 ms | p99 ms | max ms "
-      "| errors | RSS MB |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---|---:|\n");
+      "| calls in flight | client | calls/s | p50 ms | p99 ms | max ms | errors | planner CPU "
+      "us/call | RSS MB |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---|---:|---:|\n");
   for (int in_flight : {100, 1000, 10000}) {
     for (bool parse : {false, true}) {
+      const double cpu0 = planner.CpuSeconds();
       Result r = Drive(conns.size(), in_flight, seconds, ReadCall(conns, loaded->names, parse));
-      std::printf("| %d | %s | %.0f | %.1f | %.1f | %.1f | %s | %.0f |\n", in_flight,
+      const double cpu_us = (planner.CpuSeconds() - cpu0) / std::max<int64_t>(1, r.calls) * 1e6;
+      std::printf("| %d | %s | %.0f | %.1f | %.1f | %.1f | %s | %.1f | %.0f |\n", in_flight,
                   parse ? "parses" : "bytes", r.calls / r.seconds, Percentile(r.latency_ms, 0.5),
-                  Percentile(r.latency_ms, 0.99), Percentile(r.latency_ms, 1.0), Errors(r).c_str(),
-                  planner.RssMb());
+                  Percentile(r.latency_ms, 0.99), Percentile(r.latency_ms, 1.0),
+                  Errors(r).c_str(), cpu_us, planner.RssMb());
       std::fflush(stdout);
     }
   }

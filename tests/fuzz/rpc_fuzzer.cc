@@ -133,17 +133,29 @@ void Call(Service& s, uint8_t method, const uint8_t* data, size_t size) {
       (void)s.core->CreatePlan(r, absl::Now() + absl::Milliseconds(500));
       break;
     }
-    case 7: {
+    case 7: {  // as the server answers it (bytes), checked against the message
       v1::GetPlanRequest r;
-      if (Parse(data, size, &r)) (void)s.core->GetPlan(r.name(), r.view() == v1::GetPlanRequest::FULL);
+      if (!Parse(data, size, &r)) break;
+      const bool full = r.view() == v1::GetPlanRequest::FULL;
+      auto bytes = s.core->GetPlanEncoded(r.name(), full);
+      auto plan = s.core->GetPlan(r.name(), full);
+      if (bytes.ok() != plan.ok()) __builtin_trap();
+      v1::Plan parsed;
+      if (bytes.ok() && (!parsed.ParseFromString(**bytes) || parsed.name() != plan->name())) {
+        __builtin_trap();
+      }
       break;
     }
     case 8: {
       v1::ListPlansRequest r;
-      if (Parse(data, size, &r)) {
-        (void)s.core->ListPlans(r.page_size(), r.page_token(),
-                                r.view() == v1::GetPlanRequest::FULL);
-      }
+      if (!Parse(data, size, &r)) break;
+      std::vector<std::shared_ptr<const std::string>> plans;
+      std::string next;
+      auto listed = s.core->ListPlansEncoded(r.page_size(), r.page_token(),
+                                             r.view() == v1::GetPlanRequest::FULL, &plans, &next);
+      auto page = s.core->ListPlans(r.page_size(), r.page_token(),
+                                    r.view() == v1::GetPlanRequest::FULL);
+      if (listed.ok() != page.ok()) __builtin_trap();
       break;
     }
     case 9: {
