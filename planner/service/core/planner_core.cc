@@ -1,5 +1,7 @@
 #include "planner/service/core/planner_core.h"
 
+#include "planner/service/core/planner_core_internal.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -33,6 +35,8 @@ namespace hap::service {
 namespace {
 
 namespace v1 = ::hap::v1;
+using core_internal::FromProto;
+using core_internal::ToProto;
 using google::protobuf::util::TimeUtil;
 
 // The dtype a plan's matrix products are priced at (PlanOptions.precision).
@@ -41,12 +45,6 @@ v1::DType ComputeDType(const v1::PlanOptions& o) {
 }
 
 
-google::protobuf::Timestamp ToProto(absl::Time t) {
-  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
-}
-absl::Time FromProto(const google::protobuf::Timestamp& t) {
-  return absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(t));
-}
 
 bool Final(v1::Plan::State s) {
   return s == v1::Plan::SUCCEEDED || s == v1::Plan::FAILED || s == v1::Plan::CANCELLED;
@@ -243,55 +241,6 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   return absl::OkStatus();
 }
 
-// A plan as the core serves it: immutable snapshots, replaced (never
-// changed) on each change, so that reads copy them outside the core's lock.
-// `summary` is the plan without its rank programs, graph and program (the
-// list view), kept so that lists and watches copy a kilobyte, not the
-// megabytes of a plan's programs.
-struct PlanEntry {
-  // Null for a finished plan loaded at start as its summary until a read
-  // needs the rest (PlannerCore::Whole loads it then).
-  std::shared_ptr<const v1::Plan> full;
-  std::shared_ptr<const v1::Plan> summary;  // always
-
-  // A finished plan's summary alone (PlannerCoreOptions::load_plan).
-  static PlanEntry Summary(v1::Plan summary) {
-    PlanEntry e;
-    e.summary = std::make_shared<const v1::Plan>(std::move(summary));
-    return e;
-  }
-  explicit PlanEntry(v1::Plan plan) {
-    // The big fields step aside (pointer moves) while the rest is copied.
-    google::protobuf::RepeatedPtrField<v1::RankProgram> ranks;
-    ranks.Swap(plan.mutable_rank_programs());
-    v1::Graph* graph = plan.has_graph() ? plan.release_graph() : nullptr;
-    v1::SynthesizedProgram* program = plan.has_program() ? plan.release_program() : nullptr;
-    summary = std::make_shared<const v1::Plan>(plan);
-    ranks.Swap(plan.mutable_rank_programs());
-    if (graph) plan.set_allocated_graph(graph);
-    if (program) plan.set_allocated_program(program);
-    full = std::make_shared<const v1::Plan>(std::move(plan));
-  }
-  // The whole plan: only for plans known whole (not finished, or made or
-  // loaded in this run); Whole() for any.
-  const v1::Plan& operator*() const { return *full; }
-  // The summary's fields (state, name, times, options...).
-  const v1::Plan* operator->() const { return summary.get(); }
-
-  // The wire form of the BASIC view (GetPlan) and of the summary
-  // (ListPlans), each serialized by the first read that needs it and shared
-  // by every copy of this snapshot; a change makes a new entry, so they
-  // never go stale. Null after its once: too large to serialize.
-  struct Encoded {
-    absl::once_flag basic_once, summary_once;
-    std::shared_ptr<const std::string> basic, summary;
-  };
-  std::shared_ptr<Encoded> encoded = std::make_shared<Encoded>();
-
- private:
-  PlanEntry() = default;
-};
-
 // The BASIC view of GetPlan: everything but the rank programs (the
 // summary, with the whole plan's graph and program).
 void FillBasicView(const v1::Plan& summary, const v1::Plan& whole, v1::Plan* out) {
@@ -326,51 +275,6 @@ struct PlannerCore::PagedPlan {
   std::string name;
   PlanEntry entry;
   std::shared_ptr<const v1::Plan> whole;  // FULL views only
-};
-
-struct PlannerCore::State {
-  absl::Mutex mu;
-  absl::CondVar changed;
-  int64_t version = 0;  // bumps on every plan change
-  std::map<std::string, v1::Node> nodes;
-  std::map<std::string, PlanEntry> plans;
-  // Names of cached copies being written to the sink (outside mu): taken,
-  // not yet served.
-  std::set<std::string> creating;
-  std::map<std::string, std::shared_ptr<Job>> jobs;  // not yet final
-  std::deque<std::shared_ptr<Job>> queue;
-  // Cache key -> the newest SUCCEEDED plan with it; plan name -> its key.
-  std::map<std::string, std::string> cache;
-  std::map<std::string, std::string> cached_key;
-  // Cache key -> the job searching for it (merging).
-  std::map<std::string, std::shared_ptr<Job>> in_flight;
-  std::map<std::pair<std::string, std::string>, v1::Link> links;  // (src, dst)
-  std::map<std::string, int> pins;  // plan -> deploys holding it (PinPlan)
-  bool stopping = false;
-  std::vector<std::thread> workers;
-  // When this planner started: a node is not blamed for heartbeats sent
-  // while no planner ran (silence counts from the later of its last
-  // heartbeat and this).
-  absl::Time started = absl::InfinitePast();
-
-  // Plan `name` SUCCEEDED with `key`: the next request with that key gets
-  // a copy of it.
-  void Cache(const std::string& name, const std::string& key) {
-    cache[key] = name;
-    cached_key[name] = key;
-  }
-  // Serves `plan` (replacing a plan of its name).
-  void Put(v1::Plan plan) {
-    std::string name = plan.name();
-    plans.insert_or_assign(std::move(name), PlanEntry(std::move(plan)));
-  }
-  void Uncache(const std::string& name) {
-    auto k = cached_key.find(name);
-    if (k == cached_key.end()) return;
-    auto c = cache.find(k->second);
-    if (c != cache.end() && c->second == name) cache.erase(c);
-    cached_key.erase(k);
-  }
 };
 
 PlannerCore::PlannerCore(PlannerCoreOptions options)
@@ -460,272 +364,6 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
     core->s_->workers.emplace_back([c = core.get()] { c->Worker(); });
   }
   return core;
-}
-
-// ---------------------------------------------------------------- nodes --
-
-void PlannerCore::RefreshLiveness() {
-  absl::MutexLock l(&s_->mu);
-  RefreshLivenessLocked();
-}
-
-void PlannerCore::RefreshLivenessLocked() {
-  absl::Time now = o_.now();
-  absl::Duration limit = o_.heartbeat_interval * o_.missed_heartbeats;
-  std::vector<std::string> expired;
-  for (auto& [name, n] : s_->nodes) {
-    absl::Duration silent = now - std::max(FromProto(n.last_heartbeat()), s_->started);
-    // Derived from last_heartbeat, which every heartbeat saves; a restart
-    // derives it again, so reads do not write it. Time the planner was
-    // down does not count: a node whose heartbeats went nowhere while it
-    // restarted is READY until it misses them against this planner.
-    n.set_state(silent > limit ? v1::Node::STALE : v1::Node::READY);
-    if (silent > limit + o_.node_expiry) expired.push_back(name);
-  }
-  for (const std::string& name : expired) {
-    // A removal the store refuses leaves the node (STALE), as the store
-    // still holds it; the next refresh tries again.
-    RemoveNodeLocked(name).IgnoreError();
-  }
-}
-
-absl::Status PlannerCore::RemoveNodeLocked(const std::string& name) {
-  if (o_.sink) {
-    absl::Status st = o_.sink->DeleteNode(name);
-    if (!st.ok() && !absl::IsNotFound(st)) {
-      return Annotate(st, absl::StrCat("node '", name, "' was not deleted"));
-    }
-  }
-  auto it = s_->nodes.find(name);
-  if (it == s_->nodes.end()) return absl::OkStatus();
-  std::set<std::string> devices;
-  for (const auto& d : it->second.devices()) devices.insert(d.id());
-  for (auto l = s_->links.begin(); l != s_->links.end();) {
-    bool gone = devices.count(l->first.first) || devices.count(l->first.second);
-    l = gone ? s_->links.erase(l) : std::next(l);
-  }
-  s_->nodes.erase(it);
-  return absl::OkStatus();
-}
-
-absl::Status PlannerCore::DeleteNode(const std::string& name) {
-  std::string id = NodeId(name);
-  if (!ValidNodeName(id)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "node name '", name, "' must look like nodes/{node} or {node}, with 1-253 letters, "
-        "digits, '-', '.' or '_'"));
-  }
-  absl::MutexLock l(&s_->mu);
-  if (!s_->nodes.count(id)) {
-    return absl::NotFoundError(absl::StrCat("node '", id, "' is not registered"));
-  }
-  return RemoveNodeLocked(id);
-}
-
-namespace {
-
-// A node measured anew (re-registered, re-probed): its devices keep the
-// calibration the planner fitted where their FLOP/s is about the same
-// (agents never send one; one they send is dropped).
-void KeepCalibration(const v1::Node& before, v1::Node* now) {
-  std::map<std::string, const v1::Device*> old;
-  for (const auto& d : before.devices()) old[d.id()] = &d;
-  for (auto& d : *now->mutable_devices()) {
-    d.clear_calibration();
-    auto it = old.find(d.id());
-    if (it != old.end() && CalibrationHolds(*it->second, d)) {
-      *d.mutable_calibration() = it->second->calibration();
-    }
-  }
-}
-
-}  // namespace
-
-absl::StatusOr<std::string> PlannerCore::CalibrateDevices(
-    const std::string& plan, const std::string& deployment,
-    const std::vector<v1::StepProfile>& profiles) {
-  HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> p, GetPlanSnapshot(plan));
-  if (p->state() != v1::Plan::SUCCEEDED) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(plan, " is ", v1::Plan::State_Name(p->state()), ", not SUCCEEDED"));
-  }
-  absl::MutexLock l(&s_->mu);
-  const v1::Cluster raw = ClusterLocked(/*include_stale=*/true);
-  HAP_ASSIGN_OR_RETURN(auto fitted, FitDeviceCalibration(raw, *p, profiles, deployment, o_.now()));
-  std::map<std::string, v1::Node> changed;
-  for (const auto& [name, n] : s_->nodes) {
-    for (int i = 0; i < n.devices_size(); ++i) {
-      auto it = fitted.find(n.devices(i).id());
-      if (it == fitted.end()) continue;
-      if (!changed.count(name)) changed[name] = n;
-      *changed[name].mutable_devices(i)->mutable_calibration() = it->second;
-    }
-  }
-  if (o_.sink) {
-    for (const auto& [name, n] : changed) {
-      HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(n),
-                                   absl::StrCat("the calibration of node '", name,
-                                                "' was not saved")));
-    }
-  }
-  std::vector<std::string> parts;
-  for (auto& [name, n] : changed) s_->nodes[name] = std::move(n);
-  for (const auto& [id, c] : fitted) {
-    double scaled = 0;
-    for (const auto& [type, x] : c.op_time_scale()) scaled = std::max(scaled, x);
-    parts.push_back(absl::StrFormat("%s (op scales up to %.2f, %.2f ms per step overhead)", id,
-                                    scaled, 1e3 * c.step_overhead_seconds()));
-  }
-  const v1::DeviceCalibration& any = fitted.begin()->second;
-  return absl::StrFormat(
-      "calibrated %s from %s (measured %.4f s): %s; collective overhead %.3f ms per call",
-      absl::StrJoin(p->devices(), ", "), deployment, any.measured_step_seconds(),
-      absl::StrJoin(parts, "; "), 1e3 * any.collective_overhead_seconds());
-}
-
-absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Node& in) {
-  if (!ValidNodeName(in.name())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "node name '", in.name(), "' must be 1-253 letters, digits, '-', '.' or '_'"));
-  }
-  std::set<std::string> ids;
-  HAP_RETURN_IF_ERROR(ValidateDevices(in.name(), in.devices(), &ids));
-  v1::Node node = in;
-  for (v1::Device& d : *node.mutable_devices()) d.set_node(node.name());
-  absl::MutexLock l(&s_->mu);
-  HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, node.name(), ids));
-  if (auto old = s_->nodes.find(node.name()); old != s_->nodes.end()) {
-    KeepCalibration(old->second, &node);
-  }
-  *node.mutable_last_heartbeat() = ToProto(o_.now());
-  node.set_state(v1::Node::READY);
-  if (o_.sink) {
-    HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(node),
-                                 absl::StrCat("node '", node.name(), "' was not registered")));
-  }
-  s_->nodes[node.name()] = node;
-  v1::RegisterNodeResponse r;
-  *r.mutable_node() = node;
-  r.mutable_heartbeat_interval()->set_seconds(
-      absl::ToInt64Seconds(o_.heartbeat_interval));
-  r.mutable_heartbeat_interval()->set_nanos(static_cast<int32_t>(
-      absl::ToInt64Nanoseconds(o_.heartbeat_interval) % 1'000'000'000));
-  return r;
-}
-
-absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::HeartbeatRequest& r) {
-  std::string name = NodeId(r.name());
-  std::set<std::string> ids;
-  if (!r.devices().empty()) HAP_RETURN_IF_ERROR(ValidateDevices(name, r.devices(), &ids));
-  v1::HeartbeatResponse out;
-  absl::MutexLock l(&s_->mu);
-  RefreshLivenessLocked();  // (may expire the node)
-  auto it = s_->nodes.find(name);
-  if (it == s_->nodes.end()) {
-    out.set_unknown_node(true);  // register again
-    return out;
-  }
-  v1::Node n = it->second;
-  // A node back from STALE may have changed: ask it to measure again.
-  out.set_reprobe(n.state() == v1::Node::STALE);
-  if (!r.devices().empty()) {
-    HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, name, ids));
-    const v1::Node before = n;
-    n.mutable_devices()->CopyFrom(r.devices());
-    for (auto& d : *n.mutable_devices()) d.set_node(name);
-    KeepCalibration(before, &n);
-  }
-  *n.mutable_last_heartbeat() = ToProto(o_.now());
-  n.set_state(v1::Node::READY);
-  if (o_.sink) {
-    HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(n),
-                                 absl::StrCat("heartbeat of node '", name, "' was not saved")));
-  }
-  it->second = std::move(n);
-  return out;
-}
-
-v1::Cluster PlannerCore::ClusterLocked(bool include_stale) const {
-  v1::Cluster c;
-  *c.mutable_defaults() = o_.link_defaults;
-  std::set<std::string> devices;
-  for (const auto& [name, n] : s_->nodes) {
-    if (!include_stale && n.state() == v1::Node::STALE) continue;
-    *c.add_nodes() = n;
-    for (const auto& d : n.devices()) devices.insert(d.id());
-  }
-  for (const auto& [pair, link] : s_->links) {
-    if (devices.count(pair.first) && devices.count(pair.second)) *c.add_links() = link;
-  }
-  return c;
-}
-
-v1::Cluster PlannerCore::GetCluster(bool include_stale) {
-  absl::MutexLock l(&s_->mu);
-  RefreshLivenessLocked();
-  return ClusterLocked(include_stale);
-}
-
-absl::StatusOr<v1::ListNodesResponse> PlannerCore::ListNodes(int page_size,
-                                                             const std::string& token) {
-  absl::MutexLock l(&s_->mu);
-  RefreshLivenessLocked();
-  v1::ListNodesResponse r;
-  HAP_ASSIGN_OR_RETURN(std::string next,
-                       Paginate(s_->nodes, page_size, token,
-                                [&](const v1::Node& n) { *r.add_nodes() = n; }));
-  r.set_next_page_token(next);
-  return r;
-}
-
-absl::Status PlannerCore::ReportLinks(const std::string& node,
-                                      const std::vector<v1::Link>& links) {
-  std::string name = NodeId(node);
-  absl::MutexLock l(&s_->mu);
-  auto it = s_->nodes.find(name);
-  if (it == s_->nodes.end()) {
-    return absl::NotFoundError(absl::StrCat("node '", name, "' is not registered"));
-  }
-  std::set<std::string> known;
-  for (const auto& [n, node_msg] : s_->nodes) {
-    for (const auto& d : node_msg.devices()) known.insert(d.id());
-  }
-  for (const v1::Link& l : links) {
-    if (!known.count(l.src()) || !known.count(l.dst())) {
-      return absl::NotFoundError(absl::StrCat("link ", l.src(), " -> ", l.dst(),
-                                              " names a device no node has registered"));
-    }
-    const std::string link = absl::StrCat("link ", l.src(), " -> ", l.dst(), ": ");
-    if (!(std::isfinite(l.bandwidth_bytes_per_second()) &&
-          l.bandwidth_bytes_per_second() > 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0, got ",
-                       l.bandwidth_bytes_per_second()));
-    }
-    HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(),
-                                   0, kInf, "a finite number >= 0"));
-  }
-  for (const v1::Link& l : links) s_->links[{l.src(), l.dst()}] = l;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<v1::GetProbeAssignmentsResponse> PlannerCore::GetProbeAssignments(
-    const std::string& node, int64_t bytes) {
-  std::string name = NodeId(node);
-  absl::MutexLock l(&s_->mu);
-  RefreshLivenessLocked();
-  if (!s_->nodes.count(name)) {
-    return absl::NotFoundError(absl::StrCat("node '", name, "' is not registered"));
-  }
-  v1::GetProbeAssignmentsResponse r;
-  for (const auto& [peer, n] : s_->nodes) {
-    if (peer == name || n.state() != v1::Node::READY || n.address().empty()) continue;
-    v1::ProbeAssignment* a = r.add_assignments();
-    a->set_peer_node(peer);
-    a->set_peer_address(n.address());
-    a->set_bytes(bytes);
-  }
-  return r;
 }
 
 // ---------------------------------------------------------------- plans --
