@@ -1,0 +1,460 @@
+// The planner core's node registry (planner_core_nodes.cc): registration
+// and re-registration, heartbeats checked like registrations, liveness and
+// expiry, deletion, stored nodes at start, and the per-device calibration
+// fitted from deployments' profiles.
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/service/core/planner_core.h"
+#include "planner/service/core/planner_core_test_util.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing_internal::MakeNode;
+using testing_internal::MlpRequest;
+using testing_internal::PlannerCoreTest;
+
+// --- Node profiles -------------------------------------------------------
+
+// The planner's own calibration (issue 19): fitted from a deployment's rank
+// profiles, stored with the nodes, used by later plans unless asked not to,
+// kept across a re-probe that measures about the same, dropped (and then
+// borrowed from a device of the same kind) when it measures otherwise.
+// Every rank of `plan` profiled 20 steps from step 2: median step `step`,
+// kernels `kernels` s of which linear 0.02 s (+0.01 s per rank), optimizer
+// 1 ms, runtime 2 ms.
+std::vector<v1::StepProfile> Profiles(const v1::Plan& plan, double step, double kernels) {
+  std::vector<v1::StepProfile> out;
+  for (int r = 0; r < plan.devices_size(); ++r) {
+    v1::StepProfile p;
+    p.set_rank(r);
+    p.set_device(plan.devices(r));
+    p.set_plan_content_hash(plan.content_hash());
+    p.set_first_step(2);
+    p.set_steps(20);
+    p.set_step_seconds_median(step);
+    p.set_device_seconds(kernels);
+    (*p.mutable_op_seconds())["linear"] = 0.02 + 0.01 * r;
+    (*p.mutable_op_seconds())["(optimizer)"] = 0.001;
+    (*p.mutable_op_seconds())["(runtime)"] = 0.002;
+    out.push_back(p);
+  }
+  return out;
+}
+
+TEST_F(PlannerCoreTest, ReRegistrationDoesNotDuplicateAndDevicesAreOwnedOnce) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 3, 2e12)).ok());
+  auto nodes = core_->ListNodes(0, "");
+  ASSERT_TRUE(nodes.ok());
+  ASSERT_EQ(nodes->nodes_size(), 1);
+  EXPECT_EQ(nodes->nodes(0).devices_size(), 3);
+  v1::Node thief = MakeNode("b", 1, 1e12);
+  thief.mutable_devices(0)->set_id("a/cpu0");
+  EXPECT_THAT(core_->RegisterNode(thief),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("'a/cpu0'")));
+  v1::Node bad = MakeNode("c", 1, 0);
+  EXPECT_THAT(core_->RegisterNode(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("FLOP/s")));
+}
+
+TEST_F(PlannerCoreTest, ANodeThatStopsHeartbeatingGoesStaleAndIsLeftOut) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  for (int i = 0; i < 4; ++i) {
+    clock_.Advance(absl::Seconds(5));
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/a");
+    auto r = core_->Heartbeat(hb);
+    ASSERT_TRUE(r.ok());
+    EXPECT_FALSE(r->unknown_node());
+  }
+  v1::Cluster live = core_->GetCluster(false);
+  ASSERT_EQ(live.nodes_size(), 1);
+  EXPECT_EQ(live.nodes(0).name(), "a");
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+  auto p = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->devices_size(), 2);
+  for (const auto& d : p->devices()) EXPECT_EQ(d.rfind("a/", 0), 0u) << d;
+  // Asking for a stale device by name says why.
+  v1::CreatePlanRequest r = MlpRequest();
+  r.add_devices("a/cpu0");
+  r.add_devices("b/cpu0");
+  EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stale")));
+  // A heartbeat brings it back, with a request to measure again.
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/b");
+  auto back = core_->Heartbeat(hb);
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(back->reprobe());
+  EXPECT_EQ(core_->GetCluster(false).nodes_size(), 2);
+  hb.set_name("nodes/nobody");
+  EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
+}
+
+TEST_F(PlannerCoreTest, ANodeTheStoreRefusesIsNotRegisteredNorUpdated) {
+  sink_.RefuseNodes(true);
+  EXPECT_THAT(core_->RegisterNode(MakeNode("a", 2, 2e12)),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("node 'a' was not registered"),
+                             HasSubstr("database or disk is full"))));
+  EXPECT_EQ(core_->ListNodes(0, "")->nodes_size(), 0);
+  sink_.RefuseNodes(false);
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  // A heartbeat with re-measured devices the store refuses changes nothing.
+  sink_.RefuseNodes(true);
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  *hb.mutable_devices() = MakeNode("a", 3, 2e12).devices();
+  EXPECT_THAT(core_->Heartbeat(hb),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("node 'a'")));
+  EXPECT_EQ(core_->ListNodes(0, "")->nodes(0).devices_size(), 2);
+}
+
+TEST_F(PlannerCoreTest, CalibratesDevicesFromProfilesAndLaterPlansUseIt) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->state(), v1::Plan::SUCCEEDED) << first->error();
+  EXPECT_EQ(first->calibration(), "");  // nothing calibrated yet
+  auto full = core_->GetPlan(first->name(), true);
+  ASSERT_TRUE(full.ok());
+  std::vector<v1::StepProfile> profiles = Profiles(*full, 0.05, 0.04);
+  EXPECT_THAT(core_->CalibrateDevices(first->name(), "deployments/d1", {profiles[0]}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("profiles of 1 of the plan's 2 ranks")));
+  EXPECT_THAT(core_->CalibrateDevices("plans/none", "deployments/d1", profiles),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/none")));
+  auto line = core_->CalibrateDevices(first->name(), "deployments/d1", profiles);
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_THAT(*line, HasSubstr("from deployments/d1 (measured 0.0500 s)"));
+  std::map<std::string, v1::Device> devices;
+  const v1::Cluster cluster = core_->GetCluster(true);
+  for (const auto& n : cluster.nodes()) devices[n.devices(0).id()] = n.devices(0);
+  ASSERT_TRUE(devices.at("a/cpu0").has_calibration());
+  const v1::DeviceCalibration& ca = devices.at("a/cpu0").calibration();
+  EXPECT_EQ(ca.deployment(), "deployments/d1");
+  EXPECT_EQ(ca.plan(), first->name());
+  EXPECT_DOUBLE_EQ(ca.probed_flops(), 2e12);
+  EXPECT_GT(ca.op_time_scale().at("linear"), 1);  // the model's 2 TFLOP/s is optimistic
+  EXPECT_GT(ca.optimizer_seconds_per_element(), 0);
+  EXPECT_DOUBLE_EQ(devices.at("b/cpu0").calibration().measured_step_seconds(), 0.05);
+  {
+    absl::MutexLock l(&sink_.mu);  // saved with the nodes
+    EXPECT_TRUE(sink_.nodes.at("a").devices(0).has_calibration());
+  }
+  // A new plan uses it and says so; asked not to, the raw model as before.
+  v1::CreatePlanRequest again = MlpRequest();
+  again.set_plan_id("calibrated");
+  auto calibrated = core_->CreatePlan(again, Deadline());
+  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  ASSERT_EQ(calibrated->state(), v1::Plan::SUCCEEDED) << calibrated->error();
+  EXPECT_THAT(calibrated->calibration(),
+              AllOf(HasSubstr("a/cpu0: deployments/d1 (" + first->name() + ")"),
+                    HasSubstr("b/cpu0: deployments/d1")));
+  EXPECT_GT(calibrated->prediction().step_seconds(), 5 * first->prediction().step_seconds());
+  v1::CreatePlanRequest raw = MlpRequest();
+  raw.set_plan_id("raw");
+  raw.mutable_options()->set_ignore_calibration(true);
+  auto uncalibrated = core_->CreatePlan(raw, Deadline());
+  ASSERT_TRUE(uncalibrated.ok()) << uncalibrated.status();
+  EXPECT_EQ(uncalibrated->calibration(), "");
+  EXPECT_DOUBLE_EQ(uncalibrated->prediction().step_seconds(), first->prediction().step_seconds());
+  // Re-probed at about the same FLOP/s: kept; at 25% less: dropped, and a
+  // plan borrows b's calibration for it.
+  auto heartbeat = [&](double flops) {
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/a");
+    *hb.mutable_devices() = MakeNode("a", 1, flops).devices();
+    return core_->Heartbeat(hb);
+  };
+  ASSERT_TRUE(heartbeat(2.1e12).ok());
+  EXPECT_TRUE(core_->GetCluster(true).nodes(0).devices(0).has_calibration());
+  ASSERT_TRUE(heartbeat(1.5e12).ok());
+  EXPECT_FALSE(core_->GetCluster(true).nodes(0).devices(0).has_calibration());
+  EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
+  v1::CreatePlanRequest borrowed = MlpRequest();
+  borrowed.set_plan_id("borrowed");
+  auto b = core_->CreatePlan(borrowed, Deadline());
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_THAT(b->calibration(), HasSubstr("a/cpu0: borrowed from b/cpu0"));
+  // A re-registration keeps b's (same FLOP/s).
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
+}
+
+// A deployment of a pipeline plan (two stages of one device) whose steps
+// take far longer than its kernels: its devices get the stall per transfer
+// between stages that explains it, keep what the earlier SPMD run fitted of
+// communication, and the next pipeline plan prices the stall.
+TEST_F(PlannerCoreTest, APipelineRunCalibratesTheStallBetweenStagesAndKeepsTheRest) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  auto spmd = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(spmd.ok() && spmd->state() == v1::Plan::SUCCEEDED) << spmd.status();
+  auto spmd_full = core_->GetPlan(spmd->name(), true);
+  ASSERT_TRUE(spmd_full.ok());
+  ASSERT_TRUE(core_->CalibrateDevices(spmd->name(), "deployments/d1",
+                                      Profiles(*spmd_full, 0.08, 0.04)).ok());
+  const v1::DeviceCalibration before = core_->GetCluster(true).nodes(0).devices(0).calibration();
+
+  auto pipe_request = [](const std::string& id) {
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id(id);
+    r.mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+    r.mutable_options()->set_pipeline_stages(2);
+    r.mutable_options()->set_pipeline_microbatches(2);
+    return r;
+  };
+  auto pipe = core_->CreatePlan(pipe_request("pipe"), Deadline());
+  ASSERT_TRUE(pipe.ok()) << pipe.status();
+  ASSERT_EQ(pipe->state(), v1::Plan::SUCCEEDED) << pipe->error();
+  auto full = core_->GetPlan(pipe->name(), true);
+  ASSERT_TRUE(full.ok());
+  ASSERT_EQ(full->pipeline().stages_size(), 2);
+  auto line = core_->CalibrateDevices(pipe->name(), "deployments/d2", Profiles(*full, 2.0, 0.04));
+  ASSERT_TRUE(line.ok()) << line.status();
+  const v1::DeviceCalibration after = core_->GetCluster(true).nodes(0).devices(0).calibration();
+  EXPECT_EQ(after.plan(), pipe->name());
+  // 2 s steps from 40 ms of kernels, two microbatches: the 1F1B schedule
+  // needs well over 100 ms per transfer to take that long.
+  EXPECT_GT(after.pipeline_transfer_overhead_seconds(), 0.1);
+  EXPECT_LT(after.pipeline_transfer_overhead_seconds(), 2.0);
+  EXPECT_DOUBLE_EQ(after.collective_overhead_seconds(), before.collective_overhead_seconds());
+  EXPECT_DOUBLE_EQ(after.transfer_scale(), before.transfer_scale());
+  EXPECT_DOUBLE_EQ(after.step_overhead_seconds(), before.step_overhead_seconds());
+  auto again = core_->CreatePlan(pipe_request("pipe-again"), Deadline());
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->state(), v1::Plan::SUCCEEDED) << again->error();
+  EXPECT_GT(again->prediction().step_seconds(),
+            pipe->prediction().step_seconds() + after.pipeline_transfer_overhead_seconds());
+}
+
+TEST_F(PlannerCoreTest, AHeartbeatIsCheckedLikeARegistration) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  auto heartbeat = [&](const v1::Node& measured) {
+    v1::HeartbeatRequest hb;
+    hb.set_name("nodes/a");
+    *hb.mutable_devices() = measured.devices();
+    return core_->Heartbeat(hb);
+  };
+  v1::Node nan_flops = MakeNode("a", 2, std::nan(""));
+  EXPECT_THAT(heartbeat(nan_flops),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'a/cpu0'"), HasSubstr("FLOAT32 FLOP/s"),
+                             HasSubstr("got nan"))));
+  v1::Node negative_memory = MakeNode("a", 2, 2e12, -5);
+  EXPECT_THAT(heartbeat(negative_memory),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'a/cpu0'"), HasSubstr("memory_bytes"), HasSubstr("-5"))));
+  v1::Node theft = MakeNode("a", 2, 2e12);
+  theft.mutable_devices(1)->set_id("b/cpu0");
+  EXPECT_THAT(heartbeat(theft),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       HasSubstr("device 'b/cpu0' is already registered by node 'b'")));
+  v1::Node twice = MakeNode("a", 2, 2e12);
+  twice.mutable_devices(1)->set_id("a/cpu0");
+  EXPECT_THAT(heartbeat(twice),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unique, got 'a/cpu0'")));
+  // None of them got in: the cluster still plans, on its four devices.
+  auto p = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  EXPECT_EQ(p->devices_size(), 4);
+  // A valid re-measurement is taken.
+  ASSERT_TRUE(heartbeat(MakeNode("a", 3, 3e12)).ok());
+  EXPECT_EQ(core_->GetCluster(false).nodes(0).devices_size(), 3);
+}
+
+TEST_F(PlannerCoreTest, MeasurementsThatAreNotFiniteNumbersAreRefusedAtRegistration) {
+  const double nan = std::nan("");
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    std::function<void(v1::Device&)> edit;
+    std::string field, value;
+  };
+  std::vector<Case> cases = {
+      {[&](v1::Device& d) { d.set_launch_overhead_seconds(nan); }, "launch_overhead_seconds",
+       "nan"},
+      {[&](v1::Device& d) { d.set_step_overhead_seconds(-1); }, "step_overhead_seconds", "-1"},
+      {[&](v1::Device& d) { d.set_optimizer_seconds_per_element(inf); },
+       "optimizer_seconds_per_element", "inf"},
+      {[&](v1::Device& d) { d.set_tf32_flops(nan); }, "tf32_flops", "nan"},
+      {[&](v1::Device& d) {
+         auto* f = d.add_flops();
+         f->set_dtype(v1::FLOAT16);
+         f->set_flops(inf);
+       },
+       "FLOAT16 FLOP/s", "inf"},
+      {[&](v1::Device& d) { (*d.mutable_op_time_scale())["linear"] = nan; },
+       "op_time_scale[\"linear\"]", "nan"},
+      {[&](v1::Device& d) { (*d.mutable_op_time_scale())["linear"] = 0; },
+       "op_time_scale[\"linear\"]", "got 0"},
+  };
+  for (const Case& c : cases) {
+    v1::Node n = MakeNode("a", 2, 2e12);
+    c.edit(*n.mutable_devices(1));
+    EXPECT_THAT(core_->RegisterNode(n),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("'a/cpu1'"), HasSubstr(c.field), HasSubstr(c.value))))
+        << c.field;
+  }
+  EXPECT_EQ(core_->ListNodes(0, "")->nodes_size(), 0);
+
+  // Links: a latency that is NaN or infinite, a bandwidth that is NaN.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  auto link = [](double bandwidth, double latency) {
+    v1::Link l;
+    l.set_src("a/cpu0");
+    l.set_dst("a/cpu1");
+    l.set_bandwidth_bytes_per_second(bandwidth);
+    l.set_latency_seconds(latency);
+    return std::vector<v1::Link>{l};
+  };
+  EXPECT_THAT(core_->ReportLinks("nodes/a", link(1e9, nan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("a/cpu0 -> a/cpu1"), HasSubstr("latency_seconds"),
+                             HasSubstr("got nan"))));
+  EXPECT_THAT(core_->ReportLinks("nodes/a", link(1e9, inf)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("latency_seconds"), HasSubstr("got inf"))));
+  EXPECT_THAT(core_->ReportLinks("nodes/a", link(nan, 1e-5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("bandwidth_bytes_per_second"), HasSubstr("got nan"))));
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 0);
+  ASSERT_TRUE(core_->ReportLinks("nodes/a", link(1e9, 1e-5)).ok());
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
+}
+
+// A database written before registrations were checked may hold nodes
+// that no registration would let in now: they are not loaded (and said
+// so), and the good ones plan as before.
+TEST_F(PlannerCoreTest, StoredNodesThatFailTheChecksAreNotLoaded) {
+  v1::Node good = MakeNode("a", 2, 1e12);
+  v1::Node nan = MakeNode("b", 1, std::nan(""));
+  v1::Node thief = MakeNode("c", 1, 1e12);
+  thief.mutable_devices(0)->set_id("a/cpu0");  // a's device
+  v1::Node negative = MakeNode("d", 1, 1e12, -5);
+  Start({thief, nan, good, negative}, {});
+  const v1::Cluster cluster = core_->GetCluster(true);
+  ASSERT_EQ(cluster.nodes_size(), 1);
+  EXPECT_EQ(cluster.nodes(0).name(), "a");
+  const auto& notes = core_->StartNotes();
+  ASSERT_EQ(notes.size(), 3u);
+  EXPECT_THAT(notes[0], AllOf(HasSubstr("'b'"), HasSubstr("not loaded")));
+  EXPECT_THAT(notes[1], AllOf(HasSubstr("'c'"), HasSubstr("a/cpu0")));
+  EXPECT_THAT(notes[2], HasSubstr("'d'"));
+  // Its agent back, a's devices plan alone (no "device id appears twice").
+  ASSERT_TRUE(core_->RegisterNode(good).ok());
+  auto plan = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->state(), v1::Plan::SUCCEEDED);
+  // The node's agent registering again (with good measurements) is let in.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 2e12)).ok());
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+}
+
+TEST_F(PlannerCoreTest, DeleteNodeRemovesTheNodeItsDevicesAndItsLinks) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  v1::Link l;
+  l.set_src("a/cpu0");
+  l.set_dst("b/cpu0");
+  l.set_bandwidth_bytes_per_second(1e9);
+  ASSERT_TRUE(core_->ReportLinks("nodes/a", {l}).ok());
+  ASSERT_TRUE(core_->DeleteNode("nodes/b").ok());
+  v1::Cluster c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 1);
+  EXPECT_EQ(c.nodes(0).name(), "a");
+  EXPECT_EQ(c.links_size(), 0);
+  EXPECT_EQ(sink_.Nodes().size(), 1u);
+  // Its agent is told to register again; its device ids are free.
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/b");
+  EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
+  v1::Node heir = MakeNode("c", 1, 1e12);
+  heir.mutable_devices(0)->set_id("b/cpu0");
+  EXPECT_TRUE(core_->RegisterNode(heir).ok());
+  EXPECT_THAT(core_->DeleteNode("nodes/b"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("node 'b' is not registered")));
+  EXPECT_THAT(core_->DeleteNode("nodes/no such"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'nodes/no such'")));
+  // A removal the store refuses leaves the node.
+  sink_.RefuseNodes(true);
+  EXPECT_THAT(core_->DeleteNode("c"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("node 'c' was not deleted")));
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+}
+
+TEST_F(PlannerCoreTest, ANodeStaleLongerThanTheExpiryIsRemoved) {
+  node_expiry_ = absl::Minutes(1);
+  Start({}, {});
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  // b is stale after 15 s and expires 60 s later; a keeps heartbeating.
+  for (int i = 0; i < 14; ++i) {
+    clock_.Advance(absl::Seconds(5));
+    ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  }
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);  // 70 s: stale, kept
+  clock_.Advance(absl::Seconds(6));
+  // While the store refuses the removal, the node stays, as stored.
+  sink_.RefuseNodes(true);
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
+  sink_.RefuseNodes(false);
+  v1::Cluster c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 1);
+  EXPECT_EQ(c.nodes(0).name(), "a");
+  EXPECT_EQ(sink_.Nodes().size(), 1u);
+  hb.set_name("nodes/b");
+  EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
+}
+
+// A restarted planner does not blame nodes for the heartbeats they sent
+// while no planner ran: a stored node whose last heartbeat is long past is
+// READY at start and goes STALE only after missing heartbeats against the
+// new planner (a job's deployment survives a planner restart).
+TEST_F(PlannerCoreTest, ARestartDoesNotMakeStoredNodesStale) {
+  v1::Node a = MakeNode("a", 2, 2e12);
+  v1::Node b = MakeNode("b", 2, 1e12);
+  const absl::Time long_ago = clock_.Now() - absl::Minutes(10);
+  for (v1::Node* n : {&a, &b}) {
+    n->mutable_last_heartbeat()->set_seconds(absl::ToUnixSeconds(long_ago));
+  }
+  Start({a, b}, {});
+  v1::Cluster c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 2);
+  for (const auto& n : c.nodes()) {
+    EXPECT_EQ(n.state(), v1::Node::READY) << n.name();
+  }
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  // 16 s later (the limit is 3 x 5 s): a heartbeat, b did not.
+  for (int i = 0; i < 4; ++i) {
+    clock_.Advance(absl::Seconds(4));
+    ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  }
+  c = core_->GetCluster(true);
+  ASSERT_EQ(c.nodes_size(), 2);
+  for (const auto& n : c.nodes()) {
+    EXPECT_EQ(n.state(), n.name() == "b" ? v1::Node::STALE : v1::Node::READY) << n.name();
+  }
+}
+
+}  // namespace
+}  // namespace hap::service
