@@ -50,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "e2e"))
 import e2e_bench as e2e  # noqa: E402  (the cgroups, agents and launcher runs)
 
-CONFIGS = ["hap", "spmd", "dp-prop", "pipe2"]
+CONFIGS = ["hap", "spmd", "dp-prop", "pipe2", "pipe2-m2"]
 # With calibration (default; --no-calibrate skips it): the planner's plan and
 # the best SPMD plan again, from the cluster calibrated on profiled runs of
 # spmd, dp-prop and pipe2 on the testbed (hapctl calibrate).
@@ -60,6 +60,7 @@ LABELS = {
     "spmd": "best SPMD plan (--pipeline off)",
     "dp-prop": "DP-proportional",
     "pipe2": "2-stage pipeline x SPMD (--pipeline 2)",
+    "pipe2-m2": "2-stage pipeline, 2 microbatches (--pipeline 2 --microbatches 2)",
     "hap-cal": "the planner's plan, calibrated model",
     "spmd-cal": "best SPMD plan, calibrated model",
     "hap-cal-first": "the planner's first calibrated plan (before it was profiled)",
@@ -69,6 +70,7 @@ PLAN_FLAGS = {
     "spmd": ["--pipeline", "off"],
     "dp-prop": ["--baseline", "dp-prop"],
     "pipe2": ["--pipeline", "2"],
+    "pipe2-m2": ["--pipeline", "2", "--microbatches", "2"],
     "hap-cal": ["--pipeline", "auto"],
     "spmd-cal": ["--pipeline", "off"],
 }

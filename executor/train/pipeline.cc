@@ -404,43 +404,100 @@ absl::Status PipelineRunner::Forward(const Batch& batch, int m, int64_t step) {
     HAP_ASSIGN_OR_RETURN(HostTensor loss, Read(runner_->program().loss_buffer()));
     loss_sum_ += ScalarOf(loss);
   }
-  std::vector<HostTensor>& saved = stash_[m];
-  for (int id : stash_ids_) {
-    HAP_ASSIGN_OR_RETURN(HostTensor t, Read(id));
-    saved.push_back(std::move(t));
+  if (stash_ids_.empty()) return absl::OkStatus();
+  if (free_stash_slots_.empty()) {
+    std::vector<TensorView> slot;
+    for (int id : stash_ids_) {
+      HAP_ASSIGN_OR_RETURN(TensorView v, AllocateLike(runner_->buffer(id)));
+      slot.push_back(v);
+    }
+    free_stash_slots_.push_back(stash_slots_.size());
+    stash_slots_.push_back(std::move(slot));
   }
-  return absl::OkStatus();
+  const size_t slot = free_stash_slots_.back();
+  free_stash_slots_.pop_back();
+  stash_[m] = slot;
+  for (size_t i = 0; i < stash_ids_.size(); ++i) {
+    const TensorView& v = runner_->buffer(stash_ids_[i]);
+    const std::vector<int64_t> zero(v.rank(), 0);
+    HAP_RETURN_IF_ERROR(
+        runner_->device().CopyBox(v, zero, stash_slots_[slot][i], zero, v.shape));
+  }
+  return runner_->device().Synchronize();
 }
 
 absl::Status PipelineRunner::Backward(int m, int64_t step) {
   runner_->SetMicrobatch(m, layout_.microbatches);
-  auto it = stash_.find(m);
-  if (it == stash_.end()) {
-    return absl::InternalError(absl::StrCat("backward of microbatch ", m, " before its forward"));
+  if (!stash_ids_.empty()) {
+    auto it = stash_.find(m);
+    if (it == stash_.end()) {
+      return absl::InternalError(
+          absl::StrCat("backward of microbatch ", m, " before its forward"));
+    }
+    for (size_t i = 0; i < stash_ids_.size(); ++i) {
+      const TensorView& v = runner_->buffer(stash_ids_[i]);
+      const std::vector<int64_t> zero(v.rank(), 0);
+      HAP_RETURN_IF_ERROR(
+          runner_->device().CopyBox(stash_slots_[it->second][i], zero, v, zero, v.shape));
+    }
+    free_stash_slots_.push_back(it->second);
+    stash_.erase(it);
   }
-  for (size_t i = 0; i < stash_ids_.size(); ++i) {
-    HAP_RETURN_IF_ERROR(Write(stash_ids_[i], it->second[i]));
-  }
-  stash_.erase(it);
   if (out_grad_ >= 0) HAP_RETURN_IF_ERROR(ReceiveInto(out_grad_, stage_ + 1, 2 * m + 1));
   HAP_RETURN_IF_ERROR(RunBackwardSteps(m + 1 == layout_.microbatches, step));
   HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
   if (in_grad_ >= 0) HAP_RETURN_IF_ERROR(SendWhole(in_grad_, stage_ - 1, 2 * m + 1));
-  const bool first = sums_.empty();
-  for (size_t i = 0; i < accumulate_ids_.size(); ++i) {
-    if (folded_[i]) {
-      // Summed in place; its synchronisation may be running on it.
-      if (first) sums_.emplace_back();
-      continue;
-    }
-    HAP_ASSIGN_OR_RETURN(HostTensor g, Read(accumulate_ids_[i]));
-    if (first) {
-      sums_.push_back(std::move(g));
-    } else {
-      HAP_RETURN_IF_ERROR(Add(sums_[i], g));
+  if (m + 1 < layout_.microbatches) return AccumulateMicrobatch();
+  // The last: the earlier microbatches' sums into its gradients (those
+  // a deferred synchronisation reads were folded in before it started, and
+  // it may be running on them).
+  if (!summed_) return absl::OkStatus();
+  for (size_t k = 0; k < accumulate_ids_.size(); ++k) {
+    if (!folded_[k]) HAP_RETURN_IF_ERROR(SumInto(k));
+  }
+  return runner_->device().Synchronize();
+}
+
+absl::StatusOr<TensorView> PipelineRunner::AllocateLike(const TensorView& like) {
+  HAP_ASSIGN_OR_RETURN(void* memory,
+                       runner_->device().Allocate(std::max<int64_t>(like.bytes(), 1)));
+  owned_.push_back(memory);
+  return TensorView{like.dtype, like.shape, memory};
+}
+
+absl::Status PipelineRunner::AccumulateMicrobatch() {
+  Device& device = runner_->device();
+  if (sums_.empty()) {
+    for (int id : accumulate_ids_) {
+      HAP_ASSIGN_OR_RETURN(TensorView sum, AllocateLike(runner_->buffer(id)));
+      sums_.push_back(sum);
     }
   }
-  return absl::OkStatus();
+  for (size_t k = 0; k < accumulate_ids_.size(); ++k) {
+    const TensorView& g = runner_->buffer(accumulate_ids_[k]);
+    if (!summed_) {
+      const std::vector<int64_t> zero(g.rank(), 0);
+      HAP_RETURN_IF_ERROR(device.CopyBox(g, zero, sums_[k], zero, g.shape));
+    } else {
+      const TensorView in[] = {sums_[k], g};
+      HAP_RETURN_IF_ERROR(Annotate(device.RunKernel("add", KernelContext{}, graph::Attrs{}, in,
+                                                    {&sums_[k], 1}),
+                                   "summing gradients over microbatches"));
+    }
+  }
+  summed_ = true;
+  return device.Synchronize();
+}
+
+absl::Status PipelineRunner::SumInto(size_t k) {
+  const TensorView& g = runner_->buffer(accumulate_ids_[k]);
+  const TensorView in[] = {g, sums_[k]};
+  return Annotate(runner_->device().RunKernel("add", KernelContext{}, graph::Attrs{}, in, {&g, 1}),
+                  "summing gradients over microbatches");
+}
+
+PipelineRunner::~PipelineRunner() {
+  for (void* p : owned_) runner_->device().Free(p);
 }
 
 absl::Status PipelineRunner::RunBackwardSteps(bool last_microbatch, int64_t step) {
@@ -449,14 +506,9 @@ absl::Status PipelineRunner::RunBackwardSteps(bool last_microbatch, int64_t step
     HAP_RETURN_IF_ERROR(runner_->RunSteps(from, start, step));
     from = start + 1;
     if (!last_microbatch) continue;
-    if (!sums_.empty()) {
+    if (summed_) {
       // The earlier microbatches' sums into the buffers it synchronises.
-      HAP_RETURN_IF_ERROR(runner_->device().Synchronize());
-      for (size_t k : reads) {
-        HAP_ASSIGN_OR_RETURN(HostTensor g, Read(accumulate_ids_[k]));
-        HAP_RETURN_IF_ERROR(Add(sums_[k], g));
-        HAP_RETURN_IF_ERROR(Write(accumulate_ids_[k], sums_[k]));
-      }
+      for (size_t k : reads) HAP_RETURN_IF_ERROR(SumInto(k));
     }
     for (size_t k : reads) folded_[k] = true;
     HAP_RETURN_IF_ERROR(runner_->RunSteps(start, start + 1, step));
@@ -468,9 +520,6 @@ absl::Status PipelineRunner::Finish(int64_t step, double* loss) {
   const v1::RankProgram& prog = runner_->program();
   const int S = static_cast<int>(layout_.stage_ranks.size());
   const bool last = stage_ + 1 == S;
-  for (size_t i = 0; i < accumulate_ids_.size(); ++i) {
-    if (!folded_[i]) HAP_RETURN_IF_ERROR(Write(accumulate_ids_[i], sums_[i]));
-  }
   HAP_ASSIGN_OR_RETURN(HostTensor lt, Read(prog.loss_buffer()));
   const double mean = last ? loss_sum_ / layout_.microbatches : 0.0;
   if (lt.dtype() == DType::kFloat64) {
@@ -511,8 +560,9 @@ absl::Status PipelineRunner::Finish(int64_t step, double* loss) {
 }
 
 absl::StatusOr<double> PipelineRunner::RunStep(const Batch& batch, int64_t step) {
+  for (const auto& [m, slot] : stash_) free_stash_slots_.push_back(slot);  // an earlier step failed
   stash_.clear();
-  sums_.clear();
+  summed_ = false;
   folded_.assign(accumulate_ids_.size(), false);
   pending_sends_.clear();
   loss_sum_ = 0;

@@ -134,6 +134,10 @@ class PipelineRunner {
                                                                 Communicator* world,
                                                                 const PipelineLayout& layout);
 
+  ~PipelineRunner();
+  PipelineRunner(const PipelineRunner&) = delete;
+  PipelineRunner& operator=(const PipelineRunner&) = delete;
+
   // One training step on the global batch; returns the single-device loss.
   absl::StatusOr<double> RunStep(const Batch& batch, int64_t step);
 
@@ -156,7 +160,14 @@ class PipelineRunner {
   absl::Status ReceiveInto(int id, int from, int64_t tag);
   absl::StatusOr<HostTensor> Read(int id);
   absl::Status Write(int id, const HostTensor& t);
-
+  // Gradient accumulation on the device: after a microbatch that is not
+  // the last, its gradients into sums_ (copied by the first, added after);
+  // SumInto(k) adds sums_[k] into accumulate_ids_[k]'s buffer (the last
+  // microbatch's gradient), which then holds the step's sum.
+  absl::Status AccumulateMicrobatch();
+  absl::Status SumInto(size_t k);
+  // A device buffer shaped as `like`, freed with the runner.
+  absl::StatusOr<TensorView> AllocateLike(const TensorView& like);
   ProgramRunner* runner_;
   Communicator* world_;
   PipelineLayout layout_;
@@ -170,9 +181,20 @@ class PipelineRunner {
   // per step, started in the last microbatch's backward once the sums over
   // the earlier microbatches are added in.
   std::map<int, std::vector<size_t>> deferred_;
-  std::vector<HostTensor> sums_;                  // per accumulate_ids_
-  std::vector<bool> folded_;                      // per accumulate_ids_: sum in place
-  std::map<int, std::vector<HostTensor>> stash_;  // per microbatch in flight
+  // Per accumulate_ids_: device buffers of its shape, allocated by the
+  // first step that needs them and kept (a microbatch's forward may reuse
+  // a gradient buffer's memory, so the sums cannot stay in place).
+  std::vector<TensorView> sums_;
+  bool summed_ = false;      // this step's sums_ hold the earlier microbatches
+  std::vector<void*> owned_;  // device memory of sums_ and stash_slots_
+  std::vector<bool> folded_;  // per accumulate_ids_: sum in place
+  // The forward buffers a microbatch's backward needs, kept on the device
+  // while it is in flight: microbatch -> its slot in stash_slots_ (one
+  // device buffer per stash_ids_); slots are reused, by later microbatches
+  // and steps, and freed with the runner.
+  std::map<int, size_t> stash_;
+  std::vector<std::vector<TensorView>> stash_slots_;
+  std::vector<size_t> free_stash_slots_;
   std::vector<HostTensor> pending_sends_;         // until WaitSends
   double loss_sum_ = 0;
 };

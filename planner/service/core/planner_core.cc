@@ -255,7 +255,9 @@ std::shared_ptr<const std::string> Encode(const v1::Plan& p) {
   return bytes;
 }
 
-absl::StatusOr<std::shared_ptr<const std::string>> Encoded(
+// `bytes` from Encode, or ResourceExhausted naming plan `name` when it was
+// too large to serialize.
+absl::StatusOr<std::shared_ptr<const std::string>> NotTooLarge(
     const std::shared_ptr<const std::string>& bytes, const std::string& name) {
   if (bytes == nullptr) {
     return absl::ResourceExhaustedError(
@@ -827,14 +829,14 @@ absl::StatusOr<std::shared_ptr<const std::string>> PlannerCore::GetPlanEncoded(
     const std::string& name, bool full) {
   HAP_ASSIGN_OR_RETURN(PlanEntry entry, Entry(name));
   HAP_ASSIGN_OR_RETURN(std::shared_ptr<const v1::Plan> whole, Whole(name, entry));
-  if (full) return Encoded(Encode(*whole), name);
+  if (full) return NotTooLarge(Encode(*whole), name);
   PlanEntry::Encoded& e = *entry.encoded;
   absl::call_once(e.basic_once, [&] {
     v1::Plan basic;
     FillBasicView(*entry.summary, *whole, &basic);
     e.basic = Encode(basic);
   });
-  return Encoded(e.basic, name);
+  return NotTooLarge(e.basic, name);
 }
 
 absl::StatusOr<std::shared_ptr<const v1::Plan>> PlannerCore::GetPlanSnapshot(
@@ -925,7 +927,7 @@ absl::Status PlannerCore::ListPlansEncoded(int page_size, const std::string& tok
       absl::call_once(e.summary_once, [&] { e.summary = Encode(*p.entry.summary); });
       bytes = e.summary;
     }
-    HAP_ASSIGN_OR_RETURN(bytes, Encoded(bytes, p.name));
+    HAP_ASSIGN_OR_RETURN(bytes, NotTooLarge(bytes, p.name));
     plans->push_back(std::move(bytes));
   }
   return absl::OkStatus();
