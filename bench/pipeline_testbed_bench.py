@@ -137,7 +137,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run [6]")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default="hap,spmd,dp-prop,pipe2",
+                    help=f"some of {','.join(CONFIGS)} [hap,spmd,dp-prop,pipe2]")
     ap.add_argument("--probe-seconds", type=float, default=3)
     ap.add_argument("--run-timeout", type=float, default=300)
     ap.add_argument("--bin-dir", default=os.path.join(e2e.WORKSPACE, "bazel-bin"))
