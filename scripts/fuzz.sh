@@ -53,12 +53,10 @@ GRAPH_SRCS=(planner/graph/graph.cc planner/graph/op_registry.cc planner/graph/ty
 PROTO_SRCS=($(ls "$GEN"/hap/v1/*.pb.cc | grep -v grpc))
 # The planner's library sources (no tests, no mains) for the rpc target.
 planner_srcs() {
+  # Every source of the core (a file split off a library joins by itself).
   ls planner/graph/*.cc planner/synth/*.cc planner/cost/*.cc planner/ratios/*.cc \
-    planner/lower/*.cc planner/pipeline/*.cc planner/calibrate/*.cc |
+    planner/lower/*.cc planner/pipeline/*.cc planner/calibrate/*.cc planner/service/core/*.cc |
     grep -v -e '_test\.cc$' -e '_main\.cc$' -e '/test_util\.cc$'
-  echo planner/service/core/planner_core.cc planner/service/core/profile_checks.cc \
-    planner/service/core/deployments.cc planner/service/core/deployment_manager.cc \
-    planner/service/core/jobs.cc planner/service/core/node_calibration.cc
 }
 declare -A SRCS=(
   [graph]="${GRAPH_SRCS[*]}"
