@@ -324,6 +324,20 @@ double ScalarOf(const HostTensor& t) {
   return t.dtype() == DType::kFloat64 ? *t.as<double>() : static_cast<double>(*t.as<float>());
 }
 
+// `src` whole into `dst` (same dtype and shape), both device memory.
+absl::Status CopyWhole(Device& device, const TensorView& src, const TensorView& dst) {
+  const std::vector<int64_t> zero(src.rank(), 0);
+  return device.CopyBox(src, zero, dst, zero, src.shape);
+}
+
+// dst = a + b with the device's add kernel (dst may be a or b).
+absl::Status AddOnDevice(Device& device, const TensorView& a, const TensorView& b,
+                         const TensorView& dst) {
+  const TensorView in[] = {a, b};
+  return Annotate(device.RunKernel("add", KernelContext{}, graph::Attrs{}, in, {&dst, 1}),
+                  "summing gradients over microbatches");
+}
+
 }  // namespace
 
 absl::Status PipelineRunner::SendWhole(int id, int to, int64_t tag) {
@@ -418,10 +432,8 @@ absl::Status PipelineRunner::Forward(const Batch& batch, int m, int64_t step) {
   free_stash_slots_.pop_back();
   stash_[m] = slot;
   for (size_t i = 0; i < stash_ids_.size(); ++i) {
-    const TensorView& v = runner_->buffer(stash_ids_[i]);
-    const std::vector<int64_t> zero(v.rank(), 0);
     HAP_RETURN_IF_ERROR(
-        runner_->device().CopyBox(v, zero, stash_slots_[slot][i], zero, v.shape));
+        CopyWhole(runner_->device(), runner_->buffer(stash_ids_[i]), stash_slots_[slot][i]));
   }
   return runner_->device().Synchronize();
 }
@@ -435,10 +447,8 @@ absl::Status PipelineRunner::Backward(int m, int64_t step) {
           absl::StrCat("backward of microbatch ", m, " before its forward"));
     }
     for (size_t i = 0; i < stash_ids_.size(); ++i) {
-      const TensorView& v = runner_->buffer(stash_ids_[i]);
-      const std::vector<int64_t> zero(v.rank(), 0);
-      HAP_RETURN_IF_ERROR(
-          runner_->device().CopyBox(stash_slots_[it->second][i], zero, v, zero, v.shape));
+      HAP_RETURN_IF_ERROR(CopyWhole(runner_->device(), stash_slots_[it->second][i],
+                                    runner_->buffer(stash_ids_[i])));
     }
     free_stash_slots_.push_back(it->second);
     stash_.erase(it);
@@ -475,15 +485,8 @@ absl::Status PipelineRunner::AccumulateMicrobatch() {
   }
   for (size_t k = 0; k < accumulate_ids_.size(); ++k) {
     const TensorView& g = runner_->buffer(accumulate_ids_[k]);
-    if (!summed_) {
-      const std::vector<int64_t> zero(g.rank(), 0);
-      HAP_RETURN_IF_ERROR(device.CopyBox(g, zero, sums_[k], zero, g.shape));
-    } else {
-      const TensorView in[] = {sums_[k], g};
-      HAP_RETURN_IF_ERROR(Annotate(device.RunKernel("add", KernelContext{}, graph::Attrs{}, in,
-                                                    {&sums_[k], 1}),
-                                   "summing gradients over microbatches"));
-    }
+    HAP_RETURN_IF_ERROR(summed_ ? AddOnDevice(device, sums_[k], g, sums_[k])
+                                : CopyWhole(device, g, sums_[k]));
   }
   summed_ = true;
   return device.Synchronize();
@@ -491,9 +494,7 @@ absl::Status PipelineRunner::AccumulateMicrobatch() {
 
 absl::Status PipelineRunner::SumInto(size_t k) {
   const TensorView& g = runner_->buffer(accumulate_ids_[k]);
-  const TensorView in[] = {g, sums_[k]};
-  return Annotate(runner_->device().RunKernel("add", KernelContext{}, graph::Attrs{}, in, {&g, 1}),
-                  "summing gradients over microbatches");
+  return AddOnDevice(runner_->device(), g, sums_[k], g);
 }
 
 PipelineRunner::~PipelineRunner() {
