@@ -35,8 +35,6 @@ namespace hap::service {
 namespace {
 
 namespace v1 = ::hap::v1;
-using core_internal::FromProto;
-using core_internal::ToProto;
 using google::protobuf::util::TimeUtil;
 
 // The dtype a plan's matrix products are priced at (PlanOptions.precision).

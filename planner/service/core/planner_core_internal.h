@@ -17,23 +17,12 @@
 #include "absl/base/call_once.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "google/protobuf/timestamp.pb.h"
-#include "google/protobuf/util/time_util.h"
 #include "hap/v1/cluster.pb.h"
 #include "hap/v1/plan.pb.h"
 #include "planner/service/core/planner_core.h"
+#include "planner/service/core/proto_time.h"
 
 namespace hap::service {
-namespace core_internal {
-
-inline google::protobuf::Timestamp ToProto(absl::Time t) {
-  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
-}
-inline absl::Time FromProto(const google::protobuf::Timestamp& t) {
-  return absl::FromUnixNanos(google::protobuf::util::TimeUtil::TimestampToNanoseconds(t));
-}
-
-}  // namespace core_internal
 
 // A plan as the core serves it: immutable snapshots, replaced (never
 // changed) on each change, so that reads copy them outside the core's lock.

@@ -20,8 +20,6 @@ namespace hap::service {
 namespace {
 
 namespace v1 = ::hap::v1;
-using core_internal::FromProto;
-using core_internal::ToProto;
 
 }  // namespace
 

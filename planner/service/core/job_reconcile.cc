@@ -1,0 +1,908 @@
+// The jobs' reconciliation pass (JobController, jobs.h): one job observed
+// against its deployment, the cluster and its checkpoints, and driven one
+// step on (plan, deploy, follow, recover, re-plan, stop). The controller's
+// resource API and the backend over the planner core are in jobs.cc.
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "planner/service/core/job_reconcile.h"
+#include "planner/service/core/jobs.h"
+#include "planner/service/core/node_calibration.h"
+#include "planner/service/core/proto_time.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service::job_internal {
+
+bool Final(v1::JobStatus::State s) {
+  return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED || s == v1::JobStatus::STOPPED;
+}
+
+absl::Duration JoinStable(const v1::JobSpec& s) {
+  const auto& d = s.replan().join_stable();
+  absl::Duration x = absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+  return x > absl::ZeroDuration() ? x : kDefaultJoinStable;
+}
+
+// The devices of READY nodes, each with its node's agent address (a node
+// registered again by a new agent comes back at another one).
+std::map<std::string, std::string> ReadyDevices(const v1::Cluster& c) {
+  std::map<std::string, std::string> out;
+  for (const auto& n : c.nodes()) {
+    if (n.state() == v1::Node::STALE) continue;
+    for (const auto& d : n.devices()) out[d.id()] = n.address();
+  }
+  return out;
+}
+
+namespace {
+
+namespace v1 = ::hap::v1;
+namespace fs = std::filesystem;
+using Reason = v1::JobEvent::Reason;
+
+constexpr double kDefaultMinGain = 0.10;
+constexpr int kDefaultMaxReplans = 20;
+// A deployment's median step counts as measured once it trained this many
+// steps (fewer: start-up dominates).
+constexpr int64_t kMinMeasuredSteps = 20;
+// A slowdown is judged over this many steps (Deployment.recent_step_seconds
+// is the median of rank 0's last 20), after this many warm-up steps of a
+// deployment, against the default threshold.
+constexpr int64_t kSlowdownWindow = 20;
+constexpr int64_t kWarmupSteps = 2;
+constexpr double kDefaultSlowdownThreshold = 0.25;
+
+bool DeploymentFinal(v1::Deployment::State s) {
+  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
+         s == v1::Deployment::STOPPED;
+}
+
+
+
+
+std::string ReasonLabel(Reason r) {
+  std::string s = v1::JobEvent::Reason_Name(r);
+  std::transform(s.begin(), s.end(), s.begin(), [](char c) {
+    return static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  });
+  return s;
+}
+
+double MinGain(const v1::JobSpec& s) {
+  return s.replan().min_gain() > 0 ? s.replan().min_gain() : kDefaultMinGain;
+}
+int MaxReplans(const v1::JobSpec& s) {
+  return s.replan().max_replans() > 0 ? s.replan().max_replans() : kDefaultMaxReplans;
+}
+int MinDevices(const v1::JobSpec& s) { return std::max(1, s.devices().min_devices()); }
+double SlowdownThreshold(const v1::JobSpec& s) {
+  return s.replan().slowdown_threshold() > 0 ? s.replan().slowdown_threshold()
+                                             : kDefaultSlowdownThreshold;
+}
+
+
+// The devices the job may use now, in cluster order: READY nodes' devices
+// that pass the selector, and (when `only` is given) are in it; at most
+// max_devices.
+std::vector<std::string> UsableDevices(const v1::Cluster& c, const v1::DeviceSelector& sel,
+                                       const std::set<std::string>& held,
+                                       const std::set<std::string>* only = nullptr) {
+  std::set<std::string> allowed(sel.devices().begin(), sel.devices().end());
+  std::vector<std::string> out;
+  for (const auto& n : c.nodes()) {
+    if (n.state() == v1::Node::STALE) continue;
+    bool labelled = true;
+    for (const auto& [k, v] : sel.node_labels()) {
+      auto it = n.labels().find(k);
+      labelled &= it != n.labels().end() && it->second == v;
+    }
+    if (!labelled) continue;
+    for (const auto& d : n.devices()) {
+      if (!allowed.empty() && !allowed.count(d.id())) continue;
+      if (only != nullptr && !only->count(d.id())) continue;
+      if (held.count(d.id())) continue;
+      out.push_back(d.id());
+    }
+  }
+  if (sel.max_devices() > 0 && static_cast<int>(out.size()) > sel.max_devices()) {
+    out.resize(sel.max_devices());
+  }
+  return out;
+}
+
+template <typename C>
+std::vector<std::string> Missing(const C& want, const std::set<std::string>& have) {
+  std::vector<std::string> out;
+  for (const auto& x : want) {
+    if (!have.count(x)) out.push_back(x);
+  }
+  return out;
+}
+
+// One reconciliation pass over one job: observe, decide, act, save.
+class Pass {
+ public:
+  using Env = PassEnv;
+
+  Pass(v1::Job job, Env env) : j_(std::move(job)), e_(std::move(env)), b_(*e_.backend) {}
+
+  void Run() {
+    PruneHolds();
+    if (st().stop_requested()) return RunStop();
+    if (!st().deployment().empty() && !FollowDeployment()) return;
+    if (Final(st().state())) return;
+    PlanAndDeploy();
+  }
+
+ private:
+  v1::JobStatus& st() { return *j_.mutable_status(); }
+
+  // Devices whose executor failed a deployment lately.
+  std::set<std::string> Held() const {
+    std::set<std::string> out;
+    for (const auto& h : j_.status().held()) out.insert(h.device());
+    return out;
+  }
+  void PruneHolds() {
+    auto* held = st().mutable_held();
+    for (int i = held->size() - 1; i >= 0; --i) {
+      if (FromProto(held->Get(i).until()) <= e_.now) held->DeleteSubrange(i, 1);
+    }
+  }
+  // Leaves the devices of the ranks that failed `d` out for join_stable.
+  void Hold(const v1::Deployment& d) {
+    for (int r : d.failed_ranks()) {
+      if (r < 0 || r >= d.ranks_size()) continue;
+      v1::JobStatus::Hold* h = nullptr;
+      for (auto& x : *st().mutable_held()) {
+        if (x.device() == d.ranks(r).device()) h = &x;
+      }
+      if (h == nullptr) h = st().add_held();
+      h->set_device(d.ranks(r).device());
+      *h->mutable_until() = ToProto(e_.now + JoinStable(spec()));
+    }
+  }
+  const v1::JobSpec& spec() const { return j_.spec(); }
+  // Saves the job; the observers hear of a re-plan or a resumption only
+  // once it is saved (a pass that could not save repeats it).
+  bool Commit() {
+    if (!e_.commit(j_)) return false;
+    for (Reason r : replanned_) {
+      if (e_.on_replan) e_.on_replan(j_, r);
+    }
+    replanned_.clear();
+    if (resumed_.has_value() && e_.on_resumed) e_.on_resumed(j_, *resumed_);
+    resumed_.reset();
+    return true;
+  }
+
+  void Finish(v1::JobStatus::State state, const std::string& message) {
+    st().set_state(state);
+    st().set_message(message);
+    st().clear_pending();
+    st().clear_next_plan();
+    st().clear_candidate_plan();
+    st().clear_switch_pending();
+    Commit();
+  }
+
+  void RefreshCheckpoint() {
+    absl::StatusOr<int64_t> step = b_.LatestCheckpoint(spec().training().checkpoint_dir());
+    if (step.ok()) {
+      st().set_checkpoint_step(*step);
+    } else if (absl::IsNotFound(step.status())) {
+      st().set_checkpoint_step(-1);
+    }  // unreadable: keep what was seen
+  }
+
+  void CancelPlan(const std::string& name) {
+    if (!name.empty()) (void)b_.CancelPlan(name);  // a plan already gone or final is fine
+  }
+
+  // Stop asked: cancel plans in flight, stop the deployment, then STOPPED.
+  void RunStop() {
+    CancelPlan(st().next_plan());
+    CancelPlan(st().candidate_plan());
+    st().clear_next_plan();
+    st().clear_candidate_plan();
+    if (!st().deployment().empty()) {
+      absl::StatusOr<v1::Deployment> d = b_.GetDeployment(st().deployment());
+      if (d.ok() && !DeploymentFinal(d->state())) {
+        absl::Status s = b_.StopDeployment(d->name());
+        st().set_message(s.ok() ? absl::StrCat("stopping ", d->name())
+                                : absl::StrCat("stopping ", d->name(), ": ", s.message()));
+        Commit();
+        return;
+      }
+    }
+    Finish(v1::JobStatus::STOPPED, "stopped on request");
+  }
+
+  // A re-plan begins: from a loss (the deployment failed or has a STALE
+  // node) or a switch to more devices. A failure while recovering starts
+  // the recovery again; its downtime counts from the first failure.
+  void BeginReplan(Reason reason, const std::string& detail) {
+    if (st().has_pending()) {
+      v1::JobEvent& p = *st().mutable_pending();
+      p.set_detail(absl::StrCat(p.detail(), "; then, while recovering: ", detail));
+      p.clear_plan();
+      p.clear_deployment();
+    } else {
+      v1::JobEvent& p = *st().mutable_pending();
+      p.Clear();
+      p.set_reason(reason);
+      p.set_detail(detail);
+      *p.mutable_detect_time() = ToProto(e_.now);
+      p.set_steps_done_before(st().steps_done());
+      p.set_predicted_step_before(st().predicted_step_seconds());
+      *p.mutable_devices_before() = st().devices();
+    }
+    st().set_replans(st().replans() + 1);
+    st().set_state(v1::JobStatus::RECOVERING);
+    st().set_message(absl::StrCat("re-planning (", ReasonLabel(reason), "): ", detail));
+    if (reason != v1::JobEvent::NODE_JOINED && reason != v1::JobEvent::SLOWDOWN) {
+      CancelPlan(st().next_plan());
+    }
+    st().clear_next_plan();
+    CancelPlan(st().candidate_plan());
+    st().clear_candidate_plan();
+    st().clear_switch_pending();
+    st().clear_judged_devices();
+    st().clear_candidate_reason();
+    st().clear_slowdown_step();
+    replanned_.push_back(reason);
+  }
+
+  bool OverReplanLimit() {
+    if (st().replans() <= MaxReplans(spec())) return false;
+    std::string why = absl::StrCat("gave up after ", st().replans() - 1, " re-plans (max_replans ",
+                                   MaxReplans(spec()), "); the last: ", st().pending().detail());
+    if (!st().deployment().empty()) (void)b_.StopDeployment(st().deployment());
+    Finish(v1::JobStatus::FAILED, why);
+    return true;
+  }
+
+  // The job's deployment: training, done, failed or being stopped. Returns
+  // true when the pass should go on to plan and deploy (no deployment now).
+  bool FollowDeployment() {
+    absl::StatusOr<v1::Deployment> d = b_.GetDeployment(st().deployment());
+    if (!d.ok()) {
+      if (!absl::IsNotFound(d.status())) {
+        st().set_message(
+            absl::StrCat("cannot read ", st().deployment(), ": ", d.status().message()));
+        Commit();
+        return false;
+      }
+      if (!(st().has_pending() && st().pending().deployment().empty())) {
+        BeginReplan(v1::JobEvent::EXECUTOR_LOST,
+                    absl::StrCat(st().deployment(), " no longer exists"));
+        if (OverReplanLimit()) return false;
+      }
+      st().clear_deployment();
+      return true;
+    }
+    if (d->steps_completed() > st().steps_done()) st().set_steps_done(d->steps_completed());
+    if (d->median_step_seconds() > 0) {
+      st().set_measured_step_seconds(d->median_step_seconds());
+      for (auto& ev : *st().mutable_events()) {
+        if (ev.deployment() == d->name()) ev.set_measured_step_seconds(d->median_step_seconds());
+      }
+    }
+    RefreshCheckpoint();
+    // Part of a recovery already under way: the old deployment being stopped.
+    const bool old_of_recovery = st().has_pending() && st().pending().deployment().empty();
+    switch (d->state()) {
+      case v1::Deployment::SUCCEEDED:
+        st().set_steps_done(std::max(st().steps_done(), spec().training().steps()));
+        Finish(v1::JobStatus::SUCCEEDED, "every step done");
+        return false;
+      case v1::Deployment::FAILED:
+        Hold(*d);
+        if (!old_of_recovery) {
+          BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
+          if (OverReplanLimit()) return false;
+        }
+        st().clear_deployment();
+        return true;
+      case v1::Deployment::STOPPED:
+        if (!st().has_pending()) {
+          BeginReplan(v1::JobEvent::DEPLOYMENT_STOPPED,
+                      absl::StrCat(d->name(), " was stopped outside the job"));
+          if (OverReplanLimit()) return false;
+        }
+        st().clear_deployment();
+        return true;
+      default:
+        break;
+    }
+    if (old_of_recovery) {  // asked to stop; ask again until it has
+      (void)b_.StopDeployment(d->name());
+      Commit();
+      return false;
+    }
+    std::vector<std::string> devices;
+    for (const auto& r : d->ranks()) devices.push_back(r.device());
+    std::vector<std::string> lost = Missing(devices, e_.ready);
+    if (!lost.empty()) {
+      BeginReplan(v1::JobEvent::NODE_STALE,
+                  absl::StrCat("the node of ", absl::StrJoin(lost, ", "),
+                               " missed its heartbeats (STALE); stopping ", d->name()));
+      if (OverReplanLimit()) return false;
+      absl::Status s = b_.StopDeployment(d->name());
+      if (!s.ok()) st().set_message(absl::StrCat(st().message(), "; stop: ", s.message()));
+      Commit();
+      return false;
+    }
+    if (d->state() == v1::Deployment::RUNNING) {
+      if (st().has_pending() && st().pending().deployment() == d->name()) {
+        Resumed();
+      } else if (st().state() != v1::JobStatus::RUNNING && !st().has_pending()) {
+        st().set_state(v1::JobStatus::RUNNING);
+      }
+      if (st().state() == v1::JobStatus::RUNNING) {
+        CalibrateFrom(*d);
+        ConsiderSlowdown(*d);
+        ConsiderJoin(*d);
+      }
+    }
+    Commit();
+    return false;
+  }
+
+  // The (re)start in progress reached RUNNING: its event is complete.
+  void Resumed() {
+    v1::JobEvent ev = st().pending();
+    *ev.mutable_resume_time() = ToProto(e_.now);
+    ev.set_downtime_seconds(
+        std::max(0.0, absl::ToDoubleSeconds(e_.now - FromProto(ev.detect_time()))));
+    *st().add_events() = ev;
+    while (st().events_size() > static_cast<int>(e_.max_events)) {
+      st().mutable_events()->DeleteSubrange(0, 1);
+    }
+    st().clear_pending();
+    st().set_state(v1::JobStatus::RUNNING);
+    st().set_message("");
+    resumed_ = ev;
+  }
+
+  // More usable devices than the job has: a plan on all of them, judged
+  // against the current one; a switch at the next checkpoint when it pays.
+  void ConsiderJoin(const v1::Deployment& d) {
+    if (!st().candidate_plan().empty()) return JudgeCandidate(d);
+    if (spec().replan().disable_join() || st().slowdown_step() > 0) return;
+    // Judged against the current deployment as measured: once it is
+    // measuring, not before it has trained enough steps.
+    if (st().measured_step_seconds() > 0 &&
+        StepsMeasured(st().events_size() - 1) < kMinMeasuredSteps) {
+      return;
+    }
+    // A set judged not worth it is judged again once a joiner of it has
+    // left or come back (its node measured anew: the plan may differ).
+    {
+      const std::set<std::string> used(st().devices().begin(), st().devices().end());
+      for (const auto& d : st().judged_devices()) {
+        if (!used.count(d) && !e_.stable.count(d)) {
+          st().clear_judged_devices();
+          break;
+        }
+      }
+    }
+    {
+      std::set<std::string> pool(st().devices().begin(), st().devices().end());
+      const size_t had = pool.size();
+      const std::set<std::string> held = Held();
+      for (const auto& x : e_.stable) {
+        if (!held.count(x)) pool.insert(x);
+      }
+      if (pool.size() == had) return;
+      std::vector<std::string> want = UsableDevices(e_.cluster, spec().devices(), held, &pool);
+      if (want.size() <= static_cast<size_t>(st().devices_size())) return;
+      if (std::equal(want.begin(), want.end(), st().judged_devices().begin(),
+                     st().judged_devices().end())) {
+        return;  // judged already: not worth it
+      }
+      st().set_candidate_plan(NextPlanName());
+      st().set_candidate_reason(v1::JobEvent::NODE_JOINED);
+      st().set_message(absl::StrCat("judging a plan on ", want.size(), " devices (",
+                                    st().candidate_plan(), ")"));
+      if (!Commit()) return;
+      absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), want));
+      if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
+        st().set_message(
+            absl::StrCat("a plan on ", want.size(), " devices: ", p.status().message()));
+        *st().mutable_judged_devices() = {want.begin(), want.end()};
+        st().clear_candidate_plan();
+      }
+      return;
+    }
+  }
+
+  // The candidate plan (more devices joining, or the same devices after a
+  // slowdown) judged once made: a switch at the next checkpoint when it
+  // gains min_gain.
+  void JudgeCandidate(const v1::Deployment& d) {
+    const bool slowdown = st().candidate_reason() == v1::JobEvent::SLOWDOWN;
+    absl::StatusOr<v1::Plan> p = b_.GetPlan(st().candidate_plan());
+    if (!p.ok()) {
+      st().clear_candidate_plan();
+      return;
+    }
+    switch (p->state()) {
+      case v1::Plan::SUCCEEDED:
+        break;
+      case v1::Plan::FAILED:
+      case v1::Plan::CANCELLED:
+        if (slowdown) {
+          ExpectNow(d);
+        } else {
+          *st().mutable_judged_devices() = p->devices();
+        }
+        st().set_message(absl::StrCat("staying: ", p->name(), " on ", p->devices_size(),
+                                      " devices ended ", v1::Plan::State_Name(p->state()), ": ",
+                                      p->error()));
+        st().clear_candidate_plan();
+        return;
+      default:
+        return;  // still planning
+    }
+    {  // a joiner left again, or its node was registered anew since
+      std::set<std::string> have(st().devices().begin(), st().devices().end());
+      have.insert(e_.stable.begin(), e_.stable.end());
+      if (!Missing(p->devices(), e_.ready).empty() || !Missing(p->devices(), have).empty()) {
+        st().clear_candidate_plan();
+        st().clear_switch_pending();
+        return;
+      }
+    }
+    const Judgement g = slowdown ? JudgeSlowdown(*p, d) : Judge(*p);
+    const double gain = g.gain;
+    const std::string what = g.what;
+    // Not worth it: a joining set is not judged again (until a joiner of
+    // it changes); after a slowdown, the step measured now becomes what the
+    // job expects of its plan.
+    auto stay = [&] {
+      if (slowdown) {
+        ExpectNow(d);
+      } else {
+        *st().mutable_judged_devices() = p->devices();
+      }
+    };
+    if (gain < MinGain(spec())) {
+      stay();
+      st().set_message(
+          absl::StrFormat("staying: %s, below min_gain %.1f%%", what, 100 * MinGain(spec())));
+      st().clear_candidate_plan();
+      return;
+    }
+    if (spec().training().checkpoint_every() <= 0) {
+      stay();
+      st().set_message(absl::StrCat("staying: ", what,
+                                    ", but the job has no periodic checkpoints (a switch "
+                                    "would lose every step)"));
+      st().clear_candidate_plan();
+      return;
+    }
+    if (!st().switch_pending()) {
+      st().set_switch_pending(true);
+      st().set_switch_after_step(st().checkpoint_step());
+      st().set_judged_step_seconds(slowdown ? d.recent_step_seconds() : 0);
+      st().set_judged_until_step(slowdown ? d.recent_steps_end() : 0);
+      st().set_message(absl::StrCat("switching at the next checkpoint: ", what));
+      return;
+    }
+    if (slowdown && ChangedSinceJudged(d, p->name())) return;
+    if (st().checkpoint_step() <= st().switch_after_step()) return;
+    // A checkpoint at the job's last step ends it: nothing is left to run
+    // faster, so no switch (the demo once re-planned at step 600 of 600).
+    if (st().checkpoint_step() >= spec().training().steps()) return;
+    const std::string candidate = st().candidate_plan();
+    st().clear_candidate_plan();  // becomes next_plan, not cancelled
+    BeginReplan(slowdown ? v1::JobEvent::SLOWDOWN : v1::JobEvent::NODE_JOINED,
+                slowdown ? absl::StrCat(st().slowdown_detail(), "; ", what) : what);
+    if (OverReplanLimit()) return;
+    st().set_next_plan(candidate);
+    (void)b_.StopDeployment(st().deployment());
+  }
+
+  // The gain of switching to plan `p`, predicted and, where the job has
+  // measured steps, calibrated: the current deployment's measured median
+  // against the plan's prediction scaled by measured/predicted of the
+  // latest deployment the job ran on the same devices, else of the current
+  // one (the model's error on this cluster). The cost model alone can be
+  // far off (CPU ranks, links measured under load); this is the job's own
+  // calibration from what it ran.
+  struct Judgement {
+    double gain = 0;
+    std::string what;
+  };
+  // Steps trained by the deployment of events(i): up to the next event's
+  // detection, or up to now for the current one.
+  int64_t StepsMeasured(int i) const {
+    const v1::JobStatus& s = j_.status();
+    if (i < 0 || i >= s.events_size()) return 0;
+    const int64_t end =
+        i + 1 < s.events_size() ? s.events(i + 1).steps_done_before() : s.steps_done();
+    return end - s.events(i).resume_step();
+  }
+  Judgement Judge(const v1::Plan& p) const {
+    const v1::JobStatus& s = j_.status();
+    const double now_pred = s.predicted_step_seconds();
+    const double then_pred = p.prediction().step_seconds();
+    Judgement g;
+    g.gain = then_pred > 0 ? now_pred / then_pred - 1 : 0;
+    g.what = absl::StrFormat("%s on %d devices is predicted %.1f%% faster (%.4f s -> %.4f s)",
+                             p.name(), p.devices_size(), 100 * g.gain, now_pred, then_pred);
+    const double now_meas = s.measured_step_seconds();
+    if (now_meas <= 0 || now_pred <= 0 || then_pred <= 0) return g;
+    if (!p.calibration().empty()) {
+      // Planned with the devices' calibration: its prediction is the
+      // calibrated model's already.
+      g.gain = now_meas / then_pred - 1;
+      g.what = absl::StrFormat(
+          "%s on %d devices is expected %.1f%% faster (measured %.4f s now -> %.4f s predicted "
+          "by the calibrated model)",
+          p.name(), p.devices_size(), 100 * g.gain, now_meas, then_pred);
+      return g;
+    }
+    const std::set<std::string> want(p.devices().begin(), p.devices().end());
+    double factor = now_meas / now_pred;
+    std::string basis = "the current deployment's";
+    for (int i = s.events_size() - 1; i >= 0; --i) {
+      const v1::JobEvent& e = s.events(i);
+      if (e.measured_step_seconds() <= 0 || e.predicted_step_after() <= 0 || e.calibrated() ||
+          StepsMeasured(i) < kMinMeasuredSteps) {
+        continue;
+      }
+      if (std::set<std::string>(e.devices_after().begin(), e.devices_after().end()) != want) {
+        continue;
+      }
+      factor = e.measured_step_seconds() / e.predicted_step_after();
+      basis = absl::StrCat(e.deployment(), "'s on the same devices");
+      break;
+    }
+    const double then_cal = then_pred * factor;
+    g.gain = now_meas / then_cal - 1;
+    g.what = absl::StrFormat(
+        "%s on %d devices is expected %.1f%% faster (measured %.4f s now -> %.4f s: predicted "
+        "%.4f s x %.2f, %s measured/predicted)",
+        p.name(), p.devices_size(), 100 * g.gain, now_meas, then_cal, then_pred, factor, basis);
+    return g;
+  }
+
+  // The gain of switching to `p`, a plan on the same devices made after a
+  // slowdown: the latest window's median step against p's prediction, which
+  // is the recalibrated model's (else, with no calibration, the model's
+  // alone against the current plan's prediction).
+  Judgement JudgeSlowdown(const v1::Plan& p, const v1::Deployment& d) const {
+    Judgement g;
+    const double then = p.prediction().step_seconds();
+    const double now = d.recent_step_seconds();
+    if (then <= 0) {
+      g.what = absl::StrCat(p.name(), " has no prediction");
+      return g;
+    }
+    if (p.calibration().empty() || now <= 0) {
+      const double was = j_.status().predicted_step_seconds();
+      g.gain = was / then - 1;
+      g.what = absl::StrFormat("%s is predicted %.1f%% faster (%.4f s -> %.4f s, uncalibrated)",
+                               p.name(), 100 * g.gain, was, then);
+      return g;
+    }
+    g.gain = now / then - 1;
+    g.what = absl::StrFormat(
+        "%s is expected %.1f%% faster (measured %.4f s over the last %d steps -> %.4f s "
+        "predicted by the recalibrated model)",
+        p.name(), 100 * g.gain, now, kSlowdownWindow, then);
+    return g;
+  }
+
+  // A switch judged after a slowdown, still waiting for its checkpoint,
+  // whose step moved past the slowdown threshold since (the noise that was
+  // judged passed, or another device slowed down): `candidate` was planned
+  // from profiles that no longer hold, so it is dropped and the slowdown
+  // judged anew once every rank has profiled steps after the change (the
+  // CI once switched to a plan calibrated before a throttle that came
+  // while the switch waited, and ran 25% slower).
+  bool ChangedSinceJudged(const v1::Deployment& d, const std::string& candidate) {
+    const double was = st().judged_step_seconds();
+    const double now = d.recent_step_seconds();
+    if (was <= 0 || now <= 0 || d.recent_steps_end() <= st().judged_until_step()) return false;
+    const double threshold = SlowdownThreshold(spec());
+    if (now <= (1 + threshold) * was && now * (1 + threshold) >= was) return false;
+    st().set_slowdown_step(std::max(st().judged_until_step() + 1,
+                                    d.recent_steps_end() - kSlowdownWindow));
+    st().set_slowdown_detail(absl::StrFormat(
+        "slowdown: the median of the last %d steps is %.4f s, %+.0f%% from the %.4f s %s was "
+        "judged on before its switch",
+        kSlowdownWindow, now, 100 * (now / was - 1), was, candidate));
+    st().set_message(absl::StrCat(st().slowdown_detail(),
+                                  "; recalibrating once every rank profiled steps from ",
+                                  st().slowdown_step()));
+    st().clear_candidate_plan();
+    st().clear_switch_pending();
+    st().clear_judged_step_seconds();
+    st().clear_judged_until_step();
+    return true;
+  }
+
+  // Whether every rank of `d` has reported a profile starting at `from` or
+  // later.
+  static bool Profiled(const v1::Deployment& d, int64_t from) {
+    if (d.rank_profiles_size() != d.ranks_size() || d.ranks_size() == 0) return false;
+    for (const auto& p : d.rank_profiles()) {
+      if (p.steps() <= 0 || p.first_step() < from) return false;
+    }
+    return true;
+  }
+
+  // The deployment's devices calibrated once from its ranks' profiles.
+  void CalibrateFrom(const v1::Deployment& d) {
+    if (st().calibrated_deployment() == d.name() || !Profiled(d, 0)) return;
+    st().set_calibrated_deployment(d.name());
+    absl::StatusOr<std::string> c = b_.Calibrate(d);
+    if (c.ok()) {
+      st().set_message(*c);
+    } else if (!absl::IsUnimplemented(c.status())) {
+      st().set_message(absl::StrCat("no calibration from ", d.name(), ": ", c.status().message()));
+    }
+  }
+
+  // What the job expects of its plan: the latest window's median step.
+  void ExpectNow(const v1::Deployment& d) {
+    st().set_expected_step_seconds(d.recent_step_seconds());
+    st().set_expected_until_step(d.recent_steps_end());
+    st().clear_candidate_reason();
+  }
+
+  // A slowdown seen (measured, or a device re-probed slower): once every
+  // rank's profile covers the slow steps, the devices are recalibrated and
+  // a plan on the same devices is made to be judged (JudgeCandidate).
+  void ConsiderSlowdown(const v1::Deployment& d) {
+    if (spec().replan().disable_slowdown()) return;
+    const double threshold = SlowdownThreshold(spec());
+    const int64_t resumed = st().events_size() > 0 ? st().events(st().events_size() - 1).resume_step()
+                                                   : 0;
+    if (st().expected_step_seconds() <= 0 && d.recent_step_seconds() > 0 &&
+        d.recent_steps_end() - resumed >= kSlowdownWindow + kWarmupSteps) {
+      ExpectNow(d);  // the first window after warm-up: what the plan runs at
+      return;
+    }
+    if (!st().candidate_plan().empty() || st().switch_pending()) return;
+    if (st().slowdown_step() == 0) {
+      std::string seen;
+      int64_t from = 0;
+      if (st().expected_step_seconds() > 0 &&
+          d.recent_steps_end() - kSlowdownWindow >= st().expected_until_step() &&
+          d.recent_step_seconds() > (1 + threshold) * st().expected_step_seconds()) {
+        seen = absl::StrFormat(
+            "slowdown: the median of the last %d steps is %.4f s, %.0f%% above the %.4f s "
+            "expected of %s",
+            kSlowdownWindow, d.recent_step_seconds(),
+            100 * (d.recent_step_seconds() / st().expected_step_seconds() - 1),
+            st().expected_step_seconds(), st().plan());
+        from = d.recent_steps_end() - kSlowdownWindow;
+      }
+      for (const auto& n : e_.cluster.nodes()) {
+        for (const auto& dev : n.devices()) {
+          auto it = st().device_flops().find(dev.id());
+          if (!seen.empty() || it == st().device_flops().end()) continue;
+          const double now = Fp32Flops(dev);
+          if (now > 0 && now * (1 + threshold) < it->second) {
+            seen = absl::StrFormat("slowdown: %s re-probed at %.1f GFLOP/s, was %.1f", dev.id(),
+                                   now / 1e9, it->second / 1e9);
+            from = std::max<int64_t>(1, st().steps_done());
+          }
+        }
+      }
+      if (seen.empty()) return;
+      st().set_slowdown_step(std::max<int64_t>(1, from));
+      st().set_slowdown_detail(seen);
+      st().set_message(absl::StrCat(seen, "; recalibrating once every rank profiled steps from ",
+                                    st().slowdown_step()));
+    }
+    if (!Profiled(d, st().slowdown_step())) return;
+    absl::StatusOr<std::string> c = b_.Calibrate(d);
+    st().set_calibrated_deployment(d.name());
+    const std::vector<std::string> devices(st().devices().begin(), st().devices().end());
+    st().set_candidate_plan(NextPlanName());
+    st().set_candidate_reason(v1::JobEvent::SLOWDOWN);
+    st().clear_slowdown_step();
+    st().set_message(absl::StrCat(
+        st().slowdown_detail(), "; ",
+        c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
+        "; judging ", st().candidate_plan(), " on the same devices"));
+    if (!Commit()) return;
+    absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), devices));
+    if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
+      st().set_message(absl::StrCat("after a slowdown, a plan on the same devices: ",
+                                    p.status().message()));
+      ExpectNow(d);
+      st().clear_candidate_plan();
+    }
+  }
+
+  std::string NextPlanName() {
+    st().set_plans_made(st().plans_made() + 1);
+    return absl::StrCat("plans/", j_.name().substr(5), "-p", st().plans_made());
+  }
+
+  v1::CreatePlanRequest PlanRequest(const std::string& plan,
+                                    const std::vector<std::string>& devices) const {
+    v1::CreatePlanRequest r;
+    *r.mutable_model() = spec().model();
+    for (const auto& d : devices) r.add_devices(d);
+    r.set_global_batch(spec().global_batch());
+    *r.mutable_options() = spec().options();
+    // A job that asks for N pipeline stages goes on when fewer than N
+    // devices are left: one stage per device (no plan has more stages than
+    // devices), the count asked for again once enough are back.
+    v1::PlanOptions& o = *r.mutable_options();
+    if (o.pipeline() == v1::PlanOptions::PIPELINE_STAGES &&
+        o.pipeline_stages() > static_cast<int>(devices.size())) {
+      o.set_pipeline_stages(static_cast<int>(devices.size()));
+    }
+    r.set_plan_id(plan.substr(6));
+    return r;
+  }
+
+  void WaitForDevices(const std::vector<std::string>& usable) {
+    st().set_message(absl::StrCat("waiting for devices: ", usable.size(), " usable, the job needs ",
+                                  MinDevices(spec())));
+    Commit();
+  }
+
+  // No deployment running: plan on the usable devices, then deploy.
+  void PlanAndDeploy() {
+    RefreshCheckpoint();
+    if (st().checkpoint_step() >= spec().training().steps()) {
+      st().set_steps_done(spec().training().steps());
+      return Finish(v1::JobStatus::SUCCEEDED, absl::StrCat("every step done (checkpoint at step ",
+                                                           st().checkpoint_step(), " committed)"));
+    }
+    std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices(), Held());
+    if (st().next_plan().empty()) {
+      if (static_cast<int>(usable.size()) < MinDevices(spec())) return WaitForDevices(usable);
+      st().set_next_plan(NextPlanName());
+      if (st().state() == v1::JobStatus::PENDING) st().set_state(v1::JobStatus::PLANNING);
+      st().set_message(
+          absl::StrCat("planning on ", usable.size(), " devices (", st().next_plan(), ")"));
+      if (!Commit()) return;  // the intent first: a restart finds the plan by name
+    }
+    absl::StatusOr<v1::Plan> p = b_.GetPlan(st().next_plan());
+    if (absl::IsNotFound(p.status())) {
+      // Not made yet (the planner restarted between the intent and the
+      // call) or deleted: made now, under the name saved.
+      if (static_cast<int>(usable.size()) < MinDevices(spec())) {
+        st().clear_next_plan();
+        return WaitForDevices(usable);
+      }
+      p = b_.CreatePlan(PlanRequest(st().next_plan(), usable));
+      if (absl::IsAlreadyExists(p.status())) p = b_.GetPlan(st().next_plan());
+      if (absl::IsInvalidArgument(p.status())) {
+        return Finish(v1::JobStatus::FAILED, absl::StrCat("cannot plan: ", p.status().message()));
+      }
+    }
+    if (!p.ok()) {
+      st().set_message(
+          absl::StrCat(st().next_plan(), ": ", p.status().message(), "; trying again"));
+      Commit();
+      return;
+    }
+    switch (p->state()) {
+      case v1::Plan::SUCCEEDED:
+        break;
+      case v1::Plan::FAILED:
+      case v1::Plan::CANCELLED:
+        return Finish(
+            v1::JobStatus::FAILED,
+            absl::StrCat(p->name(), " ended ", v1::Plan::State_Name(p->state()), ": ", p->error()));
+      default:
+        st().set_message(
+            absl::StrCat("planning: ", p->name(), " is ", v1::Plan::State_Name(p->state())));
+        Commit();
+        return;
+    }
+    std::vector<std::string> lost = Missing(p->devices(), e_.ready);
+    if (!lost.empty()) {
+      const std::string why = absl::StrCat("the node of ", absl::StrJoin(lost, ", "),
+                                           " went STALE before ", p->name(), " was deployed");
+      if (st().has_pending()) {
+        BeginReplan(v1::JobEvent::NODE_STALE, why);
+        if (OverReplanLimit()) return;
+      } else {
+        st().set_message(absl::StrCat(why, "; planning again"));
+        st().clear_next_plan();
+      }
+      Commit();
+      return;
+    }
+    Deploy(*p);
+  }
+
+  void Deploy(const v1::Plan& p) {
+    const int64_t resume = std::max<int64_t>(0, st().checkpoint_step());
+    absl::StatusOr<v1::Deployment> d = absl::NotFoundError("none");
+    // A deployment of this plan not over (made before a restart) is the
+    // job's: adopt it rather than make another.
+    for (const v1::Deployment& x : b_.DeploymentsOf(p.name())) {
+      if (!DeploymentFinal(x.state())) d = x;
+    }
+    if (!d.ok()) {
+      v1::TrainingConfig t = spec().training();
+      t.set_resume(st().checkpoint_step() >= 0
+                       ? CheckpointStepDir(t.checkpoint_dir(), st().checkpoint_step())
+                       : "");
+      d = b_.Deploy(
+          p.name(), t,
+          std::map<std::string, std::string>(spec().executors().begin(), spec().executors().end()));
+      if (!d.ok()) {
+        st().set_message(
+            absl::StrCat("cannot deploy ", p.name(), ": ", d.status().message(), "; trying again"));
+        Commit();
+        return;
+      }
+    }
+    if (!st().has_pending()) {  // the first deployment
+      v1::JobEvent& ev = *st().mutable_pending();
+      ev.Clear();
+      ev.set_reason(v1::JobEvent::STARTED);
+      ev.set_detail(absl::StrCat("started on ", p.devices_size(), " devices"));
+      *ev.mutable_detect_time() = j_.create_time();
+    }
+    v1::JobEvent& ev = *st().mutable_pending();
+    ev.set_plan(p.name());
+    ev.set_deployment(d->name());
+    ev.set_predicted_step_after(p.prediction().step_seconds());
+    ev.set_calibrated(!p.calibration().empty());
+    *ev.mutable_devices_after() = p.devices();
+    ev.set_resume_step(resume);
+    ev.set_steps_lost(std::max<int64_t>(0, ev.steps_done_before() - resume));
+    st().set_plan(p.name());
+    st().clear_next_plan();
+    st().set_deployment(d->name());
+    st().set_generation(st().generation() + 1);
+    *st().mutable_devices() = p.devices();
+    st().set_predicted_step_seconds(p.prediction().step_seconds());
+    st().clear_measured_step_seconds();  // the new deployment's, once it has trained
+    st().clear_expected_step_seconds();
+    st().clear_expected_until_step();
+    st().clear_slowdown_step();
+    st().clear_slowdown_detail();
+    st().clear_candidate_reason();
+    st().clear_device_flops();
+    const std::set<std::string> used(p.devices().begin(), p.devices().end());
+    for (const auto& n : e_.cluster.nodes()) {
+      for (const auto& dev : n.devices()) {
+        if (used.count(dev.id()) && Fp32Flops(dev) > 0) {
+          (*st().mutable_device_flops())[dev.id()] = Fp32Flops(dev);
+        }
+      }
+    }
+    st().set_steps_done(resume);
+    st().set_message(absl::StrCat("deployed ", d->name(), " on ", p.devices_size(),
+                                  " devices, from step ", resume));
+    Commit();
+  }
+
+  v1::Job j_;
+  Env e_;
+  JobBackend& b_;
+  std::vector<Reason> replanned_;        // re-plans begun, not yet saved
+  std::optional<v1::JobEvent> resumed_;  // a resumption, not yet saved
+};
+
+}  // namespace
+
+void RunPass(v1::Job job, PassEnv env) { Pass(std::move(job), std::move(env)).Run(); }
+
+}  // namespace hap::service::job_internal
