@@ -1,5 +1,6 @@
-// Tests only: a fake hap.v1.Planner with the rendezvous store (an in-memory
-// map; StoreGet waits, bounded by its timeout and the call's deadline) and
+// Tests only: a fake hap.v1.Planner with the planner's rendezvous store
+// (planner/service/core/rendezvous_store.h, open to any deployment; StoreGet
+// waits, bounded by its timeout and the call's deadline) and
 // ReportStepMetrics collected. The real planner is planner/service; this
 // keeps the executor's tests independent of it. Thread-safe.
 #ifndef HAP_EXECUTOR_DAEMON_FAKE_PLANNER_H_
@@ -7,9 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -17,6 +16,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/service/core/rendezvous_store.h"
 #include "planner/service/grpc/grpc_util.h"
 
 namespace hap::executor::testing {
@@ -30,9 +30,7 @@ class FakePlanner final : public v1::Planner::Service {
 
   grpc::Status StoreSet(grpc::ServerContext*, const v1::StoreSetRequest* r,
                         v1::StoreSetResponse*) override {
-    absl::MutexLock l(&mu_);
-    kv_[{r->deployment(), r->generation(), r->key()}] = r->value();
-    return grpc::Status::OK;
+    return service::ToGrpc(store_.Set(r->deployment(), r->generation(), r->key(), r->value()));
   }
   grpc::Status StoreGet(grpc::ServerContext* ctx, const v1::StoreGetRequest* r,
                         v1::StoreGetResponse* out) override {
@@ -43,22 +41,18 @@ class FakePlanner final : public v1::Planner::Service {
       deadline = std::min(deadline, absl::Now() + absl::Seconds(r->timeout().seconds()) +
                                         absl::Nanoseconds(r->timeout().nanos()));
     }
-    absl::MutexLock l(&mu_);
-    auto all_set = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      for (const auto& k : r->keys()) {
-        if (!kv_.count({r->deployment(), r->generation(), k})) return false;
-      }
-      return true;
-    };
-    while (!all_set()) {
-      if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-      if (absl::Now() >= deadline) {
-        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "keys not set in time");
-      }
-      mu_.AwaitWithDeadline(absl::Condition(&all_set),
-                            std::min(deadline, absl::Now() + absl::Milliseconds(100)));
-    }
-    for (const auto& k : r->keys()) out->add_values(kv_[{r->deployment(), r->generation(), k}]);
+    auto values =
+        store_.Get(r->deployment(), r->generation(), {r->keys().begin(), r->keys().end()},
+                   deadline, [ctx] { return ctx->IsCancelled(); });
+    if (!values.ok()) return service::ToGrpc(values.status());
+    for (auto& v : *values) out->add_values(std::move(v));
+    return grpc::Status::OK;
+  }
+  grpc::Status StoreAdd(grpc::ServerContext*, const v1::StoreAddRequest* r,
+                        v1::StoreAddResponse* out) override {
+    auto sum = store_.Add(r->deployment(), r->generation(), r->key(), r->delta());
+    if (!sum.ok()) return service::ToGrpc(sum.status());
+    out->set_value(*sum);
     return grpc::Status::OK;
   }
   grpc::Status ReportStepMetrics(grpc::ServerContext* ctx,
@@ -77,18 +71,14 @@ class FakePlanner final : public v1::Planner::Service {
     return metrics_;
   }
   int keys_under(const std::string& deployment, int64_t generation) {
-    absl::MutexLock l(&mu_);
-    int n = 0;
-    for (const auto& [k, v] : kv_) {
-      n += std::get<0>(k) == deployment && std::get<1>(k) == generation;
-    }
-    return n;
+    return static_cast<int>(store_.keys(deployment, generation));
   }
   void set_token_required(bool b) { token_required_ = b; }
 
  private:
   absl::Mutex mu_;
-  std::map<std::tuple<std::string, int64_t, std::string>, std::string> kv_ ABSL_GUARDED_BY(mu_);
+  // The planner's own store, open to any deployment (no deployment is made).
+  service::RendezvousStore store_{service::RendezvousStore::Options{/*open_on_use=*/true}};
   std::vector<v1::StepMetric> metrics_ ABSL_GUARDED_BY(mu_);
   const std::string token_;
   bool token_required_ = false;

@@ -1,19 +1,17 @@
 #include "planner/service/core/deployment_manager.h"
 
 #include <algorithm>
-#include <limits>
 #include <map>
 #include <set>
 #include <thread>
-#include <tuple>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/service/core/pagination.h"
+#include "planner/service/core/rendezvous_store.h"
 #include "planner/util/status_macros.h"
 
 namespace hap::service {
@@ -100,35 +98,24 @@ struct DeploymentManager::State {
   std::map<std::string, std::vector<v1::StepMetric>> metrics;  // per deployment
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
-  // Rendezvous: (deployment, generation, key) -> value.
-  std::map<std::tuple<std::string, int64_t, std::string>, std::string> kv;
+  // Rendezvous keys belong to a deployment that exists, at its generation,
+  // until it finishes.
+  RendezvousStore rendezvous;
   // Supervisor threads by id; the ids of those that returned.
   std::map<int64_t, std::thread> supervisors;
   std::vector<int64_t> returned;
   int64_t next_supervisor = 0;
 
-  // Rendezvous keys belong to a deployment that exists, at its generation.
-  absl::Status CheckRendezvous(const std::string& deployment, int64_t generation) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu) {
-    auto it = deployments.find(deployment);
-    if (it == deployments.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "deployment '", deployment,
-          "' does not exist (rendezvous keys belong to a deployment the planner made)"));
+  // Opens or closes `d`'s rendezvous as its state says.
+  void FollowRendezvous(const v1::Deployment& d) {
+    if (!Final(d.state())) {
+      rendezvous.Open(d.name(), d.generation());
+      return;
     }
-    if (it->second.generation() != generation) {
-      return absl::FailedPreconditionError(absl::StrCat("deployment '", deployment,
-                                                        "' is generation ",
-                                                        it->second.generation(), ", not ",
-                                                        generation));
-    }
-    if (Final(it->second.state())) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("deployment '", deployment, "' is ",
-                       v1::Deployment::State_Name(it->second.state()),
-                       ": its rendezvous is closed"));
-    }
-    return absl::OkStatus();
+    rendezvous.Close(d.name(), d.generation(),
+                     absl::StrCat("deployment '", d.name(), "' is ",
+                                  v1::Deployment::State_Name(d.state()),
+                                  ": its rendezvous is closed"));
   }
 };
 
@@ -142,6 +129,7 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
   for (auto& d : deployments) {
     s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());
     s_->deployments[d.name()] = d;
+    s_->FollowRendezvous(d);
     if (d.state() == v1::Deployment::RUNNING) {
       // Re-attach: the first poll finds out whether each rank still trains it.
       Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
@@ -173,6 +161,7 @@ DeploymentManager::~DeploymentManager() {
 void DeploymentManager::Shutdown() {
   absl::MutexLock l(&s_->mu);
   s_->shutdown = true;
+  s_->rendezvous.Shutdown();
   s_->changed.SignalAll();
 }
 
@@ -253,12 +242,8 @@ void DeploymentManager::Update(const std::string& name,
     }
   }
   it->second = std::move(next);
-  if (Final(it->second.state())) {
-    // No rank meets through a finished deployment again: its keys go (a
-    // planner that served many deployments would otherwise keep them all).
-    auto k = s_->kv.lower_bound({name, std::numeric_limits<int64_t>::min(), ""});
-    while (k != s_->kv.end() && std::get<0>(k->first) == name) k = s_->kv.erase(k);
-  }
+  // No rank meets through a finished deployment again: its keys go.
+  if (Final(it->second.state())) s_->FollowRendezvous(it->second);
   if (o_.on_change) o_.on_change(it->second);
   s_->changed.SignalAll();
 }
@@ -297,6 +282,7 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Deploy(const v1::Plan& plan,
   }
   s_->generations[plan.name()] = gen;
   s_->deployments[d.name()] = d;
+  s_->FollowRendezvous(d);
   if (o_.on_change) o_.on_change(d);
   Supervise(d, [this, d, plan, rendezvous_address](DeploymentExecutors& ex,
                                                    const DeploymentControl& c) {
@@ -467,78 +453,23 @@ absl::StatusOr<v1::ListStepMetricsResponse> DeploymentManager::ListStepMetrics(
 
 // ----------------------------------------------------------- rendezvous --
 
-int64_t DeploymentManager::rendezvous_keys() const {
-  absl::MutexLock l(&s_->mu);
-  return static_cast<int64_t>(s_->kv.size());
-}
+int64_t DeploymentManager::rendezvous_keys() const { return s_->rendezvous.size(); }
 
 absl::Status DeploymentManager::StoreSet(const std::string& deployment, int64_t generation,
                                          const std::string& key, const std::string& value) {
-  if (deployment.empty() || key.empty()) {
-    return absl::InvalidArgumentError("StoreSet needs a deployment and a key");
-  }
-  absl::MutexLock l(&s_->mu);
-  HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
-  s_->kv[{deployment, generation, key}] = value;
-  s_->changed.SignalAll();
-  return absl::OkStatus();
+  return s_->rendezvous.Set(deployment, generation, key, value);
 }
 
 absl::StatusOr<std::vector<std::string>> DeploymentManager::StoreGet(
     const std::string& deployment, int64_t generation, const std::vector<std::string>& keys,
     absl::Time deadline, const std::function<bool()>& cancelled) {
-  if (deployment.empty() || keys.empty()) {
-    return absl::InvalidArgumentError("StoreGet needs a deployment and at least one key");
-  }
-  absl::MutexLock l(&s_->mu);
-  while (true) {
-    // Again after each wait: a deployment that finished meanwhile answers.
-    HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
-    std::vector<std::string> missing;
-    for (const auto& k : keys) {
-      if (!s_->kv.count({deployment, generation, k})) missing.push_back(k);
-    }
-    if (missing.empty()) break;
-    if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
-    if (cancelled()) return absl::CancelledError("the client cancelled");
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("rendezvous keys not set in time for ", deployment, " generation ",
-                       generation, ": ", absl::StrJoin(missing, ", ")));
-    }
-    // Short waits, so a cancelled caller is noticed promptly.
-    s_->changed.WaitWithDeadline(&s_->mu,
-                                 std::min(deadline, absl::Now() + absl::Milliseconds(200)));
-  }
-  std::vector<std::string> values;
-  values.reserve(keys.size());
-  for (const auto& k : keys) values.push_back(s_->kv[{deployment, generation, k}]);
-  return values;
+  return s_->rendezvous.Get(deployment, generation, keys, deadline, cancelled);
 }
 
 absl::StatusOr<int64_t> DeploymentManager::StoreAdd(const std::string& deployment,
                                                     int64_t generation, const std::string& key,
                                                     int64_t delta) {
-  if (deployment.empty() || key.empty()) {
-    return absl::InvalidArgumentError("StoreAdd needs a deployment and a key");
-  }
-  absl::MutexLock l(&s_->mu);
-  HAP_RETURN_IF_ERROR(s_->CheckRendezvous(deployment, generation));
-  std::tuple<std::string, int64_t, std::string> k{deployment, generation, key};
-  auto it = s_->kv.find(k);
-  int64_t n = 0;
-  if (it != s_->kv.end() && !it->second.empty() && !absl::SimpleAtoi(it->second, &n)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("key '", key, "' holds a value that is not a counter"));
-  }
-  int64_t sum = 0;
-  if (__builtin_add_overflow(n, delta, &sum)) {
-    return absl::OutOfRangeError(absl::StrCat("key '", key, "' holds ", n, ": adding ", delta,
-                                              " overflows a 64-bit counter"));
-  }
-  s_->kv[k] = absl::StrCat(sum);
-  s_->changed.SignalAll();
-  return sum;
+  return s_->rendezvous.Add(deployment, generation, key, delta);
 }
 
 }  // namespace hap::service

@@ -10,8 +10,9 @@
 // is kept even when its save fails, and the failed save is noted in the
 // deployment's error.
 //
-// Rendezvous keys belong to a deployment that exists, at its generation (a
-// store open to any name would grow without bound); counters do not wrap.
+// Rendezvous keys (rendezvous_store.h) belong to a deployment that exists,
+// at its generation, until it finishes (a store open to any name would grow
+// without bound); counters do not wrap.
 //
 // Deployments given to the constructor that are RUNNING are re-attached to
 // (WatchDeployment); PENDING ones are failed and their ranks stopped.

@@ -1,0 +1,141 @@
+#include "planner/service/core/rendezvous_store.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "planner/util/status_macros.h"
+
+namespace hap::service {
+
+void RendezvousStore::Open(const std::string& deployment, int64_t generation) {
+  absl::MutexLock l(&mu_);
+  auto it = rendezvous_.find(deployment);
+  if (it != rendezvous_.end() && it->second.generation != generation) Drop(deployment);
+  rendezvous_[deployment] = Rendezvous{generation, false, ""};
+  changed_.SignalAll();
+}
+
+void RendezvousStore::Close(const std::string& deployment, int64_t generation, std::string why) {
+  absl::MutexLock l(&mu_);
+  Drop(deployment);
+  rendezvous_[deployment] = Rendezvous{generation, true, std::move(why)};
+  changed_.SignalAll();
+}
+
+void RendezvousStore::Shutdown() {
+  absl::MutexLock l(&mu_);
+  shutdown_ = true;
+  changed_.SignalAll();
+}
+
+void RendezvousStore::Drop(const std::string& deployment) {
+  auto k = kv_.lower_bound({deployment, std::numeric_limits<int64_t>::min(), ""});
+  while (k != kv_.end() && std::get<0>(k->first) == deployment) k = kv_.erase(k);
+}
+
+absl::Status RendezvousStore::Check(const std::string& deployment, int64_t generation) const {
+  if (o_.open_on_use) return absl::OkStatus();
+  auto it = rendezvous_.find(deployment);
+  if (it == rendezvous_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "deployment '", deployment,
+        "' does not exist (rendezvous keys belong to a deployment the planner made)"));
+  }
+  if (it->second.generation != generation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "deployment '", deployment, "' is generation ", it->second.generation, ", not ",
+        generation));
+  }
+  if (it->second.closed) return absl::FailedPreconditionError(it->second.why);
+  return absl::OkStatus();
+}
+
+absl::Status RendezvousStore::Set(const std::string& deployment, int64_t generation,
+                                  const std::string& key, const std::string& value) {
+  if (deployment.empty() || key.empty()) {
+    return absl::InvalidArgumentError("StoreSet needs a deployment and a key");
+  }
+  absl::MutexLock l(&mu_);
+  HAP_RETURN_IF_ERROR(Check(deployment, generation));
+  kv_[{deployment, generation, key}] = value;
+  changed_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> RendezvousStore::Get(
+    const std::string& deployment, int64_t generation, const std::vector<std::string>& keys,
+    absl::Time deadline, const std::function<bool()>& cancelled) {
+  if (deployment.empty() || keys.empty()) {
+    return absl::InvalidArgumentError("StoreGet needs a deployment and at least one key");
+  }
+  absl::MutexLock l(&mu_);
+  while (true) {
+    // Again after each wait: a rendezvous closed meanwhile answers.
+    HAP_RETURN_IF_ERROR(Check(deployment, generation));
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (!kv_.count({deployment, generation, k})) missing.push_back(k);
+    }
+    if (missing.empty()) break;
+    if (shutdown_) return absl::UnavailableError("the planner is shutting down");
+    if (cancelled()) return absl::CancelledError("the client cancelled");
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("rendezvous keys not set in time for ", deployment, " generation ",
+                       generation, ": ", absl::StrJoin(missing, ", ")));
+    }
+    // Short waits, so a cancelled caller is noticed promptly.
+    changed_.WaitWithDeadline(&mu_, std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+  }
+  std::vector<std::string> values;
+  values.reserve(keys.size());
+  for (const auto& k : keys) values.push_back(kv_[{deployment, generation, k}]);
+  return values;
+}
+
+absl::StatusOr<int64_t> RendezvousStore::Add(const std::string& deployment, int64_t generation,
+                                             const std::string& key, int64_t delta) {
+  if (deployment.empty() || key.empty()) {
+    return absl::InvalidArgumentError("StoreAdd needs a deployment and a key");
+  }
+  absl::MutexLock l(&mu_);
+  HAP_RETURN_IF_ERROR(Check(deployment, generation));
+  Key k{deployment, generation, key};
+  auto it = kv_.find(k);
+  int64_t n = 0;
+  if (it != kv_.end() && !it->second.empty() && !absl::SimpleAtoi(it->second, &n)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("key '", key, "' holds a value that is not a counter"));
+  }
+  int64_t sum = 0;
+  if (__builtin_add_overflow(n, delta, &sum)) {
+    return absl::OutOfRangeError(absl::StrCat("key '", key, "' holds ", n, ": adding ", delta,
+                                              " overflows a 64-bit counter"));
+  }
+  kv_[k] = absl::StrCat(sum);
+  changed_.SignalAll();
+  return sum;
+}
+
+int64_t RendezvousStore::size() const {
+  absl::MutexLock l(&mu_);
+  return static_cast<int64_t>(kv_.size());
+}
+
+int64_t RendezvousStore::keys(const std::string& deployment, int64_t generation) const {
+  absl::MutexLock l(&mu_);
+  auto from = kv_.lower_bound({deployment, generation, ""});
+  int64_t n = 0;
+  for (auto k = from; k != kv_.end() && std::get<0>(k->first) == deployment &&
+                      std::get<1>(k->first) == generation;
+       ++k) {
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace hap::service

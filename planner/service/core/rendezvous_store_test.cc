@@ -1,0 +1,148 @@
+#include "planner/service/core/rendezvous_store.h"
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/util/status_matchers.h"
+
+namespace hap::service {
+namespace {
+
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+const auto kNever = [] { return false; };
+
+TEST(RendezvousStoreTest, KeysBelongToAnOpenDeploymentAtItsGeneration) {
+  RendezvousStore store;
+  EXPECT_THAT(store.Set("d", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'d' does not exist")));
+  store.Open("d", 1);
+  ASSERT_THAT(store.Set("d", 1, "k", "v"), IsOk());
+  EXPECT_THAT(store.Set("d", 2, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is generation 1, not 2")));
+  EXPECT_THAT(store.Get("d", 1, {"k"}, absl::InfiniteFuture(), kNever), IsOk());
+  EXPECT_THAT(*store.Get("d", 1, {"k"}, absl::InfiniteFuture(), kNever), ElementsAre("v"));
+  EXPECT_THAT(store.Set("", 1, "k", "v"), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_THAT(store.Set("d", 1, "", "v"), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_THAT(store.Get("d", 1, {}, absl::InfiniteFuture(), kNever),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_EQ(store.keys("d", 1), 1);
+
+  // A new generation of the same deployment leaves the old one's keys behind.
+  store.Open("d", 2);
+  EXPECT_EQ(store.keys("d", 1), 0);
+  EXPECT_EQ(store.size(), 0);
+  EXPECT_THAT(store.Set("d", 1, "k", "v"), StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  ASSERT_THAT(store.Set("d", 2, "k", "w"), IsOk());
+  EXPECT_EQ(store.keys("d", 2), 1);
+}
+
+TEST(RendezvousStoreTest, GetWaitsForEveryKeyAndNamesTheMissingAtItsDeadline) {
+  RendezvousStore store;
+  store.Open("d", 1);
+  ASSERT_THAT(store.Set("d", 1, "a", "1"), IsOk());
+  EXPECT_THAT(store.Get("d", 1, {"a", "b", "c"}, absl::Now() + absl::Milliseconds(50), kNever),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("d generation 1: b, c")));
+
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    ASSERT_THAT(store.Set("d", 1, "b", "2"), IsOk());
+  });
+  auto got = store.Get("d", 1, {"a", "b"}, absl::InfiniteFuture(), kNever);
+  setter.join();
+  ASSERT_THAT(got, IsOk());
+  EXPECT_THAT(*got, ElementsAre("1", "2"));
+}
+
+TEST(RendezvousStoreTest, ClosingEndsWaitsAndDropsTheKeys) {
+  RendezvousStore store;
+  store.Open("d", 3);
+  store.Open("e", 1);
+  ASSERT_THAT(store.Set("d", 3, "a", "1"), IsOk());
+  ASSERT_THAT(store.Set("e", 1, "a", "1"), IsOk());
+  std::thread closer([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    store.Close("d", 3, "deployment 'd' is STOPPED: its rendezvous is closed");
+  });
+  EXPECT_THAT(store.Get("d", 3, {"never"}, absl::InfiniteFuture(), kNever),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("'d' is STOPPED")));
+  closer.join();
+  EXPECT_EQ(store.keys("d", 3), 0);
+  EXPECT_EQ(store.size(), 1);  // e's
+  EXPECT_THAT(store.Set("d", 3, "a", "1"), StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  EXPECT_THAT(store.Add("d", 3, "n", 1), StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  // Closed at another generation: the generation is named first.
+  EXPECT_THAT(store.Set("d", 4, "a", "1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("generation 3, not 4")));
+  // A deployment known only as finished (a planner's reload) is closed too.
+  store.Close("f", 1, "f is SUCCEEDED");
+  EXPECT_THAT(store.Set("f", 1, "a", "1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("f is SUCCEEDED")));
+}
+
+TEST(RendezvousStoreTest, ShutdownAndCancellationEndWaits) {
+  RendezvousStore store;
+  store.Open("d", 1);
+  std::atomic<bool> cancel{false};
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancel = true;
+  });
+  EXPECT_THAT(store.Get("d", 1, {"k"}, absl::InfiniteFuture(), [&] { return cancel.load(); }),
+              StatusIs(absl::StatusCode::kCancelled, ::testing::_));
+  canceller.join();
+
+  std::thread stopper([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    store.Shutdown();
+  });
+  EXPECT_THAT(store.Get("d", 1, {"k"}, absl::InfiniteFuture(), kNever),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  stopper.join();
+  // Keys already set are still read after shutdown; waits are not.
+  ASSERT_THAT(store.Set("d", 1, "k", "v"), IsOk());
+  EXPECT_THAT(store.Get("d", 1, {"k"}, absl::InfiniteFuture(), kNever), IsOk());
+  EXPECT_THAT(store.Get("d", 1, {"other"}, absl::InfiniteFuture(), kNever),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+}
+
+TEST(RendezvousStoreTest, CountersAddWithoutWrapping) {
+  RendezvousStore store;
+  store.Open("d", 1);
+  EXPECT_THAT(store.Add("d", 1, "n", 2), IsOk());
+  EXPECT_EQ(*store.Add("d", 1, "n", 5), 7);
+  EXPECT_EQ(*store.Add("d", 1, "n", -10), -3);
+  ASSERT_THAT(store.Set("d", 1, "s", "text"), IsOk());
+  EXPECT_THAT(store.Add("d", 1, "s", 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a counter")));
+  ASSERT_THAT(store.Set("d", 1, "max", std::to_string(std::numeric_limits<int64_t>::max())),
+              IsOk());
+  EXPECT_THAT(store.Add("d", 1, "max", 1),
+              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("overflows")));
+  EXPECT_EQ(*store.Get("d", 1, {"max"}, absl::InfiniteFuture(), kNever),
+            std::vector<std::string>{std::to_string(std::numeric_limits<int64_t>::max())});
+  // A counter is read as a key holding its decimal value.
+  EXPECT_THAT(*store.Get("d", 1, {"n"}, absl::InfiniteFuture(), kNever), ElementsAre("-3"));
+}
+
+TEST(RendezvousStoreTest, OpenOnUseAdmitsAnyDeploymentAndGeneration) {
+  RendezvousStore store(RendezvousStore::Options{/*open_on_use=*/true});
+  ASSERT_THAT(store.Set("x", 7, "k", "1"), IsOk());
+  ASSERT_THAT(store.Set("x", 8, "k", "2"), IsOk());
+  EXPECT_THAT(*store.Get("x", 7, {"k"}, absl::InfiniteFuture(), kNever), ElementsAre("1"));
+  EXPECT_THAT(*store.Get("x", 8, {"k"}, absl::InfiniteFuture(), kNever), ElementsAre("2"));
+  EXPECT_EQ(*store.Add("y", 1, "n", 4), 4);
+  EXPECT_EQ(store.keys("x", 7), 1);
+  EXPECT_EQ(store.size(), 3);
+}
+
+}  // namespace
+}  // namespace hap::service
