@@ -9,14 +9,9 @@ namespace hap::executor {
 namespace {
 
 namespace v1 = ::hap::v1;
+using service::CallDeadline;
 using service::CheckToken;
 using service::ToGrpc;
-
-absl::Time Deadline(const grpc::ServerContext* ctx) {
-  auto d = ctx->deadline();
-  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(d);
-}
 
 }  // namespace
 
@@ -55,7 +50,7 @@ grpc::Status ExecutorServiceImpl::StopTraining(grpc::ServerContext* ctx,
   // Wait for the step in progress at most half the time left, so that the
   // answer (FAILED, the step abandoned if need be) reaches the caller in time.
   const absl::Time now = absl::Now();
-  const absl::Time deadline = Deadline(ctx);
+  const absl::Time deadline = CallDeadline(ctx);
   const absl::Time wait_until =
       deadline == absl::InfiniteFuture() ? deadline : now + (deadline - now) / 2;
   auto st = core_->Stop(r->deployment(), wait_until);
@@ -80,7 +75,7 @@ grpc::Status ExecutorServiceImpl::StreamStepMetrics(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "from_step must not be negative");
   }
-  const absl::Time deadline = Deadline(ctx);
+  const absl::Time deadline = CallDeadline(ctx);
   int64_t next = r->from_step();
   while (true) {
     if (ctx->IsCancelled()) {

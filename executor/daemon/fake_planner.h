@@ -34,16 +34,11 @@ class FakePlanner final : public v1::Planner::Service {
   }
   grpc::Status StoreGet(grpc::ServerContext* ctx, const v1::StoreGetRequest* r,
                         v1::StoreGetResponse* out) override {
-    absl::Time deadline = ctx->deadline() == std::chrono::system_clock::time_point::max()
-                              ? absl::InfiniteFuture()
-                              : absl::FromChrono(ctx->deadline());
-    if (r->has_timeout()) {
-      deadline = std::min(deadline, absl::Now() + absl::Seconds(r->timeout().seconds()) +
-                                        absl::Nanoseconds(r->timeout().nanos()));
-    }
     auto values =
         store_.Get(r->deployment(), r->generation(), {r->keys().begin(), r->keys().end()},
-                   deadline, [ctx] { return ctx->IsCancelled(); });
+                   service::CallDeadline(
+                       ctx, service::RequestTimeout(r->has_timeout() ? &r->timeout() : nullptr)),
+                   [ctx] { return ctx->IsCancelled(); });
     if (!values.ok()) return service::ToGrpc(values.status());
     for (auto& v : *values) out->add_values(std::move(v));
     return grpc::Status::OK;

@@ -1,5 +1,6 @@
 #include "planner/service/grpc/grpc_util.h"
 
+#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -135,6 +136,13 @@ grpc::Status ToGrpc(const absl::Status& s) {
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::Time CallDeadline(const grpc::ServerContextBase* ctx, absl::Duration timeout) {
+  const auto d = ctx->deadline();
+  const absl::Time call = d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
+                                                                            : absl::FromChrono(d);
+  return timeout == absl::InfiniteDuration() ? call : std::min(call, absl::Now() + timeout);
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {

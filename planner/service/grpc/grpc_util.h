@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "google/protobuf/duration.pb.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/grpcpp.h"
 
@@ -20,6 +21,16 @@ namespace hap::service {
 
 grpc::Status ToGrpc(const absl::Status& s);
 absl::Status FromGrpc(const grpc::Status& s);
+
+// A server call's deadline (InfiniteFuture when the client set none), or
+// `timeout` from now when that is sooner (a request's own wait bound).
+absl::Time CallDeadline(const grpc::ServerContextBase* ctx,
+                        absl::Duration timeout = absl::InfiniteDuration());
+// A request's google.protobuf.Duration field; null (unset) = no bound.
+inline absl::Duration RequestTimeout(const google::protobuf::Duration* d) {
+  if (d == nullptr) return absl::InfiniteDuration();
+  return absl::Seconds(d->seconds()) + absl::Nanoseconds(d->nanos());
+}
 
 // grpc.health.v1.Health's methods, as paths.
 inline std::vector<std::string> HealthMethods() {

@@ -16,12 +16,6 @@ namespace {
 
 namespace v1 = ::hap::v1;
 
-absl::Time Deadline(const grpc::ServerContext* ctx) {
-  auto d = ctx->deadline();
-  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(d);
-}
-
 // A deployment's executors over gRPC, the token and TLS of `security`.
 // GetStatus and StopTraining go to every rank at once (callback API), so
 // one silent rank costs one deadline, not one per rank.
@@ -270,7 +264,7 @@ grpc::Status PlannerServiceImpl::ReportLinks(grpc::ServerContext* ctx,
 grpc::Status PlannerServiceImpl::CreatePlan(grpc::ServerContext* ctx,
                                             const v1::CreatePlanRequest* r, v1::Plan* out) {
   return Handle("CreatePlan", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, core_->CreatePlan(*r, Deadline(ctx)));
+    HAP_ASSIGN_OR_RETURN(*out, core_->CreatePlan(*r, CallDeadline(ctx)));
     return absl::OkStatus();
   });
 }
@@ -373,8 +367,8 @@ grpc::Status PlannerServiceImpl::StopDeployment(grpc::ServerContext* ctx,
                                                 const v1::StopDeploymentRequest* r,
                                                 v1::Deployment* out) {
   return Handle("StopDeployment", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(
-        *out, deployments_->Stop(r->name(), Deadline(ctx), [ctx] { return ctx->IsCancelled(); }));
+    HAP_ASSIGN_OR_RETURN(*out, deployments_->Stop(r->name(), CallDeadline(ctx),
+                                                  [ctx] { return ctx->IsCancelled(); }));
     return absl::OkStatus();
   });
 }
@@ -423,11 +417,8 @@ grpc::Status PlannerServiceImpl::StoreSet(grpc::ServerContext* ctx, const v1::St
 grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx, const v1::StoreGetRequest* r,
                                           v1::StoreGetResponse* out) {
   return Handle("StoreGet", ctx, [&]() -> absl::Status {
-    absl::Time deadline = Deadline(ctx);
-    if (r->has_timeout()) {
-      deadline = std::min(deadline, absl::Now() + absl::Seconds(r->timeout().seconds()) +
-                                        absl::Nanoseconds(r->timeout().nanos()));
-    }
+    const absl::Time deadline =
+        CallDeadline(ctx, RequestTimeout(r->has_timeout() ? &r->timeout() : nullptr));
     HAP_ASSIGN_OR_RETURN(
         std::vector<std::string> values,
         deployments_->StoreGet(r->deployment(), r->generation(),

@@ -154,12 +154,6 @@ v1::CreatePlanRequest Mlp(const std::string& id) {
   return r;
 }
 
-absl::Time Deadline(const grpc::ServerContext* ctx) {
-  auto d = ctx->deadline();
-  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(d);
-}
-
 // An executor daemon's API over gRPC on 127.0.0.1:0 that trains nothing:
 // LoadPlan and StartTraining move its state as the real one's (a load while
 // TRAINING is refused); Finish/Fail end its training. Frozen, every call
@@ -262,7 +256,7 @@ class FakeExecutor final : public v1::Executor::Service {
   // False when frozen until the call's deadline.
   bool Answer(grpc::ServerContext* ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto thawed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !frozen_; };
-    return mu_.AwaitWithDeadline(absl::Condition(&thawed), Deadline(ctx));
+    return mu_.AwaitWithDeadline(absl::Condition(&thawed), CallDeadline(ctx));
   }
   static grpc::Status Hung() {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "frozen");
