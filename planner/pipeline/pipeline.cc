@@ -593,6 +593,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       t.sync = p.sync;
       if (s + 1 < S) {
         const int gb = st[s + 1].group;
+        // A group that cannot take this count (its microbatch is smaller
+        // than the group) has no program to hand over to.
+        if (entry(gb, c) == nullptr) return cand;
         Transfer x = transfer(st[s].end_layer, gi, gb, c);
         t.send = x.send_sender + x.send_receiver;
         t.gradient = x.grad_sender + x.grad_receiver;

@@ -416,6 +416,40 @@ TEST(Planner, Baselines) {
   EXPECT_LE(metis->step_seconds, even->step_seconds * (1 + 1e-9));
 }
 
+// Stages on groups of unequal size, where a microbatch is smaller than the
+// larger groups (8 samples, M = 4: 2 a microbatch, groups of 2 and of 4
+// devices): the microbatch counts a group cannot take are left out for
+// that group, in every variant (the even split priced the transfer into
+// such a group and crashed).
+TEST(Planner, MicrobatchesSmallerThanSomeGroups) {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 4},
+                                        {"hidden", 128},
+                                        {"heads", 4},
+                                        {"ffn", 512},
+                                        {"seq", 32},
+                                        {"vocab", 1000},
+                                        {"batch", 8}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < 8; ++i) {
+    d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 4), "test",
+                 i < 4 ? 3.86e12 : 2.15e12, 40 * kGiB, 1e-5});
+  }
+  auto c = cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 1.25e9, 5e-5);
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (Variant v : {Variant::kSynthesized, Variant::kDataParallel, Variant::kEvenSplit}) {
+    PipelineOptions o = Fast(Mode::kStages, 3);
+    o.variant = v;
+    auto p = PlanPipeline(*g, *c, o);
+    ASSERT_TRUE(p.ok()) << VariantName(v) << ": " << p.status();
+    ASSERT_EQ(p->stages.size(), 3u) << VariantName(v);
+    EXPECT_TRUE(std::isfinite(p->step_seconds)) << VariantName(v);
+    for (const StagePlan& s : p->stages) {
+      EXPECT_GE(p->microbatch_size, static_cast<int64_t>(s.devices.size())) << VariantName(v);
+    }
+  }
+}
+
 TEST(Planner, BadOptions) {
   auto g = SmallGpt();
   ASSERT_TRUE(g.ok());
