@@ -1,0 +1,268 @@
+// The job controller when devices join or return: the switch at the next
+// checkpoint when the calibrated gain clears the threshold, and when not.
+#include "planner/service/core/jobs.h"
+#include "planner/service/core/jobs_test_util.h"
+
+namespace hap::service::jobs_testing {
+// Running on d0 and d1, d2 returns and the plan on all three, predicted at
+// *three s (0.95 s against 1.0 s), is judged not worth it.
+void JobsTest::JudgeThreeNotWorthIt(const double* three) {
+  Make();
+  fake_.predict = [three](const std::vector<std::string>& d) {
+    return d.size() == 3 ? *three : 1.0;
+  };
+  fake_.SetNode(2, v1::Node::STALE);
+  StartRunning();
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+}
+
+namespace {
+
+TEST_F(JobsTest, ReturningNodeSwitchesAtTheNextCheckpointWhenTheGainClearsTheThreshold) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  EXPECT_THAT(Job().status().devices(), ElementsAre("d0", "d1"));
+  fake_.checkpoint = 20;
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(29);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 1u);  // not READY for 30 s yet
+  now_ += absl::Seconds(2);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
+  c_->Reconcile();  // 0.5 s -> 0.333 s: 50% >= 10%; waits for a checkpoint
+  v1::Job j = Job();
+  EXPECT_TRUE(j.status().switch_pending());
+  EXPECT_THAT(j.status().message(), HasSubstr("at the next checkpoint"));
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(State(), v1::JobStatus::RUNNING);
+  fake_.checkpoint = 30;
+  fake_.Only(first).set_steps_completed(31);
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, ElementsAre(first));
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_JOINED));
+  c_->Reconcile();
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  EXPECT_EQ(Job().status().plan(), "plans/train-p2");  // the plan judged, not another
+  EXPECT_EQ(fake_.requests.size(), 2u);
+  EXPECT_EQ(fake_.Only(second).training().resume(), "/shared/ckpt/step-00000030");
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  const v1::JobEvent& e = j.status().events(1);
+  EXPECT_EQ(e.reason(), v1::JobEvent::NODE_JOINED);
+  EXPECT_EQ(e.steps_lost(), 1);
+  EXPECT_DOUBLE_EQ(e.predicted_step_before(), 0.5);
+  EXPECT_DOUBLE_EQ(e.predicted_step_after(), 1.0 / 3);
+}
+
+// A switch waiting for the next checkpoint is not made when that
+// checkpoint is the job's last step: nothing is left to run faster.
+TEST_F(JobsTest, NoSwitchAtTheJobsFinalCheckpoint) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  fake_.checkpoint = 20;
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  c_->Reconcile();  // the join pays: waits for a checkpoint
+  ASSERT_TRUE(Job().status().switch_pending());
+  fake_.checkpoint = 100;  // the job's steps
+  fake_.Only(first).set_steps_completed(100);
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_THAT(replans_, IsEmpty());
+  fake_.SetState(first, v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::SUCCEEDED);
+  EXPECT_THAT(replans_, IsEmpty());
+}
+
+TEST_F(JobsTest, JoinBelowTheThresholdStaysAndIsNotJudgedAgain) {
+  Make();
+  fake_.predict = [](const std::vector<std::string>& d) { return d.size() == 3 ? 0.95 : 1.0; };
+  fake_.SetNode(2, v1::Node::STALE);
+  StartRunning();
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);
+  v1::Job j = Job();
+  EXPECT_THAT(j.status().message(), HasSubstr("below min_gain 10.0%"));
+  EXPECT_THAT(j.status().judged_devices(), ElementsAre("d0", "d1", "d2"));
+  for (int i = 0; i < 5; ++i) {
+    now_ += absl::Seconds(10);
+    c_->Reconcile();
+  }
+  EXPECT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(State(), v1::JobStatus::RUNNING);
+}
+
+// A set judged not worth it whose device then leaves (STALE) and comes
+// back is judged again: the node returning was measured anew.
+TEST_F(JobsTest, ASetJudgedIsJudgedAgainOnceADeviceOfItLeftAndReturned) {
+  double three = 0.95;
+  JudgeThreeNotWorthIt(&three);
+  EXPECT_THAT(Job().status().judged_devices(), ElementsAre("d0", "d1", "d2"));
+  fake_.SetNode(2, v1::Node::STALE);  // gone ...
+  c_->Reconcile();
+  EXPECT_THAT(Job().status().judged_devices(), IsEmpty());
+  three = 0.5;  // ... and back, measured faster
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0", "d1", "d2"));
+  c_->Reconcile();
+  EXPECT_TRUE(Job().status().switch_pending()) << Job().DebugString();
+}
+
+// A node whose agent restarts and registers again before it is ever seen
+// STALE (another address) counts as new: READY for join_stable again, and
+// a set judged with it judged anew.
+TEST_F(JobsTest, ANodeRegisteredAgainIsStableOnlyAfterJoinStableAndJudgedAnew) {
+  double three = 0.95;
+  JudgeThreeNotWorthIt(&three);
+  three = 0.5;
+  fake_.Reregister(2);
+  c_->Reconcile();
+  EXPECT_THAT(Job().status().judged_devices(), IsEmpty());
+  now_ += absl::Seconds(29);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);  // READY under its new agent for 29 s only
+  now_ += absl::Seconds(2);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  c_->Reconcile();
+  EXPECT_TRUE(Job().status().switch_pending()) << Job().DebugString();
+}
+
+// A switch pending on a plan whose joiner's node is registered again by a
+// new agent is dropped: that plan was judged on the old one.
+TEST_F(JobsTest, ASwitchPendingIsDroppedWhenAJoinerRegistersAgain) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  c_->Reconcile();
+  ASSERT_TRUE(Job().status().switch_pending());
+  fake_.Reregister(2);
+  fake_.checkpoint = 30;
+  c_->Reconcile();
+  EXPECT_FALSE(Job().status().switch_pending());
+  EXPECT_TRUE(Job().status().candidate_plan().empty());
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(Deployment(), first);
+}
+
+// A join is judged by measured steps where the job has them: the model
+// predicts three devices only 5% faster than two (below min_gain), but the
+// job measured its three-device deployment at 0.5 s (predicted 0.95 s) and
+// measures 1.2 s on two (predicted 1.0 s): calibrated, three are 140%
+// faster, and the job switches back.
+TEST_F(JobsTest, AReturnIsJudgedByTheStepsMeasuredOnThoseDevices) {
+  Make();
+  fake_.predict = [](const std::vector<std::string>& d) { return d.size() == 3 ? 0.95 : 1.0; };
+  const std::string first = StartRunning();
+  fake_.Only(first).set_median_step_seconds(0.5);
+  fake_.Only(first).set_steps_completed(30);
+  c_->Reconcile();
+  EXPECT_DOUBLE_EQ(Job().status().events(0).measured_step_seconds(), 0.5);
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(2);
+  c_->Reconcile();
+  const std::string second = Deployment();
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  fake_.Only(second).set_median_step_seconds(1.2);
+  fake_.Only(second).set_steps_completed(10);  // too few to judge by
+  c_->Reconcile();
+  EXPECT_THAT(Job().status().devices(), ElementsAre("d0", "d1"));
+  now_ += absl::Seconds(31);  // the hold on d2 ends; d2 is stable
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);  // not judged on 10 steps
+  fake_.Only(second).set_steps_completed(40);
+  c_->Reconcile();
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  const v1::Job j = Job();
+  EXPECT_TRUE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_THAT(j.status().message(), HasSubstr("expected 140.0% faster"));
+  EXPECT_THAT(j.status().message(), HasSubstr("on the same devices"));
+  EXPECT_DOUBLE_EQ(j.status().events(1).measured_step_seconds(), 1.2);
+  EXPECT_DOUBLE_EQ(j.status().events(0).measured_step_seconds(), 0.5);  // kept
+}
+
+// Without measurements of the set judged, the current deployment's error
+// scales both sides alike: the predicted gain decides.
+TEST_F(JobsTest, ANewSetIsJudgedByThePredictionScaledByTheCurrentError) {
+  Make();
+  fake_.predict = [](const std::vector<std::string>& d) { return d.size() == 3 ? 0.95 : 1.0; };
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  fake_.Only(first).set_median_step_seconds(3.0);
+  fake_.Only(first).set_steps_completed(25);
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  const v1::Job j = Job();
+  EXPECT_FALSE(j.status().switch_pending());
+  EXPECT_THAT(j.status().message(), HasSubstr("expected 5.3% faster"));
+  EXPECT_THAT(j.status().message(), HasSubstr("below min_gain"));
+}
+
+TEST_F(JobsTest, AJoinNeedsPeriodicCheckpoints) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_training()->set_checkpoint_every(0);
+  StartRunning(r);
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  c_->Reconcile();
+  EXPECT_THAT(Job().status().message(), HasSubstr("no periodic checkpoints"));
+  EXPECT_THAT(fake_.stops, IsEmpty());
+}
+
+TEST_F(JobsTest, FlappingNodeNeverCausesAJoin) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  for (int i = 0; i < 24; ++i) {  // two minutes, READY 20 s then STALE 10 s
+    fake_.SetNode(2, i % 3 == 2 ? v1::Node::STALE : v1::Node::READY);
+    now_ += absl::Seconds(10);
+    c_->Reconcile();
+  }
+  EXPECT_EQ(fake_.requests.size(), 1u);
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(Deployment(), first);
+  EXPECT_THAT(replans_, IsEmpty());
+}
+
+}  // namespace
+}  // namespace hap::service::jobs_testing

@@ -1,0 +1,226 @@
+// The job controller after a loss: a lost executor, a STALE node, a second
+// failure, a stop during recovery, the re-plan limit.
+#include "planner/service/core/jobs.h"
+#include "planner/service/core/jobs_test_util.h"
+
+namespace hap::service::jobs_testing {
+namespace {
+
+TEST_F(JobsTest, LostExecutorReplansOnTheSurvivorsFromTheLatestCommittedCheckpoint) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 40;
+  fake_.Only(first).set_steps_completed(47);
+  c_->Reconcile();
+  // Rank 2's executor is killed: the deployment manager fails the
+  // deployment (and stops the others); its node is STALE a little later.
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_error("rank 2 (d2) did not answer 3 status polls in a row");
+  fake_.SetNode(2, v1::Node::STALE);
+  const absl::Time failed = now_;
+  c_->Reconcile();
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RECOVERING);
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::EXECUTOR_LOST));
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(fake_.requests[1].global_batch(), 32);  // the data order does not change
+  const std::string second = j.status().deployment();
+  ASSERT_NE(second, first);
+  EXPECT_EQ(fake_.Only(second).training().resume(), "/shared/ckpt/step-00000040");
+  EXPECT_EQ(j.status().generation(), 2);
+  EXPECT_EQ(j.status().steps_done(), 40);
+
+  now_ += absl::Seconds(4);
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  ASSERT_EQ(j.status().events_size(), 2);
+  const v1::JobEvent& e = j.status().events(1);
+  EXPECT_EQ(e.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_THAT(e.detail(), HasSubstr("did not answer"));
+  EXPECT_DOUBLE_EQ(e.downtime_seconds(), absl::ToDoubleSeconds(now_ - failed));
+  EXPECT_EQ(e.steps_done_before(), 47);
+  EXPECT_EQ(e.resume_step(), 40);
+  EXPECT_EQ(e.steps_lost(), 7);
+  EXPECT_DOUBLE_EQ(e.predicted_step_before(), 1.0 / 3);
+  EXPECT_DOUBLE_EQ(e.predicted_step_after(), 1.0 / 2);
+  EXPECT_THAT(e.devices_before(), ElementsAre("d0", "d1", "d2"));
+  EXPECT_THAT(e.devices_after(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(j.status().replans(), 1);
+  ASSERT_EQ(resumed_.size(), 2u);
+  EXPECT_EQ(resumed_[1].reason(), v1::JobEvent::EXECUTOR_LOST);
+}
+
+// A job asking for 3 pipeline stages that loses one of its 3 devices is
+// re-planned with 2 stages (one per device left), not refused.
+TEST_F(JobsTest, APipelineJobOnFewerDevicesThanStagesGetsOneStagePerDevice) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+  r.mutable_spec()->mutable_options()->set_pipeline_stages(3);
+  const std::string first = StartRunning(r);
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].options().pipeline_stages(), 3);
+  fake_.checkpoint = 10;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_error("rank 2 (d2) did not answer 3 status polls in a row");
+  fake_.SetNode(2, v1::Node::STALE);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(fake_.requests[1].options().pipeline(), v1::PlanOptions::PIPELINE_STAGES);
+  EXPECT_EQ(fake_.requests[1].options().pipeline_stages(), 2);
+  EXPECT_EQ(Job().status().state(), v1::JobStatus::RECOVERING);
+}
+
+TEST_F(JobsTest, TheDeviceOfAFailedRankIsHeldOutWhileItsNodeStaysReady) {
+  Make();
+  const std::string first = StartRunning();
+  // Rank 1's executor died; its node's agent still heartbeats.
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(1);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d2"));
+  ASSERT_EQ(Job().status().held_size(), 1);
+  EXPECT_EQ(Job().status().held(0).device(), "d1");
+  fake_.SetState(Deployment(), v1::Deployment::RUNNING);
+  c_->Reconcile();
+  now_ += absl::Seconds(29);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);  // still held
+  now_ += absl::Seconds(2);
+  c_->Reconcile();  // the hold ends: d1 may join again (judged like any join)
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0", "d1", "d2"));
+  EXPECT_EQ(Job().status().held_size(), 0);
+}
+
+TEST_F(JobsTest, StaleNodeStopsTheSurvivorsBeforeReplanning) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.stops_take_effect = false;
+  fake_.SetNode(1, v1::Node::STALE);
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::RECOVERING);
+  EXPECT_THAT(fake_.stops, ElementsAre(first));
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_STALE));
+  // No plan while the old deployment still trains; asked again each pass.
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.stops.size(), 2u);
+  // It stops (or fails while stopping): the same recovery, no second re-plan.
+  fake_.SetState(first, v1::Deployment::FAILED);
+  c_->Reconcile();
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_STALE));
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d2"));
+  EXPECT_EQ(fake_.Only(Deployment()).training().resume(), "");  // no checkpoint yet
+}
+
+TEST_F(JobsTest, SecondFailureWhileRecoveringStartsTheRecoveryAgain) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.plans_finish_at_once = false;
+  const absl::Time failed = now_;
+  fake_.SetNode(2, v1::Node::STALE);
+  c_->Reconcile();  // stops the survivors
+  c_->Reconcile();  // sees them stopped; plans on d0, d1
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  const std::string plan2 = "plans/train-p2";
+  EXPECT_EQ(Job().status().next_plan(), plan2);
+  // d1 goes too while that plan is made.
+  fake_.SetNode(1, v1::Node::STALE);
+  now_ += absl::Seconds(1);
+  fake_.FinishPlan(plan2);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.deployed.size(), 1u);  // plan2 is not deployed
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_STALE, v1::JobEvent::NODE_STALE));
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0"));
+  fake_.FinishPlan("plans/train-p3");
+  c_->Reconcile();
+  const std::string third = Deployment();
+  ASSERT_EQ(fake_.deployed.size(), 2u);
+  // Its deployment fails before it runs: recovery again, on d0.
+  fake_.SetState(third, v1::Deployment::FAILED);
+  c_->Reconcile();
+  EXPECT_EQ(replans_.size(), 3u);
+  ASSERT_EQ(fake_.requests.size(), 4u);
+  fake_.FinishPlan("plans/train-p4");
+  c_->Reconcile();
+  const std::string fourth = Deployment();
+  ASSERT_NE(fourth, third);
+  now_ += absl::Seconds(5);
+  fake_.SetState(fourth, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  ASSERT_EQ(j.status().events_size(), 2);  // one recovery, however many tries
+  const v1::JobEvent& e = j.status().events(1);
+  EXPECT_EQ(e.reason(), v1::JobEvent::NODE_STALE);
+  EXPECT_THAT(e.detail(), HasSubstr("while recovering"));
+  EXPECT_DOUBLE_EQ(e.downtime_seconds(), absl::ToDoubleSeconds(now_ - failed));
+  EXPECT_THAT(e.devices_after(), ElementsAre("d0"));
+  EXPECT_EQ(j.status().replans(), 3);
+}
+
+TEST_F(JobsTest, StopWhileRecoveringCancelsThePlanAndStops) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.plans_finish_at_once = false;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::RECOVERING);
+  ASSERT_OK_AND_ASSIGN(v1::Job j, c_->Stop("jobs/train"));
+  EXPECT_TRUE(j.status().stop_requested());
+  EXPECT_TRUE(sink_.jobs.at("jobs/train").status().stop_requested());
+  c_->Reconcile();
+  EXPECT_EQ(fake_.plans.at("plans/train-p2").state(), v1::Plan::CANCELLED);
+  EXPECT_EQ(State(), v1::JobStatus::STOPPED);
+  EXPECT_EQ(fake_.deployed.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(j, c_->Stop("jobs/train"));  // final: as it is
+  EXPECT_EQ(j.status().state(), v1::JobStatus::STOPPED);
+}
+
+TEST_F(JobsTest, DeploymentStoppedOutsideTheJobIsRecovered) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.SetState(first, v1::Deployment::STOPPED);
+  c_->Reconcile();
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::DEPLOYMENT_STOPPED));
+  EXPECT_EQ(fake_.deployed.size(), 2u);
+}
+
+TEST_F(JobsTest, GivesUpAfterMaxReplans) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(2);
+  StartRunning(r);
+  for (int i = 0; i < 3; ++i) {
+    fake_.SetState(Deployment(), v1::Deployment::FAILED);
+    fake_.Only(Deployment()).set_error("loss is NaN at step 3");
+    c_->Reconcile();
+  }
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::FAILED);
+  EXPECT_THAT(j.status().message(), HasSubstr("gave up after 2 re-plans"));
+  EXPECT_THAT(j.status().message(), HasSubstr("NaN"));
+  EXPECT_EQ(fake_.deployed.size(), 3u);
+}
+
+TEST_F(JobsTest, EveryStepCheckpointedBeforeTheFailureIsSuccess) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 100;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::SUCCEEDED);
+  EXPECT_EQ(fake_.deployed.size(), 1u);
+}
+
+}  // namespace
+}  // namespace hap::service::jobs_testing
