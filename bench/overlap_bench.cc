@@ -124,13 +124,14 @@ void ExampleTable(const std::string& dir) {
   }
 }
 
-// 1 fast (3.86e12) : 3 slow (2.15e12), 8 devices a node, 9.5e9 B/s inside
+// GPUs of 1 fast (3.86e12) : 3 slow (2.15e12), 8 devices a node, 9.5e9 B/s inside
 // and 3e9 B/s between nodes (the hetero-64gpu profile's classes and links).
 cost::ClusterModel Hetero(int n) {
   std::vector<cost::DeviceModel> d;
   for (int i = 0; i < n; ++i) {
     d.push_back({"d" + std::to_string(i), "n" + std::to_string(i / 8), "gpu",
                  i % 4 == 0 ? 3.86e12 : 2.15e12, int64_t{40} << 30, 1e-5});
+    d.back().queued_launches = true;  // GPUs, as FromProto makes them
   }
   return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 3e9, 5e-5);
 }

@@ -60,6 +60,7 @@ cost::ClusterModel ThreeNodeMix() {
   for (int i = 0; i < 12; ++i) {
     d.push_back({absl::StrCat("n", i / 4, "/gpu", i % 4), absl::StrCat("n", i / 4),
                  absl::StrCat("kind", i / 4), flops[i / 4], 40 * kGiB, 1e-5});
+    d.back().queued_launches = true;  // GPUs, as FromProto makes them
   }
   return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 1.25e9, 5e-5);
 }

@@ -179,6 +179,12 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
   const std::vector<synth::OpWork> work = synth::TrainingWork(g);
   synth::RuleContext ctx;
   ctx.num_devices = w.group_size;
+  struct Computed {
+    std::string type;
+    double kernel, launches;
+  };
+  std::vector<Computed> computed;
+  double kernels = 0, all_launches = 0;
   for (const v1::Instruction& ins : w.program->instructions()) {
     if (ins.kind() == v1::Instruction::COMPUTE) {
       auto it = ops.find(ins.op());
@@ -194,9 +200,11 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
         return absl::InvalidArgumentError(absl::StrCat(
             "op '", ins.op(), "' has no sharding rule '", ins.rule(), "'"));
       }
-      const double secs = work[op].flops / flops * (rule->split ? share : 1.0) +
-                          (work[op].backward ? 3.0 : 1.0) * dev.launch_overhead_seconds();
-      sums->modelled[g.op(op).type] += w.times * secs;
+      const double kernel = work[op].flops / flops * (rule->split ? share : 1.0);
+      const double launches = work[op].backward ? 3.0 : 1.0;
+      computed.push_back({g.op(op).type, kernel, launches});
+      kernels += kernel;
+      all_launches += launches;
     } else if (ins.kind() == v1::Instruction::SOURCE &&
                ins.storage() != v1::Instruction::STORAGE_UNSPECIFIED) {
       std::optional<graph::TensorId> t = g.FindTensor(ins.op());
@@ -210,6 +218,15 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
       sums->stored_elements +=
           ins.storage() == v1::Instruction::STORAGE_REPLICATED ? elements : elements * share;
     }
+  }
+  // The launches the search prices: those a GPU's queue does not hide.
+  cost::DeviceModel model;
+  model.launch_overhead_seconds = dev.launch_overhead_seconds();
+  model.queued_launches = dev.kind() == v1::GPU;
+  const double exposed = cost::ExposedLaunchFraction(model, all_launches, kernels);
+  for (const Computed& c : computed) {
+    sums->modelled[c.type] +=
+        w.times * (c.kernel + c.launches * dev.launch_overhead_seconds() * exposed);
   }
   return absl::OkStatus();
 }

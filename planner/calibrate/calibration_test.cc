@@ -1,6 +1,7 @@
 #include "planner/calibrate/calibration.h"
 
 #include <cmath>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -145,6 +146,49 @@ TEST(CalibrationTest, ModelledTimeIsFlopsOverRateAtTheRanksShare) {
               0.02 * 11.0 / 16 * linear_flops / 80e9);
   EXPECT_NEAR(Modelled(*cal_prop, "cpu1", "linear"), 5.0 / 16 * linear_flops / 32e9,
               0.02 * 5.0 / 16 * linear_flops / 32e9);
+}
+
+// GPUs queue their kernel launches behind their kernels: the model a
+// calibration fits against prices only what the launches take beyond the
+// step's kernels (as the search does), where a CPU pays each launch.
+TEST(CalibrationTest, AGpusLaunchesCostWhatTheyTakeBeyondItsKernels) {
+  graph::Graph g = Gpt();
+  std::set<std::string> types;
+  double launches = 0;
+  const std::vector<synth::OpWork> work = synth::TrainingWork(g);
+  for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
+    types.insert(g.op(i).type);
+    launches += work[i].backward ? 3 : 1;
+  }
+  // cpu0's modelled seconds summed over the op types (every type profiled).
+  auto modelled = [&](v1::DeviceKind kind, double launch) {
+    v1::Cluster c = TwoCpus();
+    for (auto& d : *c.mutable_nodes(0)->mutable_devices()) {
+      d.set_kind(kind);
+      d.set_launch_overhead_seconds(launch);
+    }
+    v1::Plan dp = MakePlan(g, c, synth::Baseline::kDpEven);
+    ProfiledRun run = UnitRun(dp);
+    for (RankProfile& p : run.ranks) {
+      for (const std::string& t : types) p.op_seconds[t] = 1e-3;
+    }
+    auto cal = Calibrate(c, {run});
+    EXPECT_TRUE(cal.ok()) << cal.status();
+    double sum = 0;
+    for (const std::string& t : types) sum += cal.ok() ? Modelled(*cal, "cpu0", t) : NAN;
+    return sum;
+  };
+  // Kernel-bound (2 us launches): the GPU's sum is the CPU's less every
+  // launch of rank 0 (data parallelism: it runs every op).
+  const double small = 2e-6;
+  const double kernels = modelled(v1::GPU, small);
+  ASSERT_GT(kernels, 10 * launches * small);
+  EXPECT_NEAR(modelled(v1::CPU, small) - kernels, launches * small, 1e-9 * kernels);
+  // Launch-bound (50 ms launches): the GPU pays its launches, the kernels
+  // run behind them.
+  const double big = 0.05;
+  EXPECT_NEAR(modelled(v1::GPU, big), launches * big, 1e-9 * launches * big);
+  EXPECT_NEAR(modelled(v1::CPU, big), launches * big + kernels, 1e-9 * launches * big);
 }
 
 // A pipeline plan (two stages of one CPU each, 4 microbatches): each

@@ -99,6 +99,7 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
           "device '", id, "' has an invalid launch_overhead_seconds"));
     }
     dm.launch_overhead_seconds = d.launch_overhead_seconds();
+    dm.queued_launches = d.kind() == hap::v1::GPU;
     for (const auto& [type, scale] : d.op_time_scale()) {
       if (!Positive(scale)) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -238,6 +239,13 @@ absl::StatusOr<ClusterModel> ClusterModel::TwoLevel(std::vector<DeviceModel> dev
     }
   }
   return Create(std::move(devices), std::move(bw), std::move(lat));
+}
+
+double ExposedLaunchFraction(const DeviceModel& d, double launches, double kernel_seconds) {
+  if (!d.queued_launches) return 1.0;
+  const double total = launches * d.launch_overhead_seconds;
+  if (!(total > 0)) return 1.0;
+  return std::clamp(1.0 - kernel_seconds / total, 0.0, 1.0);
 }
 
 absl::StatusOr<ClusterModel> ClusterModel::Subset(const std::vector<int>& indices) const {

@@ -38,12 +38,23 @@ struct DeviceModel {
   // The fraction of an overlapped collective this device hides behind its
   // compute (cluster.proto Device.overlap_efficiency; defaults by kind).
   double overlap_efficiency = 1.0;
+  // Kernel launches are queued (a GPU stream: the host runs ahead of the
+  // device) rather than each call run to its end (a CPU). FromProto: GPUs.
+  bool queued_launches = false;
 
   double OpTimeScale(const std::string& op_type) const {
     auto it = op_time_scale.find(op_type);
     return it == op_time_scale.end() ? 1.0 : it->second;
   }
 };
+
+// The fraction of a device's kernel launch overhead (`launches` calls at
+// `d.launch_overhead_seconds` each) that a step pays, given the step's
+// kernel seconds on the device. A CPU calls each kernel in turn and pays
+// every launch (1). A GPU queues its launches on a stream and the host runs
+// ahead of the kernels, so only what the launches take beyond the kernels
+// is exposed: max(0, 1 - kernel_seconds / (launches x overhead)).
+double ExposedLaunchFraction(const DeviceModel& d, double launches, double kernel_seconds);
 
 class ClusterModel {
  public:

@@ -139,7 +139,7 @@ std::string Signature(const cost::ClusterModel& c, const std::vector<int>& d) {
     const cost::DeviceModel& m = c.device(i);
     absl::StrAppend(&s, m.model, "|", m.flops, "|", m.memory_bytes, "|", m.launch_overhead_seconds,
                     "|", m.optimizer_seconds_per_element, "|", m.step_overhead_seconds, "|",
-                    m.overlap_efficiency, "|");
+                    m.overlap_efficiency, "|", m.queued_launches, "|");
     for (const auto& [k, v] : m.op_time_scale) absl::StrAppend(&s, k, "=", v, ",");
     for (int j : d) absl::StrAppend(&s, c.bandwidth(i, j), "/", c.latency(i, j), ",");
     s += ";";

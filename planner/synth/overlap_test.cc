@@ -200,6 +200,77 @@ cost::ClusterModel TwoNodes(double inter_bw, double efficiency = 1.0) {
   return *cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, inter_bw, 5e-5);
 }
 
+// Kernel launches: a CPU pays each; a GPU's queue hides them behind its
+// kernels but for what they take beyond the kernels.
+TEST(LaunchTest, ExposedLaunchFraction) {
+  cost::DeviceModel cpu{"c", "n", "cpu", 1e9, kGiB, 1e-5};
+  cost::DeviceModel gpu = cpu;
+  gpu.queued_launches = true;
+  EXPECT_EQ(cost::ExposedLaunchFraction(cpu, 100, 10.0), 1.0);  // kernels never hide them
+  EXPECT_EQ(cost::ExposedLaunchFraction(gpu, 100, 0.0), 1.0);   // nothing to hide behind
+  EXPECT_NEAR(cost::ExposedLaunchFraction(gpu, 100, 0.5e-3), 0.5, 1e-12);
+  EXPECT_EQ(cost::ExposedLaunchFraction(gpu, 100, 1e-3), 0.0);  // kernels as long: all hidden
+  EXPECT_EQ(cost::ExposedLaunchFraction(gpu, 100, 1.0), 0.0);
+  gpu.launch_overhead_seconds = 0;
+  EXPECT_EQ(cost::ExposedLaunchFraction(gpu, 100, 1.0), 1.0);  // no overhead at all
+
+  // From a profile: GPUs queue, CPUs do not.
+  hap::v1::Cluster c;
+  c.mutable_defaults()->set_intra_node_bandwidth_bytes_per_second(1e10);
+  auto* node = c.add_nodes();
+  node->set_name("n");
+  for (auto kind : {hap::v1::GPU, hap::v1::CPU}) {
+    auto* d = node->add_devices();
+    d->set_id(kind == hap::v1::GPU ? "n/gpu0" : "n/cpu0");
+    d->set_kind(kind);
+    auto* f = d->add_flops();
+    f->set_dtype(hap::v1::FLOAT32);
+    f->set_flops(1e12);
+    d->set_memory_bytes(kGiB);
+  }
+  auto m = cost::ClusterModel::FromProto(c);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(m->device(0).queued_launches);
+  EXPECT_FALSE(m->device(1).queued_launches);
+}
+
+// Two identical devices running data parallelism at an even split, every
+// op split: each device's kernels are half the model's, as the search
+// estimates them. A step priced with queued launches pays max(launches,
+// kernels) where a CPU pays their sum.
+TEST(LaunchTest, QueuedLaunchesCostWhatTheyTakeBeyondTheKernels) {
+  auto g = graph::BuildZooModel("mlp", {{"batch", 8}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  double flops = 0, launches = 0;
+  for (const OpWork& w : TrainingWork(*g)) {
+    launches += w.backward ? 3 : 1;
+    flops += w.flops;
+  }
+  auto step = [&](double rate, double launch, bool queued) {
+    std::vector<cost::DeviceModel> d;
+    for (int i = 0; i < 2; ++i) {
+      d.push_back({"n/d" + std::to_string(i), "n", "test", rate, 40 * kGiB, launch});
+      d.back().queued_launches = queued;
+    }
+    auto c = cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 1e9, 5e-5);
+    EXPECT_TRUE(c.ok()) << c.status();
+    PlanOptions o;
+    o.baseline = Baseline::kDpEven;
+    auto p = PlanModel(*g, *c, o);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? p->cost.compute : NAN;
+  };
+  // Kernels far longer than the launches: a GPU hides every launch.
+  const double slow = 1e9, small = 1e-7;
+  ASSERT_GT(flops / 2 / slow, 10 * launches * small);
+  EXPECT_NEAR(step(slow, small, false) - step(slow, small, true), launches * small, 1e-12);
+  // Launch-bound (tiny kernels, slow launches): a GPU pays the launches,
+  // and its kernels run behind them.
+  const double fast = 1e15, big = 1e-3;
+  ASSERT_LT(flops / 2 / fast, 0.1 * launches * big);
+  EXPECT_NEAR(step(fast, big, false) - step(fast, big, true), flops / 2 / fast, 1e-12);
+}
+
 TEST(OverlapTest, BucketsCoverEveryAllReducedGradientOnce) {
   auto g = graph::BuildZooModel("gpt", {{"layers", 2}, {"batch", 16}});
   ASSERT_TRUE(g.ok()) << g.status();

@@ -155,6 +155,25 @@ void Searcher::Prepare() {
   internal_.resize(n_);
   h_.assign(n_ + 1, 0);
   const std::vector<OpWork> work = TrainingWork(g_);
+  // Kernel launches cost what a device's queue does not hide
+  // (cost::ExposedLaunchFraction) behind the step's kernels, taken at a
+  // split proportional to FLOP/s: every device's share of the work over
+  // the cluster's summed rate.
+  std::vector<double> exposed(cluster_.size(), 1.0);
+  {
+    double summed_rate = 0;
+    for (int d = 0; d < cluster_.size(); ++d) summed_rate += cluster_.device(d).flops;
+    double launches = 0;
+    for (const OpWork& w : work) launches += w.backward ? 3.0 : 1.0;
+    for (int d = 0; d < cluster_.size(); ++d) {
+      const auto& dev = cluster_.device(d);
+      double kernels = 0;
+      for (OpId i = 0; i < n_; ++i) {
+        kernels += work[i].flops / summed_rate * dev.OpTimeScale(g_.op(i).type);
+      }
+      exposed[d] = cost::ExposedLaunchFraction(dev, launches, kernels);
+    }
+  }
   for (OpId i = 0; i < n_; ++i) {
     const graph::Op& op = g_.op(i);
     for (TensorId o : op.outputs) requires_grad_[o] = work[i].backward;
@@ -167,7 +186,7 @@ void Searcher::Prepare() {
       for (int d = 0; d < cluster_.size(); ++d) {
         const auto& dev = cluster_.device(d);
         double secs = flops / dev.flops * dev.OpTimeScale(op.type);
-        t.constant[d] = launches * dev.launch_overhead_seconds;
+        t.constant[d] = launches * dev.launch_overhead_seconds * exposed[d];
         if (all[r].split) {
           t.coef[d] = secs;
         } else {
