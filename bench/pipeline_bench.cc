@@ -52,7 +52,7 @@ absl::StatusOr<cost::ClusterModel> ExampleCluster(const std::string& path, doubl
 }
 
 // Three nodes of four devices, one device kind each: the homogeneous class
-// (5.97e12 FLOP/s), the fast (3.86e12) and the slow (2.15e12) of DESIGN.md
+// (5.97e12 FLOP/s), the fast (3.86e12) and the slow (2.15e12) of docs/design.md
 // §8; 9.5e9 B/s inside a node, 1.25e9 B/s between.
 cost::ClusterModel ThreeNodeMix() {
   std::vector<cost::DeviceModel> d;

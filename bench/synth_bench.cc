@@ -57,7 +57,7 @@ namespace {
 using hap::cost::ClusterModel;
 using hap::cost::DeviceModel;
 
-// The reference profile's device classes (DESIGN.md §8), plus two more for
+// The reference profile's device classes (docs/design.md §8), plus two more for
 // four-type clusters.
 constexpr double kClasses[] = {3.86e12, 2.15e12, 5.97e12, 1.2e12};
 

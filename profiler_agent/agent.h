@@ -1,4 +1,4 @@
-// The profiler agent daemon (DESIGN.md §9), without its flags: serves
+// The profiler agent daemon (docs/design.md §9), without its flags: serves
 // hap.v1.Agent, probes the local devices at start and on request, registers
 // with the planner (retrying with backoff while it is unreachable), then
 // heartbeats. A heartbeat answered unknown_node registers again under the

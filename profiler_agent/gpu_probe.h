@@ -1,4 +1,4 @@
-// The GPU prober (DESIGN.md §8): every CUDA GPU this process sees, measured
+// The GPU prober (docs/design.md §8): every CUDA GPU this process sees, measured
 // rather than read from a datasheet. Built only under --config=cuda
 // (target :gpu_probe, which defines HAP_WITH_CUDA for its dependents);
 // devices.h picks it or the CPU prober.

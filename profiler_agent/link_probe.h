@@ -1,5 +1,5 @@
 // The bandwidth probe, client side: time bounded transfers to a peer agent
-// over its Agent.Echo stream (DESIGN.md §8: the measured link matrix).
+// over its Agent.Echo stream (docs/design.md §8: the measured link matrix).
 #ifndef HAP_PROFILER_AGENT_LINK_PROBE_H_
 #define HAP_PROFILER_AGENT_LINK_PROBE_H_
 

@@ -1,4 +1,4 @@
-// hap-agent: the per-node profiler agent (DESIGN.md §9). Flags in
+// hap-agent: the per-node profiler agent (docs/design.md §9). Flags in
 // agent_flags.cc (--help); the daemon in agent.h. Prints "listening on
 // HOST:PORT" once serving; SIGTERM or SIGINT shuts it down gracefully.
 #include <iostream>

@@ -1,4 +1,4 @@
-// Device probes of the profiler agent (DESIGN.md §8): what each local device
+// Device probes of the profiler agent (docs/design.md §8): what each local device
 // can do, measured rather than read from a datasheet. No gRPC here: the
 // agent's service and daemon call these and put the result on the wire.
 //

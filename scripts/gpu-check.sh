@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA backend on a real GPU, in one go (DESIGN.md §10): at most about
+# The CUDA backend on a real GPU, in one go (docs/design.md §10): at most about
 # 8 minutes on one GPU, most of it the build when Bazel's cache is cold.
 #
 #   bash scripts/gpu-check.sh        (from anywhere; it works in the repo root)

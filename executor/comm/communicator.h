@@ -1,4 +1,4 @@
-// The communicator: the collectives a rank's program calls (DESIGN.md §10).
+// The communicator: the collectives a rank's program calls (docs/design.md §10).
 // Backends: Gloo over TCP (gloo_communicator.h) for CPU ranks; NCCL for GPUs
 // (executor/cuda). Every collective works on contiguous buffers split by
 // rank in rank order ("chunks"); the executor maps a shard along any

@@ -1,7 +1,7 @@
 // A rendezvous store served by the planner (planner_service.proto StoreSet /
 // StoreGet): every key lives under one (deployment, generation), so ranks of
 // a redeployed plan never read the addresses of an earlier generation.
-// This is how executors on different hosts meet for Gloo (DESIGN.md §9);
+// This is how executors on different hosts meet for Gloo (docs/design.md §9);
 // Debian's Gloo has no TCP store of its own.
 //
 // Get waits on the planner side: the wait is sent as StoreGetRequest.timeout

@@ -1,4 +1,4 @@
-// The CUDA device (DESIGN.md §10): device memory from a caching allocator,
+// The CUDA device (docs/design.md §10): device memory from a caching allocator,
 // copies and kernels on one compute stream, cuBLAS for matrix products. It
 // implements executor/runtime/device.h with the same kernel names and
 // contracts as the CPU backend (executor/cpu/kernels.h), so the interpreter

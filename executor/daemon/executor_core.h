@@ -1,4 +1,4 @@
-// The executor daemon's core (DESIGN.md §9): one rank of one deployment at a
+// The executor daemon's core (docs/design.md §9): one rank of one deployment at a
 // time, with no gRPC in it. The service (executor_service_impl.h) only
 // translates protos and checks tokens; everything else happens here.
 //

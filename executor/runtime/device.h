@@ -1,4 +1,4 @@
-// The device interface (DESIGN.md §10): memory, copies and kernels. The
+// The device interface (docs/design.md §10): memory, copies and kernels. The
 // interpreter (program_runner.h) and the collectives run every tensor
 // operation through it, so a backend (CPU + OpenBLAS now, CUDA + cuBLAS in
 // executor/cuda) slots in without touching them.

@@ -1,4 +1,4 @@
-// A rank's backend (DESIGN.md §10): the device its program runs on and the
+// A rank's backend (docs/design.md §10): the device its program runs on and the
 // communicator its collectives go through. `cpu` is the CPU device (OpenBLAS
 // and our kernels) with Gloo over TCP; `cuda[:N]` is GPU N (cuBLAS and our
 // CUDA kernels) with NCCL. The CUDA half exists only in builds made with

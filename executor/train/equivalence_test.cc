@@ -1,4 +1,4 @@
-// The central correctness test of the project (DESIGN.md §7): a plan run on
+// The central correctness test of the project (docs/design.md §7): a plan run on
 // n ranks gives the losses and the updated parameters of the single-device
 // program. Models: MLP, GPT-style LM, ViT, MoE and Switch (small
 // configurations, the compact MoE form, plans split by experts too); the

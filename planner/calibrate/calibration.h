@@ -1,4 +1,4 @@
-// Cost-model calibration from measured runs (DESIGN.md §8; issue 7). The
+// Cost-model calibration from measured runs (docs/design.md §8; issue 7). The
 // uncalibrated model prices an op at its FLOP count over the device's
 // measured matmul rate; real kernels differ by op type (a log-softmax over a
 // large vocabulary is memory bound and costs far more than its FLOPs say), the

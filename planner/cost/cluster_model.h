@@ -1,4 +1,4 @@
-// The cluster as the cost model sees it (DESIGN.md §8): the plan's devices in
+// The cluster as the cost model sees it (docs/design.md §8): the plan's devices in
 // rank order with measured FLOPS and memory, and a bandwidth/latency matrix
 // with node hierarchy. Built from hap.v1.Cluster; validation rejects what
 // would make predictions meaningless (NaN, zero or negative numbers, unknown

@@ -1,4 +1,4 @@
-// Collective communication costs (DESIGN.md §8) over a ClusterModel:
+// Collective communication costs (docs/design.md §8) over a ClusterModel:
 // latency + bytes / bandwidth for ring, tree and hierarchical (intra-node,
 // then inter-node) algorithms, bottlenecked by the slowest link each crosses.
 //

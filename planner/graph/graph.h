@@ -1,5 +1,5 @@
 // The model IR: the forward graph of one training step on a single device
-// (DESIGN.md §3). A Graph is immutable once built; GraphBuilder (below) and
+// (docs/design.md §3). A Graph is immutable once built; GraphBuilder (below) and
 // FromProto (graph_proto.h) are the only ways to make one, and both validate
 // fully: every op is registered, every input exists, shapes are inferred and
 // consistent, the graph is acyclic and the loss is a float scalar.

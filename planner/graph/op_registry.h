@@ -45,7 +45,7 @@ struct OpDef {
   std::function<absl::StatusOr<std::vector<TensorType>>(const OpCall&)> infer;
   // Forward FLOPs (multiply-adds count 2). Called after `infer` succeeded.
   std::function<double(const OpCall&)> flops;
-  // Backward FLOPs as a multiple of forward (DESIGN.md §4: about 2).
+  // Backward FLOPs as a multiple of forward (docs/design.md §4: about 2).
   double backward_flops_multiple = 2.0;
   // The attributes the op accepts; any other is an error naming it, except
   // free-form annotations named "meta.*" (provenance from importers).

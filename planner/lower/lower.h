@@ -1,4 +1,4 @@
-// Lowering (DESIGN.md §7): a synthesized forward program and its sharding
+// Lowering (docs/design.md §7): a synthesized forward program and its sharding
 // ratios become one executable program per rank (hap.v1.RankProgram): a
 // flat list of kernel and collective calls over buffers with concrete local
 // shapes, in four phases — forward; backward in reverse order (each op's

@@ -1,4 +1,4 @@
-// The sharding-ratio linear program (DESIGN.md §6), as plain data: a request
+// The sharding-ratio linear program (docs/design.md §6), as plain data: a request
 // in, a result out, and an independent evaluator. No graph, no program: the
 // synthesizer (planner/synth) turns a program into cost terms.
 //

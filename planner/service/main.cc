@@ -1,4 +1,4 @@
-// hap-planner: the planner daemon (DESIGN.md §9). Flags (each also read
+// hap-planner: the planner daemon (docs/design.md §9). Flags (each also read
 // from HAP_<FLAG> in the environment, the flag winning):
 //   --listen HOST:PORT        gRPC (default 127.0.0.1:7070; port 0 = any free)
 //   --advertise HOST:PORT     address executors reach the planner at

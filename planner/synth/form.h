@@ -1,4 +1,4 @@
-// Tensor forms (DESIGN.md §4): R replicated, P partial sum, S(d) sharded on
+// Tensor forms (docs/design.md §4): R replicated, P partial sum, S(d) sharded on
 // dimension d by the sharding ratios.
 #ifndef HAP_PLANNER_SYNTH_FORM_H_
 #define HAP_PLANNER_SYNTH_FORM_H_

@@ -1,4 +1,4 @@
-// The planner core's entry point: the joint loop of DESIGN.md §6 and the
+// The planner core's entry point: the joint loop of docs/design.md §6 and the
 // baselines, over one graph and one cluster, with no I/O.
 //
 //   ratios <- proportional to FLOPS

@@ -1,4 +1,4 @@
-// A synthesized SPMD program (DESIGN.md §4–§5): for every op of the graph,
+// A synthesized SPMD program (docs/design.md §4–§5): for every op of the graph,
 // in topological order, the sharding rule it runs, the sources it loads (and
 // how parameters are stored) and the communication fused in front of it.
 // Costs are linear-in-ratio terms (ratios::CostTerm), forward and backward

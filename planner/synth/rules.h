@@ -1,5 +1,5 @@
 // Sharding rules: the distributed instructions of each IR op, as Hoare
-// triples {input forms} op {output forms} (DESIGN.md §4). One function per op
+// triples {input forms} op {output forms} (docs/design.md §4). One function per op
 // family (rules_*.cc), keyed by op type; adding an op's rules touches one
 // place.
 #ifndef HAP_PLANNER_SYNTH_RULES_H_

@@ -1,4 +1,4 @@
-// Program synthesis (DESIGN.md §5): best-first search over the forward
+// Program synthesis (docs/design.md §5): best-first search over the forward
 // program. A state is the step (ops are taken in the graph's topological
 // order) and the forms of the live tensors — those produced and still read
 // by a later op; facts that can enable nothing more are dropped, so equal

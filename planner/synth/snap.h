@@ -1,4 +1,4 @@
-// Whole samples (DESIGN.md §6): the lowering runs RoundShards(batch, ratios)
+// Whole samples (docs/design.md §6): the lowering runs RoundShards(batch, ratios)
 // samples per device, so a plan is predicted and reported at those. For the
 // search's own result the split is also moved by one sample from one device
 // to another where the model predicts that faster.

@@ -408,7 +408,7 @@ TEST(SynthTest, SmallMemoryDeviceGetsNoMoreThanFits) {
 }
 
 TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
-  // The reference profile's GPU classes and link rates (DESIGN.md §8).
+  // The reference profile's GPU classes and link rates (docs/design.md §8).
   graph::Graph g = Zoo("gpt", {{"layers", 2},
                                {"hidden", 256},
                                {"heads", 4},

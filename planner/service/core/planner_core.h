@@ -1,4 +1,4 @@
-// The planner service's core (DESIGN.md §9), with no gRPC: the cluster
+// The planner service's core (docs/design.md §9), with no gRPC: the cluster
 // registry (nodes, their measured devices, liveness by heartbeat) and plans
 // as long-running resources (create, get, list, cancel, delete, watch) run
 // by a pool of worker threads over the planner core (synth::PlanModel,
