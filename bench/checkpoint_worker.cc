@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "common/cli_args.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/train/in_process_comm.h"
@@ -30,7 +31,6 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "tools/cli_args.h"
 
 namespace hap {
 namespace {

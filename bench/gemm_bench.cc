@@ -26,10 +26,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/stats.h"
 #include "executor/cpu/kernels.h"
 #include "executor/runtime/tensor.h"
 
 namespace {
+
+using ::hap::Median;
 
 using hap::executor::HostTensor;
 using hap::executor::KernelContext;
@@ -42,12 +45,6 @@ HostTensor Random(std::vector<int64_t> shape, std::mt19937& rng) {
   float* p = t.as<float>();
   for (int64_t i = 0; i < t.num_elements(); ++i) p[i] = d(rng);
   return t;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // Seconds per call of `f`, over `iters` calls.

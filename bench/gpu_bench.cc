@@ -39,6 +39,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "executor/comm/communicator.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/nccl_communicator.h"
@@ -47,7 +48,6 @@
 #include "executor/runtime/timing_device.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "planner/util/status_macros.h"
 
 namespace {
 

@@ -39,12 +39,15 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/stats.h"
 #include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_simd.h"
 #include "executor/runtime/counter_random.h"
 #include "executor/runtime/tensor.h"
 
 namespace {
+
+using ::hap::Median;
 
 using hap::executor::HostTensor;
 using hap::executor::KernelContext;
@@ -225,12 +228,6 @@ HostTensor Random(std::vector<int64_t> shape, float lo, float hi,
   float* p = t.as<float>();
   for (int64_t i = 0; i < t.num_elements(); ++i) p[i] = d(rng);
   return t;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 double TimePerCall(const std::function<void()>& f, int iters) {

@@ -52,12 +52,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_util.h"
+#include "common/stats.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
 #include "tests/service_harness.h"
 
 namespace {
+
+using ::hap::Median;
 
 namespace v1 = ::hap::v1;
 using hap::testing::Process;
@@ -278,7 +281,6 @@ bool CreatePlans(const Connections& conns, int n, int variants, std::vector<std:
   return !failed;
 }
 
-
 // Start-up on a database holding `count` plans (all kept), after SIGKILL.
 int StartUp(int count) {
   const std::string dir = hap::testing::TempDir("planner-load-startup");
@@ -396,11 +398,6 @@ bool CachedCreates(const std::string& binary, double seconds, Result* out) {
   *out = Drive(l->conns.size(), 64, seconds, CachedCreateCall(l->conns));
   l->planner.proc.Stop(SIGTERM);
   return true;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 int CreatesAB(const std::string& other, int rounds) {

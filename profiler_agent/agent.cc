@@ -13,9 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/util/status_macros.h"
 #include "profiler_agent/agent_service.h"
 
 namespace hap::agent {

@@ -15,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "planner/service/grpc/grpc_util.h"
+#include "common/grpc_util.h"
 #include "profiler_agent/devices.h"
 #include "profiler_agent/link_probe.h"
 #include "profiler_agent/probes.h"

@@ -7,8 +7,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "planner/service/grpc/grpc_util.h"
-#include "planner/util/status_macros.h"
+#include "common/grpc_util.h"
+#include "common/status_macros.h"
 
 namespace hap::agent {
 namespace {

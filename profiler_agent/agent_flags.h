@@ -1,5 +1,5 @@
 // hap-agent's flags, each also read from the environment as HAP_<FLAG>
-// (tools/cli_args.h: the flag wins, then the variable, then the default).
+// (common/cli_args.h: the flag wins, then the variable, then the default).
 #ifndef HAP_PROFILER_AGENT_AGENT_FLAGS_H_
 #define HAP_PROFILER_AGENT_AGENT_FLAGS_H_
 
@@ -7,8 +7,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/cli_args.h"
 #include "profiler_agent/agent.h"
-#include "tools/cli_args.h"
 
 namespace hap::agent {
 

@@ -3,9 +3,9 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::agent {
 namespace {

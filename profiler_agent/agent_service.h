@@ -12,8 +12,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_util.h"
 #include "hap/v1/agent_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
 
 namespace hap::agent {
 

@@ -8,12 +8,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
-#include "gtest/gtest.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
 #include "hap/v1/executor_service.grpc.pb.h"
-#include "planner/util/status_matchers.h"
 #include "profiler_agent/fake_planner.h"
 
 namespace hap::agent {

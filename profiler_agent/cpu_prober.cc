@@ -9,8 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/stats.h"
+#include "common/status_macros.h"
 #include "executor/cpu/kernels.h"
-#include "planner/util/status_macros.h"
 #include "profiler_agent/probes.h"
 
 namespace hap::agent {
@@ -20,12 +21,6 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 int HardwareThreads() {

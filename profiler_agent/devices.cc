@@ -1,7 +1,7 @@
 #include "profiler_agent/devices.h"
 
 #include "absl/strings/str_cat.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 // HAP_WITH_CUDA comes with the :gpu_probe target, which the BUILD file links
 // in only under --config=cuda.

@@ -2,9 +2,9 @@
 // refused naming why; with CUDA but no GPU the same with CUDA's reason.
 #include "profiler_agent/devices.h"
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::agent {
 namespace {

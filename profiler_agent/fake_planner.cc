@@ -2,7 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "planner/service/grpc/grpc_util.h"
+#include "common/grpc_util.h"
 
 namespace hap::agent::testing {
 namespace {

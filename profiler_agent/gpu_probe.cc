@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::agent {
 namespace {

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/stats.h"
 #include "profiler_agent/gpu_probe_cuda.h"
 
 namespace hap::agent::gpu {
@@ -24,12 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // "cudaMalloc (gpu_probe.cu:42): cudaErrorMemoryAllocation: out of memory".

@@ -8,9 +8,9 @@
 #include <map>
 
 #include "absl/time/clock.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::agent {
 namespace {

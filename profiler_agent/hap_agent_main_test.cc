@@ -15,11 +15,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
-#include "planner/util/status_matchers.h"
 #include "profiler_agent/devices.h"
 #include "profiler_agent/fake_planner.h"
 

@@ -7,8 +7,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "hap/v1/agent_service.grpc.pb.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::agent {
 namespace {

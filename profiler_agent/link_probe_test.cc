@@ -2,10 +2,10 @@
 // Agent service's checks (token, arguments).
 #include "profiler_agent/link_probe.h"
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
-#include "planner/util/status_matchers.h"
 #include "profiler_agent/agent_service.h"
 
 namespace hap::agent {

@@ -3,9 +3,9 @@
 // HOST:PORT" once serving; SIGTERM or SIGINT shuts it down gracefully.
 #include <iostream>
 
+#include "common/stop_signal.h"
 #include "profiler_agent/agent.h"
 #include "profiler_agent/agent_flags.h"
-#include "tools/stop_signal.h"
 
 int main(int argc, char** argv) {
   if (absl::Status s = hap::tools::InstallStopSignalHandler(); !s.ok()) {

@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::agent {
 namespace {

@@ -4,9 +4,9 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::agent {
 namespace {

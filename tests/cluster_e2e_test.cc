@@ -34,12 +34,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
 #include "executor/checkpoint/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
 #include "tests/service_harness.h"
 
 namespace hap {

@@ -26,12 +26,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/grpc_util.h"
 #include "executor/cli/netns_testbed.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
 #include "tests/service_harness.h"
 
 namespace hap {

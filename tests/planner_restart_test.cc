@@ -22,10 +22,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
 #include "tests/service_harness.h"
 
 namespace hap {

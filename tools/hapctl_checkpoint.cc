@@ -6,9 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/cli_args.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "google/protobuf/util/json_util.h"
-#include "tools/cli_args.h"
 
 namespace hap::tools {
 namespace {

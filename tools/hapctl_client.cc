@@ -9,15 +9,15 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/cli_args.h"
+#include "common/grpc_util.h"
+#include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
-#include "planner/service/grpc/grpc_util.h"
-#include "planner/util/status_macros.h"
-#include "tools/cli_args.h"
 #include "tools/hapctl_graph.h"
 
 namespace hap::tools {

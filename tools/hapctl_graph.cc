@@ -7,10 +7,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/op_registry.h"
 #include "planner/graph/zoo.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::tools {
 

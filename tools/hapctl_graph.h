@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/cli_args.h"
 #include "planner/graph/graph.h"
-#include "tools/cli_args.h"
 
 namespace hap::tools {
 

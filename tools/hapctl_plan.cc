@@ -6,20 +6,20 @@
 #include <set>
 #include <sstream>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "planner/calibrate/calibration.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
-#include "planner/synth/planner.h"
 #include "planner/pipeline/pipeline.h"
 #include "planner/pipeline/pipeline_plan.h"
-#include "planner/util/status_macros.h"
+#include "planner/synth/planner.h"
 #include "tools/hapctl_graph.h"
 
 namespace hap::tools {

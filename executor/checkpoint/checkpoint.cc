@@ -12,12 +12,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/runtime/device.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "planner/graph/graph_proto.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::checkpoint {
 namespace {

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
@@ -19,7 +20,6 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::checkpoint {
 namespace {

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::executor::checkpoint {
 namespace {

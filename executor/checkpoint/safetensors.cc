@@ -13,10 +13,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "executor/checkpoint/file_util.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::checkpoint {
 namespace {

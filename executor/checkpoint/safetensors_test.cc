@@ -1,15 +1,14 @@
 #include "executor/checkpoint/safetensors.h"
 
-#include "executor/checkpoint/file_util.h"
-
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "common/status_matchers.h"
+#include "executor/checkpoint/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::checkpoint {
 namespace {

@@ -24,7 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::netns {
 namespace {

@@ -1,10 +1,9 @@
 #include "executor/cli/run_plan.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <sched.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,10 +18,12 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/numbers.h"
+#include "common/cli_args.h"
+#include "common/status_macros.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/cli/netns_testbed.h"
 #include "executor/cpu/cpu_device.h"
@@ -35,8 +36,6 @@
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
-#include "planner/util/status_macros.h"
-#include "tools/cli_args.h"
 
 namespace hap::executor {
 namespace {

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "executor/comm/communicator.h"
 #include "executor/runtime/bf16.h"
 #include "gloo/allgather.h"
@@ -28,14 +29,13 @@
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
 #include "gloo/common/error.h"
+#include "gloo/context.h"
 #include "gloo/math.h"
 #include "gloo/reduce.h"
-#include "gloo/context.h"
 #include "gloo/transport/context.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "gloo/types.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 namespace {

@@ -14,11 +14,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
 #include "executor/runtime/bf16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

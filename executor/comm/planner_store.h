@@ -21,9 +21,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_util.h"
 #include "executor/comm/communicator.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
 
 namespace hap::executor {
 

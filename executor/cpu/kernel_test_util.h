@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/kernels.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/graph/op_registry.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::kernel_test {
 

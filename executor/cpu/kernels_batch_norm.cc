@@ -21,8 +21,8 @@
 //   dx = gamma * invstd * (dy - sum dy / N - xhat * sum(dy * xhat) / N).
 #include <cmath>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 

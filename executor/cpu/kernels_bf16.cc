@@ -15,9 +15,9 @@
 #include <mutex>
 #include <tuple>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/runtime/bf16.h"
-#include "planner/util/status_macros.h"
 
 extern "C" {
 // libgomp, the OpenMP runtime Debian's oneDNN is built with.

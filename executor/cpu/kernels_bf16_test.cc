@@ -8,13 +8,13 @@
 #include <limits>
 #include <random>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/runtime/bf16.h"
 #include "executor/runtime/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

@@ -6,9 +6,9 @@
 #include <cmath>
 #include <limits>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/cpu/pool_window.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 namespace {

@@ -4,8 +4,8 @@
 #include <functional>
 #include <mutex>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 namespace {

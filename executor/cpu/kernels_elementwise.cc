@@ -2,10 +2,10 @@
 // binary arithmetic (add, sub, mul).
 #include <cmath>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/cpu/kernels_simd.h"
 #include "executor/runtime/random.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 namespace {

@@ -7,10 +7,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "executor/cpu/kernels_simd.h"
-
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
-#include "planner/util/status_macros.h"
+#include "executor/cpu/kernels_simd.h"
 
 namespace hap::executor::cpu {
 namespace {

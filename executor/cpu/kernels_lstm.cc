@@ -5,9 +5,9 @@
 // not kept between the passes), then runs backpropagation through time: per
 // step the gate gradients and one GEMM for the recurrent gradient, then one
 // GEMM each for dx, dw_ih and dw_hh.
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/cpu/lstm_cell.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 

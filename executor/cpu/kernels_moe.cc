@@ -9,8 +9,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 namespace {

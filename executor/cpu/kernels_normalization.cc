@@ -5,9 +5,9 @@
 #include <cmath>
 #include <limits>
 
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/cpu/kernels_simd.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 namespace {

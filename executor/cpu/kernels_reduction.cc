@@ -1,7 +1,7 @@
 // Reductions: sum and mean over a set of axes (all when none are given).
 // Sums accumulate in double.
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 

@@ -11,11 +11,11 @@
 #include <limits>
 #include <random>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/kernel_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/graph/op_registry.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::kernel_test {
 namespace {

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/cpu/kernels_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cpu {
 

@@ -5,11 +5,11 @@
 #include <cmath>
 #include <vector>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/kernel_test_util.h"
 #include "executor/cpu/kernels.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::kernel_test {
 namespace {

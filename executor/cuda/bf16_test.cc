@@ -4,11 +4,11 @@
 // bf16 kernels (oneDNN) on the same inputs. The two sum in other orders, so
 // a result may round to the neighbouring bf16 value: tolerance one bf16
 // step (2^-8 relative) of the output's scale. Skips without a GPU.
+#include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/kernel_compare.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

@@ -4,9 +4,9 @@
 #include <map>
 #include <set>
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::cuda {
 namespace {

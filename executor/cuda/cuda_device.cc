@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/cuda/box_copy.h"
 #include "executor/cuda/caching_allocator.h"
 #include "executor/cuda/kernels_internal.h"
 #include "executor/cuda/launch_runtime.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 namespace {

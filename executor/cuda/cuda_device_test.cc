@@ -5,12 +5,12 @@
 #include <iterator>
 #include <random>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/kernels.h"
 #include "executor/runtime/device.h"
 #include "executor/runtime/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

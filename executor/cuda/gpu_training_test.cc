@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/backend.h"
@@ -31,7 +32,6 @@
 #include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 namespace {

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/kernels.h"
 #include "executor/cpu/kernels_internal.h"
 #include "executor/cuda/box_copy.h"
@@ -15,7 +16,6 @@
 #include "executor/runtime/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor::cuda {
 namespace {

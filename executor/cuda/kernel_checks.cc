@@ -1,6 +1,6 @@
 #include "executor/cuda/kernel_checks.h"
 
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::executor::cuda {
 

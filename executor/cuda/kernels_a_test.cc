@@ -21,12 +21,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/kernel_compare.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

@@ -20,13 +20,13 @@
 #include <string>
 #include <vector>
 
+#include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/kernel_compare.h"
-#include "planner/graph/op_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
+#include "planner/graph/op_registry.h"
 
 namespace hap::executor {
 namespace {

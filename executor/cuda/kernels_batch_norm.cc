@@ -2,10 +2,10 @@
 // executor/cpu/kernels_batch_norm.cc (the single-device batch_norm and
 // batch_norm_grad, and the pieces of a batch-sharded one), with the CPU's
 // argument checks (cpu::CheckBatchNorm). Launchers in kernels_batch_norm.cu.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_batch_norm.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

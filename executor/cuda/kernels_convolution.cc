@@ -7,11 +7,11 @@
 // a gathering col2im. No atomics anywhere: results are deterministic.
 #include <algorithm>
 
+#include "common/status_macros.h"
 #include "executor/cpu/pool_window.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_convolution.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

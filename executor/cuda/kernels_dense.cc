@@ -9,10 +9,10 @@
 
 #include <algorithm>
 
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/launch_elementwise.h"
 #include "executor/cuda/launch_runtime.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

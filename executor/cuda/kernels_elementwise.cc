@@ -2,10 +2,10 @@
 // broadcasting binary arithmetic (add, sub, mul), with the contracts and
 // argument checks of executor/cpu/kernels_elementwise.cc. Launchers are in
 // kernels_elementwise.cu.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/launch_elementwise.h"
 #include "executor/runtime/random.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

@@ -9,11 +9,11 @@
 // call; the id's row reads as zeros and gets no gradient meanwhile.
 #include <limits>
 
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_elementwise.h"
 #include "executor/cuda/launch_layout.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

@@ -2,9 +2,9 @@
 // "global_rows" (executor/cpu/kernels_loss.cc). Targets live on the GPU:
 // one outside [0, classes) is reported through KernelArgs::fault
 // (InvalidArgument at the device's next Synchronize), not here.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/launch_loss.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

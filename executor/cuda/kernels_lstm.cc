@@ -3,10 +3,10 @@
 // the input products as one cuBLAS GEMM, one GEMM and one cell kernel per
 // step (kernels_lstm.cu); the backward recomputes the forward into scratch,
 // runs the steps backwards, then one GEMM each for dx, dw_ih and dw_hh.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_lstm.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

@@ -7,10 +7,10 @@
 // weight gradient is a cuBLAS GEMM. The compact form (moe_route,
 // moe_route_weights, moe_dispatch_idx, moe_combine_idx) has the CPU's
 // contracts too, except that its route entries are not checked here.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_moe.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

@@ -3,10 +3,10 @@
 // checks of executor/cpu/kernels_normalization.cc. Launchers are in
 // kernels_normalization.cu; rows reduce in float for float tensors (the CPU
 // uses double), so float results agree to about 1e-5 relative.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_normalization.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

@@ -1,8 +1,8 @@
 // sum and mean over a set of axes (all when none are given), as
 // executor/cpu/kernels_reduction.cc: sums in double, in a fixed order.
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/launch_elementwise.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

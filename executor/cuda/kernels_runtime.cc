@@ -4,10 +4,10 @@
 // read from the device-resident global norm by the kernel itself).
 #include <cmath>
 
+#include "common/status_macros.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/launch_elementwise.h"
 #include "executor/cuda/launch_runtime.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::cuda {
 namespace {

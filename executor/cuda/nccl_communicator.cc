@@ -25,8 +25,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "executor/cuda/cuda_device.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 namespace {

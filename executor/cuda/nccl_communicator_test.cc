@@ -35,12 +35,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/cuda/cuda_device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

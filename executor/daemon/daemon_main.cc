@@ -9,11 +9,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/cli_args.h"
+#include "common/status_macros.h"
+#include "common/stop_signal.h"
 #include "executor/daemon/executor_server.h"
 #include "executor/train/backend.h"
-#include "planner/util/status_macros.h"
-#include "tools/cli_args.h"
-#include "tools/stop_signal.h"
 
 namespace hap::executor {
 namespace {

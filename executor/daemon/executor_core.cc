@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/data/batches.h"
 #include "executor/data/user_data.h"
@@ -21,7 +22,6 @@
 #include "executor/train/trainer.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 namespace {

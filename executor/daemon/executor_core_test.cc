@@ -16,12 +16,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_macros.h"
+#include "common/status_matchers.h"
 #include "executor/daemon/test_plans.h"
 #include "executor/train/in_process_comm.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_macros.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

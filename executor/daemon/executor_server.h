@@ -10,9 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_util.h"
 #include "executor/daemon/executor_core.h"
 #include "executor/daemon/step_reporter.h"
-#include "planner/service/grpc/grpc_util.h"
 
 namespace hap::executor {
 

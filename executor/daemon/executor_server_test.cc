@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_matchers.h"
 #include "executor/daemon/fake_planner.h"
 #include "executor/daemon/test_plans.h"
 #include "gmock/gmock.h"
@@ -21,7 +22,6 @@
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

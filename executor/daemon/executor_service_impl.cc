@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "planner/service/grpc/grpc_util.h"
+#include "common/grpc_util.h"
 
 namespace hap::executor {
 namespace {

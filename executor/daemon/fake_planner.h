@@ -14,10 +14,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/grpc_util.h"
 #include "grpcpp/grpcpp.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/core/rendezvous_store.h"
-#include "planner/service/grpc/grpc_util.h"
 
 namespace hap::executor::testing {
 

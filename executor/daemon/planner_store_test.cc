@@ -7,11 +7,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "executor/daemon/fake_planner.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

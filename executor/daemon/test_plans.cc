@@ -4,13 +4,13 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_builder.h"
 #include "planner/pipeline/pipeline.h"
 #include "planner/pipeline/pipeline_plan.h"
 #include "planner/synth/planner.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor::testing {
 

@@ -23,8 +23,8 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/status_macros.h"
 #include "executor/runtime/counter_random.h"
-#include "planner/util/status_macros.h"
 
 // The .npy dtypes accepted ('<') and token streams are little-endian; the
 // copies below are plain memcpy, so the host must be too.

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::data {
 namespace {

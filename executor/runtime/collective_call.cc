@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::executor {
 namespace {

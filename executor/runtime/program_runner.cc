@@ -6,9 +6,9 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/runtime/random.h"
 #include "planner/graph/graph_proto.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 namespace {

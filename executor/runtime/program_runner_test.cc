@@ -5,6 +5,8 @@
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
@@ -12,8 +14,6 @@
 #include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
-#include "planner/util/status_macros.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::executor {
 namespace {

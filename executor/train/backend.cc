@@ -3,8 +3,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 #include "executor/cpu/cpu_device.h"
-#include "planner/util/status_macros.h"
 
 #ifdef HAP_WITH_CUDA
 #include "executor/cuda/cuda_device.h"

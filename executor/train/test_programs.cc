@@ -6,11 +6,11 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/data/batches.h"
 #include "planner/synth/checker.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::testing {
 

@@ -6,9 +6,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/train/backend.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::executor {
 

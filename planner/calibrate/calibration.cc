@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "planner/cost/cluster_model.h"
@@ -15,7 +16,6 @@
 #include "planner/pipeline/schedule.h"
 #include "planner/synth/rules.h"
 #include "planner/synth/search.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::calibrate {
 namespace {

@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::cost {
 namespace {

@@ -1,7 +1,7 @@
 // Convolutions and pooling over NCHW images.
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
 namespace {

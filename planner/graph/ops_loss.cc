@@ -1,8 +1,8 @@
 // Losses: nll_loss on log-probabilities and cross_entropy on logits, both
 // averaged over the batch (PyTorch's reduction='mean').
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
 namespace {

@@ -1,8 +1,8 @@
 // Recurrent ops: lstm, one layer and one direction of PyTorch's nn.LSTM
 // (the exporter stacks layers and directions, tools/export_fx.py).
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
 

@@ -6,8 +6,8 @@
 // and the dispatch/combine as index gathers and scatters): its tensors grow
 // with tokens, the dense combine tensor with tokens squared.
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
 namespace {

@@ -1,8 +1,8 @@
 // Normalisations: layer_norm, batch_norm, softmax (with causal or additive
 // mask), log_softmax.
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
 namespace {

@@ -2,8 +2,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_util.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::graph::internal {
 namespace {

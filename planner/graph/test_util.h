@@ -8,10 +8,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/graph/graph.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::graph::testing {
 

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::graph {
 namespace {

@@ -5,10 +5,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/lower/dim_classes.h"
 #include "planner/lower/rank_builder.h"
 #include "planner/synth/gradients.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::lower {
 

@@ -5,11 +5,11 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/runtime/random.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/op_registry.h"
 #include "planner/lower/rank_builder.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::lower::internal {
 

@@ -5,9 +5,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/rank_builder.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::lower::internal {
 

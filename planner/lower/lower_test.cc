@@ -3,6 +3,7 @@
 #include <map>
 #include <set>
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/cost/cluster_model.h"
@@ -10,7 +11,6 @@
 #include "planner/lower/arena.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::lower {
 namespace {

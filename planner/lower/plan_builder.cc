@@ -1,10 +1,10 @@
 #include "planner/lower/plan_builder.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/cost/collectives.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/lower.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::lower {
 

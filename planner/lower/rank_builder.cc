@@ -6,9 +6,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/arena.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::lower::internal {
 

@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::pipeline {
 

@@ -11,9 +11,9 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/cost/collectives.h"
 #include "planner/pipeline/layers.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::pipeline {
 namespace {

@@ -1,10 +1,10 @@
 #include "planner/pipeline/pipeline_plan.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/lower.h"
 #include "planner/lower/plan_builder.h"
-#include "planner/util/status_macros.h"
 #include "planner/pipeline/layers.h"
 
 namespace hap::pipeline {

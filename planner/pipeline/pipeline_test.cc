@@ -3,6 +3,7 @@
 #include <numeric>
 #include <set>
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/graph/zoo.h"
@@ -10,7 +11,6 @@
 #include "planner/pipeline/layers.h"
 #include "planner/pipeline/pipeline_plan.h"
 #include "planner/pipeline/schedule.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::pipeline {
 namespace {

@@ -33,8 +33,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/cli_args.h"
 #include "planner/service/planner_server.h"
-#include "tools/cli_args.h"
 
 namespace {
 

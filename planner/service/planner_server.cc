@@ -9,8 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_macros.h"
+#include "google/protobuf/descriptor.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
@@ -18,7 +19,6 @@
 #include "planner/service/metrics/metrics.h"
 #include "planner/service/metrics/metrics_http.h"
 #include "planner/service/status_page.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {

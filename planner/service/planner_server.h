@@ -11,9 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_util.h"
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/planner_core.h"
-#include "planner/service/grpc/grpc_util.h"
 
 namespace hap::service {
 

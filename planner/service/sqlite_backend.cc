@@ -4,9 +4,9 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/service/planner_server.h"
 #include "planner/service/store/sqlite_store.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {

@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "planner/cost/collectives.h"
 #include "planner/synth/snap.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::synth {
 namespace {

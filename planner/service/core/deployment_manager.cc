@@ -9,10 +9,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/stats.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/rendezvous_store.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {
@@ -28,12 +29,6 @@ bool Final(v1::Deployment::State s) {
 // Each rank's latest steps that Deployment.recent_step_seconds is the
 // median of (the slowest rank's).
 constexpr size_t kRecentSteps = 20;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
-}
 
 DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
   const DeploymentWatchOptions defaults;
@@ -392,7 +387,7 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
       for (const auto& x : list) {
         if (x.rank() == 0) times.push_back(x.step_seconds());
       }
-      d.set_median_step_seconds(Median(times));
+      d.set_median_step_seconds(UpperMedian(times));
       d.set_recent_steps_end(std::max(d.recent_steps_end(), m.step() + 1));
     }
   }
@@ -407,7 +402,7 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
       if (v.size() < kRecentSteps) v.push_back(it->step_seconds());
     }
     double slowest = 0;
-    for (auto& [rank, v] : last) slowest = std::max(slowest, Median(v));
+    for (auto& [rank, v] : last) slowest = std::max(slowest, UpperMedian(v));
     s_->deployments[name].set_recent_step_seconds(slowest);
   }
   return absl::OkStatus();

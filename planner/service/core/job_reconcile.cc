@@ -2,6 +2,8 @@
 // against its deployment, the cluster and its checkpoints, and driven one
 // step on (plan, deploy, follow, recover, re-plan, stop). The controller's
 // resource API and the backend over the planner core are in jobs.cc.
+#include "planner/service/core/job_reconcile.h"
+
 #include <algorithm>
 #include <cctype>
 #include <map>
@@ -14,12 +16,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
-#include "planner/service/core/job_reconcile.h"
 #include "planner/service/core/jobs.h"
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/proto_time.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service::job_internal {
 

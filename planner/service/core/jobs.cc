@@ -1,8 +1,5 @@
 #include "planner/service/core/jobs.h"
 
-#include "planner/service/core/job_reconcile.h"
-#include "planner/service/core/proto_time.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cctype>
@@ -21,12 +18,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
+#include "planner/service/core/job_reconcile.h"
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/profile_checks.h"
-#include "planner/util/status_macros.h"
+#include "planner/service/core/proto_time.h"
 
 namespace hap::service {
 namespace {

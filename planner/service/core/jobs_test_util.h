@@ -12,10 +12,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/service/core/jobs.h"
-#include "planner/util/status_matchers.h"
 
 #define HAP_JOBS_CONCAT_(a, b) a##b
 #define HAP_JOBS_CONCAT(a, b) HAP_JOBS_CONCAT_(a, b)

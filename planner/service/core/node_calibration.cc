@@ -6,10 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/calibrate/calibration.h"
 #include "planner/lower/plan_file.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {

@@ -1,7 +1,5 @@
 #include "planner/service/core/planner_core.h"
 
-#include "planner/service/core/planner_core_internal.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph_proto.h"
@@ -27,9 +26,9 @@
 #include "planner/pipeline/pipeline_plan.h"
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
+#include "planner/service/core/planner_core_internal.h"
 #include "planner/service/core/profile_checks.h"
 #include "planner/synth/planner.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {

@@ -9,12 +9,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/core/planner_core_internal.h"
 #include "planner/service/core/profile_checks.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {

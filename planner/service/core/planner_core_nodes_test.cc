@@ -6,11 +6,11 @@
 #include <limits>
 #include <set>
 
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/core/planner_core_test_util.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service {
 namespace {

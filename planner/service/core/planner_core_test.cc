@@ -8,6 +8,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
@@ -15,7 +16,6 @@
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_file.h"
 #include "planner/service/core/planner_core_test_util.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service {
 namespace {

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::service {
 

@@ -7,7 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "planner/util/status_macros.h"
+#include "common/status_macros.h"
 
 namespace hap::service {
 

@@ -6,9 +6,9 @@
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service {
 namespace {

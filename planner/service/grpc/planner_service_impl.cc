@@ -5,11 +5,11 @@
 #include <utility>
 
 #include "absl/synchronization/blocking_counter.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "hap/v1/executor_service.grpc.pb.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service {
 namespace {

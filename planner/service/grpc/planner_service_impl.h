@@ -16,12 +16,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/grpc_util.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/core/deployment_manager.h"
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/jobs.h"
 #include "planner/service/core/planner_core.h"
-#include "planner/service/grpc/grpc_util.h"
 
 namespace hap::service {
 

@@ -20,16 +20,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_util.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
-#include "grpcpp/grpcpp.h"
-#include "grpcpp/resource_quota.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/resource_quota.h"
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
-#include "planner/service/grpc/grpc_util.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service {
 namespace {

@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "planner/service/store/store_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service::store {
 namespace {

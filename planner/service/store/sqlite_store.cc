@@ -14,13 +14,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "planner/service/store/sqlite_store_internal.h"
 #include "planner/service/store/store_internal.h"
-#include "planner/util/status_macros.h"
 
 namespace hap::service::store {
 namespace internal {

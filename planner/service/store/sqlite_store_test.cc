@@ -18,11 +18,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/service/store/sqlite_store_internal.h"
 #include "planner/service/store/test_util.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service::store {
 namespace {

@@ -11,12 +11,12 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/service/store/memory_store.h"
 #include "planner/service/store/sqlite_store.h"
 #include "planner/service/store/test_util.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service::store {
 namespace {

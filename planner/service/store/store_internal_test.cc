@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/util/status_matchers.h"
 
 namespace hap::service::store::internal {
 namespace {

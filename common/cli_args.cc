@@ -1,9 +1,8 @@
-#include "tools/cli_args.h"
+#include "common/cli_args.h"
 
 #include <cctype>
-#include <cstdlib>
-
 #include <cmath>
+#include <cstdlib>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"

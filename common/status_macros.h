@@ -1,7 +1,7 @@
 // HAP_RETURN_IF_ERROR / HAP_ASSIGN_OR_RETURN: the semantics of Abseil's newer
 // macros, which our Debian Abseil (20220623) predates.
-#ifndef HAP_PLANNER_UTIL_STATUS_MACROS_H_
-#define HAP_PLANNER_UTIL_STATUS_MACROS_H_
+#ifndef HAP_COMMON_STATUS_MACROS_H_
+#define HAP_COMMON_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,4 +36,4 @@ inline absl::Status Annotate(const absl::Status& s, absl::string_view context) {
 }
 }  // namespace hap
 
-#endif  // HAP_PLANNER_UTIL_STATUS_MACROS_H_
+#endif  // HAP_COMMON_STATUS_MACROS_H_

@@ -1,7 +1,7 @@
 // gmock matchers for absl::Status / absl::StatusOr<T> (our gmock predates
 // Abseil's): StatusIs(code, message_matcher) and IsOk(). Tests only.
-#ifndef HAP_PLANNER_UTIL_STATUS_MATCHERS_H_
-#define HAP_PLANNER_UTIL_STATUS_MATCHERS_H_
+#ifndef HAP_COMMON_STATUS_MATCHERS_H_
+#define HAP_COMMON_STATUS_MATCHERS_H_
 
 #include <ostream>
 #include <string>
@@ -39,4 +39,4 @@ MATCHER(IsOk, "is OK") {
 
 }  // namespace hap::testing
 
-#endif  // HAP_PLANNER_UTIL_STATUS_MATCHERS_H_
+#endif  // HAP_COMMON_STATUS_MATCHERS_H_

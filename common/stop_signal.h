@@ -3,8 +3,8 @@
 // sigwait()ing is not enough here: OpenBLAS starts its own threads with
 // signals unblocked, and a signal delivered to one of them would kill the
 // process.
-#ifndef HAP_TOOLS_STOP_SIGNAL_H_
-#define HAP_TOOLS_STOP_SIGNAL_H_
+#ifndef HAP_COMMON_STOP_SIGNAL_H_
+#define HAP_COMMON_STOP_SIGNAL_H_
 
 #include "absl/status/status.h"
 
@@ -18,4 +18,4 @@ int WaitForStopSignal();
 
 }  // namespace hap::tools
 
-#endif  // HAP_TOOLS_STOP_SIGNAL_H_
+#endif  // HAP_COMMON_STOP_SIGNAL_H_

@@ -1,4 +1,4 @@
-#include "tools/stop_signal.h"
+#include "common/stop_signal.h"
 
 #include <signal.h>
 #include <unistd.h>

@@ -1,8 +1,8 @@
 // What every HAP gRPC server and client shares: status conversion, the
 // bearer token on every call, TLS credentials, and call contexts with
 // deadlines. One convention for the planner, the agent and the executor.
-#ifndef HAP_PLANNER_SERVICE_GRPC_GRPC_UTIL_H_
-#define HAP_PLANNER_SERVICE_GRPC_GRPC_UTIL_H_
+#ifndef HAP_COMMON_GRPC_UTIL_H_
+#define HAP_COMMON_GRPC_UTIL_H_
 
 #include <functional>
 #include <memory>
@@ -105,4 +105,4 @@ grpc::ByteBuffer SharedBytes(std::shared_ptr<const std::string> bytes);
 
 }  // namespace hap::service
 
-#endif  // HAP_PLANNER_SERVICE_GRPC_GRPC_UTIL_H_
+#endif  // HAP_COMMON_GRPC_UTIL_H_

@@ -1,7 +1,7 @@
 // A small argument parser for hapctl's subcommands: "--flag value",
 // "--flag=value", boolean "--flag", repeated "--set k=v", positionals.
-#ifndef HAP_TOOLS_CLI_ARGS_H_
-#define HAP_TOOLS_CLI_ARGS_H_
+#ifndef HAP_COMMON_CLI_ARGS_H_
+#define HAP_COMMON_CLI_ARGS_H_
 
 #include <map>
 #include <set>
@@ -38,4 +38,4 @@ class Args {
 
 }  // namespace hap::tools
 
-#endif  // HAP_TOOLS_CLI_ARGS_H_
+#endif  // HAP_COMMON_CLI_ARGS_H_

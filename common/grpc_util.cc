@@ -1,4 +1,4 @@
-#include "planner/service/grpc/grpc_util.h"
+#include "common/grpc_util.h"
 
 #include <algorithm>
 #include <fstream>
