@@ -1,53 +1,121 @@
 #!/usr/bin/env python3
-"""Counts test cases over the test.xml files under each directory given
-(default bazel-testlogs); prints 'N passed, N failed'.
+"""Counts test cases and prints 'N passed, N failed' (scripts/test.sh's last
+line).
 
-Exit status 1 when any case failed or no test ran. Suites that wrote no XML
-(a crash before the runner started) count as one failure each.
+    count_tests.py [--bep BEP.json] [DIR ...]
+
+--bep: the test results of one `bazel test` invocation, from its build event
+file (--build_event_json_file): every test target's test.xml it names, the
+cached results included, and only those. bazel-testlogs also keeps the XML of
+targets since deleted and of shards of an earlier shard_count, which a walk
+would count again. DIRs: test.xml files found under them (the fuzz smoke's
+JUnit file). Without either, bazel-testlogs is walked.
+
+A test that wrote no XML counts as one case by its status; a target that did
+not build counts as one failure. Exit status 1 when any case failed or no
+case passed.
 """
+import json
 import os
 import sys
 import xml.etree.ElementTree as ET
+from urllib.parse import unquote, urlparse
 
 
-def main(roots):
-    passed = failed = skipped = 0
-    failed_names = []
-    walks = [w for root in roots for w in os.walk(root, followlinks=True)]
-    for dirpath, _, files in walks:
-        if "test.xml" not in files:
-            continue
-        path = os.path.join(dirpath, "test.xml")
+class Count:
+    def __init__(self):
+        self.passed = self.failed = self.skipped = 0
+        self.failed_names = []
+
+    def fail(self, name):
+        self.failed += 1
+        self.failed_names.append(name)
+
+    def xml(self, path):
         try:
             tree = ET.parse(path)
-        except ET.ParseError:
-            failed += 1
-            failed_names.append(path)
-            continue
+        except (ET.ParseError, OSError):
+            self.fail(path)
+            return
         cases = list(tree.iter("testcase"))
         if not cases:
-            # A suite with no cases: judge by its log's exit.
-            failed += 1
-            failed_names.append(path)
-            continue
+            self.fail(path)  # a suite with no cases
+            return
         for c in cases:
             name = "%s.%s" % (c.get("classname", ""), c.get("name", ""))
             if c.find("failure") is not None or c.find("error") is not None:
-                failed += 1
-                failed_names.append(name)
+                self.fail(name)
             elif c.find("skipped") is not None or c.get("result") == "skipped":
-                skipped += 1
+                self.skipped += 1
             else:
-                passed += 1
-    for n in failed_names:
+                self.passed += 1
+
+
+def bep_results(path):
+    """(label, xml path or None, status) of each test run and shard, the
+    last attempt of each; and the labels of targets that did not build."""
+    last = {}
+    broken = []
+    with open(path) as f:
+        for line in f:
+            event = json.loads(line)
+            ident = event.get("id", {})
+            if "testResult" in event:
+                i = ident["testResult"]
+                key = (i["label"], i.get("run", 1), i.get("shard", 1))
+                attempt = i.get("attempt", 1)
+                result = event["testResult"]
+                xml = None
+                for out in result.get("testActionOutput", []):
+                    if out.get("name") == "test.xml":
+                        xml = unquote(urlparse(out["uri"]).path)
+                if key not in last or attempt >= last[key][0]:
+                    last[key] = (attempt, xml, result.get("status", "NO_STATUS"))
+            elif "targetCompleted" in ident:
+                done = event.get("completed")
+                aborted = event.get("aborted")
+                # SKIPPED: incompatible with this configuration (CUDA-only
+                # targets without --config=cuda), not a failure.
+                if (done is not None and not done.get("success", False)) or (
+                        aborted is not None and aborted.get("reason") != "SKIPPED"):
+                    broken.append(ident["targetCompleted"]["label"])
+    results = [(k[0], xml, status) for k, (_, xml, status) in sorted(last.items())]
+    return results, broken
+
+
+def main(argv):
+    count = Count()
+    bep = None
+    if argv[:1] == ["--bep"]:
+        if len(argv) < 2:
+            print("count_tests.py: --bep needs a file", file=sys.stderr)
+            return 2
+        bep, argv = argv[1], argv[2:]
+    roots = argv if argv or bep else ["bazel-testlogs"]
+    if bep is not None:
+        results, broken = bep_results(bep)
+        for label, xml, status in results:
+            if xml is not None and os.path.exists(xml):
+                count.xml(xml)
+            elif status == "PASSED":
+                count.passed += 1
+            else:
+                count.fail("%s (%s, no test.xml)" % (label, status))
+        for label in broken:
+            count.fail("%s (did not build)" % label)
+    for root in roots:
+        for dirpath, _, files in os.walk(root, followlinks=True):
+            if "test.xml" in files:
+                count.xml(os.path.join(dirpath, "test.xml"))
+    for n in count.failed_names:
         print("FAILED:", n)
-    if skipped:
+    if count.skipped:
         # Skipped cases (e.g. GPU tests without a GPU) are reported on their
         # own line so that the last line stays the plain count.
-        print("%d skipped (each says why in its test log)" % skipped)
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed or passed == 0 else 0
+        print("%d skipped (each says why in its test log)" % count.skipped)
+    print("%d passed, %d failed" % (count.passed, count.failed))
+    return 1 if count.failed or count.passed == 0 else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["bazel-testlogs"]))
+    sys.exit(main(sys.argv[1:]))

@@ -17,7 +17,13 @@ if [ -x "${HAP_CUDA_PATH:-/usr/local/cuda}/bin/nvcc" ]; then
 else
   echo "test.sh: no nvcc at ${HAP_CUDA_PATH:-/usr/local/cuda}; CUDA targets skipped"
 fi
-bazel test //... "${CUDA_FLAGS[@]}" --test_env=HAP_DATA_DIR="$(cd .. && pwd)/shared/data" "$@"
+# The build event file names this run's test results (cached ones too):
+# count_tests.py counts those and not the XML that bazel-testlogs keeps of
+# targets since deleted or of shards of an earlier shard_count.
+mkdir -p out
+rm -f out/bep.json
+bazel test //... "${CUDA_FLAGS[@]}" --test_env=HAP_DATA_DIR="$(cd .. && pwd)/shared/data" \
+  --build_event_json_file=out/bep.json "$@"
 rc=$?
 
 # A short libFuzzer run of each parser target (scripts/fuzz.sh; long runs:
@@ -25,7 +31,7 @@ rc=$?
 rm -rf out/fuzz-results
 bash scripts/fuzz.sh --smoke --junit out/fuzz-results/test.xml || rc=1
 
-/usr/bin/python3 scripts/count_tests.py bazel-testlogs out/fuzz-results
+/usr/bin/python3 scripts/count_tests.py --bep out/bep.json out/fuzz-results
 count_rc=$?
 if [ $rc -ne 0 ] || [ $count_rc -ne 0 ]; then
   exit 1
