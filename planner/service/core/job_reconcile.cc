@@ -268,7 +268,14 @@ class Pass {
     if (st().replans() <= MaxReplans(spec())) return false;
     std::string why = absl::StrCat("gave up after ", st().replans() - 1, " re-plans (max_replans ",
                                    MaxReplans(spec()), "); the last: ", st().pending().detail());
-    if (!st().deployment().empty()) (void)b_.StopDeployment(st().deployment());
+    if (!st().deployment().empty()) {
+      // The job ends here and no later pass asks again: a refused stop is
+      // said in the job's status, for the operator to act on.
+      absl::Status stopped = b_.StopDeployment(st().deployment());
+      if (!stopped.ok()) {
+        absl::StrAppend(&why, "; stopping ", st().deployment(), " failed: ", stopped.message());
+      }
+    }
     Finish(v1::JobStatus::FAILED, why);
     return true;
   }
@@ -512,6 +519,8 @@ class Pass {
                 slowdown ? absl::StrCat(st().slowdown_detail(), "; ", what) : what);
     if (OverReplanLimit()) return;
     st().set_next_plan(candidate);
+    // A refused stop is asked again by the passes that follow, until the
+    // deployment is final (RECOVERING's old deployment, above).
     (void)b_.StopDeployment(st().deployment());
   }
 

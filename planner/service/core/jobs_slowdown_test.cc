@@ -221,6 +221,9 @@ TEST_F(JobsTest, SlowdownsCountAgainstTheReplanLimit) {
     c_->Reconcile();
     ASSERT_TRUE(Job().status().switch_pending()) << k;
     fake_.checkpoint = base + 50;
+    // The job gives up on this switch; the stop of its deployment is
+    // refused, which the job's status then says (no later pass asks again).
+    if (k == 1) fake_.stop_error = absl::UnavailableError("its executors do not answer");
     c_->Reconcile();
     if (k == 1) break;
     c_->Reconcile();
@@ -233,6 +236,8 @@ TEST_F(JobsTest, SlowdownsCountAgainstTheReplanLimit) {
   EXPECT_EQ(j.status().state(), v1::JobStatus::FAILED);
   EXPECT_THAT(j.status().message(), HasSubstr("gave up after 1 re-plans"));
   EXPECT_THAT(j.status().message(), HasSubstr("slowdown"));
+  EXPECT_THAT(j.status().message(),
+              HasSubstr(absl::StrCat("stopping ", d, " failed: its executors do not answer")));
 }
 
 TEST_F(JobsTest, NoSlowdownWhenDisabled) {

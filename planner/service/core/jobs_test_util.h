@@ -131,6 +131,7 @@ class FakeBackend : public JobBackend {
   }
   absl::Status StopDeployment(const std::string& name) override {
     stops.push_back(name);
+    if (!stop_error.ok()) return stop_error;
     v1::Deployment& d = deployments.at(name);
     if (stops_take_effect &&
         (d.state() == v1::Deployment::PENDING || d.state() == v1::Deployment::RUNNING)) {
@@ -157,6 +158,7 @@ class FakeBackend : public JobBackend {
   std::vector<std::string> stops;
   bool plans_finish_at_once = true;
   bool stops_take_effect = true;
+  absl::Status stop_error;  // what StopDeployment answers when not OK
   absl::Status deploy_error;
   std::map<std::string, std::string> deployed_executors;
   int64_t checkpoint = -1;
