@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/proto_time.h"
 #include "grpc/grpc.h"
 #include "grpc/grpc_security.h"
 #include "grpc/slice.h"
@@ -138,11 +139,12 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-absl::Time CallDeadline(const grpc::ServerContextBase* ctx, absl::Duration timeout) {
+absl::Time CallDeadline(const grpc::ServerContextBase* ctx,
+                        const google::protobuf::Duration* timeout) {
   const auto d = ctx->deadline();
   const absl::Time call = d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
                                                                             : absl::FromChrono(d);
-  return timeout == absl::InfiniteDuration() ? call : std::min(call, absl::Now() + timeout);
+  return timeout == nullptr ? call : std::min(call, absl::Now() + FromProto(*timeout));
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {

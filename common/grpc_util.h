@@ -23,14 +23,10 @@ grpc::Status ToGrpc(const absl::Status& s);
 absl::Status FromGrpc(const grpc::Status& s);
 
 // A server call's deadline (InfiniteFuture when the client set none), or
-// `timeout` from now when that is sooner (a request's own wait bound).
+// `timeout` from now when one is given and sooner (a request's own wait
+// bound, e.g. StoreGetRequest.timeout when set).
 absl::Time CallDeadline(const grpc::ServerContextBase* ctx,
-                        absl::Duration timeout = absl::InfiniteDuration());
-// A request's google.protobuf.Duration field; null (unset) = no bound.
-inline absl::Duration RequestTimeout(const google::protobuf::Duration* d) {
-  if (d == nullptr) return absl::InfiniteDuration();
-  return absl::Seconds(d->seconds()) + absl::Nanoseconds(d->nanos());
-}
+                        const google::protobuf::Duration* timeout = nullptr);
 
 // grpc.health.v1.Health's methods, as paths.
 inline std::vector<std::string> HealthMethods() {

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -33,16 +34,6 @@ void Log(const std::string& message) {
                             absl::FormatTime("%H:%M:%E3S", absl::Now(), absl::LocalTimeZone()),
                             ": ", message, "\n")
             << std::flush;
-}
-
-absl::Duration FromProto(const google::protobuf::Duration& d) {
-  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
-}
-
-void ToProto(absl::Duration d, google::protobuf::Duration* out) {
-  int64_t ns = absl::ToInt64Nanoseconds(d);
-  out->set_seconds(ns / 1'000'000'000);
-  out->set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
 }
 
 // The listen address with a wildcard host replaced by this host's name, so
@@ -205,7 +196,7 @@ struct Agent::Impl : public ProfileSource {
     v1::ProbeResponse r;
     *r.mutable_node() = std::move(*node);
     for (auto& l : local_links) *r.add_links() = std::move(l);
-    ToProto(absl::Now() - start, r.mutable_probe_duration());
+    *r.mutable_probe_duration() = service::ToProto(absl::Now() - start);
     absl::MutexLock l(&mu);
     profile = std::move(r);
     quick_baseline = std::move(baseline);
@@ -287,7 +278,7 @@ struct Agent::Impl : public ProfileSource {
     Call call(this, o.rpc_timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(Planner()->RegisterNode(call.ctx(), req, &resp)));
     absl::Duration interval = o.heartbeat_interval;
-    if (interval == absl::ZeroDuration()) interval = FromProto(resp.heartbeat_interval());
+    if (interval == absl::ZeroDuration()) interval = service::FromProto(resp.heartbeat_interval());
     if (interval <= absl::ZeroDuration()) interval = kDefaultHeartbeat;
     absl::MutexLock l(&mu);
     registered = true;

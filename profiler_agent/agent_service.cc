@@ -1,6 +1,7 @@
 #include "profiler_agent/agent_service.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/proto_time.h"
 #include "profiler_agent/link_probe.h"
 
 namespace hap::agent {
@@ -23,7 +24,7 @@ grpc::Status AgentServiceImpl::Probe(grpc::ServerContext* ctx, const v1::ProbeRe
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "max_duration must be a non-negative duration");
   }
-  absl::Duration max = absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+  const absl::Duration max = service::FromProto(d);
   if (max > kMaxProbeDuration) {
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,

@@ -36,8 +36,7 @@ class FakePlanner final : public v1::Planner::Service {
                         v1::StoreGetResponse* out) override {
     auto values =
         store_.Get(r->deployment(), r->generation(), {r->keys().begin(), r->keys().end()},
-                   service::CallDeadline(
-                       ctx, service::RequestTimeout(r->has_timeout() ? &r->timeout() : nullptr)),
+                   service::CallDeadline(ctx, r->has_timeout() ? &r->timeout() : nullptr),
                    [ctx] { return ctx->IsCancelled(); });
     if (!values.ok()) return service::ToGrpc(values.status());
     for (auto& v : *values) out->add_values(std::move(v));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/proto_time.h"
 
 namespace hap::service {
 namespace {
@@ -535,13 +536,9 @@ metrics::HttpResponse DeploymentPage(const StatusSources& src, const std::string
 
 // ---------------------------------------------------------------- one job --
 
-absl::Time ToTime(const google::protobuf::Timestamp& t) {
-  return absl::FromUnixSeconds(t.seconds()) + absl::Nanoseconds(t.nanos());
-}
-
 std::string TimeText(const google::protobuf::Timestamp& t) {
   if (t.seconds() == 0 && t.nanos() == 0) return "-";
-  return absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", ToTime(t), absl::UTCTimeZone());
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", FromProto(t), absl::UTCTimeZone());
 }
 
 // The job's life on one time axis: from its creation to its last update,
@@ -549,8 +546,8 @@ std::string TimeText(const google::protobuf::Timestamp& t) {
 // training time in green.
 std::string TimelineSvg(const v1::Job& j) {
   constexpr double kWidth = 720, kHeight = 28;
-  const absl::Time start = ToTime(j.create_time());
-  const absl::Time end = std::max(ToTime(j.status().update_time()), start + absl::Seconds(1));
+  const absl::Time start = FromProto(j.create_time());
+  const absl::Time end = std::max(FromProto(j.status().update_time()), start + absl::Seconds(1));
   const double span = absl::ToDoubleSeconds(end - start);
   auto x = [&](absl::Time t) {
     return std::clamp(absl::ToDoubleSeconds(t - start) / span, 0.0, 1.0) * kWidth;
@@ -561,13 +558,13 @@ std::string TimelineSvg(const v1::Job& j) {
       "fill=\"#cfc\"/>",
       kWidth, kHeight, kWidth);
   auto down = [&](const v1::JobEvent& e, absl::Time until) {
-    const double a = x(ToTime(e.detect_time())), b = x(until);
+    const double a = x(FromProto(e.detect_time())), b = x(until);
     absl::StrAppend(&h, absl::StrFormat("<rect x=\"%.1f\" y=\"4\" width=\"%.1f\" height=\"20\" "
                                         "fill=\"#e88\"><title>%s</title></rect>",
                                         a, std::max(1.0, b - a),
                                         HtmlEscape(v1::JobEvent::Reason_Name(e.reason()))));
   };
-  for (const auto& e : j.status().events()) down(e, ToTime(e.resume_time()));
+  for (const auto& e : j.status().events()) down(e, FromProto(e.resume_time()));
   if (j.status().has_pending()) down(j.status().pending(), end);
   absl::StrAppend(&h, "</svg><p class=\"muted\">", TimeText(j.create_time()), " to ",
                   TimeText(j.status().update_time()),

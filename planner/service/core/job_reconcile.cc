@@ -16,11 +16,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "planner/service/core/jobs.h"
 #include "planner/service/core/node_calibration.h"
-#include "planner/service/core/proto_time.h"
 
 namespace hap::service::job_internal {
 
@@ -29,8 +29,7 @@ bool Final(v1::JobStatus::State s) {
 }
 
 absl::Duration JoinStable(const v1::JobSpec& s) {
-  const auto& d = s.replan().join_stable();
-  absl::Duration x = absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+  const absl::Duration x = FromProto(s.replan().join_stable());
   return x > absl::ZeroDuration() ? x : kDefaultJoinStable;
 }
 

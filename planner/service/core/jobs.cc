@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
@@ -25,7 +26,6 @@
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/profile_checks.h"
-#include "planner/service/core/proto_time.h"
 
 namespace hap::service {
 namespace {

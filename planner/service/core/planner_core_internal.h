@@ -17,10 +17,10 @@
 #include "absl/base/call_once.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/proto_time.h"
 #include "hap/v1/cluster.pb.h"
 #include "hap/v1/plan.pb.h"
 #include "planner/service/core/planner_core.h"
-#include "planner/service/core/proto_time.h"
 
 namespace hap::service {
 

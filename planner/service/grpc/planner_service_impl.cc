@@ -417,8 +417,7 @@ grpc::Status PlannerServiceImpl::StoreSet(grpc::ServerContext* ctx, const v1::St
 grpc::Status PlannerServiceImpl::StoreGet(grpc::ServerContext* ctx, const v1::StoreGetRequest* r,
                                           v1::StoreGetResponse* out) {
   return Handle("StoreGet", ctx, [&]() -> absl::Status {
-    const absl::Time deadline =
-        CallDeadline(ctx, RequestTimeout(r->has_timeout() ? &r->timeout() : nullptr));
+    const absl::Time deadline = CallDeadline(ctx, r->has_timeout() ? &r->timeout() : nullptr);
     HAP_ASSIGN_OR_RETURN(
         std::vector<std::string> values,
         deployments_->StoreGet(r->deployment(), r->generation(),
