@@ -201,7 +201,7 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
             "op '", ins.op(), "' has no sharding rule '", ins.rule(), "'"));
       }
       const double kernel = work[op].flops / flops * (rule->split ? share : 1.0);
-      const double launches = work[op].backward ? 3.0 : 1.0;
+      const double launches = work[op].launches();
       computed.push_back({g.op(op).type, kernel, launches});
       kernels += kernel;
       all_launches += launches;
@@ -222,7 +222,7 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
   // The launches the search prices: those a GPU's queue does not hide.
   cost::DeviceModel model;
   model.launch_overhead_seconds = dev.launch_overhead_seconds();
-  model.queued_launches = dev.kind() == v1::GPU;
+  model.queued_launches = cost::QueuesLaunches(dev);
   const double exposed = cost::ExposedLaunchFraction(model, all_launches, kernels);
   for (const Computed& c : computed) {
     sums->modelled[c.type] +=

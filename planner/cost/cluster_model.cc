@@ -99,7 +99,7 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
           "device '", id, "' has an invalid launch_overhead_seconds"));
     }
     dm.launch_overhead_seconds = d.launch_overhead_seconds();
-    dm.queued_launches = d.kind() == hap::v1::GPU;
+    dm.queued_launches = QueuesLaunches(d);
     for (const auto& [type, scale] : d.op_time_scale()) {
       if (!Positive(scale)) {
         return absl::InvalidArgumentError(absl::StrCat(

@@ -39,7 +39,7 @@ struct DeviceModel {
   // compute (cluster.proto Device.overlap_efficiency; defaults by kind).
   double overlap_efficiency = 1.0;
   // Kernel launches are queued (a GPU stream: the host runs ahead of the
-  // device) rather than each call run to its end (a CPU). FromProto: GPUs.
+  // device) rather than each call run to its end (a CPU): QueuesLaunches.
   bool queued_launches = false;
 
   double OpTimeScale(const std::string& op_type) const {
@@ -55,6 +55,8 @@ struct DeviceModel {
 // ahead of the kernels, so only what the launches take beyond the kernels
 // is exposed: max(0, 1 - kernel_seconds / (launches x overhead)).
 double ExposedLaunchFraction(const DeviceModel& d, double launches, double kernel_seconds);
+// Whether a profiled device queues its launches: GPUs do.
+inline bool QueuesLaunches(const hap::v1::Device& d) { return d.kind() == hap::v1::GPU; }
 
 class ClusterModel {
  public:

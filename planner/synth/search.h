@@ -77,6 +77,9 @@ absl::StatusOr<Program> Synthesize(const graph::Graph& g,
 struct OpWork {
   double flops = 0;
   bool backward = false;
+  // Kernel calls a step makes for the op: its forward, and with a backward
+  // two more (input and parameter gradients), each paying a launch.
+  double launches() const { return backward ? 3.0 : 1.0; }
 };
 std::vector<OpWork> TrainingWork(const graph::Graph& g);
 

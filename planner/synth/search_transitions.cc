@@ -45,7 +45,7 @@ void Searcher::Prepare() {
     double summed_rate = 0;
     for (int d = 0; d < cluster_.size(); ++d) summed_rate += cluster_.device(d).flops;
     double launches = 0;
-    for (const OpWork& w : work) launches += w.backward ? 3.0 : 1.0;
+    for (const OpWork& w : work) launches += w.launches();
     for (int d = 0; d < cluster_.size(); ++d) {
       const auto& dev = cluster_.device(d);
       double kernels = 0;
@@ -59,7 +59,6 @@ void Searcher::Prepare() {
     const graph::Op& op = g_.op(i);
     for (TensorId o : op.outputs) requires_grad_[o] = work[i].backward;
     const double flops = work[i].flops;
-    const double launches = work[i].backward ? 3.0 : 1.0;
     std::vector<ShardRule> all = RulesFor(g_, i, ctx);
     for (size_t r = 0; r < all.size(); ++r) {
       if (opt_.rule_filter && !opt_.rule_filter(all[r])) continue;
@@ -67,7 +66,7 @@ void Searcher::Prepare() {
       for (int d = 0; d < cluster_.size(); ++d) {
         const auto& dev = cluster_.device(d);
         double secs = flops / dev.flops * dev.OpTimeScale(op.type);
-        t.constant[d] = launches * dev.launch_overhead_seconds * exposed[d];
+        t.constant[d] = work[i].launches() * dev.launch_overhead_seconds * exposed[d];
         if (all[r].split) {
           t.coef[d] = secs;
         } else {
