@@ -20,15 +20,19 @@
 //             only, alternating between OTHER_PLANNER (e.g. a build of an
 //             earlier commit) and this build's, a fresh database each run:
 //             plans/s of each per round and the ratio of the medians.
-//   reads-ab  --reads-ab OTHER_PLANNER [ROUNDS]: the reads at 1,000 in
-//             flight, the same way (two planners of 1,000 plans each, runs
-//             alternating, both clients).
+//   reads-ab  --reads-ab OTHER_PLANNER [ROUNDS] [IN_FLIGHT]: the reads at
+//             1,000 (or IN_FLIGHT) in flight, the same way (two planners of
+//             1,000 plans each, runs alternating, both clients). OTHER may
+//             be a script that runs a planner with other flags.
+//   --pin     (before the mode) the planner on one CPU, this client on the
+//             others.
 //
-//   bazel run -c opt //bench:planner_load -- [--quick | --startup-only |
+//   bazel run -c opt //bench:planner_load -- [--pin] [--quick | --startup-only |
 //                                              --creates-ab OTHER [ROUNDS] |
-//                                              --reads-ab OTHER [ROUNDS]]
+//                                              --reads-ab OTHER [ROUNDS] [IN_FLIGHT]]
 //
 // Prints Markdown tables (bench/README.md, "The planner under load").
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -68,6 +72,39 @@ using Clock = std::chrono::steady_clock;
 
 constexpr char kToken[] = "load-token";
 
+// --pin: the planner runs on the first CPU of this process's affinity mask
+// (through taskset) and this client on the others, so neither preempts the
+// other's threads. Empty: both float over every CPU.
+std::string g_planner_cpu;
+
+std::vector<std::string> PinnedArgs(std::vector<std::string> args) {
+  if (!g_planner_cpu.empty()) args.insert(args.begin(), {"/usr/bin/taskset", "-c", g_planner_cpu});
+  return args;
+}
+
+// --pin: the planner on the first CPU this process may use, this process on
+// the rest. False (with a message) when there is only one.
+bool Pin() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) < 2) {
+    std::fprintf(stderr, "--pin needs at least two CPUs in this process's affinity mask\n");
+    return false;
+  }
+  int first = 0;
+  while (!CPU_ISSET(first, &set)) ++first;
+  CPU_CLR(first, &set);
+  if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+    std::perror("sched_setaffinity");
+    return false;
+  }
+  g_planner_cpu = std::to_string(first);
+  std::printf("pinned: the planner on CPU %d, this client on the %d others\n", first,
+              CPU_COUNT(&set));
+  std::fflush(stdout);
+  return true;
+}
+
 struct Planner {
   Process proc;
   int port = 0;
@@ -76,11 +113,11 @@ struct Planner {
   bool Start(const std::string& dir, int keep, const std::string& binary = "") {
     std::ofstream(dir + "/token") << kToken << "\n";
     const auto t0 = Clock::now();
-    absl::Status s =
-        proc.Start({binary.empty() ? hap::testing::Runfile("planner/service/hap-planner") : binary,
+    absl::Status s = proc.Start(
+        PinnedArgs({binary.empty() ? hap::testing::Runfile("planner/service/hap-planner") : binary,
                     "--listen=127.0.0.1:0", "--metrics-listen=off",
                     "--database=" + dir + "/planner.db", "--token-file=" + dir + "/token",
-                    "--heartbeat-seconds=600", absl::StrCat("--plan-retention-count=", keep)});
+                    "--heartbeat-seconds=600", absl::StrCat("--plan-retention-count=", keep)}));
     if (!s.ok()) {
       std::fprintf(stderr, "cannot start hap-planner: %s\n", std::string(s.message()).c_str());
       return false;
@@ -428,15 +465,15 @@ int CreatesAB(const std::string& other, int rounds) {
 // The mixed reads at 1,000 in flight against OTHER (a build of an earlier
 // commit) and this build, each holding 1,000 plans, alternating 5 s runs;
 // the client reads bytes (`parse` false) or parses (true), alternating too.
-int ReadsAB(const std::string& other, int rounds) {
+int ReadsAB(const std::string& other, int rounds, int in_flight) {
   std::printf(
-      "mixed reads (GetPlan 80%%, ListPlans 20%%), 1,000 in flight, "
+      "mixed reads (GetPlan 80%%, ListPlans 20%%), %d in flight, "
       "1,000 plans, "
       "5 s per run, alternating runs\n\n"
       "| round | client | %s calls/s | p99 ms | this build calls/s | "
       "p99 ms | ratio |\n"
       "|---:|---|---:|---:|---:|---:|---:|\n",
-      other.c_str());
+      in_flight, other.c_str());
   auto a = Load(other, 1000);
   auto b = Load("", 1000);
   if (a == nullptr || b == nullptr) return 1;
@@ -449,8 +486,9 @@ int ReadsAB(const std::string& other, int rounds) {
       Loaded* second = other_first ? b.get() : a.get();
       Result* rf = other_first ? &x : &y;
       Result* rs = other_first ? &y : &x;
-      *rf = Drive(first->conns.size(), 1000, 5, ReadCall(first->conns, first->names, parse));
-      *rs = Drive(second->conns.size(), 1000, 5, ReadCall(second->conns, second->names, parse));
+      *rf = Drive(first->conns.size(), in_flight, 5, ReadCall(first->conns, first->names, parse));
+      *rs =
+          Drive(second->conns.size(), in_flight, 5, ReadCall(second->conns, second->names, parse));
       if (Errors(x) != "0" || Errors(y) != "0") {
         std::printf("errors: %s / %s\n", Errors(x).c_str(), Errors(y).c_str());
       }
@@ -476,8 +514,14 @@ int ReadsAB(const std::string& other, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   signal(SIGPIPE, SIG_IGN);
+  // --pin first (before any thread), then the mode.
+  if (argc > 1 && std::strcmp(argv[1], "--pin") == 0) {
+    if (!Pin()) return 2;
+    --argc;
+    ++argv;
+  }
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   // As hap-planner does: gRPC's locks are Abseil's, and the client's cost
   // comes out of the server's two cores.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -485,7 +529,8 @@ int main(int argc, char** argv) {
     return CreatesAB(argv[2], argc > 3 ? std::max(1, std::atoi(argv[3])) : 6);
   }
   if (argc > 2 && std::strcmp(argv[1], "--reads-ab") == 0) {
-    return ReadsAB(argv[2], argc > 3 ? std::max(1, std::atoi(argv[3])) : 4);
+    return ReadsAB(argv[2], argc > 3 ? std::max(1, std::atoi(argv[3])) : 4,
+                   argc > 4 ? std::max(1, std::atoi(argv[4])) : 1000);
   }
   // --startup-only: only the start-up row (10,000 plans).
   if (argc > 1 && std::strcmp(argv[1], "--startup-only") == 0) return StartUp(10000);

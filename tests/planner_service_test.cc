@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -721,6 +722,77 @@ TEST(PlannerLimitsTest, TheDefaultRequestLimitAdmitsA48LayerGptManyTimesOver) {
   EXPECT_LT(bytes * 16, static_cast<size_t>(service::kDefaultMaxRequestBytes));
 }
 
+// The HTTP/2 SETTINGS the planner sends a new plaintext connection
+// (setting id -> value), read from the socket after the client preface.
+std::map<int, uint32_t> ServerHttp2Settings(int port) {
+  std::map<int, uint32_t> settings;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return settings;
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  // The connection preface, then an empty SETTINGS frame (length 0, type 4).
+  const std::string hello =
+      std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string("\0\0\0\x04\0\0\0\0\0", 9);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      write(fd, hello.data(), hello.size()) != static_cast<ssize_t>(hello.size())) {
+    close(fd);
+    return settings;
+  }
+  auto read_exactly = [fd](size_t n) {
+    std::string out(n, '\0');
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = read(fd, &out[got], n - got);
+      if (r <= 0) return std::string();
+      got += r;
+    }
+    return out;
+  };
+  // Frames until the server's own SETTINGS (type 4 without the ACK flag).
+  for (int frames = 0; frames < 16; ++frames) {
+    const std::string h = read_exactly(9);
+    if (h.empty()) break;
+    const auto* u = reinterpret_cast<const unsigned char*>(h.data());
+    const size_t length = (u[0] << 16) | (u[1] << 8) | u[2];
+    const std::string payload = length > 0 ? read_exactly(length) : std::string();
+    if (length > 0 && payload.empty()) break;
+    if (u[3] != 4 || (u[4] & 1) != 0) continue;
+    const auto* p = reinterpret_cast<const unsigned char*>(payload.data());
+    for (size_t i = 0; i + 6 <= length; i += 6) {
+      settings[(p[i] << 8) | p[i + 1]] =
+          (uint32_t{p[i + 2]} << 24) | (p[i + 3] << 16) | (p[i + 4] << 8) | p[i + 5];
+    }
+    break;
+  }
+  close(fd);
+  return settings;
+}
+
+// --max-concurrent-streams bounds the calls one client connection has open
+// on the planner (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, id 3): 64 by
+// default, the flag's value when given.
+TEST(PlannerLimitsTest, EachConnectionsOpenCallsAreBounded) {
+  constexpr int kMaxConcurrentStreams = 3;
+  for (const auto& [flag, expected] :
+       std::vector<std::pair<std::string, uint32_t>>{{"", 64}, {"--max-concurrent-streams=7", 7}}) {
+    Planner p;
+    std::vector<std::string> extra;
+    if (!flag.empty()) extra.push_back(flag);
+    p.Start(testing::TempDir("streams"), extra);
+    const std::map<int, uint32_t> settings = ServerHttp2Settings(p.port);
+    ASSERT_EQ(settings.count(kMaxConcurrentStreams), 1u) << flag << ": no such setting";
+    EXPECT_EQ(settings.at(kMaxConcurrentStreams), expected) << flag;
+    // The planner still answers over gRPC.
+    v1::ListNodesResponse nodes;
+    EXPECT_TRUE(p.Stub()->ListNodes(Ctx().get(), {}, &nodes).ok()) << flag;
+    p.proc.Stop(SIGTERM);
+  }
+}
+
 // The deployment watch's flags: out-of-range values stop the planner at
 // start with the flag's name, rather than being replaced silently.
 TEST(PlannerFlagsTest, BadDeploymentWatchFlagsAreRefusedAtStart) {
@@ -729,7 +801,9 @@ TEST(PlannerFlagsTest, BadDeploymentWatchFlagsAreRefusedAtStart) {
            {"--missed-status-polls=0", "--missed-status-polls must be a positive number"},
            {"--missed-status-polls=2.5", "--missed-status-polls must be a whole number"},
            {"--status-poll-seconds=-1", "--status-poll-seconds must be a positive number"},
-           {"--max-threads=nan", "--max-threads must be a positive number"}}) {
+           {"--max-threads=nan", "--max-threads must be a positive number"},
+           {"--max-concurrent-streams=1.5", "--max-concurrent-streams must be a whole number"},
+           {"--max-concurrent-streams=-1", "--max-concurrent-streams must be a number >= 0"}}) {
     Process p;
     ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
                          "--metrics-listen=off", "--database=" + dir + "/planner.db", flag})

@@ -13,6 +13,10 @@
 //                             watches, rendezvous waits; default 256); beyond
 //                             them such calls get RESOURCE_EXHAUSTED. Reads
 //                             (Get/List) take no thread of their own.
+//   --max-concurrent-streams N  calls one client connection may have open at
+//                             once (default 64; 0 = no limit); more wait in
+//                             the client, in order. Long waits (rendezvous,
+//                             watches) count while they wait.
 //   --status-poll-seconds S   how often each rank of a running deployment is
 //                             polled, and each poll's deadline (default 1)
 //   --missed-status-polls N   polls a rank may leave unanswered in a row before
@@ -112,6 +116,13 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
     }
     return x;
   };
+  auto streams = non_negative("max-concurrent-streams", o.max_concurrent_streams);
+  if (!streams.ok()) return streams.status();
+  if (*streams != std::floor(*streams) || *streams > (1 << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-concurrent-streams must be a whole number from 0 to 2^30, got ", *streams));
+  }
+  o.max_concurrent_streams = static_cast<int>(*streams);
   auto keep_count = non_negative("plan-retention-count", o.core.plan_retention_count);
   auto keep_seconds =
       non_negative("plan-retention-seconds", absl::ToDoubleSeconds(o.core.plan_retention_age));
@@ -131,13 +142,28 @@ int main(int argc, char** argv) {
   // of the planner's CPU under read load. Tests of the core keep it.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   std::vector<std::string> args(argv + 1, argv + argc);
-  auto a = hap::tools::Args::Parse(
-      args,
-      {"listen", "advertise", "metrics-listen", "database", "token-file", "tls-cert-file",
-       "tls-key-file", "heartbeat-seconds", "missed-heartbeats", "workers", "max-seconds",
-       "node-expiry-seconds", "plan-retention-count", "plan-retention-seconds", "max-request-bytes",
-       "drain-seconds", "max-threads", "status-poll-seconds", "missed-status-polls"},
-      {"help"});
+  auto a = hap::tools::Args::Parse(args,
+                                   {"listen",
+                                    "advertise",
+                                    "metrics-listen",
+                                    "database",
+                                    "token-file",
+                                    "tls-cert-file",
+                                    "tls-key-file",
+                                    "heartbeat-seconds",
+                                    "missed-heartbeats",
+                                    "workers",
+                                    "max-seconds",
+                                    "node-expiry-seconds",
+                                    "plan-retention-count",
+                                    "plan-retention-seconds",
+                                    "max-request-bytes",
+                                    "drain-seconds",
+                                    "max-threads",
+                                    "max-concurrent-streams",
+                                    "status-poll-seconds",
+                                    "missed-status-polls"},
+                                   {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n";
     return 2;

@@ -318,6 +318,9 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   b.AddListeningPort(o.listen, creds, &m.port);
   b.SetMaxReceiveMessageSize(o.max_message_bytes);
   b.SetMaxSendMessageSize(kMaxMessageBytes);
+  if (o.max_concurrent_streams > 0) {
+    b.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
+  }
   grpc::ResourceQuota quota("hap-planner");
   quota.SetMaxThreads(std::max(4, o.max_threads));
   b.SetResourceQuota(quota);
