@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "planner/lower/op_lowering.h"
 #include "planner/lower/rank_builder.h"
 
 namespace hap::lower::internal {
@@ -85,39 +86,13 @@ absl::Status RankBuilder::OpBackward(int k, const synth::OpStep& s, const graph:
   inputs.insert(inputs.end(), dys.begin(), dys.end());
   bool any_out = std::any_of(dxs.begin(), dxs.end(), [](int x) { return x >= 0; });
   bool any_in = std::any_of(dys.begin(), dys.end(), [](int x) { return x >= 0; });
-  if (any_out && any_in && IsVocabCrossEntropy(s, op)) {
-    // softmax - onehot over this rank's classes, from the gathered
-    // log-sum-exps; the targets get no gradient.
-    auto lse = vocab_lse_.find(s.op);
-    if (lse == vocab_lse_.end()) {
-      return absl::InternalError(
-          absl::StrCat("op '", op.name, "': no gathered log-sum-exps from its forward"));
+  if (any_out && any_in) {
+    const OpLowering* hooks = FindOpLowering(op.type);
+    if (hooks != nullptr && hooks->lowers_apart != nullptr && hooks->lowers_apart(s)) {
+      HAP_RETURN_IF_ERROR(hooks->backward(*this, s, op, OpGradients{in, dys, dxs}));
+    } else {
+      OpAttrs(s, op, Kernel(B, op.type + "_grad", inputs, dxs, op.name));
     }
-    if (dxs[0] >= 0 && dys[0] >= 0) {
-      VocabAttrs(s, op,
-                 Kernel(B, "cross_entropy_sharded_grad", {in[0], in[1], lse->second, dys[0]},
-                        {dxs[0]}, op.name));
-    }
-  } else if (any_out && any_in && IsShardedBatchNorm(s, op)) {
-    auto sums = bn_sums_.find(s.op);
-    if (sums == bn_sums_.end()) {
-      return absl::InternalError(
-          absl::StrCat("op '", op.name, "': no all-reduced sums from its forward"));
-    }
-    if (dys[0] >= 0) {
-      const int64_t c = g_.tensor(op.inputs[0]).type.shape[1];
-      const int local = SumsBuffer(op.name + "#grad_sums", c);
-      const int global = SumsBuffer(op.name + "#grad_sums_all", c);
-      OpAttrs(s, op,
-              Kernel(B, "batch_norm_grad_stats", {in[0], sums->second, dys[0]}, {local}, op.name));
-      AllReduceSums(B, local, global, op.inputs[0], op.name + "#grad_sums");
-      OpAttrs(s, op,
-              Kernel(B, "batch_norm_grad_apply", {in[0], in[1], sums->second, global, dys[0]},
-                     {dxs[0], dxs[1], dxs[2]}, op.name));
-    }
-  } else if (any_out && any_in) {
-    v1::KernelCall* call = Kernel(B, op.type + "_grad", inputs, dxs, op.name);
-    OpAttrs(s, op, call);
   }
   if (sfb >= 0) HAP_RETURN_IF_ERROR(SfbBackward(k, s, op, in));
   return absl::OkStatus();

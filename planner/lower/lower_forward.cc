@@ -1,4 +1,4 @@
-// Forward: ops, batch_norm's and vocabulary-parallel cross-entropy's collectives, the loss and a
+// Forward: ops (with their families' hooks, op_lowering.h), the loss and a
 // stage's output.
 // Part of lower::internal::RankBuilder (rank_builder.h).
 
@@ -9,6 +9,7 @@
 #include "executor/runtime/random.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/op_registry.h"
+#include "planner/lower/op_lowering.h"
 #include "planner/lower/rank_builder.h"
 
 namespace hap::lower::internal {
@@ -79,95 +80,13 @@ absl::Status RankBuilder::Forward(const synth::OpStep& s) {
     fwd_[k] = id;
     out.push_back(id);
   }
-  if (IsVocabCrossEntropy(s, op)) return VocabCrossEntropy(s, op, in, out);
-  if (IsShardedBatchNorm(s, op)) {
-    ShardedBatchNorm(s, op, in, out);
+  const OpLowering* hooks = FindOpLowering(op.type);
+  if (hooks != nullptr && hooks->lowers_apart != nullptr && hooks->lowers_apart(s)) {
+    HAP_RETURN_IF_ERROR(hooks->forward(*this, s, op, in, out));
   } else {
-    v1::KernelCall* call = Kernel(F, op.type, in, out, op.name);
-    OpAttrs(s, op, call);
+    OpAttrs(s, op, Kernel(F, op.type, in, out, op.name));
   }
-  if (op.type == "batch_norm") WriteBackRunningStats(op, in);
-  return absl::OkStatus();
-}
-
-// batch_norm over a batch sharded along dimension 0 (its "data(0)" rule):
-// the per-channel sums of x and x^2 are all-reduced between its pieces,
-// so every rank normalises with the global batch's statistics
-// (executor/cpu/kernels_batch_norm.cc); backward likewise with the sums of
-// dy and dy * xhat.
-bool RankBuilder::IsShardedBatchNorm(const synth::OpStep& s, const graph::Op& op) {
-  return op.type == "batch_norm" && s.rule.inputs[0].is_sharded() && s.rule.inputs[0].dim() == 0;
-}
-
-// A replicated f64 [2, c] buffer of per-channel sums.
-int RankBuilder::SumsBuffer(const std::string& name, int64_t c) {
-  return AddBuffer(name, {2, c}, graph::DType::kFloat64, v1::Buffer::SCRATCH, Form::R().raw(),
-                   {2, c}, {0, 0});
-}
-
-void RankBuilder::AllReduceSums(v1::Step::Phase phase, int in, int out, TensorId x,
-                                const std::string& name) {
-  Coll(phase, v1::ALL_REDUCE, in, out, x)->set_tensor(name);
-}
-
-void RankBuilder::ShardedBatchNorm(const synth::OpStep& s, const graph::Op& op, std::vector<int> in,
-                                   const std::vector<int>& out) {
-  const auto F = v1::Step::FORWARD;
-  const int64_t c = g_.tensor(op.inputs[0]).type.shape[1];
-  const int local = SumsBuffer(op.name + "#sums", c);
-  const int global = SumsBuffer(op.name + "#sums_all", c);
-  OpAttrs(s, op, Kernel(F, "batch_norm_stats", {in[0]}, {local}, op.name));
-  AllReduceSums(F, local, global, op.inputs[0], op.name + "#sums");
-  in.resize(5, -1);  // running statistics absent
-  in.push_back(global);
-  OpAttrs(s, op, Kernel(F, "batch_norm_apply", in, out, op.name));
-  bn_sums_[s.op] = global;
-}
-
-// batch_norm updates its running statistics (frozen parameters) in place;
-// one stored ZeRO-sharded was updated in its gathered whole copy, so the
-// rank's shard takes its slice back.
-void RankBuilder::WriteBackRunningStats(const graph::Op& op, const std::vector<int>& in) {
-  for (size_t j = 3; j < op.inputs.size() && j < in.size(); ++j) {
-    auto shard = fwd_.find({op.inputs[j], kZeroStorage});
-    if (shard == fwd_.end() || in[j] < 0) continue;
-    SliceAttrs(Kernel(v1::Step::FORWARD, "slice", {in[j]}, {shard->second}), op.inputs[j], 0);
-  }
-}
-
-// Cross-entropy over logits sharded by class (the "vocab" rule): each
-// rank's row log-sum-exps over its classes are all-gathered, then each
-// rank computes its part of the loss (P) and, in backward, its classes'
-// gradient (executor/cpu/kernels_loss.cc).
-bool RankBuilder::IsVocabCrossEntropy(const synth::OpStep& s, const graph::Op& op) {
-  return op.type == "cross_entropy" && s.rule.name == "vocab";
-}
-
-void RankBuilder::VocabAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* k) {
-  OpAttrs(s, op, k);
-  auto& a = *k->mutable_attrs();
-  a["vocab_offset"].set_i(dims_.Layout(op.inputs[0], 1).offsets[r_]);
-  a["vocab_size"].set_i(g_.tensor(op.inputs[0]).type.shape[1]);
-  a["rank"].set_i(r_);
-  a["ranks"].set_i(o_.world_size);
-}
-
-absl::Status RankBuilder::VocabCrossEntropy(const synth::OpStep& s, const graph::Op& op,
-                                            const std::vector<int>& in,
-                                            const std::vector<int>& out) {
-  const auto F = v1::Step::FORWARD;
-  const int64_t rows = g_.tensor(op.inputs[0]).type.shape[0];
-  const int n = o_.world_size;
-  const int lse = RowBuffer(op.name + "#lse", rows, op.inputs[0]);
-  const int all = RowBuffer(op.name + "#lse_all", rows * n, op.inputs[0]);
-  VocabAttrs(s, op, Kernel(F, "cross_entropy_lse", {in[0]}, {lse}, op.name));
-  v1::CollectiveCall* c = Coll(F, v1::ALL_GATHER, lse, all, op.inputs[0]);
-  c->set_tensor(op.name + "#lse");
-  c->set_method(MethodProto(synth::Method::kPadded));
-  c->set_dim(0);
-  for (int r = 0; r < n; ++r) c->add_shard_sizes(rows);
-  VocabAttrs(s, op, Kernel(F, "cross_entropy_sharded", {in[0], in[1], all}, {out[0]}, op.name));
-  vocab_lse_[s.op] = all;
+  if (hooks != nullptr && hooks->after_forward != nullptr) hooks->after_forward(*this, op, in);
   return absl::OkStatus();
 }
 
@@ -206,13 +125,6 @@ void RankBuilder::EmitForwardComm(const synth::CommStep& c, int in, int out) {
   }
 }
 
-// The ops whose products bf16 mixed precision rounds (LowerOptions::bf16);
-// grouped convolutions have no bf16 kernels and stay float32.
-bool RankBuilder::IsBf16Product(const graph::Op& op) {
-  return op.type == "linear" || op.type == "matmul" ||
-         (op.type == "conv2d" && op.attrs.Int("groups", 1).value_or(1) == 1);
-}
-
 // Attributes for sharded execution (executor/cpu/kernels.h).
 void RankBuilder::OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* call) {
   auto& a = *call->mutable_attrs();
@@ -220,58 +132,10 @@ void RankBuilder::OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::Kerne
     if (name.rfind(graph::kAnnotationPrefix, 0) == 0) continue;
     graph::AttrToProto(v, &a[name]);
   }
-  if (o_.bf16 && IsBf16Product(op)) a["bf16"].set_b(true);
-  const graph::Shape& in0 = g_.tensor(op.inputs[0]).type.shape;
-  if (op.type == "dropout" || op.type == "drop_path") {
-    // Counter-based masks keyed by global indices (drop_path: by sample).
-    uint64_t key = executor::CounterKey(o_.seed, executor::HashName(op.name));
-    a["rng_key"].set_i(static_cast<int64_t>(key));
-    auto* gs = a["global_shape"].mutable_ints();
-    for (int64_t d : in0) gs->add_values(d);
-    auto* off = a["offsets"].mutable_ints();
-    for (int64_t d : Offsets(op.inputs[0], s.rule.inputs[0].raw())) off->add_values(d);
-  } else if (op.type == "nll_loss" || op.type == "cross_entropy") {
-    a["global_rows"].set_i(in0[0]);
-  } else if (op.type == "batch_norm") {
-    // Elements per channel of the whole batch.
-    a["global_count"].set_i(graph::NumElements(in0) / in0[1]);
-  } else if (op.type == "mean") {
-    std::vector<int64_t> axes = op.attrs.Ints("axes", {}).value_or(std::vector<int64_t>{});
-    int64_t count = 1;
-    int rank = static_cast<int>(in0.size());
-    for (int d = 0; d < rank; ++d) {
-      bool reduced = axes.empty();
-      for (int64_t x : axes) reduced = reduced || (x < 0 ? x + rank : x) == d;
-      if (reduced) count *= in0[d];
-    }
-    a["global_count"].set_i(count);
-  } else if (op.type == "moe_dispatch_idx" || op.type == "moe_combine_idx") {
-    // The compact route holds global slots; a rank holding experts
-    // [offset, offset + local) keeps theirs (executor/cpu/kernels.h).
-    const bool dispatch = op.type == "moe_dispatch_idx";
-    const TensorId experts = dispatch ? op.outputs[0] : op.inputs[0];
-    const Form f = dispatch ? s.rule.outputs[0] : s.rule.inputs[0];
-    a["experts"].set_i(g_.tensor(experts).type.shape[0]);
-    a["expert_offset"].set_i(f.is_sharded() && f.dim() == 0 ? dims_.Layout(experts, 0).offsets[r_]
-                                                            : 0);
-    // Grouped routing split by groups: this rank's run of every expert's
-    // slots, of the whole capacity.
-    a["capacity"].set_i(g_.tensor(experts).type.shape[1]);
-    a["capacity_offset"].set_i(f.is_sharded() && f.dim() == 1 ? dims_.Layout(experts, 1).offsets[r_]
-                                                              : 0);
-  } else if (op.type == "moe_route") {
-    // Grouped routing split by groups: this rank's tokens of the whole.
-    a["global_tokens"].set_i(in0[0]);
-    const Form f = s.rule.inputs[0];
-    a["token_offset"].set_i(
-        f.is_sharded() && f.dim() == 0 ? dims_.Layout(op.inputs[0], 0).offsets[r_] : 0);
-  } else if (op.type == "embedding") {
-    const graph::Shape& table = g_.tensor(op.inputs[1]).type.shape;
-    a["vocab_size"].set_i(table[0]);
-    Form tf = s.rule.inputs[1];
-    a["vocab_offset"].set_i(
-        tf.is_sharded() && tf.dim() == 0 ? dims_.Layout(op.inputs[1], 0).offsets[r_] : 0);
-  }
+  const OpLowering* hooks = FindOpLowering(op.type);
+  if (hooks == nullptr) return;
+  if (o_.bf16 && hooks->bf16_product != nullptr && hooks->bf16_product(op)) a["bf16"].set_b(true);
+  if (hooks->attrs != nullptr) hooks->attrs(*this, s, op, a);
 }
 
 absl::Status RankBuilder::Loss() {

@@ -7,8 +7,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/cost/cluster_model.h"
+#include "planner/graph/op_registry.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/arena.h"
+#include "planner/lower/op_lowering.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
 
@@ -705,6 +707,29 @@ TEST(LowerStageTest, BoundaryBuffersAndSeed) {
   range.end_op += 1;
   EXPECT_THAT(LowerStage(g, tail, range, o).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("are not a range")));
+}
+
+// The per-op hooks (op_lowering.h): each belongs to a registered op type (a
+// family that misspells a type would own none: the count drops), and a rule
+// that lowers apart has both its forward and its backward.
+TEST(OpLoweringTest, HooksBelongToRegisteredOpsAndAreComplete) {
+  std::set<std::string> hooked;
+  for (const graph::OpDef* d : graph::OpRegistry::Global().All()) {
+    const internal::OpLowering* h = internal::FindOpLowering(d->type);
+    if (h == nullptr) continue;
+    SCOPED_TRACE(d->type);
+    hooked.insert(d->type);
+    EXPECT_TRUE(h->attrs != nullptr || h->bf16_product != nullptr || h->lowers_apart != nullptr ||
+                h->after_forward != nullptr);
+    EXPECT_EQ(h->lowers_apart != nullptr, h->forward != nullptr);
+    EXPECT_EQ(h->lowers_apart != nullptr, h->backward != nullptr);
+  }
+  EXPECT_EQ(hooked,
+            (std::set<std::string>{"batch_norm", "conv2d", "cross_entropy", "drop_path", "dropout",
+                                   "embedding", "linear", "matmul", "mean", "moe_combine_idx",
+                                   "moe_dispatch_idx", "moe_route", "nll_loss"}));
+  EXPECT_EQ(internal::FindOpLowering("relu"), nullptr);
+  EXPECT_EQ(internal::FindOpLowering("no_such_op"), nullptr);
 }
 
 }  // namespace

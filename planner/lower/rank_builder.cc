@@ -138,6 +138,20 @@ int RankBuilder::Scratch(TensorId t, int8_t raw) {
   return NewBuffer(t, raw, v1::Buffer::SCRATCH, "#scratch");
 }
 
+int RankBuilder::ZeroStorage(TensorId t) const {
+  auto it = fwd_.find({t, kZeroStorage});
+  return it == fwd_.end() ? -1 : it->second;
+}
+
+absl::StatusOr<int> RankBuilder::SavedForBackward(graph::OpId op, const std::string& what) const {
+  auto it = saved_for_backward_.find(op);
+  if (it == saved_for_backward_.end()) {
+    return absl::InternalError(
+        absl::StrCat("op '", g_.op(op).name, "': no ", what, " from its forward"));
+  }
+  return it->second;
+}
+
 absl::StatusOr<int> RankBuilder::Fwd(Key k, const graph::Op& op) const {
   auto it = fwd_.find(k);
   if (it == fwd_.end()) {

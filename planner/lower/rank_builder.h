@@ -5,6 +5,8 @@
 //   lower_backward.cc        backward ops and forward collectives' transposes
 //   lower_gradient_sync.cc   gradient buckets, ZeRO, overlap's starts and waits
 //   lower_optimizer.cc       the optimizer steps
+// and op-specific lowering is in the op families' hooks (op_lowering.h,
+// lower_ops_*.cc), which build through the public part below.
 #ifndef HAP_PLANNER_LOWER_RANK_BUILDER_H_
 #define HAP_PLANNER_LOWER_RANK_BUILDER_H_
 
@@ -57,15 +59,34 @@ class RankBuilder {
 
   absl::StatusOr<v1::RankProgram> Build();
 
- private:
-  // --- buffers -----------------------------------------------------------
-  graph::Shape LocalShape(TensorId t, int8_t raw) const;
+  // --- for the per-op hooks (op_lowering.h) ---------------------------------
+  const graph::Graph& graph() const { return g_; }
+  const LowerOptions& options() const { return o_; }
+  int rank() const { return r_; }
+  // Where this rank's piece of `t` starts along `dim` when `dim` is split.
+  int64_t RankOffset(TensorId t, int dim) const { return dims_.Layout(t, dim).offsets[r_]; }
   std::vector<int64_t> Offsets(TensorId t, int8_t raw) const;
-  int NewBuffer(TensorId t, int8_t raw, v1::Buffer::Role role, const std::string& suffix = "");
   int RowBuffer(const std::string& name, int64_t n, TensorId like);
   int AddBuffer(const std::string& name, const std::vector<int64_t>& shape, graph::DType dtype,
                 v1::Buffer::Role role, int8_t raw, const std::vector<int64_t>& global_shape,
                 const std::vector<int64_t>& offsets);
+  // The ZeRO shard a parameter is stored in on this rank, -1 if none.
+  int ZeroStorage(TensorId t) const;
+  v1::KernelCall* Kernel(v1::Step::Phase phase, const std::string& name, const std::vector<int>& in,
+                         const std::vector<int>& out, const std::string& op = "");
+  v1::CollectiveCall* Coll(v1::Step::Phase phase, v1::Collective kind, int in, int out, TensorId t);
+  void SliceAttrs(v1::KernelCall* k, TensorId t, int dim);
+  // The op's attributes and its hooks' (OpLowering::attrs) on `call`.
+  void OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* call);
+  // A buffer an op's forward leaves for its backward (one per op).
+  void SaveForBackward(graph::OpId op, int buffer) { saved_for_backward_[op] = buffer; }
+  // Internal error naming the op and `what` when its forward saved none.
+  absl::StatusOr<int> SavedForBackward(graph::OpId op, const std::string& what) const;
+
+ private:
+  // --- buffers -----------------------------------------------------------
+  graph::Shape LocalShape(TensorId t, int8_t raw) const;
+  int NewBuffer(TensorId t, int8_t raw, v1::Buffer::Role role, const std::string& suffix = "");
   int Scratch(TensorId t, int8_t raw);
 
   absl::StatusOr<int> Fwd(Key k, const graph::Op& op) const;
@@ -81,34 +102,14 @@ class RankBuilder {
 
   // --- steps -------------------------------------------------------------
   void Use(int id, int step);
-  v1::KernelCall* Kernel(v1::Step::Phase phase, const std::string& name, const std::vector<int>& in,
-                         const std::vector<int>& out, const std::string& op = "");
   void Fill(v1::Step::Phase phase, int id, double value);
-  v1::CollectiveCall* Coll(v1::Step::Phase phase, v1::Collective kind, int in, int out, TensorId t);
   v1::CollectiveCall* Sharded(v1::Step::Phase phase, v1::Collective kind, synth::Method m, int in,
                               int out, TensorId t, int dim);
-  void SliceAttrs(v1::KernelCall* k, TensorId t, int dim);
 
   // --- forward -----------------------------------------------------------
   absl::Status Forward(const synth::OpStep& s);
 
-  static bool IsShardedBatchNorm(const synth::OpStep& s, const graph::Op& op);
-  int SumsBuffer(const std::string& name, int64_t c);
-  void AllReduceSums(v1::Step::Phase phase, int in, int out, TensorId x, const std::string& name);
-  void ShardedBatchNorm(const synth::OpStep& s, const graph::Op& op, std::vector<int> in,
-                        const std::vector<int>& out);
-  void WriteBackRunningStats(const graph::Op& op, const std::vector<int>& in);
-
-  static bool IsVocabCrossEntropy(const synth::OpStep& s, const graph::Op& op);
-  void VocabAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* k);
-  absl::Status VocabCrossEntropy(const synth::OpStep& s, const graph::Op& op,
-                                 const std::vector<int>& in, const std::vector<int>& out);
-
   void EmitForwardComm(const synth::CommStep& c, int in, int out);
-
-  static bool IsBf16Product(const graph::Op& op);
-
-  void OpAttrs(const synth::OpStep& s, const graph::Op& op, v1::KernelCall* call);
 
   absl::Status Loss();
 
@@ -216,8 +217,7 @@ class RankBuilder {
   std::map<Key, int> fwd_, grad_;
   std::map<Key, std::pair<int, synth::Method>> zero_gathered_;  // -> shard
   std::map<Key, int> regathered_;
-  std::map<graph::OpId, int> vocab_lse_;  // gathered log-sum-exps per op
-  std::map<graph::OpId, int> bn_sums_;    // all-reduced batch_norm sums per op
+  std::map<graph::OpId, int> saved_for_backward_;  // SaveForBackward
   std::vector<int> first_, last_;
   std::vector<ParamSlot> params_;
 };
