@@ -42,6 +42,7 @@
 #include "common/status_macros.h"
 #include "executor/comm/communicator.h"
 #include "executor/cuda/cuda_device.h"
+#include "executor/cuda/cuda_status.h"
 #include "executor/cuda/nccl_communicator.h"
 #include "executor/data/batches.h"
 #include "executor/runtime/program_runner.h"
@@ -55,15 +56,10 @@ using hap::executor::Device;
 using hap::executor::TensorView;
 using hap::graph::DType;
 
-absl::Status Cuda(cudaError_t e, const char* expr) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(expr, ": ", cudaGetErrorString(e)));
-}
 absl::Status Cublas(cublasStatus_t s, const char* expr) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(expr, ": cuBLAS status ", static_cast<int>(s)));
 }
-#define CUDA_OK(expr) HAP_RETURN_IF_ERROR(Cuda((expr), #expr))
 #define CUBLAS_OK(expr) HAP_RETURN_IF_ERROR(Cublas((expr), #expr))
 
 struct Flags {
@@ -130,16 +126,16 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
 absl::StatusOr<double> TimeOnStream(cudaStream_t stream, int iters,
                                     const std::function<absl::Status()>& fn) {
   for (int i = 0; i < 3; ++i) HAP_RETURN_IF_ERROR(fn());
-  CUDA_OK(cudaStreamSynchronize(stream));
+  HAP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "gpu_bench");
   cudaEvent_t start, stop;
-  CUDA_OK(cudaEventCreate(&start));
-  CUDA_OK(cudaEventCreate(&stop));
-  CUDA_OK(cudaEventRecord(start, stream));
+  HAP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start), "gpu_bench");
+  HAP_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop), "gpu_bench");
+  HAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream), "gpu_bench");
   for (int i = 0; i < iters; ++i) HAP_RETURN_IF_ERROR(fn());
-  CUDA_OK(cudaEventRecord(stop, stream));
-  CUDA_OK(cudaEventSynchronize(stop));
+  HAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream), "gpu_bench");
+  HAP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop), "gpu_bench");
   float ms = 0;
-  CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+  HAP_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop), "gpu_bench");
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return ms / 1e3 / iters;
@@ -157,9 +153,9 @@ absl::Status Gemm(const Flags& f) {
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev, hap::executor::NewCudaDevice(f.device, exact));
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<Device> dev_tf32,
                        hap::executor::NewCudaDevice(f.device, tf32));
-  CUDA_OK(cudaSetDevice(f.device));
+  HAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(f.device), "gpu_bench");
   cudaStream_t stream;
-  CUDA_OK(cudaStreamCreate(&stream));
+  HAP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream), "gpu_bench");
   cublasHandle_t h;
   CUBLAS_OK(cublasCreate(&h));
   CUBLAS_OK(cublasSetStream(h, stream));
@@ -232,10 +228,10 @@ absl::Status Gemm(const Flags& f) {
     // bf16 inputs, fp32 accumulation: the dense tensor-core peak. The bf16
     // copies are made once; their values do not matter for the time.
     void *xb = nullptr, *wb = nullptr;
-    CUDA_OK(cudaMalloc(&xb, m * k * 2));
-    CUDA_OK(cudaMalloc(&wb, n * k * 2));
-    CUDA_OK(cudaMemset(xb, 0x3c, m * k * 2));
-    CUDA_OK(cudaMemset(wb, 0x3c, n * k * 2));
+    HAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&xb, m * k * 2), "gpu_bench");
+    HAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&wb, n * k * 2), "gpu_bench");
+    HAP_CUDA_RETURN_IF_ERROR(cudaMemset(xb, 0x3c, m * k * 2), "gpu_bench");
+    HAP_CUDA_RETURN_IF_ERROR(cudaMemset(wb, 0x3c, n * k * 2), "gpu_bench");
     HAP_ASSIGN_OR_RETURN(double bf16s, TimeOnStream(stream, f.iters, [&] {
                            return Cublas(
                                cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, wb,
@@ -244,7 +240,7 @@ absl::Status Gemm(const Flags& f) {
                                "cublasGemmEx bf16");
                          }));
     Report(shape, "cublas_gemmex_bf16", bf16s, flops);
-    CUDA_OK(cudaStreamSynchronize(stream));
+    HAP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "gpu_bench");
     cudaFree(xb);
     cudaFree(wb);
     dev->Free(x.data);

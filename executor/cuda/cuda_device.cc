@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "executor/cuda/box_copy.h"
 #include "executor/cuda/caching_allocator.h"
+#include "executor/cuda/cuda_status.h"
 #include "executor/cuda/kernels_internal.h"
 #include "executor/cuda/launch_runtime.h"
 
@@ -24,18 +25,6 @@ namespace {
 
 using cuda::CachingAllocator;
 using cuda::KernelTable;
-
-absl::Status CudaError(cudaError_t e, absl::string_view call,
-                       absl::string_view context) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(context, ": ", call, " failed: ",
-                                          cudaGetErrorName(e), " (",
-                                          cudaGetErrorString(e), ")"));
-}
-
-// `expr` (a cudaError_t) as a status naming the call.
-#define HAP_CUDA_CHECK(expr, context) \
-  HAP_RETURN_IF_ERROR(CudaError((expr), #expr, (context)))
 
 const KernelTable& Table() {
   static const KernelTable* table = [] {
@@ -63,8 +52,8 @@ class DeviceScope {
   explicit DeviceScope(int ordinal) {
     if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
     if (previous_ != ordinal) {
-      status_ = CudaError(cudaSetDevice(ordinal), "cudaSetDevice",
-                          absl::StrCat("cuda:", ordinal));
+      status_ =
+          cuda::CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice", absl::StrCat("cuda:", ordinal));
     } else {
       previous_ = -1;  // nothing to restore
     }
@@ -166,8 +155,7 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(
   if (!scope.status().ok()) {
     return absl::UnavailableError(std::string(scope.status().message()));
   }
-  HAP_CUDA_CHECK(cudaStreamCreateWithFlags(&d->stream_, cudaStreamNonBlocking),
-                 ctx);
+  HAP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&d->stream_, cudaStreamNonBlocking), ctx);
   cublasStatus_t s = cublasCreate(&d->cublas_);
   if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetStream(d->cublas_, d->stream_);
   if (s == CUBLAS_STATUS_SUCCESS) {
@@ -182,7 +170,7 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(
   int64_t limit = options.memory_limit_bytes;
   if (limit <= 0) {
     size_t free_bytes = 0, total_bytes = 0;
-    HAP_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), ctx);
+    HAP_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), ctx);
     limit = static_cast<int64_t>(total_bytes);
   }
   const int dev = ordinal;
@@ -208,10 +196,9 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(
   };
   d->allocator_ =
       std::make_unique<CachingAllocator>(std::move(backend), limit, ctx);
-  HAP_CUDA_CHECK(cudaMalloc(&d->fault_word_, sizeof(int)), ctx);
-  HAP_CUDA_CHECK(cudaMemsetAsync(d->fault_word_, 0, sizeof(int), d->stream_),
-                 ctx);
-  HAP_CUDA_CHECK(cudaStreamSynchronize(d->stream_), ctx);
+  HAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&d->fault_word_, sizeof(int)), ctx);
+  HAP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d->fault_word_, 0, sizeof(int), d->stream_), ctx);
+  HAP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d->stream_), ctx);
   return d;
 }
 
@@ -233,15 +220,14 @@ absl::Status CudaDevice::CopyFromHost(const void* src, TensorView dst) {
   HAP_DEVICE_SCOPE();
   const std::string ctx = absl::StrCat(name_, ": copy of ", dst.bytes(),
                                        " bytes from the host");
-  HAP_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, dst.bytes(),
-                                 cudaMemcpyHostToDevice, stream_),
-                 ctx);
+  HAP_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyHostToDevice, stream_), ctx);
   // From pageable memory the call returns once `src` is staged; from pinned
   // memory the copy is asynchronous, so wait: the caller may reuse `src`.
   cudaPointerAttributes attr;
   if (cudaPointerGetAttributes(&attr, src) == cudaSuccess &&
       attr.type == cudaMemoryTypeHost) {
-    HAP_CUDA_CHECK(cudaStreamSynchronize(stream_), ctx);
+    HAP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), ctx);
   }
   cudaGetLastError();  // cudaPointerGetAttributes may leave an error behind
   return absl::OkStatus();
@@ -250,10 +236,9 @@ absl::Status CudaDevice::CopyFromHost(const void* src, TensorView dst) {
 absl::Status CudaDevice::CopyToHost(TensorView src, void* dst) {
   HAP_DEVICE_SCOPE();
   if (src.bytes() > 0) {
-    HAP_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, src.bytes(),
-                                   cudaMemcpyDeviceToHost, stream_),
-                   absl::StrCat(name_, ": copy of ", src.bytes(),
-                                " bytes to the host"));
+    HAP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_),
+        absl::StrCat(name_, ": copy of ", src.bytes(), " bytes to the host"));
   }
   return SyncAndCheckFault();
 }
@@ -264,7 +249,7 @@ absl::Status CudaDevice::Fill(TensorView dst, double value) {
   HAP_DEVICE_SCOPE();
   const std::string ctx = absl::StrCat(name_, ": fill");
   if (value == 0 && !std::signbit(value)) {  // every dtype's zero is all-zero bits
-    HAP_CUDA_CHECK(cudaMemsetAsync(dst.data, 0, dst.bytes(), stream_), ctx);
+    HAP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst.data, 0, dst.bytes(), stream_), ctx);
     return absl::OkStatus();
   }
   switch (dst.dtype) {
@@ -287,7 +272,7 @@ absl::Status CudaDevice::Fill(TensorView dst, double value) {
       return absl::UnimplementedError(absl::StrCat(
           "fill of ", graph::DTypeName(dst.dtype), " on ", name_));
   }
-  HAP_CUDA_CHECK(cudaGetLastError(), ctx);
+  HAP_CUDA_RETURN_IF_ERROR(cudaGetLastError(), ctx);
   return absl::OkStatus();
 }
 
@@ -301,7 +286,7 @@ absl::Status CudaDevice::Convert(TensorView src, TensorView dst) {
   } else {
     cuda::LaunchFromBf16(static_cast<const uint16_t*>(src.data), dst.as<float>(), n, stream_);
   }
-  HAP_CUDA_CHECK(cudaGetLastError(), absl::StrCat(name_, ": convert"));
+  HAP_CUDA_RETURN_IF_ERROR(cudaGetLastError(), absl::StrCat(name_, ": convert"));
   return absl::OkStatus();
 }
 
@@ -318,7 +303,7 @@ absl::Status CudaDevice::CopyBox(TensorView src,
   cuda::LaunchCopyBox(plan.box,
                       static_cast<const char*>(src.data) + plan.src_offset,
                       static_cast<char*>(dst.data) + plan.dst_offset, stream_);
-  HAP_CUDA_CHECK(cudaGetLastError(), absl::StrCat(name_, ": copy box"));
+  HAP_CUDA_RETURN_IF_ERROR(cudaGetLastError(), absl::StrCat(name_, ": copy box"));
   return absl::OkStatus();
 }
 
@@ -355,16 +340,15 @@ absl::Status CudaDevice::SyncAndCheckFault() {
   // The fault word, read behind every queued kernel; an asynchronous error
   // of one of them surfaces here too.
   int code = 0;
-  HAP_CUDA_CHECK(cudaMemcpyAsync(&code, fault_word_, sizeof(int),
-                                 cudaMemcpyDeviceToHost, stream_),
-                 absl::StrCat(name_, ": synchronize"));
-  HAP_CUDA_CHECK(cudaStreamSynchronize(stream_),
-                 absl::StrCat(name_, ": synchronize"));
+  HAP_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&code, fault_word_, sizeof(int), cudaMemcpyDeviceToHost, stream_),
+      absl::StrCat(name_, ": synchronize"));
+  HAP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), absl::StrCat(name_, ": synchronize"));
   std::vector<const std::string*> kernels = std::move(fault_kernels_);
   fault_kernels_.clear();
   if (code == 0) return absl::OkStatus();
-  HAP_CUDA_CHECK(cudaMemsetAsync(fault_word_, 0, sizeof(int), stream_),
-                 absl::StrCat(name_, ": clearing the fault word"));
+  HAP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fault_word_, 0, sizeof(int), stream_),
+                           absl::StrCat(name_, ": clearing the fault word"));
   const std::string kernel =
       code >= 1 && code <= static_cast<int>(kernels.size())
           ? absl::StrCat("'", *kernels[code - 1], "'")
@@ -420,7 +404,7 @@ absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(
     int ordinal, const CudaDeviceOptions& options) {
   HAP_RETURN_IF_ERROR(CudaAvailable());
   int count = 0;
-  HAP_CUDA_CHECK(cudaGetDeviceCount(&count), "NewCudaDevice");
+  HAP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "NewCudaDevice");
   if (ordinal < 0 || ordinal >= count) {
     return absl::InvalidArgumentError(absl::StrCat(
         "CUDA device ordinal ", ordinal, " is out of range: ", count,

@@ -36,11 +36,7 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
     for (int64_t i = 0; i < batch; ++i) {
       cudaError_t e = cudaMemset2DAsync(pc + i * sc, ldc * sizeof(T), 0,
                                         n * sizeof(T), m, a.stream);
-      if (e != cudaSuccess) {
-        return absl::InternalError(
-            absl::StrCat("CUDA kernel '", a.name, "': cudaMemset2DAsync: ",
-                         cudaGetErrorString(e)));
-      }
+      HAP_RETURN_IF_ERROR(KernelCudaStatus(a, e, "cudaMemset2DAsync"));
     }
     return absl::OkStatus();
   }

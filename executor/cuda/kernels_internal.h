@@ -74,6 +74,10 @@ void RegisterLstmKernels(KernelTable& t);           // lstm
 // OK, or Internal naming the kernel and the CUDA error of the last launch.
 absl::Status CheckLaunch(const KernelArgs& a);
 
+// `call`'s result inside kernel `a` (cuda_status.h's CudaStatus, naming the
+// kernel).
+absl::Status KernelCudaStatus(const KernelArgs& a, cudaError_t e, absl::string_view call);
+
 }  // namespace hap::executor::cuda
 
 #endif  // HAP_EXECUTOR_CUDA_KERNELS_INTERNAL_H_

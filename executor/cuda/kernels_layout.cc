@@ -84,11 +84,7 @@ absl::Status ReshapeForward(const KernelArgs& a) {
     const cudaError_t e =
         cudaMemcpyAsync(a.out[0].data, a.in[0].data, a.in[0].bytes(),
                         cudaMemcpyDeviceToDevice, a.stream);
-    if (e != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("kernel '", a.name,
-                       "': device copy failed: ", cudaGetErrorString(e)));
-    }
+    HAP_RETURN_IF_ERROR(KernelCudaStatus(a, e, "cudaMemcpyAsync"));
   }
   return absl::OkStatus();
 }
@@ -380,10 +376,7 @@ absl::Status EmbeddingBackward(const KernelArgs& a) {
           : LaunchEmbeddingGrad<T, int32_t>(
                 g.x(0).as<const int32_t>(), e.n, dy, e.rows, e.d, e.offset,
                 e.vocab, dtable, scratch, bytes, Fault(a), a.stream);
-  if (err != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat("kernel '", a.name, "': ", cudaGetErrorString(err)));
-  }
+  HAP_RETURN_IF_ERROR(KernelCudaStatus(a, err, "LaunchEmbeddingGrad"));
   return CheckLaunch(a);
 }
 

@@ -12,19 +12,12 @@
 namespace hap::executor::cuda {
 namespace {
 
-absl::Status CudaCall(const KernelArgs& a, cudaError_t e, const char* call) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("CUDA kernel '", a.name, "': ", call,
-                                          " failed: ", cudaGetErrorString(e)));
-}
-
 absl::Status FillZero(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckArity(CpuArgs(a), 0, 0, 1));
   if (!a.out[0].present()) return Invalid(a, "output 0 is absent");
   if (a.out[0].bytes() == 0) return absl::OkStatus();
-  return CudaCall(a,
-                  cudaMemsetAsync(a.out[0].data, 0, a.out[0].bytes(), a.stream),
-                  "cudaMemsetAsync");
+  return KernelCudaStatus(a, cudaMemsetAsync(a.out[0].data, 0, a.out[0].bytes(), a.stream),
+                          "cudaMemsetAsync");
 }
 
 // Input 0 and output 0 present, of one dtype and element count.
@@ -46,10 +39,10 @@ absl::Status Copy(const KernelArgs& a) {
   if (a.out[0].data == a.in[0].data || a.in[0].bytes() == 0) {
     return absl::OkStatus();
   }
-  return CudaCall(a,
-                  cudaMemcpyAsync(a.out[0].data, a.in[0].data, a.in[0].bytes(),
-                                  cudaMemcpyDeviceToDevice, a.stream),
-                  "cudaMemcpyAsync");
+  return KernelCudaStatus(a,
+                          cudaMemcpyAsync(a.out[0].data, a.in[0].data, a.in[0].bytes(),
+                                          cudaMemcpyDeviceToDevice, a.stream),
+                          "cudaMemcpyAsync");
 }
 
 template <typename T>

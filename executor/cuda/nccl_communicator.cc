@@ -27,16 +27,13 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "executor/cuda/cuda_device.h"
+#include "executor/cuda/cuda_status.h"
 
 namespace hap::executor {
 namespace {
 
-absl::Status CudaStatus(cudaError_t e, const char* expr, int line) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("CUDA error ", cudaGetErrorName(e), " (",
-                                          cudaGetErrorString(e), ") in ", expr,
-                                          " at nccl_communicator.cc:", line));
-}
+// What a failed CUDA call's status says was being done.
+constexpr char kCudaContext[] = "NCCL communicator";
 
 // NCCL's result as a status. Remote and system failures (a peer that died,
 // a socket that closed) are Unavailable; everything else is Internal, since
@@ -58,7 +55,6 @@ absl::Status NcclStatus(ncclResult_t r, const char* expr, int line, ncclComm_t c
   return absl::InternalError(msg);
 }
 
-#define HAP_CUDA(expr) HAP_RETURN_IF_ERROR(CudaStatus((expr), #expr, __LINE__))
 #define HAP_NCCL(expr, comm) HAP_RETURN_IF_ERROR(NcclStatus((expr), #expr, __LINE__, (comm)))
 
 // Polls `done` until it returns true, yielding first and then sleeping, so a
@@ -139,12 +135,15 @@ class NcclCommunicator : public Communicator {
 
   // Streams, events and the barrier's element; called once before use.
   absl::Status Init() {
-    HAP_CUDA(cudaSetDevice(ordinal_));
-    HAP_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    HAP_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    HAP_CUDA(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    HAP_CUDA(cudaMalloc(&one_, sizeof(float)));
-    HAP_CUDA(cudaMemset(one_, 0, sizeof(float)));
+    HAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_), kCudaContext);
+    HAP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                             kCudaContext);
+    HAP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming),
+                             kCudaContext);
+    HAP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming),
+                             kCudaContext);
+    HAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&one_, sizeof(float)), kCudaContext);
+    HAP_CUDA_RETURN_IF_ERROR(cudaMemset(one_, 0, sizeof(float)), kCudaContext);
     return absl::OkStatus();
   }
 
@@ -233,8 +232,9 @@ class NcclCommunicator : public Communicator {
     HAP_ASSIGN_OR_RETURN(char* recv, Scratch(1, m * es * size_));
     return Run("all-gather (padded)", [&]() -> absl::Status {
       if (counts[rank_] > 0) {
-        HAP_CUDA(
-            cudaMemcpyAsync(send, in.data, counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_));
+        HAP_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(send, in.data, counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_),
+            kCudaContext);
       }
       HAP_RETURN_IF_ERROR(Group([&]() -> absl::Status {
         HAP_NCCL(ncclAllGather(send, recv, m * es, ncclUint8, comm_, stream_), comm_);
@@ -242,8 +242,9 @@ class NcclCommunicator : public Communicator {
       }));
       for (int r = 0; r < size_; ++r) {
         if (counts[r] == 0) continue;
-        HAP_CUDA(cudaMemcpyAsync(At(out, off[r]), recv + r * m * es, counts[r] * es,
-                                 cudaMemcpyDeviceToDevice, stream_));
+        HAP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(out, off[r]), recv + r * m * es, counts[r] * es,
+                                                 cudaMemcpyDeviceToDevice, stream_),
+                                 kCudaContext);
       }
       return absl::OkStatus();
     });
@@ -291,19 +292,21 @@ class NcclCommunicator : public Communicator {
     HAP_ASSIGN_OR_RETURN(char* send, Scratch(0, m * es * size_));
     HAP_ASSIGN_OR_RETURN(char* recv, Scratch(1, m * es));
     return Run("reduce-scatter (padded)", [&]() -> absl::Status {
-      HAP_CUDA(cudaMemsetAsync(send, 0, m * es * size_, stream_));
+      HAP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(send, 0, m * es * size_, stream_), kCudaContext);
       for (int r = 0; r < size_; ++r) {
         if (counts[r] == 0) continue;
-        HAP_CUDA(cudaMemcpyAsync(send + r * m * es, At(in, off[r]), counts[r] * es,
-                                 cudaMemcpyDeviceToDevice, stream_));
+        HAP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(send + r * m * es, At(in, off[r]), counts[r] * es,
+                                                 cudaMemcpyDeviceToDevice, stream_),
+                                 kCudaContext);
       }
       HAP_RETURN_IF_ERROR(Group([&]() -> absl::Status {
         HAP_NCCL(ncclReduceScatter(send, recv, m, type, ncclSum, comm_, stream_), comm_);
         return absl::OkStatus();
       }));
       if (counts[rank_] > 0) {
-        HAP_CUDA(
-            cudaMemcpyAsync(out.data, recv, counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_));
+        HAP_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(out.data, recv, counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_),
+            kCudaContext);
       }
       return absl::OkStatus();
     });
@@ -325,8 +328,10 @@ class NcclCommunicator : public Communicator {
     const std::vector<int64_t> soff = Offsets(send_counts), roff = Offsets(recv_counts);
     return Run("all-to-all", [&]() -> absl::Status {
       if (send_counts[rank_] > 0) {  // this rank's own chunk: a copy
-        HAP_CUDA(cudaMemcpyAsync(At(out, roff[rank_]), At(in, soff[rank_]), send_counts[rank_] * es,
-                                 cudaMemcpyDeviceToDevice, stream_));
+        HAP_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(At(out, roff[rank_]), At(in, soff[rank_]), send_counts[rank_] * es,
+                            cudaMemcpyDeviceToDevice, stream_),
+            kCudaContext);
       }
       return Group([&]() -> absl::Status {
         for (int j = 0; j < size_; ++j) {
@@ -527,8 +532,9 @@ class NcclCommunicator : public Communicator {
   // does not fit (before any traffic: the communicator stays usable).
   absl::StatusOr<char*> Scratch(int which, int64_t bytes) {
     if (bytes <= scratch_size_[which]) return static_cast<char*>(scratch_[which]);
-    HAP_CUDA(cudaSetDevice(ordinal_));
-    if (scratch_[which] != nullptr) HAP_CUDA(cudaFree(scratch_[which]));
+    HAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_), kCudaContext);
+    if (scratch_[which] != nullptr)
+      HAP_CUDA_RETURN_IF_ERROR(cudaFree(scratch_[which]), kCudaContext);
     scratch_[which] = nullptr;
     scratch_size_[which] = 0;
     cudaError_t e = cudaMalloc(&scratch_[which], bytes);
@@ -573,7 +579,7 @@ class NcclCommunicator : public Communicator {
     while (true) {
       cudaError_t e = cudaEventQuery(done_);
       if (e == cudaSuccess) break;
-      if (e != cudaErrorNotReady) HAP_CUDA(e);
+      if (e != cudaErrorNotReady) return cuda::CudaStatus(e, "cudaEventQuery(done_)", kCudaContext);
       ncclResult_t state = ncclSuccess;
       HAP_NCCL(ncclCommGetAsyncError(comm_, &state), comm_);
       if (state != ncclSuccess && state != ncclInProgress) {
@@ -601,12 +607,13 @@ class NcclCommunicator : public Communicator {
   absl::Status Run(const std::string& what, const std::function<absl::Status()>& queue) {
     deadline_ = absl::Now() + timeout_;
     absl::Status s = [&]() -> absl::Status {
-      HAP_CUDA(cudaSetDevice(ordinal_));
-      HAP_CUDA(cudaEventRecord(ready_, compute_));
-      HAP_CUDA(cudaStreamWaitEvent(stream_, ready_, 0));
+      HAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_), kCudaContext);
+      HAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ready_, compute_), kCudaContext);
+      HAP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ready_, 0), kCudaContext);
       HAP_RETURN_IF_ERROR(queue());
-      HAP_CUDA(cudaEventRecord(done_, stream_));
-      if (order_compute_after_) HAP_CUDA(cudaStreamWaitEvent(compute_, done_, 0));
+      HAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream_), kCudaContext);
+      if (order_compute_after_)
+        HAP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, done_, 0), kCudaContext);
       return WaitForCompletion();
     }();
     if (s.ok()) return s;
@@ -662,7 +669,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(const NcclOptions& o,
       absl::StrCat("connecting rank ", o.rank, " of ", o.size, " over NCCL on GPU ", ordinal);
   const absl::Time deadline = absl::Now() + o.timeout;
   absl::StatusOr<ncclComm_t> comm = [&]() -> absl::StatusOr<ncclComm_t> {
-    HAP_CUDA(cudaSetDevice(ordinal));
+    HAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal), kCudaContext);
     ncclUniqueId id;
     const std::string key = absl::StrCat(o.prefix, "/nccl-unique-id");
     if (o.rank == 0) {
