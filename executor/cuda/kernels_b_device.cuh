@@ -1,6 +1,6 @@
 // Internal to executor/cuda: device helpers shared by the layout,
-// normalization, convolution and MoE kernels (.cu files only): grid-stride
-// loops, launch sizes, block-wide reductions, the accumulation type.
+// normalization, convolution and MoE kernels (.cu files only): block-wide
+// reductions, the accumulation type, and (grid.cuh) launch sizes.
 #ifndef HAP_EXECUTOR_CUDA_KERNELS_B_DEVICE_CUH_
 #define HAP_EXECUTOR_CUDA_KERNELS_B_DEVICE_CUH_
 
@@ -9,27 +9,9 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
+#include "executor/cuda/grid.cuh"
+
 namespace hap::executor::cuda::dev {
-
-// Threads per block of the element-wise kernels.
-inline constexpr int kThreads = 256;
-// Blocks at most per launch of a grid-stride kernel.
-inline constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-
-__device__ inline int64_t GridStart() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ inline int64_t GridStep() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-// Blocks for n items at `per_block` items a block (at least 1).
-inline unsigned BlocksFor(int64_t n, int64_t per_block) {
-  int64_t b = (n + per_block - 1) / per_block;
-  if (b < 1) b = 1;
-  if (b > kMaxBlocks) b = kMaxBlocks;
-  return static_cast<unsigned>(b);
-}
 
 // Accumulation type: float sums in float, double in double.
 template <typename T>

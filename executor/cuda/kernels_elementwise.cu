@@ -4,25 +4,15 @@
 #include <cstdint>
 
 #include "executor/cuda/launch_elementwise.h"
+#include "executor/cuda/grid.cuh"
 
 namespace hap::executor::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-unsigned Blocks(int64_t n) {
-  int64_t b = (n + kThreads - 1) / kThreads;
-  if (b < 1) b = 1;
-  if (b > 65535LL * 16) b = 65535LL * 16;
-  return static_cast<unsigned>(b);
-}
-
-__device__ inline int64_t GridStart() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ inline int64_t GridStep() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
+using dev::BlocksFor;
+using dev::GridStart;
+using dev::GridStep;
+using dev::kThreads;
 
 __device__ inline float Exp(float x) { return expf(x); }
 __device__ inline double Exp(double x) { return exp(x); }
@@ -219,13 +209,13 @@ __global__ void ReduceCombineKernel(ReduceSpace s, ReduceSplit split,
 
 template <typename T, Activation A>
 void ActivationAs(const T* x, T* y, int64_t n, cudaStream_t stream) {
-  ActivationKernel<A, T><<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
+  ActivationKernel<A, T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, y, n);
 }
 
 template <typename T, Activation A>
 void ActivationGradAs(const T* x, const T* y, const T* dy, T* dx, int64_t n,
                       cudaStream_t stream) {
-  ActivationGradKernel<A, T><<<Blocks(n), kThreads, 0, stream>>>(x, y, dy, dx, n);
+  ActivationGradKernel<A, T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, y, dy, dx, n);
 }
 
 }  // namespace
@@ -284,14 +274,14 @@ template <typename T>
 void LaunchScale(T factor, const T* in, T* out, int64_t n, bool accumulate,
                  cudaStream_t stream) {
   if (n <= 0) return;
-  ScaleKernel<T><<<Blocks(n), kThreads, 0, stream>>>(factor, in, out, n, accumulate);
+  ScaleKernel<T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(factor, in, out, n, accumulate);
 }
 
 template <typename T>
 void LaunchDropout(const DropoutMask& mask, T scale, const T* in, T* out,
                    int64_t n, bool accumulate, cudaStream_t stream) {
   if (n <= 0) return;
-  DropoutKernel<T><<<Blocks(n), kThreads, 0, stream>>>(mask, scale, in, out, n,
+  DropoutKernel<T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(mask, scale, in, out, n,
                                                        accumulate);
 }
 
@@ -299,7 +289,7 @@ template <typename T>
 void LaunchBinary(BinaryOp op, const StridedSpace& space, const T* p,
                   const T* q, T* out, cudaStream_t stream) {
   if (space.count <= 0) return;
-  const unsigned blocks = Blocks(space.count);
+  const unsigned blocks = BlocksFor(space.count, kThreads);
   switch (op) {
     case BinaryOp::kAdd:
       BinaryKernel<BinaryOp::kAdd, T><<<blocks, kThreads, 0, stream>>>(space, p, q, out);
@@ -325,7 +315,7 @@ void LaunchReduce(const ReduceSpace& space, const T* a, const T* b,
                     static_cast<unsigned>(outs));
     ReducePartialKernel<T><<<grid, kThreads, 0, stream>>>(space, split, a, b,
                                                           scratch);
-    ReduceCombineKernel<T><<<Blocks(outs), kThreads, 0, stream>>>(
+    ReduceCombineKernel<T><<<BlocksFor(outs, kThreads), kThreads, 0, stream>>>(
         space, split, scratch, scale, out, accumulate);
     return;
   }
@@ -341,7 +331,7 @@ void LaunchReduce(const ReduceSpace& space, const T* a, const T* b,
     ReduceBlockKernel<T><<<blocks, kThreads, 0, stream>>>(space, a, b, scale,
                                                           out, accumulate);
   } else {
-    ReduceThreadKernel<T><<<Blocks(outs), kThreads, 0, stream>>>(
+    ReduceThreadKernel<T><<<BlocksFor(outs, kThreads), kThreads, 0, stream>>>(
         space, a, b, scale, out, accumulate);
   }
 }

@@ -4,11 +4,13 @@
 #include <cstdint>
 
 #include "executor/cuda/launch_loss.h"
+#include "executor/cuda/grid.cuh"
 
 namespace hap::executor::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using dev::BlocksFor;
+using dev::kThreads;
 
 __device__ inline float Exp(float x) { return expf(x); }
 __device__ inline double Exp(double x) { return exp(x); }
@@ -189,10 +191,6 @@ __global__ void ShardedGradKernel(ShardedLossShape s, const T* x,
   }
 }
 
-unsigned RowBlocks(int64_t rows) {
-  return static_cast<unsigned>(rows < 65535LL * 16 ? rows : 65535LL * 16);
-}
-
 }  // namespace
 
 template <typename T, typename I>
@@ -200,7 +198,7 @@ void LaunchLossForward(bool logits, const LossShape& s, const T* x,
                        const I* targets, double* row_loss, T* out,
                        cudaStream_t stream) {
   if (s.rows > 0) {
-    RowLossKernel<T, I><<<RowBlocks(s.rows), kThreads, 0, stream>>>(
+    RowLossKernel<T, I><<<BlocksFor(s.rows, 1), kThreads, 0, stream>>>(
         logits, s, x, targets, row_loss);
   }
   SumRowsKernel<T><<<1, kThreads, 0, stream>>>(row_loss, s.rows, s.inv_rows,
@@ -213,7 +211,7 @@ void LaunchLossBackward(bool logits, const LossShape& s, const T* x,
                         cudaStream_t stream) {
   if (s.rows <= 0) return;
   if (logits) {
-    CrossEntropyGradKernel<T, I><<<RowBlocks(s.rows), kThreads, 0, stream>>>(
+    CrossEntropyGradKernel<T, I><<<BlocksFor(s.rows, 1), kThreads, 0, stream>>>(
         s, x, targets, dy, dx);
   } else {
     int64_t blocks = (s.rows + kThreads - 1) / kThreads;
@@ -227,7 +225,7 @@ template <typename T>
 void LaunchShardedLse(const ShardedLossShape& s, const T* x, T* out,
                       cudaStream_t stream) {
   if (s.base.rows <= 0) return;
-  ShardedLseKernel<T><<<RowBlocks(s.base.rows), kThreads, 0, stream>>>(s, x, out);
+  ShardedLseKernel<T><<<BlocksFor(s.base.rows, 1), kThreads, 0, stream>>>(s, x, out);
 }
 
 template <typename T, typename I>
@@ -249,7 +247,7 @@ void LaunchShardedLossBackward(const ShardedLossShape& s, const T* x,
                                const I* targets, const T* lse, const T* dy,
                                T* dx, cudaStream_t stream) {
   if (s.base.rows <= 0 || s.base.classes <= 0) return;
-  ShardedGradKernel<T, I><<<RowBlocks(s.base.rows), kThreads, 0, stream>>>(
+  ShardedGradKernel<T, I><<<BlocksFor(s.base.rows, 1), kThreads, 0, stream>>>(
       s, x, targets, lse, dy, dx);
 }
 

@@ -3,26 +3,16 @@
 #include <cstdint>
 
 #include "executor/cuda/launch_runtime.h"
+#include "executor/cuda/grid.cuh"
 
 namespace hap::executor::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using dev::BlocksFor;
+using dev::GridStart;
+using dev::GridStep;
+using dev::kThreads;
 constexpr int kMaxSquaresBlocks = 1024;
-
-unsigned Blocks(int64_t n) {
-  int64_t b = (n + kThreads - 1) / kThreads;
-  if (b < 1) b = 1;
-  if (b > 65535LL * 16) b = 65535LL * 16;
-  return static_cast<unsigned>(b);
-}
-
-__device__ inline int64_t GridStart() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ inline int64_t GridStep() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 
 // Sum of every thread's `v` in a block of kThreads, in a fixed order; the
 // result is valid in thread 0.
@@ -141,7 +131,7 @@ __global__ void FromBf16Kernel(const uint16_t* x, float* y, int64_t n) {
 template <typename U>
 void CopyBoxAs(const BoxCopy& box, const void* src, void* dst,
                cudaStream_t stream) {
-  CopyBoxKernel<U><<<Blocks(box.count), kThreads, 0, stream>>>(
+  CopyBoxKernel<U><<<BlocksFor(box.count, kThreads), kThreads, 0, stream>>>(
       box, static_cast<const U*>(src), static_cast<U*>(dst));
 }
 
@@ -149,23 +139,23 @@ void CopyBoxAs(const BoxCopy& box, const void* src, void* dst,
 
 void LaunchToBf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  ToBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
+  ToBf16Kernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, y, n);
 }
 
 void LaunchFromBf16(const uint16_t* x, float* y, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  FromBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, y, n);
+  FromBf16Kernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, y, n);
 }
 
 void LaunchRoundBf16(float* x, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  RoundBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, n);
+  RoundBf16Kernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, n);
 }
 
 template <typename T>
 void LaunchFill(T value, T* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  FillKernel<T><<<Blocks(n), kThreads, 0, stream>>>(value, out, n);
+  FillKernel<T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(value, out, n);
 }
 
 void LaunchCopyBox(const BoxCopy& box, const void* src, void* dst,
@@ -206,7 +196,7 @@ template <typename T>
 void LaunchSgd(const T* param, const T* grad, Clip clip, T lr, T wd,
                T momentum, T* mbuf, T* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  SgdKernel<T><<<Blocks(n), kThreads, 0, stream>>>(param, grad, clip, lr, wd,
+  SgdKernel<T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(param, grad, clip, lr, wd,
                                                    momentum, mbuf, out, n);
 }
 
@@ -214,7 +204,7 @@ template <typename T>
 void LaunchAdam(const T* param, const T* grad, Clip clip, AdamParams p, T* m,
                 T* v, T* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  AdamKernel<T><<<Blocks(n), kThreads, 0, stream>>>(param, grad, clip, p, m, v,
+  AdamKernel<T><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(param, grad, clip, p, m, v,
                                                     out, n);
 }
 
