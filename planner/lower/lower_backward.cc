@@ -2,6 +2,7 @@
 // Part of lower::internal::RankBuilder (rank_builder.h).
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -71,7 +72,7 @@ absl::Status RankBuilder::OpBackward(int k, const synth::OpStep& s, const graph:
   for (size_t j = 0; j < op.inputs.size(); ++j) {
     TensorId t = op.inputs[j];
     if (!a_.requires_grad[t] || !Differentiable(g_, op, static_cast<int>(j)) ||
-        (sfb == t && j == 1)) {
+        (sfb == t && synth::SfbFactors(g_, op, static_cast<int>(j)))) {
       dxs.push_back(-1);
       continue;
     }
@@ -103,9 +104,18 @@ absl::Status RankBuilder::OpBackward(int k, const synth::OpStep& s, const graph:
 absl::Status RankBuilder::SfbBackward(int k, const synth::OpStep& s, const graph::Op& op,
                                       const std::vector<int>& in) {
   const auto B = v1::Step::GRADIENT_SYNC;
-  TensorId x = op.inputs[0], y = op.outputs[0], w = op.inputs[1];
-  Form xf = s.rule.inputs[0];
-  Key yk = K(y, s.rule.outputs[0]);
+  const TensorId w = a_.sfb_param[k];
+  const int wj =
+      static_cast<int>(std::find(op.inputs.begin(), op.inputs.end(), w) - op.inputs.begin());
+  const std::optional<synth::SufficientFactors> f = synth::SfbFactors(g_, op, wj);
+  if (!f) {
+    return absl::InternalError(absl::StrCat("op '", op.name,
+                                            "': sufficient factor broadcasting of '",
+                                            g_.tensor(w).name, "', which has no factors"));
+  }
+  const TensorId x = op.inputs[f->x_input], y = op.outputs[f->y_output];
+  Form xf = s.rule.inputs[f->x_input];
+  Key yk = K(y, s.rule.outputs[f->y_output]);
   if (!HasGrad(yk) || !xf.is_sharded()) return absl::OkStatus();
   synth::Method method = synth::Method::kPadded;
   for (const auto& l : p_.steps[k].loads) {
@@ -113,18 +123,19 @@ absl::Status RankBuilder::SfbBackward(int k, const synth::OpStep& s, const graph
   }
   int xs = NewBuffer(x, Form::R().raw(), v1::Buffer::SCRATCH, "#sfb");
   int dys = NewBuffer(y, Form::R().raw(), v1::Buffer::SCRATCH, "#sfb_grad");
-  Sharded(B, v1::ALL_GATHER, method, in[0], xs, x, xf.dim());
+  Sharded(B, v1::ALL_GATHER, method, in[f->x_input], xs, x, xf.dim());
   Sharded(B, v1::ALL_GATHER, method, grad_.at(yk), dys, y, xf.dim());
   HAP_ASSIGN_OR_RETURN(int dw, GradTarget(K(w, Form::R()), false, B, op.name));
-  std::vector<int> inputs = {xs, in[1]};
-  std::vector<int> dx = {-1, dw};
-  if (op.inputs.size() == 3) {
-    inputs.push_back(in[2]);
-    dx.push_back(-1);
+  // The op's gradient kernel on the gathered factors, only dW wanted: its
+  // inputs (x gathered), its outputs (not read: dy in their place) and the
+  // outputs' gradients.
+  std::vector<int> inputs, dx;
+  for (size_t j = 0; j < op.inputs.size(); ++j) {
+    inputs.push_back(static_cast<int>(j) == f->x_input ? xs : in[j]);
+    dx.push_back(static_cast<int>(j) == wj ? dw : -1);
   }
-  inputs.push_back(dys);  // the output's value is not read by linear_grad
-  inputs.push_back(dys);
-  if (dw >= 0) Kernel(B, "linear_grad", inputs, dx, op.name);
+  for (size_t j = 0; j < 2 * op.outputs.size(); ++j) inputs.push_back(dys);
+  if (dw >= 0) Kernel(B, op.type + "_grad", inputs, dx, op.name);
   return absl::OkStatus();
 }
 

@@ -1,6 +1,7 @@
 #include "planner/synth/gradients.h"
 
 #include "planner/graph/op_registry.h"
+#include "planner/synth/rules.h"
 
 namespace hap::synth {
 
@@ -51,7 +52,8 @@ GradientAnalysis AnalyzeGradients(const graph::Graph& g, const Program& p) {
       graph::TensorId t = op.inputs[j];
       if (!a.requires_grad[t] || !Differentiable(g, op, static_cast<int>(j))) continue;
       if (!s.rule.inputs[j].is_replicated()) continue;
-      if (a.sfb_param[k] == t && j == 1) continue;  // SFB: whole dW
+      // SFB: the weight's whole gradient is recomputed (rules.h).
+      if (a.sfb_param[k] == t && SfbFactors(g, op, static_cast<int>(j))) continue;
       if (PartialContribution(s, op, static_cast<int>(j), a.partial_grad)) {
         a.partial_grad[t] = true;
       }

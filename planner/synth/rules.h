@@ -5,6 +5,7 @@
 #ifndef HAP_PLANNER_SYNTH_RULES_H_
 #define HAP_PLANNER_SYNTH_RULES_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,23 @@ struct RuleContext {
   // A dimension may be sharded only when it has at least this many entries.
   int64_t min_shard_length = 2;
 };
+
+// Sufficient factor broadcasting (SFB; docs/design.md §4): under a data
+// rule, the gradient of a weight that is a product of two sharded factors,
+// the op's input `x` and its output's gradient, can be recomputed whole on
+// every device from the gathered factors instead of all-reducing partial
+// weight gradients. The op has one output; its gradient kernel, run on the
+// gathered x and dy, yields the whole weight gradient and does not read the
+// op's output.
+struct SufficientFactors {
+  int x_input = 0;   // the op's input gathered as the first factor
+  int y_output = 0;  // the op's output whose gradient is the second
+  double flops = 0;  // of the whole weight gradient on one device
+};
+
+// The factors of weight input `input` of `op` when SFB applies to it (a
+// linear's weight); nullopt otherwise.
+std::optional<SufficientFactors> SfbFactors(const graph::Graph& g, const graph::Op& op, int input);
 
 // The rules of op `op` of `g`, replicated first; never empty (the
 // replicated rule applies to every op).

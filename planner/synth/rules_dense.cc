@@ -165,3 +165,17 @@ RuleFn DenseRules(const std::string& t) {
 }
 
 }  // namespace hap::synth::internal
+
+namespace hap::synth {
+
+// A linear's weight W [out, in]: dW = dy^T x over every row of x.
+std::optional<SufficientFactors> SfbFactors(const graph::Graph& g, const graph::Op& op, int input) {
+  if (op.type != "linear" || input != 1) return std::nullopt;
+  const graph::Shape& w = g.tensor(op.inputs[1]).type.shape;
+  const double rows = static_cast<double>(g.tensor(op.inputs[0]).type.num_elements() / w[1]);
+  SufficientFactors f;
+  f.flops = 2.0 * rows * static_cast<double>(w[0] * w[1]);
+  return f;
+}
+
+}  // namespace hap::synth

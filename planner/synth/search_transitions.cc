@@ -234,27 +234,26 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule, int i
     for (const auto& t2 : a.costs) c += opt_.async_price * Eval(t2);
     for (const auto& t2 : a.update_costs) c += Eval(t2);
     options.push_back({a, c});
-    // Sufficient factor broadcasting for a data-parallel linear weight:
+    // Sufficient factor broadcasting for a data-parallel weight (rules.h):
     // gather x and dy, every device computes the whole dW.
     const graph::Op& o = g_.op(op);
-    if (opt_.allow_sfb && partial && o.type == "linear" && input == 1 &&
-        rule.kind == RuleKind::kData) {
+    const std::optional<SufficientFactors> sfb =
+        opt_.allow_sfb && partial && rule.kind == RuleKind::kData ? SfbFactors(g_, o, input)
+                                                                  : std::nullopt;
+    if (sfb) {
       SourceLoad s = l;
       s.storage = ParamStorage::kReplicated;
       s.storage_form = Form::R();
       s.sfb = true;
-      double xb = static_cast<double>(g_.tensor(o.inputs[0]).type.bytes());
-      double yb = static_cast<double>(g_.tensor(o.outputs[0]).type.bytes());
+      double xb = static_cast<double>(g_.tensor(o.inputs[sfb->x_input]).type.bytes());
+      double yb = static_cast<double>(g_.tensor(o.outputs[sfb->y_output]).type.bytes());
       s.costs.push_back(Gather(xb, &s.method));
       Method m2;
       s.costs.push_back(Gather(yb, &m2));
-      const auto& w = p.type.shape;
-      double rows = static_cast<double>(g_.tensor(o.inputs[0]).type.num_elements() / w[1]);
-      double flops = 2.0 * rows * static_cast<double>(w[0] * w[1]);
       CostTerm extra = coll_.Constant(0);
       for (int d = 0; d < cluster_.size(); ++d) {
         extra.constant[d] =
-            flops / cluster_.device(d).flops * cluster_.device(d).OpTimeScale("linear");
+            sfb->flops / cluster_.device(d).flops * cluster_.device(d).OpTimeScale(o.type);
       }
       s.costs.push_back(extra);
       AddUpdateCost(p, /*sharded=*/false, &s);
