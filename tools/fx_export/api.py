@@ -1,0 +1,191 @@
+"""export(): checks the arguments, wraps the module with a loss when asked,
+traces it (tracing.py), runs it once for the shapes (on meta tensors, or on
+the example inputs), finds the loss node and runs the Exporter on it."""
+
+import inspect
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .exporter import Exporter
+from .ir import ExportError
+from .tracing import HapTracer, Recorder, to_meta
+
+
+class _LossWrapper(nn.Module):
+    def __init__(self, model, loss_fn, target, feature_names):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+        self.target, self.feature_names = target, feature_names
+
+    def forward(self, **kwargs):  # replaced by a generated signature below
+        raise NotImplementedError
+
+
+def _wrap_with_loss(module, loss_fn, example_inputs, labels):
+    """A module whose forward(features..., labels) returns
+    loss_fn(module(features...), labels), with named arguments for fx."""
+    if labels not in example_inputs:
+        raise ExportError(f"loss= was given as a function, but there is no "
+                          f"example input named '{labels}' (pass labels=NAME)")
+    names = [k for k in example_inputs if k != labels]
+    sig = inspect.signature(module.forward)
+    ordered = [p for p in sig.parameters if p in names]
+    ordered += [n for n in names if n not in ordered]
+    src = (f"def forward(self, {', '.join(ordered + [labels])}):\n"
+           f"    return self.loss_fn(self.model({', '.join(ordered)}), "
+           f"{labels})\n")
+    scope = {}
+    exec(src, scope)  # a real signature for fx to trace
+    cls = type(f"{type(module).__name__}WithLoss", (_LossWrapper,),
+               {"forward": scope["forward"]})
+    w = cls(module, loss_fn, labels, ordered)
+    return w
+
+
+def _check_inputs(root, example_inputs):
+    """forward's signature, and the forward arguments without an example
+    input -> their defaults (fixed in the trace)."""
+    sig = inspect.signature(root.forward)
+    concrete = {}
+    for pname, p in sig.parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ExportError(f"forward(*{pname}/**{pname}) is not supported; "
+                              f"name the arguments")
+        if pname not in example_inputs:
+            if p.default is p.empty:
+                raise ExportError(f"no example input for forward argument "
+                                  f"'{pname}'")
+            concrete[pname] = p.default
+    extra = [k for k in example_inputs if k not in sig.parameters]
+    if extra:
+        raise ExportError(f"example inputs {extra} are not arguments of "
+                          f"{type(root).__name__}.forward")
+    for k, v in example_inputs.items():
+        if not isinstance(v, torch.Tensor):
+            raise ExportError(f"example input '{k}' is not a tensor")
+    return sig, concrete
+
+
+def _record_shapes(gm, root, args, run_on):
+    """Runs gm once (Recorder) on meta tensors and/or the example inputs
+    `args`, as `run_on` says."""
+    param_targets = {k for k, _ in gm.named_parameters()}
+    if run_on not in ("auto", "meta", "cpu"):
+        raise ExportError(f"run_on must be auto, meta or cpu, not "
+                          f"{run_on!r}")
+    with torch.no_grad():
+        done = False
+        if run_on in ("auto", "meta"):
+            try:
+                Recorder(gm, param_targets, meta=True).run(*to_meta(args))
+                done = True
+            except Exception as e:  # an op without a meta kernel
+                if run_on == "meta":
+                    raise ExportError(
+                        f"running {type(root).__name__} on meta tensors "
+                        f"failed: {type(e).__name__}: {e}") from e
+        if not done:
+            try:
+                Recorder(gm, param_targets).run(*args)
+            except Exception as e:
+                raise ExportError(f"running {type(root).__name__} on the "
+                                  f"example inputs failed: "
+                                  f"{type(e).__name__}: {e}") from e
+
+
+def _loss_node(gm, loss):
+    """The node of the scalar loss among forward's outputs."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    res = out.args[0]
+    if loss is not None:
+        try:
+            res = res[loss]
+        except (KeyError, IndexError, TypeError):
+            raise ExportError(f"loss={loss!r} does not select an output of "
+                              f"forward") from None
+    elif isinstance(res, (tuple, list)):
+        res = res[0]
+    elif isinstance(res, dict):
+        if "loss" not in res:
+            raise ExportError("forward returned a dict without 'loss'")
+        res = res["loss"]
+    if not isinstance(res, fx.Node) or "hap_shape" not in res.meta:
+        raise ExportError("forward must return the scalar loss tensor")
+    if res.meta["hap_shape"] != ():
+        raise ExportError(f"forward must return the scalar loss, but its "
+                          f"output has shape {list(res.meta['hap_shape'])}"
+                          f" (add a loss such as nn.CrossEntropyLoss)")
+    return res
+
+
+def export(module, example_inputs, loss=None, labels="labels", name=None,
+           return_values=False, run_on="auto"):
+    """Traces `module` and returns the HAP graph as a dict (proto3 JSON form).
+
+    module:          an nn.Module.
+    example_inputs:  dict forward-argument name -> example tensor; shapes are
+                     the graph's (concrete, batch size included). Forward
+                     arguments not given must have defaults (they are fixed).
+    loss:            None: the forward returns the scalar loss (or a tuple
+                     whose first element, or a dict whose 'loss' entry, is it);
+                     an int/str: the index/key of the loss in the output;
+                     a callable (e.g. nn.CrossEntropyLoss()): the loss is
+                     loss(module(**features), example_inputs[labels]).
+    labels:          with a callable loss, the name of the target input.
+    name:            graph name (default: the module's class name, lower case).
+    run_on:          how shapes are found: "meta" runs the module once on
+                     meta tensors (no memory or arithmetic: quick even at full
+                     size), "cpu" on the real example inputs, "auto" (default)
+                     tries meta first and falls back to cpu.
+    return_values:   also return {parameter name: its current PyTorch value}
+                     (q/k/v slices of in_proj_weight, constants filled), e.g.
+                     to run the graph with the module's weights;
+                     state_dict_weights(graph, values) turns them back into
+                     state_dict tensors.
+    """
+    if not isinstance(module, nn.Module):
+        raise ExportError(f"expected an nn.Module, got {type(module).__name__}")
+    example_inputs = dict(example_inputs)
+    root, prefix = module, ""
+    if callable(loss) and not isinstance(loss, (str, int)):
+        root = _wrap_with_loss(module, loss, example_inputs, labels)
+        prefix = "model"  # the wrapper's submodule; not part of any name
+        loss = None
+    sig, concrete = _check_inputs(root, example_inputs)
+
+    was_training = root.training
+    root.train()
+    try:
+        tracer = HapTracer()
+        try:
+            graph = tracer.trace(root, concrete_args=concrete or None)
+        except ExportError:
+            raise
+        except Exception as e:  # fx.proxy.TraceError, TypeError, ...
+            raise ExportError(f"torch.fx cannot trace "
+                              f"{type(root).__name__}: {type(e).__name__}: {e}"
+                              f" (data-dependent control flow is not "
+                              f"supported)") from e
+        gm = fx.GraphModule(root, graph)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = list(sig.parameters)
+        args, input_nodes = [], {}
+        for pname, n in zip(names, placeholders):
+            if pname in example_inputs:
+                args.append(example_inputs[pname])
+                input_nodes[n] = example_inputs[pname]
+            else:
+                args.append(concrete[pname])
+                input_nodes[n] = None
+        _record_shapes(gm, root, args, run_on)
+        res = _loss_node(gm, loss)
+        input_nodes = {n: t for n, t in input_nodes.items() if t is not None}
+        gname = name or type(module).__name__.lower()
+        ex = Exporter(gm, root, gname, res, input_nodes, module=module,
+                      prefix=prefix)
+        g = ex.run()
+        return (g, ex.values) if return_values else g
+    finally:
+        root.train(was_training)

@@ -1,0 +1,447 @@
+"""The exporter core: walks the traced graph from the inputs to the loss and
+builds the HAP graph (inputs, parameters, ops, value_info, metadata).
+
+Exporter holds what every op handler shares: unique names, parameters
+(state_dict names, slices, exporter constants) and their values, op
+emission, the conversion of fx arguments into IR tensors or export-time
+values, and error messages that name the node. What a node becomes is up to
+its handler, found in the registry's tables (registry.py) and written in the
+ops_*.py module of its op family.
+"""
+
+import json
+import math
+
+import torch
+import torch.fx as fx
+
+from . import initializers
+# Importing the op families registers their handlers.
+from . import (ops_attention, ops_convolution, ops_elementwise,  # noqa: F401
+               ops_linear, ops_loss, ops_lstm, ops_normalization,
+               ops_reduction, ops_shape, ops_transformer)
+from . import registry
+from .ir import (BUFFERS_KEY, SLICES_KEY, BoolIds, ExportError, IrTensor,
+                 LstmState, Static, attr_value, ir_dtype)
+
+
+def _target_name(node, root):
+    """The node's target as the error messages show it."""
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        mod = root.get_submodule(t)
+        cls = type(mod)
+        return f"{t} ({cls.__module__}.{cls.__qualname__})"
+    if node.op == "get_attr":
+        return str(t)
+    if callable(t):
+        mod = getattr(t, "__module__", None) or "torch"
+        if mod in ("_operator", "builtins"):
+            mod = "operator" if mod == "_operator" else mod
+        if mod.startswith("torch._C._nn") or \
+                mod == "torch._C._VariableFunctions":
+            mod = "torch"
+        return f"{mod}.{getattr(t, '__name__', repr(t))}"
+    return str(t)
+
+
+class Exporter:
+    """`root` is what was traced: the user's `module` itself, or a loss
+    wrapper holding it as the submodule `prefix` ("model"); every name the
+    graph shows (parameters, ops, scopes) is relative to `module`, so the
+    parameters are named as in module.state_dict()."""
+
+    def __init__(self, gm, root, name, loss_node, input_nodes, module=None,
+                 prefix=""):
+        self.gm, self.root, self.name = gm, root, name
+        self.module = root if module is None else module
+        self.prefix = prefix
+        self.loss_node = loss_node
+        self.input_nodes = input_nodes  # placeholder node -> example tensor
+        self.inputs, self.params, self.ops, self.value_info = [], {}, [], []
+        self.used = set()
+        self.env = {}
+        self.qualname = {}  # id(parameter) -> its state_dict name
+        for n, p in root.named_parameters():
+            self.qualname.setdefault(id(p), self.pub(n))
+        # State_dict names are kept for their parameters: other tensors and
+        # ops do not take them.
+        self.reserved = set(self.qualname.values())
+        self.slices = {}  # graph parameter -> slice of a state_dict tensor
+        self.node = None  # the node being exported (for error messages)
+        self.n_const = 0
+        self.id_limits = {}  # INT64 tensor -> its ids lie in [0, limit)
+        self.padding_masks = {}  # key padding mask source -> [B, 1, 1, Sk]
+        self.values = {}  # parameter name -> torch tensor (its PyTorch value)
+        self.buffers = []  # graph parameters that are module buffers
+        self.buffer_names = {id(b): self.pub(n)
+                             for n, b in root.named_buffers()}
+
+    def pub(self, path):
+        """A module path of `root` as a path of the user's module."""
+        if not self.prefix:
+            return path
+        if path == self.prefix:
+            return ""
+        if path.startswith(self.prefix + "."):
+            return path[len(self.prefix) + 1:]
+        return path
+
+    def fetch_attr(self, target):
+        """The attribute of `root` at the dotted path `target`."""
+        obj = self.root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    # ---- errors -----------------------------------------------------------
+    def fail(self, why, node=None):
+        node = node or self.node
+        if node is None:
+            raise ExportError(why)
+        raise ExportError(
+            f"node '{node.name}' ({node.op} {_target_name(node, self.root)}): "
+            f"{why}")
+
+    # ---- names, tensors, parameters, ops ----------------------------------
+    def fresh(self, base, own=False):
+        """A new tensor/op name from `base`; `own`: base is the state_dict
+        name of the parameter being declared (reserved for it)."""
+        name, k = base, 1
+        while name in self.used or (name in self.reserved and not own):
+            name = f"{base}_{k}"
+            k += 1
+            own = False
+        self.used.add(name)
+        return name
+
+    def param(self, tensor, name=None, init=None, frozen=False, key=None,
+              shape=None, value=None, slice_of=None):
+        """Declares (once per `key`) a parameter; `value` (default `tensor`)
+        is what export(..., return_values=True) reports for it.
+
+        Without `name`, `tensor` is a parameter of the module and the graph
+        parameter takes its state_dict name. `slice_of=(axis, offset)`: the
+        graph parameter `name` is `value`, the slice of the module parameter
+        `tensor` starting at `offset` along `axis` (recorded in the graph's
+        metadata, see SLICES_KEY)."""
+        key = key if key is not None else id(tensor)
+        if key in self.params:
+            return self.params[key][1]
+        source = None
+        if name is None or slice_of is not None:
+            source = self.qualname.get(id(tensor))
+            if source is None:
+                self.fail("uses a tensor that is not a parameter of the module")
+        if name is None:
+            name = source
+        val = (tensor if value is None else value).detach()
+        if init is None:
+            init = initializers.default_init(self.module, name, tensor)
+        if not frozen:
+            init = initializers.constant_init(val) or init
+        shape = tuple(tensor.shape) if shape is None else tuple(shape)
+        dtype = ir_dtype(tensor.dtype, f"parameter '{name}'")
+        if dtype == "INT64":
+            self.fail(f"parameter '{name}' is not floating point")
+        whole = slice_of is None and name == source
+        gname = self.fresh(name, own=whole)
+        if whole and gname != source:
+            # Its state_dict name is taken (by an input of the same name):
+            # record the parameter as the whole of its source.
+            if not shape:
+                self.fail(f"parameter '{source}' has the name of an input; "
+                          f"rename one of them")
+            slice_of = (0, 0)
+        if slice_of is not None:
+            axis, offset = slice_of
+            self.slices[gname] = {"source": source, "axis": int(axis),
+                                  "offset": int(offset),
+                                  "source_shape": [int(d) for d in
+                                                   tensor.shape]}
+        name = gname
+        t = IrTensor(name, shape, dtype)
+        entry = {"tensor": {"name": name, "shape": list(shape), "dtype": dtype},
+                 "init": init}
+        if frozen:
+            entry["frozen"] = True
+        self.params[key] = (entry, t)
+        self.values[name] = val
+        return t
+
+    def const(self, value, like):
+        """A constant as a frozen parameter of CONSTANT initialisation."""
+        if isinstance(value, torch.Tensor):
+            v = value.detach().double().flatten()
+            if v.numel() == 0 or float(v.min()) != float(v.max()):
+                self.fail("needs a constant tensor with non-uniform values, "
+                          "which the HAP IR cannot hold (make it a parameter "
+                          "or an input)")
+            shape, value = tuple(value.shape), float(v[0])
+        else:
+            shape, value = (), float(value)
+        self.n_const += 1
+        init = initializers.constant(value)
+        if not math.isfinite(value):
+            self.fail(f"needs the non-finite constant {value}")
+        dummy = torch.full(shape, value, dtype=torch.float32)
+        t = self.param(dummy, name=f"const.{self.node.name}", init=init,
+                       frozen=True, key=("const", self.n_const), shape=shape)
+        if t.dtype != like.dtype:
+            entry = self.params[("const", self.n_const)][0]
+            entry["tensor"]["dtype"] = like.dtype
+            t.dtype = like.dtype
+        return t
+
+    def emit(self, type_, name, inputs, attrs=None, shape=None, dtype=None,
+             scope=None, outputs=None):
+        """Adds an op; `shape`/`dtype` of its (single) output, or the shapes
+        of its several `outputs` (then returns their list)."""
+        for t in inputs:
+            if not isinstance(t, IrTensor):
+                self.fail(f"internal: op '{name}' got a non-tensor input {t!r}")
+        name = self.fresh(name)
+        if scope is None:
+            scope = self.scope_of(self.node) if self.node is not None else ""
+        op = {"name": name, "type": type_, "inputs": [t.name for t in inputs]}
+        dtype = dtype or inputs[0].dtype
+        if outputs is None:
+            outs = [IrTensor(name, shape, dtype)]
+        else:
+            outs = []
+            for i, s in enumerate(outputs):
+                outs.append(IrTensor(self.fresh(f"{name}:{i}"), s, dtype))
+        op["outputs"] = [t.name for t in outs]
+        if attrs:
+            op["attrs"] = {k: attr_value(v) for k, v in attrs.items()}
+        if scope:
+            op["scope"] = scope
+        self.ops.append(op)
+        for t in outs:
+            self.value_info.append({"name": t.name, "shape": list(t.shape),
+                                    "dtype": t.dtype})
+        return outs[0] if outputs is None else outs
+
+    def op(self, type_, inputs, attrs=None, name=None):
+        """Emits the op of the current node, output shape from tracing."""
+        return self.emit(type_, name or self.base_name(self.node), inputs,
+                         attrs, self.out_shape(), self.out_dtype())
+
+    def reshape(self, name, x, shape, scope):
+        """x as `shape` (x itself when it has that shape already)."""
+        shape = tuple(shape)
+        if shape == x.shape:
+            return x
+        return self.emit("reshape", name, [x], {"shape": list(shape)}, shape,
+                         scope=scope)
+
+    def transpose(self, name, x, perm, scope):
+        """x with its axes permuted (x itself for the identity)."""
+        perm = list(perm)
+        if perm == list(range(len(perm))):
+            return x
+        shape = tuple(x.shape[p] for p in perm)
+        return self.emit("transpose", name, [x], {"perm": perm}, shape,
+                         scope=scope)
+
+    def scope_of(self, node):
+        if node.op == "call_module":
+            path = self.pub(node.target).rpartition(".")[0]
+        else:
+            path = self.pub(node.meta.get("hap_scope", ""))
+        return path.replace(".", "/")
+
+    def base_name(self, node):
+        if node is self.loss_node:
+            return "loss"
+        if node.op == "call_module":
+            return self.pub(node.target) or node.name
+        return node.name
+
+    # ---- argument conversion ----------------------------------------------
+    def t(self, a, allow_masked=False):
+        """An fx argument as an IR tensor."""
+        if isinstance(a, fx.Node):
+            v = self.env[a]
+            if isinstance(v, Static):
+                if isinstance(v.value, torch.Tensor):
+                    like = IrTensor("", (), ir_dtype(v.value.dtype, a.name))
+                    return self.const(v.value, like)
+                self.fail(f"expects a tensor, got {type(v.value).__name__} "
+                          f"from '{a.name}'")
+            if isinstance(v, LstmState):
+                v = ops_lstm.lstm_state(self, v)
+            if isinstance(v, BoolIds):
+                self.fail(f"boolean tensor '{a.name}' is supported only as "
+                          f"an attention key_padding_mask")
+            if not isinstance(v, IrTensor):
+                self.fail(f"expects a tensor, got {type(v).__name__} from "
+                          f"'{a.name}'")
+            if (v.causal or v.mask is not None) and not allow_masked:
+                self.fail(f"masked attention scores '{a.name}' may only be "
+                          f"consumed by softmax")
+            return v
+        if a is None:
+            self.fail("expects a tensor, got None (e.g. an unused output)")
+        self.fail(f"expects a tensor, got the constant {a!r}")
+
+    def v(self, a):
+        """An fx argument whose value is known at export time."""
+        if isinstance(a, fx.Node):
+            v = self.env[a]
+            if isinstance(v, Static):
+                return v.value
+            self.fail(f"needs '{a.name}' to be known at export time, but it "
+                      f"depends on the inputs or parameters")
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.v(x) for x in a)
+        if isinstance(a, slice):
+            return slice(self.v(a.start), self.v(a.stop), self.v(a.step))
+        if isinstance(a, dict):
+            return {k: self.v(x) for k, x in a.items()}
+        return a
+
+    def is_static(self, a):
+        if isinstance(a, fx.Node):
+            return isinstance(self.env[a], Static)
+        if isinstance(a, (list, tuple)):
+            return all(self.is_static(x) for x in a)
+        return True
+
+    def out_shape(self, node=None):
+        node = node or self.node
+        if "hap_shape" not in node.meta:
+            self.fail("its result is not a single tensor")
+        return node.meta["hap_shape"]
+
+    def out_dtype(self, node=None):
+        node = node or self.node
+        return ir_dtype(node.meta["hap_dtype"], f"node '{node.name}'")
+
+    # ---- dispatch ----------------------------------------------------------
+    def call_module(self, n):
+        call = registry.ModuleCall(self, n)
+        handler = registry.module_handler(type(call.mod))
+        if handler is None:
+            self.fail("this module type is not supported by the HAP exporter")
+        return handler(self, call)
+
+    def call_function(self, n):
+        handler = registry.function_handler(n.target)
+        if handler is None:
+            self.fail("this function is not supported by the HAP exporter")
+        return handler(self, registry.CallArgs(self, n))
+
+    def call_method(self, n):
+        entry = registry.method_handler(n.target)
+        call = registry.CallArgs(self, n)
+        if entry is not None and not entry.tensor_self:
+            return entry.handler(self, call)
+        # The receiver is converted first, also for an unsupported method:
+        # a boolean or masked receiver fails naming that instead.
+        x = self.t(n.args[0])
+        if entry is None:
+            self.fail("this tensor method is not supported by the HAP "
+                      "exporter")
+        return entry.handler(self, call, x)
+
+    # ---- driver ------------------------------------------------------------
+    def run(self):
+        """The graph (a dict in proto3 JSON form)."""
+        for n, ex in self.input_nodes.items():
+            if n.meta.get("hap_static"):
+                continue
+            boolean = ex.dtype == torch.bool  # 0/1 ids (a padding mask)
+            dtype = "INT64" if boolean else \
+                ir_dtype(ex.dtype, f"input '{n.target}'")
+            name = n.target
+            self.used.add(name)
+            self.env[n] = IrTensor(name, tuple(ex.shape), dtype)
+            if boolean:
+                self.id_limits[name] = 2
+                self.env[n] = BoolIds(self.env[n], {1})
+            self.inputs.append({"tensor": {"name": name,
+                                           "shape": list(ex.shape),
+                                           "dtype": dtype}})
+        needed = set()
+        stack = [self.loss_node]
+        while stack:
+            n = stack.pop()
+            if n in needed:
+                continue
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+        for n in self.gm.graph.nodes:
+            if n not in needed or n in self.env:
+                continue
+            self.node = n
+            if n.meta.get("hap_static"):
+                self.env[n] = Static(n.meta.get("hap_value"))
+            elif n.op == "placeholder":
+                self.fail("has no example input")
+            elif n.op == "get_attr":
+                self.env[n] = self.param(self.fetch_attr(n.target))
+            elif n.op == "call_module":
+                self.env[n] = self.call_module(n)
+            elif n.op == "call_function":
+                self.env[n] = self.call_function(n)
+            elif n.op == "call_method":
+                self.env[n] = self.call_method(n)
+            else:
+                self.fail("is not supported")
+        self.node = self.loss_node
+        loss = self.env[self.loss_node]
+        if not isinstance(loss, IrTensor) or loss.shape != () or \
+                loss.dtype == "INT64":
+            self.fail("the loss must be a scalar float tensor computed by the "
+                      "module (its forward should return the loss)")
+        if not any(loss.name in op["outputs"] for op in self.ops):
+            self.fail("the loss must be computed by an op")
+        self.node = None
+        self.assign_roles()
+        params = [e for e, _ in self.params.values()]
+        for e in params:
+            pname = e["tensor"]["name"]
+            if not (e.get("frozen") or pname in self.slices or
+                    pname in self.reserved):
+                raise ExportError(f"internal: graph parameter '{pname}' is "
+                                  f"neither a state_dict name nor a slice")
+        return {
+            "name": self.name,
+            "inputs": self.inputs,
+            "parameters": params,
+            "ops": self.ops,
+            "loss": loss.name,
+            "value_info": self.value_info,
+            "metadata": {"source": "torch.fx",
+                         "exporter": "tools/export_fx.py",
+                         "torch.module": type(self.module).__qualname__,
+                         "torch.version": torch.__version__,
+                         SLICES_KEY: json.dumps(self.slices, sort_keys=True),
+                         BUFFERS_KEY: json.dumps(sorted(self.buffers))},
+        }
+
+    def assign_roles(self):
+        """LABELS: integer inputs consumed only (through reshapes) as the
+        target of a loss."""
+        users = {}
+        for op in self.ops:
+            for i, name in enumerate(op["inputs"]):
+                users.setdefault(name, []).append((op, i))
+        view_ops = ("reshape", "flatten")
+        for inp in self.inputs:
+            spec = inp["tensor"]
+            labels = spec["dtype"] == "INT64"
+            frontier, seen_use = [spec["name"]], False
+            while frontier and labels:
+                name = frontier.pop()
+                for op, i in users.get(name, []):
+                    seen_use = True
+                    if op["type"] in view_ops:
+                        frontier.extend(op["outputs"])
+                    elif not (op["type"] in ("nll_loss", "cross_entropy") and
+                              i == 1):
+                        labels = False
+            inp["role"] = "LABELS" if labels and seen_use else "FEATURES"

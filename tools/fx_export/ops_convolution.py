@@ -1,0 +1,167 @@
+"""Convolutions and pooling over NCHW images
+(planner/graph/ops_convolution.cc): conv2d (grouped and depthwise, zero
+padding, no dilation), max_pool2d, avg_pool2d, adaptive_avg_pool2d."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import registry
+
+
+def _pair(v):
+    """An int or a 1- or 2-element sequence as [h, w]."""
+    if isinstance(v, (list, tuple)):
+        v = list(v)
+        return v * 2 if len(v) == 1 else v
+    return [v, v]
+
+
+# ---- conv2d ----------------------------------------------------------------
+
+
+def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
+    """x convolved with `weight` (+ `bias`, or None): module parameters or
+    fx arguments; padding an int, a pair, "valid" or "same"."""
+    if tuple(_pair(dilation)) != (1, 1):
+        ex.fail("dilated convolution is not supported")
+    w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
+    ins = [x, w]
+    if bias is not None:
+        ins.append(ex.param(bias) if isinstance(bias, torch.Tensor)
+                   else ex.t(bias))
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding = [0, 0]
+        else:  # 'same'
+            ks = w.shape[2:]
+            if any(k % 2 == 0 for k in ks) or tuple(_pair(stride)) != (1, 1):
+                ex.fail("padding='same' is supported for odd kernels and "
+                        "stride 1 only")
+            padding = [(k - 1) // 2 for k in ks]
+    attrs = {"stride": _pair(stride), "padding": _pair(padding)}
+    if groups != 1:
+        attrs["groups"] = int(groups)
+    return ex.op("conv2d", ins, attrs)
+
+
+@registry.modules(nn.Conv2d)
+def _conv2d_module(ex, call):
+    mod = call.mod
+    if mod.padding_mode != "zeros":
+        ex.fail(f"padding_mode '{mod.padding_mode}' is not supported")
+    return conv2d(ex, call.x0(), mod.weight, mod.bias, mod.stride,
+                  mod.padding, mod.dilation, mod.groups)
+
+
+# F.conv2d is torch.conv2d in PyTorch 1.13; both are listed for other versions.
+@registry.functions(torch.conv2d, F.conv2d)
+def _conv2d(ex, call):
+    a = call.named(["input", "weight", "bias", "stride", "padding",
+                    "dilation", "groups"],
+                   {"bias": None, "stride": 1, "padding": 0,
+                    "dilation": 1, "groups": 1})
+    return conv2d(ex, ex.t(a["input"]), a["weight"], a["bias"],
+                  ex.v(a["stride"]), ex.v(a["padding"]),
+                  ex.v(a["dilation"]), ex.v(a["groups"]))
+
+
+# ---- pooling ---------------------------------------------------------------
+
+
+def _pool_attrs(ex, kind, x, kernel, stride, padding, ceil_mode):
+    """The kernel, stride (default: the kernel), padding and ceil_mode
+    attributes of a 2-d pooling op."""
+    if len(x.shape) != 4:
+        ex.fail(f"{kind} needs an NCHW (rank-4) input")
+    if stride is None or (isinstance(stride, (list, tuple)) and
+                          len(stride) == 0):
+        stride = kernel
+    attrs = {"kernel": _pair(kernel), "stride": _pair(stride),
+             "padding": _pair(padding)}
+    if any(2 * p > k for p, k in zip(attrs["padding"], attrs["kernel"])):
+        ex.fail(f"{kind} padding must be at most half the kernel")
+    if ceil_mode:
+        attrs["ceil_mode"] = True
+    return attrs
+
+
+def max_pool2d(ex, x, kernel, stride, padding, dilation, ceil_mode,
+               return_indices):
+    if tuple(_pair(dilation)) != (1, 1) or return_indices:
+        ex.fail("max_pool2d with dilation or return_indices is not "
+                "supported")
+    return ex.op("max_pool2d", [x], _pool_attrs(
+        ex, "max_pool2d", x, kernel, stride, padding, ceil_mode))
+
+
+def avg_pool2d(ex, x, kernel, stride, padding, ceil_mode, count_include_pad,
+               divisor_override):
+    if divisor_override is not None:
+        ex.fail("avg_pool2d with divisor_override is not supported")
+    attrs = _pool_attrs(ex, "avg_pool2d", x, kernel, stride, padding,
+                        ceil_mode)
+    if not count_include_pad:
+        attrs["count_include_pad"] = False
+    return ex.op("avg_pool2d", [x], attrs)
+
+
+def adaptive_avg_pool2d(ex, x):
+    """Average pooling to the traced output size."""
+    if len(x.shape) != 4:
+        ex.fail("adaptive_avg_pool2d needs an NCHW (rank-4) input")
+    out = ex.out_shape()
+    return ex.op("adaptive_avg_pool2d", [x],
+                 {"output_size": [out[2], out[3]]})
+
+
+@registry.modules(nn.MaxPool2d)
+def _max_pool2d_module(ex, call):
+    mod = call.mod
+    return max_pool2d(ex, call.x0(), mod.kernel_size, mod.stride, mod.padding,
+                      mod.dilation, mod.ceil_mode, mod.return_indices)
+
+
+@registry.modules(nn.AvgPool2d)
+def _avg_pool2d_module(ex, call):
+    mod = call.mod
+    return avg_pool2d(ex, call.x0(), mod.kernel_size, mod.stride, mod.padding,
+                      mod.ceil_mode, mod.count_include_pad,
+                      mod.divisor_override)
+
+
+@registry.modules(nn.AdaptiveAvgPool2d)
+def _adaptive_avg_pool2d_module(ex, call):
+    return adaptive_avg_pool2d(ex, call.x0())
+
+
+def _pool_function(ex, call, pool, names, defaults):
+    """pool(ex, input, the other `names`' values) for a call of F.*_pool2d,
+    whose parameters are `names` in order."""
+    a = call.named(names, defaults)
+    return pool(ex, ex.t(a["input"]), *(ex.v(a[k]) for k in names[1:]))
+
+
+@registry.functions(F.max_pool2d, torch.max_pool2d)
+def _max_pool2d(ex, call):
+    return _pool_function(
+        ex, call, max_pool2d,
+        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+         "return_indices"],
+        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
+         "return_indices": False})
+
+
+@registry.functions(F.avg_pool2d)
+def _avg_pool2d(ex, call):
+    return _pool_function(
+        ex, call, avg_pool2d,
+        ["input", "kernel_size", "stride", "padding", "ceil_mode",
+         "count_include_pad", "divisor_override"],
+        {"stride": None, "padding": 0, "ceil_mode": False,
+         "count_include_pad": True, "divisor_override": None})
+
+
+@registry.functions(F.adaptive_avg_pool2d)
+def _adaptive_avg_pool2d(ex, call):
+    return adaptive_avg_pool2d(ex, call.tensor(0, "input"))

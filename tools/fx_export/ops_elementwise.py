@@ -1,0 +1,234 @@
+"""Element-wise ops (planner/graph/ops_elementwise.cc): activations, dropout
+and stochastic depth (drop_path), and arithmetic with tensors and constants
+(add, sub, mul, div, neg; a multiplication by a constant is a scale)."""
+
+import operator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import registry
+from .ir import is_causal_mask
+from .tracing import is_stochastic_depth
+
+# ---- activations -----------------------------------------------------------
+
+
+def activation(ex, act, name, x, scope):
+    """The IR op of activation `act`: a function (F.relu ...) or a module
+    (nn.ReLU() ..., e.g. a transformer layer's activation)."""
+    kind = None
+    if act in (F.relu, torch.relu) or isinstance(act, nn.ReLU):
+        kind = "relu"
+    elif act is F.gelu or (isinstance(act, nn.GELU) and
+                           act.approximate == "none"):
+        kind = "gelu"
+    elif act in (torch.sigmoid, F.sigmoid) or isinstance(act, nn.Sigmoid):
+        kind = "sigmoid"
+    elif act in (torch.tanh, F.tanh) or isinstance(act, nn.Tanh):
+        kind = "tanh"
+    elif act is F.silu or isinstance(act, nn.SiLU):
+        kind = "silu"
+    elif act is F.relu6 or isinstance(act, nn.ReLU6):
+        kind = "relu6"
+    elif isinstance(act, nn.Hardtanh) and (act.min_val, act.max_val) == (0, 6):
+        kind = "relu6"
+    elif act is F.hardsigmoid or isinstance(act, nn.Hardsigmoid):
+        kind = "hardsigmoid"
+    elif act is F.hardswish or isinstance(act, nn.Hardswish):
+        kind = "hardswish"
+    if kind is None:
+        ex.fail(f"activation {act!r} is not supported (relu, gelu, "
+                f"sigmoid, tanh, silu, relu6, hardsigmoid, "
+                f"hardswish)")
+    return ex.emit(kind, name, [x], None, x.shape, scope=scope)
+
+
+@registry.modules(nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh, nn.SiLU, nn.ReLU6,
+                  nn.Hardsigmoid, nn.Hardswish)
+def _activation_module(ex, call):
+    return activation(ex, call.mod, call.name, call.x0(), call.scope)
+
+
+def _activation_function(ex, call, act):
+    return activation(ex, act, ex.base_name(call.node),
+                      call.tensor(0, "input"), ex.scope_of(call.node))
+
+
+@registry.functions(F.relu, torch.relu)
+def _relu(ex, call):
+    return _activation_function(ex, call, F.relu)
+
+
+@registry.functions(F.gelu)
+def _gelu(ex, call):
+    if call.value(1, "approximate", "none") != "none":
+        ex.fail("gelu(approximate='tanh') is not supported (the IR's "
+                "gelu is the exact erf form)")
+    return _activation_function(ex, call, F.gelu)
+
+
+@registry.functions(F.silu, F.relu6, F.hardsigmoid, F.hardswish)
+def _other_activation(ex, call):
+    return _activation_function(ex, call, call.node.target)
+
+
+@registry.functions(F.hardtanh)
+def _hardtanh(ex, call):
+    if (call.value(1, "min_val", -1.0), call.value(2, "max_val", 1.0)) != \
+            (0, 6):
+        ex.fail("hardtanh is supported as relu6 (0, 6) only")
+    return _activation_function(ex, call, F.relu6)
+
+
+@registry.functions(torch.sigmoid, F.sigmoid)
+def _sigmoid(ex, call):
+    return ex.op("sigmoid", [call.tensor(0, "input")])
+
+
+@registry.functions(torch.tanh, F.tanh)
+def _tanh(ex, call):
+    return ex.op("tanh", [call.tensor(0, "input")])
+
+
+@registry.methods("relu", "sigmoid", "tanh")
+def _activation_method(ex, call, x):
+    return ex.op(call.node.target, [x])
+
+
+# ---- dropout and stochastic depth ------------------------------------------
+
+
+def dropout(ex, p, name, x, scope):
+    """Dropout with probability p (training mode: the IR is one training
+    step); x itself for p = 0."""
+    if p == 0:
+        return x
+    return ex.emit("dropout", name, [x], {"p": float(p)}, x.shape,
+                   scope=scope)
+
+
+# Only nn.Dropout itself: its subclasses (and Dropout1d/2d/3d, AlphaDropout)
+# drop other things than single elements.
+@registry.modules(nn.Dropout, exact=True)
+def _dropout_module(ex, call):
+    return dropout(ex, call.mod.p, call.name, call.x0(), call.scope)
+
+
+@registry.functions(F.dropout)
+def _dropout(ex, call):
+    p, training = call.value(1, "p", 0.5), call.value(2, "training", True)
+    x = call.tensor(0, "input")
+    return dropout(ex, p if training else 0, ex.base_name(call.node), x,
+                   ex.scope_of(call.node))
+
+
+@registry.functions_matching(is_stochastic_depth)
+def _stochastic_depth(ex, call):
+    """torchvision.ops.stochastic_depth as one drop_path op."""
+    a = call.named(["input", "p", "mode", "training"], {"training": True})
+    x = ex.t(a["input"])
+    p, mode = float(ex.v(a["p"])), ex.v(a["mode"])
+    if mode not in ("row", "batch"):
+        ex.fail(f"stochastic_depth mode '{mode}' is not supported")
+    if not ex.v(a["training"]) or p == 0:
+        return x
+    if p >= 1:
+        ex.fail("stochastic_depth with p=1 (every sample dropped) "
+                "is not supported")
+    return ex.op("drop_path", [x], {"p": p, "mode": mode})
+
+
+# ---- arithmetic ------------------------------------------------------------
+
+
+def binary(ex, kind, a, b, alpha=1):
+    """a <kind> b for fx arguments a, b (tensors or constants, not both
+    constants): an op of two tensors, a scale or an identity for a scalar
+    factor or a zero term, else the constant as a frozen parameter. A
+    constant causal mask added to scores marks them for the softmax."""
+    if alpha != 1:
+        ex.fail("alpha != 1 is not supported")
+    sa, sb = ex.is_static(a), ex.is_static(b)
+    if sa and sb:
+        ex.fail("internal: constant arithmetic reached the exporter")
+    if not sa and not sb:
+        ta, tb = ex.t(a), ex.t(b)
+        return ex.op(kind, [ta, tb])
+    x, c, x_first = (b, a, False) if sa else (a, b, True)
+    cv = ex.v(c)
+    if isinstance(cv, torch.Tensor) and cv.dim() == 0:
+        cv = cv.item()
+    if isinstance(cv, torch.Tensor):
+        xt = ex.t(x)
+        if kind == "add" and len(xt.shape) >= 2 and \
+                is_causal_mask(cv, xt.shape[-1], xt.shape[-1]) and \
+                cv.is_floating_point():
+            return xt.with_mask(causal=True)
+        ct = ex.t(c)
+        return ex.op(kind, [xt, ct] if x_first else [ct, xt])
+    if not isinstance(cv, (int, float)) or isinstance(cv, bool):
+        ex.fail(f"cannot {kind} a {type(cv).__name__}")
+    xt = ex.t(x)
+    cv = float(cv)
+    if kind == "mul":
+        return xt if cv == 1 else ex.op("scale", [xt], {"factor": cv})
+    if kind == "div":
+        if not x_first:
+            ex.fail("dividing a constant by a tensor is not supported")
+        return xt if cv == 1 else ex.op("scale", [xt],
+                                        {"factor": 1.0 / cv})
+    if kind in ("add", "sub") and cv == 0:
+        if kind == "sub" and not x_first:
+            return ex.op("scale", [xt], {"factor": -1.0})
+        return xt
+    ct = ex.const(cv, xt)
+    return ex.op(kind, [xt, ct] if x_first else [ct, xt])
+
+
+@registry.functions(operator.add, operator.iadd, torch.add)
+def _add(ex, call):
+    return binary(ex, "add", call.args[0], call.arg(1, "other"),
+                  ex.v(call.kwargs.get("alpha", 1)))
+
+
+@registry.functions(operator.sub, operator.isub, torch.sub)
+def _sub(ex, call):
+    return binary(ex, "sub", call.args[0], call.arg(1, "other"),
+                  ex.v(call.kwargs.get("alpha", 1)))
+
+
+@registry.functions(operator.mul, operator.imul, torch.mul)
+def _mul(ex, call):
+    return binary(ex, "mul", call.args[0], call.arg(1, "other"))
+
+
+@registry.functions(operator.truediv, operator.itruediv, torch.div)
+def _div(ex, call):
+    if call.kwargs.get("rounding_mode") is not None:
+        ex.fail("rounding division is not supported")
+    if not ex.is_static(call.arg(1, "other")):
+        ex.fail("division by a tensor is not supported")
+    return binary(ex, "div", call.args[0], call.arg(1, "other"))
+
+
+@registry.methods("add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_",
+                  "__add__", "__mul__")
+def _arithmetic_method(ex, call, x):
+    kind = call.node.target.strip("_")
+    other = call.arg(1, "other")
+    if kind == "div" and not ex.is_static(other):
+        ex.fail("division by a tensor is not supported")
+    return binary(ex, kind, call.args[0], other,
+                  ex.v(call.kwargs.get("alpha", 1)))
+
+
+@registry.functions(operator.neg, torch.neg)
+def _neg(ex, call):
+    return ex.op("scale", [call.tensor(0, "input")], {"factor": -1.0})
+
+
+@registry.methods("neg")
+def _neg_method(ex, call, x):
+    return ex.op("scale", [x], {"factor": -1.0})

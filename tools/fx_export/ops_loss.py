@@ -1,0 +1,54 @@
+"""Losses (planner/graph/ops_loss.cc): nll_loss on log-probabilities and
+cross_entropy on logits, [n, c] scores against [n] class targets, averaged
+over the batch (reduction='mean', PyTorch's default, only)."""
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import registry
+
+
+def loss(ex, kind, input_arg, target_arg, weight, ignore_index, reduction,
+         label_smoothing):
+    """The `kind` loss op of fx arguments input_arg and target_arg; the
+    other arguments must have PyTorch's defaults."""
+    x, y = ex.t(input_arg), ex.t(target_arg)
+    if weight is not None:
+        ex.fail(f"{kind} with class weights is not supported")
+    if reduction != "mean":
+        ex.fail(f"{kind} with reduction='{reduction}' is not supported "
+                f"(only 'mean')")
+    if ignore_index != -100:
+        ex.fail(f"{kind} with ignore_index={ignore_index} is not "
+                f"supported")
+    if label_smoothing:
+        ex.fail(f"{kind} with label_smoothing is not supported")
+    if len(x.shape) != 2 or len(y.shape) != 1 or y.dtype != "INT64":
+        ex.fail(f"{kind} needs [n, c] scores and [n] integer class "
+                f"targets, got {list(x.shape)} and {list(y.shape)} "
+                f"({y.dtype}); reshape with .view(-1, C) / .view(-1)")
+    return ex.op(kind, [x, y])
+
+
+@registry.modules(nn.NLLLoss, nn.CrossEntropyLoss)
+def _loss_module(ex, call):
+    mod, args = call.mod, call.node.args
+    kind = "nll_loss" if isinstance(mod, nn.NLLLoss) else "cross_entropy"
+    return loss(ex, kind, args[0], args[1], mod.weight, mod.ignore_index,
+                mod.reduction, getattr(mod, "label_smoothing", 0.0))
+
+
+@registry.functions(F.nll_loss, F.cross_entropy)
+def _loss(ex, call):
+    kind = "nll_loss" if call.node.target is F.nll_loss else "cross_entropy"
+    a = call.named(["input", "target", "weight", "size_average",
+                    "ignore_index", "reduce", "reduction", "label_smoothing"],
+                   {"weight": None, "size_average": None,
+                    "ignore_index": -100, "reduce": None,
+                    "reduction": "mean", "label_smoothing": 0.0})
+    if a["size_average"] is not None or a["reduce"] is not None:
+        ex.fail("the deprecated size_average/reduce arguments are "
+                "not supported")
+    return loss(ex, kind, a["input"], a["target"], ex.v(a["weight"]),
+                ex.v(a["ignore_index"]), ex.v(a["reduction"]),
+                ex.v(a["label_smoothing"]))

@@ -1,0 +1,192 @@
+"""Normalisations (planner/graph/ops_normalization.cc): layer_norm over the
+last dimension, training-mode batch_norm with its running statistics, and
+softmax / log_softmax over the last dimension (a softmax also takes the
+causal or additive mask that attention scores carry)."""
+
+import functools
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import initializers, registry
+from .ir import join
+
+# ---- layer_norm ------------------------------------------------------------
+
+
+def layer_norm(ex, mod, path, x, scope):
+    """nn.LayerNorm `mod` (at `path`) applied to x; without affine
+    parameters its weight and bias are frozen exporter constants."""
+    at = functools.partial(join, path)  # "<path>.<leaf>"
+    if len(mod.normalized_shape) != 1:
+        ex.fail(f"LayerNorm '{path}' normalises over "
+                f"{list(mod.normalized_shape)}; only the last dimension "
+                f"is supported")
+    d = mod.normalized_shape[0]
+    if mod.elementwise_affine:
+        g, b = ex.param(mod.weight), ex.param(mod.bias)
+    else:
+        g = ex.param(torch.ones(d), at("weight"), dict(initializers.ONES),
+                     True, key=("ln_w", path))
+        b = ex.param(torch.zeros(d), at("bias"), dict(initializers.ZEROS),
+                     True, key=("ln_b", path))
+    return ex.emit("layer_norm", path, [x, g, b], {"eps": float(mod.eps)},
+                   x.shape, scope=scope)
+
+
+@registry.modules(nn.LayerNorm)
+def _layer_norm_module(ex, call):
+    return layer_norm(ex, call.mod, call.name, call.x0(), call.scope)
+
+
+@registry.functions(F.layer_norm)
+def _layer_norm(ex, call):
+    x = call.tensor(0, "input")
+    shape = call.value(1, "normalized_shape")
+    w, b = call.arg(2, "weight", None), call.arg(3, "bias", None)
+    if len(shape) != 1 or w is None or b is None:
+        ex.fail("layer_norm needs one normalised dim and affine "
+                "weight and bias")
+    return ex.op("layer_norm", [x, ex.t(w), ex.t(b)],
+                 {"eps": float(call.value(4, "eps", 1e-5))})
+
+
+# ---- batch_norm ------------------------------------------------------------
+
+
+def batch_norm(ex, path, x, weight, bias, running_mean, running_var,
+               momentum, eps):
+    """Training-mode batch normalisation over channel dim 1; the running
+    statistics (module buffers) become frozen parameters under their
+    state_dict names, updated by the op. weight and bias: module
+    parameters, fx arguments, or None (frozen ones and zeros)."""
+    at = functools.partial(join, path)  # "<path>.<leaf>"
+    if len(x.shape) < 2:
+        ex.fail("batch_norm needs an [N, C, ...] input")
+    if momentum is None:
+        ex.fail("batch_norm with momentum=None (a cumulative average of "
+                "the statistics) is not supported")
+    c = x.shape[1]
+    ins = [x]
+    for t, leaf, init in ((weight, "weight", initializers.ONES),
+                          (bias, "bias", initializers.ZEROS)):
+        if isinstance(t, torch.Tensor) and id(t) in ex.qualname:
+            ins.append(ex.param(t))
+        elif t is not None and not isinstance(t, torch.Tensor):
+            ins.append(ex.t(t))
+        else:
+            ins.append(ex.param(torch.full((c,), 1.0 if leaf == "weight"
+                                           else 0.0), at(leaf),
+                                dict(init), True, key=("bn_" + leaf, path)))
+    if (running_mean is None) != (running_var is None):
+        ex.fail("batch_norm needs both running statistics or neither")
+    if running_mean is not None:
+        for buf, leaf in ((running_mean, "running_mean"),
+                          (running_var, "running_var")):
+            if not isinstance(buf, torch.Tensor):
+                ex.fail("batch_norm's running statistics must be module "
+                        "buffers")
+            init = initializers.constant_init(buf) or \
+                initializers.init_from_values(buf)
+            t = ex.param(buf, ex.buffer_names.get(id(buf), at(leaf)),
+                         init, True, key=id(buf))
+            if t.name not in ex.buffers:
+                ex.buffers.append(t.name)
+            ins.append(t)
+    return ex.emit("batch_norm", path, ins,
+                   {"eps": float(eps), "momentum": float(momentum)},
+                   x.shape, scope=ex.scope_of(ex.node))
+
+
+@registry.modules(nn.modules.batchnorm._BatchNorm)
+def _batch_norm_module(ex, call):
+    mod = call.mod
+    name = call.name
+    if mod.affine:
+        w, b = mod.weight, mod.bias
+    else:
+        w = b = None
+    rm = mod.running_mean if mod.track_running_stats else None
+    rv = mod.running_var if mod.track_running_stats else None
+    return batch_norm(ex, name, call.x0(), w, b, rm, rv, mod.momentum,
+                      mod.eps)
+
+
+@registry.functions(F.batch_norm)
+def _batch_norm(ex, call):
+    a = call.named(["input", "running_mean", "running_var", "weight",
+                    "bias", "training", "momentum", "eps"],
+                   {"weight": None, "bias": None, "training": False,
+                    "momentum": 0.1, "eps": 1e-5})
+    if not ex.v(a["training"]):
+        ex.fail("batch_norm with training=False (normalising by "
+                "the running statistics) is not supported: the IR "
+                "is one training step")
+
+    def tensor_or_none(v):
+        # Module parameters and buffers by value (their state_dict names
+        # kept), other arguments as they are.
+        if v is None:
+            return None
+        if isinstance(v, fx.Node) and v.op == "get_attr":
+            return ex.fetch_attr(v.target)
+        return v
+
+    return batch_norm(ex, ex.base_name(call.node), ex.t(a["input"]),
+                      tensor_or_none(a["weight"]),
+                      tensor_or_none(a["bias"]),
+                      tensor_or_none(a["running_mean"]),
+                      tensor_or_none(a["running_var"]),
+                      ex.v(a["momentum"]), ex.v(a["eps"]))
+
+
+# ---- softmax ---------------------------------------------------------------
+
+
+def softmax(ex, kind, x, dim):
+    """softmax or log_softmax (`kind`) of x over `dim`, the last one; masked
+    scores (causal, or an additive mask) only into a softmax, which takes
+    the mask."""
+    rank = len(x.shape)
+    if dim is None:  # PyTorch's legacy implicit dim
+        dim = 0 if rank in (0, 1, 3) else 1
+    if rank == 0 or dim not in (-1, rank - 1):
+        ex.fail(f"{kind} over dim {dim} of a rank-{rank} tensor; only the "
+                f"last dimension is supported")
+    attrs = {}
+    ins = [x]
+    if x.causal or x.mask is not None:
+        if kind != "softmax":
+            ex.fail("masked scores must go into softmax")
+        attrs["causal"] = bool(x.causal)
+        if x.mask is not None:
+            ins.append(x.mask)
+        x = x.with_mask()
+        ins[0] = x
+    return ex.op(kind, ins, attrs)
+
+
+@registry.modules(nn.Softmax, nn.LogSoftmax)
+def _softmax_module(ex, call):
+    kind = "softmax" if isinstance(call.mod, nn.Softmax) else "log_softmax"
+    return softmax(ex, kind, call.x0(), call.mod.dim)
+
+
+@registry.functions(F.softmax, torch.softmax, F.log_softmax,
+                    torch.log_softmax)
+def _softmax(ex, call):
+    f = call.node.target
+    kind = "softmax" if f in (F.softmax, torch.softmax) else "log_softmax"
+    if call.value(3, "dtype", None) is not None:
+        ex.fail(f"{kind} with dtype= is not supported")
+    return softmax(ex, kind, ex.t(call.arg(0, "input"), allow_masked=True),
+                   call.value(1, "dim", None))
+
+
+# The receiver may be masked scores: converted here, allowing the mask.
+@registry.methods("softmax", "log_softmax", tensor_self=False)
+def _softmax_method(ex, call):
+    x = ex.t(call.args[0], allow_masked=True)
+    return softmax(ex, call.node.target, x, call.value(1, "dim", None))

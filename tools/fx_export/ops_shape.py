@@ -1,0 +1,373 @@
+"""Layout ops (planner/graph/ops_shape.cc): reshape and its PyTorch spellings
+(view, unsqueeze, squeeze, unflatten, nn.Unflatten), transpose and permute
+(.T, .mT, .t()), flatten, indexing and slicing (x[...]), concat and stack,
+split and chunk, expand, the no-ops (nn.Identity, contiguous, clone, a cast
+to the same dtype), and the embedding lookup (nn.Embedding, F.embedding),
+which the planner also counts as a layout op."""
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import registry
+from .ir import LstmState, Static, ir_dtype
+from .ops_lstm import lstm_state
+
+# ---- reshape ---------------------------------------------------------------
+
+
+def same_or_reshape(ex, x):
+    """x as the current node's traced shape (a view, unsqueeze, ...)."""
+    return ex.reshape(ex.base_name(ex.node), x, ex.out_shape(),
+                      ex.scope_of(ex.node))
+
+
+@registry.functions(torch.reshape, torch.unsqueeze, torch.squeeze)
+def _reshape(ex, call):
+    return same_or_reshape(ex, call.tensor(0, "input"))
+
+
+@registry.methods("reshape", "view", "view_as", "reshape_as", "unsqueeze",
+                  "squeeze", "unflatten")
+def _reshape_method(ex, call, x):
+    return same_or_reshape(ex, x)
+
+
+@registry.modules(nn.Unflatten)
+def _unflatten_module(ex, call):
+    x = call.x0()
+    return ex.reshape(call.name, x, ex.out_shape(), call.scope)
+
+
+# ---- transpose and permute -------------------------------------------------
+
+
+def _reversed_axes(ex, x, name, scope):
+    """x with its axes in reverse order (.T, torch.t)."""
+    return ex.transpose(name, x, list(range(len(x.shape)))[::-1], scope)
+
+
+def _norm_dims(dims):
+    """permute's dims (varargs or one list) with negative ones resolved."""
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = dims[0]
+    rank = len(dims)
+    return [d + rank if d < 0 else d for d in dims]
+
+
+def _transpose_dims(ex, x, d0, d1):
+    """x with axes d0 and d1 swapped (torch.transpose)."""
+    rank = len(x.shape)
+    perm = list(range(rank))
+    d0, d1 = d0 % rank, d1 % rank
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return ex.transpose(ex.base_name(ex.node), x, perm, ex.scope_of(ex.node))
+
+
+@registry.functions(torch.transpose)
+def _transpose(ex, call):
+    return _transpose_dims(ex, call.tensor(0, "input"), call.value(1, "dim0"),
+                           call.value(2, "dim1"))
+
+
+@registry.methods("transpose")
+def _transpose_method(ex, call, x):
+    return _transpose_dims(ex, x, call.value(1, "dim0"), call.value(2, "dim1"))
+
+
+@registry.functions(torch.permute)
+def _permute(ex, call):
+    n = call.node
+    return ex.transpose(ex.base_name(n), call.tensor(0, "input"),
+                        _norm_dims(call.value(1, "dims")), ex.scope_of(n))
+
+
+@registry.methods("permute")
+def _permute_method(ex, call, x):
+    n = call.node
+    return ex.transpose(ex.base_name(n), x,
+                        _norm_dims(ex.v(list(call.args[1:]))), ex.scope_of(n))
+
+
+@registry.functions(torch.t)
+def _t(ex, call):
+    n = call.node
+    t = call.tensor(0, "input")
+    return _reversed_axes(ex, t, ex.base_name(n), ex.scope_of(n))
+
+
+@registry.methods("t")
+def _t_method(ex, call, x):
+    n = call.node
+    return _reversed_axes(ex, x, ex.base_name(n), ex.scope_of(n))
+
+
+@registry.functions(getattr)
+def _tensor_attribute(ex, call):
+    """x.T and x.mT (fx records attribute reads as getattr calls)."""
+    n = call.node
+    x, attr = call.args[0], call.args[1]
+    if attr == "T":
+        t = ex.t(x)
+        return _reversed_axes(ex, t, ex.base_name(n), ex.scope_of(n))
+    if attr == "mT":
+        t = ex.t(x)
+        perm = list(range(len(t.shape)))
+        perm[-2:] = perm[-1], perm[-2]
+        return ex.transpose(ex.base_name(n), t, perm, ex.scope_of(n))
+    ex.fail(f"tensor attribute '{attr}' is not supported")
+
+
+# ---- flatten ---------------------------------------------------------------
+
+
+def flatten(ex, x, start, end):
+    """x with dims start..end merged (a rank-0 x becomes [1])."""
+    rank = len(x.shape)
+    if rank == 0:
+        return ex.reshape(ex.base_name(ex.node), x, (1,),
+                          ex.scope_of(ex.node))
+    s = start + rank if start < 0 else start
+    e = end + rank if end < 0 else end
+    if s == e:
+        return x
+    return ex.op("flatten", [x], {"start_dim": s, "end_dim": e})
+
+
+@registry.modules(nn.Flatten)
+def _flatten_module(ex, call):
+    return flatten(ex, call.x0(), call.mod.start_dim, call.mod.end_dim)
+
+
+@registry.functions(torch.flatten)
+def _flatten(ex, call):
+    return flatten(ex, call.tensor(0, "input"), call.value(1, "start_dim", 0),
+                   call.value(2, "end_dim", -1))
+
+
+@registry.methods("flatten")
+def _flatten_method(ex, call, x):
+    return flatten(ex, x, call.value(1, "start_dim", 0),
+                   call.value(2, "end_dim", -1))
+
+
+# ---- indexing --------------------------------------------------------------
+
+
+@registry.functions(operator.getitem)
+def _getitem(ex, call):
+    """base[idx]: an element of a tuple (a module's outputs), a row of an
+    nn.LSTM's h_n, or basic indexing of a tensor (slice ops along each
+    indexed axis, then a reshape for the ints and Nones)."""
+    n = call.node
+    base, idx = n.args
+    bv = ex.env[base] if isinstance(base, fx.Node) else base
+    if isinstance(bv, (tuple, list)):
+        i = ex.v(idx)
+        el = bv[i]
+        if el is None:
+            ex.fail("uses an output that the exporter does not produce "
+                    "(e.g. the attention weights of MultiheadAttention)")
+        return el
+    if isinstance(bv, LstmState) and isinstance(ex.v(idx), int):
+        return lstm_state(ex, bv, ex.v(idx))
+    x = ex.t(base)
+    idx = ex.v(idx)
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(isinstance(i, (torch.Tensor, list)) or isinstance(i, bool)
+           for i in idx):
+        ex.fail("advanced (tensor/list) indexing is not supported")
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    rank = len(x.shape)
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + (slice(None),) * (rank - n_real) + idx[k + 1:]
+    idx = tuple(i for i in idx if i is not None)
+    idx = idx + (slice(None),) * (rank - len(idx))
+    cur = x
+    name = ex.base_name(n)
+    scope = ex.scope_of(n)
+    for axis, i in enumerate(idx):
+        size = x.shape[axis]
+        if isinstance(i, int):
+            start = i + size if i < 0 else i
+            end = start + 1
+        else:
+            start, end, step = i.indices(size)
+            if step != 1:
+                ex.fail("strided slicing is not supported")
+        if (start, end) == (0, size):
+            continue
+        if end <= start:
+            ex.fail("empty slice")
+        shape = list(cur.shape)
+        shape[axis] = end - start
+        cur = ex.emit("slice", name, [cur], {"axis": axis,
+                                             "start": start, "end": end},
+                      tuple(shape), scope=scope)
+    return ex.reshape(name, cur, ex.out_shape(), scope)
+
+
+# ---- concat, stack, split --------------------------------------------------
+
+
+def _cat(ex, tensors, dim):
+    ts = [ex.t(a) for a in tensors]
+    if len(ts) == 1:
+        return ts[0]
+    rank = len(ts[0].shape)
+    return ex.op("concat", ts, {"axis": dim + rank if dim < 0 else dim})
+
+
+@registry.functions(torch.cat, torch.concat)
+def _concat(ex, call):
+    return _cat(ex, call.arg(0, "tensors"), call.value(1, "dim", 0))
+
+
+@registry.functions(torch.stack)
+def _stack(ex, call):
+    """torch.stack as a concat of the tensors with the new axis added."""
+    tensors, dim = call.arg(0, "tensors"), call.value(1, "dim", 0)
+    ts = [ex.t(a) for a in tensors]
+    rank = len(ts[0].shape) + 1
+    d = dim + rank if dim < 0 else dim
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    parts = []
+    for t in ts:
+        sh = list(t.shape)
+        sh.insert(d, 1)
+        parts.append(ex.reshape(f"{name}_in", t, sh, scope))
+    if len(parts) == 1:
+        return parts[0]
+    return ex.op("concat", parts, {"axis": d})
+
+
+def split(ex, x, sizes_or_n, dim, chunk):
+    """The parts of x along `dim` (a tuple of IR tensors): `chunk` parts of
+    equal size (the last one smaller), else parts of size `sizes_or_n` (an
+    int) or of the listed sizes."""
+    rank = len(x.shape)
+    d = dim + rank if dim < 0 else dim
+    size = x.shape[d]
+    if chunk:
+        per = -(-size // sizes_or_n)
+        sizes = [min(per, size - i) for i in range(0, size, per)]
+    elif isinstance(sizes_or_n, int):
+        sizes = [min(sizes_or_n, size - i)
+                 for i in range(0, size, sizes_or_n)]
+    else:
+        sizes = list(sizes_or_n)
+    shapes = []
+    for s in sizes:
+        sh = list(x.shape)
+        sh[d] = s
+        shapes.append(tuple(sh))
+    if len(sizes) == 1:
+        return (x,)
+    return tuple(ex.emit("split", ex.base_name(ex.node), [x],
+                         {"axis": d, "sizes": sizes}, outputs=shapes))
+
+
+@registry.functions(torch.split)
+def _split(ex, call):
+    return split(ex, call.tensor(0, "input"),
+                 call.value(1, "split_size_or_sections"),
+                 call.value(2, "dim", 0), False)
+
+
+@registry.functions(torch.chunk)
+def _chunk(ex, call):
+    return split(ex, call.tensor(0, "input"), call.value(1, "chunks"),
+                 call.value(2, "dim", 0), True)
+
+
+@registry.methods("split")
+def _split_method(ex, call, x):
+    return split(ex, x, call.value(1, "split_size"), call.value(2, "dim", 0),
+                 False)
+
+
+@registry.methods("chunk")
+def _chunk_method(ex, call, x):
+    return split(ex, x, call.value(1, "chunks"), call.value(2, "dim", 0), True)
+
+
+# ---- expand, no-ops, casts -------------------------------------------------
+
+
+@registry.methods("expand", "expand_as")
+def _expand_method(ex, call, x):
+    shape = ex.out_shape()
+    if shape == x.shape:
+        return x
+    return ex.op("expand", [x], {"shape": list(shape)})
+
+
+@registry.modules(nn.Identity)
+def _identity_module(ex, call):
+    return call.x0()
+
+
+@registry.methods("contiguous", "clone")
+def _same_method(ex, call, x):
+    return x
+
+
+@registry.methods("float", "double", "half", "bfloat16", "long", "int", "to",
+                  "type_as")
+def _cast_method(ex, call, x):
+    """A cast is supported when it keeps the IR dtype (e.g. .float() of a
+    float32 tensor, .to(device))."""
+    dt = ex.node.meta.get("hap_dtype")
+    if dt is not None and ir_dtype(dt, ex.node.name) != x.dtype:
+        ex.fail("dtype conversion is not supported")
+    return x
+
+
+# ---- embedding -------------------------------------------------------------
+
+
+def embedding(ex, ids_arg, weight):
+    """The rows of table `weight` (a module parameter or an fx argument) at
+    the integer ids `ids_arg`; constant ids 0..n-1 (positions) are the
+    table's first n rows. Records that the ids lie below the table's size
+    (which bounds a key padding mask computed from them)."""
+    w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
+    if len(w.shape) != 2:
+        ex.fail("the embedding table must have rank 2")
+    if isinstance(ids_arg, fx.Node) and isinstance(ex.env[ids_arg], Static):
+        ids = ex.env[ids_arg].value
+        n = ids.numel() if isinstance(ids, torch.Tensor) else -1
+        if (isinstance(ids, torch.Tensor) and ids.dim() == 1 and
+                torch.equal(ids.cpu(), torch.arange(n))):
+            # positions 0..n-1: the first n rows of the table
+            if n == w.shape[0]:
+                return w
+            return ex.emit("slice", ex.base_name(ex.node), [w],
+                           {"axis": 0, "start": 0, "end": n},
+                           (n, w.shape[1]))
+        ex.fail("embedding of constant indices other than arange(n) is "
+                "not supported")
+    ids = ex.t(ids_arg)
+    if ids.dtype != "INT64":
+        ex.fail("embedding indices must be integers")
+    ex.id_limits.setdefault(ids.name, w.shape[0])
+    return ex.op("embedding", [ids, w])
+
+
+@registry.modules(nn.Embedding)
+def _embedding_module(ex, call):
+    if call.mod.max_norm is not None:
+        ex.fail("Embedding with max_norm is not supported")
+    return embedding(ex, call.node.args[0], call.mod.weight)
+
+
+@registry.functions(F.embedding)
+def _embedding(ex, call):
+    if call.value(3, "max_norm", None) is not None:
+        ex.fail("embedding with max_norm is not supported")
+    return embedding(ex, call.arg(0, "input"), call.arg(1, "weight"))

@@ -1,0 +1,193 @@
+"""Tracing a module with torch.fx and running the traced graph once.
+
+HapTracer records the module path of every node (the ops' scopes) and keeps
+PyTorch's transformer modules whole, for the exporter to decompose; Recorder
+runs the graph on the example inputs (or on meta tensors, quick at full
+size) and stores in each node's meta its shape and dtype, and the value of
+the nodes known at export time (sizes, masks, positions).
+"""
+
+import dis
+import inspect
+import sys
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+
+def _proxy_iter(self):
+    """Proxy.__iter__ for Python 3.11, whose bytecode offsets torch 1.13's
+    version does not understand: `a, b = proxy` unpacks by getitem."""
+    frame = inspect.currentframe().f_back
+    for inst in dis.get_instructions(frame.f_code):
+        if inst.offset == frame.f_lasti:
+            if inst.opname == "UNPACK_SEQUENCE":
+                return (self[i] for i in range(inst.argval))
+            break
+    return self.tracer.iter(self)
+
+
+# Tensor factories that accept sizes; with a traced size (x.size(1)) they are
+# recorded as graph nodes instead of failing. Their values are known at export
+# time (shapes are concrete), so they fold to constants.
+_FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "tensor")
+
+
+def _wrap_factory(orig):
+    def factory(*args, **kwargs):
+        proxies = []
+        fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a)
+                              if isinstance(a, fx.Proxy) else None)
+        if proxies:
+            return proxies[0].tracer.create_proxy("call_function", orig, args,
+                                                  kwargs)
+        return orig(*args, **kwargs)
+
+    factory.__wrapped__ = orig
+    return factory
+
+
+def stochastic_depth_functions():
+    """torchvision's stochastic_depth, when the traced code has imported
+    torchvision (the exporter does not import it)."""
+    mod = sys.modules.get("torchvision.ops.stochastic_depth")
+    f = getattr(mod, "stochastic_depth", None)
+    return (f,) if f is not None else ()
+
+
+def is_stochastic_depth(f):
+    return f in stochastic_depth_functions()
+
+
+class HapTracer(fx.Tracer):
+    """fx tracer that keeps the transformer modules whole (they are decomposed
+    by the exporter) and records the module path of every node."""
+
+    LEAVES = (nn.TransformerEncoderLayer, nn.TransformerEncoder,
+              nn.TransformerDecoderLayer, nn.TransformerDecoder,
+              nn.Transformer, nn.MultiheadAttention)
+
+    def __init__(self):
+        # torchvision's stochastic_depth draws its mask with torch.empty and
+        # bernoulli_: recorded as one call (an IR drop_path) instead. Only
+        # when the traced code has imported torchvision.
+        super().__init__(autowrap_functions=stochastic_depth_functions())
+        self._stack = []
+        # Buffers become get_attr nodes (constants folded at export time), so
+        # `self.mask[:S, :S]` with a traced S works.
+        self.proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m, qualname):
+        if isinstance(m, self.LEAVES):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            path = self.path_of_module(m)
+        except NameError:
+            path = None
+        if path is not None and not self.is_leaf_module(m, path):
+            self._stack.append(path)
+            try:
+                return super().call_module(m, forward, args, kwargs)
+            finally:
+                self._stack.pop()
+        return super().call_module(m, forward, args, kwargs)
+
+    def create_node(self, kind, target, args, kwargs, name=None,
+                    type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["hap_scope"] = self._stack[-1] if self._stack else ""
+        return node
+
+    def trace(self, root, concrete_args=None):
+        saved_iter = fx.Proxy.__iter__
+        saved = {n: getattr(torch, n) for n in _FACTORIES}
+        if sys.version_info >= (3, 11):
+            fx.Proxy.__iter__ = _proxy_iter
+        for n, f in saved.items():
+            setattr(torch, n, _wrap_factory(f))
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            fx.Proxy.__iter__ = saved_iter
+            for n, f in saved.items():
+                setattr(torch, n, f)
+
+
+def _flat_tensors(v):
+    out = []
+    fx.node.map_aggregate(v, lambda a: out.append(a)
+                          if isinstance(a, torch.Tensor) else None)
+    return out
+
+
+def to_meta(v):
+    """`v` (nested lists, tuples, dicts) with every tensor on 'meta'."""
+    return fx.node.map_aggregate(
+        v, lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a)
+
+
+def _meta_device_to_cpu(v):
+    return fx.node.map_aggregate(
+        v, lambda a: torch.device("cpu")
+        if isinstance(a, torch.device) and a.type == "meta" else a)
+
+
+class Recorder(fx.Interpreter):
+    """Runs the traced graph once; records each node's shapes/dtypes and the
+    values of the nodes that do not depend on inputs or parameters.
+
+    With meta=True the inputs and parameters are 'meta' tensors (shapes only,
+    no memory, no arithmetic), so exporting a full-size model is quick;
+    constants (masks, arange positions) are still computed for real."""
+
+    def __init__(self, gm, params, meta=False):
+        super().__init__(gm)
+        self._params = params  # get_attr targets that are nn.Parameters
+        self.meta = meta
+
+    def call_module(self, target, args, kwargs):
+        if not self.meta:
+            return super().call_module(target, args, kwargs)
+        from torch.nn.utils.stateless import functional_call
+        mod = self.fetch_attr(target)
+        state = {k: v.to("meta") for k, v in
+                 list(mod.named_parameters()) + list(mod.named_buffers())}
+        return functional_call(mod, state, tuple(args), dict(kwargs))
+
+    def run_node(self, n):
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs_static = all(a.meta.get("hap_static", False)
+                            for a in n.all_input_nodes)
+        folds = n.op in ("call_function", "call_method") and inputs_static
+        if self.meta:
+            if folds:
+                args, kwargs = _meta_device_to_cpu((args, kwargs))
+            else:
+                args, kwargs = to_meta((args, kwargs))
+        result = getattr(self, n.op)(n.target, args, kwargs)
+        if self.meta and n.op == "get_attr" and n.target in self._params:
+            result = result.to("meta")
+        tensors = _flat_tensors(result)
+        if n.op == "placeholder":
+            static = not tensors
+        elif n.op == "get_attr":
+            static = n.target not in self._params
+        elif not tensors:
+            static = True  # sizes, dtypes, devices, None: concrete at export
+        elif n.op == "call_module":
+            static = False
+        else:
+            static = inputs_static
+        n.meta["hap_static"] = static
+        if static:
+            n.meta["hap_value"] = result
+        else:
+            n.meta.pop("hap_value", None)
+        if isinstance(result, torch.Tensor):
+            n.meta["hap_shape"] = tuple(int(d) for d in result.shape)
+            n.meta["hap_dtype"] = result.dtype
+        return result
