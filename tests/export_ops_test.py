@@ -400,6 +400,72 @@ class ExportOpsTest(unittest.TestCase):
                                            "labels": labels(2, 4)})
                 self.assertIn(needle, str(cm.exception))
 
+    def test_every_ir_op_is_exported_from_pytorch(self):
+        """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
+        module, function or method, but for the ops listed with their reason:
+        a new op type fails here until the exporter maps something to it
+        (tools/fx_export/ops_*.py) or it is listed."""
+        no_pytorch_form = {
+            op: "the zoo's MoE layers (planner/graph/zoo.cc): PyTorch has no "
+                "mixture-of-experts module"
+            for op in ("moe_gate", "moe_dispatch", "moe_combine", "moe_route",
+                       "moe_route_weights", "moe_dispatch_idx",
+                       "moe_combine_idx")}
+
+        class Coverage(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 8)
+                self.ln = nn.LayerNorm(8)
+                self.lstm = nn.LSTM(8, 8, batch_first=True)
+                self.drop = nn.Dropout(0.1)
+                self.fc = nn.Linear(8, 4)
+
+            def forward(self, ids, labels):
+                h = self.ln(self.emb(ids))  # [4, 5, 8]
+                h = self.drop(torch.tanh(h) + torch.sigmoid(h) - F.gelu(h))
+                h = F.hardswish(h) * F.hardsigmoid(h) + F.relu(h) * 0.5
+                h, _ = self.lstm(h)
+                a, b = torch.split(h, [2, 3], dim=1)
+                h = torch.cat([b, a], dim=1)
+                att = torch.softmax(h @ h.transpose(1, 2), dim=-1)  # [4, 5, 5]
+                h = (att @ h)[:, 1:4]  # [4, 3, 8]
+                h = h.sum(dim=1) + h.mean(dim=(1, 2), keepdim=True)[:, 0].expand(4, 8)
+                h = h.reshape(4, 2, 4).flatten(1)
+                return F.nll_loss(F.log_softmax(self.fc(h), dim=-1), labels)
+
+        cases = [
+            (ActPoolNet(), {"x": torch.randn(2, 3, 12, 12),
+                            "labels": labels(2, 5)}),
+            (BnNet(), {"x": torch.randn(4, 3, 6, 6), "labels": labels(4, 4)}),
+            (MobileBlock(), {"x": torch.randn(2, 4, 6, 6),
+                             "labels": labels(2, 4)}),
+            (Coverage(), {"ids": torch.randint(0, 10, (4, 5)),
+                          "labels": labels(4, 4)}),
+        ]
+        if stochastic_depth is not None:
+            class DropPath(nn.Module):
+                def forward(self, x, labels):
+                    h = stochastic_depth(x, 0.2, "row", training=True)
+                    return F.cross_entropy(h, labels)
+            cases.append((DropPath(), {"x": torch.randn(4, 4),
+                                       "labels": labels(4, 4)}))
+        exported = set()
+        for module, inputs in cases:
+            g, _ = self.export(module, inputs)
+            exported |= {op["type"] for op in g["ops"]}
+        listing = U.run([U.HAPCTL, "ops"]).stdout
+        ir_ops = {line.split()[0] for line in listing.splitlines()
+                  if line.strip()}
+        self.assertGreater(len(ir_ops), 30)
+        expected = ir_ops - set(no_pytorch_form)
+        if stochastic_depth is None:
+            expected.discard("drop_path")  # torchvision's function
+        self.assertEqual(sorted(expected - exported), [],
+                         "IR ops no PyTorch construct exports to")
+        self.assertEqual(sorted(set(no_pytorch_form) & exported), [],
+                         "listed as having no PyTorch form, but exported")
+
 
 if __name__ == "__main__":
     U.main("export_ops_test")
