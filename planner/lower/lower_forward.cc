@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "executor/runtime/random.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/op_registry.h"
 #include "planner/lower/op_lowering.h"
