@@ -26,8 +26,10 @@
 //             be a script that runs a planner with other flags.
 //   --pin     (before the mode) the planner on one CPU, this client on the
 //             others.
+//   --connections=N  (before the mode) spread the calls over N client
+//             connections (default 8).
 //
-//   bazel run -c opt //bench:planner_load -- [--pin] [--quick | --startup-only |
+//   bazel run -c opt //bench:planner_load -- [--pin] [--connections=N] [--quick | --startup-only |
 //                                              --creates-ab OTHER [ROUNDS] |
 //                                              --reads-ab OTHER [ROUNDS] [IN_FLIGHT]]
 //
@@ -76,6 +78,8 @@ constexpr char kToken[] = "load-token";
 // (through taskset) and this client on the others, so neither preempts the
 // other's threads. Empty: both float over every CPU.
 std::string g_planner_cpu;
+// --connections=N: client connections the calls are spread over (8).
+int g_connections = 8;
 
 std::vector<std::string> PinnedArgs(std::vector<std::string> args) {
   if (!g_planner_cpu.empty()) args.insert(args.begin(), {"/usr/bin/taskset", "-c", g_planner_cpu});
@@ -421,7 +425,7 @@ std::unique_ptr<Loaded> Load(const std::string& binary, int plans, int keep = 0)
   auto l = std::make_unique<Loaded>();
   const std::string dir = hap::testing::TempDir("planner-load");
   if (!l->planner.Start(dir, keep, binary)) return nullptr;
-  l->conns = Connect(l->planner.port, 8);
+  l->conns = Connect(l->planner.port, g_connections);
   if (!Register(l->conns)) return nullptr;
   if (plans > 0 && !CreatePlans(l->conns, plans, std::min(plans, 10), &l->names)) return nullptr;
   return l;
@@ -515,9 +519,18 @@ int ReadsAB(const std::string& other, int rounds, int in_flight) {
 
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
-  // --pin first (before any thread), then the mode.
-  if (argc > 1 && std::strcmp(argv[1], "--pin") == 0) {
-    if (!Pin()) return 2;
+  // --pin and --connections=N first (before any thread), then the mode.
+  while (argc > 1) {
+    if (std::strcmp(argv[1], "--pin") == 0) {
+      if (!Pin()) return 2;
+    } else if (std::strncmp(argv[1], "--connections=", 14) == 0) {
+      if (!absl::SimpleAtoi(argv[1] + 14, &g_connections) || g_connections < 1) {
+        std::fprintf(stderr, "--connections needs a whole number >= 1\n");
+        return 2;
+      }
+    } else {
+      break;
+    }
     --argc;
     ++argv;
   }
