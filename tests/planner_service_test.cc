@@ -1,10 +1,7 @@
 // hap-planner as a process on 127.0.0.1: health, bad requests and their
 // codes, liveness of nodes, state that survives SIGKILL, and a real
 // Prometheus server scraping /metrics.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -442,17 +439,8 @@ int64_t ProcKib(pid_t pid, const std::string& field) {
 // (0 when there is no answer) and the body.
 std::pair<int, std::string> HttpGetWith(int port, const std::string& path,
                                         const std::string& headers) {
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  timeval tv{10, 0};
-  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(port);
-  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    close(s);
-    return {0, ""};
-  }
+  const int s = testing::ConnectLoopback(port);
+  if (s < 0) return {0, ""};
   std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n", headers, "\r\n");
   (void)!write(s, req.data(), req.size());
   std::string resp;
@@ -726,19 +714,12 @@ TEST(PlannerLimitsTest, TheDefaultRequestLimitAdmitsA48LayerGptManyTimesOver) {
 // (setting id -> value), read from the socket after the client preface.
 std::map<int, uint32_t> ServerHttp2Settings(int port) {
   std::map<int, uint32_t> settings;
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = testing::ConnectLoopback(port);
   if (fd < 0) return settings;
-  timeval tv{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   // The connection preface, then an empty SETTINGS frame (length 0, type 4).
   const std::string hello =
       std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string("\0\0\0\x04\0\0\0\0\0", 9);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      write(fd, hello.data(), hello.size()) != static_cast<ssize_t>(hello.size())) {
+  if (write(fd, hello.data(), hello.size()) != static_cast<ssize_t>(hello.size())) {
     close(fd);
     return settings;
   }

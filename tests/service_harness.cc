@@ -140,9 +140,9 @@ int FreePort() {
   return port;
 }
 
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Duration timeout,
-                                    const std::string& bearer) {
-  int s = socket(AF_INET, SOCK_STREAM, 0);
+int ConnectLoopback(int port, absl::Duration timeout) {
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  if (s < 0) return -1;
   timeval tv{static_cast<time_t>(absl::ToInt64Seconds(timeout)), 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   sockaddr_in a{};
@@ -151,8 +151,15 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Dur
   a.sin_port = htons(port);
   if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
     close(s);
-    return absl::UnavailableError(absl::StrCat("cannot connect to 127.0.0.1:", port));
+    return -1;
   }
+  return s;
+}
+
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path, absl::Duration timeout,
+                                    const std::string& bearer) {
+  const int s = ConnectLoopback(port, timeout);
+  if (s < 0) return absl::UnavailableError(absl::StrCat("cannot connect to 127.0.0.1:", port));
   std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n",
                                  bearer.empty() ? "" : absl::StrCat("Authorization: Bearer ",
                                                                     bearer, "\r\n"),

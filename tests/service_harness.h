@@ -49,6 +49,10 @@ class Process {
 // A loopback port free at the time of the call.
 int FreePort();
 
+// A TCP connection to 127.0.0.1:port whose reads time out after `timeout`;
+// the socket, or -1 when it cannot connect. The caller closes it.
+int ConnectLoopback(int port, absl::Duration timeout = absl::Seconds(10));
+
 // GET http://127.0.0.1:port/path; returns the body of a 200 response.
 // `bearer`: sent as "Authorization: Bearer ..." when not empty.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path,

@@ -6,6 +6,7 @@
 #define HAP_PLANNER_SERVICE_CORE_JOBS_TEST_UTIL_H_
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -237,7 +238,9 @@ class JobsTest : public ::testing::Test {
     return d;
   }
 
-  void JudgeThreeNotWorthIt(const double* three);
+  // `running`, when given, sees the first deployment before d2 returns.
+  void JudgeThreeNotWorthIt(const double* three,
+                            const std::function<void(const std::string& first)>& running = {});
 
   // A running job, calibrated, that expects 1.0 s steps, measured 1.3 s over
   // steps 23-42 and judged a plan on the same devices predicted at
