@@ -14,7 +14,7 @@
 #              nccl_communicator_test (multi-rank cases need one GPU per rank;
 #              on one GPU they skip and say why), gpu_training_test (training
 #              steps of the GPT-style LM and an MLP on the GPU equal to the CPU
-#              backend), bf16_test (bf16 mixed-precision linear/matmul on
+#              backend), bf16_test (bf16 mixed-precision linear/matmul/conv2d on
 #              the GPU equal to the CPU's); tests not in this build yet are
 #              reported as missing
 #   3. GEMM    our `linear` kernel against cublasSgemm and cublasGemmEx (TF32,

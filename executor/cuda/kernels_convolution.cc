@@ -5,13 +5,20 @@
 // convolution multiplies the images directly. Backward: dw through one GEMM
 // per group over the images side by side, dx through w^T @ dy per image and
 // a gathering col2im. No atomics anywhere: results are deterministic.
+// bf16 mixed precision (attribute "bf16", ungrouped convolutions as on the
+// CPU): the products on bf16 tensor cores, rounded as the CPU rounds them
+// (gemm.h), the gradients' partial sums rounded per group of images as the
+// CPU groups them.
 #include <algorithm>
+#include <type_traits>
 
 #include "common/status_macros.h"
 #include "executor/cpu/pool_window.h"
+#include "executor/cuda/gemm.h"
 #include "executor/cuda/kernel_checks.h"
 #include "executor/cuda/kernels_b_util.h"
 #include "executor/cuda/launch_convolution.h"
+#include "executor/cuda/launch_runtime.h"
 
 namespace hap::executor::cuda {
 namespace {
@@ -71,6 +78,9 @@ struct Conv {
   int64_t groups = 1;  // > 1: grouped, the direct kernels (as the CPU's)
   bool direct = false;  // 1x1, stride 1, no padding: x is its own im2col
   int64_t group = 1;    // images per GEMM batch
+  // The CPU's images per GEMM (1 when direct): bf16 gradients round each
+  // group's partial sums, so their GEMMs group images as the CPU does.
+  int64_t cpu_group = 1;
   Shape y;
 
   // fn(first image, images) for each group of images.
@@ -116,6 +126,7 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
         std::min({g.n, std::max<int64_t>(1, kCpuGemmColumns / cv.op),
                   std::max<int64_t>(1, kCpuMaxColElements / (cv.ckk * cv.op))});
   }
+  cv.cpu_group = cpu_group;
   cv.y = {g.n, cv.o, g.oh, g.ow};
   HAP_RETURN_IF_ERROR(cpu::CheckBias(c, t, has_bias_slot, cv.o));
   HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {cv.o, cv.ckk, cpu_group * cv.op}));
@@ -129,19 +140,111 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   return cv;
 }
 
-// y[m] = w @ im2col(x[m]) (+ bias): one strided-batched GEMM per group.
-// bf16 mixed precision (attribute "bf16") has no CUDA convolution yet: a
-// clear error rather than a silently float32 convolution.
+// bf16 mixed precision: as the CPU, ungrouped convolutions only (the planner
+// keeps grouped ones in float32, planner/lower/lower_ops_convolution.cc).
 template <typename T>
-absl::Status RefuseBf16(const KernelArgs& a) {
+absl::StatusOr<bool> Bf16Conv(const KernelArgs& a, const Conv& cv) {
   HAP_ASSIGN_OR_RETURN(bool bf16, cpu::Bf16Attr<T>(CpuArgs(a)));
-  if (!bf16) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(
-      "CUDA kernel '", a.name,
-      "': bf16 mixed precision (attribute bf16) is not implemented for convolutions on CUDA "
-      "yet; plan with --precision fp32 for convolutional models on GPUs"));
+  if (bf16 && cv.groups > 1) {
+    return absl::UnimplementedError(
+        absl::StrCat("kernel '", a.name, "': bf16 (mixed precision) with groups > 1"));
+  }
+  return bf16;
 }
 
+// y[m] = bf16(w_b @ col_b[m] + bf16(bias)), the CPU's bf16 forward: y set to
+// the rounded bias first, then each group's products fused into it.
+absl::Status Conv2dForwardBf16(const KernelArgs& a, const Conv& cv, const float* x, const float* w,
+                               const float* bias, float* y) {
+  const Window& g = cv.g;
+  const int64_t plane = g.c * g.h * g.w;
+  Bf16Mode mode = Bf16Mode::kOverwrite;
+  if (bias != nullptr) {
+    const int64_t count = g.n * cv.o * cv.op;
+    HAP_RETURN_IF_ERROR(KernelCudaStatus(a, cudaMemsetAsync(y, 0, count * sizeof(float), a.stream),
+                                         "cudaMemsetAsync"));
+    LaunchAddBias<float>(bias, g.n, cv.o, cv.op, y, a.stream);
+    LaunchRoundBf16(y, count, a.stream);
+    HAP_RETURN_IF_ERROR(CheckLaunch(a));
+    mode = Bf16Mode::kFused;
+  }
+  if (cv.direct) {  // every image at once: x[m] is [c, op]
+    return ProductBf16(a, mode, false, false, cv.o, cv.op, cv.ckk, w, cv.ckk, x, cv.op, y, g.n, 0,
+                       plane);
+  }
+  HAP_ASSIGN_OR_RETURN(float* col, ScratchArray<float>(a, cv.ckk * cv.group * cv.op));
+  return cv.ForEachGroup([&](int64_t i0, int64_t m) -> absl::Status {
+    LaunchIm2Col<float>(g, x + i0 * plane, m, cv.op, cv.ckk * cv.op, col, a.stream);
+    HAP_RETURN_IF_ERROR(CheckLaunch(a));
+    return ProductBf16(a, mode, false, false, cv.o, cv.op, cv.ckk, w, cv.ckk, col, cv.op,
+                       y + i0 * cv.o * cv.op, m, 0, cv.ckk * cv.op);
+  });
+}
+
+// The CPU's bf16 backward, group by group of its images (cpu_group):
+//   dw += bf16(dy_g @ col_g^T), db += bf16(sum of bf16(dy_g)) per channel
+//   (dy_g @ ones on the bf16 path), and dx += col2im(bf16(w^T @ dy[m]))
+//   (direct: dx[m] += bf16(w^T @ dy[m])).
+absl::Status Conv2dBackwardBf16(const KernelArgs& a, Conv cv, const float* x, const float* w,
+                                const float* dy, float* dx, float* dw, float* db) {
+  const Window& g = cv.g;
+  const int64_t plane = g.c * g.h * g.w;
+  cv.group = cv.cpu_group;
+  const int64_t max_cols = cv.group * cv.op;
+  float* col = nullptr;
+  float* dyg = nullptr;
+  float* ones = nullptr;
+  if (dw != nullptr || (dx != nullptr && !cv.direct)) {
+    HAP_ASSIGN_OR_RETURN(col, ScratchArray<float>(a, cv.ckk * max_cols));
+  }
+  if (dw != nullptr || db != nullptr) {
+    HAP_ASSIGN_OR_RETURN(dyg, ScratchArray<float>(a, cv.o * max_cols));
+  }
+  if (db != nullptr) {
+    HAP_ASSIGN_OR_RETURN(ones, ScratchArray<float>(a, max_cols));
+    LaunchFill<float>(1.0f, ones, max_cols, a.stream);
+    HAP_RETURN_IF_ERROR(CheckLaunch(a));
+  }
+  // The unrounded products before they are added (ProductBf16's scratch).
+  int64_t partial_size = 0;
+  if (dw != nullptr) partial_size = cv.o * cv.ckk;
+  if (db != nullptr) partial_size = std::max(partial_size, cv.o);
+  if (dx != nullptr && cv.direct) {
+    partial_size = std::max(partial_size, cv.ckk * max_cols);
+  }
+  HAP_ASSIGN_OR_RETURN(float* partial, ScratchArray<float>(a, partial_size));
+  return cv.ForEachGroup([&](int64_t i0, int64_t m) -> absl::Status {
+    const float* xi = x + i0 * plane;
+    const float* dyi = dy + i0 * cv.o * cv.op;
+    const int64_t cols = m * cv.op;
+    if (dyg != nullptr) {  // dy_g: [o, m * op]
+      LaunchChannelsFirst<float>(dyi, m, cv.o, cv.op, dyg, a.stream);
+      HAP_RETURN_IF_ERROR(CheckLaunch(a));
+    }
+    if (dw != nullptr) {
+      LaunchIm2Col<float>(g, xi, m, cols, cv.op, col, a.stream);
+      HAP_RETURN_IF_ERROR(CheckLaunch(a));
+      HAP_RETURN_IF_ERROR(ProductBf16(a, Bf16Mode::kAccumulate, false, true, cv.o, cv.ckk, cols,
+                                      dyg, cols, col, cols, dw, 1, 0, 0, partial));
+    }
+    if (db != nullptr) {
+      HAP_RETURN_IF_ERROR(ProductBf16(a, Bf16Mode::kAccumulate, false, false, cv.o, 1, cols, dyg,
+                                      cols, ones, 1, db, 1, 0, 0, partial));
+    }
+    if (dx == nullptr) return absl::OkStatus();
+    float* dxi = dx + i0 * plane;
+    if (cv.direct) {
+      return ProductBf16(a, Bf16Mode::kAccumulate, true, false, cv.ckk, cv.op, cv.o, w, cv.ckk, dyi,
+                         cv.op, dxi, m, 0, cv.o * cv.op, partial);
+    }
+    HAP_RETURN_IF_ERROR(ProductBf16(a, Bf16Mode::kOverwrite, true, false, cv.ckk, cv.op, cv.o, w,
+                                    cv.ckk, dyi, cv.op, col, m, 0, cv.o * cv.op));
+    LaunchCol2Im<float>(g, col, m, cv.op, cv.ckk * cv.op, dxi, a.stream);
+    return CheckLaunch(a);
+  });
+}
+
+// y[m] = w @ im2col(x[m]) (+ bias): one strided-batched GEMM per group.
 template <typename T>
 absl::Status Conv2dForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
@@ -149,7 +252,7 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, cv.y));
-  HAP_RETURN_IF_ERROR(RefuseBf16<T>(a));
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
   const T* bias =
       a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>() : nullptr;
   const Window& g = cv.g;
@@ -157,6 +260,9 @@ absl::Status Conv2dForward(const KernelArgs& a) {
   const T* x = a.in[0].as<const T>();
   const T* w = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16) return Conv2dForwardBf16(a, cv, x, w, bias, y);
+  }
   if (cv.groups > 1) {
     LaunchGroupedConv<T>(g, cv.groups, cv.o, x, w, bias, y, a.stream);
     return CheckLaunch(a);
@@ -192,7 +298,7 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3));
   HAP_RETURN_IF_ERROR(gr.Check(t, {cv.y}));
-  HAP_RETURN_IF_ERROR(RefuseBf16<T>(a));
+  HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
   if (!gr.dy(0).present()) return absl::OkStatus();
   const Window& g = cv.g;
   const int64_t plane = g.c * g.h * g.w;
@@ -202,6 +308,9 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   T* dx = gr.dx(0).present() ? gr.dx(0).as<T>() : nullptr;
   T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
   T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16) return Conv2dBackwardBf16(a, cv, x, w, dy, dx, dw, db);
+  }
   if (cv.groups > 1) {
     LaunchGroupedConvGrad<T>(g, cv.groups, cv.o, x, w, dy, dx, dw, a.stream);
     if (db != nullptr) LaunchBiasGrad<T>(dy, g.n, cv.o, cv.op, db, a.stream);
