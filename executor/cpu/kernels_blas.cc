@@ -45,6 +45,12 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
           const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
           int64_t ldc) {
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // C = beta * C; BLAS would reject the leading dimension 0
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+    }
+    return;
+  }
   constexpr auto gemm = [] {
     if constexpr (std::is_same_v<T, float>) {
       return &cblas_sgemm;

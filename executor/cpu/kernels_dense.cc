@@ -31,7 +31,8 @@ absl::StatusOr<LinearDims> CheckLinear(const KernelArgs& a, DType t,
   LinearDims d;
   d.in = w.shape[1];
   d.out = w.shape[0];
-  d.rows = x.num_elements() / d.in;
+  d.rows = 1;  // x's rows, also where in == 0
+  for (size_t i = 0; i + 1 < x.shape.size(); ++i) d.rows *= x.shape[i];
   d.y = x.shape;
   d.y.back() = d.out;
   HAP_RETURN_IF_ERROR(CheckBias(a, t, has_bias_slot, d.out));

@@ -60,7 +60,7 @@ absl::Status LayerNormForward(const KernelArgs& a) {
   const T* gamma = a.in[1].as<const T>();
   const T* beta = a.in[2].as<const T>();
   T* y = a.out[0].as<T>();
-  ParallelFor(a.ctx.num_threads, a.in[0].num_elements() / d, GrainFor(4 * d),
+  ParallelFor(a.ctx.num_threads, d == 0 ? 0 : a.in[0].num_elements() / d, GrainFor(4 * d),
               [&](int64_t b, int64_t e) {
                 for (int64_t r = b; r < e; ++r) {
                   LayerNormRow(x + r * d, gamma, beta, eps, d, y + r * d);
@@ -112,7 +112,7 @@ absl::Status LayerNormBackward(const KernelArgs& a) {
   const T* dy = g.dy(0).as<const T>();
   T* dx = g.dx(0).present() ? g.dx(0).as<T>() : nullptr;
   const bool param_grads = g.dx(1).present() || g.dx(2).present();
-  const int64_t rows = g.x(0).num_elements() / d;
+  const int64_t rows = d == 0 ? 0 : g.x(0).num_elements() / d;
   const int chunks = NumChunks(a.ctx.num_threads, rows, GrainFor(6 * d));
   // Per chunk: dgamma then dbeta partial sums.
   std::vector<double> partial(param_grads ? 2 * d * chunks : 0, 0.0);
@@ -256,7 +256,7 @@ absl::Status SoftmaxForward(const KernelArgs& a) {
                        MakeMask<T>(a, x.shape,
                                    a.in.size() > 1 ? &a.in[1] : nullptr));
   const int64_t cols = x.shape.back();
-  SoftmaxRows<T, kLog>(a, x.as<const T>(), m, x.num_elements() / cols, cols,
+  SoftmaxRows<T, kLog>(a, x.as<const T>(), m, cols == 0 ? 0 : x.num_elements() / cols, cols,
                        a.out[0].as<T>());
   return absl::OkStatus();
 }
@@ -292,7 +292,7 @@ absl::Status SoftmaxBackward(const KernelArgs& a) {
                        MakeMask<T>(a, x.shape, g.n() > 1 ? &g.x(1) : nullptr));
   if (!g.active()) return absl::OkStatus();
   const int64_t cols = x.shape.back();
-  const int64_t rows = x.num_elements() / cols;
+  const int64_t rows = cols == 0 ? 0 : x.num_elements() / cols;
   HostTensor recomputed;
   const T* y = g.y(0).present() ? g.y(0).as<const T>() : nullptr;
   if (y == nullptr) {

@@ -516,6 +516,55 @@ TEST(KernelTest, Float32MatchesFloat64) {
   }
 }
 
+// Products over an input dimension of 0 (k == 0 in the GEMM, which BLAS
+// refuses for its leading dimension of 0): linear gives the bias or zeros
+// whatever the output held, and an LSTM over 0 input features equals one over
+// an all-zero input feature.
+TEST(KernelTest, ProductsOverZeroInputsAreTheBiasAlone) {
+  const HostTensor b = Rand({4}, 3);
+  HostTensor bias_rows(DType::kFloat64, {3, 4});
+  for (int64_t i = 0; i < 12; ++i) bias_rows.as<double>()[i] = b.as<double>()[i % 4];
+  const HostTensor w_hh = Rand({8, 2}, 5), b_ih = Rand({8}, 6);
+  // The reference: float64, one input feature of 0.
+  HostTensor lstm_want(DType::kFloat64, {2, 3, 2});
+  ASSERT_THAT(
+      RunKernel("lstm", {}, {Full({2, 3, 1}, 0.0), Rand({8, 1}, 12), w_hh, b_ih}, {lstm_want}),
+      IsOk());
+  for (DType t : {DType::kFloat64, DType::kFloat32}) {
+    auto as = [&](const HostTensor& h) { return t == DType::kFloat32 ? ToF32(h) : h; };
+    const double tol = t == DType::kFloat32 ? 1e-6 : 0.0;
+    HostTensor x = as(Rand({3, 0}, 1)), w = as(Rand({4, 0}, 2));
+    HostTensor y = Full({3, 4}, 7.0, t);  // whatever the output held
+    ASSERT_THAT(RunKernel("linear", {}, {x, w}, {y}), IsOk());
+    ExpectAllNear(y, Full({3, 4}, 0.0), tol, "linear without bias");
+    ASSERT_THAT(RunKernel("linear", {}, {x, w, as(b)}, {y}), IsOk());
+    ExpectAllNear(y, bias_rows, tol, "linear with bias");
+    HostTensor lstm_y = Full({2, 3, 2}, 7.0, t);
+    ASSERT_THAT(
+        RunKernel("lstm", {}, {as(Rand({2, 3, 0}, 10)), as(Rand({8, 0}, 11)), as(w_hh), as(b_ih)},
+                  {lstm_y}),
+        IsOk());
+    ExpectAllNear(lstm_y, lstm_want, t == DType::kFloat32 ? 1e-5 : 0.0, "lstm");
+  }
+}
+
+// Rows of no elements (a last dimension of 0) are nothing to do, never a
+// division by their length.
+TEST(KernelTest, RowsOfNoElementsAreNothingToDo) {
+  for (DType t : {DType::kFloat64, DType::kFloat32}) {
+    const HostTensor x = Full({3, 0}, 0.0, t), none = Full({0}, 0.0, t);
+    HostTensor y = Full({3, 0}, 0.0, t), dx = Full({3, 0}, 0.0, t);
+    HostTensor dgamma = Full({0}, 0.0, t), dbeta = Full({0}, 0.0, t);
+    EXPECT_THAT(RunKernel("softmax", {}, {x}, {y}), IsOk());
+    EXPECT_THAT(RunKernel("softmax_grad", {}, {x, kAbsent, y, x}, {dx, kAbsent}), IsOk());
+    EXPECT_THAT(RunKernel("log_softmax", {}, {x}, {y}), IsOk());
+    EXPECT_THAT(RunKernel("log_softmax_grad", {}, {x, y, x}, {dx}), IsOk());
+    EXPECT_THAT(RunKernel("layer_norm", {}, {x, none, none}, {y}), IsOk());
+    EXPECT_THAT(RunKernel("layer_norm_grad", {}, {x, none, none, y, x}, {dx, dgamma, dbeta}),
+                IsOk());
+  }
+}
+
 // The float softmax rows are vectorized (kernels_simd.h): rows whose length
 // is not a multiple of the vector width, exp's whole range (-100 underflows,
 // -inf mask entries) and the LM's 18,328-column rows, forward and backward,

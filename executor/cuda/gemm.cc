@@ -11,6 +11,34 @@
 #include "executor/cuda/launch_runtime.h"
 
 namespace hap::executor::cuda {
+namespace {
+
+// Sets the handle's math and pointer modes for one call and restores them
+// (the handle is shared by the kernel families). The math mode matters with
+// CUBLAS_COMPUTE_32F: a handle in CUBLAS_TF32_TENSOR_OP_MATH would run even
+// an `exact` product on TF32 tensor cores.
+class HandleModes {
+ public:
+  HandleModes(cublasHandle_t h, cublasMath_t math) : h_(h) {
+    ok_ = cublasGetMathMode(h_, &math_) == CUBLAS_STATUS_SUCCESS &&
+          cublasGetPointerMode(h_, &pointer_) == CUBLAS_STATUS_SUCCESS &&
+          cublasSetMathMode(h_, math) == CUBLAS_STATUS_SUCCESS &&
+          cublasSetPointerMode(h_, CUBLAS_POINTER_MODE_HOST) == CUBLAS_STATUS_SUCCESS;
+  }
+  ~HandleModes() {
+    cublasSetMathMode(h_, math_);
+    cublasSetPointerMode(h_, pointer_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  cublasHandle_t h_;
+  cublasMath_t math_ = CUBLAS_DEFAULT_MATH;
+  cublasPointerMode_t pointer_ = CUBLAS_POINTER_MODE_HOST;
+  bool ok_ = false;
+};
+
+}  // namespace
 
 // cuBLAS is column-major, where a row-major matrix reads as its transpose,
 // so a row-major C = op(A) @ op(B) is the column-major C^T = op(B)^T @
@@ -22,7 +50,7 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
                   int64_t batch, int64_t sa, int64_t sb, int64_t sc, bool exact,
                   bool bf16) {
   if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
-  if (k == 0) {  // C = beta * C with beta 0 or 1 here; cuBLAS wants ld >= 1
+  if (k == 0 && (beta == T(0) || beta == T(1))) {  // C = beta * C
     if (beta != T(0)) return absl::OkStatus();
     for (int64_t i = 0; i < batch; ++i) {
       cudaError_t e = cudaMemset2DAsync(pc + i * sc, ldc * sizeof(T), 0,
@@ -38,6 +66,13 @@ absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
                 : a.allow_tf32 && !exact ? CUBLAS_COMPUTE_32F_FAST_TF32
                                          : CUBLAS_COMPUTE_32F)
              : CUBLAS_COMPUTE_64F;
+  HandleModes modes(a.cublas, compute == CUBLAS_COMPUTE_32F_FAST_TF32 ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                                      : CUBLAS_DEFAULT_MATH);
+  if (!modes.ok()) {
+    return absl::InternalError(
+        absl::StrCat("CUDA kernel '", a.name, "': cannot set the cuBLAS modes"));
+  }
+  // ld >= 1 as cuBLAS asks even where a dimension is 0 (k == 0: C = beta * C).
   cublasStatus_t s = cublasGemmStridedBatchedEx(
       a.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
       trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),

@@ -19,7 +19,8 @@ namespace hap::executor::cuda {
 // `exact`: plain float32 math even when the call allows TF32 (for sums
 // that are not matrix products of the model). `bf16`: products on bf16
 // tensor cores (float only; the result is not rounded: ProductBf16 does).
-// k == 0 sets C to beta * C (beta 0 or 1). Internal naming the kernel on a
+// k == 0 sets C to beta * C. The handle's math mode follows the call's
+// precision and is restored afterwards. Internal naming the kernel on a
 // cuBLAS error.
 template <typename T>
 absl::Status Gemm(const KernelArgs& a, bool trans_a, bool trans_b, int64_t m,
