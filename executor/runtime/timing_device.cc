@@ -19,11 +19,12 @@ absl::Status TimingDevice::Timed(const std::string& key, F&& f) {
   auto t0 = std::chrono::steady_clock::now();
   absl::Status s = f();
   if (synchronize_ && s.ok()) s = inner_->Synchronize();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard<std::mutex> lock(mu_);
   Total& t = totals_[key];
   t.calls += 1;
-  t.seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-          .count();
+  t.seconds += seconds;
   return s;
 }
 
@@ -65,8 +66,11 @@ absl::Status TimingDevice::RunKernel(
 }
 
 std::string TimingDevice::Table(int64_t steps) const {
-  std::vector<std::pair<std::string, Total>> rows(totals_.begin(),
-                                                  totals_.end());
+  std::vector<std::pair<std::string, Total>> rows;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    rows.assign(totals_.begin(), totals_.end());
+  }
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
     return a.second.seconds > b.second.seconds;
   });
@@ -118,6 +122,7 @@ std::map<std::string, double> TimingDevice::SecondsByOpType(
   static const char* const kRuntime[] = {"fill_zero", "copy", "accumulate"};
   std::map<std::string, double> out;
   const double per = steps > 0 ? 1.0 / steps : 0.0;
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [name, t] : totals_) {
     std::string type = name;
     if (name.empty() || name[0] == '(') {
@@ -138,6 +143,7 @@ std::map<std::string, double> TimingDevice::SecondsByOpType(
 
 double TimingDevice::TotalSeconds(int64_t steps) const {
   double total = 0;
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [name, t] : totals_) total += t.seconds;
   return steps > 0 ? total / steps : 0.0;
 }

@@ -6,12 +6,16 @@
 // time; a CUDA device is timed with `synchronize` (Synchronize around each
 // call).
 //
-// Thread-compatible, like the device it wraps.
+// Thread-safe: with overlap the runner's communication thread converts and
+// copies through it while the main thread runs kernels (the wrapped device
+// must allow that, as the CPU and CUDA devices do); each call's wall time
+// counts in full, so calls that overlap are both counted.
 #ifndef HAP_EXECUTOR_RUNTIME_TIMING_DEVICE_H_
 #define HAP_EXECUTOR_RUNTIME_TIMING_DEVICE_H_
 
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 
 #include "executor/runtime/device.h"
@@ -28,7 +32,10 @@ class TimingDevice : public Device {
       : inner_(inner), synchronize_(synchronize) {}
 
   // Forgets what was recorded (after warm-up).
-  void Reset() { totals_.clear(); }
+  void Reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    totals_.clear();
+  }
   // A Markdown table, slowest first: per kernel name, calls and
   // milliseconds per step over `steps` steps, and the share of the total.
   std::string Table(int64_t steps) const;
@@ -74,7 +81,8 @@ class TimingDevice : public Device {
 
   Device* inner_;
   bool synchronize_;
-  std::map<std::string, Total> totals_;
+  mutable std::mutex mu_;
+  std::map<std::string, Total> totals_;  // guarded by mu_
 };
 
 }  // namespace hap::executor

@@ -1,7 +1,9 @@
 #include "executor/runtime/timing_device.h"
 
+#include <atomic>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "executor/cpu/cpu_device.h"
@@ -53,6 +55,27 @@ TEST(TimingDeviceTest, KernelsCountForTheirOpType) {
     return std::log(std::exp(a) + std::exp(b) + std::exp(c));
   };
   EXPECT_NEAR(loss[0], (lse3(0.1, 0.2, 0.3) - 0.2 + lse3(0.4, 0.5, 0.6) - 0.6) / 2, 1e-12);
+}
+
+// With overlap the runner's communication thread converts and copies
+// through the device while the main thread runs kernels: every call of both
+// threads is counted.
+TEST(TimingDeviceTest, CallsFromTwoThreadsAreAllCounted) {
+  auto cpu = NewCpuDevice(1);
+  TimingDevice d(cpu.get());
+  constexpr int kCalls = 200000;
+  std::atomic<int> ready{0};
+  auto fill = [&] {
+    std::vector<double> v(4);
+    ready.fetch_add(1);
+    while (ready.load() < 2) {
+    }
+    for (int i = 0; i < kCalls; ++i) ASSERT_TRUE(d.Fill(View(v, {4}), i).ok());
+  };
+  std::thread other(fill);
+  fill();
+  other.join();
+  EXPECT_NE(d.Table(1).find("| (fill) | 400000 |"), std::string::npos) << d.Table(1);
 }
 
 }  // namespace
