@@ -87,11 +87,13 @@ std::vector<TokenRoute> Route(const GateDims& d, const T* logits) {
     }
     for (double& p : r.probs) p /= sum;
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + d.k, order.end(),
-                      [&](int64_t x, int64_t y) {
-                        return r.probs[x] > r.probs[y] ||
-                               (r.probs[x] == r.probs[y] && x < y);
-                      });
+    // Probability descending, a NaN (from a NaN or infinite logit) below
+    // every number so that the order is total, ties to the lower index (as
+    // executor/cuda/kernels_b_index.h TopK).
+    auto key = [&](int64_t e) { return std::isnan(r.probs[e]) ? -1.0 : r.probs[e]; };
+    std::partial_sort(order.begin(), order.begin() + d.k, order.end(), [&](int64_t x, int64_t y) {
+      return key(x) > key(y) || (key(x) == key(y) && x < y);
+    });
     r.experts.assign(order.begin(), order.begin() + d.k);
     for (int64_t e : r.experts) r.top_sum += r.probs[e];
     for (int64_t e : r.experts) {

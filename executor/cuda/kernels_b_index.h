@@ -344,9 +344,14 @@ struct TokenSoftmax {
   }
 };
 
-// A token's top-k experts in order (probability descending, ties to the
-// lower index, as the CPU's partial_sort): the j-th pick is the best expert
-// strictly after the (j-1)-th in that order.
+// What top-k orders experts by: the probability, a NaN (a token whose
+// logits hold a NaN or an infinity) below every number, as the CPU's
+// (executor/cpu/kernels_moe.cc), so the order is total.
+HAP_CUDA_HD inline double TopKKey(double p) { return p != p ? -1.0 : p; }
+
+// A token's top-k experts in order (TopKKey descending, ties to the lower
+// index, as the CPU's partial_sort): the j-th pick is the best expert
+// strictly after the (j-1)-th in that order, so the k experts are distinct.
 template <typename T>
 HAP_CUDA_HD inline void TopK(const TokenSoftmax<T>& s, int64_t experts,
                              int64_t k, int32_t* expert) {
@@ -356,8 +361,8 @@ HAP_CUDA_HD inline void TopK(const TokenSoftmax<T>& s, int64_t experts,
     int64_t best = -1;
     double bp = 0;
     for (int64_t e = 0; e < experts; ++e) {
-      const double p = s.Prob(e);
-      const bool after = prev < 0 || p < prev_p || (p == prev_p && e > prev);
+      const double p = TopKKey(s.Prob(e));
+      const bool after = j == 0 || p < prev_p || (p == prev_p && e > prev);
       if (after && (best < 0 || p > bp)) {
         best = e;
         bp = p;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -378,6 +379,29 @@ TEST(GateTest, TopKIsTheCpusPartialSortOrder) {
       }
     }
   }
+}
+
+// A NaN or infinite logit makes the token's probabilities NaN; the experts
+// picked stay distinct and in range (the lowest indices, NaN ordering below
+// every number), never -1 or a repeat that the gate kernels would write
+// through.
+TEST(GateTest, TopKOfNanProbabilitiesIsDistinctExperts) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<std::vector<float>> rows = {
+      {0, nan, 1, 2}, {inf, 0, 1, 2}, {-inf, -inf, -inf, -inf}, {1, 2, nan, 3}};
+  for (const std::vector<float>& row : rows) {
+    const TokenSoftmax<float> s(row.data(), 4);
+    std::vector<int32_t> got(3);
+    TopK(s, 4, 3, got.data());
+    EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2}));
+  }
+  // Finite probabilities come before NaN ones.
+  std::vector<double> probs = {nan, 0.25, nan, 0.75};
+  std::vector<int64_t> order = {0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return TopKKey(probs[a]) > TopKKey(probs[b]); });
+  EXPECT_EQ(order, (std::vector<int64_t>{3, 1, 0, 2}));
 }
 
 }  // namespace
