@@ -5,6 +5,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "executor/cpu/cpu_device.h"
 
 namespace hap::executor {
@@ -35,9 +36,26 @@ bool Present(const std::vector<bool>& flags, size_t i) {
   return flags.empty() || flags[i];
 }
 
-// Runs the case on `device`; returns the outputs copied back to the host.
-absl::StatusOr<std::vector<HostTensor>> RunOn(Device& device,
-                                              const KernelCase& c) {
+// What a kernel call left: its outputs, and its inputs (which some kernels
+// change in place: batch norm's running statistics).
+struct After {
+  std::vector<HostTensor> outputs, inputs;
+};
+
+// Copies the present tensors of `views` back to the host (absent ones stay
+// empty-shaped as they were).
+absl::Status Download(Device& device, const std::vector<TensorView>& views,
+                      std::vector<HostTensor>* out) {
+  for (const TensorView& v : views) {
+    HostTensor h(v.dtype, v.shape);
+    if (v.present()) HAP_RETURN_IF_ERROR(device.CopyToHost(v, h.data()));
+    out->push_back(std::move(h));
+  }
+  return absl::OkStatus();
+}
+
+// Runs the case on `device`; returns what it left, copied back to the host.
+absl::StatusOr<After> RunOn(Device& device, const KernelCase& c) {
   std::vector<void*> owned;
   auto release = [&] {
     for (void* p : owned) device.Free(p);
@@ -62,18 +80,38 @@ absl::StatusOr<std::vector<HostTensor>> RunOn(Device& device,
   }
   if (s.ok()) s = device.RunKernel(c.kernel, c.ctx, c.attrs, in, out);
   if (s.ok()) s = device.Synchronize();
-  std::vector<HostTensor> result;
-  for (size_t i = 0; s.ok() && i < out.size(); ++i) {
-    HostTensor h(out[i].dtype, out[i].shape);
-    if (out[i].present()) s = device.CopyToHost(out[i], h.data());
-    result.push_back(std::move(h));
-  }
+  After result;
+  if (s.ok()) s = Download(device, out, &result.outputs);
+  if (s.ok()) s = Download(device, in, &result.inputs);
   release();
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("on ", device.name(), ": ",
                                                s.message()));
   }
   return result;
+}
+
+// OK when `got` agrees with `want` within the case's tolerances.
+absl::Status CompareTensor(const KernelCase& c, const std::string& what, const HostTensor& want,
+                           const HostTensor& got) {
+  const int64_t n = Count(want);
+  double scale = 0;
+  for (int64_t i = 0; i < n; ++i) scale = std::max(scale, std::fabs(At(want, i)));
+  double worst = 0;
+  int64_t worst_i = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const double err = std::fabs(At(got, i) - At(want, i));
+    const double bound = c.atol + c.rtol * std::max(std::fabs(At(want, i)), scale);
+    if (!(err <= bound) && (worst_i < 0 || !(err <= worst))) {
+      worst = err;
+      worst_i = i;
+    }
+  }
+  if (worst_i < 0) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat("kernel '", c.kernel, "' ", what, " differs from the CPU: element ", worst_i,
+                   " got ", At(got, worst_i), " want ", At(want, worst_i), " (|error| ", worst,
+                   ", rtol ", c.rtol, ", atol ", c.atol, ", scale ", scale, ")"));
 }
 
 }  // namespace
@@ -84,30 +122,17 @@ absl::Status CompareWithCpu(Device& device, const KernelCase& c) {
   if (!want.ok()) return want.status();
   auto got = RunOn(device, c);
   if (!got.ok()) return got.status();
-  for (size_t o = 0; o < want->size(); ++o) {
+  for (size_t o = 0; o < want->outputs.size(); ++o) {
     if (!Present(c.output_present, o)) continue;
-    const HostTensor& w = (*want)[o];
-    const HostTensor& g = (*got)[o];
-    const int64_t n = Count(w);
-    double scale = 0;
-    for (int64_t i = 0; i < n; ++i) scale = std::max(scale, std::fabs(At(w, i)));
-    double worst = 0;
-    int64_t worst_i = -1;
-    for (int64_t i = 0; i < n; ++i) {
-      const double err = std::fabs(At(g, i) - At(w, i));
-      const double bound = c.atol + c.rtol * std::max(std::fabs(At(w, i)), scale);
-      if (!(err <= bound) && (worst_i < 0 || !(err <= worst))) {
-        worst = err;
-        worst_i = i;
-      }
-    }
-    if (worst_i >= 0) {
-      return absl::InternalError(absl::StrCat(
-          "kernel '", c.kernel, "' output ", o, " differs from the CPU: element ",
-          worst_i, " got ", At(g, worst_i), " want ", At(w, worst_i),
-          " (|error| ", worst, ", rtol ", c.rtol, ", atol ", c.atol,
-          ", output scale ", scale, ")"));
-    }
+    HAP_RETURN_IF_ERROR(
+        CompareTensor(c, absl::StrCat("output ", o), want->outputs[o], got->outputs[o]));
+  }
+  // Inputs a kernel changes in place (running statistics) must agree too;
+  // the others are unchanged on both.
+  for (size_t i = 0; i < want->inputs.size(); ++i) {
+    if (!Present(c.input_present, i)) continue;
+    HAP_RETURN_IF_ERROR(CompareTensor(c, absl::StrCat("input ", i, " (after the call)"),
+                                      want->inputs[i], got->inputs[i]));
   }
   return absl::OkStatus();
 }

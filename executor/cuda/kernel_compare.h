@@ -1,6 +1,8 @@
 // Test support: runs one kernel on a device under test and on the CPU
 // backend with the same inputs (and the same initial outputs, for
-// accumulating backward kernels), and compares every output element.
+// accumulating backward kernels), and compares every output element, and
+// every input after the call (batch norm changes its running statistics in
+// place).
 #ifndef HAP_EXECUTOR_CUDA_KERNEL_COMPARE_H_
 #define HAP_EXECUTOR_CUDA_KERNEL_COMPARE_H_
 

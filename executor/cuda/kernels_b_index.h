@@ -278,7 +278,9 @@ HAP_CUDA_HD inline int64_t AdaptiveEnd(int64_t i, int64_t in, int64_t out) {
   return ((i + 1) * in + out - 1) / out;
 }
 
-// The mean of output (oy, ox)'s window over plane xp.
+// The mean of output (oy, ox)'s window over plane xp, as the CPU computes
+// it: x * (1 / window size) summed in double (an empty window, of an empty
+// plane, gives 0).
 template <typename T>
 HAP_CUDA_HD inline T AdaptiveAvg(const Window& g, const T* xp, int64_t oy,
                                  int64_t ox) {
@@ -286,12 +288,14 @@ HAP_CUDA_HD inline T AdaptiveAvg(const Window& g, const T* xp, int64_t oy,
   const int64_t y1 = AdaptiveEnd(oy, g.h, g.oh);
   const int64_t x0 = AdaptiveStart(ox, g.w, g.ow);
   const int64_t x1 = AdaptiveEnd(ox, g.w, g.ow);
-  T acc = T(0);
+  const double inv = 1.0 / static_cast<double>((y1 - y0) * (x1 - x0));
+  double acc = 0;
   for (int64_t iy = y0; iy < y1; ++iy) {
-    for (int64_t ix = x0; ix < x1; ++ix) acc += xp[iy * g.w + ix];
+    for (int64_t ix = x0; ix < x1; ++ix) {
+      acc += static_cast<double>(xp[iy * g.w + ix]) * inv;
+    }
   }
-  return static_cast<T>(static_cast<double>(acc) /
-                        static_cast<double>((y1 - y0) * (x1 - x0)));
+  return static_cast<T>(acc);
 }
 
 // For plane element e: dy / window size summed over the windows containing

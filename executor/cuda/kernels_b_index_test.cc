@@ -220,6 +220,14 @@ TEST(AdaptivePoolTest, AverageAndGatheredGradientMatchTheScatter) {
       EXPECT_NEAR(AdaptiveGradSum(g, dy.data(), e), want[e], 1e-12) << e;
     }
   }
+  // An empty plane's windows are empty: means of 0 (the CPU's), not 0 / 0.
+  Window empty;
+  empty.n = empty.c = 1;
+  empty.h = 0;
+  empty.w = 3;
+  empty.oh = empty.ow = 2;
+  const double none = 0;
+  EXPECT_EQ(AdaptiveAvg(empty, &none, 1, 1), 0.0);
 }
 
 // avg_pool2d: PyTorch's windows (divisor with or without the padding, a

@@ -355,6 +355,9 @@ TEST_F(KernelsBTest, Conv2d) {
                      {{2, 3, 10, 9}, {2, 3, 5, 4}, {1, 2}, {0, 1}, false},
                      {{1, 2, 33, 40}, {3, 2, 3, 3}, {1}, {1}, true},
                      {{4, 16, 6, 6}, {8, 16, 3, 3}, {1}, {2}, true},
+                     // 72 x 512^2 im2col elements an image: one image per
+                     // group under the 2^25-element scratch bound, 3 groups.
+                     {{3, 8, 512, 512}, {4, 8, 3, 3}, {1}, {1}, true},
                      // Grouped (2 groups) and depthwise (multiplier 2):
                      // the direct kernels; groups from the shapes.
                      {{2, 4, 9, 8}, {6, 2, 3, 3}, {2}, {1}, true},

@@ -81,6 +81,9 @@ struct Conv {
   // The CPU's images per GEMM (1 when direct): bf16 gradients round each
   // group's partial sums, so their GEMMs group images as the CPU does.
   int64_t cpu_group = 1;
+  // Images per GEMM within the scratch bound: the backward's (whose dw stages
+  // dy and x side by side even when direct).
+  int64_t bounded_group = 1;
   Shape y;
 
   // fn(first image, images) for each group of images.
@@ -130,13 +133,14 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   cv.y = {g.n, cv.o, g.oh, g.ow};
   HAP_RETURN_IF_ERROR(cpu::CheckBias(c, t, has_bias_slot, cv.o));
   HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {cv.o, cv.ckk, cpu_group * cv.op}));
-  // Ours: as many images as the scratch bound allows (all of them when
-  // direct), and GEMM columns (group * op) within int.
+  // Ours: as many images as the scratch bound allows (all of them in a
+  // direct forward, which needs no scratch), and GEMM columns (group * op)
+  // within int.
   const int64_t per_image =
       std::max<int64_t>(1, std::max(cv.ckk, cv.o) * cv.op);
-  cv.group = cv.direct ? std::max<int64_t>(1, g.n)
-                       : std::clamp<int64_t>(kMaxScratchElements / per_image, 1,
-                                             std::max<int64_t>(1, g.n));
+  cv.bounded_group =
+      std::clamp<int64_t>(kMaxScratchElements / per_image, 1, std::max<int64_t>(1, g.n));
+  cv.group = cv.direct ? std::max<int64_t>(1, g.n) : cv.bounded_group;
   return cv;
 }
 
@@ -173,11 +177,12 @@ absl::Status Conv2dForwardBf16(const KernelArgs& a, const Conv& cv, const float*
                        plane);
   }
   HAP_ASSIGN_OR_RETURN(float* col, ScratchArray<float>(a, cv.ckk * cv.group * cv.op));
+  Bf16Scratch staging;
   return cv.ForEachGroup([&](int64_t i0, int64_t m) -> absl::Status {
     LaunchIm2Col<float>(g, x + i0 * plane, m, cv.op, cv.ckk * cv.op, col, a.stream);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
     return ProductBf16(a, mode, false, false, cv.o, cv.op, cv.ckk, w, cv.ckk, col, cv.op,
-                       y + i0 * cv.o * cv.op, m, 0, cv.ckk * cv.op);
+                       y + i0 * cv.o * cv.op, m, 0, cv.ckk * cv.op, &staging);
   });
 }
 
@@ -205,14 +210,7 @@ absl::Status Conv2dBackwardBf16(const KernelArgs& a, Conv cv, const float* x, co
     LaunchFill<float>(1.0f, ones, max_cols, a.stream);
     HAP_RETURN_IF_ERROR(CheckLaunch(a));
   }
-  // The unrounded products before they are added (ProductBf16's scratch).
-  int64_t partial_size = 0;
-  if (dw != nullptr) partial_size = cv.o * cv.ckk;
-  if (db != nullptr) partial_size = std::max(partial_size, cv.o);
-  if (dx != nullptr && cv.direct) {
-    partial_size = std::max(partial_size, cv.ckk * max_cols);
-  }
-  HAP_ASSIGN_OR_RETURN(float* partial, ScratchArray<float>(a, partial_size));
+  Bf16Scratch staging;  // the products' bf16 operands and sums, reused
   return cv.ForEachGroup([&](int64_t i0, int64_t m) -> absl::Status {
     const float* xi = x + i0 * plane;
     const float* dyi = dy + i0 * cv.o * cv.op;
@@ -225,20 +223,20 @@ absl::Status Conv2dBackwardBf16(const KernelArgs& a, Conv cv, const float* x, co
       LaunchIm2Col<float>(g, xi, m, cols, cv.op, col, a.stream);
       HAP_RETURN_IF_ERROR(CheckLaunch(a));
       HAP_RETURN_IF_ERROR(ProductBf16(a, Bf16Mode::kAccumulate, false, true, cv.o, cv.ckk, cols,
-                                      dyg, cols, col, cols, dw, 1, 0, 0, partial));
+                                      dyg, cols, col, cols, dw, 1, 0, 0, &staging));
     }
     if (db != nullptr) {
       HAP_RETURN_IF_ERROR(ProductBf16(a, Bf16Mode::kAccumulate, false, false, cv.o, 1, cols, dyg,
-                                      cols, ones, 1, db, 1, 0, 0, partial));
+                                      cols, ones, 1, db, 1, 0, 0, &staging));
     }
     if (dx == nullptr) return absl::OkStatus();
     float* dxi = dx + i0 * plane;
     if (cv.direct) {
       return ProductBf16(a, Bf16Mode::kAccumulate, true, false, cv.ckk, cv.op, cv.o, w, cv.ckk, dyi,
-                         cv.op, dxi, m, 0, cv.o * cv.op, partial);
+                         cv.op, dxi, m, 0, cv.o * cv.op, &staging);
     }
     HAP_RETURN_IF_ERROR(ProductBf16(a, Bf16Mode::kOverwrite, true, false, cv.ckk, cv.op, cv.o, w,
-                                    cv.ckk, dyi, cv.op, col, m, 0, cv.o * cv.op));
+                                    cv.ckk, dyi, cv.op, col, m, 0, cv.o * cv.op, &staging));
     LaunchCol2Im<float>(g, col, m, cv.op, cv.ckk * cv.op, dxi, a.stream);
     return CheckLaunch(a);
   });
@@ -298,8 +296,9 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 2, 3, 1));
   HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3));
   HAP_RETURN_IF_ERROR(gr.Check(t, {cv.y}));
+  if (!gr.dy(0).present()) return absl::OkStatus();  // as the CPU, before bf16's checks
   HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
-  if (!gr.dy(0).present()) return absl::OkStatus();
+  cv.group = cv.bounded_group;
   const Window& g = cv.g;
   const int64_t plane = g.c * g.h * g.w;
   const T* x = gr.x(0).as<const T>();

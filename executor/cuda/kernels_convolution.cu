@@ -64,17 +64,17 @@ constexpr int kReduce = 256;
 template <typename T>
 __global__ void BiasGradKernel(const T* dy, int64_t images, int64_t channels,
                                int64_t plane, T* db) {
-  using R = dev::BlockAll<T, kReduce>;
+  using R = dev::BlockAll<double, kReduce>;  // in double, as the CPU sums
   __shared__ typename R::Storage s;
   const int64_t count = images * plane;
   for (int64_t ch = blockIdx.x; ch < channels; ch += gridDim.x) {
-    T acc = T(0);
+    double acc = 0;
     for (int64_t k = threadIdx.x; k < count; k += kReduce) {
       const int64_t m = k / plane;
-      acc += dy[(m * channels + ch) * plane + (k - m * plane)];
+      acc += static_cast<double>(dy[(m * channels + ch) * plane + (k - m * plane)]);
     }
-    const T sum = R::Run(acc, dev::SumOp(), s);
-    if (threadIdx.x == 0) db[ch] += sum;
+    const double sum = R::Run(acc, dev::SumOp(), s);
+    if (threadIdx.x == 0) db[ch] += static_cast<T>(sum);
   }
 }
 

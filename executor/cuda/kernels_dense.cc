@@ -2,9 +2,9 @@
 // with the contracts of executor/cpu/kernels_dense.cc. Transposes are
 // cuBLAS flags, never copies; float32 products use TF32 tensor cores only
 // when the call allows it (KernelArgs::allow_tf32). With attribute "bf16"
-// (bf16 mixed precision, executor/cpu/kernels.h) the products run on bf16
-// tensor cores (CUBLAS_COMPUTE_32F_FAST_16BF: float32 operands converted to
-// bf16, float32 sums) and their results are rounded to bf16 (LaunchRoundBf16).
+// (bf16 mixed precision, executor/cpu/kernels.h) the products are gemm.h's
+// ProductBf16: operands rounded to bf16, bf16 tensor cores with float32
+// sums, results rounded to bf16.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -103,14 +103,13 @@ absl::Status LinearBackward(const KernelArgs& a) {
   }
   if constexpr (std::is_same_v<T, float>) {
     if (bf16 && g.n() == 3 && g.dx(2).present() && d.rows > 0) {
-      // db += bf16(column sums of bf16(dy)): dy^T @ ones on the bf16 path;
-      // ones and the sums share one scratch block.
-      HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get((d.rows + d.out) * sizeof(float)));
+      // db += bf16(column sums of bf16(dy)): dy^T @ ones on the bf16 path.
+      HAP_ASSIGN_OR_RETURN(void* p, a.scratch.Get(d.rows * sizeof(float)));
       float* ones = static_cast<float*>(p);
       LaunchFill<float>(1.0f, ones, d.rows, a.stream);
       HAP_RETURN_IF_ERROR(CheckLaunch(a));
-      return ProductBf16(a, Bf16Mode::kAccumulate, true, false, d.out, 1, d.rows, dy, d.out,
-                         ones, 1, g.dx(2).as<float>(), 1, 0, 0, ones + d.rows);
+      return ProductBf16(a, Bf16Mode::kAccumulate, true, false, d.out, 1, d.rows, dy, d.out, ones,
+                         1, g.dx(2).as<float>());
     }
   }
   if (g.n() == 3 && g.dx(2).present() && d.rows > 0) {
