@@ -1,5 +1,5 @@
 // Internal to executor/cuda: the per-element index math of the convolution,
-// pooling and MoE gate kernels (kernels_convolution.cu, kernels_moe.cu),
+// pooling and MoE kernels (kernels_convolution.cu, kernels_moe.cu),
 // __host__ __device__ under nvcc so kernels_b_index_test checks it on the
 // host against direct loops, without a GPU. Plain C++ (no Abseil).
 #ifndef HAP_EXECUTOR_CUDA_KERNELS_B_INDEX_H_
@@ -376,6 +376,35 @@ HAP_CUDA_HD inline void TopK(const TokenSoftmax<T>& s, int64_t experts,
     prev = best;
     prev_p = bp;
   }
+}
+
+// --- index-based dispatch and combine (moe_*_idx) --------------------------------
+
+// The local slot of route entry i (IdxDims), -1 when dropped, another
+// rank's or not a slot.
+HAP_CUDA_HD inline int64_t LocalSlot(const IdxDims& m, const int64_t* route, int64_t i) {
+  if (route[i] < 0) return -1;
+  const int64_t e = route[i] / m.global_capacity - m.offset;
+  const int64_t row = route[i] % m.global_capacity - m.capacity_offset;
+  return e >= 0 && e < m.experts && row >= 0 && row < m.capacity ? e * m.capacity + row
+                                                                 : int64_t{-1};
+}
+
+// Token t's next local slot after `prev` (-1: its first) in ascending slot
+// order, the order the CPU sums a token's slots in (executor/cpu/
+// kernels_moe.cc, as the dense form does); -1 when none is left. *choice is
+// the slot's route entry's choice j.
+HAP_CUDA_HD inline int64_t NextTokenSlot(const IdxDims& m, const int64_t* route, int64_t t,
+                                         int64_t prev, int64_t* choice) {
+  int64_t best = -1;
+  for (int64_t j = 0; j < m.k; ++j) {
+    const int64_t s = LocalSlot(m, route, t * m.k + j);
+    if (s > prev && (best < 0 || s < best)) {
+      best = s;
+      *choice = j;
+    }
+  }
+  return best;
 }
 
 }  // namespace hap::executor::cuda

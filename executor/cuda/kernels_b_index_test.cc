@@ -412,5 +412,44 @@ TEST(GateTest, TopKOfNanProbabilitiesIsDistinctExperts) {
   EXPECT_EQ(order, (std::vector<int64_t>{3, 1, 0, 2}));
 }
 
+// A token's local slots come in ascending order (the CPU's summation
+// order), each once, skipping dropped entries (-1) and other ranks' experts
+// and capacity rows.
+TEST(MoeIdxTest, TokenSlotsComeInAscendingOrder) {
+  std::mt19937_64 rng(9);
+  IdxDims m;
+  m.tokens = 50;
+  m.k = 3;
+  m.experts = 4;  // this rank's: experts 2..5 of 8
+  m.offset = 2;
+  m.global_capacity = 6;
+  m.capacity = 3;  // rows 1..3 of 6
+  m.capacity_offset = 1;
+  std::vector<int64_t> route(m.tokens * m.k);
+  std::uniform_int_distribution<int64_t> entry(-1, 8 * m.global_capacity - 1);
+  for (int64_t& r : route) r = entry(rng);
+  for (int64_t t = 0; t < m.tokens; ++t) {
+    std::vector<std::pair<int64_t, int64_t>> want;  // (slot, choice)
+    for (int64_t j = 0; j < m.k; ++j) {
+      const int64_t r = route[t * m.k + j];
+      if (r < 0) continue;
+      const int64_t e = r / m.global_capacity - m.offset, row = r % m.global_capacity - 1;
+      if (e < 0 || e >= m.experts || row < 0 || row >= m.capacity) continue;
+      want.emplace_back(e * m.capacity + row, j);
+    }
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end(),
+                           [](const auto& a, const auto& b) { return a.first == b.first; }),
+               want.end());
+    std::vector<std::pair<int64_t, int64_t>> got;
+    int64_t j = -1;
+    for (int64_t s = NextTokenSlot(m, route.data(), t, -1, &j); s >= 0;
+         s = NextTokenSlot(m, route.data(), t, s, &j)) {
+      got.emplace_back(s, j);
+    }
+    EXPECT_EQ(got, want) << "token " << t;
+  }
+}
+
 }  // namespace
 }  // namespace hap::executor::cuda

@@ -167,17 +167,6 @@ __global__ void RouteWeightsGradKernel(GateDims d, const T* logits,
   }
 }
 
-// The local slot of route entry i (IdxDims), -1 when dropped, another
-// rank's or not a slot.
-__device__ inline int64_t LocalSlot(const IdxDims& m, const int64_t* route,
-                                    int64_t i) {
-  if (route[i] < 0) return -1;
-  const int64_t e = route[i] / m.global_capacity - m.offset;
-  const int64_t row = route[i] % m.global_capacity - m.capacity_offset;
-  return e >= 0 && e < m.experts && row >= 0 && row < m.capacity ? e * m.capacity + row
-                                                                  : int64_t{-1};
-}
-
 __global__ void SlotEntriesKernel(IdxDims m, const int64_t* route,
                                   int64_t* slot_entry) {
   for (int64_t i = GridStart(); i < m.tokens * m.k; i += GridStep()) {
@@ -199,8 +188,8 @@ __global__ void DispatchIdxKernel(IdxDims m, const int64_t* slot_entry,
 }
 
 // One thread per (token, column): dx (+)= sum over the token's local slots
-// of (weighted ? w : 1) * src[slot]; `weighted` for combine, not for
-// dispatch's backward.
+// of (weighted ? w : 1) * src[slot], the slots in ascending order as the CPU
+// sums them; `weighted` for combine, not for dispatch's backward.
 template <typename T, bool kWeighted, bool kAccumulate>
 __global__ void TokenSumKernel(IdxDims m, const int64_t* route, const T* w,
                                const T* src, T* out) {
@@ -208,10 +197,9 @@ __global__ void TokenSumKernel(IdxDims m, const int64_t* route, const T* w,
   for (int64_t i = GridStart(); i < n; i += GridStep()) {
     const int64_t t = i / m.d, c = i % m.d;
     T acc = kAccumulate ? out[i] : T(0);
-    for (int64_t j = 0; j < m.k; ++j) {
-      if (route[t * m.k + j] < 0) continue;
-      const int64_t s = LocalSlot(m, route, t * m.k + j);
-      if (s < 0) continue;
+    int64_t j = 0;
+    for (int64_t s = NextTokenSlot(m, route, t, -1, &j); s >= 0;
+         s = NextTokenSlot(m, route, t, s, &j)) {
       const T v = src[s * m.d + c];
       if constexpr (kWeighted) {
         acc += w[t * m.k + j] * v;
