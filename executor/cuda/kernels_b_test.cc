@@ -663,7 +663,9 @@ TEST_F(KernelsBTest, MoeGateOutputDrivesDispatch) {
 }
 
 // The compact form: the route (int64 slots), the weights, the index
-// dispatch and combine, whole and for the upper half of the experts.
+// dispatch and combine, whole and for shards of it: the upper half of the
+// experts, a middle range, and a range of every expert's capacity rows.
+// dispatch_idx's backward only adds, in the CPU's order: exact.
 TEST_F(KernelsBTest, MoeCompactForm) {
   struct M {
     int64_t tokens, experts, k, capacity, d;
@@ -693,16 +695,22 @@ TEST_F(KernelsBTest, MoeCompactForm) {
                   top, {true, false, true}));
       HostTensor w = R(t, tk);
       const Shape x = {m.tokens, m.d};
-      for (int64_t offset : {int64_t{0}, m.experts / 2}) {
+      struct Shard {
+        int64_t offset, experts, capacity_offset, capacity;
+      };
+      for (const Shard& sh : {Shard{0, m.experts, 0, m.capacity},
+                              Shard{m.experts / 2, m.experts - m.experts / 2, 0, m.capacity},
+                              Shard{1, m.experts / 2, 0, m.capacity},
+                              Shard{0, m.experts, m.capacity / 4, m.capacity / 2}}) {
         const graph::Attrs a{{"experts", m.experts},
                              {"capacity", m.capacity},
-                             {"expert_offset", offset}};
-        const Shape y = {m.experts - offset, m.capacity, m.d};
+                             {"expert_offset", sh.offset},
+                             {"capacity_offset", sh.capacity_offset}};
+        const Shape y = {sh.experts, sh.capacity, m.d};
         Expect(Case("moe_dispatch_idx", kExact, {R(t, x), route}, {R(t, y)}, a));
         // (x, route, y, dy) -> (dx, droute absent).
-        Expect(Case("moe_dispatch_idx_grad", ElementTol(t),
-                    {R(t, x), route, HostTensor(), R(t, y)}, {R(t, x), HostTensor()},
-                    a, {true, true, false, true}, {true, false}));
+        Expect(Case("moe_dispatch_idx_grad", kExact, {R(t, x), route, HostTensor(), R(t, y)},
+                    {R(t, x), HostTensor()}, a, {true, true, false, true}, {true, false}));
         Expect(Case("moe_combine_idx", RowTol(t), {R(t, y), route, w}, {R(t, x)}, a));
         // (y, route, w, out, dout) -> (dy, droute absent, dw): each alone
         // and together.
