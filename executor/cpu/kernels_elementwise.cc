@@ -262,30 +262,27 @@ template <typename T>
 void ApplyDropout(const KernelArgs& a, const DropoutMask& m, const T* in,
                   T* out, int64_t n, bool accumulate) {
   const int64_t row = m.row_length();
+  const int64_t rows = row == 0 ? 0 : n / row;  // a last dimension of 0: none
   if constexpr (std::is_same_v<T, float>) {
     if (m.consecutive()) {
       const simd::DropoutConstants c = m.simd_constants();
-      ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
-                  [&](int64_t b, int64_t e) {
-                    for (int64_t r = b; r < e; ++r) {
-                      simd::Rows().dropout(
-                          c, static_cast<uint64_t>(m.RowStart(r)),
-                          in + r * row, row, accumulate, out + r * row);
-                    }
-                  });
+      ParallelFor(a.ctx.num_threads, rows, GrainFor(8 * row), [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          simd::Rows().dropout(c, static_cast<uint64_t>(m.RowStart(r)), in + r * row, row,
+                               accumulate, out + r * row);
+        }
+      });
       return;
     }
   }
   const T scale = static_cast<T>(m.scale());
-  ParallelFor(a.ctx.num_threads, n / row, GrainFor(8 * row),
-              [&](int64_t b, int64_t e) {
-                std::vector<char> keep;
-                for (int64_t r = b; r < e; ++r) {
-                  m.Row(r, keep);
-                  MaskRow(keep.data(), in + r * row, scale, out + r * row, row,
-                          accumulate);
-                }
-              });
+  ParallelFor(a.ctx.num_threads, rows, GrainFor(8 * row), [&](int64_t b, int64_t e) {
+    std::vector<char> keep;
+    for (int64_t r = b; r < e; ++r) {
+      m.Row(r, keep);
+      MaskRow(keep.data(), in + r * row, scale, out + r * row, row, accumulate);
+    }
+  });
 }
 
 template <typename T>

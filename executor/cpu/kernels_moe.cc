@@ -645,7 +645,9 @@ absl::StatusOr<MoeGroups> CheckMoeGroups(const KernelArgs& a, int64_t tokens, in
     }
     return m;
   }
-  if (g < 0 || global % g != 0 || capacity % (global / g) != 0) {
+  // No tokens are no groups: any capacity divides among them.
+  const int64_t groups = g > 0 ? global / g : 0;
+  if (g < 0 || global % g != 0 || (groups > 0 && capacity % groups != 0)) {
     return Invalid(a, "attribute 'group_size' = ", g, " must divide the ", global,
                    " tokens into groups that share 'capacity' = ", capacity, " evenly");
   }
@@ -654,7 +656,7 @@ absl::StatusOr<MoeGroups> CheckMoeGroups(const KernelArgs& a, int64_t tokens, in
                    ") are not whole groups of 'group_size' = ", g);
   }
   m.group = g;
-  m.group_capacity = capacity / (global / g);
+  m.group_capacity = groups > 0 ? capacity / groups : capacity;
   m.first_group = offset / g;
   return m;
 }
