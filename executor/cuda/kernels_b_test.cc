@@ -808,6 +808,10 @@ TEST_F(KernelsBErrorTest, BadArgumentsAreTheCpusInvalidArgument) {
                   {R(kF32, {4, 3})});  // arity
   ExpectSameError("conv2d", {R(kF32, {1, 3, 5, 5}), R(kF32, {2, 4, 3, 3})},
                   {R(kF32, {1, 2, 3, 3})});  // channels
+  ExpectSameError("conv2d", {R(kF32, {2, 0, 7, 7}), R(kF32, {4, 5, 3, 3})},
+                  {R(kF32, {2, 4, 5, 5})});  // no image channels (divided by before)
+  ExpectSameError("conv2d", {R(kF32, {1, 2, 5, 5}), R(kF32, {3, 2, 0, 3})},
+                  {R(kF32, {1, 3, 6, 3})});  // an empty kernel
   ExpectSameError("conv2d",
                   {R(kF32, {1, 3, 5, 5}), R(kF32, {2, 3, 3, 3}), R(kF32, {3})},
                   {R(kF32, {1, 2, 3, 3})});  // bias

@@ -102,13 +102,15 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 1, t));
   const TensorView& w = a.in[1];
-  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] < 1 ||
-      a.in[0].shape[1] % w.shape[1] != 0 ||
-      w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
+  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] < 1 || a.in[0].shape[1] < w.shape[1] ||
+      a.in[0].shape[1] % w.shape[1] != 0 || w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
     return Invalid(a, "weight ", cpu::InLabel(c, 1), " does not fit image ",
                    cpu::InLabel(c, 0),
                    " (its channels must be a whole number of groups of the "
                    "weight's input channels, dividing its output channels)");
+  }
+  if (w.shape[2] < 1 || w.shape[3] < 1) {
+    return Invalid(a, "weight ", cpu::InLabel(c, 1), " has an empty kernel");
   }
   HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
   HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));

@@ -193,6 +193,17 @@ TEST(RegistryTest, InferOpPrefixesErrors) {
               StatusIs(kInvalid, HasSubstr("op 'q' has unknown type 'quux'")));
 }
 
+// An input with a dimension of 0 is refused before the op's rule runs
+// (batch_norm's divided by the channels: SIGFPE before).
+TEST(RegistryTest, InferOpRefusesEmptyInputs) {
+  EXPECT_THAT(
+      InferOp("bn", "batch_norm", {}, {"x", "g", "b"}, {F32({4, 0, 3}), F32({0}), F32({0})}),
+      StatusIs(kInvalid, AllOf(HasSubstr("op 'bn' (batch_norm): input 0"),
+                               HasSubstr("dimensions must be positive"))));
+  EXPECT_THAT(InferOp("c", "conv2d", {}, {"x", "w"}, {F32({1, 2, 5, 5}), F32({3, 2, 0, 3})}),
+              StatusIs(kInvalid, HasSubstr("input 1")));
+}
+
 // Each op family on small shapes: inference results and rank-0 corner cases.
 TEST(RegistryTest, ShapeRules) {
   auto infer = [](const std::string& type, Attrs attrs,

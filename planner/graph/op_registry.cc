@@ -85,6 +85,16 @@ absl::StatusOr<std::vector<TensorType>> InferOp(
           prefix(), "unknown attribute '", name, "' (it takes: ", known, ")"));
     }
   }
+  // Tensors of a graph have positive dimensions (Graph checks each as it is
+  // made); a caller passing others gets the same error, never an op's
+  // division by a dimension of 0.
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto n_el = CheckedNumElements(inputs[i].shape);
+    if (!n_el.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix(), "input ", i, ": ", n_el.status().message()));
+    }
+  }
   OpCall call{type, attrs, input_names, inputs, {}};
   auto out = def->infer(call);
   if (!out.ok()) {
