@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
+#include <limits>
 #include <mutex>
 #include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -30,6 +33,12 @@ constexpr char kTrainerFile[] = "trainer.json";
 constexpr char kCommittedFile[] = "COMMITTED";
 constexpr char kStepPrefix[] = "step-";
 constexpr char kTmpPrefix[] = ".tmp-step-";
+// Committed checkpoints of a run that a resumed run replaced (steps past
+// the one it resumed from): set aside under this prefix, never deleted.
+constexpr char kSupersededPrefix[] = "superseded-";
+// Next to a rank's file in the temporary directory when its write failed:
+// holds the error.
+constexpr char kFailedSuffix[] = ".failed";
 
 bool IsConstantInit(const graph::Initializer& i) {
   using K = graph::Initializer::Kind;
@@ -99,11 +108,158 @@ std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
   return out;
 }
 
+// Why the slices of `t` do not cover it exactly once, or "" when they do:
+// every slice lies within [0, shape), no two overlap, and their volumes sum
+// to the tensor's element count.
+std::string TilingError(const v1::CheckpointIndex::Tensor& t) {
+  const int rank = t.shape_size();
+  const Shape shape(t.shape().begin(), t.shape().end());
+  int64_t elements = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && elements > std::numeric_limits<int64_t>::max() / d)) {
+      return absl::StrCat("have an invalid global shape ", graph::ShapeString(shape));
+    }
+    elements *= d;
+  }
+  std::vector<int> live;  // slices with elements, by their first offset
+  int64_t covered = 0;
+  for (int i = 0; i < t.slices_size(); ++i) {
+    const auto& s = t.slices(i);
+    if (s.offsets_size() != rank || s.extents_size() != rank) {
+      return absl::StrCat("have a slice of another number of dimensions (in ", s.file(), ")");
+    }
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) {
+      if (s.offsets(d) < 0 || s.extents(d) < 0 || s.offsets(d) > shape[d] - s.extents(d)) {
+        return absl::StrCat("lie outside ", graph::ShapeString(shape), " (a slice in ", s.file(),
+                            ")");
+      }
+      n *= s.extents(d);  // at most `elements`: no overflow
+    }
+    if (n > 0) live.push_back(i);
+  }
+  if (rank > 0) {
+    std::sort(live.begin(), live.end(),
+              [&](int a, int b) { return t.slices(a).offsets(0) < t.slices(b).offsets(0); });
+  }
+  for (size_t i = 0; i < live.size(); ++i) {
+    const auto& a = t.slices(live[i]);
+    for (size_t j = i + 1; j < live.size(); ++j) {
+      const auto& b = t.slices(live[j]);
+      if (rank > 0 && b.offsets(0) >= a.offsets(0) + a.extents(0)) break;  // and the rest
+      bool overlap = true;
+      for (int d = 0; overlap && d < rank; ++d) {
+        overlap = a.offsets(d) < b.offsets(d) + b.extents(d) &&
+                  b.offsets(d) < a.offsets(d) + a.extents(d);
+      }
+      if (overlap) {
+        return absl::StrCat("overlap (slices in ", a.file(), " and ", b.file(), ")");
+      }
+    }
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= a.extents(d);
+    covered += n;  // disjoint boxes inside the tensor: at most `elements`
+  }
+  if (covered != elements) {
+    return absl::StrCat("leave elements uncovered (", covered, " of ", elements, ")");
+  }
+  return "";
+}
+
+void Warn(absl::string_view what) { std::cerr << "hap checkpoint: " << what << "\n" << std::flush; }
+
+// Creates `dir` and its missing parents, and fsyncs the parent of each
+// directory it created, so that the new names persist.
+absl::Status CreateDirectoriesSynced(const std::string& dir) {
+  std::vector<fs::path> missing;  // deepest first
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  for (; !p.empty() && !Exists(p.string()); p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("cannot create the checkpoint directory ", dir, ": ", ec.message()));
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    const fs::path parent = it->parent_path().empty() ? fs::path(".") : it->parent_path();
+    HAP_RETURN_IF_ERROR(SyncDirectory(parent.string()));
+  }
+  return absl::OkStatus();
+}
+
+// A free name in `dir` for the superseded checkpoint of `step`.
+std::string SupersededPath(const std::string& dir, int64_t step) {
+  const std::string base = absl::StrCat(kSupersededPrefix, StepDirName(step));
+  std::string path = (fs::path(dir) / base).string();
+  for (int k = 1; Exists(path); ++k) {
+    path = (fs::path(dir) / absl::StrCat(base, "-", k)).string();
+  }
+  return path;
+}
+
+// After the checkpoint of `step` committed in r.dir: sets aside the
+// committed checkpoints past it (a run this one abandoned by resuming from
+// an earlier step), keeps the newest `keep` of the rest (the one just
+// committed always), and drops what killed saves left. Nothing here can
+// undo the commit: failures are reported, not returned.
+void Retain(const SaveRequest& r, int64_t step) {
+  std::map<int64_t, std::string> committed = CommittedSteps(r.dir);
+  std::vector<std::string> aside;
+  std::error_code ec;
+  for (auto it = committed.upper_bound(step); it != committed.end(); ++it) {
+    const std::string to = SupersededPath(r.dir, it->first);
+    fs::rename(it->second, to, ec);
+    if (ec) {
+      Warn(absl::StrCat("cannot set aside ", it->second,
+                        " (a later step of a replaced run): ", ec.message()));
+      continue;
+    }
+    aside.push_back(absl::StrCat(it->second, " -> ", fs::path(to).filename().string()));
+  }
+  if (!aside.empty()) {
+    if (absl::Status s = SyncDirectory(r.dir); !s.ok()) Warn(s.message());
+    Warn(absl::StrCat("step ", step, " was saved by a run resumed from an earlier step; the ",
+                      "later checkpoints of the run it replaces are set aside (kept, not resumed ",
+                      "from, not counted): ", absl::StrJoin(aside, ", ")));
+  }
+  // The newest `keep` of the steps up to this one.
+  std::vector<std::string> older;  // ascending
+  for (const auto& [s, path] : CommittedSteps(r.dir)) {
+    if (s < step) older.push_back(path);
+  }
+  const int64_t extra = static_cast<int64_t>(older.size()) + 1 - std::max(1, r.keep);
+  for (int64_t i = 0; i < extra; ++i) {
+    if (absl::Status s = RemoveAll(older[i]); !s.ok()) Warn(s.message());
+  }
+  for (fs::directory_iterator it(r.dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kTmpPrefix, 0) == 0 || (StepOf(name) >= 0 && StepOf(name) < step &&
+                                           !Exists((it->path() / kCommittedFile).string()))) {
+      if (absl::Status s = RemoveAll(it->path().string()); !s.ok()) Warn(s.message());
+    }
+  }
+}
+
 // Rank 0, after every rank wrote its file: checks them, writes the index
 // and the trainer state, and commits.
 absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointIndex& index,
                                    const std::string& tmp, const std::string& final_dir) {
   const int world = static_cast<int>(r.programs->size());
+  // A rank whose write failed left its error next to where its file was.
+  for (int rank = 0; rank < world; ++rank) {
+    const std::string marker =
+        (fs::path(tmp) / absl::StrCat(RankFileName(rank, world), kFailedSuffix)).string();
+    if (!Exists(marker)) continue;
+    auto error = ReadFile(marker);
+    return absl::AbortedError(absl::StrCat(
+        "rank ", rank, " could not write its checkpoint file: ",
+        error.ok() ? *error
+                   : absl::StrCat("(its error is unreadable: ", error.status().message(), ")")));
+  }
   for (int rank = 0; rank < world; ++rank) {
     const std::string file = (fs::path(tmp) / RankFileName(rank, world)).string();
     auto opened = SafetensorsFile::Open(file);
@@ -140,23 +296,16 @@ absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointInd
         absl::StrCat("cannot rename ", tmp, " to ", final_dir, ": ", ec.message()));
   }
   HAP_RETURN_IF_ERROR(SyncDirectory(r.dir));
-  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(final_dir) / kCommittedFile).string(),
-                                      absl::StrCat(trainer.step(), "\n")));
-  HAP_RETURN_IF_ERROR(SyncDirectory(final_dir));
-  // Keep the newest `keep`; drop what older runs left unfinished.
-  std::map<int64_t, std::string> committed = CommittedSteps(r.dir);
-  int extra = static_cast<int>(committed.size()) - std::max(1, r.keep);
-  for (auto it = committed.begin(); extra > 0 && it != committed.end(); ++it, --extra) {
-    HAP_RETURN_IF_ERROR(RemoveAll(it->second));
+  // COMMITTED exists only when it is durable: the other ranks take its
+  // presence for success.
+  const std::string committed_file = (fs::path(final_dir) / kCommittedFile).string();
+  absl::Status commit = WriteFileSynced(committed_file, absl::StrCat(trainer.step(), "\n"));
+  if (commit.ok()) commit = SyncDirectory(final_dir);
+  if (!commit.ok()) {
+    fs::remove(committed_file, ec);
+    return commit;
   }
-  for (fs::directory_iterator it(r.dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.rfind(kTmpPrefix, 0) == 0 ||
-        (StepOf(name) >= 0 && StepOf(name) < trainer.step() &&
-         !Exists((it->path() / kCommittedFile).string()))) {
-      HAP_RETURN_IF_ERROR(RemoveAll(it->path().string()));
-    }
-  }
+  Retain(r, trainer.step());
   return final_dir;
 }
 
@@ -175,7 +324,6 @@ absl::StatusOr<v1::CheckpointIndex> BuildIndex(const std::vector<v1::RankProgram
   index.set_step(step);
   const int world = static_cast<int>(programs.size());
   std::map<std::string, v1::CheckpointIndex::Tensor> tensors;
-  std::map<std::string, int64_t> covered;
   int64_t total = 0;
   for (int rank = 0; rank < world; ++rank) {
     for (const v1::Buffer& b : programs[rank].buffers()) {
@@ -216,16 +364,13 @@ absl::StatusOr<v1::CheckpointIndex> BuildIndex(const std::vector<v1::RankProgram
       *s->mutable_extents() = b.shape();
       int64_t n = 1;
       for (int64_t d : b.shape()) n *= d;
-      covered[b.tensor()] += n;
       total += n * graph::DTypeBytes(dtype);
     }
   }
   for (auto& [name, t] : tensors) {
-    int64_t n = 1;
-    for (int64_t d : t.shape()) n *= d;
-    if (covered[name] < n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the plan's pieces of '", name, "' leave elements uncovered"));
+    // Every element once: the pieces within the tensor, disjoint, complete.
+    if (const std::string why = TilingError(t); !why.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("the plan's pieces of '", name, "' ", why));
     }
     *index.add_tensors() = std::move(t);
   }
@@ -264,22 +409,34 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
   // Every rank computes the same index from the plan: no messages needed.
   HAP_ASSIGN_OR_RETURN(v1::CheckpointIndex index, BuildIndex(*r.programs, r.trainer.step()));
 
+  // Every rank's result is the committed directory or an error. The ranks
+  // agree through the shared directory, without data collectives (an NCCL
+  // communicator's buffers must be device memory).
   // 1. Rank 0 makes a fresh temporary directory.
   absl::Status prepared = absl::OkStatus();
   if (r.rank == 0) {
-    std::error_code ec;
-    fs::create_directories(r.dir, ec);
-    if (ec) {
-      prepared = absl::InternalError(
-          absl::StrCat("cannot create the checkpoint directory ", r.dir, ": ", ec.message()));
-    } else if (prepared = RemoveAll(tmp); prepared.ok()) {
+    prepared = CreateDirectoriesSynced(r.dir);
+    if (prepared.ok()) prepared = RemoveAll(tmp);
+    if (prepared.ok()) {
+      std::error_code ec;
       fs::create_directory(tmp, ec);
       if (ec) prepared = absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
     }
   }
   HAP_RETURN_IF_ERROR(comm.Barrier());
 
-  // 2. Every rank writes the slices it owns.
+  // A committed checkpoint of this step is never overwritten: every rank
+  // sees it and refuses.
+  const std::string committed_file = (fs::path(final_dir) / kCommittedFile).string();
+  if (Exists(committed_file)) {
+    if (r.rank == 0) (void)RemoveAll(tmp);
+    return absl::AlreadyExistsError(
+        absl::StrCat("a complete checkpoint ", final_dir, " exists already"));
+  }
+
+  // 2. Every rank writes the slices it owns. A rank that fails leaves its
+  // error in `tmp` for rank 0 instead of a partial file.
+  const std::string file = (fs::path(tmp) / RankFileName(r.rank, world)).string();
   absl::Status wrote = absl::OkStatus();
   if (Exists(tmp)) {
     const std::vector<std::string> owned = OwnedTensors(index, r.rank, world);
@@ -292,16 +449,21 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
       wrote = absl::InternalError(absl::StrCat("rank ", r.rank, " holds ", entries.size(), " of the ",
                                                owned.size(), " tensors the index gives it"));
     } else {
-      wrote = WriteSafetensors(
-          (fs::path(tmp) / RankFileName(r.rank, world)).string(), entries,
-          {{"format", "hap-checkpoint"},
-           {"step", std::to_string(r.trainer.step())},
-           {"rank", std::to_string(r.rank)},
-           {"world_size", std::to_string(world)}});
+      wrote = WriteSafetensors(file, entries,
+                               {{"format", "hap-checkpoint"},
+                                {"step", std::to_string(r.trainer.step())},
+                                {"rank", std::to_string(r.rank)},
+                                {"world_size", std::to_string(world)}});
+    }
+    if (!wrote.ok()) {
+      std::error_code ec;
+      fs::remove(file, ec);
+      (void)WriteFileSynced(absl::StrCat(file, kFailedSuffix), wrote.ToString());
     }
   } else if (r.rank != 0) {
-    wrote = absl::FailedPreconditionError(absl::StrCat(
-        "rank ", r.rank, " does not see ", tmp, " (the checkpoint directory must be shared)"));
+    wrote = absl::FailedPreconditionError(
+        absl::StrCat("rank ", r.rank, " does not see ", tmp,
+                     " (rank 0 could not create it, or the checkpoint directory is not shared)"));
   }
   HAP_RETURN_IF_ERROR(comm.Barrier());
 
@@ -320,7 +482,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
   HAP_RETURN_IF_ERROR(comm.Barrier());
   if (!wrote.ok()) return wrote;
   if (!committed.ok()) return committed.status();
-  if (!Exists((fs::path(final_dir) / kCommittedFile).string())) {
+  if (!Exists(committed_file)) {
     return absl::AbortedError(
         absl::StrCat("the checkpoint ", final_dir, " did not commit (see rank 0's error)"));
   }
@@ -328,23 +490,27 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
 }
 
 absl::StatusOr<std::string> FindCheckpoint(const std::string& path) {
-  if (!fs::is_directory(path)) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
     return absl::NotFoundError(absl::StrCat("no checkpoint directory ", path));
   }
-  const std::string name = fs::path(path).lexically_normal().filename().string();
-  if (StepOf(name.empty() ? fs::path(path).parent_path().filename().string() : name) >= 0) {
-    if (!Exists((fs::path(path) / kCommittedFile).string())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the checkpoint ", path, " is incomplete (no ", kCommittedFile, "; a write was cut)"));
-    }
-    return path;
-  }
+  // A committed checkpoint itself, else the newest committed one in it
+  // (whatever the directory's own name).
+  if (Exists((fs::path(path) / kCommittedFile).string())) return path;
   std::map<int64_t, std::string> committed = CommittedSteps(path);
-  if (committed.empty()) {
-    return absl::NotFoundError(absl::StrCat("no complete checkpoint (step-*/", kCommittedFile,
-                                            ") in ", path));
+  if (!committed.empty()) return committed.rbegin()->second;
+  // A step directory (through a link such as latest -> step-00000005 too)
+  // that did not commit.
+  fs::path resolved = fs::canonical(path, ec);
+  if (ec) resolved = fs::path(path).lexically_normal();
+  std::string name = resolved.filename().string();
+  if (name.empty()) name = resolved.parent_path().filename().string();
+  if (StepOf(name) >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint ", path, " is incomplete (no ", kCommittedFile, "; a write was cut)"));
   }
-  return committed.rbegin()->second;
+  return absl::NotFoundError(
+      absl::StrCat("no complete checkpoint (step-*/", kCommittedFile, ") in ", path));
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
@@ -373,6 +539,10 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
         return absl::DataLossError(absl::StrCat("the checkpoint index of ", dir,
                                                 " has a malformed slice of '", t.name(), "'"));
       }
+    }
+    if (const std::string why = TilingError(t); !why.empty()) {
+      return absl::DataLossError(absl::StrCat(
+          "the checkpoint index of ", dir, " is corrupted: the slices of '", t.name(), "' ", why));
     }
     if (!r->by_name_.emplace(t.name(), &t).second) {
       return absl::DataLossError(
@@ -778,12 +948,87 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
   };
 }
 
+namespace {
+
+// "#momentum" of "layer/weight#momentum".
+std::string StateKind(const std::string& name) {
+  const size_t at = name.rfind('#');
+  return at == std::string::npos ? name : name.substr(at);
+}
+
+// The data source as both writers record it: the CLI's "synthetic" and
+// "wikitext", the service's enum names ("SYNTHETIC", "WIKITEXT2").
+std::string CanonicalData(const std::string& data) {
+  if (data.find(':') != std::string::npos) return data;  // npy:DIR, tokens:FILE
+  std::string d = absl::AsciiStrToLower(data);
+  if (d == "data_source_unspecified") return "synthetic";
+  if (d == "wikitext2") return "wikitext";
+  return d;
+}
+
+}  // namespace
+
+absl::Status CheckOptimizerState(const CheckpointReader& reader, const v1::RankProgram& program) {
+  // The plan's optimizer: its update kernels, and the state they keep.
+  bool updates = false;
+  std::set<std::string> used;
+  for (const v1::Step& s : program.steps()) {
+    if (s.has_kernel() &&
+        (s.kernel().kernel() == "sgd_update" || s.kernel().kernel() == "adam_update")) {
+      updates = true;
+    }
+  }
+  for (const v1::Buffer& b : program.buffers()) {
+    if (b.role() == v1::Buffer::OPTIMIZER_STATE) used.insert(StateKind(b.tensor()));
+  }
+  if (!updates) return absl::OkStatus();  // this rank trains nothing: the others check
+  for (const auto& t : reader.index().tensors()) {
+    if (!t.optimizer_state() || used.count(StateKind(t.name()))) continue;
+    const std::string kind = StateKind(t.name());
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint ", reader.step_dir(), " holds optimizer state ", kind,
+                     " of parameter '", t.name().substr(0, t.name().size() - kind.size()), "' ('",
+                     t.name(), "'), which this plan's optimizer does not use (it keeps ",
+                     used.empty() ? "none" : absl::StrJoin(used, ", "),
+                     "): was it saved with another optimizer?"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDataSettings(const v1::TrainerState& saved, const v1::TrainerState& run) {
+  auto differs = [](absl::string_view setting, const auto& then, const auto& now) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint was written by a run with ", setting, " ", then, ", this run has ", now,
+        ": a resumed run reads the batches of the uninterrupted one only with the same data "
+        "settings"));
+  };
+  if (saved.global_batch() > 0 && run.global_batch() > 0 &&
+      saved.global_batch() != run.global_batch()) {
+    return differs("global batch", saved.global_batch(), run.global_batch());
+  }
+  if (saved.data().empty() || run.data().empty()) return absl::OkStatus();  // not recorded
+  if (CanonicalData(saved.data()) != CanonicalData(run.data())) {
+    return differs("data", absl::StrCat("'", saved.data(), "'"),
+                   absl::StrCat("'", run.data(), "'"));
+  }
+  auto shuffle = [](const v1::TrainerState& t) {
+    return t.shuffle() ? absl::StrCat("shuffle seed ", t.shuffle_seed())
+                       : std::string("no shuffle");
+  };
+  if (saved.shuffle() != run.shuffle() ||
+      (saved.shuffle() && saved.shuffle_seed() != run.shuffle_seed())) {
+    return differs("shuffle", shuffle(saved), shuffle(run));
+  }
+  return absl::OkStatus();
+}
+
 std::function<absl::Status(ProgramRunner&)> ResumeHook(std::shared_ptr<CheckpointReader> reader,
                                                        const graph::Graph* g) {
   auto mu = std::make_shared<std::mutex>();
   return [reader, g, mu](ProgramRunner& runner) -> absl::Status {
     std::lock_guard<std::mutex> lock(*mu);
     HAP_RETURN_IF_ERROR(reader->CheckGraph(*g));
+    HAP_RETURN_IF_ERROR(CheckOptimizerState(*reader, runner.program()));
     HAP_RETURN_IF_ERROR(Restore(*reader, runner, /*zero_missing_optimizer_state=*/false));
     runner.OverrideSeed(reader->trainer().seed());
     return absl::OkStatus();

@@ -13,6 +13,9 @@
 //                      optimizer, graph and plan hashes
 //       COMMITTED      written last; without it the directory does not count
 //   DIR/.tmp-step-00000012/            a checkpoint being written
+//   DIR/superseded-step-00000020/      a committed checkpoint of a run that a
+//                                      run resumed from an earlier step
+//                                      replaced: kept, never resumed or counted
 //
 // A tensor's slices are the persistent buffers of the plan's rank programs
 // (parameters and optimizer state: #momentum, #adam_m, #adam_v); a slice
@@ -23,10 +26,14 @@
 //
 // Saving is collective: every rank calls SaveCheckpoint at the same step.
 // Rank 0 prepares the temporary directory, every rank writes and fsyncs its
-// file, rank 0 checks every file, writes the index and trainer state,
-// renames the directory into place, fsyncs, writes COMMITTED, and removes
-// all but the newest `keep` checkpoints. A rank killed at any point leaves
-// the previous checkpoints as they were.
+// file (or, failing, leaves "<its file>.failed" holding its error), rank 0
+// checks every file, writes the index and trainer state, renames the
+// directory into place, fsyncs, writes COMMITTED, sets aside committed
+// checkpoints of later steps (superseded-*: a run resumed from an earlier
+// step replaced theirs; said on stderr) and removes all but the newest
+// `keep` of the rest, never the one just committed. The ranks agree through
+// the shared directory, without data collectives. A rank killed at any
+// point leaves the previous checkpoints as they were.
 #ifndef HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_
 #define HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_
 
@@ -77,18 +84,20 @@ struct SaveRequest {
 // Collective: every rank of `comm` calls it with the same dir, programs and
 // trainer.step. `state` is this rank's persistent buffers
 // (ProgramRunner::PersistentState()). Returns the committed step directory.
-// Every rank returns an error when the checkpoint did not commit (its own
-// write error, or "rank R did not write its file" on the others); earlier
-// checkpoints are untouched then.
+// Every rank returns an error when the checkpoint did not commit: every
+// rank AlreadyExists when the step is committed already; a rank's own
+// write error on that rank, Aborted naming the failed rank and its error on
+// rank 0, Aborted "did not commit" on the others. Earlier checkpoints are
+// untouched then.
 absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& request,
                                            const std::vector<ParameterShard>& state,
                                            Communicator& comm);
 
-// The step directory to resume from: `path` itself when it is a committed
-// step-* directory, else the committed step-* directory in `path` with the
-// highest step. NotFound when there is none (a checkpoint without COMMITTED
-// does not count); FailedPrecondition for a step directory without
-// COMMITTED.
+// The step directory to resume from: `path` itself when it holds COMMITTED,
+// else the committed step-* directory in `path` with the highest step
+// (whatever `path` is named; superseded-* directories do not count).
+// Without either: FailedPrecondition ("incomplete") when `path`'s name,
+// after resolving a symbolic link, is a step directory's; else NotFound.
 absl::StatusOr<std::string> FindCheckpoint(const std::string& path);
 
 // Graph parameters that are slices of one PyTorch parameter: the exporter
@@ -203,9 +212,29 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     std::function<void(const std::string& dir, int64_t step)> on_saved = nullptr,
     Communicator* world = nullptr);
 
+// OK when every optimizer state the checkpoint holds is of a kind that the
+// optimizer of `program` (a rank's program of the resuming plan) keeps:
+// FailedPrecondition naming the parameter and the state otherwise (SGD
+// momentum resumed by plain SGD, Adam moments by SGD). State the plan keeps
+// and the checkpoint lacks is Restore's error.
+absl::Status CheckOptimizerState(const CheckpointReader& reader,
+                                 const hap::v1::RankProgram& program);
+
+// OK when a run with the data settings of `run` (global_batch, data,
+// shuffle, shuffle_seed) may resume from a checkpoint whose trainer state is
+// `saved`: a resumed run must read the batches the uninterrupted run would.
+// FailedPrecondition naming the setting and both values otherwise. A
+// setting either side does not record (0 or empty: older writers, callers
+// that do not know it) is not compared; the data source's CLI and service
+// spellings ("synthetic", "SYNTHETIC") are the same source.
+absl::Status CheckDataSettings(const hap::v1::TrainerState& saved,
+                               const hap::v1::TrainerState& run);
+
 // TrainOptions::initialize resuming from `reader` (shared by the ranks of a
-// process; thread-safe through a mutex): checks the graph, restores the
-// parameters and optimizer state, and keeps the checkpoint's seed.
+// process; thread-safe through a mutex): checks the graph and the optimizer
+// state (CheckOptimizerState), restores the parameters and optimizer state,
+// and keeps the checkpoint's seed. The data settings are the caller's to
+// check (CheckDataSettings), before the ranks connect.
 std::function<absl::Status(ProgramRunner&)> ResumeHook(std::shared_ptr<CheckpointReader> reader,
                                                        const graph::Graph* g);
 

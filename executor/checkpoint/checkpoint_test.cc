@@ -38,7 +38,7 @@ graph::Graph Mlp(int hidden = 24) {
 }
 
 std::vector<v1::RankProgram> Programs(const graph::Graph& g, int n, const std::string& kind,
-                                      bool momentum = true) {
+                                      bool momentum = true, bool adam = false) {
   std::vector<double> ratios(n, 1.0 / n);
   synth::Program p = lower::SingleDeviceProgram(g);
   if (n > 1) {
@@ -52,6 +52,7 @@ std::vector<v1::RankProgram> Programs(const graph::Graph& g, int n, const std::s
   lo.optimizer.set_kind(v1::OptimizerConfig::SGD);
   lo.optimizer.set_learning_rate(0.1);
   lo.optimizer.set_momentum(momentum ? 0.9 : 0.0);
+  if (adam) lo.optimizer.set_kind(v1::OptimizerConfig::ADAM);
   lo.seed = 5;
   auto programs = lower::Lower(g, p, lo);
   EXPECT_TRUE(programs.ok()) << programs.status();
@@ -395,6 +396,226 @@ TEST(CheckpointTest, StateDictSlicesAreJoinedOnExportAndSplitOnInit) {
   EXPECT_THAT(GraphStateDictSlices(*bad).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("'layer0/fc/weight' [24,24] does not fit in s[48,24] at offset 30")));
+}
+
+// This rank's persistent state as SaveCheckpoint takes it (zeros).
+std::vector<ParameterShard> StateOf(const v1::RankProgram& p) {
+  std::vector<ParameterShard> out;
+  for (const v1::Buffer& b : p.buffers()) {
+    if (b.role() != v1::Buffer::PARAMETER && b.role() != v1::Buffer::OPTIMIZER_STATE) continue;
+    ParameterShard s;
+    s.name = b.tensor();
+    s.global_shape.assign(b.global_shape().begin(), b.global_shape().end());
+    s.offsets.assign(b.offsets().begin(), b.offsets().end());
+    s.value =
+        HostTensor(graph::FromProtoDType(b.dtype()), Shape(b.shape().begin(), b.shape().end()));
+    s.optimizer_state = b.role() == v1::Buffer::OPTIMIZER_STATE;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// Every rank of `programs` saves `step` (threads over the in-process
+// communicator), rank r with `states[r]` when given; each rank's result.
+std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
+    const std::vector<v1::RankProgram>& programs, const std::string& dir, int64_t step,
+    int keep = kDefaultKeep, std::vector<std::vector<ParameterShard>> states = {}) {
+  const int n = static_cast<int>(programs.size());
+  if (states.empty()) {
+    for (const auto& p : programs) states.push_back(StateOf(p));
+  }
+  auto comms = NewInProcessGroup(n);
+  std::vector<absl::StatusOr<std::string>> results(n, absl::UnknownError("did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      SaveRequest req;
+      req.dir = dir;
+      req.keep = keep;
+      req.rank = r;
+      req.programs = &programs;
+      req.trainer.set_step(step);
+      results[r] = SaveCheckpoint(req, states[r], *comms[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+TEST(CheckpointTest, FindCheckpointResolvesLinksAndIgnoresTheDirectorysOwnName) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 1, "single");
+  const std::string dir = Fresh("find/step-3");  // named like a step directory
+  fs::create_directories(dir);
+  for (const auto& r : SaveOnEveryRank(programs, dir, 5)) ASSERT_TRUE(r.ok()) << r.status();
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000005");
+  // A link to a committed step directory is that checkpoint.
+  fs::create_directory_symlink("step-00000005", dir + "/latest");
+  found = FindCheckpoint(dir + "/latest");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/latest");
+  // A link to one that did not commit is incomplete, not "no checkpoint".
+  fs::copy(dir + "/step-00000005", dir + "/step-00000006", fs::copy_options::recursive);
+  fs::remove(dir + "/step-00000006/COMMITTED");
+  fs::create_directory_symlink("step-00000006", dir + "/newest");
+  EXPECT_THAT(FindCheckpoint(dir + "/newest").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("incomplete")));
+  // An empty directory: incomplete when named like a step, else NotFound.
+  fs::create_directories(dir + "/empty/step-00000009");
+  EXPECT_THAT(FindCheckpoint(dir + "/empty/step-00000009/").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("incomplete")));
+  EXPECT_THAT(FindCheckpoint(dir + "/empty").status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no complete checkpoint")));
+}
+
+// Saving step N where committed steps past N exist (this run resumed from
+// an earlier step): those are set aside under a free name, said on stderr,
+// never resumed from, and retention counts only the steps up to N.
+TEST(CheckpointTest, LaterStepsOfAReplacedRunAreSetAsideNotDeleted) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 1, "single");
+  const std::string dir = Fresh("superseded");
+  for (int64_t step : {1, 2, 5}) {
+    for (const auto& r : SaveOnEveryRank(programs, dir, step)) ASSERT_TRUE(r.ok()) << r.status();
+  }
+  fs::create_directory(dir + "/superseded-step-00000005");  // the name is taken
+  ::testing::internal::CaptureStderr();
+  for (const auto& r : SaveOnEveryRank(programs, dir, 3, /*keep=*/2)) {
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr(dir + "/step-00000005 -> superseded-step-00000005-1"));
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{"step-00000002", "step-00000003", "superseded-step-00000005",
+                                      "superseded-step-00000005-1"}));
+  EXPECT_TRUE(fs::exists(dir + "/superseded-step-00000005-1/COMMITTED"));
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000003");
+  // The next save counts steps only: superseded directories stay.
+  for (const auto& r : SaveOnEveryRank(programs, dir, 4, /*keep=*/2)) {
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{"step-00000003", "step-00000004", "superseded-step-00000005",
+                                      "superseded-step-00000005-1"}));
+}
+
+// A rank whose write fails leaves its error for rank 0, which refuses to
+// commit naming that rank; every rank returns an error and nothing of the
+// step is left.
+TEST(CheckpointTest, ARanksFailedWriteFailsEveryRankAndNamesIt) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");
+  const std::string dir = Fresh("rank_failed");
+  for (const auto& r : SaveOnEveryRank(programs, dir, 1)) ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<std::vector<ParameterShard>> states = {StateOf(programs[0]), StateOf(programs[1])};
+  auto index = BuildIndex(programs, 2);
+  ASSERT_TRUE(index.ok());
+  const std::vector<std::string> owned = OwnedTensors(*index, 1, 2);
+  ASSERT_FALSE(owned.empty());
+  states[1].erase(std::find_if(states[1].begin(), states[1].end(),
+                               [&](const ParameterShard& s) { return s.name == owned[0]; }));
+  auto results = SaveOnEveryRank(programs, dir, 2, kDefaultKeep, states);
+  EXPECT_THAT(results[0].status(),
+              StatusIs(absl::StatusCode::kAborted,
+                       HasSubstr("rank 1 could not write its checkpoint file: INTERNAL: rank 1 "
+                                 "holds")));
+  EXPECT_THAT(results[1].status(), StatusIs(absl::StatusCode::kInternal, HasSubstr("holds")));
+  EXPECT_EQ(Entries(dir), std::vector<std::string>{"step-00000001"});
+}
+
+TEST(CheckpointTest, AnIndexWhosePiecesOverlapOrLeaveGapsIsRefused) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");
+  // A tensor sharded in two: rank 1's piece moved.
+  auto damaged = [&](const std::function<int64_t(const v1::Buffer& at0, int d)>& offset) {
+    std::vector<v1::RankProgram> p = programs;
+    for (v1::Buffer& b : *p[1].mutable_buffers()) {
+      if (b.role() != v1::Buffer::PARAMETER) continue;
+      for (const v1::Buffer& a : p[0].buffers()) {
+        if (a.tensor() != b.tensor() ||
+            std::equal(a.offsets().begin(), a.offsets().end(), b.offsets().begin())) {
+          continue;
+        }
+        for (int d = 0; d < b.offsets_size(); ++d) b.set_offsets(d, offset(a, d));
+        return BuildIndex(p, 1).status();
+      }
+    }
+    return absl::UnknownError("no sharded parameter");
+  };
+  // Onto rank 0's piece: the same slice, taken for a replica; half missing.
+  EXPECT_THAT(damaged([](const v1::Buffer& a, int d) { return a.offsets(d); }),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leave elements uncovered")));
+  // Onto part of rank 0's piece.
+  EXPECT_THAT(damaged([](const v1::Buffer& a, int d) {
+                return a.offsets(d) + (a.shape(d) < a.global_shape(d) ? 1 : 0);
+              }),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlap")));
+  // Past the tensor's end.
+  EXPECT_THAT(damaged([](const v1::Buffer& a, int d) { return a.global_shape(d); }),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lie outside")));
+}
+
+TEST(CheckpointTest, AdamStateResumedBySgdIsRefusedNamingIt) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("adam_to_sgd");
+  TrainAndSave(g, Programs(g, 2, "tp", true, /*adam=*/true), dir, 1, 3);
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  TrainOptions to;
+  to.first_step = 1;
+  to.steps = 1;
+  to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  EXPECT_THAT(Train(g, Programs(g, 1, "single", /*momentum=*/true), to).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("holds optimizer state #adam_m of parameter '")));
+}
+
+TEST(CheckpointTest, ResumingWithOtherDataSettingsIsRefusedNamingBoth) {
+  v1::TrainerState saved;
+  saved.set_global_batch(8);
+  saved.set_data("npy:/data/a");
+  saved.set_shuffle(true);
+  saved.set_shuffle_seed(7);
+  v1::TrainerState run = saved;
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+  run.set_global_batch(16);
+  EXPECT_THAT(CheckDataSettings(saved, run),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("global batch 8, this run has 16")));
+  run = saved;
+  run.set_data("npy:/data/b");
+  EXPECT_THAT(CheckDataSettings(saved, run),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("data 'npy:/data/a', this run has 'npy:/data/b'")));
+  run = saved;
+  run.set_shuffle_seed(8);
+  EXPECT_THAT(CheckDataSettings(saved, run),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("shuffle shuffle seed 7, this run has shuffle seed 8")));
+  run.set_shuffle(false);
+  EXPECT_THAT(CheckDataSettings(saved, run), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                      HasSubstr("this run has no shuffle")));
+  // The CLI's and the service's names of a source are one source.
+  saved.Clear();
+  saved.set_data("SYNTHETIC");
+  run.Clear();
+  run.set_data("synthetic");
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+  run.set_data("DATA_SOURCE_UNSPECIFIED");
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+  saved.set_data("WIKITEXT2");
+  run.set_data("wikitext");
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+  // What a checkpoint does not record is not compared.
+  saved.Clear();
+  saved.set_global_batch(8);
+  run.set_global_batch(8);
+  run.set_shuffle(true);
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
 }
 
 }  // namespace

@@ -7,8 +7,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -57,7 +55,11 @@ absl::StatusOr<FileWriter> FileWriter::Create(const std::string& path, bool dire
 }
 
 FileWriter::FileWriter(FileWriter&& o) noexcept
-    : path_(std::move(o.path_)), fd_(o.fd_), direct_(o.direct_), staging_(o.staging_),
+    : path_(std::move(o.path_)),
+      fd_(o.fd_),
+      direct_(o.direct_),
+      buffered_fallback_(o.buffered_fallback_),
+      staging_(o.staging_),
       staged_(o.staged_) {
   o.fd_ = -1;
   o.staging_ = nullptr;
@@ -72,8 +74,24 @@ absl::Status FileWriter::WriteAll(const char* p, size_t bytes) {
   while (bytes > 0) {
     ssize_t n = ::write(fd_, p, bytes);
     if (n < 0) {
-      if (errno == EINTR) continue;
-      return Errno("write", path_, errno);
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err == EINVAL && direct_ && !buffered_fallback_) {
+        // The file system accepted O_DIRECT at open but refuses the direct
+        // write (alignment rules of its own): buffered writes from here on.
+        const int fl = ::fcntl(fd_, F_GETFL);
+        if (fl < 0 || ::fcntl(fd_, F_SETFL, fl & ~O_DIRECT) < 0) {
+          return Errno("write (clearing O_DIRECT)", path_, errno);
+        }
+        buffered_fallback_ = true;
+        continue;
+      }
+      return Errno("write", path_, err);
+    }
+    if (n == 0) {
+      // No progress and no error: retrying could loop forever.
+      return absl::InternalError(
+          absl::StrCat("cannot write ", path_, ": the system wrote 0 of ", bytes, " bytes"));
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -90,9 +108,12 @@ absl::Status FileWriter::FlushStaging(bool last) {
       std::memmove(staging_, staging_ + aligned, tail);
     } else {
       // The last partial block goes through the page cache.
-      const int fl = ::fcntl(fd_, F_GETFL);
-      if (fl < 0 || ::fcntl(fd_, F_SETFL, fl & ~O_DIRECT) < 0) {
-        return Errno("write (clearing O_DIRECT)", path_, errno);
+      if (!buffered_fallback_) {
+        const int fl = ::fcntl(fd_, F_GETFL);
+        if (fl < 0 || ::fcntl(fd_, F_SETFL, fl & ~O_DIRECT) < 0) {
+          return Errno("write (clearing O_DIRECT)", path_, errno);
+        }
+        buffered_fallback_ = true;
       }
       HAP_RETURN_IF_ERROR(WriteAll(staging_ + aligned, tail));
     }
@@ -153,12 +174,23 @@ absl::Status SyncDirectory(const std::string& path) {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return Errno("open", path, errno != 0 ? errno : ENOENT);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return absl::InternalError(absl::StrCat("cannot read ", path));
-  return ss.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("open", path, errno);
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      const int err = errno;  // before close() can change it
+      if (err == EINTR) continue;
+      ::close(fd);
+      return Errno("read", path, err);
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
 }
 
 }  // namespace hap::executor::checkpoint

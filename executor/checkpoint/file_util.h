@@ -18,7 +18,9 @@ namespace hap::executor::checkpoint {
 // not read back soon, and on virtual disks this is up to twice as fast as
 // filling the page cache and flushing it at fsync. The last partial block
 // is written through the page cache. Where O_DIRECT is refused (tmpfs,
-// some network file systems) the writer falls back to buffered writes.
+// some network file systems), at open or at the first write (EINVAL), the
+// writer falls back to buffered writes. A write that makes no progress is
+// an error.
 class FileWriter {
  public:
   // Creates or truncates `path`.
@@ -38,6 +40,7 @@ class FileWriter {
   std::string path_;
   int fd_ = -1;
   bool direct_ = false;
+  bool buffered_fallback_ = false;  // direct mode, O_DIRECT cleared on the fd
   char* staging_ = nullptr;  // direct mode: kStagingBytes, 4096-aligned
   size_t staged_ = 0;
 };
@@ -46,7 +49,8 @@ class FileWriter {
 absl::Status WriteFileSynced(const std::string& path, absl::string_view contents);
 // fsync of a directory, so that the names created or renamed in it persist.
 absl::Status SyncDirectory(const std::string& path);
-// The whole file. NotFound for a missing one.
+// The whole file. NotFound for a missing one; otherwise errors name the
+// file and the system's reason for the call that failed.
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 
 }  // namespace hap::executor::checkpoint

@@ -226,19 +226,27 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     }
     f->tensors_.emplace(name, std::move(t));
   }
-  // The entries tile the data buffer: sorted by offset, each starts where the
-  // one before ended, and the last ends with the file.
-  std::vector<std::pair<int64_t, const std::string*>> spans;
-  for (const auto& [name, t] : f->tensors_) spans.emplace_back(t.begin, &name);
-  std::sort(spans.begin(), spans.end());
+  // The entries tile the data buffer: sorted by (begin, end), each starts
+  // where the one before ended, and the last ends with the file. A
+  // zero-size tensor shares its offset with the next tensor and sorts first.
+  struct Span {
+    int64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Span> spans;
+  for (const auto& [name, t] : f->tensors_) spans.push_back({t.begin, t.end, &name});
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin
+           : a.end != b.end   ? a.end < b.end
+                              : *a.name < *b.name;
+  });
   int64_t at = 0;
-  for (const auto& [begin, name] : spans) {
-    const Tensor& t = f->tensors_.at(*name);
-    if (begin != at) {
-      return bad("tensor '", *name, "' starts at byte ", begin, " of the data, expected ", at,
-                 " (overlapping or non-contiguous offsets)");
+  for (const Span& span : spans) {
+    if (span.begin != at) {
+      return bad("tensor '", *span.name, "' starts at byte ", span.begin, " of the data, expected ",
+                 at, " (overlapping or non-contiguous offsets)");
     }
-    at = t.end;
+    at = span.end;
   }
   if (at != data_bytes) {
     return bad("the tensors cover ", at, " bytes of a ", data_bytes,

@@ -192,5 +192,19 @@ TEST(SafetensorsTest, MalformedFilesAreDataLossNamingTheFileAndTheProblem) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing.safetensors")));
 }
 
+TEST(FileUtilTest, ReadFileErrorsNameTheFileAndTheSystemsReason) {
+  const std::string dir = TempPath("read_file_dir");
+  std::filesystem::create_directories(dir);
+  EXPECT_THAT(ReadFile(dir),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr(std::string("cannot read ") + dir +
+                                                              ": " + std::strerror(EISDIR))));
+  EXPECT_THAT(ReadFile(dir + "/missing"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir + "/missing")));
+  Spit(dir + "/f", std::string("a\0b", 3));
+  auto read = ReadFile(dir + "/f");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, std::string("a\0b", 3));
+}
+
 }  // namespace
 }  // namespace hap::executor::checkpoint

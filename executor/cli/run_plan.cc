@@ -214,11 +214,13 @@ absl::Status Run(const tools::Args& a) {
   // initialisers. Checked before anything connects.
   int64_t first_step = 0;
   std::function<absl::Status(ProgramRunner&)> initialize;
+  v1::TrainerState resumed;  // the checkpoint's, for its data settings
   if (a.Has("resume")) {
     HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
                          checkpoint::CheckpointReader::Open(a.Get("resume")));
     HAP_RETURN_IF_ERROR(reader->CheckGraph(g));
     first_step = reader->trainer().step();
+    resumed = reader->trainer();
     if (rank == 0) {
       std::cout << absl::StrFormat("resuming from %s (step %d, written by plan %s on %d ranks)\n",
                                    reader->step_dir(), first_step,
@@ -253,6 +255,14 @@ absl::Status Run(const tools::Args& a) {
                        a.Get("shuffle"), "'"));
     }
     data_options.shuffle_seed = seed;
+  }
+  if (a.Has("resume")) {  // before any data is read
+    v1::TrainerState run;
+    run.set_global_batch(plan.global_batch());
+    run.set_data(source);
+    run.set_shuffle(data_options.shuffle_seed.has_value());
+    run.set_shuffle_seed(data_options.shuffle_seed.value_or(0));
+    HAP_RETURN_IF_ERROR(checkpoint::CheckDataSettings(resumed, run));
   }
   if (source == "wikitext") {
     std::string dir = DataDir(a) + "/wikitext-2";

@@ -224,6 +224,14 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     auto reader = ckpt::CheckpointReader::Open(t.resume());
     if (!reader.ok()) return Annotate(reader.status(), "training.resume");
     HAP_RETURN_IF_ERROR(Annotate((*reader)->CheckGraph(*g), "training.resume"));
+    v1::TrainerState run;  // the data settings, as below
+    run.set_global_batch(in.plan.global_batch());
+    run.set_data(t.data_spec().empty() ? v1::TrainingConfig::DataSource_Name(t.data())
+                                       : t.data_spec());
+    run.set_shuffle(t.shuffle());
+    run.set_shuffle_seed(t.shuffle_seed());
+    HAP_RETURN_IF_ERROR(
+        Annotate(ckpt::CheckDataSettings((*reader)->trainer(), run), "training.resume"));
     loaded->first_step = (*reader)->trainer().step();
     if (loaded->first_step >= t.steps()) {
       return absl::FailedPreconditionError(absl::StrCat(
