@@ -268,7 +268,11 @@ class GlooCommunicator : public Communicator {
   }
 
   absl::Status WaitSends() override {
-    HAP_RETURN_IF_ERROR(Usable("send"));
+    if (!failed_.ok()) {
+      // Unusable: drop the handles, so the buffers are not read later.
+      pending_sends_.clear();
+      return Usable("send");
+    }
     return Run("waiting for sends", [&] {
       // Drop every handle, even when one fails: the buffers go away.
       auto sends = std::move(pending_sends_);

@@ -48,6 +48,10 @@ absl::StatusOr<PipelineLayout> PipelineLayoutOf(const v1::Plan& plan) {
       }
       ranks.push_back(static_cast<int>(it - plan.devices().begin()));
     }
+    if (ranks.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pipeline stage ", st.index(), " has no devices"));
+    }
     layout.stage_ranks.push_back(std::move(ranks));
   }
   for (int r = 0; r < plan.devices_size(); ++r) HAP_RETURN_IF_ERROR(StageOf(layout, r).status());
@@ -286,6 +290,12 @@ absl::Status PipelineRunner::Analyze() {
       return absl::InvalidArgumentError(
           "the stage program does not all-reduce its clipping norm in its group");
     }
+    if (!layout_.clip) {
+      // Each stage would clip by its own norm, not the model's.
+      return absl::InvalidArgumentError(
+          "the stage program clips by a gradient norm but the plan's optimizer does not "
+          "(clip_global_norm 0): the plan's programs and options disagree");
+    }
   }
   return absl::OkStatus();
 }
@@ -330,12 +340,12 @@ absl::Status CopyWhole(Device& device, const TensorView& src, const TensorView& 
   return device.CopyBox(src, zero, dst, zero, src.shape);
 }
 
-// dst = a + b with the device's add kernel (dst may be a or b).
-absl::Status AddOnDevice(Device& device, const TensorView& a, const TensorView& b,
-                         const TensorView& dst) {
-  const TensorView in[] = {a, b};
-  return Annotate(device.RunKernel("add", KernelContext{}, graph::Attrs{}, in, {&dst, 1}),
-                  "summing gradients over microbatches");
+// out += x with the runtime kernel "accumulate" (a profile books it as
+// runtime work, not as the model's add op).
+absl::Status AccumulateOnDevice(Device& device, const TensorView& x, const TensorView& out) {
+  return Annotate(
+      device.RunKernel("accumulate", KernelContext{}, graph::Attrs{}, {&x, 1}, {&out, 1}),
+      "summing gradients over microbatches");
 }
 
 }  // namespace
@@ -485,7 +495,7 @@ absl::Status PipelineRunner::AccumulateMicrobatch() {
   }
   for (size_t k = 0; k < accumulate_ids_.size(); ++k) {
     const TensorView& g = runner_->buffer(accumulate_ids_[k]);
-    HAP_RETURN_IF_ERROR(summed_ ? AddOnDevice(device, sums_[k], g, sums_[k])
+    HAP_RETURN_IF_ERROR(summed_ ? AccumulateOnDevice(device, g, sums_[k])
                                 : CopyWhole(device, g, sums_[k]));
   }
   summed_ = true;
@@ -494,10 +504,13 @@ absl::Status PipelineRunner::AccumulateMicrobatch() {
 
 absl::Status PipelineRunner::SumInto(size_t k) {
   const TensorView& g = runner_->buffer(accumulate_ids_[k]);
-  return AddOnDevice(runner_->device(), g, sums_[k], g);
+  return AccumulateOnDevice(runner_->device(), sums_[k], g);
 }
 
 PipelineRunner::~PipelineRunner() {
+  // Sends of a failed step may still read their buffers (a slow peer posts
+  // its receive later): wait for them before the memory goes.
+  if (!pending_sends_.empty()) world_->WaitSends().IgnoreError();
   for (void* p : owned_) runner_->device().Free(p);
 }
 
@@ -565,6 +578,8 @@ absl::StatusOr<double> PipelineRunner::RunStep(const Batch& batch, int64_t step)
   stash_.clear();
   summed_ = false;
   folded_.assign(accumulate_ids_.size(), false);
+  // An earlier step that failed may have left sends reading these copies.
+  if (!pending_sends_.empty()) world_->WaitSends().IgnoreError();
   pending_sends_.clear();
   loss_sum_ = 0;
   HAP_RETURN_IF_ERROR(runner_->BeginSteps(step));

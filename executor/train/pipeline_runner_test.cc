@@ -1,0 +1,867 @@
+// Tests of the pipeline-stage runner (executor/train/pipeline.cc):
+// schedules the equivalence test does not cover (one microbatch on three
+// stages, fewer microbatches than stages, odd microbatch counts, four
+// stages), a stage without parameters, the profile of a pipeline rank, a
+// peer that fails mid-step, the sends of a failed step, device memory
+// across steps, and a resume from a pipeline checkpoint. Ranks are threads over real Gloo, as in
+// pipeline_equivalence_test.cc; every rank here is built by this file's
+// harness (RunRanks) so a test can wrap its device or communicator.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "executor/checkpoint/checkpoint.h"
+#include "executor/comm/communicator.h"
+#include "executor/cpu/cpu_device.h"
+#include "executor/data/batches.h"
+#include "executor/runtime/timing_device.h"
+#include "executor/train/backend.h"
+#include "executor/train/pipeline.h"
+#include "executor/train/test_programs.h"
+#include "executor/train/trainer.h"
+#include "gtest/gtest.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/lower.h"
+#include "planner/pipeline/layers.h"
+
+namespace hap {
+namespace {
+
+namespace v1 = ::hap::v1;
+using executor::Communicator;
+using executor::Device;
+using executor::PipelineRunner;
+using executor::ProgramRunner;
+using executor::TensorView;
+using executor::TrainResult;
+
+constexpr uint64_t kSeed = 4321;
+constexpr int kBatch = 24;
+
+graph::Graph Model(const std::string& name) {
+  std::map<std::string, double> p;
+  if (name == "mlp") {
+    p = {{"layers", 4}, {"hidden", 24}, {"input", 12}, {"classes", 5}, {"batch", kBatch}};
+  } else {
+    p = {{"layers", 3}, {"hidden", 16}, {"heads", 4},      {"ffn", 24},
+         {"seq", 6},    {"vocab", 37},  {"batch", kBatch}, {"dropout", 0.1}};
+  }
+  auto g = graph::BuildZooModel(name, p);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+std::string TempDir(const std::string& tag) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::filesystem::path dir =
+      std::filesystem::path(tmp != nullptr ? tmp : std::filesystem::temp_directory_path()) /
+      ("pipe_review_" + tag);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+std::vector<double> Uneven(int n) {
+  if (n == 1) return {1.0};
+  std::vector<double> r;
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += 1.0 + 0.7 * i;
+  for (int i = 0; i < n; ++i) r.push_back((1.0 + 0.7 * i) / sum);
+  return r;
+}
+
+struct Lowered {
+  std::vector<v1::RankProgram> programs;  // per world rank
+  executor::PipelineLayout layout;        // with boundary pieces
+  std::shared_ptr<graph::Graph> micro;
+};
+
+struct Spec {
+  std::string model;
+  std::vector<int> group_sizes;  // ranks per stage
+  int microbatches = 1;
+  bool adam = false;
+  std::string kind = "dp";
+  bool overlap = false;
+  // Stage s is ops [cuts[s], cuts[s+1]) of the model; empty: about equal
+  // numbers of planner/pipeline layers per stage.
+  std::vector<int> cuts;
+};
+
+Spec MakeSpec(const std::string& model, std::vector<int> group_sizes, int microbatches, bool adam,
+              const std::string& kind, bool overlap = false, std::vector<int> cuts = {}) {
+  Spec c;
+  c.model = model;
+  c.group_sizes = std::move(group_sizes);
+  c.microbatches = microbatches;
+  c.adam = adam;
+  c.kind = kind;
+  c.overlap = overlap;
+  c.cuts = std::move(cuts);
+  return c;
+}
+
+std::string SpecName(const Spec& c) {
+  std::string groups;
+  for (int n : c.group_sizes) groups += std::to_string(n);
+  return absl::StrCat(c.model, "_", c.group_sizes.size(), "stages_", groups, "_mb", c.microbatches,
+                      "_", c.kind, c.adam ? "_adam" : "_sgd", c.overlap ? "_overlap" : "",
+                      c.cuts.empty() ? "" : "_cuts");
+}
+
+// The one activation produced before `begin` that ops [begin, end) read
+// (want_input), or produced in [begin, end) and read at `end` or later.
+absl::StatusOr<graph::TensorId> Crossing(const graph::Graph& m, int begin, int end,
+                                         bool want_input) {
+  std::set<graph::TensorId> found;
+  for (int k = 0; k < static_cast<int>(m.ops().size()); ++k) {
+    const bool reader = want_input ? (k >= begin && k < end) : k >= end;
+    if (!reader) continue;
+    for (graph::TensorId t : m.op(k).inputs) {
+      const graph::Tensor& x = m.tensor(t);
+      if (x.kind != graph::TensorKind::kActivation) continue;
+      const bool from = want_input ? x.producer < begin : (x.producer >= begin && x.producer < end);
+      if (from) found.insert(t);
+    }
+  }
+  if (found.size() != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ops [", begin, ", ", end, ") have ", found.size(), " crossing tensors"));
+  }
+  return *found.begin();
+}
+
+absl::StatusOr<Lowered> LowerPipeline(const graph::Graph& g, const Spec& c) {
+  Lowered out;
+  const int S = static_cast<int>(c.group_sizes.size());
+  auto micro = pipeline::Rebatch(g, kBatch / c.microbatches);
+  if (!micro.ok()) return micro.status();
+  out.micro = std::make_shared<graph::Graph>(*std::move(micro));
+  const graph::Graph& m = *out.micro;
+  std::vector<int> cuts = c.cuts;
+  if (cuts.empty()) {
+    pipeline::Layers layers = pipeline::FindLayers(m, 2 * S);
+    if (layers.size() < S) {
+      return absl::FailedPreconditionError(absl::StrCat("only ", layers.size(), " layers"));
+    }
+    for (int s = 0; s <= S; ++s) cuts.push_back(layers.begin[s * layers.size() / S]);
+  }
+  if (static_cast<int>(cuts.size()) != S + 1) {
+    return absl::InvalidArgumentError("cuts must have one entry per stage and the end");
+  }
+  out.layout.microbatches = c.microbatches;
+  out.layout.clip = c.adam;  // the equivalence optimizers clip with Adam
+  int rank = 0;
+  for (int s = 0; s < S; ++s) {
+    lower::StageSpec spec;
+    spec.begin_op = cuts[s];
+    spec.end_op = cuts[s + 1];
+    spec.microbatches = c.microbatches;
+    const int n = c.group_sizes[s];
+    std::vector<double> ratios = Uneven(n);
+    absl::StatusOr<synth::Program> whole = lower::SingleDeviceProgram(m);
+    if (n > 1) whole = hap::testing::ProgramOfKind(m, n, c.kind, ratios);
+    if (!whole.ok()) return whole.status();
+    synth::Program sub;
+    for (int k = spec.begin_op; k < spec.end_op; ++k) sub.steps.push_back(whole->steps[k]);
+    auto form_of = [&](graph::TensorId t) {
+      const graph::Tensor& x = m.tensor(t);
+      return whole->steps[x.producer].rule.outputs[x.producer_output];
+    };
+    if (s > 0) {
+      auto in = Crossing(m, spec.begin_op, spec.end_op, true);
+      if (!in.ok()) return in.status();
+      spec.input = *in;
+      spec.input_form = form_of(spec.input);
+    }
+    if (s + 1 < S) {
+      auto o = Crossing(m, spec.begin_op, spec.end_op, false);
+      if (!o.ok()) return o.status();
+      spec.output = *o;
+      spec.output_form = form_of(spec.output);
+    }
+    lower::LowerOptions lo;
+    lo.world_size = n;
+    lo.ratios = ratios;
+    lo.optimizer = hap::testing::EquivalenceOptimizer(c.adam);
+    lo.seed = kSeed;
+    lo.overlap = c.overlap;
+    lo.gradient_bucket_bytes = c.overlap ? 4096 : 0;
+    auto progs = lower::LowerStage(m, sub, spec, lo);
+    if (!progs.ok()) return progs.status();
+    std::vector<int> group;
+    for (int r = 0; r < n; ++r) {
+      group.push_back(rank++);
+      out.programs.push_back((*progs)[r]);
+    }
+    out.layout.stage_ranks.push_back(group);
+  }
+  auto pieces = executor::AddBoundaryPieces(out.layout, out.programs);
+  if (!pieces.ok()) return pieces;
+  return out;
+}
+
+// A device that forwards to another and counts the memory it holds.
+class CountingDevice : public Device {
+ public:
+  explicit CountingDevice(Device* inner) : inner_(inner) {}
+  std::string name() const override { return inner_->name(); }
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    auto p = inner_->Allocate(bytes);
+    if (p.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      live_ += 1;
+    }
+    return p;
+  }
+  void Free(void* p) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      live_ -= 1;
+    }
+    inner_->Free(p);
+  }
+  absl::Status CopyFromHost(const void* src, TensorView dst) override {
+    return inner_->CopyFromHost(src, dst);
+  }
+  absl::Status CopyToHost(TensorView src, void* dst) override {
+    return inner_->CopyToHost(src, dst);
+  }
+  absl::Status Fill(TensorView dst, double value) override { return inner_->Fill(dst, value); }
+  absl::Status Convert(TensorView src, TensorView dst) override {
+    return inner_->Convert(src, dst);
+  }
+  absl::Status CopyBox(TensorView src, absl::Span<const int64_t> src_start, TensorView dst,
+                       absl::Span<const int64_t> dst_start,
+                       absl::Span<const int64_t> extent) override {
+    return inner_->CopyBox(src, src_start, dst, dst_start, extent);
+  }
+  bool HasKernel(const std::string& name) const override { return inner_->HasKernel(name); }
+  absl::Status RunKernel(const std::string& name, const executor::KernelContext& ctx,
+                         const graph::Attrs& attrs, absl::Span<const TensorView> inputs,
+                         absl::Span<const TensorView> outputs) override {
+    return inner_->RunKernel(name, ctx, attrs, inputs, outputs);
+  }
+  absl::Status Synchronize() override { return inner_->Synchronize(); }
+  int64_t live() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return live_;
+  }
+
+ private:
+  Device* inner_;
+  mutable std::mutex mu_;
+  int64_t live_ = 0;
+};
+
+// A communicator that forwards to another; before its Recv number n
+// (0-based) it calls before_recv(n), which may block, and fails the Recv
+// with what it returns when that is not OK (the inner communicator is
+// then not called: it stays healthy).
+class HookedComm : public Communicator {
+ public:
+  HookedComm(std::unique_ptr<Communicator> inner, std::function<absl::Status(int)> before_recv)
+      : inner_(std::move(inner)), before_recv_(std::move(before_recv)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  absl::Status AllReduce(TensorView buf) override { return inner_->AllReduce(buf); }
+  absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                         executor::CommMethod method) override {
+    return inner_->AllGather(in, out, counts, method);
+  }
+  absl::Status ReduceScatter(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                             executor::CommMethod method) override {
+    return inner_->ReduceScatter(in, out, counts, method);
+  }
+  absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts, TensorView out,
+                        absl::Span<const int64_t> recv_counts) override {
+    return inner_->AllToAll(in, send_counts, out, recv_counts);
+  }
+  absl::Status Broadcast(TensorView buf, int root) override { return inner_->Broadcast(buf, root); }
+  absl::Status Reduce(TensorView in, TensorView out, int root) override {
+    return inner_->Reduce(in, out, root);
+  }
+  absl::Status Barrier() override { return inner_->Barrier(); }
+  absl::Status Send(TensorView buf, int peer, int64_t tag) override {
+    return inner_->Send(buf, peer, tag);
+  }
+  absl::Status Recv(TensorView buf, int peer, int64_t tag) override {
+    absl::Status s = before_recv_(recvs_++);
+    if (!s.ok()) return s;
+    return inner_->Recv(buf, peer, tag);
+  }
+  absl::Status WaitSends() override { return inner_->WaitSends(); }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  std::function<absl::Status(int)> before_recv_;
+  int recvs_ = 0;
+};
+
+// Fails Recv number `n` and every later one ("injected").
+std::function<absl::Status(int)> FailFrom(int n) {
+  return [n](int k) {
+    return k >= n ? absl::InternalError("injected receive failure") : absl::OkStatus();
+  };
+}
+
+struct RankCtx {
+  int rank = 0;
+  ProgramRunner* runner = nullptr;
+  PipelineRunner* pipe = nullptr;
+  // The pipeline runner's owner: a body may destroy it (before the
+  // communicators, which outlive it as PipelineRunner::Create asks).
+  std::unique_ptr<PipelineRunner>* pipe_owner = nullptr;
+  Communicator* world = nullptr;
+  executor::TimingDevice* timing = nullptr;  // HarnessOptions::timing
+  CountingDevice* counting = nullptr;
+};
+
+struct HarnessOptions {
+  absl::Duration timeout = absl::Seconds(60);
+  bool timing = false;    // the runner's device is a TimingDevice
+  bool counting = false;  // ... or a CountingDevice
+  // Wraps rank r's world communicator (null: as it is).
+  std::function<std::unique_ptr<Communicator>(int, std::unique_ptr<Communicator>)> wrap_world;
+};
+
+// Rank r of `L` on thread r: CPU device, Gloo world and stage group (and
+// the overlap thread when its program has asynchronous collectives), its
+// runner and pipeline runner; then `body`. Returns each rank's status.
+std::vector<absl::Status> RunRanks(const Lowered& L, const std::string& tag,
+                                   const HarnessOptions& o,
+                                   const std::function<absl::Status(RankCtx&)>& body) {
+  const int n = static_cast<int>(L.programs.size());
+  const std::string dir = TempDir(tag);
+  std::vector<absl::Status> results(n, absl::UnknownError("did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = [&]() -> absl::Status {
+        auto at = executor::StageOf(L.layout, r);
+        if (!at.ok()) return at.status();
+        std::unique_ptr<Device> cpu = executor::NewCpuDevice(1);
+        std::unique_ptr<executor::TimingDevice> timing;
+        std::unique_ptr<CountingDevice> counting;
+        Device* device = cpu.get();
+        if (o.timing) {
+          timing = std::make_unique<executor::TimingDevice>(device);
+          device = timing.get();
+        } else if (o.counting) {
+          counting = std::make_unique<CountingDevice>(device);
+          device = counting.get();
+        }
+        auto store = executor::NewFileStore(dir);
+        if (!store.ok()) return store.status();
+        executor::GlooOptions go;
+        go.rank = r;
+        go.size = n;
+        go.prefix = absl::StrCat(tag, "/world");
+        go.timeout = o.timeout;
+        auto world = executor::ConnectGloo(go, **store);
+        if (!world.ok()) return world.status();
+        std::unique_ptr<Communicator> w = *std::move(world);
+        if (o.wrap_world) w = o.wrap_world(r, std::move(w));
+        go.rank = at->second;
+        go.size = static_cast<int>(L.layout.stage_ranks[at->first].size());
+        go.prefix = absl::StrCat(tag, "/stage", at->first);
+        auto group = executor::ConnectGloo(go, **store);
+        if (!group.ok()) return group.status();
+        executor::RunnerOptions ro;
+        std::unique_ptr<executor::AsyncCollectives> async;
+        if (executor::HasAsyncCollectives(L.programs[r])) {
+          auto a = executor::ConnectOverlap(*device, go, **store);
+          if (!a.ok()) return a.status();
+          async = *std::move(a);
+          ro.async = async.get();
+        }
+        auto runner = ProgramRunner::Create(L.programs[r], *L.micro, device, group->get(), ro);
+        if (!runner.ok()) return runner.status();
+        auto pipe = PipelineRunner::Create(runner->get(), w.get(), L.layout);
+        if (!pipe.ok()) return pipe.status();
+        RankCtx ctx;
+        ctx.rank = r;
+        ctx.runner = runner->get();
+        ctx.pipe = pipe->get();
+        ctx.pipe_owner = &*pipe;
+        ctx.world = w.get();
+        ctx.timing = timing.get();
+        ctx.counting = counting.get();
+        return body(ctx);
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+// Trains `steps` steps of the synthetic batches on every rank.
+absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g, const Lowered& L,
+                                               const std::string& tag, int steps) {
+  std::vector<TrainResult> out(L.programs.size());
+  auto st = RunRanks(L, tag, {}, [&](RankCtx& c) -> absl::Status {
+    auto batches = data::NewSyntheticBatches(g, kSeed);
+    executor::TrainOptions to;
+    to.steps = steps;
+    auto r = executor::TrainRankWith(
+        *c.runner, [&](const executor::Batch& b, int64_t step) { return c.pipe->RunStep(b, step); },
+        *batches, to);
+    if (!r.ok()) return r.status();
+    out[c.rank] = *std::move(r);
+    return absl::OkStatus();
+  });
+  for (size_t r = 0; r < st.size(); ++r) {
+    if (!st[r].ok()) return Annotate(st[r], absl::StrCat("rank ", r));
+  }
+  return out;
+}
+
+std::map<std::string, std::vector<TrainResult>>& References() {
+  static auto* m = new std::map<std::string, std::vector<TrainResult>>();
+  return *m;
+}
+
+const TrainResult& Reference(const graph::Graph& g, const std::string& model, bool adam,
+                             int steps) {
+  const std::string key = absl::StrCat(model, adam, "_", steps);
+  if (!References().count(key)) {
+    lower::LowerOptions lo;
+    lo.optimizer = hap::testing::EquivalenceOptimizer(adam);
+    lo.seed = kSeed;
+    auto ref = hap::testing::RunLoweredOverGloo(g, lower::SingleDeviceProgram(g), lo, steps,
+                                                "review_ref_" + key);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    if (!ref.ok()) return *new TrainResult();
+    References()[key] = *std::move(ref);
+  }
+  return References()[key][0];
+}
+
+void ExpectMatchesReference(const std::vector<TrainResult>& runs, const TrainResult& ref, bool adam,
+                            int steps) {
+  ASSERT_FALSE(ref.losses.empty());
+  for (size_t r = 0; r < runs.size(); ++r) {
+    ASSERT_EQ(runs[r].losses.size(), ref.losses.size());
+    for (int s = 0; s < steps; ++s) {
+      const double want = ref.losses[s], got = runs[r].losses[s];
+      EXPECT_NEAR(got, want, 2e-5 * std::abs(want) + 2e-6) << "rank " << r << " step " << s;
+    }
+  }
+  auto deviations = hap::testing::CompareRunsWithReference(runs, ref);
+  ASSERT_TRUE(deviations.ok()) << deviations.status();
+  for (const auto& d : *deviations) {
+    const double tol =
+        1e-4 * d.scale + (adam ? 1e-3 * hap::testing::kEquivalenceAdamLr * steps : 0.0);
+    EXPECT_LE(d.worst, tol) << "parameter " << d.name << " element " << d.at << ": " << d.got
+                            << " vs " << d.want;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Schedules the equivalence test does not cover.
+
+class PipelineScheduleTest : public ::testing::TestWithParam<Spec> {};
+
+TEST_P(PipelineScheduleTest, MatchesSingleDevice) {
+  constexpr int kSteps = 3;
+  const Spec& c = GetParam();
+  graph::Graph g = Model(c.model);
+  const TrainResult& ref = Reference(g, c.model, c.adam, kSteps);
+  auto lowered = LowerPipeline(g, c);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  auto runs = Train(g, *lowered, SpecName(c), kSteps);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  ExpectMatchesReference(*runs, ref, c.adam, kSteps);
+}
+
+std::vector<Spec> ScheduleCases() {
+  return {
+      // One microbatch through three stages (w = 1, 1, 0).
+      MakeSpec("mlp", {1, 1, 1}, 1, false, "dp"),
+      // Fewer microbatches than stages: stage 0 runs both forwards first.
+      MakeSpec("mlp", {1, 1, 1, 1}, 2, true, "dp"),
+      MakeSpec("gpt", {1, 2, 1}, 2, false, "tp"),
+      // An odd microbatch count, not a multiple of the stages.
+      MakeSpec("gpt", {1, 1, 1}, 3, true, "dp"),
+      MakeSpec("mlp", {2, 1}, 3, false, "dp", true),
+      // Many microbatches on a deep pipeline: stash slots reused.
+      MakeSpec("mlp", {1, 1, 1, 1}, 6, false, "dp"),
+      // Microbatches of 2 and 1 samples split over a group of 2.
+      MakeSpec("mlp", {2, 2}, 12, false, "dp"),
+      MakeSpec("mlp", {1, 2}, 24, true, "dp"),
+      // ZeRO-3 and the unrestricted search with overlap at odd / single
+      // microbatch counts.
+      MakeSpec("gpt", {2, 1}, 3, true, "zero", true),
+      MakeSpec("gpt", {1, 2, 2}, 1, true, "mix", true),
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineScheduleTest, ::testing::ValuesIn(ScheduleCases()),
+                         [](const ::testing::TestParamInfo<Spec>& i) { return SpecName(i.param); });
+
+// A stage without parameters (a lone relu between two linear stages): no
+// gradients to sum, no clipping norm of its own, still in the norm's sum
+// over the stages.
+TEST(PipelineRunnerTest, StageWithoutParametersMatchesSingleDevice) {
+  constexpr int kSteps = 3;
+  graph::Graph g = Model("mlp");
+  int relu = -1;
+  for (int k = 0; k < static_cast<int>(g.ops().size()); ++k) {
+    if (g.op(k).type == "relu") {
+      relu = k;
+      break;
+    }
+  }
+  ASSERT_GT(relu, 0);
+  for (bool adam : {false, true}) {
+    Spec c = MakeSpec("mlp", {1, 1, 1}, 4, adam, "dp", false,
+                      {0, relu, relu + 1, static_cast<int>(g.ops().size())});
+    auto lowered = LowerPipeline(g, c);
+    ASSERT_TRUE(lowered.ok()) << lowered.status();
+    for (const v1::Buffer& b : lowered->programs[1].buffers()) {
+      EXPECT_NE(b.role(), v1::Buffer::PARAMETER) << b.tensor();
+    }
+    auto runs = Train(g, *lowered, SpecName(c), kSteps);
+    ASSERT_TRUE(runs.ok()) << runs.status();
+    ExpectMatchesReference(*runs, Reference(g, "mlp", adam, kSteps), adam, kSteps);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The profile (hap-executor --profile, the daemon's windows) of a pipeline
+// rank: TimingDevice::SecondsByOpType charges kernel "T" to IR op type T,
+// and hapctl calibrate fits each op type's speed from it. The pipeline
+// runner's own gradient sums over microbatches are runtime work; they must
+// not be charged to a model op type. The MLP has no "add" op, so no "add"
+// may appear.
+TEST(PipelineRunnerTest, GradientSumsAreRuntimeWorkInTheProfile) {
+  graph::Graph g = Model("mlp");
+  Spec c = MakeSpec("mlp", {1, 1}, 4, false, "dp");
+  auto lowered = LowerPipeline(g, c);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  std::set<std::string> op_types;
+  for (const graph::Op& op : lowered->micro->ops()) op_types.insert(op.type);
+  ASSERT_EQ(op_types.count("add"), 0u);
+  for (const v1::RankProgram& p : lowered->programs) {
+    for (const v1::Step& step : p.steps()) {
+      ASSERT_FALSE(step.has_kernel() && step.kernel().kernel() == "add")
+          << "the stage programs themselves run no add kernel";
+    }
+  }
+  std::vector<std::map<std::string, double>> by_type(lowered->programs.size());
+  HarnessOptions timed;
+  timed.timing = true;
+  auto st = RunRanks(*lowered, "profile", timed, [&](RankCtx& c) -> absl::Status {
+    auto batches = data::NewSyntheticBatches(g, kSeed);
+    executor::TrainOptions to;
+    to.steps = 1;
+    auto r = executor::TrainRankWith(
+        *c.runner, [&](const executor::Batch& b, int64_t step) { return c.pipe->RunStep(b, step); },
+        *batches, to);
+    if (!r.ok()) return r.status();
+    by_type[c.rank] = c.timing->SecondsByOpType(1);
+    return absl::OkStatus();
+  });
+  for (size_t r = 0; r < st.size(); ++r) {
+    ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
+    std::vector<std::string> foreign;
+    for (const auto& [type, seconds] : by_type[r]) {
+      if (type == "(runtime)" || type == "(optimizer)" || op_types.count(type)) continue;
+      foreign.push_back(type);
+    }
+    EXPECT_TRUE(foreign.empty()) << "rank " << r << " profile charges op types the model lacks: "
+                                 << absl::StrJoin(foreign, ", ");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Error paths.
+
+// A stage whose step fails but whose process stays (a daemon rank, a rank
+// whose communicators are still open): its peers fail their step with the
+// communicator's deadline, they do not wait for ever.
+TEST(PipelineRunnerTest, PeerFailingMidStepFailsTheStepWithinTheDeadline) {
+  graph::Graph g = Model("mlp");
+  Spec c = MakeSpec("mlp", {1, 2}, 4, false, "dp");
+  auto lowered = LowerPipeline(g, c);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  HarnessOptions o;
+  o.timeout = absl::Seconds(3);
+  // Rank 1 (stage 1's rank 0) fails at its second receive (microbatch 1's
+  // activation), after microbatch 0 went through.
+  o.wrap_world = [](int r, std::unique_ptr<Communicator> w) -> std::unique_ptr<Communicator> {
+    if (r != 1) return w;
+    return std::make_unique<HookedComm>(std::move(w), FailFrom(1));
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  int others_done = 0;
+  std::vector<double> seconds(lowered->programs.size(), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto st = RunRanks(*lowered, "peer_fails", o, [&](RankCtx& c) -> absl::Status {
+    absl::Status s = c.runner->InitializeParameters();
+    if (!s.ok()) return s;
+    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto b = batches->Get(0);
+    if (!b.ok()) return b.status();
+    auto loss = c.pipe->RunStep(*b, 0);
+    seconds[c.rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::unique_lock<std::mutex> l(mu);
+    if (c.rank != 1) {
+      ++others_done;
+      cv.notify_all();
+    } else {
+      // Keep this rank's communicators open until the others are done
+      // (at most 60 s).
+      cv.wait_for(l, std::chrono::seconds(60), [&] { return others_done == 2; });
+    }
+    return loss.status();
+  });
+  ASSERT_EQ(st.size(), 3u);
+  EXPECT_NE(st[1].message().find("injected"), std::string::npos) << st[1];
+  for (int r : {0, 2}) {
+    std::cerr << "rank " << r << " after " << seconds[r] << " s: " << st[r] << "\n";
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    EXPECT_LT(seconds[r], 30.0) << "rank " << r << ": " << st[r];
+  }
+}
+
+// Communicator::Send: "`buf` must stay unchanged until WaitSends returns".
+// The pipeline runner's sends read its host copies (pending_sends_); a
+// step that fails after sending leaves them started, and the runner frees
+// them when it is destroyed (or at the next RunStep) without a WaitSends
+// that succeeded. Gloo sends an unbound buffer only once the receiver has
+// posted its receive, so a slow peer that posts it afterwards is sent
+// freed memory. Here stage 0 sends microbatches 0 and 1, then fails
+// (its backward's receive, injected); its runner is destroyed before its
+// communicators, as every driver does (RunLocalPipeline, hap-executor, the
+// daemon); then stage 1 receives microbatch 0's activation. What arrives
+// must be what stage 0 computed (the bytes a control run receives while
+// stage 0's runner still exists), or nothing: a failed step's sends may be
+// withdrawn (the receive then fails), never sent from freed memory.
+TEST(PipelineRunnerTest, SendsOfAFailedStepDoNotReadFreedMemory) {
+  graph::Graph g = Model("mlp");
+  Spec c = MakeSpec("mlp", {1, 1}, 2, false, "dp");
+  auto lowered = LowerPipeline(g, c);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  std::vector<int64_t> in_shape;
+  for (const v1::Buffer& b : lowered->programs[1].buffers()) {
+    if (b.role() == v1::Buffer::STAGE_INPUT) {
+      in_shape.assign(b.global_shape().begin(), b.global_shape().end());
+    }
+  }
+  ASSERT_FALSE(in_shape.empty());
+
+  // Returns what stage 1 receives as microbatch 0's activation (empty when
+  // its receive fails).
+  auto run = [&](bool destroy_first, const std::string& tag) -> std::vector<float> {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool released = false, received = false;
+    auto wait_for = [&](bool* flag) {
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait_for(l, std::chrono::seconds(30), [&] { return *flag; });
+    };
+    auto set = [&](bool* flag) {
+      std::lock_guard<std::mutex> l(mu);
+      *flag = true;
+      cv.notify_all();
+    };
+    std::vector<float> got;
+    HarnessOptions o;
+    o.timeout = absl::Seconds(2);
+    o.wrap_world = [&](int r, std::unique_ptr<Communicator> w) -> std::unique_ptr<Communicator> {
+      if (r == 0) return std::make_unique<HookedComm>(std::move(w), FailFrom(0));
+      return w;
+    };
+    std::vector<std::vector<float>> filler;
+    auto st = RunRanks(*lowered, tag, o, [&](RankCtx& ctx) -> absl::Status {
+      if (ctx.rank == 1) {
+        wait_for(&released);  // a slow peer: receives only now
+        executor::HostTensor t(graph::DType::kFloat32, in_shape);
+        absl::Status s = ctx.world->Recv(t.view(), 0, 0);
+        if (s.ok()) got.assign(t.as<float>(), t.as<float>() + t.num_elements());
+        set(&received);
+        return s;
+      }
+      absl::Status s = ctx.runner->InitializeParameters();
+      if (!s.ok()) return s;
+      auto batches = data::NewSyntheticBatches(g, kSeed);
+      auto b = batches->Get(0);
+      if (!b.ok()) return b.status();
+      auto loss = ctx.pipe->RunStep(*b, 0);  // sends microbatches 0 and 1, then fails
+      if (destroy_first) {
+        ctx.pipe_owner->reset();
+        // Memory handed out again, as any later work of the process does.
+        for (int i = 0; i < 64; ++i) filler.emplace_back(in_shape[0] * in_shape[1] + 16, 7777.0f);
+      }
+      set(&released);
+      wait_for(&received);
+      return loss.status();
+    });
+    EXPECT_NE(st[0].message().find("injected"), std::string::npos) << st[0];
+    if (!destroy_first) {
+      EXPECT_TRUE(st[1].ok()) << st[1];
+    }
+    return got;
+  };
+  const std::vector<float> want = run(false, "freed_control");
+  ASSERT_FALSE(want.empty());
+  const std::vector<float> got = run(true, "freed_destroyed");
+  if (got.empty()) return;  // withdrawn: fine
+  ASSERT_EQ(got.size(), want.size());
+  int differ = 0, first = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
+      if (first < 0) first = static_cast<int>(i);
+      ++differ;
+    }
+  }
+  EXPECT_EQ(differ, 0) << differ << " of " << got.size()
+                       << " received elements are not what stage 0 sent; first at " << first << ": "
+                       << (first >= 0 ? got[first] : 0.0f) << " instead of "
+                       << (first >= 0 ? want[first] : 0.0f);
+}
+
+// ---------------------------------------------------------------------------
+// Resources across steps.
+
+// Device memory the pipeline runner allocates (gradient sums, stash slots)
+// is made by the first step and reused: later steps hold no more.
+TEST(PipelineRunnerTest, DeviceMemoryDoesNotGrowAcrossSteps) {
+  graph::Graph g = Model("gpt");
+  Spec c = MakeSpec("gpt", {1, 1, 1}, 4, true, "dp");
+  auto lowered = LowerPipeline(g, c);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  HarnessOptions o;
+  o.counting = true;
+  std::vector<std::vector<int64_t>> live(lowered->programs.size());
+  auto st = RunRanks(*lowered, "memory", o, [&](RankCtx& c) -> absl::Status {
+    absl::Status s = c.runner->InitializeParameters();
+    if (!s.ok()) return s;
+    auto batches = data::NewSyntheticBatches(g, kSeed);
+    for (int step = 0; step < 4; ++step) {
+      auto b = batches->Get(step);
+      if (!b.ok()) return b.status();
+      auto loss = c.pipe->RunStep(*b, step);
+      if (!loss.ok()) return loss.status();
+      live[c.rank].push_back(c.counting->live());
+    }
+    return absl::OkStatus();
+  });
+  for (size_t r = 0; r < st.size(); ++r) {
+    ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
+    ASSERT_EQ(live[r].size(), 4u);
+    EXPECT_EQ(live[r][3], live[r][0]) << "rank " << r;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Checkpoint and resume of a pipeline plan: 2 steps, a checkpoint over the
+// world communicator, 2 more steps resumed from it equal 4 steps straight
+// (dropout on, AdamW with clipping).
+TEST(PipelineRunnerTest, ResumedPipelineContinuesTheSameRun) {
+  graph::Graph g = Model("gpt");
+  Spec c = MakeSpec("gpt", {1, 2}, 4, true, "dp");
+  auto lowered = LowerPipeline(g, c);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  auto straight = Train(g, *lowered, "resume_straight", 4);
+  ASSERT_TRUE(straight.ok()) << straight.status();
+
+  const std::string ckpt = TempDir("resume_ckpt");
+  v1::TrainerState trainer;
+  trainer.set_seed(kSeed);
+  trainer.set_global_batch(kBatch);
+  trainer.set_data("synthetic");
+  *trainer.mutable_optimizer() = hap::testing::EquivalenceOptimizer(true);
+  trainer.set_graph_name(g.name());
+  auto first = RunRanks(*lowered, "resume_first", {}, [&](RankCtx& c) -> absl::Status {
+    auto batches = data::NewSyntheticBatches(g, kSeed);
+    executor::TrainOptions to;
+    to.steps = 2;
+    to.after_step = executor::checkpoint::SaveHook({ckpt, 0, 3, 2}, &lowered->programs, trainer,
+                                                   nullptr, c.world);
+    return executor::TrainRankWith(
+               *c.runner,
+               [&](const executor::Batch& b, int64_t step) { return c.pipe->RunStep(b, step); },
+               *batches, to)
+        .status();
+  });
+  for (size_t r = 0; r < first.size(); ++r) ASSERT_TRUE(first[r].ok()) << first[r];
+
+  std::vector<TrainResult> resumed(lowered->programs.size());
+  auto second = RunRanks(*lowered, "resume_second", {}, [&](RankCtx& c) -> absl::Status {
+    auto reader = executor::checkpoint::CheckpointReader::Open(ckpt);
+    if (!reader.ok()) return reader.status();
+    auto batches = data::NewSyntheticBatches(g, kSeed);
+    executor::TrainOptions to;
+    to.first_step = 2;
+    to.steps = 2;
+    to.initialize = executor::checkpoint::ResumeHook(std::move(*reader), &g);
+    auto r = executor::TrainRankWith(
+        *c.runner, [&](const executor::Batch& b, int64_t step) { return c.pipe->RunStep(b, step); },
+        *batches, to);
+    if (!r.ok()) return r.status();
+    resumed[c.rank] = *std::move(r);
+    return absl::OkStatus();
+  });
+  for (size_t r = 0; r < second.size(); ++r) ASSERT_TRUE(second[r].ok()) << second[r];
+  for (size_t r = 0; r < resumed.size(); ++r) {
+    ASSERT_EQ(resumed[r].losses.size(), 2u);
+    for (int s = 0; s < 2; ++s) {
+      EXPECT_NEAR(resumed[r].losses[s], (*straight)[r].losses[2 + s],
+                  1e-6 * std::abs((*straight)[r].losses[2 + s]))
+          << "rank " << r << " step " << 2 + s;
+    }
+  }
+  for (size_t r = 0; r < resumed.size(); ++r) {
+    ASSERT_EQ(resumed[r].parameters.size(), (*straight)[r].parameters.size());
+    for (size_t i = 0; i < resumed[r].parameters.size(); ++i) {
+      const auto& a = resumed[r].parameters[i].value;
+      const auto& b = (*straight)[r].parameters[i].value;
+      ASSERT_EQ(a.num_elements(), b.num_elements());
+      double worst = 0;
+      for (int64_t k = 0; k < a.num_elements(); ++k) {
+        worst = std::max(worst, std::abs(static_cast<double>(a.as<float>()[k]) -
+                                         static_cast<double>(b.as<float>()[k])));
+      }
+      EXPECT_LE(worst, 1e-6) << "rank " << r << " " << resumed[r].parameters[i].name;
+    }
+  }
+}
+
+// A plan whose pipeline has a stage without devices is refused by name
+// (its receives would read nothing, and the last stage's first rank would
+// not exist).
+TEST(PipelineRunnerTest, AStageWithoutDevicesIsRefused) {
+  v1::Plan plan;
+  plan.add_devices("cpu:0");
+  plan.mutable_pipeline()->set_microbatches(2);
+  v1::PipelineStage* s0 = plan.mutable_pipeline()->add_stages();
+  s0->set_index(0);
+  s0->add_devices("cpu:0");
+  plan.mutable_pipeline()->add_stages()->set_index(1);
+  auto layout = executor::PipelineLayoutOf(plan);
+  ASSERT_FALSE(layout.ok());
+  EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(layout.status().message().find("pipeline stage 1 has no devices"), std::string::npos)
+      << layout.status();
+}
+
+}  // namespace
+}  // namespace hap
