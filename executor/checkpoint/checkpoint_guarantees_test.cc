@@ -1,4 +1,4 @@
-// Review tests of checkpoints and resume: each test states a guarantee of
+// Guarantees of checkpoints and resume: each test states a guarantee of
 // checkpoint.h / safetensors.h / README "Checkpoints, data and weights" and
 // fails while the guarantee is broken.
 #include <filesystem>
