@@ -201,17 +201,15 @@ std::string SupersededPath(const std::string& dir, int64_t step) {
   return path;
 }
 
-// After the checkpoint of `step` committed in r.dir: sets aside the
-// committed checkpoints past it (a run this one abandoned by resuming from
-// an earlier step), keeps the newest `keep` of the rest (the one just
-// committed always), and drops what killed saves left. Nothing here can
-// undo the commit: failures are reported, not returned.
-void Retain(const SaveRequest& r, int64_t step) {
-  std::map<int64_t, std::string> committed = CommittedSteps(r.dir);
+// Sets aside the committed checkpoints in `dir` past `step` (those of a
+// run that one resumed from `step` replaces): renamed superseded-step-N,
+// kept, never resumed from or counted. Failures are reported, not returned.
+void SetAsideAfter(const std::string& dir, int64_t step) {
+  std::map<int64_t, std::string> committed = CommittedSteps(dir);
   std::vector<std::string> aside;
   std::error_code ec;
   for (auto it = committed.upper_bound(step); it != committed.end(); ++it) {
-    const std::string to = SupersededPath(r.dir, it->first);
+    const std::string to = SupersededPath(dir, it->first);
     fs::rename(it->second, to, ec);
     if (ec) {
       Warn(absl::StrCat("cannot set aside ", it->second,
@@ -221,11 +219,21 @@ void Retain(const SaveRequest& r, int64_t step) {
     aside.push_back(absl::StrCat(it->second, " -> ", fs::path(to).filename().string()));
   }
   if (!aside.empty()) {
-    if (absl::Status s = SyncDirectory(r.dir); !s.ok()) Warn(s.message());
-    Warn(absl::StrCat("step ", step, " was saved by a run resumed from an earlier step; the ",
-                      "later checkpoints of the run it replaces are set aside (kept, not resumed ",
-                      "from, not counted): ", absl::StrJoin(aside, ", ")));
+    if (absl::Status s = SyncDirectory(dir); !s.ok()) Warn(s.message());
+    Warn(absl::StrCat("a run resumed from step ", step, " replaces the later checkpoints of ",
+                      "the run it resumed; they are set aside (kept, not resumed from, not ",
+                      "counted): ", absl::StrJoin(aside, ", ")));
   }
+}
+
+// After the checkpoint of `step` committed in r.dir: sets aside the
+// committed checkpoints past it (a run this one abandoned by resuming from
+// an earlier step), keeps the newest `keep` of the rest (the one just
+// committed always), and drops what killed saves left. Nothing here can
+// undo the commit: failures are reported, not returned.
+void Retain(const SaveRequest& r, int64_t step) {
+  std::error_code ec;
+  SetAsideAfter(r.dir, step);
   // The newest `keep` of the steps up to this one.
   std::vector<std::string> older;  // ascending
   for (const auto& [s, path] : CommittedSteps(r.dir)) {
@@ -416,6 +424,10 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
   absl::Status prepared = absl::OkStatus();
   if (r.rank == 0) {
     prepared = CreateDirectoriesSynced(r.dir);
+    // The first save of a run resumed from an earlier step: the steps the
+    // replaced run committed after it are not this run's (one of them may
+    // be the step saved now).
+    if (prepared.ok() && r.replaces_after >= 0) SetAsideAfter(r.dir, r.replaces_after);
     if (prepared.ok()) prepared = RemoveAll(tmp);
     if (prepared.ok()) {
       std::error_code ec;
@@ -926,14 +938,16 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     CheckpointPolicy policy, const std::vector<v1::RankProgram>* programs,
     v1::TrainerState trainer, std::function<void(const std::string&, int64_t)> on_saved,
     Communicator* world) {
-  return [policy, programs, trainer, on_saved, world](ProgramRunner& runner,
-                                                      int64_t done) -> absl::Status {
+  auto saved_once = std::make_shared<bool>(false);
+  return [policy, programs, trainer, on_saved, world, saved_once](ProgramRunner& runner,
+                                                                  int64_t done) -> absl::Status {
     if (policy.dir.empty()) return absl::OkStatus();
     const bool due = (policy.every > 0 && done % policy.every == 0) || done == policy.last_step;
     if (!due) return absl::OkStatus();
     SaveRequest r;
     r.dir = policy.dir;
     r.keep = policy.keep;
+    if (!*saved_once) r.replaces_after = policy.resumed_from;
     Communicator& comm = world != nullptr ? *world : runner.comm();
     r.rank = comm.rank();
     r.programs = programs;
@@ -943,6 +957,7 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     HAP_ASSIGN_OR_RETURN(std::vector<ParameterShard> state, runner.PersistentState());
     auto saved = SaveCheckpoint(r, state, comm);
     if (!saved.ok()) return Annotate(saved.status(), absl::StrCat("checkpoint at step ", done));
+    *saved_once = true;
     if (on_saved) on_saved(*saved, done);
     return absl::OkStatus();
   };

@@ -419,7 +419,8 @@ std::vector<ParameterShard> StateOf(const v1::RankProgram& p) {
 // communicator), rank r with `states[r]` when given; each rank's result.
 std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
     const std::vector<v1::RankProgram>& programs, const std::string& dir, int64_t step,
-    int keep = kDefaultKeep, std::vector<std::vector<ParameterShard>> states = {}) {
+    int keep = kDefaultKeep, std::vector<std::vector<ParameterShard>> states = {},
+    int64_t replaces_after = -1) {
   const int n = static_cast<int>(programs.size());
   if (states.empty()) {
     for (const auto& p : programs) states.push_back(StateOf(p));
@@ -435,6 +436,7 @@ std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
       req.rank = r;
       req.programs = &programs;
       req.trainer.set_step(step);
+      req.replaces_after = replaces_after;
       results[r] = SaveCheckpoint(req, states[r], *comms[r]);
     });
   }
@@ -501,6 +503,35 @@ TEST(CheckpointTest, LaterStepsOfAReplacedRunAreSetAsideNotDeleted) {
   EXPECT_EQ(Entries(dir),
             (std::vector<std::string>{"step-00000003", "step-00000004", "superseded-step-00000005",
                                       "superseded-step-00000005-1"}));
+}
+
+// A run resumed from step 2 of a run that saved every 2 steps up to 6: its
+// first save, of step 4, sets the replaced run's steps 4 and 6 aside instead
+// of failing with AlreadyExists, and its next save is an ordinary one.
+TEST(CheckpointTest, ARunResumedFromAnEarlierStepSavesTheStepsItsPredecessorReached) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");
+  const std::string dir = Fresh("rolled_back");
+  for (int64_t step : {2, 4, 6}) {
+    for (const auto& r : SaveOnEveryRank(programs, dir, step)) ASSERT_TRUE(r.ok()) << r.status();
+  }
+  // Without the resume's step the save is refused, as for any duplicate.
+  for (const auto& r : SaveOnEveryRank(programs, dir, 4)) {
+    EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("exists")));
+  }
+  ::testing::internal::CaptureStderr();
+  for (const auto& r : SaveOnEveryRank(programs, dir, 4, kDefaultKeep, {}, /*replaces_after=*/2)) {
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr("a run resumed from step 2"));
+  for (const auto& r : SaveOnEveryRank(programs, dir, 6)) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{"step-00000002", "step-00000004", "step-00000006",
+                                      "superseded-step-00000004", "superseded-step-00000006"}));
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000006");
 }
 
 // A rank whose write fails leaves its error for rank 0, which refuses to

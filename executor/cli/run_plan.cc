@@ -381,8 +381,10 @@ absl::Status Run(const tools::Args& a) {
       trainer.set_state_dict_slices(it->second);
     }
     to.after_step = checkpoint::SaveHook(
-        {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps},
-        &programs, trainer, [&](const std::string& dir, int64_t step) {
+        {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps,
+         a.Has("resume") ? first_step : -1},
+        &programs, trainer,
+        [&](const std::string& dir, int64_t step) {
           if (rank == 0) {
             std::cout << absl::StrFormat("checkpoint: %d steps done -> %s\n", step, dir)
                       << std::flush;
