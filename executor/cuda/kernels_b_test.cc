@@ -727,6 +727,28 @@ TEST_F(KernelsBTest, MoeCompactForm) {
   }
 }
 
+// Grouped routing (the form the planner splits by tokens): this rank's 300
+// of 600 tokens from token 300 on, in groups of 100, each group filling its
+// own 10 of every expert's 60 slots; expert 0 overflows in every group.
+TEST_F(KernelsBTest, MoeGroupedRoute) {
+  for (DType t : kDtypes) {
+    HostTensor logits = R(t, {300, 8});
+    for (int64_t i = 0; i < 300; ++i) {
+      if (t == kF32) {
+        logits.as<float>()[i * 8] += 1.5f;
+      } else {
+        logits.as<double>()[i * 8] += 1.5;
+      }
+    }
+    const graph::Attrs a{{"k", int64_t{2}},
+                         {"capacity", int64_t{60}},
+                         {"group_size", int64_t{100}},
+                         {"global_tokens", int64_t{600}},
+                         {"token_offset", int64_t{300}}};
+    Expect(Case("moe_route", kExact, {logits}, {HostTensor(kI64, {300, 2})}, a));
+  }
+}
+
 // --- errors ------------------------------------------------------------------
 
 // Runs `kernel` on a device with the given tensors (uploaded) and returns
