@@ -342,6 +342,11 @@ TEST_F(PlannerServiceTest, PrometheusScrapesHapSeriesAndPromtoolAcceptsTheOutput
   auto text = hap::testing::HttpGet(planner_.metrics_port, "/metrics");
   ASSERT_TRUE(text.ok()) << text.status();
   EXPECT_THAT(*text, HasSubstr("hap_plans_total{result=\"succeeded\"} 1"));
+  // Every re-plan reason's series exists before any job re-planned.
+  for (const char* reason :
+       {"executor_lost", "node_stale", "node_joined", "deployment_stopped", "slowdown"}) {
+    EXPECT_THAT(*text, HasSubstr(absl::StrCat("hap_job_replans_total{reason=\"", reason, "\"} 0")));
+  }
   EXPECT_THAT(*text, HasSubstr("grpc_server_handled_total{grpc_type=\"unary\","
                                "grpc_service=\"hap.v1.Planner\",grpc_method=\"CreatePlan\","
                                "grpc_code=\"OK\"} 1"));

@@ -128,9 +128,14 @@ struct PlannerMetrics {
                                                    "Re-plans of elastic jobs, by reason (a device "
                                                    "lost, a node joined, ...).",
                                                    {"reason"}));
-    // Every reason at 0 from the start, so rates and alerts see the series
-    // before the first re-plan.
-    for (int r = v1::JobEvent::EXECUTOR_LOST; r <= v1::JobEvent::DEPLOYMENT_STOPPED; ++r) {
+    // Every re-plan reason at 0 from the start (every value of the enum but
+    // REASON_UNSPECIFIED and STARTED, which is no re-plan), so rates and
+    // alerts see the series before the first re-plan.
+    for (int r = v1::JobEvent::Reason_MIN; r <= v1::JobEvent::Reason_MAX; ++r) {
+      if (!v1::JobEvent::Reason_IsValid(r) || r == v1::JobEvent::REASON_UNSPECIFIED ||
+          r == v1::JobEvent::STARTED) {
+        continue;
+      }
       HAP_RETURN_IF_ERROR(
           job_replans->Get({ReasonLabel(static_cast<v1::JobEvent::Reason>(r))}).status());
     }

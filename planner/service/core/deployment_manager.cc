@@ -1,7 +1,10 @@
 #include "planner/service/core/deployment_manager.h"
 
 #include <algorithm>
+#include <deque>
+#include <functional>
 #include <map>
+#include <queue>
 #include <set>
 #include <thread>
 #include <utility>
@@ -24,6 +27,13 @@ using google::protobuf::util::TimeUtil;
 bool Final(v1::Deployment::State s) {
   return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
          s == v1::Deployment::STOPPED;
+}
+
+// The name of a stored state, or its number for a value this version does
+// not know.
+std::string StateName(v1::Deployment::State s) {
+  const std::string& name = v1::Deployment::State_Name(s);
+  return name.empty() ? absl::StrCat(static_cast<int>(s), " (unknown)") : name;
 }
 
 // Each rank's latest steps that Deployment.recent_step_seconds is the
@@ -91,6 +101,50 @@ struct DeploymentManager::State {
   std::map<std::string, v1::Deployment> deployments;
   std::map<std::string, int64_t> generations;                  // plan -> last generation
   std::map<std::string, std::vector<v1::StepMetric>> metrics;  // per deployment
+  // What each deployment's step statistics are computed from, kept as
+  // metrics arrive (Add): rank 0's step times among the metrics kept, in
+  // two halves for their upper median (median_step_seconds), and each
+  // rank's last kRecentSteps step times, whatever the cap on metrics kept
+  // (recent_step_seconds).
+  struct StepStats {
+    std::priority_queue<double> lower;  // the smaller half (max on top)
+    std::priority_queue<double, std::vector<double>, std::greater<double>>
+        upper;  // the larger half, one more when the count is odd (min on top)
+    std::map<int, std::deque<double>> recent;  // rank -> its latest, oldest first
+
+    // A metric kept with the deployment's (`kept`) or past the cap.
+    void Add(const v1::StepMetric& m, bool kept) {
+      std::deque<double>& r = recent[m.rank()];
+      r.push_back(m.step_seconds());
+      if (r.size() > kRecentSteps) r.pop_front();
+      if (!kept || m.rank() != 0) return;
+      // upper.size() is lower.size() or one more; upper.top() is the value
+      // at index size / 2 in order, what UpperMedian returns.
+      if (!upper.empty() && m.step_seconds() < upper.top()) {
+        lower.push(m.step_seconds());
+      } else {
+        upper.push(m.step_seconds());
+      }
+      if (lower.size() > upper.size()) {
+        upper.push(lower.top());
+        lower.pop();
+      } else if (upper.size() > lower.size() + 1) {
+        lower.push(upper.top());
+        upper.pop();
+      }
+    }
+    // The upper median of rank 0's step times kept; 0 for none.
+    double Median() const { return upper.empty() ? 0 : upper.top(); }
+    // The slowest rank's upper median over its latest steps; 0 for none.
+    double Recent() const {
+      double slowest = 0;
+      for (const auto& [rank, r] : recent) {
+        slowest = std::max(slowest, UpperMedian(std::vector<double>(r.begin(), r.end())));
+      }
+      return slowest;
+    }
+  };
+  std::map<std::string, StepStats> step_stats;  // per deployment
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
   // Rendezvous keys belong to a deployment that exists, at its generation,
@@ -120,7 +174,10 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
     : o_(std::move(options)), s_(std::make_unique<State>()) {
   o_.watch = Sanitized(o_.watch);
   absl::MutexLock l(&s_->mu);
-  for (auto& m : metrics) s_->metrics[m.deployment()].push_back(std::move(m));
+  for (auto& m : metrics) {
+    s_->step_stats[m.deployment()].Add(m, /*kept=*/true);
+    s_->metrics[m.deployment()].push_back(std::move(m));
+  }
   for (auto& d : deployments) {
     s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());
     s_->deployments[d.name()] = d;
@@ -130,13 +187,18 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
       Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
         WatchDeployment(d, ex, o_.watch, c);
       });
-    } else if (d.state() == v1::Deployment::PENDING) {
-      // Its push died with the previous planner, and the rendezvous keys
-      // with it: whatever ranks it loaded or started are stopped.
-      Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
-        FailUnfinishedDeployment(
-            d, "the planner restarted before every rank had started training", ex, o_.watch,
-            c);
+    } else if (!Final(d.state())) {
+      // PENDING: its push died with the previous planner, and the
+      // rendezvous keys with it. Any other state that is not final
+      // (STATE_UNSPECIFIED, a value of a later version) cannot be followed
+      // either. Whatever ranks it loaded or started are stopped.
+      const std::string reason =
+          d.state() == v1::Deployment::PENDING
+              ? std::string("the planner restarted before every rank had started training")
+              : absl::StrCat("the planner restarted and found this deployment stored in state ",
+                             StateName(d.state()), ", which it cannot follow");
+      Supervise(d, [this, d, reason](DeploymentExecutors& ex, const DeploymentControl& c) {
+        FailUnfinishedDeployment(d, reason, ex, o_.watch, c);
       });
     }
   }
@@ -377,33 +439,29 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
   std::set<std::string> touched;
   for (const auto& m : batch) {
     touched.insert(m.deployment());
+    // The first max_metrics_per_deployment are kept (served by StepMetrics);
+    // the statistics follow every metric.
     auto& list = s_->metrics[m.deployment()];
-    if (list.size() < o_.max_metrics_per_deployment) list.push_back(m);
+    const bool kept = list.size() < o_.max_metrics_per_deployment;
+    if (kept) list.push_back(m);
+    State::StepStats& stats = s_->step_stats[m.deployment()];
+    stats.Add(m, kept);
     v1::Deployment& d = s_->deployments[m.deployment()];
     if (m.rank() == 0) {
       d.set_steps_completed(std::max(d.steps_completed(), m.step() + 1));
       d.set_last_loss(m.loss());
-      std::vector<double> times;
-      for (const auto& x : list) {
-        if (x.rank() == 0) times.push_back(x.step_seconds());
-      }
-      d.set_median_step_seconds(UpperMedian(times));
+      // Rank 0's median step over the metrics kept (up to the cap), kept
+      // up to date as they arrive rather than recomputed over all of them.
+      d.set_median_step_seconds(stats.Median());
       d.set_recent_steps_end(std::max(d.recent_steps_end(), m.step() + 1));
     }
   }
   // The latest window, what a job's slowdown is judged by: the slowest
   // rank's median over its last steps (ranks that share no collective run
-  // at their own pace, and the deployment ends with the slowest).
+  // at their own pace, and the deployment ends with the slowest), past the
+  // cap on metrics kept too.
   for (const std::string& name : touched) {
-    const auto& list = s_->metrics[name];
-    std::map<int, std::vector<double>> last;  // rank -> its latest steps, newest first
-    for (auto it = list.rbegin(); it != list.rend(); ++it) {
-      std::vector<double>& v = last[it->rank()];
-      if (v.size() < kRecentSteps) v.push_back(it->step_seconds());
-    }
-    double slowest = 0;
-    for (auto& [rank, v] : last) slowest = std::max(slowest, UpperMedian(v));
-    s_->deployments[name].set_recent_step_seconds(slowest);
+    s_->deployments[name].set_recent_step_seconds(s_->step_stats[name].Recent());
   }
   return absl::OkStatus();
 }

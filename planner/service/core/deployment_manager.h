@@ -15,7 +15,9 @@
 // without bound); counters do not wrap.
 //
 // Deployments given to the constructor that are RUNNING are re-attached to
-// (WatchDeployment); PENDING ones are failed and their ranks stopped.
+// (WatchDeployment); any other that is not final (PENDING, or a state this
+// version does not follow: STATE_UNSPECIFIED, a value of a later version)
+// is failed, with an error naming the state stored, and its ranks stopped.
 // Shutdown leaves RUNNING deployments running for a restarted planner.
 //
 // Thread-safe.
@@ -50,7 +52,9 @@ struct DeploymentManagerOptions {
   // Every change of a deployment's record, as served from then on. Called
   // with the manager's lock held: it must not call the manager.
   std::function<void(const hap::v1::Deployment&)> on_change;
-  // Step metrics kept in memory per deployment (the sink keeps all).
+  // Step metrics kept in memory per deployment, the first ones (the sink
+  // keeps all). median_step_seconds is over rank 0's metrics kept;
+  // recent_step_seconds follows the latest steps past it too.
   size_t max_metrics_per_deployment = 100'000;
 };
 
@@ -102,7 +106,10 @@ class DeploymentManager {
   // A batch of step metrics from executors, all or none: NotFound for an
   // unknown deployment, InvalidArgument for a rank or step outside it, the
   // sink's error when it refuses. Rank 0's metrics update the deployment's
-  // steps_completed, last_loss and median_step_seconds.
+  // steps_completed, last_loss and median_step_seconds (the upper median of
+  // rank 0's step times kept, updated in O(log n) a metric), and every
+  // metric its recent_step_seconds (the slowest rank's upper median over its
+  // last 20 steps, whatever max_metrics_per_deployment).
   absl::Status ReportStepMetrics(const std::vector<hap::v1::StepMetric>& batch);
   // One deployment's metrics in arrival order (NotFound for an unknown
   // deployment); a page of them (page_size 0 = 500, at most 10,000).

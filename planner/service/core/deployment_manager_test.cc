@@ -5,6 +5,7 @@
 // rendezvous store. Waits are on conditions with deadlines, never sleeps.
 #include "planner/service/core/deployment_manager.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
@@ -345,6 +346,91 @@ TEST_F(DeploymentManagerTest, TheRecentWindowIsRankZerosLastTwentySteps) {
   EXPECT_DOUBLE_EQ(now.recent_step_seconds(), 3.0);  // rank 1: 10 of its last 20 at 3 s
   EXPECT_EQ(now.recent_steps_end(), 60);
   EXPECT_DOUBLE_EQ(now.median_step_seconds(), 1.0);
+}
+
+// A deployment stored in a state this version does not follow (neither
+// RUNNING nor final: a value of a later version here) is failed on load,
+// naming that state, and its ranks are stopped, as a PENDING one's are.
+TEST_F(DeploymentManagerTest, ADeploymentStoredInAStateItCannotFollowIsFailedNamingIt) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  manager_->Shutdown();
+  std::vector<v1::Deployment> stored = sink_.deployments();
+  ASSERT_EQ(stored.size(), 1u);
+  stored[0].set_state(static_cast<v1::Deployment::State>(9));
+  Start(stored);
+  const v1::Deployment failed = WaitFor(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("stored in state 9 (unknown)"));
+  // Its ranks are stopped once it is FAILED.
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while ((fleet_.stops("a:1") == 0 || fleet_.stops("b:1") == 0) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::FAILED);
+  EXPECT_EQ(fleet_.status("b:1").state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(manager_->StoreSet(d->name(), 1, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("FAILED")));
+}
+
+// median_step_seconds is rank 0's upper median over the metrics kept (the
+// first max_metrics_per_deployment, metrics loaded at start included), as
+// when it was recomputed over all of them for each metric; past the cap it
+// stays, while the recent window follows the latest steps.
+TEST(DeploymentManagerMetricsTest, TheMedianStepIsOverRankZerosMetricsKept) {
+  v1::Deployment stored;
+  stored.set_name("deployments/p-g1");
+  stored.set_plan("plans/p");
+  stored.set_generation(1);
+  stored.set_state(v1::Deployment::SUCCEEDED);  // no supervisor needed
+  for (int r = 0; r < 2; ++r) stored.add_ranks()->set_rank(r);
+  auto metric = [&](int rank, int64_t step, double seconds) {
+    v1::StepMetric m;
+    m.set_deployment(stored.name());
+    m.set_rank(rank);
+    m.set_step(step);
+    m.set_step_seconds(seconds);
+    return m;
+  };
+  auto upper_median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  // Step times with repeats, out of order, in batches of varying size.
+  std::vector<double> kept;  // rank 0's, as kept
+  std::vector<v1::StepMetric> loaded;
+  int64_t step = 0;
+  for (; step < 7; ++step) {
+    loaded.push_back(metric(0, step, 1.0 + (step * 7 % 5) * 0.25));
+    kept.push_back(loaded.back().step_seconds());
+    loaded.push_back(metric(1, step, 0.5));
+  }
+  DeploymentManagerOptions o;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  o.max_metrics_per_deployment = 200;
+  DeploymentManager m(std::move(o), {stored}, loaded);
+  size_t count = loaded.size();
+  for (int batch = 1; step < 150; ++batch) {
+    std::vector<v1::StepMetric> b;
+    for (int i = 0; i < batch % 4 + 1 && step < 150; ++i, ++step) {
+      const double seconds = 0.5 + ((step * 37) % 23) * 0.125;
+      b.push_back(metric(0, step, seconds));
+      b.push_back(metric(1, step, 0.25));
+      for (int rank : {0, 1}) {
+        if (count++ < 200 && rank == 0) kept.push_back(seconds);
+      }
+    }
+    ASSERT_THAT(m.ReportStepMetrics(b), IsOk());
+    const v1::Deployment d = *m.Get(stored.name());
+    ASSERT_DOUBLE_EQ(d.median_step_seconds(), upper_median(kept)) << "at step " << step;
+  }
+  EXPECT_EQ(kept.size(), 100u);  // 200 metrics kept, half of them rank 0's
+  EXPECT_EQ(m.StepMetrics(stored.name())->size(), 200u);
+  std::vector<double> last;
+  for (int64_t s = 130; s < 150; ++s) last.push_back(0.5 + ((s * 37) % 23) * 0.125);
+  EXPECT_DOUBLE_EQ(m.Get(stored.name())->recent_step_seconds(), upper_median(last));
 }
 
 TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeployment) {

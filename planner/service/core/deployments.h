@@ -24,7 +24,8 @@
 // planner re-attaches to them (WatchDeployment: the first poll finds out
 // whether each rank still trains the deployment at its generation) and
 // fails PENDING ones (FailUnfinishedDeployment), whose rendezvous keys are
-// lost with the old process.
+// lost with the old process, and any other it cannot follow (a stored state
+// that is neither RUNNING nor final).
 #ifndef HAP_PLANNER_SERVICE_CORE_DEPLOYMENTS_H_
 #define HAP_PLANNER_SERVICE_CORE_DEPLOYMENTS_H_
 
@@ -164,8 +165,9 @@ void RunDeployment(const hap::v1::Deployment& d, const hap::v1::Plan& plan,
 void WatchDeployment(const hap::v1::Deployment& d, DeploymentExecutors& executors,
                      const DeploymentWatchOptions& o, const DeploymentControl& control);
 
-// A PENDING deployment a restarted planner cannot finish: every rank is
-// stopped and the deployment FAILED with `reason`.
+// A PENDING (or otherwise unfinished, not RUNNING) deployment a restarted
+// planner cannot finish: every rank is stopped and the deployment FAILED
+// with `reason`.
 void FailUnfinishedDeployment(const hap::v1::Deployment& d, const std::string& reason,
                               DeploymentExecutors& executors, const DeploymentWatchOptions& o,
                               const DeploymentControl& control);

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -210,7 +211,15 @@ class Pass {
   }
 
   // Stop asked: cancel plans in flight, stop the deployment, then STOPPED.
+  // A deployment of next_plan the job has not recorded (its save failed, or
+  // the planner died between the deploy and the save) is the job's too:
+  // adopted, then stopped, as a pass would adopt it (Deploy).
   void RunStop() {
+    if (st().deployment().empty() && !st().next_plan().empty()) {
+      for (const v1::Deployment& x : b_.DeploymentsOf(st().next_plan())) {
+        if (!DeploymentFinal(x.state())) st().set_deployment(x.name());
+      }
+    }
     CancelPlan(st().next_plan());
     CancelPlan(st().candidate_plan());
     st().clear_next_plan();
@@ -387,9 +396,9 @@ class Pass {
   void ConsiderJoin(const v1::Deployment& d) {
     if (!st().candidate_plan().empty()) return JudgeCandidate(d);
     if (spec().replan().disable_join() || st().slowdown_step() > 0) return;
-    // Judged against the current deployment as measured: once it is
-    // measuring, not before it has trained enough steps.
-    if (st().measured_step_seconds() > 0 &&
+    // Judged against the current deployment as measured: not before it has
+    // reported its median step and trained enough steps for it to count.
+    if (st().measured_step_seconds() <= 0 ||
         StepsMeasured(st().events_size() - 1) < kMinMeasuredSteps) {
       return;
     }
@@ -742,7 +751,7 @@ class Pass {
 
   std::string NextPlanName() {
     st().set_plans_made(st().plans_made() + 1);
-    return absl::StrCat("plans/", j_.name().substr(5), "-p", st().plans_made());
+    return absl::StrCat("plans/", absl::StripPrefix(j_.name(), "jobs/"), "-p", st().plans_made());
   }
 
   v1::CreatePlanRequest PlanRequest(const std::string& plan,
@@ -760,7 +769,7 @@ class Pass {
         o.pipeline_stages() > static_cast<int>(devices.size())) {
       o.set_pipeline_stages(static_cast<int>(devices.size()));
     }
-    r.set_plan_id(plan.substr(6));
+    r.set_plan_id(std::string(absl::StripPrefix(plan, "plans/")));
     return r;
   }
 
@@ -867,6 +876,12 @@ class Pass {
       ev.set_reason(v1::JobEvent::STARTED);
       ev.set_detail(absl::StrCat("started on ", p.devices_size(), " devices"));
       *ev.mutable_detect_time() = j_.create_time();
+    }
+    // A spec that leaves the global batch to the model (0) keeps the one
+    // its first plan chose, saved with the job: every later plan trains at
+    // it, so the data order does not depend on the plan.
+    if (spec().global_batch() == 0 && p.global_batch() > 0) {
+      j_.mutable_spec()->set_global_batch(p.global_batch());
     }
     v1::JobEvent& ev = *st().mutable_pending();
     ev.set_plan(p.name());

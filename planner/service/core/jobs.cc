@@ -217,10 +217,60 @@ struct JobController::State {
   std::thread loop;
 };
 
+namespace {
+
+// What is wrong with a stored job this controller cannot drive (a name not
+// jobs/{id}, a plan name not plans/{id}, a state this version does not
+// know, a spec it cannot run); OK for one it can.
+absl::Status ValidateStoredJob(const v1::Job& j) {
+  absl::StatusOr<std::string> id = JobId(j.name());
+  if (!id.ok()) return id.status();
+  if (id->size() > kMaxJobId) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job id '", *id, "' is longer than ", kMaxJobId, " characters"));
+  }
+  const v1::JobStatus& st = j.status();
+  if (st.state() == v1::JobStatus::STATE_UNSPECIFIED ||
+      v1::JobStatus::State_Name(st.state()).empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("status.state ", static_cast<int>(st.state()), " is not a job state"));
+  }
+  for (const auto& [field, plan] : {std::pair<const char*, const std::string*>{"plan", &st.plan()},
+                                    {"next_plan", &st.next_plan()},
+                                    {"candidate_plan", &st.candidate_plan()}}) {
+    if (plan->empty()) continue;
+    absl::Status ok = PlanId(*plan).status();
+    if (!ok.ok()) return Annotate(ok, absl::StrCat("status.", field));
+  }
+  return Annotate(ValidateJobSpec(j.spec()), "spec");
+}
+
+}  // namespace
+
 JobController::JobController(JobControllerOptions options, std::vector<v1::Job> jobs)
     : o_(std::move(options)), s_(std::make_unique<State>()) {
   absl::MutexLock l(&s_->mu);
-  for (auto& j : jobs) s_->jobs[j.name()] = std::move(j);
+  for (auto& j : jobs) {
+    // A stored job that cannot be driven ends FAILED, saying why, rather
+    // than the planner failing on start (or a pass on it).
+    if (!Final(j.status().state())) {
+      absl::Status bad = ValidateStoredJob(j);
+      if (!bad.ok()) {
+        v1::JobStatus& st = *j.mutable_status();
+        st.set_state(v1::JobStatus::FAILED);
+        st.set_message(
+            absl::StrCat("the planner cannot drive this job as stored: ", bad.message()));
+        *st.mutable_update_time() = ToProto(o_.now());
+        if (o_.sink != nullptr) {
+          absl::Status saved = o_.sink->SaveJob(j);
+          if (!saved.ok()) {
+            absl::StrAppend(st.mutable_message(), " (not saved: ", saved.message(), ")");
+          }
+        }
+      }
+    }
+    s_->jobs[j.name()] = std::move(j);
+  }
 }
 
 JobController::~JobController() { Shutdown(); }

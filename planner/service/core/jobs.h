@@ -36,6 +36,9 @@
 //   any --a plan that cannot be made, more than policy.max_replans
 //       re-plans, or a spec that cannot run--> FAILED
 //
+// A spec whose global_batch is 0 (the model's own) stores the first
+// plan's, so every later plan trains at it.
+//
 // Every deployment's devices are calibrated once from its ranks' profiles
 // (JobBackend::Calibrate) as soon as each rank reported one, so the job's
 // later plans (and every new plan on those devices) use the calibrated
@@ -142,7 +145,11 @@ absl::Status ValidateJobSpec(const hap::v1::JobSpec& spec);
 
 class JobController {
  public:
-  // `jobs` is the persisted state to start from; unfinished ones go on.
+  // `jobs` is the persisted state to start from; unfinished ones go on,
+  // except one it cannot drive (a name not jobs/{id} of at most 50
+  // characters, a plan name not plans/{id}, an unknown state, a spec
+  // ValidateJobSpec refuses): that one is FAILED, its message naming what
+  // is wrong, and saved so (best effort).
   JobController(JobControllerOptions options, std::vector<hap::v1::Job> jobs = {});
   ~JobController();  // Shutdown()
   JobController(const JobController&) = delete;

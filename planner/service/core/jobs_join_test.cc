@@ -14,6 +14,7 @@ void JobsTest::JudgeThreeNotWorthIt(const double* three,
   };
   fake_.SetNode(2, v1::Node::STALE);
   const std::string first = StartRunning();
+  Measured(first, 1.0);  // as predicted: the predicted gain decides
   if (running) running(first);
   fake_.SetNode(2, v1::Node::READY);
   c_->Reconcile();
@@ -30,6 +31,7 @@ TEST_F(JobsTest, ReturningNodeSwitchesAtTheNextCheckpointWhenTheGainClearsTheThr
   fake_.SetNode(2, v1::Node::STALE);
   const std::string first = StartRunning();
   EXPECT_THAT(Job().status().devices(), ElementsAre("d0", "d1"));
+  Measured(first, 0.5);  // as predicted
   fake_.checkpoint = 20;
   fake_.SetNode(2, v1::Node::READY);
   c_->Reconcile();
@@ -75,6 +77,7 @@ TEST_F(JobsTest, NoSwitchAtTheJobsFinalCheckpoint) {
   Make();
   fake_.SetNode(2, v1::Node::STALE);
   const std::string first = StartRunning();
+  Measured(first, 0.5);
   fake_.checkpoint = 20;
   fake_.SetNode(2, v1::Node::READY);
   c_->Reconcile();
@@ -155,6 +158,7 @@ TEST_F(JobsTest, ASwitchPendingIsDroppedWhenAJoinerRegistersAgain) {
   Make();
   fake_.SetNode(2, v1::Node::STALE);
   const std::string first = StartRunning();
+  Measured(first, 0.5);
   fake_.SetNode(2, v1::Node::READY);
   c_->Reconcile();
   now_ += absl::Seconds(31);
@@ -226,7 +230,7 @@ TEST_F(JobsTest, AJoinNeedsPeriodicCheckpoints) {
   fake_.SetNode(2, v1::Node::STALE);
   v1::CreateJobRequest r = Request();
   r.mutable_spec()->mutable_training()->set_checkpoint_every(0);
-  StartRunning(r);
+  Measured(StartRunning(r), 0.5);
   fake_.SetNode(2, v1::Node::READY);
   c_->Reconcile();
   now_ += absl::Seconds(31);
@@ -234,6 +238,34 @@ TEST_F(JobsTest, AJoinNeedsPeriodicCheckpoints) {
   c_->Reconcile();
   EXPECT_THAT(Job().status().message(), HasSubstr("no periodic checkpoints"));
   EXPECT_THAT(fake_.stops, IsEmpty());
+}
+
+// README "Join": no join is judged before the current deployment has
+// trained 20 steps as measured; one that has reported no median step yet is
+// not judged on the prediction alone (too few steps:
+// AReturnIsJudgedByTheStepsMeasuredOnThoseDevices).
+TEST_F(JobsTest, AJoinWaitsForTheCurrentDeploymentsMeasuredSteps) {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);  // d2 stable: a join could be judged
+  c_->Reconcile();
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 1u);       // nothing measured yet
+  fake_.Only(first).set_steps_completed(25);  // steps, but no median reported
+  c_->Reconcile();
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 1u);
+  EXPECT_FALSE(Job().status().switch_pending());
+  Measured(first, 0.5, 25);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
+  c_->Reconcile();
+  EXPECT_TRUE(Job().status().switch_pending()) << Job().DebugString();
+  EXPECT_THAT(Job().status().message(), HasSubstr("measured 0.5000 s now"));
 }
 
 TEST_F(JobsTest, FlappingNodeNeverCausesAJoin) {

@@ -75,6 +75,28 @@ TEST_F(JobsTest, APipelineJobOnFewerDevicesThanStagesGetsOneStagePerDevice) {
   EXPECT_EQ(Job().status().state(), v1::JobStatus::RECOVERING);
 }
 
+// A spec that leaves the global batch to the model (0) keeps the one its
+// first plan chose, saved with the job, across re-plans on fewer devices
+// (and a restart).
+TEST_F(JobsTest, TheFirstPlansGlobalBatchIsKeptWhenTheSpecLeavesItZero) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->set_global_batch(0);
+  const std::string first = StartRunning(r);
+  EXPECT_EQ(fake_.requests[0].global_batch(), 0);
+  EXPECT_EQ(fake_.plans.at("plans/train-p1").global_batch(), 96);  // 3 devices
+  EXPECT_EQ(Job().spec().global_batch(), 96);
+  EXPECT_EQ(sink_.jobs.at("jobs/train").spec().global_batch(), 96);  // saved
+  c_.reset();
+  Make(sink_.Saved());
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(2);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(fake_.requests[1].global_batch(), 96);
+}
+
 TEST_F(JobsTest, TheDeviceOfAFailedRankIsHeldOutWhileItsNodeStaysReady) {
   Make();
   const std::string first = StartRunning();
@@ -87,6 +109,7 @@ TEST_F(JobsTest, TheDeviceOfAFailedRankIsHeldOutWhileItsNodeStaysReady) {
   ASSERT_EQ(Job().status().held_size(), 1);
   EXPECT_EQ(Job().status().held(0).device(), "d1");
   fake_.SetState(Deployment(), v1::Deployment::RUNNING);
+  Measured(Deployment(), 0.5);  // trained enough to judge a join against
   c_->Reconcile();
   now_ += absl::Seconds(29);
   c_->Reconcile();

@@ -152,6 +152,52 @@ TEST_F(JobsTest, IntentsSavedBeforeACrashAreCarriedOutOnce) {
   EXPECT_EQ(Deployment(), fake_.deployed[0]);
 }
 
+// A stored job the controller cannot drive (a name not jobs/{id}, a plan
+// name not plans/{id}, a state it does not know, a spec it cannot run)
+// is loaded FAILED, saying what is wrong, and saved so; the others go on.
+TEST_F(JobsTest, AMalformedStoredJobIsLoadedFailedNamingWhatIsWrong) {
+  auto stored = [](const std::string& name) {
+    v1::Job j;
+    j.set_name(name);
+    *j.mutable_spec() = Request().spec();
+    j.mutable_status()->set_state(v1::JobStatus::PLANNING);
+    j.mutable_status()->set_checkpoint_step(-1);
+    j.mutable_status()->set_switch_after_step(-1);
+    return j;
+  };
+  v1::Job bad_plan = stored("jobs/a");
+  bad_plan.mutable_status()->set_next_plan("p1");
+  v1::Job bad_name = stored("train");
+  v1::Job bad_state = stored("jobs/b");
+  bad_state.mutable_status()->set_state(static_cast<v1::JobStatus::State>(42));
+  v1::Job bad_spec = stored("jobs/c");
+  bad_spec.mutable_spec()->mutable_training()->clear_checkpoint_dir();
+  v1::Job done = stored("jobs/d");  // final: left as it is
+  done.mutable_status()->set_state(v1::JobStatus::SUCCEEDED);
+  done.mutable_status()->set_next_plan("p1");
+  Make({bad_plan, bad_name, bad_state, bad_spec, done, stored("jobs/train")});
+  EXPECT_NO_THROW(c_->Reconcile());
+  auto failed_with = [&](const std::string& name, const std::string& what) {
+    v1::Job j;
+    for (const v1::Job& x : c_->All()) {
+      if (x.name() == name) j = x;
+    }
+    EXPECT_EQ(j.status().state(), v1::JobStatus::FAILED) << name;
+    EXPECT_THAT(j.status().message(), HasSubstr("cannot drive this job as stored")) << name;
+    EXPECT_THAT(j.status().message(), HasSubstr(what)) << name;
+    ASSERT_TRUE(sink_.jobs.count(name)) << name << " not saved";
+    EXPECT_EQ(sink_.jobs.at(name).status().state(), v1::JobStatus::FAILED) << name;
+  };
+  failed_with("jobs/a", "status.next_plan: plan name 'p1'");
+  failed_with("train", "job name 'train' is not jobs/{id}");
+  failed_with("jobs/b", "status.state 42");
+  failed_with("jobs/c", "spec: spec.training.checkpoint_dir is required");
+  EXPECT_EQ(Job("jobs/d").status().state(), v1::JobStatus::SUCCEEDED);
+  EXPECT_EQ(State(), v1::JobStatus::PLANNING);  // the well-formed one is planned
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].plan_id(), "train-p1");
+}
+
 TEST_F(JobsTest, ASaveTheSinkRefusesChangesNothing) {
   Make();
   sink_.refuse = true;

@@ -81,6 +81,8 @@ class FakeBackend : public JobBackend {
     p.mutable_prediction()->set_step_seconds(
         predict(std::vector<std::string>(r.devices().begin(), r.devices().end())));
     p.set_calibration(calibration);
+    // 0 = the model's own batch: 32 a device here, as the core's zoo does.
+    p.set_global_batch(r.global_batch() > 0 ? r.global_batch() : 32 * r.devices_size());
     plans[name] = p;
     return p;
   }
@@ -257,6 +259,14 @@ class JobsTest : public ::testing::Test {
     Profile(first, 22);
     c_->Reconcile();
     return first;
+  }
+
+  // `deployment` trained `steps` steps at a median step of `seconds`: the
+  // job measured it (no join is judged before it has, README "Join").
+  void Measured(const std::string& deployment, double seconds, int64_t steps = 20) {
+    v1::Deployment& d = fake_.Only(deployment);
+    d.set_median_step_seconds(seconds);
+    d.set_steps_completed(steps);
   }
 
   // Every rank of `deployment` reported a profile of 20 steps from `first`.
