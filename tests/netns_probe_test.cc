@@ -1,5 +1,5 @@
 // The network testbed as the planner sees it: three nodes in network
-// namespaces (executor/cli/netns_testbed.h), 300 Mbit/s between nodes and one
+// namespaces (executor/cli/netns_testbed.h), 200 Mbit/s between nodes and one
 // slower pair (node 0 - node 2 at 100 Mbit/s), a real planner in the switch
 // namespace and a real profiler agent in each node. The agents' link probes
 // (Agent.Echo streams over TCP through the shaped veths) must report every
@@ -8,7 +8,8 @@
 // Rates well under what one gRPC stream moves on a busy 2-core machine: at
 // 1 Gbit/s the probe, not the link, set the figure whenever other builds ran
 // (27-97% of the rate), and at 500 Mbit/s node 0's links read 82-87% at a
-// load average of 6.5 (bench/README.md).
+// load average of 6.5 (bench/README.md), and at 300 Mbit/s node 2's links
+// read 77% while four builds shared the machine (2026-12-05).
 //
 // Root only: where namespaces cannot be made the test skips with the reason.
 // The test's main thread enters the switch namespace before any gRPC use, so
@@ -41,7 +42,7 @@ namespace v1 = ::hap::v1;
 using ::hap::testing::Process;
 using ::hap::testing::Runfile;
 
-constexpr char kSpec[] = "nodes=3 between=300mbit inside=10gbit pair=0-2:100mbit";
+constexpr char kSpec[] = "nodes=3 between=200mbit inside=10gbit pair=0-2:100mbit";
 constexpr double kTolerance = 0.2;
 
 class NetnsProbeTest : public ::testing::Test {
