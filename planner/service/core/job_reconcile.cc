@@ -508,6 +508,15 @@ class Pass {
       st().clear_candidate_plan();
       return;
     }
+    if (!st().switch_pending() && st().replans() >= MaxReplans(spec())) {
+      // An optional switch never fails a job that trains: past the budget
+      // the job stays on its plan (re-plans forced by a loss still count).
+      stay();
+      st().set_message(absl::StrCat("staying: ", what, ", but the job has made its max_replans ",
+                                    MaxReplans(spec()), " re-plans"));
+      st().clear_candidate_plan();
+      return;
+    }
     if (!st().switch_pending()) {
       st().set_switch_pending(true);
       st().set_switch_after_step(st().checkpoint_step());
