@@ -23,6 +23,15 @@ void RendezvousStore::Close(const std::string& deployment, int64_t generation, s
   absl::MutexLock l(&mu_);
   Drop(deployment);
   rendezvous_[deployment] = Rendezvous{generation, true, std::move(why)};
+  closed_.emplace_back(deployment, generation);
+  while (static_cast<int64_t>(closed_.size()) > std::max<int64_t>(0, o_.max_closed)) {
+    auto it = rendezvous_.find(closed_.front().first);
+    if (it != rendezvous_.end() && it->second.closed &&
+        it->second.generation == closed_.front().second) {
+      rendezvous_.erase(it);
+    }
+    closed_.pop_front();
+  }
   changed_.SignalAll();
 }
 
@@ -43,7 +52,9 @@ absl::Status RendezvousStore::Check(const std::string& deployment, int64_t gener
   if (it == rendezvous_.end()) {
     return absl::NotFoundError(absl::StrCat(
         "deployment '", deployment,
-        "' does not exist (rendezvous keys belong to a deployment the planner made)"));
+        "' does not exist (rendezvous keys belong to a deployment the planner made; finished ones "
+        "are forgotten after ",
+        o_.max_closed, " more have finished)"));
   }
   if (it->second.generation != generation) {
     return absl::FailedPreconditionError(absl::StrCat(

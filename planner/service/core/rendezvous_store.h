@@ -15,6 +15,7 @@
 #define HAP_PLANNER_SERVICE_CORE_RENDEZVOUS_STORE_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <string>
@@ -34,6 +35,11 @@ class RendezvousStore {
   struct Options {
     // Admit every deployment and generation (no Open needed).
     bool open_on_use = false;
+    // Closed rendezvous remembered (their calls fail naming why); older
+    // ones are forgotten, so that a long-running planner's memory does not
+    // grow with every deployment it ever made (a forgotten one's calls are
+    // NotFound).
+    int64_t max_closed = 10000;
   };
   RendezvousStore() : RendezvousStore(Options{}) {}
   explicit RendezvousStore(Options options) : o_(options) {}
@@ -88,6 +94,9 @@ class RendezvousStore {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Rendezvous> rendezvous_ ABSL_GUARDED_BY(mu_);
   std::map<Key, std::string> kv_ ABSL_GUARDED_BY(mu_);
+  // Closed rendezvous in the order they closed (an entry whose rendezvous
+  // was opened again since is skipped when it comes up).
+  std::deque<std::pair<std::string, int64_t>> closed_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace hap::service

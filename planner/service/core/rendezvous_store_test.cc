@@ -88,6 +88,27 @@ TEST(RendezvousStoreTest, ClosingEndsWaitsAndDropsTheKeys) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("f is SUCCEEDED")));
 }
 
+// Closed rendezvous are remembered up to max_closed, the oldest forgotten
+// first (a long-running planner closes one per deployment it ever made);
+// one opened again since it closed is not forgotten by its old closing.
+TEST(RendezvousStoreTest, OnlyTheLatestClosedRendezvousAreRemembered) {
+  RendezvousStore::Options o;
+  o.max_closed = 2;
+  RendezvousStore store(o);
+  store.Close("a", 1, "a is SUCCEEDED");
+  store.Close("b", 1, "b is SUCCEEDED");
+  store.Open("a", 2);                  // a's next generation
+  store.Close("c", 1, "c is FAILED");  // a's first closing is forgotten: a stays open
+  EXPECT_THAT(store.Set("a", 2, "k", "v"), IsOk());
+  EXPECT_THAT(store.Set("b", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("b is SUCCEEDED")));
+  store.Close("d", 1, "d is STOPPED");  // b is forgotten
+  EXPECT_THAT(store.Set("b", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'b' does not exist")));
+  EXPECT_THAT(store.Set("c", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("c is FAILED")));
+}
+
 TEST(RendezvousStoreTest, ShutdownAndCancellationEndWaits) {
   RendezvousStore store;
   store.Open("d", 1);
