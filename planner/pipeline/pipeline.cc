@@ -186,8 +186,10 @@ absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
     Program all = SubProgram(p, b, end, Part::kAll, n);
     Program outputs = all;
     for (synth::OpStep& s : outputs.steps) s.loads.clear();
+    // One more copy of the stage's gradients: the sums over microbatches
+    // (executor/train/pipeline.h; counted for any microbatch count here).
     const std::vector<int64_t> total =
-        synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, all, opt), r);
+        synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, all, opt, /*extra_gradients=*/1), r);
     const std::vector<int64_t> act =
         synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, outputs, opt), r);
     e->static_bytes.emplace_back();
@@ -839,7 +841,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       if (!so.ignore_memory) {
         Program outputs = sp.program;
         for (synth::OpStep& st : outputs.steps) st.loads.clear();
-        ratios::MemoryConstraint all = synth::MemoryModel(gm, *e.cluster, sp.program, so.optimizer);
+        // With more than one microbatch the stage sums their gradients in
+        // one more buffer (executor/train/pipeline.h).
+        ratios::MemoryConstraint all =
+            synth::MemoryModel(gm, *e.cluster, sp.program, so.optimizer, M > 1 ? 1.0 : 0.0);
         ratios::MemoryConstraint act = synth::MemoryModel(gm, *e.cluster, outputs, so.optimizer);
         for (int d = 0; d < n; ++d) {
           all.coef[0][d] += (sp.in_flight - 1) * act.coef[0][d];

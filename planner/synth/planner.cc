@@ -79,9 +79,8 @@ absl::StatusOr<Baseline> ParseBaseline(const std::string& n) {
                    "' (known: hap, dp-even, dp-prop, megatron, zero3)"));
 }
 
-ratios::MemoryConstraint MemoryModel(const graph::Graph& g,
-                                     const cost::ClusterModel& cluster,
-                                     const Program& p, OptimizerKind opt) {
+ratios::MemoryConstraint MemoryModel(const graph::Graph& g, const cost::ClusterModel& cluster,
+                                     const Program& p, OptimizerKind opt, double extra_gradients) {
   int n = cluster.size();
   ratios::MemoryConstraint m;
   m.coef.assign(1, std::vector<double>(n, 0));
@@ -90,7 +89,7 @@ ratios::MemoryConstraint MemoryModel(const graph::Graph& g,
     m.capacity.push_back(static_cast<double>(cluster.device(i).memory_bytes));
     m.device_names.push_back(cluster.device(i).id);
   }
-  double state = 2.0 + OptimizerStateMultiple(opt);  // value, grad, state
+  double state = 2.0 + OptimizerStateMultiple(opt) + extra_gradients;  // value, grad, state
   auto add = [&](double bytes, Form f) {
     for (int i = 0; i < n; ++i) {
       if (f.is_sharded()) {

@@ -118,9 +118,11 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
 
 // Memory per device as linear functions of the ratios: parameters, their
 // gradients and optimizer state, and the activations kept for backward.
-ratios::MemoryConstraint MemoryModel(const graph::Graph& g,
-                                     const cost::ClusterModel& cluster,
-                                     const Program& p, OptimizerKind opt);
+// `extra_gradients`: more copies of each trained parameter's gradient (a
+// pipeline stage sums its microbatches' gradients in one more buffer).
+ratios::MemoryConstraint MemoryModel(const graph::Graph& g, const cost::ClusterModel& cluster,
+                                     const Program& p, OptimizerKind opt,
+                                     double extra_gradients = 0);
 std::vector<int64_t> MemoryAt(const ratios::MemoryConstraint& m,
                               const std::vector<double>& ratios);
 

@@ -407,6 +407,33 @@ TEST(SynthTest, SmallMemoryDeviceGetsNoMoreThanFits) {
   EXPECT_THAT(std::string(e.status().message()), HasSubstr("d"));
 }
 
+// One more gradient copy (a pipeline stage's sums over microbatches) adds
+// each trained parameter's bytes once more, in the parameter's own form.
+TEST(SynthTest, ExtraGradientCopiesAddEachParametersBytes) {
+  graph::Graph g =
+      Zoo("mlp", {{"layers", 2}, {"hidden", 32}, {"input", 16}, {"classes", 4}, {"batch", 8}});
+  auto c = MakeCluster({1e13, 1e13}, 2, 1e11, 1e11, 64 * kGiB);
+  auto plan = PlanModel(g, c, PlanOptions());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const ratios::MemoryConstraint base =
+      MemoryModel(g, c, plan->program, OptimizerKind::kSgdMomentum);
+  const ratios::MemoryConstraint more =
+      MemoryModel(g, c, plan->program, OptimizerKind::kSgdMomentum, /*extra_gradients=*/1);
+  double params = 0;
+  for (const graph::Tensor& t : g.tensors()) {
+    if (t.kind == graph::TensorKind::kParameter && !t.frozen) {
+      params += static_cast<double>(t.type.bytes());
+    }
+  }
+  ASSERT_GT(params, 0);
+  for (int d = 0; d < 2; ++d) {
+    // Replicated parameters in the constant, sharded ones in the ratio term.
+    EXPECT_DOUBLE_EQ((more.constant[d] - base.constant[d]) + (more.coef[0][d] - base.coef[0][d]),
+                     params)
+        << d;
+  }
+}
+
 TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
   // The reference profile's GPU classes and link rates (docs/design.md §8).
   graph::Graph g = Zoo("gpt", {{"layers", 2},
