@@ -223,11 +223,13 @@ absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
         for (int d = 0; d < n && k >= 0; ++d) {
           const double cap = static_cast<double>(e->cluster->device(d).memory_bytes) -
                              (e->static_prefix[j][d] - e->static_prefix[i][d]);
+          // The runner's own microbatch plus k stashed in flight
+          // (executor/train/pipeline.h): k + 1 copies of the activations.
           const double act = e->act_prefix[j][d] - e->act_prefix[i][d];
-          if (cap < act) {
+          if (cap < 2 * act) {
             k = -1;
           } else if (act > 0) {
-            k = static_cast<int>(std::min<double>(k, std::floor(cap / act)));
+            k = static_cast<int>(std::min<double>(k, std::floor(cap / act) - 1));
           }
         }
       }
@@ -555,8 +557,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     }
     p.fits = e->max_in_flight[i][j] >= k;
     for (int d = 0; d < n; ++d) {
-      p.memory.push_back(static_cast<int64_t>(e->static_prefix[j][d] - e->static_prefix[i][d] +
-                                              k * (e->act_prefix[j][d] - e->act_prefix[i][d])));
+      p.memory.push_back(
+          static_cast<int64_t>(e->static_prefix[j][d] - e->static_prefix[i][d] +
+                               (k + 1) * (e->act_prefix[j][d] - e->act_prefix[i][d])));
     }
     return p;
   };
@@ -847,8 +850,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
             synth::MemoryModel(gm, *e.cluster, sp.program, so.optimizer, M > 1 ? 1.0 : 0.0);
         ratios::MemoryConstraint act = synth::MemoryModel(gm, *e.cluster, outputs, so.optimizer);
         for (int d = 0; d < n; ++d) {
-          all.coef[0][d] += (sp.in_flight - 1) * act.coef[0][d];
-          all.constant[d] += (sp.in_flight - 1) * act.constant[d];
+          all.coef[0][d] += sp.in_flight * act.coef[0][d];
+          all.constant[d] += sp.in_flight * act.constant[d];
         }
         req.memory = all;
       }

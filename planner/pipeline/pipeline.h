@@ -6,10 +6,10 @@
 // Groups are contiguous runs of units in the cluster's node order; a unit is
 // a node, or a part of one (down to a single device) when more stages are
 // asked for than there are nodes. A stage may be one device: its program is
-// then the single-device program of its layers. For every distinct group (same devices and links up to naming) and
-// microbatch count M, the planner synthesizes the whole model at the
-// microbatch size on the group (synth::PlanModel: the block search and the
-// ratio LP) and prices each layer from that program's steps:
+// then the single-device program of its layers. For every distinct group (same devices and links up
+// to naming) and microbatch count M, the planner synthesizes the whole model at the microbatch size
+// on the group (synth::PlanModel: the block search and the ratio LP) and prices each layer from
+// that program's steps:
 //   micro(l)  the layer's forward and backward per microbatch (activation
 //             collectives, ZeRO-3 gathers, SFB included), EvaluateProgram of
 //             the layer's steps without gradient sync, updates and overhead;
@@ -18,8 +18,11 @@
 //             overlap a stage's sync is priced whole instead: what of it
 //             outlasts its last microbatch's backward, the buckets started
 //             as that backward completes their gradients);
-//   memory    parameters and optimizer state, plus activations held for
-//             every in-flight microbatch (1F1B: min(S - s, M) at stage s).
+//   memory    parameters, gradients and optimizer state, one more copy of
+//             the gradients (their sums over microbatches, when M > 1), and
+//             activations: the microbatch being run plus one stashed copy
+//             for every in-flight microbatch (1F1B: min(S - s, M) at stage
+//             s), as executor/train/pipeline.h holds them.
 // Transfers between stages: the boundary activation's bytes over the
 // slowest link between the two groups (plus the cluster's calibrated
 // pipeline_transfer_overhead_seconds per transfer), plus re-sharding inside

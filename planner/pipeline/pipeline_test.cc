@@ -474,5 +474,41 @@ TEST(Executor, RefusesPipelinePlansWithoutPrograms) {
                        HasSubstr("the pipeline plan (2 stages) has no rank programs")));
 }
 
+// A stage's memory is what the pipeline runner holds (executor/train/
+// pipeline.h): its parameters, gradients and optimizer state, the gradient
+// sums over microbatches (M > 1), and the activations of the microbatch it
+// runs plus a stashed copy for each microbatch in flight.
+TEST(Planner, StageMemoryIsWhatThePipelineRunnerHolds) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  cost::ClusterModel c = TwoNodes(1.25e9);
+  const PipelineOptions o = Fast(Mode::kAuto);
+  auto p = PlanPipeline(*g, c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->pipelined());
+  ASSERT_GT(p->microbatches, 1);
+  for (const StagePlan& s : p->stages) {
+    auto group = c.Subset(s.devices);
+    ASSERT_TRUE(group.ok()) << group.status();
+    synth::Program outputs = s.program;
+    for (synth::OpStep& st : outputs.steps) st.loads.clear();
+    const std::vector<int64_t> held = synth::MemoryAt(
+        synth::MemoryModel(*p->microbatch_graph, *group, s.program, o.stage_options.optimizer,
+                           /*extra_gradients=*/1),
+        s.ratios);
+    const std::vector<int64_t> act = synth::MemoryAt(
+        synth::MemoryModel(*p->microbatch_graph, *group, outputs, o.stage_options.optimizer),
+        s.ratios);
+    ASSERT_EQ(s.memory_bytes.size(), s.devices.size());
+    for (size_t d = 0; d < s.devices.size(); ++d) {
+      ASSERT_GT(act[d], 0);
+      EXPECT_NEAR(static_cast<double>(s.memory_bytes[d]),
+                  static_cast<double>(held[d] + s.in_flight * act[d]), 16.0)
+          << "stage of layers " << s.first_layer << "-" << s.end_layer << ", device " << d
+          << ", in flight " << s.in_flight << ", activations " << act[d];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hap::pipeline
