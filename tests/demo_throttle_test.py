@@ -59,28 +59,37 @@ class DemoThrottleTest(unittest.TestCase):
         last = out.rstrip("\n").split("\n")[-1]
         self.assertRegex(last, r"^elastic: job SUCCEEDED; replans [1-9]", out)
         # The slowdown (the step measured, or node1's agent re-probing it
-        # slower), judged on the old plan's last 20 steps after it.
-        slow = re.search(r"SLOWDOWN .*?(plans/demo-p\d+) is expected [-0-9.]+% faster "
-                         r"\(measured ([0-9.]+) s over the last 20 steps", out)
-        self.assertTrue(slow, out)
-        new_plan, old_after = slow.group(1), float(slow.group(2))
+        # slower), judged on the old plan's last 20 steps after it. On a
+        # loaded machine a slowdown of noise may come first (a step median
+        # 25% above the expected before any throttle): the throttle's is the
+        # switch that moved work off node1 and ran faster than the old plan
+        # after it.
+        slows = re.findall(r"SLOWDOWN .*?(plans/demo-p\d+) is expected [-0-9.]+% faster "
+                           r"\(measured ([0-9.]+) s over the last 20 steps", out)
+        self.assertTrue(slows, out)
         ratios = {m.group(1): m.group(2) for m in
                   re.finditer(r"^   (plans/demo-p\d+) ratios: (.*)$", out, re.M)}
         measured = {m.group(1): (m.group(2), float(m.group(3)), float(m.group(4))) for m in
                     re.finditer(r"^   (plans/demo-p\d+) on \d+ devices: (\w+) prediction "
                                 r"([0-9.]+) s, measured median ([0-9.]+) s", out, re.M)}
         plans = list(measured)
-        self.assertIn(new_plan, plans, out)
-        self.assertGreater(plans.index(new_plan), 0, out)
-        old_plan = plans[plans.index(new_plan) - 1]
-        kind, predicted, new_measured = measured[new_plan]
-        self.assertEqual(kind, "calibrated", out)
-        self.assertLess(new_measured, old_after, out)
 
         def share(plan, device):
             return float(re.search(re.escape(device) + r" ([0-9.]+)", ratios[plan]).group(1))
 
-        self.assertLess(share(new_plan, "node1/cpu0"), share(old_plan, "node1/cpu0"), out)
+        found = None
+        for new_plan, after in slows:
+            self.assertIn(new_plan, plans, out)
+            self.assertGreater(plans.index(new_plan), 0, out)
+            old_plan = plans[plans.index(new_plan) - 1]
+            kind, predicted, new_measured = measured[new_plan]
+            self.assertEqual(kind, "calibrated", out)
+            if (new_measured < float(after) and
+                    share(new_plan, "node1/cpu0") < share(old_plan, "node1/cpu0")):
+                found = (old_plan, new_plan, float(after), predicted, new_measured)
+        self.assertIsNotNone(found, "no slowdown switch moved work off node1 and ran faster "
+                             "than the old plan after the throttle:\n" + out)
+        old_plan, new_plan, old_after, predicted, new_measured = found
         print("throttle: old plan after the throttle %.4f s, new plan %.4f s (calibrated "
               "prediction %.4f s, %+.0f%%); node1's share %.3f -> %.3f" % (
                   old_after, new_measured, predicted, 100 * (predicted - new_measured) /
