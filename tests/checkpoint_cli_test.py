@@ -30,8 +30,9 @@ GPT = ["--model", "gpt", "--layers", "2", "--hidden", "128", "--heads", "4", "--
        "--seq", "16", "--batch", "8", "--optimizer", "adam", "--lr", "1e-3", "--seed", "3"]
 
 
-def plan(path, cluster, *extra):
-    util.run([HAPCTL, "plan", "--cluster", cluster, *GPT, "--save-plan", path, *extra])
+def plan(path, cluster, *extra, seed="3"):
+    model = GPT[:GPT.index("--seed")] + ["--seed", seed]
+    util.run([HAPCTL, "plan", "--cluster", cluster, *model, "--save-plan", path, *extra])
     return path
 
 
@@ -133,6 +134,13 @@ class CheckpointCliTest(unittest.TestCase):
         got = losses(p.stdout)
         self.assertEqual(sorted(got), list(range(6, 12)), p.stdout)
         for step, loss in got.items():
+            self.assertAlmostEqual(loss, self.reference[step], delta=1e-4 * abs(loss) + 1e-5)
+        # A plan made with another seed continues the same run: the
+        # synthetic batches and dropout masks of the checkpoint's seed.
+        other_seed = plan(os.path.join(util.tmpdir(), "p2-seed4.pb"), CLUSTER2, seed="4")
+        p = launch("--plan", other_seed, "--steps", "12", "--resume", ckpt)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        for step, loss in losses(p.stdout).items():
             self.assertAlmostEqual(loss, self.reference[step], delta=1e-4 * abs(loss) + 1e-5)
         # Nothing left to do past the end.
         p = launch("--plan", self.plan2, "--steps", "6", "--resume", ckpt)

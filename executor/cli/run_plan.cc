@@ -272,7 +272,10 @@ absl::Status Run(const tools::Args& a) {
                          vocab.Encode(dir + "/valid.txt"));
     HAP_ASSIGN_OR_RETURN(batches, data::NewLmBatches(g, std::move(corpus)));
   } else if (source == "synthetic") {
-    batches = data::NewSyntheticBatches(g, plan.options().seed());
+    // A resumed run reads the batches the run it continues would have
+    // read: the checkpoint's seed, not the plan's.
+    batches =
+        data::NewSyntheticBatches(g, a.Has("resume") ? resumed.seed() : plan.options().seed());
   } else if (absl::StartsWith(source, "npy:") || absl::StartsWith(source, "tokens:")) {
     HAP_ASSIGN_OR_RETURN(batches, data::OpenUserData(source, g, data_options));
   } else {

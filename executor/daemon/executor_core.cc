@@ -118,9 +118,11 @@ bool Ended(v1::ExecutorStatus::State s) {
   return s == v1::ExecutorStatus::FINISHED || s == v1::ExecutorStatus::FAILED;
 }
 
-absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(
-    const graph::Graph& g, const v1::Plan& plan, const v1::TrainingConfig& t,
-    const std::string& data_dir) {
+absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(const graph::Graph& g,
+                                                               const v1::Plan& plan,
+                                                               const v1::TrainingConfig& t,
+                                                               const std::string& data_dir,
+                                                               std::optional<uint64_t> data_seed) {
   if (!t.data_spec().empty()) {
     data::DataOptions o;
     if (t.shuffle()) o.shuffle_seed = t.shuffle_seed();
@@ -132,7 +134,7 @@ absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(
   switch (t.data()) {
     case v1::TrainingConfig::DATA_SOURCE_UNSPECIFIED:
     case v1::TrainingConfig::SYNTHETIC:
-      return data::NewSyntheticBatches(g, plan.options().seed());
+      return data::NewSyntheticBatches(g, data_seed.value_or(plan.options().seed()));
     case v1::TrainingConfig::WIKITEXT2: {
       // data_path: the split's file (its directory holds the others), or a
       // WikiText-2 directory; empty: <data_dir>/wikitext-2.
@@ -194,6 +196,9 @@ struct ExecutorCore::Loaded {
   // Where training starts (a checkpoint or weights; empty: initialisers)
   // and the checkpoints it writes.
   int64_t first_step = 0;
+  // The seed of the synthetic data: a resumed run's checkpoint's, so that it
+  // reads the batches the run it continues would have read.
+  std::optional<uint64_t> data_seed;
   std::function<absl::Status(ProgramRunner&)> initialize;
   std::vector<v1::RankProgram> programs;  // every rank's, for the checkpoint index
   std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
@@ -233,6 +238,7 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     HAP_RETURN_IF_ERROR(
         Annotate(ckpt::CheckDataSettings((*reader)->trainer(), run), "training.resume"));
     loaded->first_step = (*reader)->trainer().step();
+    loaded->data_seed = (*reader)->trainer().seed();
     if (loaded->first_step >= t.steps()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "training.resume: the checkpoint ", (*reader)->step_dir(), " is at step ",
@@ -340,7 +346,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
   }
   HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));
   {
-    auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir);
+    auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir, loaded->data_seed);
     if (!b.ok()) return Annotate(b.status(), "training data");
     loaded->batches = *std::move(b);
   }
