@@ -1,6 +1,10 @@
 #include "executor/data/batches.h"
 
+#include <algorithm>
 #include <memory>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "executor/runtime/random.h"
@@ -106,20 +110,35 @@ class Lm : public BatchSource {
 }  // namespace
 
 std::optional<IdLimit> IntegerInputLimit(const graph::Graph& g, graph::TensorId t) {
+  // The ids reach an embedding or a loss directly or through ops that only
+  // move them (the exporter's labels.view(-1) is a reshape).
+  static const std::set<std::string> kMoves = {"reshape", "flatten", "transpose", "slice",
+                                               "split",   "concat",  "expand"};
   std::optional<IdLimit> best;
-  for (graph::OpId c : g.tensor(t).consumers) {
-    const graph::Op& op = g.op(c);
-    IdLimit l;
-    if (op.type == "embedding" && op.inputs[0] == t) {
-      l.limit = g.tensor(op.inputs[1]).type.shape[0];
-      l.source = absl::StrCat("the vocabulary of ", l.limit, " of embedding '", op.name, "'");
-    } else if ((op.type == "nll_loss" || op.type == "cross_entropy") && op.inputs[1] == t) {
-      l.limit = g.tensor(op.inputs[0]).type.shape[1];
-      l.source = absl::StrCat("the ", l.limit, " classes of ", op.type, " '", op.name, "'");
-    } else {
-      continue;
+  std::vector<graph::TensorId> work = {t};
+  std::set<graph::TensorId> seen = {t};
+  while (!work.empty()) {
+    const graph::TensorId x = work.back();
+    work.pop_back();
+    for (graph::OpId c : g.tensor(x).consumers) {
+      const graph::Op& op = g.op(c);
+      IdLimit l;
+      if (op.type == "embedding" && op.inputs[0] == x) {
+        l.limit = g.tensor(op.inputs[1]).type.shape[0];
+        l.source = absl::StrCat("the vocabulary of ", l.limit, " of embedding '", op.name, "'");
+      } else if ((op.type == "nll_loss" || op.type == "cross_entropy") && op.inputs[1] == x) {
+        l.limit = g.tensor(op.inputs[0]).type.shape[1];
+        l.source = absl::StrCat("the ", l.limit, " classes of ", op.type, " '", op.name, "'");
+      } else {
+        if (kMoves.count(op.type)) {
+          for (graph::TensorId y : op.outputs) {
+            if (seen.insert(y).second) work.push_back(y);
+          }
+        }
+        continue;
+      }
+      if (!best || l.limit < best->limit) best = std::move(l);
     }
-    if (!best || l.limit < best->limit) best = std::move(l);
   }
   return best;
 }
@@ -135,8 +154,8 @@ absl::StatusOr<std::unique_ptr<BatchSource>> NewLmBatches(
   if (!tokens || !labels || g.tensor(*tokens).type.rank() != 2 ||
       !graph::IsInteger(g.tensor(*tokens).type.dtype) ||
       g.tensor(*tokens).type.dtype != graph::DType::kInt64 ||
-      g.tensor(*labels).type.shape !=
-          graph::Shape{g.tensor(*tokens).type.num_elements()}) {
+      g.tensor(*labels).type.dtype != graph::DType::kInt64 ||
+      g.tensor(*labels).type.shape != graph::Shape{g.tensor(*tokens).type.num_elements()}) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model '", g.name(),
         "' is not a language model with int64 inputs tokens[B, S] and labels[B*S]"));
@@ -146,12 +165,15 @@ absl::StatusOr<std::unique_ptr<BatchSource>> NewLmBatches(
     return absl::InvalidArgumentError(absl::StrCat(
         "the corpus has ", corpus.size(), " tokens, fewer than a sequence of ", s, " + 2"));
   }
+  // Every corpus token is also a label: the tighter of the vocabulary and
+  // the loss's classes.
   int64_t vocab = IdRange(g, *tokens);
+  if (auto l = IntegerInputLimit(g, *labels)) vocab = std::min(vocab, l->limit);
   for (size_t i = 0; i < corpus.size(); ++i) {
     if (corpus[i] < 0 || corpus[i] >= vocab) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "corpus token ", i, " has id ", corpus[i], ", outside the model's vocabulary of ",
-          vocab));
+          "corpus token ", i, " has id ", corpus[i],
+          ", outside the model's vocabulary (and the classes of its loss) of ", vocab));
     }
   }
   return std::unique_ptr<BatchSource>(std::make_unique<Lm>(std::move(corpus), b, s));

@@ -46,7 +46,9 @@ class MappedFile {
   // NotFound when `path` does not exist; InvalidArgument when it is not a
   // regular file or cannot be opened or mapped.
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a named pipe would wait for a writer; it is
+    // refused below as not a regular file. (No effect on regular files.)
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
       int e = errno;
       if (e == ENOENT) return absl::NotFoundError(absl::StrCat(path, " does not exist"));
@@ -596,6 +598,7 @@ int64_t FirstOutside(char kind, int bytes, const unsigned char* src, int64_t n, 
     HAP_USER_DATA_SCAN('u', 2, uint16_t)
     HAP_USER_DATA_SCAN('u', 4, uint32_t)
     HAP_USER_DATA_SCAN('u', 8, uint64_t)
+    HAP_USER_DATA_SCAN('b', 1, uint8_t)  // NumPy's bool: bytes read as 0, 1 or more
 #undef HAP_USER_DATA_SCAN
     default:
       break;
