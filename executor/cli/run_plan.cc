@@ -370,7 +370,8 @@ absl::Status Run(const tools::Args& a) {
                                         plan.rank_programs().end());
   if (a.Has("checkpoint-dir")) {
     v1::TrainerState trainer;
-    trainer.set_seed(plan.options().seed());
+    // A resumed run continues its checkpoint's seed (data and dropout).
+    trainer.set_seed(a.Has("resume") ? resumed.seed() : plan.options().seed());
     trainer.set_global_batch(plan.global_batch());
     trainer.set_data(source);
     trainer.set_shuffle(data_options.shuffle_seed.has_value());

@@ -256,7 +256,8 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
   if (!t.checkpoint_dir().empty()) {
     loaded->programs.assign(in.plan.rank_programs().begin(), in.plan.rank_programs().end());
     v1::TrainerState trainer;
-    trainer.set_seed(in.plan.options().seed());
+    // A resumed run continues its checkpoint's seed (data and dropout).
+    trainer.set_seed(loaded->data_seed.value_or(in.plan.options().seed()));
     trainer.set_global_batch(in.plan.global_batch());
     trainer.set_data(t.data_spec().empty() ? v1::TrainingConfig::DataSource_Name(t.data())
                                            : t.data_spec());
@@ -545,10 +546,14 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
       loaded->trained = true;
       loaded->final_state = s.ok() ? v1::ExecutorStatus::FINISHED : v1::ExecutorStatus::FAILED;
       if (!s.ok()) {
-        loaded->final_error = loaded->cancelled
-                                  ? absl::StrCat("stopped by StopTraining after ",
-                                                 steps_completed_, " of ", steps, " steps")
-                                  : s.ToString();
+        // A step that failed on its own while a Stop waited keeps its error.
+        const std::string stopped = absl::StrCat("stopped by StopTraining after ", steps_completed_,
+                                                 " of ", steps, " steps");
+        loaded->final_error =
+            !loaded->cancelled ? s.ToString()
+            : absl::IsCancelled(s)
+                ? stopped
+                : absl::StrCat(stopped, "; the step in progress failed: ", s.ToString());
       }
     }
   }

@@ -133,13 +133,19 @@ void ExecutorServer::Shutdown() {
     m.down.WaitForNotification();
     return;
   }
-  if (grpc::HealthCheckServiceInterface* health = m.server->GetHealthCheckService()) {
-    health->SetServingStatus(false);  // every service, the overall one included
+  // A Start that failed half way (a bad TLS file, a port in use) leaves no
+  // server, or no core, to stop.
+  if (m.server != nullptr) {
+    if (grpc::HealthCheckServiceInterface* health = m.server->GetHealthCheckService()) {
+      health->SetServingStatus(false);  // every service, the overall one included
+    }
+    if (m.o.drain > absl::ZeroDuration()) absl::SleepFor(m.o.drain);  // let balancers notice
   }
-  if (m.o.drain > absl::ZeroDuration()) absl::SleepFor(m.o.drain);  // let balancers notice
-  m.core->Shutdown();  // cancels training between steps and joins it
-  m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  m.server->Wait();
+  if (m.core != nullptr) m.core->Shutdown();  // cancels training between steps and joins it
+  if (m.server != nullptr) {
+    m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    m.server->Wait();
+  }
   m.down.Notify();
 }
 

@@ -123,8 +123,7 @@ absl::Status ProgramRunner::Validate() {
     }
     int64_t n = 1;
     for (int d = 0; d < b.shape_size(); ++d) {
-      if (b.shape(d) < 0 || b.offsets(d) < 0 ||
-          b.offsets(d) + b.shape(d) > b.global_shape(d)) {
+      if (b.shape(d) < 0 || b.offsets(d) < 0 || b.shape(d) > b.global_shape(d) - b.offsets(d)) {
         return bad(absl::StrCat(name, ": dimension ", d, " (", b.shape(d), " at ",
                                 b.offsets(d), ") is outside its tensor (",
                                 b.global_shape(d), ")"));
@@ -134,8 +133,9 @@ absl::Status ProgramRunner::Validate() {
       }
     }
     graph::DType dt = graph::FromProtoDType(b.dtype());
-    int64_t bytes = n * graph::DTypeBytes(dt);
-    if (b.offset_bytes() < 0 || b.offset_bytes() + bytes > p.arena_bytes()) {
+    int64_t bytes = 0, end = 0;
+    if (__builtin_mul_overflow(n, graph::DTypeBytes(dt), &bytes) || b.offset_bytes() < 0 ||
+        __builtin_add_overflow(b.offset_bytes(), bytes, &end) || end > p.arena_bytes()) {
       return bad(absl::StrCat(name, " lies outside the arena"));
     }
     if (b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::INPUT) {
@@ -160,6 +160,14 @@ absl::Status ProgramRunner::Validate() {
   if (p.loss_buffer() < 0 || p.loss_buffer() >= nb ||
       p.buffers(p.loss_buffer()).role() != v1::Buffer::LOSS) {
     return bad("the loss buffer is missing");
+  }
+  {  // read into one value after every step
+    const TensorView& l = views_[p.loss_buffer()];
+    if (l.num_elements() != 1 ||
+        (l.dtype != graph::DType::kFloat32 && l.dtype != graph::DType::kFloat64)) {
+      return bad(absl::StrCat("the loss buffer must hold one float32 or float64 value, not ",
+                              graph::TypeString({l.dtype, l.shape})));
+    }
   }
   auto id_ok = [&](int id, bool optional) {
     return (optional && id == -1) || (id >= 0 && id < nb);

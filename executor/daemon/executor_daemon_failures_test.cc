@@ -1,0 +1,291 @@
+// The executor daemon (`hap-executor --serve`) under failures: requests and
+// start-up failures that must never crash or mislead a long-running service.
+// Tests of crashes run in a death-test child, so a crash fails only that
+// test.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/status_matchers.h"
+#include "executor/daemon/executor_core.h"
+#include "executor/daemon/executor_server.h"
+#include "executor/daemon/test_plans.h"
+#include "executor/train/in_process_comm.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hap::executor {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+const v1::Plan& Plan(int world) {
+  static auto* plans = new std::map<int, v1::Plan>;
+  static absl::Mutex mu;
+  absl::MutexLock l(&mu);
+  auto it = plans->find(world);
+  if (it == plans->end()) {
+    auto p = testing::MakeMlpPlan(world);
+    EXPECT_THAT(p, IsOk());
+    it = plans->emplace(world, p.ok() ? *p : v1::Plan()).first;
+  }
+  return it->second;
+}
+
+LoadOptions Load(int world, int rank, int64_t steps) {
+  LoadOptions o;
+  o.plan = Plan(world);
+  o.deployment = "deployments/review";
+  o.generation = 1;
+  o.rank = rank;
+  o.world_size = world;
+  o.rendezvous_address = "127.0.0.1:7000";
+  o.training.set_steps(steps);
+  return o;
+}
+
+// Communicators of one in-process group, handed out by rank.
+struct Group {
+  explicit Group(int n) : comms(NewInProcessGroup(n)) {}
+  std::vector<std::unique_ptr<Communicator>> comms;
+  absl::Mutex mu;
+};
+
+ExecutorCoreOptions Options(Group* group) {
+  ExecutorCoreOptions o;
+  o.device_id = "node0/cpu0";
+  o.planner_address = "127.0.0.1:7000";
+  o.make_store = [](const LoadOptions&) { return NewFileStore(::testing::TempDir()); };
+  o.connect = [group](const GlooOptions& go,
+                      RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    if (group == nullptr) return absl::InternalError("no group");
+    absl::MutexLock l(&group->mu);
+    if (group->comms[go.rank] == nullptr) {
+      return absl::FailedPreconditionError("communicator already taken");
+    }
+    return std::move(group->comms[go.rank]);
+  };
+  return o;
+}
+
+// Loads `plan` on two in-process ranks and trains `steps`; the child of a
+// death test exits 0 when LoadPlan refuses the plan, 2 when it trains to
+// an end without crashing (the bug is then not reproduced, but the plan
+// should have been refused), and crashes otherwise.
+[[noreturn]] void LoadAndTrainInChild(const v1::Plan& plan, int64_t steps) {
+  Group group(2);
+  ExecutorCore a(Options(&group)), b(Options(&group));
+  for (int r = 0; r < 2; ++r) {
+    LoadOptions o = Load(2, r, steps);
+    o.plan = plan;
+    auto h = (r == 0 ? a : b).LoadPlan(o);
+    if (!h.ok()) {
+      std::fprintf(stderr, "LoadPlan refused the plan: %s\n", h.status().ToString().c_str());
+      std::_Exit(0);
+    }
+  }
+  if (!a.Start("").ok() || !b.Start("").ok()) std::_Exit(3);
+  a.WaitUntilDone(absl::Now() + absl::Seconds(10));
+  b.WaitUntilDone(absl::Now() + absl::Seconds(10));
+  std::fprintf(stderr, "trained without crashing: %s\n", a.Status().error().c_str());
+  std::_Exit(2);
+}
+
+class ReviewDeathTest : public ::testing::Test {
+ protected:
+  void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
+};
+
+// 1. ExecutorServer::Start returning an error destroys the half-made
+// server, whose destructor calls Shutdown() on a null grpc::Server: a
+// bad --tls-ca-file or --listen crashes `hap-executor --serve` instead of
+// printing the error.
+TEST_F(ReviewDeathTest, ServerStartFailureReturnsAnError) {
+  EXPECT_EXIT(
+      {
+        ExecutorServerOptions o;
+        o.planner = "127.0.0.1:1";
+        o.security.tls_ca_file = ::testing::TempDir() + "/no-such-ca.pem";
+        auto s = ExecutorServer::Start(o);
+        std::fprintf(stderr, "Start: %s\n", s.status().ToString().c_str());
+        std::_Exit(s.ok() ? 1 : 0);
+      },
+      ::testing::ExitedWithCode(0), "Start: NOT_FOUND|Start: INVALID|Start: FAILED");
+}
+
+TEST_F(ReviewDeathTest, ServerStartOnABusyPortIsUnavailable) {
+  // A port held by another listener (a daemon still running).
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  EXPECT_EXIT(
+      {
+        ExecutorServerOptions o;
+        o.planner = "127.0.0.1:1";
+        o.listen = absl::StrCat("127.0.0.1:", port);
+        auto s = ExecutorServer::Start(o);
+        std::fprintf(stderr, "Start: %s\n", s.status().ToString().c_str());
+        std::_Exit(absl::IsUnavailable(s.status()) ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "Start: UNAVAILABLE");
+  close(fd);
+}
+
+// 2. ProgramRunner::Validate computes a buffer's bytes as n * dtype bytes
+// without an overflow check: a buffer of 2^62 floats is "0 bytes", lies
+// "inside" the arena, and training writes past the arena (crash).
+TEST_F(ReviewDeathTest, HugeBufferIsRefusedAtLoad) {
+  v1::Plan plan = Plan(2);
+  plan.clear_content_hash();
+  for (int r = 0; r < 2; ++r) {
+    v1::RankProgram* p = plan.mutable_rank_programs(r);
+    v1::Buffer* b = p->add_buffers();
+    b->set_id(p->buffers_size() - 1);
+    b->set_tensor("huge#state");
+    b->set_dtype(v1::FLOAT32);
+    b->set_role(v1::Buffer::OPTIMIZER_STATE);
+    b->add_shape(int64_t{1} << 62);
+    b->add_global_shape(int64_t{1} << 62);
+    b->add_offsets(0);
+    b->set_offset_bytes(0);
+  }
+  EXPECT_EXIT(LoadAndTrainInChild(plan, 2), ::testing::ExitedWithCode(0), "refused");
+}
+
+// 3. The loss buffer is only checked for its role: RunStep copies all of
+// its bytes into one float on the stack. A LOSS buffer of 16M floats
+// passes LoadPlan and smashes the training thread's stack.
+TEST_F(ReviewDeathTest, NonScalarLossBufferIsRefusedAtLoad) {
+  v1::Plan plan = Plan(2);
+  plan.clear_content_hash();
+  constexpr int64_t kElems = int64_t{1} << 24;
+  for (int r = 0; r < 2; ++r) {
+    v1::RankProgram* p = plan.mutable_rank_programs(r);
+    const int64_t at = (p->arena_bytes() + 63) / 64 * 64;
+    v1::Buffer* b = p->add_buffers();
+    b->set_id(p->buffers_size() - 1);
+    b->set_tensor("loss#big");
+    b->set_dtype(v1::FLOAT32);
+    b->set_role(v1::Buffer::LOSS);
+    b->add_shape(kElems);
+    b->add_global_shape(kElems);
+    b->add_offsets(0);
+    b->set_offset_bytes(at);
+    p->set_arena_bytes(at + kElems * 4);
+    p->set_loss_buffer(b->id());
+  }
+  EXPECT_EXIT(LoadAndTrainInChild(plan, 2), ::testing::ExitedWithCode(0), "refused");
+}
+
+// A communicator whose collectives block until `release`, then fail as a
+// lost peer does.
+class BlockingCommunicator : public Communicator {
+ public:
+  BlockingCommunicator(int rank, absl::Notification* entered, absl::Notification* release)
+      : rank_(rank), entered_(entered), release_(release) {}
+  int rank() const override { return rank_; }
+  int size() const override { return 2; }
+  absl::Status AllReduce(TensorView) override { return Hang(); }
+  absl::Status AllGather(TensorView, TensorView, absl::Span<const int64_t>,
+                         CommMethod) override {
+    return Hang();
+  }
+  absl::Status ReduceScatter(TensorView, TensorView, absl::Span<const int64_t>,
+                             CommMethod) override {
+    return Hang();
+  }
+  absl::Status AllToAll(TensorView, absl::Span<const int64_t>, TensorView,
+                        absl::Span<const int64_t>) override {
+    return Hang();
+  }
+  absl::Status Broadcast(TensorView, int) override { return Hang(); }
+  absl::Status Reduce(TensorView, TensorView, int) override { return Hang(); }
+  absl::Status Barrier() override { return Hang(); }
+
+ private:
+  absl::Status Hang() {
+    if (!entered_->HasBeenNotified()) entered_->Notify();
+    release_->WaitForNotification();
+    return absl::UnavailableError("connection closed by peer 1");
+  }
+  const int rank_;
+  absl::Notification* entered_;
+  absl::Notification* release_;
+};
+
+// 4. A step that fails by itself while a Stop is pending is reported as
+// "stopped by StopTraining": the real error (here a lost peer; equally a
+// final checkpoint that did not save) is swallowed.
+TEST(ExecutorDaemonReviewTest, AFailedStepIsNotReportedAsAStop) {
+  absl::Notification entered, release;
+  ExecutorCoreOptions options = Options(nullptr);
+  options.stop_wait = absl::Seconds(20);
+  options.connect = [&](const GlooOptions& go, RendezvousStore&)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::make_unique<BlockingCommunicator>(go.rank, &entered, &release);
+  };
+  ExecutorCore core(options);
+  ASSERT_THAT(core.LoadPlan(Load(2, 0, 100)), IsOk());
+  ASSERT_THAT(core.Start(""), IsOk());
+  entered.WaitForNotification();  // inside step 0's first collective
+  std::thread releaser([&] {
+    absl::SleepFor(absl::Milliseconds(500));  // Stop has asked by now
+    release.Notify();                          // the collective fails
+  });
+  auto stopped = core.Stop("");
+  releaser.join();
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(), HasSubstr("connection closed by peer 1"));
+}
+
+// 5. threads_per_rank has no upper bound: a huge value reaches the device
+// (BLAS/OpenMP thread counts).
+[[noreturn]] void TrainWithHugeThreadsInChild() {
+  Group group(2);
+  ExecutorCore a(Options(&group)), b(Options(&group));
+  for (int r = 0; r < 2; ++r) {
+    LoadOptions o = Load(2, r, 2);
+    o.training.set_threads_per_rank(2'000'000'000);
+    auto h = (r == 0 ? a : b).LoadPlan(o);
+    if (!h.ok()) {
+      std::fprintf(stderr, "refused: %s\n", h.status().ToString().c_str());
+      std::_Exit(0);
+    }
+  }
+  if (!a.Start("").ok() || !b.Start("").ok()) std::_Exit(3);
+  auto s = a.WaitUntilDone(absl::Now() + absl::Seconds(15));
+  b.WaitUntilDone(absl::Now() + absl::Seconds(15));
+  std::fprintf(stderr, "trained: %s %s\n", v1::ExecutorStatus::State_Name(s.state()).c_str(),
+               s.error().c_str());
+  std::_Exit(s.state() == v1::ExecutorStatus::FINISHED ? 0 : 4);
+}
+
+TEST_F(ReviewDeathTest, HugeThreadsPerRankIsRefusedOrHarmless) {
+  EXPECT_EXIT(TrainWithHugeThreadsInChild(), ::testing::ExitedWithCode(0), "trained: FINISHED|refused");
+}
+
+}  // namespace
+}  // namespace hap::executor
