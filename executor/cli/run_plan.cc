@@ -201,9 +201,9 @@ absl::Status Run(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(int64_t threads, Int(a, "threads", 1));
   HAP_ASSIGN_OR_RETURN(int64_t log_every, Int(a, "log-every", 1));
   HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
-  if (steps < 1 || threads < 1 || log_every < 1 || !(timeout > 0)) {
+  if (steps < 1 || threads < 1 || threads > 4096 || log_every < 1 || !(timeout > 0)) {
     return absl::InvalidArgumentError(
-        "--steps, --threads, --log-every and --timeout must be positive");
+        "--steps, --threads (at most 4096), --log-every and --timeout must be positive");
   }
   HAP_ASSIGN_OR_RETURN(v1::Plan plan, ReadPlan(a.Get("plan")));
   HAP_RETURN_IF_ERROR(lower::CheckPlanForRank(plan, static_cast<int>(rank),

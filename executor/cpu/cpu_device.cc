@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "executor/cpu/kernels.h"
@@ -23,6 +24,10 @@ class CpuDevice : public Device {
   std::string name() const override { return "cpu"; }
 
   absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    if (bytes < 0 || bytes > std::numeric_limits<int64_t>::max() - 63) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
+    }
     size_t size = static_cast<size_t>((bytes + 63) / 64 * 64);
     if (size == 0) size = 64;
     void* p = std::aligned_alloc(64, size);

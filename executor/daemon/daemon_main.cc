@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <iostream>
 #include <thread>
 
@@ -81,9 +82,10 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1));
   HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60));
   HAP_ASSIGN_OR_RETURN(double drain, Number(a, "drain-seconds", 1));
-  if (threads < 1 || threads != static_cast<int>(threads) || !(timeout > 0) || drain < 0) {
+  if (!(threads >= 1 && threads <= 4096) || threads != std::floor(threads) || !(timeout > 0) ||
+      drain < 0) {
     return absl::InvalidArgumentError(
-        "--threads must be a positive integer, --timeout positive and --drain-seconds "
+        "--threads must be an integer in [1, 4096], --timeout positive and --drain-seconds "
         "not negative");
   }
   o.core.threads = static_cast<int>(threads);
