@@ -77,7 +77,7 @@ struct Agent::Impl : public ProfileSource {
   std::vector<std::unique_ptr<DeviceProber>> probers;
   std::unique_ptr<AgentServer> server;
   std::string address;
-  std::thread heartbeat_thread, link_thread;
+  std::thread heartbeat_thread, link_thread, probe_thread;
   std::atomic<bool> shut_down{false};
 
   // One probe or link measurement at a time: they would disturb each other.
@@ -86,6 +86,9 @@ struct Agent::Impl : public ProfileSource {
   absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   bool registered ABSL_GUARDED_BY(mu) = false;
+  // A re-probe the planner or a drift asked for, run by probe_thread so
+  // that heartbeats go on while it measures.
+  bool probe_wanted ABSL_GUARDED_BY(mu) = false;
   std::optional<v1::ProbeResponse> profile ABSL_GUARDED_BY(mu);
   std::vector<double> quick_baseline ABSL_GUARDED_BY(mu);
   // Profiles probed and profiles the planner has: devices are pending while
@@ -314,7 +317,8 @@ struct Agent::Impl : public ProfileSource {
     }
     if (resp.reprobe()) {
       Log("the planner asked for a new probe");
-      if (absl::Status p = ProbeDevices(absl::ZeroDuration()); !p.ok()) Log(p.ToString());
+      absl::MutexLock l(&mu);
+      probe_wanted = true;
     }
   }
 
@@ -361,9 +365,8 @@ struct Agent::Impl : public ProfileSource {
         continue;
       }
       if (o.drift > 0 && absl::Now() >= next_drift) {
-        if (Drifted()) {
-          if (absl::Status p = ProbeDevices(absl::ZeroDuration()); !p.ok()) Log(p.ToString());
-        }
+        absl::MutexLock l(&mu);
+        drift_check_wanted = true;
         next_drift = absl::Now() + o.drift_check_interval;
       }
       if (absl::Now() >= next_heartbeat) {
@@ -464,6 +467,24 @@ struct Agent::Impl : public ProfileSource {
     return links;
   }
 
+  bool drift_check_wanted ABSL_GUARDED_BY(mu) = false;
+  bool ProbeWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return stopping || probe_wanted || drift_check_wanted;
+  }
+  // Re-probes and drift checks, off the heartbeat thread.
+  void RunProbes() {
+    while (true) {
+      mu.LockWhen(absl::Condition(this, &Impl::ProbeWork));
+      const bool stop = stopping, probe = probe_wanted, check = drift_check_wanted;
+      probe_wanted = drift_check_wanted = false;
+      mu.Unlock();
+      if (stop) break;
+      if (probe || (check && Drifted())) {
+        if (absl::Status p = ProbeDevices(absl::ZeroDuration()); !p.ok()) Log(p.ToString());
+      }
+    }
+  }
+
   bool StoppingOrRegistered() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return stopping || registered;
   }
@@ -523,6 +544,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
   if (absl::Status s = impl.ProbeDevices(absl::ZeroDuration()); !s.ok()) Log(s.ToString());
   impl.heartbeat_thread = std::thread([&impl] { impl.RunHeartbeats(); });
   impl.link_thread = std::thread([&impl] { impl.RunLinkProbes(); });
+  impl.probe_thread = std::thread([&impl] { impl.RunProbes(); });
   return agent;
 }
 
@@ -541,6 +563,7 @@ void Agent::Shutdown(absl::Duration deadline) {
   }
   if (impl_->heartbeat_thread.joinable()) impl_->heartbeat_thread.join();
   if (impl_->link_thread.joinable()) impl_->link_thread.join();
+  if (impl_->probe_thread.joinable()) impl_->probe_thread.join();
   // No server when Start failed before it was up.
   if (impl_->server) impl_->server->Shutdown(deadline);
 }

@@ -297,7 +297,7 @@ TEST_F(PlannerServiceTest, HostileProfilesOptionsAndRendezvousCallsAreRefused) {
   s = stub->Heartbeat(Ctx().get(), hb, &hr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(),
-              HasSubstr("FLOAT32 FLOP/s must be a finite number >= 0, got nan"));
+              HasSubstr("FLOAT32 FLOP/s must be a finite number >= 1e+06, got nan"));
   // Options out of range.
   v1::CreatePlanRequest nan_lr = Mlp();
   nan_lr.mutable_options()->mutable_optimizer()->set_learning_rate(std::nan(""));

@@ -32,9 +32,12 @@ void PlannerCore::RefreshLiveness() {
 
 void PlannerCore::RefreshLivenessLocked() {
   absl::Time now = o_.now();
+  // The clock stepped back: what lies in the future counts from now.
+  if (s_->started > now) s_->started = now;
   absl::Duration limit = o_.heartbeat_interval * o_.missed_heartbeats;
   std::vector<std::string> expired;
   for (auto& [name, n] : s_->nodes) {
+    if (FromProto(n.last_heartbeat()) > now) *n.mutable_last_heartbeat() = ToProto(now);
     absl::Duration silent = now - std::max(FromProto(n.last_heartbeat()), s_->started);
     // Derived from last_heartbeat, which every heartbeat saves; a restart
     // derives it again, so reads do not write it. Time the planner was
@@ -151,6 +154,12 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
   }
   std::set<std::string> ids;
   HAP_RETURN_IF_ERROR(ValidateDevices(in.name(), in.devices(), &ids));
+  for (const auto& [key, value] : in.labels()) {
+    if (key.rfind("hap.executor/", 0) == 0 && !ids.count(key.substr(13))) {
+      return absl::InvalidArgumentError(absl::StrCat("node '", in.name(), "': label '", key,
+                                                     "' names a device the node does not report"));
+    }
+  }
   v1::Node node = in;
   for (v1::Device& d : *node.mutable_devices()) d.set_node(node.name());
   absl::MutexLock l(&s_->mu);

@@ -55,6 +55,11 @@ absl::Status ValidateDevices(const std::string& node,
   if (devices.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("node '", node, "' reports no devices"));
   }
+  if (devices.size() > kMaxDevicesPerNode) {
+    return absl::InvalidArgumentError(absl::StrCat("node '", node, "' reports ", devices.size(),
+                                                   " devices; at most ", kMaxDevicesPerNode,
+                                                   " are taken per node"));
+  }
   for (const v1::Device& d : devices) {
     if (d.id().empty() || !ids->insert(d.id()).second) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -63,9 +68,9 @@ absl::Status ValidateDevices(const std::string& node,
     const std::string dev = absl::StrCat("device '", d.id(), "': ");
     double f32 = 0;
     for (const auto& t : d.flops()) {
-      HAP_RETURN_IF_ERROR(CheckRange(
-          absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"), t.flops(), 0, kInf,
-          "a finite number >= 0"));
+      HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"),
+                                     t.flops(), kMinFlops, kInf,
+                                     absl::StrCat("a finite number >= ", kMinFlops)));
       if (t.dtype() == v1::FLOAT32) f32 = t.flops();
     }
     if (!(f32 > 0)) {
@@ -86,6 +91,11 @@ absl::Status ValidateDevices(const std::string& node,
     for (const auto& [field, v] : non_negative) {
       HAP_RETURN_IF_ERROR(
           CheckRange(absl::StrCat(dev, field), v, 0, kInf, "a finite number >= 0"));
+    }
+    if (!(std::isfinite(d.overlap_efficiency()) && d.overlap_efficiency() >= 0 &&
+          d.overlap_efficiency() <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dev, "overlap_efficiency must be in [0, 1] (0 = unset), got ", d.overlap_efficiency()));
     }
     for (const auto& [op, scale] : d.op_time_scale()) {
       if (!(std::isfinite(scale) && scale > 0)) {

@@ -17,6 +17,11 @@
 namespace hap::service {
 
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
+// Every FLOP/s entry a node reports is at least this (a real device does
+// 1e8 and more; a denormal one makes the cost model's times infinite).
+inline constexpr double kMinFlops = 1e6;
+// Devices one node may report (each plan's cost model is n x n).
+inline constexpr int kMaxDevicesPerNode = 1024;
 
 // A resource id: 1-63 lower-case letters, digits and '-'.
 bool ValidId(const std::string& id);

@@ -1,0 +1,149 @@
+// What agents report (registrations, heartbeats, link
+// reports) as untrusted input. A report the planner accepts must never make
+// later plans fail or come out non-finite.
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/service/core/planner_core.h"
+#include "planner/service/core/planner_core_test_util.h"
+
+namespace hap::service {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::testing::HasSubstr;
+using testing_internal::MakeNode;
+using testing_internal::MlpRequest;
+using testing_internal::PlannerCoreTest;
+
+// Every number a plan predicts is finite.
+void ExpectFinitePlan(const v1::Plan& p) {
+  EXPECT_TRUE(std::isfinite(p.prediction().step_seconds())) << p.prediction().DebugString();
+  EXPECT_TRUE(std::isfinite(p.prediction().compute_seconds())) << p.prediction().DebugString();
+  EXPECT_TRUE(std::isfinite(p.prediction().communication_seconds()))
+      << p.prediction().DebugString();
+  for (const auto& s : p.ratios()) {
+    for (double r : s.ratios()) EXPECT_TRUE(std::isfinite(r)) << s.DebugString();
+  }
+}
+
+// After a registration the planner accepted, a default plan (every live
+// device) still succeeds with finite predictions.
+void ExpectPlansStillWork(PlannerCore* core, absl::Time deadline, bool bf16 = false) {
+  v1::CreatePlanRequest r = MlpRequest();
+  if (bf16) r.mutable_options()->set_precision(v1::PRECISION_BF16);
+  auto p = core->CreatePlan(r, deadline);
+  ASSERT_TRUE(p.ok()) << "an accepted report poisons every plan: " << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  ExpectFinitePlan(*p);
+}
+
+TEST_F(PlannerCoreTest, OverlapEfficiencyOutsideZeroOneIsRefusedOrHarmless) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (double bad : {std::nan(""), 2.0, -1.0, std::numeric_limits<double>::infinity()}) {
+    v1::Node b = MakeNode("b", 1, 1e12);
+    b.mutable_devices(0)->set_overlap_efficiency(bad);
+    absl::Status s = core_->RegisterNode(b).status();
+    if (s.ok()) {
+      ExpectPlansStillWork(core_.get(), Deadline());
+      ASSERT_TRUE(core_->DeleteNode("b").ok());
+    } else {
+      EXPECT_THAT(s.message(), HasSubstr("overlap_efficiency")) << bad;
+    }
+  }
+}
+
+TEST_F(PlannerCoreTest, OverlapEfficiencyInAHeartbeatIsRefusedOrHarmless) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/b");
+  *hb.mutable_devices() = MakeNode("b", 1, 1e12).devices();
+  hb.mutable_devices(0)->set_overlap_efficiency(std::nan(""));
+  if (core_->Heartbeat(hb).ok()) ExpectPlansStillWork(core_.get(), Deadline());
+}
+
+TEST_F(PlannerCoreTest, ZeroBf16FlopsIsRefusedOrHarmless) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ExpectPlansStillWork(core_.get(), Deadline(), /*bf16=*/true);
+  v1::Node b = MakeNode("b", 1, 1e12);
+  auto* f = b.mutable_devices(0)->add_flops();
+  f->set_dtype(v1::BFLOAT16);
+  f->set_flops(0);
+  if (core_->RegisterNode(b).ok()) ExpectPlansStillWork(core_.get(), Deadline(), /*bf16=*/true);
+}
+
+TEST_F(PlannerCoreTest, TinyPositiveFlopsIsRefusedOrHarmless) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::Node b = MakeNode("b", 1, std::numeric_limits<double>::denorm_min());
+  if (core_->RegisterNode(b).ok()) ExpectPlansStillWork(core_.get(), Deadline());
+}
+
+TEST_F(PlannerCoreTest, TinyBandwidthOrHugeLatencyIsRefusedOrHarmless) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::Link l;
+  l.set_src("a/cpu0");
+  l.set_dst("a/cpu1");
+  l.set_bandwidth_bytes_per_second(std::numeric_limits<double>::denorm_min());
+  l.set_latency_seconds(1e-5);
+  if (core_->ReportLinks("a", {l}).ok()) ExpectPlansStillWork(core_.get(), Deadline());
+  l.set_bandwidth_bytes_per_second(1e9);
+  l.set_latency_seconds(1e300);
+  if (core_->ReportLinks("a", {l}).ok()) ExpectPlansStillWork(core_.get(), Deadline());
+}
+
+TEST_F(PlannerCoreTest, ANodeWithThousandsOfDevicesIsRefused) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::Node many = MakeNode("b", 20000, 1e12);
+  EXPECT_THAT(core_->RegisterNode(many).status(),
+              hap::testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("devices")));
+}
+
+// Executors are found by the label "hap.executor/<device id>" of any node
+// (deployment_manager.cc AssignRanks merges every node's labels, the last
+// node by name winning): a node must not label another node's device.
+TEST_F(PlannerCoreTest, ANodeCannotLabelTheExecutorOfAnotherNodesDevice) {
+  v1::Node a = MakeNode("a", 1, 2e12);
+  (*a.mutable_labels())["hap.executor/a/cpu0"] = "10.0.0.1:7000";
+  ASSERT_TRUE(core_->RegisterNode(a).ok());
+  v1::Node z = MakeNode("z", 1, 1e12);
+  (*z.mutable_labels())["hap.executor/a/cpu0"] = "10.0.0.26:7000";
+  absl::Status s = core_->RegisterNode(z).status();
+  EXPECT_FALSE(s.ok()) << "z now routes a/cpu0's rank to its own address";
+  if (s.ok()) {
+    std::map<std::string, std::string> labelled;  // as AssignRanks builds it
+    const v1::Cluster cluster = core_->GetCluster(false);
+    for (const auto& n : cluster.nodes()) {
+      for (const auto& [k, v] : n.labels()) labelled[k] = v;
+    }
+    EXPECT_EQ(labelled["hap.executor/a/cpu0"], "10.0.0.1:7000");
+  }
+}
+
+// The planner's wall clock stepping back (NTP step, a restart on a host
+// whose clock is behind) must not keep a silent node READY until the
+// clock catches up with its last heartbeat.
+TEST_F(PlannerCoreTest, ANodeGoesStaleAfterThePlannersClockStepsBack) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  clock_.Advance(absl::Hours(-1));
+  EXPECT_EQ(core_->GetCluster(false).nodes_size(), 2);
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  for (int i = 0; i < 6; ++i) {  // 30 s: a heartbeats, b is silent (limit 15 s)
+    clock_.Advance(absl::Seconds(5));
+    ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  }
+  v1::Cluster live = core_->GetCluster(false);
+  ASSERT_EQ(live.nodes_size(), 1) << "b has been silent for 30 s and is still READY";
+  EXPECT_EQ(live.nodes(0).name(), "a");
+}
+
+}  // namespace
+}  // namespace hap::service
