@@ -253,14 +253,22 @@ absl::Status PlannerCore::ReportLinks(const std::string& node, const std::vector
   if (it == s_->nodes.end()) {
     return absl::NotFoundError(absl::StrCat("node '", name, "' is not registered"));
   }
-  std::set<std::string> known;
+  std::set<std::string> known, own;
   for (const auto& [n, node_msg] : s_->nodes) {
     for (const auto& d : node_msg.devices()) known.insert(d.id());
   }
+  for (const auto& d : it->second.devices()) own.insert(d.id());
   for (const v1::Link& l : links) {
     if (!known.count(l.src()) || !known.count(l.dst())) {
       return absl::NotFoundError(absl::StrCat("link ", l.src(), " -> ", l.dst(),
                                               " names a device no node has registered"));
+    }
+    // A node measures links from its own devices; it may not overwrite
+    // another node's measurements.
+    if (!own.count(l.src())) {
+      return absl::InvalidArgumentError(absl::StrCat("node '", name, "' reports link ", l.src(),
+                                                     " -> ", l.dst(),
+                                                     " from a device it does not have"));
     }
     const std::string link = absl::StrCat("link ", l.src(), " -> ", l.dst(), ": ");
     if (!(std::isfinite(l.bandwidth_bytes_per_second()) && l.bandwidth_bytes_per_second() > 0)) {

@@ -337,6 +337,13 @@ TEST_F(PlannerCoreTest, MeasurementsThatAreNotFiniteNumbersAreRefusedAtRegistrat
   EXPECT_EQ(core_->GetCluster(false).links_size(), 0);
   ASSERT_TRUE(core_->ReportLinks("nodes/a", link(1e9, 1e-5)).ok());
   EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
+  // A node reports links from its own devices only: b cannot overwrite a's.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 2e12)).ok());
+  EXPECT_THAT(core_->ReportLinks("nodes/b", link(1, 1)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("node 'b' reports link a/cpu0 -> a/cpu1 from a device it does "
+                                 "not have")));
+  EXPECT_DOUBLE_EQ(core_->GetCluster(false).links(0).bandwidth_bytes_per_second(), 1e9);
 }
 
 // A database written before registrations were checked may hold nodes
