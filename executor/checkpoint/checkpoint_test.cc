@@ -9,13 +9,17 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "common/status_matchers.h"
+#include "executor/checkpoint/file_util.h"
+#include "executor/checkpoint/safetensors.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
@@ -647,6 +651,163 @@ TEST(CheckpointTest, ResumingWithOtherDataSettingsIsRefusedNamingBoth) {
   run.set_global_batch(8);
   run.set_shuffle(true);
   EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+}
+
+// --- guarantees a review found broken (each of these failed before its fix) ---
+
+// Trains `steps` steps (from `first_step`, resuming from `resume` when
+// given), saving as `policy` says.
+absl::Status TrainAndSaveFrom(const graph::Graph& g, const std::vector<v1::RankProgram>& programs,
+                              CheckpointPolicy policy, int64_t first_step, int64_t steps,
+                              const std::string& resume = "") {
+  v1::TrainerState trainer;
+  trainer.set_seed(5);
+  trainer.set_global_batch(9);
+  TrainOptions to;
+  to.first_step = first_step;
+  to.steps = steps;
+  if (!resume.empty()) {
+    auto reader = CheckpointReader::Open(resume);
+    if (!reader.ok()) return reader.status();
+    to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  }
+  to.after_step = SaveHook(policy, &programs, trainer);
+  return Train(g, programs, to).status();
+}
+
+// 1. FindCheckpoint / --resume DIR: a checkpoint directory whose own name
+// looks like a step directory ("step-7", e.g. an experiment named after a
+// sweep step) is taken for a step directory and refused, although it holds
+// a complete checkpoint.
+TEST(CheckpointTest, ResumeFromADirectoryNamedLikeAStep) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 1, "single");
+  const std::string dir = Fresh("step-7");
+  ASSERT_TRUE(TrainAndSaveFrom(g, programs, {dir, 1, 3, 2}, 0, 2).ok());
+  ASSERT_TRUE(fs::exists(dir + "/step-00000002/COMMITTED"));
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000002");
+}
+
+// 2. Retention: resuming from an older step of a directory that holds newer
+// checkpoints (README: "--resume DIR/step-N") must not delete what it has
+// just committed (and reported as saved).
+TEST(CheckpointTest, RetentionNeverDeletesTheCheckpointJustCommitted) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 1, "single");
+  const std::string dir = Fresh("rollback");
+  // First run: steps 2 and 4.
+  ASSERT_TRUE(TrainAndSaveFrom(g, programs, {dir, 2, 3, 4}, 0, 4).ok());
+  // Roll back to step 2 and train one step, keeping 1 checkpoint.
+  const absl::Status resumed =
+      TrainAndSaveFrom(g, programs, {dir, 1, 1, 3}, 2, 1, dir + "/step-00000002");
+  EXPECT_TRUE(resumed.ok()) << resumed;
+  EXPECT_TRUE(fs::exists(dir + "/step-00000003/COMMITTED"))
+      << "the checkpoint of step 3 (committed, then removed by retention) is gone; left: " << [&] {
+           std::string s;
+           for (const auto& e : fs::directory_iterator(dir)) {
+             s += e.path().filename().string() + " ";
+           }
+           return s;
+         }();
+}
+
+// 3. checkpoint.h: "Every rank returns an error when the checkpoint did not
+// commit". Saving a step that is committed already fails on rank 0
+// (AlreadyExists) but rank 1 reports success.
+TEST(CheckpointTest, EveryRankFailsWhenTheCheckpointDidNotCommit) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");
+  const std::string dir = Fresh("all_ranks_fail");
+  for (const auto& r : SaveOnEveryRank(programs, dir, 1)) ASSERT_TRUE(r.ok()) << r.status();
+  auto again = SaveOnEveryRank(programs, dir, 1);
+  EXPECT_THAT(again[0].status(), StatusIs(absl::StatusCode::kAlreadyExists, ::testing::_));
+  EXPECT_FALSE(again[1].ok()) << "rank 1 says the checkpoint " << *again[1]
+                              << " was saved, rank 0 says: " << again[0].status();
+}
+
+// 4. safetensors.h: "SafetensorsFile reads any conforming file" and
+// "Standard readers open what WriteSafetensors writes". Zero-element
+// tensors share their offset with the next tensor; the reader orders
+// entries of equal begin by the address of their name, not by their end,
+// and refuses the file that our own writer wrote.
+TEST(CheckpointTest, ZeroSizeTensorsRoundTrip) {
+  HostTensor a(DType::kFloat32, {2});
+  HostTensor z(DType::kFloat32, {2});
+  std::vector<HostTensor> empties;
+  for (int i = 0; i < 20; ++i) empties.emplace_back(DType::kFloat32, Shape{0, 3});
+  std::vector<SafetensorsEntry> entries = {{"a", a.view()}, {"z", z.view()}};
+  for (int i = 0; i < 20; ++i) {
+    entries.push_back({absl::StrCat("m", i / 10, i % 10), empties[i].view()});
+  }
+  const std::string path = Fresh("zero_size.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, entries).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->tensors().size(), 22u);
+}
+
+// 5. README: a corrupted index is refused. An index whose slices of a
+// tensor overlap (and so leave part of it uncovered) is accepted, and the
+// read "succeeds" leaving the uncovered elements as they were: the
+// coverage check counts copied elements, twice where slices overlap.
+TEST(CheckpointTest, AnIndexWithOverlappingSlicesIsRefused) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("overlap");
+  ASSERT_TRUE(TrainAndSaveFrom(g, Programs(g, 2, "tp"), {dir, 1, 3, 1}, 0, 1).ok());
+  const std::string index_path = dir + "/step-00000001/index.json";
+  auto text = ReadFile(index_path);
+  ASSERT_TRUE(text.ok());
+  v1::CheckpointIndex index;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(*text, &index).ok());
+  std::string damaged;
+  Shape shape;
+  for (auto& t : *index.mutable_tensors()) {
+    if (t.slices_size() != 2 || t.optimizer_state()) continue;
+    // The second slice claims the first slice's place.
+    *t.mutable_slices(1)->mutable_offsets() = t.slices(0).offsets();
+    damaged = t.name();
+    shape.assign(t.shape().begin(), t.shape().end());
+    break;
+  }
+  ASSERT_FALSE(damaged.empty()) << "no tensor with two slices";
+  std::string json;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(index, &json).ok());
+  ASSERT_TRUE(WriteFileSynced(index_path, json).ok());
+
+  int64_t untouched = 0;
+  const absl::Status status = [&]() -> absl::Status {
+    auto reader = CheckpointReader::Open(dir);
+    if (!reader.ok()) return reader.status();
+    HostTensor whole(DType::kFloat32, shape);
+    for (int64_t i = 0; i < whole.num_elements(); ++i) whole.as<float>()[i] = -12345.0f;
+    const std::vector<int64_t> zero(shape.size(), 0);
+    HAP_RETURN_IF_ERROR((*reader)->Read(damaged, shape, zero, whole.view()));
+    for (int64_t i = 0; i < whole.num_elements(); ++i)
+      untouched += whole.as<float>()[i] == -12345.0f;
+    return absl::OkStatus();
+  }();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDataLoss, ::testing::_))
+      << "tensor " << damaged << ": the read left " << untouched << " elements unwritten";
+}
+
+// 6. README: resume is "refused before step 1 ... optimizer state of
+// another optimizer". A checkpoint with SGD momentum resumed by a plan
+// without momentum silently drops the momentum.
+TEST(CheckpointTest, OptimizerStateOfAnotherOptimizerIsRefusedBothWays) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("momentum_dropped");
+  ASSERT_TRUE(
+      TrainAndSaveFrom(g, Programs(g, 1, "single", /*momentum=*/true), {dir, 1, 3, 1}, 0, 1).ok());
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  TrainOptions to;
+  to.first_step = 1;
+  to.steps = 1;
+  to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  EXPECT_THAT(Train(g, Programs(g, 1, "single", /*momentum=*/false), to).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("#momentum")));
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
+#include "executor/daemon/core_test_util.h"
 #include "executor/daemon/test_plans.h"
 #include "executor/train/in_process_comm.h"
 #include "gmock/gmock.h"
@@ -31,58 +32,12 @@ using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
 
-const v1::Plan& Plan(int world) {
-  static auto* plans = new std::map<int, v1::Plan>;
-  static absl::Mutex mu;
-  absl::MutexLock l(&mu);
-  auto it = plans->find(world);
-  if (it == plans->end()) {
-    auto p = testing::MakeMlpPlan(world);
-    EXPECT_THAT(p, IsOk());
-    it = plans->emplace(world, p.ok() ? *p : v1::Plan()).first;
-  }
-  return it->second;
-}
-
+using Group = testing::InProcessGroup;
+const v1::Plan& Plan(int world) { return testing::CachedMlpPlan(world); }
 LoadOptions Load(int world, int rank, int64_t steps) {
-  LoadOptions o;
-  o.plan = Plan(world);
-  o.deployment = "deployments/d1";
-  o.generation = 1;
-  o.rank = rank;
-  o.world_size = world;
-  o.rendezvous_address = "127.0.0.1:7000";
-  o.training.set_steps(steps);
-  return o;
+  return testing::MlpLoad(world, rank, steps);
 }
-
-// Communicators of one in-process group, handed out by rank.
-struct Group {
-  explicit Group(int n) : comms(NewInProcessGroup(n)) {}
-  std::vector<std::unique_ptr<Communicator>> comms;
-  absl::Mutex mu;
-};
-
-ExecutorCoreOptions Options(Group* group) {
-  ExecutorCoreOptions o;
-  o.device_id = "node0/cpu0";
-  o.planner_address = "127.0.0.1:7000";
-  o.make_store = [](const LoadOptions&) {
-    return NewFileStore(::testing::TempDir());  // unused by the in-process group
-  };
-  o.connect = [group](const GlooOptions& go, RendezvousStore&)
-      -> absl::StatusOr<std::unique_ptr<Communicator>> {
-    absl::MutexLock l(&group->mu);
-    if (go.prefix != "deployments/d1/1") {
-      return absl::InternalError("unexpected prefix " + go.prefix);
-    }
-    if (group->comms[go.rank] == nullptr) {
-      return absl::FailedPreconditionError("communicator already taken");
-    }
-    return std::move(group->comms[go.rank]);
-  };
-  return o;
-}
+ExecutorCoreOptions Options(Group* group) { return testing::InProcessOptions(group); }
 
 // Plans need two ranks at least: `a` is rank 0, `b` rank 1.
 TEST(ExecutorCoreTest, MovesThroughItsStates) {
@@ -217,41 +172,7 @@ TEST(ExecutorCoreTest, StopCancelsBetweenStepsAndThePeerTimesOut) {
   EXPECT_THAT(peer.error(), HasSubstr("peer"));
 }
 
-// A communicator whose peer never answers: every collective blocks until
-// `release` is notified, then fails as a vanished peer does.
-class HungPeerCommunicator : public Communicator {
- public:
-  HungPeerCommunicator(int rank, absl::Notification* entered, absl::Notification* release)
-      : rank_(rank), entered_(entered), release_(release) {}
-  int rank() const override { return rank_; }
-  int size() const override { return 2; }
-  absl::Status AllReduce(TensorView) override { return Hang(); }
-  absl::Status AllGather(TensorView, TensorView, absl::Span<const int64_t>,
-                         CommMethod) override {
-    return Hang();
-  }
-  absl::Status ReduceScatter(TensorView, TensorView, absl::Span<const int64_t>,
-                             CommMethod) override {
-    return Hang();
-  }
-  absl::Status AllToAll(TensorView, absl::Span<const int64_t>, TensorView,
-                        absl::Span<const int64_t>) override {
-    return Hang();
-  }
-  absl::Status Broadcast(TensorView, int) override { return Hang(); }
-  absl::Status Reduce(TensorView, TensorView, int) override { return Hang(); }
-  absl::Status Barrier() override { return Hang(); }
-
- private:
-  absl::Status Hang() {
-    if (!entered_->HasBeenNotified()) entered_->Notify();
-    release_->WaitForNotification();
-    return absl::UnavailableError("connection closed by peer 1");
-  }
-  const int rank_;
-  absl::Notification* entered_;
-  absl::Notification* release_;
-};
+using testing::HungPeerCommunicator;
 
 // A rank whose peer froze sits in a collective that only the communicator
 // timeout ends. Stop does not wait for that: the rank is FAILED at once,

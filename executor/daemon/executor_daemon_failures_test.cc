@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
+#include "executor/daemon/core_test_util.h"
 #include "executor/daemon/executor_core.h"
 #include "executor/daemon/executor_server.h"
 #include "executor/daemon/test_plans.h"
@@ -33,54 +34,12 @@ using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
 
-const v1::Plan& Plan(int world) {
-  static auto* plans = new std::map<int, v1::Plan>;
-  static absl::Mutex mu;
-  absl::MutexLock l(&mu);
-  auto it = plans->find(world);
-  if (it == plans->end()) {
-    auto p = testing::MakeMlpPlan(world);
-    EXPECT_THAT(p, IsOk());
-    it = plans->emplace(world, p.ok() ? *p : v1::Plan()).first;
-  }
-  return it->second;
-}
-
+using Group = testing::InProcessGroup;
+const v1::Plan& Plan(int world) { return testing::CachedMlpPlan(world); }
 LoadOptions Load(int world, int rank, int64_t steps) {
-  LoadOptions o;
-  o.plan = Plan(world);
-  o.deployment = "deployments/review";
-  o.generation = 1;
-  o.rank = rank;
-  o.world_size = world;
-  o.rendezvous_address = "127.0.0.1:7000";
-  o.training.set_steps(steps);
-  return o;
+  return testing::MlpLoad(world, rank, steps);
 }
-
-// Communicators of one in-process group, handed out by rank.
-struct Group {
-  explicit Group(int n) : comms(NewInProcessGroup(n)) {}
-  std::vector<std::unique_ptr<Communicator>> comms;
-  absl::Mutex mu;
-};
-
-ExecutorCoreOptions Options(Group* group) {
-  ExecutorCoreOptions o;
-  o.device_id = "node0/cpu0";
-  o.planner_address = "127.0.0.1:7000";
-  o.make_store = [](const LoadOptions&) { return NewFileStore(::testing::TempDir()); };
-  o.connect = [group](const GlooOptions& go,
-                      RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
-    if (group == nullptr) return absl::InternalError("no group");
-    absl::MutexLock l(&group->mu);
-    if (group->comms[go.rank] == nullptr) {
-      return absl::FailedPreconditionError("communicator already taken");
-    }
-    return std::move(group->comms[go.rank]);
-  };
-  return o;
-}
+ExecutorCoreOptions Options(Group* group) { return testing::InProcessOptions(group); }
 
 // Loads `plan` on two in-process ranks and trains `steps`; the child of a
 // death test exits 0 when LoadPlan refuses the plan, 2 when it trains to
@@ -199,52 +158,18 @@ TEST_F(ReviewDeathTest, NonScalarLossBufferIsRefusedAtLoad) {
   EXPECT_EXIT(LoadAndTrainInChild(plan, 2), ::testing::ExitedWithCode(0), "refused");
 }
 
-// A communicator whose collectives block until `release`, then fail as a
-// lost peer does.
-class BlockingCommunicator : public Communicator {
- public:
-  BlockingCommunicator(int rank, absl::Notification* entered, absl::Notification* release)
-      : rank_(rank), entered_(entered), release_(release) {}
-  int rank() const override { return rank_; }
-  int size() const override { return 2; }
-  absl::Status AllReduce(TensorView) override { return Hang(); }
-  absl::Status AllGather(TensorView, TensorView, absl::Span<const int64_t>,
-                         CommMethod) override {
-    return Hang();
-  }
-  absl::Status ReduceScatter(TensorView, TensorView, absl::Span<const int64_t>,
-                             CommMethod) override {
-    return Hang();
-  }
-  absl::Status AllToAll(TensorView, absl::Span<const int64_t>, TensorView,
-                        absl::Span<const int64_t>) override {
-    return Hang();
-  }
-  absl::Status Broadcast(TensorView, int) override { return Hang(); }
-  absl::Status Reduce(TensorView, TensorView, int) override { return Hang(); }
-  absl::Status Barrier() override { return Hang(); }
-
- private:
-  absl::Status Hang() {
-    if (!entered_->HasBeenNotified()) entered_->Notify();
-    release_->WaitForNotification();
-    return absl::UnavailableError("connection closed by peer 1");
-  }
-  const int rank_;
-  absl::Notification* entered_;
-  absl::Notification* release_;
-};
+using testing::HungPeerCommunicator;
 
 // 4. A step that fails by itself while a Stop is pending is reported as
 // "stopped by StopTraining": the real error (here a lost peer; equally a
 // final checkpoint that did not save) is swallowed.
-TEST(ExecutorDaemonReviewTest, AFailedStepIsNotReportedAsAStop) {
+TEST(ExecutorDaemonFailuresTest, AFailedStepIsNotReportedAsAStop) {
   absl::Notification entered, release;
   ExecutorCoreOptions options = Options(nullptr);
   options.stop_wait = absl::Seconds(20);
-  options.connect = [&](const GlooOptions& go, RendezvousStore&)
-      -> absl::StatusOr<std::unique_ptr<Communicator>> {
-    return std::make_unique<BlockingCommunicator>(go.rank, &entered, &release);
+  options.connect = [&](const GlooOptions& go,
+                        RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::make_unique<HungPeerCommunicator>(go.rank, &entered, &release);
   };
   ExecutorCore core(options);
   ASSERT_THAT(core.LoadPlan(Load(2, 0, 100)), IsOk());
