@@ -86,7 +86,7 @@ class SlowProber : public DeviceProber {
   }
 };
 
-TEST(AgentReviewTest, OneSlowReprobeDoesNotMakeTheNodeStaleAndReprobeForever) {
+TEST(AgentReprobeTest, OneSlowReprobeDoesNotMakeTheNodeStaleAndReprobeForever) {
   service::PlannerCoreOptions po;
   po.heartbeat_interval = absl::Milliseconds(100);
   po.missed_heartbeats = 3;  // STALE after 300 ms without a heartbeat

@@ -63,7 +63,7 @@ void WriteFile(const std::string& path, const std::string& bytes) {
 
 std::string TestDir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string dir = ::testing::TempDir() + "/data_review." + info->name();
+  std::string dir = ::testing::TempDir() + "/data_validation." + info->name();
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
@@ -93,7 +93,7 @@ graph::Graph Gpt() {
 // 1. A '|b1' file feeding a bounded integer input skips the range check:
 // FirstOutside has no case for kind 'b', so a bool byte of 7 becomes label 7
 // of a 5-class loss (or an id outside a 2-row padding-mask table).
-TEST(DataReviewTest, BoolFileValuesAreRangeChecked) {
+TEST(DataValidationTest, BoolFileValuesAreRangeChecked) {
   std::string dir = TestDir();
   WriteFile(dir + "/x.npy", Npy("<f4", {4, 3}, Raw(std::vector<float>(12, 1.0f))));
   WriteFile(dir + "/labels.npy", Npy("|b1", {4}, Raw(std::vector<uint8_t>{1, 0, 7, 1})));
@@ -111,7 +111,7 @@ TEST(DataReviewTest, BoolFileValuesAreRangeChecked) {
 
 // 2. A named pipe where a data file should be: MappedFile::Open calls
 // open(O_RDONLY) before checking S_ISREG, which blocks until a writer comes.
-TEST(DataReviewTest, FifoIsRefusedWithoutHanging) {
+TEST(DataValidationTest, FifoIsRefusedWithoutHanging) {
   std::string dir = TestDir();
   std::string fifo = dir + "/t.bin";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
@@ -136,7 +136,7 @@ TEST(DataReviewTest, FifoIsRefusedWithoutHanging) {
 // exporter writes it, and the tokens: form labels[B, S]): IntegerInputLimit
 // looks only at direct consumers, so the range of the loss's classes is not
 // checked at all (README: "label range checked against the graph").
-TEST(DataReviewTest, LabelsReshapedIntoTheLossAreRangeChecked) {
+TEST(DataValidationTest, LabelsReshapedIntoTheLossAreRangeChecked) {
   graph::GraphBuilder b("reshaped_labels");
   graph::TensorId x = b.Input("x", graph::F32({8, 5}));
   graph::TensorId y = b.Input("labels", graph::I64({4, 2}), graph::InputRole::kLabels);
@@ -177,7 +177,7 @@ graph::Graph LmWithFewerClasses(graph::DType labels_dtype = graph::DType::kInt64
 // 4. NewLmBatches checks the corpus against the tokens' vocabulary only;
 // every corpus token is also a label, and the loss has 10 classes. (The
 // tokens: reader takes the tighter of both bounds.)
-TEST(DataReviewTest, LmCorpusIsCheckedAgainstTheLossClassesToo) {
+TEST(DataValidationTest, LmCorpusIsCheckedAgainstTheLossClassesToo) {
   graph::Graph g = LmWithFewerClasses();
   std::vector<int64_t> corpus;
   for (int i = 0; i < 40; ++i) corpus.push_back(i);  // ids 10..39 are no class
@@ -196,7 +196,7 @@ TEST(DataReviewTest, LmCorpusIsCheckedAgainstTheLossClassesToo) {
 // 5. NewLmBatches accepts int32 labels (it checks the tokens' dtype only)
 // but always produces int64 labels: every step is then refused by the runner
 // ("input 'labels' is i64[8] but the model expects i32[8]"), not at open.
-TEST(DataReviewTest, LmBatchesMatchTheGraphsLabelDtype) {
+TEST(DataValidationTest, LmBatchesMatchTheGraphsLabelDtype) {
   graph::Graph g = LmWithFewerClasses(graph::DType::kInt32);
   std::vector<int64_t> corpus(40, 3);
   auto lm = NewLmBatches(g, corpus);

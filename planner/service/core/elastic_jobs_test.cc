@@ -108,7 +108,7 @@ v1::Plan WaitForPlan(PlannerCore& core, const std::string& name) {
   return v1::Plan();
 }
 
-TEST(ElasticReviewTest, TheGlobalBatchIsKeptAcrossReplansWhenTheSpecLeavesItZero) {
+TEST(ElasticJobsTest, TheGlobalBatchIsKeptAcrossReplansWhenTheSpecLeavesItZero) {
   PlannerCoreOptions co;
   co.workers = 1;
   absl::StatusOr<std::unique_ptr<PlannerCore>> made = PlannerCore::Create(co, {}, {});
@@ -225,7 +225,7 @@ v1::Deployment StoredDeployment(const std::string& name, v1::Deployment::State s
   return d;
 }
 
-TEST(ElasticReviewTest, ADeploymentStoredInAnUnknownStateCanBeStopped) {
+TEST(ElasticJobsTest, ADeploymentStoredInAnUnknownStateCanBeStopped) {
   const std::string name = "deployments/train-p1-g1";
   DeploymentManager m(FastManager(), {StoredDeployment(name, v1::Deployment::STATE_UNSPECIFIED)});
   ASSERT_FALSE(m.shutting_down());
@@ -256,7 +256,7 @@ class ManagerBackend : public FakeBackend {
   DeploymentManager* m_;
 };
 
-TEST(ElasticReviewTest, AJobOnADeploymentStoredInAnUnknownStateStops) {
+TEST(ElasticJobsTest, AJobOnADeploymentStoredInAnUnknownStateStops) {
   const std::string name = "deployments/train-p1-g1";
   DeploymentManager m(FastManager(),
                       {StoredDeployment(name, static_cast<v1::Deployment::State>(9))});
@@ -298,7 +298,7 @@ TEST(ElasticReviewTest, AJobOnADeploymentStoredInAnUnknownStateStops) {
 //    most max_metrics_per_deployment metrics (100,000: 25,000 steps of 4
 //    ranks) and computes the window from what it kept, so past the cap the
 //    window freezes on old steps: a slowdown after that is never seen.
-TEST(ElasticReviewTest, TheRecentWindowFollowsTheLatestStepsPastTheMetricCap) {
+TEST(ElasticJobsTest, TheRecentWindowFollowsTheLatestStepsPastTheMetricCap) {
   DeploymentManagerOptions o = FastManager();
   o.max_metrics_per_deployment = 50;  // 100,000 in the daemon; smaller here
   const std::string name = "deployments/train-p1-g1";
@@ -331,7 +331,7 @@ TEST(ElasticReviewTest, TheRecentWindowFollowsTheLatestStepsPastTheMetricCap) {
 //    is not plans/...) throws std::out_of_range from the reconcile pass
 //    (substr(5) / substr(6)): uncaught on the controller's thread, that is
 //    std::terminate, the planner dies on start. Loaded jobs are not checked.
-TEST(ElasticReviewTest, AMalformedStoredJobDoesNotThrowFromTheReconcilePass) {
+TEST(ElasticJobsTest, AMalformedStoredJobDoesNotThrowFromTheReconcilePass) {
   FakeBackend backend(2);
   MapSink sink;
   v1::Job odd;
