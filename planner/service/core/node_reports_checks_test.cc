@@ -79,6 +79,18 @@ TEST_F(PlannerCoreTest, ZeroBf16FlopsIsRefusedOrHarmless) {
   if (core_->RegisterNode(b).ok()) ExpectPlansStillWork(core_.get(), Deadline(), /*bf16=*/true);
 }
 
+// One FLOP/s a dtype: a second FLOAT32 entry would be validated on one and
+// calibrated on the other.
+TEST_F(PlannerCoreTest, AFlopsRateReportedTwiceIsRefused) {
+  v1::Node b = MakeNode("b", 1, 1e12);
+  auto* f = b.mutable_devices(0)->add_flops();
+  f->set_dtype(v1::FLOAT32);
+  f->set_flops(5e12);
+  const absl::Status s = core_->RegisterNode(b).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("FLOAT32 FLOP/s is reported twice"), absl::string_view::npos) << s;
+}
+
 TEST_F(PlannerCoreTest, TinyPositiveFlopsIsRefusedOrHarmless) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   v1::Node b = MakeNode("b", 1, std::numeric_limits<double>::denorm_min());

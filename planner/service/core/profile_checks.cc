@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -67,10 +68,16 @@ absl::Status ValidateDevices(const std::string& node,
     }
     const std::string dev = absl::StrCat("device '", d.id(), "': ");
     double f32 = 0;
+    std::set<int> dtypes;
     for (const auto& t : d.flops()) {
       HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"),
                                      t.flops(), kMinFlops, kInf,
                                      absl::StrCat("a finite number >= ", kMinFlops)));
+      // One rate a dtype: the cost model and calibration would each take another.
+      if (!dtypes.insert(t.dtype()).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s is reported twice"));
+      }
       if (t.dtype() == v1::FLOAT32) f32 = t.flops();
     }
     if (!(f32 > 0)) {
