@@ -83,17 +83,31 @@ absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g,
       programs, g, [&](int) { return data::NewSyntheticBatches(g, 3); }, to, lro);
 }
 
-// Saves after every step of `steps`, keeping `keep`.
-std::vector<TrainResult> TrainAndSave(const graph::Graph& g,
-                                      const std::vector<v1::RankProgram>& programs,
-                                      const std::string& dir, int steps, int keep) {
+// Trains `steps` steps (from `first_step`, resuming from `resume` when
+// given), saving as `policy` says.
+absl::StatusOr<std::vector<TrainResult>> TrainAndSaveFrom(
+    const graph::Graph& g, const std::vector<v1::RankProgram>& programs, CheckpointPolicy policy,
+    int64_t first_step, int64_t steps, const std::string& resume = "") {
   v1::TrainerState trainer;
   trainer.set_seed(5);
   trainer.set_global_batch(9);
   TrainOptions to;
+  to.first_step = first_step;
   to.steps = steps;
-  to.after_step = SaveHook({dir, 1, keep, steps}, &programs, trainer);
-  auto r = Train(g, programs, to);
+  if (!resume.empty()) {
+    auto reader = CheckpointReader::Open(resume);
+    if (!reader.ok()) return reader.status();
+    to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  }
+  to.after_step = SaveHook(policy, &programs, trainer);
+  return Train(g, programs, to);
+}
+
+// Saves after every step of `steps` from step 0, keeping `keep`.
+std::vector<TrainResult> TrainAndSave(const graph::Graph& g,
+                                      const std::vector<v1::RankProgram>& programs,
+                                      const std::string& dir, int steps, int keep) {
+  auto r = TrainAndSaveFrom(g, programs, {dir, 1, keep, steps}, 0, steps);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? *r : std::vector<TrainResult>{};
 }
@@ -655,26 +669,6 @@ TEST(CheckpointTest, ResumingWithOtherDataSettingsIsRefusedNamingBoth) {
 
 // --- guarantees a review found broken (each of these failed before its fix) ---
 
-// Trains `steps` steps (from `first_step`, resuming from `resume` when
-// given), saving as `policy` says.
-absl::Status TrainAndSaveFrom(const graph::Graph& g, const std::vector<v1::RankProgram>& programs,
-                              CheckpointPolicy policy, int64_t first_step, int64_t steps,
-                              const std::string& resume = "") {
-  v1::TrainerState trainer;
-  trainer.set_seed(5);
-  trainer.set_global_batch(9);
-  TrainOptions to;
-  to.first_step = first_step;
-  to.steps = steps;
-  if (!resume.empty()) {
-    auto reader = CheckpointReader::Open(resume);
-    if (!reader.ok()) return reader.status();
-    to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
-  }
-  to.after_step = SaveHook(policy, &programs, trainer);
-  return Train(g, programs, to).status();
-}
-
 // 1. FindCheckpoint / --resume DIR: a checkpoint directory whose own name
 // looks like a step directory ("step-7", e.g. an experiment named after a
 // sweep step) is taken for a step directory and refused, although it holds
@@ -701,7 +695,7 @@ TEST(CheckpointTest, RetentionNeverDeletesTheCheckpointJustCommitted) {
   ASSERT_TRUE(TrainAndSaveFrom(g, programs, {dir, 2, 3, 4}, 0, 4).ok());
   // Roll back to step 2 and train one step, keeping 1 checkpoint.
   const absl::Status resumed =
-      TrainAndSaveFrom(g, programs, {dir, 1, 1, 3}, 2, 1, dir + "/step-00000002");
+      TrainAndSaveFrom(g, programs, {dir, 1, 1, 3}, 2, 1, dir + "/step-00000002").status();
   EXPECT_TRUE(resumed.ok()) << resumed;
   EXPECT_TRUE(fs::exists(dir + "/step-00000003/COMMITTED"))
       << "the checkpoint of step 3 (committed, then removed by retention) is gone; left: " << [&] {

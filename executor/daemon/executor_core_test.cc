@@ -32,26 +32,24 @@ using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
 
-using Group = testing::InProcessGroup;
-const v1::Plan& Plan(int world) { return testing::CachedMlpPlan(world); }
-LoadOptions Load(int world, int rank, int64_t steps) {
-  return testing::MlpLoad(world, rank, steps);
-}
-ExecutorCoreOptions Options(Group* group) { return testing::InProcessOptions(group); }
+using testing::CachedMlpPlan;
+using testing::InProcessGroup;
+using testing::InProcessOptions;
+using testing::MlpLoad;
 
 // Plans need two ranks at least: `a` is rank 0, `b` rank 1.
 TEST(ExecutorCoreTest, MovesThroughItsStates) {
-  Group group(2);
-  ExecutorCore a(Options(&group)), b(Options(&group));
+  InProcessGroup group(2);
+  ExecutorCore a(InProcessOptions(&group)), b(InProcessOptions(&group));
   EXPECT_EQ(a.Status().state(), v1::ExecutorStatus::IDLE);
   EXPECT_EQ(a.Status().device(), "node0/cpu0");
   EXPECT_THAT(a.Start(""), StatusIs(absl::StatusCode::kFailedPrecondition,
                                     HasSubstr("call LoadPlan first")));
 
-  auto hash = a.LoadPlan(Load(2, 0, 3));
+  auto hash = a.LoadPlan(MlpLoad(2, 0, 3));
   ASSERT_THAT(hash, IsOk());
-  EXPECT_EQ(*hash, Plan(2).content_hash());
-  ASSERT_THAT(b.LoadPlan(Load(2, 1, 3)), IsOk());
+  EXPECT_EQ(*hash, CachedMlpPlan(2).content_hash());
+  ASSERT_THAT(b.LoadPlan(MlpLoad(2, 1, 3)), IsOk());
   EXPECT_EQ(a.Status().state(), v1::ExecutorStatus::LOADED);
   EXPECT_EQ(a.Status().deployment(), "deployments/d1");
   EXPECT_EQ(a.Status().generation(), 1);
@@ -80,7 +78,7 @@ TEST(ExecutorCoreTest, MovesThroughItsStates) {
 
   EXPECT_THAT(a.Start(""), StatusIs(absl::StatusCode::kFailedPrecondition,
                                     HasSubstr("load the plan again")));
-  ASSERT_THAT(a.LoadPlan(Load(2, 0, 3)), IsOk());
+  ASSERT_THAT(a.LoadPlan(MlpLoad(2, 0, 3)), IsOk());
   EXPECT_EQ(a.Status().state(), v1::ExecutorStatus::LOADED);
   EXPECT_EQ(a.Status().steps_completed(), 0);
   auto stopped = a.Stop("");
@@ -92,35 +90,35 @@ TEST(ExecutorCoreTest, MovesThroughItsStates) {
 }
 
 TEST(ExecutorCoreTest, RejectsBadPlans) {
-  ExecutorCore core(Options(nullptr));
-  LoadOptions o = Load(2, 0, 3);
+  ExecutorCore core(InProcessOptions(nullptr));
+  LoadOptions o = MlpLoad(2, 0, 3);
   o.world_size = 3;
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("for a world of 2 ranks, not 3")));
-  o = Load(2, 2, 3);
+  o = MlpLoad(2, 2, 3);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("rank 2 is out of range")));
-  o = Load(2, 0, 3);
+  o = MlpLoad(2, 0, 3);
   o.plan.mutable_rank_programs(1)->set_seed(o.plan.rank_programs(1).seed() + 1);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("content hash does not match")));
-  o = Load(2, 0, 3);
+  o = MlpLoad(2, 0, 3);
   o.plan.set_format_version(99);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("format version 99")));
-  o = Load(2, 0, 0);
+  o = MlpLoad(2, 0, 0);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("training.steps must be positive")));
-  o = Load(2, 0, 3);
+  o = MlpLoad(2, 0, 3);
   o.deployment.clear();
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("deployment")));
-  o = Load(2, 0, 3);
+  o = MlpLoad(2, 0, 3);
   o.training.set_data(v1::TrainingConfig::WIKITEXT2);
   o.training.set_data_path(::testing::TempDir() + "/no-such-dir");
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kNotFound,
                                          HasSubstr("training data")));
-  o = Load(2, 0, 3);
+  o = MlpLoad(2, 0, 3);
   o.rendezvous_address = "10.0.0.9:7000";
   EXPECT_THAT(core.LoadPlan(o),
               StatusIs(absl::StatusCode::kPermissionDenied,
@@ -151,12 +149,12 @@ TEST(ExecutorCoreTest, StopCancelsBetweenStepsAndThePeerTimesOut) {
   };
   absl::Notification first_step;
   ExecutorCore a(options(&first_step)), b(options(nullptr));
-  ASSERT_THAT(a.LoadPlan(Load(2, 0, 1'000'000)), IsOk());
-  ASSERT_THAT(b.LoadPlan(Load(2, 1, 1'000'000)), IsOk());
+  ASSERT_THAT(a.LoadPlan(MlpLoad(2, 0, 1'000'000)), IsOk());
+  ASSERT_THAT(b.LoadPlan(MlpLoad(2, 1, 1'000'000)), IsOk());
   ASSERT_THAT(a.Start(""), IsOk());
   ASSERT_THAT(b.Start(""), IsOk());
   first_step.WaitForNotification();
-  EXPECT_THAT(a.LoadPlan(Load(2, 0, 3)),
+  EXPECT_THAT(a.LoadPlan(MlpLoad(2, 0, 3)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stop it")));
   auto stopped = a.Stop("deployments/d1");
   ASSERT_THAT(stopped, IsOk());
@@ -180,7 +178,7 @@ using testing::HungPeerCommunicator;
 // nothing.
 TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   absl::Notification entered, release;
-  ExecutorCoreOptions options = Options(nullptr);
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
   options.stop_wait = absl::Milliseconds(200);
   options.connect = [&](const GlooOptions& go, RendezvousStore&)
       -> absl::StatusOr<std::unique_ptr<Communicator>> {
@@ -193,7 +191,7 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
     ++reported;
   };
   ExecutorCore core(options);
-  ASSERT_THAT(core.LoadPlan(Load(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 1'000)), IsOk());
   ASSERT_THAT(core.Start("deployments/d1"), IsOk());
   entered.WaitForNotification();  // inside step 0's first collective
 
@@ -208,7 +206,7 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   EXPECT_THAT(core.Stop("deployments/d1"), IsOk());  // again: a no-op
 
   // A new plan is taken while the old thread is still stuck.
-  LoadOptions next = Load(2, 0, 3);
+  LoadOptions next = MlpLoad(2, 0, 3);
   next.deployment = "deployments/d2";
   ASSERT_THAT(core.LoadPlan(next), IsOk());
   EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::LOADED);
@@ -231,7 +229,7 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
 TEST(ExecutorCoreTest, StopDuringTheEndOfTrainingReportsHowItEnded) {
   absl::Notification entered, release, in_on_end, flushed;
   release.Notify();  // every collective fails at once
-  ExecutorCoreOptions options = Options(nullptr);
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
   options.stop_wait = absl::Milliseconds(200);
   options.connect = [&](const GlooOptions& go, RendezvousStore&)
       -> absl::StatusOr<std::unique_ptr<Communicator>> {
@@ -242,7 +240,7 @@ TEST(ExecutorCoreTest, StopDuringTheEndOfTrainingReportsHowItEnded) {
     flushed.WaitForNotification();
   };
   ExecutorCore core(options);
-  ASSERT_THAT(core.LoadPlan(Load(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 1'000)), IsOk());
   ASSERT_THAT(core.Start(""), IsOk());
   in_on_end.WaitForNotification();
   EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::TRAINING);
@@ -257,7 +255,7 @@ TEST(ExecutorCoreTest, StopDuringTheEndOfTrainingReportsHowItEnded) {
 }
 
 TEST(ExecutorCoreTest, ConnectFailureIsFailedWithTheReason) {
-  ExecutorCoreOptions options = Options(nullptr);
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
   options.connect = [](const GlooOptions&, RendezvousStore&)
       -> absl::StatusOr<std::unique_ptr<Communicator>> {
     return absl::DeadlineExceededError("rank 1 never published its address");
@@ -265,7 +263,7 @@ TEST(ExecutorCoreTest, ConnectFailureIsFailedWithTheReason) {
   bool ended = false;
   options.on_end = [&] { ended = true; };
   ExecutorCore core(options);
-  ASSERT_THAT(core.LoadPlan(Load(2, 0, 3)), IsOk());
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 3)), IsOk());
   ASSERT_THAT(core.Start(""), IsOk());
   v1::ExecutorStatus s = core.WaitUntilDone(absl::InfiniteFuture());
   EXPECT_EQ(s.state(), v1::ExecutorStatus::FAILED);
@@ -286,9 +284,9 @@ void TrainToTheEnd(const std::vector<ExecutorCore*>& cores, const std::vector<Lo
 }
 
 TEST(ExecutorCoreTest, TwoRanksReportTheSameLosses) {
-  Group group(2);
-  ExecutorCore a(Options(&group)), b(Options(&group));
-  TrainToTheEnd({&a, &b}, {Load(2, 0, 4), Load(2, 1, 4)});
+  InProcessGroup group(2);
+  ExecutorCore a(InProcessOptions(&group)), b(InProcessOptions(&group));
+  TrainToTheEnd({&a, &b}, {MlpLoad(2, 0, 4), MlpLoad(2, 1, 4)});
   bool done = false;
   auto ma = a.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
   auto mb = b.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
@@ -315,10 +313,10 @@ TEST(ExecutorCoreTest, OverlappedPlansRunTheirStartedCollectivesBehindCompute) {
     started += st.has_collective() && st.collective().async();
   }
   ASSERT_GT(started, 0) << "the plan starts no collective asynchronously";
-  std::map<std::string, std::unique_ptr<Group>> groups;
-  groups["deployments/d1/1"] = std::make_unique<Group>(2);
-  groups["deployments/d1/1/overlap"] = std::make_unique<Group>(2);
-  ExecutorCoreOptions o = Options(nullptr);
+  std::map<std::string, std::unique_ptr<InProcessGroup>> groups;
+  groups["deployments/d1/1"] = std::make_unique<InProcessGroup>(2);
+  groups["deployments/d1/1/overlap"] = std::make_unique<InProcessGroup>(2);
+  ExecutorCoreOptions o = InProcessOptions(nullptr);
   absl::Mutex mu;
   std::set<std::string> asked;
   o.connect = [&](const GlooOptions& go,
@@ -333,15 +331,15 @@ TEST(ExecutorCoreTest, OverlappedPlansRunTheirStartedCollectivesBehindCompute) {
     return std::move(it->second->comms[go.rank]);
   };
   ExecutorCore a(o), b(o);
-  LoadOptions la = Load(2, 0, 4), lb = Load(2, 1, 4);
+  LoadOptions la = MlpLoad(2, 0, 4), lb = MlpLoad(2, 1, 4);
   la.plan = lb.plan = *overlapped;
   TrainToTheEnd({&a, &b}, {la, lb});
   EXPECT_EQ(asked.count("deployments/d1/1/overlap"), 1u);
 
   // The in-line plan of the same model and seed.
-  Group inline_group(2);
-  ExecutorCore c(Options(&inline_group)), d(Options(&inline_group));
-  TrainToTheEnd({&c, &d}, {Load(2, 0, 4), Load(2, 1, 4)});
+  InProcessGroup inline_group(2);
+  ExecutorCore c(InProcessOptions(&inline_group)), d(InProcessOptions(&inline_group));
+  TrainToTheEnd({&c, &d}, {MlpLoad(2, 0, 4), MlpLoad(2, 1, 4)});
   bool done = false;
   auto ma = a.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
   auto mb = b.WaitMetrics("", 0, absl::InfiniteFuture(), &done);
@@ -362,12 +360,12 @@ TEST(ExecutorCoreTest, OverlappedPlansRunTheirStartedCollectivesBehindCompute) {
 // profile_window steps becomes the status's profile (what the planner
 // calibrates from), the latest complete one.
 TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
-  Group group(2);
-  ExecutorCoreOptions o = Options(&group);
+  InProcessGroup group(2);
+  ExecutorCoreOptions o = InProcessOptions(&group);
   o.profile_window = 3;
   ExecutorCore a(o), b(o);
-  ASSERT_THAT(a.LoadPlan(Load(2, 0, 10)), IsOk());  // 2 warm-up + 2 windows + 2
-  ASSERT_THAT(b.LoadPlan(Load(2, 1, 10)), IsOk());
+  ASSERT_THAT(a.LoadPlan(MlpLoad(2, 0, 10)), IsOk());  // 2 warm-up + 2 windows + 2
+  ASSERT_THAT(b.LoadPlan(MlpLoad(2, 1, 10)), IsOk());
   EXPECT_FALSE(a.Status().has_profile());
   ASSERT_THAT(a.Start(""), IsOk());
   ASSERT_THAT(b.Start(""), IsOk());
@@ -381,8 +379,8 @@ TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
   EXPECT_EQ(p.first_step(), 5);  // steps 2-4, then 5-7; 8-9 incomplete
   EXPECT_EQ(p.steps(), 3);
   EXPECT_EQ(p.rank(), 0);
-  EXPECT_EQ(p.device(), Plan(2).devices(0));
-  EXPECT_EQ(p.plan_content_hash(), Plan(2).content_hash());
+  EXPECT_EQ(p.device(), CachedMlpPlan(2).devices(0));
+  EXPECT_EQ(p.plan_content_hash(), CachedMlpPlan(2).content_hash());
   EXPECT_GT(p.step_seconds_median(), 0);
   EXPECT_GT(p.device_seconds(), 0);
   EXPECT_LE(p.device_seconds(), 3 * p.step_seconds_median());
@@ -391,12 +389,12 @@ TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
   EXPECT_TRUE(p.op_seconds().count("(optimizer)"));
   EXPECT_TRUE(b.Status().has_profile());
   // Off: no profile.
-  Group g2(2);
-  ExecutorCoreOptions off = Options(&g2);
+  InProcessGroup g2(2);
+  ExecutorCoreOptions off = InProcessOptions(&g2);
   off.profile_window = 0;
-  ExecutorCore c(off), d(Options(&g2));
-  ASSERT_THAT(c.LoadPlan(Load(2, 0, 6)), IsOk());
-  ASSERT_THAT(d.LoadPlan(Load(2, 1, 6)), IsOk());
+  ExecutorCore c(off), d(InProcessOptions(&g2));
+  ASSERT_THAT(c.LoadPlan(MlpLoad(2, 0, 6)), IsOk());
+  ASSERT_THAT(d.LoadPlan(MlpLoad(2, 1, 6)), IsOk());
   ASSERT_THAT(c.Start(""), IsOk());
   ASSERT_THAT(d.Start(""), IsOk());
   EXPECT_EQ(c.WaitUntilDone(absl::InfiniteFuture()).state(), v1::ExecutorStatus::FINISHED);
@@ -405,21 +403,19 @@ TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
 }
 
 TEST(ExecutorCoreTest, ShutdownRefusesLoads) {
-  ExecutorCore core(Options(nullptr));
+  ExecutorCore core(InProcessOptions(nullptr));
   core.Shutdown();
-  EXPECT_THAT(core.LoadPlan(Load(2, 0, 3)),
+  EXPECT_THAT(core.LoadPlan(MlpLoad(2, 0, 3)),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
 }
 
-
-
-// Trains two ranks of `Load(2, r, steps)` as changed by `edit`; returns
+// Trains two ranks of `MlpLoad(2, r, steps)` as changed by `edit`; returns
 // rank 0's final status.
 v1::ExecutorStatus TrainTwo(int64_t steps, const std::function<void(LoadOptions&)>& edit) {
-  Group group(2);
-  ExecutorCore a(Options(&group)), b(Options(&group));
+  InProcessGroup group(2);
+  ExecutorCore a(InProcessOptions(&group)), b(InProcessOptions(&group));
   for (int r = 0; r < 2; ++r) {
-    LoadOptions o = Load(2, r, steps);
+    LoadOptions o = MlpLoad(2, r, steps);
     edit(o);
     EXPECT_THAT((r == 0 ? a : b).LoadPlan(o), IsOk());
   }
@@ -450,17 +446,17 @@ TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/step-00000006/COMMITTED"));
 
   // Nothing left to train, and a missing checkpoint: LoadPlan says so.
-  Group group(2);
-  ExecutorCore c(Options(&group));
-  LoadOptions done = Load(2, 0, 6);
+  InProcessGroup group(2);
+  ExecutorCore c(InProcessOptions(&group));
+  LoadOptions done = MlpLoad(2, 0, 6);
   done.training.set_resume(dir);
   EXPECT_THAT(c.LoadPlan(done), StatusIs(absl::StatusCode::kFailedPrecondition,
                                          HasSubstr("is at step 6, not before training.steps 6")));
-  LoadOptions missing = Load(2, 0, 6);
+  LoadOptions missing = MlpLoad(2, 0, 6);
   missing.training.set_resume(dir + "/nope");
   EXPECT_THAT(c.LoadPlan(missing), StatusIs(absl::StatusCode::kNotFound,
                                             HasSubstr("training.resume")));
-  LoadOptions both = Load(2, 0, 6);
+  LoadOptions both = MlpLoad(2, 0, 6);
   both.training.set_resume(dir);
   both.training.set_init_weights(dir + "/w.safetensors");
   EXPECT_THAT(c.LoadPlan(both), StatusIs(absl::StatusCode::kInvalidArgument,

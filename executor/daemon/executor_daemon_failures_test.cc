@@ -34,22 +34,20 @@ using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
 
-using Group = testing::InProcessGroup;
-const v1::Plan& Plan(int world) { return testing::CachedMlpPlan(world); }
-LoadOptions Load(int world, int rank, int64_t steps) {
-  return testing::MlpLoad(world, rank, steps);
-}
-ExecutorCoreOptions Options(Group* group) { return testing::InProcessOptions(group); }
+using testing::CachedMlpPlan;
+using testing::InProcessGroup;
+using testing::InProcessOptions;
+using testing::MlpLoad;
 
 // Loads `plan` on two in-process ranks and trains `steps`; the child of a
 // death test exits 0 when LoadPlan refuses the plan, 2 when it trains to
 // an end without crashing (the bug is then not reproduced, but the plan
 // should have been refused), and crashes otherwise.
 [[noreturn]] void LoadAndTrainInChild(const v1::Plan& plan, int64_t steps) {
-  Group group(2);
-  ExecutorCore a(Options(&group)), b(Options(&group));
+  InProcessGroup group(2);
+  ExecutorCore a(InProcessOptions(&group)), b(InProcessOptions(&group));
   for (int r = 0; r < 2; ++r) {
-    LoadOptions o = Load(2, r, steps);
+    LoadOptions o = MlpLoad(2, r, steps);
     o.plan = plan;
     auto h = (r == 0 ? a : b).LoadPlan(o);
     if (!h.ok()) {
@@ -116,7 +114,7 @@ TEST_F(ReviewDeathTest, ServerStartOnABusyPortIsUnavailable) {
 // without an overflow check: a buffer of 2^62 floats is "0 bytes", lies
 // "inside" the arena, and training writes past the arena (crash).
 TEST_F(ReviewDeathTest, HugeBufferIsRefusedAtLoad) {
-  v1::Plan plan = Plan(2);
+  v1::Plan plan = CachedMlpPlan(2);
   plan.clear_content_hash();
   for (int r = 0; r < 2; ++r) {
     v1::RankProgram* p = plan.mutable_rank_programs(r);
@@ -137,7 +135,7 @@ TEST_F(ReviewDeathTest, HugeBufferIsRefusedAtLoad) {
 // its bytes into one float on the stack. A LOSS buffer of 16M floats
 // passes LoadPlan and smashes the training thread's stack.
 TEST_F(ReviewDeathTest, NonScalarLossBufferIsRefusedAtLoad) {
-  v1::Plan plan = Plan(2);
+  v1::Plan plan = CachedMlpPlan(2);
   plan.clear_content_hash();
   constexpr int64_t kElems = int64_t{1} << 24;
   for (int r = 0; r < 2; ++r) {
@@ -165,14 +163,14 @@ using testing::HungPeerCommunicator;
 // final checkpoint that did not save) is swallowed.
 TEST(ExecutorDaemonFailuresTest, AFailedStepIsNotReportedAsAStop) {
   absl::Notification entered, release;
-  ExecutorCoreOptions options = Options(nullptr);
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
   options.stop_wait = absl::Seconds(20);
   options.connect = [&](const GlooOptions& go,
                         RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
     return std::make_unique<HungPeerCommunicator>(go.rank, &entered, &release);
   };
   ExecutorCore core(options);
-  ASSERT_THAT(core.LoadPlan(Load(2, 0, 100)), IsOk());
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 100)), IsOk());
   ASSERT_THAT(core.Start(""), IsOk());
   entered.WaitForNotification();  // inside step 0's first collective
   std::thread releaser([&] {
@@ -189,10 +187,10 @@ TEST(ExecutorDaemonFailuresTest, AFailedStepIsNotReportedAsAStop) {
 // 5. threads_per_rank has no upper bound: a huge value reaches the device
 // (BLAS/OpenMP thread counts).
 [[noreturn]] void TrainWithHugeThreadsInChild() {
-  Group group(2);
-  ExecutorCore a(Options(&group)), b(Options(&group));
+  InProcessGroup group(2);
+  ExecutorCore a(InProcessOptions(&group)), b(InProcessOptions(&group));
   for (int r = 0; r < 2; ++r) {
-    LoadOptions o = Load(2, r, 2);
+    LoadOptions o = MlpLoad(2, r, 2);
     o.training.set_threads_per_rank(2'000'000'000);
     auto h = (r == 0 ? a : b).LoadPlan(o);
     if (!h.ok()) {
