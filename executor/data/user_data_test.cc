@@ -1,10 +1,17 @@
 #include "executor/data/user_data.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <limits>
 #include <map>
 #include <set>
@@ -12,8 +19,10 @@
 #include <vector>
 
 #include "common/status_matchers.h"
+#include "executor/data/batches.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/graph/graph.h"
 #include "planner/graph/zoo.h"
 
 namespace hap::data {
@@ -644,6 +653,126 @@ TEST(UserDataErrorsTest, TokenFiles) {
   EXPECT_THAT(OpenUserData("tokens:" + dir + "/t.bin", Mlp(), {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("is not a language model with integer inputs tokens[B, S]")));
+}
+
+// --- what a review found unchecked (each failed before its fix) ---------------
+
+// 1. A '|b1' file feeding a bounded integer input skips the range check:
+// FirstOutside has no case for kind 'b', so a bool byte of 7 becomes label 7
+// of a 5-class loss (or an id outside a 2-row padding-mask table).
+TEST(DataValidationTest, BoolFileValuesAreRangeChecked) {
+  std::string dir = TestDir();
+  WriteFile(dir + "/x.npy", Npy("<f4", {4, 3}, Raw(std::vector<float>(12, 1.0f))));
+  WriteFile(dir + "/labels.npy", Npy("|b1", {4}, Raw(std::vector<uint8_t>{1, 0, 7, 1})));
+  graph::Graph g = Mlp();
+  auto d = OpenUserDataSet("npy:" + dir, g, {});
+  EXPECT_THAT(d.status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                   AllOf(HasSubstr("labels.npy"), HasSubstr("row 2"))));
+  if (d.ok()) {
+    auto b = (*d)->Get(0);
+    ASSERT_TRUE(b.ok());
+    ADD_FAILURE() << "opened; step 0's label 2 is " << b->at("labels").as<int64_t>()[2]
+                  << ", outside the 5 classes";
+  }
+}
+
+// 2. A named pipe where a data file should be: MappedFile::Open calls
+// open(O_RDONLY) before checking S_ISREG, which blocks until a writer comes.
+TEST(DataValidationTest, FifoIsRefusedWithoutHanging) {
+  std::string dir = TestDir();
+  std::string fifo = dir + "/t.bin";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  graph::Graph g = Gpt();
+  auto fut = std::async(std::launch::async,
+                        [&] { return OpenUserData("tokens:" + fifo, g, {}).status(); });
+  if (fut.wait_for(std::chrono::seconds(3)) != std::future_status::ready) {
+    ADD_FAILURE() << "OpenUserData(tokens:FIFO) hangs in open()";
+    // Release it: a writer end lets the blocked open return.
+    for (int i = 0;
+         i < 100 && fut.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready; ++i) {
+      int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (w >= 0) ::close(w);
+    }
+  }
+  EXPECT_THAT(fut.get(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not a regular file")));
+}
+
+// 3. Labels reach the loss through a reshape (labels.view(-1), as the FX
+// exporter writes it, and the tokens: form labels[B, S]): IntegerInputLimit
+// looks only at direct consumers, so the range of the loss's classes is not
+// checked at all (README: "label range checked against the graph").
+TEST(DataValidationTest, LabelsReshapedIntoTheLossAreRangeChecked) {
+  graph::GraphBuilder b("reshaped_labels");
+  graph::TensorId x = b.Input("x", graph::F32({8, 5}));
+  graph::TensorId y = b.Input("labels", graph::I64({4, 2}), graph::InputRole::kLabels);
+  graph::TensorId w = b.Parameter("w", graph::F32({8, 5}), graph::Initializer::Normal(0, 1));
+  graph::TensorId logits = b.Add("add", "logits", {x, w});
+  graph::TensorId flat = b.Add("reshape", "labels/flat", {y}, {{"shape", std::vector<int64_t>{8}}});
+  b.SetLoss(b.Add("cross_entropy", "loss", {logits, flat}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+
+  std::string dir = TestDir();
+  WriteFile(dir + "/x.npy", Npy("<f4", {4, 2, 5}, Raw(std::vector<float>(40, 0.5f))));
+  WriteFile(dir + "/labels.npy",
+            Npy("<i8", {4, 2}, Raw(std::vector<int64_t>{0, 1, 2, 3, 4, 99, 0, 1})));
+  EXPECT_THAT(
+      OpenUserData("npy:" + dir, *g, {}).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("labels.npy"), HasSubstr("99"), HasSubstr("outside [0, 5)"))));
+}
+
+// tokens i64[2, 4] -> embedding of 50 rows of 10 -> [8, 10] logits:
+// cross_entropy over 10 classes with labels `labels_dtype`[8].
+graph::Graph LmWithFewerClasses(graph::DType labels_dtype = graph::DType::kInt64) {
+  graph::GraphBuilder b("lm10");
+  graph::TensorId t = b.Input("tokens", graph::I64({2, 4}));
+  graph::TensorId y = b.Input("labels", {labels_dtype, {8}}, graph::InputRole::kLabels);
+  graph::TensorId table =
+      b.Parameter("table", graph::F32({50, 10}), graph::Initializer::Normal(0, 1));
+  graph::TensorId e = b.Add("embedding", "emb", {t, table});
+  graph::TensorId logits = b.Add("reshape", "flat", {e}, {{"shape", std::vector<int64_t>{8, 10}}});
+  b.SetLoss(b.Add("cross_entropy", "loss", {logits, y}));
+  auto g = b.Build();
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+// 4. NewLmBatches checks the corpus against the tokens' vocabulary only;
+// every corpus token is also a label, and the loss has 10 classes. (The
+// tokens: reader takes the tighter of both bounds.)
+TEST(DataValidationTest, LmCorpusIsCheckedAgainstTheLossClassesToo) {
+  graph::Graph g = LmWithFewerClasses();
+  std::vector<int64_t> corpus;
+  for (int i = 0; i < 40; ++i) corpus.push_back(i);  // ids 10..39 are no class
+  auto lm = NewLmBatches(g, corpus);
+  EXPECT_THAT(lm.status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("10")));
+  if (lm.ok()) {
+    auto batch = (*lm)->Get(0);
+    ASSERT_TRUE(batch.ok());
+    int64_t worst = 0;
+    const HostTensor& l = batch->at("labels");
+    for (int64_t i = 0; i < l.num_elements(); ++i) worst = std::max(worst, l.as<int64_t>()[i]);
+    ADD_FAILURE() << "accepted; step 0 has label " << worst << " for a loss of 10 classes";
+  }
+}
+
+// 5. NewLmBatches accepts int32 labels (it checks the tokens' dtype only)
+// but always produces int64 labels: every step is then refused by the runner
+// ("input 'labels' is i64[8] but the model expects i32[8]"), not at open.
+TEST(DataValidationTest, LmBatchesMatchTheGraphsLabelDtype) {
+  graph::Graph g = LmWithFewerClasses(graph::DType::kInt32);
+  std::vector<int64_t> corpus(40, 3);
+  auto lm = NewLmBatches(g, corpus);
+  if (!lm.ok()) {
+    SUCCEED() << lm.status();  // refused up front: fine
+    return;
+  }
+  auto batch = (*lm)->Get(0);
+  ASSERT_TRUE(batch.ok());
+  EXPECT_EQ(batch->at("labels").dtype(), graph::DType::kInt32)
+      << "labels " << graph::DTypeName(batch->at("labels").dtype()) << " for an i32 input";
 }
 
 }  // namespace
