@@ -89,22 +89,11 @@ int64_t Span(int64_t rows, int64_t cols, int64_t ld, int64_t batch, int64_t stri
   return (batch - 1) * stride + (rows - 1) * ld + cols;
 }
 
-// `count` elements of the call's scratch (Internal naming the kernel).
-template <typename T>
-absl::StatusOr<T*> ScratchOf(const KernelArgs& a, int64_t count) {
-  absl::StatusOr<void*> p = a.scratch.Get(count * static_cast<int64_t>(sizeof(T)));
-  if (!p.ok()) {
-    return absl::Status(p.status().code(),
-                        absl::StrCat("kernel '", a.name, "': scratch: ", p.status().message()));
-  }
-  return static_cast<T*>(*p);
-}
-
 // `*buf` with room for `count` elements, grown from the call's scratch.
 template <typename T>
 absl::Status Reserve(const KernelArgs& a, int64_t count, T** buf, int64_t* size) {
   if (*size >= count) return absl::OkStatus();
-  HAP_ASSIGN_OR_RETURN(*buf, ScratchOf<T>(a, count));
+  HAP_ASSIGN_OR_RETURN(*buf, ScratchArray<T>(a, count));
   *size = count;
   return absl::OkStatus();
 }

@@ -1,32 +1,15 @@
-// Internal to executor/cuda: host helpers of the layout, normalization,
-// convolution and MoE kernel families — their scratch arrays and a
-// row-major, batched cuBLAS GEMM.
+// Internal to executor/cuda: a host helper of the layout, normalization,
+// convolution and MoE kernel families — a row-major, batched cuBLAS GEMM
+// (their scratch arrays: kernels_internal.h ScratchArray).
 #ifndef HAP_EXECUTOR_CUDA_KERNELS_B_UTIL_H_
 #define HAP_EXECUTOR_CUDA_KERNELS_B_UTIL_H_
 
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "executor/cuda/kernels_internal.h"
 
 namespace hap::executor::cuda {
-
-// `count` elements of T of the call's stream-ordered scratch memory
-// (nullptr for count <= 0). Errors name the kernel.
-template <typename T>
-absl::StatusOr<T*> ScratchArray(const KernelArgs& a, int64_t count) {
-  if (count <= 0) return static_cast<T*>(nullptr);
-  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
-  absl::StatusOr<void*> p = a.scratch.Get(bytes);
-  if (!p.ok()) {
-    return absl::Status(p.status().code(),
-                        absl::StrCat("kernel '", a.name, "': scratch of ",
-                                     bytes, " bytes: ", p.status().message()));
-  }
-  return static_cast<T*>(*p);
-}
 
 // One batch of row-major matrix products:
 //   C[b] = op(A[b]) @ op(B[b]) + beta * C[b],  b in [0, batch),

@@ -8,15 +8,17 @@
 #ifndef HAP_EXECUTOR_CUDA_KERNELS_INTERNAL_H_
 #define HAP_EXECUTOR_CUDA_KERNELS_INTERNAL_H_
 
-#include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cuda_runtime.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "executor/runtime/kernel_context.h"
 #include "executor/runtime/tensor.h"
@@ -54,6 +56,20 @@ struct KernelArgs {
   Scratch& scratch;
   DeviceFault fault = {};
 };
+
+// `count` elements of T of the call's stream-ordered scratch memory
+// (nullptr for count <= 0). Errors name the kernel.
+template <typename T>
+absl::StatusOr<T*> ScratchArray(const KernelArgs& a, int64_t count) {
+  if (count <= 0) return static_cast<T*>(nullptr);
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+  absl::StatusOr<void*> p = a.scratch.Get(bytes);
+  if (!p.ok()) {
+    return absl::Status(p.status().code(), absl::StrCat("kernel '", a.name, "': scratch of ", bytes,
+                                                        " bytes: ", p.status().message()));
+  }
+  return static_cast<T*>(*p);
+}
 
 using KernelFn = std::function<absl::Status(const KernelArgs&)>;
 using KernelTable = std::map<std::string, KernelFn>;
