@@ -89,6 +89,7 @@ struct Agent::Impl : public ProfileSource {
   // A re-probe the planner or a drift asked for, run by probe_thread so
   // that heartbeats go on while it measures.
   bool probe_wanted ABSL_GUARDED_BY(mu) = false;
+  bool drift_check_wanted ABSL_GUARDED_BY(mu) = false;  // a drift check, likewise
   std::optional<v1::ProbeResponse> profile ABSL_GUARDED_BY(mu);
   std::vector<double> quick_baseline ABSL_GUARDED_BY(mu);
   // Profiles probed and profiles the planner has: devices are pending while
@@ -467,7 +468,6 @@ struct Agent::Impl : public ProfileSource {
     return links;
   }
 
-  bool drift_check_wanted ABSL_GUARDED_BY(mu) = false;
   bool ProbeWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return stopping || probe_wanted || drift_check_wanted;
   }

@@ -220,9 +220,10 @@ void SetAsideAfter(const std::string& dir, int64_t step) {
   }
   if (!aside.empty()) {
     if (absl::Status s = SyncDirectory(dir); !s.ok()) Warn(s.message());
-    Warn(absl::StrCat("a run resumed from step ", step, " replaces the later checkpoints of ",
-                      "the run it resumed; they are set aside (kept, not resumed from, not ",
-                      "counted): ", absl::StrJoin(aside, ", ")));
+    Warn(absl::StrCat(
+        "the committed checkpoints after step ", step,
+        " belong to a run that one resumed from an earlier step replaces; they are ",
+        "set aside (kept, not resumed from, not counted): ", absl::StrJoin(aside, ", ")));
   }
 }
 

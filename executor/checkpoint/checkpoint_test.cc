@@ -542,7 +542,7 @@ TEST(CheckpointTest, ARunResumedFromAnEarlierStepSavesTheStepsItsPredecessorReac
     ASSERT_TRUE(r.ok()) << r.status();
   }
   const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_THAT(err, HasSubstr("a run resumed from step 2"));
+  EXPECT_THAT(err, HasSubstr("the committed checkpoints after step 2 belong to a run"));
   for (const auto& r : SaveOnEveryRank(programs, dir, 6)) ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(Entries(dir),
             (std::vector<std::string>{"step-00000002", "step-00000004", "step-00000006",
