@@ -27,6 +27,9 @@ using hap::service::FromGrpc;
 
 constexpr char kAgentVersion[] = "hap-agent/1";
 constexpr absl::Duration kDefaultHeartbeat = absl::Seconds(5);
+// hap-planner's --heartbeat-seconds range.
+constexpr absl::Duration kMinHeartbeat = absl::Milliseconds(10);
+constexpr absl::Duration kMaxHeartbeat = absl::Hours(1);
 
 // One line to stderr, written at once so that threads do not interleave.
 void Log(const std::string& message) {
@@ -282,7 +285,20 @@ struct Agent::Impl : public ProfileSource {
     Call call(this, o.rpc_timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(Planner()->RegisterNode(call.ctx(), req, &resp)));
     absl::Duration interval = o.heartbeat_interval;
-    if (interval == absl::ZeroDuration()) interval = service::FromProto(resp.heartbeat_interval());
+    if (interval == absl::ZeroDuration()) {
+      interval = service::FromProto(resp.heartbeat_interval());
+      // The planner's interval within the range hap-planner takes: a planner
+      // answering 1 ns would have us call it in a loop, one answering years
+      // would have us never heartbeat.
+      const absl::Duration taken = std::clamp(interval, kMinHeartbeat, kMaxHeartbeat);
+      if (taken != interval && interval > absl::ZeroDuration()) {
+        Log(absl::StrCat("the planner's heartbeat interval ", absl::FormatDuration(interval),
+                         " is outside [", absl::FormatDuration(kMinHeartbeat), ", ",
+                         absl::FormatDuration(kMaxHeartbeat), "]; heartbeating every ",
+                         absl::FormatDuration(taken)));
+        interval = taken;
+      }
+    }
     if (interval <= absl::ZeroDuration()) interval = kDefaultHeartbeat;
     absl::MutexLock l(&mu);
     registered = true;

@@ -134,6 +134,26 @@ TEST_F(AgentTest, RegistersThenHeartbeatsAtThePlannersInterval) {
   EXPECT_EQ(state_.probes.load(), 1);
 }
 
+// A planner answering a heartbeat interval of 1 ns is heartbeated at most
+// every 10 ms (hap-planner's own lower limit), not in a loop. The bound is
+// on counts, not speed: in any wall time T the agent sends at most T/10 ms + 1
+// heartbeats, however fast or loaded the machine.
+TEST_F(AgentTest, APlannersTinyHeartbeatIntervalIsClamped) {
+  FakePlanner tiny(absl::Nanoseconds(1));
+  AgentOptions o = Options("node-a");
+  o.planner = tiny.address();
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(tiny.WaitFor([](const Record& r) { return r.heartbeats >= 1; }));
+  const int before = tiny.Snapshot().heartbeats;
+  const absl::Time start = absl::Now();
+  absl::SleepFor(absl::Milliseconds(500));
+  const int sent = tiny.Snapshot().heartbeats - before;
+  const double most = absl::ToDoubleMilliseconds(absl::Now() - start) / 10 + 2;
+  EXPECT_LE(sent, most) << "heartbeats in " << (absl::Now() - start);
+  EXPECT_GE(sent, 1);  // and it still heartbeats
+}
+
 // --executor: the node registers labelled with each executor daemon's
 // address under the device it serves (what deployments and jobs use for a
 // device given no executor).

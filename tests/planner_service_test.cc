@@ -779,9 +779,9 @@ TEST(PlannerLimitsTest, EachConnectionsOpenCallsAreBounded) {
   }
 }
 
-// The deployment watch's flags: out-of-range values stop the planner at
-// start with the flag's name, rather than being replaced silently.
-TEST(PlannerFlagsTest, BadDeploymentWatchFlagsAreRefusedAtStart) {
+// Out-of-range flag values stop the planner at start with the flag's name,
+// rather than being replaced silently or cast past int's range.
+TEST(PlannerFlagsTest, OutOfRangeFlagsAreRefusedAtStart) {
   const std::string dir = testing::TempDir("planner-flags");
   for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
            {"--missed-status-polls=0", "--missed-status-polls must be a positive number"},
@@ -789,7 +789,12 @@ TEST(PlannerFlagsTest, BadDeploymentWatchFlagsAreRefusedAtStart) {
            {"--status-poll-seconds=-1", "--status-poll-seconds must be a positive number"},
            {"--max-threads=nan", "--max-threads must be a positive number"},
            {"--max-concurrent-streams=1.5", "--max-concurrent-streams must be a whole number"},
-           {"--max-concurrent-streams=-1", "--max-concurrent-streams must be a number >= 0"}}) {
+           {"--max-concurrent-streams=-1", "--max-concurrent-streams must be a number >= 0"},
+           {"--heartbeat-seconds=inf", "--heartbeat-seconds must be a positive number"},
+           {"--heartbeat-seconds=0.001", "--heartbeat-seconds must be a number from 0.01 to 3600"},
+           {"--missed-heartbeats=1e12", "--missed-heartbeats must be a whole number from 1 to"},
+           {"--workers=2.5", "--workers must be a whole number from 1 to 1024"},
+           {"--drain-seconds=1e300", "--drain-seconds must be a number from 0 to 3600"}}) {
     Process p;
     ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
                          "--metrics-listen=off", "--database=" + dir + "/planner.db", flag})

@@ -6,7 +6,11 @@
 //   --database FILE           SQLite state (default hap-planner.db; "" = memory)
 //   --token-file FILE         bearer token every call must carry
 //   --tls-cert-file FILE --tls-key-file FILE
-//   --heartbeat-seconds S --missed-heartbeats N --workers N --max-seconds S
+//   --heartbeat-seconds S     agents' heartbeat interval (default 5; 0.01 to 3600)
+//   --missed-heartbeats N     heartbeats missed in a row before a node is STALE
+//                             (default 3; 1 to 1000)
+//   --workers N               plans synthesized at once (default 1; 1 to 1024)
+//   --max-seconds S           a plan request's default time budget (default 60)
 //   --max-request-bytes N     larger requests get RESOURCE_EXHAUSTED (default
 //                             16 MiB; a 48-layer GPT graph is 176 KB)
 //   --max-threads N           threads for calls that block (planning, deploys,
@@ -66,26 +70,39 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.security.token = *token;
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");
-  auto number = [&](const char* flag, double def) -> absl::StatusOr<double> {
+  // A positive finite number from `lo` to `hi` (a whole one where `whole`):
+  // a value out of range stops the planner with the flag's name, rather than
+  // an infinity or a cast past int's range reaching the core (--heartbeat-
+  // seconds=inf made every node's heartbeat limit infinite; 1e12 missed
+  // heartbeats was cast to a negative int).
+  auto number = [&](const char* flag, double def, double lo, double hi,
+                    bool whole = false) -> absl::StatusOr<double> {
     std::string v = a.GetOrEnv(flag, "");
     if (v.empty()) return def;
     double x;
-    if (!absl::SimpleAtod(v, &x) || !(x > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be a positive number"));
+    if (!absl::SimpleAtod(v, &x) || !(x > 0) || !std::isfinite(x)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must be a positive number, got '", v, "'"));
+    }
+    if (x < lo || x > hi || (whole && x != std::floor(x))) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be a ",
+                                                     whole ? "whole " : "", "number from ", lo,
+                                                     " to ", hi, ", got ", v));
     }
     return x;
   };
-  auto hb = number("heartbeat-seconds", 5);
-  auto missed = number("missed-heartbeats", 3);
-  auto workers = number("workers", 1);
-  auto max_seconds = number("max-seconds", 60);
-  auto max_request = number("max-request-bytes", hap::service::kDefaultMaxRequestBytes);
-  auto drain = number("drain-seconds", 1);
-  auto expiry = number("node-expiry-seconds", 0);
-  auto threads = number("max-threads", o.max_threads);
-  auto poll = number("status-poll-seconds",
-                     absl::ToDoubleSeconds(o.deployments.status_interval));
-  auto polls = number("missed-status-polls", o.deployments.missed_status_limit);
+  constexpr bool kWhole = true;
+  auto hb = number("heartbeat-seconds", 5, 0.01, 3600);
+  auto missed = number("missed-heartbeats", 3, 1, 1000, kWhole);
+  auto workers = number("workers", 1, 1, 1024, kWhole);
+  auto max_seconds = number("max-seconds", 60, 0, 1e7);
+  auto max_request = number("max-request-bytes", hap::service::kDefaultMaxRequestBytes, 0, 1e18);
+  auto drain = number("drain-seconds", 1, 0, 3600);
+  auto expiry = number("node-expiry-seconds", 0, 0, 1e9);
+  auto threads = number("max-threads", o.max_threads, 0, 1e9);
+  auto poll =
+      number("status-poll-seconds", absl::ToDoubleSeconds(o.deployments.status_interval), 0, 1e9);
+  auto polls = number("missed-status-polls", o.deployments.missed_status_limit, 1, 1000, kWhole);
   for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads,
                   &poll, &polls}) {
     if (!s->ok()) return s->status();
@@ -99,10 +116,6 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.max_threads = static_cast<int>(std::min<double>(std::max(*threads, 4.0), 1 << 16));
   o.deployments.status_interval = absl::Seconds(std::min(*poll, 3600.0));
   o.deployments.status_timeout = o.deployments.status_interval;
-  if (*polls != std::floor(*polls) || *polls > 1000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--missed-status-polls must be a whole number from 1 to 1000, got ", *polls));
-  }
   o.deployments.missed_status_limit = static_cast<int>(*polls);
   if (*expiry > 0) o.core.node_expiry = absl::Seconds(*expiry);
   // Retention: 0 turns a limit off.

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -115,6 +116,34 @@ TEST_F(PlannerCoreTest, ANodeWithThousandsOfDevicesIsRefused) {
   v1::Node many = MakeNode("b", 20000, 1e12);
   EXPECT_THAT(core_->RegisterNode(many).status(),
               hap::testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("devices")));
+}
+
+// Device ids become label keys, metric labels and job selectors: ids with
+// spaces, quotes, control characters or unbounded length are refused by
+// name, at registration and in a heartbeat; ordinary ids are taken.
+TEST_F(PlannerCoreTest, DeviceIdsWithOddCharactersOrLengthAreRefused) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  for (const std::string& bad :
+       {std::string("b/gpu 0"), std::string("b/\"gpu0\""), std::string("b/gpu0\n"),
+        std::string("b/gpu\0", 6), std::string(600, 'x')}) {
+    v1::Node b = MakeNode("b", 1, 1e12);
+    b.mutable_devices(0)->set_id(bad);
+    EXPECT_THAT(core_->RegisterNode(b).status(),
+                hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("a device id must be 1-512")))
+        << absl::CHexEscape(bad);
+  }
+  v1::Node b = MakeNode("b", 1, 1e12);
+  b.mutable_devices(0)->set_id("b.example.com/gpu:0_x-1");
+  ASSERT_TRUE(core_->RegisterNode(b).ok());
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/b");
+  *hb.mutable_devices() = b.devices();
+  hb.mutable_devices(0)->set_id("b/gpu\t0");
+  EXPECT_THAT(
+      core_->Heartbeat(hb).status(),
+      hap::testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("a device id must be")));
+  ExpectPlansStillWork(core_.get(), Deadline());
 }
 
 // Executors are found by the label "hap.executor/<device id>" of any node

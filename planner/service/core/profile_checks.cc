@@ -4,6 +4,7 @@
 #include <cmath>
 #include <set>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -16,6 +17,17 @@ bool ValidId(const std::string& id) {
   for (char c : id) {
     if (!(std::islower(static_cast<unsigned char>(c)) ||
           std::isdigit(static_cast<unsigned char>(c)) || c == '-')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ValidDeviceId(const std::string& id) {
+  if (id.empty() || id.size() > kMaxDeviceIdBytes) return false;
+  for (char c : id) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_' ||
+          c == '/' || c == ':')) {
       return false;
     }
   }
@@ -62,9 +74,17 @@ absl::Status ValidateDevices(const std::string& node,
                                                    " are taken per node"));
   }
   for (const v1::Device& d : devices) {
-    if (d.id().empty() || !ids->insert(d.id()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "node '", node, "': device ids must be non-empty and unique, got '", d.id(), "'"));
+    if (!ValidDeviceId(d.id())) {
+      // Shown as given up to a length a message can hold.
+      return absl::InvalidArgumentError(
+          absl::StrCat("node '", node, "': a device id must be 1-", kMaxDeviceIdBytes,
+                       " letters, digits, '-', '.', '_', '/' or ':' (as NODE/gpu0), got '",
+                       absl::CHexEscape(d.id().substr(0, 80)), d.id().size() > 80 ? "...'" : "'",
+                       " (", d.id().size(), " bytes)"));
+    }
+    if (!ids->insert(d.id()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("node '", node, "': device ids must be unique, got '", d.id(), "' twice"));
     }
     const std::string dev = absl::StrCat("device '", d.id(), "': ");
     double f32 = 0;

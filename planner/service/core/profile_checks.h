@@ -25,6 +25,12 @@ inline constexpr int kMaxDevicesPerNode = 1024;
 
 // A resource id: 1-63 lower-case letters, digits and '-'.
 bool ValidId(const std::string& id);
+// A device id as nodes report it ("node-a/gpu0"): 1-kMaxDeviceIdBytes
+// letters, digits, '-', '.', '_', '/' and ':'. Ids become label keys
+// (hap.executor/<id>), metric labels, log lines and job selectors: no
+// spaces, quotes or control characters, and a bounded length.
+inline constexpr size_t kMaxDeviceIdBytes = 512;
+bool ValidDeviceId(const std::string& id);
 // "nodes/a" -> "a"; a bare name as it is.
 std::string NodeId(const std::string& name);
 // A node name: 1-253 letters, digits, '-', '.', '_'.
