@@ -283,6 +283,10 @@ class PlannerCore {
   bool OverCountLocked() const;
   void RefreshLivenessLocked();
   absl::Status RemoveNodeLocked(const std::string& name);
+  // A node now reporting `now` instead of `before`: the measured links of
+  // the devices it no longer has are dropped (a device that comes back is
+  // measured again, and ids that come and go do not pile up links).
+  void DropLinksOfGoneDevicesLocked(const hap::v1::Node& before, const hap::v1::Node& now);
   hap::v1::Cluster ClusterLocked(bool include_stale) const;
 
   struct State;

@@ -72,6 +72,17 @@ absl::Status PlannerCore::RemoveNodeLocked(const std::string& name) {
   return absl::OkStatus();
 }
 
+void PlannerCore::DropLinksOfGoneDevicesLocked(const v1::Node& before, const v1::Node& now) {
+  std::set<std::string> gone;
+  for (const auto& d : before.devices()) gone.insert(d.id());
+  for (const auto& d : now.devices()) gone.erase(d.id());
+  if (gone.empty()) return;
+  for (auto l = s_->links.begin(); l != s_->links.end();) {
+    const bool drop = gone.count(l->first.first) || gone.count(l->first.second);
+    l = drop ? s_->links.erase(l) : std::next(l);
+  }
+}
+
 absl::Status PlannerCore::DeleteNode(const std::string& name) {
   std::string id = NodeId(name);
   if (!ValidNodeName(id)) {
@@ -173,6 +184,9 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
     HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(node),
                                  absl::StrCat("node '", node.name(), "' was not registered")));
   }
+  if (auto old = s_->nodes.find(node.name()); old != s_->nodes.end()) {
+    DropLinksOfGoneDevicesLocked(old->second, node);
+  }
   s_->nodes[node.name()] = node;
   v1::RegisterNodeResponse r;
   *r.mutable_node() = node;
@@ -210,6 +224,7 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
     HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(n),
                                  absl::StrCat("heartbeat of node '", name, "' was not saved")));
   }
+  DropLinksOfGoneDevicesLocked(it->second, n);
   it->second = std::move(n);
   return out;
 }

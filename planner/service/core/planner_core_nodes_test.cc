@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <set>
+#include <string>
 
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -344,6 +345,45 @@ TEST_F(PlannerCoreTest, MeasurementsThatAreNotFiniteNumbersAreRefusedAtRegistrat
                        HasSubstr("node 'b' reports link a/cpu0 -> a/cpu1 from a device it does "
                                  "not have")));
   EXPECT_DOUBLE_EQ(core_->GetCluster(false).links(0).bandwidth_bytes_per_second(), 1e9);
+}
+
+// Links are measurements of devices: those of a device its node no longer
+// reports (a registration or heartbeat without it) are dropped, so a device
+// that comes back is not planned with links measured before it went.
+TEST_F(PlannerCoreTest, LinksOfADeviceItsNodeNoLongerReportsAreDropped) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 3, 2e12)).ok());
+  auto link = [](const std::string& src, const std::string& dst) {
+    v1::Link l;
+    l.set_src(src);
+    l.set_dst(dst);
+    l.set_bandwidth_bytes_per_second(1e9);
+    l.set_latency_seconds(1e-5);
+    return l;
+  };
+  ASSERT_TRUE(core_
+                  ->ReportLinks("a", {link("a/cpu0", "a/cpu1"), link("a/cpu1", "a/cpu2"),
+                                      link("a/cpu0", "a/cpu2")})
+                  .ok());
+  ASSERT_EQ(core_->GetCluster(false).links_size(), 3);
+  auto links = [&] {
+    std::set<std::string> out;
+    const v1::Cluster c = core_->GetCluster(false);
+    for (const auto& l : c.links()) {
+      out.insert(l.src() + ">" + l.dst());
+    }
+    return out;
+  };
+  // A heartbeat re-measured without a/cpu2, then a registration with it again.
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  *hb.mutable_devices() = MakeNode("a", 2, 2e12).devices();
+  ASSERT_TRUE(core_->Heartbeat(hb).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 3, 2e12)).ok());
+  EXPECT_EQ(links(), (std::set<std::string>{"a/cpu0>a/cpu1"}));
+  // A registration without a/cpu1 drops its last link.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 3, 2e12)).ok());
+  EXPECT_TRUE(links().empty());
 }
 
 // A database written before registrations were checked may hold nodes
