@@ -7,195 +7,70 @@
 // real Gloo. The losses and the parameters after 4 steps must be the
 // single-device run's (tolerances as equivalence_test.cc). Also: the 1F1B
 // order, microbatch slicing, and the stage programs' boundary buffers.
+#include <algorithm>
 #include <cmath>
-#include <filesystem>
-#include <map>
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "executor/data/batches.h"
 #include "executor/train/pipeline.h"
+#include "executor/train/pipeline_test_util.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
 #include "gtest/gtest.h"
-#include "planner/graph/zoo.h"
-#include "planner/lower/lower.h"
-#include "planner/pipeline/layers.h"
 
 namespace hap {
 namespace {
 
 namespace v1 = ::hap::v1;
 using executor::TrainResult;
+using hap::testing::BoundaryPieces;
+using hap::testing::kPipelineSeed;
+using hap::testing::PipelineCase;
+using hap::testing::PipelineCaseName;
 
 constexpr int kSteps = 4;
-constexpr uint64_t kSeed = 4321;
-constexpr int kBatch = 24;
 
-graph::Graph Model(const std::string& name) {
-  std::map<std::string, double> p;
-  if (name == "mlp") {
-    p = {{"layers", 4}, {"hidden", 24}, {"input", 12}, {"classes", 5}, {"batch", kBatch}};
-  } else {
-    p = {{"layers", 3}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 6},
-         {"vocab", 37}, {"batch", kBatch}, {"dropout", 0.1}};
-  }
-  auto g = graph::BuildZooModel(name, p);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return *std::move(g);
+// The stage programs without boundary pieces: RunLocalPipeline adds them
+// itself unless the case sends whole tensors, and that is what runs here.
+absl::StatusOr<hap::testing::LoweredPipeline> LowerPipeline(const graph::Graph& g,
+                                                            const PipelineCase& c) {
+  return hap::testing::LowerPipeline(g, c, BoundaryPieces::kLeaveToRunLocalPipeline);
 }
 
-std::string TempDir(const std::string& tag) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  std::filesystem::path dir =
-      std::filesystem::path(tmp != nullptr ? tmp : std::filesystem::temp_directory_path()) /
-      ("pipe_" + tag);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
+// Trains `programs` (of `lowered`, possibly altered) for `steps` steps with
+// executor::RunLocalPipeline over Gloo.
+absl::StatusOr<std::vector<TrainResult>> RunLowered(const graph::Graph& g, const PipelineCase& c,
+                                                    const hap::testing::LoweredPipeline& lowered,
+                                                    const std::vector<v1::RankProgram>& programs,
+                                                    int steps, const std::string& tag,
+                                                    const executor::RunnerOptions& runner) {
+  executor::TrainOptions to;
+  to.steps = steps;
+  executor::LocalRanksOptions lro;
+  lro.rendezvous_dir = hap::testing::PipelineTestDir(tag);
+  lro.prefix = tag;
+  lro.pipeline_pieces = !c.whole;
+  lro.runner = runner;
+  return executor::RunLocalPipeline(
+      programs, *lowered.micro, lowered.layout,
+      [&](int) { return data::NewSyntheticBatches(g, kPipelineSeed); }, to, lro);
 }
 
-struct Case {
-  std::string model;
-  std::vector<int> group_sizes;  // ranks per stage
-  int microbatches;
-  bool adam;
-  std::string kind;  // the groups' programs (test_programs.h kinds)
-  // Senders send contributions to the whole tensor instead of their pieces.
-  bool whole = false;
-  // Lowered with overlap: gradient buckets started in the last microbatch's
-  // backward on a communication thread.
-  bool overlap = false;
-};
-
-std::string Name(const ::testing::TestParamInfo<Case>& i) {
-  const Case& c = i.param;
-  std::string groups;
-  for (int n : c.group_sizes) groups += std::to_string(n);
-  return absl::StrCat(c.model, "_", c.group_sizes.size(), "stages_", groups, "_mb",
-                      c.microbatches, "_", c.kind, c.adam ? "_adam" : "_sgd",
-                      c.whole ? "_whole" : "", c.overlap ? "_overlap" : "");
-}
-
-std::vector<double> Uneven(int n) {
-  if (n == 1) return {1.0};
-  std::vector<double> r;
-  double sum = 0;
-  for (int i = 0; i < n; ++i) sum += 1.0 + 0.7 * i;
-  for (int i = 0; i < n; ++i) r.push_back((1.0 + 0.7 * i) / sum);
-  return r;
-}
-
-struct Lowered {
-  std::vector<v1::RankProgram> programs;  // per world rank
-  executor::PipelineLayout layout;
-  std::shared_ptr<graph::Graph> micro;
-};
-
-// Cuts the model into group_sizes.size() stages of about equal numbers of
-// layers and lowers each stage for its group.
-absl::StatusOr<Lowered> LowerPipeline(const graph::Graph& g, const Case& c) {
-  Lowered out;
-  const int S = static_cast<int>(c.group_sizes.size());
-  auto micro = pipeline::Rebatch(g, kBatch / c.microbatches);
-  if (!micro.ok()) return micro.status();
-  out.micro = std::make_shared<graph::Graph>(*std::move(micro));
-  const graph::Graph& m = *out.micro;
-  pipeline::Layers layers = pipeline::FindLayers(m, 2 * S);
-  if (layers.size() < S) {
-    return absl::FailedPreconditionError(absl::StrCat("only ", layers.size(), " layers"));
-  }
-  out.layout.microbatches = c.microbatches;
-  out.layout.clip = c.adam;  // the equivalence optimizers clip with Adam
-  int rank = 0;
-  for (int s = 0; s < S; ++s) {
-    const int first_layer = s * layers.size() / S, end_layer = (s + 1) * layers.size() / S;
-    lower::StageSpec spec;
-    spec.begin_op = layers.begin[first_layer];
-    spec.end_op = layers.begin[end_layer];
-    spec.microbatches = c.microbatches;
-    const int n = c.group_sizes[s];
-    std::vector<double> ratios = Uneven(n);
-    absl::StatusOr<synth::Program> whole = lower::SingleDeviceProgram(m);
-    if (n > 1) whole = hap::testing::ProgramOfKind(m, n, c.kind, ratios);
-    if (!whole.ok()) return whole.status();
-    synth::Program sub;
-    for (int k = spec.begin_op; k < spec.end_op; ++k) sub.steps.push_back(whole->steps[k]);
-    auto form_of = [&](graph::TensorId t) {
-      const graph::Tensor& x = m.tensor(t);
-      return whole->steps[x.producer].rule.outputs[x.producer_output];
-    };
-    if (first_layer > 0) {
-      spec.input = layers.boundary[first_layer - 1];
-      spec.input_form = form_of(spec.input);
-    }
-    if (s + 1 < S) {
-      spec.output = layers.boundary[end_layer - 1];
-      spec.output_form = form_of(spec.output);
-    }
-    lower::LowerOptions lo;
-    lo.world_size = n;
-    lo.ratios = ratios;
-    lo.optimizer = hap::testing::EquivalenceOptimizer(c.adam);
-    lo.seed = kSeed;
-    lo.overlap = c.overlap;
-    lo.gradient_bucket_bytes = c.overlap ? 4096 : 0;  // several buckets per stage
-    auto progs = lower::LowerStage(m, sub, spec, lo);
-    if (!progs.ok()) return progs.status();
-    std::vector<int> group;
-    for (int r = 0; r < n; ++r) {
-      group.push_back(rank++);
-      out.programs.push_back((*progs)[r]);
-    }
-    out.layout.stage_ranks.push_back(group);
-  }
-  return out;
-}
-
-class PipelineEquivalenceTest : public ::testing::TestWithParam<Case> {};
-
-std::map<std::string, std::vector<TrainResult>>& References() {
-  static auto* m = new std::map<std::string, std::vector<TrainResult>>();
-  return *m;
-}
-
-const TrainResult& Reference(const graph::Graph& g, const std::string& model, bool adam) {
-  const std::string key = absl::StrCat(model, adam);
-  if (!References().count(key)) {
-    lower::LowerOptions lo;
-    lo.optimizer = hap::testing::EquivalenceOptimizer(adam);
-    lo.seed = kSeed;
-    auto ref = hap::testing::RunLoweredOverGloo(g, lower::SingleDeviceProgram(g), lo, kSteps,
-                                                "ref_" + key);
-    EXPECT_TRUE(ref.ok()) << ref.status();
-    if (!ref.ok()) return *new TrainResult();
-    References()[key] = *std::move(ref);
-  }
-  return References()[key][0];
-}
-
-absl::StatusOr<std::vector<TrainResult>> RunPipeline(const graph::Graph& g, const Case& c,
+absl::StatusOr<std::vector<TrainResult>> RunPipeline(const graph::Graph& g, const PipelineCase& c,
                                                      const std::string& tag,
                                                      const executor::RunnerOptions& runner) {
   auto lowered = LowerPipeline(g, c);
   if (!lowered.ok()) return lowered.status();
-  executor::TrainOptions to;
-  to.steps = kSteps;
-  executor::LocalRanksOptions lro;
-  lro.rendezvous_dir = TempDir(tag);
-  lro.prefix = tag;
-  lro.pipeline_pieces = !c.whole;
-  lro.runner = runner;
-  return executor::RunLocalPipeline(lowered->programs, *lowered->micro, lowered->layout,
-                                    [&](int) { return data::NewSyntheticBatches(g, kSeed); },
-                                    to, lro);
+  return RunLowered(g, c, *lowered, lowered->programs, kSteps, tag, runner);
 }
 
+class PipelineEquivalenceTest : public ::testing::TestWithParam<PipelineCase> {};
+
 TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchSingleDevice) {
-  const Case& c = GetParam();
-  graph::Graph g = Model(c.model);
-  const TrainResult& ref = Reference(g, c.model, c.adam);
+  const PipelineCase& c = GetParam();
+  graph::Graph g = hap::testing::PipelineTestModel(c.model);
+  const TrainResult& ref = hap::testing::SingleDeviceReference(g, c.model, c.adam, kSteps);
   ASSERT_FALSE(ref.losses.empty());
   if (c.overlap) {
     // The stages' gradient buckets start during backward (dp and mix
@@ -213,29 +88,13 @@ TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchSingleDevice) {
       EXPECT_GT(started, 0);
     }
   }
-  auto runs = RunPipeline(g, c, Name({c, 0}), {});
+  auto runs = RunPipeline(g, c, PipelineCaseName(c), {});
   ASSERT_TRUE(runs.ok()) << runs.status();
-
-  for (size_t r = 0; r < runs->size(); ++r) {
-    ASSERT_EQ((*runs)[r].losses.size(), ref.losses.size());
-    for (int s = 0; s < kSteps; ++s) {
-      const double want = ref.losses[s], got = (*runs)[r].losses[s];
-      EXPECT_NEAR(got, want, 2e-5 * std::abs(want) + 2e-6) << "rank " << r << " step " << s;
-    }
-  }
+  hap::testing::ExpectMatchesReference(*runs, ref, c.adam, kSteps);
   EXPECT_GT(std::abs(ref.losses.front() - ref.losses.back()), 1e-4);
-
-  auto deviations = hap::testing::CompareRunsWithReference(*runs, ref);
-  ASSERT_TRUE(deviations.ok()) << deviations.status();
-  for (const auto& d : *deviations) {
-    const double tol = 1e-4 * d.scale +
-                       (c.adam ? 1e-3 * hap::testing::kEquivalenceAdamLr * kSteps : 0.0);
-    EXPECT_LE(d.worst, tol) << "parameter " << d.name << " element " << d.at << ": " << d.got
-                            << " vs " << d.want;
-  }
 }
 
-std::vector<Case> Cases() {
+std::vector<PipelineCase> Cases() {
   return {
       {"mlp", {1, 1}, 2, false, "dp"},
       {"mlp", {2, 1}, 4, true, "tp"},
@@ -263,16 +122,17 @@ std::vector<Case> Cases() {
   };
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, PipelineEquivalenceTest, ::testing::ValuesIn(Cases()), Name);
+INSTANTIATE_TEST_SUITE_P(Plans, PipelineEquivalenceTest, ::testing::ValuesIn(Cases()),
+                         hap::testing::PipelineCaseTestName);
 
 // The overlapped stage's waits are where they must be: with every
 // collective held until its wait step, the pipeline still equals the
 // single device; with the waits gone (held collectives then run after the
 // optimizer) the unsummed gradients move the parameters elsewhere.
 TEST(PipelineEquivalenceTest, OverlapWaitsAreNeeded) {
-  Case c{"gpt", {2, 2}, 4, false, "dp", false, true};
-  graph::Graph g = Model(c.model);
-  const TrainResult& ref = Reference(g, c.model, c.adam);
+  PipelineCase c{"gpt", {2, 2}, 4, false, "dp", false, true};
+  graph::Graph g = hap::testing::PipelineTestModel(c.model);
+  const TrainResult& ref = hap::testing::SingleDeviceReference(g, c.model, c.adam, kSteps);
   ASSERT_FALSE(ref.losses.empty());
   executor::RunnerOptions held;
   held.test_hold_until_wait = true;
@@ -296,14 +156,13 @@ TEST(PipelineEquivalenceTest, OverlapWaitsAreNeeded) {
 // loss seed of one microbatch (gradients M times too large) moves the
 // parameters elsewhere.
 TEST(PipelineEquivalenceTest, WrongMicrobatchScalingIsCaught) {
-  graph::Graph g = Model("mlp");
-  Case c{"mlp", {1, 1}, 4, false, "dp"};
+  graph::Graph g = hap::testing::PipelineTestModel("mlp");
+  PipelineCase c{"mlp", {1, 1}, 4, false, "dp"};
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
-  Case wrong = c;
+  PipelineCase wrong = c;
   wrong.microbatches = 4;
   // Re-lower with microbatches = 1 in the stage specs only.
-  auto bad_layout = lowered->layout;
   std::vector<v1::RankProgram> bad = lowered->programs;
   for (auto& p : bad) {
     for (auto& s : *p.mutable_steps()) {
@@ -313,24 +172,13 @@ TEST(PipelineEquivalenceTest, WrongMicrobatchScalingIsCaught) {
       }
     }
   }
-  lower::LowerOptions lo;
-  lo.optimizer = hap::testing::EquivalenceOptimizer(false);
-  lo.seed = kSeed;
-  auto ref = hap::testing::RunLoweredOverGloo(g, lower::SingleDeviceProgram(g), lo, 2, "ref_w");
-  ASSERT_TRUE(ref.ok()) << ref.status();
-  executor::TrainOptions to;
-  to.steps = 2;
-  executor::LocalRanksOptions lro;
-  lro.rendezvous_dir = TempDir("wrong_scale");
-  lro.prefix = "wrong_scale";
-  auto runs = executor::RunLocalPipeline(
-      bad, *lowered->micro, bad_layout, [&](int) { return data::NewSyntheticBatches(g, kSeed); },
-      to, lro);
+  const TrainResult& ref = hap::testing::SingleDeviceReference(g, "mlp", false, 2);
+  ASSERT_EQ(ref.losses.size(), 2u);
+  auto runs = RunLowered(g, c, *lowered, bad, 2, "wrong_scale", {});
   ASSERT_TRUE(runs.ok()) << runs.status();
   // Step 0's loss is before any update: still right; step 1's is not.
-  EXPECT_NEAR((*runs)[0].losses[0], (*ref)[0].losses[0], 1e-5 * std::abs((*ref)[0].losses[0]));
-  EXPECT_GT(std::abs((*runs)[0].losses[1] - (*ref)[0].losses[1]),
-            1e-3 * std::abs((*ref)[0].losses[1]));
+  EXPECT_NEAR((*runs)[0].losses[0], ref.losses[0], 1e-5 * std::abs(ref.losses[0]));
+  EXPECT_GT(std::abs((*runs)[0].losses[1] - ref.losses[1]), 1e-3 * std::abs(ref.losses[1]));
 }
 
 TEST(PipelineScheduleTest, OneFOneBOrder) {
@@ -371,8 +219,8 @@ TEST(PipelineScheduleTest, MicroBatchSlicesRows) {
 // Each stage's programs carry the boundary buffers its position needs, in
 // matching shapes: what one stage sends is what the next receives.
 TEST(PipelineLoweringTest, BoundaryBuffersMatch) {
-  graph::Graph g = Model("gpt");
-  Case c{"gpt", {2, 1, 2}, 4, false, "tp"};
+  graph::Graph g = hap::testing::PipelineTestModel("gpt");
+  PipelineCase c{"gpt", {2, 1, 2}, 4, false, "tp"};
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   const auto& L = *lowered;

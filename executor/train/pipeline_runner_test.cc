@@ -3,15 +3,16 @@
 // stages, fewer microbatches than stages, odd microbatch counts, four
 // stages), a stage without parameters, the profile of a pipeline rank, a
 // peer that fails mid-step, the sends of a failed step, device memory
-// across steps, and a resume from a pipeline checkpoint. Ranks are threads over real Gloo, as in
-// pipeline_equivalence_test.cc; every rank here is built by this file's
-// harness (RunRanks) so a test can wrap its device or communicator.
+// across steps, and a resume from a pipeline checkpoint. The models, the
+// cases' lowering and the single-device reference are those of
+// pipeline_equivalence_test.cc (pipeline_test_util.h). Ranks are threads
+// over real Gloo, as there; every rank here is built by this file's harness
+// (RunRanks) so a test can wrap its device or communicator.
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -32,12 +33,10 @@
 #include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
 #include "executor/train/pipeline.h"
+#include "executor/train/pipeline_test_util.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
 #include "gtest/gtest.h"
-#include "planner/graph/zoo.h"
-#include "planner/lower/lower.h"
-#include "planner/pipeline/layers.h"
 
 namespace hap {
 namespace {
@@ -49,63 +48,21 @@ using executor::PipelineRunner;
 using executor::ProgramRunner;
 using executor::TensorView;
 using executor::TrainResult;
+using hap::testing::BoundaryPieces;
+using hap::testing::ExpectMatchesReference;
+using hap::testing::kPipelineBatch;
+using hap::testing::kPipelineSeed;
+using hap::testing::PipelineCase;
+using hap::testing::PipelineCaseName;
+using hap::testing::PipelineTestDir;
+using hap::testing::PipelineTestModel;
+using hap::testing::SingleDeviceReference;
+using Lowered = hap::testing::LoweredPipeline;
 
-constexpr uint64_t kSeed = 4321;
-constexpr int kBatch = 24;
-
-graph::Graph Model(const std::string& name) {
-  std::map<std::string, double> p;
-  if (name == "mlp") {
-    p = {{"layers", 4}, {"hidden", 24}, {"input", 12}, {"classes", 5}, {"batch", kBatch}};
-  } else {
-    p = {{"layers", 3}, {"hidden", 16}, {"heads", 4},      {"ffn", 24},
-         {"seq", 6},    {"vocab", 37},  {"batch", kBatch}, {"dropout", 0.1}};
-  }
-  auto g = graph::BuildZooModel(name, p);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return *std::move(g);
-}
-
-std::string TempDir(const std::string& tag) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  std::filesystem::path dir =
-      std::filesystem::path(tmp != nullptr ? tmp : std::filesystem::temp_directory_path()) /
-      ("pipe_review_" + tag);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
-
-std::vector<double> Uneven(int n) {
-  if (n == 1) return {1.0};
-  std::vector<double> r;
-  double sum = 0;
-  for (int i = 0; i < n; ++i) sum += 1.0 + 0.7 * i;
-  for (int i = 0; i < n; ++i) r.push_back((1.0 + 0.7 * i) / sum);
-  return r;
-}
-
-struct Lowered {
-  std::vector<v1::RankProgram> programs;  // per world rank
-  executor::PipelineLayout layout;        // with boundary pieces
-  std::shared_ptr<graph::Graph> micro;
-};
-
-struct Spec {
-  std::string model;
-  std::vector<int> group_sizes;  // ranks per stage
-  int microbatches = 1;
-  bool adam = false;
-  std::string kind = "dp";
-  bool overlap = false;
-  // Stage s is ops [cuts[s], cuts[s+1]) of the model; empty: about equal
-  // numbers of planner/pipeline layers per stage.
-  std::vector<int> cuts;
-};
-
-Spec MakeSpec(const std::string& model, std::vector<int> group_sizes, int microbatches, bool adam,
-              const std::string& kind, bool overlap = false, std::vector<int> cuts = {}) {
-  Spec c;
+PipelineCase MakeSpec(const std::string& model, std::vector<int> group_sizes, int microbatches,
+                      bool adam, const std::string& kind, bool overlap = false,
+                      std::vector<int> cuts = {}) {
+  PipelineCase c;
   c.model = model;
   c.group_sizes = std::move(group_sizes);
   c.microbatches = microbatches;
@@ -116,104 +73,10 @@ Spec MakeSpec(const std::string& model, std::vector<int> group_sizes, int microb
   return c;
 }
 
-std::string SpecName(const Spec& c) {
-  std::string groups;
-  for (int n : c.group_sizes) groups += std::to_string(n);
-  return absl::StrCat(c.model, "_", c.group_sizes.size(), "stages_", groups, "_mb", c.microbatches,
-                      "_", c.kind, c.adam ? "_adam" : "_sgd", c.overlap ? "_overlap" : "",
-                      c.cuts.empty() ? "" : "_cuts");
-}
-
-// The one activation produced before `begin` that ops [begin, end) read
-// (want_input), or produced in [begin, end) and read at `end` or later.
-absl::StatusOr<graph::TensorId> Crossing(const graph::Graph& m, int begin, int end,
-                                         bool want_input) {
-  std::set<graph::TensorId> found;
-  for (int k = 0; k < static_cast<int>(m.ops().size()); ++k) {
-    const bool reader = want_input ? (k >= begin && k < end) : k >= end;
-    if (!reader) continue;
-    for (graph::TensorId t : m.op(k).inputs) {
-      const graph::Tensor& x = m.tensor(t);
-      if (x.kind != graph::TensorKind::kActivation) continue;
-      const bool from = want_input ? x.producer < begin : (x.producer >= begin && x.producer < end);
-      if (from) found.insert(t);
-    }
-  }
-  if (found.size() != 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("ops [", begin, ", ", end, ") have ", found.size(), " crossing tensors"));
-  }
-  return *found.begin();
-}
-
-absl::StatusOr<Lowered> LowerPipeline(const graph::Graph& g, const Spec& c) {
-  Lowered out;
-  const int S = static_cast<int>(c.group_sizes.size());
-  auto micro = pipeline::Rebatch(g, kBatch / c.microbatches);
-  if (!micro.ok()) return micro.status();
-  out.micro = std::make_shared<graph::Graph>(*std::move(micro));
-  const graph::Graph& m = *out.micro;
-  std::vector<int> cuts = c.cuts;
-  if (cuts.empty()) {
-    pipeline::Layers layers = pipeline::FindLayers(m, 2 * S);
-    if (layers.size() < S) {
-      return absl::FailedPreconditionError(absl::StrCat("only ", layers.size(), " layers"));
-    }
-    for (int s = 0; s <= S; ++s) cuts.push_back(layers.begin[s * layers.size() / S]);
-  }
-  if (static_cast<int>(cuts.size()) != S + 1) {
-    return absl::InvalidArgumentError("cuts must have one entry per stage and the end");
-  }
-  out.layout.microbatches = c.microbatches;
-  out.layout.clip = c.adam;  // the equivalence optimizers clip with Adam
-  int rank = 0;
-  for (int s = 0; s < S; ++s) {
-    lower::StageSpec spec;
-    spec.begin_op = cuts[s];
-    spec.end_op = cuts[s + 1];
-    spec.microbatches = c.microbatches;
-    const int n = c.group_sizes[s];
-    std::vector<double> ratios = Uneven(n);
-    absl::StatusOr<synth::Program> whole = lower::SingleDeviceProgram(m);
-    if (n > 1) whole = hap::testing::ProgramOfKind(m, n, c.kind, ratios);
-    if (!whole.ok()) return whole.status();
-    synth::Program sub;
-    for (int k = spec.begin_op; k < spec.end_op; ++k) sub.steps.push_back(whole->steps[k]);
-    auto form_of = [&](graph::TensorId t) {
-      const graph::Tensor& x = m.tensor(t);
-      return whole->steps[x.producer].rule.outputs[x.producer_output];
-    };
-    if (s > 0) {
-      auto in = Crossing(m, spec.begin_op, spec.end_op, true);
-      if (!in.ok()) return in.status();
-      spec.input = *in;
-      spec.input_form = form_of(spec.input);
-    }
-    if (s + 1 < S) {
-      auto o = Crossing(m, spec.begin_op, spec.end_op, false);
-      if (!o.ok()) return o.status();
-      spec.output = *o;
-      spec.output_form = form_of(spec.output);
-    }
-    lower::LowerOptions lo;
-    lo.world_size = n;
-    lo.ratios = ratios;
-    lo.optimizer = hap::testing::EquivalenceOptimizer(c.adam);
-    lo.seed = kSeed;
-    lo.overlap = c.overlap;
-    lo.gradient_bucket_bytes = c.overlap ? 4096 : 0;
-    auto progs = lower::LowerStage(m, sub, spec, lo);
-    if (!progs.ok()) return progs.status();
-    std::vector<int> group;
-    for (int r = 0; r < n; ++r) {
-      group.push_back(rank++);
-      out.programs.push_back((*progs)[r]);
-    }
-    out.layout.stage_ranks.push_back(group);
-  }
-  auto pieces = executor::AddBoundaryPieces(out.layout, out.programs);
-  if (!pieces.ok()) return pieces;
-  return out;
+// The layout carries the boundary pieces: RunRanks creates the
+// PipelineRunners itself.
+absl::StatusOr<Lowered> LowerPipeline(const graph::Graph& g, const PipelineCase& c) {
+  return hap::testing::LowerPipeline(g, c, BoundaryPieces::kAdd);
 }
 
 // A device that forwards to another and counts the memory it holds.
@@ -347,7 +210,7 @@ std::vector<absl::Status> RunRanks(const Lowered& L, const std::string& tag,
                                    const HarnessOptions& o,
                                    const std::function<absl::Status(RankCtx&)>& body) {
   const int n = static_cast<int>(L.programs.size());
-  const std::string dir = TempDir(tag);
+  const std::string dir = PipelineTestDir(tag);
   std::vector<absl::Status> results(n, absl::UnknownError("did not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
@@ -415,7 +278,7 @@ absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g, const Lowe
                                                const std::string& tag, int steps) {
   std::vector<TrainResult> out(L.programs.size());
   auto st = RunRanks(L, tag, {}, [&](RankCtx& c) -> absl::Status {
-    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
     executor::TrainOptions to;
     to.steps = steps;
     auto r = executor::TrainRankWith(
@@ -431,65 +294,24 @@ absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g, const Lowe
   return out;
 }
 
-std::map<std::string, std::vector<TrainResult>>& References() {
-  static auto* m = new std::map<std::string, std::vector<TrainResult>>();
-  return *m;
-}
-
-const TrainResult& Reference(const graph::Graph& g, const std::string& model, bool adam,
-                             int steps) {
-  const std::string key = absl::StrCat(model, adam, "_", steps);
-  if (!References().count(key)) {
-    lower::LowerOptions lo;
-    lo.optimizer = hap::testing::EquivalenceOptimizer(adam);
-    lo.seed = kSeed;
-    auto ref = hap::testing::RunLoweredOverGloo(g, lower::SingleDeviceProgram(g), lo, steps,
-                                                "review_ref_" + key);
-    EXPECT_TRUE(ref.ok()) << ref.status();
-    if (!ref.ok()) return *new TrainResult();
-    References()[key] = *std::move(ref);
-  }
-  return References()[key][0];
-}
-
-void ExpectMatchesReference(const std::vector<TrainResult>& runs, const TrainResult& ref, bool adam,
-                            int steps) {
-  ASSERT_FALSE(ref.losses.empty());
-  for (size_t r = 0; r < runs.size(); ++r) {
-    ASSERT_EQ(runs[r].losses.size(), ref.losses.size());
-    for (int s = 0; s < steps; ++s) {
-      const double want = ref.losses[s], got = runs[r].losses[s];
-      EXPECT_NEAR(got, want, 2e-5 * std::abs(want) + 2e-6) << "rank " << r << " step " << s;
-    }
-  }
-  auto deviations = hap::testing::CompareRunsWithReference(runs, ref);
-  ASSERT_TRUE(deviations.ok()) << deviations.status();
-  for (const auto& d : *deviations) {
-    const double tol =
-        1e-4 * d.scale + (adam ? 1e-3 * hap::testing::kEquivalenceAdamLr * steps : 0.0);
-    EXPECT_LE(d.worst, tol) << "parameter " << d.name << " element " << d.at << ": " << d.got
-                            << " vs " << d.want;
-  }
-}
-
 // ---------------------------------------------------------------------------
 // Schedules the equivalence test does not cover.
 
-class PipelineScheduleTest : public ::testing::TestWithParam<Spec> {};
+class PipelineScheduleTest : public ::testing::TestWithParam<PipelineCase> {};
 
 TEST_P(PipelineScheduleTest, MatchesSingleDevice) {
   constexpr int kSteps = 3;
-  const Spec& c = GetParam();
-  graph::Graph g = Model(c.model);
-  const TrainResult& ref = Reference(g, c.model, c.adam, kSteps);
+  const PipelineCase& c = GetParam();
+  graph::Graph g = PipelineTestModel(c.model);
+  const TrainResult& ref = SingleDeviceReference(g, c.model, c.adam, kSteps);
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
-  auto runs = Train(g, *lowered, SpecName(c), kSteps);
+  auto runs = Train(g, *lowered, PipelineCaseName(c), kSteps);
   ASSERT_TRUE(runs.ok()) << runs.status();
   ExpectMatchesReference(*runs, ref, c.adam, kSteps);
 }
 
-std::vector<Spec> ScheduleCases() {
+std::vector<PipelineCase> ScheduleCases() {
   return {
       // One microbatch through three stages (w = 1, 1, 0).
       MakeSpec("mlp", {1, 1, 1}, 1, false, "dp"),
@@ -512,14 +334,14 @@ std::vector<Spec> ScheduleCases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineScheduleTest, ::testing::ValuesIn(ScheduleCases()),
-                         [](const ::testing::TestParamInfo<Spec>& i) { return SpecName(i.param); });
+                         hap::testing::PipelineCaseTestName);
 
 // A stage without parameters (a lone relu between two linear stages): no
 // gradients to sum, no clipping norm of its own, still in the norm's sum
 // over the stages.
 TEST(PipelineRunnerTest, StageWithoutParametersMatchesSingleDevice) {
   constexpr int kSteps = 3;
-  graph::Graph g = Model("mlp");
+  graph::Graph g = PipelineTestModel("mlp");
   int relu = -1;
   for (int k = 0; k < static_cast<int>(g.ops().size()); ++k) {
     if (g.op(k).type == "relu") {
@@ -529,16 +351,16 @@ TEST(PipelineRunnerTest, StageWithoutParametersMatchesSingleDevice) {
   }
   ASSERT_GT(relu, 0);
   for (bool adam : {false, true}) {
-    Spec c = MakeSpec("mlp", {1, 1, 1}, 4, adam, "dp", false,
-                      {0, relu, relu + 1, static_cast<int>(g.ops().size())});
+    PipelineCase c = MakeSpec("mlp", {1, 1, 1}, 4, adam, "dp", false,
+                              {0, relu, relu + 1, static_cast<int>(g.ops().size())});
     auto lowered = LowerPipeline(g, c);
     ASSERT_TRUE(lowered.ok()) << lowered.status();
     for (const v1::Buffer& b : lowered->programs[1].buffers()) {
       EXPECT_NE(b.role(), v1::Buffer::PARAMETER) << b.tensor();
     }
-    auto runs = Train(g, *lowered, SpecName(c), kSteps);
+    auto runs = Train(g, *lowered, PipelineCaseName(c), kSteps);
     ASSERT_TRUE(runs.ok()) << runs.status();
-    ExpectMatchesReference(*runs, Reference(g, "mlp", adam, kSteps), adam, kSteps);
+    ExpectMatchesReference(*runs, SingleDeviceReference(g, "mlp", adam, kSteps), adam, kSteps);
   }
 }
 
@@ -550,8 +372,8 @@ TEST(PipelineRunnerTest, StageWithoutParametersMatchesSingleDevice) {
 // not be charged to a model op type. The MLP has no "add" op, so no "add"
 // may appear.
 TEST(PipelineRunnerTest, GradientSumsAreRuntimeWorkInTheProfile) {
-  graph::Graph g = Model("mlp");
-  Spec c = MakeSpec("mlp", {1, 1}, 4, false, "dp");
+  graph::Graph g = PipelineTestModel("mlp");
+  PipelineCase c = MakeSpec("mlp", {1, 1}, 4, false, "dp");
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   std::set<std::string> op_types;
@@ -567,7 +389,7 @@ TEST(PipelineRunnerTest, GradientSumsAreRuntimeWorkInTheProfile) {
   HarnessOptions timed;
   timed.timing = true;
   auto st = RunRanks(*lowered, "profile", timed, [&](RankCtx& c) -> absl::Status {
-    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
     executor::TrainOptions to;
     to.steps = 1;
     auto r = executor::TrainRankWith(
@@ -596,8 +418,8 @@ TEST(PipelineRunnerTest, GradientSumsAreRuntimeWorkInTheProfile) {
 // whose communicators are still open): its peers fail their step with the
 // communicator's deadline, they do not wait for ever.
 TEST(PipelineRunnerTest, PeerFailingMidStepFailsTheStepWithinTheDeadline) {
-  graph::Graph g = Model("mlp");
-  Spec c = MakeSpec("mlp", {1, 2}, 4, false, "dp");
+  graph::Graph g = PipelineTestModel("mlp");
+  PipelineCase c = MakeSpec("mlp", {1, 2}, 4, false, "dp");
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   HarnessOptions o;
@@ -616,7 +438,7 @@ TEST(PipelineRunnerTest, PeerFailingMidStepFailsTheStepWithinTheDeadline) {
   auto st = RunRanks(*lowered, "peer_fails", o, [&](RankCtx& c) -> absl::Status {
     absl::Status s = c.runner->InitializeParameters();
     if (!s.ok()) return s;
-    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
     auto b = batches->Get(0);
     if (!b.ok()) return b.status();
     auto loss = c.pipe->RunStep(*b, 0);
@@ -655,8 +477,8 @@ TEST(PipelineRunnerTest, PeerFailingMidStepFailsTheStepWithinTheDeadline) {
 // stage 0's runner still exists), or nothing: a failed step's sends may be
 // withdrawn (the receive then fails), never sent from freed memory.
 TEST(PipelineRunnerTest, SendsOfAFailedStepDoNotReadFreedMemory) {
-  graph::Graph g = Model("mlp");
-  Spec c = MakeSpec("mlp", {1, 1}, 2, false, "dp");
+  graph::Graph g = PipelineTestModel("mlp");
+  PipelineCase c = MakeSpec("mlp", {1, 1}, 2, false, "dp");
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   std::vector<int64_t> in_shape;
@@ -701,7 +523,7 @@ TEST(PipelineRunnerTest, SendsOfAFailedStepDoNotReadFreedMemory) {
       }
       absl::Status s = ctx.runner->InitializeParameters();
       if (!s.ok()) return s;
-      auto batches = data::NewSyntheticBatches(g, kSeed);
+      auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
       auto b = batches->Get(0);
       if (!b.ok()) return b.status();
       auto loss = ctx.pipe->RunStep(*b, 0);  // sends microbatches 0 and 1, then fails
@@ -744,8 +566,8 @@ TEST(PipelineRunnerTest, SendsOfAFailedStepDoNotReadFreedMemory) {
 // Device memory the pipeline runner allocates (gradient sums, stash slots)
 // is made by the first step and reused: later steps hold no more.
 TEST(PipelineRunnerTest, DeviceMemoryDoesNotGrowAcrossSteps) {
-  graph::Graph g = Model("gpt");
-  Spec c = MakeSpec("gpt", {1, 1, 1}, 4, true, "dp");
+  graph::Graph g = PipelineTestModel("gpt");
+  PipelineCase c = MakeSpec("gpt", {1, 1, 1}, 4, true, "dp");
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   HarnessOptions o;
@@ -754,7 +576,7 @@ TEST(PipelineRunnerTest, DeviceMemoryDoesNotGrowAcrossSteps) {
   auto st = RunRanks(*lowered, "memory", o, [&](RankCtx& c) -> absl::Status {
     absl::Status s = c.runner->InitializeParameters();
     if (!s.ok()) return s;
-    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
     for (int step = 0; step < 4; ++step) {
       auto b = batches->Get(step);
       if (!b.ok()) return b.status();
@@ -776,22 +598,22 @@ TEST(PipelineRunnerTest, DeviceMemoryDoesNotGrowAcrossSteps) {
 // world communicator, 2 more steps resumed from it equal 4 steps straight
 // (dropout on, AdamW with clipping).
 TEST(PipelineRunnerTest, ResumedPipelineContinuesTheSameRun) {
-  graph::Graph g = Model("gpt");
-  Spec c = MakeSpec("gpt", {1, 2}, 4, true, "dp");
+  graph::Graph g = PipelineTestModel("gpt");
+  PipelineCase c = MakeSpec("gpt", {1, 2}, 4, true, "dp");
   auto lowered = LowerPipeline(g, c);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   auto straight = Train(g, *lowered, "resume_straight", 4);
   ASSERT_TRUE(straight.ok()) << straight.status();
 
-  const std::string ckpt = TempDir("resume_ckpt");
+  const std::string ckpt = PipelineTestDir("resume_ckpt");
   v1::TrainerState trainer;
-  trainer.set_seed(kSeed);
-  trainer.set_global_batch(kBatch);
+  trainer.set_seed(kPipelineSeed);
+  trainer.set_global_batch(kPipelineBatch);
   trainer.set_data("synthetic");
   *trainer.mutable_optimizer() = hap::testing::EquivalenceOptimizer(true);
   trainer.set_graph_name(g.name());
   auto first = RunRanks(*lowered, "resume_first", {}, [&](RankCtx& c) -> absl::Status {
-    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
     executor::TrainOptions to;
     to.steps = 2;
     to.after_step = executor::checkpoint::SaveHook({ckpt, 0, 3, 2}, &lowered->programs, trainer,
@@ -808,7 +630,7 @@ TEST(PipelineRunnerTest, ResumedPipelineContinuesTheSameRun) {
   auto second = RunRanks(*lowered, "resume_second", {}, [&](RankCtx& c) -> absl::Status {
     auto reader = executor::checkpoint::CheckpointReader::Open(ckpt);
     if (!reader.ok()) return reader.status();
-    auto batches = data::NewSyntheticBatches(g, kSeed);
+    auto batches = data::NewSyntheticBatches(g, kPipelineSeed);
     executor::TrainOptions to;
     to.first_step = 2;
     to.steps = 2;
