@@ -272,11 +272,16 @@ class Pass {
     replanned_.push_back(reason);
   }
 
-  bool OverReplanLimit() {
+  // Past max_replans: the job FAILS. `deployment_live`: the job's
+  // deployment is still PENDING or RUNNING and is asked to stop (a request
+  // that returns at once); a FAILED or STOPPED one was stopped by its
+  // supervisor, and asking again would block this pass, and every job's
+  // after it, on the ranks that are gone (up to the stop timeout).
+  bool OverReplanLimit(bool deployment_live = true) {
     if (st().replans() <= MaxReplans(spec())) return false;
     std::string why = absl::StrCat("gave up after ", st().replans() - 1, " re-plans (max_replans ",
                                    MaxReplans(spec()), "); the last: ", st().pending().detail());
-    if (!st().deployment().empty()) {
+    if (deployment_live && !st().deployment().empty()) {
       // The job ends here and no later pass asks again: a refused stop is
       // said in the job's status, for the operator to act on.
       absl::Status stopped = b_.StopDeployment(st().deployment());
@@ -302,7 +307,7 @@ class Pass {
       if (!(st().has_pending() && st().pending().deployment().empty())) {
         BeginReplan(v1::JobEvent::EXECUTOR_LOST,
                     absl::StrCat(st().deployment(), " no longer exists"));
-        if (OverReplanLimit()) return false;
+        if (OverReplanLimit(/*deployment_live=*/false)) return false;
       }
       st().clear_deployment();
       return true;
@@ -326,15 +331,18 @@ class Pass {
         Hold(*d);
         if (!old_of_recovery) {
           BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
-          if (OverReplanLimit()) return false;
+          if (OverReplanLimit(/*deployment_live=*/false)) return false;
         }
         st().clear_deployment();
         return true;
       case v1::Deployment::STOPPED:
-        if (!st().has_pending()) {
+        // Only the old deployment of a recovery is stopped by the job; any
+        // other (the recovery's new one included) was stopped outside it
+        // and its redeploy counts against max_replans, as a failure does.
+        if (!old_of_recovery) {
           BeginReplan(v1::JobEvent::DEPLOYMENT_STOPPED,
                       absl::StrCat(d->name(), " was stopped outside the job"));
-          if (OverReplanLimit()) return false;
+          if (OverReplanLimit(/*deployment_live=*/false)) return false;
         }
         st().clear_deployment();
         return true;

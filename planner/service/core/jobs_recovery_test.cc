@@ -218,6 +218,28 @@ TEST_F(JobsTest, DeploymentStoppedOutsideTheJobIsRecovered) {
   EXPECT_EQ(fake_.deployed.size(), 2u);
 }
 
+// A recovery's new deployment stopped from outside before it ran is a
+// re-plan too: an operator (or a script) stopping it over and over ends the
+// job at max_replans rather than redeploying it forever uncounted.
+TEST_F(JobsTest, RecoveryDeploymentStoppedOutsideTheJobCountsAsAReplan) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(2);
+  const std::string first = StartRunning(r);
+  fake_.SetState(first, v1::Deployment::FAILED);
+  c_->Reconcile();  // recovering: a new deployment, PENDING
+  ASSERT_EQ(fake_.deployed.size(), 2u);
+  for (int i = 0; i < 3 && State() != v1::JobStatus::FAILED; ++i) {
+    fake_.SetState(fake_.deployed.back(), v1::Deployment::STOPPED);
+    c_->Reconcile();
+  }
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::FAILED) << j.status().message();
+  EXPECT_THAT(j.status().message(), HasSubstr("gave up after 2 re-plans"));
+  EXPECT_THAT(j.status().message(), HasSubstr("was stopped outside the job"));
+  EXPECT_EQ(fake_.deployed.size(), 3u);
+}
+
 TEST_F(JobsTest, GivesUpAfterMaxReplans) {
   Make();
   v1::CreateJobRequest r = Request();
@@ -233,6 +255,29 @@ TEST_F(JobsTest, GivesUpAfterMaxReplans) {
   EXPECT_THAT(j.status().message(), HasSubstr("gave up after 2 re-plans"));
   EXPECT_THAT(j.status().message(), HasSubstr("NaN"));
   EXPECT_EQ(fake_.deployed.size(), 3u);
+  // The FAILED deployments were stopped by their supervisors: the pass that
+  // gives up does not ask again (a stop of a FAILED deployment waits on its
+  // ranks, lost ones up to the stop timeout, holding up every job's pass).
+  EXPECT_THAT(fake_.stops, IsEmpty());
+}
+
+// A deployment that disappeared (deleted from the planner's store) counts as
+// lost; past max_replans the job fails saying so, without trying to stop it.
+TEST_F(JobsTest, GivesUpWhenItsDeploymentNoLongerExists) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(1);
+  StartRunning(r);
+  for (int i = 0; i < 2; ++i) {
+    fake_.deployments.erase(Deployment());
+    c_->Reconcile();
+  }
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::FAILED);
+  EXPECT_THAT(j.status().message(), HasSubstr("gave up after 1 re-plans"));
+  EXPECT_THAT(j.status().message(), HasSubstr("no longer exists"));
+  EXPECT_THAT(j.status().message(), Not(HasSubstr("stopping")));
+  EXPECT_THAT(fake_.stops, IsEmpty());
 }
 
 TEST_F(JobsTest, EveryStepCheckpointedBeforeTheFailureIsSuccess) {

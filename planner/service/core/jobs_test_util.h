@@ -135,7 +135,9 @@ class FakeBackend : public JobBackend {
   absl::Status StopDeployment(const std::string& name) override {
     stops.push_back(name);
     if (!stop_error.ok()) return stop_error;
-    v1::Deployment& d = deployments.at(name);
+    auto it = deployments.find(name);
+    if (it == deployments.end()) return absl::NotFoundError(name);  // as the manager
+    v1::Deployment& d = it->second;
     if (stops_take_effect &&
         (d.state() == v1::Deployment::PENDING || d.state() == v1::Deployment::RUNNING)) {
       d.set_state(v1::Deployment::STOPPED);
