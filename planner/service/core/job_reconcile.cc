@@ -45,6 +45,18 @@ std::map<std::string, std::string> ReadyDevices(const v1::Cluster& c) {
   return out;
 }
 
+std::set<std::string> ClaimedDevices(const v1::Job& job, JobBackend& backend) {
+  const v1::JobStatus& s = job.status();
+  if (Final(s.state())) return {};
+  std::set<std::string> out(s.devices().begin(), s.devices().end());
+  for (const std::string* plan : {&s.next_plan(), &s.candidate_plan()}) {
+    if (plan->empty()) continue;
+    absl::StatusOr<v1::Plan> p = backend.GetPlan(*plan);
+    if (p.ok()) out.insert(p->devices().begin(), p->devices().end());
+  }
+  return out;
+}
+
 namespace {
 
 namespace v1 = ::hap::v1;
@@ -152,6 +164,13 @@ class Pass {
   std::set<std::string> Held() const {
     std::set<std::string> out;
     for (const auto& h : j_.status().held()) out.insert(h.device());
+    return out;
+  }
+  // The devices the job may not plan on: held (above) and those other jobs
+  // hold or are planning on (PassEnv::taken).
+  std::set<std::string> Unavailable() const {
+    std::set<std::string> out = Held();
+    out.insert(e_.taken.begin(), e_.taken.end());
     return out;
   }
   void PruneHolds() {
@@ -424,7 +443,7 @@ class Pass {
     {
       std::set<std::string> pool(st().devices().begin(), st().devices().end());
       const size_t had = pool.size();
-      const std::set<std::string> held = Held();
+      const std::set<std::string> held = Unavailable();
       for (const auto& x : e_.stable) {
         if (!held.count(x)) pool.insert(x);
       }
@@ -793,6 +812,8 @@ class Pass {
   void WaitForDevices(const std::vector<std::string>& usable) {
     st().set_message(absl::StrCat("waiting for devices: ", usable.size(), " usable, the job needs ",
                                   MinDevices(spec())));
+    const size_t busy = UsableDevices(e_.cluster, spec().devices(), Held()).size() - usable.size();
+    if (busy > 0) absl::StrAppend(st().mutable_message(), " (", busy, " in use by other jobs)");
     Commit();
   }
 
@@ -804,7 +825,7 @@ class Pass {
       return Finish(v1::JobStatus::SUCCEEDED, absl::StrCat("every step done (checkpoint at step ",
                                                            st().checkpoint_step(), " committed)"));
     }
-    std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices(), Held());
+    std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices(), Unavailable());
     if (st().next_plan().empty()) {
       if (static_cast<int>(usable.size()) < MinDevices(spec())) return WaitForDevices(usable);
       st().set_next_plan(NextPlanName());

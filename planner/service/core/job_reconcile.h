@@ -36,11 +36,19 @@ struct PassEnv {
   v1::Cluster cluster;
   std::set<std::string> ready;   // devices of READY nodes
   std::set<std::string> stable;  // ... READY (one agent) for at least join_stable
+  // Devices other jobs hold or are planning on (ClaimedDevices): this job
+  // does not plan on them, so two jobs whose selectors overlap do not both
+  // deploy on one device; the one reconciled first (by name) gets it.
+  std::set<std::string> taken;
   std::function<bool(const v1::Job&)> commit;
   std::function<void(const v1::Job&, Reason)> on_replan;
   std::function<void(const v1::Job&, const v1::JobEvent&)> on_resumed;
   size_t max_events;
 };
+
+// The devices `job` holds or is about to (none once it is final): those it
+// runs on and those of the plans it is making (next_plan, candidate_plan).
+std::set<std::string> ClaimedDevices(const v1::Job& job, JobBackend& backend);
 
 // One reconciliation pass over `job`: observe, decide, act, save (through
 // env.commit).

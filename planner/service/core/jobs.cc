@@ -471,9 +471,20 @@ void JobController::Reconcile() {
       if (!Final(j.status().state())) names.push_back(name);
     }
   }
+  // What each job holds or is planning on, updated after its pass: a job
+  // does not plan on another's devices.
+  std::map<std::string, std::set<std::string>> claimed;
+  {
+    std::vector<v1::Job> jobs;
+    {
+      absl::MutexLock l(&s_->mu);
+      for (const auto& [name, j] : s_->jobs) jobs.push_back(j);
+    }
+    for (const v1::Job& j : jobs) claimed[j.name()] = job_internal::ClaimedDevices(j, *o_.backend);
+  }
   for (const std::string& name : names) {
     v1::Job job;
-    std::set<std::string> stable;
+    std::set<std::string> stable, taken;
     {
       absl::MutexLock l(&s_->mu);
       if (s_->shutdown) return;
@@ -483,12 +494,26 @@ void JobController::Reconcile() {
         if (now - seen.since >= window) stable.insert(d);
       }
     }
-    job_internal::PassEnv env{o_.backend,        now,
-                              cluster,           ready,
-                              std::move(stable), [this](const v1::Job& j) { return Commit(j); },
-                              o_.on_replan,      o_.on_resumed,
+    for (const auto& [other, devices] : claimed) {
+      if (other != name) taken.insert(devices.begin(), devices.end());
+    }
+    job_internal::PassEnv env{o_.backend,
+                              now,
+                              cluster,
+                              ready,
+                              std::move(stable),
+                              std::move(taken),
+                              [this](const v1::Job& j) { return Commit(j); },
+                              o_.on_replan,
+                              o_.on_resumed,
                               o_.max_events};
     job_internal::RunPass(std::move(job), std::move(env));
+    v1::Job after;
+    {
+      absl::MutexLock l(&s_->mu);
+      if (auto it = s_->jobs.find(name); it != s_->jobs.end()) after = it->second;
+    }
+    claimed[name] = job_internal::ClaimedDevices(after, *o_.backend);
   }
 }
 

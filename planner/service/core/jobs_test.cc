@@ -82,6 +82,58 @@ TEST_F(JobsTest, WaitsForEnoughDevicesAndHonoursTheSelector) {
   EXPECT_THAT(fake_.requests[0].devices(), ElementsAre("d1", "d2"));
 }
 
+// Two jobs whose selectors overlap do not both deploy on one device: the
+// first (by name) plans on the devices, the second plans on what is left
+// or waits, saying why, and takes the devices once the first has ended.
+TEST_F(JobsTest, JobsDoNotPlanOnDevicesAnotherJobHolds) {
+  Make();
+  v1::CreateJobRequest a = Request("a");
+  a.mutable_spec()->mutable_devices()->set_max_devices(2);
+  v1::CreateJobRequest b = Request("b");
+  b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
+  b.mutable_spec()->mutable_devices()->set_min_devices(2);
+  fake_.other_dirs.insert("/shared/ckpt-b");
+  ASSERT_OK(c_->Create(a).status());
+  ASSERT_OK(c_->Create(b).status());
+  c_->Reconcile();
+  // a plans on d0, d1 (its max); b needs 2 of what is left: d2 alone.
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_THAT(fake_.requests[0].devices(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(Job("jobs/b").status().state(), v1::JobStatus::PENDING);
+  EXPECT_THAT(Job("jobs/b").status().message(),
+              HasSubstr("waiting for devices: 1 usable, the job needs 2 (2 in use by other jobs)"));
+  // a ends: b plans on every device.
+  fake_.SetState(Job("jobs/a").status().deployment(), v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  EXPECT_EQ(Job("jobs/a").status().state(), v1::JobStatus::SUCCEEDED);
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
+}
+
+// A job that runs on fewer devices than it may does not grow onto devices a
+// second job holds when it judges a join.
+TEST_F(JobsTest, AJoinDoesNotTakeAnotherJobsDevices) {
+  Make();
+  v1::CreateJobRequest b = Request("b");
+  b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
+  b.mutable_spec()->mutable_devices()->add_devices("d2");
+  fake_.other_dirs.insert("/shared/ckpt-b");
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();  // jobs/train on d0, d1
+  ASSERT_OK(c_->Create(b).status());
+  fake_.SetNode(2, v1::Node::READY);  // d2 back: b plans on it
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d2"));
+  // Long after, jobs/train has measured its steps: d2 is stable but b's.
+  Measured(first, 1.0);
+  now_ += absl::Minutes(5);
+  c_->Reconcile();
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);
+  EXPECT_TRUE(Job().status().candidate_plan().empty()) << Job().status().message();
+}
+
 TEST_F(JobsTest, StopWhileRunningWaitsForTheDeploymentToStop) {
   Make();
   const std::string first = StartRunning();

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -145,7 +146,10 @@ class FakeBackend : public JobBackend {
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> LatestCheckpoint(const std::string& dir) override {
-    EXPECT_EQ(dir, kDir);
+    if (dir != kDir) {  // another job's, without checkpoints
+      EXPECT_EQ(other_dirs.count(dir), 1u) << dir;
+      return absl::NotFoundError("none");
+    }
     if (checkpoint < 0) return absl::NotFoundError("none");
     return checkpoint;
   }
@@ -166,7 +170,8 @@ class FakeBackend : public JobBackend {
   absl::Status stop_error;  // what StopDeployment answers when not OK
   absl::Status deploy_error;
   std::map<std::string, std::string> deployed_executors;
-  int64_t checkpoint = -1;
+  int64_t checkpoint = -1;           // the latest in kDir
+  std::set<std::string> other_dirs;  // other jobs' checkpoint dirs
   int generation = 0;
   std::vector<std::string> calibrated;  // Calibrate calls, in order
   std::string calibration;              // Plan.calibration of the plans made
