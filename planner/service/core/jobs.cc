@@ -303,6 +303,19 @@ void JobController::Shutdown() {
   if (loop.joinable()) loop.join();
 }
 
+namespace {
+
+// A directory path as a comparison key: "/a/b/", "/a//b" and "/a/./b" are
+// one directory (links are not resolved: the planner may not see the
+// executors' file system).
+std::string SameDirectoryKey(const std::string& dir) {
+  std::string key = fs::path(dir).lexically_normal().string();
+  while (key.size() > 1 && key.back() == '/') key.pop_back();
+  return key;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   HAP_RETURN_IF_ERROR(ValidateJobSpec(r.spec()));
   const std::string id = r.job_id().empty() ? RandomJobId() : r.job_id();
@@ -323,6 +336,22 @@ absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
   if (s_->jobs.count(j.name())) {
     return absl::AlreadyExistsError(absl::StrCat(j.name(), " already exists"));
+  }
+  // One writer a checkpoint directory: two jobs training into one would
+  // resume from (and retire) each other's checkpoints. A finished job's
+  // directory may be taken (a new job then resumes from its last step).
+  const std::string dir = SameDirectoryKey(r.spec().training().checkpoint_dir());
+  for (const auto& [name, other] : s_->jobs) {
+    if (!job_internal::Final(other.status().state()) &&
+        SameDirectoryKey(other.spec().training().checkpoint_dir()) == dir) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spec.training.checkpoint_dir '", r.spec().training().checkpoint_dir(),
+          "' is the checkpoint directory of ", name, " (",
+          v1::JobStatus::State_Name(other.status().state()),
+          "): two jobs writing one directory would resume from each other's checkpoints; "
+          "give this job its own, or stop ",
+          name, " first"));
+    }
   }
   if (o_.sink != nullptr) {
     HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveJob(j), absl::StrCat(j.name(), " was not created")));

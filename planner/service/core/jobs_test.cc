@@ -134,6 +134,32 @@ TEST_F(JobsTest, AJoinDoesNotTakeAnotherJobsDevices) {
   EXPECT_TRUE(Job().status().candidate_plan().empty()) << Job().status().message();
 }
 
+// Two live jobs never share a checkpoint directory (written alike or not);
+// once the first has ended, its directory may be taken.
+TEST_F(JobsTest, TwoLiveJobsCannotShareACheckpointDirectory) {
+  Make();
+  StartRunning();  // jobs/train in kDir
+  for (const std::string& dir :
+       {std::string(kDir), std::string(kDir) + "/", std::string("/shared//ckpt/."),
+        std::string("/shared/x/../ckpt")}) {
+    v1::CreateJobRequest b = Request("b");
+    b.mutable_spec()->mutable_training()->set_checkpoint_dir(dir);
+    EXPECT_THAT(c_->Create(b).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("is the checkpoint directory of jobs/train (RUNNING)")))
+        << dir;
+  }
+  EXPECT_EQ(c_->List(0, "")->jobs_size(), 1);
+  v1::CreateJobRequest other = Request("c");
+  other.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-c");
+  fake_.other_dirs.insert("/shared/ckpt-c");
+  EXPECT_OK(c_->Create(other).status());
+  fake_.SetState(Deployment(), v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  ASSERT_EQ(State(), v1::JobStatus::SUCCEEDED);
+  EXPECT_OK(c_->Create(Request("b")).status());
+}
+
 TEST_F(JobsTest, StopWhileRunningWaitsForTheDeploymentToStop) {
   Make();
   const std::string first = StartRunning();
@@ -313,7 +339,10 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
 TEST_F(JobsTest, ListPagesAndWatchSeesEveryChangeToTheEnd) {
   Make();
   ASSERT_OK(c_->Create(Request("a")).status());
-  ASSERT_OK(c_->Create(Request("b")).status());
+  v1::CreateJobRequest b = Request("b");
+  b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
+  fake_.other_dirs.insert("/shared/ckpt-b");
+  ASSERT_OK(c_->Create(b).status());
   ASSERT_OK_AND_ASSIGN(v1::ListJobsResponse page, c_->List(1, ""));
   ASSERT_EQ(page.jobs_size(), 1);
   EXPECT_EQ(page.jobs(0).name(), "jobs/a");
