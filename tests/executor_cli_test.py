@@ -106,6 +106,23 @@ class ExecutorCliTest(unittest.TestCase):
         self.assertEqual(missing.returncode, 1)
         self.assertIn("cannot open plan", missing.stderr)
 
+    def test_launch_refuses_an_empty_plan_and_a_directory(self):
+        """An empty file or a directory as --plan fails naming it; it
+        launched no rank and exited 0 before."""
+        empty = os.path.join(self.dir, "empty.pb")
+        open(empty, "wb").close()
+        for path, needle in ((empty, "is empty"), (util.tmpdir(), "is a directory")):
+            with self.subTest(plan=path):
+                p = subprocess.run([LAUNCH, "--plan", path, "--steps", "3",
+                                    "--executor", EXECUTOR],
+                                   capture_output=True, text=True, timeout=120)
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+                self.assertIn(f"plan '{path}' {needle}", p.stderr)
+                r = self.run_rank("--plan", path, "--rank", "0", "--world", "1",
+                                  "--rendezvous", util.tmpdir())
+                self.assertEqual(r.returncode, 1, r.stderr)
+                self.assertIn(f"plan '{path}' {needle}", r.stderr)
+
     def test_peer_dies_mid_training(self):
         rdv = util.tmpdir()
         common = ["--plan", self.plan2, "--world", "2", "--rendezvous", rdv,

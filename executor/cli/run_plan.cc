@@ -133,10 +133,19 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "shuffle", "network", "gloo-host", "overlap"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat("plan '", path, "' is a directory"));
+  }
   std::ifstream f(path, std::ios::binary);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot open plan '", path, "'"));
   std::stringstream ss;
   ss << f.rdbuf();
+  // An empty file parses as a plan of nothing (hap-launch ran no rank).
+  if (ss.str().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan '", path, "' is empty (hapctl plan --save-plan writes one)"));
+  }
   v1::Plan plan;
   if (!plan.ParseFromString(ss.str())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -502,6 +511,12 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     return 1;
   }
   const int world = plan->rank_programs_size();
+  // Checked as each rank will (format version, lowered, content hash):
+  // a plan without rank programs would launch nothing and succeed.
+  if (absl::Status s = lower::CheckPlanForRank(*plan, 0, world); !s.ok()) {
+    std::cerr << "error: plan '" << a->Get("plan") << "': " << s.message() << "\n";
+    return 1;
+  }
   std::string executor = a->Get(
       "executor", (std::filesystem::path(self).parent_path() / "hap-executor").string());
   // Checked before anything is made: the CFS period and one share per rank,
