@@ -93,4 +93,23 @@ absl::StatusOr<double> Args::Number(const std::string& flag, double def) const {
   return v;
 }
 
+absl::StatusOr<int64_t> Args::Integer(const std::string& flag, int64_t def, int64_t min,
+                                      int64_t max) const {
+  if (!Has(flag)) return def;
+  const std::string s = Get(flag);
+  int64_t v;
+  double d;
+  // 2^63 is the first double past int64_t; casting a double from there on is UB.
+  bool ok = absl::SimpleAtoi(s, &v);
+  if (!ok && absl::SimpleAtod(s, &d) && d == std::floor(d) && d >= -0x1p63 && d < 0x1p63) {
+    v = static_cast<int64_t>(d);
+    ok = true;
+  }
+  if (!ok || v < min || v > max) {
+    return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " must be an integer from ",
+                                                   min, " to ", max, ", got '", s, "'"));
+  }
+  return v;
+}
+
 }  // namespace hap::tools

@@ -3,6 +3,7 @@
 #ifndef HAP_COMMON_CLI_ARGS_H_
 #define HAP_COMMON_CLI_ARGS_H_
 
+#include <cstdint>
 #include <map>
 #include <set>
 #include <string>
@@ -29,6 +30,10 @@ class Args {
   std::vector<std::string> GetAll(const std::string& flag) const;
   bool Bool(const std::string& flag) const { return Has(flag); }
   absl::StatusOr<double> Number(const std::string& flag, double def) const;
+  // A whole number in [min, max] ("12", or "1e3" as a Number); anything
+  // else (fractions, nan, out of range) is an error naming the flag.
+  absl::StatusOr<int64_t> Integer(const std::string& flag, int64_t def, int64_t min,
+                                  int64_t max) const;
   const std::vector<std::string>& positional() const { return positional_; }
 
  private:

@@ -84,6 +84,26 @@ class ExecutorCliTest(unittest.TestCase):
         self.assertEqual(p.returncode, 1)
         self.assertIn("rank 2 is out of range for a world of 2", p.stderr)
 
+    def test_integer_flags_out_of_range(self):
+        """--rank 4294967296 ran as rank 0 (cut to an int) and --steps 1e30
+        was called not positive; each is refused naming the flag and value."""
+        for flag, value in (("--rank", "4294967296"), ("--world", "4294967298"),
+                            ("--steps", "1e30"), ("--steps", "2.5"),
+                            ("--log-every", "nan"), ("--checkpoint-keep", "-1")):
+            with self.subTest(flag=flag, value=value):
+                args = {"--rank": "0", "--world": "2", "--timeout": "3", flag: value}
+                p = self.run_rank("--plan", self.plan2, "--rendezvous", util.tmpdir(),
+                                  *[x for kv in args.items() for x in kv])
+                self.assertEqual(p.returncode, 1, p.stderr)
+                self.assertRegex(p.stderr, rf"flag {flag} must be an integer from -?\d+ "
+                                           rf"to \d+, got '{value}'")
+        p = subprocess.run([LAUNCH, "--plan", self.plan2, "--cpu-period-us", "1e30",
+                            "--executor", EXECUTOR],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--cpu-period-us must be an integer from 1000 to 1000000, got '1e30'",
+                      p.stderr)
+
     def test_corrupted_and_truncated_plans(self):
         data = open(self.plan2, "rb").read()
         bad = os.path.join(self.dir, "corrupt.pb")

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -154,14 +155,6 @@ absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   return plan;
 }
 
-absl::StatusOr<int64_t> Int(const tools::Args& a, const std::string& flag, int64_t def) {
-  HAP_ASSIGN_OR_RETURN(double v, a.Number(flag, static_cast<double>(def)));
-  if (v != std::floor(v)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be an integer"));
-  }
-  return static_cast<int64_t>(v);
-}
-
 std::string DataDir(const tools::Args& a) {
   if (a.Has("data-dir")) return a.Get("data-dir");
   if (const char* e = std::getenv("HAP_DATA_DIR")) return e;
@@ -195,25 +188,22 @@ absl::Status Run(const tools::Args& a) {
   for (const char* f : {"plan", "rank", "world", "rendezvous"}) {
     if (!a.Has(f)) return absl::InvalidArgumentError(absl::StrCat("--", f, " is required"));
   }
-  HAP_ASSIGN_OR_RETURN(int64_t rank, Int(a, "rank", 0));
-  HAP_ASSIGN_OR_RETURN(int64_t world, Int(a, "world", 1));
-  HAP_ASSIGN_OR_RETURN(int64_t steps, Int(a, "steps", 10));
-  HAP_ASSIGN_OR_RETURN(int64_t checkpoint_every, Int(a, "checkpoint-every", 0));
-  HAP_ASSIGN_OR_RETURN(int64_t checkpoint_keep, Int(a, "checkpoint-keep", checkpoint::kDefaultKeep));
-  if (checkpoint_every < 0 || checkpoint_keep < 1) {
-    return absl::InvalidArgumentError(
-        "--checkpoint-every must be 0 or more and --checkpoint-keep 1 or more");
-  }
+  // Ranks and sizes are ints further on: a larger --rank ran as another rank.
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
+  HAP_ASSIGN_OR_RETURN(int64_t rank, a.Integer("rank", 0, 0, kMaxInt));
+  HAP_ASSIGN_OR_RETURN(int64_t world, a.Integer("world", 1, 1, kMaxInt));
+  HAP_ASSIGN_OR_RETURN(int64_t steps, a.Integer("steps", 10, 1, kMaxInt64));
+  HAP_ASSIGN_OR_RETURN(int64_t checkpoint_every, a.Integer("checkpoint-every", 0, 0, kMaxInt64));
+  HAP_ASSIGN_OR_RETURN(int64_t checkpoint_keep,
+                       a.Integer("checkpoint-keep", checkpoint::kDefaultKeep, 1, kMaxInt));
   if (a.Has("resume") && a.Has("init-weights")) {
     return absl::InvalidArgumentError("--resume and --init-weights exclude each other");
   }
-  HAP_ASSIGN_OR_RETURN(int64_t threads, Int(a, "threads", 1));
-  HAP_ASSIGN_OR_RETURN(int64_t log_every, Int(a, "log-every", 1));
+  HAP_ASSIGN_OR_RETURN(int64_t threads, a.Integer("threads", 1, 1, 4096));
+  HAP_ASSIGN_OR_RETURN(int64_t log_every, a.Integer("log-every", 1, 1, kMaxInt64));
   HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
-  if (steps < 1 || threads < 1 || threads > 4096 || log_every < 1 || !(timeout > 0)) {
-    return absl::InvalidArgumentError(
-        "--steps, --threads (at most 4096), --log-every and --timeout must be positive");
-  }
+  if (!(timeout > 0)) return absl::InvalidArgumentError("--timeout must be positive");
   HAP_ASSIGN_OR_RETURN(v1::Plan plan, ReadPlan(a.Get("plan")));
   HAP_RETURN_IF_ERROR(lower::CheckPlanForRank(plan, static_cast<int>(rank),
                                               static_cast<int>(world)));
@@ -521,11 +511,9 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       "executor", (std::filesystem::path(self).parent_path() / "hap-executor").string());
   // Checked before anything is made: the CFS period and one share per rank,
   // each quota at least the kernel's minimum of 1 ms.
-  auto period_us = Int(*a, "cpu-period-us", kCpuPeriodUs);
-  if (!period_us.ok() || *period_us < 1000 || *period_us > 1000000) {
-    std::cerr << "error: --cpu-period-us must be an integer from 1000 to 1000000"
-              << (period_us.ok() ? "" : absl::StrCat(" (", period_us.status().message(), ")"))
-              << "\n";
+  auto period_us = a->Integer("cpu-period-us", kCpuPeriodUs, 1000, 1000000);
+  if (!period_us.ok()) {
+    std::cerr << "error: " << period_us.status().message() << "\n";
     return 2;
   }
   std::vector<double> shares;
