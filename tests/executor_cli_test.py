@@ -72,6 +72,21 @@ class ExecutorCliTest(unittest.TestCase):
         whole = util.hapctl_json("plan", "--cluster", CLUSTER, *SMALL_GPT)
         self.assertEqual(whole["notes"], [])
 
+    def test_plan_integer_flags_out_of_range(self):
+        """hapctl plan --max-states 1e30 (cast out of range: a negative
+        budget) planned a budget-cut plan; --seed 2.5 or 1e30 saved another
+        seed. Each is refused naming the flag and value."""
+        for flag, value in (("--max-states", "1e30"), ("--max-states", "0"),
+                            ("--seed", "2.5"), ("--seed", "1e30"), ("--seed", "-1")):
+            with self.subTest(flag=flag, value=value):
+                path = os.path.join(util.tmpdir(), "p.pb")
+                p = util.run([HAPCTL, "plan", "--cluster", CLUSTER, *SMALL_GPT, flag, value,
+                              "--save-plan", path], check=False)
+                self.assertEqual(p.returncode, 1, p.stdout)
+                self.assertRegex(p.stderr, rf"flag {flag} must be an integer from \d+ "
+                                           rf"to \d+, got '{value}'")
+                self.assertFalse(os.path.exists(path))
+
     def test_plan_for_another_world_size(self):
         p = self.run_rank("--plan", self.plan2, "--rank", "0", "--world", "3",
                           "--rendezvous", util.tmpdir())

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -276,11 +277,12 @@ absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args, const st
   HAP_ASSIGN_OR_RETURN(double m, args.Number("momentum", opt == "momentum" ? 0.9 : 0));
   HAP_ASSIGN_OR_RETURN(double wd, args.Number("weight-decay", 0));
   HAP_ASSIGN_OR_RETURN(double clip, args.Number("clip-norm", 0));
-  HAP_ASSIGN_OR_RETURN(double seed, args.Number("seed", 0));
-  if (!(lr > 0) || m < 0 || wd < 0 || clip < 0 || seed < 0) {
+  HAP_ASSIGN_OR_RETURN(int64_t seed,
+                       args.Integer("seed", 0, 0, std::numeric_limits<int64_t>::max()));
+  if (!(lr > 0) || m < 0 || wd < 0 || clip < 0) {
     return absl::InvalidArgumentError(
-        "--lr must be positive; --momentum, --weight-decay, --clip-norm and "
-        "--seed must not be negative");
+        "--lr must be positive; --momentum, --weight-decay and --clip-norm must not be "
+        "negative");
   }
   o->set_learning_rate(lr);
   o->set_momentum(m);
@@ -552,15 +554,12 @@ int RunPlan(const std::vector<std::string>& argv) {
         absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt,
                      "'")));
   }
-  auto ms = args->Number("max-states", static_cast<double>(po.max_states));
+  auto ms = args->Integer("max-states", po.max_states, 1, std::numeric_limits<int64_t>::max());
   auto mx = args->Number("max-seconds", po.max_seconds);
   if (!ms.ok()) return Fail(ms.status());
   if (!mx.ok()) return Fail(mx.status());
-  if (*ms < 1 || *mx <= 0) {
-    return Fail(absl::InvalidArgumentError(
-        "--max-states and --max-seconds must be positive"));
-  }
-  po.max_states = static_cast<int64_t>(*ms);
+  if (*mx <= 0) return Fail(absl::InvalidArgumentError("--max-seconds must be positive"));
+  po.max_states = *ms;
   po.max_seconds = *mx;
   auto pp = ParsePipeline(*args);
   if (!pp.ok()) return Fail(pp.status());
