@@ -458,12 +458,20 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     auto g = graph::FromProto(r.model().graph());
     if (!g.ok()) return Annotate(g.status(), "model.graph");
     job->graph = *std::move(g);
-    if (r.global_batch() > 0 && !job->graph.Inputs().empty() &&
-        job->graph.tensor(job->graph.Inputs().front()).type.shape[0] != r.global_batch()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "global_batch ", r.global_batch(), " differs from the graph's batch ",
-          job->graph.tensor(job->graph.Inputs().front()).type.shape[0],
-          " (graphs have concrete shapes; export the graph at that batch)"));
+    const std::vector<graph::TensorId> inputs = job->graph.Inputs();
+    if (r.global_batch() > 0 && !inputs.empty()) {
+      // The batch is dimension 0 of the first input, which may have none.
+      const graph::Tensor& first = job->graph.tensor(inputs.front());
+      if (first.type.rank() < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "global_batch ", r.global_batch(), " is given but the graph's first input '",
+            first.name, "' is a scalar, with no batch dimension (leave global_batch 0)"));
+      }
+      if (first.type.shape[0] != r.global_batch()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "global_batch ", r.global_batch(), " differs from the graph's batch ",
+            first.type.shape[0], " (graphs have concrete shapes; export the graph at that batch)"));
+      }
     }
   } else {
     return absl::InvalidArgumentError("model is required: a graph or a zoo model");

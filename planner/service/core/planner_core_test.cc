@@ -110,6 +110,25 @@ TEST_F(PlannerCoreTest, BadRequestsGetSpecificStatuses) {
   EXPECT_THAT(core_->GetPlan("nope", false), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
 }
 
+TEST_F(PlannerCoreTest, AGlobalBatchForAGraphWhoseFirstInputIsAScalarIsInvalidArgument) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  auto g = graph::BuildZooModel("mlp", {{"layers", 1}, {"hidden", 8}, {"input", 4}, {"batch", 4}});
+  ASSERT_TRUE(g.ok());
+  const v1::Graph mlp = graph::ToProto(*g);
+  v1::CreatePlanRequest r = MlpRequest();
+  v1::Graph* graph = r.mutable_model()->mutable_graph();
+  *graph = mlp;
+  graph->clear_inputs();
+  v1::Input* scalar = graph->add_inputs();  // first, with no batch dimension
+  scalar->mutable_tensor()->set_name("temperature");
+  scalar->mutable_tensor()->set_dtype(v1::FLOAT32);
+  for (const v1::Input& in : mlp.inputs()) *graph->add_inputs() = in;
+  r.set_global_batch(4);
+  EXPECT_THAT(core_->CreatePlan(r, Deadline()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("global_batch 4"), HasSubstr("'temperature'"))));
+}
+
 TEST_F(PlannerCoreTest, AModelThatFitsNowhereFailsWithResourceExhausted) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("tiny", 2, 1e12, 1 << 20)).ok());
   v1::CreatePlanRequest r = MlpRequest();
