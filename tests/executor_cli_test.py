@@ -87,6 +87,33 @@ class ExecutorCliTest(unittest.TestCase):
                                            rf"to \d+, got '{value}'")
                 self.assertFalse(os.path.exists(path))
 
+    def test_client_number_flags_out_of_range(self):
+        """hapctl create/deploy cast --steps 1e30, --threads 1e10, --seed -1,
+        --join-stable 1e30 ... to integers out of range (UB) and truncated
+        fractions (--seed 2.5), and sent them; each is now refused naming the
+        flag and value, before anything is sent (no planner runs here)."""
+        job = ["create", "job", "--id", "j", "--checkpoint-dir", "/tmp/j"]
+        deploy = ["deploy", "plan", "p", "--executor", "cpu0=127.0.0.1:1"]
+        for cmd, flag, value in (
+                (["create", "plan"], "--seed", "-1"),
+                (["create", "plan"], "--seed", "2.5"),
+                (["create", "plan"], "--microbatches", "1e30"),
+                (deploy, "--steps", "1e30"),
+                (deploy, "--threads", "1e10"),
+                (deploy, "--checkpoint-every", "-3"),
+                (deploy, "--shuffle", "2.5"),
+                (job, "--checkpoint-keep", "2.5"),
+                (job, "--global-batch", "1e30"),
+                (job, "--min-devices", "1e10"),
+                (job, "--max-replans", "-1"),
+                (job, "--join-stable", "1e30")):
+            with self.subTest(cmd=cmd[0], flag=flag, value=value):
+                p = util.run([HAPCTL, *cmd, "--server", "127.0.0.1:1", "--timeout", "5",
+                              flag, value], check=False)
+                self.assertEqual(p.returncode, 1, p.stdout)
+                self.assertRegex(p.stderr, rf"INVALID_ARGUMENT: flag {flag} must be "
+                                           rf"(an integer )?from -?\d+ to \d+.*, got '{value}'")
+
     def test_plan_for_another_world_size(self):
         p = self.run_rank("--plan", self.plan2, "--rank", "0", "--world", "3",
                           "--rendezvous", util.tmpdir())

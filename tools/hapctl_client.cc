@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -27,6 +28,8 @@ namespace v1 = ::hap::v1;
 using service::Security;
 
 constexpr char kDefaultServer[] = "127.0.0.1:7070";
+constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
 
 constexpr char kUsage[] = R"(usage:
   hapctl get nodes|plans|deployments|jobs
@@ -484,10 +487,7 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
     return absl::InvalidArgumentError(
         absl::StrCat("--pipeline must be off, auto or a stage count >= 1, got '", pipe, "'"));
   }
-  HAP_ASSIGN_OR_RETURN(double micro, a.Number("microbatches", 0));
-  if (micro < 0 || micro != static_cast<int>(micro)) {
-    return absl::InvalidArgumentError("--microbatches must be a positive integer");
-  }
+  HAP_ASSIGN_OR_RETURN(int64_t micro, a.Integer("microbatches", 0, 0, kMaxInt32));
   o->set_pipeline_microbatches(static_cast<int>(micro));
   HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
   o->mutable_budget()->set_max_seconds(ms);
@@ -503,7 +503,7 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   HAP_ASSIGN_OR_RETURN(double wd, a.Number("weight-decay", 0));
   if (wd < 0) return absl::InvalidArgumentError("--weight-decay must not be negative");
   o->mutable_optimizer()->set_weight_decay(wd);
-  HAP_ASSIGN_OR_RETURN(double seed, a.Number("seed", 0));
+  HAP_ASSIGN_OR_RETURN(int64_t seed, a.Integer("seed", 0, 0, kMaxInt64));
   o->set_seed(static_cast<uint64_t>(seed));
   r.set_plan_id(a.Get("id"));
   r.set_wait(a.Bool("wait"));
@@ -513,9 +513,9 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
 // The training flags of `deploy plan` and `create job`.
 absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   v1::TrainingConfig t;
-  HAP_ASSIGN_OR_RETURN(double steps, a.Number("steps", 100));
-  HAP_ASSIGN_OR_RETURN(double threads, a.Number("threads", 1));
-  t.set_steps(static_cast<int64_t>(steps));
+  HAP_ASSIGN_OR_RETURN(int64_t steps, a.Integer("steps", 100, 1, kMaxInt64));
+  HAP_ASSIGN_OR_RETURN(int64_t threads, a.Integer("threads", 1, 1, 4096));
+  t.set_steps(steps);
   t.set_threads_per_rank(static_cast<int>(threads));
   const std::string data = a.Get("data", "synthetic");
   if (data == "wikitext") {
@@ -526,20 +526,17 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
     t.set_data_spec(data);  // npy:DIR, tokens:FILE[:uint16|uint32]; checked by the executors
   }
   t.set_data_path(a.Get("data-path"));
-  HAP_ASSIGN_OR_RETURN(double every, a.Number("checkpoint-every", 0));
-  HAP_ASSIGN_OR_RETURN(double keep, a.Number("checkpoint-keep", 0));
+  HAP_ASSIGN_OR_RETURN(int64_t every, a.Integer("checkpoint-every", 0, 0, kMaxInt64));
+  HAP_ASSIGN_OR_RETURN(int64_t keep, a.Integer("checkpoint-keep", 0, 0, kMaxInt32));
   t.set_checkpoint_dir(a.Get("checkpoint-dir"));
-  t.set_checkpoint_every(static_cast<int64_t>(every));
+  t.set_checkpoint_every(every);
   t.set_checkpoint_keep(static_cast<int>(keep));
   t.set_resume(a.Get("resume"));
   t.set_init_weights(a.Get("init-weights"));
   if (a.Has("shuffle")) {
-    auto seed = a.Number("shuffle", 0);
-    if (!seed.ok() || *seed < 0) {
-      return absl::InvalidArgumentError("--shuffle takes a seed, a non-negative integer");
-    }
+    HAP_ASSIGN_OR_RETURN(int64_t seed, a.Integer("shuffle", 0, 0, kMaxInt64));
     t.set_shuffle(true);
-    t.set_shuffle_seed(static_cast<uint64_t>(*seed));
+    t.set_shuffle_seed(static_cast<uint64_t>(seed));
   }
   return t;
 }
@@ -554,8 +551,8 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   *s.mutable_model() = plan.model();
   *s.mutable_options() = plan.options();
   HAP_ASSIGN_OR_RETURN(*s.mutable_training(), TrainingFromArgs(a));
-  HAP_ASSIGN_OR_RETURN(double batch, a.Number("global-batch", 0));
-  s.set_global_batch(static_cast<int64_t>(batch));
+  HAP_ASSIGN_OR_RETURN(int64_t batch, a.Integer("global-batch", 0, 0, kMaxInt64));
+  s.set_global_batch(batch);
   v1::DeviceSelector& sel = *s.mutable_devices();
   *sel.mutable_devices() = plan.devices();
   for (const std::string& kv : a.GetAll("label")) {
@@ -573,8 +570,8 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
     }
     (*s.mutable_executors())[kv.first] = kv.second;
   }
-  HAP_ASSIGN_OR_RETURN(double min_devices, a.Number("min-devices", 0));
-  HAP_ASSIGN_OR_RETURN(double max_devices, a.Number("max-devices", 0));
+  HAP_ASSIGN_OR_RETURN(int64_t min_devices, a.Integer("min-devices", 0, 0, kMaxInt32));
+  HAP_ASSIGN_OR_RETURN(int64_t max_devices, a.Integer("max-devices", 0, 0, kMaxInt32));
   sel.set_min_devices(static_cast<int>(min_devices));
   sel.set_max_devices(static_cast<int>(max_devices));
   v1::ReplanPolicy& p = *s.mutable_replan();
@@ -582,11 +579,16 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   p.set_min_gain(gain);
   p.set_disable_join(a.Bool("no-join"));
   HAP_ASSIGN_OR_RETURN(double stable, a.Number("join-stable", 0));
-  if (stable < 0) return absl::InvalidArgumentError("--join-stable must not be negative");
+  constexpr int64_t kMaxDurationSeconds = 315576000000;  // google.protobuf.Duration's
+  if (!(stable >= 0 && stable <= kMaxDurationSeconds)) {
+    return absl::InvalidArgumentError(absl::StrCat("flag --join-stable must be from 0 to ",
+                                                   kMaxDurationSeconds, " seconds, got '",
+                                                   a.Get("join-stable"), "'"));
+  }
   p.mutable_join_stable()->set_seconds(static_cast<int64_t>(stable));
   p.mutable_join_stable()->set_nanos(
       static_cast<int32_t>((stable - static_cast<int64_t>(stable)) * 1e9));
-  HAP_ASSIGN_OR_RETURN(double replans, a.Number("max-replans", 0));
+  HAP_ASSIGN_OR_RETURN(int64_t replans, a.Integer("max-replans", 0, 0, kMaxInt32));
   p.set_max_replans(static_cast<int>(replans));
   HAP_ASSIGN_OR_RETURN(double slowdown, a.Number("slowdown-threshold", 0));
   if (!(slowdown >= 0)) {
