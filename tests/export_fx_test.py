@@ -766,6 +766,27 @@ class ExportFxTest(unittest.TestCase):
         self.assertIn("'sort'", p.stderr)
         self.assertFalse(os.path.exists(out))
 
+    def test_cli_bad_arguments_fail_naming_them(self):
+        """Bad --input-shape values, --kwargs that are not keyword arguments
+        of the factory and an -o that cannot be written ended in a Python
+        traceback; each is now an export_fx error naming it, exit status 2."""
+        good = ["x=8,16", "labels=8:int64:5"]
+        nowhere = os.path.join(self.dir, "no-such-dir", "out.json")
+        for inputs, extra, needle in (
+                (["x=8,-16", "labels=8:int64:5"], (), "--input-shape 'x=8,-16'"),
+                (["x=8,16", "labels=8:int64:0"], (), "--input-shape 'labels=8:int64:0'"),
+                (["x=8,16", "labels=8:int64:abc"], (), "--input-shape 'labels=8:int64:abc'"),
+                (good, ("--kwargs", "[1]"), "--kwargs"),
+                (good, ("--kwargs", '{"nonsense": 1}'), "nonsense"),
+                (good, ("-o", nowhere), f"cannot write '{nowhere}'"),
+                (good, ("-o", self.dir), f"cannot write '{self.dir}'")):
+            with self.subTest(inputs=inputs, extra=extra):
+                _, p = self.cli("torch_models:Mlp", inputs, check=False, extra=extra)
+                self.assertEqual(p.returncode, 2, p.stderr)
+                self.assertNotIn("Traceback", p.stderr)
+                self.assertIn("export_fx: error: ", p.stderr)
+                self.assertIn(needle, p.stderr)
+
     def test_unsupported_module_and_tracing_errors(self):
         class Rnn(nn.Module):
             def __init__(self):

@@ -65,6 +65,9 @@ def _parse_input(spec):
         shape = [int(d) for d in parts[0].split(",") if d.strip()]
     except ValueError:
         raise ExportError(f"--input-shape '{spec}': bad shape") from None
+    if any(d < 0 for d in shape) or len(parts) > 3:
+        raise ExportError(f"--input-shape '{spec}': wants name=d0,d1[:dtype[:high]] "
+                          f"with dimensions >= 0")
     dtype = _CLI_DTYPES.get(parts[1] if len(parts) > 1 else "float32")
     if dtype is None:
         raise ExportError(f"--input-shape '{spec}': unknown dtype '{parts[1]}'"
@@ -72,7 +75,11 @@ def _parse_input(spec):
     if dtype.is_floating_point:
         return name, torch.randn(shape, dtype=dtype)
     if len(parts) > 2:
-        return name, torch.randint(0, int(parts[2]), shape, dtype=dtype)
+        high = int(parts[2]) if parts[2].strip().isdigit() else 0
+        if high < 1:
+            raise ExportError(f"--input-shape '{spec}': high must be a positive "
+                              f"integer, got '{parts[2]}'")
+        return name, torch.randint(0, high, shape, dtype=dtype)
     return name, torch.zeros(shape, dtype=dtype)
 
 
@@ -111,11 +118,16 @@ def _module_and_examples(a):
         kwargs = json.loads(a.kwargs)
     except ValueError as e:
         raise ExportError(f"--kwargs is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ExportError(f"--kwargs must be a JSON object, got '{a.kwargs}'")
     examples = {}
     if isinstance(obj, nn.Module):
         module = obj
     elif callable(obj):
-        module = obj(**kwargs)
+        try:
+            module = obj(**kwargs)
+        except TypeError as e:  # e.g. a keyword argument it does not take
+            raise ExportError(f"'{a.module}' with --kwargs {a.kwargs}: {e}") from None
     else:
         raise ExportError(f"'{a.module}' is not a module, class or "
                           f"factory")
@@ -153,8 +165,13 @@ def main(argv=None):
     if a.output == "-":
         sys.stdout.write(text + "\n")
     else:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
+        try:
+            with open(a.output, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            print(f"export_fx: error: cannot write '{a.output}': {e.strerror}",
+                  file=sys.stderr)
+            return 2
         n_params = sum(math.prod(p["tensor"]["shape"]) for p in g["parameters"])
         print(f"export_fx: wrote {a.output}: {len(g['ops'])} ops, "
               f"{len(g['parameters'])} parameter tensors ({n_params} values)",
