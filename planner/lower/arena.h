@@ -20,6 +20,9 @@ struct ArenaRequest {
 struct ArenaLayout {
   std::vector<int64_t> offsets;  // per request
   int64_t total_bytes = 0;
+  // Buffers alive together need more than an int64 of bytes: the layout is
+  // incomplete (offsets of the later buffers are 0) and unusable.
+  bool overflow = false;
 };
 
 inline constexpr int64_t kArenaAlignment = 64;

@@ -644,6 +644,16 @@ TEST(ArenaTest, PlacesDisjointLifetimesTogetherAndOverlappingApart) {
   EXPECT_EQ(l.offsets[2] % kArenaAlignment, 0);
 }
 
+TEST(ArenaTest, BuffersAliveTogetherBeyondInt64AreAnOverflowNotWrappedOffsets) {
+  const int64_t big = int64_t{1} << 61;  // a 2^59-element float64 tensor
+  ArenaLayout l = PlanArena({{big, 0, 1}, {big, 0, 1}, {big, 0, 1}, {big, 0, 1}, {big, 0, 1}});
+  EXPECT_TRUE(l.overflow);
+  // Apart in time, they fit.
+  ArenaLayout apart = PlanArena({{big, 0, 0}, {big, 1, 1}, {big, 2, 2}, {big, 3, 3}});
+  EXPECT_FALSE(apart.overflow);
+  EXPECT_EQ(apart.total_bytes, big);
+}
+
 // A pipeline stage's programs: the single-device program's steps of the
 // ops after a cut, with the activation crossing it as the stage input.
 TEST(LowerStageTest, BoundaryBuffersAndSeed) {

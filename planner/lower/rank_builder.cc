@@ -76,7 +76,7 @@ absl::StatusOr<v1::RankProgram> RankBuilder::Build() {
   FlushGradientBuckets();
   Optimizer();
   AwaitAll();
-  Finish();
+  HAP_RETURN_IF_ERROR(Finish());
   return std::move(prog_);
 }
 
@@ -290,7 +290,7 @@ void RankBuilder::SliceAttrs(v1::KernelCall* k, TensorId t, int dim) {
 }
 
 // Lifetimes and arena offsets.
-void RankBuilder::Finish() {
+absl::Status RankBuilder::Finish() {
   const int end = prog_.steps_size();
   std::vector<ArenaRequest> req;
   for (int i = 0; i < prog_.buffers_size(); ++i) {
@@ -304,10 +304,16 @@ void RankBuilder::Finish() {
     req.push_back({n * graph::DTypeBytes(graph::FromProtoDType(b->dtype())), first, last});
   }
   ArenaLayout layout = PlanArena(req);
+  if (layout.overflow) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rank ", r_, prog_.device().empty() ? "" : " (device '" + prog_.device() + "')",
+        ": the buffers it holds at once need more than 2^63 bytes"));
+  }
   for (int i = 0; i < prog_.buffers_size(); ++i) {
     prog_.mutable_buffers(i)->set_offset_bytes(layout.offsets[i]);
   }
   prog_.set_arena_bytes(layout.total_bytes);
+  return absl::OkStatus();
 }
 
 }  // namespace hap::lower::internal

@@ -197,7 +197,7 @@ class RankBuilder {
   void Optimizer();
   int NewNorm();
 
-  void Finish();
+  absl::Status Finish();
 
   struct ParamSlot {
     TensorId tensor = -1;

@@ -557,9 +557,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     }
     p.fits = e->max_in_flight[i][j] >= k;
     for (int d = 0; d < n; ++d) {
-      p.memory.push_back(
-          static_cast<int64_t>(e->static_prefix[j][d] - e->static_prefix[i][d] +
-                               (k + 1) * (e->act_prefix[j][d] - e->act_prefix[i][d])));
+      p.memory.push_back(synth::ToBytes(e->static_prefix[j][d] - e->static_prefix[i][d] +
+                                        (k + 1) * (e->act_prefix[j][d] - e->act_prefix[i][d])));
     }
     return p;
   };

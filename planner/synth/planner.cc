@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -125,11 +126,17 @@ ratios::MemoryConstraint MemoryModel(const graph::Graph& g, const cost::ClusterM
   return m;
 }
 
+int64_t ToBytes(double bytes) {
+  // 2^63 is a double; every double below it converts.
+  constexpr double kLimit = 9223372036854775808.0;
+  return bytes >= kLimit ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(bytes);
+}
+
 std::vector<int64_t> MemoryAt(const ratios::MemoryConstraint& m,
                               const std::vector<double>& r) {
   std::vector<int64_t> out;
   for (size_t i = 0; i < m.constant.size(); ++i) {
-    out.push_back(static_cast<int64_t>(m.constant[i] + m.coef[0][i] * r[i]));
+    out.push_back(ToBytes(m.constant[i] + m.coef[0][i] * r[i]));
   }
   return out;
 }

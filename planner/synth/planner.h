@@ -123,6 +123,10 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
 ratios::MemoryConstraint MemoryModel(const graph::Graph& g, const cost::ClusterModel& cluster,
                                      const Program& p, OptimizerKind opt,
                                      double extra_gradients = 0);
+// Bytes as an int64, saturating at INT64_MAX: the memory model's sums can
+// pass 2^63 for graphs whose every tensor is addressable (a cast would be
+// undefined).
+int64_t ToBytes(double bytes);
 std::vector<int64_t> MemoryAt(const ratios::MemoryConstraint& m,
                               const std::vector<double>& ratios);
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/container/flat_hash_map.h"
+#include "planner/synth/planner.h"
 
 namespace hap::synth {
 namespace {
@@ -128,15 +129,14 @@ class Snapper {
   }
 
   // A device of group g holding `samples`: none, or over its memory (the
-  // memory model's bytes truncated as MemoryAt does).
+  // memory model's bytes as MemoryAt counts them).
   bool Bad(int g, int64_t samples) const {
     if (samples < 1) return true;
     if (q_.memory == nullptr) return false;
     const int d = groups_[g].first;
     const ratios::MemoryConstraint& m = *q_.memory;
-    const auto bytes =
-        static_cast<int64_t>(m.constant[d] + m.coef[0][d] * Ratio(samples));
-    return bytes > static_cast<int64_t>(m.capacity[d]);
+    const int64_t bytes = ToBytes(m.constant[d] + m.coef[0][d] * Ratio(samples));
+    return bytes > ToBytes(m.capacity[d]);
   }
 
   void Tabulate() {

@@ -434,6 +434,16 @@ TEST(SynthTest, ExtraGradientCopiesAddEachParametersBytes) {
   }
 }
 
+TEST(SynthTest, MemoryBeyondInt64SaturatesInsteadOfWrapping) {
+  ratios::MemoryConstraint m;
+  m.constant = {1.6e19, 1e3};
+  m.coef = {{0, 1e3}};
+  m.capacity = {1e9, 1e9};
+  EXPECT_EQ(MemoryAt(m, {0.5, 1}), (std::vector<int64_t>{INT64_MAX, 2000}));
+  m.coef = {{1e19, 1e19}};
+  EXPECT_EQ(MemoryAt(m, {1, 1}), (std::vector<int64_t>{INT64_MAX, INT64_MAX}));
+}
+
 TEST(SynthTest, HeuristicCutsStatesAndKeepsOptimum) {
   // The reference profile's GPU classes and link rates (docs/design.md §8).
   graph::Graph g = Zoo("gpt", {{"layers", 2},

@@ -140,6 +140,33 @@ TEST_F(PlannerCoreTest, AModelThatFitsNowhereFailsWithResourceExhausted) {
   EXPECT_THAT(p->error(), HasSubstr("does not fit"));
 }
 
+TEST_F(PlannerCoreTest, AModelBeyondInt64BytesFailsEvenWithMemoryLimitsIgnored) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  // Embedding and decoder of 5e17 floats each: with Adam's two states and
+  // the gradients, 1.6e19 bytes on a device, more than an int64 counts.
+  v1::CreatePlanRequest r;
+  auto* zoo = r.mutable_model()->mutable_zoo();
+  zoo->set_name("gpt");
+  for (const auto& [k, v] : std::map<std::string, double>{{"layers", 1},
+                                                          {"hidden", 512},
+                                                          {"heads", 1},
+                                                          {"ffn", 1},
+                                                          {"seq", 1},
+                                                          {"vocab", 1e15},
+                                                          {"batch", 4}}) {
+    (*zoo->mutable_params())[k] = v;
+  }
+  r.set_wait(true);
+  r.mutable_options()->mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
+  r.mutable_options()->set_ignore_memory_limits(true);
+  auto p = core_->CreatePlan(r, Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::FAILED);
+  for (int64_t m : p->prediction().memory_bytes_per_device()) EXPECT_GE(m, 0);
+  EXPECT_EQ(p->error_code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(p->error(), HasSubstr("2^63 bytes"));
+}
+
 TEST_F(PlannerCoreTest, TheSameRequestIsServedFromTheCache) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   auto first = core_->CreatePlan(MlpRequest(), Deadline());
