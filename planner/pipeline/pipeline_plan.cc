@@ -127,9 +127,14 @@ absl::StatusOr<PipelineOptions> FromProto(const v1::PlanOptions& o) {
       p.mode = Mode::kStages;
       p.stages = o.pipeline_stages();
       break;
-    default:
+    case v1::PlanOptions::PIPELINE_OFF:
       p.mode = Mode::kOff;
       break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("options.pipeline ", o.pipeline(),
+                       " is not a known pipeline mode (PIPELINE_OFF, PIPELINE_AUTO or "
+                       "PIPELINE_STAGES)"));
   }
   if (o.pipeline_microbatches() < 0) {
     return absl::InvalidArgumentError(absl::StrCat(

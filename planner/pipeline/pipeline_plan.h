@@ -25,7 +25,8 @@ absl::StatusOr<hap::v1::Plan> BuildPipelinePlan(const graph::Graph& g,
                                                 const hap::v1::PlanOptions& options);
 
 // PlanOptions.pipeline* as PipelineOptions (mode, stages, microbatches);
-// InvalidArgument for PIPELINE_STAGES below 1 or negative microbatches.
+// InvalidArgument for an unknown mode, PIPELINE_STAGES below 1 or negative
+// microbatches.
 absl::StatusOr<PipelineOptions> FromProto(const hap::v1::PlanOptions& options);
 
 }  // namespace hap::pipeline

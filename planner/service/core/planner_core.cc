@@ -162,6 +162,8 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
     return absl::InvalidArgumentError(absl::StrCat(
         "options.max_joint_iterations must not be negative, got ", po.max_joint_iterations()));
   }
+  // Pipeline mode, stages and microbatches (checked again where planned).
+  HAP_RETURN_IF_ERROR(pipeline::FromProto(po).status());
   if (!v1::Precision_IsValid(po.precision())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.precision ", po.precision(), " is not a known precision (FP32 or BF16)"));

@@ -515,10 +515,21 @@ TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValu
        "options.compute_dtype 99 is not a known dtype"},
       {[&](v1::PlanOptions& o) { o.set_precision(static_cast<v1::Precision>(7)); },
        "options.precision 7 is not a known precision (FP32 or BF16)"},
-      {[&](v1::PlanOptions& o) {
-         o.set_gradient_precision(static_cast<v1::Precision>(9));
-       },
+      {[&](v1::PlanOptions& o) { o.set_gradient_precision(static_cast<v1::Precision>(9)); },
        "options.gradient_precision 9 is not a known precision (FP32 or BF16)"},
+      {[&](v1::PlanOptions& o) { o.set_pipeline(static_cast<v1::PlanOptions::Pipeline>(9)); },
+       "options.pipeline 9 is not a known pipeline mode (PIPELINE_OFF, PIPELINE_AUTO or "
+       "PIPELINE_STAGES)"},
+      {[&](v1::PlanOptions& o) {
+         o.set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+         o.set_pipeline_stages(-1);
+       },
+       "options.pipeline_stages must be at least 1 with PIPELINE_STAGES, got -1"},
+      {[&](v1::PlanOptions& o) {
+         o.set_pipeline(v1::PlanOptions::PIPELINE_AUTO);
+         o.set_pipeline_microbatches(-3);
+       },
+       "options.pipeline_microbatches must not be negative, got -3"},
   };
   for (const Case& c : cases) {
     v1::CreatePlanRequest r = MlpRequest();
