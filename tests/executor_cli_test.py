@@ -185,6 +185,18 @@ class ExecutorCliTest(unittest.TestCase):
                 self.assertEqual(r.returncode, 1, r.stderr)
                 self.assertIn(f"plan '{path}' {needle}", r.stderr)
 
+    def test_launch_refuses_the_flags_it_sets_per_rank(self):
+        """hap-launch --rank 1 passed it to every rank (the last --rank wins):
+        all ranks were rank 1 and waited out --timeout for a rank 0."""
+        for flag, value in (("--rank", "1"), ("--world", "2"), ("--rendezvous", "/tmp")):
+            with self.subTest(flag=flag):
+                p = subprocess.run([LAUNCH, "--plan", self.plan2, "--steps", "2",
+                                    "--timeout", "60", flag, value, "--executor", EXECUTOR],
+                                   capture_output=True, text=True, timeout=120)
+                self.assertEqual(p.returncode, 2, p.stderr)
+                self.assertIn(f"hap-launch sets {flag} for each rank itself, got {flag} "
+                              f"'{value}'", p.stderr)
+
     def test_peer_dies_mid_training(self):
         rdv = util.tmpdir()
         common = ["--plan", self.plan2, "--world", "2", "--rendezvous", rdv,

@@ -107,6 +107,8 @@ constexpr char kLaunchUsage[] =
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
+hap-executor's flags are passed on, but --rank, --world and --rendezvous,
+which hap-launch sets for each rank.
 --cpu-shares gives rank i the fraction F_i of one core through a cgroup
 (/sys/fs/cgroup/cpu/hap-launch-PID-rI, cpu.cfs_quota_us): a heterogeneous
 cluster on one machine, each group's CFS period --cpu-period-us (default
@@ -494,6 +496,14 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
     std::cerr << kLaunchUsage;
     return a.ok() && a->Bool("help") ? 0 : 2;
+  }
+  // Passed on, the last of each wins: every rank would be the same rank.
+  for (const std::string f : {"rank", "world", "rendezvous"}) {
+    if (a->Has(f)) {
+      std::cerr << "error: hap-launch sets --" << f << " for each rank itself, got --" << f << " '"
+                << a->Get(f) << "'\n";
+      return 2;
+    }
   }
   auto plan = ReadPlan(a->Get("plan"));
   if (!plan.ok()) {
