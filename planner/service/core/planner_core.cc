@@ -383,6 +383,15 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   if (r.global_batch() < 0) {
     return absl::InvalidArgumentError("global_batch must not be negative");
   }
+  // A device listed twice is the request's fault (the cluster's, such as
+  // fewer than 2 devices, are FAILED_PRECONDITION below: an elastic job
+  // left with one waits for more).
+  std::set<std::string> listed;
+  for (const std::string& d : r.devices()) {
+    if (!listed.insert(d).second) {
+      return absl::InvalidArgumentError(absl::StrCat("devices lists '", d, "' twice"));
+    }
+  }
   synth::PlanOptions& so = job->options;
   if (r.wait() && deadline != absl::InfiniteFuture()) {
     // The search and the LP must finish inside the caller's deadline.

@@ -82,6 +82,12 @@ TEST_F(PlannerCoreTest, BadRequestsGetSpecificStatuses) {
   r.add_devices("z/gpu9");
   EXPECT_THAT(core_->CreatePlan(r, Deadline()),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("'z/gpu9'")));
+  // The request's device list, not the cluster, is wrong.
+  v1::CreatePlanRequest twice = MlpRequest();
+  for (const char* d : {"a/cpu0", "a/cpu1", "a/cpu0"}) twice.add_devices(d);
+  EXPECT_THAT(core_->CreatePlan(twice, Deadline()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("devices"), HasSubstr("'a/cpu0' twice"))));
   // A malformed graph: the message names the op.
   auto g = graph::BuildZooModel("mlp", {{"layers", 1}, {"hidden", 8}, {"input", 4}, {"batch", 4}});
   ASSERT_TRUE(g.ok());
