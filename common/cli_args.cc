@@ -3,6 +3,9 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -91,6 +94,22 @@ absl::StatusOr<double> Args::Number(const std::string& flag, double def) const {
         absl::StrCat("flag --", flag, " must be a number, got '", s, "'"));
   }
   return v;
+}
+
+absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is a directory"));
+  }
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot open ", what, "'", path, "'"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) return absl::DataLossError(absl::StrCat("cannot read ", what, "'", path, "'"));
+  if (ss.str().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is empty"));
+  }
+  return ss.str();
 }
 
 absl::StatusOr<int64_t> Args::Integer(const std::string& flag, int64_t def, int64_t min,

@@ -41,6 +41,12 @@ class Args {
   std::vector<std::string> positional_;
 };
 
+// The bytes of an input file a flag names; a missing, unreadable or empty
+// file or a directory is an error naming it, `what` first ("plan " -> "plan
+// 'p.pb' is empty"): an empty string parses as an empty proto, which then
+// fails for a reason that names nothing, or passes.
+absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what = "");
+
 }  // namespace hap::tools
 
 #endif  // HAP_COMMON_CLI_ARGS_H_

@@ -114,6 +114,24 @@ class ExecutorCliTest(unittest.TestCase):
                 self.assertRegex(p.stderr, rf"INVALID_ARGUMENT: flag {flag} must be "
                                            rf"(an integer )?from -?\d+ to \d+.*, got '{value}'")
 
+    def test_hapctl_input_file_is_a_directory_or_empty(self):
+        """hapctl validate DIR said "graph '' names no loss tensor" and
+        --cluster DIR "Unexpected end of string"; a directory or an empty
+        file is now named as such."""
+        d = util.tmpdir()
+        empty = os.path.join(d, "empty.json")
+        open(empty, "w").close()
+        for path, what in ((d, "is a directory"), (empty, "is empty")):
+            for args in (["validate", path],
+                         ["plan", "--cluster", CLUSTER, "--graph", path],
+                         ["plan", "--cluster", path, *SMALL_GPT],
+                         ["calibrate", "--cluster", CLUSTER, "--plan", path, "--profile",
+                          os.path.join(d, "prof"), "--out", os.path.join(d, "cal.json")]):
+                with self.subTest(args=args):
+                    p = util.run([HAPCTL, *args], check=False)
+                    self.assertEqual(p.returncode, 1, p.stdout)
+                    self.assertIn(f"'{path}' {what}", p.stderr)
+
     def test_plan_for_another_world_size(self):
         p = self.run_rank("--plan", self.plan2, "--rank", "0", "--world", "3",
                           "--rendezvous", util.tmpdir())

@@ -36,16 +36,6 @@ std::string JsonEscape(const std::string& s) {
   return out;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) {
-    return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
-  }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 }  // namespace
 
 std::set<std::string> ZooParamFlags() {
@@ -78,7 +68,7 @@ absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
 
 absl::StatusOr<graph::Graph> LoadModel(const Args& args) {
   if (args.Has("graph")) {
-    HAP_ASSIGN_OR_RETURN(std::string bytes, ReadFile(args.Get("graph")));
+    HAP_ASSIGN_OR_RETURN(std::string bytes, ReadInputFile(args.Get("graph"), "graph file "));
     auto g = graph::ParseGraph(bytes, graph::GraphFormat::kAuto);
     if (!g.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -190,7 +180,7 @@ int RunValidate(const std::vector<std::string>& argv) {
     std::cerr << "usage: hapctl validate GRAPH_FILE [-o table|json]\n";
     return args->Bool("help") ? 0 : 1;
   }
-  auto bytes = ReadFile(args->positional()[0]);
+  auto bytes = ReadInputFile(args->positional()[0], "graph file ");
   if (!bytes.ok()) return Fail(bytes.status());
   auto g = graph::ParseGraph(*bytes, graph::GraphFormat::kAuto);
   if (!g.ok()) return Fail(g.status());

@@ -71,12 +71,9 @@ int Fail(const absl::Status& s) {
 }
 
 absl::StatusOr<hap::v1::Cluster> ReadCluster(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
+  HAP_ASSIGN_OR_RETURN(std::string json, ReadInputFile(path, "cluster file "));
   hap::v1::Cluster c;
-  auto st = google::protobuf::util::JsonStringToMessage(ss.str(), &c);
+  auto st = google::protobuf::util::JsonStringToMessage(json, &c);
   if (!st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cluster file '", path, "' is not a hap.v1.Cluster in JSON: ",
@@ -657,18 +654,17 @@ int RunCalibrate(const std::vector<std::string>& argv) {
   std::vector<calibrate::ProfiledRun> runs;
   for (size_t k = 0; k < plans.size(); ++k) {
     calibrate::ProfiledRun run;
-    std::ifstream f(plans[k], std::ios::binary);
-    if (!f || !run.plan.ParseFromIstream(&f)) {
+    auto bytes = ReadInputFile(plans[k], "plan ");
+    if (!bytes.ok()) return Fail(bytes.status());
+    if (!run.plan.ParseFromString(*bytes)) {
       return Fail(absl::InvalidArgumentError(
           absl::StrCat("cannot read plan '", plans[k], "' (a hapctl plan --save-plan file)")));
     }
     for (int r = 0; r < run.plan.devices_size(); ++r) {
       std::string path = absl::StrCat(prefixes[k], ".rank", r, ".json");
-      std::ifstream pf(path);
-      if (!pf) return Fail(absl::NotFoundError(absl::StrCat("cannot open profile '", path, "'")));
-      std::stringstream ss;
-      ss << pf.rdbuf();
-      auto profile = calibrate::ParseRankProfile(ss.str());
+      auto json = ReadInputFile(path, "profile ");
+      if (!json.ok()) return Fail(json.status());
+      auto profile = calibrate::ParseRankProfile(*json);
       if (!profile.ok()) {
         return Fail(absl::InvalidArgumentError(
             absl::StrCat(path, ": ", profile.status().message())));

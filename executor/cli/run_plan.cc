@@ -136,21 +136,10 @@ const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "de
                                            "shuffle", "network", "gloo-host", "overlap"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return absl::InvalidArgumentError(absl::StrCat("plan '", path, "' is a directory"));
-  }
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot open plan '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
   // An empty file parses as a plan of nothing (hap-launch ran no rank).
-  if (ss.str().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("plan '", path, "' is empty (hapctl plan --save-plan writes one)"));
-  }
+  HAP_ASSIGN_OR_RETURN(std::string bytes, tools::ReadInputFile(path, "plan "));
   v1::Plan plan;
-  if (!plan.ParseFromString(ss.str())) {
+  if (!plan.ParseFromString(bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "plan '", path, "' is not a hap.v1.Plan (corrupted or truncated?)"));
   }
