@@ -330,16 +330,29 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     return absl::InvalidArgumentError(
         absl::StrCat("microbatches ", o.microbatches, " must divide the batch ", batch));
   }
-  // The SPMD plan: one stage on every device, the whole batch at once.
-  if (o.mode == Mode::kOff || o.plan_spmd || (o.mode == Mode::kStages && o.stages == 1)) {
-    HAP_ASSIGN_OR_RETURN(out.spmd, synth::PlanModel(g, cluster, o.stage_options));
-    out.has_spmd = true;
-    out.spmd_step_seconds = out.spmd.cost.total;
-    out.step_seconds = out.spmd_step_seconds;
-    out.microbatch_size = batch;
-  }
   const bool want_pipeline = o.mode == Mode::kAuto || (o.mode == Mode::kStages && o.stages > 1);
-  auto finish = [&]() {
+  // The SPMD plan: one stage on every device, the whole batch at once. When
+  // it does not fit, a pipeline (microbatches hold fewer activations) still
+  // may: its error is the answer only when no pipeline is found.
+  absl::Status spmd_error;
+  if (o.mode == Mode::kOff || o.plan_spmd || (o.mode == Mode::kStages && o.stages == 1)) {
+    absl::StatusOr<synth::PlanResult> spmd = synth::PlanModel(g, cluster, o.stage_options);
+    if (spmd.ok()) {
+      out.spmd = *std::move(spmd);
+      out.has_spmd = true;
+      out.spmd_step_seconds = out.spmd.cost.total;
+      out.step_seconds = out.spmd_step_seconds;
+      out.microbatch_size = batch;
+    } else if (want_pipeline && absl::IsResourceExhausted(spmd.status())) {
+      spmd_error = spmd.status();
+      note(absl::StrCat("the SPMD plan does not fit (", spmd_error.message(),
+                        "); pipelines are searched without it"));
+    } else {
+      return spmd.status();
+    }
+  }
+  auto finish = [&]() -> absl::StatusOr<PipelinePlan> {
+    if (!spmd_error.ok() && !out.pipelined()) return spmd_error;
     out.planning_seconds = std::chrono::duration<double>(Clock::now() - start).count();
     return out;
   };

@@ -122,7 +122,8 @@ struct PipelinePlan {
 
 // Errors: InvalidArgument for bad options (kStages with stages < 1, more
 // stages than layers, microbatches that do not divide the batch) and those
-// of PlanModel for the SPMD plan; FailedPrecondition when no pipeline of the
+// of PlanModel for the SPMD plan (its ResourceExhausted only when no
+// pipeline is found either: a pipeline that fits is planned without it); FailedPrecondition when no pipeline of the
 // asked stage count fits (naming why).
 absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::ClusterModel& cluster,
                                           const PipelineOptions& options);

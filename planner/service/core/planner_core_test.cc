@@ -76,6 +76,32 @@ TEST_F(PlannerCoreTest, PlansPipelineStagesWhenAskedAndStoresThemLowered) {
   EXPECT_GT(full->prediction().step_seconds(), 0);
 }
 
+TEST_F(PlannerCoreTest, APipelineIsPlannedWhereTheSpmdPlanDoesNotFit) {
+  // Activations dominate: the whole batch at once needs ~4.7 MB a device,
+  // 64 microbatches on 2-device stages far less.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 4e12, 1'000'000)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 4e12, 1'000'000)).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  (*r.mutable_model()->mutable_zoo()->mutable_params())["layers"] = 4;
+  r.set_global_batch(4096);
+  v1::CreatePlanRequest spmd = r;
+  auto s = core_->CreatePlan(spmd, Deadline());
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_EQ(s->state(), v1::Plan::FAILED);
+  EXPECT_EQ(s->error_code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  r.mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+  r.mutable_options()->set_pipeline_stages(2);
+  r.mutable_options()->set_pipeline_microbatches(64);
+  auto p = core_->CreatePlan(r, Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  ASSERT_EQ(p->pipeline().stages_size(), 2);
+  for (const v1::PipelineStage& st : p->pipeline().stages()) {
+    for (int64_t m : st.memory_bytes_per_device()) EXPECT_LE(m, 1'000'000);
+  }
+  EXPECT_THAT(p->notes(), ::testing::Contains(HasSubstr("the SPMD plan does not fit")));
+}
+
 TEST_F(PlannerCoreTest, BadRequestsGetSpecificStatuses) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   v1::CreatePlanRequest r = MlpRequest();
