@@ -114,6 +114,22 @@ class ExecutorCliTest(unittest.TestCase):
                 self.assertRegex(p.stderr, rf"INVALID_ARGUMENT: flag {flag} must be "
                                            rf"(an integer )?from -?\d+ to \d+.*, got '{value}'")
 
+    def test_client_executor_flags_need_a_device_and_an_address_once(self):
+        """--executor =HOST:PORT (no device) was sent as device ''; a device
+        named twice kept the last address silently."""
+        for cmd in (["deploy", "plan", "p"], ["create", "job", "--id", "j",
+                                               "--checkpoint-dir", "/tmp/j"]):
+            for flags, needle in (
+                    (["--executor", "=127.0.0.1:1"], "--executor =127.0.0.1:1: expected "
+                                                     "DEVICE=HOST:PORT"),
+                    (["--executor", "cpu0=127.0.0.1:1", "--executor", "cpu0=127.0.0.1:2"],
+                     "--executor names device cpu0 twice (127.0.0.1:1, 127.0.0.1:2)")):
+                with self.subTest(cmd=cmd[0], flags=flags):
+                    p = util.run([HAPCTL, *cmd, "--server", "127.0.0.1:1", "--timeout", "5",
+                                  *flags], check=False)
+                    self.assertEqual(p.returncode, 1, p.stdout)
+                    self.assertIn(needle, p.stderr)
+
     def test_hapctl_input_file_is_a_directory_or_empty(self):
         """hapctl validate DIR said "graph '' names no loss tensor" and
         --cluster DIR "Unexpected end of string"; a directory or an empty
@@ -214,6 +230,18 @@ class ExecutorCliTest(unittest.TestCase):
                 self.assertEqual(p.returncode, 2, p.stderr)
                 self.assertIn(f"hap-launch sets {flag} for each rank itself, got {flag} "
                               f"'{value}'", p.stderr)
+
+    def test_a_profile_prefix_that_cannot_be_written_fails_before_training(self):
+        """--profile into a missing directory failed only after the last
+        step; now the rank fails at start naming the directory, before it
+        waits for its peer (world 2, no peer: it would wait out --timeout)."""
+        missing = os.path.join(util.tmpdir(), "no-such-dir")
+        p = self.run_rank("--plan", self.plan2, "--rank", "0", "--world", "2",
+                          "--rendezvous", util.tmpdir(), "--timeout", "60", "--steps", "5",
+                          "--profile", os.path.join(missing, "prof"), timeout=50)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(f"--profile {missing}/prof: the directory '{missing}' does not exist",
+                      p.stderr)
 
     def test_peer_dies_mid_training(self):
         rdv = util.tmpdir()

@@ -543,6 +543,25 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
 
 // `create job`: the model and plan options as `create plan`, training as
 // `deploy plan`, the device selector and the re-plan policy.
+// --executor DEVICE=HOST:PORT (repeatable) into `out`: both halves given,
+// a device named once.
+absl::Status ExecutorsFromArgs(const Args& a,
+                               google::protobuf::Map<std::string, std::string>* out) {
+  for (const std::string& e : a.GetAll("executor")) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(e, absl::MaxSplits('=', 1));
+    if (kv.first.empty() || kv.second.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--executor ", e, ": expected DEVICE=HOST:PORT"));
+    }
+    if (!out->insert({kv.first, kv.second}).second) {
+      return absl::InvalidArgumentError(absl::StrCat("--executor names device ", kv.first,
+                                                     " twice (", out->at(kv.first), ", ", kv.second,
+                                                     ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   HAP_ASSIGN_OR_RETURN(v1::CreatePlanRequest plan, CreateRequest(a));
   v1::CreateJobRequest r;
@@ -562,14 +581,7 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
     }
     (*sel.mutable_node_labels())[p.first] = p.second;
   }
-  for (const std::string& e : a.GetAll("executor")) {
-    std::pair<std::string, std::string> kv = absl::StrSplit(e, absl::MaxSplits('=', 1));
-    if (kv.second.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--executor ", e, ": expected DEVICE=HOST:PORT"));
-    }
-    (*s.mutable_executors())[kv.first] = kv.second;
-  }
+  HAP_RETURN_IF_ERROR(ExecutorsFromArgs(a, s.mutable_executors()));
   HAP_ASSIGN_OR_RETURN(int64_t min_devices, a.Integer("min-devices", 0, 0, kMaxInt32));
   HAP_ASSIGN_OR_RETURN(int64_t max_devices, a.Integer("max-devices", 0, 0, kMaxInt32));
   sel.set_min_devices(static_cast<int>(min_devices));
@@ -798,14 +810,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     if (!need(2)) return 1;
     v1::DeployPlanRequest r;
     r.set_plan(PlanName(pos[1]));
-    for (const std::string& e : a->GetAll("executor")) {
-      std::pair<std::string, std::string> kv = absl::StrSplit(e, absl::MaxSplits('=', 1));
-      if (kv.second.empty()) {
-        return Fail(absl::InvalidArgumentError(
-            absl::StrCat("--executor ", e, ": expected DEVICE=HOST:PORT")));
-      }
-      (*r.mutable_executors())[kv.first] = kv.second;
-    }
+    if (absl::Status s = ExecutorsFromArgs(*a, r.mutable_executors()); !s.ok()) return Fail(s);
     auto training = TrainingFromArgs(*a);
     if (!training.ok()) return Fail(training.status());
     *r.mutable_training() = *training;

@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -152,6 +154,25 @@ std::string DataDir(const tools::Args& a) {
   return "../shared/data";
 }
 
+// OK when files named PREFIX... can be made: PREFIX's directory (the
+// working directory for a bare name) exists and this process may write in
+// it. Otherwise InvalidArgument naming `flag` and the directory.
+absl::Status CheckWritablePrefix(const std::string& flag, const std::string& prefix) {
+  if (prefix.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a PREFIX"));
+  const std::filesystem::path parent = std::filesystem::path(prefix).parent_path();
+  const std::string dir = parent.empty() ? "." : parent.string();
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", prefix, ": the directory '", dir, "' does not exist"));
+  }
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", prefix, ": cannot write in '", dir, "': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 // The --profile file (hapctl calibrate reads it; planner/calibrate).
 absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int rank,
                           std::vector<double> step_seconds, const TimingDevice& timing) {
@@ -277,6 +298,10 @@ absl::Status Run(const tools::Args& a) {
       !absl::StartsWith(source, "tokens:")) {
     return absl::InvalidArgumentError("--shuffle applies to npy: and tokens: data only");
   }
+
+  // Where --profile writes is checked now, not after the last step (a
+  // missing directory failed the run once it had trained).
+  if (a.Has("profile")) HAP_RETURN_IF_ERROR(CheckWritablePrefix("--profile", a.Get("profile")));
 
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
                        NewFileStore(a.Get("rendezvous")));
