@@ -88,7 +88,8 @@ class CpuProber : public DeviceProber {
     if (options.threads > 0) return options.threads;
     int hw = HardwareThreads();
     if (!quota) return hw;
-    return std::clamp(static_cast<int>(std::ceil(*quota)), 1, hw);
+    // Clamped as a double: a quota may allow more CPUs than an int counts.
+    return static_cast<int>(std::clamp(std::ceil(*quota), 1.0, static_cast<double>(hw)));
   }
 
   const SystemFiles* files_;

@@ -1,9 +1,12 @@
 #include "profiler_agent/probes.h"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -191,6 +194,20 @@ TEST(CpuProberTest, ModelNamesTheCgroupShareAndThreads) {
   ASSERT_THAT(devices, IsOk());
   EXPECT_EQ((*devices)[0].model(), "cpu (1 threads, share 0.40)");
   EXPECT_EQ((*devices)[0].memory_bytes(), 1048576000);
+}
+
+// A quota of more CPUs than an int counts (cgroup v2 allows up to 2^44-1 us
+// a 1 ms period: 1.8e10 CPUs) means all of this machine's threads, not the
+// INT_MIN of an out-of-range cast clamped to one thread.
+TEST(CpuProberTest, AQuotaBeyondAnIntOfCpusUsesEveryHardwareThread) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = kMeminfo;
+  f.files["/proc/self/cgroup"] = "0::/big\n";
+  f.files["/sys/fs/cgroup/big/cpu.max"] = "17592186044415 1000\n";
+  const int hw = std::max(1u, std::thread::hardware_concurrency());
+  auto devices = NewCpuProber(&f)->Probe("n", Quick());
+  ASSERT_THAT(devices, IsOk());
+  EXPECT_EQ((*devices)[0].model(), absl::StrFormat("cpu (%d threads, share %.2f)", hw, hw * 1.0));
 }
 
 // A prober that reports what it is told.
