@@ -1,12 +1,15 @@
 #include "planner/service/core/deployment_manager.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <queue>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -426,10 +429,28 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
       return absl::NotFoundError(
           absl::StrCat("step metric for unknown deployment '", m.deployment(), "'"));
     }
-    if (m.rank() < 0 || m.rank() >= it->second.ranks_size() || m.step() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("step metric of ", m.deployment(),
-                                                     " has rank ", m.rank(), " and step ",
-                                                     m.step(), " outside the deployment"));
+    // Its steps are 0 .. training.steps - 1 (global steps: a resumed run
+    // starts past 0); the step after the last must be an int64 too.
+    const int64_t end = it->second.training().steps() > 0 ? it->second.training().steps()
+                                                          : std::numeric_limits<int64_t>::max();
+    if (m.rank() < 0 || m.rank() >= it->second.ranks_size() || m.step() < 0 || m.step() >= end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step metric of ", m.deployment(), " has rank ", m.rank(), " and step ",
+                       m.step(), " outside the deployment (ranks 0 to ",
+                       it->second.ranks_size() - 1, ", steps 0 to ", end - 1, ")"));
+    }
+    // Executors report finite losses (a NaN or infinite one fails training)
+    // and measured times; anything else would poison the medians.
+    for (const auto& [field, value, time] :
+         {std::tuple<const char*, double, bool>{"loss", m.loss(), false},
+          {"step_seconds", m.step_seconds(), true},
+          {"compute_seconds", m.compute_seconds(), true},
+          {"communication_seconds", m.communication_seconds(), true}}) {
+      if (!std::isfinite(value) || (time && value < 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step metric of ", m.deployment(), " rank ", m.rank(), " step ", m.step(), ": ", field,
+            " is ", value, time ? ", not a finite time of 0 or more" : ", not finite"));
+      }
     }
   }
   // Saved first: what is served is what a restart finds.

@@ -104,12 +104,14 @@ class DeploymentManager {
                                            const std::function<bool()>& cancelled);
 
   // A batch of step metrics from executors, all or none: NotFound for an
-  // unknown deployment, InvalidArgument for a rank or step outside it, the
-  // sink's error when it refuses. Rank 0's metrics update the deployment's
-  // steps_completed, last_loss and median_step_seconds (the upper median of
-  // rank 0's step times kept, updated in O(log n) a metric), and every
-  // metric its recent_step_seconds (the slowest rank's upper median over its
-  // last 20 steps, whatever max_metrics_per_deployment).
+  // unknown deployment, InvalidArgument for a rank or step outside it (steps
+  // are 0 to training.steps - 1), a loss that is not finite or a time that
+  // is not finite and non-negative, the sink's error when it refuses. Rank
+  // 0's metrics update the deployment's steps_completed, last_loss and
+  // median_step_seconds (the upper median of rank 0's step times kept,
+  // updated in O(log n) a metric), and every metric its recent_step_seconds
+  // (the slowest rank's upper median over its last 20 steps, whatever
+  // max_metrics_per_deployment).
   absl::Status ReportStepMetrics(const std::vector<hap::v1::StepMetric>& batch);
   // One deployment's metrics in arrival order (NotFound for an unknown
   // deployment); a page of them (page_size 0 = 500, at most 10,000).

@@ -6,6 +6,7 @@
 #include "planner/service/core/deployment_manager.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -431,6 +432,54 @@ TEST(DeploymentManagerMetricsTest, TheMedianStepIsOverRankZerosMetricsKept) {
   std::vector<double> last;
   for (int64_t s = 130; s < 150; ++s) last.push_back(0.5 + ((s * 37) % 23) * 0.125);
   EXPECT_DOUBLE_EQ(m.Get(stored.name())->recent_step_seconds(), upper_median(last));
+}
+
+// A misbehaving executor's metrics are refused whole, naming the field and
+// value: a step past the deployment's last (INT64_MAX overflowed the steps
+// completed), a NaN, infinite or negative time or a NaN loss (they poisoned
+// the medians a job's slowdown is judged by).
+TEST_F(DeploymentManagerTest, StepMetricsOutsideTheDeploymentOrNotFiniteAreRefused) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  auto metric = [&](int64_t step, double seconds) {
+    v1::StepMetric m;
+    m.set_deployment(d->name());
+    m.set_step(step);
+    m.set_loss(2.5);
+    m.set_step_seconds(seconds);
+    return m;
+  };
+  ASSERT_THAT(manager_->ReportStepMetrics({metric(0, 1.0), metric(999, 1.0)}), IsOk());
+  for (int64_t step : {int64_t{1000}, std::numeric_limits<int64_t>::max()}) {
+    EXPECT_THAT(manager_->ReportStepMetrics({metric(1, 1.0), metric(step, 1.0)}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("step ", step,
+                                                " outside the deployment (ranks "
+                                                "0 to 1, steps 0 to 999)"))));
+  }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double seconds : {nan, inf, -1.0}) {
+    EXPECT_THAT(manager_->ReportStepMetrics({metric(2, seconds)}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("rank 0 step 2: step_seconds is ", seconds,
+                                                ", not a finite time of 0 or more"))));
+  }
+  v1::StepMetric bad = metric(2, 1.0);
+  bad.set_loss(nan);
+  EXPECT_THAT(manager_->ReportStepMetrics({bad}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss is nan, not finite")));
+  bad = metric(2, 1.0);
+  bad.set_communication_seconds(-inf);
+  EXPECT_THAT(
+      manager_->ReportStepMetrics({bad}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("communication_seconds is -inf")));
+  // Nothing of the refused batches was taken.
+  const v1::Deployment now = *manager_->Get(d->name());
+  EXPECT_EQ(now.steps_completed(), 1000);
+  EXPECT_DOUBLE_EQ(now.median_step_seconds(), 1.0);
+  EXPECT_DOUBLE_EQ(now.recent_step_seconds(), 1.0);
+  EXPECT_EQ(manager_->StepMetrics(d->name())->size(), 2u);
 }
 
 TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeployment) {
