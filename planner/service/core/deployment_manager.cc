@@ -515,13 +515,17 @@ absl::StatusOr<v1::ListStepMetricsResponse> DeploymentManager::ListStepMetrics(
     return absl::NotFoundError(absl::StrCat("deployment '", deployment, "' does not exist"));
   }
   auto it = s_->metrics.find(deployment);
-  if (it == s_->metrics.end()) return out;
-  const auto& list = it->second;
-  int64_t i = from;
-  for (; i < static_cast<int64_t>(list.size()) && i < from + size; ++i) {
-    *out.add_metrics() = list[i];
+  const int64_t count = it == s_->metrics.end() ? 0 : static_cast<int64_t>(it->second.size());
+  // Tokens are positions up to the count (metrics kept only grow): one past
+  // it was not returned here (and from + size would overflow for some).
+  if (from > count) {
+    return absl::InvalidArgumentError(absl::StrCat("page_token '", page_token,
+                                                   "' is not a token this server returned (",
+                                                   deployment, " has ", count, " step metrics)"));
   }
-  if (i < static_cast<int64_t>(list.size())) out.set_next_page_token(absl::StrCat(i));
+  const int64_t end = std::min(count, from + size);
+  for (int64_t i = from; i < end; ++i) *out.add_metrics() = it->second[i];
+  if (end < count) out.set_next_page_token(absl::StrCat(end));
   return out;
 }
 

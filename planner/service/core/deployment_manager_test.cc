@@ -497,6 +497,16 @@ TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeploymen
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 2 and step 4")));
   EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, "-3"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  // A position past the metrics was not returned (INT64_MAX + page_size
+  // overflowed).
+  for (const char* token : {"2", "9223372036854775807"}) {
+    EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, token),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("page_token '", token,
+                                                "' is not a token this server returned (",
+                                                d->name(), " has 1 step metrics)"))));
+  }
+  EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, "1"), IsOk());
   auto page = manager_->ListStepMetrics(d->name(), 10, "");
   ASSERT_THAT(page, IsOk());
   EXPECT_EQ(page->metrics_size(), 1);
