@@ -1,5 +1,7 @@
 #include "profiler_agent/agent_service.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/proto_time.h"
 #include "profiler_agent/link_probe.h"
@@ -49,11 +51,46 @@ grpc::Status AgentServiceImpl::GetProfile(grpc::ServerContext* ctx, const v1::Ge
 grpc::Status AgentServiceImpl::Echo(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::EchoChunk, v1::EchoChunk>* stream) {
   if (grpc::Status s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  {
+    absl::MutexLock l(&echo_mu_);
+    if (echo_running_ >= limits_.max_streams && echo_waiting_ >= limits_.max_waiting) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat(echo_running_, " echo streams are running and ",
+                                       echo_waiting_, " waiting, the most this agent takes"));
+    }
+    ++echo_waiting_;
+    auto turn = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(echo_mu_) {
+      return echo_running_ < limits_.max_streams;
+    };
+    const absl::Time deadline =
+        std::min(hap::service::CallDeadline(ctx), absl::Now() + limits_.max_stream_duration);
+    const bool got = echo_mu_.AwaitWithDeadline(absl::Condition(&turn), deadline);
+    --echo_waiting_;
+    if (!got) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("no turn among ", limits_.max_streams,
+                                       " echo streams came before the deadline"));
+    }
+    ++echo_running_;
+  }
+  grpc::Status s = EchoChunks(stream);
+  absl::MutexLock l(&echo_mu_);
+  --echo_running_;
+  return s;
+}
+
+grpc::Status AgentServiceImpl::EchoChunks(
+    grpc::ServerReaderWriter<v1::EchoChunk, v1::EchoChunk>* stream) {
   v1::EchoChunk chunk;
   const v1::EchoChunk empty;
   int64_t total = 0;
   while (stream->Read(&chunk)) {
     const int64_t n = static_cast<int64_t>(chunk.payload().size());
+    if (n > kMaxEchoChunkBytes) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("an echo chunk may carry at most ", kMaxEchoChunkBytes, " bytes, got ", n));
+    }
     total += n;
     echo_bytes_ += n;
     if (total > kMaxEchoStreamBytes) {
@@ -66,15 +103,23 @@ grpc::Status AgentServiceImpl::Echo(
   return grpc::Status::OK;
 }
 
+int AgentServiceImpl::echo_streams_waiting() {
+  absl::MutexLock l(&echo_mu_);
+  return echo_waiting_;
+}
+
 absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(
-    const std::string& listen, const hap::service::Security& security, ProfileSource* source) {
+    const std::string& listen, const hap::service::Security& security, ProfileSource* source,
+    EchoLimits limits) {
   auto creds = hap::service::MakeServerCredentials(security);
   if (!creds.ok()) return creds.status();
   std::unique_ptr<AgentServer> s(new AgentServer());
-  s->service_ = std::make_unique<AgentServiceImpl>(source, security.token);
+  s->service_ = std::make_unique<AgentServiceImpl>(source, security.token, limits);
   grpc::ServerBuilder b;
   b.AddListeningPort(listen, *creds, &s->port_);
-  b.SetMaxReceiveMessageSize(hap::service::kMaxMessageBytes);
+  // Its requests are small but for Echo's chunks (their payload and a few
+  // bytes of framing).
+  b.SetMaxReceiveMessageSize(static_cast<int>(kMaxEchoChunkBytes) + 64);
   b.SetMaxSendMessageSize(hap::service::kMaxMessageBytes);
   b.RegisterService(s->service_.get());
   s->server_ = b.BuildAndStart();

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/grpc_util.h"
 #include "hap/v1/agent_service.grpc.pb.h"
@@ -30,33 +31,55 @@ class ProfileSource {
   virtual absl::StatusOr<hap::v1::ProbeResponse> LastProfile() = 0;
 };
 
+// Bounds on the Echo streams peers open (link_probe.h): peers probing this
+// agent at once take a bounded number of threads and bytes.
+struct EchoLimits {
+  // Streams echoed at once; the others wait for a turn (measurements made
+  // together would disturb each other).
+  int max_streams = 4;
+  // Streams waiting for a turn; one more is RESOURCE_EXHAUSTED at once.
+  int max_waiting = 64;
+  // A stream waits at most this long for its turn (RESOURCE_EXHAUSTED then).
+  absl::Duration max_stream_duration = absl::Seconds(60);
+};
+
 // Longest probe a caller may ask for.
 inline constexpr absl::Duration kMaxProbeDuration = absl::Seconds(120);
 
 class AgentServiceImpl final : public hap::v1::Agent::Service {
  public:
   // `source` must outlive the service; `token` empty = no token required.
-  AgentServiceImpl(ProfileSource* source, std::string token)
-      : source_(source), token_(std::move(token)) {}
+  AgentServiceImpl(ProfileSource* source, std::string token, EchoLimits limits = {})
+      : source_(source), token_(std::move(token)), limits_(limits) {}
 
   grpc::Status Probe(grpc::ServerContext* ctx, const hap::v1::ProbeRequest* request,
                      hap::v1::ProbeResponse* response) override;
   grpc::Status GetProfile(grpc::ServerContext* ctx, const hap::v1::GetProfileRequest* request,
                           hap::v1::ProbeResponse* response) override;
   // Echoes each chunk, or answers it with an empty one when reply_small.
-  // A stream that carries more than kMaxEchoStreamBytes in all is ended
-  // with RESOURCE_EXHAUSTED.
+  // A stream that carries more than kMaxEchoStreamBytes in all, or a chunk
+  // over kMaxEchoChunkBytes, is ended with RESOURCE_EXHAUSTED; EchoLimits
+  // bound the streams at once and their time.
   grpc::Status Echo(
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<hap::v1::EchoChunk, hap::v1::EchoChunk>* stream) override;
 
   // Payload bytes received by Echo since the start (all streams).
   int64_t echo_bytes_received() const { return echo_bytes_.load(); }
+  // Echo streams waiting for a turn now.
+  int echo_streams_waiting();
 
  private:
+  // Echo's loop, in a stream's turn.
+  grpc::Status EchoChunks(grpc::ServerReaderWriter<hap::v1::EchoChunk, hap::v1::EchoChunk>* stream);
+
   ProfileSource* source_;
   const std::string token_;
+  const EchoLimits limits_;
   std::atomic<int64_t> echo_bytes_{0};
+  absl::Mutex echo_mu_;
+  int echo_running_ ABSL_GUARDED_BY(echo_mu_) = 0;
+  int echo_waiting_ ABSL_GUARDED_BY(echo_mu_) = 0;
 };
 
 // The service on a gRPC server of its own, for the daemon and tests.
@@ -67,7 +90,8 @@ class AgentServer {
   // naming the address when it cannot bind.
   static absl::StatusOr<std::unique_ptr<AgentServer>> Start(const std::string& listen,
                                                             const hap::service::Security& security,
-                                                            ProfileSource* source);
+                                                            ProfileSource* source,
+                                                            EchoLimits limits = {});
   ~AgentServer();  // Shutdown(zero)
 
   int port() const { return port_; }

@@ -53,7 +53,8 @@ absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int
         absl::StrCat("link probe to ", peer_address, ": bytes must be positive, got ", bytes));
   }
   const int64_t total = std::min(bytes, options.max_bytes);
-  const int64_t chunk = std::max<int64_t>(1, std::min(options.chunk_bytes, total));
+  const int64_t chunk =
+      std::max<int64_t>(1, std::min({options.chunk_bytes, kMaxEchoChunkBytes, total}));
   HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(peer_address, security));
   auto stub = v1::Agent::NewStub(channel);
   grpc::ClientContext ctx;

@@ -27,6 +27,9 @@ struct LinkProbeOptions {
 
 // What a peer stream may carry in all; more is RESOURCE_EXHAUSTED.
 inline constexpr int64_t kMaxEchoStreamBytes = int64_t{256} << 20;
+// The largest chunk a peer takes (chunk_bytes above is cut to it); a larger
+// message is RESOURCE_EXHAUSTED.
+inline constexpr int64_t kMaxEchoChunkBytes = int64_t{4} << 20;
 
 struct LinkMeasurement {
   double bandwidth_bytes_per_second = 0;

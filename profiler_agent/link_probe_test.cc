@@ -31,12 +31,37 @@ class StaticSource : public ProfileSource {
   }
 };
 
+// A raw Echo stream to an agent, for the service's own checks.
+struct RawEcho {
+  explicit RawEcho(const AgentServer& server, absl::Duration timeout = absl::Seconds(30)) {
+    auto channel = hap::service::MakeChannel(server.address(), Security());
+    EXPECT_THAT(channel, IsOk());
+    stub = v1::Agent::NewStub(*channel);
+    hap::service::PrepareClientContext(&ctx, Security(), timeout);
+    stream = stub->Echo(&ctx);
+  }
+  // Sends `bytes` of payload and reads the answer; false once the stream ended.
+  bool RoundTrip(int64_t bytes = 0, bool reply_small = true) {
+    v1::EchoChunk chunk, reply;
+    chunk.mutable_payload()->assign(static_cast<size_t>(bytes), 'x');
+    chunk.set_reply_small(reply_small);
+    return stream->Write(chunk) && stream->Read(&reply);
+  }
+  absl::Status Finish() {
+    stream->WritesDone();
+    return FromGrpc(stream->Finish());
+  }
+  std::unique_ptr<v1::Agent::Stub> stub;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::EchoChunk, v1::EchoChunk>> stream;
+};
+
 class LinkProbeTest : public ::testing::Test {
  protected:
-  std::unique_ptr<AgentServer> Serve(const std::string& token = "") {
+  std::unique_ptr<AgentServer> Serve(const std::string& token = "", EchoLimits limits = {}) {
     Security s;
     s.token = token;
-    auto server = AgentServer::Start("127.0.0.1:0", s, &source_);
+    auto server = AgentServer::Start("127.0.0.1:0", s, &source_, limits);
     EXPECT_THAT(server, IsOk());
     return server.ok() ? std::move(*server) : nullptr;
   }
@@ -138,6 +163,58 @@ TEST_F(LinkProbeTest, EchoEchoesPayloadsUnlessReplySmall) {
   EXPECT_EQ(reply.payload(), "");
   stream->WritesDone();
   EXPECT_THAT(FromGrpc(stream->Finish()), IsOk());
+}
+
+// Peers probing one agent at once take turns: max_streams are echoed,
+// max_waiting wait, and one more is refused at once, rather than each
+// taking a thread and its chunks' memory.
+TEST_F(LinkProbeTest, EchoStreamsBeyondTheLimitWaitTheirTurnOrAreRefused) {
+  EchoLimits limits;
+  limits.max_streams = 1;
+  limits.max_waiting = 1;
+  auto b = Serve("", limits);
+  ASSERT_TRUE(b);
+  RawEcho first(*b);
+  ASSERT_TRUE(first.RoundTrip());
+  RawEcho second(*b);
+  ASSERT_TRUE(second.stream->Write(v1::EchoChunk()));  // answered in its turn
+  for (int i = 0; i < 2000 && b->service().echo_streams_waiting() < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(b->service().echo_streams_waiting(), 1);
+  RawEcho third(*b);
+  EXPECT_FALSE(third.RoundTrip());
+  EXPECT_THAT(third.Finish(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("echo streams")));
+  EXPECT_THAT(first.Finish(), IsOk());
+  v1::EchoChunk reply;
+  EXPECT_TRUE(second.stream->Read(&reply));
+  EXPECT_THAT(second.Finish(), IsOk());
+  EXPECT_EQ(b->service().echo_streams_waiting(), 0);
+}
+
+// A chunk may be at most kMaxEchoChunkBytes (the server would otherwise hold
+// up to 256 MiB a message, and as much again echoing it); MeasureLink cuts
+// its chunks to that size.
+TEST_F(LinkProbeTest, AnEchoChunkOverTheLimitIsRefused) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  RawEcho big(*b);
+  EXPECT_FALSE(big.RoundTrip(kMaxEchoChunkBytes + 1, false));
+  EXPECT_THAT(big.Finish(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("echo chunk may carry")));
+  RawEcho huge(*b);  // refused by gRPC before the handler sees it
+  EXPECT_FALSE(huge.RoundTrip(2 * kMaxEchoChunkBytes, false));
+  EXPECT_THAT(huge.Finish(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("larger than max")));
+  RawEcho fits(*b);
+  EXPECT_TRUE(fits.RoundTrip(kMaxEchoChunkBytes, false));
+  EXPECT_THAT(fits.Finish(), IsOk());
+  LinkProbeOptions o;
+  o.chunk_bytes = 4 * kMaxEchoChunkBytes;
+  auto m = MeasureLink(b->address(), 2 * o.chunk_bytes, Security(), o);
+  ASSERT_THAT(m, IsOk());
+  EXPECT_EQ(m->bytes, 2 * o.chunk_bytes);
 }
 
 TEST_F(LinkProbeTest, ProbeAndGetProfileTranslateTheSource) {
