@@ -155,7 +155,7 @@ void Client(Planner* p, Ledger* ledger, std::atomic<bool>* stop, int cycle, uint
         v1::DeployPlanRequest r;
         r.set_plan("plans/" + id);
         for (int d = 0; d < 2; ++d) {
-          (*r.mutable_executors())[absl::StrCat("n1/cpu", d)] = "127.0.0.1:1";
+          (*r.mutable_executors())[absl::StrCat("n1/cpu", d)] = absl::StrCat("127.0.0.1:", d + 1);
         }
         v1::Deployment dep;
         if (stub->DeployPlan(Ctx().get(), r, &dep).ok()) ledger->Deployed(dep.name());

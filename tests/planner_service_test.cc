@@ -648,7 +648,7 @@ TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabel
   v1::DeployPlanRequest deploy;
   deploy.set_plan("plans/deployed");
   (*deploy.mutable_executors())["n1/cpu0"] = "127.0.0.1:1";
-  (*deploy.mutable_executors())["n1/cpu1"] = "127.0.0.1:1";
+  (*deploy.mutable_executors())["n1/cpu1"] = "127.0.0.1:2";
   v1::Deployment d;
   grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
   ASSERT_TRUE(s.ok()) << s.error_message();

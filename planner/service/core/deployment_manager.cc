@@ -70,6 +70,7 @@ absl::StatusOr<v1::Deployment> AssignRanks(const v1::Plan& plan,
     }
   }
   v1::Deployment d;
+  std::map<std::string, int> rank_at;  // executor address -> its rank
   for (int rank = 0; rank < plan.devices_size(); ++rank) {
     const std::string& dev = plan.devices(rank);
     auto it = request.executors().find(dev);
@@ -80,6 +81,13 @@ absl::StatusOr<v1::Deployment> AssignRanks(const v1::Plan& plan,
       return absl::InvalidArgumentError(absl::StrCat("no executor address for device '", dev,
                                                      "' (rank ", rank, "): pass executors[\"",
                                                      dev, "\"] = host:port"));
+    }
+    // An executor runs one rank: a second LoadPlan would replace the first.
+    if (auto [at, added] = rank_at.emplace(addr, rank); !added) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("devices '", plan.devices(at->second), "' (rank ", at->second, ") and '",
+                       dev, "' (rank ", rank, ") have the same executor '", addr,
+                       "'; an executor runs one rank: give each device its own"));
     }
     auto* a = d.add_ranks();
     a->set_rank(rank);

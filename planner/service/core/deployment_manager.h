@@ -83,7 +83,8 @@ class DeploymentManager {
   // names for it, else the one its node's label "hap.executor/<device>"
   // names. FailedPrecondition for a plan not SUCCEEDED; InvalidArgument for
   // a device without an executor, an executor for a device the plan does
-  // not use, or negative steps/threads; Unavailable while shutting down;
+  // not use, two devices at one executor (it runs one rank), or negative
+  // steps/threads; Unavailable while shutting down;
   // the sink's error (nothing created, no generation used) when it refuses.
   absl::StatusOr<hap::v1::Deployment> Deploy(const hap::v1::Plan& plan,
                                              const hap::v1::DeployPlanRequest& request,

@@ -247,6 +247,17 @@ TEST_F(DeploymentManagerTest, DeployChecksThePlanAndTheExecutors) {
   EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), extra, v1::Cluster(), "planner:1"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("'c/cpu0', which the plan does not use")));
+  // Two ranks on one executor: its second LoadPlan replaced the first, and
+  // the deployment ran one rank twice until the ranks' connect timed out.
+  v1::DeployPlanRequest shared = Request();
+  (*shared.mutable_executors())["b/cpu0"] = "a:1";
+  EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), shared, v1::Cluster(), "planner:1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("devices 'a/cpu0' (rank 0) and 'b/cpu0' (rank 1) have the same "
+                                 "executor 'a:1'")));
+  (*labelled.mutable_nodes(0)->mutable_labels())["hap.executor/b/cpu0"] = "a:1";
+  EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), missing, labelled, "planner:1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("same executor 'a:1'")));
 }
 
 TEST_F(DeploymentManagerTest, AFailedRankFailsTheDeploymentAndTheOtherIsStopped) {

@@ -356,7 +356,9 @@ class PlannerServiceImplTest : public ::testing::Test {
     if (!s.ok()) return s;
     v1::DeployPlanRequest r;
     r.set_plan(plan.name());
-    for (const auto& d : plan.devices()) (*r.mutable_executors())[d] = "127.0.0.1:1";
+    for (int i = 0; i < plan.devices_size(); ++i) {
+      (*r.mutable_executors())[plan.devices(i)] = absl::StrCat("127.0.0.1:", i + 1);
+    }
     v1::Deployment d;
     s = FromGrpc(stub_->DeployPlan(Ctx().get(), r, &d));
     if (!s.ok()) return s;
@@ -567,7 +569,7 @@ TEST_F(PlannerServiceImplTest, ADeploymentTheStoreRefusesIsNotCreated) {
   v1::DeployPlanRequest again;
   again.set_plan("plans/p");
   (*again.mutable_executors())["n/cpu0"] = "127.0.0.1:1";
-  (*again.mutable_executors())["n/cpu1"] = "127.0.0.1:1";
+  (*again.mutable_executors())["n/cpu1"] = "127.0.0.1:2";
   v1::Deployment d;
   ASSERT_THAT(FromGrpc(stub_->DeployPlan(Ctx().get(), again, &d)), IsOk());
   EXPECT_EQ(d.name(), "deployments/p-g1");
