@@ -1,8 +1,10 @@
 #include "profiler_agent/agent_service.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/proto_time.h"
 #include "profiler_agent/link_probe.h"
 
@@ -73,7 +75,14 @@ grpc::Status AgentServiceImpl::Echo(
     }
     ++echo_running_;
   }
+  // A peer that stops reading (or writing) keeps its turn no longer.
+  absl::Notification ended;
+  std::thread watchdog([&] {
+    if (!ended.WaitForNotificationWithTimeout(limits_.max_stream_duration)) ctx->TryCancel();
+  });
   grpc::Status s = EchoChunks(stream);
+  ended.Notify();
+  watchdog.join();
   absl::MutexLock l(&echo_mu_);
   --echo_running_;
   return s;

@@ -32,14 +32,17 @@ class ProfileSource {
 };
 
 // Bounds on the Echo streams peers open (link_probe.h): peers probing this
-// agent at once take a bounded number of threads and bytes.
+// agent at once, or one that stops reading or writing, take a bounded number
+// of threads, bytes and seconds.
 struct EchoLimits {
   // Streams echoed at once; the others wait for a turn (measurements made
   // together would disturb each other).
   int max_streams = 4;
   // Streams waiting for a turn; one more is RESOURCE_EXHAUSTED at once.
   int max_waiting = 64;
-  // A stream waits at most this long for its turn (RESOURCE_EXHAUSTED then).
+  // A stream waits at most this long for its turn (RESOURCE_EXHAUSTED then)
+  // and is cancelled this long after its turn began (MeasureLink's own
+  // deadline is 30 s).
   absl::Duration max_stream_duration = absl::Seconds(60);
 };
 

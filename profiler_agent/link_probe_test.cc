@@ -193,6 +193,26 @@ TEST_F(LinkProbeTest, EchoStreamsBeyondTheLimitWaitTheirTurnOrAreRefused) {
   EXPECT_EQ(b->service().echo_streams_waiting(), 0);
 }
 
+// A peer that stops reading keeps its turn no longer than
+// max_stream_duration: the stream is cancelled and the next peer is echoed.
+TEST_F(LinkProbeTest, AStreamWhosePeerStopsReadingIsCancelledAndFreesItsTurn) {
+  EchoLimits limits;
+  limits.max_streams = 1;
+  limits.max_stream_duration = absl::Milliseconds(300);
+  auto b = Serve("", limits);
+  ASSERT_TRUE(b);
+  RawEcho stalled(*b, absl::Seconds(40));
+  v1::EchoChunk chunk, reply;
+  chunk.mutable_payload()->assign(1 << 20, 'x');  // echoed back, never read
+  while (stalled.stream->Write(chunk)) {
+  }
+  while (stalled.stream->Read(&reply)) {
+  }
+  EXPECT_THAT(FromGrpc(stalled.stream->Finish()),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("")));
+  EXPECT_THAT(MeasureLink(b->address(), 1 << 20, Security()), IsOk());
+}
+
 // A chunk may be at most kMaxEchoChunkBytes (the server would otherwise hold
 // up to 256 MiB a message, and as much again echoing it); MeasureLink cuts
 // its chunks to that size.
