@@ -28,6 +28,8 @@ namespace {
 
 namespace v1 = ::hap::v1;
 
+constexpr int kMaxThreadsPerRank = 4096;
+
 // The communicator a runner is validated and created with at LoadPlan, when
 // the peers are not connected yet; the training thread attaches the real
 // one (Gloo) for the duration of training. Calls without one are
@@ -321,9 +323,12 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     return absl::InvalidArgumentError(
         absl::StrCat("training.steps must be positive, got ", t.steps()));
   }
-  if (t.threads_per_rank() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "training.threads_per_rank must not be negative, got ", t.threads_per_rank()));
+  // As hap-executor's --threads: a pool (and OpenBLAS's, OpenMP's) of that
+  // many threads is made.
+  if (t.threads_per_rank() < 0 || t.threads_per_rank() > kMaxThreadsPerRank) {
+    return absl::InvalidArgumentError(absl::StrCat("training.threads_per_rank must be 0 (the ",
+                                                   "executor's --threads) to ", kMaxThreadsPerRank,
+                                                   ", got ", t.threads_per_rank()));
   }
 
   if (t.checkpoint_every() < 0 || t.checkpoint_keep() < 0) {

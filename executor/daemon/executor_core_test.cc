@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -109,6 +110,15 @@ TEST(ExecutorCoreTest, RejectsBadPlans) {
   o = MlpLoad(2, 0, 0);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("training.steps must be positive")));
+  for (int threads : {-1, 4097, std::numeric_limits<int32_t>::max()}) {
+    o = MlpLoad(2, 0, 3);
+    o.training.set_threads_per_rank(threads);
+    EXPECT_THAT(core.LoadPlan(o),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("training.threads_per_rank must be 0 (the "
+                                                "executor's --threads) to 4096, got ",
+                                                threads))));
+  }
   o = MlpLoad(2, 0, 3);
   o.deployment.clear();
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
