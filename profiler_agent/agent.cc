@@ -457,11 +457,14 @@ struct Agent::Impl : public ProfileSource {
       absl::StatusOr<LinkMeasurement> m;
       {
         absl::MutexLock probing(&probe_mu);
+        Call call(this, o.link.timeout);  // cancelled by Shutdown
         m = MeasureLink(a.peer_address(), a.bytes() > 0 ? a.bytes() : o.link.max_bytes, o.security,
-                        o.link);
+                        o.link, call.ctx());
       }
       if (!m.ok()) {
-        Log(absl::StrCat("link probe to ", a.peer_node(), ": ", m.status().ToString()));
+        if (!Stopping()) {
+          Log(absl::StrCat("link probe to ", a.peer_node(), ": ", m.status().ToString()));
+        }
         continue;
       }
       // One network path serves every device pair of the two nodes.

@@ -321,6 +321,57 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   EXPECT_EQ(link.kind(), v1::LOOPBACK);
 }
 
+// A peer agent whose Echo never answers: it waits until the caller cancels
+// the stream (or 20 s pass) and records which came first.
+class StuckPeer final : public v1::Agent::Service {
+ public:
+  StuckPeer() {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(this);
+    server_ = b.BuildAndStart();
+    address_ = absl::StrCat("127.0.0.1:", port);
+  }
+  ~StuckPeer() override { server_->Shutdown(); }
+  grpc::Status GetProfile(grpc::ServerContext*, const v1::GetProfileRequest*,
+                          v1::ProbeResponse* out) override {
+    out->mutable_node()->add_devices()->set_id("stuck/cpu0");
+    return grpc::Status::OK;
+  }
+  grpc::Status Echo(grpc::ServerContext* ctx,
+                    grpc::ServerReaderWriter<v1::EchoChunk, v1::EchoChunk>*) override {
+    echo_started = true;
+    for (int i = 0; i < 2000 && !ctx->IsCancelled(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    echo_cancelled = ctx->IsCancelled();
+    return grpc::Status::OK;
+  }
+  const std::string& address() const { return address_; }
+  std::atomic<bool> echo_started{false}, echo_cancelled{false};
+
+ private:
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+// Shutdown cancels a link measurement in flight, as it does the agent's
+// other calls, rather than waiting out its deadline (an hour here).
+TEST_F(AgentTest, ShutdownCancelsALinkProbeToAPeerThatDoesNotAnswer) {
+  StuckPeer peer;
+  v1::ProbeAssignment a;
+  a.set_peer_node("stuck");
+  a.set_peer_address(peer.address());
+  planner_.AssignProbe("node-a", a);
+  AgentOptions o = Options("node-a");
+  o.link.timeout = absl::Hours(1);
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  for (int i = 0; i < 2000 && !peer.echo_started; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(peer.echo_started);
+  agent->Shutdown();
+  EXPECT_TRUE(peer.echo_cancelled);
+}
+
 // Two GPU-like devices and the links between them, as the GPU prober
 // reports them; or a link probe that fails.
 class FakeGpuPairProber : public DeviceProber {

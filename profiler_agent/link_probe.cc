@@ -47,7 +47,8 @@ absl::Status Finished(grpc::ClientReaderWriter<v1::EchoChunk, v1::EchoChunk>* st
 
 absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int64_t bytes,
                                             const hap::service::Security& security,
-                                            const LinkProbeOptions& options) {
+                                            const LinkProbeOptions& options,
+                                            grpc::ClientContext* ctx) {
   if (bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("link probe to ", peer_address, ": bytes must be positive, got ", bytes));
@@ -57,9 +58,12 @@ absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int
       std::max<int64_t>(1, std::min({options.chunk_bytes, kMaxEchoChunkBytes, total}));
   HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(peer_address, security));
   auto stub = v1::Agent::NewStub(channel);
-  grpc::ClientContext ctx;
-  hap::service::PrepareClientContext(&ctx, security, options.timeout);
-  auto stream = stub->Echo(&ctx);
+  grpc::ClientContext own;
+  if (ctx == nullptr) {
+    ctx = &own;
+    hap::service::PrepareClientContext(ctx, security, options.timeout);
+  }
+  auto stream = stub->Echo(ctx);
 
   // Latency: empty round trips, echoed back.
   std::vector<double> round_trips;
@@ -91,7 +95,7 @@ absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int
     data.mutable_payload()->assign(static_cast<size_t>(n), 'h');
     if (!stream->Write(data)) {
       write_failed = true;
-      ctx.TryCancel();  // unblocks the reader
+      ctx->TryCancel();  // unblocks the reader
       break;
     }
     sent += n;

@@ -42,9 +42,13 @@ struct LinkMeasurement {
 // empty round trips. bandwidth = bytes / (transfer time - one latency).
 // InvalidArgument for bytes <= 0; the peer's status (UNAVAILABLE,
 // UNAUTHENTICATED, DEADLINE_EXCEEDED...) with the address otherwise.
+// `ctx`, when given, is the stream's context, prepared by the caller (token,
+// deadline) and cancellable by it; otherwise one with the token of
+// `security` and options.timeout is made.
 absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int64_t bytes,
                                             const hap::service::Security& security,
-                                            const LinkProbeOptions& options = {});
+                                            const LinkProbeOptions& options = {},
+                                            grpc::ClientContext* ctx = nullptr);
 
 // LOOPBACK when both addresses name this host (the same host, or both
 // loopback), NETWORK otherwise. Addresses are "host:port" or "[v6]:port".
