@@ -15,6 +15,7 @@
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/service/core/planner_core.h"
 #include "profiler_agent/agent.h"
+#include "profiler_agent/fake_planner.h"
 
 namespace hap::agent {
 namespace {
@@ -26,12 +27,7 @@ namespace v1 = hap::v1;
 class CorePlanner final : public v1::Planner::Service {
  public:
   explicit CorePlanner(service::PlannerCore* core) : core_(core) {
-    grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(this);
-    server_ = b.BuildAndStart();
-    address_ = absl::StrCat("127.0.0.1:", port);
+    server_ = hap::agent::testing::ServeForTest(this, "127.0.0.1:0", &address_);
   }
   ~CorePlanner() override { server_->Shutdown(); }
   grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* r,

@@ -20,6 +20,7 @@ namespace hap::agent {
 namespace {
 
 using ::hap::agent::testing::FakePlanner;
+using ::hap::agent::testing::ServeForTest;
 using ::hap::service::FromGrpc;
 using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
@@ -63,12 +64,7 @@ double Flops(const v1::Device& d) { return d.flops(0).flops(); }
 class FakeExecutor final : public v1::Executor::Service {
  public:
   FakeExecutor(std::string device, const std::string& address) : device_(std::move(device)) {
-    grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(this);
-    server_ = b.BuildAndStart();
-    address_ = absl::StrCat("127.0.0.1:", port);
+    server_ = ServeForTest(this, address, &address_);
   }
   ~FakeExecutor() override { server_->Shutdown(); }
   grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
@@ -325,14 +321,7 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
 // the stream (or 20 s pass) and records which came first.
 class StuckPeer final : public v1::Agent::Service {
  public:
-  StuckPeer() {
-    grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(this);
-    server_ = b.BuildAndStart();
-    address_ = absl::StrCat("127.0.0.1:", port);
-  }
+  StuckPeer() { server_ = ServeForTest(this, "127.0.0.1:0", &address_); }
   ~StuckPeer() override { server_->Shutdown(); }
   grpc::Status GetProfile(grpc::ServerContext*, const v1::GetProfileRequest*,
                           v1::ProbeResponse* out) override {
@@ -344,10 +333,11 @@ class StuckPeer final : public v1::Agent::Service {
     echo_started = true;
     for (int i = 0; i < 2000 && !ctx->IsCancelled(); ++i) absl::SleepFor(absl::Milliseconds(10));
     echo_cancelled = ctx->IsCancelled();
+    echo_ended = true;
     return grpc::Status::OK;
   }
   const std::string& address() const { return address_; }
-  std::atomic<bool> echo_started{false}, echo_cancelled{false};
+  std::atomic<bool> echo_started{false}, echo_cancelled{false}, echo_ended{false};
 
  private:
   std::unique_ptr<grpc::Server> server_;
@@ -369,6 +359,7 @@ TEST_F(AgentTest, ShutdownCancelsALinkProbeToAPeerThatDoesNotAnswer) {
   for (int i = 0; i < 2000 && !peer.echo_started; ++i) absl::SleepFor(absl::Milliseconds(10));
   ASSERT_TRUE(peer.echo_started);
   agent->Shutdown();
+  for (int i = 0; i < 3000 && !peer.echo_ended; ++i) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_TRUE(peer.echo_cancelled);
 }
 

@@ -15,15 +15,21 @@ std::string NodeName(const std::string& name) {
 
 }  // namespace
 
-FakePlanner::FakePlanner(absl::Duration heartbeat_interval, std::string token,
-                         const std::string& listen)
-    : heartbeat_interval_(heartbeat_interval), token_(std::move(token)) {
+std::unique_ptr<grpc::Server> ServeForTest(grpc::Service* service, const std::string& listen,
+                                           std::string* address) {
   grpc::ServerBuilder b;
   int port = 0;
   b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(this);
-  server_ = b.BuildAndStart();
-  address_ = absl::StrCat("127.0.0.1:", port);
+  b.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  *address = absl::StrCat("127.0.0.1:", port);
+  return server;
+}
+
+FakePlanner::FakePlanner(absl::Duration heartbeat_interval, std::string token,
+                         const std::string& listen)
+    : heartbeat_interval_(heartbeat_interval), token_(std::move(token)) {
+  server_ = ServeForTest(this, listen, &address_);
 }
 
 FakePlanner::~FakePlanner() {

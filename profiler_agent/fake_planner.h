@@ -18,6 +18,11 @@
 
 namespace hap::agent::testing {
 
+// `service` served in process, plaintext, on `listen` (port 0: a free one);
+// its address "127.0.0.1:PORT" in *address.
+std::unique_ptr<grpc::Server> ServeForTest(grpc::Service* service, const std::string& listen,
+                                           std::string* address);
+
 class FakePlanner final : public hap::v1::Planner::Service {
  public:
   // Serves on `listen` (default: 127.0.0.1 at a free port); calls must
