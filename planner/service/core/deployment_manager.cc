@@ -57,6 +57,36 @@ DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
   return o;
 }
 
+// What the executors would refuse at LoadPlan, refused before a deployment
+// is made: InvalidArgument naming the field and value.
+absl::Status ValidateTraining(const v1::TrainingConfig& t) {
+  constexpr int kMaxThreadsPerRank = 4096;  // as the executors' --threads
+  auto bad = [](absl::string_view field, auto value, absl::string_view want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("training.", field, " must be ", want, ", got ", value));
+  };
+  if (t.steps() < 0) return bad("steps", t.steps(), "0 (100 steps) or more");
+  if (t.threads_per_rank() < 0 || t.threads_per_rank() > kMaxThreadsPerRank) {
+    return bad("threads_per_rank", t.threads_per_rank(),
+               absl::StrCat("0 (the executors' --threads) to ", kMaxThreadsPerRank));
+  }
+  if (t.checkpoint_every() < 0) return bad("checkpoint_every", t.checkpoint_every(), "0 or more");
+  if (t.checkpoint_keep() < 0) return bad("checkpoint_keep", t.checkpoint_keep(), "0 or more");
+  if (!v1::TrainingConfig::DataSource_IsValid(t.data())) {
+    return bad("data", static_cast<int>(t.data()), "SYNTHETIC or WIKITEXT2");
+  }
+  if (!t.resume().empty() && !t.init_weights().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("training.resume ('", t.resume(),
+                                                   "') and init_weights ('", t.init_weights(),
+                                                   "') exclude each other"));
+  }
+  if (t.shuffle() && t.data_spec().empty()) {
+    return absl::InvalidArgumentError(
+        "training.shuffle applies to data_spec (npy:, tokens:) data only; data_spec is empty");
+  }
+  return absl::OkStatus();
+}
+
 // The deployment's ranks: each of the plan's devices at its executor.
 absl::StatusOr<v1::Deployment> AssignRanks(const v1::Plan& plan,
                                            const v1::DeployPlanRequest& request,
@@ -327,9 +357,7 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Deploy(const v1::Plan& plan,
                                                       v1::Plan::State_Name(plan.state()),
                                                       "; only a SUCCEEDED plan can be deployed"));
   }
-  if (request.training().steps() < 0 || request.training().threads_per_rank() < 0) {
-    return absl::InvalidArgumentError("training.steps and threads_per_rank must not be negative");
-  }
+  HAP_RETURN_IF_ERROR(ValidateTraining(request.training()));
   HAP_ASSIGN_OR_RETURN(v1::Deployment d, AssignRanks(plan, request, cluster));
   HAP_ASSIGN_OR_RETURN(std::string id, PlanId(plan.name()));
   ReapSupervisors();

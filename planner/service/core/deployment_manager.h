@@ -83,8 +83,11 @@ class DeploymentManager {
   // names for it, else the one its node's label "hap.executor/<device>"
   // names. FailedPrecondition for a plan not SUCCEEDED; InvalidArgument for
   // a device without an executor, an executor for a device the plan does
-  // not use, two devices at one executor (it runs one rank), or negative
-  // steps/threads; Unavailable while shutting down;
+  // not use, two devices at one executor (it runs one rank), or training
+  // the executors would refuse (negative steps or checkpoint_every/keep,
+  // threads_per_rank outside 0-4096, an unknown data source, both resume
+  // and init_weights, shuffle without data_spec), naming the field and
+  // value; Unavailable while shutting down;
   // the sink's error (nothing created, no generation used) when it refuses.
   absl::StatusOr<hap::v1::Deployment> Deploy(const hap::v1::Plan& plan,
                                              const hap::v1::DeployPlanRequest& request,

@@ -6,6 +6,7 @@
 #include "planner/service/core/deployment_manager.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -258,6 +259,43 @@ TEST_F(DeploymentManagerTest, DeployChecksThePlanAndTheExecutors) {
   (*labelled.mutable_nodes(0)->mutable_labels())["hap.executor/b/cpu0"] = "a:1";
   EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), missing, labelled, "planner:1"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("same executor 'a:1'")));
+}
+
+// Training the executors would refuse at LoadPlan is refused by DeployPlan,
+// naming the field and value (it made a deployment that FAILED on its push,
+// and threads_per_rank had no upper bound on either side).
+TEST_F(DeploymentManagerTest, DeployChecksTheTrainingConfig) {
+  auto refused = [&](const std::function<void(v1::TrainingConfig&)>& edit,
+                     const std::string& error) {
+    v1::DeployPlanRequest r = Request();
+    edit(*r.mutable_training());
+    EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), r, v1::Cluster(), "planner:1"),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(error)))
+        << r.training().DebugString();
+  };
+  refused([](auto& t) { t.set_steps(-5); }, "training.steps must be 0 (100 steps) or more, got -5");
+  refused([](auto& t) { t.set_threads_per_rank(4097); },
+          "training.threads_per_rank must be 0 (the executors' --threads) to 4096, got 4097");
+  refused([](auto& t) { t.set_threads_per_rank(-1); }, "threads_per_rank must be 0");
+  refused([](auto& t) { t.set_checkpoint_every(-1); },
+          "training.checkpoint_every must be 0 or more, got -1");
+  refused([](auto& t) { t.set_checkpoint_keep(-2); },
+          "training.checkpoint_keep must be 0 or more, got -2");
+  refused([](auto& t) { t.set_data(static_cast<v1::TrainingConfig::DataSource>(7)); },
+          "training.data must be SYNTHETIC or WIKITEXT2, got 7");
+  refused(
+      [](auto& t) {
+        t.set_resume("/ckpt");
+        t.set_init_weights("/w.safetensors");
+      },
+      "training.resume ('/ckpt') and init_weights ('/w.safetensors') exclude each other");
+  refused([](auto& t) { t.set_shuffle(true); }, "training.shuffle applies to data_spec");
+  EXPECT_TRUE(manager_->All().empty());  // none was made
+  v1::DeployPlanRequest ok = Request();
+  ok.mutable_training()->set_threads_per_rank(4096);
+  ok.mutable_training()->set_checkpoint_every(std::numeric_limits<int64_t>::max());
+  ok.mutable_training()->set_steps(int64_t{1} << 62);
+  EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), ok, v1::Cluster(), "planner:1"), IsOk());
 }
 
 TEST_F(DeploymentManagerTest, AFailedRankFailsTheDeploymentAndTheOtherIsStopped) {
