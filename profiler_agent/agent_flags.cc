@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -13,16 +14,25 @@
 namespace hap::agent {
 namespace {
 
-// A number from --flag or HAP_FLAG, at least `min`; `def` when neither is set.
+// "--flag (or HAP_FLAG)", as errors name a flag.
+std::string Named(const std::string& flag) {
+  return absl::StrCat("--", flag, " (or ", hap::tools::Args::EnvName(flag), ")");
+}
+
+// A number from --flag or HAP_FLAG from `min` to `max` (a whole one when
+// `whole`); `def` when neither is set.
 absl::StatusOr<double> Number(const hap::tools::Args& a, const std::string& flag, double def,
-                              double min) {
+                              double min, double max = std::numeric_limits<double>::infinity(),
+                              bool whole = false) {
   std::string v = a.GetOrEnv(flag, "");
   if (v.empty()) return def;
   double x;
-  if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < min) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, " (or ", hap::tools::Args::EnvName(flag),
-                     ") must be a number >= ", min, ", got '", v, "'"));
+  if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < min || x > max ||
+      (whole && x != std::floor(x))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Named(flag), " must be a ", whole ? "whole number" : "number",
+        std::isfinite(max) ? absl::StrCat(" from ", min, " to ", max) : absl::StrCat(" >= ", min),
+        ", got '", v, "'"));
   }
   return x;
 }
@@ -47,10 +57,12 @@ const char kAgentUsage[] =
     "  --tls-cert-file FILE --tls-key-file FILE  serve TLS\n"
     "  --devices auto|cpu|gpu    devices to measure (default auto: the GPUs when this\n"
     "                            build has CUDA and a GPU is visible, else the CPU)\n"
-    "  --threads N               compute threads for probes (default: the CPU share)\n"
+    "  --threads N               compute threads for probes, up to 4096 (default: the\n"
+    "                            CPU share)\n"
     "  --probe-seconds S         bound on one device's probe, and on the GPU peer\n"
     "                            links of the node in all (default 2)\n"
-    "  --heartbeat-seconds S     default: what the planner says at registration\n"
+    "  --heartbeat-seconds S     0.01 to 3600; default: what the planner says at\n"
+    "                            registration\n"
     "  --drift F                 re-probe when quick FLOP/s checks differ by more\n"
     "                            than this fraction (default 0.2; 0 = off)\n"
     "  --drift-check-seconds S   how often to check (default 60)\n"
@@ -105,13 +117,20 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     }
     o.devices = *selection;
   }
-  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 0, 0));
+  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 0, 0, 4096, /*whole=*/true));
   HAP_ASSIGN_OR_RETURN(double probe, Number(a, "probe-seconds", 2, 0.001));
   HAP_ASSIGN_OR_RETURN(double heartbeat, Number(a, "heartbeat-seconds", 0, 0));
+  // hap-planner's range: shorter heartbeats in a loop, longer ones never.
+  if (heartbeat != 0 && (heartbeat < 0.01 || heartbeat > 3600)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Named("heartbeat-seconds"),
+                     " must be 0 (the planner's interval) or from 0.01 to 3600, got '",
+                     a.GetOrEnv("heartbeat-seconds", ""), "'"));
+  }
   HAP_ASSIGN_OR_RETURN(o.drift, Number(a, "drift", 0.2, 0));
   HAP_ASSIGN_OR_RETURN(double drift_check, Number(a, "drift-check-seconds", 60, 0.001));
   HAP_ASSIGN_OR_RETURN(double links, Number(a, "link-probe-seconds", 300, 0.001));
-  o.probe.threads = static_cast<int>(std::min(threads, 4096.0));
+  o.probe.threads = static_cast<int>(threads);
   o.probe.max_duration = absl::Seconds(probe);
   o.heartbeat_interval = absl::Seconds(heartbeat);
   o.drift_check_interval = absl::Seconds(drift_check);

@@ -91,5 +91,29 @@ TEST(AgentFlagsTest, ErrorsNameTheFlag) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("HAP_THREADS")));
 }
 
+// --heartbeat-seconds is 0 (the planner's) or within hap-planner's own range
+// (1e-9 heartbeated in a loop, 1e300 never); --threads is a whole number up
+// to 4096 (2.5 ran 2 threads, 1e9 4096, silently).
+TEST(AgentFlagsTest, NumbersOutOfRangeAreRefusedNamingTheFlagAndValue) {
+  const std::vector<std::pair<std::string, std::string>> bad = {{"heartbeat-seconds", "1e-9"},
+                                                                {"heartbeat-seconds", "0.001"},
+                                                                {"heartbeat-seconds", "1e300"},
+                                                                {"heartbeat-seconds", "7200"},
+                                                                {"threads", "2.5"},
+                                                                {"threads", "1e9"},
+                                                                {"threads", "-1"}};
+  for (const auto& [flag, value] : bad) {
+    EXPECT_THAT(FromArgv({"--planner", "p:1", "--" + flag, value}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr("--" + flag), HasSubstr("'" + value + "'"))))
+        << flag << " " << value;
+  }
+  for (const std::string value : {"0", "0.01", "3600"}) {
+    auto o = FromArgv({"--planner", "p:1", "--heartbeat-seconds", value, "--threads", "4096"});
+    ASSERT_THAT(o, IsOk()) << value;
+    EXPECT_EQ(o->probe.threads, 4096);
+  }
+}
+
 }  // namespace
 }  // namespace hap::agent
