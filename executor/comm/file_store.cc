@@ -44,6 +44,8 @@ class FileStore : public RendezvousStore {
     {
       std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
       f.write(value.data(), static_cast<std::streamsize>(value.size()));
+      // Closed before the check: a small value is written only by close.
+      f.close();
       if (!f) {
         std::remove(tmp.c_str());
         return absl::UnavailableError(

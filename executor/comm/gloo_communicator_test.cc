@@ -2,6 +2,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -591,6 +592,26 @@ TEST(FileStoreTest, SetGetTimeoutAndBadDirectory) {
   EXPECT_THAT(NewFileStore(dir + "/nope"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("not a writable directory")));
+}
+
+// A value the file system refuses part of (here a file size limit; a full
+// disk alike) fails Set and is not published: the write that fails is the
+// one at close, after the stream's checks (it published 16 bytes of 100).
+TEST(FileStoreTest, AWriteThatFailsAtCloseFailsSetAndPublishesNothing) {
+  auto store = NewFileStore(FreshDir("store_full"));
+  ASSERT_TRUE(store.ok());
+  struct rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  struct rlimit small = old;
+  small.rlim_cur = 16;
+  auto* previous = signal(SIGXFSZ, SIG_IGN);  // EFBIG rather than the signal
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const absl::Status set = (*store)->Set("rank0", std::string(100, 'x'));
+  setrlimit(RLIMIT_FSIZE, &old);  // before anything is printed
+  signal(SIGXFSZ, previous);
+  EXPECT_THAT(set, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot write")));
+  EXPECT_THAT((*store)->Get("rank0", absl::ZeroDuration()),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("'rank0'")));
 }
 
 }  // namespace
