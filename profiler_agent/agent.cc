@@ -172,8 +172,15 @@ struct Agent::Impl : public ProfileSource {
 
   // A full probe; the new profile replaces the last one and becomes pending
   // for the planner.
-  absl::Status ProbeDevices(absl::Duration max_duration) {
+  // DeadlineExceeded, probing nothing, when `deadline` has passed once the
+  // probes before this one are done (a caller of Probe that gave up).
+  absl::Status ProbeDevices(absl::Duration max_duration,
+                            absl::Time deadline = absl::InfiniteFuture()) {
     absl::MutexLock probing(&probe_mu);
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          "the call's deadline passed while another probe ran; nothing was probed");
+    }
     ProbeOptions opts = o.probe;
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
     absl::Time start = absl::Now();
@@ -525,9 +532,9 @@ struct Agent::Impl : public ProfileSource {
   }
 
   // ProfileSource.
-  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
-                                             bool include_links) override {
-    HAP_RETURN_IF_ERROR(ProbeDevices(max_duration));
+  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration max_duration, bool include_links,
+                                             absl::Time deadline) override {
+    HAP_RETURN_IF_ERROR(ProbeDevices(max_duration, deadline));
     HAP_ASSIGN_OR_RETURN(v1::ProbeResponse r, LastProfile());
     if (include_links) {
       for (auto& l : MeasurePeers()) *r.add_links() = std::move(l);

@@ -35,7 +35,7 @@ grpc::Status AgentServiceImpl::Probe(grpc::ServerContext* ctx, const v1::ProbeRe
         absl::StrCat("max_duration must be at most ", absl::FormatDuration(kMaxProbeDuration),
                      ", got ", absl::FormatDuration(max)));
   }
-  auto r = source_->ProbeNow(max, request->include_links());
+  auto r = source_->ProbeNow(max, request->include_links(), hap::service::CallDeadline(ctx));
   if (!r.ok()) return hap::service::ToGrpc(r.status());
   *response = std::move(*r);
   return grpc::Status::OK;

@@ -24,9 +24,12 @@ class ProfileSource {
  public:
   virtual ~ProfileSource() = default;
   // Probes now, within `max_duration` per device (zero = the configured
-  // bound), and with peer links when `include_links`.
+  // bound), and with peer links when `include_links`. DeadlineExceeded,
+  // probing nothing, when `deadline` (the caller's) has passed by the time
+  // the probes before it are done.
   virtual absl::StatusOr<hap::v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
-                                                          bool include_links) = 0;
+                                                          bool include_links,
+                                                          absl::Time deadline) = 0;
   // The last profile; FailedPrecondition before the first probe finished.
   virtual absl::StatusOr<hap::v1::ProbeResponse> LastProfile() = 0;
 };

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -294,6 +295,64 @@ TEST_F(AgentTest, TheProbeRpcProbesAndTheNextHeartbeatCarriesTheDevices) {
   EXPECT_TRUE(r.has_probe_duration());
   ASSERT_TRUE(planner_.WaitFor([](const Record& x) { return !x.heartbeats_with_devices.empty(); }));
   EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 7e9);
+}
+
+// A FakeProber whose probes wait while `hold` is set.
+class HeldProber : public FakeProber {
+ public:
+  struct Hold {
+    std::atomic<bool> hold{false};
+    std::atomic<int> waiting{0};
+  };
+  HeldProber(State* s, Hold* h) : FakeProber(s), h_(h) {}
+  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
+                                                const ProbeOptions& o) override {
+    ++h_->waiting;
+    while (h_->hold) absl::SleepFor(absl::Milliseconds(5));
+    --h_->waiting;
+    return FakeProber::Probe(node, o);
+  }
+
+ private:
+  Hold* h_;
+};
+
+// Probe calls queued behind a running probe whose callers gave up (their
+// deadline passed) probe nothing: a burst of them is not a burst of probes
+// run after their callers left.
+TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
+  HeldProber::Hold hold;
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::make_unique<HeldProber>(&state_, &hold));
+  auto agent = Agent::Start(Options("node-a"), std::move(probers));
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(Registered("node-a"));
+  ASSERT_EQ(state_.probes.load(), 1);
+  auto channel = hap::service::MakeChannel((*agent)->listen_address(), {});
+  ASSERT_THAT(channel, IsOk());
+  auto stub = v1::Agent::NewStub(*channel);
+  auto probe = [&](absl::Duration timeout) {
+    grpc::ClientContext ctx;
+    hap::service::PrepareClientContext(&ctx, {}, timeout);
+    v1::ProbeResponse r;
+    return FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r));
+  };
+  hold.hold = true;
+  std::thread running([&] { EXPECT_THAT(probe(absl::Seconds(30)), IsOk()); });
+  for (int i = 0; i < 2000 && hold.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(hold.waiting.load(), 1);
+  std::vector<std::thread> queued;
+  for (int i = 0; i < 3; ++i) {
+    queued.emplace_back([&] {
+      EXPECT_THAT(probe(absl::Milliseconds(200)),
+                  StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
+    });
+  }
+  for (auto& t : queued) t.join();
+  hold.hold = false;
+  running.join();
+  (*agent)->Shutdown();  // the queued calls' handlers are done
+  EXPECT_EQ(state_.probes.load(), 2);
 }
 
 TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {

@@ -22,7 +22,7 @@ namespace v1 = hap::v1;
 class StaticSource : public ProfileSource {
  public:
   std::optional<v1::ProbeResponse> profile;
-  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration, bool) override {
+  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration, bool, absl::Time) override {
     return LastProfile();
   }
   absl::StatusOr<v1::ProbeResponse> LastProfile() override {
