@@ -379,13 +379,17 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     absl::MutexLock l(&m.service_mu);
     m.service_up = true;
   }
-  // Retention by age needs a clock tick, not a new plan; the first pass
-  // also trims what a restart loaded.
-  m.retention = std::thread([&m] {
-    do {
-      absl::StatusOr<int> deleted = m.core->EnforceRetention();
-      if (!deleted.ok()) std::cerr << "hap-planner: " << deleted.status().message() << "\n";
-    } while (!m.stop_retention.WaitForNotificationWithTimeout(m.o.retention_interval));
+  // Retention by age needs a clock tick, not a new plan. The first pass,
+  // before Start returns, trims what a restart loaded (a lower
+  // --plan-retention-count, or a kill before the last trim was saved)
+  // before the first list is answered.
+  auto retain = [&m] {
+    absl::StatusOr<int> deleted = m.core->EnforceRetention();
+    if (!deleted.ok()) std::cerr << "hap-planner: " << deleted.status().message() << "\n";
+  };
+  retain();
+  m.retention = std::thread([&m, retain] {
+    while (!m.stop_retention.WaitForNotificationWithTimeout(m.o.retention_interval)) retain();
   });
   return s;
 }

@@ -580,7 +580,21 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     }
     done = it->second;
   }
+  // Finished, it may push an old plan past the count: trimmed before the
+  // caller hears, so what it lists next (or a restart finds) is trimmed.
+  TrimPastRetentionCount();
   return BasicView(*done);
+}
+
+void PlannerCore::TrimPastRetentionCount() {
+  bool over;
+  {
+    absl::MutexLock l(&s_->mu);
+    over = OverCountLocked();
+  }
+  // A pass that fails leaves the plans for the next one (the daemon's
+  // periodic pass reports the error).
+  if (over) EnforceRetention().IgnoreError();
 }
 
 absl::Status PlannerCore::Resume(const v1::Plan& p) {
@@ -677,6 +691,7 @@ void PlannerCore::Worker() {
       s_->queue.pop_front();
     }
     RunJob(job);
+    TrimPastRetentionCount();  // (a plan nobody waits for finished)
   }
 }
 

@@ -281,6 +281,8 @@ class PlannerCore {
   void ErasePlanLocked(const std::string& name);
   // More finished plans than the retention count.
   bool OverCountLocked() const;
+  // EnforceRetention when OverCountLocked (after a plan finished).
+  void TrimPastRetentionCount();
   void RefreshLivenessLocked();
   absl::Status RemoveNodeLocked(const std::string& name);
   // A node now reporting `now` instead of `before`: the measured links of
