@@ -44,6 +44,32 @@ void RendezvousStore::Shutdown() {
 void RendezvousStore::Drop(const std::string& deployment) {
   auto k = kv_.lower_bound({deployment, std::numeric_limits<int64_t>::min(), ""});
   while (k != kv_.end() && std::get<0>(k->first) == deployment) k = kv_.erase(k);
+  usage_.erase(deployment);
+}
+
+absl::Status RendezvousStore::Put(const Key& k, std::string value) {
+  const std::string& deployment = std::get<0>(k);
+  Usage& u = usage_[deployment];
+  auto it = kv_.find(k);
+  const int64_t key_bytes = static_cast<int64_t>(std::get<2>(k).size());
+  const int64_t old_bytes =
+      it == kv_.end() ? 0 : key_bytes + static_cast<int64_t>(it->second.size());
+  const int64_t keys = u.keys + (it == kv_.end() ? 1 : 0);
+  const int64_t bytes = u.bytes - old_bytes + key_bytes + static_cast<int64_t>(value.size());
+  if (keys > o_.max_keys_per_deployment || bytes > o_.max_bytes_per_deployment) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the rendezvous of ", deployment, " would hold ", keys, " keys and ", bytes,
+                     " bytes; it may hold ", o_.max_keys_per_deployment, " keys and ",
+                     o_.max_bytes_per_deployment, " bytes"));
+  }
+  u.keys = keys;
+  u.bytes = bytes;
+  if (it == kv_.end()) {
+    kv_.emplace(k, std::move(value));
+  } else {
+    it->second = std::move(value);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status RendezvousStore::Check(const std::string& deployment, int64_t generation) const {
@@ -72,7 +98,7 @@ absl::Status RendezvousStore::Set(const std::string& deployment, int64_t generat
   }
   absl::MutexLock l(&mu_);
   HAP_RETURN_IF_ERROR(Check(deployment, generation));
-  kv_[{deployment, generation, key}] = value;
+  HAP_RETURN_IF_ERROR(Put({deployment, generation, key}, value));
   changed_.SignalAll();
   return absl::OkStatus();
 }
@@ -95,9 +121,17 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Get(
     if (shutdown_) return absl::UnavailableError("the planner is shutting down");
     if (cancelled()) return absl::CancelledError("the client cancelled");
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("rendezvous keys not set in time for ", deployment, " generation ",
-                       generation, ": ", absl::StrJoin(missing, ", ")));
+      // The first few named: a message of every key a client asked for
+      // could pass gRPC's trailer limit and arrive as a transport error.
+      constexpr size_t kNamed = 16;
+      std::string named =
+          absl::StrJoin(missing.begin(), missing.begin() + std::min(kNamed, missing.size()), ", ");
+      if (named.size() > 1024) named = absl::StrCat(named.substr(0, 1024), "...");
+      if (missing.size() > kNamed)
+        absl::StrAppend(&named, " and ", missing.size() - kNamed, " more");
+      return absl::DeadlineExceededError(absl::StrCat("rendezvous keys not set in time for ",
+                                                      deployment, " generation ", generation, ": ",
+                                                      named));
     }
     // Short waits, so a cancelled caller is noticed promptly.
     changed_.WaitWithDeadline(&mu_, std::min(deadline, absl::Now() + absl::Milliseconds(200)));
@@ -127,7 +161,7 @@ absl::StatusOr<int64_t> RendezvousStore::Add(const std::string& deployment, int6
     return absl::OutOfRangeError(absl::StrCat("key '", key, "' holds ", n, ": adding ", delta,
                                               " overflows a 64-bit counter"));
   }
-  kv_[k] = absl::StrCat(sum);
+  HAP_RETURN_IF_ERROR(Put(k, absl::StrCat(sum)));
   changed_.SignalAll();
   return sum;
 }

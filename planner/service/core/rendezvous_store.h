@@ -40,6 +40,12 @@ class RendezvousStore {
     // grow with every deployment it ever made (a forgotten one's calls are
     // NotFound).
     int64_t max_closed = 10000;
+    // What one deployment's rendezvous may hold (keys and their values'
+    // bytes): beyond it Set and Add are ResourceExhausted. Gloo and NCCL
+    // set a few small keys a rank; a client that knows a deployment's name
+    // must not grow the planner's memory without end.
+    int64_t max_keys_per_deployment = 1 << 20;
+    int64_t max_bytes_per_deployment = int64_t{256} << 20;
   };
   RendezvousStore() : RendezvousStore(Options{}) {}
   explicit RendezvousStore(Options options) : o_(options) {}
@@ -86,6 +92,8 @@ class RendezvousStore {
 
   absl::Status Check(const std::string& deployment, int64_t generation) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Stores `value` at `k`, within the deployment's limits (Options).
+  absl::Status Put(const Key& k, std::string value) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(const std::string& deployment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options o_;
@@ -94,6 +102,11 @@ class RendezvousStore {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Rendezvous> rendezvous_ ABSL_GUARDED_BY(mu_);
   std::map<Key, std::string> kv_ ABSL_GUARDED_BY(mu_);
+  struct Usage {
+    int64_t keys = 0;
+    int64_t bytes = 0;  // keys' and values' sizes
+  };
+  std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);  // by deployment
   // Closed rendezvous in the order they closed (an entry whose rendezvous
   // was opened again since is skipped when it comes up).
   std::deque<std::pair<std::string, int64_t>> closed_ ABSL_GUARDED_BY(mu_);

@@ -3,7 +3,9 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "common/status_matchers.h"
@@ -60,6 +62,50 @@ TEST(RendezvousStoreTest, GetWaitsForEveryKeyAndNamesTheMissingAtItsDeadline) {
   setter.join();
   ASSERT_THAT(got, IsOk());
   EXPECT_THAT(*got, ElementsAre("1", "2"));
+}
+
+// One deployment's rendezvous holds at most its limits of keys and bytes
+// (a client knowing the name could grow the planner's memory without end);
+// replacing a value counts its new size only, closing frees it all.
+TEST(RendezvousStoreTest, ADeploymentsKeysAndBytesAreBounded) {
+  RendezvousStore::Options o;
+  o.max_keys_per_deployment = 3;
+  o.max_bytes_per_deployment = 100;
+  RendezvousStore store(o);
+  store.Open("d", 1);
+  store.Open("e", 1);
+  ASSERT_THAT(store.Set("d", 1, "a", std::string(40, 'x')), IsOk());  // 41 bytes
+  ASSERT_THAT(store.Set("d", 1, "a", std::string(60, 'x')), IsOk());  // 61, replaced
+  EXPECT_THAT(store.Set("d", 1, "b", std::string(40, 'x')),           // 61 + 41
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("the rendezvous of d would hold 2 keys and 102 bytes; it may "
+                                 "hold 3 keys and 100 bytes")));
+  ASSERT_THAT(store.Set("d", 1, "b", std::string(38, 'x')), IsOk());  // 100
+  EXPECT_THAT(store.Add("d", 1, "c", 1),
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
+  ASSERT_THAT(store.Set("d", 1, "a", ""), IsOk());  // 1 + 39
+  EXPECT_THAT(store.Add("d", 1, "c", 1), IsOk());   // 3 keys
+  EXPECT_THAT(store.Set("d", 1, "e", ""),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("4 keys")));
+  EXPECT_EQ(store.keys("d", 1), 3);
+  ASSERT_THAT(store.Set("e", 1, "a", std::string(99, 'x')), IsOk());  // another deployment's own
+  store.Close("d", 1, "done");
+  store.Open("d", 2);
+  EXPECT_THAT(store.Set("d", 2, "a", std::string(99, 'x')), IsOk());
+}
+
+// A deadline's message names the first missing keys, not every one a client
+// asked for (megabytes of key names passed gRPC's trailer limit).
+TEST(RendezvousStoreTest, ADeadlineNamesTheFirstMissingKeysOnly) {
+  RendezvousStore store;
+  store.Open("d", 1);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 10000; ++i)
+    keys.push_back("key-" + std::string(100, 'k') + std::to_string(i));
+  absl::StatusOr<std::vector<std::string>> got =
+      store.Get("d", 1, keys, absl::Now() + absl::Milliseconds(10), kNever);
+  ASSERT_THAT(got, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("and 9984 more")));
+  EXPECT_LT(got.status().message().size(), 2048u);
 }
 
 TEST(RendezvousStoreTest, ClosingEndsWaitsAndDropsTheKeys) {
