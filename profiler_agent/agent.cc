@@ -30,6 +30,8 @@ constexpr absl::Duration kDefaultHeartbeat = absl::Seconds(5);
 // hap-planner's --heartbeat-seconds range.
 constexpr absl::Duration kMinHeartbeat = absl::Milliseconds(10);
 constexpr absl::Duration kMaxHeartbeat = absl::Hours(1);
+// Devices taken from a peer's profile (the planner's limit per node).
+constexpr int kMaxPeerDevices = 1024;
 
 // One line to stderr, written at once so that threads do not interleave.
 void Log(const std::string& message) {
@@ -422,15 +424,39 @@ struct Agent::Impl : public ProfileSource {
     v1::ProbeResponse r;
     Call call(this, o.rpc_timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(stub->GetProfile(call.ctx(), v1::GetProfileRequest(), &r)));
+    if (r.node().devices_size() > kMaxPeerDevices) {
+      // The planner takes no more from a node; each would be a link of ours.
+      return absl::FailedPreconditionError(
+          absl::StrCat("the peer reports ", r.node().devices_size(), " devices; at most ",
+                       kMaxPeerDevices, " are taken"));
+    }
     std::vector<std::string> ids;
     for (const auto& d : r.node().devices()) ids.push_back(d.id());
     if (ids.empty()) return absl::FailedPreconditionError("the peer reports no devices");
     return ids;
   }
 
+  // Reports `links` (`what` for the log) to the planner; a refusal is
+  // logged. The planner takes a report whole or not at all.
+  void ReportLinks(const std::vector<v1::Link>& links, const std::string& what) {
+    if (links.empty()) return;
+    v1::ReportLinksRequest report;
+    report.set_node(o.name);
+    for (const auto& l : links) *report.add_links() = l;
+    v1::ReportLinksResponse ignored;
+    Call call(this, o.rpc_timeout);
+    absl::Status s = FromGrpc(Planner()->ReportLinks(call.ctx(), report, &ignored));
+    if (!s.ok() && !Stopping()) {
+      Log(absl::StrCat("reporting ", what, " to ", o.planner, ": ", s.ToString()));
+    }
+  }
+
   // Asks the planner for probe assignments, measures each peer and reports
   // the links, with those between this node's own devices (from the last
-  // probe). A failing peer is logged and skipped. Returns the peer links.
+  // probe). A failing peer is logged and skipped. Each peer's links are a
+  // report of their own, so that one the planner refuses (a peer listing a
+  // device the planner does not know) loses only its own. Returns the peer
+  // links.
   std::vector<v1::Link> MeasurePeers() {
     std::vector<v1::Link> links;
     v1::GetProbeAssignmentsRequest req;
@@ -476,21 +502,14 @@ struct Agent::Impl : public ProfileSource {
       }
       // One network path serves every device pair of the two nodes.
       v1::LinkKind kind = LinkKindBetween(address, a.peer_address());
+      std::vector<v1::Link> peer_links;
       for (const auto& src : local) {
-        for (const auto& dst : *peer_devices) links.push_back(MakeLink(src, dst, *m, kind));
+        for (const auto& dst : *peer_devices) peer_links.push_back(MakeLink(src, dst, *m, kind));
       }
+      ReportLinks(peer_links, absl::StrCat("the links to ", a.peer_node()));
+      links.insert(links.end(), peer_links.begin(), peer_links.end());
     }
-    if (links.empty() && local_links.empty()) return links;
-    v1::ReportLinksRequest report;
-    report.set_node(o.name);
-    for (const auto& l : local_links) *report.add_links() = l;
-    for (const auto& l : links) *report.add_links() = l;
-    v1::ReportLinksResponse ignored;
-    Call call(this, o.rpc_timeout);
-    absl::Status s = FromGrpc(Planner()->ReportLinks(call.ctx(), report, &ignored));
-    if (!s.ok() && !Stopping()) {
-      Log(absl::StrCat("reporting links to ", o.planner, ": ", s.ToString()));
-    }
+    ReportLinks(local_links, "this node's own links");
     return links;
   }
 

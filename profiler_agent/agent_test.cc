@@ -376,6 +376,32 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   EXPECT_EQ(link.kind(), v1::LOOPBACK);
 }
 
+// Each peer's links are reported on their own: a peer whose device the
+// planner refuses (node-c's here, as an unregistered one) loses its own
+// links only; before, one report held every peer's and all were lost.
+TEST_F(AgentTest, APeerWhoseLinksThePlannerRefusesLosesOnlyItsOwn) {
+  FakeProber::State state_b, state_c;
+  auto c = StartAgent(Options("node-c"), &state_c);
+  auto b = StartAgent(Options("node-b"), &state_b);
+  ASSERT_TRUE(b && c);
+  ASSERT_TRUE(Registered("node-b") && Registered("node-c"));
+  planner_.RefuseLinksNaming("node-c/cpu0");
+  for (const auto& [node, peer] : {std::pair<std::string, Agent*>{"node-c", c.get()},
+                                   std::pair<std::string, Agent*>{"node-b", b.get()}}) {
+    v1::ProbeAssignment a;
+    a.set_peer_node(node);
+    a.set_peer_address(peer->address());
+    a.set_bytes(1 << 16);
+    planner_.AssignProbe("node-a", a);
+  }
+  auto agent = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.links.empty(); }));
+  const Record r = planner_.Snapshot();
+  ASSERT_EQ(r.links.size(), 1u);
+  EXPECT_EQ(r.links[0].dst(), "node-b/cpu0");
+}
+
 // A peer agent whose Echo never answers: it waits until the caller cancels
 // the stream (or 20 s pass) and records which came first.
 class StuckPeer final : public v1::Agent::Service {

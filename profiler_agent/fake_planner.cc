@@ -93,8 +93,20 @@ grpc::Status FakePlanner::ReportLinks(grpc::ServerContext* ctx, const v1::Report
                                       v1::ReportLinksResponse*) {
   if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
   absl::MutexLock l(&mu_);
+  for (const auto& link : r->links()) {
+    for (const std::string* d : {&link.src(), &link.dst()}) {
+      if (unknown_devices_.count(*d)) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND, "link names unknown device " + *d);
+      }
+    }
+  }
   for (const auto& link : r->links()) record_.links.push_back(link);
   return grpc::Status::OK;
+}
+
+void FakePlanner::RefuseLinksNaming(const std::string& device) {
+  absl::MutexLock l(&mu_);
+  unknown_devices_.insert(device);
 }
 
 void FakePlanner::Forget(const std::string& node) {

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,9 @@ class FakePlanner final : public hap::v1::Planner::Service {
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   void AssignProbe(const std::string& node, const hap::v1::ProbeAssignment& a);
+  // ReportLinks naming `device` is refused whole (NOT_FOUND), as the real
+  // planner refuses a report naming a device no node registered.
+  void RefuseLinksNaming(const std::string& device);
 
   // What was received.
   struct Record {
@@ -74,6 +78,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   std::map<std::string, bool> reprobe_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<hap::v1::ProbeAssignment>> assignments_ ABSL_GUARDED_BY(mu_);
   int refuse_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> unknown_devices_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace hap::agent::testing
