@@ -54,6 +54,29 @@ double FloatFlops(const v1::Device& d) {
   return flops;
 }
 
+// The longest per-step time a profile may say (11.6 days): past it a
+// number is no measurement, and seconds around 1e20 made every plan of the
+// calibrated cluster fail in the solver.
+constexpr double kMaxProfileSeconds = 1e6;
+
+// InvalidArgument naming run `k`, the rank and the number, unless every
+// number of `r` is finite, >= 0 and at most kMaxProfileSeconds. The
+// planner's profiles come from the executors' status reports, unparsed.
+absl::Status CheckProfile(size_t k, const RankProfile& r) {
+  auto check = [&](const std::string& what, double v) {
+    if (std::isfinite(v) && v >= 0 && v <= kMaxProfileSeconds) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("run ", k, ": rank ", r.rank, "'s ", what,
+                                                   " must be finite, >= 0 and at most ",
+                                                   kMaxProfileSeconds, " s per step, got ", v));
+  };
+  HAP_RETURN_IF_ERROR(check("step_seconds_median", r.step_seconds_median));
+  HAP_RETURN_IF_ERROR(check("device_seconds", r.device_seconds));
+  for (const auto& [type, secs] : r.op_seconds) {
+    HAP_RETURN_IF_ERROR(check(absl::StrCat("op_seconds['", type, "']"), secs));
+  }
+  return absl::OkStatus();
+}
+
 // One run on one device: op type -> seconds per step.
 struct RunTimes {
   std::map<std::string, double> modelled, measured;
@@ -441,6 +464,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
             "run ", k, ": rank ", r.rank, " is out of range or given twice (plan has ",
             plan.devices_size(), " ranks)"));
       }
+      HAP_RETURN_IF_ERROR(CheckProfile(k, r));
       if (!r.plan_content_hash.empty() && r.plan_content_hash != plan.content_hash()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "run ", k, ": rank ", r.rank, "'s profile is of plan ",

@@ -1,6 +1,7 @@
 #include "planner/calibrate/calibration.h"
 
 #include <cmath>
+#include <functional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -576,6 +577,56 @@ TEST(CalibrationTest, RejectsProfilesThatDoNotMatchThePlan) {
   EXPECT_NE(s.message().find("'cpu1' is not in the cluster"), std::string::npos) << s;
 
   EXPECT_EQ(Calibrate(c, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Numbers no measurement has (the planner takes its deployments' profiles
+// from the executors' status reports unchecked): NaN, infinite or negative
+// seconds, or a step longer than a million seconds. Each is refused naming
+// the run, the rank and the number, where it became a NaN or negative
+// optimizer_seconds_per_element or step_overhead_seconds that the cost
+// model refuses for every later plan, or seconds so large that every later
+// plan failed as "memory is at the limit of solver tolerance".
+TEST(CalibrationTest, RejectsProfileNumbersNoMeasurementHas) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  const v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpEven);
+  ASSERT_TRUE(Calibrate(c, {UnitRun(plan)}).ok());
+  const double nan = std::nan(""), inf = INFINITY;
+  struct Case {
+    std::function<void(RankProfile*)> mess;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {[&](RankProfile* p) { p->op_seconds["(optimizer)"] = nan; }, "op_seconds['(optimizer)']"},
+      {[&](RankProfile* p) { p->op_seconds["(runtime)"] = -0.5; }, "op_seconds['(runtime)']"},
+      {[&](RankProfile* p) { p->op_seconds["linear"] = inf; }, "op_seconds['linear']"},
+      {[&](RankProfile* p) { p->op_seconds["linear"] = 1e30; }, "op_seconds['linear']"},
+      {[&](RankProfile* p) { p->op_seconds["(runtime)"] = 1e300; }, "op_seconds['(runtime)']"},
+      {[&](RankProfile* p) { p->step_seconds_median = nan; }, "step_seconds_median"},
+      {[&](RankProfile* p) { p->step_seconds_median = 1e300; }, "step_seconds_median"},
+      {[&](RankProfile* p) { p->device_seconds = -1; }, "device_seconds"},
+  };
+  for (const Case& k : cases) {
+    ProfiledRun run = UnitRun(plan);
+    k.mess(&run.ranks[1]);
+    auto cal = Calibrate(c, {UnitRun(plan), run});
+    EXPECT_EQ(cal.status().code(), absl::StatusCode::kInvalidArgument) << k.says;
+    EXPECT_NE(cal.status().message().find("run 1: rank 1's " + k.says), std::string::npos)
+        << cal.status();
+  }
+  // At the bound, still a calibration the planner plans with.
+  ProfiledRun slow = UnitRun(plan);
+  slow.ranks[1].op_seconds["linear"] = 1e6;
+  slow.ranks[1].step_seconds_median = 1e6;
+  auto cal = Calibrate(c, {slow});
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  auto model = cost::ClusterModel::FromProto(cal->cluster);
+  ASSERT_TRUE(model.ok()) << model.status();
+  synth::PlanOptions po;
+  po.optimizer = synth::OptimizerKind::kAdam;
+  auto planned = synth::PlanModel(g, *model, po);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_TRUE(std::isfinite(planned->cost.total) && planned->cost.total > 0);
 }
 
 TEST(CalibrationTest, ParsesTheExecutorsProfileFormatAndNamesWhatIsWrong) {

@@ -196,6 +196,45 @@ TEST_F(PlannerCoreTest, CalibratesDevicesFromProfilesAndLaterPlansUseIt) {
   EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
 }
 
+// A deployment whose executor reported NaN, negative or absurdly large
+// seconds (status reports are not checked on the way in) calibrates
+// nothing: the call says which rank and number, the devices keep no
+// calibration and later plans are made as before (a NaN
+// optimizer_seconds_per_element was stored, and every later plan on the
+// devices failed on it).
+TEST_F(PlannerCoreTest, AProfileWithSecondsNoRunHasCalibratesNothing) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(first.ok() && first->state() == v1::Plan::SUCCEEDED) << first.status();
+  auto full = core_->GetPlan(first->name(), true);
+  ASSERT_TRUE(full.ok());
+  const std::pair<const char*, double> bad[] = {
+      {"(optimizer)", std::nan("")}, {"(runtime)", -1}, {"linear", 1e300}};
+  for (const auto& [type, secs] : bad) {
+    std::vector<v1::StepProfile> profiles = Profiles(*full, 0.05, 0.04);
+    (*profiles[1].mutable_op_seconds())[type] = secs;
+    EXPECT_THAT(core_->CalibrateDevices(first->name(), "deployments/d1", profiles),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("deployments/d1"),
+                               HasSubstr(absl::StrCat("rank 1's op_seconds['", type, "']")))));
+  }
+  std::vector<v1::StepProfile> nan_step = Profiles(*full, 0.05, 0.04);
+  nan_step[0].set_step_seconds_median(std::nan(""));
+  EXPECT_THAT(core_->CalibrateDevices(first->name(), "deployments/d1", nan_step),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("step_seconds_median")));
+  const v1::Cluster cluster = core_->GetCluster(true);
+  for (const auto& n : cluster.nodes()) {
+    EXPECT_FALSE(n.devices(0).has_calibration()) << n.DebugString();
+  }
+  v1::CreatePlanRequest again = MlpRequest();
+  again.set_plan_id("again");
+  auto p = core_->CreatePlan(again, Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  EXPECT_DOUBLE_EQ(p->prediction().step_seconds(), first->prediction().step_seconds());
+}
+
 // A deployment of a pipeline plan (two stages of one device) whose steps
 // take far longer than its kernels: its devices get the stall per transfer
 // between stages that explains it, keep what the earlier SPMD run fitted of
