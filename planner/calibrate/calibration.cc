@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <set>
 
@@ -400,6 +401,10 @@ absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
   }
   RankProfile p;
   HAP_ASSIGN_OR_RETURN(double rank, Number(s, "rank"));
+  if (rank != std::floor(rank) || rank > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile's 'rank' must be a whole number of an int's range, got ", rank));
+  }
   p.rank = static_cast<int>(rank);
   p.device = String(s, "device");
   p.plan_content_hash = String(s, "plan_content_hash");

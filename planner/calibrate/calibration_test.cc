@@ -648,6 +648,23 @@ TEST(CalibrationTest, ParsesTheExecutorsProfileFormatAndNamesWhatIsWrong) {
   EXPECT_NE(bad.status().message().find("op_seconds['x']"), std::string::npos);
 }
 
+// A rank that is no rank number: 1.5 was taken as rank 0, and 1e300 and
+// 2^32 were converted to int, which is undefined behaviour.
+TEST(CalibrationTest, ParseRankProfileRefusesARankThatIsNoRankNumber) {
+  for (const char* rank : {"1.5", "1e300", "4294967296"}) {
+    auto p = ParseRankProfile(absl::StrCat(R"({"rank": )", rank,
+                                           R"(, "step_seconds_median": 1, "device_seconds": 1,
+        "op_seconds": {}})"));
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << rank;
+    EXPECT_NE(p.status().message().find("'rank' must be a whole number"), std::string::npos)
+        << p.status();
+  }
+  auto p = ParseRankProfile(
+      R"({"rank": 3, "step_seconds_median": 1, "device_seconds": 1, "op_seconds": {}})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->rank, 3);
+}
+
 TEST(CalibrationTest, FitsOverlapEfficiencyFromRunsThatOverlapped) {
   // measured = compute + exposed + (1 - e) (busy - exposed) at e = 0.6.
   std::vector<OverlapSample> samples = {{0, 1.0, 0.1, 0.5}, {0, 2.0, 0.0, 0.8}};
