@@ -89,14 +89,26 @@ absl::StatusOr<std::map<std::string, v1::DeviceCalibration>> FitDeviceCalibratio
     c.set_step_overhead_seconds(f.step_overhead_seconds());
     c.set_collective_overhead_seconds(cal.collective_overhead_seconds);
     c.set_transfer_scale(cal.transfer_scale);
+    // What the run does not fit stays as it was: a pipeline run fits no
+    // communication or step overhead, an SPMD run no stall between stages,
+    // a run without collective calls (a replicated plan, one that assumed
+    // overlap) no communication, a pipeline run whose profiles give no
+    // stage its kernel time no stall.
     const v1::DeviceCalibration& was = before.at(id)->calibration();
-    if (pipelined) {  // what a pipeline run does not fit stays as it was
+    const bool had = before.at(id)->has_calibration();
+    if (pipelined) {
       c.set_step_overhead_seconds(was.step_overhead_seconds());
       c.set_collective_overhead_seconds(was.collective_overhead_seconds());
       c.set_transfer_scale(was.transfer_scale());
-      c.set_pipeline_transfer_overhead_seconds(cal.pipeline_transfer_overhead_seconds);
+      c.set_pipeline_transfer_overhead_seconds(cal.pipeline_runs > 0
+                                                   ? cal.pipeline_transfer_overhead_seconds
+                                                   : was.pipeline_transfer_overhead_seconds());
     } else {
       c.set_pipeline_transfer_overhead_seconds(was.pipeline_transfer_overhead_seconds());
+      if (cal.collective_calls == 0 && had) {
+        c.set_collective_overhead_seconds(was.collective_overhead_seconds());
+        c.set_transfer_scale(was.transfer_scale());
+      }
     }
     c.set_probed_flops(Fp32Flops(*probed.at(id)));
     c.set_plan(plan.name());

@@ -37,7 +37,10 @@ bool CalibrationHolds(const hap::v1::Device& old, const hap::v1::Device& now);
 // with every device of the plan). A pipeline plan's run fits the op scales,
 // the optimizer and the stall per transfer between stages, and keeps the
 // rest of each device's earlier calibration in `raw`; an SPMD run keeps the
-// earlier stall. InvalidArgument naming what is missing (a rank's profile,
+// earlier stall. A run without collective calls keeps the earlier
+// collective overhead and transfer scale, a pipeline run whose profiles give
+// no stage its kernel time the earlier stall (a run that cannot fit a number
+// never resets it). InvalidArgument naming what is missing (a rank's profile,
 // a device) or inconsistent (another plan's profile).
 absl::StatusOr<std::map<std::string, hap::v1::DeviceCalibration>> FitDeviceCalibration(
     const hap::v1::Cluster& raw, const hap::v1::Plan& plan,

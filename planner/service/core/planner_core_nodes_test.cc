@@ -282,6 +282,72 @@ TEST_F(PlannerCoreTest, APipelineRunCalibratesTheStallBetweenStagesAndKeepsTheRe
             pipe->prediction().step_seconds() + after.pipeline_transfer_overhead_seconds());
 }
 
+// What a run cannot fit stays as the device's earlier calibration had it:
+// a plan that replicates the work makes no collective call, a pipeline run
+// whose profiles give no stage its kernel time fits no stall between
+// stages. Both were reset (the collective overhead to the registry's
+// default, 0; the stall to 0), so later plans priced collectives or stage
+// transfers as free, and the plan the fitted overhead had made replicated
+// undid that fit with its own run.
+TEST_F(PlannerCoreTest, WhatARunDoesNotFitStaysAsTheDevicesEarlierCalibration) {
+  // Devices slow enough that data parallelism beats replicating the work.
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e9)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e9)).ok());
+  auto plan = [&](v1::CreatePlanRequest r, const std::string& id) -> absl::StatusOr<v1::Plan> {
+    r.set_plan_id(id);
+    auto p = core_->CreatePlan(r, Deadline());
+    if (!p.ok()) return p.status();
+    if (p->state() != v1::Plan::SUCCEEDED) return absl::InternalError(p->error());
+    return core_->GetPlan(p->name(), true);
+  };
+  v1::CreatePlanRequest dp = MlpRequest();
+  // A batch whose compute the replicated program cannot beat: data
+  // parallel, with a gradient all-reduce a step.
+  (*dp.mutable_model()->mutable_zoo()->mutable_params())["batch"] = 4096;
+  auto spmd = plan(dp, "spmd");
+  ASSERT_TRUE(spmd.ok()) << spmd.status();
+  ASSERT_TRUE(
+      core_->CalibrateDevices(spmd->name(), "deployments/d1", Profiles(*spmd, 0.08, 0.04)).ok());
+  const v1::DeviceCalibration fitted = core_->GetCluster(true).nodes(0).devices(0).calibration();
+  ASSERT_GT(fitted.collective_overhead_seconds(), 0);
+
+  // The calibrated collective overhead makes the small batch's plan
+  // replicate the work: no collective call to fit.
+  auto replicated = plan(MlpRequest(), "replicated");
+  ASSERT_TRUE(replicated.ok()) << replicated.status();
+  for (const auto& st : replicated->rank_programs(0).steps()) ASSERT_FALSE(st.has_collective());
+  ASSERT_TRUE(core_
+                  ->CalibrateDevices(replicated->name(), "deployments/d2",
+                                     Profiles(*replicated, 0.08, 0.04))
+                  .ok());
+  v1::DeviceCalibration now = core_->GetCluster(true).nodes(0).devices(0).calibration();
+  EXPECT_EQ(now.deployment(), "deployments/d2");
+  EXPECT_DOUBLE_EQ(now.collective_overhead_seconds(), fitted.collective_overhead_seconds());
+  EXPECT_DOUBLE_EQ(now.transfer_scale(), fitted.transfer_scale());
+
+  v1::CreatePlanRequest piped = MlpRequest();
+  piped.mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_STAGES);
+  piped.mutable_options()->set_pipeline_stages(2);
+  piped.mutable_options()->set_pipeline_microbatches(2);
+  auto pipe = plan(piped, "pipe");
+  ASSERT_TRUE(pipe.ok()) << pipe.status();
+  ASSERT_TRUE(
+      core_->CalibrateDevices(pipe->name(), "deployments/d3", Profiles(*pipe, 2.0, 0.04)).ok());
+  const double stall = core_->GetCluster(true)
+                           .nodes(0)
+                           .devices(0)
+                           .calibration()
+                           .pipeline_transfer_overhead_seconds();
+  ASSERT_GT(stall, 0.1);
+  // No kernel time reported (device_seconds 0): no stage's work, no stall fit.
+  ASSERT_TRUE(
+      core_->CalibrateDevices(pipe->name(), "deployments/d4", Profiles(*pipe, 2.0, 0)).ok());
+  now = core_->GetCluster(true).nodes(0).devices(0).calibration();
+  EXPECT_EQ(now.deployment(), "deployments/d4");
+  EXPECT_DOUBLE_EQ(now.pipeline_transfer_overhead_seconds(), stall);
+  EXPECT_DOUBLE_EQ(now.collective_overhead_seconds(), fitted.collective_overhead_seconds());
+}
+
 TEST_F(PlannerCoreTest, AHeartbeatIsCheckedLikeARegistration) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
