@@ -390,6 +390,37 @@ CommFit FitCommunication(const std::vector<CommSample>& runs, double prior_per_c
   return f;
 }
 
+// How the links `plan` was priced with differ from `cluster`'s (defaults,
+// and the links both list), for an error; empty when they do not. The
+// transfer scale is fitted against the plans' predictions, so it holds for
+// those links only.
+std::string OtherLinks(const v1::Cluster& cluster, const v1::Plan& plan) {
+  const v1::LinkDefaults &was = plan.cluster().defaults(), &is = cluster.defaults();
+  const std::pair<const char*, std::pair<double, double>> defaults[] = {
+      {"intra_node_bandwidth",
+       {was.intra_node_bandwidth_bytes_per_second(), is.intra_node_bandwidth_bytes_per_second()}},
+      {"inter_node_bandwidth",
+       {was.inter_node_bandwidth_bytes_per_second(), is.inter_node_bandwidth_bytes_per_second()}},
+  };
+  for (const auto& [what, bw] : defaults) {
+    if (bw.first != bw.second) {
+      return absl::StrCat(what, " ", bw.first, " B/s where the cluster has ", bw.second);
+    }
+  }
+  std::map<std::pair<std::string, std::string>, double> links;
+  for (const v1::Link& l : plan.cluster().links()) {
+    links[{l.src(), l.dst()}] = l.bandwidth_bytes_per_second();
+  }
+  for (const v1::Link& l : cluster.links()) {
+    auto it = links.find({l.src(), l.dst()});
+    if (it != links.end() && it->second != l.bandwidth_bytes_per_second()) {
+      return absl::StrCat("the link ", l.src(), " -> ", l.dst(), " at ", it->second,
+                          " B/s where the cluster has ", l.bandwidth_bytes_per_second());
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
@@ -446,6 +477,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   std::map<std::string, Sums> sums;
   double comm_measured = 0, comm_modelled = 0, calls = 0;
   std::vector<CommSample> comm;  // per run
+  std::vector<size_t> comm_runs;       // their indices in `runs`
   std::vector<OverlapSample> overlap;  // runs of plans that assumed overlap
   std::vector<double> pipeline_overheads;  // per pipeline run
   std::set<std::string> overlap_devices;
@@ -547,6 +579,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     c.transfer = std::max(0.0, plan.prediction().communication_seconds() -
                                    c.calls * plan.cluster().defaults().collective_overhead_seconds());
     comm.push_back(c);
+    comm_runs.push_back(k);
     comm_measured += c.measured;
     comm_modelled += plan.prediction().communication_seconds();
     calls += c.calls;
@@ -632,6 +665,16 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   const CommFit fit = FitCommunication(comm, def->collective_overhead_seconds());
   if (calls > 0) def->set_collective_overhead_seconds(fit.per_call_seconds);
   if (fit.transfer_scale != 1) {
+    for (size_t k : comm_runs) {
+      const std::string other = OtherLinks(cluster, runs[k].plan);
+      if (!other.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "run ", k, "'s plan was priced with ", other,
+            ": the link transfer scale fitted against its prediction holds for the links it "
+            "was priced with; calibrate the cluster the plans were made from (a calibrated "
+            "cluster's links would be scaled again)"));
+      }
+    }
     auto slower = [&](double bw) { return bw / fit.transfer_scale; };
     def->set_intra_node_bandwidth_bytes_per_second(
         slower(def->intra_node_bandwidth_bytes_per_second()));

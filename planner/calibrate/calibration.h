@@ -127,7 +127,9 @@ std::optional<double> FitOverlapEfficiency(const std::vector<OverlapSample>& sam
 // Compute and optimizer calibration replace any earlier one (the "modelled"
 // side is always the uncalibrated model); the collective overhead is fitted
 // against each plan's own prediction, so runs should be of plans made from
-// `cluster`.
+// `cluster`: when the fit scales the links, a run whose plan was priced with
+// other bandwidths than `cluster`'s is refused (a calibrated cluster
+// calibrated again from the same runs had its links divided twice).
 struct CalibrateOptions {
   // One op_time_scale per (device kind, op type), from the sums over all
   // devices of the kind, instead of one per device: the op types' cost

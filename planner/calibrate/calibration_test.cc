@@ -526,6 +526,33 @@ TEST(CalibrationTest, SeparatesSlowTransfersFromPerCallOverheadAcrossPlans) {
       << cal->communication_fit;
 }
 
+// The transfer scale is fitted against the plans' predictions, so it
+// holds for the links they were priced with. Calibrating the calibrated
+// cluster again from the same runs divided its links by the scale twice
+// (2 GB/s -> 154 MB/s -> 12 MB/s): refused, naming the run and the link.
+TEST(CalibrationTest, RefusesToScaleLinksOtherThanThePlansWerePricedWith) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  auto runs = [&](const v1::Cluster& from) {
+    ProfiledRun dp = UnitRun(MakePlan(g, from, synth::Baseline::kDpEven));
+    ProfiledRun zero3 = UnitRun(MakePlan(g, from, synth::Baseline::kZero3));
+    for (auto& r : dp.ranks) r.step_seconds_median = 0.51;
+    for (auto& r : zero3.ranks) r.step_seconds_median = 0.7;
+    return std::vector<ProfiledRun>{dp, zero3};
+  };
+  auto once = Calibrate(c, runs(c));
+  ASSERT_TRUE(once.ok()) << once.status();
+  ASSERT_GT(once->transfer_scale, 2) << once->communication_fit;
+  auto twice = Calibrate(once->cluster, runs(c));
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("run 0's plan was priced with intra_node_bandwidth"),
+            std::string::npos)
+      << twice.status();
+  // Runs of plans made from the calibrated cluster calibrate it.
+  auto again = Calibrate(once->cluster, runs(once->cluster));
+  ASSERT_TRUE(again.ok()) << again.status();
+}
+
 TEST(CalibrationTest, PooledOpScalesAreOnePerKindWeightedByModelledTime) {
   graph::Graph g = Gpt();
   v1::Cluster c = TwoCpus();
