@@ -484,6 +484,9 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   for (size_t k = 0; k < runs.size(); ++k) {
     const ProfiledRun& run = runs[k];
     const v1::Plan& plan = run.plan;
+    if (plan.devices_size() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("run ", k, ": its plan has no devices"));
+    }
     HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
     // A pipeline run tells each device's kernel times at the microbatch
     // size; its step also holds the bubble and the transfers between stages,

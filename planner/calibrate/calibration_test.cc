@@ -606,6 +606,20 @@ TEST(CalibrationTest, RejectsProfilesThatDoNotMatchThePlan) {
   EXPECT_EQ(Calibrate(c, {}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A plan of no devices (a plan file without its lowering) has no rank to
+// profile: it was a run whose every rank had a profile, and calibrated
+// nothing without a word (hapctl calibrate wrote the cluster unchanged as
+// calibrated; the planner's CalibrateDevices, given one, would read the
+// first of no fitted devices).
+TEST(CalibrationTest, RejectsARunOfAPlanWithNoDevices) {
+  v1::Plan plan = MakePlan(Gpt(), TwoCpus(), synth::Baseline::kDpEven);
+  plan.clear_devices();
+  plan.clear_rank_programs();
+  auto s = Calibrate(TwoCpus(), {ProfiledRun{plan, {}}}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("run 0: its plan has no devices"), std::string::npos) << s;
+}
+
 // Numbers no measurement has (the planner takes its deployments' profiles
 // from the executors' status reports unchecked): NaN, infinite or negative
 // seconds, or a step longer than a million seconds. Each is refused naming
