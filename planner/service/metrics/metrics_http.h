@@ -1,4 +1,4 @@
-// An HTTP server (civetweb) exposing a MetricsRegistry to Prometheus:
+// An HTTP/1.1 server exposing a MetricsRegistry to Prometheus:
 //   GET /metrics  200, Content-Type "text/plain; version=0.0.4;
 //                 charset=utf-8", the registry's Serialize() output
 //   GET /healthz  200, "ok"
@@ -6,7 +6,18 @@
 //                 set (MetricsHttpServerOptions::token), 401 unless the
 //                 request carries it
 //   other paths   404; methods other than GET and HEAD 405
-// HEAD is answered like GET, without a body.
+// HEAD is answered like GET, without a body. A malformed request gets a
+// 4xx (505 for an HTTP version other than 1.0 and 1.1); the request line
+// and headers may take 16 KiB (431 beyond). Every response closes the
+// connection ("Connection: close"); request bodies are not read.
+//
+// Hostile clients: one thread reads requests and writes responses for
+// every connection without blocking, so clients that connect and send
+// nothing, send a byte at a time or do not read their response hold no
+// thread and delay no one else; each is closed after
+// MetricsHttpServerOptions::request_timeout, or sooner when
+// max_connections are open and a new client connects. Stop() does not
+// wait for them.
 //
 // Extra pages (e.g. a status page) are plain functions from a path to a
 // response, so this library knows nothing of what they show.
@@ -17,8 +28,8 @@
 //   HAP_RETURN_IF_ERROR(server.Start());
 //   ... serving on 127.0.0.1:server.port() ...
 //
-// Thread safety: requests are served on civetweb's own threads, which only
-// read the registry (itself thread-safe) and call the added handlers
+// Thread safety: responses are computed on the server's own threads, which
+// only read the registry (itself thread-safe) and call the added handlers
 // (which must be thread-safe). Start, Stop and port may be called from any
 // thread; AddHandler only before Start.
 #ifndef HAP_PLANNER_SERVICE_METRICS_METRICS_HTTP_H_
@@ -26,18 +37,20 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "planner/service/metrics/metrics.h"
 
-struct mg_connection;
-struct mg_context;
-
 namespace hap::metrics {
+namespace internal {
+struct HttpRequest;  // a parsed request (metrics_http.cc)
+}  // namespace internal
 
 struct MetricsHttpServerOptions {
   // An IPv4 address to bind; loopback unless Prometheus scrapes from
@@ -45,7 +58,8 @@ struct MetricsHttpServerOptions {
   std::string bind_address = "127.0.0.1";
   // 0 picks a free port at Start(); port() says which.
   int port = 0;
-  // Threads serving requests (scrapes are rare and short).
+  // Threads computing responses (scrapes are rare and short): how many
+  // handlers run at once. Reading and writing is on one more thread.
   int num_threads = 2;
   // When set, pages added with AddHandler (e.g. the status page) answer
   // 401, with a "WWW-Authenticate: Basic" challenge, unless the request
@@ -53,6 +67,13 @@ struct MetricsHttpServerOptions {
   // password is the token (any user name: what a browser sends once asked).
   // /metrics and /healthz stay open, for Prometheus and load balancers.
   std::string token;
+  // How long a client has to send its request's line and headers, counted
+  // from its connection, and then to read the response; it is closed after.
+  absl::Duration request_timeout = absl::Seconds(10);
+  // Connections open at once. A new one beyond it closes the oldest
+  // connection that has not sent its whole request (or not read its whole
+  // response), so stalled clients cannot keep scrapes out.
+  int max_connections = 128;
 };
 
 // What an added handler answers.
@@ -63,7 +84,8 @@ struct HttpResponse {
 };
 
 // Answers a GET (or HEAD) for `path`: the request's path, percent-decoded,
-// without the query string. Called on civetweb's threads, concurrently.
+// without the query string, with "." and ".." segments resolved and
+// repeated slashes merged. Called on the server's threads, concurrently.
 using HttpHandler = std::function<HttpResponse(absl::string_view path)>;
 
 class MetricsHttpServer {
@@ -85,14 +107,16 @@ class MetricsHttpServer {
   absl::Status AddHandler(const std::string& pattern, HttpHandler handler);
 
   // Binds and starts serving. Unavailable when the address cannot be bound
-  // (e.g. the port is taken), with civetweb's reason; InvalidArgument for a
-  // bind address that is not IPv4, a port outside 0..65535 or fewer than
-  // one thread; FailedPrecondition when already started. After an error the
+  // (e.g. the port is taken), with the reason; InvalidArgument for a bind
+  // address that is not IPv4, a port outside 0..65535, fewer than one
+  // thread or connection, or a request timeout that is not positive;
+  // FailedPrecondition when already started. After an error the
   // server may be started again.
   absl::Status Start();
 
-  // Stops serving and waits for in-flight requests; a no-op when not
-  // running. The server may be started again afterwards.
+  // Stops serving: closes every connection (without waiting for clients)
+  // and waits for handlers that are running; a no-op when not running. The server may be started
+  // again afterwards.
   void Stop();
 
   // The bound port while running (the chosen one when options.port is 0);
@@ -100,15 +124,18 @@ class MetricsHttpServer {
   int port() const;
 
  private:
-  // civetweb's request callback; `cbdata` is the server.
-  static int OnRequest(mg_connection* conn, void* cbdata);
+  // The sockets and threads of one Start() .. Stop().
+  class Serving;
+
+  // The whole response (status line, headers, body) to a parsed request.
+  std::string Answer(const internal::HttpRequest& request) const;
   // The handler for `path`, or null.
   const HttpHandler* FindHandler(absl::string_view path) const;
 
   const MetricsRegistry* const registry_;
   const MetricsHttpServerOptions options_;
   mutable absl::Mutex mu_;
-  mg_context* context_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::unique_ptr<Serving> serving_ ABSL_GUARDED_BY(mu_);
   int port_ ABSL_GUARDED_BY(mu_) = 0;
   // Pattern -> handler. Written only while stopped; read by requests,
   // which only run while started, so they read it without the lock.

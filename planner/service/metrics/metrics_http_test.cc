@@ -9,7 +9,9 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -55,27 +57,28 @@ int Connect(int port) {
   return fd;
 }
 
-// A minimal HTTP/1.1 client: one request with "Connection: close", the
-// response read to EOF.
-absl::StatusOr<HttpResponse> Fetch(int port, const std::string& method,
-                                   const std::string& path,
-                                   const std::string& extra_headers = "") {
+// Sends all of `bytes`; false on an error.
+bool SendAll(int fd, absl::string_view bytes) {
+  size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n = send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    sent += n;
+  }
+  return true;
+}
+
+// Sends `request` as it is on a new connection and parses the response,
+// read to EOF.
+absl::StatusOr<HttpResponse> FetchRaw(int port, absl::string_view request) {
   const int fd = Connect(port);
   if (fd < 0) {
     return absl::UnavailableError(
         absl::StrCat("connect to port ", port, ": ", strerror(-fd)));
   }
-  const std::string request =
-      absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
-                   "\r\nConnection: close\r\n", extra_headers, "\r\n");
-  size_t sent = 0;
-  while (sent < request.size()) {
-    const ssize_t n = send(fd, request.data() + sent, request.size() - sent, 0);
-    if (n <= 0) {
-      close(fd);
-      return absl::InternalError(absl::StrCat("send: ", strerror(errno)));
-    }
-    sent += n;
+  if (!SendAll(fd, request)) {
+    close(fd);
+    return absl::InternalError(absl::StrCat("send: ", strerror(errno)));
   }
   std::string raw;
   char buffer[4096];
@@ -113,6 +116,13 @@ absl::StatusOr<HttpResponse> Fetch(int port, const std::string& method,
   return response;
 }
 
+// A minimal HTTP/1.1 client: one request with "Connection: close".
+absl::StatusOr<HttpResponse> Fetch(int port, const std::string& method, const std::string& path,
+                                   const std::string& extra_headers = "") {
+  return FetchRaw(port, absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
+                                     "\r\nConnection: close\r\n", extra_headers, "\r\n"));
+}
+
 class MetricsHttpServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -124,6 +134,21 @@ class MetricsHttpServerTest : public ::testing::Test {
     ASSERT_THAT(registry_.AddHistogram("hap_plan_duration_seconds",
                                        "Time to plan.", {1, 10}),
                 IsOk());
+  }
+
+  // A started server with `options` and a page at "/" answering
+  // "page <path>".
+  std::unique_ptr<MetricsHttpServer> StartWithPage(const MetricsHttpServerOptions& options) {
+    auto server = std::make_unique<MetricsHttpServer>(&registry_, options);
+    EXPECT_THAT(server->AddHandler("/",
+                                   [](absl::string_view path) {
+                                     ::hap::metrics::HttpResponse r;
+                                     r.body = absl::StrCat("page ", path);
+                                     return r;
+                                   }),
+                IsOk());
+    EXPECT_THAT(server->Start(), IsOk());
+    return server;
   }
 
   MetricsRegistry registry_;
@@ -240,15 +265,8 @@ TEST_F(MetricsHttpServerTest, AddedHandlersServeTheirPatterns) {
 TEST_F(MetricsHttpServerTest, WithATokenAddedPagesNeedItAndMetricsStayOpen) {
   MetricsHttpServerOptions options;
   options.token = "s3cret";
-  MetricsHttpServer server(&registry_, options);
-  ASSERT_THAT(server.AddHandler("/",
-                                [](absl::string_view path) {
-                                  ::hap::metrics::HttpResponse r;
-                                  r.body = absl::StrCat("page ", path);
-                                  return r;
-                                }),
-              IsOk());
-  ASSERT_THAT(server.Start(), IsOk());
+  std::unique_ptr<MetricsHttpServer> started = StartWithPage(options);
+  MetricsHttpServer& server = *started;
   // No token, a wrong one, a malformed header: 401 with a Basic challenge
   // (a browser then asks for the credentials), and nothing of the page.
   for (const std::string& header :
@@ -354,6 +372,134 @@ TEST_F(MetricsHttpServerTest, DestructorStops) {
   const int fd = Connect(port);
   if (fd >= 0) close(fd);
   EXPECT_EQ(fd, -ECONNREFUSED);
+}
+
+// Connects and sends `partial` (possibly nothing) of a request, then stalls.
+int Stall(int port, absl::string_view partial) {
+  const int fd = Connect(port);
+  EXPECT_GE(fd, 0) << strerror(-fd);
+  if (fd >= 0) {
+    EXPECT_TRUE(SendAll(fd, partial));
+  }
+  return fd;
+}
+
+// Whether the server closed `fd` (waits for it, up to Connect's timeout).
+bool ClosedByServer(int fd) {
+  char c;
+  const ssize_t n = recv(fd, &c, 1, 0);
+  return n == 0 || (n < 0 && errno == ECONNRESET);
+}
+
+TEST_F(MetricsHttpServerTest, StalledClientsDelayNeitherScrapesNorStop) {
+  MetricsHttpServerOptions options;
+  // Far longer than Fetch waits: a server that serves the stalled clients
+  // first fails the fetches.
+  options.request_timeout = absl::Minutes(10);
+  MetricsHttpServer server(&registry_, options);
+  ASSERT_THAT(server.Start(), IsOk());
+  std::vector<int> stalled;
+  for (int i = 0; i < 8; ++i) stalled.push_back(Stall(server.port(), ""));
+  for (int i = 0; i < 4; ++i) {
+    stalled.push_back(Stall(server.port(), "GET /metrics HTTP/1.1\r\nHo"));
+  }
+  for (const char* path : {"/metrics", "/healthz", "/metrics"}) {
+    absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", path);
+    ASSERT_THAT(r, IsOk()) << path;
+    EXPECT_EQ(r->status, 200) << path;
+  }
+  // Stopping does not wait for them, and closes them.
+  server.Stop();
+  for (int fd : stalled) {
+    EXPECT_TRUE(ClosedByServer(fd));
+    close(fd);
+  }
+}
+
+TEST_F(MetricsHttpServerTest, AConnectionBeyondTheLimitClosesTheOldestStalled) {
+  MetricsHttpServerOptions options;
+  options.request_timeout = absl::Minutes(10);
+  options.max_connections = 4;
+  MetricsHttpServer server(&registry_, options);
+  ASSERT_THAT(server.Start(), IsOk());
+  std::vector<int> stalled;
+  for (int i = 0; i < 20; ++i) stalled.push_back(Stall(server.port(), "GET"));
+  absl::StatusOr<HttpResponse> r = Fetch(server.port(), "GET", "/healthz");
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 200);
+  // At most 4 connections were open at once: the oldest stalled ones made
+  // room for the newer ones.
+  for (size_t i = 0; i < stalled.size(); ++i) {
+    if (i < stalled.size() - options.max_connections) {
+      EXPECT_TRUE(ClosedByServer(stalled[i])) << i;
+    }
+    close(stalled[i]);
+  }
+}
+
+TEST_F(MetricsHttpServerTest, MalformedRequestsGetA4xx) {
+  MetricsHttpServerOptions options;
+  options.token = "s3cret";
+  std::unique_ptr<MetricsHttpServer> server = StartWithPage(options);
+  const std::string ok_line = "GET /healthz HTTP/1.1\r\n";
+  const std::vector<std::string> requests = {
+      "\r\n\r\n",
+      std::string("\x01\x02 \xff junk\r\n\r\n"),
+      "GET /healthz\r\n\r\n",
+      "GET /st atus HTTP/1.1\r\n\r\n",
+      "GET  /healthz HTTP/1.1\r\n\r\n",
+      "OPTIONS * HTTP/1.1\r\n\r\n",
+      "GET http://127.0.0.1/status HTTP/1.1\r\n\r\n",
+      "GET healthz HTTP/1.1\r\n\r\n",
+      "GET /%zz HTTP/1.1\r\n\r\n",
+      "GET /healthz%00 HTTP/1.1\r\n\r\n",
+      "GET /healthz HTTP/1.1 extra\r\n\r\n",
+      ok_line + "no colon\r\n\r\n",
+      ok_line + "Bad Name: x\r\n\r\n",
+      ok_line + ": no name\r\n\r\n",
+      ok_line + "X: a\r\n folded\r\n\r\n",
+      ok_line + "Content-Length: x\r\n\r\n",
+      ok_line + "Content-Length: 99999999999999999999999\r\n\r\n",
+      ok_line + "Content-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+      ok_line + "Transfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n0",
+      "GET /status HTTP/1.1\r\nAuthorization: Bearer s3cret\r\n"
+      "Authorization: Bearer other\r\n\r\n",
+      absl::StrCat("GET /", std::string(64 << 10, 'a'), " HTTP/1.1\r\n\r\n"),
+      absl::StrCat(ok_line, "X: ", std::string(1 << 20, 'a'), "\r\n\r\n"),
+  };
+  for (const std::string& request : requests) {
+    const std::string shown = request.substr(0, 80);
+    absl::StatusOr<HttpResponse> r = FetchRaw(server->port(), request);
+    EXPECT_THAT(r, IsOk()) << shown;
+    if (!r.ok()) continue;
+    EXPECT_GE(r->status, 400) << shown;
+    EXPECT_LT(r->status, 500) << shown;
+  }
+  absl::StatusOr<HttpResponse> version = FetchRaw(server->port(), "GET /healthz HTTP/2.0\r\n\r\n");
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(version->status, 505);
+  // The server still answers.
+  absl::StatusOr<HttpResponse> health = Fetch(server->port(), "GET", "/healthz");
+  ASSERT_THAT(health, IsOk());
+  EXPECT_EQ(health->body, "ok");
+}
+
+TEST_F(MetricsHttpServerTest, AWebSocketUpgradeIsAnsweredLikeAnyRequest) {
+  MetricsHttpServerOptions options;
+  options.token = "s3cret";
+  std::unique_ptr<MetricsHttpServer> server = StartWithPage(options);
+  // What a browser sends to open a WebSocket; no "Connection: close".
+  const std::string upgrade = absl::StrCat(
+      "GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+      "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+      "Sec-WebSocket-Version: 13\r\n");
+  absl::StatusOr<HttpResponse> r = FetchRaw(server->port(), absl::StrCat(upgrade, "\r\n"));
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 401);
+  r = FetchRaw(server->port(), absl::StrCat(upgrade, "Authorization: Bearer s3cret\r\n\r\n"));
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body, "page /status");
 }
 
 }  // namespace
