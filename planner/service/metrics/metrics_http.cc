@@ -116,11 +116,18 @@ bool SameSecret(absl::string_view got, absl::string_view want) {
 // browsers send when the page asks for credentials.
 bool Authorized(const std::optional<std::string>& header, const std::string& token) {
   if (!header.has_value()) return false;
-  absl::string_view h = absl::StripAsciiWhitespace(*header);
-  if (absl::ConsumePrefix(&h, "Bearer ")) return SameSecret(h, token);
-  if (absl::ConsumePrefix(&h, "Basic ")) {
+  // "<scheme> <credentials>", the scheme in any case (RFC 9110 11.1).
+  const absl::string_view h = absl::StripAsciiWhitespace(*header);
+  const size_t space = h.find(' ');
+  if (space == absl::string_view::npos) return false;
+  const absl::string_view scheme = h.substr(0, space);
+  const absl::string_view credentials = absl::StripLeadingAsciiWhitespace(h.substr(space));
+  if (absl::EqualsIgnoreCase(scheme, "Bearer")) {
+    return SameSecret(credentials, token);
+  }
+  if (absl::EqualsIgnoreCase(scheme, "Basic")) {
     std::string decoded;
-    if (!absl::Base64Unescape(h, &decoded)) return false;
+    if (!absl::Base64Unescape(credentials, &decoded)) return false;
     const size_t colon = decoded.find(':');
     return colon != std::string::npos &&
            SameSecret(absl::string_view(decoded).substr(colon + 1), token);

@@ -305,6 +305,31 @@ TEST_F(MetricsHttpServerTest, WithATokenAddedPagesNeedItAndMetricsStayOpen) {
   EXPECT_EQ(health->status, 200);
 }
 
+TEST_F(MetricsHttpServerTest, TheAuthSchemeIsCaseInsensitive) {
+  MetricsHttpServerOptions options;
+  options.token = "s3cret";
+  std::unique_ptr<MetricsHttpServer> server = StartWithPage(options);
+  // RFC 9110: the scheme is case-insensitive, and may be followed by more
+  // than one space.
+  const std::map<std::string, int> expected = {
+      {"bearer s3cret", 200},
+      {"BEARER s3cret", 200},
+      {"Bearer   s3cret", 200},
+      {"basic aGFwOnMzY3JldA==", 200},
+      // ":s3cret": an empty user name.
+      {"BASIC OnMzY3JldA==", 200},
+      {"bearer s3cre", 401},
+      {"bearers3cret", 401},
+      {"Bearer", 401},
+  };
+  for (const auto& [credentials, status] : expected) {
+    absl::StatusOr<HttpResponse> r = Fetch(server->port(), "GET", "/status",
+                                           absl::StrCat("Authorization: ", credentials, "\r\n"));
+    ASSERT_THAT(r, IsOk()) << credentials;
+    EXPECT_EQ(r->status, status) << credentials;
+  }
+}
+
 TEST_F(MetricsHttpServerTest, TakenPortIsUnavailable) {
   MetricsHttpServer first(&registry_);
   ASSERT_THAT(first.Start(), IsOk());
