@@ -8,7 +8,7 @@
 //   other paths   404; methods other than GET and HEAD 405
 // HEAD is answered like GET, without a body. A malformed request gets a
 // 4xx (505 for an HTTP version other than 1.0 and 1.1); the request line
-// and headers may take 16 KiB (431 beyond). Every response closes the
+// and headers may take 16 KiB (414 or 431 beyond). Every response closes the
 // connection ("Connection: close"); request bodies are not read.
 //
 // Hostile clients: one thread reads requests and writes responses for
