@@ -13,7 +13,6 @@ PACKAGES=(
   libgloo-dev
   libopenblas-dev
   libdnnl-dev
-  libcivetweb-dev
   libsqlite3-dev
   libssl-dev
   python3-torch python3-torchvision
