@@ -103,11 +103,13 @@ std::string Error(int status, absl::string_view why) {
   return Response(status, kTextContentType, absl::StrCat(why, "\n"), true);
 }
 
-// Compares in a time that depends only on the lengths.
+// Compares in a time that depends only on what the client sent (its
+// length), so that timing tells it nothing of the token, its length
+// included. `want` is not empty.
 bool SameSecret(absl::string_view got, absl::string_view want) {
-  if (got.size() != want.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < want.size(); ++i) diff |= got[i] ^ want[i];
+  if (want.empty()) return false;
+  unsigned char diff = got.size() != want.size() ? 1 : 0;
+  for (size_t i = 0; i < got.size(); ++i) diff |= got[i] ^ want[i % want.size()];
   return diff == 0;
 }
 
