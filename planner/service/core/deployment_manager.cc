@@ -415,6 +415,17 @@ std::vector<v1::Deployment> DeploymentManager::All() const {
   return out;
 }
 
+std::map<std::string, std::vector<std::string>> DeploymentManager::ActiveDevices() const {
+  absl::MutexLock l(&s_->mu);
+  std::map<std::string, std::vector<std::string>> out;
+  for (const auto& [name, d] : s_->deployments) {
+    if (Final(d.state())) continue;
+    std::vector<std::string>& devices = out[name];
+    for (const auto& r : d.ranks()) devices.push_back(r.device());
+  }
+  return out;
+}
+
 absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
                                                        absl::Time deadline,
                                                        const std::function<bool()>& cancelled) {

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -98,6 +99,9 @@ class DeploymentManager {
   absl::StatusOr<hap::v1::ListDeploymentsResponse> List(int page_size,
                                                         const std::string& page_token) const;
   std::vector<hap::v1::Deployment> All() const;  // by name
+  // The devices of every deployment not finished (PENDING or RUNNING), by
+  // deployment name.
+  std::map<std::string, std::vector<std::string>> ActiveDevices() const;
   // PENDING/RUNNING: its supervisor stops every rank, then marks it
   // STOPPED; waits for that until `deadline` or `cancelled()` and returns
   // the deployment as it is then. FAILED/STOPPED: every rank is told to stop

@@ -96,6 +96,9 @@ class CoreJobBackend final : public JobBackend {
     }
     return out;
   }
+  std::map<std::string, std::vector<std::string>> ActiveDeploymentDevices() override {
+    return deployments_->ActiveDevices();
+  }
   absl::Status StopDeployment(const std::string& name) override {
     // A deadline already past: ask, do not wait.
     return deployments_->Stop(name, absl::InfinitePast(), [] { return true; }).status();
@@ -501,15 +504,24 @@ void JobController::Reconcile() {
     }
   }
   // What each job holds or is planning on, updated after its pass: a job
-  // does not plan on another's devices.
+  // does not plan on another's devices, nor on those of a deployment made
+  // directly (DeployPlan) that has not finished.
   std::map<std::string, std::set<std::string>> claimed;
+  std::set<std::string> deployed_directly;
   {
     std::vector<v1::Job> jobs;
     {
       absl::MutexLock l(&s_->mu);
       for (const auto& [name, j] : s_->jobs) jobs.push_back(j);
     }
-    for (const v1::Job& j : jobs) claimed[j.name()] = job_internal::ClaimedDevices(j, *o_.backend);
+    std::set<std::string> of_jobs;
+    for (const v1::Job& j : jobs) {
+      claimed[j.name()] = job_internal::ClaimedDevices(j, *o_.backend);
+      if (!j.status().deployment().empty()) of_jobs.insert(j.status().deployment());
+    }
+    for (const auto& [name, devices] : o_.backend->ActiveDeploymentDevices()) {
+      if (!of_jobs.count(name)) deployed_directly.insert(devices.begin(), devices.end());
+    }
   }
   for (const std::string& name : names) {
     v1::Job job;
@@ -523,6 +535,7 @@ void JobController::Reconcile() {
         if (now - seen.since >= window) stable.insert(d);
       }
     }
+    taken = deployed_directly;
     for (const auto& [other, devices] : claimed) {
       if (other != name) taken.insert(devices.begin(), devices.end());
     }

@@ -95,6 +95,9 @@ class JobBackend {
   virtual absl::StatusOr<hap::v1::Deployment> GetDeployment(const std::string& name) = 0;
   // Every deployment made of `plan`, in any state.
   virtual std::vector<hap::v1::Deployment> DeploymentsOf(const std::string& plan) = 0;
+  // The devices of every deployment not finished, by name: the jobs' own
+  // and those made directly (DeployPlan), which jobs leave alone.
+  virtual std::map<std::string, std::vector<std::string>> ActiveDeploymentDevices() = 0;
   // Asks a deployment to stop (its supervisor stops every rank, then marks
   // it STOPPED); does not wait.
   virtual absl::Status StopDeployment(const std::string& name) = 0;

@@ -110,6 +110,31 @@ TEST_F(JobsTest, JobsDoNotPlanOnDevicesAnotherJobHolds) {
   EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
 }
 
+// A deployment made directly (DeployPlan, not a job's) that has not finished
+// keeps its devices from jobs too; once it has, they are usable.
+TEST_F(JobsTest, JobsDoNotPlanOnDevicesADirectDeploymentTrainsOn) {
+  Make();
+  v1::Deployment direct;
+  direct.set_name("deployments/by-hand");
+  direct.set_state(v1::Deployment::RUNNING);
+  direct.add_ranks()->set_device("d1");
+  fake_.deployments[direct.name()] = direct;
+  ASSERT_OK(c_->Create(Request()).status());
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_THAT(fake_.requests[0].devices(), ElementsAre("d0", "d2"));
+  // Stopped: a job made now may use d1.
+  fake_.SetState(direct.name(), v1::Deployment::STOPPED);
+  v1::CreateJobRequest b = Request("b");
+  b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
+  b.mutable_spec()->mutable_devices()->add_devices("d1");
+  fake_.other_dirs.insert("/shared/ckpt-b");
+  ASSERT_OK(c_->Create(b).status());
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d1"));
+}
+
 // A job that runs on fewer devices than it may does not grow onto devices a
 // second job holds when it judges a join.
 TEST_F(JobsTest, AJoinDoesNotTakeAnotherJobsDevices) {

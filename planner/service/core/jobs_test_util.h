@@ -133,6 +133,14 @@ class FakeBackend : public JobBackend {
     }
     return out;
   }
+  std::map<std::string, std::vector<std::string>> ActiveDeploymentDevices() override {
+    std::map<std::string, std::vector<std::string>> out;
+    for (const auto& [name, d] : deployments) {
+      if (d.state() != v1::Deployment::PENDING && d.state() != v1::Deployment::RUNNING) continue;
+      for (const auto& r : d.ranks()) out[name].push_back(r.device());
+    }
+    return out;
+  }
   absl::Status StopDeployment(const std::string& name) override {
     stops.push_back(name);
     if (!stop_error.ok()) return stop_error;
