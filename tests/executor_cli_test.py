@@ -114,6 +114,16 @@ class ExecutorCliTest(unittest.TestCase):
                 self.assertRegex(p.stderr, rf"INVALID_ARGUMENT: flag {flag} must be "
                                            rf"(an integer )?from -?\d+ to \d+.*, got '{value}'")
 
+    def test_plan_with_a_bad_output_format_writes_nothing(self):
+        """hapctl plan --save-plan P -o yml planned, wrote P and then refused
+        -o; now -o is refused first and nothing is written."""
+        path = os.path.join(util.tmpdir(), "p.pb")
+        p = util.run([HAPCTL, "plan", "--cluster", CLUSTER, *SMALL_GPT, "--save-plan", path,
+                      "-o", "yml"], check=False)
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn("-o must be table or json, got 'yml'", p.stderr)
+        self.assertFalse(os.path.exists(path))
+
     def test_client_executor_flags_need_a_device_and_an_address_once(self):
         """--executor =HOST:PORT (no device) was sent as device ''; a device
         named twice kept the last address silently."""

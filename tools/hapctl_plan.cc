@@ -564,6 +564,13 @@ int RunPlan(const std::vector<std::string>& argv) {
     return Fail(absl::InvalidArgumentError(
         "--baseline plans one SPMD program; it cannot be combined with --pipeline"));
   }
+  // Checked before planning: a bad -o wasted the search and wrote
+  // --save-plan before it was refused.
+  const std::string fmt = args->Get("o", args->Get("output", "table"));
+  if (fmt != "json" && fmt != "table") {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("-o must be table or json, got '", fmt, "'")));
+  }
   absl::StatusOr<synth::PlanResult> r;
   if (pp->mode == pipeline::Mode::kOff) {
     r = synth::PlanModel(*g, *cluster, po);
@@ -577,14 +584,10 @@ int RunPlan(const std::vector<std::string>& argv) {
                                    bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
         if (!st.ok()) return Fail(st);
       }
-      std::string fmt = args->Get("o", args->Get("output", "table"));
       if (fmt == "json") {
         PrintPipelineJson(*pr, *cluster);
-      } else if (fmt == "table") {
-        PrintPipelineTable(*pr, *cluster);
       } else {
-        return Fail(absl::InvalidArgumentError(
-            absl::StrCat("-o must be table or json, got '", fmt, "'")));
+        PrintPipelineTable(*pr, *cluster);
       }
       return 0;
     }
@@ -597,14 +600,10 @@ int RunPlan(const std::vector<std::string>& argv) {
                        bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
     if (!st.ok()) return Fail(st);
   }
-  std::string fmt = args->Get("o", args->Get("output", "table"));
   if (fmt == "json") {
     PrintJson(*g, *cluster, *r, *b, precision_name);
-  } else if (fmt == "table") {
-    PrintTable(*g, *cluster, *r, *b, precision_name);
   } else {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("-o must be table or json, got '", fmt, "'")));
+    PrintTable(*g, *cluster, *r, *b, precision_name);
   }
   return 0;
 }
