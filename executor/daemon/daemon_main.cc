@@ -42,20 +42,30 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
                   rank when the plan says it is a GPU, else cpu
   --data-dir      WikiText-2 root when a deployment names no data_path
                   (default ../shared/data)
-  --threads       kernel threads per rank unless the deployment says (1)
-  --timeout       connect and collective timeout in seconds (60)
-  --drain-seconds NOT_SERVING before shutdown on SIGTERM (1)
+  --threads       kernel threads per rank unless the deployment says (1;
+                  1 to 4096)
+  --timeout       connect and collective timeout in seconds (60; 0.001 to
+                  86400)
+  --drain-seconds NOT_SERVING before shutdown on SIGTERM (1; 0 to 3600)
   --gloo-host     the address Gloo listens on and peers dial (127.0.0.1; a
                   node's address on the network testbed, hap-netns)
 )";
 
-absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def) {
+// A flag's number (else HAP_<FLAG>'s, else `def`), finite and in [lo, hi]
+// (and whole when `whole`): an error names the flag and the value. The
+// bounds keep casts defined and durations finite: --drain-seconds nan or
+// 1e300 was an infinite drain (SIGTERM never stopped the daemon), --timeout
+// inf an infinite Gloo timeout and one under a millisecond 0 ms.
+absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def, double lo,
+                              double hi, bool whole = false) {
   std::string v = a.GetOrEnv(flag, "");
   if (v.empty()) return def;
   double d;
-  if (!absl::SimpleAtod(v, &d)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--", flag, " (or ", tools::Args::EnvName(flag), ") must be a number, got '", v, "'"));
+  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < lo || d > hi ||
+      (whole && d != std::floor(d))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " (or ", tools::Args::EnvName(flag), ") must be a ",
+                     whole ? "whole " : "", "number from ", lo, " to ", hi, ", got '", v, "'"));
   }
   return d;
 }
@@ -79,29 +89,32 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   }
   o.core.data_dir = a.GetOrEnv("data-dir", "../shared/data");
   o.core.gloo_hostname = a.GetOrEnv("gloo-host", o.core.gloo_hostname);
-  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1));
-  HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60));
-  HAP_ASSIGN_OR_RETURN(double drain, Number(a, "drain-seconds", 1));
-  if (!(threads >= 1 && threads <= 4096) || threads != std::floor(threads) || !(timeout > 0) ||
-      drain < 0) {
-    return absl::InvalidArgumentError(
-        "--threads must be an integer in [1, 4096], --timeout positive and --drain-seconds "
-        "not negative");
-  }
+  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1, 1, 4096, /*whole=*/true));
+  HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60, 0.001, 86400));
+  HAP_ASSIGN_OR_RETURN(double drain, Number(a, "drain-seconds", 1, 0, 3600));
   o.core.threads = static_cast<int>(threads);
   o.core.comm_timeout = absl::Seconds(timeout);
   o.drain = absl::Seconds(drain);
   return o;
 }
 
-}  // namespace
-
-int ExecutorDaemonMain(const std::vector<std::string>& argv) {
-  auto a = tools::Args::Parse(
+absl::StatusOr<tools::Args> ParseArgs(const std::vector<std::string>& argv) {
+  return tools::Args::Parse(
       argv,
       {"planner", "listen", "token-file", "tls-cert-file", "tls-key-file", "tls-ca-file",
        "device-id", "device", "data-dir", "threads", "timeout", "drain-seconds", "gloo-host"},
       {"serve", "help"});
+}
+
+}  // namespace
+
+absl::StatusOr<ExecutorServerOptions> ExecutorDaemonOptions(const std::vector<std::string>& argv) {
+  HAP_ASSIGN_OR_RETURN(tools::Args a, ParseArgs(argv));
+  return Options(a);
+}
+
+int ExecutorDaemonMain(const std::vector<std::string>& argv) {
+  auto a = ParseArgs(argv);
   if (!a.ok() || a->Bool("help")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
     std::cerr << kUsage;

@@ -5,7 +5,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "executor/daemon/executor_server.h"
+
 namespace hap::executor {
+
+// The daemon's options from its flags (argv without the program name), else
+// their HAP_* environment variables: InvalidArgument naming the flag and its
+// value for a bad one.
+absl::StatusOr<ExecutorServerOptions> ExecutorDaemonOptions(const std::vector<std::string>& argv);
 
 // argv without the program name. Returns the exit status: 0 after a clean
 // SIGTERM/SIGINT shutdown, 1 on a startup error, 2 on bad flags.

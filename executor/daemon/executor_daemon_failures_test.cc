@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
 #include "executor/daemon/core_test_util.h"
+#include "executor/daemon/daemon_main.h"
 #include "executor/daemon/executor_core.h"
 #include "executor/daemon/executor_server.h"
 #include "executor/daemon/test_plans.h"
@@ -32,6 +34,7 @@ namespace {
 namespace v1 = ::hap::v1;
 using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 using testing::CachedMlpPlan;
@@ -208,6 +211,35 @@ TEST(ExecutorDaemonFailuresTest, AFailedStepIsNotReportedAsAStop) {
 
 TEST_F(ReviewDeathTest, HugeThreadsPerRankIsRefusedOrHarmless) {
   EXPECT_EXIT(TrainWithHugeThreadsInChild(), ::testing::ExitedWithCode(0), "trained: FINISHED|refused");
+}
+
+// `hap-executor --serve --drain-seconds nan` (or inf, 1e300) passed the
+// flag checks as an infinite drain: on SIGTERM the daemon slept forever
+// before shutting down. --timeout inf was an infinite Gloo timeout and
+// --timeout 0.0001 a 0 ms one. Each is refused naming the flag and value.
+TEST(ExecutorDaemonFailuresTest, NonFiniteOrOutOfRangeSecondsFlagsAreRefused) {
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"drain-seconds", "nan"},
+                                                        {"drain-seconds", "inf"},
+                                                        {"drain-seconds", "1e300"},
+                                                        {"drain-seconds", "-1"},
+                                                        {"timeout", "inf"},
+                                                        {"timeout", "1e300"},
+                                                        {"timeout", "0.0001"},
+                                                        {"timeout", "nan"},
+                                                        {"threads", "nan"},
+                                                        {"threads", "2.5"}}) {
+    SCOPED_TRACE(flag + "=" + value);
+    auto o = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1", "--" + flag, value});
+    EXPECT_THAT(o.status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     AllOf(HasSubstr("--" + flag), HasSubstr("'" + value + "'"))));
+  }
+  auto o = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1", "--drain-seconds", "0.5",
+                                  "--timeout", "30", "--threads", "2"});
+  ASSERT_THAT(o.status(), IsOk());
+  EXPECT_EQ(o->drain, absl::Milliseconds(500));
+  EXPECT_EQ(o->core.comm_timeout, absl::Seconds(30));
+  EXPECT_EQ(o->core.threads, 2);
 }
 
 }  // namespace
