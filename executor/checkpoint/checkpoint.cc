@@ -577,6 +577,25 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   }
   for (int rank = 0; rank < world; ++rank) files.insert(RankFileName(rank, world));
   for (const std::string& f : files) HAP_RETURN_IF_ERROR(r->File(f).status());
+  // Every slice is in its shard as the index says: what readers allocate
+  // from the index's shapes is then bounded by the data on disk.
+  for (const auto& t : r->index_.tensors()) {
+    for (const auto& s : t.slices()) {
+      const SafetensorsFile* f = r->files_.at(s.file()).get();
+      const Shape extents(s.extents().begin(), s.extents().end());
+      auto it = f->tensors().find(t.name());
+      if (it == f->tensors().end()) {
+        return absl::DataLossError(absl::StrCat(f->path(), " lacks '", t.name(),
+                                                "', which the index of ", dir, " places there"));
+      }
+      if (it->second.shape != extents || SafetensorsDType(it->second.dtype) != t.dtype()) {
+        return absl::DataLossError(
+            absl::StrCat(f->path(), " holds '", t.name(), "' as ",
+                         SafetensorsDType(it->second.dtype), graph::ShapeString(it->second.shape),
+                         ", the index says ", t.dtype(), graph::ShapeString(extents)));
+      }
+    }
+  }
   return r;
 }
 

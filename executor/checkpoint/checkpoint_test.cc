@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -802,6 +803,59 @@ TEST(CheckpointTest, OptimizerStateOfAnotherOptimizerIsRefusedBothWays) {
   to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
   EXPECT_THAT(Train(g, Programs(g, 1, "single", /*momentum=*/false), to).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("#momentum")));
+}
+
+// A 1-rank checkpoint of Mlp() after one step in `dir`: its step directory.
+std::string OneStepCheckpoint(const graph::Graph& g, const std::string& dir) {
+  EXPECT_TRUE(TrainAndSaveFrom(g, Programs(g, 1, "single"), {dir, 1, 3, 1}, 0, 1).ok());
+  return dir + "/step-00000001";
+}
+
+// Rewrites `path` (JSON of message type M) through `edit`.
+template <typename M>
+void EditJson(const std::string& path, const std::function<void(M&)>& edit) {
+  auto text = ReadFile(path);
+  ASSERT_TRUE(text.ok()) << text.status();
+  M m;
+  google::protobuf::util::JsonParseOptions o;
+  o.ignore_unknown_fields = true;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(*text, &m, o).ok());
+  edit(m);
+  std::string json;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(m, &json).ok());
+  ASSERT_TRUE(WriteFileSynced(path, json).ok());
+}
+
+// index.json claiming layer0/fc/weight is F32[2^40,12] (its one slice
+// too: the tiling holds) while the shard holds F32[24,12]: Open accepted
+// it, and `hapctl checkpoint export` then allocated 2^40*12*4 bytes for it
+// (std::bad_alloc: the process aborted). Open now checks every slice
+// against its shard's header.
+TEST(CheckpointTest, AnIndexClaimingMoreThanItsShardHoldsIsRefusedAtOpen) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("index_claims_more");
+  const std::string step = OneStepCheckpoint(g, dir);
+  EditJson<v1::CheckpointIndex>(step + "/index.json", [](v1::CheckpointIndex& index) {
+    for (auto& t : *index.mutable_tensors()) {
+      if (t.name() != "layer0/fc/weight") continue;
+      t.set_shape(0, int64_t{1} << 40);
+      t.mutable_slices(0)->set_extents(0, int64_t{1} << 40);
+    }
+  });
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("rank-00000-of-00001.safetensors holds 'layer0/fc/weight' as "
+                                 "F32[24,12], the index says F32[1099511627776,12]")));
+  // Another dtype alike.
+  const std::string dir2 = Fresh("index_other_dtype");
+  const std::string step2 = OneStepCheckpoint(g, dir2);
+  EditJson<v1::CheckpointIndex>(step2 + "/index.json", [](v1::CheckpointIndex& index) {
+    for (auto& t : *index.mutable_tensors()) {
+      if (t.name() == "layer0/fc/weight") t.set_dtype("F64");
+    }
+  });
+  EXPECT_THAT(CheckpointReader::Open(dir2),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("the index says F64[24,12]")));
 }
 
 }  // namespace
