@@ -370,7 +370,8 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
 // ---------------------------------------------------------------- plans --
 
 absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
-                                                 absl::Time deadline) {
+                                                 absl::Time deadline,
+                                                 const std::function<bool()>& cancelled) {
   auto job = std::make_shared<Job>();
   // The plan's id.
   std::string id = r.plan_id().empty() ? RandomId() : r.plan_id();
@@ -570,8 +571,12 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   {
     absl::MutexLock l(&s_->mu);
     auto it = s_->plans.find(job->name);
-    while (it != s_->plans.end() && !Final(it->second->state()) && !s_->stopping) {
-      if (s_->changed.WaitWithDeadline(&s_->mu, deadline)) break;
+    // Short waits, so that a caller that went away (a cancelled RPC) is
+    // noticed and does not hold its thread until the search ends.
+    while (it != s_->plans.end() && !Final(it->second->state()) && !s_->stopping &&
+           absl::Now() < deadline && !cancelled()) {
+      s_->changed.WaitWithDeadline(&s_->mu,
+                                   std::min(deadline, absl::Now() + absl::Milliseconds(200)));
       it = s_->plans.find(job->name);
     }
     if (!job->save_error.ok()) return job->save_error;

@@ -189,8 +189,12 @@ class PlannerCore {
   // OutOfRange). When the other plan is cancelled or deleted, or fails for
   // any other reason, the first merged plan runs its own search and the
   // rest follow that one.
-  absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r,
-                                           absl::Time deadline);
+  // With `wait`, the wait ends at `deadline` or once `cancelled()` (checked
+  // at least every 200 ms) with the plan as it is then (the plan itself
+  // goes on; CancelPlan stops it).
+  absl::StatusOr<hap::v1::Plan> CreatePlan(
+      const hap::v1::CreatePlanRequest& r, absl::Time deadline,
+      const std::function<bool()>& cancelled = [] { return false; });
   // Reads serve immutable snapshots: the core's lock is held only to find
   // them, and the copying into the result happens after it. GetPlan's BASIC
   // view (full = false) leaves out the rank programs.

@@ -665,6 +665,23 @@ class BusyWorker {
   bool released_ = false;
 };
 
+// A CreatePlan that waits stops waiting when its caller goes away (a
+// cancelled RPC), rather than holding a thread until the search ends; the
+// plan goes on.
+TEST_F(PlannerCoreTest, AWaitingCreatePlanEndsWhenItsCallerIsCancelled) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  BusyWorker busy(core_.get());  // the plan below waits in the queue
+  int asked = 0;
+  v1::CreatePlanRequest r = MlpRequest(/*wait=*/true);
+  r.set_plan_id("waits");
+  auto p = core_->CreatePlan(r, absl::InfiniteFuture(), [&] { return ++asked > 2; });
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::PENDING);
+  EXPECT_EQ(asked, 3);
+  busy.Release();
+  EXPECT_EQ(WaitFinal(*core_, "plans/waits").state(), v1::Plan::SUCCEEDED);
+}
+
 TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   BusyWorker busy(core_.get());

@@ -264,7 +264,8 @@ grpc::Status PlannerServiceImpl::ReportLinks(grpc::ServerContext* ctx,
 grpc::Status PlannerServiceImpl::CreatePlan(grpc::ServerContext* ctx,
                                             const v1::CreatePlanRequest* r, v1::Plan* out) {
   return Handle("CreatePlan", ctx, [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(*out, core_->CreatePlan(*r, CallDeadline(ctx)));
+    HAP_ASSIGN_OR_RETURN(
+        *out, core_->CreatePlan(*r, CallDeadline(ctx), [ctx] { return ctx->IsCancelled(); }));
     return absl::OkStatus();
   });
 }
