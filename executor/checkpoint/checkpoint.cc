@@ -1088,8 +1088,31 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
   };
 }
 
+namespace {
+
+// InvalidArgument when writing `out` would replace a file of the checkpoint
+// in `step_dir` (a shard, the index, through a link or a hard link too) or
+// add one to it.
+absl::Status CheckNotInCheckpoint(const std::string& out, const std::string& step_dir) {
+  std::error_code ec;
+  const fs::path parent = fs::absolute(out, ec).parent_path();
+  bool inside = !ec && fs::equivalent(parent, step_dir, ec);
+  for (fs::directory_iterator it(step_dir, ec), end; !inside && !ec && it != end;
+       it.increment(ec)) {
+    std::error_code eq;
+    inside = fs::equivalent(out, it->path(), eq);
+  }
+  if (!inside) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("the export's output ", out, " is part of the checkpoint ", step_dir,
+                   " (it would overwrite or add to its own input): write it elsewhere"));
+}
+
+}  // namespace
+
 absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
                                          bool with_optimizer_state) {
+  HAP_RETURN_IF_ERROR(CheckNotInCheckpoint(out, reader.step_dir()));
   StateDictSlices slices;
   if (!reader.trainer().state_dict_slices().empty()) {
     HAP_ASSIGN_OR_RETURN(slices, ParseStateDictSlices(reader.trainer().state_dict_slices()));

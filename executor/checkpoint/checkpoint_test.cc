@@ -811,6 +811,30 @@ std::string OneStepCheckpoint(const graph::Graph& g, const std::string& dir) {
   return dir + "/step-00000001";
 }
 
+// `hapctl checkpoint export DIR -o DIR/step-N/rank-00000-of-00001.safetensors`
+// (or index.json, or a link to either) wrote the export over the
+// checkpoint's own shard: the export "succeeded" and the checkpoint was gone.
+TEST(CheckpointTest, ExportNeverOverwritesItsOwnInput) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("export_onto_input");
+  const std::string step = OneStepCheckpoint(g, dir);
+  const std::string shard = step + "/rank-00000-of-00001.safetensors";
+  auto before = ReadFile(shard);
+  ASSERT_TRUE(before.ok());
+  const std::string link = dir + "/link.safetensors";
+  fs::create_symlink(fs::absolute(shard), link);
+  for (const std::string& out : {shard, step + "/index.json", link}) {
+    auto reader = CheckpointReader::Open(dir);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    EXPECT_THAT(
+        ExportCheckpoint(**reader, out, true),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is part of the checkpoint")))
+        << out;
+  }
+  EXPECT_EQ(*ReadFile(shard), *before);
+  EXPECT_TRUE(CheckpointReader::Open(dir).ok());
+}
+
 // Rewrites `path` (JSON of message type M) through `edit`.
 template <typename M>
 void EditJson(const std::string& path, const std::function<void(M&)>& edit) {
