@@ -1,5 +1,7 @@
 #include "executor/checkpoint/checkpoint.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -1108,6 +1110,30 @@ absl::Status CheckNotInCheckpoint(const std::string& out, const std::string& ste
                    " (it would overwrite or add to its own input): write it elsewhere"));
 }
 
+// Writes the safetensors file `out` whole or not at all: into a temporary
+// file next to it, renamed over `out` once synced. On failure `out` is as
+// it was and the temporary file is gone.
+absl::Status WriteSafetensorsAtomically(const std::string& out,
+                                        const std::vector<SafetensorsEntry>& entries,
+                                        const std::map<std::string, std::string>& metadata) {
+  const fs::path path(out);
+  const fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  const std::string tmp =
+      (dir / absl::StrCat(".tmp-", path.filename().string(), ".", ::getpid())).string();
+  absl::Status s = WriteSafetensors(tmp, entries, metadata);
+  std::error_code ec;
+  if (s.ok()) {
+    fs::rename(tmp, out, ec);
+    if (ec)
+      s = absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", out, ": ", ec.message()));
+  }
+  if (!s.ok()) {
+    fs::remove(tmp, ec);
+    return s;
+  }
+  return SyncDirectory(dir.string());
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
@@ -1148,12 +1174,12 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
     entries.push_back({name, t.view()});
     bytes += t.view().bytes();
   }
-  HAP_RETURN_IF_ERROR(WriteSafetensors(
-      out, entries,
-      {{"format", "pt"},
-       {"hap_step", std::to_string(reader.trainer().step())},
-       {"hap_graph", reader.trainer().graph_name()},
-       {"hap_graph_hash", reader.trainer().graph_hash()}}));
+  HAP_RETURN_IF_ERROR(
+      WriteSafetensorsAtomically(out, entries,
+                                 {{"format", "pt"},
+                                  {"hap_step", std::to_string(reader.trainer().step())},
+                                  {"hap_graph", reader.trainer().graph_name()},
+                                  {"hap_graph_hash", reader.trainer().graph_hash()}}));
   return bytes;
 }
 

@@ -3,6 +3,9 @@
 // overwritten. Ranks are threads over the in-process communicator.
 #include "executor/checkpoint/checkpoint.h"
 
+#include <signal.h>
+#include <sys/resource.h>
+
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -833,6 +836,33 @@ TEST(CheckpointTest, ExportNeverOverwritesItsOwnInput) {
   }
   EXPECT_EQ(*ReadFile(shard), *before);
   EXPECT_TRUE(CheckpointReader::Open(dir).ok());
+}
+
+// An export whose write failed (here EFBIG: the file size limit; ENOSPC
+// alike) truncated the file it replaced and left a partial one in its
+// place. Now the previous file stays as it was and nothing else is left.
+TEST(CheckpointTest, AFailedExportLeavesThePreviousFileAndNoPartialOne) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("export_fails");
+  OneStepCheckpoint(g, dir);
+  const std::string outdir = Fresh("export_fails_out");
+  fs::create_directories(outdir);
+  const std::string out = outdir + "/model.safetensors";
+  ASSERT_TRUE(WriteFileSynced(out, "the previous export").ok());
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  struct rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto old_handler = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 1024;  // the export is about 4 KB
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  auto bytes = ExportCheckpoint(**reader, out, false);
+  setrlimit(RLIMIT_FSIZE, &old);
+  signal(SIGXFSZ, old_handler);
+  EXPECT_FALSE(bytes.ok());
+  EXPECT_EQ(*ReadFile(out), "the previous export");
+  EXPECT_EQ(Entries(outdir), std::vector<std::string>{"model.safetensors"});
 }
 
 // Rewrites `path` (JSON of message type M) through `edit`.
