@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -800,16 +801,29 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
         shape == f.end() || shape->second.kind_case() != pb::Value::kListValue) {
       return bad("needs a string source, numbers axis and offset, a list source_shape");
     }
+    // A count: a non-negative integer that a double holds exactly.
+    auto count = [](const pb::Value& v, int64_t* out) {
+      if (v.kind_case() != pb::Value::kNumberValue) return false;
+      const double x = v.number_value();
+      if (!(x >= 0) || x > 9007199254740992.0 || x != std::floor(x)) return false;
+      *out = static_cast<int64_t>(x);
+      return true;
+    };
     StateDictSlice s;
     s.source = source->second.string_value();
-    s.axis = static_cast<int>(axis->second.number_value());
-    s.offset = static_cast<int64_t>(offset->second.number_value());
-    for (const auto& d : shape->second.list_value().values()) {
-      if (d.kind_case() != pb::Value::kNumberValue || d.number_value() < 0) {
-        return bad("source_shape holds a non-count");
-      }
-      s.source_shape.push_back(static_cast<int64_t>(d.number_value()));
+    int64_t axis_value = 0;
+    if (!count(axis->second, &axis_value) || !count(offset->second, &s.offset)) {
+      return bad("axis or offset is not a non-negative integer");
     }
+    for (const auto& d : shape->second.list_value().values()) {
+      int64_t n = 0;
+      if (!count(d, &n)) return bad("source_shape holds a non-count");
+      s.source_shape.push_back(n);
+    }
+    if (axis_value >= static_cast<int64_t>(s.source_shape.size())) {
+      return bad("axis or offset out of range");
+    }
+    s.axis = static_cast<int>(axis_value);
     if (s.axis < 0 || s.axis >= static_cast<int>(s.source_shape.size()) || s.offset < 0 ||
         s.source.empty()) {
       return bad("axis or offset out of range");
@@ -1141,7 +1155,44 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
   HAP_RETURN_IF_ERROR(CheckNotInCheckpoint(out, reader.step_dir()));
   StateDictSlices slices;
   if (!reader.trainer().state_dict_slices().empty()) {
-    HAP_ASSIGN_OR_RETURN(slices, ParseStateDictSlices(reader.trainer().state_dict_slices()));
+    const std::string where = (fs::path(reader.step_dir()) / kTrainerFile).string();
+    auto parsed = ParseStateDictSlices(reader.trainer().state_dict_slices());
+    if (!parsed.ok()) {
+      return absl::DataLossError(absl::StrCat("the checkpoint file ", where,
+                                              " is corrupted: ", parsed.status().message()));
+    }
+    slices = *std::move(parsed);
+    // The pieces of each source tensor tile it exactly (nothing is
+    // allocated for a source before this holds).
+    std::map<std::string, v1::CheckpointIndex::Tensor> sources;
+    for (const auto& t : reader.index().tensors()) {
+      auto slice = slices.find(t.name());
+      if (slice == slices.end() || (t.optimizer_state() && !with_optimizer_state)) continue;
+      const StateDictSlice& s = slice->second;
+      v1::CheckpointIndex::Tensor& source = sources[s.source];
+      if (source.name().empty()) {
+        source.set_name(s.source);
+        source.set_dtype(t.dtype());
+        for (int64_t d : s.source_shape) source.add_shape(d);
+      }
+      if (t.dtype() != source.dtype() || t.shape_size() != source.shape_size()) {
+        return absl::DataLossError(
+            absl::StrCat("the checkpoint file ", where, " is corrupted: '", t.name(), "' (",
+                         t.dtype(), ") cannot be a slice of '", s.source, "' (", source.dtype(),
+                         ", ", source.shape_size(), " dimensions)"));
+      }
+      v1::CheckpointIndex::Slice* piece = source.add_slices();
+      piece->set_file(t.name());
+      for (int d = 0; d < t.shape_size(); ++d) piece->add_offsets(d == s.axis ? s.offset : 0);
+      *piece->mutable_extents() = t.shape();
+    }
+    for (const auto& [name, source] : sources) {
+      if (const std::string why = TilingError(source); !why.empty()) {
+        return absl::DataLossError(absl::StrCat("the checkpoint file ", where,
+                                                " is corrupted: the state_dict slices of '", name,
+                                                "' ", why));
+      }
+    }
   }
   std::map<std::string, HostTensor> tensors;  // by the name written
   for (const auto& t : reader.index().tensors()) {

@@ -912,5 +912,30 @@ TEST(CheckpointTest, AnIndexClaimingMoreThanItsShardHoldsIsRefusedAtOpen) {
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("the index says F64[24,12]")));
 }
 
+// trainer.json's state_dict_slices are the checkpoint's data too: a
+// source_shape of 10^15 rows made the export allocate 48 PB (abort), an
+// axis of 1e300 was converted to int (undefined), a slice past its source
+// was a bare "copy box" error. Each is now DataLoss naming trainer.json.
+TEST(CheckpointTest, ExportRefusesStateDictSlicesThatDoNotTileTheirSource) {
+  graph::Graph g = Mlp();
+  for (
+      const char* json : {
+          R"({"layer0/fc/weight": {"source": "s", "axis": 0, "offset": 0, "source_shape": [1000000000000000, 12]}})",
+          R"({"layer0/fc/weight": {"source": "s", "axis": 1e300, "offset": 0, "source_shape": [24, 12]}})",
+          R"({"layer0/fc/weight": {"source": "s", "axis": 0, "offset": 30, "source_shape": [48, 12]}})",
+          R"({"layer0/fc/weight": {"source": "s", "axis": 0, "offset": 0.5, "source_shape": [24, 12]}})",
+      }) {
+    const std::string dir = Fresh("bad_state_dict_slices");
+    const std::string step = OneStepCheckpoint(g, dir);
+    EditJson<v1::TrainerState>(step + "/trainer.json",
+                               [&](v1::TrainerState& t) { t.set_state_dict_slices(json); });
+    auto reader = CheckpointReader::Open(dir);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    EXPECT_THAT(ExportCheckpoint(**reader, dir + "/model.safetensors", false),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("trainer.json")))
+        << json;
+  }
+}
+
 }  // namespace
 }  // namespace hap::executor::checkpoint
