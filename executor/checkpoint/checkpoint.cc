@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "executor/checkpoint/checkpoint_internal.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/runtime/device.h"
 #include "google/protobuf/struct.pb.h"
@@ -32,7 +33,6 @@ namespace v1 = ::hap::v1;
 namespace fs = std::filesystem;
 
 constexpr char kIndexFile[] = "index.json";
-constexpr char kTrainerFile[] = "trainer.json";
 constexpr char kCommittedFile[] = "COMMITTED";
 constexpr char kStepPrefix[] = "step-";
 constexpr char kTmpPrefix[] = ".tmp-step-";
@@ -42,11 +42,6 @@ constexpr char kSupersededPrefix[] = "superseded-";
 // Next to a rank's file in the temporary directory when its write failed:
 // holds the error.
 constexpr char kFailedSuffix[] = ".failed";
-
-bool IsConstantInit(const graph::Initializer& i) {
-  using K = graph::Initializer::Kind;
-  return i.kind == K::kZeros || i.kind == K::kOnes || i.kind == K::kConstant;
-}
 
 bool IsPersistent(const v1::Buffer& b) {
   return b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::OPTIMIZER_STATE;
@@ -109,64 +104,6 @@ std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
     }
   }
   return out;
-}
-
-// Why the slices of `t` do not cover it exactly once, or "" when they do:
-// every slice lies within [0, shape), no two overlap, and their volumes sum
-// to the tensor's element count.
-std::string TilingError(const v1::CheckpointIndex::Tensor& t) {
-  const int rank = t.shape_size();
-  const Shape shape(t.shape().begin(), t.shape().end());
-  int64_t elements = 1;
-  for (int64_t d : shape) {
-    if (d < 0 || (d > 0 && elements > std::numeric_limits<int64_t>::max() / d)) {
-      return absl::StrCat("have an invalid global shape ", graph::ShapeString(shape));
-    }
-    elements *= d;
-  }
-  std::vector<int> live;  // slices with elements, by their first offset
-  int64_t covered = 0;
-  for (int i = 0; i < t.slices_size(); ++i) {
-    const auto& s = t.slices(i);
-    if (s.offsets_size() != rank || s.extents_size() != rank) {
-      return absl::StrCat("have a slice of another number of dimensions (in ", s.file(), ")");
-    }
-    int64_t n = 1;
-    for (int d = 0; d < rank; ++d) {
-      if (s.offsets(d) < 0 || s.extents(d) < 0 || s.offsets(d) > shape[d] - s.extents(d)) {
-        return absl::StrCat("lie outside ", graph::ShapeString(shape), " (a slice in ", s.file(),
-                            ")");
-      }
-      n *= s.extents(d);  // at most `elements`: no overflow
-    }
-    if (n > 0) live.push_back(i);
-  }
-  if (rank > 0) {
-    std::sort(live.begin(), live.end(),
-              [&](int a, int b) { return t.slices(a).offsets(0) < t.slices(b).offsets(0); });
-  }
-  for (size_t i = 0; i < live.size(); ++i) {
-    const auto& a = t.slices(live[i]);
-    for (size_t j = i + 1; j < live.size(); ++j) {
-      const auto& b = t.slices(live[j]);
-      if (rank > 0 && b.offsets(0) >= a.offsets(0) + a.extents(0)) break;  // and the rest
-      bool overlap = true;
-      for (int d = 0; overlap && d < rank; ++d) {
-        overlap = a.offsets(d) < b.offsets(d) + b.extents(d) &&
-                  b.offsets(d) < a.offsets(d) + a.extents(d);
-      }
-      if (overlap) {
-        return absl::StrCat("overlap (slices in ", a.file(), " and ", b.file(), ")");
-      }
-    }
-    int64_t n = 1;
-    for (int d = 0; d < rank; ++d) n *= a.extents(d);
-    covered += n;  // disjoint boxes inside the tensor: at most `elements`
-  }
-  if (covered != elements) {
-    return absl::StrCat("leave elements uncovered (", covered, " of ", elements, ")");
-  }
-  return "";
 }
 
 void Warn(absl::string_view what) { std::cerr << "hap checkpoint: " << what << "\n" << std::flush; }
@@ -322,6 +259,61 @@ absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointInd
 }
 
 }  // namespace
+
+std::string TilingError(const v1::CheckpointIndex::Tensor& t) {
+  const int rank = t.shape_size();
+  const Shape shape(t.shape().begin(), t.shape().end());
+  int64_t elements = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && elements > std::numeric_limits<int64_t>::max() / d)) {
+      return absl::StrCat("have an invalid global shape ", graph::ShapeString(shape));
+    }
+    elements *= d;
+  }
+  std::vector<int> live;  // slices with elements, by their first offset
+  int64_t covered = 0;
+  for (int i = 0; i < t.slices_size(); ++i) {
+    const auto& s = t.slices(i);
+    if (s.offsets_size() != rank || s.extents_size() != rank) {
+      return absl::StrCat("have a slice of another number of dimensions (in ", s.file(), ")");
+    }
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) {
+      if (s.offsets(d) < 0 || s.extents(d) < 0 || s.offsets(d) > shape[d] - s.extents(d)) {
+        return absl::StrCat("lie outside ", graph::ShapeString(shape), " (a slice in ", s.file(),
+                            ")");
+      }
+      n *= s.extents(d);  // at most `elements`: no overflow
+    }
+    if (n > 0) live.push_back(i);
+  }
+  if (rank > 0) {
+    std::sort(live.begin(), live.end(),
+              [&](int a, int b) { return t.slices(a).offsets(0) < t.slices(b).offsets(0); });
+  }
+  for (size_t i = 0; i < live.size(); ++i) {
+    const auto& a = t.slices(live[i]);
+    for (size_t j = i + 1; j < live.size(); ++j) {
+      const auto& b = t.slices(live[j]);
+      if (rank > 0 && b.offsets(0) >= a.offsets(0) + a.extents(0)) break;  // and the rest
+      bool overlap = true;
+      for (int d = 0; overlap && d < rank; ++d) {
+        overlap = a.offsets(d) < b.offsets(d) + b.extents(d) &&
+                  b.offsets(d) < a.offsets(d) + a.extents(d);
+      }
+      if (overlap) {
+        return absl::StrCat("overlap (slices in ", a.file(), " and ", b.file(), ")");
+      }
+    }
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= a.extents(d);
+    covered += n;  // disjoint boxes inside the tensor: at most `elements`
+  }
+  if (covered != elements) {
+    return absl::StrCat("leave elements uncovered (", covered, " of ", elements, ")");
+  }
+  return "";
+}
 
 std::string StepDirName(int64_t step) { return absl::StrFormat("%s%08d", kStepPrefix, step); }
 
@@ -649,11 +641,6 @@ absl::StatusOr<const SafetensorsFile*> CheckpointReader::File(const std::string&
   return it->second.get();
 }
 
-namespace {
-
-// Copies into dst (the box [dst_offsets, +dst.shape) of a global tensor)
-// the part of `src` (the box [src_offsets, +src.shape)) that overlaps it.
-// Returns the number of elements copied.
 absl::StatusOr<int64_t> CopyOverlap(TensorView src, absl::Span<const int64_t> src_offsets,
                                     TensorView dst, absl::Span<const int64_t> dst_offsets) {
   const size_t rank = dst.shape.size();
@@ -671,6 +658,8 @@ absl::StatusOr<int64_t> CopyOverlap(TensorView src, absl::Span<const int64_t> sr
   HAP_RETURN_IF_ERROR(HostCopyBox(src, src_start, dst, dst_start, extent));
   return n;
 }
+
+namespace {
 
 // The overlap of a stored slice (`src`: its shape, at `src_offsets` of the
 // global tensor) with the piece `dst` (at `dst_offsets`), read from the file
@@ -714,6 +703,8 @@ absl::StatusOr<int64_t> ReadOverlap(const SafetensorsFile& f, const std::string&
   return CopyOverlap(src, src_offsets, dst, dst_offsets);
 }
 
+}  // namespace
+
 absl::Status CheckRequest(const std::string& name, DType saved_dtype, const Shape& saved_shape,
                           const Shape& global, absl::Span<const int64_t> offsets,
                           const TensorView& dst, const std::string& where) {
@@ -734,8 +725,6 @@ absl::Status CheckRequest(const std::string& name, DType saved_dtype, const Shap
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status CheckpointReader::Read(const std::string& name, const Shape& global,
                                     absl::Span<const int64_t> offsets, TensorView dst) {
@@ -774,179 +763,6 @@ absl::Status CheckpointReader::Read(const std::string& name, const Shape& global
                                             " do not cover the piece this rank needs"));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
-  namespace pb = ::google::protobuf;
-  pb::Struct root;
-  if (!pb::util::JsonStringToMessage(json, &root).ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the graph's ", kStateDictSlicesKey, " metadata is not a JSON object"));
-  }
-  StateDictSlices out;
-  for (const auto& [name, v] : root.fields()) {
-    auto bad = [&](absl::string_view what) {
-      return absl::InvalidArgumentError(absl::StrCat(kStateDictSlicesKey, " entry '", name,
-                                                     "': ", what));
-    };
-    if (v.kind_case() != pb::Value::kStructValue) return bad("not an object");
-    const auto& f = v.struct_value().fields();
-    auto source = f.find("source");
-    auto axis = f.find("axis");
-    auto offset = f.find("offset");
-    auto shape = f.find("source_shape");
-    if (source == f.end() || source->second.kind_case() != pb::Value::kStringValue ||
-        axis == f.end() || axis->second.kind_case() != pb::Value::kNumberValue ||
-        offset == f.end() || offset->second.kind_case() != pb::Value::kNumberValue ||
-        shape == f.end() || shape->second.kind_case() != pb::Value::kListValue) {
-      return bad("needs a string source, numbers axis and offset, a list source_shape");
-    }
-    // A count: a non-negative integer that a double holds exactly.
-    auto count = [](const pb::Value& v, int64_t* out) {
-      if (v.kind_case() != pb::Value::kNumberValue) return false;
-      const double x = v.number_value();
-      if (!(x >= 0) || x > 9007199254740992.0 || x != std::floor(x)) return false;
-      *out = static_cast<int64_t>(x);
-      return true;
-    };
-    StateDictSlice s;
-    s.source = source->second.string_value();
-    int64_t axis_value = 0;
-    if (!count(axis->second, &axis_value) || !count(offset->second, &s.offset)) {
-      return bad("axis or offset is not a non-negative integer");
-    }
-    for (const auto& d : shape->second.list_value().values()) {
-      int64_t n = 0;
-      if (!count(d, &n)) return bad("source_shape holds a non-count");
-      s.source_shape.push_back(n);
-    }
-    if (axis_value >= static_cast<int64_t>(s.source_shape.size())) {
-      return bad("axis or offset out of range");
-    }
-    s.axis = static_cast<int>(axis_value);
-    if (s.axis < 0 || s.axis >= static_cast<int>(s.source_shape.size()) || s.offset < 0 ||
-        s.source.empty()) {
-      return bad("axis or offset out of range");
-    }
-    out.emplace(name, std::move(s));
-  }
-  return out;
-}
-
-absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
-  auto it = g.metadata().find(kStateDictSlicesKey);
-  if (it == g.metadata().end()) return StateDictSlices{};
-  HAP_ASSIGN_OR_RETURN(StateDictSlices slices, ParseStateDictSlices(it->second));
-  for (const auto& [name, s] : slices) {
-    auto id = g.FindTensor(name);
-    if (!id.has_value()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kStateDictSlicesKey, " names '", name, "', not a tensor of the graph"));
-    }
-    const Shape& shape = g.tensor(*id).type.shape;
-    bool fits = shape.size() == s.source_shape.size();
-    for (size_t d = 0; fits && d < shape.size(); ++d) {
-      fits = static_cast<int>(d) == s.axis ? s.offset + shape[d] <= s.source_shape[d]
-                                           : shape[d] == s.source_shape[d];
-    }
-    if (!fits) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          kStateDictSlicesKey, " entry '", name, "' ", graph::ShapeString(shape),
-          " does not fit in ", s.source, graph::ShapeString(s.source_shape), " at offset ",
-          s.offset, " of axis ", s.axis));
-    }
-  }
-  return slices;
-}
-
-absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Open(const std::string& path,
-                                                                  StateDictSlices slices) {
-  std::unique_ptr<WeightsReader> r(new WeightsReader);
-  HAP_ASSIGN_OR_RETURN(r->file_, SafetensorsFile::Open(path));
-  r->slices_ = std::move(slices);
-  return r;
-}
-
-absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
-  std::set<std::string> model;
-  std::vector<std::string> missing, extra, mismatched;
-  for (graph::TensorId id : g.Parameters()) {
-    const graph::Tensor& t = g.tensor(id);
-    auto slice = slices_.find(t.name);
-    if (slice != slices_.end()) {
-      // Read from a slice of its source tensor, which must be there whole.
-      const StateDictSlice& s = slice->second;
-      model.insert(s.source);
-      auto it = file_->tensors().find(s.source);
-      if (it == file_->tensors().end()) {
-        if (std::find(missing.begin(), missing.end(), s.source) == missing.end()) {
-          missing.push_back(s.source);
-        }
-      } else if (it->second.shape != s.source_shape || it->second.dtype != t.type.dtype) {
-        mismatched.push_back(absl::StrCat(s.source, " (", SafetensorsDType(it->second.dtype),
-                                          graph::ShapeString(it->second.shape), " in the file, ",
-                                          SafetensorsDType(t.type.dtype),
-                                          graph::ShapeString(s.source_shape), " in the model)"));
-      }
-      continue;
-    }
-    model.insert(t.name);
-    auto it = file_->tensors().find(t.name);
-    if (it == file_->tensors().end()) {
-      // The exporter's constants (frozen, constant initialisers) are not
-      // PyTorch parameters: they start from their initialiser.
-      if (!(t.frozen && IsConstantInit(t.init))) missing.push_back(t.name);
-    } else if (it->second.shape != t.type.shape || it->second.dtype != t.type.dtype) {
-      mismatched.push_back(absl::StrCat(t.name, " (", SafetensorsDType(it->second.dtype),
-                                        graph::ShapeString(it->second.shape), " in the file, ",
-                                        SafetensorsDType(t.type.dtype),
-                                        graph::ShapeString(t.type.shape), " in the model)"));
-    }
-  }
-  for (const auto& [name, t] : file_->tensors()) {
-    if (!model.count(name)) extra.push_back(name);
-  }
-  if (missing.empty() && extra.empty() && mismatched.empty()) return absl::OkStatus();
-  std::string msg = absl::StrCat("the weights ", file_->path(), " do not fit the model");
-  if (!missing.empty()) absl::StrAppend(&msg, "; missing: ", absl::StrJoin(missing, ", "));
-  if (!extra.empty()) absl::StrAppend(&msg, "; not in the model: ", absl::StrJoin(extra, ", "));
-  if (!mismatched.empty()) {
-    absl::StrAppend(&msg, "; other shape or dtype: ", absl::StrJoin(mismatched, ", "));
-  }
-  return absl::FailedPreconditionError(msg);
-}
-
-bool WeightsReader::Has(const std::string& name) const {
-  auto slice = slices_.find(name);
-  if (slice != slices_.end()) return file_->tensors().count(slice->second.source) > 0;
-  return file_->tensors().count(name) > 0;
-}
-
-absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
-                                 absl::Span<const int64_t> offsets, TensorView dst) {
-  auto slice = slices_.find(name);
-  if (slice != slices_.end()) {
-    const StateDictSlice& s = slice->second;
-    HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(s.source));
-    HAP_RETURN_IF_ERROR(CheckRequest(s.source, whole.dtype, whole.shape, s.source_shape,
-                                     std::vector<int64_t>(s.source_shape.size(), 0),
-                                     TensorView{dst.dtype, s.source_shape, nullptr},
-                                     file_->path()));
-    if (global.size() != s.source_shape.size() || offsets.size() != global.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("a malformed piece of '", name, "'"));
-    }
-    // The graph parameter is the box [offset, offset + global[axis]) of the
-    // source along `axis`; the piece asked for lies inside it.
-    std::vector<int64_t> in_source(offsets.begin(), offsets.end());
-    in_source[s.axis] += s.offset;
-    const std::vector<int64_t> zero(global.size(), 0);
-    return CopyOverlap(whole, zero, dst, in_source).status();
-  }
-  HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(name));
-  HAP_RETURN_IF_ERROR(
-      CheckRequest(name, whole.dtype, whole.shape, global, offsets, dst, file_->path()));
-  const std::vector<int64_t> zero(global.size(), 0);
-  return CopyOverlap(whole, zero, dst, offsets).status();
 }
 
 absl::Status Restore(TensorSource& source, ProgramRunner& runner,
@@ -1102,136 +918,6 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
           return b.role() == v1::Buffer::PARAMETER && w->Has(b.tensor());
         });
   };
-}
-
-namespace {
-
-// InvalidArgument when writing `out` would replace a file of the checkpoint
-// in `step_dir` (a shard, the index, through a link or a hard link too) or
-// add one to it.
-absl::Status CheckNotInCheckpoint(const std::string& out, const std::string& step_dir) {
-  std::error_code ec;
-  const fs::path parent = fs::absolute(out, ec).parent_path();
-  bool inside = !ec && fs::equivalent(parent, step_dir, ec);
-  for (fs::directory_iterator it(step_dir, ec), end; !inside && !ec && it != end;
-       it.increment(ec)) {
-    std::error_code eq;
-    inside = fs::equivalent(out, it->path(), eq);
-  }
-  if (!inside) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("the export's output ", out, " is part of the checkpoint ", step_dir,
-                   " (it would overwrite or add to its own input): write it elsewhere"));
-}
-
-// Writes the safetensors file `out` whole or not at all: into a temporary
-// file next to it, renamed over `out` once synced. On failure `out` is as
-// it was and the temporary file is gone.
-absl::Status WriteSafetensorsAtomically(const std::string& out,
-                                        const std::vector<SafetensorsEntry>& entries,
-                                        const std::map<std::string, std::string>& metadata) {
-  const fs::path path(out);
-  const fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
-  const std::string tmp =
-      (dir / absl::StrCat(".tmp-", path.filename().string(), ".", ::getpid())).string();
-  absl::Status s = WriteSafetensors(tmp, entries, metadata);
-  std::error_code ec;
-  if (s.ok()) {
-    fs::rename(tmp, out, ec);
-    if (ec)
-      s = absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", out, ": ", ec.message()));
-  }
-  if (!s.ok()) {
-    fs::remove(tmp, ec);
-    return s;
-  }
-  return SyncDirectory(dir.string());
-}
-
-}  // namespace
-
-absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
-                                         bool with_optimizer_state) {
-  HAP_RETURN_IF_ERROR(CheckNotInCheckpoint(out, reader.step_dir()));
-  StateDictSlices slices;
-  if (!reader.trainer().state_dict_slices().empty()) {
-    const std::string where = (fs::path(reader.step_dir()) / kTrainerFile).string();
-    auto parsed = ParseStateDictSlices(reader.trainer().state_dict_slices());
-    if (!parsed.ok()) {
-      return absl::DataLossError(absl::StrCat("the checkpoint file ", where,
-                                              " is corrupted: ", parsed.status().message()));
-    }
-    slices = *std::move(parsed);
-    // The pieces of each source tensor tile it exactly (nothing is
-    // allocated for a source before this holds).
-    std::map<std::string, v1::CheckpointIndex::Tensor> sources;
-    for (const auto& t : reader.index().tensors()) {
-      auto slice = slices.find(t.name());
-      if (slice == slices.end() || (t.optimizer_state() && !with_optimizer_state)) continue;
-      const StateDictSlice& s = slice->second;
-      v1::CheckpointIndex::Tensor& source = sources[s.source];
-      if (source.name().empty()) {
-        source.set_name(s.source);
-        source.set_dtype(t.dtype());
-        for (int64_t d : s.source_shape) source.add_shape(d);
-      }
-      if (t.dtype() != source.dtype() || t.shape_size() != source.shape_size()) {
-        return absl::DataLossError(
-            absl::StrCat("the checkpoint file ", where, " is corrupted: '", t.name(), "' (",
-                         t.dtype(), ") cannot be a slice of '", s.source, "' (", source.dtype(),
-                         ", ", source.shape_size(), " dimensions)"));
-      }
-      v1::CheckpointIndex::Slice* piece = source.add_slices();
-      piece->set_file(t.name());
-      for (int d = 0; d < t.shape_size(); ++d) piece->add_offsets(d == s.axis ? s.offset : 0);
-      *piece->mutable_extents() = t.shape();
-    }
-    for (const auto& [name, source] : sources) {
-      if (const std::string why = TilingError(source); !why.empty()) {
-        return absl::DataLossError(absl::StrCat("the checkpoint file ", where,
-                                                " is corrupted: the state_dict slices of '", name,
-                                                "' ", why));
-      }
-    }
-  }
-  std::map<std::string, HostTensor> tensors;  // by the name written
-  for (const auto& t : reader.index().tensors()) {
-    if (t.optimizer_state() && !with_optimizer_state) continue;
-    HAP_ASSIGN_OR_RETURN(DType dtype, FromSafetensorsDType(t.dtype()));
-    const Shape shape(t.shape().begin(), t.shape().end());
-    const std::vector<int64_t> zero(shape.size(), 0);
-    auto slice = slices.find(t.name());
-    if (slice == slices.end()) {
-      HostTensor& whole = tensors.try_emplace(t.name(), dtype, shape).first->second;
-      HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, whole.view()));
-      continue;
-    }
-    // A slice of a PyTorch parameter (q of in_proj_weight): into its source.
-    const StateDictSlice& s = slice->second;
-    HostTensor part(dtype, shape);
-    HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, part.view()));
-    HostTensor& source = tensors.try_emplace(s.source, dtype, s.source_shape).first->second;
-    std::vector<int64_t> at(shape.size(), 0);
-    at[s.axis] = s.offset;
-    if (source.shape() != s.source_shape || source.dtype() != dtype ||
-        shape.size() != s.source_shape.size()) {
-      return absl::DataLossError(absl::StrCat("the slices of '", s.source, "' disagree"));
-    }
-    HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), zero, source.view(), at, shape));
-  }
-  std::vector<SafetensorsEntry> entries;
-  int64_t bytes = 0;
-  for (const auto& [name, t] : tensors) {
-    entries.push_back({name, t.view()});
-    bytes += t.view().bytes();
-  }
-  HAP_RETURN_IF_ERROR(
-      WriteSafetensorsAtomically(out, entries,
-                                 {{"format", "pt"},
-                                  {"hap_step", std::to_string(reader.trainer().step())},
-                                  {"hap_graph", reader.trainer().graph_name()},
-                                  {"hap_graph_hash", reader.trainer().graph_hash()}}));
-  return bytes;
 }
 
 }  // namespace hap::executor::checkpoint

@@ -1,0 +1,342 @@
+// The state_dict form of a checkpoint: how a model's state_dict tensors map
+// onto the graph's (the exporter's state_dict_slices), weights read from a
+// safetensors file of that form (--init-weights), and a committed sharded
+// checkpoint exported to one such file (hapctl checkpoint export). The
+// sharded form itself (saving, committing, the reader) is checkpoint.cc.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "executor/checkpoint/checkpoint.h"
+#include "executor/checkpoint/checkpoint_internal.h"
+#include "executor/checkpoint/file_util.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "planner/graph/graph_proto.h"
+
+namespace hap::executor::checkpoint {
+namespace {
+
+namespace v1 = ::hap::v1;
+namespace fs = std::filesystem;
+
+bool IsConstantInit(const graph::Initializer& i) {
+  using K = graph::Initializer::Kind;
+  return i.kind == K::kZeros || i.kind == K::kOnes || i.kind == K::kConstant;
+}
+
+}  // namespace
+
+absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
+  namespace pb = ::google::protobuf;
+  pb::Struct root;
+  if (!pb::util::JsonStringToMessage(json, &root).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the graph's ", kStateDictSlicesKey, " metadata is not a JSON object"));
+  }
+  StateDictSlices out;
+  for (const auto& [name, v] : root.fields()) {
+    auto bad = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kStateDictSlicesKey, " entry '", name, "': ", what));
+    };
+    if (v.kind_case() != pb::Value::kStructValue) return bad("not an object");
+    const auto& f = v.struct_value().fields();
+    auto source = f.find("source");
+    auto axis = f.find("axis");
+    auto offset = f.find("offset");
+    auto shape = f.find("source_shape");
+    if (source == f.end() || source->second.kind_case() != pb::Value::kStringValue ||
+        axis == f.end() || axis->second.kind_case() != pb::Value::kNumberValue ||
+        offset == f.end() || offset->second.kind_case() != pb::Value::kNumberValue ||
+        shape == f.end() || shape->second.kind_case() != pb::Value::kListValue) {
+      return bad("needs a string source, numbers axis and offset, a list source_shape");
+    }
+    // A count: a non-negative integer that a double holds exactly.
+    auto count = [](const pb::Value& v, int64_t* out) {
+      if (v.kind_case() != pb::Value::kNumberValue) return false;
+      const double x = v.number_value();
+      if (!(x >= 0) || x > 9007199254740992.0 || x != std::floor(x)) return false;
+      *out = static_cast<int64_t>(x);
+      return true;
+    };
+    StateDictSlice s;
+    s.source = source->second.string_value();
+    int64_t axis_value = 0;
+    if (!count(axis->second, &axis_value) || !count(offset->second, &s.offset)) {
+      return bad("axis or offset is not a non-negative integer");
+    }
+    for (const auto& d : shape->second.list_value().values()) {
+      int64_t n = 0;
+      if (!count(d, &n)) return bad("source_shape holds a non-count");
+      s.source_shape.push_back(n);
+    }
+    if (axis_value >= static_cast<int64_t>(s.source_shape.size())) {
+      return bad("axis or offset out of range");
+    }
+    s.axis = static_cast<int>(axis_value);
+    if (s.axis < 0 || s.axis >= static_cast<int>(s.source_shape.size()) || s.offset < 0 ||
+        s.source.empty()) {
+      return bad("axis or offset out of range");
+    }
+    out.emplace(name, std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
+  auto it = g.metadata().find(kStateDictSlicesKey);
+  if (it == g.metadata().end()) return StateDictSlices{};
+  HAP_ASSIGN_OR_RETURN(StateDictSlices slices, ParseStateDictSlices(it->second));
+  for (const auto& [name, s] : slices) {
+    auto id = g.FindTensor(name);
+    if (!id.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kStateDictSlicesKey, " names '", name, "', not a tensor of the graph"));
+    }
+    const Shape& shape = g.tensor(*id).type.shape;
+    bool fits = shape.size() == s.source_shape.size();
+    for (size_t d = 0; fits && d < shape.size(); ++d) {
+      fits = static_cast<int>(d) == s.axis ? s.offset + shape[d] <= s.source_shape[d]
+                                           : shape[d] == s.source_shape[d];
+    }
+    if (!fits) {
+      return absl::InvalidArgumentError(absl::StrCat(kStateDictSlicesKey, " entry '", name, "' ",
+                                                     graph::ShapeString(shape), " does not fit in ",
+                                                     s.source, graph::ShapeString(s.source_shape),
+                                                     " at offset ", s.offset, " of axis ", s.axis));
+    }
+  }
+  return slices;
+}
+
+absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Open(const std::string& path,
+                                                                   StateDictSlices slices) {
+  std::unique_ptr<WeightsReader> r(new WeightsReader);
+  HAP_ASSIGN_OR_RETURN(r->file_, SafetensorsFile::Open(path));
+  r->slices_ = std::move(slices);
+  return r;
+}
+
+absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
+  std::set<std::string> model;
+  std::vector<std::string> missing, extra, mismatched;
+  for (graph::TensorId id : g.Parameters()) {
+    const graph::Tensor& t = g.tensor(id);
+    auto slice = slices_.find(t.name);
+    if (slice != slices_.end()) {
+      // Read from a slice of its source tensor, which must be there whole.
+      const StateDictSlice& s = slice->second;
+      model.insert(s.source);
+      auto it = file_->tensors().find(s.source);
+      if (it == file_->tensors().end()) {
+        if (std::find(missing.begin(), missing.end(), s.source) == missing.end()) {
+          missing.push_back(s.source);
+        }
+      } else if (it->second.shape != s.source_shape || it->second.dtype != t.type.dtype) {
+        mismatched.push_back(absl::StrCat(s.source, " (", SafetensorsDType(it->second.dtype),
+                                          graph::ShapeString(it->second.shape), " in the file, ",
+                                          SafetensorsDType(t.type.dtype),
+                                          graph::ShapeString(s.source_shape), " in the model)"));
+      }
+      continue;
+    }
+    model.insert(t.name);
+    auto it = file_->tensors().find(t.name);
+    if (it == file_->tensors().end()) {
+      // The exporter's constants (frozen, constant initialisers) are not
+      // PyTorch parameters: they start from their initialiser.
+      if (!(t.frozen && IsConstantInit(t.init))) missing.push_back(t.name);
+    } else if (it->second.shape != t.type.shape || it->second.dtype != t.type.dtype) {
+      mismatched.push_back(absl::StrCat(t.name, " (", SafetensorsDType(it->second.dtype),
+                                        graph::ShapeString(it->second.shape), " in the file, ",
+                                        SafetensorsDType(t.type.dtype),
+                                        graph::ShapeString(t.type.shape), " in the model)"));
+    }
+  }
+  for (const auto& [name, t] : file_->tensors()) {
+    if (!model.count(name)) extra.push_back(name);
+  }
+  if (missing.empty() && extra.empty() && mismatched.empty()) return absl::OkStatus();
+  std::string msg = absl::StrCat("the weights ", file_->path(), " do not fit the model");
+  if (!missing.empty()) absl::StrAppend(&msg, "; missing: ", absl::StrJoin(missing, ", "));
+  if (!extra.empty()) absl::StrAppend(&msg, "; not in the model: ", absl::StrJoin(extra, ", "));
+  if (!mismatched.empty()) {
+    absl::StrAppend(&msg, "; other shape or dtype: ", absl::StrJoin(mismatched, ", "));
+  }
+  return absl::FailedPreconditionError(msg);
+}
+
+bool WeightsReader::Has(const std::string& name) const {
+  auto slice = slices_.find(name);
+  if (slice != slices_.end()) return file_->tensors().count(slice->second.source) > 0;
+  return file_->tensors().count(name) > 0;
+}
+
+absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
+                                 absl::Span<const int64_t> offsets, TensorView dst) {
+  auto slice = slices_.find(name);
+  if (slice != slices_.end()) {
+    const StateDictSlice& s = slice->second;
+    HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(s.source));
+    HAP_RETURN_IF_ERROR(CheckRequest(s.source, whole.dtype, whole.shape, s.source_shape,
+                                     std::vector<int64_t>(s.source_shape.size(), 0),
+                                     TensorView{dst.dtype, s.source_shape, nullptr},
+                                     file_->path()));
+    if (global.size() != s.source_shape.size() || offsets.size() != global.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("a malformed piece of '", name, "'"));
+    }
+    // The graph parameter is the box [offset, offset + global[axis]) of the
+    // source along `axis`; the piece asked for lies inside it.
+    std::vector<int64_t> in_source(offsets.begin(), offsets.end());
+    in_source[s.axis] += s.offset;
+    const std::vector<int64_t> zero(global.size(), 0);
+    return CopyOverlap(whole, zero, dst, in_source).status();
+  }
+  HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(name));
+  HAP_RETURN_IF_ERROR(
+      CheckRequest(name, whole.dtype, whole.shape, global, offsets, dst, file_->path()));
+  const std::vector<int64_t> zero(global.size(), 0);
+  return CopyOverlap(whole, zero, dst, offsets).status();
+}
+
+namespace {
+
+// InvalidArgument when writing `out` would replace a file of the checkpoint
+// in `step_dir` (a shard, the index, through a link or a hard link too) or
+// add one to it.
+absl::Status CheckNotInCheckpoint(const std::string& out, const std::string& step_dir) {
+  std::error_code ec;
+  const fs::path parent = fs::absolute(out, ec).parent_path();
+  bool inside = !ec && fs::equivalent(parent, step_dir, ec);
+  for (fs::directory_iterator it(step_dir, ec), end; !inside && !ec && it != end;
+       it.increment(ec)) {
+    std::error_code eq;
+    inside = fs::equivalent(out, it->path(), eq);
+  }
+  if (!inside) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("the export's output ", out, " is part of the checkpoint ", step_dir,
+                   " (it would overwrite or add to its own input): write it elsewhere"));
+}
+
+// Writes the safetensors file `out` whole or not at all: into a temporary
+// file next to it, renamed over `out` once synced. On failure `out` is as
+// it was and the temporary file is gone.
+absl::Status WriteSafetensorsAtomically(const std::string& out,
+                                        const std::vector<SafetensorsEntry>& entries,
+                                        const std::map<std::string, std::string>& metadata) {
+  const fs::path path(out);
+  const fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  const std::string tmp =
+      (dir / absl::StrCat(".tmp-", path.filename().string(), ".", ::getpid())).string();
+  absl::Status s = WriteSafetensors(tmp, entries, metadata);
+  std::error_code ec;
+  if (s.ok()) {
+    fs::rename(tmp, out, ec);
+    if (ec)
+      s = absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", out, ": ", ec.message()));
+  }
+  if (!s.ok()) {
+    fs::remove(tmp, ec);
+    return s;
+  }
+  return SyncDirectory(dir.string());
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
+                                         bool with_optimizer_state) {
+  HAP_RETURN_IF_ERROR(CheckNotInCheckpoint(out, reader.step_dir()));
+  StateDictSlices slices;
+  if (!reader.trainer().state_dict_slices().empty()) {
+    const std::string where = (fs::path(reader.step_dir()) / kTrainerFile).string();
+    auto parsed = ParseStateDictSlices(reader.trainer().state_dict_slices());
+    if (!parsed.ok()) {
+      return absl::DataLossError(absl::StrCat("the checkpoint file ", where,
+                                              " is corrupted: ", parsed.status().message()));
+    }
+    slices = *std::move(parsed);
+    // The pieces of each source tensor tile it exactly (nothing is
+    // allocated for a source before this holds).
+    std::map<std::string, v1::CheckpointIndex::Tensor> sources;
+    for (const auto& t : reader.index().tensors()) {
+      auto slice = slices.find(t.name());
+      if (slice == slices.end() || (t.optimizer_state() && !with_optimizer_state)) continue;
+      const StateDictSlice& s = slice->second;
+      v1::CheckpointIndex::Tensor& source = sources[s.source];
+      if (source.name().empty()) {
+        source.set_name(s.source);
+        source.set_dtype(t.dtype());
+        for (int64_t d : s.source_shape) source.add_shape(d);
+      }
+      if (t.dtype() != source.dtype() || t.shape_size() != source.shape_size()) {
+        return absl::DataLossError(
+            absl::StrCat("the checkpoint file ", where, " is corrupted: '", t.name(), "' (",
+                         t.dtype(), ") cannot be a slice of '", s.source, "' (", source.dtype(),
+                         ", ", source.shape_size(), " dimensions)"));
+      }
+      v1::CheckpointIndex::Slice* piece = source.add_slices();
+      piece->set_file(t.name());
+      for (int d = 0; d < t.shape_size(); ++d) piece->add_offsets(d == s.axis ? s.offset : 0);
+      *piece->mutable_extents() = t.shape();
+    }
+    for (const auto& [name, source] : sources) {
+      if (const std::string why = TilingError(source); !why.empty()) {
+        return absl::DataLossError(absl::StrCat("the checkpoint file ", where,
+                                                " is corrupted: the state_dict slices of '", name,
+                                                "' ", why));
+      }
+    }
+  }
+  std::map<std::string, HostTensor> tensors;  // by the name written
+  for (const auto& t : reader.index().tensors()) {
+    if (t.optimizer_state() && !with_optimizer_state) continue;
+    HAP_ASSIGN_OR_RETURN(DType dtype, FromSafetensorsDType(t.dtype()));
+    const Shape shape(t.shape().begin(), t.shape().end());
+    const std::vector<int64_t> zero(shape.size(), 0);
+    auto slice = slices.find(t.name());
+    if (slice == slices.end()) {
+      HostTensor& whole = tensors.try_emplace(t.name(), dtype, shape).first->second;
+      HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, whole.view()));
+      continue;
+    }
+    // A slice of a PyTorch parameter (q of in_proj_weight): into its source.
+    const StateDictSlice& s = slice->second;
+    HostTensor part(dtype, shape);
+    HAP_RETURN_IF_ERROR(reader.Read(t.name(), shape, zero, part.view()));
+    HostTensor& source = tensors.try_emplace(s.source, dtype, s.source_shape).first->second;
+    std::vector<int64_t> at(shape.size(), 0);
+    at[s.axis] = s.offset;
+    if (source.shape() != s.source_shape || source.dtype() != dtype ||
+        shape.size() != s.source_shape.size()) {
+      return absl::DataLossError(absl::StrCat("the slices of '", s.source, "' disagree"));
+    }
+    HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), zero, source.view(), at, shape));
+  }
+  std::vector<SafetensorsEntry> entries;
+  int64_t bytes = 0;
+  for (const auto& [name, t] : tensors) {
+    entries.push_back({name, t.view()});
+    bytes += t.view().bytes();
+  }
+  HAP_RETURN_IF_ERROR(
+      WriteSafetensorsAtomically(out, entries,
+                                 {{"format", "pt"},
+                                  {"hap_step", std::to_string(reader.trainer().step())},
+                                  {"hap_graph", reader.trainer().graph_name()},
+                                  {"hap_graph_hash", reader.trainer().graph_hash()}}));
+  return bytes;
+}
+
+}  // namespace hap::executor::checkpoint
