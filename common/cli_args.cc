@@ -96,6 +96,21 @@ absl::StatusOr<double> Args::Number(const std::string& flag, double def) const {
   return v;
 }
 
+absl::StatusOr<double> Args::NumberOrEnv(const std::string& flag, double def, double lo, double hi,
+                                         bool whole) const {
+  const std::string v = GetOrEnv(flag, "");
+  if (v.empty()) return def;
+  double x;
+  if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < lo || x > hi ||
+      (whole && x != std::floor(x))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, " (or ", EnvName(flag), ") must be a ", whole ? "whole number" : "number",
+        std::isfinite(hi) ? absl::StrCat(" from ", lo, " to ", hi) : absl::StrCat(" >= ", lo),
+        ", got '", v, "'"));
+  }
+  return x;
+}
+
 absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {

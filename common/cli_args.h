@@ -4,6 +4,7 @@
 #define HAP_COMMON_CLI_ARGS_H_
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -30,6 +31,13 @@ class Args {
   std::vector<std::string> GetAll(const std::string& flag) const;
   bool Bool(const std::string& flag) const { return Has(flag); }
   absl::StatusOr<double> Number(const std::string& flag, double def) const;
+  // A number from --flag, else HAP_FLAG, else `def`: finite, from `lo` to
+  // `hi` (no upper bound when `hi` is infinite) and whole when `whole`;
+  // otherwise an error naming the flag, the variable, the range and the
+  // value (the bounds keep casts defined and durations finite).
+  absl::StatusOr<double> NumberOrEnv(const std::string& flag, double def, double lo,
+                                     double hi = std::numeric_limits<double>::infinity(),
+                                     bool whole = false) const;
   // A whole number in [min, max] ("12", or "1e3" as a Number); anything
   // else (fractions, nan, out of range) is an error naming the flag.
   absl::StatusOr<int64_t> Integer(const std::string& flag, int64_t def, int64_t min,

@@ -19,24 +19,6 @@ std::string Named(const std::string& flag) {
   return absl::StrCat("--", flag, " (or ", hap::tools::Args::EnvName(flag), ")");
 }
 
-// A number from --flag or HAP_FLAG from `min` to `max` (a whole one when
-// `whole`); `def` when neither is set.
-absl::StatusOr<double> Number(const hap::tools::Args& a, const std::string& flag, double def,
-                              double min, double max = std::numeric_limits<double>::infinity(),
-                              bool whole = false) {
-  std::string v = a.GetOrEnv(flag, "");
-  if (v.empty()) return def;
-  double x;
-  if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < min || x > max ||
-      (whole && x != std::floor(x))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Named(flag), " must be a ", whole ? "whole number" : "number",
-        std::isfinite(max) ? absl::StrCat(" from ", min, " to ", max) : absl::StrCat(" >= ", min),
-        ", got '", v, "'"));
-  }
-  return x;
-}
-
 std::string Hostname() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == 0) return "localhost";
@@ -117,9 +99,9 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     }
     o.devices = *selection;
   }
-  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 0, 0, 4096, /*whole=*/true));
-  HAP_ASSIGN_OR_RETURN(double probe, Number(a, "probe-seconds", 2, 0.001));
-  HAP_ASSIGN_OR_RETURN(double heartbeat, Number(a, "heartbeat-seconds", 0, 0));
+  HAP_ASSIGN_OR_RETURN(double threads, a.NumberOrEnv("threads", 0, 0, 4096, /*whole=*/true));
+  HAP_ASSIGN_OR_RETURN(double probe, a.NumberOrEnv("probe-seconds", 2, 0.001));
+  HAP_ASSIGN_OR_RETURN(double heartbeat, a.NumberOrEnv("heartbeat-seconds", 0, 0));
   // hap-planner's range: shorter heartbeats in a loop, longer ones never.
   if (heartbeat != 0 && (heartbeat < 0.01 || heartbeat > 3600)) {
     return absl::InvalidArgumentError(
@@ -127,15 +109,15 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
                      " must be 0 (the planner's interval) or from 0.01 to 3600, got '",
                      a.GetOrEnv("heartbeat-seconds", ""), "'"));
   }
-  HAP_ASSIGN_OR_RETURN(o.drift, Number(a, "drift", 0.2, 0));
-  HAP_ASSIGN_OR_RETURN(double drift_check, Number(a, "drift-check-seconds", 60, 0.001));
-  HAP_ASSIGN_OR_RETURN(double links, Number(a, "link-probe-seconds", 300, 0.001));
+  HAP_ASSIGN_OR_RETURN(o.drift, a.NumberOrEnv("drift", 0.2, 0));
+  HAP_ASSIGN_OR_RETURN(double drift_check, a.NumberOrEnv("drift-check-seconds", 60, 0.001));
+  HAP_ASSIGN_OR_RETURN(double links, a.NumberOrEnv("link-probe-seconds", 300, 0.001));
   o.probe.threads = static_cast<int>(threads);
   o.probe.max_duration = absl::Seconds(probe);
   o.heartbeat_interval = absl::Seconds(heartbeat);
   o.drift_check_interval = absl::Seconds(drift_check);
   o.link_probe_interval = absl::Seconds(links);
-  HAP_ASSIGN_OR_RETURN(double delay, Number(a, "link-probe-delay", 0, 0));
+  HAP_ASSIGN_OR_RETURN(double delay, a.NumberOrEnv("link-probe-delay", 0, 0));
   o.link_probe_delay = absl::Seconds(delay);
   o.executors = a.GetAll("executor");
   if (o.executors.empty()) {

@@ -51,25 +51,6 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
                   node's address on the network testbed, hap-netns)
 )";
 
-// A flag's number (else HAP_<FLAG>'s, else `def`), finite and in [lo, hi]
-// (and whole when `whole`): an error names the flag and the value. The
-// bounds keep casts defined and durations finite: --drain-seconds nan or
-// 1e300 was an infinite drain (SIGTERM never stopped the daemon), --timeout
-// inf an infinite Gloo timeout and one under a millisecond 0 ms.
-absl::StatusOr<double> Number(const tools::Args& a, const std::string& flag, double def, double lo,
-                              double hi, bool whole = false) {
-  std::string v = a.GetOrEnv(flag, "");
-  if (v.empty()) return def;
-  double d;
-  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < lo || d > hi ||
-      (whole && d != std::floor(d))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, " (or ", tools::Args::EnvName(flag), ") must be a ",
-                     whole ? "whole " : "", "number from ", lo, " to ", hi, ", got '", v, "'"));
-  }
-  return d;
-}
-
 absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   ExecutorServerOptions o;
   o.planner = a.GetOrEnv("planner");
@@ -89,9 +70,12 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   }
   o.core.data_dir = a.GetOrEnv("data-dir", "../shared/data");
   o.core.gloo_hostname = a.GetOrEnv("gloo-host", o.core.gloo_hostname);
-  HAP_ASSIGN_OR_RETURN(double threads, Number(a, "threads", 1, 1, 4096, /*whole=*/true));
-  HAP_ASSIGN_OR_RETURN(double timeout, Number(a, "timeout", 60, 0.001, 86400));
-  HAP_ASSIGN_OR_RETURN(double drain, Number(a, "drain-seconds", 1, 0, 3600));
+  // Seconds flags are bounded (Args::NumberOrEnv): --drain-seconds nan or
+  // 1e300 was an infinite drain (SIGTERM never stopped the daemon), --timeout
+  // inf an infinite Gloo timeout and one under a millisecond 0 ms.
+  HAP_ASSIGN_OR_RETURN(double threads, a.NumberOrEnv("threads", 1, 1, 4096, /*whole=*/true));
+  HAP_ASSIGN_OR_RETURN(double timeout, a.NumberOrEnv("timeout", 60, 0.001, 86400));
+  HAP_ASSIGN_OR_RETURN(double drain, a.NumberOrEnv("drain-seconds", 1, 0, 3600));
   o.core.threads = static_cast<int>(threads);
   o.core.comm_timeout = absl::Seconds(timeout);
   o.drain = absl::Seconds(drain);
