@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
+#include "common/training_checks.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/data/batches.h"
 #include "executor/data/user_data.h"
@@ -27,8 +28,6 @@ namespace hap::executor {
 namespace {
 
 namespace v1 = ::hap::v1;
-
-constexpr int kMaxThreadsPerRank = 4096;
 
 // The communicator a runner is validated and created with at LoadPlan, when
 // the peers are not connected yet; the training thread attaches the real
@@ -323,22 +322,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     return absl::InvalidArgumentError(
         absl::StrCat("training.steps must be positive, got ", t.steps()));
   }
-  // As hap-executor's --threads: a pool (and OpenBLAS's, OpenMP's) of that
-  // many threads is made.
-  if (t.threads_per_rank() < 0 || t.threads_per_rank() > kMaxThreadsPerRank) {
-    return absl::InvalidArgumentError(absl::StrCat("training.threads_per_rank must be 0 (the ",
-                                                   "executor's --threads) to ", kMaxThreadsPerRank,
-                                                   ", got ", t.threads_per_rank()));
-  }
-
-  if (t.checkpoint_every() < 0 || t.checkpoint_keep() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "training.checkpoint_every and checkpoint_keep must not be negative, got ",
-        t.checkpoint_every(), " and ", t.checkpoint_keep()));
-  }
-  if (!t.resume().empty() && !t.init_weights().empty()) {
-    return absl::InvalidArgumentError("training.resume and init_weights exclude each other");
-  }
+  HAP_RETURN_IF_ERROR(CheckTrainingConfig(t));
 
   auto loaded = std::make_shared<Loaded>();
   HAP_ASSIGN_OR_RETURN(loaded->graph,

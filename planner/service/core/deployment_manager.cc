@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/stats.h"
 #include "common/status_macros.h"
+#include "common/training_checks.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/rendezvous_store.h"
@@ -55,36 +56,6 @@ DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
   if (o.missed_status_limit < 1) o.missed_status_limit = defaults.missed_status_limit;
   if (o.stop_attempts < 1) o.stop_attempts = defaults.stop_attempts;
   return o;
-}
-
-// What the executors would refuse at LoadPlan, refused before a deployment
-// is made: InvalidArgument naming the field and value.
-absl::Status ValidateTraining(const v1::TrainingConfig& t) {
-  constexpr int kMaxThreadsPerRank = 4096;  // as the executors' --threads
-  auto bad = [](absl::string_view field, auto value, absl::string_view want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("training.", field, " must be ", want, ", got ", value));
-  };
-  if (t.steps() < 0) return bad("steps", t.steps(), "0 (100 steps) or more");
-  if (t.threads_per_rank() < 0 || t.threads_per_rank() > kMaxThreadsPerRank) {
-    return bad("threads_per_rank", t.threads_per_rank(),
-               absl::StrCat("0 (the executors' --threads) to ", kMaxThreadsPerRank));
-  }
-  if (t.checkpoint_every() < 0) return bad("checkpoint_every", t.checkpoint_every(), "0 or more");
-  if (t.checkpoint_keep() < 0) return bad("checkpoint_keep", t.checkpoint_keep(), "0 or more");
-  if (!v1::TrainingConfig::DataSource_IsValid(t.data())) {
-    return bad("data", static_cast<int>(t.data()), "SYNTHETIC or WIKITEXT2");
-  }
-  if (!t.resume().empty() && !t.init_weights().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("training.resume ('", t.resume(),
-                                                   "') and init_weights ('", t.init_weights(),
-                                                   "') exclude each other"));
-  }
-  if (t.shuffle() && t.data_spec().empty()) {
-    return absl::InvalidArgumentError(
-        "training.shuffle applies to data_spec (npy:, tokens:) data only; data_spec is empty");
-  }
-  return absl::OkStatus();
 }
 
 // The deployment's ranks: each of the plan's devices at its executor.
@@ -357,7 +328,9 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Deploy(const v1::Plan& plan,
                                                       v1::Plan::State_Name(plan.state()),
                                                       "; only a SUCCEEDED plan can be deployed"));
   }
-  HAP_RETURN_IF_ERROR(ValidateTraining(request.training()));
+  // What the executors would refuse at LoadPlan, refused before a
+  // deployment is made.
+  HAP_RETURN_IF_ERROR(CheckTrainingConfig(request.training()));
   HAP_ASSIGN_OR_RETURN(v1::Deployment d, AssignRanks(plan, request, cluster));
   HAP_ASSIGN_OR_RETURN(std::string id, PlanId(plan.name()));
   ReapSupervisors();

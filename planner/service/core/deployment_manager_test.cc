@@ -275,7 +275,7 @@ TEST_F(DeploymentManagerTest, DeployChecksTheTrainingConfig) {
   };
   refused([](auto& t) { t.set_steps(-5); }, "training.steps must be 0 (100 steps) or more, got -5");
   refused([](auto& t) { t.set_threads_per_rank(4097); },
-          "training.threads_per_rank must be 0 (the executors' --threads) to 4096, got 4097");
+          "training.threads_per_rank must be 0 (the executor's --threads) to 4096, got 4097");
   refused([](auto& t) { t.set_threads_per_rank(-1); }, "threads_per_rank must be 0");
   refused([](auto& t) { t.set_checkpoint_every(-1); },
           "training.checkpoint_every must be 0 or more, got -1");
