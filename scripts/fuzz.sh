@@ -56,14 +56,14 @@ planner_srcs() {
   # Every source of the core (a file split off a library joins by itself).
   ls planner/graph/*.cc planner/synth/*.cc planner/cost/*.cc planner/ratios/*.cc \
     planner/lower/*.cc planner/pipeline/*.cc planner/calibrate/*.cc planner/service/core/*.cc \
-    common/training_checks.cc |
+    common/training_checks.cc common/json_struct.cc |
     grep -v -e '_test\.cc$' -e '_main\.cc$' -e '/test_util\.cc$'
 }
 declare -A SRCS=(
   [graph]="${GRAPH_SRCS[*]}"
   [cluster]="planner/cost/cluster_model.cc planner/cost/collectives.cc planner/ratios/ratio_lp.cc"
   [plan]="planner/lower/plan_file.cc ${GRAPH_SRCS[*]}"
-  [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/file_util.cc planner/graph/types.cc"
+  [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/file_util.cc planner/graph/types.cc common/json_struct.cc"
   [rpc]="$(planner_srcs | tr '\n' ' ')"
 )
 

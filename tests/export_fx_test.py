@@ -757,6 +757,34 @@ class ExportFxTest(unittest.TestCase):
             safetensors_io.write_safetensors(
                 bad, {"m": torch.zeros(2, device="meta")})
 
+    def test_safetensors_io_refuses_malformed_headers_naming_the_file(self):
+        """Hand-made headers our reader must refuse with SafetensorsError
+        naming the file: not a traceback from json or torch."""
+        def hand_made(header, data=b""):
+            raw = header.encode()
+            return struct.pack("<Q", len(raw)) + raw + data
+        cases = {
+            # json.loads recurses: a deep header raised RecursionError.
+            "deep": (hand_made('{"w":' + "[" * 100000 + "]" * 100000 + "}"),
+                     "nest"),
+            # Zero elements, so zero bytes, but a dimension torch cannot
+            # make: torch's RuntimeError before.
+            "huge_dim": (hand_made('{"w":{"dtype":"F32","shape":[0,%d],'
+                                   '"data_offsets":[0,0]}}' % 2**70),
+                         "shape"),
+            "over_limit": (struct.pack("<Q", 100 * 1000 * 1000 + 1) + b"{}",
+                           "limit"),
+        }
+        for name, (blob, words) in cases.items():
+            path = os.path.join(self.dir, name + ".safetensors")
+            with open(path, "wb") as f:
+                f.write(blob)
+            with self.assertRaises(safetensors_io.SafetensorsError,
+                                   msg=name) as cm:
+                safetensors_io.read(path)
+            self.assertIn(path, str(cm.exception))
+            self.assertIn(words, str(cm.exception))
+
     # ---- errors ----------------------------------------------------------------
     def test_unsupported_op_fails_naming_it(self):
         out, p = self.cli(f"{MODELS_PY}:Sorter", ["x=4,8", "labels=4:int64:4"],

@@ -19,6 +19,7 @@ atomically (a temporary file in the same directory, fsync, rename).
 
 import json
 import os
+import re
 import struct
 import sys
 import tempfile
@@ -43,6 +44,34 @@ _BY_TORCH = {dt: (name, size) for name, (dt, size) in DTYPES.items()}
 _SWAP_AS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000
+# The deepest nesting of the header's objects and arrays (the C++ reader's
+# kMaxJsonNesting): json.loads recurses, a deeper header is not a real one.
+MAX_NESTING = 64
+# The largest tensor, in elements, and dimension (the C++ reader's 2^53).
+MAX_ELEMENTS = 2**53
+
+
+def _nesting(text):
+    """The deepest nesting of objects and arrays in JSON text (brackets in
+    strings do not count)."""
+    depth = deepest = 0
+    for c in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', '""',
+                                             text)):
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _elements(shape):
+    """The product of the nonzero dimensions (a zero-element tensor's other
+    dimensions still have to be made)."""
+    n = 1
+    for d in shape:
+        n *= max(d, 1)
+    return n
 
 
 class SafetensorsError(ValueError):
@@ -166,7 +195,13 @@ def read_header(path):
                                    f"truncated?)")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        depth = _nesting(text)
+        if depth > MAX_NESTING:
+            raise SafetensorsError(f"{path}: the header's objects and arrays "
+                                   f"nest {depth} levels deep, over the "
+                                   f"{MAX_NESTING} level limit")
+        header = json.loads(text)
     except (UnicodeDecodeError, ValueError) as e:
         raise SafetensorsError(f"{path}: the header is not UTF-8 JSON: "
                                f"{e}") from None
@@ -192,6 +227,10 @@ def read_header(path):
                 not all(isinstance(d, int) and not isinstance(d, bool) and
                         d >= 0 for d in shape)):
             raise SafetensorsError(f"{bad} has a malformed shape {shape!r}")
+        if any(d > MAX_ELEMENTS for d in shape) or _elements(shape) > \
+                MAX_ELEMENTS:
+            raise SafetensorsError(f"{bad} has a shape {shape} over "
+                                   f"{MAX_ELEMENTS} elements")
         if (not isinstance(offs, list) or len(offs) != 2 or
                 not all(isinstance(o, int) and not isinstance(o, bool)
                         for o in offs) or not 0 <= offs[0] <= offs[1]):

@@ -13,10 +13,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/json_struct.h"
 #include "common/status_macros.h"
 #include "executor/checkpoint/file_util.h"
 #include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
 
 namespace hap::executor::checkpoint {
 namespace {
@@ -174,9 +174,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   }
   const std::string header(reinterpret_cast<const char*>(bytes + 8), n);
   pb::Struct json;
-  pb::util::JsonParseOptions jo;
-  if (!pb::util::JsonStringToMessage(header, &json, jo).ok()) {
-    return bad("its header is not a JSON object");
+  if (absl::Status st = JsonToStruct(header, &json); !st.ok()) {
+    return bad("its header is not a JSON object: ", st.message());
   }
   f->data_ = reinterpret_cast<const char*>(bytes + 8 + n);
   f->data_offset_ = static_cast<int64_t>(8 + n);

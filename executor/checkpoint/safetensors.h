@@ -29,7 +29,7 @@ absl::string_view SafetensorsDType(DType t);
 absl::StatusOr<DType> FromSafetensorsDType(absl::string_view s);
 
 // Readers reject headers larger than this (the specification's limit).
-inline constexpr int64_t kMaxSafetensorsHeaderBytes = 100 << 20;
+inline constexpr int64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 
 struct SafetensorsEntry {
   std::string name;

@@ -174,9 +174,15 @@ TEST(SafetensorsTest, MalformedFilesAreDataLossNamingTheFileAndTheProblem) {
                 R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
                 eight),
        "overlapping or non-contiguous"},
-      {"missing_field", HandMade(R"({"w":{"dtype":"F32","shape":[2]}})", eight), "two data_offsets"},
+      {"missing_field", HandMade(R"({"w":{"dtype":"F32","shape":[2]}})", eight),
+       "two data_offsets"},
       {"negative", HandMade(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight),
        "not a count"},
+      // Nesting a recursive parser would follow until its stack ran out.
+      {"deeply_nested",
+       HandMade(R"({"w":)" + std::string(1 << 20, '[') + std::string(1 << 20, ']') + "}", eight),
+       "not a JSON object"},
+      {"nested_metadata", HandMade(R"({"__metadata__":{"a":{"b":"c"}}})", ""), "is not a string"},
   };
   for (const BadCase& c : cases) {
     const std::string path = TempPath(std::string(c.name) + ".safetensors");

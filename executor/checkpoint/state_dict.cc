@@ -15,12 +15,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/json_struct.h"
 #include "common/status_macros.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/checkpoint/checkpoint_internal.h"
 #include "executor/checkpoint/file_util.h"
 #include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
 #include "planner/graph/graph_proto.h"
 
 namespace hap::executor::checkpoint {
@@ -39,7 +39,7 @@ bool IsConstantInit(const graph::Initializer& i) {
 absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
   namespace pb = ::google::protobuf;
   pb::Struct root;
-  if (!pb::util::JsonStringToMessage(json, &root).ok()) {
+  if (!JsonToStruct(json, &root).ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the graph's ", kStateDictSlicesKey, " metadata is not a JSON object"));
   }

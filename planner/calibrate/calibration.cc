@@ -7,9 +7,9 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/json_struct.h"
 #include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
 #include "planner/cost/cluster_model.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/lower/plan_file.h"
@@ -425,8 +425,7 @@ std::string OtherLinks(const v1::Cluster& cluster, const v1::Plan& plan) {
 
 absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
   google::protobuf::Struct s;
-  auto st = google::protobuf::util::JsonStringToMessage(json, &s);
-  if (!st.ok()) {
+  if (absl::Status st = JsonToStruct(json, &s); !st.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("profile is not valid JSON: ", std::string(st.message())));
   }

@@ -682,6 +682,10 @@ TEST(CalibrationTest, ParsesTheExecutorsProfileFormatAndNamesWhatIsWrong) {
 
   auto bad = ParseRankProfile("{not json");
   EXPECT_NE(bad.status().message().find("not valid JSON"), std::string::npos);
+  // A profile nested 2^20 deep: refused at once, not parsed for hours.
+  bad = ParseRankProfile("{\"op_seconds\":" + std::string(1 << 20, '[') +
+                         std::string(1 << 20, ']') + "}");
+  EXPECT_NE(bad.status().message().find("nest deeper than 64"), std::string::npos) << bad.status();
   bad = ParseRankProfile(R"({"rank": 0, "device_seconds": 1, "op_seconds": {}})");
   EXPECT_NE(bad.status().message().find("step_seconds_median"), std::string::npos);
   bad = ParseRankProfile(
