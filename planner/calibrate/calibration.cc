@@ -504,12 +504,22 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
             plan.devices_size(), " ranks)"));
       }
       HAP_RETURN_IF_ERROR(CheckProfile(k, r));
-      if (!r.plan_content_hash.empty() && r.plan_content_hash != plan.content_hash()) {
+      if (r.plan_content_hash.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "run ", k, ": rank ", r.rank,
+            "'s profile does not name its plan (no plan_content_hash; executors write it)"));
+      }
+      if (r.plan_content_hash != plan.content_hash()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "run ", k, ": rank ", r.rank, "'s profile is of plan ",
             r.plan_content_hash.substr(0, 12), ", not ", plan.content_hash().substr(0, 12)));
       }
       const std::string& id = plan.devices(r.rank);
+      if (!r.device.empty() && r.device != id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("run ", k, ": rank ", r.rank, "'s profile was measured on '", r.device,
+                         "', the plan puts rank ", r.rank, " on '", id, "'"));
+      }
       auto dev = devices.find(id);
       if (dev == devices.end()) {
         return absl::InvalidArgumentError(

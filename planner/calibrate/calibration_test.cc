@@ -598,6 +598,24 @@ TEST(CalibrationTest, RejectsProfilesThatDoNotMatchThePlan) {
   s = Calibrate(c, {other}).status();
   EXPECT_NE(s.message().find("profile is of plan 0123456789ab"), std::string::npos) << s;
 
+  // A profile that does not say which plan it measured could be of any.
+  ProfiledRun unnamed = UnitRun(plan);
+  unnamed.ranks[1].plan_content_hash.clear();
+  s = Calibrate(c, {unnamed}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank 1's profile does not name its plan"), std::string::npos) << s;
+
+  // Nor is a profile taken for a rank of another device: the plan puts
+  // rank 0 on cpu0, a profile measured on cpu1 is of another run.
+  ProfiledRun swapped = UnitRun(plan);
+  swapped.ranks[0].device = plan.devices(1);
+  s = Calibrate(c, {swapped}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(absl::StrCat("rank 0's profile was measured on '", plan.devices(1),
+                                          "', the plan puts rank 0 on '", plan.devices(0), "'")),
+            std::string::npos)
+      << s;
+
   v1::Cluster renamed = c;
   renamed.mutable_nodes(0)->mutable_devices(1)->set_id("gpu7");
   s = Calibrate(renamed, {UnitRun(plan)}).status();
