@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -35,11 +36,61 @@ void Sgemm(int n, const float* a, const float* b, float* c) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
 }
 
-// Seconds of one n x n sgemm.
-double TimeSgemm(int n, const float* a, const float* b, float* c) {
-  Clock::time_point t0 = Clock::now();
-  Sgemm(n, a, b, c);
-  return SecondsSince(t0);
+// The bf16 probe's largest size: a product of 1024 shows the kernel's rate;
+// larger ones would only lengthen the probe.
+constexpr int kMaxBf16Size = 1024;
+
+// options.matmul_sizes ascending, or InvalidArgument for no sizes, a size
+// outside 1..16384, or repeats < 1.
+absl::StatusOr<std::vector<int>> SortedSizes(const ProbeOptions& options) {
+  if (options.matmul_sizes.empty()) {
+    return absl::InvalidArgumentError("no matmul sizes to probe");
+  }
+  if (options.repeats < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repeats must be at least 1, got ", options.repeats));
+  }
+  std::vector<int> sizes = options.matmul_sizes;
+  std::sort(sizes.begin(), sizes.end());
+  if (sizes.front() < 1 || sizes.back() > 16384) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul sizes must be within 1..16384, got ",
+                                                   sizes.front(), "..", sizes.back()));
+  }
+  return sizes;
+}
+
+// The FLOP/s of `product(n)`, an n x n x n matmul, over `sizes` (ascending)
+// within options.max_duration, as both probes measure them (probes.h):
+// a warm-up of the smallest size, always made (threads started, pages
+// touched); then, per size, up to options.repeats timed runs, each started
+// only when it is predicted (from the last run's rate) to end within the
+// bound. The median of the largest size with a timed run, else the
+// warm-up's rate. Times come from options.now.
+absl::StatusOr<double> ClimbSizes(const ProbeOptions& options, const std::vector<int>& sizes,
+                                  const std::function<absl::Status(int n)>& product) {
+  auto seconds_since = [&](absl::Time t0) { return absl::ToDoubleSeconds(options.now() - t0); };
+  auto flop_of = [](int n) { return 2.0 * n * n * n; };
+  auto timed_rate = [&](int n) -> absl::StatusOr<double> {
+    const absl::Time t0 = options.now();
+    HAP_RETURN_IF_ERROR(product(n));
+    return flop_of(n) / std::max(seconds_since(t0), 1e-9);
+  };
+  const absl::Time start = options.now();
+  const double budget = absl::ToDoubleSeconds(options.max_duration);
+  // FLOP/s of the last run: predicts the next one's time.
+  HAP_ASSIGN_OR_RETURN(double rate, timed_rate(sizes.front()));
+  double result = rate;
+  for (int n : sizes) {
+    std::vector<double> runs;
+    while (static_cast<int>(runs.size()) < options.repeats &&
+           seconds_since(start) + flop_of(n) / rate <= budget) {
+      HAP_ASSIGN_OR_RETURN(rate, timed_rate(n));
+      runs.push_back(rate);
+    }
+    if (runs.empty()) break;
+    result = Median(runs);
+  }
+  return result;
 }
 
 class CpuProber : public DeviceProber {
@@ -50,8 +101,12 @@ class CpuProber : public DeviceProber {
                                                      const ProbeOptions& options) override {
     std::optional<double> quota = ReadCpuQuota(*files_);
     int threads = Threads(options, quota);
-    HAP_ASSIGN_OR_RETURN(double flops, MeasureMatmulFlops(threads, options));
-    HAP_ASSIGN_OR_RETURN(double bf16_flops, MeasureBf16MatmulFlops(threads, options));
+    // The device's bound split evenly between the two dtypes, as the GPU
+    // prober splits it.
+    ProbeOptions per_dtype = options;
+    per_dtype.max_duration = options.max_duration / 2;
+    HAP_ASSIGN_OR_RETURN(double flops, MeasureMatmulFlops(threads, per_dtype));
+    HAP_ASSIGN_OR_RETURN(double bf16_flops, MeasureBf16MatmulFlops(threads, per_dtype));
     HAP_ASSIGN_OR_RETURN(int64_t memory, ReadMemoryBytes(*files_));
     double share = quota ? std::min(*quota, static_cast<double>(HardwareThreads()))
                          : static_cast<double>(HardwareThreads());
@@ -98,58 +153,24 @@ class CpuProber : public DeviceProber {
 }  // namespace
 
 absl::StatusOr<double> MeasureMatmulFlops(int threads, const ProbeOptions& options) {
-  if (options.matmul_sizes.empty()) {
-    return absl::InvalidArgumentError("no matmul sizes to probe");
-  }
-  if (options.repeats < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("repeats must be at least 1, got ", options.repeats));
-  }
-  std::vector<int> sizes = options.matmul_sizes;
-  std::sort(sizes.begin(), sizes.end());
-  if (sizes.front() < 1 || sizes.back() > 16384) {
-    return absl::InvalidArgumentError(absl::StrCat("matmul sizes must be within 1..16384, got ",
-                                                   sizes.front(), "..", sizes.back()));
-  }
+  HAP_ASSIGN_OR_RETURN(std::vector<int> sizes, SortedSizes(options));
   SetBlasThreads(threads);
   const size_t max_elems = static_cast<size_t>(sizes.back()) * sizes.back();
   std::vector<float> a(max_elems, 0.5f), b(max_elems, 0.25f), c(max_elems, 0.0f);
-
-  const Clock::time_point start = Clock::now();
-  const double budget = absl::ToDoubleSeconds(options.max_duration);
-  double rate = 0;  // FLOP/s of the last run: predicts the next one's time
-  double result = 0;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const int n = sizes[i];
-    const double flop = 2.0 * n * n * n;
-    auto fits = [&] { return rate > 0 && SecondsSince(start) + flop / rate <= budget; };
-    if (i == 0) {
-      // Warm-up: threads started, pages touched. Always made (see header).
-      double t = TimeSgemm(n, a.data(), b.data(), c.data());
-      rate = flop / std::max(t, 1e-9);
-      result = rate;
-    }
-    std::vector<double> runs;
-    for (int r = 0; r < options.repeats && fits(); ++r) {
-      double t = TimeSgemm(n, a.data(), b.data(), c.data());
-      rate = flop / std::max(t, 1e-9);
-      runs.push_back(rate);
-    }
-    if (runs.empty()) break;
-    result = Median(runs);
-  }
-  return result;
+  return ClimbSizes(options, sizes, [&](int n) {
+    Sgemm(n, a.data(), b.data(), c.data());
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<double> MeasureBf16MatmulFlops(int threads, const ProbeOptions& options) {
-  if (options.matmul_sizes.empty() || options.repeats < 1) {
-    return absl::InvalidArgumentError("no matmul sizes or repeats to probe");
-  }
-  const int n = std::clamp(
-      *std::max_element(options.matmul_sizes.begin(), options.matmul_sizes.end()), 1, 1024);
-  executor::HostTensor x(graph::DType::kFloat32, {n, n}), w(graph::DType::kFloat32, {n, n}),
-      y(graph::DType::kFloat32, {n, n});
-  for (int64_t i = 0; i < int64_t{n} * n; ++i) {
+  HAP_ASSIGN_OR_RETURN(std::vector<int> sizes, SortedSizes(options));
+  for (int& n : sizes) n = std::min(n, kMaxBf16Size);
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  const int max_n = sizes.back();
+  executor::HostTensor x(graph::DType::kFloat32, {max_n, max_n}),
+      w(graph::DType::kFloat32, {max_n, max_n}), y(graph::DType::kFloat32, {max_n, max_n});
+  for (int64_t i = 0; i < int64_t{max_n} * max_n; ++i) {
     x.as<float>()[i] = 0.5f;
     w.as<float>()[i] = 0.25f;
   }
@@ -157,16 +178,12 @@ absl::StatusOr<double> MeasureBf16MatmulFlops(int threads, const ProbeOptions& o
   ctx.num_threads = std::max(1, threads);
   graph::Attrs attrs;
   attrs.Set("bf16", true);
-  const executor::TensorView in[] = {x.view(), w.view()};
-  const executor::TensorView out[] = {y.view()};
-  const double flop = 2.0 * n * n * n;
-  std::vector<double> runs;
-  for (int r = 0; r <= options.repeats; ++r) {  // the first run warms up
-    Clock::time_point t0 = Clock::now();
-    HAP_RETURN_IF_ERROR(executor::RunCpuKernel("linear", ctx, attrs, in, out));
-    if (r > 0) runs.push_back(flop / std::max(SecondsSince(t0), 1e-9));
-  }
-  return Median(runs);
+  return ClimbSizes(options, sizes, [&](int n) {
+    // n x n operands at the start of the largest size's buffers.
+    executor::TensorView in[] = {x.view(), w.view()}, out[] = {y.view()};
+    for (executor::TensorView* v : {&in[0], &in[1], &out[0]}) v->shape = {n, n};
+    return executor::RunCpuKernel("linear", ctx, attrs, in, out);
+  });
 }
 
 double MeasureLaunchOverhead(int threads) {

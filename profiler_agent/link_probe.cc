@@ -53,7 +53,12 @@ absl::StatusOr<LinkMeasurement> MeasureLink(const std::string& peer_address, int
     return absl::InvalidArgumentError(
         absl::StrCat("link probe to ", peer_address, ": bytes must be positive, got ", bytes));
   }
-  const int64_t total = std::min(bytes, options.max_bytes);
+  if (options.min_bytes < 1 || options.min_bytes > options.max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("link probe to ", peer_address, ": min_bytes must be within 1..max_bytes (",
+                     options.max_bytes, "), got ", options.min_bytes));
+  }
+  const int64_t total = std::clamp(bytes, options.min_bytes, options.max_bytes);
   const int64_t chunk =
       std::max<int64_t>(1, std::min({options.chunk_bytes, kMaxEchoChunkBytes, total}));
   HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(peer_address, security));

@@ -17,6 +17,12 @@ struct LinkProbeOptions {
   // Whatever a caller (or the planner's assignment) asks, no more than this
   // is sent; the peer refuses larger streams too (kMaxEchoStreamBytes).
   int64_t max_bytes = int64_t{64} << 20;
+  // A smaller ask is raised to this (at most max_bytes). A transfer of a few
+  // bytes times the round trip, not the link: 1 byte over a 100 us round
+  // trip "measures" 10 kB/s. Raising it, rather than refusing, keeps a
+  // measurement when the planner's probe size is set too small or a peer
+  // asks for 1 byte, at the cost of 1 MiB per peer.
+  int64_t min_bytes = int64_t{1} << 20;
   // Payload per message.
   int64_t chunk_bytes = int64_t{1} << 20;
   // Empty round trips timed for the latency (the median is reported).
@@ -37,10 +43,11 @@ struct LinkMeasurement {
   int64_t bytes = 0;  // payload actually sent
 };
 
-// Sends min(bytes, max_bytes) bytes (at least one chunk) to the agent at
-// `peer_address` in chunks the peer answers with empty ones, and times a few
-// empty round trips. bandwidth = bytes / (transfer time - one latency).
-// InvalidArgument for bytes <= 0; the peer's status (UNAVAILABLE,
+// Sends `bytes` held to [min_bytes, max_bytes] (at least one chunk) to the
+// agent at `peer_address` in chunks the peer answers with empty ones, and
+// times a few empty round trips. bandwidth = bytes / (transfer time - one
+// latency). InvalidArgument for bytes <= 0 or min_bytes outside
+// 1..max_bytes; the peer's status (UNAVAILABLE,
 // UNAUTHENTICATED, DEADLINE_EXCEEDED...) with the address otherwise.
 // `ctx`, when given, is the stream's context, prepared by the caller (token,
 // deadline) and cancellable by it; otherwise one with the token of

@@ -101,6 +101,26 @@ TEST_F(LinkProbeTest, RespectsTheByteCap) {
   EXPECT_EQ(b->service().echo_bytes_received(), 1 << 20);
 }
 
+// A planner or peer asking for 1 byte would have the round trip timed and
+// reported as a bandwidth (about 1 byte per round trip): the transfer is
+// raised to the minimum, 1 MiB.
+TEST_F(LinkProbeTest, ATinyAskIsRaisedToTheMinimumTransfer) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  auto m = MeasureLink(b->address(), 1, Security());
+  ASSERT_THAT(m, IsOk());
+  EXPECT_EQ(m->bytes, 1 << 20);
+  EXPECT_EQ(b->service().echo_bytes_received(), 1 << 20);
+}
+
+TEST_F(LinkProbeTest, RejectsAMinimumTransferAboveTheCap) {
+  LinkProbeOptions o;
+  o.min_bytes = o.max_bytes + 1;
+  EXPECT_THAT(MeasureLink("127.0.0.1:1", 1, Security(), o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("min_bytes must be within 1..max_bytes")));
+}
+
 TEST_F(LinkProbeTest, RejectsNonPositiveBytes) {
   EXPECT_THAT(MeasureLink("127.0.0.1:1", 0, Security()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be positive")));

@@ -8,7 +8,9 @@
 #ifndef HAP_PROFILER_AGENT_PROBES_H_
 #define HAP_PROFILER_AGENT_PROBES_H_
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +36,13 @@ struct ProbeOptions {
   std::vector<int> matmul_sizes = {512, 768, 1024};
   // Timed runs per size; the median is reported.
   int repeats = 5;
+  // The clock the CPU probes keep max_duration and time their runs with:
+  // monotonic by default (an absl::Time only as a point to subtract from).
+  // Tests inject a fake one that steps at every reading.
+  std::function<absl::Time()> now = [] {
+    return absl::UnixEpoch() +
+           absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+  };
 };
 
 // The host files the CPU probe reads (/proc, /sys/fs/cgroup). Injected so
@@ -82,7 +91,8 @@ class DeviceProber {
 };
 
 // The CPU as one device "<node>/cpu0": OpenBLAS sgemm FLOP/s (which already
-// reflect cgroup throttling), memory, the time of a 1x1 sgemm as launch
+// reflect cgroup throttling) and the bf16 kernel's, each within half of
+// options.max_duration, memory, the time of a 1x1 sgemm as launch
 // overhead, and "cpu (N threads, share X)" as its model, X being the CPUs
 // the cgroup allows (the machine's CPU count without a quota). `files` must
 // outlive the prober.
@@ -101,9 +111,11 @@ double MeasureLaunchOverhead(int threads);
 
 // bf16 mixed precision's matmul FLOP/s (PlanOptions.precision BF16): the
 // executor's own bf16 linear kernel (oneDNN, executor/cpu/kernels.h "bf16")
-// on n x n operands, n the largest of options.matmul_sizes up to 1024, the
-// median of options.repeats runs after a warm-up. InvalidArgument for bad
-// options, the kernel's error otherwise.
+// on square operands, measured as MeasureMatmulFlops measures sgemm (sizes
+// ascending, a warm-up, runs that would overrun options.max_duration not
+// started, the largest size with a timed run), sizes cut to 1024.
+// InvalidArgument for bad options as MeasureMatmulFlops, the kernel's error
+// otherwise.
 absl::StatusOr<double> MeasureBf16MatmulFlops(int threads, const ProbeOptions& options);
 
 // Runs every prober and assembles the node: name, agent address, devices

@@ -101,6 +101,48 @@ TEST(MatmulTest, WarmUpRunCountsWhenNothingElseFits) {
   EXPECT_GT(*flops, 0);
 }
 
+// A clock that steps `step` at every reading and counts the readings: each
+// probe run seems to take a step, whatever the CPU does, and the readings
+// count the runs (each is timed with two, and its bound checked with one).
+struct SteppingClock {
+  explicit SteppingClock(absl::Duration step) : step(step) {}
+  std::function<absl::Time()> Now() {
+    return [this] { return absl::UnixEpoch() + step * ++readings; };
+  }
+  absl::Duration step;
+  int readings = 0;
+};
+
+// Both probes keep --probe-seconds alike: with runs that seem to take 10 ms
+// and a 100 ms bound, a few runs of the 1,000 asked are made (the bf16 one
+// made all 1,000 of each size; a throttled CPU took minutes), and the rate
+// is still measured.
+TEST(MatmulTest, BothProbesStopRepeatingOnceTheBoundIsSpent) {
+  for (auto probe : {&MeasureMatmulFlops, &MeasureBf16MatmulFlops}) {
+    SteppingClock clock(absl::Milliseconds(10));
+    ProbeOptions o;
+    o.matmul_sizes = {32, 64};
+    o.repeats = 1000;
+    o.max_duration = absl::Milliseconds(100);
+    o.now = clock.Now();
+    auto flops = probe(1, o);
+    ASSERT_THAT(flops, IsOk());
+    EXPECT_GT(*flops, 0);
+    // A timed run takes three readings (30 ms), so 100 ms holds three or
+    // four and the warm-up; not honouring the bound takes 2,000 and more.
+    EXPECT_LE(clock.readings, 20) << (probe == &MeasureMatmulFlops ? "fp32" : "bf16");
+  }
+}
+
+TEST(MatmulTest, Bf16WarmUpRunCountsWhenNothingElseFits) {
+  ProbeOptions o;
+  o.matmul_sizes = {64};
+  o.max_duration = absl::Nanoseconds(1);
+  auto flops = MeasureBf16MatmulFlops(1, o);
+  ASSERT_THAT(flops, IsOk());
+  EXPECT_GT(*flops, 0);
+}
+
 TEST(MatmulTest, RejectsBadSizes) {
   ProbeOptions o;
   o.matmul_sizes = {};

@@ -285,11 +285,13 @@ absl::Status PlannerCore::ReportLinks(const std::string& node, const std::vector
                                                      " -> ", l.dst(),
                                                      " from a device it does not have"));
     }
-    const std::string link = absl::StrCat("link ", l.src(), " -> ", l.dst(), ": ");
-    if (!(std::isfinite(l.bandwidth_bytes_per_second()) && l.bandwidth_bytes_per_second() > 0)) {
+    const std::string link =
+        absl::StrCat("node '", name, "' reports link ", l.src(), " -> ", l.dst(), ": ");
+    const double bandwidth = l.bandwidth_bytes_per_second();
+    if (!(std::isfinite(bandwidth) && bandwidth > 0 && bandwidth <= kMaxLinkBandwidth)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0, got ",
-                       l.bandwidth_bytes_per_second()));
+          absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0 and at most ",
+                       kMaxLinkBandwidth, " (no link carries more), got ", bandwidth));
     }
     HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(), 0,
                                    kInf, "a finite number >= 0"));

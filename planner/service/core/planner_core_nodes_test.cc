@@ -452,6 +452,27 @@ TEST_F(PlannerCoreTest, MeasurementsThatAreNotFiniteNumbersAreRefusedAtRegistrat
   EXPECT_DOUBLE_EQ(core_->GetCluster(false).links(0).bandwidth_bytes_per_second(), 1e9);
 }
 
+// A broken or lying agent may report any finite bandwidth; 1e30 B/s would
+// make every transfer free in the plans. Above kMaxLinkBandwidth (no link
+// carries it) the report is refused naming the node, the link and the
+// value; an NVLink-class figure is taken.
+TEST_F(PlannerCoreTest, ABandwidthNoLinkCarriesIsRefusedNamingTheNode) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::Link l;
+  l.set_src("a/cpu0");
+  l.set_dst("a/cpu1");
+  l.set_bandwidth_bytes_per_second(1e30);
+  l.set_latency_seconds(1e-5);
+  EXPECT_THAT(core_->ReportLinks("nodes/a", {l}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("node 'a'"), HasSubstr("a/cpu0 -> a/cpu1"),
+                             HasSubstr("bandwidth_bytes_per_second"), HasSubstr("got 1e+30"))));
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 0);
+  l.set_bandwidth_bytes_per_second(9e11);
+  EXPECT_TRUE(core_->ReportLinks("nodes/a", {l}).ok());
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
+}
+
 // Links are measurements of devices: those of a device its node no longer
 // reports (a registration or heartbeat without it) are dropped, so a device
 // that comes back is not planned with links measured before it went.

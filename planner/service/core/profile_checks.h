@@ -20,6 +20,10 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 // Every FLOP/s entry a node reports is at least this (a real device does
 // 1e8 and more; a denormal one makes the cost model's times infinite).
 inline constexpr double kMinFlops = 1e6;
+// The largest link bandwidth a node may report, in B/s: ten times a GPU's
+// NVLink 5 (900 GB/s each way). More is a broken or lying agent's figure,
+// which would make transfers free in every plan.
+inline constexpr double kMaxLinkBandwidth = 1e13;
 // Devices one node may report (each plan's cost model is n x n).
 inline constexpr int kMaxDevicesPerNode = 1024;
 
