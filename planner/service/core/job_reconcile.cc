@@ -97,7 +97,9 @@ double MinGain(const v1::JobSpec& s) {
 int MaxReplans(const v1::JobSpec& s) {
   return s.replan().max_replans() > 0 ? s.replan().max_replans() : kDefaultMaxReplans;
 }
-int MinDevices(const v1::JobSpec& s) { return std::max(1, s.devices().min_devices()); }
+// No fewer than two: a plan of one device is not made (CreatePlan refuses
+// it as INVALID_ARGUMENT, which would fail the job instead of waiting).
+int MinDevices(const v1::JobSpec& s) { return std::max(2, s.devices().min_devices()); }
 double SlowdownThreshold(const v1::JobSpec& s) {
   return s.replan().slowdown_threshold() > 0 ? s.replan().slowdown_threshold()
                                              : kDefaultSlowdownThreshold;

@@ -145,17 +145,18 @@ TEST_F(JobsTest, StaleNodeStopsTheSurvivorsBeforeReplanning) {
 
 TEST_F(JobsTest, SecondFailureWhileRecoveringStartsTheRecoveryAgain) {
   Make();
+  fake_.AddNode();  // d3: a plan needs 2 devices, 2 are left at the end
   const std::string first = StartRunning();
   fake_.plans_finish_at_once = false;
   const absl::Time failed = now_;
-  fake_.SetNode(2, v1::Node::STALE);
+  fake_.SetNode(3, v1::Node::STALE);
   c_->Reconcile();  // stops the survivors
-  c_->Reconcile();  // sees them stopped; plans on d0, d1
+  c_->Reconcile();  // sees them stopped; plans on d0, d1, d2
   ASSERT_EQ(fake_.requests.size(), 2u);
   const std::string plan2 = "plans/train-p2";
   EXPECT_EQ(Job().status().next_plan(), plan2);
-  // d1 goes too while that plan is made.
-  fake_.SetNode(1, v1::Node::STALE);
+  // d2 goes too while that plan is made.
+  fake_.SetNode(2, v1::Node::STALE);
   now_ += absl::Seconds(1);
   fake_.FinishPlan(plan2);
   c_->Reconcile();
@@ -163,12 +164,12 @@ TEST_F(JobsTest, SecondFailureWhileRecoveringStartsTheRecoveryAgain) {
   EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_STALE, v1::JobEvent::NODE_STALE));
   c_->Reconcile();
   ASSERT_EQ(fake_.requests.size(), 3u);
-  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0"));
+  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0", "d1"));
   fake_.FinishPlan("plans/train-p3");
   c_->Reconcile();
   const std::string third = Deployment();
   ASSERT_EQ(fake_.deployed.size(), 2u);
-  // Its deployment fails before it runs: recovery again, on d0.
+  // Its deployment fails before it runs: recovery again, on d0 and d1.
   fake_.SetState(third, v1::Deployment::FAILED);
   c_->Reconcile();
   EXPECT_EQ(replans_.size(), 3u);
@@ -187,7 +188,7 @@ TEST_F(JobsTest, SecondFailureWhileRecoveringStartsTheRecoveryAgain) {
   EXPECT_EQ(e.reason(), v1::JobEvent::NODE_STALE);
   EXPECT_THAT(e.detail(), HasSubstr("while recovering"));
   EXPECT_DOUBLE_EQ(e.downtime_seconds(), absl::ToDoubleSeconds(now_ - failed));
-  EXPECT_THAT(e.devices_after(), ElementsAre("d0"));
+  EXPECT_THAT(e.devices_after(), ElementsAre("d0", "d1"));
   EXPECT_EQ(j.status().replans(), 3);
 }
 

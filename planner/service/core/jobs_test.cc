@@ -82,6 +82,24 @@ TEST_F(JobsTest, WaitsForEnoughDevicesAndHonoursTheSelector) {
   EXPECT_THAT(fake_.requests[0].devices(), ElementsAre("d1", "d2"));
 }
 
+// A plan needs two devices: a job (min_devices unset) with one usable
+// device waits for a second one instead of asking for a plan of one.
+TEST_F(JobsTest, AJobWithOneUsableDeviceWaitsForASecond) {
+  Make();
+  fake_.SetNode(1, v1::Node::STALE);
+  fake_.SetNode(2, v1::Node::STALE);
+  ASSERT_OK(c_->Create(Request()).status());
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::PENDING);
+  EXPECT_THAT(Job().status().message(),
+              HasSubstr("waiting for devices: 1 usable, the job needs 2"));
+  EXPECT_THAT(fake_.requests, IsEmpty());
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].devices_size(), 2);
+}
+
 // Two jobs whose selectors overlap do not both deploy on one device: the
 // first (by name) plans on the devices, the second plans on what is left
 // or waits, saying why, and takes the devices once the first has ended.
@@ -123,16 +141,18 @@ TEST_F(JobsTest, JobsDoNotPlanOnDevicesADirectDeploymentTrainsOn) {
   c_->Reconcile();
   ASSERT_EQ(fake_.requests.size(), 1u);
   EXPECT_THAT(fake_.requests[0].devices(), ElementsAre("d0", "d2"));
-  // Stopped: a job made now may use d1.
+  // Stopped: a job made now may use d1 (with d3, of a node that joined).
   fake_.SetState(direct.name(), v1::Deployment::STOPPED);
+  fake_.AddNode();
   v1::CreateJobRequest b = Request("b");
   b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
   b.mutable_spec()->mutable_devices()->add_devices("d1");
+  b.mutable_spec()->mutable_devices()->add_devices("d3");
   fake_.other_dirs.insert("/shared/ckpt-b");
   ASSERT_OK(c_->Create(b).status());
   c_->Reconcile();
   ASSERT_EQ(fake_.requests.size(), 2u);
-  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d1"));
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d1", "d3"));
 }
 
 // A job that runs on fewer devices than it may does not grow onto devices a
@@ -142,15 +162,19 @@ TEST_F(JobsTest, AJoinDoesNotTakeAnotherJobsDevices) {
   v1::CreateJobRequest b = Request("b");
   b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
   b.mutable_spec()->mutable_devices()->add_devices("d2");
+  b.mutable_spec()->mutable_devices()->add_devices("d3");
   fake_.other_dirs.insert("/shared/ckpt-b");
+  fake_.AddNode();
   fake_.SetNode(2, v1::Node::STALE);
+  fake_.SetNode(3, v1::Node::STALE);
   const std::string first = StartRunning();  // jobs/train on d0, d1
   ASSERT_OK(c_->Create(b).status());
-  fake_.SetNode(2, v1::Node::READY);  // d2 back: b plans on it
+  fake_.SetNode(2, v1::Node::READY);  // d2 and d3 back: b plans on them
+  fake_.SetNode(3, v1::Node::READY);
   c_->Reconcile();
   ASSERT_EQ(fake_.requests.size(), 2u);
-  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d2"));
-  // Long after, jobs/train has measured its steps: d2 is stable but b's.
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d2", "d3"));
+  // Long after, jobs/train has measured its steps: d2 and d3 are stable but b's.
   Measured(first, 1.0);
   now_ += absl::Minutes(5);
   c_->Reconcile();

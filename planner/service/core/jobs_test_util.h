@@ -46,12 +46,16 @@ constexpr char kDir[] = "/shared/ckpt";
 class FakeBackend : public JobBackend {
  public:
   explicit FakeBackend(int nodes) {
-    for (int i = 0; i < nodes; ++i) {
-      v1::Node* n = cluster.add_nodes();
-      n->set_name(absl::StrCat("n", i));
-      n->set_state(v1::Node::READY);
-      n->add_devices()->set_id(absl::StrCat("d", i));
-    }
+    for (int i = 0; i < nodes; ++i) AddNode();
+  }
+
+  // Node n<i> with device d<i>, READY (i: the next index).
+  void AddNode() {
+    const int i = cluster.nodes_size();
+    v1::Node* n = cluster.add_nodes();
+    n->set_name(absl::StrCat("n", i));
+    n->set_state(v1::Node::READY);
+    n->add_devices()->set_id(absl::StrCat("d", i));
   }
 
   void SetNode(int i, v1::Node::State s) { cluster.mutable_nodes(i)->set_state(s); }

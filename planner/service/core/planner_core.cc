@@ -384,9 +384,14 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   if (r.global_batch() < 0) {
     return absl::InvalidArgumentError("global_batch must not be negative");
   }
-  // A device listed twice is the request's fault (the cluster's, such as
-  // fewer than 2 devices, are FAILED_PRECONDITION below: an elastic job
-  // left with one waits for more).
+  if (r.devices_size() == 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("devices: a plan needs at least 2 devices, the request lists 1 ('",
+                     r.devices(0), "'); a single device runs the single-device program as it is"));
+  }
+  // One device listed or a device listed twice is the request's fault (the
+  // cluster's, such as fewer than 2 devices in it, are FAILED_PRECONDITION
+  // below; an elastic job waits for a second device before it asks).
   std::set<std::string> listed;
   for (const std::string& d : r.devices()) {
     if (!listed.insert(d).second) {

@@ -105,6 +105,7 @@ TEST_F(PlannerCoreTest, APipelineIsPlannedWhereTheSpmdPlanDoesNotFit) {
 TEST_F(PlannerCoreTest, BadRequestsGetSpecificStatuses) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   v1::CreatePlanRequest r = MlpRequest();
+  r.add_devices("a/cpu0");
   r.add_devices("z/gpu9");
   EXPECT_THAT(core_->CreatePlan(r, Deadline()),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("'z/gpu9'")));
@@ -114,6 +115,13 @@ TEST_F(PlannerCoreTest, BadRequestsGetSpecificStatuses) {
   EXPECT_THAT(core_->CreatePlan(twice, Deadline()),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("devices"), HasSubstr("'a/cpu0' twice"))));
+  // One device is no plan (its program is the single-device one): the
+  // request is wrong whatever the cluster holds.
+  v1::CreatePlanRequest one = MlpRequest();
+  one.add_devices("a/cpu0");
+  EXPECT_THAT(core_->CreatePlan(one, Deadline()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("devices"), HasSubstr("at least 2"), HasSubstr("lists 1"))));
   // A malformed graph: the message names the op.
   auto g = graph::BuildZooModel("mlp", {{"layers", 1}, {"hidden", 8}, {"input", 4}, {"batch", 4}});
   ASSERT_TRUE(g.ok());
