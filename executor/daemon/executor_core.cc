@@ -297,11 +297,21 @@ ExecutorCore::ExecutorCore(ExecutorCoreOptions options) : o_(std::move(options))
 
 ExecutorCore::~ExecutorCore() { Shutdown(); }
 
-absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
+absl::StatusOr<std::string> ExecutorCore::LoadPlan(
+    LoadOptions in, const std::function<absl::Status()>& check_caller) {
+  // The caller may give up while the load takes time (a large graph, a
+  // checkpoint, the corpus, the arena): then nothing is installed.
+  auto caller_waits = [&check_caller](absl::string_view done) {
+    if (!check_caller) return absl::OkStatus();
+    return Annotate(check_caller(), absl::StrCat("LoadPlan abandoned ", done,
+                                                 " (the plan was not installed; the executor "
+                                                 "keeps its previous state)"));
+  };
   {
     absl::MutexLock l(&mu_);
     if (shutdown_) return absl::UnavailableError("the executor is shutting down");
   }
+  HAP_RETURN_IF_ERROR(caller_waits("before it began"));
   if (in.deployment.empty()) {
     return absl::InvalidArgumentError("LoadPlan needs a deployment name");
   }
@@ -331,15 +341,18 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
                          if (!g.ok()) return Annotate(g.status(), "plan.graph");
                          return g;
                        }());
+  HAP_RETURN_IF_ERROR(caller_waits("after reading the model graph"));
   if (lower::IsPipelinePlan(in.plan)) {
     HAP_RETURN_IF_ERROR(Annotate(SetUpPipeline(in, loaded.get()), "plan.pipeline"));
   }
   HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));
+  HAP_RETURN_IF_ERROR(caller_waits("after opening the checkpoint or weights"));
   {
     auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir, loaded->data_seed);
     if (!b.ok()) return Annotate(b.status(), "training data");
     loaded->batches = *std::move(b);
   }
+  HAP_RETURN_IF_ERROR(caller_waits("after opening the training data"));
   const int threads = t.threads_per_rank() > 0 ? t.threads_per_rank() : std::max(1, o_.threads);
   if (o_.make_device) {
     loaded->device = o_.make_device(threads);
@@ -373,6 +386,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
     if (!r.ok()) return Annotate(r.status(), absl::StrCat("rank ", in.rank, "'s program"));
     loaded->runner = *std::move(r);
   }
+  HAP_RETURN_IF_ERROR(caller_waits("after preparing the rank's program"));
   std::string hash = in.plan.content_hash();
   loaded->options = std::move(in);
 
@@ -388,6 +402,8 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(LoadOptions in) {
   }
   JoinTrainingThread();  // a thread that ended may still be returning
   ReapRetired(/*all=*/false);
+  // Last chance: after this the plan is installed.
+  HAP_RETURN_IF_ERROR(caller_waits("before installing the plan"));
   std::shared_ptr<Loaded> old;
   absl::MutexLock l(&mu_);
   old = std::move(loaded_);

@@ -121,7 +121,13 @@ class ExecutorCore {
   // Returns the plan's content hash. InvalidArgument naming what is wrong;
   // PermissionDenied for another planner; FailedPrecondition while training;
   // NotFound for missing data; ResourceExhausted when the arena does not fit.
-  absl::StatusOr<std::string> LoadPlan(LoadOptions options);
+  // `check_caller`, when set, is asked between the load's slow parts and
+  // last just before the plan is installed: OK while the caller still waits
+  // for the answer, an error (DeadlineExceeded, Cancelled) once it has gone.
+  // Its error is returned, with where the load stopped, and nothing is
+  // installed: the state, and any plan loaded before, stay as they were.
+  absl::StatusOr<std::string> LoadPlan(LoadOptions options,
+                                       const std::function<absl::Status()>& check_caller = nullptr);
   absl::StatusOr<hap::v1::ExecutorStatus> Start(const std::string& deployment);
   // Waits for the step in progress until `wait_until` or stop_wait,
   // whichever is sooner, then abandons it (see the state diagram): the

@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
+#include "executor/cpu/cpu_device.h"
 #include "executor/daemon/core_test_util.h"
 #include "executor/daemon/test_plans.h"
 #include "executor/train/in_process_comm.h"
@@ -31,6 +32,7 @@ namespace {
 namespace v1 = ::hap::v1;
 using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 using testing::CachedMlpPlan;
@@ -417,6 +419,46 @@ TEST(ExecutorCoreTest, ShutdownRefusesLoads) {
   core.Shutdown();
   EXPECT_THAT(core.LoadPlan(MlpLoad(2, 0, 3)),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+}
+
+// LoadPlan asks `check_caller` whether its caller still waits, between
+// its slow parts and before it installs the plan: a load whose caller gave
+// up (the planner's deadline passed while a device was made, a checkpoint
+// read) installs nothing, and the executor keeps the load it had.
+TEST(ExecutorCoreTest, LoadPlanWhoseCallerHasGoneInstallsNothing) {
+  bool slow = false;
+  absl::Status caller;  // what check_caller answers
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
+  options.make_device = [&](int threads) {
+    if (slow) caller = absl::DeadlineExceededError("the LoadPlan call's deadline passed");
+    return NewCpuDevice(threads);
+  };
+  ExecutorCore core(options);
+  auto check = [&] { return caller; };
+  auto hash = core.LoadPlan(MlpLoad(2, 0, 3), check);
+  ASSERT_THAT(hash, IsOk());
+
+  slow = true;
+  LoadOptions second = MlpLoad(2, 0, 3);
+  second.generation = 2;
+  EXPECT_THAT(core.LoadPlan(second, check),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("the plan was not installed"),
+                             HasSubstr("the LoadPlan call's deadline passed"))));
+  v1::ExecutorStatus st = core.Status();
+  EXPECT_EQ(st.state(), v1::ExecutorStatus::LOADED);
+  EXPECT_EQ(st.generation(), 1);
+
+  // A caller that cancelled before the load began: nothing is done.
+  slow = false;
+  caller = absl::CancelledError("the caller cancelled LoadPlan");
+  EXPECT_THAT(core.LoadPlan(second, check),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("the caller cancelled")));
+  EXPECT_EQ(core.Status().generation(), 1);
+
+  caller = absl::OkStatus();
+  ASSERT_THAT(core.LoadPlan(second, check), IsOk());
+  EXPECT_EQ(core.Status().generation(), 2);
 }
 
 // Trains two ranks of `MlpLoad(2, r, steps)` as changed by `edit`; returns

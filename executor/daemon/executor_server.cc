@@ -40,6 +40,11 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
         "the executor needs its planner's address (--planner or HAP_PLANNER): the "
         "only planner it takes plans from");
   }
+  if (options.max_streams < 1 || options.max_streams > kMaxStreamsLimit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_streams (StreamStepMetrics calls served at once) must be in [1, ",
+                     kMaxStreamsLimit, "], got ", options.max_streams));
+  }
   const auto colon = options.listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(
@@ -83,7 +88,8 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
     reporter->Flush(absl::Now() + timeout);
   };
   m.core = std::make_unique<ExecutorCore>(std::move(co));
-  m.service = std::make_unique<ExecutorServiceImpl>(m.core.get(), m.o.security.token);
+  m.service =
+      std::make_unique<ExecutorServiceImpl>(m.core.get(), m.o.security.token, m.o.max_streams);
 
   auto creds = service::MakeServerCredentials(m.o.security);
   if (!creds.ok()) return creds.status();
@@ -92,6 +98,9 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
   b.AddListeningPort(m.o.listen, *creds, &m.port);
   b.SetMaxReceiveMessageSize(service::kMaxMessageBytes);
   b.SetMaxSendMessageSize(service::kMaxMessageBytes);
+  grpc::ResourceQuota quota("hap-executor");
+  quota.SetMaxThreads(m.o.max_streams + kControlThreads);
+  b.SetResourceQuota(quota);
   b.RegisterService(m.service.get());
   m.server = b.BuildAndStart();
   if (m.server == nullptr || m.port == 0) {

@@ -30,6 +30,14 @@ struct ExecutorServerOptions {
   absl::Duration drain = absl::Seconds(1);
   absl::Duration report_timeout = absl::Seconds(5);  // per ReportStepMetrics
   size_t report_queue = 1024;                        // metrics queued at most
+  // StreamStepMetrics calls served at once; beyond, a stream is
+  // RESOURCE_EXHAUSTED naming this limit. Each open stream holds a server
+  // thread until training ends, so unbounded streams could take every
+  // thread and leave LoadPlan and StopTraining unanswered. The server's
+  // threads are bounded to this plus kControlThreads (grpc::ResourceQuota),
+  // so control calls are still served while the streams are at their
+  // limit. From 1 to ExecutorServer::kMaxStreamsLimit.
+  int max_streams = 64;
   // device_id, data_dir, threads, comm_timeout, ...; planner_address,
   // make_store, on_step and on_end are set by Start.
   ExecutorCoreOptions core;
@@ -37,6 +45,12 @@ struct ExecutorServerOptions {
 
 class ExecutorServer {
  public:
+  // Server threads beyond max_streams: for LoadPlan, StartTraining,
+  // StopTraining, GetStatus, refused streams and gRPC's pollers. Calls that
+  // find no thread are RESOURCE_EXHAUSTED.
+  static constexpr int kControlThreads = 16;
+  static constexpr int kMaxStreamsLimit = 65536;
+
   // InvalidArgument for bad options; Unavailable when the address cannot be
   // bound.
   static absl::StatusOr<std::unique_ptr<ExecutorServer>> Start(ExecutorServerOptions options);

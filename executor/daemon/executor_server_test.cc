@@ -3,6 +3,7 @@
 // serves the rendezvous store and collects step metrics.
 #include "executor/daemon/executor_server.h"
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,13 +13,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
+#include "executor/cpu/cpu_device.h"
+#include "executor/daemon/executor_service_impl.h"
 #include "executor/daemon/fake_planner.h"
 #include "executor/daemon/test_plans.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -28,6 +33,7 @@ namespace {
 
 namespace v1 = ::hap::v1;
 using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "s3cret";
@@ -49,15 +55,18 @@ class ExecutorServerTest : public ::testing::Test {
 
   std::string planner_address() const { return absl::StrCat("127.0.0.1:", planner_port_); }
 
-  // Starts an executor; returns its stub.
-  std::unique_ptr<v1::Executor::Stub> StartExecutor(const std::string& token = "",
-                                                    absl::Duration drain = absl::ZeroDuration()) {
+  // Starts an executor (its options changed by `configure` when given);
+  // returns its stub.
+  std::unique_ptr<v1::Executor::Stub> StartExecutor(
+      const std::string& token = "", absl::Duration drain = absl::ZeroDuration(),
+      const std::function<void(ExecutorServerOptions*)>& configure = nullptr) {
     ExecutorServerOptions o;
     o.planner = planner_address();
     o.security.token = token;
     o.drain = drain;
     o.core.device_id = absl::StrCat("node0/cpu", executors_.size());
     o.core.comm_timeout = absl::Seconds(20);
+    if (configure) configure(&o);
     auto s = ExecutorServer::Start(o);
     EXPECT_THAT(s, IsOk());
     if (!s.ok()) return nullptr;
@@ -291,6 +300,165 @@ TEST_F(ExecutorServerTest, StopTrainingStopsARun) {
   while (reader->Read(&m)) {
   }
   EXPECT_TRUE(reader->Finish().ok());  // the stream ended with training
+}
+
+// A StreamStepMetrics call without a deadline holds a server thread until
+// training ends: a peer opening streams without bound would take every
+// thread and memory, and the planner's LoadPlan and StopTraining would go
+// unanswered. Streams beyond max_streams are refused, control calls are
+// still answered, and a stream that ends frees its place.
+TEST_F(ExecutorServerTest, StreamsBeyondTheLimitAreRefusedAndControlCallsStillAnswer) {
+  constexpr int kMaxStreams = 3;
+  ExecutorServerOptions none;
+  none.planner = planner_address();
+  none.max_streams = 0;
+  EXPECT_THAT(ExecutorServer::Start(none).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_streams")));
+  auto stub = StartExecutor("", absl::ZeroDuration(),
+                            [](ExecutorServerOptions* o) { o->max_streams = kMaxStreams; });
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<v1::StepMetric>> reader;
+  };
+  // Returns once the server has admitted the stream (it then sends its
+  // initial metadata) or refused it; the deadline only bounds a broken run.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  auto open = [&] {
+    auto s = std::make_unique<Stream>();
+    s->ctx.set_deadline(absl::ToChronoTime(deadline));
+    v1::StreamStepMetricsRequest req;
+    req.set_deployment("deployments/test");
+    s->reader = stub->StreamStepMetrics(&s->ctx, req);
+    s->reader->WaitForInitialMetadata();
+    return s;
+  };
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      v1::LoadPlanResponse resp;
+      ASSERT_TRUE(stub->LoadPlan(&ctx, LoadRequest(*plan, 0, 3), &resp).ok());
+    }
+    // Loaded, not training: the streams wait for metrics.
+    std::vector<std::unique_ptr<Stream>> streams;
+    for (int i = 0; i < kMaxStreams; ++i) streams.push_back(open());
+    std::unique_ptr<Stream> extra = open();
+    grpc::Status refused = extra->reader->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(refused.error_message(), HasSubstr("at most 3 StreamStepMetrics calls"));
+    {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      v1::ExecutorStatus st;
+      grpc::Status s = stub->GetStatus(&ctx, v1::GetStatusRequest(), &st);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(st.state(), v1::ExecutorStatus::LOADED);
+    }
+    {
+      // Unloads (IDLE); the waiting streams end with the load.
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      v1::StopTrainingRequest req;
+      req.set_deployment("deployments/test");
+      v1::ExecutorStatus st;
+      grpc::Status s = stub->StopTraining(&ctx, req, &st);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(st.state(), v1::ExecutorStatus::IDLE);
+    }
+    for (auto& s : streams) {
+      grpc::Status end = s->reader->Finish();
+      EXPECT_TRUE(end.ok()) << end.error_code() << " " << end.error_message();
+    }
+  }
+}
+
+// Hands each call's ServerContext to `on_call` as the call starts, and
+// leaves the call alone.
+class ContextTap final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  using OnCall = std::function<void(const std::string& method, grpc::ServerContextBase* ctx)>;
+  explicit ContextTap(OnCall on_call) : on_call_(std::move(on_call)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    on_call_(info->method(), info->server_context());
+    return nullptr;  // no interceptor for this call
+  }
+
+ private:
+  OnCall on_call_;
+};
+
+// A slow LoadPlan (a large plan, a checkpoint to read) used to install its
+// plan after the planner had given up with DEADLINE_EXCEEDED: the executor
+// ran a plan the planner took for failed. Here the load's device is made
+// only once the client has seen DEADLINE_EXCEEDED and the server's deadline
+// for the call has passed; the plan must not be installed, the earlier
+// load stays.
+TEST_F(ExecutorServerTest, LoadPlanWhoseCallerHasGoneInstallsNothing) {
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  absl::Mutex mu;
+  grpc::ServerContextBase* load_ctx = nullptr;  // the latest LoadPlan's
+  bool slow = false;
+  absl::Notification client_gone;
+  ExecutorCoreOptions co;
+  co.device_id = "node0/cpu0";
+  co.make_device = [&](int threads) {
+    grpc::ServerContextBase* ctx;
+    {
+      absl::MutexLock l(&mu);
+      ctx = slow ? load_ctx : nullptr;
+    }
+    if (ctx != nullptr) {
+      client_gone.WaitForNotification();
+      absl::SleepFor(service::CallDeadline(ctx) - absl::Now());  // the server's deadline
+    }
+    return NewCpuDevice(threads);
+  };
+  ExecutorCore core(co);
+  ExecutorServiceImpl service(&core, "");
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> taps;
+  taps.push_back(
+      std::make_unique<ContextTap>([&](const std::string& method, grpc::ServerContextBase* ctx) {
+        absl::MutexLock l(&mu);
+        if (method == "/hap.v1.Executor/LoadPlan") load_ctx = ctx;
+      }));
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&service);
+  b.experimental().SetInterceptorCreators(std::move(taps));
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ASSERT_NE(port, 0);
+  auto stub = v1::Executor::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::LoadPlanResponse resp;
+    grpc::Status s = stub->LoadPlan(&ctx, LoadRequest(*plan, 0, 3), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  {
+    absl::MutexLock l(&mu);
+    slow = true;
+  }
+  v1::LoadPlanRequest req = LoadRequest(*plan, 0, 3);
+  req.set_generation(4);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  v1::LoadPlanResponse resp;
+  grpc::Status s = stub->LoadPlan(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  client_gone.Notify();
+  server->Shutdown();  // waits for the LoadPlan handler to return
+  v1::ExecutorStatus st = core.Status();
+  EXPECT_EQ(st.state(), v1::ExecutorStatus::LOADED);
+  EXPECT_EQ(st.generation(), 3) << "the abandoned load (generation 4) was installed";
 }
 
 // grpc.health.v1.Health/Check over raw bytes (its protos are not ours):

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 
 namespace hap::executor {
@@ -27,7 +29,16 @@ grpc::Status ExecutorServiceImpl::LoadPlan(grpc::ServerContext* ctx,
   o.world_size = r->world_size();
   o.rendezvous_address = r->rendezvous_address();
   o.training = r->training();
-  auto hash = core_->LoadPlan(std::move(o));
+  // The planner gives up at its deadline; a plan installed after that
+  // would run while the planner takes the load for failed.
+  auto caller = [ctx, deadline = CallDeadline(ctx)]() -> absl::Status {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError("the LoadPlan call's deadline passed");
+    }
+    if (ctx->IsCancelled()) return absl::CancelledError("the caller cancelled LoadPlan");
+    return absl::OkStatus();
+  };
+  auto hash = core_->LoadPlan(std::move(o), caller);
   if (!hash.ok()) return ToGrpc(hash.status());
   out->set_plan_content_hash(*hash);
   return grpc::Status::OK;
@@ -75,6 +86,16 @@ grpc::Status ExecutorServiceImpl::StreamStepMetrics(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "from_step must not be negative");
   }
+  if (streams_.fetch_add(1) >= max_streams_) {
+    streams_.fetch_sub(1);
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("this executor serves at most ", max_streams_,
+                     " StreamStepMetrics calls at once (ExecutorServerOptions.max_streams) and "
+                     "that many are open; retry when one has ended"));
+  }
+  absl::Cleanup release = [this] { streams_.fetch_sub(1); };
+  writer->SendInitialMetadata();  // admitted (a client gone is noticed below)
   const absl::Time deadline = CallDeadline(ctx);
   int64_t next = r->from_step();
   while (true) {

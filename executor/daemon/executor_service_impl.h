@@ -7,6 +7,7 @@
 #ifndef HAP_EXECUTOR_DAEMON_EXECUTOR_SERVICE_IMPL_H_
 #define HAP_EXECUTOR_DAEMON_EXECUTOR_SERVICE_IMPL_H_
 
+#include <atomic>
 #include <string>
 
 #include "absl/time/time.h"
@@ -18,10 +19,15 @@ namespace hap::executor {
 class ExecutorServiceImpl final : public hap::v1::Executor::Service {
  public:
   // `core` must outlive the service. `token`: required on every call when
-  // not empty (UNAUTHENTICATED otherwise).
-  ExecutorServiceImpl(ExecutorCore* core, std::string token)
-      : core_(core), token_(std::move(token)) {}
+  // not empty (UNAUTHENTICATED otherwise). `max_streams`: StreamStepMetrics
+  // calls served at once (see StreamStepMetrics).
+  ExecutorServiceImpl(ExecutorCore* core, std::string token, int max_streams = 64)
+      : core_(core), token_(std::move(token)), max_streams_(max_streams) {}
 
+  // DEADLINE_EXCEEDED or CANCELLED, installing nothing, when the caller has
+  // gone (its deadline passed, or it cancelled) before the plan is
+  // installed: a slow load does not leave a plan running that the caller
+  // took for failed.
   grpc::Status LoadPlan(grpc::ServerContext* ctx, const hap::v1::LoadPlanRequest* r,
                         hap::v1::LoadPlanResponse* out) override;
   grpc::Status StartTraining(grpc::ServerContext* ctx,
@@ -33,7 +39,10 @@ class ExecutorServiceImpl final : public hap::v1::Executor::Service {
                          hap::v1::ExecutorStatus* out) override;
   // Streams the metrics from `from_step` on; ends OK when training ends (or
   // the plan is replaced), CANCELLED when the client goes away,
-  // DEADLINE_EXCEEDED at the call's deadline.
+  // DEADLINE_EXCEEDED at the call's deadline. Each open stream holds a
+  // server thread, so beyond `max_streams` open at once a stream is
+  // RESOURCE_EXHAUSTED at once. An admitted stream sends its initial
+  // metadata straight away (the client's WaitForInitialMetadata returns).
   grpc::Status StreamStepMetrics(grpc::ServerContext* ctx,
                                  const hap::v1::StreamStepMetricsRequest* r,
                                  grpc::ServerWriter<hap::v1::StepMetric>* writer) override;
@@ -41,6 +50,8 @@ class ExecutorServiceImpl final : public hap::v1::Executor::Service {
  private:
   ExecutorCore* core_;
   const std::string token_;
+  const int max_streams_;
+  std::atomic<int> streams_{0};  // StreamStepMetrics calls open
 };
 
 }  // namespace hap::executor
