@@ -1,8 +1,11 @@
 #include "common/cli_args.h"
 
 #include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -125,6 +128,23 @@ absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::st
     return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is empty"));
   }
   return ss.str();
+}
+
+absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,
+                             const std::string& what) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot write ", what, "'", path, "': ", std::strerror(errno)));
+  }
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  const int write_errno = errno;
+  const bool closed = std::fclose(f) == 0;
+  if (!written || !closed) {
+    return absl::InternalError(absl::StrCat("cannot write ", what, "'", path,
+                                            "': ", std::strerror(written ? errno : write_errno)));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> Args::Integer(const std::string& flag, int64_t def, int64_t min,

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -54,6 +55,13 @@ class Args {
 // 'p.pb' is empty"): an empty string parses as an empty proto, which then
 // fails for a reason that names nothing, or passes.
 absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what = "");
+
+// Writes `bytes` to the output file a flag names (replacing it), closes it
+// and checks both: a full disk shows at the close for a small file, so a
+// write is only reported done once the close succeeded. The error names
+// `what` ("plan file "), the path and the system's reason.
+absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,
+                             const std::string& what = "");
 
 }  // namespace hap::tools
 

@@ -157,9 +157,9 @@ int RunZoo(const std::vector<std::string>& argv) {
     auto g = graph::BuildZooModel(names[i], names.size() == 1 ? *overrides : mine);
     if (!g.ok()) return Fail(g.status());
     if (args->Has("export")) {
-      std::ofstream f(args->Get("export"));
-      f << graph::GraphToJson(*g);
-      if (!f) return Fail(absl::InternalError("cannot write --export file"));
+      absl::Status w =
+          WriteOutputFile(args->Get("export"), graph::GraphToJson(*g), "--export file ");
+      if (!w.ok()) return Fail(w);
     }
     if (fmt == "json") {
       std::cout << (i ? ",\n " : "") << GraphSummaryJson(*g);

@@ -291,10 +291,11 @@ absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args, const st
 
 absl::Status WritePlanFile(const Args& args, const hap::v1::Plan& plan) {
   std::string path = args.Get("save-plan");
-  std::ofstream f(path, std::ios::binary);
-  if (!f || !plan.SerializeToOstream(&f)) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "'"));
+  std::string bytes;
+  if (!plan.SerializeToString(&bytes)) {
+    return absl::InternalError(absl::StrCat("cannot encode the plan for '", path, "'"));
   }
+  HAP_RETURN_IF_ERROR(WriteOutputFile(path, bytes, "--save-plan file "));
   std::cerr << "wrote plan for " << plan.rank_programs_size() << " ranks to " << path
             << "\n";
   return absl::OkStatus();
@@ -704,11 +705,8 @@ int RunCalibrate(const std::vector<std::string>& argv) {
   jo.add_whitespace = true;
   auto st = google::protobuf::util::MessageToJsonString(cal->cluster, &json, jo);
   if (!st.ok()) return Fail(absl::InternalError(std::string(st.message())));
-  std::ofstream out(args->Get("out"));
-  out << json;
-  out.close();
-  if (!out) {
-    return Fail(absl::PermissionDeniedError(absl::StrCat("cannot write '", args->Get("out"), "'")));
+  if (absl::Status w = WriteOutputFile(args->Get("out"), json, "--out file "); !w.ok()) {
+    return Fail(w);
   }
   std::cout << absl::StrFormat(
       "communication: link transfer time x%.3f, collective overhead %.3f ms per call (%.0f "

@@ -184,16 +184,15 @@ absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int ran
   for (const auto& [type, seconds] : timing.SecondsByOpType(n)) {
     absl::StrAppend(&ops, ops.empty() ? "" : ",\n", absl::StrFormat("    \"%s\": %.9g", type, seconds));
   }
-  std::ofstream f(path);
-  f << absl::StrFormat(
-      "{\n  \"plan_content_hash\": \"%s\",\n  \"rank\": %d,\n  \"device\": \"%s\",\n"
-      "  \"steps\": %d,\n  \"step_seconds_median\": %.9g,\n  \"device_seconds\": %.9g,\n"
-      "  \"op_seconds\": {\n%s\n  }\n}\n",
-      plan.content_hash(), rank, rank < plan.devices_size() ? plan.devices(rank) : "", n, median,
-      timing.TotalSeconds(n), ops);
-  f.close();
-  if (!f) return absl::InternalError(absl::StrCat("cannot write the profile ", path));
-  return absl::OkStatus();
+  return tools::WriteOutputFile(
+      path,
+      absl::StrFormat(
+          "{\n  \"plan_content_hash\": \"%s\",\n  \"rank\": %d,\n  \"device\": \"%s\",\n"
+          "  \"steps\": %d,\n  \"step_seconds_median\": %.9g,\n  \"device_seconds\": %.9g,\n"
+          "  \"op_seconds\": {\n%s\n  }\n}\n",
+          plan.content_hash(), rank, rank < plan.devices_size() ? plan.devices(rank) : "", n,
+          median, timing.TotalSeconds(n), ops),
+      "profile ");
 }
 
 absl::Status Run(const tools::Args& a) {
@@ -426,10 +425,8 @@ absl::Status Run(const tools::Args& a) {
                                      static_cast<int>(rank), timed, timing));
     // The same timings per kernel name, for people: PREFIX.rankR.kernels.md.
     const std::string table_path = absl::StrCat(profile, ".rank", rank, ".kernels.md");
-    std::ofstream table(table_path);
-    table << timing.Table(static_cast<int64_t>(timed.size()));
-    table.close();
-    if (!table) return absl::InternalError(absl::StrCat("cannot write ", table_path));
+    HAP_RETURN_IF_ERROR(tools::WriteOutputFile(
+        table_path, timing.Table(static_cast<int64_t>(timed.size())), "profile "));
   }
   if (rank == 0) {
     double mean_time = 0;

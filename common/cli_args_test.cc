@@ -1,0 +1,49 @@
+#include "common/cli_args.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hap::tools {
+namespace {
+
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::string TempPath(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
+}
+
+TEST(WriteOutputFileTest, WritesAndReplacesTheFile) {
+  const std::string path = TempPath("out.txt");
+  ASSERT_TRUE(WriteOutputFile(path, "a longer first version").ok());
+  ASSERT_TRUE(WriteOutputFile(path, std::string("x\0y", 3)).ok());
+  auto back = ReadInputFile(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, std::string("x\0y", 3));
+}
+
+// A full device: a few bytes fit the stream's buffer, so only the close can
+// tell; the write must not be reported done.
+TEST(WriteOutputFileTest, AFullDeviceIsAnErrorEvenForAFewBytes) {
+  if (!std::ifstream("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  EXPECT_THAT(WriteOutputFile("/dev/full", "tiny", "plan file "),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("cannot write plan file '/dev/full': No space left on device")));
+  EXPECT_THAT(WriteOutputFile("/dev/full", std::string(1 << 20, 'x')),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("No space left")));
+}
+
+TEST(WriteOutputFileTest, AnUnopenableFileIsAnErrorNamingIt) {
+  EXPECT_THAT(WriteOutputFile(TempPath("no/such/dir/out.txt"), "x", "--out "),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       HasSubstr("cannot write --out '")));
+}
+
+}  // namespace
+}  // namespace hap::tools

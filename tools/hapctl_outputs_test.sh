@@ -1,0 +1,32 @@
+#!/bin/bash
+# hapctl's output files (plan --save-plan, zoo --export): written whole and
+# readable back, and a write that fails (a full device) is an error naming
+# the file, with a non-zero exit, never reported as written.
+set -u
+HAPCTL="$1"
+CLUSTER="$2"
+fail() { echo "FAIL: $*"; exit 1; }
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+model=(--model mlp --layers 2 --hidden 64 --batch 16)
+
+"$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --save-plan "$tmp/p.pb" > "$tmp/out" 2>&1 \
+  || fail "save: $(cat "$tmp/out")"
+[ -s "$tmp/p.pb" ] || fail "--save-plan wrote nothing"
+grep -q "wrote plan for" "$tmp/out" || fail "no 'wrote plan' line: $(cat "$tmp/out")"
+"$HAPCTL" zoo mlp --export "$tmp/g.json" > "$tmp/out" 2>&1 || fail "export: $(cat "$tmp/out")"
+python3 -c 'import json,sys; assert json.load(open(sys.argv[1]))["ops"]' "$tmp/g.json" \
+  || fail "exported graph is not JSON with ops"
+
+if [ -w /dev/full ]; then
+  out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --save-plan /dev/full 2>&1)" \
+    && fail "--save-plan to a full device exited 0: $out"
+  echo "$out" | grep -q "cannot write --save-plan file '/dev/full': No space left on device" \
+    || fail "--save-plan error: $out"
+  echo "$out" | grep -q "wrote plan for" && fail "reported written: $out"
+  out="$("$HAPCTL" zoo mlp --export /dev/full 2>&1)" \
+    && fail "--export to a full device exited 0: $out"
+  echo "$out" | grep -q "cannot write --export file '/dev/full': No space left on device" \
+    || fail "--export error: $out"
+fi
+echo PASS
