@@ -24,7 +24,7 @@ constexpr char kUsage[] =
                     [--token-file F] [--tls-cert-file F --tls-key-file F]
                     [--tls-ca-file F] [--device-id ID] [--data-dir DIR]
                     [--threads T] [--timeout SECONDS] [--drain-seconds S]
-                    [--device cpu|cuda[:N]] [--gloo-host HOST]
+                    [--device cpu|cuda[:N]] [--gloo-host HOST] [--max-streams N]
 
 Serves hap.v1.Executor: one rank of a deployment pushed by the planner at
 --planner, the only planner whose plans it accepts. Ranks meet through the
@@ -49,6 +49,9 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
   --drain-seconds NOT_SERVING before shutdown on SIGTERM (1; 0 to 3600)
   --gloo-host     the address Gloo listens on and peers dial (127.0.0.1; a
                   node's address on the network testbed, hap-netns)
+  --max-streams   StreamStepMetrics calls served at once (64; 1 to 65536);
+                  more are refused RESOURCE_EXHAUSTED, control calls still
+                  answer
 )";
 
 absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
@@ -76,6 +79,10 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(double threads, a.NumberOrEnv("threads", 1, 1, 4096, /*whole=*/true));
   HAP_ASSIGN_OR_RETURN(double timeout, a.NumberOrEnv("timeout", 60, 0.001, 86400));
   HAP_ASSIGN_OR_RETURN(double drain, a.NumberOrEnv("drain-seconds", 1, 0, 3600));
+  HAP_ASSIGN_OR_RETURN(double streams,
+                       a.NumberOrEnv("max-streams", o.max_streams, 1,
+                                     ExecutorServer::kMaxStreamsLimit, /*whole=*/true));
+  o.max_streams = static_cast<int>(streams);
   o.core.threads = static_cast<int>(threads);
   o.core.comm_timeout = absl::Seconds(timeout);
   o.drain = absl::Seconds(drain);
@@ -83,11 +90,11 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
 }
 
 absl::StatusOr<tools::Args> ParseArgs(const std::vector<std::string>& argv) {
-  return tools::Args::Parse(
-      argv,
-      {"planner", "listen", "token-file", "tls-cert-file", "tls-key-file", "tls-ca-file",
-       "device-id", "device", "data-dir", "threads", "timeout", "drain-seconds", "gloo-host"},
-      {"serve", "help"});
+  return tools::Args::Parse(argv,
+                            {"planner", "listen", "token-file", "tls-cert-file", "tls-key-file",
+                             "tls-ca-file", "device-id", "device", "data-dir", "threads", "timeout",
+                             "drain-seconds", "gloo-host", "max-streams"},
+                            {"serve", "help"});
 }
 
 }  // namespace

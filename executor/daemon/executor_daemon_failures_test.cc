@@ -228,18 +228,25 @@ TEST(ExecutorDaemonFailuresTest, NonFiniteOrOutOfRangeSecondsFlagsAreRefused) {
                                                         {"timeout", "0.0001"},
                                                         {"timeout", "nan"},
                                                         {"threads", "nan"},
-                                                        {"threads", "2.5"}}) {
+                                                        {"threads", "2.5"},
+                                                        {"max-streams", "0"},
+                                                        {"max-streams", "65537"},
+                                                        {"max-streams", "1.5"}}) {
     SCOPED_TRACE(flag + "=" + value);
     auto o = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1", "--" + flag, value});
     EXPECT_THAT(o.status(), StatusIs(absl::StatusCode::kInvalidArgument,
                                      AllOf(HasSubstr("--" + flag), HasSubstr("'" + value + "'"))));
   }
   auto o = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1", "--drain-seconds", "0.5",
-                                  "--timeout", "30", "--threads", "2"});
+                                  "--timeout", "30", "--threads", "2", "--max-streams", "8"});
   ASSERT_THAT(o.status(), IsOk());
   EXPECT_EQ(o->drain, absl::Milliseconds(500));
   EXPECT_EQ(o->core.comm_timeout, absl::Seconds(30));
   EXPECT_EQ(o->core.threads, 2);
+  EXPECT_EQ(o->max_streams, 8);
+  auto defaults = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1"});
+  ASSERT_THAT(defaults.status(), IsOk());
+  EXPECT_EQ(defaults->max_streams, 64);
 }
 
 }  // namespace
