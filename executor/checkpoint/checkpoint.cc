@@ -9,6 +9,7 @@
 #include <iostream>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "absl/strings/ascii.h"
@@ -107,6 +108,64 @@ std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
 }
 
 void Warn(absl::string_view what) { std::cerr << "hap checkpoint: " << what << "\n" << std::flush; }
+
+// The step of a checkpoint being opened, as trainer.json says, checked
+// against index.json, the directory's name (a link resolved) and the
+// samples it implies: DataLoss naming trainer.json otherwise. A resumed run
+// starts from this step.
+absl::Status CheckStep(const std::string& dir, const v1::CheckpointIndex& index,
+                       const v1::TrainerState& trainer) {
+  const std::string file = (fs::path(dir) / kTrainerFile).string();
+  const int64_t step = trainer.step();
+  if (step < 0) return absl::DataLossError(absl::StrCat(file, ": step ", step, " is negative"));
+  if (index.step() != step) {
+    return absl::DataLossError(absl::StrCat(file, " says step ", step, ", ",
+                                            (fs::path(dir) / kIndexFile).string(), " says step ",
+                                            index.step()));
+  }
+  std::error_code ec;
+  fs::path resolved = fs::canonical(dir, ec);
+  if (ec) resolved = fs::path(dir).lexically_normal();
+  if (resolved.filename().empty()) resolved = resolved.parent_path();
+  if (const int64_t named = StepOf(resolved.filename().string()); named >= 0 && named != step) {
+    return absl::DataLossError(
+        absl::StrCat(file, " says step ", step, ", the directory's name says step ", named));
+  }
+  const int64_t batch = trainer.global_batch();
+  if (batch < 0) {
+    return absl::DataLossError(absl::StrCat(file, ": global batch ", batch, " is negative"));
+  }
+  if (batch > 0 && step > std::numeric_limits<int64_t>::max() / batch) {
+    return absl::DataLossError(absl::StrCat(file, ": step ", step, " times the global batch of ",
+                                            batch, " (the samples seen) overflows 64 bits"));
+  }
+  return absl::OkStatus();
+}
+
+// A shard records the step, rank and world size it was written for
+// (SaveCheckpoint's metadata): one of another checkpoint, copied in, holds
+// tensors of the same names and shapes. DataLoss naming the file.
+absl::Status CheckShardOrigin(const SafetensorsFile& f, int64_t step, int rank, int world) {
+  auto recorded = [&](const char* key, int64_t want) -> std::optional<std::string> {
+    auto it = f.metadata().find(key);
+    if (it == f.metadata().end() || it->second == std::to_string(want)) return std::nullopt;
+    return it->second;
+  };
+  if (auto v = recorded("step", step)) {
+    return absl::DataLossError(absl::StrCat(f.path(), " was written for step ", *v,
+                                            ", the checkpoint is of step ", step,
+                                            " (a shard of another checkpoint?)"));
+  }
+  if (auto v = recorded("rank", rank)) {
+    return absl::DataLossError(absl::StrCat(f.path(), " was written for rank ", *v, ", not rank ",
+                                            rank, " as its name says"));
+  }
+  if (auto v = recorded("world_size", world)) {
+    return absl::DataLossError(absl::StrCat(f.path(), " was written for ", *v,
+                                            " ranks, the checkpoint's world is ", world));
+  }
+  return absl::OkStatus();
+}
 
 // Creates `dir` and its missing parents, and fsyncs the parent of each
 // directory it created, so that the new names persist.
@@ -535,6 +594,21 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
                                               kCheckpointFormatVersion));
     }
   }
+  const std::string index_file = (fs::path(dir) / kIndexFile).string();
+  HAP_RETURN_IF_ERROR(CheckStep(dir, r->index_, r->trainer_));
+  const int world = r->trainer_.world_size();
+  if (world < 0 || world > (1 << 20)) {
+    return absl::DataLossError(
+        absl::StrCat("the checkpoint ", dir, " says it was written by ", world, " ranks"));
+  }
+  // A slice's file is one of the shards: never a path (outside the
+  // directory or not) nor another file of the checkpoint.
+  std::set<std::string> files;
+  for (int rank = 0; rank < world; ++rank) files.insert(RankFileName(rank, world));
+  const std::string shards =
+      world == 0   ? std::string("it records no ranks")
+      : world == 1 ? RankFileName(0, 1)
+                   : absl::StrCat(RankFileName(0, world), " to ", RankFileName(world - 1, world));
   for (const auto& t : r->index_.tensors()) {
     auto dtype = FromSafetensorsDType(t.dtype());
     if (!dtype.ok() || t.name().empty()) {
@@ -542,8 +616,12 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
                                               " is corrupted at tensor '", t.name(), "'"));
     }
     for (const auto& s : t.slices()) {
-      if (s.offsets_size() != t.shape_size() || s.extents_size() != t.shape_size() ||
-          s.file().find('/') != std::string::npos || s.file().empty()) {
+      if (files.count(s.file()) == 0) {
+        return absl::DataLossError(
+            absl::StrCat(index_file, " places a slice of '", t.name(), "' in '", s.file(),
+                         "', which is not one of its shards (", shards, ")"));
+      }
+      if (s.offsets_size() != t.shape_size() || s.extents_size() != t.shape_size()) {
         return absl::DataLossError(absl::StrCat("the checkpoint index of ", dir,
                                                 " has a malformed slice of '", t.name(), "'"));
       }
@@ -561,17 +639,10 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   // or missing, also one this rank (or this plan) would not read: damage
   // is the storage's, and the next resume on another plan would meet it.
   // Opening maps a file and checks its header and size; no data is read.
-  std::set<std::string> files;
-  for (const auto& t : r->index_.tensors()) {
-    for (const auto& s : t.slices()) files.insert(s.file());
+  for (int rank = 0; rank < world; ++rank) {
+    HAP_ASSIGN_OR_RETURN(const SafetensorsFile* f, r->File(RankFileName(rank, world)));
+    HAP_RETURN_IF_ERROR(CheckShardOrigin(*f, r->trainer_.step(), rank, world));
   }
-  const int world = r->trainer_.world_size();
-  if (world < 0 || world > (1 << 20)) {
-    return absl::DataLossError(
-        absl::StrCat("the checkpoint ", dir, " says it was written by ", world, " ranks"));
-  }
-  for (int rank = 0; rank < world; ++rank) files.insert(RankFileName(rank, world));
-  for (const std::string& f : files) HAP_RETURN_IF_ERROR(r->File(f).status());
   // Every slice is in its shard as the index says: what readers allocate
   // from the index's shapes is then bounded by the data on disk.
   for (const auto& t : r->index_.tensors()) {

@@ -141,7 +141,13 @@ class TensorSource {
 class CheckpointReader : public TensorSource {
  public:
   // `path`: as FindCheckpoint. DataLoss naming the file for a missing or
-  // malformed index.json or trainer.json, or an unknown format version.
+  // malformed index.json or trainer.json, an unknown format version, a step
+  // that is negative, differs between trainer.json, index.json and a
+  // step-N directory name, or overflows in step * global batch; a slice
+  // placed in a file that is not one of the shards (a path, another file of
+  // the checkpoint); a shard that is missing, malformed, not a regular file,
+  // recorded as written for another step, rank or world size, or that does
+  // not hold a slice as the index says.
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& path);
 
   const std::string& step_dir() const { return dir_; }

@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -35,6 +36,7 @@ namespace {
 namespace v1 = ::hap::v1;
 namespace fs = std::filesystem;
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 graph::Graph Mlp(int hidden = 24) {
@@ -934,6 +936,116 @@ TEST(CheckpointTest, ExportRefusesStateDictSlicesThatDoNotTileTheirSource) {
     EXPECT_THAT(ExportCheckpoint(**reader, dir + "/model.safetensors", false),
                 StatusIs(absl::StatusCode::kDataLoss, HasSubstr("trainer.json")))
         << json;
+  }
+}
+
+// --- the load path against a damaged or hostile checkpoint (each failed
+// before its fix) ---------------------------------------------------------
+
+// trainer.json's step is where a resumed run starts (hap-launch, the
+// executor daemon): a step of -3 was taken as is (the run then read the
+// batch of step -3, out of the WikiText corpus's bounds), a step other than
+// index.json's and the directory's made "the latest checkpoint" another
+// step than its name, and a step whose samples (step * global batch)
+// overflow 64 bits was accepted too.
+TEST(CheckpointTest, ATrainerStepThatIsNegativeDisagreesOrOverflowsIsRefusedAtOpen) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("bad_trainer_step");
+  const std::string step = OneStepCheckpoint(g, dir);
+  EditJson<v1::TrainerState>(step + "/trainer.json", [](v1::TrainerState& t) { t.set_step(-3); });
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(step + "/trainer.json"), HasSubstr("step -3"))));
+  EditJson<v1::TrainerState>(step + "/trainer.json", [](v1::TrainerState& t) { t.set_step(7); });
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(step + "/trainer.json"), HasSubstr("step 7"),
+                             HasSubstr("index.json says step 1"))));
+  EditJson<v1::CheckpointIndex>(step + "/index.json",
+                                [](v1::CheckpointIndex& i) { i.set_step(7); });
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(step + "/trainer.json"), HasSubstr("step 7"),
+                             HasSubstr("the directory's name says step 1"))));
+  // A directory not named like a step: only the overflow is wrong.
+  const std::string other = dir + "/copied";
+  fs::rename(step, other);
+  const int64_t huge = int64_t{1} << 62;
+  EditJson<v1::TrainerState>(other + "/trainer.json",
+                             [&](v1::TrainerState& t) { t.set_step(huge); });
+  EditJson<v1::CheckpointIndex>(other + "/index.json",
+                                [&](v1::CheckpointIndex& i) { i.set_step(huge); });
+  EXPECT_THAT(CheckpointReader::Open(other),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(other + "/trainer.json"),
+                             HasSubstr("step 4611686018427387904 times the global batch of 9"))));
+  EditJson<v1::TrainerState>(other + "/trainer.json", [](v1::TrainerState& t) { t.set_step(1); });
+  EditJson<v1::CheckpointIndex>(other + "/index.json",
+                                [](v1::CheckpointIndex& i) { i.set_step(1); });
+  EXPECT_TRUE(CheckpointReader::Open(other).ok());
+}
+
+// Every shard records the step, rank and world size it was written for. A
+// shard of another checkpoint of the run (a restored backup, a copy by
+// hand) holds the same tensors with the same shapes: it was read as if it
+// belonged, and the resumed run mixed the parameters of two steps.
+TEST(CheckpointTest, AShardOfAnotherStepIsRefusedAtOpen) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("shard_of_another_step");
+  TrainAndSave(g, Programs(g, 2, "tp"), dir, 2, 3);
+  const std::string shard = "/rank-00001-of-00002.safetensors";
+  fs::copy_file(dir + "/step-00000001" + shard, dir + "/step-00000002" + shard,
+                fs::copy_options::overwrite_existing);
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("step-00000002" + shard),
+                             HasSubstr("was written for step 1, the checkpoint is of step 2"))));
+  // Rank 0's file under rank 1's name alike (data parallel: the index
+  // places nothing in rank 1's file, so its tensors were never looked at).
+  const std::string dir2 = Fresh("shard_of_another_rank");
+  TrainAndSave(g, Programs(g, 2, "dp"), dir2, 1, 3);
+  fs::copy_file(dir2 + "/step-00000001/rank-00000-of-00002.safetensors",
+                dir2 + "/step-00000001" + shard, fs::copy_options::overwrite_existing);
+  EXPECT_THAT(CheckpointReader::Open(dir2),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(shard), HasSubstr("was written for rank 0"))));
+}
+
+// index.json names each slice's file. A name with a '/' was refused as "a
+// malformed slice" without saying which name or why; ".." (the parent
+// directory) got as far as mmap and was an Internal "cannot map" error;
+// another file of the checkpoint (index.json) was parsed as a shard.
+TEST(CheckpointTest, AnIndexNamingFilesOutsideItsShardsIsRefusedNamingThem) {
+  graph::Graph g = Mlp();
+  for (const std::string name : {"../../etc/passwd", "/etc/passwd", "..", "index.json"}) {
+    const std::string dir = Fresh("index_names_other_files");
+    const std::string step = OneStepCheckpoint(g, dir);
+    EditJson<v1::CheckpointIndex>(step + "/index.json", [&](v1::CheckpointIndex& index) {
+      index.mutable_tensors(0)->mutable_slices(0)->set_file(name);
+    });
+    EXPECT_THAT(
+        CheckpointReader::Open(dir),
+        StatusIs(absl::StatusCode::kDataLoss,
+                 AllOf(HasSubstr(step + "/index.json"), HasSubstr("'" + name + "'"),
+                       HasSubstr("not one of its shards (rank-00000-of-00001.safetensors)"))))
+        << name;
+  }
+}
+
+// A named pipe where a shard or index.json should be: open() waited for a
+// writer forever (and index.json linked to /dev/zero was read until memory
+// ran out). Each is now DataLoss naming the file.
+TEST(CheckpointTest, APipeInsteadOfACheckpointFileIsRefusedWithoutHanging) {
+  graph::Graph g = Mlp();
+  for (const std::string file : {"rank-00000-of-00001.safetensors", "index.json"}) {
+    const std::string dir = Fresh("pipe_in_checkpoint");
+    const std::string step = OneStepCheckpoint(g, dir);
+    fs::remove(step + "/" + file);
+    ASSERT_EQ(::mkfifo((step + "/" + file).c_str(), 0600), 0);
+    EXPECT_THAT(CheckpointReader::Open(dir),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr(step + "/" + file), HasSubstr("not a regular file"))))
+        << file;
   }
 }
 

@@ -1,6 +1,7 @@
 #include "executor/checkpoint/file_util.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -174,8 +175,22 @@ absl::Status SyncDirectory(const std::string& path) {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a named pipe would wait for a writer; it is refused
+  // below, as are devices (/dev/zero would be read until memory runs out).
+  // No effect on regular files.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Errno("open", path, errno);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Errno("stat", path, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    if (S_ISDIR(st.st_mode)) return Errno("read", path, EISDIR);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
   std::string out;
   char buf[1 << 16];
   for (;;) {

@@ -133,7 +133,9 @@ absl::Status WriteSafetensors(const std::string& path,
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a named pipe would wait for a writer; it is refused
+  // below. (No effect on regular files.)
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return absl::NotFoundError(absl::StrCat("no file ", path));
@@ -144,6 +146,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     const int err = errno;
     ::close(fd);
     return absl::InternalError(absl::StrCat("cannot stat ", path, ": ", std::strerror(err)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::DataLossError(absl::StrCat(path, " is not a regular file"));
   }
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile);
   f->path_ = path;

@@ -59,7 +59,8 @@ class SafetensorsFile {
   // dtype we support, each entry's byte count matches its shape, and the
   // entries tile the data buffer exactly (the specification's rule).
   // NotFound for a missing file; DataLoss, naming the file (and the tensor
-  // where there is one), for anything malformed or truncated.
+  // where there is one), for anything malformed or truncated, and for a path
+  // that is not a regular file (a named pipe is not waited on).
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
   ~SafetensorsFile();
 

@@ -1,5 +1,7 @@
 #include "executor/checkpoint/safetensors.h"
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -210,6 +212,21 @@ TEST(FileUtilTest, ReadFileErrorsNameTheFileAndTheSystemsReason) {
   auto read = ReadFile(dir + "/f");
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(*read, std::string("a\0b", 3));
+}
+
+// ReadFile (index.json, trainer.json) on a named pipe waited for a writer
+// forever, and on /dev/zero (a link to it in a checkpoint) read until memory
+// ran out; SafetensorsFile::Open on a pipe waited alike.
+TEST(FileUtilTest, OnlyRegularFilesAreRead) {
+  const std::string fifo = TempPath("read_file_fifo");
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(ReadFile(fifo), StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr(fifo + " is not a regular file")));
+  EXPECT_THAT(SafetensorsFile::Open(fifo),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(fifo + " is not a regular file")));
+  EXPECT_THAT(ReadFile("/dev/zero"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("/dev/zero is not a regular file")));
 }
 
 }  // namespace
