@@ -1,6 +1,7 @@
 #include "executor/data/batches.h"
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
@@ -85,12 +86,22 @@ class Lm : public BatchSource {
     stride_ = std::max<int64_t>(1, usable_ / batch_);
   }
   absl::StatusOr<GlobalBatch> Get(int64_t step) override {
+    // The step comes from a checkpoint when a run resumes.
+    if (step < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", step, " is negative"));
+    }
+    if (step > std::numeric_limits<int64_t>::max() / seq_) {
+      return absl::OutOfRangeError(
+          absl::StrCat("step ", step, " times the sequence length ", seq_, " overflows 64 bits"));
+    }
+    // (i * stride + step * S) mod usable, without overflowing the sum.
+    const int64_t step_start = step * seq_ % usable_;
     HostTensor tokens(graph::DType::kInt64, {batch_, seq_});
     HostTensor labels(graph::DType::kInt64, {batch_ * seq_});
     int64_t* t = tokens.as<int64_t>();
     int64_t* l = labels.as<int64_t>();
     for (int64_t i = 0; i < batch_; ++i) {
-      int64_t start = (i * stride_ + step * seq_) % usable_;
+      const int64_t start = (i * stride_ % usable_ + step_start) % usable_;
       for (int64_t j = 0; j < seq_; ++j) {
         t[i * seq_ + j] = corpus_[start + j];
         l[i * seq_ + j] = corpus_[start + j + 1];

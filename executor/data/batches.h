@@ -50,7 +50,8 @@ std::unique_ptr<BatchSource> NewSyntheticBatches(const graph::Graph& g, uint64_t
 
 // InvalidArgument when the model lacks int inputs "tokens" [B, S] and
 // "labels" [B*S], or the corpus is shorter than S + 2 tokens or holds ids
-// outside the model's vocabulary.
+// outside the model's vocabulary. Its Get is InvalidArgument for a negative
+// step and OutOfRange when step * S overflows.
 absl::StatusOr<std::unique_ptr<BatchSource>> NewLmBatches(
     const graph::Graph& g, std::vector<int64_t> corpus);
 

@@ -775,5 +775,27 @@ TEST(DataValidationTest, LmBatchesMatchTheGraphsLabelDtype) {
       << "labels " << graph::DTypeName(batch->at("labels").dtype()) << " for an i32 input";
 }
 
+// 6. The step a run starts from comes from a checkpoint's trainer.json.
+// NewLmBatches' Get(-1) read the corpus before its first element (the
+// window start (i * stride + step * S) mod usable is negative), and a step
+// whose step * S overflows read wherever the wrapped product pointed. Both
+// are now refused, as the user data sets refuse them.
+TEST(DataValidationTest, LmBatchesRefuseNegativeAndOverflowingSteps) {
+  graph::Graph g = LmWithFewerClasses();
+  std::vector<int64_t> corpus(40, 3);
+  auto lm = NewLmBatches(g, corpus);
+  ASSERT_THAT(lm.status(), IsOk());
+  EXPECT_THAT((*lm)->Get(-1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("step -1 is negative")));
+  EXPECT_THAT((*lm)->Get(std::numeric_limits<int64_t>::max()).status(),
+              StatusIs(absl::StatusCode::kOutOfRange,
+                       HasSubstr("step 9223372036854775807 times the sequence length 4 "
+                                 "overflows 64 bits")));
+  // The last step that does not overflow still reads a window.
+  auto last = (*lm)->Get(std::numeric_limits<int64_t>::max() / 4);
+  ASSERT_THAT(last.status(), IsOk());
+  EXPECT_EQ(last->at("tokens").as<int64_t>()[0], 3);
+}
+
 }  // namespace
 }  // namespace hap::data

@@ -1,9 +1,11 @@
 #include "executor/data/wikitext.h"
 
-#include <fstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+#include "executor/checkpoint/file_util.h"
 
 namespace hap::data {
 namespace {
@@ -11,14 +13,17 @@ namespace {
 constexpr char kEos[] = "<eos>";
 constexpr char kUnk[] = "<unk>";
 
+// Calls fn for every word of every line of `file`, then for an <eos> a line
+// (std::getline's lines: a last line without '\n' counts, nothing after a
+// final '\n').
 template <typename Fn>
 absl::Status ForEachWord(const std::string& file, Fn fn) {
-  std::ifstream in(file);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read '", file, "'"));
-  }
-  std::string line;
-  while (std::getline(in, line)) {
+  // A directory or a named pipe is an error naming it (std::ifstream opened
+  // a directory and read nothing, and waited on a pipe for a writer).
+  HAP_ASSIGN_OR_RETURN(const std::string text, executor::checkpoint::ReadFile(file));
+  std::vector<absl::string_view> lines = absl::StrSplit(text, '\n');
+  if (!lines.empty() && lines.back().empty()) lines.pop_back();
+  for (absl::string_view line : lines) {
     for (absl::string_view w :
          absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty())) {
       fn(std::string(w));

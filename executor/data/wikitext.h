@@ -15,7 +15,10 @@ namespace hap::data {
 
 class Vocabulary {
  public:
-  // Reads every file in order; NotFound naming a file that cannot be read.
+  // Reads every file in order; NotFound naming a missing file,
+  // InvalidArgument naming one that is not a regular file (a named pipe is
+  // not waited on), and otherwise an error naming the file and the
+  // system's reason (a directory: "Is a directory").
   static absl::StatusOr<Vocabulary> Build(const std::vector<std::string>& files);
 
   int64_t size() const { return static_cast<int64_t>(words_.size()); }

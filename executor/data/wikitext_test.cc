@@ -1,6 +1,9 @@
 #include "executor/data/wikitext.h"
 
+#include <sys/stat.h>
+
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include "gtest/gtest.h"
@@ -55,6 +58,27 @@ TEST(WikiTextTest, MissingFileIsNotFound) {
   EXPECT_EQ(v.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(std::string(v.status().message()).find("/nonexistent/valid.txt"),
             std::string::npos);
+}
+
+// std::ifstream opens a directory and then reads nothing: a directory
+// given for valid.txt was an empty vocabulary (and an empty corpus, refused
+// later as "the corpus has 0 tokens" without naming the file). A named pipe
+// made the open wait for a writer forever.
+TEST(WikiTextTest, ADirectoryOrAPipeIsAnErrorNamingIt) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/wikitext_dir";
+  std::filesystem::create_directories(dir);
+  auto v = Vocabulary::Build({dir});
+  ASSERT_FALSE(v.ok()) << "a vocabulary of " << v->size() << " words from a directory";
+  EXPECT_NE(std::string(v.status().message()).find(dir), std::string::npos) << v.status();
+  const std::string fifo = std::string(std::getenv("TEST_TMPDIR")) + "/wikitext_fifo";
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  v = Vocabulary::Build({fifo});
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(v.status().message()).find(fifo + " is not a regular file"),
+            std::string::npos)
+      << v.status();
 }
 
 }  // namespace
