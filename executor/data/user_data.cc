@@ -309,6 +309,9 @@ struct NpyArray {
 
 constexpr absl::string_view kNpyMagic = "\x93NUMPY";
 constexpr absl::string_view kNpyDtypes = "f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8 b1";
+// numpy.lib.format's default max_header_size: the header is parsed whole
+// (a dimension per two bytes), and an error quotes the shape.
+constexpr size_t kMaxNpyHeaderBytes = 10000;
 
 absl::Status ParseDescr(const std::string& descr, NpyArray& a) {
   if (descr.size() < 3) {
@@ -371,6 +374,11 @@ absl::StatusOr<NpyArray> ParseNpy(const MappedFile& f) {
     return absl::InvalidArgumentError(absl::StrCat("truncated: the header needs ",
                                                    header_start + header_len,
                                                    " bytes, the file holds ", size));
+  }
+  if (header_len > kMaxNpyHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a .npy header of ", header_len, " bytes, more than the ", kMaxNpyHeaderBytes,
+                     " numpy.load accepts by default (a plain array's is under 200)"));
   }
   absl::string_view header(reinterpret_cast<const char*>(p) + header_start, header_len);
   HAP_ASSIGN_OR_RETURN(auto dict, PyLiteralParser(header).ParseDict());

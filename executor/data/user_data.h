@@ -16,7 +16,8 @@
 //               (N, r, *shape[1:])    when r > 1  (labels[B*S] -> (N, S)),
 //             and a step's tensor is its B samples' rows in batch order.
 //             Format: NPY versions 1.0, 2.0 and 3.0, C order, little-endian
-//             (or '|' one-byte) dtypes f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8 b1.
+//             (or '|' one-byte) dtypes f2 f4 f8 i1 i2 i4 i8 u1 u2 u4 u8 b1,
+//             headers of at most 10000 bytes (numpy.load's default).
 //             Files are parsed here from the NPY specification.
 //   tokens:FILE[:uint16|uint32]
 //             A flat little-endian token stream (default uint16) for a

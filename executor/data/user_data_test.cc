@@ -797,5 +797,24 @@ TEST(DataValidationTest, LmBatchesRefuseNegativeAndOverflowingSteps) {
   EXPECT_EQ(last->at("tokens").as<int64_t>()[0], 3);
 }
 
+// 7. The .npy header's length is the file's to say (up to 4 GiB in format
+// 2.0): a header of half a million dimensions was parsed whole (~100 bytes
+// of memory per header byte) and refused with a shape message as long as
+// the header. numpy.load refuses headers over 10000 bytes by default; a
+// plain array's is under 200.
+TEST(DataValidationTest, AnOversizedNpyHeaderIsRefusedBeforeParsing) {
+  graph::Graph g = Mlp();
+  std::string dir = TestDir();
+  WriteMlpData(dir, 8);
+  std::vector<int64_t> shape(500000, 0);
+  shape[0] = 8;
+  WriteFile(dir + "/x.npy", Npy("<f4", shape, "", /*major=*/2));
+  const absl::Status s = OpenNpyStatus(dir, g);
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr(dir + "/x.npy"),
+                                HasSubstr("a .npy header of 1500084 bytes, more than the 10000"))));
+  EXPECT_LT(s.message().size(), 1000u);
+}
+
 }  // namespace
 }  // namespace hap::data
