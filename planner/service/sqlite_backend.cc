@@ -1,6 +1,13 @@
 // The planner daemon's state backend: the SQLite StateStore
 // (planner/service/store) behind the core's PlannerStateSink, plus loading
 // everything back at start.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <iostream>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -13,7 +20,14 @@ namespace {
 
 namespace v1 = ::hap::v1;
 
-// Every item of a paged list.
+// A record the store cannot read (DataLoss, naming it) is not loaded: the
+// planner starts with the rest, and the log says which and why. Each start
+// says so again until the record is written anew or deleted.
+void NotLoaded(const absl::Status& damaged) {
+  std::cerr << "hap-planner: a stored record was not loaded: " << damaged.message() << "\n";
+}
+
+// Every readable item of a paged list.
 template <typename T, typename Fn>
 absl::StatusOr<std::vector<T>> All(Fn&& list) {
   std::vector<T> out;
@@ -21,33 +35,88 @@ absl::StatusOr<std::vector<T>> All(Fn&& list) {
   do {
     HAP_ASSIGN_OR_RETURN(auto page, list(store::kMaxPageSize, token));
     for (auto& x : page.items) out.push_back(std::move(x));
+    for (const absl::Status& damaged : page.damaged) NotLoaded(damaged);
     token = page.next_page_token;
   } while (!token.empty());
   return out;
 }
 
+// One planner a database: two would both drive its deployments and jobs and
+// overwrite each other's records. The lock is flock(2) on the database file
+// itself, held while the backend is open and dropped by the kernel when the
+// process dies (also by SIGKILL). SQLite's own locks are fcntl(2) byte
+// ranges, which flock does not touch; and since closing any descriptor of
+// the file drops those, this one is closed only after the store (see
+// StoreBackend's members).
+class DatabaseLock {
+ public:
+  static absl::StatusOr<std::unique_ptr<DatabaseLock>> Acquire(const std::string& path) {
+    int fd = open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("database '", path, "' cannot be opened: ", std::strerror(errno)));
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      close(fd);
+      if (err == EWOULDBLOCK) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "database '", path,
+            "' is in use by another planner (a process holds its lock); two planners must not "
+            "serve one database: stop the other or give this one another file"));
+      }
+      return absl::FailedPreconditionError(
+          absl::StrCat("database '", path, "' cannot be locked: ", std::strerror(err)));
+    }
+    return std::unique_ptr<DatabaseLock>(new DatabaseLock(fd));
+  }
+  ~DatabaseLock() { close(fd_); }  // drops the lock
+  DatabaseLock(const DatabaseLock&) = delete;
+  DatabaseLock& operator=(const DatabaseLock&) = delete;
+
+ private:
+  explicit DatabaseLock(int fd) : fd_(fd) {}
+  const int fd_;
+};
+
 class StoreBackend : public StateBackend {
  public:
-  explicit StoreBackend(std::unique_ptr<store::StateStore> s) : s_(std::move(s)) {}
+  StoreBackend(std::unique_ptr<DatabaseLock> lock, std::unique_ptr<store::StateStore> s)
+      : lock_(std::move(lock)), s_(std::move(s)) {}
 
   absl::StatusOr<Loaded> Load() override {
     Loaded l;
     HAP_ASSIGN_OR_RETURN(l.nodes, All<v1::Node>([&](int n, const std::string& t) {
                            return s_->ListNodes(n, t);
                          }));
-    HAP_ASSIGN_OR_RETURN(l.plans, All<v1::Plan>([&](int n, const std::string& t) {
-                           return s_->ListPlanSummaries(n, t);
-                         }));
-    for (v1::Plan& p : l.plans) {  // plans to run again need everything
+    HAP_ASSIGN_OR_RETURN(
+        std::vector<v1::Plan> plans,
+        All<v1::Plan>([&](int n, const std::string& t) { return s_->ListPlanSummaries(n, t); }));
+    for (v1::Plan& p : plans) {  // plans to run again need everything
       if (p.state() == v1::Plan::PENDING || p.state() == v1::Plan::RUNNING) {
-        HAP_ASSIGN_OR_RETURN(p, s_->GetPlan(p.name()));
+        absl::StatusOr<v1::Plan> whole = s_->GetPlan(p.name());
+        if (absl::IsDataLoss(whole.status())) {
+          NotLoaded(whole.status());
+          continue;
+        }
+        HAP_ASSIGN_OR_RETURN(p, std::move(whole));
       }
+      l.plans.push_back(std::move(p));
     }
     HAP_ASSIGN_OR_RETURN(l.deployments, All<v1::Deployment>([&](int n, const std::string& t) {
                            return s_->ListDeployments(n, t);
                          }));
     for (const auto& d : l.deployments) {
-      HAP_RETURN_IF_ERROR(LoadStepMetrics(d.name(), &l.metrics));
+      // A deployment whose metrics cannot all be read loads without them.
+      std::vector<v1::StepMetric> metrics;
+      absl::Status st = LoadStepMetrics(d.name(), &metrics);
+      if (absl::IsDataLoss(st)) {
+        NotLoaded(absl::DataLossError(absl::StrCat("the step metrics of '", d.name(),
+                                                   "' (none of them is loaded): ", st.message())));
+        continue;
+      }
+      HAP_RETURN_IF_ERROR(st);
+      for (auto& m : metrics) l.metrics.push_back(std::move(m));
     }
     HAP_ASSIGN_OR_RETURN(l.jobs, All<v1::Job>([&](int n, const std::string& t) {
                            return s_->ListJobs(n, t);
@@ -93,14 +162,19 @@ class StoreBackend : public StateBackend {
   }
 
  private:
-  std::unique_ptr<store::StateStore> s_;
+  std::unique_ptr<DatabaseLock> lock_;    // released after s_ is closed
+  std::unique_ptr<store::StateStore> s_;  // (members are destroyed in reverse)
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<StateBackend>> OpenSqliteBackend(const std::string& path) {
+  std::unique_ptr<DatabaseLock> lock;
+  if (path != ":memory:") {
+    HAP_ASSIGN_OR_RETURN(lock, DatabaseLock::Acquire(path));
+  }
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<store::StateStore> s, store::OpenSqliteStore(path));
-  return std::unique_ptr<StateBackend>(new StoreBackend(std::move(s)));
+  return std::unique_ptr<StateBackend>(new StoreBackend(std::move(lock), std::move(s)));
 }
 
 }  // namespace hap::service

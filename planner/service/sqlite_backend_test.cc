@@ -1,4 +1,6 @@
 // The daemon's SQLite backend: what a restart loads back.
+#include <sqlite3.h>
+
 #include <filesystem>
 #include <string>
 
@@ -10,6 +12,8 @@ namespace hap::service {
 namespace {
 
 namespace v1 = ::hap::v1;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 std::string TempDatabase(const std::string& name) {
   const char* dir = std::getenv("TEST_TMPDIR");
@@ -26,6 +30,26 @@ v1::Deployment MakeDeployment(const std::string& id) {
   d.set_state(v1::Deployment::PENDING);
   d.mutable_create_time()->set_seconds(1700000000);
   return d;
+}
+
+// Runs `sql` on the file with plain SQLite, as an operator's tool (or a
+// damaged disk) would change it.
+void RawExec(const std::string& db, const std::string& sql) {
+  sqlite3* raw = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(db.c_str(), &raw, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  char* err = nullptr;
+  EXPECT_EQ(sqlite3_exec(raw, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK)
+      << sql << ": " << (err != nullptr ? err : "");
+  sqlite3_free(err);
+  sqlite3_close_v2(raw);
+}
+
+PlannerServerOptions ServerOn(const std::string& db) {
+  PlannerServerOptions o;
+  o.database = db;
+  o.metrics_port = -1;
+  o.drain = absl::ZeroDuration();
+  return o;
 }
 
 v1::StepMetric Metric(const std::string& deployment, int rank, int64_t step) {
@@ -133,14 +157,98 @@ TEST(SqliteBackendTest, PlannerStartsWithADeploymentThatNeverReported) {
     ASSERT_TRUE(backend.ok()) << backend.status();
     ASSERT_TRUE((*backend)->SaveDeployment(MakeDeployment("quiet")).ok());
   }
-  PlannerServerOptions o;
-  o.database = db;
-  o.metrics_port = -1;
-  o.drain = absl::ZeroDuration();
-  auto server = PlannerServer::Start(o);
+  auto server = PlannerServer::Start(ServerOn(db));
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_GT((*server)->port(), 0);
   (*server)->Shutdown();
+}
+
+// Records that cannot be read — bytes that do not parse, a row whose
+// message names another record (copied under a second key: two jobs of one
+// name would both be driven) or none (an empty body; the planner refused to
+// start, "deployment name is empty", naming no record) — are left out with
+// a line naming each and why; the rest loads and the planner serves.
+TEST(SqliteBackendTest, PlannerStartsWithoutTheRecordsItCannotReadAndNamesThem) {
+  const std::string db = TempDatabase("damaged.db");
+  {
+    auto backend = OpenSqliteBackend(db);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    ASSERT_TRUE((*backend)->SaveDeployment(MakeDeployment("good")).ok());
+    ASSERT_TRUE((*backend)->AppendStepMetrics({Metric("deployments/good", 0, 0)}).ok());
+    ASSERT_TRUE((*backend)->SaveDeployment(MakeDeployment("bad-metrics")).ok());
+    ASSERT_TRUE((*backend)->AppendStepMetrics({Metric("deployments/bad-metrics", 0, 0)}).ok());
+    v1::Job j;
+    j.set_name("jobs/train");
+    j.mutable_create_time()->set_seconds(1700000000);
+    j.mutable_status()->set_state(v1::JobStatus::FAILED);
+    ASSERT_TRUE((*backend)->SaveJob(j).ok());
+    v1::Plan p;
+    p.set_name("plans/good");
+    p.set_state(v1::Plan::FAILED);
+    ASSERT_TRUE((*backend)->SavePlan(p).ok());
+    p.set_name("plans/running");
+    p.set_state(v1::Plan::RUNNING);
+    ASSERT_TRUE((*backend)->SavePlan(p).ok());
+  }
+  RawExec(db, "INSERT INTO plans VALUES ('plans/empty', 1, 0, NULL, X'', X'')");
+  RawExec(db, "UPDATE plans SET body = X'FFFF' WHERE name = 'plans/running'");
+  RawExec(db, "INSERT INTO deployments VALUES ('deployments/empty', 1, 0, X'')");
+  RawExec(db, "INSERT INTO jobs SELECT 'jobs/copy', create_seconds, create_nanos, body FROM jobs");
+  RawExec(db,
+          "UPDATE step_metrics SET body = X'FFFF' WHERE deployment = 'deployments/bad-metrics'");
+
+  ::testing::internal::CaptureStderr();
+  {
+    auto backend = OpenSqliteBackend(db);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    auto loaded = (*backend)->Load();
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    ASSERT_EQ(loaded->plans.size(), 1u);
+    EXPECT_EQ(loaded->plans[0].name(), "plans/good");
+    ASSERT_EQ(loaded->deployments.size(), 2u);
+    ASSERT_EQ(loaded->metrics.size(), 1u);
+    EXPECT_EQ(loaded->metrics[0].deployment(), "deployments/good");
+    ASSERT_EQ(loaded->jobs.size(), 1u);
+    EXPECT_EQ(loaded->jobs[0].name(), "jobs/train");
+  }
+  auto server = PlannerServer::Start(ServerOn(db));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->Shutdown();
+  EXPECT_THAT(log, AllOf(HasSubstr("plan summary 'plans/empty' holds ''"),
+                         HasSubstr("plan 'plans/running' does not parse"),
+                         HasSubstr("deployment 'deployments/empty' holds ''"),
+                         HasSubstr("job 'jobs/copy' holds 'jobs/train'"),
+                         HasSubstr("step metric 'deployments/bad-metrics step 0 rank 0'")));
+}
+
+// Two planners on one database would both drive its deployments and jobs
+// and overwrite each other's records: the second is refused, naming the
+// file, for as long as the first has it open.
+TEST(SqliteBackendTest, ASecondPlannerOnTheSameDatabaseIsRefused) {
+  const std::string db = TempDatabase("shared.db");
+  auto first = PlannerServer::Start(ServerOn(db));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = PlannerServer::Start(ServerOn(db));
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_THAT(std::string(second.status().message()),
+              AllOf(HasSubstr(db), HasSubstr("another planner")));
+  auto backend = OpenSqliteBackend(db);
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition) << backend.status();
+  (*first)->Shutdown();
+  first->reset();
+  auto again = PlannerServer::Start(ServerOn(db));
+  ASSERT_TRUE(again.ok()) << again.status();
+  (*again)->Shutdown();
+}
+
+// A directory where the database should be names the path.
+TEST(SqliteBackendTest, ADirectoryForTheDatabaseIsRefusedNamingIt) {
+  const std::string db = TempDatabase("dir.db");
+  ASSERT_TRUE(std::filesystem::create_directory(db));
+  auto server = PlannerServer::Start(ServerOn(db));
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr(db));
 }
 
 }  // namespace

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -342,7 +344,7 @@ class SqliteStore final : public StateStore {
     st.Text(1, cache_key);
     HAP_ASSIGN_OR_RETURN(bool found, st.Step());
     if (!found) return NotFoundError("plan with cache key", cache_key);
-    return Parse<v1::Plan>(st.ColumnBlob(0), "plan with cache key", cache_key);
+    return ParseKeyed<v1::Plan>(st.ColumnBlob(0), "plan", st.ColumnBlob(1));
   }
 
   // --- Deployments ---------------------------------------------------------
@@ -413,10 +415,16 @@ class SqliteStore final : public StateStore {
     while (true) {
       HAP_ASSIGN_OR_RETURN(bool row, st.Step());
       if (!row) break;
+      const std::string key =
+          absl::StrCat(deployment, " step ", st.ColumnInt(1), " rank ", st.ColumnInt(2));
       HAP_ASSIGN_OR_RETURN(v1::StepMetric m,
-                           Parse<v1::StepMetric>(st.ColumnBlob(0), "step metric",
-                                                 absl::StrCat(deployment, " step ", st.ColumnInt(1),
-                                                              " rank ", st.ColumnInt(2))));
+                           Parse<v1::StepMetric>(st.ColumnBlob(0), "step metric", key));
+      if (m.deployment() != deployment || m.step() != st.ColumnInt(1) ||
+          m.rank() != st.ColumnInt(2)) {
+        return Damaged(
+            "step metric", key,
+            absl::StrCat("holds ", m.deployment(), " step ", m.step(), " rank ", m.rank()));
+      }
       out.push_back(std::move(m));
     }
     return out;
@@ -473,7 +481,7 @@ class SqliteStore final : public StateStore {
 
   // Lists bind ?1 seconds, ?2 nanos, ?3 name of the cursor to start after
   // and ?4 how many rows to read (nodes use only the name); they select
-  // body, name.
+  // body, name, create seconds, create nanos (0, 0 for nodes).
   struct StatementSql {
     StatementField field;
     const char* sql;
@@ -487,29 +495,31 @@ class SqliteStore final : public StateStore {
       {&Statements::upsert_node, "INSERT OR REPLACE INTO nodes (name, body) VALUES (?1, ?2)"},
       {&Statements::get_node, "SELECT body FROM nodes WHERE name = ?1"},
       {&Statements::list_nodes,
-       "SELECT body, name FROM nodes WHERE name > ?3 ORDER BY name LIMIT ?4"},
+       "SELECT body, name, 0, 0 FROM nodes WHERE name > ?3 ORDER BY name LIMIT ?4"},
       {&Statements::delete_node, "DELETE FROM nodes WHERE name = ?1"},
       {&Statements::put_plan,
        "INSERT OR REPLACE INTO plans (name, create_seconds, create_nanos, cache_key, body,"
        " summary) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"},
       {&Statements::list_summaries,
-       "SELECT COALESCE(summary, body), name FROM plans"
+       "SELECT COALESCE(summary, body), name, create_seconds, create_nanos FROM plans"
        " WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
        " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
       {&Statements::get_plan, "SELECT body FROM plans WHERE name = ?1"},
       {&Statements::list_plans,
-       "SELECT body, name FROM plans WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
+       "SELECT body, name, create_seconds, create_nanos FROM plans WHERE (create_seconds, "
+       "create_nanos, name) > (?1, ?2, ?3)"
        " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
       {&Statements::delete_plan, "DELETE FROM plans WHERE name = ?1"},
       {&Statements::find_plan_by_cache_key,
-       "SELECT body FROM plans WHERE cache_key = ?1"
+       "SELECT body, name FROM plans WHERE cache_key = ?1"
        " ORDER BY create_seconds DESC, create_nanos DESC, name DESC LIMIT 1"},
       {&Statements::put_deployment,
        "INSERT OR REPLACE INTO deployments (name, create_seconds, create_nanos, body)"
        " VALUES (?1, ?2, ?3, ?4)"},
       {&Statements::get_deployment, "SELECT body FROM deployments WHERE name = ?1"},
       {&Statements::list_deployments,
-       "SELECT body, name FROM deployments WHERE (create_seconds, create_nanos, name) > (?1, ?2, "
+       "SELECT body, name, create_seconds, create_nanos FROM deployments WHERE (create_seconds, "
+       "create_nanos, name) > (?1, ?2, "
        "?3)"
        " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
       {&Statements::delete_deployment, "DELETE FROM deployments WHERE name = ?1"},
@@ -525,7 +535,8 @@ class SqliteStore final : public StateStore {
        " VALUES (?1, ?2, ?3, ?4)"},
       {&Statements::get_job, "SELECT body FROM jobs WHERE name = ?1"},
       {&Statements::list_jobs,
-       "SELECT body, name FROM jobs WHERE (create_seconds, create_nanos, name) > (?1, ?2, ?3)"
+       "SELECT body, name, create_seconds, create_nanos FROM jobs WHERE (create_seconds, "
+       "create_nanos, name) > (?1, ?2, ?3)"
        " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
       {&Statements::delete_job, "DELETE FROM jobs WHERE name = ?1"},
   };
@@ -662,11 +673,24 @@ class SqliteStore final : public StateStore {
                           absl::string_view name) const {
     M m;
     if (!m.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
-      return absl::DataLossError(absl::StrCat("sqlite store '", path_, "': the stored ", what, " '",
-                                              name, "' does not parse as ", m.GetTypeName(),
-                                              "; the database is damaged"));
+      return Damaged(what, name, absl::StrCat("does not parse as ", m.GetTypeName()));
     }
     return m;
+  }
+  // Parse, for a message stored under its name `key`: one whose name is
+  // another (a row copied under a second key, or an empty body) would be a
+  // second record of that name, or one with none.
+  template <typename M>
+  absl::StatusOr<M> ParseKeyed(absl::string_view body, absl::string_view what,
+                               absl::string_view key) const {
+    HAP_ASSIGN_OR_RETURN(M m, Parse<M>(body, what, key));
+    if (m.name() != key) return Damaged(what, key, absl::StrCat("holds '", m.name(), "'"));
+    return m;
+  }
+  absl::Status Damaged(absl::string_view what, absl::string_view name,
+                       absl::string_view why) const {
+    return absl::DataLossError(absl::StrCat("sqlite store '", path_, "': the stored ", what, " '",
+                                            name, "' ", why, "; the database is damaged"));
   }
 
   absl::Status RequireDeployment(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -684,7 +708,7 @@ class SqliteStore final : public StateStore {
     st.Text(1, name);
     HAP_ASSIGN_OR_RETURN(bool found, st.Step());
     if (!found) return NotFoundError(what, name);
-    return Parse<M>(st.ColumnBlob(0), what, name);
+    return ParseKeyed<M>(st.ColumnBlob(0), what, name);
   }
 
   absl::Status Delete(StatementField stmt, absl::string_view what, const std::string& name) {
@@ -708,25 +732,44 @@ class SqliteStore final : public StateStore {
         .Int(2, request.after.nanos)
         .Text(3, request.after.name)
         .Int(4, int64_t{request.page_size} + 1);  // one more: is there a next page?
+    // A damaged row stays in `rows` as a message holding only its place in
+    // the list, so that the page (and its token) goes on past it.
     std::vector<M> rows;
+    std::vector<std::pair<size_t, absl::Status>> damaged;
     while (true) {
       HAP_ASSIGN_OR_RETURN(bool row, st.Step());
       if (!row) break;
-      if (filter != nullptr) {
-        absl::StatusOr<std::string> kept = filter(st.ColumnBlob(0));
-        if (!kept.ok()) {
-          return absl::DataLossError(absl::StrCat("sqlite store '", path_, "': ", what, " '",
-                                                  st.ColumnBlob(1), "': ",
-                                                  kept.status().message()));
-        }
-        HAP_ASSIGN_OR_RETURN(M m, Parse<M>(*kept, what, st.ColumnBlob(1)));
-        rows.push_back(std::move(m));
+      const absl::string_view key = st.ColumnBlob(1);
+      absl::StatusOr<M> m = ListedRow<M>(st.ColumnBlob(0), what, key, filter);
+      if (m.ok()) {
+        rows.push_back(*std::move(m));
         continue;
       }
-      HAP_ASSIGN_OR_RETURN(M m, Parse<M>(st.ColumnBlob(0), what, st.ColumnBlob(1)));
-      rows.push_back(std::move(m));
+      damaged.emplace_back(rows.size(), m.status());
+      M& place = rows.emplace_back();
+      place.set_name(std::string(key));
+      if constexpr (!std::is_same_v<M, v1::Node>) {  // nodes are listed by name alone
+        place.mutable_create_time()->set_seconds(st.ColumnInt(2));
+        place.mutable_create_time()->set_nanos(static_cast<int32_t>(st.ColumnInt(3)));
+      }
     }
-    return internal::FinishPage(kind, request, std::move(rows));
+    Page<M> page = internal::FinishPage(kind, request, std::move(rows));
+    for (auto it = damaged.rbegin(); it != damaged.rend(); ++it) {
+      if (it->first >= page.items.size()) continue;  // the look-ahead row
+      page.items.erase(page.items.begin() + it->first);
+      page.damaged.insert(page.damaged.begin(), std::move(it->second));
+    }
+    return page;
+  }
+  // One row of a list: its body, through `filter` when there is one.
+  template <typename M>
+  absl::StatusOr<M> ListedRow(absl::string_view body, absl::string_view what, absl::string_view key,
+                              absl::StatusOr<std::string> (*filter)(absl::string_view body)) const {
+    if (filter == nullptr) return ParseKeyed<M>(body, what, key);
+    absl::StatusOr<std::string> kept = filter(body);
+    if (!kept.ok())
+      return Damaged(what, key, absl::StrCat("is unreadable: ", kept.status().message()));
+    return ParseKeyed<M>(*kept, what, key);
   }
 
   // A PutPlan waiting for its group commit (the pointers are the caller's).

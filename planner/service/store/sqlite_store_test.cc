@@ -32,6 +32,7 @@ using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
 using ::testing::_;
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using testing::EqualsProto;
 using ::testing::HasSubstr;
 using testing::TestDeployment;
@@ -323,6 +324,31 @@ TEST_F(SqliteStoreTest, DamagedPagesAreDataLoss) {
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
 }
 
+// A file cut short (a copy that did not finish, a disk that filled while
+// it was copied): the pages past the end are gone. Whichever call first
+// needs them says DataLoss naming the file; nothing reads as empty.
+TEST_F(SqliteStoreTest, ATruncatedFileIsDataLoss) {
+  {
+    std::unique_ptr<StateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 50; ++i) {
+      ASSERT_THAT(store->PutPlan(TestPlan(absl::StrCat("plans/p", i), i), ""), IsOk());
+    }
+  }  // closing checkpoints the log into the file
+  struct stat st;
+  ASSERT_EQ(stat(path_.c_str(), &st), 0);
+  ASSERT_GT(st.st_size, 4096 * 4);
+  ASSERT_EQ(truncate(path_.c_str(), st.st_size / 2), 0);
+  absl::Status status;
+  absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path_);
+  if (!store.ok()) {
+    status = store.status();
+  } else {
+    status = (*store)->ListPlans(kMaxPageSize, "").status();
+  }
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
+}
+
 TEST_F(SqliteStoreTest, RowThatDoesNotParseIsDataLoss) {
   std::unique_ptr<StateStore> store = Open();
   ASSERT_NE(store, nullptr);
@@ -331,7 +357,71 @@ TEST_F(SqliteStoreTest, RowThatDoesNotParseIsDataLoss) {
   EXPECT_THAT(store->GetPlan("plans/p"),
               StatusIs(absl::StatusCode::kDataLoss,
                        AllOf(HasSubstr("plan 'plans/p' does not parse"), HasSubstr(path_))));
-  EXPECT_THAT(store->ListPlans(0, ""), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("plans/p")));
+  // A list leaves it out and names it, so that a starting planner loads
+  // the rest.
+  absl::StatusOr<Page<v1::Plan>> page = store->ListPlans(0, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_TRUE(page->items.empty());
+  EXPECT_THAT(page->damaged, ElementsAre(StatusIs(absl::StatusCode::kDataLoss,
+                                                  HasSubstr("plan 'plans/p' does not parse"))));
+}
+
+// A row whose message names another record than its key (copied by hand,
+// or an empty body, which parses as a message without a name) is damaged:
+// loaded, it would be a second record of that name or one without any.
+// Get says DataLoss naming both; lists leave it out, name it, and page on
+// past it.
+TEST_F(SqliteStoreTest, ARowWhoseMessageNamesAnotherRecordIsDataLossAndListsSkipIt) {
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_THAT(store->PutPlan(TestPlan("plans/a", 1), ""), IsOk());
+  ASSERT_THAT(store->PutPlan(TestPlan("plans/c", 3), ""), IsOk());
+  ASSERT_THAT(store->PutDeployment(TestDeployment("deployments/d", 1)), IsOk());
+  ASSERT_THAT(store->UpsertNode(TestNode("nodes/n")), IsOk());
+  {
+    RawDb raw(path_);
+    raw.Exec(
+        "INSERT INTO plans SELECT 'plans/b', 2, 0, NULL, body, summary FROM plans"
+        " WHERE name = 'plans/a'");
+    raw.Exec("INSERT INTO deployments VALUES ('deployments/e', 2, 0, X'')");
+    raw.Exec("INSERT INTO nodes SELECT 'nodes/m', body FROM nodes");
+  }
+  EXPECT_THAT(store->GetPlan("plans/b"),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(path_), HasSubstr("plan 'plans/b' holds 'plans/a'"))));
+  EXPECT_THAT(
+      store->GetDeployment("deployments/e"),
+      StatusIs(absl::StatusCode::kDataLoss, HasSubstr("deployment 'deployments/e' holds ''")));
+  EXPECT_THAT(store->GetNode("nodes/m"),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("node 'nodes/m' holds 'nodes/n'")));
+
+  // One row a page: the damaged one is a page of its own, and the next
+  // token goes on past it.
+  std::vector<std::string> names;
+  std::vector<absl::Status> damaged;
+  std::string token;
+  do {
+    absl::StatusOr<Page<v1::Plan>> page = store->ListPlanSummaries(1, token);
+    ASSERT_THAT(page, IsOk());
+    for (const v1::Plan& p : page->items) names.push_back(p.name());
+    damaged.insert(damaged.end(), page->damaged.begin(), page->damaged.end());
+    token = page->next_page_token;
+  } while (!token.empty());
+  EXPECT_THAT(names, ElementsAre("plans/a", "plans/c"));
+  EXPECT_THAT(damaged, ElementsAre(StatusIs(absl::StatusCode::kDataLoss,
+                                            HasSubstr("plan summary 'plans/b' holds 'plans/a'"))));
+  absl::StatusOr<Page<v1::Deployment>> deployments = store->ListDeployments(0, "");
+  ASSERT_THAT(deployments, IsOk());
+  ASSERT_EQ(deployments->items.size(), 1u);
+  EXPECT_EQ(deployments->items[0].name(), "deployments/d");
+  EXPECT_THAT(deployments->damaged,
+              ElementsAre(StatusIs(absl::StatusCode::kDataLoss, HasSubstr("'deployments/e'"))));
+  absl::StatusOr<Page<v1::Node>> nodes = store->ListNodes(0, "");
+  ASSERT_THAT(nodes, IsOk());
+  ASSERT_EQ(nodes->items.size(), 1u);
+  EXPECT_EQ(nodes->items[0].name(), "nodes/n");
+  EXPECT_THAT(nodes->damaged, ElementsAre(StatusIs(absl::StatusCode::kDataLoss,
+                                                   HasSubstr("node 'nodes/m' holds 'nodes/n'"))));
 }
 
 // Rows written before the summary column (schema 3) have none: their
@@ -353,9 +443,12 @@ TEST_F(SqliteStoreTest, PlansWithoutAStoredSummaryAreSummarisedWhenListed) {
   EXPECT_EQ(page->items[0].error(), "no fit");
   // Bytes that are not a plan are DataLoss, naming the plan.
   RawDb(path_).Exec("UPDATE plans SET body = X'FFFFFFFF'");
-  EXPECT_THAT(store->ListPlanSummaries(0, ""),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       AllOf(HasSubstr("'plans/p'"), HasSubstr("not a valid plan"))));
+  page = store->ListPlanSummaries(0, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_TRUE(page->items.empty());
+  EXPECT_THAT(page->damaged,
+              ElementsAre(StatusIs(absl::StatusCode::kDataLoss,
+                                   AllOf(HasSubstr("'plans/p'"), HasSubstr("not a valid plan")))));
 }
 
 TEST_F(SqliteStoreTest, UnopenablePathIsFailedPrecondition) {

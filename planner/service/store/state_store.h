@@ -18,6 +18,10 @@
 //     store and what it was doing.
 //   - Put/Upsert replace the whole stored message (the last write wins).
 //   - Writes are atomic: after an error nothing of that call is stored.
+//   - A stored record that cannot be read (its bytes do not parse, or its
+//     message names another record than the one it is stored as) is
+//     DataLoss, naming it, for Get; lists leave it out and return that
+//     status in the page's `damaged`, so that the rest can still be read.
 //
 // Lists are pages in a stable order (nodes by name; plans, deployments and
 // jobs by create_time, then name). page_size 0 means kDefaultPageSize; larger sizes
@@ -52,6 +56,9 @@ template <typename T>
 struct Page {
   std::vector<T> items;
   std::string next_page_token;  // empty: this was the last page
+  // DataLoss, naming the record and why, for each record of this page's
+  // span that could not be read and is not in `items`.
+  std::vector<absl::Status> damaged;
 };
 
 // A plan without its rank programs, graph and program: what lists and a
