@@ -366,6 +366,27 @@ TEST_F(SqliteStoreTest, RowThatDoesNotParseIsDataLoss) {
                                                   HasSubstr("plan 'plans/p' does not parse"))));
 }
 
+// A record a newer planner wrote, with a field this one does not know
+// (field 999 = 1 appended to its bytes), reads and lists as it is, the
+// field kept for when it is written back.
+TEST_F(SqliteStoreTest, ARecordWithAFieldFromANewerPlannerReads) {
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  ASSERT_THAT(store->UpsertNode(TestNode("nodes/a")), IsOk());
+  RawDb(path_).Exec("UPDATE nodes SET body = body || X'B83E01'");
+  absl::StatusOr<v1::Node> node = store->GetNode("nodes/a");
+  ASSERT_THAT(node, IsOk());
+  EXPECT_EQ(node->GetReflection()->GetUnknownFields(*node).field_count(), 1);
+  absl::StatusOr<Page<v1::Node>> page = store->ListNodes(0, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_EQ(page->items.size(), 1u);
+  EXPECT_TRUE(page->damaged.empty());
+  ASSERT_THAT(store->UpsertNode(*node), IsOk());
+  node = store->GetNode("nodes/a");
+  ASSERT_THAT(node, IsOk());
+  EXPECT_EQ(node->GetReflection()->GetUnknownFields(*node).field_count(), 1);
+}
+
 // A row whose message names another record than its key (copied by hand,
 // or an empty body, which parses as a message without a name) is damaged:
 // loaded, it would be a second record of that name or one without any.
