@@ -384,14 +384,10 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   if (r.global_batch() < 0) {
     return absl::InvalidArgumentError("global_batch must not be negative");
   }
-  if (r.devices_size() == 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("devices: a plan needs at least 2 devices, the request lists 1 ('",
-                     r.devices(0), "'); a single device runs the single-device program as it is"));
-  }
-  // One device listed or a device listed twice is the request's fault (the
-  // cluster's, such as fewer than 2 devices in it, are FAILED_PRECONDITION
-  // below; an elastic job waits for a second device before it asks).
+  // A device listed twice, or one device listed (below), is the request's
+  // fault (the cluster's, such as fewer than 2 devices in it, are
+  // FAILED_PRECONDITION; an elastic job waits for a second device before it
+  // asks).
   std::set<std::string> listed;
   for (const std::string& d : r.devices()) {
     if (!listed.insert(d).second) {
@@ -439,6 +435,12 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       job->devices.push_back(d);
     }
     job->cluster = ClusterLocked(false);
+  }
+  // Checked once the device is known (an unknown one is NOT_FOUND above).
+  if (r.devices_size() == 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("devices: a plan needs at least 2 devices, the request lists 1 ('",
+                     r.devices(0), "'); a single device runs the single-device program as it is"));
   }
   if (job->devices.empty()) {
     for (const auto& n : job->cluster.nodes()) {
