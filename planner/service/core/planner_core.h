@@ -151,7 +151,9 @@ class PlannerCore {
   // re-probe whose FLOP/s differs by more than 10% drops it. Returns a line
   // for people. NotFound for an unknown plan or a device no longer
   // registered; InvalidArgument for profiles that do not fit the plan; the
-  // sink's error (nothing stored) when it refuses.
+  // sink's error when it refuses a node's save (that node and those after
+  // it keep their calibration; those saved before it have the new one, here
+  // as in the store).
   absl::StatusOr<std::string> CalibrateDevices(const std::string& plan,
                                                const std::string& deployment,
                                                const std::vector<hap::v1::StepProfile>& profiles);

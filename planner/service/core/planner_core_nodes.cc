@@ -137,14 +137,17 @@ absl::StatusOr<std::string> PlannerCore::CalibrateDevices(
       *changed[name].mutable_devices(i)->mutable_calibration() = it->second;
     }
   }
-  if (o_.sink) {
-    for (const auto& [name, n] : changed) {
+  // Each node is served as saved: a save the store refuses part way fails
+  // the call, and the nodes saved before it keep their calibration here as
+  // they do in the store (a restart neither adds nor loses one).
+  for (auto& [name, n] : changed) {
+    if (o_.sink) {
       HAP_RETURN_IF_ERROR(Annotate(o_.sink->SaveNode(n), absl::StrCat("the calibration of node '",
                                                                       name, "' was not saved")));
     }
+    s_->nodes[name] = std::move(n);
   }
   std::vector<std::string> parts;
-  for (auto& [name, n] : changed) s_->nodes[name] = std::move(n);
   for (const auto& [id, c] : fitted) {
     double scaled = 0;
     for (const auto& [type, x] : c.op_time_scale()) scaled = std::max(scaled, x);

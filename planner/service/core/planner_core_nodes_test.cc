@@ -4,6 +4,7 @@
 // fitted from deployments' profiles.
 #include <cmath>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 
@@ -194,6 +195,31 @@ TEST_F(PlannerCoreTest, CalibratesDevicesFromProfilesAndLaterPlansUseIt) {
   // A re-registration keeps b's (same FLOP/s).
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
   EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
+}
+
+// A calibration the store takes for one node and refuses for the next (the
+// disk filled between the two saves) fails the call, and the core serves
+// what the store holds: a restart neither brings back a calibration the
+// caller did not see nor loses one it served.
+TEST_F(PlannerCoreTest, ACalibrationTheStoreRefusesPartWayLeavesTheNodesAsStored) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->state(), v1::Plan::SUCCEEDED) << first->error();
+  auto full = core_->GetPlan(first->name(), true);
+  ASSERT_TRUE(full.ok());
+  sink_.RefuseNode("b");  // "a" is saved first (name order), then the disk is full
+  EXPECT_THAT(core_->CalibrateDevices(first->name(), "deployments/d1", Profiles(*full, 0.05, 0.04)),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("the calibration of node 'b' was not saved"),
+                             HasSubstr("database or disk is full"))));
+  std::map<std::string, bool> served, stored;
+  const v1::Cluster cluster = core_->GetCluster(true);
+  for (const auto& n : cluster.nodes()) served[n.name()] = n.devices(0).has_calibration();
+  for (const auto& n : sink_.Nodes()) stored[n.name()] = n.devices(0).has_calibration();
+  EXPECT_EQ(served, stored);
+  EXPECT_FALSE(served.at("b"));
 }
 
 // A deployment whose executor reported NaN, negative or absurdly large

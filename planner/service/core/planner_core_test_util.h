@@ -43,9 +43,10 @@ struct RecordingSink : PlannerStateSink {
   std::map<std::string, v1::Node> nodes;
   std::map<std::string, v1::Plan> plans;
   // Plans saved in these states are refused; so is every node write while
-  // refuse_nodes is set.
+  // refuse_nodes is set, and every save of the nodes in refuse_node_names.
   std::set<v1::Plan::State> refuse_plan_states;
   bool refuse_nodes = false;
+  std::set<std::string> refuse_node_names;
 
   static absl::Status Full() {
     return absl::UnavailableError(
@@ -59,9 +60,14 @@ struct RecordingSink : PlannerStateSink {
     absl::MutexLock l(&mu);
     refuse_nodes = refuse;
   }
+  // Refuses saves of node `name` only (a disk that fills part way).
+  void RefuseNode(const std::string& name) {
+    absl::MutexLock l(&mu);
+    refuse_node_names.insert(name);
+  }
   absl::Status SaveNode(const v1::Node& n) override {
     absl::MutexLock l(&mu);
-    if (refuse_nodes) return Full();
+    if (refuse_nodes || refuse_node_names.count(n.name())) return Full();
     nodes[n.name()] = n;
     return absl::OkStatus();
   }
