@@ -159,6 +159,9 @@ struct DeploymentManager::State {
   std::map<std::string, StepStats> step_stats;  // per deployment
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
+  // Deployments whose record as served the sink refused to save, with its
+  // error: the store still holds an earlier one.
+  std::map<std::string, absl::Status> unsaved;
   // Rendezvous keys belong to a deployment that exists, at its generation,
   // until it finishes.
   RendezvousStore rendezvous;
@@ -301,7 +304,10 @@ void DeploymentManager::Update(const std::string& name,
   edit(next);
   if (o_.sink != nullptr) {
     absl::Status saved = o_.sink->SaveDeployment(next);
-    if (!saved.ok()) {
+    if (saved.ok()) {
+      s_->unsaved.erase(name);
+    } else {
+      s_->unsaved[name] = saved;
       // The executors did change state; say so, and that the store still
       // holds the state before (a restarted planner shows that one).
       next.set_error(absl::StrCat(next.error(), next.error().empty() ? "" : "; ",
@@ -315,6 +321,21 @@ void DeploymentManager::Update(const std::string& name,
   if (Final(it->second.state())) s_->FollowRendezvous(it->second);
   if (o_.on_change) o_.on_change(it->second);
   s_->changed.SignalAll();
+}
+
+absl::Status DeploymentManager::SaveAgainLocked(const std::string& name) {
+  auto refused = s_->unsaved.find(name);
+  if (refused == s_->unsaved.end() || o_.sink == nullptr) return absl::OkStatus();
+  const v1::Deployment& d = s_->deployments[name];
+  absl::Status saved = o_.sink->SaveDeployment(d);
+  if (saved.ok()) {
+    s_->unsaved.erase(refused);
+    return absl::OkStatus();
+  }
+  refused->second = saved;
+  return Annotate(saved, absl::StrCat(name, " is ", StateName(d.state()),
+                                      " but the planner could not save it so (a restarted "
+                                      "planner would find it as it was saved last)"));
 }
 
 // ---------------------------------------------------------- deployments --
@@ -424,8 +445,11 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
         s_->changed.WaitWithDeadline(&s_->mu,
                                      std::min(deadline, absl::Now() + absl::Milliseconds(200)));
       }
+      if (Final(s_->deployments[name].state())) HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
       return s_->deployments[name];
     }
+    // Over, but not saved so: not reported as done until the store has it.
+    HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
     d = it->second;
   }
   if (d.state() == v1::Deployment::SUCCEEDED) return d;

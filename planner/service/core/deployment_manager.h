@@ -8,7 +8,9 @@
 // save the sink refuses fails the call with the sink's error and changes
 // nothing. A state change a supervisor makes (the executors did change)
 // is kept even when its save fails, and the failed save is noted in the
-// deployment's error.
+// deployment's error; the next change saves the whole record, and a Stop of
+// a deployment that ended so fails with the sink's error (saving it again)
+// until the sink takes it.
 //
 // Rendezvous keys (rendezvous_store.h) belong to a deployment that exists,
 // at its generation, until it finishes (a store open to any name would grow
@@ -107,7 +109,9 @@ class DeploymentManager {
   // the deployment as it is then. FAILED/STOPPED: every rank is told to stop
   // again (idempotent): Unavailable naming the ranks that did not confirm.
   // SUCCEEDED: nothing to do. NotFound for an unknown name; Unavailable
-  // while shutting down.
+  // while shutting down. A final state the sink refused to save is saved
+  // again first: the sink's error, naming the state, while it refuses (the
+  // ranks are stopped, but the store still holds the state before).
   absl::StatusOr<hap::v1::Deployment> Stop(const std::string& name, absl::Time deadline,
                                            const std::function<bool()>& cancelled);
 
@@ -158,6 +162,10 @@ class DeploymentManager {
   DeploymentControl Control(const std::string& deployment);
   void ReapSupervisors();
   void Update(const std::string& name, const std::function<void(hap::v1::Deployment&)>& edit);
+  // Saves `name`'s record again when the sink refused its last save
+  // (Update); the sink's error, naming the state, while it still refuses
+  // (mu held).
+  absl::Status SaveAgainLocked(const std::string& name);
 
   DeploymentManagerOptions o_;
   std::unique_ptr<State> s_;

@@ -140,7 +140,8 @@ class FleetExecutors : public DeploymentExecutors {
   std::vector<std::string> addresses_;
 };
 
-// Keeps what the manager saves.
+// Keeps what the manager saves; refuses deployments while told to (a full
+// disk).
 class Sink : public PlannerStateSink {
  public:
   absl::Status SaveNode(const v1::Node&) override { return absl::OkStatus(); }
@@ -148,8 +149,19 @@ class Sink : public PlannerStateSink {
   absl::Status DeletePlan(const std::string&) override { return absl::OkStatus(); }
   absl::Status SaveDeployment(const v1::Deployment& d) override {
     absl::MutexLock l(&mu_);
+    if (refuse_) {
+      return absl::UnavailableError("sqlite store 'planner.db': database or disk is full");
+    }
     deployments_[d.name()] = d;
     return absl::OkStatus();
+  }
+  void Refuse(bool refuse) {
+    absl::MutexLock l(&mu_);
+    refuse_ = refuse;
+  }
+  v1::Deployment deployment(const std::string& name) {
+    absl::MutexLock l(&mu_);
+    return deployments_[name];
   }
   std::vector<v1::Deployment> deployments() {
     absl::MutexLock l(&mu_);
@@ -161,6 +173,7 @@ class Sink : public PlannerStateSink {
  private:
   absl::Mutex mu_;
   std::map<std::string, v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_);
+  bool refuse_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 v1::Plan TwoDevicePlan() {
@@ -350,6 +363,32 @@ TEST_F(DeploymentManagerTest, StopStopsEveryRankThenSaysStopped) {
   }
   EXPECT_THAT(manager_->Stop("deployments/nope", absl::InfiniteFuture(), [] { return false; }),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("'deployments/nope'")));
+}
+
+// A stop whose STOPPED the store refuses is not reported as done: the ranks
+// are stopped (that cannot be undone), but the call fails with the store's
+// error, as a restarted planner would find the deployment RUNNING. Asked
+// again, the record is saved again, and the call succeeds once it is.
+TEST_F(DeploymentManagerTest, AStopTheStoreRefusesToRecordFailsUntilItIsSaved) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  sink_.Refuse(true);
+  EXPECT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("deployments/p-g1 is STOPPED but the planner could not "
+                                       "save it so"),
+                             HasSubstr("disk is full"))));
+  EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::RUNNING);
+  EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::FAILED);
+  // Still full: asked again, it still fails.
+  EXPECT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("disk is full")));
+  sink_.Refuse(false);
+  auto stopped = manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; });
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::Deployment::STOPPED);
+  EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::STOPPED);
 }
 
 TEST_F(DeploymentManagerTest, ARestartedManagerReattachesAndStops) {
