@@ -208,14 +208,15 @@ class Pass {
     return true;
   }
 
-  void Finish(v1::JobStatus::State state, const std::string& message) {
+  // Whether it was saved.
+  bool Finish(v1::JobStatus::State state, const std::string& message) {
     st().set_state(state);
     st().set_message(message);
     st().clear_pending();
     st().clear_next_plan();
     st().clear_candidate_plan();
     st().clear_switch_pending();
-    Commit();
+    return Commit();
   }
 
   void RefreshCheckpoint() {
@@ -295,22 +296,28 @@ class Pass {
 
   // Past max_replans: the job FAILS. `deployment_live`: the job's
   // deployment is still PENDING or RUNNING and is asked to stop (a request
-  // that returns at once); a FAILED or STOPPED one was stopped by its
-  // supervisor, and asking again would block this pass, and every job's
-  // after it, on the ranks that are gone (up to the stop timeout).
+  // that returns at once) once FAILED is saved (a pass that cannot save it
+  // stops nothing; the next decides again); a FAILED or STOPPED one was
+  // stopped by its supervisor, and asking again would block this pass, and
+  // every job's after it, on the ranks that are gone (up to the stop
+  // timeout).
   bool OverReplanLimit(bool deployment_live = true) {
     if (st().replans() <= MaxReplans(spec())) return false;
-    std::string why = absl::StrCat("gave up after ", st().replans() - 1, " re-plans (max_replans ",
-                                   MaxReplans(spec()), "); the last: ", st().pending().detail());
+    if (!Finish(v1::JobStatus::FAILED,
+                absl::StrCat("gave up after ", st().replans() - 1, " re-plans (max_replans ",
+                             MaxReplans(spec()), "); the last: ", st().pending().detail()))) {
+      return true;
+    }
     if (deployment_live && !st().deployment().empty()) {
       // The job ends here and no later pass asks again: a refused stop is
       // said in the job's status, for the operator to act on.
       absl::Status stopped = b_.StopDeployment(st().deployment());
       if (!stopped.ok()) {
-        absl::StrAppend(&why, "; stopping ", st().deployment(), " failed: ", stopped.message());
+        absl::StrAppend(st().mutable_message(), "; stopping ", st().deployment(),
+                        " failed: ", stopped.message());
+        Commit();
       }
     }
-    Finish(v1::JobStatus::FAILED, why);
     return true;
   }
 
@@ -383,9 +390,14 @@ class Pass {
                   absl::StrCat("the node of ", absl::StrJoin(lost, ", "),
                                " missed its heartbeats (STALE); stopping ", d->name()));
       if (OverReplanLimit()) return false;
+      // The recovery is saved before the deployment is stopped: a pass that
+      // cannot save it stops nothing (the job as stored still trains on it).
+      if (!Commit()) return false;
       absl::Status s = b_.StopDeployment(d->name());
-      if (!s.ok()) st().set_message(absl::StrCat(st().message(), "; stop: ", s.message()));
-      Commit();
+      if (!s.ok()) {
+        st().set_message(absl::StrCat(st().message(), "; stop: ", s.message()));
+        Commit();
+      }
       return false;
     }
     if (d->state() == v1::Deployment::RUNNING) {
@@ -565,8 +577,11 @@ class Pass {
                 slowdown ? absl::StrCat(st().slowdown_detail(), "; ", what) : what);
     if (OverReplanLimit()) return;
     st().set_next_plan(candidate);
-    // A refused stop is asked again by the passes that follow, until the
-    // deployment is final (RECOVERING's old deployment, above).
+    // Saved before the deployment is stopped (a pass that cannot save the
+    // switch stops nothing; the next judges it again). A refused stop is
+    // asked again by the passes that follow, until the deployment is final
+    // (RECOVERING's old deployment, above).
+    if (!Commit()) return;
     (void)b_.StopDeployment(st().deployment());
   }
 
@@ -824,8 +839,9 @@ class Pass {
     RefreshCheckpoint();
     if (st().checkpoint_step() >= spec().training().steps()) {
       st().set_steps_done(spec().training().steps());
-      return Finish(v1::JobStatus::SUCCEEDED, absl::StrCat("every step done (checkpoint at step ",
-                                                           st().checkpoint_step(), " committed)"));
+      Finish(v1::JobStatus::SUCCEEDED, absl::StrCat("every step done (checkpoint at step ",
+                                                    st().checkpoint_step(), " committed)"));
+      return;
     }
     std::vector<std::string> usable = UsableDevices(e_.cluster, spec().devices(), Unavailable());
     if (st().next_plan().empty()) {
@@ -847,7 +863,8 @@ class Pass {
       p = b_.CreatePlan(PlanRequest(st().next_plan(), usable));
       if (absl::IsAlreadyExists(p.status())) p = b_.GetPlan(st().next_plan());
       if (absl::IsInvalidArgument(p.status())) {
-        return Finish(v1::JobStatus::FAILED, absl::StrCat("cannot plan: ", p.status().message()));
+        Finish(v1::JobStatus::FAILED, absl::StrCat("cannot plan: ", p.status().message()));
+        return;
       }
     }
     if (!p.ok()) {
@@ -861,9 +878,10 @@ class Pass {
         break;
       case v1::Plan::FAILED:
       case v1::Plan::CANCELLED:
-        return Finish(
+        Finish(
             v1::JobStatus::FAILED,
             absl::StrCat(p->name(), " ended ", v1::Plan::State_Name(p->state()), ": ", p->error()));
+        return;
       default:
         st().set_message(
             absl::StrCat("planning: ", p->name(), " is ", v1::Plan::State_Name(p->state())));

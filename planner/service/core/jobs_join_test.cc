@@ -24,6 +24,22 @@ void JobsTest::JudgeThreeNotWorthIt(const double* three,
   ASSERT_EQ(fake_.requests.size(), 2u);
 }
 
+std::string JobsTest::SwitchPending() {
+  Make();
+  fake_.SetNode(2, v1::Node::STALE);
+  const std::string first = StartRunning();
+  Measured(first, 0.5);
+  fake_.checkpoint = 20;
+  fake_.SetNode(2, v1::Node::READY);
+  c_->Reconcile();
+  now_ += absl::Seconds(31);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 2u);
+  c_->Reconcile();  // the join pays: waits for a checkpoint
+  EXPECT_TRUE(Job().status().switch_pending());
+  return first;
+}
+
 namespace {
 
 TEST_F(JobsTest, ReturningNodeSwitchesAtTheNextCheckpointWhenTheGainClearsTheThreshold) {
@@ -71,21 +87,31 @@ TEST_F(JobsTest, ReturningNodeSwitchesAtTheNextCheckpointWhenTheGainClearsTheThr
   EXPECT_DOUBLE_EQ(e.predicted_step_after(), 1.0 / 3);
 }
 
+// The switch is saved before the deployment is stopped: a pass that cannot
+// save it stops nothing, and the next makes the switch it judged (not a
+// recovery from a deployment "stopped outside the job", re-planned anew).
+TEST_F(JobsTest, ASwitchTheSinkRefusesStopsNothing) {
+  const std::string first = SwitchPending();
+  fake_.checkpoint = 30;
+  fake_.Only(first).set_steps_completed(31);
+  sink_.refuse = true;
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(fake_.Only(first).state(), v1::Deployment::RUNNING);
+  EXPECT_THAT(replans_, IsEmpty());
+  sink_.refuse = false;
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, ElementsAre(first));
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_JOINED));
+  c_->Reconcile();
+  EXPECT_EQ(Job().status().plan(), "plans/train-p2");  // the plan judged
+  EXPECT_EQ(fake_.requests.size(), 2u);
+}
+
 // A switch waiting for the next checkpoint is not made when that
 // checkpoint is the job's last step: nothing is left to run faster.
 TEST_F(JobsTest, NoSwitchAtTheJobsFinalCheckpoint) {
-  Make();
-  fake_.SetNode(2, v1::Node::STALE);
-  const std::string first = StartRunning();
-  Measured(first, 0.5);
-  fake_.checkpoint = 20;
-  fake_.SetNode(2, v1::Node::READY);
-  c_->Reconcile();
-  now_ += absl::Seconds(31);
-  c_->Reconcile();
-  ASSERT_EQ(fake_.requests.size(), 2u);
-  c_->Reconcile();  // the join pays: waits for a checkpoint
-  ASSERT_TRUE(Job().status().switch_pending());
+  const std::string first = SwitchPending();
   fake_.checkpoint = 100;  // the job's steps
   fake_.Only(first).set_steps_completed(100);
   c_->Reconcile();

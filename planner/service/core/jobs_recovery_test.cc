@@ -143,6 +143,29 @@ TEST_F(JobsTest, StaleNodeStopsTheSurvivorsBeforeReplanning) {
   EXPECT_EQ(fake_.Only(Deployment()).training().resume(), "");  // no checkpoint yet
 }
 
+// The recovery is saved before the deployment is stopped: a pass that cannot
+// save it stops nothing (the job, as stored, still trains on it), and the
+// next pass recovers from the STALE node, not from a deployment "stopped
+// outside the job" by the pass before.
+TEST_F(JobsTest, ARecoveryTheSinkRefusesStopsNothing) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.SetNode(1, v1::Node::STALE);
+  sink_.refuse = true;
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(fake_.Only(first).state(), v1::Deployment::RUNNING);
+  EXPECT_EQ(State(), v1::JobStatus::RUNNING);
+  EXPECT_THAT(Job().status().message(), HasSubstr("could not save this job: disk full"));
+  EXPECT_THAT(replans_, IsEmpty());
+  sink_.refuse = false;
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, ElementsAre(first));
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_STALE));
+  EXPECT_EQ(sink_.jobs.at("jobs/train").status().pending().reason(), v1::JobEvent::NODE_STALE);
+  EXPECT_EQ(sink_.jobs.at("jobs/train").status().replans(), 1);
+}
+
 TEST_F(JobsTest, SecondFailureWhileRecoveringStartsTheRecoveryAgain) {
   Make();
   fake_.AddNode();  // d3: a plan needs 2 devices, 2 are left at the end
@@ -260,6 +283,32 @@ TEST_F(JobsTest, GivesUpAfterMaxReplans) {
   // gives up does not ask again (a stop of a FAILED deployment waits on its
   // ranks, lost ones up to the stop timeout, holding up every job's pass).
   EXPECT_THAT(fake_.stops, IsEmpty());
+}
+
+// A job that gives up on a deployment still training stops it once FAILED
+// is saved: a pass that cannot save it stops nothing (the job as stored
+// still trains on it), the next gives up and stops it.
+TEST_F(JobsTest, GivingUpTheSinkRefusesStopsNothing) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(1);
+  StartRunning(r);
+  fake_.SetState(Deployment(), v1::Deployment::FAILED);
+  c_->Reconcile();
+  const std::string second = Deployment();
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  ASSERT_EQ(State(), v1::JobStatus::RUNNING);
+  fake_.SetNode(1, v1::Node::STALE);
+  sink_.refuse = true;
+  c_->Reconcile();
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  EXPECT_EQ(State(), v1::JobStatus::RUNNING);
+  sink_.refuse = false;
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::FAILED);
+  EXPECT_EQ(sink_.jobs.at("jobs/train").status().state(), v1::JobStatus::FAILED);
+  EXPECT_THAT(fake_.stops, ElementsAre(second));
 }
 
 // A deployment that disappeared (deleted from the planner's store) counts as

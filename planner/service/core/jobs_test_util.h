@@ -262,6 +262,10 @@ class JobsTest : public ::testing::Test {
   // `running`, when given, sees the first deployment before d2 returns.
   void JudgeThreeNotWorthIt(const double* three,
                             const std::function<void(const std::string& first)>& running = {});
+  // Running on d0 and d1 (at 0.5 s, as predicted), d2 returns: the plan on
+  // all three is judged worth it and the switch waits for a checkpoint past
+  // step 20 (jobs_join_test.cc). Returns the deployment.
+  std::string SwitchPending();
 
   // A running job, calibrated, that expects 1.0 s steps, measured 1.3 s over
   // steps 23-42 and judged a plan on the same devices predicted at
