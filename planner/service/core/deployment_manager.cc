@@ -497,21 +497,32 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
       }
     }
   }
-  // Saved first: what is served is what a restart finds.
-  if (o_.sink != nullptr) {
-    HAP_RETURN_IF_ERROR(Annotate(o_.sink->AppendStepMetrics(batch), "step metrics not saved"));
+  // Saved first, one deployment at a time (the store writes each one's all
+  // or none): what is served is what a restart finds, also when the store
+  // takes one deployment's metrics and refuses the next's.
+  std::map<std::string, std::vector<v1::StepMetric>> by_deployment;
+  for (const auto& m : batch) by_deployment[m.deployment()].push_back(m);
+  for (const auto& [name, metrics] : by_deployment) {
+    if (o_.sink != nullptr) {
+      HAP_RETURN_IF_ERROR(Annotate(o_.sink->AppendStepMetrics(metrics),
+                                   absl::StrCat("step metrics not saved (", name, ")")));
+    }
+    KeepStepMetricsLocked(name, metrics);
   }
-  std::set<std::string> touched;
-  for (const auto& m : batch) {
-    touched.insert(m.deployment());
+  return absl::OkStatus();
+}
+
+void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
+                                              const std::vector<v1::StepMetric>& metrics) {
+  auto& list = s_->metrics[name];
+  State::StepStats& stats = s_->step_stats[name];
+  v1::Deployment& d = s_->deployments[name];
+  for (const auto& m : metrics) {
     // The first max_metrics_per_deployment are kept (served by StepMetrics);
     // the statistics follow every metric.
-    auto& list = s_->metrics[m.deployment()];
     const bool kept = list.size() < o_.max_metrics_per_deployment;
     if (kept) list.push_back(m);
-    State::StepStats& stats = s_->step_stats[m.deployment()];
     stats.Add(m, kept);
-    v1::Deployment& d = s_->deployments[m.deployment()];
     if (m.rank() == 0) {
       d.set_steps_completed(std::max(d.steps_completed(), m.step() + 1));
       d.set_last_loss(m.loss());
@@ -525,10 +536,7 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
   // rank's median over its last steps (ranks that share no collective run
   // at their own pace, and the deployment ends with the slowest), past the
   // cap on metrics kept too.
-  for (const std::string& name : touched) {
-    s_->deployments[name].set_recent_step_seconds(s_->step_stats[name].Recent());
-  }
-  return absl::OkStatus();
+  d.set_recent_step_seconds(stats.Recent());
 }
 
 absl::StatusOr<std::vector<v1::StepMetric>> DeploymentManager::StepMetrics(

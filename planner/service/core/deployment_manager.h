@@ -115,10 +115,12 @@ class DeploymentManager {
   absl::StatusOr<hap::v1::Deployment> Stop(const std::string& name, absl::Time deadline,
                                            const std::function<bool()>& cancelled);
 
-  // A batch of step metrics from executors, all or none: NotFound for an
-  // unknown deployment, InvalidArgument for a rank or step outside it (steps
-  // are 0 to training.steps - 1), a loss that is not finite or a time that
-  // is not finite and non-negative, the sink's error when it refuses. Rank
+  // A batch of step metrics from executors, checked all or none: NotFound
+  // for an unknown deployment, InvalidArgument for a rank or step outside it
+  // (steps are 0 to training.steps - 1), a loss that is not finite or a
+  // time that is not finite and non-negative. Then saved and taken one
+  // deployment at a time, by name: the sink's error, naming the deployment,
+  // when it refuses one (the deployments before it are taken, as saved). Rank
   // 0's metrics update the deployment's steps_completed, last_loss and
   // median_step_seconds (the upper median of rank 0's step times kept,
   // updated in O(log n) a metric), and every metric its recent_step_seconds
@@ -162,6 +164,9 @@ class DeploymentManager {
   DeploymentControl Control(const std::string& deployment);
   void ReapSupervisors();
   void Update(const std::string& name, const std::function<void(hap::v1::Deployment&)>& edit);
+  // Serves `metrics` of deployment `name`, saved (mu held).
+  void KeepStepMetricsLocked(const std::string& name,
+                             const std::vector<hap::v1::StepMetric>& metrics);
   // Saves `name`'s record again when the sink refused its last save
   // (Update); the sink's error, naming the state, while it still refuses
   // (mu held).

@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -140,8 +141,8 @@ class FleetExecutors : public DeploymentExecutors {
   std::vector<std::string> addresses_;
 };
 
-// Keeps what the manager saves; refuses deployments while told to (a full
-// disk).
+// Keeps what the manager saves; refuses deployments while told to, and the
+// step metrics of the deployments named (a full disk).
 class Sink : public PlannerStateSink {
  public:
   absl::Status SaveNode(const v1::Node&) override { return absl::OkStatus(); }
@@ -159,6 +160,28 @@ class Sink : public PlannerStateSink {
     absl::MutexLock l(&mu_);
     refuse_ = refuse;
   }
+  // As the daemon's store does (sqlite_backend.cc): one deployment's
+  // metrics at a time, all or none, stopping at the first refused.
+  absl::Status AppendStepMetrics(const std::vector<v1::StepMetric>& batch) override {
+    std::map<std::string, std::vector<v1::StepMetric>> by_deployment;
+    for (const auto& m : batch) by_deployment[m.deployment()].push_back(m);
+    absl::MutexLock l(&mu_);
+    for (const auto& [name, metrics] : by_deployment) {
+      if (refuse_metrics_of_.count(name)) {
+        return absl::UnavailableError("sqlite store 'planner.db': database or disk is full");
+      }
+      for (const auto& m : metrics) metrics_[name].push_back(m);
+    }
+    return absl::OkStatus();
+  }
+  void RefuseMetricsOf(const std::string& deployment) {
+    absl::MutexLock l(&mu_);
+    refuse_metrics_of_.insert(deployment);
+  }
+  size_t metrics(const std::string& deployment) {
+    absl::MutexLock l(&mu_);
+    return metrics_[deployment].size();
+  }
   v1::Deployment deployment(const std::string& name) {
     absl::MutexLock l(&mu_);
     return deployments_[name];
@@ -174,6 +197,8 @@ class Sink : public PlannerStateSink {
   absl::Mutex mu_;
   std::map<std::string, v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_);
   bool refuse_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::vector<v1::StepMetric>> metrics_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> refuse_metrics_of_ ABSL_GUARDED_BY(mu_);
 };
 
 v1::Plan TwoDevicePlan() {
@@ -568,6 +593,36 @@ TEST_F(DeploymentManagerTest, StepMetricsOutsideTheDeploymentOrNotFiniteAreRefus
   EXPECT_DOUBLE_EQ(now.median_step_seconds(), 1.0);
   EXPECT_DOUBLE_EQ(now.recent_step_seconds(), 1.0);
   EXPECT_EQ(manager_->StepMetrics(d->name())->size(), 2u);
+}
+
+// A batch over two deployments whose store takes the first and refuses the
+// second fails naming it, and each deployment's metrics are served as the
+// store holds them (a restart neither brings back metrics the call did not
+// take nor loses some it did).
+TEST_F(DeploymentManagerTest, StepMetricsTheStoreRefusesPartWayAreServedAsStored) {
+  std::vector<v1::Deployment> stored;
+  for (const char* name : {"deployments/p-g1", "deployments/q-g1"}) {
+    v1::Deployment d;
+    d.set_name(name);
+    d.set_plan("plans/p");
+    d.set_state(v1::Deployment::SUCCEEDED);
+    d.add_ranks()->set_device("a/cpu0");
+    d.mutable_training()->set_steps(100);
+    stored.push_back(d);
+  }
+  Start(stored);
+  sink_.RefuseMetricsOf("deployments/q-g1");
+  std::vector<v1::StepMetric> batch(2);
+  batch[0].set_deployment("deployments/p-g1");
+  batch[1].set_deployment("deployments/q-g1");
+  EXPECT_THAT(manager_->ReportStepMetrics(batch),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("step metrics not saved (deployments/q-g1)"),
+                             HasSubstr("disk is full"))));
+  for (const char* name : {"deployments/p-g1", "deployments/q-g1"}) {
+    EXPECT_EQ(manager_->StepMetrics(name)->size(), sink_.metrics(name)) << name;
+    EXPECT_EQ(manager_->Get(name)->steps_completed(), sink_.metrics(name)) << name;
+  }
 }
 
 TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeployment) {
