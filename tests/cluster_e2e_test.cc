@@ -407,6 +407,16 @@ TEST_F(ClusterTest, PlansFromMeasuredProfilesTrainsAndSurvivesAPlannerKill) {
                     .ok());
     describe.Stop(0, absl::Seconds(30));
     EXPECT_THAT(describe.output(), ::testing::HasSubstr("SUCCEEDED"));
+    // Stopping a deployment that has ended says so and leaves it SUCCEEDED
+    // (hapctl printed "stopping" whatever the planner answered).
+    Process stop;
+    ASSERT_TRUE(stop.Start({Runfile("tools/hapctl"), "stop", "deployment", dep.name(),
+                            "--server=" + Planner(), "--token-file=" + dir_ + "/token"})
+                    .ok());
+    const int stop_status = stop.Stop(0, absl::Seconds(30));
+    EXPECT_TRUE(WIFEXITED(stop_status) && WEXITSTATUS(stop_status) == 0) << stop.output();
+    EXPECT_THAT(stop.output(),
+                ::testing::HasSubstr(dep.name() + " had already ended SUCCEEDED; nothing to stop"));
     Process denied;
     ASSERT_TRUE(denied.Start({Runfile("tools/hapctl"), "get", "plans", "--server=" + Planner()})
                     .ok());

@@ -852,7 +852,25 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     v1::Deployment d;
     grpc::Status s = c->stub->StopDeployment(&ctx, r, &d);
     if (!s.ok()) return Fail(s);
-    std::cout << d.name() << " stopping\n";
+    if (c->format != "table") {
+      PrintMessage(d, c->format);
+      return 0;
+    }
+    // The server answers once the ranks have stopped: say what it reports,
+    // and that a deployment which had already ended was left as it was.
+    const std::string state = v1::Deployment::State_Name(d.state());
+    switch (d.state()) {
+      case v1::Deployment::STOPPED:
+        std::cout << d.name() << " STOPPED\n";
+        break;
+      case v1::Deployment::SUCCEEDED:
+      case v1::Deployment::FAILED:
+        std::cout << d.name() << " had already ended " << state << "; nothing to stop\n";
+        break;
+      default:
+        std::cout << d.name() << " " << state << " (stopping)\n";
+        break;
+    }
     return 0;
   }
   return Fail(absl::InvalidArgumentError(absl::StrCat("unknown command '", verb, "'")));
