@@ -99,6 +99,17 @@ absl::StatusOr<double> Args::Number(const std::string& flag, double def) const {
   return v;
 }
 
+namespace {
+
+// A range bound as a reader writes it: whole numbers in full (1073741824,
+// not 1.07374e+09), others as StrCat prints them.
+std::string Bound(double x) {
+  if (x == std::floor(x) && std::fabs(x) < 0x1p53) return absl::StrCat(static_cast<int64_t>(x));
+  return absl::StrCat(x);
+}
+
+}  // namespace
+
 absl::StatusOr<double> Args::NumberOrEnv(const std::string& flag, double def, double lo, double hi,
                                          bool whole) const {
   const std::string v = GetOrEnv(flag, "");
@@ -108,7 +119,8 @@ absl::StatusOr<double> Args::NumberOrEnv(const std::string& flag, double def, do
       (whole && x != std::floor(x))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--", flag, " (or ", EnvName(flag), ") must be a ", whole ? "whole number" : "number",
-        std::isfinite(hi) ? absl::StrCat(" from ", lo, " to ", hi) : absl::StrCat(" >= ", lo),
+        std::isfinite(hi) ? absl::StrCat(" from ", Bound(lo), " to ", Bound(hi))
+                          : absl::StrCat(" >= ", Bound(lo)),
         ", got '", v, "'"));
   }
   return x;

@@ -784,17 +784,37 @@ TEST(PlannerLimitsTest, EachConnectionsOpenCallsAreBounded) {
 TEST(PlannerFlagsTest, OutOfRangeFlagsAreRefusedAtStart) {
   const std::string dir = testing::TempDir("planner-flags");
   for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
-           {"--missed-status-polls=0", "--missed-status-polls must be a positive number"},
-           {"--missed-status-polls=2.5", "--missed-status-polls must be a whole number"},
-           {"--status-poll-seconds=-1", "--status-poll-seconds must be a positive number"},
-           {"--max-threads=nan", "--max-threads must be a positive number"},
-           {"--max-concurrent-streams=1.5", "--max-concurrent-streams must be a whole number"},
-           {"--max-concurrent-streams=-1", "--max-concurrent-streams must be a number >= 0"},
-           {"--heartbeat-seconds=inf", "--heartbeat-seconds must be a positive number"},
-           {"--heartbeat-seconds=0.001", "--heartbeat-seconds must be a number from 0.01 to 3600"},
-           {"--missed-heartbeats=1e12", "--missed-heartbeats must be a whole number from 1 to"},
-           {"--workers=2.5", "--workers must be a whole number from 1 to 1024"},
-           {"--drain-seconds=1e300", "--drain-seconds must be a number from 0 to 3600"}}) {
+           {"--missed-status-polls=0",
+            "--missed-status-polls (or HAP_MISSED_STATUS_POLLS) must be a whole number from 1 to "
+            "1000"},
+           {"--missed-status-polls=2.5",
+            "--missed-status-polls (or HAP_MISSED_STATUS_POLLS) must be a whole number"},
+           {"--status-poll-seconds=-1",
+            "--status-poll-seconds (or HAP_STATUS_POLL_SECONDS) must be a number from 0.001 to "
+            "3600"},
+           {"--max-threads=nan",
+            "--max-threads (or HAP_MAX_THREADS) must be a whole number from 4 to 65536"},
+           {"--max-threads=1e9",
+            "--max-threads (or HAP_MAX_THREADS) must be a whole number from 4 to 65536"},
+           {"--max-concurrent-streams=1.5",
+            "--max-concurrent-streams (or HAP_MAX_CONCURRENT_STREAMS) must be a whole number"},
+           {"--max-concurrent-streams=-1",
+            "--max-concurrent-streams (or HAP_MAX_CONCURRENT_STREAMS) must be a whole number from "
+            "0"},
+           {"--heartbeat-seconds=inf",
+            "--heartbeat-seconds (or HAP_HEARTBEAT_SECONDS) must be a number from 0.01 to 3600"},
+           {"--heartbeat-seconds=0.001",
+            "--heartbeat-seconds (or HAP_HEARTBEAT_SECONDS) must be a number from 0.01 to 3600"},
+           {"--missed-heartbeats=1e12",
+            "--missed-heartbeats (or HAP_MISSED_HEARTBEATS) must be a whole number from 1 to"},
+           {"--workers=2.5", "--workers (or HAP_WORKERS) must be a whole number from 1 to 1024"},
+           {"--max-request-bytes=1e18",
+            "--max-request-bytes (or HAP_MAX_REQUEST_BYTES) must be a whole number from 1 to "
+            "1073741824"},
+           {"--plan-retention-count=-2",
+            "--plan-retention-count (or HAP_PLAN_RETENTION_COUNT) must be a whole number from 0"},
+           {"--drain-seconds=1e300",
+            "--drain-seconds (or HAP_DRAIN_SECONDS) must be a number from 0 to 3600"}}) {
     Process p;
     ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
                          "--metrics-listen=off", "--database=" + dir + "/planner.db", flag})
@@ -809,11 +829,43 @@ TEST(PlannerFlagsTest, OutOfRangeFlagsAreRefusedAtStart) {
   Process p;
   ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
                        "--metrics-listen=off", "--database=" + dir + "/planner.db",
-                       "--status-poll-seconds=0.25", "--missed-status-polls=5",
-                       "--max-threads=16"})
+                       "--status-poll-seconds=0.25", "--missed-status-polls=5", "--max-threads=16",
+                       "--drain-seconds=0", "--node-expiry-seconds=0"})
                   .ok());
   EXPECT_TRUE(p.WaitForLine("listening on 127.0.0.1:").ok()) << p.output();
   p.Stop(SIGTERM);
+}
+
+// --help lists every flag the planner reads, with its default and range
+// (it printed three of them and "... (see main.cc)").
+TEST(PlannerFlagsTest, HelpListsEveryFlag) {
+  Process p;
+  ASSERT_TRUE(p.Start({testing::Runfile("planner/service/hap-planner"), "--help"}).ok());
+  const int status = p.Stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << p.output();
+  for (const char* flag : {"--listen",
+                           "--advertise",
+                           "--metrics-listen",
+                           "--database",
+                           "--token-file",
+                           "--tls-cert-file",
+                           "--tls-key-file",
+                           "--heartbeat-seconds",
+                           "--missed-heartbeats",
+                           "--workers",
+                           "--max-seconds",
+                           "--max-request-bytes",
+                           "--max-threads",
+                           "--max-concurrent-streams",
+                           "--status-poll-seconds",
+                           "--missed-status-polls",
+                           "--drain-seconds",
+                           "--node-expiry-seconds",
+                           "--plan-retention-count",
+                           "--plan-retention-seconds"}) {
+    EXPECT_THAT(p.output(), HasSubstr(std::string("  ") + flag + " ")) << flag;
+  }
+  EXPECT_THAT(p.output(), Not(HasSubstr("see main.cc")));
 }
 
 }  // namespace
