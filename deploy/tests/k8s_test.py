@@ -194,6 +194,13 @@ def check_overlay(overlay, objects, defaults):
                         check(not gpu and "nvidia.com/gpu" not in tol and
                               not any(k.startswith("nvidia.com/") for k in sel_nodes),
                               f"{where}: GPU settings in the cpu overlay")
+                    if c["name"] == "executor":
+                        # The id it serves is the device the agent reports: a GPU
+                        # in the gpu overlay, the CPU in the cpu overlay.
+                        want = "$(NODE_NAME)/gpu0" if overlay == "gpu" else "$(NODE_NAME)/cpu0"
+                        ids = [a for a in c.get("args", []) if a.startswith("--device-id=")]
+                        check(ids == ["--device-id=" + want],
+                              f"{where}: executor --device-id {ids}, expected {want}")
                     planner_env = [e for e in c.get("env", []) if e["name"] == "HAP_PLANNER"]
                     check(planner_env and "configMapKeyRef" in planner_env[0].get("valueFrom", {}),
                           f"{where}: HAP_PLANNER does not come from the ConfigMap")

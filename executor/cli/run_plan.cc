@@ -100,6 +100,10 @@ step-* directory), onto this plan whatever plan wrote it, if the graph is
 the same. --init-weights FILE starts from the parameters of a safetensors
 file of whole tensors (tools/export_fx.py --weights, hapctl checkpoint
 export) instead of the initialisers.
+
+hap-executor --serve --planner HOST:PORT [...] instead runs the executor
+daemon: one rank of the deployments the planner pushes (flags:
+hap-executor --serve --help).
 )";
 
 constexpr char kLaunchUsage[] =
