@@ -432,19 +432,8 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
     std::string model = a.Get("model", "gpt");
     auto* zoo = r.mutable_model()->mutable_zoo();
     zoo->set_name(model);
-    for (const std::string& flag : ZooParamFlags()) {
-      if (!a.Has(flag)) continue;
-      HAP_ASSIGN_OR_RETURN(double v, a.Number(flag, 0));
-      (*zoo->mutable_params())[flag] = v;
-    }
-    for (const std::string& kv : a.GetAll("set")) {
-      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-      double v;
-      if (!absl::SimpleAtod(p.second, &v)) {
-        return absl::InvalidArgumentError(absl::StrCat("--set ", kv, ": not KEY=NUMBER"));
-      }
-      (*zoo->mutable_params())[p.first] = v;
-    }
+    HAP_ASSIGN_OR_RETURN(auto params, ZooOverrides(a));  // --moe-group-size, --set k=v
+    zoo->mutable_params()->insert(params.begin(), params.end());
   }
   if (a.Has("devices")) {
     for (absl::string_view d : absl::StrSplit(a.Get("devices"), ',', absl::SkipEmpty())) {

@@ -1,5 +1,6 @@
 #include "tools/hapctl_graph.h"
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -38,20 +39,41 @@ std::string JsonEscape(const std::string& s) {
 
 }  // namespace
 
+std::string ZooParamFlag(const std::string& param) {
+  std::string flag = param;
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
 std::set<std::string> ZooParamFlags() {
   std::set<std::string> out;
   for (const auto& m : graph::ZooModels()) {
-    for (const auto& [k, v] : m.defaults) out.insert(k);
+    for (const auto& [k, v] : m.defaults) {
+      out.insert(k);
+      out.insert(ZooParamFlag(k));
+    }
   }
   return out;
 }
 
 absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
   std::map<std::string, double> out;
-  for (const std::string& k : ZooParamFlags()) {
-    if (args.Has(k)) {
-      HAP_ASSIGN_OR_RETURN(double v, args.Number(k, 0));
-      out[k] = v;
+  for (const auto& m : graph::ZooModels()) {
+    for (const auto& [k, def] : m.defaults) {
+      if (out.count(k)) continue;  // a parameter of several models
+      // --moe-group-size as every other flag is written, or the
+      // parameter's own name (--moe_group_size); not both.
+      const std::string flag = ZooParamFlag(k);
+      const bool both = flag != k && args.Has(flag) && args.Has(k);
+      if (both) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", flag, " and --", k, " are one zoo parameter; give it once"));
+      }
+      const std::string given = args.Has(flag) ? flag : k;
+      if (args.Has(given)) {
+        HAP_ASSIGN_OR_RETURN(double v, args.Number(given, 0));
+        out[k] = v;
+      }
     }
   }
   for (const std::string& kv : args.GetAll("set")) {
@@ -129,7 +151,9 @@ int RunZoo(const std::vector<std::string>& argv) {
   if (!args.ok()) return Fail(args.status());
   if (args->Bool("help")) {
     std::cout << "usage: hapctl zoo [MODEL] [--layers N ...] [--set k=v] "
-                 "[-o table|json] [--export FILE.json]\n";
+                 "[-o table|json] [--export FILE.json]\n"
+                 "With one MODEL, the table also lists its parameters as flags with their\n"
+                 "defaults (hapctl plan, create plan and create job take the same flags).\n";
     return 0;
   }
   std::string fmt = args->Get("o", args->Get("output", "table"));
@@ -170,6 +194,16 @@ int RunZoo(const std::vector<std::string>& argv) {
     }
   }
   if (fmt == "json") std::cout << "]\n";
+  if (fmt == "table" && names.size() == 1) {
+    for (const auto& m : graph::ZooModels()) {
+      if (m.name != names[0]) continue;
+      std::cout << "\nparameters (flags, defaults):";
+      for (const auto& [k, v] : m.defaults) {
+        std::cout << " --" << ZooParamFlag(k) << " " << absl::StrCat(v);
+      }
+      std::cout << "\n";
+    }
+  }
   return 0;
 }
 

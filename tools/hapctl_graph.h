@@ -13,8 +13,12 @@
 
 namespace hap::tools {
 
-// Every zoo parameter name, accepted as a flag (--layers 24).
+// Every zoo parameter name, accepted as a flag (--layers 24), also with
+// hyphens for underscores (--moe-group-size as --moe_group_size).
 std::set<std::string> ZooParamFlags();
+
+// A zoo parameter's flag as flags are written: '_' -> '-'.
+std::string ZooParamFlag(const std::string& param);
 // Zoo parameter overrides from flags (--layers 24) and --set k=v.
 absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args);
 // The model of --model NAME (zoo) or --graph FILE (JSON/text/binary).
