@@ -160,8 +160,13 @@ struct DeploymentManager::State {
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
   // Deployments whose record as served the sink refused to save, with its
-  // error: the store still holds an earlier one.
-  std::map<std::string, absl::Status> unsaved;
+  // error and the record's own error before the note saying so: the store
+  // still holds an earlier one.
+  struct Unsaved {
+    absl::Status status;
+    std::string error;  // the record's error without the note
+  };
+  std::map<std::string, Unsaved> unsaved;
   // Rendezvous keys belong to a deployment that exists, at its generation,
   // until it finishes.
   RendezvousStore rendezvous;
@@ -292,6 +297,10 @@ DeploymentControl DeploymentManager::Control(const std::string& deployment) {
   c.update = [this, deployment](const std::function<void(v1::Deployment&)>& edit) {
     Update(deployment, edit);
   };
+  c.save_again = [this, deployment] {
+    absl::MutexLock l(&s_->mu);
+    (void)SaveAgainLocked(deployment);  // still refused: tried at the next poll
+  };
   return c;
 }
 
@@ -301,13 +310,16 @@ void DeploymentManager::Update(const std::string& name,
   auto it = s_->deployments.find(name);
   if (it == s_->deployments.end()) return;
   v1::Deployment next = it->second;
+  // A note that an earlier record was not saved goes with the save of this one.
+  auto refused = s_->unsaved.find(name);
+  if (refused != s_->unsaved.end()) next.set_error(refused->second.error);
   edit(next);
   if (o_.sink != nullptr) {
     absl::Status saved = o_.sink->SaveDeployment(next);
     if (saved.ok()) {
       s_->unsaved.erase(name);
     } else {
-      s_->unsaved[name] = saved;
+      s_->unsaved[name] = {saved, next.error()};
       // The executors did change state; say so, and that the store still
       // holds the state before (a restarted planner shows that one).
       next.set_error(absl::StrCat(next.error(), next.error().empty() ? "" : "; ",
@@ -326,13 +338,17 @@ void DeploymentManager::Update(const std::string& name,
 absl::Status DeploymentManager::SaveAgainLocked(const std::string& name) {
   auto refused = s_->unsaved.find(name);
   if (refused == s_->unsaved.end() || o_.sink == nullptr) return absl::OkStatus();
-  const v1::Deployment& d = s_->deployments[name];
+  v1::Deployment d = s_->deployments[name];
+  d.set_error(refused->second.error);  // without the note that it was not saved
   absl::Status saved = o_.sink->SaveDeployment(d);
   if (saved.ok()) {
     s_->unsaved.erase(refused);
+    s_->deployments[name] = d;
+    if (o_.on_change) o_.on_change(d);
+    s_->changed.SignalAll();
     return absl::OkStatus();
   }
-  refused->second = saved;
+  refused->second.status = saved;
   return Annotate(saved, absl::StrCat(name, " is ", StateName(d.state()),
                                       " but the planner could not save it so (a restarted "
                                       "planner would find it as it was saved last)"));

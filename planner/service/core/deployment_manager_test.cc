@@ -150,7 +150,7 @@ class Sink : public PlannerStateSink {
   absl::Status DeletePlan(const std::string&) override { return absl::OkStatus(); }
   absl::Status SaveDeployment(const v1::Deployment& d) override {
     absl::MutexLock l(&mu_);
-    if (refuse_) {
+    if (refuse_ || refuse_states_.count(d.state())) {
       return absl::UnavailableError("sqlite store 'planner.db': database or disk is full");
     }
     deployments_[d.name()] = d;
@@ -159,6 +159,20 @@ class Sink : public PlannerStateSink {
   void Refuse(bool refuse) {
     absl::MutexLock l(&mu_);
     refuse_ = refuse;
+  }
+  // Refuses saves of deployments in these states only.
+  void RefuseStates(std::set<v1::Deployment::State> states) {
+    absl::MutexLock l(&mu_);
+    refuse_states_ = std::move(states);
+  }
+  // Waits (at most 30 s) until the stored `name` is in `state`.
+  bool AwaitStored(const std::string& name, v1::Deployment::State state) {
+    absl::MutexLock l(&mu_);
+    auto stored = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      auto it = deployments_.find(name);
+      return it != deployments_.end() && it->second.state() == state;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&stored), absl::Seconds(30));
   }
   // As the daemon's store does (sqlite_backend.cc): one deployment's
   // metrics at a time, all or none, stopping at the first refused.
@@ -197,6 +211,7 @@ class Sink : public PlannerStateSink {
   absl::Mutex mu_;
   std::map<std::string, v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_);
   bool refuse_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<v1::Deployment::State> refuse_states_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<v1::StepMetric>> metrics_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> refuse_metrics_of_ ABSL_GUARDED_BY(mu_);
 };
@@ -414,6 +429,25 @@ TEST_F(DeploymentManagerTest, AStopTheStoreRefusesToRecordFailsUntilItIsSaved) {
   ASSERT_THAT(stopped, IsOk());
   EXPECT_EQ(stopped->state(), v1::Deployment::STOPPED);
   EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::STOPPED);
+}
+
+// A RUNNING the store refused is saved again at a later poll, without the
+// note that it was not saved (before, the store held PENDING until the
+// next change, and a restarted planner failed a deployment that ran).
+TEST_F(DeploymentManagerTest, ARunningTheStoreRefusedIsSavedAtALaterPoll) {
+  sink_.RefuseStates({v1::Deployment::RUNNING});
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  const v1::Deployment served = WaitFor(d->name(), v1::Deployment::RUNNING);
+  EXPECT_THAT(served.error(), HasSubstr("could not save this deployment as RUNNING"));
+  EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::PENDING);
+  sink_.RefuseStates({});  // space again
+  ASSERT_TRUE(sink_.AwaitStored(d->name(), v1::Deployment::RUNNING));
+  EXPECT_EQ(sink_.deployment(d->name()).error(), "");
+  auto now = manager_->Get(d->name());
+  ASSERT_THAT(now, IsOk());
+  EXPECT_EQ(now->state(), v1::Deployment::RUNNING);
+  EXPECT_EQ(now->error(), "");
 }
 
 TEST_F(DeploymentManagerTest, ARestartedManagerReattachesAndStops) {

@@ -306,6 +306,7 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
     switch (watch.Observe(statuses)) {
       case RankWatch::Verdict::kRunning:
         KeepProfiles(d, statuses, &profiles, control);
+        if (control.save_again) control.save_again();
         break;
       case RankWatch::Verdict::kSucceeded:
         control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });

@@ -99,6 +99,10 @@ struct DeploymentControl {
   std::function<Wake(absl::Time deadline, bool stop_wakes)> wait;
   // Applies `edit` to the deployment's record (and saves it).
   std::function<void(const std::function<void(hap::v1::Deployment&)>&)> update;
+  // Saves the record again where the store refused its last save (a full
+  // disk): the store would otherwise hold the state before until the next
+  // change. Nothing when the last save went through; may be unset.
+  std::function<void()> save_again;
 };
 
 // Follows one deployment's ranks, poll after poll: counts unanswered polls
