@@ -145,7 +145,16 @@ def main():
         procs = lib.train_a_little(planner, lib.binary("HAPCTL_BIN"),
                                    lib.binary("HAP_AGENT_BIN"), lib.binary("HAP_EXECUTOR_BIN"))
         try:
-            exported = lib.metric_names(planner.scrape())
+            scraped = planner.scrape()
+            exported = lib.metric_names(scraped)
+            # The exposition itself, as Prometheus' own linter reads it (names,
+            # HELP/TYPE, units and suffixes), with nodes, plans and a deployment in it.
+            lint = subprocess.run([promtool, "check", "metrics"], input=scraped,
+                                  capture_output=True, text=True)
+            print(f"promtool check metrics: rc {lint.returncode}\n{lint.stdout}{lint.stderr}",
+                  end="")
+            if lint.returncode != 0 or lint.stdout.strip() or lint.stderr.strip():
+                sys.exit("FAIL: promtool check metrics found problems in the planner's /metrics")
             print(f"planner exports: {' '.join(sorted(exported))}")
             missing = []
             for where, expr in queries + rules:
