@@ -1,12 +1,17 @@
 #include "common/grpc_util.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <sstream>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "common/proto_time.h"
 #include "grpc/grpc.h"
@@ -17,6 +22,13 @@ namespace hap::service {
 namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  // An ifstream opens a directory and reads nothing from it: "is empty"
+  // would send the operator looking in the wrong place.
+  struct stat st;
+  if (stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " '", path, "' is a directory; give the file in it"));
+  }
   std::ifstream f(path, std::ios::binary);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", what, " '", path, "'"));
   std::stringstream ss;
@@ -28,11 +40,25 @@ constexpr char kNeedToken[] =
     "this server requires a bearer token: pass --token-file (or HAP_TOKEN_FILE) with the "
     "token it was started with";
 
-// Compares in a time that depends only on the lengths.
+// Warns on stderr when users other than the owner and the owner's group
+// may read or write the secret file `path` (ssh refuses such keys; we
+// warn, as Kubernetes mounts secrets group-readable, 0440).
+void WarnIfOthersCanAccess(const std::string& path, const char* what) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || (st.st_mode & (S_IROTH | S_IWOTH)) == 0) return;
+  std::cerr << absl::StrFormat(
+      "warning: %s '%s' can be %s by every user on this machine (mode %04o); chmod 600 (or "
+      "440 for a group) it\n",
+      what, path, (st.st_mode & S_IWOTH) != 0 ? "read and written" : "read", st.st_mode & 07777);
+}
+
+// Compares in a time that depends only on what the caller sent (its
+// length), so that timing tells it nothing of the secret, its length
+// included (as the metrics HTTP server's check). `want` is not empty.
 bool SameSecret(absl::string_view got, absl::string_view want) {
-  if (got.size() != want.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < want.size(); ++i) diff |= got[i] ^ want[i];
+  if (want.empty()) return false;
+  unsigned char diff = got.size() != want.size() ? 1 : 0;
+  for (size_t i = 0; i < got.size(); ++i) diff |= got[i] ^ want[i % want.size()];
   return diff == 0;
 }
 
@@ -151,10 +177,23 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   if (path.empty()) return std::string();
   auto t = ReadFile(path, "token file");
   if (!t.ok()) return t.status();
-  std::string token(absl::StripTrailingAsciiWhitespace(*t));
+  std::string token(absl::StripAsciiWhitespace(*t));
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("token file '", path, "' is empty"));
   }
+  // The token goes in a header value: a gRPC client given one with a line
+  // break or a control byte aborts the process at its first call
+  // ("validate_metadata: Illegal header value", then an assertion).
+  for (size_t i = 0; i < token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(token[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "token file '%s' must hold one line of printable ASCII, but byte %d of the token is "
+          "0x%02x%s",
+          path, i, c, c == '\n' ? " (a second line)" : ""));
+    }
+  }
+  WarnIfOthersCanAccess(path, "token file");
   return token;
 }
 

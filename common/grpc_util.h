@@ -44,7 +44,11 @@ struct Security {
   std::string tls_ca_file;
 };
 
-// Reads a token from a file (trailing whitespace dropped); empty path = "".
+// Reads a token from a file (surrounding whitespace, the line end included,
+// dropped); empty path = "". InvalidArgument for an empty token, a
+// directory, or a token that is not one line of printable ASCII (it goes in
+// a header); NotFound for a file it cannot read. Warns on stderr when every
+// user may read the file (mode o+r or o+w).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // Plaintext, or TLS with the certificate and key. When `s.token` is set,
