@@ -17,6 +17,11 @@
 #include "grpc/grpc.h"
 #include "grpc/grpc_security.h"
 #include "grpc/slice.h"
+#include "openssl/bio.h"
+#include "openssl/err.h"
+#include "openssl/evp.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 
 namespace hap::service {
 namespace {
@@ -60,6 +65,44 @@ bool SameSecret(absl::string_view got, absl::string_view want) {
   unsigned char diff = got.size() != want.size() ? 1 : 0;
   for (size_t i = 0; i < got.size(); ++i) diff |= got[i] ^ want[i % want.size()];
   return diff == 0;
+}
+
+// InvalidArgument naming the files unless `cert_pem` holds a certificate
+// (the first of the chain) and `key_pem` its private key: gRPC takes them
+// unchecked, and a server started with a key of another certificate fails
+// every TLS handshake with an error only the clients see.
+absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::string& key_pem,
+                                        const Security& s) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> cert_bio(
+      BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())), &BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> cert(
+      PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, nullptr), &X509_free);
+  // An encrypted key would make OpenSSL prompt for a passphrase on the
+  // terminal: an empty one makes it fail instead.
+  static char kNoPassphrase[] = "";
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(
+      BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())), &BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, kNoPassphrase), &EVP_PKEY_free);
+  const bool matches =
+      cert != nullptr && key != nullptr && X509_check_private_key(cert.get(), key.get()) == 1;
+  ERR_clear_error();  // OpenSSL's error queue is per thread; leave it empty
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS certificate '", s.tls_cert_file,
+                     "' holds no PEM certificate (\"-----BEGIN CERTIFICATE-----\")"));
+  }
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TLS key '", s.tls_key_file,
+        "' holds no PEM private key (or one encrypted with a passphrase, which is not supported)"));
+  }
+  if (!matches) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS key '", s.tls_key_file,
+                                                   "' does not match the certificate '",
+                                                   s.tls_cert_file, "' (it is another's key)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::string_view View(const grpc_slice& s) {
@@ -211,6 +254,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     if (!cert.ok()) return cert.status();
     auto key = ReadFile(s.tls_key_file, "TLS key");
     if (!key.ok()) return key.status();
+    if (absl::Status match = CheckKeyMatchesCertificate(*cert, *key, s); !match.ok()) return match;
+    WarnIfOthersCanAccess(s.tls_key_file, "TLS key");
     grpc_ssl_pem_key_cert_pair pair = {key->c_str(), cert->c_str()};
     creds = grpc_ssl_server_credentials_create_ex(
         nullptr, &pair, 1, GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE, nullptr);

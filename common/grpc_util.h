@@ -51,7 +51,10 @@ struct Security {
 // user may read the file (mode o+r or o+w).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
-// Plaintext, or TLS with the certificate and key. When `s.token` is set,
+// Plaintext, or TLS with the certificate and key: InvalidArgument naming
+// the files when one holds no PEM certificate / private key or the key is
+// not the certificate's (checked here, at start, not at each handshake);
+// a warning on stderr when every user may read the key. When `s.token` is set,
 // every call without "authorization: Bearer <token>" is refused with
 // UNAUTHENTICATED as its metadata arrives, before the server reads its
 // request message (gRPC core's server auth filter), so that callers

@@ -13,9 +13,9 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_test_util.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
 
@@ -121,6 +121,65 @@ TEST(ReadTokenFileTest, AFileOthersCanReadIsWarnedAbout) {
   EXPECT_THAT(token, IsOk());
 }
 
+// A self-signed certificate and its key for 127.0.0.1 in `dir` (openssl,
+// as tests/planner_service_test does): {cert, key}.
+std::pair<std::string, std::string> MakeCertificate(const std::string& dir,
+                                                    const std::string& name) {
+  const std::string cert = dir + "/" + name + ".crt", key = dir + "/" + name + ".key";
+  const std::string cmd =
+      absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -keyout ", key, " -out ", cert,
+                   " -days 2 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 2>/dev/null");
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  EXPECT_EQ(chmod(key.c_str(), 0600), 0);
+  return {cert, key};
+}
+
+TEST(MakeServerCredentialsTest, AKeyThatIsNotTheCertificatesIsRefusedAtStart) {
+  const std::string dir = TempDir("tls_mismatch");
+  auto [cert_a, key_a] = MakeCertificate(dir, "a");
+  auto [cert_b, key_b] = MakeCertificate(dir, "b");
+  Security s;
+  s.tls_cert_file = cert_a;
+  s.tls_key_file = key_a;
+  EXPECT_THAT(MakeServerCredentials(s), IsOk());
+  s.tls_key_file = key_b;
+  EXPECT_THAT(MakeServerCredentials(s),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(key_b), HasSubstr(cert_a), HasSubstr("does not match"))));
+}
+
+TEST(MakeServerCredentialsTest, FilesThatHoldNoPemAreRefusedAtStart) {
+  const std::string dir = TempDir("tls_garbage");
+  auto [cert, key] = MakeCertificate(dir, "a");
+  const std::string junk = WriteFile(dir, "junk", "not a PEM file\n");
+  Security s;
+  s.tls_cert_file = junk;
+  s.tls_key_file = key;
+  EXPECT_THAT(MakeServerCredentials(s),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(junk), HasSubstr("no PEM certificate"))));
+  s.tls_cert_file = cert;
+  s.tls_key_file = junk;
+  EXPECT_THAT(MakeServerCredentials(s),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(junk), HasSubstr("no PEM private key"))));
+}
+
+TEST(MakeServerCredentialsTest, AKeyOthersCanReadIsWarnedAbout) {
+  const std::string dir = TempDir("tls_mode");
+  auto [cert, key] = MakeCertificate(dir, "a");
+  ASSERT_EQ(chmod(key.c_str(), 0644), 0);
+  Security s;
+  s.tls_cert_file = cert;
+  s.tls_key_file = key;
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds;
+  EXPECT_THAT(StderrOf([&] { creds = MakeServerCredentials(s); }),
+              AllOf(HasSubstr("warning"), HasSubstr(key), HasSubstr("0644")));
+  EXPECT_THAT(creds, IsOk());
+  ASSERT_EQ(chmod(key.c_str(), 0600), 0);
+  EXPECT_THAT(StderrOf([&] { creds = MakeServerCredentials(s); }), IsEmpty());
+}
+
 // A server with the token and the health service only, on 127.0.0.1:0.
 class TokenServerTest : public ::testing::Test {
  protected:
@@ -142,25 +201,8 @@ class TokenServerTest : public ::testing::Test {
   void TearDown() override {
     if (server_) server_->Shutdown();
   }
-  // `method` with an empty request and these "authorization" values.
   absl::Status Call(const std::string& method, const std::vector<std::string>& authorization) {
-    grpc::GenericStub stub(channel_);
-    grpc::ClientContext ctx;
-    for (const std::string& a : authorization) ctx.AddMetadata("authorization", a);
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    grpc::ByteBuffer request, response;
-    grpc::Status status;
-    grpc::CompletionQueue cq;
-    auto call = stub.PrepareUnaryCall(&ctx, method, request, &cq);
-    call->StartCall();
-    call->Finish(&response, &status, reinterpret_cast<void*>(1));
-    void* tag = nullptr;
-    bool ok = false;
-    EXPECT_TRUE(cq.Next(&tag, &ok));
-    cq.Shutdown();
-    while (cq.Next(&tag, &ok)) {
-    }
-    return FromGrpc(status);
+    return testing::RawCall(channel_, method, "", authorization);
   }
 
   int port_ = 0;
@@ -173,16 +215,7 @@ TEST_F(TokenServerTest, EveryPathButHealthNeedsTheExactToken) {
   for (const char* path : {"/hap.v1.Planner/ListNodes", "/no.Such/Method",
                            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
                            "/grpc.health.v1.Health/Check/", "/grpc.health.v1.health/Check"}) {
-    for (const std::vector<std::string>& auth : std::vector<std::vector<std::string>>{
-             {},
-             {"Bearer wrong"},
-             {absl::StrCat("Bearer ", kToken, "x")},
-             {absl::StrCat("Bearer ", std::string(kToken).substr(1))},
-             {kToken},
-             {"Bearer"},
-             {"bearer s3creT"},
-             {absl::StrCat("Basic ", kToken)},
-         }) {
+    for (const std::vector<std::string>& auth : testing::WrongAuthorizations(kToken)) {
       EXPECT_THAT(Call(path, auth), StatusIs(absl::StatusCode::kUnauthenticated,
                                              HasSubstr("requires a bearer token")))
           << path << " with " << (auth.empty() ? "no token" : auth[0]);

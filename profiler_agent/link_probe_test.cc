@@ -2,6 +2,8 @@
 // Agent service's checks (token, arguments).
 #include "profiler_agent/link_probe.h"
 
+#include "absl/strings/str_cat.h"
+#include "common/grpc_test_util.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -162,6 +164,26 @@ TEST_F(LinkProbeTest, EchoRejectsCallsWithoutTheToken) {
   EXPECT_FALSE(stream->Read(&chunk));
   EXPECT_THAT(FromGrpc(stream->Finish()),
               StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("bearer token")));
+}
+
+// Every method of hap.v1.Agent (Probe, GetProfile and the Echo stream)
+// refuses a caller without the token or with a wrong one: on the agent's
+// server (gRPC's auth filter), and in the service's own handlers (on a
+// server without the filter).
+TEST_F(LinkProbeTest, EveryAgentMethodRefusesCallsWithoutTheToken) {
+  const auto* service = v1::EchoChunk::descriptor()->file()->FindServiceByName("Agent");
+  ASSERT_NE(service, nullptr);
+  auto b = Serve("s3cret");
+  ASSERT_TRUE(b);
+  auto channel = hap::service::MakeChannel(b->address(), Security());
+  ASSERT_THAT(channel, IsOk());
+  EXPECT_THAT(hap::service::testing::CallsNotRefused(*channel, *service, "s3cret"),
+              ::testing::IsEmpty());
+
+  AgentServiceImpl handlers(&source_, "s3cret");
+  EXPECT_THAT(hap::service::testing::HandlerCallsNotRefused(&handlers, *service, "s3cret"),
+              ::testing::IsEmpty());
+  EXPECT_EQ(handlers.echo_bytes_received(), 0);
 }
 
 TEST_F(LinkProbeTest, EchoEchoesPayloadsUnlessReplySmall) {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/grpc_test_util.h"
 #include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/daemon/executor_service_impl.h"
@@ -182,6 +183,27 @@ TEST_F(ExecutorServerTest, ThreeExecutorsTrainAndReportToThePlanner) {
   // The ranks met under the deployment's generation.
   EXPECT_GE(planner_.keys_under("deployments/test", 3), kWorld);
   EXPECT_EQ(planner_.keys_under("deployments/test", 0), 0);
+}
+
+// Every method of hap.v1.Executor (LoadPlan, Start/StopTraining,
+// GetStatus and the StreamStepMetrics stream) refuses a caller without the
+// token or with a wrong one: on the executor's server (gRPC's auth filter),
+// and in the service's own handlers (on a server without the filter).
+TEST_F(ExecutorServerTest, EveryExecutorMethodRefusesCallsWithoutTheToken) {
+  const auto* service = v1::LoadPlanRequest::descriptor()->file()->FindServiceByName("Executor");
+  ASSERT_NE(service, nullptr);
+  ASSERT_NE(StartExecutor(kToken), nullptr);
+  auto channel = service::MakeChannel(executors_.back()->address(), {});
+  ASSERT_THAT(channel, IsOk());
+  EXPECT_THAT(service::testing::CallsNotRefused(*channel, *service, kToken), ::testing::IsEmpty());
+
+  ExecutorCoreOptions co;
+  co.planner_address = planner_address();
+  ExecutorCore core(co);
+  ExecutorServiceImpl handlers(&core, kToken, /*max_streams=*/4);
+  EXPECT_THAT(service::testing::HandlerCallsNotRefused(&handlers, *service, kToken),
+              ::testing::IsEmpty());
+  EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::IDLE);
 }
 
 TEST_F(ExecutorServerTest, EveryCallNeedsTheTokenWhenOneIsSet) {
