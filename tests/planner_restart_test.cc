@@ -41,14 +41,14 @@ struct Planner {
   int port = 0;
   void Start(const std::string& dir) {
     std::ofstream(dir + "/token") << kToken << "\n";
-    ASSERT_TRUE(proc.Start({hap::testing::Runfile("planner/service/hap-planner"),
-                            "--listen=127.0.0.1:0", "--metrics-listen=off",
-                            "--database=" + dir + "/planner.db", "--token-file=" + dir + "/token",
-                            "--heartbeat-seconds=30",
-                            // Every plan is kept: retention would rightly delete the
-                            // oldest of the thousand-odd plans this test makes.
-                            "--plan-retention-count=0"})
-                    .ok());
+    ASSERT_TRUE(
+        proc.Start({hap::testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
+                    "--metrics-listen=off", "--database=" + dir + "/planner.db",
+                    "--token-file=" + dir + "/token", "--heartbeat-seconds=30",
+                    // Every plan is kept: retention would rightly delete the
+                    // oldest of the thousand-odd plans this test makes.
+                    "--plan-retention-count=0", "--deployment-retention-count=0"})
+            .ok());
     auto addr = proc.WaitForLine("listening on 127.0.0.1:");
     ASSERT_TRUE(addr.ok()) << addr.status();
     ASSERT_TRUE(absl::SimpleAtoi(*addr, &port));

@@ -631,24 +631,33 @@ TEST_F(PlannerServiceTest, ReflectionAndTheStatusPageNeedTheTokenHealthAndMetric
 
 // --- Retention and bounded labels (issue 15 item 7) -----------------------
 
-TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {
-  Planner p;
-  p.Start(hap::testing::TempDir("retention"), {"--plan-retention-count=2"});
-  auto stub = p.Stub();
+// Node n1 (two CPU devices) and the MLP planned as plans/deployed; the
+// request for it, and a deploy of it to executors that are not there.
+void RegisterAndPlanDeployed(v1::Planner::Stub* stub, v1::CreatePlanRequest* r,
+                             v1::DeployPlanRequest* deploy) {
   v1::RegisterNodeRequest reg;
   *reg.mutable_node() = FakeNode("n1", 1e12);
   v1::RegisterNodeResponse rr;
   ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
-  v1::CreatePlanRequest r = Mlp();
-  r.set_plan_id("deployed");
+  *r = Mlp();
+  r->set_plan_id("deployed");
   v1::Plan plan;
-  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), r, &plan).ok());
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), *r, &plan).ok());
   ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
-  // A deployment (to executors that are not there) keeps its plan.
+  deploy->set_plan("plans/deployed");
+  (*deploy->mutable_executors())["n1/cpu0"] = "127.0.0.1:1";
+  (*deploy->mutable_executors())["n1/cpu1"] = "127.0.0.1:2";
+}
+
+TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {
+  Planner p;
+  p.Start(hap::testing::TempDir("retention"), {"--plan-retention-count=2"});
+  auto stub = p.Stub();
+  v1::CreatePlanRequest r;
   v1::DeployPlanRequest deploy;
-  deploy.set_plan("plans/deployed");
-  (*deploy.mutable_executors())["n1/cpu0"] = "127.0.0.1:1";
-  (*deploy.mutable_executors())["n1/cpu1"] = "127.0.0.1:2";
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+  v1::Plan plan;
+  // A deployment (to executors that are not there) keeps its plan.
   v1::Deployment d;
   grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
   ASSERT_TRUE(s.ok()) << s.error_message();
@@ -693,6 +702,54 @@ TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabel
   std::vector<std::string> after = names(again_stub.get());
   EXPECT_EQ(after.size(), 3u);
   EXPECT_EQ(after.front(), "plans/deployed");
+  again.proc.Stop(SIGTERM);
+}
+
+// Finished deployments past --deployment-retention-count go with their step
+// metrics, from the database too (deployments and their metrics were kept
+// forever, and all loaded at every start); their plan is then free.
+TEST(PlannerRetentionTest, FinishedDeploymentsPastTheCountAreDeletedWithTheirMetrics) {
+  Planner p;
+  p.Start(hap::testing::TempDir("deployment-retention"));
+  auto stub = p.Stub();
+  v1::CreatePlanRequest r;
+  v1::DeployPlanRequest deploy;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+  v1::Plan plan;
+  // Two deployments to executors that are not there: both fail.
+  std::vector<std::string> names;
+  for (int i = 0; i < 2; ++i) {
+    v1::Deployment d;
+    grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    names.push_back(d.name());
+    v1::GetDeploymentRequest g;
+    g.set_name(d.name());
+    for (int tries = 0; tries < 600 && d.state() != v1::Deployment::FAILED; ++tries) {
+      absl::SleepFor(absl::Milliseconds(50));
+      ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, &d).ok());
+    }
+    ASSERT_EQ(d.state(), v1::Deployment::FAILED) << d.DebugString();
+    EXPECT_TRUE(d.has_end_time()) << d.DebugString();
+  }
+  p.proc.Stop(SIGKILL);
+  // Restarted with a count of 1: the start's pass deletes the older one.
+  Planner again;
+  again.Start(p.dir, {"--deployment-retention-count=1", "--plan-retention-count=1"});
+  auto again_stub = again.Stub();
+  v1::ListDeploymentsResponse listed;
+  ASSERT_TRUE(again_stub->ListDeployments(Ctx().get(), {}, &listed).ok());
+  ASSERT_EQ(listed.deployments_size(), 1);
+  EXPECT_EQ(listed.deployments(0).name(), names[1]);
+  v1::ListStepMetricsRequest lm;
+  lm.set_deployment(names[0]);
+  v1::ListStepMetricsResponse metrics;
+  EXPECT_EQ(again_stub->ListStepMetrics(Ctx().get(), lm, &metrics).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  // The newest deployment still holds its plan.
+  v1::GetPlanRequest gp;
+  gp.set_name("plans/deployed");
+  EXPECT_TRUE(again_stub->GetPlan(Ctx().get(), gp, &plan).ok());
   again.proc.Stop(SIGTERM);
 }
 
@@ -862,7 +919,9 @@ TEST(PlannerFlagsTest, HelpListsEveryFlag) {
                            "--drain-seconds",
                            "--node-expiry-seconds",
                            "--plan-retention-count",
-                           "--plan-retention-seconds"}) {
+                           "--plan-retention-seconds",
+                           "--deployment-retention-count",
+                           "--deployment-retention-seconds"}) {
     EXPECT_THAT(p.output(), HasSubstr(std::string("  ") + flag + " ")) << flag;
   }
   EXPECT_THAT(p.output(), Not(HasSubstr("see main.cc")));

@@ -54,6 +54,13 @@ the environment as HAP_<FLAG> (--database: HAP_DATABASE, ...), the flag winning.
   --plan-retention-seconds S  delete plans finished more than S ago (604800, 7
                             days; 0 = no limit by age). Plans that deployments
                             use are always kept.
+  --deployment-retention-count N  keep the N most recently finished
+                            deployments with their step metrics (1000; 0 = no
+                            limit by count)
+  --deployment-retention-seconds S  delete deployments finished more than S
+                            ago, with their step metrics (604800, 7 days; 0 =
+                            no limit by age). An unfinished job's deployment
+                            is kept.
 )";
 
 hap::service::PlannerServer* g_server = nullptr;
@@ -104,8 +111,13 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
       a.NumberOrEnv("plan-retention-count", o.core.plan_retention_count, 0, 1 << 30, kWhole);
   auto keep_seconds = a.NumberOrEnv("plan-retention-seconds",
                                     absl::ToDoubleSeconds(o.core.plan_retention_age), 0, 1e12);
+  auto keep_deployments =
+      a.NumberOrEnv("deployment-retention-count", o.deployment_retention_count, 0, 1 << 30, kWhole);
+  auto keep_deployment_seconds = a.NumberOrEnv(
+      "deployment-retention-seconds", absl::ToDoubleSeconds(o.deployment_retention_age), 0, 1e12);
   for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads,
-                  &poll, &polls, &streams, &keep_count, &keep_seconds}) {
+                  &poll, &polls, &streams, &keep_count, &keep_seconds, &keep_deployments,
+                  &keep_deployment_seconds}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
@@ -124,6 +136,10 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.core.plan_retention_count = static_cast<int>(*keep_count);
   o.core.plan_retention_age =
       *keep_seconds > 0 ? absl::Seconds(*keep_seconds) : absl::InfiniteDuration();
+  o.deployment_retention_count = static_cast<int>(*keep_deployments);
+  o.deployment_retention_age = *keep_deployment_seconds > 0
+                                   ? absl::Seconds(*keep_deployment_seconds)
+                                   : absl::InfiniteDuration();
   return o;
 }
 
@@ -154,7 +170,9 @@ int main(int argc, char** argv) {
                                     "max-threads",
                                     "max-concurrent-streams",
                                     "status-poll-seconds",
-                                    "missed-status-polls"},
+                                    "missed-status-polls",
+                                    "deployment-retention-count",
+                                    "deployment-retention-seconds"},
                                    {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n" << kUsage;

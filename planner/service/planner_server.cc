@@ -384,6 +384,12 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   // --plan-retention-count, or a kill before the last trim was saved)
   // before the first list is answered.
   auto retain = [&m] {
+    const absl::Time oldest = m.o.deployment_retention_age == absl::InfiniteDuration()
+                                  ? absl::InfinitePast()
+                                  : absl::Now() - m.o.deployment_retention_age;
+    absl::StatusOr<int> gone =
+        m.service->EnforceDeploymentRetention(m.o.deployment_retention_count, oldest);
+    if (!gone.ok()) std::cerr << "hap-planner: " << gone.status().message() << "\n";
     absl::StatusOr<int> deleted = m.core->EnforceRetention();
     if (!deleted.ok()) std::cerr << "hap-planner: " << deleted.status().message() << "\n";
   };

@@ -68,10 +68,18 @@ struct PlannerServerOptions {
   // While shutting down, health reports NOT_SERVING for this long before
   // the server stops taking calls (load balancers drain meanwhile).
   absl::Duration drain = absl::Seconds(1);
-  // How often plan retention runs (PlannerCore::EnforceRetention; the
-  // limits are core.plan_retention_count and core.plan_retention_age).
-  // Plans deployments use are kept. A pass runs at start too.
+  // How often plan and deployment retention run (PlannerCore::
+  // EnforceRetention; the limits are core.plan_retention_count and
+  // core.plan_retention_age; DeploymentManager::EnforceRetention with the
+  // two below). Plans deployments use are kept until their deployments go.
+  // A pass runs at start too, deployments first.
   absl::Duration retention_interval = absl::Minutes(1);
+  // Finished deployments (and their step metrics) kept: the most recently
+  // finished `deployment_retention_count` (0 = no limit by count), finished
+  // within `deployment_retention_age` (InfiniteDuration = no limit by age),
+  // and an unfinished job's.
+  int deployment_retention_count = 1000;
+  absl::Duration deployment_retention_age = absl::Hours(24 * 7);
   PlannerCoreOptions core;
 };
 

@@ -153,6 +153,9 @@ class StoreBackend : public StateBackend {
   absl::Status SavePlan(const v1::Plan& p) override { return s_->PutPlan(p, ""); }
   absl::Status DeletePlan(const std::string& name) override { return s_->DeletePlan(name); }
   absl::Status SaveDeployment(const v1::Deployment& d) override { return s_->PutDeployment(d); }
+  absl::Status DeleteDeployment(const std::string& name) override {
+    return s_->DeleteDeployment(name);
+  }
   absl::Status SaveJob(const v1::Job& j) override { return s_->PutJob(j); }
   absl::Status AppendStepMetrics(const std::vector<v1::StepMetric>& ms) override {
     std::map<std::string, std::vector<v1::StepMetric>> by;

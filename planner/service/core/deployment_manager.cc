@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/proto_time.h"
 #include "common/stats.h"
 #include "common/status_macros.h"
 #include "common/training_checks.h"
@@ -310,10 +311,12 @@ void DeploymentManager::Update(const std::string& name,
   auto it = s_->deployments.find(name);
   if (it == s_->deployments.end()) return;
   v1::Deployment next = it->second;
+  const bool was_final = Final(next.state());
   // A note that an earlier record was not saved goes with the save of this one.
   auto refused = s_->unsaved.find(name);
   if (refused != s_->unsaved.end()) next.set_error(refused->second.error);
   edit(next);
+  if (!was_final && Final(next.state())) *next.mutable_end_time() = TimeUtil::GetCurrentTime();
   if (o_.sink != nullptr) {
     absl::Status saved = o_.sink->SaveDeployment(next);
     if (saved.ok()) {
@@ -352,6 +355,59 @@ absl::Status DeploymentManager::SaveAgainLocked(const std::string& name) {
   return Annotate(saved, absl::StrCat(name, " is ", StateName(d.state()),
                                       " but the planner could not save it so (a restarted "
                                       "planner would find it as it was saved last)"));
+}
+
+// ---------------------------------------------------------- retention --
+
+absl::StatusOr<int> DeploymentManager::EnforceRetention(int count, absl::Time oldest,
+                                                        const std::set<std::string>& keep) {
+  const bool by_count = count > 0;
+  if (!by_count && oldest == absl::InfinitePast()) return 0;
+  // Chosen under the lock, deleted one at a time (other calls get the lock
+  // in between).
+  std::vector<std::string> victims;
+  {
+    absl::MutexLock l(&s_->mu);
+    std::vector<std::pair<absl::Time, const std::string*>> finished;
+    for (const auto& [name, d] : s_->deployments) {
+      if (!Final(d.state())) continue;
+      // An older planner's record has no end_time: its create_time.
+      finished.push_back({FromProto(d.has_end_time() ? d.end_time() : d.create_time()), &name});
+    }
+    std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : *a.second > *b.second;
+    });
+    for (size_t i = 0; i < finished.size(); ++i) {
+      const std::string& name = *finished[i].second;
+      const bool beyond =
+          (by_count && i >= static_cast<size_t>(count)) || finished[i].first < oldest;
+      if (beyond && !keep.count(name) && !s_->supervised.count(name)) victims.push_back(name);
+    }
+  }
+  int deleted = 0;
+  for (const std::string& name : victims) {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->deployments.find(name);
+    if (it == s_->deployments.end() || !Final(it->second.state())) continue;
+    if (o_.sink != nullptr) {
+      absl::Status st = o_.sink->DeleteDeployment(name);
+      if (!st.ok() && !absl::IsNotFound(st)) {
+        return Annotate(st, absl::StrCat("deployment retention: ", name, " was not deleted (",
+                                         deleted, " deleted before it)"));
+      }
+    }
+    // Its generation stays in `generations`: the plan's next deploy goes on
+    // from it while this planner runs (after a restart, from the plan's
+    // deployments still stored).
+    s_->deployments.erase(it);
+    s_->metrics.erase(name);
+    s_->step_stats.erase(name);
+    s_->unsaved.erase(name);
+    s_->stop_requested.erase(name);
+    ++deleted;
+  }
+  if (deleted > 0) s_->changed.SignalAll();
+  return deleted;
 }
 
 // ---------------------------------------------------------- deployments --

@@ -101,6 +101,15 @@ class DeploymentManager {
   absl::StatusOr<hap::v1::ListDeploymentsResponse> List(int page_size,
                                                         const std::string& page_token) const;
   std::vector<hap::v1::Deployment> All() const;  // by name
+  // Deployment retention: deletes finished deployments (SUCCEEDED, FAILED,
+  // STOPPED), record and step metrics, from the sink and from memory, that
+  // are not among the `count` most recently finished (0 = no limit by
+  // count) or finished before `oldest` (InfinitePast = no limit by age),
+  // except those named in `keep` (an unfinished job's). The number deleted,
+  // or the sink's error naming the deployment (those before it are
+  // deleted). Their plans are then free for plan retention.
+  absl::StatusOr<int> EnforceRetention(int count, absl::Time oldest,
+                                       const std::set<std::string>& keep);
   // The devices of every deployment not finished (PENDING or RUNNING), by
   // deployment name.
   std::map<std::string, std::vector<std::string>> ActiveDevices() const;

@@ -10,12 +10,14 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/proto_time.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -160,6 +162,20 @@ class Sink : public PlannerStateSink {
     absl::MutexLock l(&mu_);
     refuse_ = refuse;
   }
+  absl::Status DeleteDeployment(const std::string& name) override {
+    absl::MutexLock l(&mu_);
+    if (refuse_) {
+      return absl::UnavailableError("sqlite store 'planner.db': database or disk is full");
+    }
+    deployments_.erase(name);
+    metrics_.erase(name);
+    deleted_.push_back(name);
+    return absl::OkStatus();
+  }
+  std::vector<std::string> deleted() {
+    absl::MutexLock l(&mu_);
+    return deleted_;
+  }
   // Refuses saves of deployments in these states only.
   void RefuseStates(std::set<v1::Deployment::State> states) {
     absl::MutexLock l(&mu_);
@@ -212,6 +228,7 @@ class Sink : public PlannerStateSink {
   std::map<std::string, v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_);
   bool refuse_ ABSL_GUARDED_BY(mu_) = false;
   std::set<v1::Deployment::State> refuse_states_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> deleted_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<v1::StepMetric>> metrics_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> refuse_metrics_of_ ABSL_GUARDED_BY(mu_);
 };
@@ -448,6 +465,90 @@ TEST_F(DeploymentManagerTest, ARunningTheStoreRefusedIsSavedAtALaterPoll) {
   ASSERT_THAT(now, IsOk());
   EXPECT_EQ(now->state(), v1::Deployment::RUNNING);
   EXPECT_EQ(now->error(), "");
+}
+
+// A finished deployment of `plan` (plans/ID), generation `gen`, that ended
+// at `end` (none: an older planner's record, its create_time counts).
+v1::Deployment Finished(const std::string& plan, int64_t gen, v1::Deployment::State state,
+                        std::optional<absl::Time> end, absl::Time create) {
+  v1::Deployment d;
+  d.set_name(absl::StrCat("deployments/", plan, "-g", gen));
+  d.set_plan("plans/" + plan);
+  d.set_generation(gen);
+  d.set_state(state);
+  *d.mutable_create_time() = ToProto(create);
+  if (end) *d.mutable_end_time() = ToProto(*end);
+  return d;
+}
+
+// Deployment retention: finished deployments past the count (or age) go,
+// record and metrics, from the store and memory; the plan's generations go
+// on; a job's stays.
+TEST_F(DeploymentManagerTest, RetentionDeletesFinishedDeploymentsPastTheCount) {
+  const absl::Time t = absl::FromUnixSeconds(1'800'000'000);
+  Start({Finished("p", 1, v1::Deployment::SUCCEEDED, t + absl::Hours(1), t),
+         Finished("p", 2, v1::Deployment::FAILED, t + absl::Hours(2), t),
+         Finished("p", 3, v1::Deployment::SUCCEEDED, t + absl::Hours(3), t),
+         Finished("b", 1, v1::Deployment::STOPPED, t, t),
+         Finished("c", 1, v1::Deployment::STOPPED, std::nullopt, t + absl::Hours(4))});
+  // Newest first: c-g1 (its create_time), p-g3 | p-g2, p-g1, b-g1.
+  auto deleted = manager_->EnforceRetention(2, absl::InfinitePast(), {});
+  ASSERT_THAT(deleted, IsOk());
+  EXPECT_EQ(*deleted, 3);
+  for (const char* gone : {"deployments/p-g1", "deployments/p-g2", "deployments/b-g1"}) {
+    EXPECT_THAT(manager_->Get(gone), StatusIs(absl::StatusCode::kNotFound, HasSubstr(gone)));
+  }
+  EXPECT_THAT(sink_.deleted(), ::testing::UnorderedElementsAre(
+                                   "deployments/p-g1", "deployments/p-g2", "deployments/b-g1"));
+  EXPECT_THAT(manager_->Get("deployments/p-g3"), IsOk());
+  EXPECT_THAT(manager_->Get("deployments/c-g1"), IsOk());
+  // Nothing more to do at the same limits.
+  auto again = manager_->EnforceRetention(2, absl::InfinitePast(), {});
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(*again, 0);
+  // The plan's generations go on from the deleted ones.
+  ASSERT_THAT(manager_->EnforceRetention(1, absl::InfinitePast(), {}), IsOk());
+  EXPECT_THAT(manager_->Get("deployments/p-g3"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("p-g3")));
+  auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->name(), "deployments/p-g4");
+  EXPECT_EQ(next->generation(), 4);
+}
+
+TEST_F(DeploymentManagerTest, RetentionByAgeKeepsAJobsDeploymentAndNamesARefusal) {
+  const absl::Time t = absl::FromUnixSeconds(1'800'000'000);
+  Start({Finished("p", 1, v1::Deployment::SUCCEEDED, t, t),
+         Finished("p", 2, v1::Deployment::SUCCEEDED, t + absl::Hours(20), t),
+         Finished("c", 1, v1::Deployment::STOPPED, t, t)});
+  auto deleted = manager_->EnforceRetention(0, t + absl::Hours(10), {"deployments/c-g1"});
+  ASSERT_THAT(deleted, IsOk());
+  EXPECT_EQ(*deleted, 1);
+  EXPECT_THAT(sink_.deleted(), ::testing::ElementsAre("deployments/p-g1"));
+  for (const char* kept : {"deployments/p-g2", "deployments/c-g1"}) {
+    EXPECT_THAT(manager_->Get(kept), IsOk()) << kept;
+  }
+  // A store that refuses: an error naming the deployment, which stays.
+  sink_.Refuse(true);
+  EXPECT_THAT(
+      manager_->EnforceRetention(0, t + absl::Hours(30), {}),
+      StatusIs(absl::StatusCode::kUnavailable,
+               AllOf(HasSubstr("deployment retention: deployments/"), HasSubstr("disk is full"))));
+  EXPECT_EQ(manager_->All().size(), 2u);
+}
+
+// A deployment that ends gets its end_time, which retention counts from.
+TEST_F(DeploymentManagerTest, AFinishedDeploymentRecordsWhenItEnded) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  EXPECT_FALSE(d->has_end_time());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  const absl::Time before = absl::Now();
+  auto stopped = manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; });
+  ASSERT_THAT(stopped, IsOk());
+  ASSERT_TRUE(stopped->has_end_time());
+  EXPECT_GE(FromProto(stopped->end_time()), before - absl::Seconds(1));
+  EXPECT_TRUE(sink_.deployment(d->name()).has_end_time());
 }
 
 TEST_F(DeploymentManagerTest, ARestartedManagerReattachesAndStops) {

@@ -52,6 +52,8 @@ class PlannerStateSink {
   // NotFound is taken as done.
   virtual absl::Status DeletePlan(const std::string& name) = 0;
   virtual absl::Status SaveDeployment(const hap::v1::Deployment&) { return absl::OkStatus(); }
+  // The deployment's record and step metrics (deployment retention).
+  virtual absl::Status DeleteDeployment(const std::string&) { return absl::OkStatus(); }
   virtual absl::Status AppendStepMetrics(const std::vector<hap::v1::StepMetric>&) {
     return absl::OkStatus();
   }

@@ -101,6 +101,9 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   absl::StatusOr<std::vector<hap::v1::StepMetric>> StepMetrics(
       const std::string& deployment) const;
   std::vector<hap::v1::Job> Jobs() const;  // every job, by name
+  // Deployment retention (DeploymentManager::EnforceRetention), keeping
+  // each unfinished job's deployment.
+  absl::StatusOr<int> EnforceDeploymentRetention(int count, absl::Time oldest);
 
   grpc::Status RegisterNode(grpc::ServerContext*, const hap::v1::RegisterNodeRequest*,
                             hap::v1::RegisterNodeResponse*) override;
