@@ -196,8 +196,11 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
   o_.watch = Sanitized(o_.watch);
   absl::MutexLock l(&s_->mu);
   for (auto& m : metrics) {
-    s_->step_stats[m.deployment()].Add(m, /*kept=*/true);
-    s_->metrics[m.deployment()].push_back(std::move(m));
+    // The first max_metrics_per_deployment are kept, as when reported.
+    std::vector<v1::StepMetric>& list = s_->metrics[m.deployment()];
+    const bool kept = list.size() < o_.max_metrics_per_deployment;
+    s_->step_stats[m.deployment()].Add(m, kept);
+    if (kept) list.push_back(std::move(m));
   }
   for (auto& d : deployments) {
     s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());

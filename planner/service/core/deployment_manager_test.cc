@@ -682,6 +682,45 @@ TEST(DeploymentManagerMetricsTest, TheMedianStepIsOverRankZerosMetricsKept) {
   EXPECT_DOUBLE_EQ(m.Get(stored.name())->recent_step_seconds(), upper_median(last));
 }
 
+// Metrics loaded at start are kept up to the same cap as reported ones
+// (all of a long run's were kept in memory after a restart), and the
+// statistics follow all of them.
+TEST(DeploymentManagerMetricsTest, MetricsLoadedAtStartAreKeptUpToTheCap) {
+  v1::Deployment stored;
+  stored.set_name("deployments/p-g1");
+  stored.set_plan("plans/p");
+  stored.set_generation(1);
+  stored.set_state(v1::Deployment::SUCCEEDED);
+  stored.add_ranks()->set_rank(0);
+  std::vector<v1::StepMetric> loaded;
+  for (int64_t step = 0; step < 50; ++step) {
+    v1::StepMetric m;
+    m.set_deployment(stored.name());
+    m.set_step(step);
+    m.set_step_seconds(step < 10 ? 1.0 : 3.0);
+    loaded.push_back(m);
+  }
+  DeploymentManagerOptions o;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  o.max_metrics_per_deployment = 10;
+  DeploymentManager m(std::move(o), {stored}, loaded);
+  auto kept = m.StepMetrics(stored.name());
+  ASSERT_THAT(kept, IsOk());
+  ASSERT_EQ(kept->size(), 10u);
+  EXPECT_EQ(kept->back().step(), 9);
+  // One more step: the median is over the 10 kept, the recent window over
+  // the latest 20 steps, loaded ones included.
+  v1::StepMetric next = loaded.back();
+  next.set_step(50);
+  ASSERT_THAT(m.ReportStepMetrics({next}), IsOk());
+  const v1::Deployment d = *m.Get(stored.name());
+  EXPECT_DOUBLE_EQ(d.median_step_seconds(), 1.0);
+  EXPECT_DOUBLE_EQ(d.recent_step_seconds(), 3.0);
+  EXPECT_EQ(m.StepMetrics(stored.name())->size(), 10u);
+}
+
 // A misbehaving executor's metrics are refused whole, naming the field and
 // value: a step past the deployment's last (INT64_MAX overflowed the steps
 // completed), a NaN, infinite or negative time or a NaN loss (they poisoned
