@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/grpc_util.h"
+#include "planner/service/core/deployment_manager.h"
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/planner_core.h"
 
@@ -30,7 +31,11 @@ class StateBackend : public PlannerStateSink {
   // Plans come as summaries (store::PlanSummary: no rank programs, graph or
   // program), except those not finished (PENDING, RUNNING), which come whole:
   // the core reads a finished plan's body with LoadPlan when it is asked for.
-  virtual absl::StatusOr<Loaded> Load() = 0;
+  // Of each deployment's step metrics, the first `max_metrics_per_deployment`
+  // (whole steps; what the deployment manager keeps) and those of its latest
+  // kRecentStepsPerRank steps (its recent statistics), not every one stored.
+  virtual absl::StatusOr<Loaded> Load(
+      size_t max_metrics_per_deployment = kDefaultMaxMetricsPerDeployment) = 0;
   virtual absl::StatusOr<hap::v1::Plan> LoadPlan(const std::string& name) = 0;
 };
 

@@ -5,9 +5,11 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -84,7 +86,7 @@ class StoreBackend : public StateBackend {
   StoreBackend(std::unique_ptr<DatabaseLock> lock, std::unique_ptr<store::StateStore> s)
       : lock_(std::move(lock)), s_(std::move(s)) {}
 
-  absl::StatusOr<Loaded> Load() override {
+  absl::StatusOr<Loaded> Load(size_t max_metrics_per_deployment) override {
     Loaded l;
     HAP_ASSIGN_OR_RETURN(l.nodes, All<v1::Node>([&](int n, const std::string& t) {
                            return s_->ListNodes(n, t);
@@ -109,7 +111,13 @@ class StoreBackend : public StateBackend {
     for (const auto& d : l.deployments) {
       // A deployment whose metrics cannot all be read loads without them.
       std::vector<v1::StepMetric> metrics;
-      absl::Status st = LoadStepMetrics(d.name(), &metrics);
+      absl::Status st = LoadStepMetrics(d.name(), 0, max_metrics_per_deployment, &metrics);
+      // Past what is kept, only the latest steps (the recent statistics).
+      const int64_t read_to = metrics.empty() ? 0 : metrics.back().step() + 1;
+      if (st.ok() && metrics.size() >= max_metrics_per_deployment) {
+        st = LoadStepMetrics(d.name(), std::max(read_to, d.steps_completed() - kRecentStepsPerRank),
+                             std::numeric_limits<size_t>::max(), &metrics);
+      }
       if (absl::IsDataLoss(st)) {
         NotLoaded(absl::DataLossError(absl::StrCat("the step metrics of '", d.name(),
                                                    "' (none of them is loaded): ", st.message())));
@@ -123,12 +131,14 @@ class StoreBackend : public StateBackend {
                          }));
     return l;
   }
-  // Every step metric of deployment `name`, in step order. Reads in pages of
-  // kMaxStepMetricsLimit; a full page may end inside a step, so the next page
-  // starts at that step again. A deployment that never reported a step (one
-  // deployed to an unreachable executor) has no metrics at all.
-  absl::Status LoadStepMetrics(const std::string& name, std::vector<v1::StepMetric>* out) {
-    int64_t from = 0;
+  // The step metrics of deployment `name` from step `from`, in step order,
+  // whole steps until at least `at_least` are read (or all are). Reads in
+  // pages of kMaxStepMetricsLimit; a full page may end inside a step, so the
+  // next page starts at that step again. A deployment that never reported a
+  // step (one deployed to an unreachable executor) has no metrics at all.
+  absl::Status LoadStepMetrics(const std::string& name, int64_t from, size_t at_least,
+                               std::vector<v1::StepMetric>* out) {
+    const size_t start = out->size();
     while (true) {
       HAP_ASSIGN_OR_RETURN(std::vector<v1::StepMetric> batch,
                            s_->ListStepMetrics(name, from, store::kMaxStepMetricsLimit));
@@ -140,7 +150,7 @@ class StoreBackend : public StateBackend {
       for (auto& m : batch) {
         if (m.step() < cut) out->push_back(std::move(m));
       }
-      if (last) return absl::OkStatus();
+      if (last || out->size() - start >= at_least) return absl::OkStatus();
       from = cut;
     }
   }

@@ -43,7 +43,7 @@ std::string StateName(v1::Deployment::State s) {
 
 // Each rank's latest steps that Deployment.recent_step_seconds is the
 // median of (the slowest rank's).
-constexpr size_t kRecentSteps = 20;
+constexpr size_t kRecentSteps = kRecentStepsPerRank;
 
 DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
   const DeploymentWatchOptions defaults;

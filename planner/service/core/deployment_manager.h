@@ -44,6 +44,11 @@
 
 namespace hap::service {
 
+// Step metrics a deployment keeps in memory by default, and the latest
+// steps each rank's recent statistics are over.
+inline constexpr size_t kDefaultMaxMetricsPerDeployment = 100'000;
+inline constexpr int64_t kRecentStepsPerRank = 20;
+
 struct DeploymentManagerOptions {
   // Call deadlines, status polls and stop retries; values out of range
   // (ValidateDeploymentWatchOptions) are replaced by their defaults.
@@ -58,7 +63,7 @@ struct DeploymentManagerOptions {
   // Step metrics kept in memory per deployment, the first ones (the sink
   // keeps all). median_step_seconds is over rank 0's metrics kept;
   // recent_step_seconds follows the latest steps past it too.
-  size_t max_metrics_per_deployment = 100'000;
+  size_t max_metrics_per_deployment = kDefaultMaxMetricsPerDeployment;
 };
 
 class DeploymentManager {
