@@ -254,6 +254,7 @@ class PyLiteralParser {
       size_t start = pos_++;
       while (pos_ < s_.size() && absl::ascii_isdigit(static_cast<unsigned char>(s_[pos_]))) ++pos_;
       v.kind = PyValue::Kind::kInt;
+      if (pos_ == start + 1 && c == '-') return Error("'-' without digits");
       if (!absl::SimpleAtoi(s_.substr(start, pos_ - start), &v.integer)) {
         return Error("an integer out of range");
       }

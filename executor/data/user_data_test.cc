@@ -619,6 +619,9 @@ TEST(UserDataErrorsTest, MalformedAndTruncatedFiles) {
   std::string garbled = good;
   garbled.replace(garbled.find("(8, 3)"), 1, "{");
   expect(garbled, "malformed .npy header");
+  std::string bare_minus = good;  // "(8, 3)" -> "(-, 3)"
+  bare_minus.replace(bare_minus.find("(8, 3)") + 1, 1, "-");
+  expect(bare_minus, "'-' without digits");
   std::string structured = Npy("[('a', '<f4')]", {8, 3}, Raw(std::vector<float>(24)));
   structured.replace(structured.find("'[('a', '<f4')]'"), 16, "[('a', '<f4')]  ");
   expect(structured, "a structured dtype");
