@@ -786,8 +786,18 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenNpy(const std::string& spec, const
     if (!graph::IsInteger(in.dtype)) continue;
     IntBounds bounds = BoundsOf(g, ids[k]);
     std::string value;
-    int64_t i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, n * in.sample_elems,
-                             bounds, value);
+    int64_t i = -1;
+    if (in.array.kind == 'b') {
+      // NumPy writes bools as bytes 0 and 1; another byte is a damaged file
+      // (numpy would read it as True, we would feed its value on).
+      i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, n * in.sample_elems,
+                       {0, 1, "which is not a bool's byte (0 or 1): a damaged file?"}, value);
+      if (i >= 0) bounds.why = "which is not a bool's byte (0 or 1): a damaged file?";
+    }
+    if (i < 0) {
+      i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, n * in.sample_elems,
+                       bounds, value);
+    }
     if (i >= 0) {
       int64_t row = i / in.sample_elems, elem = i % in.sample_elems;
       return absl::InvalidArgumentError(
