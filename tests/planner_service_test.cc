@@ -18,7 +18,9 @@
 #include "common/grpc_util.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
+#include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
@@ -422,6 +424,96 @@ TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
   auto plain = v1::Planner::NewStub(*service::MakeChannel(p.Address(), {}));
   EXPECT_FALSE(plain->ListNodes(Ctx(true, 3).get(), r, &out).ok());
   p.proc.Stop(SIGTERM);
+}
+
+// An executor over TLS that takes every plan (with the token) and reports
+// TRAINING: what the planner's push looks like from the executor's side.
+class TlsFakeExecutor final : public v1::Executor::Service {
+ public:
+  grpc::Status LoadPlan(grpc::ServerContext* ctx, const v1::LoadPlanRequest* r,
+                        v1::LoadPlanResponse*) override {
+    if (grpc::Status s = service::CheckToken(ctx, kToken); !s.ok()) return s;
+    loads_.fetch_add(1);
+    deployment_ = r->deployment();
+    return grpc::Status::OK;
+  }
+  grpc::Status StartTraining(grpc::ServerContext*, const v1::StartTrainingRequest*,
+                             v1::ExecutorStatus* out) override {
+    out->set_state(v1::ExecutorStatus::TRAINING);
+    return grpc::Status::OK;
+  }
+  int loads() const { return loads_.load(); }
+
+ private:
+  std::atomic<int> loads_{0};
+  std::string deployment_;
+};
+
+// hap-planner --tls-ca-file: plans go to executors that serve TLS (the
+// planner dialled them in plaintext, so a TLS executor never got a plan),
+// and a CA bundle that cannot be read stops the planner at start.
+TEST(PlannerTlsTest, PlansGoToTlsExecutorsWithTheCaBundle) {
+  std::string dir = hap::testing::TempDir("tls-executors");
+  std::string cmd =
+      absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -keyout ", dir, "/key.pem -out ", dir,
+                   "/cert.pem -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -days 1 "
+                   ">/dev/null 2>&1");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  service::Security tls;
+  tls.token = kToken;
+  tls.tls_cert_file = dir + "/cert.pem";
+  tls.tls_key_file = dir + "/key.pem";
+  auto creds = service::MakeServerCredentials(tls);
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  TlsFakeExecutor executors[2];
+  std::unique_ptr<grpc::Server> servers[2];
+  int ports[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", *creds, &ports[i]);
+    b.RegisterService(&executors[i]);
+    servers[i] = b.BuildAndStart();
+    ASSERT_TRUE(servers[i] != nullptr && ports[i] > 0);
+  }
+  Planner p;
+  p.Start(dir, {"--tls-ca-file=" + dir + "/cert.pem"});
+  auto stub = p.Stub();
+  v1::RegisterNodeRequest reg;
+  *reg.mutable_node() = FakeNode("n1", 1e12);
+  v1::RegisterNodeResponse rr;
+  ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
+  v1::CreatePlanRequest r = Mlp();
+  r.set_plan_id("tls");
+  v1::Plan plan;
+  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), r, &plan).ok());
+  ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  v1::DeployPlanRequest deploy;
+  deploy.set_plan("plans/tls");
+  (*deploy.mutable_executors())["n1/cpu0"] = absl::StrCat("127.0.0.1:", ports[0]);
+  (*deploy.mutable_executors())["n1/cpu1"] = absl::StrCat("127.0.0.1:", ports[1]);
+  deploy.mutable_training()->set_steps(5);
+  v1::Deployment d;
+  grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (int tries = 0; tries < 600 && executors[0].loads() + executors[1].loads() < 2; ++tries) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(executors[0].loads(), 1);
+  EXPECT_EQ(executors[1].loads(), 1);
+  p.proc.Stop(SIGTERM);
+  for (auto& server : servers) server->Shutdown();
+
+  Planner bad;
+  ASSERT_TRUE(
+      bad.proc
+          .Start({hap::testing::Runfile("planner/service/hap-planner"), "--listen=127.0.0.1:0",
+                  "--metrics-listen=off", "--database=", "--tls-ca-file=" + dir + "/missing.pem"})
+          .ok());
+  auto line = bad.proc.WaitForLine("error: ", absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status() << "\n" << bad.proc.output();
+  EXPECT_THAT(*line, AllOf(HasSubstr("--tls-ca-file"), HasSubstr("missing.pem")));
+  const int status = bad.proc.Stop(0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << status;
 }
 
 // --- Authentication before the message is read (issue 15 item 5) ---------
@@ -907,6 +999,7 @@ TEST(PlannerFlagsTest, HelpListsEveryFlag) {
                            "--token-file",
                            "--tls-cert-file",
                            "--tls-key-file",
+                           "--tls-ca-file",
                            "--heartbeat-seconds",
                            "--missed-heartbeats",
                            "--workers",

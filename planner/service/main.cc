@@ -27,6 +27,9 @@ the environment as HAP_<FLAG> (--database: HAP_DATABASE, ...), the flag winning.
   --token-file FILE         bearer token every call must carry
   --tls-cert-file FILE      serve TLS with this certificate ...
   --tls-key-file FILE       ... and this key
+  --tls-ca-file FILE        CA bundle to verify the executors' TLS certificates:
+                            plans go to executors over TLS (without it, in
+                            plaintext)
   --heartbeat-seconds S     agents' heartbeat interval (5; 0.01 to 3600)
   --missed-heartbeats N     heartbeats missed in a row before a node is STALE
                             (3; 1 to 1000)
@@ -87,6 +90,14 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.security.token = *token;
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");
+  o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
+  if (!o.security.tls_ca_file.empty()) {
+    // Read now: a bad bundle would otherwise show at the first deploy.
+    auto ca = hap::service::MakeChannelCredentials(o.security);
+    if (!ca.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tls-ca-file: ", ca.status().message()));
+    }
+  }
   // Every number flag in its range (Args::NumberOrEnv; the error names the
   // flag, its variable, the range and the value): --heartbeat-seconds=inf
   // made every node's heartbeat limit infinite, 1e12 missed heartbeats was
@@ -158,6 +169,7 @@ int main(int argc, char** argv) {
                                     "token-file",
                                     "tls-cert-file",
                                     "tls-key-file",
+                                    "tls-ca-file",
                                     "heartbeat-seconds",
                                     "missed-heartbeats",
                                     "workers",
