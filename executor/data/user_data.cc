@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -615,6 +616,36 @@ int64_t FirstOutside(char kind, int bytes, const unsigned char* src, int64_t n, 
   return i;
 }
 
+// The index of the first of n float elements (kind 'f', `bytes` each) that
+// is not finite, or that a graph input of dtype `d` cannot hold (a float64
+// past float32's range becomes inf there), or -1; `value` says what it is.
+int64_t FirstNotFinite(int bytes, const unsigned char* src, int64_t n, DType d,
+                       std::string& value) {
+  const double max = d == DType::kFloat64   ? std::numeric_limits<double>::max()
+                     : d == DType::kFloat16 ? 65504.0
+                                            : std::numeric_limits<float>::max();
+  for (int64_t i = 0; i < n; ++i) {
+    double v;
+    if (bytes == 2) {  // half: exponent bits all ones is inf or nan
+      if ((Load<uint16_t>(src, i) & 0x7C00) == 0x7C00) {
+        value = "inf or nan";
+        return i;
+      }
+      continue;
+    }
+    v = bytes == 4 ? static_cast<double>(Load<float>(src, i)) : Load<double>(src, i);
+    if (!std::isfinite(v)) {
+      value = absl::StrCat(v);
+      return i;
+    }
+    if (std::fabs(v) > max) {
+      value = absl::StrCat(v, ", beyond ", graph::DTypeName(d), "'s range");
+      return i;
+    }
+  }
+  return -1;
+}
+
 // Stores integer v as element i of an integer tensor.
 void StoreInt(HostTensor& h, int64_t i, int64_t v) {
   if (h.dtype() == DType::kInt32) {
@@ -779,6 +810,21 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenNpy(const std::string& spec, const
     return absl::InvalidArgumentError(absl::StrCat(spec, " holds ", n,
                                                    " samples, fewer than one global batch of ", b,
                                                    " (", inputs[0].path, ")"));
+  }
+  // Every float value of every float file is finite (a NaN or inf in the
+  // data would show only as a NaN loss, at some step, naming no file).
+  for (const NpyInput& in : inputs) {
+    if (graph::IsInteger(in.dtype) || in.array.kind != 'f') continue;
+    std::string value;
+    const int64_t i =
+        FirstNotFinite(in.array.item_bytes, in.array.data, n * in.sample_elems, in.dtype, value);
+    if (i >= 0) {
+      const int64_t row = i / in.sample_elems, elem = i % in.sample_elems;
+      return absl::InvalidArgumentError(
+          absl::StrCat(in.path, " (graph input '", in.name, "'): row ", row,
+                       in.sample_elems > 1 ? absl::StrCat(", element ", elem) : "", " holds ",
+                       value, ": training data must be finite"));
+    }
   }
   // Every integer value of every file, over the whole mapping.
   for (size_t k = 0; k < inputs.size(); ++k) {

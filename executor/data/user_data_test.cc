@@ -627,6 +627,35 @@ TEST(UserDataErrorsTest, MalformedAndTruncatedFiles) {
   expect(structured, "a structured dtype");
 }
 
+// A NaN or inf in float data, or a float64 past float32's range for a
+// float32 input (it became inf), is refused at open naming the file, row and
+// element; before, it showed only as a NaN loss at some step.
+TEST(UserDataErrorsTest, FloatDataThatIsNotFiniteIsRefusedNamingTheElement) {
+  graph::Graph g = Mlp();
+  std::string dir = TestDir();
+  WriteMlpData(dir, 8);
+  auto expect = [&](const std::string& bytes, const std::string& what) {
+    WriteFile(dir + "/x.npy", bytes);
+    EXPECT_THAT(OpenNpyStatus(dir, g), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                AllOf(HasSubstr(dir + "/x.npy"), HasSubstr(what),
+                                                      HasSubstr("training data must be finite"))))
+        << what;
+  };
+  std::vector<float> f(24, 1.0f);
+  f[7] = std::numeric_limits<float>::quiet_NaN();
+  expect(Npy("<f4", {8, 3}, Raw(f)), "row 2, element 1 holds nan");
+  f[7] = 1.0f;
+  f[23] = -std::numeric_limits<float>::infinity();
+  expect(Npy("<f4", {8, 3}, Raw(f)), "row 7, element 2 holds -inf");
+  std::vector<double> d(24, 1.0);
+  d[4] = 1e300;
+  expect(Npy("<f8", {8, 3}, Raw(d)), "row 1, element 1 holds 1e+300, beyond f32's range");
+  // Finite data of each width opens.
+  d[4] = 1e30;
+  WriteFile(dir + "/x.npy", Npy("<f8", {8, 3}, Raw(d)));
+  EXPECT_THAT(OpenNpyStatus(dir, g), IsOk());
+}
+
 TEST(UserDataErrorsTest, TokenFiles) {
   graph::Graph g = Gpt();
   std::string dir = TestDir();
