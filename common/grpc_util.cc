@@ -3,16 +3,15 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <fstream>
 #include <iostream>
 #include <limits>
-#include <sstream>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/cli_args.h"
 #include "common/proto_time.h"
 #include "grpc/grpc.h"
 #include "grpc/grpc_security.h"
@@ -25,21 +24,6 @@
 
 namespace hap::service {
 namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  // An ifstream opens a directory and reads nothing from it: "is empty"
-  // would send the operator looking in the wrong place.
-  struct stat st;
-  if (stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " '", path, "' is a directory; give the file in it"));
-  }
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", what, " '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 constexpr char kNeedToken[] =
     "this server requires a bearer token: pass --token-file (or HAP_TOKEN_FILE) with the "
@@ -218,7 +202,7 @@ absl::Time CallDeadline(const grpc::ServerContextBase* ctx,
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   if (path.empty()) return std::string();
-  auto t = ReadFile(path, "token file");
+  auto t = tools::ReadInputFile(path, "token file ");
   if (!t.ok()) return t.status();
   std::string token(absl::StripAsciiWhitespace(*t));
   if (token.empty()) {
@@ -250,9 +234,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (s.tls_cert_file.empty()) {
     creds = grpc_insecure_server_credentials_create();
   } else {
-    auto cert = ReadFile(s.tls_cert_file, "TLS certificate");
+    auto cert = tools::ReadInputFile(s.tls_cert_file, "TLS certificate ");
     if (!cert.ok()) return cert.status();
-    auto key = ReadFile(s.tls_key_file, "TLS key");
+    auto key = tools::ReadInputFile(s.tls_key_file, "TLS key ");
     if (!key.ok()) return key.status();
     if (absl::Status match = CheckKeyMatchesCertificate(*cert, *key, s); !match.ok()) return match;
     WarnIfOthersCanAccess(s.tls_key_file, "TLS key");
@@ -279,7 +263,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const Security& s) {
   if (s.tls_ca_file.empty()) return grpc::InsecureChannelCredentials();
-  auto ca = ReadFile(s.tls_ca_file, "TLS CA bundle");
+  auto ca = tools::ReadInputFile(s.tls_ca_file, "TLS CA bundle ");
   if (!ca.ok()) return ca.status();
   grpc::SslCredentialsOptions o;
   o.pem_root_certs = *ca;

@@ -85,7 +85,7 @@ TEST(ReadTokenFileTest, AnEmptyTokenIsRefused) {
   EXPECT_THAT(ReadTokenFile(blank),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'" + blank + "' is empty")));
   EXPECT_THAT(ReadTokenFile(dir + "/none"),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("cannot read token file")));
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("cannot open token file")));
 }
 
 TEST(ReadTokenFileTest, ADirectoryIsRefusedAsADirectory) {
