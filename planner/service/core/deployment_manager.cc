@@ -22,6 +22,7 @@
 #include "google/protobuf/util/time_util.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/rendezvous_store.h"
+#include "planner/service/core/retention.h"
 
 namespace hap::service {
 namespace {
@@ -40,10 +41,6 @@ std::string StateName(v1::Deployment::State s) {
   const std::string& name = v1::Deployment::State_Name(s);
   return name.empty() ? absl::StrCat(static_cast<int>(s), " (unknown)") : name;
 }
-
-// Each rank's latest steps that Deployment.recent_step_seconds is the
-// median of (the slowest rank's).
-constexpr size_t kRecentSteps = kRecentStepsPerRank;
 
 DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
   const DeploymentWatchOptions defaults;
@@ -117,7 +114,7 @@ struct DeploymentManager::State {
   // What each deployment's step statistics are computed from, kept as
   // metrics arrive (Add): rank 0's step times among the metrics kept, in
   // two halves for their upper median (median_step_seconds), and each
-  // rank's last kRecentSteps step times, whatever the cap on metrics kept
+  // rank's last kRecentStepsPerRank step times, whatever the cap on metrics kept
   // (recent_step_seconds).
   struct StepStats {
     std::priority_queue<double> lower;  // the smaller half (max on top)
@@ -129,7 +126,7 @@ struct DeploymentManager::State {
     void Add(const v1::StepMetric& m, bool kept) {
       std::deque<double>& r = recent[m.rank()];
       r.push_back(m.step_seconds());
-      if (r.size() > kRecentSteps) r.pop_front();
+      if (r.size() > static_cast<size_t>(kRecentStepsPerRank)) r.pop_front();
       if (!kept || m.rank() != 0) return;
       // upper.size() is lower.size() or one more; upper.top() is the value
       // at index size / 2 in order, what UpperMedian returns.
@@ -160,14 +157,10 @@ struct DeploymentManager::State {
   std::map<std::string, StepStats> step_stats;  // per deployment
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
-  // Deployments whose record as served the sink refused to save, with its
-  // error and the record's own error before the note saying so: the store
-  // still holds an earlier one.
-  struct Unsaved {
-    absl::Status status;
-    std::string error;  // the record's error without the note
-  };
-  std::map<std::string, Unsaved> unsaved;
+  // Deployments whose record as served the sink refused to save (the store
+  // still holds an earlier one), with the record's error before the note
+  // saying so.
+  std::map<std::string, std::string> unsaved;
   // Rendezvous keys belong to a deployment that exists, at its generation,
   // until it finishes.
   RendezvousStore rendezvous;
@@ -317,7 +310,7 @@ void DeploymentManager::Update(const std::string& name,
   const bool was_final = Final(next.state());
   // A note that an earlier record was not saved goes with the save of this one.
   auto refused = s_->unsaved.find(name);
-  if (refused != s_->unsaved.end()) next.set_error(refused->second.error);
+  if (refused != s_->unsaved.end()) next.set_error(refused->second);
   edit(next);
   if (!was_final && Final(next.state())) *next.mutable_end_time() = TimeUtil::GetCurrentTime();
   if (o_.sink != nullptr) {
@@ -325,7 +318,7 @@ void DeploymentManager::Update(const std::string& name,
     if (saved.ok()) {
       s_->unsaved.erase(name);
     } else {
-      s_->unsaved[name] = {saved, next.error()};
+      s_->unsaved[name] = next.error();
       // The executors did change state; say so, and that the store still
       // holds the state before (a restarted planner shows that one).
       next.set_error(absl::StrCat(next.error(), next.error().empty() ? "" : "; ",
@@ -345,7 +338,7 @@ absl::Status DeploymentManager::SaveAgainLocked(const std::string& name) {
   auto refused = s_->unsaved.find(name);
   if (refused == s_->unsaved.end() || o_.sink == nullptr) return absl::OkStatus();
   v1::Deployment d = s_->deployments[name];
-  d.set_error(refused->second.error);  // without the note that it was not saved
+  d.set_error(refused->second);  // without the note that it was not saved
   absl::Status saved = o_.sink->SaveDeployment(d);
   if (saved.ok()) {
     s_->unsaved.erase(refused);
@@ -354,7 +347,6 @@ absl::Status DeploymentManager::SaveAgainLocked(const std::string& name) {
     s_->changed.SignalAll();
     return absl::OkStatus();
   }
-  refused->second.status = saved;
   return Annotate(saved, absl::StrCat(name, " is ", StateName(d.state()),
                                       " but the planner could not save it so (a restarted "
                                       "planner would find it as it was saved last)"));
@@ -364,27 +356,20 @@ absl::Status DeploymentManager::SaveAgainLocked(const std::string& name) {
 
 absl::StatusOr<int> DeploymentManager::EnforceRetention(int count, absl::Time oldest,
                                                         const std::set<std::string>& keep) {
-  const bool by_count = count > 0;
-  if (!by_count && oldest == absl::InfinitePast()) return 0;
+  if (count <= 0 && oldest == absl::InfinitePast()) return 0;
   // Chosen under the lock, deleted one at a time (other calls get the lock
   // in between).
   std::vector<std::string> victims;
   {
     absl::MutexLock l(&s_->mu);
-    std::vector<std::pair<absl::Time, const std::string*>> finished;
+    std::vector<std::pair<absl::Time, std::string>> finished;
     for (const auto& [name, d] : s_->deployments) {
       if (!Final(d.state())) continue;
       // An older planner's record has no end_time: its create_time.
-      finished.push_back({FromProto(d.has_end_time() ? d.end_time() : d.create_time()), &name});
+      finished.push_back({FromProto(d.has_end_time() ? d.end_time() : d.create_time()), name});
     }
-    std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) {
-      return a.first != b.first ? a.first > b.first : *a.second > *b.second;
-    });
-    for (size_t i = 0; i < finished.size(); ++i) {
-      const std::string& name = *finished[i].second;
-      const bool beyond =
-          (by_count && i >= static_cast<size_t>(count)) || finished[i].first < oldest;
-      if (beyond && !keep.count(name) && !s_->supervised.count(name)) victims.push_back(name);
+    for (std::string& name : PastRetention(std::move(finished), count, oldest)) {
+      if (!keep.count(name) && !s_->supervised.count(name)) victims.push_back(std::move(name));
     }
   }
   int deleted = 0;

@@ -45,7 +45,8 @@
 namespace hap::service {
 
 // Step metrics a deployment keeps in memory by default, and the latest
-// steps each rank's recent statistics are over.
+// steps of each rank that Deployment.recent_step_seconds is the median of
+// (the slowest rank's).
 inline constexpr size_t kDefaultMaxMetricsPerDeployment = 100'000;
 inline constexpr int64_t kRecentStepsPerRank = 20;
 

@@ -28,6 +28,7 @@
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/planner_core_internal.h"
 #include "planner/service/core/profile_checks.h"
+#include "planner/service/core/retention.h"
 #include "planner/synth/planner.h"
 
 namespace hap::service {
@@ -1065,21 +1066,13 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
   std::vector<std::string> victims;
   {
     absl::MutexLock l(&s_->mu);
-    std::vector<std::pair<absl::Time, const std::string*>> finished;
+    std::vector<std::pair<absl::Time, std::string>> finished;
     for (const auto& [name, p] : s_->plans) {
-      if (Final(p->state())) finished.push_back({FromProto(p->update_time()), &name});
+      if (Final(p->state())) finished.push_back({FromProto(p->update_time()), name});
     }
-    // Most recently finished first; ties by name, newest id last.
-    std::sort(finished.begin(), finished.end(), [](const auto& a, const auto& b) {
-      return a.first != b.first ? a.first > b.first : *a.second > *b.second;
-    });
     const absl::Time oldest = by_age ? o_.now() - o_.plan_retention_age : absl::InfinitePast();
-    for (size_t i = 0; i < finished.size(); ++i) {
-      const bool beyond = (by_count && i >= static_cast<size_t>(o_.plan_retention_count)) ||
-                          finished[i].first < oldest;
-      if (beyond && !in_use.count(*finished[i].second) && !s_->pins.count(*finished[i].second)) {
-        victims.push_back(*finished[i].second);
-      }
+    for (std::string& name : PastRetention(std::move(finished), o_.plan_retention_count, oldest)) {
+      if (!in_use.count(name) && !s_->pins.count(name)) victims.push_back(std::move(name));
     }
   }
   int deleted = 0;
