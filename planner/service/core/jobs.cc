@@ -393,6 +393,17 @@ std::vector<v1::Job> JobController::All() const {
   return out;
 }
 
+std::set<std::string> JobController::UnfinishedJobsDeployments() const {
+  absl::MutexLock l(&s_->mu);
+  std::set<std::string> out;
+  for (const auto& [name, j] : s_->jobs) {
+    if (!Final(j.status().state()) && !j.status().deployment().empty()) {
+      out.insert(j.status().deployment());
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<v1::Job> JobController::Stop(const std::string& name) {
   HAP_RETURN_IF_ERROR(JobId(name).status());
   absl::MutexLock l(&s_->mu);

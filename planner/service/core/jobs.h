@@ -59,6 +59,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,9 @@ class JobController {
   absl::StatusOr<hap::v1::ListJobsResponse> List(int page_size,
                                                  const std::string& page_token) const;
   std::vector<hap::v1::Job> All() const;  // by name
+  // The deployment of each job not finished (deployment retention keeps
+  // them).
+  std::set<std::string> UnfinishedJobsDeployments() const;
   // Marks the job to stop (saved first: the sink's error when it refuses)
   // and returns it; the next pass cancels its plan and stops its
   // deployment, then STOPPED. A final job is returned as it is.

@@ -53,8 +53,12 @@ TEST_F(JobsTest, PlansOnEveryUsableDeviceDeploysAndSucceeds) {
   fake_.Only(d.name()).set_steps_completed(60);
   c_->Reconcile();
   EXPECT_EQ(Job().status().steps_done(), 60);
+  // Deployment retention keeps a running job's deployment, and not a
+  // finished job's.
+  EXPECT_THAT(c_->UnfinishedJobsDeployments(), ElementsAre(d.name()));
   fake_.SetState(d.name(), v1::Deployment::SUCCEEDED);
   c_->Reconcile();
+  EXPECT_THAT(c_->UnfinishedJobsDeployments(), IsEmpty());
   j = Job();
   EXPECT_EQ(j.status().state(), v1::JobStatus::SUCCEEDED);
   EXPECT_EQ(j.status().steps_done(), 100);

@@ -444,16 +444,7 @@ grpc::Status PlannerServiceImpl::StoreAdd(grpc::ServerContext* ctx, const v1::St
 std::vector<v1::Job> PlannerServiceImpl::Jobs() const { return jobs_->All(); }
 
 absl::StatusOr<int> PlannerServiceImpl::EnforceDeploymentRetention(int count, absl::Time oldest) {
-  std::set<std::string> keep;
-  for (const v1::Job& j : jobs_->All()) {
-    const v1::JobStatus::State s = j.status().state();
-    if (s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED ||
-        s == v1::JobStatus::STOPPED) {
-      continue;
-    }
-    if (!j.status().deployment().empty()) keep.insert(j.status().deployment());
-  }
-  return deployments_->EnforceRetention(count, oldest, keep);
+  return deployments_->EnforceRetention(count, oldest, jobs_->UnfinishedJobsDeployments());
 }
 
 grpc::Status PlannerServiceImpl::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* r,
