@@ -625,7 +625,6 @@ int64_t FirstNotFinite(int bytes, const unsigned char* src, int64_t n, DType d,
                      : d == DType::kFloat16 ? 65504.0
                                             : std::numeric_limits<float>::max();
   for (int64_t i = 0; i < n; ++i) {
-    double v;
     if (bytes == 2) {  // half: exponent bits all ones is inf or nan
       if ((Load<uint16_t>(src, i) & 0x7C00) == 0x7C00) {
         value = "inf or nan";
@@ -633,7 +632,7 @@ int64_t FirstNotFinite(int bytes, const unsigned char* src, int64_t n, DType d,
       }
       continue;
     }
-    v = bytes == 4 ? static_cast<double>(Load<float>(src, i)) : Load<double>(src, i);
+    const double v = bytes == 4 ? static_cast<double>(Load<float>(src, i)) : Load<double>(src, i);
     if (!std::isfinite(v)) {
       value = absl::StrCat(v);
       return i;
@@ -811,45 +810,38 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenNpy(const std::string& spec, const
                                                    " samples, fewer than one global batch of ", b,
                                                    " (", inputs[0].path, ")"));
   }
-  // Every float value of every float file is finite (a NaN or inf in the
-  // data would show only as a NaN loss, at some step, naming no file).
-  for (const NpyInput& in : inputs) {
-    if (graph::IsInteger(in.dtype) || in.array.kind != 'f') continue;
-    std::string value;
-    const int64_t i =
-        FirstNotFinite(in.array.item_bytes, in.array.data, n * in.sample_elems, in.dtype, value);
-    if (i >= 0) {
-      const int64_t row = i / in.sample_elems, elem = i % in.sample_elems;
-      return absl::InvalidArgumentError(
-          absl::StrCat(in.path, " (graph input '", in.name, "'): row ", row,
-                       in.sample_elems > 1 ? absl::StrCat(", element ", elem) : "", " holds ",
-                       value, ": training data must be finite"));
-    }
-  }
-  // Every integer value of every file, over the whole mapping.
+  // Every value of every file, over the whole mapping: floats finite and
+  // within the input's range (a NaN or inf would show only as a NaN loss,
+  // at some step, naming no file), integers within the input's bounds.
   for (size_t k = 0; k < inputs.size(); ++k) {
     const NpyInput& in = inputs[k];
-    if (!graph::IsInteger(in.dtype)) continue;
-    IntBounds bounds = BoundsOf(g, ids[k]);
-    std::string value;
+    const int64_t count = n * in.sample_elems;
+    std::string value, why;
     int64_t i = -1;
-    if (in.array.kind == 'b') {
-      // NumPy writes bools as bytes 0 and 1; another byte is a damaged file
-      // (numpy would read it as True, we would feed its value on).
-      i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, n * in.sample_elems,
-                       {0, 1, "which is not a bool's byte (0 or 1): a damaged file?"}, value);
-      if (i >= 0) bounds.why = "which is not a bool's byte (0 or 1): a damaged file?";
-    }
-    if (i < 0) {
-      i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, n * in.sample_elems,
-                       bounds, value);
+    if (!graph::IsInteger(in.dtype)) {
+      if (in.array.kind != 'f') continue;
+      i = FirstNotFinite(in.array.item_bytes, in.array.data, count, in.dtype, value);
+      why = ": training data must be finite";
+    } else {
+      IntBounds bounds = BoundsOf(g, ids[k]);
+      if (in.array.kind == 'b') {
+        // NumPy writes bools as bytes 0 and 1; another byte is a damaged
+        // file (numpy would read it as True, we would feed its value on).
+        const IntBounds bool_bytes{0, 1, "which is not a bool's byte (0 or 1): a damaged file?"};
+        i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, count, bool_bytes,
+                         value);
+        if (i >= 0) bounds = bool_bytes;
+      }
+      if (i < 0) {
+        i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, count, bounds, value);
+      }
+      why = absl::StrCat(", ", bounds.why);
     }
     if (i >= 0) {
-      int64_t row = i / in.sample_elems, elem = i % in.sample_elems;
-      return absl::InvalidArgumentError(
-          absl::StrCat(in.path, " (graph input '", in.name, "'): row ", row,
-                       in.sample_elems > 1 ? absl::StrCat(", element ", elem) : "", " holds ",
-                       value, ", ", bounds.why));
+      const int64_t row = i / in.sample_elems, elem = i % in.sample_elems;
+      return absl::InvalidArgumentError(absl::StrCat(
+          in.path, " (graph input '", in.name, "'): row ", row,
+          in.sample_elems > 1 ? absl::StrCat(", element ", elem) : "", " holds ", value, why));
     }
   }
   return std::unique_ptr<UserData>(
