@@ -82,6 +82,25 @@ class SqliteStoreTest : public ::testing::Test {
     EXPECT_THAT(store, IsOk());
     return store.ok() ? std::move(*store) : nullptr;
   }
+  // A closed database of 50 plans (closing checkpoints the log into the
+  // file); its size in bytes, 0 on failure.
+  off_t FileOf50Plans() {
+    {
+      std::unique_ptr<StateStore> store = Open();
+      if (store == nullptr) return 0;
+      for (int i = 0; i < 50; ++i) {
+        EXPECT_THAT(store->PutPlan(TestPlan(absl::StrCat("plans/p", i), i), ""), IsOk());
+      }
+    }
+    struct stat st;
+    return stat(path_.c_str(), &st) == 0 ? st.st_size : 0;
+  }
+  // The first error of opening the file and listing its plans.
+  absl::Status OpenAndListPlans() {
+    absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path_);
+    if (!store.ok()) return store.status();
+    return (*store)->ListPlans(kMaxPageSize, "").status();
+  }
 
   std::string dir_;
   std::string path_;
@@ -299,54 +318,24 @@ TEST_F(SqliteStoreTest, GarbageFileIsDataLoss) {
 // Pages after the first overwritten: the header still says SQLite, the
 // tables are garbage. Whichever call first reads them says DataLoss.
 TEST_F(SqliteStoreTest, DamagedPagesAreDataLoss) {
-  {
-    std::unique_ptr<StateStore> store = Open();
-    ASSERT_NE(store, nullptr);
-    for (int i = 0; i < 50; ++i) {
-      ASSERT_THAT(store->PutPlan(TestPlan(absl::StrCat("plans/p", i), i), ""), IsOk());
-    }
-  }  // closing checkpoints the log into the file
-  struct stat st;
-  ASSERT_EQ(stat(path_.c_str(), &st), 0);
-  ASSERT_GT(st.st_size, 4096 * 2);
+  const off_t size = FileOf50Plans();
+  ASSERT_GT(size, 4096 * 2);
   {
     std::fstream f(path_, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(4096);
-    for (off_t i = 4096; i < st.st_size; ++i) f.put(static_cast<char>(0xA5));
+    for (off_t i = 4096; i < size; ++i) f.put(static_cast<char>(0xA5));
   }
-  absl::Status status;
-  absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path_);
-  if (!store.ok()) {
-    status = store.status();
-  } else {
-    status = (*store)->ListPlans(0, "").status();
-  }
-  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
+  EXPECT_THAT(OpenAndListPlans(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
 }
 
 // A file cut short (a copy that did not finish, a disk that filled while
 // it was copied): the pages past the end are gone. Whichever call first
 // needs them says DataLoss naming the file; nothing reads as empty.
 TEST_F(SqliteStoreTest, ATruncatedFileIsDataLoss) {
-  {
-    std::unique_ptr<StateStore> store = Open();
-    ASSERT_NE(store, nullptr);
-    for (int i = 0; i < 50; ++i) {
-      ASSERT_THAT(store->PutPlan(TestPlan(absl::StrCat("plans/p", i), i), ""), IsOk());
-    }
-  }  // closing checkpoints the log into the file
-  struct stat st;
-  ASSERT_EQ(stat(path_.c_str(), &st), 0);
-  ASSERT_GT(st.st_size, 4096 * 4);
-  ASSERT_EQ(truncate(path_.c_str(), st.st_size / 2), 0);
-  absl::Status status;
-  absl::StatusOr<std::unique_ptr<StateStore>> store = OpenSqliteStore(path_);
-  if (!store.ok()) {
-    status = store.status();
-  } else {
-    status = (*store)->ListPlans(kMaxPageSize, "").status();
-  }
-  EXPECT_THAT(status, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
+  const off_t size = FileOf50Plans();
+  ASSERT_GT(size, 4096 * 4);
+  ASSERT_EQ(truncate(path_.c_str(), size / 2), 0);
+  EXPECT_THAT(OpenAndListPlans(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path_)));
 }
 
 TEST_F(SqliteStoreTest, RowThatDoesNotParseIsDataLoss) {
