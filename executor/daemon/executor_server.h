@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "common/grpc_util.h"
 #include "executor/daemon/executor_core.h"
+#include "executor/daemon/executor_service_impl.h"
 #include "executor/daemon/step_reporter.h"
 
 namespace hap::executor {
@@ -37,7 +38,7 @@ struct ExecutorServerOptions {
   // threads are bounded to this plus kControlThreads (grpc::ResourceQuota),
   // so control calls are still served while the streams are at their
   // limit. From 1 to ExecutorServer::kMaxStreamsLimit.
-  int max_streams = 64;
+  int max_streams = kDefaultMaxStreams;
   // device_id, data_dir, threads, comm_timeout, ...; planner_address,
   // make_store, on_step and on_end are set by Start.
   ExecutorCoreOptions core;

@@ -16,12 +16,15 @@
 
 namespace hap::executor {
 
+// StreamStepMetrics calls an executor serves at once unless told otherwise.
+inline constexpr int kDefaultMaxStreams = 64;
+
 class ExecutorServiceImpl final : public hap::v1::Executor::Service {
  public:
   // `core` must outlive the service. `token`: required on every call when
   // not empty (UNAUTHENTICATED otherwise). `max_streams`: StreamStepMetrics
   // calls served at once (see StreamStepMetrics).
-  ExecutorServiceImpl(ExecutorCore* core, std::string token, int max_streams = 64)
+  ExecutorServiceImpl(ExecutorCore* core, std::string token, int max_streams = kDefaultMaxStreams)
       : core_(core), token_(std::move(token)), max_streams_(max_streams) {}
 
   // DEADLINE_EXCEEDED or CANCELLED, installing nothing, when the caller has
