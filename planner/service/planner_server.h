@@ -34,8 +34,8 @@ class StateBackend : public PlannerStateSink {
   // Of each deployment's step metrics, the first `max_metrics_per_deployment`
   // (whole steps; what the deployment manager keeps) and those of its latest
   // kRecentStepsPerRank steps (its recent statistics), not every one stored.
-  virtual absl::StatusOr<Loaded> Load(
-      size_t max_metrics_per_deployment = kDefaultMaxMetricsPerDeployment) = 0;
+  virtual absl::StatusOr<Loaded> Load(size_t max_metrics_per_deployment) = 0;
+  absl::StatusOr<Loaded> Load() { return Load(kDefaultMaxMetricsPerDeployment); }
   virtual absl::StatusOr<hap::v1::Plan> LoadPlan(const std::string& name) = 0;
 };
 
