@@ -188,17 +188,24 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
     : o_(std::move(options)), s_(std::make_unique<State>()) {
   o_.watch = Sanitized(o_.watch);
   absl::MutexLock l(&s_->mu);
-  for (auto& m : metrics) {
-    // The first max_metrics_per_deployment are kept, as when reported.
-    std::vector<v1::StepMetric>& list = s_->metrics[m.deployment()];
-    const bool kept = list.size() < o_.max_metrics_per_deployment;
-    s_->step_stats[m.deployment()].Add(m, kept);
-    if (kept) list.push_back(std::move(m));
-  }
-  for (auto& d : deployments) {
+  for (const auto& d : deployments) {
     s_->generations[d.plan()] = std::max(s_->generations[d.plan()], d.generation());
     s_->deployments[d.name()] = d;
     s_->FollowRendezvous(d);
+  }
+  // The first max_metrics_per_deployment are kept, as when reported, and
+  // the record's summary of them (steps completed, last loss, medians),
+  // which is not saved with every metric, is made again from them.
+  // Metrics of a deployment not loaded are not served: dropped.
+  std::map<std::string, std::vector<v1::StepMetric>> by_deployment;
+  for (auto& m : metrics) {
+    if (s_->deployments.count(m.deployment())) {
+      by_deployment[m.deployment()].push_back(std::move(m));
+    }
+  }
+  for (const auto& [name, list] : by_deployment) KeepStepMetricsLocked(name, list);
+  for (const auto& entry : s_->deployments) {
+    const v1::Deployment& d = entry.second;  // lambdas capture it by value
     if (d.state() == v1::Deployment::RUNNING) {
       // Re-attach: the first poll finds out whether each rank still trains it.
       Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
@@ -584,8 +591,9 @@ void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
     if (kept) list.push_back(m);
     stats.Add(m, kept);
     if (m.rank() == 0) {
+      // The latest step's loss, whatever order the metrics come in.
+      if (m.step() + 1 >= d.steps_completed()) d.set_last_loss(m.loss());
       d.set_steps_completed(std::max(d.steps_completed(), m.step() + 1));
-      d.set_last_loss(m.loss());
       // Rank 0's median step over the metrics kept (up to the cap), kept
       // up to date as they arrive rather than recomputed over all of them.
       d.set_median_step_seconds(stats.Median());

@@ -721,6 +721,46 @@ TEST(DeploymentManagerMetricsTest, MetricsLoadedAtStartAreKeptUpToTheCap) {
   EXPECT_EQ(m.StepMetrics(stored.name())->size(), 10u);
 }
 
+// A deployment's summary of its metrics (steps completed, last loss, the
+// medians) is kept in memory as metrics arrive, not saved with every one:
+// after a restart it is recomputed from the metrics loaded, also past the
+// cap (before, a restarted planner showed the steps and loss of the
+// deployment's last saved state change until its next metric).
+TEST(DeploymentManagerMetricsTest, ARestartRecomputesStepsCompletedAndLastLossFromStoredMetrics) {
+  v1::Deployment stored;
+  stored.set_name("deployments/p-g1");
+  stored.set_plan("plans/p");
+  stored.set_generation(1);
+  stored.set_state(v1::Deployment::SUCCEEDED);
+  stored.set_steps_completed(0);  // as saved when it started
+  stored.add_ranks()->set_rank(0);
+  stored.add_ranks()->set_rank(1);
+  std::vector<v1::StepMetric> loaded;
+  for (int64_t step = 0; step < 50; ++step) {
+    for (int rank : {1, 0}) {
+      v1::StepMetric m;
+      m.set_deployment(stored.name());
+      m.set_rank(rank);
+      m.set_step(step);
+      m.set_loss(10.0 - step * 0.1 + rank);
+      m.set_step_seconds(step < 10 ? 1.0 : 3.0);
+      loaded.push_back(m);
+    }
+  }
+  DeploymentManagerOptions o;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  o.max_metrics_per_deployment = 10;  // steps 0-4 kept, the rest past the cap
+  DeploymentManager m(std::move(o), {stored}, loaded);
+  const v1::Deployment d = *m.Get(stored.name());
+  EXPECT_EQ(d.steps_completed(), 50);
+  EXPECT_DOUBLE_EQ(d.last_loss(), 10.0 - 49 * 0.1);  // rank 0's at step 49
+  EXPECT_DOUBLE_EQ(d.median_step_seconds(), 1.0);    // over the kept
+  EXPECT_DOUBLE_EQ(d.recent_step_seconds(), 3.0);    // the latest steps
+  EXPECT_EQ(d.recent_steps_end(), 50);
+}
+
 // A misbehaving executor's metrics are refused whole, naming the field and
 // value: a step past the deployment's last (INT64_MAX overflowed the steps
 // completed), a NaN, infinite or negative time or a NaN loss (they poisoned
