@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -189,7 +190,26 @@ grpc::Status ToGrpc(const absl::Status& s) {
 
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  std::string message = s.error_message();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // gRPC's transport messages say what broke, not what to change. The
+    // client cannot tell a server that closed the connection at its
+    // plaintext hello from one that went away, so that hint is an "if".
+    if (absl::StrContains(message, "Socket closed")) {
+      absl::StrAppend(&message,
+                      " (if the server serves TLS, it closes plaintext connections like this: "
+                      "give the client its CA bundle with --tls-ca-file)");
+    } else if (absl::StrContains(message, "wrong version number")) {
+      absl::StrAppend(&message,
+                      " (the server does not serve TLS: connect without --tls-ca-file, or start "
+                      "it with --tls-cert-file and --tls-key-file)");
+    } else if (absl::StrContains(message, "http1.x server")) {
+      absl::StrAppend(&message,
+                      " (that address serves HTTP, not gRPC: a --metrics-listen port? the gRPC "
+                      "one is --listen)");
+    }
+  }
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), message);
 }
 
 absl::Time CallDeadline(const grpc::ServerContextBase* ctx,

@@ -6,11 +6,16 @@
 // health checks stay open.
 #include "common/grpc_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_test_util.h"
@@ -178,6 +183,78 @@ TEST(MakeServerCredentialsTest, AKeyOthersCanReadIsWarnedAbout) {
   EXPECT_THAT(creds, IsOk());
   ASSERT_EQ(chmod(key.c_str(), 0600), 0);
   EXPECT_THAT(StderrOf([&] { creds = MakeServerCredentials(s); }), IsEmpty());
+}
+
+// A client and a server that disagree about TLS, or a gRPC client at an
+// HTTP port, got gRPC's transport message alone ("Socket closed", "wrong
+// version number", "Trying to connect an http1.x server"): the error now
+// says what to change.
+TEST(FromGrpcTest, TransportErrorsSayWhatToChange) {
+  const std::string dir = TempDir("tls_mismatch_hint");
+  auto [cert, key] = MakeCertificate(dir, "a");
+  grpc::EnableDefaultHealthCheckService(true);
+  auto serve = [](const Security& s, int* port) {
+    auto creds = MakeServerCredentials(s);
+    EXPECT_THAT(creds, IsOk());
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", *creds, port);
+    return b.BuildAndStart();
+  };
+  auto health = [](const std::string& address, const Security& s) {
+    auto channel = MakeChannel(address, s);
+    EXPECT_THAT(channel, IsOk());
+    return testing::RawCall(*channel, "/grpc.health.v1.Health/Check", "", {});
+  };
+  Security tls;
+  tls.tls_cert_file = cert;
+  tls.tls_key_file = key;
+  int tls_port = 0, plain_port = 0;
+  auto tls_server = serve(tls, &tls_port);
+  auto plain_server = serve(Security{}, &plain_port);
+  ASSERT_NE(tls_server, nullptr);
+  ASSERT_NE(plain_server, nullptr);
+  const std::string tls_address = absl::StrCat("127.0.0.1:", tls_port);
+  const std::string plain_address = absl::StrCat("127.0.0.1:", plain_port);
+  Security verifying;
+  verifying.tls_ca_file = cert;
+  // Matching sides work.
+  EXPECT_THAT(health(tls_address, verifying), IsOk());
+  EXPECT_THAT(health(plain_address, {}), IsOk());
+  // A plaintext client at a TLS server; a TLS client at a plaintext one.
+  EXPECT_THAT(health(tls_address, {}),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("Socket closed"), HasSubstr("--tls-ca-file"))));
+  EXPECT_THAT(health(plain_address, verifying),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("wrong version number"), HasSubstr("does not serve TLS"))));
+  // An HTTP/1 server (the planner's /metrics port, say).
+  int http_fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(http_fd, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(http_fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(listen(http_fd, 4), 0);
+  socklen_t len = sizeof sa;
+  ASSERT_EQ(getsockname(http_fd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+  std::thread http([http_fd] {
+    int c = accept(http_fd, nullptr, nullptr);
+    if (c < 0) return;
+    const char reply[] = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n";
+    (void)!write(c, reply, sizeof reply - 1);
+    char buf[512];
+    while (read(c, buf, sizeof buf) > 0) {
+    }
+    close(c);
+  });
+  EXPECT_THAT(health(absl::StrCat("127.0.0.1:", ntohs(sa.sin_port)), {}),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("http1.x"), HasSubstr("serves HTTP, not gRPC"))));
+  shutdown(http_fd, SHUT_RDWR);
+  close(http_fd);
+  http.join();
+  tls_server->Shutdown();
+  plain_server->Shutdown();
 }
 
 // A server with the token and the health service only, on 127.0.0.1:0.
