@@ -43,7 +43,8 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
                                      an elastic job: re-planned as devices fail and join
   watch job NAME / stop job NAME
 
-Run `hapctl COMMAND --help` for a command's flags.
+Run `hapctl COMMAND --help` for a command's flags. --server, --timeout,
+--token-file, --tls-ca-file and -o may also come before the command.
 )";
 
 }  // namespace
@@ -54,8 +55,37 @@ int main(int argc, char** argv) {
     std::cout << kUsage;
     return argc < 2 ? 1 : 0;
   }
-  std::string cmd = argv[1];
-  std::vector<std::string> rest(argv + 2, argv + argc);
+  // The connection and output flags may come before the command, as with
+  // kubectl (`hapctl --server H:P get nodes`): they move behind it.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> leading;
+  size_t i = 0;
+  for (; i < args.size() && args[i].size() > 1 && args[i][0] == '-'; ++i) {
+    const std::string& flag = args[i];
+    const std::string name = flag.substr(0, flag.find('='));
+    if (name != "--server" && name != "--timeout" && name != "--token-file" &&
+        name != "--tls-ca-file" && name != "-o" && name != "--output") {
+      std::cerr << "error: '" << flag
+                << "' before the command: only --server, --timeout, --token-file, "
+                   "--tls-ca-file and -o may come before it\n";
+      return 1;
+    }
+    leading.push_back(flag);
+    if (name == flag) {
+      if (i + 1 == args.size()) {
+        std::cerr << "error: '" << flag << "' needs a value\n";
+        return 1;
+      }
+      leading.push_back(args[++i]);
+    }
+  }
+  if (i == args.size()) {
+    std::cerr << "error: no command after the flags\n\n" << kUsage;
+    return 1;
+  }
+  std::string cmd = args[i];
+  std::vector<std::string> rest(args.begin() + i + 1, args.end());
+  rest.insert(rest.end(), leading.begin(), leading.end());
   if (cmd == "ops") return hap::tools::RunOps(rest);
   if (cmd == "zoo") return hap::tools::RunZoo(rest);
   if (cmd == "validate") return hap::tools::RunValidate(rest);

@@ -1,0 +1,41 @@
+#!/bin/bash
+# hapctl's connection and output flags may come before the command, as
+# with kubectl (`hapctl --server H:P get nodes` said "unknown command
+# '--server'"); anything else before the command is an error naming it.
+set -u
+HAPCTL="$1"
+CLUSTER="$2"
+fail() { echo "FAIL: $*"; exit 1; }
+model=(--model mlp --layers 2 --hidden 64 --batch 16)
+
+# -o before `plan`: the same JSON as after it.
+before="$("$HAPCTL" -o json plan --cluster "$CLUSTER" "${model[@]}" 2>&1)" \
+  || fail "-o before plan: $before"
+after="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" -o json 2>&1)" \
+  || fail "-o after plan: $after"
+# The same plan (the timings aside).
+python3 - "$before" "$after" <<'PY' || fail "-o json before and after plan differ"
+import json, sys
+a, b = (json.loads(x) for x in sys.argv[1:])
+for d in (a, b):
+    for k in [k for k in d if k.endswith("_seconds") and "synthesis" in k]:
+        del d[k]
+assert a == b, (a, b)
+PY
+
+# --server (both spellings) and --timeout before a client verb: used, so
+# the error is the connection's to the port named, not "unknown command".
+# Port 1 on 127.0.0.1: nothing listens there.
+for flags in "--server 127.0.0.1:1 --timeout 3" "--server=127.0.0.1:1 --timeout=3"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $flags get nodes 2>&1)" && fail "$flags get nodes exited 0: $out"
+  echo "$out" | grep -q "127.0.0.1:1" || fail "$flags: the server flag was not used: $out"
+  echo "$out" | grep -q "unknown command" && fail "$flags: $out"
+done
+
+# Any other flag before the command is named; a flag without its value too.
+out="$("$HAPCTL" --wait get plans 2>&1)" && fail "--wait before the command exited 0"
+echo "$out" | grep -q "'--wait' before the command" || fail "--wait: $out"
+out="$("$HAPCTL" --server 2>&1)" && fail "--server alone exited 0"
+echo "$out" | grep -q "'--server' needs a value" || fail "--server alone: $out"
+echo PASS
