@@ -114,9 +114,15 @@ class StoreBackend : public StateBackend {
       absl::Status st = LoadStepMetrics(d.name(), 0, max_metrics_per_deployment, &metrics);
       // Past what is kept, only the latest steps (the recent statistics).
       const int64_t read_to = metrics.empty() ? 0 : metrics.back().step() + 1;
+      // The record's steps_completed is as of its last state change (a
+      // RUNNING one's says 0): the last step is read from the metrics.
       if (st.ok() && metrics.size() >= max_metrics_per_deployment) {
-        st = LoadStepMetrics(d.name(), std::max(read_to, d.steps_completed() - kRecentStepsPerRank),
-                             std::numeric_limits<size_t>::max(), &metrics);
+        absl::StatusOr<int64_t> last = s_->LastStepMetricStep(d.name());
+        st = last.status();
+        if (st.ok()) {
+          st = LoadStepMetrics(d.name(), std::max(read_to, *last + 1 - kRecentStepsPerRank),
+                               std::numeric_limits<size_t>::max(), &metrics);
+        }
       }
       if (absl::IsDataLoss(st)) {
         NotLoaded(absl::DataLossError(absl::StrCat("the step metrics of '", d.name(),

@@ -82,42 +82,49 @@ TEST(SqliteBackendTest, LoadsADeploymentWithoutStepMetrics) {
 
 // A long run's metrics: Load reads what the deployment manager keeps (the
 // first ones, whole steps) and the latest steps, not every one stored.
+// The latest steps are found in the metrics, not from the record's
+// steps_completed: a RUNNING deployment's record is saved at its state
+// changes, not with every metric, so after a restart it says 0 steps (the
+// whole run's metrics were read then).
 TEST(SqliteBackendTest, LoadReadsTheMetricsKeptAndTheLatestStepsOnly) {
-  const std::string db = TempDatabase("long_run.db");
   constexpr int64_t kSteps = 15'000;  // 30,000 metrics of 2 ranks
-  {
+  for (const bool running : {false, true}) {
+    SCOPED_TRACE(running ? "running, record saved at its start" : "succeeded");
+    const std::string db = TempDatabase(running ? "long_run_running.db" : "long_run.db");
+    {
+      auto backend = OpenSqliteBackend(db);
+      ASSERT_TRUE(backend.ok()) << backend.status();
+      v1::Deployment d = MakeDeployment("long");
+      d.set_state(running ? v1::Deployment::RUNNING : v1::Deployment::SUCCEEDED);
+      d.set_steps_completed(running ? 0 : kSteps);
+      ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
+      std::vector<v1::StepMetric> all;
+      for (int64_t step = 0; step < kSteps; ++step) {
+        for (int rank : {0, 1}) all.push_back(Metric(d.name(), rank, step));
+      }
+      ASSERT_TRUE((*backend)->AppendStepMetrics(all).ok());
+    }
     auto backend = OpenSqliteBackend(db);
     ASSERT_TRUE(backend.ok()) << backend.status();
-    v1::Deployment d = MakeDeployment("long");
-    d.set_state(v1::Deployment::SUCCEEDED);
-    d.set_steps_completed(kSteps);
-    ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
-    std::vector<v1::StepMetric> all;
-    for (int64_t step = 0; step < kSteps; ++step) {
-      for (int rank : {0, 1}) all.push_back(Metric(d.name(), rank, step));
+    auto loaded = (*backend)->Load(/*max_metrics_per_deployment=*/100);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    const std::vector<v1::StepMetric>& m = loaded->metrics;
+    // One page (whole steps) from step 0, then the last 20 steps of both ranks.
+    ASSERT_LT(m.size(), 12'000u);
+    EXPECT_GE(m.size(), 100u + 40u);
+    EXPECT_EQ(m.front().step(), 0);
+    std::map<int64_t, int> ranks_of_step;
+    for (const auto& x : m) ++ranks_of_step[x.step()];
+    for (const auto& [step, ranks] : ranks_of_step) EXPECT_EQ(ranks, 2) << "step " << step;
+    for (int64_t step = kSteps - kRecentStepsPerRank; step < kSteps; ++step) {
+      EXPECT_EQ(ranks_of_step[step], 2) << "step " << step;
     }
-    ASSERT_TRUE((*backend)->AppendStepMetrics(all).ok());
+    EXPECT_EQ(ranks_of_step.count(kSteps - kRecentStepsPerRank - 1), 0u);
+    // The default reads them all here (fewer than 100,000).
+    auto whole = (*backend)->Load();
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    EXPECT_EQ(whole->metrics.size(), 2u * kSteps);
   }
-  auto backend = OpenSqliteBackend(db);
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  auto loaded = (*backend)->Load(/*max_metrics_per_deployment=*/100);
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
-  const std::vector<v1::StepMetric>& m = loaded->metrics;
-  // One page (whole steps) from step 0, then the last 20 steps of both ranks.
-  ASSERT_LT(m.size(), 12'000u);
-  EXPECT_GE(m.size(), 100u + 40u);
-  EXPECT_EQ(m.front().step(), 0);
-  std::map<int64_t, int> ranks_of_step;
-  for (const auto& x : m) ++ranks_of_step[x.step()];
-  for (const auto& [step, ranks] : ranks_of_step) EXPECT_EQ(ranks, 2) << "step " << step;
-  for (int64_t step = kSteps - kRecentStepsPerRank; step < kSteps; ++step) {
-    EXPECT_EQ(ranks_of_step[step], 2) << "step " << step;
-  }
-  EXPECT_EQ(ranks_of_step.count(kSteps - kRecentStepsPerRank - 1), 0u);
-  // The default reads them all here (fewer than 100,000).
-  auto whole = (*backend)->Load();
-  ASSERT_TRUE(whole.ok()) << whole.status();
-  EXPECT_EQ(whole->metrics.size(), 2u * kSteps);
 }
 
 TEST(SqliteBackendTest, LoadsJobsAsLastSaved) {

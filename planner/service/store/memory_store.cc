@@ -177,6 +177,14 @@ class InMemoryStore final : public StateStore {
     return out;
   }
 
+  absl::StatusOr<int64_t> LastStepMetricStep(const std::string& deployment) override {
+    absl::MutexLock lock(&mu_);
+    HAP_RETURN_IF_ERROR(deployments_.Get(deployment).status());
+    auto rows = metrics_.find(deployment);
+    if (rows == metrics_.end() || rows->second.empty()) return -1;
+    return rows->second.rbegin()->first.first;
+  }
+
   absl::Status PutJob(const v1::Job& job) override {
     absl::MutexLock lock(&mu_);
     return jobs_.Put(job);

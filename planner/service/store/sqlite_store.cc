@@ -430,6 +430,15 @@ class SqliteStore final : public StateStore {
     return out;
   }
 
+  absl::StatusOr<int64_t> LastStepMetricStep(const std::string& deployment) override {
+    absl::MutexLock lock(&mu_);
+    HAP_RETURN_IF_ERROR(RequireDeployment(deployment));
+    ScopedStatement st = Use(s_.last_step_metric_step);
+    st.Text(1, deployment);
+    HAP_ASSIGN_OR_RETURN(bool row, st.Step());
+    return row ? st.ColumnInt(0) : int64_t{-1};
+  }
+
   // --- Jobs ----------------------------------------------------------------
   absl::Status PutJob(const v1::Job& job) override {
     HAP_RETURN_IF_ERROR(CheckName("job", job.name()));
@@ -471,6 +480,7 @@ class SqliteStore final : public StateStore {
     sqlite3_stmt* delete_deployment = nullptr;
     sqlite3_stmt* put_step_metric = nullptr;
     sqlite3_stmt* list_step_metrics = nullptr;
+    sqlite3_stmt* last_step_metric_step = nullptr;
     sqlite3_stmt* delete_step_metrics = nullptr;
     sqlite3_stmt* put_job = nullptr;
     sqlite3_stmt* get_job = nullptr;
@@ -529,6 +539,8 @@ class SqliteStore final : public StateStore {
       {&Statements::list_step_metrics,
        "SELECT body, step, rank FROM step_metrics WHERE deployment = ?1 AND step >= ?2"
        " ORDER BY step, rank LIMIT ?3"},
+      {&Statements::last_step_metric_step,
+       "SELECT step FROM step_metrics WHERE deployment = ?1 ORDER BY step DESC LIMIT 1"},
       {&Statements::delete_step_metrics, "DELETE FROM step_metrics WHERE deployment = ?1"},
       {&Statements::put_job,
        "INSERT OR REPLACE INTO jobs (name, create_seconds, create_nanos, body)"

@@ -133,6 +133,11 @@ class StateStore {
   // (step, rank) pairs already seen. NotFound for an unknown deployment.
   virtual absl::StatusOr<std::vector<hap::v1::StepMetric>> ListStepMetrics(
       const std::string& deployment, int64_t from_step, int limit) = 0;
+  // The highest step of the deployment's metrics, -1 when it has none
+  // (an index seek: what a restart reads the latest steps from, since the
+  // deployment's record is not saved with every metric). NotFound for an
+  // unknown deployment.
+  virtual absl::StatusOr<int64_t> LastStepMetricStep(const std::string& deployment) = 0;
 
   // --- Jobs, keyed by job.name() ("jobs/{id}"). ---------------------------
   virtual absl::Status PutJob(const hap::v1::Job& job) = 0;

@@ -457,6 +457,9 @@ std::vector<std::pair<int64_t, int32_t>> StepsAndRanks(const std::vector<v1::Ste
 TYPED_TEST(StateStoreTest, StepMetricsInStepAndRankOrder) {
   const std::string d = "deployments/d";
   ASSERT_THAT(this->store_->PutDeployment(TestDeployment(d, 1)), IsOk());
+  EXPECT_EQ(this->store_->LastStepMetricStep(d).value_or(-2), -1);
+  EXPECT_THAT(this->store_->LastStepMetricStep("deployments/none"),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   // Reports arrive per rank and out of order.
   ASSERT_THAT(this->store_->AppendStepMetrics(
                   d, {TestMetric(1, 1, 2.0), TestMetric(0, 1, 3.0), TestMetric(2, 1, 1.0)}),
@@ -465,6 +468,7 @@ TYPED_TEST(StateStoreTest, StepMetricsInStepAndRankOrder) {
                   d, {TestMetric(0, 0, 3.0), TestMetric(1, 0, 2.0), TestMetric(2, 0, 1.0)}),
               IsOk());
   ASSERT_THAT(this->store_->AppendStepMetrics(d, {}), IsOk());
+  EXPECT_EQ(this->store_->LastStepMetricStep(d).value_or(-2), 2);
 
   absl::StatusOr<std::vector<v1::StepMetric>> all = this->store_->ListStepMetrics(d, 0, 100);
   ASSERT_THAT(all, IsOk());
