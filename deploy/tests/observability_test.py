@@ -122,7 +122,7 @@ def prometheus_scrapes(prometheus, config, planner):
             names = {rule["name"] for g in groups for rule in g["rules"]}
             print(f"rules loaded: {sorted(names)}")
             for alert in (
-                "HapNodeStale", "HapStepTimeAbovePrediction", "HapTrainingLossNaN",
+                "HapNodeStale", "HapStepTimeAbovePrediction", "HapDeploymentFailed",
                 "HapJobReplanningRepeatedly"):
                 assert alert in names, f"alert {alert} not loaded"
             return float(result[0]["value"][1])

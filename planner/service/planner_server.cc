@@ -7,6 +7,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
@@ -15,6 +16,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
+#include "planner/service/deployment_metrics.h"
 #include "planner/service/grpc/planner_service_impl.h"
 #include "planner/service/metrics/metrics.h"
 #include "planner/service/metrics/metrics_http.h"
@@ -52,9 +54,9 @@ struct PlannerMetrics {
   metrics::Histogram* plan_duration = nullptr;
   metrics::Family<metrics::Gauge>* predicted = nullptr;
   metrics::Histogram* step_seconds = nullptr;
-  metrics::Family<metrics::Gauge>* loss = nullptr;
   metrics::Counter* steps = nullptr;
   metrics::Family<metrics::Counter>* job_replans = nullptr;
+  metrics::Family<metrics::Counter>* finished = nullptr;
   metrics::Histogram* job_recovery = nullptr;
   metrics::Counter* job_steps_lost = nullptr;
 
@@ -89,10 +91,23 @@ struct PlannerMetrics {
                          registry.AddHistogram("hap_executor_step_seconds",
                                                "Training step times reported by executors, "
                                                "in seconds."));
-    HAP_ASSIGN_OR_RETURN(loss, registry.AddGaugeFamily(
-                                   "hap_training_loss",
-                                   "Latest training loss reported by rank 0, per deployment.",
-                                   {"deployment"}));
+    // From the deployments held at each scrape (deployment_metrics.h).
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_training_loss",
+        "Latest training loss reported by rank 0, per deployment the planner holds (running "
+        "ones, then finished ones by end time, at most 1000).",
+        {"deployment"},
+        [service, max = metrics::MetricsRegistryOptions{}.max_label_sets_per_family] {
+          if (!*service) return std::vector<metrics::LabeledValue>{};
+          return TrainingLossRows((*service)->Deployments(), max);
+        }));
+    HAP_ASSIGN_OR_RETURN(
+        finished, registry.AddCounterFamily(
+                      "hap_deployments_finished_total",
+                      "Deployments that ended, by how (succeeded, failed, stopped).", {"state"}));
+    for (const char* state : {"succeeded", "failed", "stopped"}) {
+      HAP_RETURN_IF_ERROR(finished->Get({state}).status());  // each series from the start
+    }
     HAP_ASSIGN_OR_RETURN(steps, registry.AddCounter("hap_executor_steps_total",
                                                     "Training steps reported by executors."));
     HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
@@ -234,9 +249,7 @@ struct PlannerMetrics {
     }
   }
   static std::string ReasonLabel(v1::JobEvent::Reason reason) {
-    std::string label = v1::JobEvent::Reason_Name(reason);
-    for (char& c : label) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return label;
+    return absl::AsciiStrToLower(v1::JobEvent::Reason_Name(reason));
   }
   void JobReplan(v1::JobEvent::Reason reason) {
     if (auto c = job_replans->Get({ReasonLabel(reason)}); c.ok()) (*c)->Increment();
@@ -246,12 +259,13 @@ struct PlannerMetrics {
     job_recovery->Observe(e.downtime_seconds());
     job_steps_lost->Increment(static_cast<double>(e.steps_lost()));
   }
+  void DeploymentFinished(const v1::Deployment& d) {
+    const std::string state = absl::AsciiStrToLower(v1::Deployment::State_Name(d.state()));
+    if (auto c = finished->Get({state}); c.ok()) (*c)->Increment();
+  }
   void Step(const v1::StepMetric& m) {
     steps->Increment();
     step_seconds->Observe(m.step_seconds());
-    if (m.rank() == 0) {
-      if (auto g = loss->Get({m.deployment()}); g.ok()) (*g)->Set(m.loss());
-    }
   }
 };
 
@@ -337,6 +351,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     m.metrics.Handled(method, c, sec);
   };
   so.on_step_metric = [&m](const v1::StepMetric& x) { m.metrics.Step(x); };
+  so.on_deployment_finished = [&m](const v1::Deployment& d) { m.metrics.DeploymentFinished(d); };
   so.on_job_replan = [&m](const v1::Job&, v1::JobEvent::Reason r) { m.metrics.JobReplan(r); };
   so.on_job_resumed = [&m](const v1::Job&, const v1::JobEvent& e) { m.metrics.JobResumed(e); };
   // The advertised address is known once the port is bound; the service

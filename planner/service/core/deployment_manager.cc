@@ -338,6 +338,7 @@ void DeploymentManager::Update(const std::string& name,
   // No rank meets through a finished deployment again: its keys go.
   if (Final(it->second.state())) s_->FollowRendezvous(it->second);
   if (o_.on_change) o_.on_change(it->second);
+  if (!was_final && Final(it->second.state()) && o_.on_finished) o_.on_finished(it->second);
   s_->changed.SignalAll();
 }
 

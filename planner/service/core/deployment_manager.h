@@ -61,6 +61,9 @@ struct DeploymentManagerOptions {
   // Every change of a deployment's record, as served from then on. Called
   // with the manager's lock held: it must not call the manager.
   std::function<void(const hap::v1::Deployment&)> on_change;
+  // Once per deployment, as it ends (SUCCEEDED, FAILED or STOPPED), after
+  // on_change; the same lock held.
+  std::function<void(const hap::v1::Deployment&)> on_finished;
   // Step metrics kept in memory per deployment, the first ones (the sink
   // keeps all). median_step_seconds is over rank 0's metrics kept;
   // recent_step_seconds follows the latest steps past it too.

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/proto_time.h"
@@ -266,6 +267,10 @@ class DeploymentManagerTest : public ::testing::Test {
       absl::MutexLock l(&mu_);
       seen_[d.name()] = d;
     };
+    o.on_finished = [this](const v1::Deployment& d) {
+      absl::MutexLock l(&mu_);
+      finished_.push_back(d.name() + " " + v1::Deployment::State_Name(d.state()));
+    };
     manager_ = std::make_unique<DeploymentManager>(std::move(o), std::move(deployments));
   }
   v1::DeployPlanRequest Request() {
@@ -291,6 +296,7 @@ class DeploymentManagerTest : public ::testing::Test {
   Sink sink_;
   absl::Mutex mu_;
   std::map<std::string, v1::Deployment> seen_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> finished_ ABSL_GUARDED_BY(mu_);  // on_finished calls
   std::unique_ptr<DeploymentManager> manager_;
 };
 
@@ -389,6 +395,38 @@ TEST_F(DeploymentManagerTest, AFailedRankFailsTheDeploymentAndTheOtherIsStopped)
   EXPECT_EQ(next->name(), "deployments/p-g2");
   WaitFor(next->name(), v1::Deployment::RUNNING);
   EXPECT_EQ(fleet_.status("a:1").deployment(), "deployments/p-g2");
+}
+
+// on_finished (hap_deployments_finished_total) is told once per deployment,
+// when it ends, not at the changes of its record that follow (the ranks a
+// failed deployment could not stop, noted in its error after FAILED).
+TEST_F(DeploymentManagerTest, OnFinishedIsToldOncePerDeploymentAsItEnds) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  {
+    absl::MutexLock l(&mu_);
+    EXPECT_THAT(finished_, ::testing::IsEmpty());
+  }
+  fleet_.SetReachable("a:1", false);
+  WaitFor(d->name(), v1::Deployment::FAILED);
+  {
+    absl::MutexLock l(&mu_);
+    auto noted = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return absl::StrContains(seen_[d->name()].error(), "not confirmed stopped");
+    };
+    ASSERT_TRUE(mu_.AwaitWithTimeout(absl::Condition(&noted), absl::Seconds(30)))
+        << seen_[d->name()].DebugString();
+  }
+  // Reachable again, its rank told to stop, the executors take a new one.
+  fleet_.SetReachable("a:1", true);
+  ASSERT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }), IsOk());
+  auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(next, IsOk());
+  WaitFor(next->name(), v1::Deployment::RUNNING);
+  ASSERT_THAT(manager_->Stop(next->name(), absl::InfiniteFuture(), [] { return false; }), IsOk());
+  absl::MutexLock l(&mu_);
+  EXPECT_THAT(finished_, ElementsAre("deployments/p-g1 FAILED", "deployments/p-g2 STOPPED"));
 }
 
 TEST_F(DeploymentManagerTest, AnUnreachableRankFailsTheDeploymentAndIsNamedByStop) {

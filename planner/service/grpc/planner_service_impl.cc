@@ -148,6 +148,7 @@ PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink
   mo.watch = o_.deployments;
   mo.sink = sink;
   mo.on_change = o_.on_deployment;
+  mo.on_finished = o_.on_deployment_finished;
   mo.executors = o_.executors ? o_.executors : [security = o_.security](const v1::Deployment& d) {
     return std::unique_ptr<DeploymentExecutors>(std::make_unique<GrpcExecutors>(d, security));
   };

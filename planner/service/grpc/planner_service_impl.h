@@ -39,6 +39,8 @@ struct PlannerServiceOptions {
   // Every change of a deployment's record, as served from then on. Called
   // with the service's lock held: it must not call the service.
   std::function<void(const hap::v1::Deployment&)> on_deployment;
+  // Once per deployment, as it ends (DeploymentManagerOptions::on_finished).
+  std::function<void(const hap::v1::Deployment&)> on_deployment_finished;
   int64_t probe_bytes = 8 << 20;  // bandwidth probe payload per peer
   // Metrics hooks (may be empty): a call started; a call ended.
   std::function<void(const std::string& method)> on_rpc_start;

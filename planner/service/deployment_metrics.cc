@@ -1,0 +1,39 @@
+#include "planner/service/deployment_metrics.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "common/proto_time.h"
+
+namespace hap::service {
+
+namespace v1 = ::hap::v1;
+
+std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<v1::Deployment> deployments,
+                                                    size_t max_rows) {
+  auto finished = [](const v1::Deployment& d) {
+    return d.state() == v1::Deployment::SUCCEEDED || d.state() == v1::Deployment::FAILED ||
+           d.state() == v1::Deployment::STOPPED;
+  };
+  deployments.erase(
+      std::remove_if(deployments.begin(), deployments.end(),
+                     [](const v1::Deployment& d) { return d.steps_completed() <= 0; }),
+      deployments.end());
+  // Unfinished by name, then finished ones, the latest to end first (an
+  // older planner's record has no end_time: its create_time).
+  auto key = [&](const v1::Deployment& d) {
+    const absl::Time end = FromProto(d.has_end_time() ? d.end_time() : d.create_time());
+    return std::make_tuple(finished(d),
+                           finished(d) ? absl::UnixEpoch() - end : absl::ZeroDuration(), d.name());
+  };
+  std::sort(deployments.begin(), deployments.end(),
+            [&](const v1::Deployment& a, const v1::Deployment& b) { return key(a) < key(b); });
+  std::vector<metrics::LabeledValue> rows;
+  for (const v1::Deployment& d : deployments) {
+    if (rows.size() >= max_rows) break;
+    rows.push_back({{d.name()}, d.last_loss()});
+  }
+  return rows;
+}
+
+}  // namespace hap::service
