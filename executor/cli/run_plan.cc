@@ -2,6 +2,8 @@
 
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +27,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/cli_args.h"
 #include "common/status_macros.h"
 #include "executor/checkpoint/checkpoint.h"
@@ -114,7 +119,14 @@ constexpr char kLaunchUsage[] =
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
 hap-executor's flags are passed on, but --rank, --world and --rendezvous,
-which hap-launch sets for each rank.
+which hap-launch sets for each rank. The executor is --executor, else the
+hap-executor next to hap-launch.
+A rank that fails is named with its exit code or signal and the others are
+stopped (SIGTERM, then SIGKILL after 5 s): exit 1. SIGINT, SIGTERM or
+SIGHUP to hap-launch stop the ranks the same way: exit 128 + the signal.
+The ranks die with hap-launch even when it is killed outright (SIGKILL);
+what such a run left (its /tmp/hap-rendezvous-PID-* directory, cgroups and
+namespaces) is removed by name at the next start.
 --cpu-shares gives rank i the fraction F_i of one core through a cgroup
 (/sys/fs/cgroup/cpu/hap-launch-PID-rI, cpu.cfs_quota_us): a heterogeneous
 cluster on one machine, each group's CFS period --cpu-period-us (default
@@ -457,6 +469,12 @@ int RunPlanMain(const std::vector<std::string>& argv) {
     return a.ok() ? 0 : 2;
   }
   absl::Status s = Run(*a);
+  // The losses and the final line are the run's result: not written (a
+  // full disk, a closed pipe), the run failed.
+  std::cout.flush();
+  if (s.ok() && !std::cout) {
+    s = absl::DataLossError("cannot write to standard output (the losses and the final line)");
+  }
   if (!s.ok()) {
     std::cerr << "error: " << s.message() << "\n";
     return 1;
@@ -505,6 +523,235 @@ absl::StatusOr<netns::NetworkSpec> NetworkForPlan(const std::string& text, const
   return spec;
 }
 
+// How long a rank told to stop (SIGTERM) has before it is killed (SIGKILL):
+// a rank stopped, hung in a kernel or ignoring SIGTERM held the launcher
+// (and its cgroups and namespaces) forever.
+constexpr int kStopGraceSeconds = 5;
+constexpr char kCgroupRoot[] = "/sys/fs/cgroup/cpu";
+constexpr char kRendezvousDir[] = "/tmp";
+constexpr char kRendezvousPrefix[] = "hap-rendezvous-";
+
+bool ProcessAlive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+
+// The pid in NAME = HEAD<pid><sep>..., or -1.
+pid_t OwnerPid(absl::string_view name, absl::string_view head, char sep) {
+  if (!absl::ConsumePrefix(&name, head)) return -1;
+  const size_t end = name.find(sep);
+  int pid;
+  if (end == absl::string_view::npos || !absl::SimpleAtoi(name.substr(0, end), &pid) || pid <= 0) {
+    return -1;
+  }
+  return pid;
+}
+
+// What a launcher killed outright (SIGKILL) left: its rendezvous directory
+// (/tmp/hap-rendezvous-PID-XXXXXX) and its cgroups (hap-launch-PID-rI, a
+// rank still inside killed by pid), found by name and removed when their
+// launcher is gone. Nothing else is touched.
+void RemoveLeftovers() {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(kRendezvousDir, ec)) {
+    const std::string name = e.path().filename().string();
+    const pid_t owner = OwnerPid(name, kRendezvousPrefix, '-');
+    if (owner <= 0 || ProcessAlive(owner) || !e.is_directory(ec)) continue;
+    std::error_code rm;
+    std::filesystem::remove_all(e.path(), rm);
+    if (!rm)
+      std::cerr << "hap-launch: removed " << e.path().string() << ", left by a run that is gone\n";
+  }
+  for (const auto& e : std::filesystem::directory_iterator(kCgroupRoot, ec)) {
+    const std::string name = e.path().filename().string();
+    const pid_t owner = OwnerPid(name, "hap-launch-", '-');
+    int rank;
+    if (owner <= 0 || ProcessAlive(owner) ||
+        !absl::SimpleAtoi(absl::StripPrefix(name.substr(name.rfind('-') + 1), "r"), &rank) ||
+        !e.is_directory(ec)) {
+      continue;
+    }
+    const std::string dir = e.path().string();
+    // A rank still inside (it outlived its launcher) is killed; the group
+    // can be removed once the kernel has reaped it.
+    bool removed = false;
+    for (int attempt = 0; attempt < 50 && !removed; ++attempt) {
+      std::ifstream procs(dir + "/cgroup.procs");
+      for (pid_t pid; procs >> pid;) kill(pid, SIGKILL);
+      removed = rmdir(dir.c_str()) == 0;
+      if (!removed) usleep(100000);
+    }
+    if (removed) {
+      std::cerr << "hap-launch: removed " << dir << ", left by a run that is gone\n";
+    } else {
+      std::cerr << "hap-launch: could not remove " << dir
+                << " (left by a run that is gone): " << std::strerror(errno) << "\n";
+    }
+  }
+}
+
+// The signals that stop a launch (Ctrl-C, SIGTERM, a closed terminal; each
+// unless it was ignored when hap-launch started) are blocked from the start
+// and taken with sigtimedwait, so one that comes while the testbed, the
+// cgroups or the ranks are being made still has them removed. SIGCHLD too:
+// a rank that ends wakes the wait.
+class LaunchSignals {
+ public:
+  LaunchSignals() {
+    sigemptyset(&stop_);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction now;
+      if (sigaction(sig, nullptr, &now) == 0 && now.sa_handler != SIG_IGN) sigaddset(&stop_, sig);
+    }
+    wake_ = stop_;
+    sigaddset(&wake_, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &wake_, &old_);
+  }
+  ~LaunchSignals() {
+    // A stop signal that came is taken: it must not end hap-launch now.
+    while (Pending() != 0) {
+    }
+    sigprocmask(SIG_SETMASK, &old_, nullptr);
+  }
+  LaunchSignals(const LaunchSignals&) = delete;
+  LaunchSignals& operator=(const LaunchSignals&) = delete;
+
+  // A stop signal that has come (taking it), or 0.
+  int Pending() {
+    timespec zero = {0, 0};
+    const int sig = sigtimedwait(&stop_, nullptr, &zero);
+    return sig > 0 ? sig : 0;
+  }
+  // Waits up to `seconds` for a stop signal or a child's end: the stop
+  // signal, or 0.
+  int Wait(double seconds) {
+    timespec t;
+    t.tv_sec = static_cast<time_t>(seconds);
+    t.tv_nsec = static_cast<long>((seconds - static_cast<double>(t.tv_sec)) * 1e9);
+    const int sig = sigtimedwait(&wake_, nullptr, &t);
+    return sig > 0 && sigismember(&stop_, sig) ? sig : 0;
+  }
+  // In a forked rank, before exec: the signal mask hap-launch started with.
+  void RestoreInChild() const { sigprocmask(SIG_SETMASK, &old_, nullptr); }
+
+ private:
+  sigset_t stop_, wake_, old_;
+};
+
+// Signal names for messages: "SIGSEGV (Segmentation fault)".
+std::string SignalName(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return absl::StrCat(
+      abbrev != nullptr ? absl::StrCat("SIG", abbrev) : absl::StrCat("signal ", sig), " (",
+      strsignal(sig), ")");
+}
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited with code ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrCat("was killed by ", SignalName(WTERMSIG(status)));
+  return absl::StrCat("ended with status ", status);
+}
+
+// What a launch has made, removed in reverse order when it goes out of
+// scope (after the ranks are reaped): on every way out of LaunchMain.
+struct LaunchResources {
+  std::unique_ptr<netns::Testbed> testbed;
+  std::string rendezvous;
+  std::vector<std::string> groups;
+
+  ~LaunchResources() {
+    for (const auto& g : groups) {
+      if (rmdir(g.c_str()) != 0) {
+        std::cerr << "hap-launch: could not remove " << g << ": " << std::strerror(errno) << "\n";
+      }
+    }
+    if (!rendezvous.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(rendezvous, ec);
+    }
+    if (testbed) {
+      absl::Status s = testbed->Destroy();
+      if (!s.ok()) std::cerr << "hap-launch: " << s.message() << "\n";
+    }
+  }
+};
+
+// Waits for the ranks (pids[r] is rank r; 0 for one never started). The
+// first that fails is named with its exit code or signal and the others are
+// told to stop (SIGTERM); a stop signal to hap-launch does the same. Ranks
+// still there kStopGraceSeconds later are killed. Returns hap-launch's exit
+// code: 128 + the signal when stopped by one, 1 when a rank failed, else 0.
+int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int stop_signal) {
+  std::vector<bool> running(pids.size());
+  size_t left = 0;
+  for (size_t r = 0; r < pids.size(); ++r) {
+    running[r] = pids[r] > 0;
+    left += running[r];
+  }
+  int failed = 0;
+  std::optional<absl::Time> kill_at;
+  auto stop_all = [&]() {
+    if (kill_at) return;
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (running[r]) kill(pids[r], SIGTERM);
+    }
+    kill_at = absl::Now() + absl::Seconds(kStopGraceSeconds);
+  };
+  if (stop_signal != 0) stop_all();
+  auto stop_by = [&](int sig) {
+    if (sig == 0 || stop_signal != 0) return;
+    stop_signal = sig;
+    std::cerr << "hap-launch: " << SignalName(sig) << ": stopping the ranks\n";
+    stop_all();
+  };
+  while (left > 0) {
+    // First: Ctrl-C reaches the ranks too (the terminal's process group);
+    // one that died of it is not a failed rank.
+    stop_by(signals.Pending());
+    int status = 0;
+    pid_t pid;
+    while (left > 0 && (pid = waitpid(-1, &status, WNOHANG)) > 0) {
+      auto it = std::find(pids.begin(), pids.end(), pid);
+      if (it == pids.end()) continue;
+      const size_t r = static_cast<size_t>(it - pids.begin());
+      running[r] = false;
+      --left;
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && !failed && stop_signal == 0) {
+        failed = 1;
+        std::cerr << "hap-launch: rank " << r << " " << DescribeExit(status)
+                  << "; stopping the others\n";
+        stop_all();
+      }
+    }
+    if (left == 0) break;
+    if (kill_at && absl::Now() >= *kill_at) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (!running[r]) continue;
+        std::cerr << "hap-launch: rank " << r << " did not stop within " << kStopGraceSeconds
+                  << " s of SIGTERM; killing it\n";
+        kill(pids[r], SIGKILL);
+      }
+      kill_at = absl::InfiniteFuture();
+    }
+    double wait_seconds = 1;
+    if (kill_at && *kill_at != absl::InfiniteFuture()) {
+      wait_seconds = std::clamp(absl::ToDoubleSeconds(*kill_at - absl::Now()), 0.001, 1.0);
+    }
+    stop_by(signals.Wait(wait_seconds));
+  }
+  return stop_signal != 0 ? 128 + stop_signal : failed;
+}
+
+// The hap-executor next to this hap-launch: next to argv[0] when it names
+// a path, else (found through PATH) next to /proc/self/exe.
+std::string DefaultExecutor(const std::string& self) {
+  std::filesystem::path dir = std::filesystem::path(self).parent_path();
+  if (self.find('/') == std::string::npos) {
+    std::error_code ec;
+    const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) dir = exe.parent_path();
+  }
+  return (dir / "hap-executor").string();
+}
+
 int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   auto a = tools::Args::Parse(argv, kValueFlags, {"help", "pin-cores"});
   if (!a.ok() || a->Bool("help") || !a->Has("plan")) {
@@ -532,8 +779,19 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     std::cerr << "error: plan '" << a->Get("plan") << "': " << s.message() << "\n";
     return 1;
   }
-  std::string executor = a->Get(
-      "executor", (std::filesystem::path(self).parent_path() / "hap-executor").string());
+  const std::string executor = a->Get("executor", DefaultExecutor(self));
+  // Before anything is made: every rank would fail to start it.
+  std::string cannot_run;
+  if (access(executor.c_str(), X_OK) != 0) {
+    cannot_run = std::strerror(errno);
+  } else if (std::filesystem::is_directory(executor)) {
+    cannot_run = "it is a directory";
+  }
+  if (!cannot_run.empty()) {
+    std::cerr << "error: cannot run the executor '" << executor << "': " << cannot_run
+              << (a->Has("executor") ? "" : " (give its path with --executor)") << "\n";
+    return 1;
+  }
   // Checked before anything is made: the CFS period and one share per rank,
   // each quota at least the kernel's minimum of 1 ms.
   auto period_us = a->Integer("cpu-period-us", kCpuPeriodUs, 1000, 1000000);
@@ -564,23 +822,32 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       shares.push_back(share);
     }
   }
-  // The network testbed: the node of each rank, then the namespaces.
   std::vector<int> rank_node;
-  std::unique_ptr<netns::Testbed> testbed;
+  std::optional<netns::NetworkSpec> net;
   if (a->Has("network")) {
-    auto net = NetworkForPlan(a->Get("network"), *plan, &rank_node);
-    if (!net.ok()) {
-      std::cerr << "error: --network: " << net.status().message() << "\n";
+    auto n = NetworkForPlan(a->Get("network"), *plan, &rank_node);
+    if (!n.ok()) {
+      std::cerr << "error: --network: " << n.status().message() << "\n";
       return 2;
     }
+    net = *std::move(n);
+  }
+
+  // From here on things are made: a stop signal is taken, not fatal, and
+  // `made` removes them on every way out.
+  LaunchSignals signals;
+  LaunchResources made;
+  RemoveLeftovers();
+  // The network testbed: the node of each rank, then the namespaces.
+  if (net) {
     auto t = netns::Testbed::Create(*net);
     if (!t.ok()) {
       std::cerr << "error: --network: " << t.status().message() << "\n";
       return 1;
     }
-    testbed = std::move(*t);
-    for (int n = 0; n < testbed->nodes(); ++n) {
-      std::cerr << "hap-launch: node " << n << " = namespace " << testbed->NodeNamespace(n)
+    made.testbed = std::move(*t);
+    for (int n = 0; n < made.testbed->nodes(); ++n) {
+      std::cerr << "hap-launch: node " << n << " = namespace " << made.testbed->NodeNamespace(n)
                 << " at " << netns::Testbed::NodeAddress(n) << ", ranks";
       for (int r = 0; r < world; ++r) {
         if (rank_node[r] == n) std::cerr << " " << r;
@@ -589,11 +856,15 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     }
     std::cerr << "hap-launch: network " << net->ToString() << "\n";
   }
-  char tmpl[] = "/tmp/hap-rendezvous-XXXXXX";
-  if (!mkdtemp(tmpl)) {
-    std::cerr << "error: cannot create a rendezvous directory\n";
+  // Named after this launcher, so that the next one removes it if this one
+  // is killed outright.
+  std::string tmpl = absl::StrCat(kRendezvousDir, "/", kRendezvousPrefix, getpid(), "-XXXXXX");
+  if (!mkdtemp(tmpl.data())) {
+    std::cerr << "error: cannot create a rendezvous directory " << tmpl << ": "
+              << std::strerror(errno) << "\n";
     return 1;
   }
+  made.rendezvous = tmpl;
   std::vector<std::string> pass;
   for (size_t i = 0; i < argv.size(); ++i) {
     // hap-launch's own flags, --flag VALUE or --flag=VALUE, stay here.
@@ -618,13 +889,16 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     pass.push_back(argv[i]);
   }
   // CPU shares through cgroup v1: one group per rank.
-  std::vector<std::string> groups;
   if (!shares.empty()) {
     for (int r = 0; r < world; ++r) {
       const double share = shares[r];
-      std::string dir = absl::StrCat("/sys/fs/cgroup/cpu/hap-launch-", getpid(), "-r", r);
-      std::error_code ec;
-      std::filesystem::create_directory(dir, ec);
+      std::string dir = absl::StrCat(kCgroupRoot, "/hap-launch-", getpid(), "-r", r);
+      if (mkdir(dir.c_str(), 0755) != 0) {
+        std::cerr << "error: cgroups unavailable (cannot make " << dir << ": "
+                  << std::strerror(errno) << "; needs cgroup v1 cpu mounted and root)\n";
+        return 1;
+      }
+      made.groups.push_back(dir);
       std::ofstream period(dir + "/cpu.cfs_period_us");
       period << *period_us;
       period.close();
@@ -635,22 +909,25 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       // in the root group) takes little of what the quota grants: the rank
       // gets its share, no more (the quota) and hardly less. Best effort.
       std::ofstream(dir + "/cpu.shares") << kCpuWeight;
-      if (ec || !period || !quota) {
+      if (!period || !quota) {
         std::cerr << "error: cgroups unavailable (cannot write " << dir
                   << "; needs cgroup v1 cpu mounted and root)\n";
-        for (const auto& g : groups) rmdir(g.c_str());
-        rmdir(dir.c_str());
         return 1;
       }
-      groups.push_back(dir);
     }
+  }
+  if (const int sig = signals.Pending(); sig != 0) {
+    std::cerr << "hap-launch: " << SignalName(sig) << " before the ranks started\n";
+    return 128 + sig;
   }
   // NCCL needs a GPU per rank: plain "cuda" means GPU r for rank r.
   const std::string device = a->GetOrEnv("device");
   const bool pin = a->Bool("pin-cores");
   const int cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
+  const pid_t launcher = getpid();
+  std::vector<pid_t> pids(world, 0);
+  int stop_signal = 0;
+  for (int r = 0; r < world && stop_signal == 0; ++r) {
     std::vector<std::string> args = {executor, "--rank", std::to_string(r), "--world",
                                      std::to_string(world), "--rendezvous", tmpl};
     args.insert(args.end(), pass.begin(), pass.end());
@@ -659,13 +936,19 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       args.push_back(device == "cuda" ? absl::StrCat("cuda:", r) : device);
     }
     std::string node_namespace;
-    if (testbed) {
-      node_namespace = testbed->NodeNamespace(rank_node[r]);
+    if (made.testbed) {
+      node_namespace = made.testbed->NodeNamespace(rank_node[r]);
       args.push_back("--gloo-host");
       args.push_back(netns::Testbed::NodeAddress(rank_node[r]));
     }
     pid_t pid = fork();
     if (pid == 0) {
+      // A rank dies with its launcher, also one killed outright (SIGKILL):
+      // it ran on, with its cgroup and namespace, until its peers timed out
+      // (a one-rank plan to its last step).
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(127);
+      signals.RestoreInChild();
       if (!node_namespace.empty()) {
         absl::Status s = netns::EnterNamespace(node_namespace);
         if (!s.ok()) {
@@ -673,9 +956,14 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
           _exit(127);
         }
       }
-      if (!groups.empty()) {
-        std::ofstream procs(groups[r] + "/cgroup.procs");
+      if (!made.groups.empty()) {
+        std::ofstream procs(made.groups[r] + "/cgroup.procs");
         procs << 0;  // this process
+        procs.close();
+        if (!procs) {
+          std::cerr << "error: rank " << r << ": cannot join the cgroup " << made.groups[r] << "\n";
+          _exit(127);
+        }
       }
       if (pin) {
         cpu_set_t set;
@@ -687,50 +975,26 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       for (auto& s : args) cargs.push_back(s.data());
       cargs.push_back(nullptr);
       execv(executor.c_str(), cargs.data());
-      std::cerr << "error: cannot run " << executor << "\n";
+      std::cerr << "error: rank " << r << ": cannot run " << executor << ": "
+                << std::strerror(errno) << "\n";
       _exit(127);
     }
-    pids.push_back(pid);
-  }
-  // Ctrl-C or SIGTERM: the ranks are told to stop; the loop below reaps
-  // them and removes the cgroups.
-  static std::vector<pid_t>* children = nullptr;
-  children = &pids;
-  auto forward = [](int sig) {
-    if (children) {
-      for (pid_t p : *children) kill(p, sig == SIGINT ? SIGTERM : sig);
+    if (pid < 0) {
+      std::cerr << "error: cannot start rank " << r << ": " << std::strerror(errno) << "\n";
+      stop_signal = -1;
+      break;
     }
-  };
-  std::signal(SIGINT, forward);
-  std::signal(SIGTERM, forward);
-  int failed = 0;
-  for (int left = world; left > 0; --left) {
-    int status = 0;
-    pid_t pid = wait(&status);
-    if (pid < 0) break;
-    bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && !failed) {
-      failed = 1;
-      for (size_t r = 0; r < pids.size(); ++r) {
-        if (pids[r] == pid) {
-          std::cerr << "hap-launch: rank " << r << " failed; stopping the others\n";
-        }
-      }
-      for (pid_t p : pids) {
-        if (p != pid) kill(p, SIGTERM);
-      }
-    }
+    pids[r] = pid;
+    stop_signal = signals.Pending();
   }
-  std::filesystem::remove_all(tmpl);
-  for (const auto& g : groups) {
-    if (rmdir(g.c_str()) != 0) std::cerr << "hap-launch: could not remove " << g << "\n";
+  if (stop_signal == -1) {  // fork failed: the started ranks are stopped
+    WaitForRanks(pids, signals, SIGTERM);
+    return 1;
   }
-  children = nullptr;
-  if (testbed) {
-    absl::Status s = testbed->Destroy();
-    if (!s.ok()) std::cerr << "hap-launch: " << s.message() << "\n";
+  if (stop_signal != 0) {
+    std::cerr << "hap-launch: " << SignalName(stop_signal) << ": stopping the ranks\n";
   }
-  return failed;
+  return WaitForRanks(pids, signals, stop_signal);
 }
 
 }  // namespace hap::executor

@@ -1,0 +1,292 @@
+"""hap-launch on every way a launch ends: a rank that fails (named with its
+exit code or signal), a rank that will not stop (killed after the grace
+period), SIGTERM to the launcher, the launcher killed outright (its ranks die
+with it; its rendezvous directory and cgroups removed by name at the next
+start), standard output that cannot be written, an executor that is missing
+or found through PATH, and a stop signal while the testbed is being made.
+
+Most cases run a fake executor (a Python script that records its pid and
+then exits, crashes, sleeps or ignores SIGTERM as told), so they take a
+second or two each. Cases that need root, cgroup v1 or network namespaces
+skip with the reason."""
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HAPCTL = os.environ["HAPCTL"]
+LAUNCH = os.environ["HAP_LAUNCH"]
+EXECUTOR = os.environ["HAP_EXECUTOR"]
+CLUSTER = os.environ["CPU_CLUSTER"]  # two CPU ranks
+TMP = os.environ.get("TEST_TMPDIR", tempfile.gettempdir())
+CGROUP_ROOT = "/sys/fs/cgroup/cpu"
+NETNS_DIR = "/var/run/netns"
+
+FAKE_EXECUTOR = r'''#!/usr/bin/python3
+import os, signal, sys, time
+rank = int(sys.argv[sys.argv.index("--rank") + 1])
+mode = os.environ.get("FAKE_MODE", "") + ":"
+action, who = mode.split(":")[0], mode.split(":")[1]
+mine = who in ("", str(rank))
+if mine and action == "ignore-term":  # before its pid tells the test it runs
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(os.environ["FAKE_DIR"], "rank%d.pid" % rank), "w") as f:
+    f.write(str(os.getpid()))
+# Every rank's pid is recorded before any acts (a rank that fails at once
+# had its peer stopped before that recorded its pid).
+deadline = time.time() + 20
+while time.time() < deadline and not all(
+        os.path.exists(os.path.join(os.environ["FAKE_DIR"], "rank%d.pid" % r)) for r in (0, 1)):
+    time.sleep(0.01)
+if mine:
+    if action == "exit3":
+        sys.exit(3)
+    if action == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if action == "ok":
+        sys.exit(0)
+time.sleep(600)
+'''
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids, seconds=30):
+    deadline = time.time() + seconds
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def free_pid():
+    """A pid that no process has now (a process started and reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+class LaunchReliabilityTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(dir=TMP)
+        cls.plan = os.path.join(cls.dir, "mlp-2.pb")
+        subprocess.run([HAPCTL, "plan", "--cluster", CLUSTER, "--model", "mlp",
+                        "--save-plan", cls.plan], check=True, capture_output=True)
+        cls.fake = os.path.join(cls.dir, "fake-executor")
+        with open(cls.fake, "w") as f:
+            f.write(FAKE_EXECUTOR)
+        os.chmod(cls.fake, 0o755)
+
+    def setUp(self):
+        self.fake_dir = tempfile.mkdtemp(dir=self.dir)
+
+    def rank_pids(self, n=2, seconds=30):
+        deadline = time.time() + seconds
+        paths = [os.path.join(self.fake_dir, f"rank{r}.pid") for r in range(n)]
+        while time.time() < deadline:
+            try:
+                pids = []
+                for path in paths:
+                    with open(path) as f:
+                        pids.append(int(f.read()))
+                return pids
+            except (OSError, ValueError):
+                time.sleep(0.02)
+        self.fail(f"the ranks did not start within {seconds} s")
+
+    def start(self, mode, *extra, executor=None):
+        env = dict(os.environ, FAKE_DIR=self.fake_dir, FAKE_MODE=mode)
+        out = open(os.path.join(self.fake_dir, "launch.log"), "w+")
+        p = subprocess.Popen([LAUNCH, "--plan", self.plan, "--executor", executor or self.fake,
+                              *extra], stdout=out, stderr=subprocess.STDOUT, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.addCleanup(out.close)
+        self.addCleanup(lambda: p.poll() is None and p.kill())
+
+        def cleanup_ranks():
+            for path in glob.glob(os.path.join(self.fake_dir, "rank*.pid")):
+                try:
+                    with open(path) as f:
+                        os.kill(int(f.read()), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
+        self.addCleanup(cleanup_ranks)
+        return p, out
+
+    def finish(self, p, out, seconds=60):
+        rc = p.wait(timeout=seconds)
+        out.seek(0)
+        return rc, out.read()
+
+    def test_a_failing_rank_is_named_with_its_exit_code_or_signal(self):
+        """It said 'rank 1 failed' for both, without the code or signal."""
+        for mode, needle in (("exit3:1", "rank 1 exited with code 3; stopping the others"),
+                             ("segv:1", "rank 1 was killed by SIGSEGV (Segmentation fault); "
+                                        "stopping the others")):
+            with self.subTest(mode=mode):
+                self.setUp()
+                p, out = self.start(mode)
+                rc, text = self.finish(p, out)
+                self.assertEqual(rc, 1, text)
+                self.assertIn(needle, text)
+                self.assertEqual(wait_gone(self.rank_pids()), [])
+
+    def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(self):
+        """Rank 1 fails; rank 0 ignores the SIGTERM that should stop it. The
+        launcher waited for it forever."""
+        p, out = self.start("ignore-term:0", "--steps", "1")
+        pids = self.rank_pids()
+        os.kill(pids[1], signal.SIGKILL)
+        rc, text = self.finish(p, out)
+        self.assertEqual(rc, 1, text)
+        self.assertIn("rank 1 was killed by SIGKILL", text)
+        self.assertIn("rank 0 did not stop within 5 s of SIGTERM; killing it", text)
+        self.assertEqual(wait_gone(pids), [])
+
+    def test_sigterm_to_the_launcher_stops_every_rank_and_says_so(self):
+        """SIGTERM to the launcher: ranks that ignore it are killed after the
+        grace period and the launcher exits 128 + 15 naming the signal (it
+        hung; a rank that did stop was reported as a failed rank, exit 1)."""
+        for mode in ("sleep", "ignore-term"):
+            with self.subTest(mode=mode):
+                self.setUp()
+                p, out = self.start(mode)
+                pids = self.rank_pids()
+                p.send_signal(signal.SIGTERM)
+                rc, text = self.finish(p, out)
+                self.assertEqual(rc, 128 + signal.SIGTERM, text)
+                self.assertIn("hap-launch: SIGTERM (Terminated): stopping the ranks", text)
+                self.assertNotIn("stopping the others", text)
+                self.assertEqual(wait_gone(pids), [])
+
+    def test_a_killed_launchers_ranks_die_with_it(self):
+        """A launcher killed outright left its ranks running (a one-rank
+        plan to its last step, the others until their peers timed out)."""
+        p, out = self.start("sleep")
+        pids = self.rank_pids()
+        p.kill()
+        p.wait()
+        self.assertEqual(wait_gone(pids), [], "the killed launcher's ranks still run")
+
+    def test_a_killed_launchers_rendezvous_directory_goes_at_the_next_start(self):
+        """Every launcher killed outright left a /tmp/hap-rendezvous-XXXXXX
+        behind, with no owner to tell whose. Now it is named after its
+        launcher and removed once that is gone; other directories stay."""
+        p, out = self.start("sleep")
+        self.rank_pids()
+        made = glob.glob(f"/tmp/hap-rendezvous-{p.pid}-*")
+        self.assertEqual(len(made), 1, made)
+        p.kill()
+        p.wait()
+        self.assertTrue(os.path.isdir(made[0]))
+        # Not ours: a directory of a launcher still running (this test) and
+        # one without an owner.
+        running = tempfile.mkdtemp(prefix=f"hap-rendezvous-{os.getpid()}-", dir="/tmp")
+        ownerless = tempfile.mkdtemp(prefix="hap-rendezvous-", dir="/tmp")
+        self.addCleanup(shutil.rmtree, running, True)
+        self.addCleanup(shutil.rmtree, ownerless, True)
+        self.setUp()
+        q, out = self.start("ok")
+        rc, text = self.finish(q, out)
+        self.assertEqual(rc, 0, text)
+        # Removed by this start (or by another launcher's meanwhile: tests
+        # run side by side).
+        self.assertFalse(os.path.exists(made[0]), text)
+        self.assertTrue(os.path.isdir(running))
+        self.assertTrue(os.path.isdir(ownerless))
+        self.assertEqual(glob.glob(f"/tmp/hap-rendezvous-{q.pid}-*"), [])
+
+    def test_a_killed_launchers_cgroups_go_at_the_next_start(self):
+        """--cpu-shares groups of a launcher killed outright stayed forever."""
+        if os.geteuid() != 0 or not os.access(CGROUP_ROOT, os.W_OK):
+            self.skipTest(f"needs root and cgroup v1 cpu at {CGROUP_ROOT}")
+        p, out = self.start("sleep", "--cpu-shares", "1,0.5")
+        pids = self.rank_pids()
+        groups = [f"{CGROUP_ROOT}/hap-launch-{p.pid}-r{r}" for r in range(2)]
+        self.assertTrue(all(os.path.isdir(g) for g in groups), groups)
+        p.kill()
+        p.wait()
+        self.assertEqual(wait_gone(pids), [])
+        # A group of a pid now free that is not a launcher's stays.
+        other = f"{CGROUP_ROOT}/hap-demo-{free_pid()}-r0"
+        os.mkdir(other)
+        self.addCleanup(lambda: os.path.isdir(other) and os.rmdir(other))
+        self.setUp()
+        q, out = self.start("ok", "--cpu-shares", "1,0.5")
+        rc, text = self.finish(q, out)
+        self.assertEqual(rc, 0, text)
+        for g in groups:  # by this start, or another launcher's meanwhile
+            self.assertFalse(os.path.exists(g), text)
+        self.assertTrue(os.path.isdir(other))
+        self.assertEqual(glob.glob(f"{CGROUP_ROOT}/hap-launch-{q.pid}-*"), [])
+
+    def test_a_missing_executor_is_named_before_anything_starts(self):
+        """Each rank failed to exec and the launcher said 'rank 0 failed'."""
+        missing = os.path.join(self.fake_dir, "no-such-executor")
+        p, out = self.start("ok", executor=missing)
+        rc, text = self.finish(p, out)
+        self.assertEqual(rc, 1, text)
+        self.assertIn(f"error: cannot run the executor '{missing}': No such file or directory",
+                      text)
+        self.assertNotIn("rank 0", text)
+        self.assertEqual(glob.glob(f"/tmp/hap-rendezvous-{p.pid}-*"), [])
+
+    def test_the_executor_is_found_next_to_a_launcher_run_through_path(self):
+        """`hap-launch` found through PATH looked for ./hap-executor in the
+        working directory."""
+        env = dict(os.environ, PATH=os.path.dirname(os.path.realpath(LAUNCH)) + ":" +
+                   os.environ.get("PATH", ""))
+        p = subprocess.run(["hap-launch", "--plan", self.plan, "--steps", "1"], cwd=self.fake_dir,
+                           env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("final loss", p.stdout)
+
+    def test_standard_output_that_cannot_be_written_fails_the_run(self):
+        """Rank 0's losses written to a full device: the run exited 0."""
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([LAUNCH, "--plan", self.plan, "--steps", "2", "--executor",
+                                EXECUTOR], stdout=full, stderr=subprocess.PIPE, text=True,
+                               timeout=120)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("error: cannot write to standard output", p.stderr)
+        self.assertIn("rank 0 exited with code 1", p.stderr)
+
+    def test_a_stop_signal_while_the_testbed_is_made_removes_it(self):
+        """SIGTERM while the namespaces were being made killed the launcher
+        before it had a handler: the set stayed until the next start."""
+        if os.geteuid() != 0 or not shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin"):
+            self.skipTest("needs root and iproute2 for network namespaces")
+        p, out = self.start("sleep", "--network", "nodes=2 between=1gbit")
+        switch = os.path.join(NETNS_DIR, f"hapnet-{p.pid}-sw")
+        deadline = time.time() + 30
+        while not os.path.exists(switch) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.001)
+        if p.poll() is not None:
+            rc, text = self.finish(p, out)
+            self.skipTest("no network testbed here: " + text.strip().splitlines()[-1])
+        p.send_signal(signal.SIGTERM)
+        rc, text = self.finish(p, out)
+        left = sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(f"hapnet-{p.pid}-"))
+        for n in left:
+            subprocess.run(["ip", "netns", "del", n], env=dict(os.environ, PATH="/usr/sbin:/sbin:"
+                                                                       "/usr/bin:/bin"))
+        self.assertEqual(left, [], text)
+        self.assertEqual(rc, 128 + signal.SIGTERM, text)
+        self.assertTrue(re.search(r"SIGTERM \(Terminated\)", text), text)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
