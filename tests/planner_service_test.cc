@@ -845,6 +845,49 @@ TEST(PlannerRetentionTest, FinishedDeploymentsPastTheCountAreDeletedWithTheirMet
   again.proc.Stop(SIGTERM);
 }
 
+// Deployment names are never reused: with every deployment of a plan
+// deleted by retention, a restarted planner went on at g1 again (the
+// generation came from the deployments still stored), so "deployments/
+// deployed-g1" named two different runs in logs, dashboards and alerts.
+TEST(PlannerRetentionTest, GenerationsGoOnAfterEveryDeploymentOfThePlanIsDeleted) {
+  Planner p;
+  p.Start(hap::testing::TempDir("generations"));
+  auto stub = p.Stub();
+  v1::CreatePlanRequest r;
+  v1::DeployPlanRequest deploy;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+  for (int i = 0; i < 2; ++i) {  // to executors that are not there: both fail
+    v1::Deployment d;
+    grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    v1::GetDeploymentRequest g;
+    g.set_name(d.name());
+    for (int tries = 0; tries < 600 && d.state() != v1::Deployment::FAILED; ++tries) {
+      absl::SleepFor(absl::Milliseconds(50));
+      ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, &d).ok());
+    }
+    ASSERT_EQ(d.state(), v1::Deployment::FAILED) << d.DebugString();
+  }
+  p.proc.Stop(SIGKILL);
+  // Restarted keeping no finished deployment: both go at the start.
+  Planner again;
+  again.Start(p.dir, {"--deployment-retention-seconds=0.001"});
+  auto again_stub = again.Stub();
+  v1::ListDeploymentsResponse listed;
+  ASSERT_TRUE(again_stub->ListDeployments(Ctx().get(), {}, &listed).ok());
+  ASSERT_EQ(listed.deployments_size(), 0);
+  again.proc.Stop(SIGKILL);
+  // A planner that starts with none of them stored.
+  Planner third;
+  third.Start(p.dir);
+  v1::Deployment d;
+  grpc::Status s = third.Stub()->DeployPlan(Ctx().get(), deploy, &d);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(d.name(), "deployments/deployed-g3");
+  EXPECT_EQ(d.generation(), 3);
+  third.proc.Stop(SIGTERM);
+}
+
 TEST(PlannerLimitsTest, TheDefaultRequestLimitAdmitsA48LayerGptManyTimesOver) {
   // GPT-2 XL's shape: 48 layers, hidden 1600, 25 heads, 1024 tokens, a
   // 50257-word vocabulary (1.6 B parameters, 1303 ops).

@@ -172,6 +172,9 @@ class StoreBackend : public StateBackend {
   absl::Status DeleteDeployment(const std::string& name) override {
     return s_->DeleteDeployment(name);
   }
+  absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) override {
+    return s_->LastDeploymentGeneration(plan);
+  }
   absl::Status SaveJob(const v1::Job& j) override { return s_->PutJob(j); }
   absl::Status AppendStepMetrics(const std::vector<v1::StepMetric>& ms) override {
     std::map<std::string, std::vector<v1::StepMetric>> by;

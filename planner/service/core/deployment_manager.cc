@@ -425,6 +425,14 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Deploy(const v1::Plan& plan,
   ReapSupervisors();
   absl::MutexLock l(&s_->mu);
   if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
+  // A plan first deployed since the start: its deployments stored were
+  // counted when loaded, but retention may have deleted them all; the
+  // store remembers the highest generation, so no name is used twice.
+  if (!s_->generations.count(plan.name()) && o_.sink != nullptr) {
+    absl::StatusOr<int64_t> last = o_.sink->LastDeploymentGeneration(plan.name());
+    HAP_RETURN_IF_ERROR(Annotate(last.status(), absl::StrCat("deploying ", plan.name())));
+    s_->generations[plan.name()] = *last;
+  }
   const int64_t gen = s_->generations[plan.name()] + 1;
   d.set_name(absl::StrCat("deployments/", id, "-g", gen));
   d.set_plan(plan.name());

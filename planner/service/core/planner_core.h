@@ -54,6 +54,10 @@ class PlannerStateSink {
   virtual absl::Status SaveDeployment(const hap::v1::Deployment&) { return absl::OkStatus(); }
   // The deployment's record and step metrics (deployment retention).
   virtual absl::Status DeleteDeployment(const std::string&) { return absl::OkStatus(); }
+  // The highest generation of `plan`'s deployments ever saved, deleted ones
+  // included (0: none); a restarted planner's next deployment of the plan
+  // goes on from it.
+  virtual absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string&) { return 0; }
   virtual absl::Status AppendStepMetrics(const std::vector<hap::v1::StepMetric>&) {
     return absl::OkStatus();
   }

@@ -130,7 +130,15 @@ class InMemoryStore final : public StateStore {
 
   absl::Status PutDeployment(const v1::Deployment& deployment) override {
     absl::MutexLock lock(&mu_);
-    return deployments_.Put(deployment);
+    HAP_RETURN_IF_ERROR(deployments_.Put(deployment));
+    int64_t& last = generations_[deployment.plan()];
+    last = std::max(last, deployment.generation());
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) override {
+    absl::MutexLock lock(&mu_);
+    auto it = generations_.find(plan);
+    return it == generations_.end() ? 0 : it->second;
   }
   absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {
     absl::MutexLock lock(&mu_);
@@ -213,6 +221,7 @@ class InMemoryStore final : public StateStore {
   // deployment name -> (step, rank) -> metric
   std::map<std::string, std::map<std::pair<int64_t, int32_t>, v1::StepMetric>> metrics_
       ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> generations_ ABSL_GUARDED_BY(mu_);  // plan -> highest
 };
 
 }  // namespace

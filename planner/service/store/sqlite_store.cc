@@ -81,6 +81,14 @@ const std::vector<SchemaMigration>& SqliteSchemaMigrations() {
       {3, R"sql(
         ALTER TABLE plans ADD COLUMN summary BLOB;
       )sql"},
+      // The highest deployment generation of each plan ever stored, kept
+      // when its deployments are deleted (LastDeploymentGeneration).
+      {4, R"sql(
+        CREATE TABLE deployment_generations (
+          plan TEXT PRIMARY KEY NOT NULL,
+          generation INTEGER NOT NULL
+        ) WITHOUT ROWID;
+      )sql"},
   };
   return *kMigrations;
 }
@@ -353,12 +361,26 @@ class SqliteStore final : public StateStore {
     HAP_ASSIGN_OR_RETURN(std::string body, Serialize(deployment, "deployment"));
     ListCursor at = CursorOf(deployment);
     absl::MutexLock lock(&mu_);
-    return Use(s_.put_deployment)
-        .Text(1, deployment.name())
-        .Int(2, at.seconds)
-        .Int(3, at.nanos)
-        .Blob(4, body)
-        .Run();
+    Transaction txn(this);
+    HAP_RETURN_IF_ERROR(txn.Begin());
+    HAP_RETURN_IF_ERROR(Use(s_.put_deployment)
+                            .Text(1, deployment.name())
+                            .Int(2, at.seconds)
+                            .Int(3, at.nanos)
+                            .Blob(4, body)
+                            .Run());
+    HAP_RETURN_IF_ERROR(Use(s_.put_deployment_generation)
+                            .Text(1, deployment.plan())
+                            .Int(2, deployment.generation())
+                            .Run());
+    return txn.Commit();
+  }
+  absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) override {
+    absl::MutexLock lock(&mu_);
+    ScopedStatement st = Use(s_.last_deployment_generation);
+    st.Text(1, plan);
+    HAP_ASSIGN_OR_RETURN(bool row, st.Step());
+    return row ? st.ColumnInt(0) : int64_t{0};
   }
   absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {
     return Get<v1::Deployment>(&SqliteStore::Statements::get_deployment, "deployment", name);
@@ -475,6 +497,8 @@ class SqliteStore final : public StateStore {
     sqlite3_stmt* delete_plan = nullptr;
     sqlite3_stmt* find_plan_by_cache_key = nullptr;
     sqlite3_stmt* put_deployment = nullptr;
+    sqlite3_stmt* put_deployment_generation = nullptr;
+    sqlite3_stmt* last_deployment_generation = nullptr;
     sqlite3_stmt* get_deployment = nullptr;
     sqlite3_stmt* list_deployments = nullptr;
     sqlite3_stmt* delete_deployment = nullptr;
@@ -533,6 +557,11 @@ class SqliteStore final : public StateStore {
        "?3)"
        " ORDER BY create_seconds, create_nanos, name LIMIT ?4"},
       {&Statements::delete_deployment, "DELETE FROM deployments WHERE name = ?1"},
+      {&Statements::put_deployment_generation,
+       "INSERT INTO deployment_generations (plan, generation) VALUES (?1, ?2)"
+       " ON CONFLICT (plan) DO UPDATE SET generation = max(generation, excluded.generation)"},
+      {&Statements::last_deployment_generation,
+       "SELECT generation FROM deployment_generations WHERE plan = ?1"},
       {&Statements::put_step_metric,
        "INSERT OR REPLACE INTO step_metrics (deployment, step, rank, body)"
        " VALUES (?1, ?2, ?3, ?4)"},

@@ -511,6 +511,33 @@ TEST_F(SqliteStoreTest, MigrationsRunOnceEachAndAllOrNothing) {
               StatusIs(absl::StatusCode::kInternal, HasSubstr("has version 3")));
 }
 
+// A database of schema version 3 (before deployment generations were kept)
+// opens, gains the table, and keeps its deployments.
+TEST_F(SqliteStoreTest, AVersion3DatabaseGainsDeploymentGenerations) {
+  {
+    std::unique_ptr<StateStore> store = Open();
+    ASSERT_NE(store, nullptr);
+  }
+  // As a planner of schema version 3 left it.
+  RawDb(path_).Exec("DROP TABLE deployment_generations; UPDATE schema_version SET version = 3");
+  {
+    RawDb raw(path_);
+    EXPECT_EQ(raw.Query("SELECT version FROM schema_version"), "3");
+    EXPECT_EQ(raw.Query("SELECT count(*) FROM sqlite_master WHERE name = "
+                        "'deployment_generations'"),
+              "0");
+  }
+  std::unique_ptr<StateStore> store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->LastDeploymentGeneration("plans/p").value_or(-1), 0);
+  v1::Deployment d = TestDeployment("deployments/p-g4", 1);
+  d.set_generation(4);
+  ASSERT_THAT(store->PutDeployment(d), IsOk());
+  EXPECT_EQ(store->LastDeploymentGeneration("plans/p").value_or(-1), 4);
+  EXPECT_EQ(RawDb(path_).Query("SELECT version FROM schema_version"),
+            absl::StrCat(internal::SqliteSchemaMigrations().size()));
+}
+
 TEST_F(SqliteStoreTest, InMemoryDatabasesArePrivate) {
   absl::StatusOr<std::unique_ptr<StateStore>> a = OpenSqliteStore(":memory:");
   absl::StatusOr<std::unique_ptr<StateStore>> b = OpenSqliteStore(":memory:");

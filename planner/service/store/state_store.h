@@ -119,6 +119,10 @@ class StateStore {
       int page_size, const std::string& page_token) = 0;
   // Deletes the deployment and its step metrics.
   virtual absl::Status DeleteDeployment(const std::string& name) = 0;
+  // The highest generation of a deployment of `plan` ever put, deleted
+  // ones included; 0 when none was. A restarted planner goes on from it, so
+  // no deployment name is used twice.
+  virtual absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) = 0;
 
   // --- Step metrics of a stored deployment, keyed by (step, rank). -------
   // Stores `metrics` (all or none). A metric's `deployment` must be empty

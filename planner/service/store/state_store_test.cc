@@ -454,6 +454,27 @@ std::vector<std::pair<int64_t, int32_t>> StepsAndRanks(const std::vector<v1::Ste
   return out;
 }
 
+// The highest generation of a plan's deployments is kept when they are
+// deleted: a restarted planner goes on from it (no name used twice).
+TYPED_TEST(StateStoreTest, TheLastDeploymentGenerationOutlivesItsDeployments) {
+  EXPECT_EQ(this->store_->LastDeploymentGeneration("plans/p").value_or(-1), 0);
+  for (int64_t gen : {1, 3, 2}) {  // a later put of an older one lowers nothing
+    v1::Deployment d = TestDeployment(absl::StrCat("deployments/p-g", gen), gen);
+    d.set_generation(gen);
+    ASSERT_THAT(this->store_->PutDeployment(d), IsOk());
+  }
+  v1::Deployment other = TestDeployment("deployments/q-g5", 9);
+  other.set_plan("plans/q");
+  other.set_generation(5);
+  ASSERT_THAT(this->store_->PutDeployment(other), IsOk());
+  EXPECT_EQ(this->store_->LastDeploymentGeneration("plans/p").value_or(-1), 3);
+  EXPECT_EQ(this->store_->LastDeploymentGeneration("plans/q").value_or(-1), 5);
+  for (const char* name : {"deployments/p-g1", "deployments/p-g2", "deployments/p-g3"}) {
+    ASSERT_THAT(this->store_->DeleteDeployment(name), IsOk());
+  }
+  EXPECT_EQ(this->store_->LastDeploymentGeneration("plans/p").value_or(-1), 3);
+}
+
 TYPED_TEST(StateStoreTest, StepMetricsInStepAndRankOrder) {
   const std::string d = "deployments/d";
   ASSERT_THAT(this->store_->PutDeployment(TestDeployment(d, 1)), IsOk());
