@@ -76,6 +76,11 @@ SHARES_SET=0 STEPS_SET=0
 PERIOD_US=20000  # cgroup CPU period: 20 ms keeps throttling fine-grained
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
+  case "$1" in  # the options that take a value: one must follow
+    --shares|--steps|--kill-rank|--throttle|--join-stable|--checkpoint-every|--model|--layers|\
+    --hidden|--heads|--ffn|--seq|--batch|--data|--network|--checkpoint-dir|--bin-dir)
+      [ $# -ge 2 ] || { echo "demo: $1 needs a value (see --help)" >&2; exit 2; } ;;
+  esac
   case "$1" in
     --shares) SHARES=$2; SHARES_SET=1; shift 2 ;;
     --steps) STEPS=$2; STEPS_SET=1; shift 2 ;;
@@ -118,7 +123,9 @@ for s in "${SHARE_LIST[@]}"; do
     echo "demo: every --shares value must be in (0, 1], got '$s'" >&2; exit 2
   fi
 done
-case "$STEPS" in ''|*[!0-9]*) echo "demo: --steps must be a positive integer" >&2; exit 2 ;; esac
+if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || [ "$((10#$STEPS))" -eq 0 ]; then
+  echo "demo: --steps must be a positive integer, got '$STEPS'" >&2; exit 2
+fi
 if [ "$ELASTIC" = 1 ]; then
   if [ "$RANKS" -lt 3 ]; then
     echo "demo: --elastic needs at least 3 ranks (--shares), got $RANKS" >&2; exit 2

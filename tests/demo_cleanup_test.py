@@ -144,6 +144,11 @@ class DemoCleanupTest(unittest.TestCase):
         for args, message in [(["--shares", "1"], "2 to 4 values"),
                               (["--shares", "1,1.5"], "in (0, 1]"),
                               (["--steps", "x"], "positive integer"),
+                              # 0 ran the whole demo; a missing value was
+                              # bash's "$2: unbound variable" (exit 1).
+                              (["--steps", "0"], "--steps must be a positive integer, got '0'"),
+                              (["--steps"], "demo: --steps needs a value"),
+                              (["--shares", "1,1", "--network"], "demo: --network needs a value"),
                               (["--bogus"], "unknown option --bogus")]:
             r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--no-setup",
                                 "--bin-dir", ROOT] + args,
