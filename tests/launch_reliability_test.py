@@ -37,6 +37,8 @@ action, who = mode.split(":")[0], mode.split(":")[1]
 mine = who in ("", str(rank))
 if mine and action == "ignore-term":  # before its pid tells the test it runs
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(os.environ["FAKE_DIR"], "rank%d.cores" % rank), "w") as f:
+    f.write(",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
 with open(os.path.join(os.environ["FAKE_DIR"], "rank%d.pid" % rank), "w") as f:
     f.write(str(os.getpid()))
 # Every rank's pid is recorded before any acts (a rank that fails at once
@@ -232,6 +234,23 @@ class LaunchReliabilityTest(unittest.TestCase):
             self.assertFalse(os.path.exists(g), text)
         self.assertTrue(os.path.isdir(other))
         self.assertEqual(glob.glob(f"{CGROUP_ROOT}/hap-launch-{q.pid}-*"), [])
+
+    def test_pin_cores_uses_the_cores_the_launcher_was_given(self):
+        """Under `taskset -c LAST`, --pin-cores put rank 0 on core 0 anyway
+        (rank i went to core i of the machine): two launchers given their
+        own cores shared cores 0 and 1."""
+        given = sorted(os.sched_getaffinity(0))
+        if len(given) < 2:
+            self.skipTest("needs 2 cores to tell them apart")
+        last = given[-1]
+        env = dict(os.environ, FAKE_DIR=self.fake_dir, FAKE_MODE="ok")
+        p = subprocess.run(["taskset", "-c", str(last), LAUNCH, "--plan", self.plan,
+                            "--executor", self.fake, "--pin-cores"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        for r in range(2):
+            with open(os.path.join(self.fake_dir, f"rank{r}.cores")) as f:
+                self.assertEqual(f.read(), str(last), f"rank {r}")
 
     def test_a_missing_executor_is_named_before_anything_starts(self):
         """Each rank failed to exec and the launcher said 'rank 0 failed'."""

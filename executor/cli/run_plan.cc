@@ -131,7 +131,9 @@ namespaces) is removed by name at the next start.
 (/sys/fs/cgroup/cpu/hap-launch-PID-rI, cpu.cfs_quota_us): a heterogeneous
 cluster on one machine, each group's CFS period --cpu-period-us (default
 20000; a shorter one spreads a rank's throttling more evenly, closer to a
-uniformly slower device). --pin-cores pins rank i to core i (mod cores).
+uniformly slower device). --pin-cores pins rank i to the i-th core that
+hap-launch may run on (mod their number; `taskset -c 2,3 hap-launch ...`
+gives ranks 0 and 1 cores 2 and 3).
 --device cuda runs rank i on GPU i (NCCL needs one GPU per rank).
 The cgroups are removed when the ranks end (also on SIGINT/SIGTERM).
 --network SPEC runs the ranks on the network testbed (root only; README
@@ -923,7 +925,24 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   // NCCL needs a GPU per rank: plain "cuda" means GPU r for rank r.
   const std::string device = a->GetOrEnv("device");
   const bool pin = a->Bool("pin-cores");
-  const int cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  // Rank i on the i-th core hap-launch may run on (mod their number): core
+  // i of the machine ignored `taskset -c 2,3 hap-launch`, so two launchers
+  // given their own cores both pinned to cores 0 and 1.
+  std::vector<int> cores;
+  if (pin) {
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &allowed)) cores.push_back(c);
+      }
+    }
+    if (cores.empty()) {
+      std::cerr << "error: --pin-cores: cannot read the cores hap-launch may run on: "
+                << std::strerror(errno) << "\n";
+      return 1;
+    }
+  }
   const pid_t launcher = getpid();
   std::vector<pid_t> pids(world, 0);
   int stop_signal = 0;
@@ -968,8 +987,13 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       if (pin) {
         cpu_set_t set;
         CPU_ZERO(&set);
-        CPU_SET(r % cores, &set);
-        sched_setaffinity(0, sizeof(set), &set);
+        const int core = cores[r % cores.size()];
+        CPU_SET(core, &set);
+        if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+          std::cerr << "error: rank " << r << ": --pin-cores: cannot pin to core " << core << ": "
+                    << std::strerror(errno) << "\n";
+          _exit(127);
+        }
       }
       std::vector<char*> cargs;
       for (auto& s : args) cargs.push_back(s.data());
