@@ -5,9 +5,11 @@
 #include <cmath>
 #include <map>
 #include <queue>
+#include <random>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "planner/graph/op_registry.h"
 #include "planner/synth/gradients.h"
 #include "planner/synth/searcher.h"
@@ -152,8 +154,7 @@ Program Searcher::Finish(Program p, bool optimal) {
   return p;
 }
 
-absl::StatusOr<Program> Searcher::Run() {
-  start_ = std::chrono::steady_clock::now();
+absl::Status Searcher::EveryOpHasRules() const {
   for (int i = 0; i < n_; ++i) {
     if (rules_[i].empty()) {
       return absl::FailedPreconditionError(
@@ -161,6 +162,12 @@ absl::StatusOr<Program> Searcher::Run() {
                        ") is allowed under the requested restrictions"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Program> Searcher::Run() {
+  start_ = std::chrono::steady_clock::now();
+  HAP_RETURN_IF_ERROR(EveryOpHasRules());
   if (opt_.block_search && !opt_.zero_heuristic) {
     if (std::optional<Program> p = RunBlocked()) {
       if (opt_.progress) opt_.progress(expanded_, p->cost);
@@ -239,9 +246,91 @@ absl::StatusOr<Program> Searcher::Run() {
   return p;
 }
 
+absl::StatusOr<Program> Searcher::RandomWalk(uint64_t seed) {
+  start_ = std::chrono::steady_clock::now();
+  HAP_RETURN_IF_ERROR(EveryOpHasRules());
+  random_seed_ = seed;
+  std::mt19937_64 rng(seed);
+  // Depth-first: each state's applicable rules in a random order, the next
+  // one taken when a later op has none left (a dead end).
+  struct Frame {
+    State state;
+    std::vector<int> order;
+    size_t next = 0;
+  };
+  auto frame = [&](State s) {
+    Frame f{std::move(s), {}, 0};
+    if (f.state.step == n_) return f;
+    for (int r = 0; r < static_cast<int>(rules_[f.state.step].size()); ++r) {
+      State ns;
+      double c;
+      if (Apply(f.state, r, &ns, &c, nullptr)) f.order.push_back(r);
+    }
+    for (size_t i = f.order.size(); i > 1; --i) std::swap(f.order[i - 1], f.order[rng() % i]);
+    return f;
+  };
+  std::vector<Frame> stack;
+  stack.push_back(frame(State{}));
+  constexpr int64_t kNodeBudget = 1'000'000;
+  int64_t nodes = 0;
+  while (!stack.empty()) {
+    if (stack.back().state.step == n_) {
+      std::vector<int> rules;
+      for (size_t i = 0; i + 1 < stack.size(); ++i) {
+        rules.push_back(stack[i].order[stack[i].next - 1]);
+      }
+      Program p = Replay(rules);
+      random_seed_.reset();
+      return Finish(std::move(p), /*optimal=*/false);
+    }
+    if (stack.back().next == stack.back().order.size()) {
+      stack.pop_back();
+      continue;
+    }
+    if (++nodes > kNodeBudget) {
+      random_seed_.reset();
+      return absl::ResourceExhaustedError("random walk: no complete program within its budget");
+    }
+    const int r = stack.back().order[stack.back().next++];
+    State ns;
+    double c;
+    Apply(stack.back().state, r, &ns, &c, nullptr);
+    stack.push_back(frame(std::move(ns)));
+  }
+  random_seed_.reset();
+  return absl::FailedPreconditionError("no complete program exists under the restrictions");
+}
+
 }  // namespace hap::synth::internal
 
 namespace hap::synth {
+
+namespace {
+
+// The ratios the search runs at: options.ratios, or proportional to the
+// devices' FLOP/s; InvalidArgument when they do not fit the cluster.
+absl::StatusOr<std::vector<double>> SearchRatios(const cost::ClusterModel& cluster,
+                                                 const SearchOptions& options) {
+  std::vector<double> ratios =
+      options.ratios.empty() ? cluster.ProportionalRatios() : options.ratios;
+  if (static_cast<int>(ratios.size()) != cluster.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ratios have ", ratios.size(), " entries for ", cluster.size(), " devices"));
+  }
+  double sum = 0;
+  for (double r : ratios) {
+    if (!(r >= 0) || !std::isfinite(r)) {
+      return absl::InvalidArgumentError("ratios must be finite and >= 0");
+    }
+    sum += r;
+  }
+  if (std::abs(sum - 1) > 1e-6) {
+    return absl::InvalidArgumentError(absl::StrCat("ratios must sum to 1, they sum to ", sum));
+  }
+  return ratios;
+}
+
+}  // namespace
 
 using internal::Searcher;
 
@@ -270,24 +359,16 @@ std::vector<OpWork> TrainingWork(const graph::Graph& g) {
 
 absl::StatusOr<Program> Synthesize(const graph::Graph& g, const cost::ClusterModel& cluster,
                                    const SearchOptions& options) {
-  std::vector<double> ratios =
-      options.ratios.empty() ? cluster.ProportionalRatios() : options.ratios;
-  if (static_cast<int>(ratios.size()) != cluster.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ratios have ", ratios.size(), " entries for ", cluster.size(), " devices"));
-  }
-  double sum = 0;
-  for (double r : ratios) {
-    if (!(r >= 0) || !std::isfinite(r)) {
-      return absl::InvalidArgumentError("ratios must be finite and >= 0");
-    }
-    sum += r;
-  }
-  if (std::abs(sum - 1) > 1e-6) {
-    return absl::InvalidArgumentError(absl::StrCat("ratios must sum to 1, they sum to ", sum));
-  }
+  HAP_ASSIGN_OR_RETURN(std::vector<double> ratios, SearchRatios(cluster, options));
   Searcher s(g, cluster, options, std::move(ratios));
   return s.Run();
+}
+
+absl::StatusOr<Program> RandomProgram(const graph::Graph& g, const cost::ClusterModel& cluster,
+                                      const SearchOptions& options, uint64_t seed) {
+  HAP_ASSIGN_OR_RETURN(std::vector<double> ratios, SearchRatios(cluster, options));
+  Searcher s(g, cluster, options, std::move(ratios));
+  return s.RandomWalk(seed);
 }
 
 }  // namespace hap::synth

@@ -72,6 +72,18 @@ absl::StatusOr<Program> Synthesize(const graph::Graph& g,
                                    const cost::ClusterModel& cluster,
                                    const SearchOptions& options);
 
+// For randomized tests of the lowering and the executors: a complete
+// program drawn at random from the search's own transitions, the same for
+// the same seed. At each op one of the rules that apply to the state so far
+// (under options' restrictions), uniformly; a dead end (a later op with no
+// rule left) backtracks. Each parameter takes one of the storages the
+// search weighs for it (replicated, SFB, ZeRO gathered twice or once),
+// uniformly, instead of the cheapest. Costs are those of the search at the
+// ratios; optimal is false. Errors as Synthesize's (ResourceExhausted when
+// backtracking runs past its budget).
+absl::StatusOr<Program> RandomProgram(const graph::Graph& g, const cost::ClusterModel& cluster,
+                                      const SearchOptions& options, uint64_t seed);
+
 // The work of each op of a training step as the search costs it: forward
 // FLOPs, plus backward FLOPs where a gradient flows through the op.
 struct OpWork {

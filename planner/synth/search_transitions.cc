@@ -304,6 +304,18 @@ bool Searcher::LoadParameter(TensorId t, Form need, const ShardRule& rule, int i
     options.push_back({z, c});
   }
   if (options.empty()) return false;
+  if (random_seed_) {
+    // RandomWalk: any option, drawn per parameter (the same draw each time
+    // the walk loads it), so cheaper storage does not hide the others.
+    uint64_t x = *random_seed_ ^ (0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(t) + 1));
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    Option& pick = options[x % options.size()];
+    *cost = pick.cost;
+    *out = std::move(pick.load);
+    return true;
+  }
   auto best = std::min_element(options.begin(), options.end(),
                                [](const Option& a, const Option& b) { return a.cost < b.cost; });
   *cost = best->cost;

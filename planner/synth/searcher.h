@@ -91,6 +91,9 @@ class Searcher {
   // The repeated-block search (see RunBlocked); nullopt when the graph has
   // no repeated blocks or the budget ran out (then Run() takes over).
   std::optional<Program> RunBlocked();
+  // A complete program drawn at random from the same transitions
+  // (RandomProgram in search.h): see its contract.
+  absl::StatusOr<Program> RandomWalk(uint64_t seed);
 
  private:
   void Prepare();
@@ -110,6 +113,9 @@ class Searcher {
   Program Reconstruct(int goal) const;
   // The program of `rules` applied from the empty state (costs unset).
   Program Replay(const std::vector<int>& rules) const;
+  // FailedPrecondition naming the first op whose rules the options filter
+  // out entirely.
+  absl::Status EveryOpHasRules() const;
   bool OutOfBudget();
   std::vector<int> Cuts() const;
   std::string Signature(int a, int b) const;
@@ -135,6 +141,9 @@ class Searcher {
   std::vector<State> states_;
   int64_t expanded_ = 0;
   bool cut_ = false;
+  // Set by RandomWalk only: LoadParameter then takes a storage option drawn
+  // per parameter from this seed instead of the cheapest one.
+  std::optional<uint64_t> random_seed_;
   std::chrono::steady_clock::time_point start_;
 };
 

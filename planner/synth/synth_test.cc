@@ -1,6 +1,7 @@
 #include <chrono>
 #include <cmath>
 #include <random>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -306,6 +307,46 @@ TEST(SynthTest, BlockTermsSumComputeBetweenCollectives) {
   // Without any collective, one block.
   p.steps[1].comms.clear();
   EXPECT_EQ(p.BlockTerms().size(), 1u);
+}
+
+// RandomProgram (the randomized equivalence test's generator): complete
+// programs the checker accepts, the same for the same seed, others for
+// others, with storages the search would not pick here; its errors are
+// Synthesize's.
+TEST(SynthTest, RandomProgramsAreValidAndDeterministicPerSeed) {
+  auto c = MakeCluster({1e12, 2e12, 1e12, 2e12}, 2);
+  for (std::string name : {"mlp", "gpt", "vit", "moe"}) {
+    graph::Graph g = Zoo(name, Small(name, 16));
+    std::set<std::vector<int>> seen;
+    int zero = 0;
+    for (uint64_t seed = 0; seed < 6; ++seed) {
+      auto p = RandomProgram(g, c, {}, seed);
+      ASSERT_TRUE(p.ok()) << name << " seed " << seed << ": " << p.status();
+      EXPECT_TRUE(CheckProgram(g, *p, c.size()).ok()) << CheckProgram(g, *p, c.size());
+      EXPECT_FALSE(p->optimal);
+      auto again = RandomProgram(g, c, {}, seed);
+      ASSERT_TRUE(again.ok()) << again.status();
+      std::vector<int> rules, rules_again;
+      for (const OpStep& s : p->steps) {
+        rules.push_back(s.rule_index);
+        for (const SourceLoad& l : s.loads) zero += l.storage == ParamStorage::kZero;
+      }
+      for (const OpStep& s : again->steps) rules_again.push_back(s.rule_index);
+      EXPECT_EQ(rules, rules_again) << name << " seed " << seed;
+      seen.insert(rules);
+    }
+    EXPECT_GT(seen.size(), 1u) << name;
+    EXPECT_GT(zero, 0) << name;
+  }
+  graph::Graph g = Zoo("mlp", Small("mlp", 16));
+  SearchOptions none;
+  none.rule_filter = [](const ShardRule&) { return false; };
+  auto p = RandomProgram(g, c, none, 0);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
+  EXPECT_THAT(p.status().message(), HasSubstr("no sharding rule of op"));
+  SearchOptions wrong;
+  wrong.ratios = {0.5, 0.5};
+  EXPECT_EQ(RandomProgram(g, c, wrong, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // SFB: all-gathering x and dy beats all-reducing dW when the batch is small
