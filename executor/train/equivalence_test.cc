@@ -27,7 +27,6 @@
 #include "executor/train/trainer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
 
 namespace hap {
@@ -41,38 +40,13 @@ constexpr uint64_t kSeed = 1234;
 constexpr double kAdamLr = hap::testing::kEquivalenceAdamLr;
 
 graph::Graph Model(const std::string& name, int ranks) {
-  // Batches divisible by nothing in particular: uneven shards everywhere.
-  std::map<std::string, double> p;
-  int batch = 6 * ranks + 1;
-  if (name == "mlp") {
-    p = {{"layers", 3}, {"hidden", 24}, {"input", 12}, {"classes", 5}, {"batch", batch}};
-  } else if (name == "gpt") {
-    p = {{"layers", 2}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 6},
-         {"vocab", 37}, {"batch", batch}, {"dropout", 0.1}};
-  } else if (name == "vit") {
-    p = {{"layers", 1}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"image", 8},
-         {"patch", 4}, {"channels", 3}, {"classes", 5}, {"batch", batch}, {"dropout", 0.1}};
-  } else if (name == "moe" || name == "switch" || name == "moe_grouped" ||
-             name == "switch_grouped") {
-    const bool top2 = name.rfind("moe", 0) == 0;
-    p = {{"layers", 2}, {"hidden", 16}, {"heads", 4}, {"ffn", 24}, {"seq", 4},
-         {"vocab", 29}, {"batch", batch}, {"dropout", 0.0}, {"experts", 2 * ranks + 2},
-         {"moe_every", 2}, {"top_k", top2 ? 2 : 1}};
-    // Grouped routing: every 2 tokens of a sample route together.
-    if (name.find("grouped") != std::string::npos) p["moe_group_size"] = 2;
-  }
-  auto g = graph::BuildZooModel(name.substr(0, name.find('_')), p);
+  auto g = hap::testing::EquivalenceModel(name, ranks);
   EXPECT_TRUE(g.ok()) << g.status();
   return *std::move(g);
 }
 
 std::vector<double> Ratios(int n, bool uneven) {
-  std::vector<double> r(n, 1.0 / n);
-  if (!uneven || n == 1) return r;
-  double sum = 0;
-  for (int i = 0; i < n; ++i) sum += r[i] = 1.0 + 0.6 * i;
-  for (double& x : r) x /= sum;
-  return r;
+  return hap::testing::EquivalenceRatios(n, uneven);
 }
 
 v1::OptimizerConfig Optimizer(bool adam) { return hap::testing::EquivalenceOptimizer(adam); }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "executor/data/batches.h"
+#include "planner/graph/zoo.h"
 #include "planner/synth/checker.h"
 #include "planner/synth/planner.h"
 #include "planner/synth/search.h"
@@ -23,6 +24,126 @@ cost::ClusterModel SlowDevicesFastLinks(int n) {
   std::vector<std::vector<double>> bw(n, std::vector<double>(n, 1e12)),
       lat(n, std::vector<double>(n, 0));
   return *cost::ClusterModel::Create(d, bw, lat);
+}
+
+namespace {
+
+// batch_norm_equivalence_test's CNN: conv2d, batch_norm with running
+// statistics, relu, a depthwise conv2d with channel multiplier 2,
+// drop_path, avg_pool2d, linear, cross-entropy.
+absl::StatusOr<graph::Graph> BatchNormCnn(int64_t batch) {
+  using graph::F32;
+  using graph::Initializer;
+  graph::GraphBuilder b("bn_cnn");
+  graph::TensorId x = b.Input("images", F32({batch, 3, 6, 6}));
+  graph::TensorId labels = b.Input("labels", graph::I64({batch}), graph::InputRole::kLabels);
+  graph::TensorId w =
+      b.Parameter("conv.weight", F32({4, 3, 3, 3}), Initializer::Uniform(-0.3, 0.3));
+  graph::TensorId gamma = b.Parameter("bn.weight", F32({4}), Initializer::Ones());
+  graph::TensorId beta = b.Parameter("bn.bias", F32({4}), Initializer::Zeros());
+  graph::TensorId rm = b.Parameter("bn.running_mean", F32({4}), Initializer::Zeros(),
+                                   /*frozen=*/true);
+  graph::TensorId rv = b.Parameter("bn.running_var", F32({4}), Initializer::Ones(),
+                                   /*frozen=*/true);
+  x = b.Add("conv2d", "conv", {x, w}, {{"padding", std::vector<int64_t>{1}}});
+  x = b.Add("batch_norm", "bn", {x, gamma, beta, rm, rv}, {{"momentum", 0.3}});
+  x = b.Add("relu", "relu", {x});
+  graph::TensorId dw = b.Parameter("dw.weight", F32({8, 1, 3, 3}), Initializer::Uniform(-0.5, 0.5));
+  graph::TensorId dwb = b.Parameter("dw.bias", F32({8}), Initializer::Uniform(-0.1, 0.1));
+  x = b.Add("conv2d", "dw", {x, dw, dwb},
+            {{"padding", std::vector<int64_t>{1}}, {"groups", int64_t{4}}});
+  x = b.Add("drop_path", "drop_path", {x}, {{"p", 0.4}});
+  x = b.Add("avg_pool2d", "pool", {x}, {{"kernel", std::vector<int64_t>{2}}});
+  x = b.Add("flatten", "flatten", {x});
+  graph::TensorId fw = b.Parameter("fc.weight", F32({5, 72}), Initializer::Uniform(-0.2, 0.2));
+  graph::TensorId fb = b.Parameter("fc.bias", F32({5}), Initializer::Zeros());
+  x = b.Add("linear", "fc", {x, fw, fb});
+  b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
+  return b.Build();
+}
+
+// lstm_equivalence_test's language model: embedding, two lstm layers (the
+// second reversed), linear, cross-entropy.
+absl::StatusOr<graph::Graph> LstmLm(int64_t batch) {
+  using graph::F32;
+  using graph::Initializer;
+  constexpr int64_t kSeq = 5, kVocab = 11, kEmbed = 6, kHidden = 7;
+  graph::GraphBuilder b("lstm_lm");
+  graph::TensorId tokens = b.Input("tokens", graph::I64({batch, kSeq}));
+  graph::TensorId labels = b.Input("labels", graph::I64({batch * kSeq}), graph::InputRole::kLabels);
+  const double w = 1.0 / std::sqrt(static_cast<double>(kHidden));
+  auto param = [&](const std::string& name, graph::Shape s) {
+    return b.Parameter(name, F32(std::move(s)), Initializer::Uniform(-w, w));
+  };
+  graph::TensorId x = b.Add(
+      "embedding", "embed",
+      {tokens, b.Parameter("embed.weight", F32({kVocab, kEmbed}), Initializer::Normal(0, 1))});
+  x = b.Add("lstm", "lstm.l0",
+            {x, param("lstm.weight_ih_l0", {4 * kHidden, kEmbed}),
+             param("lstm.weight_hh_l0", {4 * kHidden, kHidden}),
+             param("lstm.bias_ih_l0", {4 * kHidden}), param("lstm.bias_hh_l0", {4 * kHidden})});
+  x = b.Add("lstm", "lstm.l1",
+            {x, param("lstm.weight_ih_l1", {4 * kHidden, kHidden}),
+             param("lstm.weight_hh_l1", {4 * kHidden, kHidden})},
+            {{"reverse", true}});
+  x = b.Add("linear", "head",
+            {x, param("head.weight", {kVocab, kHidden}), param("head.bias", {kVocab})});
+  x = b.Add("reshape", "flat", {x}, {{"shape", std::vector<int64_t>{batch * kSeq, kVocab}}});
+  b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
+  return b.Build();
+}
+
+}  // namespace
+
+absl::StatusOr<graph::Graph> EquivalenceModel(const std::string& name, int ranks) {
+  // Batches divisible by nothing in particular: uneven shards everywhere.
+  std::map<std::string, double> p;
+  int batch = 6 * ranks + 1;
+  if (name == "bn_cnn") return BatchNormCnn(batch);
+  if (name == "lstm") return LstmLm(batch);
+  if (name == "mlp") {
+    p = {{"layers", 3}, {"hidden", 24}, {"input", 12}, {"classes", 5}, {"batch", batch}};
+  } else if (name == "gpt") {
+    p = {{"layers", 2}, {"hidden", 16}, {"heads", 4},     {"ffn", 24},
+         {"seq", 6},    {"vocab", 37},  {"batch", batch}, {"dropout", 0.1}};
+  } else if (name == "vit") {
+    p = {{"layers", 1}, {"hidden", 16},  {"heads", 4},   {"ffn", 24},      {"image", 8},
+         {"patch", 4},  {"channels", 3}, {"classes", 5}, {"batch", batch}, {"dropout", 0.1}};
+  } else if (name == "moe" || name == "switch" || name == "moe_grouped" ||
+             name == "switch_grouped") {
+    const bool top2 = name.rfind("moe", 0) == 0;
+    p = {{"layers", 2},
+         {"hidden", 16},
+         {"heads", 4},
+         {"ffn", 24},
+         {"seq", 4},
+         {"vocab", 29},
+         {"batch", batch},
+         {"dropout", 0.0},
+         {"experts", 2 * ranks + 2},
+         {"moe_every", 2},
+         {"top_k", top2 ? 2 : 1}};
+    // Grouped routing: every 2 tokens of a sample route together.
+    if (name.find("grouped") != std::string::npos) p["moe_group_size"] = 2;
+  } else if (name == "transformer") {
+    p = {{"layers", 1}, {"hidden", 16}, {"heads", 4},     {"ffn", 24},
+         {"seq", 5},    {"classes", 5}, {"batch", batch}, {"dropout", 0.1}};
+  } else if (name == "vgg") {
+    p = {{"width", 4},    {"stages", 2},  {"convs_per_stage", 1}, {"image", 8},
+         {"channels", 3}, {"classes", 5}, {"hidden", 12},         {"batch", batch}};
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("no equivalence model '", name, "'"));
+  }
+  return graph::BuildZooModel(name.substr(0, name.find('_')), p);
+}
+
+std::vector<double> EquivalenceRatios(int n, bool uneven) {
+  std::vector<double> r(n, 1.0 / n);
+  if (!uneven || n == 1) return r;
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += r[i] = 1.0 + 0.6 * i;
+  for (double& x : r) x /= sum;
+  return r;
 }
 
 absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,

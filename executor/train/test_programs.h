@@ -31,6 +31,17 @@ namespace hap::testing {
 // so dear that the search splits work wherever a rule lets it.
 cost::ClusterModel SlowDevicesFastLinks(int n);
 
+// The small models of the equivalence tests for `ranks` ranks: "mlp",
+// "gpt", "vit", "moe", "switch", "moe_grouped", "switch_grouped",
+// "transformer", "vgg", "bn_cnn" (batch_norm_equivalence_test's CNN), "lstm"
+// (lstm_equivalence_test's LM); batch 6 * ranks + 1, so shards are uneven
+// everywhere; dropout on in gpt, vit and transformer; 2 * ranks + 2 experts.
+// InvalidArgument for another name.
+absl::StatusOr<graph::Graph> EquivalenceModel(const std::string& name, int ranks);
+
+// Even ratios for n devices, or uneven ones growing 1 : 1.6 : 2.2 : ...
+std::vector<double> EquivalenceRatios(int n, bool uneven);
+
 // A program of `kind` for n devices at `ratios`, checked by
 // synth::CheckProgram. FailedPrecondition when "sfb" finds no weight to
 // force SFB on, "zero2" no ZeRO parameter, or "expert" an MoE op not split
