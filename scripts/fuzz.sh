@@ -6,7 +6,8 @@
 #   scripts/fuzz.sh [--seconds S] [TARGET ...]   long runs (default 300 s each)
 #   scripts/fuzz.sh --smoke [--junit FILE]       a short run of each (scripts/test.sh)
 #
-# Targets: graph cluster plan safetensors rpc (default: all). rpc: sequences of
+# Targets: graph cluster plan safetensors rpc npy (default: all). npy: training data
+# files (hap-executor --data npy:DIR) opened and read batch by batch. rpc: sequences of
 # planner requests (nodes, plans, deployments, step metrics, rendezvous) given
 # to the core and the deployment manager as the gRPC service gives them. Objects, binaries,
 # corpora and crash files go to out/fuzz/ (git ignores out/). A crash leaves
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     *) TARGETS+=("$1"); shift ;;
   esac
 done
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(graph cluster plan safetensors rpc)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(graph cluster plan safetensors rpc npy)
 
 CXX=clang++-14
 if ! command -v "$CXX" >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.fuzzer-x86_64.a ]; then
@@ -64,6 +65,7 @@ declare -A SRCS=(
   [cluster]="planner/cost/cluster_model.cc planner/cost/collectives.cc planner/ratios/ratio_lp.cc"
   [plan]="planner/lower/plan_file.cc ${GRAPH_SRCS[*]}"
   [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/file_util.cc planner/graph/types.cc common/json_struct.cc"
+  [npy]="executor/data/user_data.cc executor/data/batches.cc planner/graph/zoo.cc ${GRAPH_SRCS[*]}"
   [rpc]="$(planner_srcs | tr '\n' ' ')"
 )
 
@@ -129,6 +131,20 @@ with open(out, "wb") as f:
         f.write(struct.pack("<BH", m, len(b)) + b)
 PY
       rm -r "$tmp" ;;
+    npy)
+      # The fuzzer's own valid files, each behind the byte that picks it.
+      python3 - "$dir" <<'PY'
+import struct, sys
+def npy(descr, shape, data):
+    h = "{'descr': '%s', 'fortran_order': False, 'shape': %s, }" % (descr, shape)
+    h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode() + data
+x = npy("<f4", "(8, 3)", struct.pack("<24f", *[0.25 * i for i in range(24)]))
+y = npy("<i8", "(8,)", struct.pack("<8q", *[i % 5 for i in range(8)]))
+open(sys.argv[1] + "/x", "wb").write(b"\x00" + x)
+open(sys.argv[1] + "/labels", "wb").write(b"\x01" + y)
+PY
+      ;;
     safetensors)
       # A small hand-made file: one F32 [2] tensor.
       printf '\x38\x00\x00\x00\x00\x00\x00\x00{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}\x00\x00\x80\x3f\x00\x00\x00\x40' \

@@ -6,12 +6,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "executor/checkpoint/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::string path = "/tmp/hap-safetensors-fuzz-" + std::to_string(getpid());
+  static const std::string path = [] {
+    std::atexit([] {  // libFuzzer ends with exit()
+      std::remove(("/tmp/hap-safetensors-fuzz-" + std::to_string(getpid())).c_str());
+    });
+    return "/tmp/hap-safetensors-fuzz-" + std::to_string(getpid());
+  }();
   FILE* out = std::fopen(path.c_str(), "wb");  // no fsync: thousands of runs a second
   if (out == nullptr) return 0;
   const bool written = std::fwrite(data, 1, size, out) == size;
