@@ -109,6 +109,9 @@ pid_t OwnerOf(const TestbedOptions& o, const std::string& ns) {
 // names another process that had the same pid.
 bool OwnerGone(const TestbedOptions& o, pid_t owner) {
   if (!Alive(owner)) return true;
+  // Only a regular file is read (a device such as /dev/full never ends).
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(StatePath(o, owner), ec)) return false;
   std::ifstream f(StatePath(o, owner));
   std::string key, start;
   while (f >> key) {
@@ -405,9 +408,13 @@ absl::Status Testbed::Build() {
       << "\nnamespaces " << SwitchNamespace();
     for (int i = 0; i < spec_.nodes; ++i) f << " " << NodeNamespace(i);
     f << "\n";
+    // Closed before the check: a full disk fails the flush, not the <<.
+    errno = 0;
+    f.close();
     if (!f) {
       return absl::FailedPreconditionError(
-          absl::StrCat("cannot write the testbed state file ", StatePath(o, o.owner)));
+          absl::StrCat("cannot write the testbed state file ", StatePath(o, o.owner), ": ",
+                       errno != 0 ? std::strerror(errno) : "write failed"));
     }
   }
   auto run = [&](std::vector<std::string> argv) -> absl::Status {

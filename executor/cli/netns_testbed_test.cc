@@ -204,6 +204,24 @@ TEST(TestbedTest, RefusedNamespacesAreAFailedPrecondition) {
   EXPECT_THAT(t.status().message(), HasSubstr("cannot make network namespaces here"));
 }
 
+TEST(TestbedTest, AStateFileThatCannotBeWrittenFailsBeforeAnythingIsMade) {
+  // The state file on a full device: the write fails when it is flushed,
+  // which the check before close missed (Create went on without it).
+  Recorder r;
+  TestbedOptions o = Recorded(&r, "fullstate");
+  o.owner = getpid();  // alive: its state file is not a stale one to remove
+  const std::string state = absl::StrCat(o.state_dir, "/hapnet-", o.owner, ".state");
+  std::filesystem::remove(state);
+  std::filesystem::create_symlink("/dev/full", state);
+  auto spec = ParseNetworkSpec("nodes=2 between=1gbit");
+  auto t = Testbed::Create(*spec, o);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(t.status().message(),
+              HasSubstr("cannot write the testbed state file " + state + ": No space left"));
+  EXPECT_THAT(r.commands, IsEmpty());
+  std::filesystem::remove(state);
+}
+
 // --- With root: real namespaces. Skips where they cannot be made. ---------
 
 // Makes a 2-node testbed or says why not.
