@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -47,7 +48,9 @@ std::string RateArg(double bits) { return absl::StrFormat("%.0fbit", bits); }
 std::string DelayArg(double seconds) { return absl::StrFormat("%.0fus", seconds * 1e6); }
 
 absl::StatusOr<LinkShape> ParseShape(absl::string_view text) {
+  // absl::StrSplit of an empty view made of no string gives no parts.
   std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+  if (parts.empty()) parts.push_back("");
   if (parts.size() > 2) {
     return absl::InvalidArgumentError(absl::StrCat("'", text, "' is not RATE[:DELAY]"));
   }
@@ -217,6 +220,7 @@ std::string NetworkSpec::ToString() const {
 absl::StatusOr<NetworkSpec> ParseNetworkSpec(absl::string_view text) {
   NetworkSpec spec;
   bool any = false;
+  std::set<std::string> seen;
   for (absl::string_view item :
        absl::StrSplit(text, absl::ByAnyChar(" \t\n;"), absl::SkipEmpty())) {
     any = true;
@@ -226,6 +230,16 @@ absl::StatusOr<NetworkSpec> ParseNetworkSpec(absl::string_view text) {
     auto bad = [&](const absl::Status& s) {
       return absl::InvalidArgumentError(absl::StrCat("network: ", key, ": ", s.message()));
     };
+    if (!absl::StrContains(item, '=')) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("network: '", item, "' has no value (items are KEY=VALUE)"));
+    }
+    // One of each but pair: a second one silently replaced the first (or
+    // for ranks= was appended to it).
+    if (key != "pair" && !seen.insert(std::string(key)).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("network: ", key, " given twice (second: '", item, "')"));
+    }
     if (key == "nodes") {
       if (!absl::SimpleAtoi(value, &spec.nodes) || spec.nodes < 1 || spec.nodes > kMaxNodes) {
         return absl::InvalidArgumentError(

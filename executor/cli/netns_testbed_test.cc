@@ -90,6 +90,16 @@ TEST(NetworkSpecTest, BadSpecsNameWhatIsWrong) {
            Case{"nodes=2 pair=0-1:1gbit pair=1-0:2gbit", "pair 0-1 given twice"},
            Case{"nodes=2 ranks=0,x", "ranks must be node numbers"},
            Case{"nodes=2 ranks=0,1,2", "ranks= names node 2 of 2"},
+           // Given twice: the last won (nodes, between, inside) or the
+           // lists were joined (ranks=0,1 ranks=1,0 placed four ranks).
+           Case{"nodes=2 nodes=3", "nodes given twice"},
+           Case{"nodes=2 between=1gbit between=2gbit", "between given twice"},
+           Case{"nodes=2 inside=1gbit inside=2gbit", "inside given twice"},
+           Case{"nodes=2 ranks=0,1 ranks=1,0", "ranks given twice"},
+           // No '=': a segmentation fault (no value to split).
+           Case{"nodes=2 between", "'between' has no value (items are KEY=VALUE)"},
+           Case{"inside", "'inside' has no value"},
+           Case{"nodes=2 between=", "between: rate ''"},
        }) {
     auto s = ParseNetworkSpec(c.spec);
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.spec;
