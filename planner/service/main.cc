@@ -64,6 +64,11 @@ the environment as HAP_<FLAG> (--database: HAP_DATABASE, ...), the flag winning.
                             ago, with their step metrics (604800, 7 days; 0 =
                             no limit by age). An unfinished job's deployment
                             is kept.
+  --job-retention-count N   keep the N most recently finished elastic jobs
+                            (1000; 0 = no limit by count)
+  --job-retention-seconds S  delete jobs finished more than S ago (604800, 7
+                            days; 0 = no limit by age). Unfinished jobs are
+                            kept.
 )";
 
 hap::service::PlannerServer* g_server = nullptr;
@@ -126,9 +131,12 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
       a.NumberOrEnv("deployment-retention-count", o.deployment_retention_count, 0, 1 << 30, kWhole);
   auto keep_deployment_seconds = a.NumberOrEnv(
       "deployment-retention-seconds", absl::ToDoubleSeconds(o.deployment_retention_age), 0, 1e12);
+  auto keep_jobs = a.NumberOrEnv("job-retention-count", o.job_retention_count, 0, 1 << 30, kWhole);
+  auto keep_job_seconds =
+      a.NumberOrEnv("job-retention-seconds", absl::ToDoubleSeconds(o.job_retention_age), 0, 1e12);
   for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads,
                   &poll, &polls, &streams, &keep_count, &keep_seconds, &keep_deployments,
-                  &keep_deployment_seconds}) {
+                  &keep_deployment_seconds, &keep_jobs, &keep_job_seconds}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
@@ -151,6 +159,9 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.deployment_retention_age = *keep_deployment_seconds > 0
                                    ? absl::Seconds(*keep_deployment_seconds)
                                    : absl::InfiniteDuration();
+  o.job_retention_count = static_cast<int>(*keep_jobs);
+  o.job_retention_age =
+      *keep_job_seconds > 0 ? absl::Seconds(*keep_job_seconds) : absl::InfiniteDuration();
   return o;
 }
 
@@ -184,7 +195,9 @@ int main(int argc, char** argv) {
                                     "status-poll-seconds",
                                     "missed-status-polls",
                                     "deployment-retention-count",
-                                    "deployment-retention-seconds"},
+                                    "deployment-retention-seconds",
+                                    "job-retention-count",
+                                    "job-retention-seconds"},
                                    {"help"});
   if (!a.ok()) {
     std::cerr << "error: " << a.status().message() << "\n" << kUsage;

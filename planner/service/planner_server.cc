@@ -405,6 +405,11 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     absl::StatusOr<int> gone =
         m.service->EnforceDeploymentRetention(m.o.deployment_retention_count, oldest);
     if (!gone.ok()) std::cerr << "hap-planner: " << gone.status().message() << "\n";
+    absl::StatusOr<int> jobs_gone = m.service->EnforceJobRetention(
+        m.o.job_retention_count, m.o.job_retention_age == absl::InfiniteDuration()
+                                     ? absl::InfinitePast()
+                                     : absl::Now() - m.o.job_retention_age);
+    if (!jobs_gone.ok()) std::cerr << "hap-planner: " << jobs_gone.status().message() << "\n";
     absl::StatusOr<int> deleted = m.core->EnforceRetention();
     if (!deleted.ok()) std::cerr << "hap-planner: " << deleted.status().message() << "\n";
   };

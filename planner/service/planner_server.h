@@ -85,6 +85,10 @@ struct PlannerServerOptions {
   // and an unfinished job's.
   int deployment_retention_count = 1000;
   absl::Duration deployment_retention_age = absl::Hours(24 * 7);
+  // Finished elastic jobs kept, the same way (JobController::
+  // EnforceRetention); unfinished ones always.
+  int job_retention_count = 1000;
+  absl::Duration job_retention_age = absl::Hours(24 * 7);
   PlannerCoreOptions core;
 };
 

@@ -176,6 +176,7 @@ class StoreBackend : public StateBackend {
     return s_->LastDeploymentGeneration(plan);
   }
   absl::Status SaveJob(const v1::Job& j) override { return s_->PutJob(j); }
+  absl::Status DeleteJob(const std::string& name) override { return s_->DeleteJob(name); }
   absl::Status AppendStepMetrics(const std::vector<v1::StepMetric>& ms) override {
     std::map<std::string, std::vector<v1::StepMetric>> by;
     for (const auto& m : ms) by[m.deployment()].push_back(m);

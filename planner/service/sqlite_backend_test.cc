@@ -150,6 +150,26 @@ TEST(SqliteBackendTest, LoadsJobsAsLastSaved) {
   EXPECT_EQ(loaded->jobs[0].status().deployment(), "deployments/train-p1-g1");
 }
 
+// Job retention deletes from the database: a restart finds no such job.
+TEST(SqliteBackendTest, ADeletedJobIsNotLoadedAgain) {
+  const std::string db = TempDatabase("deleted_job.db");
+  v1::Job j;
+  j.set_name("jobs/old");
+  j.mutable_status()->set_state(v1::JobStatus::SUCCEEDED);
+  {
+    auto backend = OpenSqliteBackend(db);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    ASSERT_TRUE((*backend)->SaveJob(j).ok());
+    ASSERT_TRUE((*backend)->DeleteJob(j.name()).ok());
+    EXPECT_TRUE(absl::IsNotFound((*backend)->DeleteJob(j.name())));
+  }
+  auto backend = OpenSqliteBackend(db);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto loaded = (*backend)->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(loaded->jobs.empty());
+}
+
 TEST(SqliteBackendTest, LoadsEveryMetricOfEveryDeploymentInStepOrder) {
   const std::string db = TempDatabase("metrics.db");
   {

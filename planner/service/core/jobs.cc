@@ -26,6 +26,7 @@
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
 #include "planner/service/core/profile_checks.h"
+#include "planner/service/core/retention.h"
 
 namespace hap::service {
 namespace {
@@ -402,6 +403,38 @@ std::set<std::string> JobController::UnfinishedJobsDeployments() const {
     }
   }
   return out;
+}
+
+absl::StatusOr<int> JobController::EnforceRetention(int count, absl::Time oldest) {
+  if (count <= 0 && oldest == absl::InfinitePast()) return 0;
+  std::vector<std::string> victims;
+  {
+    absl::MutexLock l(&s_->mu);
+    std::vector<std::pair<absl::Time, std::string>> finished;
+    for (const auto& [name, j] : s_->jobs) {
+      // A finished job changes no more: its last update is when it ended.
+      if (Final(j.status().state()))
+        finished.push_back({FromProto(j.status().update_time()), name});
+    }
+    victims = PastRetention(std::move(finished), count, oldest);
+  }
+  int deleted = 0;
+  for (const std::string& name : victims) {
+    absl::MutexLock l(&s_->mu);
+    auto it = s_->jobs.find(name);
+    if (it == s_->jobs.end() || !Final(it->second.status().state())) continue;
+    if (o_.sink != nullptr) {
+      absl::Status st = o_.sink->DeleteJob(name);
+      if (!st.ok() && !absl::IsNotFound(st)) {
+        return Annotate(st, absl::StrCat("job retention: ", name, " was not deleted (", deleted,
+                                         " deleted before it)"));
+      }
+    }
+    s_->jobs.erase(it);
+    ++deleted;
+  }
+  if (deleted > 0) s_->changed.SignalAll();
+  return deleted;
 }
 
 absl::StatusOr<v1::Job> JobController::Stop(const std::string& name) {

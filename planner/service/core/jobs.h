@@ -177,6 +177,12 @@ class JobController {
   // The deployment of each job not finished (deployment retention keeps
   // them).
   std::set<std::string> UnfinishedJobsDeployments() const;
+  // Deletes finished jobs (SUCCEEDED, FAILED, STOPPED) beyond the `count`
+  // most recently finished (0: no limit by count) or that finished before
+  // `oldest` (InfinitePast: no limit by age), from the sink first; never an
+  // unfinished one. The number deleted; the sink's error naming the job it
+  // refused (those deleted before it stay deleted).
+  absl::StatusOr<int> EnforceRetention(int count, absl::Time oldest);
   // Marks the job to stop (saved first: the sink's error when it refuses)
   // and returns it; the next pass cancels its plan and stops its
   // deployment, then STOPPED. A final job is returned as it is.

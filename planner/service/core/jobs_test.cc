@@ -67,6 +67,58 @@ TEST_F(JobsTest, PlansOnEveryUsableDeviceDeploysAndSucceeds) {
   EXPECT_EQ(fake_.requests.size(), 1u);
 }
 
+// Finished jobs past --job-retention-count or that ended more than
+// --job-retention-seconds ago are deleted, from the store first; an
+// unfinished one never is (jobs were kept forever, in the database and in
+// memory).
+TEST_F(JobsTest, RetentionDeletesFinishedJobsPastTheCountOrAgeAndKeepsUnfinishedOnes) {
+  Make();
+  // One after another (each takes every device), running, then a and b end.
+  auto run = [&](const std::string& id) {
+    EXPECT_OK(c_->Create(Request(id)).status());
+    c_->Reconcile();
+    const std::string d = Job("jobs/" + id).status().deployment();
+    fake_.SetState(d, v1::Deployment::RUNNING);
+    now_ += absl::Seconds(2);
+    c_->Reconcile();
+    EXPECT_EQ(Job("jobs/" + id).status().state(), v1::JobStatus::RUNNING);
+    return d;
+  };
+  for (const char* id : {"a", "b"}) {
+    fake_.SetState(run(id), v1::Deployment::SUCCEEDED);
+    c_->Reconcile();
+    ASSERT_EQ(Job(absl::StrCat("jobs/", id)).status().state(), v1::JobStatus::SUCCEEDED);
+    now_ += absl::Minutes(10);
+  }
+  run("c");
+  // Nothing past the limits: nothing deleted.
+  ASSERT_OK_AND_ASSIGN(int none, c_->EnforceRetention(2, absl::InfinitePast()));
+  EXPECT_EQ(none, 0);
+  // A store that refuses: an error naming the job, and the job kept.
+  sink_.refuse = true;
+  EXPECT_THAT(c_->EnforceRetention(1, absl::InfinitePast()),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("jobs/a")));
+  EXPECT_OK(c_->Get("jobs/a").status());
+  sink_.refuse = false;
+  // By count: the older finished one goes.
+  ASSERT_OK_AND_ASSIGN(int by_count, c_->EnforceRetention(1, absl::InfinitePast()));
+  EXPECT_EQ(by_count, 1);
+  EXPECT_THAT(c_->Get("jobs/a"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_EQ(sink_.jobs.count("jobs/a"), 0u);
+  EXPECT_OK(c_->Get("jobs/b").status());
+  // By age: b ended 10 minutes ago; c runs and stays.
+  ASSERT_OK_AND_ASSIGN(int by_age, c_->EnforceRetention(0, now_ - absl::Minutes(5)));
+  EXPECT_EQ(by_age, 1);
+  std::vector<std::string> left;
+  for (const v1::Job& j : c_->All()) left.push_back(j.name());
+  EXPECT_THAT(left, ElementsAre("jobs/c"));
+  EXPECT_THAT(sink_.jobs, ::testing::SizeIs(1));
+  // A name deleted is free again.
+  fake_.SetState(Job("jobs/c").status().deployment(), v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  EXPECT_OK(c_->Create(Request("a")).status());
+}
+
 TEST_F(JobsTest, WaitsForEnoughDevicesAndHonoursTheSelector) {
   Make();
   fake_.cluster.mutable_nodes(1)->mutable_labels()->insert({"pool", "a"});

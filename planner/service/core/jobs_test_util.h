@@ -203,6 +203,11 @@ class MapSink : public PlannerStateSink {
     jobs[j.name()] = j;
     return absl::OkStatus();
   }
+  absl::Status DeleteJob(const std::string& name) override {
+    if (refuse) return absl::ResourceExhaustedError("disk full");
+    jobs.erase(name);
+    return absl::OkStatus();
+  }
   std::vector<v1::Job> Saved() const {
     std::vector<v1::Job> out;
     for (const auto& [n, j] : jobs) out.push_back(j);

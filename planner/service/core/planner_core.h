@@ -62,6 +62,8 @@ class PlannerStateSink {
     return absl::OkStatus();
   }
   virtual absl::Status SaveJob(const hap::v1::Job&) { return absl::OkStatus(); }
+  // A finished job's record (job retention). NotFound is taken as done.
+  virtual absl::Status DeleteJob(const std::string&) { return absl::OkStatus(); }
 };
 
 hap::v1::LinkDefaults DefaultLinks();

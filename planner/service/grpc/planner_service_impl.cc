@@ -448,6 +448,10 @@ absl::StatusOr<int> PlannerServiceImpl::EnforceDeploymentRetention(int count, ab
   return deployments_->EnforceRetention(count, oldest, jobs_->UnfinishedJobsDeployments());
 }
 
+absl::StatusOr<int> PlannerServiceImpl::EnforceJobRetention(int count, absl::Time oldest) {
+  return jobs_->EnforceRetention(count, oldest);
+}
+
 grpc::Status PlannerServiceImpl::CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* r,
                                            v1::Job* out) {
   return Handle("CreateJob", ctx, [&]() -> absl::Status {

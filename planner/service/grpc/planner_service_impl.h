@@ -106,6 +106,8 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   // Deployment retention (DeploymentManager::EnforceRetention), keeping
   // each unfinished job's deployment.
   absl::StatusOr<int> EnforceDeploymentRetention(int count, absl::Time oldest);
+  // Job retention (JobController::EnforceRetention).
+  absl::StatusOr<int> EnforceJobRetention(int count, absl::Time oldest);
 
   grpc::Status RegisterNode(grpc::ServerContext*, const hap::v1::RegisterNodeRequest*,
                             hap::v1::RegisterNodeResponse*) override;
