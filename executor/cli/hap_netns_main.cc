@@ -75,13 +75,16 @@ int main(int argc, char** argv) {
       return Fail(std::string(testbed.status().message()),
                   testbed.status().code() == absl::StatusCode::kFailedPrecondition ? 3 : 1);
     }
-    (*testbed)->Detach();
     std::cout << "switch " << (*testbed)->SwitchNamespace() << " "
               << hap::netns::Testbed::SwitchAddress() << "\n";
     for (int i = 0; i < (*testbed)->nodes(); ++i) {
       std::cout << "node " << i << " " << (*testbed)->NodeNamespace(i) << " "
                 << hap::netns::Testbed::NodeAddress(i) << "\n";
     }
+    // The caller learns the set from this listing: unwritten, the set is
+    // removed again (the destructor) and up fails.
+    if (!std::cout.flush()) return Fail("cannot write the listing of the nodes to stdout");
+    (*testbed)->Detach();
     return 0;
   }
   if (cmd == "down") {
@@ -92,11 +95,11 @@ int main(int argc, char** argv) {
     auto removed = hap::netns::RemoveStale(options);
     if (!removed.ok()) return Fail(std::string(removed.status().message()));
     for (const std::string& ns : *removed) std::cout << "removed " << ns << "\n";
-    return 0;
+    return std::cout.flush() ? 0 : Fail("cannot write to stdout");
   }
   if (cmd == "list") {
     for (const std::string& ns : hap::netns::ListNamespaces(options)) std::cout << ns << "\n";
-    return 0;
+    return std::cout.flush() ? 0 : Fail("cannot write to stdout");
   }
   if (cmd == "exec") {
     if (node.empty() || command.empty()) return Fail("exec needs NODE -- COMMAND", 2);

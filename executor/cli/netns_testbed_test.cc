@@ -1,6 +1,7 @@
 #include "executor/cli/netns_testbed.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -362,6 +363,40 @@ TEST(RealTestbedTest, AKilledRunsSetIsRemovedAtTheNextStart) {
   EXPECT_FALSE(std::filesystem::exists(absl::StrCat("/run/hapnet/hapnet-", owner, ".state")));
   ASSERT_TRUE((*t)->Destroy().ok());
   EXPECT_THAT(ListNamespaces({}), Not(Contains((*t)->NodeNamespace(0))));
+}
+
+// `hap-netns up` whose listing of the nodes cannot be written (stdout on a
+// full device) exited 0 and left the set for a caller that could not know
+// its names; now it fails and removes the set.
+TEST(RealTestbedTest, UpWithAnUnwritableListingFailsAndRemovesTheSet) {
+  if (geteuid() != 0) GTEST_SKIP() << "no network testbed here: not root";
+  const char* src = std::getenv("TEST_SRCDIR");
+  const char* ws = std::getenv("TEST_WORKSPACE");
+  ASSERT_TRUE(src && ws);
+  const std::string tool = absl::StrCat(src, "/", ws, "/executor/cli/hap-netns");
+  const std::string owner = std::to_string(getpid());
+  pid_t pid = fork();
+  if (pid == 0) {
+    const int full = open("/dev/full", O_WRONLY);
+    if (full < 0 || dup2(full, 1) < 0) _exit(100);
+    execl(tool.c_str(), tool.c_str(), "up", "--owner", owner.c_str(), "--network", "nodes=1",
+          static_cast<char*>(nullptr));
+    _exit(101);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "no network testbed here (hap-netns exit 3)";
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  for (const std::string& ns : ListNamespaces({})) {
+    EXPECT_NE(ns.rfind(absl::StrCat("hapnet-", owner, "-"), 0), 0u) << ns << " left";
+  }
+  ASSERT_TRUE(RemoveOwned([&] {
+                TestbedOptions o;
+                o.owner = getpid();
+                return o;
+              }())
+                  .ok());
 }
 
 }  // namespace
