@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -676,6 +677,24 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     return 0;
   }
   const auto& pos = a->positional();
+  // Each verb takes its kinds of resource only (a kind it does not take
+  // used to fall through to the plan's or the deployment's call).
+  static const auto* const kKinds = new std::map<std::string, std::vector<std::string>>{
+      {"get", {"nodes", "node", "plans", "plan", "deployments", "deployment", "jobs", "job"}},
+      {"describe", {"plan", "deployment", "job"}},
+      {"create", {"plan", "job"}},
+      {"watch", {"plan", "job"}},
+      {"cancel", {"plan"}},
+      {"delete", {"plan", "node", "nodes"}},
+      {"deploy", {"plan"}},
+      {"stop", {"deployment", "job"}},
+  };
+  if (auto kinds = kKinds->find(verb); kinds != kKinds->end() && !pos.empty() &&
+                                       absl::c_find(kinds->second, pos[0]) == kinds->second.end()) {
+    std::cerr << "error: hapctl " << verb << ": '" << pos[0] << "' is not one of "
+              << absl::StrJoin(kinds->second, ", ") << "\n";
+    return 1;
+  }
   auto c = Connect(*a);
   if (!c.ok()) return Fail(c.status());
   auto need = [&](size_t n) {

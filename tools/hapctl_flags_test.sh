@@ -2,6 +2,8 @@
 # hapctl's connection and output flags may come before the command, as
 # with kubectl (`hapctl --server H:P get nodes` said "unknown command
 # '--server'"); anything else before the command is an error naming it.
+# Each verb takes only its kinds of resource (`hapctl delete job train`
+# deleted the plan plans/train; `stop plan p` stopped deployments/p).
 set -u
 HAPCTL="$1"
 CLUSTER="$2"
@@ -38,4 +40,15 @@ out="$("$HAPCTL" --wait get plans 2>&1)" && fail "--wait before the command exit
 echo "$out" | grep -q "'--wait' before the command" || fail "--wait: $out"
 out="$("$HAPCTL" --server 2>&1)" && fail "--server alone exited 0"
 echo "$out" | grep -q "'--server' needs a value" || fail "--server alone: $out"
+# A kind of resource the verb does not take is named, before any call (port
+# 1: a call would fail to connect instead).
+for cmd in "delete deployment d" "cancel job j" "stop plan p" "describe node n" \
+           "watch deployment d" "deploy job j" "create node n" "get things"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd exited 0: $out"
+  kind=$(echo "$cmd" | cut -d' ' -f2)
+  echo "$out" | grep -q "hapctl $(echo "$cmd" | cut -d' ' -f1): '$kind' is not" \
+    || fail "$cmd: $out"
+  echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd called the server: $out"
+done
 echo PASS
