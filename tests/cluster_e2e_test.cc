@@ -647,6 +647,17 @@ TEST_F(ClusterTest, AJobLosesANodeReplansOntoTheRestAndSucceeds) {
   EXPECT_THAT(describe.output(), ::testing::AllOf(::testing::HasSubstr("SUCCEEDED"),
                                                   ::testing::HasSubstr("STARTED")));
   std::cout << describe.output() << std::endl;
+  // The finished job's record can be deleted (`hapctl delete job`).
+  Process del;
+  ASSERT_TRUE(del.Start({Runfile("tools/hapctl"), "delete", "job", "elastic",
+                         "--server=" + Planner(), "--token-file=" + dir_ + "/token"})
+                  .ok());
+  del.Stop(0, absl::Seconds(30));
+  EXPECT_THAT(del.output(), ::testing::HasSubstr("jobs/elastic deleted"));
+  v1::GetJobRequest gone;
+  gone.set_name("jobs/elastic");
+  v1::Job deleted;
+  EXPECT_EQ(stub_->GetJob(Ctx().get(), gone, &deleted).error_code(), grpc::StatusCode::NOT_FOUND);
 
   // The same training from the checkpoint the recovery started from: the
   // job's last plan (on the two survivors) resumed from step

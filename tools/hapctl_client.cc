@@ -61,6 +61,7 @@ constexpr char kUsage[] = R"(usage:
                      [--slowdown-threshold FRACTION] [--no-slowdown]
   hapctl watch job NAME               (until it ends)
   hapctl stop job NAME
+  hapctl delete job NAME               (a finished one: SUCCEEDED, FAILED or STOPPED)
 Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
   --timeout SECONDS (default 30), --token-file FILE (else $HAP_TOKEN_FILE),
   --tls-ca-file FILE, -o table|json|yaml. Errors go to stderr, exit code 1.
@@ -685,7 +686,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       {"create", {"plan", "job"}},
       {"watch", {"plan", "job"}},
       {"cancel", {"plan"}},
-      {"delete", {"plan", "node", "nodes"}},
+      {"delete", {"plan", "node", "nodes", "job"}},
       {"deploy", {"plan"}},
       {"stop", {"deployment", "job"}},
   };
@@ -797,6 +798,15 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       s = c->stub->DeleteNode(&ctx, r, &resp);
       if (!s.ok()) return Fail(s);
       std::cout << name << " deleted\n";
+      return 0;
+    }
+    if (verb == "delete" && pos[0] == "job") {
+      v1::DeleteJobRequest r;
+      r.set_name(JobName(pos[1]));
+      v1::DeleteJobResponse resp;
+      s = c->stub->DeleteJob(&ctx, r, &resp);
+      if (!s.ok()) return Fail(s);
+      std::cout << r.name() << " deleted\n";
       return 0;
     }
     if (verb == "cancel") {

@@ -41,7 +41,7 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
   stop deployment NAME
   create job --id ID --model M [...] --checkpoint-dir DIR [--checkpoint-every N] [--steps N]
                                      an elastic job: re-planned as devices fail and join
-  watch job NAME / stop job NAME
+  watch job NAME / stop job NAME / delete job NAME (a finished one)
 
 Run `hapctl COMMAND --help` for a command's flags. --server, --timeout,
 --token-file, --tls-ca-file and -o may also come before the command.

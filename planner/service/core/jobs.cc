@@ -423,18 +423,38 @@ absl::StatusOr<int> JobController::EnforceRetention(int count, absl::Time oldest
     absl::MutexLock l(&s_->mu);
     auto it = s_->jobs.find(name);
     if (it == s_->jobs.end() || !Final(it->second.status().state())) continue;
-    if (o_.sink != nullptr) {
-      absl::Status st = o_.sink->DeleteJob(name);
-      if (!st.ok() && !absl::IsNotFound(st)) {
-        return Annotate(st, absl::StrCat("job retention: ", name, " was not deleted (", deleted,
-                                         " deleted before it)"));
-      }
-    }
-    s_->jobs.erase(it);
+    HAP_RETURN_IF_ERROR(
+        Annotate(DeleteLocked(it), absl::StrCat("job retention (", deleted, " deleted before)")));
     ++deleted;
   }
-  if (deleted > 0) s_->changed.SignalAll();
   return deleted;
+}
+
+absl::Status JobController::Delete(const std::string& name) {
+  HAP_RETURN_IF_ERROR(JobId(name).status());
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->jobs.find(name);
+  if (it == s_->jobs.end()) {
+    return absl::NotFoundError(absl::StrCat("job '", name, "' does not exist"));
+  }
+  if (!Final(it->second.status().state())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", name, "' is ", v1::JobStatus::State_Name(it->second.status().state()),
+        ": only a finished job is deleted; stop it first (hapctl stop job ", name.substr(5), ")"));
+  }
+  return DeleteLocked(it);
+}
+
+absl::Status JobController::DeleteLocked(std::map<std::string, v1::Job>::iterator it) {
+  if (o_.sink != nullptr) {
+    absl::Status st = o_.sink->DeleteJob(it->first);
+    if (!st.ok() && !absl::IsNotFound(st)) {
+      return Annotate(st, absl::StrCat(it->first, " was not deleted"));
+    }
+  }
+  s_->jobs.erase(it);
+  s_->changed.SignalAll();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Job> JobController::Stop(const std::string& name) {

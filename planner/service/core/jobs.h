@@ -183,6 +183,10 @@ class JobController {
   // unfinished one. The number deleted; the sink's error naming the job it
   // refused (those deleted before it stay deleted).
   absl::StatusOr<int> EnforceRetention(int count, absl::Time oldest);
+  // Deletes finished job `name`, from the sink first. NotFound for no such
+  // job, FailedPrecondition for one not finished (stop it first), the
+  // sink's error when it refuses (the job kept).
+  absl::Status Delete(const std::string& name);
   // Marks the job to stop (saved first: the sink's error when it refuses)
   // and returns it; the next pass cancels its plan and stops its
   // deployment, then STOPPED. A final job is returned as it is.
@@ -203,6 +207,8 @@ class JobController {
   // Saves `next` and serves it; false (the job left as it was, the error
   // noted in its message) when the sink refuses.
   bool Commit(const hap::v1::Job& next);
+  // Deletes finished job `it` from the sink, then from memory (mu held).
+  absl::Status DeleteLocked(std::map<std::string, hap::v1::Job>::iterator it);
 
   JobControllerOptions o_;
   std::unique_ptr<State> s_;

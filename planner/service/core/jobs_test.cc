@@ -119,6 +119,30 @@ TEST_F(JobsTest, RetentionDeletesFinishedJobsPastTheCountOrAgeAndKeepsUnfinished
   EXPECT_OK(c_->Create(Request("a")).status());
 }
 
+// DeleteJob: a finished job's record goes (from the store first); a job
+// not finished is refused, naming its state and how to stop it.
+TEST_F(JobsTest, DeleteRemovesAFinishedJobAndRefusesARunningOne) {
+  Make();
+  const std::string d = StartRunning();
+  EXPECT_THAT(c_->Delete("jobs/train"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::AllOf(HasSubstr("'jobs/train' is RUNNING"),
+                                        HasSubstr("hapctl stop job train"))));
+  EXPECT_THAT(c_->Delete("jobs/none"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("jobs/none")));
+  EXPECT_THAT(c_->Delete("train"), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  fake_.SetState(d, v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  sink_.refuse = true;
+  EXPECT_THAT(c_->Delete("jobs/train"), StatusIs(absl::StatusCode::kResourceExhausted,
+                                                 HasSubstr("jobs/train was not deleted")));
+  EXPECT_OK(c_->Get("jobs/train").status());
+  sink_.refuse = false;
+  EXPECT_OK(c_->Delete("jobs/train"));
+  EXPECT_THAT(c_->Get("jobs/train"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_EQ(sink_.jobs.count("jobs/train"), 0u);
+}
+
 TEST_F(JobsTest, WaitsForEnoughDevicesAndHonoursTheSelector) {
   Make();
   fake_.cluster.mutable_nodes(1)->mutable_labels()->insert({"pool", "a"});

@@ -495,4 +495,9 @@ grpc::Status PlannerServiceImpl::StopJob(grpc::ServerContext* ctx, const v1::Sto
   });
 }
 
+grpc::Status PlannerServiceImpl::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* r,
+                                           v1::DeleteJobResponse*) {
+  return Handle("DeleteJob", ctx, [&]() { return jobs_->Delete(r->name()); });
+}
+
 }  // namespace hap::service

@@ -173,6 +173,8 @@ class PlannerServiceImpl final : public PlannerServiceBase {
                         grpc::ServerWriter<hap::v1::Job>*) override;
   grpc::Status StopJob(grpc::ServerContext*, const hap::v1::StopJobRequest*,
                        hap::v1::Job*) override;
+  grpc::Status DeleteJob(grpc::ServerContext*, const hap::v1::DeleteJobRequest*,
+                         hap::v1::DeleteJobResponse*) override;
 
  private:
   // Checks the token, runs `fn`, reports the call.
