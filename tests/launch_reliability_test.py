@@ -252,6 +252,18 @@ class LaunchReliabilityTest(unittest.TestCase):
             with open(os.path.join(self.fake_dir, f"rank{r}.cores")) as f:
                 self.assertEqual(f.read(), str(last), f"rank {r}")
 
+    def test_a_checkpoint_directory_that_cannot_be_made_fails_before_training(self):
+        """--checkpoint-dir under a file (/dev/full/ck) failed only at the
+        first save, after training; now the rank fails at start naming it,
+        before it waits for its peer (world 2, no peer: it would wait out
+        --timeout)."""
+        p = subprocess.run([EXECUTOR, "--plan", self.plan, "--rank", "0", "--world", "2",
+                            "--rendezvous", self.fake_dir, "--timeout", "60", "--steps", "3",
+                            "--checkpoint-dir", "/dev/full/ck"],
+                           capture_output=True, text=True, timeout=50)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("--checkpoint-dir /dev/full/ck: '/dev/full' is not a directory", p.stderr)
+
     def test_a_missing_executor_is_named_before_anything_starts(self):
         """Each rank failed to exec and the launcher said 'rank 0 failed'."""
         missing = os.path.join(self.fake_dir, "no-such-executor")

@@ -191,6 +191,29 @@ absl::Status CheckWritablePrefix(const std::string& flag, const std::string& pre
   return absl::OkStatus();
 }
 
+// OK when directory `dir` exists or can be made: its nearest existing
+// ancestor is a directory this process may write in. Otherwise
+// InvalidArgument naming `flag` and that path.
+absl::Status CheckWritableDir(const std::string& flag, const std::string& dir) {
+  if (dir.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a DIR"));
+  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  std::error_code ec;
+  while (!std::filesystem::exists(p, ec)) {
+    const std::filesystem::path parent = p.parent_path();
+    if (parent == p) break;
+    p = parent.empty() ? std::filesystem::path(".") : parent;  // a relative DIR
+  }
+  if (!std::filesystem::is_directory(p, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", dir, ": '", p.string(), "' is not a directory"));
+  }
+  if (access(p.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", dir, ": cannot write in '",
+                                                   p.string(), "': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 // The --profile file (hapctl calibrate reads it; planner/calibrate).
 absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int rank,
                           std::vector<double> step_seconds, const TimingDevice& timing) {
@@ -319,6 +342,10 @@ absl::Status Run(const tools::Args& a) {
   // Where --profile writes is checked now, not after the last step (a
   // missing directory failed the run once it had trained).
   if (a.Has("profile")) HAP_RETURN_IF_ERROR(CheckWritablePrefix("--profile", a.Get("profile")));
+  // The same for checkpoints: an unusable directory failed the first save.
+  if (a.Has("checkpoint-dir")) {
+    HAP_RETURN_IF_ERROR(CheckWritableDir("--checkpoint-dir", a.Get("checkpoint-dir")));
+  }
 
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
                        NewFileStore(a.Get("rendezvous")));
