@@ -143,6 +143,10 @@ if [ "$ELASTIC" = 1 ]; then
   fi
 fi
 case "$DATA" in wikitext|synthetic) ;; *) echo "demo: --data must be wikitext or synthetic" >&2; exit 2 ;; esac
+# Made now, not once the cluster runs (where a bad one stopped it all).
+if ! err=$(mkdir -p -- "$CHECKPOINTS" 2>&1) || ! [ -w "$CHECKPOINTS" ]; then
+  echo "demo: --checkpoint-dir $CHECKPOINTS: cannot make it or write in it${err:+ ($err)}" >&2; exit 2
+fi
 
 if [ "$SETUP" = 1 ]; then
   bash scripts/setup.sh

@@ -149,6 +149,9 @@ class DemoCleanupTest(unittest.TestCase):
                               (["--steps", "0"], "--steps must be a positive integer, got '0'"),
                               (["--steps"], "demo: --steps needs a value"),
                               (["--shares", "1,1", "--network"], "demo: --network needs a value"),
+                              # Found once the whole cluster was up (exit 1).
+                              (["--checkpoint-dir", "/dev/full/ck"],
+                               "demo: --checkpoint-dir /dev/full/ck: cannot make it"),
                               (["--bogus"], "unknown option --bogus")]:
             r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--no-setup",
                                 "--bin-dir", ROOT] + args,
