@@ -36,4 +36,25 @@ std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<v1::Deployment> 
   return rows;
 }
 
+void LatestPerKey::Set(const std::string& key, double value) {
+  absl::MutexLock l(&mu_);
+  auto it = values_.find(key);
+  if (it != values_.end()) by_age_.erase(it->second.first);
+  values_[key] = {++clock_, value};
+  by_age_[clock_] = key;
+  while (values_.size() > max_keys_) {
+    values_.erase(by_age_.begin()->second);
+    by_age_.erase(by_age_.begin());
+  }
+}
+
+std::vector<metrics::LabeledValue> LatestPerKey::Rows() const {
+  absl::MutexLock l(&mu_);
+  std::vector<metrics::LabeledValue> rows;
+  for (auto it = by_age_.rbegin(); it != by_age_.rend(); ++it) {
+    rows.push_back({{it->second}, values_.at(it->second).second});
+  }
+  return rows;
+}
+
 }  // namespace hap::service

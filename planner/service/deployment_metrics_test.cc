@@ -68,5 +68,16 @@ TEST(TrainingLossRowsTest, TheNewestDeploymentIsShownPastTheBound) {
   EXPECT_THAT(rows.back(), Pair("deployments/d501", 501.0));
 }
 
+TEST(LatestPerKeyTest, KeepsTheLatestValuePerKeyAndForgetsTheLeastRecentlySet) {
+  LatestPerKey latest(2);
+  EXPECT_THAT(Flat(latest.Rows()), ElementsAre());
+  latest.Set("gpt", 1.0);
+  latest.Set("vit", 2.0);
+  latest.Set("gpt", 1.5);  // gpt set again: vit is now the least recent
+  EXPECT_THAT(Flat(latest.Rows()), ElementsAre(Pair("gpt", 1.5), Pair("vit", 2.0)));
+  latest.Set("mlp", 3.0);  // a new key is always shown; vit goes
+  EXPECT_THAT(Flat(latest.Rows()), ElementsAre(Pair("mlp", 3.0), Pair("gpt", 1.5)));
+}
+
 }  // namespace
 }  // namespace hap::service

@@ -52,7 +52,8 @@ struct PlannerMetrics {
   metrics::Family<metrics::Histogram>* handling = nullptr;
   metrics::Family<metrics::Counter>* plans = nullptr;
   metrics::Histogram* plan_duration = nullptr;
-  metrics::Family<metrics::Gauge>* predicted = nullptr;
+  // hap_plan_predicted_step_seconds{model}
+  LatestPerKey predicted{metrics::MetricsRegistryOptions{}.max_label_sets_per_family};
   metrics::Histogram* step_seconds = nullptr;
   metrics::Counter* steps = nullptr;
   metrics::Family<metrics::Counter>* job_replans = nullptr;
@@ -81,12 +82,11 @@ struct PlannerMetrics {
                          registry.AddHistogram("hap_plan_duration_seconds",
                                                "Synthesis time of finished plans (search, "
                                                "LP, lowering), in seconds."));
-    HAP_ASSIGN_OR_RETURN(predicted,
-                         registry.AddGaugeFamily("hap_plan_predicted_step_seconds",
-                                                 "Predicted step time of the latest plan of each "
-                                                 "model (its graph's name, at most 64 characters), "
-                                                 "in seconds.",
-                                                 {"model"}));
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_plan_predicted_step_seconds",
+        "Predicted step time of the latest plan of each model (its graph's name, at most 64 "
+        "characters; the 1000 models planned most recently), in seconds.",
+        {"model"}, [this] { return predicted.Rows(); }));
     HAP_ASSIGN_OR_RETURN(step_seconds,
                          registry.AddHistogram("hap_executor_step_seconds",
                                                "Training step times reported by executors, "
@@ -244,9 +244,7 @@ struct PlannerMetrics {
     if (auto c = plans->Get({result}); c.ok()) (*c)->Increment();
     if (p.state() != v1::Plan::SUCCEEDED) return;
     plan_duration->Observe(p.synthesis_seconds());
-    if (auto g = predicted->Get({ModelLabel(p.graph().name())}); g.ok()) {
-      (*g)->Set(p.prediction().step_seconds());
-    }
+    predicted.Set(ModelLabel(p.graph().name()), p.prediction().step_seconds());
   }
   static std::string ReasonLabel(v1::JobEvent::Reason reason) {
     return absl::AsciiStrToLower(v1::JobEvent::Reason_Name(reason));
