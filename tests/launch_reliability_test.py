@@ -109,12 +109,17 @@ class LaunchReliabilityTest(unittest.TestCase):
                 time.sleep(0.02)
         self.fail(f"the ranks did not start within {seconds} s")
 
-    def start(self, mode, *extra, executor=None):
+    def start(self, mode, *extra, executor=None, new_group=False):
         env = dict(os.environ, FAKE_DIR=self.fake_dir, FAKE_MODE=mode)
         out = open(os.path.join(self.fake_dir, "launch.log"), "w+")
+
+        def child():
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if new_group:
+                os.setpgid(0, 0)
         p = subprocess.Popen([LAUNCH, "--plan", self.plan, "--executor", executor or self.fake,
                               *extra], stdout=out, stderr=subprocess.STDOUT, env=env,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             preexec_fn=child)
         self.addCleanup(out.close)
         self.addCleanup(lambda: p.poll() is None and p.kill())
 
@@ -300,7 +305,16 @@ class LaunchReliabilityTest(unittest.TestCase):
         before it had a handler: the set stayed until the next start."""
         if os.geteuid() != 0 or not shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin"):
             self.skipTest("needs root and iproute2 for network namespaces")
-        p, out = self.start("sleep", "--network", "nodes=2 between=1gbit")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with self.subTest(signal=sig.name):
+                self.setUp()
+                self.stop_while_the_testbed_is_made(sig)
+
+    def stop_while_the_testbed_is_made(self, sig):
+        # SIGINT as Ctrl-C sends it: to the launcher's process group, the ip
+        # and tc commands included (they inherit the launcher's blocked stop
+        # signals, so the testbed is finished, then removed).
+        p, out = self.start("sleep", "--network", "nodes=2 between=1gbit", new_group=True)
         switch = os.path.join(NETNS_DIR, f"hapnet-{p.pid}-sw")
         deadline = time.time() + 30
         while not os.path.exists(switch) and p.poll() is None and time.time() < deadline:
@@ -308,15 +322,28 @@ class LaunchReliabilityTest(unittest.TestCase):
         if p.poll() is not None:
             rc, text = self.finish(p, out)
             self.skipTest("no network testbed here: " + text.strip().splitlines()[-1])
-        p.send_signal(signal.SIGTERM)
+        if sig == signal.SIGINT:
+            # While one of the launcher's ip or tc commands runs.
+            children = f"/proc/{p.pid}/task/{p.pid}/children"
+            while p.poll() is None and time.time() < deadline:
+                try:
+                    with open(children) as f:
+                        kids = f.read().split()
+                except OSError:
+                    kids = []
+                if kids:
+                    break
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
         rc, text = self.finish(p, out)
         left = sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(f"hapnet-{p.pid}-"))
         for n in left:
             subprocess.run(["ip", "netns", "del", n], env=dict(os.environ, PATH="/usr/sbin:/sbin:"
                                                                        "/usr/bin:/bin"))
         self.assertEqual(left, [], text)
-        self.assertEqual(rc, 128 + signal.SIGTERM, text)
-        self.assertTrue(re.search(r"SIGTERM \(Terminated\)", text), text)
+        self.assertEqual(rc, 128 + sig, text)
+        self.assertIn(f"{sig.name} ({signal.strsignal(sig)})", text)
 
 
 if __name__ == "__main__":
