@@ -2,8 +2,9 @@
 exit code or signal), a rank that will not stop (killed after the grace
 period), SIGTERM to the launcher, the launcher killed outright (its ranks die
 with it; its rendezvous directory and cgroups removed by name at the next
-start), standard output that cannot be written, an executor that is missing
-or found through PATH, and a stop signal while the testbed is being made.
+start), standard output or a checkpoint directory that cannot be written,
+an executor that is missing or found through PATH, --pin-cores under
+taskset, and a stop signal while the testbed is being made.
 
 Most cases run a fake executor (a Python script that records its pid and
 then exits, crashes, sleeps or ignores SIGTERM as told), so they take a
@@ -12,11 +13,9 @@ skip with the reason."""
 
 import glob
 import os
-import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import unittest
