@@ -563,6 +563,16 @@ TEST_F(ClusterTest, ARestartedPlannerReattachesAndStopDeploymentStopsTheExecutor
     ASSERT_TRUE(st.ok()) << st.status();
     EXPECT_THAT(st->error(), ::testing::HasSubstr("stopped by StopTraining"));
   }
+  // The stopped deployment can be deleted with its step metrics.
+  Process del;
+  ASSERT_TRUE(del.Start({Runfile("tools/hapctl"), "delete", "deployment", dep.name(),
+                         "--server=" + Planner(), "--token-file=" + dir_ + "/token"})
+                  .ok());
+  del.Stop(0, absl::Seconds(30));
+  EXPECT_THAT(del.output(), ::testing::HasSubstr(dep.name() + " deleted"));
+  v1::GetDeploymentRequest gd;
+  gd.set_name(dep.name());
+  EXPECT_EQ(stub_->GetDeployment(Ctx().get(), gd, &out).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(ClusterTest, AJobLosesANodeReplansOntoTheRestAndSucceeds) {

@@ -51,6 +51,7 @@ constexpr char kUsage[] = R"(usage:
                      [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
                      [--resume DIR] [--init-weights FILE.safetensors]
   hapctl stop deployment NAME
+  hapctl delete deployment NAME        (a finished one, with its step metrics)
   hapctl create job --id ID (--model NAME [...] | --graph FILE) [--batch N] [plan flags]
                      --checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]
                      [--steps N] [--data ...] [--data-path FILE] [--shuffle SEED] [--threads T]
@@ -686,7 +687,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       {"create", {"plan", "job"}},
       {"watch", {"plan", "job"}},
       {"cancel", {"plan"}},
-      {"delete", {"plan", "node", "nodes", "job"}},
+      {"delete", {"plan", "node", "nodes", "job", "deployment"}},
       {"deploy", {"plan"}},
       {"stop", {"deployment", "job"}},
   };
@@ -798,6 +799,15 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       s = c->stub->DeleteNode(&ctx, r, &resp);
       if (!s.ok()) return Fail(s);
       std::cout << name << " deleted\n";
+      return 0;
+    }
+    if (verb == "delete" && pos[0] == "deployment") {
+      v1::DeleteDeploymentRequest r;
+      r.set_name(DeploymentName(pos[1]));
+      v1::DeleteDeploymentResponse resp;
+      s = c->stub->DeleteDeployment(&ctx, r, &resp);
+      if (!s.ok()) return Fail(s);
+      std::cout << r.name() << " deleted\n";
       return 0;
     }
     if (verb == "delete" && pos[0] == "job") {

@@ -38,7 +38,7 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
   watch plan NAME                    stream progress until it ends
   cancel plan NAME / delete plan NAME / delete node NAME
   deploy plan NAME --executor DEV=HOST:PORT ... [--steps N]
-  stop deployment NAME
+  stop deployment NAME / delete deployment NAME (a finished one)
   create job --id ID --model M [...] --checkpoint-dir DIR [--checkpoint-every N] [--steps N]
                                      an elastic job: re-planned as devices fail and join
   watch job NAME / stop job NAME / delete job NAME (a finished one)

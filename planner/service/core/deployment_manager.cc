@@ -385,25 +385,52 @@ absl::StatusOr<int> DeploymentManager::EnforceRetention(int count, absl::Time ol
     absl::MutexLock l(&s_->mu);
     auto it = s_->deployments.find(name);
     if (it == s_->deployments.end() || !Final(it->second.state())) continue;
-    if (o_.sink != nullptr) {
-      absl::Status st = o_.sink->DeleteDeployment(name);
-      if (!st.ok() && !absl::IsNotFound(st)) {
-        return Annotate(st, absl::StrCat("deployment retention: ", name, " was not deleted (",
-                                         deleted, " deleted before it)"));
-      }
+    if (absl::Status st = DeleteLocked(name); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("deployment retention: ", st.message(), " (",
+                                                  deleted, " deleted before it)"));
     }
-    // Its generation stays in `generations`: the plan's next deploy goes on
-    // from it while this planner runs (after a restart, from the plan's
-    // deployments still stored).
-    s_->deployments.erase(it);
-    s_->metrics.erase(name);
-    s_->step_stats.erase(name);
-    s_->unsaved.erase(name);
-    s_->stop_requested.erase(name);
     ++deleted;
   }
-  if (deleted > 0) s_->changed.SignalAll();
   return deleted;
+}
+
+absl::Status DeploymentManager::Delete(const std::string& name,
+                                       const std::set<std::string>& in_use) {
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->deployments.find(name);
+  if (it == s_->deployments.end()) {
+    return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
+  }
+  if (!Final(it->second.state()) || s_->supervised.count(name)) {
+    const std::string short_name = name.substr(name.find('/') + 1);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "deployment '", name, "' is ", StateName(it->second.state()),
+        ": only a finished deployment is deleted; stop it first (hapctl stop deployment ",
+        short_name, ")"));
+  }
+  if (in_use.count(name)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "deployment '", name, "' is an elastic job's, which is not finished: stop the job first"));
+  }
+  return DeleteLocked(name);
+}
+
+absl::Status DeploymentManager::DeleteLocked(const std::string& name) {
+  if (o_.sink != nullptr) {
+    absl::Status st = o_.sink->DeleteDeployment(name);
+    if (!st.ok() && !absl::IsNotFound(st)) {
+      return Annotate(st, absl::StrCat(name, " was not deleted"));
+    }
+  }
+  // Its generation stays in `generations` (and the store keeps the
+  // highest): the plan's next deploy goes on from it.
+  s_->deployments.erase(name);
+  s_->metrics.erase(name);
+  s_->step_stats.erase(name);
+  s_->unsaved.erase(name);
+  s_->stop_requested.erase(name);
+  s_->changed.SignalAll();
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------- deployments --

@@ -119,6 +119,11 @@ class DeploymentManager {
   // deleted). Their plans are then free for plan retention.
   absl::StatusOr<int> EnforceRetention(int count, absl::Time oldest,
                                        const std::set<std::string>& keep);
+  // Deletes finished deployment `name` with its step metrics, from the
+  // sink first. NotFound for no such deployment; FailedPrecondition for one
+  // not finished (stop it first) or named in `in_use` (an unfinished
+  // job's); the sink's error when it refuses (the deployment kept).
+  absl::Status Delete(const std::string& name, const std::set<std::string>& in_use);
   // The devices of every deployment not finished (PENDING or RUNNING), by
   // deployment name.
   std::map<std::string, std::vector<std::string>> ActiveDevices() const;
@@ -182,6 +187,9 @@ class DeploymentManager {
   DeploymentControl Control(const std::string& deployment);
   void ReapSupervisors();
   void Update(const std::string& name, const std::function<void(hap::v1::Deployment&)>& edit);
+  // Deletes finished deployment `name` from the sink, then from memory (mu
+  // held; its generation stays in `generations`).
+  absl::Status DeleteLocked(const std::string& name);
   // Serves `metrics` of deployment `name`, saved (mu held).
   void KeepStepMetricsLocked(const std::string& name,
                              const std::vector<hap::v1::StepMetric>& metrics);

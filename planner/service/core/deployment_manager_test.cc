@@ -429,6 +429,32 @@ TEST_F(DeploymentManagerTest, OnFinishedIsToldOncePerDeploymentAsItEnds) {
   EXPECT_THAT(finished_, ElementsAre("deployments/p-g1 FAILED", "deployments/p-g2 STOPPED"));
 }
 
+// DeleteDeployment: a finished deployment goes with its step metrics, from
+// the store first; one not finished, or an unfinished job's, is refused.
+TEST_F(DeploymentManagerTest, DeleteRemovesAFinishedDeploymentAndRefusesARunningOne) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  EXPECT_THAT(manager_->Delete(d->name(), {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("'deployments/p-g1' is RUNNING"),
+                             HasSubstr("hapctl stop deployment p-g1"))));
+  EXPECT_THAT(manager_->Delete("deployments/nope", {}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("deployments/nope")));
+  ASSERT_THAT(manager_->Stop(d->name(), absl::InfiniteFuture(), [] { return false; }), IsOk());
+  EXPECT_THAT(manager_->Delete(d->name(), {d->name()}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("an elastic job")));
+  EXPECT_THAT(manager_->Delete(d->name(), {}), IsOk());
+  EXPECT_THAT(manager_->Get(d->name()), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(manager_->StepMetrics(d->name()),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_EQ(sink_.deleted(), std::vector<std::string>{d->name()});
+  // The plan's next deployment goes on from the deleted one's generation.
+  auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->name(), "deployments/p-g2");
+}
+
 TEST_F(DeploymentManagerTest, AnUnreachableRankFailsTheDeploymentAndIsNamedByStop) {
   auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
   ASSERT_THAT(d, IsOk());

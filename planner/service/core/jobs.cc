@@ -423,8 +423,10 @@ absl::StatusOr<int> JobController::EnforceRetention(int count, absl::Time oldest
     absl::MutexLock l(&s_->mu);
     auto it = s_->jobs.find(name);
     if (it == s_->jobs.end() || !Final(it->second.status().state())) continue;
-    HAP_RETURN_IF_ERROR(
-        Annotate(DeleteLocked(it), absl::StrCat("job retention (", deleted, " deleted before)")));
+    if (absl::Status st = DeleteLocked(it); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("job retention: ", st.message(), " (", deleted,
+                                                  " deleted before it)"));
+    }
     ++deleted;
   }
   return deleted;

@@ -495,6 +495,14 @@ grpc::Status PlannerServiceImpl::StopJob(grpc::ServerContext* ctx, const v1::Sto
   });
 }
 
+grpc::Status PlannerServiceImpl::DeleteDeployment(grpc::ServerContext* ctx,
+                                                  const v1::DeleteDeploymentRequest* r,
+                                                  v1::DeleteDeploymentResponse*) {
+  return Handle("DeleteDeployment", ctx, [&]() {
+    return deployments_->Delete(r->name(), jobs_->UnfinishedJobsDeployments());
+  });
+}
+
 grpc::Status PlannerServiceImpl::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* r,
                                            v1::DeleteJobResponse*) {
   return Handle("DeleteJob", ctx, [&]() { return jobs_->Delete(r->name()); });

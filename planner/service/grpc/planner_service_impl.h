@@ -175,6 +175,8 @@ class PlannerServiceImpl final : public PlannerServiceBase {
                        hap::v1::Job*) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const hap::v1::DeleteJobRequest*,
                          hap::v1::DeleteJobResponse*) override;
+  grpc::Status DeleteDeployment(grpc::ServerContext*, const hap::v1::DeleteDeploymentRequest*,
+                                hap::v1::DeleteDeploymentResponse*) override;
 
  private:
   // Checks the token, runs `fn`, reports the call.
