@@ -123,6 +123,10 @@ for s in "${SHARE_LIST[@]}"; do
     echo "demo: every --shares value must be in (0, 1], got '$s'" >&2; exit 2
   fi
 done
+if [[ " $NETWORK" =~ [[:space:]]nodes= ]]; then
+  echo "demo: --network: nodes= is the demo's own (one node per rank, from --shares); give links only" >&2
+  exit 2
+fi
 if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || [ "$((10#$STEPS))" -eq 0 ]; then
   echo "demo: --steps must be a positive integer, got '$STEPS'" >&2; exit 2
 fi

@@ -149,6 +149,9 @@ class DemoCleanupTest(unittest.TestCase):
                               (["--steps", "0"], "--steps must be a positive integer, got '0'"),
                               (["--steps"], "demo: --steps needs a value"),
                               (["--shares", "1,1", "--network"], "demo: --network needs a value"),
+                              # The demo sets nodes= itself ("given twice" from the testbed).
+                              (["--network", "nodes=3 between=1gbit"],
+                               "demo: --network: nodes= is the demo's own"),
                               # Found once the whole cluster was up (exit 1).
                               (["--checkpoint-dir", "/dev/full/ck"],
                                "demo: --checkpoint-dir /dev/full/ck: cannot make it"),
