@@ -91,7 +91,7 @@ void Bound(v1::PlanOptions* o) {
 void Call(Service& s, uint8_t method, const uint8_t* data, size_t size) {
   const absl::Time soon = absl::Now() + absl::Milliseconds(20);
   const auto never = [] { return false; };
-  switch (method % 21) {
+  switch (method % 23) {
     case 0: {
       v1::RegisterNodeRequest r;
       if (Parse(data, size, &r)) (void)s.core->RegisterNode(r.node());
@@ -232,6 +232,18 @@ void Call(Service& s, uint8_t method, const uint8_t* data, size_t size) {
     case 20: {  // CreateJob's validation of the spec
       v1::CreateJobRequest r;
       if (Parse(data, size, &r)) (void)hap::service::ValidateJobSpec(r.spec());
+      break;
+    }
+    case 21: {
+      v1::DeleteDeploymentRequest r;
+      if (Parse(data, size, &r)) (void)s.deployments->Delete(r.name(), {});
+      break;
+    }
+    case 22: {  // the retention pass, with a count taken from the request
+      v1::ListDeploymentsRequest r;
+      if (Parse(data, size, &r)) {
+        (void)s.deployments->EnforceRetention(r.page_size() % 8, absl::InfinitePast(), {});
+      }
       break;
     }
   }
