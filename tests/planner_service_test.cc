@@ -741,6 +741,21 @@ void RegisterAndPlanDeployed(v1::Planner::Stub* stub, v1::CreatePlanRequest* r,
   (*deploy->mutable_executors())["n1/cpu1"] = "127.0.0.1:2";
 }
 
+// Deploys `deploy` (to executors that are not there) and waits until the
+// deployment has FAILED; the deployment as it ended.
+void DeployAndWaitUntilFailed(v1::Planner::Stub* stub, const v1::DeployPlanRequest& deploy,
+                              v1::Deployment* d) {
+  grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, d);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::GetDeploymentRequest g;
+  g.set_name(d->name());
+  for (int tries = 0; tries < 600 && d->state() != v1::Deployment::FAILED; ++tries) {
+    absl::SleepFor(absl::Milliseconds(50));
+    ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, d).ok());
+  }
+  ASSERT_EQ(d->state(), v1::Deployment::FAILED) << d->DebugString();
+}
+
 TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {
   Planner p;
   p.Start(hap::testing::TempDir("retention"), {"--plan-retention-count=2"});
@@ -812,16 +827,8 @@ TEST(PlannerRetentionTest, FinishedDeploymentsPastTheCountAreDeletedWithTheirMet
   std::vector<std::string> names;
   for (int i = 0; i < 2; ++i) {
     v1::Deployment d;
-    grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
-    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub.get(), deploy, &d));
     names.push_back(d.name());
-    v1::GetDeploymentRequest g;
-    g.set_name(d.name());
-    for (int tries = 0; tries < 600 && d.state() != v1::Deployment::FAILED; ++tries) {
-      absl::SleepFor(absl::Milliseconds(50));
-      ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, &d).ok());
-    }
-    ASSERT_EQ(d.state(), v1::Deployment::FAILED) << d.DebugString();
     EXPECT_TRUE(d.has_end_time()) << d.DebugString();
   }
   p.proc.Stop(SIGKILL);
@@ -856,17 +863,9 @@ TEST(PlannerRetentionTest, GenerationsGoOnAfterEveryDeploymentOfThePlanIsDeleted
   v1::CreatePlanRequest r;
   v1::DeployPlanRequest deploy;
   ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
-  for (int i = 0; i < 2; ++i) {  // to executors that are not there: both fail
+  for (int i = 0; i < 2; ++i) {
     v1::Deployment d;
-    grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    v1::GetDeploymentRequest g;
-    g.set_name(d.name());
-    for (int tries = 0; tries < 600 && d.state() != v1::Deployment::FAILED; ++tries) {
-      absl::SleepFor(absl::Milliseconds(50));
-      ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, &d).ok());
-    }
-    ASSERT_EQ(d.state(), v1::Deployment::FAILED) << d.DebugString();
+    ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub.get(), deploy, &d));
   }
   p.proc.Stop(SIGKILL);
   // Restarted keeping no finished deployment: both go at the start.
