@@ -791,32 +791,26 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     grpc::ClientContext ctx;
     c->Prepare(&ctx);
     grpc::Status s;
-    if (verb == "delete" && (pos[0] == "node" || pos[0] == "nodes")) {
-      v1::DeleteNodeRequest r;
-      const std::string name = pos[1].rfind("nodes/", 0) == 0 ? pos[1] : "nodes/" + pos[1];
-      r.set_name(name);
-      v1::DeleteNodeResponse resp;
-      s = c->stub->DeleteNode(&ctx, r, &resp);
+    if (verb == "delete" && pos[0] != "plan") {
+      std::string name;
+      if (pos[0] == "deployment") {
+        v1::DeleteDeploymentRequest r;
+        r.set_name(name = DeploymentName(pos[1]));
+        v1::DeleteDeploymentResponse resp;
+        s = c->stub->DeleteDeployment(&ctx, r, &resp);
+      } else if (pos[0] == "job") {
+        v1::DeleteJobRequest r;
+        r.set_name(name = JobName(pos[1]));
+        v1::DeleteJobResponse resp;
+        s = c->stub->DeleteJob(&ctx, r, &resp);
+      } else {  // node, nodes
+        v1::DeleteNodeRequest r;
+        r.set_name(name = pos[1].rfind("nodes/", 0) == 0 ? pos[1] : "nodes/" + pos[1]);
+        v1::DeleteNodeResponse resp;
+        s = c->stub->DeleteNode(&ctx, r, &resp);
+      }
       if (!s.ok()) return Fail(s);
       std::cout << name << " deleted\n";
-      return 0;
-    }
-    if (verb == "delete" && pos[0] == "deployment") {
-      v1::DeleteDeploymentRequest r;
-      r.set_name(DeploymentName(pos[1]));
-      v1::DeleteDeploymentResponse resp;
-      s = c->stub->DeleteDeployment(&ctx, r, &resp);
-      if (!s.ok()) return Fail(s);
-      std::cout << r.name() << " deleted\n";
-      return 0;
-    }
-    if (verb == "delete" && pos[0] == "job") {
-      v1::DeleteJobRequest r;
-      r.set_name(JobName(pos[1]));
-      v1::DeleteJobResponse resp;
-      s = c->stub->DeleteJob(&ctx, r, &resp);
-      if (!s.ok()) return Fail(s);
-      std::cout << r.name() << " deleted\n";
       return 0;
     }
     if (verb == "cancel") {
