@@ -1,6 +1,6 @@
 """hap-launch on every way a launch ends: a rank that fails (named with its
 exit code or signal), a rank that will not stop (killed after the grace
-period), SIGTERM to the launcher, the launcher killed outright (its ranks die
+period), SIGTERM to the launcher, --deadline, the launcher killed outright (its ranks die
 with it; its rendezvous directory and cgroups removed by name at the next
 start), standard output or a checkpoint directory that cannot be written,
 an executor that is missing or found through PATH, --pin-cores under
@@ -36,6 +36,8 @@ action, who = mode.split(":")[0], mode.split(":")[1]
 mine = who in ("", str(rank))
 if mine and action == "ignore-term":  # before its pid tells the test it runs
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(os.environ["FAKE_DIR"], "argv%d" % rank), "w") as f:
+    f.write(" ".join(sys.argv[1:]))
 with open(os.path.join(os.environ["FAKE_DIR"], "rank%d.cores" % rank), "w") as f:
     f.write(",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
 with open(os.path.join(os.environ["FAKE_DIR"], "rank%d.pid" % rank), "w") as f:
@@ -177,6 +179,28 @@ class LaunchReliabilityTest(unittest.TestCase):
                 self.assertIn("hap-launch: SIGTERM (Terminated): stopping the ranks", text)
                 self.assertNotIn("stopping the others", text)
                 self.assertEqual(wait_gone(pids), [])
+
+    def test_a_deadline_stops_every_rank_and_exits_124(self):
+        """--deadline bounds the whole run (there was none: a rank stuck in
+        compute, with no peer to wait for, ran forever); ranks that ignore
+        SIGTERM are killed after the grace period."""
+        for mode in ("sleep", "ignore-term"):
+            with self.subTest(mode=mode):
+                self.setUp()
+                p, out = self.start(mode, "--deadline", "1.5")
+                pids = self.rank_pids()
+                rc, text = self.finish(p, out)
+                self.assertEqual(rc, 124, text)
+                self.assertIn("hap-launch: the --deadline of 1.5 s passed; stopping the ranks", text)
+                self.assertNotIn("stopping the others", text)
+                self.assertEqual(wait_gone(pids), [])
+                # hap-launch's own flag: not passed on to the executor.
+                self.assertNotIn("--deadline", open(os.path.join(self.fake_dir, "argv0")).read())
+        for bad in ("0", "-1", "x", "nan"):
+            r = subprocess.run([LAUNCH, "--plan", self.plan, "--executor", self.fake,
+                                "--deadline", bad], capture_output=True, text=True, timeout=30)
+            self.assertEqual(r.returncode, 2, (bad, r.stderr))
+            self.assertIn("--deadline must be seconds in [0.001, 1e9]", r.stderr)
 
     def test_a_killed_launchers_ranks_die_with_it(self):
         """A launcher killed outright left its ranks running (a one-rank

@@ -114,7 +114,7 @@ hap-executor --serve --help).
 constexpr char kLaunchUsage[] =
     R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [--cpu-shares F,F,...]
                   [--cpu-period-us US] [--pin-cores] [--device cpu|cuda|cuda:N]
-                  [--network SPEC] [hap-executor flags]
+                  [--network SPEC] [--deadline SECONDS] [hap-executor flags]
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
@@ -124,6 +124,9 @@ hap-executor next to hap-launch.
 A rank that fails is named with its exit code or signal and the others are
 stopped (SIGTERM, then SIGKILL after 5 s): exit 1. SIGINT, SIGTERM or
 SIGHUP to hap-launch stop the ranks the same way: exit 128 + the signal.
+--deadline SECONDS bounds the whole run (0.001-1e9; default none): past it
+the ranks are stopped the same way and hap-launch exits 124, as timeout(1)
+does (hap-executor's --timeout bounds only each wait for a peer).
 The ranks die with hap-launch even when it is killed outright (SIGKILL);
 what such a run left (its /tmp/hap-rendezvous-PID-* directory, cgroups and
 namespaces) is removed by name at the next start.
@@ -146,14 +149,31 @@ they end (also on SIGINT/SIGTERM); one left by a launcher killed outright is
 removed at the next start.
 )";
 
-const std::set<std::string> kValueFlags = {"plan",     "rank",     "world",  "device",
-                                           "rendezvous", "steps",  "data",
-                                           "data-dir", "threads",  "timeout",
-                                           "log-every", "executor", "cpu-shares",
-                                           "cpu-period-us", "profile",
-                                           "checkpoint-dir", "checkpoint-every",
-                                           "checkpoint-keep", "resume", "init-weights",
-                                           "shuffle", "network", "gloo-host", "overlap"};
+const std::set<std::string> kValueFlags = {"plan",
+                                           "rank",
+                                           "world",
+                                           "device",
+                                           "rendezvous",
+                                           "steps",
+                                           "data",
+                                           "data-dir",
+                                           "threads",
+                                           "timeout",
+                                           "log-every",
+                                           "executor",
+                                           "cpu-shares",
+                                           "cpu-period-us",
+                                           "profile",
+                                           "checkpoint-dir",
+                                           "checkpoint-every",
+                                           "checkpoint-keep",
+                                           "resume",
+                                           "init-weights",
+                                           "shuffle",
+                                           "network",
+                                           "gloo-host",
+                                           "overlap",
+                                           "deadline"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   // An empty file parses as a plan of nothing (hap-launch ran no rank).
@@ -706,8 +726,10 @@ struct LaunchResources {
 // first that fails is named with its exit code or signal and the others are
 // told to stop (SIGTERM); a stop signal to hap-launch does the same. Ranks
 // still there kStopGraceSeconds later are killed. Returns hap-launch's exit
-// code: 128 + the signal when stopped by one, 1 when a rank failed, else 0.
-int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int stop_signal) {
+// code: 128 + the signal when stopped by one, 124 when `deadline` passed
+// first, 1 when a rank failed, else 0.
+int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int stop_signal,
+                 absl::Time deadline = absl::InfiniteFuture(), double deadline_seconds = 0) {
   std::vector<bool> running(pids.size());
   size_t left = 0;
   for (size_t r = 0; r < pids.size(); ++r) {
@@ -715,6 +737,7 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
     left += running[r];
   }
   int failed = 0;
+  bool late = false;
   std::optional<absl::Time> kill_at;
   auto stop_all = [&]() {
     if (kill_at) return;
@@ -743,7 +766,7 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
       running[r] = false;
       --left;
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && !failed && stop_signal == 0) {
+      if (!ok && !failed && stop_signal == 0 && !late) {
         failed = 1;
         std::cerr << "hap-launch: rank " << r << " " << DescribeExit(status)
                   << "; stopping the others\n";
@@ -751,6 +774,12 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
       }
     }
     if (left == 0) break;
+    if (!kill_at && absl::Now() >= deadline) {
+      late = true;
+      std::cerr << "hap-launch: the --deadline of " << deadline_seconds
+                << " s passed; stopping the ranks\n";
+      stop_all();
+    }
     if (kill_at && absl::Now() >= *kill_at) {
       for (size_t r = 0; r < pids.size(); ++r) {
         if (!running[r]) continue;
@@ -760,13 +789,14 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
       }
       kill_at = absl::InfiniteFuture();
     }
+    const absl::Time next = kill_at ? *kill_at : deadline;
     double wait_seconds = 1;
-    if (kill_at && *kill_at != absl::InfiniteFuture()) {
-      wait_seconds = std::clamp(absl::ToDoubleSeconds(*kill_at - absl::Now()), 0.001, 1.0);
+    if (next != absl::InfiniteFuture()) {
+      wait_seconds = std::clamp(absl::ToDoubleSeconds(next - absl::Now()), 0.001, 1.0);
     }
     stop_by(signals.Wait(wait_seconds));
   }
-  return stop_signal != 0 ? 128 + stop_signal : failed;
+  return stop_signal != 0 ? 128 + stop_signal : late ? 124 : failed;
 }
 
 // The hap-executor next to this hap-launch: next to argv[0] when it names
@@ -828,6 +858,19 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     std::cerr << "error: " << period_us.status().message() << "\n";
     return 2;
   }
+  double deadline_seconds = 0;
+  if (a->Has("deadline")) {
+    auto d = a->Number("deadline", 0);
+    if (!d.ok() || !(*d >= 0.001 && *d <= 1e9)) {
+      std::cerr << "error: --deadline must be seconds in [0.001, 1e9], got '" << a->Get("deadline")
+                << "'\n";
+      return 2;
+    }
+    deadline_seconds = *d;
+  }
+  // From the start: making the testbed and cgroups counts too.
+  const absl::Time deadline =
+      deadline_seconds > 0 ? absl::Now() + absl::Seconds(deadline_seconds) : absl::InfiniteFuture();
   std::vector<double> shares;
   if (a->Has("cpu-shares")) {
     std::vector<std::string> parts = absl::StrSplit(a->Get("cpu-shares"), ',');
@@ -898,7 +941,8 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   for (size_t i = 0; i < argv.size(); ++i) {
     // hap-launch's own flags, --flag VALUE or --flag=VALUE, stay here.
     bool own = false;
-    for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us", "--network"}) {
+    for (const std::string f :
+         {"--executor", "--cpu-shares", "--cpu-period-us", "--network", "--deadline"}) {
       if (argv[i] == f) {
         ++i;  // and its value
         own = true;
@@ -1045,7 +1089,7 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   if (stop_signal != 0) {
     std::cerr << "hap-launch: " << SignalName(stop_signal) << ": stopping the ranks\n";
   }
-  return WaitForRanks(pids, signals, stop_signal);
+  return WaitForRanks(pids, signals, stop_signal, deadline, deadline_seconds);
 }
 
 }  // namespace hap::executor
