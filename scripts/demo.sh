@@ -165,6 +165,14 @@ for b in "$HAPCTL" "$BIN/planner/service/hap-planner" "$BIN/profiler_agent/hap-a
          "$BIN/executor/cli/hap-executor"; do
   [ -x "$b" ] || { echo "demo: missing binary $b" >&2; exit 2; }
 done
+# The model and its sizes, checked before anything starts (hapctl refused
+# them only once the whole cluster was up).
+if ! err=$("$HAPCTL" zoo "$MODEL" --layers "$LAYERS" --hidden "$HIDDEN" --heads "$HEADS" \
+             --ffn "$FFN" --seq "$SEQ" --batch "$BATCH" 2>&1 >/dev/null); then
+  echo "demo: --model $MODEL --layers $LAYERS --hidden $HIDDEN --heads $HEADS --ffn $FFN" \
+       "--seq $SEQ --batch $BATCH: ${err#error: }" >&2
+  exit 2
+fi
 
 # --- state, processes, clean-up -------------------------------------------
 STATE=$(mktemp -d /tmp/hap-demo.XXXXXX)

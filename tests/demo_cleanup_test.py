@@ -155,6 +155,10 @@ class DemoCleanupTest(unittest.TestCase):
                               # Found once the whole cluster was up (exit 1).
                               (["--checkpoint-dir", "/dev/full/ck"],
                                "demo: --checkpoint-dir /dev/full/ck: cannot make it"),
+                              # Refused by hapctl once the cluster was up (exit 1).
+                              (["--hidden", "65"], "hidden must be divisible by heads"),
+                              (["--layers", "x"], "--layers must be a number, got 'x'"),
+                              (["--model", "nosuch"], "unknown zoo model 'nosuch'"),
                               (["--bogus"], "unknown option --bogus")]:
             r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--no-setup",
                                 "--bin-dir", ROOT] + args,
