@@ -844,13 +844,31 @@ class ExportFxTest(unittest.TestCase):
             def forward(self, x, labels):
                 return self.fc(x)
 
-        for mod, x, needle in ((Rnn(), torch.randn(4, 5, 8), "GRU"),
-                               (Branchy(), torch.randn(4, 8), "control flow"),
-                               (NoLoss(), torch.randn(4, 8), "scalar loss")):
+        class KeywordOnly(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 3)
+
+            def forward(self, *, x, labels):
+                return F.cross_entropy(self.fc(x), labels)
+
+        # The data-dependent branch is named by its file, line and source;
+        # a keyword-only forward by its argument (it was reported as a
+        # TypeError from deep in torch.fx, blamed on control flow).
+        for mod, x, needles in (
+                (Rnn(), torch.randn(4, 5, 8), ["GRU"]),
+                (Branchy(), torch.randn(4, 8),
+                 ["control flow", "export_fx_test.py:",
+                  "(if x.sum() > 0:)"]),
+                (KeywordOnly(), torch.randn(4, 8),
+                 ["keyword-only argument 'x'"]),
+                (NoLoss(), torch.randn(4, 8), ["scalar loss"])):
             with self.subTest(module=type(mod).__name__):
                 with self.assertRaises(export_fx.ExportError) as cm:
                     export_fx.export(mod, {"x": x, "labels": labels(4, 3)})
-                self.assertIn(needle, str(cm.exception))
+                for needle in needles:
+                    self.assertIn(needle, str(cm.exception))
+                self.assertNotIn("code() argument", str(cm.exception))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ traces it (tracing.py), runs it once for the shapes (on meta tensors, or on
 the example inputs), finds the loss node and runs the Exporter on it."""
 
 import inspect
+import os
+import traceback
 
 import torch
 import torch.fx as fx
@@ -44,6 +46,21 @@ def _wrap_with_loss(module, loss_fn, example_inputs, labels):
     return w
 
 
+def _user_frame(e):
+    """ " at FILE:LINE (SOURCE)" for the innermost frame of `e`'s traceback
+    in the user's code (not torch's, not the exporter's), or ""."""
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))),
+            os.path.dirname(os.path.abspath(__file__)))
+    where = ""
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or path.startswith(skip):
+            continue
+        line = f" ({frame.line.strip()})" if frame.line else ""
+        where = f" at {frame.filename}:{frame.lineno}{line}"
+    return where
+
+
 def _check_inputs(root, example_inputs):
     """forward's signature, and the forward arguments without an example
     input -> their defaults (fixed in the trace)."""
@@ -53,6 +70,10 @@ def _check_inputs(root, example_inputs):
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise ExportError(f"forward(*{pname}/**{pname}) is not supported; "
                               f"name the arguments")
+        if p.kind == p.KEYWORD_ONLY:
+            raise ExportError(f"forward's keyword-only argument '{pname}' "
+                              f"(after *) cannot be traced by torch.fx; make "
+                              f"it an ordinary argument")
         if pname not in example_inputs:
             if p.default is p.empty:
                 raise ExportError(f"no example input for forward argument "
@@ -164,10 +185,12 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
         except ExportError:
             raise
         except Exception as e:  # fx.proxy.TraceError, TypeError, ...
+            hint = ""
+            if isinstance(e, fx.proxy.TraceError):
+                hint = " (data-dependent control flow is not supported)"
             raise ExportError(f"torch.fx cannot trace "
-                              f"{type(root).__name__}: {type(e).__name__}: {e}"
-                              f" (data-dependent control flow is not "
-                              f"supported)") from e
+                              f"{type(root).__name__}{_user_frame(e)}: "
+                              f"{type(e).__name__}: {e}{hint}") from e
         gm = fx.GraphModule(root, graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = list(sig.parameters)
