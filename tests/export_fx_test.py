@@ -870,6 +870,50 @@ class ExportFxTest(unittest.TestCase):
                     self.assertIn(needle, str(cm.exception))
                 self.assertNotIn("code() argument", str(cm.exception))
 
+    def test_tied_weights_and_state_dict_extras(self):
+        """A tied pair (head.weight = emb.weight) and a linear used twice are
+        one graph parameter each, PyTorch's parameter count; the graph's
+        hap.state_dict_extras names the tied name, the exporter constants
+        and the state_dict entries the graph does not hold, and
+        state_dict_weights writes the tied name as a copy."""
+
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(11, 8)
+                self.mid = nn.Linear(8, 8)
+                self.bn = nn.BatchNorm1d(8)
+                self.head = nn.Linear(8, 11, bias=False)
+                self.head.weight = self.emb.weight
+                self.register_buffer("scale", torch.full((8,), 0.5))
+                self.register_buffer("tmp", torch.ones(8), persistent=False)
+
+            def forward(self, x, labels):
+                h = self.mid(torch.relu(self.mid(self.emb(x))))
+                h = self.bn(h) * self.scale * self.tmp
+                return F.cross_entropy(self.head(h), labels)
+
+        m = Tied()
+        g, values = export_fx.export(
+            m, {"x": torch.randint(0, 11, (6,)), "labels": labels(6, 11)},
+            return_values=True)
+        trainable = [p["tensor"] for p in g["parameters"]
+                     if not p.get("frozen")]
+        self.assertEqual(sum(torch.Size(t["shape"]).numel()
+                             for t in trainable),
+                         sum(p.numel() for p in m.parameters()))
+        extras = json.loads(g["metadata"][export_fx.EXTRAS_KEY])
+        self.assertEqual(extras["aliases"], {"head.weight": "emb.weight"})
+        self.assertEqual(sorted(extras["unheld"]),
+                         ["bn.num_batches_tracked", "scale"])
+        self.assertTrue(extras["constants"])
+        self.assertTrue(all(c.startswith("const.")
+                            for c in extras["constants"]))
+        w = export_fx.state_dict_weights(g, values)
+        self.assertEqual(set(w), set(m.state_dict()) -
+                         {"bn.num_batches_tracked", "scale"})
+        self.assertTrue(torch.equal(w["head.weight"], m.emb.weight))
+
 
 if __name__ == "__main__":
     U.main("export_fx_test")

@@ -81,8 +81,12 @@ Command line:
   ones the graph uses; a note on stderr names any that forward leaves
   unused) as a safetensors file under their state_dict names, split tensors
   whole (in_proj_weight, not q/k/v), BatchNorm running statistics included
-  (module buffers the graph keeps as state), exporter constants and other
-  buffers left out:
+  (module buffers the graph keeps as state), every name of a tied tensor
+  (`head.weight = emb.weight`: one graph parameter, both names written),
+  exporter constants and other buffers left out (the graph's metadata
+  "hap.state_dict_extras" lists the tied names, the constants and the
+  state_dict entries the graph does not hold; --init-weights accepts a
+  file of the whole model.state_dict()):
   `module.load_state_dict(safetensors_io.read(OUT), strict=False)` restores
   them exactly (tools/safetensors_io.py) and `hap-executor --init-weights OUT`
   starts training from them. In Python: export(..., return_values=True), then
@@ -95,7 +99,7 @@ The implementation is the package tools/fx_export/ (its __init__.py maps
 it): tracing, the exporter core, and one file of handlers per op family,
 found through dispatch tables. This file is its entry point and public API:
 export, state_dict_slices, state_dict_weights, write_weights, ExportError,
-SLICES_KEY, BUFFERS_KEY and main.
+SLICES_KEY, BUFFERS_KEY, EXTRAS_KEY and main.
 """
 
 import os
@@ -110,14 +114,15 @@ if _HERE not in sys.path:
 
 from fx_export.api import export  # noqa: E402,F401
 from fx_export.cli import main  # noqa: E402
-from fx_export.ir import BUFFERS_KEY, SLICES_KEY, ExportError  # noqa: E402,F401
+from fx_export.ir import (  # noqa: E402,F401
+    BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, ExportError)
 from fx_export.weights import (  # noqa: E402,F401
     state_dict_slices, state_dict_weights, write_weights)
 # tools/safetensors_io.py as a module (tests/export_fx_test.py uses it).
 from fx_export.weights import (  # noqa: E402,F401
     safetensors_io as _safetensors_io)
 
-__all__ = ["BUFFERS_KEY", "ExportError", "SLICES_KEY", "export", "main",
+__all__ = ["BUFFERS_KEY", "EXTRAS_KEY", "ExportError", "SLICES_KEY", "export", "main",
            "state_dict_slices", "state_dict_weights", "write_weights"]
 
 if __name__ == "__main__":

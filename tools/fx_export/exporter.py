@@ -21,8 +21,8 @@ from . import (ops_attention, ops_convolution, ops_elementwise,  # noqa: F401
                ops_linear, ops_loss, ops_lstm, ops_normalization,
                ops_reduction, ops_shape, ops_transformer)
 from . import registry
-from .ir import (BUFFERS_KEY, SLICES_KEY, BoolIds, ExportError, IrTensor,
-                 LstmState, Static, attr_value, ir_dtype)
+from .ir import (BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, BoolIds, ExportError,
+                 IrTensor, LstmState, Static, attr_value, ir_dtype)
 
 
 def _target_name(node, root):
@@ -420,8 +420,41 @@ class Exporter:
                          "torch.module": type(self.module).__qualname__,
                          "torch.version": torch.__version__,
                          SLICES_KEY: json.dumps(self.slices, sort_keys=True),
-                         BUFFERS_KEY: json.dumps(sorted(self.buffers))},
+                         BUFFERS_KEY: json.dumps(sorted(self.buffers)),
+                         EXTRAS_KEY: json.dumps(self.state_dict_extras(params),
+                                                sort_keys=True)},
         }
+
+    def state_dict_extras(self, params):
+        """EXTRAS_KEY's object: the module's state_dict names the graph
+        holds under another name (tied weights), does not hold, and the
+        graph parameters that are not state_dict entries."""
+        state = self.module.state_dict(keep_vars=True)
+        held = set(self.buffers)
+        held.update(s["source"] for s in self.slices.values())
+        constants = []
+        for e in params:
+            name = e["tensor"]["name"]
+            if name in self.slices or name in held:
+                continue
+            if e.get("frozen") and name not in state:
+                constants.append(name)
+            else:
+                held.add(name)
+        holder = {}  # id(tensor) -> the state_dict name the graph holds
+        for k, v in state.items():
+            if k in held:
+                holder.setdefault(id(v), k)
+        aliases, unheld = {}, []
+        for k, v in state.items():
+            if k in held:
+                continue
+            if id(v) in holder:
+                aliases[k] = holder[id(v)]
+            else:
+                unheld.append(k)
+        return {"aliases": aliases, "constants": sorted(constants),
+                "unheld": unheld}
 
     def assign_roles(self):
         """LABELS: integer inputs consumed only (through reshapes) as the

@@ -24,6 +24,23 @@ SLICES_KEY = "hap.state_dict_slices"
 BUFFERS_KEY = "hap.state_dict_buffers"
 
 
+# Graph metadata key: JSON object relating the module's state_dict to the
+# graph's parameters where they are not one to one:
+#   "aliases":   {state_dict name: state_dict name}: a tensor PyTorch holds
+#                under several names (tied weights, `head.weight =
+#                emb.weight`; a module used twice), each extra name -> the
+#                name the graph (or a slice of it) holds it under;
+#   "constants": [graph parameter]: exporter constants, not state_dict
+#                entries (frozen, constant initialisers);
+#   "unheld":    [state_dict name]: entries the graph does not hold (buffers
+#                folded into constants or unused, num_batches_tracked,
+#                parameters forward does not use).
+# --weights and `hapctl checkpoint export` write every alias as a copy;
+# --init-weights accepts an alias equal to the tensor it names and ignores
+# the unheld entries.
+EXTRAS_KEY = "hap.state_dict_extras"
+
+
 _FLOAT_DTYPES = {
     torch.float32: "FLOAT32",
     torch.float16: "FLOAT16",

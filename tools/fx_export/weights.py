@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .ir import BUFFERS_KEY, SLICES_KEY, ExportError
+from .ir import BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, ExportError
 
 
 def state_dict_slices(graph):
@@ -17,13 +17,24 @@ def state_dict_slices(graph):
     return json.loads(raw) if raw else {}
 
 
+def state_dict_extras(graph):
+    """The graph's EXTRAS_KEY metadata as a dict (empty parts when absent)."""
+    raw = graph.get("metadata", {}).get(EXTRAS_KEY)
+    out = json.loads(raw) if raw else {}
+    return {"aliases": out.get("aliases", {}),
+            "constants": out.get("constants", []),
+            "unheld": out.get("unheld", [])}
+
+
 def state_dict_weights(graph, values):
     """The module's parameters as the graph uses them, under their
     state_dict names (what `--weights` writes): each graph parameter by its
     name, the slices of SLICES_KEY reassembled into their source tensor
     (in_proj_weight whole), module buffers kept as state (BUFFERS_KEY:
     running statistics) included, exporter constants (frozen parameters that
-    are not in the state_dict) left out. `values`: export(...,
+    are not in the state_dict) left out, and every other name of a tied
+    tensor (EXTRAS_KEY aliases: `head.weight` = `emb.weight`) written as
+    a copy, as load_state_dict wants each name. `values`: export(...,
     return_values=True)'s second result."""
     slices = state_dict_slices(graph)
     buffers = set(json.loads(graph.get("metadata", {}).get(BUFFERS_KEY, "[]")))
@@ -56,6 +67,9 @@ def state_dict_weights(graph, values):
             raise ExportError(f"{SLICES_KEY}: the slices of '{src}' do not "
                               f"cover it exactly once")
         out[src] = whole
+    for alias, held in state_dict_extras(graph)["aliases"].items():
+        if held in out:
+            out[alias] = out[held]
     meta = [k for k, v in out.items() if v.is_meta]
     if meta:
         raise ExportError(f"the module's parameters are on the meta device "
