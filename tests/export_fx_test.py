@@ -844,6 +844,15 @@ class ExportFxTest(unittest.TestCase):
             def forward(self, x, labels):
                 return self.fc(x)
 
+        class TwoOutputs(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 3)
+
+            def forward(self, x, labels):
+                logits = self.fc(x)
+                return logits, F.cross_entropy(logits, labels)
+
         class KeywordOnly(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -862,6 +871,8 @@ class ExportFxTest(unittest.TestCase):
                   "(if x.sum() > 0:)"]),
                 (KeywordOnly(), torch.randn(4, 8),
                  ["keyword-only argument 'x'"]),
+                (TwoOutputs(), torch.randn(4, 8),
+                 ["2 outputs", "--loss INDEX"]),
                 (NoLoss(), torch.randn(4, 8), ["scalar loss"])):
             with self.subTest(module=type(mod).__name__):
                 with self.assertRaises(export_fx.ExportError) as cm:

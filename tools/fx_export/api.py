@@ -127,7 +127,16 @@ def _loss_node(gm, loss):
             raise ExportError(f"loss={loss!r} does not select an output of "
                               f"forward") from None
     elif isinstance(res, (tuple, list)):
+        if not res:
+            raise ExportError("forward returned an empty tuple")
+        outputs = len(res)
         res = res[0]
+        if isinstance(res, fx.Node) and res.meta.get("hap_shape", ()) != () \
+                and outputs > 1:
+            raise ExportError(
+                f"forward returned {outputs} outputs and the first, taken as "
+                f"the loss, has shape {list(res.meta['hap_shape'])}: pass "
+                f"the loss's index (--loss INDEX, export(loss=INDEX))")
     elif isinstance(res, dict):
         if "loss" not in res:
             raise ExportError("forward returned a dict without 'loss'")
