@@ -133,5 +133,106 @@ class WeightsRoundTripTest(unittest.TestCase):
             self.assertFalse(torch.equal(want.detach(), start[name]), f"{name} did not train")
 
 
+TIED = f'''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding({V}, {E})
+        self.mid = nn.Linear({E}, {E})
+        self.bn = nn.BatchNorm1d({E})
+        self.head = nn.Linear({E}, {V}, bias=False)
+        self.head.weight = self.emb.weight  # tied, as GPT-2's
+        self.register_buffer("scale", torch.full(({E},), 0.5))
+        self.register_buffer("ones", torch.ones({E}), persistent=False)
+
+    def forward(self, x, y):
+        h = self.emb(x).reshape(-1, {E})
+        h = self.mid(torch.relu(self.mid(h)))  # one module, used twice
+        h = self.bn(h) * self.scale * self.ones
+        return F.cross_entropy(self.head(h), y.reshape(-1))
+
+def make():
+    torch.manual_seed(5)
+    return TiedLM()
+'''
+
+
+class TiedWeightsTest(unittest.TestCase):
+    def test_tied_weights_and_buffers_round_trip(self):
+        """One graph parameter for the tied pair (PyTorch's parameter count);
+        --init-weights takes the file of model.state_dict() (both tied names,
+        num_batches_tracked, the buffer `scale`); training keeps them one
+        tensor and equals PyTorch's SGD steps; the export holds both tied
+        names, the running statistics and no exporter constant, so
+        load_state_dict takes it, missing only `scale` (named in a note)."""
+        d = util.tmpdir()
+        tied, source = util.module_from_source(d, "tiedlm", TIED)
+        model = tied.make()
+        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        graph, exported = os.path.join(d, "model.json"), os.path.join(d, "exported.safetensors")
+        util.run([util.PYTHON, EXPORT_FX, "--module", source + ":make",
+                  "--input-shape", f"x={B},{S}:int64:{V}", "--input-shape", f"y={B},{S}:int64:{V}",
+                  "-o", graph, "--weights", exported])
+        with open(graph) as f:
+            g = json.load(f)
+        trainable = [p["tensor"] for p in g["parameters"] if not p.get("frozen")]
+        self.assertEqual(sorted(t["name"] for t in trainable),
+                         sorted(["emb.weight", "mid.weight", "mid.bias", "bn.weight", "bn.bias"]))
+        self.assertEqual(sum(torch.Size(t["shape"]).numel() for t in trainable),
+                         sum(p.numel() for p in model.parameters()))
+        unheld = {"scale", "bn.num_batches_tracked"}
+        w = read_safetensors(exported)
+        self.assertEqual(set(w), set(start) - unheld)
+        self.assertTrue(torch.equal(w["head.weight"], start["emb.weight"]))
+
+        # --init-weights from the whole state_dict, written by PyTorch's side.
+        sys.path.insert(0, os.path.dirname(EXPORT_FX))
+        import safetensors_io  # noqa: PLC0415
+        init = os.path.join(d, "state_dict.safetensors")
+        safetensors_io.write(init, dict(model.state_dict()))
+        xs, ys, data = util.token_data(d, N, S, V)
+        plan = os.path.join(d, "plan.pb")
+        util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER, "--optimizer", "sgd",
+                  "--lr", str(LR), "--save-plan", plan])
+        ckpt = os.path.join(d, "ckpt")
+        p = subprocess.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan, "--steps", str(STEPS),
+                            "--data", "npy:" + data, "--init-weights", init,
+                            "--checkpoint-dir", ckpt],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        out = os.path.join(d, "trained.safetensors")
+        p = util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+        self.assertIn("scale", p.stderr)
+        self.assertIn("bn.num_batches_tracked", p.stderr)
+
+        ref = tied.make()
+        ref.load_state_dict(start)
+        ref.train()
+        for k in range(STEPS):
+            rows = [(k * B + j) % N for j in range(B)]
+            ref.zero_grad()
+            ref(xs[rows], ys[rows]).backward()
+            with torch.no_grad():
+                for prm in ref.parameters():  # the tied one once
+                    prm -= LR * prm.grad
+
+        trained = read_safetensors(out)
+        self.assertEqual(set(trained), set(start) - unheld)
+        self.assertTrue(torch.equal(trained["head.weight"], trained["emb.weight"]))
+        fresh = tied.make()
+        result = fresh.load_state_dict(trained, strict=False)
+        self.assertEqual(result.missing_keys, ["scale"])
+        self.assertEqual(result.unexpected_keys, [])
+        want = ref.state_dict()
+        for name in set(start) - unheld:
+            got, ref_value = trained[name], want[name]
+            scale = max(float(ref_value.abs().max()), 1e-3)
+            err = float((got - ref_value).abs().max())
+            self.assertLessEqual(err, 1e-4 * scale, f"{name}: {err}")
+            self.assertFalse(torch.equal(got, start[name]), f"{name} did not change")
+
+
 if __name__ == "__main__":
     util.main("weights_roundtrip_test")

@@ -112,6 +112,15 @@ int Export(const Args& a) {
   if (!bytes.ok()) return Fail(bytes.status());
   std::cout << absl::StrFormat("wrote %s: %.2f MB of tensors from %s (step %d)\n", out,
                                *bytes / 1e6, (*reader)->step_dir(), (*reader)->trainer().step());
+  // ExportCheckpoint has parsed them already.
+  auto extras = ckpt::ParseStateDictExtras((*reader)->trainer().state_dict_extras());
+  if (extras.ok() && !extras->unheld.empty()) {
+    std::cerr << absl::StrFormat(
+        "note: the model's state_dict also holds %s, which the graph does not (buffers folded "
+        "into constants, num_batches_tracked, unused parameters): not in %s; take them from the "
+        "module (load_state_dict(..., strict=False))\n",
+        absl::StrJoin(extras->unheld, ", "), out);
+  }
   return 0;
 }
 

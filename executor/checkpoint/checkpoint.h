@@ -41,6 +41,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,28 @@ using StateDictSlices = std::map<std::string, StateDictSlice>;
 absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g);
 absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json);
 
+// How the model's state_dict differs from the graph's parameters beyond
+// slices, recorded by the exporter under kStateDictExtrasKey as JSON:
+//   {"aliases": {"head.weight": "emb.weight"}, "constants": ["const.mul"],
+//    "unheld": ["bn.num_batches_tracked"]}
+// `aliases`: further names of a tensor PyTorch holds under several (tied
+// weights) -> the name the graph holds it under (a parameter or a slice
+// source); exports write a copy under each, weights files may carry them
+// (equal to the tensor they name). `constants`: graph parameters that are
+// the exporter's constants, not state_dict entries (left out of exports).
+// `unheld`: state_dict entries the graph does not hold (buffers folded into
+// constants, num_batches_tracked, unused parameters): weights files may
+// carry them; they are not read, and exports cannot write them.
+inline constexpr char kStateDictExtrasKey[] = "hap.state_dict_extras";
+struct StateDictExtras {
+  std::map<std::string, std::string> aliases;
+  std::set<std::string> constants;
+  std::vector<std::string> unheld;
+};
+// The parsed JSON (empty parts for an empty string or missing keys);
+// InvalidArgument naming what is malformed.
+absl::StatusOr<StateDictExtras> ParseStateDictExtras(const std::string& json);
+
 // Where tensors come from: a checkpoint, or a weights file.
 class TensorSource {
  public:
@@ -181,8 +204,10 @@ class WeightsReader : public TensorSource {
                                                             StateDictSlices slices = {});
   const SafetensorsFile& file() const { return *file_; }
   // OK when the file holds exactly the graph's parameters with their shapes
-  // and dtypes; else FailedPrecondition listing the missing, the extra and
-  // the mismatched names.
+  // and dtypes (besides the graph's kStateDictExtrasKey aliases, each equal
+  // to the tensor it names, and unheld entries, ignored); else
+  // FailedPrecondition listing the missing, the extra and the mismatched
+  // names.
   absl::Status CheckGraph(const graph::Graph& g) const;
   bool Has(const std::string& name) const override;
   absl::Status Read(const std::string& name, const Shape& global,

@@ -422,6 +422,79 @@ TEST(CheckpointTest, StateDictSlicesAreJoinedOnExportAndSplitOnInit) {
                        HasSubstr("'layer0/fc/weight' [24,24] does not fit in s[48,24] at offset 30")));
 }
 
+// The exporter's hap.state_dict_extras: a tied name is written as a copy of
+// the tensor it names and accepted back when equal (refused otherwise),
+// exporter constants stay out of the export, unheld entries are ignored.
+TEST(CheckpointTest, StateDictExtrasTiedNamesConstantsAndUnheld) {
+  auto base = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", 24}, {"input", 24}, {"classes", 5}, {"batch", 9}});
+  ASSERT_TRUE(base.ok()) << base.status();
+  const std::string json =
+      R"({"aliases": {"head.weight": "layer0/fc/weight"}, "constants": ["layer1/fc/bias"],)"
+      R"( "unheld": ["spare"]})";
+  auto extras = ParseStateDictExtras(json);
+  ASSERT_TRUE(extras.ok()) << extras.status();
+  EXPECT_EQ(extras->aliases.at("head.weight"), "layer0/fc/weight");
+  EXPECT_THAT(ParseStateDictExtras(R"({"aliases": {"a": 3}})").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("alias 'a'")));
+  v1::Graph proto = graph::ToProto(*base);
+  (*proto.mutable_metadata())[kStateDictExtrasKey] = json;
+  auto g = graph::FromProto(proto);
+  ASSERT_TRUE(g.ok()) << g.status();
+
+  const std::string dir = Fresh("extras");
+  auto programs = Programs(*g, 2, "tp");
+  v1::TrainerState trainer;
+  trainer.set_state_dict_extras(json);
+  TrainOptions to;
+  to.steps = 1;
+  to.after_step = SaveHook({dir, 0, 3, 1}, &programs, trainer);
+  auto runs = Train(*g, programs, to);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  auto whole = AssembleParameters({(*runs)[0].parameters, (*runs)[1].parameters});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string out = dir + "/model.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(**reader, out, false).ok());
+  auto file = SafetensorsFile::Open(out);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_FALSE((*file)->tensors().count("layer1/fc/bias"));
+  EXPECT_FALSE((*file)->tensors().count("spare"));
+  auto tied = (*file)->View("head.weight");
+  ASSERT_TRUE(tied.ok()) << tied.status();
+  const HostTensor& held = whole->at("layer0/fc/weight");
+  ASSERT_EQ(tied->shape, held.shape());
+  EXPECT_EQ(std::memcmp(tied->data, held.data(), held.view().bytes()), 0);
+
+  // Back in: every parameter, the tied name and an unheld entry.
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, t] : *whole) entries.push_back({name, t.view()});
+  entries.push_back({"head.weight", held.view()});
+  HostTensor spare(DType::kFloat32, Shape{3});
+  entries.push_back({"spare", spare.view()});
+  const std::string in = dir + "/state_dict.safetensors";
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  auto weights = WeightsReader::Open(in);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  EXPECT_TRUE((*weights)->CheckGraph(*g).ok()) << (*weights)->CheckGraph(*g);
+  // Without the metadata both are extra.
+  EXPECT_THAT((*weights)->CheckGraph(*base),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("not in the model: head.weight, spare")));
+  // A tied name with other values than the tensor it names.
+  HostTensor other(DType::kFloat32, held.shape());
+  entries[entries.size() - 2] = {"head.weight", other.view()};
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  auto differing = WeightsReader::Open(in);
+  ASSERT_TRUE(differing.ok()) << differing.status();
+  EXPECT_THAT((*differing)->CheckGraph(*g),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("head.weight (tied to layer0/fc/weight in the model, other "
+                                 "values in the file)")));
+}
+
 // This rank's persistent state as SaveCheckpoint takes it (zeros).
 std::vector<ParameterShard> StateOf(const v1::RankProgram& p) {
   std::vector<ParameterShard> out;

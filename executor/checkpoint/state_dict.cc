@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -93,6 +94,46 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
   return out;
 }
 
+absl::StatusOr<StateDictExtras> ParseStateDictExtras(const std::string& json) {
+  namespace pb = ::google::protobuf;
+  StateDictExtras out;
+  if (json.empty()) return out;
+  pb::Struct root;
+  auto bad = [](absl::string_view what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the graph's ", kStateDictExtrasKey, " metadata: ", what));
+  };
+  if (!JsonToStruct(json, &root).ok()) return bad("not a JSON object");
+  const auto& f = root.fields();
+  if (auto it = f.find("aliases"); it != f.end()) {
+    if (it->second.kind_case() != pb::Value::kStructValue) return bad("aliases is not an object");
+    for (const auto& [alias, held] : it->second.struct_value().fields()) {
+      if (held.kind_case() != pb::Value::kStringValue || held.string_value().empty()) {
+        return bad(absl::StrCat("alias '", alias, "' does not name a tensor"));
+      }
+      out.aliases.emplace(alias, held.string_value());
+    }
+  }
+  for (const char* key : {"constants", "unheld"}) {
+    auto it = f.find(key);
+    if (it == f.end()) continue;
+    if (it->second.kind_case() != pb::Value::kListValue) {
+      return bad(absl::StrCat(key, " is not a list"));
+    }
+    for (const auto& v : it->second.list_value().values()) {
+      if (v.kind_case() != pb::Value::kStringValue) {
+        return bad(absl::StrCat(key, " holds a non-string"));
+      }
+      if (std::string(key) == "constants") {
+        out.constants.insert(v.string_value());
+      } else {
+        out.unheld.push_back(v.string_value());
+      }
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
   auto it = g.metadata().find(kStateDictSlicesKey);
   if (it == g.metadata().end()) return StateDictSlices{};
@@ -163,8 +204,29 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
                                         graph::ShapeString(t.type.shape), " in the model)"));
     }
   }
+  // Tied names (equal to the tensor they name) and state_dict entries the
+  // graph does not hold: what model.state_dict() has beyond the graph.
+  StateDictExtras extras;
+  if (auto it = g.metadata().find(kStateDictExtrasKey); it != g.metadata().end()) {
+    HAP_ASSIGN_OR_RETURN(extras, ParseStateDictExtras(it->second));
+  }
+  const std::set<std::string> unheld(extras.unheld.begin(), extras.unheld.end());
   for (const auto& [name, t] : file_->tensors()) {
-    if (!model.count(name)) extra.push_back(name);
+    if (model.count(name) || unheld.count(name)) continue;
+    auto alias = extras.aliases.find(name);
+    if (alias == extras.aliases.end()) {
+      extra.push_back(name);
+      continue;
+    }
+    auto held = file_->tensors().find(alias->second);
+    if (held == file_->tensors().end()) continue;  // listed as missing
+    auto a = file_->View(name);
+    auto h = file_->View(alias->second);
+    if (!a.ok() || !h.ok() || a->dtype != h->dtype || a->shape != h->shape ||
+        std::memcmp(a->data, h->data, a->bytes()) != 0) {
+      mismatched.push_back(absl::StrCat(name, " (tied to ", alias->second,
+                                        " in the model, other values in the file)"));
+    }
   }
   if (missing.empty() && extra.empty() && mismatched.empty()) return absl::OkStatus();
   std::string msg = absl::StrCat("the weights ", file_->path(), " do not fit the model");
@@ -299,9 +361,22 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
       }
     }
   }
+  StateDictExtras extras;
+  if (!reader.trainer().state_dict_extras().empty()) {
+    auto parsed = ParseStateDictExtras(reader.trainer().state_dict_extras());
+    if (!parsed.ok()) {
+      return absl::DataLossError(absl::StrCat("the checkpoint file ",
+                                              (fs::path(reader.step_dir()) / kTrainerFile).string(),
+                                              " is corrupted: ", parsed.status().message()));
+    }
+    extras = *std::move(parsed);
+  }
   std::map<std::string, HostTensor> tensors;  // by the name written
   for (const auto& t : reader.index().tensors()) {
     if (t.optimizer_state() && !with_optimizer_state) continue;
+    // The exporter's constants are not the model's (nor their state).
+    const std::string param = t.name().substr(0, t.name().find('#'));
+    if (extras.constants.count(param)) continue;
     HAP_ASSIGN_OR_RETURN(DType dtype, FromSafetensorsDType(t.dtype()));
     const Shape shape(t.shape().begin(), t.shape().end());
     const std::vector<int64_t> zero(shape.size(), 0);
@@ -329,6 +404,13 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
   for (const auto& [name, t] : tensors) {
     entries.push_back({name, t.view()});
     bytes += t.view().bytes();
+  }
+  // Each further name of a tied tensor, as load_state_dict wants them all.
+  for (const auto& [alias, held] : extras.aliases) {
+    auto it = tensors.find(held);
+    if (it == tensors.end() || tensors.count(alias)) continue;
+    entries.push_back({alias, it->second.view()});
+    bytes += it->second.view().bytes();
   }
   HAP_RETURN_IF_ERROR(
       WriteSafetensorsAtomically(out, entries,

@@ -463,6 +463,9 @@ absl::Status Run(const tools::Args& a) {
     if (auto it = g.metadata().find(checkpoint::kStateDictSlicesKey); it != g.metadata().end()) {
       trainer.set_state_dict_slices(it->second);
     }
+    if (auto it = g.metadata().find(checkpoint::kStateDictExtrasKey); it != g.metadata().end()) {
+      trainer.set_state_dict_extras(it->second);
+    }
     to.after_step = checkpoint::SaveHook(
         {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps,
          a.Has("resume") ? first_step : -1},

@@ -272,6 +272,9 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     if (auto it = g->metadata().find(ckpt::kStateDictSlicesKey); it != g->metadata().end()) {
       trainer.set_state_dict_slices(it->second);
     }
+    if (auto it = g->metadata().find(ckpt::kStateDictExtrasKey); it != g->metadata().end()) {
+      trainer.set_state_dict_extras(it->second);
+    }
     ckpt::CheckpointPolicy policy;
     policy.dir = t.checkpoint_dir();
     policy.every = t.checkpoint_every();
