@@ -886,7 +886,8 @@ class ExportFxTest(unittest.TestCase):
         one graph parameter each, PyTorch's parameter count; the graph's
         hap.state_dict_extras names the tied name, the exporter constants
         and the state_dict entries the graph does not hold, and
-        state_dict_weights writes the tied name as a copy."""
+        state_dict_weights writes the tied name as a copy. A parameter
+        with requires_grad=False is frozen in the graph."""
 
         class Tied(nn.Module):
             def __init__(self):
@@ -898,6 +899,7 @@ class ExportFxTest(unittest.TestCase):
                 self.head.weight = self.emb.weight
                 self.register_buffer("scale", torch.full((8,), 0.5))
                 self.register_buffer("tmp", torch.ones(8), persistent=False)
+                self.bn.bias.requires_grad_(False)
 
             def forward(self, x, labels):
                 h = self.mid(torch.relu(self.mid(self.emb(x))))
@@ -912,7 +914,10 @@ class ExportFxTest(unittest.TestCase):
                      if not p.get("frozen")]
         self.assertEqual(sum(torch.Size(t["shape"]).numel()
                              for t in trainable),
-                         sum(p.numel() for p in m.parameters()))
+                         sum(p.numel() for p in m.parameters()
+                             if p.requires_grad))
+        # requires_grad=False: frozen in the graph, and in --weights.
+        self.assertTrue(self.params(g)["bn.bias"].get("frozen"))
         extras = json.loads(g["metadata"][export_fx.EXTRAS_KEY])
         self.assertEqual(extras["aliases"], {"head.weight": "emb.weight"})
         self.assertEqual(sorted(extras["unheld"]),

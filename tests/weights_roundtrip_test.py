@@ -146,6 +146,7 @@ class TiedLM(nn.Module):
         self.head.weight = self.emb.weight  # tied, as GPT-2's
         self.register_buffer("scale", torch.full(({E},), 0.5))
         self.register_buffer("ones", torch.ones({E}), persistent=False)
+        self.mid.bias.requires_grad_(False)  # frozen, as in fine-tuning
 
     def forward(self, x, y):
         h = self.emb(x).reshape(-1, {E})
@@ -161,7 +162,8 @@ def make():
 
 class TiedWeightsTest(unittest.TestCase):
     def test_tied_weights_and_buffers_round_trip(self):
-        """One graph parameter for the tied pair (PyTorch's parameter count);
+        """One graph parameter for the tied pair (PyTorch's parameter count),
+        a frozen one (requires_grad=False) frozen in the graph;
         --init-weights takes the file of model.state_dict() (both tied names,
         num_batches_tracked, the buffer `scale`); training keeps them one
         tensor and equals PyTorch's SGD steps; the export holds both tied
@@ -179,9 +181,11 @@ class TiedWeightsTest(unittest.TestCase):
             g = json.load(f)
         trainable = [p["tensor"] for p in g["parameters"] if not p.get("frozen")]
         self.assertEqual(sorted(t["name"] for t in trainable),
-                         sorted(["emb.weight", "mid.weight", "mid.bias", "bn.weight", "bn.bias"]))
+                         sorted(["emb.weight", "mid.weight", "bn.weight", "bn.bias"]))
         self.assertEqual(sum(torch.Size(t["shape"]).numel() for t in trainable),
-                         sum(p.numel() for p in model.parameters()))
+                         sum(p.numel() for p in model.parameters() if p.requires_grad))
+        frozen = {p["tensor"]["name"] for p in g["parameters"] if p.get("frozen")}
+        self.assertIn("mid.bias", frozen)
         unheld = {"scale", "bn.num_batches_tracked"}
         w = read_safetensors(exported)
         self.assertEqual(set(w), set(start) - unheld)
@@ -216,7 +220,8 @@ class TiedWeightsTest(unittest.TestCase):
             ref(xs[rows], ys[rows]).backward()
             with torch.no_grad():
                 for prm in ref.parameters():  # the tied one once
-                    prm -= LR * prm.grad
+                    if prm.requires_grad:
+                        prm -= LR * prm.grad
 
         trained = read_safetensors(out)
         self.assertEqual(set(trained), set(start) - unheld)
@@ -231,7 +236,10 @@ class TiedWeightsTest(unittest.TestCase):
             scale = max(float(ref_value.abs().max()), 1e-3)
             err = float((got - ref_value).abs().max())
             self.assertLessEqual(err, 1e-4 * scale, f"{name}: {err}")
-            self.assertFalse(torch.equal(got, start[name]), f"{name} did not change")
+            if name == "mid.bias":
+                self.assertTrue(torch.equal(got, start[name]), "the frozen mid.bias changed")
+            else:
+                self.assertFalse(torch.equal(got, start[name]), f"{name} did not change")
 
 
 if __name__ == "__main__":

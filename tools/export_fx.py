@@ -61,6 +61,8 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     initialisation of their module (UNIFORM / NORMAL), or for a bare
     nn.Parameter a kind fitted to its values. Values themselves go into the
     --weights file, not the graph.
+  * A module parameter with requires_grad=False is a frozen graph parameter
+    (not trained, as in PyTorch; in --weights and exports under its name).
   * Integer inputs become INT64; the ones used only as loss targets are LABELS.
   * Dropout is exported as in training mode (the IR is one training step).
 

@@ -140,8 +140,12 @@ class Exporter:
         val = (tensor if value is None else value).detach()
         if init is None:
             init = initializers.default_init(self.module, name, tensor)
+        # A module parameter with requires_grad=False (frozen for
+        # fine-tuning) is one in the graph too: PyTorch does not train it.
+        held_fixed = source is not None and not tensor.requires_grad
         if not frozen:
             init = initializers.constant_init(val) or init
+            frozen = held_fixed
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
         dtype = ir_dtype(tensor.dtype, f"parameter '{name}'")
         if dtype == "INT64":

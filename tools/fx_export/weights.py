@@ -38,6 +38,8 @@ def state_dict_weights(graph, values):
     return_values=True)'s second result."""
     slices = state_dict_slices(graph)
     buffers = set(json.loads(graph.get("metadata", {}).get(BUFFERS_KEY, "[]")))
+    has_extras = EXTRAS_KEY in graph.get("metadata", {})
+    constants = set(state_dict_extras(graph)["constants"])
     out, parts = {}, {}
     for p in graph["parameters"]:
         name = p["tensor"]["name"]
@@ -48,7 +50,9 @@ def state_dict_weights(graph, values):
             if s["source"] not in parts:
                 out[s["source"]] = None  # keeps the graph's order
             parts.setdefault(s["source"], []).append((name, s))
-        elif not p.get("frozen"):
+        elif name not in constants if has_extras else not p.get("frozen"):
+            # Frozen module parameters (requires_grad=False) too; graphs
+            # without EXTRAS_KEY cannot tell them from the constants.
             out[name] = values[name]
     for src, pieces in parts.items():
         shape, axis = pieces[0][1]["source_shape"], pieces[0][1]["axis"]
