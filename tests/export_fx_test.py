@@ -853,6 +853,16 @@ class ExportFxTest(unittest.TestCase):
                 logits = self.fc(x)
                 return logits, F.cross_entropy(logits, labels)
 
+        class PositionBuffer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 3)
+                self.enc = nn.Module()
+                self.enc.register_buffer("pos", torch.arange(8.0))
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x + self.enc.pos), labels)
+
         class KeywordOnly(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -873,6 +883,8 @@ class ExportFxTest(unittest.TestCase):
                  ["keyword-only argument 'x'"]),
                 (TwoOutputs(), torch.randn(4, 8),
                  ["2 outputs", "--loss INDEX"]),
+                (PositionBuffer(), torch.randn(4, 8),
+                 ["the buffer 'enc.pos'", "requires_grad=False"]),
                 (NoLoss(), torch.randn(4, 8), ["scalar loss"])):
             with self.subTest(module=type(mod).__name__):
                 with self.assertRaises(export_fx.ExportError) as cm:

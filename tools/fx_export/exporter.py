@@ -175,14 +175,17 @@ class Exporter:
         self.values[name] = val
         return t
 
-    def const(self, value, like):
-        """A constant as a frozen parameter of CONSTANT initialisation."""
+    def const(self, value, like, what=None):
+        """A constant as a frozen parameter of CONSTANT initialisation;
+        `what` names where a tensor value comes from (error messages)."""
         if isinstance(value, torch.Tensor):
             v = value.detach().double().flatten()
             if v.numel() == 0 or float(v.min()) != float(v.max()):
-                self.fail("needs a constant tensor with non-uniform values, "
-                          "which the HAP IR cannot hold (make it a parameter "
-                          "or an input)")
+                of = f" ({what})" if what else ""
+                self.fail(f"needs a constant tensor with non-uniform "
+                          f"values{of}, which the HAP IR cannot hold (make "
+                          f"it an nn.Parameter, with requires_grad=False "
+                          f"to keep it fixed, or an input)")
             shape, value = tuple(value.shape), float(v[0])
         else:
             shape, value = (), float(value)
@@ -272,7 +275,9 @@ class Exporter:
             if isinstance(v, Static):
                 if isinstance(v.value, torch.Tensor):
                     like = IrTensor("", (), ir_dtype(v.value.dtype, a.name))
-                    return self.const(v.value, like)
+                    what = (f"the buffer '{self.pub(a.target)}'"
+                            if a.op == "get_attr" else f"'{a.name}'")
+                    return self.const(v.value, like, what)
                 self.fail(f"expects a tensor, got {type(v.value).__name__} "
                           f"from '{a.name}'")
             if isinstance(v, LstmState):
