@@ -897,7 +897,8 @@ class ExportFxTest(unittest.TestCase):
         """A tied pair (head.weight = emb.weight) and a linear used twice are
         one graph parameter each, PyTorch's parameter count; the graph's
         hap.state_dict_extras names the tied name, the exporter constants
-        and the state_dict entries the graph does not hold, and
+        and the state_dict entries the graph does not hold (a persistent
+        buffer used as it is is held: a frozen parameter), and
         state_dict_weights writes the tied name as a copy. A parameter
         with requires_grad=False is frozen in the graph."""
 
@@ -911,11 +912,12 @@ class ExportFxTest(unittest.TestCase):
                 self.head.weight = self.emb.weight
                 self.register_buffer("scale", torch.full((8,), 0.5))
                 self.register_buffer("tmp", torch.ones(8), persistent=False)
+                self.register_buffer("window", torch.ones(16))
                 self.bn.bias.requires_grad_(False)
 
             def forward(self, x, labels):
                 h = self.mid(torch.relu(self.mid(self.emb(x))))
-                h = self.bn(h) * self.scale * self.tmp
+                h = self.bn(h) * self.scale * self.tmp * self.window[:8]
                 return F.cross_entropy(self.head(h), labels)
 
         m = Tied()
@@ -932,14 +934,17 @@ class ExportFxTest(unittest.TestCase):
         self.assertTrue(self.params(g)["bn.bias"].get("frozen"))
         extras = json.loads(g["metadata"][export_fx.EXTRAS_KEY])
         self.assertEqual(extras["aliases"], {"head.weight": "emb.weight"})
+        # scale (persistent, used as it is) is held as a frozen parameter;
+        # window is folded into a constant through its slice.
+        self.assertTrue(self.params(g)["scale"].get("frozen"))
         self.assertEqual(sorted(extras["unheld"]),
-                         ["bn.num_batches_tracked", "scale"])
+                         ["bn.num_batches_tracked", "window"])
         self.assertTrue(extras["constants"])
         self.assertTrue(all(c.startswith("const.")
                             for c in extras["constants"]))
         w = export_fx.state_dict_weights(g, values)
         self.assertEqual(set(w), set(m.state_dict()) -
-                         {"bn.num_batches_tracked", "scale"})
+                         {"bn.num_batches_tracked", "window"})
         self.assertTrue(torch.equal(w["head.weight"], m.emb.weight))
 
 

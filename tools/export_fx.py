@@ -63,6 +63,10 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     --weights file, not the graph.
   * A module parameter with requires_grad=False is a frozen graph parameter
     (not trained, as in PyTorch; in --weights and exports under its name).
+  * A persistent floating-point buffer of one value used as it is (`x *
+    self.scale`) is a frozen graph parameter under its state_dict name; other
+    buffers are folded into exporter constants (non-uniform ones fail,
+    naming the buffer).
   * Integer inputs become INT64; the ones used only as loss targets are LABELS.
   * Dropout is exported as in training mode (the IR is one training step).
 

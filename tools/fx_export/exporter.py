@@ -78,6 +78,7 @@ class Exporter:
         self.buffers = []  # graph parameters that are module buffers
         self.buffer_names = {id(b): self.pub(n)
                              for n, b in root.named_buffers()}
+        self.persistent = None  # the module's state_dict names, when asked
 
     def pub(self, path):
         """A module path of `root` as a path of the user's module."""
@@ -202,6 +203,23 @@ class Exporter:
             t.dtype = like.dtype
         return t
 
+    def buffer_param(self, node, buf):
+        """A persistent floating-point buffer of uniform value used as it is
+        (`x * self.scale`): a frozen parameter under its state_dict name, so
+        that --weights and exports hold it (load_state_dict(strict=True)
+        wants it); None for the other buffers (constants, or an error)."""
+        name = self.pub(node.target)
+        if self.persistent is None:
+            self.persistent = set(self.module.state_dict().keys())
+        if name not in self.persistent or not buf.dtype.is_floating_point \
+                or buf.numel() == 0:
+            return None
+        init = initializers.constant_init(buf.detach())
+        if init is None:
+            return None
+        return self.param(buf, name=name, init=init, frozen=True,
+                          key=id(buf))
+
     def emit(self, type_, name, inputs, attrs=None, shape=None, dtype=None,
              scope=None, outputs=None):
         """Adds an op; `shape`/`dtype` of its (single) output, or the shapes
@@ -275,6 +293,10 @@ class Exporter:
             if isinstance(v, Static):
                 if isinstance(v.value, torch.Tensor):
                     like = IrTensor("", (), ir_dtype(v.value.dtype, a.name))
+                    if a.op == "get_attr":
+                        held = self.buffer_param(a, v.value)
+                        if held is not None:
+                            return held
                     what = (f"the buffer '{self.pub(a.target)}'"
                             if a.op == "get_attr" else f"'{a.name}'")
                     return self.const(v.value, like, what)
