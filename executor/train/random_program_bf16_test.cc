@@ -61,14 +61,12 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "executor/train/random_programs.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
@@ -92,36 +90,16 @@ constexpr double kLossFactor = 10;
 // The floor's share of a tensor's scale: below it, b is a lucky sample.
 constexpr double kRelativeFloor = 1e-3;
 
-struct Case {
-  std::string model;
-  uint64_t seed;
-};
-
-// What the seed decides, as random_program_equivalence_test: 2 or 3 ranks,
-// even or drawn ratios (some ranks almost nothing), SGD or AdamW, overlap.
-int Ranks(uint64_t seed) { return seed % 2 == 0 ? 2 : 3; }
-bool Uneven(uint64_t seed) { return seed % 4 != 1; }
-std::vector<double> Ratios(uint64_t seed) {
-  const int n = Ranks(seed);
-  if (!Uneven(seed)) return hap::testing::EquivalenceRatios(n, false);
-  std::mt19937_64 rng(seed ^ 0x726174696f73ULL);
-  std::vector<double> r(n);
-  double sum = 0;
-  for (double& x : r) {
-    x = rng() % 4 == 0 ? 0.01 : 0.05 + 0.95 * static_cast<double>(rng() % 1000) / 1000;
-    sum += x;
-  }
-  for (double& x : r) x /= sum;
-  return r;
-}
-bool Adam(uint64_t seed) { return (seed / 2) % 2 == 1; }
-bool Overlap(uint64_t seed) { return seed % 3 == 2; }
+// What the seed decides, as random_program_equivalence_test's
+// (random_programs.h): ranks, ratios, SGD or AdamW, overlap.
+using Case = hap::testing::RandomCase;
+int Ranks(uint64_t seed) { return hap::testing::RandomCaseRanks(seed); }
+bool Adam(uint64_t seed) { return hap::testing::RandomCaseAdam(seed); }
+bool Overlap(uint64_t seed) { return hap::testing::RandomCaseOverlap(seed); }
+std::vector<double> Ratios(uint64_t seed) { return hap::testing::RandomCaseRatios(seed); }
 
 std::string Name(const ::testing::TestParamInfo<Case>& i) {
-  const uint64_t s = i.param.seed;
-  return absl::StrCat(i.param.model, "_seed", s, "_", Ranks(s), "ranks",
-                      Uneven(s) ? "_uneven" : "_even", Adam(s) ? "_adam" : "_sgd",
-                      Overlap(s) ? "_overlap" : "");
+  return hap::testing::RandomCaseName(i.param);
 }
 
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
@@ -255,26 +233,10 @@ TEST_P(RandomProgramBf16Test, WithinBf16NoiseOfSingleDevice) {
   if (std::getenv("HAP_RANDOM_PROGRAMS_PRINT") != nullptr) std::cout << report << repro;
 }
 
-int64_t EnvCount(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoll(v, nullptr, 10) : fallback;
-}
-
-std::vector<Case> Sweep() {
-  std::vector<Case> out;
-  const int64_t count = EnvCount("HAP_RANDOM_PROGRAMS", kProgramsPerModel);
-  const int64_t first = EnvCount("HAP_RANDOM_PROGRAMS_FIRST", 0);
-  const char* models = std::getenv("HAP_RANDOM_PROGRAMS_MODELS");
-  for (absl::string_view model :
-       absl::StrSplit(models != nullptr ? models : kModels, ',', absl::SkipEmpty())) {
-    for (int64_t i = 0; i < count; ++i) {
-      out.push_back({std::string(model), static_cast<uint64_t>(first + i)});
-    }
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Sweep, RandomProgramBf16Test, ::testing::ValuesIn(Sweep()), Name);
+INSTANTIATE_TEST_SUITE_P(Sweep, RandomProgramBf16Test,
+                         ::testing::ValuesIn(hap::testing::RandomCaseSweep(kProgramsPerModel,
+                                                                           kModels)),
+                         Name);
 
 }  // namespace
 }  // namespace hap

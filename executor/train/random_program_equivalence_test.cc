@@ -24,15 +24,12 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "executor/train/random_programs.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
@@ -52,57 +49,13 @@ constexpr const char* kModels = "mlp,gpt,vit,moe,bn_cnn,lstm";
 // With overlap, gradient buckets this small: several per model.
 constexpr int64_t kOverlapBucketBytes = 2048;
 
-struct Case {
-  std::string model;
-  uint64_t seed;
-};
-
-// The rank counts a seed picks from: 2 and 3, or HAP_RANDOM_PROGRAMS_RANKS
-// (a comma-separated list).
-const std::vector<int>& RankCounts() {
-  static const auto* counts = [] {
-    auto* c = new std::vector<int>();
-    const char* v = std::getenv("HAP_RANDOM_PROGRAMS_RANKS");
-    for (absl::string_view x : absl::StrSplit(v != nullptr ? v : "", ',', absl::SkipEmpty())) {
-      int n;
-      if (absl::SimpleAtoi(x, &n) && n >= 2) c->push_back(n);
-    }
-    if (c->empty()) *c = {2, 3};
-    return c;
-  }();
-  return *counts;
-}
-
-// What the seed decides besides the program.
-int Ranks(uint64_t seed) { return RankCounts()[seed % RankCounts().size()]; }
-bool Uneven(uint64_t seed) { return seed % 4 != 1; }
-
-// Even, or drawn: every rank's weight in [0.05, 1), one in four of them
-// 0.01 (a slow device the ratio LP gives almost nothing: shards of length
-// 0 where a dimension is short), normalised.
-std::vector<double> Ratios(uint64_t seed) {
-  const int n = Ranks(seed);
-  if (!Uneven(seed)) return hap::testing::EquivalenceRatios(n, false);
-  std::mt19937_64 rng(seed ^ 0x726174696f73ULL);
-  std::vector<double> r(n);
-  double sum = 0;
-  for (double& x : r) {
-    x = rng() % 4 == 0 ? 0.01 : 0.05 + 0.95 * static_cast<double>(rng() % 1000) / 1000;
-    sum += x;
-  }
-  for (double& x : r) x /= sum;
-  return r;
-}
-bool Adam(uint64_t seed) { return (seed / 2) % 2 == 1; }
-bool Overlap(uint64_t seed) { return seed % 3 == 2; }
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " seed " << c.seed; }
+using Case = hap::testing::RandomCase;
+int Ranks(uint64_t seed) { return hap::testing::RandomCaseRanks(seed); }
+bool Adam(uint64_t seed) { return hap::testing::RandomCaseAdam(seed); }
+bool Overlap(uint64_t seed) { return hap::testing::RandomCaseOverlap(seed); }
 
 std::string Name(const ::testing::TestParamInfo<Case>& i) {
-  const uint64_t s = i.param.seed;
-  return absl::StrCat(i.param.model, "_seed", s, "_", Ranks(s), "ranks",
-                      Uneven(s) ? "_uneven" : "_even", Adam(s) ? "_adam" : "_sgd",
-                      Overlap(s) ? "_overlap" : "");
+  return hap::testing::RandomCaseName(i.param);
 }
 
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
@@ -143,7 +96,7 @@ TEST_P(RandomProgramTest, LossesAndParametersMatchSingleDevice) {
   // The training must have moved: the first and last losses differ.
   ASSERT_GT(std::abs(ref.losses.front() - ref.losses.back()), 1e-4);
 
-  const std::vector<double> ratios = Ratios(c.seed);
+  const std::vector<double> ratios = hap::testing::RandomCaseRatios(c.seed);
   auto program = hap::testing::RandomTestProgram(*g, n, ratios, c.seed);
   ASSERT_TRUE(program.ok()) << "model " << c.model << " seed " << c.seed << ": "
                             << program.status();
@@ -212,26 +165,10 @@ TEST(RandomTestProgramTest, DeterministicAndVaried) {
   }
 }
 
-int64_t EnvCount(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoll(v, nullptr, 10) : fallback;
-}
-
-std::vector<Case> Sweep() {
-  std::vector<Case> out;
-  const int64_t count = EnvCount("HAP_RANDOM_PROGRAMS", kProgramsPerModel);
-  const int64_t first = EnvCount("HAP_RANDOM_PROGRAMS_FIRST", 0);
-  const char* models = std::getenv("HAP_RANDOM_PROGRAMS_MODELS");
-  for (absl::string_view model :
-       absl::StrSplit(models != nullptr ? models : kModels, ',', absl::SkipEmpty())) {
-    for (int64_t i = 0; i < count; ++i) {
-      out.push_back({std::string(model), static_cast<uint64_t>(first + i)});
-    }
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Sweep, RandomProgramTest, ::testing::ValuesIn(Sweep()), Name);
+INSTANTIATE_TEST_SUITE_P(Sweep, RandomProgramTest,
+                         ::testing::ValuesIn(hap::testing::RandomCaseSweep(kProgramsPerModel,
+                                                                           kModels)),
+                         Name);
 
 }  // namespace
 }  // namespace hap

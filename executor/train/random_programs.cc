@@ -1,9 +1,12 @@
 #include "executor/train/random_programs.h"
 
+#include <cstdlib>
 #include <random>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "executor/train/test_programs.h"
 #include "planner/synth/checker.h"
 #include "planner/synth/search.h"
@@ -63,6 +66,72 @@ std::string DescribeProgram(const graph::Graph& g, const synth::Program& p) {
       }
     }
     absl::StrAppend(&out, "\n");
+  }
+  return out;
+}
+
+namespace {
+
+// The rank counts a seed picks from: 2 and 3, or HAP_RANDOM_PROGRAMS_RANKS.
+const std::vector<int>& RankCounts() {
+  static const auto* counts = [] {
+    auto* c = new std::vector<int>();
+    const char* v = std::getenv("HAP_RANDOM_PROGRAMS_RANKS");
+    for (absl::string_view x : absl::StrSplit(v != nullptr ? v : "", ',', absl::SkipEmpty())) {
+      int n;
+      if (absl::SimpleAtoi(x, &n) && n >= 2) c->push_back(n);
+    }
+    if (c->empty()) *c = {2, 3};
+    return c;
+  }();
+  return *counts;
+}
+
+int64_t EnvCount(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoll(v, nullptr, 10) : fallback;
+}
+
+}  // namespace
+
+int RandomCaseRanks(uint64_t seed) { return RankCounts()[seed % RankCounts().size()]; }
+bool RandomCaseUneven(uint64_t seed) { return seed % 4 != 1; }
+bool RandomCaseAdam(uint64_t seed) { return (seed / 2) % 2 == 1; }
+bool RandomCaseOverlap(uint64_t seed) { return seed % 3 == 2; }
+
+std::vector<double> RandomCaseRatios(uint64_t seed) {
+  const int n = RandomCaseRanks(seed);
+  if (!RandomCaseUneven(seed)) return EquivalenceRatios(n, false);
+  std::mt19937_64 rng(seed ^ 0x726174696f73ULL);
+  std::vector<double> r(n);
+  double sum = 0;
+  for (double& x : r) {
+    x = rng() % 4 == 0 ? 0.01 : 0.05 + 0.95 * static_cast<double>(rng() % 1000) / 1000;
+    sum += x;
+  }
+  for (double& x : r) x /= sum;
+  return r;
+}
+
+void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.model << " seed " << c.seed; }
+
+std::string RandomCaseName(const RandomCase& c) {
+  const uint64_t s = c.seed;
+  return absl::StrCat(c.model, "_seed", s, "_", RandomCaseRanks(s), "ranks",
+                      RandomCaseUneven(s) ? "_uneven" : "_even",
+                      RandomCaseAdam(s) ? "_adam" : "_sgd", RandomCaseOverlap(s) ? "_overlap" : "");
+}
+
+std::vector<RandomCase> RandomCaseSweep(int64_t per_model, const std::string& models) {
+  std::vector<RandomCase> out;
+  const int64_t count = EnvCount("HAP_RANDOM_PROGRAMS", per_model);
+  const int64_t first = EnvCount("HAP_RANDOM_PROGRAMS_FIRST", 0);
+  const char* chosen = std::getenv("HAP_RANDOM_PROGRAMS_MODELS");
+  for (absl::string_view model :
+       absl::StrSplit(chosen != nullptr ? chosen : models, ',', absl::SkipEmpty())) {
+    for (int64_t i = 0; i < count; ++i) {
+      out.push_back({std::string(model), static_cast<uint64_t>(first + i)});
+    }
   }
   return out;
 }
