@@ -27,42 +27,12 @@ namespace hap {
 namespace {
 
 using executor::TrainResult;
-using graph::F32;
-using graph::I64;
-using graph::Initializer;
 
 constexpr int kSteps = 4;
 constexpr uint64_t kSeed = 77;
 
 graph::Graph BatchNormCnn(int64_t batch) {
-  graph::GraphBuilder b("bn_cnn");
-  graph::TensorId x = b.Input("images", F32({batch, 3, 6, 6}));
-  graph::TensorId labels = b.Input("labels", I64({batch}), graph::InputRole::kLabels);
-  graph::TensorId w = b.Parameter("conv.weight", F32({4, 3, 3, 3}),
-                                  Initializer::Uniform(-0.3, 0.3));
-  graph::TensorId gamma = b.Parameter("bn.weight", F32({4}), Initializer::Ones());
-  graph::TensorId beta = b.Parameter("bn.bias", F32({4}), Initializer::Zeros());
-  graph::TensorId rm = b.Parameter("bn.running_mean", F32({4}), Initializer::Zeros(),
-                                   /*frozen=*/true);
-  graph::TensorId rv = b.Parameter("bn.running_var", F32({4}), Initializer::Ones(),
-                                   /*frozen=*/true);
-  x = b.Add("conv2d", "conv", {x, w}, {{"padding", std::vector<int64_t>{1}}});
-  x = b.Add("batch_norm", "bn", {x, gamma, beta, rm, rv}, {{"momentum", 0.3}});
-  x = b.Add("relu", "relu", {x});
-  graph::TensorId dw = b.Parameter("dw.weight", F32({8, 1, 3, 3}),
-                                   Initializer::Uniform(-0.5, 0.5));
-  graph::TensorId dwb = b.Parameter("dw.bias", F32({8}), Initializer::Uniform(-0.1, 0.1));
-  x = b.Add("conv2d", "dw", {x, dw, dwb},
-            {{"padding", std::vector<int64_t>{1}}, {"groups", int64_t{4}}});
-  // Stochastic depth: whole samples dropped, keyed by their global index.
-  x = b.Add("drop_path", "drop_path", {x}, {{"p", 0.4}});
-  x = b.Add("avg_pool2d", "pool", {x}, {{"kernel", std::vector<int64_t>{2}}});
-  x = b.Add("flatten", "flatten", {x});
-  graph::TensorId fw = b.Parameter("fc.weight", F32({5, 72}), Initializer::Uniform(-0.2, 0.2));
-  graph::TensorId fb = b.Parameter("fc.bias", F32({5}), Initializer::Zeros());
-  x = b.Add("linear", "fc", {x, fw, fb});
-  b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
-  auto g = b.Build();
+  auto g = hap::testing::BatchNormCnn(batch);
   EXPECT_TRUE(g.ok()) << g.status();
   return *std::move(g);
 }

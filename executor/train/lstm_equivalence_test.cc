@@ -22,38 +22,12 @@ namespace hap {
 namespace {
 
 using executor::TrainResult;
-using graph::F32;
-using graph::I64;
-using graph::Initializer;
 
 constexpr int kSteps = 4;
 constexpr uint64_t kSeed = 91;
-constexpr int64_t kSeq = 5, kVocab = 11, kEmbed = 6, kHidden = 7;
 
 graph::Graph LstmLm(int64_t batch) {
-  graph::GraphBuilder b("lstm_lm");
-  graph::TensorId tokens = b.Input("tokens", I64({batch, kSeq}));
-  graph::TensorId labels = b.Input("labels", I64({batch * kSeq}), graph::InputRole::kLabels);
-  const double w = 1.0 / std::sqrt(static_cast<double>(kHidden));
-  auto param = [&](const std::string& name, graph::Shape s) {
-    return b.Parameter(name, F32(std::move(s)), Initializer::Uniform(-w, w));
-  };
-  graph::TensorId x = b.Add(
-      "embedding", "embed",
-      {tokens, b.Parameter("embed.weight", F32({kVocab, kEmbed}), Initializer::Normal(0, 1))});
-  x = b.Add("lstm", "lstm.l0",
-            {x, param("lstm.weight_ih_l0", {4 * kHidden, kEmbed}),
-             param("lstm.weight_hh_l0", {4 * kHidden, kHidden}),
-             param("lstm.bias_ih_l0", {4 * kHidden}), param("lstm.bias_hh_l0", {4 * kHidden})});
-  x = b.Add("lstm", "lstm.l1",
-            {x, param("lstm.weight_ih_l1", {4 * kHidden, kHidden}),
-             param("lstm.weight_hh_l1", {4 * kHidden, kHidden})},
-            {{"reverse", true}});
-  x = b.Add("linear", "head",
-            {x, param("head.weight", {kVocab, kHidden}), param("head.bias", {kVocab})});
-  x = b.Add("reshape", "flat", {x}, {{"shape", std::vector<int64_t>{batch * kSeq, kVocab}}});
-  b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
-  auto g = b.Build();
+  auto g = hap::testing::LstmLm(batch);
   EXPECT_TRUE(g.ok()) << g.status();
   return *std::move(g);
 }

@@ -26,8 +26,6 @@ cost::ClusterModel SlowDevicesFastLinks(int n) {
   return *cost::ClusterModel::Create(d, bw, lat);
 }
 
-namespace {
-
 // batch_norm_equivalence_test's CNN: conv2d, batch_norm with running
 // statistics, relu, a depthwise conv2d with channel multiplier 2,
 // drop_path, avg_pool2d, linear, cross-entropy.
@@ -92,8 +90,6 @@ absl::StatusOr<graph::Graph> LstmLm(int64_t batch) {
   b.SetLoss(b.Add("cross_entropy", "loss", {x, labels}));
   return b.Build();
 }
-
-}  // namespace
 
 absl::StatusOr<graph::Graph> EquivalenceModel(const std::string& name, int ranks) {
   // Batches divisible by nothing in particular: uneven shards everywhere.

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "planner/cost/cluster_model.h"
-#include "planner/graph/graph.h"
 #include "executor/runtime/tensor.h"
 #include "executor/train/trainer.h"
 #include "hap/v1/plan.pb.h"
+#include "planner/cost/cluster_model.h"
+#include "planner/graph/graph.h"
 #include "planner/lower/lower.h"
 #include "planner/synth/program.h"
 
@@ -42,12 +42,19 @@ absl::StatusOr<graph::Graph> EquivalenceModel(const std::string& name, int ranks
 // Even ratios for n devices, or uneven ones growing 1 : 1.6 : 2.2 : ...
 std::vector<double> EquivalenceRatios(int n, bool uneven);
 
+// batch_norm_equivalence_test's CNN (conv2d, batch_norm with running
+// statistics, relu, a depthwise conv2d, drop_path, avg_pool2d, linear,
+// cross-entropy) and lstm_equivalence_test's language model (embedding, two
+// lstm layers, the second reversed, linear, cross-entropy), of `batch`
+// samples; EquivalenceModel's "bn_cnn" and "lstm".
+absl::StatusOr<graph::Graph> BatchNormCnn(int64_t batch);
+absl::StatusOr<graph::Graph> LstmLm(int64_t batch);
+
 // A program of `kind` for n devices at `ratios`, checked by
 // synth::CheckProgram. FailedPrecondition when "sfb" finds no weight to
 // force SFB on, "zero2" no ZeRO parameter, or "expert" an MoE op not split
 // by experts.
-absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n,
-                                             const std::string& kind,
+absl::StatusOr<synth::Program> ProgramOfKind(const graph::Graph& g, int n, const std::string& kind,
                                              const std::vector<double>& ratios);
 
 // The optimizers of the equivalence tests: AdamW (lr kEquivalenceAdamLr,
