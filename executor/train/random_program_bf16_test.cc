@@ -66,7 +66,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "executor/train/random_programs.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
@@ -80,10 +79,8 @@ using executor::HostTensor;
 using executor::TrainResult;
 
 constexpr int kSteps = 2;
-constexpr uint64_t kDataSeed = 1234;
 constexpr int kProgramsPerModel = 10;
 constexpr const char* kModels = "mlp,gpt,vit,moe,bn_cnn,lstm";
-constexpr int64_t kOverlapBucketBytes = 2048;
 constexpr double kSgdFactor = 20;
 constexpr double kAdamFactor = 40;
 constexpr double kLossFactor = 10;
@@ -106,15 +103,8 @@ absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const sy
                                                  int n, const std::vector<double>& ratios,
                                                  bool adam, bool overlap, bool bf16,
                                                  const std::string& tag) {
-  lower::LowerOptions lo;
-  lo.world_size = n;
-  lo.ratios = ratios;
-  lo.optimizer = hap::testing::EquivalenceOptimizer(adam);
-  lo.seed = kDataSeed;
-  lo.overlap = overlap;
-  lo.gradient_bucket_bytes = overlap ? kOverlapBucketBytes : 0;
-  lo.bf16 = bf16;
-  return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, tag);
+  return hap::testing::RunLoweredOverGloo(
+      g, p, hap::testing::RandomCaseLowering(n, ratios, adam, overlap, bf16), kSteps, tag);
 }
 
 absl::StatusOr<std::map<std::string, HostTensor>> Assemble(const std::vector<TrainResult>& runs) {
@@ -179,9 +169,7 @@ TEST_P(RandomProgramBf16Test, WithinBf16NoiseOfSingleDevice) {
   auto program = hap::testing::RandomTestProgram(*g, n, ratios, c.seed);
   ASSERT_TRUE(program.ok()) << "model " << c.model << " seed " << c.seed << ": "
                             << program.status();
-  const std::string repro = absl::StrCat("model ", c.model, " seed ", c.seed, " (", Name({c, 0}),
-                                         "), ratios ", absl::StrJoin(ratios, " "), ", program:\n",
-                                         hap::testing::DescribeProgram(*g, *program));
+  const std::string repro = hap::testing::RandomCaseRepro(*g, c, ratios, *program);
   auto runs = RunPlan(*g, *program, n, ratios, adam, Overlap(c.seed), true, Name({c, 0}));
   ASSERT_TRUE(runs.ok()) << runs.status() << "\n" << repro;
   auto params = Assemble(*runs);

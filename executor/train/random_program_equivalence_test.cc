@@ -29,7 +29,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "executor/train/random_programs.h"
 #include "executor/train/test_programs.h"
 #include "executor/train/trainer.h"
@@ -42,12 +41,9 @@ namespace {
 using executor::TrainResult;
 
 constexpr int kSteps = 5;
-constexpr uint64_t kDataSeed = 1234;
 constexpr double kAdamLr = hap::testing::kEquivalenceAdamLr;
 constexpr int kProgramsPerModel = 10;
 constexpr const char* kModels = "mlp,gpt,vit,moe,bn_cnn,lstm";
-// With overlap, gradient buckets this small: several per model.
-constexpr int64_t kOverlapBucketBytes = 2048;
 
 using Case = hap::testing::RandomCase;
 int Ranks(uint64_t seed) { return hap::testing::RandomCaseRanks(seed); }
@@ -61,14 +57,9 @@ std::string Name(const ::testing::TestParamInfo<Case>& i) {
 absl::StatusOr<std::vector<TrainResult>> RunPlan(const graph::Graph& g, const synth::Program& p,
                                                  int n, const std::vector<double>& ratios,
                                                  bool adam, bool overlap, const std::string& tag) {
-  lower::LowerOptions lo;
-  lo.world_size = n;
-  lo.ratios = ratios;
-  lo.optimizer = hap::testing::EquivalenceOptimizer(adam);
-  lo.seed = kDataSeed;
-  lo.overlap = overlap;
-  lo.gradient_bucket_bytes = overlap ? kOverlapBucketBytes : 0;
-  return hap::testing::RunLoweredOverGloo(g, p, lo, kSteps, tag);
+  return hap::testing::RunLoweredOverGloo(
+      g, p, hap::testing::RandomCaseLowering(n, ratios, adam, overlap, /*bf16=*/false), kSteps,
+      tag);
 }
 
 // One reference per (model, ranks, optimizer): the single-device run.
@@ -100,9 +91,7 @@ TEST_P(RandomProgramTest, LossesAndParametersMatchSingleDevice) {
   auto program = hap::testing::RandomTestProgram(*g, n, ratios, c.seed);
   ASSERT_TRUE(program.ok()) << "model " << c.model << " seed " << c.seed << ": "
                             << program.status();
-  const std::string repro = absl::StrCat("model ", c.model, " seed ", c.seed, " (", Name({c, 0}),
-                                         "), ratios ", absl::StrJoin(ratios, " "), ", program:\n",
-                                         hap::testing::DescribeProgram(*g, *program));
+  const std::string repro = hap::testing::RandomCaseRepro(*g, c, ratios, *program);
   if (std::getenv("HAP_RANDOM_PROGRAMS_PRINT") != nullptr) std::cout << repro;
   auto runs = RunPlan(*g, *program, n, ratios, adam, Overlap(c.seed), Name({c, 0}));
   ASSERT_TRUE(runs.ok()) << runs.status() << "\n" << repro;

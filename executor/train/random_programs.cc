@@ -122,6 +122,25 @@ std::string RandomCaseName(const RandomCase& c) {
                       RandomCaseAdam(s) ? "_adam" : "_sgd", RandomCaseOverlap(s) ? "_overlap" : "");
 }
 
+lower::LowerOptions RandomCaseLowering(int n, const std::vector<double>& ratios, bool adam,
+                                       bool overlap, bool bf16) {
+  lower::LowerOptions lo;
+  lo.world_size = n;
+  lo.ratios = ratios;
+  lo.optimizer = EquivalenceOptimizer(adam);
+  lo.seed = 1234;
+  lo.overlap = overlap;
+  lo.gradient_bucket_bytes = overlap ? 2048 : 0;
+  lo.bf16 = bf16;
+  return lo;
+}
+
+std::string RandomCaseRepro(const graph::Graph& g, const RandomCase& c,
+                            const std::vector<double>& ratios, const synth::Program& p) {
+  return absl::StrCat("model ", c.model, " seed ", c.seed, " (", RandomCaseName(c), "), ratios ",
+                      absl::StrJoin(ratios, " "), ", program:\n", DescribeProgram(g, p));
+}
+
 std::vector<RandomCase> RandomCaseSweep(int64_t per_model, const std::string& models) {
   std::vector<RandomCase> out;
   const int64_t count = EnvCount("HAP_RANDOM_PROGRAMS", per_model);

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "planner/graph/graph.h"
+#include "planner/lower/lower.h"
 #include "planner/synth/program.h"
 
 namespace hap::testing {
@@ -52,6 +53,16 @@ bool RandomCaseOverlap(uint64_t seed);
 void PrintTo(const RandomCase& c, std::ostream* os);
 // "gpt_seed3_3ranks_uneven_adam_overlap": a gtest parameter name.
 std::string RandomCaseName(const RandomCase& c);
+// The lowering of a random case's run: n ranks at `ratios`, the
+// equivalence tests' optimizer (AdamW or SGD with momentum), data seed 1234,
+// with overlap gradient buckets of 2 KiB (several per model, so buckets
+// start at several points of backward), bf16 or fp32.
+lower::LowerOptions RandomCaseLowering(int n, const std::vector<double>& ratios, bool adam,
+                                       bool overlap, bool bf16);
+// What a failure prints to rerun a case: model, seed, the case's name, the
+// ratios and the program's rule per op (DescribeProgram).
+std::string RandomCaseRepro(const graph::Graph& g, const RandomCase& c,
+                            const std::vector<double>& ratios, const synth::Program& p);
 // `per_model` seeds of each of `models` (comma-separated), from seed 0;
 // HAP_RANDOM_PROGRAMS (count per model), HAP_RANDOM_PROGRAMS_FIRST (first
 // seed) and HAP_RANDOM_PROGRAMS_MODELS override them for manual sweeps.
