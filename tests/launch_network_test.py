@@ -17,6 +17,8 @@ import tempfile
 import time
 import unittest
 
+from proc_util import wait_gone
+
 HAPCTL = os.environ["HAPCTL"]
 LAUNCH = os.environ["HAP_LAUNCH"]
 CLUSTER = os.environ["CPU_CLUSTER"]  # one node of four CPUs: split in two below
@@ -30,14 +32,6 @@ def namespaces_of(pid):
         return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(f"hapnet-{pid}-"))
     except OSError:
         return []
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def netns_pids(name):
@@ -140,19 +134,12 @@ class LaunchNetworkTest(unittest.TestCase):
         # Nothing could clean up: the set is still there. The ranks die with
         # their launcher (they ran on until their peers timed out).
         self.assertEqual(len(namespaces_of(p.pid)), 3)
-        for _ in range(300):
-            if not any(alive(r) for r in ranks):
-                break
-            time.sleep(0.1)
-        self.assertFalse(any(alive(r) for r in ranks), "the killed launcher's ranks still run")
+        self.assertEqual(wait_gone(ranks, 30), [], "the killed launcher's ranks still run")
         _, text = self.run_to_end("--steps", "2", "--network", NETWORK, log="next.log")
         self.assertIn(f"removed hapnet-{p.pid}-n1, left by a run that is gone", text)
         self.assertEqual(namespaces_of(p.pid), [])
-        for _ in range(50):  # SIGKILLed: gone once the kernel has reaped them
-            if not any(alive(r) for r in ranks):
-                break
-            time.sleep(0.1)
-        self.assertFalse(any(alive(r) for r in ranks), "the killed run's ranks still run")
+        # SIGKILLed: gone once the kernel has reaped them.
+        self.assertEqual(wait_gone(ranks, 5), [], "the killed run's ranks still run")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import tempfile
 import time
 import unittest
 
+from proc_util import wait_gone
+
 HAPCTL = os.environ["HAPCTL"]
 LAUNCH = os.environ["HAP_LAUNCH"]
 EXECUTOR = os.environ["HAP_EXECUTOR"]
@@ -57,21 +59,6 @@ if mine:
         sys.exit(0)
 time.sleep(600)
 '''
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pids, seconds=30):
-    deadline = time.time() + seconds
-    while time.time() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 def free_pid():
