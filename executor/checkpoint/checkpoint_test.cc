@@ -341,6 +341,35 @@ TEST(CheckpointTest, ExportWritesWholeTensorsThatStartAnotherRun) {
                                  "F32[20,12] in the model), layer0/fc/bias")));
 }
 
+// `g` trained `steps` steps on a 2-rank tensor-parallel plan, checkpointed
+// at the last with `trainer`'s metadata into `dir` and exported there as
+// model.safetensors (no optimizer state): the parameters as trained,
+// assembled, and the export.
+struct Exported {
+  std::map<std::string, HostTensor> whole;
+  std::unique_ptr<SafetensorsFile> file;
+  std::string path;
+};
+void TrainCheckpointAndExport(const graph::Graph& g, const v1::TrainerState& trainer, int steps,
+                              const std::string& dir, Exported* out) {
+  auto programs = Programs(g, 2, "tp");
+  TrainOptions to;
+  to.steps = steps;
+  to.after_step = SaveHook({dir, 0, 3, steps}, &programs, trainer);
+  auto runs = Train(g, programs, to);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  auto whole = AssembleParameters({(*runs)[0].parameters, (*runs)[1].parameters});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  out->whole = *std::move(whole);
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  out->path = dir + "/model.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(**reader, out->path, false).ok());
+  auto file = SafetensorsFile::Open(out->path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  out->file = *std::move(file);
+}
+
 // Two graph parameters stored as one PyTorch parameter (as the exporter
 // records nn.MultiheadAttention's q, k, v in in_proj_weight): the export
 // joins them, --init-weights splits them again.
@@ -360,23 +389,13 @@ TEST(CheckpointTest, StateDictSlicesAreJoinedOnExportAndSplitOnInit) {
   ASSERT_EQ(slices->size(), 2u);
 
   const std::string dir = Fresh("slices");
-  auto programs = Programs(*g, 2, "tp");
   v1::TrainerState trainer;
   trainer.set_state_dict_slices(json);
-  TrainOptions to;
-  to.steps = 2;
-  to.after_step = SaveHook({dir, 0, 3, 2}, &programs, trainer);
-  auto runs = Train(*g, programs, to);
-  ASSERT_TRUE(runs.ok()) << runs.status();
-  auto whole = AssembleParameters({(*runs)[0].parameters, (*runs)[1].parameters});
-  ASSERT_TRUE(whole.ok()) << whole.status();
-
-  auto reader = CheckpointReader::Open(dir);
-  ASSERT_TRUE(reader.ok()) << reader.status();
-  const std::string out = dir + "/model.safetensors";
-  ASSERT_TRUE(ExportCheckpoint(**reader, out, false).ok());
-  auto file = SafetensorsFile::Open(out);
-  ASSERT_TRUE(file.ok()) << file.status();
+  Exported exported;
+  ASSERT_NO_FATAL_FAILURE(TrainCheckpointAndExport(*g, trainer, 2, dir, &exported));
+  const auto* whole = &exported.whole;
+  const auto* file = &exported.file;
+  const std::string& out = exported.path;
   EXPECT_FALSE((*file)->tensors().count("layer0/fc/weight"));
   auto stacked = (*file)->View("stacked");
   ASSERT_TRUE(stacked.ok()) << stacked.status();
@@ -395,6 +414,7 @@ TEST(CheckpointTest, StateDictSlicesAreJoinedOnExportAndSplitOnInit) {
   EXPECT_THAT((*plain)->CheckGraph(*g),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("missing: layer0/fc/weight")));
+  auto programs = Programs(*g, 2, "tp");  // the plan trained above
   TrainOptions init;
   init.steps = 1;
   init.initialize = InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(*weights)), &*g);
@@ -443,23 +463,12 @@ TEST(CheckpointTest, StateDictExtrasTiedNamesConstantsAndUnheld) {
   ASSERT_TRUE(g.ok()) << g.status();
 
   const std::string dir = Fresh("extras");
-  auto programs = Programs(*g, 2, "tp");
   v1::TrainerState trainer;
   trainer.set_state_dict_extras(json);
-  TrainOptions to;
-  to.steps = 1;
-  to.after_step = SaveHook({dir, 0, 3, 1}, &programs, trainer);
-  auto runs = Train(*g, programs, to);
-  ASSERT_TRUE(runs.ok()) << runs.status();
-  auto whole = AssembleParameters({(*runs)[0].parameters, (*runs)[1].parameters});
-  ASSERT_TRUE(whole.ok()) << whole.status();
-
-  auto reader = CheckpointReader::Open(dir);
-  ASSERT_TRUE(reader.ok()) << reader.status();
-  const std::string out = dir + "/model.safetensors";
-  ASSERT_TRUE(ExportCheckpoint(**reader, out, false).ok());
-  auto file = SafetensorsFile::Open(out);
-  ASSERT_TRUE(file.ok()) << file.status();
+  Exported exported;
+  ASSERT_NO_FATAL_FAILURE(TrainCheckpointAndExport(*g, trainer, 1, dir, &exported));
+  const auto* whole = &exported.whole;
+  const auto* file = &exported.file;
   EXPECT_FALSE((*file)->tensors().count("layer1/fc/bias"));
   EXPECT_FALSE((*file)->tensors().count("spare"));
   auto tied = (*file)->View("head.weight");
