@@ -11,7 +11,6 @@ here from the format's specification, not by our code."""
 import json
 import os
 import struct
-import subprocess
 import sys
 import unittest
 
@@ -75,6 +74,20 @@ def read_safetensors(path):
     return out
 
 
+def train_and_export(d, graph, weights, data):
+    """`graph` planned (SGD at LR) on the cluster, trained STEPS steps from
+    `weights` on the npy `data` with a checkpoint, and that exported: the
+    export's path and hapctl's run (its stderr names what it cannot write)."""
+    plan = os.path.join(d, "plan.pb")
+    util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER, "--optimizer", "sgd",
+              "--lr", str(LR), "--save-plan", plan])
+    ckpt = os.path.join(d, "ckpt")
+    util.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan, "--steps", str(STEPS),
+              "--data", "npy:" + data, "--init-weights", weights, "--checkpoint-dir", ckpt])
+    out = os.path.join(d, "trained.safetensors")
+    return out, util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+
+
 class WeightsRoundTripTest(unittest.TestCase):
     def test_trained_weights_equal_pytorch_sgd(self):
         d = util.tmpdir()
@@ -97,17 +110,7 @@ class WeightsRoundTripTest(unittest.TestCase):
         # Data: npy files, one per input, N samples.
         xs, ys, data = util.token_data(d, N, S, V)
 
-        plan = os.path.join(d, "plan.pb")
-        util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER, "--optimizer", "sgd",
-                  "--lr", str(LR), "--save-plan", plan])
-        ckpt = os.path.join(d, "ckpt")
-        p = subprocess.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan, "--steps", str(STEPS),
-                            "--data", "npy:" + data, "--init-weights", weights,
-                            "--checkpoint-dir", ckpt],
-                           capture_output=True, text=True, timeout=300)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        out = os.path.join(d, "trained.safetensors")
-        util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+        out, _ = train_and_export(d, graph, weights, data)
 
         # PyTorch's own N SGD steps on the same batches: step k takes rows
         # k*B .. k*B+B-1 modulo N, in order.
@@ -199,17 +202,7 @@ class TiedWeightsTest(unittest.TestCase):
         init = os.path.join(d, "state_dict.safetensors")
         safetensors_io.write(init, dict(model.state_dict()))
         xs, ys, data = util.token_data(d, N, S, V)
-        plan = os.path.join(d, "plan.pb")
-        util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER, "--optimizer", "sgd",
-                  "--lr", str(LR), "--save-plan", plan])
-        ckpt = os.path.join(d, "ckpt")
-        p = subprocess.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan, "--steps", str(STEPS),
-                            "--data", "npy:" + data, "--init-weights", init,
-                            "--checkpoint-dir", ckpt],
-                           capture_output=True, text=True, timeout=300)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        out = os.path.join(d, "trained.safetensors")
-        p = util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+        out, p = train_and_export(d, graph, init, data)
         self.assertIn("bn.num_batches_tracked", p.stderr)
         self.assertNotIn("scale", p.stderr)
 
