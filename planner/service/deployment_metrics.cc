@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "common/proto_time.h"
+#include "planner/service/core/deployments.h"
 
 namespace hap::service {
 
@@ -11,10 +12,7 @@ namespace v1 = ::hap::v1;
 
 std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<v1::Deployment> deployments,
                                                     size_t max_rows) {
-  auto finished = [](const v1::Deployment& d) {
-    return d.state() == v1::Deployment::SUCCEEDED || d.state() == v1::Deployment::FAILED ||
-           d.state() == v1::Deployment::STOPPED;
-  };
+  auto finished = [](const v1::Deployment& d) { return DeploymentFinal(d.state()); };
   deployments.erase(
       std::remove_if(deployments.begin(), deployments.end(),
                      [](const v1::Deployment& d) { return d.steps_completed() <= 0; }),

@@ -16,6 +16,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
+#include "planner/service/core/retention.h"
 #include "planner/service/deployment_metrics.h"
 #include "planner/service/grpc/planner_service_impl.h"
 #include "planner/service/metrics/metrics.h"
@@ -397,16 +398,12 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   // --plan-retention-count, or a kill before the last trim was saved)
   // before the first list is answered.
   auto retain = [&m] {
-    const absl::Time oldest = m.o.deployment_retention_age == absl::InfiniteDuration()
-                                  ? absl::InfinitePast()
-                                  : absl::Now() - m.o.deployment_retention_age;
-    absl::StatusOr<int> gone =
-        m.service->EnforceDeploymentRetention(m.o.deployment_retention_count, oldest);
+    const absl::Time now = absl::Now();
+    absl::StatusOr<int> gone = m.service->EnforceDeploymentRetention(
+        m.o.deployment_retention_count, OldestKept(now, m.o.deployment_retention_age));
     if (!gone.ok()) std::cerr << "hap-planner: " << gone.status().message() << "\n";
     absl::StatusOr<int> jobs_gone = m.service->EnforceJobRetention(
-        m.o.job_retention_count, m.o.job_retention_age == absl::InfiniteDuration()
-                                     ? absl::InfinitePast()
-                                     : absl::Now() - m.o.job_retention_age);
+        m.o.job_retention_count, OldestKept(now, m.o.job_retention_age));
     if (!jobs_gone.ok()) std::cerr << "hap-planner: " << jobs_gone.status().message() << "\n";
     absl::StatusOr<int> deleted = m.core->EnforceRetention();
     if (!deleted.ok()) std::cerr << "hap-planner: " << deleted.status().message() << "\n";

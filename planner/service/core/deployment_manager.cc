@@ -30,11 +30,6 @@ namespace {
 namespace v1 = ::hap::v1;
 using google::protobuf::util::TimeUtil;
 
-bool Final(v1::Deployment::State s) {
-  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
-         s == v1::Deployment::STOPPED;
-}
-
 // The name of a stored state, or its number for a value this version does
 // not know.
 std::string StateName(v1::Deployment::State s) {
@@ -171,7 +166,7 @@ struct DeploymentManager::State {
 
   // Opens or closes `d`'s rendezvous as its state says.
   void FollowRendezvous(const v1::Deployment& d) {
-    if (!Final(d.state())) {
+    if (!DeploymentFinal(d.state())) {
       rendezvous.Open(d.name(), d.generation());
       return;
     }
@@ -211,7 +206,7 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
       Supervise(d, [this, d](DeploymentExecutors& ex, const DeploymentControl& c) {
         WatchDeployment(d, ex, o_.watch, c);
       });
-    } else if (!Final(d.state())) {
+    } else if (!DeploymentFinal(d.state())) {
       // PENDING: its push died with the previous planner, and the
       // rendezvous keys with it. Any other state that is not final
       // (STATE_UNSPECIFIED, a value of a later version) cannot be followed
@@ -314,12 +309,13 @@ void DeploymentManager::Update(const std::string& name,
   auto it = s_->deployments.find(name);
   if (it == s_->deployments.end()) return;
   v1::Deployment next = it->second;
-  const bool was_final = Final(next.state());
+  const bool was_final = DeploymentFinal(next.state());
   // A note that an earlier record was not saved goes with the save of this one.
   auto refused = s_->unsaved.find(name);
   if (refused != s_->unsaved.end()) next.set_error(refused->second);
   edit(next);
-  if (!was_final && Final(next.state())) *next.mutable_end_time() = TimeUtil::GetCurrentTime();
+  if (!was_final && DeploymentFinal(next.state()))
+    *next.mutable_end_time() = TimeUtil::GetCurrentTime();
   if (o_.sink != nullptr) {
     absl::Status saved = o_.sink->SaveDeployment(next);
     if (saved.ok()) {
@@ -336,9 +332,10 @@ void DeploymentManager::Update(const std::string& name,
   }
   it->second = std::move(next);
   // No rank meets through a finished deployment again: its keys go.
-  if (Final(it->second.state())) s_->FollowRendezvous(it->second);
+  if (DeploymentFinal(it->second.state())) s_->FollowRendezvous(it->second);
   if (o_.on_change) o_.on_change(it->second);
-  if (!was_final && Final(it->second.state()) && o_.on_finished) o_.on_finished(it->second);
+  if (!was_final && DeploymentFinal(it->second.state()) && o_.on_finished)
+    o_.on_finished(it->second);
   s_->changed.SignalAll();
 }
 
@@ -372,7 +369,7 @@ absl::StatusOr<int> DeploymentManager::EnforceRetention(int count, absl::Time ol
     absl::MutexLock l(&s_->mu);
     std::vector<std::pair<absl::Time, std::string>> finished;
     for (const auto& [name, d] : s_->deployments) {
-      if (!Final(d.state())) continue;
+      if (!DeploymentFinal(d.state())) continue;
       // An older planner's record has no end_time: its create_time.
       finished.push_back({FromProto(d.has_end_time() ? d.end_time() : d.create_time()), name});
     }
@@ -384,7 +381,7 @@ absl::StatusOr<int> DeploymentManager::EnforceRetention(int count, absl::Time ol
   for (const std::string& name : victims) {
     absl::MutexLock l(&s_->mu);
     auto it = s_->deployments.find(name);
-    if (it == s_->deployments.end() || !Final(it->second.state())) continue;
+    if (it == s_->deployments.end() || !DeploymentFinal(it->second.state())) continue;
     if (absl::Status st = DeleteLocked(name); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat("deployment retention: ", st.message(), " (",
                                                   deleted, " deleted before it)"));
@@ -401,7 +398,7 @@ absl::Status DeploymentManager::Delete(const std::string& name,
   if (it == s_->deployments.end()) {
     return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
   }
-  if (!Final(it->second.state()) || s_->supervised.count(name)) {
+  if (!DeploymentFinal(it->second.state()) || s_->supervised.count(name)) {
     const std::string short_name = name.substr(name.find('/') + 1);
     return absl::FailedPreconditionError(absl::StrCat(
         "deployment '", name, "' is ", StateName(it->second.state()),
@@ -516,7 +513,7 @@ std::map<std::string, std::vector<std::string>> DeploymentManager::ActiveDevices
   absl::MutexLock l(&s_->mu);
   std::map<std::string, std::vector<std::string>> out;
   for (const auto& [name, d] : s_->deployments) {
-    if (Final(d.state())) continue;
+    if (DeploymentFinal(d.state())) continue;
     std::vector<std::string>& devices = out[name];
     for (const auto& r : d.ranks()) devices.push_back(r.device());
   }
@@ -533,7 +530,7 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
     if (it == s_->deployments.end()) {
       return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
     }
-    if (!Final(it->second.state())) {
+    if (!DeploymentFinal(it->second.state())) {
       if (s_->shutdown || !s_->supervised.count(name)) {
         return absl::UnavailableError(absl::StrCat(
             "the planner is shutting down; ", name,
@@ -543,12 +540,13 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
       s_->stop_requested.insert(name);
       s_->changed.SignalAll();
       // Short waits, so a cancelled caller is noticed promptly.
-      while (!Final(s_->deployments[name].state()) && !s_->shutdown && !cancelled() &&
+      while (!DeploymentFinal(s_->deployments[name].state()) && !s_->shutdown && !cancelled() &&
              absl::Now() < deadline) {
         s_->changed.WaitWithDeadline(&s_->mu,
                                      std::min(deadline, absl::Now() + absl::Milliseconds(200)));
       }
-      if (Final(s_->deployments[name].state())) HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
+      if (DeploymentFinal(s_->deployments[name].state()))
+        HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
       return s_->deployments[name];
     }
     // Over, but not saved so: not reported as done until the store has it.

@@ -75,6 +75,11 @@ absl::Status ValidateDeploymentWatchOptions(const DeploymentWatchOptions& o) {
   return absl::OkStatus();
 }
 
+bool DeploymentFinal(v1::Deployment::State s) {
+  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
+         s == v1::Deployment::STOPPED;
+}
+
 std::string DescribeRank(const v1::Deployment& d, int rank) {
   if (rank < 0 || rank >= d.ranks_size()) return absl::StrCat("rank ", rank);
   return absl::StrCat("rank ", rank, " (", d.ranks(rank).device(), " at ",

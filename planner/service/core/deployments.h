@@ -135,6 +135,9 @@ class RankWatch {
 };
 
 // "rank 2 (node2/cpu0 at 127.0.0.1:5000)".
+// Whether a deployment in state `s` has ended (SUCCEEDED, FAILED, STOPPED).
+bool DeploymentFinal(hap::v1::Deployment::State s);
+
 std::string DescribeRank(const hap::v1::Deployment& d, int rank);
 
 // Whether a StopTraining answer says the rank is not training `d` (stopped,

@@ -20,6 +20,7 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "planner/service/core/deployments.h"
 #include "planner/service/core/jobs.h"
 #include "planner/service/core/node_calibration.h"
 
@@ -74,14 +75,6 @@ constexpr int64_t kMinMeasuredSteps = 20;
 constexpr int64_t kSlowdownWindow = 20;
 constexpr int64_t kWarmupSteps = 2;
 constexpr double kDefaultSlowdownThreshold = 0.25;
-
-bool DeploymentFinal(v1::Deployment::State s) {
-  return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
-         s == v1::Deployment::STOPPED;
-}
-
-
-
 
 std::string ReasonLabel(Reason r) {
   std::string s = v1::JobEvent::Reason_Name(r);

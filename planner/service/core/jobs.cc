@@ -433,16 +433,16 @@ absl::StatusOr<int> JobController::EnforceRetention(int count, absl::Time oldest
 }
 
 absl::Status JobController::Delete(const std::string& name) {
-  HAP_RETURN_IF_ERROR(JobId(name).status());
+  HAP_ASSIGN_OR_RETURN(const std::string id, JobId(name));
   absl::MutexLock l(&s_->mu);
   auto it = s_->jobs.find(name);
   if (it == s_->jobs.end()) {
     return absl::NotFoundError(absl::StrCat("job '", name, "' does not exist"));
   }
   if (!Final(it->second.status().state())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", name, "' is ", v1::JobStatus::State_Name(it->second.status().state()),
-        ": only a finished job is deleted; stop it first (hapctl stop job ", name.substr(5), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", name, "' is ", v1::JobStatus::State_Name(it->second.status().state()),
+                     ": only a finished job is deleted; stop it first (hapctl stop job ", id, ")"));
   }
   return DeleteLocked(it);
 }

@@ -1070,7 +1070,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     for (const auto& [name, p] : s_->plans) {
       if (Final(p->state())) finished.push_back({FromProto(p->update_time()), name});
     }
-    const absl::Time oldest = by_age ? o_.now() - o_.plan_retention_age : absl::InfinitePast();
+    const absl::Time oldest = OldestKept(o_.now(), o_.plan_retention_age);
     for (std::string& name : PastRetention(std::move(finished), o_.plan_retention_count, oldest)) {
       if (!in_use.count(name) && !s_->pins.count(name)) victims.push_back(std::move(name));
     }

@@ -30,6 +30,12 @@ inline std::vector<std::string> PastRetention(
   return past;
 }
 
+// The end of the time retention counts back from `now`: finished before
+// it goes (InfiniteDuration = no limit by age: InfinitePast).
+inline absl::Time OldestKept(absl::Time now, absl::Duration age) {
+  return age == absl::InfiniteDuration() ? absl::InfinitePast() : now - age;
+}
+
 }  // namespace hap::service
 
 #endif  // HAP_PLANNER_SERVICE_CORE_RETENTION_H_
