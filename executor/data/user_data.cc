@@ -625,9 +625,10 @@ int64_t FirstNotFinite(int bytes, const unsigned char* src, int64_t n, DType d,
                      : d == DType::kFloat16 ? 65504.0
                                             : std::numeric_limits<float>::max();
   for (int64_t i = 0; i < n; ++i) {
-    if (bytes == 2) {  // half: exponent bits all ones is inf or nan
-      if ((Load<uint16_t>(src, i) & 0x7C00) == 0x7C00) {
-        value = "inf or nan";
+    if (bytes == 2) {  // half: exponent bits all ones is inf (mantissa 0) or nan
+      const uint16_t h = Load<uint16_t>(src, i);
+      if ((h & 0x7C00) == 0x7C00) {
+        value = (h & 0x03FF) != 0 ? "nan" : (h & 0x8000) != 0 ? "-inf" : "inf";
         return i;
       }
       continue;

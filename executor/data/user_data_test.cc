@@ -656,6 +656,45 @@ TEST(UserDataErrorsTest, FloatDataThatIsNotFiniteIsRefusedNamingTheElement) {
   EXPECT_THAT(OpenNpyStatus(dir, g), IsOk());
 }
 
+// f2 files feed only f16 inputs (CheckDType), so the half branch of the
+// finite check is reached through a graph with an f16 input: inf, -inf and
+// nan (any mantissa) are refused naming the element; 65504, f16's largest
+// finite value, and subnormals open.
+TEST(UserDataErrorsTest, HalfDataThatIsNotFiniteIsRefusedNamingTheElement) {
+  graph::GraphBuilder b("half");
+  graph::TensorId x = b.Input("x", {graph::DType::kFloat16, {4, 5}});
+  graph::TensorId y = b.Input("labels", graph::I64({4}), graph::InputRole::kLabels);
+  graph::TensorId bias =
+      b.Parameter("bias", {graph::DType::kFloat16, {4, 5}}, graph::Initializer::Normal(0, 1));
+  b.SetLoss(b.Add("cross_entropy", "loss", {b.Add("add", "sum", {x, bias}), y}));
+  auto g = b.Build();
+  ASSERT_THAT(g, IsOk());
+  std::string dir = TestDir();
+  WriteMlpData(dir, 8);
+  auto open_with = [&](const std::vector<uint16_t>& halves) {
+    WriteFile(dir + "/x.npy", Npy("<f2", {8, 5}, Raw(halves)));
+    return OpenNpyStatus(dir, *g);
+  };
+  std::vector<uint16_t> h(40, 0x3C00);  // 1.0
+  h[0] = 0x7BFF;                        // 65504
+  h[1] = 0x0001;                        // the smallest subnormal
+  h[2] = 0xFBFF;                        // -65504
+  EXPECT_THAT(open_with(h), IsOk());
+  for (const auto& [bits, what] :
+       std::vector<std::pair<uint16_t, std::string>>{{0x7C00, "holds inf"},
+                                                     {0xFC00, "holds -inf"},
+                                                     {0x7E00, "holds nan"},
+                                                     {0xFC01, "holds nan"}}) {
+    std::vector<uint16_t> bad = h;
+    bad[21] = bits;
+    EXPECT_THAT(open_with(bad),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(dir + "/x.npy"), HasSubstr("row 4, element 1 " + what),
+                               HasSubstr("training data must be finite"))))
+        << what;
+  }
+}
+
 TEST(UserDataErrorsTest, TokenFiles) {
   graph::Graph g = Gpt();
   std::string dir = TestDir();
