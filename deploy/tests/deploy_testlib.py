@@ -122,10 +122,12 @@ def stop(proc):
             proc.wait()
 
 
-def train_a_little(planner, hapctl, agent, executor, steps=3):
+def train_a_little(planner, hapctl, agent, executor, steps=3, keep_running=False):
     """One agent and one executor daemon on 127.0.0.1: register, plan a tiny GPT, train a few
     steps on synthetic data, so that every metric family the planner exports has samples.
-    Returns the daemons (stop them with stop())."""
+    keep_running: return while the deployment still runs (it is given many more steps), so
+    that the running deployments' families have samples too. Returns the daemons (stop them
+    with stop())."""
     ctl = [hapctl]
     os.environ["HAPCTL_SERVER"] = planner.address
     procs = []
@@ -147,7 +149,8 @@ def train_a_little(planner, hapctl, agent, executor, steps=3):
                          capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"FAIL: hapctl create plan: {out.stdout}{out.stderr}")
-    deploy = ["deploy", "plan", "deploy-test", "--steps", str(steps), "--data", "synthetic"]
+    deploy = ["deploy", "plan", "deploy-test", "--steps",
+              str(steps * 100000 if keep_running else steps), "--data", "synthetic"]
     for n in nodes:
         e, addr = start_daemon([executor, "--serve", "--planner", planner.address,
                                 "--listen", "127.0.0.1:0", "--device-id", f"{n}/cpu0"],
@@ -159,8 +162,10 @@ def train_a_little(planner, hapctl, agent, executor, steps=3):
         sys.exit(f"FAIL: hapctl deploy plan: {out.stdout}{out.stderr}")
     deadline = time.time() + 120
     while time.time() < deadline:
-        m = re.search(r"^hap_executor_steps_total (\S+)", planner.scrape(), re.M)
-        if m and float(m.group(1)) >= steps and "hap_training_loss{" in planner.scrape():
+        scraped = planner.scrape()
+        m = re.search(r"^hap_executor_steps_total (\S+)", scraped, re.M)
+        if (m and float(m.group(1)) >= steps and "hap_training_loss{" in scraped
+                and (not keep_running or "hap_deployment_step_seconds{" in scraped)):
             return procs
         time.sleep(0.5)
     sys.exit("FAIL: no training steps reached the planner")

@@ -1,4 +1,5 @@
-"""deploy/prometheus and deploy/grafana: promtool accepts the configuration and the rules;
+"""deploy/prometheus and deploy/grafana: promtool accepts the configuration and the rules, and
+the rules' unit tests (prometheus/hap-rules_test.yml) pass;
 the dashboard is well formed and every query names a metric that a live planner exports
 (after an agent, a plan and a few training steps); a real Prometheus with the local
 configuration scrapes that planner and answers hap_executor_step_seconds through its API."""
@@ -21,6 +22,8 @@ import deploy_testlib as lib
 DEPLOY = lib.deploy_dir()
 CONFIG = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
 RULES = os.path.join(DEPLOY, "prometheus", "hap-rules.yml")
+# promtool's unit tests of the alerts: each fires where it should and only there.
+RULES_TEST = os.path.join(DEPLOY, "prometheus", "hap-rules_test.yml")
 DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "hap-overview.json")
 DASHBOARD_UID = "hap-overview"  # links and provisioning rely on it: never change it
 METRIC = re.compile(r"\b((?:hap|grpc)_[a-z0-9_]+)\b")
@@ -29,7 +32,8 @@ LABELS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^
 
 
 def promtool_checks(promtool):
-    for args in (["check", "config", CONFIG], ["check", "rules", RULES]):
+    for args in (["check", "config", CONFIG], ["check", "rules", RULES],
+                 ["test", "rules", RULES_TEST]):
         out = subprocess.run([promtool] + args, capture_output=True, text=True)
         print(f"promtool {' '.join(args[:2])}: rc {out.returncode}\n{out.stdout}{out.stderr}", end="")
         assert out.returncode == 0, f"promtool {args} failed"
@@ -143,7 +147,8 @@ def main():
         # The local configuration scrapes the planner's default metrics address.
         assert targets == ["127.0.0.1:9464"], f"local scrape targets {targets}"
         procs = lib.train_a_little(planner, lib.binary("HAPCTL_BIN"),
-                                   lib.binary("HAP_AGENT_BIN"), lib.binary("HAP_EXECUTOR_BIN"))
+                                   lib.binary("HAP_AGENT_BIN"), lib.binary("HAP_EXECUTOR_BIN"),
+                                   keep_running=True)
         try:
             scraped = planner.scrape()
             exported = lib.metric_names(scraped)
@@ -156,6 +161,14 @@ def main():
             if lint.returncode != 0 or lint.stdout.strip() or lint.stderr.strip():
                 sys.exit("FAIL: promtool check metrics found problems in the planner's /metrics")
             print(f"planner exports: {' '.join(sorted(exported))}")
+            # The running deployment's step-time alert compares its own plan's prediction
+            # (the only plan here) with its measured step.
+            planned = re.findall(r"^hap_plan_predicted_step_seconds\{[^}]*\} (\S+)$", scraped, re.M)
+            deployed = re.findall(r"^hap_deployment_predicted_step_seconds\{[^}]*\} (\S+)$",
+                                  scraped, re.M)
+            measured = re.findall(r"^hap_deployment_step_seconds\{[^}]*\} (\S+)$", scraped, re.M)
+            assert len(planned) == 1 and deployed == planned, (planned, deployed)
+            assert len(measured) == 1 and float(measured[0]) > 0, measured
             missing = []
             for where, expr in queries + rules:
                 names = METRIC.findall(LABELS.sub(" ", expr))

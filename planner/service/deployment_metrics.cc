@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 
 #include "common/proto_time.h"
 #include "planner/service/core/deployments.h"
@@ -10,13 +11,10 @@ namespace hap::service {
 
 namespace v1 = ::hap::v1;
 
-std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<v1::Deployment> deployments,
-                                                    size_t max_rows) {
+std::vector<metrics::LabeledValue> DeploymentRows(
+    std::vector<v1::Deployment> deployments, size_t max_rows,
+    const std::function<std::optional<double>(const v1::Deployment&)>& value) {
   auto finished = [](const v1::Deployment& d) { return DeploymentFinal(d.state()); };
-  deployments.erase(
-      std::remove_if(deployments.begin(), deployments.end(),
-                     [](const v1::Deployment& d) { return d.steps_completed() <= 0; }),
-      deployments.end());
   // Unfinished by name, then finished ones, the latest to end first (an
   // older planner's record has no end_time: its create_time).
   auto key = [&](const v1::Deployment& d) {
@@ -29,9 +27,39 @@ std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<v1::Deployment> 
   std::vector<metrics::LabeledValue> rows;
   for (const v1::Deployment& d : deployments) {
     if (rows.size() >= max_rows) break;
-    rows.push_back({{d.name()}, d.last_loss()});
+    if (std::optional<double> v = value(d)) rows.push_back({{d.name()}, *v});
   }
   return rows;
+}
+
+std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<v1::Deployment> deployments,
+                                                    size_t max_rows) {
+  return DeploymentRows(std::move(deployments), max_rows,
+                        [](const v1::Deployment& d) -> std::optional<double> {
+                          if (d.steps_completed() <= 0) return std::nullopt;
+                          return d.last_loss();
+                        });
+}
+
+std::vector<metrics::LabeledValue> RecentStepRows(std::vector<v1::Deployment> deployments,
+                                                  size_t max_rows) {
+  return DeploymentRows(std::move(deployments), max_rows,
+                        [](const v1::Deployment& d) -> std::optional<double> {
+                          if (DeploymentFinal(d.state()) || d.recent_step_seconds() <= 0) {
+                            return std::nullopt;
+                          }
+                          return d.recent_step_seconds();
+                        });
+}
+
+std::vector<metrics::LabeledValue> PredictedStepRows(
+    std::vector<v1::Deployment> deployments, size_t max_rows,
+    const std::function<std::optional<double>(const std::string& plan)>& predicted) {
+  return DeploymentRows(std::move(deployments), max_rows,
+                        [&](const v1::Deployment& d) -> std::optional<double> {
+                          if (DeploymentFinal(d.state())) return std::nullopt;
+                          return predicted(d.plan());
+                        });
 }
 
 void LatestPerKey::Set(const std::string& key, double value) {

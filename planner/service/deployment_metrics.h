@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,11 +23,32 @@
 
 namespace hap::service {
 
-// hap_training_loss{deployment}: rank 0's latest loss of each deployment
-// that has reported a step; unfinished deployments first (by name), then
+// The rows of a per-deployment gauge: `value` of each deployment that has
+// one (nullopt: no row); unfinished deployments first (by name), then
 // finished ones, the latest to end first; at most `max_rows`.
+std::vector<metrics::LabeledValue> DeploymentRows(
+    std::vector<hap::v1::Deployment> deployments, size_t max_rows,
+    const std::function<std::optional<double>(const hap::v1::Deployment&)>& value);
+
+// hap_training_loss{deployment}: rank 0's latest loss of each deployment
+// that has reported a step (DeploymentRows' order and bound).
 std::vector<metrics::LabeledValue> TrainingLossRows(std::vector<hap::v1::Deployment> deployments,
                                                     size_t max_rows);
+
+// hap_deployment_step_seconds{deployment}: the slowest rank's median step
+// over its latest steps (Deployment.recent_step_seconds) of each
+// unfinished deployment that has reported steps. Finished ones have no
+// row: a step-time alert must not go on firing for a run that ended.
+std::vector<metrics::LabeledValue> RecentStepRows(std::vector<hap::v1::Deployment> deployments,
+                                                  size_t max_rows);
+
+// hap_deployment_predicted_step_seconds{deployment}: the predicted step of
+// each unfinished deployment's plan, `predicted(plan name)` (nullopt: a
+// plan not held or not done: no row). With RecentStepRows, what the alert
+// on steps slower than planned compares, deployment by deployment.
+std::vector<metrics::LabeledValue> PredictedStepRows(
+    std::vector<hap::v1::Deployment> deployments, size_t max_rows,
+    const std::function<std::optional<double>(const std::string& plan)>& predicted);
 
 // A gauge's latest value per key, for keys callers choose (hap_plan_
 // predicted_step_seconds{model}): at most `max_keys`, the least recently

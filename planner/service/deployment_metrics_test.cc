@@ -1,5 +1,7 @@
 #include "planner/service/deployment_metrics.h"
 
+#include <map>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -66,6 +68,45 @@ TEST(TrainingLossRowsTest, TheNewestDeploymentIsShownPastTheBound) {
   EXPECT_THAT(rows.front(), Pair("deployments/now", 9.0));
   EXPECT_THAT(rows[1], Pair("deployments/d1499", 1499.0));
   EXPECT_THAT(rows.back(), Pair("deployments/d501", 501.0));
+}
+
+// The step-time alert's two sides: running deployments only (a finished
+// one's series goes, and its alert resolves), each with its own plan's
+// prediction.
+TEST(RecentStepRowsTest, RunningDeploymentsThatReportedStepsOnly) {
+  std::vector<v1::Deployment> held = {
+      Made("deployments/b-run", v1::Deployment::RUNNING, 40, 1.0),
+      Made("deployments/done", v1::Deployment::SUCCEEDED, 100, 1.0, 1000),
+      Made("deployments/a-run", v1::Deployment::RUNNING, 25, 1.0),
+      Made("deployments/starting", v1::Deployment::RUNNING, 0, 0),
+  };
+  held[0].set_recent_step_seconds(0.5);
+  held[1].set_recent_step_seconds(9.0);
+  held[2].set_recent_step_seconds(2.0);
+  EXPECT_THAT(Flat(RecentStepRows(held, 100)),
+              ElementsAre(Pair("deployments/a-run", 2.0), Pair("deployments/b-run", 0.5)));
+  EXPECT_THAT(Flat(RecentStepRows(held, 1)), ElementsAre(Pair("deployments/a-run", 2.0)));
+}
+
+TEST(PredictedStepRowsTest, EachUnfinishedDeploymentsOwnPlanAndNoneForAPlanNotHeld) {
+  std::vector<v1::Deployment> held = {
+      Made("deployments/gpt-g1", v1::Deployment::RUNNING, 40, 1.0),
+      Made("deployments/vit-g3", v1::Deployment::PENDING, 0, 0),
+      Made("deployments/gone-g1", v1::Deployment::RUNNING, 3, 1.0),
+      Made("deployments/gpt-g0", v1::Deployment::FAILED, 10, 1.0, 1000),
+  };
+  held[0].set_plan("plans/gpt");
+  held[1].set_plan("plans/vit");
+  held[2].set_plan("plans/gone");
+  held[3].set_plan("plans/gpt");
+  const std::map<std::string, double> predicted = {{"plans/gpt", 0.25}, {"plans/vit", 1.5}};
+  auto lookup = [&](const std::string& plan) -> std::optional<double> {
+    auto it = predicted.find(plan);
+    if (it == predicted.end()) return std::nullopt;
+    return it->second;
+  };
+  EXPECT_THAT(Flat(PredictedStepRows(held, 100, lookup)),
+              ElementsAre(Pair("deployments/gpt-g1", 0.25), Pair("deployments/vit-g3", 1.5)));
 }
 
 TEST(LatestPerKeyTest, KeepsTheLatestValuePerKeyAndForgetsTheLeastRecentlySet) {

@@ -4,7 +4,9 @@
 #include <cctype>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -63,6 +65,9 @@ struct PlannerMetrics {
   metrics::Counter* job_steps_lost = nullptr;
 
   absl::Status Init(PlannerCore** core, PlannerServiceImpl** service) {
+    // The registry's bound on label sets, which the per-model and
+    // per-deployment families keep to themselves (their help says so).
+    const size_t max = metrics::MetricsRegistryOptions{}.max_label_sets_per_family;
     HAP_ASSIGN_OR_RETURN(started, registry.AddCounterFamily(
                                       "grpc_server_started_total",
                                       "RPCs started on the server.",
@@ -85,8 +90,9 @@ struct PlannerMetrics {
                                                "LP, lowering), in seconds."));
     HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
         "hap_plan_predicted_step_seconds",
-        "Predicted step time of the latest plan of each model (its graph's name, at most 64 "
-        "characters; the 1000 models planned most recently), in seconds.",
+        absl::StrCat("Predicted step time of the latest plan of each model (its graph's name, "
+                     "at most 64 characters; the ",
+                     max, " models planned most recently), in seconds."),
         {"model"}, [this] { return predicted.Rows(); }));
     HAP_ASSIGN_OR_RETURN(step_seconds,
                          registry.AddHistogram("hap_executor_step_seconds",
@@ -95,12 +101,35 @@ struct PlannerMetrics {
     // From the deployments held at each scrape (deployment_metrics.h).
     HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
         "hap_training_loss",
-        "Latest training loss reported by rank 0, per deployment the planner holds (running "
-        "ones, then finished ones by end time, at most 1000).",
-        {"deployment"},
-        [service, max = metrics::MetricsRegistryOptions{}.max_label_sets_per_family] {
+        absl::StrCat("Latest training loss reported by rank 0, per deployment the planner holds "
+                     "(running ones, then finished ones by end time, at most ",
+                     max, ")."),
+        {"deployment"}, [service, max] {
           if (!*service) return std::vector<metrics::LabeledValue>{};
           return TrainingLossRows((*service)->Deployments(), max);
+        }));
+    // The alert on steps slower than planned compares these two, deployment
+    // by deployment (deploy/prometheus/hap-rules.yml).
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_deployment_step_seconds",
+        "Measured step time of each running deployment: the slowest rank's median over its "
+        "latest 20 steps, in seconds.",
+        {"deployment"}, [service, max] {
+          if (!*service) return std::vector<metrics::LabeledValue>{};
+          return RecentStepRows((*service)->Deployments(), max);
+        }));
+    HAP_RETURN_IF_ERROR(registry.AddCallbackGaugeFamily(
+        "hap_deployment_predicted_step_seconds",
+        "Predicted step time of each running deployment's plan, in seconds.", {"deployment"},
+        [service, core, max] {
+          if (!*service || !*core) return std::vector<metrics::LabeledValue>{};
+          return PredictedStepRows((*service)->Deployments(), max,
+                                   [core](const std::string& plan) -> std::optional<double> {
+                                     auto p = (*core)->GetPlanSnapshot(plan);
+                                     if (!p.ok() || (*p)->prediction().step_seconds() <= 0)
+                                       return std::nullopt;
+                                     return (*p)->prediction().step_seconds();
+                                   });
         }));
     HAP_ASSIGN_OR_RETURN(
         finished, registry.AddCounterFamily(
