@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
 #include "executor/cli/netns_testbed.h"
 
 namespace {
@@ -92,10 +93,11 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : Fail(std::string(s.message()));
   }
   if (cmd == "clean") {
-    auto removed = hap::netns::RemoveStale(options);
-    if (!removed.ok()) return Fail(std::string(removed.status().message()));
-    for (const std::string& ns : *removed) std::cout << "removed " << ns << "\n";
-    return std::cout.flush() ? 0 : Fail("cannot write to stdout");
+    const hap::netns::StaleRemoval stale = hap::netns::RemoveStale(options);
+    for (const std::string& ns : stale.removed) std::cout << "removed " << ns << "\n";
+    if (!std::cout.flush()) return Fail("cannot write to stdout");
+    if (!stale.failed.empty()) return Fail(absl::StrJoin(stale.failed, "\n"));
+    return 0;
   }
   if (cmd == "list") {
     for (const std::string& ns : hap::netns::ListNamespaces(options)) std::cout << ns << "\n";

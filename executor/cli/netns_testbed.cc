@@ -389,11 +389,14 @@ absl::StatusOr<std::unique_ptr<Testbed>> Testbed::Create(const NetworkSpec& spec
       }
     }
   }
-  auto stale = RemoveStale(options);
-  if (!stale.ok()) return stale.status();
-  for (const std::string& ns : *stale) {
+  // A stale set that cannot be removed is named, not fatal: this one is
+  // made in namespaces of its own beside it (every later launch failed
+  // until someone removed it by hand).
+  const StaleRemoval stale = RemoveStale(options);
+  for (const std::string& ns : stale.removed) {
     std::cerr << "network testbed: removed " << ns << ", left by a run that is gone\n";
   }
+  for (const std::string& why : stale.failed) std::cerr << "network testbed: " << why << "\n";
   std::unique_ptr<Testbed> t(new Testbed(spec, std::move(options)));
   const std::string sw = t->SwitchNamespace();
   if (std::filesystem::exists(t->options_.netns_dir + "/" + sw)) {
@@ -586,13 +589,19 @@ std::vector<std::string> ListNamespaces(const TestbedOptions& options) {
   return out;
 }
 
-absl::StatusOr<std::vector<std::string>> RemoveStale(const TestbedOptions& options) {
-  std::vector<std::string> removed;
+StaleRemoval RemoveStale(const TestbedOptions& options) {
+  StaleRemoval out;
+  std::set<pid_t> kept;  // owners with a namespace that could not be removed
   for (const std::string& ns : ListNamespaces(options)) {
     const pid_t owner = OwnerOf(options, ns);
     if (owner <= 0 || !OwnerGone(options, owner)) continue;
-    HAP_RETURN_IF_ERROR(RemoveNamespace(options, ns));
-    removed.push_back(ns);
+    if (absl::Status s = RemoveNamespace(options, ns); !s.ok()) {
+      out.failed.push_back(absl::StrCat("could not remove ", ns, " (left by a run that is gone): ",
+                                        s.message(), "; remove it with `ip netns del ", ns, "`"));
+      kept.insert(owner);
+      continue;
+    }
+    out.removed.push_back(ns);
   }
   // State files whose owner is gone (namespaces removed above or never made).
   std::error_code ec;
@@ -604,9 +613,9 @@ absl::StatusOr<std::vector<std::string>> RemoveStale(const TestbedOptions& optio
         !absl::ConsumeSuffix(&rest, ".state") || !absl::SimpleAtoi(rest, &pid)) {
       continue;
     }
-    if (OwnerGone(options, pid)) std::filesystem::remove(e.path(), ec);
+    if (!kept.count(pid) && OwnerGone(options, pid)) std::filesystem::remove(e.path(), ec);
   }
-  return removed;
+  return out;
 }
 
 absl::Status RemoveOwned(const TestbedOptions& options) {

@@ -153,9 +153,18 @@ absl::Status EnterNamespace(const std::string& name,
 // The namespaces of the prefix now present, sorted.
 std::vector<std::string> ListNamespaces(const TestbedOptions& options);
 
-// Removes every set of the prefix whose owner is gone; returns the
-// namespaces removed.
-absl::StatusOr<std::vector<std::string>> RemoveStale(const TestbedOptions& options);
+// What RemoveStale did: the namespaces removed, and one message per
+// namespace that could not be (naming it and why). Sets are independent
+// (each lives in its own namespaces, nothing in the host's), so one that
+// cannot be removed does not stop a new one being made beside it.
+struct StaleRemoval {
+  std::vector<std::string> removed;
+  std::vector<std::string> failed;
+};
+
+// Removes every set of the prefix whose owner is gone, as far as it can;
+// an owner's state file stays while any of its namespaces does.
+StaleRemoval RemoveStale(const TestbedOptions& options);
 
 // Removes the set of `options.owner` whatever its state (hap-netns down).
 absl::Status RemoveOwned(const TestbedOptions& options);
