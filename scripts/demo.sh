@@ -29,7 +29,7 @@
 #   --model NAME        zoo model [gpt]; --layers/--hidden/--heads/--ffn/--seq/--batch
 #                       size it [2/64/4/256/32/16]
 #   --data wikitext|synthetic [wikitext, from $HAP_DATA_DIR or ../shared/data]
-#   --checkpoint-dir DIR  checkpoints go to DIR/run-DATE-TIME [demo-checkpoints]
+#   --checkpoint-dir DIR  checkpoints go to DIR/run-DATE-TIME-PID [demo-checkpoints]
 #   --network SPEC      each rank a node of the network testbed (README "The network
 #                       testbed"; root): a network namespace whose links are shaped,
 #                       e.g. "between=1gbit pair=0-1:300mbit"; the planner and hapctl
@@ -273,7 +273,9 @@ if [ -n "$NETWORK" ]; then
   fi
 fi
 
-echo "x" >"$STATE/token"
+# Private (0600): the planner, agents and hapctl warn about a token file every
+# user can read.
+(umask 077 && echo "x" >"$STATE/token")
 if [ -n "$NETNS" ]; then
   PLANNER="10.213.0.254:7070" METRICS="10.213.0.254:9464"  # a fresh namespace: both free
 else
