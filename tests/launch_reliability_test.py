@@ -1,6 +1,6 @@
 """hap-launch on every way a launch ends: a rank that fails (named with its
 exit code or signal), a rank that will not stop (killed after the grace
-period), SIGTERM to the launcher, --deadline, the launcher killed outright (its ranks die
+period, --grace-seconds), SIGTERM to the launcher, a closed standard error, --deadline, the launcher killed outright (its ranks die
 with it; its rendezvous directory and cgroups removed by name at the next
 start), standard output or a checkpoint directory that cannot be written,
 an executor that is missing or found through PATH, --pin-cores under
@@ -150,6 +150,44 @@ class LaunchReliabilityTest(unittest.TestCase):
         self.assertIn("rank 1 was killed by SIGKILL", text)
         self.assertIn("rank 0 did not stop within 5 s of SIGTERM; killing it", text)
         self.assertEqual(wait_gone(pids), [])
+
+    def test_the_grace_period_is_grace_seconds(self):
+        """The 5 s between SIGTERM and SIGKILL was fixed: a deployment whose
+        ranks need longer to stop (or a test that wants it shorter) could not
+        say so."""
+        p, out = self.start("ignore-term:0", "--grace-seconds", "0.5")
+        pids = self.rank_pids()
+        os.kill(pids[1], signal.SIGKILL)
+        rc, text = self.finish(p, out)
+        self.assertEqual(rc, 1, text)
+        self.assertIn("rank 0 did not stop within 0.5 s of SIGTERM; killing it", text)
+        self.assertEqual(wait_gone(pids), [])
+        # hap-launch's own flag: not passed on to the executor.
+        self.assertNotIn("--grace-seconds", open(os.path.join(self.fake_dir, "argv0")).read())
+        for bad in ("0", "0.05", "3601", "x", "nan"):
+            r = subprocess.run([LAUNCH, "--plan", self.plan, "--executor", self.fake,
+                                "--grace-seconds", bad], capture_output=True, text=True,
+                               timeout=30)
+            self.assertEqual(r.returncode, 2, (bad, r.stderr))
+            self.assertIn("--grace-seconds must be seconds in [0.1, 3600]", r.stderr)
+
+    def test_a_closed_standard_error_does_not_kill_the_launcher(self):
+        """`hap-launch ... 2>&1 | head -1`: the launcher's first message to a
+        closed pipe killed it with SIGPIPE before it had stopped the ranks or
+        removed its rendezvous directory (left to the next start). Now the
+        write fails, and the launch ends as it would have, cleaned up."""
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # nobody reads: every write is EPIPE
+        env = dict(os.environ, FAKE_DIR=self.fake_dir, FAKE_MODE="exit3:1")
+        p = subprocess.Popen([LAUNCH, "--plan", self.plan, "--executor", self.fake],
+                             stdout=write_end, stderr=write_end, env=env)
+        os.close(write_end)
+        self.addCleanup(lambda: p.poll() is None and p.kill())
+        pids = self.rank_pids()
+        rc = p.wait(timeout=60)
+        self.assertEqual(rc, 1, "killed by SIGPIPE" if rc == -signal.SIGPIPE else rc)
+        self.assertEqual(wait_gone(pids), [])
+        self.assertEqual(glob.glob(f"/tmp/hap-rendezvous-{p.pid}-*"), [])
 
     def test_sigterm_to_the_launcher_stops_every_rank_and_says_so(self):
         """SIGTERM to the launcher: ranks that ignore it are killed after the

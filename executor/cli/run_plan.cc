@@ -114,7 +114,8 @@ hap-executor --serve --help).
 constexpr char kLaunchUsage[] =
     R"(usage: hap-launch --plan PLAN.pb [--executor PATH] [--cpu-shares F,F,...]
                   [--cpu-period-us US] [--pin-cores] [--device cpu|cuda|cuda:N]
-                  [--network SPEC] [--deadline SECONDS] [hap-executor flags]
+                  [--network SPEC] [--deadline SECONDS] [--grace-seconds S]
+                  [hap-executor flags]
 
 Starts one hap-executor per rank of the plan on this machine, with a fresh
 rendezvous directory, waits for them and stops the rest when one fails.
@@ -122,8 +123,12 @@ hap-executor's flags are passed on, but --rank, --world and --rendezvous,
 which hap-launch sets for each rank. The executor is --executor, else the
 hap-executor next to hap-launch.
 A rank that fails is named with its exit code or signal and the others are
-stopped (SIGTERM, then SIGKILL after 5 s): exit 1. SIGINT, SIGTERM or
-SIGHUP to hap-launch stop the ranks the same way: exit 128 + the signal.
+stopped (SIGTERM, then SIGKILL after --grace-seconds: default 5,
+0.1-3600): exit 1.
+SIGINT, SIGTERM or SIGHUP to hap-launch stop the ranks the same way: exit
+128 + the signal. A closed standard error (`hap-launch ... 2>&1 | head`)
+does not kill hap-launch: it still stops the ranks and removes what it
+made.
 --deadline SECONDS bounds the whole run (0.001-1e9; default none): past it
 the ranks are stopped the same way and hap-launch exits 124, as timeout(1)
 does (hap-executor's --timeout bounds only each wait for a peer).
@@ -173,7 +178,8 @@ const std::set<std::string> kValueFlags = {"plan",
                                            "network",
                                            "gloo-host",
                                            "overlap",
-                                           "deadline"};
+                                           "deadline",
+                                           "grace-seconds"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
   // An empty file parses as a plan of nothing (hap-launch ran no rank).
@@ -575,10 +581,11 @@ absl::StatusOr<netns::NetworkSpec> NetworkForPlan(const std::string& text, const
   return spec;
 }
 
-// How long a rank told to stop (SIGTERM) has before it is killed (SIGKILL):
-// a rank stopped, hung in a kernel or ignoring SIGTERM held the launcher
-// (and its cgroups and namespaces) forever.
-constexpr int kStopGraceSeconds = 5;
+// How long a rank told to stop (SIGTERM) has before it is killed (SIGKILL),
+// by default (--grace-seconds): a rank stopped, hung in a kernel or
+// ignoring SIGTERM held the launcher (and its cgroups and namespaces)
+// forever.
+constexpr double kStopGraceSeconds = 5;
 constexpr char kCgroupRoot[] = "/sys/fs/cgroup/cpu";
 constexpr char kRendezvousDir[] = "/tmp";
 constexpr char kRendezvousPrefix[] = "hap-rendezvous-";
@@ -655,12 +662,19 @@ class LaunchSignals {
     wake_ = stop_;
     sigaddset(&wake_, SIGCHLD);
     sigprocmask(SIG_BLOCK, &wake_, &old_);
+    // A write to a closed pipe (standard error read by `head`, a log
+    // shipper gone) killed hap-launch before it had stopped its ranks and
+    // removed what it made; now that write fails and the launch goes on.
+    struct sigaction ignore = {};
+    ignore.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &ignore, &old_pipe_);
   }
   ~LaunchSignals() {
     // A stop signal that came is taken: it must not end hap-launch now.
     while (Pending() != 0) {
     }
     sigprocmask(SIG_SETMASK, &old_, nullptr);
+    sigaction(SIGPIPE, &old_pipe_, nullptr);
   }
   LaunchSignals(const LaunchSignals&) = delete;
   LaunchSignals& operator=(const LaunchSignals&) = delete;
@@ -680,11 +694,16 @@ class LaunchSignals {
     const int sig = sigtimedwait(&wake_, nullptr, &t);
     return sig > 0 && sigismember(&stop_, sig) ? sig : 0;
   }
-  // In a forked rank, before exec: the signal mask hap-launch started with.
-  void RestoreInChild() const { sigprocmask(SIG_SETMASK, &old_, nullptr); }
+  // In a forked rank, before exec: the signal mask and SIGPIPE's action
+  // hap-launch started with.
+  void RestoreInChild() const {
+    sigprocmask(SIG_SETMASK, &old_, nullptr);
+    sigaction(SIGPIPE, &old_pipe_, nullptr);
+  }
 
  private:
   sigset_t stop_, wake_, old_;
+  struct sigaction old_pipe_ = {};
 };
 
 // Signal names for messages: "SIGSEGV (Segmentation fault)".
@@ -728,11 +747,12 @@ struct LaunchResources {
 // Waits for the ranks (pids[r] is rank r; 0 for one never started). The
 // first that fails is named with its exit code or signal and the others are
 // told to stop (SIGTERM); a stop signal to hap-launch does the same. Ranks
-// still there kStopGraceSeconds later are killed. Returns hap-launch's exit
+// still there `grace_seconds` later are killed. Returns hap-launch's exit
 // code: 128 + the signal when stopped by one, 124 when `deadline` passed
 // first, 1 when a rank failed, else 0.
 int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int stop_signal,
-                 absl::Time deadline = absl::InfiniteFuture(), double deadline_seconds = 0) {
+                 double grace_seconds, absl::Time deadline = absl::InfiniteFuture(),
+                 double deadline_seconds = 0) {
   std::vector<bool> running(pids.size());
   size_t left = 0;
   for (size_t r = 0; r < pids.size(); ++r) {
@@ -747,7 +767,7 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
     for (size_t r = 0; r < pids.size(); ++r) {
       if (running[r]) kill(pids[r], SIGTERM);
     }
-    kill_at = absl::Now() + absl::Seconds(kStopGraceSeconds);
+    kill_at = absl::Now() + absl::Seconds(grace_seconds);
   };
   if (stop_signal != 0) stop_all();
   auto stop_by = [&](int sig) {
@@ -786,7 +806,7 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
     if (kill_at && absl::Now() >= *kill_at) {
       for (size_t r = 0; r < pids.size(); ++r) {
         if (!running[r]) continue;
-        std::cerr << "hap-launch: rank " << r << " did not stop within " << kStopGraceSeconds
+        std::cerr << "hap-launch: rank " << r << " did not stop within " << grace_seconds
                   << " s of SIGTERM; killing it\n";
         kill(pids[r], SIGKILL);
       }
@@ -871,6 +891,16 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     }
     deadline_seconds = *d;
   }
+  double grace_seconds = kStopGraceSeconds;
+  if (a->Has("grace-seconds")) {
+    auto g = a->Number("grace-seconds", 0);
+    if (!g.ok() || !(*g >= 0.1 && *g <= 3600)) {
+      std::cerr << "error: --grace-seconds must be seconds in [0.1, 3600], got '"
+                << a->Get("grace-seconds") << "'\n";
+      return 2;
+    }
+    grace_seconds = *g;
+  }
   // From the start: making the testbed and cgroups counts too.
   const absl::Time deadline =
       deadline_seconds > 0 ? absl::Now() + absl::Seconds(deadline_seconds) : absl::InfiniteFuture();
@@ -944,8 +974,8 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   for (size_t i = 0; i < argv.size(); ++i) {
     // hap-launch's own flags, --flag VALUE or --flag=VALUE, stay here.
     bool own = false;
-    for (const std::string f :
-         {"--executor", "--cpu-shares", "--cpu-period-us", "--network", "--deadline"}) {
+    for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us", "--network",
+                                "--deadline", "--grace-seconds"}) {
       if (argv[i] == f) {
         ++i;  // and its value
         own = true;
@@ -1086,13 +1116,13 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     stop_signal = signals.Pending();
   }
   if (stop_signal == -1) {  // fork failed: the started ranks are stopped
-    WaitForRanks(pids, signals, SIGTERM);
+    WaitForRanks(pids, signals, SIGTERM, grace_seconds);
     return 1;
   }
   if (stop_signal != 0) {
     std::cerr << "hap-launch: " << SignalName(stop_signal) << ": stopping the ranks\n";
   }
-  return WaitForRanks(pids, signals, stop_signal, deadline, deadline_seconds);
+  return WaitForRanks(pids, signals, stop_signal, grace_seconds, deadline, deadline_seconds);
 }
 
 }  // namespace hap::executor
