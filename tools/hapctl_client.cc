@@ -484,6 +484,10 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
   o->mutable_budget()->set_max_seconds(ms);
   std::string opt = a.Get("optimizer", "momentum");
+  if (opt != "sgd" && opt != "momentum" && opt != "adam") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt, "'"));
+  }
   o->mutable_optimizer()->set_kind(opt == "adam" ? v1::OptimizerConfig::ADAM
                                                  : v1::OptimizerConfig::SGD);
   if (opt == "momentum") o->mutable_optimizer()->set_momentum(0.9);

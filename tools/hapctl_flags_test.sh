@@ -51,4 +51,14 @@ for cmd in "delete things d" "cancel job j" "stop plan p" "describe node n" \
     || fail "$cmd: $out"
   echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd called the server: $out"
 done
+# create plan and create job take the optimizer as hapctl plan does:
+# anything but sgd, momentum or adam is refused before any call (it was
+# sent as plain SGD, a typo such as 'adamw' planning without Adam state).
+for cmd in "create plan" "create job --id j --checkpoint-dir /tmp/x"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --model mlp --optimizer adamw --server 127.0.0.1:1 --timeout 3 2>&1)" \
+    && fail "$cmd --optimizer adamw exited 0: $out"
+  echo "$out" | grep -q "optimizer must be sgd, momentum or adam, got 'adamw'" \
+    || fail "$cmd --optimizer adamw: $out"
+done
 echo PASS
