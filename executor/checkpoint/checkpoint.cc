@@ -875,6 +875,13 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     r.rank = comm.rank();
     r.programs = programs;
     r.trainer = trainer;
+    HAP_ASSIGN_OR_RETURN(StateDictExtras extras, ParseStateDictExtras(trainer.state_dict_extras()));
+    for (const auto& [name, per_step] : extras.counters) {
+      auto start = trainer.num_batches_tracked().find(name);
+      (*r.trainer.mutable_num_batches_tracked())[name] =
+          (start == trainer.num_batches_tracked().end() ? 0 : start->second) +
+          (done - trainer.step()) * per_step;
+    }
     r.trainer.set_step(done);
     r.trainer.set_samples_seen(done * trainer.global_batch());
     HAP_ASSIGN_OR_RETURN(std::vector<ParameterShard> state, runner.PersistentState());

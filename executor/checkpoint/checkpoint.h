@@ -128,24 +128,46 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json);
 // How the model's state_dict differs from the graph's parameters beyond
 // slices, recorded by the exporter under kStateDictExtrasKey as JSON:
 //   {"aliases": {"head.weight": "emb.weight"}, "constants": ["const.mul"],
-//    "unheld": ["bn.num_batches_tracked"]}
+//    "counters": {"bn.num_batches_tracked": {"per_step": 1, "value": 0}},
+//    "folded": {"mask": {"dtype": "F32", "shape": [4],
+//                        "runs": [[3, "0000803f"], [1, "00000000"]]}},
+//    "unheld": ["unused.weight"]}
 // `aliases`: further names of a tensor PyTorch holds under several (tied
 // weights) -> the name the graph holds it under (a parameter or a slice
 // source); exports write a copy under each, weights files may carry them
-// (equal to the tensor they name). `constants`: graph parameters that are
-// the exporter's constants, not state_dict entries (left out of exports).
-// `unheld`: state_dict entries the graph does not hold (buffers folded into
-// constants, num_batches_tracked, unused parameters): weights files may
-// carry them; they are not read, and exports cannot write them.
+// (equal to the tensor they name) or carry only them. `constants`: graph
+// parameters that are the exporter's constants, not state_dict entries
+// (left out of exports). `counters`: BatchNorm's num_batches_tracked ->
+// forwards of its module per step (`value`, the module's at export, is the
+// exporter's --weights'; TrainerState.num_batches_tracked counts
+// them; exports write them as I64 scalars; weights files may carry the
+// start value). `folded`: buffers the exporter folded into the graph's
+// constants (through a slice, a comparison...), with their values: row-major
+// runs of equal elements, [count, the element's little-endian bytes in
+// hex]; exports write them, weights files may carry them with these values
+// (other values are refused: the graph was built from these). `unheld`:
+// state_dict entries the graph does not hold and the exporter could not
+// record (parameters forward does not use, buffers of other dtypes or too
+// many runs): weights files may carry them; they are not read, and exports
+// cannot write them.
 inline constexpr char kStateDictExtrasKey[] = "hap.state_dict_extras";
+struct FoldedBuffer {
+  DType dtype = DType::kFloat32;
+  Shape shape;
+  std::string bytes;  // row-major, little-endian
+};
 struct StateDictExtras {
   std::map<std::string, std::string> aliases;
   std::set<std::string> constants;
+  std::map<std::string, int64_t> counters;  // per step
+  std::map<std::string, FoldedBuffer> folded;
   std::vector<std::string> unheld;
 };
 // The parsed JSON (empty parts for an empty string or missing keys);
 // InvalidArgument naming what is malformed.
 absl::StatusOr<StateDictExtras> ParseStateDictExtras(const std::string& json);
+// The graph's (empty parts without the key).
+absl::StatusOr<StateDictExtras> GraphStateDictExtras(const graph::Graph& g);
 
 // Where tensors come from: a checkpoint, or a weights file.
 class TensorSource {
@@ -199,15 +221,24 @@ class CheckpointReader : public TensorSource {
 // exporter's --weights, `hapctl checkpoint export`).
 class WeightsReader : public TensorSource {
  public:
-  // `slices`: graph parameters read from a slice of a tensor of the file.
+  // `slices`: graph parameters read from a slice of a tensor of the file;
+  // `extras.aliases`: a tensor the file holds only under a further name of
+  // it (GPT-2's lm_head.weight without transformer.wte.weight) is read from
+  // that name.
   static absl::StatusOr<std::unique_ptr<WeightsReader>> Open(const std::string& path,
-                                                            StateDictSlices slices = {});
+                                                             StateDictSlices slices = {},
+                                                             StateDictExtras extras = {});
+  // --init-weights FILE for `g`: Open with the graph's slices and extras,
+  // then CheckGraph.
+  static absl::StatusOr<std::unique_ptr<WeightsReader>> OpenFor(const std::string& path,
+                                                                const graph::Graph& g);
   const SafetensorsFile& file() const { return *file_; }
   // OK when the file holds exactly the graph's parameters with their shapes
   // and dtypes (besides the graph's kStateDictExtrasKey aliases, each equal
-  // to the tensor it names, and unheld entries, ignored); else
-  // FailedPrecondition listing the missing, the extra and the mismatched
-  // names.
+  // to the tensor it names or standing in for it, counters as I64 scalars,
+  // folded buffers with the recorded values, and unheld entries, ignored);
+  // else FailedPrecondition listing the missing, the extra and the
+  // mismatched names.
   absl::Status CheckGraph(const graph::Graph& g) const;
   bool Has(const std::string& name) const override;
   absl::Status Read(const std::string& name, const Shape& global,
@@ -215,9 +246,22 @@ class WeightsReader : public TensorSource {
 
  private:
   WeightsReader() = default;
+  // The name the file holds `name` (a graph parameter or a slice source)
+  // under: itself, else a further name of it (an alias) the file holds.
+  std::string FileName(const std::string& name) const;
   std::unique_ptr<SafetensorsFile> file_;
   StateDictSlices slices_;
+  StateDictExtras extras_;
 };
+
+// Sets `trainer`'s num_batches_tracked to the values the counters of its
+// state_dict_extras (set before) start from at step trainer.step() (set to
+// the run's first step): the resumed checkpoint's (`resumed`: its trainer
+// state; a checkpoint written without them counts from 0 at step 0), else
+// the --init-weights file's (`weights`; 0 where it lacks one), else 0.
+// SaveHook advances them by the counters' per-step forwards.
+absl::Status SetStartCounters(const hap::v1::TrainerState* resumed, const WeightsReader* weights,
+                              hap::v1::TrainerState* trainer);
 
 // Restores the runner's parameters and optimizer state from `source`.
 // Optimizer state missing from the source starts at zero when
@@ -238,7 +282,9 @@ struct CheckpointPolicy {
 // TrainOptions::after_step for `policy`: after step counts that are
 // multiples of `every`, and after `last_step`, saves through
 // SaveCheckpoint. `trainer` is the run's state; its step and samples_seen
-// (step * global_batch) are set per save. `programs` must outlive the hook.
+// (step * global_batch) are set per save, and its num_batches_tracked,
+// given at trainer.step() (SetStartCounters), advanced to that step.
+// `programs` must outlive the hook.
 // `on_saved` (optional) is told each committed directory. `world`
 // (optional) is the communicator of every rank of `programs` when the
 // runner's own is narrower (a pipeline stage's group): the save is

@@ -504,6 +504,186 @@ TEST(CheckpointTest, StateDictExtrasTiedNamesConstantsAndUnheld) {
                                  "values in the file)")));
 }
 
+// A weights file holding a tied tensor only under its further name (GPT-2's
+// lm_head.weight without transformer.wte.weight) starts the run with it
+// when the graph records the tie; without the record it is missing.
+TEST(CheckpointTest, AWeightsFileHoldingOnlyTheTiedNameIsReadThroughIt) {
+  auto base = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", 24}, {"input", 24}, {"classes", 5}, {"batch", 9}});
+  ASSERT_TRUE(base.ok()) << base.status();
+  v1::Graph proto = graph::ToProto(*base);
+  (*proto.mutable_metadata())[kStateDictExtrasKey] =
+      R"({"aliases": {"head.weight": "layer0/fc/weight"}})";
+  auto g = graph::FromProto(proto);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const std::string dir = Fresh("tied_only");
+  fs::create_directories(dir);
+  auto programs = Programs(*g, 2, "tp");
+  TrainOptions one;
+  one.steps = 1;
+  auto trained = Train(*g, programs, one);
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  auto whole = AssembleParameters({(*trained)[0].parameters, (*trained)[1].parameters});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, t] : *whole) {
+    entries.push_back({name == "layer0/fc/weight" ? "head.weight" : name, t.view()});
+  }
+  const std::string in = dir + "/tied_only.safetensors";
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  EXPECT_THAT(WeightsReader::Open(in).value()->CheckGraph(*base),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("missing: layer0/fc/weight"),
+                             HasSubstr("not in the model: head.weight"))));
+  auto weights = WeightsReader::OpenFor(in, *g);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  TrainOptions init;
+  init.steps = 1;
+  init.initialize = InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(*weights)), &*g);
+  auto again = Train(*g, programs, init);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto started = AssembleParameters({(*again)[0].parameters, (*again)[1].parameters});
+  ASSERT_TRUE(started.ok());
+  // One SGD step from the file's values, not from the initialiser's: the
+  // first loss is the one a run from the whole file has.
+  auto named = WeightsReader::Open(
+      in, {}, ParseStateDictExtras(R"({"aliases": {"head.weight": "layer0/fc/weight"}})").value());
+  ASSERT_TRUE(named.ok());
+  EXPECT_TRUE((*named)->Has("layer0/fc/weight"));
+  std::vector<SafetensorsEntry> both = entries;
+  both.push_back({"layer0/fc/weight", whole->at("layer0/fc/weight").view()});
+  const std::string full = dir + "/full.safetensors";
+  ASSERT_TRUE(WriteSafetensors(full, both, {}).ok());
+  auto full_weights = WeightsReader::OpenFor(full, *g);
+  ASSERT_TRUE(full_weights.ok()) << full_weights.status();
+  init.initialize = InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(*full_weights)), &*g);
+  auto reference = Train(*g, programs, init);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_EQ((*again)[0].losses[0], (*reference)[0].losses[0]);
+  EXPECT_NE((*again)[0].losses[0], (*trained)[0].losses[0]);
+}
+
+// BatchNorm's num_batches_tracked (extras "counters": forwards per step)
+// starts from the weights file's value, advances by its forwards per step,
+// is kept in trainer.json, continues on resume and is written by the export
+// as an I64 scalar; a buffer folded into constants (extras "folded") is
+// written with its recorded values and refused from a weights file with
+// other values.
+TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExports) {
+  auto base = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", 24}, {"input", 24}, {"classes", 5}, {"batch", 9}});
+  ASSERT_TRUE(base.ok()) << base.status();
+  // mask: F32[2, 3] = 1 1 1 1 0 0 (runs of 4 ones, 2 zeros).
+  const std::string json = R"({"counters": {"bn.num_batches_tracked": {"per_step": 2, "value": 3},)"
+                           R"( "idle.num_batches_tracked": {"per_step": 0}},)"
+                           R"( "folded": {"mask": {"dtype": "F32", "shape": [2, 3],)"
+                           R"( "runs": [[4, "0000803f"], [2, "00000000"]]}}})";
+  auto extras = ParseStateDictExtras(json);
+  ASSERT_TRUE(extras.ok()) << extras.status();
+  EXPECT_EQ(extras->counters.at("bn.num_batches_tracked"), 2);
+  ASSERT_EQ(extras->folded.at("mask").bytes.size(), 24u);
+  for (const char* bad :
+       {R"({"counters": {"c": {"per_step": -1}}})", R"({"counters": {"c": 1}})",
+        R"({"folded": {"m": {"dtype": "F32", "shape": [2],)"
+        R"( "runs": [[3, "0000803f"]]}}})",
+        R"({"folded": {"m": {"dtype": "F32", "shape": [1], "runs": [[1, "00803f"]]}}})",
+        R"({"folded": {"m": {"dtype": "BOOL", "shape": [1], "runs": [[1, "01"]]}}})"}) {
+    EXPECT_THAT(ParseStateDictExtras(bad).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(kStateDictExtrasKey)))
+        << bad;
+  }
+  v1::Graph proto = graph::ToProto(*base);
+  (*proto.mutable_metadata())[kStateDictExtrasKey] = json;
+  auto g = graph::FromProto(proto);
+  ASSERT_TRUE(g.ok()) << g.status();
+
+  // A state_dict file: the parameters, bn.num_batches_tracked = 7 (idle's
+  // left out: 0), the mask as recorded.
+  const std::string dir = Fresh("counters");
+  fs::create_directories(dir);
+  std::map<std::string, HostTensor> params;
+  for (graph::TensorId id : g->Parameters()) {
+    const graph::Tensor& t = g->tensor(id);
+    HostTensor h(t.type.dtype, t.type.shape);
+    for (int64_t i = 0; i < h.view().num_elements(); ++i) h.as<float>()[i] = 0.01f * (i % 7);
+    params.try_emplace(t.name, std::move(h));
+  }
+  HostTensor counter(DType::kInt64, Shape{});
+  counter.as<int64_t>()[0] = 7;
+  HostTensor mask(DType::kFloat32, Shape{2, 3});
+  std::memcpy(mask.data(), extras->folded.at("mask").bytes.data(), 24);
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, t] : params) entries.push_back({name, t.view()});
+  entries.push_back({"bn.num_batches_tracked", counter.view()});
+  entries.push_back({"mask", mask.view()});
+  const std::string in = dir + "/state_dict.safetensors";
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  auto weights = WeightsReader::OpenFor(in, *g);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  std::shared_ptr<WeightsReader> w(std::move(*weights));
+
+  auto programs = Programs(*g, 2, "tp");
+  v1::TrainerState trainer;
+  trainer.set_global_batch(9);
+  trainer.set_state_dict_extras(json);
+  ASSERT_TRUE(SetStartCounters(nullptr, w.get(), &trainer).ok());
+  EXPECT_EQ(trainer.num_batches_tracked().at("bn.num_batches_tracked"), 7);
+  const std::string ckpt = dir + "/ckpt";
+  TrainOptions to;
+  to.steps = 3;
+  to.initialize = InitWeightsHook(w, &*g);
+  to.after_step = SaveHook({ckpt, 0, 3, 3}, &programs, trainer);
+  ASSERT_TRUE(Train(*g, programs, to).ok());
+  auto reader = CheckpointReader::Open(ckpt);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->trainer().step(), 3);
+  EXPECT_EQ((*reader)->trainer().num_batches_tracked().at("bn.num_batches_tracked"), 7 + 3 * 2);
+  EXPECT_EQ((*reader)->trainer().num_batches_tracked().at("idle.num_batches_tracked"), 0);
+
+  // Resumed to step 5: the counter continues.
+  v1::TrainerState again = trainer;
+  ASSERT_TRUE(SetStartCounters(&(*reader)->trainer(), nullptr, &again).ok());
+  EXPECT_EQ(again.step(), 3);
+  TrainOptions resume;
+  resume.first_step = 3;
+  resume.steps = 2;
+  resume.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &*g);
+  resume.after_step = SaveHook({ckpt, 0, 3, 5, 3}, &programs, again);
+  ASSERT_TRUE(Train(*g, programs, resume).ok());
+  auto last = CheckpointReader::Open(ckpt);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ((*last)->trainer().step(), 5);
+  EXPECT_EQ((*last)->trainer().num_batches_tracked().at("bn.num_batches_tracked"), 7 + 5 * 2);
+
+  const std::string out = dir + "/model.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(**last, out, false).ok());
+  auto file = SafetensorsFile::Open(out);
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto exported_counter = (*file)->View("bn.num_batches_tracked");
+  ASSERT_TRUE(exported_counter.ok()) << exported_counter.status();
+  EXPECT_EQ(exported_counter->dtype, DType::kInt64);
+  EXPECT_TRUE(exported_counter->shape.empty());
+  EXPECT_EQ(*static_cast<const int64_t*>(exported_counter->data), 17);
+  auto exported_mask = (*file)->View("mask");
+  ASSERT_TRUE(exported_mask.ok()) << exported_mask.status();
+  EXPECT_EQ(exported_mask->shape, (Shape{2, 3}));
+  EXPECT_EQ(std::memcmp(exported_mask->data, mask.data(), 24), 0);
+  // The export starts a run again, counter and mask included.
+  EXPECT_TRUE(WeightsReader::OpenFor(out, *g).ok());
+
+  // Other mask values, or a counter of another dtype: refused, named.
+  mask.as<float>()[5] = 1.0f;
+  HostTensor float_counter(DType::kFloat32, Shape{});
+  entries[entries.size() - 2] = {"bn.num_batches_tracked", float_counter.view()};
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  EXPECT_THAT(WeightsReader::OpenFor(in, *g).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("bn.num_batches_tracked (F32[] in the file, an I64 scalar "
+                                       "counter in the model)"),
+                             HasSubstr("mask (a buffer the graph's constants were built from at "
+                                       "export, other values in the file"))));
+}
+
 // This rank's persistent state as SaveCheckpoint takes it (zeros).
 std::vector<ParameterShard> StateOf(const v1::RankProgram& p) {
   std::vector<ParameterShard> out;

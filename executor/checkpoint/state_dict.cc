@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -33,6 +35,73 @@ namespace fs = std::filesystem;
 bool IsConstantInit(const graph::Initializer& i) {
   using K = graph::Initializer::Kind;
   return i.kind == K::kZeros || i.kind == K::kOnes || i.kind == K::kConstant;
+}
+
+namespace pb = ::google::protobuf;
+
+// A count: a non-negative integer that a double holds exactly.
+bool Count(const pb::Value& v, int64_t* out) {
+  if (v.kind_case() != pb::Value::kNumberValue) return false;
+  const double x = v.number_value();
+  if (!(x >= 0) || x > 9007199254740992.0 || x != std::floor(x)) return false;
+  *out = static_cast<int64_t>(x);
+  return true;
+}
+
+// A "folded" entry: {"dtype", "shape", "runs": [[count, hex bytes], ...]}.
+absl::StatusOr<FoldedBuffer> ParseFoldedBuffer(const pb::Value& v) {
+  if (v.kind_case() != pb::Value::kStructValue) return absl::InvalidArgumentError("not an object");
+  const auto& f = v.struct_value().fields();
+  auto dtype = f.find("dtype");
+  auto shape = f.find("shape");
+  auto runs = f.find("runs");
+  if (dtype == f.end() || dtype->second.kind_case() != pb::Value::kStringValue ||
+      shape == f.end() || shape->second.kind_case() != pb::Value::kListValue || runs == f.end() ||
+      runs->second.kind_case() != pb::Value::kListValue) {
+    return absl::InvalidArgumentError("needs a string dtype, lists shape and runs");
+  }
+  FoldedBuffer out;
+  HAP_ASSIGN_OR_RETURN(out.dtype, FromSafetensorsDType(dtype->second.string_value()));
+  for (const auto& d : shape->second.list_value().values()) {
+    int64_t n = 0;
+    if (!Count(d, &n)) return absl::InvalidArgumentError("shape holds a non-count");
+    out.shape.push_back(n);
+  }
+  int64_t elements = 1;
+  for (int64_t d : out.shape) {
+    if (d != 0 && elements > (int64_t{1} << 40) / d) {
+      return absl::InvalidArgumentError("too many elements");
+    }
+    elements *= d;
+  }
+  const int64_t width = graph::DTypeBytes(out.dtype);
+  if (elements > (int64_t{1} << 30) / width) {
+    return absl::InvalidArgumentError("over 1 GiB of values");
+  }
+  for (const auto& run : runs->second.list_value().values()) {
+    int64_t n = 0;
+    const bool pair = run.kind_case() == pb::Value::kListValue &&
+                      run.list_value().values_size() == 2 &&
+                      Count(run.list_value().values(0), &n) &&
+                      run.list_value().values(1).kind_case() == pb::Value::kStringValue;
+    const std::string hex = pair ? run.list_value().values(1).string_value() : "";
+    if (!pair || static_cast<int64_t>(hex.size()) != 2 * width ||
+        !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a run is not [count, ", width, " bytes in hex]"));
+    }
+    if (n > elements - static_cast<int64_t>(out.bytes.size()) / width) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the runs hold more than the ", elements, " elements of its shape"));
+    }
+    const std::string element = absl::HexStringToBytes(hex);
+    for (int64_t i = 0; i < n; ++i) out.bytes += element;
+  }
+  if (static_cast<int64_t>(out.bytes.size()) != elements * width) {
+    return absl::InvalidArgumentError(absl::StrCat("the runs hold ", out.bytes.size() / width,
+                                                   " elements, its shape ", elements));
+  }
+  return out;
 }
 
 }  // namespace
@@ -62,23 +131,15 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
         shape == f.end() || shape->second.kind_case() != pb::Value::kListValue) {
       return bad("needs a string source, numbers axis and offset, a list source_shape");
     }
-    // A count: a non-negative integer that a double holds exactly.
-    auto count = [](const pb::Value& v, int64_t* out) {
-      if (v.kind_case() != pb::Value::kNumberValue) return false;
-      const double x = v.number_value();
-      if (!(x >= 0) || x > 9007199254740992.0 || x != std::floor(x)) return false;
-      *out = static_cast<int64_t>(x);
-      return true;
-    };
     StateDictSlice s;
     s.source = source->second.string_value();
     int64_t axis_value = 0;
-    if (!count(axis->second, &axis_value) || !count(offset->second, &s.offset)) {
+    if (!Count(axis->second, &axis_value) || !Count(offset->second, &s.offset)) {
       return bad("axis or offset is not a non-negative integer");
     }
     for (const auto& d : shape->second.list_value().values()) {
       int64_t n = 0;
-      if (!count(d, &n)) return bad("source_shape holds a non-count");
+      if (!Count(d, &n)) return bad("source_shape holds a non-count");
       s.source_shape.push_back(n);
     }
     if (axis_value >= static_cast<int64_t>(s.source_shape.size())) {
@@ -112,6 +173,29 @@ absl::StatusOr<StateDictExtras> ParseStateDictExtras(const std::string& json) {
         return bad(absl::StrCat("alias '", alias, "' does not name a tensor"));
       }
       out.aliases.emplace(alias, held.string_value());
+    }
+  }
+  if (auto it = f.find("counters"); it != f.end()) {
+    if (it->second.kind_case() != pb::Value::kStructValue) return bad("counters is not an object");
+    for (const auto& [name, v] : it->second.struct_value().fields()) {
+      int64_t n = 0;
+      const bool ok = v.kind_case() == pb::Value::kStructValue &&
+                      v.struct_value().fields().count("per_step") &&
+                      Count(v.struct_value().fields().at("per_step"), &n);
+      if (!ok) {
+        return bad(absl::StrCat("counter '", name, "' has no per_step (a non-negative integer)"));
+      }
+      out.counters.emplace(name, n);
+    }
+  }
+  if (auto it = f.find("folded"); it != f.end()) {
+    if (it->second.kind_case() != pb::Value::kStructValue) return bad("folded is not an object");
+    for (const auto& [name, v] : it->second.struct_value().fields()) {
+      auto folded = ParseFoldedBuffer(v);
+      if (!folded.ok()) {
+        return bad(absl::StrCat("folded buffer '", name, "': ", folded.status().message()));
+      }
+      out.folded.emplace(name, *std::move(folded));
     }
   }
   for (const char* key : {"constants", "unheld"}) {
@@ -160,12 +244,38 @@ absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
   return slices;
 }
 
+absl::StatusOr<StateDictExtras> GraphStateDictExtras(const graph::Graph& g) {
+  auto it = g.metadata().find(kStateDictExtrasKey);
+  if (it == g.metadata().end()) return StateDictExtras{};
+  return ParseStateDictExtras(it->second);
+}
+
 absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Open(const std::string& path,
-                                                                   StateDictSlices slices) {
+                                                                   StateDictSlices slices,
+                                                                   StateDictExtras extras) {
   std::unique_ptr<WeightsReader> r(new WeightsReader);
   HAP_ASSIGN_OR_RETURN(r->file_, SafetensorsFile::Open(path));
   r->slices_ = std::move(slices);
+  r->extras_ = std::move(extras);
   return r;
+}
+
+absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::OpenFor(const std::string& path,
+                                                                      const graph::Graph& g) {
+  HAP_ASSIGN_OR_RETURN(StateDictSlices slices, GraphStateDictSlices(g));
+  HAP_ASSIGN_OR_RETURN(StateDictExtras extras, GraphStateDictExtras(g));
+  HAP_ASSIGN_OR_RETURN(std::unique_ptr<WeightsReader> r,
+                       Open(path, std::move(slices), std::move(extras)));
+  HAP_RETURN_IF_ERROR(r->CheckGraph(g));
+  return r;
+}
+
+std::string WeightsReader::FileName(const std::string& name) const {
+  if (file_->tensors().count(name)) return name;
+  for (const auto& [alias, held] : extras_.aliases) {
+    if (held == name && file_->tensors().count(alias)) return alias;
+  }
+  return name;
 }
 
 absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
@@ -178,7 +288,7 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
       // Read from a slice of its source tensor, which must be there whole.
       const StateDictSlice& s = slice->second;
       model.insert(s.source);
-      auto it = file_->tensors().find(s.source);
+      auto it = file_->tensors().find(FileName(s.source));
       if (it == file_->tensors().end()) {
         if (std::find(missing.begin(), missing.end(), s.source) == missing.end()) {
           missing.push_back(s.source);
@@ -192,7 +302,7 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
       continue;
     }
     model.insert(t.name);
-    auto it = file_->tensors().find(t.name);
+    auto it = file_->tensors().find(FileName(t.name));
     if (it == file_->tensors().end()) {
       // The exporter's constants (frozen, constant initialisers) are not
       // PyTorch parameters: they start from their initialiser.
@@ -206,20 +316,37 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
   }
   // Tied names (equal to the tensor they name) and state_dict entries the
   // graph does not hold: what model.state_dict() has beyond the graph.
-  StateDictExtras extras;
-  if (auto it = g.metadata().find(kStateDictExtrasKey); it != g.metadata().end()) {
-    HAP_ASSIGN_OR_RETURN(extras, ParseStateDictExtras(it->second));
-  }
+  HAP_ASSIGN_OR_RETURN(StateDictExtras extras, GraphStateDictExtras(g));
   const std::set<std::string> unheld(extras.unheld.begin(), extras.unheld.end());
   for (const auto& [name, t] : file_->tensors()) {
     if (model.count(name) || unheld.count(name)) continue;
+    if (extras.counters.count(name)) {
+      if (t.dtype != DType::kInt64 || !t.shape.empty()) {
+        mismatched.push_back(absl::StrCat(name, " (", SafetensorsDType(t.dtype),
+                                          graph::ShapeString(t.shape),
+                                          " in the file, an I64 scalar counter in the model)"));
+      }
+      continue;
+    }
+    if (auto folded = extras.folded.find(name); folded != extras.folded.end()) {
+      auto v = file_->View(name);
+      const FoldedBuffer& b = folded->second;
+      if (!v.ok() || v->dtype != b.dtype || v->shape != b.shape ||
+          std::memcmp(v->data, b.bytes.data(), b.bytes.size()) != 0) {
+        mismatched.push_back(absl::StrCat(
+            name,
+            " (a buffer the graph's constants were built from at export, other values in "
+            "the file: export the model again with these)"));
+      }
+      continue;
+    }
     auto alias = extras.aliases.find(name);
     if (alias == extras.aliases.end()) {
       extra.push_back(name);
       continue;
     }
     auto held = file_->tensors().find(alias->second);
-    if (held == file_->tensors().end()) continue;  // listed as missing
+    if (held == file_->tensors().end()) continue;  // stands in for it
     auto a = file_->View(name);
     auto h = file_->View(alias->second);
     if (!a.ok() || !h.ok() || a->dtype != h->dtype || a->shape != h->shape ||
@@ -240,8 +367,7 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
 
 bool WeightsReader::Has(const std::string& name) const {
   auto slice = slices_.find(name);
-  if (slice != slices_.end()) return file_->tensors().count(slice->second.source) > 0;
-  return file_->tensors().count(name) > 0;
+  return file_->tensors().count(FileName(slice != slices_.end() ? slice->second.source : name)) > 0;
 }
 
 absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
@@ -249,7 +375,7 @@ absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
   auto slice = slices_.find(name);
   if (slice != slices_.end()) {
     const StateDictSlice& s = slice->second;
-    HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(s.source));
+    HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(FileName(s.source)));
     HAP_RETURN_IF_ERROR(CheckRequest(s.source, whole.dtype, whole.shape, s.source_shape,
                                      std::vector<int64_t>(s.source_shape.size(), 0),
                                      TensorView{dst.dtype, s.source_shape, nullptr},
@@ -264,7 +390,7 @@ absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
     const std::vector<int64_t> zero(global.size(), 0);
     return CopyOverlap(whole, zero, dst, in_source).status();
   }
-  HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(name));
+  HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(FileName(name)));
   HAP_RETURN_IF_ERROR(
       CheckRequest(name, whole.dtype, whole.shape, global, offsets, dst, file_->path()));
   const std::vector<int64_t> zero(global.size(), 0);
@@ -399,6 +525,18 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
     }
     HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), zero, source.view(), at, shape));
   }
+  // The state_dict entries the graph does not hold but the checkpoint
+  // knows: BatchNorm's counters, the buffers folded into constants.
+  for (const auto& [name, value] : reader.trainer().num_batches_tracked()) {
+    if (!extras.counters.count(name) || tensors.count(name)) continue;
+    HostTensor& counter = tensors.try_emplace(name, DType::kInt64, Shape{}).first->second;
+    counter.as<int64_t>()[0] = value;
+  }
+  for (const auto& [name, b] : extras.folded) {
+    if (tensors.count(name)) continue;
+    HostTensor& buffer = tensors.try_emplace(name, b.dtype, b.shape).first->second;
+    if (!b.bytes.empty()) std::memcpy(buffer.data(), b.bytes.data(), b.bytes.size());
+  }
   std::vector<SafetensorsEntry> entries;
   int64_t bytes = 0;
   for (const auto& [name, t] : tensors) {
@@ -419,6 +557,31 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
                                   {"hap_graph", reader.trainer().graph_name()},
                                   {"hap_graph_hash", reader.trainer().graph_hash()}}));
   return bytes;
+}
+
+absl::Status SetStartCounters(const v1::TrainerState* resumed, const WeightsReader* weights,
+                              v1::TrainerState* trainer) {
+  HAP_ASSIGN_OR_RETURN(StateDictExtras extras, ParseStateDictExtras(trainer->state_dict_extras()));
+  if (resumed != nullptr) trainer->set_step(resumed->step());
+  auto& start = *trainer->mutable_num_batches_tracked();
+  start.clear();
+  for (const auto& [name, per_step] : extras.counters) {
+    int64_t value = 0;
+    if (resumed != nullptr) {
+      auto it = resumed->num_batches_tracked().find(name);
+      value = it != resumed->num_batches_tracked().end() ? it->second : resumed->step() * per_step;
+    } else if (weights != nullptr && weights->file().tensors().count(name)) {
+      HAP_ASSIGN_OR_RETURN(TensorView v, weights->file().View(name));
+      if (v.dtype != DType::kInt64 || !v.shape.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat("the weights ", weights->file().path(),
+                                                          " hold ", name,
+                                                          " as other than an I64 scalar"));
+      }
+      std::memcpy(&value, v.data, sizeof(value));
+    }
+    start[name] = value;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace hap::executor::checkpoint

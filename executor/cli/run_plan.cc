@@ -292,6 +292,7 @@ absl::Status Run(const tools::Args& a) {
   int64_t first_step = 0;
   std::function<absl::Status(ProgramRunner&)> initialize;
   v1::TrainerState resumed;  // the checkpoint's, for its data settings
+  std::shared_ptr<checkpoint::WeightsReader> weights;  // --init-weights
   if (a.Has("resume")) {
     HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
                          checkpoint::CheckpointReader::Open(a.Get("resume")));
@@ -306,12 +307,8 @@ absl::Status Run(const tools::Args& a) {
     }
     initialize = checkpoint::ResumeHook(std::move(reader), &g);
   } else if (a.Has("init-weights")) {
-    HAP_ASSIGN_OR_RETURN(checkpoint::StateDictSlices slices,
-                         checkpoint::GraphStateDictSlices(g));
-    HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::WeightsReader> w,
-                         checkpoint::WeightsReader::Open(a.Get("init-weights"), slices));
-    HAP_RETURN_IF_ERROR(w->CheckGraph(g));
-    initialize = checkpoint::InitWeightsHook(std::move(w), &g);
+    HAP_ASSIGN_OR_RETURN(weights, checkpoint::WeightsReader::OpenFor(a.Get("init-weights"), g));
+    initialize = checkpoint::InitWeightsHook(weights, &g);
   }
   if (first_step >= steps) {
     if (rank == 0) {
@@ -472,6 +469,8 @@ absl::Status Run(const tools::Args& a) {
     if (auto it = g.metadata().find(checkpoint::kStateDictExtrasKey); it != g.metadata().end()) {
       trainer.set_state_dict_extras(it->second);
     }
+    HAP_RETURN_IF_ERROR(checkpoint::SetStartCounters(a.Has("resume") ? &resumed : nullptr,
+                                                     weights.get(), &trainer));
     to.after_step = checkpoint::SaveHook(
         {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps,
          a.Has("resume") ? first_step : -1},

@@ -226,6 +226,8 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
   namespace ckpt = checkpoint;
   const v1::TrainingConfig& t = in.training;
   const graph::Graph* g = &loaded->graph;
+  std::optional<v1::TrainerState> resumed;       // the checkpoint's
+  std::shared_ptr<ckpt::WeightsReader> weights;  // training.init_weights
   if (!t.resume().empty()) {
     auto reader = ckpt::CheckpointReader::Open(t.resume());
     if (!reader.ok()) return Annotate(reader.status(), "training.resume");
@@ -238,6 +240,7 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     run.set_shuffle_seed(t.shuffle_seed());
     HAP_RETURN_IF_ERROR(
         Annotate(ckpt::CheckDataSettings((*reader)->trainer(), run), "training.resume"));
+    resumed = (*reader)->trainer();
     loaded->first_step = (*reader)->trainer().step();
     loaded->data_seed = (*reader)->trainer().seed();
     if (loaded->first_step >= t.steps()) {
@@ -247,12 +250,10 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     }
     loaded->initialize = ckpt::ResumeHook(*std::move(reader), g);
   } else if (!t.init_weights().empty()) {
-    auto slices = ckpt::GraphStateDictSlices(*g);
-    if (!slices.ok()) return Annotate(slices.status(), "plan.graph");
-    auto w = ckpt::WeightsReader::Open(t.init_weights(), *slices);
+    auto w = ckpt::WeightsReader::OpenFor(t.init_weights(), *g);
     if (!w.ok()) return Annotate(w.status(), "training.init_weights");
-    HAP_RETURN_IF_ERROR(Annotate((*w)->CheckGraph(*g), "training.init_weights"));
-    loaded->initialize = ckpt::InitWeightsHook(*std::move(w), g);
+    weights = *std::move(w);
+    loaded->initialize = ckpt::InitWeightsHook(weights, g);
   }
   if (!t.checkpoint_dir().empty()) {
     loaded->programs.assign(in.plan.rank_programs().begin(), in.plan.rank_programs().end());
@@ -275,6 +276,9 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     if (auto it = g->metadata().find(ckpt::kStateDictExtrasKey); it != g->metadata().end()) {
       trainer.set_state_dict_extras(it->second);
     }
+    HAP_RETURN_IF_ERROR(
+        Annotate(ckpt::SetStartCounters(resumed ? &*resumed : nullptr, weights.get(), &trainer),
+                 "training.init_weights"));
     ckpt::CheckpointPolicy policy;
     policy.dir = t.checkpoint_dir();
     policy.every = t.checkpoint_every();
