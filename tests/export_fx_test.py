@@ -513,7 +513,7 @@ class ExportFxTest(unittest.TestCase):
         self.assertFalse([op["scope"] for op in gw["ops"]
                           if op.get("scope", "").startswith("model")])
         w = export_fx.state_dict_weights(gw, vw)
-        self.assertEqual(set(w), set(dict(net.named_parameters())))
+        self.assertEqual(set(w), set(net.state_dict()))  # the buffer mask too
         self.check_numerics(m, self.names_inputs())
 
     def test_state_dict_slices_metadata(self):
@@ -547,7 +547,7 @@ class ExportFxTest(unittest.TestCase):
             self.assertTrue(torch.equal(part, values[name]), name)
         # Graph parameters that are not slices carry their state_dict values.
         for name, v in values.items():
-            if name not in slices and not p[name].get("frozen"):
+            if name not in slices and not p.get(name, {}).get("frozen"):
                 self.assertTrue(torch.equal(v, state[name]), name)
         # A module without split parameters records an empty mapping.
         g2 = export_fx.export(nn.Sequential(nn.Linear(4, 3)),
@@ -620,7 +620,8 @@ class ExportFxTest(unittest.TestCase):
         """export_fx.py --weights OUT.safetensors: the module's parameters
         under state_dict names (in_proj_weight whole, no exporter constants),
         read by a reader written here from the specification, restored
-        exactly by load_state_dict(strict=False) (only buffers missing)."""
+        exactly by load_state_dict(strict=True) (the buffer `mask`, folded
+        into the graph, included)."""
         mod, path = self.names_module()
         m = mod.make(seed=0)
         weights = os.path.join(self.dir, "names.safetensors")
@@ -633,7 +634,7 @@ class ExportFxTest(unittest.TestCase):
                          {"kind": "ZEROS"})
 
         tensors, meta, n, order, data_len = spec_read(weights)
-        params = dict(m.named_parameters())
+        params = m.state_dict()
         self.assertEqual(set(tensors), set(params))
         for name, t in tensors.items():
             self.assertEqual(t.dtype, params[name].dtype, name)
@@ -645,7 +646,6 @@ class ExportFxTest(unittest.TestCase):
             self.assertEqual(list(tensors[f"{a}.in_proj_bias"].shape), [48])
             self.assertNotIn(f"{a}.q.weight", tensors)
         self.assertFalse([k for k in tensors if k.startswith("const.")])
-        self.assertNotIn("mask", tensors)  # a buffer
         self.assertNotIn("stack.pre.norm.weight", tensors)  # exporter's
         self.assertEqual(meta.get("format"), "pt")
         # Layout: header padded to 8 bytes; tensors back to back from 0,
@@ -669,9 +669,7 @@ class ExportFxTest(unittest.TestCase):
         self.assertFalse(torch.equal(
             fresh.encoder.layers[0].self_attn.in_proj_weight,
             m.encoder.layers[0].self_attn.in_proj_weight))
-        res = fresh.load_state_dict(tensors, strict=False)
-        self.assertEqual(res.unexpected_keys, [])
-        self.assertEqual(res.missing_keys, ["mask"])
+        fresh.load_state_dict(tensors, strict=True)
         for k, v in m.state_dict().items():
             self.assertTrue(torch.equal(fresh.state_dict()[k], v), k)
 
@@ -912,15 +910,19 @@ class ExportFxTest(unittest.TestCase):
                 self.head.weight = self.emb.weight
                 self.register_buffer("scale", torch.full((8,), 0.5))
                 self.register_buffer("tmp", torch.ones(8), persistent=False)
-                self.register_buffer("window", torch.ones(16))
+                self.register_buffer("window", torch.cat(
+                    [torch.ones(8), torch.full((8,), 2.0)]))
+                self.register_buffer("flags", torch.ones(8, dtype=torch.bool))
                 self.bn.bias.requires_grad_(False)
 
             def forward(self, x, labels):
                 h = self.mid(torch.relu(self.mid(self.emb(x))))
-                h = self.bn(h) * self.scale * self.tmp * self.window[:8]
+                h = self.bn(self.bn(h)) * self.scale * self.tmp * \
+                    self.window[:8]
                 return F.cross_entropy(self.head(h), labels)
 
         m = Tied()
+        m.bn.num_batches_tracked.fill_(3)  # trained before
         g, values = export_fx.export(
             m, {"x": torch.randint(0, 11, (6,)), "labels": labels(6, 11)},
             return_values=True)
@@ -935,17 +937,27 @@ class ExportFxTest(unittest.TestCase):
         extras = json.loads(g["metadata"][export_fx.EXTRAS_KEY])
         self.assertEqual(extras["aliases"], {"head.weight": "emb.weight"})
         # scale (persistent, used as it is) is held as a frozen parameter;
-        # window is folded into a constant through its slice.
+        # window is folded into a constant through its slice: recorded
+        # with its values (runs of equal elements), as bn's counter is with
+        # its forwards per step (bn is called twice); a bool buffer is not
+        # recorded, and says why.
         self.assertTrue(self.params(g)["scale"].get("frozen"))
-        self.assertEqual(sorted(extras["unheld"]),
-                         ["bn.num_batches_tracked", "window"])
+        self.assertEqual(extras["counters"], {"bn.num_batches_tracked":
+                                              {"per_step": 2, "value": 3}})
+        one, two = struct.pack("<f", 1.0).hex(), struct.pack("<f", 2.0).hex()
+        self.assertEqual(extras["folded"],
+                         {"window": {"dtype": "F32", "shape": [16],
+                                     "runs": [[8, one], [8, two]]}})
+        self.assertEqual(extras["unheld"], ["flags"])
+        self.assertIn("dtype torch.bool", extras["unrecorded"]["flags"])
         self.assertTrue(extras["constants"])
         self.assertTrue(all(c.startswith("const.")
                             for c in extras["constants"]))
         w = export_fx.state_dict_weights(g, values)
-        self.assertEqual(set(w), set(m.state_dict()) -
-                         {"bn.num_batches_tracked", "window"})
+        self.assertEqual(set(w), set(m.state_dict()) - {"flags"})
         self.assertTrue(torch.equal(w["head.weight"], m.emb.weight))
+        self.assertTrue(torch.equal(w["window"], m.window))
+        self.assertEqual(int(w["bn.num_batches_tracked"]), 3)
 
 
 if __name__ == "__main__":

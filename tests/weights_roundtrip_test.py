@@ -149,12 +149,14 @@ class TiedLM(nn.Module):
         self.head.weight = self.emb.weight  # tied, as GPT-2's
         self.register_buffer("scale", torch.full(({E},), 0.5))
         self.register_buffer("ones", torch.ones({E}), persistent=False)
+        # Folded into a constant through its slice; the rest is never used.
+        self.register_buffer("window", torch.cat([torch.full(({E},), 2.0), torch.arange(3.0)]))
         self.mid.bias.requires_grad_(False)  # frozen, as in fine-tuning
 
     def forward(self, x, y):
         h = self.emb(x).reshape(-1, {E})
         h = self.mid(torch.relu(self.mid(h)))  # one module, used twice
-        h = self.bn(h) * self.scale * self.ones
+        h = self.bn(h) * self.scale * self.ones * self.window[:{E}]
         return F.cross_entropy(self.head(h), y.reshape(-1))
 
 def make():
@@ -168,12 +170,13 @@ class TiedWeightsTest(unittest.TestCase):
         """One graph parameter for the tied pair (PyTorch's parameter count),
         a frozen one (requires_grad=False) frozen in the graph;
         --init-weights takes the file of model.state_dict() (both tied names,
-        num_batches_tracked, the buffer `scale`); training keeps them one
-        tensor and equals PyTorch's SGD steps; the export holds both tied
-        names, the running statistics, the buffer `scale` and no exporter
-        constant, so load_state_dict(strict=True) takes it (PyTorch fills in
-        num_batches_tracked, which the graph does not keep: named in a
-        note)."""
+        num_batches_tracked, the buffer `scale`, the buffer `window` folded
+        into a constant through its slice); training keeps them one tensor
+        and equals PyTorch's SGD steps; the export holds every state_dict
+        entry and no exporter constant, so load_state_dict(strict=True)
+        takes it: both tied names, the running statistics, `scale`,
+        `window` as it was, and num_batches_tracked advanced from the
+        file's value as PyTorch's own training loop advances it."""
         d = util.tmpdir()
         tied, source = util.module_from_source(d, "tiedlm", TIED)
         model = tied.make()
@@ -191,20 +194,23 @@ class TiedWeightsTest(unittest.TestCase):
                          sum(p.numel() for p in model.parameters() if p.requires_grad))
         frozen = {p["tensor"]["name"] for p in g["parameters"] if p.get("frozen")}
         self.assertIn("mid.bias", frozen)
-        unheld = {"bn.num_batches_tracked"}
         w = read_safetensors(exported)
-        self.assertEqual(set(w), set(start) - unheld)
+        self.assertEqual(set(w), set(start))
         self.assertTrue(torch.equal(w["head.weight"], start["emb.weight"]))
+        self.assertTrue(torch.equal(w["window"], start["window"]))
+        self.assertEqual(int(w["bn.num_batches_tracked"]), 0)
 
         # --init-weights from the whole state_dict, written by PyTorch's side.
         sys.path.insert(0, os.path.dirname(EXPORT_FX))
         import safetensors_io  # noqa: PLC0415
+        # A model that has trained before: its counter is not 0.
+        model.bn.num_batches_tracked.fill_(5)
+        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
         init = os.path.join(d, "state_dict.safetensors")
         safetensors_io.write(init, dict(model.state_dict()))
         xs, ys, data = util.token_data(d, N, S, V)
         out, p = train_and_export(d, graph, init, data)
-        self.assertIn("bn.num_batches_tracked", p.stderr)
-        self.assertNotIn("scale", p.stderr)
+        self.assertNotIn("note:", p.stderr)  # nothing left out
 
         ref = tied.make()
         ref.load_state_dict(start)
@@ -219,17 +225,24 @@ class TiedWeightsTest(unittest.TestCase):
                         prm -= LR * prm.grad
 
         trained = read_safetensors(out)
-        self.assertEqual(set(trained), set(start) - unheld)
+        self.assertEqual(set(trained), set(start))
         self.assertTrue(torch.equal(trained["head.weight"], trained["emb.weight"]))
         fresh = tied.make()
         fresh.load_state_dict(trained, strict=True)
         want = ref.state_dict()
-        for name in set(start) - unheld:
+        # PyTorch counted one forward of bn per step from the file's 5.
+        self.assertEqual(int(want["bn.num_batches_tracked"]), 5 + STEPS)
+        self.assertEqual(trained["bn.num_batches_tracked"].dtype, torch.int64)
+        self.assertEqual(trained["bn.num_batches_tracked"].shape, torch.Size([]))
+        self.assertEqual(int(trained["bn.num_batches_tracked"]),
+                         int(want["bn.num_batches_tracked"]))
+        self.assertTrue(torch.equal(trained["window"], start["window"]))
+        for name in set(start) - {"bn.num_batches_tracked"}:
             got, ref_value = trained[name], want[name]
             scale = max(float(ref_value.abs().max()), 1e-3)
             err = float((got - ref_value).abs().max())
             self.assertLessEqual(err, 1e-4 * scale, f"{name}: {err}")
-            if name in ("mid.bias", "scale"):
+            if name in ("mid.bias", "scale", "window"):
                 self.assertTrue(torch.equal(got, start[name]), f"the frozen {name} changed")
             else:
                 self.assertFalse(torch.equal(got, start[name]), f"{name} did not change")

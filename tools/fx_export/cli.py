@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .api import export
 from .ir import ExportError
-from .weights import state_dict_weights, write_weights
+from .weights import state_dict_extras, state_dict_weights, write_weights
 
 
 def _load_attr(spec):
@@ -161,6 +161,12 @@ def main(argv=None):
     except ExportError as e:
         print(f"export_fx: error: {e}", file=sys.stderr)
         return 2
+    unrecorded = state_dict_extras(g)["unrecorded"]
+    if unrecorded:
+        print("export_fx: note: buffers the graph does not hold and cannot "
+              "record, left out of --weights and checkpoint exports: " +
+              "; ".join(f"{k}: {why}" for k, why in unrecorded.items()),
+              file=sys.stderr)
     text = json.dumps(g, indent=1)
     if a.output == "-":
         sys.stdout.write(text + "\n")

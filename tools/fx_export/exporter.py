@@ -9,11 +9,13 @@ its handler, found in the registry's tables (registry.py) and written in the
 ops_*.py module of its op family.
 """
 
+import collections
 import json
 import math
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from . import initializers
 # Importing the op families registers their handlers.
@@ -23,6 +25,47 @@ from . import (ops_attention, ops_convolution, ops_elementwise,  # noqa: F401
 from . import registry
 from .ir import (BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, BoolIds, ExportError,
                  IrTensor, LstmState, Static, attr_value, ir_dtype)
+
+
+# The most runs of equal elements the buffers folded into constants may take
+# in the graph's metadata together (EXTRAS_KEY "folded"); a buffer past it
+# stays "unheld", named at export.
+FOLDED_RUNS_LIMIT = 1 << 16
+
+# Safetensors dtypes of the buffers "folded" records (the ones the
+# executor's checkpoints and exports write).
+_FOLDED_DTYPES = {torch.float32: "F32", torch.float64: "F64",
+                  torch.float16: "F16", torch.bfloat16: "BF16",
+                  torch.int32: "I32", torch.int64: "I64"}
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def folded_record(value, budget):
+    """EXTRAS_KEY's "folded" entry for the buffer `value` ({dtype, shape,
+    runs: [[count, the element's little-endian bytes in hex]]}, row-major)
+    and None, or None and why it cannot be recorded; `budget` ([runs left])
+    is shared by the buffers of one graph."""
+    dtype = _FOLDED_DTYPES.get(value.dtype)
+    if dtype is None:
+        return None, (f"dtype {value.dtype} (exports write "
+                      f"{'/'.join(_FOLDED_DTYPES.values())})")
+    if value.is_meta:
+        return None, "on the meta device: no values"
+    flat = value.detach().reshape(-1).contiguous().cpu()
+    width = flat.element_size()
+    bits = flat.view(_SAME_WIDTH_INT[width])
+    n = bits.numel()
+    change = (torch.nonzero(bits[1:] != bits[:-1]).flatten() + 1).tolist()
+    starts, ends = [0] + change, change + [n]
+    if n == 0:
+        starts, ends = [], []
+    if len(starts) > budget[0]:
+        return None, (f"{len(starts)} runs of equal values, over the "
+                      f"{budget[0]} left of the graph's {FOLDED_RUNS_LIMIT}")
+    budget[0] -= len(starts)
+    runs = [[e - b, int(bits[b]).to_bytes(width, "little", signed=True).hex()]
+            for b, e in zip(starts, ends)]
+    return {"dtype": dtype, "shape": list(value.shape), "runs": runs}, None
 
 
 def _target_name(node, root):
@@ -476,16 +519,50 @@ class Exporter:
         for k, v in state.items():
             if k in held:
                 holder.setdefault(id(v), k)
-        aliases, unheld = {}, []
+        # Forwards of each module per step (PyTorch runs every call of
+        # forward, also those the loss does not need).
+        forwards = collections.Counter(
+            id(self.root.get_submodule(n.target))
+            for n in self.gm.graph.nodes if n.op == "call_module")
+        aliases, counters, folded, unheld, unrecorded = {}, {}, {}, [], {}
+        budget = [FOLDED_RUNS_LIMIT]
         for k, v in state.items():
             if k in held:
                 continue
             if id(v) in holder:
                 aliases[k] = holder[id(v)]
-            else:
-                unheld.append(k)
+                continue
+            owner = self.counter_owner(k, v)
+            if owner is not None:
+                counters[k] = {"per_step": forwards[id(owner)],
+                               "value": int(v) if not v.is_meta else 0}
+                continue
+            if not isinstance(v, nn.Parameter):  # a buffer (keep_vars)
+                record, why = folded_record(v, budget)
+                if record is not None:
+                    folded[k] = record
+                    continue
+                unrecorded[k] = why
+            unheld.append(k)
         return {"aliases": aliases, "constants": sorted(constants),
-                "unheld": unheld}
+                "counters": counters, "folded": folded, "unheld": unheld,
+                "unrecorded": unrecorded}
+
+    def counter_owner(self, key, value):
+        """The BatchNorm module whose num_batches_tracked the state_dict
+        entry `key` is (PyTorch adds one per forward in training mode), or
+        None."""
+        path, _, leaf = key.rpartition(".")
+        if leaf != "num_batches_tracked":
+            return None
+        try:
+            mod = self.module.get_submodule(path)
+        except AttributeError:
+            return None
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and \
+                mod.track_running_stats and mod.num_batches_tracked is value:
+            return mod
+        return None
 
     def assign_roles(self):
         """LABELS: integer inputs consumed only (through reshapes) as the

@@ -32,12 +32,25 @@ BUFFERS_KEY = "hap.state_dict_buffers"
 #                name the graph (or a slice of it) holds it under;
 #   "constants": [graph parameter]: exporter constants, not state_dict
 #                entries (frozen, constant initialisers);
-#   "unheld":    [state_dict name]: entries the graph does not hold (buffers
-#                folded into constants or unused, num_batches_tracked,
-#                parameters forward does not use).
-# --weights and `hapctl checkpoint export` write every alias as a copy;
-# --init-weights accepts an alias equal to the tensor it names and ignores
-# the unheld entries.
+#   "counters":  {state_dict name: {"per_step": forwards per step,
+#                "value": at export}}: BatchNorm's num_batches_tracked
+#                (PyTorch adds one per forward of its module in training
+#                mode; --weights writes `value`); the executor counts them from
+#                the --init-weights value (else 0), one forward of the model
+#                per step on the whole global batch (microbatches of a
+#                pipeline plan do not count apart), and checkpoints keep them;
+#   "folded":    {state_dict name: {"dtype", "shape", "runs"}}: buffers the
+#                graph does not hold (folded into constants through a slice
+#                or a comparison, or unused), with their values: row-major
+#                runs [count, one element's little-endian bytes in hex];
+#   "unheld":    [state_dict name]: entries the graph does not hold and the
+#                exporter could not record (parameters forward does not use,
+#                buffers of another dtype or past FOLDED_RUNS_LIMIT runs);
+#   "unrecorded": {state_dict name: why}: the buffers among "unheld".
+# --weights and `hapctl checkpoint export` write every alias as a copy, the
+# counters and the folded buffers; --init-weights accepts an alias equal to
+# the tensor it names (or in its place), a counter's start value, folded
+# buffers equal to the recorded values, and ignores the unheld entries.
 EXTRAS_KEY = "hap.state_dict_extras"
 
 

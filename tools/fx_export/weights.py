@@ -23,7 +23,24 @@ def state_dict_extras(graph):
     out = json.loads(raw) if raw else {}
     return {"aliases": out.get("aliases", {}),
             "constants": out.get("constants", []),
-            "unheld": out.get("unheld", [])}
+            "counters": out.get("counters", {}),
+            "folded": out.get("folded", {}),
+            "unheld": out.get("unheld", []),
+            "unrecorded": out.get("unrecorded", {})}
+
+
+_FOLDED_DTYPES = {"F32": torch.float32, "F64": torch.float64,
+                  "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I32": torch.int32, "I64": torch.int64}
+
+
+def folded_value(record):
+    """The tensor of an EXTRAS_KEY "folded" record (runs of equal
+    elements, each as its little-endian bytes in hex)."""
+    raw = b"".join(bytes.fromhex(h) * n for n, h in record["runs"])
+    t = torch.frombuffer(bytearray(raw), dtype=_FOLDED_DTYPES[record["dtype"]]) \
+        if raw else torch.empty(0, dtype=_FOLDED_DTYPES[record["dtype"]])
+    return t.reshape(record["shape"])
 
 
 def state_dict_weights(graph, values):
@@ -34,7 +51,9 @@ def state_dict_weights(graph, values):
     running statistics) included, exporter constants (frozen parameters that
     are not in the state_dict) left out, and every other name of a tied
     tensor (EXTRAS_KEY aliases: `head.weight` = `emb.weight`) written as
-    a copy, as load_state_dict wants each name. `values`: export(...,
+    a copy, as load_state_dict wants each name, BatchNorm's
+    num_batches_tracked and the buffers the graph folded into constants
+    (EXTRAS_KEY counters, folded) included. `values`: export(...,
     return_values=True)'s second result."""
     slices = state_dict_slices(graph)
     buffers = set(json.loads(graph.get("metadata", {}).get(BUFFERS_KEY, "[]")))
@@ -71,9 +90,16 @@ def state_dict_weights(graph, values):
             raise ExportError(f"{SLICES_KEY}: the slices of '{src}' do not "
                               f"cover it exactly once")
         out[src] = whole
-    for alias, held in state_dict_extras(graph)["aliases"].items():
+    extras = state_dict_extras(graph)
+    for alias, held in extras["aliases"].items():
         if held in out:
             out[alias] = out[held]
+    # BatchNorm's num_batches_tracked and the buffers folded into constants
+    # (or unused): the module's values at export, as load_state_dict wants.
+    for name, c in extras["counters"].items():
+        out[name] = torch.tensor(c["value"], dtype=torch.int64)
+    for name, b in extras["folded"].items():
+        out[name] = folded_value(b)
     meta = [k for k, v in out.items() if v.is_meta]
     if meta:
         raise ExportError(f"the module's parameters are on the meta device "
