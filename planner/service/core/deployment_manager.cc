@@ -509,6 +509,30 @@ std::vector<v1::Deployment> DeploymentManager::All() const {
   return out;
 }
 
+std::vector<v1::Deployment> DeploymentManager::Summaries() const {
+  absl::MutexLock l(&s_->mu);
+  std::vector<v1::Deployment> out;
+  out.reserve(s_->deployments.size());
+  google::protobuf::RepeatedPtrField<v1::StepProfile> profiles;
+  for (auto& [name, d] : s_->deployments) {
+    // The profiles step aside while the record is copied (a swap of
+    // pointers, under the lock): nothing else sees the record without them.
+    profiles.Swap(d.mutable_rank_profiles());
+    out.push_back(d);
+    profiles.Swap(d.mutable_rank_profiles());
+  }
+  return out;
+}
+
+std::vector<v1::Deployment> DeploymentManager::OfPlan(const std::string& plan) const {
+  absl::MutexLock l(&s_->mu);
+  std::vector<v1::Deployment> out;
+  for (const auto& [name, d] : s_->deployments) {
+    if (d.plan() == plan) out.push_back(d);
+  }
+  return out;
+}
+
 std::map<std::string, std::vector<std::string>> DeploymentManager::ActiveDevices() const {
   absl::MutexLock l(&s_->mu);
   std::map<std::string, std::vector<std::string>> out;

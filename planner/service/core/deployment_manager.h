@@ -110,6 +110,14 @@ class DeploymentManager {
   absl::StatusOr<hap::v1::ListDeploymentsResponse> List(int page_size,
                                                         const std::string& page_token) const;
   std::vector<hap::v1::Deployment> All() const;  // by name
+  // Every deployment by name without its rank_profiles (each rank's per-op
+  // profile, about 1 KB a rank: 64 MB for 1,000 deployments of 64 ranks),
+  // which /metrics, the status page and the plans-in-use check do not read
+  // and which All() copies under the manager's lock, holding back metric
+  // reports while it does (bench/deployment_reads_bench).
+  std::vector<hap::v1::Deployment> Summaries() const;
+  // The deployments of one plan, by name, whole.
+  std::vector<hap::v1::Deployment> OfPlan(const std::string& plan) const;
   // Deployment retention: deletes finished deployments (SUCCEEDED, FAILED,
   // STOPPED), record and step metrics, from the sink and from memory, that
   // are not among the `count` most recently finished (0 = no limit by

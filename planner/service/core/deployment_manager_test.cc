@@ -32,6 +32,7 @@ using ::hap::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 
 // Executors by address, as state machines; thread-safe. An unreachable one
 // fails every call (a dead or frozen process).
@@ -959,4 +960,53 @@ TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeploymen
 }
 
 }  // namespace
+// Summaries: every record without its rank profiles (what /metrics and the
+// status page read, copied under the lock), the profiles still there for
+// All(); OfPlan: one plan's deployments, whole.
+TEST(DeploymentManagerReadsTest, SummariesLeaveOutProfilesAndOfPlanFiltersByPlan) {
+  std::vector<v1::Deployment> stored;
+  for (const char* name : {"deployments/a-g1", "deployments/b-g1", "deployments/a-g2"}) {
+    v1::Deployment d;
+    d.set_name(name);
+    d.set_plan(absl::StrCat("plans/", std::string(name).substr(12, 1)));
+    d.set_state(v1::Deployment::SUCCEEDED);
+    d.set_steps_completed(5);
+    for (int r = 0; r < 2; ++r) {
+      d.add_ranks()->set_rank(r);
+      v1::StepProfile* p = d.add_rank_profiles();
+      p->set_rank(r);
+      p->set_steps(5);
+      (*p->mutable_op_seconds())["matmul"] = 0.5 + r;
+    }
+    stored.push_back(d);
+  }
+  DeploymentManagerOptions o;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  DeploymentManager m(std::move(o), stored);
+  for (int pass = 0; pass < 2; ++pass) {  // the profiles come back after each
+    const std::vector<v1::Deployment> summaries = m.Summaries();
+    ASSERT_EQ(summaries.size(), 3u);
+    for (const v1::Deployment& d : summaries) {
+      EXPECT_EQ(d.rank_profiles_size(), 0) << d.name();
+      EXPECT_EQ(d.ranks_size(), 2) << d.name();
+      EXPECT_EQ(d.steps_completed(), 5) << d.name();
+    }
+    const std::vector<v1::Deployment> all = m.All();
+    ASSERT_EQ(all.size(), 3u);
+    for (const v1::Deployment& d : all) {
+      ASSERT_EQ(d.rank_profiles_size(), 2) << d.name();
+      EXPECT_EQ(d.rank_profiles(1).op_seconds().at("matmul"), 1.5) << d.name();
+    }
+  }
+  std::vector<std::string> of_a;
+  for (const v1::Deployment& d : m.OfPlan("plans/a")) {
+    EXPECT_EQ(d.rank_profiles_size(), 2);
+    of_a.push_back(d.name());
+  }
+  EXPECT_THAT(of_a, ElementsAre("deployments/a-g1", "deployments/a-g2"));
+  EXPECT_THAT(m.OfPlan("plans/none"), IsEmpty());
+}
+
 }  // namespace hap::service

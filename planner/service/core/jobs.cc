@@ -91,11 +91,7 @@ class CoreJobBackend final : public JobBackend {
     return deployments_->Get(name);
   }
   std::vector<v1::Deployment> DeploymentsOf(const std::string& plan) override {
-    std::vector<v1::Deployment> out;
-    for (auto& d : deployments_->All()) {
-      if (d.plan() == plan) out.push_back(std::move(d));
-    }
-    return out;
+    return deployments_->OfPlan(plan);
   }
   std::map<std::string, std::vector<std::string>> ActiveDeploymentDevices() override {
     return deployments_->ActiveDevices();

@@ -390,7 +390,9 @@ grpc::Status PlannerServiceImpl::ReportStepMetrics(grpc::ServerContext* ctx,
   });
 }
 
-std::vector<v1::Deployment> PlannerServiceImpl::Deployments() const { return deployments_->All(); }
+std::vector<v1::Deployment> PlannerServiceImpl::Deployments() const {
+  return deployments_->Summaries();
+}
 
 absl::StatusOr<std::vector<v1::StepMetric>> PlannerServiceImpl::StepMetrics(
     const std::string& deployment) const {

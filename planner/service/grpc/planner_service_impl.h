@@ -96,9 +96,10 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   // jobs deploy with it).
   void StartJobs();
 
-  // Read-only snapshots for the status page (thread-safe): every
-  // deployment, by name; the step metrics reported for one deployment, in
-  // arrival order (NotFound for an unknown deployment).
+  // Read-only snapshots for the status page and /metrics (thread-safe):
+  // every deployment, by name, without its rank_profiles; the step metrics
+  // reported for one deployment, in arrival order (NotFound for an unknown
+  // deployment).
   std::vector<hap::v1::Deployment> Deployments() const;
   absl::StatusOr<std::vector<hap::v1::StepMetric>> StepMetrics(
       const std::string& deployment) const;
