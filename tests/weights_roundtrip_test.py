@@ -74,18 +74,21 @@ def read_safetensors(path):
     return out
 
 
-def train_and_export(d, graph, weights, data):
-    """`graph` planned (SGD at LR) on the cluster, trained STEPS steps from
-    `weights` on the npy `data` with a checkpoint, and that exported: the
-    export's path and hapctl's run (its stderr names what it cannot write)."""
+def train_and_export(d, graph, weights, data, plan_flags=()):
+    """`graph` planned (SGD at LR, `plan_flags` added) on the cluster,
+    trained STEPS steps from `weights` on the npy `data` with a checkpoint,
+    and that exported: the export's path and hapctl's run (its stderr names
+    what it cannot write); the launch's run too when `plan_flags`."""
     plan = os.path.join(d, "plan.pb")
     util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER, "--optimizer", "sgd",
-              "--lr", str(LR), "--save-plan", plan])
+              "--lr", str(LR), "--save-plan", plan, *plan_flags])
     ckpt = os.path.join(d, "ckpt")
-    util.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan, "--steps", str(STEPS),
-              "--data", "npy:" + data, "--init-weights", weights, "--checkpoint-dir", ckpt])
+    launch = util.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan, "--steps", str(STEPS),
+                       "--data", "npy:" + data, "--init-weights", weights,
+                       "--checkpoint-dir", ckpt])
     out = os.path.join(d, "trained.safetensors")
-    return out, util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+    exported = util.run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+    return (out, exported, launch) if plan_flags else (out, exported)
 
 
 class WeightsRoundTripTest(unittest.TestCase):
@@ -246,6 +249,31 @@ class TiedWeightsTest(unittest.TestCase):
                 self.assertTrue(torch.equal(got, start[name]), f"the frozen {name} changed")
             else:
                 self.assertFalse(torch.equal(got, start[name]), f"{name} did not change")
+
+    def test_num_batches_tracked_counts_steps_not_microbatches(self):
+        """On a pipeline plan of 4 microbatches, num_batches_tracked
+        advances by one per step, as in a PyTorch loop of one forward per
+        step on the same global batch (not by 4, as gradient accumulation
+        over 4 forwards would), and the export loads strictly."""
+        d = util.tmpdir()
+        tied, source = util.module_from_source(d, "tiedlm", TIED)
+        model = tied.make()
+        model.bn.num_batches_tracked.fill_(5)
+        graph = os.path.join(d, "model.json")
+        util.run([util.PYTHON, EXPORT_FX, "--module", source + ":make",
+                  "--input-shape", f"x={B},{S}:int64:{V}", "--input-shape", f"y={B},{S}:int64:{V}",
+                  "-o", graph])
+        sys.path.insert(0, os.path.dirname(EXPORT_FX))
+        import safetensors_io  # noqa: PLC0415
+        init = os.path.join(d, "state_dict.safetensors")
+        safetensors_io.write(init, dict(model.state_dict()))
+        _, _, data = util.token_data(d, N, S, V)
+        out, _, launch = train_and_export(d, graph, init, data,
+                                          ["--pipeline", "2", "--microbatches", "4"])
+        self.assertIn("pipeline: 2 stages, 4 microbatches", launch.stdout)
+        trained = read_safetensors(out)
+        self.assertEqual(int(trained["bn.num_batches_tracked"]), 5 + STEPS)
+        tied.make().load_state_dict(trained, strict=True)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
   * A persistent floating-point buffer of one value used as it is (`x *
     self.scale`) is a frozen graph parameter under its state_dict name; other
     buffers are folded into exporter constants (non-uniform ones fail,
-    naming the buffer).
+    naming the buffer), their values recorded for --weights and checkpoint
+    exports.
   * Integer inputs become INT64; the ones used only as loss targets are LABELS.
   * Dropout is exported as in training mode (the IR is one training step).
 
@@ -89,13 +90,17 @@ Command line:
   whole (in_proj_weight, not q/k/v), BatchNorm running statistics included
   (module buffers the graph keeps as state), every name of a tied tensor
   (`head.weight = emb.weight`: one graph parameter, both names written),
-  exporter constants and other buffers left out (the graph's metadata
-  "hap.state_dict_extras" lists the tied names, the constants and the
-  state_dict entries the graph does not hold; --init-weights accepts a
-  file of the whole model.state_dict()):
-  `module.load_state_dict(safetensors_io.read(OUT), strict=False)` restores
-  them exactly (tools/safetensors_io.py) and `hap-executor --init-weights OUT`
-  starts training from them. In Python: export(..., return_values=True), then
+  BatchNorm's num_batches_tracked and the buffers folded into constants
+  (or unused) with their values, exporter constants left out (the graph's
+  metadata "hap.state_dict_extras" lists the tied names, the constants, the
+  counters with their forwards per step, the folded buffers with their
+  values, and the state_dict entries the graph does not hold and cannot
+  record: unused parameters, buffers of other dtypes than
+  F32/F64/F16/BF16/I32/I64 or past 65536 runs of equal values, named on
+  stderr; --init-weights accepts a file of the whole model.state_dict()):
+  `module.load_state_dict(safetensors_io.read(OUT), strict=True)` restores
+  them exactly (tools/safetensors_io.py) when nothing was named, and
+  `hap-executor --init-weights OUT` starts training from them. In Python: export(..., return_values=True), then
   state_dict_weights(graph, values) or write_weights(path, graph, values).
 
 Exit status: 0 on success, 2 on an unsupported op/module or a bad argument
