@@ -254,7 +254,10 @@ class TiedWeightsTest(unittest.TestCase):
         """On a pipeline plan of 4 microbatches, num_batches_tracked
         advances by one per step, as in a PyTorch loop of one forward per
         step on the same global batch (not by 4, as gradient accumulation
-        over 4 forwards would), and the export loads strictly."""
+        over 4 forwards would), and the export loads strictly. The
+        --init-weights file holds the tied tensor only as head.weight (as
+        GPT-2 checkpoints hold lm_head.weight without transformer.wte.weight):
+        the recorded tie makes it emb.weight."""
         d = util.tmpdir()
         tied, source = util.module_from_source(d, "tiedlm", TIED)
         model = tied.make()
@@ -266,13 +269,16 @@ class TiedWeightsTest(unittest.TestCase):
         sys.path.insert(0, os.path.dirname(EXPORT_FX))
         import safetensors_io  # noqa: PLC0415
         init = os.path.join(d, "state_dict.safetensors")
-        safetensors_io.write(init, dict(model.state_dict()))
+        state = dict(model.state_dict())
+        del state["emb.weight"]
+        safetensors_io.write(init, state)
         _, _, data = util.token_data(d, N, S, V)
         out, _, launch = train_and_export(d, graph, init, data,
                                           ["--pipeline", "2", "--microbatches", "4"])
         self.assertIn("pipeline: 2 stages, 4 microbatches", launch.stdout)
         trained = read_safetensors(out)
         self.assertEqual(int(trained["bn.num_batches_tracked"]), 5 + STEPS)
+        self.assertTrue(torch.equal(trained["head.weight"], trained["emb.weight"]))
         tied.make().load_state_dict(trained, strict=True)
 
 
