@@ -35,7 +35,8 @@
 #                       e.g. "between=1gbit pair=0-1:300mbit"; the planner and hapctl
 #                       run in its switch namespace. Where namespaces cannot be made
 #                       it says why and the ranks talk over loopback.
-#   --with-prometheus   also run Debian's Prometheus scraping the planner
+#   --with-prometheus   also run Debian's Prometheus (127.0.0.1:9090) scraping the
+#                       planner's metrics on 127.0.0.1:9464; implies --keep-running
 #   --keep-running      leave the cluster up until Enter or Ctrl-C
 #   --no-paper-scale    skip step 5
 #   --no-setup --bin-dir DIR   use already built binaries (tests)
