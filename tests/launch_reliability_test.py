@@ -141,29 +141,23 @@ class LaunchReliabilityTest(unittest.TestCase):
 
     def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(self):
         """Rank 1 fails; rank 0 ignores the SIGTERM that should stop it. The
-        launcher waited for it forever."""
-        p, out = self.start("ignore-term:0", "--steps", "1")
-        pids = self.rank_pids()
-        os.kill(pids[1], signal.SIGKILL)
-        rc, text = self.finish(p, out)
-        self.assertEqual(rc, 1, text)
-        self.assertIn("rank 1 was killed by SIGKILL", text)
-        self.assertIn("rank 0 did not stop within 5 s of SIGTERM; killing it", text)
-        self.assertEqual(wait_gone(pids), [])
-
-    def test_the_grace_period_is_grace_seconds(self):
-        """The 5 s between SIGTERM and SIGKILL was fixed: a deployment whose
-        ranks need longer to stop (or a test that wants it shorter) could not
-        say so."""
-        p, out = self.start("ignore-term:0", "--grace-seconds", "0.5")
-        pids = self.rank_pids()
-        os.kill(pids[1], signal.SIGKILL)
-        rc, text = self.finish(p, out)
-        self.assertEqual(rc, 1, text)
-        self.assertIn("rank 0 did not stop within 0.5 s of SIGTERM; killing it", text)
-        self.assertEqual(wait_gone(pids), [])
-        # hap-launch's own flag: not passed on to the executor.
-        self.assertNotIn("--grace-seconds", open(os.path.join(self.fake_dir, "argv0")).read())
+        launcher waited for it forever. The grace period was a fixed 5 s: now
+        --grace-seconds (a deployment whose ranks need longer to stop, or a
+        test that wants it shorter)."""
+        for extra, grace in (((), "5"), (("--grace-seconds", "0.5"), "0.5")):
+            with self.subTest(grace=grace):
+                self.setUp()
+                p, out = self.start("ignore-term:0", "--steps", "1", *extra)
+                pids = self.rank_pids()
+                os.kill(pids[1], signal.SIGKILL)
+                rc, text = self.finish(p, out)
+                self.assertEqual(rc, 1, text)
+                self.assertIn("rank 1 was killed by SIGKILL", text)
+                self.assertIn(f"rank 0 did not stop within {grace} s of SIGTERM; killing it", text)
+                self.assertEqual(wait_gone(pids), [])
+                # hap-launch's own flag: not passed on to the executor.
+                with open(os.path.join(self.fake_dir, "argv0")) as f:
+                    self.assertNotIn("--grace-seconds", f.read())
         for bad in ("0", "0.05", "3601", "x", "nan"):
             r = subprocess.run([LAUNCH, "--plan", self.plan, "--executor", self.fake,
                                 "--grace-seconds", bad], capture_output=True, text=True,
