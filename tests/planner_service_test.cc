@@ -8,9 +8,11 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -754,6 +756,41 @@ void DeployAndWaitUntilFailed(v1::Planner::Stub* stub, const v1::DeployPlanReque
     ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, d).ok());
   }
   ASSERT_EQ(d->state(), v1::Deployment::FAILED) << d->DebugString();
+}
+
+// `hapctl get deployments` printed the first page of ListDeployments only
+// (50), so a planner holding more showed some of them, silently.
+TEST(HapctlListingTest, GetDeploymentsListsEveryPage) {
+  Planner p;
+  p.Start(hap::testing::TempDir("list-pages"));
+  auto stub = p.Stub();
+  v1::CreatePlanRequest r;
+  v1::DeployPlanRequest deploy;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+  std::set<std::string> made;
+  for (int i = 0; i < 57; ++i) {  // more than one page of 50
+    v1::Deployment d;
+    grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    made.insert(d.name());
+  }
+  for (const std::string format : {"table", "json"}) {
+    Process ctl;
+    ASSERT_TRUE(ctl.Start({hap::testing::Runfile("tools/hapctl"), "get", "deployments", "-o",
+                           format, "--server=" + p.Address(), "--token-file=" + p.dir + "/token"})
+                    .ok());
+    const int status = ctl.Stop(0, absl::Seconds(60));
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ctl.output();
+    std::set<std::string> listed;
+    for (absl::string_view line : absl::StrSplit(ctl.output(), '\n')) {
+      for (const std::string& name : made) {
+        if (absl::StrContains(line, "\"" + name + "\"") || absl::StartsWith(line, name + " ")) {
+          listed.insert(name);
+        }
+      }
+    }
+    EXPECT_EQ(listed.size(), made.size()) << format << ":\n" << ctl.output();
+  }
 }
 
 TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {

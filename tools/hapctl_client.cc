@@ -375,12 +375,20 @@ int Get(Client& c, const std::string& what) {
     return 0;
   }
   if (what == "deployments" || what == "deployment") {
-    v1::ListDeploymentsRequest r;
+    // Every page (it printed the first 50 only).
     v1::ListDeploymentsResponse resp;
-    grpc::ClientContext ctx;
-    c.Prepare(&ctx);
-    grpc::Status s = c.stub->ListDeployments(&ctx, r, &resp);
-    if (!s.ok()) return Fail(s);
+    std::string token;
+    do {
+      v1::ListDeploymentsRequest r;
+      r.set_page_token(token);
+      v1::ListDeploymentsResponse page;
+      grpc::ClientContext ctx;
+      c.Prepare(&ctx);
+      grpc::Status s = c.stub->ListDeployments(&ctx, r, &page);
+      if (!s.ok()) return Fail(s);
+      for (auto& d : *page.mutable_deployments()) *resp.add_deployments() = std::move(d);
+      token = page.next_page_token();
+    } while (!token.empty());
     if (c.format != "table") {
       PrintMessage(resp, c.format);
       return 0;
