@@ -320,21 +320,35 @@ std::string DeploymentName(const std::string& s) {
   return s.rfind("deployments/", 0) == 0 ? s : "deployments/" + s;
 }
 
+// Every page of a List call (`call(ctx, request, page)`), the items
+// (`items(response)`) appended to `all` in order.
+template <typename Request, typename Response, typename Call, typename Items>
+grpc::Status ListEveryPage(const Client& c, Call call, Items items, Response* all) {
+  std::string token;
+  do {
+    Request r;
+    r.set_page_token(token);
+    Response page;
+    grpc::ClientContext ctx;
+    c.Prepare(&ctx);
+    grpc::Status s = call(&ctx, r, &page);
+    if (!s.ok()) return s;
+    for (auto& x : *items(page)) *items(*all)->Add() = std::move(x);
+    token = page.next_page_token();
+  } while (!token.empty());
+  return grpc::Status::OK;
+}
+
 int Get(Client& c, const std::string& what) {
   if (what == "nodes" || what == "node") {
     v1::ListNodesResponse all;
-    std::string token;
-    do {
-      v1::ListNodesRequest r;
-      r.set_page_token(token);
-      v1::ListNodesResponse page;
-      grpc::ClientContext ctx;
-      c.Prepare(&ctx);
-      grpc::Status s = c.stub->ListNodes(&ctx, r, &page);
-      if (!s.ok()) return Fail(s);
-      for (auto& n : *page.mutable_nodes()) *all.add_nodes() = std::move(n);
-      token = page.next_page_token();
-    } while (!token.empty());
+    grpc::Status s = ListEveryPage<v1::ListNodesRequest>(
+        c,
+        [&](grpc::ClientContext* ctx, const v1::ListNodesRequest& r, v1::ListNodesResponse* out) {
+          return c.stub->ListNodes(ctx, r, out);
+        },
+        [](v1::ListNodesResponse& r) { return r.mutable_nodes(); }, &all);
+    if (!s.ok()) return Fail(s);
     if (c.format != "table") {
       PrintMessage(all, c.format);
       return 0;
@@ -354,18 +368,13 @@ int Get(Client& c, const std::string& what) {
   }
   if (what == "plans" || what == "plan") {
     v1::ListPlansResponse all;
-    std::string token;
-    do {
-      v1::ListPlansRequest r;
-      r.set_page_token(token);
-      v1::ListPlansResponse page;
-      grpc::ClientContext ctx;
-      c.Prepare(&ctx);
-      grpc::Status s = c.stub->ListPlans(&ctx, r, &page);
-      if (!s.ok()) return Fail(s);
-      for (auto& p : *page.mutable_plans()) *all.add_plans() = std::move(p);
-      token = page.next_page_token();
-    } while (!token.empty());
+    grpc::Status s = ListEveryPage<v1::ListPlansRequest>(
+        c,
+        [&](grpc::ClientContext* ctx, const v1::ListPlansRequest& r, v1::ListPlansResponse* out) {
+          return c.stub->ListPlans(ctx, r, out);
+        },
+        [](v1::ListPlansResponse& r) { return r.mutable_plans(); }, &all);
+    if (!s.ok()) return Fail(s);
     if (c.format != "table") {
       PrintMessage(all, c.format);
       return 0;
@@ -375,20 +384,13 @@ int Get(Client& c, const std::string& what) {
     return 0;
   }
   if (what == "deployments" || what == "deployment") {
-    // Every page (it printed the first 50 only).
-    v1::ListDeploymentsResponse resp;
-    std::string token;
-    do {
-      v1::ListDeploymentsRequest r;
-      r.set_page_token(token);
-      v1::ListDeploymentsResponse page;
-      grpc::ClientContext ctx;
-      c.Prepare(&ctx);
-      grpc::Status s = c.stub->ListDeployments(&ctx, r, &page);
-      if (!s.ok()) return Fail(s);
-      for (auto& d : *page.mutable_deployments()) *resp.add_deployments() = std::move(d);
-      token = page.next_page_token();
-    } while (!token.empty());
+    v1::ListDeploymentsResponse resp;  // every page (it printed the first 50 only)
+    grpc::Status s = ListEveryPage<v1::ListDeploymentsRequest>(
+        c,
+        [&](grpc::ClientContext* ctx, const v1::ListDeploymentsRequest& r,
+            v1::ListDeploymentsResponse* out) { return c.stub->ListDeployments(ctx, r, out); },
+        [](v1::ListDeploymentsResponse& r) { return r.mutable_deployments(); }, &resp);
+    if (!s.ok()) return Fail(s);
     if (c.format != "table") {
       PrintMessage(resp, c.format);
       return 0;
@@ -405,18 +407,13 @@ int Get(Client& c, const std::string& what) {
   }
   if (what == "jobs" || what == "job") {
     v1::ListJobsResponse all;
-    std::string token;
-    do {
-      v1::ListJobsRequest r;
-      r.set_page_token(token);
-      v1::ListJobsResponse page;
-      grpc::ClientContext ctx;
-      c.Prepare(&ctx);
-      grpc::Status s = c.stub->ListJobs(&ctx, r, &page);
-      if (!s.ok()) return Fail(s);
-      for (auto& j : *page.mutable_jobs()) *all.add_jobs() = std::move(j);
-      token = page.next_page_token();
-    } while (!token.empty());
+    grpc::Status s = ListEveryPage<v1::ListJobsRequest>(
+        c,
+        [&](grpc::ClientContext* ctx, const v1::ListJobsRequest& r, v1::ListJobsResponse* out) {
+          return c.stub->ListJobs(ctx, r, out);
+        },
+        [](v1::ListJobsResponse& r) { return r.mutable_jobs(); }, &all);
+    if (!s.ok()) return Fail(s);
     if (c.format != "table") {
       PrintMessage(all, c.format);
       return 0;
