@@ -912,7 +912,8 @@ class ExportFxTest(unittest.TestCase):
                 self.register_buffer("tmp", torch.ones(8), persistent=False)
                 self.register_buffer("window", torch.cat(
                     [torch.ones(8), torch.full((8,), 2.0)]))
-                self.register_buffer("flags", torch.ones(8, dtype=torch.bool))
+                self.register_buffer("flags", torch.tensor([True, False, False]))
+                self.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
                 self.bn.bias.requires_grad_(False)
 
             def forward(self, x, labels):
@@ -939,24 +940,27 @@ class ExportFxTest(unittest.TestCase):
         # scale (persistent, used as it is) is held as a frozen parameter;
         # window is folded into a constant through its slice: recorded
         # with its values (runs of equal elements), as bn's counter is with
-        # its forwards per step (bn is called twice); a bool buffer is not
-        # recorded, and says why.
+        # its forwards per step (bn is called twice), as is the unused bool
+        # buffer flags; a complex buffer is not recorded, and says why.
         self.assertTrue(self.params(g)["scale"].get("frozen"))
         self.assertEqual(extras["counters"], {"bn.num_batches_tracked":
                                               {"per_step": 2, "value": 3}})
         one, two = struct.pack("<f", 1.0).hex(), struct.pack("<f", 2.0).hex()
         self.assertEqual(extras["folded"],
                          {"window": {"dtype": "F32", "shape": [16],
-                                     "runs": [[8, one], [8, two]]}})
-        self.assertEqual(extras["unheld"], ["flags"])
-        self.assertIn("dtype torch.bool", extras["unrecorded"]["flags"])
+                                     "runs": [[8, one], [8, two]]},
+                          "flags": {"dtype": "BOOL", "shape": [3],
+                                    "runs": [[1, "01"], [2, "00"]]}})
+        self.assertEqual(extras["unheld"], ["phase"])
+        self.assertIn("dtype torch.complex64", extras["unrecorded"]["phase"])
         self.assertTrue(extras["constants"])
         self.assertTrue(all(c.startswith("const.")
                             for c in extras["constants"]))
         w = export_fx.state_dict_weights(g, values)
-        self.assertEqual(set(w), set(m.state_dict()) - {"flags"})
+        self.assertEqual(set(w), set(m.state_dict()) - {"phase"})
         self.assertTrue(torch.equal(w["head.weight"], m.emb.weight))
         self.assertTrue(torch.equal(w["window"], m.window))
+        self.assertTrue(torch.equal(w["flags"], m.flags))
         self.assertEqual(int(w["bn.num_batches_tracked"]), 3)
 
 

@@ -52,6 +52,7 @@ def make():
 '''
 
 _DTYPES = {"F32": (torch.float32, 4), "F64": (torch.float64, 8), "I64": (torch.int64, 8),
+           "BOOL": (torch.bool, 1),
            "I32": (torch.int32, 4)}
 
 
@@ -154,6 +155,7 @@ class TiedLM(nn.Module):
         self.register_buffer("ones", torch.ones({E}), persistent=False)
         # Folded into a constant through its slice; the rest is never used.
         self.register_buffer("window", torch.cat([torch.full(({E},), 2.0), torch.arange(3.0)]))
+        self.register_buffer("keep", torch.tensor([True, False, True]))  # unused, BOOL
         self.mid.bias.requires_grad_(False)  # frozen, as in fine-tuning
 
     def forward(self, x, y):
@@ -174,11 +176,12 @@ class TiedWeightsTest(unittest.TestCase):
         a frozen one (requires_grad=False) frozen in the graph;
         --init-weights takes the file of model.state_dict() (both tied names,
         num_batches_tracked, the buffer `scale`, the buffer `window` folded
-        into a constant through its slice); training keeps them one tensor
+        into a constant through its slice, the unused BOOL buffer `keep`);
+        training keeps them one tensor
         and equals PyTorch's SGD steps; the export holds every state_dict
         entry and no exporter constant, so load_state_dict(strict=True)
         takes it: both tied names, the running statistics, `scale`,
-        `window` as it was, and num_batches_tracked advanced from the
+        `window` and `keep` as they were, and num_batches_tracked advanced from the
         file's value as PyTorch's own training loop advances it."""
         d = util.tmpdir()
         tied, source = util.module_from_source(d, "tiedlm", TIED)
@@ -240,7 +243,8 @@ class TiedWeightsTest(unittest.TestCase):
         self.assertEqual(int(trained["bn.num_batches_tracked"]),
                          int(want["bn.num_batches_tracked"]))
         self.assertTrue(torch.equal(trained["window"], start["window"]))
-        for name in set(start) - {"bn.num_batches_tracked"}:
+        self.assertTrue(torch.equal(trained["keep"], start["keep"]))
+        for name in set(start) - {"bn.num_batches_tracked", "keep"}:  # checked above
             got, ref_value = trained[name], want[name]
             scale = max(float(ref_value.abs().max()), 1e-3)
             err = float((got - ref_value).abs().max())

@@ -95,8 +95,8 @@ Command line:
   metadata "hap.state_dict_extras" lists the tied names, the constants, the
   counters with their forwards per step, the folded buffers with their
   values, and the state_dict entries the graph does not hold and cannot
-  record: unused parameters, buffers of other dtypes than
-  F32/F64/F16/BF16/I32/I64 or past 65536 runs of equal values, named on
+  record: unused parameters, buffers of a dtype safetensors has no name
+  for (complex) or past 65536 runs of equal values, named on
   stderr; --init-weights accepts a file of the whole model.state_dict()):
   `module.load_state_dict(safetensors_io.read(OUT), strict=True)` restores
   them exactly (tools/safetensors_io.py) when nothing was named, and

@@ -118,8 +118,8 @@ int Export(const Args& a) {
     std::cerr << absl::StrFormat(
         "note: the model's state_dict also holds %s, which the graph does not hold and the "
         "exporter could not record (parameters forward does not use; buffers folded into "
-        "constants that are not F32/F64/F16/BF16/I32/I64 or hold too many runs of equal values, "
-        "as tools/export_fx.py said at export): not in %s; take them from the module "
+        "constants of a dtype safetensors has no name for (complex) or of too many runs of equal "
+        "values, as tools/export_fx.py said at export): not in %s; take them from the module "
         "(load_state_dict(..., strict=False))\n",
         absl::StrJoin(extras->unheld, ", "), out);
   }

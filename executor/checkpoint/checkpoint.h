@@ -138,21 +138,22 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json);
 // (equal to the tensor they name) or carry only them. `constants`: graph
 // parameters that are the exporter's constants, not state_dict entries
 // (left out of exports). `counters`: BatchNorm's num_batches_tracked ->
-// forwards of its module per step (`value`, the module's at export, is the
-// exporter's --weights'; TrainerState.num_batches_tracked counts
-// them; exports write them as I64 scalars; weights files may carry the
-// start value). `folded`: buffers the exporter folded into the graph's
-// constants (through a slice, a comparison...), with their values: row-major
-// runs of equal elements, [count, the element's little-endian bytes in
-// hex]; exports write them, weights files may carry them with these values
-// (other values are refused: the graph was built from these). `unheld`:
-// state_dict entries the graph does not hold and the exporter could not
-// record (parameters forward does not use, buffers of other dtypes or too
-// many runs): weights files may carry them; they are not read, and exports
-// cannot write them.
+// forwards of its module per step (`value`, the module's at export, is what
+// the exporter's --weights writes); TrainerState.num_batches_tracked counts
+// them, exports write them as I64 scalars, weights files may carry the
+// start value. `folded`: buffers the exporter folded into the graph's
+// constants (through a slice, a comparison...) or that forward leaves
+// unused, with their values: row-major runs of equal elements, [count, the
+// element's little-endian bytes in hex], of any safetensors dtype (BOOL and
+// U8 too); exports write them, weights files may carry them with these
+// values (other values are refused: the graph was built from these).
+// `unheld`: state_dict entries the graph does not hold and the exporter
+// could not record (parameters forward does not use, buffers of a dtype
+// safetensors has no name for, or of too many runs): weights files may
+// carry them; they are not read, and exports cannot write them.
 inline constexpr char kStateDictExtrasKey[] = "hap.state_dict_extras";
 struct FoldedBuffer {
-  DType dtype = DType::kFloat32;
+  std::string dtype;  // safetensors: F32, BOOL, U8, ... (SafetensorsDTypeWidth)
   Shape shape;
   std::string bytes;  // row-major, little-endian
 };

@@ -574,10 +574,12 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
       "mlp", {{"layers", 2}, {"hidden", 24}, {"input", 24}, {"classes", 5}, {"batch", 9}});
   ASSERT_TRUE(base.ok()) << base.status();
   // mask: F32[2, 3] = 1 1 1 1 0 0 (runs of 4 ones, 2 zeros).
-  const std::string json = R"({"counters": {"bn.num_batches_tracked": {"per_step": 2, "value": 3},)"
-                           R"( "idle.num_batches_tracked": {"per_step": 0}},)"
-                           R"( "folded": {"mask": {"dtype": "F32", "shape": [2, 3],)"
-                           R"( "runs": [[4, "0000803f"], [2, "00000000"]]}}})";
+  const std::string json =
+      R"({"counters": {"bn.num_batches_tracked": {"per_step": 2, "value": 3},)"
+      R"( "idle.num_batches_tracked": {"per_step": 0}},)"
+      R"( "folded": {"mask": {"dtype": "F32", "shape": [2, 3],)"
+      R"( "runs": [[4, "0000803f"], [2, "00000000"]]},)"
+      R"( "flags": {"dtype": "BOOL", "shape": [3], "runs": [[2, "01"], [1, "00"]]}}})";
   auto extras = ParseStateDictExtras(json);
   ASSERT_TRUE(extras.ok()) << extras.status();
   EXPECT_EQ(extras->counters.at("bn.num_batches_tracked"), 2);
@@ -587,7 +589,7 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
         R"({"folded": {"m": {"dtype": "F32", "shape": [2],)"
         R"( "runs": [[3, "0000803f"]]}}})",
         R"({"folded": {"m": {"dtype": "F32", "shape": [1], "runs": [[1, "00803f"]]}}})",
-        R"({"folded": {"m": {"dtype": "BOOL", "shape": [1], "runs": [[1, "01"]]}}})"}) {
+        R"({"folded": {"m": {"dtype": "Q7", "shape": [1], "runs": [[1, "01"]]}}})"}) {
     EXPECT_THAT(ParseStateDictExtras(bad).status(),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(kStateDictExtrasKey)))
         << bad;
@@ -616,6 +618,8 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
   for (const auto& [name, t] : params) entries.push_back({name, t.view()});
   entries.push_back({"bn.num_batches_tracked", counter.view()});
   entries.push_back({"mask", mask.view()});
+  std::string flags("\1\1\0", 3);
+  entries.push_back({"flags", TensorView{DType::kFloat32, Shape{3}, flags.data()}, "BOOL"});
   const std::string in = dir + "/state_dict.safetensors";
   ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
   auto weights = WeightsReader::OpenFor(in, *g);
@@ -668,20 +672,25 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
   ASSERT_TRUE(exported_mask.ok()) << exported_mask.status();
   EXPECT_EQ(exported_mask->shape, (Shape{2, 3}));
   EXPECT_EQ(std::memcmp(exported_mask->data, mask.data(), 24), 0);
+  ASSERT_TRUE((*file)->others().count("flags"));
+  EXPECT_EQ((*file)->others().at("flags").dtype, "BOOL");
+  EXPECT_EQ((*file)->others().at("flags").bytes, flags);
   // The export starts a run again, counter and mask included.
   EXPECT_TRUE(WeightsReader::OpenFor(out, *g).ok());
 
-  // Other mask values, or a counter of another dtype: refused, named.
+  // Other mask or flags values, or a counter of another dtype: refused, named.
   mask.as<float>()[5] = 1.0f;
+  flags[2] = '\1';
   HostTensor float_counter(DType::kFloat32, Shape{});
-  entries[entries.size() - 2] = {"bn.num_batches_tracked", float_counter.view()};
+  entries[entries.size() - 3] = {"bn.num_batches_tracked", float_counter.view()};
   ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
   EXPECT_THAT(WeightsReader::OpenFor(in, *g).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("bn.num_batches_tracked (F32[] in the file, an I64 scalar "
                                        "counter in the model)"),
                              HasSubstr("mask (a buffer the graph's constants were built from at "
-                                       "export, other values in the file"))));
+                                       "export, other values in the file"),
+                             HasSubstr("flags (a buffer the graph's constants"))));
 }
 
 // This rank's persistent state as SaveCheckpoint takes it (zeros).

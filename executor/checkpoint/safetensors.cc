@@ -9,7 +9,9 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -76,6 +78,26 @@ absl::StatusOr<DType> FromSafetensorsDType(absl::string_view s) {
       absl::StrCat("dtype '", s, "' is not one of F32, F64, F16, BF16, I32, I64"));
 }
 
+int SafetensorsDTypeWidth(absl::string_view s) {
+  if (auto ours = FromSafetensorsDType(s); ours.ok()) return graph::DTypeBytes(*ours);
+  static const auto* others = new std::map<std::string, int, std::less<>>{
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1},
+      {"I16", 2},  {"U16", 2}, {"U32", 4}, {"U64", 8}};
+  auto it = others->find(s);
+  return it == others->end() ? 0 : it->second;
+}
+
+namespace {
+
+// An entry's element size and its bytes.
+int64_t EntryWidth(const SafetensorsEntry& e) {
+  return e.other_dtype.empty() ? graph::DTypeBytes(e.data.dtype)
+                               : SafetensorsDTypeWidth(e.other_dtype);
+}
+int64_t EntryBytes(const SafetensorsEntry& e) { return e.data.num_elements() * EntryWidth(e); }
+
+}  // namespace
+
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<SafetensorsEntry>& entries,
                               const std::map<std::string, std::string>& metadata) {
@@ -90,10 +112,14 @@ absl::Status WriteSafetensors(const std::string& path,
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", e.name, "' appears twice in ", path));
     }
+    if (EntryWidth(e) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", e.name, "' has the unknown dtype '", e.other_dtype, "'"));
+    }
     order.push_back(&e);
   }
   std::sort(order.begin(), order.end(), [](const SafetensorsEntry* a, const SafetensorsEntry* b) {
-    const int64_t sa = graph::DTypeBytes(a->data.dtype), sb = graph::DTypeBytes(b->data.dtype);
+    const int64_t sa = EntryWidth(*a), sb = EntryWidth(*b);
     return sa != sb ? sa > sb : a->name < b->name;
   });
   std::string header = "{";
@@ -108,9 +134,10 @@ absl::Status WriteSafetensors(const std::string& path,
   }
   int64_t offset = 0;
   for (const SafetensorsEntry* e : order) {
-    const int64_t bytes = e->data.bytes();
+    const int64_t bytes = EntryBytes(*e);
     absl::StrAppend(&header, header.size() > 1 ? "," : "", JsonString(e->name), ":{\"dtype\":\"",
-                    SafetensorsDType(e->data.dtype), "\",\"shape\":[");
+                    e->other_dtype.empty() ? SafetensorsDType(e->data.dtype) : e->other_dtype,
+                    "\",\"shape\":[");
     for (size_t i = 0; i < e->data.shape.size(); ++i) {
       absl::StrAppend(&header, i ? "," : "", e->data.shape[i]);
     }
@@ -127,7 +154,7 @@ absl::Status WriteSafetensors(const std::string& path,
   HAP_RETURN_IF_ERROR(out.Write(length, 8));
   HAP_RETURN_IF_ERROR(out.Write(header.data(), header.size()));
   for (const SafetensorsEntry* e : order) {
-    HAP_RETURN_IF_ERROR(out.Write(e->data.data, static_cast<size_t>(e->data.bytes())));
+    HAP_RETURN_IF_ERROR(out.Write(e->data.data, static_cast<size_t>(EntryBytes(*e))));
   }
   return out.SyncAndClose();
 }
@@ -186,6 +213,12 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   f->data_ = reinterpret_cast<const char*>(bytes + 8 + n);
   f->data_offset_ = static_cast<int64_t>(8 + n);
   const int64_t data_bytes = st.st_size - 8 - static_cast<int64_t>(n);
+  struct Span {
+    int64_t begin, end;
+    std::string name;
+  };
+  std::vector<Span> spans;
+  std::map<std::string, std::pair<int64_t, int64_t>> other_spans;
   for (const auto& [name, value] : json.fields()) {
     if (name == "__metadata__") {
       if (value.kind_case() != pb::Value::kStructValue) return bad("__metadata__ is not an object");
@@ -209,10 +242,12 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
         off->second.list_value().values_size() != 2) {
       return bad("tensor '", name, "' lacks a string dtype, a shape list or two data_offsets");
     }
-    auto dtype = FromSafetensorsDType(dt->second.string_value());
-    if (!dtype.ok()) return bad("tensor '", name, "': ", dtype.status().message());
+    const std::string& dtype_name = dt->second.string_value();
+    auto dtype = FromSafetensorsDType(dtype_name);
+    const int width = SafetensorsDTypeWidth(dtype_name);
+    if (width == 0) return bad("tensor '", name, "' has the unknown dtype '", dtype_name, "'");
     Tensor t;
-    t.dtype = *dtype;
+    if (dtype.ok()) t.dtype = *dtype;
     int64_t elements = 1;
     for (const pb::Value& d : sh->second.list_value().values()) {
       int64_t dim;
@@ -225,30 +260,30 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
         !ToInt(off->second.list_value().values(1), &t.end) || t.end < t.begin) {
       return bad("tensor '", name, "' has malformed data_offsets");
     }
-    if (t.end - t.begin != elements * graph::DTypeBytes(t.dtype)) {
+    if (t.end - t.begin != elements * width) {
       return bad("tensor '", name, "' has ", t.end - t.begin, " bytes for shape ",
-                 graph::ShapeString(t.shape), " of ", dt->second.string_value());
+                 graph::ShapeString(t.shape), " of ", dtype_name);
     }
-    f->tensors_.emplace(name, std::move(t));
+    spans.push_back({t.begin, t.end, name});
+    if (dtype.ok()) {
+      f->tensors_.emplace(name, std::move(t));
+    } else {  // a dtype we do not train with: bytes only (checked below)
+      f->others_.emplace(name, Other{dtype_name, std::move(t.shape), {}});
+      other_spans.emplace(name, std::make_pair(t.begin, t.end));
+    }
   }
   // The entries tile the data buffer: sorted by (begin, end), each starts
   // where the one before ended, and the last ends with the file. A
   // zero-size tensor shares its offset with the next tensor and sorts first.
-  struct Span {
-    int64_t begin, end;
-    const std::string* name;
-  };
-  std::vector<Span> spans;
-  for (const auto& [name, t] : f->tensors_) spans.push_back({t.begin, t.end, &name});
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
     return a.begin != b.begin ? a.begin < b.begin
            : a.end != b.end   ? a.end < b.end
-                              : *a.name < *b.name;
+                              : a.name < b.name;
   });
   int64_t at = 0;
   for (const Span& span : spans) {
     if (span.begin != at) {
-      return bad("tensor '", *span.name, "' starts at byte ", span.begin, " of the data, expected ",
+      return bad("tensor '", span.name, "' starts at byte ", span.begin, " of the data, expected ",
                  at, " (overlapping or non-contiguous offsets)");
     }
     at = span.end;
@@ -256,6 +291,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   if (at != data_bytes) {
     return bad("the tensors cover ", at, " bytes of a ", data_bytes,
                "-byte data buffer (truncated or trailing bytes?)");
+  }
+  for (auto& [name, other] : f->others_) {
+    const auto [begin, end] = other_spans.at(name);
+    other.bytes = absl::string_view(f->data_ + begin, static_cast<size_t>(end - begin));
   }
   return f;
 }

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,13 +28,22 @@ namespace hap::executor::checkpoint {
 absl::string_view SafetensorsDType(DType t);
 // InvalidArgument for a dtype we do not train with (U8, BOOL, F8_*, ...).
 absl::StatusOr<DType> FromSafetensorsDType(absl::string_view s);
+// The bytes of an element of any dtype of the specification (BOOL, U8, I8,
+// I16, U16, U32, U64, F8_E4M3, F8_E5M2 besides ours); 0 for another name.
+int SafetensorsDTypeWidth(absl::string_view s);
 
 // Readers reject headers larger than this (the specification's limit).
 inline constexpr int64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 
 struct SafetensorsEntry {
+  SafetensorsEntry(std::string name, TensorView data, std::string other_dtype = "")
+      : name(std::move(name)), data(std::move(data)), other_dtype(std::move(other_dtype)) {}
   std::string name;
   TensorView data;  // dtype, shape, and the bytes to write
+  // Set: the entry is of this safetensors dtype instead of data.dtype's
+  // (one we do not train with, such as a model's BOOL buffer): data.shape
+  // elements of SafetensorsDTypeWidth(other_dtype) bytes from data.data.
+  std::string other_dtype;
 };
 
 // Writes `entries` to `path` (created or truncated) and fsyncs it. Tensors
@@ -66,6 +76,15 @@ class SafetensorsFile {
 
   const std::string& path() const { return path_; }
   const std::map<std::string, Tensor>& tensors() const { return tensors_; }
+  // The entries of dtypes we do not train with (BOOL, U8, ...: a model's
+  // buffers in a state_dict), by name: their dtype, shape and bytes (in the
+  // mapping, read-only).
+  struct Other {
+    std::string dtype;
+    Shape shape;
+    absl::string_view bytes;
+  };
+  const std::map<std::string, Other>& others() const { return others_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // The tensor's bytes in the mapping (read-only memory: never write
   // through the view). NotFound naming the tensor and the file.
@@ -85,6 +104,7 @@ class SafetensorsFile {
   int fd_ = -1;                 // kept open for ReadBytes
   int64_t data_offset_ = 0;     // of the data buffer in the file
   std::map<std::string, Tensor> tensors_;
+  std::map<std::string, Other> others_;
   std::map<std::string, std::string> metadata_;
 };
 

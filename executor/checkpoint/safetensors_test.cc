@@ -149,6 +149,50 @@ TEST(SafetensorsTest, ReadsAHandMadeFile) {
   EXPECT_EQ((*f)->View("w")->as<float>()[1], -2.0f);
 }
 
+// Entries of dtypes we do not train with (a model's BOOL and U8 buffers in
+// its state_dict) open, apart from the tensors, as bytes; they are written
+// under their dtype, and their sizes checked as any entry's.
+TEST(SafetensorsTest, EntriesOfOtherDtypesAreKeptAsBytes) {
+  const std::string json = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                           R"("mask":{"dtype":"BOOL","shape":[2,2],"data_offsets":[8,12]},)"
+                           R"("ids":{"dtype":"U8","shape":[3],"data_offsets":[12,15]},)"
+                           R"("pad":{"dtype":"U8","shape":[1],"data_offsets":[15,16]}})";
+  float w[2] = {1.5f, -2.0f};
+  const std::string data =
+      std::string(reinterpret_cast<char*>(w), 8) + std::string("\1\0\1\1", 4) + "abcz";
+  const std::string path = TempPath("others.safetensors");
+  Spit(path, HandMade(json, data));
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->tensors().size(), 1u);
+  ASSERT_EQ((*f)->others().size(), 3u);
+  const SafetensorsFile::Other& mask = (*f)->others().at("mask");
+  EXPECT_EQ(mask.dtype, "BOOL");
+  EXPECT_EQ(mask.shape, (Shape{2, 2}));
+  EXPECT_EQ(mask.bytes, std::string("\1\0\1\1", 4));
+  EXPECT_EQ((*f)->others().at("ids").bytes, "abc");
+
+  // Written back under their dtypes, next to a tensor; read back equal.
+  std::string flags("\1\0\0", 3);
+  HostTensor t(DType::kFloat32, Shape{2});
+  const std::string out = TempPath("others_out.safetensors");
+  ASSERT_TRUE(WriteSafetensors(
+                  out, {{"t", t.view()},
+                        {"flags", TensorView{DType::kFloat32, Shape{3}, flags.data()}, "BOOL"}})
+                  .ok());
+  auto back = SafetensorsFile::Open(out);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ((*back)->others().at("flags").dtype, "BOOL");
+  EXPECT_EQ((*back)->others().at("flags").bytes, flags);
+  EXPECT_TRUE((*back)->tensors().count("t"));
+  EXPECT_THAT(WriteSafetensors(out, {{"x", t.view(), "Q9"}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown dtype 'Q9'")));
+  Spit(path, HandMade(R"({"m":{"dtype":"BOOL","shape":[3],"data_offsets":[0,4]}})", "\1\1\1\1"));
+  EXPECT_THAT(
+      SafetensorsFile::Open(path).status(),
+      StatusIs(absl::StatusCode::kDataLoss, HasSubstr("has 4 bytes for shape [3] of BOOL")));
+}
+
 struct BadCase {
   const char* name;
   std::string bytes;

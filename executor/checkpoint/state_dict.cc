@@ -61,7 +61,10 @@ absl::StatusOr<FoldedBuffer> ParseFoldedBuffer(const pb::Value& v) {
     return absl::InvalidArgumentError("needs a string dtype, lists shape and runs");
   }
   FoldedBuffer out;
-  HAP_ASSIGN_OR_RETURN(out.dtype, FromSafetensorsDType(dtype->second.string_value()));
+  out.dtype = dtype->second.string_value();
+  const int64_t width = SafetensorsDTypeWidth(out.dtype);
+  if (width == 0)
+    return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", out.dtype, "'"));
   for (const auto& d : shape->second.list_value().values()) {
     int64_t n = 0;
     if (!Count(d, &n)) return absl::InvalidArgumentError("shape holds a non-count");
@@ -74,7 +77,6 @@ absl::StatusOr<FoldedBuffer> ParseFoldedBuffer(const pb::Value& v) {
     }
     elements *= d;
   }
-  const int64_t width = graph::DTypeBytes(out.dtype);
   if (elements > (int64_t{1} << 30) / width) {
     return absl::InvalidArgumentError("over 1 GiB of values");
   }
@@ -244,6 +246,16 @@ absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
   return slices;
 }
 
+namespace {
+
+std::string FoldedMismatch(const std::string& name) {
+  return absl::StrCat(name,
+                      " (a buffer the graph's constants were built from at export, other values "
+                      "in the file: export the model again with these)");
+}
+
+}  // namespace
+
 absl::StatusOr<StateDictExtras> GraphStateDictExtras(const graph::Graph& g) {
   auto it = g.metadata().find(kStateDictExtrasKey);
   if (it == g.metadata().end()) return StateDictExtras{};
@@ -303,7 +315,12 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
     }
     model.insert(t.name);
     auto it = file_->tensors().find(FileName(t.name));
-    if (it == file_->tensors().end()) {
+    if (auto other = file_->others().find(t.name); other != file_->others().end()) {
+      mismatched.push_back(absl::StrCat(t.name, " (", other->second.dtype,
+                                        graph::ShapeString(other->second.shape), " in the file, ",
+                                        SafetensorsDType(t.type.dtype),
+                                        graph::ShapeString(t.type.shape), " in the model)"));
+    } else if (it == file_->tensors().end()) {
       // The exporter's constants (frozen, constant initialisers) are not
       // PyTorch parameters: they start from their initialiser.
       if (!(t.frozen && IsConstantInit(t.init))) missing.push_back(t.name);
@@ -331,12 +348,9 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
     if (auto folded = extras.folded.find(name); folded != extras.folded.end()) {
       auto v = file_->View(name);
       const FoldedBuffer& b = folded->second;
-      if (!v.ok() || v->dtype != b.dtype || v->shape != b.shape ||
+      if (!v.ok() || SafetensorsDType(v->dtype) != b.dtype || v->shape != b.shape ||
           std::memcmp(v->data, b.bytes.data(), b.bytes.size()) != 0) {
-        mismatched.push_back(absl::StrCat(
-            name,
-            " (a buffer the graph's constants were built from at export, other values in "
-            "the file: export the model again with these)"));
+        mismatched.push_back(FoldedMismatch(name));
       }
       continue;
     }
@@ -353,6 +367,18 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
         std::memcmp(a->data, h->data, a->bytes()) != 0) {
       mismatched.push_back(absl::StrCat(name, " (tied to ", alias->second,
                                         " in the model, other values in the file)"));
+    }
+  }
+  // Entries of dtypes we do not train with (a model's BOOL or U8 buffers):
+  // folded buffers with their recorded values, or unheld.
+  for (const auto& [name, other] : file_->others()) {
+    if (model.count(name) || unheld.count(name)) continue;  // a parameter: named above
+    auto folded = extras.folded.find(name);
+    if (folded == extras.folded.end()) {
+      extra.push_back(absl::StrCat(name, " (", other.dtype, ")"));
+    } else if (other.dtype != folded->second.dtype || other.shape != folded->second.shape ||
+               other.bytes != folded->second.bytes) {
+      mismatched.push_back(FoldedMismatch(name));
     }
   }
   if (missing.empty() && extra.empty() && mismatched.empty()) return absl::OkStatus();
@@ -532,13 +558,14 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
     HostTensor& counter = tensors.try_emplace(name, DType::kInt64, Shape{}).first->second;
     counter.as<int64_t>()[0] = value;
   }
-  for (const auto& [name, b] : extras.folded) {
-    if (tensors.count(name)) continue;
-    HostTensor& buffer = tensors.try_emplace(name, b.dtype, b.shape).first->second;
-    if (!b.bytes.empty()) std::memcpy(buffer.data(), b.bytes.data(), b.bytes.size());
-  }
   std::vector<SafetensorsEntry> entries;
   int64_t bytes = 0;
+  for (const auto& [name, b] : extras.folded) {
+    if (tensors.count(name)) continue;
+    entries.emplace_back(
+        name, TensorView{DType::kFloat32, b.shape, const_cast<char*>(b.bytes.data())}, b.dtype);
+    bytes += static_cast<int64_t>(b.bytes.size());
+  }
   for (const auto& [name, t] : tensors) {
     entries.push_back({name, t.view()});
     bytes += t.view().bytes();

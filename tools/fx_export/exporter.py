@@ -23,8 +23,9 @@ from . import (ops_attention, ops_convolution, ops_elementwise,  # noqa: F401
                ops_linear, ops_loss, ops_lstm, ops_normalization,
                ops_reduction, ops_shape, ops_transformer)
 from . import registry
-from .ir import (BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, BoolIds, ExportError,
-                 IrTensor, LstmState, Static, attr_value, ir_dtype)
+from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
+                 BoolIds, ExportError, IrTensor, LstmState, Static, attr_value,
+                 ir_dtype)
 
 
 # The most runs of equal elements the buffers folded into constants may take
@@ -32,12 +33,8 @@ from .ir import (BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, BoolIds, ExportError,
 # stays "unheld", named at export.
 FOLDED_RUNS_LIMIT = 1 << 16
 
-# Safetensors dtypes of the buffers "folded" records (the ones the
-# executor's checkpoints and exports write).
-_FOLDED_DTYPES = {torch.float32: "F32", torch.float64: "F64",
-                  torch.float16: "F16", torch.bfloat16: "BF16",
-                  torch.int32: "I32", torch.int64: "I64"}
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32,
+                   8: torch.int64}
 
 
 def folded_record(value, budget):
@@ -45,10 +42,10 @@ def folded_record(value, budget):
     runs: [[count, the element's little-endian bytes in hex]]}, row-major)
     and None, or None and why it cannot be recorded; `budget` ([runs left])
     is shared by the buffers of one graph."""
-    dtype = _FOLDED_DTYPES.get(value.dtype)
+    dtype = SAFETENSORS_DTYPES.get(value.dtype)
     if dtype is None:
         return None, (f"dtype {value.dtype} (exports write "
-                      f"{'/'.join(_FOLDED_DTYPES.values())})")
+                      f"{'/'.join(SAFETENSORS_DTYPES.values())})")
     if value.is_meta:
         return None, "on the meta device: no values"
     flat = value.detach().reshape(-1).contiguous().cpu()

@@ -45,13 +45,24 @@ BUFFERS_KEY = "hap.state_dict_buffers"
 #                runs [count, one element's little-endian bytes in hex];
 #   "unheld":    [state_dict name]: entries the graph does not hold and the
 #                exporter could not record (parameters forward does not use,
-#                buffers of another dtype or past FOLDED_RUNS_LIMIT runs);
+#                buffers of a dtype not in SAFETENSORS_DTYPES or past
+#                FOLDED_RUNS_LIMIT runs);
 #   "unrecorded": {state_dict name: why}: the buffers among "unheld".
 # --weights and `hapctl checkpoint export` write every alias as a copy, the
 # counters and the folded buffers; --init-weights accepts an alias equal to
 # the tensor it names (or in its place), a counter's start value, folded
 # buffers equal to the recorded values, and ignores the unheld entries.
 EXTRAS_KEY = "hap.state_dict_extras"
+
+
+# The safetensors dtype of a torch dtype, for the buffers EXTRAS_KEY
+# "folded" records (those tools/safetensors_io.py and the executor's
+# exports write).
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+    torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
 
 
 _FLOAT_DTYPES = {

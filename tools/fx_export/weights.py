@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from .ir import BUFFERS_KEY, EXTRAS_KEY, SLICES_KEY, ExportError
+from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
+                 ExportError)
 
 
 def state_dict_slices(graph):
@@ -29,17 +30,16 @@ def state_dict_extras(graph):
             "unrecorded": out.get("unrecorded", {})}
 
 
-_FOLDED_DTYPES = {"F32": torch.float32, "F64": torch.float64,
-                  "F16": torch.float16, "BF16": torch.bfloat16,
-                  "I32": torch.int32, "I64": torch.int64}
+_TORCH_DTYPES = {name: dt for dt, name in SAFETENSORS_DTYPES.items()}
 
 
 def folded_value(record):
     """The tensor of an EXTRAS_KEY "folded" record (runs of equal
     elements, each as its little-endian bytes in hex)."""
     raw = b"".join(bytes.fromhex(h) * n for n, h in record["runs"])
-    t = torch.frombuffer(bytearray(raw), dtype=_FOLDED_DTYPES[record["dtype"]]) \
-        if raw else torch.empty(0, dtype=_FOLDED_DTYPES[record["dtype"]])
+    dtype = _TORCH_DTYPES[record["dtype"]]
+    t = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else \
+        torch.empty(0, dtype=dtype)
     return t.reshape(record["shape"])
 
 
