@@ -683,11 +683,21 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
   flags[2] = '\1';
   HostTensor float_counter(DType::kFloat32, Shape{});
   entries[entries.size() - 3] = {"bn.num_batches_tracked", float_counter.view()};
+  // A parameter as BOOL (a dtype the file opens apart): named with it.
+  std::string bias_bools(24, '\1');
+  for (SafetensorsEntry& e : entries) {
+    if (e.name == "layer0/fc/bias") {
+      e = SafetensorsEntry(e.name, TensorView{DType::kFloat32, Shape{24}, bias_bools.data()},
+                           "BOOL");
+    }
+  }
   ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
   EXPECT_THAT(WeightsReader::OpenFor(in, *g).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("bn.num_batches_tracked (F32[] in the file, an I64 scalar "
                                        "counter in the model)"),
+                             HasSubstr("layer0/fc/bias (BOOL[24] in the file, F32[24] in the "
+                                       "model)"),
                              HasSubstr("mask (a buffer the graph's constants were built from at "
                                        "export, other values in the file"),
                              HasSubstr("flags (a buffer the graph's constants"))));

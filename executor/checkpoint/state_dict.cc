@@ -248,6 +248,14 @@ absl::StatusOr<StateDictSlices> GraphStateDictSlices(const graph::Graph& g) {
 
 namespace {
 
+// "name (F32[2] in the file, F32[3] in the model)".
+std::string Mismatch(const std::string& name, absl::string_view file_dtype, const Shape& file_shape,
+                     DType model_dtype, const Shape& model_shape) {
+  return absl::StrCat(name, " (", file_dtype, graph::ShapeString(file_shape), " in the file, ",
+                      SafetensorsDType(model_dtype), graph::ShapeString(model_shape),
+                      " in the model)");
+}
+
 std::string FoldedMismatch(const std::string& name) {
   return absl::StrCat(name,
                       " (a buffer the graph's constants were built from at export, other values "
@@ -306,29 +314,23 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
           missing.push_back(s.source);
         }
       } else if (it->second.shape != s.source_shape || it->second.dtype != t.type.dtype) {
-        mismatched.push_back(absl::StrCat(s.source, " (", SafetensorsDType(it->second.dtype),
-                                          graph::ShapeString(it->second.shape), " in the file, ",
-                                          SafetensorsDType(t.type.dtype),
-                                          graph::ShapeString(s.source_shape), " in the model)"));
+        mismatched.push_back(Mismatch(s.source, SafetensorsDType(it->second.dtype),
+                                      it->second.shape, t.type.dtype, s.source_shape));
       }
       continue;
     }
     model.insert(t.name);
     auto it = file_->tensors().find(FileName(t.name));
     if (auto other = file_->others().find(t.name); other != file_->others().end()) {
-      mismatched.push_back(absl::StrCat(t.name, " (", other->second.dtype,
-                                        graph::ShapeString(other->second.shape), " in the file, ",
-                                        SafetensorsDType(t.type.dtype),
-                                        graph::ShapeString(t.type.shape), " in the model)"));
+      mismatched.push_back(
+          Mismatch(t.name, other->second.dtype, other->second.shape, t.type.dtype, t.type.shape));
     } else if (it == file_->tensors().end()) {
       // The exporter's constants (frozen, constant initialisers) are not
       // PyTorch parameters: they start from their initialiser.
       if (!(t.frozen && IsConstantInit(t.init))) missing.push_back(t.name);
     } else if (it->second.shape != t.type.shape || it->second.dtype != t.type.dtype) {
-      mismatched.push_back(absl::StrCat(t.name, " (", SafetensorsDType(it->second.dtype),
-                                        graph::ShapeString(it->second.shape), " in the file, ",
-                                        SafetensorsDType(t.type.dtype),
-                                        graph::ShapeString(t.type.shape), " in the model)"));
+      mismatched.push_back(Mismatch(t.name, SafetensorsDType(it->second.dtype), it->second.shape,
+                                    t.type.dtype, t.type.shape));
     }
   }
   // Tied names (equal to the tensor they name) and state_dict entries the
