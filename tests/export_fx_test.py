@@ -961,6 +961,16 @@ class ExportFxTest(unittest.TestCase):
         self.assertTrue(torch.equal(w["head.weight"], m.emb.weight))
         self.assertTrue(torch.equal(w["window"], m.window))
         self.assertTrue(torch.equal(w["flags"], m.flags))
+        # Runs are counted over the graph: past the limit a buffer is not
+        # recorded, and the reason says so.
+        from fx_export.exporter import folded_record  # noqa: PLC0415
+        record, why = folded_record(torch.arange(10.0), [9])
+        self.assertIsNone(record)
+        self.assertIn("10 runs of equal values, over the 9 left", why)
+        budget = [10]
+        self.assertEqual(folded_record(torch.arange(10.0), budget)[0]["runs"][9],
+                         [1, struct.pack("<f", 9.0).hex()])
+        self.assertEqual(budget, [0])
         self.assertEqual(int(w["bn.num_batches_tracked"]), 3)
 
 
