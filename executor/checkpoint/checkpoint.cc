@@ -862,8 +862,14 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     v1::TrainerState trainer, std::function<void(const std::string&, int64_t)> on_saved,
     Communicator* world) {
   auto saved_once = std::make_shared<bool>(false);
-  return [policy, programs, trainer, on_saved, world, saved_once](ProgramRunner& runner,
-                                                                  int64_t done) -> absl::Status {
+  // The counters' forwards per step, parsed once (the metadata may hold
+  // megabytes of folded buffers).
+  using Counters = std::map<std::string, int64_t>;
+  auto extras = ParseStateDictExtras(trainer.state_dict_extras());
+  auto counters = std::make_shared<const absl::StatusOr<Counters>>(
+      extras.ok() ? absl::StatusOr<Counters>(std::move(extras->counters)) : extras.status());
+  return [policy, programs, trainer, on_saved, world, saved_once, counters](
+             ProgramRunner& runner, int64_t done) -> absl::Status {
     if (policy.dir.empty()) return absl::OkStatus();
     const bool due = (policy.every > 0 && done % policy.every == 0) || done == policy.last_step;
     if (!due) return absl::OkStatus();
@@ -875,8 +881,8 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     r.rank = comm.rank();
     r.programs = programs;
     r.trainer = trainer;
-    HAP_ASSIGN_OR_RETURN(StateDictExtras extras, ParseStateDictExtras(trainer.state_dict_extras()));
-    for (const auto& [name, per_step] : extras.counters) {
+    HAP_RETURN_IF_ERROR(counters->status());
+    for (const auto& [name, per_step] : **counters) {
       auto start = trainer.num_batches_tracked().find(name);
       (*r.trainer.mutable_num_batches_tracked())[name] =
           (start == trainer.num_batches_tracked().end() ? 0 : start->second) +
