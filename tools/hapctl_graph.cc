@@ -37,6 +37,16 @@ std::string JsonEscape(const std::string& s) {
   return out;
 }
 
+// -o (or --output) of zoo, ops and validate: table (the default) or json;
+// anything else is refused, as `hapctl plan` refuses it.
+absl::StatusOr<std::string> TableOrJson(const Args& args) {
+  std::string fmt = args.Get("o", args.Get("output", "table"));
+  if (fmt != "table" && fmt != "json") {
+    return absl::InvalidArgumentError(absl::StrCat("-o must be table or json, got '", fmt, "'"));
+  }
+  return fmt;
+}
+
 }  // namespace
 
 std::string ZooParamFlag(const std::string& param) {
@@ -121,7 +131,15 @@ std::string GraphSummaryJson(const graph::Graph& g) {
 int RunOps(const std::vector<std::string>& argv) {
   auto args = Args::Parse(argv, {"o", "output"}, {"help"});
   if (!args.ok()) return Fail(args.status());
-  std::string fmt = args->Get("o", args->Get("output", "table"));
+  if (args->Bool("help")) {
+    std::cout << "usage: hapctl ops [-o table|json]\n"
+                 "Lists the ops of the IR with their signatures (json: also their attributes\n"
+                 "and backward FLOPs multiple).\n";
+    return 0;
+  }
+  auto format = TableOrJson(*args);
+  if (!format.ok()) return Fail(format.status());
+  const std::string fmt = *format;
   auto ops = graph::OpRegistry::Global().All();
   if (fmt == "json") {
     std::cout << "[";
@@ -156,7 +174,9 @@ int RunZoo(const std::vector<std::string>& argv) {
                  "defaults (hapctl plan, create plan and create job take the same flags).\n";
     return 0;
   }
-  std::string fmt = args->Get("o", args->Get("output", "table"));
+  auto format = TableOrJson(*args);
+  if (!format.ok()) return Fail(format.status());
+  const std::string fmt = *format;
   std::vector<std::string> names = args->positional();
   if (names.empty()) {
     for (const auto& m : graph::ZooModels()) names.push_back(m.name);
@@ -214,12 +234,13 @@ int RunValidate(const std::vector<std::string>& argv) {
     std::cerr << "usage: hapctl validate GRAPH_FILE [-o table|json]\n";
     return args->Bool("help") ? 0 : 1;
   }
+  auto format = TableOrJson(*args);
+  if (!format.ok()) return Fail(format.status());
   auto bytes = ReadInputFile(args->positional()[0], "graph file ");
   if (!bytes.ok()) return Fail(bytes.status());
   auto g = graph::ParseGraph(*bytes, graph::GraphFormat::kAuto);
   if (!g.ok()) return Fail(g.status());
-  std::string fmt = args->Get("o", args->Get("output", "table"));
-  if (fmt == "json") {
+  if (*format == "json") {
     std::cout << GraphSummaryJson(*g) << "\n";
   } else {
     std::cout << absl::StrFormat(

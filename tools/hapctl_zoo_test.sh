@@ -32,4 +32,17 @@ PY
 out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --moe-group-size 8 --moe_group_size 4 2>&1)" \
   && fail "both spellings accepted: $out"
 echo "$out" | grep -q "are one zoo parameter; give it once" || fail "both: $out"
+
+# zoo, ops and validate take -o table|json as plan does: another format is
+# refused naming it (zoo printed a table without its header, ops and
+# validate a table). `ops --help` is its usage, not the op list.
+"$HAPCTL" zoo mlp --export "$tmp/g.json" > /dev/null 2>&1 || fail "zoo --export"
+for cmd in "zoo" "zoo mlp" "ops" "validate $tmp/g.json"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd -o yaml 2>&1)" && fail "$cmd -o yaml exited 0: $out"
+  echo "$out" | grep -q "\-o must be table or json, got 'yaml'" || fail "$cmd -o yaml: $out"
+done
+out="$("$HAPCTL" ops --help 2>&1)" || fail "ops --help: $out"
+echo "$out" | grep -q "usage: hapctl ops" || fail "ops --help: $out"
+echo "$out" | grep -q "^linear " && fail "ops --help listed the ops: $out"
 echo PASS
