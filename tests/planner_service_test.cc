@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/grpc_util.h"
@@ -791,6 +792,55 @@ TEST(HapctlListingTest, GetDeploymentsListsEveryPage) {
     }
     EXPECT_EQ(listed.size(), made.size()) << format << ":\n" << ctl.output();
   }
+}
+
+// `hapctl describe deployment` printed the record as JSON whatever -o said;
+// plans and jobs had a description. Now: when, what it trains, its step
+// time against the plan's prediction, why it failed, one line per rank;
+// -o json still the record.
+TEST(HapctlListingTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
+  Planner p;
+  p.Start(hap::testing::TempDir("describe"));
+  auto stub = p.Stub();
+  v1::CreatePlanRequest r;
+  v1::DeployPlanRequest deploy;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+  deploy.mutable_training()->set_steps(300);
+  deploy.mutable_training()->set_checkpoint_dir("/ckpt/run1");
+  deploy.mutable_training()->set_checkpoint_every(50);
+  v1::Deployment d;
+  ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub.get(), deploy, &d));
+  v1::GetPlanRequest gp;
+  gp.set_name("plans/deployed");
+  v1::Plan plan;
+  ASSERT_TRUE(stub->GetPlan(Ctx().get(), gp, &plan).ok());
+  auto hapctl = [&](std::vector<std::string> args) {
+    Process ctl;
+    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
+    args.push_back("--server=" + p.Address());
+    args.push_back("--token-file=" + p.dir + "/token");
+    EXPECT_TRUE(ctl.Start(args).ok());
+    const int status = ctl.Stop(0, absl::Seconds(60));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ctl.output();
+    return ctl.output();
+  };
+  const std::string text = hapctl({"describe", "deployment", d.name()});
+  EXPECT_THAT(text, HasSubstr(d.name() + " "));
+  EXPECT_THAT(text, HasSubstr("FAILED"));
+  EXPECT_THAT(text, HasSubstr("training: to step 300, data SYNTHETIC"));
+  EXPECT_THAT(text, HasSubstr("checkpoints: every 50 steps and the last into /ckpt/run1, "
+                              "keeping 3"));
+  EXPECT_THAT(text, HasSubstr(absl::StrFormat("step time: predicted %.4g s",
+                                              plan.prediction().step_seconds())));
+  EXPECT_THAT(text, HasSubstr("error: " + d.error()));
+  EXPECT_THAT(text, HasSubstr("RANK  DEVICE"));
+  for (const auto& rank : d.ranks()) {
+    EXPECT_THAT(text, HasSubstr(absl::StrFormat("%-5d %-24s %-24s", rank.rank(), rank.device(),
+                                                rank.executor_address())));
+  }
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
+  EXPECT_THAT(hapctl({"describe", "deployment", d.name(), "-o", "json"}),
+              HasSubstr("\"name\": \"" + d.name() + "\""));
 }
 
 TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "absl/algorithm/container.h"
@@ -244,6 +245,78 @@ void DescribeJob(const v1::Job& j) {
   if (s.has_pending()) row(s.pending(), true);
 }
 
+void PrintDeploymentHeader() {
+  std::cout << absl::StrFormat("%-32s %-24s %-10s %6s %8s %10s %10s\n", "NAME", "PLAN", "STATE",
+                               "RANKS", "STEPS", "LOSS", "STEP S");
+}
+
+void PrintDeploymentRow(const v1::Deployment& d) {
+  std::cout << absl::StrFormat("%-32s %-24s %-10s %6d %8d %10.4f %10.4f\n", d.name(), d.plan(),
+                               v1::Deployment::State_Name(d.state()), d.ranks_size(),
+                               d.steps_completed(), d.last_loss(), d.median_step_seconds());
+}
+
+// The deployment as kubectl describe would show it: its row, when, what it
+// trains, its step time against the plan's prediction (`predicted`, 0 when
+// the plan is gone), why it failed, and one line per rank.
+void DescribeDeployment(const v1::Deployment& d, double predicted) {
+  PrintDeploymentHeader();
+  PrintDeploymentRow(d);
+  std::cout << "generation: " << d.generation() << "  created: " << Ts(d.create_time())
+            << "  ended: " << Ts(d.end_time()) << "\n";
+  const v1::TrainingConfig& t = d.training();
+  std::string data = t.data_spec().empty()
+                         ? v1::TrainingConfig::DataSource_Name(
+                               t.data() == v1::TrainingConfig::DATA_SOURCE_UNSPECIFIED
+                                   ? v1::TrainingConfig::SYNTHETIC
+                                   : t.data())
+                         : t.data_spec();
+  if (t.shuffle()) absl::StrAppend(&data, " (shuffled, seed ", t.shuffle_seed(), ")");
+  std::cout << "training: to step " << t.steps() << ", data " << data;
+  if (!t.resume().empty()) std::cout << ", resumed from " << t.resume();
+  if (!t.init_weights().empty()) std::cout << ", weights from " << t.init_weights();
+  std::cout << "\ncheckpoints: ";
+  if (t.checkpoint_dir().empty()) {
+    std::cout << "none";
+  } else {
+    std::cout << (t.checkpoint_every() > 0
+                      ? absl::StrCat("every ", t.checkpoint_every(), " steps and the last")
+                      : std::string("the last only"))
+              << " into " << t.checkpoint_dir() << ", keeping "
+              << (t.checkpoint_keep() > 0 ? t.checkpoint_keep() : 3);
+  }
+  std::cout << "\n";
+  std::cout << "step time: predicted "
+            << (predicted > 0 ? absl::StrFormat("%.4g s", predicted)
+                              : std::string("- (plan gone)"));
+  if (d.median_step_seconds() > 0) {
+    std::cout << absl::StrFormat(", median %.4g s", d.median_step_seconds());
+  }
+  if (d.recent_step_seconds() > 0) {
+    std::cout << absl::StrFormat(", latest 20 steps %.4g s", d.recent_step_seconds());
+    if (predicted > 0) {
+      std::cout << absl::StrFormat(" (%.2fx the prediction)", d.recent_step_seconds() / predicted);
+    }
+  }
+  std::cout << "\n";
+  if (!d.error().empty()) std::cout << "error: " << d.error() << "\n";
+  if (d.failed_ranks_size() > 0) {
+    std::cout << "failed ranks: " << absl::StrJoin(d.failed_ranks(), ",") << "\n";
+  }
+  std::map<int, const v1::StepProfile*> profiles;
+  for (const auto& p : d.rank_profiles()) profiles[p.rank()] = &p;
+  std::cout << absl::StrFormat("\n%-5s %-24s %-24s %16s\n", "RANK", "DEVICE", "EXECUTOR",
+                               "PROFILED STEP S");
+  for (const auto& r : d.ranks()) {
+    auto it = profiles.find(r.rank());
+    std::cout << absl::StrFormat("%-5d %-24s %-24s %16s\n", r.rank(), r.device(),
+                                 r.executor_address(),
+                                 it != profiles.end() && it->second->steps() > 0
+                                     ? absl::StrFormat("%.4f", it->second->step_seconds_median())
+                                     : std::string("-"));
+  }
+}
+
 void PrintPlanHeader() {
   std::cout << absl::StrFormat("%-28s %-10s %-14s %8s %12s %10s %s\n", "NAME", "STATE",
                                "GRAPH", "DEVICES", "PRED STEP S", "SYNTH S", "CREATED/ERROR");
@@ -395,14 +468,8 @@ int Get(Client& c, const std::string& what) {
       PrintMessage(resp, c.format);
       return 0;
     }
-    std::cout << absl::StrFormat("%-32s %-24s %-10s %6s %8s %10s %10s\n", "NAME", "PLAN",
-                                 "STATE", "RANKS", "STEPS", "LOSS", "STEP S");
-    for (const auto& d : resp.deployments()) {
-      std::cout << absl::StrFormat("%-32s %-24s %-10s %6d %8d %10.4f %10.4f\n", d.name(),
-                                   d.plan(), v1::Deployment::State_Name(d.state()),
-                                   d.ranks_size(), d.steps_completed(), d.last_loss(),
-                                   d.median_step_seconds());
-    }
+    PrintDeploymentHeader();
+    for (const auto& d : resp.deployments()) PrintDeploymentRow(d);
     return 0;
   }
   if (what == "jobs" || what == "job") {
@@ -742,7 +809,20 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       v1::Deployment d;
       grpc::Status s = c->stub->GetDeployment(&ctx, r, &d);
       if (!s.ok()) return Fail(s);
-      PrintMessage(d, c->format == "yaml" ? "yaml" : "json");
+      if (c->format != "table") {
+        PrintMessage(d, c->format);
+        return 0;
+      }
+      // The plan's prediction, when the plan is still there (retention
+      // keeps a deployment's plan while it is held; an older planner's
+      // record may outlive it).
+      v1::GetPlanRequest pr;
+      pr.set_name(d.plan());
+      v1::Plan plan;
+      grpc::ClientContext plan_ctx;
+      c->Prepare(&plan_ctx);
+      const bool have_plan = c->stub->GetPlan(&plan_ctx, pr, &plan).ok();
+      DescribeDeployment(d, have_plan ? plan.prediction().step_seconds() : 0);
       return 0;
     }
     v1::GetPlanRequest r;
