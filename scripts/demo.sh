@@ -514,8 +514,10 @@ if [ "$PAPER_SCALE" = 1 ]; then
     if out=$("$HAPCTL" plan --model "$MODEL" --cluster planner/examples/mixed-2node.json --baseline "$b" -o json 2>&1); then
       t=$(echo "$out" | json 'print(d["predicted_step_seconds"])')
       printf "   %-10s %10.4f s   (hap is %.2fx faster)\n" "$b" "$t" "$(awk -v a="$t" -v b="$hap" 'BEGIN {print a / b}')"
-    else
-      printf "   %-10s %s\n" "$b" "$(echo "$out" | head -1)"
+    else  # e.g. megatron on the 16 GiB GPUs: "does not fit: device ..."
+      msg=$(echo "$out" | head -1)
+      msg=${msg#error: }
+      printf "   %-10s %s\n" "$b" "${msg#baseline "$b" }"
     fi
   done
 fi

@@ -47,10 +47,11 @@ def groups_of(pid):
 
 
 class DemoCleanupTest(unittest.TestCase):
-    def start(self, steps):
+    def start(self, steps, paper_scale=False):
+        tiny = [a for a in TINY if not (paper_scale and a == "--no-paper-scale")]
         demo = subprocess.Popen(
             ["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--no-setup", "--bin-dir", ROOT,
-             "--steps", str(steps), "--checkpoint-dir", CHECKPOINTS] + TINY,
+             "--steps", str(steps), "--checkpoint-dir", CHECKPOINTS] + tiny,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
             # As from a terminal: SIGINT at its default (a test runner may
             # start us with it ignored, and a shell cannot trap a signal
@@ -97,7 +98,7 @@ class DemoCleanupTest(unittest.TestCase):
 
     def test_normal_exit_leaves_nothing(self):
         stale = self.stale_group()
-        demo = self.start(steps=4)
+        demo = self.start(steps=4, paper_scale=True)
         log = []
         state = self.read_until(demo, r"state in (\S+)", log).group(1)
         ranks = self.read_until(demo, r"rank 1: ", log)
@@ -118,6 +119,12 @@ class DemoCleanupTest(unittest.TestCase):
         # The demo's own token file is private: the planner, agents and
         # hapctl warn about one every user can read (a line per call).
         self.assertNotIn("warning: token file", "".join(log))
+        # The paper-scale comparison ends it: every baseline with its time,
+        # or why it has none (megatron does not fit the 16 GiB GPUs), and no
+        # "error:" for that expected outcome.
+        self.assertRegex("".join(log), r"dp-even +[0-9.]+ s +\(hap is [0-9.]+x faster\)")
+        self.assertRegex("".join(log), r"megatron +([0-9.]+ s|does not fit)")
+        self.assertNotIn("error:", "".join(log))
         # It ends with its last checkpoint, kept, inspected.
         run = re.search(r"== Checkpoints in (\S+) \(kept\)", "".join(log))
         self.assertTrue(run, "".join(log))
