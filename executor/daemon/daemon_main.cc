@@ -46,7 +46,9 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
                   1 to 4096)
   --timeout       connect and collective timeout in seconds (60; 0.001 to
                   86400)
-  --drain-seconds NOT_SERVING before shutdown on SIGTERM (1; 0 to 3600)
+  --drain-seconds on SIGTERM, training is cancelled, then NOT_SERVING this
+                  long, GetStatus still answering how it ended, before the
+                  server stops (1; 0 to 3600)
   --gloo-host     the address Gloo listens on and peers dial (127.0.0.1; a
                   node's address on the network testbed, hap-netns)
   --max-streams   StreamStepMetrics calls served at once (64; 1 to 65536);
@@ -130,7 +132,7 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   std::thread waiter([&] {
     int sig = hap::tools::WaitForStopSignal();
     std::cerr << "hap-executor: signal " << static_cast<int>(sig)
-              << ", NOT_SERVING, then shutting down\n";
+              << ", NOT_SERVING, stopping training, then shutting down\n";
     (*server)->Shutdown();
   });
   (*server)->Wait();

@@ -205,6 +205,8 @@ struct ExecutorCore::Loaded {
   std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
   // Set by Stop; read by the training thread between steps.
   std::atomic<bool> cancelled{false};
+  // Who cancelled (guarded by mu_), for the error: "stopped by <who>".
+  std::string stopped_by = "StopTraining";
   // Set (under the core's mu_) when Stop gave up waiting for the step in
   // progress: the thread's later steps, metrics and end change nothing.
   std::atomic<bool> abandoned{false};
@@ -559,8 +561,8 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
       loaded->final_state = s.ok() ? v1::ExecutorStatus::FINISHED : v1::ExecutorStatus::FAILED;
       if (!s.ok()) {
         // A step that failed on its own while a Stop waited keeps its error.
-        const std::string stopped = absl::StrCat("stopped by StopTraining after ", steps_completed_,
-                                                 " of ", steps, " steps");
+        const std::string stopped = absl::StrCat("stopped by ", loaded->stopped_by, " after ",
+                                                 steps_completed_, " of ", steps, " steps");
         loaded->final_error =
             !loaded->cancelled ? s.ToString()
             : absl::IsCancelled(s)
@@ -739,7 +741,10 @@ void ExecutorCore::Shutdown() {
   {
     absl::MutexLock l(&mu_);
     shutdown_ = true;
-    if (state_ == v1::ExecutorStatus::TRAINING) loaded_->cancelled = true;
+    if (state_ == v1::ExecutorStatus::TRAINING) {
+      loaded_->stopped_by = "the executor shutting down";
+      loaded_->cancelled = true;
+    }
   }
   JoinTrainingThread();
   ReapRetired(/*all=*/true);

@@ -148,10 +148,12 @@ void ExecutorServer::Shutdown() {
     if (grpc::HealthCheckServiceInterface* health = m.server->GetHealthCheckService()) {
       health->SetServingStatus(false);  // every service, the overall one included
     }
-    if (m.o.drain > absl::ZeroDuration()) absl::SleepFor(m.o.drain);  // let balancers notice
   }
-  if (m.core != nullptr) m.core->Shutdown();  // cancels training between steps and joins it
+  // Training is cancelled between steps (and joined) before the drain, so
+  // that the planner's status polls during the drain read how it ended.
+  if (m.core != nullptr) m.core->Shutdown();
   if (m.server != nullptr) {
+    if (m.o.drain > absl::ZeroDuration()) absl::SleepFor(m.o.drain);  // let pollers notice
     m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     m.server->Wait();
   }

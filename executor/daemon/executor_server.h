@@ -60,8 +60,10 @@ class ExecutorServer {
   int port() const;
   std::string address() const;  // listen host and the bound port
 
-  // NOT_SERVING, drain, stop training, then stop accepting and finish the
-  // calls in flight. Idempotent; safe from any thread but a handler's.
+  // NOT_SERVING, stop training (its final status: FAILED "stopped by the
+  // executor shutting down ..."), drain (GetStatus answers that status),
+  // then stop accepting and finish the calls in flight. Idempotent; safe
+  // from any thread but a handler's.
   void Shutdown();
   // Blocks until Shutdown() has finished.
   void Wait();

@@ -519,5 +519,55 @@ TEST_F(ExecutorServerTest, HealthIsServingThenNotServingWhileShuttingDown) {
   EXPECT_EQ(HealthStatus(channel.get()), -1);  // gone
 }
 
+// SIGTERM while training: the planner polls GetStatus (every second by
+// default) to learn how each rank ended. The drain came before training was
+// cancelled and the server went away right after it, so the planner saw
+// "connection refused", not the rank's final status, which said "stopped by
+// StopTraining" though nobody called it. Now training is cancelled first and
+// the final status is served through the drain.
+TEST_F(ExecutorServerTest, ShutdownServesTheFinalStatusThroughTheDrain) {
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
+  stubs.push_back(StartExecutor("", absl::Seconds(2)));
+  stubs.push_back(StartExecutor());
+  for (int r = 0; r < 2; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::LoadPlanResponse resp;
+    ASSERT_TRUE(stubs[r]->LoadPlan(&ctx, LoadRequest(*plan, r, 1'000'000), &resp).ok());
+  }
+  for (int r = 0; r < 2; ++r) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ExecutorStatus st;
+    ASSERT_TRUE(stubs[r]->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
+  }
+  v1::Executor::Stub* stub = stubs[0].get();
+  std::thread stopper([&] { executors_[0]->Shutdown(); });
+  // Poll as the planner does until the executor answers something other
+  // than TRAINING, or stops answering.
+  v1::ExecutorStatus last;
+  while (true) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ExecutorStatus st;
+    if (!stub->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok()) break;
+    last = st;
+    if (st.state() != v1::ExecutorStatus::TRAINING) break;
+  }
+  EXPECT_EQ(last.state(), v1::ExecutorStatus::FAILED);
+  {  // and is still served (the drain is 2 s)
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ExecutorStatus st;
+    EXPECT_TRUE(stub->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+    EXPECT_EQ(st.error(), last.error());
+  }
+  stopper.join();
+  EXPECT_THAT(last.error(), HasSubstr("stopped by the executor shutting down after"));
+  EXPECT_THAT(last.error(), ::testing::Not(HasSubstr("StopTraining")));
+}
+
 }  // namespace
 }  // namespace hap::executor
