@@ -183,6 +183,10 @@ class StoreBackend : public StateBackend {
     for (const auto& [d, list] : by) HAP_RETURN_IF_ERROR(s_->AppendStepMetrics(d, list));
     return absl::OkStatus();
   }
+  absl::Status PruneStepMetrics(const std::string& deployment, int64_t from_step,
+                                int64_t to_step) override {
+    return s_->DeleteStepMetrics(deployment, from_step, to_step);
+  }
 
  private:
   std::unique_ptr<DatabaseLock> lock_;    // released after s_ is closed

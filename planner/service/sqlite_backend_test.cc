@@ -2,10 +2,13 @@
 #include <sqlite3.h>
 
 #include <filesystem>
+#include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/service/core/deployment_manager.h"
 #include "planner/service/planner_server.h"
 
 namespace hap::service {
@@ -125,6 +128,80 @@ TEST(SqliteBackendTest, LoadReadsTheMetricsKeptAndTheLatestStepsOnly) {
     ASSERT_TRUE(whole.ok()) << whole.status();
     EXPECT_EQ(whole->metrics.size(), 2u * kSteps);
   }
+}
+
+// A long run's saved step metrics: the deployment manager leaves the sink
+// with what a restart reads (the metrics it keeps, the latest steps) and
+// prunes the steps between, which were saved and never read (a run of a
+// million steps on 64 ranks stored 64 million rows). A restart from the
+// pruned database serves the same metrics and summary.
+TEST(SqliteBackendTest, SavedStepMetricsArePrunedToWhatARestartReads) {
+  constexpr int64_t kSteps = 3'000;
+  constexpr size_t kKept = 100;  // steps 0-49 of 2 ranks
+  const std::string db = TempDatabase("pruned.db");
+  v1::Deployment d = MakeDeployment("pruned");
+  d.set_state(v1::Deployment::SUCCEEDED);
+  d.mutable_training()->set_steps(kSteps);
+  for (int r = 0; r < 2; ++r) d.add_ranks()->set_rank(r);
+  auto options = [](PlannerStateSink* sink) {
+    DeploymentManagerOptions o;
+    o.sink = sink;
+    o.max_metrics_per_deployment = kKept;
+    o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+      return nullptr;
+    };
+    return o;
+  };
+  auto summary = [](const v1::Deployment& x) {
+    return absl::StrCat(x.steps_completed(), " ", x.last_loss(), " ", x.median_step_seconds(), " ",
+                        x.recent_step_seconds());
+  };
+  auto served = [](const std::vector<v1::StepMetric>& ms) {
+    std::vector<std::string> out;
+    for (const auto& m : ms) out.push_back(absl::StrCat(m.step(), "/", m.rank()));
+    return out;
+  };
+  std::string summary_before;
+  std::vector<std::string> served_before;
+  {
+    auto backend = OpenSqliteBackend(db);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
+    DeploymentManager m(options(backend->get()), {d});
+    for (int64_t step = 0; step < kSteps; ++step) {
+      std::vector<v1::StepMetric> batch = {Metric(d.name(), 0, step), Metric(d.name(), 1, step)};
+      batch[0].set_step_seconds(0.1 + 0.001 * (step % 7));  // a median and recent window to
+      batch[1].set_step_seconds(0.2 + 0.001 * (step % 5));  // rebuild, rank 1 the slower
+      ASSERT_TRUE(m.ReportStepMetrics(batch).ok());
+    }
+    auto now = m.Get(d.name());
+    ASSERT_TRUE(now.ok());
+    summary_before = summary(*now);
+    served_before = served(*m.StepMetrics(d.name()));
+    ASSERT_EQ(served_before.size(), kKept);
+  }
+  auto backend = OpenSqliteBackend(db);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto everything = (*backend)->Load(/*max_metrics_per_deployment=*/1'000'000);
+  ASSERT_TRUE(everything.ok()) << everything.status();
+  std::set<int64_t> steps;
+  for (const auto& m : everything->metrics) steps.insert(m.step());
+  // Kept: steps 0-49; latest: at least 20, at most 20 + the prune batch.
+  for (int64_t step = 0; step < 50; ++step) EXPECT_TRUE(steps.count(step)) << step;
+  for (int64_t step = kSteps - kRecentStepsPerRank; step < kSteps; ++step) {
+    EXPECT_TRUE(steps.count(step)) << step;
+  }
+  EXPECT_LE(steps.size(), 50u + kRecentStepsPerRank + kStepMetricsPruneSteps);
+  EXPECT_FALSE(steps.count(50)) << "a step between the kept and the latest was saved still";
+  EXPECT_FALSE(steps.count(kSteps / 2));
+
+  auto loaded = (*backend)->Load(kKept);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  DeploymentManager again(options(backend->get()), loaded->deployments, loaded->metrics);
+  auto after = again.Get(d.name());
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(summary(*after), summary_before);
+  EXPECT_EQ(served(*again.StepMetrics(d.name())), served_before);
 }
 
 TEST(SqliteBackendTest, LoadsJobsAsLastSaved) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <deque>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <queue>
@@ -150,6 +151,16 @@ struct DeploymentManager::State {
     }
   };
   std::map<std::string, StepStats> step_stats;  // per deployment
+  // Per deployment, what its saved metrics are pruned by: the step after
+  // the last kept one's, the step after the latest reported, whether any
+  // was not kept (past the cap), and where the sink is pruned up to.
+  struct SavedSteps {
+    int64_t kept_end = 0;
+    int64_t last_end = 0;
+    bool past_cap = false;
+    int64_t pruned_to = 0;
+  };
+  std::map<std::string, SavedSteps> saved_steps;
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
   // Deployments whose record as served the sink refused to save (the store
@@ -424,6 +435,7 @@ absl::Status DeploymentManager::DeleteLocked(const std::string& name) {
   s_->deployments.erase(name);
   s_->metrics.erase(name);
   s_->step_stats.erase(name);
+  s_->saved_steps.erase(name);
   s_->unsaved.erase(name);
   s_->stop_requested.erase(name);
   s_->changed.SignalAll();
@@ -633,14 +645,33 @@ absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetr
                                    absl::StrCat("step metrics not saved (", name, ")")));
     }
     KeepStepMetricsLocked(name, metrics);
+    PruneStepMetricsLocked(name);
   }
   return absl::OkStatus();
+}
+
+void DeploymentManager::PruneStepMetricsLocked(const std::string& name) {
+  if (o_.sink == nullptr) return;
+  State::SavedSteps& saved = s_->saved_steps[name];
+  if (!saved.past_cap) return;
+  // What a restart reads: whole steps from 0 until the cap (every step
+  // before kept_end) and the latest kRecentStepsPerRank steps.
+  const int64_t from = std::max(saved.kept_end, saved.pruned_to);
+  const int64_t to = saved.last_end - kRecentStepsPerRank;
+  if (to - from < kStepMetricsPruneSteps) return;
+  if (absl::Status s = o_.sink->PruneStepMetrics(name, from, to); !s.ok()) {
+    std::cerr << "hap-planner: could not prune the saved step metrics of " << name << " (steps "
+              << from << " to " << to << "; tried again later): " << s << std::endl;
+    return;
+  }
+  saved.pruned_to = to;
 }
 
 void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
                                               const std::vector<v1::StepMetric>& metrics) {
   auto& list = s_->metrics[name];
   State::StepStats& stats = s_->step_stats[name];
+  State::SavedSteps& saved = s_->saved_steps[name];
   v1::Deployment& d = s_->deployments[name];
   for (const auto& m : metrics) {
     // The first max_metrics_per_deployment are kept (served by StepMetrics);
@@ -648,6 +679,9 @@ void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
     const bool kept = list.size() < o_.max_metrics_per_deployment;
     if (kept) list.push_back(m);
     stats.Add(m, kept);
+    if (kept) saved.kept_end = std::max(saved.kept_end, m.step() + 1);
+    saved.past_cap |= !kept;
+    saved.last_end = std::max(saved.last_end, m.step() + 1);
     if (m.rank() == 0) {
       // The latest step's loss, whatever order the metrics come in.
       if (m.step() + 1 >= d.steps_completed()) d.set_last_loss(m.loss());

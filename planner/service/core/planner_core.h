@@ -61,6 +61,13 @@ class PlannerStateSink {
   virtual absl::Status AppendStepMetrics(const std::vector<hap::v1::StepMetric>&) {
     return absl::OkStatus();
   }
+  // Deletes the deployment's saved step metrics of steps in [from_step,
+  // to_step): those the planner will never read again (past the metrics
+  // it keeps, before the latest steps a restart reads).
+  virtual absl::Status PruneStepMetrics(const std::string& /*deployment*/, int64_t /*from_step*/,
+                                        int64_t /*to_step*/) {
+    return absl::OkStatus();
+  }
   virtual absl::Status SaveJob(const hap::v1::Job&) { return absl::OkStatus(); }
   // A finished job's record (job retention). NotFound is taken as done.
   virtual absl::Status DeleteJob(const std::string&) { return absl::OkStatus(); }

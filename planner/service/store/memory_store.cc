@@ -193,6 +193,17 @@ class InMemoryStore final : public StateStore {
     return rows->second.rbegin()->first.first;
   }
 
+  absl::Status DeleteStepMetrics(const std::string& deployment, int64_t from_step,
+                                 int64_t to_step) override {
+    absl::MutexLock lock(&mu_);
+    HAP_RETURN_IF_ERROR(deployments_.Get(deployment).status());
+    auto rows = metrics_.find(deployment);
+    if (rows == metrics_.end() || from_step >= to_step) return absl::OkStatus();
+    rows->second.erase(rows->second.lower_bound({from_step, std::numeric_limits<int32_t>::min()}),
+                       rows->second.lower_bound({to_step, std::numeric_limits<int32_t>::min()}));
+    return absl::OkStatus();
+  }
+
   absl::Status PutJob(const v1::Job& job) override {
     absl::MutexLock lock(&mu_);
     return jobs_.Put(job);

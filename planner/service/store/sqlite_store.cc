@@ -461,6 +461,18 @@ class SqliteStore final : public StateStore {
     return row ? st.ColumnInt(0) : int64_t{-1};
   }
 
+  absl::Status DeleteStepMetrics(const std::string& deployment, int64_t from_step,
+                                 int64_t to_step) override {
+    absl::MutexLock lock(&mu_);
+    HAP_RETURN_IF_ERROR(RequireDeployment(deployment));
+    if (from_step >= to_step) return absl::OkStatus();
+    return Use(s_.delete_step_metrics_range)
+        .Text(1, deployment)
+        .Int(2, from_step)
+        .Int(3, to_step)
+        .Run();
+  }
+
   // --- Jobs ----------------------------------------------------------------
   absl::Status PutJob(const v1::Job& job) override {
     HAP_RETURN_IF_ERROR(CheckName("job", job.name()));
@@ -506,6 +518,7 @@ class SqliteStore final : public StateStore {
     sqlite3_stmt* list_step_metrics = nullptr;
     sqlite3_stmt* last_step_metric_step = nullptr;
     sqlite3_stmt* delete_step_metrics = nullptr;
+    sqlite3_stmt* delete_step_metrics_range = nullptr;
     sqlite3_stmt* put_job = nullptr;
     sqlite3_stmt* get_job = nullptr;
     sqlite3_stmt* list_jobs = nullptr;
@@ -571,6 +584,8 @@ class SqliteStore final : public StateStore {
       {&Statements::last_step_metric_step,
        "SELECT step FROM step_metrics WHERE deployment = ?1 ORDER BY step DESC LIMIT 1"},
       {&Statements::delete_step_metrics, "DELETE FROM step_metrics WHERE deployment = ?1"},
+      {&Statements::delete_step_metrics_range,
+       "DELETE FROM step_metrics WHERE deployment = ?1 AND step >= ?2 AND step < ?3"},
       {&Statements::put_job,
        "INSERT OR REPLACE INTO jobs (name, create_seconds, create_nanos, body)"
        " VALUES (?1, ?2, ?3, ?4)"},

@@ -142,6 +142,10 @@ class StateStore {
   // deployment's record is not saved with every metric). NotFound for an
   // unknown deployment.
   virtual absl::StatusOr<int64_t> LastStepMetricStep(const std::string& deployment) = 0;
+  // Deletes the deployment's metrics with from_step <= step < to_step (an
+  // index range). NotFound for an unknown deployment.
+  virtual absl::Status DeleteStepMetrics(const std::string& deployment, int64_t from_step,
+                                         int64_t to_step) = 0;
 
   // --- Jobs, keyed by job.name() ("jobs/{id}"). ---------------------------
   virtual absl::Status PutJob(const hap::v1::Job& job) = 0;

@@ -475,6 +475,34 @@ TYPED_TEST(StateStoreTest, TheLastDeploymentGenerationOutlivesItsDeployments) {
   EXPECT_EQ(this->store_->LastDeploymentGeneration("plans/p").value_or(-1), 3);
 }
 
+// DeleteStepMetrics: the steps [from, to) of one deployment, every rank;
+// other steps and deployments stay.
+TYPED_TEST(StateStoreTest, DeleteStepMetricsRemovesARangeOfSteps) {
+  const std::string d = "deployments/d", other = "deployments/other";
+  ASSERT_THAT(this->store_->PutDeployment(TestDeployment(d, 1)), IsOk());
+  ASSERT_THAT(this->store_->PutDeployment(TestDeployment(other, 1)), IsOk());
+  for (const std::string& name : {d, other}) {
+    std::vector<v1::StepMetric> ms;
+    for (int64_t step = 0; step < 6; ++step) {
+      for (int32_t rank = 0; rank < 2; ++rank) ms.push_back(TestMetric(step, rank, 1.0));
+    }
+    ASSERT_THAT(this->store_->AppendStepMetrics(name, ms), IsOk());
+  }
+  ASSERT_THAT(this->store_->DeleteStepMetrics(d, 1, 4), IsOk());
+  ASSERT_THAT(this->store_->DeleteStepMetrics(d, 5, 5), IsOk());  // empty range
+  using P = std::pair<int64_t, int32_t>;
+  absl::StatusOr<std::vector<v1::StepMetric>> left = this->store_->ListStepMetrics(d, 0, 100);
+  ASSERT_THAT(left, IsOk());
+  EXPECT_THAT(StepsAndRanks(*left),
+              ElementsAre(P{0, 0}, P{0, 1}, P{4, 0}, P{4, 1}, P{5, 0}, P{5, 1}));
+  absl::StatusOr<std::vector<v1::StepMetric>> untouched =
+      this->store_->ListStepMetrics(other, 0, 100);
+  ASSERT_THAT(untouched, IsOk());
+  EXPECT_EQ(untouched->size(), 12u);
+  EXPECT_THAT(this->store_->DeleteStepMetrics("deployments/none", 0, 1),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
 TYPED_TEST(StateStoreTest, StepMetricsInStepAndRankOrder) {
   const std::string d = "deployments/d";
   ASSERT_THAT(this->store_->PutDeployment(TestDeployment(d, 1)), IsOk());
