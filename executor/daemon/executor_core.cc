@@ -1,6 +1,9 @@
 #include "executor/daemon/executor_core.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <deque>
 #include <filesystem>
 #include <optional>
@@ -258,6 +261,18 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     loaded->initialize = ckpt::InitWeightsHook(weights, g);
   }
   if (!t.checkpoint_dir().empty()) {
+    // Made now: found at the first save, the run (with checkpoint_every 0,
+    // all of it) would be lost.
+    std::error_code ec;
+    std::filesystem::create_directories(t.checkpoint_dir(), ec);
+    if (!ec && access(t.checkpoint_dir().c_str(), W_OK | X_OK) != 0) {
+      ec.assign(errno, std::generic_category());
+    }
+    if (ec) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("training.checkpoint_dir '", t.checkpoint_dir(),
+                       "' cannot be made or written on ", o_.device_id, ": ", ec.message()));
+    }
     loaded->programs.assign(in.plan.rank_programs().begin(), in.plan.rank_programs().end());
     v1::TrainerState trainer;
     // A resumed run continues its checkpoint's seed (data and dropout).

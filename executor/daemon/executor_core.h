@@ -119,7 +119,8 @@ class ExecutorCore {
   ExecutorCore& operator=(const ExecutorCore&) = delete;
 
   // Returns the plan's content hash. InvalidArgument naming what is wrong;
-  // PermissionDenied for another planner; FailedPrecondition while training;
+  // PermissionDenied for another planner; FailedPrecondition while training
+  // or for a training.checkpoint_dir that cannot be made or written;
   // NotFound for missing data; ResourceExhausted when the arena does not fit.
   // `check_caller`, when set, is asked between the load's slow parts and
   // last just before the plan is installed: OK while the caller still waits

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -513,6 +514,23 @@ TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
   both.training.set_init_weights(dir + "/w.safetensors");
   EXPECT_THAT(c.LoadPlan(both), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("exclude each other")));
+}
+
+// A checkpoint directory that cannot be made was found at the first save:
+// with checkpoint_every 0 (only the last step), after the whole run.
+TEST(ExecutorCoreTest, ACheckpointDirThatCannotBeMadeIsRefusedAtLoad) {
+  const std::string file = ::testing::TempDir() + "/core_ckpt_is_a_file";
+  std::ofstream(file) << "not a directory";
+  ExecutorCore core(InProcessOptions(nullptr));
+  for (const std::string& dir : {file, file + "/ckpt"}) {
+    LoadOptions o = MlpLoad(2, 0, 3);
+    o.training.set_checkpoint_dir(dir);
+    EXPECT_THAT(core.LoadPlan(o),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         ::testing::AllOf(HasSubstr("training.checkpoint_dir"), HasSubstr(dir))));
+    EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::IDLE);
+  }
+  std::filesystem::remove(file);
 }
 
 // Four executor cores train `plan` over real Gloo (a file rendezvous store
