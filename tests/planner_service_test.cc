@@ -10,6 +10,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -761,7 +762,7 @@ void DeployAndWaitUntilFailed(v1::Planner::Stub* stub, const v1::DeployPlanReque
 
 // `hapctl get deployments` printed the first page of ListDeployments only
 // (50), so a planner holding more showed some of them, silently.
-TEST(HapctlListingTest, GetDeploymentsListsEveryPage) {
+TEST(HapctlServiceTest, GetDeploymentsListsEveryPage) {
   Planner p;
   p.Start(hap::testing::TempDir("list-pages"));
   auto stub = p.Stub();
@@ -798,7 +799,7 @@ TEST(HapctlListingTest, GetDeploymentsListsEveryPage) {
 // plans and jobs had a description. Now: when, what it trains, its step
 // time against the plan's prediction, why it failed, one line per rank;
 // -o json still the record.
-TEST(HapctlListingTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
+TEST(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
   Planner p;
   p.Start(hap::testing::TempDir("describe"));
   auto stub = p.Stub();
@@ -841,6 +842,65 @@ TEST(HapctlListingTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
   EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
   EXPECT_THAT(hapctl({"describe", "deployment", d.name(), "-o", "json"}),
               HasSubstr("\"name\": \"" + d.name() + "\""));
+}
+
+// `hapctl create plan` had no --precision, --gradient-precision,
+// --momentum, --ignore-memory or --max-states (hapctl plan has them): a
+// bf16 plan could be asked of the service through its API only.
+TEST(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
+  Planner p;
+  p.Start(hap::testing::TempDir("create-flags"));
+  auto stub = p.Stub();
+  v1::CreatePlanRequest r;
+  v1::DeployPlanRequest deploy;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+  auto hapctl = [&](std::vector<std::string> args, int want_exit) {
+    Process ctl;
+    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
+    args.push_back("--server=" + p.Address());
+    args.push_back("--token-file=" + p.dir + "/token");
+    EXPECT_TRUE(ctl.Start(args).ok());
+    const int status = ctl.Stop(0, absl::Seconds(120));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want_exit) << ctl.output();
+    return ctl.output();
+  };
+  const std::vector<std::string> model = {"create",   "plan", "--model", "mlp", "--layers", "2",
+                                          "--hidden", "64",   "--batch", "32",  "--wait"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = model;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  hapctl(with({"--id", "bf16", "--precision", "bf16", "--gradient-precision", "bf16", "--momentum",
+               "0.5", "--ignore-memory", "--max-states", "5000"}),
+         0);
+  v1::GetPlanRequest g;
+  g.set_name("plans/bf16");
+  v1::Plan plan;
+  ASSERT_TRUE(stub->GetPlan(Ctx().get(), g, &plan).ok());
+  EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  const v1::PlanOptions& o = plan.options();
+  EXPECT_EQ(o.precision(), v1::PRECISION_BF16);
+  EXPECT_EQ(o.gradient_precision(), v1::PRECISION_BF16);
+  EXPECT_EQ(o.optimizer().momentum(), 0.5);
+  EXPECT_TRUE(o.ignore_memory_limits());
+  EXPECT_EQ(o.budget().max_states(), 5000);
+  // The defaults as before: fp32, momentum 0.9, no budget of states.
+  hapctl(with({"--id", "fp32"}), 0);
+  g.set_name("plans/fp32");
+  ASSERT_TRUE(stub->GetPlan(Ctx().get(), g, &plan).ok());
+  EXPECT_NE(plan.options().precision(), v1::PRECISION_BF16);
+  EXPECT_EQ(plan.options().optimizer().momentum(), 0.9);
+  EXPECT_EQ(plan.options().budget().max_states(), 0);
+  EXPECT_FALSE(plan.options().ignore_memory_limits());
+  for (const auto& [flag, value, error] :
+       {std::tuple<std::string, std::string, std::string>{
+            "--precision", "fp16", "--precision must be fp32 or bf16, got 'fp16'"},
+        {"--gradient-precision", "int8", "--gradient-precision must be fp32 or bf16"},
+        {"--momentum", "-1", "--momentum must not be negative"},
+        {"--max-states", "0", "max-states"}}) {
+    EXPECT_THAT(hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
+  }
 }
 
 TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {

@@ -40,8 +40,10 @@ constexpr char kUsage[] = R"(usage:
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                      [--no-sfb] [--no-zero] [--no-grouped] [--no-calibration] [--max-seconds S]
                      [--overlap on|off] [--pipeline off|auto|N] [--microbatches N]
-                     [--optimizer sgd|momentum|adam] [--lr X] [--clip-norm X]
-                     [--weight-decay X] [--seed N] [--id ID] [--wait]
+                     [--precision fp32|bf16] [--gradient-precision fp32|bf16]
+                     [--optimizer sgd|momentum|adam] [--lr X] [--momentum X]
+                     [--clip-norm X] [--weight-decay X] [--seed N] [--ignore-memory]
+                     [--max-states N] [--id ID] [--wait]
   hapctl watch plan NAME
   hapctl cancel plan NAME
   hapctl delete plan NAME
@@ -555,6 +557,21 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   o->set_pipeline_microbatches(static_cast<int>(micro));
   HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
   o->mutable_budget()->set_max_seconds(ms);
+  HAP_ASSIGN_OR_RETURN(int64_t states, a.Integer("max-states", 0, 1, kMaxInt64));
+  o->mutable_budget()->set_max_states(states);
+  o->set_ignore_memory_limits(a.Bool("ignore-memory"));
+  // As hapctl plan takes them (README "Precision"); fp32 is the default.
+  for (const auto& [flag, field] :
+       {std::pair<const char*, void (v1::PlanOptions::*)(v1::Precision)>{
+            "precision", &v1::PlanOptions::set_precision},
+        {"gradient-precision", &v1::PlanOptions::set_gradient_precision}}) {
+    const std::string p = a.Get(flag, "fp32");
+    if (p != "fp32" && p != "bf16") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must be fp32 or bf16, got '", p, "'"));
+    }
+    if (p == "bf16") (o->*field)(v1::PRECISION_BF16);
+  }
   std::string opt = a.Get("optimizer", "momentum");
   if (opt != "sgd" && opt != "momentum" && opt != "adam") {
     return absl::InvalidArgumentError(
@@ -562,7 +579,9 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   }
   o->mutable_optimizer()->set_kind(opt == "adam" ? v1::OptimizerConfig::ADAM
                                                  : v1::OptimizerConfig::SGD);
-  if (opt == "momentum") o->mutable_optimizer()->set_momentum(0.9);
+  HAP_ASSIGN_OR_RETURN(double momentum, a.Number("momentum", opt == "momentum" ? 0.9 : 0));
+  if (momentum < 0) return absl::InvalidArgumentError("--momentum must not be negative");
+  o->mutable_optimizer()->set_momentum(momentum);
   HAP_ASSIGN_OR_RETURN(double lr, a.Number("lr", 0));
   o->mutable_optimizer()->set_learning_rate(lr);
   HAP_ASSIGN_OR_RETURN(double clip, a.Number("clip-norm", 0));
@@ -739,16 +758,53 @@ int Watch(Client& c, const std::string& name) {
 
 int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   std::set<std::string> values = ZooParamFlags();
-  values.insert({"server", "timeout", "token-file", "tls-ca-file", "o", "output", "model",
-                 "graph", "devices", "baseline", "max-seconds", "overlap", "pipeline", "microbatches", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
-                 "id", "executor", "steps", "data", "data-path", "threads", "set",
-                 "checkpoint-dir", "checkpoint-every", "checkpoint-keep", "resume",
-                 "init-weights", "shuffle", "global-batch", "label", "min-devices",
-                 "max-devices", "min-gain", "join-stable", "max-replans",
+  values.insert({"server",
+                 "timeout",
+                 "token-file",
+                 "tls-ca-file",
+                 "o",
+                 "output",
+                 "model",
+                 "graph",
+                 "devices",
+                 "baseline",
+                 "max-seconds",
+                 "overlap",
+                 "pipeline",
+                 "microbatches",
+                 "optimizer",
+                 "lr",
+                 "clip-norm",
+                 "weight-decay",
+                 "seed",
+                 "precision",
+                 "gradient-precision",
+                 "momentum",
+                 "max-states",
+                 "id",
+                 "executor",
+                 "steps",
+                 "data",
+                 "data-path",
+                 "threads",
+                 "set",
+                 "checkpoint-dir",
+                 "checkpoint-every",
+                 "checkpoint-keep",
+                 "resume",
+                 "init-weights",
+                 "shuffle",
+                 "global-batch",
+                 "label",
+                 "min-devices",
+                 "max-devices",
+                 "min-gain",
+                 "join-stable",
+                 "max-replans",
                  "slowdown-threshold"});
   auto a = Args::Parse(argv, values,
                        {"help", "no-sfb", "no-zero", "no-grouped", "wait", "no-join",
-                        "no-calibration", "no-slowdown"});
+                        "no-calibration", "no-slowdown", "ignore-memory"});
   if (!a.ok()) return Fail(a.status());
   if (a->Bool("help")) {
     std::cout << kUsage;
