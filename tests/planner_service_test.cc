@@ -760,38 +760,55 @@ void DeployAndWaitUntilFailed(v1::Planner::Stub* stub, const v1::DeployPlanReque
   ASSERT_EQ(d->state(), v1::Deployment::FAILED) << d->DebugString();
 }
 
+// hapctl against a planner holding one node and the plan "deployed"
+// (RegisterAndPlanDeployed).
+class HapctlServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    p_.Start(hap::testing::TempDir("hapctl"));
+    stub_ = p_.Stub();
+    ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub_.get(), &plan_request_, &deploy_));
+  }
+  // Runs hapctl with `args` against the planner; its output. Exits
+  // `want_exit`, else the test fails.
+  std::string Hapctl(std::vector<std::string> args, int want_exit = 0) {
+    Process ctl;
+    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
+    args.push_back("--server=" + p_.Address());
+    args.push_back("--token-file=" + p_.dir + "/token");
+    EXPECT_TRUE(ctl.Start(args).ok());
+    const int status = ctl.Stop(0, absl::Seconds(120));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want_exit) << ctl.output();
+    return ctl.output();
+  }
+
+  Planner p_;
+  std::unique_ptr<v1::Planner::Stub> stub_;
+  v1::CreatePlanRequest plan_request_;
+  v1::DeployPlanRequest deploy_;
+};
+
 // `hapctl get deployments` printed the first page of ListDeployments only
 // (50), so a planner holding more showed some of them, silently.
-TEST(HapctlServiceTest, GetDeploymentsListsEveryPage) {
-  Planner p;
-  p.Start(hap::testing::TempDir("list-pages"));
-  auto stub = p.Stub();
-  v1::CreatePlanRequest r;
-  v1::DeployPlanRequest deploy;
-  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+TEST_F(HapctlServiceTest, GetDeploymentsListsEveryPage) {
   std::set<std::string> made;
   for (int i = 0; i < 57; ++i) {  // more than one page of 50
     v1::Deployment d;
-    grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, &d);
+    grpc::Status s = stub_->DeployPlan(Ctx().get(), deploy_, &d);
     ASSERT_TRUE(s.ok()) << s.error_message();
     made.insert(d.name());
   }
   for (const std::string format : {"table", "json"}) {
-    Process ctl;
-    ASSERT_TRUE(ctl.Start({hap::testing::Runfile("tools/hapctl"), "get", "deployments", "-o",
-                           format, "--server=" + p.Address(), "--token-file=" + p.dir + "/token"})
-                    .ok());
-    const int status = ctl.Stop(0, absl::Seconds(60));
-    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ctl.output();
+    const std::string out = Hapctl({"get", "deployments", "-o", format});
     std::set<std::string> listed;
-    for (absl::string_view line : absl::StrSplit(ctl.output(), '\n')) {
+    for (absl::string_view line : absl::StrSplit(out, '\n')) {
       for (const std::string& name : made) {
         if (absl::StrContains(line, "\"" + name + "\"") || absl::StartsWith(line, name + " ")) {
           listed.insert(name);
         }
       }
     }
-    EXPECT_EQ(listed.size(), made.size()) << format << ":\n" << ctl.output();
+    EXPECT_EQ(listed.size(), made.size()) << format << ":\n" << out;
   }
 }
 
@@ -799,33 +816,18 @@ TEST(HapctlServiceTest, GetDeploymentsListsEveryPage) {
 // plans and jobs had a description. Now: when, what it trains, its step
 // time against the plan's prediction, why it failed, one line per rank;
 // -o json still the record.
-TEST(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
-  Planner p;
-  p.Start(hap::testing::TempDir("describe"));
-  auto stub = p.Stub();
-  v1::CreatePlanRequest r;
-  v1::DeployPlanRequest deploy;
-  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
+TEST_F(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
+  v1::DeployPlanRequest deploy = deploy_;
   deploy.mutable_training()->set_steps(300);
   deploy.mutable_training()->set_checkpoint_dir("/ckpt/run1");
   deploy.mutable_training()->set_checkpoint_every(50);
   v1::Deployment d;
-  ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub.get(), deploy, &d));
+  ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub_.get(), deploy, &d));
   v1::GetPlanRequest gp;
   gp.set_name("plans/deployed");
   v1::Plan plan;
-  ASSERT_TRUE(stub->GetPlan(Ctx().get(), gp, &plan).ok());
-  auto hapctl = [&](std::vector<std::string> args) {
-    Process ctl;
-    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
-    args.push_back("--server=" + p.Address());
-    args.push_back("--token-file=" + p.dir + "/token");
-    EXPECT_TRUE(ctl.Start(args).ok());
-    const int status = ctl.Stop(0, absl::Seconds(60));
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ctl.output();
-    return ctl.output();
-  };
-  const std::string text = hapctl({"describe", "deployment", d.name()});
+  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), gp, &plan).ok());
+  const std::string text = Hapctl({"describe", "deployment", d.name()});
   EXPECT_THAT(text, HasSubstr(d.name() + " "));
   EXPECT_THAT(text, HasSubstr("FAILED"));
   EXPECT_THAT(text, HasSubstr("training: to step 300, data SYNTHETIC"));
@@ -840,30 +842,14 @@ TEST(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
                                                 rank.executor_address())));
   }
   EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
-  EXPECT_THAT(hapctl({"describe", "deployment", d.name(), "-o", "json"}),
+  EXPECT_THAT(Hapctl({"describe", "deployment", d.name(), "-o", "json"}),
               HasSubstr("\"name\": \"" + d.name() + "\""));
 }
 
 // `hapctl create plan` had no --precision, --gradient-precision,
 // --momentum, --ignore-memory or --max-states (hapctl plan has them): a
 // bf16 plan could be asked of the service through its API only.
-TEST(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
-  Planner p;
-  p.Start(hap::testing::TempDir("create-flags"));
-  auto stub = p.Stub();
-  v1::CreatePlanRequest r;
-  v1::DeployPlanRequest deploy;
-  ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub.get(), &r, &deploy));
-  auto hapctl = [&](std::vector<std::string> args, int want_exit) {
-    Process ctl;
-    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
-    args.push_back("--server=" + p.Address());
-    args.push_back("--token-file=" + p.dir + "/token");
-    EXPECT_TRUE(ctl.Start(args).ok());
-    const int status = ctl.Stop(0, absl::Seconds(120));
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want_exit) << ctl.output();
-    return ctl.output();
-  };
+TEST_F(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
   const std::vector<std::string> model = {"create",   "plan", "--model", "mlp", "--layers", "2",
                                           "--hidden", "64",   "--batch", "32",  "--wait"};
   auto with = [&](std::vector<std::string> extra) {
@@ -871,13 +857,13 @@ TEST(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
-  hapctl(with({"--id", "bf16", "--precision", "bf16", "--gradient-precision", "bf16", "--momentum",
+  Hapctl(with({"--id", "bf16", "--precision", "bf16", "--gradient-precision", "bf16", "--momentum",
                "0.5", "--ignore-memory", "--max-states", "5000"}),
          0);
   v1::GetPlanRequest g;
   g.set_name("plans/bf16");
   v1::Plan plan;
-  ASSERT_TRUE(stub->GetPlan(Ctx().get(), g, &plan).ok());
+  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), g, &plan).ok());
   EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
   const v1::PlanOptions& o = plan.options();
   EXPECT_EQ(o.precision(), v1::PRECISION_BF16);
@@ -886,9 +872,9 @@ TEST(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
   EXPECT_TRUE(o.ignore_memory_limits());
   EXPECT_EQ(o.budget().max_states(), 5000);
   // The defaults as before: fp32, momentum 0.9, no budget of states.
-  hapctl(with({"--id", "fp32"}), 0);
+  Hapctl(with({"--id", "fp32"}), 0);
   g.set_name("plans/fp32");
-  ASSERT_TRUE(stub->GetPlan(Ctx().get(), g, &plan).ok());
+  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), g, &plan).ok());
   EXPECT_NE(plan.options().precision(), v1::PRECISION_BF16);
   EXPECT_EQ(plan.options().optimizer().momentum(), 0.9);
   EXPECT_EQ(plan.options().budget().max_states(), 0);
@@ -899,7 +885,7 @@ TEST(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
         {"--gradient-precision", "int8", "--gradient-precision must be fp32 or bf16"},
         {"--momentum", "-1", "--momentum must not be negative"},
         {"--max-states", "0", "max-states"}}) {
-    EXPECT_THAT(hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
+    EXPECT_THAT(Hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
   }
 }
 
