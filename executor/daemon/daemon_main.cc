@@ -122,6 +122,9 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
     std::cerr << "error: " << s.message() << "\n";
     return 1;
   }
+  // A stdout (or stderr) whose reader is gone (`| head -1`, a dead log
+  // pipe) must not kill a daemon that is training: its writes fail instead.
+  signal(SIGPIPE, SIG_IGN);
 
   auto server = ExecutorServer::Start(*std::move(options));
   if (!server.ok()) {
@@ -129,6 +132,10 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
     return 1;
   }
   std::cout << "listening on " << (*server)->address() << std::endl;
+  if (!std::cout) {
+    std::cerr << "hap-executor: listening on " << (*server)->address()
+              << " (the line could not be written to stdout)\n";
+  }
   std::thread waiter([&] {
     int sig = hap::tools::WaitForStopSignal();
     std::cerr << "hap-executor: signal " << static_cast<int>(sig)

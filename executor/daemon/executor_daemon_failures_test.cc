@@ -4,6 +4,7 @@
 // test.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
+#include "common/stop_signal.h"
 #include "executor/daemon/core_test_util.h"
 #include "executor/daemon/daemon_main.h"
 #include "executor/daemon/executor_core.h"
@@ -247,6 +249,26 @@ TEST(ExecutorDaemonFailuresTest, NonFiniteOrOutOfRangeSecondsFlagsAreRefused) {
   auto defaults = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1"});
   ASSERT_THAT(defaults.status(), IsOk());
   EXPECT_EQ(defaults->max_streams, 64);
+}
+
+// `hap-executor --serve | head -1` (a script reading the port) or a log
+// pipe whose reader died: the "listening on" line (or any later write to
+// stdout) raised SIGPIPE and killed the daemon without a word. It is
+// ignored now: the daemon serves, and SIGTERM still ends it with 0. (The
+// SIGTERM is queued before the daemon starts, so it shuts down once up.)
+TEST_F(ReviewDeathTest, AStdoutWhoseReaderIsGoneDoesNotKillTheDaemon) {
+  EXPECT_EXIT(
+      {
+        int p[2];
+        if (pipe(p) != 0) std::_Exit(3);
+        close(p[0]);
+        dup2(p[1], STDOUT_FILENO);
+        if (!hap::tools::InstallStopSignalHandler().ok()) std::_Exit(4);
+        raise(SIGTERM);
+        std::_Exit(ExecutorDaemonMain({"--serve", "--planner", "127.0.0.1:1", "--listen",
+                                       "127.0.0.1:0", "--drain-seconds", "0"}));
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace
