@@ -107,6 +107,11 @@ class AgentProcess {
   }
 
   pid_t pid() const { return pid_; }
+  // Closes our end of its stdout: the reader is gone (`| head -1`).
+  void CloseStdout() {
+    close(out_);
+    out_ = -1;
+  }
 
  private:
   pid_t pid_ = -1;
@@ -140,6 +145,21 @@ TEST(HapAgentBinaryTest, PrintsItsPortRegistersAndExitsCleanlyOnSigterm) {
       v1::Agent::NewStub(*channel)->GetProfile(&ctx, v1::GetProfileRequest(), &profile).ok());
   EXPECT_EQ(profile.node().name(), "bin-node");
 
+  int status = agent.Stop(SIGTERM, absl::Seconds(10));
+  ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// `hap-agent ... | head -1` (a script reading the port): the "shutting
+// down" line on SIGTERM raised SIGPIPE and killed the agent (signal 13)
+// before its graceful shutdown.
+TEST(HapAgentBinaryTest, AStdoutWhoseReaderIsGoneDoesNotKillIt) {
+  FakePlanner planner(absl::Milliseconds(50));
+  AgentProcess agent({"--planner", planner.address(), "--name", "pipe-node", "--probe-seconds",
+                      "0.2", "--drift", "0", "--devices", "cpu"});
+  ASSERT_GT(agent.pid(), 0);
+  ASSERT_FALSE(agent.ReadLine("listening on ", absl::Seconds(60)).empty());
+  agent.CloseStdout();
   int status = agent.Stop(SIGTERM, absl::Seconds(10));
   ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);

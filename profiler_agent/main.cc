@@ -1,6 +1,8 @@
 // hap-agent: the per-node profiler agent (docs/design.md §9). Flags in
 // agent_flags.cc (--help); the daemon in agent.h. Prints "listening on
 // HOST:PORT" once serving; SIGTERM or SIGINT shuts it down gracefully.
+#include <signal.h>
+
 #include <iostream>
 
 #include "common/stop_signal.h"
@@ -12,6 +14,9 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << s.message() << "\n";
     return 1;
   }
+  // A stdout whose reader is gone (`| head -1`) must not kill the agent
+  // (at its "shutting down" line, before the graceful shutdown).
+  signal(SIGPIPE, SIG_IGN);
 
   auto args = hap::tools::Args::Parse(std::vector<std::string>(argv + 1, argv + argc),
                                       hap::agent::AgentValueFlags(), {"help"});
