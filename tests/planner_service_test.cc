@@ -399,13 +399,18 @@ TEST_F(PlannerServiceTest, PrometheusScrapesHapSeriesAndPromtoolAcceptsTheOutput
   prom.Stop(SIGTERM);
 }
 
-TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
-  std::string dir = hap::testing::TempDir("tls");
+// A self-signed certificate for 127.0.0.1: DIR/cert.pem and DIR/key.pem.
+void MakeTestCertificate(const std::string& dir) {
   std::string cmd = absl::StrCat(
       "openssl req -x509 -newkey rsa:2048 -nodes -keyout ", dir, "/key.pem -out ", dir,
       "/cert.pem -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -days 1 "
       ">/dev/null 2>&1");
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+}
+
+TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
+  std::string dir = hap::testing::TempDir("tls");
+  ASSERT_NO_FATAL_FAILURE(MakeTestCertificate(dir));
   Planner p;
   p.Start(dir, {"--tls-cert-file=" + dir + "/cert.pem", "--tls-key-file=" + dir + "/key.pem"});
   service::Security s;
@@ -458,11 +463,7 @@ class TlsFakeExecutor final : public v1::Executor::Service {
 // and a CA bundle that cannot be read stops the planner at start.
 TEST(PlannerTlsTest, PlansGoToTlsExecutorsWithTheCaBundle) {
   std::string dir = hap::testing::TempDir("tls-executors");
-  std::string cmd =
-      absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -keyout ", dir, "/key.pem -out ", dir,
-                   "/cert.pem -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -days 1 "
-                   ">/dev/null 2>&1");
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  ASSERT_NO_FATAL_FAILURE(MakeTestCertificate(dir));
   service::Security tls;
   tls.token = kToken;
   tls.tls_cert_file = dir + "/cert.pem";
@@ -887,6 +888,18 @@ TEST_F(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) 
         {"--max-states", "0", "max-states"}}) {
     EXPECT_THAT(Hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
   }
+}
+
+// A TLS client against this plaintext planner: hapctl's error with its
+// hint, without gRPC's own log line before it ("E1206 ... ssl_transport_
+// security.cc ... Handshake failed ... WRONG_VERSION_NUMBER").
+TEST_F(HapctlServiceTest, ATlsMismatchIsOneErrorWithItsHint) {
+  const std::string dir = hap::testing::TempDir("hapctl-tls");
+  ASSERT_NO_FATAL_FAILURE(MakeTestCertificate(dir));
+  const std::string out =
+      Hapctl({"get", "nodes", "--tls-ca-file=" + dir + "/cert.pem", "--timeout=5"}, 1);
+  EXPECT_THAT(out, HasSubstr("does not serve TLS"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("Handshake failed")));
 }
 
 TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {

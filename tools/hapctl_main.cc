@@ -1,8 +1,10 @@
 // hapctl: the command-line client of the HAP service.
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "grpc/support/log.h"
 #include "tools/hapctl_checkpoint.h"
 #include "tools/hapctl_client.h"
 #include "tools/hapctl_graph.h"
@@ -50,6 +52,10 @@ Run `hapctl COMMAND --help` for a command's flags. --server, --timeout,
 }  // namespace
 
 int main(int argc, char** argv) {
+  // gRPC's own log lines ("E1206 ... Handshake failed ...") repeat, before
+  // it, the error hapctl prints with what to change; GRPC_VERBOSITY set
+  // asks for them.
+  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function([](gpr_log_func_args*) {});
   if (argc < 2 || std::string(argv[1]) == "--help" ||
       std::string(argv[1]) == "help") {
     std::cout << kUsage;
