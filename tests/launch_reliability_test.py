@@ -3,6 +3,7 @@ exit code or signal), a rank that will not stop (killed after the grace
 period, --grace-seconds), SIGTERM to the launcher, a closed standard error, --deadline, the launcher killed outright (its ranks die
 with it; its rendezvous directory and cgroups removed by name at the next
 start), standard output or a checkpoint directory that cannot be written,
+bad executor flags (named once, before any rank starts),
 an executor that is missing or found through PATH, --pin-cores under
 taskset, and a stop signal while the testbed is being made.
 
@@ -310,6 +311,28 @@ class LaunchReliabilityTest(unittest.TestCase):
                            capture_output=True, text=True, timeout=50)
         self.assertEqual(p.returncode, 1, p.stderr)
         self.assertIn("--checkpoint-dir /dev/full/ck: '/dev/full' is not a directory", p.stderr)
+
+    def test_bad_executor_flags_are_named_once_before_any_rank_starts(self):
+        """hap-launch passed a bad executor flag on to every rank: each
+        printed the error and exited (one --overlap after connecting to its
+        peers), and the launcher reported 'rank 1 exited with code 1'."""
+        for flags, error in ((["--overlap", "maybe"], "--overlap must be on or off, not 'maybe'"),
+                             (["--steps", "0"], "steps"),
+                             (["--data", "imagenet"], "--data must be synthetic, wikitext"),
+                             (["--shuffle", "7"], "--shuffle applies to npy: and tokens: data"),
+                             (["--checkpoint-dir", "/dev/full/ck"],
+                              "--checkpoint-dir /dev/full/ck: '/dev/full' is not a directory")):
+            with self.subTest(flags=flags):
+                self.setUp()
+                env = dict(os.environ, FAKE_DIR=self.fake_dir, FAKE_MODE="ok")
+                r = subprocess.run([LAUNCH, "--plan", self.plan, "--executor", self.fake,
+                                    *flags], capture_output=True, text=True, env=env,
+                                   timeout=30)
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertEqual(r.stderr.count(error), 1, r.stderr)
+                self.assertNotIn("rank", r.stderr)
+                self.assertFalse(os.path.exists(os.path.join(self.fake_dir, "rank0.pid")),
+                                 "a rank started")
 
     def test_a_missing_executor_is_named_before_anything_starts(self):
         """Each rank failed to exec and the launcher said 'rank 0 failed'."""

@@ -262,10 +262,60 @@ absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int ran
       "profile ");
 }
 
+// The run's flags that need neither the plan nor a peer, checked before
+// anything connects: by hap-executor first, and by hap-launch once before
+// it starts any rank (a bad one was reported by every rank, some only
+// after every rank had connected).
+absl::Status CheckRunFlags(const tools::Args& a) {
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
+  HAP_RETURN_IF_ERROR(a.Integer("steps", 10, 1, kMaxInt64).status());
+  HAP_RETURN_IF_ERROR(a.Integer("checkpoint-every", 0, 0, kMaxInt64).status());
+  HAP_RETURN_IF_ERROR(a.Integer("checkpoint-keep", checkpoint::kDefaultKeep, 1, kMaxInt).status());
+  if (a.Has("resume") && a.Has("init-weights")) {
+    return absl::InvalidArgumentError("--resume and --init-weights exclude each other");
+  }
+  HAP_RETURN_IF_ERROR(a.Integer("threads", 1, 1, 4096).status());
+  HAP_RETURN_IF_ERROR(a.Integer("log-every", 1, 1, kMaxInt64).status());
+  HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
+  if (!(timeout > 0)) return absl::InvalidArgumentError("--timeout must be positive");
+  const std::string source = a.Get("data", "synthetic");
+  const bool user_data = absl::StartsWith(source, "npy:") || absl::StartsWith(source, "tokens:");
+  if (source != "synthetic" && source != "wikitext" && !user_data) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got '", source,
+        "'"));
+  }
+  if (a.Has("shuffle")) {
+    uint64_t seed;
+    if (!absl::SimpleAtoi(a.Get("shuffle"), &seed)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shuffle takes a seed (a non-negative integer), got '", a.Get("shuffle"), "'"));
+    }
+    if (!user_data) {
+      return absl::InvalidArgumentError("--shuffle applies to npy: and tokens: data only");
+    }
+  }
+  const std::string overlap = a.Get("overlap", "on");
+  if (overlap != "on" && overlap != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--overlap must be on or off, not '", overlap, "'"));
+  }
+  // Where --profile writes is checked now, not after the last step (a
+  // missing directory failed the run once it had trained).
+  if (a.Has("profile")) HAP_RETURN_IF_ERROR(CheckWritablePrefix("--profile", a.Get("profile")));
+  // The same for checkpoints: an unusable directory failed the first save.
+  if (a.Has("checkpoint-dir")) {
+    HAP_RETURN_IF_ERROR(CheckWritableDir("--checkpoint-dir", a.Get("checkpoint-dir")));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run(const tools::Args& a) {
   for (const char* f : {"plan", "rank", "world", "rendezvous"}) {
     if (!a.Has(f)) return absl::InvalidArgumentError(absl::StrCat("--", f, " is required"));
   }
+  HAP_RETURN_IF_ERROR(CheckRunFlags(a));
   // Ranks and sizes are ints further on: a larger --rank ran as another rank.
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
@@ -275,13 +325,9 @@ absl::Status Run(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(int64_t checkpoint_every, a.Integer("checkpoint-every", 0, 0, kMaxInt64));
   HAP_ASSIGN_OR_RETURN(int64_t checkpoint_keep,
                        a.Integer("checkpoint-keep", checkpoint::kDefaultKeep, 1, kMaxInt));
-  if (a.Has("resume") && a.Has("init-weights")) {
-    return absl::InvalidArgumentError("--resume and --init-weights exclude each other");
-  }
   HAP_ASSIGN_OR_RETURN(int64_t threads, a.Integer("threads", 1, 1, 4096));
   HAP_ASSIGN_OR_RETURN(int64_t log_every, a.Integer("log-every", 1, 1, kMaxInt64));
   HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
-  if (!(timeout > 0)) return absl::InvalidArgumentError("--timeout must be positive");
   HAP_ASSIGN_OR_RETURN(v1::Plan plan, ReadPlan(a.Get("plan")));
   HAP_RETURN_IF_ERROR(lower::CheckPlanForRank(plan, static_cast<int>(rank),
                                               static_cast<int>(world)));
@@ -322,12 +368,8 @@ absl::Status Run(const tools::Args& a) {
   std::string source = a.Get("data", "synthetic");
   data::DataOptions data_options;
   if (a.Has("shuffle")) {
-    uint64_t seed;
-    if (!absl::SimpleAtoi(a.Get("shuffle"), &seed)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--shuffle takes a seed (a non-negative integer), got '",
-                       a.Get("shuffle"), "'"));
-    }
+    uint64_t seed = 0;
+    absl::SimpleAtoi(a.Get("shuffle"), &seed);  // checked by CheckRunFlags
     data_options.shuffle_seed = seed;
   }
   if (a.Has("resume")) {  // before any data is read
@@ -356,18 +398,6 @@ absl::Status Run(const tools::Args& a) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got '",
         source, "'"));
-  }
-  if (data_options.shuffle_seed.has_value() && !absl::StartsWith(source, "npy:") &&
-      !absl::StartsWith(source, "tokens:")) {
-    return absl::InvalidArgumentError("--shuffle applies to npy: and tokens: data only");
-  }
-
-  // Where --profile writes is checked now, not after the last step (a
-  // missing directory failed the run once it had trained).
-  if (a.Has("profile")) HAP_RETURN_IF_ERROR(CheckWritablePrefix("--profile", a.Get("profile")));
-  // The same for checkpoints: an unusable directory failed the first save.
-  if (a.Has("checkpoint-dir")) {
-    HAP_RETURN_IF_ERROR(CheckWritableDir("--checkpoint-dir", a.Get("checkpoint-dir")));
   }
 
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
@@ -409,11 +439,7 @@ absl::Status Run(const tools::Args& a) {
   // A plan lowered with overlap starts collectives that run behind compute
   // on a communication thread with a communicator of its own; --overlap off
   // runs them in line (the same plan without overlap, for comparison).
-  const std::string overlap = a.Get("overlap", "on");
-  if (overlap != "on" && overlap != "off") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--overlap must be on or off, not '", overlap, "'"));
-  }
+  const std::string overlap = a.Get("overlap", "on");  // checked by CheckRunFlags
   RunnerOptions ro;
   if (overlap == "on" && HasAsyncCollectives(plan.rank_programs(rank))) {
     HAP_ASSIGN_OR_RETURN(backend.async, ConnectOverlap(*device, group, *store));
@@ -899,6 +925,11 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       return 2;
     }
     grace_seconds = *g;
+  }
+  // hap-executor's flags, once, before any rank starts.
+  if (absl::Status s = CheckRunFlags(*a); !s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
+    return 2;
   }
   // From the start: making the testbed and cgroups counts too.
   const absl::Time deadline =
