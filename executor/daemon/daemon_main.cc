@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
@@ -144,6 +145,14 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   });
   (*server)->Wait();
   waiter.join();
+  if (const int stuck = (*server)->core().RetiredThreads(); stuck > 0) {
+    // Abandoned in a collective (a peer gone), they would end only at the
+    // communicator timeout; they save nothing and their status was served.
+    std::cerr << "hap-executor: exiting without waiting for " << stuck
+              << " training thread(s) stuck in a collective\n";
+    std::cout.flush();
+    std::_Exit(0);
+  }
   return 0;
 }
 

@@ -686,7 +686,7 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
     }
     state_ = v1::ExecutorStatus::FAILED;
     error_ = absl::StrCat(
-        "stopped by StopTraining after ", steps_completed_, " of ",
+        "stopped by ", loaded_->stopped_by, " after ", steps_completed_, " of ",
         loaded_->options.training.steps(), " steps; the step in progress did not end within ",
         absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Milliseconds(1))),
         " and was abandoned (a collective waiting for a peer that is gone ends at the "
@@ -751,16 +751,19 @@ absl::StatusOr<std::vector<v1::StepMetric>> ExecutorCore::WaitMetrics(
   return out;
 }
 
-void ExecutorCore::Shutdown() {
-  absl::MutexLock ops(&ops_mu_);
+void ExecutorCore::Shutdown(bool join) {
+  bool training;
   {
     absl::MutexLock l(&mu_);
-    shutdown_ = true;
-    if (state_ == v1::ExecutorStatus::TRAINING) {
-      loaded_->stopped_by = "the executor shutting down";
-      loaded_->cancelled = true;
-    }
+    shutdown_ = true;  // no Start or LoadPlan from here on
+    training = state_ == v1::ExecutorStatus::TRAINING;
+    if (training) loaded_->stopped_by = "the executor shutting down";
   }
+  // As StopTraining: a step stuck in a collective is abandoned after
+  // stop_wait, not waited for until the communicator timeout.
+  if (training) (void)Stop("");
+  if (!join) return;
+  absl::MutexLock ops(&ops_mu_);
   JoinTrainingThread();
   ReapRetired(/*all=*/true);
 }

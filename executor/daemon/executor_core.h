@@ -149,9 +149,12 @@ class ExecutorCore {
       const std::string& deployment, int64_t from_step, absl::Time deadline,
       bool* done) const;
 
-  // Stops training (as Stop) and refuses further loads (Unavailable).
-  // Waits for every training thread, retired ones included.
-  void Shutdown();
+  // Refuses further loads and starts (Unavailable) and stops training as
+  // Stop does: a step that does not end within stop_wait is abandoned, the
+  // status FAILED "stopped by the executor shutting down ...". Then, when
+  // `join`, waits for every training thread, retired ones included (an
+  // abandoned one ends at the communicator timeout); the destructor does.
+  void Shutdown(bool join = true);
 
   // Training threads abandoned by Stop that have not ended yet.
   int RetiredThreads() const;

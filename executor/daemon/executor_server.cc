@@ -151,7 +151,9 @@ void ExecutorServer::Shutdown() {
   }
   // Training is cancelled between steps (and joined) before the drain, so
   // that the planner's status polls during the drain read how it ended.
-  if (m.core != nullptr) m.core->Shutdown();
+  // A step stuck in a collective (a peer gone) is abandoned after the stop
+  // wait; its thread is joined by ~ExecutorCore.
+  if (m.core != nullptr) m.core->Shutdown(/*join=*/false);
   if (m.server != nullptr) {
     if (m.o.drain > absl::ZeroDuration()) absl::SleepFor(m.o.drain);  // let pollers notice
     m.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));

@@ -17,6 +17,7 @@
 #include "common/grpc_test_util.h"
 #include "common/status_matchers.h"
 #include "executor/cpu/cpu_device.h"
+#include "executor/daemon/core_test_util.h"
 #include "executor/daemon/executor_service_impl.h"
 #include "executor/daemon/fake_planner.h"
 #include "executor/daemon/test_plans.h"
@@ -567,6 +568,45 @@ TEST_F(ExecutorServerTest, ShutdownServesTheFinalStatusThroughTheDrain) {
   stopper.join();
   EXPECT_THAT(last.error(), HasSubstr("stopped by the executor shutting down after"));
   EXPECT_THAT(last.error(), ::testing::Not(HasSubstr("StopTraining")));
+}
+
+// SIGTERM while a peer is frozen: the step in progress waits in a
+// collective until the communicator timeout (--timeout, 60 s by default),
+// and Shutdown waited for it, holding the lock StopTraining needs (the
+// planner's stop timed out) and outlasting a supervisor's grace period.
+// It is abandoned after the stop wait, as StopTraining abandons it.
+TEST_F(ExecutorServerTest, ShutdownAbandonsAStepStuckInACollective) {
+  absl::Notification entered, release;
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  auto stub = StartExecutor("", absl::Seconds(1), [&](ExecutorServerOptions* o) {
+    o->core.stop_wait = absl::Milliseconds(100);
+    o->core.connect = [&](const GlooOptions& go,
+                          RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+      return std::make_unique<testing::HungPeerCommunicator>(go.rank, &entered, &release);
+    };
+  });
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::LoadPlanResponse resp;
+    ASSERT_TRUE(stub->LoadPlan(&ctx, LoadRequest(*plan, 0, 1'000'000), &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ExecutorStatus st;
+    ASSERT_TRUE(stub->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
+  }
+  entered.WaitForNotification();  // inside step 0's first collective
+  executors_[0]->Shutdown();      // returned while the collective still waits
+  EXPECT_FALSE(release.HasBeenNotified());
+  const v1::ExecutorStatus st = executors_[0]->core().Status();
+  EXPECT_EQ(st.state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(st.error(), ::testing::AllOf(HasSubstr("stopped by the executor shutting down"),
+                                           HasSubstr("abandoned")));
+  EXPECT_EQ(executors_[0]->core().RetiredThreads(), 1);
+  release.Notify();  // the collective times out at last; TearDown joins it
 }
 
 }  // namespace
