@@ -569,6 +569,14 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     if (loaded->world != nullptr) loaded->world->Attach(nullptr);
     return r.status();
   }();
+  // An ended load never trains again (Start refuses it): its arena and
+  // device (on a GPU most of its memory) go now, not when the next LoadPlan,
+  // which builds its own first, replaces it. Only this thread uses them.
+  loaded->runner.reset();
+  loaded->async.reset();
+  loaded->timing.reset();
+  loaded->batches.reset();
+  loaded->device.reset();
   {
     absl::MutexLock l(&mu_);
     if (load_id_ == load_id && !loaded->abandoned) {

@@ -3,6 +3,7 @@
 #include "executor/daemon/executor_core.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +24,7 @@
 #include "executor/cpu/cpu_device.h"
 #include "executor/daemon/core_test_util.h"
 #include "executor/daemon/test_plans.h"
+#include "executor/runtime/timing_device.h"
 #include "executor/train/in_process_comm.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -476,6 +478,46 @@ v1::ExecutorStatus TrainTwo(int64_t steps, const std::function<void(LoadOptions&
   EXPECT_THAT(b.Start(""), IsOk());
   b.WaitUntilDone(absl::InfiniteFuture());
   return a.WaitUntilDone(absl::InfiniteFuture());
+}
+
+// A device whose instances are counted in `*live`; it runs on `inner`.
+class CountedDevice : public TimingDevice {
+ public:
+  CountedDevice(std::unique_ptr<Device> inner, std::atomic<int>* live)
+      : TimingDevice(inner.get()), inner_(std::move(inner)), live_(live) {
+    ++*live_;
+  }
+  ~CountedDevice() override { --*live_; }
+
+ private:
+  std::unique_ptr<Device> inner_;
+  std::atomic<int>* live_;
+};
+
+// An ended load cannot train again (Start refuses it) but stays installed
+// for its status until the next LoadPlan, which builds its own arena before
+// it replaces the old one: on a GPU that holds one copy of a large model,
+// every reload (a new generation, an elastic job's next plan) ran out of
+// memory. The training thread now frees the load's device, arena and data
+// when training ends.
+TEST(ExecutorCoreTest, AnEndedLoadKeepsNoDevice) {
+  std::atomic<int> live{0};
+  InProcessGroup group(2);
+  ExecutorCoreOptions options = InProcessOptions(&group);
+  options.make_device = [&](int threads) -> std::unique_ptr<Device> {
+    return std::make_unique<CountedDevice>(NewCpuDevice(threads), &live);
+  };
+  ExecutorCore a(options), b(options);
+  ASSERT_THAT(a.LoadPlan(MlpLoad(2, 0, 3)), IsOk());
+  ASSERT_THAT(b.LoadPlan(MlpLoad(2, 1, 3)), IsOk());
+  EXPECT_EQ(live.load(), 2);
+  ASSERT_THAT(a.Start(""), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  EXPECT_EQ(b.WaitUntilDone(absl::InfiniteFuture()).state(), v1::ExecutorStatus::FINISHED);
+  v1::ExecutorStatus st = a.WaitUntilDone(absl::InfiniteFuture());
+  EXPECT_EQ(st.state(), v1::ExecutorStatus::FINISHED);
+  EXPECT_EQ(st.steps_completed(), 3);
+  EXPECT_EQ(live.load(), 0);
 }
 
 TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
