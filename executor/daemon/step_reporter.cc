@@ -3,6 +3,8 @@
 #include <iostream>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace hap::executor {
 
 StepReporter::StepReporter(StepReporterOptions options) : o_(std::move(options)) {
@@ -59,20 +61,41 @@ void StepReporter::Loop() {
       last = stop_;
     }
     absl::Status s = o_.send ? o_.send(batch) : absl::OkStatus();
-    absl::MutexLock l(&mu_);
-    in_flight_ = 0;
-    if (s.ok()) {
-      counters_.sent += static_cast<int64_t>(batch.size());
-    } else {
-      counters_.failed += static_cast<int64_t>(batch.size());
-      std::cerr << "hap-executor: dropped " << batch.size()
-                << " step metrics the planner did not take: " << s << "\n";
+    std::string message;
+    {
+      absl::MutexLock l(&mu_);
+      in_flight_ = 0;
+      if (s.ok()) {
+        counters_.sent += static_cast<int64_t>(batch.size());
+        if (failing_since_ >= 0) {
+          message =
+              absl::StrCat("hap-executor: the planner takes step metrics again; ",
+                           counters_.failed - failing_since_, " were dropped while it did not");
+          failing_since_ = -1;
+        }
+      } else {
+        if (failing_since_ < 0) {
+          failing_since_ = counters_.failed;
+          message = absl::StrCat("hap-executor: dropped ", batch.size(),
+                                 " step metrics the planner did not take: ", s.ToString(),
+                                 " (further failures are counted, not logged, until it takes "
+                                 "them again)");
+        }
+        counters_.failed += static_cast<int64_t>(batch.size());
+      }
+      if (!message.empty()) {  // before Flush can return
+        if (o_.log) {
+          o_.log(message);
+        } else {
+          std::cerr << message + "\n";
+        }
+      }
+      if (last) {  // one last send on the way out; the rest is dropped
+        counters_.dropped += static_cast<int64_t>(queue_.size());
+        queue_.clear();
+      }
     }
-    if (last) {  // one last send on the way out; the rest is dropped
-      counters_.dropped += static_cast<int64_t>(queue_.size());
-      queue_.clear();
-      return;
-    }
+    if (last) return;
   }
 }
 

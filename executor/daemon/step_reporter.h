@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -27,6 +28,10 @@ struct StepReporterOptions {
   std::function<absl::Status(const std::vector<hap::v1::StepMetric>&)> send;
   size_t capacity = 1024;  // queued metrics at most
   size_t max_batch = 256;  // metrics per send at most
+  // Where failures go (default stderr): the first failed send, then nothing
+  // until a send succeeds again, which says how many were lost meanwhile
+  // (a planner away for an hour is two lines, not one per step).
+  std::function<void(const std::string&)> log;
 };
 
 class StepReporter {
@@ -59,6 +64,7 @@ class StepReporter {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   Counters counters_ ABSL_GUARDED_BY(mu_);
+  int64_t failing_since_ = -1;  // counters_.failed at the first failed send; -1: none (thread's)
   std::thread thread_;
 };
 
