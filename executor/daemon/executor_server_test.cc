@@ -95,6 +95,25 @@ class ExecutorServerTest : public ::testing::Test {
     return r;
   }
 
+  // Loads `plan`'s rank r, training `steps`, on stubs[r], then starts them
+  // all.
+  void LoadAndStart(const std::vector<v1::Executor::Stub*>& stubs, const v1::Plan& plan,
+                    int64_t steps) {
+    for (size_t r = 0; r < stubs.size(); ++r) {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      v1::LoadPlanResponse resp;
+      ASSERT_TRUE(
+          stubs[r]->LoadPlan(&ctx, LoadRequest(plan, static_cast<int>(r), steps), &resp).ok());
+    }
+    for (v1::Executor::Stub* stub : stubs) {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      v1::ExecutorStatus st;
+      ASSERT_TRUE(stub->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
+    }
+  }
+
   testing::FakePlanner planner_{kToken};
   int planner_port_ = 0;
   std::unique_ptr<grpc::Server> planner_server_;
@@ -284,18 +303,7 @@ TEST_F(ExecutorServerTest, StopTrainingStopsARun) {
   ASSERT_THAT(plan, IsOk());
   std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
   for (int r = 0; r < 2; ++r) stubs.push_back(StartExecutor());
-  for (int r = 0; r < 2; ++r) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::LoadPlanResponse resp;
-    ASSERT_TRUE(stubs[r]->LoadPlan(&ctx, LoadRequest(*plan, r, 1'000'000), &resp).ok());
-  }
-  for (int r = 0; r < 2; ++r) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::ExecutorStatus st;
-    ASSERT_TRUE(stubs[r]->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(LoadAndStart({stubs[0].get(), stubs[1].get()}, *plan, 1'000'000));
   // Read the stream until a few steps have run, then stop both ranks.
   grpc::ClientContext stream_ctx;
   Prepare(&stream_ctx);
@@ -529,22 +537,9 @@ TEST_F(ExecutorServerTest, HealthIsServingThenNotServingWhileShuttingDown) {
 TEST_F(ExecutorServerTest, ShutdownServesTheFinalStatusThroughTheDrain) {
   auto plan = testing::MakeMlpPlan(2);
   ASSERT_THAT(plan, IsOk());
-  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
-  stubs.push_back(StartExecutor("", absl::Seconds(2)));
-  stubs.push_back(StartExecutor());
-  for (int r = 0; r < 2; ++r) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::LoadPlanResponse resp;
-    ASSERT_TRUE(stubs[r]->LoadPlan(&ctx, LoadRequest(*plan, r, 1'000'000), &resp).ok());
-  }
-  for (int r = 0; r < 2; ++r) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::ExecutorStatus st;
-    ASSERT_TRUE(stubs[r]->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
-  }
-  v1::Executor::Stub* stub = stubs[0].get();
+  auto stub = StartExecutor("", absl::Seconds(2));
+  auto peer = StartExecutor();
+  ASSERT_NO_FATAL_FAILURE(LoadAndStart({stub.get(), peer.get()}, *plan, 1'000'000));
   std::thread stopper([&] { executors_[0]->Shutdown(); });
   // Poll as the planner does until the executor answers something other
   // than TRAINING, or stops answering.
@@ -586,18 +581,7 @@ TEST_F(ExecutorServerTest, ShutdownAbandonsAStepStuckInACollective) {
       return std::make_unique<testing::HungPeerCommunicator>(go.rank, &entered, &release);
     };
   });
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::LoadPlanResponse resp;
-    ASSERT_TRUE(stub->LoadPlan(&ctx, LoadRequest(*plan, 0, 1'000'000), &resp).ok());
-  }
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::ExecutorStatus st;
-    ASSERT_TRUE(stub->StartTraining(&ctx, v1::StartTrainingRequest(), &st).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(LoadAndStart({stub.get()}, *plan, 1'000'000));
   entered.WaitForNotification();  // inside step 0's first collective
   executors_[0]->Shutdown();      // returned while the collective still waits
   EXPECT_FALSE(release.HasBeenNotified());
@@ -606,7 +590,8 @@ TEST_F(ExecutorServerTest, ShutdownAbandonsAStepStuckInACollective) {
   EXPECT_THAT(st.error(), ::testing::AllOf(HasSubstr("stopped by the executor shutting down"),
                                            HasSubstr("abandoned")));
   EXPECT_EQ(executors_[0]->core().RetiredThreads(), 1);
-  release.Notify();  // the collective times out at last; TearDown joins it
+  release.Notify();    // the collective times out at last
+  executors_.clear();  // joins the thread, before `release` goes
 }
 
 }  // namespace
