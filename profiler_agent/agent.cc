@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/service/core/profile_checks.h"
 #include "profiler_agent/agent_service.h"
 
 namespace hap::agent {
@@ -58,6 +59,13 @@ absl::Status Validate(const AgentOptions& o) {
     return absl::InvalidArgumentError("the planner address is required (--planner HOST:PORT)");
   }
   if (o.name.empty()) return absl::InvalidArgumentError("the node name must not be empty");
+  // The planner refuses any other name at every registration: the agent
+  // would run, retrying forever, as a node that never joins.
+  if (!service::ValidNodeName(o.name)) {
+    return absl::InvalidArgumentError(absl::StrCat("the node name '", o.name,
+                                                   "' must be 1-253 letters, digits, '-', "
+                                                   "'.' or '_' (the planner takes no other)"));
+  }
   if (!(o.drift >= 0) || !std::isfinite(o.drift)) {
     return absl::InvalidArgumentError(
         absl::StrCat("drift must be a non-negative fraction, got ", o.drift));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "common/grpc_util.h"
 #include "common/status_macros.h"
+#include "planner/service/core/profile_checks.h"
 
 namespace hap::agent {
 namespace {
@@ -84,6 +85,12 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   }
   o.name = a.GetOrEnv("name", "");
   if (o.name.empty()) o.name = Hostname();
+  if (!hap::service::ValidNodeName(o.name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Named("name"), " '", o.name,
+                     "' must be 1-253 letters, digits, '-', '.' or '_' (the planner takes no "
+                     "other; the default is the hostname)"));
+  }
   o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
   o.advertise = a.GetOrEnv("advertise", "");
   HAP_ASSIGN_OR_RETURN(o.security.token, hap::service::ReadTokenFile(a.GetOrEnv("token-file", "")));

@@ -20,6 +20,14 @@ absl::StatusOr<AgentOptions> FromArgv(const std::vector<std::string>& argv) {
   return AgentOptionsFromArgs(*args);
 }
 
+TEST(AgentFlagsTest, ANodeNameThePlannerRefusesIsAFlagError) {
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--name", "bad name/x"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::AllOf(HasSubstr("--name (or HAP_NAME) 'bad name/x'"),
+                                        HasSubstr("1-253 letters, digits"))));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--name", "node-0.rack_1"}), IsOk());
+}
+
 TEST(AgentFlagsTest, DefaultsAndTheFlagWinningOverTheEnvironment) {
   setenv("HAP_PLANNER", "env-planner:1", 1);
   setenv("HAP_DRIFT", "0.5", 1);

@@ -567,6 +567,11 @@ TEST(AgentStartTest, RejectsMissingPlannerOrName) {
   o.name = "";
   EXPECT_THAT(Agent::Start(o),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("node name")));
+  for (const std::string& bad : {std::string("bad name/x"), std::string(254, 'a')}) {
+    o.name = bad;  // refused by the planner at every registration
+    EXPECT_THAT(Agent::Start(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("must be 1-253 letters, digits")));
+  }
   o.name = "n";
   o.drift = -1;
   EXPECT_THAT(Agent::Start(o), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("drift")));
