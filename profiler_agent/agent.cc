@@ -112,6 +112,7 @@ struct Agent::Impl : public ProfileSource {
   // Executors of o.executors that did not answer at the last registration
   // (the heartbeat thread's alone).
   int executors_unresolved = 0;
+  absl::Duration heartbeat_interval = kDefaultHeartbeat;  // the latest (heartbeat thread's)
   std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
   std::shared_ptr<v1::Planner::Stub> planner_stub ABSL_GUARDED_BY(mu);
 
@@ -253,12 +254,13 @@ struct Agent::Impl : public ProfileSource {
     return false;
   }
 
-  // The device the executor daemon at `address` serves.
-  absl::StatusOr<std::string> ExecutorDevice(const std::string& address) {
+  // The device the executor daemon at `address` serves, asked within
+  // `timeout`.
+  absl::StatusOr<std::string> ExecutorDevice(const std::string& address, absl::Duration timeout) {
     HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(address, o.security));
     auto stub = v1::Executor::NewStub(channel);
     v1::ExecutorStatus st;
-    Call call(this, o.rpc_timeout);
+    Call call(this, timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(stub->GetStatus(call.ctx(), v1::GetStatusRequest(), &st)));
     if (st.device().empty()) {
       return absl::FailedPreconditionError("the executor names no device it serves");
@@ -267,12 +269,17 @@ struct Agent::Impl : public ProfileSource {
   }
 
   // "hap.executor/<device>" = address for each executor of o.executors that
-  // answers; `unresolved` counts those that did not.
+  // answers; `unresolved` counts those that did not. The heartbeat thread
+  // asks them: all of them within half a heartbeat interval (or
+  // rpc_timeout, if shorter), so that a hung executor cannot delay the
+  // heartbeats until the planner takes the node for stale.
   std::map<std::string, std::string> ExecutorLabels(int* unresolved) {
     std::map<std::string, std::string> labels;
     *unresolved = 0;
+    const absl::Time deadline = absl::Now() + std::min(o.rpc_timeout, heartbeat_interval / 2);
     for (const std::string& address : o.executors) {
-      absl::StatusOr<std::string> device = ExecutorDevice(address);
+      absl::StatusOr<std::string> device =
+          ExecutorDevice(address, std::max(deadline - absl::Now(), absl::Milliseconds(1)));
       if (device.ok()) {
         labels["hap.executor/" + *device] = address;
       } else {
@@ -394,7 +401,7 @@ struct Agent::Impl : public ProfileSource {
         Log(absl::StrCat("registered node '", o.name, "' (", address, ") with the planner at ",
                          o.planner, "; heartbeat every ", absl::FormatDuration(*r)));
         backoff = o.initial_backoff;
-        interval = *r;
+        interval = heartbeat_interval = *r;
         next_heartbeat = absl::Now() + interval;
         continue;
       }

@@ -7,8 +7,11 @@
 #include <chrono>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -79,6 +82,41 @@ class FakeExecutor final : public v1::Executor::Service {
  private:
   std::string device_, address_;
   std::unique_ptr<grpc::Server> server_;
+};
+
+// An executor daemon that never answers GetStatus (frozen, or its host
+// overloaded): each call waits until the caller gives up. Records the time
+// each caller gave it.
+class HungExecutor final : public v1::Executor::Service {
+ public:
+  HungExecutor() { server_ = ServeForTest(this, "127.0.0.1:0", &address_); }
+  ~HungExecutor() override {
+    released_.Notify();
+    server_->Shutdown();
+  }
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
+                         v1::ExecutorStatus*) override {
+    {
+      absl::MutexLock l(&mu_);
+      given_.push_back(absl::FromChrono(ctx->deadline()) - absl::Now());
+    }
+    while (!ctx->IsCancelled() &&
+           !released_.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
+    }
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "hung");
+  }
+  const std::string& address() const { return address_; }
+  std::vector<absl::Duration> given() {
+    absl::MutexLock l(&mu_);
+    return given_;
+  }
+
+ private:
+  std::string address_;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Notification released_;
+  absl::Mutex mu_;
+  std::vector<absl::Duration> given_;
 };
 
 class AgentTest : public ::testing::Test {
@@ -188,6 +226,25 @@ TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {
   Record r = planner_.Snapshot();
   EXPECT_EQ(r.registrations, 2);
   EXPECT_EQ(r.nodes.at("node-a").labels().at("hap.executor/node-a/cpu0"), address);
+}
+
+// A hung --executor was asked for its device after every heartbeat with
+// the whole rpc_timeout (10 s): heartbeats came every 10 s instead of 5, so
+// two hung executors (or a planner's --heartbeat-seconds 1) made the node
+// STALE over and over. The executors are now asked within half an interval.
+TEST_F(AgentTest, AHungExecutorDoesNotHoldUpHeartbeats) {
+  HungExecutor hung;
+  AgentOptions o = Options("node-a");
+  o.executors = {hung.address()};
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 3; }));
+  agent->Shutdown();
+  const std::vector<absl::Duration> given = hung.given();
+  ASSERT_GE(given.size(), 2u);
+  // After registering, at the planner's 20 ms interval: at most half.
+  EXPECT_LE(given.back(), absl::Milliseconds(10));
 }
 
 TEST_F(AgentTest, RetriesRegistrationWithBackoffWhileThePlannerRefuses) {
