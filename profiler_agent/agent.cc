@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -270,16 +271,27 @@ struct Agent::Impl : public ProfileSource {
 
   // "hap.executor/<device>" = address for each executor of o.executors that
   // answers; `unresolved` counts those that did not. The heartbeat thread
-  // asks them: all of them within half a heartbeat interval (or
+  // asks them: all of them at once, within half a heartbeat interval (or
   // rpc_timeout, if shorter), so that a hung executor cannot delay the
-  // heartbeats until the planner takes the node for stale.
+  // heartbeats until the planner takes the node for stale, nor spend the
+  // time of the executors listed after it (asked one after another, they
+  // were left 1 ms each and never labelled).
   std::map<std::string, std::string> ExecutorLabels(int* unresolved) {
     std::map<std::string, std::string> labels;
     *unresolved = 0;
-    const absl::Time deadline = absl::Now() + std::min(o.rpc_timeout, heartbeat_interval / 2);
-    for (const std::string& address : o.executors) {
-      absl::StatusOr<std::string> device =
-          ExecutorDevice(address, std::max(deadline - absl::Now(), absl::Milliseconds(1)));
+    const absl::Duration budget = std::min(o.rpc_timeout, heartbeat_interval / 2);
+    std::vector<absl::StatusOr<std::string>> devices(o.executors.size(), std::string());
+    {
+      std::vector<std::thread> lookups;
+      for (size_t i = 0; i < o.executors.size(); ++i) {
+        lookups.emplace_back(
+            [this, budget, i, &devices] { devices[i] = ExecutorDevice(o.executors[i], budget); });
+      }
+      for (std::thread& t : lookups) t.join();
+    }
+    for (size_t i = 0; i < o.executors.size(); ++i) {
+      const std::string& address = o.executors[i];
+      const absl::StatusOr<std::string>& device = devices[i];
       if (device.ok()) {
         labels["hap.executor/" + *device] = address;
       } else {

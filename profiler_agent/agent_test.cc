@@ -247,6 +247,23 @@ TEST_F(AgentTest, AHungExecutorDoesNotHoldUpHeartbeats) {
   EXPECT_LE(given.back(), absl::Milliseconds(10));
 }
 
+// The lookups shared one budget one after another: a hung executor listed
+// first spent it all, and the executors after it were given 1 ms each (a
+// healthy one was never labelled while the hung one stayed). Each is asked
+// within the whole budget, at once.
+TEST_F(AgentTest, AHungExecutorDoesNotStarveTheExecutorsAfterIt) {
+  HungExecutor hung;
+  FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
+  AgentOptions o = Options("node-a");
+  o.executors = {hung.address(), executor.address()};
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  const v1::Node n = planner_.Snapshot().nodes.at("node-a");
+  EXPECT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
+  agent->Shutdown();
+}
+
 TEST_F(AgentTest, RetriesRegistrationWithBackoffWhileThePlannerRefuses) {
   planner_.RefuseRegistrations(3);
   auto agent = StartAgent(Options("node-a"), &state_);
