@@ -204,6 +204,49 @@ TEST(SqliteBackendTest, SavedStepMetricsArePrunedToWhatARestartReads) {
   EXPECT_EQ(served(*again.StepMetrics(d.name())), served_before);
 }
 
+// Ranks report on their own (each executor its stream): one 40 steps
+// behind the other. Pruning went on from where it last ended, so the
+// metrics of the rank behind that came after each prune, below where it
+// ended, were saved for good (about 40 steps of every 256 of that rank).
+TEST(SqliteBackendTest, PruningAlsoDeletesTheMetricsOfARankBehind) {
+  constexpr int64_t kSteps = 3'000, kLag = 40;
+  const std::string db = TempDatabase("pruned_lagging.db");
+  v1::Deployment d = MakeDeployment("lagging");
+  d.set_state(v1::Deployment::SUCCEEDED);
+  d.mutable_training()->set_steps(kSteps);
+  for (int r = 0; r < 2; ++r) d.add_ranks()->set_rank(r);
+  DeploymentManagerOptions o;
+  o.max_metrics_per_deployment = 100;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  auto backend = OpenSqliteBackend(db);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  o.sink = backend->get();
+  ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
+  {
+    DeploymentManager m(o, {d});
+    for (int64_t step = 0; step < kSteps + kLag; ++step) {
+      if (step < kSteps) {
+        ASSERT_TRUE(m.ReportStepMetrics({Metric(d.name(), 0, step)}).ok());
+      }
+      if (step >= kLag) {
+        ASSERT_TRUE(m.ReportStepMetrics({Metric(d.name(), 1, step - kLag)}).ok());
+      }
+    }
+  }
+  auto everything = (*backend)->Load(/*max_metrics_per_deployment=*/1'000'000);
+  ASSERT_TRUE(everything.ok()) << everything.status();
+  std::vector<int64_t> between;  // rank 1's, past those kept, before the latest
+  for (const auto& m : everything->metrics) {
+    if (m.rank() == 1 && m.step() >= 100 &&
+        m.step() < kSteps - kRecentStepsPerRank - kStepMetricsPruneSteps - kLag) {
+      between.push_back(m.step());
+    }
+  }
+  EXPECT_THAT(between, ::testing::IsEmpty());
+}
+
 TEST(SqliteBackendTest, LoadsJobsAsLastSaved) {
   const std::string db = TempDatabase("jobs.db");
   v1::Job j;

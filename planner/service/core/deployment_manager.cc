@@ -655,10 +655,14 @@ void DeploymentManager::PruneStepMetricsLocked(const std::string& name) {
   State::SavedSteps& saved = s_->saved_steps[name];
   if (!saved.past_cap) return;
   // What a restart reads: whole steps from 0 until the cap (every step
-  // before kept_end) and the latest kRecentStepsPerRank steps.
-  const int64_t from = std::max(saved.kept_end, saved.pruned_to);
+  // before kept_end) and the latest kRecentStepsPerRank steps. Once enough
+  // steps gathered since the last prune, everything between goes, from
+  // kept_end again: a rank behind the others reports steps below where the
+  // last prune ended after it (an index range: the steps pruned before cost
+  // nothing).
+  const int64_t from = saved.kept_end;
   const int64_t to = saved.last_end - kRecentStepsPerRank;
-  if (to - from < kStepMetricsPruneSteps) return;
+  if (to - std::max(from, saved.pruned_to) < kStepMetricsPruneSteps) return;
   if (absl::Status s = o_.sink->PruneStepMetrics(name, from, to); !s.ok()) {
     std::cerr << "hap-planner: could not prune the saved step metrics of " << name << " (steps "
               << from << " to " << to << "; tried again later): " << s << std::endl;
