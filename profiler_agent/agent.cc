@@ -104,6 +104,8 @@ struct Agent::Impl : public ProfileSource {
   // that heartbeats go on while it measures.
   bool probe_wanted ABSL_GUARDED_BY(mu) = false;
   bool drift_check_wanted ABSL_GUARDED_BY(mu) = false;  // a drift check, likewise
+  // Drift checks in a row that found a drift (a probe needs two).
+  int drift_checks_in_a_row ABSL_GUARDED_BY(probe_mu) = 0;
   std::optional<v1::ProbeResponse> profile ABSL_GUARDED_BY(mu);
   std::vector<double> quick_baseline ABSL_GUARDED_BY(mu);
   // Profiles probed and profiles the planner has: devices are pending while
@@ -193,6 +195,7 @@ struct Agent::Impl : public ProfileSource {
       return absl::DeadlineExceededError(
           "the call's deadline passed while another probe ran; nothing was probed");
     }
+    drift_checks_in_a_row = 0;  // a new baseline
     ProbeOptions opts = o.probe;
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
     absl::Time start = absl::Now();
@@ -245,13 +248,26 @@ struct Agent::Impl : public ProfileSource {
       return false;
     }
     if (quick->size() != baseline.size()) return true;  // devices came or went
+    // A drift is probed again only when the next check finds it too: one
+    // check that ran beside a burst of other work (another agent's probe,
+    // a job starting) re-probed the node every minute on a shared host,
+    // each full probe slowing whatever trained there.
     for (size_t i = 0; i < baseline.size(); ++i) {
       if (std::abs((*quick)[i] - baseline[i]) > o.drift * baseline[i]) {
+        if (++drift_checks_in_a_row < 2) {
+          Log(absl::StrCat("device ", i, " FLOP/s drifted from ", baseline[i], " to ", (*quick)[i],
+                           " (more than ", o.drift * 100,
+                           "%); probing again if the next check finds it too"));
+          return false;
+        }
         Log(absl::StrCat("device ", i, " FLOP/s drifted from ", baseline[i], " to ", (*quick)[i],
-                         " (more than ", o.drift * 100, "%); probing again"));
+                         " (more than ", o.drift * 100,
+                         "%) in two checks in a row; probing again"));
+        drift_checks_in_a_row = 0;
         return true;
       }
     }
+    drift_checks_in_a_row = 0;
     return false;
   }
 

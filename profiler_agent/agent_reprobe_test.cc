@@ -5,6 +5,7 @@
 // than the default 15 s limit.
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -127,6 +128,60 @@ TEST(AgentReprobeTest, OneSlowReprobeDoesNotMakeTheNodeStaleAndReprobeForever) {
       << ", reprobes the planner asked for: " << planner.reprobes.load();
   EXPECT_EQ(planner.reprobes.load(), 0)
       << "the node went STALE while the agent probed (no heartbeats meanwhile)";
+}
+
+// QuickFlops gives 1e9, but 0.5e9 on its second call only (one check beside
+// a burst of other work) and always once `changed` is set.
+class OnceSlowQuickCheck : public SlowProber {
+ public:
+  std::atomic<int> checks{0};
+  std::atomic<bool> changed{false};
+  absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions&) override {
+    const int n = checks++;
+    return std::vector<double>{changed || n == 1 ? 0.5e9 : 1e9};
+  }
+};
+
+// One quick check that disagrees with the baseline (another agent probing
+// on the same host, a job starting) re-probed the node: on a shared host
+// every minute. A drift is probed again when two checks in a row find it.
+TEST(AgentReprobeTest, ADriftIsProbedAgainOnlyWhenTwoChecksInARowFindIt) {
+  service::PlannerCoreOptions po;
+  auto core = service::PlannerCore::Create(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  CorePlanner planner(core->get());
+  auto owned = std::make_unique<OnceSlowQuickCheck>();
+  OnceSlowQuickCheck* prober = owned.get();
+  prober->slow = absl::ZeroDuration();
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::move(owned));
+  AgentOptions o;
+  o.planner = planner.address();
+  o.name = "node-b";
+  o.probe.max_duration = absl::Milliseconds(100);
+  o.drift = 0.2;
+  o.drift_check_interval = absl::Milliseconds(20);
+  o.link_probe_interval = absl::Hours(1);
+  o.initial_backoff = absl::Milliseconds(10);
+  o.max_backoff = absl::Milliseconds(40);
+  o.rpc_timeout = absl::Seconds(5);
+  auto agent = Agent::Start(o, std::move(probers));
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto wait_for = [](const std::function<bool()>& done) {
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < until && !done()) absl::SleepFor(absl::Milliseconds(5));
+    return done();
+  };
+  // The baseline (check 0), the odd check (1), then checks that agree.
+  ASSERT_TRUE(wait_for([&] { return prober->checks.load() >= 6; }));
+  EXPECT_EQ(prober->probes.load(), 1) << "one check's drift probed the node again";
+  // A lasting change: probed again, once.
+  prober->changed = true;
+  EXPECT_TRUE(wait_for([&] { return prober->probes.load() >= 2; }));
+  const int checks = prober->checks.load();
+  ASSERT_TRUE(wait_for([&] { return prober->checks.load() >= checks + 4; }));
+  (*agent)->Shutdown(absl::ZeroDuration());
+  EXPECT_EQ(prober->probes.load(), 2);
 }
 
 }  // namespace
