@@ -120,8 +120,11 @@ class StoreBackend : public StateBackend {
         absl::StatusOr<int64_t> last = s_->LastStepMetricStep(d.name());
         st = last.status();
         if (st.ok()) {
-          st = LoadStepMetrics(d.name(), std::max(read_to, *last + 1 - kRecentStepsPerRank),
-                               std::numeric_limits<size_t>::max(), &metrics);
+          // Every rank's latest steps, a rank behind the others too (as
+          // the deployment manager keeps them saved).
+          st = LoadStepMetrics(
+              d.name(), std::max(read_to, *last + 1 - kRecentStepsPerRank - kMaxRankLagSteps),
+              std::numeric_limits<size_t>::max(), &metrics);
         }
       }
       if (absl::IsDataLoss(st)) {

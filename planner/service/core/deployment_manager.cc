@@ -159,6 +159,7 @@ struct DeploymentManager::State {
     int64_t last_end = 0;
     bool past_cap = false;
     int64_t pruned_to = 0;
+    std::map<int32_t, int64_t> rank_last_end;  // each rank's step after its latest
   };
   std::map<std::string, SavedSteps> saved_steps;
   std::set<std::string> stop_requested;
@@ -655,13 +656,16 @@ void DeploymentManager::PruneStepMetricsLocked(const std::string& name) {
   State::SavedSteps& saved = s_->saved_steps[name];
   if (!saved.past_cap) return;
   // What a restart reads: whole steps from 0 until the cap (every step
-  // before kept_end) and the latest kRecentStepsPerRank steps. Once enough
+  // before kept_end) and the latest kRecentStepsPerRank steps of every rank
+  // (of the slowest, up to kMaxRankLagSteps behind the latest). Once enough
   // steps gathered since the last prune, everything between goes, from
   // kept_end again: a rank behind the others reports steps below where the
   // last prune ended after it (an index range: the steps pruned before cost
   // nothing).
   const int64_t from = saved.kept_end;
-  const int64_t to = saved.last_end - kRecentStepsPerRank;
+  int64_t slowest = saved.last_end;
+  for (const auto& [rank, end] : saved.rank_last_end) slowest = std::min(slowest, end);
+  const int64_t to = std::max(slowest, saved.last_end - kMaxRankLagSteps) - kRecentStepsPerRank;
   if (to - std::max(from, saved.pruned_to) < kStepMetricsPruneSteps) return;
   if (absl::Status s = o_.sink->PruneStepMetrics(name, from, to); !s.ok()) {
     std::cerr << "hap-planner: could not prune the saved step metrics of " << name << " (steps "
@@ -686,6 +690,8 @@ void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
     if (kept) saved.kept_end = std::max(saved.kept_end, m.step() + 1);
     saved.past_cap |= !kept;
     saved.last_end = std::max(saved.last_end, m.step() + 1);
+    int64_t& rank_end = saved.rank_last_end[m.rank()];
+    rank_end = std::max(rank_end, m.step() + 1);
     if (m.rank() == 0) {
       // The latest step's loss, whatever order the metrics come in.
       if (m.step() + 1 >= d.steps_completed()) d.set_last_loss(m.loss());

@@ -52,6 +52,11 @@ inline constexpr size_t kDefaultMaxMetricsPerDeployment = 100'000;
 // once this many steps of them have gathered.
 inline constexpr int64_t kStepMetricsPruneSteps = 256;
 inline constexpr int64_t kRecentStepsPerRank = 20;
+// How far behind the latest step a rank's latest steps are still kept
+// saved for a restart (a rank behind the others, within reason: one
+// further behind has stopped reporting, and its window would hold every
+// step of the others back).
+inline constexpr int64_t kMaxRankLagSteps = 256;
 
 struct DeploymentManagerOptions {
   // Call deadlines, status polls and stop retries; values out of range
