@@ -410,12 +410,29 @@ absl::Status DeploymentManager::Delete(const std::string& name,
   if (it == s_->deployments.end()) {
     return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
   }
-  if (!DeploymentFinal(it->second.state()) || s_->supervised.count(name)) {
+  if (!DeploymentFinal(it->second.state())) {
     const std::string short_name = name.substr(name.find('/') + 1);
     return absl::FailedPreconditionError(absl::StrCat(
         "deployment '", name, "' is ", StateName(it->second.state()),
         ": only a finished deployment is deleted; stop it first (hapctl stop deployment ",
         short_name, ")"));
+  }
+  // Finished, its supervisor may still be returning (it marks the state,
+  // then goes): a delete right after a stop was refused as "STOPPED: ...
+  // stop it first". Waited for a while; one still telling ranks to stop is
+  // named as such.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (s_->supervised.count(name) && !s_->shutdown &&
+         !s_->changed.WaitWithDeadline(&s_->mu, until)) {
+  }
+  it = s_->deployments.find(name);
+  if (it == s_->deployments.end()) {
+    return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
+  }
+  if (s_->supervised.count(name)) {
+    return absl::UnavailableError(absl::StrCat(
+        "deployment '", name, "' is ", StateName(it->second.state()),
+        " and the planner is still telling its ranks to stop; try again in a few seconds"));
   }
   if (in_use.count(name)) {
     return absl::FailedPreconditionError(absl::StrCat(
