@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -83,6 +84,27 @@ class SlowProber : public DeviceProber {
   }
 };
 
+// An agent on one prober against `planner`, checking for drift every
+// `drift_check_interval`.
+absl::StatusOr<std::unique_ptr<Agent>> StartAgent(const std::string& planner,
+                                                  const std::string& name,
+                                                  absl::Duration drift_check_interval,
+                                                  std::unique_ptr<DeviceProber> prober) {
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::move(prober));
+  AgentOptions o;
+  o.planner = planner;
+  o.name = name;
+  o.probe.max_duration = absl::Milliseconds(100);
+  o.drift = 0.2;
+  o.drift_check_interval = drift_check_interval;
+  o.link_probe_interval = absl::Hours(1);
+  o.initial_backoff = absl::Milliseconds(10);
+  o.max_backoff = absl::Milliseconds(40);
+  o.rpc_timeout = absl::Seconds(5);
+  return Agent::Start(o, std::move(probers));
+}
+
 TEST(AgentReprobeTest, OneSlowReprobeDoesNotMakeTheNodeStaleAndReprobeForever) {
   service::PlannerCoreOptions po;
   po.heartbeat_interval = absl::Milliseconds(100);
@@ -93,19 +115,7 @@ TEST(AgentReprobeTest, OneSlowReprobeDoesNotMakeTheNodeStaleAndReprobeForever) {
 
   auto owned = std::make_unique<SlowProber>();
   SlowProber* prober = owned.get();
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::move(owned));
-  AgentOptions o;
-  o.planner = planner.address();
-  o.name = "node-a";
-  o.probe.max_duration = absl::Milliseconds(100);
-  o.drift = 0.2;
-  o.drift_check_interval = absl::Milliseconds(50);
-  o.link_probe_interval = absl::Hours(1);
-  o.initial_backoff = absl::Milliseconds(10);
-  o.max_backoff = absl::Milliseconds(40);
-  o.rpc_timeout = absl::Seconds(5);
-  auto agent = Agent::Start(o, std::move(probers));
+  auto agent = StartAgent(planner.address(), "node-a", absl::Milliseconds(50), std::move(owned));
   ASSERT_TRUE(agent.ok()) << agent.status();
 
   // Registered and heartbeating.
@@ -153,19 +163,7 @@ TEST(AgentReprobeTest, ADriftIsProbedAgainOnlyWhenTwoChecksInARowFindIt) {
   auto owned = std::make_unique<OnceSlowQuickCheck>();
   OnceSlowQuickCheck* prober = owned.get();
   prober->slow = absl::ZeroDuration();
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::move(owned));
-  AgentOptions o;
-  o.planner = planner.address();
-  o.name = "node-b";
-  o.probe.max_duration = absl::Milliseconds(100);
-  o.drift = 0.2;
-  o.drift_check_interval = absl::Milliseconds(20);
-  o.link_probe_interval = absl::Hours(1);
-  o.initial_backoff = absl::Milliseconds(10);
-  o.max_backoff = absl::Milliseconds(40);
-  o.rpc_timeout = absl::Seconds(5);
-  auto agent = Agent::Start(o, std::move(probers));
+  auto agent = StartAgent(planner.address(), "node-b", absl::Milliseconds(20), std::move(owned));
   ASSERT_TRUE(agent.ok()) << agent.status();
   auto wait_for = [](const std::function<bool()>& done) {
     const absl::Time until = absl::Now() + absl::Seconds(30);

@@ -131,6 +131,27 @@ TEST(SqliteBackendTest, LoadReadsTheMetricsKeptAndTheLatestStepsOnly) {
   }
 }
 
+// A SUCCEEDED deployment of `ranks` ranks and `steps` steps (no supervisor:
+// the tests report its metrics themselves).
+v1::Deployment FinishedDeployment(const std::string& id, int ranks, int64_t steps) {
+  v1::Deployment d = MakeDeployment(id);
+  d.set_state(v1::Deployment::SUCCEEDED);
+  d.mutable_training()->set_steps(steps);
+  for (int r = 0; r < ranks; ++r) d.add_ranks()->set_rank(r);
+  return d;
+}
+
+// A deployment manager saving to `sink`, keeping `kept` metrics in memory.
+DeploymentManagerOptions ManagerOn(PlannerStateSink* sink, size_t kept) {
+  DeploymentManagerOptions o;
+  o.sink = sink;
+  o.max_metrics_per_deployment = kept;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  return o;
+}
+
 // A long run's saved step metrics: the deployment manager leaves the sink
 // with what a restart reads (the metrics it keeps, the latest steps) and
 // prunes the steps between, which were saved and never read (a run of a
@@ -140,19 +161,7 @@ TEST(SqliteBackendTest, SavedStepMetricsArePrunedToWhatARestartReads) {
   constexpr int64_t kSteps = 3'000;
   constexpr size_t kKept = 100;  // steps 0-49 of 2 ranks
   const std::string db = TempDatabase("pruned.db");
-  v1::Deployment d = MakeDeployment("pruned");
-  d.set_state(v1::Deployment::SUCCEEDED);
-  d.mutable_training()->set_steps(kSteps);
-  for (int r = 0; r < 2; ++r) d.add_ranks()->set_rank(r);
-  auto options = [](PlannerStateSink* sink) {
-    DeploymentManagerOptions o;
-    o.sink = sink;
-    o.max_metrics_per_deployment = kKept;
-    o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-      return nullptr;
-    };
-    return o;
-  };
+  const v1::Deployment d = FinishedDeployment("pruned", 2, kSteps);
   auto summary = [](const v1::Deployment& x) {
     return absl::StrCat(x.steps_completed(), " ", x.last_loss(), " ", x.median_step_seconds(), " ",
                         x.recent_step_seconds());
@@ -168,7 +177,7 @@ TEST(SqliteBackendTest, SavedStepMetricsArePrunedToWhatARestartReads) {
     auto backend = OpenSqliteBackend(db);
     ASSERT_TRUE(backend.ok()) << backend.status();
     ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
-    DeploymentManager m(options(backend->get()), {d});
+    DeploymentManager m(ManagerOn(backend->get(), kKept), {d});
     for (int64_t step = 0; step < kSteps; ++step) {
       std::vector<v1::StepMetric> batch = {Metric(d.name(), 0, step), Metric(d.name(), 1, step)};
       batch[0].set_step_seconds(0.1 + 0.001 * (step % 7));  // a median and recent window to
@@ -198,7 +207,7 @@ TEST(SqliteBackendTest, SavedStepMetricsArePrunedToWhatARestartReads) {
 
   auto loaded = (*backend)->Load(kKept);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  DeploymentManager again(options(backend->get()), loaded->deployments, loaded->metrics);
+  DeploymentManager again(ManagerOn(backend->get(), kKept), loaded->deployments, loaded->metrics);
   auto after = again.Get(d.name());
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(summary(*after), summary_before);
@@ -212,18 +221,10 @@ TEST(SqliteBackendTest, SavedStepMetricsArePrunedToWhatARestartReads) {
 TEST(SqliteBackendTest, PruningAlsoDeletesTheMetricsOfARankBehind) {
   constexpr int64_t kSteps = 3'000, kLag = 40;
   const std::string db = TempDatabase("pruned_lagging.db");
-  v1::Deployment d = MakeDeployment("lagging");
-  d.set_state(v1::Deployment::SUCCEEDED);
-  d.mutable_training()->set_steps(kSteps);
-  for (int r = 0; r < 2; ++r) d.add_ranks()->set_rank(r);
-  DeploymentManagerOptions o;
-  o.max_metrics_per_deployment = 100;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  const v1::Deployment d = FinishedDeployment("lagging", 2, kSteps);
   auto backend = OpenSqliteBackend(db);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  o.sink = backend->get();
+  const DeploymentManagerOptions o = ManagerOn(backend->get(), 100);
   ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
   {
     DeploymentManager m(o, {d});
@@ -258,18 +259,10 @@ TEST(SqliteBackendTest, ARestartKeepsTheRecentStepsOfARankBehind) {
   constexpr int64_t kSteps = 1'500, kLag = 40;
   constexpr int kRanks = 64;
   const std::string db = TempDatabase("restart_lagging.db");
-  v1::Deployment d = MakeDeployment("behind");
-  d.set_state(v1::Deployment::SUCCEEDED);
-  d.mutable_training()->set_steps(kSteps + 1000);
-  for (int r = 0; r < kRanks; ++r) d.add_ranks()->set_rank(r);
-  DeploymentManagerOptions o;
-  o.max_metrics_per_deployment = 100;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  const v1::Deployment d = FinishedDeployment("behind", kRanks, kSteps + 1000);
   auto backend = OpenSqliteBackend(db);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  o.sink = backend->get();
+  const DeploymentManagerOptions o = ManagerOn(backend->get(), 100);
   ASSERT_TRUE((*backend)->SaveDeployment(d).ok());
   double recent_before = 0;
   {
