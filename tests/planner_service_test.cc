@@ -29,87 +29,23 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "tests/planner_process.h"
 #include "tests/service_harness.h"
 
 namespace hap {
 namespace {
 
 namespace v1 = ::hap::v1;
+using ::hap::testing::Ctx;
+using ::hap::testing::DeployAndWaitUntilFailed;
+using ::hap::testing::FakeNode;
+using ::hap::testing::kToken;
+using ::hap::testing::MakeTestCertificate;
+using ::hap::testing::Mlp;
+using ::hap::testing::Planner;
 using ::hap::testing::Process;
+using ::hap::testing::RegisterAndPlanDeployed;
 using ::testing::HasSubstr;
-
-constexpr char kToken[] = "s3cret-token";
-
-struct Planner {
-  Process proc;
-  int port = 0;
-  int metrics_port = 0;
-  std::string dir;
-
-  void Start(const std::string& state_dir, std::vector<std::string> extra = {}) {
-    dir = state_dir;
-    std::ofstream(dir + "/token") << kToken << "\n";
-    std::vector<std::string> argv = {
-        hap::testing::Runfile("planner/service/hap-planner"),
-        "--listen=127.0.0.1:0",
-        "--metrics-listen=127.0.0.1:0",
-        "--database=" + dir + "/planner.db",
-        "--token-file=" + dir + "/token",
-        "--heartbeat-seconds=0.5",
-        "--missed-heartbeats=2",
-        "--drain-seconds=1.5",
-        "--max-request-bytes=1048576"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    ASSERT_TRUE(proc.Start(argv).ok());
-    auto addr = proc.WaitForLine("listening on 127.0.0.1:");
-    ASSERT_TRUE(addr.ok()) << addr.status();
-    ASSERT_TRUE(absl::SimpleAtoi(*addr, &port));
-    auto m = proc.WaitForLine("metrics on http://127.0.0.1:");
-    ASSERT_TRUE(m.ok()) << m.status();
-    ASSERT_TRUE(absl::SimpleAtoi(m->substr(0, m->find('/')), &metrics_port));
-  }
-  std::string Address() const { return absl::StrCat("127.0.0.1:", port); }
-  std::unique_ptr<v1::Planner::Stub> Stub() const {
-    return v1::Planner::NewStub(*service::MakeChannel(Address(), {}));
-  }
-};
-
-// A call context with the token (or not) and a deadline.
-std::unique_ptr<grpc::ClientContext> Ctx(bool token = true, int seconds = 30) {
-  auto c = std::make_unique<grpc::ClientContext>();
-  service::Security s;
-  if (token) s.token = kToken;
-  service::PrepareClientContext(c.get(), s, absl::Seconds(seconds));
-  return c;
-}
-
-v1::Node FakeNode(const std::string& name, double flops) {
-  v1::Node n;
-  n.set_name(name);
-  n.set_address("127.0.0.1:1");
-  for (int i = 0; i < 2; ++i) {
-    v1::Device* d = n.add_devices();
-    d->set_id(absl::StrCat(name, "/cpu", i));
-    d->set_kind(v1::CPU);
-    auto* f = d->add_flops();
-    f->set_dtype(v1::FLOAT32);
-    f->set_flops(flops);
-    d->set_memory_bytes(int64_t{8} << 30);
-  }
-  return n;
-}
-
-v1::CreatePlanRequest Mlp(bool wait = true) {
-  v1::CreatePlanRequest r;
-  r.mutable_model()->mutable_zoo()->set_name("mlp");
-  auto& p = *r.mutable_model()->mutable_zoo()->mutable_params();
-  p["layers"] = 2;
-  p["hidden"] = 64;
-  p["input"] = 32;
-  p["batch"] = 32;
-  r.set_wait(wait);
-  return r;
-}
 
 grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port,
                                                             const std::string& service) {
@@ -397,15 +333,6 @@ TEST_F(PlannerServiceTest, PrometheusScrapesHapSeriesAndPromtoolAcceptsTheOutput
   EXPECT_THAT(*flops, HasSubstr("\"device\":\"n1/cpu0\""));
   EXPECT_THAT(*flops, HasSubstr("1500000000000"));
   prom.Stop(SIGTERM);
-}
-
-// A self-signed certificate for 127.0.0.1: DIR/cert.pem and DIR/key.pem.
-void MakeTestCertificate(const std::string& dir) {
-  std::string cmd = absl::StrCat(
-      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ", dir, "/key.pem -out ", dir,
-      "/cert.pem -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -days 1 "
-      ">/dev/null 2>&1");
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
 }
 
 TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
@@ -727,180 +654,6 @@ TEST_F(PlannerServiceTest, ReflectionAndTheStatusPageNeedTheTokenHealthAndMetric
 }
 
 // --- Retention and bounded labels (issue 15 item 7) -----------------------
-
-// Node n1 (two CPU devices) and the MLP planned as plans/deployed; the
-// request for it, and a deploy of it to executors that are not there.
-void RegisterAndPlanDeployed(v1::Planner::Stub* stub, v1::CreatePlanRequest* r,
-                             v1::DeployPlanRequest* deploy) {
-  v1::RegisterNodeRequest reg;
-  *reg.mutable_node() = FakeNode("n1", 1e12);
-  v1::RegisterNodeResponse rr;
-  ASSERT_TRUE(stub->RegisterNode(Ctx().get(), reg, &rr).ok());
-  *r = Mlp();
-  r->set_plan_id("deployed");
-  v1::Plan plan;
-  ASSERT_TRUE(stub->CreatePlan(Ctx().get(), *r, &plan).ok());
-  ASSERT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
-  deploy->set_plan("plans/deployed");
-  (*deploy->mutable_executors())["n1/cpu0"] = "127.0.0.1:1";
-  (*deploy->mutable_executors())["n1/cpu1"] = "127.0.0.1:2";
-}
-
-// Deploys `deploy` (to executors that are not there) and waits until the
-// deployment has FAILED; the deployment as it ended.
-void DeployAndWaitUntilFailed(v1::Planner::Stub* stub, const v1::DeployPlanRequest& deploy,
-                              v1::Deployment* d) {
-  grpc::Status s = stub->DeployPlan(Ctx().get(), deploy, d);
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  v1::GetDeploymentRequest g;
-  g.set_name(d->name());
-  for (int tries = 0; tries < 600 && d->state() != v1::Deployment::FAILED; ++tries) {
-    absl::SleepFor(absl::Milliseconds(50));
-    ASSERT_TRUE(stub->GetDeployment(Ctx().get(), g, d).ok());
-  }
-  ASSERT_EQ(d->state(), v1::Deployment::FAILED) << d->DebugString();
-}
-
-// hapctl against a planner holding one node and the plan "deployed"
-// (RegisterAndPlanDeployed).
-class HapctlServiceTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    p_.Start(hap::testing::TempDir("hapctl"));
-    stub_ = p_.Stub();
-    ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub_.get(), &plan_request_, &deploy_));
-  }
-  // Runs hapctl with `args` against the planner; its output. Exits
-  // `want_exit`, else the test fails.
-  std::string Hapctl(std::vector<std::string> args, int want_exit = 0) {
-    Process ctl;
-    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
-    args.push_back("--server=" + p_.Address());
-    args.push_back("--token-file=" + p_.dir + "/token");
-    EXPECT_TRUE(ctl.Start(args).ok());
-    const int status = ctl.Stop(0, absl::Seconds(120));
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want_exit) << ctl.output();
-    return ctl.output();
-  }
-
-  Planner p_;
-  std::unique_ptr<v1::Planner::Stub> stub_;
-  v1::CreatePlanRequest plan_request_;
-  v1::DeployPlanRequest deploy_;
-};
-
-// `hapctl get deployments` printed the first page of ListDeployments only
-// (50), so a planner holding more showed some of them, silently.
-TEST_F(HapctlServiceTest, GetDeploymentsListsEveryPage) {
-  std::set<std::string> made;
-  for (int i = 0; i < 57; ++i) {  // more than one page of 50
-    v1::Deployment d;
-    grpc::Status s = stub_->DeployPlan(Ctx().get(), deploy_, &d);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    made.insert(d.name());
-  }
-  for (const std::string format : {"table", "json"}) {
-    const std::string out = Hapctl({"get", "deployments", "-o", format});
-    std::set<std::string> listed;
-    for (absl::string_view line : absl::StrSplit(out, '\n')) {
-      for (const std::string& name : made) {
-        if (absl::StrContains(line, "\"" + name + "\"") || absl::StartsWith(line, name + " ")) {
-          listed.insert(name);
-        }
-      }
-    }
-    EXPECT_EQ(listed.size(), made.size()) << format << ":\n" << out;
-  }
-}
-
-// `hapctl describe deployment` printed the record as JSON whatever -o said;
-// plans and jobs had a description. Now: when, what it trains, its step
-// time against the plan's prediction, why it failed, one line per rank;
-// -o json still the record.
-TEST_F(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
-  v1::DeployPlanRequest deploy = deploy_;
-  deploy.mutable_training()->set_steps(300);
-  deploy.mutable_training()->set_checkpoint_dir("/ckpt/run1");
-  deploy.mutable_training()->set_checkpoint_every(50);
-  v1::Deployment d;
-  ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub_.get(), deploy, &d));
-  v1::GetPlanRequest gp;
-  gp.set_name("plans/deployed");
-  v1::Plan plan;
-  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), gp, &plan).ok());
-  const std::string text = Hapctl({"describe", "deployment", d.name()});
-  EXPECT_THAT(text, HasSubstr(d.name() + " "));
-  EXPECT_THAT(text, HasSubstr("FAILED"));
-  EXPECT_THAT(text, HasSubstr("training: to step 300, data SYNTHETIC"));
-  EXPECT_THAT(text, HasSubstr("checkpoints: every 50 steps and the last into /ckpt/run1, "
-                              "keeping 3"));
-  EXPECT_THAT(text, HasSubstr(absl::StrFormat("step time: predicted %.4g s",
-                                              plan.prediction().step_seconds())));
-  EXPECT_THAT(text, HasSubstr("error: " + d.error()));
-  EXPECT_THAT(text, HasSubstr("RANK  DEVICE"));
-  for (const auto& rank : d.ranks()) {
-    EXPECT_THAT(text, HasSubstr(absl::StrFormat("%-5d %-24s %-24s", rank.rank(), rank.device(),
-                                                rank.executor_address())));
-  }
-  EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
-  EXPECT_THAT(Hapctl({"describe", "deployment", d.name(), "-o", "json"}),
-              HasSubstr("\"name\": \"" + d.name() + "\""));
-}
-
-// `hapctl create plan` had no --precision, --gradient-precision,
-// --momentum, --ignore-memory or --max-states (hapctl plan has them): a
-// bf16 plan could be asked of the service through its API only.
-TEST_F(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
-  const std::vector<std::string> model = {"create",   "plan", "--model", "mlp", "--layers", "2",
-                                          "--hidden", "64",   "--batch", "32",  "--wait"};
-  auto with = [&](std::vector<std::string> extra) {
-    std::vector<std::string> args = model;
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
-  };
-  Hapctl(with({"--id", "bf16", "--precision", "bf16", "--gradient-precision", "bf16", "--momentum",
-               "0.5", "--ignore-memory", "--max-states", "5000"}),
-         0);
-  v1::GetPlanRequest g;
-  g.set_name("plans/bf16");
-  v1::Plan plan;
-  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), g, &plan).ok());
-  EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
-  const v1::PlanOptions& o = plan.options();
-  EXPECT_EQ(o.precision(), v1::PRECISION_BF16);
-  EXPECT_EQ(o.gradient_precision(), v1::PRECISION_BF16);
-  EXPECT_EQ(o.optimizer().momentum(), 0.5);
-  EXPECT_TRUE(o.ignore_memory_limits());
-  EXPECT_EQ(o.budget().max_states(), 5000);
-  // The defaults as before: fp32, momentum 0.9, no budget of states.
-  Hapctl(with({"--id", "fp32"}), 0);
-  g.set_name("plans/fp32");
-  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), g, &plan).ok());
-  EXPECT_NE(plan.options().precision(), v1::PRECISION_BF16);
-  EXPECT_EQ(plan.options().optimizer().momentum(), 0.9);
-  EXPECT_EQ(plan.options().budget().max_states(), 0);
-  EXPECT_FALSE(plan.options().ignore_memory_limits());
-  for (const auto& [flag, value, error] :
-       {std::tuple<std::string, std::string, std::string>{
-            "--precision", "fp16", "--precision must be fp32 or bf16, got 'fp16'"},
-        {"--gradient-precision", "int8", "--gradient-precision must be fp32 or bf16"},
-        {"--momentum", "-1", "--momentum must not be negative"},
-        {"--max-states", "0", "max-states"}}) {
-    EXPECT_THAT(Hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
-  }
-}
-
-// A TLS client against this plaintext planner: hapctl's error with its
-// hint, without gRPC's own log line before it ("E1206 ... ssl_transport_
-// security.cc ... Handshake failed ... WRONG_VERSION_NUMBER").
-TEST_F(HapctlServiceTest, ATlsMismatchIsOneErrorWithItsHint) {
-  const std::string dir = hap::testing::TempDir("hapctl-tls");
-  ASSERT_NO_FATAL_FAILURE(MakeTestCertificate(dir));
-  const std::string out =
-      Hapctl({"get", "nodes", "--tls-ca-file=" + dir + "/cert.pem", "--timeout=5"}, 1);
-  EXPECT_THAT(out, HasSubstr("does not serve TLS"));
-  EXPECT_THAT(out, ::testing::Not(HasSubstr("Handshake failed")));
-}
 
 TEST(PlannerRetentionTest, RetentionFlagsBoundPlansDeploymentsKeepTheirsAndLabelsStaySmall) {
   Planner p;

@@ -1,0 +1,174 @@
+// hapctl against hap-planner as a process on 127.0.0.1: listing every
+// page, describing a deployment, the planning flags of create plan, and
+// one error for a TLS mismatch.
+#include <sys/wait.h>
+
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+#include "tests/planner_process.h"
+#include "tests/service_harness.h"
+
+namespace hap {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::Ctx;
+using ::hap::testing::DeployAndWaitUntilFailed;
+using ::hap::testing::MakeTestCertificate;
+using ::hap::testing::Planner;
+using ::hap::testing::Process;
+using ::hap::testing::RegisterAndPlanDeployed;
+using ::testing::HasSubstr;
+
+// hapctl against a planner holding one node and the plan "deployed"
+// (RegisterAndPlanDeployed).
+class HapctlServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    p_.Start(hap::testing::TempDir("hapctl"));
+    stub_ = p_.Stub();
+    ASSERT_NO_FATAL_FAILURE(RegisterAndPlanDeployed(stub_.get(), &plan_request_, &deploy_));
+  }
+  // Runs hapctl with `args` against the planner; its output. Exits
+  // `want_exit`, else the test fails.
+  std::string Hapctl(std::vector<std::string> args, int want_exit = 0) {
+    Process ctl;
+    args.insert(args.begin(), hap::testing::Runfile("tools/hapctl"));
+    args.push_back("--server=" + p_.Address());
+    args.push_back("--token-file=" + p_.dir + "/token");
+    EXPECT_TRUE(ctl.Start(args).ok());
+    const int status = ctl.Stop(0, absl::Seconds(120));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want_exit) << ctl.output();
+    return ctl.output();
+  }
+
+  Planner p_;
+  std::unique_ptr<v1::Planner::Stub> stub_;
+  v1::CreatePlanRequest plan_request_;
+  v1::DeployPlanRequest deploy_;
+};
+
+// `hapctl get deployments` printed the first page of ListDeployments only
+// (50), so a planner holding more showed some of them, silently.
+TEST_F(HapctlServiceTest, GetDeploymentsListsEveryPage) {
+  std::set<std::string> made;
+  for (int i = 0; i < 57; ++i) {  // more than one page of 50
+    v1::Deployment d;
+    grpc::Status s = stub_->DeployPlan(Ctx().get(), deploy_, &d);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    made.insert(d.name());
+  }
+  for (const std::string format : {"table", "json"}) {
+    const std::string out = Hapctl({"get", "deployments", "-o", format});
+    std::set<std::string> listed;
+    for (absl::string_view line : absl::StrSplit(out, '\n')) {
+      for (const std::string& name : made) {
+        if (absl::StrContains(line, "\"" + name + "\"") || absl::StartsWith(line, name + " ")) {
+          listed.insert(name);
+        }
+      }
+    }
+    EXPECT_EQ(listed.size(), made.size()) << format << ":\n" << out;
+  }
+}
+
+// `hapctl describe deployment` printed the record as JSON whatever -o said;
+// plans and jobs had a description. Now: when, what it trains, its step
+// time against the plan's prediction, why it failed, one line per rank;
+// -o json still the record.
+TEST_F(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed) {
+  v1::DeployPlanRequest deploy = deploy_;
+  deploy.mutable_training()->set_steps(300);
+  deploy.mutable_training()->set_checkpoint_dir("/ckpt/run1");
+  deploy.mutable_training()->set_checkpoint_every(50);
+  v1::Deployment d;
+  ASSERT_NO_FATAL_FAILURE(DeployAndWaitUntilFailed(stub_.get(), deploy, &d));
+  v1::GetPlanRequest gp;
+  gp.set_name("plans/deployed");
+  v1::Plan plan;
+  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), gp, &plan).ok());
+  const std::string text = Hapctl({"describe", "deployment", d.name()});
+  EXPECT_THAT(text, HasSubstr(d.name() + " "));
+  EXPECT_THAT(text, HasSubstr("FAILED"));
+  EXPECT_THAT(text, HasSubstr("training: to step 300, data SYNTHETIC"));
+  EXPECT_THAT(text, HasSubstr("checkpoints: every 50 steps and the last into /ckpt/run1, "
+                              "keeping 3"));
+  EXPECT_THAT(text, HasSubstr(absl::StrFormat("step time: predicted %.4g s",
+                                              plan.prediction().step_seconds())));
+  EXPECT_THAT(text, HasSubstr("error: " + d.error()));
+  EXPECT_THAT(text, HasSubstr("RANK  DEVICE"));
+  for (const auto& rank : d.ranks()) {
+    EXPECT_THAT(text, HasSubstr(absl::StrFormat("%-5d %-24s %-24s", rank.rank(), rank.device(),
+                                                rank.executor_address())));
+  }
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
+  EXPECT_THAT(Hapctl({"describe", "deployment", d.name(), "-o", "json"}),
+              HasSubstr("\"name\": \"" + d.name() + "\""));
+}
+
+// `hapctl create plan` had no --precision, --gradient-precision,
+// --momentum, --ignore-memory or --max-states (hapctl plan has them): a
+// bf16 plan could be asked of the service through its API only.
+TEST_F(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) {
+  const std::vector<std::string> model = {"create",   "plan", "--model", "mlp", "--layers", "2",
+                                          "--hidden", "64",   "--batch", "32",  "--wait"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = model;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  Hapctl(with({"--id", "bf16", "--precision", "bf16", "--gradient-precision", "bf16", "--momentum",
+               "0.5", "--ignore-memory", "--max-states", "5000"}),
+         0);
+  v1::GetPlanRequest g;
+  g.set_name("plans/bf16");
+  v1::Plan plan;
+  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), g, &plan).ok());
+  EXPECT_EQ(plan.state(), v1::Plan::SUCCEEDED) << plan.error();
+  const v1::PlanOptions& o = plan.options();
+  EXPECT_EQ(o.precision(), v1::PRECISION_BF16);
+  EXPECT_EQ(o.gradient_precision(), v1::PRECISION_BF16);
+  EXPECT_EQ(o.optimizer().momentum(), 0.5);
+  EXPECT_TRUE(o.ignore_memory_limits());
+  EXPECT_EQ(o.budget().max_states(), 5000);
+  // The defaults as before: fp32, momentum 0.9, no budget of states.
+  Hapctl(with({"--id", "fp32"}), 0);
+  g.set_name("plans/fp32");
+  ASSERT_TRUE(stub_->GetPlan(Ctx().get(), g, &plan).ok());
+  EXPECT_NE(plan.options().precision(), v1::PRECISION_BF16);
+  EXPECT_EQ(plan.options().optimizer().momentum(), 0.9);
+  EXPECT_EQ(plan.options().budget().max_states(), 0);
+  EXPECT_FALSE(plan.options().ignore_memory_limits());
+  for (const auto& [flag, value, error] :
+       {std::tuple<std::string, std::string, std::string>{
+            "--precision", "fp16", "--precision must be fp32 or bf16, got 'fp16'"},
+        {"--gradient-precision", "int8", "--gradient-precision must be fp32 or bf16"},
+        {"--momentum", "-1", "--momentum must not be negative"},
+        {"--max-states", "0", "max-states"}}) {
+    EXPECT_THAT(Hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
+  }
+}
+
+// A TLS client against this plaintext planner: hapctl's error with its
+// hint, without gRPC's own log line before it ("E1206 ... ssl_transport_
+// security.cc ... Handshake failed ... WRONG_VERSION_NUMBER").
+TEST_F(HapctlServiceTest, ATlsMismatchIsOneErrorWithItsHint) {
+  const std::string dir = hap::testing::TempDir("hapctl-tls");
+  ASSERT_NO_FATAL_FAILURE(MakeTestCertificate(dir));
+  const std::string out =
+      Hapctl({"get", "nodes", "--tls-ca-file=" + dir + "/cert.pem", "--timeout=5"}, 1);
+  EXPECT_THAT(out, HasSubstr("does not serve TLS"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("Handshake failed")));
+}
+
+}  // namespace
+}  // namespace hap
