@@ -1,0 +1,108 @@
+#include "executor/checkpoint/checkpoint_test_util.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "executor/data/batches.h"
+#include "executor/train/in_process_comm.h"
+#include "executor/train/test_programs.h"
+#include "gtest/gtest.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/lower.h"
+
+namespace hap::executor::checkpoint::test_util {
+
+namespace v1 = ::hap::v1;
+namespace fs = std::filesystem;
+
+graph::Graph Mlp(int hidden) {
+  auto g = graph::BuildZooModel("mlp", {{"layers", 2},
+                                        {"hidden", static_cast<double>(hidden)},
+                                        {"input", 12},
+                                        {"classes", 5},
+                                        {"batch", 9}});
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+std::vector<v1::RankProgram> Programs(const graph::Graph& g, int n, const std::string& kind,
+                                      bool momentum, bool adam) {
+  std::vector<double> ratios(n, 1.0 / n);
+  synth::Program p = lower::SingleDeviceProgram(g);
+  if (n > 1) {
+    auto q = hap::testing::ProgramOfKind(g, n, kind, ratios);
+    EXPECT_TRUE(q.ok()) << q.status();
+    p = *q;
+  }
+  lower::LowerOptions lo;
+  lo.world_size = n;
+  lo.ratios = ratios;
+  lo.optimizer.set_kind(v1::OptimizerConfig::SGD);
+  lo.optimizer.set_learning_rate(0.1);
+  lo.optimizer.set_momentum(momentum ? 0.9 : 0.0);
+  if (adam) lo.optimizer.set_kind(v1::OptimizerConfig::ADAM);
+  lo.seed = 5;
+  auto programs = lower::Lower(g, p, lo);
+  EXPECT_TRUE(programs.ok()) << programs.status();
+  return *programs;
+}
+
+std::string Fresh(const std::string& name) {
+  std::string dir = absl::StrCat(::testing::TempDir(), "/", name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+// Trains `steps` steps from `to.first_step` with the in-process communicator.
+absl::StatusOr<std::vector<TrainResult>> Train(const graph::Graph& g,
+                                               const std::vector<v1::RankProgram>& programs,
+                                               const TrainOptions& to) {
+  LocalRanksOptions lro;
+  auto comms = std::make_shared<std::vector<std::unique_ptr<Communicator>>>(
+      NewInProcessGroup(static_cast<int>(programs.size())));
+  lro.connect = [comms](int r) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::move((*comms)[r]);
+  };
+  return RunLocalRanks(
+      programs, g, [&](int) { return data::NewSyntheticBatches(g, 3); }, to, lro);
+}
+
+// Trains `steps` steps (from `first_step`, resuming from `resume` when
+// given), saving as `policy` says.
+absl::StatusOr<std::vector<TrainResult>> TrainAndSaveFrom(
+    const graph::Graph& g, const std::vector<v1::RankProgram>& programs, CheckpointPolicy policy,
+    int64_t first_step, int64_t steps, const std::string& resume) {
+  v1::TrainerState trainer;
+  trainer.set_seed(5);
+  trainer.set_global_batch(9);
+  TrainOptions to;
+  to.first_step = first_step;
+  to.steps = steps;
+  if (!resume.empty()) {
+    auto reader = CheckpointReader::Open(resume);
+    if (!reader.ok()) return reader.status();
+    to.initialize = ResumeHook(std::shared_ptr<CheckpointReader>(std::move(*reader)), &g);
+  }
+  to.after_step = SaveHook(policy, &programs, trainer);
+  return Train(g, programs, to);
+}
+
+// Saves after every step of `steps` from step 0, keeping `keep`.
+std::vector<TrainResult> TrainAndSave(const graph::Graph& g,
+                                      const std::vector<v1::RankProgram>& programs,
+                                      const std::string& dir, int steps, int keep) {
+  auto r = TrainAndSaveFrom(g, programs, {dir, 1, keep, steps}, 0, steps);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : std::vector<TrainResult>{};
+}
+
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace hap::executor::checkpoint::test_util
