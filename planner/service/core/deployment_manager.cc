@@ -152,11 +152,10 @@ struct DeploymentManager::State {
   };
   std::map<std::string, StepStats> step_stats;  // per deployment
   // Per deployment, what its saved metrics are pruned by: the step after
-  // the last kept one's, the step after the latest reported, whether any
-  // was not kept (past the cap), and where the sink is pruned up to.
+  // the last kept one's, whether any was not kept (past the cap), where
+  // the sink is pruned up to, and each rank's latest step.
   struct SavedSteps {
     int64_t kept_end = 0;
-    int64_t last_end = 0;
     bool past_cap = false;
     int64_t pruned_to = 0;
     std::map<int32_t, int64_t> rank_last_end;  // each rank's step after its latest
@@ -680,9 +679,12 @@ void DeploymentManager::PruneStepMetricsLocked(const std::string& name) {
   // last prune ended after it (an index range: the steps pruned before cost
   // nothing).
   const int64_t from = saved.kept_end;
-  int64_t slowest = saved.last_end;
-  for (const auto& [rank, end] : saved.rank_last_end) slowest = std::min(slowest, end);
-  const int64_t to = std::max(slowest, saved.last_end - kMaxRankLagSteps) - kRecentStepsPerRank;
+  int64_t slowest = std::numeric_limits<int64_t>::max(), last_end = 0;
+  for (const auto& [rank, end] : saved.rank_last_end) {
+    slowest = std::min(slowest, end);
+    last_end = std::max(last_end, end);
+  }
+  const int64_t to = std::max(slowest, last_end - kMaxRankLagSteps) - kRecentStepsPerRank;
   if (to - std::max(from, saved.pruned_to) < kStepMetricsPruneSteps) return;
   if (absl::Status s = o_.sink->PruneStepMetrics(name, from, to); !s.ok()) {
     std::cerr << "hap-planner: could not prune the saved step metrics of " << name << " (steps "
@@ -706,7 +708,6 @@ void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
     stats.Add(m, kept);
     if (kept) saved.kept_end = std::max(saved.kept_end, m.step() + 1);
     saved.past_cap |= !kept;
-    saved.last_end = std::max(saved.last_end, m.step() + 1);
     int64_t& rank_end = saved.rank_last_end[m.rank()];
     rank_end = std::max(rank_end, m.step() + 1);
     if (m.rank() == 0) {
