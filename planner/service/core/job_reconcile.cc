@@ -284,6 +284,8 @@ class Pass {
     st().clear_judged_devices();
     st().clear_candidate_reason();
     st().clear_slowdown_step();
+    st().clear_switched_from_step_seconds();
+    st().clear_switched_from_plan();
     replanned_.push_back(reason);
   }
 
@@ -570,6 +572,8 @@ class Pass {
                 slowdown ? absl::StrCat(st().slowdown_detail(), "; ", what) : what);
     if (OverReplanLimit()) return;
     st().set_next_plan(candidate);
+    st().set_switched_from_step_seconds(d.recent_step_seconds());
+    st().set_switched_from_plan(st().plan());
     // Saved before the deployment is stopped (a pass that cannot save the
     // switch stops nothing; the next judges it again). A refused stop is
     // asked again by the passes that follow, until the deployment is final
@@ -728,6 +732,29 @@ class Pass {
     st().clear_candidate_reason();
   }
 
+  // The first window of a deployment a switch made, more than `threshold`
+  // slower than the step the switch was chosen to beat: the devices changed
+  // after its plan was made (a throttle whose first steps came just before
+  // the switch's checkpoint, too few to judge the switch anew), so it is a
+  // slowdown, recalibrated from this deployment's profiles; expected as it
+  // runs, the job would stay on a plan made for devices that are gone.
+  void SlowerThanSwitchedFrom(const v1::Deployment& d, double threshold) {
+    const double beat = st().switched_from_step_seconds();
+    const std::string from_plan = st().switched_from_plan();
+    st().clear_switched_from_step_seconds();
+    st().clear_switched_from_plan();
+    const double now = d.recent_step_seconds();
+    if (beat <= 0 || now <= (1 + threshold) * beat || st().slowdown_step() > 0) return;
+    st().set_slowdown_step(std::max<int64_t>(1, d.recent_steps_end() - kSlowdownWindow));
+    st().set_slowdown_detail(absl::StrFormat(
+        "slowdown: the first %d steps of %s measure %.4f s, %.0f%% above the %.4f s of %s it "
+        "was chosen to beat",
+        kSlowdownWindow, st().plan(), now, 100 * (now / beat - 1), beat, from_plan));
+    st().set_message(absl::StrCat(st().slowdown_detail(),
+                                  "; recalibrating once every rank profiled steps from ",
+                                  st().slowdown_step()));
+  }
+
   // A slowdown seen (measured, or a device re-probed slower): once every
   // rank's profile covers the slow steps, the devices are recalibrated and
   // a plan on the same devices is made to be judged (JudgeCandidate).
@@ -739,6 +766,7 @@ class Pass {
     if (st().expected_step_seconds() <= 0 && d.recent_step_seconds() > 0 &&
         d.recent_steps_end() - resumed >= kSlowdownWindow + kWarmupSteps) {
       ExpectNow(d);  // the first window after warm-up: what the plan runs at
+      SlowerThanSwitchedFrom(d, threshold);
       return;
     }
     if (!st().candidate_plan().empty() || st().switch_pending()) return;

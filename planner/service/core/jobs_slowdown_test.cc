@@ -148,6 +148,67 @@ TEST_F(JobsTest, AStepThatChangesAgainBeforeTheSwitchIsJudgedAnew) {
   EXPECT_EQ(fake_.Only(Deployment()).plan(), "plans/train-p3");
 }
 
+// A switch judged on one step, whose plan then runs far slower than the
+// step it was chosen to beat: the devices changed after its plan was made
+// (a throttle that began just before the checkpoint, too few of its steps
+// in the window for the switch to be judged anew). The new deployment's
+// first window is a slowdown, judged from its own profiles; expecting it
+// as it is would keep the job on a plan made for devices that are gone
+// (the demo once ended 2.2x slower, with the throttled node's share
+// unchanged).
+TEST_F(JobsTest, ASwitchThatRunsSlowerThanTheStepItWasChosenToBeatIsASlowdown) {
+  const std::string first = SlowdownJudged(0.9);
+  ASSERT_TRUE(Job().status().switch_pending());
+  Window(first, 1.4, 48);  // the throttle's first steps: 8% above the 1.3 judged
+  fake_.checkpoint = 48;
+  c_->Reconcile();
+  ASSERT_THAT(replans_, ElementsAre(v1::JobEvent::SLOWDOWN));
+  c_->Reconcile();
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  Profile(second, 50);
+  Window(second, 3.0, 70);  // after warm-up, a whole window: 114% above 1.4
+  c_->Reconcile();
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().slowdown_step(), 50) << j.DebugString();
+  EXPECT_THAT(j.status().slowdown_detail(),
+              HasSubstr("the first 20 steps of plans/train-p2 measure 3.0000 s, 114% above the "
+                        "1.4000 s of plans/train-p1 it was chosen to beat"));
+  fake_.predict = [](const std::vector<std::string>&) { return 1.5; };
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  j = Job();
+  EXPECT_TRUE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_THAT(j.status().message(), HasSubstr("plans/train-p3 is expected 100.0% faster"));
+  fake_.checkpoint = 80;
+  c_->Reconcile();
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::SLOWDOWN, v1::JobEvent::SLOWDOWN));
+  c_->Reconcile();
+  EXPECT_EQ(fake_.Only(Deployment()).plan(), "plans/train-p3");
+}
+
+// The same switch whose plan runs as judged (or up to the threshold slower
+// than the step it beat): what it measures is what the job expects of it.
+TEST_F(JobsTest, ASwitchThatRunsAsJudgedIsExpectedAsItRuns) {
+  const std::string first = SlowdownJudged(0.9);
+  fake_.checkpoint = 48;
+  Window(first, 1.3, 48);
+  c_->Reconcile();
+  c_->Reconcile();
+  const std::string second = Deployment();
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  Profile(second, 50);
+  Window(second, 1.6, 70);  // 23% above the 1.3 it beat: not a slowdown
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().slowdown_step(), 0) << j.DebugString();
+  EXPECT_DOUBLE_EQ(j.status().expected_step_seconds(), 1.6);
+  EXPECT_EQ(fake_.requests.size(), 2u);
+}
+
 // A re-plan that does not pay: the job stays, and what it measures now is
 // what it expects from then on, so the same slow level never re-plans again
 // (no flapping); only 25% beyond it does.
