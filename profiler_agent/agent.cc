@@ -115,6 +115,8 @@ struct Agent::Impl : public ProfileSource {
   // Executors of o.executors that did not answer at the last registration
   // (the heartbeat thread's alone).
   int executors_unresolved = 0;
+  // What each measurement paused for training last said it waits for.
+  std::map<std::string, std::string> paused_for ABSL_GUARDED_BY(mu);
   absl::Duration heartbeat_interval = kDefaultHeartbeat;  // the latest (heartbeat thread's)
   std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
   std::shared_ptr<v1::Planner::Stub> planner_stub ABSL_GUARDED_BY(mu);
@@ -271,18 +273,64 @@ struct Agent::Impl : public ProfileSource {
     return false;
   }
 
-  // The device the executor daemon at `address` serves, asked within
-  // `timeout`.
-  absl::StatusOr<std::string> ExecutorDevice(const std::string& address, absl::Duration timeout) {
+  // The status of the executor daemon at `address`, asked within `timeout`.
+  absl::StatusOr<v1::ExecutorStatus> ExecutorStatusOf(const std::string& address,
+                                                      absl::Duration timeout) {
     HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(address, o.security));
     auto stub = v1::Executor::NewStub(channel);
     v1::ExecutorStatus st;
     Call call(this, timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(stub->GetStatus(call.ctx(), v1::GetStatusRequest(), &st)));
-    if (st.device().empty()) {
-      return absl::FailedPreconditionError("the executor names no device it serves");
+    return st;
+  }
+
+  // Every executor of o.executors asked at once, each within `budget`.
+  std::vector<absl::StatusOr<v1::ExecutorStatus>> AskExecutors(absl::Duration budget) {
+    std::vector<absl::StatusOr<v1::ExecutorStatus>> statuses(o.executors.size(),
+                                                             v1::ExecutorStatus());
+    std::vector<std::thread> lookups;
+    for (size_t i = 0; i < o.executors.size(); ++i) {
+      lookups.emplace_back(
+          [this, budget, i, &statuses] { statuses[i] = ExecutorStatusOf(o.executors[i], budget); });
     }
-    return st.device();
+    for (std::thread& t : lookups) t.join();
+    return statuses;
+  }
+
+  // What trains on this node, as "the executor at A (device) trains D", or
+  // "" when none of o.executors that answers has a deployment loaded or
+  // training. A device that trains is not measured again: a quick check
+  // beside the job's kernels reads the contention as a drift (two in a row,
+  // every minute, while any job trains) and the full probe it starts, or a
+  // link probe's transfers, slow the job and report the shared device or
+  // link as the node's; the job's own step profiles watch it meanwhile.
+  std::string Training() {
+    const auto statuses = AskExecutors(o.rpc_timeout);
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (!statuses[i].ok()) continue;
+      const v1::ExecutorStatus& st = *statuses[i];
+      if (st.state() == v1::ExecutorStatus::LOADED || st.state() == v1::ExecutorStatus::TRAINING) {
+        return absl::StrCat("the executor at ", o.executors[i], " (", st.device(), ") trains ",
+                            st.deployment().empty() ? "a deployment" : st.deployment());
+      }
+    }
+    return "";
+  }
+
+  // True, and said once, while something trains on this node: `what`
+  // (drift checks, link re-probes) waits for it to end.
+  bool PausedForTraining(const std::string& what) {
+    const std::string busy = Training();
+    absl::MutexLock l(&mu);
+    std::string& said = paused_for[what];
+    if (busy.empty()) {
+      if (!said.empty()) Log(absl::StrCat(what, " resumed: nothing trains on this node now"));
+      said.clear();
+      return false;
+    }
+    if (said != busy) Log(absl::StrCat(what, " paused while ", busy));
+    said = busy;
+    return true;
   }
 
   // "hap.executor/<device>" = address for each executor of o.executors that
@@ -295,26 +343,20 @@ struct Agent::Impl : public ProfileSource {
   std::map<std::string, std::string> ExecutorLabels(int* unresolved) {
     std::map<std::string, std::string> labels;
     *unresolved = 0;
-    const absl::Duration budget = std::min(o.rpc_timeout, heartbeat_interval / 2);
-    std::vector<absl::StatusOr<std::string>> devices(o.executors.size(), std::string());
-    {
-      std::vector<std::thread> lookups;
-      for (size_t i = 0; i < o.executors.size(); ++i) {
-        lookups.emplace_back(
-            [this, budget, i, &devices] { devices[i] = ExecutorDevice(o.executors[i], budget); });
-      }
-      for (std::thread& t : lookups) t.join();
-    }
+    const auto statuses = AskExecutors(std::min(o.rpc_timeout, heartbeat_interval / 2));
     for (size_t i = 0; i < o.executors.size(); ++i) {
       const std::string& address = o.executors[i];
-      const absl::StatusOr<std::string>& device = devices[i];
-      if (device.ok()) {
-        labels["hap.executor/" + *device] = address;
+      absl::Status s = statuses[i].status();
+      if (s.ok() && statuses[i]->device().empty()) {
+        s = absl::FailedPreconditionError("the executor names no device it serves");
+      }
+      if (s.ok()) {
+        labels["hap.executor/" + statuses[i]->device()] = address;
       } else {
         ++*unresolved;
         if (!Stopping()) {
-          Log(absl::StrCat("the executor at ", address, " (--executor): ",
-                           device.status().ToString(), "; asking again at the next heartbeat"));
+          Log(absl::StrCat("the executor at ", address, " (--executor): ", s.ToString(),
+                           "; asking again at the next heartbeat"));
         }
       }
     }
@@ -567,6 +609,11 @@ struct Agent::Impl : public ProfileSource {
       probe_wanted = drift_check_wanted = false;
       mu.Unlock();
       if (stop) break;
+      if (!probe && check && PausedForTraining("drift checks")) {
+        absl::MutexLock probing(&probe_mu);
+        drift_checks_in_a_row = 0;  // a drift seen before it must be seen again after
+        continue;
+      }
       if (probe || (check && Drifted())) {
         if (absl::Status p = ProbeDevices(absl::ZeroDuration()); !p.ok()) Log(p.ToString());
       }
@@ -587,8 +634,8 @@ struct Agent::Impl : public ProfileSource {
       if (first && o.link_probe_delay > absl::ZeroDuration() && !WaitFor(o.link_probe_delay)) {
         break;
       }
+      if (first || !PausedForTraining("link re-probes")) MeasurePeers();
       first = false;
-      MeasurePeers();
       if (!WaitFor(o.link_probe_interval)) break;
     }
   }

@@ -49,7 +49,7 @@ const char kAgentUsage[] =
     "                            registration\n"
     "  --drift F                 re-probe when two quick FLOP/s checks in a row\n"
     "                            differ by more than this fraction (default 0.2;\n"
-    "                            0 = off)\n"
+    "                            0 = off; paused while an --executor trains)\n"
     "  --drift-check-seconds S   how often to check (default 60)\n"
     "  --link-probe-seconds S    how often to measure peer links (default 300)\n"
     "  --link-probe-delay S      the first link measurement S seconds after\n"

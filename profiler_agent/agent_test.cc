@@ -73,13 +73,19 @@ class FakeExecutor final : public v1::Executor::Service {
   ~FakeExecutor() override { server_->Shutdown(); }
   grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
                          v1::ExecutorStatus* out) override {
-    out->set_state(v1::ExecutorStatus::IDLE);
+    out->set_state(state_.load());
+    if (state_.load() == v1::ExecutorStatus::TRAINING) out->set_deployment("deployments/d-g1");
     out->set_device(device_);
+    ++asked_;
     return grpc::Status::OK;
   }
   const std::string& address() const { return address_; }
+  void set_state(v1::ExecutorStatus::State s) { state_ = s; }
+  int asked() const { return asked_.load(); }
 
  private:
+  std::atomic<v1::ExecutorStatus::State> state_{v1::ExecutorStatus::IDLE};
+  std::atomic<int> asked_{0};
   std::string device_, address_;
   std::unique_ptr<grpc::Server> server_;
 };
@@ -140,6 +146,22 @@ class AgentTest : public ::testing::Test {
     auto agent = Agent::Start(std::move(o), std::move(probers));
     EXPECT_THAT(agent, IsOk());
     return agent.ok() ? std::move(*agent) : nullptr;
+  }
+
+  // The peer agent `peer` (at `peer_address`) assigned to node-a to measure.
+  void AssignPeer(const std::string& peer, const std::string& peer_address, int64_t bytes) {
+    v1::ProbeAssignment a;
+    a.set_peer_node(peer);
+    a.set_peer_address(peer_address);
+    a.set_bytes(bytes);
+    planner_.AssignProbe("node-a", a);
+  }
+  // node-b started, registered and assigned to node-a.
+  std::unique_ptr<Agent> NodeBAssigned(FakeProber::State* state_b, int64_t bytes) {
+    auto b = StartAgent(Options("node-b"), state_b);
+    if (b == nullptr || !Registered("node-b")) return nullptr;
+    AssignPeer("node-b", b->address(), bytes);
+    return b;
   }
 
   bool Registered(const std::string& name, int times = 1) {
@@ -354,6 +376,56 @@ TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {
   EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 0.5e9);
 }
 
+// A device that trains is not checked for drift: beside the job's kernels
+// the quick check read the contention as a drift, two checks in a row, and
+// the full probe it started slowed the job and reported the shared device
+// as the node's. Once the executor is idle again the drift is probed.
+TEST_F(AgentTest, NoDriftCheckWhileAnExecutorOfTheNodeTrains) {
+  FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
+  executor.set_state(v1::ExecutorStatus::TRAINING);
+  AgentOptions o = Options("node-a");
+  o.executors = {executor.address()};
+  o.drift = 0.2;
+  o.drift_check_interval = absl::Milliseconds(20);
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  state_.flops = 0.5e9;  // what a quick check beside the job measures
+  const int asked = executor.asked();
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 15; }));
+  EXPECT_GE(executor.asked(), asked + 3);  // the drift checks asked it, and were paused
+  EXPECT_EQ(state_.probes.load(), 1);
+  EXPECT_TRUE(planner_.Snapshot().heartbeats_with_devices.empty());
+  executor.set_state(v1::ExecutorStatus::FINISHED);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.heartbeats_with_devices.empty(); }));
+  EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 0.5e9);
+  EXPECT_EQ(state_.probes.load(), 2);
+}
+
+// Links are measured once at start whatever trains (the planner needs
+// them); the periodic re-probes wait while a job trains (their transfers
+// would slow its collectives and measure the link it shares).
+TEST_F(AgentTest, NoLinkReprobeWhileAnExecutorOfTheNodeTrains) {
+  FakeProber::State state_b;
+  auto b = NodeBAssigned(&state_b, 1 << 16);
+  ASSERT_TRUE(b);
+  FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
+  executor.set_state(v1::ExecutorStatus::TRAINING);
+  AgentOptions o = Options("node-a");
+  o.executors = {executor.address()};
+  o.link_probe_interval = absl::Milliseconds(20);
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.links.empty(); }));
+  const size_t first = planner_.Snapshot().links.size();
+  const int asked = executor.asked();
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 15; }));
+  EXPECT_GE(executor.asked(), asked + 3);
+  EXPECT_EQ(planner_.Snapshot().links.size(), first);
+  executor.set_state(v1::ExecutorStatus::IDLE);
+  ASSERT_TRUE(planner_.WaitFor([&](const Record& r) { return r.links.size() > first; }));
+}
+
 TEST_F(AgentTest, TheProbeRpcProbesAndTheNextHeartbeatCarriesTheDevices) {
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);
@@ -433,14 +505,8 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
 
 TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   FakeProber::State state_b;
-  auto b = StartAgent(Options("node-b"), &state_b);
+  auto b = NodeBAssigned(&state_b, 1 << 20);
   ASSERT_TRUE(b);
-  ASSERT_TRUE(Registered("node-b"));
-  v1::ProbeAssignment a;
-  a.set_peer_node("node-b");
-  a.set_peer_address(b->address());
-  a.set_bytes(1 << 20);
-  planner_.AssignProbe("node-a", a);
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.links.empty(); }));
@@ -464,11 +530,7 @@ TEST_F(AgentTest, APeerWhoseLinksThePlannerRefusesLosesOnlyItsOwn) {
   planner_.RefuseLinksNaming("node-c/cpu0");
   for (const auto& [node, peer] : {std::pair<std::string, Agent*>{"node-c", c.get()},
                                    std::pair<std::string, Agent*>{"node-b", b.get()}}) {
-    v1::ProbeAssignment a;
-    a.set_peer_node(node);
-    a.set_peer_address(peer->address());
-    a.set_bytes(1 << 16);
-    planner_.AssignProbe("node-a", a);
+    AssignPeer(node, peer->address(), 1 << 16);
   }
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);
