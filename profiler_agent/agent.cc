@@ -115,6 +115,8 @@ struct Agent::Impl : public ProfileSource {
   // Executors of o.executors that did not answer at the last registration
   // (the heartbeat thread's alone).
   int executors_unresolved = 0;
+  // The planner's latest heartbeat said a deployment runs on this node.
+  bool planner_says_training ABSL_GUARDED_BY(mu) = false;
   // What each measurement paused for training last said it waits for.
   std::map<std::string, std::string> paused_for ABSL_GUARDED_BY(mu);
   absl::Duration heartbeat_interval = kDefaultHeartbeat;  // the latest (heartbeat thread's)
@@ -297,14 +299,21 @@ struct Agent::Impl : public ProfileSource {
     return statuses;
   }
 
-  // What trains on this node, as "the executor at A (device) trains D", or
-  // "" when none of o.executors that answers has a deployment loaded or
-  // training. A device that trains is not measured again: a quick check
+  // What trains on this node, as "the executor at A (device) trains D" or
+  // "a deployment runs on this node (the planner's heartbeat)", or "" when
+  // the planner's latest heartbeat says none runs here and none of
+  // o.executors that answers has a deployment loaded or training (an agent
+  // that knows its executors sees a job start before the planner's next
+  // heartbeat does). A device that trains is not measured again: a quick check
   // beside the job's kernels reads the contention as a drift (two in a row,
   // every minute, while any job trains) and the full probe it starts, or a
   // link probe's transfers, slow the job and report the shared device or
   // link as the node's; the job's own step profiles watch it meanwhile.
   std::string Training() {
+    {
+      absl::MutexLock l(&mu);
+      if (planner_says_training) return "a deployment runs on this node (the planner's heartbeat)";
+    }
     const auto statuses = AskExecutors(o.rpc_timeout);
     for (size_t i = 0; i < statuses.size(); ++i) {
       if (!statuses[i].ok()) continue;
@@ -422,6 +431,7 @@ struct Agent::Impl : public ProfileSource {
       absl::MutexLock l(&mu);
       sent_generation = generation;
       if (resp.unknown_node()) registered = false;
+      planner_says_training = resp.training();
     }
     if (resp.unknown_node()) {
       Log(absl::StrCat("the planner does not know node '", o.name, "'; registering again"));

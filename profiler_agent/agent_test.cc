@@ -402,6 +402,26 @@ TEST_F(AgentTest, NoDriftCheckWhileAnExecutorOfTheNodeTrains) {
   EXPECT_EQ(state_.probes.load(), 2);
 }
 
+// The same, told by the planner's heartbeats (an agent given no --executor,
+// as in Kubernetes, where the executor is another pod): a deployment runs
+// on the node.
+TEST_F(AgentTest, NoDriftCheckWhileThePlannerSaysTheNodeTrains) {
+  planner_.SetTraining("node-a", true);
+  AgentOptions o = Options("node-a");
+  o.drift = 0.2;
+  o.drift_check_interval = absl::Milliseconds(20);
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  state_.flops = 0.5e9;
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 20; }));
+  EXPECT_EQ(state_.probes.load(), 1);
+  EXPECT_TRUE(planner_.Snapshot().heartbeats_with_devices.empty());
+  planner_.SetTraining("node-a", false);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.heartbeats_with_devices.empty(); }));
+  EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 0.5e9);
+}
+
 // Links are measured once at start whatever trains (the planner needs
 // them); the periodic re-probes wait while a job trains (their transfers
 // would slow its collectives and measure the link it shares).

@@ -77,6 +77,7 @@ grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::Heartbea
     reprobe_[name] = false;
     out->set_reprobe(true);
   }
+  out->set_training(training_[name]);
   return grpc::Status::OK;
 }
 
@@ -117,6 +118,11 @@ void FakePlanner::Forget(const std::string& node) {
 void FakePlanner::RequestReprobe(const std::string& node) {
   absl::MutexLock l(&mu_);
   reprobe_[node] = true;
+}
+
+void FakePlanner::SetTraining(const std::string& node, bool training) {
+  absl::MutexLock l(&mu_);
+  training_[node] = training;
 }
 
 void FakePlanner::RefuseRegistrations(int n) {

@@ -47,6 +47,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   // Knobs.
   void Forget(const std::string& node);          // next heartbeat: unknown_node
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
+  void SetTraining(const std::string& node, bool training);  // heartbeats: training
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   void AssignProbe(const std::string& node, const hap::v1::ProbeAssignment& a);
   // ReportLinks naming `device` is refused whole (NOT_FOUND), as the real
@@ -76,6 +77,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   absl::Mutex mu_;
   Record record_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, bool> reprobe_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> training_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<hap::v1::ProbeAssignment>> assignments_ ABSL_GUARDED_BY(mu_);
   int refuse_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> unknown_devices_ ABSL_GUARDED_BY(mu_);
