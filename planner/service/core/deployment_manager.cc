@@ -524,7 +524,7 @@ absl::StatusOr<v1::ListDeploymentsResponse> DeploymentManager::List(
   v1::ListDeploymentsResponse out;
   absl::MutexLock l(&s_->mu);
   HAP_ASSIGN_OR_RETURN(std::string next,
-                       Paginate(s_->deployments, page_size, page_token,
+                       Paginate(s_->deployments, page_size, page_token, "deployments",
                                 [&](const v1::Deployment& d) { *out.add_deployments() = d; }));
   out.set_next_page_token(next);
   return out;

@@ -1,7 +1,8 @@
 // AIP-158 pagination over a sorted map, shared by the planner's List RPCs:
 // page_size 0 means 50, at most 1000, negative is InvalidArgument; the
-// token is the last key of the previous page, web-safe base64 with a
-// marker so that garbage is recognised (InvalidArgument).
+// token is the list's name and the last key of the previous page, web-safe
+// base64, so that garbage and a token of another list are recognised
+// (InvalidArgument).
 #ifndef HAP_PLANNER_SERVICE_CORE_PAGINATION_H_
 #define HAP_PLANNER_SERVICE_CORE_PAGINATION_H_
 
@@ -12,37 +13,40 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace hap::service {
 
 inline constexpr int kDefaultPageSize = 50;
 inline constexpr int kMaxPageSize = 1000;
 
-// Calls emit(value) for each item of the page; returns next_page_token
-// ("" after the last page).
+// Calls emit(value) for each item of the page of list `list` ("plans",
+// "nodes", ...); returns next_page_token ("" after the last page).
 template <typename Map, typename Fn>
 absl::StatusOr<std::string> Paginate(const Map& m, int page_size, const std::string& token,
-                                     const Fn& emit) {
+                                     absl::string_view list, const Fn& emit) {
   if (page_size < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("page_size must not be negative, got ", page_size));
   }
   if (page_size == 0) page_size = kDefaultPageSize;
   page_size = std::min(page_size, kMaxPageSize);
+  const std::string marker = absl::StrCat(list, " after:");
   auto it = m.begin();
   if (!token.empty()) {
     std::string raw;
-    if (!absl::WebSafeBase64Unescape(token, &raw) || raw.rfind("after:", 0) != 0) {
+    if (!absl::WebSafeBase64Unescape(token, &raw) || raw.rfind(marker, 0) != 0) {
       return absl::InvalidArgumentError(
-          "page_token is not a token this server returned (pass next_page_token as is)");
+          absl::StrCat("page_token is not a token this server returned for the list of ", list,
+                       " (pass next_page_token of the same list as is)"));
     }
-    it = m.upper_bound(raw.substr(6));
+    it = m.upper_bound(raw.substr(marker.size()));
   }
   int n = 0;
   for (; it != m.end() && n < page_size; ++it, ++n) emit(it->second);
   if (it == m.end()) return std::string();
   auto last = std::prev(it);
-  return absl::WebSafeBase64Escape("after:" + last->first);
+  return absl::WebSafeBase64Escape(marker + last->first);
 }
 
 }  // namespace hap::service

@@ -925,9 +925,9 @@ absl::Status PlannerCore::PlansPage(int page_size, const std::string& token, boo
   std::vector<std::pair<std::string, PlanEntry>> entries;
   {
     absl::MutexLock l(&s_->mu);
-    HAP_ASSIGN_OR_RETURN(*next, Paginate(s_->plans, page_size, token, [&](const PlanEntry& e) {
-                           entries.emplace_back(e.summary->name(), e);
-                         }));
+    HAP_ASSIGN_OR_RETURN(
+        *next, Paginate(s_->plans, page_size, token, "plans",
+                        [&](const PlanEntry& e) { entries.emplace_back(e.summary->name(), e); }));
   }
   page->reserve(entries.size());
   for (auto& [name, e] : entries) {

@@ -458,6 +458,51 @@ TEST_F(PlannerServiceImplTest, DeleteNodeRemovesANode) {
               StatusIs(absl::StatusCode::kUnauthenticated, ::testing::_));
 }
 
+// A page token is good only for the list that returned it: one from
+// another list (whose keys sort elsewhere) is INVALID_ARGUMENT, not a page
+// that silently skips items or comes back empty.
+TEST_F(PlannerServiceImplTest, APageTokenFromAnotherListIsRefused) {
+  Register("m");
+  Register("n");
+  for (const char* id : {"a", "b"}) {
+    v1::Plan plan;
+    ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), Mlp(id), &plan)), IsOk());
+  }
+  v1::ListNodesRequest nodes_request;
+  nodes_request.set_page_size(1);
+  v1::ListNodesResponse nodes;
+  ASSERT_THAT(FromGrpc(stub_->ListNodes(Ctx().get(), nodes_request, &nodes)), IsOk());
+  ASSERT_FALSE(nodes.next_page_token().empty());
+  v1::ListPlansRequest plans_request;
+  plans_request.set_page_size(1);
+  v1::ListPlansResponse plans;
+  ASSERT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), plans_request, &plans)), IsOk());
+  ASSERT_FALSE(plans.next_page_token().empty());
+
+  plans_request.set_page_token(nodes.next_page_token());
+  EXPECT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), plans_request, &plans)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  nodes_request.set_page_token(plans.next_page_token());
+  EXPECT_THAT(FromGrpc(stub_->ListNodes(Ctx().get(), nodes_request, &nodes)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  v1::ListDeploymentsRequest deployments_request;
+  deployments_request.set_page_token(plans.next_page_token());
+  v1::ListDeploymentsResponse deployments;
+  EXPECT_THAT(FromGrpc(stub_->ListDeployments(Ctx().get(), deployments_request, &deployments)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  v1::ListJobsRequest jobs_request;
+  jobs_request.set_page_token(plans.next_page_token());
+  v1::ListJobsResponse jobs;
+  EXPECT_THAT(FromGrpc(stub_->ListJobs(Ctx().get(), jobs_request, &jobs)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+
+  // Each list's own token still pages on.
+  plans_request.set_page_token(plans.next_page_token());
+  ASSERT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), plans_request, &plans)), IsOk());
+  ASSERT_EQ(plans.plans_size(), 1);
+  EXPECT_EQ(plans.plans(0).name(), "plans/b");
+}
+
 // GetPlan and ListPlans answer with bytes serialized once per plan
 // snapshot: what a client parses equals the core's messages, views and
 // pages (with their next-page tokens) included; a request that is not the
