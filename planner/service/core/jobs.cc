@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "common/training_checks.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/service/core/job_reconcile.h"
@@ -200,6 +201,28 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// What a new job's spec must hold besides ValidateJobSpec (which stored
+// jobs are loaded by, and so stays as lenient as it was): plan options a
+// plan takes, a training config an executor takes, a slowdown threshold
+// and join_stable that mean what they say.
+absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
+  HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckPlanOptions(spec.options()), "spec"));
+  HAP_RETURN_IF_ERROR(Annotate(CheckTrainingConfig(spec.training()), "spec"));
+  HAP_RETURN_IF_ERROR(CheckRange("spec.replan.slowdown_threshold",
+                                 spec.replan().slowdown_threshold(), 0, kInf,
+                                 "a finite number >= 0 (0 = 0.25)"));
+  if (spec.replan().join_stable().nanos() > 999'999'999) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.replan.join_stable.nanos must be at most 999999999, got ",
+                     spec.replan().join_stable().nanos()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 struct JobController::State {
   mutable absl::Mutex mu;
   absl::CondVar changed;  // a job changed; shutdown; a pass asked for
@@ -318,6 +341,7 @@ std::string SameDirectoryKey(const std::string& dir) {
 
 absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   HAP_RETURN_IF_ERROR(ValidateJobSpec(r.spec()));
+  HAP_RETURN_IF_ERROR(CheckNewJobSpec(r.spec()));
   const std::string id = r.job_id().empty() ? RandomJobId() : r.job_id();
   if (!ValidId(id) || id.size() > kMaxJobId) {
     return absl::InvalidArgumentError(absl::StrCat("job_id '", id, "' must be 1-", kMaxJobId,

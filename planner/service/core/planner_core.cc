@@ -241,6 +241,11 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   return absl::OkStatus();
 }
 
+absl::Status PlannerCore::CheckPlanOptions(const v1::PlanOptions& options) {
+  Job job;
+  return ConvertOptions(options, &job, PlannerCoreOptions());
+}
+
 // The BASIC view of GetPlan: everything but the rank programs (the
 // summary, with the whole plan's graph and program).
 void FillBasicView(const v1::Plan& summary, const v1::Plan& whole, v1::Plan* out) {

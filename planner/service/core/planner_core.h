@@ -279,6 +279,10 @@ class PlannerCore {
   absl::StatusOr<hap::v1::Plan> PinPlan(const std::string& name);
   void UnpinPlan(const std::string& name);
 
+  // What CreatePlan checks of `options` (InvalidArgument naming the field
+  // and value): for specs that plan later (an elastic job's).
+  static absl::Status CheckPlanOptions(const hap::v1::PlanOptions& options);
+
  private:
   struct Job;
   friend absl::Status ConvertOptions(const hap::v1::PlanOptions&, Job*,

@@ -1105,6 +1105,50 @@ TEST_F(JobTest, ErrorsAreStatusesNamingWhatIsWrong) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
 }
 
+// A spec the job could never run is refused by CreateJob, naming the
+// field, and no job is kept: before, a NaN slowdown threshold was taken as
+// the default, and plan options, thread counts or a data source no plan or
+// executor takes made a job that failed (or re-planned) later.
+TEST_F(JobTest, CreateJobRefusesASpecNoPlanOrDeploymentTakes) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::pair<std::string, std::function<void(v1::JobSpec*)>>> bad = {
+      {"spec.replan.slowdown_threshold",
+       [&](v1::JobSpec* s) { s->mutable_replan()->set_slowdown_threshold(nan); }},
+      {"spec.replan.slowdown_threshold",
+       [&](v1::JobSpec* s) { s->mutable_replan()->set_slowdown_threshold(-1); }},
+      {"spec.replan.slowdown_threshold",
+       [&](v1::JobSpec* s) { s->mutable_replan()->set_slowdown_threshold(inf); }},
+      {"spec.replan.join_stable",
+       [](v1::JobSpec* s) { s->mutable_replan()->mutable_join_stable()->set_nanos(2000000000); }},
+      {"spec: options.optimizer.learning_rate",
+       [&](v1::JobSpec* s) { s->mutable_options()->mutable_optimizer()->set_learning_rate(nan); }},
+      {"spec: options.budget.max_seconds",
+       [](v1::JobSpec* s) { s->mutable_options()->mutable_budget()->set_max_seconds(-1); }},
+      {"spec: training.threads_per_rank",
+       [](v1::JobSpec* s) { s->mutable_training()->set_threads_per_rank(1 << 30); }},
+      {"spec: training.data",
+       [](v1::JobSpec* s) {
+         s->mutable_training()->set_data(static_cast<v1::TrainingConfig::DataSource>(99));
+       }},
+  };
+  for (size_t i = 0; i < bad.size(); ++i) {
+    const auto& [field, edit] = bad[i];
+    v1::CreateJobRequest r = JobRequest();
+    r.set_job_id(absl::StrCat("bad-", i));
+    r.mutable_spec()->mutable_training()->set_checkpoint_dir((dir_ / r.job_id()).string());
+    edit(r.mutable_spec());
+    v1::Job job;
+    EXPECT_THAT(FromGrpc(stub_->CreateJob(Ctx().get(), r, &job)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(field)))
+        << r.spec().DebugString();
+  }
+  v1::ListJobsResponse jobs;
+  ASSERT_THAT(FromGrpc(stub_->ListJobs(Ctx().get(), v1::ListJobsRequest(), &jobs)), IsOk());
+  EXPECT_EQ(jobs.jobs_size(), 0);
+  EXPECT_TRUE(sink_.jobs().empty());
+}
+
 TEST_F(JobTest, ARestartedPlannerGoesOnWithTheJobAndStopJobStopsIt) {
   v1::Job job;
   ASSERT_THAT(FromGrpc(stub_->CreateJob(Ctx().get(), JobRequest(), &job)), IsOk());
