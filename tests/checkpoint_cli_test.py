@@ -198,6 +198,23 @@ class CheckpointCliTest(unittest.TestCase):
         self.assertRegex(bad.stderr, r"labels\.npy.*13.*99999")
         self.assertNotIn("step 0 loss", bad.stdout)
 
+    def test_a_fresh_run_sets_aside_the_checkpoints_of_the_run_it_replaces(self):
+        # The same command twice, without --resume: the second run trained to
+        # step 2 and then failed (a complete checkpoint of step 2 existed), and
+        # could never save. It replaces the first run as a run resumed from
+        # step 0 would: the first run's checkpoints are set aside, not lost.
+        ckpt = os.path.join(util.tmpdir(), "ckpt")
+        args = ["--plan", self.plan2, "--steps", "4", "--checkpoint-dir", ckpt,
+                "--checkpoint-every", "2"]
+        p = launch(*args)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        again = launch(*args)
+        self.assertEqual(again.returncode, 0, again.stderr)
+        self.assertIn("checkpoint: 4 steps done", again.stdout)
+        self.assertEqual(sorted(os.listdir(ckpt)),
+                         ["step-00000002", "step-00000004", "superseded-step-00000002",
+                          "superseded-step-00000004"])
+
     def test_bad_checkpoints_are_refused_before_step_1(self):
         ckpt = os.path.join(util.tmpdir(), "ckpt")
         p = launch("--plan", self.plan2, "--steps", "2", "--checkpoint-dir", ckpt)

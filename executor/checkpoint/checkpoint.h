@@ -80,10 +80,11 @@ struct SaveRequest {
   int rank = 0;
   const std::vector<hap::v1::RankProgram>* programs = nullptr;  // every rank's
   hap::v1::TrainerState trainer;  // step and the rest; format_version and time are set here
-  // >= 0: the first save of a run resumed from this step. The committed
-  // checkpoints in `dir` past it belong to the run this one replaces: they
-  // are set aside (superseded-step-N) before writing, so that saving a step
-  // that run also reached is not AlreadyExists.
+  // >= 0: the first save of a run that started at this step (resumed from
+  // it; 0: a fresh run). The committed checkpoints in `dir` past it belong
+  // to the run this one replaces: they are set aside (superseded-step-N)
+  // before writing, so that saving a step that run also reached is not
+  // AlreadyExists.
   int64_t replaces_after = -1;
 };
 
@@ -277,7 +278,9 @@ struct CheckpointPolicy {
   int64_t every = 0;        // steps between checkpoints; 0: only the last step
   int keep = kDefaultKeep;
   int64_t last_step = 0;    // the run's final global step: always saved
-  int64_t resumed_from = -1;  // the step the run resumed from (SaveRequest::replaces_after)
+  // The step the run started from (resumed from, or 0 for a fresh run):
+  // SaveRequest::replaces_after of its first save. -1: none.
+  int64_t resumed_from = -1;
 };
 
 // TrainOptions::after_step for `policy`: after step counts that are

@@ -498,8 +498,10 @@ absl::Status Run(const tools::Args& a) {
     HAP_RETURN_IF_ERROR(checkpoint::SetStartCounters(a.Has("resume") ? &resumed : nullptr,
                                                      weights.get(), &trainer));
     to.after_step = checkpoint::SaveHook(
+        // A fresh run (step 0) replaces a run whose checkpoints are in the
+        // directory as a resumed one does: its first save sets them aside.
         {a.Get("checkpoint-dir"), checkpoint_every, static_cast<int>(checkpoint_keep), steps,
-         a.Has("resume") ? first_step : -1},
+         first_step},
         &programs, trainer,
         [&](const std::string& dir, int64_t step) {
           if (rank == 0) {

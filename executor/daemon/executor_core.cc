@@ -301,7 +301,9 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     policy.every = t.checkpoint_every();
     policy.keep = t.checkpoint_keep() > 0 ? t.checkpoint_keep() : ckpt::kDefaultKeep;
     policy.last_step = t.steps();
-    if (!t.resume().empty()) policy.resumed_from = loaded->first_step;
+    // Fresh (step 0) or resumed: the committed checkpoints past it are of a
+    // run this one replaces.
+    policy.resumed_from = loaded->first_step;
     loaded->after_step =
         ckpt::SaveHook(policy, &loaded->programs, trainer, nullptr, loaded->world.get());
   }
