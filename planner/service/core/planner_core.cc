@@ -390,6 +390,10 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   if (r.global_batch() < 0) {
     return absl::InvalidArgumentError("global_batch must not be negative");
   }
+  if (r.devices_size() > kMaxPlanDevices) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "devices lists ", r.devices_size(), " device ids; a plan takes at most ", kMaxPlanDevices));
+  }
   // A device listed twice, or one device listed (below), is the request's
   // fault (the cluster's, such as fewer than 2 devices in it, are
   // FAILED_PRECONDITION; an elastic job waits for a second device before it
@@ -451,6 +455,11 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   if (job->devices.empty()) {
     for (const auto& n : job->cluster.nodes()) {
       for (const auto& d : n.devices()) job->devices.push_back(d.id());
+    }
+    if (job->devices.size() > static_cast<size_t>(kMaxPlanDevices)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the cluster has ", job->devices.size(), " live devices and a plan takes at most ",
+          kMaxPlanDevices, ": list the devices to plan for in `devices`"));
     }
   }
   if (!r.options().ignore_calibration()) {

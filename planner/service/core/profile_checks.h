@@ -26,6 +26,10 @@ inline constexpr double kMinFlops = 1e6;
 inline constexpr double kMaxLinkBandwidth = 1e13;
 // Devices one node may report (each plan's cost model is n x n).
 inline constexpr int kMaxDevicesPerNode = 1024;
+// At most this many devices a plan (a request's list, or the live cluster
+// when it lists none): the cost model's link tables are n x n, and the
+// search and the plan's rank programs grow with n.
+inline constexpr int kMaxPlanDevices = 1024;
 
 // A resource id: 1-63 lower-case letters, digits and '-'.
 bool ValidId(const std::string& id);

@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "hap/v1/executor_service.grpc.pb.h"
 #include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/service/core/profile_checks.h"
 
 namespace hap::service {
 namespace {
@@ -456,6 +457,48 @@ TEST_F(PlannerServiceImplTest, DeleteNodeRemovesANode) {
   grpc::ClientContext anonymous;
   EXPECT_THAT(FromGrpc(stub_->DeleteNode(&anonymous, r, &out)),
               StatusIs(absl::StatusCode::kUnauthenticated, ::testing::_));
+}
+
+// A plan's device count is bounded (kMaxPlanDevices): a request listing
+// more is INVALID_ARGUMENT, and a cluster with more live devices than that
+// and no list is FAILED_PRECONDITION, before the cluster's n x n link
+// tables are built (for 10,000 devices two 10,000 x 10,000 tables of
+// doubles, 1.6 GB, in the calling thread and again on the worker) or
+// anything is stored.
+TEST_F(PlannerServiceImplTest, APlanOnMoreDevicesThanTheLimitIsRefused) {
+  for (const char* name : {"big-a", "big-b"}) {
+    v1::RegisterNodeRequest r;
+    *r.mutable_node() = TestNode(name);
+    const v1::Device model = r.node().devices(0);
+    r.mutable_node()->clear_devices();
+    const int count = std::string(name) == "big-a" ? kMaxDevicesPerNode : 1;
+    for (int i = 0; i < count; ++i) {
+      v1::Device* d = r.mutable_node()->add_devices();
+      *d = model;
+      d->set_id(absl::StrCat(name, "/cpu", i));
+    }
+    v1::RegisterNodeResponse out;
+    ASSERT_THAT(FromGrpc(stub_->RegisterNode(Ctx().get(), r, &out)), IsOk());
+  }
+  ASSERT_GT(kMaxDevicesPerNode + 1, kMaxPlanDevices);
+  v1::CreatePlanRequest every = Mlp("every");
+  every.set_wait(false);
+  v1::Plan plan;
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), every, &plan)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(absl::StrCat(kMaxDevicesPerNode + 1, " live devices")),
+                             HasSubstr(absl::StrCat(kMaxPlanDevices)), HasSubstr("devices"))));
+  v1::CreatePlanRequest listed = Mlp("listed");
+  listed.set_wait(false);
+  for (int i = 0; i < kMaxDevicesPerNode; ++i) listed.add_devices(absl::StrCat("big-a/cpu", i));
+  listed.add_devices("big-b/cpu0");
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), listed, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(absl::StrCat("lists ", kMaxDevicesPerNode + 1)),
+                             HasSubstr(absl::StrCat(kMaxPlanDevices)))));
+  v1::ListPlansResponse plans;
+  ASSERT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), v1::ListPlansRequest(), &plans)), IsOk());
+  EXPECT_EQ(plans.plans_size(), 0);
 }
 
 // A page token is good only for the list that returned it: one from
