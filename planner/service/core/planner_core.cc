@@ -545,6 +545,11 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
       source = cached_plan->second.full;
       s_->creating.insert(job->name);
     } else {
+      if (s_->jobs.size() >= static_cast<size_t>(kMaxUnfinishedPlans)) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            s_->jobs.size(), " plans are pending or running, the most the planner holds (",
+            kMaxUnfinishedPlans, "): wait for some to finish or CancelPlan some"));
+      }
       plan.set_state(v1::Plan::PENDING);
       // Kept so that a restarted planner can run it again.
       *plan.mutable_graph() = std::move(graph_proto);

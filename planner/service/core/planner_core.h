@@ -29,6 +29,10 @@
 
 namespace hap::service {
 
+// Plans not yet final (pending or running) at most: each holds its graph
+// and cluster until searched; CreatePlan beyond is ResourceExhausted.
+inline constexpr int kMaxUnfinishedPlans = 1000;
+
 // What the core persists (planner/service/store implements it over SQLite).
 // Calls happen under the core's lock, in order.
 //

@@ -690,6 +690,42 @@ TEST_F(PlannerCoreTest, AWaitingCreatePlanEndsWhenItsCallerIsCancelled) {
   EXPECT_EQ(WaitFinal(*core_, "plans/waits").state(), v1::Plan::SUCCEEDED);
 }
 
+// Plans not yet final are bounded (kMaxUnfinishedPlans): each holds its
+// graph and cluster in memory and in the store until it is searched, and
+// retention only trims finished plans, so a client creating plans faster
+// than the workers search them grew the planner without end. One more is
+// RESOURCE_EXHAUSTED, saved nowhere; a plan the cache answers is made.
+TEST_F(PlannerCoreTest, PlansNotYetFinalAreBounded) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  auto cached = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  BusyWorker busy(core_.get());  // one unfinished plan, the rest wait behind it
+  v1::CreatePlanRequest other = MlpRequest(/*wait=*/false);
+  (*other.mutable_model()->mutable_zoo()->mutable_params())["hidden"] = 64;  // not cached
+  for (int i = 1; i < kMaxUnfinishedPlans; ++i) {
+    other.set_plan_id(absl::StrCat("q", i));
+    auto p = core_->CreatePlan(other, Deadline());
+    ASSERT_TRUE(p.ok()) << i << ": " << p.status();
+  }
+  other.set_plan_id("over");
+  EXPECT_THAT(
+      core_->CreatePlan(other, Deadline()),
+      StatusIs(absl::StatusCode::kResourceExhausted,
+               AllOf(HasSubstr(absl::StrCat(kMaxUnfinishedPlans)), HasSubstr("CancelPlan"))));
+  EXPECT_THAT(core_->GetPlan("plans/over", false),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_EQ(sink_.Stored("plans/over"), v1::Plan::STATE_UNSPECIFIED);
+  v1::CreatePlanRequest hit = MlpRequest(/*wait=*/false);
+  hit.set_plan_id("hit");
+  auto from_cache = core_->CreatePlan(hit, Deadline());
+  ASSERT_TRUE(from_cache.ok()) << from_cache.status();
+  EXPECT_EQ(from_cache->state(), v1::Plan::SUCCEEDED);
+  busy.Release();
+  EXPECT_EQ(WaitFinal(*core_, "plans/q1").state(), v1::Plan::SUCCEEDED);
+  auto after = core_->CreatePlan(other, Deadline());
+  ASSERT_TRUE(after.ok()) << after.status();
+}
+
 TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   BusyWorker busy(core_.get());
