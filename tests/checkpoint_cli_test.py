@@ -239,7 +239,15 @@ class CheckpointCliTest(unittest.TestCase):
             with open(os.path.join(d, "rank-00001-of-00002.safetensors"), "r+b") as f:
                 f.truncate(1000)
 
+        def flip_a_bit(d):  # in the last tensor's last byte: size and header intact
+            with open(os.path.join(d, "rank-00000-of-00002.safetensors"), "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last ^ 0x10]))
+
         refused(truncate, "rank-00001-of-00002.safetensors is not a valid safetensors file")
+        refused(flip_a_bit, "rank-00000-of-00002.safetensors is damaged: the bytes of tensor")
         refused(lambda d: os.remove(os.path.join(d, "rank-00000-of-00002.safetensors")),
                 "rank-00000-of-00002.safetensors")
         refused(lambda d: open(os.path.join(d, "index.json"), "w").write("{oops"),

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "executor/checkpoint/checkpoint_internal.h"
+#include "executor/checkpoint/crc32c.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/runtime/device.h"
 #include "google/protobuf/struct.pb.h"
@@ -43,6 +44,9 @@ constexpr char kSupersededPrefix[] = "superseded-";
 // Next to a rank's file in the temporary directory when its write failed:
 // holds the error.
 constexpr char kFailedSuffix[] = ".failed";
+// A shard's header metadata "crc32c:NAME": the CRC-32C of tensor NAME's
+// bytes, 8 hex digits (shards written before these have none).
+constexpr char kCrcPrefix[] = "crc32c:";
 
 bool IsPersistent(const v1::Buffer& b) {
   return b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::OPTIMIZER_STATE;
@@ -516,11 +520,15 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
       wrote = absl::InternalError(absl::StrCat("rank ", r.rank, " holds ", entries.size(), " of the ",
                                                owned.size(), " tensors the index gives it"));
     } else {
-      wrote = WriteSafetensors(file, entries,
-                               {{"format", "hap-checkpoint"},
-                                {"step", std::to_string(r.trainer.step())},
-                                {"rank", std::to_string(r.rank)},
-                                {"world_size", std::to_string(world)}});
+      std::map<std::string, std::string> metadata = {{"format", "hap-checkpoint"},
+                                                     {"step", std::to_string(r.trainer.step())},
+                                                     {"rank", std::to_string(r.rank)},
+                                                     {"world_size", std::to_string(world)}};
+      for (const SafetensorsEntry& e : entries) {
+        metadata[absl::StrCat(kCrcPrefix, e.name)] =
+            Crc32cHex(Crc32c(0, e.data.data, static_cast<size_t>(e.data.bytes())));
+      }
+      wrote = WriteSafetensors(file, entries, metadata);
     }
     if (!wrote.ok()) {
       std::error_code ec;
@@ -712,6 +720,20 @@ absl::StatusOr<const SafetensorsFile*> CheckpointReader::File(const std::string&
   return it->second.get();
 }
 
+absl::Status CheckpointReader::VerifyChecksum(const SafetensorsFile& f, const std::string& name) {
+  auto recorded = f.metadata().find(absl::StrCat(kCrcPrefix, name));
+  if (recorded == f.metadata().end()) return absl::OkStatus();  // written before checksums
+  if (verified_.count({f.path(), name})) return absl::OkStatus();
+  HAP_ASSIGN_OR_RETURN(uint32_t crc, f.Crc32cOf(name));
+  if (Crc32cHex(crc) != recorded->second) {
+    return absl::DataLossError(absl::StrCat(f.path(), " is damaged: the bytes of tensor '", name,
+                                            "' have CRC-32C ", Crc32cHex(crc),
+                                            ", its header records ", recorded->second));
+  }
+  verified_.insert({f.path(), name});
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> CopyOverlap(TensorView src, absl::Span<const int64_t> src_offsets,
                                     TensorView dst, absl::Span<const int64_t> dst_offsets) {
   const size_t rank = dst.shape.size();
@@ -817,6 +839,7 @@ absl::Status CheckpointReader::Read(const std::string& name, const Shape& global
     }
     if (!overlaps) continue;
     HAP_ASSIGN_OR_RETURN(const SafetensorsFile* f, File(s.file()));
+    HAP_RETURN_IF_ERROR(VerifyChecksum(*f, name));
     auto view = f->View(name);
     if (!view.ok()) return absl::DataLossError(std::string(view.status().message()));
     const Shape extents(s.extents().begin(), s.extents().end());

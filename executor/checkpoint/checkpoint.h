@@ -5,7 +5,9 @@
 //
 // Layout of a checkpoint directory DIR (format version 1):
 //   DIR/step-00000012/                 one complete checkpoint, after 12 steps
-//       rank-00000-of-00003.safetensors  the slices rank 0 owns
+//       rank-00000-of-00003.safetensors  the slices rank 0 owns (header
+//                      metadata: step, rank, world_size, and crc32c:NAME,
+//                      the CRC-32C of each tensor's bytes, checked on read)
 //       ...
 //       index.json     hap.v1.CheckpointIndex: tensor -> global shape, dtype,
 //                      and every slice's file, offsets and extents
@@ -43,6 +45,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -179,7 +182,8 @@ class TensorSource {
   // Copies the box [offsets, offsets + dst.shape) of the global tensor
   // `name` into `dst`. InvalidArgument naming the tensor when its global
   // shape or dtype differs from `global`/`dst.dtype`; DataLoss naming the
-  // file when the stored data does not cover the box or is malformed.
+  // file when the stored data does not cover the box, is malformed, or (a
+  // checkpoint) fails its checksum.
   virtual absl::Status Read(const std::string& name, const Shape& global,
                             absl::Span<const int64_t> offsets, TensorView dst) = 0;
 };
@@ -212,11 +216,16 @@ class CheckpointReader : public TensorSource {
  private:
   CheckpointReader() = default;
   absl::StatusOr<const SafetensorsFile*> File(const std::string& name);
+  // DataLoss naming the file and the tensor when the CRC-32C its header
+  // records for `name` (shards written before checksums record none) is
+  // not that of its bytes; each tensor of a file is checked once.
+  absl::Status VerifyChecksum(const SafetensorsFile& f, const std::string& name);
   std::string dir_;
   hap::v1::CheckpointIndex index_;
   hap::v1::TrainerState trainer_;
   std::map<std::string, const hap::v1::CheckpointIndex::Tensor*> by_name_;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+  std::set<std::pair<std::string, std::string>> verified_;  // (file, tensor)
 };
 
 // A safetensors file of whole tensors by name (--init-weights, the

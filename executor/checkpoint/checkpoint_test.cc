@@ -7,11 +7,13 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -843,6 +845,74 @@ TEST(CheckpointTest, APipeInsteadOfACheckpointFileIsRefusedWithoutHanging) {
                          AllOf(HasSubstr(step + "/" + file), HasSubstr("not a regular file"))))
         << file;
   }
+}
+
+// The tensor whose bytes end `path` (a shard), after flipping a bit of its
+// last byte.
+std::string FlipTheLastByte(const std::string& path) {
+  auto f = SafetensorsFile::Open(path);
+  EXPECT_TRUE(f.ok()) << f.status();
+  std::string last;
+  int64_t end = -1;
+  for (const auto& [name, t] : (*f)->tensors()) {
+    if (t.end > end) std::tie(last, end) = std::make_pair(name, t.end);
+  }
+  auto bytes = ReadFile(path);
+  EXPECT_TRUE(bytes.ok());
+  bytes->back() ^= 0x10;
+  EXPECT_TRUE(WriteFileSynced(path, *bytes).ok());
+  return last;
+}
+
+// A flipped bit in a shard's data (the storage's damage: size and header
+// intact) was read as the weights, and the run resumed silently with them.
+// Shards record every tensor's CRC-32C; reading a slice checks it.
+TEST(CheckpointTest, AFlippedBitInAShardsDataIsDataLossNamingTheFileAndTensor) {
+  std::string tensor;
+  const absl::Status resumed = ResumeAfter("flipped_bit", [&](const std::string& d) {
+    tensor = FlipTheLastByte(d + "/rank-00001-of-00002.safetensors");
+  });
+  EXPECT_THAT(resumed, StatusIs(absl::StatusCode::kDataLoss,
+                                AllOf(HasSubstr("rank-00001-of-00002.safetensors"),
+                                      HasSubstr("'" + tensor + "'"), HasSubstr("CRC-32C"))));
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("flipped_bit_export");
+  const std::string step = OneStepCheckpoint(g, dir);
+  FlipTheLastByte(step + "/rank-00000-of-00001.safetensors");
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_THAT(ExportCheckpoint(**reader, Fresh("flipped_bit_export.safetensors"), true).status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32C")));
+}
+
+// Shards written before checksums (no crc32c: entries) still resume.
+TEST(CheckpointTest, ShardsWithoutChecksumsStillResume) {
+  EXPECT_TRUE(ResumeAfter("no_checksums", [](const std::string& d) {
+                for (int rank = 0; rank < 2; ++rank) {
+                  const std::string path = d + "/" + RankFileName(rank, 2);
+                  auto f = SafetensorsFile::Open(path);
+                  ASSERT_TRUE(f.ok()) << f.status();
+                  std::map<std::string, std::string> metadata;
+                  for (const auto& [k, v] : (*f)->metadata()) {
+                    if (k.rfind("crc32c:", 0) != 0) metadata[k] = v;
+                  }
+                  std::vector<HostTensor> copies;
+                  std::vector<SafetensorsEntry> entries;
+                  for (const auto& [name, t] : (*f)->tensors()) {
+                    auto view = (*f)->View(name);
+                    ASSERT_TRUE(view.ok());
+                    copies.emplace_back(view->dtype, view->shape);
+                    std::memcpy(copies.back().data(), view->data,
+                                static_cast<size_t>(view->bytes()));
+                  }
+                  size_t i = 0;
+                  for (const auto& [name, t] : (*f)->tensors()) {
+                    entries.push_back({name, copies[i++].view()});
+                  }
+                  f->reset();
+                  ASSERT_TRUE(WriteSafetensors(path, entries, metadata).ok());
+                }
+              }).ok());
 }
 
 }  // namespace

@@ -12,11 +12,13 @@
 #include <map>
 #include <set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/json_struct.h"
 #include "common/status_macros.h"
+#include "executor/checkpoint/crc32c.h"
 #include "executor/checkpoint/file_util.h"
 #include "google/protobuf/struct.pb.h"
 
@@ -329,6 +331,23 @@ absl::Status SafetensorsFile::ReadBytes(const std::string& name, int64_t offset,
     bytes -= n;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> SafetensorsFile::Crc32cOf(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("no tensor '", name, "' in ", path_));
+  }
+  constexpr int64_t kChunk = 4 << 20;
+  const int64_t size = it->second.end - it->second.begin;
+  std::vector<char> buffer(static_cast<size_t>(std::min(size, kChunk)));
+  uint32_t crc = 0;
+  for (int64_t at = 0; at < size; at += kChunk) {
+    const int64_t n = std::min(kChunk, size - at);
+    HAP_RETURN_IF_ERROR(ReadBytes(name, at, n, buffer.data()));
+    crc = Crc32c(crc, buffer.data(), static_cast<size_t>(n));
+  }
+  return crc;
 }
 
 absl::StatusOr<TensorView> SafetensorsFile::View(const std::string& name) const {

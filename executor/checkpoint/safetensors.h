@@ -94,6 +94,9 @@ class SafetensorsFile {
   // large contiguous pieces. OutOfRange past the tensor's end.
   absl::Status ReadBytes(const std::string& name, int64_t offset, int64_t bytes,
                          void* dst) const;
+  // The CRC-32C (crc32c.h) of tensor `name`'s bytes, read with pread in
+  // chunks. Errors as ReadBytes.
+  absl::StatusOr<uint32_t> Crc32cOf(const std::string& name) const;
 
  private:
   SafetensorsFile() = default;

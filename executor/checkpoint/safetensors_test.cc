@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/status_matchers.h"
+#include "executor/checkpoint/crc32c.h"
 #include "executor/checkpoint/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -271,6 +272,41 @@ TEST(FileUtilTest, OnlyRegularFilesAreRead) {
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr(fifo + " is not a regular file")));
   EXPECT_THAT(ReadFile("/dev/zero"), StatusIs(absl::StatusCode::kInvalidArgument,
                                               HasSubstr("/dev/zero is not a regular file")));
+}
+
+// The values of RFC 3720 (iSCSI), B.4, and the software and hardware forms
+// agreeing at every length and alignment.
+TEST(Crc32cTest, KnownValuesAndBothFormsAgree) {
+  EXPECT_EQ(Crc32c(0, "123456789", 9), 0xE3069283u);
+  std::string zeros(32, '\0'), ones(32, '\xff'), ascending(32, '\0');
+  for (int i = 0; i < 32; ++i) ascending[i] = static_cast<char>(i);
+  EXPECT_EQ(Crc32c(0, zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(0, ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(Crc32c(0, ascending.data(), 32), 0x46DD794Eu);
+  EXPECT_EQ(Crc32cHex(0x0000ABCDu), "0000abcd");
+  std::string bytes(1000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7919 % 251);
+  for (size_t start = 0; start < 9; ++start) {
+    for (size_t n : {0, 1, 7, 8, 9, 63, 500, 991}) {
+      const char* p = bytes.data() + start;
+      EXPECT_EQ(Crc32c(0, p, n), Crc32cPortable(0, p, n)) << start << " " << n;
+      EXPECT_EQ(Crc32c(Crc32c(0, p, n / 3), p + n / 3, n - n / 3), Crc32c(0, p, n));
+    }
+  }
+}
+
+TEST(Crc32cTest, ATensorsChecksumIsItsBytes) {
+  const std::string path = TempPath("crc.safetensors");
+  std::vector<float> v(3000);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i) * 0.5f;
+  ASSERT_TRUE(WriteSafetensors(path, {{"w", TensorView{DType::kFloat32, {3000}, v.data()}}}).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto crc = (*f)->Crc32cOf("w");
+  ASSERT_TRUE(crc.ok()) << crc.status();
+  EXPECT_EQ(*crc, Crc32c(0, v.data(), v.size() * sizeof(float)));
+  EXPECT_THAT((*f)->Crc32cOf("x").status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no tensor 'x'")));
 }
 
 }  // namespace
