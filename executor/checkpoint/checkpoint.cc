@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
@@ -74,7 +75,50 @@ std::string ToJson(const google::protobuf::Message& m) {
   return out;
 }
 
-absl::Status FromJsonFile(const std::string& path, google::protobuf::Message* m) {
+// What COMMITTED records of the checkpoint's other files: after the step's
+// line, one line "NAME BYTES CRC32C" for index.json and trainer.json.
+struct Recorded {
+  int64_t bytes = 0;
+  std::string crc;  // Crc32cHex
+};
+using Manifest = std::map<std::string, Recorded>;
+
+std::string ManifestLine(const std::string& name, absl::string_view contents) {
+  return absl::StrCat(name, " ", contents.size(), " ",
+                      Crc32cHex(Crc32c(0, contents.data(), contents.size())), "\n");
+}
+
+// The records of `dir`'s COMMITTED (none in the step alone, which older
+// writers wrote). A last line without its newline (a cut write) is not
+// read; DataLoss naming the file for a malformed record.
+absl::StatusOr<Manifest> ReadManifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kCommittedFile).string();
+  auto text = ReadFile(path);
+  if (!text.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("the checkpoint file ", path, " cannot be read: ", text.status().message()));
+  }
+  std::vector<std::string> lines = absl::StrSplit(*text, '\n');
+  lines.pop_back();  // after the last newline: empty, or a line cut short
+  Manifest out;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    std::vector<std::string> fields = absl::StrSplit(lines[i], ' ');
+    Recorded r;
+    if (fields.size() != 3 || fields[0].empty() || !absl::SimpleAtoi(fields[1], &r.bytes) ||
+        r.bytes < 0 || fields[2].size() != 8 ||
+        fields[2].find_first_not_of("0123456789abcdef") != std::string::npos) {
+      return absl::DataLossError(absl::StrCat("the checkpoint file ", path,
+                                              " is corrupted: its line '", lines[i],
+                                              "' is not 'FILE BYTES CRC32C'"));
+    }
+    r.crc = fields[2];
+    out[fields[0]] = r;
+  }
+  return out;
+}
+
+absl::Status FromJsonFile(const std::string& path, google::protobuf::Message* m,
+                          const Manifest& manifest) {
   auto text = ReadFile(path);
   if (!text.ok()) {
     return absl::DataLossError(absl::StrCat("the checkpoint file ", path,
@@ -86,6 +130,16 @@ absl::Status FromJsonFile(const std::string& path, google::protobuf::Message* m)
   if (!s.ok()) {
     return absl::DataLossError(absl::StrCat("the checkpoint file ", path, " is corrupted: ",
                                             std::string(s.message())));
+  }
+  // Valid JSON, and yet not what was written (a flipped digit, or a
+  // field's name the parser then ignores).
+  if (auto r = manifest.find(fs::path(path).filename().string()); r != manifest.end()) {
+    const std::string crc = Crc32cHex(Crc32c(0, text->data(), text->size()));
+    if (static_cast<int64_t>(text->size()) != r->second.bytes || crc != r->second.crc) {
+      return absl::DataLossError(absl::StrCat(
+          path, " is damaged: it has ", text->size(), " bytes of CRC-32C ", crc, ", ",
+          kCommittedFile, " records ", r->second.bytes, " bytes of CRC-32C ", r->second.crc));
+    }
   }
   return absl::OkStatus();
 }
@@ -289,8 +343,9 @@ absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointInd
   trainer.set_format_version(kCheckpointFormatVersion);
   trainer.set_world_size(world);
   trainer.set_time(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
-  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kIndexFile).string(), ToJson(index)));
-  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kTrainerFile).string(), ToJson(trainer)));
+  const std::string index_json = ToJson(index), trainer_json = ToJson(trainer);
+  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kIndexFile).string(), index_json));
+  HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kTrainerFile).string(), trainer_json));
   HAP_RETURN_IF_ERROR(SyncDirectory(tmp));
   // A directory of this step left without COMMITTED (a crash after the
   // rename) is replaced; a committed one is never overwritten in place.
@@ -311,7 +366,9 @@ absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointInd
   // COMMITTED exists only when it is durable: the other ranks take its
   // presence for success.
   const std::string committed_file = (fs::path(final_dir) / kCommittedFile).string();
-  absl::Status commit = WriteFileSynced(committed_file, absl::StrCat(trainer.step(), "\n"));
+  absl::Status commit = WriteFileSynced(
+      committed_file, absl::StrCat(trainer.step(), "\n", ManifestLine(kIndexFile, index_json),
+                                   ManifestLine(kTrainerFile, trainer_json)));
   if (commit.ok()) commit = SyncDirectory(final_dir);
   if (!commit.ok()) {
     fs::remove(committed_file, ec);
@@ -593,8 +650,10 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   HAP_ASSIGN_OR_RETURN(std::string dir, FindCheckpoint(path));
   std::unique_ptr<CheckpointReader> r(new CheckpointReader);
   r->dir_ = dir;
-  HAP_RETURN_IF_ERROR(FromJsonFile((fs::path(dir) / kIndexFile).string(), &r->index_));
-  HAP_RETURN_IF_ERROR(FromJsonFile((fs::path(dir) / kTrainerFile).string(), &r->trainer_));
+  HAP_ASSIGN_OR_RETURN(const Manifest manifest, ReadManifest(dir));
+  HAP_RETURN_IF_ERROR(FromJsonFile((fs::path(dir) / kIndexFile).string(), &r->index_, manifest));
+  HAP_RETURN_IF_ERROR(
+      FromJsonFile((fs::path(dir) / kTrainerFile).string(), &r->trainer_, manifest));
   for (const int version : {r->index_.format_version(), r->trainer_.format_version()}) {
     if (version != kCheckpointFormatVersion) {
       return absl::DataLossError(absl::StrCat("the checkpoint ", dir, " has format version ", version,

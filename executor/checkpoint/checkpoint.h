@@ -13,7 +13,9 @@
 //                      and every slice's file, offsets and extents
 //       trainer.json   hap.v1.TrainerState: global step, data cursor, seed,
 //                      optimizer, graph and plan hashes
-//       COMMITTED      written last; without it the directory does not count
+//       COMMITTED      written last; without it the directory does not count:
+//                      the step, then "FILE BYTES CRC32C" of index.json and
+//                      trainer.json, checked on open (older ones: the step)
 //   DIR/.tmp-step-00000012/            a checkpoint being written
 //   DIR/superseded-step-00000020/      a committed checkpoint of a run that a
 //                                      run resumed from an earlier step
@@ -192,7 +194,8 @@ class TensorSource {
 class CheckpointReader : public TensorSource {
  public:
   // `path`: as FindCheckpoint. DataLoss naming the file for a missing or
-  // malformed index.json or trainer.json, an unknown format version, a step
+  // malformed index.json or trainer.json, or one whose size or CRC-32C is
+  // not what COMMITTED records, an unknown format version, a step
   // that is negative, differs between trainer.json, index.json and a
   // step-N directory name, or overflows in step * global batch; a slice
   // placed in a file that is not one of the shards (a path, another file of

@@ -140,6 +140,17 @@ TEST(CheckpointTest, ACommittedCheckpointIsNeverOverwritten) {
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), before);
 }
 
+// Makes the COMMITTED of `step_dir` the step alone, as older writers wrote
+// it: index.json and trainer.json, edited, then reach the checks behind
+// their checksums.
+void Unseal(const std::string& step_dir) {
+  auto committed = ReadFile(step_dir + "/COMMITTED");
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  ASSERT_TRUE(
+      WriteFileSynced(step_dir + "/COMMITTED", committed->substr(0, committed->find('\n') + 1))
+          .ok());
+}
+
 // A 1-rank resume of a 2-rank checkpoint after `damage`.
 absl::Status ResumeAfter(const std::string& name,
                          const std::function<void(const std::string& step_dir)>& damage,
@@ -179,6 +190,7 @@ TEST(CheckpointTest, DamageIsAClearErrorNamingTheFileOrTensor) {
   EXPECT_THAT(ResumeAfter("version",
                           [](const std::string& d) {
                             std::ofstream(d + "/trainer.json") << "{\"format_version\": 7}";
+                            Unseal(d);
                           }),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("format version 7")));
   graph::Graph wider = Mlp(20);
@@ -573,6 +585,7 @@ TEST(CheckpointTest, AnIndexWithOverlappingSlicesIsRefused) {
   std::string json;
   ASSERT_TRUE(google::protobuf::util::MessageToJsonString(index, &json).ok());
   ASSERT_TRUE(WriteFileSynced(index_path, json).ok());
+  Unseal(dir + "/step-00000001");
 
   int64_t untouched = 0;
   const absl::Status status = [&]() -> absl::Status {
@@ -678,6 +691,7 @@ void EditJson(const std::string& path, const std::function<void(M&)>& edit) {
   std::string json;
   ASSERT_TRUE(google::protobuf::util::MessageToJsonString(m, &json).ok());
   ASSERT_TRUE(WriteFileSynced(path, json).ok());
+  Unseal(fs::path(path).parent_path().string());
 }
 
 // index.json claiming layer0/fc/weight is F32[2^40,12] (its one slice
@@ -913,6 +927,56 @@ TEST(CheckpointTest, ShardsWithoutChecksumsStillResume) {
                   ASSERT_TRUE(WriteSafetensors(path, entries, metadata).ok());
                 }
               }).ok());
+}
+
+// A flipped bit in trainer.json that leaves it valid JSON (a digit of the
+// seed, a letter of a field's name, which the parser then ignores) resumed
+// silently with another seed (dropout masks, synthetic data). COMMITTED
+// records the size and CRC-32C of index.json and trainer.json; Open checks
+// them (a COMMITTED without them, of older checkpoints, is not checked).
+TEST(CheckpointTest, ADamagedTrainerOrIndexJsonIsDataLossNamingIt) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("damaged_json");
+  const std::string step = OneStepCheckpoint(g, dir);
+  auto text = ReadFile(step + "/trainer.json");
+  ASSERT_TRUE(text.ok());
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"seed\": \"5\"", "\"seed\": \"7\""}, {"\"seed\"", "\"seeD\""}}) {
+    std::string damaged = *text;
+    ASSERT_NE(damaged.find(from), std::string::npos) << damaged;
+    damaged.replace(damaged.find(from), from.size(), to);
+    ASSERT_TRUE(WriteFileSynced(step + "/trainer.json", damaged).ok());
+    EXPECT_THAT(
+        CheckpointReader::Open(dir),
+        StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(step + "/trainer.json is damaged"),
+                                                    HasSubstr("COMMITTED records"))))
+        << to;
+  }
+  ASSERT_TRUE(WriteFileSynced(step + "/trainer.json", *text).ok());
+  auto index = ReadFile(step + "/index.json");
+  ASSERT_TRUE(index.ok());
+  ASSERT_TRUE(WriteFileSynced(step + "/index.json", *index + " ").ok());
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(step + "/index.json is damaged")));
+  ASSERT_TRUE(WriteFileSynced(step + "/index.json", *index).ok());
+  ASSERT_TRUE(CheckpointReader::Open(dir).ok());
+  // A malformed record is named; an unfinished last line (a cut write) and
+  // a COMMITTED of older writers (the step alone) check nothing.
+  auto committed = ReadFile(step + "/COMMITTED");
+  ASSERT_TRUE(committed.ok());
+  ASSERT_TRUE(WriteFileSynced(step + "/COMMITTED", *committed + "trainer.json x y\n").ok());
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(step + "/COMMITTED"), HasSubstr("trainer.json x y"))));
+  ASSERT_TRUE(WriteFileSynced(step + "/COMMITTED", *committed + "trainer.json 1").ok());
+  EXPECT_TRUE(CheckpointReader::Open(dir).ok());
+  ASSERT_TRUE(WriteFileSynced(step + "/COMMITTED", "1\n").ok());
+  std::string reseeded = *text;
+  reseeded.replace(reseeded.find("\"seed\": \"5\""), 11, "\"seed\": \"7\"");
+  ASSERT_TRUE(WriteFileSynced(step + "/trainer.json", reseeded).ok());
+  auto old = CheckpointReader::Open(dir);
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ((*old)->trainer().seed(), 7u);
 }
 
 }  // namespace
