@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -136,6 +137,20 @@ std::shared_ptr<const std::string> EncodeListPlansResponse(
   return bytes;
 }
 
+// A status message quotes what the request sent (a name, an id, a key): of
+// one 10 KB long, the client got "received initial metadata size exceeds
+// limit" (RESOURCE_EXHAUSTED) instead. Longer messages keep their start
+// and end (the field, and what is wrong with it) around a note of the cut.
+grpc::Status Bounded(grpc::Status s) {
+  constexpr size_t kHead = 768, kTail = 256;
+  const std::string& m = s.error_message();
+  if (m.size() <= kHead + kTail) return s;
+  return grpc::Status(s.error_code(),
+                      absl::StrCat(m.substr(0, kHead), " [... ", m.size() - kHead - kTail,
+                                   " bytes of the message cut ...] ", m.substr(m.size() - kTail)),
+                      s.error_details());
+}
+
 }  // namespace
 
 PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink,
@@ -183,7 +198,7 @@ grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContextB
   auto start = std::chrono::steady_clock::now();
   if (o_.on_rpc_start) o_.on_rpc_start(method);
   grpc::Status s = CheckToken(ctx, o_.security.token);
-  if (s.ok()) s = ToGrpc(fn());
+  if (s.ok()) s = Bounded(ToGrpc(fn()));
   if (o_.on_rpc) {
     o_.on_rpc(method, s.error_code(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

@@ -180,7 +180,8 @@ class PlannerServiceImpl final : public PlannerServiceBase {
                                 hap::v1::DeleteDeploymentResponse*) override;
 
  private:
-  // Checks the token, runs `fn`, reports the call.
+  // Checks the token, runs `fn` (an error message over 1 KiB is cut in its
+  // middle: it may quote a long name), reports the call.
   grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx,
                       const std::function<absl::Status()>& fn);
   // Handle, answered on the callback API.

@@ -501,6 +501,76 @@ TEST_F(PlannerServiceImplTest, APlanOnMoreDevicesThanTheLimitIsRefused) {
   EXPECT_EQ(plans.plans_size(), 0);
 }
 
+// Names and ids of 10 KB (with a NUL, slashes, "..") get the status that
+// names what is wrong, with a message short enough for a client to read:
+// the messages quote what was sent.
+TEST_F(PlannerServiceImplTest, OverlongNamesGetTheirOwnErrorsWithBoundedMessages) {
+  Register("n");
+  std::string huge = "../a/";
+  huge.push_back('\0');
+  huge += std::string(10 * 1024, 'x');
+  auto expect = [&](const char* rpc, grpc::Status s, absl::StatusCode code) {
+    EXPECT_EQ(static_cast<int>(s.error_code()), static_cast<int>(code))
+        << rpc << ": " << s.error_code() << " " << s.error_message().substr(0, 200);
+    EXPECT_LE(s.error_message().size(), 4096u) << rpc;
+  };
+  v1::CreatePlanRequest plan = Mlp("x");
+  plan.set_plan_id(huge);
+  v1::Plan p;
+  expect("CreatePlan", stub_->CreatePlan(Ctx().get(), plan, &p),
+         absl::StatusCode::kInvalidArgument);
+  v1::GetPlanRequest get_plan;
+  get_plan.set_name("plans/" + huge);
+  expect("GetPlan", stub_->GetPlan(Ctx().get(), get_plan, &p), absl::StatusCode::kInvalidArgument);
+  v1::GetDeploymentRequest get_deployment;
+  get_deployment.set_name("deployments/" + huge);
+  v1::Deployment d;
+  expect("GetDeployment", stub_->GetDeployment(Ctx().get(), get_deployment, &d),
+         absl::StatusCode::kNotFound);
+  v1::StopDeploymentRequest stop;
+  stop.set_name(huge);
+  expect("StopDeployment", stub_->StopDeployment(Ctx().get(), stop, &d),
+         absl::StatusCode::kNotFound);
+  v1::ListStepMetricsRequest metrics;
+  metrics.set_deployment(huge);
+  v1::ListStepMetricsResponse metrics_out;
+  expect("ListStepMetrics", stub_->ListStepMetrics(Ctx().get(), metrics, &metrics_out),
+         absl::StatusCode::kNotFound);
+  v1::StoreSetRequest set;
+  set.set_deployment(huge);
+  set.set_key(huge);
+  v1::StoreSetResponse set_out;
+  expect("StoreSet", stub_->StoreSet(Ctx().get(), set, &set_out), absl::StatusCode::kNotFound);
+  v1::DeleteNodeRequest del;
+  del.set_name(huge);
+  v1::DeleteNodeResponse del_out;
+  expect("DeleteNode", stub_->DeleteNode(Ctx().get(), del, &del_out),
+         absl::StatusCode::kInvalidArgument);
+  v1::RegisterNodeRequest reg;
+  *reg.mutable_node() = TestNode("m");
+  reg.mutable_node()->set_name(huge);
+  v1::RegisterNodeResponse reg_out;
+  expect("RegisterNode", stub_->RegisterNode(Ctx().get(), reg, &reg_out),
+         absl::StatusCode::kInvalidArgument);
+  v1::ReportLinksRequest links;
+  links.set_node(huge);
+  v1::ReportLinksResponse links_out;
+  expect("ReportLinks", stub_->ReportLinks(Ctx().get(), links, &links_out),
+         absl::StatusCode::kNotFound);
+  v1::CreateJobRequest job;
+  job.set_job_id(huge);
+  v1::Job j;
+  expect("CreateJob", stub_->CreateJob(Ctx().get(), job, &j), absl::StatusCode::kInvalidArgument);
+  v1::GetJobRequest get_job;
+  get_job.set_name("jobs/" + huge);
+  expect("GetJob", stub_->GetJob(Ctx().get(), get_job, &j), absl::StatusCode::kInvalidArgument);
+  v1::GetProbeAssignmentsRequest probes;
+  probes.set_node(huge);
+  v1::GetProbeAssignmentsResponse probes_out;
+  expect("GetProbeAssignments", stub_->GetProbeAssignments(Ctx().get(), probes, &probes_out),
+         absl::StatusCode::kNotFound);
+}
+
 // A page token is good only for the list that returned it: one from
 // another list (whose keys sort elsewhere) is INVALID_ARGUMENT, not a page
 // that silently skips items or comes back empty.
