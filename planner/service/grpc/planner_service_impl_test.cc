@@ -14,8 +14,10 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -415,6 +417,20 @@ class PlannerServiceImplTest : public ::testing::Test {
     return d;
   }
 
+  // Calls `method` with `request` whose string field `field` (none when
+  // empty) is set to `value`.
+  template <typename Request, typename Response>
+  grpc::Status Send(grpc::Status (v1::Planner::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                              Response*),
+                    Request request, const std::string& field, const std::string& value) {
+    if (!field.empty()) {
+      request.GetReflection()->SetString(&request, request.GetDescriptor()->FindFieldByName(field),
+                                         value);
+    }
+    Response response;
+    return (stub_.get()->*method)(Ctx().get(), request, &response);
+  }
+
   // The deployment once its push has ended.
   v1::Deployment Settled(const std::string& name) {
     v1::GetDeploymentRequest r;
@@ -509,66 +525,48 @@ TEST_F(PlannerServiceImplTest, OverlongNamesGetTheirOwnErrorsWithBoundedMessages
   std::string huge = "../a/";
   huge.push_back('\0');
   huge += std::string(10 * 1024, 'x');
-  auto expect = [&](const char* rpc, grpc::Status s, absl::StatusCode code) {
+  using Code = absl::StatusCode;
+  using Stub = v1::Planner::Stub;
+  v1::RegisterNodeRequest node;
+  *node.mutable_node() = TestNode("m");
+  const std::vector<std::tuple<const char*, Code, std::function<grpc::Status()>>> calls = {
+      {"CreatePlan", Code::kInvalidArgument,
+       [&] { return Send(&Stub::CreatePlan, Mlp("x"), "plan_id", huge); }},
+      {"GetPlan", Code::kInvalidArgument,
+       [&] { return Send(&Stub::GetPlan, v1::GetPlanRequest(), "name", "plans/" + huge); }},
+      {"GetDeployment", Code::kNotFound,
+       [&] {
+         return Send(&Stub::GetDeployment, v1::GetDeploymentRequest(), "name",
+                     "deployments/" + huge);
+       }},
+      {"StopDeployment", Code::kNotFound,
+       [&] { return Send(&Stub::StopDeployment, v1::StopDeploymentRequest(), "name", huge); }},
+      {"ListStepMetrics", Code::kNotFound,
+       [&] {
+         return Send(&Stub::ListStepMetrics, v1::ListStepMetricsRequest(), "deployment", huge);
+       }},
+      {"DeleteNode", Code::kInvalidArgument,
+       [&] { return Send(&Stub::DeleteNode, v1::DeleteNodeRequest(), "name", huge); }},
+      {"RegisterNode", Code::kInvalidArgument,
+       [&] {
+         node.mutable_node()->set_name(huge);
+         return Send(&Stub::RegisterNode, node, "", "");
+       }},
+      {"ReportLinks", Code::kNotFound,
+       [&] { return Send(&Stub::ReportLinks, v1::ReportLinksRequest(), "node", huge); }},
+      {"GetJob", Code::kInvalidArgument,
+       [&] { return Send(&Stub::GetJob, v1::GetJobRequest(), "name", "jobs/" + huge); }},
+      {"GetProbeAssignments", Code::kNotFound,
+       [&] {
+         return Send(&Stub::GetProbeAssignments, v1::GetProbeAssignmentsRequest(), "node", huge);
+       }},
+  };
+  for (const auto& [rpc, code, call] : calls) {
+    const grpc::Status s = call();
     EXPECT_EQ(static_cast<int>(s.error_code()), static_cast<int>(code))
         << rpc << ": " << s.error_code() << " " << s.error_message().substr(0, 200);
     EXPECT_LE(s.error_message().size(), 4096u) << rpc;
-  };
-  v1::CreatePlanRequest plan = Mlp("x");
-  plan.set_plan_id(huge);
-  v1::Plan p;
-  expect("CreatePlan", stub_->CreatePlan(Ctx().get(), plan, &p),
-         absl::StatusCode::kInvalidArgument);
-  v1::GetPlanRequest get_plan;
-  get_plan.set_name("plans/" + huge);
-  expect("GetPlan", stub_->GetPlan(Ctx().get(), get_plan, &p), absl::StatusCode::kInvalidArgument);
-  v1::GetDeploymentRequest get_deployment;
-  get_deployment.set_name("deployments/" + huge);
-  v1::Deployment d;
-  expect("GetDeployment", stub_->GetDeployment(Ctx().get(), get_deployment, &d),
-         absl::StatusCode::kNotFound);
-  v1::StopDeploymentRequest stop;
-  stop.set_name(huge);
-  expect("StopDeployment", stub_->StopDeployment(Ctx().get(), stop, &d),
-         absl::StatusCode::kNotFound);
-  v1::ListStepMetricsRequest metrics;
-  metrics.set_deployment(huge);
-  v1::ListStepMetricsResponse metrics_out;
-  expect("ListStepMetrics", stub_->ListStepMetrics(Ctx().get(), metrics, &metrics_out),
-         absl::StatusCode::kNotFound);
-  v1::StoreSetRequest set;
-  set.set_deployment(huge);
-  set.set_key(huge);
-  v1::StoreSetResponse set_out;
-  expect("StoreSet", stub_->StoreSet(Ctx().get(), set, &set_out), absl::StatusCode::kNotFound);
-  v1::DeleteNodeRequest del;
-  del.set_name(huge);
-  v1::DeleteNodeResponse del_out;
-  expect("DeleteNode", stub_->DeleteNode(Ctx().get(), del, &del_out),
-         absl::StatusCode::kInvalidArgument);
-  v1::RegisterNodeRequest reg;
-  *reg.mutable_node() = TestNode("m");
-  reg.mutable_node()->set_name(huge);
-  v1::RegisterNodeResponse reg_out;
-  expect("RegisterNode", stub_->RegisterNode(Ctx().get(), reg, &reg_out),
-         absl::StatusCode::kInvalidArgument);
-  v1::ReportLinksRequest links;
-  links.set_node(huge);
-  v1::ReportLinksResponse links_out;
-  expect("ReportLinks", stub_->ReportLinks(Ctx().get(), links, &links_out),
-         absl::StatusCode::kNotFound);
-  v1::CreateJobRequest job;
-  job.set_job_id(huge);
-  v1::Job j;
-  expect("CreateJob", stub_->CreateJob(Ctx().get(), job, &j), absl::StatusCode::kInvalidArgument);
-  v1::GetJobRequest get_job;
-  get_job.set_name("jobs/" + huge);
-  expect("GetJob", stub_->GetJob(Ctx().get(), get_job, &j), absl::StatusCode::kInvalidArgument);
-  v1::GetProbeAssignmentsRequest probes;
-  probes.set_node(huge);
-  v1::GetProbeAssignmentsResponse probes_out;
-  expect("GetProbeAssignments", stub_->GetProbeAssignments(Ctx().get(), probes, &probes_out),
-         absl::StatusCode::kNotFound);
+  }
 }
 
 // A page token is good only for the list that returned it: one from
