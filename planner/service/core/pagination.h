@@ -19,6 +19,14 @@ namespace hap::service {
 
 inline constexpr int kDefaultPageSize = 50;
 inline constexpr int kMaxPageSize = 1000;
+// A page of whole plans (ListPlans FULL) ends once it holds this many
+// bytes, with at least one plan.
+inline constexpr size_t kMaxFullPageBytes = size_t{32} << 20;
+
+// The token of the page of list `list` after key `last`.
+inline std::string PageTokenAfter(absl::string_view list, absl::string_view last) {
+  return absl::WebSafeBase64Escape(absl::StrCat(list, " after:", last));
+}
 
 // Calls emit(value) for each item of the page of list `list` ("plans",
 // "nodes", ...); returns next_page_token ("" after the last page).
@@ -46,7 +54,7 @@ absl::StatusOr<std::string> Paginate(const Map& m, int page_size, const std::str
   for (; it != m.end() && n < page_size; ++it, ++n) emit(it->second);
   if (it == m.end()) return std::string();
   auto last = std::prev(it);
-  return absl::WebSafeBase64Escape(marker + last->first);
+  return PageTokenAfter(list, last->first);
 }
 
 }  // namespace hap::service

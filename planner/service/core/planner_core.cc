@@ -949,13 +949,21 @@ absl::Status PlannerCore::PlansPage(int page_size, const std::string& token, boo
                         [&](const PlanEntry& e) { entries.emplace_back(e.summary->name(), e); }));
   }
   page->reserve(entries.size());
+  size_t bytes = 0;  // of whole plans
   for (auto& [name, e] : entries) {
     std::shared_ptr<const v1::Plan> whole;
     if (full) {
+      // Whole plans are megabytes each: a page ends at kMaxFullPageBytes
+      // (the next goes on after its last plan), not at gigabytes.
+      if (!page->empty() && bytes >= kMaxFullPageBytes) {
+        *next = PageTokenAfter("plans", page->back().name);
+        break;
+      }
       absl::StatusOr<std::shared_ptr<const v1::Plan>> w = Whole(name, e);
       if (absl::IsNotFound(w.status())) continue;  // deleted since the page was read
       HAP_RETURN_IF_ERROR(w.status());
       whole = *std::move(w);
+      bytes += whole->ByteSizeLong();
     }
     page->push_back({std::move(name), std::move(e), std::move(whole)});
   }

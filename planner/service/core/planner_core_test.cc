@@ -15,6 +15,7 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/plan_file.h"
+#include "planner/service/core/pagination.h"
 #include "planner/service/core/planner_core_test_util.h"
 
 namespace hap::service {
@@ -242,6 +243,48 @@ TEST_F(PlannerCoreTest, PagesThroughPlansAndDeletes) {
   ASSERT_TRUE(core_->DeletePlan("plans/p3").ok());
   EXPECT_THAT(core_->GetPlan("plans/p3", false), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_THAT(core_->DeletePlan("plans/p3"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+// A FULL page holds whole plans up to kMaxFullPageBytes (at least one),
+// and its token goes on from the last: 1,000 plans of a GPT-48 on 8
+// devices (megabytes each) were read whole, encoded and joined into one
+// answer of gigabytes, past what gRPC sends, by one ListPlans.
+TEST_F(PlannerCoreTest, AFullPageOfPlansIsBoundedInBytes) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 4, 2e12)).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  (*r.mutable_model()->mutable_zoo()->mutable_params())["layers"] = 32;
+  r.set_plan_id("p0");
+  auto first = core_->CreatePlan(r, Deadline());
+  ASSERT_TRUE(first.ok()) << first.status();
+  const size_t one = core_->GetPlan("plans/p0", true)->ByteSizeLong();
+  const int plans = static_cast<int>(kMaxFullPageBytes / one) * 3 / 2;
+  for (int i = 1; i < plans; ++i) {  // copies from the cache
+    r.set_plan_id(absl::StrCat("p", i));
+    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  }
+  std::set<std::string> seen;
+  std::string token;
+  int pages = 0;
+  do {
+    auto page = core_->ListPlans(kMaxPageSize, token, /*full=*/true);
+    ASSERT_TRUE(page.ok()) << page.status();
+    ASSERT_GT(page->plans_size(), 0);
+    size_t bytes = 0;
+    for (const v1::Plan& p : page->plans()) {
+      EXPECT_GT(p.rank_programs_size(), 0);  // whole
+      bytes += p.ByteSizeLong();
+      EXPECT_TRUE(seen.insert(p.name()).second) << p.name() << " twice";
+    }
+    EXPECT_LE(bytes, kMaxFullPageBytes + one);
+    token = page->next_page_token();
+    ++pages;
+  } while (!token.empty());
+  EXPECT_EQ(static_cast<int>(seen.size()), plans);
+  EXPECT_GE(pages, 2);
+  // BASIC pages are as long as asked.
+  auto basic = core_->ListPlans(kMaxPageSize, "", /*full=*/false);
+  ASSERT_TRUE(basic.ok());
+  EXPECT_EQ(basic->plans_size(), std::min(plans, kMaxPageSize));
 }
 
 TEST_F(PlannerCoreTest, WatchSeesTheFinalStateAndCancelStopsASearch) {
