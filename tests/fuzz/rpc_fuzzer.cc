@@ -3,10 +3,10 @@
 // the bytes are parsed as that RPC's request message (unparseable ones are
 // skipped) and given to the core (nodes, plans) or the deployment manager
 // (deployments, step metrics, the rendezvous store) as the gRPC service
-// does, and job specs to CreateJob's validation. One core and one manager
-// live across inputs, so calls meet the state earlier inputs left (nodes,
-// plans, deployments). Crashes, sanitizer
-// reports and hangs (libFuzzer's -timeout) are the findings; every status
+// does, and job requests to a job controller's CreateJob and reads. One
+// core and one manager live across inputs, so calls meet the state earlier
+// inputs left (nodes, plans, deployments). Crashes, sanitizer reports and
+// hangs (libFuzzer's -timeout) are the findings; every status
 // is acceptable, since validation answering is the point.
 //
 // Executors are a fake that answers nothing (the real gRPC client is tested
@@ -56,6 +56,7 @@ class NoExecutors final : public DeploymentExecutors {
 struct Service {
   std::unique_ptr<PlannerCore> core;
   std::unique_ptr<DeploymentManager> deployments;
+  std::unique_ptr<hap::service::JobBackend> job_backend;
 
   Service() {
     PlannerCoreOptions o;
@@ -73,6 +74,8 @@ struct Service {
       return std::make_unique<NoExecutors>(dep.ranks_size());
     };
     deployments = std::make_unique<DeploymentManager>(std::move(d));
+    job_backend = hap::service::NewCoreJobBackend(core.get(), deployments.get(),
+                                                  [] { return std::string("127.0.0.1:1"); });
   }
 };
 
@@ -229,9 +232,20 @@ void Call(Service& s, uint8_t method, const uint8_t* data, size_t size) {
       }
       break;
     }
-    case 20: {  // CreateJob's validation of the spec
+    case 20: {  // CreateJob (every check of the spec), then the job's reads
       v1::CreateJobRequest r;
-      if (Parse(data, size, &r)) (void)hap::service::ValidateJobSpec(r.spec());
+      if (!Parse(data, size, &r)) break;
+      // A controller of its own (no reconciliation loop): jobs that never
+      // finish do not pile up across inputs.
+      hap::service::JobControllerOptions o;
+      o.backend = s.job_backend.get();
+      hap::service::JobController jobs(std::move(o));
+      absl::StatusOr<v1::Job> job = jobs.Create(r);
+      if (!job.ok()) break;
+      if (!jobs.Get(job->name()).ok()) __builtin_trap();  // created, so there
+      (void)jobs.List(static_cast<int>(size % 3), r.job_id());
+      (void)jobs.Stop(job->name());
+      (void)jobs.Delete(job->name());
       break;
     }
     case 21: {
