@@ -744,9 +744,16 @@ absl::StatusOr<v1::ListStepMetricsResponse> DeploymentManager::ListStepMetrics(
     return absl::InvalidArgumentError(
         absl::StrCat("page_size must not be negative, got ", page_size));
   }
+  // Tokens are positions in the deployment's metrics, in a token of its
+  // own (a token of another deployment's is refused, not a position here).
+  const std::string list = absl::StrCat("step metrics of ", deployment);
   int64_t from = 0;
-  if (!page_token.empty() && (!absl::SimpleAtoi(page_token, &from) || from < 0)) {
-    return absl::InvalidArgumentError("page_token is not a token this server returned");
+  if (!page_token.empty()) {
+    HAP_ASSIGN_OR_RETURN(std::string position, PageTokenKey(list, page_token));
+    if (!absl::SimpleAtoi(position, &from) || from < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page_token is not a token this server returned for the list of ", list));
+    }
   }
   const int size = page_size == 0 ? 500 : std::min(page_size, 10000);
   v1::ListStepMetricsResponse out;
@@ -759,13 +766,13 @@ absl::StatusOr<v1::ListStepMetricsResponse> DeploymentManager::ListStepMetrics(
   // Tokens are positions up to the count (metrics kept only grow): one past
   // it was not returned here (and from + size would overflow for some).
   if (from > count) {
-    return absl::InvalidArgumentError(absl::StrCat("page_token '", page_token,
-                                                   "' is not a token this server returned (",
+    return absl::InvalidArgumentError(absl::StrCat("page_token (position ", from,
+                                                   ") is not a token this server returned (",
                                                    deployment, " has ", count, " step metrics)"));
   }
   const int64_t end = std::min(count, from + size);
   for (int64_t i = from; i < end; ++i) *out.add_metrics() = it->second[i];
-  if (end < count) out.set_next_page_token(absl::StrCat(end));
+  if (end < count) out.set_next_page_token(PageTokenAfter(list, absl::StrCat(end)));
   return out;
 }
 

@@ -22,6 +22,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/service/core/pagination.h"
 
 namespace hap::service {
 namespace {
@@ -904,6 +905,41 @@ TEST_F(DeploymentManagerTest, StepMetricsTheStoreRefusesPartWayAreServedAsStored
   }
 }
 
+// A ListStepMetrics token is good for the deployment that returned it:
+// one of another deployment was taken as a position in this one's metrics
+// and silently skipped them.
+TEST_F(DeploymentManagerTest, AStepMetricsTokenOfAnotherDeploymentIsRefused) {
+  std::vector<std::string> names;
+  for (int i = 0; i < 2; ++i) {
+    auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+    ASSERT_THAT(d, IsOk());
+    names.push_back(d->name());
+    std::vector<v1::StepMetric> metrics;
+    for (int step = 0; step < 3; ++step) {
+      v1::StepMetric m;
+      m.set_deployment(d->name());
+      m.set_step(step);
+      metrics.push_back(m);
+    }
+    ASSERT_THAT(manager_->ReportStepMetrics(metrics), IsOk());
+  }
+  auto first = manager_->ListStepMetrics(names[0], 1, "");
+  ASSERT_THAT(first, IsOk());
+  ASSERT_FALSE(first->next_page_token().empty());
+  EXPECT_THAT(manager_->ListStepMetrics(names[1], 1, first->next_page_token()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("page_token"), HasSubstr(names[1]))));
+  std::vector<int64_t> steps;
+  std::string token;
+  do {
+    auto page = manager_->ListStepMetrics(names[0], 1, token);
+    ASSERT_THAT(page, IsOk());
+    for (const auto& m : page->metrics()) steps.push_back(m.step());
+    token = page->next_page_token();
+  } while (!token.empty());
+  EXPECT_EQ(steps, (std::vector<int64_t>{0, 1, 2}));
+}
+
 TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeployment) {
   auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
   ASSERT_THAT(d, IsOk());
@@ -917,18 +953,23 @@ TEST_F(DeploymentManagerTest, StepMetricsAndTheRendezvousStoreBelongToADeploymen
   m.set_rank(2);
   EXPECT_THAT(manager_->ReportStepMetrics({m}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 2 and step 4")));
-  EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, "-3"),
+  const std::string list = absl::StrCat("step metrics of ", d->name());
+  for (const char* token : {"-3", "1"}) {  // not a token of the list
+    EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, token),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  }
+  EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, PageTokenAfter(list, "-3")),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
   // A position past the metrics was not returned (INT64_MAX + page_size
   // overflowed).
-  for (const char* token : {"2", "9223372036854775807"}) {
-    EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, token),
+  for (const char* position : {"2", "9223372036854775807"}) {
+    EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, PageTokenAfter(list, position)),
                 StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr(absl::StrCat("page_token '", token,
-                                                "' is not a token this server returned (",
+                         HasSubstr(absl::StrCat("page_token (position ", position,
+                                                ") is not a token this server returned (",
                                                 d->name(), " has 1 step metrics)"))));
   }
-  EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, "1"), IsOk());
+  EXPECT_THAT(manager_->ListStepMetrics(d->name(), 10, PageTokenAfter(list, "1")), IsOk());
   auto page = manager_->ListStepMetrics(d->name(), 10, "");
   ASSERT_THAT(page, IsOk());
   EXPECT_EQ(page->metrics_size(), 1);

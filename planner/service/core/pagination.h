@@ -28,6 +28,19 @@ inline std::string PageTokenAfter(absl::string_view list, absl::string_view last
   return absl::WebSafeBase64Escape(absl::StrCat(list, " after:", last));
 }
 
+// The key after which the page of `token` starts, if `token` is one of
+// list `list`'s (PageTokenAfter); otherwise InvalidArgument.
+inline absl::StatusOr<std::string> PageTokenKey(absl::string_view list, const std::string& token) {
+  const std::string marker = absl::StrCat(list, " after:");
+  std::string raw;
+  if (!absl::WebSafeBase64Unescape(token, &raw) || raw.rfind(marker, 0) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_token is not a token this server returned for the list of ", list,
+                     " (pass next_page_token of the same list as is)"));
+  }
+  return raw.substr(marker.size());
+}
+
 // Calls emit(value) for each item of the page of list `list` ("plans",
 // "nodes", ...); returns next_page_token ("" after the last page).
 template <typename Map, typename Fn>
@@ -39,16 +52,11 @@ absl::StatusOr<std::string> Paginate(const Map& m, int page_size, const std::str
   }
   if (page_size == 0) page_size = kDefaultPageSize;
   page_size = std::min(page_size, kMaxPageSize);
-  const std::string marker = absl::StrCat(list, " after:");
   auto it = m.begin();
   if (!token.empty()) {
-    std::string raw;
-    if (!absl::WebSafeBase64Unescape(token, &raw) || raw.rfind(marker, 0) != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("page_token is not a token this server returned for the list of ", list,
-                       " (pass next_page_token of the same list as is)"));
-    }
-    it = m.upper_bound(raw.substr(marker.size()));
+    absl::StatusOr<std::string> after = PageTokenKey(list, token);
+    if (!after.ok()) return after.status();
+    it = m.upper_bound(*after);
   }
   int n = 0;
   for (; it != m.end() && n < page_size; ++it, ++n) emit(it->second);
