@@ -45,9 +45,6 @@ constexpr char kSupersededPrefix[] = "superseded-";
 // Next to a rank's file in the temporary directory when its write failed:
 // holds the error.
 constexpr char kFailedSuffix[] = ".failed";
-// A shard's header metadata "crc32c:NAME": the CRC-32C of tensor NAME's
-// bytes, 8 hex digits (shards written before these have none).
-constexpr char kCrcPrefix[] = "crc32c:";
 
 bool IsPersistent(const v1::Buffer& b) {
   return b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::OPTIMIZER_STATE;
@@ -581,10 +578,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
                                                      {"step", std::to_string(r.trainer.step())},
                                                      {"rank", std::to_string(r.rank)},
                                                      {"world_size", std::to_string(world)}};
-      for (const SafetensorsEntry& e : entries) {
-        metadata[absl::StrCat(kCrcPrefix, e.name)] =
-            Crc32cHex(Crc32c(0, e.data.data, static_cast<size_t>(e.data.bytes())));
-      }
+      AddChecksums(entries, &metadata);
       wrote = WriteSafetensors(file, entries, metadata);
     }
     if (!wrote.ok()) {
@@ -779,17 +773,28 @@ absl::StatusOr<const SafetensorsFile*> CheckpointReader::File(const std::string&
   return it->second.get();
 }
 
-absl::Status CheckpointReader::VerifyChecksum(const SafetensorsFile& f, const std::string& name) {
+void AddChecksums(const std::vector<SafetensorsEntry>& entries,
+                  std::map<std::string, std::string>* metadata) {
+  for (const SafetensorsEntry& e : entries) {
+    const int64_t width = e.other_dtype.empty() ? graph::DTypeBytes(e.data.dtype)
+                                                : SafetensorsDTypeWidth(e.other_dtype);
+    (*metadata)[absl::StrCat(kCrcPrefix, e.name)] =
+        Crc32cHex(Crc32c(0, e.data.data, static_cast<size_t>(e.data.num_elements() * width)));
+  }
+}
+
+absl::Status VerifyChecksum(const SafetensorsFile& f, const std::string& name,
+                            std::set<std::pair<std::string, std::string>>* verified) {
   auto recorded = f.metadata().find(absl::StrCat(kCrcPrefix, name));
   if (recorded == f.metadata().end()) return absl::OkStatus();  // written before checksums
-  if (verified_.count({f.path(), name})) return absl::OkStatus();
+  if (verified->count({f.path(), name})) return absl::OkStatus();
   HAP_ASSIGN_OR_RETURN(uint32_t crc, f.Crc32cOf(name));
   if (Crc32cHex(crc) != recorded->second) {
     return absl::DataLossError(absl::StrCat(f.path(), " is damaged: the bytes of tensor '", name,
                                             "' have CRC-32C ", Crc32cHex(crc),
                                             ", its header records ", recorded->second));
   }
-  verified_.insert({f.path(), name});
+  verified->insert({f.path(), name});
   return absl::OkStatus();
 }
 
@@ -898,7 +903,7 @@ absl::Status CheckpointReader::Read(const std::string& name, const Shape& global
     }
     if (!overlaps) continue;
     HAP_ASSIGN_OR_RETURN(const SafetensorsFile* f, File(s.file()));
-    HAP_RETURN_IF_ERROR(VerifyChecksum(*f, name));
+    HAP_RETURN_IF_ERROR(VerifyChecksum(*f, name, &verified_));
     auto view = f->View(name);
     if (!view.ok()) return absl::DataLossError(std::string(view.status().message()));
     const Shape extents(s.extents().begin(), s.extents().end());

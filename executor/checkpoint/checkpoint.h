@@ -219,16 +219,12 @@ class CheckpointReader : public TensorSource {
  private:
   CheckpointReader() = default;
   absl::StatusOr<const SafetensorsFile*> File(const std::string& name);
-  // DataLoss naming the file and the tensor when the CRC-32C its header
-  // records for `name` (shards written before checksums record none) is
-  // not that of its bytes; each tensor of a file is checked once.
-  absl::Status VerifyChecksum(const SafetensorsFile& f, const std::string& name);
   std::string dir_;
   hap::v1::CheckpointIndex index_;
   hap::v1::TrainerState trainer_;
   std::map<std::string, const hap::v1::CheckpointIndex::Tensor*> by_name_;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
-  std::set<std::pair<std::string, std::string>> verified_;  // (file, tensor)
+  std::set<std::pair<std::string, std::string>> verified_;  // (file, tensor): CRC-32C checked
 };
 
 // A safetensors file of whole tensors by name (--init-weights, the
@@ -266,6 +262,7 @@ class WeightsReader : public TensorSource {
   std::unique_ptr<SafetensorsFile> file_;
   StateDictSlices slices_;
   StateDictExtras extras_;
+  std::set<std::pair<std::string, std::string>> verified_;  // (file, tensor): CRC-32C checked
 };
 
 // Sets `trainer`'s num_batches_tracked to the values the counters of its
@@ -345,7 +342,8 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
 // Writes every tensor of a checkpoint whole into one safetensors file
 // (parameters only unless `with_optimizer_state`), the slices of the
 // trainer state's state_dict_slices joined into their source tensors, so
-// that PyTorch's load_state_dict takes the file. Returns the bytes written.
+// that PyTorch's load_state_dict takes the file, with each tensor's CRC-32C
+// in its metadata (which WeightsReader checks). Returns the bytes written.
 absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::string& out,
                                          bool with_optimizer_state);
 

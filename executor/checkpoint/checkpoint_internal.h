@@ -5,7 +5,11 @@
 #define HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_INTERNAL_H_
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,6 +19,21 @@
 namespace hap::executor::checkpoint {
 
 inline constexpr char kTrainerFile[] = "trainer.json";
+
+// A safetensors file's metadata "crc32c:NAME": the CRC-32C of tensor NAME's
+// bytes, 8 hex digits (checkpoint shards and exports; files written before
+// these, and PyTorch's, have none).
+inline constexpr char kCrcPrefix[] = "crc32c:";
+
+// Adds to `metadata` the kCrcPrefix entry of each of `entries`.
+void AddChecksums(const std::vector<SafetensorsEntry>& entries,
+                  std::map<std::string, std::string>* metadata);
+
+// DataLoss naming the file and the tensor when the CRC-32C `f` records for
+// tensor `name` is not that of its bytes; OK when it records none. Each
+// (file, tensor) in `verified` is checked once.
+absl::Status VerifyChecksum(const SafetensorsFile& f, const std::string& name,
+                            std::set<std::pair<std::string, std::string>>* verified);
 
 // Why the slices of `t` do not cover it exactly once, or "" when they do:
 // every slice lies within [0, shape), no two overlap, and their volumes sum

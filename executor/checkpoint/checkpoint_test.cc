@@ -13,7 +13,6 @@
 #include <functional>
 #include <map>
 #include <thread>
-#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -39,15 +38,16 @@ namespace {
 namespace v1 = ::hap::v1;
 namespace fs = std::filesystem;
 using ::hap::testing::StatusIs;
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using test_util::Entries;
+using test_util::FlipTheLastByte;
 using test_util::Fresh;
 using test_util::Mlp;
 using test_util::Programs;
 using test_util::Train;
 using test_util::TrainAndSave;
 using test_util::TrainAndSaveFrom;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 TEST(CheckpointTest, KeepsTheNewestCompleteCheckpointsOnly) {
   graph::Graph g = Mlp();
@@ -859,23 +859,6 @@ TEST(CheckpointTest, APipeInsteadOfACheckpointFileIsRefusedWithoutHanging) {
                          AllOf(HasSubstr(step + "/" + file), HasSubstr("not a regular file"))))
         << file;
   }
-}
-
-// The tensor whose bytes end `path` (a shard), after flipping a bit of its
-// last byte.
-std::string FlipTheLastByte(const std::string& path) {
-  auto f = SafetensorsFile::Open(path);
-  EXPECT_TRUE(f.ok()) << f.status();
-  std::string last;
-  int64_t end = -1;
-  for (const auto& [name, t] : (*f)->tensors()) {
-    if (t.end > end) std::tie(last, end) = std::make_pair(name, t.end);
-  }
-  auto bytes = ReadFile(path);
-  EXPECT_TRUE(bytes.ok());
-  bytes->back() ^= 0x10;
-  EXPECT_TRUE(WriteFileSynced(path, *bytes).ok());
-  return last;
 }
 
 // A flipped bit in a shard's data (the storage's damage: size and header

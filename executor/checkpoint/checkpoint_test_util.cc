@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <filesystem>
 #include <memory>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "executor/checkpoint/file_util.h"
+#include "executor/checkpoint/safetensors.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
 #include "executor/train/test_programs.h"
@@ -96,6 +100,23 @@ std::vector<TrainResult> TrainAndSave(const graph::Graph& g,
   auto r = TrainAndSaveFrom(g, programs, {dir, 1, keep, steps}, 0, steps);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? *r : std::vector<TrainResult>{};
+}
+
+std::string FlipTheLastByte(const std::string& path) {
+  auto f = SafetensorsFile::Open(path);
+  EXPECT_TRUE(f.ok()) << f.status();
+  if (!f.ok()) return "";
+  std::string last;
+  int64_t end = -1;
+  for (const auto& [name, t] : (*f)->tensors()) {
+    if (t.end > end) std::tie(last, end) = std::make_pair(name, t.end);
+  }
+  auto bytes = ReadFile(path);
+  EXPECT_TRUE(bytes.ok() && !bytes->empty());
+  if (!bytes.ok() || bytes->empty()) return "";
+  bytes->back() ^= 0x10;
+  EXPECT_TRUE(WriteFileSynced(path, *bytes).ok());
+  return last;
 }
 
 std::vector<std::string> Entries(const std::string& dir) {

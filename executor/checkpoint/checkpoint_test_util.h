@@ -43,6 +43,11 @@ std::vector<TrainResult> TrainAndSave(const graph::Graph& g,
                                       const std::vector<hap::v1::RankProgram>& programs,
                                       const std::string& dir, int steps, int keep);
 
+// Flips a bit of the last byte of the safetensors file `path` (a shard, an
+// export): the last tensor's data, size and header intact. Returns that
+// tensor's name.
+std::string FlipTheLastByte(const std::string& path);
+
 // The names in `dir`, sorted.
 std::vector<std::string> Entries(const std::string& dir);
 

@@ -403,6 +403,7 @@ absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
   auto slice = slices_.find(name);
   if (slice != slices_.end()) {
     const StateDictSlice& s = slice->second;
+    HAP_RETURN_IF_ERROR(VerifyChecksum(*file_, FileName(s.source), &verified_));
     HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(FileName(s.source)));
     HAP_RETURN_IF_ERROR(CheckRequest(s.source, whole.dtype, whole.shape, s.source_shape,
                                      std::vector<int64_t>(s.source_shape.size(), 0),
@@ -418,6 +419,7 @@ absl::Status WeightsReader::Read(const std::string& name, const Shape& global,
     const std::vector<int64_t> zero(global.size(), 0);
     return CopyOverlap(whole, zero, dst, in_source).status();
   }
+  HAP_RETURN_IF_ERROR(VerifyChecksum(*file_, FileName(name), &verified_));
   HAP_ASSIGN_OR_RETURN(TensorView whole, file_->View(FileName(name)));
   HAP_RETURN_IF_ERROR(
       CheckRequest(name, whole.dtype, whole.shape, global, offsets, dst, file_->path()));
@@ -579,12 +581,13 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
     entries.push_back({alias, it->second.view()});
     bytes += it->second.view().bytes();
   }
-  HAP_RETURN_IF_ERROR(
-      WriteSafetensorsAtomically(out, entries,
-                                 {{"format", "pt"},
-                                  {"hap_step", std::to_string(reader.trainer().step())},
-                                  {"hap_graph", reader.trainer().graph_name()},
-                                  {"hap_graph_hash", reader.trainer().graph_hash()}}));
+  std::map<std::string, std::string> metadata = {
+      {"format", "pt"},
+      {"hap_step", std::to_string(reader.trainer().step())},
+      {"hap_graph", reader.trainer().graph_name()},
+      {"hap_graph_hash", reader.trainer().graph_hash()}};
+  AddChecksums(entries, &metadata);  // checked by --init-weights
+  HAP_RETURN_IF_ERROR(WriteSafetensorsAtomically(out, entries, metadata));
   return bytes;
 }
 

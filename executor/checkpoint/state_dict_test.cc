@@ -455,5 +455,33 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
                              HasSubstr("flags (a buffer the graph's constants"))));
 }
 
+// A flipped bit in an export (`hapctl checkpoint export`, then
+// --init-weights) started a run from the damaged weights. Exports record
+// each tensor's CRC-32C, which reading a weights file checks (a file
+// without them, such as PyTorch's, is read as it is).
+TEST(CheckpointTest, AFlippedBitInAnExportIsDataLossAtInitWeights) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("export_flipped");
+  TrainAndSave(g, Programs(g, 1, "single"), dir, 1, 3);
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string out = dir + "/model.safetensors";
+  ASSERT_TRUE(ExportCheckpoint(**reader, out, false).ok());
+  auto init = [&]() -> absl::Status {
+    HAP_ASSIGN_OR_RETURN(std::unique_ptr<WeightsReader> w, WeightsReader::OpenFor(out, g));
+    auto programs = Programs(g, 1, "single");
+    auto comm = NewInProcessGroup(1);
+    std::unique_ptr<Device> device = NewCpuDevice(1);
+    HAP_ASSIGN_OR_RETURN(std::unique_ptr<ProgramRunner> runner,
+                         ProgramRunner::Create(programs[0], g, device.get(), comm[0].get()));
+    return InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(w)), &g)(*runner);
+  };
+  ASSERT_TRUE(init().ok());
+  const std::string last = test_util::FlipTheLastByte(out);
+  EXPECT_THAT(init(), StatusIs(absl::StatusCode::kDataLoss,
+                               AllOf(HasSubstr(out + " is damaged"), HasSubstr("'" + last + "'"),
+                                     HasSubstr("CRC-32C"))));
+}
+
 }  // namespace
 }  // namespace hap::executor::checkpoint
