@@ -361,6 +361,15 @@ absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   if (s_->jobs.count(j.name())) {
     return absl::AlreadyExistsError(absl::StrCat(j.name(), " already exists"));
   }
+  int unfinished = 0;
+  for (const auto& [name, other] : s_->jobs) {
+    unfinished += job_internal::Final(other.status().state()) ? 0 : 1;
+  }
+  if (unfinished >= kMaxUnfinishedJobs) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(unfinished, " jobs are not finished, the most the planner holds (",
+                     kMaxUnfinishedJobs, "): wait for some to finish or StopJob some"));
+  }
   // One writer a checkpoint directory: two jobs training into one would
   // resume from (and retire) each other's checkpoints. A finished job's
   // directory may be taken (a new job then resumes from its last step).

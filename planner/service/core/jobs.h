@@ -144,6 +144,9 @@ struct JobControllerOptions {
   size_t max_events = 100;  // per job, oldest dropped
 };
 
+// Jobs not yet finished at most: CreateJob beyond is ResourceExhausted.
+inline constexpr int kMaxUnfinishedJobs = 1000;
+
 // InvalidArgument naming the field for a spec a job cannot run with.
 absl::Status ValidateJobSpec(const hap::v1::JobSpec& spec);
 

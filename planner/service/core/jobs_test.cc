@@ -289,6 +289,28 @@ TEST_F(JobsTest, TwoLiveJobsCannotShareACheckpointDirectory) {
   EXPECT_OK(c_->Create(Request("b")).status());
 }
 
+// Unfinished jobs are bounded (kMaxUnfinishedJobs): each holds its spec
+// (a graph of up to the request limit) and is driven by every pass, and
+// retention only deletes finished jobs, so CreateJob called without end
+// grew the planner without end. One more is RESOURCE_EXHAUSTED, saved
+// nowhere.
+TEST_F(JobsTest, UnfinishedJobsAreBounded) {
+  Make();
+  for (int i = 0; i < kMaxUnfinishedJobs; ++i) {
+    v1::CreateJobRequest r = Request(absl::StrCat("j", i));
+    r.mutable_spec()->mutable_training()->set_checkpoint_dir(absl::StrCat(kDir, "-", i));
+    ASSERT_OK(c_->Create(r).status());
+  }
+  v1::CreateJobRequest over = Request("over");
+  over.mutable_spec()->mutable_training()->set_checkpoint_dir(absl::StrCat(kDir, "-over"));
+  EXPECT_THAT(c_->Create(over).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       ::testing::AllOf(HasSubstr(absl::StrCat(kMaxUnfinishedJobs)),
+                                        HasSubstr("StopJob"))));
+  EXPECT_THAT(c_->Get("jobs/over").status(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_EQ(sink_.jobs.count("jobs/over"), 0u);
+}
+
 TEST_F(JobsTest, StopWhileRunningWaitsForTheDeploymentToStop) {
   Make();
   const std::string first = StartRunning();
