@@ -99,7 +99,9 @@ steps that remain.
 --checkpoint-dir DIR saves a checkpoint every --checkpoint-every steps (0,
 the default: only at the end) and after the last step into
 DIR/step-NNNNNNNN/, keeping the newest --checkpoint-keep (default 3). Every
-rank writes its own slices; DIR must be visible to every rank.
+rank writes its own slices; DIR must be visible to every rank. Its first
+save renames the checkpoints in DIR past the step the run started from (a
+run it replaces) to superseded-step-NNNNNNNN/.
 --resume DIR starts from DIR's latest complete checkpoint (or the given
 step-* directory), onto this plan whatever plan wrote it, if the graph is
 the same. --init-weights FILE starts from the parameters of a safetensors
