@@ -523,9 +523,11 @@ absl::StatusOr<v1::ListDeploymentsResponse> DeploymentManager::List(
     int page_size, const std::string& page_token) const {
   v1::ListDeploymentsResponse out;
   absl::MutexLock l(&s_->mu);
-  HAP_ASSIGN_OR_RETURN(std::string next,
-                       Paginate(s_->deployments, page_size, page_token, "deployments",
-                                [&](const v1::Deployment& d) { *out.add_deployments() = d; }));
+  HAP_ASSIGN_OR_RETURN(std::string next, Paginate(s_->deployments, page_size, page_token,
+                                                  "deployments", [&](const v1::Deployment& d) {
+                                                    *out.add_deployments() = d;
+                                                    return d.ByteSizeLong();
+                                                  }));
   out.set_next_page_token(next);
   return out;
 }

@@ -410,8 +410,11 @@ absl::StatusOr<v1::ListJobsResponse> JobController::List(int page_size,
                                                          const std::string& page_token) const {
   v1::ListJobsResponse out;
   absl::MutexLock l(&s_->mu);
-  HAP_ASSIGN_OR_RETURN(std::string next, Paginate(s_->jobs, page_size, page_token, "jobs",
-                                                  [&](const v1::Job& j) { *out.add_jobs() = j; }));
+  HAP_ASSIGN_OR_RETURN(std::string next,
+                       Paginate(s_->jobs, page_size, page_token, "jobs", [&](const v1::Job& j) {
+                         *out.add_jobs() = j;
+                         return j.ByteSizeLong();
+                       }));
   out.set_next_page_token(next);
   return out;
 }

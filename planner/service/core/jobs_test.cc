@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "planner/service/core/jobs_test_util.h"
+#include "planner/service/core/pagination.h"
 
 namespace hap::service::jobs_testing {
 namespace {
@@ -309,6 +310,35 @@ TEST_F(JobsTest, UnfinishedJobsAreBounded) {
                                         HasSubstr("StopJob"))));
   EXPECT_THAT(c_->Get("jobs/over").status(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_EQ(sink_.jobs.count("jobs/over"), 0u);
+}
+
+// A page of jobs ends once it holds kMaxPageBytes (at least one job), its
+// token going on after the last: a spec may carry a graph of up to the
+// request limit, and 1,000 of them were one answer of gigabytes.
+TEST_F(JobsTest, APageOfJobsIsBoundedInBytes) {
+  Make();
+  const int jobs = static_cast<int>(kMaxPageBytes >> 20) * 3 / 2;
+  for (int i = 0; i < jobs; ++i) {
+    v1::CreateJobRequest r = Request(absl::StrCat("j", i));
+    r.mutable_spec()->mutable_training()->set_checkpoint_dir(absl::StrCat(kDir, "-", i));
+    r.mutable_spec()->mutable_model()->mutable_graph()->add_ops()->set_name(
+        std::string(1 << 20, 'o'));  // a spec of 1 MiB
+    ASSERT_OK(c_->Create(r).status());
+  }
+  std::set<std::string> seen;
+  std::string token;
+  int pages = 0;
+  do {
+    absl::StatusOr<v1::ListJobsResponse> page = c_->List(kMaxPageSize, token);
+    ASSERT_OK(page.status());
+    ASSERT_GT(page->jobs_size(), 0);
+    EXPECT_LE(page->ByteSizeLong(), kMaxPageBytes + (size_t{2} << 20));
+    for (const v1::Job& j : page->jobs()) EXPECT_TRUE(seen.insert(j.name()).second) << j.name();
+    token = page->next_page_token();
+    ++pages;
+  } while (!token.empty());
+  EXPECT_EQ(static_cast<int>(seen.size()), jobs);
+  EXPECT_GE(pages, 2);
 }
 
 TEST_F(JobsTest, StopWhileRunningWaitsForTheDeploymentToStop) {

@@ -19,9 +19,10 @@ namespace hap::service {
 
 inline constexpr int kDefaultPageSize = 50;
 inline constexpr int kMaxPageSize = 1000;
-// A page of whole plans (ListPlans FULL) ends once it holds this many
-// bytes, with at least one plan.
-inline constexpr size_t kMaxFullPageBytes = size_t{32} << 20;
+// A page ends once it holds this many bytes, with at least one item
+// (records carry what clients sent: a job's graph, a node's labels; a
+// plan's FULL view is megabytes).
+inline constexpr size_t kMaxPageBytes = size_t{32} << 20;
 
 // The token of the page of list `list` after key `last`.
 inline std::string PageTokenAfter(absl::string_view list, absl::string_view last) {
@@ -42,7 +43,9 @@ inline absl::StatusOr<std::string> PageTokenKey(absl::string_view list, const st
 }
 
 // Calls emit(value) for each item of the page of list `list` ("plans",
-// "nodes", ...); returns next_page_token ("" after the last page).
+// "nodes", ...); emit returns the bytes the item added to the answer, and
+// the page ends early once they reach kMaxPageBytes. Returns
+// next_page_token ("" after the last page).
 template <typename Map, typename Fn>
 absl::StatusOr<std::string> Paginate(const Map& m, int page_size, const std::string& token,
                                      absl::string_view list, const Fn& emit) {
@@ -59,7 +62,10 @@ absl::StatusOr<std::string> Paginate(const Map& m, int page_size, const std::str
     it = m.upper_bound(*after);
   }
   int n = 0;
-  for (; it != m.end() && n < page_size; ++it, ++n) emit(it->second);
+  size_t bytes = 0;
+  for (; it != m.end() && n < page_size && bytes < kMaxPageBytes; ++it, ++n) {
+    bytes += emit(it->second);
+  }
   if (it == m.end()) return std::string();
   auto last = std::prev(it);
   return PageTokenAfter(list, last->first);

@@ -944,18 +944,20 @@ absl::Status PlannerCore::PlansPage(int page_size, const std::string& token, boo
   std::vector<std::pair<std::string, PlanEntry>> entries;
   {
     absl::MutexLock l(&s_->mu);
-    HAP_ASSIGN_OR_RETURN(
-        *next, Paginate(s_->plans, page_size, token, "plans",
-                        [&](const PlanEntry& e) { entries.emplace_back(e.summary->name(), e); }));
+    HAP_ASSIGN_OR_RETURN(*next,
+                         Paginate(s_->plans, page_size, token, "plans", [&](const PlanEntry& e) {
+                           entries.emplace_back(e.summary->name(), e);
+                           return e.summary->ByteSizeLong();
+                         }));
   }
   page->reserve(entries.size());
   size_t bytes = 0;  // of whole plans
   for (auto& [name, e] : entries) {
     std::shared_ptr<const v1::Plan> whole;
     if (full) {
-      // Whole plans are megabytes each: a page ends at kMaxFullPageBytes
+      // Whole plans are megabytes each: a page ends at kMaxPageBytes
       // (the next goes on after its last plan), not at gigabytes.
-      if (!page->empty() && bytes >= kMaxFullPageBytes) {
+      if (!page->empty() && bytes >= kMaxPageBytes) {
         *next = PageTokenAfter("plans", page->back().name);
         break;
       }

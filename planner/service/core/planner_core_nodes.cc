@@ -258,8 +258,11 @@ absl::StatusOr<v1::ListNodesResponse> PlannerCore::ListNodes(int page_size,
   absl::MutexLock l(&s_->mu);
   RefreshLivenessLocked();
   v1::ListNodesResponse r;
-  HAP_ASSIGN_OR_RETURN(std::string next, Paginate(s_->nodes, page_size, token, "nodes",
-                                                  [&](const v1::Node& n) { *r.add_nodes() = n; }));
+  HAP_ASSIGN_OR_RETURN(std::string next,
+                       Paginate(s_->nodes, page_size, token, "nodes", [&](const v1::Node& n) {
+                         *r.add_nodes() = n;
+                         return n.ByteSizeLong();
+                       }));
   r.set_next_page_token(next);
   return r;
 }

@@ -245,7 +245,7 @@ TEST_F(PlannerCoreTest, PagesThroughPlansAndDeletes) {
   EXPECT_THAT(core_->DeletePlan("plans/p3"), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
-// A FULL page holds whole plans up to kMaxFullPageBytes (at least one),
+// A FULL page holds whole plans up to kMaxPageBytes (at least one),
 // and its token goes on from the last: 1,000 plans of a GPT-48 on 8
 // devices (megabytes each) were read whole, encoded and joined into one
 // answer of gigabytes, past what gRPC sends, by one ListPlans.
@@ -257,7 +257,7 @@ TEST_F(PlannerCoreTest, AFullPageOfPlansIsBoundedInBytes) {
   auto first = core_->CreatePlan(r, Deadline());
   ASSERT_TRUE(first.ok()) << first.status();
   const size_t one = core_->GetPlan("plans/p0", true)->ByteSizeLong();
-  const int plans = static_cast<int>(kMaxFullPageBytes / one) * 3 / 2;
+  const int plans = static_cast<int>(kMaxPageBytes / one) * 3 / 2;
   for (int i = 1; i < plans; ++i) {  // copies from the cache
     r.set_plan_id(absl::StrCat("p", i));
     ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
@@ -275,7 +275,7 @@ TEST_F(PlannerCoreTest, AFullPageOfPlansIsBoundedInBytes) {
       bytes += p.ByteSizeLong();
       EXPECT_TRUE(seen.insert(p.name()).second) << p.name() << " twice";
     }
-    EXPECT_LE(bytes, kMaxFullPageBytes + one);
+    EXPECT_LE(bytes, kMaxPageBytes + one);
     token = page->next_page_token();
     ++pages;
   } while (!token.empty());
