@@ -164,6 +164,21 @@ class AgentTest : public ::testing::Test {
     return b;
   }
 
+  // node-a, checking for drift every 20 ms at 20%, with `executors`,
+  // started and registered (nullptr, failing the test, where it is not).
+  std::unique_ptr<Agent> DriftCheckingAgent(std::vector<std::string> executors = {}) {
+    AgentOptions o = Options("node-a");
+    o.executors = std::move(executors);
+    o.drift = 0.2;
+    o.drift_check_interval = absl::Milliseconds(20);
+    auto agent = StartAgent(o, &state_);
+    if (agent == nullptr || !Registered("node-a")) {
+      ADD_FAILURE() << "node-a did not start and register";
+      return nullptr;
+    }
+    return agent;
+  }
+
   bool Registered(const std::string& name, int times = 1) {
     return planner_.WaitFor(
         [&](const Record& r) { return r.registrations >= times && r.nodes.count(name); });
@@ -359,12 +374,8 @@ TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
 }
 
 TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {
-  AgentOptions o = Options("node-a");
-  o.drift = 0.2;
-  o.drift_check_interval = absl::Milliseconds(20);
-  auto agent = StartAgent(o, &state_);
+  auto agent = DriftCheckingAgent();
   ASSERT_TRUE(agent);
-  ASSERT_TRUE(Registered("node-a"));
   // Within the tolerance: several checks pass without a probe.
   state_.flops = 1.1e9;
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 10; }));
@@ -383,13 +394,8 @@ TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {
 TEST_F(AgentTest, NoDriftCheckWhileAnExecutorOfTheNodeTrains) {
   FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
   executor.set_state(v1::ExecutorStatus::TRAINING);
-  AgentOptions o = Options("node-a");
-  o.executors = {executor.address()};
-  o.drift = 0.2;
-  o.drift_check_interval = absl::Milliseconds(20);
-  auto agent = StartAgent(o, &state_);
+  auto agent = DriftCheckingAgent({executor.address()});
   ASSERT_TRUE(agent);
-  ASSERT_TRUE(Registered("node-a"));
   state_.flops = 0.5e9;  // what a quick check beside the job measures
   const int asked = executor.asked();
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 15; }));
@@ -407,12 +413,8 @@ TEST_F(AgentTest, NoDriftCheckWhileAnExecutorOfTheNodeTrains) {
 // on the node.
 TEST_F(AgentTest, NoDriftCheckWhileThePlannerSaysTheNodeTrains) {
   planner_.SetTraining("node-a", true);
-  AgentOptions o = Options("node-a");
-  o.drift = 0.2;
-  o.drift_check_interval = absl::Milliseconds(20);
-  auto agent = StartAgent(o, &state_);
+  auto agent = DriftCheckingAgent();
   ASSERT_TRUE(agent);
-  ASSERT_TRUE(Registered("node-a"));
   state_.flops = 0.5e9;
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.heartbeats >= 20; }));
   EXPECT_EQ(state_.probes.load(), 1);
