@@ -2,6 +2,7 @@
 // reports) as untrusted input. A report the planner accepts must never make
 // later plans fail or come out non-finite.
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <string>
@@ -109,6 +110,34 @@ TEST_F(PlannerCoreTest, TinyBandwidthOrHugeLatencyIsRefusedOrHarmless) {
   l.set_bandwidth_bytes_per_second(1e9);
   l.set_latency_seconds(1e300);
   if (core_->ReportLinks("a", {l}).ok()) ExpectPlansStillWork(core_.get(), Deadline());
+}
+
+// Per-call, per-step and per-element seconds (or an op's time scale) of
+// 1e300 or so summed over a step's kernels or parameters came out infinite
+// (every later plan on the cluster FAILED: "terms[0].constant[2] = inf");
+// they are refused, naming the field.
+TEST_F(PlannerCoreTest, HugeOverheadsAreRefusedOrHarmless) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  const std::vector<std::pair<std::string, std::function<void(v1::Device*, double)>>> fields = {
+      {"launch_overhead_seconds", &v1::Device::set_launch_overhead_seconds},
+      {"step_overhead_seconds", &v1::Device::set_step_overhead_seconds},
+      {"optimizer_seconds_per_element", &v1::Device::set_optimizer_seconds_per_element},
+      {"op_time_scale",
+       [](v1::Device* d, double v) { (*d->mutable_op_time_scale())["matmul"] = v; }},
+  };
+  for (const auto& [field, set] : fields) {
+    for (double huge : {1e300, std::numeric_limits<double>::max()}) {
+      v1::Node b = MakeNode("b", 1, 1e12);
+      set(b.mutable_devices(0), huge);
+      absl::Status s = core_->RegisterNode(b).status();
+      if (s.ok()) {
+        ExpectPlansStillWork(core_.get(), Deadline());
+        ASSERT_TRUE(core_->DeleteNode("b").ok());
+      } else {
+        EXPECT_THAT(s.message(), HasSubstr(field)) << huge;
+      }
+    }
+  }
 }
 
 TEST_F(PlannerCoreTest, ANodeWithThousandsOfDevicesIsRefused) {

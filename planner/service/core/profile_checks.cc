@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cmath>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -109,15 +110,20 @@ absl::Status ValidateDevices(const std::string& node,
           "device '", d.id(), "' reports no memory: memory_bytes must be positive, got ",
           d.memory_bytes()));
     }
-    const std::pair<const char*, double> non_negative[] = {
-        {"tf32_flops", d.tf32_flops()},
-        {"launch_overhead_seconds", d.launch_overhead_seconds()},
-        {"optimizer_seconds_per_element", d.optimizer_seconds_per_element()},
-        {"step_overhead_seconds", d.step_overhead_seconds()},
+    HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, "tf32_flops"), d.tf32_flops(), 0, kInf,
+                                   "a finite number >= 0"));
+    // Seconds summed over a step's kernels and parameters: a figure near
+    // the largest double came out infinite and failed every plan on the
+    // device, so each is bounded far above any device's.
+    const std::tuple<const char*, double, double> seconds[] = {
+        {"launch_overhead_seconds", d.launch_overhead_seconds(), kMaxLaunchOverheadSeconds},
+        {"optimizer_seconds_per_element", d.optimizer_seconds_per_element(),
+         kMaxOptimizerSecondsPerElement},
+        {"step_overhead_seconds", d.step_overhead_seconds(), kMaxStepOverheadSeconds},
     };
-    for (const auto& [field, v] : non_negative) {
-      HAP_RETURN_IF_ERROR(
-          CheckRange(absl::StrCat(dev, field), v, 0, kInf, "a finite number >= 0"));
+    for (const auto& [field, v, most] : seconds) {
+      HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, field), v, 0, most,
+                                     absl::StrCat("a finite number >= 0 and below ", most)));
     }
     if (!(std::isfinite(d.overlap_efficiency()) && d.overlap_efficiency() >= 0 &&
           d.overlap_efficiency() <= 1)) {
@@ -125,9 +131,10 @@ absl::Status ValidateDevices(const std::string& node,
           dev, "overlap_efficiency must be in [0, 1] (0 = unset), got ", d.overlap_efficiency()));
     }
     for (const auto& [op, scale] : d.op_time_scale()) {
-      if (!(std::isfinite(scale) && scale > 0)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            dev, "op_time_scale[\"", op, "\"] must be a finite number > 0, got ", scale));
+      if (!(std::isfinite(scale) && scale > 0 && scale < kMaxOpTimeScale)) {
+        return absl::InvalidArgumentError(absl::StrCat(dev, "op_time_scale[\"", op,
+                                                       "\"] must be a finite number > 0 and below ",
+                                                       kMaxOpTimeScale, ", got ", scale));
       }
     }
   }

@@ -24,6 +24,13 @@ inline constexpr double kMinFlops = 1e6;
 // NVLink 5 (900 GB/s each way). More is a broken or lying agent's figure,
 // which would make transfers free in every plan.
 inline constexpr double kMaxLinkBandwidth = 1e13;
+// The most seconds a device may report per kernel call, per parameter
+// element of the optimizer and per step outside ops (each far above any
+// device's), and the largest calibration scale of an op's time.
+inline constexpr double kMaxLaunchOverheadSeconds = 1;
+inline constexpr double kMaxOptimizerSecondsPerElement = 1;
+inline constexpr double kMaxStepOverheadSeconds = 3600;
+inline constexpr double kMaxOpTimeScale = 1e6;
 // Devices one node may report (each plan's cost model is n x n).
 inline constexpr int kMaxDevicesPerNode = 1024;
 // At most this many devices a plan (a request's list, or the live cluster
