@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -138,6 +139,45 @@ TEST_F(PlannerCoreTest, HugeOverheadsAreRefusedOrHarmless) {
       }
     }
   }
+}
+
+// What a node reports besides numbers is shown (status page, GetCluster,
+// hapctl), dialled (its address, hap.executor/<device> labels) and copied
+// into every plan's cluster: 10 KB of it, a NUL or a line break, or
+// thousands of labels are refused naming the field, and nothing is kept.
+TEST_F(PlannerCoreTest, OverlongOrOddNodeStringsAreRefused) {
+  const std::string huge(10 * 1024, 'x');
+  const std::string nul("a\0b", 3);
+  const std::vector<std::pair<std::string, std::function<void(v1::Node*)>>> bad = {
+      {"address", [&](v1::Node* n) { n->set_address(huge); }},
+      {"address", [&](v1::Node* n) { n->set_address(nul); }},
+      {"agent_version", [&](v1::Node* n) { n->set_agent_version(huge); }},
+      {"model", [&](v1::Node* n) { n->mutable_devices(0)->set_model(huge); }},
+      {"model", [&](v1::Node* n) { n->mutable_devices(0)->set_model("a\nb"); }},
+      {"label", [&](v1::Node* n) { (*n->mutable_labels())[huge] = "v"; }},
+      {"label", [&](v1::Node* n) { (*n->mutable_labels())["k"] = huge; }},
+      {"label", [&](v1::Node* n) { (*n->mutable_labels())[nul] = "v"; }},
+      {"label", [&](v1::Node* n) { (*n->mutable_labels())["k"] = nul; }},
+      {"labels",
+       [&](v1::Node* n) {
+         for (int i = 0; i < 10000; ++i) (*n->mutable_labels())[absl::StrCat("k", i)] = "v";
+       }},
+  };
+  for (const auto& [field, edit] : bad) {
+    v1::Node n = MakeNode("b", 1, 1e12);
+    edit(&n);
+    EXPECT_THAT(core_->RegisterNode(n).status(),
+                hap::testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(field)))
+        << field;
+  }
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 0);
+  v1::Node ok = MakeNode("b", 1, 1e12);
+  ok.set_address("node-b.example:7070");
+  ok.set_agent_version("hap-agent 1.2 (abc)");
+  ok.mutable_devices(0)->set_model("NVIDIA A100-SXM4-40GB");
+  (*ok.mutable_labels())["hap.executor/b/cpu0"] = "10.0.0.2:7101";
+  (*ok.mutable_labels())["zone"] = "eu west 1";
+  EXPECT_TRUE(core_->RegisterNode(ok).ok());
 }
 
 TEST_F(PlannerCoreTest, ANodeWithThousandsOfDevicesIsRefused) {

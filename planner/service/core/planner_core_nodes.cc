@@ -168,6 +168,7 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
   }
   std::set<std::string> ids;
   HAP_RETURN_IF_ERROR(ValidateDevices(in.name(), in.devices(), &ids));
+  HAP_RETURN_IF_ERROR(CheckNodeText(in));
   for (const auto& [key, value] : in.labels()) {
     if (key.rfind("hap.executor/", 0) == 0 && !ids.count(key.substr(13))) {
       return absl::InvalidArgumentError(absl::StrCat("node '", in.name(), "': label '", key,

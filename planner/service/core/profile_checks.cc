@@ -58,6 +58,50 @@ absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
   return absl::InvalidArgumentError(absl::StrCat(field, " must be ", must_be, ", got ", v));
 }
 
+namespace {
+
+// `value` as a message may show it: the first 80 bytes, escaped.
+std::string Shown(const std::string& value) {
+  return absl::StrCat("'", absl::CHexEscape(value.substr(0, 80)), value.size() > 80 ? "...'" : "'",
+                      " (", value.size(), " bytes)");
+}
+
+// InvalidArgument naming `field` unless `value` is at most `most` bytes of
+// no control characters (it is shown, dialled or copied into plans).
+absl::Status CheckText(absl::string_view field, const std::string& value, size_t most) {
+  if (value.size() > most) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be at most ", most, " bytes, got ", Shown(value)));
+  }
+  for (char c : value) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " must hold no control characters, got ", Shown(value)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckNodeText(const v1::Node& node) {
+  const std::string of = absl::StrCat("node '", node.name(), "': ");
+  HAP_RETURN_IF_ERROR(CheckText(absl::StrCat(of, "address"), node.address(), kMaxNodeTextBytes));
+  HAP_RETURN_IF_ERROR(
+      CheckText(absl::StrCat(of, "agent_version"), node.agent_version(), kMaxNodeTextBytes));
+  if (node.labels_size() > kMaxNodeLabels) {
+    return absl::InvalidArgumentError(absl::StrCat(of, "labels: at most ", kMaxNodeLabels,
+                                                   " are taken, got ", node.labels_size()));
+  }
+  for (const auto& [key, value] : node.labels()) {
+    HAP_RETURN_IF_ERROR(CheckText(absl::StrCat(of, "label key"), key, kMaxNodeTextBytes));
+    if (key.empty()) return absl::InvalidArgumentError(absl::StrCat(of, "a label key is empty"));
+    HAP_RETURN_IF_ERROR(CheckText(absl::StrCat(of, "label '", key, "'"), value, kMaxNodeTextBytes));
+  }
+  return absl::OkStatus();
+}
+
 // What every node profile must hold, whether it comes from RegisterNode or
 // from a Heartbeat with re-measured devices: device ids non-empty and unique
 // in the node, and every measurement a finite number in its range (one NaN
@@ -88,6 +132,7 @@ absl::Status ValidateDevices(const std::string& node,
           absl::StrCat("node '", node, "': device ids must be unique, got '", d.id(), "' twice"));
     }
     const std::string dev = absl::StrCat("device '", d.id(), "': ");
+    HAP_RETURN_IF_ERROR(CheckText(absl::StrCat(dev, "model"), d.model(), kMaxNodeTextBytes));
     double f32 = 0;
     std::set<int> dtypes;
     for (const auto& t : d.flops()) {

@@ -31,6 +31,11 @@ inline constexpr double kMaxLaunchOverheadSeconds = 1;
 inline constexpr double kMaxOptimizerSecondsPerElement = 1;
 inline constexpr double kMaxStepOverheadSeconds = 3600;
 inline constexpr double kMaxOpTimeScale = 1e6;
+// A node's address, agent_version, label keys and values and its devices'
+// models: at most this many bytes, no control characters; at most
+// kMaxNodeLabels labels.
+inline constexpr size_t kMaxNodeTextBytes = 1024;
+inline constexpr int kMaxNodeLabels = 256;
 // Devices one node may report (each plan's cost model is n x n).
 inline constexpr int kMaxDevicesPerNode = 1024;
 // At most this many devices a plan (a request's list, or the live cluster
@@ -64,6 +69,11 @@ absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
 absl::Status ValidateDevices(const std::string& node,
                              const google::protobuf::RepeatedPtrField<hap::v1::Device>& devices,
                              std::set<std::string>* ids);
+
+// InvalidArgument naming the field for a node's address, agent_version or
+// labels past kMaxNodeTextBytes, with a control character, or more than
+// kMaxNodeLabels labels.
+absl::Status CheckNodeText(const hap::v1::Node& node);
 
 // AlreadyExists, naming the device and its owner, when one of `ids` belongs
 // to a node other than `node`.
