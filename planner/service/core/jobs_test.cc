@@ -321,8 +321,8 @@ TEST_F(JobsTest, APageOfJobsIsBoundedInBytes) {
   for (int i = 0; i < jobs; ++i) {
     v1::CreateJobRequest r = Request(absl::StrCat("j", i));
     r.mutable_spec()->mutable_training()->set_checkpoint_dir(absl::StrCat(kDir, "-", i));
-    r.mutable_spec()->mutable_model()->mutable_graph()->add_ops()->set_name(
-        std::string(1 << 20, 'o'));  // a spec of 1 MiB
+    r.mutable_spec()->mutable_training()->set_data_path(
+        std::string(1 << 20, 'd'));  // a spec of 1 MiB
     ASSERT_OK(c_->Create(r).status());
   }
   std::set<std::string> seen;

@@ -1218,8 +1218,8 @@ TEST_F(JobTest, ErrorsAreStatusesNamingWhatIsWrong) {
 
 // A spec the job could never run is refused by CreateJob, naming the
 // field, and no job is kept: before, a NaN slowdown threshold was taken as
-// the default, and plan options, thread counts or a data source no plan or
-// executor takes made a job that failed (or re-planned) later.
+// the default, and a model, plan options, thread counts or a data source
+// no plan or executor takes made a job that failed (or re-planned) later.
 TEST_F(JobTest, CreateJobRefusesASpecNoPlanOrDeploymentTakes) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
@@ -1238,6 +1238,16 @@ TEST_F(JobTest, CreateJobRefusesASpecNoPlanOrDeploymentTakes) {
        [](v1::JobSpec* s) { s->mutable_options()->mutable_budget()->set_max_seconds(-1); }},
       {"spec: training.threads_per_rank",
        [](v1::JobSpec* s) { s->mutable_training()->set_threads_per_rank(1 << 30); }},
+      {"spec.model.zoo",
+       [](v1::JobSpec* s) { s->mutable_model()->mutable_zoo()->set_name("nope"); }},
+      {"spec.model.zoo",
+       [](v1::JobSpec* s) { (*s->mutable_model()->mutable_zoo()->mutable_params())["zzz"] = 1; }},
+      {"spec.model.zoo",
+       [&](v1::JobSpec* s) {
+         (*s->mutable_model()->mutable_zoo()->mutable_params())["layers"] = nan;
+       }},
+      {"spec.model.graph",
+       [](v1::JobSpec* s) { s->mutable_model()->mutable_graph()->add_ops()->set_name("x"); }},
       {"spec: training.data",
        [](v1::JobSpec* s) {
          s->mutable_training()->set_data(static_cast<v1::TrainingConfig::DataSource>(99));
