@@ -769,6 +769,34 @@ TEST_F(PlannerCoreTest, PlansNotYetFinalAreBounded) {
   ASSERT_TRUE(after.ok()) << after.status();
 }
 
+// Many callers creating one plan id at once, answered from the cache or
+// searched: exactly one gets the plan, every other ALREADY_EXISTS, and one
+// plan is stored.
+TEST_F(PlannerCoreTest, ConcurrentCreatesOfOneIdMakeOnePlan) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  ASSERT_TRUE(core_->CreatePlan(MlpRequest(), Deadline()).ok());  // cached from now on
+  for (bool cached : {true, false}) {
+    const std::string id = cached ? "same-cached" : "same-searched";
+    std::atomic<int> made{0}, exists{0};
+    std::vector<std::thread> callers;
+    for (int i = 0; i < 8; ++i) {
+      callers.emplace_back([&, i] {
+        v1::CreatePlanRequest r = MlpRequest(/*wait=*/false);
+        r.set_plan_id(id);
+        // The searched ones differ (no cache hit, no merge).
+        if (!cached) (*r.mutable_model()->mutable_zoo()->mutable_params())["hidden"] = 40 + i;
+        absl::StatusOr<v1::Plan> p = core_->CreatePlan(r, Deadline());
+        if (p.ok()) ++made;
+        if (absl::IsAlreadyExists(p.status())) ++exists;
+      });
+    }
+    for (auto& t : callers) t.join();
+    EXPECT_EQ(made.load(), 1) << id;
+    EXPECT_EQ(exists.load(), 7) << id;
+    EXPECT_NE(sink_.Stored("plans/" + id), v1::Plan::STATE_UNSPECIFIED);
+  }
+}
+
 TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   BusyWorker busy(core_.get());
