@@ -325,7 +325,18 @@ grpc::Status PlannerServiceImpl::CancelPlan(grpc::ServerContext* ctx,
 grpc::Status PlannerServiceImpl::DeletePlan(grpc::ServerContext* ctx,
                                             const v1::DeletePlanRequest* r,
                                             v1::DeletePlanResponse*) {
-  return Handle("DeletePlan", ctx, [&]() { return core_->DeletePlan(r->name()); });
+  return Handle("DeletePlan", ctx, [&]() -> absl::Status {
+    // A deployment names its plan: deleting the plan would leave it naming
+    // one that is gone (or, with the id used again, another plan).
+    for (const v1::Deployment& d : deployments_->Summaries()) {
+      if (d.plan() == r->name()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            r->name(), " is the plan of ", d.name(), " (", v1::Deployment::State_Name(d.state()),
+            "): delete the deployment first (stop it if it is not finished)"));
+      }
+    }
+    return core_->DeletePlan(r->name());
+  });
 }
 
 grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,

@@ -739,6 +739,31 @@ TEST_F(PlannerServiceImplTest, AStateChangeTheStoreRefusesIsNotedOnTheDeployment
   EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::PENDING);
 }
 
+// A plan a deployment was made from is not deleted under it (the
+// deployment would name a plan that is gone, or, once the id is used
+// again, another plan): FAILED_PRECONDITION naming the deployment, until
+// the deployment is deleted.
+TEST_F(PlannerServiceImplTest, APlanADeploymentUsesIsNotDeleted) {
+  Register("n");
+  auto d = Deploy("p");
+  ASSERT_THAT(d, IsOk());
+  Settled(d->name());
+  v1::DeletePlanRequest del;
+  del.set_name("plans/p");
+  v1::DeletePlanResponse out;
+  EXPECT_THAT(FromGrpc(stub_->DeletePlan(Ctx().get(), del, &out)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(d->name())));
+  v1::GetPlanRequest get;
+  get.set_name("plans/p");
+  v1::Plan plan;
+  EXPECT_THAT(FromGrpc(stub_->GetPlan(Ctx().get(), get, &plan)), IsOk());
+  v1::DeleteDeploymentRequest del_deployment;
+  del_deployment.set_name(d->name());
+  v1::DeleteDeploymentResponse deleted;
+  ASSERT_THAT(FromGrpc(stub_->DeleteDeployment(Ctx().get(), del_deployment, &deleted)), IsOk());
+  EXPECT_THAT(FromGrpc(stub_->DeletePlan(Ctx().get(), del, &out)), IsOk());
+}
+
 TEST_F(PlannerServiceImplTest, StepMetricsTheStoreRefusesAreNotKept) {
   Register("n");
   auto d = Deploy("p");
