@@ -753,14 +753,11 @@ TEST_F(PlannerServiceImplTest, APlanADeploymentUsesIsNotDeleted) {
   v1::DeletePlanResponse out;
   EXPECT_THAT(FromGrpc(stub_->DeletePlan(Ctx().get(), del, &out)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(d->name())));
-  v1::GetPlanRequest get;
-  get.set_name("plans/p");
-  v1::Plan plan;
-  EXPECT_THAT(FromGrpc(stub_->GetPlan(Ctx().get(), get, &plan)), IsOk());
-  v1::DeleteDeploymentRequest del_deployment;
-  del_deployment.set_name(d->name());
-  v1::DeleteDeploymentResponse deleted;
-  ASSERT_THAT(FromGrpc(stub_->DeleteDeployment(Ctx().get(), del_deployment, &deleted)), IsOk());
+  using Stub = v1::Planner::Stub;
+  EXPECT_THAT(FromGrpc(Send(&Stub::GetPlan, v1::GetPlanRequest(), "name", "plans/p")), IsOk());
+  ASSERT_THAT(
+      FromGrpc(Send(&Stub::DeleteDeployment, v1::DeleteDeploymentRequest(), "name", d->name())),
+      IsOk());
   EXPECT_THAT(FromGrpc(stub_->DeletePlan(Ctx().get(), del, &out)), IsOk());
 }
 
