@@ -1,8 +1,10 @@
 // hapctl against hap-planner as a process on 127.0.0.1: listing every
-// page, describing a deployment, the planning flags of create plan, and
+// page, describing a deployment and a node, the planning flags of create plan, and
 // one error for a TLS mismatch.
+#include <signal.h>
 #include <sys/wait.h>
 
+#include <memory>
 #include <set>
 #include <string>
 #include <tuple>
@@ -113,6 +115,67 @@ TEST_F(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed)
   EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
   EXPECT_THAT(Hapctl({"describe", "deployment", d.name(), "-o", "json"}),
               HasSubstr("\"name\": \"" + d.name() + "\""));
+}
+
+// `hapctl describe node` (there was none: `get nodes` showed a row, the
+// rest only as JSON of the whole cluster): its devices with their rates and
+// calibration, its links by peer and kind, and the deployments not finished
+// with a rank on it (two real executor daemons train one here).
+TEST_F(HapctlServiceTest, DescribeNodeShowsDevicesLinksAndTheDeploymentsOnIt) {
+  v1::ReportLinksRequest links;
+  links.set_node("n1");
+  for (const auto& [src, dst] : {std::pair<std::string, std::string>{"n1/cpu0", "n1/cpu1"},
+                                 std::pair<std::string, std::string>{"n1/cpu1", "n1/cpu0"}}) {
+    v1::Link* l = links.add_links();
+    l->set_src(src);
+    l->set_dst(dst);
+    l->set_bandwidth_bytes_per_second(src == "n1/cpu0" ? 2e10 : 1e10);
+    l->set_latency_seconds(2e-6);
+    l->set_kind(v1::SHARED_MEMORY);
+  }
+  v1::ReportLinksResponse lr;
+  grpc::Status s = stub_->ReportLinks(Ctx().get(), links, &lr);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<std::unique_ptr<Process>> executors;
+  v1::DeployPlanRequest deploy = deploy_;
+  for (const std::string device : {"n1/cpu0", "n1/cpu1"}) {
+    executors.push_back(std::make_unique<Process>());
+    ASSERT_TRUE(
+        executors.back()
+            ->Start({hap::testing::Runfile("executor/cli/hap-executor"), "--serve",
+                     "--planner=" + p_.Address(), "--listen=127.0.0.1:0",
+                     "--token-file=" + p_.dir + "/token", "--device-id=" + device, "--threads=1"})
+            .ok());
+    auto address = executors.back()->WaitForLine("listening on ");
+    ASSERT_TRUE(address.ok()) << address.status();
+    (*deploy.mutable_executors())[device] = *address;
+  }
+  deploy.mutable_training()->set_steps(10'000'000);  // trains until stopped
+  v1::Deployment d;
+  s = stub_->DeployPlan(Ctx().get(), deploy, &d);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  const std::string text = Hapctl({"describe", "node", "n1"});
+  EXPECT_THAT(text, HasSubstr("name: n1\nstate: READY"));
+  EXPECT_THAT(text, HasSubstr("address: 127.0.0.1:1"));
+  EXPECT_THAT(text, HasSubstr("n1/cpu0                  CPU"));
+  EXPECT_THAT(text, HasSubstr("8.00  float32 1 TFLOP/s"));
+  EXPECT_THAT(text, HasSubstr("not calibrated"));
+  EXPECT_THAT(text, ::testing::ContainsRegex(
+                        "within n1 +SHARED_MEMORY +2 link\\(s\\)  10 GB/s - 20 GB/s, latency "
+                        "2e-06 s"));
+  EXPECT_THAT(text,
+              ::testing::ContainsRegex(d.name() + " \\((PENDING|RUNNING)\\) rank 0 on n1/cpu0"));
+  EXPECT_THAT(text,
+              ::testing::ContainsRegex(d.name() + " \\((PENDING|RUNNING)\\) rank 1 on n1/cpu1"));
+  v1::StopDeploymentRequest stop;
+  stop.set_name(d.name());
+  ASSERT_TRUE(stub_->StopDeployment(Ctx().get(), stop, &d).ok());
+  EXPECT_THAT(Hapctl({"describe", "node", "nodes/n1"}), HasSubstr("deployments on it: none"));
+  EXPECT_THAT(Hapctl({"describe", "node", "n1", "-o", "json"}), HasSubstr("\"id\": \"n1/cpu1\""));
+  EXPECT_THAT(
+      Hapctl({"describe", "node", "n9"}, 1),
+      HasSubstr("no node 'n9' is registered with the planner (hapctl get nodes lists them)"));
+  for (auto& e : executors) e->Stop(SIGTERM);
 }
 
 // `hapctl create plan` had no --precision, --gradient-precision,

@@ -1,12 +1,16 @@
 #include "tools/hapctl_client.h"
 
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 #include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -35,7 +39,7 @@ constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
 
 constexpr char kUsage[] = R"(usage:
   hapctl get nodes|plans|deployments|jobs
-  hapctl describe plan|deployment|job NAME
+  hapctl describe plan|deployment|job|node NAME
   hapctl create plan (--model NAME [--layers N ...] | --graph FILE) [--devices ID,...]
                      [--batch N] [--baseline hap|dp-even|dp-prop|megatron|zero3]
                      [--no-sfb] [--no-zero] [--no-grouped] [--no-calibration] [--max-seconds S]
@@ -317,6 +321,113 @@ void DescribeDeployment(const v1::Deployment& d, double predicted) {
                                      ? absl::StrFormat("%.4f", it->second->step_seconds_median())
                                      : std::string("-"));
   }
+}
+
+// A rate as "12.3 GFLOP/s" or "1.25 GB/s" (`unit` after the prefix).
+std::string Rate(double x, const char* unit) {
+  const char* prefixes[] = {"", "k", "M", "G", "T", "P"};
+  int i = 0;
+  while (i < 5 && std::abs(x) >= 1000) {
+    x /= 1000;
+    ++i;
+  }
+  return absl::StrFormat("%.3g %s%s", x, prefixes[i], unit);
+}
+
+// The node as kubectl describe would show it: state, address, labels, each
+// device (its measured rates, memory and the planner's calibration), its
+// links grouped by peer node and kind (bandwidth and latency ranges), and
+// the deployments not finished that have a rank on it.
+void DescribeNode(const v1::Node& n, const v1::Cluster& cluster,
+                  const std::vector<v1::Deployment>& deployments) {
+  std::cout << "name: " << n.name() << "\nstate: " << v1::Node::State_Name(n.state())
+            << "  last heartbeat: " << Ts(n.last_heartbeat()) << "\naddress: " << n.address()
+            << "  agent: " << (n.agent_version().empty() ? "-" : n.agent_version()) << "\n";
+  std::cout << "labels:" << (n.labels().empty() ? " none" : "") << "\n";
+  for (const auto& [k, v] :
+       std::map<std::string, std::string>(n.labels().begin(), n.labels().end())) {
+    std::cout << "  " << k << "=" << v << "\n";
+  }
+  std::set<std::string> mine;
+  std::cout << absl::StrFormat("\n%-24s %-5s %-30s %10s  %s\n", "DEVICE", "KIND", "MODEL",
+                               "MEMORY GiB", "FLOP/S");
+  for (const auto& d : n.devices()) {
+    mine.insert(d.id());
+    std::vector<std::string> rates;
+    for (const auto& f : d.flops()) {
+      rates.push_back(absl::StrCat(absl::AsciiStrToLower(v1::DType_Name(f.dtype())), " ",
+                                   Rate(f.flops(), "FLOP/s")));
+    }
+    if (d.tf32_flops() > 0) rates.push_back(absl::StrCat("tf32 ", Rate(d.tf32_flops(), "FLOP/s")));
+    std::cout << absl::StrFormat("%-24s %-5s %-30s %10.2f  %s\n", d.id(),
+                                 v1::DeviceKind_Name(d.kind()), d.model(),
+                                 d.memory_bytes() / double(1 << 30), absl::StrJoin(rates, ", "));
+    if (d.has_calibration()) {
+      const v1::DeviceCalibration& c = d.calibration();
+      std::cout << absl::StrFormat(
+          "  calibrated from %s (%s) at %s: median step %.4g s, optimizer %.3g s/element, "
+          "step overhead %.3g s, %d op time scales\n",
+          c.deployment(), c.plan(), Ts(c.fit_time()), c.measured_step_seconds(),
+          c.optimizer_seconds_per_element(), c.step_overhead_seconds(), c.op_time_scale_size());
+    } else {
+      std::cout << "  not calibrated (no deployment profiled it)\n";
+    }
+  }
+  // Links from and to its devices, by (direction, peer node, kind).
+  std::map<std::string, std::string> node_of;
+  for (const auto& other : cluster.nodes()) {
+    for (const auto& d : other.devices()) node_of[d.id()] = other.name();
+  }
+  struct Group {
+    int count = 0;
+    double bw_min = 0, bw_max = 0, lat_min = 0, lat_max = 0;
+  };
+  std::map<std::tuple<std::string, std::string, std::string>, Group> groups;
+  for (const auto& l : cluster.links()) {
+    const bool out = mine.count(l.src()) > 0, in = mine.count(l.dst()) > 0;
+    if (!out && !in) continue;
+    const std::string& peer = out ? l.dst() : l.src();
+    auto it = node_of.find(peer);
+    const std::string where = it == node_of.end() ? "(gone)" : it->second;
+    Group& g = groups[{out && in ? "within"
+                       : out     ? "to"
+                                 : "from",
+                       where, v1::LinkKind_Name(l.kind())}];
+    const double bw = l.bandwidth_bytes_per_second(), lat = l.latency_seconds();
+    if (g.count++ == 0) {
+      g.bw_min = g.bw_max = bw;
+      g.lat_min = g.lat_max = lat;
+    }
+    g.bw_min = std::min(g.bw_min, bw);
+    g.bw_max = std::max(g.bw_max, bw);
+    g.lat_min = std::min(g.lat_min, lat);
+    g.lat_max = std::max(g.lat_max, lat);
+  }
+  std::cout << "\nlinks:" << (groups.empty() ? " none measured (the planner's defaults apply)" : "")
+            << "\n";
+  for (const auto& [key, g] : groups) {
+    const auto& [dir, peer, kind] = key;
+    auto range = [](double lo, double hi, const std::string& a, const std::string& b) {
+      return lo == hi ? a : absl::StrCat(a, " - ", b);
+    };
+    std::cout << absl::StrFormat(
+        "  %-6s %-20s %-13s %4d link(s)  %s, latency %s\n", dir, peer, kind, g.count,
+        range(g.bw_min, g.bw_max, Rate(g.bw_min, "B/s"), Rate(g.bw_max, "B/s")),
+        range(g.lat_min, g.lat_max, absl::StrFormat("%.3g s", g.lat_min),
+              absl::StrFormat("%.3g s", g.lat_max)));
+  }
+  std::cout << "\ndeployments on it:";
+  bool any = false;
+  for (const auto& d : deployments) {
+    if (d.state() != v1::Deployment::PENDING && d.state() != v1::Deployment::RUNNING) continue;
+    for (const auto& r : d.ranks()) {
+      if (!mine.count(r.device())) continue;
+      std::cout << absl::StrFormat("\n  %s (%s) rank %d on %s", d.name(),
+                                   v1::Deployment::State_Name(d.state()), r.rank(), r.device());
+      any = true;
+    }
+  }
+  std::cout << (any ? "\n" : " none\n");
 }
 
 void PrintPlanHeader() {
@@ -815,7 +926,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   // used to fall through to the plan's or the deployment's call).
   static const auto* const kKinds = new std::map<std::string, std::vector<std::string>>{
       {"get", {"nodes", "node", "plans", "plan", "deployments", "deployment", "jobs", "job"}},
-      {"describe", {"plan", "deployment", "job"}},
+      {"describe", {"plan", "deployment", "job", "node"}},
       {"create", {"plan", "job"}},
       {"watch", {"plan", "job"}},
       {"cancel", {"plan"}},
@@ -857,6 +968,35 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       } else {
         PrintMessage(j, c->format);
       }
+      return 0;
+    }
+    if (pos[0] == "node") {
+      v1::GetClusterRequest r;
+      r.set_include_stale(true);
+      v1::Cluster cluster;
+      grpc::Status s = c->stub->GetCluster(&ctx, r, &cluster);
+      if (!s.ok()) return Fail(s);
+      const std::string name =
+          pos[1].rfind("nodes/", 0) == 0 ? pos[1].substr(std::string("nodes/").size()) : pos[1];
+      auto node =
+          absl::c_find_if(cluster.nodes(), [&](const v1::Node& n) { return n.name() == name; });
+      if (node == cluster.nodes().end()) {
+        std::cerr << "hapctl: no node '" << name
+                  << "' is registered with the planner (hapctl get nodes lists them)\n";
+        return 1;
+      }
+      if (c->format != "table") {
+        PrintMessage(*node, c->format);
+        return 0;
+      }
+      v1::ListDeploymentsResponse all;
+      s = ListEveryPage<v1::ListDeploymentsRequest>(
+          *c,
+          [&](grpc::ClientContext* ctx, const v1::ListDeploymentsRequest& r,
+              v1::ListDeploymentsResponse* out) { return c->stub->ListDeployments(ctx, r, out); },
+          [](v1::ListDeploymentsResponse& r) { return r.mutable_deployments(); }, &all);
+      if (!s.ok()) return Fail(s);
+      DescribeNode(*node, cluster, {all.deployments().begin(), all.deployments().end()});
       return 0;
     }
     if (pos[0] == "deployment") {

@@ -35,7 +35,9 @@ Checkpoints (hap-executor --checkpoint-dir):
 
 Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070):
   get nodes|plans|deployments|jobs   list (-o table|json|yaml)
-  describe plan|deployment|job NAME  one resource in detail (a job: its timeline)
+  describe plan|deployment|job|node NAME
+                                     one resource in detail (a job: its timeline; a
+                                     node: devices, calibration, links, deployments)
   create plan --model M [...]        synthesize on the live cluster (--wait)
   watch plan NAME                    stream progress until it ends
   cancel plan NAME / delete plan NAME / delete node NAME
