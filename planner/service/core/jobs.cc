@@ -87,7 +87,7 @@ class CoreJobBackend final : public JobBackend {
     }
     absl::StatusOr<v1::Deployment> d =
         deployments_->Deploy(p, r, core_->GetCluster(true), rendezvous_());
-    if (!d.ok()) core_->UnpinPlan(plan);
+    core_->UnpinPlan(plan);  // (a deployment made keeps its plan by itself)
     return d;
   }
   absl::StatusOr<v1::Deployment> GetDeployment(const std::string& name) override {

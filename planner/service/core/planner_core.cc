@@ -1081,15 +1081,26 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
   const bool by_count = o_.plan_retention_count > 0;
   const bool by_age = o_.plan_retention_age != absl::InfiniteDuration();
   if (!by_count && !by_age) return 0;
+  // The plans deployments use, read with the count of unpins up to then:
+  // a deploy unpins its plan once its deployment exists, so after an unpin
+  // the set is read again (a deployment made since holds its plan).
   std::set<std::string> in_use;
-  if (o_.plans_in_use) {
+  uint64_t unpins_seen = 0;
+  auto read_in_use = [&]() -> absl::Status {
+    {
+      absl::MutexLock l(&s_->mu);
+      unpins_seen = s_->unpins;
+    }
+    if (!o_.plans_in_use) return absl::OkStatus();
     absl::StatusOr<std::set<std::string>> used = o_.plans_in_use();
     if (!used.ok()) {
       return Annotate(used.status(),
                       "plan retention skipped: the plans in use by deployments are unknown");
     }
     in_use = *std::move(used);
-  }
+    return absl::OkStatus();
+  };
+  HAP_RETURN_IF_ERROR(read_in_use());
   // The victims, chosen under the lock; deleted one at a time so that
   // other calls get the lock in between.
   std::vector<std::string> victims;
@@ -1106,10 +1117,18 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
   }
   int deleted = 0;
   for (const std::string& name : victims) {
+    bool unpinned;
+    {
+      absl::MutexLock l(&s_->mu);
+      unpinned = s_->unpins != unpins_seen;
+    }
+    if (unpinned) HAP_RETURN_IF_ERROR(read_in_use());
     absl::MutexLock l(&s_->mu);
     auto it = s_->plans.find(name);
     if (it == s_->plans.end() || !Final(it->second->state())) continue;  // gone meanwhile
     if (s_->pins.count(name)) continue;  // a deploy took it meanwhile
+    // A deploy that took it and made its deployment since in_use was read.
+    if (s_->unpins != unpins_seen || in_use.count(name)) continue;
     if (o_.sink) {
       absl::Status st = o_.sink->DeletePlan(name);
       if (!st.ok() && !absl::IsNotFound(st)) {
@@ -1145,6 +1164,7 @@ void PlannerCore::UnpinPlan(const std::string& name) {
   absl::MutexLock l(&s_->mu);
   auto it = s_->pins.find(name);
   if (it != s_->pins.end() && --it->second <= 0) s_->pins.erase(it);
+  ++s_->unpins;
 }
 
 absl::Status PlannerCore::WatchPlan(const std::string& name,

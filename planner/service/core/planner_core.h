@@ -278,8 +278,9 @@ class PlannerCore {
   // deploy that raced a retention pass either holds the plan before the
   // pass deletes it or gets NotFound, never a deployment whose plan was
   // deleted under it (plans_in_use only sees deployments that exist).
-  // The plan is kept while pinned; UnpinPlan when the deploy failed (a
-  // deployment that exists keeps its plan through plans_in_use).
+  // The plan is kept while pinned; UnpinPlan once the deploy ended (a
+  // deployment that exists keeps its plan through plans_in_use; a pin kept
+  // after it kept the plan from retention for as long as the core ran).
   absl::StatusOr<hap::v1::Plan> PinPlan(const std::string& name);
   void UnpinPlan(const std::string& name);
 

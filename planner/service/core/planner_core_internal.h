@@ -91,6 +91,7 @@ struct PlannerCore::State {
   std::map<std::string, std::shared_ptr<Job>> in_flight;
   std::map<std::pair<std::string, std::string>, hap::v1::Link> links;  // (src, dst)
   std::map<std::string, int> pins;  // plan -> deploys holding it (PinPlan)
+  uint64_t unpins = 0;              // UnpinPlan calls so far (EnforceRetention)
   bool stopping = false;
   std::vector<std::thread> workers;
   // When this planner started: a node is not blamed for heartbeats sent

@@ -1034,6 +1034,18 @@ TEST_F(PlannerCoreTest, RetentionKeepsPlansInUseAndSkipsAPassWhenTheyAreUnknown)
 // A deploy that starts while a retention pass runs (after the pass asked
 // which plans deployments use, before it deletes) pins its plan: the plan
 // stays until the deploy unpins it (it failed) and is deleted after.
+// Plans p1 then p2, a second apart; `*racing` is set before p2, whose
+// retention pass (over a count of 1) races the deploy it stands for.
+void CreateP1ThenP2(FakeClock& clock, PlannerCore& core, bool* racing) {
+  for (const char* id : {"p1", "p2"}) {
+    clock.Advance(absl::Seconds(1));
+    v1::CreatePlanRequest r = MlpRequest();
+    r.set_plan_id(id);
+    if (std::string(id) == "p2") *racing = true;
+    ASSERT_TRUE(core.CreatePlan(r, clock.Now() + absl::Seconds(60)).ok());
+  }
+}
+
 TEST_F(PlannerCoreTest, RetentionKeepsAPlanADeployPinnedDuringThePass) {
   retention_count_ = 1;
   PlannerCore* core = nullptr;
@@ -1047,19 +1059,42 @@ TEST_F(PlannerCoreTest, RetentionKeepsAPlanADeployPinnedDuringThePass) {
   Start({}, {});
   core = core_.get();
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
-  for (const char* id : {"p1", "p2"}) {
-    clock_.Advance(absl::Seconds(1));
-    v1::CreatePlanRequest r = MlpRequest();
-    r.set_plan_id(id);
-    if (std::string(id) == "p2") deploy_races = true;
-    ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
-  }
+  CreateP1ThenP2(clock_, *core_, &deploy_races);
   deploy_races = false;
   EXPECT_TRUE(core_->GetPlan("plans/p1", false).ok()) << "a pinned plan was deleted";
   EXPECT_EQ(*core_->EnforceRetention(), 0);
   core_->UnpinPlan("plans/p1");
   EXPECT_EQ(*core_->EnforceRetention(), 1);
   EXPECT_THAT(core_->PinPlan("plans/p1"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("p1")));
+}
+
+// A deploy unpins its plan once its deployment exists (which then keeps
+// the plan through plans_in_use): a whole deploy between the pass reading
+// the plans in use and deleting is seen by the unpin, the plans in use are
+// read again, and the plan stays.
+TEST_F(PlannerCoreTest, RetentionKeepsAPlanDeployedWholeDuringThePass) {
+  retention_count_ = 1;
+  PlannerCore* core = nullptr;
+  bool deploy_races = false;
+  std::set<std::string> deployed;
+  plans_in_use_ = [&]() -> absl::StatusOr<std::set<std::string>> {
+    const std::set<std::string> before = deployed;
+    if (deploy_races) {
+      deploy_races = false;
+      EXPECT_TRUE(core->PinPlan("plans/p1").ok());
+      deployed.insert("plans/p1");  // the deployment is made
+      core->UnpinPlan("plans/p1");
+    }
+    return before;
+  };
+  Start({}, {});
+  core = core_.get();
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  CreateP1ThenP2(clock_, *core_, &deploy_races);
+  EXPECT_TRUE(core_->GetPlan("plans/p1", false).ok()) << "a deployed plan was deleted";
+  EXPECT_EQ(*core_->EnforceRetention(), 0);
+  deployed.clear();  // its deployment deleted
+  EXPECT_EQ(*core_->EnforceRetention(), 1);
 }
 
 // A restarted planner holds finished plans as summaries (a database of

@@ -360,14 +360,13 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::W
 grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
                                             const v1::DeployPlanRequest* r, v1::Deployment* out) {
   return Handle("DeployPlan", ctx, [&]() -> absl::Status {
-    // Pinned: retention cannot delete the plan under the new deployment.
+    // Pinned while deployed: retention cannot delete the plan under the new
+    // deployment (which, once it exists, keeps its plan by itself).
     HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->PinPlan(r->plan()));
     absl::StatusOr<v1::Deployment> d =
         deployments_->Deploy(plan, *r, core_->GetCluster(true), o_.advertise_address);
-    if (!d.ok()) {
-      core_->UnpinPlan(plan.name());
-      return d.status();
-    }
+    core_->UnpinPlan(plan.name());
+    if (!d.ok()) return d.status();
     *out = *std::move(d);
     return absl::OkStatus();
   });

@@ -17,6 +17,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -759,6 +760,48 @@ TEST_F(PlannerServiceImplTest, APlanADeploymentUsesIsNotDeleted) {
       FromGrpc(Send(&Stub::DeleteDeployment, v1::DeleteDeploymentRequest(), "name", d->name())),
       IsOk());
   EXPECT_THAT(FromGrpc(stub_->DeletePlan(Ctx().get(), del, &out)), IsOk());
+}
+
+// A deploy holds its plan against retention only until the deployment
+// exists (which then keeps it): a deployed plan was held for as long as
+// the planner ran, so once its deployment was deleted plan retention still
+// never deleted it.
+TEST_F(PlannerServiceImplTest, ADeployedPlanIsFreeForRetentionOnceItsDeploymentIsDeleted) {
+  StopService();
+  PlannerCoreOptions co;
+  co.sink = &sink_;
+  co.heartbeat_interval = absl::Hours(1);
+  co.plan_retention_count = 1;
+  co.plans_in_use = [this]() -> absl::StatusOr<std::set<std::string>> {
+    // (Every plan is final before the service stops: no pass runs then.)
+    std::set<std::string> plans;
+    for (const v1::Deployment& d : service_->Deployments()) plans.insert(d.plan());
+    return plans;
+  };
+  auto core = PlannerCore::Create(co);
+  ASSERT_TRUE(core.ok()) << core.status();
+  core_ = *std::move(core);
+  StartService({});
+  Register("n");
+  auto d = Deploy("p");
+  ASSERT_THAT(d, IsOk());
+  Settled(d->name());
+  v1::Plan q;
+  v1::CreatePlanRequest other = Mlp("q");
+  (*other.mutable_model()->mutable_zoo()->mutable_params())["hidden"] = 48;
+  ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), other, &q)), IsOk());
+  ASSERT_THAT(core_->EnforceRetention(), IsOk());
+  using Stub = v1::Planner::Stub;
+  EXPECT_THAT(FromGrpc(Send(&Stub::GetPlan, v1::GetPlanRequest(), "name", "plans/p")), IsOk())
+      << "its deployment exists";
+  ASSERT_THAT(
+      FromGrpc(Send(&Stub::DeleteDeployment, v1::DeleteDeploymentRequest(), "name", d->name())),
+      IsOk());
+  absl::StatusOr<int> deleted = core_->EnforceRetention();
+  ASSERT_THAT(deleted.status(), IsOk());
+  EXPECT_EQ(*deleted, 1);
+  EXPECT_THAT(FromGrpc(Send(&Stub::GetPlan, v1::GetPlanRequest(), "name", "plans/p")),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
 TEST_F(PlannerServiceImplTest, StepMetricsTheStoreRefusesAreNotKept) {
