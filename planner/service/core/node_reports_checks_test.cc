@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "planner/service/core/planner_core.h"
 #include "planner/service/core/planner_core_test_util.h"
+#include "planner/service/core/profile_checks.h"
 
 namespace hap::service {
 namespace {
@@ -178,6 +179,36 @@ TEST_F(PlannerCoreTest, OverlongOrOddNodeStringsAreRefused) {
   (*ok.mutable_labels())["hap.executor/b/cpu0"] = "10.0.0.2:7101";
   (*ok.mutable_labels())["zone"] = "eu west 1";
   EXPECT_TRUE(core_->RegisterNode(ok).ok());
+}
+
+// The cluster is bounded (kMaxNodes nodes, kMaxClusterDevices devices):
+// every plan copies it and GetCluster answers it whole, and agents
+// registering under new names (a stale node stays until deleted) grew it
+// without end. A node past either is RESOURCE_EXHAUSTED; one registered
+// again, or a heartbeat with as many devices, is taken.
+TEST_F(PlannerCoreTest, TheClusterIsBoundedInNodesAndDevices) {
+  const int full_nodes = kMaxClusterDevices / kMaxDevicesPerNode;
+  for (int i = 0; i < full_nodes; ++i) {
+    ASSERT_TRUE(
+        core_->RegisterNode(MakeNode(absl::StrCat("big", i), kMaxDevicesPerNode, 1e12)).ok())
+        << i;
+  }
+  EXPECT_THAT(core_->RegisterNode(MakeNode("one-more", 1, 1e12)).status(),
+              hap::testing::StatusIs(absl::StatusCode::kResourceExhausted,
+                                     HasSubstr(absl::StrCat(kMaxClusterDevices))));
+  EXPECT_TRUE(core_->RegisterNode(MakeNode("big0", kMaxDevicesPerNode, 2e12)).ok());
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/big1");
+  *hb.mutable_devices() = MakeNode("big1", kMaxDevicesPerNode, 3e12).devices();
+  EXPECT_TRUE(core_->Heartbeat(hb).ok());
+  for (int i = 1; i < full_nodes; ++i) ASSERT_TRUE(core_->DeleteNode(absl::StrCat("big", i)).ok());
+  for (int i = 0; i + 1 < kMaxNodes; ++i) {
+    ASSERT_TRUE(core_->RegisterNode(MakeNode(absl::StrCat("small", i), 1, 1e12)).ok()) << i;
+  }
+  EXPECT_THAT(core_->RegisterNode(MakeNode("one-more", 1, 1e12)).status(),
+              hap::testing::StatusIs(absl::StatusCode::kResourceExhausted,
+                                     HasSubstr(absl::StrCat(kMaxNodes))));
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), kMaxNodes);
 }
 
 TEST_F(PlannerCoreTest, ANodeWithThousandsOfDevicesIsRefused) {

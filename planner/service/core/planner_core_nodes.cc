@@ -179,6 +179,7 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
   for (v1::Device& d : *node.mutable_devices()) d.set_node(node.name());
   absl::MutexLock l(&s_->mu);
   HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, node.name(), ids));
+  HAP_RETURN_IF_ERROR(CheckClusterSize(s_->nodes, node.name(), node.devices_size()));
   if (auto old = s_->nodes.find(node.name()); old != s_->nodes.end()) {
     KeepCalibration(old->second, &node);
   }
@@ -217,6 +218,7 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
   out.set_reprobe(n.state() == v1::Node::STALE);
   if (!r.devices().empty()) {
     HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, name, ids));
+    HAP_RETURN_IF_ERROR(CheckClusterSize(s_->nodes, name, r.devices_size()));
     const v1::Node before = n;
     n.mutable_devices()->CopyFrom(r.devices());
     for (auto& d : *n.mutable_devices()) d.set_node(name);

@@ -186,6 +186,28 @@ absl::Status ValidateDevices(const std::string& node,
   return absl::OkStatus();
 }
 
+absl::Status CheckClusterSize(const std::map<std::string, v1::Node>& nodes, const std::string& node,
+                              int devices) {
+  const bool is_new = !nodes.count(node);
+  if (is_new && nodes.size() >= static_cast<size_t>(kMaxNodes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "node '", node, "' is not taken: the cluster has ", nodes.size(),
+        " nodes, the most the planner holds (", kMaxNodes,
+        "); delete nodes no longer there (hapctl delete node, or --node-expiry-seconds)"));
+  }
+  int64_t total = devices;
+  for (const auto& [name, n] : nodes) {
+    if (name != node) total += n.devices_size();
+  }
+  if (total > kMaxClusterDevices) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "node '", node, "' with ", devices, " devices is not taken: the cluster would have ", total,
+        " devices, more than the planner holds (", kMaxClusterDevices,
+        "); delete nodes no longer there (hapctl delete node, or --node-expiry-seconds)"));
+  }
+  return absl::OkStatus();
+}
+
 // AlreadyExists, naming the device and its owner, when one of `ids` belongs
 // to a node other than `node`.
 absl::Status CheckOwners(const std::map<std::string, v1::Node>& nodes, const std::string& node,

@@ -36,6 +36,10 @@ inline constexpr double kMaxOpTimeScale = 1e6;
 // kMaxNodeLabels labels.
 inline constexpr size_t kMaxNodeTextBytes = 1024;
 inline constexpr int kMaxNodeLabels = 256;
+// Nodes and devices the cluster holds at most (every plan copies it;
+// GetCluster answers it whole).
+inline constexpr int kMaxNodes = 4096;
+inline constexpr int kMaxClusterDevices = 65536;
 // Devices one node may report (each plan's cost model is n x n).
 inline constexpr int kMaxDevicesPerNode = 1024;
 // At most this many devices a plan (a request's list, or the live cluster
@@ -74,6 +78,12 @@ absl::Status ValidateDevices(const std::string& node,
 // labels past kMaxNodeTextBytes, with a control character, or more than
 // kMaxNodeLabels labels.
 absl::Status CheckNodeText(const hap::v1::Node& node);
+
+// ResourceExhausted when node `node` reporting `devices` devices would
+// take the cluster past kMaxNodes nodes or kMaxClusterDevices devices
+// (its own earlier report replaced).
+absl::Status CheckClusterSize(const std::map<std::string, hap::v1::Node>& nodes,
+                              const std::string& node, int devices);
 
 // AlreadyExists, naming the device and its owner, when one of `ids` belongs
 // to a node other than `node`.
