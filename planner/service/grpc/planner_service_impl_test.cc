@@ -483,12 +483,18 @@ TEST_F(PlannerServiceImplTest, DeleteNodeRemovesANode) {
 // doubles, 1.6 GB, in the calling thread and again on the worker) or
 // anything is stored.
 TEST_F(PlannerServiceImplTest, APlanOnMoreDevicesThanTheLimitIsRefused) {
-  for (const char* name : {"big-a", "big-b"}) {
+  // Full nodes of kMaxDevicesPerNode devices and one more device.
+  const int full = kMaxPlanDevices / kMaxDevicesPerNode;
+  ASSERT_EQ(full * kMaxDevicesPerNode, kMaxPlanDevices);
+  std::vector<std::string> nodes;
+  for (int i = 0; i < full; ++i) nodes.push_back(absl::StrCat("big-", i));
+  nodes.push_back("big-b");
+  for (const std::string& name : nodes) {
     v1::RegisterNodeRequest r;
     *r.mutable_node() = TestNode(name);
     const v1::Device model = r.node().devices(0);
     r.mutable_node()->clear_devices();
-    const int count = std::string(name) == "big-a" ? kMaxDevicesPerNode : 1;
+    const int count = name == "big-b" ? 1 : kMaxDevicesPerNode;
     for (int i = 0; i < count; ++i) {
       v1::Device* d = r.mutable_node()->add_devices();
       *d = model;
@@ -497,21 +503,24 @@ TEST_F(PlannerServiceImplTest, APlanOnMoreDevicesThanTheLimitIsRefused) {
     v1::RegisterNodeResponse out;
     ASSERT_THAT(FromGrpc(stub_->RegisterNode(Ctx().get(), r, &out)), IsOk());
   }
-  ASSERT_GT(kMaxDevicesPerNode + 1, kMaxPlanDevices);
   v1::CreatePlanRequest every = Mlp("every");
   every.set_wait(false);
   v1::Plan plan;
   EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), every, &plan)),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       AllOf(HasSubstr(absl::StrCat(kMaxDevicesPerNode + 1, " live devices")),
+                       AllOf(HasSubstr(absl::StrCat(kMaxPlanDevices + 1, " live devices")),
                              HasSubstr(absl::StrCat(kMaxPlanDevices)), HasSubstr("devices"))));
   v1::CreatePlanRequest listed = Mlp("listed");
   listed.set_wait(false);
-  for (int i = 0; i < kMaxDevicesPerNode; ++i) listed.add_devices(absl::StrCat("big-a/cpu", i));
+  for (int n = 0; n < full; ++n) {
+    for (int i = 0; i < kMaxDevicesPerNode; ++i) {
+      listed.add_devices(absl::StrCat("big-", n, "/cpu", i));
+    }
+  }
   listed.add_devices("big-b/cpu0");
   EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), listed, &plan)),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr(absl::StrCat("lists ", kMaxDevicesPerNode + 1)),
+                       AllOf(HasSubstr(absl::StrCat("lists ", kMaxPlanDevices + 1)),
                              HasSubstr(absl::StrCat(kMaxPlanDevices)))));
   v1::ListPlansResponse plans;
   ASSERT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), v1::ListPlansRequest(), &plans)), IsOk());
