@@ -575,6 +575,18 @@ std::map<std::string, std::vector<std::string>> DeploymentManager::ActiveDevices
   return out;
 }
 
+bool DeploymentManager::AnyActiveOn(const std::set<std::string>& devices) const {
+  if (devices.empty()) return false;
+  absl::MutexLock l(&s_->mu);
+  for (const auto& [name, d] : s_->deployments) {
+    if (DeploymentFinal(d.state())) continue;
+    for (const auto& r : d.ranks()) {
+      if (devices.count(r.device())) return true;
+    }
+  }
+  return false;
+}
+
 absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
                                                        absl::Time deadline,
                                                        const std::function<bool()>& cancelled) {

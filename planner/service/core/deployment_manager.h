@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,8 @@ class DeploymentManager {
   // The devices of every deployment not finished (PENDING or RUNNING), by
   // deployment name.
   std::map<std::string, std::vector<std::string>> ActiveDevices() const;
+  // Whether a deployment not finished has a rank on one of `devices`.
+  bool AnyActiveOn(const std::set<std::string>& devices) const;
   // PENDING/RUNNING: its supervisor stops every rank, then marks it
   // STOPPED; waits for that until `deadline` or `cancelled()` and returns
   // the deployment as it is then. FAILED/STOPPED: every rank is told to stop

@@ -154,6 +154,9 @@ class PlannerCore {
   absl::StatusOr<hap::v1::RegisterNodeResponse> RegisterNode(const hap::v1::Node& node);
   // An unknown (or expired) node gets unknown_node: register again.
   absl::StatusOr<hap::v1::HeartbeatResponse> Heartbeat(const hap::v1::HeartbeatRequest& r);
+  // The device ids of node `name` ("nodes/{node}" or "{node}"); none for an
+  // unknown node.
+  std::set<std::string> NodeDeviceIds(const std::string& name);
   // Removes node `name` ("nodes/{node}" or "{node}") and the links of its
   // devices; plans made for it keep their copy of the cluster. NotFound for
   // an unknown node; the sink's error when the removal cannot be saved (the

@@ -235,6 +235,15 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
   return out;
 }
 
+std::set<std::string> PlannerCore::NodeDeviceIds(const std::string& name) {
+  std::set<std::string> ids;
+  absl::MutexLock l(&s_->mu);
+  auto it = s_->nodes.find(NodeId(name));
+  if (it == s_->nodes.end()) return ids;
+  for (const auto& d : it->second.devices()) ids.insert(d.id());
+  return ids;
+}
+
 v1::Cluster PlannerCore::ClusterLocked(bool include_stale) const {
   v1::Cluster c;
   *c.mutable_defaults() = o_.link_defaults;

@@ -229,6 +229,11 @@ grpc::Status PlannerServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v1::H
                                            v1::HeartbeatResponse* out) {
   return Handle("Heartbeat", ctx, [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(*out, core_->Heartbeat(*r));
+    // The agent pauses its drift checks and link re-probes while a
+    // deployment runs on the node (measured beside it they read its load).
+    if (!out->unknown_node()) {
+      out->set_training(deployments_->AnyActiveOn(core_->NodeDeviceIds(r->name())));
+    }
     return absl::OkStatus();
   });
 }

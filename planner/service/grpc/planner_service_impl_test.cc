@@ -1114,6 +1114,29 @@ TEST_F(PlannerServiceImplTest, StopDeploymentStopsEveryRankThenSaysStopped) {
   EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::STOPPED);
 }
 
+// A heartbeat tells the agent whether a deployment not finished runs on its
+// node (HeartbeatResponse.training): it pauses drift checks and link
+// re-probes meanwhile, which beside the job read its load as the device's.
+TEST_F(PlannerServiceImplTest, HeartbeatsSayWhetherADeploymentRunsOnTheNode) {
+  Register("n");
+  auto beat = [&](const std::string& node) {
+    v1::HeartbeatRequest r;
+    r.set_name("nodes/" + node);
+    v1::HeartbeatResponse out;
+    EXPECT_THAT(FromGrpc(stub_->Heartbeat(Ctx().get(), r, &out)), IsOk());
+    return out.training();
+  };
+  EXPECT_FALSE(beat("n"));
+  auto d = DeployToFakes("p");
+  ASSERT_THAT(d, IsOk());
+  WaitForState(d->name(), v1::Deployment::RUNNING);
+  Register("other");  // after the plan: it is on n's devices only
+  EXPECT_TRUE(beat("n"));
+  EXPECT_FALSE(beat("other"));
+  ASSERT_THAT(Stop(d->name()), IsOk());
+  EXPECT_FALSE(beat("n"));
+}
+
 // The planner restarts (shut down, a new service from the saved state) while
 // a deployment runs: its executors train on meanwhile; the new planner
 // re-attaches, and StopDeployment stops them.
