@@ -178,6 +178,46 @@ TEST_F(HapctlServiceTest, DescribeNodeShowsDevicesLinksAndTheDeploymentsOnIt) {
   for (auto& e : executors) e->Stop(SIGTERM);
 }
 
+// A watch whose client vanished without closing its connection (its host
+// down, the network cut: here the client is SIGSTOPped, so the kernel keeps
+// the connection but nothing answers) ends once a keepalive ping goes
+// unanswered, freeing its thread; before, it held one of --max-threads
+// until the job ended, for days.
+TEST(PlannerKeepaliveTest, AWatchWhoseClientVanishedEnds) {
+  Planner p;
+  p.Start(hap::testing::TempDir("keepalive"), {"--keepalive-seconds=0.5"});
+  const std::string ctl = hap::testing::Runfile("tools/hapctl");
+  const std::vector<std::string> common = {"--server=" + p.Address(),
+                                           "--token-file=" + p.dir + "/token"};
+  {
+    std::vector<std::string> args = {
+        ctl,   "create",           "job",          "--id", "waits", "--model",
+        "mlp", "--checkpoint-dir", p.dir + "/ckpt"};
+    args.insert(args.end(), common.begin(), common.end());
+    Process create;
+    ASSERT_TRUE(create.Start(args).ok());
+    const int status = create.Stop(0, absl::Seconds(60));
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << create.output();
+  }
+  std::vector<std::string> args = {ctl, "watch", "job", "waits"};
+  args.insert(args.end(), common.begin(), common.end());
+  Process watch;
+  ASSERT_TRUE(watch.Start(args).ok());
+  // The job's first state (it waits for devices: there are none).
+  ASSERT_TRUE(watch.WaitForLine("20").ok()) << watch.output();
+  ASSERT_EQ(kill(watch.pid(), SIGSTOP), 0);
+  const std::string ended = "grpc_method=\"WatchJob\",grpc_code=\"";
+  std::string metrics;
+  for (int i = 0; i < 300 && !absl::StrContains(metrics, ended); ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    auto text = hap::testing::HttpGet(p.metrics_port, "/metrics");
+    if (text.ok()) metrics = *text;
+  }
+  kill(watch.pid(), SIGCONT);
+  watch.Stop(SIGTERM);
+  EXPECT_THAT(metrics, HasSubstr(ended)) << "the watch of a vanished client never ended";
+}
+
 // `hapctl create plan` had no --precision, --gradient-precision,
 // --momentum, --ignore-memory or --max-states (hapctl plan has them): a
 // bf16 plan could be asked of the service through its API only.

@@ -45,6 +45,11 @@ the environment as HAP_<FLAG> (--database: HAP_DATABASE, ...), the flag winning.
   --max-concurrent-streams N  calls one client connection may have open at once
                             (64; 0 = no limit, up to 2^30); more wait in the
                             client, in order. Long waits count while they wait.
+  --keepalive-seconds S     ping each client connection this often, and close it
+                            when a ping goes unanswered for as long (at most
+                            20 s): a watch whose client vanished (host down,
+                            network cut) ends and frees its thread (60; 0.1 to
+                            86400)
   --status-poll-seconds S   how often each rank of a running deployment is
                             polled, and each poll's deadline (1; 0.001 to 3600)
   --missed-status-polls N   polls a rank may leave unanswered in a row before
@@ -123,6 +128,8 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
       a.NumberOrEnv("missed-status-polls", o.deployments.missed_status_limit, 1, 1000, kWhole);
   auto streams =
       a.NumberOrEnv("max-concurrent-streams", o.max_concurrent_streams, 0, 1 << 30, kWhole);
+  auto keepalive =
+      a.NumberOrEnv("keepalive-seconds", absl::ToDoubleSeconds(o.keepalive), 0.1, 86400);
   auto keep_count =
       a.NumberOrEnv("plan-retention-count", o.core.plan_retention_count, 0, 1 << 30, kWhole);
   auto keep_seconds = a.NumberOrEnv("plan-retention-seconds",
@@ -135,8 +142,8 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   auto keep_job_seconds =
       a.NumberOrEnv("job-retention-seconds", absl::ToDoubleSeconds(o.job_retention_age), 0, 1e12);
   for (auto* s : {&hb, &missed, &workers, &max_seconds, &max_request, &drain, &expiry, &threads,
-                  &poll, &polls, &streams, &keep_count, &keep_seconds, &keep_deployments,
-                  &keep_deployment_seconds, &keep_jobs, &keep_job_seconds}) {
+                  &poll, &polls, &streams, &keepalive, &keep_count, &keep_seconds,
+                  &keep_deployments, &keep_deployment_seconds, &keep_jobs, &keep_job_seconds}) {
     if (!s->ok()) return s->status();
   }
   o.core.heartbeat_interval = absl::Seconds(*hb);
@@ -151,6 +158,7 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   o.deployments.missed_status_limit = static_cast<int>(*polls);
   if (*expiry > 0) o.core.node_expiry = absl::Seconds(*expiry);
   o.max_concurrent_streams = static_cast<int>(*streams);
+  o.keepalive = absl::Seconds(*keepalive);
   // Retention: 0 turns a limit off.
   o.core.plan_retention_count = static_cast<int>(*keep_count);
   o.core.plan_retention_age =
@@ -192,6 +200,7 @@ int main(int argc, char** argv) {
                                     "drain-seconds",
                                     "max-threads",
                                     "max-concurrent-streams",
+                                    "keepalive-seconds",
                                     "status-poll-seconds",
                                     "missed-status-polls",
                                     "deployment-retention-count",

@@ -67,6 +67,12 @@ struct PlannerServerOptions {
   // load"). A client that holds more long calls (watches, rendezvous
   // waits) than this on one connection must open more connections.
   int max_concurrent_streams = 64;
+  // HTTP/2 keepalive: every client connection is pinged this often and
+  // closed when a ping goes unanswered for as long (at most 20 s), which
+  // cancels its calls. Without it a watch whose client vanished without
+  // closing its connection (host down, network cut) held its thread (of
+  // max_threads) until the plan or job ended, for days.
+  absl::Duration keepalive = absl::Seconds(60);
   // How running deployments are watched (poll interval, missed polls,
   // deadlines); must pass ValidateDeploymentWatchOptions.
   DeploymentWatchOptions deployments;
