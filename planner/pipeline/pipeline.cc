@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/deadline.h"
 #include "common/status_macros.h"
 #include "planner/cost/collectives.h"
 #include "planner/pipeline/layers.h"
@@ -313,9 +314,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   // stage_options.max_seconds bounds the whole call (the SPMD plan and every
   // stage synthesis together), and stage_options.cancelled stops it: what
   // was not synthesized by then is left out of the stage search.
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(
-                  std::chrono::duration<double>(std::max(0.0, o.stage_options.max_seconds)));
+  const auto deadline = DeadlineAfter<Clock>(start, o.stage_options.max_seconds);
   auto cancelled = [&o] { return o.stage_options.cancelled && o.stage_options.cancelled(); };
   PipelinePlan out;
   out.variant = o.variant;

@@ -210,6 +210,21 @@ TEST(Planner, TheTimeBudgetBoundsTheWholeSearch) {
               StatusIs(absl::StatusCode::kCancelled, ::testing::_));
 }
 
+// A budget of any finite size is a budget: 1e300 s converted to the
+// clock's nanoseconds overflowed to a deadline in the past, and the search
+// stopped at once with "the time budget ran out".
+TEST(Planner, AHugeTimeBudgetIsNoBudgetNotOneSpent) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  PipelineOptions o = Fast(Mode::kAuto);
+  o.stage_options.max_seconds = 1e300;
+  auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->pipelined()) << ::testing::PrintToString(p->notes);
+  EXPECT_GT(p->syntheses, 0);
+  EXPECT_THAT(::testing::PrintToString(p->notes), ::testing::Not(HasSubstr("time budget")));
+}
+
 TEST(Planner, PipelineOverSlowLinks) {
   auto g = SmallGpt();
   ASSERT_TRUE(g.ok());

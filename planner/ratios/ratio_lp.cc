@@ -38,6 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "common/deadline.h"
 #include "common/status_macros.h"
 
 namespace hap::ratios {
@@ -678,10 +679,8 @@ absl::StatusOr<RatioLpResult> SolveRatioLp(const RatioLpRequest& request) {
   HAP_RETURN_IF_ERROR(ValidateRequest(request));
   const RatioLpRequest& r = request;
   std::optional<Clock::time_point> deadline;
-  if (std::isfinite(r.time_limit_seconds)) {
-    deadline =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(r.time_limit_seconds));
+  if (r.time_limit_seconds < kNoDeadlineSeconds) {
+    deadline = DeadlineAfter<Clock>(Clock::now(), r.time_limit_seconds);
   }
 
   const DeviceClasses classes = ClassifyDevices(r);

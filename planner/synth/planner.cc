@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/deadline.h"
 #include "common/status_macros.h"
 #include "planner/cost/collectives.h"
 #include "planner/synth/snap.h"
@@ -159,11 +160,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
   };
   // Every phase (search, LP, snap, baselines) runs against one deadline.
   std::optional<Clock::time_point> deadline;
-  if (o.max_seconds < 1e9) {
-    deadline = start +
-               std::chrono::duration_cast<Clock::duration>(
-                   std::chrono::duration<double>(std::max(0.0, o.max_seconds)));
-  }
+  if (o.max_seconds < kNoDeadlineSeconds) deadline = DeadlineAfter<Clock>(start, o.max_seconds);
   auto left = [&]() { return o.max_seconds - elapsed(); };
   PhaseSeconds phases;
   auto timed = [](double* into, auto f) {
