@@ -23,6 +23,7 @@
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/jobs.h"
 #include "planner/service/core/node_calibration.h"
+#include "planner/service/core/profile_checks.h"
 
 namespace hap::service::job_internal {
 
@@ -122,9 +123,11 @@ std::vector<std::string> UsableDevices(const v1::Cluster& c, const v1::DeviceSel
       out.push_back(d.id());
     }
   }
-  if (sel.max_devices() > 0 && static_cast<int>(out.size()) > sel.max_devices()) {
-    out.resize(sel.max_devices());
-  }
+  // At most max_devices, and never more than a plan takes: a job with no
+  // max_devices on a larger cluster FAILED at its first plan.
+  const int most =
+      sel.max_devices() > 0 ? std::min(sel.max_devices(), kMaxPlanDevices) : kMaxPlanDevices;
+  if (static_cast<int>(out.size()) > most) out.resize(most);
   return out;
 }
 

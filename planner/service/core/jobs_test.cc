@@ -9,6 +9,7 @@
 
 #include "planner/service/core/jobs_test_util.h"
 #include "planner/service/core/pagination.h"
+#include "planner/service/core/profile_checks.h"
 
 namespace hap::service::jobs_testing {
 namespace {
@@ -179,6 +180,19 @@ TEST_F(JobsTest, AJobWithOneUsableDeviceWaitsForASecond) {
   c_->Reconcile();
   ASSERT_EQ(fake_.requests.size(), 1u);
   EXPECT_EQ(fake_.requests[0].devices_size(), 2);
+}
+
+// A job on a cluster larger than a plan takes (kMaxPlanDevices) plans on
+// that many, as with max_devices; it FAILED at its first plan, refused for
+// its size.
+TEST_F(JobsTest, AJobOnAClusterLargerThanAPlanTakesPlansOnAsManyAsItTakes) {
+  while (fake_.cluster.nodes_size() <= kMaxPlanDevices) fake_.AddNode();
+  Make();
+  ASSERT_OK(c_->Create(Request()).status());
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].devices_size(), kMaxPlanDevices);
+  EXPECT_EQ(fake_.requests[0].devices(0), "d0");
 }
 
 // Two jobs whose selectors overlap do not both deploy on one device: the
