@@ -42,7 +42,7 @@ out="$("$HAPCTL" --server 2>&1)" && fail "--server alone exited 0"
 echo "$out" | grep -q "'--server' needs a value" || fail "--server alone: $out"
 # A kind of resource the verb does not take is named, before any call (port
 # 1: a call would fail to connect instead).
-for cmd in "delete things d" "cancel job j" "stop plan p" "describe node n" \
+for cmd in "delete things d" "cancel job j" "stop plan p" "describe things n" \
            "watch deployment d" "deploy job j" "create node n" "get things"; do
   # shellcheck disable=SC2086
   out="$("$HAPCTL" $cmd --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd exited 0: $out"
