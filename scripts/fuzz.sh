@@ -64,7 +64,7 @@ declare -A SRCS=(
   [graph]="${GRAPH_SRCS[*]}"
   [cluster]="planner/cost/cluster_model.cc planner/cost/collectives.cc planner/ratios/ratio_lp.cc"
   [plan]="planner/lower/plan_file.cc ${GRAPH_SRCS[*]}"
-  [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/file_util.cc planner/graph/types.cc common/json_struct.cc"
+  [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/crc32c.cc executor/checkpoint/file_util.cc planner/graph/types.cc common/json_struct.cc"
   [npy]="executor/data/user_data.cc executor/data/batches.cc planner/graph/zoo.cc ${GRAPH_SRCS[*]}"
   [rpc]="$(planner_srcs | tr '\n' ' ')"
 )
