@@ -148,6 +148,22 @@ absl::Status RemoveAll(const std::string& path) {
   return absl::OkStatus();
 }
 
+// A committed checkpoint removed: its COMMITTED first (made durable), then
+// the rest, so that a removal that stops part way (a crash, a file that
+// cannot be removed) leaves an incomplete step, which nothing resumes from
+// and the next save drops, never a step that counts as complete with files
+// gone.
+absl::Status RemoveCheckpoint(const std::string& step_dir) {
+  std::error_code ec;
+  fs::remove(fs::path(step_dir) / kCommittedFile, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("cannot remove ", step_dir, "/", kCommittedFile, ": ", ec.message()));
+  }
+  HAP_RETURN_IF_ERROR(SyncDirectory(step_dir));
+  return RemoveAll(step_dir);
+}
+
 // Committed checkpoints in `dir`, by step.
 std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
   std::map<int64_t, std::string> out;
@@ -296,7 +312,7 @@ void Retain(const SaveRequest& r, int64_t step) {
   }
   const int64_t extra = static_cast<int64_t>(older.size()) + 1 - std::max(1, r.keep);
   for (int64_t i = 0; i < extra; ++i) {
-    if (absl::Status s = RemoveAll(older[i]); !s.ok()) Warn(s.message());
+    if (absl::Status s = RemoveCheckpoint(older[i]); !s.ok()) Warn(s.message());
   }
   for (fs::directory_iterator it(r.dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();

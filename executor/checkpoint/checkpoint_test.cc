@@ -3,10 +3,15 @@
 // overwritten. Ranks are threads over the in-process communicator.
 #include "executor/checkpoint/checkpoint.h"
 
+#include <fcntl.h>
+#include <linux/fs.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -61,6 +66,56 @@ TEST(CheckpointTest, KeepsTheNewestCompleteCheckpointsOnly) {
   auto found = FindCheckpoint(dir);
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(*found, dir + "/step-00000005");
+}
+
+// Sets or clears a file's immutable attribute (FS_IMMUTABLE_FL, as
+// chattr +i): false where the file system or the user cannot.
+bool SetImmutable(const std::string& path, bool on) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  int flags = 0;
+  bool ok = ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+  flags = on ? (flags | FS_IMMUTABLE_FL) : (flags & ~FS_IMMUTABLE_FL);
+  ok = ok && ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+  close(fd);
+  return ok;
+}
+
+// Retention that cannot remove an old checkpoint whole (a crash part way,
+// a file it may not remove) leaves a step that does not count as complete:
+// COMMITTED goes first. It was removed in directory order, so the step
+// could keep COMMITTED with files gone and still count as complete.
+TEST(CheckpointTest, ARetentionThatStopsPartWayLeavesNoStepThatCountsAsComplete) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "dp");
+  const std::string dir = Fresh("retain-part-way");
+  TrainAndSave(g, programs, dir, 1, 1);
+  const std::string old = dir + "/step-00000001";
+  std::vector<std::string> held;
+  for (const std::string& name : Entries(old)) {
+    if (name == "COMMITTED") continue;
+    if (!SetImmutable(old + "/" + name, true)) {
+      for (const std::string& h : held) SetImmutable(h, false);
+      GTEST_SKIP() << "cannot make " << old << "/" << name
+                   << " immutable here (needs root and a file system with FS_IMMUTABLE_FL)";
+    }
+    held.push_back(old + "/" + name);
+  }
+  CheckpointPolicy policy;
+  policy.dir = dir;
+  policy.every = 1;
+  policy.keep = 1;
+  policy.last_step = 2;
+  policy.resumed_from = 1;
+  auto resumed = TrainAndSaveFrom(g, programs, policy, 1, 1, old);
+  for (const std::string& h : held) SetImmutable(h, false);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();  // the failed removal is a warning
+  auto found = FindCheckpoint(dir);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, dir + "/step-00000002");
+  const std::vector<std::string> left = Entries(old);
+  EXPECT_EQ(std::count(left.begin(), left.end(), "COMMITTED"), 0)
+      << "a step with files it could not remove still counts as complete";
 }
 
 TEST(CheckpointTest, AReplicatedTensorIsWrittenOnceByItsLowestRank) {
