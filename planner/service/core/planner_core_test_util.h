@@ -166,6 +166,18 @@ inline v1::CreatePlanRequest MlpRequest(bool wait = true) {
   return r;
 }
 
+// A search that takes seconds (about 7 s on 2 cores): long enough to act
+// on while it runs.
+inline v1::CreatePlanRequest LongSearch(const std::string& id) {
+  v1::CreatePlanRequest r;
+  r.set_plan_id(id);
+  r.mutable_model()->mutable_zoo()->set_name("gpt");
+  (*r.mutable_model()->mutable_zoo()->mutable_params())["layers"] = 96;
+  r.mutable_options()->mutable_budget()->set_max_seconds(120);
+  r.mutable_options()->set_ignore_memory_limits(true);
+  return r;
+}
+
 class PlannerCoreTest : public ::testing::Test {
  protected:
   void SetUp() override { Start({}, {}); }
