@@ -23,8 +23,6 @@
 #include "common/training_checks.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
-#include "planner/graph/graph_proto.h"
-#include "planner/graph/zoo.h"
 #include "planner/service/core/job_reconcile.h"
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/pagination.h"
@@ -210,19 +208,10 @@ namespace {
 // plan takes, a training config an executor takes, a slowdown threshold
 // and join_stable that mean what they say.
 absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
-  // The model as CreatePlan builds it (the batch and experts, when not
-  // given, at a size that fits two devices).
-  if (spec.model().has_graph()) {
-    HAP_RETURN_IF_ERROR(
-        Annotate(graph::FromProto(spec.model().graph()).status(), "spec.model.graph"));
-  } else if (spec.model().has_zoo()) {
-    const v1::ZooModel& zoo = spec.model().zoo();
-    std::map<std::string, double> params(zoo.params().begin(), zoo.params().end());
-    if (spec.global_batch() > 0) params["batch"] = static_cast<double>(spec.global_batch());
-    params.emplace("batch", 64.0);
-    if (zoo.name() == "moe" || zoo.name() == "switch") params.emplace("experts", 4.0);
-    HAP_RETURN_IF_ERROR(
-        Annotate(graph::BuildZooModel(zoo.name(), params).status(), "spec.model.zoo"));
+  // The model as a plan on the fewest devices a plan takes (two) builds it.
+  if (absl::Status m = PlannerCore::BuildModel(spec.model(), spec.global_batch(), 2).status();
+      !m.ok()) {
+    return absl::Status(m.code(), absl::StrCat("spec.", m.message()));
   }
   HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckPlanOptions(spec.options()), "spec"));
   HAP_RETURN_IF_ERROR(Annotate(CheckTrainingConfig(spec.training()), "spec"));

@@ -241,6 +241,43 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
   return absl::OkStatus();
 }
 
+absl::StatusOr<graph::Graph> PlannerCore::BuildModel(const v1::ModelSpec& model,
+                                                     int64_t global_batch, int devices) {
+  if (model.has_zoo()) {
+    std::map<std::string, double> params(model.zoo().params().begin(), model.zoo().params().end());
+    const std::string& zoo = model.zoo().name();
+    if (global_batch > 0) params["batch"] = static_cast<double>(global_batch);
+    if (!params.count("batch")) params["batch"] = 32.0 * devices;
+    if ((zoo == "moe" || zoo == "switch") && !params.count("experts")) {
+      params["experts"] = 2.0 * devices;
+    }
+    auto g = graph::BuildZooModel(zoo, params);
+    if (!g.ok()) return Annotate(g.status(), "model.zoo");
+    return g;
+  }
+  if (model.has_graph()) {
+    auto g = graph::FromProto(model.graph());
+    if (!g.ok()) return Annotate(g.status(), "model.graph");
+    const std::vector<graph::TensorId> inputs = g->Inputs();
+    if (global_batch > 0 && !inputs.empty()) {
+      // The batch is dimension 0 of the first input, which may have none.
+      const graph::Tensor& first = g->tensor(inputs.front());
+      if (first.type.rank() < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "global_batch ", global_batch, " is given but the graph's first input '", first.name,
+            "' is a scalar, with no batch dimension (leave global_batch 0)"));
+      }
+      if (first.type.shape[0] != global_batch) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "global_batch ", global_batch, " differs from the graph's batch ", first.type.shape[0],
+            " (graphs have concrete shapes; export the graph at that batch)"));
+      }
+    }
+    return g;
+  }
+  return absl::InvalidArgumentError("model is required: a graph or a zoo model");
+}
+
 absl::Status PlannerCore::CheckPlanOptions(const v1::PlanOptions& options) {
   Job job;
   return ConvertOptions(options, &job, PlannerCoreOptions());
@@ -476,40 +513,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   const int n = cluster_model->size();
 
   // The model.
-  if (r.model().has_zoo()) {
-    std::map<std::string, double> params(r.model().zoo().params().begin(),
-                                         r.model().zoo().params().end());
-    const std::string& zoo = r.model().zoo().name();
-    if (r.global_batch() > 0) params["batch"] = static_cast<double>(r.global_batch());
-    if (!params.count("batch")) params["batch"] = 32.0 * n;
-    if ((zoo == "moe" || zoo == "switch") && !params.count("experts")) {
-      params["experts"] = 2.0 * n;
-    }
-    auto g = graph::BuildZooModel(zoo, params);
-    if (!g.ok()) return Annotate(g.status(), "model.zoo");
-    job->graph = *std::move(g);
-  } else if (r.model().has_graph()) {
-    auto g = graph::FromProto(r.model().graph());
-    if (!g.ok()) return Annotate(g.status(), "model.graph");
-    job->graph = *std::move(g);
-    const std::vector<graph::TensorId> inputs = job->graph.Inputs();
-    if (r.global_batch() > 0 && !inputs.empty()) {
-      // The batch is dimension 0 of the first input, which may have none.
-      const graph::Tensor& first = job->graph.tensor(inputs.front());
-      if (first.type.rank() < 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "global_batch ", r.global_batch(), " is given but the graph's first input '",
-            first.name, "' is a scalar, with no batch dimension (leave global_batch 0)"));
-      }
-      if (first.type.shape[0] != r.global_batch()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "global_batch ", r.global_batch(), " differs from the graph's batch ",
-            first.type.shape[0], " (graphs have concrete shapes; export the graph at that batch)"));
-      }
-    }
-  } else {
-    return absl::InvalidArgumentError("model is required: a graph or a zoo model");
-  }
+  HAP_ASSIGN_OR_RETURN(job->graph, BuildModel(r.model(), r.global_batch(), n));
 
   // The cache key: what the plan depends on (see CacheKey).
   v1::Graph graph_proto = graph::ToProto(job->graph);

@@ -26,6 +26,7 @@
 #include "hap/v1/cluster.pb.h"
 #include "hap/v1/plan.pb.h"
 #include "hap/v1/planner_service.pb.h"
+#include "planner/graph/graph.h"
 
 namespace hap::service {
 
@@ -290,6 +291,13 @@ class PlannerCore {
   // What CreatePlan checks of `options` (InvalidArgument naming the field
   // and value): for specs that plan later (an elastic job's).
   static absl::Status CheckPlanOptions(const hap::v1::PlanOptions& options);
+  // The graph a plan on `devices` devices trains: a zoo model (its batch
+  // `global_batch`, else 32 a device; MoE's experts 2 a device, unless
+  // given) or a graph (whose first input's dimension 0 must be
+  // `global_batch` when that is given). InvalidArgument naming model.zoo or
+  // model.graph and what is wrong.
+  static absl::StatusOr<graph::Graph> BuildModel(const hap::v1::ModelSpec& model,
+                                                 int64_t global_batch, int devices);
 
  private:
   struct Job;
