@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -296,9 +297,9 @@ class ClusterTest : public ::testing::Test {
   // Polls GetJob until `done` holds (true) or `timeout` passes (a failure);
   // the job as last read in `job`.
   bool WaitForJob(const std::function<bool(const v1::Job&)>& done, absl::Duration timeout,
-                  v1::Job* job) {
+                  v1::Job* job, const std::string& name = "jobs/elastic") {
     v1::GetJobRequest g;
-    g.set_name("jobs/elastic");
+    g.set_name(name);
     const absl::Time deadline = absl::Now() + timeout;
     while (absl::Now() < deadline) {
       if (stub_->GetJob(Ctx(5).get(), g, job).ok() && done(*job)) return true;
@@ -329,6 +330,20 @@ class ClusterTest : public ::testing::Test {
     std::map<int64_t, std::vector<double>> by_step;
     for (const auto& m : metrics.metrics()) by_step[m.step()].push_back(m.loss());
     return by_step;
+  }
+  // The steps rank 0 of `deployment` reported (up to 10,000).
+  std::set<int64_t> Rank0Steps(const std::string& deployment) {
+    v1::ListStepMetricsRequest lm;
+    lm.set_deployment(deployment);
+    lm.set_page_size(10000);
+    v1::ListStepMetricsResponse metrics;
+    grpc::Status s = stub_->ListStepMetrics(Ctx().get(), lm, &metrics);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    std::set<int64_t> steps;
+    for (const auto& m : metrics.metrics()) {
+      if (m.rank() == 0) steps.insert(m.step());
+    }
+    return steps;
   }
   static bool Final(const v1::Deployment& d) {
     return d.state() == v1::Deployment::SUCCEEDED || d.state() == v1::Deployment::FAILED ||
@@ -637,15 +652,7 @@ TEST_F(ClusterTest, AJobLosesANodeReplansOntoTheRestAndSucceeds) {
   }
   // The last deployment trained from the checkpoint to the end: its rank 0
   // reported every step after it.
-  v1::ListStepMetricsRequest lm;
-  lm.set_deployment(job.status().deployment());
-  lm.set_page_size(10000);
-  v1::ListStepMetricsResponse metrics;
-  ASSERT_TRUE(stub_->ListStepMetrics(Ctx().get(), lm, &metrics).ok());
-  std::set<int64_t> steps;
-  for (const auto& m : metrics.metrics()) {
-    if (m.rank() == 0) steps.insert(m.step());
-  }
+  const std::set<int64_t> steps = Rank0Steps(job.status().deployment());
   EXPECT_EQ(static_cast<int64_t>(steps.size()), kJobSteps - e.resume_step());
   EXPECT_EQ(*steps.begin(), e.resume_step());
 
@@ -765,6 +772,88 @@ TEST_F(ClusterTest, AJobOutlivesAPlannerKill) {
   EXPECT_EQ(job.status().steps_done(), kJobSteps);
   EXPECT_EQ(job.status().deployment(), deployment) << job.DebugString();
   EXPECT_EQ(job.status().replans(), 0) << job.DebugString();
+}
+
+// A job resumed from a checkpoint whose shards were damaged after they
+// committed (a flipped bit in each: their checksums no longer match): the
+// executors fail the restore with DATA_LOSS, the planner sets the
+// checkpoint aside (damaged-step-N, kept) and resumes from the one before,
+// and the job succeeds. Before, every re-plan resumed from the damaged
+// checkpoint again until max_replans failed the job.
+TEST_F(ClusterTest, AJobResumedFromADamagedCheckpointFallsBackToTheOneBefore) {
+  WaitForReadyNodes(kNodes);
+  constexpr int64_t kFirstSteps = 300, kSteps = 400, kEvery = 100;
+  v1::Job job;
+  grpc::Status s = stub_->CreateJob(Ctx().get(), JobRequest(kFirstSteps, kEvery), &job);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  auto final_state = [](const v1::Job& j) {
+    return j.status().state() == v1::JobStatus::SUCCEEDED ||
+           j.status().state() == v1::JobStatus::FAILED;
+  };
+  ASSERT_TRUE(WaitForJob(final_state, absl::Seconds(300), &job));
+  ASSERT_EQ(job.status().state(), v1::JobStatus::SUCCEEDED) << job.DebugString();
+
+  const std::string ckpt = dir_ + "/job-checkpoints";
+  const std::string last = absl::StrFormat("%s/step-%08d", ckpt, kFirstSteps);
+  int damaged = 0;
+  for (const auto& e : std::filesystem::directory_iterator(last)) {
+    if (e.path().extension() != ".safetensors") continue;
+    // A bit of the last tensor's data (a file whose tensors are all empty
+    // ends with its header, which stays intact: its checksums are what
+    // find the damage).
+    auto file = executor::checkpoint::SafetensorsFile::Open(e.path().string());
+    ASSERT_TRUE(file.ok()) << file.status();
+    int64_t end = 0;
+    for (const auto& [name, t] : (*file)->tensors()) end = std::max(end, t.end);
+    if (end == 0) continue;
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    ASSERT_TRUE(f.get(c));
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x10));
+    ASSERT_TRUE(f.good()) << e.path();
+    ++damaged;
+  }
+  ASSERT_GT(damaged, 0);
+
+  // The same training, further, in the same directory: a second job
+  // resumes from its latest committed checkpoint, the damaged one.
+  v1::CreateJobRequest more = JobRequest(kSteps, kEvery);
+  more.set_job_id("further");
+  s = stub_->CreateJob(Ctx().get(), more, &job);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(WaitForJob(final_state, absl::Seconds(300), &job, "jobs/further"));
+  ASSERT_EQ(job.status().state(), v1::JobStatus::SUCCEEDED) << job.DebugString();
+  EXPECT_EQ(job.status().steps_done(), kSteps);
+  EXPECT_EQ(job.status().replans(), 1) << job.DebugString();
+  ASSERT_EQ(job.status().damaged_checkpoints_size(), 1) << job.DebugString();
+  EXPECT_THAT(job.status().damaged_checkpoints(0),
+              ::testing::AllOf(::testing::HasSubstr(last + " -> " + ckpt + "/damaged-step-"),
+                               ::testing::HasSubstr("is damaged: the bytes of tensor")));
+  ASSERT_GE(job.status().events_size(), 1);
+  const v1::JobEvent e = job.status().events(job.status().events_size() - 1);
+  EXPECT_EQ(e.resume_step(), kFirstSteps - kEvery) << e.DebugString();
+  EXPECT_THAT(e.detail(), ::testing::HasSubstr("is damaged; resuming from step 200"));
+  // Set aside, kept; the step retrained and committed again.
+  EXPECT_TRUE(std::filesystem::exists(
+      absl::StrFormat("%s/damaged-step-%08d/COMMITTED", ckpt, kFirstSteps)));
+  EXPECT_TRUE(std::filesystem::exists(absl::StrFormat("%s/step-%08d/COMMITTED", ckpt, kSteps)));
+
+  // The deployment that trained it from step 200 on reported every step
+  // after it.
+  const std::set<int64_t> steps = Rank0Steps(job.status().deployment());
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(*steps.begin(), kFirstSteps - kEvery);
+  EXPECT_EQ(static_cast<int64_t>(steps.size()), kSteps - (kFirstSteps - kEvery));
+
+  Process describe;
+  ASSERT_TRUE(describe
+                  .Start({Runfile("tools/hapctl"), "describe", "job", "further",
+                          "--server=" + Planner(), "--token-file=" + dir_ + "/token"})
+                  .ok());
+  describe.Stop(0, absl::Seconds(30));
+  EXPECT_THAT(describe.output(), ::testing::HasSubstr("damaged checkpoint (set aside): " + last));
 }
 
 // A pipeline plan made by the planner for three one-device nodes (three

@@ -229,6 +229,9 @@ void DescribeJob(const v1::Job& j) {
     std::cout << absl::StrFormat("step time: predicted %.4f s, measured %.4f s (median)\n",
                                  s.predicted_step_seconds(), s.measured_step_seconds());
   }
+  for (const auto& d : s.damaged_checkpoints()) {
+    std::cout << "damaged checkpoint (set aside): " << d << "\n";
+  }
   std::cout << absl::StrFormat("\n%-24s %-18s %10s %8s %10s %21s  %s\n", "TIME", "REASON",
                                "DOWNTIME S", "LOST", "FROM STEP", "PRED STEP S BEFORE->AFTER",
                                "DEVICES / DETAIL");
@@ -308,6 +311,10 @@ void DescribeDeployment(const v1::Deployment& d, double predicted) {
   if (!d.error().empty()) std::cout << "error: " << d.error() << "\n";
   if (d.failed_ranks_size() > 0) {
     std::cout << "failed ranks: " << absl::StrJoin(d.failed_ranks(), ",") << "\n";
+  }
+  if (!d.damaged_checkpoint().empty()) {
+    std::cout << "damaged checkpoint: " << d.damaged_checkpoint()
+              << " (the checkpoint it resumed from could not be read)\n";
   }
   std::map<int, const v1::StepProfile*> profiles;
   for (const auto& p : d.rank_profiles()) profiles[p.rank()] = &p;

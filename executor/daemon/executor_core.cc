@@ -219,6 +219,7 @@ struct ExecutorCore::Loaded {
   bool trained = false;
   v1::ExecutorStatus::State final_state = v1::ExecutorStatus::FAILED;
   std::string final_error;
+  absl::StatusCode final_code = absl::StatusCode::kOk;  // of final_error
   ~Loaded() { runner.reset(); }    // before what it points into
 };
 
@@ -253,7 +254,12 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
           "training.resume: the checkpoint ", (*reader)->step_dir(), " is at step ",
           loaded->first_step, ", not before training.steps ", t.steps(), ": nothing to train"));
     }
-    loaded->initialize = ckpt::ResumeHook(*std::move(reader), g);
+    // Its shards are read when training starts: a damaged one (a checksum
+    // that does not match, DataLoss) fails the rank before its first step,
+    // which the planner reads as the checkpoint's fault (error_code).
+    loaded->initialize = [hook = ckpt::ResumeHook(*std::move(reader), g)](ProgramRunner& r) {
+      return Annotate(hook(r), "training.resume");
+    };
   } else if (!t.init_weights().empty()) {
     auto w = ckpt::WeightsReader::OpenFor(t.init_weights(), *g);
     if (!w.ok()) return Annotate(w.status(), "training.init_weights");
@@ -439,6 +445,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   steps_completed_ = 0;
   last_loss_ = 0;
   error_.clear();
+  error_code_ = absl::StatusCode::kOk;
   return hash;  // `old` is freed here (unless a retired thread holds it)
 }
 
@@ -585,6 +592,8 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
       loaded->trained = true;
       loaded->final_state = s.ok() ? v1::ExecutorStatus::FINISHED : v1::ExecutorStatus::FAILED;
       if (!s.ok()) {
+        loaded->final_code =
+            loaded->cancelled && absl::IsCancelled(s) ? absl::StatusCode::kCancelled : s.code();
         // A step that failed on its own while a Stop waited keeps its error.
         const std::string stopped = absl::StrCat("stopped by ", loaded->stopped_by, " after ",
                                                  steps_completed_, " of ", steps, " steps");
@@ -603,6 +612,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
   if (load_id_ != load_id || loaded->abandoned) return;
   state_ = loaded->final_state;
   error_ = loaded->final_error;
+  error_code_ = loaded->final_code;
 }
 
 std::optional<v1::StepProfile> ExecutorCore::NextProfile(Loaded& loaded, int64_t step,
@@ -692,9 +702,11 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
     if (loaded_->trained) {  // only on_end (flushing metrics) was left
       state_ = loaded_->final_state;
       error_ = loaded_->final_error;
+      error_code_ = loaded_->final_code;
       return StatusLocked();
     }
     state_ = v1::ExecutorStatus::FAILED;
+    error_code_ = absl::StatusCode::kCancelled;
     error_ = absl::StrCat(
         "stopped by ", loaded_->stopped_by, " after ", steps_completed_, " of ",
         loaded_->options.training.steps(), " steps; the step in progress did not end within ",
@@ -732,6 +744,7 @@ v1::ExecutorStatus ExecutorCore::StatusLocked() const {
   s.set_steps_completed(steps_completed_);
   s.set_last_loss(last_loss_);
   s.set_error(error_);
+  if (state_ == v1::ExecutorStatus::FAILED) s.set_error_code(static_cast<int32_t>(error_code_));
   if (loaded_ != nullptr && loaded_->profile.steps() > 0) *s.mutable_profile() = loaded_->profile;
   return s;
 }

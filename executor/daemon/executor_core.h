@@ -187,6 +187,7 @@ class ExecutorCore {
   int64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
   double last_loss_ ABSL_GUARDED_BY(mu_) = 0;
   std::string error_ ABSL_GUARDED_BY(mu_);
+  absl::StatusCode error_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;  // of error_
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // the training thread; started and joined under ops_mu_
   std::vector<Retired> retired_ ABSL_GUARDED_BY(ops_mu_);

@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
+#include "executor/checkpoint/checkpoint_test_util.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/daemon/core_test_util.h"
 #include "executor/daemon/test_plans.h"
@@ -556,6 +557,46 @@ TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
   both.training.set_init_weights(dir + "/w.safetensors");
   EXPECT_THAT(c.LoadPlan(both), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("exclude each other")));
+}
+
+// A checkpoint whose shards were damaged after they committed (a flipped
+// bit: the checksums they record no longer match) loads (its records are
+// intact) and fails each rank before its first step, with the code that
+// tells the planner it is the checkpoint's fault (DATA_LOSS), not the
+// executor's.
+TEST(ExecutorCoreTest, ADamagedCheckpointFailsTheResumeWithDataLoss) {
+  const std::string dir = ::testing::TempDir() + "/core_damaged_ckpt";
+  std::filesystem::remove_all(dir);
+  v1::ExecutorStatus first = TrainTwo(4, [&](LoadOptions& o) {
+    o.training.set_checkpoint_dir(dir);
+    o.training.set_checkpoint_every(2);
+  });
+  ASSERT_EQ(first.state(), v1::ExecutorStatus::FINISHED) << first.error();
+  EXPECT_EQ(first.error_code(), 0);
+  int damaged = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/step-00000004")) {
+    if (e.path().extension() != ".safetensors") continue;
+    EXPECT_FALSE(checkpoint::test_util::FlipTheLastByte(e.path().string()).empty()) << e.path();
+    ++damaged;
+  }
+  ASSERT_GT(damaged, 0);
+
+  InProcessGroup group(2);
+  ExecutorCore a(InProcessOptions(&group)), b(InProcessOptions(&group));
+  std::vector<ExecutorCore*> cores = {&a, &b};
+  for (int r = 0; r < 2; ++r) {
+    LoadOptions o = MlpLoad(2, r, 6);
+    o.training.set_resume(dir + "/step-00000004");
+    ASSERT_THAT(cores[r]->LoadPlan(o), IsOk());
+  }
+  for (ExecutorCore* c : cores) ASSERT_THAT(c->Start(""), IsOk());
+  for (ExecutorCore* c : cores) {
+    v1::ExecutorStatus s = c->WaitUntilDone(absl::InfiniteFuture());
+    EXPECT_EQ(s.state(), v1::ExecutorStatus::FAILED);
+    EXPECT_EQ(s.error_code(), static_cast<int>(absl::StatusCode::kDataLoss)) << s.error();
+    EXPECT_EQ(s.steps_completed(), 0);
+    EXPECT_THAT(s.error(), AllOf(HasSubstr("training.resume"), HasSubstr("step-00000004")));
+  }
 }
 
 // A checkpoint directory that cannot be made was found at the first save:

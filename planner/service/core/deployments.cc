@@ -10,13 +10,15 @@ namespace {
 
 namespace v1 = ::hap::v1;
 
+// `damaged`: the checkpoint it resumes from is to blame (ResumeDamaged).
 void SetFailed(const DeploymentControl& control, const std::string& error,
-               const std::vector<int>& failed_ranks) {
+               const std::vector<int>& failed_ranks, bool damaged) {
   control.update([&](v1::Deployment& x) {
     x.set_state(v1::Deployment::FAILED);
     x.set_error(error);
     x.clear_failed_ranks();
     for (int r : failed_ranks) x.add_failed_ranks(r);
+    if (damaged) x.set_damaged_checkpoint(x.training().resume());
   });
 }
 
@@ -28,12 +30,22 @@ void NoteUnstopped(const DeploymentControl& control, const absl::Status& stopped
   });
 }
 
-// FAILED with `error`, then every rank stopped.
+// FAILED with `error`, then every rank stopped. The stops' answers are
+// the ranks' last word: a rank whose damaged checkpoint failed it after
+// the poll that found a peer failed (the peer's loss ended its collective
+// first) says so there.
 void FailAndStop(const v1::Deployment& d, const std::string& error,
-                 const std::vector<int>& failed_ranks, DeploymentExecutors& executors,
+                 const std::vector<int>& failed_ranks, bool damaged, DeploymentExecutors& executors,
                  const DeploymentWatchOptions& o, const DeploymentControl& control) {
-  SetFailed(control, error, failed_ranks);
-  NoteUnstopped(control, StopEveryRank(d, executors, o, control));
+  SetFailed(control, error, failed_ranks, damaged);
+  bool damaged_later = false;
+  NoteUnstopped(control, StopEveryRank(d, executors, o, control,
+                                       [&](const absl::StatusOr<v1::ExecutorStatus>& a) {
+                                         damaged_later |= a.ok() && ResumeDamaged(d, *a);
+                                       }));
+  if (damaged_later && !damaged) {
+    control.update([&](v1::Deployment& x) { x.set_damaged_checkpoint(x.training().resume()); });
+  }
 }
 
 // Every rank stopped, then STOPPED.
@@ -75,6 +87,13 @@ absl::Status ValidateDeploymentWatchOptions(const DeploymentWatchOptions& o) {
   return absl::OkStatus();
 }
 
+bool ResumeDamaged(const v1::Deployment& d, const v1::ExecutorStatus& s) {
+  return !d.training().resume().empty() && s.deployment() == d.name() &&
+         s.generation() == d.generation() && s.state() == v1::ExecutorStatus::FAILED &&
+         s.error_code() == static_cast<int>(absl::StatusCode::kDataLoss) &&
+         s.steps_completed() == 0;
+}
+
 bool DeploymentFinal(v1::Deployment::State s) {
   return s == v1::Deployment::SUCCEEDED || s == v1::Deployment::FAILED ||
          s == v1::Deployment::STOPPED;
@@ -92,6 +111,7 @@ RankWatch::RankWatch(const v1::Deployment& d, int missed_status_limit)
 RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statuses) {
   std::vector<std::string> problems;
   failed_ranks_.clear();
+  resume_damaged_ = false;
   bool failed = false;
   int finished = 0;
   for (int r = 0; r < d_.ranks_size(); ++r) {
@@ -129,6 +149,7 @@ RankWatch::Verdict RankWatch::Observe(const DeploymentExecutors::Statuses& statu
         break;
       case v1::ExecutorStatus::FAILED:  // it answers: alive (a peer's loss fails it too)
         failed = true;
+        resume_damaged_ |= ResumeDamaged(d_, *st);
         problems.push_back(absl::StrCat(DescribeRank(d_, r), " failed: ", st->error()));
         break;
       default:
@@ -156,10 +177,14 @@ namespace {
 
 // One round of StopTraining to the ranks in `pending`; leaves there those
 // that did not confirm, with their answers in `why`.
-void StopRound(const v1::Deployment& d, DeploymentExecutors& executors,
-               const DeploymentWatchOptions& o, std::vector<int>* pending,
-               std::vector<std::string>* why) {
+void StopRound(
+    const v1::Deployment& d, DeploymentExecutors& executors, const DeploymentWatchOptions& o,
+    std::vector<int>* pending, std::vector<std::string>* why,
+    const std::function<void(const absl::StatusOr<v1::ExecutorStatus>&)>& seen = nullptr) {
   DeploymentExecutors::Statuses answers = executors.StopTraining(d.name(), o.stop_timeout);
+  if (seen) {
+    for (const auto& a : answers) seen(a);
+  }
   std::vector<int> left;
   why->clear();
   for (int r : *pending) {
@@ -191,8 +216,10 @@ absl::Status StopRanksOnce(const v1::Deployment& d, DeploymentExecutors& executo
   return pending.empty() ? absl::OkStatus() : NotStopped(why, 1);
 }
 
-absl::Status StopEveryRank(const v1::Deployment& d, DeploymentExecutors& executors,
-                           const DeploymentWatchOptions& o, const DeploymentControl& control) {
+absl::Status StopEveryRank(
+    const v1::Deployment& d, DeploymentExecutors& executors, const DeploymentWatchOptions& o,
+    const DeploymentControl& control,
+    const std::function<void(const absl::StatusOr<v1::ExecutorStatus>&)>& answers) {
   std::vector<int> pending;
   for (int r = 0; r < d.ranks_size(); ++r) pending.push_back(r);
   std::vector<std::string> why;
@@ -204,7 +231,7 @@ absl::Status StopEveryRank(const v1::Deployment& d, DeploymentExecutors& executo
     }
     // Every rank is asked again, not only the pending ones: the executors'
     // client sends to all at once, and a repeated stop is a no-op.
-    StopRound(d, executors, o, &pending, &why);
+    StopRound(d, executors, o, &pending, &why, answers);
     ++attempts;
   }
   return pending.empty() ? absl::OkStatus() : NotStopped(why, attempts);
@@ -239,9 +266,13 @@ void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
     *req.mutable_training() = d.training();
     absl::Status s = executors.LoadPlan(r, req, o.call_timeout);
     if (!s.ok()) {
+      // DataLoss from the load of a resumed run: the checkpoint's records
+      // (trainer.json, index.json, COMMITTED) are damaged, which is not the
+      // executor's fault.
+      const bool damaged = absl::IsDataLoss(s) && !d.training().resume().empty();
       return FailAndStop(d, absl::StrCat("LoadPlan on ", DescribeRank(d, r), ": ", s.message()),
-                         {r},
-                         executors, o, control);
+                         damaged ? std::vector<int>{} : std::vector<int>{r}, damaged, executors, o,
+                         control);
     }
   }
   for (int r = 0; r < world; ++r) {
@@ -250,8 +281,7 @@ void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
     if (!s.ok()) {
       return FailAndStop(d,
                          absl::StrCat("StartTraining on ", DescribeRank(d, r), ": ", s.message()),
-                         {r},
-                         executors, o, control);
+                         {r}, /*damaged=*/false, executors, o, control);
     }
   }
   control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::RUNNING); });
@@ -317,7 +347,8 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
         control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });
         return;
       case RankWatch::Verdict::kFailed:
-        return FailAndStop(d, watch.error(), watch.failed_ranks(), executors, o, control);
+        return FailAndStop(d, watch.error(), watch.failed_ranks(), watch.resume_damaged(),
+                           executors, o, control);
     }
     next = started + o.status_interval;
   }
@@ -326,7 +357,7 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
 void FailUnfinishedDeployment(const v1::Deployment& d, const std::string& reason,
                               DeploymentExecutors& executors, const DeploymentWatchOptions& o,
                               const DeploymentControl& control) {
-  FailAndStop(d, reason, {}, executors, o, control);
+  FailAndStop(d, reason, {}, /*damaged=*/false, executors, o, control);
 }
 
 }  // namespace hap::service

@@ -125,6 +125,9 @@ class RankWatch {
   // or are not training it. A rank that answers FAILED is alive (a peer's
   // loss fails every rank) and is not among them.
   const std::vector<int>& failed_ranks() const { return failed_ranks_; }
+  // After kFailed: a rank failed because the checkpoint `d` resumes from
+  // is damaged (ResumeDamaged).
+  bool resume_damaged() const { return resume_damaged_; }
 
  private:
   hap::v1::Deployment d_;
@@ -132,7 +135,14 @@ class RankWatch {
   std::vector<int> missed_;
   std::string error_;
   std::vector<int> failed_ranks_;
+  bool resume_damaged_ = false;
 };
+
+// Whether `s`, a rank's status, says it failed because the checkpoint `d`
+// resumes from (training.resume) is damaged: FAILED with DATA_LOSS before
+// training a step (the executor found a shard whose checksum does not match,
+// or a truncated or malformed file, while restoring it).
+bool ResumeDamaged(const hap::v1::Deployment& d, const hap::v1::ExecutorStatus& s);
 
 // "rank 2 (node2/cpu0 at 127.0.0.1:5000)".
 // Whether a deployment in state `s` has ended (SUCCEEDED, FAILED, STOPPED).
@@ -152,9 +162,12 @@ absl::Status StopRanksOnce(const hap::v1::Deployment& d, DeploymentExecutors& ex
 
 // Stops every rank, asking the ones that do not confirm again after
 // status_interval, stop_attempts times in all (less on shutdown). As
-// StopRanksOnce.
-absl::Status StopEveryRank(const hap::v1::Deployment& d, DeploymentExecutors& executors,
-                           const DeploymentWatchOptions& o, const DeploymentControl& control);
+// StopRanksOnce. `answers`, when given, receives every answer of every
+// round.
+absl::Status StopEveryRank(
+    const hap::v1::Deployment& d, DeploymentExecutors& executors, const DeploymentWatchOptions& o,
+    const DeploymentControl& control,
+    const std::function<void(const absl::StatusOr<hap::v1::ExecutorStatus>&)>& answers = nullptr);
 
 // A PENDING deployment from its start: LoadPlan (with `plan` and the
 // rendezvous store at `rendezvous_address`) and StartTraining on every

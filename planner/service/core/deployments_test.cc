@@ -56,6 +56,8 @@ class FakeExecutors : public DeploymentExecutors {
   int polls = 0;
   // Runs before each GetStatus answer: the test's events.
   std::function<void(int poll)> before_poll;
+  // Runs before each StopTraining round is answered.
+  std::function<void()> before_stop;
 
   absl::Status LoadPlan(int rank, const v1::LoadPlanRequest& request,
                         absl::Duration) override {
@@ -88,6 +90,7 @@ class FakeExecutors : public DeploymentExecutors {
     return out;
   }
   Statuses StopTraining(const std::string& deployment, absl::Duration) override {
+    if (before_stop) before_stop();
     Statuses out;
     for (Rank& x : ranks) {
       if (!x.reachable) {
@@ -303,6 +306,102 @@ TEST(DeploymentsTest, AFailedLoadUnloadsTheRanksLoadedBefore) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(ex.ranks[r].status.state(), v1::ExecutorStatus::IDLE) << r;
   }
+}
+
+v1::Deployment Resuming() {
+  v1::Deployment d = ThreeRanks();
+  d.mutable_training()->set_resume("/ck/step-00000200");
+  return d;
+}
+
+// A rank's status as an executor whose restore of a damaged checkpoint
+// failed it: DATA_LOSS before its first step.
+void FailWithDamage(v1::ExecutorStatus& s, int64_t steps_completed = 0) {
+  s.set_state(v1::ExecutorStatus::FAILED);
+  s.set_error_code(static_cast<int>(absl::StatusCode::kDataLoss));
+  s.set_steps_completed(steps_completed);
+  s.set_error(
+      "training.resume: /ck/step-00000200/rank-00001.safetensors: tensor 'w1' does not match "
+      "its checksum");
+}
+
+// LoadPlan's DataLoss on a resumed run: the checkpoint's records are
+// damaged. The deployment names the checkpoint, and not the rank, whose
+// executor is fine (a job would otherwise keep its device out).
+TEST(DeploymentsTest, ADamagedCheckpointAtLoadIsTheCheckpointsFaultNotTheRanks) {
+  v1::Deployment d = Resuming();
+  FakeExecutors ex(3);
+  ex.ranks[1].load_error = absl::DataLossError(
+      "training.resume: the checkpoint file /ck/step-00000200/trainer.json is corrupted");
+  FakeOwner owner(d);
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  EXPECT_THAT(owner.states(), ElementsAre(v1::Deployment::FAILED));
+  EXPECT_EQ(owner.record.damaged_checkpoint(), "/ck/step-00000200");
+  EXPECT_THAT(owner.record.failed_ranks(), ::testing::IsEmpty());
+  EXPECT_THAT(owner.record.error(), HasSubstr("trainer.json is corrupted"));
+
+  // The same code from a run that resumes nothing (a damaged init_weights
+  // file, for one) names no checkpoint; other codes neither.
+  for (const v1::Deployment& other : {ThreeRanks(), Resuming()}) {
+    FakeExecutors ex2(3);
+    ex2.ranks[1].load_error = other.training().resume().empty()
+                                  ? absl::DataLossError("w.safetensors is damaged")
+                                  : absl::UnavailableError("connection refused");
+    FakeOwner owner2(other);
+    RunDeployment(other, v1::Plan(), "127.0.0.1:7000", ex2, Options(), owner2.Control());
+    EXPECT_THAT(owner2.states(), ElementsAre(v1::Deployment::FAILED));
+    EXPECT_EQ(owner2.record.damaged_checkpoint(), "");
+    EXPECT_THAT(owner2.record.failed_ranks(), ElementsAre(1));
+  }
+}
+
+TEST(DeploymentsTest, ARankThatADamagedCheckpointFailedNamesIt) {
+  v1::Deployment d = Resuming();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  ex.before_poll = [&](int poll) {
+    if (poll == 1) FailWithDamage(ex.ranks[0].status);
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  EXPECT_THAT(owner.states(), ElementsAre(v1::Deployment::RUNNING, v1::Deployment::FAILED));
+  EXPECT_EQ(owner.record.damaged_checkpoint(), "/ck/step-00000200");
+  EXPECT_THAT(owner.record.failed_ranks(), ::testing::IsEmpty());
+  EXPECT_THAT(owner.record.error(), HasSubstr("does not match its checksum"));
+}
+
+// The poll found a peer failed first (the damaged rank's end closed its
+// connections before its own state said why); the stop's answers say it.
+TEST(DeploymentsTest, ADamagedCheckpointSeenOnlyWhenTheRanksAreStoppedIsNamed) {
+  v1::Deployment d = Resuming();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  ex.before_poll = [&](int poll) {
+    if (poll != 1) return;
+    ex.ranks[2].status.set_state(v1::ExecutorStatus::FAILED);
+    ex.ranks[2].status.set_error_code(static_cast<int>(absl::StatusCode::kUnavailable));
+    ex.ranks[2].status.set_error("connection closed by peer rank 0");
+  };
+  ex.before_stop = [&] {
+    if (ex.Training(0)) FailWithDamage(ex.ranks[0].status);
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  EXPECT_EQ(owner.record.state(), v1::Deployment::FAILED);
+  EXPECT_EQ(owner.record.damaged_checkpoint(), "/ck/step-00000200");
+  EXPECT_THAT(owner.record.error(), HasSubstr("connection closed by peer"));
+}
+
+// DATA_LOSS after training steps is not the checkpoint it resumed from
+// (the restore ended well before): nothing is named.
+TEST(DeploymentsTest, DataLossAfterTrainingStepsIsNotTheResumedCheckpoint) {
+  v1::Deployment d = Resuming();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  ex.before_poll = [&](int poll) {
+    if (poll == 1) FailWithDamage(ex.ranks[0].status, /*steps_completed=*/205);
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  EXPECT_EQ(owner.record.state(), v1::Deployment::FAILED);
+  EXPECT_EQ(owner.record.damaged_checkpoint(), "");
 }
 
 TEST(DeploymentsTest, AStopRequestStopsEveryRank) {

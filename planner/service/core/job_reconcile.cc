@@ -319,6 +319,49 @@ class Pass {
     return true;
   }
 
+  // `d` FAILED because the checkpoint it resumed from is damaged: that
+  // directory is set aside (damaged-step-N) and the job re-plans, to resume
+  // from the committed checkpoint before it (or step 0 when there is none),
+  // which it would otherwise never reach: every later deploy would resume
+  // from the damaged one again, until max_replans. Returns false when the
+  // pass ends here: the job FAILED (the directory cannot be renamed), or
+  // waits for a pass that can (a transient error).
+  bool SetAsideDamaged(const v1::Deployment& d) {
+    const std::string& dir = d.damaged_checkpoint();
+    absl::StatusOr<std::string> moved = b_.SetAsideDamagedCheckpoint(dir);
+    std::string line;
+    if (moved.ok()) {
+      line = absl::StrCat(dir, " -> ", *moved);
+    } else if (absl::IsNotFound(moved.status())) {
+      line = absl::StrCat(dir, " (already gone)");  // a pass before renamed it, then did not save
+    } else if (absl::IsUnavailable(moved.status())) {
+      st().set_message(absl::StrCat("the checkpoint ", dir, " is damaged; setting it aside: ",
+                                    moved.status().message(), "; trying again"));
+      Commit();
+      return false;
+    } else {
+      Finish(v1::JobStatus::FAILED,
+             absl::StrCat("the checkpoint ", dir, " is damaged (", d.error(),
+                          ") and cannot be set aside: ", moved.status().message(),
+                          "; move it out of ", spec().training().checkpoint_dir(),
+                          " and create the job again (it resumes from the checkpoint before)"));
+      return false;
+    }
+    *st().add_damaged_checkpoints() = absl::StrCat(line, ": ", d.error());
+    while (st().damaged_checkpoints_size() > static_cast<int>(e_.max_events)) {
+      st().mutable_damaged_checkpoints()->DeleteSubrange(0, 1);
+    }
+    RefreshCheckpoint();
+    BeginReplan(
+        v1::JobEvent::CHECKPOINT_DAMAGED,
+        absl::StrCat(d.name(), " could not resume: the checkpoint ", line,
+                     " is damaged; resuming from ",
+                     st().checkpoint_step() >= 0 ? absl::StrCat("step ", st().checkpoint_step())
+                                                 : std::string("step 0 (no checkpoint before it)"),
+                     " (", d.error(), ")"));
+    return true;
+  }
+
   // The job's deployment: training, done, failed or being stopped. Returns
   // true when the pass should go on to plan and deploy (no deployment now).
   bool FollowDeployment() {
@@ -356,7 +399,11 @@ class Pass {
       case v1::Deployment::FAILED:
         Hold(*d);
         if (!old_of_recovery) {
-          BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
+          if (!d->damaged_checkpoint().empty()) {
+            if (!SetAsideDamaged(*d)) return false;
+          } else {
+            BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
+          }
           if (OverReplanLimit(/*deployment_live=*/false)) return false;
         }
         st().clear_deployment();

@@ -1,9 +1,15 @@
 #include "planner/service/core/jobs.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -104,6 +110,9 @@ class CoreJobBackend final : public JobBackend {
   absl::StatusOr<int64_t> LatestCheckpoint(const std::string& dir) override {
     return LatestCommittedCheckpoint(dir);
   }
+  absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_dir) override {
+    return hap::service::SetAsideDamagedCheckpoint(step_dir);
+  }
   absl::StatusOr<std::string> Calibrate(const v1::Deployment& d) override {
     return core_->CalibrateDevices(d.plan(), d.name(),
                                    {d.rank_profiles().begin(), d.rank_profiles().end()});
@@ -114,6 +123,13 @@ class CoreJobBackend final : public JobBackend {
   DeploymentManager* deployments_;
   std::function<std::string()> rendezvous_;
 };
+
+// "step-N" (the executors' checkpoint directories): N in `step`.
+bool ParseStepDirName(const std::string& name, int64_t* step) {
+  return name.rfind("step-", 0) == 0 && name.size() > 5 &&
+         name.find_first_not_of("0123456789", 5) == std::string::npos &&
+         absl::SimpleAtoi(name.substr(5), step);
+}
 
 }  // namespace
 
@@ -131,13 +147,8 @@ absl::StatusOr<int64_t> LatestCommittedCheckpoint(const std::string& dir) {
     if (ec) {
       return absl::UnavailableError(absl::StrCat("cannot read ", dir, ": ", ec.message()));
     }
-    const std::string name = it->path().filename().string();
     int64_t step = 0;
-    if (name.rfind("step-", 0) != 0 || name.size() == 5 ||
-        name.find_first_not_of("0123456789", 5) != std::string::npos ||
-        !absl::SimpleAtoi(name.substr(5), &step)) {
-      continue;
-    }
+    if (!ParseStepDirName(it->path().filename().string(), &step)) continue;
     if (step > best && fs::exists(it->path() / "COMMITTED", ec)) best = step;
   }
   if (best < 0) {
@@ -148,6 +159,47 @@ absl::StatusOr<int64_t> LatestCommittedCheckpoint(const std::string& dir) {
 
 std::string CheckpointStepDir(const std::string& dir, int64_t step) {
   return (fs::path(dir) / absl::StrFormat("step-%08d", step)).string();
+}
+
+absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_dir) {
+  fs::path from(step_dir);
+  if (!from.has_filename()) from = from.parent_path();  // "DIR/step-N/"
+  const std::string name = from.filename().string();
+  int64_t step = 0;
+  if (!ParseStepDirName(name, &step)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", step_dir, "' is not a checkpoint step directory (step-N)"));
+  }
+  std::error_code ec;
+  if (!fs::is_directory(from, ec)) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint directory ", step_dir));
+  }
+  const fs::path parent = from.parent_path().empty() ? fs::path(".") : from.parent_path();
+  fs::path to = parent / absl::StrCat("damaged-", name);
+  for (int k = 1; fs::exists(to, ec) || ec; ++k) {
+    if (ec)
+      return absl::UnavailableError(
+          absl::StrCat("cannot read ", parent.string(), ": ", ec.message()));
+    to = parent / absl::StrCat("damaged-", name, "-", k);
+  }
+  // rename(2) refuses to replace a directory that is not empty, so a name
+  // taken between the check and here fails rather than losing anything.
+  if (std::rename(from.c_str(), to.c_str()) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot rename ", from.string(), " to ",
+                                                      to.string(), ": ", std::strerror(errno)));
+  }
+  const int fd = open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const bool synced = fd >= 0 && fsync(fd) == 0;
+  const int err = errno;
+  if (fd >= 0) close(fd);
+  if (!synced) {
+    // Renamed, not durable: a crash may bring the name back, and the job
+    // then finds the damage again.
+    return absl::UnavailableError(absl::StrCat("renamed ", from.string(), " to ", to.string(),
+                                               " but cannot sync ", parent.string(), ": ",
+                                               std::strerror(err)));
+  }
+  return to.string();
 }
 
 std::unique_ptr<JobBackend> NewCoreJobBackend(PlannerCore* core, DeploymentManager* deployments,

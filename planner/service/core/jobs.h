@@ -105,6 +105,10 @@ class JobBackend {
   // The step of the latest committed checkpoint in `dir`; NotFound when it
   // holds none (or does not exist).
   virtual absl::StatusOr<int64_t> LatestCheckpoint(const std::string& dir) = 0;
+  // Sets aside the damaged checkpoint `step_dir` (DIR/step-N, a deployment's
+  // Deployment.damaged_checkpoint) so that no resume finds it again
+  // (SetAsideDamagedCheckpoint); its new path. NotFound when it is gone.
+  virtual absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_dir) = 0;
   // Fits the calibration of `d`'s devices from its ranks' profiles
   // (Deployment.rank_profiles) and stores it with their nodes, for the
   // plans made from then on (PlannerCore::CalibrateDevices); a line for
@@ -121,6 +125,13 @@ class JobBackend {
 absl::StatusOr<int64_t> LatestCommittedCheckpoint(const std::string& dir);
 // "DIR/step-00000012", the directory name the executors write.
 std::string CheckpointStepDir(const std::string& dir, int64_t step);
+// Renames the checkpoint directory `step_dir` (".../step-N") to
+// ".../damaged-step-N" (then "-1", "-2", ... while taken) and makes the
+// rename durable: kept for a person to look at, never resumed from
+// (LatestCommittedCheckpoint and the executors' search read step-N names
+// only). The new path; NotFound when `step_dir` does not exist,
+// InvalidArgument when its name is not step-N, the error otherwise.
+absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_dir);
 
 // The backend of the daemon: plans in `core`, deployments in `deployments`
 // (rendezvous at rendezvous_address()), checkpoints on this machine's view

@@ -53,6 +53,101 @@ TEST_F(JobsTest, LostExecutorReplansOnTheSurvivorsFromTheLatestCommittedCheckpoi
   EXPECT_EQ(resumed_[1].reason(), v1::JobEvent::EXECUTOR_LOST);
 }
 
+// A recovery whose checkpoint turns out damaged (the new deployment's
+// executors found a shard whose checksum does not match): the checkpoint is
+// set aside and the job resumes from the one before, instead of resuming
+// from the damaged one on every re-plan until max_replans. No device is
+// held out: the executors are fine.
+TEST_F(JobsTest, ADamagedCheckpointIsSetAsideAndTheJobResumesFromTheOneBefore) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 40;
+  fake_.checkpoint_before_damaged = 30;
+  fake_.Only(first).set_steps_completed(47);
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(2);
+  fake_.SetNode(2, v1::Node::STALE);
+  c_->Reconcile();
+  const std::string second = Deployment();
+  EXPECT_EQ(fake_.Only(second).training().resume(), "/shared/ckpt/step-00000040");
+
+  now_ += absl::Seconds(3);
+  fake_.SetState(second, v1::Deployment::FAILED);
+  fake_.Only(second).set_error(
+      "rank 0 (d0) failed: training.resume: rank-00001.safetensors: tensor 'w1' does not match "
+      "its checksum");
+  fake_.Only(second).set_damaged_checkpoint("/shared/ckpt/step-00000040");
+  c_->Reconcile();
+  EXPECT_THAT(fake_.set_aside, ElementsAre("/shared/ckpt/step-00000040"));
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RECOVERING);
+  const std::string third = j.status().deployment();
+  ASSERT_NE(third, second);
+  EXPECT_EQ(fake_.Only(third).training().resume(), "/shared/ckpt/step-00000030");
+  EXPECT_EQ(j.status().checkpoint_step(), 30);
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::EXECUTOR_LOST, v1::JobEvent::CHECKPOINT_DAMAGED));
+  EXPECT_EQ(j.status().held_size(), 1);  // d2's, from the first failure only
+  ASSERT_EQ(j.status().damaged_checkpoints_size(), 1);
+  EXPECT_THAT(j.status().damaged_checkpoints(0),
+              AllOf(HasSubstr("/shared/ckpt/step-00000040 -> /shared/ckpt/damaged-step-00000040"),
+                    HasSubstr("does not match its checksum")));
+
+  fake_.SetState(third, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  ASSERT_EQ(j.status().events_size(), 2);
+  const v1::JobEvent& e = j.status().events(1);  // one recovery, both causes said
+  EXPECT_EQ(e.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_THAT(e.detail(), AllOf(HasSubstr("then, while recovering"),
+                                HasSubstr("damaged-step-00000040"), HasSubstr("from step 30")));
+  EXPECT_EQ(e.resume_step(), 30);
+  EXPECT_EQ(e.steps_lost(), 17);
+  EXPECT_EQ(e.deployment(), third);
+}
+
+// A running job's own deployment fails on a damaged checkpoint it resumed
+// from with none before it: it trains again from step 0.
+TEST_F(JobsTest, ADamagedCheckpointWithNoneBeforeItResumesFromStepZero) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 10;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_damaged_checkpoint("/shared/ckpt/step-00000010");
+  fake_.Only(first).set_error("LoadPlan on rank 1: trainer.json is corrupted");
+  c_->Reconcile();
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::CHECKPOINT_DAMAGED));
+  EXPECT_EQ(fake_.Only(Deployment()).training().resume(), "");
+  EXPECT_EQ(Job().status().checkpoint_step(), -1);
+  EXPECT_THAT(Job().status().pending().detail(), HasSubstr("step 0 (no checkpoint before it)"));
+  EXPECT_EQ(Job().status().held_size(), 0);
+}
+
+// A damaged checkpoint that cannot be renamed (the directory is not the
+// planner's to change) fails the job, saying what to do; a transient error
+// is tried again at the next pass.
+TEST_F(JobsTest, ADamagedCheckpointThatCannotBeSetAsideFailsTheJobSayingWhatToDo) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 20;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_damaged_checkpoint("/shared/ckpt/step-00000020");
+  fake_.Only(first).set_error("rank 0 failed: training.resume: checksum");
+  fake_.set_aside_error = absl::UnavailableError("cannot sync /shared/ckpt: EIO");
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::RUNNING);
+  EXPECT_THAT(Job().status().message(), HasSubstr("trying again"));
+  EXPECT_EQ(fake_.deployed.size(), 1u);
+
+  fake_.set_aside_error = absl::FailedPreconditionError("cannot rename: Permission denied");
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::FAILED);
+  EXPECT_THAT(Job().status().message(),
+              AllOf(HasSubstr("/shared/ckpt/step-00000020 is damaged"),
+                    HasSubstr("Permission denied"), HasSubstr("move it out of /shared/ckpt")));
+  EXPECT_EQ(fake_.deployed.size(), 1u);
+}
+
 // A job asking for 3 pipeline stages that loses one of its 3 devices is
 // re-planned with 2 stages (one per device left), not refused.
 TEST_F(JobsTest, APipelineJobOnFewerDevicesThanStagesGetsOneStagePerDevice) {

@@ -621,5 +621,29 @@ TEST_F(CheckpointScanTest, OnlyCommittedStepDirectoriesCount) {
   EXPECT_EQ(CheckpointStepDir("/c", 123456789), "/c/step-123456789");
 }
 
+TEST_F(CheckpointScanTest, ADamagedCheckpointIsRenamedOutOfTheScansReach) {
+  Step("step-00000010", true);
+  Step("step-00000020", true);
+  Step("damaged-step-00000020", true);  // an earlier run's, set aside before
+  std::ofstream(dir_ / "step-00000020" / "rank-00000.safetensors") << "damaged";
+  absl::StatusOr<std::string> moved = SetAsideDamagedCheckpoint((dir_ / "step-00000020").string());
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(*moved, (dir_ / "damaged-step-00000020-1").string());  // nothing replaced
+  EXPECT_TRUE(fs::exists(dir_ / "damaged-step-00000020-1" / "rank-00000.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "damaged-step-00000020" / "COMMITTED"));
+  EXPECT_FALSE(fs::exists(dir_ / "step-00000020"));
+  absl::StatusOr<int64_t> latest = LatestCommittedCheckpoint(dir_.string());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, 10);
+
+  // Gone already (a pass renamed it and could not save), and not a step.
+  EXPECT_THAT(SetAsideDamagedCheckpoint((dir_ / "step-00000020").string()),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("step-00000020")));
+  EXPECT_THAT(SetAsideDamagedCheckpoint(dir_.string()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a checkpoint step")));
+  EXPECT_TRUE(SetAsideDamagedCheckpoint((dir_ / "step-00000010/").string()).ok());
+  EXPECT_TRUE(fs::exists(dir_ / "damaged-step-00000010"));
+}
+
 }  // namespace
 }  // namespace hap::service::jobs_testing

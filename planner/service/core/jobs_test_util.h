@@ -34,6 +34,7 @@ namespace hap::service::jobs_testing {
 
 namespace v1 = ::hap::v1;
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -165,6 +166,13 @@ class FakeBackend : public JobBackend {
     if (checkpoint < 0) return absl::NotFoundError("none");
     return checkpoint;
   }
+  // The checkpoint set aside becomes `checkpoint_before_damaged` the latest.
+  absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_dir) override {
+    set_aside.push_back(step_dir);
+    if (!set_aside_error.ok()) return set_aside_error;
+    checkpoint = checkpoint_before_damaged;
+    return absl::StrCat(kDir, "/damaged-", step_dir.substr(step_dir.rfind('/') + 1));
+  }
   absl::StatusOr<std::string> Calibrate(const v1::Deployment& d) override {
     calibrated.push_back(d.name());
     for (const auto& p : d.rank_profiles()) EXPECT_GT(p.steps(), 0);
@@ -183,6 +191,9 @@ class FakeBackend : public JobBackend {
   absl::Status deploy_error;
   std::map<std::string, std::string> deployed_executors;
   int64_t checkpoint = -1;           // the latest in kDir
+  int64_t checkpoint_before_damaged = -1;
+  std::vector<std::string> set_aside;  // SetAsideDamagedCheckpoint calls
+  absl::Status set_aside_error;
   std::set<std::string> other_dirs;  // other jobs' checkpoint dirs
   int generation = 0;
   std::vector<std::string> calibrated;  // Calibrate calls, in order
