@@ -164,8 +164,10 @@ absl::Status RemoveCheckpoint(const std::string& step_dir) {
   return RemoveAll(step_dir);
 }
 
-// Committed checkpoints in `dir`, by step.
-std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
+// Committed checkpoints in `dir`, by step. `error`, when given, receives
+// why `dir` could not be listed (whole), else is cleared.
+std::map<int64_t, std::string> CommittedSteps(const std::string& dir,
+                                              std::error_code* error = nullptr) {
   std::map<int64_t, std::string> out;
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -175,6 +177,7 @@ std::map<int64_t, std::string> CommittedSteps(const std::string& dir) {
       out[step] = it->path().string();
     }
   }
+  if (error != nullptr) *error = ec;
   return out;
 }
 
@@ -639,7 +642,12 @@ absl::StatusOr<std::string> FindCheckpoint(const std::string& path) {
   // A committed checkpoint itself, else the newest committed one in it
   // (whatever the directory's own name).
   if (Exists((fs::path(path) / kCommittedFile).string())) return path;
-  std::map<int64_t, std::string> committed = CommittedSteps(path);
+  std::map<int64_t, std::string> committed = CommittedSteps(path, &ec);
+  if (ec) {
+    // Not "no checkpoint": the newest may be among the names not read.
+    return absl::UnavailableError(
+        absl::StrCat("cannot list the checkpoint directory ", path, ": ", ec.message()));
+  }
   if (!committed.empty()) return committed.rbegin()->second;
   // A step directory (through a link such as latest -> step-00000005 too)
   // that did not commit.
@@ -665,6 +673,13 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   HAP_RETURN_IF_ERROR(
       FromJsonFile((fs::path(dir) / kTrainerFile).string(), &r->trainer_, manifest));
   for (const int version : {r->index_.format_version(), r->trainer_.format_version()}) {
+    if (version > kCheckpointFormatVersion) {
+      // Intact, of a newer build: not damage (a job would set it aside and
+      // resume from an older one, DataLoss's meaning to the planner).
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint ", dir, " has format version ", version,
+          ", written by a newer build; this build reads version ", kCheckpointFormatVersion));
+    }
     if (version != kCheckpointFormatVersion) {
       return absl::DataLossError(absl::StrCat("the checkpoint ", dir, " has format version ", version,
                                               "; this build reads version ",

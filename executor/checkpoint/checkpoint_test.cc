@@ -8,17 +8,19 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
-#include <unistd.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
@@ -247,7 +249,14 @@ TEST(CheckpointTest, DamageIsAClearErrorNamingTheFileOrTensor) {
                             std::ofstream(d + "/trainer.json") << "{\"format_version\": 7}";
                             Unseal(d);
                           }),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("format version 7")));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("format version 7, written by a newer build")));
+  EXPECT_THAT(ResumeAfter("no_version",
+                          [](const std::string& d) {
+                            std::ofstream(d + "/trainer.json") << "{}";
+                            Unseal(d);
+                          }),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("format version 0")));
   graph::Graph wider = Mlp(20);
   EXPECT_THAT(ResumeAfter("other_graph", [](const std::string&) {}, &wider),
               StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -359,6 +368,30 @@ TEST(CheckpointTest, FindCheckpointResolvesLinksAndIgnoresTheDirectorysOwnName) 
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("incomplete")));
   EXPECT_THAT(FindCheckpoint(dir + "/empty").status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no complete checkpoint")));
+}
+
+// A directory that cannot be listed is said so, not "no checkpoint" (the
+// newest may be among the names not read). Checked in a child process that
+// drops root, which reads any directory, to nobody where it runs as root.
+TEST(CheckpointTest, ADirectoryThatCannotBeListedIsAnErrorNotNoCheckpoint) {
+  char tmpl[] = "/tmp/hap-unlisted-XXXXXX";  // traversable by nobody
+  ASSERT_NE(mkdtemp(tmpl), nullptr) << std::strerror(errno);
+  const std::string dir = tmpl;
+  fs::create_directories(dir + "/step-00000004");
+  std::ofstream(dir + "/step-00000004/COMMITTED") << "4";
+  ASSERT_EQ(chmod(dir.c_str(), 0333), 0);  // write and search, no read
+  EXPECT_EXIT(
+      {
+        if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(3);
+        absl::StatusOr<std::string> found = FindCheckpoint(dir);
+        const bool said = absl::IsUnavailable(found.status()) &&
+                          absl::StrContains(found.status().message(), "cannot list");
+        std::cerr << found.status() << std::endl;
+        _exit(said ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "cannot list the checkpoint directory");
+  chmod(dir.c_str(), 0700);
+  fs::remove_all(dir);
 }
 
 // Saving step N where committed steps past N exist (this run resumed from
