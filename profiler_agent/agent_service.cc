@@ -126,6 +126,10 @@ absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(
   s->service_ = std::make_unique<AgentServiceImpl>(source, security.token, limits);
   grpc::ServerBuilder b;
   b.AddListeningPort(listen, *creds, &s->port_);
+  // gRPC binds with SO_REUSEPORT by default: a second agent (or any gRPC
+  // server) given a port one serves on would bind it too, and the kernel
+  // would split calls between them. A port in use fails the start instead.
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Its requests are small but for Echo's chunks (their payload and a few
   // bytes of framing).
   b.SetMaxReceiveMessageSize(static_cast<int>(kMaxEchoChunkBytes) + 64);
@@ -134,7 +138,8 @@ absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(
   s->server_ = b.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
     return absl::UnavailableError(
-        absl::StrCat("cannot listen on '", listen, "' (want HOST:PORT, a free port, or port 0)"));
+        absl::StrCat("cannot listen on '", listen,
+                     "' (want HOST:PORT with a port no other process uses, or port 0)"));
   }
   s->address_ = absl::StrCat(HostOf(listen), ":", s->port_);
   return s;

@@ -313,6 +313,18 @@ TEST_F(LinkProbeTest, ProbeAndGetProfileTranslateTheSource) {
   }
 }
 
+// A second agent given the port of one that serves (two agents started with
+// the same --listen) must fail to start, not share the port: gRPC binds with
+// SO_REUSEPORT by default, and the kernel then splits the peers' calls
+// between the two.
+TEST_F(LinkProbeTest, APortAnotherAgentServesOnIsRefusedNamingIt) {
+  auto first = Serve();
+  ASSERT_TRUE(first);
+  auto second = AgentServer::Start(first->address(), Security(), &source_);
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kUnavailable,
+                               HasSubstr(absl::StrCat("cannot listen on '", first->address()))));
+}
+
 TEST(LinkKindTest, LoopbackOnTheSameHostNetworkOtherwise) {
   EXPECT_EQ(LinkKindBetween("127.0.0.1:1", "127.0.0.2:2"), v1::LOOPBACK);
   EXPECT_EQ(LinkKindBetween("localhost:1", "127.0.0.1:2"), v1::LOOPBACK);
