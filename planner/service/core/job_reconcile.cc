@@ -76,6 +76,9 @@ constexpr int64_t kMinMeasuredSteps = 20;
 constexpr int64_t kSlowdownWindow = 20;
 constexpr int64_t kWarmupSteps = 2;
 constexpr double kDefaultSlowdownThreshold = 0.25;
+// Checkpoints a job sets aside as damaged before a step is trained again;
+// one more reported damaged FAILS it (JobStatus.damaged_in_a_row).
+constexpr int kMaxDamagedInARow = 2;
 
 std::string ReasonLabel(Reason r) {
   std::string s = v1::JobEvent::Reason_Name(r);
@@ -328,6 +331,21 @@ class Pass {
   // waits for a pass that can (a transient error).
   bool SetAsideDamaged(const v1::Deployment& d) {
     const std::string& dir = d.damaged_checkpoint();
+    if (st().damaged_in_a_row() >= kMaxDamagedInARow) {
+      // Checkpoints that every earlier run resumed from are now all
+      // unreadable: more likely a node that does not see the storage as
+      // the others do. Nothing more is renamed; a person looks.
+      Finish(v1::JobStatus::FAILED,
+             absl::StrCat("the checkpoint ", dir, " is reported damaged too (", d.error(),
+                          "), after ", st().damaged_in_a_row(),
+                          " set aside in a row without a step trained in between; that many "
+                          "damaged checkpoints more likely means the executors do not see ",
+                          spec().training().checkpoint_dir(),
+                          " as written (a mount, a cache): check it, rename the damaged-step-N "
+                          "directories back to step-N if they are sound, and create the job "
+                          "again"));
+      return false;
+    }
     absl::StatusOr<std::string> moved = b_.SetAsideDamagedCheckpoint(dir);
     std::string line;
     if (moved.ok()) {
@@ -348,6 +366,7 @@ class Pass {
       return false;
     }
     *st().add_damaged_checkpoints() = absl::StrCat(line, ": ", d.error());
+    st().set_damaged_in_a_row(st().damaged_in_a_row() + 1);
     while (st().damaged_checkpoints_size() > static_cast<int>(e_.max_events)) {
       st().mutable_damaged_checkpoints()->DeleteSubrange(0, 1);
     }
@@ -381,7 +400,10 @@ class Pass {
       st().clear_deployment();
       return true;
     }
-    if (d->steps_completed() > st().steps_done()) st().set_steps_done(d->steps_completed());
+    if (d->steps_completed() > st().steps_done()) {
+      st().set_steps_done(d->steps_completed());
+      st().clear_damaged_in_a_row();  // it restored a checkpoint and trained on
+    }
     if (d->median_step_seconds() > 0) {
       st().set_measured_step_seconds(d->median_step_seconds());
       for (auto& ev : *st().mutable_events()) {

@@ -1,5 +1,6 @@
 // The job controller after a loss: a lost executor, a STALE node, a second
 // failure, a stop during recovery, the re-plan limit.
+#include "absl/strings/str_format.h"
 #include "planner/service/core/jobs.h"
 #include "planner/service/core/jobs_test_util.h"
 
@@ -146,6 +147,42 @@ TEST_F(JobsTest, ADamagedCheckpointThatCannotBeSetAsideFailsTheJobSayingWhatToDo
               AllOf(HasSubstr("/shared/ckpt/step-00000020 is damaged"),
                     HasSubstr("Permission denied"), HasSubstr("move it out of /shared/ckpt")));
   EXPECT_EQ(fake_.deployed.size(), 1u);
+}
+
+// Checkpoints reported damaged one after another, none trained from: after
+// two set aside the job FAILS rather than rename more (a node that does not
+// see the storage as written would otherwise walk it back to step 0). A
+// step trained in between starts the count again.
+TEST_F(JobsTest, DamagedCheckpointsInARowStopAfterTwoUnlessAStepIsTrainedBetween) {
+  Make();
+  std::string d = StartRunning();
+  auto damaged = [&](int64_t latest, int64_t before) {
+    fake_.checkpoint = latest;
+    fake_.checkpoint_before_damaged = before;
+    fake_.SetState(d, v1::Deployment::FAILED);
+    fake_.Only(d).set_error("rank 1 failed: training.resume: no file rank-00001-of-00003");
+    fake_.Only(d).set_damaged_checkpoint(absl::StrFormat("/shared/ckpt/step-%08d", latest));
+    c_->Reconcile();
+    d = Deployment();
+  };
+  damaged(40, 30);
+  // The deployment from step 30 trains a step: the count starts again.
+  fake_.SetState(d, v1::Deployment::RUNNING);
+  fake_.Only(d).set_steps_completed(31);
+  c_->Reconcile();
+  EXPECT_EQ(Job().status().damaged_in_a_row(), 0);
+  damaged(30, 20);
+  damaged(20, 10);
+  EXPECT_EQ(Job().status().damaged_in_a_row(), 2);
+  EXPECT_EQ(State(), v1::JobStatus::RECOVERING);
+  damaged(10, -1);
+  EXPECT_EQ(State(), v1::JobStatus::FAILED);
+  EXPECT_THAT(Job().status().message(),
+              AllOf(HasSubstr("step-00000010 is reported damaged too"),
+                    HasSubstr("2 set aside in a row"), HasSubstr("do not see /shared/ckpt")));
+  EXPECT_THAT(fake_.set_aside,
+              ElementsAre("/shared/ckpt/step-00000040", "/shared/ckpt/step-00000030",
+                          "/shared/ckpt/step-00000020"));
 }
 
 // A job asking for 3 pipeline stages that loses one of its 3 devices is
