@@ -3,7 +3,8 @@ hapctl): a rank SIGKILLed while a checkpoint is being written leaves the
 previous checkpoint intact, and a run resumed from it, on another plan with
 another world size, continues with the losses of an uninterrupted run;
 `hapctl checkpoint inspect` and `export` read what the ranks wrote; bad
-checkpoints are refused before step 1 with the file or tensor named."""
+checkpoints are refused before step 1 with the file or tensor named, and
+`hapctl checkpoint verify` finds each of them damaged before a run does."""
 
 import json
 import os
@@ -221,10 +222,20 @@ class CheckpointCliTest(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stderr)
         step = os.path.join(ckpt, "step-00000002")
 
+        sound = util.run([HAPCTL, "checkpoint", "verify", ckpt])
+        self.assertRegex(sound.stdout, r"step-00000002 \(step 2\): (\d+) of \1 tensor slices "
+                                       r"read whole, .* (\d+) checked against their CRC-32C: "
+                                       r"sound")
+
         def refused(damage, message, *extra):
             bad = os.path.join(util.tmpdir(), "bad")
             shutil.copytree(ckpt, bad)
             damage(os.path.join(bad, "step-00000002"))
+            # verify finds it (exit 1, the same file or tensor named), and
+            # changes nothing.
+            v = util.run([HAPCTL, "checkpoint", "verify", bad], check=False)
+            self.assertEqual(v.returncode, 1, v.stdout + v.stderr)
+            self.assertIn(message, v.stdout + v.stderr)
             before = {n: open(os.path.join(bad, "step-00000002", n), "rb").read()
                       for n in os.listdir(os.path.join(bad, "step-00000002"))}
             r = launch("--plan", self.plan2, "--steps", "4", "--resume", bad, *extra)

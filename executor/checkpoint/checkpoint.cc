@@ -914,6 +914,42 @@ absl::Status CheckRequest(const std::string& name, DType saved_dtype, const Shap
   return absl::OkStatus();
 }
 
+CheckpointReader::VerifyReport CheckpointReader::Verify() {
+  VerifyReport report;
+  std::set<std::string> unreadable;  // files already reported
+  for (const auto& t : index_.tensors()) {
+    for (const auto& s : t.slices()) {
+      ++report.slices;
+      if (unreadable.count(s.file())) continue;
+      absl::StatusOr<const SafetensorsFile*> f = File(s.file());
+      if (!f.ok()) {
+        unreadable.insert(s.file());
+        report.problems.push_back(f.status());
+        continue;
+      }
+      auto view = (*f)->View(t.name());
+      const Shape extents(s.extents().begin(), s.extents().end());
+      if (!view.ok() || view->shape != extents || SafetensorsDType(view->dtype) != t.dtype()) {
+        report.problems.push_back(absl::DataLossError(absl::StrCat(
+            (*f)->path(), " does not hold '", t.name(), "' as the index says (", t.dtype(),
+            graph::ShapeString(extents), "): ",
+            view.ok() ? absl::StrCat(SafetensorsDType(view->dtype), graph::ShapeString(view->shape))
+                      : std::string(view.status().message()))));
+        continue;
+      }
+      absl::Status crc = VerifyChecksum(**f, t.name(), &verified_);
+      if (!crc.ok()) {
+        report.problems.push_back(crc);
+        continue;
+      }
+      report.bytes += view->bytes();
+      const bool recorded = (*f)->metadata().count(absl::StrCat(kCrcPrefix, t.name())) > 0;
+      ++(recorded ? report.checked : report.unchecked);
+    }
+  }
+  return report;
+}
+
 absl::Status CheckpointReader::Read(const std::string& name, const Shape& global,
                                     absl::Span<const int64_t> offsets, TensorView dst) {
   auto it = by_name_.find(name);

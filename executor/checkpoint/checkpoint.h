@@ -216,6 +216,24 @@ class CheckpointReader : public TensorSource {
   absl::Status Read(const std::string& name, const Shape& global,
                     absl::Span<const int64_t> offsets, TensorView dst) override;
 
+  // What Verify read and found.
+  struct VerifyReport {
+    int64_t slices = 0;     // tensor slices the index places in the shards
+    int64_t checked = 0;    // of them, read whole and matching their CRC-32C
+    int64_t unchecked = 0;  // in shards written before checksums: readable, unchecked
+    int64_t bytes = 0;      // tensor bytes read
+    // DataLoss naming the file (and tensor) of each problem: a shard that is
+    // missing or malformed, a slice it does not hold as the index says, bytes
+    // whose CRC-32C is not the recorded one. Empty when the checkpoint is
+    // sound.
+    std::vector<absl::Status> problems;
+  };
+  // Reads every slice of every tensor (parameters and optimizer state)
+  // whole and checks it, going on past problems: whether the checkpoint
+  // can be resumed from, before a resume finds out (`hapctl checkpoint
+  // verify`).
+  VerifyReport Verify();
+
  private:
   CheckpointReader() = default;
   absl::StatusOr<const SafetensorsFile*> File(const std::string& name);

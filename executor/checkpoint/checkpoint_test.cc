@@ -380,6 +380,7 @@ TEST(CheckpointTest, ADirectoryThatCannotBeListedIsAnErrorNotNoCheckpoint) {
   fs::create_directories(dir + "/step-00000004");
   std::ofstream(dir + "/step-00000004/COMMITTED") << "4";
   ASSERT_EQ(chmod(dir.c_str(), 0333), 0);  // write and search, no read
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";  // the child re-runs to here
   EXPECT_EXIT(
       {
         if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(3);
@@ -968,6 +969,33 @@ TEST(CheckpointTest, AFlippedBitInAShardsDataIsDataLossNamingTheFileAndTensor) {
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_THAT(ExportCheckpoint(**reader, Fresh("flipped_bit_export.safetensors"), true).status(),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32C")));
+}
+
+// Verify reads every slice whole and checks it, going on past a problem:
+// a sound checkpoint has none; a flipped bit is one, naming its file and
+// tensor, and the other slices are still read.
+TEST(CheckpointTest, VerifyFindsEachDamagedSliceAndReadsTheRest) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("verify");
+  const std::string step = OneStepCheckpoint(g, dir);
+  auto sound = CheckpointReader::Open(dir);
+  ASSERT_TRUE(sound.ok()) << sound.status();
+  const CheckpointReader::VerifyReport ok = (*sound)->Verify();
+  EXPECT_THAT(ok.problems, ::testing::IsEmpty());
+  EXPECT_GT(ok.slices, 2);
+  EXPECT_EQ(ok.checked, ok.slices);
+  EXPECT_EQ(ok.unchecked, 0);
+  EXPECT_GT(ok.bytes, 0);
+
+  const std::string tensor = FlipTheLastByte(step + "/rank-00000-of-00001.safetensors");
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const CheckpointReader::VerifyReport bad = (*reader)->Verify();
+  ASSERT_EQ(bad.problems.size(), 1u);
+  EXPECT_THAT(bad.problems[0], StatusIs(absl::StatusCode::kDataLoss,
+                                        AllOf(HasSubstr("rank-00000-of-00001.safetensors"),
+                                              HasSubstr("'" + tensor + "'"))));
+  EXPECT_EQ(bad.checked, ok.slices - 1);
 }
 
 // Shards written before checksums (no crc32c: entries) still resume.

@@ -342,8 +342,8 @@ class Pass {
                           "damaged checkpoints more likely means the executors do not see ",
                           spec().training().checkpoint_dir(),
                           " as written (a mount, a cache): check it, rename the damaged-step-N "
-                          "directories back to step-N if they are sound, and create the job "
-                          "again"));
+                          "directories that `hapctl checkpoint verify` finds sound back to "
+                          "step-N, and create the job again"));
       return false;
     }
     absl::StatusOr<std::string> moved = b_.SetAsideDamagedCheckpoint(dir);
