@@ -96,6 +96,9 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
   b.AddListeningPort(m.o.listen, *creds, &m.port);
+  // gRPC binds with SO_REUSEPORT by default: a second executor on the port
+  // would start too, and the planner's calls would land on either.
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   b.SetMaxReceiveMessageSize(service::kMaxMessageBytes);
   b.SetMaxSendMessageSize(service::kMaxMessageBytes);
   grpc::ResourceQuota quota("hap-executor");

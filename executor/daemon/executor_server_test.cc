@@ -333,6 +333,19 @@ TEST_F(ExecutorServerTest, StopTrainingStopsARun) {
   EXPECT_TRUE(reader->Finish().ok());  // the stream ended with training
 }
 
+// A second executor on the port one serves on was started too (gRPC's
+// default SO_REUSEPORT), and the planner's calls landed on either: it is
+// refused, naming the address.
+TEST_F(ExecutorServerTest, ASecondExecutorOnTheSamePortIsRefused) {
+  ASSERT_NE(StartExecutor(), nullptr);
+  ExecutorServerOptions o;
+  o.planner = planner_address();
+  o.listen = executors_.back()->address();
+  o.core.device_id = "node0/cpu9";
+  EXPECT_THAT(ExecutorServer::Start(o).status(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot listen on '" + o.listen)));
+}
+
 // A StreamStepMetrics call without a deadline holds a server thread until
 // training ends: a peer opening streams without bound would take every
 // thread and memory, and the planner's LoadPlan and StopTraining would go

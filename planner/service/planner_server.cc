@@ -363,6 +363,9 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder b;
   b.AddListeningPort(o.listen, creds, &m.port);
+  // gRPC binds with SO_REUSEPORT by default: a second planner on the port
+  // would start too, and the kernel would split the clients between them.
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   b.SetMaxReceiveMessageSize(o.max_message_bytes);
   b.SetMaxSendMessageSize(kMaxMessageBytes);
   if (o.max_concurrent_streams > 0) {

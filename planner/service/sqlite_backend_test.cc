@@ -458,6 +458,21 @@ TEST(SqliteBackendTest, PlannerStartsWithoutTheRecordsItCannotReadAndNamesThem) 
                          HasSubstr("step metric 'deployments/bad-metrics step 0 rank 0'")));
 }
 
+// A second planner on the port one serves on (its own database) was started
+// too (gRPC's default SO_REUSEPORT), and the kernel split the clients
+// between the two: it is refused, naming the address.
+TEST(SqliteBackendTest, ASecondPlannerOnTheSamePortIsRefused) {
+  auto first = PlannerServer::Start(ServerOn(TempDatabase("port-a.db")));
+  ASSERT_TRUE(first.ok()) << first.status();
+  PlannerServerOptions o = ServerOn(TempDatabase("port-b.db"));
+  o.listen = absl::StrCat("127.0.0.1:", (*first)->port());
+  auto second = PlannerServer::Start(o);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("cannot listen on " + o.listen));
+  if (second.ok()) (*second)->Shutdown();
+  (*first)->Shutdown();
+}
+
 // Two planners on one database would both drive its deployments and jobs
 // and overwrite each other's records: the second is refused, naming the
 // file, for as long as the first has it open.
