@@ -610,6 +610,9 @@ metrics::HttpResponse JobPage(const StatusSources& src, const std::string& id) {
       absl::StrAppend(&h, SummaryRow("Measured step", Seconds(s.measured_step_seconds())));
     }
     if (!s.message().empty()) absl::StrAppend(&h, SummaryRow("Message", HtmlEscape(s.message())));
+    for (const std::string& d : s.damaged_checkpoints()) {
+      absl::StrAppend(&h, SummaryRow("Damaged checkpoint (set aside)", HtmlEscape(d)));
+    }
     absl::StrAppend(&h, "</table><h2>Timeline</h2>", TimelineSvg(j),
                     "<table id=\"events\"><tr><th>Detected</th><th>Reason</th><th>Downtime</th>"
                     "<th>Steps before</th><th>Resumed from</th><th>Steps lost</th>"

@@ -152,6 +152,7 @@ TEST_F(StatusPageTest, JobsAreListedAndAJobPageShowsItsTimeline) {
   v1::JobEvent* p = s.mutable_pending();
   p->set_reason(v1::JobEvent::NODE_STALE);
   p->mutable_detect_time()->set_seconds(1090);
+  s.add_damaged_checkpoints("/ck/step-00000050 -> /ck/damaged-step-00000050: <crc>");
   sources_.jobs = [j] { return std::vector<v1::Job>{j}; };
   metrics::HttpResponse index = ServeStatusPage(sources_, "/status");
   EXPECT_THAT(index.body, AllOf(HasSubstr("Elastic jobs (1)"),
@@ -166,6 +167,7 @@ TEST_F(StatusPageTest, JobsAreListedAndAJobPageShowsItsTimeline) {
                             HasSubstr("NODE_STALE"), HasSubstr("ongoing"),
                             HasSubstr("rank 2 &lt;gone&gt;"), HasSubstr("step 40"),
                             HasSubstr("4.000 s"), HasSubstr("x=\"144.0\""),
+                            HasSubstr("/ck/damaged-step-00000050: &lt;crc&gt;"),
                             Not(HasSubstr("<script"))));
   EXPECT_EQ(ServeStatusPage(sources_, "/status/jobs/none").status, 404);
   EXPECT_EQ(ServeStatusPage(sources_, "/status/jobs/").status, 404);
