@@ -127,7 +127,7 @@ def prometheus_scrapes(prometheus, config, planner):
             print(f"rules loaded: {sorted(names)}")
             for alert in (
                 "HapNodeStale", "HapStepTimeAbovePrediction", "HapDeploymentFailed",
-                "HapJobReplanningRepeatedly"):
+                "HapJobReplanningRepeatedly", "HapCheckpointDamaged"):
                 assert alert in names, f"alert {alert} not loaded"
             return float(result[0]["value"][1])
         finally:
