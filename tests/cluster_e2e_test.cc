@@ -835,6 +835,9 @@ TEST_F(ClusterTest, AJobResumedFromADamagedCheckpointFallsBackToTheOneBefore) {
   const v1::JobEvent e = job.status().events(job.status().events_size() - 1);
   EXPECT_EQ(e.resume_step(), kFirstSteps - kEvery) << e.DebugString();
   EXPECT_THAT(e.detail(), ::testing::HasSubstr("is damaged; resuming from step 200"));
+  std::cout << "timing: the job created -> training from step " << e.resume_step() << " "
+            << e.downtime_seconds() << " s, through a deployment that failed on the damaged "
+            << "checkpoint (" << e.detail() << ")" << std::endl;
   // Set aside, kept; the step retrained and committed again.
   EXPECT_TRUE(std::filesystem::exists(
       absl::StrFormat("%s/damaged-step-%08d/COMMITTED", ckpt, kFirstSteps)));
