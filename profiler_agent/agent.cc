@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <thread>
@@ -94,6 +96,13 @@ struct Agent::Impl : public ProfileSource {
   std::thread heartbeat_thread, link_thread, probe_thread;
   std::atomic<bool> shut_down{false};
 
+  // Shutdown, for WaitFor: a std::condition_variable waits on the
+  // monotonic clock (absl::Mutex's timed waits, in our Abseil 20220623,
+  // turn the timeout into a wall-clock deadline).
+  std::mutex wait_mu;
+  std::condition_variable wait_cv;
+  bool wait_stop = false;  // guarded by wait_mu
+
   // One probe or link measurement at a time: they would disturb each other.
   absl::Mutex probe_mu;
 
@@ -164,12 +173,18 @@ struct Agent::Impl : public ProfileSource {
     return stopping;
   }
 
-  // Waits for `d` or until Shutdown; false when stopping.
+  // Waits for `d` (infinite: until Shutdown) on the monotonic clock, or
+  // until Shutdown; false when stopping.
   bool WaitFor(absl::Duration d) {
-    mu.LockWhenWithTimeout(absl::Condition(&stopping), d);
-    bool stop = stopping;
-    mu.Unlock();
-    return !stop;
+    const absl::Time end = MonotonicNow() + d;
+    std::unique_lock<std::mutex> l(wait_mu);
+    for (absl::Duration left = d; !wait_stop && left > absl::ZeroDuration();
+         left = end - MonotonicNow()) {
+      // A day at most per wait: steady_clock's time points overflow at
+      // an infinite one.
+      wait_cv.wait_for(l, absl::ToChronoNanoseconds(std::min(left, absl::Hours(24))));
+    }
+    return !wait_stop;
   }
 
   std::vector<DeviceProber*> RawProbers() {
@@ -202,7 +217,7 @@ struct Agent::Impl : public ProfileSource {
     drift_checks_in_a_row = 0;  // a new baseline
     ProbeOptions opts = o.probe;
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
-    absl::Time start = absl::Now();
+    const absl::Time start = MonotonicNow();
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
     if (!node.ok()) return Annotate(node.status(), "probing this node");
     node->set_agent_version(kAgentVersion);
@@ -229,7 +244,7 @@ struct Agent::Impl : public ProfileSource {
     v1::ProbeResponse r;
     *r.mutable_node() = std::move(*node);
     for (auto& l : local_links) *r.add_links() = std::move(l);
-    *r.mutable_probe_duration() = service::ToProto(absl::Now() - start);
+    *r.mutable_probe_duration() = service::ToProto(MonotonicNow() - start);
     absl::MutexLock l(&mu);
     profile = std::move(r);
     quick_baseline = std::move(baseline);
@@ -443,10 +458,14 @@ struct Agent::Impl : public ProfileSource {
     }
   }
 
+  // Heartbeats (and drift checks) are scheduled on the monotonic clock: on
+  // the wall clock, a step back of an hour (NTP, `date -s`) stopped them for
+  // an hour, and the planner took the node for STALE.
   void RunHeartbeats() {
     absl::Duration backoff = o.initial_backoff;
     absl::Duration interval = kDefaultHeartbeat;
-    absl::Time next_heartbeat = absl::Now(), next_drift = absl::Now() + o.drift_check_interval;
+    absl::Time next_heartbeat = MonotonicNow(),
+               next_drift = MonotonicNow() + o.drift_check_interval;
     auto fail_and_wait = [&](const std::string& message) {
       if (Stopping()) return false;
       Log(absl::StrCat(message, "; retrying in ", absl::FormatDuration(backoff)));
@@ -482,17 +501,17 @@ struct Agent::Impl : public ProfileSource {
                          o.planner, "; heartbeat every ", absl::FormatDuration(*r)));
         backoff = o.initial_backoff;
         interval = heartbeat_interval = *r;
-        next_heartbeat = absl::Now() + interval;
+        next_heartbeat = MonotonicNow() + interval;
         continue;
       }
-      if (o.drift > 0 && absl::Now() >= next_drift) {
+      if (o.drift > 0 && MonotonicNow() >= next_drift) {
         absl::MutexLock l(&mu);
         drift_check_wanted = true;
-        next_drift = absl::Now() + o.drift_check_interval;
+        next_drift = MonotonicNow() + o.drift_check_interval;
       }
-      if (absl::Now() >= next_heartbeat) {
+      if (MonotonicNow() >= next_heartbeat) {
         HeartbeatOnce();
-        next_heartbeat = absl::Now() + interval;
+        next_heartbeat = MonotonicNow() + interval;
         {
           absl::MutexLock l(&mu);
           if (!registered) continue;  // unknown_node: register again at once
@@ -508,7 +527,7 @@ struct Agent::Impl : public ProfileSource {
         }
       }
       absl::Time next = o.drift > 0 ? std::min(next_heartbeat, next_drift) : next_heartbeat;
-      if (!WaitFor(std::max(next - absl::Now(), absl::ZeroDuration()))) break;
+      if (!WaitFor(std::max(next - MonotonicNow(), absl::ZeroDuration()))) break;
     }
   }
 
@@ -706,6 +725,11 @@ void Agent::Shutdown(absl::Duration deadline) {
     impl_->stopping = true;
     for (grpc::ClientContext* c : impl_->calls) c->TryCancel();
   }
+  {
+    std::lock_guard<std::mutex> l(impl_->wait_mu);
+    impl_->wait_stop = true;
+  }
+  impl_->wait_cv.notify_all();
   if (impl_->heartbeat_thread.joinable()) impl_->heartbeat_thread.join();
   if (impl_->link_thread.joinable()) impl_->link_thread.join();
   if (impl_->probe_thread.joinable()) impl_->probe_thread.join();

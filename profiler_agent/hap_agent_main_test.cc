@@ -32,18 +32,21 @@ using ::hap::agent::testing::FakePlanner;
 using ::hap::testing::IsOk;
 namespace v1 = hap::v1;
 
-std::string AgentBinary() {
+// A file of this package in the test's runfiles.
+std::string Runfile(const std::string& name) {
   const char* src = std::getenv("TEST_SRCDIR");
   const char* ws = std::getenv("TEST_WORKSPACE");
-  std::string rel = "profiler_agent/hap-agent";
+  std::string rel = "profiler_agent/" + name;
   return src && ws ? absl::StrCat(src, "/", ws, "/", rel) : rel;
 }
 
 // The agent binary with stdout on a pipe (stderr passes through to the
-// test log, or goes to `stderr_path` when given). Stopped by pid.
+// test log, or goes to `stderr_path` when given), in this process's
+// environment plus `env` ("NAME=value"). Stopped by pid.
 class AgentProcess {
  public:
-  explicit AgentProcess(std::vector<std::string> args, const std::string& stderr_path = "") {
+  explicit AgentProcess(std::vector<std::string> args, const std::string& stderr_path = "",
+                        std::vector<std::string> env = {}) {
     int p[2];
     if (pipe(p) != 0) return;
     posix_spawn_file_actions_t fa;
@@ -54,11 +57,14 @@ class AgentProcess {
       posix_spawn_file_actions_addopen(&fa, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
                                        0644);
     }
-    args.insert(args.begin(), AgentBinary());
-    std::vector<char*> argv;
+    args.insert(args.begin(), Runfile("hap-agent"));
+    std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    if (posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid_ = -1;
+    for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    if (posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), envp.data()) != 0) pid_ = -1;
     posix_spawn_file_actions_destroy(&fa);
     close(p[1]);
     out_ = p[0];
@@ -176,6 +182,40 @@ TEST(HapAgentBinaryTest, FlagsComeFromTheEnvironmentToo) {
   ASSERT_TRUE(
       planner.WaitFor([](const FakePlanner::Record& r) { return r.nodes.count("env-node") > 0; }));
   int status = agent.Stop(SIGINT, absl::Seconds(10));
+  ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// The wall clock stepped back (NTP, `date -s`) while the agent waits for
+// its next heartbeat: a schedule kept in wall-clock time waits the step on
+// top (an hour back: an hour without heartbeats, the node STALE and its
+// jobs re-planned). The preloaded shim steps the agent's CLOCK_REALTIME an
+// hour back at SIGUSR1.
+TEST(HapAgentBinaryTest, HeartbeatsGoOnWhenTheWallClockSteps) {
+  FakePlanner planner(absl::Milliseconds(50));
+  AgentProcess agent({"--planner", planner.address(), "--name", "clock-node", "--probe-seconds",
+                      "0.2", "--drift", "0", "--devices", "cpu"},
+                     "",
+                     {absl::StrCat("LD_PRELOAD=", Runfile("wall_clock_jump_shim.so")),
+                      "HAP_TEST_CLOCK_JUMP_SECONDS=-3600"});
+  ASSERT_GT(agent.pid(), 0);
+  ASSERT_FALSE(agent.ReadLine("listening on ", absl::Seconds(60)).empty());
+  ASSERT_TRUE(planner.WaitFor([](const FakePlanner::Record& r) {
+    return r.heartbeats >= 2 && r.nodes.count("clock-node");
+  }));
+  // Which of the agent's clock readings first sees a step depends on when
+  // absl::Now() reads the kernel's clock again (about every 2 s; it
+  // interpolates in between): step it back five times, each time waiting
+  // for 60 heartbeats (3 s at 50 ms).
+  for (int step = 1; step <= 5; ++step) {
+    ASSERT_EQ(kill(agent.pid(), SIGUSR1), 0);
+    const int before = planner.Snapshot().heartbeats;
+    ASSERT_TRUE(planner.WaitFor([before](const FakePlanner::Record& r) {
+      return r.heartbeats >= before + 60;
+    })) << "the heartbeats stopped when the wall clock stepped back (step "
+        << step << ")";
+  }
+  int status = agent.Stop(SIGTERM, absl::Seconds(10));
   ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);
 }

@@ -23,6 +23,13 @@
 
 namespace hap::agent {
 
+// The monotonic clock (steady_clock) as an absl::Time, only as a point to
+// subtract from: schedules and durations that a step of the wall clock
+// (NTP, `date -s`) must not stretch or cut.
+inline absl::Time MonotonicNow() {
+  return absl::UnixEpoch() + absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+}
+
 // What one probe may spend and use.
 struct ProbeOptions {
   // Compute threads (BLAS threads on the CPU); 0 = the CPUs this process may
@@ -39,10 +46,7 @@ struct ProbeOptions {
   // The clock the CPU probes keep max_duration and time their runs with:
   // monotonic by default (an absl::Time only as a point to subtract from).
   // Tests inject a fake one that steps at every reading.
-  std::function<absl::Time()> now = [] {
-    return absl::UnixEpoch() +
-           absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
-  };
+  std::function<absl::Time()> now = MonotonicNow;
 };
 
 // The host files the CPU probe reads (/proc, /sys/fs/cgroup). Injected so
