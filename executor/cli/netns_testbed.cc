@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -98,14 +99,28 @@ std::string StatePath(const TestbedOptions& o, pid_t owner) {
   return absl::StrCat(o.state_dir, "/", o.prefix, "-", owner, ".state");
 }
 
-// The owner pid of a namespace PREFIX-OWNER-..., or -1.
-pid_t OwnerOf(const TestbedOptions& o, const std::string& ns) {
-  const std::string head = o.prefix + "-";
-  if (!absl::StartsWith(ns, head)) return -1;
-  std::vector<std::string> parts = absl::StrSplit(ns.substr(head.size()), '-');
-  int pid;
-  if (parts.size() < 2 || !absl::SimpleAtoi(parts[0], &pid) || pid <= 0) return -1;
-  return pid;
+// The number in `text` when `text` is that number as StrCat writes it
+// (no sign, no leading zeros), or -1.
+int64_t Canonical(absl::string_view text) {
+  int64_t n;
+  return absl::SimpleAtoi(text, &n) && n >= 0 && text == absl::StrCat(n) ? n : -1;
+}
+
+// The owner pid of a namespace named as a testbed names its own,
+// PREFIX-OWNER-sw or PREFIX-OWNER-n<i>; -1 for any other name. One that
+// only starts the same way ("hapnet-123-mine") is someone else's: it was
+// deleted, every process inside killed, once pid 123 was gone.
+pid_t OwnerOf(const TestbedOptions& o, absl::string_view ns) {
+  if (!absl::ConsumePrefix(&ns, o.prefix + "-")) return -1;
+  std::pair<absl::string_view, absl::string_view> owner_role =
+      absl::StrSplit(ns, absl::MaxSplits('-', 1));
+  const int64_t pid = Canonical(owner_role.first);
+  absl::string_view role = owner_role.second;
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return -1;
+  if (role == "sw") return static_cast<pid_t>(pid);
+  if (!absl::ConsumePrefix(&role, "n")) return -1;
+  const int64_t node = Canonical(role);
+  return node >= 0 && node < kMaxNodes ? static_cast<pid_t>(pid) : -1;
 }
 
 // The owner's set is stale when the owner is gone, or when the state file
@@ -583,7 +598,7 @@ std::vector<std::string> ListNamespaces(const TestbedOptions& options) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(options.netns_dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (absl::StartsWith(name, options.prefix + "-")) out.push_back(name);
+    if (OwnerOf(options, name) > 0) out.push_back(name);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -607,12 +622,13 @@ StaleRemoval RemoveStale(const TestbedOptions& options) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(options.state_dir, ec)) {
     const std::string name = e.path().filename().string();
-    int pid;
     absl::string_view rest = name;
     if (!absl::ConsumePrefix(&rest, options.prefix + "-") ||
-        !absl::ConsumeSuffix(&rest, ".state") || !absl::SimpleAtoi(rest, &pid)) {
+        !absl::ConsumeSuffix(&rest, ".state")) {
       continue;
     }
+    const int64_t pid = Canonical(rest);
+    if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
     if (!kept.count(pid) && OwnerGone(options, pid)) std::filesystem::remove(e.path(), ec);
   }
   return out;

@@ -150,7 +150,10 @@ class Testbed {
 absl::Status EnterNamespace(const std::string& name,
                             const std::string& netns_dir = "/var/run/netns");
 
-// The namespaces of the prefix now present, sorted.
+// The testbed namespaces now present, sorted: those named PREFIX-OWNER-sw
+// or PREFIX-OWNER-n<i> (OWNER a pid, i a node number, both as decimals
+// without leading zeros). Other names that start with the prefix are not a
+// testbed's: RemoveStale and RemoveOwned never touch them.
 std::vector<std::string> ListNamespaces(const TestbedOptions& options);
 
 // What RemoveStale did: the namespaces removed, and one message per

@@ -281,6 +281,36 @@ TEST(TestbedTest, AStaleSetThatCannotBeRemovedIsNamedAndTheNewSetIsMadeBesideIt)
   ASSERT_TRUE((*t)->Destroy().ok());
 }
 
+// Only the testbed's own names (PREFIX-OWNER-sw, PREFIX-OWNER-n<i>) are
+// its: a namespace that merely starts with the prefix and a gone owner's
+// pid is someone else's. The next start (and hap-netns down) deleted it,
+// killing every process inside.
+TEST(TestbedTest, OnlyTheTestbedsOwnNamesAreListedAndRemoved) {
+  Recorder r;
+  TestbedOptions o = Recorded(&r, "foreign");
+  const pid_t gone = 999999;  // no process has it (checked)
+  ASSERT_NE(kill(gone, 0), 0);
+  const std::vector<std::string> ours = {"hapnet-999999-n3", "hapnet-999999-sw"};
+  const std::vector<std::string> theirs = {"hapnet-999999-mine", "hapnet-999999-n0x",
+                                           "hapnet-999999-sw2",  "hapnet-999999-n-1",
+                                           "hapnet-0999999-sw",  "hapnet-999999-n"};
+  for (const auto& names : {ours, theirs}) {
+    for (const std::string& ns : names) std::ofstream(o.netns_dir + "/" + ns) << "";
+  }
+  EXPECT_THAT(ListNamespaces(o), ElementsAre("hapnet-999999-n3", "hapnet-999999-sw"));
+
+  const StaleRemoval stale = RemoveStale(o);
+  EXPECT_THAT(stale.failed, IsEmpty());
+  EXPECT_THAT(stale.removed, ElementsAre("hapnet-999999-n3", "hapnet-999999-sw"));
+  o.owner = gone;
+  ASSERT_TRUE(RemoveOwned(o).ok());
+  for (const std::string& ns : theirs) {
+    EXPECT_THAT(r.commands, Not(Contains("ip netns pids " + ns))) << ns;
+    EXPECT_THAT(r.commands, Not(Contains("ip netns del " + ns))) << ns;
+  }
+  for (const std::string& ns : ours) EXPECT_THAT(r.commands, Contains("ip netns del " + ns));
+}
+
 // --- With root: real namespaces. Skips where they cannot be made. ---------
 
 // Makes a 2-node testbed or says why not.
