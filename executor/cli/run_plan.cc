@@ -1,5 +1,6 @@
 #include "executor/cli/run_plan.h"
 
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -8,7 +9,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -192,6 +195,54 @@ absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
         "plan '", path, "' is not a hap.v1.Plan (corrupted or truncated?)"));
   }
   return plan;
+}
+
+// The flags of a command line; a word that is not a flag or a flag's value
+// is refused (`--pin-cores 7`, a word left over from an edit: both ran with
+// the word ignored).
+absl::StatusOr<tools::Args> ParseFlags(const std::vector<std::string>& argv,
+                                       const std::set<std::string>& bool_flags) {
+  HAP_ASSIGN_OR_RETURN(tools::Args a, tools::Args::Parse(argv, kValueFlags, bool_flags));
+  if (!a.positional().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a.positional()[0],
+                                                   "' (flags are --name VALUE or --name=VALUE)"));
+  }
+  return a;
+}
+
+// Writes `text` to `fd` in one write where the system allows: the ranks of
+// hap-launch share one standard error, and a line written in pieces was
+// interleaved with another rank's ("error: error: X is ...X is ...").
+void WriteWhole(int fd, absl::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = write(fd, text.data(), text.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // nowhere left to report it
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+constexpr char kClosedStdout[] =
+    "standard output is closed; the run writes its losses and final line there (redirect it, "
+    "to /dev/null to drop them)";
+
+// Standard input and error, when closed, are opened on /dev/null: with their
+// numbers free, the first file or socket a run opened took one, and an
+// error message went into it. Returns false when standard output is closed,
+// which the caller refuses (the run trained to its end and then failed, its
+// losses written into whatever had taken descriptor 1).
+bool ReserveStandardStreams() {
+  auto closed = [](int fd) { return fcntl(fd, F_GETFD) == -1 && errno == EBADF; };
+  const bool stdout_open = !closed(1);
+  for (int fd : {0, 2}) {
+    if (!closed(fd)) continue;
+    const int null = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    if (null >= 0 && null != fd) {
+      dup2(null, fd);
+      close(null);
+    }
+  }
+  return stdout_open;
 }
 
 std::string DataDir(const tools::Args& a) {
@@ -549,11 +600,16 @@ absl::Status Run(const tools::Args& a) {
 }  // namespace
 
 int RunPlanMain(const std::vector<std::string>& argv) {
-  auto a = tools::Args::Parse(argv, kValueFlags, {"help"});
+  const bool stdout_open = ReserveStandardStreams();
+  auto a = ParseFlags(argv, {"help"});
   if (!a.ok() || a->Bool("help")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
     std::cerr << kUsage;
     return a.ok() ? 0 : 2;
+  }
+  if (!stdout_open) {
+    std::cerr << "error: " << kClosedStdout << "\n";
+    return 2;
   }
   absl::Status s = Run(*a);
   // The losses and the final line are the run's result: not written (a
@@ -563,7 +619,12 @@ int RunPlanMain(const std::vector<std::string>& argv) {
     s = absl::DataLossError("cannot write to standard output (the losses and the final line)");
   }
   if (!s.ok()) {
-    std::cerr << "error: " << s.message() << "\n";
+    // Named with the rank: hap-launch's ranks share one standard error.
+    auto rank = a->Integer("rank", 0, 0, std::numeric_limits<int>::max());
+    WriteWhole(
+        2,
+        absl::StrCat("error: ", s.message(),
+                     a->Has("rank") && rank.ok() ? absl::StrCat(" (rank ", *rank, ")") : "", "\n"));
     return 1;
   }
   return 0;
@@ -802,7 +863,7 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
   auto stop_by = [&](int sig) {
     if (sig == 0 || stop_signal != 0) return;
     stop_signal = sig;
-    std::cerr << "hap-launch: " << SignalName(sig) << ": stopping the ranks\n";
+    WriteWhole(2, absl::StrCat("hap-launch: ", SignalName(sig), ": stopping the ranks\n"));
     stop_all();
   };
   while (left > 0) {
@@ -820,23 +881,23 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (!ok && !failed && stop_signal == 0 && !late) {
         failed = 1;
-        std::cerr << "hap-launch: rank " << r << " " << DescribeExit(status)
-                  << "; stopping the others\n";
+        WriteWhole(2, absl::StrCat("hap-launch: rank ", r, " ", DescribeExit(status),
+                                   "; stopping the others\n"));
         stop_all();
       }
     }
     if (left == 0) break;
     if (!kill_at && absl::Now() >= deadline) {
       late = true;
-      std::cerr << "hap-launch: the --deadline of " << deadline_seconds
-                << " s passed; stopping the ranks\n";
+      WriteWhole(2, absl::StrCat("hap-launch: the --deadline of ", deadline_seconds,
+                                 " s passed; stopping the ranks\n"));
       stop_all();
     }
     if (kill_at && absl::Now() >= *kill_at) {
       for (size_t r = 0; r < pids.size(); ++r) {
         if (!running[r]) continue;
-        std::cerr << "hap-launch: rank " << r << " did not stop within " << grace_seconds
-                  << " s of SIGTERM; killing it\n";
+        WriteWhole(2, absl::StrCat("hap-launch: rank ", r, " did not stop within ", grace_seconds,
+                                   " s of SIGTERM; killing it\n"));
         kill(pids[r], SIGKILL);
       }
       kill_at = absl::InfiniteFuture();
@@ -864,11 +925,18 @@ std::string DefaultExecutor(const std::string& self) {
 }
 
 int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
-  auto a = tools::Args::Parse(argv, kValueFlags, {"help", "pin-cores"});
+  const bool stdout_open = ReserveStandardStreams();
+  auto a = ParseFlags(argv, {"help", "pin-cores"});
   if (!a.ok() || a->Bool("help") || !a->Has("plan")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
+    if (a.ok() && !a->Bool("help")) std::cerr << "error: --plan is required\n";
     std::cerr << kLaunchUsage;
     return a.ok() && a->Bool("help") ? 0 : 2;
+  }
+  // Refused before anything starts: the ranks inherit it.
+  if (!stdout_open) {
+    std::cerr << "error: " << kClosedStdout << "\n";
+    return 2;
   }
   // Passed on, the last of each wins: every rank would be the same rank.
   for (const std::string f : {"rank", "world", "rendezvous"}) {
@@ -1109,7 +1177,7 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       if (!node_namespace.empty()) {
         absl::Status s = netns::EnterNamespace(node_namespace);
         if (!s.ok()) {
-          std::cerr << "error: rank " << r << ": " << s.message() << "\n";
+          WriteWhole(2, absl::StrCat("error: rank ", r, ": ", s.message(), "\n"));
           _exit(127);
         }
       }
@@ -1118,7 +1186,8 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
         procs << 0;  // this process
         procs.close();
         if (!procs) {
-          std::cerr << "error: rank " << r << ": cannot join the cgroup " << made.groups[r] << "\n";
+          WriteWhole(2, absl::StrCat("error: rank ", r, ": cannot join the cgroup ", made.groups[r],
+                                     "\n"));
           _exit(127);
         }
       }
@@ -1128,8 +1197,8 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
         const int core = cores[r % cores.size()];
         CPU_SET(core, &set);
         if (sched_setaffinity(0, sizeof(set), &set) != 0) {
-          std::cerr << "error: rank " << r << ": --pin-cores: cannot pin to core " << core << ": "
-                    << std::strerror(errno) << "\n";
+          WriteWhole(2, absl::StrCat("error: rank ", r, ": --pin-cores: cannot pin to core ", core,
+                                     ": ", std::strerror(errno), "\n"));
           _exit(127);
         }
       }
@@ -1137,8 +1206,8 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
       for (auto& s : args) cargs.push_back(s.data());
       cargs.push_back(nullptr);
       execv(executor.c_str(), cargs.data());
-      std::cerr << "error: rank " << r << ": cannot run " << executor << ": "
-                << std::strerror(errno) << "\n";
+      WriteWhole(2, absl::StrCat("error: rank ", r, ": cannot run ", executor, ": ",
+                                 std::strerror(errno), "\n"));
       _exit(127);
     }
     if (pid < 0) {

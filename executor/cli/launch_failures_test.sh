@@ -1,0 +1,58 @@
+#!/bin/bash
+# hap-launch and hap-executor given what a careless user gives them: stray
+# arguments, no --plan, a closed standard output; and a rank's error names
+# the rank. Each is refused before any rank starts, naming what is wrong.
+# Real binaries; every process started here is waited for (timeout(1) only
+# guards against a hang).
+set -u
+HAPCTL="$1"
+LAUNCH="$2"
+EXECUTOR="$3"
+CLUSTER="$4"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+tmp="$(mktemp -d)"
+made=()
+trap 'rm -rf "$tmp" "${made[@]}"' EXIT
+
+"$HAPCTL" plan --cluster "$CLUSTER" --model mlp --save-plan "$tmp/mlp.pb" > "$tmp/plan" 2>&1 \
+  || { echo "FAIL: plan: $(cat "$tmp/plan")"; exit 1; }
+
+# "${closed_stdout[@]}" CMD...: CMD with its standard output closed.
+closed_stdout=(bash -c '"$@" >&-' closed_stdout)
+
+# expect_refused NAME CODE TEXT CMD...: CMD exits CODE, its stderr holds
+# TEXT and no rank trained (rank 0 would print "training ...").
+expect_refused() {
+  local name="$1" code="$2" text="$3"
+  shift 3
+  timeout 120 "$@" > "$tmp/$name.out" 2> "$tmp/$name.err"
+  local rc=$?
+  [ "$rc" = "$code" ] || fail "$name: exit $rc, not $code: $(cat "$tmp/$name.err")"
+  grep -qF -- "$text" "$tmp/$name.err" || fail "$name: no '$text' in: $(cat "$tmp/$name.err")"
+  if grep -q "^training" "$tmp/$name.out"; then fail "$name: a rank trained"; fi
+}
+
+# Stray arguments: `--pin-cores 7` (a flag without a value) ran with the 7
+# ignored, and so did any word left over from an edit of the command.
+expect_refused stray_launch 2 "error: unexpected argument '7'" \
+  "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --pin-cores 7
+expect_refused stray_executor 2 "error: unexpected argument 'extra'" \
+  "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp" extra
+# No --plan: the usage alone, saying nothing of why.
+expect_refused no_plan 2 "error: --plan is required" "$LAUNCH" --steps 1
+
+# A closed standard output: the run trained to its end (with fd 1 free the
+# first socket or file the rank opened took its number and the losses went
+# there) and only then failed. Now refused at the start.
+expect_refused closed_stdout_launch 2 "error: standard output is closed" \
+  "${closed_stdout[@]}" "$LAUNCH" --plan "$tmp/mlp.pb" --steps 2
+expect_refused closed_stdout_executor 2 "error: standard output is closed" \
+  "${closed_stdout[@]}" "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp" --timeout 2
+
+# A rank's error names the rank (several ranks write to one stderr).
+expect_refused rank_named 1 "(rank 1)" \
+  "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 1 --world 2 --rendezvous "$tmp" --data "npy:$tmp/plan"
+
+[ "$failures" = 0 ] || exit 1
+echo PASS
