@@ -1,9 +1,10 @@
 #!/bin/bash
 # hap-launch and hap-executor given what a careless user gives them: stray
-# arguments, no --plan, a closed standard output; and a rank's error names
-# the rank. Each is refused before any rank starts, naming what is wrong.
-# Real binaries; every process started here is waited for (timeout(1) only
-# guards against a hang).
+# arguments, no --plan, a closed standard output, paths too long for the
+# file system, a --profile that cannot be written or has too few steps; and
+# a rank's error names the rank. Each is refused before any rank starts,
+# naming what is wrong. Real binaries; every process started here is
+# waited for (timeout(1) only guards against a hang).
 set -u
 HAPCTL="$1"
 LAUNCH="$2"
@@ -53,6 +54,27 @@ expect_refused closed_stdout_executor 2 "error: standard output is closed" \
 # A rank's error names the rank (several ranks write to one stderr).
 expect_refused rank_named 1 "(rank 1)" \
   "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 1 --world 2 --rendezvous "$tmp" --data "npy:$tmp/plan"
+
+# A checkpoint directory whose name the file system cannot hold passed the
+# start check (the lookup failed, read as "does not exist yet") and failed
+# at the first save.
+long_name="$(printf 'c%.0s' $(seq 300))"
+expect_refused long_component 2 "--checkpoint-dir $tmp/$long_name: File name too long" \
+  "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --checkpoint-dir "$tmp/$long_name"
+# A path short enough for the lookup, too long for the step directory and
+# shards inside it (4060 + "/.tmp-step-00000001/rank-00000-of-00002...").
+deep="$tmp"
+while [ ${#deep} -lt 3800 ]; do deep="$deep/$(printf 'd%.0s' $(seq 200))"; done
+deep="$deep/$(printf 'e%.0s' $(seq $((4060 - ${#deep} - 1))))"
+expect_refused long_path 2 "the files of a checkpoint in it would pass the system's limit" \
+  "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --checkpoint-dir "$deep"
+# A --profile prefix too long for its files' names: they failed after the
+# last step.
+expect_refused long_profile 2 "--profile $tmp/${long_name:0:240}: " \
+  "$LAUNCH" --plan "$tmp/mlp.pb" --steps 3 --profile "$tmp/${long_name:0:240}"
+# Too few steps to profile: said by a rank once every rank had connected.
+expect_refused profile_steps 2 "error: --profile needs more than 2 --steps" \
+  "$LAUNCH" --plan "$tmp/mlp.pb" --steps 2 --profile "$tmp/prof"
 
 [ "$failures" = 0 ] || exit 1
 echo PASS

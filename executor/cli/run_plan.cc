@@ -251,10 +251,12 @@ std::string DataDir(const tools::Args& a) {
   return "../shared/data";
 }
 
-// OK when files named PREFIX... can be made: PREFIX's directory (the
-// working directory for a bare name) exists and this process may write in
-// it. Otherwise InvalidArgument naming `flag` and the directory.
-absl::Status CheckWritablePrefix(const std::string& flag, const std::string& prefix) {
+// OK when files named PREFIX + `longest_suffix` (and shorter) can be made:
+// PREFIX's directory (the working directory for a bare name) exists, this
+// process may write in it and its file system takes a name that long.
+// Otherwise InvalidArgument naming `flag` and what is wrong.
+absl::Status CheckWritablePrefix(const std::string& flag, const std::string& prefix,
+                                 const std::string& longest_suffix) {
   if (prefix.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a PREFIX"));
   const std::filesystem::path parent = std::filesystem::path(prefix).parent_path();
   const std::string dir = parent.empty() ? "." : parent.string();
@@ -267,6 +269,14 @@ absl::Status CheckWritablePrefix(const std::string& flag, const std::string& pre
     return absl::InvalidArgumentError(
         absl::StrCat(flag, " ", prefix, ": cannot write in '", dir, "': ", std::strerror(errno)));
   }
+  // A name too long failed the write after the last step.
+  const std::string longest = std::filesystem::path(prefix).filename().string() + longest_suffix;
+  const long name_max = pathconf(dir.c_str(), _PC_NAME_MAX);
+  if (longest.size() > static_cast<size_t>(name_max > 0 ? name_max : NAME_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " ", prefix, ": the file name '", longest, "' is ", longest.size(),
+        " characters, longer than '", dir, "' takes (", name_max > 0 ? name_max : NAME_MAX, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -278,6 +288,9 @@ absl::Status CheckWritableDir(const std::string& flag, const std::string& dir) {
   std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
   std::error_code ec;
   while (!std::filesystem::exists(p, ec)) {
+    // A lookup that failed (a name too long, a directory it may not search)
+    // is not a directory still to be made: the first save failed on it.
+    if (ec) return absl::InvalidArgumentError(absl::StrCat(flag, " ", dir, ": ", ec.message()));
     const std::filesystem::path parent = p.parent_path();
     if (parent == p) break;
     p = parent.empty() ? std::filesystem::path(".") : parent;  // a relative DIR
@@ -315,11 +328,18 @@ absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int ran
       "profile ");
 }
 
+// Steps a --profile run leaves out (warm-up) before it times kernels.
+constexpr int64_t kProfileWarmup = 2;
+// The longest name a checkpoint save makes inside --checkpoint-dir, with
+// room to spare ("/superseded-step-N-K/rank-R-of-W.safetensors.failed").
+constexpr size_t kCheckpointNamesInside = 128;
+
 // The run's flags that need neither the plan nor a peer, checked before
 // anything connects: by hap-executor first, and by hap-launch once before
 // it starts any rank (a bad one was reported by every rank, some only
-// after every rank had connected).
-absl::Status CheckRunFlags(const tools::Args& a) {
+// after every rank had connected). `last_rank`: the highest rank that
+// runs with them (the --profile files carry it).
+absl::Status CheckRunFlags(const tools::Args& a, int64_t last_rank) {
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
   HAP_RETURN_IF_ERROR(a.Integer("steps", 10, 1, kMaxInt64).status());
@@ -356,10 +376,27 @@ absl::Status CheckRunFlags(const tools::Args& a) {
   }
   // Where --profile writes is checked now, not after the last step (a
   // missing directory failed the run once it had trained).
-  if (a.Has("profile")) HAP_RETURN_IF_ERROR(CheckWritablePrefix("--profile", a.Get("profile")));
+  if (a.Has("profile")) {
+    HAP_ASSIGN_OR_RETURN(int64_t steps, a.Integer("steps", 10, 1, kMaxInt64));
+    if (steps <= kProfileWarmup) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--profile needs more than ", kProfileWarmup, " --steps"));
+    }
+    HAP_RETURN_IF_ERROR(CheckWritablePrefix("--profile", a.Get("profile"),
+                                            absl::StrCat(".rank", last_rank, ".kernels.md")));
+  }
   // The same for checkpoints: an unusable directory failed the first save.
   if (a.Has("checkpoint-dir")) {
-    HAP_RETURN_IF_ERROR(CheckWritableDir("--checkpoint-dir", a.Get("checkpoint-dir")));
+    const std::string dir = a.Get("checkpoint-dir");
+    HAP_RETURN_IF_ERROR(CheckWritableDir("--checkpoint-dir", dir));
+    std::error_code ec;
+    const size_t length = std::filesystem::absolute(dir, ec).string().size();
+    if (length + kCheckpointNamesInside > PATH_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--checkpoint-dir ", dir, ": the path is ", length,
+          " characters long; the files of a checkpoint in it would pass the system's limit of ",
+          PATH_MAX, " (PATH_MAX)"));
+    }
   }
   return absl::OkStatus();
 }
@@ -368,12 +405,12 @@ absl::Status Run(const tools::Args& a) {
   for (const char* f : {"plan", "rank", "world", "rendezvous"}) {
     if (!a.Has(f)) return absl::InvalidArgumentError(absl::StrCat("--", f, " is required"));
   }
-  HAP_RETURN_IF_ERROR(CheckRunFlags(a));
   // Ranks and sizes are ints further on: a larger --rank ran as another rank.
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
   HAP_ASSIGN_OR_RETURN(int64_t rank, a.Integer("rank", 0, 0, kMaxInt));
   HAP_ASSIGN_OR_RETURN(int64_t world, a.Integer("world", 1, 1, kMaxInt));
+  HAP_RETURN_IF_ERROR(CheckRunFlags(a, rank));
   HAP_ASSIGN_OR_RETURN(int64_t steps, a.Integer("steps", 10, 1, kMaxInt64));
   HAP_ASSIGN_OR_RETURN(int64_t checkpoint_every, a.Integer("checkpoint-every", 0, 0, kMaxInt64));
   HAP_ASSIGN_OR_RETURN(int64_t checkpoint_keep,
@@ -415,6 +452,13 @@ absl::Status Run(const tools::Args& a) {
                                    first_step, steps);
     }
     return absl::OkStatus();
+  }
+  // Before anything connects (it was said by every rank once all had).
+  const std::string profile = a.Get("profile");
+  if (!profile.empty() && steps - first_step <= kProfileWarmup) {
+    return absl::InvalidArgumentError(absl::StrCat("--profile needs more than ", kProfileWarmup,
+                                                   " --steps after the checkpoint's step ",
+                                                   first_step));
   }
 
   std::unique_ptr<data::BatchSource> batches;
@@ -481,12 +525,6 @@ absl::Status Run(const tools::Args& a) {
                        MakeBackend(spec, static_cast<int>(threads), group, *store));
   std::unique_ptr<Device>& device = backend.device;
   std::unique_ptr<Communicator>& comm = backend.comm;
-  const std::string profile = a.Get("profile");
-  constexpr int64_t kProfileWarmup = 2;
-  if (!profile.empty() && steps - first_step <= kProfileWarmup) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--profile needs more than ", kProfileWarmup, " --steps"));
-  }
   TimingDevice timing(device.get());
   Device* run_on = profile.empty() ? device.get() : &timing;
   // A plan lowered with overlap starts collectives that run behind compute
@@ -999,7 +1037,7 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     grace_seconds = *g;
   }
   // hap-executor's flags, once, before any rank starts.
-  if (absl::Status s = CheckRunFlags(*a); !s.ok()) {
+  if (absl::Status s = CheckRunFlags(*a, world - 1); !s.ok()) {
     std::cerr << "error: " << s.message() << "\n";
     return 2;
   }
