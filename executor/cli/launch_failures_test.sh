@@ -3,8 +3,9 @@
 # arguments, no --plan, a closed standard output, paths too long for the
 # file system, a --profile that cannot be written or has too few steps; and
 # a rank's error names the rank. Each is refused before any rank starts,
-# naming what is wrong. Real binaries; every process started here is
-# waited for (timeout(1) only guards against a hang).
+# naming what is wrong. Leftovers in /tmp and the cgroups that only look
+# like a gone launcher's are left alone. Real binaries; every process
+# started here is waited for (timeout(1) only guards against a hang).
 set -u
 HAPCTL="$1"
 LAUNCH="$2"
@@ -75,6 +76,31 @@ expect_refused long_profile 2 "--profile $tmp/${long_name:0:240}: " \
 # Too few steps to profile: said by a rank once every rank had connected.
 expect_refused profile_steps 2 "error: --profile needs more than 2 --steps" \
   "$LAUNCH" --plan "$tmp/mlp.pb" --steps 2 --profile "$tmp/prof"
+
+# Leftovers of a launcher that is gone are removed by name: only the names
+# a launcher makes (/tmp/hap-rendezvous-PID-XXXXXX, cgroups
+# hap-launch-PID-rR), not every name that starts the same way.
+gone="$(sh -c 'echo $$')"  # a pid whose process has ended
+ours="/tmp/hap-rendezvous-$gone-Ab12Cd"
+theirs="/tmp/hap-rendezvous-$gone-keep-me"
+mkdir "$ours" "$theirs"
+made+=("$ours" "$theirs")
+cgroups=()
+if mkdir "/sys/fs/cgroup/cpu/hap-launch-$gone-r0" 2> /dev/null; then
+  cgroups=("/sys/fs/cgroup/cpu/hap-launch-$gone-r0" "/sys/fs/cgroup/cpu/hap-launch-$gone-mine-r1")
+  mkdir "${cgroups[1]}"
+else
+  echo "(no cgroup v1 cpu controller to write: the cgroup part is skipped)"
+fi
+timeout 120 "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 > "$tmp/leftovers.out" 2>&1 \
+  || fail "leftovers run: $(cat "$tmp/leftovers.out")"
+[ -d "$ours" ] && fail "the gone launcher's rendezvous directory $ours is still there"
+[ -d "$theirs" ] || fail "$theirs, not a launcher's name, was removed"
+if [ ${#cgroups[@]} -gt 0 ]; then
+  [ -d "${cgroups[0]}" ] && fail "the gone launcher's cgroup ${cgroups[0]} is still there"
+  [ -d "${cgroups[1]}" ] || fail "${cgroups[1]}, not a launcher's name, was removed"
+  for g in "${cgroups[@]}"; do rmdir "$g" 2> /dev/null; done
+fi
 
 [ "$failures" = 0 ] || exit 1
 echo PASS

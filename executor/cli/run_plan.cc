@@ -720,15 +720,33 @@ constexpr char kRendezvousPrefix[] = "hap-rendezvous-";
 
 bool ProcessAlive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
-// The pid in NAME = HEAD<pid><sep>..., or -1.
-pid_t OwnerPid(absl::string_view name, absl::string_view head, char sep) {
+// The pid in NAME when NAME is exactly what a launcher of that pid makes,
+// HEAD<pid>-<tail> with `is_tail(tail)`; else -1. A name that only starts
+// the same way (/tmp/hap-rendezvous-5-keep, someone else's) is not a
+// launcher's to remove.
+pid_t OwnerPid(absl::string_view name, absl::string_view head, bool (*is_tail)(absl::string_view)) {
   if (!absl::ConsumePrefix(&name, head)) return -1;
-  const size_t end = name.find(sep);
+  const size_t end = name.find('-');
   int pid;
-  if (end == absl::string_view::npos || !absl::SimpleAtoi(name.substr(0, end), &pid) || pid <= 0) {
+  if (end == absl::string_view::npos || !absl::SimpleAtoi(name.substr(0, end), &pid) || pid <= 0 ||
+      name.substr(0, end) != absl::StrCat(pid) || !is_tail(name.substr(end + 1))) {
     return -1;
   }
   return pid;
+}
+
+// mkdtemp's XXXXXX: six letters and digits.
+bool IsMkdtempTail(absl::string_view tail) {
+  return tail.size() == 6 && std::all_of(tail.begin(), tail.end(), [](char c) {
+           return std::isalnum(static_cast<unsigned char>(c));
+         });
+}
+
+// A rank's cgroup: r<rank>.
+bool IsRankTail(absl::string_view tail) {
+  int rank;
+  return absl::ConsumePrefix(&tail, "r") && absl::SimpleAtoi(tail, &rank) && rank >= 0 &&
+         tail == absl::StrCat(rank);
 }
 
 // What a launcher killed outright (SIGKILL) left: its rendezvous directory
@@ -739,7 +757,7 @@ void RemoveLeftovers() {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(kRendezvousDir, ec)) {
     const std::string name = e.path().filename().string();
-    const pid_t owner = OwnerPid(name, kRendezvousPrefix, '-');
+    const pid_t owner = OwnerPid(name, kRendezvousPrefix, IsMkdtempTail);
     if (owner <= 0 || ProcessAlive(owner) || !e.is_directory(ec)) continue;
     std::error_code rm;
     std::filesystem::remove_all(e.path(), rm);
@@ -748,13 +766,8 @@ void RemoveLeftovers() {
   }
   for (const auto& e : std::filesystem::directory_iterator(kCgroupRoot, ec)) {
     const std::string name = e.path().filename().string();
-    const pid_t owner = OwnerPid(name, "hap-launch-", '-');
-    int rank;
-    if (owner <= 0 || ProcessAlive(owner) ||
-        !absl::SimpleAtoi(absl::StripPrefix(name.substr(name.rfind('-') + 1), "r"), &rank) ||
-        !e.is_directory(ec)) {
-      continue;
-    }
+    const pid_t owner = OwnerPid(name, "hap-launch-", IsRankTail);
+    if (owner <= 0 || ProcessAlive(owner) || !e.is_directory(ec)) continue;
     const std::string dir = e.path().string();
     // A rank still inside (it outlived its launcher) is killed; the group
     // can be removed once the kernel has reaped it.
