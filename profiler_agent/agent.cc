@@ -116,6 +116,9 @@ struct Agent::Impl : public ProfileSource {
   // Drift checks in a row that found a drift (a probe needs two).
   int drift_checks_in_a_row ABSL_GUARDED_BY(probe_mu) = 0;
   std::optional<v1::ProbeResponse> profile ABSL_GUARDED_BY(mu);
+  // Why the latest probe failed (OK after one that did not): served while
+  // there is no profile, so that callers learn the device error.
+  absl::Status probe_error ABSL_GUARDED_BY(mu);
   std::vector<double> quick_baseline ABSL_GUARDED_BY(mu);
   // Profiles probed and profiles the planner has: devices are pending while
   // they differ.
@@ -219,7 +222,12 @@ struct Agent::Impl : public ProfileSource {
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
     const absl::Time start = MonotonicNow();
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
-    if (!node.ok()) return Annotate(node.status(), "probing this node");
+    if (!node.ok()) {
+      absl::Status s = Annotate(node.status(), "probing this node");
+      absl::MutexLock l(&mu);
+      probe_error = s;
+      return s;
+    }
     node->set_agent_version(kAgentVersion);
     // Links between local devices (GPU peers) are part of the profile; a
     // failure there leaves them out rather than failing the devices.
@@ -247,6 +255,7 @@ struct Agent::Impl : public ProfileSource {
     *r.mutable_probe_duration() = service::ToProto(MonotonicNow() - start);
     absl::MutexLock l(&mu);
     profile = std::move(r);
+    probe_error = absl::OkStatus();
     quick_baseline = std::move(baseline);
     ++profile_generation;
     return absl::OkStatus();
@@ -682,6 +691,11 @@ struct Agent::Impl : public ProfileSource {
 
   absl::StatusOr<v1::ProbeResponse> LastProfile() override {
     absl::MutexLock l(&mu);
+    if (!profile && !probe_error.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the agent has no profile: its last probe failed (it probes again): ",
+                       probe_error.ToString()));
+    }
     if (!profile) {
       return absl::FailedPreconditionError("the agent has not finished its first probe yet");
     }

@@ -30,7 +30,8 @@ class ProfileSource {
   virtual absl::StatusOr<hap::v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
                                                           bool include_links,
                                                           absl::Time deadline) = 0;
-  // The last profile; FailedPrecondition before the first probe finished.
+  // The last profile; FailedPrecondition while there is none (before the
+  // first probe finished, or naming the error of a probe that failed).
   virtual absl::StatusOr<hap::v1::ProbeResponse> LastProfile() = 0;
 };
 

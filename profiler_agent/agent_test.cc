@@ -63,6 +63,25 @@ class FakeProber : public DeviceProber {
 
 double Flops(const v1::Device& d) { return d.flops(0).flops(); }
 
+// A client of `agent`'s Agent service (nullptr, failing the test, when
+// there is no channel).
+std::unique_ptr<v1::Agent::Stub> AgentStub(const Agent& agent) {
+  auto channel = hap::service::MakeChannel(agent.listen_address(), {});
+  EXPECT_THAT(channel, IsOk());
+  return channel.ok() ? v1::Agent::NewStub(*channel) : nullptr;
+}
+
+// Agent.GetProfile through `stub`, with the token of `security`.
+absl::StatusOr<v1::ProbeResponse> GetProfile(v1::Agent::Stub& stub,
+                                             const hap::service::Security& security = {}) {
+  grpc::ClientContext ctx;
+  hap::service::PrepareClientContext(&ctx, security, absl::Seconds(30));
+  v1::ProbeResponse r;
+  absl::Status s = FromGrpc(stub.GetProfile(&ctx, v1::GetProfileRequest(), &r));
+  if (!s.ok()) return s;
+  return r;
+}
+
 // An executor daemon serving `device`: GetStatus only, on `address`
 // ("127.0.0.1:0" picks a free port).
 class FakeExecutor final : public v1::Executor::Service {
@@ -325,13 +344,11 @@ TEST_F(AgentTest, RegistersOnceThePlannerComesUp) {
   auto agent = StartAgent(o, &state_);
   ASSERT_TRUE(agent);
   // The agent keeps serving while it retries.
-  auto channel = hap::service::MakeChannel(agent->listen_address(), {});
-  ASSERT_THAT(channel, IsOk());
-  auto stub = v1::Agent::NewStub(*channel);
-  grpc::ClientContext ctx;
-  v1::ProbeResponse profile;
-  ASSERT_THAT(FromGrpc(stub->GetProfile(&ctx, v1::GetProfileRequest(), &profile)), IsOk());
-  EXPECT_EQ(profile.node().name(), "node-a");
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
+  auto profile = GetProfile(*stub);
+  ASSERT_THAT(profile, IsOk());
+  EXPECT_EQ(profile->node().name(), "node-a");
   // The planner comes up at that address: the next retry registers.
   FakePlanner back(absl::Milliseconds(20), "", address);
   ASSERT_TRUE(back.WaitFor([](const Record& r) { return r.nodes.count("node-a") > 0; }));
@@ -453,9 +470,8 @@ TEST_F(AgentTest, TheProbeRpcProbesAndTheNextHeartbeatCarriesTheDevices) {
   ASSERT_TRUE(agent);
   ASSERT_TRUE(Registered("node-a"));
   state_.flops = 7e9;
-  auto channel = hap::service::MakeChannel(agent->listen_address(), {});
-  ASSERT_THAT(channel, IsOk());
-  auto stub = v1::Agent::NewStub(*channel);
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
   grpc::ClientContext ctx;
   v1::ProbeRequest req;
   req.mutable_max_duration()->set_seconds(1);
@@ -498,9 +514,8 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   ASSERT_THAT(agent, IsOk());
   ASSERT_TRUE(Registered("node-a"));
   ASSERT_EQ(state_.probes.load(), 1);
-  auto channel = hap::service::MakeChannel((*agent)->listen_address(), {});
-  ASSERT_THAT(channel, IsOk());
-  auto stub = v1::Agent::NewStub(*channel);
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
   auto probe = [&](absl::Duration timeout) {
     grpc::ClientContext ctx;
     hap::service::PrepareClientContext(&ctx, {}, timeout);
@@ -666,16 +681,13 @@ TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
   EXPECT_EQ(r.links[0].kind(), v1::NVLINK);
   EXPECT_EQ(r.nodes.at("node-g").devices_size(), 2);
 
-  auto channel = hap::service::MakeChannel((*agent)->listen_address(), {});
-  ASSERT_THAT(channel, IsOk());
-  grpc::ClientContext ctx;
-  v1::ProbeResponse profile;
-  ASSERT_THAT(
-      FromGrpc(v1::Agent::NewStub(*channel)->GetProfile(&ctx, v1::GetProfileRequest(), &profile)),
-      IsOk());
-  ASSERT_EQ(profile.links_size(), 2);
-  EXPECT_EQ(profile.links(1).src(), "node-g/gpu1");
-  EXPECT_EQ(profile.links(1).dst(), "node-g/gpu0");
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
+  auto profile = GetProfile(*stub);
+  ASSERT_THAT(profile, IsOk());
+  ASSERT_EQ(profile->links_size(), 2);
+  EXPECT_EQ(profile->links(1).src(), "node-g/gpu1");
+  EXPECT_EQ(profile->links(1).dst(), "node-g/gpu0");
 }
 
 TEST_F(AgentTest, AFailingLocalLinkProbeLeavesTheDevicesRegistered) {
@@ -686,6 +698,47 @@ TEST_F(AgentTest, AFailingLocalLinkProbeLeavesTheDevicesRegistered) {
   ASSERT_TRUE(Registered("node-g"));
   EXPECT_EQ(planner_.Snapshot().nodes.at("node-g").devices_size(), 2);
   EXPECT_TRUE(planner_.Snapshot().links.empty());
+}
+
+// A prober whose every probe fails as a GPU's does when the device is gone
+// or broken; counts its attempts.
+class FailingProber : public DeviceProber {
+ public:
+  explicit FailingProber(std::atomic<int>* attempts) : attempts_(attempts) {}
+  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string&, const ProbeOptions&) override {
+    ++*attempts_;
+    return absl::InternalError("cudaGetDeviceCount: no CUDA-capable device is detected");
+  }
+  absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions&) override {
+    return absl::InternalError("cudaGetDeviceCount: no CUDA-capable device is detected");
+  }
+
+ private:
+  std::atomic<int>* attempts_;
+};
+
+// A device probe that fails keeps the agent up and probing again, and
+// whoever asks it for its profile (a peer measuring the link, hapctl) is
+// told why there is none, not that its first probe has not finished.
+TEST_F(AgentTest, AFailingDeviceProbeIsRetriedAndItsErrorServed) {
+  std::atomic<int> attempts{0};
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::make_unique<FailingProber>(&attempts));
+  auto agent = Agent::Start(Options("node-f"), std::move(probers));
+  ASSERT_THAT(agent, IsOk());
+  for (int i = 0; i < 6000 && attempts < 3; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_GE(attempts.load(), 3);
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
+  EXPECT_THAT(GetProfile(*stub),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::AllOf(HasSubstr("its last probe failed"),
+                                        HasSubstr("no CUDA-capable device is detected"))));
+  grpc::ClientContext ctx;
+  v1::ProbeResponse r;
+  EXPECT_THAT(FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r)),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("no CUDA-capable device")));
+  EXPECT_EQ(planner_.Snapshot().registrations, 0);
 }
 
 TEST(AgentTokenTest, SendsTheTokenToThePlannerAndRequiresItFromCallers) {
@@ -702,20 +755,11 @@ TEST(AgentTokenTest, SendsTheTokenToThePlannerAndRequiresItFromCallers) {
   ASSERT_THAT(agent, IsOk());
   ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.heartbeats >= 2; }));
 
-  auto channel = hap::service::MakeChannel((*agent)->listen_address(), {});
-  ASSERT_THAT(channel, IsOk());
-  auto stub = v1::Agent::NewStub(*channel);
-  v1::ProbeResponse r;
-  {
-    grpc::ClientContext ctx;
-    EXPECT_THAT(FromGrpc(stub->GetProfile(&ctx, v1::GetProfileRequest(), &r)),
-                StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("bearer token")));
-  }
-  {
-    grpc::ClientContext ctx;
-    hap::service::PrepareClientContext(&ctx, o.security, absl::Seconds(5));
-    EXPECT_THAT(FromGrpc(stub->GetProfile(&ctx, v1::GetProfileRequest(), &r)), IsOk());
-  }
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
+  EXPECT_THAT(GetProfile(*stub),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("bearer token")));
+  EXPECT_THAT(GetProfile(*stub, o.security), IsOk());
 }
 
 TEST(AgentStartTest, RejectsMissingPlannerOrName) {
