@@ -77,6 +77,14 @@ expect_refused long_profile 2 "--profile $tmp/${long_name:0:240}: " \
 expect_refused profile_steps 2 "error: --profile needs more than 2 --steps" \
   "$LAUNCH" --plan "$tmp/mlp.pb" --steps 2 --profile "$tmp/prof"
 
+# A --timeout that Gloo cannot hold: 1e300 s became 2^63 ms, which
+# overflows where Gloo adds it to the clock, and every wait timed out at
+# once ("Timed out waiting 9223372036854775807ms"); 1e-9 s became 0 ms.
+expect_refused huge_timeout 2 "error: --timeout must be seconds from 0.001 to 10000000, got '1e300'" \
+  "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --timeout 1e300
+expect_refused tiny_timeout 1 "error: --timeout must be seconds from 0.001 to 10000000, got '1e-9'" \
+  "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp" --timeout 1e-9
+
 # Leftovers of a launcher that is gone are removed by name: only the names
 # a launcher makes (/tmp/hap-rendezvous-PID-XXXXXX, cgroups
 # hap-launch-PID-rR), not every name that starts the same way.

@@ -328,6 +328,9 @@ absl::Status WriteProfile(const std::string& path, const v1::Plan& plan, int ran
       "profile ");
 }
 
+// The bounds of --timeout (a wait for a peer), in seconds.
+constexpr double kMinTimeoutSeconds = 0.001;
+constexpr double kMaxTimeoutSeconds = 1e7;
 // Steps a --profile run leaves out (warm-up) before it times kernels.
 constexpr int64_t kProfileWarmup = 2;
 // The longest name a checkpoint save makes inside --checkpoint-dir, with
@@ -350,8 +353,15 @@ absl::Status CheckRunFlags(const tools::Args& a, int64_t last_rank) {
   }
   HAP_RETURN_IF_ERROR(a.Integer("threads", 1, 1, 4096).status());
   HAP_RETURN_IF_ERROR(a.Integer("log-every", 1, 1, kMaxInt64).status());
+  // Gloo waits in whole milliseconds added to a nanosecond clock: 1e-9 s
+  // was 0 ms, and 1e300 s 2^63 ms, which overflowed there (every wait
+  // timed out at once).
   HAP_ASSIGN_OR_RETURN(double timeout, a.Number("timeout", 60));
-  if (!(timeout > 0)) return absl::InvalidArgumentError("--timeout must be positive");
+  if (!(timeout >= kMinTimeoutSeconds && timeout <= kMaxTimeoutSeconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--timeout must be seconds from %.3f to %.0f, got '%s'", kMinTimeoutSeconds,
+                        kMaxTimeoutSeconds, a.Get("timeout")));
+  }
   const std::string source = a.Get("data", "synthetic");
   const bool user_data = absl::StartsWith(source, "npy:") || absl::StartsWith(source, "tokens:");
   if (source != "synthetic" && source != "wikitext" && !user_data) {
