@@ -433,7 +433,8 @@ struct Agent::Impl : public ProfileSource {
     return interval;
   }
 
-  void HeartbeatOnce() {
+  // True when the planner answered.
+  bool HeartbeatOnce() {
     v1::HeartbeatRequest req;
     req.set_name("nodes/" + o.name);
     int64_t generation;
@@ -449,7 +450,7 @@ struct Agent::Impl : public ProfileSource {
       if (!Stopping()) {
         Log(absl::StrCat("heartbeat to the planner at ", o.planner, " failed: ", s.ToString()));
       }
-      return;
+      return false;
     }
     {
       absl::MutexLock l(&mu);
@@ -465,6 +466,7 @@ struct Agent::Impl : public ProfileSource {
       absl::MutexLock l(&mu);
       probe_wanted = true;
     }
+    return true;
   }
 
   // Heartbeats (and drift checks) are scheduled on the monotonic clock: on
@@ -475,6 +477,11 @@ struct Agent::Impl : public ProfileSource {
     absl::Duration interval = kDefaultHeartbeat;
     absl::Time next_heartbeat = MonotonicNow(),
                next_drift = MonotonicNow() + o.drift_check_interval;
+    // A heartbeat answered since the last registration: until then the
+    // agent does not know whether a deployment runs on the node, and drift
+    // checks wait (before, they drifted twice before the first heartbeat
+    // and probed a node that trained).
+    bool planner_answered = false;
     auto fail_and_wait = [&](const std::string& message) {
       if (Stopping()) return false;
       Log(absl::StrCat(message, "; retrying in ", absl::FormatDuration(backoff)));
@@ -511,15 +518,17 @@ struct Agent::Impl : public ProfileSource {
         backoff = o.initial_backoff;
         interval = heartbeat_interval = *r;
         next_heartbeat = MonotonicNow() + interval;
+        planner_answered = false;
         continue;
       }
-      if (o.drift > 0 && MonotonicNow() >= next_drift) {
+      const bool check_drift = o.drift > 0 && planner_answered;
+      if (check_drift && MonotonicNow() >= next_drift) {
         absl::MutexLock l(&mu);
         drift_check_wanted = true;
         next_drift = MonotonicNow() + o.drift_check_interval;
       }
       if (MonotonicNow() >= next_heartbeat) {
-        HeartbeatOnce();
+        planner_answered = HeartbeatOnce() || planner_answered;
         next_heartbeat = MonotonicNow() + interval;
         {
           absl::MutexLock l(&mu);
@@ -535,7 +544,7 @@ struct Agent::Impl : public ProfileSource {
           }
         }
       }
-      absl::Time next = o.drift > 0 ? std::min(next_heartbeat, next_drift) : next_heartbeat;
+      absl::Time next = check_drift ? std::min(next_heartbeat, next_drift) : next_heartbeat;
       if (!WaitFor(std::max(next - MonotonicNow(), absl::ZeroDuration()))) break;
     }
   }

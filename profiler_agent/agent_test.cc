@@ -444,6 +444,29 @@ TEST_F(AgentTest, NoDriftCheckWhileThePlannerSaysTheNodeTrains) {
 // Links are measured once at start whatever trains (the planner needs
 // them); the periodic re-probes wait while a job trains (their transfers
 // would slow its collectives and measure the link it shares).
+// Until the planner has answered a heartbeat the agent does not know
+// whether a deployment runs on the node: drift checks wait for that answer
+// (they drifted twice before the first heartbeat, and probed the node
+// while it trained).
+TEST(AgentTrainingTest, NoDriftCheckBeforeThePlannerSaidWhetherTheNodeTrains) {
+  FakePlanner planner(absl::Milliseconds(300));
+  planner.SetTraining("node-a", true);
+  FakeProber::State state;
+  AgentOptions o;
+  o.planner = planner.address();
+  o.name = "node-a";
+  o.drift = 0.2;
+  o.drift_check_interval = absl::Milliseconds(10);
+  o.link_probe_interval = absl::Hours(1);
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::make_unique<FakeProber>(&state));
+  auto agent = Agent::Start(o, std::move(probers));
+  ASSERT_THAT(agent, IsOk());
+  state.flops = 0.5e9;  // every check drifts
+  ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.heartbeats >= 3; }));
+  EXPECT_EQ(state.probes.load(), 1);
+}
+
 TEST_F(AgentTest, NoLinkReprobeWhileAnExecutorOfTheNodeTrains) {
   FakeProber::State state_b;
   auto b = NodeBAssigned(&state_b, 1 << 16);
