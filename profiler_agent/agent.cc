@@ -14,7 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
@@ -367,7 +369,11 @@ struct Agent::Impl : public ProfileSource {
   }
 
   // "hap.executor/<device>" = address for each executor of o.executors that
-  // answers; `unresolved` counts those that did not. The heartbeat thread
+  // answers naming a device of this node; `unresolved` counts the others
+  // (asked again at each heartbeat). One that serves a device this node does
+  // not report (another node's; node/cpu0 beside an agent measuring the
+  // GPUs) is not labelled: the planner refuses a registration with that
+  // label, and the node never joined. The heartbeat thread
   // asks them: all of them at once, within half a heartbeat interval (or
   // rpc_timeout, if shorter), so that a hung executor cannot delay the
   // heartbeats until the planner takes the node for stale, nor spend the
@@ -377,11 +383,24 @@ struct Agent::Impl : public ProfileSource {
     std::map<std::string, std::string> labels;
     *unresolved = 0;
     const auto statuses = AskExecutors(std::min(o.rpc_timeout, heartbeat_interval / 2));
+    std::set<std::string> ours;
+    {
+      absl::MutexLock l(&mu);
+      if (profile) {
+        for (const v1::Device& d : profile->node().devices()) ours.insert(d.id());
+      }
+    }
     for (size_t i = 0; i < o.executors.size(); ++i) {
       const std::string& address = o.executors[i];
       absl::Status s = statuses[i].status();
       if (s.ok() && statuses[i]->device().empty()) {
         s = absl::FailedPreconditionError("the executor names no device it serves");
+      } else if (s.ok() && !ours.count(statuses[i]->device())) {
+        const std::string& device = statuses[i]->device();
+        s = absl::FailedPreconditionError(
+            absl::StrCat("the executor serves '", absl::CHexEscape(device.substr(0, 80)),
+                         device.size() > 80 ? "...'" : "'", ", not a device of this node (",
+                         absl::StrJoin(ours, ", "), "); the node is not labelled with it"));
       }
       if (s.ok()) {
         labels["hap.executor/" + statuses[i]->device()] = address;

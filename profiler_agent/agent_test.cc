@@ -261,6 +261,22 @@ TEST_F(AgentTest, LabelsTheNodeWithItsExecutorsAddresses) {
   EXPECT_EQ(n.labels().size(), 1u);
 }
 
+// An executor that serves a device the node does not report (another
+// node's, or node/cpu0 beside an agent that measures the GPUs): the planner
+// refuses a registration with its label, so the node registers without it,
+// labelled with the executors that serve its own devices.
+TEST_F(AgentTest, AnExecutorOfADeviceTheNodeDoesNotReportIsNotLabelled) {
+  FakeExecutor ours("node-a/cpu0", "127.0.0.1:0"), foreign("node-x/cpu0", "127.0.0.1:0");
+  AgentOptions o = Options("node-a");
+  o.executors = {foreign.address(), ours.address()};
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  const v1::Node n = planner_.Snapshot().nodes.at("node-a");
+  EXPECT_EQ(n.labels().size(), 1u) << n.DebugString();
+  EXPECT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
+}
+
 // An executor that starts after the agent: the node registers without its
 // label, then again with it once the executor answers.
 TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {

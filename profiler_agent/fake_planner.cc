@@ -49,6 +49,18 @@ grpc::Status FakePlanner::RegisterNode(grpc::ServerContext* ctx, const v1::Regis
   if (r->node().name().empty() || r->node().devices().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a node needs a name and devices");
   }
+  // As the real planner (PlannerCore::RegisterNode): an executor label must
+  // name a device of the node.
+  for (const auto& [key, value] : r->node().labels()) {
+    if (!absl::StartsWith(key, "hap.executor/")) continue;
+    bool reported = false;
+    for (const v1::Device& d : r->node().devices()) reported |= key.substr(13) == d.id();
+    if (!reported) {
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("label '", key, "' names a device the node does not report"));
+    }
+  }
   ++record_.registrations;
   record_.nodes[r->node().name()] = r->node();
   *out->mutable_node() = r->node();
