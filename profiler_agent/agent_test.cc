@@ -198,6 +198,20 @@ class AgentTest : public ::testing::Test {
     return agent;
   }
 
+  // node-a started with `executors` and registered (into *agent): the node
+  // as the planner has it, or an empty one, failing the test.
+  v1::Node RegisteredWithExecutors(std::vector<std::string> executors,
+                                   std::unique_ptr<Agent>* agent) {
+    AgentOptions o = Options("node-a");
+    o.executors = std::move(executors);
+    *agent = StartAgent(o, &state_);
+    if (*agent == nullptr || !Registered("node-a")) {
+      ADD_FAILURE() << "node-a did not start and register";
+      return v1::Node();
+    }
+    return planner_.Snapshot().nodes.at("node-a");
+  }
+
   bool Registered(const std::string& name, int times = 1) {
     return planner_.WaitFor(
         [&](const Record& r) { return r.registrations >= times && r.nodes.count(name); });
@@ -250,12 +264,8 @@ TEST_F(AgentTest, APlannersTinyHeartbeatIntervalIsClamped) {
 // device given no executor).
 TEST_F(AgentTest, LabelsTheNodeWithItsExecutorsAddresses) {
   FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
-  AgentOptions o = Options("node-a");
-  o.executors = {executor.address()};
-  auto agent = StartAgent(o, &state_);
-  ASSERT_TRUE(agent);
-  ASSERT_TRUE(Registered("node-a"));
-  const v1::Node n = planner_.Snapshot().nodes.at("node-a");
+  std::unique_ptr<Agent> agent;
+  const v1::Node n = RegisteredWithExecutors({executor.address()}, &agent);
   ASSERT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
   EXPECT_EQ(n.labels().at("hap.executor/node-a/cpu0"), executor.address());
   EXPECT_EQ(n.labels().size(), 1u);
@@ -267,12 +277,8 @@ TEST_F(AgentTest, LabelsTheNodeWithItsExecutorsAddresses) {
 // labelled with the executors that serve its own devices.
 TEST_F(AgentTest, AnExecutorOfADeviceTheNodeDoesNotReportIsNotLabelled) {
   FakeExecutor ours("node-a/cpu0", "127.0.0.1:0"), foreign("node-x/cpu0", "127.0.0.1:0");
-  AgentOptions o = Options("node-a");
-  o.executors = {foreign.address(), ours.address()};
-  auto agent = StartAgent(o, &state_);
-  ASSERT_TRUE(agent);
-  ASSERT_TRUE(Registered("node-a"));
-  const v1::Node n = planner_.Snapshot().nodes.at("node-a");
+  std::unique_ptr<Agent> agent;
+  const v1::Node n = RegisteredWithExecutors({foreign.address(), ours.address()}, &agent);
   EXPECT_EQ(n.labels().size(), 1u) << n.DebugString();
   EXPECT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
 }
@@ -328,12 +334,9 @@ TEST_F(AgentTest, AHungExecutorDoesNotHoldUpHeartbeats) {
 TEST_F(AgentTest, AHungExecutorDoesNotStarveTheExecutorsAfterIt) {
   HungExecutor hung;
   FakeExecutor executor("node-a/cpu0", "127.0.0.1:0");
-  AgentOptions o = Options("node-a");
-  o.executors = {hung.address(), executor.address()};
-  auto agent = StartAgent(o, &state_);
+  std::unique_ptr<Agent> agent;
+  const v1::Node n = RegisteredWithExecutors({hung.address(), executor.address()}, &agent);
   ASSERT_TRUE(agent);
-  ASSERT_TRUE(Registered("node-a"));
-  const v1::Node n = planner_.Snapshot().nodes.at("node-a");
   EXPECT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
   agent->Shutdown();
 }
