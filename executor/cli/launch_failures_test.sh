@@ -1,11 +1,13 @@
 #!/bin/bash
 # hap-launch and hap-executor given what a careless user gives them: stray
 # arguments, no --plan, a closed standard output, paths too long for the
-# file system, a --profile that cannot be written or has too few steps; and
-# a rank's error names the rank. Each is refused before any rank starts,
-# naming what is wrong. Leftovers in /tmp and the cgroups that only look
-# like a gone launcher's are left alone. Real binaries; every process
-# started here is waited for (timeout(1) only guards against a hang).
+# file system, a --profile that cannot be written or has too few steps, a
+# --timeout out of range; and a rank's error names the rank. Each is
+# refused before any rank starts, naming what is wrong. Leftovers in /tmp
+# and the cgroups that only look like a gone launcher's are left alone.
+# Ranks that end together are all named, the one a signal killed first.
+# Real binaries (a fake executor for the last case); every process started
+# here is waited for (timeout(1) only guards against a hang).
 set -u
 HAPCTL="$1"
 LAUNCH="$2"
@@ -109,6 +111,60 @@ if [ ${#cgroups[@]} -gt 0 ]; then
   [ -d "${cgroups[1]}" ] || fail "${cgroups[1]}, not a launcher's name, was removed"
   for g in "${cgroups[@]}"; do rmdir "$g" 2> /dev/null; done
 fi
+
+# Two ranks that ended before hap-launch looked (a crash, and its peer
+# failing on the lost connection): it named the first in fork order, the
+# peer ("rank 0 exited with code 3"), not the rank killed by a signal. Made
+# certain here by stopping the launcher (SIGSTOP) while both end.
+cat > "$tmp/fake-executor" << 'FAKE'
+#!/bin/bash
+# A rank that records its pid, then exits 3 once FAKE_DIR/go-RANK exists.
+rank=""
+while [ $# -gt 0 ]; do
+  [ "$1" = --rank ] && rank="$2"
+  shift
+done
+echo $$ > "$FAKE_DIR/rank$rank.tmp" && mv "$FAKE_DIR/rank$rank.tmp" "$FAKE_DIR/rank$rank.pid"
+while [ ! -e "$FAKE_DIR/go-$rank" ]; do sleep 0.05; done
+exit 3
+FAKE
+chmod +x "$tmp/fake-executor"
+# wait_for CMD...: until CMD succeeds; fails after a minute without.
+wait_for() {
+  local i
+  for i in $(seq 1200); do
+    "$@" && return 0
+    sleep 0.05
+  done
+  return 1
+}
+is_zombie() { [ "$(awk '{print $3}' "/proc/$1/stat" 2> /dev/null)" = Z ]; }
+both_started() { [ -s "$1/rank0.pid" ] && [ -s "$1/rank1.pid" ]; }
+mkdir "$tmp/fake"
+FAKE_DIR="$tmp/fake" "$LAUNCH" --plan "$tmp/mlp.pb" --executor "$tmp/fake-executor" \
+  > "$tmp/together.out" 2>&1 &
+launcher=$!
+if wait_for both_started "$tmp/fake"; then
+  rank0="$(cat "$tmp/fake/rank0.pid")"
+  rank1="$(cat "$tmp/fake/rank1.pid")"
+  kill -STOP "$launcher"
+  kill -KILL "$rank1"
+  touch "$tmp/fake/go-0"
+  if wait_for is_zombie "$rank1" && wait_for is_zombie "$rank0"; then
+    kill -CONT "$launcher"
+  else
+    fail "the ranks ($rank0 $rank1) did not end"
+    kill -KILL "$launcher" "$rank0"  # the ranks die with the launcher
+  fi
+else
+  fail "the fake ranks did not start: $(cat "$tmp/together.out")"
+  kill -KILL "$launcher"
+fi
+wait "$launcher"
+rc=$?
+[ "$rc" = 1 ] || fail "two ranks ended: exit $rc, not 1: $(cat "$tmp/together.out")"
+grep -q "rank 1 was killed by SIGKILL" "$tmp/together.out" \
+  || fail "the rank killed by a signal is not named: $(cat "$tmp/together.out")"
 
 [ "$failures" = 0 ] || exit 1
 echo PASS

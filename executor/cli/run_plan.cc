@@ -931,6 +931,12 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
     // First: Ctrl-C reaches the ranks too (the terminal's process group);
     // one that died of it is not a failed rank.
     stop_by(signals.Pending());
+    // Every rank that has ended, then the failures among them: ranks that
+    // ended before hap-launch looked (a crash and a peer failing on the
+    // lost connection) are reaped in fork order, which named the peer.
+    // All are named, those killed by a signal first (a peer's failure is
+    // an exit code).
+    std::vector<std::pair<size_t, int>> failures;  // rank, wait status
     int status = 0;
     pid_t pid;
     while (left > 0 && (pid = waitpid(-1, &status, WNOHANG)) > 0) {
@@ -939,13 +945,18 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
       const size_t r = static_cast<size_t>(it - pids.begin());
       running[r] = false;
       --left;
-      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && !failed && stop_signal == 0 && !late) {
-        failed = 1;
-        WriteWhole(2, absl::StrCat("hap-launch: rank ", r, " ", DescribeExit(status),
-                                   "; stopping the others\n"));
-        stop_all();
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failures.emplace_back(r, status);
+    }
+    if (!failures.empty() && !failed && stop_signal == 0 && !late) {
+      failed = 1;
+      std::stable_partition(failures.begin(), failures.end(),
+                            [](const auto& f) { return WIFSIGNALED(f.second); });
+      std::string why;
+      for (const auto& [r, st] : failures) {
+        absl::StrAppend(&why, why.empty() ? "" : "; ", "rank ", r, " ", DescribeExit(st));
       }
+      WriteWhole(2, absl::StrCat("hap-launch: ", why, "; stopping the others\n"));
+      stop_all();
     }
     if (left == 0) break;
     if (!kill_at && absl::Now() >= deadline) {
