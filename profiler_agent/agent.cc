@@ -104,6 +104,12 @@ struct Agent::Impl : public ProfileSource {
   std::mutex wait_mu;
   std::condition_variable wait_cv;
   bool wait_stop = false;  // guarded by wait_mu
+  // The node registered again after the planner had lost it (unknown_node),
+  // and its links with it: the link thread measures them now, as after the
+  // first registration. Guarded by wait_mu.
+  bool links_lost = false;
+  // The latest heartbeat was answered unknown_node (the heartbeat thread's).
+  bool planner_lost_node = false;
 
   // One probe or link measurement at a time: they would disturb each other.
   absl::Mutex probe_mu;
@@ -178,12 +184,13 @@ struct Agent::Impl : public ProfileSource {
     return stopping;
   }
 
-  // Waits for `d` (infinite: until Shutdown) on the monotonic clock, or
-  // until Shutdown; false when stopping.
-  bool WaitFor(absl::Duration d) {
+  // Waits for `d` (infinite: until Shutdown) on the monotonic clock, until
+  // Shutdown, or until *wake (guarded by wait_mu) is set; false when
+  // stopping.
+  bool WaitFor(absl::Duration d, const bool* wake = nullptr) {
     const absl::Time end = MonotonicNow() + d;
     std::unique_lock<std::mutex> l(wait_mu);
-    for (absl::Duration left = d; !wait_stop && left > absl::ZeroDuration();
+    for (absl::Duration left = d; !wait_stop && !(wake && *wake) && left > absl::ZeroDuration();
          left = end - MonotonicNow()) {
       // A day at most per wait: steady_clock's time points overflow at
       // an infinite one.
@@ -478,7 +485,9 @@ struct Agent::Impl : public ProfileSource {
       planner_says_training = resp.training();
     }
     if (resp.unknown_node()) {
-      Log(absl::StrCat("the planner does not know node '", o.name, "'; registering again"));
+      Log(absl::StrCat("the planner does not know node '", o.name,
+                       "'; registering again, then measuring the links again"));
+      planner_lost_node = true;
     }
     if (resp.reprobe()) {
       Log("the planner asked for a new probe");
@@ -535,6 +544,12 @@ struct Agent::Impl : public ProfileSource {
         Log(absl::StrCat("registered node '", o.name, "' (", address, ") with the planner at ",
                          o.planner, "; heartbeat every ", absl::FormatDuration(*r)));
         backoff = o.initial_backoff;
+        if (planner_lost_node) {
+          planner_lost_node = false;
+          std::lock_guard<std::mutex> l(wait_mu);
+          links_lost = true;
+          wait_cv.notify_all();
+        }
         interval = heartbeat_interval = *r;
         next_heartbeat = MonotonicNow() + interval;
         planner_answered = false;
@@ -701,8 +716,10 @@ struct Agent::Impl : public ProfileSource {
         break;
       }
       if (first || !PausedForTraining("link re-probes")) MeasurePeers();
-      first = false;
-      if (!WaitFor(o.link_probe_interval)) break;
+      if (!WaitFor(o.link_probe_interval, &links_lost)) break;
+      std::lock_guard<std::mutex> l(wait_mu);
+      first = links_lost;  // measured as after the first registration
+      links_lost = false;
     }
   }
 

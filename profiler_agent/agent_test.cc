@@ -3,6 +3,7 @@
 // drift, peer link probes, tokens, shutdown.
 #include "profiler_agent/agent.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -600,6 +601,26 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
 // Each peer's links are reported on their own: a peer whose device the
 // planner refuses (node-c's here, as an unregistered one) loses its own
 // links only; before, one report held every peer's and all were lost.
+// A planner that lost the node (restarted without its database, or expired
+// it) lost its links too: registered again, the agent measures and reports
+// them at once, not a --link-probe-seconds (here an hour) later.
+TEST_F(AgentTest, LinksAreMeasuredAgainWhenThePlannerForgotTheNode) {
+  FakeProber::State state_b;
+  auto b = NodeBAssigned(&state_b, 1 << 20);
+  ASSERT_TRUE(b);
+  auto agent = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(agent);
+  auto from_a = [](const Record& r) {
+    return std::count_if(r.links.begin(), r.links.end(),
+                         [](const v1::Link& l) { return l.src() == "node-a/cpu0"; });
+  };
+  ASSERT_TRUE(planner_.WaitFor([&](const Record& r) { return from_a(r) >= 1; }));
+  const auto reported = from_a(planner_.Snapshot());
+  planner_.Forget("node-a");
+  ASSERT_TRUE(Registered("node-a", 2));
+  EXPECT_TRUE(planner_.WaitFor([&](const Record& r) { return from_a(r) >= 2 * reported; }));
+}
+
 TEST_F(AgentTest, APeerWhoseLinksThePlannerRefusesLosesOnlyItsOwn) {
   FakeProber::State state_b, state_c;
   auto c = StartAgent(Options("node-c"), &state_c);
