@@ -2,7 +2,9 @@
 // and benchmarks: make it, run commands in its nodes, remove it.
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -54,8 +56,11 @@ int main(int argc, char** argv) {
       command.assign(args.begin() + i + 1, args.end());
       break;
     }
-    if ((a == "--owner" || a == "--network") && i + 1 < args.size()) {
+    if (a == "--owner" || a == "--network") {
+      if (i + 1 == args.size()) return Fail(a + " needs a value", 2);
       if (a == "--network") {
+        // Elsewhere it was ignored: `down --network X` took down the set.
+        if (cmd != "up") return Fail("--network applies to up only", 2);
         network = args[++i];
       } else if (!absl::SimpleAtoi(args[++i], &options.owner) || options.owner <= 0) {
         return Fail("--owner must be a pid, got '" + args[i] + "'", 2);
@@ -109,15 +114,16 @@ int main(int argc, char** argv) {
     if (node != "sw" && (!absl::SimpleAtoi(node, &index) || index < 0)) {
       return Fail("exec: NODE must be a node number or 'sw', got '" + node + "'", 2);
     }
+    // The node's number as the testbed writes it ("01" is node 1).
     const std::string ns = std::string(options.prefix) + "-" + std::to_string(options.owner) +
-                           (node == "sw" ? "-sw" : "-n" + node);
+                           (node == "sw" ? "-sw" : "-n" + std::to_string(index));
     absl::Status s = hap::netns::EnterNamespace(ns, options.netns_dir);
     if (!s.ok()) return Fail(std::string(s.message()));
     std::vector<char*> cargs;
     for (std::string& c : command) cargs.push_back(c.data());
     cargs.push_back(nullptr);
     execvp(cargs[0], cargs.data());
-    return Fail("cannot run " + command[0], 127);
+    return Fail("cannot run " + command[0] + ": " + std::strerror(errno), 127);
   }
   return Fail("unknown command '" + cmd + "' (see --help)", 2);
 }

@@ -311,6 +311,26 @@ TEST(TestbedTest, OnlyTheTestbedsOwnNamesAreListedAndRemoved) {
   for (const std::string& ns : ours) EXPECT_THAT(r.commands, Contains("ip netns del " + ns));
 }
 
+// hap-netns's own argument errors (no root needed): a flag without its
+// value was "unexpected argument '--network'", --network given to another
+// command was ignored, and node 01 was looked up as namespace ...-n01.
+TEST(HapNetnsTest, ArgumentErrorsNameWhatIsWrong) {
+  const char* src = std::getenv("TEST_SRCDIR");
+  const char* ws = std::getenv("TEST_WORKSPACE");
+  ASSERT_TRUE(src && ws);
+  const std::string tool = absl::StrCat(src, "/", ws, "/executor/cli/hap-netns");
+  auto error = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), tool);
+    return std::string(RunCommand(args).status().message());
+  };
+  EXPECT_THAT(error({"up", "--network"}), HasSubstr("hap-netns: --network needs a value"));
+  EXPECT_THAT(error({"down", "--owner"}), HasSubstr("hap-netns: --owner needs a value"));
+  EXPECT_THAT(error({"down", "--owner", "999999", "--network", "nodes=2"}),
+              HasSubstr("hap-netns: --network applies to up only"));
+  EXPECT_THAT(error({"exec", "01", "--owner", "999999", "--", "true"}),
+              HasSubstr("cannot open network namespace /var/run/netns/hapnet-999999-n1:"));
+}
+
 // --- With root: real namespaces. Skips where they cannot be made. ---------
 
 // Makes a 2-node testbed or says why not.
