@@ -184,6 +184,17 @@ class AgentTest : public ::testing::Test {
     return b;
   }
 
+  // node-b started, registered and assigned to node-a (into *b), then node-a
+  // started (nullptr, failing the test, where either is not).
+  std::unique_ptr<Agent> NodeAWithPeerB(FakeProber::State* state_b, std::unique_ptr<Agent>* b) {
+    *b = NodeBAssigned(state_b, 1 << 20);
+    if (*b == nullptr) {
+      ADD_FAILURE() << "node-b did not start and register";
+      return nullptr;
+    }
+    return StartAgent(Options("node-a"), &state_);
+  }
+
   // node-a, checking for drift every 20 ms at 20%, with `executors`,
   // started and registered (nullptr, failing the test, where it is not).
   std::unique_ptr<Agent> DriftCheckingAgent(std::vector<std::string> executors = {}) {
@@ -585,9 +596,8 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
 
 TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   FakeProber::State state_b;
-  auto b = NodeBAssigned(&state_b, 1 << 20);
-  ASSERT_TRUE(b);
-  auto agent = StartAgent(Options("node-a"), &state_);
+  std::unique_ptr<Agent> b;
+  auto agent = NodeAWithPeerB(&state_b, &b);
   ASSERT_TRUE(agent);
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.links.empty(); }));
   v1::Link link = planner_.Snapshot().links[0];
@@ -598,17 +608,13 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   EXPECT_EQ(link.kind(), v1::LOOPBACK);
 }
 
-// Each peer's links are reported on their own: a peer whose device the
-// planner refuses (node-c's here, as an unregistered one) loses its own
-// links only; before, one report held every peer's and all were lost.
 // A planner that lost the node (restarted without its database, or expired
 // it) lost its links too: registered again, the agent measures and reports
 // them at once, not a --link-probe-seconds (here an hour) later.
 TEST_F(AgentTest, LinksAreMeasuredAgainWhenThePlannerForgotTheNode) {
   FakeProber::State state_b;
-  auto b = NodeBAssigned(&state_b, 1 << 20);
-  ASSERT_TRUE(b);
-  auto agent = StartAgent(Options("node-a"), &state_);
+  std::unique_ptr<Agent> b;
+  auto agent = NodeAWithPeerB(&state_b, &b);
   ASSERT_TRUE(agent);
   auto from_a = [](const Record& r) {
     return std::count_if(r.links.begin(), r.links.end(),
@@ -621,6 +627,9 @@ TEST_F(AgentTest, LinksAreMeasuredAgainWhenThePlannerForgotTheNode) {
   EXPECT_TRUE(planner_.WaitFor([&](const Record& r) { return from_a(r) >= 2 * reported; }));
 }
 
+// Each peer's links are reported on their own: a peer whose device the
+// planner refuses (node-c's here, as an unregistered one) loses its own
+// links only; before, one report held every peer's and all were lost.
 TEST_F(AgentTest, APeerWhoseLinksThePlannerRefusesLosesOnlyItsOwn) {
   FakeProber::State state_b, state_c;
   auto c = StartAgent(Options("node-c"), &state_c);
