@@ -231,8 +231,15 @@ struct Agent::Impl : public ProfileSource {
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
     const absl::Time start = MonotonicNow();
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
-    if (!node.ok()) {
-      absl::Status s = Annotate(node.status(), "probing this node");
+    // A measurement the planner refuses (a FLOP/s below its minimum or not
+    // a number) is a failed probe: sent, it failed every heartbeat that
+    // carried it (the node went STALE for good) or every registration.
+    std::set<std::string> ids;
+    absl::Status s = node.ok() ? Annotate(service::ValidateDevices(o.name, node->devices(), &ids),
+                                          "the probe measured what the planner refuses (not sent)")
+                               : node.status();
+    if (!s.ok()) {
+      s = Annotate(s, "probing this node");
       absl::MutexLock l(&mu);
       probe_error = s;
       return s;

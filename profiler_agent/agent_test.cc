@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -419,6 +420,29 @@ TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   EXPECT_EQ(Flops(r.nodes.at("node-a").devices(0)), 3e9);
   EXPECT_EQ(state_.probes.load(), 2);
   EXPECT_EQ(r.registrations, 1);
+}
+
+// A probe that measured what the planner refuses (a FLOP/s below its
+// minimum or not a number, from a device that hangs or a broken timing):
+// the heartbeats carried it, each one was refused, and the node went STALE
+// for good. The agent now keeps its last profile, serves it, says why, and
+// heartbeats on.
+TEST_F(AgentTest, AProbeThePlannerWouldRefuseKeepsTheLastProfile) {
+  auto agent = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  state_.flops = std::numeric_limits<double>::quiet_NaN();
+  planner_.RequestReprobe("node-a");
+  for (int i = 0; i < 6000 && state_.probes < 2; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(state_.probes.load(), 2);
+  const int before = planner_.Snapshot().heartbeats;
+  ASSERT_TRUE(planner_.WaitFor([&](const Record& r) { return r.heartbeats >= before + 5; }));
+  EXPECT_EQ(planner_.Snapshot().refused_heartbeats, 0);
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
+  auto profile = GetProfile(*stub);
+  ASSERT_THAT(profile, IsOk());
+  EXPECT_EQ(Flops(profile->node().devices(0)), 1e9);
 }
 
 TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {

@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
+#include "planner/service/core/profile_checks.h"
 
 namespace hap::agent::testing {
 namespace {
@@ -49,6 +50,11 @@ grpc::Status FakePlanner::RegisterNode(grpc::ServerContext* ctx, const v1::Regis
   if (r->node().name().empty() || r->node().devices().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a node needs a name and devices");
   }
+  std::set<std::string> ids;
+  if (absl::Status s = service::ValidateDevices(r->node().name(), r->node().devices(), &ids);
+      !s.ok()) {
+    return service::ToGrpc(s);
+  }
   // As the real planner (PlannerCore::RegisterNode): an executor label must
   // name a device of the node.
   for (const auto& [key, value] : r->node().labels()) {
@@ -74,8 +80,15 @@ grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::Heartbea
                                     v1::HeartbeatResponse* out) {
   if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
   absl::MutexLock l(&mu_);
-  ++record_.heartbeats;
   std::string name = NodeName(r->name());
+  std::set<std::string> ids;
+  if (!r->devices().empty()) {
+    if (absl::Status s = service::ValidateDevices(name, r->devices(), &ids); !s.ok()) {
+      ++record_.refused_heartbeats;
+      return service::ToGrpc(s);
+    }
+  }
+  ++record_.heartbeats;
   auto it = record_.nodes.find(name);
   if (it == record_.nodes.end()) {
     out->set_unknown_node(true);

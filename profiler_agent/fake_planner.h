@@ -1,6 +1,7 @@
 // A fake hap.v1.Planner for the agent's tests: the node calls only
 // (RegisterNode, Heartbeat, GetProbeAssignments, ReportLinks), recorded, with
 // knobs to forget a node, ask for a re-probe or refuse registrations.
+// Devices are checked as the real planner checks them (ValidateDevices).
 // Thread-safe. Tests only: the real planner is tested with the agent
 // end to end.
 #ifndef HAP_PROFILER_AGENT_FAKE_PLANNER_H_
@@ -59,6 +60,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
     int registrations = 0;          // accepted RegisterNode calls
     int refused_registrations = 0;  // UNAVAILABLE ones
     int heartbeats = 0;
+    int refused_heartbeats = 0;  // INVALID_ARGUMENT ones (devices the planner refuses)
     std::map<std::string, hap::v1::Node> nodes;  // by name, as last registered/updated
     std::vector<hap::v1::HeartbeatRequest> heartbeats_with_devices;
     std::vector<hap::v1::Link> links;
