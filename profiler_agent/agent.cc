@@ -590,12 +590,18 @@ struct Agent::Impl : public ProfileSource {
     }
   }
 
+  // `timeout`, or less where `deadline` (a caller's) comes first.
+  static absl::Duration Within(absl::Duration timeout, absl::Time deadline) {
+    return std::min(timeout, deadline - absl::Now());
+  }
+
   // The devices of a peer agent, from its profile.
-  absl::StatusOr<std::vector<std::string>> PeerDevices(const std::string& peer_address) {
+  absl::StatusOr<std::vector<std::string>> PeerDevices(const std::string& peer_address,
+                                                       absl::Time deadline) {
     HAP_ASSIGN_OR_RETURN(auto channel, hap::service::MakeChannel(peer_address, o.security));
     auto stub = v1::Agent::NewStub(channel);
     v1::ProbeResponse r;
-    Call call(this, o.rpc_timeout);
+    Call call(this, Within(o.rpc_timeout, deadline));
     HAP_RETURN_IF_ERROR(FromGrpc(stub->GetProfile(call.ctx(), v1::GetProfileRequest(), &r)));
     if (r.node().devices_size() > kMaxPeerDevices) {
       // The planner takes no more from a node; each would be a link of ours.
@@ -629,14 +635,15 @@ struct Agent::Impl : public ProfileSource {
   // probe). A failing peer is logged and skipped. Each peer's links are a
   // report of their own, so that one the planner refuses (a peer listing a
   // device the planner does not know) loses only its own. Returns the peer
-  // links.
-  std::vector<v1::Link> MeasurePeers() {
+  // links. The calls to the planner and the peers end by `deadline` (a Probe
+  // caller's): those peers not measured by then are not.
+  std::vector<v1::Link> MeasurePeers(absl::Time deadline = absl::InfiniteFuture()) {
     std::vector<v1::Link> links;
     v1::GetProbeAssignmentsRequest req;
     req.set_node(o.name);
     v1::GetProbeAssignmentsResponse assignments;
     {
-      Call call(this, o.rpc_timeout);
+      Call call(this, Within(o.rpc_timeout, deadline));
       absl::Status s = FromGrpc(Planner()->GetProbeAssignments(call.ctx(), req, &assignments));
       if (!s.ok()) {
         Log(absl::StrCat("getting probe assignments from ", o.planner, ": ", s.ToString()));
@@ -653,8 +660,8 @@ struct Agent::Impl : public ProfileSource {
       }
     }
     for (const v1::ProbeAssignment& a : assignments.assignments()) {
-      if (Stopping()) break;
-      auto peer_devices = PeerDevices(a.peer_address());
+      if (Stopping() || absl::Now() >= deadline) break;
+      auto peer_devices = PeerDevices(a.peer_address(), deadline);
       if (!peer_devices.ok()) {
         Log(absl::StrCat("link probe to ", a.peer_node(), " at ", a.peer_address(), ": ",
                          peer_devices.status().ToString()));
@@ -663,7 +670,7 @@ struct Agent::Impl : public ProfileSource {
       absl::StatusOr<LinkMeasurement> m;
       {
         absl::MutexLock probing(&probe_mu);
-        Call call(this, o.link.timeout);  // cancelled by Shutdown
+        Call call(this, Within(o.link.timeout, deadline));  // cancelled by Shutdown
         m = MeasureLink(a.peer_address(), a.bytes() > 0 ? a.bytes() : o.link.max_bytes, o.security,
                         o.link, call.ctx());
       }
@@ -736,7 +743,7 @@ struct Agent::Impl : public ProfileSource {
     HAP_RETURN_IF_ERROR(ProbeDevices(max_duration, deadline));
     HAP_ASSIGN_OR_RETURN(v1::ProbeResponse r, LastProfile());
     if (include_links) {
-      for (auto& l : MeasurePeers()) *r.add_links() = std::move(l);
+      for (auto& l : MeasurePeers(deadline)) *r.add_links() = std::move(l);
     }
     return r;
   }

@@ -686,6 +686,7 @@ class StuckPeer final : public v1::Agent::Service {
   }
   grpc::Status Echo(grpc::ServerContext* ctx,
                     grpc::ServerReaderWriter<v1::EchoChunk, v1::EchoChunk>*) override {
+    echo_given = absl::FromChrono(ctx->deadline()) - absl::Now();
     echo_started = true;
     for (int i = 0; i < 2000 && !ctx->IsCancelled(); ++i) absl::SleepFor(absl::Milliseconds(10));
     echo_cancelled = ctx->IsCancelled();
@@ -694,22 +695,29 @@ class StuckPeer final : public v1::Agent::Service {
   }
   const std::string& address() const { return address_; }
   std::atomic<bool> echo_started{false}, echo_cancelled{false}, echo_ended{false};
+  absl::Duration echo_given;  // the time the caller gave Echo (set before echo_started)
 
  private:
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 };
 
+// `peer` assigned to node-a on `planner`, and `o` (node-a's) giving a link
+// measurement an hour.
+void AssignStuckPeer(const StuckPeer& peer, FakePlanner* planner, AgentOptions* o) {
+  v1::ProbeAssignment a;
+  a.set_peer_node("stuck");
+  a.set_peer_address(peer.address());
+  planner->AssignProbe("node-a", a);
+  o->link.timeout = absl::Hours(1);
+}
+
 // Shutdown cancels a link measurement in flight, as it does the agent's
 // other calls, rather than waiting out its deadline (an hour here).
 TEST_F(AgentTest, ShutdownCancelsALinkProbeToAPeerThatDoesNotAnswer) {
   StuckPeer peer;
-  v1::ProbeAssignment a;
-  a.set_peer_node("stuck");
-  a.set_peer_address(peer.address());
-  planner_.AssignProbe("node-a", a);
   AgentOptions o = Options("node-a");
-  o.link.timeout = absl::Hours(1);
+  AssignStuckPeer(peer, &planner_, &o);
   auto agent = StartAgent(o, &state_);
   ASSERT_TRUE(agent);
   for (int i = 0; i < 2000 && !peer.echo_started; ++i) absl::SleepFor(absl::Milliseconds(10));
@@ -835,6 +843,32 @@ TEST_F(AgentTest, AFailingDeviceProbeIsRetriedAndItsErrorServed) {
   EXPECT_THAT(FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r)),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("no CUDA-capable device")));
   EXPECT_EQ(planner_.Snapshot().registrations, 0);
+}
+
+// A Probe call with include_links measures the peers within the caller's
+// deadline: before, it gave each peer the link timeout (an hour here), its
+// handler went on long after the caller left, and held the probe lock (the
+// planner's re-probes waited) until the peer answered.
+TEST_F(AgentTest, AProbeCallMeasuresThePeersWithinItsDeadline) {
+  StuckPeer peer;
+  AgentOptions o = Options("node-a");
+  AssignStuckPeer(peer, &planner_, &o);
+  o.link_probe_delay = absl::Hours(1);  // only the Probe call measures
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
+  grpc::ClientContext ctx;
+  hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(2));
+  v1::ProbeRequest req;
+  req.set_include_links(true);
+  v1::ProbeResponse r;
+  EXPECT_THAT(FromGrpc(stub->Probe(&ctx, req, &r)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
+  ASSERT_TRUE(peer.echo_started);
+  // The caller's 2 s as gRPC carries a deadline (rounded up), not the hour.
+  EXPECT_LT(peer.echo_given, absl::Minutes(1));
 }
 
 TEST(AgentTokenTest, SendsTheTokenToThePlannerAndRequiresItFromCallers) {
