@@ -20,6 +20,26 @@ std::string Named(const std::string& flag) {
   return absl::StrCat("--", flag, " (or ", hap::tools::Args::EnvName(flag), ")");
 }
 
+// OK for "HOST:PORT" ("[v6]:PORT" too) with a port from `min_port` to
+// 65535; else InvalidArgument naming the flag and the value. gRPC binds a
+// listen address without a port at 443 and one past 65535 at the port
+// modulo 65536, and either would be printed as if asked for.
+absl::Status CheckHostPort(const std::string& flag, const std::string& value, int min_port,
+                           const std::string& what) {
+  const size_t colon = value.rfind(':');
+  const bool digits = colon != std::string::npos && colon > 0 && colon + 1 < value.size() &&
+                      colon + 6 >= value.size() &&
+                      value.find_first_not_of("0123456789", colon + 1) == std::string::npos;
+  int port = -1;
+  if (!digits || !absl::SimpleAtoi(value.substr(colon + 1), &port)) port = -1;
+  if (port < min_port || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(Named(flag), " '", value,
+                                                   "' must be HOST:PORT with a port from ",
+                                                   min_port, " to 65535 (", what, ")"));
+  }
+  return absl::OkStatus();
+}
+
 std::string Hostname() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == 0) return "localhost";
@@ -94,7 +114,12 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
                      "other; the default is the hostname)"));
   }
   o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
+  HAP_RETURN_IF_ERROR(CheckHostPort("listen", o.listen, 0, "0: any free one"));
   o.advertise = a.GetOrEnv("advertise", "");
+  if (!o.advertise.empty()) {
+    HAP_RETURN_IF_ERROR(
+        CheckHostPort("advertise", o.advertise, 1, "the address the planner and peers dial"));
+  }
   HAP_ASSIGN_OR_RETURN(o.security.token, hap::service::ReadTokenFile(a.GetOrEnv("token-file", "")));
   o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
@@ -134,11 +159,7 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     if (!env.empty()) o.executors = absl::StrSplit(env, ',', absl::SkipEmpty());
   }
   for (const std::string& e : o.executors) {
-    const auto colon = e.rfind(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == e.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--executor ", e, ": expected HOST:PORT of an executor daemon"));
-    }
+    HAP_RETURN_IF_ERROR(CheckHostPort("executor", e, 1, "an executor daemon's address"));
   }
   return o;
 }

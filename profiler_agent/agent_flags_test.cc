@@ -77,7 +77,31 @@ TEST(AgentFlagsTest, Executors) {
   EXPECT_EQ(o->executors, (std::vector<std::string>{"127.0.0.1:7101", "h:7102"}));
   EXPECT_THAT(FromArgv({"--planner", "p:1", "--executor", "7101"}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--executor 7101: expected HOST:PORT")));
+                       HasSubstr("--executor (or HAP_EXECUTOR) '7101' must be HOST:PORT")));
+}
+
+// --listen, --advertise and --executor are HOST:PORT with a port in range:
+// gRPC bound "127.0.0.1" at port 443 and "127.0.0.1:99999" at 34463 (the
+// port modulo 65536), and the agent printed that as if asked for it; an
+// advertised port 0 or none is one no peer can dial.
+TEST(AgentFlagsTest, AddressesAreHostAndPortInRange) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"listen", "127.0.0.1"},    {"listen", "127.0.0.1:99999"}, {"listen", "127.0.0.1:-5"},
+      {"listen", ":7000"},        {"listen", "127.0.0.1:x"},     {"advertise", "node-a"},
+      {"advertise", "node-a:0"},  {"advertise", "node-a:70000"}, {"executor", "h:99999"},
+      {"executor", "127.0.0.1:0"}};
+  for (const auto& [flag, value] : bad) {
+    EXPECT_THAT(FromArgv({"--planner", "p:1", "--" + flag, value}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr("--" + flag), HasSubstr("'" + value + "'"),
+                                          HasSubstr("HOST:PORT"))))
+        << flag << " " << value;
+  }
+  auto o = FromArgv({"--planner", "p:1", "--listen", "[::1]:0", "--advertise", "[fe80::1]:7000",
+                     "--executor", "h:65535"});
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->listen, "[::1]:0");
+  EXPECT_EQ(o->advertise, "[fe80::1]:7000");
 }
 
 TEST(AgentFlagsTest, ReadsTheTokenFile) {
