@@ -59,6 +59,13 @@ std::string Advertised(const std::string& bound) {
   return absl::StrCat(host, bound.substr(colon));
 }
 
+// A planner's answer that refuses what a call carried (the devices of a
+// heartbeat), rather than one that may pass if the call is made again.
+bool RefusesTheDevices(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsAlreadyExists(s) ||
+         absl::IsFailedPrecondition(s) || absl::IsOutOfRange(s);
+}
+
 absl::Status Validate(const AgentOptions& o) {
   if (o.planner.empty()) {
     return absl::InvalidArgumentError("the planner address is required (--planner HOST:PORT)");
@@ -479,6 +486,15 @@ struct Agent::Impl : public ProfileSource {
     v1::HeartbeatResponse resp;
     Call call(this, o.rpc_timeout);
     absl::Status s = FromGrpc(Planner()->Heartbeat(call.ctx(), req, &resp));
+    if (!s.ok() && req.devices_size() > 0 && RefusesTheDevices(s)) {
+      // Sent again, they would fail every heartbeat until the node went
+      // STALE; the planner keeps the devices it has until the next probe.
+      Log(absl::StrCat("the planner at ", o.planner, " refused the devices of the last probe: ",
+                       s.ToString(), "; heartbeating without them"));
+      absl::MutexLock l(&mu);
+      sent_generation = generation;
+      return false;
+    }
     if (!s.ok()) {
       if (!Stopping()) {
         Log(absl::StrCat("heartbeat to the planner at ", o.planner, " failed: ", s.ToString()));

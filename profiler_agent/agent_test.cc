@@ -445,6 +445,24 @@ TEST_F(AgentTest, AProbeThePlannerWouldRefuseKeepsTheLastProfile) {
   EXPECT_EQ(Flops(profile->node().devices(0)), 1e9);
 }
 
+// The planner refuses the re-probed devices a heartbeat carries (the
+// cluster would pass its device bound, ...): every heartbeat carried them
+// again, each was refused, and the node went STALE for good. After one
+// refusal the agent heartbeats without them (the planner keeps the devices
+// it has) and logs why.
+TEST_F(AgentTest, HeartbeatsGoOnWhenThePlannerRefusesTheReprobedDevices) {
+  auto agent = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  planner_.RefuseHeartbeatDevices();
+  state_.flops = 2e9;
+  planner_.RequestReprobe("node-a");
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.refused_heartbeats >= 1; }));
+  const int before = planner_.Snapshot().heartbeats;
+  ASSERT_TRUE(planner_.WaitFor([&](const Record& r) { return r.heartbeats >= before + 5; }));
+  EXPECT_EQ(planner_.Snapshot().refused_heartbeats, 1);
+}
+
 TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {
   auto agent = DriftCheckingAgent();
   ASSERT_TRUE(agent);

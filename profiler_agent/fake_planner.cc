@@ -83,7 +83,11 @@ grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::Heartbea
   std::string name = NodeName(r->name());
   std::set<std::string> ids;
   if (!r->devices().empty()) {
-    if (absl::Status s = service::ValidateDevices(name, r->devices(), &ids); !s.ok()) {
+    absl::Status s = service::ValidateDevices(name, r->devices(), &ids);
+    if (s.ok() && refuse_heartbeat_devices_) {
+      s = absl::ResourceExhaustedError("the cluster would hold more than 65536 devices");
+    }
+    if (!s.ok()) {
       ++record_.refused_heartbeats;
       return service::ToGrpc(s);
     }
@@ -153,6 +157,11 @@ void FakePlanner::SetTraining(const std::string& node, bool training) {
 void FakePlanner::RefuseRegistrations(int n) {
   absl::MutexLock l(&mu_);
   refuse_ = n;
+}
+
+void FakePlanner::RefuseHeartbeatDevices() {
+  absl::MutexLock l(&mu_);
+  refuse_heartbeat_devices_ = true;
 }
 
 void FakePlanner::AssignProbe(const std::string& node, const v1::ProbeAssignment& a) {

@@ -50,6 +50,9 @@ class FakePlanner final : public hap::v1::Planner::Service {
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
   void SetTraining(const std::string& node, bool training);  // heartbeats: training
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
+  // Heartbeats that carry devices get RESOURCE_EXHAUSTED (as a cluster at
+  // its device bound answers), counted in refused_heartbeats.
+  void RefuseHeartbeatDevices();
   void AssignProbe(const std::string& node, const hap::v1::ProbeAssignment& a);
   // ReportLinks naming `device` is refused whole (NOT_FOUND), as the real
   // planner refuses a report naming a device no node registered.
@@ -82,6 +85,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   std::map<std::string, bool> training_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<hap::v1::ProbeAssignment>> assignments_ ABSL_GUARDED_BY(mu_);
   int refuse_ ABSL_GUARDED_BY(mu_) = 0;
+  bool refuse_heartbeat_devices_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> unknown_devices_ ABSL_GUARDED_BY(mu_);
 };
 
