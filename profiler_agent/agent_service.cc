@@ -1,6 +1,7 @@
 #include "profiler_agent/agent_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -64,10 +65,23 @@ grpc::Status AgentServiceImpl::Echo(
     auto turn = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(echo_mu_) {
       return echo_running_ < limits_.max_streams;
     };
-    const absl::Time deadline =
-        std::min(hap::service::CallDeadline(ctx), absl::Now() + limits_.max_stream_duration);
-    const bool got = echo_mu_.AwaitWithDeadline(absl::Condition(&turn), deadline);
+    // Until the turn, the call's deadline, max_stream_duration (at most a
+    // day), or the peer giving up: a stream whose peer left waited on for
+    // the whole time, and a burst of them kept every other peer refused.
+    // Kept on the monotonic clock, and the peer looked at every 100 ms (a
+    // synchronous handler is not told when its call is cancelled).
+    const auto give_up =
+        std::chrono::steady_clock::now() +
+        absl::ToChronoNanoseconds(std::min({hap::service::CallDeadline(ctx) - absl::Now(),
+                                            limits_.max_stream_duration, absl::Hours(24)}));
+    bool got = turn();
+    while (!got && !ctx->IsCancelled() && std::chrono::steady_clock::now() < give_up) {
+      got = echo_mu_.AwaitWithTimeout(absl::Condition(&turn), absl::Milliseconds(100));
+    }
     --echo_waiting_;
+    if (!got && ctx->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the peer left while waiting for a turn");
+    }
     if (!got) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                           absl::StrCat("no turn among ", limits_.max_streams,

@@ -237,6 +237,32 @@ TEST_F(LinkProbeTest, EchoStreamsBeyondTheLimitWaitTheirTurnOrAreRefused) {
 
 // A peer that stops reading keeps its turn no longer than
 // max_stream_duration: the stream is cancelled and the next peer is echoed.
+// A peer that gives up while its stream waits for a turn (its measurement's
+// deadline passed, or it was stopped) frees its place in the queue at once:
+// before, the stream waited on for its whole max_stream_duration, and a burst
+// of peers that had given up kept the agent refusing every other one.
+TEST_F(LinkProbeTest, AStreamWhosePeerGaveUpWhileWaitingLeavesTheQueue) {
+  EchoLimits limits;
+  limits.max_streams = 1;
+  limits.max_stream_duration = absl::Hours(1);
+  auto b = Serve("", limits);
+  ASSERT_TRUE(b);
+  RawEcho first(*b, absl::Hours(1));
+  ASSERT_TRUE(first.RoundTrip());
+  RawEcho second(*b, absl::Hours(1));
+  ASSERT_TRUE(second.stream->Write(v1::EchoChunk()));
+  for (int i = 0; i < 2000 && b->service().echo_streams_waiting() < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(b->service().echo_streams_waiting(), 1);
+  second.ctx.TryCancel();
+  for (int i = 0; i < 6000 && b->service().echo_streams_waiting() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(b->service().echo_streams_waiting(), 0);
+  EXPECT_THAT(first.Finish(), IsOk());
+}
+
 TEST_F(LinkProbeTest, AStreamWhosePeerStopsReadingIsCancelledAndFreesItsTurn) {
   EchoLimits limits;
   limits.max_streams = 1;
