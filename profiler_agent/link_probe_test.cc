@@ -58,6 +58,14 @@ struct RawEcho {
   std::unique_ptr<grpc::ClientReaderWriter<v1::EchoChunk, v1::EchoChunk>> stream;
 };
 
+// True once `n` echo streams of `server` wait for a turn (within 30 s).
+bool WaitingBecomes(AgentServer& server, int n) {
+  for (int i = 0; i < 6000 && server.service().echo_streams_waiting() != n; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return server.service().echo_streams_waiting() == n;
+}
+
 class LinkProbeTest : public ::testing::Test {
  protected:
   std::unique_ptr<AgentServer> Serve(const std::string& token = "", EchoLimits limits = {}) {
@@ -66,6 +74,13 @@ class LinkProbeTest : public ::testing::Test {
     auto server = AgentServer::Start("127.0.0.1:0", s, &source_, limits);
     EXPECT_THAT(server, IsOk());
     return server.ok() ? std::move(*server) : nullptr;
+  }
+  // Echoes one stream at a time, each for at most `max_stream_duration`.
+  std::unique_ptr<AgentServer> ServeOneStreamAtATime(absl::Duration max_stream_duration) {
+    EchoLimits limits;
+    limits.max_streams = 1;
+    limits.max_stream_duration = max_stream_duration;
+    return Serve("", limits);
   }
   StaticSource source_;
 };
@@ -220,10 +235,7 @@ TEST_F(LinkProbeTest, EchoStreamsBeyondTheLimitWaitTheirTurnOrAreRefused) {
   ASSERT_TRUE(first.RoundTrip());
   RawEcho second(*b);
   ASSERT_TRUE(second.stream->Write(v1::EchoChunk()));  // answered in its turn
-  for (int i = 0; i < 2000 && b->service().echo_streams_waiting() < 1; ++i) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(b->service().echo_streams_waiting(), 1);
+  ASSERT_TRUE(WaitingBecomes(*b, 1));
   RawEcho third(*b);
   EXPECT_FALSE(third.RoundTrip());
   EXPECT_THAT(third.Finish(),
@@ -235,39 +247,27 @@ TEST_F(LinkProbeTest, EchoStreamsBeyondTheLimitWaitTheirTurnOrAreRefused) {
   EXPECT_EQ(b->service().echo_streams_waiting(), 0);
 }
 
-// A peer that stops reading keeps its turn no longer than
-// max_stream_duration: the stream is cancelled and the next peer is echoed.
 // A peer that gives up while its stream waits for a turn (its measurement's
 // deadline passed, or it was stopped) frees its place in the queue at once:
 // before, the stream waited on for its whole max_stream_duration, and a burst
 // of peers that had given up kept the agent refusing every other one.
 TEST_F(LinkProbeTest, AStreamWhosePeerGaveUpWhileWaitingLeavesTheQueue) {
-  EchoLimits limits;
-  limits.max_streams = 1;
-  limits.max_stream_duration = absl::Hours(1);
-  auto b = Serve("", limits);
+  auto b = ServeOneStreamAtATime(absl::Hours(1));
   ASSERT_TRUE(b);
   RawEcho first(*b, absl::Hours(1));
   ASSERT_TRUE(first.RoundTrip());
   RawEcho second(*b, absl::Hours(1));
   ASSERT_TRUE(second.stream->Write(v1::EchoChunk()));
-  for (int i = 0; i < 2000 && b->service().echo_streams_waiting() < 1; ++i) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(b->service().echo_streams_waiting(), 1);
+  ASSERT_TRUE(WaitingBecomes(*b, 1));
   second.ctx.TryCancel();
-  for (int i = 0; i < 6000 && b->service().echo_streams_waiting() > 0; ++i) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_EQ(b->service().echo_streams_waiting(), 0);
+  EXPECT_TRUE(WaitingBecomes(*b, 0));
   EXPECT_THAT(first.Finish(), IsOk());
 }
 
+// A peer that stops reading keeps its turn no longer than
+// max_stream_duration: the stream is cancelled and the next peer is echoed.
 TEST_F(LinkProbeTest, AStreamWhosePeerStopsReadingIsCancelledAndFreesItsTurn) {
-  EchoLimits limits;
-  limits.max_streams = 1;
-  limits.max_stream_duration = absl::Milliseconds(300);
-  auto b = Serve("", limits);
+  auto b = ServeOneStreamAtATime(absl::Milliseconds(300));
   ASSERT_TRUE(b);
   RawEcho stalled(*b, absl::Seconds(40));
   v1::EchoChunk chunk, reply;
