@@ -14,6 +14,10 @@ namespace {
 
 namespace v1 = hap::v1;
 
+// How long a new connection may take to say what it is (a peer's handshake
+// takes milliseconds).
+constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
+
 std::string HostOf(const std::string& listen) {
   size_t colon = listen.rfind(':');
   return colon == std::string::npos ? listen : listen.substr(0, colon);
@@ -144,6 +148,11 @@ absl::StatusOr<std::unique_ptr<AgentServer>> AgentServer::Start(
   // server) given a port one serves on would bind it too, and the kernel
   // would split calls between them. A port in use fails the start instead.
   b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // A connection that sends nothing (no HTTP/2 preface, no TLS hello) is
+  // closed after this, not gRPC's 120 s: a few hundred such a minute held
+  // enough file descriptors to leave none for the planner's calls.
+  b.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                       static_cast<int>(absl::ToInt64Milliseconds(kHandshakeTimeout)));
   // Its requests are small but for Echo's chunks (their payload and a few
   // bytes of framing).
   b.SetMaxReceiveMessageSize(static_cast<int>(kMaxEchoChunkBytes) + 64);

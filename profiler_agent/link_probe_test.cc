@@ -2,6 +2,15 @@
 // Agent service's checks (token, arguments).
 #include "profiler_agent/link_probe.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_test_util.h"
 #include "common/status_matchers.h"
@@ -349,6 +358,57 @@ TEST_F(LinkProbeTest, APortAnotherAgentServesOnIsRefusedNamingIt) {
   auto second = AgentServer::Start(first->address(), Security(), &source_);
   EXPECT_THAT(second, StatusIs(absl::StatusCode::kUnavailable,
                                HasSubstr(absl::StrCat("cannot listen on '", first->address()))));
+}
+
+// A TCP connection to 127.0.0.1:`port` that sends nothing; closed (its
+// file descriptor too) when destroyed.
+class SilentConnection {
+ public:
+  explicit SilentConnection(int port) : fd_(socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = fd_ >= 0 && connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  }
+  ~SilentConnection() {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool connected() const { return connected_; }
+  // True once the server closed the connection, within `timeout` (what it
+  // sends before, its HTTP/2 settings, is read and dropped).
+  bool ClosedByThePeer(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    char b[4096];
+    while (absl::Now() < deadline) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 100) > 0 && read(fd_, b, sizeof(b)) <= 0) return true;
+    }
+    return false;
+  }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+};
+
+// Peers that connect and send nothing (a port scanner, a wedged client,
+// many at once) neither stop the agent serving nor keep their connections:
+// gRPC let each hold a file descriptor for its 120 s handshake timeout, so a
+// few hundred a minute used up a descriptor limit of 1,024 and the agent
+// could no longer reach its planner.
+TEST_F(LinkProbeTest, ConnectionsThatSendNothingAreClosedAndServingGoesOn) {
+  auto b = Serve();
+  ASSERT_TRUE(b);
+  std::vector<std::unique_ptr<SilentConnection>> silent;
+  for (int i = 0; i < 100; ++i) {
+    silent.push_back(std::make_unique<SilentConnection>(b->port()));
+    ASSERT_TRUE(silent.back()->connected());
+  }
+  RawEcho echo(*b);
+  EXPECT_TRUE(echo.RoundTrip());
+  EXPECT_THAT(echo.Finish(), IsOk());
+  EXPECT_TRUE(silent.front()->ClosedByThePeer(absl::Seconds(40)));
 }
 
 TEST(LinkKindTest, LoopbackOnTheSameHostNetworkOtherwise) {
