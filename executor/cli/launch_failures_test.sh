@@ -5,9 +5,11 @@
 # --timeout out of range; and a rank's error names the rank. Each is
 # refused before any rank starts, naming what is wrong. Leftovers in /tmp
 # and the cgroups that only look like a gone launcher's are left alone.
-# Ranks that end together are all named, the one a signal killed first.
-# Real binaries (a fake executor for the last case); every process started
-# here is waited for (timeout(1) only guards against a hang).
+# Ranks that end together are all named, the likely cause first, and a
+# rank that failed on its own is named also when a peer that lost its
+# connection to it ended first. Real binaries (a fake executor where the
+# order of ends must be made certain); every process started here is
+# waited for (timeout(1) only guards against a hang).
 set -u
 HAPCTL="$1"
 LAUNCH="$2"
@@ -112,21 +114,33 @@ if [ ${#cgroups[@]} -gt 0 ]; then
   for g in "${cgroups[@]}"; do rmdir "$g" 2> /dev/null; done
 fi
 
-# Two ranks that ended before hap-launch looked (a crash, and its peer
-# failing on the lost connection): it named the first in fork order, the
-# peer ("rank 0 exited with code 3"), not the rank killed by a signal. Made
-# certain here by stopping the launcher (SIGSTOP) while both end.
+# Ranks that end before hap-launch looks, made certain by stopping it
+# (SIGSTOP) while they end: they are reaped in fork order, and it named the
+# first only. A crash and its peer failing on the lost connection: it named
+# the peer ("rank 0 exited with code 3"), not the rank killed by a signal. A
+# rank that failed on its own (exit 3) and its peer that lost its
+# connection to it (exit 1, rankR.lost-peer in the rendezvous directory):
+# it named the peer.
 cat > "$tmp/fake-executor" << 'FAKE'
 #!/bin/bash
-# A rank that records its pid, then exits 3 once FAKE_DIR/go-RANK exists.
+# A rank that records its pid, then exits with the code in FAKE_DIR/go-RANK
+# (LOST: exit 1 as a real rank does whose peer's connection failed).
+[ -n "${FAKE_IGNORE_TERM:-}" ] && trap '' TERM
 rank=""
+rendezvous=""
 while [ $# -gt 0 ]; do
   [ "$1" = --rank ] && rank="$2"
+  [ "$1" = --rendezvous ] && rendezvous="$2"
   shift
 done
 echo $$ > "$FAKE_DIR/rank$rank.tmp" && mv "$FAKE_DIR/rank$rank.tmp" "$FAKE_DIR/rank$rank.pid"
 while [ ! -e "$FAKE_DIR/go-$rank" ]; do sleep 0.05; done
-exit 3
+code="$(cat "$FAKE_DIR/go-$rank")"
+if [ "$code" = LOST ]; then
+  echo "connection to a peer failed" > "$rendezvous/rank$rank.lost-peer"
+  exit 1
+fi
+exit "$code"
 FAKE
 chmod +x "$tmp/fake-executor"
 # wait_for CMD...: until CMD succeeds; fails after a minute without.
@@ -140,31 +154,95 @@ wait_for() {
 }
 is_zombie() { [ "$(awk '{print $3}' "/proc/$1/stat" 2> /dev/null)" = Z ]; }
 both_started() { [ -s "$1/rank0.pid" ] && [ -s "$1/rank1.pid" ]; }
-mkdir "$tmp/fake"
-FAKE_DIR="$tmp/fake" "$LAUNCH" --plan "$tmp/mlp.pb" --executor "$tmp/fake-executor" \
-  > "$tmp/together.out" 2>&1 &
-launcher=$!
-if wait_for both_started "$tmp/fake"; then
-  rank0="$(cat "$tmp/fake/rank0.pid")"
-  rank1="$(cat "$tmp/fake/rank1.pid")"
-  kill -STOP "$launcher"
-  kill -KILL "$rank1"
-  touch "$tmp/fake/go-0"
-  if wait_for is_zombie "$rank1" && wait_for is_zombie "$rank0"; then
-    kill -CONT "$launcher"
+# together NAME HOW0 HOW1 TEXT...: fake ranks 0 and 1 end while hap-launch
+# is stopped, each by exiting with the code HOW or (KILL) by SIGKILL; then
+# hap-launch exits 1 and says each TEXT.
+together() {
+  local name="$1" dir="$tmp/$1" launcher rc r text
+  local how=("$2" "$3")
+  shift 3
+  mkdir "$dir"
+  FAKE_DIR="$dir" "$LAUNCH" --plan "$tmp/mlp.pb" --executor "$tmp/fake-executor" \
+    > "$dir/out" 2>&1 &
+  launcher=$!
+  if wait_for both_started "$dir"; then
+    local pids=("$(cat "$dir/rank0.pid")" "$(cat "$dir/rank1.pid")")
+    kill -STOP "$launcher"
+    for r in 0 1; do
+      if [ "${how[r]}" = KILL ]; then
+        kill -KILL "${pids[r]}"
+      else
+        echo "${how[r]}" > "$dir/go.tmp" && mv "$dir/go.tmp" "$dir/go-$r"
+      fi
+    done
+    if wait_for is_zombie "${pids[0]}" && wait_for is_zombie "${pids[1]}"; then
+      kill -CONT "$launcher"
+    else
+      fail "$name: the ranks (${pids[*]}) did not end"
+      kill -KILL "$launcher" "${pids[@]}"
+    fi
   else
-    fail "the ranks ($rank0 $rank1) did not end"
-    kill -KILL "$launcher" "$rank0"  # the ranks die with the launcher
+    fail "$name: the fake ranks did not start: $(cat "$dir/out")"
+    kill -KILL "$launcher"
   fi
+  wait "$launcher"
+  rc=$?
+  [ "$rc" = 1 ] || fail "$name: exit $rc, not 1: $(cat "$dir/out")"
+  for text in "$@"; do
+    grep -qF "$text" "$dir/out" || fail "$name: no '$text' in: $(cat "$dir/out")"
+  done
+}
+together signal_first 3 KILL "hap-launch: rank 1 was killed by SIGKILL"
+together lost_peer LOST 3 "rank 0 lost its connection to a peer" \
+  "hap-launch: rank 1 exited with code 3"
+# A rank killed (SIGKILL, by the kernel's OOM killer say) that ends after
+# the peer that lost its connection to it: it was taken for hap-launch's
+# own doing, as the SIGKILL after the grace period is, and not named.
+mkdir "$tmp/killed_later"
+FAKE_DIR="$tmp/killed_later" FAKE_IGNORE_TERM=1 "$LAUNCH" --plan "$tmp/mlp.pb" \
+  --executor "$tmp/fake-executor" --grace-seconds 3600 > "$tmp/killed_later/out" 2>&1 &
+launcher=$!
+said_lost() { grep -q "rank 0 lost its connection to a peer" "$tmp/killed_later/out"; }
+if wait_for both_started "$tmp/killed_later"; then
+  rank1="$(cat "$tmp/killed_later/rank1.pid")"
+  echo LOST > "$tmp/killed_later/go.tmp" && mv "$tmp/killed_later/go.tmp" "$tmp/killed_later/go-0"
+  wait_for said_lost || fail "killed_later: rank 0's end not said: $(cat "$tmp/killed_later/out")"
+  kill -KILL "$rank1"
 else
-  fail "the fake ranks did not start: $(cat "$tmp/together.out")"
+  fail "killed_later: the fake ranks did not start: $(cat "$tmp/killed_later/out")"
   kill -KILL "$launcher"
 fi
 wait "$launcher"
 rc=$?
-[ "$rc" = 1 ] || fail "two ranks ended: exit $rc, not 1: $(cat "$tmp/together.out")"
-grep -q "rank 1 was killed by SIGKILL" "$tmp/together.out" \
-  || fail "the rank killed by a signal is not named: $(cat "$tmp/together.out")"
+[ "$rc" = 1 ] || fail "killed_later: exit $rc, not 1: $(cat "$tmp/killed_later/out")"
+grep -q "hap-launch: rank 1 was killed by SIGKILL" "$tmp/killed_later/out" \
+  || fail "killed_later: rank 1 not named: $(cat "$tmp/killed_later/out")"
+
+# A real rank whose peer dies says so in the rendezvous directory, where
+# hap-launch reads it (rank0.lost-peer); it exits 1 all the same.
+mkdir "$tmp/rv-lost"
+"$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp/rv-lost" --steps 1000000 \
+  > "$tmp/lost0.out" 2> "$tmp/lost0.err" &
+rank0=$!
+"$EXECUTOR" --plan "$tmp/mlp.pb" --rank 1 --world 2 --rendezvous "$tmp/rv-lost" --steps 1000000 \
+  > /dev/null 2>&1 &
+rank1=$!
+training() { grep -q "^step 1 loss" "$tmp/lost0.out"; }
+if wait_for training; then
+  kill -KILL "$rank1"
+else
+  fail "the ranks did not train: $(cat "$tmp/lost0.err")"
+  kill -KILL "$rank0" "$rank1"
+fi
+# (bash says "Killed" of rank 1 at the next wait: not this test's output)
+{
+  wait "$rank0"
+  rc=$?
+  wait "$rank1"
+} 2> /dev/null
+[ "$rc" = 1 ] || fail "a rank whose peer was killed: exit $rc, not 1: $(cat "$tmp/lost0.err")"
+[ -f "$tmp/rv-lost/rank0.lost-peer" ] || fail "a rank whose peer was killed did not say so"
+grep -q "connection to a peer failed" "$tmp/lost0.err" || fail "lost peer: $(cat "$tmp/lost0.err")"
 
 [ "$failures" = 0 ] || exit 1
 echo PASS

@@ -60,6 +60,13 @@ constexpr int64_t kCpuWeight = 262144;
 
 namespace v1 = ::hap::v1;
 
+// The file in the rendezvous directory by which rank R says that its
+// training failed because a peer's connection did: the peer failed first,
+// and hap-launch names that one (the rank exits 1 all the same).
+std::string LostPeerMarker(const std::string& rendezvous, int64_t rank) {
+  return absl::StrCat(rendezvous, "/rank", rank, ".lost-peer");
+}
+
 constexpr char kUsage[] =
     R"(usage: hap-executor --plan PLAN.pb --rank R --world N --rendezvous DIR
                     [--steps K] [--data synthetic|wikitext|npy:DIR|tokens:FILE]
@@ -243,6 +250,15 @@ bool ReserveStandardStreams() {
     }
   }
   return stdout_open;
+}
+
+// A rank's error on standard error: "error: MESSAGE (rank R)", one line in
+// one write (hap-launch's ranks share it), the rank named when known.
+void ReportError(const absl::Status& s, const tools::Args& a) {
+  auto rank = a.Integer("rank", 0, 0, std::numeric_limits<int>::max());
+  WriteWhole(
+      2, absl::StrCat("error: ", s.message(),
+                      a.Has("rank") && rank.ok() ? absl::StrCat(" (rank ", *rank, ")") : "", "\n"));
 }
 
 std::string DataDir(const tools::Args& a) {
@@ -614,13 +630,27 @@ absl::Status Run(const tools::Args& a) {
         // checkpoint is every stage's, committed over the world.
         pipelined ? world_comm.get() : nullptr);
   }
-  HAP_ASSIGN_OR_RETURN(
-      TrainResult r,
+  absl::StatusOr<TrainResult> trained =
       pipelined ? TrainRankWith(
-                      *runner,
-                      [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
+                      *runner, [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
                       *batches, to)
-                : TrainRank(*runner, *batches, to));
+                : TrainRank(*runner, *batches, to);
+  if (!trained.ok()) {
+    // The rank ends here, its connections still open: its peers fail on
+    // the lost connection only once it has ended, and hap-launch names it.
+    // Returning closed them first, and the peers often ended before this
+    // rank had torn down (Gloo's threads joined): hap-launch named a peer.
+    std::cout.flush();
+    ReportError(trained.status(), a);
+    // Unavailable in training: a collective whose connection to a peer
+    // failed (devices, stores and checkpoints to resume from are opened
+    // before the first step). Best effort: without it the rank is named.
+    if (absl::IsUnavailable(trained.status())) {
+      std::ofstream(LostPeerMarker(a.Get("rendezvous"), rank)) << trained.status().message();
+    }
+    _exit(1);
+  }
+  TrainResult& r = *trained;
   if (!profile.empty()) {
     std::vector<double> timed(r.step_seconds.begin() + kProfileWarmup, r.step_seconds.end());
     HAP_RETURN_IF_ERROR(WriteProfile(absl::StrCat(profile, ".rank", rank, ".json"), plan,
@@ -667,12 +697,7 @@ int RunPlanMain(const std::vector<std::string>& argv) {
     s = absl::DataLossError("cannot write to standard output (the losses and the final line)");
   }
   if (!s.ok()) {
-    // Named with the rank: hap-launch's ranks share one standard error.
-    auto rank = a->Integer("rank", 0, 0, std::numeric_limits<int>::max());
-    WriteWhole(
-        2,
-        absl::StrCat("error: ", s.message(),
-                     a->Has("rank") && rank.ok() ? absl::StrCat(" (rank ", *rank, ")") : "", "\n"));
+    ReportError(s, *a);
     return 1;
   }
   return 0;
@@ -897,13 +922,16 @@ struct LaunchResources {
 
 // Waits for the ranks (pids[r] is rank r; 0 for one never started). The
 // first that fails is named with its exit code or signal and the others are
-// told to stop (SIGTERM); a stop signal to hap-launch does the same. Ranks
-// still there `grace_seconds` later are killed. Returns hap-launch's exit
-// code: 128 + the signal when stopped by one, 124 when `deadline` passed
-// first, 1 when a rank failed, else 0.
-int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int stop_signal,
-                 double grace_seconds, absl::Time deadline = absl::InfiniteFuture(),
-                 double deadline_seconds = 0) {
+// told to stop (SIGTERM); a stop signal to hap-launch does the same. When
+// the first failures are ranks that lost their connection to a peer (exit
+// 1 with a LostPeerMarker in `rendezvous`), the rank that failed on its
+// own, ending after them, is named too. Ranks still there `grace_seconds`
+// later are killed. Returns hap-launch's exit code: 128 + the signal when
+// stopped by one, 124 when `deadline` passed first, 1 when a rank failed,
+// else 0.
+int WaitForRanks(const std::vector<pid_t>& pids, const std::string& rendezvous,
+                 LaunchSignals& signals, int stop_signal, double grace_seconds,
+                 absl::Time deadline = absl::InfiniteFuture(), double deadline_seconds = 0) {
   std::vector<bool> running(pids.size());
   size_t left = 0;
   for (size_t r = 0; r < pids.size(); ++r) {
@@ -911,6 +939,7 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
     left += running[r];
   }
   int failed = 0;
+  bool only_lost_peers = false;  // every failure so far lost its connection
   bool late = false;
   std::optional<absl::Time> kill_at;
   auto stop_all = [&]() {
@@ -947,15 +976,42 @@ int WaitForRanks(const std::vector<pid_t>& pids, LaunchSignals& signals, int sto
       --left;
       if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failures.emplace_back(r, status);
     }
-    if (!failures.empty() && !failed && stop_signal == 0 && !late) {
-      failed = 1;
-      std::stable_partition(failures.begin(), failures.end(),
-                            [](const auto& f) { return WIFSIGNALED(f.second); });
+    if (!failures.empty() && (!failed || only_lost_peers) && stop_signal == 0 && !late) {
+      auto lost_peer = [&](size_t r, int st) {
+        std::error_code ec;
+        return WIFEXITED(st) && WEXITSTATUS(st) == 1 &&
+               std::filesystem::exists(LostPeerMarker(rendezvous, static_cast<int64_t>(r)), ec);
+      };
+      // The likely cause first: a signal, then an exit code of its own.
+      std::stable_sort(failures.begin(), failures.end(), [&](const auto& x, const auto& y) {
+        auto order = [&](const auto& f) {
+          return WIFSIGNALED(f.second) ? 0 : lost_peer(f.first, f.second) ? 2 : 1;
+        };
+        return order(x) < order(y);
+      });
+      // What hap-launch's own SIGTERM, or its SIGKILL after the grace
+      // period (kill_at is then infinite), did. A SIGKILL before that is
+      // not its doing (the kernel's OOM killer, a user).
+      auto stopped = [&](int st) {
+        return kill_at && WIFSIGNALED(st) &&
+               (WTERMSIG(st) == SIGTERM ||
+                (WTERMSIG(st) == SIGKILL && *kill_at == absl::InfiniteFuture()));
+      };
       std::string why;
+      bool own_failure = false;
       for (const auto& [r, st] : failures) {
-        absl::StrAppend(&why, why.empty() ? "" : "; ", "rank ", r, " ", DescribeExit(st));
+        const bool lost = lost_peer(r, st);
+        if (failed && (lost || stopped(st))) continue;
+        own_failure = own_failure || !lost;
+        absl::StrAppend(&why, why.empty() ? "" : "; ", "rank ", r, " ",
+                        lost ? "lost its connection to a peer" : DescribeExit(st));
       }
-      WriteWhole(2, absl::StrCat("hap-launch: ", why, "; stopping the others\n"));
+      if (!why.empty()) {
+        WriteWhole(2,
+                   absl::StrCat("hap-launch: ", why, failed ? "" : "; stopping the others", "\n"));
+      }
+      only_lost_peers = (!failed || only_lost_peers) && !own_failure;
+      failed = 1;
       stop_all();
     }
     if (left == 0) break;
@@ -1291,13 +1347,14 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
     stop_signal = signals.Pending();
   }
   if (stop_signal == -1) {  // fork failed: the started ranks are stopped
-    WaitForRanks(pids, signals, SIGTERM, grace_seconds);
+    WaitForRanks(pids, made.rendezvous, signals, SIGTERM, grace_seconds);
     return 1;
   }
   if (stop_signal != 0) {
     std::cerr << "hap-launch: " << SignalName(stop_signal) << ": stopping the ranks\n";
   }
-  return WaitForRanks(pids, signals, stop_signal, grace_seconds, deadline, deadline_seconds);
+  return WaitForRanks(pids, made.rendezvous, signals, stop_signal, grace_seconds, deadline,
+                      deadline_seconds);
 }
 
 }  // namespace hap::executor
