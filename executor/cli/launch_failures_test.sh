@@ -56,6 +56,15 @@ expect_refused closed_stdout_launch 2 "error: standard output is closed" \
 expect_refused closed_stdout_executor 2 "error: standard output is closed" \
   "${closed_stdout[@]}" "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp" --timeout 2
 
+# Standard output that cannot be written (a full disk): the run trained on
+# to its last step and failed only then; now it stops at the first line
+# that did not go out.
+timeout 120 "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1000 > /dev/full 2> "$tmp/full.err"
+rc=$?
+[ "$rc" = 1 ] || fail "stdout on /dev/full: exit $rc, not 1: $(cat "$tmp/full.err")"
+grep -qF "error: cannot write to standard output (the losses and the final line); stopped after step 0" \
+  "$tmp/full.err" || fail "stdout on /dev/full: $(cat "$tmp/full.err")"
+
 # A rank's error names the rank (several ranks write to one stderr).
 expect_refused rank_named 1 "(rank 1)" \
   "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 1 --world 2 --rendezvous "$tmp" --data "npy:$tmp/plan"

@@ -630,6 +630,18 @@ absl::Status Run(const tools::Args& a) {
         // checkpoint is every stage's, committed over the world.
         pipelined ? world_comm.get() : nullptr);
   }
+  // A line of losses that did not go out (a full disk, a closed pipe) stops
+  // the run there: it trained on to its last step and failed only then.
+  to.after_step = [&rank, save = std::move(to.after_step)](ProgramRunner& runner,
+                                                           int64_t steps_done) -> absl::Status {
+    if (save) HAP_RETURN_IF_ERROR(save(runner, steps_done));
+    if (rank == 0 && !std::cout) {
+      return absl::DataLossError(absl::StrCat(
+          "cannot write to standard output (the losses and the final line); stopped after step ",
+          steps_done - 1));
+    }
+    return absl::OkStatus();
+  };
   absl::StatusOr<TrainResult> trained =
       pipelined ? TrainRankWith(
                       *runner, [&](const Batch& b, int64_t step) { return pipe->RunStep(b, step); },
