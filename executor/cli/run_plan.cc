@@ -105,7 +105,10 @@ language model. Step k's global batch is samples k*B..k*B+B-1 (mod the
 number of samples), or with --shuffle SEED a seeded permutation per epoch:
 the same whatever the plan or world size.
 --steps N trains until global step N (default 10): a resumed run does the
-steps that remain.
+steps that remain. --timeout (0.001 to 1e7 seconds, default 60) bounds each
+wait for a peer.
+Standard output takes rank 0's losses and final line: closed, the run is
+refused; a line that cannot be written stops the run at that step.
 --checkpoint-dir DIR saves a checkpoint every --checkpoint-every steps (0,
 the default: only at the end) and after the last step into
 DIR/step-NNNNNNNN/, keeping the newest --checkpoint-keep (default 3). Every
@@ -136,7 +139,9 @@ which hap-launch sets for each rank. The executor is --executor, else the
 hap-executor next to hap-launch.
 A rank that fails is named with its exit code or signal and the others are
 stopped (SIGTERM, then SIGKILL after --grace-seconds: default 5,
-0.1-3600): exit 1.
+0.1-3600): exit 1. A rank that failed because its connection to a peer did
+is named as having lost it, and the rank that failed on its own is named
+when it ends.
 SIGINT, SIGTERM or SIGHUP to hap-launch stop the ranks the same way: exit
 128 + the signal. A closed standard error (`hap-launch ... 2>&1 | head`)
 does not kill hap-launch: it still stops the ranks and removes what it
