@@ -233,6 +233,9 @@ struct Agent::Impl : public ProfileSource {
       return absl::DeadlineExceededError(
           "the call's deadline passed while another probe ran; nothing was probed");
     }
+    // Probes that waited for the lock when Shutdown came: each ran a full
+    // probe after the other, delaying the exit by their sum.
+    if (Stopping()) return absl::UnavailableError("the agent is shutting down; nothing was probed");
     drift_checks_in_a_row = 0;  // a new baseline
     ProbeOptions opts = o.probe;
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
@@ -293,6 +296,7 @@ struct Agent::Impl : public ProfileSource {
     }
     if (baseline.empty()) return false;
     absl::MutexLock probing(&probe_mu);
+    if (Stopping()) return false;  // as ProbeDevices
     auto quick = QuickFlopsLocked();
     if (!quick.ok()) {
       Log(absl::StrCat("quick FLOP/s check failed: ", quick.status().ToString()));

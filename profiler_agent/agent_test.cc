@@ -730,16 +730,28 @@ void AssignStuckPeer(const StuckPeer& peer, FakePlanner* planner, AgentOptions* 
   o->link.timeout = absl::Hours(1);
 }
 
+// `agent` once its link thread measures `peer` (which never answers: the
+// measurement holds the probe lock until Shutdown); nullptr, failing the
+// test, when it does not start.
+std::unique_ptr<Agent> WhileMeasuring(StuckPeer& peer, std::unique_ptr<Agent> agent) {
+  for (int i = 0; agent && i < 2000 && !peer.echo_started; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  if (!peer.echo_started) {
+    ADD_FAILURE() << "the agent did not start measuring the stuck peer";
+    return nullptr;
+  }
+  return agent;
+}
+
 // Shutdown cancels a link measurement in flight, as it does the agent's
 // other calls, rather than waiting out its deadline (an hour here).
 TEST_F(AgentTest, ShutdownCancelsALinkProbeToAPeerThatDoesNotAnswer) {
   StuckPeer peer;
   AgentOptions o = Options("node-a");
   AssignStuckPeer(peer, &planner_, &o);
-  auto agent = StartAgent(o, &state_);
+  auto agent = WhileMeasuring(peer, StartAgent(o, &state_));
   ASSERT_TRUE(agent);
-  for (int i = 0; i < 2000 && !peer.echo_started; ++i) absl::SleepFor(absl::Milliseconds(10));
-  ASSERT_TRUE(peer.echo_started);
   agent->Shutdown();
   for (int i = 0; i < 3000 && !peer.echo_ended; ++i) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_TRUE(peer.echo_cancelled);
@@ -861,6 +873,31 @@ TEST_F(AgentTest, AFailingDeviceProbeIsRetriedAndItsErrorServed) {
   EXPECT_THAT(FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r)),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("no CUDA-capable device")));
   EXPECT_EQ(planner_.Snapshot().registrations, 0);
+}
+
+// Probes that waited for the probe lock when SIGTERM came (a planner's
+// re-probe, a Probe call) probe nothing: each ran a full probe after the
+// other, delaying the exit by their sum. Here a link measurement to a peer
+// that never answers holds the lock until Shutdown cancels it.
+TEST_F(AgentTest, ProbesWaitingWhenShutdownComesProbeNothing) {
+  StuckPeer peer;
+  AgentOptions o = Options("node-a");
+  AssignStuckPeer(peer, &planner_, &o);
+  auto agent = WhileMeasuring(peer, StartAgent(o, &state_));
+  ASSERT_TRUE(agent);  // its link thread holds the probe lock
+  planner_.RequestReprobe("node-a");
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
+  std::thread caller([&] {
+    grpc::ClientContext ctx;
+    v1::ProbeResponse r;
+    EXPECT_FALSE(stub->Probe(&ctx, v1::ProbeRequest(), &r).ok());
+  });
+  const int before = planner_.Snapshot().heartbeats;  // the re-probe is asked for and queued
+  ASSERT_TRUE(planner_.WaitFor([&](const Record& r) { return r.heartbeats >= before + 5; }));
+  agent->Shutdown();
+  caller.join();
+  EXPECT_EQ(state_.probes.load(), 1);  // the one at start
 }
 
 // A Probe call with include_links measures the peers within the caller's
