@@ -65,6 +65,15 @@ rc=$?
 grep -qF "error: cannot write to standard output (the losses and the final line); stopped after step 0" \
   "$tmp/full.err" || fail "stdout on /dev/full: $(cat "$tmp/full.err")"
 
+# A plan that is not a regular file: a FIFO blocked hap-launch for good
+# (open waits for a writer), and a pipe (--plan <(...)) was drained by
+# hap-launch, leaving every rank "plan '/dev/fd/63' is empty".
+mkfifo "$tmp/plan-fifo"
+expect_refused fifo_plan 1 "plan '$tmp/plan-fifo' is not a regular file" \
+  "$LAUNCH" --plan "$tmp/plan-fifo" --steps 1
+expect_refused pipe_plan 1 "is not a regular file (a pipe or a device" \
+  "$LAUNCH" --plan <(cat "$tmp/mlp.pb") --steps 1
+
 # A rank's error names the rank (several ranks write to one stderr).
 expect_refused rank_named 1 "(rank 1)" \
   "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 1 --world 2 --rendezvous "$tmp" --data "npy:$tmp/plan"

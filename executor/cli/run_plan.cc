@@ -199,6 +199,18 @@ const std::set<std::string> kValueFlags = {"plan",
                                            "grace-seconds"};
 
 absl::StatusOr<v1::Plan> ReadPlan(const std::string& path) {
+  // Every rank reads the plan itself: a FIFO blocked the open for good, and
+  // a pipe (--plan <(...)) was drained by hap-launch, leaving the ranks an
+  // empty plan. A directory is named as such by ReadInputFile.
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st) &&
+      !std::filesystem::is_directory(st)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan '", path,
+                     "' is not a regular file (a pipe or a device: every rank reads the plan "
+                     "itself; save it to a file)"));
+  }
   // An empty file parses as a plan of nothing (hap-launch ran no rank).
   HAP_ASSIGN_OR_RETURN(std::string bytes, tools::ReadInputFile(path, "plan "));
   v1::Plan plan;
