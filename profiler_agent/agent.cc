@@ -578,7 +578,9 @@ struct Agent::Impl : public ProfileSource {
           wait_cv.notify_all();
         }
         interval = heartbeat_interval = *r;
-        next_heartbeat = MonotonicNow() + interval;
+        // With drift checks on, the first heartbeat goes at once: they wait
+        // for its answer (whether the node trains).
+        next_heartbeat = MonotonicNow() + (o.drift > 0 ? absl::ZeroDuration() : interval);
         planner_answered = false;
         continue;
       }
@@ -605,7 +607,8 @@ struct Agent::Impl : public ProfileSource {
           }
         }
       }
-      absl::Time next = check_drift ? std::min(next_heartbeat, next_drift) : next_heartbeat;
+      const absl::Time next =
+          o.drift > 0 && planner_answered ? std::min(next_heartbeat, next_drift) : next_heartbeat;
       if (!WaitFor(std::max(next - MonotonicNow(), absl::ZeroDuration()))) break;
     }
   }
