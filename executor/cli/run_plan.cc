@@ -336,6 +336,16 @@ absl::Status CheckWritableDir(const std::string& flag, const std::string& dir) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " ", dir, ": cannot write in '",
                                                    p.string(), "': ", std::strerror(errno)));
   }
+  // access() answers root from the permission bits: a file system that
+  // refuses it all the same (proc, an NFS export that squashes root)
+  // passed, and the first save failed. A directory made and removed again
+  // is the answer.
+  std::string probe = (p / ".hap-write-check-XXXXXX").string();
+  if (mkdtemp(probe.data()) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", dir, ": cannot make a directory in '",
+                                                   p.string(), "': ", std::strerror(errno)));
+  }
+  rmdir(probe.c_str());
   return absl::OkStatus();
 }
 
