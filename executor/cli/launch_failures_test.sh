@@ -97,6 +97,8 @@ expect_refused long_path 2 "the files of a checkpoint in it would pass the syste
 if [ "$(id -u)" = 0 ] && [ -d /proc/self ]; then
   expect_refused refusing_fs 2 "--checkpoint-dir /proc/hap-ck: cannot make a directory in '/proc'" \
     "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --checkpoint-dir /proc/hap-ck
+  expect_refused refusing_fs_profile 2 "--profile /proc/hap-prof: cannot make a directory in '/proc'" \
+    "$LAUNCH" --plan "$tmp/mlp.pb" --steps 3 --profile /proc/hap-prof
 fi
 # A --profile prefix too long for its files' names: they failed after the
 # last step.

@@ -284,6 +284,28 @@ std::string DataDir(const tools::Args& a) {
   return "../shared/data";
 }
 
+// OK when this process can make entries in the existing directory `dir`;
+// otherwise InvalidArgument starting "FLAG VALUE: " and saying why.
+absl::Status CheckCanMakeIn(const std::string& flag, const std::string& value,
+                            const std::filesystem::path& dir) {
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", value, ": cannot write in '",
+                                                   dir.string(), "': ", std::strerror(errno)));
+  }
+  // access() answers root from the permission bits: a file system that
+  // refuses it all the same (proc, an NFS export that squashes root)
+  // passed, and the first write failed. A directory made and removed again
+  // is the answer.
+  std::string probe = (dir / ".hap-write-check-XXXXXX").string();
+  if (mkdtemp(probe.data()) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", value,
+                                                   ": cannot make a directory in '", dir.string(),
+                                                   "': ", std::strerror(errno)));
+  }
+  rmdir(probe.c_str());
+  return absl::OkStatus();
+}
+
 // OK when files named PREFIX + `longest_suffix` (and shorter) can be made:
 // PREFIX's directory (the working directory for a bare name) exists, this
 // process may write in it and its file system takes a name that long.
@@ -298,10 +320,7 @@ absl::Status CheckWritablePrefix(const std::string& flag, const std::string& pre
     return absl::InvalidArgumentError(
         absl::StrCat(flag, " ", prefix, ": the directory '", dir, "' does not exist"));
   }
-  if (access(dir.c_str(), W_OK | X_OK) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, " ", prefix, ": cannot write in '", dir, "': ", std::strerror(errno)));
-  }
+  HAP_RETURN_IF_ERROR(CheckCanMakeIn(flag, prefix, dir));
   // A name too long failed the write after the last step.
   const std::string longest = std::filesystem::path(prefix).filename().string() + longest_suffix;
   const long name_max = pathconf(dir.c_str(), _PC_NAME_MAX);
@@ -332,21 +351,7 @@ absl::Status CheckWritableDir(const std::string& flag, const std::string& dir) {
     return absl::InvalidArgumentError(
         absl::StrCat(flag, " ", dir, ": '", p.string(), "' is not a directory"));
   }
-  if (access(p.c_str(), W_OK | X_OK) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, " ", dir, ": cannot write in '",
-                                                   p.string(), "': ", std::strerror(errno)));
-  }
-  // access() answers root from the permission bits: a file system that
-  // refuses it all the same (proc, an NFS export that squashes root)
-  // passed, and the first save failed. A directory made and removed again
-  // is the answer.
-  std::string probe = (p / ".hap-write-check-XXXXXX").string();
-  if (mkdtemp(probe.data()) == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, " ", dir, ": cannot make a directory in '",
-                                                   p.string(), "': ", std::strerror(errno)));
-  }
-  rmdir(probe.c_str());
-  return absl::OkStatus();
+  return CheckCanMakeIn(flag, dir, p);
 }
 
 // The --profile file (hapctl calibrate reads it; planner/calibrate).
