@@ -1,15 +1,13 @@
 #!/bin/bash
-# hap-launch and hap-executor given what a careless user gives them: stray
-# arguments, no --plan, a closed standard output, paths too long for the
-# file system, a --profile that cannot be written or has too few steps, a
-# --timeout out of range; and a rank's error names the rank. Each is
-# refused before any rank starts, naming what is wrong. Leftovers in /tmp
-# and the cgroups that only look like a gone launcher's are left alone.
-# Ranks that end together are all named, the likely cause first, and a
-# rank that failed on its own is named also when a peer that lost its
-# connection to it ended first. Real binaries (a fake executor where the
-# order of ends must be made certain); every process started here is
-# waited for (timeout(1) only guards against a hang).
+# hap-launch and hap-executor given what a careless or hostile user gives
+# them: stray words, no --plan, a closed or full standard output, a plan
+# that is a pipe, paths the file system cannot take, a --profile or a
+# --timeout that cannot work, leftovers that only look like a gone
+# launcher's, and ranks that end together or in an unlucky order. Each case
+# says what went wrong before; it is now refused before any rank starts,
+# naming what is wrong, or named as it is. Real binaries (a fake executor
+# where the order of ends must be made certain); every process started here
+# is waited for (timeout(1) only guards against a hang).
 set -u
 HAPCTL="$1"
 LAUNCH="$2"
@@ -54,7 +52,8 @@ expect_refused no_plan 2 "error: --plan is required" "$LAUNCH" --steps 1
 expect_refused closed_stdout_launch 2 "error: standard output is closed" \
   "${closed_stdout[@]}" "$LAUNCH" --plan "$tmp/mlp.pb" --steps 2
 expect_refused closed_stdout_executor 2 "error: standard output is closed" \
-  "${closed_stdout[@]}" "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp" --timeout 2
+  "${closed_stdout[@]}" "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 \
+  --rendezvous "$tmp" --timeout 2
 
 # Standard output that cannot be written (a full disk): the run trained on
 # to its last step and failed only then; now it stops at the first line
@@ -62,8 +61,9 @@ expect_refused closed_stdout_executor 2 "error: standard output is closed" \
 timeout 120 "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1000 > /dev/full 2> "$tmp/full.err"
 rc=$?
 [ "$rc" = 1 ] || fail "stdout on /dev/full: exit $rc, not 1: $(cat "$tmp/full.err")"
-grep -qF "error: cannot write to standard output (the losses and the final line); stopped after step 0" \
-  "$tmp/full.err" || fail "stdout on /dev/full: $(cat "$tmp/full.err")"
+full_text="error: cannot write to standard output (the losses and the final line)"
+grep -qF "$full_text; stopped after step 0" "$tmp/full.err" \
+  || fail "stdout on /dev/full: $(cat "$tmp/full.err")"
 
 # A plan that is not a regular file: a FIFO blocked hap-launch for good
 # (open waits for a writer), and a pipe (--plan <(...)) was drained by
@@ -95,9 +95,10 @@ expect_refused long_path 2 "the files of a checkpoint in it would pass the syste
 # allow (proc here; an NFS export that squashes root): it passed the start
 # check, and the first save failed.
 if [ "$(id -u)" = 0 ] && [ -d /proc/self ]; then
-  expect_refused refusing_fs 2 "--checkpoint-dir /proc/hap-ck: cannot make a directory in '/proc'" \
+  in_proc="cannot make a directory in '/proc'"
+  expect_refused refusing_fs 2 "--checkpoint-dir /proc/hap-ck: $in_proc" \
     "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --checkpoint-dir /proc/hap-ck
-  expect_refused refusing_fs_profile 2 "--profile /proc/hap-prof: cannot make a directory in '/proc'" \
+  expect_refused refusing_fs_profile 2 "--profile /proc/hap-prof: $in_proc" \
     "$LAUNCH" --plan "$tmp/mlp.pb" --steps 3 --profile /proc/hap-prof
 fi
 # A --profile prefix too long for its files' names: they failed after the
@@ -111,9 +112,10 @@ expect_refused profile_steps 2 "error: --profile needs more than 2 --steps" \
 # A --timeout that Gloo cannot hold: 1e300 s became 2^63 ms, which
 # overflows where Gloo adds it to the clock, and every wait timed out at
 # once ("Timed out waiting 9223372036854775807ms"); 1e-9 s became 0 ms.
-expect_refused huge_timeout 2 "error: --timeout must be seconds from 0.001 to 10000000, got '1e300'" \
+timeout_range="error: --timeout must be seconds from 0.001 to 10000000"
+expect_refused huge_timeout 2 "$timeout_range, got '1e300'" \
   "$LAUNCH" --plan "$tmp/mlp.pb" --steps 1 --timeout 1e300
-expect_refused tiny_timeout 1 "error: --timeout must be seconds from 0.001 to 10000000, got '1e-9'" \
+expect_refused tiny_timeout 1 "$timeout_range, got '1e-9'" \
   "$EXECUTOR" --plan "$tmp/mlp.pb" --rank 0 --world 2 --rendezvous "$tmp" --timeout 1e-9
 
 # Leftovers of a launcher that is gone are removed by name: only the names
