@@ -117,6 +117,9 @@ struct Agent::Impl : public ProfileSource {
   bool links_lost = false;
   // The latest heartbeat was answered unknown_node (the heartbeat thread's).
   bool planner_lost_node = false;
+  // A re-probe the planner asked for, run once the node registered again
+  // (the heartbeat thread's).
+  bool probe_after_register = false;
 
   // One probe or link measurement at a time: they would disturb each other.
   absl::Mutex probe_mu;
@@ -516,7 +519,18 @@ struct Agent::Impl : public ProfileSource {
                        "'; registering again, then measuring the links again"));
       planner_lost_node = true;
     }
-    if (resp.reprobe()) {
+    if (resp.reprobe() && o.heartbeat_interval == absl::ZeroDuration() && !resp.unknown_node()) {
+      // The node was STALE: the planner may have restarted with a shorter
+      // heartbeat interval than the one the node registered with (its
+      // database kept, so no unknown_node), and every heartbeat at the old
+      // one would find the node STALE again and ask for another probe.
+      // Registering again takes its interval; the probe follows.
+      Log("the planner asked for a new probe; registering again first (for its heartbeat "
+          "interval)");
+      probe_after_register = true;
+      absl::MutexLock l(&mu);
+      registered = false;
+    } else if (resp.reprobe()) {
       Log("the planner asked for a new probe");
       absl::MutexLock l(&mu);
       probe_wanted = true;
@@ -571,6 +585,11 @@ struct Agent::Impl : public ProfileSource {
         Log(absl::StrCat("registered node '", o.name, "' (", address, ") with the planner at ",
                          o.planner, "; heartbeat every ", absl::FormatDuration(*r)));
         backoff = o.initial_backoff;
+        if (probe_after_register) {
+          probe_after_register = false;
+          absl::MutexLock l(&mu);
+          probe_wanted = true;
+        }
         if (planner_lost_node) {
           planner_lost_node = false;
           std::lock_guard<std::mutex> l(wait_mu);

@@ -65,6 +65,25 @@ class FakeProber : public DeviceProber {
 
 double Flops(const v1::Device& d) { return d.flops(0).flops(); }
 
+// An agent measuring one FakeProber over `state`.
+absl::StatusOr<std::unique_ptr<Agent>> StartWithFakeProber(AgentOptions o,
+                                                           FakeProber::State* state) {
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::make_unique<FakeProber>(state));
+  return Agent::Start(std::move(o), std::move(probers));
+}
+
+// node-a's options against `planner`: no drift checks, links measured once
+// an hour.
+AgentOptions NodeAOf(const FakePlanner& planner) {
+  AgentOptions o;
+  o.planner = planner.address();
+  o.name = "node-a";
+  o.drift = 0;
+  o.link_probe_interval = absl::Hours(1);
+  return o;
+}
+
 // A client of `agent`'s Agent service (nullptr, failing the test, when
 // there is no channel).
 std::unique_ptr<v1::Agent::Stub> AgentStub(const Agent& agent) {
@@ -162,9 +181,7 @@ class AgentTest : public ::testing::Test {
   }
 
   std::unique_ptr<Agent> StartAgent(AgentOptions o, FakeProber::State* state) {
-    std::vector<std::unique_ptr<DeviceProber>> probers;
-    probers.push_back(std::make_unique<FakeProber>(state));
-    auto agent = Agent::Start(std::move(o), std::move(probers));
+    auto agent = StartWithFakeProber(std::move(o), state);
     EXPECT_THAT(agent, IsOk());
     return agent.ok() ? std::move(*agent) : nullptr;
   }
@@ -404,6 +421,25 @@ TEST_F(AgentTest, ReRegistersUnderTheSameNameAfterUnknownNode) {
   EXPECT_TRUE(planner_.WaitFor([&](const Record& x) { return x.heartbeats >= before + 3; }));
 }
 
+// A planner restarted with a shorter --heartbeat-seconds, its database kept
+// (the node stays known, so no unknown_node): the agent heartbeated at the
+// interval of its registration, the node went STALE between heartbeats, and
+// each heartbeat brought it back with a request to probe again (a full probe
+// every interval, beside whatever trained). A heartbeat answered reprobe
+// now also registers the node again, which takes the planner's interval.
+TEST(AgentHeartbeatTest, ANodeAskedToProbeAgainTakesThePlannersCurrentInterval) {
+  FakePlanner planner(absl::Seconds(2));
+  FakeProber::State state;
+  auto agent = StartWithFakeProber(NodeAOf(planner), &state);
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.registrations >= 1; }));
+  planner.SetHeartbeatInterval(absl::Milliseconds(20));
+  planner.RequestReprobe("node-a");
+  ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.registrations >= 2; }));
+  const int before = planner.Snapshot().heartbeats;
+  EXPECT_TRUE(planner.WaitFor([&](const Record& r) { return r.heartbeats >= before + 20; }));
+}
+
 TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);
@@ -419,7 +455,7 @@ TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   EXPECT_EQ(Flops(hb.devices(0)), 3e9);
   EXPECT_EQ(Flops(r.nodes.at("node-a").devices(0)), 3e9);
   EXPECT_EQ(state_.probes.load(), 2);
-  EXPECT_EQ(r.registrations, 1);
+  EXPECT_EQ(r.registrations, 2);  // again before the probe, for the planner's interval
 }
 
 // A probe that measured what the planner refuses (a FLOP/s below its
@@ -525,15 +561,10 @@ TEST(AgentTrainingTest, NoDriftCheckBeforeThePlannerSaidWhetherTheNodeTrains) {
   FakePlanner planner(absl::Milliseconds(300));
   planner.SetTraining("node-a", true);
   FakeProber::State state;
-  AgentOptions o;
-  o.planner = planner.address();
-  o.name = "node-a";
+  AgentOptions o = NodeAOf(planner);
   o.drift = 0.2;
   o.drift_check_interval = absl::Milliseconds(10);
-  o.link_probe_interval = absl::Hours(1);
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FakeProber>(&state));
-  auto agent = Agent::Start(o, std::move(probers));
+  auto agent = StartWithFakeProber(o, &state);
   ASSERT_THAT(agent, IsOk());
   state.flops = 0.5e9;  // every check drifts
   ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.heartbeats >= 3; }));

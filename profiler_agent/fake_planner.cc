@@ -29,7 +29,7 @@ std::unique_ptr<grpc::Server> ServeForTest(grpc::Service* service, const std::st
 
 FakePlanner::FakePlanner(absl::Duration heartbeat_interval, std::string token,
                          const std::string& listen)
-    : heartbeat_interval_(heartbeat_interval), token_(std::move(token)) {
+    : token_(std::move(token)), heartbeat_interval_(heartbeat_interval) {
   server_ = ServeForTest(this, listen, &address_);
 }
 
@@ -142,6 +142,11 @@ void FakePlanner::RefuseLinksNaming(const std::string& device) {
 void FakePlanner::Forget(const std::string& node) {
   absl::MutexLock l(&mu_);
   record_.nodes.erase(node);
+}
+
+void FakePlanner::SetHeartbeatInterval(absl::Duration d) {
+  absl::MutexLock l(&mu_);
+  heartbeat_interval_ = d;
 }
 
 void FakePlanner::RequestReprobe(const std::string& node) {

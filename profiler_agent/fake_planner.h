@@ -48,6 +48,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   // Knobs.
   void Forget(const std::string& node);          // next heartbeat: unknown_node
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
+  void SetHeartbeatInterval(absl::Duration d);   // what registrations answer from now
   void SetTraining(const std::string& node, bool training);  // heartbeats: training
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   // Heartbeats that carry devices get RESOURCE_EXHAUSTED (as a cluster at
@@ -74,7 +75,6 @@ class FakePlanner final : public hap::v1::Planner::Service {
   Record Snapshot();
 
  private:
-  const absl::Duration heartbeat_interval_;
   const std::string token_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
@@ -85,6 +85,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   std::map<std::string, bool> training_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<hap::v1::ProbeAssignment>> assignments_ ABSL_GUARDED_BY(mu_);
   int refuse_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_);
   bool refuse_heartbeat_devices_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> unknown_devices_ ABSL_GUARDED_BY(mu_);
 };
