@@ -131,8 +131,17 @@ absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::st
   if (std::filesystem::is_directory(path, ec)) {
     return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is a directory"));
   }
+  errno = 0;
   std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot open ", what, "'", path, "'"));
+  if (!f) {
+    // The system's reason: a missing file, a name too long, no permission.
+    const int err = errno;
+    const std::string why = absl::StrCat("cannot open ", what, "'", path,
+                                         "': ", err != 0 ? std::strerror(err) : "unknown error");
+    if (err == ENOENT) return absl::NotFoundError(why);
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(why);
+    return absl::InvalidArgumentError(why);
+  }
   std::stringstream ss;
   ss << f.rdbuf();
   if (f.bad()) return absl::DataLossError(absl::StrCat("cannot read ", what, "'", path, "'"));

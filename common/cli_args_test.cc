@@ -45,5 +45,15 @@ TEST(WriteOutputFileTest, AnUnopenableFileIsAnErrorNamingIt) {
                        HasSubstr("cannot write --out '")));
 }
 
+// An input that cannot be opened says why (it said only "cannot open").
+TEST(ReadInputFileTest, AnUnopenableFileSaysWhy) {
+  EXPECT_THAT(
+      ReadInputFile(TempPath("absent.pb"), "plan "),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("cannot open plan '" + TempPath("absent.pb") +
+                                                      "': No such file or directory")));
+  EXPECT_THAT(ReadInputFile(TempPath(std::string(300, 'x')), "plan "),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("File name too long")));
+}
+
 }  // namespace
 }  // namespace hap::tools

@@ -637,6 +637,15 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
 absl::StatusOr<std::string> FindCheckpoint(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) {
+    // Said as it is: a file, a name too long, a directory not searchable.
+    if (fs::exists(path, ec)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is not a checkpoint directory: it is a file"));
+    }
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot read the checkpoint directory ", path, ": ", ec.message()));
+    }
     return absl::NotFoundError(absl::StrCat("no checkpoint directory ", path));
   }
   // A committed checkpoint itself, else the newest committed one in it

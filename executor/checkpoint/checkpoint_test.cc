@@ -368,6 +368,14 @@ TEST(CheckpointTest, FindCheckpointResolvesLinksAndIgnoresTheDirectorysOwnName) 
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("incomplete")));
   EXPECT_THAT(FindCheckpoint(dir + "/empty").status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("no complete checkpoint")));
+  // Not a directory: said as it is, not "no checkpoint directory".
+  std::ofstream(dir + "/a-file") << "x";
+  EXPECT_THAT(FindCheckpoint(dir + "/a-file").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("it is a file")));
+  EXPECT_THAT(FindCheckpoint(dir + "/" + std::string(300, 'x')).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("File name too long")));
+  EXPECT_THAT(FindCheckpoint(dir + "/absent").status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no checkpoint directory")));
 }
 
 // A directory that cannot be listed is said so, not "no checkpoint" (the
