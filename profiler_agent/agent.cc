@@ -242,6 +242,7 @@ struct Agent::Impl : public ProfileSource {
     drift_checks_in_a_row = 0;  // a new baseline
     ProbeOptions opts = o.probe;
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
+    opts.stop = [this] { return Stopping(); };  // Shutdown ends a probe at its next run
     const absl::Time start = MonotonicNow();
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
     // A measurement the planner refuses (a FLOP/s below its minimum or not

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -65,12 +66,18 @@ class FakeProber : public DeviceProber {
 
 double Flops(const v1::Device& d) { return d.flops(0).flops(); }
 
+// An agent measuring `prober` alone.
+absl::StatusOr<std::unique_ptr<Agent>> StartOn(AgentOptions o,
+                                               std::unique_ptr<DeviceProber> prober) {
+  std::vector<std::unique_ptr<DeviceProber>> probers;
+  probers.push_back(std::move(prober));
+  return Agent::Start(std::move(o), std::move(probers));
+}
+
 // An agent measuring one FakeProber over `state`.
 absl::StatusOr<std::unique_ptr<Agent>> StartWithFakeProber(AgentOptions o,
                                                            FakeProber::State* state) {
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FakeProber>(state));
-  return Agent::Start(std::move(o), std::move(probers));
+  return StartOn(std::move(o), std::make_unique<FakeProber>(state));
 }
 
 // node-a's options against `planner`: no drift checks, links measured once
@@ -635,9 +642,7 @@ class HeldProber : public FakeProber {
 // run after their callers left.
 TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   HeldProber::Hold hold;
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<HeldProber>(&state_, &hold));
-  auto agent = Agent::Start(Options("node-a"), std::move(probers));
+  auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
   ASSERT_THAT(agent, IsOk());
   ASSERT_TRUE(Registered("node-a"));
   ASSERT_EQ(state_.probes.load(), 1);
@@ -834,9 +839,7 @@ class FakeGpuPairProber : public DeviceProber {
 };
 
 TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FakeGpuPairProber>(false));
-  auto agent = Agent::Start(Options("node-g"), std::move(probers));
+  auto agent = StartOn(Options("node-g"), std::make_unique<FakeGpuPairProber>(false));
   ASSERT_THAT(agent, IsOk());
   // Reported right after registering, with no peer assigned.
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.links.size() >= 2; }));
@@ -856,9 +859,7 @@ TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
 }
 
 TEST_F(AgentTest, AFailingLocalLinkProbeLeavesTheDevicesRegistered) {
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FakeGpuPairProber>(true));
-  auto agent = Agent::Start(Options("node-g"), std::move(probers));
+  auto agent = StartOn(Options("node-g"), std::make_unique<FakeGpuPairProber>(true));
   ASSERT_THAT(agent, IsOk());
   ASSERT_TRUE(Registered("node-g"));
   EXPECT_EQ(planner_.Snapshot().nodes.at("node-g").devices_size(), 2);
@@ -887,9 +888,7 @@ class FailingProber : public DeviceProber {
 // told why there is none, not that its first probe has not finished.
 TEST_F(AgentTest, AFailingDeviceProbeIsRetriedAndItsErrorServed) {
   std::atomic<int> attempts{0};
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FailingProber>(&attempts));
-  auto agent = Agent::Start(Options("node-f"), std::move(probers));
+  auto agent = StartOn(Options("node-f"), std::make_unique<FailingProber>(&attempts));
   ASSERT_THAT(agent, IsOk());
   for (int i = 0; i < 6000 && attempts < 3; ++i) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_GE(attempts.load(), 3);
@@ -931,6 +930,43 @@ TEST_F(AgentTest, ProbesWaitingWhenShutdownComesProbeNothing) {
   EXPECT_EQ(state_.probes.load(), 1);  // the one at start
 }
 
+// A FakeProber whose probes after the first run until told to stop (a
+// long probe: many GPUs, a large --probe-seconds, a throttled CPU).
+class UntilStoppedProber : public FakeProber {
+ public:
+  struct Seen {
+    std::atomic<bool> probing{false}, stopped{false};
+  };
+  UntilStoppedProber(State* s, Seen* seen) : FakeProber(s), seen_(seen) {}
+  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
+                                                const ProbeOptions& o) override {
+    if (probes_++ == 0) return FakeProber::Probe(node, o);
+    seen_->probing = true;
+    for (int i = 0; i < 3000 && !o.stop(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    seen_->stopped = o.stop();
+    HAP_RETURN_IF_ERROR(CheckNotStopped(o, "the next run"));
+    return FakeProber::Probe(node, o);
+  }
+
+ private:
+  Seen* seen_;
+  int probes_ = 0;
+};
+
+// Shutdown (SIGTERM) while a probe runs ends the probe at its next run
+// rather than waiting for all of it.
+TEST_F(AgentTest, ShutdownStopsAProbeThatRuns) {
+  UntilStoppedProber::Seen seen;
+  auto agent = StartOn(Options("node-a"), std::make_unique<UntilStoppedProber>(&state_, &seen));
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(Registered("node-a"));
+  planner_.RequestReprobe("node-a");
+  for (int i = 0; i < 3000 && !seen.probing; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(seen.probing);
+  (*agent)->Shutdown();
+  EXPECT_TRUE(seen.stopped);
+}
+
 // A Probe call with include_links measures the peers within the caller's
 // deadline: before, it gave each peer the link timeout (an hour here), its
 // handler went on long after the caller left, and held the probe lock (the
@@ -965,9 +1001,7 @@ TEST(AgentTokenTest, SendsTheTokenToThePlannerAndRequiresItFromCallers) {
   o.name = "node-t";
   o.drift = 0;
   o.security.token = "tok";
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FakeProber>(&state));
-  auto agent = Agent::Start(o, std::move(probers));
+  auto agent = StartOn(o, std::make_unique<FakeProber>(&state));
   ASSERT_THAT(agent, IsOk());
   ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.heartbeats >= 2; }));
 
@@ -1016,9 +1050,7 @@ TEST(AgentStartTest, ShutdownIsPromptWhileRetryingAnUnreachablePlanner) {
   o.planner = "127.0.0.1:1";
   o.name = "lonely";
   o.max_backoff = absl::Seconds(30);
-  std::vector<std::unique_ptr<DeviceProber>> probers;
-  probers.push_back(std::make_unique<FakeProber>(&state));
-  auto agent = Agent::Start(o, std::move(probers));
+  auto agent = StartOn(o, std::make_unique<FakeProber>(&state));
   ASSERT_THAT(agent, IsOk());
   auto t0 = std::chrono::steady_clock::now();
   (*agent)->Shutdown(absl::Seconds(1));

@@ -71,6 +71,7 @@ absl::StatusOr<double> ClimbSizes(const ProbeOptions& options, const std::vector
   auto seconds_since = [&](absl::Time t0) { return absl::ToDoubleSeconds(options.now() - t0); };
   auto flop_of = [](int n) { return 2.0 * n * n * n; };
   auto timed_rate = [&](int n) -> absl::StatusOr<double> {
+    HAP_RETURN_IF_ERROR(CheckNotStopped(options, absl::StrCat("a ", n, "x", n, " product")));
     const absl::Time t0 = options.now();
     HAP_RETURN_IF_ERROR(product(n));
     return flop_of(n) / std::max(seconds_since(t0), 1e-9);

@@ -51,6 +51,7 @@ class GpuProber : public DeviceProber {
                                                 const ProbeOptions& options) override {
     std::vector<v1::Device> devices;
     for (int ordinal = 0; ordinal < count_; ++ordinal) {
+      HAP_RETURN_IF_ERROR(CheckNotStopped(options, absl::StrCat("GPU ", ordinal)));
       auto d = ProbeOne(node, ordinal, options);
       if (!d.ok()) return Annotate(d.status(), absl::StrCat("GPU ", ordinal));
       devices.push_back(*std::move(d));
@@ -85,6 +86,8 @@ class GpuProber : public DeviceProber {
     for (int src = 0; src < count_; ++src) {
       for (int dst = 0; dst < count_; ++dst) {
         if (src == dst) continue;
+        HAP_RETURN_IF_ERROR(
+            CheckNotStopped(options, absl::StrCat("peer copy GPU ", src, " -> GPU ", dst)));
         gpu::PeerMeasurement m;
         HAP_RETURN_IF_ERROR(Check(gpu::MeasurePeer(src, dst, peer, &m),
                                   absl::StrCat("peer copy GPU ", src, " -> GPU ", dst)));

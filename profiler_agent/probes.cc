@@ -132,6 +132,12 @@ std::optional<double> ReadCpuQuota(const SystemFiles& files) {
   return cpus;
 }
 
+absl::Status CheckNotStopped(const ProbeOptions& options, const std::string& what) {
+  if (!options.stop || !options.stop()) return absl::OkStatus();
+  return absl::CancelledError(
+      absl::StrCat("the probe was stopped (the agent shuts down) before ", what));
+}
+
 absl::StatusOr<hap::v1::Node> ProbeNode(const std::string& name, const std::string& address,
                                         absl::Span<DeviceProber* const> probers,
                                         const ProbeOptions& options) {

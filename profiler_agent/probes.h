@@ -47,7 +47,15 @@ struct ProbeOptions {
   // monotonic by default (an absl::Time only as a point to subtract from).
   // Tests inject a fake one that steps at every reading.
   std::function<absl::Time()> now = MonotonicNow;
+  // True once the probe is to stop (the agent shuts down): a probe asks it
+  // before each timed run (each GPU, each GPU pair) and, when it says so,
+  // ends with Cancelled instead of finishing. Default: never.
+  std::function<bool()> stop = [] { return false; };
 };
+
+// Cancelled, naming `what` was stopped, once options.stop() says so; OK
+// otherwise.
+absl::Status CheckNotStopped(const ProbeOptions& options, const std::string& what);
 
 // The host files the CPU probe reads (/proc, /sys/fs/cgroup). Injected so
 // tests can present any cgroup layout. Implementations are thread-safe.

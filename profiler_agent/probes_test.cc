@@ -92,6 +92,23 @@ TEST(MatmulTest, HonoursTheDurationBound) {
   EXPECT_LT(seconds, 5.0);
 }
 
+// A probe told to stop (the agent shuts down) ends before its next timed
+// run: with --probe-seconds 60 on a CPU throttled by its cgroup, SIGTERM
+// waited for the whole probe.
+TEST(MatmulTest, AStoppedProbeEndsBeforeItsNextRun) {
+  ProbeOptions o;
+  o.matmul_sizes = {64, 128};
+  o.repeats = 1000;
+  o.max_duration = absl::Hours(1);
+  int asked = 0;
+  o.stop = [&asked] { return ++asked > 3; };
+  EXPECT_THAT(MeasureMatmulFlops(1, o),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("the probe was stopped")));
+  EXPECT_EQ(asked, 4);
+  EXPECT_THAT(MeasureBf16MatmulFlops(1, o),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("the probe was stopped")));
+}
+
 TEST(MatmulTest, WarmUpRunCountsWhenNothingElseFits) {
   ProbeOptions o;
   o.matmul_sizes = {256};
