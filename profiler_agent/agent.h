@@ -2,10 +2,12 @@
 // hap.v1.Agent, probes the local devices at start and on request, registers
 // with the planner (retrying with backoff while it is unreachable), then
 // heartbeats. A heartbeat answered unknown_node registers again under the
-// same name; one answered reprobe, or a drifted quick FLOP/s check, probes
-// again and sends the devices with the next heartbeat. Every so often it
-// asks the planner which peers to measure, measures those links and reports
-// them. Errors are logged to stderr with their context; nothing aborts.
+// same name and measures the links again; one answered reprobe registers
+// again (for the planner's current interval) and probes again, as a drifted
+// quick FLOP/s check does, sending the devices with the next heartbeat.
+// Every so often it asks the planner which peers to measure, measures those
+// links and reports them. Its schedule keeps to the monotonic clock. Errors
+// are logged to stderr with their context; nothing aborts.
 #ifndef HAP_PROFILER_AGENT_AGENT_H_
 #define HAP_PROFILER_AGENT_AGENT_H_
 
