@@ -124,6 +124,19 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");
+  // Checked here, naming the flag (exit 2): at start they stopped the agent
+  // with exit 1, naming no flag.
+  if (o.security.tls_cert_file.empty() != o.security.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(Named("tls-cert-file"), " and ",
+                                                   Named("tls-key-file"),
+                                                   ": TLS needs both a certificate and a key"));
+  }
+  for (const auto& [flag, path] : {std::pair{"tls-ca-file", o.security.tls_ca_file},
+                                   std::pair{"tls-cert-file", o.security.tls_cert_file},
+                                   std::pair{"tls-key-file", o.security.tls_key_file}}) {
+    if (path.empty()) continue;
+    HAP_RETURN_IF_ERROR(Annotate(hap::tools::ReadInputFile(path).status(), Named(flag)));
+  }
   {
     std::string devices = a.GetOrEnv("devices", "auto");
     auto selection = ParseDeviceSelection(devices);

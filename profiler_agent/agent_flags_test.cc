@@ -114,6 +114,23 @@ TEST(AgentFlagsTest, ReadsTheTokenFile) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("token file")));
 }
 
+// TLS files that cannot serve (a certificate without its key, a file that
+// is not there) are flag errors naming the flag (exit 2): they stopped the
+// agent only at start (exit 1), naming neither flag.
+TEST(AgentFlagsTest, TlsFilesThatCannotServeAreFlagErrors) {
+  const std::string missing = std::string(std::getenv("TEST_TMPDIR")) + "/missing.pem";
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--tls-cert-file", missing}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::AllOf(HasSubstr("--tls-cert-file"), HasSubstr("--tls-key-file"),
+                                        HasSubstr("both a certificate and a key"))));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--tls-cert-file", missing, "--tls-key-file", missing}),
+              StatusIs(absl::StatusCode::kNotFound,
+                       ::testing::AllOf(HasSubstr("--tls-cert-file"), HasSubstr(missing))));
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--tls-ca-file", missing}),
+              StatusIs(absl::StatusCode::kNotFound,
+                       ::testing::AllOf(HasSubstr("--tls-ca-file"), HasSubstr(missing))));
+}
+
 TEST(AgentFlagsTest, ErrorsNameTheFlag) {
   EXPECT_THAT(FromArgv({}), StatusIs(absl::StatusCode::kInvalidArgument,
                                      HasSubstr("--planner HOST:PORT (or HAP_PLANNER)")));
