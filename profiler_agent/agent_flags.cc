@@ -120,7 +120,11 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     HAP_RETURN_IF_ERROR(
         CheckHostPort("advertise", o.advertise, 1, "the address the planner and peers dial"));
   }
-  HAP_ASSIGN_OR_RETURN(o.security.token, hap::service::ReadTokenFile(a.GetOrEnv("token-file", "")));
+  {
+    auto token = hap::service::ReadTokenFile(a.GetOrEnv("token-file", ""));
+    if (!token.ok()) return Annotate(token.status(), Named("token-file"));
+    o.security.token = *std::move(token);
+  }
   o.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file", "");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file", "");

@@ -111,7 +111,13 @@ TEST(AgentFlagsTest, ReadsTheTokenFile) {
   ASSERT_THAT(o, IsOk());
   EXPECT_EQ(o->security.token, "s3cret");
   EXPECT_THAT(FromArgv({"--planner", "p:1", "--token-file", path + ".missing"}),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("token file")));
+              StatusIs(absl::StatusCode::kNotFound,
+                       ::testing::AllOf(HasSubstr("--token-file (or HAP_TOKEN_FILE)"),
+                                        HasSubstr(path + ".missing"))));
+  // A directory, or a file of no token, names the flag too.
+  EXPECT_THAT(FromArgv({"--planner", "p:1", "--token-file", std::getenv("TEST_TMPDIR")}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::AllOf(HasSubstr("--token-file"), HasSubstr("is a directory"))));
 }
 
 // TLS files that cannot serve (a certificate without its key, a file that
