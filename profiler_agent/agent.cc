@@ -120,6 +120,9 @@ struct Agent::Impl : public ProfileSource {
   // A re-probe the planner asked for, run once the node registered again
   // (the heartbeat thread's).
   bool probe_after_register = false;
+  // The planner refused the devices the latest heartbeat carried (the
+  // heartbeat thread's): the next one goes without them.
+  bool devices_refused = false;
 
   // One probe or link measurement at a time: they would disturb each other.
   absl::Mutex probe_mu;
@@ -489,18 +492,21 @@ struct Agent::Impl : public ProfileSource {
     {
       absl::MutexLock l(&mu);
       generation = profile_generation;
-      if (generation != sent_generation) *req.mutable_devices() = profile->node().devices();
+      if (generation != sent_generation && !devices_refused) {
+        *req.mutable_devices() = profile->node().devices();
+      }
     }
+    devices_refused = false;
     v1::HeartbeatResponse resp;
     Call call(this, o.rpc_timeout);
     absl::Status s = FromGrpc(Planner()->Heartbeat(call.ctx(), req, &resp));
     if (!s.ok() && req.devices_size() > 0 && RefusesTheDevices(s)) {
-      // Sent again, they would fail every heartbeat until the node went
-      // STALE; the planner keeps the devices it has until the next probe.
+      // Sent with every heartbeat, they failed each one until the node went
+      // STALE: the next heartbeat goes without them (the planner keeps the
+      // devices it has), the one after offers them again.
       Log(absl::StrCat("the planner at ", o.planner, " refused the devices of the last probe: ",
-                       s.ToString(), "; heartbeating without them"));
-      absl::MutexLock l(&mu);
-      sent_generation = generation;
+                       s.ToString(), "; the next heartbeat goes without them"));
+      devices_refused = true;
       return false;
     }
     if (!s.ok()) {
@@ -511,7 +517,7 @@ struct Agent::Impl : public ProfileSource {
     }
     {
       absl::MutexLock l(&mu);
-      sent_generation = generation;
+      if (req.devices_size() > 0) sent_generation = generation;
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
     }

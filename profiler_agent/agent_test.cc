@@ -489,21 +489,25 @@ TEST_F(AgentTest, AProbeThePlannerWouldRefuseKeepsTheLastProfile) {
 }
 
 // The planner refuses the re-probed devices a heartbeat carries (the
-// cluster would pass its device bound, ...): every heartbeat carried them
-// again, each was refused, and the node went STALE for good. After one
-// refusal the agent heartbeats without them (the planner keeps the devices
-// it has) and logs why.
+// cluster would pass its device bound, the planner is overloaded, ...):
+// every heartbeat carried them again, each was refused, and the node went
+// STALE for good. After a refusal the next heartbeat goes without them (the
+// planner keeps the devices it has), the one after offers them again, and
+// once the planner takes them they are in.
 TEST_F(AgentTest, HeartbeatsGoOnWhenThePlannerRefusesTheReprobedDevices) {
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);
   ASSERT_TRUE(Registered("node-a"));
-  planner_.RefuseHeartbeatDevices();
+  planner_.RefuseHeartbeatDevices(true);
   state_.flops = 2e9;
   planner_.RequestReprobe("node-a");
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.refused_heartbeats >= 1; }));
   const int before = planner_.Snapshot().heartbeats;
   ASSERT_TRUE(planner_.WaitFor([&](const Record& r) { return r.heartbeats >= before + 5; }));
-  EXPECT_EQ(planner_.Snapshot().refused_heartbeats, 1);
+  EXPECT_TRUE(planner_.Snapshot().heartbeats_with_devices.empty());
+  planner_.RefuseHeartbeatDevices(false);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return !r.heartbeats_with_devices.empty(); }));
+  EXPECT_EQ(Flops(planner_.Snapshot().nodes.at("node-a").devices(0)), 2e9);
 }
 
 TEST_F(AgentTest, ReprobesWhenTheQuickCheckDrifts) {

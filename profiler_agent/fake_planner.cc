@@ -164,9 +164,9 @@ void FakePlanner::RefuseRegistrations(int n) {
   refuse_ = n;
 }
 
-void FakePlanner::RefuseHeartbeatDevices() {
+void FakePlanner::RefuseHeartbeatDevices(bool refuse) {
   absl::MutexLock l(&mu_);
-  refuse_heartbeat_devices_ = true;
+  refuse_heartbeat_devices_ = refuse;
 }
 
 void FakePlanner::AssignProbe(const std::string& node, const v1::ProbeAssignment& a) {

@@ -52,8 +52,8 @@ class FakePlanner final : public hap::v1::Planner::Service {
   void SetTraining(const std::string& node, bool training);  // heartbeats: training
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   // Heartbeats that carry devices get RESOURCE_EXHAUSTED (as a cluster at
-  // its device bound answers), counted in refused_heartbeats.
-  void RefuseHeartbeatDevices();
+  // its device bound answers), counted in refused_heartbeats, while `refuse`.
+  void RefuseHeartbeatDevices(bool refuse);
   void AssignProbe(const std::string& node, const hap::v1::ProbeAssignment& a);
   // ReportLinks naming `device` is refused whole (NOT_FOUND), as the real
   // planner refuses a report naming a device no node registered.
