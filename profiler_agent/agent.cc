@@ -102,6 +102,9 @@ struct Agent::Impl : public ProfileSource {
   std::vector<std::unique_ptr<DeviceProber>> probers;
   std::unique_ptr<AgentServer> server;
   std::string address;
+  // The other agent the planner says holds the node (HeartbeatResponse.
+  // registered_by); the heartbeat thread's.
+  std::string registered_by;
   std::thread heartbeat_thread, link_thread, probe_thread;
   std::atomic<bool> shut_down{false};
 
@@ -488,6 +491,7 @@ struct Agent::Impl : public ProfileSource {
   bool HeartbeatOnce() {
     v1::HeartbeatRequest req;
     req.set_name("nodes/" + o.name);
+    req.set_address(address);  // the planner takes only the registered agent's
     int64_t generation;
     {
       absl::MutexLock l(&mu);
@@ -520,6 +524,19 @@ struct Agent::Impl : public ProfileSource {
       if (req.devices_size() > 0) sent_generation = generation;
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
+    }
+    if (resp.registered_by() != registered_by) {
+      // Not registering again: the two agents would take the node in turns.
+      // The planner says unknown_node once the other goes silent.
+      registered_by = resp.registered_by();
+      Log(registered_by.empty()
+              ? absl::StrCat("the planner takes this agent's heartbeats for node '", o.name,
+                             "' again")
+              : absl::StrCat("node '", o.name, "' is registered by the agent at ", registered_by,
+                             ", not this one (", address,
+                             "): the planner does not take this agent's heartbeats. Two agents "
+                             "share the name (give each its own --name), or this one was "
+                             "replaced; it takes the node over if that agent goes silent"));
     }
     if (resp.unknown_node()) {
       Log(absl::StrCat("the planner does not know node '", o.name,

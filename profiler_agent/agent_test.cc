@@ -320,6 +320,32 @@ TEST_F(AgentTest, AnExecutorOfADeviceTheNodeDoesNotReportIsNotLabelled) {
   EXPECT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
 }
 
+// Two agents with one node name (two containers with one hostname): the
+// planner took both agents' heartbeats into one node. An agent whose node
+// another agent registered since now sends its address, is told who holds
+// the node, says so, and does not register again (the two would take the
+// node in turns).
+TEST_F(AgentTest, AnAgentWhoseNodeAnotherAgentRegisteredDoesNotTakeItBack) {
+  ::testing::internal::CaptureStderr();
+  auto first = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(Registered("node-a"));
+  auto second = StartAgent(Options("node-a"), &state_);  // another port
+  ASSERT_TRUE(second);
+  ASSERT_TRUE(Registered("node-a", 2));
+  const bool refused = planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 10; });
+  const Record r = planner_.Snapshot();
+  const std::string first_address = first->address(), second_address = second->address();
+  first.reset();
+  second.reset();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(refused) << "the first agent's heartbeats were taken";
+  EXPECT_EQ(r.registrations, 2);
+  EXPECT_EQ(r.nodes.at("node-a").address(), second_address);
+  EXPECT_THAT(log, HasSubstr("node 'node-a' is registered by the agent at " + second_address +
+                             ", not this one (" + first_address + ")"));
+}
+
 // An executor that starts after the agent: the node registers without its
 // label, then again with it once the executor answers.
 TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {

@@ -98,6 +98,14 @@ grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::Heartbea
     out->set_unknown_node(true);
     return grpc::Status::OK;
   }
+  // Another agent's heartbeat (the node registered since at another
+  // address): not taken, as PlannerCore::Heartbeat (which also hands the
+  // node over once its agent is STALE; not kept here).
+  if (!r->address().empty() && r->address() != it->second.address()) {
+    ++record_.foreign_heartbeats;
+    out->set_registered_by(it->second.address());
+    return grpc::Status::OK;
+  }
   if (!r->devices().empty()) {
     record_.heartbeats_with_devices.push_back(*r);
     *it->second.mutable_devices() = r->devices();

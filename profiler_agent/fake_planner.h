@@ -65,6 +65,9 @@ class FakePlanner final : public hap::v1::Planner::Service {
     int refused_registrations = 0;  // UNAVAILABLE ones
     int heartbeats = 0;
     int refused_heartbeats = 0;  // INVALID_ARGUMENT ones (devices the planner refuses)
+    // From another agent than the one the node registered last (another
+    // address): answered registered_by, not taken.
+    int foreign_heartbeats = 0;
     std::map<std::string, hap::v1::Node> nodes;  // by name, as last registered/updated
     std::vector<hap::v1::HeartbeatRequest> heartbeats_with_devices;
     std::vector<hap::v1::Link> links;

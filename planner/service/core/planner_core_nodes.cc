@@ -214,6 +214,18 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
     return out;
   }
   v1::Node n = it->second;
+  if (!r.address().empty() && !n.address().empty() && r.address() != n.address()) {
+    // Another agent registered the node since: two agents share its name
+    // (or this one was replaced). Taken, their heartbeats and devices would
+    // interleave; told to register again, they would take the node in
+    // turns. Once the registered one goes silent, this one takes over.
+    if (n.state() == v1::Node::STALE) {
+      out.set_unknown_node(true);
+    } else {
+      out.set_registered_by(n.address());
+    }
+    return out;
+  }
   // A node back from STALE may have changed: ask it to measure again.
   out.set_reprobe(n.state() == v1::Node::STALE);
   if (!r.devices().empty()) {

@@ -105,6 +105,59 @@ TEST_F(PlannerCoreTest, ANodeThatStopsHeartbeatingGoesStaleAndIsLeftOut) {
   EXPECT_TRUE(core_->Heartbeat(hb)->unknown_node());
 }
 
+// Two agents with one node name (two containers with one hostname): each
+// heartbeat was taken, the devices of both interleaved in one node, and the
+// node's address was the last registration's. A heartbeat from another
+// address than the node's is now not taken and says who holds the node;
+// once that agent goes silent (STALE) the other is told to register again
+// and takes the node over. Heartbeats without an address (agents before
+// it) are taken as before.
+TEST_F(PlannerCoreTest, AHeartbeatFromAnotherAgentThanTheNodesIsNotTaken) {
+  v1::Node first = MakeNode("a", 2, 2e12);
+  first.set_address("10.0.0.1:7001");
+  ASSERT_TRUE(core_->RegisterNode(first).ok());
+  v1::Node second = MakeNode("a", 1, 1e12);
+  second.set_address("10.0.0.2:7001");
+  ASSERT_TRUE(core_->RegisterNode(second).ok());
+  const int64_t registered = core_->GetCluster(true).nodes(0).last_heartbeat().seconds();
+
+  v1::HeartbeatRequest hb;
+  hb.set_name("nodes/a");
+  hb.set_address("10.0.0.1:7001");
+  *hb.add_devices() = first.devices(0);
+  clock_.Advance(absl::Seconds(5));
+  auto r = core_->Heartbeat(hb);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->registered_by(), "10.0.0.2:7001");
+  EXPECT_FALSE(r->unknown_node());
+  v1::Node n = core_->GetCluster(true).nodes(0);
+  EXPECT_EQ(n.address(), "10.0.0.2:7001");
+  ASSERT_EQ(n.devices_size(), 1);  // the second's, not replaced by the first's
+  EXPECT_DOUBLE_EQ(n.devices(0).flops(0).flops(), 1e12);
+  EXPECT_EQ(n.last_heartbeat().seconds(), registered)
+      << "a heartbeat not taken does not keep the node alive";
+
+  // The holder heartbeats (and an agent that sends no address is taken).
+  v1::HeartbeatRequest own;
+  own.set_name("nodes/a");
+  own.set_address("10.0.0.2:7001");
+  EXPECT_EQ(core_->Heartbeat(own)->registered_by(), "");
+  own.clear_address();
+  EXPECT_EQ(core_->Heartbeat(own)->registered_by(), "");
+
+  // The holder goes silent: the node is STALE, and the other agent is told
+  // to register again (it takes the node over).
+  hb.clear_devices();
+  clock_.Advance(absl::Seconds(16));
+  r = core_->Heartbeat(hb);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->unknown_node());
+  EXPECT_EQ(r->registered_by(), "");
+  ASSERT_TRUE(core_->RegisterNode(first).ok());
+  EXPECT_EQ(core_->Heartbeat(hb)->registered_by(), "");
+  EXPECT_EQ(core_->GetCluster(false).nodes(0).address(), "10.0.0.1:7001");
+}
+
 TEST_F(PlannerCoreTest, ANodeTheStoreRefusesIsNotRegisteredNorUpdated) {
   sink_.RefuseNodes(true);
   EXPECT_THAT(core_->RegisterNode(MakeNode("a", 2, 2e12)),
