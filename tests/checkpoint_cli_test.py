@@ -241,6 +241,8 @@ class CheckpointCliTest(unittest.TestCase):
             r = launch("--plan", self.plan2, "--steps", "4", "--resume", bad, *extra)
             self.assertEqual(r.returncode, 1, r.stdout)
             self.assertIn(message, r.stderr)
+            # Damage says what to do about it.
+            self.assertIn("(the checkpoint is damaged: `hapctl checkpoint verify " + bad, r.stderr)
             self.assertNotIn("step 2 loss", r.stdout)
             after = {n: open(os.path.join(bad, "step-00000002", n), "rb").read()
                      for n in os.listdir(os.path.join(bad, "step-00000002"))}

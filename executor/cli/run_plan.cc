@@ -278,6 +278,20 @@ void ReportError(const absl::Status& s, const tools::Args& a) {
                       a.Has("rank") && rank.ok() ? absl::StrCat(" (rank ", *rank, ")") : "", "\n"));
 }
 
+// A damaged checkpoint to resume from (DataLoss: a checksum that does not
+// match, a truncated or malformed file) says what to do about it.
+absl::Status WithDamageHint(const absl::Status& s, const std::string& dir) {
+  if (!absl::IsDataLoss(s)) return s;
+  return absl::DataLossError(absl::StrCat(
+      s.message(), " (the checkpoint is damaged: `hapctl checkpoint verify ", dir,
+      "` lists what; --resume DIR/step-N resumes from an earlier checkpoint of its directory)"));
+}
+template <typename T>
+absl::StatusOr<T> WithDamageHint(absl::StatusOr<T> r, const std::string& dir) {
+  if (r.ok()) return r;
+  return WithDamageHint(r.status(), dir);
+}
+
 std::string DataDir(const tools::Args& a) {
   if (a.Has("data-dir")) return a.Get("data-dir");
   if (const char* e = std::getenv("HAP_DATA_DIR")) return e;
@@ -488,8 +502,9 @@ absl::Status Run(const tools::Args& a) {
   v1::TrainerState resumed;  // the checkpoint's, for its data settings
   std::shared_ptr<checkpoint::WeightsReader> weights;  // --init-weights
   if (a.Has("resume")) {
-    HAP_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
-                         checkpoint::CheckpointReader::Open(a.Get("resume")));
+    HAP_ASSIGN_OR_RETURN(
+        std::unique_ptr<checkpoint::CheckpointReader> reader,
+        WithDamageHint(checkpoint::CheckpointReader::Open(a.Get("resume")), a.Get("resume")));
     HAP_RETURN_IF_ERROR(reader->CheckGraph(g));
     first_step = reader->trainer().step();
     resumed = reader->trainer();
@@ -499,7 +514,8 @@ absl::Status Run(const tools::Args& a) {
                                    reader->trainer().plan_hash().substr(0, 12),
                                    reader->trainer().world_size());
     }
-    initialize = checkpoint::ResumeHook(std::move(reader), &g);
+    initialize = [hook = checkpoint::ResumeHook(std::move(reader), &g), dir = a.Get("resume")](
+                     ProgramRunner& runner) { return WithDamageHint(hook(runner), dir); };
   } else if (a.Has("init-weights")) {
     HAP_ASSIGN_OR_RETURN(weights, checkpoint::WeightsReader::OpenFor(a.Get("init-weights"), g));
     initialize = checkpoint::InitWeightsHook(weights, &g);
