@@ -923,6 +923,22 @@ absl::Status CheckRequest(const std::string& name, DType saved_dtype, const Shap
   return absl::OkStatus();
 }
 
+absl::StatusOr<TensorView> CheckpointReader::SliceView(const SafetensorsFile& f,
+                                                       const v1::CheckpointIndex::Tensor& t,
+                                                       const v1::CheckpointIndex::Slice& s) {
+  HAP_RETURN_IF_ERROR(VerifyChecksum(f, t.name(), &verified_));
+  auto view = f.View(t.name());
+  if (!view.ok()) return absl::DataLossError(std::string(view.status().message()));
+  const Shape extents(s.extents().begin(), s.extents().end());
+  if (view->shape != extents || SafetensorsDType(view->dtype) != t.dtype()) {
+    return absl::DataLossError(absl::StrCat(f.path(), " holds '", t.name(), "' as ",
+                                            SafetensorsDType(view->dtype),
+                                            graph::ShapeString(view->shape), ", the index says ",
+                                            t.dtype(), graph::ShapeString(extents)));
+  }
+  return *view;
+}
+
 CheckpointReader::VerifyReport CheckpointReader::Verify() {
   VerifyReport report;
   std::set<std::string> unreadable;  // files already reported
@@ -936,19 +952,9 @@ CheckpointReader::VerifyReport CheckpointReader::Verify() {
         report.problems.push_back(f.status());
         continue;
       }
-      auto view = (*f)->View(t.name());
-      const Shape extents(s.extents().begin(), s.extents().end());
-      if (!view.ok() || view->shape != extents || SafetensorsDType(view->dtype) != t.dtype()) {
-        report.problems.push_back(absl::DataLossError(absl::StrCat(
-            (*f)->path(), " does not hold '", t.name(), "' as the index says (", t.dtype(),
-            graph::ShapeString(extents), "): ",
-            view.ok() ? absl::StrCat(SafetensorsDType(view->dtype), graph::ShapeString(view->shape))
-                      : std::string(view.status().message()))));
-        continue;
-      }
-      absl::Status crc = VerifyChecksum(**f, t.name(), &verified_);
-      if (!crc.ok()) {
-        report.problems.push_back(crc);
+      absl::StatusOr<TensorView> view = SliceView(**f, t, s);
+      if (!view.ok()) {
+        report.problems.push_back(view.status());
         continue;
       }
       report.bytes += view->bytes();
@@ -979,17 +985,8 @@ absl::Status CheckpointReader::Read(const std::string& name, const Shape& global
     }
     if (!overlaps) continue;
     HAP_ASSIGN_OR_RETURN(const SafetensorsFile* f, File(s.file()));
-    HAP_RETURN_IF_ERROR(VerifyChecksum(*f, name, &verified_));
-    auto view = f->View(name);
-    if (!view.ok()) return absl::DataLossError(std::string(view.status().message()));
-    const Shape extents(s.extents().begin(), s.extents().end());
-    if (view->shape != extents || view->dtype != dtype) {
-      return absl::DataLossError(absl::StrCat(f->path(), " holds '", name, "' as ",
-                                              SafetensorsDType(view->dtype),
-                                              graph::ShapeString(view->shape), ", the index says ",
-                                              t.dtype(), graph::ShapeString(extents)));
-    }
-    HAP_ASSIGN_OR_RETURN(int64_t n, ReadOverlap(*f, name, *view, s.offsets(), dst, offsets));
+    HAP_ASSIGN_OR_RETURN(TensorView view, SliceView(*f, t, s));
+    HAP_ASSIGN_OR_RETURN(int64_t n, ReadOverlap(*f, name, view, s.offsets(), dst, offsets));
     copied += n;
   }
   if (copied < dst.num_elements()) {

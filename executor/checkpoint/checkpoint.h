@@ -237,6 +237,11 @@ class CheckpointReader : public TensorSource {
  private:
   CheckpointReader() = default;
   absl::StatusOr<const SafetensorsFile*> File(const std::string& name);
+  // Slice `s` of tensor `t` in shard `f`, checked against its CRC-32C and
+  // the index (shape, dtype): DataLoss naming the file otherwise.
+  absl::StatusOr<TensorView> SliceView(const SafetensorsFile& f,
+                                       const hap::v1::CheckpointIndex::Tensor& t,
+                                       const hap::v1::CheckpointIndex::Slice& s);
   std::string dir_;
   hap::v1::CheckpointIndex index_;
   hap::v1::TrainerState trainer_;
