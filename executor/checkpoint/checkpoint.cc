@@ -36,26 +36,13 @@ namespace v1 = ::hap::v1;
 namespace fs = std::filesystem;
 
 constexpr char kIndexFile[] = "index.json";
-constexpr char kCommittedFile[] = "COMMITTED";
-constexpr char kStepPrefix[] = "step-";
 constexpr char kTmpPrefix[] = ".tmp-step-";
-// Committed checkpoints of a run that a resumed run replaced (steps past
-// the one it resumed from): set aside under this prefix, never deleted.
-constexpr char kSupersededPrefix[] = "superseded-";
 // Next to a rank's file in the temporary directory when its write failed:
 // holds the error.
 constexpr char kFailedSuffix[] = ".failed";
 
 bool IsPersistent(const v1::Buffer& b) {
   return b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::OPTIMIZER_STATE;
-}
-
-// The step of a "step-NNNNNNNN" name, or -1.
-int64_t StepOf(const std::string& name) {
-  if (name.rfind(kStepPrefix, 0) != 0) return -1;
-  int64_t step;
-  if (!absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step) || step < 0) return -1;
-  return step;
 }
 
 bool Exists(const std::string& path) {
@@ -164,23 +151,6 @@ absl::Status RemoveCheckpoint(const std::string& step_dir) {
   return RemoveAll(step_dir);
 }
 
-// Committed checkpoints in `dir`, by step. `error`, when given, receives
-// why `dir` could not be listed (whole), else is cleared.
-std::map<int64_t, std::string> CommittedSteps(const std::string& dir,
-                                              std::error_code* error = nullptr) {
-  std::map<int64_t, std::string> out;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    const int64_t step = StepOf(name);
-    if (step >= 0 && Exists((it->path() / kCommittedFile).string())) {
-      out[step] = it->path().string();
-    }
-  }
-  if (error != nullptr) *error = ec;
-  return out;
-}
-
 void Warn(absl::string_view what) { std::cerr << "hap checkpoint: " << what << "\n" << std::flush; }
 
 // The step of a checkpoint being opened, as trainer.json says, checked
@@ -264,16 +234,6 @@ absl::Status CreateDirectoriesSynced(const std::string& dir) {
   return absl::OkStatus();
 }
 
-// A free name in `dir` for the superseded checkpoint of `step`.
-std::string SupersededPath(const std::string& dir, int64_t step) {
-  const std::string base = absl::StrCat(kSupersededPrefix, StepDirName(step));
-  std::string path = (fs::path(dir) / base).string();
-  for (int k = 1; Exists(path); ++k) {
-    path = (fs::path(dir) / absl::StrCat(base, "-", k)).string();
-  }
-  return path;
-}
-
 // Sets aside the committed checkpoints in `dir` past `step` (those of a
 // run that one resumed from `step` replaces): renamed superseded-step-N,
 // kept, never resumed from or counted. Failures are reported, not returned.
@@ -282,7 +242,7 @@ void SetAsideAfter(const std::string& dir, int64_t step) {
   std::vector<std::string> aside;
   std::error_code ec;
   for (auto it = committed.upper_bound(step); it != committed.end(); ++it) {
-    const std::string to = SupersededPath(dir, it->first);
+    const std::string to = SetAsidePath(dir, kSupersededPrefix, it->first);
     fs::rename(it->second, to, ec);
     if (ec) {
       Warn(absl::StrCat("cannot set aside ", it->second,
@@ -450,8 +410,6 @@ std::string TilingError(const v1::CheckpointIndex::Tensor& t) {
   }
   return "";
 }
-
-std::string StepDirName(int64_t step) { return absl::StrFormat("%s%08d", kStepPrefix, step); }
 
 std::string RankFileName(int rank, int world_size) {
   return absl::StrFormat("rank-%05d-of-%05d.safetensors", rank, world_size);

@@ -52,6 +52,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "executor/checkpoint/layout.h"
 #include "executor/checkpoint/safetensors.h"
 #include "executor/comm/communicator.h"
 #include "executor/runtime/program_runner.h"
@@ -64,8 +65,6 @@ namespace hap::executor::checkpoint {
 inline constexpr int kCheckpointFormatVersion = 1;
 inline constexpr int kDefaultKeep = 3;
 
-// "step-00000012".
-std::string StepDirName(int64_t step);
 // "rank-00000-of-00003.safetensors".
 std::string RankFileName(int rank, int world_size);
 

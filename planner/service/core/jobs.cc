@@ -27,6 +27,7 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "common/training_checks.h"
+#include "executor/checkpoint/layout.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/service/core/job_reconcile.h"
@@ -40,6 +41,7 @@ namespace {
 
 namespace v1 = ::hap::v1;
 namespace fs = std::filesystem;
+namespace ckpt = ::hap::executor::checkpoint;
 using job_internal::Final;
 using job_internal::JoinStable;
 using job_internal::ReadyDevices;
@@ -124,13 +126,6 @@ class CoreJobBackend final : public JobBackend {
   std::function<std::string()> rendezvous_;
 };
 
-// "step-N" (the executors' checkpoint directories): N in `step`.
-bool ParseStepDirName(const std::string& name, int64_t* step) {
-  return name.rfind("step-", 0) == 0 && name.size() > 5 &&
-         name.find_first_not_of("0123456789", 5) == std::string::npos &&
-         absl::SimpleAtoi(name.substr(5), step);
-}
-
 }  // namespace
 
 absl::StatusOr<int64_t> LatestCommittedCheckpoint(const std::string& dir) {
@@ -138,35 +133,23 @@ absl::StatusOr<int64_t> LatestCommittedCheckpoint(const std::string& dir) {
   if (dir.empty() || !fs::is_directory(dir, ec)) {
     return absl::NotFoundError(absl::StrCat("no checkpoint directory ", dir));
   }
-  int64_t best = -1;
-  fs::directory_iterator it(dir, ec), end;
-  if (ec) {
-    return absl::UnavailableError(absl::StrCat("cannot read ", dir, ": ", ec.message()));
-  }
-  for (; it != end; it.increment(ec)) {
-    if (ec) {
-      return absl::UnavailableError(absl::StrCat("cannot read ", dir, ": ", ec.message()));
-    }
-    int64_t step = 0;
-    if (!ParseStepDirName(it->path().filename().string(), &step)) continue;
-    if (step > best && fs::exists(it->path() / "COMMITTED", ec)) best = step;
-  }
-  if (best < 0) {
+  const std::map<int64_t, std::string> committed = ckpt::CommittedSteps(dir, &ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot read ", dir, ": ", ec.message()));
+  if (committed.empty()) {
     return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", dir));
   }
-  return best;
+  return committed.rbegin()->first;
 }
 
 std::string CheckpointStepDir(const std::string& dir, int64_t step) {
-  return (fs::path(dir) / absl::StrFormat("step-%08d", step)).string();
+  return (fs::path(dir) / ckpt::StepDirName(step)).string();
 }
 
 absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_dir) {
   fs::path from(step_dir);
   if (!from.has_filename()) from = from.parent_path();  // "DIR/step-N/"
-  const std::string name = from.filename().string();
-  int64_t step = 0;
-  if (!ParseStepDirName(name, &step)) {
+  const int64_t step = ckpt::StepOf(from.filename().string());
+  if (step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", step_dir, "' is not a checkpoint step directory (step-N)"));
   }
@@ -175,13 +158,7 @@ absl::StatusOr<std::string> SetAsideDamagedCheckpoint(const std::string& step_di
     return absl::NotFoundError(absl::StrCat("no checkpoint directory ", step_dir));
   }
   const fs::path parent = from.parent_path().empty() ? fs::path(".") : from.parent_path();
-  fs::path to = parent / absl::StrCat("damaged-", name);
-  for (int k = 1; fs::exists(to, ec) || ec; ++k) {
-    if (ec)
-      return absl::UnavailableError(
-          absl::StrCat("cannot read ", parent.string(), ": ", ec.message()));
-    to = parent / absl::StrCat("damaged-", name, "-", k);
-  }
+  const fs::path to = ckpt::SetAsidePath(parent.string(), ckpt::kDamagedPrefix, step);
   // rename(2) refuses to replace a directory that is not empty, so a name
   // taken between the check and here fails rather than losing anything.
   if (std::rename(from.c_str(), to.c_str()) != 0) {
