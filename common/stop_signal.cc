@@ -9,8 +9,10 @@ namespace hap::tools {
 namespace {
 
 int g_pipe[2] = {-1, -1};
+volatile sig_atomic_t g_received = 0;
 
 void OnStopSignal(int sig) {
+  g_received = 1;
   unsigned char b = static_cast<unsigned char>(sig);
   ssize_t ignored = write(g_pipe[1], &b, 1);
   (void)ignored;
@@ -37,5 +39,7 @@ int WaitForStopSignal() {
   }
   return b;
 }
+
+bool StopSignalReceived() { return g_received != 0; }
 
 }  // namespace hap::tools

@@ -16,6 +16,11 @@ absl::Status InstallStopSignalHandler();
 // Blocks until SIGTERM or SIGINT arrives; returns the signal number.
 int WaitForStopSignal();
 
+// True once SIGTERM or SIGINT has arrived (WaitForStopSignal still returns
+// it): for work a daemon does before it waits, such as the agent's first
+// probe, to end early instead of delaying the shutdown by all of it.
+bool StopSignalReceived();
+
 }  // namespace hap::tools
 
 #endif  // HAP_COMMON_STOP_SIGNAL_H_

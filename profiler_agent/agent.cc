@@ -195,7 +195,10 @@ struct Agent::Impl : public ProfileSource {
     grpc::ClientContext ctx_;
   };
 
+  // Shutdown has begun, or the process was asked to stop before it could
+  // be called (o.stop_requested).
   bool Stopping() {
+    if (o.stop_requested && o.stop_requested()) return true;
     absl::MutexLock l(&mu);
     return stopping;
   }
@@ -248,7 +251,9 @@ struct Agent::Impl : public ProfileSource {
     drift_checks_in_a_row = 0;  // a new baseline
     ProbeOptions opts = o.probe;
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
-    opts.stop = [this] { return Stopping(); };  // Shutdown ends a probe at its next run
+    // Shutdown, or a stop asked for before it (SIGTERM during the first
+    // probe, inside Start), ends a probe at its next run.
+    opts.stop = [this] { return Stopping(); };
     const absl::Time start = MonotonicNow();
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
     // A measurement the planner refuses (a FLOP/s below its minimum or not

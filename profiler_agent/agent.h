@@ -11,6 +11,7 @@
 #ifndef HAP_PROFILER_AGENT_AGENT_H_
 #define HAP_PROFILER_AGENT_AGENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,11 @@ struct AgentOptions {
   // Registration retries: doubling from initial to max.
   absl::Duration initial_backoff = absl::Milliseconds(200);
   absl::Duration max_backoff = absl::Seconds(10);
+  // True once the process is asked to stop before Shutdown can be called:
+  // the daemon's SIGTERM check. A probe then ends at its next timed run, in
+  // particular the first one, inside Start (a long one, on many GPUs or with
+  // a large --probe-seconds, delayed the exit by all of it). Empty: never.
+  std::function<bool()> stop_requested;
 };
 
 class Agent {

@@ -997,6 +997,48 @@ TEST_F(AgentTest, ShutdownStopsAProbeThatRuns) {
   EXPECT_TRUE(seen.stopped);
 }
 
+// A FakeProber whose first probe runs until told to stop.
+class FirstProbeUntilStoppedProber : public FakeProber {
+ public:
+  FirstProbeUntilStoppedProber(State* s, UntilStoppedProber::Seen* seen)
+      : FakeProber(s), seen_(seen) {}
+  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
+                                                const ProbeOptions& o) override {
+    if (probes_++ > 0) return FakeProber::Probe(node, o);
+    seen_->probing = true;
+    for (int i = 0; i < 3000 && !o.stop(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    seen_->stopped = o.stop();
+    HAP_RETURN_IF_ERROR(CheckNotStopped(o, "the next run"));
+    return FakeProber::Probe(node, o);
+  }
+
+ private:
+  UntilStoppedProber::Seen* seen_;
+  int probes_ = 0;
+};
+
+// SIGTERM during the first probe, which Start runs before the daemon can
+// wait for the signal: the probe ends at its next run (the daemon's
+// stop_requested says so) and Start returns, instead of the exit waiting
+// for all of the probe.
+TEST_F(AgentTest, AStopAskedForDuringTheFirstProbeEndsIt) {
+  UntilStoppedProber::Seen seen;
+  std::atomic<bool> sigterm{false};
+  AgentOptions o = Options("node-a");
+  o.stop_requested = [&sigterm] { return sigterm.load(); };
+  absl::StatusOr<std::unique_ptr<Agent>> agent;
+  std::thread starter(
+      [&] { agent = StartOn(o, std::make_unique<FirstProbeUntilStoppedProber>(&state_, &seen)); });
+  for (int i = 0; i < 3000 && !seen.probing; ++i) absl::SleepFor(absl::Milliseconds(10));
+  sigterm = true;
+  starter.join();
+  ASSERT_TRUE(seen.probing);
+  EXPECT_TRUE(seen.stopped);
+  ASSERT_THAT(agent, IsOk());  // a failed first probe is logged, not fatal
+  (*agent)->Shutdown();
+  EXPECT_EQ(state_.probes.load(), 0);  // the stopped probe measured nothing
+}
+
 // A Probe call with include_links measures the peers within the caller's
 // deadline: before, it gave each peer the link timeout (an hour here), its
 // handler went on long after the caller left, and held the probe lock (the

@@ -33,6 +33,9 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << options.status().message() << "\n";
     return 2;
   }
+  // SIGTERM during the first probe (inside Start) ends the probe; the
+  // shutdown below follows at once.
+  options->stop_requested = hap::tools::StopSignalReceived;
   auto agent = hap::agent::Agent::Start(*std::move(options));
   if (!agent.ok()) {
     std::cerr << "error: " << agent.status().message() << "\n";
