@@ -960,17 +960,19 @@ TEST_F(AgentTest, ProbesWaitingWhenShutdownComesProbeNothing) {
   EXPECT_EQ(state_.probes.load(), 1);  // the one at start
 }
 
-// A FakeProber whose probes after the first run until told to stop (a
-// long probe: many GPUs, a large --probe-seconds, a throttled CPU).
+// A FakeProber whose probe number `long_probe` (0 = the first, inside
+// Start) runs until told to stop (a long probe: many GPUs, a large
+// --probe-seconds, a throttled CPU); the others return at once.
 class UntilStoppedProber : public FakeProber {
  public:
   struct Seen {
     std::atomic<bool> probing{false}, stopped{false};
   };
-  UntilStoppedProber(State* s, Seen* seen) : FakeProber(s), seen_(seen) {}
+  UntilStoppedProber(State* s, Seen* seen, int long_probe = 1)
+      : FakeProber(s), seen_(seen), long_probe_(long_probe) {}
   absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
                                                 const ProbeOptions& o) override {
-    if (probes_++ == 0) return FakeProber::Probe(node, o);
+    if (probes_++ != long_probe_) return FakeProber::Probe(node, o);
     seen_->probing = true;
     for (int i = 0; i < 3000 && !o.stop(); ++i) absl::SleepFor(absl::Milliseconds(10));
     seen_->stopped = o.stop();
@@ -980,6 +982,7 @@ class UntilStoppedProber : public FakeProber {
 
  private:
   Seen* seen_;
+  const int long_probe_;
   int probes_ = 0;
 };
 
@@ -997,26 +1000,6 @@ TEST_F(AgentTest, ShutdownStopsAProbeThatRuns) {
   EXPECT_TRUE(seen.stopped);
 }
 
-// A FakeProber whose first probe runs until told to stop.
-class FirstProbeUntilStoppedProber : public FakeProber {
- public:
-  FirstProbeUntilStoppedProber(State* s, UntilStoppedProber::Seen* seen)
-      : FakeProber(s), seen_(seen) {}
-  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
-                                                const ProbeOptions& o) override {
-    if (probes_++ > 0) return FakeProber::Probe(node, o);
-    seen_->probing = true;
-    for (int i = 0; i < 3000 && !o.stop(); ++i) absl::SleepFor(absl::Milliseconds(10));
-    seen_->stopped = o.stop();
-    HAP_RETURN_IF_ERROR(CheckNotStopped(o, "the next run"));
-    return FakeProber::Probe(node, o);
-  }
-
- private:
-  UntilStoppedProber::Seen* seen_;
-  int probes_ = 0;
-};
-
 // SIGTERM during the first probe, which Start runs before the daemon can
 // wait for the signal: the probe ends at its next run (the daemon's
 // stop_requested says so) and Start returns, instead of the exit waiting
@@ -1028,7 +1011,7 @@ TEST_F(AgentTest, AStopAskedForDuringTheFirstProbeEndsIt) {
   o.stop_requested = [&sigterm] { return sigterm.load(); };
   absl::StatusOr<std::unique_ptr<Agent>> agent;
   std::thread starter(
-      [&] { agent = StartOn(o, std::make_unique<FirstProbeUntilStoppedProber>(&state_, &seen)); });
+      [&] { agent = StartOn(o, std::make_unique<UntilStoppedProber>(&state_, &seen, 0)); });
   for (int i = 0; i < 3000 && !seen.probing; ++i) absl::SleepFor(absl::Milliseconds(10));
   sigterm = true;
   starter.join();
