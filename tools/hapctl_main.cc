@@ -1,6 +1,12 @@
 // hapctl: the command-line client of the HAP service.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
+#include <streambuf>
 #include <string>
 #include <vector>
 
@@ -51,13 +57,81 @@ Run `hapctl COMMAND --help` for a command's flags. --server, --timeout,
 --token-file, --tls-ca-file and -o may also come before the command.
 )";
 
-}  // namespace
+// Standard input and error, when closed, are opened on /dev/null: with
+// their numbers free, the first file or socket hapctl opened took one and
+// an error message went into it. Returns false when standard output is
+// closed: what a command prints would go into whatever took descriptor 1
+// (an --export file, a gRPC socket), so no command runs.
+bool ReserveStandardStreams() {
+  auto closed = [](int fd) { return fcntl(fd, F_GETFD) == -1 && errno == EBADF; };
+  const bool stdout_open = !closed(1);
+  for (int fd : {0, 2}) {
+    if (!closed(fd)) continue;
+    const int null = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    if (null >= 0 && null != fd) {
+      dup2(null, fd);
+      close(null);
+    }
+  }
+  return stdout_open;
+}
 
-int main(int argc, char** argv) {
-  // gRPC's own log lines ("E1206 ... Handshake failed ...") repeat, before
-  // it, the error hapctl prints with what to change; GRPC_VERBOSITY set
-  // asks for them.
-  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function([](gpr_log_func_args*) {});
+// std::cout's buffer: standard output through write(2), keeping the
+// first failure's reason (stdio's error flag says only that some write
+// failed, and its errno is long overwritten by the end). Not thread-safe,
+// as std::cout is not used from several threads.
+class StandardOutput : public std::streambuf {
+ public:
+  StandardOutput() { setp(buf_, buf_ + sizeof(buf_)); }
+  // 0, or the errno of the first write that failed (what came after it
+  // was dropped).
+  int error() const { return error_; }
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (!Drain()) return traits_type::eof();
+    if (!traits_type::eq_int_type(c, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override { return Drain() ? 0 : -1; }
+
+ private:
+  bool Drain() {
+    const char* p = pbase();
+    size_t n = static_cast<size_t>(pptr() - pbase());
+    while (n > 0 && error_ == 0) {
+      const ssize_t w = write(1, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        error_ = w < 0 ? errno : EIO;
+        break;
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    setp(buf_, buf_ + sizeof(buf_));
+    return error_ == 0;
+  }
+
+  char buf_[1 << 16];
+  int error_ = 0;
+};
+
+// `rc`, or 1 when what the command printed did not all reach standard
+// output: a full disk (`hapctl get plans -o json > /dev/full`) showed only
+// at the flush at exit, unchecked, and hapctl exited 0 with the output lost.
+int FlushStandardOutput(StandardOutput& out, int rc) {
+  std::cout.flush();
+  if (out.error() == 0 && !std::cout.fail()) return rc;
+  std::cerr << "error: cannot write to standard output: "
+            << (out.error() != 0 ? std::strerror(out.error()) : "a write failed") << "\n";
+  return rc == 0 ? 1 : rc;
+}
+
+int Run(int argc, char** argv) {
   if (argc < 2 || std::string(argv[1]) == "--help" ||
       std::string(argv[1]) == "help") {
     std::cout << kUsage;
@@ -106,4 +180,20 @@ int main(int argc, char** argv) {
   }
   std::cerr << "error: unknown command '" << cmd << "'\n\n" << kUsage;
   return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!ReserveStandardStreams()) {
+    std::cerr << "error: standard output is closed (hapctl prints its results there)\n";
+    return 1;
+  }
+  // gRPC's own log lines ("E1206 ... Handshake failed ...") repeat, before
+  // it, the error hapctl prints with what to change; GRPC_VERBOSITY set
+  // asks for them.
+  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function([](gpr_log_func_args*) {});
+  static StandardOutput* const out = new StandardOutput;  // outlives std::cout's last use
+  std::cout.rdbuf(out);
+  return FlushStandardOutput(*out, Run(argc, argv));
 }

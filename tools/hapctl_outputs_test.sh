@@ -28,5 +28,19 @@ if [ -w /dev/full ]; then
     && fail "--export to a full device exited 0: $out"
   echo "$out" | grep -q "cannot write --export file '/dev/full': No space left on device" \
     || fail "--export error: $out"
+  # Standard output as the files: a write that fails there is an error
+  # naming it (every command exited 0 with its output lost).
+  for cmd in "zoo" "ops -o json" "--help" "plan --cluster $CLUSTER ${model[*]} -o json"; do
+    # shellcheck disable=SC2086
+    out="$("$HAPCTL" $cmd 2>&1 >/dev/full)" && fail "$cmd > /dev/full exited 0: $out"
+    echo "$out" | grep -q "cannot write to standard output: No space left on device" \
+      || fail "$cmd > /dev/full: $out"
+  done
 fi
+# A closed standard output is refused before the command runs: the
+# --export file took descriptor 1 and the table went into it.
+out="$("$HAPCTL" zoo mlp --export "$tmp/closed.json" 2>&1 >&-)" \
+  && fail "zoo with standard output closed exited 0: $out"
+echo "$out" | grep -q "standard output is closed" || fail "closed stdout: $out"
+[ -e "$tmp/closed.json" ] && fail "zoo ran with standard output closed: $(cat "$tmp/closed.json")"
 echo PASS
