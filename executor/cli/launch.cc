@@ -431,15 +431,22 @@ int WaitForRanks(const std::vector<pid_t>& pids, const std::string& rendezvous,
 }
 
 // The hap-executor next to this hap-launch: next to argv[0] when it names
-// a path, else (found through PATH) next to /proc/self/exe.
+// a path and one is there, else next to /proc/self/exe (hap-launch found
+// through PATH, or run through a symlink to it in another directory, as
+// /usr/local/bin/hap-launch -> /opt/hap/bin/hap-launch); when neither has
+// one, the first, which the error then names.
 std::string DefaultExecutor(const std::string& self) {
-  std::filesystem::path dir = std::filesystem::path(self).parent_path();
-  if (self.find('/') == std::string::npos) {
-    std::error_code ec;
-    const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-    if (!ec) dir = exe.parent_path();
+  std::vector<std::filesystem::path> dirs;
+  if (self.find('/') != std::string::npos)
+    dirs.push_back(std::filesystem::path(self).parent_path());
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back(exe.parent_path());
+  if (dirs.empty()) dirs.push_back(".");
+  for (const auto& dir : dirs) {
+    if (std::filesystem::exists(dir / "hap-executor", ec)) return (dir / "hap-executor").string();
   }
-  return (dir / "hap-executor").string();
+  return (dirs.front() / "hap-executor").string();
 }
 
 }  // namespace

@@ -273,5 +273,17 @@ fi
 [ -f "$tmp/rv-lost/rank0.lost-peer" ] || fail "a rank whose peer was killed did not say so"
 grep -q "connection to a peer failed" "$tmp/lost0.err" || fail "lost peer: $(cat "$tmp/lost0.err")"
 
+# hap-launch run through a symlink in another directory (an install's
+# /usr/local/bin/hap-launch -> /opt/hap/bin/hap-launch) looked for
+# hap-executor next to the link, and failed; it now finds the one next to
+# the binary.
+mkdir -p "$tmp/bin"
+ln -s "$(readlink -f "$LAUNCH")" "$tmp/bin/hap-launch"
+timeout 120 "$tmp/bin/hap-launch" --plan "$tmp/mlp.pb" --steps 1 > "$tmp/linked.out" \
+  2> "$tmp/linked.err"
+rc=$?
+[ "$rc" = 0 ] || fail "hap-launch through a symlink: exit $rc: $(cat "$tmp/linked.err")"
+grep -q "^final loss" "$tmp/linked.out" || fail "hap-launch through a symlink did not train"
+
 [ "$failures" = 0 ] || exit 1
 echo PASS
