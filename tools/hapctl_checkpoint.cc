@@ -162,7 +162,14 @@ int RunCheckpoint(const std::vector<std::string>& argv) {
     return 0;
   }
   if (a->positional().size() != 2) {
-    std::cerr << kUsage;
+    // Which: the usage alone left the reader to find it.
+    std::cerr << "error: hapctl checkpoint: "
+              << (a->positional().empty() ? std::string("no command (inspect, export, verify)")
+                  : a->positional().size() == 1
+                      ? std::string("no checkpoint DIR")
+                      : absl::StrCat("unexpected argument '", a->positional()[2], "'"))
+              << "\n"
+              << kUsage;
     return 2;
   }
   const std::string& verb = a->positional()[0];

@@ -947,6 +947,15 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
               << absl::StrJoin(kinds->second, ", ") << "\n";
     return 1;
   }
+  // Words past the kind and the name were dropped ('hapctl delete plan a b'
+  // deleted a alone, 'create plan --no-sfb true' planned): named instead.
+  const size_t words = verb == "get" || verb == "create" ? 1 : 2;
+  if (pos.size() > words) {
+    std::cerr << "error: hapctl " << verb << ": unexpected argument '" << pos[words] << "' after '"
+              << absl::StrJoin(pos.begin(), pos.begin() + words, " ")
+              << "' (a flag's value without its flag?)\n";
+    return 1;
+  }
   auto c = Connect(*a);
   if (!c.ok()) return Fail(c.status());
   auto need = [&](size_t n) {

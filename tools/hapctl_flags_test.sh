@@ -61,4 +61,24 @@ for cmd in "create plan" "create job --id j --checkpoint-dir /tmp/x"; do
   echo "$out" | grep -q "optimizer must be sgd, momentum or adam, got 'adamw'" \
     || fail "$cmd --optimizer adamw: $out"
 done
+# A word that is no flag's and no argument is named, before any call (it
+# was dropped: 'plan vit' planned gpt, 'delete plan a b' deleted a only,
+# 'create plan --no-sfb true' planned).
+for cmd in "get nodes extra" "describe plan p extra" "create plan --model mlp extra" \
+           "delete plan a b" "watch plan p q" "stop deployment d x" "cancel plan p q" \
+           "deploy plan p extra" "create plan --no-sfb true"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd exited 0: $out"
+  echo "$out" | grep -q "hapctl $(echo "$cmd" | cut -d' ' -f1): unexpected argument '$(echo "$cmd" | awk '{print $NF}')'" \
+    || fail "$cmd: $out"
+  echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd called the server: $out"
+done
+out="$("$HAPCTL" plan vit --cluster "$CLUSTER" "${model[@]}" 2>&1)" && fail "plan vit exited 0: $out"
+echo "$out" | grep -q "hapctl plan: unexpected argument 'vit'" || fail "plan vit: $out"
+for cmd in "ops extra" "calibrate extra" "validate a b" "checkpoint inspect d extra"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd 2>&1)" && fail "$cmd exited 0: $out"
+  echo "$out" | grep -q "error: hapctl $(echo "$cmd" | cut -d' ' -f1): unexpected argument '$(echo "$cmd" | awk '{print $NF}')'" \
+    || fail "$cmd: $out"
+done
 echo PASS

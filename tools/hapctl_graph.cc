@@ -137,6 +137,10 @@ int RunOps(const std::vector<std::string>& argv) {
                  "and backward FLOPs multiple).\n";
     return 0;
   }
+  if (!args->positional().empty()) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("hapctl ops: unexpected argument '", args->positional()[0], "'")));
+  }
   auto format = TableOrJson(*args);
   if (!format.ok()) return Fail(format.status());
   const std::string fmt = *format;
@@ -230,9 +234,18 @@ int RunZoo(const std::vector<std::string>& argv) {
 int RunValidate(const std::vector<std::string>& argv) {
   auto args = Args::Parse(argv, {"o", "output"}, {"help"});
   if (!args.ok()) return Fail(args.status());
-  if (args->positional().size() != 1 || args->Bool("help")) {
-    std::cerr << "usage: hapctl validate GRAPH_FILE [-o table|json]\n";
-    return args->Bool("help") ? 0 : 1;
+  constexpr char kValidateUsage[] = "usage: hapctl validate GRAPH_FILE [-o table|json]\n";
+  if (args->Bool("help")) {
+    std::cout << kValidateUsage;
+    return 0;
+  }
+  if (args->positional().size() != 1) {
+    std::cerr << (args->positional().empty()
+                      ? std::string("error: hapctl validate: no GRAPH_FILE\n")
+                      : absl::StrCat("error: hapctl validate: unexpected argument '",
+                                     args->positional()[1], "' (one GRAPH_FILE)\n"))
+              << kValidateUsage;
+    return 1;
   }
   auto format = TableOrJson(*args);
   if (!format.ok()) return Fail(format.status());

@@ -467,6 +467,14 @@ int RunPlan(const std::vector<std::string>& argv) {
     std::cout << kUsage;
     return 0;
   }
+  // A word that is no flag's was dropped: 'hapctl plan vit --cluster C'
+  // planned the default model, gpt.
+  if (!args->positional().empty()) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("hapctl plan: unexpected argument '", args->positional()[0],
+                     "' (the model is --model NAME or --graph FILE; a flag's value without "
+                     "its flag?)")));
+  }
   if (!args->Has("cluster")) {
     std::cerr << "error: --cluster is required\n" << kUsage;
     return 1;
@@ -641,6 +649,10 @@ int RunCalibrate(const std::vector<std::string>& argv) {
   if (args->Bool("help")) {
     std::cout << kCalibrateUsage;
     return 0;
+  }
+  if (!args->positional().empty()) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("hapctl calibrate: unexpected argument '", args->positional()[0], "'")));
   }
   std::vector<std::string> plans = args->GetAll("plan"), prefixes = args->GetAll("profile");
   if (!args->Has("cluster") || !args->Has("out") || plans.empty() ||
