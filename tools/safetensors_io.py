@@ -10,16 +10,24 @@ The format (https://github.com/huggingface/safetensors):
 write_safetensors pads the header to a multiple of 8 bytes and puts the
 8-byte dtypes first, then the 4-, 2- and 1-byte ones, so every tensor starts
 at a multiple of its element size in the file (mmap-friendly), and writes
-atomically (a temporary file in the same directory, fsync, rename).
+atomically (OutputFile: a temporary file in the same directory, fsync,
+rename; a destination that is a device or a FIFO is written in place).
+
+read_header / read_safetensors refuse (SafetensorsError, naming the file
+and the tensor) anything that is not a regular file holding a valid
+header: sizes, offsets and shapes are checked against each other and the
+file's size before anything is read or allocated.
 
     from safetensors_io import read, write
     write("model.safetensors", module.state_dict())
     module.load_state_dict(read("model.safetensors"))
 """
 
+import errno
 import json
 import os
 import re
+import stat
 import struct
 import sys
 import tempfile
@@ -135,38 +143,110 @@ def encode_header(tensors, metadata=None):
     return raw, order
 
 
-def write_safetensors(path, tensors, metadata=None):
-    """Writes name -> tensor (and optional str -> str metadata) to `path`,
-    atomically. Returns the number of bytes written."""
-    raw, order = encode_header(tensors, metadata)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".",
-                               dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for _, t, size in order:
-                f.write(_tensor_bytes(t, size))
-            total = f.tell()
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
+class OutputFile:
+    """A file written whole or not at all. The bytes go to a temporary file
+    beside the destination (same directory: the rename is atomic), which
+    commit() flushes, fsyncs and renames over it; discard() (call it on any
+    error) removes the temporary file and leaves the destination as it was.
+    A symbolic link is followed (the file it names is replaced, not the
+    link). A destination that exists and is not a regular file (a device
+    such as /dev/stdout or /dev/full, a FIFO) is written in place: renaming
+    over it would replace the device node itself; its write errors (a full
+    device) surface at commit() as OSError too.
+
+    finish() (commit's first half) lets a caller write several files and
+    rename them only once every one of them is complete."""
+
+    def __init__(self, path):
+        self.path = path
+        self.dest = os.path.realpath(path)
+        self.tmp = None
         try:
-            os.unlink(tmp)
+            mode = os.stat(self.dest).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if mode is not None and not stat.S_ISREG(mode):
+            self.f = open(self.dest, "wb")  # noqa: SIM115 (closed by finish)
+            return
+        d = os.path.dirname(self.dest)
+        fd, self.tmp = tempfile.mkstemp(
+            prefix=".tmp-" + os.path.basename(self.dest) + ".", dir=d)
+        self.f = os.fdopen(fd, "wb")
+
+    def write(self, data):
+        self.f.write(data)
+
+    def finish(self):
+        """Flushes and closes the file (fsyncs a temporary file): every
+        byte is written, or OSError."""
+        if self.f.closed:
+            return
+        try:
+            self.f.flush()
+            if self.tmp is not None:
+                os.fsync(self.f.fileno())
+        finally:
+            self.f.close()
+
+    def commit(self):
+        """finish(), then the temporary file takes the destination's name
+        (permissions 0644 less the umask, like a new file)."""
+        self.finish()
+        if self.tmp is None:
+            return
+        os.chmod(self.tmp, 0o644 & ~_umask())
+        os.replace(self.tmp, self.dest)
+        self.tmp = None
+        try:
+            dfd = os.open(os.path.dirname(self.dest), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
         except OSError:
             pass
-        raise
-    try:
-        dfd = os.open(d, os.O_RDONLY)
+
+    def discard(self):
+        """Closes and removes the temporary file (quietly; after an error)."""
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+            self.f.close()
+        except OSError:
+            pass
+        if self.tmp is not None:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+            self.tmp = None
+
+
+def write_to(out, tensors, metadata=None):
+    """Writes name -> tensor (and optional metadata) as safetensors into
+    the open binary file (or OutputFile) `out`; returns the bytes written."""
+    raw, order = encode_header(tensors, metadata)
+    out.write(struct.pack("<Q", len(raw)))
+    out.write(raw)
+    total = 8 + len(raw)
+    for _, t, size in order:
+        data = _tensor_bytes(t, size)
+        out.write(data)
+        total += len(data) if isinstance(data, bytes) else data.nbytes
+    return total
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes name -> tensor (and optional str -> str metadata) to `path`,
+    atomically (OutputFile). Returns the number of bytes written."""
+    encode_header(tensors, metadata)  # a bad tensor fails before any file
+    out = OutputFile(path)
+    try:
+        total = write_to(out, tensors, metadata)
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
     return total
 
 
@@ -176,11 +256,45 @@ def _umask():
     return m
 
 
+def _open_regular(path):
+    """`path` opened for reading, and its size; SafetensorsError when it is
+    not a regular file (a FIFO would block the read, a directory or a
+    device has no safetensors size)."""
+    try:
+        # O_NONBLOCK: opening a FIFO does not wait for a writer (it is
+        # refused below); no effect on a regular file's reads.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except IsADirectoryError:
+        raise SafetensorsError(f"{path}: not a regular file (a directory)") \
+            from None
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot open: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or socket"
+        raise SafetensorsError(f"{path}: not a regular file ({kind})")
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def _no_duplicates(pairs):
+    """json object_pairs_hook: a name given twice is refused (which entry
+    is meant?) instead of the last one silently winning."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise SafetensorsError(f"'{k}' appears twice in an object of "
+                                   f"the header")
+        out[k] = v
+    return out
+
+
 def read_header(path):
     """(header dict without __metadata__, metadata dict, data buffer offset,
     data buffer length); validates the header against the file's size."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    f, size = _open_regular(path)
+    with f:
         head = f.read(8)
         if len(head) < 8:
             raise SafetensorsError(f"{path}: {len(head)} bytes, fewer than the "
@@ -194,20 +308,24 @@ def read_header(path):
                                    f"end of the file ({size} bytes; "
                                    f"truncated?)")
         raw = f.read(n)
+        if len(raw) != n:
+            raise SafetensorsError(f"{path}: short read of the header")
     try:
         text = raw.decode("utf-8")
         depth = _nesting(text)
         if depth > MAX_NESTING:
-            raise SafetensorsError(f"{path}: the header's objects and arrays "
+            raise SafetensorsError(f"the header's objects and arrays "
                                    f"nest {depth} levels deep, over the "
                                    f"{MAX_NESTING} level limit")
-        header = json.loads(text)
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except SafetensorsError as e:
+        raise SafetensorsError(f"{path}: {e}") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise SafetensorsError(f"{path}: the header is not UTF-8 JSON: "
                                f"{e}") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str)
             for k, v in metadata.items()):
@@ -220,7 +338,7 @@ def read_header(path):
         if not isinstance(e, dict):
             raise SafetensorsError(f"{bad} is not an object")
         dt, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             raise SafetensorsError(f"{bad} has unknown dtype {dt!r} (known: "
                                    f"{', '.join(DTYPES)})")
         if (not isinstance(shape, list) or
@@ -264,7 +382,8 @@ def read_safetensors(path):
     """(name -> torch.Tensor in the file's header order, metadata dict)."""
     header, metadata, base, _ = read_header(path)
     out = {}
-    with open(path, "rb") as f:
+    f, _ = _open_regular(path)
+    with f:
         for name, e in header.items():
             dtype, size = DTYPES[e["dtype"]]
             begin, end = e["data_offsets"]
@@ -275,6 +394,11 @@ def read_safetensors(path):
             f.seek(base + begin)
             if f.readinto(buf) != len(buf):
                 raise SafetensorsError(f"{path}: short read of '{name}'")
+            if dtype == torch.bool and buf.translate(None, b"\x00\x01"):
+                # torch.bool takes 0 and 1 only; another byte would be a
+                # bool tensor whose comparisons and sums disagree.
+                raise SafetensorsError(f"{path}: tensor '{name}' of BOOL "
+                                       f"holds a byte other than 0 and 1")
             t = torch.frombuffer(buf, dtype=dtype)
             if sys.byteorder == "big" and size > 1:
                 t = torch.from_numpy(
