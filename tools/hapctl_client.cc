@@ -48,7 +48,7 @@ constexpr char kUsage[] = R"(usage:
                      [--optimizer sgd|momentum|adam] [--lr X] [--momentum X]
                      [--clip-norm X] [--weight-decay X] [--seed N] [--ignore-memory]
                      [--max-states N] [--id ID] [--wait]
-  hapctl watch plan NAME
+  hapctl watch plan NAME              (until it ends, or --timeout when given)
   hapctl cancel plan NAME
   hapctl delete plan NAME
   hapctl delete node NAME              (its devices leave the cluster)
@@ -67,11 +67,12 @@ constexpr char kUsage[] = R"(usage:
                      [--max-devices N] [--min-gain FRACTION] [--no-join]
                      [--join-stable SECONDS] [--max-replans N]
                      [--slowdown-threshold FRACTION] [--no-slowdown]
-  hapctl watch job NAME               (until it ends)
+  hapctl watch job NAME               (until it ends, or --timeout when given)
   hapctl stop job NAME
   hapctl delete job NAME               (a finished one: SUCCEEDED, FAILED or STOPPED)
 Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
-  --timeout SECONDS (default 30), --token-file FILE (else $HAP_TOKEN_FILE),
+  --timeout SECONDS (each call's; default 30; a watch's only when given),
+  --token-file FILE (else $HAP_TOKEN_FILE),
   --tls-ca-file FILE, -o table|json|yaml. Errors go to stderr, exit code 1.
 )";
 
@@ -79,6 +80,9 @@ struct Client {
   std::unique_ptr<v1::Planner::Stub> stub;
   Security security;
   absl::Duration timeout = absl::Seconds(30);
+  // The watches' bound: --timeout when given, else none (a watch lasts
+  // until what it watches ends).
+  absl::Duration watch_timeout = absl::InfiniteDuration();
   std::string format = "table";
 
   void Prepare(grpc::ClientContext* ctx) const {
@@ -495,6 +499,7 @@ absl::StatusOr<Client> Connect(const Args& a) {
   HAP_ASSIGN_OR_RETURN(double t, a.Number("timeout", 30));
   if (!(t > 0)) return absl::InvalidArgumentError("--timeout must be positive");
   c.timeout = absl::Seconds(t);
+  if (a.Has("timeout")) c.watch_timeout = c.timeout;
   c.format = a.Get("o", a.Get("output", "table"));
   if (c.format != "table" && c.format != "json" && c.format != "yaml") {
     return absl::InvalidArgumentError(
@@ -514,11 +519,19 @@ std::string DeploymentName(const std::string& s) {
 }
 
 // Every page of a List call (`call(ctx, request, page)`), the items
-// (`items(response)`) appended to `all` in order.
+// (`items(response)`) appended to `all` in order. A planner that answers
+// with a page token it gave before is an error (the loop asked for that
+// page again for ever).
 template <typename Request, typename Response, typename Call, typename Items>
 grpc::Status ListEveryPage(const Client& c, Call call, Items items, Response* all) {
   std::string token;
+  std::set<std::string> seen;
   do {
+    if (!seen.insert(token).second) {
+      return grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("the planner answered with the page token '", token,
+                                       "' twice; the list would never end"));
+    }
     Request r;
     r.set_page_token(token);
     Response page;
@@ -816,11 +829,22 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   return r;
 }
 
+// A watch's error; at its --timeout, which one.
+int FailWatch(const Client& c, const grpc::Status& s) {
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+      c.watch_timeout != absl::InfiniteDuration()) {
+    return Fail(absl::DeadlineExceededError(
+        absl::StrCat("still watching at --timeout ", absl::ToDoubleSeconds(c.watch_timeout),
+                     " s (without --timeout, a watch lasts until what it watches ends)")));
+  }
+  return Fail(s);
+}
+
 int WatchJob(Client& c, const std::string& name) {
   v1::WatchJobRequest r;
   r.set_name(JobName(name));
   grpc::ClientContext ctx;
-  service::PrepareClientContext(&ctx, c.security, absl::InfiniteDuration());
+  service::PrepareClientContext(&ctx, c.security, c.watch_timeout);
   auto reader = c.stub->WatchJob(&ctx, r);
   v1::Job j;
   while (reader->Read(&j)) {
@@ -836,7 +860,7 @@ int WatchJob(Client& c, const std::string& name) {
     }
   }
   grpc::Status s = reader->Finish();
-  if (!s.ok()) return Fail(s);
+  if (!s.ok()) return FailWatch(c, s);
   if (j.status().state() == v1::JobStatus::FAILED) {
     std::cerr << "error: the job failed: " << j.status().message() << "\n";
     return 1;
@@ -848,7 +872,7 @@ int Watch(Client& c, const std::string& name) {
   v1::WatchPlanRequest r;
   r.set_name(PlanName(name));
   grpc::ClientContext ctx;
-  service::PrepareClientContext(&ctx, c.security, absl::InfiniteDuration());
+  service::PrepareClientContext(&ctx, c.security, c.watch_timeout);
   auto reader = c.stub->WatchPlan(&ctx, r);
   v1::Plan p;
   while (reader->Read(&p)) {
@@ -864,7 +888,7 @@ int Watch(Client& c, const std::string& name) {
     }
   }
   grpc::Status s = reader->Finish();
-  if (!s.ok()) return Fail(s);
+  if (!s.ok()) return FailWatch(c, s);
   if (p.state() == v1::Plan::FAILED) {
     std::cerr << "error: the plan failed: " << p.error() << "\n";
     return 1;

@@ -1,0 +1,121 @@
+// hapctl's client commands against a planner that misbehaves: an
+// in-process hap.v1.Planner on 127.0.0.1:0 whose calls never end or whose
+// list pages never do.
+#include "tools/hapctl_client.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "hap/v1/planner_service.grpc.pb.h"
+
+namespace hap::tools {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+namespace v1 = ::hap::v1;
+
+// Answers a watch with one message and then nothing until the client goes
+// (a planner stuck, or stopped after the connection was made); answers
+// every page of ListPlans with the same next_page_token.
+class StuckPlanner final : public v1::Planner::Service {
+ public:
+  grpc::Status WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,
+                         grpc::ServerWriter<v1::Plan>* w) override {
+    v1::Plan p;
+    p.set_name(r->name());
+    p.set_state(v1::Plan::RUNNING);
+    w->Write(p);
+    return WaitUntilCancelled(ctx);
+  }
+  grpc::Status WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* r,
+                        grpc::ServerWriter<v1::Job>* w) override {
+    v1::Job j;
+    j.set_name(r->name());
+    w->Write(j);
+    return WaitUntilCancelled(ctx);
+  }
+  grpc::Status ListPlans(grpc::ServerContext*, const v1::ListPlansRequest*,
+                         v1::ListPlansResponse* out) override {
+    out->add_plans()->set_name("plans/p");
+    out->set_next_page_token("again");
+    return grpc::Status::OK;
+  }
+
+ private:
+  static grpc::Status WaitUntilCancelled(grpc::ServerContext* ctx) {
+    // The client's deadline or its going away cancels the call; a poll of
+    // the flag, as the synchronous API has no notification of it.
+    while (!ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(5));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went");
+  }
+};
+
+class HapctlClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    b.RegisterService(&service_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port_, 0);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now());
+  }
+
+  // hapctl VERB ARGS... --server (this planner); the exit code, with what
+  // it printed in `out` and `err`.
+  int Hapctl(const std::string& verb, std::vector<std::string> args, std::string* out,
+             std::string* err) {
+    args.push_back(absl::StrCat("--server=127.0.0.1:", port_));
+    ::testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStderr();
+    const int rc = RunClient(verb, args);
+    *out = ::testing::internal::GetCapturedStdout();
+    *err = ::testing::internal::GetCapturedStderr();
+    return rc;
+  }
+
+  StuckPlanner service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// `watch` had no deadline whatever --timeout said: a planner that stopped
+// answering held hapctl for ever. An explicit --timeout bounds the watch.
+TEST_F(HapctlClientTest, WatchPlanEndsAtAnExplicitTimeout) {
+  std::string out, err;
+  EXPECT_EQ(Hapctl("watch", {"plan", "p", "--timeout", "1"}, &out, &err), 1);
+  EXPECT_THAT(out, HasSubstr("RUNNING"));
+  EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED"));
+  EXPECT_THAT(err, HasSubstr("--timeout 1"));
+}
+
+TEST_F(HapctlClientTest, WatchJobEndsAtAnExplicitTimeoutGivenFirst) {
+  std::string out, err;
+  // As `hapctl --timeout=1 watch job j` passes it (main moves it behind).
+  EXPECT_EQ(Hapctl("watch", {"job", "j", "--timeout=1"}, &out, &err), 1);
+  EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED"));
+}
+
+// A planner that answers every page with the same next_page_token: `get`
+// asked for that page again for ever, its list growing without bound.
+TEST_F(HapctlClientTest, GetStopsAtARepeatedPageToken) {
+  std::string out, err;
+  EXPECT_EQ(Hapctl("get", {"plans", "--timeout", "5"}, &out, &err), 1);
+  EXPECT_THAT(err, HasSubstr("page token 'again' twice"));
+  EXPECT_THAT(out, Not(HasSubstr("plans/p")));
+}
+
+}  // namespace
+}  // namespace hap::tools
