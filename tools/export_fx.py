@@ -103,8 +103,14 @@ Command line:
   `hap-executor --init-weights OUT` starts training from them. In Python: export(..., return_values=True), then
   state_dict_weights(graph, values) or write_weights(path, graph, values).
 
-Exit status: 0 on success, 2 on an unsupported op/module or a bad argument
-(the message names the fx node and its target).
+-o and --weights are each written into a temporary file beside them and
+renamed into place only when both are complete (a device or FIFO such as
+/dev/stdout is written in place): a failed write leaves both as they were.
+
+Exit status: 0 on success, 2 on an unsupported op/module, a bad argument, an
+error in the module's own code (import, factory) or a file that cannot be
+written (the message names the fx node and its target, the argument, the
+exception and its place, or the file).
 
 The implementation is the package tools/fx_export/ (its __init__.py maps
 it): tracing, the exporter core, and one file of handlers per op family,

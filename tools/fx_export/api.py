@@ -4,6 +4,7 @@ the example inputs), finds the loss node and runs the Exporter on it."""
 
 import inspect
 import os
+import sysconfig
 import traceback
 
 import torch
@@ -46,11 +47,13 @@ def _wrap_with_loss(module, loss_fn, example_inputs, labels):
     return w
 
 
-def _user_frame(e):
+def user_frame(e):
     """ " at FILE:LINE (SOURCE)" for the innermost frame of `e`'s traceback
-    in the user's code (not torch's, not the exporter's), or ""."""
+    in the user's code (not torch's, not the exporter's, not Python's own
+    library: importlib's for an error at import), or ""."""
     skip = (os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))),
-            os.path.dirname(os.path.abspath(__file__)))
+            os.path.dirname(os.path.abspath(__file__)),
+            os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
     where = ""
     for frame in traceback.extract_tb(e.__traceback__):
         path = os.path.abspath(frame.filename)
@@ -86,6 +89,12 @@ def _check_inputs(root, example_inputs):
     for k, v in example_inputs.items():
         if not isinstance(v, torch.Tensor):
             raise ExportError(f"example input '{k}' is not a tensor")
+        if any(d < 1 for d in v.shape):
+            # The IR has no empty tensors (hapctl validate: "dimensions
+            # must be positive"); an empty batch is refused here.
+            raise ExportError(f"example input '{k}' has shape "
+                              f"{list(v.shape)}: every dimension must be "
+                              f"at least 1")
     return sig, concrete
 
 
@@ -198,7 +207,7 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
             if isinstance(e, fx.proxy.TraceError):
                 hint = " (data-dependent control flow is not supported)"
             raise ExportError(f"torch.fx cannot trace "
-                              f"{type(root).__name__}{_user_frame(e)}: "
+                              f"{type(root).__name__}{user_frame(e)}: "
                               f"{type(e).__name__}: {e}{hint}") from e
         gm = fx.GraphModule(root, graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

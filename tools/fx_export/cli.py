@@ -4,6 +4,7 @@ loading the module, the example inputs, writing the graph and weights."""
 import argparse
 import importlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -12,9 +13,10 @@ import sys
 import torch
 import torch.nn as nn
 
-from .api import export
+from .api import export, user_frame
 from .ir import ExportError
-from .weights import state_dict_extras, state_dict_weights, write_weights
+from .weights import (safetensors_io, state_dict_extras, state_dict_weights,
+                      write_weights)
 
 
 def _load_attr(spec):
@@ -24,28 +26,43 @@ def _load_attr(spec):
         raise ExportError(f"--module wants package.module:attr or "
                           f"file.py:attr, got '{spec}'")
     mod_name, _, attr = spec.rpartition(":")
+    if not mod_name or not attr:
+        raise ExportError(f"--module wants package.module:attr or "
+                          f"file.py:attr, got '{spec}'")
+    # An error in the module's own code (a syntax error, an exception at
+    # import) is the user's: named with its place, not a traceback.
     if mod_name.endswith(".py") or os.sep in mod_name:
         path = os.path.abspath(mod_name)
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
             raise ExportError(f"no such file '{mod_name}'")
         sys.path.insert(0, os.path.dirname(path))
         modspec = importlib.util.spec_from_file_location(
             os.path.splitext(os.path.basename(path))[0], path)
         mod = importlib.util.module_from_spec(modspec)
-        modspec.loader.exec_module(mod)
+        try:
+            modspec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001 (the user's module code)
+            raise ExportError(f"cannot load '{mod_name}': "
+                              f"{_describe(e)}") from e
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
             mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ExportError(f"cannot import '{mod_name}': {e}") from e
+        except Exception as e:  # noqa: BLE001 (the user's module code)
+            raise ExportError(f"cannot import '{mod_name}': "
+                              f"{_describe(e)}") from e
     obj = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ExportError(f"'{mod_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
     return obj
+
+
+def _describe(e):
+    """An exception raised by the user's code, with where it was raised."""
+    return f"{type(e).__name__}: {e}{user_frame(e)}"
 
 
 _CLI_DTYPES = {"float32": torch.float32, "float": torch.float32,
@@ -60,27 +77,43 @@ def _parse_input(spec):
         raise ExportError(f"--input-shape wants name=d0,d1[:dtype[:high]], got "
                           f"'{spec}'")
     name, _, rest = spec.partition("=")
+    if not name.isidentifier():
+        raise ExportError(f"--input-shape '{spec}': '{name}' is not a forward "
+                          f"argument name")
     parts = rest.split(":")
     try:
         shape = [int(d) for d in parts[0].split(",") if d.strip()]
     except ValueError:
         raise ExportError(f"--input-shape '{spec}': bad shape") from None
-    if any(d < 0 for d in shape) or len(parts) > 3:
+    # A dimension of 0 (an empty batch) makes a graph the IR refuses
+    # ("dimensions must be positive"): named here instead.
+    if any(d < 1 for d in shape) or len(parts) > 3:
         raise ExportError(f"--input-shape '{spec}': wants name=d0,d1[:dtype[:high]] "
-                          f"with dimensions >= 0")
+                          f"with dimensions >= 1")
     dtype = _CLI_DTYPES.get(parts[1] if len(parts) > 1 else "float32")
     if dtype is None:
         raise ExportError(f"--input-shape '{spec}': unknown dtype '{parts[1]}'"
                           f" (one of {', '.join(sorted(_CLI_DTYPES))})")
-    if dtype.is_floating_point:
-        return name, torch.randn(shape, dtype=dtype)
+    if dtype.is_floating_point and len(parts) > 2:
+        raise ExportError(f"--input-shape '{spec}': HIGH is for integer "
+                          f"inputs (float ones are random normal)")
+    high = None
     if len(parts) > 2:
         high = int(parts[2]) if parts[2].strip().isdigit() else 0
         if high < 1:
             raise ExportError(f"--input-shape '{spec}': high must be a positive "
                               f"integer, got '{parts[2]}'")
-        return name, torch.randint(0, high, shape, dtype=dtype)
-    return name, torch.zeros(shape, dtype=dtype)
+    try:
+        if dtype.is_floating_point:
+            return name, torch.randn(shape, dtype=dtype)
+        if high is not None:
+            return name, torch.randint(0, high, shape, dtype=dtype)
+        return name, torch.zeros(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:  # too large to allocate
+        n = math.prod(shape)
+        raise ExportError(f"--input-shape '{spec}': cannot make an example "
+                          f"input of {n} elements: "
+                          f"{str(e).splitlines()[0][:200]}") from None
 
 
 def _parser():
@@ -128,6 +161,9 @@ def _module_and_examples(a):
             module = obj(**kwargs)
         except TypeError as e:  # e.g. a keyword argument it does not take
             raise ExportError(f"'{a.module}' with --kwargs {a.kwargs}: {e}") from None
+        except Exception as e:  # noqa: BLE001 (the user's factory failed)
+            raise ExportError(f"'{a.module}' with --kwargs {a.kwargs} failed: "
+                              f"{_describe(e)}") from e
     else:
         raise ExportError(f"'{a.module}' is not a module, class or "
                           f"factory")
@@ -138,11 +174,68 @@ def _module_and_examples(a):
         raise ExportError(f"'{a.module}' did not give an nn.Module")
     ex = getattr(module, "example_inputs", None)
     if not examples and ex is not None:
-        examples = dict(ex() if callable(ex) else ex)
+        try:
+            examples = dict(ex() if callable(ex) else ex)
+        except Exception as e:  # noqa: BLE001 (the user's example_inputs)
+            raise ExportError(f"the example_inputs of '{a.module}' failed: "
+                              f"{_describe(e)}") from e
     for spec in a.input_shape:
         k, t = _parse_input(spec)
         examples[k] = t
     return module, examples
+
+
+def _write_outputs(a, text, g, values, module, weights):
+    """Writes the graph (-o) and the weights (--weights): each into a
+    temporary file beside it, and renamed into place only when both are
+    complete, so that a failure (a full disk, a missing directory) leaves
+    neither file half-written nor one new beside an old other. Returns
+    (weights tensor count, unused parameters); ExportError names the file
+    that could not be written."""
+    st = safetensors_io()
+    pending = []  # (path, OutputFile)
+    path = None
+    try:
+        n, unused = 0, []
+        if a.weights is not None:
+            path = a.weights
+            pending.append((path, st.OutputFile(path)))
+            n, unused = write_weights(path, g, values, module, weights,
+                                      out=pending[-1][1])
+        if a.output != "-":
+            path = a.output
+            pending.append((path, st.OutputFile(path)))
+            pending[-1][1].write(text.encode("utf-8"))
+        for path, f in pending:
+            f.finish()
+        for path, f in pending:
+            f.commit()
+        return n, unused
+    except OSError as e:
+        for _, f in pending:
+            f.discard()
+        raise ExportError(f"cannot write '{path}': "
+                          f"{e.strerror or e}") from None
+    except BaseException:
+        for _, f in pending:
+            f.discard()
+        raise
+
+
+def _write_stdout(text):
+    """Writes `text` to standard output, unbuffered where it is a file
+    descriptor: a failed write (a full disk) raises OSError here, once,
+    instead of again when Python flushes its buffer at exit (status 120)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        sys.stdout.write(text)  # not a file (captured in-process)
+        sys.stdout.flush()
+        return
+    sys.stdout.flush()
+    data = memoryview(text.encode("utf-8"))
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def main(argv=None):
@@ -151,13 +244,15 @@ def main(argv=None):
     try:
         module, examples = _module_and_examples(a)
         loss = a.loss
-        if loss is not None and loss.isdigit():
+        if loss is not None and loss.lstrip("-").isdigit():
             loss = int(loss)
         g, values = export(module, examples, loss=loss, name=a.name,
                            run_on=a.run_on, return_values=True)
         weights = None
         if a.weights is not None:
             weights = state_dict_weights(g, values)  # fails before writing
+        text = json.dumps(g, indent=1) + "\n"
+        n, unused = _write_outputs(a, text, g, values, module, weights)
     except ExportError as e:
         print(f"export_fx: error: {e}", file=sys.stderr)
         return 2
@@ -167,27 +262,19 @@ def main(argv=None):
               "record, left out of --weights and checkpoint exports: " +
               "; ".join(f"{k}: {why}" for k, why in unrecorded.items()),
               file=sys.stderr)
-    text = json.dumps(g, indent=1)
     if a.output == "-":
-        sys.stdout.write(text + "\n")
-    else:
         try:
-            with open(a.output, "w") as f:
-                f.write(text + "\n")
+            _write_stdout(text)
         except OSError as e:
-            print(f"export_fx: error: cannot write '{a.output}': {e.strerror}",
-                  file=sys.stderr)
+            print(f"export_fx: error: cannot write the graph to standard "
+                  f"output: {e.strerror or e}", file=sys.stderr)
             return 2
+    else:
         n_params = sum(math.prod(p["tensor"]["shape"]) for p in g["parameters"])
         print(f"export_fx: wrote {a.output}: {len(g['ops'])} ops, "
               f"{len(g['parameters'])} parameter tensors ({n_params} values)",
               file=sys.stderr)
     if a.weights is not None:
-        try:
-            n, unused = write_weights(a.weights, g, values, module, weights)
-        except ExportError as e:
-            print(f"export_fx: error: {e}", file=sys.stderr)
-            return 2
         print(f"export_fx: wrote {a.weights}: {n} tensors (state_dict names)",
               file=sys.stderr)
         if unused:

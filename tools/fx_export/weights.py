@@ -128,10 +128,12 @@ def safetensors_io():
     return module
 
 
-def write_weights(path, graph, values, module=None, weights=None):
+def write_weights(path, graph, values, module=None, weights=None, out=None):
     """Writes state_dict_weights(graph, values) (or `weights`, its result)
-    as a safetensors file; returns (tensor count, the parameters of `module`
-    left out because the graph does not use them)."""
+    as a safetensors file, atomically; returns (tensor count, the
+    parameters of `module` left out because the graph does not use them).
+    `out`: a safetensors_io.OutputFile for `path` to write into instead,
+    which the caller commits (or discards); its OSError is the caller's."""
     if weights is None:
         weights = state_dict_weights(graph, values)
     unused = []
@@ -139,10 +141,17 @@ def write_weights(path, graph, values, module=None, weights=None):
         have = set(weights)
         unused = [n for n, _ in module.named_parameters() if n not in have]
     st = safetensors_io()
+    metadata = {"format": "pt", "exporter": "tools/export_fx.py",
+                "graph": graph["name"]}
     try:
-        st.write_safetensors(path, weights, {
-            "format": "pt", "exporter": "tools/export_fx.py",
-            "graph": graph["name"]})
-    except (st.SafetensorsError, OSError) as e:
+        if out is not None:
+            st.write_to(out, weights, metadata)
+        else:
+            st.write_safetensors(path, weights, metadata)
+    except st.SafetensorsError as e:
+        raise ExportError(f"cannot write the weights to {path}: {e}") from e
+    except OSError as e:
+        if out is not None:
+            raise
         raise ExportError(f"cannot write the weights to {path}: {e}") from e
     return len(weights), unused

@@ -1,0 +1,206 @@
+"""tools/export_fx.py's command line on the mistakes a user makes and the
+failures a disk makes: every one is an `export_fx: error:` naming the
+argument, the module or the file, exit status 2, no Python traceback; and
+the graph and weights files are written whole or not at all (each into a
+temporary file, both renamed into place only once both are complete)."""
+
+import json
+import os
+import resource
+import signal
+import stat
+import subprocess
+import unittest
+
+import torch
+import torch.nn as nn
+
+import torch_test_util as U  # noqa: E402  (sets sys.path)
+import export_fx  # noqa: E402
+
+MODULES = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.fc1 = nn.Linear(4, hidden)
+        self.fc2 = nn.Linear(hidden, 3)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.fc2(F.relu(self.fc1(x))), labels)
+
+
+class TwoOutputs(Mlp):
+    def forward(self, x, labels):
+        logits = self.fc2(F.relu(self.fc1(x)))
+        return logits, F.cross_entropy(logits, labels)
+
+
+def failing_factory():
+    raise ValueError("no such configuration")
+
+
+class BadExamples(Mlp):
+    def example_inputs(self):
+        raise KeyError("x")
+'''
+
+GOOD = ["x=5,4", "labels=5:int64:3"]
+
+
+class ExportCliTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = U.tmpdir()
+        cls.py = os.path.join(cls.dir, "cli_models.py")
+        with open(cls.py, "w") as f:
+            f.write(MODULES)
+        with open(os.path.join(cls.dir, "broken_syntax.py"), "w") as f:
+            f.write("def f(:\n")
+        with open(os.path.join(cls.dir, "raises_at_import.py"), "w") as f:
+            f.write("raise RuntimeError('cannot start without a GPU')\n")
+
+    def run_cli(self, module, inputs=GOOD, extra=(), out=None, limit=None,
+                cwd=None):
+        """export_fx.py as a user runs it: (process, output path)."""
+        out = out or os.path.join(self.dir, "out.json")
+        cmd = [U.PYTHON, U.EXPORT_FX, "--module", module, "-o", out]
+        for spec in inputs:
+            cmd += ["--input-shape", spec]
+        cmd += list(extra)
+
+        def preexec():
+            if limit is not None:  # a disk that fills after `limit` bytes
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        p = subprocess.run(cmd, capture_output=True, text=True,
+                           cwd=cwd or self.dir, preexec_fn=preexec,
+                           timeout=300)
+        return p, out
+
+    def assertFailsNaming(self, p, *needles):
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertNotIn("Traceback", p.stderr)
+        self.assertIn("export_fx: error: ", p.stderr)
+        for needle in needles:
+            self.assertIn(needle, p.stderr)
+
+    def test_errors_of_the_users_module_are_named_not_tracebacks(self):
+        """A module that does not import, a factory or example_inputs that
+        raise: exit status 1 and a traceback before; now the module, the
+        exception and its file and line."""
+        for module, needles in (
+                ("broken_syntax.py:M", ["cannot load 'broken_syntax.py'",
+                                        "SyntaxError"]),
+                ("broken_syntax:M", ["cannot import 'broken_syntax'",
+                                     "SyntaxError"]),
+                ("raises_at_import.py:M",
+                 ["RuntimeError: cannot start without a GPU",
+                  "raises_at_import.py:1"]),
+                ("raises_at_import:M",
+                 ["cannot import 'raises_at_import'",
+                  "RuntimeError: cannot start without a GPU"]),
+                ("cli_models.py:failing_factory",
+                 ["'cli_models.py:failing_factory'",
+                  "ValueError: no such configuration",
+                  'cli_models.py:24 (raise ValueError("no such configuration"))']),
+                ("cli_models.py:BadExamples",
+                 ["example_inputs of 'cli_models.py:BadExamples'",
+                  "KeyError"]),
+                (":Mlp", ["--module wants package.module:attr"]),
+                ("cli_models.py:", ["--module wants package.module:attr"])):
+            with self.subTest(module=module):
+                p, _ = self.run_cli(module, inputs=[])
+                self.assertFailsNaming(p, *needles)
+        p, _ = self.run_cli("cli_models.py:Mlp",
+                            extra=["--kwargs", '{"hidden": -3}'])
+        self.assertFailsNaming(p, "--kwargs {\"hidden\": -3} failed",
+                               "negative dimension")
+
+    def test_bad_input_shapes_are_named(self):
+        """A dimension of 0 (an empty batch) exported a graph that `hapctl
+        validate` refuses; an input too large to allocate was a traceback;
+        HIGH on a float input and an empty name were ignored."""
+        huge = "x=1000000000,1000000"  # 4e15 bytes: more than any address space
+        for inputs, needle in (
+                (["x=0,4", "labels=0:int64:3"], "'x=0,4'"),
+                (["x=5,4", "labels=0:int64:3"], "'labels=0:int64:3'"),
+                ([huge, "labels=5:int64:3"], f"'{huge}': cannot make"),
+                (["x=5,4:float32:3", "labels=5:int64:3"],
+                 "HIGH is for integer inputs"),
+                (["=5,4", "labels=5:int64:3"], "'' is not a forward argument"),
+                (["x=5,4", "labels=5:int64:-1"], "high must be a positive")):
+            with self.subTest(inputs=inputs):
+                p, out = self.run_cli("cli_models.py:Mlp", inputs=inputs)
+                self.assertFailsNaming(p, "--input-shape", needle)
+        # The API refuses an empty example input too.
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(nn.Linear(4, 3),
+                             {"input": torch.zeros(0, 4),
+                              "labels": torch.zeros(0, dtype=torch.int64)},
+                             loss=nn.CrossEntropyLoss())
+        self.assertIn("example input 'input' has shape [0, 4]",
+                      str(cm.exception))
+
+    def test_negative_loss_index_selects_from_the_end(self):
+        p, out = self.run_cli("cli_models.py:TwoOutputs", extra=["--loss=-1"])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(out) as f:
+            g = json.load(f)
+        self.assertEqual(g["loss"], "loss")
+
+    def test_a_failed_write_leaves_both_files_as_they_were(self):
+        """The graph was written in place (open(..., 'w')): a full disk left
+        a truncated JSON file, and a --weights that failed after it left a
+        new graph beside the old weights."""
+        out = os.path.join(self.dir, "pair.json")
+        weights = os.path.join(self.dir, "pair.safetensors")
+        p, _ = self.run_cli("cli_models.py:Mlp", out=out,
+                            extra=["--weights", weights])
+        self.assertEqual(p.returncode, 0, p.stderr)
+        before = {}
+        for path in (out, weights):
+            with open(path, "rb") as f:
+                before[path] = f.read()
+        listing = sorted(os.listdir(self.dir))
+
+        # A disk that fills part of the way through the graph's file (the
+        # weights file, a few hundred bytes, fits; the graph's JSON does not).
+        limit = len(before[weights]) + 200
+        self.assertGreater(len(before[out]), limit)
+        p, _ = self.run_cli("cli_models.py:Mlp", out=out, limit=limit,
+                            extra=["--weights", weights,
+                                   "--kwargs", '{"hidden": 9}'])
+        self.assertFailsNaming(p, f"cannot write '{out}'")
+        # A weights file that cannot be written (no such directory).
+        nowhere = os.path.join(self.dir, "no-such-dir", "w.safetensors")
+        p, _ = self.run_cli("cli_models.py:Mlp", out=out,
+                            extra=["--weights", nowhere,
+                                   "--kwargs", '{"hidden": 9}'])
+        self.assertFailsNaming(p, f"cannot write '{nowhere}'")
+        for path, data in before.items():
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), data, path)
+        self.assertEqual(sorted(os.listdir(self.dir)), listing)
+
+    def test_standard_output_that_cannot_be_written_fails(self):
+        if not os.path.exists("/dev/full") or \
+                not stat.S_ISCHR(os.stat("/dev/full").st_mode):
+            self.skipTest("no /dev/full")
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(
+                [U.PYTHON, U.EXPORT_FX, "--module", "cli_models.py:Mlp",
+                 "-o", "-"] + sum((["--input-shape", s] for s in GOOD), []),
+                stdout=full, stderr=subprocess.PIPE, text=True, cwd=self.dir,
+                timeout=300)
+        self.assertFailsNaming(p, "cannot write the graph to standard output")
+        self.assertTrue(stat.S_ISCHR(os.stat("/dev/full").st_mode))
+
+
+if __name__ == "__main__":
+    U.main("export_cli_test")
