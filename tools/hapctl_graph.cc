@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/op_registry.h"
@@ -182,17 +183,26 @@ int RunZoo(const std::vector<std::string>& argv) {
   if (!format.ok()) return Fail(format.status());
   const std::string fmt = *format;
   std::vector<std::string> names = args->positional();
+  // One file holds one graph: with every model (or several) each export
+  // replaced the one before, and the file held the last model alone.
+  if (args->Has("export") && names.size() != 1) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--export writes one model's graph: name one model (hapctl zoo MODEL --export FILE), got ",
+        names.empty() ? std::string("none") : absl::StrJoin(names, ", "))));
+  }
   if (names.empty()) {
     for (const auto& m : graph::ZooModels()) names.push_back(m.name);
   }
+  // Printed once every model was built: a model that fails left a header
+  // or half a JSON list on stdout.
+  std::ostringstream out;
   auto overrides = ZooOverrides(*args);
   if (!overrides.ok()) return Fail(overrides.status());
   if (fmt == "table") {
-    std::cout << absl::StrFormat("%-12s %14s %16s %16s %6s\n", "MODEL",
-                                 "PARAMETERS", "FWD GFLOP/STEP",
-                                 "TRAIN GFLOP/STEP", "OPS");
+    out << absl::StrFormat("%-12s %14s %16s %16s %6s\n", "MODEL", "PARAMETERS", "FWD GFLOP/STEP",
+                           "TRAIN GFLOP/STEP", "OPS");
   }
-  if (fmt == "json") std::cout << "[";
+  if (fmt == "json") out << "[";
   for (size_t i = 0; i < names.size(); ++i) {
     // Overrides apply to each model that takes them.
     std::map<std::string, double> mine;
@@ -210,24 +220,24 @@ int RunZoo(const std::vector<std::string>& argv) {
       if (!w.ok()) return Fail(w);
     }
     if (fmt == "json") {
-      std::cout << (i ? ",\n " : "") << GraphSummaryJson(*g);
+      out << (i ? ",\n " : "") << GraphSummaryJson(*g);
     } else {
-      std::cout << absl::StrFormat("%-12s %14d %16.1f %16.1f %6d\n", g->name(),
-                                   g->ParameterCount(), g->ForwardFlops() / 1e9,
-                                   g->TrainingFlops() / 1e9, g->ops().size());
+      out << absl::StrFormat("%-12s %14d %16.1f %16.1f %6d\n", g->name(), g->ParameterCount(),
+                             g->ForwardFlops() / 1e9, g->TrainingFlops() / 1e9, g->ops().size());
     }
   }
-  if (fmt == "json") std::cout << "]\n";
+  if (fmt == "json") out << "]\n";
   if (fmt == "table" && names.size() == 1) {
     for (const auto& m : graph::ZooModels()) {
       if (m.name != names[0]) continue;
-      std::cout << "\nparameters (flags, defaults):";
+      out << "\nparameters (flags, defaults):";
       for (const auto& [k, v] : m.defaults) {
-        std::cout << " --" << ZooParamFlag(k) << " " << absl::StrCat(v);
+        out << " --" << ZooParamFlag(k) << " " << absl::StrCat(v);
       }
-      std::cout << "\n";
+      out << "\n";
     }
   }
+  std::cout << out.str();
   return 0;
 }
 

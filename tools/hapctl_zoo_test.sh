@@ -45,4 +45,20 @@ done
 out="$("$HAPCTL" ops --help 2>&1)" || fail "ops --help: $out"
 echo "$out" | grep -q "usage: hapctl ops" || fail "ops --help: $out"
 echo "$out" | grep -q "^linear " && fail "ops --help listed the ops: $out"
+# --export writes one model: with none or several named it is refused (the
+# file held the last model of the list alone), and nothing is written.
+for names in "" "mlp gpt"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" zoo $names --export "$tmp/several.json" 2>&1)" \
+    && fail "zoo '$names' --export exited 0: $out"
+  echo "$out" | grep -q "\-\-export writes one model's graph: name one model" \
+    || fail "zoo '$names' --export: $out"
+  [ -e "$tmp/several.json" ] && fail "zoo '$names' --export wrote a file"
+done
+# A model that fails prints nothing on stdout (there was a header, or half
+# a JSON list), its error on stderr.
+for fmt in table json; do
+  out="$("$HAPCTL" zoo mlp nosuch -o "$fmt" 2>/dev/null)" && fail "zoo mlp nosuch exited 0"
+  [ -z "$out" ] || fail "zoo mlp nosuch -o $fmt printed: $out"
+done
 echo PASS
