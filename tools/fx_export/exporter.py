@@ -25,7 +25,7 @@ from . import (ops_attention, ops_convolution, ops_elementwise,  # noqa: F401
 from . import registry
 from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
                  BoolIds, ExportError, IrTensor, LstmState, Static, attr_value,
-                 ir_dtype)
+                 float_torch_dtype, ir_dtype)
 
 
 # The most runs of equal elements the buffers folded into constants may take
@@ -143,8 +143,8 @@ class Exporter:
         if node is None:
             raise ExportError(why)
         raise ExportError(
-            f"node '{node.name}' ({node.op} {_target_name(node, self.root)}): "
-            f"{why}")
+            f"node '{node.name}' ({node.op} {_target_name(node, self.root)})"
+            f"{self.where(node)}: {why}")
 
     # ---- names, tensors, parameters, ops ----------------------------------
     def fresh(self, base, own=False):
@@ -234,7 +234,9 @@ class Exporter:
         init = initializers.constant(value)
         if not math.isfinite(value):
             self.fail(f"needs the non-finite constant {value}")
-        dummy = torch.full(shape, value, dtype=torch.float32)
+        # In the dtype of the tensor it meets (a bf16 model's constants are
+        # bf16, as its values for return_values).
+        dummy = torch.full(shape, value, dtype=float_torch_dtype(like.dtype))
         t = self.param(dummy, name=f"const.{self.node.name}", init=init,
                        frozen=True, key=("const", self.n_const), shape=shape)
         if t.dtype != like.dtype:
@@ -448,20 +450,17 @@ class Exporter:
             if n not in needed or n in self.env:
                 continue
             self.node = n
-            if n.meta.get("hap_static"):
-                self.env[n] = Static(n.meta.get("hap_value"))
-            elif n.op == "placeholder":
-                self.fail("has no example input")
-            elif n.op == "get_attr":
-                self.env[n] = self.param(self.fetch_attr(n.target))
-            elif n.op == "call_module":
-                self.env[n] = self.call_module(n)
-            elif n.op == "call_function":
-                self.env[n] = self.call_function(n)
-            elif n.op == "call_method":
-                self.env[n] = self.call_method(n)
-            else:
-                self.fail("is not supported")
+            try:
+                self.env[n] = self.export_node(n)
+            except ExportError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                # A handler that did not foresee this use of its op: still
+                # an error naming the node, its target and where it is.
+                raise ExportError(
+                    f"node '{n.name}' ({n.op} {_target_name(n, self.root)})"
+                    f"{self.where(n)}: the exporter cannot handle this use "
+                    f"({type(e).__name__}: {e})") from e
         self.node = self.loss_node
         loss = self.env[self.loss_node]
         if not isinstance(loss, IrTensor) or loss.shape != () or \
@@ -495,6 +494,30 @@ class Exporter:
                          EXTRAS_KEY: json.dumps(self.state_dict_extras(params),
                                                 sort_keys=True)},
         }
+
+    def export_node(self, n):
+        """What node `n` stands for (its handler's result)."""
+        if n.meta.get("hap_static"):
+            return Static(n.meta.get("hap_value"))
+        if n.op == "placeholder":
+            self.fail("has no example input")
+        if n.op == "get_attr":
+            return self.param(self.fetch_attr(n.target))
+        if n.op == "call_module":
+            return self.call_module(n)
+        if n.op == "call_function":
+            return self.call_function(n)
+        if n.op == "call_method":
+            return self.call_method(n)
+        self.fail("is not supported")
+
+    def where(self, node):
+        """ " in <module path>" for a function or method node inside a
+        submodule's forward, or "" (a call_module's target is its path)."""
+        if node.op == "call_module":
+            return ""
+        scope = self.scope_of(node)
+        return f" in {scope.replace('/', '.')}" if scope else ""
 
     def state_dict_extras(self, params):
         """EXTRAS_KEY's object: the module's state_dict names the graph

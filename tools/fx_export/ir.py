@@ -84,6 +84,15 @@ def ir_dtype(dt, what):
     raise ExportError(f"{what}: dtype {dt} has no HAP equivalent")
 
 
+def float_torch_dtype(ir):
+    """The torch dtype of a floating-point IR dtype (float32 for INT64:
+    exporter constants are floating point)."""
+    for dt, name in _FLOAT_DTYPES.items():
+        if name == ir:
+            return dt
+    return torch.float32
+
+
 def attr_value(v):
     """An op attribute in hap.v1.AttrValue's proto3 JSON form."""
     if isinstance(v, bool):

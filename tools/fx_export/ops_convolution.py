@@ -25,6 +25,8 @@ def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
     fx arguments; padding an int, a pair, "valid" or "same"."""
     if tuple(_pair(dilation)) != (1, 1):
         ex.fail("dilated convolution is not supported")
+    if len(x.shape) != 4:  # PyTorch also takes an unbatched [C, H, W]
+        ex.fail(f"conv2d needs an NCHW (rank-4) input, got {list(x.shape)}")
     w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
     ins = [x, w]
     if bias is not None:

@@ -5,6 +5,7 @@ and stochastic depth (drop_path), and arithmetic with tensors and constants
 import operator
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -166,6 +167,16 @@ def binary(ex, kind, a, b, alpha=1):
                 is_causal_mask(cv, xt.shape[-1], xt.shape[-1]) and \
                 cv.is_floating_point():
             return xt.with_mask(causal=True)
+        if kind == "div":
+            # The IR has no div op (it was emitted, and `hapctl validate`
+            # refused it): x * (1 / c), the reciprocal a constant too.
+            if (cv == 0).any():
+                ex.fail("divides by a constant tensor holding 0")
+            what = (f"the buffer '{ex.pub(c.target)}'"
+                    if isinstance(c, fx.Node) and c.op == "get_attr"
+                    else f"'{getattr(c, 'name', c)}'")
+            ct = ex.const(1.0 / cv.double(), xt, what)
+            return ex.op("mul", [xt, ct])
         ct = ex.t(c)
         return ex.op(kind, [xt, ct] if x_first else [ct, xt])
     if not isinstance(cv, (int, float)) or isinstance(cv, bool):
@@ -177,6 +188,8 @@ def binary(ex, kind, a, b, alpha=1):
     if kind == "div":
         if not x_first:
             ex.fail("dividing a constant by a tensor is not supported")
+        if cv == 0:
+            ex.fail("divides by the constant 0")
         return xt if cv == 1 else ex.op("scale", [xt],
                                         {"factor": 1.0 / cv})
     if kind in ("add", "sub") and cv == 0:

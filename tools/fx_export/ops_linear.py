@@ -67,9 +67,9 @@ def _bmm(ex, call):
 
 @registry.methods("matmul", "__matmul__")
 def _matmul_method(ex, call, x):
-    return matmul(ex, x, ex.t(call.args[1]))
+    return matmul(ex, x, call.tensor(1, "other"))
 
 
 @registry.methods("bmm")
 def _bmm_method(ex, call, x):
-    return matmul(ex, x, ex.t(call.args[1]), batched=True)
+    return matmul(ex, x, call.tensor(1, "mat2"), batched=True)

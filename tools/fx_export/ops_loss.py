@@ -32,9 +32,10 @@ def loss(ex, kind, input_arg, target_arg, weight, ignore_index, reduction,
 
 @registry.modules(nn.NLLLoss, nn.CrossEntropyLoss)
 def _loss_module(ex, call):
-    mod, args = call.mod, call.node.args
+    mod, args = call.mod, call.bound()  # also loss(input=..., target=...)
     kind = "nll_loss" if isinstance(mod, nn.NLLLoss) else "cross_entropy"
-    return loss(ex, kind, args[0], args[1], mod.weight, mod.ignore_index,
+    return loss(ex, kind, args["input"], args["target"], mod.weight,
+                mod.ignore_index,
                 mod.reduction, getattr(mod, "label_smoothing", 0.0))
 
 

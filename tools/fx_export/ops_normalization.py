@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initializers, registry
-from .ir import join
+from .ir import float_torch_dtype, join
 
 # ---- layer_norm ------------------------------------------------------------
 
@@ -27,11 +27,12 @@ def layer_norm(ex, mod, path, x, scope):
     d = mod.normalized_shape[0]
     if mod.elementwise_affine:
         g, b = ex.param(mod.weight), ex.param(mod.bias)
-    else:
-        g = ex.param(torch.ones(d), at("weight"), dict(initializers.ONES),
-                     True, key=("ln_w", path))
-        b = ex.param(torch.zeros(d), at("bias"), dict(initializers.ZEROS),
-                     True, key=("ln_b", path))
+    else:  # in x's dtype: a bf16 model's layer_norm takes bf16 gamma/beta
+        dt = float_torch_dtype(x.dtype)
+        g = ex.param(torch.ones(d, dtype=dt), at("weight"),
+                     dict(initializers.ONES), True, key=("ln_w", path))
+        b = ex.param(torch.zeros(d, dtype=dt), at("bias"),
+                     dict(initializers.ZEROS), True, key=("ln_b", path))
     return ex.emit("layer_norm", path, [x, g, b], {"eps": float(mod.eps)},
                    x.shape, scope=scope)
 
@@ -78,8 +79,10 @@ def batch_norm(ex, path, x, weight, bias, running_mean, running_var,
             ins.append(ex.t(t))
         else:
             ins.append(ex.param(torch.full((c,), 1.0 if leaf == "weight"
-                                           else 0.0), at(leaf),
-                                dict(init), True, key=("bn_" + leaf, path)))
+                                           else 0.0,
+                                           dtype=float_torch_dtype(x.dtype)),
+                                at(leaf), dict(init), True,
+                                key=("bn_" + leaf, path)))
     if (running_mean is None) != (running_var is None):
         ex.fail("batch_norm needs both running statistics or neither")
     if running_mean is not None:

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import registry
-from .ir import LstmState, Static, ir_dtype
+from .ir import IrTensor, LstmState, Static, ir_dtype
 from .ops_lstm import lstm_state
 
 # ---- reshape ---------------------------------------------------------------
@@ -50,12 +50,17 @@ def _reversed_axes(ex, x, name, scope):
     return ex.transpose(name, x, list(range(len(x.shape)))[::-1], scope)
 
 
-def _norm_dims(dims):
-    """permute's dims (varargs or one list) with negative ones resolved."""
+def _norm_dims(ex, dims, x):
+    """permute's dims (varargs or one list) with negative ones resolved,
+    checked to be a permutation of x's axes."""
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
         dims = dims[0]
-    rank = len(dims)
-    return [d + rank if d < 0 else d for d in dims]
+    rank = len(x.shape)
+    out = [d + rank if isinstance(d, int) and d < 0 else d for d in dims]
+    if sorted(out) != list(range(rank)):
+        ex.fail(f"permute dims {list(dims)} are not a permutation of the "
+                f"{rank} axes of {list(x.shape)}")
+    return out
 
 
 def _transpose_dims(ex, x, d0, d1):
@@ -81,15 +86,21 @@ def _transpose_method(ex, call, x):
 @registry.functions(torch.permute)
 def _permute(ex, call):
     n = call.node
-    return ex.transpose(ex.base_name(n), call.tensor(0, "input"),
-                        _norm_dims(call.value(1, "dims")), ex.scope_of(n))
+    x = call.tensor(0, "input")
+    return ex.transpose(ex.base_name(n), x,
+                        _norm_dims(ex, [call.value(1, "dims")], x),
+                        ex.scope_of(n))
 
 
 @registry.methods("permute")
 def _permute_method(ex, call, x):
     n = call.node
-    return ex.transpose(ex.base_name(n), x,
-                        _norm_dims(ex.v(list(call.args[1:]))), ex.scope_of(n))
+    # x.permute(1, 0), x.permute((1, 0)) or x.permute(dims=(1, 0)) (the
+    # keyword was read as no dims: the identity).
+    dims = list(call.args[1:]) if len(call.args) > 1 else \
+        [call.kwargs.get("dims", ())]
+    return ex.transpose(ex.base_name(n), x, _norm_dims(ex, ex.v(dims), x),
+                        ex.scope_of(n))
 
 
 @registry.functions(torch.t)
@@ -331,11 +342,12 @@ def _cast_method(ex, call, x):
 # ---- embedding -------------------------------------------------------------
 
 
-def embedding(ex, ids_arg, weight):
+def embedding(ex, ids_arg, weight, padding_idx=None):
     """The rows of table `weight` (a module parameter or an fx argument) at
     the integer ids `ids_arg`; constant ids 0..n-1 (positions) are the
     table's first n rows. Records that the ids lie below the table's size
-    (which bounds a key padding mask computed from them)."""
+    (which bounds a key padding mask computed from them). `padding_idx`:
+    PyTorch's, whose row gets no gradient (see _keep_rows)."""
     w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
     if len(w.shape) != 2:
         ex.fail("the embedding table must have rank 2")
@@ -343,7 +355,8 @@ def embedding(ex, ids_arg, weight):
         ids = ex.env[ids_arg].value
         n = ids.numel() if isinstance(ids, torch.Tensor) else -1
         if (isinstance(ids, torch.Tensor) and ids.dim() == 1 and
-                torch.equal(ids.cpu(), torch.arange(n))):
+                torch.equal(ids.cpu(), torch.arange(n))) and \
+                (padding_idx is None or padding_idx % w.shape[0] >= n):
             # positions 0..n-1: the first n rows of the table
             if n == w.shape[0]:
                 return w
@@ -356,18 +369,62 @@ def embedding(ex, ids_arg, weight):
     if ids.dtype != "INT64":
         ex.fail("embedding indices must be integers")
     ex.id_limits.setdefault(ids.name, w.shape[0])
-    return ex.op("embedding", [ids, w])
+    out = ex.op("embedding", [ids, w])
+    if padding_idx is None:
+        return out
+    keep = _keep_rows(ex, ids, padding_idx % w.shape[0], w, weight, out)
+    return ex.emit("mul", f"{out.name}_padding_idx", [out, keep], None,
+                   out.shape, scope=ex.scope_of(ex.node))
+
+
+def _keep_rows(ex, ids, pad, w, weight, out):
+    """PyTorch's padding_idx: the table's row `pad` gets no gradient (it
+    was exported as an ordinary row, which training then moved). The
+    lookup is multiplied by the embedding of the ids in a [rows, 1] table
+    of ones with a 0 at `pad` (concatenated constants): no gradient reaches
+    that row, and its output is 0, PyTorch's while the row is zero (as
+    nn.Embedding initialises it; a nonzero one is refused)."""
+    if isinstance(weight, torch.Tensor) and not weight.is_meta and \
+            bool(weight.detach()[pad].any()):
+        ex.fail(f"embedding with padding_idx={pad}: the padding row is "
+                f"not zero (PyTorch keeps it as it is, fixed; the HAP "
+                f"export holds a fixed zero row)")
+    rows, scope, base = w.shape[0], ex.scope_of(ex.node), out.name
+    like = IrTensor("", (), w.dtype)
+    runs = []
+    for n, value in ((pad, 1.0), (1, 0.0), (rows - pad - 1, 1.0)):
+        if n > 0:
+            runs.append(ex.const(torch.full((n, 1), value), like))
+    table = runs[0] if len(runs) == 1 else ex.emit(
+        "concat", f"{base}_keep_table", runs, {"axis": 0}, (rows, 1),
+        dtype=w.dtype, scope=scope)
+    return ex.emit("embedding", f"{base}_keep", [ids, table], None,
+                   ids.shape + (1,), dtype=w.dtype, scope=scope)
+
+
+def _embedding_options(ex, padding_idx, max_norm, scale_grad_by_freq):
+    if max_norm is not None:
+        ex.fail("embedding with max_norm is not supported")
+    if scale_grad_by_freq:
+        ex.fail("embedding with scale_grad_by_freq=True is not supported "
+                "(the IR's gradient is not scaled by the ids' frequency)")
+    return padding_idx
 
 
 @registry.modules(nn.Embedding)
 def _embedding_module(ex, call):
-    if call.mod.max_norm is not None:
-        ex.fail("Embedding with max_norm is not supported")
-    return embedding(ex, call.node.args[0], call.mod.weight)
+    mod = call.mod
+    pad = _embedding_options(ex, mod.padding_idx, mod.max_norm,
+                             mod.scale_grad_by_freq)
+    return embedding(ex, call.bound()["input"], mod.weight, pad)
 
 
 @registry.functions(F.embedding)
 def _embedding(ex, call):
-    if call.value(3, "max_norm", None) is not None:
-        ex.fail("embedding with max_norm is not supported")
-    return embedding(ex, call.arg(0, "input"), call.arg(1, "weight"))
+    a = call.named(["input", "weight", "padding_idx", "max_norm",
+                    "norm_type", "scale_grad_by_freq", "sparse"],
+                   {"padding_idx": None, "max_norm": None,
+                    "scale_grad_by_freq": False})
+    pad = _embedding_options(ex, ex.v(a["padding_idx"]), ex.v(a["max_norm"]),
+                             ex.v(a["scale_grad_by_freq"]))
+    return embedding(ex, a["input"], a["weight"], pad)

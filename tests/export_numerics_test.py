@@ -1,0 +1,354 @@
+"""tools/export_fx.py on models it claims to support but exported wrongly:
+each case exports, validates with `hapctl validate`, and gives PyTorch's
+loss (and, where the defect was in training, PyTorch's gradients) with the
+reference evaluator tests/hap_ir_eval.py, or fails naming the node, its
+target and its place in the model. nn.Embedding's padding_idx also trains
+one step on 2 ranks from the --weights file, equal to PyTorch's SGD step."""
+
+import json
+import os
+import subprocess
+import unittest
+from unittest import mock
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_test_util as U  # noqa: E402  (sets sys.path)
+import export_fx  # noqa: E402
+import hap_ir_eval  # noqa: E402
+
+safetensors_io = export_fx._safetensors_io()
+EXECUTOR = os.environ.get("HAP_EXECUTOR")
+LAUNCH = os.environ.get("HAP_LAUNCH")
+CPU_CLUSTER = os.environ.get("CPU_CLUSTER")
+
+
+def labels(n, hi):
+    return torch.randint(0, hi, (n,))
+
+
+class DivideByBuffer(nn.Module):
+    """x / buffer (a per-feature temperature): the IR has no div op."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("temperature", torch.full((3,), 2.5))
+
+    def forward(self, x, labels):
+        h = self.fc(x) / self.temperature
+        h = h / torch.tensor([4.0, 4.0, 4.0]) + torch.div(h, 0.5)
+        return F.cross_entropy(h, labels)
+
+
+class NoAffineNorms(nn.Module):
+    """LayerNorm and BatchNorm without affine parameters: their weight and
+    bias are exporter constants, which were float32 in any model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.ln = nn.LayerNorm(6, elementwise_affine=False)
+        self.bn = nn.BatchNorm1d(6, affine=False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.head(self.bn(self.ln(self.fc(x))) + 1),
+                               labels)
+
+
+class KeywordArguments(nn.Module):
+    """Arguments passed by keyword: the loss module's and nn.Embedding's
+    were IndexError tracebacks, x.permute(dims=...) was exported as the
+    identity (a wrong loss), x.matmul(other=...) an IndexError."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+        self.w = nn.Parameter(torch.randn(3, 3))
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, ids, labels):
+        h = self.emb(input=ids).sum(1)  # [3, 3]
+        h = h.permute(dims=(1, 0)).matmul(other=self.w)
+        return self.loss(input=h, target=labels)
+
+
+class PaddedEmbedding(nn.Module):
+    """nn.Embedding and F.embedding with padding_idx: PyTorch gives that
+    row no gradient; the export trained it."""
+
+    def __init__(self, pad=2, fn_pad=-1):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, padding_idx=pad)
+        self.table = nn.Parameter(torch.randn(10, 4))
+        with torch.no_grad():
+            self.table[fn_pad].zero_()
+        self.fn_pad = fn_pad
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids) + F.embedding(ids, self.table,
+                                        padding_idx=self.fn_pad)
+        return F.cross_entropy(self.fc(h.mean(1)), labels)
+
+
+def padded_inputs(m, gen=None):
+    ids = torch.randint(0, 10, (4, 5), generator=gen)
+    ids[:, 0] = m.emb.padding_idx
+    ids[:, 1] = m.fn_pad % 10
+    return {"ids": ids, "labels": torch.randint(0, 3, (4,), generator=gen)}
+
+
+class ExportNumericsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = U.tmpdir()
+        cls.n = 0
+
+    def setUp(self):
+        torch.manual_seed(0)
+
+    def export_valid(self, module, inputs):
+        """(graph, values), the graph written and `hapctl validate`d."""
+        g, values = export_fx.export(module, inputs, return_values=True)
+        type(self).n += 1
+        path = os.path.join(self.dir, f"{g['name']}_{self.n}.json")
+        with open(path, "w") as f:
+            json.dump(g, f)
+        U.validate(path)  # raises naming hapctl's error
+        return g, values
+
+    def assert_loss_and_gradients(self, module, inputs, tol=1e-5):
+        """The graph's loss and parameter gradients (the reference
+        evaluator under autograd) equal PyTorch's (training mode: batch
+        statistics, no dropout in these models)."""
+        g, values = self.export_valid(module, inputs)
+        module.train()
+        module.zero_grad()
+        ref = module(**inputs)
+        ref.backward()
+        vals = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+                for k, v in values.items()}
+        got = hap_ir_eval.evaluate(g, inputs, vals)
+        got.backward()
+        self.assertAlmostEqual(float(ref), float(got),
+                               delta=tol * max(1.0, abs(float(ref))))
+        for name, p in module.named_parameters():
+            if name not in vals:
+                continue
+            grad = vals[name].grad
+            self.assertIsNotNone(grad, name)
+            self.assertTrue(torch.allclose(grad.double(), p.grad.double(),
+                                           atol=tol, rtol=tol),
+                            f"{name}: graph gradient {grad} vs PyTorch "
+                            f"{p.grad}")
+        return g, values
+
+    def test_division_by_a_constant_tensor(self):
+        """A 'div' op (not in the IR) was emitted for x / tensor, and
+        `hapctl validate` refused the graph; x / 0 was a ZeroDivisionError
+        traceback."""
+        m = DivideByBuffer()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(5, 4), "labels": labels(5, 3)})
+        self.assertNotIn("div", {op["type"] for op in g["ops"]})
+
+        class ByZero(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x) / 0, labels)
+
+        class ByZeros(ByZero):
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x) / torch.zeros(3), labels)
+
+        class ByVarying(ByZero):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0]))
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x) / self.scale, labels)
+
+        for mod, needle in ((ByZero(), "divides by the constant 0"),
+                            (ByZeros(), "constant tensor holding 0"),
+                            (ByVarying(), "the buffer 'scale'")):
+            with self.subTest(module=type(mod).__name__):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(mod, {"x": torch.randn(2, 4),
+                                           "labels": labels(2, 3)})
+                self.assertIn("node 'truediv'", str(cm.exception))
+                self.assertIn(needle, str(cm.exception))
+
+    def test_models_in_other_dtypes_keep_their_dtype_in_constants(self):
+        """A bf16, fp16 or float64 model with a LayerNorm or BatchNorm
+        without affine parameters exported float32 gamma/beta, and `hapctl
+        validate` refused the graph (mixed dtypes); its constants' values
+        were float32 too."""
+        for dt, ir in ((torch.bfloat16, "BFLOAT16"), (torch.float16, "FLOAT16"),
+                       (torch.float64, "FLOAT64")):
+            with self.subTest(dtype=dt):
+                m = NoAffineNorms().to(dt)
+                inputs = {"x": torch.randn(5, 4, dtype=dt),
+                          "labels": labels(5, 3)}
+                g, values = self.export_valid(m, inputs)
+                for p in g["parameters"]:
+                    self.assertEqual(p["tensor"]["dtype"], ir,
+                                     p["tensor"]["name"])
+                    self.assertEqual(values[p["tensor"]["name"]].dtype, dt,
+                                     p["tensor"]["name"])
+        m = NoAffineNorms().double()
+        self.assert_loss_and_gradients(
+            m, {"x": torch.randn(5, 4, dtype=torch.float64),
+                "labels": labels(5, 3)}, tol=1e-9)
+
+    def test_arguments_by_keyword(self):
+        m = KeywordArguments()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"ids": torch.randint(0, 7, (3, 4)), "labels": labels(3, 3)})
+        self.assertIn("transpose", [op["type"] for op in g["ops"]])
+
+        class BadPermute(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x).permute(0, 0), labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            # PyTorch's own permute fails first on a bad permutation, so
+            # the handler is called as for a traced x.permute(0, 0).
+            with mock.patch.object(torch.Tensor, "permute",
+                                   lambda self, *d: self):
+                export_fx.export(BadPermute(), {"x": torch.randn(3, 4),
+                                                "labels": labels(3, 3)})
+        self.assertIn("not a permutation", str(cm.exception))
+
+    def test_embedding_padding_idx_gets_no_gradient(self):
+        for pad, fn_pad in ((2, -1), (0, 9), (9, 0)):
+            with self.subTest(padding_idx=pad):
+                m = PaddedEmbedding(pad, fn_pad)
+                g, _ = self.assert_loss_and_gradients(m, padded_inputs(m))
+                self.assertEqual(float(m.emb.weight.grad[pad].abs().sum()), 0)
+        # What the IR cannot hold is refused, naming the node.
+        m = PaddedEmbedding()
+        with torch.no_grad():
+            m.emb.weight[2].fill_(0.5)
+        freq = PaddedEmbedding()
+        freq.emb.scale_grad_by_freq = True
+        for mod, needle in ((m, "padding row is not zero"),
+                            (freq, "scale_grad_by_freq=True")):
+            with self.subTest(module=needle):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(mod, padded_inputs(mod))
+                self.assertIn("node 'emb'", str(cm.exception))
+                self.assertIn(needle, str(cm.exception))
+
+    def test_embedding_padding_idx_trains_like_pytorch_on_two_ranks(self):
+        """One SGD step on 2 ranks from the --weights file: every
+        parameter moves as PyTorch's step moves it, the padding row not
+        at all (it moved by the learning rate times its gradient)."""
+        if not (EXECUTOR and LAUNCH and CPU_CLUSTER):
+            self.skipTest("HAP_EXECUTOR, HAP_LAUNCH, CPU_CLUSTER not given")
+        lr = 0.5
+        m = PaddedEmbedding().double()
+        inputs = padded_inputs(m, torch.Generator().manual_seed(3))
+        d = U.tmpdir()
+        g, values = export_fx.export(m, inputs, return_values=True)
+        graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
+        with open(graph, "w") as f:
+            json.dump(g, f)
+        export_fx.write_weights(weights, g, values, m)
+        data = os.path.join(d, "data")
+        os.makedirs(data)
+        for k, v in inputs.items():
+            U.write_npy(os.path.join(data, f"{k}.npy"), v)
+        m.zero_grad()
+        loss = m(**inputs)
+        loss.backward()
+        plan = os.path.join(d, "plan.pb")
+        U.run([U.HAPCTL, "plan", "--cluster", CPU_CLUSTER, "--graph", graph,
+               "--baseline", "dp-even", "--optimizer", "sgd", "--lr", str(lr),
+               "--save-plan", plan, "--max-seconds", "5"])
+        ckpt = plan + ".ckpt"
+        p = subprocess.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan,
+                            "--steps", "1", "--data", "npy:" + data,
+                            "--init-weights", weights,
+                            "--checkpoint-dir", ckpt],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        steps = [float(line.split()[3]) for line in p.stdout.splitlines()
+                 if line.startswith("step 0 ")]
+        self.assertEqual(len(steps), 1, p.stdout)
+        self.assertAlmostEqual(steps[0], float(loss), delta=1e-5)
+        out = ckpt + ".safetensors"
+        U.run([U.HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+        start, after = safetensors_io.read(weights), safetensors_io.read(out)
+        for name, param in m.named_parameters():
+            grad = (start[name] - after[name]) / lr
+            err = float((grad - param.grad).abs().max())
+            self.assertLessEqual(err, 1e-9, f"{name}: gradient off by {err}")
+        self.assertTrue(torch.equal(after["emb.weight"][2],
+                                    start["emb.weight"][2]))
+
+    def test_unbatched_conv2d_fails_naming_it(self):
+        """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
+        a conv2d that `hapctl validate` refused."""
+        class Unbatched(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(4, 3, 1)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.conv(x).mean(-1), labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Unbatched(), {"x": torch.randn(4, 5, 6),
+                                           "labels": labels(3, 6)})
+        self.assertIn("node 'conv'", str(cm.exception))
+        self.assertIn("NCHW (rank-4) input, got [4, 5, 6]", str(cm.exception))
+
+    def test_an_unforeseen_error_names_the_node_and_its_place(self):
+        """An exception a handler did not foresee (here made to happen) was
+        a Python traceback naming neither the node nor where it is."""
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return torch.tanh(self.fc(x))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.Sequential(Block(), Block())
+                self.head = nn.Linear(4, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.head(self.blocks(x)), labels)
+
+        from fx_export import registry  # noqa: PLC0415
+
+        def broken(ex, call):
+            raise IndexError("tuple index out of range")
+
+        with mock.patch.dict(registry._FUNCTIONS, {torch.tanh: broken}):
+            with self.assertRaises(export_fx.ExportError) as cm:
+                export_fx.export(Net(), {"x": torch.randn(2, 4),
+                                         "labels": labels(2, 3)})
+        msg = str(cm.exception)
+        self.assertIn("node 'tanh' (call_function torch.tanh) in blocks.0",
+                      msg)
+        self.assertIn("IndexError: tuple index out of range", msg)
+
+
+if __name__ == "__main__":
+    U.main("export_numerics_test")
