@@ -81,4 +81,18 @@ for cmd in "ops extra" "calibrate extra" "validate a b" "checkpoint inspect d ex
   echo "$out" | grep -q "error: hapctl $(echo "$cmd" | cut -d' ' -f1): unexpected argument '$(echo "$cmd" | awk '{print $NF}')'" \
     || fail "$cmd: $out"
 done
+# hapctl plan's optimizer flags are checked with or without --save-plan
+# (they were read only to save the plan: '--lr -1' planned and exited 0),
+# each named with its value.
+for case in "--lr|-1|--lr must be positive, got '-1'" \
+            "--lr|nan|flag --lr must be a number, got 'nan'" \
+            "--momentum|1.5|--momentum must be from 0 to below 1, got '1.5'" \
+            "--weight-decay|-0.1|--weight-decay must not be negative, got '-0.1'" \
+            "--clip-norm|-2|--clip-norm must not be negative, got '-2'" \
+            "--seed|-1|flag --seed must be an integer from 0"; do
+  IFS='|' read -r flag value want <<< "$case"
+  out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" "$flag" "$value" 2>&1)" \
+    && fail "plan $flag $value exited 0: $out"
+  echo "$out" | grep -qF -- "$want" || fail "plan $flag $value: $out"
+done
 echo PASS

@@ -276,10 +276,23 @@ absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args, const st
   HAP_ASSIGN_OR_RETURN(double clip, args.Number("clip-norm", 0));
   HAP_ASSIGN_OR_RETURN(int64_t seed,
                        args.Integer("seed", 0, 0, std::numeric_limits<int64_t>::max()));
-  if (!(lr > 0) || m < 0 || wd < 0 || clip < 0) {
+  // Each named with its value (one message listed all four rules). The
+  // momentum as the planner service takes it: from 1 on, a step's update
+  // never decays and training diverges.
+  if (!(lr > 0)) {
     return absl::InvalidArgumentError(
-        "--lr must be positive; --momentum, --weight-decay and --clip-norm must not be "
-        "negative");
+        absl::StrCat("--lr must be positive, got '", args.Get("lr"), "'"));
+  }
+  if (!(m >= 0 && m < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--momentum must be from 0 to below 1, got '", args.Get("momentum"), "'"));
+  }
+  for (const auto& [flag, v] :
+       {std::pair<const char*, double>{"weight-decay", wd}, {"clip-norm", clip}}) {
+    if (v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must not be negative, got '", args.Get(flag), "'"));
+    }
   }
   o->set_learning_rate(lr);
   o->set_momentum(m);
@@ -301,12 +314,9 @@ absl::Status WritePlanFile(const Args& args, const hap::v1::Plan& plan) {
   return absl::OkStatus();
 }
 
-absl::Status SavePlan(const Args& args, const graph::Graph& g,
-                      const hap::v1::Cluster& profile,
-                      const cost::ClusterModel& cluster,
-                      const synth::PlanResult& r, const std::string& opt,
-                      hap::v1::Precision precision) {
-  HAP_ASSIGN_OR_RETURN(hap::v1::PlanOptions po, SavedPlanOptions(args, opt, precision));
+absl::Status SavePlan(const Args& args, const graph::Graph& g, const hap::v1::Cluster& profile,
+                      const cost::ClusterModel& cluster, const synth::PlanResult& r,
+                      hap::v1::PlanOptions po) {
   po.set_gradient_precision(r.program.gradient_wire_scale < 1 ? hap::v1::PRECISION_BF16
                                                               : hap::v1::PRECISION_FP32);
   HAP_ASSIGN_OR_RETURN(hap::v1::Plan plan,
@@ -317,9 +327,7 @@ absl::Status SavePlan(const Args& args, const graph::Graph& g,
 // A pipeline plan's file: every device's stage program (LowerStage).
 absl::Status SavePipelinePlan(const Args& args, const graph::Graph& g,
                               const hap::v1::Cluster& profile, const cost::ClusterModel& cluster,
-                              const pipeline::PipelinePlan& p, const std::string& opt,
-                              hap::v1::Precision precision) {
-  HAP_ASSIGN_OR_RETURN(hap::v1::PlanOptions po, SavedPlanOptions(args, opt, precision));
+                              const pipeline::PipelinePlan& p, hap::v1::PlanOptions po) {
   po.set_pipeline(hap::v1::PlanOptions::PIPELINE_STAGES);
   po.set_pipeline_stages(static_cast<int>(p.stages.size()));
   po.set_pipeline_microbatches(p.microbatches);
@@ -560,6 +568,12 @@ int RunPlan(const std::vector<std::string>& argv) {
         absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt,
                      "'")));
   }
+  // The plan file's optimizer flags, checked with or without --save-plan:
+  // they were read only to save it, so 'hapctl plan --lr -1' planned and
+  // exited 0.
+  auto saved_options =
+      SavedPlanOptions(*args, opt, bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
+  if (!saved_options.ok()) return Fail(saved_options.status());
   auto ms = args->Integer("max-states", po.max_states, 1, std::numeric_limits<int64_t>::max());
   auto mx = args->Number("max-seconds", po.max_seconds);
   if (!ms.ok()) return Fail(ms.status());
@@ -589,8 +603,7 @@ int RunPlan(const std::vector<std::string>& argv) {
     if (!pr.ok()) return Fail(pr.status());
     if (pr->pipelined()) {
       if (args->Has("save-plan")) {
-        auto st = SavePipelinePlan(*args, *g, *cluster_proto, *cluster, *pr, opt,
-                                   bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
+        auto st = SavePipelinePlan(*args, *g, *cluster_proto, *cluster, *pr, *saved_options);
         if (!st.ok()) return Fail(st);
       }
       if (fmt == "json") {
@@ -605,8 +618,7 @@ int RunPlan(const std::vector<std::string>& argv) {
   }
   if (!r.ok()) return Fail(r.status());
   if (args->Has("save-plan")) {
-    auto st = SavePlan(*args, *g, *cluster_proto, *cluster, *r, opt,
-                       bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
+    auto st = SavePlan(*args, *g, *cluster_proto, *cluster, *r, *saved_options);
     if (!st.ok()) return Fail(st);
   }
   if (fmt == "json") {
