@@ -492,6 +492,32 @@ std::vector<std::string> OwnedTensors(const v1::CheckpointIndex& index, int rank
   return out;
 }
 
+namespace {
+
+// The save's temporary directory: .tmp-step-N, with "-RUN" when the run
+// has an id (characters other than [A-Za-z0-9._-] as '_'; a long id as its
+// first 55 characters and its CRC-32C, so the name stays short and the
+// same in every process).
+std::string TmpDirPath(const SaveRequest& r) {
+  std::string name = absl::StrFormat("%s%08d", kTmpPrefix, r.trainer.step());
+  if (!r.run_id.empty()) {
+    std::string id = r.run_id;
+    for (char& c : id) {
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+        c = '_';
+      }
+    }
+    if (id.size() > 64) {
+      id = absl::StrCat(id.substr(0, 55), "~",
+                        Crc32cHex(Crc32c(0, r.run_id.data(), r.run_id.size())));
+    }
+    absl::StrAppend(&name, "-", id);
+  }
+  return (fs::path(r.dir) / name).string();
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
                                            const std::vector<ParameterShard>& state,
                                            Communicator& comm) {
@@ -502,8 +528,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
   }
   const int world = comm.size();
   const std::string final_dir = (fs::path(r.dir) / StepDirName(r.trainer.step())).string();
-  const std::string tmp =
-      (fs::path(r.dir) / absl::StrFormat("%s%08d", kTmpPrefix, r.trainer.step())).string();
+  const std::string tmp = TmpDirPath(r);
   // Every rank computes the same index from the plan: no messages needed.
   HAP_ASSIGN_OR_RETURN(v1::CheckpointIndex index, BuildIndex(*r.programs, r.trainer.step()));
 
@@ -995,6 +1020,7 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     r.dir = policy.dir;
     r.keep = policy.keep;
     if (!*saved_once) r.replaces_after = policy.resumed_from;
+    r.run_id = policy.run_id;
     Communicator& comm = world != nullptr ? *world : runner.comm();
     r.rank = comm.rank();
     r.programs = programs;

@@ -90,6 +90,13 @@ struct SaveRequest {
   // before writing, so that saving a step that run also reached is not
   // AlreadyExists.
   int64_t replaces_after = -1;
+  // The same on every rank of this run and different from any other run
+  // saving into `dir` (the daemon: the deployment and its generation). It
+  // names the temporary directory (.tmp-step-N-RUN), so that a rank of a
+  // replaced run still writing (a thread a Stop gave up on) cannot put its
+  // file into this run's checkpoint of the same step. Empty: .tmp-step-N,
+  // for runs that are one process group at a time (hap-launch).
+  std::string run_id;
 };
 
 // Collective: every rank of `comm` calls it with the same dir, programs and
@@ -312,6 +319,7 @@ struct CheckpointPolicy {
   // The step the run started from (resumed from, or 0 for a fresh run):
   // SaveRequest::replaces_after of its first save. -1: none.
   int64_t resumed_from = -1;
+  std::string run_id = "";  // SaveRequest::run_id
 };
 
 // TrainOptions::after_step for `policy`: after step counts that are

@@ -27,6 +27,7 @@
 #include "executor/checkpoint/checkpoint_test_util.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/checkpoint/safetensors.h"
+#include "executor/comm/forwarding_communicator.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
@@ -401,6 +402,100 @@ TEST(CheckpointTest, ADirectoryThatCannotBeListedIsAnErrorNotNoCheckpoint) {
       ::testing::ExitedWithCode(0), "cannot list the checkpoint directory");
   chmod(dir.c_str(), 0700);
   fs::remove_all(dir);
+}
+
+// Calls before_barrier(n) before its Barrier number n (0-based); its
+// Barrier then returns what the hook returns when that is not OK, without
+// calling the inner communicator's.
+class BarrierHookComm : public ForwardingCommunicator {
+ public:
+  BarrierHookComm(std::unique_ptr<Communicator> inner,
+                  std::function<absl::Status(int)> before_barrier)
+      : ForwardingCommunicator(std::move(inner)), before_barrier_(std::move(before_barrier)) {}
+  absl::Status Barrier() override {
+    HAP_RETURN_IF_ERROR(before_barrier_(barriers_++));
+    return ForwardingCommunicator::Barrier();
+  }
+
+ private:
+  std::function<absl::Status(int)> before_barrier_;
+  int barriers_ = 0;
+};
+
+// A rank of a run that a Stop gave up on (its save outlasted the stop
+// wait) still writing its file of step N while the run that replaced it
+// saves step N in the same directory: with one temporary directory per
+// step, its file replaced the new rank's and was committed as the new
+// run's. The runs' ids keep them apart: the replaced rank finds no
+// directory of its run and writes nothing.
+TEST(CheckpointTest, AReplacedRunsRankStillSavingDoesNotWriteIntoTheNewRunsCheckpoint) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");  // rank 1 holds slices of its own
+  const std::string dir = Fresh("replaced-rank-saving");
+  std::vector<std::vector<ParameterShard>> states = {StateOf(programs[0]), StateOf(programs[1])};
+  std::vector<ParameterShard> old_state = StateOf(programs[1]);
+  for (ParameterShard& s : old_state) {
+    float* v = s.value.as<float>();
+    std::fill(v, v + s.value.num_elements(), 7.0f);
+  }
+  auto request = [&](int rank, const std::string& run_id) {
+    SaveRequest req;
+    req.dir = dir;
+    req.rank = rank;
+    req.programs = &programs;
+    req.trainer.set_step(3);
+    req.run_id = run_id;
+    return req;
+  };
+  // The replaced run's rank 1: its rank 0 made the run's temporary
+  // directory and met it at the save's first barrier; then the run was
+  // replaced, and its peers are gone for the second.
+  auto old_group = NewInProcessGroup(2);
+  BarrierHookComm old_rank1(std::move(old_group[1]), [](int n) {
+    return n == 0 ? absl::OkStatus() : absl::UnavailableError("the peers are gone");
+  });
+  std::thread old_rank0([&] { (void)old_group[0]->Barrier(); });
+  absl::Status old_result;
+  // The new run: its rank 1 has written its file when the old rank writes.
+  auto group = NewInProcessGroup(2);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.push_back(std::move(group[0]));
+  comms.push_back(std::make_unique<BarrierHookComm>(std::move(group[1]), [&](int n) {
+    if (n == 1) old_result = SaveCheckpoint(request(1, "job-7-g1"), old_state, old_rank1).status();
+    return absl::OkStatus();
+  }));
+  std::vector<absl::StatusOr<std::string>> results(2, absl::UnknownError("did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back(
+        [&, r] { results[r] = SaveCheckpoint(request(r, "job-7-g2"), states[r], *comms[r]); });
+  }
+  for (auto& t : threads) t.join();
+  old_rank0.join();
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(old_result.ok());
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  int compared = 0;
+  for (const ParameterShard& s : states[1]) {
+    HostTensor read(s.value.dtype(), s.value.shape());
+    ASSERT_TRUE((*reader)->Read(s.name, Shape(s.global_shape), s.offsets, read.view()).ok());
+    const float* v = read.as<float>();
+    EXPECT_EQ(std::count(v, v + read.num_elements(), 7.0f), 0)
+        << s.name << " holds the replaced run's values";
+    ++compared;
+  }
+  EXPECT_GT(compared, 0);
+  // An id of path separators, longer than a file name may be, names a
+  // temporary directory all the same.
+  SaveRequest odd = request(0, std::string(300, '/'));
+  odd.dir = Fresh("odd-run-id");
+  auto single = Programs(g, 1, "single");
+  odd.programs = &single;
+  auto one = NewInProcessGroup(1);
+  auto saved = SaveCheckpoint(odd, StateOf(single[0]), *one[0]);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(Entries(odd.dir), std::vector<std::string>{"step-00000003"});
 }
 
 // Saving step N where committed steps past N exist (this run resumed from

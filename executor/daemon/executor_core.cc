@@ -310,6 +310,9 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     // Fresh (step 0) or resumed: the committed checkpoints past it are of a
     // run this one replaces.
     policy.resumed_from = loaded->first_step;
+    // A thread of a run this one replaced, still saving, keeps to its own
+    // temporary directory.
+    policy.run_id = absl::StrCat(in.deployment, "-g", in.generation);
     loaded->after_step =
         ckpt::SaveHook(policy, &loaded->programs, trainer, nullptr, loaded->world.get());
   }

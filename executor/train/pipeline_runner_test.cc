@@ -28,6 +28,7 @@
 #include "common/status_macros.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/comm/communicator.h"
+#include "executor/comm/forwarding_communicator.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/data/batches.h"
 #include "executor/runtime/timing_device.h"
@@ -44,6 +45,7 @@ namespace {
 namespace v1 = ::hap::v1;
 using executor::Communicator;
 using executor::Device;
+using executor::ForwardingCommunicator;
 using executor::PipelineRunner;
 using executor::ProgramRunner;
 using executor::TensorView;
@@ -136,42 +138,17 @@ class CountingDevice : public Device {
 // (0-based) it calls before_recv(n), which may block, and fails the Recv
 // with what it returns when that is not OK (the inner communicator is
 // then not called: it stays healthy).
-class HookedComm : public Communicator {
+class HookedComm : public ForwardingCommunicator {
  public:
   HookedComm(std::unique_ptr<Communicator> inner, std::function<absl::Status(int)> before_recv)
-      : inner_(std::move(inner)), before_recv_(std::move(before_recv)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::Status AllReduce(TensorView buf) override { return inner_->AllReduce(buf); }
-  absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
-                         executor::CommMethod method) override {
-    return inner_->AllGather(in, out, counts, method);
-  }
-  absl::Status ReduceScatter(TensorView in, TensorView out, absl::Span<const int64_t> counts,
-                             executor::CommMethod method) override {
-    return inner_->ReduceScatter(in, out, counts, method);
-  }
-  absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts, TensorView out,
-                        absl::Span<const int64_t> recv_counts) override {
-    return inner_->AllToAll(in, send_counts, out, recv_counts);
-  }
-  absl::Status Broadcast(TensorView buf, int root) override { return inner_->Broadcast(buf, root); }
-  absl::Status Reduce(TensorView in, TensorView out, int root) override {
-    return inner_->Reduce(in, out, root);
-  }
-  absl::Status Barrier() override { return inner_->Barrier(); }
-  absl::Status Send(TensorView buf, int peer, int64_t tag) override {
-    return inner_->Send(buf, peer, tag);
-  }
+      : ForwardingCommunicator(std::move(inner)), before_recv_(std::move(before_recv)) {}
   absl::Status Recv(TensorView buf, int peer, int64_t tag) override {
     absl::Status s = before_recv_(recvs_++);
     if (!s.ok()) return s;
-    return inner_->Recv(buf, peer, tag);
+    return ForwardingCommunicator::Recv(buf, peer, tag);
   }
-  absl::Status WaitSends() override { return inner_->WaitSends(); }
 
  private:
-  std::unique_ptr<Communicator> inner_;
   std::function<absl::Status(int)> before_recv_;
   int recvs_ = 0;
 };
