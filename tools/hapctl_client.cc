@@ -11,6 +11,7 @@
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -487,13 +488,45 @@ void DescribePlan(const v1::Plan& p) {
   if (!p.error().empty()) std::cout << "error: " << p.error() << "\n";
 }
 
+// OK when `server` is an address gRPC reads as it was meant: HOST:PORT
+// (an IPv6 host in brackets) with a port from 1 to 65535, or a gRPC target
+// with its scheme (dns:///H:P, unix:PATH, ipv4:A:P). gRPC took a port past
+// 65535 modulo 65536 ('127.0.0.1:99999' called port 34463), and none or a
+// word as port 0; an empty --server fell back to HAPCTL_SERVER or the
+// default. The error names `source`, the flag or variable it came from.
+absl::Status CheckServer(const std::string& source, const std::string& server) {
+  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
+    if (absl::StartsWith(server, scheme)) return absl::OkStatus();
+  }
+  const size_t colon = server.rfind(':');
+  const std::string host = colon == std::string::npos ? "" : server.substr(0, colon);
+  const std::string port = colon == std::string::npos ? "" : server.substr(colon + 1);
+  int number = 0;
+  const bool host_ok = !host.empty() && absl::c_none_of(host, [](char ch) {
+    return absl::ascii_isspace(ch);
+  }) && (host.find(':') == std::string::npos || (host.front() == '[' && host.back() == ']'));
+  const bool port_ok = !port.empty() && port.size() <= 5 &&
+                       absl::c_all_of(port, absl::ascii_isdigit) &&
+                       absl::SimpleAtoi(port, &number) && number >= 1 && number <= 65535;
+  if (host_ok && port_ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(source,
+                   " must be HOST:PORT with a port from 1 to 65535 (or a gRPC target "
+                   "such as unix:PATH), got '",
+                   server, "'"));
+}
+
 absl::StatusOr<Client> Connect(const Args& a) {
   Client c;
   std::string server = a.Get("server");
-  if (server.empty()) {
+  std::string source = "--server";
+  if (!a.Has("server")) {
     const char* env = std::getenv("HAPCTL_SERVER");
-    server = env ? env : kDefaultServer;
+    const bool from_env = env != nullptr && *env != '\0';  // set empty: as unset
+    server = from_env ? env : kDefaultServer;
+    source = from_env ? "HAPCTL_SERVER" : "the default server";
   }
+  HAP_RETURN_IF_ERROR(CheckServer(source, server));
   HAP_ASSIGN_OR_RETURN(c.security.token, service::ReadTokenFile(a.GetOrEnv("token-file", "")));
   c.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   HAP_ASSIGN_OR_RETURN(double t, a.Number("timeout", 30));

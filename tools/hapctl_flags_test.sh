@@ -81,6 +81,26 @@ for cmd in "ops extra" "calibrate extra" "validate a b" "checkpoint inspect d ex
   echo "$out" | grep -q "error: hapctl $(echo "$cmd" | cut -d' ' -f1): unexpected argument '$(echo "$cmd" | awk '{print $NF}')'" \
     || fail "$cmd: $out"
 done
+# A server address gRPC would misread is refused naming where it came from
+# (a port past 65535 was taken modulo 65536: 127.0.0.1:99999 called port
+# 34463; none or a word was port 0; an empty --server fell back to
+# HAPCTL_SERVER or 127.0.0.1:7070).
+for server in "" "127.0.0.1" "127.0.0.1:99999" "127.0.0.1:abc" "127.0.0.1:0" "::1:7070" "a b:1"; do
+  out="$(HAPCTL_SERVER=127.0.0.1:1 "$HAPCTL" get nodes --server "$server" --timeout 3 2>&1)" \
+    && fail "--server '$server' exited 0: $out"
+  echo "$out" | grep -qF -- "--server must be HOST:PORT with a port from 1 to 65535 (or a gRPC target such as unix:PATH), got '$server'" \
+    || fail "--server '$server': $out"
+done
+out="$(HAPCTL_SERVER=127.0.0.1:70000 "$HAPCTL" get nodes --timeout 3 2>&1)" \
+  && fail "HAPCTL_SERVER=127.0.0.1:70000 exited 0: $out"
+echo "$out" | grep -qF "HAPCTL_SERVER must be HOST:PORT" || fail "HAPCTL_SERVER: $out"
+# Well-formed addresses reach the connection (port 1: refused there).
+for server in "127.0.0.1:1" "[::1]:1" "ipv4:127.0.0.1:1"; do
+  out="$("$HAPCTL" get nodes --server "$server" --timeout 3 2>&1)" && fail "$server exited 0"
+  echo "$out" | grep -q "must be HOST:PORT" && fail "--server '$server' refused: $out"
+  echo "$out" | grep -q "UNAVAILABLE" || fail "--server '$server': $out"
+done
+
 # hapctl plan's optimizer flags are checked with or without --save-plan
 # (they were read only to save the plan: '--lr -1' planned and exited 0),
 # each named with its value.
