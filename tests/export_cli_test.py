@@ -183,6 +183,10 @@ class ExportCliTest(unittest.TestCase):
                             extra=["--weights", nowhere,
                                    "--kwargs", '{"hidden": 9}'])
         self.assertFailsNaming(p, f"cannot write '{nowhere}'")
+        # The same file for both: the graph replaced the weights.
+        p, _ = self.run_cli("cli_models.py:Mlp", out=out,
+                            extra=["--weights", out])
+        self.assertFailsNaming(p, "--weights and -o name the same file")
         for path, data in before.items():
             with open(path, "rb") as f:
                 self.assertEqual(f.read(), data, path)

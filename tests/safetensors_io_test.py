@@ -158,6 +158,20 @@ class SafetensorsWriterTest(unittest.TestCase):
         self.assertEqual(sorted(os.listdir(self.dir)),
                          ["copy.safetensors", "out.safetensors"])
 
+    def test_a_replaced_file_keeps_its_permissions(self):
+        # The rename gave every file 0644 (less the umask): a private 0600
+        # weights file became readable by all.
+        path = os.path.join(self.dir, "private.safetensors")
+        st.write(path, {"old": torch.zeros(1)})
+        os.chmod(path, 0o600)
+        st.write(path, self.tensors)
+        self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o600)
+        fresh = os.path.join(self.dir, "fresh.safetensors")
+        st.write(fresh, self.tensors)
+        umask = os.umask(0)
+        os.umask(umask)
+        self.assertEqual(stat.S_IMODE(os.stat(fresh).st_mode), 0o644 & ~umask)
+
     def test_a_symlink_destination_replaces_the_file_it_names(self):
         real = os.path.join(self.dir, "real.safetensors")
         link = os.path.join(self.dir, "link.safetensors")

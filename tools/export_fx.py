@@ -68,6 +68,12 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     buffers are folded into exporter constants (non-uniform ones fail,
     naming the buffer), their values recorded for --weights and checkpoint
     exports.
+  * nn.Embedding / F.embedding with padding_idx: the lookup is multiplied by
+    an embedding of the ids in a [rows, 1] table of ones with a 0 at
+    padding_idx (concatenated constants), so that row gets no gradient, as
+    in PyTorch; its output is 0, PyTorch's while the row is zero (as
+    nn.Embedding initialises it; a nonzero padding row fails, and so does
+    scale_grad_by_freq).
   * Integer inputs become INT64; the ones used only as loss targets are LABELS.
   * Dropout is exported as in training mode (the IR is one training step).
 

@@ -170,6 +170,10 @@ class OutputFile:
         if mode is not None and not stat.S_ISREG(mode):
             self.f = open(self.dest, "wb")  # noqa: SIM115 (closed by finish)
             return
+        # A file replaced keeps its permissions (a private 0600 one stays
+        # private); a new one gets 0644 less the umask.
+        self.mode = stat.S_IMODE(mode) if mode is not None else \
+            0o644 & ~_umask()
         d = os.path.dirname(self.dest)
         fd, self.tmp = tempfile.mkstemp(
             prefix=".tmp-" + os.path.basename(self.dest) + ".", dir=d)
@@ -192,11 +196,12 @@ class OutputFile:
 
     def commit(self):
         """finish(), then the temporary file takes the destination's name
-        (permissions 0644 less the umask, like a new file)."""
+        (and the permissions of the file it replaces, else 0644 less the
+        umask)."""
         self.finish()
         if self.tmp is None:
             return
-        os.chmod(self.tmp, 0o644 & ~_umask())
+        os.chmod(self.tmp, self.mode)
         os.replace(self.tmp, self.dest)
         self.tmp = None
         try:

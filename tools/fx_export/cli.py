@@ -193,6 +193,10 @@ def _write_outputs(a, text, g, values, module, weights):
     (weights tensor count, unused parameters); ExportError names the file
     that could not be written."""
     st = safetensors_io()
+    if a.weights is not None and a.output != "-" and \
+            os.path.realpath(a.weights) == os.path.realpath(a.output):
+        raise ExportError(f"--weights and -o name the same file "
+                          f"'{a.output}'")
     pending = []  # (path, OutputFile)
     path = None
     try:
