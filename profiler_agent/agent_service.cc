@@ -40,7 +40,15 @@ grpc::Status AgentServiceImpl::Probe(grpc::ServerContext* ctx, const v1::ProbeRe
         absl::StrCat("max_duration must be at most ", absl::FormatDuration(kMaxProbeDuration),
                      ", got ", absl::FormatDuration(max)));
   }
+  if (probe_calls_.fetch_add(1) >= kMaxProbeCalls) {
+    probe_calls_.fetch_sub(1);
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(kMaxProbeCalls,
+                                     " probe calls are in progress on this agent (one probes, the "
+                                     "others wait for it); ask again when they are done"));
+  }
   auto r = source_->ProbeNow(max, request->include_links(), hap::service::CallDeadline(ctx));
+  probe_calls_.fetch_sub(1);
   if (!r.ok()) return hap::service::ToGrpc(r.status());
   *response = std::move(*r);
   return grpc::Status::OK;

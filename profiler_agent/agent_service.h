@@ -53,6 +53,11 @@ struct EchoLimits {
 // Longest probe a caller may ask for.
 inline constexpr absl::Duration kMaxProbeDuration = absl::Seconds(120);
 
+// Probe calls in progress at once (one probes, the others wait for it); one
+// more is RESOURCE_EXHAUSTED at once. Calls without a deadline queued
+// without a bound before, each holding a server thread for a whole probe.
+inline constexpr int kMaxProbeCalls = 4;
+
 class AgentServiceImpl final : public hap::v1::Agent::Service {
  public:
   // `source` must outlive the service; `token` empty = no token required.
@@ -84,6 +89,7 @@ class AgentServiceImpl final : public hap::v1::Agent::Service {
   const std::string token_;
   const EchoLimits limits_;
   std::atomic<int64_t> echo_bytes_{0};
+  std::atomic<int> probe_calls_{0};
   absl::Mutex echo_mu_;
   int echo_running_ ABSL_GUARDED_BY(echo_mu_) = 0;
   int echo_waiting_ ABSL_GUARDED_BY(echo_mu_) = 0;

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -21,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
 #include "hap/v1/executor_service.grpc.pb.h"
+#include "profiler_agent/agent_service.h"
 #include "profiler_agent/fake_planner.h"
 
 namespace hap::agent {
@@ -998,6 +1000,38 @@ TEST_F(AgentTest, ShutdownStopsAProbeThatRuns) {
   ASSERT_TRUE(seen.probing);
   (*agent)->Shutdown();
   EXPECT_TRUE(seen.stopped);
+}
+
+// Probe calls without a deadline while a probe runs queued without a
+// bound, each holding a server thread for a whole probe. One over
+// kMaxProbeCalls is refused at once; the others wait for the probe.
+TEST_F(AgentTest, ProbeCallsOverTheBoundAreRefusedAtOnce) {
+  UntilStoppedProber::Seen seen;
+  auto agent = StartOn(Options("node-a"), std::make_unique<UntilStoppedProber>(&state_, &seen));
+  ASSERT_THAT(agent, IsOk());
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
+  std::atomic<int> answered{0}, refused{0};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kMaxProbeCalls + 1; ++i) {
+    callers.emplace_back([&] {
+      grpc::ClientContext ctx;  // no deadline
+      v1::ProbeResponse r;
+      const grpc::Status s = stub->Probe(&ctx, v1::ProbeRequest(), &r);
+      if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+          absl::StrContains(s.error_message(), "probe calls are in progress")) {
+        ++refused;
+      }
+      ++answered;
+    });
+  }
+  for (int i = 0; i < 3000 && answered == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(refused.load(), 1);
+  EXPECT_EQ(answered.load(), 1);  // the others wait for the probe that runs
+  EXPECT_TRUE(seen.probing);
+  (*agent)->Shutdown();
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(refused.load(), 1);
 }
 
 // SIGTERM during the first probe, which Start runs before the daemon can
