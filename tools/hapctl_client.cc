@@ -168,25 +168,32 @@ void Yaml(const google::protobuf::Value& v, int indent, std::ostringstream& o, b
   }
 }
 
-std::string ToJson(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions o;
-  o.add_whitespace = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
-  return out;
-}
-
-void PrintMessage(const google::protobuf::Message& m, const std::string& format) {
-  std::string json = ToJson(m);
+// Prints `m` as JSON or YAML; 0, or 1 with the error when it cannot be
+// converted (a Timestamp past year 9999, say: the conversion's status was
+// dropped, and hapctl printed nothing and exited 0).
+int PrintMessage(const google::protobuf::Message& m, const std::string& format) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  if (auto s = google::protobuf::util::MessageToJsonString(m, &json, options); !s.ok()) {
+    return Fail(
+        absl::InternalError(absl::StrCat("cannot print the planner's ", m.GetDescriptor()->name(),
+                                         " as ", format, ": ", s.message().as_string())));
+  }
   if (format == "yaml") {
     google::protobuf::Value v;
-    (void)google::protobuf::util::JsonStringToMessage(json, &v);
+    if (auto s = google::protobuf::util::JsonStringToMessage(json, &v); !s.ok()) {
+      return Fail(
+          absl::InternalError(absl::StrCat("cannot print the planner's ", m.GetDescriptor()->name(),
+                                           " as yaml: ", s.message().as_string())));
+    }
     std::ostringstream o;
     Yaml(v, 0, o, false);
     std::cout << o.str();
   } else {
     std::cout << json;
   }
+  return 0;
 }
 
 std::string Ts(const google::protobuf::Timestamp& t) {
@@ -589,8 +596,7 @@ int Get(Client& c, const std::string& what) {
         [](v1::ListNodesResponse& r) { return r.mutable_nodes(); }, &all);
     if (!s.ok()) return Fail(s);
     if (c.format != "table") {
-      PrintMessage(all, c.format);
-      return 0;
+      return PrintMessage(all, c.format);
     }
     std::cout << absl::StrFormat("%-20s %-7s %-22s %8s %14s %s\n", "NAME", "STATE", "ADDRESS",
                                  "DEVICES", "TFLOP/S", "LAST HEARTBEAT");
@@ -615,8 +621,7 @@ int Get(Client& c, const std::string& what) {
         [](v1::ListPlansResponse& r) { return r.mutable_plans(); }, &all);
     if (!s.ok()) return Fail(s);
     if (c.format != "table") {
-      PrintMessage(all, c.format);
-      return 0;
+      return PrintMessage(all, c.format);
     }
     PrintPlanHeader();
     for (const auto& p : all.plans()) PrintPlanRow(p);
@@ -631,8 +636,7 @@ int Get(Client& c, const std::string& what) {
         [](v1::ListDeploymentsResponse& r) { return r.mutable_deployments(); }, &resp);
     if (!s.ok()) return Fail(s);
     if (c.format != "table") {
-      PrintMessage(resp, c.format);
-      return 0;
+      return PrintMessage(resp, c.format);
     }
     PrintDeploymentHeader();
     for (const auto& d : resp.deployments()) PrintDeploymentRow(d);
@@ -648,8 +652,7 @@ int Get(Client& c, const std::string& what) {
         [](v1::ListJobsResponse& r) { return r.mutable_jobs(); }, &all);
     if (!s.ok()) return Fail(s);
     if (c.format != "table") {
-      PrintMessage(all, c.format);
-      return 0;
+      return PrintMessage(all, c.format);
     }
     PrintJobHeader();
     for (const auto& j : all.jobs()) PrintJobRow(j);
@@ -888,8 +891,10 @@ int WatchJob(Client& c, const std::string& name) {
                                    s.devices_size(), s.steps_done(),
                                    j.spec().training().steps(), s.replans(), s.message())
                 << std::flush;
-    } else {
-      PrintMessage(j, c.format);
+    } else if (int rc = PrintMessage(j, c.format); rc != 0) {
+      ctx.TryCancel();
+      reader->Finish();  // CANCELLED, by us: the error is the printing's
+      return rc;
     }
   }
   grpc::Status s = reader->Finish();
@@ -916,8 +921,10 @@ int Watch(Client& c, const std::string& name) {
                                    p.progress().best_cost_seconds(),
                                    p.progress().joint_iteration())
                 << std::flush;
-    } else {
-      PrintMessage(p, c.format);
+    } else if (int rc = PrintMessage(p, c.format); rc != 0) {
+      ctx.TryCancel();
+      reader->Finish();  // CANCELLED, by us: the error is the printing's
+      return rc;
     }
   }
   grpc::Status s = reader->Finish();
@@ -1039,7 +1046,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       if (c->format == "table") {
         DescribeJob(j);
       } else {
-        PrintMessage(j, c->format);
+        return PrintMessage(j, c->format);
       }
       return 0;
     }
@@ -1054,13 +1061,11 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       auto node =
           absl::c_find_if(cluster.nodes(), [&](const v1::Node& n) { return n.name() == name; });
       if (node == cluster.nodes().end()) {
-        std::cerr << "hapctl: no node '" << name
-                  << "' is registered with the planner (hapctl get nodes lists them)\n";
-        return 1;
+        return Fail(absl::NotFoundError(absl::StrCat(
+            "no node '", name, "' is registered with the planner (hapctl get nodes lists them)")));
       }
       if (c->format != "table") {
-        PrintMessage(*node, c->format);
-        return 0;
+        return PrintMessage(*node, c->format);
       }
       v1::ListDeploymentsResponse all;
       s = ListEveryPage<v1::ListDeploymentsRequest>(
@@ -1079,8 +1084,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       grpc::Status s = c->stub->GetDeployment(&ctx, r, &d);
       if (!s.ok()) return Fail(s);
       if (c->format != "table") {
-        PrintMessage(d, c->format);
-        return 0;
+        return PrintMessage(d, c->format);
       }
       // The plan's prediction, when the plan is still there (retention
       // keeps a deployment's plan while it is held; an older planner's
@@ -1102,7 +1106,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     if (c->format == "table") {
       DescribePlan(p);
     } else {
-      PrintMessage(p, c->format);
+      return PrintMessage(p, c->format);
     }
     return 0;
   }
@@ -1118,7 +1122,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       PrintJobHeader();
       PrintJobRow(j);
     } else {
-      PrintMessage(j, c->format);
+      return PrintMessage(j, c->format);
     }
     return 0;
   }
@@ -1134,8 +1138,8 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     if (c->format == "table") {
       PrintPlanHeader();
       PrintPlanRow(p);
-    } else {
-      PrintMessage(p, c->format);
+    } else if (int rc = PrintMessage(p, c->format); rc != 0) {
+      return rc;
     }
     return p.state() == v1::Plan::FAILED ? 1 : 0;
   }
@@ -1202,7 +1206,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     if (c->format == "table") {
       std::cout << d.name() << " " << v1::Deployment::State_Name(d.state()) << "\n";
     } else {
-      PrintMessage(d, c->format);
+      return PrintMessage(d, c->format);
     }
     return 0;
   }
@@ -1219,7 +1223,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
                                                        j.status().state() != v1::JobStatus::STOPPED
                                                        ? " (stopping)\n" : "\n");
     } else {
-      PrintMessage(j, c->format);
+      return PrintMessage(j, c->format);
     }
     return 0;
   }
@@ -1233,8 +1237,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     grpc::Status s = c->stub->StopDeployment(&ctx, r, &d);
     if (!s.ok()) return Fail(s);
     if (c->format != "table") {
-      PrintMessage(d, c->format);
-      return 0;
+      return PrintMessage(d, c->format);
     }
     // The server answers once the ranks have stopped: say what it reports,
     // and that a deployment which had already ended was left as it was.

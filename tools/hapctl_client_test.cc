@@ -25,8 +25,9 @@ namespace v1 = ::hap::v1;
 
 // Answers a watch with one message and then nothing until the client goes
 // (a planner stuck, or stopped after the connection was made); answers
-// every page of ListPlans with the same next_page_token.
-class StuckPlanner final : public v1::Planner::Service {
+// every page of ListPlans with the same next_page_token; has a plan
+// created in the year 33658 (JSON has no Timestamp for it) and no nodes.
+class FakePlanner final : public v1::Planner::Service {
  public:
   grpc::Status WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,
                          grpc::ServerWriter<v1::Plan>* w) override {
@@ -47,6 +48,16 @@ class StuckPlanner final : public v1::Planner::Service {
                          v1::ListPlansResponse* out) override {
     out->add_plans()->set_name("plans/p");
     out->set_next_page_token("again");
+    return grpc::Status::OK;
+  }
+  grpc::Status GetPlan(grpc::ServerContext*, const v1::GetPlanRequest* r, v1::Plan* p) override {
+    p->set_name(r->name());
+    p->set_state(v1::Plan::SUCCEEDED);
+    p->mutable_create_time()->set_seconds(int64_t{1'000'000'000'000});
+    return grpc::Status::OK;
+  }
+  grpc::Status GetCluster(grpc::ServerContext*, const v1::GetClusterRequest*,
+                          v1::Cluster*) override {
     return grpc::Status::OK;
   }
 
@@ -86,7 +97,7 @@ class HapctlClientTest : public ::testing::Test {
     return rc;
   }
 
-  StuckPlanner service_;
+  FakePlanner service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };
@@ -115,6 +126,29 @@ TEST_F(HapctlClientTest, GetStopsAtARepeatedPageToken) {
   EXPECT_EQ(Hapctl("get", {"plans", "--timeout", "5"}, &out, &err), 1);
   EXPECT_THAT(err, HasSubstr("page token 'again' twice"));
   EXPECT_THAT(out, Not(HasSubstr("plans/p")));
+}
+
+// -o json|yaml of a record JSON cannot hold: the conversion's error was
+// dropped, and hapctl printed nothing and exited 0.
+TEST_F(HapctlClientTest, ARecordJsonCannotHoldIsAnError) {
+  for (const std::string format : {"json", "yaml"}) {
+    std::string out, err;
+    EXPECT_EQ(Hapctl("describe", {"plan", "far", "-o", format}, &out, &err), 1) << format;
+    EXPECT_THAT(err, HasSubstr("cannot print the planner's Plan as " + format)) << format;
+    EXPECT_EQ(out, "") << format;
+  }
+  // The table shows it.
+  std::string out, err;
+  EXPECT_EQ(Hapctl("describe", {"plan", "far"}, &out, &err), 0) << err;
+  EXPECT_THAT(out, HasSubstr("plans/far"));
+}
+
+// A node the planner does not have: an error as every other (it had no
+// "error:" before it).
+TEST_F(HapctlClientTest, DescribeAMissingNodeIsAnError) {
+  std::string out, err;
+  EXPECT_EQ(Hapctl("describe", {"node", "n9"}, &out, &err), 1);
+  EXPECT_THAT(err, HasSubstr("error: NOT_FOUND: no node 'n9' is registered with the planner"));
 }
 
 }  // namespace
