@@ -59,6 +59,11 @@ class SafetensorsReaderTest(unittest.TestCase):
                              {"__metadata__": meta,
                               "a": {"dtype": "F32", "shape": [1],
                                     "data_offsets": [0, 4]}}, b"\0" * 4)
+        # null is no metadata, unambiguously.
+        header_file(self.path, {"__metadata__": None,
+                                "a": {"dtype": "F32", "shape": [1],
+                                      "data_offsets": [0, 4]}}, b"\0" * 4)
+        self.assertEqual(st.read_safetensors(self.path)[1], {})
 
     def test_a_name_given_twice_is_refused(self):
         # The last entry silently won.

@@ -331,6 +331,8 @@ def read_header(path):
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", {})
+    if metadata is None:  # null: no metadata, unambiguously
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str)
             for k, v in metadata.items()):
