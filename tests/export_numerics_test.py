@@ -95,6 +95,59 @@ class PaddedEmbedding(nn.Module):
         return F.cross_entropy(self.fc(h.mean(1)), labels)
 
 
+class CausalSelfAttention(nn.Module):
+    """minGPT's attention: one c_attn linear split into q, k, v, a causal
+    mask buffer applied with masked_fill."""
+
+    def __init__(self, e, heads, s):
+        super().__init__()
+        self.c_attn = nn.Linear(e, 3 * e)
+        self.c_proj = nn.Linear(e, e)
+        self.heads = heads
+        self.register_buffer("bias", torch.tril(torch.ones(s, s))
+                             .view(1, 1, s, s))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (k.size(-1) ** 0.5))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).contiguous()
+        return self.c_proj(y.view(b, t, c))
+
+
+class PositionIdsGpt(nn.Module):
+    """A GPT whose position ids are arange(T).unsqueeze(0) ([1, T], as
+    minGPT and Hugging Face's GPT-2 make them): that embedding failed
+    ('constant indices other than arange(n)'); head tied to wte."""
+
+    def __init__(self, vocab=20, e=16, heads=2, s=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, e)
+        self.wpe = nn.Embedding(s, e)
+        self.ln1 = nn.LayerNorm(e)
+        self.attn = CausalSelfAttention(e, heads, s)
+        self.ln2 = nn.LayerNorm(e)
+        self.mlp = nn.Sequential(nn.Linear(e, 4 * e), nn.GELU(),
+                                 nn.Linear(4 * e, e))
+        self.ln_f = nn.LayerNorm(e)
+        self.head = nn.Linear(e, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        t = idx.size(1)
+        pos = torch.arange(0, t, dtype=torch.long).unsqueeze(0)
+        x = self.wte(idx) + self.wpe(pos)
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)),
+                               targets.view(-1))
+
+
 def padded_inputs(m, gen=None):
     ids = torch.randint(0, 10, (4, 5), generator=gen)
     ids[:, 0] = m.emb.padding_idx
@@ -297,6 +350,18 @@ class ExportNumericsTest(unittest.TestCase):
             self.assertLessEqual(err, 1e-9, f"{name}: gradient off by {err}")
         self.assertTrue(torch.equal(after["emb.weight"][2],
                                     start["emb.weight"][2]))
+
+    def test_position_ids_with_a_batch_dimension_of_one(self):
+        m = PositionIdsGpt()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"idx": torch.randint(0, 20, (2, 6)),
+                "targets": torch.randint(0, 20, (2, 6))})
+        # The first 6 rows of wpe, as [1, 6, 16]; one causal softmax.
+        self.assertIn({"axis": {"i": 0}, "start": {"i": 0}, "end": {"i": 6}},
+                      [op.get("attrs") for op in g["ops"]
+                       if op["type"] == "slice"])
+        self.assertEqual(len([op for op in g["ops"] if op["type"] == "softmax"
+                              and op["attrs"]["causal"] == {"b": True}]), 1)
 
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted

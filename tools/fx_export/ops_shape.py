@@ -354,15 +354,21 @@ def embedding(ex, ids_arg, weight, padding_idx=None):
     if isinstance(ids_arg, fx.Node) and isinstance(ex.env[ids_arg], Static):
         ids = ex.env[ids_arg].value
         n = ids.numel() if isinstance(ids, torch.Tensor) else -1
-        if (isinstance(ids, torch.Tensor) and ids.dim() == 1 and
-                torch.equal(ids.cpu(), torch.arange(n))) and \
+        # Positions 0..n-1, also with leading dimensions of 1
+        # (arange(T).unsqueeze(0), as Hugging Face's GPT-2 makes them):
+        # the first n rows of the table, reshaped to [..., n, d].
+        if (isinstance(ids, torch.Tensor) and ids.dim() >= 1 and
+                all(d == 1 for d in ids.shape[:-1]) and
+                torch.equal(ids.cpu().reshape(-1), torch.arange(n))) and \
                 (padding_idx is None or padding_idx % w.shape[0] >= n):
-            # positions 0..n-1: the first n rows of the table
-            if n == w.shape[0]:
-                return w
-            return ex.emit("slice", ex.base_name(ex.node), [w],
-                           {"axis": 0, "start": 0, "end": n},
-                           (n, w.shape[1]))
+            rows = w
+            if n != w.shape[0]:
+                rows = ex.emit("slice", ex.base_name(ex.node), [w],
+                               {"axis": 0, "start": 0, "end": n},
+                               (n, w.shape[1]))
+            return ex.reshape(ex.base_name(ex.node), rows,
+                              tuple(ids.shape) + (w.shape[1],),
+                              ex.scope_of(ex.node))
         ex.fail("embedding of constant indices other than arange(n) is "
                 "not supported")
     ids = ex.t(ids_arg)
