@@ -363,6 +363,25 @@ class ExportNumericsTest(unittest.TestCase):
         self.assertEqual(len([op for op in g["ops"] if op["type"] == "softmax"
                               and op["attrs"]["causal"] == {"b": True}]), 1)
 
+    def test_a_parameter_with_infinite_values_fails_naming_it(self):
+        """Its fitted initialiser was NORMAL(-inf, nan), written as
+        -Infinity/NaN: a graph file that did not parse (exit status 0)."""
+        class InfBias(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.bias2 = nn.Parameter(torch.tensor([0.0, -float("inf"),
+                                                        1.0]))
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x) + self.bias2, labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(InfBias(), {"x": torch.randn(2, 4),
+                                         "labels": labels(2, 3)})
+        self.assertIn("parameter 'bias2' holds non-finite values",
+                      str(cm.exception))
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

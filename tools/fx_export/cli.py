@@ -255,7 +255,11 @@ def main(argv=None):
         weights = None
         if a.weights is not None:
             weights = state_dict_weights(g, values)  # fails before writing
-        text = json.dumps(g, indent=1) + "\n"
+        try:  # proto3 JSON has no NaN or Infinity
+            text = json.dumps(g, indent=1, allow_nan=False) + "\n"
+        except ValueError as e:
+            raise ExportError(f"internal: the graph holds a number JSON "
+                              f"cannot write: {e}") from None
         n, unused = _write_outputs(a, text, g, values, module, weights)
     except ExportError as e:
         print(f"export_fx: error: {e}", file=sys.stderr)

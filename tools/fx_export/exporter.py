@@ -187,6 +187,12 @@ class Exporter:
         if not frozen:
             init = initializers.constant_init(val) or init
             frozen = held_fixed
+        if any(isinstance(v, float) and not math.isfinite(v)
+               for v in init.values()):
+            # An initialiser fitted to inf/NaN values: JSON has no such
+            # numbers (the graph file did not parse).
+            self.fail(f"parameter '{name}' holds non-finite values (inf or "
+                      f"NaN), which no initialiser of the IR describes")
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
         dtype = ir_dtype(tensor.dtype, f"parameter '{name}'")
         if dtype == "INT64":
