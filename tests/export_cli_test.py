@@ -146,6 +146,11 @@ class ExportCliTest(unittest.TestCase):
                              loss=nn.CrossEntropyLoss())
         self.assertIn("example input 'input' has shape [0, 4]",
                       str(cm.exception))
+        # A list instead of a dict was a TypeError from dict().
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(nn.Linear(4, 3), [torch.zeros(2, 4)],
+                             loss=nn.CrossEntropyLoss())
+        self.assertIn("example_inputs must be a dict", str(cm.exception))
 
     def test_negative_loss_index_selects_from_the_end(self):
         p, out = self.run_cli("cli_models.py:TwoOutputs", extra=["--loss=-1"])

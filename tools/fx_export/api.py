@@ -186,6 +186,11 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
     """
     if not isinstance(module, nn.Module):
         raise ExportError(f"expected an nn.Module, got {type(module).__name__}")
+    if not isinstance(example_inputs, dict) or \
+            not all(isinstance(k, str) for k in example_inputs):
+        raise ExportError(f"example_inputs must be a dict of forward "
+                          f"argument name -> example tensor, got "
+                          f"{type(example_inputs).__name__}")
     example_inputs = dict(example_inputs)
     root, prefix = module, ""
     if callable(loss) and not isinstance(loss, (str, int)):
