@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cli_args.h"
 #include "executor/checkpoint/checkpoint.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace hap::tools {
@@ -53,6 +54,12 @@ int64_t Elements(const google::protobuf::RepeatedField<int64_t>& s) {
 }
 
 int Inspect(const Args& a) {
+  // Checked before reading the checkpoint, naming the value.
+  const std::string fmt = a.Get("o", a.Get("output", "table"));
+  if (fmt != "table" && fmt != "json") {
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("-o must be table or json, got '", fmt, "'")));
+  }
   auto reader = ckpt::CheckpointReader::Open(a.positional()[1]);
   if (!reader.ok()) return Fail(reader.status());
   const auto& index = (*reader)->index();
@@ -63,18 +70,28 @@ int Inspect(const Args& a) {
     auto n = fs::file_size(fs::path((*reader)->step_dir()) / f, ec);
     if (!ec) file_bytes += static_cast<int64_t>(n);
   }
-  const std::string fmt = a.Get("o", a.Get("output", "table"));
   if (fmt == "json") {
+    // The path as a JSON string too: written between quotes as it was, a
+    // directory with a quote or a backslash in its name made the output no JSON.
+    google::protobuf::Value path;
+    path.set_string_value((*reader)->step_dir());
     google::protobuf::util::JsonPrintOptions o;
     o.preserve_proto_field_names = true;
-    std::string idx, tr;
-    (void)google::protobuf::util::MessageToJsonString(index, &idx, o);
-    (void)google::protobuf::util::MessageToJsonString(trainer, &tr, o);
-    std::cout << "{\"path\": \"" << (*reader)->step_dir() << "\", \"bytes\": " << file_bytes
+    std::string path_json, idx, tr;
+    for (const auto& [message, json] :
+         {std::pair<const google::protobuf::Message*, std::string*>{&path, &path_json},
+          {&index, &idx},
+          {&trainer, &tr}}) {
+      if (auto st = google::protobuf::util::MessageToJsonString(*message, json, o); !st.ok()) {
+        return Fail(absl::InternalError(absl::StrCat("cannot print the checkpoint's ",
+                                                     message->GetDescriptor()->name(),
+                                                     " as json: ", st.message().as_string())));
+      }
+    }
+    std::cout << "{\"path\": " << path_json << ", \"bytes\": " << file_bytes
               << ", \"trainer\": " << tr << ", \"index\": " << idx << "}\n";
     return 0;
   }
-  if (fmt != "table") return Fail(absl::InvalidArgumentError("-o must be table or json"));
   int64_t params = 0, states = 0;
   for (const auto& t : index.tensors()) (t.optimizer_state() ? states : params) += Elements(t.shape());
   std::cout << absl::StrFormat("checkpoint  %s\n", (*reader)->step_dir());

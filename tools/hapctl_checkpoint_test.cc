@@ -1,0 +1,62 @@
+// hapctl checkpoint on a checkpoint written by the trainer (two ranks in
+// process, one step).
+#include "tools/hapctl_checkpoint.h"
+
+#include <string>
+#include <vector>
+
+#include "executor/checkpoint/checkpoint_test_util.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+
+namespace hap::tools {
+namespace {
+
+namespace test_util = ::hap::executor::checkpoint::test_util;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+// hapctl checkpoint ARGS...; the exit code, with what it printed.
+int Hapctl(const std::vector<std::string>& args, std::string* out, std::string* err) {
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int rc = RunCheckpoint(args);
+  *out = ::testing::internal::GetCapturedStdout();
+  *err = ::testing::internal::GetCapturedStderr();
+  return rc;
+}
+
+// A checkpoint of one step of the test MLP on two ranks, in `name`.
+std::string Checkpoint(const std::string& name) {
+  const graph::Graph g = test_util::Mlp();
+  const std::string dir = test_util::Fresh(name);
+  test_util::TrainAndSave(g, test_util::Programs(g, 2, "dp"), dir, 1, 1);
+  return dir;
+}
+
+// inspect -o json wrote the directory between quotes as it was: a quote or
+// a backslash in its name made the output no JSON.
+TEST(HapctlCheckpointTest, InspectAsJsonEscapesThePath) {
+  const std::string dir = Checkpoint("a \"quoted\" \\ name");
+  std::string out, err;
+  ASSERT_EQ(Hapctl({"inspect", dir, "-o", "json"}, &out, &err), 0) << err;
+  google::protobuf::Struct json;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(out, &json).ok()) << out;
+  EXPECT_THAT(json.fields().at("path").string_value(), StartsWith(dir));
+  EXPECT_TRUE(json.fields().at("trainer").has_struct_value()) << out;
+  EXPECT_TRUE(json.fields().at("index").has_struct_value()) << out;
+}
+
+// Another -o is refused naming it, before the checkpoint is read (a
+// missing one was reported instead).
+TEST(HapctlCheckpointTest, InspectRefusesAnotherFormatNamingIt) {
+  std::string out, err;
+  EXPECT_EQ(Hapctl({"inspect", test_util::Fresh("none"), "-o", "yaml"}, &out, &err), 1);
+  EXPECT_THAT(err, HasSubstr("-o must be table or json, got 'yaml'"));
+  EXPECT_EQ(out, "");
+}
+
+}  // namespace
+}  // namespace hap::tools
