@@ -156,6 +156,7 @@ struct Agent::Impl : public ProfileSource {
   // What each measurement paused for training last said it waits for.
   std::map<std::string, std::string> paused_for ABSL_GUARDED_BY(mu);
   absl::Duration heartbeat_interval = kDefaultHeartbeat;  // the latest (heartbeat thread's)
+  bool interval_warned = false;  // PlannersInterval said it clamps (heartbeat thread's)
   std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
   std::shared_ptr<v1::Planner::Stub> planner_stub ABSL_GUARDED_BY(mu);
 
@@ -455,6 +456,25 @@ struct Agent::Impl : public ProfileSource {
     return labels;
   }
 
+  // The heartbeat interval the planner answered (a registration or a
+  // heartbeat), within the range hap-planner takes: a planner answering
+  // 1 ns would have us call it in a loop, one answering years would have us
+  // never heartbeat. Zero when it answered none.
+  absl::Duration PlannersInterval(const google::protobuf::Duration& answered) {
+    const absl::Duration interval = service::FromProto(answered);
+    const absl::Duration taken = std::clamp(interval, kMinHeartbeat, kMaxHeartbeat);
+    if (interval <= absl::ZeroDuration()) return absl::ZeroDuration();
+    if (taken == interval) interval_warned = false;
+    if (taken != interval && !interval_warned) {
+      Log(absl::StrCat("the planner's heartbeat interval ", absl::FormatDuration(interval),
+                       " is outside [", absl::FormatDuration(kMinHeartbeat), ", ",
+                       absl::FormatDuration(kMaxHeartbeat), "]; heartbeating every ",
+                       absl::FormatDuration(taken)));
+      interval_warned = true;  // heartbeats answer it too: said once
+    }
+    return taken;
+  }
+
   // RegisterNode with the current profile; the heartbeat interval to use.
   absl::StatusOr<absl::Duration> Register() {
     v1::RegisterNodeRequest req;
@@ -471,20 +491,7 @@ struct Agent::Impl : public ProfileSource {
     Call call(this, o.rpc_timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(Planner()->RegisterNode(call.ctx(), req, &resp)));
     absl::Duration interval = o.heartbeat_interval;
-    if (interval == absl::ZeroDuration()) {
-      interval = service::FromProto(resp.heartbeat_interval());
-      // The planner's interval within the range hap-planner takes: a planner
-      // answering 1 ns would have us call it in a loop, one answering years
-      // would have us never heartbeat.
-      const absl::Duration taken = std::clamp(interval, kMinHeartbeat, kMaxHeartbeat);
-      if (taken != interval && interval > absl::ZeroDuration()) {
-        Log(absl::StrCat("the planner's heartbeat interval ", absl::FormatDuration(interval),
-                         " is outside [", absl::FormatDuration(kMinHeartbeat), ", ",
-                         absl::FormatDuration(kMaxHeartbeat), "]; heartbeating every ",
-                         absl::FormatDuration(taken)));
-        interval = taken;
-      }
-    }
+    if (interval == absl::ZeroDuration()) interval = PlannersInterval(resp.heartbeat_interval());
     if (interval <= absl::ZeroDuration()) interval = kDefaultHeartbeat;
     absl::MutexLock l(&mu);
     registered = true;
@@ -530,6 +537,18 @@ struct Agent::Impl : public ProfileSource {
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
     }
+    if (o.heartbeat_interval == absl::ZeroDuration() && resp.has_heartbeat_interval()) {
+      // A planner restarted with another --heartbeat-seconds, its database
+      // kept: at the interval of the registration, a longer one, the node
+      // went STALE between heartbeats.
+      const absl::Duration want = PlannersInterval(resp.heartbeat_interval());
+      if (want > absl::ZeroDuration() && want != heartbeat_interval) {
+        Log(absl::StrCat("the planner at ", o.planner, " now expects a heartbeat every ",
+                         absl::FormatDuration(want), " (was ",
+                         absl::FormatDuration(heartbeat_interval), ")"));
+        heartbeat_interval = want;
+      }
+    }
     if (resp.registered_by() != registered_by) {
       // Not registering again: the two agents would take the node in turns.
       // The planner says unknown_node once the other goes silent.
@@ -553,7 +572,8 @@ struct Agent::Impl : public ProfileSource {
       // heartbeat interval than the one the node registered with (its
       // database kept, so no unknown_node), and every heartbeat at the old
       // one would find the node STALE again and ask for another probe.
-      // Registering again takes its interval; the probe follows.
+      // Registering again takes its interval (for planners whose heartbeat
+      // answers carry none); the probe follows.
       Log("the planner asked for a new probe; registering again first (for its heartbeat "
           "interval)");
       probe_after_register = true;
@@ -640,6 +660,7 @@ struct Agent::Impl : public ProfileSource {
       }
       if (MonotonicNow() >= next_heartbeat) {
         planner_answered = HeartbeatOnce() || planner_answered;
+        interval = heartbeat_interval;  // the planner's, when it answered another
         next_heartbeat = MonotonicNow() + interval;
         {
           absl::MutexLock l(&mu);

@@ -475,6 +475,23 @@ TEST(AgentHeartbeatTest, ANodeAskedToProbeAgainTakesThePlannersCurrentInterval) 
   EXPECT_TRUE(planner.WaitFor([&](const Record& r) { return r.heartbeats >= before + 20; }));
 }
 
+// The same, without the STALE node in between: heartbeats carry the
+// planner's interval, and the agent takes it at the first answer, without
+// registering again or probing.
+TEST(AgentHeartbeatTest, TakesTheIntervalAHeartbeatIsAnsweredWith) {
+  FakePlanner planner(absl::Seconds(5));
+  FakeProber::State state;
+  auto agent = StartWithFakeProber(NodeAOf(planner), &state);
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(planner.WaitFor([](const Record& r) { return r.registrations >= 1; }));
+  planner.SetHeartbeatInterval(absl::Milliseconds(20));
+  // The first heartbeat, 5 s after the registration, is answered 20 ms; 20
+  // more at 5 s would take 100 s.
+  EXPECT_TRUE(planner.WaitFor([&](const Record& r) { return r.heartbeats >= 21; }));
+  EXPECT_EQ(planner.Snapshot().registrations, 1);
+  EXPECT_EQ(state.probes.load(), 1);
+}
+
 TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);

@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
+#include "common/proto_time.h"
 #include "planner/service/core/profile_checks.h"
 
 namespace hap::agent::testing {
@@ -70,9 +71,7 @@ grpc::Status FakePlanner::RegisterNode(grpc::ServerContext* ctx, const v1::Regis
   ++record_.registrations;
   record_.nodes[r->node().name()] = r->node();
   *out->mutable_node() = r->node();
-  int64_t ns = absl::ToInt64Nanoseconds(heartbeat_interval_);
-  out->mutable_heartbeat_interval()->set_seconds(ns / 1'000'000'000);
-  out->mutable_heartbeat_interval()->set_nanos(static_cast<int32_t>(ns % 1'000'000'000));
+  *out->mutable_heartbeat_interval() = service::ToProto(heartbeat_interval_);
   return grpc::Status::OK;
 }
 
@@ -115,6 +114,7 @@ grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::Heartbea
     out->set_reprobe(true);
   }
   out->set_training(training_[name]);
+  *out->mutable_heartbeat_interval() = service::ToProto(heartbeat_interval_);
   return grpc::Status::OK;
 }
 

@@ -48,7 +48,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   // Knobs.
   void Forget(const std::string& node);          // next heartbeat: unknown_node
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
-  void SetHeartbeatInterval(absl::Duration d);   // what registrations answer from now
+  void SetHeartbeatInterval(absl::Duration d);   // what registrations and heartbeats answer
   void SetTraining(const std::string& node, bool training);  // heartbeats: training
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   // Heartbeats that carry devices get RESOURCE_EXHAUSTED (as a cluster at

@@ -195,9 +195,7 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
   s_->nodes[node.name()] = node;
   v1::RegisterNodeResponse r;
   *r.mutable_node() = node;
-  r.mutable_heartbeat_interval()->set_seconds(absl::ToInt64Seconds(o_.heartbeat_interval));
-  r.mutable_heartbeat_interval()->set_nanos(
-      static_cast<int32_t>(absl::ToInt64Nanoseconds(o_.heartbeat_interval) % 1'000'000'000));
+  *r.mutable_heartbeat_interval() = ToProto(o_.heartbeat_interval);
   return r;
 }
 
@@ -206,6 +204,7 @@ absl::StatusOr<v1::HeartbeatResponse> PlannerCore::Heartbeat(const v1::Heartbeat
   std::set<std::string> ids;
   if (!r.devices().empty()) HAP_RETURN_IF_ERROR(ValidateDevices(name, r.devices(), &ids));
   v1::HeartbeatResponse out;
+  *out.mutable_heartbeat_interval() = ToProto(o_.heartbeat_interval);
   absl::MutexLock l(&s_->mu);
   RefreshLivenessLocked();  // (may expire the node)
   auto it = s_->nodes.find(name);

@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "common/proto_time.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -79,6 +80,9 @@ TEST_F(PlannerCoreTest, ANodeThatStopsHeartbeatingGoesStaleAndIsLeftOut) {
     auto r = core_->Heartbeat(hb);
     ASSERT_TRUE(r.ok());
     EXPECT_FALSE(r->unknown_node());
+    // The interval, as at registration: an agent registered under another
+    // takes it.
+    EXPECT_EQ(hap::service::FromProto(r->heartbeat_interval()), absl::Seconds(5));
   }
   v1::Cluster live = core_->GetCluster(false);
   ASSERT_EQ(live.nodes_size(), 1);
