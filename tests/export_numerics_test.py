@@ -382,6 +382,30 @@ class ExportNumericsTest(unittest.TestCase):
         self.assertIn("parameter 'bias2' holds non-finite values",
                       str(cm.exception))
 
+    def test_lstm_shapes_on_meta_tensors(self):
+        """--run-on meta failed on nn.LSTM ('Input and parameter tensors
+        are not at the same device'), so a float16 model with one, which
+        PyTorch cannot run on the CPU, could not be exported at all."""
+        class Tagger(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 8)
+                self.lstm = nn.LSTM(8, 6, num_layers=2, bidirectional=True)
+                self.head = nn.Linear(12, 3)
+
+            def forward(self, ids, labels):
+                h, (h_n, _) = self.lstm(self.emb(ids).transpose(0, 1))
+                return F.cross_entropy(self.head(h[-1]) + h_n.sum(), labels)
+
+        inputs = {"ids": torch.randint(0, 10, (4, 5)), "labels": labels(4, 3)}
+        on_cpu = export_fx.export(Tagger(), inputs, run_on="cpu")
+        on_meta = export_fx.export(Tagger(), inputs, run_on="meta")
+        self.assertEqual(on_meta["ops"], on_cpu["ops"])
+        self.assertEqual(on_meta["value_info"], on_cpu["value_info"])
+        g, _ = self.export_valid(Tagger().half(), inputs)
+        self.assertEqual({p["tensor"]["dtype"] for p in g["parameters"]},
+                         {"FLOAT16"})
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

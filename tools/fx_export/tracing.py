@@ -156,7 +156,17 @@ class Recorder(fx.Interpreter):
         mod = self.fetch_attr(target)
         state = {k: v.to("meta") for k, v in
                  list(mod.named_parameters()) + list(mod.named_buffers())}
-        return functional_call(mod, state, tuple(args), dict(kwargs))
+        if not isinstance(mod, nn.RNNBase):
+            return functional_call(mod, state, tuple(args), dict(kwargs))
+        # nn.LSTM's forward reads its cached _flat_weights, which
+        # functional_call does not swap: the CPU weights met meta inputs
+        # ("not at the same device") and --run-on meta failed.
+        saved = mod._flat_weights
+        mod._flat_weights = [state.get(n) for n in mod._flat_weights_names]
+        try:
+            return functional_call(mod, state, tuple(args), dict(kwargs))
+        finally:
+            mod._flat_weights = saved
 
     def run_node(self, n):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
