@@ -61,6 +61,15 @@ for cmd in "create plan" "create job --id j --checkpoint-dir /tmp/x"; do
   echo "$out" | grep -q "optimizer must be sgd, momentum or adam, got 'adamw'" \
     || fail "$cmd --optimizer adamw: $out"
 done
+# -o before `checkpoint export` is refused: export's -o is its output file,
+# and the leading '-o json' wrote the safetensors into a file named 'json'.
+for o in "-o json" "--output=json"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $o checkpoint export /nonexistent/ckpt 2>&1)" && fail "$o checkpoint export exited 0"
+  echo "$out" | grep -qF "before 'checkpoint export': its -o is the output file" \
+    || fail "$o checkpoint export: $out"
+done
+
 # A word that is no flag's and no argument is named, before any call (it
 # was dropped: 'plan vit' planned gpt, 'delete plan a b' deleted a only,
 # 'create plan --no-sfb true' planned).

@@ -167,6 +167,19 @@ int Run(int argc, char** argv) {
   }
   std::string cmd = args[i];
   std::vector<std::string> rest(args.begin() + i + 1, args.end());
+  // `checkpoint export` takes -o as its output file: `hapctl -o json
+  // checkpoint export DIR` wrote the safetensors into a file named 'json'.
+  if (cmd == "checkpoint" && !rest.empty() && rest[0] == "export") {
+    for (size_t k = 0; k < leading.size(); ++k) {
+      const std::string name = leading[k].substr(0, leading[k].find('='));
+      if (name == "-o" || name == "--output") {
+        std::cerr << "error: '" << leading[k]
+                  << "' before 'checkpoint export': its -o is the output file, give it after "
+                     "(hapctl checkpoint export DIR -o FILE.safetensors)\n";
+        return 1;
+      }
+    }
+  }
   rest.insert(rest.end(), leading.begin(), leading.end());
   if (cmd == "ops") return hap::tools::RunOps(rest);
   if (cmd == "zoo") return hap::tools::RunZoo(rest);
