@@ -406,6 +406,30 @@ class ExportNumericsTest(unittest.TestCase):
         self.assertEqual({p["tensor"]["dtype"] for p in g["parameters"]},
                          {"FLOAT16"})
 
+    def test_dropout_of_every_element(self):
+        """nn.Dropout(1.0) became a dropout op with p=1, which `hapctl
+        validate` refuses ('must be in [0, 1)'); PyTorch gives zeros."""
+        class AllDropped(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.drop = nn.Dropout(1.0)
+                self.skip = nn.Linear(4, 3)
+
+            def forward(self, x, labels):
+                h = self.drop(self.fc(x)) + F.dropout(self.skip(x), 1.0)
+                return F.cross_entropy(h + self.skip(x), labels)
+
+        m = AllDropped()
+        inputs = {"x": torch.randn(3, 4), "labels": labels(3, 3)}
+        g, values = self.export_valid(m, inputs)
+        self.assertNotIn("dropout", {op["type"] for op in g["ops"]})
+        with torch.no_grad():  # PyTorch's training-mode forward
+            self.assertAlmostEqual(float(m.train()(**inputs)),
+                                   float(hap_ir_eval.evaluate(g, inputs,
+                                                              values)),
+                                   delta=1e-6)
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

@@ -106,6 +106,11 @@ def dropout(ex, p, name, x, scope):
     step); x itself for p = 0."""
     if p == 0:
         return x
+    if p == 1:
+        # Every element dropped: zeros, and no gradient, as PyTorch's (the
+        # IR's dropout takes p in [0, 1): the graph did not validate).
+        return ex.emit("scale", name, [x], {"factor": 0.0}, x.shape,
+                       scope=scope)
     return ex.emit("dropout", name, [x], {"p": float(p)}, x.shape,
                    scope=scope)
 
