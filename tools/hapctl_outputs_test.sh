@@ -18,6 +18,24 @@ grep -q "wrote plan for" "$tmp/out" || fail "no 'wrote plan' line: $(cat "$tmp/o
 python3 -c 'import json,sys; assert json.load(open(sys.argv[1]))["ops"]' "$tmp/g.json" \
   || fail "exported graph is not JSON with ops"
 
+# plan -o json of a graph whose names hold control characters (a tab, a
+# newline) is JSON: they were written as they were.
+python3 - "$tmp/g.json" "$tmp/ctl.json" <<'PY'
+import json, sys
+g = json.load(open(sys.argv[1]))
+g["name"] = "my\tmodel\nv2"
+g["ops"][0]["name"] = "first\nop"
+json.dump(g, open(sys.argv[2], "w"))
+PY
+"$HAPCTL" plan --cluster "$CLUSTER" --graph "$tmp/ctl.json" -o json > "$tmp/ctl.out" 2> "$tmp/ctl.err" \
+  || fail "plan of names with control characters: $(cat "$tmp/ctl.err")"
+python3 - "$tmp/ctl.out" <<'PY' || fail "plan -o json of names with control characters: $(cat "$tmp/ctl.out")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["model"] == "my\tmodel\nv2", d["model"]
+assert any(o["op"] == "first\nop" for o in d["ops"]), [o["op"] for o in d["ops"]]
+PY
+
 if [ -w /dev/full ]; then
   out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --save-plan /dev/full 2>&1)" \
     && fail "--save-plan to a full device exited 0: $out"
