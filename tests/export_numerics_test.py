@@ -430,6 +430,36 @@ class ExportNumericsTest(unittest.TestCase):
                                                               values)),
                                    delta=1e-6)
 
+    def test_values_the_ir_refuses_fail_naming_them(self):
+        """eps=0 (PyTorch allows it), a multiplication by inf and a
+        division by a subnormal number exported graphs that `hapctl
+        validate` refused ('eps' must be positive, 'factor' must be
+        finite), exit status 0."""
+        def net(body):
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = nn.Linear(4, 3)
+                    self.ln = nn.LayerNorm(3, eps=0.0)
+                    self.bn = nn.BatchNorm1d(3, eps=0.0)
+
+                def forward(self, x, labels):
+                    return F.cross_entropy(body(self, self.fc(x)), labels)
+            return Net()
+
+        for body, needle in (
+                (lambda s, h: s.ln(h), "eps=0.0 is not supported"),
+                (lambda s, h: s.bn(h), "eps=0.0 is not supported"),
+                (lambda s, h: F.layer_norm(h, (3,), s.ln.weight, s.ln.bias,
+                                           0.0), "eps=0.0 is not supported"),
+                (lambda s, h: h * float("inf"), "non-finite constant"),
+                (lambda s, h: h / 1e-320, "non-finite constant")):
+            with self.subTest(needle=needle):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(net(body), {"x": torch.randn(3, 4),
+                                                 "labels": labels(3, 3)})
+                self.assertIn(needle, str(cm.exception))
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

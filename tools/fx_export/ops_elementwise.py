@@ -2,6 +2,7 @@
 and stochastic depth (drop_path), and arithmetic with tensors and constants
 (add, sub, mul, div, neg; a multiplication by a constant is a scale)."""
 
+import math
 import operator
 
 import torch
@@ -188,6 +189,11 @@ def binary(ex, kind, a, b, alpha=1):
         ex.fail(f"cannot {kind} a {type(cv).__name__}")
     xt = ex.t(x)
     cv = float(cv)
+    if not math.isfinite(cv) or (kind == "div" and cv != 0 and
+                                 not math.isfinite(1.0 / cv)):
+        # A scale by inf/NaN (hapctl validate: "'factor' must be finite").
+        ex.fail(f"{kind} by the non-finite constant {cv} (or its "
+                f"reciprocal) is not supported")
     if kind == "mul":
         return xt if cv == 1 else ex.op("scale", [xt], {"factor": cv})
     if kind == "div":

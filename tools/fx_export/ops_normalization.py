@@ -16,6 +16,16 @@ from .ir import float_torch_dtype, join
 # ---- layer_norm ------------------------------------------------------------
 
 
+def positive_eps(ex, eps):
+    """The IR's layer_norm and batch_norm take eps > 0 (hapctl validate
+    refused a graph with PyTorch's allowed eps=0)."""
+    if not eps > 0:
+        ex.fail(f"eps={eps} is not supported (the IR's normalisations take "
+                f"eps > 0)")
+    return float(eps)
+
+
+
 def layer_norm(ex, mod, path, x, scope):
     """nn.LayerNorm `mod` (at `path`) applied to x; without affine
     parameters its weight and bias are frozen exporter constants."""
@@ -25,6 +35,7 @@ def layer_norm(ex, mod, path, x, scope):
                 f"{list(mod.normalized_shape)}; only the last dimension "
                 f"is supported")
     d = mod.normalized_shape[0]
+    positive_eps(ex, mod.eps)
     if mod.elementwise_affine:
         g, b = ex.param(mod.weight), ex.param(mod.bias)
     else:  # in x's dtype: a bf16 model's layer_norm takes bf16 gamma/beta
@@ -51,7 +62,7 @@ def _layer_norm(ex, call):
         ex.fail("layer_norm needs one normalised dim and affine "
                 "weight and bias")
     return ex.op("layer_norm", [x, ex.t(w), ex.t(b)],
-                 {"eps": float(call.value(4, "eps", 1e-5))})
+                 {"eps": positive_eps(ex, call.value(4, "eps", 1e-5))})
 
 
 # ---- batch_norm ------------------------------------------------------------
@@ -69,6 +80,10 @@ def batch_norm(ex, path, x, weight, bias, running_mean, running_var,
     if momentum is None:
         ex.fail("batch_norm with momentum=None (a cumulative average of "
                 "the statistics) is not supported")
+    positive_eps(ex, eps)
+    if not 0 <= momentum <= 1:
+        ex.fail(f"batch_norm with momentum={momentum} is not supported "
+                f"(the IR's is in [0, 1])")
     c = x.shape[1]
     ins = [x]
     for t, leaf, init in ((weight, "weight", initializers.ONES),
