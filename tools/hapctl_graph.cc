@@ -101,6 +101,20 @@ absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
 
 absl::StatusOr<graph::Graph> LoadModel(const Args& args) {
   if (args.Has("graph")) {
+    // A graph file has its own model and shapes: --model and zoo parameters
+    // beside it were dropped ('--graph g.json --layers 4' planned g.json's
+    // layers).
+    if (args.Has("model")) {
+      return absl::InvalidArgumentError(absl::StrCat("--graph '", args.Get("graph"),
+                                                     "' and --model '", args.Get("model"),
+                                                     "' are two models: give one"));
+    }
+    HAP_ASSIGN_OR_RETURN(auto overrides, ZooOverrides(args));
+    if (!overrides.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", overrides.begin()->first, "' is a zoo model's parameter; the graph file '",
+          args.Get("graph"), "' has its own shapes (drop it, or plan --model NAME)"));
+    }
     HAP_ASSIGN_OR_RETURN(std::string bytes, ReadInputFile(args.Get("graph"), "graph file "));
     auto g = graph::ParseGraph(bytes, graph::GraphFormat::kAuto);
     if (!g.ok()) {

@@ -45,6 +45,26 @@ done
 out="$("$HAPCTL" ops --help 2>&1)" || fail "ops --help: $out"
 echo "$out" | grep -q "usage: hapctl ops" || fail "ops --help: $out"
 echo "$out" | grep -q "^linear " && fail "ops --help listed the ops: $out"
+# A graph file has its own model and shapes: --model or a zoo parameter
+# beside --graph is refused naming it (it was dropped: '--graph g.json
+# --layers 4' planned the file's layers), in plan and create plan alike.
+for extra in "--model mlp" "--layers 4" "--set layers=4"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" plan --cluster "$CLUSTER" --graph "$tmp/g.json" $extra 2>&1)" \
+    && fail "plan --graph $extra exited 0: $out"
+  # shellcheck disable=SC2086
+  out2="$("$HAPCTL" create plan --graph "$tmp/g.json" $extra --server 127.0.0.1:1 --timeout 3 2>&1)" \
+    && fail "create plan --graph $extra exited 0: $out2"
+  for o in "$out" "$out2"; do
+    if [ "$extra" = "--model mlp" ]; then
+      echo "$o" | grep -qF "and --model 'mlp' are two models: give one" || fail "$extra: $o"
+    else
+      echo "$o" | grep -qF "'layers' is a zoo model's parameter; the graph file" || fail "$extra: $o"
+    fi
+    echo "$o" | grep -q "127.0.0.1:1" && fail "create plan --graph $extra called the server: $o"
+  done
+done
+
 # --export writes one model: with none or several named it is refused (the
 # file held the last model of the list alone), and nothing is written.
 for names in "" "mlp gpt"; do
