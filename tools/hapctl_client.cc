@@ -683,6 +683,12 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
     for (absl::string_view d : absl::StrSplit(a.Get("devices"), ',', absl::SkipEmpty())) {
       r.add_devices(std::string(d));
     }
+    // An empty list was sent as none: every live device.
+    if (r.devices().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices names no device, got '", a.Get("devices"),
+                       "' (without --devices the plan takes every live device)"));
+    }
   }
   v1::PlanOptions* o = r.mutable_options();
   std::string b = a.Get("baseline", "hap");

@@ -110,6 +110,17 @@ for server in "127.0.0.1:1" "[::1]:1" "ipv4:127.0.0.1:1"; do
   echo "$out" | grep -q "UNAVAILABLE" || fail "--server '$server': $out"
 done
 
+# An empty --devices list is refused (it planned on every device).
+for devices in "" ","; do
+  out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --devices "$devices" 2>&1)" \
+    && fail "plan --devices '$devices' exited 0: $out"
+  echo "$out" | grep -qF "devices names no device, got '$devices'" || fail "plan --devices '$devices': $out"
+  out="$("$HAPCTL" create plan --model mlp --devices "$devices" --server 127.0.0.1:1 --timeout 3 2>&1)" \
+    && fail "create plan --devices '$devices' exited 0: $out"
+  echo "$out" | grep -qF "devices names no device, got '$devices'" \
+    || fail "create plan --devices '$devices': $out"
+done
+
 # hapctl plan's optimizer flags are checked with or without --save-plan
 # (they were read only to save the plan: '--lr -1' planned and exited 0),
 # each named with its value.

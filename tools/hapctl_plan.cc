@@ -501,6 +501,13 @@ int RunPlan(const std::vector<std::string>& argv) {
   std::vector<std::string> devices;
   if (args->Has("devices")) {
     devices = absl::StrSplit(args->Get("devices"), ',', absl::SkipEmpty());
+    // An empty list ('--devices "$DEVICES"' with nothing in it) planned
+    // on every device of the cluster.
+    if (devices.empty()) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--devices names no device, got '", args->Get("devices"),
+                       "' (without --devices the plan takes every device of the cluster)")));
+    }
   }
   const std::string precision_name = args->Get("precision", "fp32");
   if (precision_name != "fp32" && precision_name != "bf16") {
