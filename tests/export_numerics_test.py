@@ -460,6 +460,42 @@ class ExportNumericsTest(unittest.TestCase):
                                                  "labels": labels(3, 3)})
                 self.assertIn(needle, str(cm.exception))
 
+    def test_integer_arithmetic_and_mixed_dtypes_fail_naming_them(self):
+        """ids + 1, ids * 2, labels * 0.5 (integer tensors in arithmetic)
+        and float32 + float64 (PyTorch's type promotion), in + or in cat,
+        exported graphs that `hapctl validate` refused ('must be a
+        floating-point tensor', 'must have the same dtype'), exit 0."""
+        class Net(nn.Module):
+            def __init__(self, body):
+                super().__init__()
+                self.emb = nn.Embedding(10, 4)
+                self.fc = nn.Linear(4, 3)
+                self.p64 = nn.Parameter(torch.randn(3, dtype=torch.float64))
+                self.body = body
+
+            def forward(self, ids, labels):
+                return F.cross_entropy(self.body(self, ids, labels), labels)
+
+        for body, needle in (
+                (lambda s, ids, y: s.fc(s.emb(ids + 1).sum(1)),
+                 "node 'add' (call_function operator.add): add of the "
+                 "integer tensor 'ids'"),
+                (lambda s, ids, y: s.fc(s.emb(ids * 2).sum(1)),
+                 "integer tensor 'ids'"),
+                (lambda s, ids, y: s.fc(s.emb(ids).sum(1)) - y[:, None] * 0.5,
+                 "integer tensor"),
+                (lambda s, ids, y: s.fc(s.emb(ids).sum(1)) + s.p64,
+                 "add mixes the dtypes FLOAT32 and FLOAT64"),
+                (lambda s, ids, y: torch.cat([s.fc(s.emb(ids).sum(1)),
+                                              s.p64.expand(4, 3)], 1)[:, :3],
+                 "cat mixes the dtypes FLOAT32 and FLOAT64")):
+            with self.subTest(needle=needle):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(Net(body), {
+                        "ids": torch.randint(1, 9, (4, 2)),
+                        "labels": labels(4, 3)})
+                self.assertIn(needle, str(cm.exception))
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

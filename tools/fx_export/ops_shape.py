@@ -226,10 +226,20 @@ def _getitem(ex, call):
 # ---- concat, stack, split --------------------------------------------------
 
 
+def _same_dtype(ex, what, ts):
+    """concat takes one dtype (PyTorch promotes mixed ones: the graph did
+    not validate)."""
+    dtypes = sorted({t.dtype for t in ts})
+    if len(dtypes) > 1:
+        ex.fail(f"{what} mixes the dtypes {' and '.join(dtypes)} (PyTorch "
+                f"promotes them; the IR's concat takes one dtype)")
+
+
 def _cat(ex, tensors, dim):
     ts = [ex.t(a) for a in tensors]
     if len(ts) == 1:
         return ts[0]
+    _same_dtype(ex, "cat", ts)
     rank = len(ts[0].shape)
     return ex.op("concat", ts, {"axis": dim + rank if dim < 0 else dim})
 
@@ -244,6 +254,7 @@ def _stack(ex, call):
     """torch.stack as a concat of the tensors with the new axis added."""
     tensors, dim = call.arg(0, "tensors"), call.value(1, "dim", 0)
     ts = [ex.t(a) for a in tensors]
+    _same_dtype(ex, "stack", ts)
     rank = len(ts[0].shape) + 1
     d = dim + rank if dim < 0 else dim
     name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
