@@ -97,6 +97,17 @@ int Fail(const absl::Status& s) {
 }
 int Fail(const grpc::Status& s) { return Fail(service::FromGrpc(s)); }
 
+// A call's error; at its deadline, which one and where it comes from (gRPC
+// says "Deadline Exceeded" alone).
+int FailCall(const Client& c, const grpc::Status& s) {
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return Fail(absl::DeadlineExceededError(
+        absl::StrCat("no answer from the planner within --timeout ",
+                     absl::ToDoubleSeconds(c.timeout), " s (", s.error_message(), ")")));
+  }
+  return Fail(s);
+}
+
 // JSON -> YAML through protobuf's Struct (no YAML library in Debian's C++).
 void Yaml(const google::protobuf::Value& v, int indent, std::ostringstream& o, bool in_list);
 
@@ -594,7 +605,7 @@ int Get(Client& c, const std::string& what) {
           return c.stub->ListNodes(ctx, r, out);
         },
         [](v1::ListNodesResponse& r) { return r.mutable_nodes(); }, &all);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(c, s);
     if (c.format != "table") {
       return PrintMessage(all, c.format);
     }
@@ -619,7 +630,7 @@ int Get(Client& c, const std::string& what) {
           return c.stub->ListPlans(ctx, r, out);
         },
         [](v1::ListPlansResponse& r) { return r.mutable_plans(); }, &all);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(c, s);
     if (c.format != "table") {
       return PrintMessage(all, c.format);
     }
@@ -634,7 +645,7 @@ int Get(Client& c, const std::string& what) {
         [&](grpc::ClientContext* ctx, const v1::ListDeploymentsRequest& r,
             v1::ListDeploymentsResponse* out) { return c.stub->ListDeployments(ctx, r, out); },
         [](v1::ListDeploymentsResponse& r) { return r.mutable_deployments(); }, &resp);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(c, s);
     if (c.format != "table") {
       return PrintMessage(resp, c.format);
     }
@@ -650,7 +661,7 @@ int Get(Client& c, const std::string& what) {
           return c.stub->ListJobs(ctx, r, out);
         },
         [](v1::ListJobsResponse& r) { return r.mutable_jobs(); }, &all);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(c, s);
     if (c.format != "table") {
       return PrintMessage(all, c.format);
     }
@@ -1048,7 +1059,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       r.set_name(JobName(pos[1]));
       v1::Job j;
       grpc::Status s = c->stub->GetJob(&ctx, r, &j);
-      if (!s.ok()) return Fail(s);
+      if (!s.ok()) return FailCall(*c, s);
       if (c->format == "table") {
         DescribeJob(j);
       } else {
@@ -1061,7 +1072,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       r.set_include_stale(true);
       v1::Cluster cluster;
       grpc::Status s = c->stub->GetCluster(&ctx, r, &cluster);
-      if (!s.ok()) return Fail(s);
+      if (!s.ok()) return FailCall(*c, s);
       const std::string name =
           pos[1].rfind("nodes/", 0) == 0 ? pos[1].substr(std::string("nodes/").size()) : pos[1];
       auto node =
@@ -1079,7 +1090,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
           [&](grpc::ClientContext* ctx, const v1::ListDeploymentsRequest& r,
               v1::ListDeploymentsResponse* out) { return c->stub->ListDeployments(ctx, r, out); },
           [](v1::ListDeploymentsResponse& r) { return r.mutable_deployments(); }, &all);
-      if (!s.ok()) return Fail(s);
+      if (!s.ok()) return FailCall(*c, s);
       DescribeNode(*node, cluster, {all.deployments().begin(), all.deployments().end()});
       return 0;
     }
@@ -1088,7 +1099,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       r.set_name(DeploymentName(pos[1]));
       v1::Deployment d;
       grpc::Status s = c->stub->GetDeployment(&ctx, r, &d);
-      if (!s.ok()) return Fail(s);
+      if (!s.ok()) return FailCall(*c, s);
       if (c->format != "table") {
         return PrintMessage(d, c->format);
       }
@@ -1108,7 +1119,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     r.set_name(PlanName(pos[1]));
     v1::Plan p;
     grpc::Status s = c->stub->GetPlan(&ctx, r, &p);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     if (c->format == "table") {
       DescribePlan(p);
     } else {
@@ -1123,7 +1134,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     c->Prepare(&ctx);
     v1::Job j;
     grpc::Status s = c->stub->CreateJob(&ctx, *r, &j);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     if (c->format == "table") {
       PrintJobHeader();
       PrintJobRow(j);
@@ -1140,7 +1151,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     c->Prepare(&ctx);
     v1::Plan p;
     grpc::Status s = c->stub->CreatePlan(&ctx, *r, &p);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     if (c->format == "table") {
       PrintPlanHeader();
       PrintPlanRow(p);
@@ -1177,7 +1188,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
         v1::DeleteNodeResponse resp;
         s = c->stub->DeleteNode(&ctx, r, &resp);
       }
-      if (!s.ok()) return Fail(s);
+      if (!s.ok()) return FailCall(*c, s);
       std::cout << name << " deleted\n";
       return 0;
     }
@@ -1192,7 +1203,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
       v1::DeletePlanResponse resp;
       s = c->stub->DeletePlan(&ctx, r, &resp);
     }
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     std::cout << PlanName(pos[1]) << (verb == "cancel" ? " cancelled\n" : " deleted\n");
     return 0;
   }
@@ -1208,7 +1219,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     c->Prepare(&ctx);
     v1::Deployment d;
     grpc::Status s = c->stub->DeployPlan(&ctx, r, &d);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     if (c->format == "table") {
       std::cout << d.name() << " " << v1::Deployment::State_Name(d.state()) << "\n";
     } else {
@@ -1223,7 +1234,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     c->Prepare(&ctx);
     v1::Job j;
     grpc::Status s = c->stub->StopJob(&ctx, r, &j);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     if (c->format == "table") {
       std::cout << j.name() << " " << JobState(j) << (j.status().stop_requested() &&
                                                        j.status().state() != v1::JobStatus::STOPPED
@@ -1241,7 +1252,7 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     c->Prepare(&ctx);
     v1::Deployment d;
     grpc::Status s = c->stub->StopDeployment(&ctx, r, &d);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailCall(*c, s);
     if (c->format != "table") {
       return PrintMessage(d, c->format);
     }

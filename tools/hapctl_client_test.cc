@@ -26,7 +26,8 @@ namespace v1 = ::hap::v1;
 // Answers a watch with one message and then nothing until the client goes
 // (a planner stuck, or stopped after the connection was made); answers
 // every page of ListPlans with the same next_page_token; has a plan
-// created in the year 33658 (JSON has no Timestamp for it) and no nodes.
+// created in the year 33658 (JSON has no Timestamp for it) and no nodes;
+// never answers GetJob.
 class FakePlanner final : public v1::Planner::Service {
  public:
   grpc::Status WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,
@@ -55,6 +56,9 @@ class FakePlanner final : public v1::Planner::Service {
     p->set_state(v1::Plan::SUCCEEDED);
     p->mutable_create_time()->set_seconds(int64_t{1'000'000'000'000});
     return grpc::Status::OK;
+  }
+  grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest*, v1::Job*) override {
+    return WaitUntilCancelled(ctx);
   }
   grpc::Status GetCluster(grpc::ServerContext*, const v1::GetClusterRequest*,
                           v1::Cluster*) override {
@@ -117,6 +121,15 @@ TEST_F(HapctlClientTest, WatchJobEndsAtAnExplicitTimeoutGivenFirst) {
   // As `hapctl --timeout=1 watch job j` passes it (main moves it behind).
   EXPECT_EQ(Hapctl("watch", {"job", "j", "--timeout=1"}, &out, &err), 1);
   EXPECT_THAT(err, HasSubstr("DEADLINE_EXCEEDED"));
+}
+
+// A call the planner does not answer ends at --timeout, and the error says
+// so (it was "DEADLINE_EXCEEDED: Deadline Exceeded" alone).
+TEST_F(HapctlClientTest, AnUnansweredCallNamesTheTimeout) {
+  std::string out, err;
+  EXPECT_EQ(Hapctl("describe", {"job", "j", "--timeout", "0.5"}, &out, &err), 1);
+  EXPECT_THAT(err,
+              HasSubstr("DEADLINE_EXCEEDED: no answer from the planner within --timeout 0.5 s"));
 }
 
 // A planner that answers every page with the same next_page_token: `get`
