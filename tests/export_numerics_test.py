@@ -303,6 +303,24 @@ class ExportNumericsTest(unittest.TestCase):
                     export_fx.export(mod, padded_inputs(mod))
                 self.assertIn("node 'emb'", str(cm.exception))
                 self.assertIn(needle, str(cm.exception))
+        # F.embedding's table as a parameter is checked too; a computed
+        # table (whose padding row PyTorch outputs) is refused.
+        fn_row = PaddedEmbedding()
+        with torch.no_grad():
+            fn_row.table[-1].fill_(1.0)
+
+        class Computed(PaddedEmbedding):
+            def forward(self, ids, labels):
+                h = F.embedding(ids, self.table * 2, padding_idx=0)
+                return F.cross_entropy(self.fc(h.mean(1)), labels)
+
+        for mod, needle in ((fn_row, "padding row is not zero"),
+                            (Computed(), "of a computed table")):
+            with self.subTest(module=needle):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(mod, padded_inputs(mod))
+                self.assertIn("node 'embedding'", str(cm.exception))
+                self.assertIn(needle, str(cm.exception))
 
     def test_embedding_padding_idx_trains_like_pytorch_on_two_ranks(self):
         """One SGD step on 2 ranks from the --weights file: every

@@ -401,8 +401,13 @@ def _keep_rows(ex, ids, pad, w, weight, out):
     of ones with a 0 at `pad` (concatenated constants): no gradient reaches
     that row, and its output is 0, PyTorch's while the row is zero (as
     nn.Embedding initialises it; a nonzero one is refused)."""
-    if isinstance(weight, torch.Tensor) and not weight.is_meta and \
-            bool(weight.detach()[pad].any()):
+    if isinstance(weight, fx.Node) and weight.op == "get_attr":
+        weight = ex.fetch_attr(weight.target)  # F.embedding(ids, self.w)
+    if not isinstance(weight, torch.Tensor):
+        ex.fail(f"embedding with padding_idx={pad} of a computed table is "
+                f"not supported (only of a parameter, whose padding row "
+                f"is checked to be zero)")
+    if not weight.is_meta and bool(weight.detach()[pad].any()):
         ex.fail(f"embedding with padding_idx={pad}: the padding row is "
                 f"not zero (PyTorch keeps it as it is, fixed; the HAP "
                 f"export holds a fixed zero row)")
