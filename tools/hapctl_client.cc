@@ -477,12 +477,18 @@ void DescribePlan(const v1::Plan& p) {
                                p.joint_iterations());
   for (const std::string& note : p.notes()) std::cout << "note: " << note << "\n";
   std::cout << absl::StrFormat("%-28s %10s %14s\n", "DEVICE", "RATIO", "MEMORY GiB");
+  // A ratio or memory the plan does not hold is "-": a pipelined plan has
+  // no plan-wide ratios, and a plan with fewer ratios than devices was read
+  // past its end.
   for (int i = 0; i < p.devices_size(); ++i) {
-    double ratio = p.ratios_size() ? p.ratios(0).ratios(i) : 0;
-    double mem = i < p.prediction().memory_bytes_per_device_size()
-                     ? p.prediction().memory_bytes_per_device(i) / double(1 << 30)
-                     : 0;
-    std::cout << absl::StrFormat("%-28s %10.4f %14.2f\n", p.devices(i), ratio, mem);
+    const std::string ratio = p.ratios_size() > 0 && i < p.ratios(0).ratios_size()
+                                  ? absl::StrFormat("%.4f", p.ratios(0).ratios(i))
+                                  : std::string("-");
+    const std::string mem =
+        i < p.prediction().memory_bytes_per_device_size()
+            ? absl::StrFormat("%.2f", p.prediction().memory_bytes_per_device(i) / double(1 << 30))
+            : std::string("-");
+    std::cout << absl::StrFormat("%-28s %10s %14s\n", p.devices(i), ratio, mem);
   }
   int comms = 0;
   for (const auto& ins : p.program().instructions()) comms += ins.kind() == v1::Instruction::COMMUNICATE;

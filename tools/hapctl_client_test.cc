@@ -18,6 +18,7 @@
 namespace hap::tools {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -26,7 +27,8 @@ namespace v1 = ::hap::v1;
 // Answers a watch with one message and then nothing until the client goes
 // (a planner stuck, or stopped after the connection was made); answers
 // every page of ListPlans with the same next_page_token; has a plan
-// created in the year 33658 (JSON has no Timestamp for it) and no nodes;
+// created in the year 33658 (JSON has no Timestamp for it) with a ratio
+// for one of its two devices, and no nodes;
 // never answers GetJob.
 class FakePlanner final : public v1::Planner::Service {
  public:
@@ -55,6 +57,10 @@ class FakePlanner final : public v1::Planner::Service {
     p->set_name(r->name());
     p->set_state(v1::Plan::SUCCEEDED);
     p->mutable_create_time()->set_seconds(int64_t{1'000'000'000'000});
+    // Two devices, one ratio: the second's is not there.
+    p->add_devices("n1/cpu0");
+    p->add_devices("n1/cpu1");
+    p->add_ratios()->add_ratios(1.0);
     return grpc::Status::OK;
   }
   grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest*, v1::Job*) override {
@@ -154,6 +160,10 @@ TEST_F(HapctlClientTest, ARecordJsonCannotHoldIsAnError) {
   std::string out, err;
   EXPECT_EQ(Hapctl("describe", {"plan", "far"}, &out, &err), 0) << err;
   EXPECT_THAT(out, HasSubstr("plans/far"));
+  // A device the plan has no ratio for: '-' (the ratios were read past
+  // their end).
+  EXPECT_THAT(out, ContainsRegex("n1/cpu0 +1.0000 +-\n"));
+  EXPECT_THAT(out, ContainsRegex("n1/cpu1 +- +-\n"));
 }
 
 // A node the planner does not have: an error as every other (it had no
