@@ -514,6 +514,36 @@ class ExportNumericsTest(unittest.TestCase):
                         "labels": labels(4, 3)})
                 self.assertIn(needle, str(cm.exception))
 
+    def test_exporting_on_the_cpu_leaves_the_module_as_it_was(self):
+        """The shape run on the example inputs (run_on='cpu', and 'auto'
+        where meta tensors fail) is a training-mode forward of the module
+        itself: it moved BatchNorm's running statistics and counter, which
+        --weights then wrote, and drew dropout masks from the caller's
+        random stream."""
+        class BnDrop(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.bn = nn.BatchNorm1d(3)
+                self.drop = nn.Dropout(0.5)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.drop(self.bn(self.fc(x))), labels)
+
+        m = BnDrop()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        inputs = {"x": torch.randn(5, 4) * 3 + 1, "labels": labels(5, 3)}
+        rng = torch.random.get_rng_state()
+        g, values = export_fx.export(m, inputs, run_on="cpu",
+                                     return_values=True)
+        self.assertTrue(torch.equal(torch.random.get_rng_state(), rng))
+        for k, v in m.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+        w = export_fx.state_dict_weights(g, values)
+        self.assertEqual(set(w), set(before))
+        for k, v in w.items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

@@ -117,12 +117,22 @@ def _record_shapes(gm, root, args, run_on):
                         f"running {type(root).__name__} on meta tensors "
                         f"failed: {type(e).__name__}: {e}") from e
         if not done:
+            # The run is in training mode on the module's own tensors: its
+            # buffers (BatchNorm's running statistics, num_batches_tracked)
+            # moved by one step on the example inputs, so --weights wrote
+            # them moved and the caller's module was changed; dropout drew
+            # from the caller's random stream. Both are put back.
+            saved = [(b, b.detach().clone()) for b in root.buffers()]
             try:
-                Recorder(gm, param_targets).run(*args)
+                with torch.random.fork_rng(devices=[]):
+                    Recorder(gm, param_targets).run(*args)
             except Exception as e:
                 raise ExportError(f"running {type(root).__name__} on the "
                                   f"example inputs failed: "
                                   f"{type(e).__name__}: {e}") from e
+            finally:
+                for b, v in saved:
+                    b.copy_(v)
 
 
 def _loss_node(gm, loss):
