@@ -830,6 +830,10 @@ absl::Status ExecutorsFromArgs(const Args& a,
       return absl::InvalidArgumentError(
           absl::StrCat("--executor ", e, ": expected DEVICE=HOST:PORT"));
     }
+    // The planner dials it as hapctl dials --server: 'cpu0=h:99999' sent
+    // it to port 34463.
+    HAP_RETURN_IF_ERROR(
+        CheckServer(absl::StrCat("--executor ", kv.first, "=HOST:PORT"), kv.second));
     if (!out->insert({kv.first, kv.second}).second) {
       return absl::InvalidArgumentError(absl::StrCat("--executor names device ", kv.first,
                                                      " twice (", out->at(kv.first), ", ", kv.second,

@@ -103,6 +103,14 @@ done
 out="$(HAPCTL_SERVER=127.0.0.1:70000 "$HAPCTL" get nodes --timeout 3 2>&1)" \
   && fail "HAPCTL_SERVER=127.0.0.1:70000 exited 0: $out"
 echo "$out" | grep -qF "HAPCTL_SERVER must be HOST:PORT" || fail "HAPCTL_SERVER: $out"
+# An executor's address as the server's (the planner dials it).
+for cmd in "deploy plan p" "create job --id j --checkpoint-dir /tmp/x --model mlp"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --executor cpu0=127.0.0.1:99999 --server 127.0.0.1:1 --timeout 3 2>&1)" \
+    && fail "$cmd --executor cpu0=127.0.0.1:99999 exited 0: $out"
+  echo "$out" | grep -qF -- "--executor cpu0=HOST:PORT must be HOST:PORT with a port from 1 to 65535" \
+    || fail "$cmd --executor cpu0=127.0.0.1:99999: $out"
+done
 # Well-formed addresses reach the connection (port 1: refused there).
 for server in "127.0.0.1:1" "[::1]:1" "ipv4:127.0.0.1:1"; do
   out="$("$HAPCTL" get nodes --server "$server" --timeout 3 2>&1)" && fail "$server exited 0"
