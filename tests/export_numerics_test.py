@@ -544,6 +544,47 @@ class ExportNumericsTest(unittest.TestCase):
         for k, v in w.items():
             self.assertTrue(torch.equal(v, before[k]), k)
 
+    def test_loss_function_passes_inputs_by_name(self):
+        """export(..., loss=fn) called the module with its inputs by
+        position: an optional argument left out before a given one
+        (forward(x, scale=None, shift=None) with x and shift) received the
+        next input (shift as scale: a wrong loss); input names that are not
+        identifiers were a SyntaxError traceback."""
+        class Optional(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def forward(self, x, scale=None, shift=None):
+                h = self.fc(x)
+                if scale is not None:
+                    h = h * scale
+                if shift is not None:
+                    h = h + shift
+                return h
+
+        m = Optional()
+        inputs = {"x": torch.randn(3, 4), "shift": torch.randn(3, 3),
+                  "labels": labels(3, 3)}
+        g, values = export_fx.export(m, inputs, loss=nn.CrossEntropyLoss(),
+                                     return_values=True)
+        with torch.no_grad():
+            ref = F.cross_entropy(m(inputs["x"], shift=inputs["shift"]),
+                                  inputs["labels"])
+            got = hap_ir_eval.evaluate(g, inputs, values)
+        self.assertAlmostEqual(float(ref), float(got), delta=1e-6)
+        for name, needle in (("input-ids", "cannot name a forward argument"),
+                             ("lambda", "cannot name a forward argument"),
+                             ("extra", "['extra'] are not arguments of "
+                                       "Optional.forward")):
+            with self.subTest(name=name):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(m, {"x": torch.randn(3, 4),
+                                         name: torch.randn(3, 3),
+                                         "labels": labels(3, 3)},
+                                     loss=nn.CrossEntropyLoss())
+                self.assertIn(needle, str(cm.exception))
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

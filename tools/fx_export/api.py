@@ -3,6 +3,7 @@ traces it (tracing.py), runs it once for the shapes (on meta tensors, or on
 the example inputs), finds the loss node and runs the Exporter on it."""
 
 import inspect
+import keyword
 import os
 import sysconfig
 import traceback
@@ -33,12 +34,30 @@ def _wrap_with_loss(module, loss_fn, example_inputs, labels):
         raise ExportError(f"loss= was given as a function, but there is no "
                           f"example input named '{labels}' (pass labels=NAME)")
     names = [k for k in example_inputs if k != labels]
-    sig = inspect.signature(module.forward)
-    ordered = [p for p in sig.parameters if p in names]
-    ordered += [n for n in names if n not in ordered]
-    src = (f"def forward(self, {', '.join(ordered + [labels])}):\n"
-           f"    return self.loss_fn(self.model({', '.join(ordered)}), "
-           f"{labels})\n")
+    for n in names + [labels]:
+        # They become the wrapper's argument names (generated source).
+        if not isinstance(n, str) or not n.isidentifier() or \
+                keyword.iskeyword(n) or n == "self":
+            raise ExportError(f"example input name {n!r} cannot name a "
+                              f"forward argument")
+    params = inspect.signature(module.forward).parameters
+    kinds = {p.kind for p in params.values()}
+    ordered = [p for p in params if p in names]
+    extra = [n for n in names if n not in ordered]
+    if extra and not kinds & {inspect.Parameter.VAR_POSITIONAL,
+                              inspect.Parameter.VAR_KEYWORD}:
+        raise ExportError(f"example inputs {extra} are not arguments of "
+                          f"{type(module).__name__}.forward")
+    if extra or any(params[p].kind == inspect.Parameter.POSITIONAL_ONLY
+                    for p in ordered):
+        call = ", ".join(ordered + extra)  # *args: by position
+    else:
+        # By name: an optional argument left out before another one given
+        # (forward(src, mask=None, key_padding_mask=None) with src and
+        # key_padding_mask) took the next input by position.
+        call = ", ".join(f"{n}={n}" for n in ordered)
+    src = (f"def forward(self, {', '.join(ordered + extra + [labels])}):\n"
+           f"    return self.loss_fn(self.model({call}), {labels})\n")
     scope = {}
     exec(src, scope)  # a real signature for fx to trace
     cls = type(f"{type(module).__name__}WithLoss", (_LossWrapper,),
