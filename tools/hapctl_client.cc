@@ -120,20 +120,48 @@ std::string Scalar(const google::protobuf::Value& v) {
     case google::protobuf::Value::kNumberValue:
       return absl::StrFormat("%.17g", v.number_value());
     case google::protobuf::Value::kStringValue: {
+      // Characters YAML does not print (control characters, DEL) escaped:
+      // a label or message holding one, written as it was, was no YAML.
       std::string out = "\"";
       for (char c : v.string_value()) {
-        if (c == '"' || c == '\\') out += '\\';
-        if (c == '\n') {
+        const auto u = static_cast<unsigned char>(c);
+        if (c == '"' || c == '\\') {
+          out += '\\';
+          out += c;
+        } else if (c == '\n') {
           out += "\\n";
-          continue;
+        } else if (c == '\t') {
+          out += "\\t";
+        } else if (c == '\r') {
+          out += "\\r";
+        } else if (u < 0x20 || u == 0x7f) {
+          out += absl::StrFormat("\\x%02x", u);
+        } else {
+          out += c;
         }
-        out += c;
       }
       return out + "\"";
     }
     default:
       return "";
   }
+}
+
+// A mapping key: plain when YAML reads it back as the same string, else
+// quoted ('zone: a' or '#x' ended the key or began a comment, 'true' and
+// '1' were read as a bool and a number). Map fields (labels) hold any key.
+std::string YamlKey(const std::string& k) {
+  static const auto* const kWords =
+      new std::set<std::string>{"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"};
+  const bool plain =
+      !k.empty() && absl::ascii_isalpha(k[0]) && !kWords->count(absl::AsciiStrToLower(k)) &&
+      absl::c_all_of(k, [](char ch) {
+        return absl::ascii_isalnum(ch) || ch == '_' || ch == '-' || ch == '.' || ch == '/';
+      });
+  if (plain) return k;
+  google::protobuf::Value quoted;
+  quoted.set_string_value(k);
+  return Scalar(quoted);
 }
 
 void Yaml(const google::protobuf::Value& v, int indent, std::ostringstream& o, bool in_list) {
@@ -147,7 +175,7 @@ void Yaml(const google::protobuf::Value& v, int indent, std::ostringstream& o, b
     std::map<std::string, google::protobuf::Value> sorted(v.struct_value().fields().begin(),
                                                           v.struct_value().fields().end());
     for (const auto& [k, x] : sorted) {
-      o << (first && in_list ? "" : pad) << k << ":";
+      o << (first && in_list ? "" : pad) << YamlKey(k) << ":";
       first = false;
       if (x.has_struct_value() || x.has_list_value()) {
         bool empty = x.has_struct_value() ? x.struct_value().fields().empty()

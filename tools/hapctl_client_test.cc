@@ -29,7 +29,7 @@ namespace v1 = ::hap::v1;
 // every page of ListPlans with the same next_page_token; has a plan
 // created in the year 33658 (JSON has no Timestamp for it) with a ratio
 // for one of its two devices, and no nodes;
-// never answers GetJob.
+// never answers GetJob; one node with labels YAML would misread.
 class FakePlanner final : public v1::Planner::Service {
  public:
   grpc::Status WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,
@@ -61,6 +61,15 @@ class FakePlanner final : public v1::Planner::Service {
     p->add_devices("n1/cpu0");
     p->add_devices("n1/cpu1");
     p->add_ratios()->add_ratios(1.0);
+    return grpc::Status::OK;
+  }
+  grpc::Status ListNodes(grpc::ServerContext*, const v1::ListNodesRequest*,
+                         v1::ListNodesResponse* out) override {
+    v1::Node* n = out->add_nodes();
+    n->set_name(std::string("n\x01") + "1");
+    (*n->mutable_labels())["zone: a"] = "x\ry";
+    (*n->mutable_labels())["true"] = "1";
+    (*n->mutable_labels())["rack"] = "r1";
     return grpc::Status::OK;
   }
   grpc::Status GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest*, v1::Job*) override {
@@ -164,6 +173,18 @@ TEST_F(HapctlClientTest, ARecordJsonCannotHoldIsAnError) {
   // their end).
   EXPECT_THAT(out, ContainsRegex("n1/cpu0 +1.0000 +-\n"));
   EXPECT_THAT(out, ContainsRegex("n1/cpu1 +- +-\n"));
+}
+
+// -o yaml of labels and names YAML would misread: keys that end early
+// ('zone: a'), read as a bool ('true'), control characters. They were
+// written as they were.
+TEST_F(HapctlClientTest, YamlQuotesWhatItWouldMisread) {
+  std::string out, err;
+  ASSERT_EQ(Hapctl("get", {"nodes", "-o", "yaml"}, &out, &err), 0) << err;
+  EXPECT_THAT(out, HasSubstr("\"zone: a\": \"x\\ry\"\n"));
+  EXPECT_THAT(out, HasSubstr("\"true\": \"1\"\n"));
+  EXPECT_THAT(out, HasSubstr(" rack: \"r1\"\n"));
+  EXPECT_THAT(out, HasSubstr("name: \"n\\x011\"\n"));
 }
 
 // A node the planner does not have: an error as every other (it had no
