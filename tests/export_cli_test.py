@@ -44,6 +44,10 @@ def failing_factory():
     raise ValueError("no such configuration")
 
 
+def list_examples():
+    return Mlp(), [torch.randn(5, 4)]
+
+
 class BadExamples(Mlp):
     def example_inputs(self):
         raise KeyError("x")
@@ -112,6 +116,8 @@ class ExportCliTest(unittest.TestCase):
                 ("cli_models.py:BadExamples",
                  ["example_inputs of 'cli_models.py:BadExamples'",
                   "KeyError"]),
+                ("cli_models.py:list_examples",
+                 ["returned (module, list)", "must be a dict"]),
                 (":Mlp", ["--module wants package.module:attr"]),
                 ("cli_models.py:", ["--module wants package.module:attr"])):
             with self.subTest(module=module):

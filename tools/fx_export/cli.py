@@ -169,6 +169,10 @@ def _module_and_examples(a):
                           f"factory")
     if isinstance(module, tuple) and len(module) == 2:
         module, examples = module
+        if not isinstance(examples, dict):  # dict() of a list: TypeError
+            raise ExportError(f"'{a.module}' returned (module, "
+                              f"{type(examples).__name__}); the examples "
+                              f"must be a dict of input name -> tensor")
         examples = dict(examples)
     if not isinstance(module, nn.Module):
         raise ExportError(f"'{a.module}' did not give an nn.Module")
