@@ -585,6 +585,30 @@ class ExportNumericsTest(unittest.TestCase):
                                      loss=nn.CrossEntropyLoss())
                 self.assertIn(needle, str(cm.exception))
 
+    def test_integer_constant_tensors_with_float_tensors(self):
+        """x * an integer (or bool) constant tensor: PyTorch computes in x's
+        dtype; the constant became an INT64 parameter, which `hapctl
+        validate` refused."""
+        class IntConstants(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.register_buffer("k", torch.full((3,), 2,
+                                                     dtype=torch.long))
+                self.register_buffer("on", torch.ones(3, dtype=torch.bool))
+
+            def forward(self, x, labels):
+                h = self.fc(x) * self.k + self.on
+                h = h - torch.ones(3, dtype=torch.int32) * 3
+                return F.cross_entropy(h, labels)
+
+        m = IntConstants()
+        g, values = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(5, 4), "labels": labels(5, 3)})
+        # --weights still restores the module's buffers (folded, recorded).
+        IntConstants().load_state_dict(
+            export_fx.state_dict_weights(g, values), strict=True)
+
     def test_unbatched_conv2d_fails_naming_it(self):
         """PyTorch takes an unbatched [C, H, W] input; the exporter emitted
         a conv2d that `hapctl validate` refused."""

@@ -195,17 +195,22 @@ def binary(ex, kind, a, b, alpha=1):
                 is_causal_mask(cv, xt.shape[-1], xt.shape[-1]) and \
                 cv.is_floating_point():
             return xt.with_mask(causal=True)
+        what = (f"the buffer '{ex.pub(c.target)}'"
+                if isinstance(c, fx.Node) and c.op == "get_attr"
+                else f"'{getattr(c, 'name', c)}'")
         if kind == "div":
             # The IR has no div op (it was emitted, and `hapctl validate`
             # refused it): x * (1 / c), the reciprocal a constant too.
             if (cv == 0).any():
                 ex.fail("divides by a constant tensor holding 0")
-            what = (f"the buffer '{ex.pub(c.target)}'"
-                    if isinstance(c, fx.Node) and c.op == "get_attr"
-                    else f"'{getattr(c, 'name', c)}'")
             ct = ex.const(1.0 / cv.double(), xt, what)
             return _arith_op(ex, "mul", [xt, ct])
-        ct = ex.t(c)
+        if not cv.is_floating_point() and xt.dtype != "INT64":
+            # An integer or bool constant: PyTorch computes in x's dtype
+            # (the constant was an INT64 parameter the IR refuses).
+            ct = ex.const(cv, xt, what)
+        else:
+            ct = ex.t(c)
         return _arith_op(ex, kind, [xt, ct] if x_first else [ct, xt])
     if not isinstance(cv, (int, float)) or isinstance(cv, bool):
         ex.fail(f"cannot {kind} a {type(cv).__name__}")
