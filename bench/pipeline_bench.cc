@@ -11,12 +11,15 @@
 // microbatches together, one stage included).
 //
 // Usage: bazel run //bench:pipeline_bench --config=cuda -- [--examples DIR] [--quick] [--stages N]
-//        [--overlap]
+//        [--overlap] [--hidden H]
 // (--stages N: exactly N stages instead of --pipeline auto; each plan's
 // stages are printed on stderr. --overlap: every plan, the SPMD one and the
 // baselines too, priced with communication overlapping compute, as
 // `hapctl plan --overlap on`: the SPMD plan's gradient buckets behind its
-// backward, a stage's behind its last microbatch's backward.)
+// backward, a stage's behind its last microbatch's backward. --hidden H:
+// the models' hidden size (default 768), with ffn 4H and H/64 heads: wider
+// layers weigh parameters, and so a stage's gradient sync and memory, more
+// against its activations.)
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -82,6 +85,7 @@ std::string Describe(const pipeline::PipelinePlan& p) {
 void PrintStages(const char* what, const pipeline::PipelinePlan& p) {
   std::fprintf(stderr, "%s: %s, step %.4f s, bubble %.4f s\n", what, Describe(p).c_str(),
                p.step_seconds, p.bubble_seconds);
+  for (const std::string& n : p.notes) std::fprintf(stderr, "  note: %s\n", n.c_str());
   for (const auto& st : p.stages) {
     std::fprintf(stderr,
                  "  layers %d-%d on %zu devices (first %d): f %.4f b %.4f send %.4f grad %.4f "
@@ -92,7 +96,7 @@ void PrintStages(const char* what, const pipeline::PipelinePlan& p) {
   }
 }
 
-int Run(const std::string& dir, bool quick, int stages, bool overlap) {
+int Run(const std::string& dir, bool quick, int stages, bool overlap, int hidden) {
   struct ClusterCase {
     std::string name;
     absl::StatusOr<cost::ClusterModel> model;
@@ -117,7 +121,11 @@ int Run(const std::string& dir, bool quick, int stages, bool overlap) {
     const cost::ClusterModel& c = *cc.model;
     for (const char* model : {"gpt", "vit"}) {
       const int64_t batch = c.size() >= 64 ? 256 : 96;
-      auto g = graph::BuildZooModel(model, {{"layers", 12}, {"batch", static_cast<double>(batch)}});
+      auto g = graph::BuildZooModel(model, {{"layers", 12},
+                                            {"hidden", static_cast<double>(hidden)},
+                                            {"ffn", 4.0 * hidden},
+                                            {"heads", hidden / 64.0},
+                                            {"batch", static_cast<double>(batch)}});
       if (!g.ok()) {
         std::fprintf(stderr, "%s: %s\n", model, g.status().ToString().c_str());
         return 1;
@@ -173,6 +181,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   int stages = 0;
   bool overlap = false;
+  int hidden = 768;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--examples" && i + 1 < argc) {
@@ -183,11 +192,18 @@ int main(int argc, char** argv) {
       stages = std::atoi(argv[++i]);
     } else if (a == "--overlap") {
       overlap = true;
+    } else if (a == "--hidden" && i + 1 < argc) {
+      hidden = std::atoi(argv[++i]);
+      if (hidden < 64 || hidden % 64 != 0) {
+        std::fprintf(stderr, "--hidden must be a multiple of 64, got '%s'\n", argv[i]);
+        return 2;
+      }
     } else {
       std::fprintf(stderr,
-                   "usage: pipeline_bench [--examples DIR] [--quick] [--stages N] [--overlap]\n");
+                   "usage: pipeline_bench [--examples DIR] [--quick] [--stages N] [--overlap] "
+                   "[--hidden H]\n");
       return 2;
     }
   }
-  return hap::Run(dir, quick, stages, overlap);
+  return hap::Run(dir, quick, stages, overlap, hidden);
 }
