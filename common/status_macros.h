@@ -5,7 +5,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #define HAP_STATUS_CONCAT_INNER_(a, b) a##b
 #define HAP_STATUS_CONCAT_(a, b) HAP_STATUS_CONCAT_INNER_(a, b)
@@ -28,11 +30,16 @@
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
 
-// Prefixes a non-OK status's message with context, keeping its code.
+// Prefixes a non-OK status's message with context, keeping its code and
+// payloads.
 namespace hap {
 inline absl::Status Annotate(const absl::Status& s, absl::string_view context) {
   if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat(context, ": ", s.message()));
+  absl::Status out(s.code(), absl::StrCat(context, ": ", s.message()));
+  // Payloads say what a code cannot (executor/comm's lost peer): kept.
+  s.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
 }
 }  // namespace hap
 

@@ -385,10 +385,10 @@ absl::Status Run(const tools::Args& a) {
     // rank had torn down (Gloo's threads joined): hap-launch named a peer.
     std::cout.flush();
     ReportError(trained.status(), a);
-    // Unavailable in training: a collective whose connection to a peer
-    // failed (devices, stores and checkpoints to resume from are opened
-    // before the first step). Best effort: without it the rank is named.
-    if (absl::IsUnavailable(trained.status())) {
+    // A collective whose connection to a peer failed (the communicator
+    // marks it; other Unavailable errors are this rank's own). Best
+    // effort: without the marker the rank is named.
+    if (IsLostPeer(trained.status())) {
       std::ofstream(LostPeerMarker(a.Get("rendezvous"), rank)) << trained.status().message();
     }
     _exit(1);

@@ -11,7 +11,8 @@
 //
 // Errors: InvalidArgument for inconsistent sizes (naming them);
 // DeadlineExceeded when a peer does not take part within the timeout (a
-// peer that died); Unavailable for a broken connection; Internal for any
+// peer that died); Unavailable for a broken connection (LostPeerError:
+// IsLostPeer tells it from other Unavailable errors); Internal for any
 // other backend failure. After an error the communicator is unusable: every
 // later call returns FailedPrecondition naming the first error.
 // (InvalidArgument is found before any traffic and leaves the communicator
@@ -28,6 +29,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "executor/runtime/tensor.h"
@@ -35,6 +38,22 @@
 namespace hap::executor {
 
 enum class CommMethod { kPadded, kGrouped };
+
+// The payload that marks a collective's broken connection to a peer (the
+// peer's process ended, its host went away), which Annotate keeps through
+// the layers above: hap-launch tells a rank that lost a peer from the rank
+// that failed by it, not by the status code, which other failures share.
+inline constexpr char kLostPeerPayload[] = "type.hap.dev/hap.executor.LostPeer";
+
+// Unavailable with `message`, marked as a lost peer.
+inline absl::Status LostPeerError(absl::string_view message) {
+  absl::Status s = absl::UnavailableError(message);
+  s.SetPayload(kLostPeerPayload, absl::Cord("1"));
+  return s;
+}
+
+// True for LostPeerError's statuses (annotated or not).
+inline bool IsLostPeer(const absl::Status& s) { return s.GetPayload(kLostPeerPayload).has_value(); }
 
 class Communicator {
  public:

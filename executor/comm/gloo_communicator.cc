@@ -73,8 +73,7 @@ absl::Status Guard(const std::string& what, Fn&& fn) {
       return absl::DeadlineExceededError(
           absl::StrCat(what, ": timed out waiting for a peer (", msg, ")"));
     }
-    return absl::UnavailableError(
-        absl::StrCat(what, ": connection to a peer failed (", msg, ")"));
+    return LostPeerError(absl::StrCat(what, ": connection to a peer failed (", msg, ")"));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(what, ": ", e.what()));
   } catch (...) {

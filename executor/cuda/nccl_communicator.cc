@@ -50,7 +50,7 @@ absl::Status NcclStatus(ncclResult_t r, const char* expr, int line, ncclComm_t c
     absl::StrAppend(&msg, " in ", expr, " at nccl_communicator.cc:", line);
   }
   if (r == ncclRemoteError || r == ncclSystemError) {
-    return absl::UnavailableError(absl::StrCat("connection to a peer failed: ", msg));
+    return LostPeerError(absl::StrCat("connection to a peer failed: ", msg));
   }
   return absl::InternalError(msg);
 }
