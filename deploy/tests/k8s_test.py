@@ -148,7 +148,35 @@ def check_container(where, c, binaries):
     check(token is not None, f"{where}: no --token-file")
     mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
     check(token and os.path.dirname(token) in mounts, f"{where}: token file not mounted")
+    # Kubernetes expands $(VAR) in args only from the container's env; an undefined
+    # one is passed on literally ("$(POD_IP):7071").
+    env = {e["name"]: e for e in c.get("env", [])}
+    for a in c.get("args", []):
+        for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", a):
+            check(var in env, f"{where}: {a} uses $({var}), which the container's env lacks")
     return flags, ports
+
+
+def pod_ip_var(container, value):
+    """True when value is "$(VAR)" or "$(VAR):PORT" with VAR the pod's IP (status.podIP)."""
+    m = re.match(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)(:\d+)?$", value or "")
+    env = {e["name"]: e for e in container.get("env", [])}
+    ref = env.get(m.group(1), {}).get("valueFrom", {}).get("fieldRef", {}) if m else {}
+    return ref.get("fieldPath") == "status.podIP"
+
+
+def check_pod(where, pod):
+    """What a pod needs around its containers: readable secrets for a non-root user."""
+    sc = pod.get("securityContext", {})
+    for v in pod.get("volumes", []):
+        if "secret" not in v:
+            continue
+        # Secret files are root-owned; without fsGroup (which makes it their group and a
+        # supplemental group of every container) uid 10001 reads them only if 'other' may.
+        mode = v["secret"].get("defaultMode", 0o644)
+        check(mode & 0o004 or ("fsGroup" in sc and mode & 0o040),
+              f"{where}: secret volume {v['name']} (mode {mode:o}) is unreadable by a "
+              f"non-root container without pod securityContext.fsGroup")
 
 
 def check_overlay(overlay, objects, defaults):
@@ -169,6 +197,7 @@ def check_overlay(overlay, objects, defaults):
             pod = w["spec"]["template"]["spec"]
             check(pod.get("securityContext", {}).get("runAsNonRoot") is True,
                   f"{where}: pod not runAsNonRoot")
+            check_pod(where, pod)
             tmpl_labels = w["spec"]["template"]["metadata"]["labels"]
             check(all(tmpl_labels.get(k) == v for k, v in sel.items()),
                   f"{where}: template labels do not match the selector")
@@ -201,9 +230,30 @@ def check_overlay(overlay, objects, defaults):
                         ids = [a for a in c.get("args", []) if a.startswith("--device-id=")]
                         check(ids == ["--device-id=" + want],
                               f"{where}: executor --device-id {ids}, expected {want}")
+                        # Gloo listens on --gloo-host (default 127.0.0.1) and the ranks
+                        # on other nodes dial it: it must be the pod's own address.
+                        check(pod_ip_var(c, flags.get("gloo-host")),
+                              f"{where}: executor --gloo-host {flags.get('gloo-host')!r} is not "
+                              f"$(VAR) of status.podIP: ranks on other nodes cannot connect")
+                    if c["name"] == "agent":
+                        check(pod_ip_var(c, flags.get("advertise")),
+                              f"{where}: agent --advertise is not the pod's IP")
                     planner_env = [e for e in c.get("env", []) if e["name"] == "HAP_PLANNER"]
                     check(planner_env and "configMapKeyRef" in planner_env[0].get("valueFrom", {}),
                           f"{where}: HAP_PLANNER does not come from the ConfigMap")
+    # The agent measures the node's CPU device inside its own cgroup (memory = its memory
+    # limit, FLOP/s with its CPU quota's threads): for the planner to price the executor's
+    # share, the agent's limits are the executor's.
+    ds = by_kind.get("DaemonSet", {})
+    limits = {n: ds[n]["spec"]["template"]["spec"]["containers"][0].get("resources", {})
+              .get("limits", {}) for n in ("hap-agent", "hap-executor") if n in ds}
+    check(len(limits) == 2, f"{overlay}: expected DaemonSets hap-agent and hap-executor")
+    if len(limits) == 2:
+        for r in ("cpu", "memory"):
+            check(limits["hap-agent"].get(r) == limits["hap-executor"].get(r),
+                  f"{overlay}: agent limits.{r} {limits['hap-agent'].get(r)} != the executor's "
+                  f"{limits['hap-executor'].get(r)}: the agent reports its own cgroup's share "
+                  f"as the device the executor trains on")
     # The Service exposes named grpc and metrics ports onto the planner's container ports.
     svc = by_kind.get("Service", {}).get("hap-planner")
     check(svc is not None, f"{overlay}: no Service hap-planner")
