@@ -582,7 +582,10 @@ absl::StatusOr<Client> Connect(const Args& a) {
   HAP_ASSIGN_OR_RETURN(c.security.token, service::ReadTokenFile(a.GetOrEnv("token-file", "")));
   c.security.tls_ca_file = a.GetOrEnv("tls-ca-file", "");
   HAP_ASSIGN_OR_RETURN(double t, a.Number("timeout", 30));
-  if (!(t > 0)) return absl::InvalidArgumentError("--timeout must be positive");
+  if (!(t > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--timeout must be a positive number of seconds, got '", a.Get("timeout"), "'"));
+  }
   c.timeout = absl::Seconds(t);
   if (a.Has("timeout")) c.watch_timeout = c.timeout;
   c.format = a.Get("o", a.Get("output", "table"));
@@ -939,6 +942,7 @@ int WatchJob(Client& c, const std::string& name) {
   auto reader = c.stub->WatchJob(&ctx, r);
   v1::Job j;
   while (reader->Read(&j)) {
+    int rc = 0;
     if (c.format == "table") {
       const v1::JobStatus& s = j.status();
       std::cout << absl::StrFormat("%s %-10s gen %d devices %d steps %d/%d replans %d %s\n",
@@ -946,7 +950,14 @@ int WatchJob(Client& c, const std::string& name) {
                                    s.devices_size(), s.steps_done(),
                                    j.spec().training().steps(), s.replans(), s.message())
                 << std::flush;
-    } else if (int rc = PrintMessage(j, c.format); rc != 0) {
+    } else {
+      rc = PrintMessage(j, c.format);
+      std::cout.flush();  // each as it comes (JSON waited for a full buffer)
+    }
+    // Standard output failing (a full disk) ends the watch: it went on until
+    // what it watched ended, writing into nothing; main names the error.
+    if (rc == 0 && !std::cout) rc = 1;
+    if (rc != 0) {
       ctx.TryCancel();
       reader->Finish();  // CANCELLED, by us: the error is the printing's
       return rc;
@@ -969,6 +980,7 @@ int Watch(Client& c, const std::string& name) {
   auto reader = c.stub->WatchPlan(&ctx, r);
   v1::Plan p;
   while (reader->Read(&p)) {
+    int rc = 0;
     if (c.format == "table") {
       std::cout << absl::StrFormat("%-10s states %10d best %.4f s iteration %d\n",
                                    v1::Plan::State_Name(p.state()),
@@ -976,7 +988,14 @@ int Watch(Client& c, const std::string& name) {
                                    p.progress().best_cost_seconds(),
                                    p.progress().joint_iteration())
                 << std::flush;
-    } else if (int rc = PrintMessage(p, c.format); rc != 0) {
+    } else {
+      rc = PrintMessage(p, c.format);
+      std::cout.flush();  // each as it comes (JSON waited for a full buffer)
+    }
+    // Standard output failing (a full disk) ends the watch: it went on until
+    // what it watched ended, writing into nothing; main names the error.
+    if (rc == 0 && !std::cout) rc = 1;
+    if (rc != 0) {
       ctx.TryCancel();
       reader->Finish();  // CANCELLED, by us: the error is the printing's
       return rc;

@@ -103,6 +103,12 @@ done
 out="$(HAPCTL_SERVER=127.0.0.1:70000 "$HAPCTL" get nodes --timeout 3 2>&1)" \
   && fail "HAPCTL_SERVER=127.0.0.1:70000 exited 0: $out"
 echo "$out" | grep -qF "HAPCTL_SERVER must be HOST:PORT" || fail "HAPCTL_SERVER: $out"
+# --timeout not positive: named with its value.
+for t in 0 -5; do
+  out="$("$HAPCTL" --timeout "$t" get nodes --server 127.0.0.1:1 2>&1)" && fail "--timeout $t exited 0"
+  echo "$out" | grep -qF -- "--timeout must be a positive number of seconds, got '$t'" \
+    || fail "--timeout $t: $out"
+done
 # An executor's address as the server's (the planner dials it).
 for cmd in "deploy plan p" "create job --id j --checkpoint-dir /tmp/x --model mlp"; do
   # shellcheck disable=SC2086

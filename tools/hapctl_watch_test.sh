@@ -1,0 +1,51 @@
+#!/bin/bash
+# hapctl watch against a hap-planner on 127.0.0.1 (port 0) and a job that
+# waits for devices (there are none), so its watch never ends by itself:
+# a standard output that fails ends the watch, exit 1 naming it (it watched
+# on, writing into nothing, until the job ended); --timeout ends it.
+set -u
+HAPCTL="$1"
+PLANNER="$2"
+fail() { echo "FAIL: $*"; exit 1; }
+tmp="$(mktemp -d)"
+planner_pid=""
+cleanup() {
+  if [ -n "$planner_pid" ]; then
+    kill "$planner_pid" 2>/dev/null
+    wait "$planner_pid" 2>/dev/null
+  fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+"$PLANNER" --listen=127.0.0.1:0 --metrics-listen=127.0.0.1:0 --database "$tmp/db" \
+  > "$tmp/planner.log" 2>&1 &
+planner_pid=$!
+# Its address, once it listens (it prints it then).
+addr=""
+while [ -z "$addr" ]; do
+  kill -0 "$planner_pid" 2>/dev/null || fail "hap-planner exited: $(cat "$tmp/planner.log")"
+  addr="$(sed -n 's/^listening on \(127\.0\.0\.1:[0-9]*\)$/\1/p' "$tmp/planner.log")"
+  [ -n "$addr" ] || sleep 0.1
+done
+server=(--server "$addr")
+
+out="$("$HAPCTL" create job --id waits --model mlp --checkpoint-dir "$tmp/ckpt" "${server[@]}" 2>&1)" \
+  || fail "create job: $out"
+
+if [ -w /dev/full ]; then
+  for fmt in table json; do
+    out="$("$HAPCTL" watch job waits -o "$fmt" "${server[@]}" 2>&1 >/dev/full)" \
+      && fail "watch -o $fmt > /dev/full exited 0: $out"
+    echo "$out" | grep -q "cannot write to standard output: No space left on device" \
+      || fail "watch -o $fmt > /dev/full: $out"
+  done
+fi
+
+out="$("$HAPCTL" watch job waits --timeout 1 "${server[@]}" 2>"$tmp/err")" \
+  && fail "watch --timeout 1 exited 0: $out"
+grep -q "DEADLINE_EXCEEDED: still watching at --timeout 1 s" "$tmp/err" \
+  || fail "watch --timeout 1: $(cat "$tmp/err")"
+echo "$out" | grep -q "WAITING\|PENDING\|jobs/waits\| gen " || fail "watch printed no state: $out"
+echo PASS
