@@ -190,6 +190,15 @@ int RunCheckpoint(const std::vector<std::string>& argv) {
     return 2;
   }
   const std::string& verb = a->positional()[0];
+  // A flag another command takes was dropped ('verify DIR -o json' printed
+  // the table, 'inspect --with-optimizer-state' ignored it).
+  if (verb == "verify" && (a->Has("o") || a->Has("output"))) {
+    return Fail(absl::InvalidArgumentError("checkpoint verify has no -o: it prints its report"));
+  }
+  if (verb != "export" && a->Has("with-optimizer-state")) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--with-optimizer-state is export's; checkpoint ", verb, " reads every tensor")));
+  }
   if (verb == "inspect") return Inspect(*a);
   if (verb == "export") return Export(*a);
   if (verb == "verify") return Verify(*a);

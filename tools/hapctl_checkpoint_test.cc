@@ -58,5 +58,18 @@ TEST(HapctlCheckpointTest, InspectRefusesAnotherFormatNamingIt) {
   EXPECT_EQ(out, "");
 }
 
+// A flag another checkpoint command takes is refused, not dropped.
+TEST(HapctlCheckpointTest, AnotherCommandsFlagIsRefused) {
+  const std::string dir = test_util::Fresh("none");
+  for (const auto& [args, error] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"verify", dir, "-o", "json"}, "checkpoint verify has no -o"},
+           {{"inspect", dir, "--with-optimizer-state"}, "--with-optimizer-state is export's"},
+           {{"verify", dir, "--with-optimizer-state"}, "--with-optimizer-state is export's"}}) {
+    std::string out, err;
+    EXPECT_EQ(Hapctl(args, &out, &err), 1) << args[0];
+    EXPECT_THAT(err, HasSubstr(error)) << args[0];
+  }
+}
+
 }  // namespace
 }  // namespace hap::tools
