@@ -2,6 +2,7 @@
 to a version, no ADD (of URLs or at all), every image stage ends as a non-root USER, the build
 stage uses the repository's own scripts/setup.sh and `bazel build -c opt`, the CUDA images sit
 on nvidia/cuda, and each image's entrypoint and ports match the binaries and the manifests."""
+import fnmatch
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 import deploy_testlib as lib
 
 DOCKERFILE = os.path.join(lib.deploy_dir(), "docker", "Dockerfile")
+DOCKERIGNORE = DOCKERFILE + ".dockerignore"
 IMAGES = {  # target: (binary, ports)
     "planner": ("hap-planner", {7070, 9464}),
     "agent": ("hap-agent", {7071}),
@@ -36,6 +38,11 @@ def instructions(text):
 
 def main():
     failures = []
+    lines = open(DOCKERFILE).read().splitlines()
+    for i, line in enumerate(lines[:-1]):
+        # Docker skips the blank line and joins the next instruction into this one.
+        if line.endswith("\\") and not lines[i + 1].strip():
+            failures.append(f"line {i + 1}: continued into a blank line")
     stages, current = {}, None
     for kw, args in instructions(open(DOCKERFILE).read()):
         if kw == "FROM":
@@ -107,6 +114,53 @@ def main():
             failures.append(f"{target}: base image {root}")
         if target in ("planner", "agent", "executor") and not root.startswith("debian:12"):
             failures.append(f"{target}: runtime base {root} is not Debian 12")
+    # Each image's binaries (and the CUDA images' libraries) come from a build with CUDA
+    # for the -cuda images and without for the others: a -cuda agent built without
+    # --config=cuda has no GPU prober and reports NODE/cpu0, which no GPU executor serves.
+    def chain(stage):
+        """stage and the stages it is built on, nearest first."""
+        out = []
+        while stage in stages:
+            out.append(stage)
+            stage = stages[stage]["from"]
+        return out
+
+    def runs(stage):
+        return [r for st in chain(stage) for r in stages[st]["run"]]
+
+    for target in IMAGES:
+        if target not in stages:
+            continue
+        copies = [c for st in chain(target) for c in stages[st]["copy"]]
+        sources = {m.group(1) for c in copies
+                   for m in [re.match(r"--from=(\S+)\s+/out/", c)] if m}
+        if not sources:
+            failures.append(f"{target}: copies nothing from a build stage's /out")
+        for src in sources:
+            cmds = [r for r in runs(src) if "bazel build" in r]
+            cuda = any("--config=cuda" in c for c in cmds)
+            if not cmds:
+                failures.append(f"{target}: COPY --from={src}, a stage that runs no bazel build")
+            elif target.endswith("-cuda") and not cuda:
+                failures.append(f"{target}: its files come from {src}, built without "
+                                f"--config=cuda (no GPU prober, no CUDA executor)")
+            elif not target.endswith("-cuda") and cuda:
+                failures.append(f"{target}: its files come from {src}, a CUDA build")
+            elif not any("scripts/setup.sh" in r for r in runs(src)):
+                failures.append(f"{target}: its build stage {src} is not on scripts/setup.sh")
+
+    # The build context is the repository: what git ignores there (outputs, local settings,
+    # GPU bundles, checkpoints) stays out of it.
+    repo = os.path.dirname(lib.deploy_dir())
+    ignored = [l.strip().strip("/") for l in open(os.path.join(repo, ".gitignore"))
+               if l.strip() and not l.startswith("#")]
+    docker_ignored = {l.strip().strip("/").removeprefix("**/") for l in open(DOCKERIGNORE)
+                      if l.strip() and not l.startswith("#")}
+    for path in ignored:
+        if path.rstrip("/").removeprefix("**/") not in docker_ignored and not any(
+                fnmatch.fnmatch(path.rstrip("/"), d) for d in docker_ignored):
+            failures.append(f"{path}: ignored by git but not by {os.path.basename(DOCKERIGNORE)}")
+
     if failures:
         print("\n".join("FAIL: " + f for f in failures))
         sys.exit(1)
