@@ -55,9 +55,20 @@ def dashboard_queries():
         assert p.get("targets"), f"panel {p['title']} has no queries"
         ids = [p["id"] for p in dash["panels"]]
         assert len(ids) == len(set(ids)), "panel ids repeat"
+        field = p.get("fieldConfig", {})
+        units = {o["matcher"]["options"]: prop["value"] for o in field.get("overrides", [])
+                 if o["matcher"]["id"] == "byName" for prop in o["properties"]
+                 if prop["id"] == "unit"}
         for t in p["targets"]:
             assert t.get("datasource", {}).get("uid") == "${datasource}", f"query in {p['title']}"
             queries.append((p["title"], t["expr"]))
+            # A series drawn in seconds is a time: steps/s on a seconds axis reads as a
+            # duration ("2 s") next to the step times.
+            unit = units.get(t.get("legendFormat"), field.get("defaults", {}).get("unit"))
+            if unit in ("s", "ms"):
+                assert re.search(r"_seconds(_bucket|_sum|_count)?\b", t["expr"]), (
+                    f"panel {p['title']!r}: {t.get('legendFormat')!r} ({t['expr']}) is drawn "
+                    f"in unit {unit!r} but is not a time; give it an override")
     # The provisioning files name the folder the dashboard is loaded from.
     prov = yaml.safe_load(open(os.path.join(DEPLOY, "grafana", "provisioning", "dashboards",
                                             "hap.yml")))
