@@ -1012,55 +1012,53 @@ int Watch(Client& c, const std::string& name) {
 
 }  // namespace
 
+// The flags each command takes (RunClient reads the union, then refuses a
+// flag of another command: 'create plan --steps 5' or 'get plans --wait'
+// were dropped).
+struct ClientFlags {
+  std::set<std::string> values, bools;
+  void Add(const ClientFlags& other) {
+    values.insert(other.values.begin(), other.values.end());
+    bools.insert(other.bools.begin(), other.bools.end());
+  }
+};
+
+ClientFlags FlagsOf(const std::string& verb, const std::string& kind) {
+  ClientFlags f{{"server", "timeout", "token-file", "tls-ca-file", "o", "output"}, {"help"}};
+  ClientFlags plan{{"model", "graph", "devices", "baseline", "max-seconds", "overlap", "pipeline",
+                    "microbatches", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
+                    "precision", "gradient-precision", "momentum", "max-states", "id", "set"},
+                   {"no-sfb", "no-zero", "no-grouped", "no-calibration", "ignore-memory"}};
+  const std::set<std::string> zoo = ZooParamFlags();
+  plan.values.insert(zoo.begin(), zoo.end());
+  const ClientFlags training{
+      {"executor", "steps", "data", "data-path", "threads", "checkpoint-dir", "checkpoint-every",
+       "checkpoint-keep", "resume", "init-weights", "shuffle"},
+      {}};
+  const ClientFlags job{{"global-batch", "label", "min-devices", "max-devices", "min-gain",
+                         "join-stable", "max-replans", "slowdown-threshold"},
+                        {"no-join", "no-slowdown"}};
+  if (verb == "create" && kind == "plan") {
+    f.Add(plan);
+    f.bools.insert("wait");
+  } else if (verb == "create" && kind == "job") {
+    f.Add(plan);
+    f.Add(training);
+    f.Add(job);
+  } else if (verb == "deploy") {
+    f.Add(training);
+  } else if (verb.empty()) {  // every command's
+    f.Add(plan);
+    f.Add(training);
+    f.Add(job);
+    f.bools.insert("wait");
+  }
+  return f;
+}
+
 int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
-  std::set<std::string> values = ZooParamFlags();
-  values.insert({"server",
-                 "timeout",
-                 "token-file",
-                 "tls-ca-file",
-                 "o",
-                 "output",
-                 "model",
-                 "graph",
-                 "devices",
-                 "baseline",
-                 "max-seconds",
-                 "overlap",
-                 "pipeline",
-                 "microbatches",
-                 "optimizer",
-                 "lr",
-                 "clip-norm",
-                 "weight-decay",
-                 "seed",
-                 "precision",
-                 "gradient-precision",
-                 "momentum",
-                 "max-states",
-                 "id",
-                 "executor",
-                 "steps",
-                 "data",
-                 "data-path",
-                 "threads",
-                 "set",
-                 "checkpoint-dir",
-                 "checkpoint-every",
-                 "checkpoint-keep",
-                 "resume",
-                 "init-weights",
-                 "shuffle",
-                 "global-batch",
-                 "label",
-                 "min-devices",
-                 "max-devices",
-                 "min-gain",
-                 "join-stable",
-                 "max-replans",
-                 "slowdown-threshold"});
-  auto a = Args::Parse(argv, values,
-                       {"help", "no-sfb", "no-zero", "no-grouped", "wait", "no-join",
-                        "no-calibration", "no-slowdown", "ignore-memory"});
+  const ClientFlags every = FlagsOf("", "");
+  auto a = Args::Parse(argv, every.values, every.bools);
   if (!a.ok()) return Fail(a.status());
   if (a->Bool("help")) {
     std::cout << kUsage;
@@ -1084,6 +1082,19 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
     std::cerr << "error: hapctl " << verb << ": '" << pos[0] << "' is not one of "
               << absl::StrJoin(kinds->second, ", ") << "\n";
     return 1;
+  }
+  if (!pos.empty()) {
+    const ClientFlags mine = FlagsOf(verb, pos[0]);
+    for (const std::set<std::string>* flags : {&every.values, &every.bools}) {
+      for (const std::string& flag : *flags) {
+        if (a->Has(flag) && !mine.values.count(flag) && !mine.bools.count(flag)) {
+          std::cerr << "error: hapctl " << verb << " " << pos[0] << ": "
+                    << (flag.size() == 1 ? "-" : "--") << flag
+                    << " is not one of its flags (hapctl " << verb << " --help)\n";
+          return 1;
+        }
+      }
+    }
   }
   // Words past the kind and the name were dropped ('hapctl delete plan a b'
   // deleted a alone, 'create plan --no-sfb true' planned): named instead.

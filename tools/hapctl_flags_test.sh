@@ -61,6 +61,22 @@ for cmd in "create plan" "create job --id j --checkpoint-dir /tmp/x"; do
   echo "$out" | grep -q "optimizer must be sgd, momentum or adam, got 'adamw'" \
     || fail "$cmd --optimizer adamw: $out"
 done
+# A flag of another command is refused naming it, before any call (it was
+# dropped: 'create plan --steps 5' planned, 'get plans --wait' listed).
+for case in "create plan --model mlp --steps 5|create plan: --steps" \
+            "create job --id j --wait|create job: --wait" \
+            "get plans --wait|get plans: --wait" \
+            "deploy plan p --model mlp|deploy plan: --model" \
+            "describe plan p --executor d=127.0.0.1:2|describe plan: --executor" \
+            "stop job j --no-join|stop job: --no-join" \
+            "delete plan p --layers 4|delete plan: --layers"; do
+  IFS='|' read -r cmd want <<< "$case"
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd exited 0: $out"
+  echo "$out" | grep -qF "hapctl $want is not one of its flags" || fail "$cmd: $out"
+  echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd called the server: $out"
+done
+
 # -o before `checkpoint export` is refused: export's -o is its output file,
 # and the leading '-o json' wrote the safetensors into a file named 'json'.
 for o in "-o json" "--output=json"; do
