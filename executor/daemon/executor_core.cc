@@ -161,6 +161,47 @@ absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(const graph::Grap
   }
 }
 
+// The rendezvous store of one training run, which ends its waits once the
+// run is cancelled (StopTraining, SIGTERM): a rank whose peers never come
+// would otherwise wait in the store for the whole communicator timeout, the
+// Stop give up on it as a stuck step after stop_wait, and its thread stay
+// behind. Long waits are polled in slices of kSlice for that.
+class CancellableStore : public RendezvousStore {
+ public:
+  static constexpr absl::Duration kSlice = absl::Milliseconds(200);
+  CancellableStore(std::unique_ptr<RendezvousStore> store, std::function<bool()> cancelled)
+      : store_(std::move(store)), cancelled_(std::move(cancelled)) {}
+
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    HAP_RETURN_IF_ERROR(Check(key));
+    return store_->Set(key, value);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + std::max(timeout, absl::ZeroDuration());
+    while (true) {
+      HAP_RETURN_IF_ERROR(Check(key));
+      const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
+      if (left <= kSlice) {
+        absl::StatusOr<std::string> v = store_->Get(key, left);
+        if (!absl::IsDeadlineExceeded(v.status()) || timeout <= kSlice) return v;
+        return absl::DeadlineExceededError(absl::StrCat(v.status().message(), " (waited ",
+                                                        absl::FormatDuration(timeout), " in all)"));
+      }
+      absl::StatusOr<std::string> v = store_->Get(key, kSlice);
+      if (v.ok() || !absl::IsDeadlineExceeded(v.status())) return v;
+    }
+  }
+
+ private:
+  absl::Status Check(const std::string& key) const {
+    if (!cancelled_()) return absl::OkStatus();
+    return absl::CancelledError(
+        absl::StrCat("training was stopped while the ranks met (rendezvous key '", key, "')"));
+  }
+  const std::unique_ptr<RendezvousStore> store_;
+  const std::function<bool()> cancelled_;
+};
+
 google::protobuf::Timestamp ToTimestamp(absl::Time t) {
   const int64_t ns = absl::ToUnixNanos(t);
   google::protobuf::Timestamp ts;
@@ -496,7 +537,9 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
   const LoadOptions& lo = loaded->options;
   const int64_t steps = lo.training.steps();
   absl::Status s = [&]() -> absl::Status {
-    HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store, o_.make_store(lo));
+    HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> made, o_.make_store(lo));
+    auto store = std::make_unique<CancellableStore>(std::move(made),
+                                                    [&loaded] { return loaded->cancelled.load(); });
     GlooOptions go;
     go.rank = lo.rank;
     go.size = lo.world_size;

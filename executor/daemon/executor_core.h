@@ -20,7 +20,9 @@
 //             rendezvous keys are spent, so the planner loads the plan again
 //             (a new generation) to train again.
 //   Stop      TRAINING: cancels between steps, waits (bounded) for the step
-//             in progress, -> FAILED "stopped ...". Peers still inside a
+//             in progress, -> FAILED "stopped ..." (error_code CANCELLED).
+//             A rank still meeting its peers (waiting in the rendezvous
+//             store) stops waiting at once. Peers still inside a
 //             collective with this rank time out. A step that does not end
 //             within the wait (typically a collective waiting for a peer
 //             that is frozen or gone) is abandoned: the state is FAILED at

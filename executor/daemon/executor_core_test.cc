@@ -239,6 +239,77 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   EXPECT_EQ(reported, 0);
 }
 
+// A rendezvous store whose other ranks never come: Get waits for a key
+// until its timeout; after `release` (the end of the test) every Get fails.
+class NoPeersStore : public RendezvousStore {
+ public:
+  NoPeersStore(absl::Notification* asked, absl::Notification* release)
+      : asked_(asked), release_(release) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    absl::MutexLock l(&mu_);
+    keys_[key] = value;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    {
+      absl::MutexLock l(&mu_);
+      if (auto it = keys_.find(key); it != keys_.end()) return it->second;
+    }
+    if (!asked_->HasBeenNotified()) asked_->Notify();
+    if (release_->WaitForNotificationWithTimeout(timeout)) {
+      return absl::UnavailableError("the test is over");  // ends Gloo's wait too
+    }
+    return absl::DeadlineExceededError(absl::StrCat("key '", key, "' not set"));
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::string> keys_ ABSL_GUARDED_BY(mu_);
+  absl::Notification* asked_;
+  absl::Notification* release_;
+};
+
+// Stop (and SIGTERM's Shutdown) while the rank waits in the rendezvous for
+// peers that never come: the wait ends at once, as a cancelled run, not
+// after stop_wait as "a step in progress abandoned" with a thread left
+// waiting for the whole communicator timeout.
+TEST(ExecutorCoreTest, StopDuringTheRendezvousEndsTheWait) {
+  for (const bool shutdown : {false, true}) {
+    SCOPED_TRACE(shutdown ? "Shutdown" : "Stop");
+    absl::Notification asked, release;
+    ExecutorCoreOptions options = InProcessOptions(nullptr);
+    options.connect = nullptr;  // Gloo, through the store
+    options.make_device = [](int threads) { return NewCpuDevice(threads); };
+    options.comm_timeout = absl::Seconds(600);
+    options.stop_wait = absl::Seconds(2);
+    options.make_store =
+        [&](const LoadOptions&) -> absl::StatusOr<std::unique_ptr<RendezvousStore>> {
+      return std::make_unique<NoPeersStore>(&asked, &release);
+    };
+    ExecutorCore core(options);
+    ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 10)), IsOk());
+    ASSERT_THAT(core.Start(""), IsOk());
+    asked.WaitForNotification();  // waiting for rank 1's address
+    v1::ExecutorStatus stopped;
+    if (shutdown) {
+      core.Shutdown(/*join=*/false);
+      stopped = core.Status();
+    } else {
+      auto s = core.Stop("");
+      ASSERT_THAT(s, IsOk());
+      stopped = *s;
+    }
+    EXPECT_EQ(stopped.state(), v1::ExecutorStatus::FAILED);
+    EXPECT_THAT(stopped.error(),
+                HasSubstr(shutdown ? "stopped by the executor shutting down after 0 of 10"
+                                   : "stopped by StopTraining after 0 of 10"));
+    EXPECT_THAT(stopped.error(), ::testing::Not(HasSubstr("abandoned")));
+    EXPECT_EQ(stopped.error_code(), static_cast<int>(absl::StatusCode::kCancelled));
+    EXPECT_EQ(core.RetiredThreads(), 0);
+    release.Notify();  // a thread left waiting (before the fix) ends
+  }
+}
+
 // Training failed by itself (a peer died) and the thread is still flushing
 // metrics (on_end) when Stop comes: Stop does not wait for the flush, and
 // reports the real error, not an abandoned step.
