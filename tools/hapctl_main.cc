@@ -45,7 +45,7 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
                                      one resource in detail (a job: its timeline; a
                                      node: devices, calibration, links, deployments)
   create plan --model M [...]        synthesize on the live cluster (--wait)
-  watch plan NAME                    stream progress until it ends
+  watch plan NAME                    stream progress until it ends (or --timeout)
   cancel plan NAME / delete plan NAME / delete node NAME
   deploy plan NAME --executor DEV=HOST:PORT ... [--steps N]
   stop deployment NAME / delete deployment NAME (a finished one)

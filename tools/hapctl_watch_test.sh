@@ -43,9 +43,8 @@ if [ -w /dev/full ]; then
   done
 fi
 
-out="$("$HAPCTL" watch job waits --timeout 1 "${server[@]}" 2>"$tmp/err")" \
+out="$("$HAPCTL" watch job waits --timeout 1 "${server[@]}" 2>&1)" \
   && fail "watch --timeout 1 exited 0: $out"
-grep -q "DEADLINE_EXCEEDED: still watching at --timeout 1 s" "$tmp/err" \
-  || fail "watch --timeout 1: $(cat "$tmp/err")"
-echo "$out" | grep -q "WAITING\|PENDING\|jobs/waits\| gen " || fail "watch printed no state: $out"
+echo "$out" | grep -q "DEADLINE_EXCEEDED: still watching at --timeout 1 s" \
+  || fail "watch --timeout 1: $out"
 echo PASS
