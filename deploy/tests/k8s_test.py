@@ -203,6 +203,13 @@ def check_overlay(overlay, objects, defaults):
                   f"{where}: template labels do not match the selector")
             for c in pod["containers"]:
                 flags, ports = check_container(f"{where} container {c['name']}", c, binaries)
+                if c["name"] == "planner":
+                    # Nodes come and go with the cluster (autoscaling, node-pool upgrades
+                    # with new names): one never seen again stays STALE, and HapNodeStale
+                    # fires, forever unless it expires; not before the alert's 5 minutes.
+                    expiry = float(flags.get("node-expiry-seconds") or 0)
+                    check(expiry >= 600, f"{where}: --node-expiry-seconds {expiry:g}: a node "
+                          f"removed from the cluster stays STALE forever (give 600 or more)")
                 if c["name"] == "planner" and defaults:
                     check(ports.get("grpc") == defaults[0],
                           f"{where}: grpc port {ports.get('grpc')} != planner default {defaults[0]}")
