@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/cli_args.h"
 #include "common/grpc_util.h"
 #include "common/status_macros.h"
@@ -1101,8 +1102,13 @@ int RunClient(const std::string& verb, const std::vector<std::string>& argv) {
   const size_t words = verb == "get" || verb == "create" ? 1 : 2;
   if (pos.size() > words) {
     std::cerr << "error: hapctl " << verb << ": unexpected argument '" << pos[words] << "' after '"
-              << absl::StrJoin(pos.begin(), pos.begin() + words, " ")
-              << "' (a flag's value without its flag?)\n";
+              << absl::StrJoin(pos.begin(), pos.begin() + words, " ") << "' ("
+              << (verb == "get" && pos.size() == 2
+                      // kubectl's 'get node NAME': one resource is describe's.
+                      ? absl::StrCat("one resource: hapctl describe ",
+                                     absl::StripSuffix(pos[0], "s"), " ", pos[1])
+                      : std::string("a flag's value without its flag?"))
+              << ")\n";
     return 1;
   }
   auto c = Connect(*a);

@@ -98,6 +98,10 @@ for cmd in "get nodes extra" "describe plan p extra" "create plan --model mlp ex
     || fail "$cmd: $out"
   echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd called the server: $out"
 done
+# kubectl's 'get node NAME' is pointed to describe (it listed every node).
+out="$("$HAPCTL" get nodes n1 --server 127.0.0.1:1 2>&1)" && fail "get nodes n1 exited 0: $out"
+echo "$out" | grep -qF "unexpected argument 'n1' after 'nodes' (one resource: hapctl describe node n1)" \
+  || fail "get nodes n1: $out"
 out="$("$HAPCTL" plan vit --cluster "$CLUSTER" "${model[@]}" 2>&1)" && fail "plan vit exited 0: $out"
 echo "$out" | grep -q "hapctl plan: unexpected argument 'vit'" || fail "plan vit: $out"
 for cmd in "ops extra" "calibrate extra" "validate a b" "checkpoint inspect d extra"; do
