@@ -61,6 +61,9 @@ absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   ExecutorServerOptions o;
   o.planner = a.GetOrEnv("planner");
   o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
+  if (absl::Status s = CheckListenAddress(o.listen); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen (HAP_LISTEN): ", s.message()));
+  }
   HAP_ASSIGN_OR_RETURN(o.security.token, service::ReadTokenFile(a.GetOrEnv("token-file")));
   o.security.tls_cert_file = a.GetOrEnv("tls-cert-file");
   o.security.tls_key_file = a.GetOrEnv("tls-key-file");

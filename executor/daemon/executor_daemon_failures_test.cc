@@ -251,6 +251,34 @@ TEST(ExecutorDaemonFailuresTest, NonFiniteOrOutOfRangeSecondsFlagsAreRefused) {
   EXPECT_EQ(defaults->max_streams, 64);
 }
 
+// `--listen 127.0.0.1:70000` served on port 4464 (the port taken modulo
+// 65536) and `--listen 127.0.0.1:` on 443 (gRPC's default), each printing
+// "listening on" the port it took: the planner, told the port asked for,
+// could not reach the executor, or reached another service. A port that is
+// not a whole number from 0 to 65535 is refused naming it, before anything
+// is bound.
+TEST(ExecutorDaemonFailuresTest, ListenPortsOutOfRangeAreRefused) {
+  for (const std::string listen : {"127.0.0.1:70000", "127.0.0.1:", "127.0.0.1:-5", "127.0.0.1:abc",
+                                   "127.0.0.1:80x", "127.0.0.1:99999999999999999999"}) {
+    SCOPED_TRACE(listen);
+    auto o = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1", "--listen", listen});
+    ASSERT_THAT(o.status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     AllOf(HasSubstr("--listen"), HasSubstr("'" + listen + "'"),
+                                           HasSubstr("0 to 65535"))));
+    ExecutorServerOptions so;
+    so.planner = "127.0.0.1:1";
+    so.listen = listen;
+    EXPECT_THAT(ExecutorServer::Start(so).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("0 to 65535")));
+  }
+  for (const std::string listen : {"127.0.0.1:0", "[::1]:0", "localhost:65535"}) {
+    SCOPED_TRACE(listen);
+    auto o = ExecutorDaemonOptions({"--serve", "--planner", "127.0.0.1:1", "--listen", listen});
+    ASSERT_THAT(o.status(), IsOk());
+    EXPECT_EQ(o->listen, listen);
+  }
+}
+
 // `hap-executor --serve | head -1` (a script reading the port) or a log
 // pipe whose reader died: the "listening on" line (or any later write to
 // stdout) raised SIGPIPE and killed the daemon without a word. It is

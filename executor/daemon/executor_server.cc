@@ -1,8 +1,10 @@
 #include "executor/daemon/executor_server.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -18,6 +20,24 @@ namespace v1 = ::hap::v1;
 constexpr char kServiceName[] = "hap.v1.Executor";
 
 }  // namespace
+
+absl::Status CheckListenAddress(const std::string& listen) {
+  const auto colon = listen.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address '", listen, "' is not HOST:PORT"));
+  }
+  const std::string port = listen.substr(colon + 1);
+  int value = -1;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      !absl::SimpleAtoi(port, &value) || value > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address '", listen,
+                     "': the port must be a whole number from 0 to 65535 (0: a free port)"));
+  }
+  return absl::OkStatus();
+}
 
 struct ExecutorServer::Impl {
   ExecutorServerOptions o;
@@ -45,11 +65,8 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
         absl::StrCat("max_streams (StreamStepMetrics calls served at once) must be in [1, ",
                      kMaxStreamsLimit, "], got ", options.max_streams));
   }
+  if (absl::Status s = CheckListenAddress(options.listen); !s.ok()) return s;
   const auto colon = options.listen.rfind(':');
-  if (colon == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen address '", options.listen, "' is not HOST:PORT"));
-  }
   std::unique_ptr<ExecutorServer> s(new ExecutorServer);
   s->impl_ = std::make_unique<Impl>();
   Impl& m = *s->impl_;

@@ -44,6 +44,11 @@ struct ExecutorServerOptions {
   ExecutorCoreOptions core;
 };
 
+// OK when `listen` is HOST:PORT with PORT a whole number from 0 (a free
+// port) to 65535; InvalidArgument naming it otherwise (gRPC took a port
+// above 65535 modulo 65536, and an empty one as 443).
+absl::Status CheckListenAddress(const std::string& listen);
+
 class ExecutorServer {
  public:
   // Server threads beyond max_streams: for LoadPlan, StartTraining,
