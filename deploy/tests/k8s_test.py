@@ -248,6 +248,13 @@ def check_overlay(overlay, objects, defaults):
                     planner_env = [e for e in c.get("env", []) if e["name"] == "HAP_PLANNER"]
                     check(planner_env and "configMapKeyRef" in planner_env[0].get("valueFrom", {}),
                           f"{where}: HAP_PLANNER does not come from the ConfigMap")
+    # A rolling update of the executors restarts them node by node, which fails every
+    # deployment spanning them (an elastic job re-plans once per node): they are replaced
+    # only when their pods are deleted.
+    ex = by_kind.get("DaemonSet", {}).get("hap-executor", {})
+    strategy = ex.get("spec", {}).get("updateStrategy", {}).get("type", "RollingUpdate")
+    check(strategy == "OnDelete",
+          f"{overlay}: DaemonSet/hap-executor updateStrategy {strategy}: a rollout kills training")
     # The agent measures the node's CPU device inside its own cgroup (memory = its memory
     # limit, FLOP/s with its CPU quota's threads): for the planner to price the executor's
     # share, the agent's limits are the executor's.
