@@ -263,6 +263,12 @@ def check_overlay(overlay, objects, defaults):
               .get("limits", {}) for n in ("hap-agent", "hap-executor") if n in ds}
     check(len(limits) == 2, f"{overlay}: expected DaemonSets hap-agent and hap-executor")
     if len(limits) == 2:
+        # ... and the executor's kernel threads (for deployments that name none) are the
+        # threads the agent measured with: its CPU limit.
+        ex_c = ds["hap-executor"]["spec"]["template"]["spec"]["containers"][0]
+        check(flag_args(ex_c).get("threads") == str(limits["hap-executor"].get("cpu")),
+              f"{overlay}: executor --threads {flag_args(ex_c).get('threads')} is not its CPU "
+              f"limit {limits['hap-executor'].get('cpu')}, the threads the agent measures with")
         for r in ("cpu", "memory"):
             check(limits["hap-agent"].get(r) == limits["hap-executor"].get(r),
                   f"{overlay}: agent limits.{r} {limits['hap-agent'].get(r)} != the executor's "
