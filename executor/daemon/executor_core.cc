@@ -383,9 +383,11 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
                                                  " (the plan was not installed; the executor "
                                                  "keeps its previous state)"));
   };
+  int64_t ticket;  // the order this LoadPlan arrived in
   {
     absl::MutexLock l(&mu_);
     if (shutdown_) return absl::UnavailableError("the executor is shutting down");
+    ticket = ++load_tickets_;
   }
   HAP_RETURN_IF_ERROR(caller_waits("before it began"));
   if (in.deployment.empty()) {
@@ -475,6 +477,14 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
           "training ", loaded_->options.deployment, " generation ",
           loaded_->options.generation, "; stop it before loading another plan"));
     }
+    if (installed_ticket_ > ticket) {
+      // Two LoadPlans raced and the later one was installed first: this
+      // older plan must not replace it.
+      return absl::AbortedError(
+          absl::StrCat("a LoadPlan that came after this one was installed while this one loaded (",
+                       installed_.deployment, " generation ", installed_.generation,
+                       "); this plan was not installed"));
+    }
   }
   JoinTrainingThread();  // a thread that ended may still be returning
   ReapRetired(/*all=*/false);
@@ -483,6 +493,9 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   std::shared_ptr<Loaded> old;
   absl::MutexLock l(&mu_);
   old = std::move(loaded_);
+  installed_ticket_ = ticket;
+  installed_.deployment = loaded->options.deployment;
+  installed_.generation = loaded->options.generation;
   loaded_ = std::move(loaded);
   ++load_id_;
   state_ = v1::ExecutorStatus::LOADED;

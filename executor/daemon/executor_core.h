@@ -12,7 +12,9 @@
 //             content hash), the model graph, the rank's program against a
 //             device (ProgramRunner), the training config and its data; the
 //             arena is allocated here. Allowed in every state but TRAINING
-//             (FailedPrecondition), replacing what was loaded.
+//             (FailedPrecondition), replacing what was loaded. Of two
+//             LoadPlans that race, the later to arrive wins: the earlier,
+//             finishing after it was installed, is Aborted.
 //   Start     LOADED -> TRAINING: a thread connects Gloo (NCCL on a GPU) through the
 //             rendezvous store (key prefix "<deployment>/<generation>") and
 //             runs TrainRank. Idempotent while TRAINING the same deployment.
@@ -191,6 +193,14 @@ class ExecutorCore {
   std::string error_ ABSL_GUARDED_BY(mu_);
   absl::StatusCode error_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;  // of error_
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  // LoadPlans in the order they arrived, and the latest installed (its
+  // ticket and plan): an earlier one finishing later is Aborted.
+  int64_t load_tickets_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t installed_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  struct {
+    std::string deployment;
+    int64_t generation = 0;
+  } installed_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;  // the training thread; started and joined under ops_mu_
   std::vector<Retired> retired_ ABSL_GUARDED_BY(ops_mu_);
   std::atomic<int> retired_count_{0};

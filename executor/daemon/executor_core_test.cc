@@ -536,6 +536,38 @@ TEST(ExecutorCoreTest, LoadPlanWhoseCallerHasGoneInstallsNothing) {
   EXPECT_EQ(core.Status().generation(), 2);
 }
 
+// Two LoadPlans race (a re-plan pushed while the previous push is still
+// loading): the one that arrived first but finishes last installed its
+// plan over the newer one, and both callers were told OK, so the executor
+// trained the older generation while the planner took the newer as loaded.
+// The later arrival wins; the earlier, finding it installed, is Aborted and
+// installs nothing.
+TEST(ExecutorCoreTest, AnOlderLoadPlanFinishingLastDoesNotReplaceANewerOne) {
+  ExecutorCore core(InProcessOptions(nullptr));
+  absl::Notification first_began, second_done;
+  std::atomic<int> first_checks{0};
+  auto first_check = [&]() -> absl::Status {
+    if (first_checks++ == 1) {  // after it began: the second comes and goes
+      first_began.Notify();
+      second_done.WaitForNotification();
+    }
+    return absl::OkStatus();
+  };
+  absl::StatusOr<std::string> first;
+  std::thread loader([&] { first = core.LoadPlan(MlpLoad(2, 0, 3), first_check); });
+  first_began.WaitForNotification();
+  LoadOptions newer = MlpLoad(2, 0, 3);
+  newer.generation = 2;
+  ASSERT_THAT(core.LoadPlan(newer), IsOk());
+  second_done.Notify();
+  loader.join();
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kAborted,
+                              AllOf(HasSubstr("generation 2"), HasSubstr("not installed"))));
+  const v1::ExecutorStatus st = core.Status();
+  EXPECT_EQ(st.state(), v1::ExecutorStatus::LOADED);
+  EXPECT_EQ(st.generation(), 2);
+}
+
 // Trains two ranks of `MlpLoad(2, r, steps)` as changed by `edit`; returns
 // rank 0's final status.
 v1::ExecutorStatus TrainTwo(int64_t steps, const std::function<void(LoadOptions&)>& edit) {
