@@ -1,5 +1,6 @@
 #include "common/cli_args.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -126,7 +128,8 @@ absl::StatusOr<double> Args::NumberOrEnv(const std::string& flag, double def, do
   return x;
 }
 
-absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what) {
+absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what,
+                                          int64_t max_bytes) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is a directory"));
@@ -142,13 +145,23 @@ absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::st
     if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(why);
     return absl::InvalidArgumentError(why);
   }
-  std::stringstream ss;
-  ss << f.rdbuf();
+  std::string bytes;
+  std::vector<char> chunk(1 << 20);
+  while (f) {
+    const int64_t room = max_bytes + 1 - static_cast<int64_t>(bytes.size());
+    f.read(chunk.data(), static_cast<std::streamsize>(
+                             std::min<int64_t>(room, static_cast<int64_t>(chunk.size()))));
+    bytes.append(chunk.data(), static_cast<size_t>(f.gcount()));
+    if (static_cast<int64_t>(bytes.size()) > max_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is larger than ",
+                                                     max_bytes, " bytes (is it the file meant?)"));
+    }
+  }
   if (f.bad()) return absl::DataLossError(absl::StrCat("cannot read ", what, "'", path, "'"));
-  if (ss.str().empty()) {
+  if (bytes.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(what, "'", path, "' is empty"));
   }
-  return ss.str();
+  return bytes;
 }
 
 absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,

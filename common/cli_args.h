@@ -53,8 +53,13 @@ class Args {
 // The bytes of an input file a flag names; a missing, unreadable or empty
 // file or a directory is an error naming it, `what` first ("plan " -> "plan
 // 'p.pb' is empty"): an empty string parses as an empty proto, which then
-// fails for a reason that names nothing, or passes.
-absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what = "");
+// fails for a reason that names nothing, or passes. One over `max_bytes`
+// is an error too, found by reading at most that much (a device such as
+// /dev/zero, or a pipe that does not end, was read until memory ran out and
+// the process aborted); the default is protobuf's own bound on a message.
+inline constexpr int64_t kMaxInputFileBytes = (int64_t{1} << 31) - 1;
+absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::string& what = "",
+                                          int64_t max_bytes = kMaxInputFileBytes);
 
 // Writes `bytes` to the output file a flag names (replacing it), closes it
 // and checks both: a full disk shows at the close for a small file, so a

@@ -55,5 +55,22 @@ TEST(ReadInputFileTest, AnUnopenableFileSaysWhy) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("File name too long")));
 }
 
+// A source that does not end (/dev/zero given as --cluster or a token
+// file) was read until memory ran out and the process aborted; it stops
+// one byte past the bound, naming the file. A file of exactly the bound is
+// read.
+TEST(ReadInputFileTest, AnInputOverTheBoundIsAnErrorNotAnAbort) {
+  EXPECT_THAT(ReadInputFile("/dev/zero", "cluster ", 3 << 20),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("cluster '/dev/zero' is larger than 3145728 bytes")));
+  const std::string path = TempPath("bound.json");
+  ASSERT_TRUE(WriteOutputFile(path, std::string(100, 'x'), "").ok());
+  auto exact = ReadInputFile(path, "", 100);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_EQ(exact->size(), 100u);
+  EXPECT_THAT(ReadInputFile(path, "", 99),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("larger than 99 bytes")));
+}
+
 }  // namespace
 }  // namespace hap::tools

@@ -222,7 +222,7 @@ absl::Time CallDeadline(const grpc::ServerContextBase* ctx,
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   if (path.empty()) return std::string();
-  auto t = tools::ReadInputFile(path, "token file ");
+  auto t = tools::ReadInputFile(path, "token file ", kMaxTokenFileBytes);
   if (!t.ok()) return t.status();
   std::string token(absl::StripAsciiWhitespace(*t));
   if (token.empty()) {

@@ -48,7 +48,9 @@ struct Security {
 // dropped); empty path = "". InvalidArgument for an empty token, a
 // directory, or a token that is not one line of printable ASCII (it goes in
 // a header); NotFound for a file it cannot read. Warns on stderr when every
-// user may read the file (mode o+r or o+w).
+// user may read the file (mode o+r or o+w), and one over
+// kMaxTokenFileBytes.
+inline constexpr int64_t kMaxTokenFileBytes = 64 << 10;
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // Plaintext, or TLS with the certificate and key: InvalidArgument naming
