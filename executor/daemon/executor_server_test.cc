@@ -3,6 +3,7 @@
 // serves the rendezvous store and collects step metrics.
 #include "executor/daemon/executor_server.h"
 
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -605,6 +606,85 @@ TEST_F(ExecutorServerTest, ShutdownAbandonsAStepStuckInACollective) {
   EXPECT_EQ(executors_[0]->core().RetiredThreads(), 1);
   release.Notify();    // the collective times out at last
   executors_.clear();  // joins the thread, before `release` goes
+}
+
+// Entries of /proc/self/<dir> (fd: open file descriptors; task: threads).
+int CountEntries(const std::string& dir) {
+  int n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/" + dir, ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// A long-running daemon takes plan after plan: loads that are unloaded,
+// runs that finish, runs that are stopped. None may leave a thread or a
+// file descriptor behind (sockets of Gloo's meshes, the store's calls).
+TEST_F(ExecutorServerTest, ManyLoadAndStopCyclesLeakNoThreadsOrFiles) {
+  auto plan = testing::MakeMlpPlan(2);
+  ASSERT_THAT(plan, IsOk());
+  std::vector<std::unique_ptr<v1::Executor::Stub>> stubs;
+  for (int r = 0; r < 2; ++r) stubs.push_back(StartExecutor());
+  auto call_all = [&](int cycle, const std::string& method, int64_t steps) {
+    for (int r = 0; r < 2; ++r) {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      grpc::Status s;
+      v1::ExecutorStatus st;
+      if (method == "load") {
+        v1::LoadPlanRequest req = LoadRequest(*plan, r, steps);
+        req.set_generation(100 + cycle);
+        v1::LoadPlanResponse resp;
+        s = stubs[r]->LoadPlan(&ctx, req, &resp);
+      } else if (method == "start") {
+        s = stubs[r]->StartTraining(&ctx, v1::StartTrainingRequest(), &st);
+      } else {
+        s = stubs[r]->StopTraining(&ctx, v1::StopTrainingRequest(), &st);
+      }
+      ASSERT_TRUE(s.ok()) << method << " cycle " << cycle << ": " << s.error_message();
+    }
+  };
+  auto cycle = [&](int i) {
+    ASSERT_NO_FATAL_FAILURE(call_all(i, "load", 2));
+    if (i % 3 == 0) {  // unloaded before it trains
+      ASSERT_NO_FATAL_FAILURE(call_all(i, "stop", 0));
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(executors_[r]->core().Status().state(), v1::ExecutorStatus::IDLE);
+      }
+      return;
+    }
+    ASSERT_NO_FATAL_FAILURE(call_all(i, "start", 0));
+    if (i % 3 == 1) {
+      ASSERT_NO_FATAL_FAILURE(call_all(i, "stop", 0));
+    }
+    for (int r = 0; r < 2; ++r) {
+      const v1::ExecutorStatus st =
+          executors_[r]->core().WaitUntilDone(absl::Now() + absl::Seconds(60));
+      EXPECT_TRUE(st.state() == v1::ExecutorStatus::FINISHED ||
+                  st.state() == v1::ExecutorStatus::FAILED)
+          << "cycle " << i << ": " << v1::ExecutorStatus::State_Name(st.state());
+      if (i % 3 == 2) {
+        EXPECT_EQ(st.state(), v1::ExecutorStatus::FINISHED) << st.error();
+      }
+    }
+  };
+  for (int i = 0; i < 6; ++i) ASSERT_NO_FATAL_FAILURE(cycle(i));  // warm-up
+  // Threads that ended may still be on their way out.
+  auto settled = [](const std::string& dir, int at_most) {
+    int n = CountEntries(dir);
+    for (int i = 0; i < 100 && n > at_most; ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+      n = CountEntries(dir);
+    }
+    return n;
+  };
+  const int fds = CountEntries("fd");
+  const int threads = CountEntries("task");
+  for (int i = 6; i < 56; ++i) ASSERT_NO_FATAL_FAILURE(cycle(i));
+  EXPECT_LE(settled("fd", fds + 8), fds + 8);
+  EXPECT_LE(settled("task", threads + 4), threads + 4);
 }
 
 }  // namespace
