@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/std_streams.h"
 #include "grpc/support/log.h"
 #include "tools/hapctl_checkpoint.h"
 #include "tools/hapctl_client.h"
@@ -56,25 +57,6 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
 Run `hapctl COMMAND --help` for a command's flags. --server, --timeout,
 --token-file, --tls-ca-file and -o may also come before the command.
 )";
-
-// Standard input and error, when closed, are opened on /dev/null: with
-// their numbers free, the first file or socket hapctl opened took one and
-// an error message went into it. Returns false when standard output is
-// closed: what a command prints would go into whatever took descriptor 1
-// (an --export file, a gRPC socket), so no command runs.
-bool ReserveStandardStreams() {
-  auto closed = [](int fd) { return fcntl(fd, F_GETFD) == -1 && errno == EBADF; };
-  const bool stdout_open = !closed(1);
-  for (int fd : {0, 2}) {
-    if (!closed(fd)) continue;
-    const int null = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
-    if (null >= 0 && null != fd) {
-      dup2(null, fd);
-      close(null);
-    }
-  }
-  return stdout_open;
-}
 
 // std::cout's buffer: standard output through write(2), keeping the
 // first failure's reason (stdio's error flag says only that some write
@@ -198,7 +180,7 @@ int Run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!ReserveStandardStreams()) {
+  if (!hap::tools::ReserveStandardStreams()) {
     std::cerr << "error: standard output is closed (hapctl prints its results there)\n";
     return 1;
   }

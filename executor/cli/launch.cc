@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "common/cli_args.h"
 #include "common/status_macros.h"
+#include "common/std_streams.h"
 #include "executor/cli/netns_testbed.h"
 #include "executor/cli/run_flags.h"
 #include "executor/cli/run_plan.h"
@@ -452,7 +453,7 @@ std::string DefaultExecutor(const std::string& self) {
 }  // namespace
 
 int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
-  const bool stdout_open = ReserveStandardStreams();
+  const bool stdout_open = tools::ReserveStandardStreams();
   auto a = ParseFlags(argv, {"help", "pin-cores"});
   if (!a.ok() || a->Bool("help") || !a->Has("plan")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";

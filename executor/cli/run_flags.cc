@@ -172,25 +172,6 @@ void WriteWhole(int fd, absl::string_view text) {
   }
 }
 
-// Standard input and error, when closed, are opened on /dev/null: with their
-// numbers free, the first file or socket a run opened took one, and an
-// error message went into it. Returns false when standard output is closed,
-// which the caller refuses (the run trained to its end and then failed, its
-// losses written into whatever had taken descriptor 1).
-bool ReserveStandardStreams() {
-  auto closed = [](int fd) { return fcntl(fd, F_GETFD) == -1 && errno == EBADF; };
-  const bool stdout_open = !closed(1);
-  for (int fd : {0, 2}) {
-    if (!closed(fd)) continue;
-    const int null = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
-    if (null >= 0 && null != fd) {
-      dup2(null, fd);
-      close(null);
-    }
-  }
-  return stdout_open;
-}
-
 // OK when directory `dir` exists or can be made: its nearest existing
 // ancestor is a directory this process may write in. Otherwise
 // InvalidArgument naming `flag` and that path.

@@ -43,10 +43,6 @@ absl::StatusOr<tools::Args> ParseFlags(const std::vector<std::string>& argv,
 // hap-launch share one standard error).
 void WriteWhole(int fd, absl::string_view text);
 
-// Standard input and error, when closed, are opened on /dev/null. Returns
-// false when standard output is closed, which the caller refuses.
-bool ReserveStandardStreams();
-
 // OK when directory `dir` exists or can be made by this process; otherwise
 // InvalidArgument naming `flag` and that path.
 absl::Status CheckWritableDir(const std::string& flag, const std::string& dir);

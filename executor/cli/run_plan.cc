@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "common/cli_args.h"
 #include "common/status_macros.h"
+#include "common/std_streams.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/cli/run_flags.h"
 #include "executor/cpu/cpu_device.h"
@@ -421,7 +422,7 @@ absl::Status Run(const tools::Args& a) {
 }  // namespace
 
 int RunPlanMain(const std::vector<std::string>& argv) {
-  const bool stdout_open = ReserveStandardStreams();
+  const bool stdout_open = tools::ReserveStandardStreams();
   auto a = ParseFlags(argv, {"help"});
   if (!a.ok() || a->Bool("help")) {
     if (!a.ok()) std::cerr << "error: " << a.status().message() << "\n";
