@@ -205,6 +205,14 @@ def check_overlay(overlay, objects, defaults):
                   f"{where}: template labels do not match the selector")
             for c in pod["containers"]:
                 flags, ports = check_container(f"{where} container {c['name']}", c, binaries)
+                # SIGTERM, then --drain-seconds of NOT_SERVING, then the server's own stop
+                # (the planner gives calls 5 s, the executor its step report 5 s): the
+                # kubelet's SIGKILL must come after all of it.
+                if c["name"] in ("planner", "executor"):
+                    drain = float(flags.get("drain-seconds") or 1)
+                    grace = pod.get("terminationGracePeriodSeconds", 30)
+                    check(grace >= drain + 10, f"{where}: terminationGracePeriodSeconds {grace} "
+                          f"< --drain-seconds {drain:g} + 10 s of shutdown")
                 if c["name"] == "planner":
                     # Nodes come and go with the cluster (autoscaling, node-pool upgrades
                     # with new names): one never seen again stays STALE, and HapNodeStale
