@@ -196,6 +196,24 @@ def main():
                 for n in names:
                     if n not in exported:
                         missing.append(f"{where}: {n} is not in the live /metrics scrape")
+            # Label matchers too: hap_nodes{state="STALE"} would name a real metric and never
+            # match (the planner spells states in lower case), and its alert never fire. Every
+            # series a rule or panel selects with name="value" is in the scrape (the planner
+            # exports each state and reason from the start, at 0).
+            series = []
+            for line in scraped.splitlines():
+                m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? ", line)
+                if m and not line.startswith("#"):
+                    series.append((m.group(1), dict(re.findall(r'(\w+)="([^"]*)"',
+                                                                m.group(2) or ""))))
+            for where, expr in queries + rules:
+                for name, matchers in re.findall(r"\b((?:hap|grpc)_[a-z0-9_]+)\{([^}]*)\}", expr):
+                    want = {k: v for k, v in re.findall(r'(\w+)\s*=\s*"([^"]*)"', matchers)
+                            if k not in ("job", "instance")}
+                    if not any(n == name and all(l.get(k) == v for k, v in want.items())
+                               for n, l in series):
+                        missing.append(f"{where}: {name}{{{matchers}}} selects no series of "
+                                       f"the live /metrics scrape")
             if missing:
                 sys.exit("FAIL:\n" + "\n".join(missing))
             steps = prometheus_scrapes(prometheus, config, planner)
