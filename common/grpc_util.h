@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/host_port.h"
 #include "google/protobuf/duration.pb.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/grpcpp.h"

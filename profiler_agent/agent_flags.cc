@@ -26,13 +26,7 @@ std::string Named(const std::string& flag) {
 // modulo 65536, and either would be printed as if asked for.
 absl::Status CheckHostPort(const std::string& flag, const std::string& value, int min_port,
                            const std::string& what) {
-  const size_t colon = value.rfind(':');
-  const bool digits = colon != std::string::npos && colon > 0 && colon + 1 < value.size() &&
-                      colon + 6 >= value.size() &&
-                      value.find_first_not_of("0123456789", colon + 1) == std::string::npos;
-  int port = -1;
-  if (!digits || !absl::SimpleAtoi(value.substr(colon + 1), &port)) port = -1;
-  if (port < min_port || port > 65535) {
+  if (!hap::service::IsHostPort(value, min_port)) {
     return absl::InvalidArgumentError(absl::StrCat(Named(flag), " '", value,
                                                    "' must be HOST:PORT with a port from ",
                                                    min_port, " to 65535 (", what, ")"));

@@ -57,7 +57,7 @@ planner_srcs() {
   # Every source of the core (a file split off a library joins by itself).
   ls planner/graph/*.cc planner/synth/*.cc planner/cost/*.cc planner/ratios/*.cc \
     planner/lower/*.cc planner/pipeline/*.cc planner/calibrate/*.cc planner/service/core/*.cc \
-    common/training_checks.cc common/json_struct.cc executor/checkpoint/layout.cc |
+    common/training_checks.cc common/json_struct.cc common/host_port.cc executor/checkpoint/layout.cc |
     grep -v -e '_test\.cc$' -e '_main\.cc$' -e '/test_util\.cc$'
 }
 declare -A SRCS=(

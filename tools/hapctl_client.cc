@@ -548,20 +548,7 @@ void DescribePlan(const v1::Plan& p) {
 // word as port 0; an empty --server fell back to HAPCTL_SERVER or the
 // default. The error names `source`, the flag or variable it came from.
 absl::Status CheckServer(const std::string& source, const std::string& server) {
-  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
-    if (absl::StartsWith(server, scheme)) return absl::OkStatus();
-  }
-  const size_t colon = server.rfind(':');
-  const std::string host = colon == std::string::npos ? "" : server.substr(0, colon);
-  const std::string port = colon == std::string::npos ? "" : server.substr(colon + 1);
-  int number = 0;
-  const bool host_ok = !host.empty() && absl::c_none_of(host, [](char ch) {
-    return absl::ascii_isspace(ch);
-  }) && (host.find(':') == std::string::npos || (host.front() == '[' && host.back() == ']'));
-  const bool port_ok = !port.empty() && port.size() <= 5 &&
-                       absl::c_all_of(port, absl::ascii_isdigit) &&
-                       absl::SimpleAtoi(port, &number) && number >= 1 && number <= 65535;
-  if (host_ok && port_ok) return absl::OkStatus();
+  if (service::IsHostPort(server, 1, /*schemes=*/true)) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(source,
                    " must be HOST:PORT with a port from 1 to 65535 (or a gRPC target "

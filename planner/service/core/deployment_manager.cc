@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_port.h"
 #include "common/proto_time.h"
 #include "common/stats.h"
 #include "common/status_macros.h"
@@ -76,6 +77,14 @@ absl::StatusOr<v1::Deployment> AssignRanks(const v1::Plan& plan,
       return absl::InvalidArgumentError(absl::StrCat("no executor address for device '", dev,
                                                      "' (rank ", rank, "): pass executors[\"",
                                                      dev, "\"] = host:port"));
+    }
+    // Dialled as given, '127.0.0.1:99999' was port 34463 and a missing port
+    // port 0: the rank's LoadPlan failed later, or reached another process.
+    if (!service::IsHostPort(addr, 1, /*schemes=*/true)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the executor address '", addr, "' of device '", dev, "' (rank ", rank, ", ",
+          it != request.executors().end() ? "from the request" : "from its node's label",
+          ") must be HOST:PORT with a port from 1 to 65535"));
     }
     // An executor runs one rank: a second LoadPlan would replace the first.
     if (auto [at, added] = rank_at.emplace(addr, rank); !added) {

@@ -337,6 +337,21 @@ TEST_F(DeploymentManagerTest, DeployChecksThePlanAndTheExecutors) {
   (*labelled.mutable_nodes(0)->mutable_labels())["hap.executor/b/cpu0"] = "a:1";
   EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), missing, labelled, "planner:1"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("same executor 'a:1'")));
+  // An address gRPC would dial as another ('b:99999' is port 34463, 'b'
+  // port 0): refused, from the request or from a label.
+  for (const std::string bad : {"b:99999", "b", "b:", "b:http"}) {
+    v1::DeployPlanRequest r = Request();
+    (*r.mutable_executors())["b/cpu0"] = bad;
+    EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), r, v1::Cluster(), "planner:1"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("the executor address '" + bad +
+                                   "' of device 'b/cpu0' (rank 1, from the request) must be "
+                                   "HOST:PORT")));
+  }
+  (*labelled.mutable_nodes(0)->mutable_labels())["hap.executor/b/cpu0"] = "b:0";
+  EXPECT_THAT(manager_->Deploy(TwoDevicePlan(), missing, labelled, "planner:1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("'b:0' of device 'b/cpu0' (rank 1, from its node's label)")));
 }
 
 // Training the executors would refuse at LoadPlan is refused by DeployPlan,

@@ -1,0 +1,35 @@
+#include "common/host_port.h"
+
+#include "gtest/gtest.h"
+
+namespace hap::service {
+namespace {
+
+TEST(IsHostPortTest, TakesWhatGrpcReadsAsMeant) {
+  EXPECT_TRUE(IsHostPort("127.0.0.1:7070"));
+  EXPECT_TRUE(IsHostPort("node-3.cluster.local:1"));
+  EXPECT_TRUE(IsHostPort("[::1]:65535"));
+  EXPECT_TRUE(IsHostPort("0.0.0.0:0", /*min_port=*/0));
+  EXPECT_TRUE(IsHostPort("unix:/run/hap.sock", 1, /*schemes=*/true));
+  EXPECT_TRUE(IsHostPort("dns:///planner:7070", 1, /*schemes=*/true));
+}
+
+// Each of these gRPC dials or binds as something else than written.
+TEST(IsHostPortTest, RefusesWhatGrpcWouldReadOtherwise) {
+  EXPECT_FALSE(IsHostPort("127.0.0.1:99999"));  // port 34463
+  EXPECT_FALSE(IsHostPort("127.0.0.1:65536"));
+  EXPECT_FALSE(IsHostPort("127.0.0.1:0"));  // min_port 1
+  EXPECT_FALSE(IsHostPort("127.0.0.1"));    // no port: 443 when bound
+  EXPECT_FALSE(IsHostPort("127.0.0.1:"));
+  EXPECT_FALSE(IsHostPort(":7070"));
+  EXPECT_FALSE(IsHostPort("127.0.0.1:http"));
+  EXPECT_FALSE(IsHostPort("127.0.0.1:+80"));
+  EXPECT_FALSE(IsHostPort("127.0.0.1:000080"));
+  EXPECT_FALSE(IsHostPort("::1:7070"));  // an IPv6 host without brackets
+  EXPECT_FALSE(IsHostPort("my host:7070"));
+  EXPECT_FALSE(IsHostPort(""));
+  EXPECT_FALSE(IsHostPort("unix:/run/hap.sock"));  // schemes not asked for
+}
+
+}  // namespace
+}  // namespace hap::service
