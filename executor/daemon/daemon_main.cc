@@ -60,6 +60,11 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
 absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   ExecutorServerOptions o;
   o.planner = a.GetOrEnv("planner");
+  if (!o.planner.empty()) {
+    if (absl::Status s = CheckPlannerAddress(o.planner); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--planner (HAP_PLANNER): ", s.message()));
+    }
+  }
   o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
   if (absl::Status s = CheckListenAddress(o.listen); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--listen (HAP_LISTEN): ", s.message()));

@@ -279,6 +279,35 @@ TEST(ExecutorDaemonFailuresTest, ListenPortsOutOfRangeAreRefused) {
   }
 }
 
+// `--planner 127.0.0.1:70000`, `--planner 127.0.0.1:0` or `--planner host`
+// (no port) started a daemon that could never reach its planner (the
+// rendezvous and the step metrics went to whatever port gRPC made of it),
+// found only when a deployment failed at its rendezvous, far from the
+// cause. A planner address whose port is not a whole number from 1 to
+// 65535 is refused at start, naming it (unix: addresses have no port).
+TEST(ExecutorDaemonFailuresTest, PlannerPortsOutOfRangeAreRefused) {
+  for (const std::string planner : {"127.0.0.1:70000", "127.0.0.1:", "127.0.0.1:0", "hap-planner",
+                                    "dns:///hap-planner", "127.0.0.1:-1", "ipv4:127.0.0.1:7x"}) {
+    SCOPED_TRACE(planner);
+    auto o = ExecutorDaemonOptions({"--serve", "--planner", planner});
+    ASSERT_THAT(o.status(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     AllOf(HasSubstr("--planner"), HasSubstr("'" + planner + "'"),
+                                           HasSubstr("1 to 65535"))));
+    ExecutorServerOptions so;
+    so.planner = planner;
+    EXPECT_THAT(ExecutorServer::Start(so).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("1 to 65535")));
+  }
+  for (const std::string planner :
+       {"127.0.0.1:7070", "hap-planner:7070", "dns:///hap-planner:7070", "ipv4:127.0.0.1:1",
+        "[::1]:65535", "unix:/run/hap/planner.sock"}) {
+    SCOPED_TRACE(planner);
+    auto o = ExecutorDaemonOptions({"--serve", "--planner", planner});
+    ASSERT_THAT(o.status(), IsOk());
+    EXPECT_EQ(o->planner, planner);
+  }
+}
+
 // `hap-executor --serve | head -1` (a script reading the port) or a log
 // pipe whose reader died: the "listening on" line (or any later write to
 // stdout) raised SIGPIPE and killed the daemon without a word. It is

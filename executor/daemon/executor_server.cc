@@ -4,8 +4,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "executor/comm/planner_store.h"
@@ -19,22 +21,43 @@ namespace {
 namespace v1 = ::hap::v1;
 constexpr char kServiceName[] = "hap.v1.Executor";
 
+// The port of HOST:PORT when it is a whole number from `min` to 65535.
+bool PortInRange(absl::string_view address, int min) {
+  const auto colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return false;
+  const absl::string_view port = address.substr(colon + 1);
+  int value = -1;
+  return !port.empty() && port.size() <= 5 &&
+         std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+         absl::SimpleAtoi(port, &value) && value >= min && value <= 65535;
+}
+
 }  // namespace
 
 absl::Status CheckListenAddress(const std::string& listen) {
-  const auto colon = listen.rfind(':');
-  if (colon == std::string::npos) {
+  if (listen.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(
         absl::StrCat("listen address '", listen, "' is not HOST:PORT"));
   }
-  const std::string port = listen.substr(colon + 1);
-  int value = -1;
-  if (port.empty() || port.size() > 5 ||
-      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
-      !absl::SimpleAtoi(port, &value) || value > 65535) {
+  if (!PortInRange(listen, 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("listen address '", listen,
                      "': the port must be a whole number from 0 to 65535 (0: a free port)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPlannerAddress(const std::string& planner) {
+  absl::string_view a = planner;
+  if (absl::StartsWith(a, "unix:") || absl::StartsWith(a, "unix-abstract:")) {
+    return absl::OkStatus();
+  }
+  absl::ConsumePrefix(&a, "dns:///") || absl::ConsumePrefix(&a, "dns:") ||
+      absl::ConsumePrefix(&a, "ipv4:") || absl::ConsumePrefix(&a, "ipv6:");
+  if (!PortInRange(a, 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("planner address '", planner,
+                     "' is not HOST:PORT with the port a whole number from 1 to 65535"));
   }
   return absl::OkStatus();
 }
@@ -60,6 +83,7 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
         "the executor needs its planner's address (--planner or HAP_PLANNER): the "
         "only planner it takes plans from");
   }
+  if (absl::Status s = CheckPlannerAddress(options.planner); !s.ok()) return s;
   if (options.max_streams < 1 || options.max_streams > kMaxStreamsLimit) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_streams (StreamStepMetrics calls served at once) must be in [1, ",

@@ -48,6 +48,9 @@ struct ExecutorServerOptions {
 // port) to 65535; InvalidArgument naming it otherwise (gRPC took a port
 // above 65535 modulo 65536, and an empty one as 443).
 absl::Status CheckListenAddress(const std::string& listen);
+// OK when `planner` is [dns:///|ipv4:|ipv6:]HOST:PORT with PORT from 1 to
+// 65535, or a unix: address; InvalidArgument naming it otherwise.
+absl::Status CheckPlannerAddress(const std::string& planner);
 
 class ExecutorServer {
  public:
