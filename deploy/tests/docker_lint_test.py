@@ -6,7 +6,10 @@ import fnmatch
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import deploy_testlib as lib
 
@@ -34,6 +37,34 @@ def instructions(text):
                 out.append((kw.upper(), args.strip()))
             cur = ""
     return out
+
+
+def runtime_packages_work(build_runs):
+    """Runs the build stage's lookup of the Debian packages the binaries link (the part of its
+    RUN from `for f in` to /out/runtime-packages) on the binaries built here, as Docker would
+    (this machine is Debian 12, as the build stage): it must succeed and name the packages of
+    libraries we know the binaries link."""
+    cmd = next((r for r in build_runs if "/out/runtime-packages" in r), "")
+    start, end = cmd.find("for f in"), cmd.find("/out/runtime-packages")
+    if start < 0 or end < 0:
+        return ["build stage: no `for f in ...` lookup writing /out/runtime-packages"]
+    if not shutil.which("dpkg"):
+        lib.skip("'dpkg' is not installed (the package lookup runs on Debian)")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "bin"))
+        for env in ("HAP_PLANNER_BIN", "HAP_AGENT_BIN", "HAP_EXECUTOR_BIN", "HAPCTL_BIN"):
+            path = lib.binary(env)
+            os.symlink(path, os.path.join(tmp, "bin", os.path.basename(path)))
+        script = (cmd[start:end] + "/out/runtime-packages").replace("/out/", tmp + "/") \
+            .replace("/tmp/owners", os.path.join(tmp, "owners"))
+        out = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
+        if out.returncode != 0:
+            return [f"the runtime package lookup fails here: {out.stderr.strip()}"]
+        packages = set(open(os.path.join(tmp, "runtime-packages")).read().split())
+    print(f"runtime packages: {' '.join(sorted(packages))}")
+    # Libraries the binaries link, one shipped under /usr/lib and one under /lib.
+    missing = {"libsqlite3-0", "libgrpc++1.51", "zlib1g"} - packages
+    return [f"the runtime package lookup misses {sorted(missing)}"] if missing else []
 
 
 def main():
@@ -160,6 +191,8 @@ def main():
         if path.rstrip("/").removeprefix("**/") not in docker_ignored and not any(
                 fnmatch.fnmatch(path.rstrip("/"), d) for d in docker_ignored):
             failures.append(f"{path}: ignored by git but not by {os.path.basename(DOCKERIGNORE)}")
+
+    failures += runtime_packages_work(stages.get("build", {}).get("run", []))
 
     if failures:
         print("\n".join("FAIL: " + f for f in failures))
