@@ -310,7 +310,8 @@ void PrepareClientContext(grpc::ClientContext* ctx, const Security& s, absl::Dur
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
-                                                           const Security& s) {
+                                                           const Security& s,
+                                                           absl::Duration keepalive) {
   auto creds = MakeChannelCredentials(s);
   if (!creds.ok()) return creds.status();
   grpc::ChannelArguments args;
@@ -320,6 +321,15 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   // default of up to two minutes.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  if (keepalive > absl::ZeroDuration()) {
+    const int every_ms = static_cast<int>(std::clamp<int64_t>(
+        absl::ToInt64Milliseconds(keepalive), absl::ToInt64Milliseconds(kMinClientPingInterval),
+        int64_t{86400} * 1000));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, every_ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, std::min(every_ms, 20'000));
+    // Pings go on while a watch receives nothing (gRPC stops after 2).
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   return grpc::CreateCustomChannel(address, *creds, args);
 }
 

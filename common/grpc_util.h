@@ -84,8 +84,15 @@ void PrepareClientContext(grpc::ClientContext* ctx, const Security& s,
 
 // A channel to `address` ("host:port") with the security settings and a
 // message size limit matching the servers'.
-absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
-                                                           const Security& s);
+// `keepalive` > 0: while a call is open the client pings the server that
+// often and fails the call (UNAVAILABLE) when a ping goes unanswered for as
+// long, at most 20 s: a server whose host died or hung leaves no TCP reset,
+// and a call without a deadline (hapctl watch) waited for ever. The server
+// must take pings that often (the planner takes them down to once a second:
+// kMinClientPingInterval).
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(
+    const std::string& address, const Security& s, absl::Duration keepalive = absl::ZeroDuration());
+inline constexpr absl::Duration kMinClientPingInterval = absl::Seconds(1);
 
 // Largest message a client accepts and a server sends (plans with rank
 // programs of large clusters are tens of MiB), and the executors' request

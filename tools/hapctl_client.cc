@@ -74,6 +74,8 @@ constexpr char kUsage[] = R"(usage:
   hapctl delete job NAME               (a finished one: SUCCEEDED, FAILED or STOPPED)
 Common flags: --server HOST:PORT (else $HAPCTL_SERVER, else 127.0.0.1:7070),
   --timeout SECONDS (each call's; default 30; a watch's only when given),
+  --keepalive SECONDS (pings on an open call; a planner that stops answering
+  ends it after this and at most 20 s more; default 30),
   --token-file FILE (else $HAP_TOKEN_FILE),
   --tls-ca-file FILE, -o table|json|yaml. Errors go to stderr, exit code 1.
 )";
@@ -581,8 +583,16 @@ absl::StatusOr<Client> Connect(const Args& a) {
     return absl::InvalidArgumentError(
         absl::StrCat("-o must be table, json or yaml, got '", c.format, "'"));
   }
+  // A planner whose host died or hung mid-call (no TCP reset) ends the
+  // call after a ping goes unanswered; a watch without --timeout waited
+  // for ever.
+  HAP_ASSIGN_OR_RETURN(double keepalive, a.Number("keepalive", 30));
+  if (!(keepalive >= 1 && keepalive <= 86400)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--keepalive must be seconds from 1 to 86400, got '", a.Get("keepalive"), "'"));
+  }
   HAP_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> ch,
-                       service::MakeChannel(server, c.security));
+                       service::MakeChannel(server, c.security, absl::Seconds(keepalive)));
   c.stub = v1::Planner::NewStub(ch);
   return c;
 }
@@ -1012,7 +1022,8 @@ struct ClientFlags {
 };
 
 ClientFlags FlagsOf(const std::string& verb, const std::string& kind) {
-  ClientFlags f{{"server", "timeout", "token-file", "tls-ca-file", "o", "output"}, {"help"}};
+  ClientFlags f{{"server", "timeout", "keepalive", "token-file", "tls-ca-file", "o", "output"},
+                {"help"}};
   ClientFlags plan{{"model", "graph", "devices", "baseline", "max-seconds", "overlap", "pipeline",
                     "microbatches", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
                     "precision", "gradient-precision", "momentum", "max-states", "id", "set"},

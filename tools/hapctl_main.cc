@@ -55,7 +55,8 @@ Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070)
   watch job NAME / stop job NAME / delete job NAME (a finished one)
 
 Run `hapctl COMMAND --help` for a command's flags. --server, --timeout,
---token-file, --tls-ca-file and -o may also come before the command.
+--keepalive, --token-file, --tls-ca-file and -o may also come before the
+command.
 )";
 
 // std::cout's buffer: standard output through write(2), keeping the
@@ -127,10 +128,10 @@ int Run(int argc, char** argv) {
   for (; i < args.size() && args[i].size() > 1 && args[i][0] == '-'; ++i) {
     const std::string& flag = args[i];
     const std::string name = flag.substr(0, flag.find('='));
-    if (name != "--server" && name != "--timeout" && name != "--token-file" &&
-        name != "--tls-ca-file" && name != "-o" && name != "--output") {
+    if (name != "--server" && name != "--timeout" && name != "--keepalive" &&
+        name != "--token-file" && name != "--tls-ca-file" && name != "-o" && name != "--output") {
       std::cerr << "error: '" << flag
-                << "' before the command: only --server, --timeout, --token-file, "
+                << "' before the command: only --server, --timeout, --keepalive, --token-file, "
                    "--tls-ca-file and -o may come before it\n";
       return 1;
     }

@@ -47,4 +47,29 @@ out="$("$HAPCTL" watch job waits --timeout 1 "${server[@]}" 2>&1)" \
   && fail "watch --timeout 1 exited 0: $out"
 echo "$out" | grep -q "DEADLINE_EXCEEDED: still watching at --timeout 1 s" \
   || fail "watch --timeout 1: $out"
+# A planner that stops answering mid-watch (its host hung: SIGSTOP keeps
+# the connection open, so no reset comes): the watch waited for ever; with
+# a ping unanswered it ends, exit 1, within --keepalive and as long again.
+"$HAPCTL" watch job waits --keepalive 1 "${server[@]}" > "$tmp/hung.out" 2> "$tmp/hung.err" &
+watch_pid=$!
+sleep 1
+kill -STOP "$planner_pid"
+ended=""
+for _ in $(seq 1 600); do
+  if ! kill -0 "$watch_pid" 2>/dev/null; then ended=1; break; fi
+  sleep 0.1
+done
+kill -CONT "$planner_pid"
+if [ -z "$ended" ]; then
+  kill "$watch_pid" 2>/dev/null
+  wait "$watch_pid" 2>/dev/null
+  fail "watch went on for 60 s after the planner stopped answering"
+fi
+wait "$watch_pid"
+rc=$?
+[ "$rc" = 1 ] || fail "watch of a hung planner: exit $rc: $(cat "$tmp/hung.err")"
+grep -q "UNAVAILABLE" "$tmp/hung.err" || fail "watch of a hung planner: $(cat "$tmp/hung.err")"
+out="$("$HAPCTL" get jobs --keepalive 0.5 "${server[@]}" 2>&1)" && fail "--keepalive 0.5 exited 0"
+echo "$out" | grep -q "keepalive must be seconds from 1 to 86400, got '0.5'" \
+  || fail "--keepalive 0.5: $out"
 echo PASS

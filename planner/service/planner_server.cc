@@ -379,6 +379,12 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     // Pings go on while a watch sends nothing (gRPC stops after 2 by default).
     b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     b.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    // Clients' own pings (hapctl's --keepalive) are taken down to once a
+    // second; by default gRPC answers pings more often than every 5 minutes
+    // on a quiet call with GOAWAY, which ended the watch it meant to keep.
+    b.AddChannelArgument(
+        GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+        static_cast<int>(absl::ToInt64Milliseconds(service::kMinClientPingInterval)));
   }
   grpc::ResourceQuota quota("hap-planner");
   quota.SetMaxThreads(std::max(4, o.max_threads));
