@@ -820,7 +820,10 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
 absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   v1::TrainingConfig t;
   HAP_ASSIGN_OR_RETURN(int64_t steps, a.Integer("steps", 100, 1, kMaxInt64));
-  HAP_ASSIGN_OR_RETURN(int64_t threads, a.Integer("threads", 1, 1, 4096));
+  // 0 (not given): each executor's own --threads, the threads its node's
+  // agent measured with; 1 made CPU ranks run several times slower than
+  // the plan predicted.
+  HAP_ASSIGN_OR_RETURN(int64_t threads, a.Integer("threads", 0, 0, 4096));
   t.set_steps(steps);
   t.set_threads_per_rank(static_cast<int>(threads));
   const std::string data = a.Get("data", "synthetic");

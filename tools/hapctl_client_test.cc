@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -79,6 +80,17 @@ class FakePlanner final : public v1::Planner::Service {
                           v1::Cluster*) override {
     return grpc::Status::OK;
   }
+  grpc::Status DeployPlan(grpc::ServerContext*, const v1::DeployPlanRequest* r,
+                          v1::Deployment* d) override {
+    absl::MutexLock l(&mu_);
+    deployed_ = *r;
+    d->set_name("deployments/p-g1");
+    return grpc::Status::OK;
+  }
+  v1::DeployPlanRequest deployed() {
+    absl::MutexLock l(&mu_);
+    return deployed_;
+  }
 
  private:
   static grpc::Status WaitUntilCancelled(grpc::ServerContext* ctx) {
@@ -87,6 +99,8 @@ class FakePlanner final : public v1::Planner::Service {
     while (!ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(5));
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went");
   }
+  absl::Mutex mu_;
+  v1::DeployPlanRequest deployed_ ABSL_GUARDED_BY(mu_);
 };
 
 class HapctlClientTest : public ::testing::Test {
@@ -188,6 +202,23 @@ TEST_F(HapctlClientTest, YamlQuotesWhatItWouldMisread) {
 
 // A node the planner does not have: an error as every other (it had no
 // "error:" before it).
+// Without --threads a deployment names no thread count, so each executor
+// uses its own --threads (the threads its node's agent measured with); it
+// sent 1, which overrode the executors' and ran CPU ranks several times
+// slower than the plan predicted.
+TEST_F(HapctlClientTest, DeployWithoutThreadsLeavesThemToTheExecutors) {
+  std::string out, err;
+  ASSERT_EQ(Hapctl("deploy", {"plan", "p", "--executor", "n1/cpu0=127.0.0.1:7101"}, &out, &err), 0)
+      << err;
+  EXPECT_EQ(service_.deployed().training().threads_per_rank(), 0);
+  ASSERT_EQ(
+      Hapctl("deploy", {"plan", "p", "--executor", "n1/cpu0=127.0.0.1:7101", "--threads", "8"},
+             &out, &err),
+      0)
+      << err;
+  EXPECT_EQ(service_.deployed().training().threads_per_rank(), 8);
+}
+
 TEST_F(HapctlClientTest, DescribeAMissingNodeIsAnError) {
   std::string out, err;
   EXPECT_EQ(Hapctl("describe", {"node", "n9"}, &out, &err), 1);
