@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -935,6 +936,33 @@ int FailWatch(const Client& c, const grpc::Status& s) {
   return Fail(s);
 }
 
+// Reads a watch's stream to its end, printing each message as it comes:
+// `table_line` of it, else the record (JSON waited for a full buffer). The
+// last message is left in `last`. Standard output failing (a full disk)
+// ends the watch, which went on until what it watched ended, writing into
+// nothing; main names the error.
+template <typename Msg>
+int ReadWatch(const Client& c, grpc::ClientContext& ctx, grpc::ClientReader<Msg>& reader,
+              const std::function<std::string(const Msg&)>& table_line, Msg* last) {
+  while (reader.Read(last)) {
+    int rc = 0;
+    if (c.format == "table") {
+      std::cout << table_line(*last) << std::flush;
+    } else {
+      rc = PrintMessage(*last, c.format);
+      std::cout.flush();
+    }
+    if (rc == 0 && !std::cout) rc = 1;
+    if (rc != 0) {
+      ctx.TryCancel();
+      reader.Finish();  // CANCELLED, by us: the error is the printing's
+      return rc;
+    }
+  }
+  grpc::Status s = reader.Finish();
+  return s.ok() ? 0 : FailWatch(c, s);
+}
+
 int WatchJob(Client& c, const std::string& name) {
   v1::WatchJobRequest r;
   r.set_name(JobName(name));
@@ -942,30 +970,17 @@ int WatchJob(Client& c, const std::string& name) {
   service::PrepareClientContext(&ctx, c.security, c.watch_timeout);
   auto reader = c.stub->WatchJob(&ctx, r);
   v1::Job j;
-  while (reader->Read(&j)) {
-    int rc = 0;
-    if (c.format == "table") {
-      const v1::JobStatus& s = j.status();
-      std::cout << absl::StrFormat("%s %-10s gen %d devices %d steps %d/%d replans %d %s\n",
-                                   Ts(s.update_time()), JobState(j), s.generation(),
-                                   s.devices_size(), s.steps_done(),
-                                   j.spec().training().steps(), s.replans(), s.message())
-                << std::flush;
-    } else {
-      rc = PrintMessage(j, c.format);
-      std::cout.flush();  // each as it comes (JSON waited for a full buffer)
-    }
-    // Standard output failing (a full disk) ends the watch: it went on until
-    // what it watched ended, writing into nothing; main names the error.
-    if (rc == 0 && !std::cout) rc = 1;
-    if (rc != 0) {
-      ctx.TryCancel();
-      reader->Finish();  // CANCELLED, by us: the error is the printing's
-      return rc;
-    }
-  }
-  grpc::Status s = reader->Finish();
-  if (!s.ok()) return FailWatch(c, s);
+  const int rc = ReadWatch<v1::Job>(
+      c, ctx, *reader,
+      [](const v1::Job& j) {
+        const v1::JobStatus& s = j.status();
+        return absl::StrFormat("%s %-10s gen %d devices %d steps %d/%d replans %d %s\n",
+                               Ts(s.update_time()), JobState(j), s.generation(), s.devices_size(),
+                               s.steps_done(), j.spec().training().steps(), s.replans(),
+                               s.message());
+      },
+      &j);
+  if (rc != 0) return rc;
   if (j.status().state() == v1::JobStatus::FAILED) {
     std::cerr << "error: the job failed: " << j.status().message() << "\n";
     return 1;
@@ -980,30 +995,15 @@ int Watch(Client& c, const std::string& name) {
   service::PrepareClientContext(&ctx, c.security, c.watch_timeout);
   auto reader = c.stub->WatchPlan(&ctx, r);
   v1::Plan p;
-  while (reader->Read(&p)) {
-    int rc = 0;
-    if (c.format == "table") {
-      std::cout << absl::StrFormat("%-10s states %10d best %.4f s iteration %d\n",
-                                   v1::Plan::State_Name(p.state()),
-                                   p.progress().states_expanded(),
-                                   p.progress().best_cost_seconds(),
-                                   p.progress().joint_iteration())
-                << std::flush;
-    } else {
-      rc = PrintMessage(p, c.format);
-      std::cout.flush();  // each as it comes (JSON waited for a full buffer)
-    }
-    // Standard output failing (a full disk) ends the watch: it went on until
-    // what it watched ended, writing into nothing; main names the error.
-    if (rc == 0 && !std::cout) rc = 1;
-    if (rc != 0) {
-      ctx.TryCancel();
-      reader->Finish();  // CANCELLED, by us: the error is the printing's
-      return rc;
-    }
-  }
-  grpc::Status s = reader->Finish();
-  if (!s.ok()) return FailWatch(c, s);
+  const int rc = ReadWatch<v1::Plan>(
+      c, ctx, *reader,
+      [](const v1::Plan& p) {
+        return absl::StrFormat("%-10s states %10d best %.4f s iteration %d\n",
+                               v1::Plan::State_Name(p.state()), p.progress().states_expanded(),
+                               p.progress().best_cost_seconds(), p.progress().joint_iteration());
+      },
+      &p);
+  if (rc != 0) return rc;
   if (p.state() == v1::Plan::FAILED) {
     std::cerr << "error: the plan failed: " << p.error() << "\n";
     return 1;
