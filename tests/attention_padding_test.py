@@ -180,17 +180,8 @@ class AttentionPaddingTest(unittest.TestCase):
     def test_one_step_on_two_ranks_gives_pytorchs_gradients(self):
         torch.manual_seed(6)
         m = PaddedSeq2Seq().double()
-        d = U.tmpdir()
         inputs = seq2seq_inputs(torch.Generator().manual_seed(7))
-        g, values = export_fx.export(m, inputs, return_values=True)
-        graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
-        with open(graph, "w") as f:
-            json.dump(g, f)
-        export_fx.write_weights(weights, g, values, m)
-        data = os.path.join(d, "data")
-        os.makedirs(data)
-        for k, v in inputs.items():
-            U.write_npy(os.path.join(data, f"{k}.npy"), v)
+        d, graph, weights, data, _ = U.export_for_training(m, inputs)
 
         # PyTorch's loss and gradients on the same weights and batch.
         m.load_state_dict(safetensors_io.read(weights), strict=False)

@@ -331,16 +331,7 @@ class ExportNumericsTest(unittest.TestCase):
         lr = 0.5
         m = PaddedEmbedding().double()
         inputs = padded_inputs(m, torch.Generator().manual_seed(3))
-        d = U.tmpdir()
-        g, values = export_fx.export(m, inputs, return_values=True)
-        graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
-        with open(graph, "w") as f:
-            json.dump(g, f)
-        export_fx.write_weights(weights, g, values, m)
-        data = os.path.join(d, "data")
-        os.makedirs(data)
-        for k, v in inputs.items():
-            U.write_npy(os.path.join(data, f"{k}.npy"), v)
+        d, graph, weights, data, _ = U.export_for_training(m, inputs)
         m.zero_grad()
         loss = m(**inputs)
         loss.backward()

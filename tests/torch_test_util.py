@@ -87,6 +87,25 @@ def write_npy(path, t):
         f.write(t.contiguous().numpy().tobytes())
 
 
+def export_for_training(module, inputs):
+    """Exports `module` on `inputs` into a fresh directory d as hap-launch
+    takes it: d/g.json (the graph), d/w.st (its initial weights,
+    --init-weights) and d/data/<input>.npy (--data npy:DIR). Returns
+    (d, graph path, weights path, data dir, graph)."""
+    import export_fx
+    d = tmpdir()
+    g, values = export_fx.export(module, inputs, return_values=True)
+    graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
+    with open(graph, "w") as f:
+        json.dump(g, f)
+    export_fx.write_weights(weights, g, values, module)
+    data = os.path.join(d, "data")
+    os.makedirs(data)
+    for k, v in inputs.items():
+        write_npy(os.path.join(data, f"{k}.npy"), v)
+    return d, graph, weights, data, g
+
+
 def module_from_source(d, name, source):
     """Writes `source` as d/<name>.py and imports it: (module, its path)
     (export_fx takes --module PATH:FUNCTION)."""
