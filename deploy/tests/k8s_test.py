@@ -265,6 +265,27 @@ def check_overlay(overlay, objects, defaults):
     strategy = ex.get("spec", {}).get("updateStrategy", {}).get("type", "RollingUpdate")
     check(strategy == "OnDelete",
           f"{overlay}: DaemonSet/hap-executor updateStrategy {strategy}: a rollout kills training")
+    # Elastic jobs and deployments without --executor find a device's executor by the
+    # node label hap.executor/<device> the agent sets from --executor: in another pod
+    # the executor is reached at its node's address (status.hostIP) on a hostPort, which
+    # the agent, the planner and the label all dial. Without it no label was ever set.
+    agent = by_kind.get("DaemonSet", {}).get("hap-agent", {})
+    if ex and agent:
+        ex_c = ex["spec"]["template"]["spec"]["containers"][0]
+        ag_c = agent["spec"]["template"]["spec"]["containers"][0]
+        host_ports = [p.get("hostPort") for p in ex_c.get("ports", []) if p.get("name") == "grpc"]
+        listen = flag_args(ex_c).get("listen", "")
+        check(host_ports and host_ports[0] == port_of(listen),
+              f"{overlay}: executor grpc port has hostPort {host_ports}, not its --listen port: "
+              f"the agent on its node cannot name it for the planner")
+        m = re.match(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\):(\d+)$", flag_args(ag_c).get("executor") or "")
+        env = {e["name"]: e for e in ag_c.get("env", [])}
+        ref = env.get(m.group(1), {}).get("valueFrom", {}).get("fieldRef", {}) if m else {}
+        check(m is not None and ref.get("fieldPath") == "status.hostIP" and host_ports and
+              int(m.group(2)) == host_ports[0],
+              f"{overlay}: agent --executor {flag_args(ag_c).get('executor')!r} is not "
+              f"$(VAR of status.hostIP):<the executor's hostPort>: no node is labelled with its "
+              f"executor, so elastic jobs find none")
     # The agent measures the node's CPU device inside its own cgroup (memory = its memory
     # limit, FLOP/s with its CPU quota's threads): for the planner to price the executor's
     # share, the agent's limits are the executor's.
