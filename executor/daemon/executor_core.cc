@@ -165,18 +165,24 @@ absl::StatusOr<std::unique_ptr<data::BatchSource>> MakeBatches(const graph::Grap
 // run is cancelled (StopTraining, SIGTERM): a rank whose peers never come
 // would otherwise wait in the store for the whole communicator timeout, the
 // Stop give up on it as a stuck step after stop_wait, and its thread stay
-// behind. Long waits are polled in slices of kSlice for that.
+// behind. Long waits are polled in slices of kSlice for that; Sets and
+// polls (a Get of no timeout) pass.
 class CancellableStore : public RendezvousStore {
  public:
   static constexpr absl::Duration kSlice = absl::Milliseconds(200);
   CancellableStore(std::unique_ptr<RendezvousStore> store, std::function<bool()> cancelled)
       : store_(std::move(store)), cancelled_(std::move(cancelled)) {}
 
+  // Not refused once cancelled: a rank that gives up sets the abort key,
+  // which tells the peers still connecting to it to give up too (they
+  // would wait in Gloo's connect for the communicator timeout).
   absl::Status Set(const std::string& key, const std::string& value) override {
-    HAP_RETURN_IF_ERROR(Check(key));
     return store_->Set(key, value);
   }
   absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    // A poll passes even once cancelled: Gloo's abort watcher polls for the
+    // abort key a peer that gave up sets, and must still see it.
+    if (timeout <= absl::ZeroDuration()) return store_->Get(key, timeout);
     const absl::Time deadline = absl::Now() + std::max(timeout, absl::ZeroDuration());
     while (true) {
       HAP_RETURN_IF_ERROR(Check(key));
@@ -387,6 +393,9 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   {
     absl::MutexLock l(&mu_);
     if (shutdown_) return absl::UnavailableError("the executor is shutting down");
+    // Before anything is built: a second arena next to the one training
+    // (on a GPU, out of memory for the run in progress).
+    HAP_RETURN_IF_ERROR(RefuseWhileTraining());
     ticket = ++load_tickets_;
   }
   HAP_RETURN_IF_ERROR(caller_waits("before it began"));
@@ -472,11 +481,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   {
     absl::MutexLock l(&mu_);
     if (shutdown_) return absl::UnavailableError("the executor is shutting down");
-    if (state_ == v1::ExecutorStatus::TRAINING) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "training ", loaded_->options.deployment, " generation ",
-          loaded_->options.generation, "; stop it before loading another plan"));
-    }
+    HAP_RETURN_IF_ERROR(RefuseWhileTraining());  // started while this one loaded
     if (installed_ticket_ > ticket) {
       // Two LoadPlans raced and the later one was installed first: this
       // older plan must not replace it.
@@ -504,6 +509,13 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   error_.clear();
   error_code_ = absl::StatusCode::kOk;
   return hash;  // `old` is freed here (unless a retired thread holds it)
+}
+
+absl::Status ExecutorCore::RefuseWhileTraining() const {
+  if (state_ != v1::ExecutorStatus::TRAINING) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("training ", loaded_->options.deployment,
+                                                    " generation ", loaded_->options.generation,
+                                                    "; stop it before loading another plan"));
 }
 
 absl::Status ExecutorCore::CheckDeployment(const std::string& deployment) const {

@@ -12,7 +12,8 @@
 //             content hash), the model graph, the rank's program against a
 //             device (ProgramRunner), the training config and its data; the
 //             arena is allocated here. Allowed in every state but TRAINING
-//             (FailedPrecondition), replacing what was loaded. Of two
+//             (FailedPrecondition, before anything is built), replacing
+//             what was loaded. Of two
 //             LoadPlans that race, the later to arrive wins: the earlier,
 //             finishing after it was installed, is Aborted.
 //   Start     LOADED -> TRAINING: a thread connects Gloo (NCCL on a GPU) through the
@@ -179,6 +180,8 @@ class ExecutorCore {
   static absl::Status SetUpPipeline(const LoadOptions& in, Loaded* loaded);
   absl::Status CheckDeployment(const std::string& deployment) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // FailedPrecondition naming the run while TRAINING (LoadPlan's refusal).
+  absl::Status RefuseWhileTraining() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   hap::v1::ExecutorStatus StatusLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void JoinTrainingThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 

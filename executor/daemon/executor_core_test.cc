@@ -310,6 +310,89 @@ TEST(ExecutorCoreTest, StopDuringTheRendezvousEndsTheWait) {
   }
 }
 
+// The rendezvous store of two ranks in this process. Until `hide` is
+// notified, rank 0 does not see rank 1's address (it waits in the
+// rendezvous), while rank 1 sees rank 0's (it goes on connecting to it);
+// `peer_seen` is notified once rank 1 has it.
+struct TwoRankStore {
+  absl::Mutex mu;
+  std::map<std::string, std::string> keys ABSL_GUARDED_BY(mu);
+  absl::Notification hide, peer_seen;
+
+  class Rank : public RendezvousStore {
+   public:
+    Rank(TwoRankStore* s, int rank) : s_(s), rank_(rank) {}
+    absl::Status Set(const std::string& key, const std::string& value) override {
+      absl::MutexLock l(&s_->mu);
+      s_->keys[key] = value;
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+      const bool hidden = rank_ == 0 && key == "deployments/d1/1/1" && !s_->hide.HasBeenNotified();
+      absl::MutexLock l(&s_->mu);
+      auto there = [&]() ABSL_SHARED_LOCKS_REQUIRED(s_->mu) {
+        return !hidden && s_->keys.count(key) > 0;
+      };
+      if (!s_->mu.AwaitWithTimeout(absl::Condition(&there),
+                                   std::max(timeout, absl::ZeroDuration()))) {
+        return absl::DeadlineExceededError(absl::StrCat("key '", key, "' not set"));
+      }
+      if (rank_ == 1 && key == "deployments/d1/1/0" && !s_->peer_seen.HasBeenNotified()) {
+        s_->peer_seen.Notify();
+      }
+      return s_->keys[key];
+    }
+
+   private:
+    TwoRankStore* s_;
+    const int rank_;
+  };
+};
+
+// Both ranks stopped while they meet: rank 0 still waits for rank 1's
+// address, rank 1 has rank 0's and waits for it in Gloo's connect (as the
+// listening side of their pair). Rank 0, stopped, gives the try up and sets
+// the abort key; rank 1, stopped first, must still see that key (its abort
+// watcher polls the store) and end, not wait in the connect until the stop
+// gives up on it.
+TEST(ExecutorCoreTest, RanksStoppedWhileTheyMeetAllEnd) {
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(i);
+    TwoRankStore store;
+    auto options = [&](int rank) {
+      ExecutorCoreOptions o = InProcessOptions(nullptr);
+      o.connect = nullptr;  // Gloo, through the store
+      o.make_device = [](int threads) { return NewCpuDevice(threads); };
+      o.comm_timeout = absl::Seconds(8);
+      o.stop_wait = absl::Seconds(4);
+      o.make_store =
+          [&store, rank](const LoadOptions&) -> absl::StatusOr<std::unique_ptr<RendezvousStore>> {
+        return std::make_unique<TwoRankStore::Rank>(&store, rank);
+      };
+      return o;
+    };
+    ExecutorCore a(options(0)), b(options(1));
+    ASSERT_THAT(a.LoadPlan(MlpLoad(2, 0, 10)), IsOk());
+    ASSERT_THAT(b.LoadPlan(MlpLoad(2, 1, 10)), IsOk());
+    ASSERT_THAT(a.Start(""), IsOk());
+    ASSERT_THAT(b.Start(""), IsOk());
+    store.peer_seen.WaitForNotification();
+    absl::StatusOr<v1::ExecutorStatus> stopped_b;
+    std::thread stop_b([&] { stopped_b = b.Stop(""); });
+    auto stopped_a = a.Stop("");
+    stop_b.join();
+    store.hide.Notify();
+    for (const auto* s : {&stopped_a, &stopped_b}) {
+      ASSERT_THAT(*s, IsOk());
+      EXPECT_EQ((*s)->state(), v1::ExecutorStatus::FAILED);
+      EXPECT_THAT((*s)->error(), HasSubstr("stopped by StopTraining after 0 of 10"));
+      EXPECT_THAT((*s)->error(), ::testing::Not(HasSubstr("did not end")));
+    }
+    EXPECT_EQ(a.RetiredThreads(), 0);
+    EXPECT_EQ(b.RetiredThreads(), 0);
+  }
+}
+
 // Training failed by itself (a peer died) and the thread is still flushing
 // metrics (on_end) when Stop comes: Stop does not wait for the flush, and
 // reports the real error, not an abandoned step.
@@ -566,6 +649,39 @@ TEST(ExecutorCoreTest, AnOlderLoadPlanFinishingLastDoesNotReplaceANewerOne) {
   const v1::ExecutorStatus st = core.Status();
   EXPECT_EQ(st.state(), v1::ExecutorStatus::LOADED);
   EXPECT_EQ(st.generation(), 2);
+}
+
+// LoadPlan while training is refused, but only after it had read the
+// graph, opened the data, made a device and allocated the plan's arena: a
+// second arena next to the one training (on a GPU, out of memory for the
+// run in progress, which the refused load was not meant to touch). It is
+// refused before anything is built.
+TEST(ExecutorCoreTest, LoadPlanWhileTrainingIsRefusedBeforeBuildingAnything) {
+  absl::Notification entered, release;
+  std::atomic<int> devices{0};
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
+  options.stop_wait = absl::Seconds(30);
+  options.connect = [&](const GlooOptions& go,
+                        RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::make_unique<testing::HungPeerCommunicator>(go.rank, &entered, &release);
+  };
+  options.make_device = [&](int threads) {
+    ++devices;
+    return NewCpuDevice(threads);
+  };
+  ExecutorCore core(options);
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(core.Start(""), IsOk());
+  entered.WaitForNotification();  // training, inside step 0
+  LoadOptions next = MlpLoad(2, 0, 3);
+  next.generation = 2;
+  EXPECT_THAT(core.LoadPlan(next), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            HasSubstr("stop it before loading another plan")));
+  EXPECT_EQ(devices.load(), 1);  // the training load's only
+  EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::TRAINING);
+  release.Notify();  // the collective fails
+  EXPECT_EQ(core.WaitUntilDone(absl::Now() + absl::Seconds(60)).state(),
+            v1::ExecutorStatus::FAILED);
 }
 
 // Trains two ranks of `MlpLoad(2, r, steps)` as changed by `edit`; returns
