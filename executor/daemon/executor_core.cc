@@ -820,13 +820,20 @@ v1::ExecutorStatus ExecutorCore::StatusLocked() const {
   return s;
 }
 
-absl::StatusOr<std::vector<v1::StepMetric>> ExecutorCore::WaitMetrics(
-    const std::string& deployment, int64_t from_step, absl::Time deadline,
-    bool* done) const {
+absl::StatusOr<std::vector<v1::StepMetric>> ExecutorCore::WaitMetrics(const std::string& deployment,
+                                                                      int64_t from_step,
+                                                                      absl::Time deadline,
+                                                                      bool* done,
+                                                                      int64_t* load) const {
   *done = false;
   absl::MutexLock l(&mu_);
+  if (load != nullptr && *load != 0 && *load != load_id_) {
+    *done = true;  // the stream's load was replaced or unloaded
+    return std::vector<v1::StepMetric>();
+  }
   HAP_RETURN_IF_ERROR(CheckDeployment(deployment));
   const int64_t id = load_id_;
+  if (load != nullptr) *load = id;
   const Loaded* loaded = loaded_.get();
   auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return load_id_ != id || Ended(state_) ||

@@ -149,10 +149,14 @@ class ExecutorCore {
   // there is at least one, the load's training has ended (`*done`), the load
   // is replaced (`*done`), or `deadline` passes (empty, not done).
   // NotFound for another deployment; FailedPrecondition when nothing is
-  // loaded.
-  absl::StatusOr<std::vector<hap::v1::StepMetric>> WaitMetrics(
-      const std::string& deployment, int64_t from_step, absl::Time deadline,
-      bool* done) const;
+  // loaded. With `load`, a stream's calls stay with one load: 0 binds it to
+  // the current load (its id is stored); another id reads that load only,
+  // and once it is replaced or unloaded the answer is empty and done, never
+  // the next load's metrics (a plan of the same deployment loaded again).
+  absl::StatusOr<std::vector<hap::v1::StepMetric>> WaitMetrics(const std::string& deployment,
+                                                               int64_t from_step,
+                                                               absl::Time deadline, bool* done,
+                                                               int64_t* load = nullptr) const;
 
   // Refuses further loads and starts (Unavailable) and stops training as
   // Stop does: a step that does not end within stop_wait is abandoned, the

@@ -684,6 +684,40 @@ TEST(ExecutorCoreTest, LoadPlanWhileTrainingIsRefusedBeforeBuildingAnything) {
             v1::ExecutorStatus::FAILED);
 }
 
+// A metrics stream stays with the load it began on: when that load is
+// replaced by another of the same deployment (a new generation) or
+// unloaded, the stream is done; it never goes on with the next load's
+// metrics, nor fails because nothing is loaded any more.
+TEST(ExecutorCoreTest, MetricsOfABoundLoadEndWithIt) {
+  ExecutorCore core(InProcessOptions(nullptr));
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 3)), IsOk());
+  int64_t load = 0;
+  bool done = true;
+  auto first = core.WaitMetrics("deployments/d1", 0, absl::InfinitePast(), &done, &load);
+  ASSERT_THAT(first, IsOk());
+  EXPECT_TRUE(first->empty());
+  EXPECT_FALSE(done);
+  EXPECT_NE(load, 0);
+  LoadOptions again = MlpLoad(2, 0, 3);
+  again.generation = 2;
+  ASSERT_THAT(core.LoadPlan(again), IsOk());
+  auto after = core.WaitMetrics("deployments/d1", 0, absl::Now() + absl::Seconds(60), &done, &load);
+  ASSERT_THAT(after, IsOk());
+  EXPECT_TRUE(after->empty());
+  EXPECT_TRUE(done);
+  // Bound to the second load, which is then unloaded.
+  load = 0;
+  ASSERT_THAT(core.WaitMetrics("", 0, absl::InfinitePast(), &done, &load), IsOk());
+  ASSERT_THAT(core.Stop(""), IsOk());
+  EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::IDLE);
+  auto unloaded = core.WaitMetrics("", 0, absl::Now() + absl::Seconds(60), &done, &load);
+  ASSERT_THAT(unloaded, IsOk());
+  EXPECT_TRUE(done);
+  // Unbound, nothing loaded: FailedPrecondition as before.
+  EXPECT_THAT(core.WaitMetrics("", 0, absl::InfinitePast(), &done),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no plan is loaded")));
+}
+
 // Trains two ranks of `MlpLoad(2, r, steps)` as changed by `edit`; returns
 // rank 0's final status.
 v1::ExecutorStatus TrainTwo(int64_t steps, const std::function<void(LoadOptions&)>& edit) {

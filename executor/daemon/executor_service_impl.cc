@@ -95,6 +95,15 @@ grpc::Status ExecutorServiceImpl::StreamStepMetrics(
                      "that many are open; retry when one has ended"));
   }
   absl::Cleanup release = [this] { streams_.fetch_sub(1); };
+  // The stream is bound to the load current now, before it is admitted:
+  // bound later, a plan unloaded meanwhile ended an admitted stream with
+  // FAILED_PRECONDITION, and one loaded again (the same deployment, a new
+  // generation) between two waits was streamed on as if the same run.
+  int64_t load = 0;
+  bool done = false;
+  auto first =
+      core_->WaitMetrics(r->deployment(), r->from_step(), absl::InfinitePast(), &done, &load);
+  if (!first.ok()) return ToGrpc(first.status());
   writer->SendInitialMetadata();  // admitted (a client gone is noticed below)
   const absl::Time deadline = CallDeadline(ctx);
   int64_t next = r->from_step();
@@ -107,10 +116,9 @@ grpc::Status ExecutorServiceImpl::StreamStepMetrics(
                           "the stream's deadline passed before training ended");
     }
     // Short waits, so a cancelled client is noticed promptly.
-    bool done = false;
-    auto batch = core_->WaitMetrics(r->deployment(), next,
-                                    std::min(deadline, absl::Now() + absl::Milliseconds(200)),
-                                    &done);
+    auto batch =
+        core_->WaitMetrics(r->deployment(), next,
+                           std::min(deadline, absl::Now() + absl::Milliseconds(200)), &done, &load);
     if (!batch.ok()) return ToGrpc(batch.status());
     for (const v1::StepMetric& m : *batch) {
       if (!writer->Write(m)) {
