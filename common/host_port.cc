@@ -5,22 +5,28 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 
 namespace hap::service {
 
 bool IsHostPort(const std::string& address, int min_port, bool schemes) {
+  absl::string_view a = address;
   if (schemes) {
-    for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
-      if (absl::StartsWith(address, scheme)) return true;
+    for (const char* local : {"unix:", "unix-abstract:", "vsock:"}) {
+      if (absl::StartsWith(a, local)) return true;
     }
+    // The port of a resolved or literal target is checked as a plain one's.
+    absl::ConsumePrefix(&a, "dns:///") || absl::ConsumePrefix(&a, "dns:") ||
+        absl::ConsumePrefix(&a, "ipv4:") || absl::ConsumePrefix(&a, "ipv6:");
   }
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return false;
-  const std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
+  const size_t colon = a.rfind(':');
+  if (colon == absl::string_view::npos) return false;
+  const absl::string_view host = a.substr(0, colon);
+  const absl::string_view port = a.substr(colon + 1);
   const bool host_ok =
       !host.empty() && std::none_of(host.begin(), host.end(), absl::ascii_isspace) &&
-      (host.find(':') == std::string::npos || (host.front() == '[' && host.back() == ']'));
+      (host.find(':') == absl::string_view::npos || (host.front() == '[' && host.back() == ']'));
   int number = -1;
   const bool port_ok = !port.empty() && port.size() <= 5 &&
                        std::all_of(port.begin(), port.end(), absl::ascii_isdigit) &&

@@ -8,7 +8,8 @@ namespace hap::service {
 
 // True for an address gRPC reads as it is meant: HOST:PORT (an IPv6 host in
 // brackets, no spaces) with a port from `min_port` to 65535, or, when
-// `schemes`, a target with its scheme (dns:///H:P, unix:PATH, ipv4:A:P, ...).
+// `schemes`, a target with its scheme: unix:PATH (unix-abstract:, vsock:),
+// or dns:///H:P, dns:H:P, ipv4:A:P, ipv6:[A]:P with the port checked.
 // gRPC takes a port past 65535 modulo 65536 ('127.0.0.1:99999' is port
 // 34463), none or a word as port 0, and binds a listen address without a
 // port at 443; each would be used as if it were what was asked for.

@@ -29,6 +29,9 @@ TEST(IsHostPortTest, RefusesWhatGrpcWouldReadOtherwise) {
   EXPECT_FALSE(IsHostPort("my host:7070"));
   EXPECT_FALSE(IsHostPort(""));
   EXPECT_FALSE(IsHostPort("unix:/run/hap.sock"));  // schemes not asked for
+  EXPECT_FALSE(IsHostPort("dns:///planner:99999", 1, /*schemes=*/true));
+  EXPECT_FALSE(IsHostPort("ipv4:10.0.0.1", 1, /*schemes=*/true));
+  EXPECT_TRUE(IsHostPort("ipv6:[::1]:7070", 1, /*schemes=*/true));
 }
 
 }  // namespace

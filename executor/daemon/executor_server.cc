@@ -10,6 +10,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/host_port.h"
 #include "executor/comm/planner_store.h"
 #include "executor/daemon/executor_service_impl.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -21,17 +22,6 @@ namespace {
 namespace v1 = ::hap::v1;
 constexpr char kServiceName[] = "hap.v1.Executor";
 
-// The port of HOST:PORT when it is a whole number from `min` to 65535.
-bool PortInRange(absl::string_view address, int min) {
-  const auto colon = address.rfind(':');
-  if (colon == absl::string_view::npos) return false;
-  const absl::string_view port = address.substr(colon + 1);
-  int value = -1;
-  return !port.empty() && port.size() <= 5 &&
-         std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
-         absl::SimpleAtoi(port, &value) && value >= min && value <= 65535;
-}
-
 }  // namespace
 
 absl::Status CheckListenAddress(const std::string& listen) {
@@ -39,7 +29,7 @@ absl::Status CheckListenAddress(const std::string& listen) {
     return absl::InvalidArgumentError(
         absl::StrCat("listen address '", listen, "' is not HOST:PORT"));
   }
-  if (!PortInRange(listen, 0)) {
+  if (!service::IsHostPort(listen, 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("listen address '", listen,
                      "': the port must be a whole number from 0 to 65535 (0: a free port)"));
@@ -48,13 +38,7 @@ absl::Status CheckListenAddress(const std::string& listen) {
 }
 
 absl::Status CheckPlannerAddress(const std::string& planner) {
-  absl::string_view a = planner;
-  if (absl::StartsWith(a, "unix:") || absl::StartsWith(a, "unix-abstract:")) {
-    return absl::OkStatus();
-  }
-  absl::ConsumePrefix(&a, "dns:///") || absl::ConsumePrefix(&a, "dns:") ||
-      absl::ConsumePrefix(&a, "ipv4:") || absl::ConsumePrefix(&a, "ipv6:");
-  if (!PortInRange(a, 1)) {
+  if (!service::IsHostPort(planner, 1, /*schemes=*/true)) {
     return absl::InvalidArgumentError(
         absl::StrCat("planner address '", planner,
                      "' is not HOST:PORT with the port a whole number from 1 to 65535"));
