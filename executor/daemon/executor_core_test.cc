@@ -269,6 +269,19 @@ class NoPeersStore : public RendezvousStore {
   absl::Notification* release_;
 };
 
+// Options whose ranks connect over Gloo through `make_store`'s store, on
+// CPU devices.
+ExecutorCoreOptions GlooThroughStore(absl::Duration comm_timeout, absl::Duration stop_wait,
+                                     decltype(ExecutorCoreOptions::make_store) make_store) {
+  ExecutorCoreOptions o = InProcessOptions(nullptr);
+  o.connect = nullptr;  // Gloo, through the store
+  o.make_device = [](int threads) { return NewCpuDevice(threads); };
+  o.comm_timeout = comm_timeout;
+  o.stop_wait = stop_wait;
+  o.make_store = std::move(make_store);
+  return o;
+}
+
 // Stop (and SIGTERM's Shutdown) while the rank waits in the rendezvous for
 // peers that never come: the wait ends at once, as a cancelled run, not
 // after stop_wait as "a step in progress abandoned" with a thread left
@@ -277,16 +290,11 @@ TEST(ExecutorCoreTest, StopDuringTheRendezvousEndsTheWait) {
   for (const bool shutdown : {false, true}) {
     SCOPED_TRACE(shutdown ? "Shutdown" : "Stop");
     absl::Notification asked, release;
-    ExecutorCoreOptions options = InProcessOptions(nullptr);
-    options.connect = nullptr;  // Gloo, through the store
-    options.make_device = [](int threads) { return NewCpuDevice(threads); };
-    options.comm_timeout = absl::Seconds(600);
-    options.stop_wait = absl::Seconds(2);
-    options.make_store =
+    ExecutorCore core(GlooThroughStore(
+        absl::Seconds(600), absl::Seconds(2),
         [&](const LoadOptions&) -> absl::StatusOr<std::unique_ptr<RendezvousStore>> {
-      return std::make_unique<NoPeersStore>(&asked, &release);
-    };
-    ExecutorCore core(options);
+          return std::make_unique<NoPeersStore>(&asked, &release);
+        }));
     ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 10)), IsOk());
     ASSERT_THAT(core.Start(""), IsOk());
     asked.WaitForNotification();  // waiting for rank 1's address
@@ -360,16 +368,11 @@ TEST(ExecutorCoreTest, RanksStoppedWhileTheyMeetAllEnd) {
     SCOPED_TRACE(i);
     TwoRankStore store;
     auto options = [&](int rank) {
-      ExecutorCoreOptions o = InProcessOptions(nullptr);
-      o.connect = nullptr;  // Gloo, through the store
-      o.make_device = [](int threads) { return NewCpuDevice(threads); };
-      o.comm_timeout = absl::Seconds(8);
-      o.stop_wait = absl::Seconds(4);
-      o.make_store =
+      return GlooThroughStore(
+          absl::Seconds(8), absl::Seconds(4),
           [&store, rank](const LoadOptions&) -> absl::StatusOr<std::unique_ptr<RendezvousStore>> {
-        return std::make_unique<TwoRankStore::Rank>(&store, rank);
-      };
-      return o;
+            return std::make_unique<TwoRankStore::Rank>(&store, rank);
+          });
     };
     ExecutorCore a(options(0)), b(options(1));
     ASSERT_THAT(a.LoadPlan(MlpLoad(2, 0, 10)), IsOk());
