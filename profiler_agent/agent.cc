@@ -567,13 +567,14 @@ struct Agent::Impl : public ProfileSource {
                        "'; registering again, then measuring the links again"));
       planner_lost_node = true;
     }
-    if (resp.reprobe() && o.heartbeat_interval == absl::ZeroDuration() && !resp.unknown_node()) {
-      // The node was STALE: the planner may have restarted with a shorter
-      // heartbeat interval than the one the node registered with (its
-      // database kept, so no unknown_node), and every heartbeat at the old
-      // one would find the node STALE again and ask for another probe.
-      // Registering again takes its interval (for planners whose heartbeat
-      // answers carry none); the probe follows.
+    if (resp.reprobe() && o.heartbeat_interval == absl::ZeroDuration() && !resp.unknown_node() &&
+        !resp.has_heartbeat_interval()) {
+      // The node was STALE: an older planner (whose answers carry no
+      // interval) may have restarted with a shorter heartbeat interval than
+      // the one the node registered with (its database kept, so no
+      // unknown_node), and every heartbeat at the old one would find the
+      // node STALE again and ask for another probe. Registering again takes
+      // its interval; the probe follows.
       Log("the planner asked for a new probe; registering again first (for its heartbeat "
           "interval)");
       probe_after_register = true;

@@ -460,10 +460,12 @@ TEST_F(AgentTest, ReRegistersUnderTheSameNameAfterUnknownNode) {
 // (the node stays known, so no unknown_node): the agent heartbeated at the
 // interval of its registration, the node went STALE between heartbeats, and
 // each heartbeat brought it back with a request to probe again (a full probe
-// every interval, beside whatever trained). A heartbeat answered reprobe
-// now also registers the node again, which takes the planner's interval.
+// every interval, beside whatever trained). From a planner whose heartbeat
+// answers carry no interval (older ones), a heartbeat answered reprobe also
+// registers the node again, which takes the planner's interval.
 TEST(AgentHeartbeatTest, ANodeAskedToProbeAgainTakesThePlannersCurrentInterval) {
   FakePlanner planner(absl::Seconds(2));
+  planner.SetIntervalInHeartbeats(false);
   FakeProber::State state;
   auto agent = StartWithFakeProber(NodeAOf(planner), &state);
   ASSERT_THAT(agent, IsOk());
@@ -507,7 +509,8 @@ TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   EXPECT_EQ(Flops(hb.devices(0)), 3e9);
   EXPECT_EQ(Flops(r.nodes.at("node-a").devices(0)), 3e9);
   EXPECT_EQ(state_.probes.load(), 2);
-  EXPECT_EQ(r.registrations, 2);  // again before the probe, for the planner's interval
+  // Not again: the heartbeat answer carries the planner's interval.
+  EXPECT_EQ(r.registrations, 1);
 }
 
 // A probe that measured what the planner refuses (a FLOP/s below its

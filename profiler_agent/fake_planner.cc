@@ -114,7 +114,9 @@ grpc::Status FakePlanner::Heartbeat(grpc::ServerContext* ctx, const v1::Heartbea
     out->set_reprobe(true);
   }
   out->set_training(training_[name]);
-  *out->mutable_heartbeat_interval() = service::ToProto(heartbeat_interval_);
+  if (interval_in_heartbeats_) {
+    *out->mutable_heartbeat_interval() = service::ToProto(heartbeat_interval_);
+  }
   return grpc::Status::OK;
 }
 
@@ -155,6 +157,11 @@ void FakePlanner::Forget(const std::string& node) {
 void FakePlanner::SetHeartbeatInterval(absl::Duration d) {
   absl::MutexLock l(&mu_);
   heartbeat_interval_ = d;
+}
+
+void FakePlanner::SetIntervalInHeartbeats(bool on) {
+  absl::MutexLock l(&mu_);
+  interval_in_heartbeats_ = on;
 }
 
 void FakePlanner::RequestReprobe(const std::string& node) {

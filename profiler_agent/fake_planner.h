@@ -49,6 +49,8 @@ class FakePlanner final : public hap::v1::Planner::Service {
   void Forget(const std::string& node);          // next heartbeat: unknown_node
   void RequestReprobe(const std::string& node);  // next heartbeat: reprobe
   void SetHeartbeatInterval(absl::Duration d);   // what registrations and heartbeats answer
+  // false: heartbeat answers carry no interval, as older planners' did.
+  void SetIntervalInHeartbeats(bool on);
   void SetTraining(const std::string& node, bool training);  // heartbeats: training
   void RefuseRegistrations(int n);               // the next n get UNAVAILABLE
   // Heartbeats that carry devices get RESOURCE_EXHAUSTED (as a cluster at
@@ -89,6 +91,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   std::map<std::string, std::vector<hap::v1::ProbeAssignment>> assignments_ ABSL_GUARDED_BY(mu_);
   int refuse_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_);
+  bool interval_in_heartbeats_ ABSL_GUARDED_BY(mu_) = true;
   bool refuse_heartbeat_devices_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> unknown_devices_ ABSL_GUARDED_BY(mu_);
 };
