@@ -183,7 +183,7 @@ class CancellableStore : public RendezvousStore {
     // A poll passes even once cancelled: Gloo's abort watcher polls for the
     // abort key a peer that gave up sets, and must still see it.
     if (timeout <= absl::ZeroDuration()) return store_->Get(key, timeout);
-    const absl::Time deadline = absl::Now() + std::max(timeout, absl::ZeroDuration());
+    const absl::Time deadline = absl::Now() + timeout;
     while (true) {
       HAP_RETURN_IF_ERROR(Check(key));
       const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
