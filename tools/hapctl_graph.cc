@@ -23,20 +23,6 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
 
 // -o (or --output) of zoo, ops and validate: table (the default) or json;
 // anything else is refused, as `hapctl plan` refuses it.
@@ -49,6 +35,21 @@ absl::StatusOr<std::string> TableOrJson(const Args& args) {
 }
 
 }  // namespace
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
 
 std::string ZooParamFlag(const std::string& param) {
   std::string flag = param;

@@ -28,6 +28,9 @@ int RunOps(const std::vector<std::string>& argv);
 int RunZoo(const std::vector<std::string>& argv);
 int RunValidate(const std::vector<std::string>& argv);
 
+// `s` escaped for a JSON string ('"', '\\' and control characters).
+std::string JsonEscape(const std::string& s);
+
 // One-line JSON object summarising a graph (name, parameters, FLOPs, ops).
 std::string GraphSummaryJson(const graph::Graph& g);
 

@@ -91,20 +91,7 @@ std::string FormList(const std::vector<synth::Form>& fs) {
 // `s` as a JSON string. Control characters as \u00XX: a graph file's names
 // (a model's, an op's) may hold a tab or a newline, which made -o json no
 // JSON.
-std::string Json(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
+std::string Json(const std::string& s) { return "\"" + JsonEscape(s) + "\""; }
 
 void PrintJson(const graph::Graph& g, const cost::ClusterModel& cl,
                const synth::PlanResult& r, synth::Baseline b, const std::string& precision) {
