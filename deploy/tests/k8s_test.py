@@ -44,10 +44,9 @@ def validate(objects, overlay):
     check(out.returncode == 0, f"{overlay}: schema validation failed")
 
 
-def help_text(cmd):
+def check_help_runs(cmd):
     out = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"{cmd} --help: {out.stderr}"
-    return out.stdout + out.stderr
 
 
 def accepts_flag(cmd, flag):
@@ -113,7 +112,7 @@ def check_container(where, c, binaries):
     flags = flag_args(c)
     if c["name"] == "executor":
         check("serve" in flags, f"{where}: the executor daemon needs --serve")
-    help_text(cmd)
+    check_help_runs(cmd)
     for f in flags:
         if f == "serve":
             continue
@@ -159,12 +158,20 @@ def check_container(where, c, binaries):
     return flags, ports
 
 
-def pod_ip_var(container, value):
-    """True when value is "$(VAR)" or "$(VAR):PORT" with VAR the pod's IP (status.podIP)."""
-    m = re.match(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)(:\d+)?$", value or "")
+def field_var(container, value, field="status.podIP"):
+    """When value is "$(VAR)" or "$(VAR):PORT" with VAR the downward API's `field` (the pod's
+    IP by default): (True, PORT or None); else (False, None)."""
+    m = re.match(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)(?::(\d+))?$", value or "")
     env = {e["name"]: e for e in container.get("env", [])}
     ref = env.get(m.group(1), {}).get("valueFrom", {}).get("fieldRef", {}) if m else {}
-    return ref.get("fieldPath") == "status.podIP"
+    if ref.get("fieldPath") != field:
+        return False, None
+    return True, int(m.group(2)) if m.group(2) else None
+
+
+def pod_ip_var(container, value):
+    """True when value is "$(VAR)" or "$(VAR):PORT" with VAR the pod's IP (status.podIP)."""
+    return field_var(container, value)[0]
 
 
 def check_pod(where, pod):
@@ -278,11 +285,8 @@ def check_overlay(overlay, objects, defaults):
         check(host_ports and host_ports[0] == port_of(listen),
               f"{overlay}: executor grpc port has hostPort {host_ports}, not its --listen port: "
               f"the agent on its node cannot name it for the planner")
-        m = re.match(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\):(\d+)$", flag_args(ag_c).get("executor") or "")
-        env = {e["name"]: e for e in ag_c.get("env", [])}
-        ref = env.get(m.group(1), {}).get("valueFrom", {}).get("fieldRef", {}) if m else {}
-        check(m is not None and ref.get("fieldPath") == "status.hostIP" and host_ports and
-              int(m.group(2)) == host_ports[0],
+        on_host, port = field_var(ag_c, flag_args(ag_c).get("executor"), "status.hostIP")
+        check(on_host and host_ports and port == host_ports[0],
               f"{overlay}: agent --executor {flag_args(ag_c).get('executor')!r} is not "
               f"$(VAR of status.hostIP):<the executor's hostPort>: no node is labelled with its "
               f"executor, so elastic jobs find none")
