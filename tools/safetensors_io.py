@@ -230,7 +230,11 @@ class OutputFile:
 def write_to(out, tensors, metadata=None):
     """Writes name -> tensor (and optional metadata) as safetensors into
     the open binary file (or OutputFile) `out`; returns the bytes written."""
-    raw, order = encode_header(tensors, metadata)
+    return _write_encoded(out, *encode_header(tensors, metadata))
+
+
+def _write_encoded(out, raw, order):
+    """write_to with the header already encoded (encode_header's)."""
     out.write(struct.pack("<Q", len(raw)))
     out.write(raw)
     total = 8 + len(raw)
@@ -244,10 +248,10 @@ def write_to(out, tensors, metadata=None):
 def write_safetensors(path, tensors, metadata=None):
     """Writes name -> tensor (and optional str -> str metadata) to `path`,
     atomically (OutputFile). Returns the number of bytes written."""
-    encode_header(tensors, metadata)  # a bad tensor fails before any file
+    encoded = encode_header(tensors, metadata)  # a bad tensor fails before any file
     out = OutputFile(path)
     try:
-        total = write_to(out, tensors, metadata)
+        total = _write_encoded(out, *encoded)
         out.commit()
     except BaseException:
         out.discard()

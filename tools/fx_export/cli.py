@@ -219,14 +219,12 @@ def _write_outputs(a, text, g, values, module, weights):
         for path, f in pending:
             f.commit()
         return n, unused
-    except OSError as e:
+    except BaseException as e:
         for _, f in pending:
             f.discard()
-        raise ExportError(f"cannot write '{path}': "
-                          f"{e.strerror or e}") from None
-    except BaseException:
-        for _, f in pending:
-            f.discard()
+        if isinstance(e, OSError):
+            raise ExportError(f"cannot write '{path}': "
+                              f"{e.strerror or e}") from None
         raise
 
 
