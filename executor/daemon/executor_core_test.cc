@@ -109,6 +109,12 @@ TEST(ExecutorCoreTest, RejectsBadPlans) {
   o.plan.mutable_rank_programs(1)->set_seed(o.plan.rank_programs(1).seed() + 1);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("content hash does not match")));
+  for (int64_t batch : {0, -8}) {
+    o = MlpLoad(2, 0, 3);
+    o.plan.set_global_batch(batch);
+    EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                           HasSubstr(absl::StrCat("global_batch is ", batch))));
+  }
   o = MlpLoad(2, 0, 3);
   o.plan.set_format_version(99);
   EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,

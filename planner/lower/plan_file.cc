@@ -81,15 +81,7 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
-  if (plan.format_version() != kPlanFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "plan format version ", plan.format_version(), " is not supported (this "
-        "executor reads version ", kPlanFormatVersion, ")"));
-  }
-  if (IsPipelinePlan(plan)) return CheckPipelinePlanForRank(plan, rank, world);
+absl::Status CheckSpmdPlanForRank(const v1::Plan& plan, int rank, int world) {
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError("the plan has no rank programs (not lowered)");
   }
@@ -110,6 +102,28 @@ absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
   if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
     return absl::InvalidArgumentError(
         "the plan's content hash does not match its content (corrupted?)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
+  if (plan.format_version() != kPlanFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("plan format version ", plan.format_version(),
+                                                   " is not supported (this "
+                                                   "executor reads version ",
+                                                   kPlanFormatVersion, ")"));
+  }
+  absl::Status programs = IsPipelinePlan(plan) ? CheckPipelinePlanForRank(plan, rank, world)
+                                               : CheckSpmdPlanForRank(plan, rank, world);
+  if (!programs.ok()) return programs;
+  // The checkpoints' data cursor is steps x global_batch (samples_seen);
+  // a plan without its batch would save cursors a resume cannot check.
+  if (plan.global_batch() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan's global_batch is ", plan.global_batch(),
+                     "; a lowered plan carries its graph's batch (1 or more): plan it again"));
   }
   return absl::OkStatus();
 }
