@@ -215,6 +215,20 @@ absl::Status ProgramRunner::Validate() {
         }
         return absl::OkStatus();
       };
+      // The pieces of `a` and `b` along dimensions d1 and d2 (d1 == d2: one)
+      // are the collective's; every other dimension is the same in both.
+      auto same_beyond = [&](const TensorView& a, const TensorView& b, int d1,
+                             int d2) -> absl::Status {
+        for (int d = 0; d < a.rank(); ++d) {
+          if (d == d1 || d == d2 || a.shape[d] == b.shape[d]) continue;
+          return bad(absl::StrCat(
+              StepName(p, i), ": ", graph::TypeString({a.dtype, a.shape}), " and ",
+              graph::TypeString({b.dtype, b.shape}), " differ beyond dimension",
+              d1 == d2 ? absl::StrCat(" ", d1)
+                       : absl::StrCat("s ", std::min(d1, d2), " and ", std::max(d1, d2))));
+        }
+        return absl::OkStatus();
+      };
       const bool dim0 = c.collective() == v1::ALL_GATHER || c.collective() == v1::REDUCE_SCATTER;
       if (c.coalesced_size() > 0 && !dim0 &&
           (c.collective() != v1::ALL_REDUCE || c.input() != c.output())) {
@@ -267,13 +281,16 @@ absl::Status ProgramRunner::Validate() {
           break;
         case v1::ALL_GATHER:
           HAP_RETURN_IF_ERROR(check_sizes(c.dim(), c.shard_sizes(), out, in));
+          HAP_RETURN_IF_ERROR(same_beyond(in, out, c.dim(), c.dim()));
           break;
         case v1::REDUCE_SCATTER:
           HAP_RETURN_IF_ERROR(check_sizes(c.dim(), c.shard_sizes(), in, out));
+          HAP_RETURN_IF_ERROR(same_beyond(in, out, c.dim(), c.dim()));
           break;
         case v1::ALL_TO_ALL:
           HAP_RETURN_IF_ERROR(check_sizes(c.dim(), c.shard_sizes(), in, out));
           HAP_RETURN_IF_ERROR(check_sizes(c.from_dim(), c.from_shard_sizes(), out, in));
+          HAP_RETURN_IF_ERROR(same_beyond(in, out, c.dim(), c.from_dim()));
           break;
         default:
           return bad(absl::StrCat(StepName(p, i), ": unsupported collective"));

@@ -121,6 +121,57 @@ TEST_F(ProgramRunnerTest, RejectsCollectivesWhoseShardsDoNotAddUp) {
                                   HasSubstr("shard sizes do not add up")));
 }
 
+// A float32 SCRATCH buffer of `shape` (offset 0: only its extent matters
+// to validation) appended to `p`; its id.
+int AddScratch(v1::RankProgram& p, const std::vector<int64_t>& shape) {
+  v1::Buffer* b = p.add_buffers();
+  b->set_id(p.buffers_size() - 1);
+  b->set_tensor(absl::StrCat("scratch", b->id()));
+  b->set_dtype(v1::FLOAT32);
+  b->set_role(v1::Buffer::SCRATCH);
+  for (int64_t d : shape) {
+    b->add_shape(d);
+    b->add_global_shape(d);
+    b->add_offsets(0);
+  }
+  return b->id();
+}
+
+// A collective's pieces share every dimension but those it splits or
+// joins: a gather of f32[5,3] pieces into f32[5,8] would read 40 elements
+// out of a 15-element buffer.
+TEST_F(ProgramRunnerTest, RejectsCollectivesWhoseShapesDifferBeyondTheirDimensions) {
+  auto with = [&](v1::Collective kind, std::vector<int64_t> in_shape,
+                  std::vector<int64_t> out_shape) {
+    v1::RankProgram p = program_;
+    const int in = AddScratch(p, in_shape), out = AddScratch(p, out_shape);
+    v1::CollectiveCall* c = p.add_steps()->mutable_collective();
+    c->set_collective(kind);
+    c->set_input(in);
+    c->set_output(out);
+    c->set_tensor("t");
+    c->set_dim(0);
+    c->add_shard_sizes(kind == v1::ALL_GATHER ? out_shape[0] : in_shape[0]);
+    if (kind == v1::ALL_TO_ALL) {
+      c->set_from_dim(1);
+      c->add_from_shard_sizes(out_shape[1]);
+    }
+    return p;
+  };
+  EXPECT_THAT(Create(with(v1::ALL_GATHER, {5, 3}, {5, 8})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("f32[5,3] and f32[5,8] differ beyond dimension 0")));
+  EXPECT_THAT(Create(with(v1::REDUCE_SCATTER, {5, 8}, {5, 3})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("f32[5,8] and f32[5,3] differ beyond dimension 0")));
+  EXPECT_THAT(Create(with(v1::ALL_TO_ALL, {2, 2, 3}, {2, 2, 5})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("f32[2,2,3] and f32[2,2,5] differ beyond dimensions 0 and 1")));
+  // The same calls with matching shapes are accepted.
+  EXPECT_TRUE(Create(with(v1::ALL_GATHER, {5, 8}, {5, 8})).ok());
+  EXPECT_TRUE(Create(with(v1::ALL_TO_ALL, {2, 2, 5}, {2, 2, 5})).ok());
+}
+
 TEST_F(ProgramRunnerTest, RejectsBadCoalescedBuffers) {
   int f32 = -1, f32b = -1, integer = -1;
   for (const auto& b : program_.buffers()) {
