@@ -470,8 +470,9 @@ class ExportNumericsTest(unittest.TestCase):
                 self.assertIn(needle, str(cm.exception))
 
     def test_integer_arithmetic_and_mixed_dtypes_fail_naming_them(self):
-        """ids + 1, ids * 2, labels * 0.5 (integer tensors in arithmetic)
-        and float32 + float64 (PyTorch's type promotion), in + or in cat,
+        """ids + 1, ids * 2, labels * 0.5, ids.sum(1) (integer tensors in
+        arithmetic and reductions) and float32 + float64 (PyTorch's type
+        promotion), in + or in cat,
         exported graphs that `hapctl validate` refused ('must be a
         floating-point tensor', 'must have the same dtype'), exit 0."""
         class Net(nn.Module):
@@ -495,6 +496,10 @@ class ExportNumericsTest(unittest.TestCase):
                  "integer tensor"),
                 (lambda s, ids, y: s.fc(s.emb(ids).sum(1)) + s.p64,
                  "add mixes the dtypes FLOAT32 and FLOAT64"),
+                # A reduction: every op's operands are checked, not only
+                # arithmetic's.
+                (lambda s, ids, y: s.fc(s.emb(ids.sum(1))),
+                 "sum of the integer tensor 'ids'"),
                 (lambda s, ids, y: torch.cat([s.fc(s.emb(ids).sum(1)),
                                               s.p64.expand(4, 3)], 1)[:, :3],
                  "cat mixes the dtypes FLOAT32 and FLOAT64")):

@@ -33,6 +33,14 @@ from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
 # stays "unheld", named at export.
 FOLDED_RUNS_LIMIT = 1 << 16
 
+# Operand dtypes the IR's ops take (planner/graph/ops_*.cc): the positions of
+# integer operands (ids, class targets), ops that move any dtype, and
+# otherwise one floating-point dtype for every operand.
+_INTEGER_OPERANDS = {"embedding": (0,), "cross_entropy": (1,),
+                     "nll_loss": (1,)}
+_ANY_DTYPE_OPS = frozenset({"transpose", "reshape", "flatten", "concat",
+                            "split", "slice", "expand"})
+
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32,
                    8: torch.int64}
 
@@ -275,6 +283,7 @@ class Exporter:
         for t in inputs:
             if not isinstance(t, IrTensor):
                 self.fail(f"internal: op '{name}' got a non-tensor input {t!r}")
+        self.check_operand_dtypes(type_, inputs)
         name = self.fresh(name)
         if scope is None:
             scope = self.scope_of(self.node) if self.node is not None else ""
@@ -296,6 +305,30 @@ class Exporter:
             self.value_info.append({"name": t.name, "shape": list(t.shape),
                                     "dtype": t.dtype})
         return outs[0] if outputs is None else outs
+
+    def check_operand_dtypes(self, type_, inputs):
+        """Fails unless `inputs` have the dtypes op `type_` takes: PyTorch's
+        integer arithmetic and its type promotion exported graphs that
+        `hapctl validate` refused ('must be a floating-point tensor', 'must
+        have the same dtype') after exit status 0."""
+        ints = () if type_ in _ANY_DTYPE_OPS else \
+            _INTEGER_OPERANDS.get(type_, ())
+        if type_ not in _ANY_DTYPE_OPS:
+            for i, t in enumerate(inputs):
+                if i in ints and t.dtype != "INT64":
+                    self.fail(f"{type_} takes integer ids or targets as its "
+                              f"operand {i}, not the {t.dtype} tensor "
+                              f"'{t.name}'")
+                if i not in ints and t.dtype == "INT64":
+                    self.fail(f"{type_} of the integer tensor '{t.name}' is "
+                              f"not supported: the IR computes in floating "
+                              f"point, integer tensors are only ids and "
+                              f"labels")
+        dtypes = sorted({t.dtype for i, t in enumerate(inputs)
+                         if i not in ints})
+        if len(dtypes) > 1:
+            self.fail(f"{type_} mixes the dtypes {' and '.join(dtypes)} "
+                      f"(PyTorch promotes them; the IR's ops take one dtype)")
 
     def op(self, type_, inputs, attrs=None, name=None):
         """Emits the op of the current node, output shape from tracing."""

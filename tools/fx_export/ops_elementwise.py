@@ -44,7 +44,6 @@ def activation(ex, act, name, x, scope):
         ex.fail(f"activation {act!r} is not supported (relu, gelu, "
                 f"sigmoid, tanh, silu, relu6, hardsigmoid, "
                 f"hardswish)")
-    float_operands(ex, kind, [x])
     return ex.emit(kind, name, [x], None, x.shape, scope=scope)
 
 
@@ -87,17 +86,17 @@ def _hardtanh(ex, call):
 
 @registry.functions(torch.sigmoid, F.sigmoid)
 def _sigmoid(ex, call):
-    return _arith_op(ex, "sigmoid", [call.tensor(0, "input")])
+    return ex.op("sigmoid", [call.tensor(0, "input")])
 
 
 @registry.functions(torch.tanh, F.tanh)
 def _tanh(ex, call):
-    return _arith_op(ex, "tanh", [call.tensor(0, "input")])
+    return ex.op("tanh", [call.tensor(0, "input")])
 
 
 @registry.methods("relu", "sigmoid", "tanh")
 def _activation_method(ex, call, x):
-    return _arith_op(ex, call.node.target, [x])
+    return ex.op(call.node.target, [x])
 
 
 # ---- dropout and stochastic depth ------------------------------------------
@@ -151,27 +150,6 @@ def _stochastic_depth(ex, call):
 # ---- arithmetic ------------------------------------------------------------
 
 
-def float_operands(ex, what, tensors):
-    """Fails unless `tensors` share one floating-point dtype: the IR's
-    arithmetic takes floating-point operands of one dtype (PyTorch's
-    integer arithmetic and its type promotion exported graphs that `hapctl
-    validate` refused, after exit status 0)."""
-    ints = [t.name for t in tensors if t.dtype == "INT64"]
-    if ints:
-        ex.fail(f"{what} of the integer tensor '{ints[0]}' is not "
-                f"supported: the IR computes in floating point, integer "
-                f"tensors are only ids and labels")
-    dtypes = sorted({t.dtype for t in tensors})
-    if len(dtypes) > 1:
-        ex.fail(f"{what} mixes the dtypes {' and '.join(dtypes)} (PyTorch "
-                f"promotes them; the IR's ops take one dtype)")
-
-
-def _arith_op(ex, type_, inputs, attrs=None):
-    float_operands(ex, type_, inputs)
-    return ex.op(type_, inputs, attrs)
-
-
 def binary(ex, kind, a, b, alpha=1):
     """a <kind> b for fx arguments a, b (tensors or constants, not both
     constants): an op of two tensors, a scale or an identity for a scalar
@@ -184,7 +162,7 @@ def binary(ex, kind, a, b, alpha=1):
         ex.fail("internal: constant arithmetic reached the exporter")
     if not sa and not sb:
         ta, tb = ex.t(a), ex.t(b)
-        return _arith_op(ex, kind, [ta, tb])
+        return ex.op(kind, [ta, tb])
     x, c, x_first = (b, a, False) if sa else (a, b, True)
     cv = ex.v(c)
     if isinstance(cv, torch.Tensor) and cv.dim() == 0:
@@ -204,14 +182,14 @@ def binary(ex, kind, a, b, alpha=1):
             if (cv == 0).any():
                 ex.fail("divides by a constant tensor holding 0")
             ct = ex.const(1.0 / cv.double(), xt, what)
-            return _arith_op(ex, "mul", [xt, ct])
+            return ex.op("mul", [xt, ct])
         if not cv.is_floating_point() and xt.dtype != "INT64":
             # An integer or bool constant: PyTorch computes in x's dtype
             # (the constant was an INT64 parameter the IR refuses).
             ct = ex.const(cv, xt, what)
         else:
             ct = ex.t(c)
-        return _arith_op(ex, kind, [xt, ct] if x_first else [ct, xt])
+        return ex.op(kind, [xt, ct] if x_first else [ct, xt])
     if not isinstance(cv, (int, float)) or isinstance(cv, bool):
         ex.fail(f"cannot {kind} a {type(cv).__name__}")
     xt = ex.t(x)
@@ -222,21 +200,21 @@ def binary(ex, kind, a, b, alpha=1):
         ex.fail(f"{kind} by the non-finite constant {cv} (or its "
                 f"reciprocal) is not supported")
     if kind == "mul":
-        return xt if cv == 1 else _arith_op(ex, "scale", [xt],
+        return xt if cv == 1 else ex.op("scale", [xt],
                                             {"factor": cv})
     if kind == "div":
         if not x_first:
             ex.fail("dividing a constant by a tensor is not supported")
         if cv == 0:
             ex.fail("divides by the constant 0")
-        return xt if cv == 1 else _arith_op(ex, "scale", [xt],
+        return xt if cv == 1 else ex.op("scale", [xt],
                                             {"factor": 1.0 / cv})
     if kind in ("add", "sub") and cv == 0:
         if kind == "sub" and not x_first:
-            return _arith_op(ex, "scale", [xt], {"factor": -1.0})
+            return ex.op("scale", [xt], {"factor": -1.0})
         return xt
     ct = ex.const(cv, xt)
-    return _arith_op(ex, kind, [xt, ct] if x_first else [ct, xt])
+    return ex.op(kind, [xt, ct] if x_first else [ct, xt])
 
 
 @registry.functions(operator.add, operator.iadd, torch.add)
@@ -278,9 +256,9 @@ def _arithmetic_method(ex, call, x):
 
 @registry.functions(operator.neg, torch.neg)
 def _neg(ex, call):
-    return _arith_op(ex, "scale", [call.tensor(0, "input")], {"factor": -1.0})
+    return ex.op("scale", [call.tensor(0, "input")], {"factor": -1.0})
 
 
 @registry.methods("neg")
 def _neg_method(ex, call, x):
-    return _arith_op(ex, "scale", [x], {"factor": -1.0})
+    return ex.op("scale", [x], {"factor": -1.0})
