@@ -19,9 +19,11 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_port.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "common/training_checks.h"
@@ -249,6 +251,27 @@ absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.replan.join_stable.nanos must be at most 999999999, got ",
                      spec.replan().join_stable().nanos()));
+  }
+  // Every deploy dials these as given (DeploymentManager::Deploy refuses
+  // what it would misread): refused there, the job tried again for ever.
+  const std::map<std::string, std::string> executors(spec.executors().begin(),
+                                                     spec.executors().end());
+  std::map<std::string, std::string> device_at;  // address -> device
+  for (const auto& [device, address] : executors) {
+    if (!ValidDeviceId(device)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.executors: '", absl::CHexEscape(device), "' is not a device id"));
+    }
+    if (!IsHostPort(address, 1, /*schemes=*/true)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.executors[\"", device, "\"] '", absl::CHexEscape(address),
+                       "' must be HOST:PORT with a port from 1 to 65535"));
+    }
+    if (auto [at, added] = device_at.emplace(address, device); !added) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.executors gives devices '", at->second, "' and '", device, "' the same executor '",
+          address, "'; an executor runs one rank: give each its own"));
+    }
   }
   return absl::OkStatus();
 }

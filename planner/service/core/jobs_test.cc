@@ -531,6 +531,39 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
   EXPECT_THAT(c_->List(0, "garbage"), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
 }
 
+// The executors a spec names are dialled at every deploy: one gRPC would
+// read as another address ('127.0.0.1:99999' is port 34463), or one given
+// to two devices (an executor runs one rank), was taken at CreateJob and
+// refused by every deploy after it, the job "trying again" forever on
+// devices no other job could have.
+TEST_F(JobsTest, ExecutorsTheSpecNamesAreCheckedAtCreate) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  (*r.mutable_spec()->mutable_executors())["d0"] = "127.0.0.1:99999";
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("spec.executors[\"d0\"]"), HasSubstr("127.0.0.1:99999"))));
+  r = Request();
+  (*r.mutable_spec()->mutable_executors())["d0"] = "127.0.0.1";
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.executors[\"d0\"]")));
+  r = Request();
+  (*r.mutable_spec()->mutable_executors())["d0"] = "127.0.0.1:7000";
+  (*r.mutable_spec()->mutable_executors())["d1"] = "127.0.0.1:7000";
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'d0'"), HasSubstr("'d1'"), HasSubstr("127.0.0.1:7000"))));
+  r = Request();
+  (*r.mutable_spec()->mutable_executors())["no such id"] = "127.0.0.1:7000";
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.executors")));
+  EXPECT_THAT(c_->List(0, "")->jobs(), IsEmpty());
+  r = Request();
+  (*r.mutable_spec()->mutable_executors())["d0"] = "127.0.0.1:7000";
+  (*r.mutable_spec()->mutable_executors())["d1"] = "127.0.0.1:7001";
+  EXPECT_OK(c_->Create(r).status());
+}
+
 TEST_F(JobsTest, ListPagesAndWatchSeesEveryChangeToTheEnd) {
   Make();
   ASSERT_OK(c_->Create(Request("a")).status());
