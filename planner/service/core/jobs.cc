@@ -252,6 +252,31 @@ absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
         absl::StrCat("spec.replan.join_stable.nanos must be at most 999999999, got ",
                      spec.replan().join_stable().nanos()));
   }
+  // A selector no plan can satisfy: the job would wait for devices for ever.
+  const v1::DeviceSelector& d = spec.devices();
+  if (d.max_devices() == 1) {
+    return absl::InvalidArgumentError(
+        "spec.devices.max_devices must be 0 (no limit) or at least 2 (a plan takes two devices "
+        "or more), got 1");
+  }
+  if (d.min_devices() > kMaxPlanDevices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.devices.min_devices must be at most ", kMaxPlanDevices,
+                     " (the most a plan takes), got ", d.min_devices()));
+  }
+  if (d.devices_size() > 0) {
+    const std::set<std::string> listed(d.devices().begin(), d.devices().end());
+    if (listed.size() < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.devices.devices lists ", listed.size(),
+          " distinct device; a plan takes two or more (leave it empty for any device)"));
+    }
+    if (static_cast<int>(listed.size()) < d.min_devices()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.devices.min_devices is ", d.min_devices(),
+                       " but spec.devices.devices lists ", listed.size(), " distinct devices"));
+    }
+  }
   // Every deploy dials these as given (DeploymentManager::Deploy refuses
   // what it would misread): refused there, the job tried again for ever.
   const std::map<std::string, std::string> executors(spec.executors().begin(),

@@ -564,6 +564,44 @@ TEST_F(JobsTest, ExecutorsTheSpecNamesAreCheckedAtCreate) {
   EXPECT_OK(c_->Create(r).status());
 }
 
+// A selector no plan can ever satisfy (max_devices 1, when a plan takes two;
+// more than a plan takes; a device list shorter than the job needs) was
+// taken, and the job waited for devices for ever, saying "1 usable, the job
+// needs 2" of a cluster with many.
+TEST_F(JobsTest, ASelectorNoPlanCanSatisfyIsRefusedAtCreate) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_devices()->set_max_devices(1);
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.devices.max_devices")));
+  r = Request();
+  r.mutable_spec()->mutable_devices()->set_min_devices(kMaxPlanDevices + 1);
+  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      AllOf(HasSubstr("spec.devices.min_devices"),
+                                            HasSubstr(absl::StrCat(kMaxPlanDevices)))));
+  r = Request();
+  r.mutable_spec()->mutable_devices()->add_devices("d0");
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.devices.devices")));
+  r = Request();
+  r.mutable_spec()->mutable_devices()->add_devices("d0");
+  r.mutable_spec()->mutable_devices()->add_devices("d0");
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.devices.devices")));
+  r = Request();
+  r.mutable_spec()->mutable_devices()->add_devices("d0");
+  r.mutable_spec()->mutable_devices()->add_devices("d1");
+  r.mutable_spec()->mutable_devices()->set_min_devices(3);
+  EXPECT_THAT(c_->Create(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.devices.min_devices")));
+  EXPECT_THAT(c_->List(0, "")->jobs(), IsEmpty());
+  r = Request();
+  r.mutable_spec()->mutable_devices()->add_devices("d0");
+  r.mutable_spec()->mutable_devices()->add_devices("d1");
+  r.mutable_spec()->mutable_devices()->set_max_devices(2);
+  EXPECT_OK(c_->Create(r).status());
+}
+
 TEST_F(JobsTest, ListPagesAndWatchSeesEveryChangeToTheEnd) {
   Make();
   ASSERT_OK(c_->Create(Request("a")).status());
