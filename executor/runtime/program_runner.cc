@@ -209,7 +209,15 @@ absl::Status ProgramRunner::Validate() {
           return bad(absl::StrCat(StepName(p, i), ": dimension or shard sizes do not fit"));
         }
         int64_t sum = 0;
-        for (int64_t x : sizes) sum += x < 0 ? -1'000'000'000'000 : x;
+        for (int r = 0; r < p.world_size(); ++r) {
+          if (sizes[r] < 0) {
+            return bad(absl::StrCat(StepName(p, i), ": shard size ", sizes[r], " of rank ", r,
+                                    " is negative"));
+          }
+          if (__builtin_add_overflow(sum, sizes[r], &sum)) {
+            return bad(absl::StrCat(StepName(p, i), ": shard sizes overflow at rank ", r));
+          }
+        }
         if (sum != whole.shape[dim] || sizes[p.rank()] != part.shape[dim]) {
           return bad(absl::StrCat(StepName(p, i), ": shard sizes do not add up to dimension ", dim));
         }

@@ -3,6 +3,7 @@
 #include "executor/runtime/program_runner.h"
 
 #include <atomic>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -170,6 +171,34 @@ TEST_F(ProgramRunnerTest, RejectsCollectivesWhoseShapesDifferBeyondTheirDimensio
   // The same calls with matching shapes are accepted.
   EXPECT_TRUE(Create(with(v1::ALL_GATHER, {5, 8}, {5, 8})).ok());
   EXPECT_TRUE(Create(with(v1::ALL_TO_ALL, {2, 2, 5}, {2, 2, 5})).ok());
+}
+
+// Shard sizes are lengths: none negative (another rank's surplus must not
+// make up for it) and their sum not wrapping around int64 (INT64_MAX twice
+// and 2 "added up" to an empty dimension, then the gather wrote past it).
+TEST_F(ProgramRunnerTest, RejectsNegativeOrOverflowingShardSizes) {
+  auto group = NewInProcessGroup(3);
+  auto with = [&](std::vector<int64_t> in_shape, std::vector<int64_t> out_shape,
+                  std::vector<int64_t> sizes) {
+    v1::RankProgram p = program_;
+    p.set_world_size(3);
+    const int in = AddScratch(p, in_shape), out = AddScratch(p, out_shape);
+    v1::CollectiveCall* c = p.add_steps()->mutable_collective();
+    c->set_collective(v1::ALL_GATHER);
+    c->set_input(in);
+    c->set_output(out);
+    c->set_tensor("t");
+    for (int64_t x : sizes) c->add_shard_sizes(x);
+    return ProgramRunner::Create(p, *g_, device_.get(), group[0].get());
+  };
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_THAT(with({2, 4}, {6, 4}, {2, -1, 1'000'000'000'004}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("shard size -1 of rank 1 is negative")));
+  EXPECT_THAT(
+      with({2, 4}, {0, 4}, {2, kMax, kMax}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard sizes overflow at rank 1")));
+  EXPECT_TRUE(with({2, 4}, {6, 4}, {2, 1, 3}).ok());
 }
 
 TEST_F(ProgramRunnerTest, RejectsBadCoalescedBuffers) {
