@@ -695,7 +695,12 @@ void JobController::Reconcile() {
     std::set<std::string> of_jobs;
     for (const v1::Job& j : jobs) {
       claimed[j.name()] = job_internal::ClaimedDevices(j, *o_.backend);
-      if (!j.status().deployment().empty()) of_jobs.insert(j.status().deployment());
+      // A finished job's deployment that has not finished (asked to stop
+      // as the job FAILED, or a stored job it cannot drive) still trains:
+      // its devices are held as a direct deployment's are.
+      if (!Final(j.status().state()) && !j.status().deployment().empty()) {
+        of_jobs.insert(j.status().deployment());
+      }
     }
     for (const auto& [name, devices] : o_.backend->ActiveDeploymentDevices()) {
       if (!of_jobs.count(name)) deployed_directly.insert(devices.begin(), devices.end());

@@ -250,6 +250,40 @@ TEST_F(JobsTest, JobsDoNotPlanOnDevicesADirectDeploymentTrainsOn) {
   EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d1", "d3"));
 }
 
+// A job that ends while its deployment still trains (FAILED past
+// max_replans, its deployment asked to stop, which takes the ranks a while;
+// a stored job the planner cannot drive) keeps that deployment's devices
+// from other jobs until it has finished: they counted as free, and another
+// job deployed onto executors still training.
+TEST_F(JobsTest, AFinishedJobsDeploymentStillTrainingKeepsItsDevices) {
+  Make();
+  v1::CreateJobRequest a = Request();
+  a.mutable_spec()->mutable_replan()->set_max_replans(1);
+  const std::string first = StartRunning(a);
+  fake_.SetState(first, v1::Deployment::FAILED);  // re-plan 1 of 1
+  c_->Reconcile();
+  const std::string second = Job().status().deployment();
+  ASSERT_NE(second, first);
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  ASSERT_EQ(Job().status().state(), v1::JobStatus::RUNNING);
+  fake_.stops_take_effect = false;
+  fake_.SetNode(2, v1::Node::STALE);  // re-plan 2 of 1: FAILED, the stop asked
+  c_->Reconcile();
+  ASSERT_EQ(Job().status().state(), v1::JobStatus::FAILED);
+  ASSERT_EQ(fake_.Only(second).state(), v1::Deployment::RUNNING);
+  fake_.AddNode();
+  fake_.AddNode();
+  v1::CreateJobRequest b = Request("b");
+  b.mutable_spec()->mutable_training()->set_checkpoint_dir("/shared/ckpt-b");
+  fake_.other_dirs.insert("/shared/ckpt-b");
+  ASSERT_OK(c_->Create(b).status());
+  const size_t before = fake_.requests.size();
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), before + 1);
+  EXPECT_THAT(fake_.requests.back().devices(), ElementsAre("d3", "d4"));
+}
+
 // A job that runs on fewer devices than it may does not grow onto devices a
 // second job holds when it judges a join.
 TEST_F(JobsTest, AJoinDoesNotTakeAnotherJobsDevices) {
