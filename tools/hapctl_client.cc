@@ -24,6 +24,7 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "tools/hapctl_graph.h"
+#include "tools/hapctl_optimizer.h"
 #include "tools/hapctl_output.h"
 
 namespace hap::tools {
@@ -356,24 +357,7 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
     }
     if (p == "bf16") (o->*field)(v1::PRECISION_BF16);
   }
-  std::string opt = a.Get("optimizer", "momentum");
-  if (opt != "sgd" && opt != "momentum" && opt != "adam") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt, "'"));
-  }
-  o->mutable_optimizer()->set_kind(opt == "adam" ? v1::OptimizerConfig::ADAM
-                                                 : v1::OptimizerConfig::SGD);
-  HAP_ASSIGN_OR_RETURN(double momentum, a.Number("momentum", opt == "momentum" ? 0.9 : 0));
-  if (momentum < 0) return absl::InvalidArgumentError("--momentum must not be negative");
-  o->mutable_optimizer()->set_momentum(momentum);
-  HAP_ASSIGN_OR_RETURN(double lr, a.Number("lr", 0));
-  o->mutable_optimizer()->set_learning_rate(lr);
-  HAP_ASSIGN_OR_RETURN(double clip, a.Number("clip-norm", 0));
-  if (clip < 0) return absl::InvalidArgumentError("--clip-norm must be 0 (off) or positive");
-  o->mutable_optimizer()->set_clip_global_norm(clip);
-  HAP_ASSIGN_OR_RETURN(double wd, a.Number("weight-decay", 0));
-  if (wd < 0) return absl::InvalidArgumentError("--weight-decay must not be negative");
-  o->mutable_optimizer()->set_weight_decay(wd);
+  HAP_ASSIGN_OR_RETURN(*o->mutable_optimizer(), OptimizerFromFlags(a));
   HAP_ASSIGN_OR_RETURN(int64_t seed, a.Integer("seed", 0, 0, kMaxInt64));
   o->set_seed(static_cast<uint64_t>(seed));
   r.set_plan_id(a.Get("id"));

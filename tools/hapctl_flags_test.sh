@@ -168,5 +168,14 @@ for case in "--lr|-1|--lr must be positive, got '-1'" \
   out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" "$flag" "$value" 2>&1)" \
     && fail "plan $flag $value exited 0: $out"
   echo "$out" | grep -qF -- "$want" || fail "plan $flag $value: $out"
+  # create plan and create job by the same rules, before any call (they
+  # sent --momentum 1.5 and --lr -1 to the planner, which named the proto
+  # fields instead of the flags).
+  for cmd in "create plan" "create job --id j --checkpoint-dir /tmp/x"; do
+    # shellcheck disable=SC2086
+    out="$("$HAPCTL" $cmd --model mlp "$flag" "$value" --server 127.0.0.1:1 --timeout 3 2>&1)" \
+      && fail "$cmd $flag $value exited 0: $out"
+    echo "$out" | grep -qF -- "$want" || fail "$cmd $flag $value: $out"
+  done
 done
 echo PASS

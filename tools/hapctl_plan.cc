@@ -22,6 +22,7 @@
 #include "planner/pipeline/pipeline_plan.h"
 #include "planner/synth/planner.h"
 #include "tools/hapctl_graph.h"
+#include "tools/hapctl_optimizer.h"
 
 namespace hap::tools {
 namespace {
@@ -259,41 +260,13 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
 }
 
 // The plan file's options from the flags (optimizer, seed, precision).
-absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args, const std::string& opt,
+absl::StatusOr<hap::v1::PlanOptions> SavedPlanOptions(const Args& args,
                                                       hap::v1::Precision precision) {
   hap::v1::PlanOptions po;
   po.set_precision(precision);
-  hap::v1::OptimizerConfig* o = po.mutable_optimizer();
-  o->set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM
-                            : hap::v1::OptimizerConfig::SGD);
-  HAP_ASSIGN_OR_RETURN(double lr, args.Number("lr", opt == "adam" ? 1e-3 : 0.1));
-  HAP_ASSIGN_OR_RETURN(double m, args.Number("momentum", opt == "momentum" ? 0.9 : 0));
-  HAP_ASSIGN_OR_RETURN(double wd, args.Number("weight-decay", 0));
-  HAP_ASSIGN_OR_RETURN(double clip, args.Number("clip-norm", 0));
+  HAP_ASSIGN_OR_RETURN(*po.mutable_optimizer(), OptimizerFromFlags(args));
   HAP_ASSIGN_OR_RETURN(int64_t seed,
                        args.Integer("seed", 0, 0, std::numeric_limits<int64_t>::max()));
-  // Each named with its value (one message listed all four rules). The
-  // momentum as the planner service takes it: from 1 on, a step's update
-  // never decays and training diverges.
-  if (!(lr > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--lr must be positive, got '", args.Get("lr"), "'"));
-  }
-  if (!(m >= 0 && m < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--momentum must be from 0 to below 1, got '", args.Get("momentum"), "'"));
-  }
-  for (const auto& [flag, v] :
-       {std::pair<const char*, double>{"weight-decay", wd}, {"clip-norm", clip}}) {
-    if (v < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", flag, " must not be negative, got '", args.Get(flag), "'"));
-    }
-  }
-  o->set_learning_rate(lr);
-  o->set_momentum(m);
-  o->set_weight_decay(wd);
-  o->set_clip_global_norm(clip);
   po.set_seed(static_cast<uint64_t>(seed));
   return po;
 }
@@ -561,22 +534,18 @@ int RunPlan(const std::vector<std::string>& argv) {
         "--gradient-precision must be fp32 or bf16, got '", gradient_precision, "'")));
   }
   po.bf16_gradients = gradient_precision == "bf16";
-  std::string opt = args->Get("optimizer", "momentum");
-  if (opt == "sgd") {
-    po.optimizer = synth::OptimizerKind::kSgd;
-  } else if (opt == "adam") {
-    po.optimizer = synth::OptimizerKind::kAdam;
-  } else if (opt != "momentum") {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt,
-                     "'")));
-  }
   // The plan file's optimizer flags, checked with or without --save-plan:
   // they were read only to save it, so 'hapctl plan --lr -1' planned and
   // exited 0.
   auto saved_options =
-      SavedPlanOptions(*args, opt, bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
+      SavedPlanOptions(*args, bf16 ? hap::v1::PRECISION_BF16 : hap::v1::PRECISION_FP32);
   if (!saved_options.ok()) return Fail(saved_options.status());
+  // Priced as the planner service prices it (and as the executors run it):
+  // SGD with a momentum keeps a momentum buffer.
+  const hap::v1::OptimizerConfig& opt = saved_options->optimizer();
+  po.optimizer = opt.kind() == hap::v1::OptimizerConfig::ADAM ? synth::OptimizerKind::kAdam
+                 : opt.momentum() > 0                         ? synth::OptimizerKind::kSgdMomentum
+                                                              : synth::OptimizerKind::kSgd;
   auto ms = args->Integer("max-states", po.max_states, 1, std::numeric_limits<int64_t>::max());
   auto mx = args->Number("max-seconds", po.max_seconds);
   if (!ms.ok()) return Fail(ms.status());

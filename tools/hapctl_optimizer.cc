@@ -1,0 +1,47 @@
+#include "tools/hapctl_optimizer.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace hap::tools {
+
+absl::StatusOr<hap::v1::OptimizerConfig> OptimizerFromFlags(const Args& args) {
+  const std::string opt = args.Get("optimizer", "momentum");
+  if (opt != "sgd" && opt != "momentum" && opt != "adam") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt, "'"));
+  }
+  HAP_ASSIGN_OR_RETURN(double lr, args.Number("lr", opt == "adam" ? 1e-3 : 0.1));
+  HAP_ASSIGN_OR_RETURN(double m, args.Number("momentum", opt == "momentum" ? 0.9 : 0));
+  HAP_ASSIGN_OR_RETURN(double wd, args.Number("weight-decay", 0));
+  HAP_ASSIGN_OR_RETURN(double clip, args.Number("clip-norm", 0));
+  // Each named with its value. The momentum as the planner service takes
+  // it: from 1 on, a step's update never decays and training diverges.
+  if (!(lr > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lr must be positive, got '", args.Get("lr"), "'"));
+  }
+  if (!(m >= 0 && m < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--momentum must be from 0 to below 1, got '", args.Get("momentum"), "'"));
+  }
+  for (const auto& [flag, v] :
+       {std::pair<const char*, double>{"weight-decay", wd}, {"clip-norm", clip}}) {
+    if (v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must not be negative, got '", args.Get(flag), "'"));
+    }
+  }
+  hap::v1::OptimizerConfig o;
+  o.set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM : hap::v1::OptimizerConfig::SGD);
+  o.set_learning_rate(lr);
+  o.set_momentum(m);
+  o.set_weight_decay(wd);
+  o.set_clip_global_norm(clip);
+  return o;
+}
+
+}  // namespace hap::tools
