@@ -431,6 +431,33 @@ TEST_F(PlannerCoreTest, WhatARunDoesNotFitStaysAsTheDevicesEarlierCalibration) {
   EXPECT_DOUBLE_EQ(now.collective_overhead_seconds(), fitted.collective_overhead_seconds());
 }
 
+// A calibration is the planner's own (CalibrateDevices), never an agent's:
+// one a node sends is dropped. It was dropped only when the node was
+// registered already, so a first registration that carried one (a NaN op
+// scale, an overhead of 1e300 s: no check applies to it) was kept and
+// applied to every later plan on the device.
+TEST_F(PlannerCoreTest, ACalibrationANodeSendsIsDroppedAtItsFirstRegistration) {
+  v1::Node a = MakeNode("a", 1, 2e12);
+  v1::DeviceCalibration& sent = *a.mutable_devices(0)->mutable_calibration();
+  (*sent.mutable_op_time_scale())["linear"] = std::nan("");
+  sent.set_collective_overhead_seconds(1e300);
+  sent.set_probed_flops(2e12);
+  sent.set_deployment("deployments/forged");
+  auto registered = core_->RegisterNode(a);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_FALSE(registered->node().devices(0).has_calibration());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  EXPECT_FALSE(core_->GetCluster(true).nodes(0).devices(0).has_calibration());
+  {
+    absl::MutexLock l(&sink_.mu);
+    EXPECT_FALSE(sink_.nodes.at("a").devices(0).has_calibration());
+  }
+  auto p = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->state(), v1::Plan::SUCCEEDED) << p->error();
+  EXPECT_EQ(p->calibration(), "");
+}
+
 TEST_F(PlannerCoreTest, AHeartbeatIsCheckedLikeARegistration) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
