@@ -173,7 +173,59 @@ absl::StatusOr<std::unique_ptr<PipelineRunner>> PipelineRunner::Create(
         runner->comm().rank(), " of ", runner->comm().size()));
   }
   HAP_RETURN_IF_ERROR(p->Analyze());
+  HAP_RETURN_IF_ERROR(p->CheckPieces());
   return p;
+}
+
+absl::Status PipelineRunner::CheckPieces() const {
+  const size_t S = layout_.stage_ranks.size();
+  const auto& out = layout_.output_pieces;
+  const auto& in_grad = layout_.input_grad_pieces;
+  if (out.empty() && in_grad.empty()) return absl::OkStatus();
+  auto bad = [](const std::string& what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the pipeline layout's boundary pieces: ", what));
+  };
+  if (out.size() != S || in_grad.size() != S) {
+    return bad(
+        absl::StrCat("pieces for ", out.size(), " and ", in_grad.size(), " of its ", S, " stages"));
+  }
+  // Stage `from`'s pieces of what it sends into this rank's buffer `id`.
+  auto check = [&](int from, const std::vector<PipelineLayout::Piece>& pieces, int id,
+                   const std::string& what) -> absl::Status {
+    const size_t ranks = layout_.stage_ranks[from].size();
+    if (pieces.size() != ranks) {
+      return bad(absl::StrCat("stage ", from, " gives ", pieces.size(), " pieces of its ", what,
+                              " for its ", ranks, " ranks"));
+    }
+    const v1::Buffer& b = runner_->program().buffers(id);
+    const Shape global(b.global_shape().begin(), b.global_shape().end());
+    for (size_t i = 0; i < ranks; ++i) {
+      const PipelineLayout::Piece& p = pieces[i];
+      const bool whole = p.kind == v1::TensorForm::REPLICATED || p.kind == v1::TensorForm::PARTIAL;
+      bool fits = (whole || p.kind == v1::TensorForm::SHARDED) && p.shape.size() == global.size() &&
+                  p.offsets.size() == global.size();
+      for (size_t d = 0; fits && d < global.size(); ++d) {
+        fits = p.offsets[d] >= 0 && p.shape[d] >= 0 && p.shape[d] <= global[d] - p.offsets[d] &&
+               (!whole || p.shape[d] == global[d]);
+      }
+      if (!fits) {
+        return bad(
+            absl::StrCat("rank ", i, "'s piece of stage ", from, "'s ", what, " (",
+                         v1::TensorForm::Kind_IsValid(p.kind)
+                             ? v1::TensorForm::Kind_Name(static_cast<v1::TensorForm::Kind>(p.kind))
+                             : absl::StrCat("kind ", p.kind),
+                         " ", graph::ShapeString(p.shape), " at ", graph::ShapeString(p.offsets),
+                         ") does not fit ", graph::ShapeString(global)));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (stage_in_ >= 0) HAP_RETURN_IF_ERROR(check(stage_ - 1, out[stage_ - 1], stage_in_, "output"));
+  if (out_grad_ >= 0) {
+    HAP_RETURN_IF_ERROR(check(stage_ + 1, in_grad[stage_ + 1], out_grad_, "input gradient"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PipelineRunner::Analyze() {

@@ -147,6 +147,10 @@ class PipelineRunner {
   PipelineRunner(ProgramRunner* runner, Communicator* world, const PipelineLayout& layout)
       : runner_(runner), world_(world), layout_(layout) {}
   absl::Status Analyze();
+  // The layout's boundary pieces (when it has them) describe what this rank
+  // receives: every rank of the sending stage, each piece inside the tensor,
+  // the whole of it for a replicated or partial form.
+  absl::Status CheckPieces() const;
   absl::Status Forward(const Batch& batch, int m, int64_t step);
   absl::Status Backward(int m, int64_t step);
   // Steps [forward_end_, backward_end_): the deferred starts left out, or

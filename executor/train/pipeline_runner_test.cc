@@ -33,6 +33,7 @@
 #include "executor/data/batches.h"
 #include "executor/runtime/timing_device.h"
 #include "executor/train/backend.h"
+#include "executor/train/in_process_comm.h"
 #include "executor/train/pipeline.h"
 #include "executor/train/pipeline_test_util.h"
 #include "executor/train/test_programs.h"
@@ -642,6 +643,49 @@ TEST(PipelineRunnerTest, ResumedPipelineContinuesTheSameRun) {
       EXPECT_LE(worst, 1e-6) << "rank " << r << " " << resumed[r].parameters[i].name;
     }
   }
+}
+
+// Boundary pieces that do not describe what a rank receives are refused
+// when its runner is made: a stage's pieces missing (the receive indexed
+// an empty list), a list per stage short of a stage, or a PARTIAL piece
+// smaller than the tensor (summed over the whole tensor's elements, it was
+// read past its end). Nothing here communicates: in-process communicators
+// stand in for the world and the stage groups.
+TEST(PipelineRunnerTest, BoundaryPiecesThatDoNotFitAreRefused) {
+  const graph::Graph g = PipelineTestModel("mlp");
+  auto lowered = LowerPipeline(g, MakeSpec("mlp", {1, 1}, 2, false, "dp"));
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  auto world = executor::NewInProcessGroup(2);
+  std::unique_ptr<Device> device = executor::NewCpuDevice(1);
+  std::vector<std::vector<std::unique_ptr<Communicator>>> groups;
+  std::vector<std::unique_ptr<ProgramRunner>> runners;
+  for (int r = 0; r < 2; ++r) {
+    groups.push_back(executor::NewInProcessGroup(1));
+    auto runner = ProgramRunner::Create(lowered->programs[r], *lowered->micro, device.get(),
+                                        groups.back()[0].get());
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    runners.push_back(*std::move(runner));
+  }
+  auto refused = [&](int rank, const executor::PipelineLayout& layout, const std::string& what) {
+    auto pipe = PipelineRunner::Create(runners[rank].get(), world[rank].get(), layout);
+    ASSERT_FALSE(pipe.ok()) << "rank " << rank << ": " << what;
+    EXPECT_EQ(pipe.status().code(), absl::StatusCode::kInvalidArgument) << pipe.status();
+    EXPECT_NE(pipe.status().message().find(what), std::string::npos) << pipe.status();
+  };
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(PipelineRunner::Create(runners[r].get(), world[r].get(), lowered->layout).ok());
+  }
+  executor::PipelineLayout layout = lowered->layout;
+  layout.output_pieces[0].clear();
+  refused(1, layout, "stage 0 gives 0 pieces of its output for its 1 ranks");
+  layout = lowered->layout;
+  layout.input_grad_pieces.pop_back();
+  refused(0, layout, "pieces for 2 and 1 of its 2 stages");
+  layout = lowered->layout;
+  executor::PipelineLayout::Piece& piece = layout.output_pieces[0][0];
+  piece.kind = v1::TensorForm::PARTIAL;
+  piece.shape[0] -= 1;
+  refused(1, layout, "rank 0's piece of stage 0's output (PARTIAL");
 }
 
 // A plan whose pipeline has a stage without devices is refused by name
