@@ -234,11 +234,17 @@ class Pass {
   // Stop asked: cancel plans in flight, stop the deployment, then STOPPED.
   // A deployment of next_plan the job has not recorded (its save failed, or
   // the planner died between the deploy and the save) is the job's too:
-  // adopted, then stopped, as a pass would adopt it (Deploy).
+  // adopted, then stopped, as a pass would adopt it (Deploy). It is made
+  // only once the one recorded before it has ended (a switch's or a
+  // recovery's old deployment, still recorded when the save failed).
   void RunStop() {
-    if (st().deployment().empty() && !st().next_plan().empty()) {
-      for (const v1::Deployment& x : b_.DeploymentsOf(st().next_plan())) {
-        if (!DeploymentFinal(x.state())) st().set_deployment(x.name());
+    if (!st().next_plan().empty()) {
+      absl::StatusOr<v1::Deployment> recorded = absl::NotFoundError("none recorded");
+      if (!st().deployment().empty()) recorded = b_.GetDeployment(st().deployment());
+      if (!recorded.ok() || DeploymentFinal(recorded->state())) {
+        for (const v1::Deployment& x : b_.DeploymentsOf(st().next_plan())) {
+          if (!DeploymentFinal(x.state())) st().set_deployment(x.name());
+        }
       }
     }
     CancelPlan(st().next_plan());

@@ -108,6 +108,33 @@ TEST_F(JobsTest, ASwitchTheSinkRefusesStopsNothing) {
   EXPECT_EQ(fake_.requests.size(), 2u);
 }
 
+// A switch's deployment the job did not record (the save after the deploy
+// refused, or the planner died before it) while the job still records the
+// deployment it switched from, STOPPED: StopJob adopted an unrecorded
+// deployment only when the job recorded none, so the job ended STOPPED with
+// the new deployment still training.
+TEST_F(JobsTest, StopAfterAnUnrecordedSwitchDeployStopsThatDeploymentToo) {
+  const std::string first = SwitchPending();
+  fake_.checkpoint = 30;
+  fake_.Only(first).set_steps_completed(31);
+  c_->Reconcile();  // the switch saved, the first deployment stopped
+  ASSERT_EQ(fake_.Only(first).state(), v1::Deployment::STOPPED);
+  ASSERT_EQ(Job().status().next_plan(), "plans/train-p2");
+  sink_.refuse = true;  // the disk fills up just as the job deploys p2
+  c_->Reconcile();
+  ASSERT_EQ(fake_.deployed.size(), 2u);
+  const std::string unrecorded = fake_.deployed[1];
+  ASSERT_EQ(Deployment(), first);  // as saved
+  fake_.SetState(unrecorded, v1::Deployment::RUNNING);
+  sink_.refuse = false;
+  ASSERT_OK(c_->Stop("jobs/train").status());
+  for (int i = 0; i < 3 && State() != v1::JobStatus::STOPPED; ++i) c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::STOPPED);
+  EXPECT_EQ(fake_.Only(unrecorded).state(), v1::Deployment::STOPPED)
+      << "StopJob left " << unrecorded << " "
+      << v1::Deployment::State_Name(fake_.Only(unrecorded).state());
+}
+
 // A switch waiting for the next checkpoint is not made when that
 // checkpoint is the job's last step: nothing is left to run faster.
 TEST_F(JobsTest, NoSwitchAtTheJobsFinalCheckpoint) {
