@@ -255,6 +255,9 @@ struct ExecutorCore::Loaded {
   std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
   // Set by Stop; read by the training thread between steps.
   std::atomic<bool> cancelled{false};
+  // When the first Stop of this load came (guarded by mu_): the step in
+  // progress is abandoned stop_wait after it, whatever the callers' deadlines.
+  absl::Time stop_asked = absl::InfiniteFuture();
   // Who cancelled (guarded by mu_), for the error: "stopped by <who>".
   std::string stopped_by = "StopTraining";
   // Set (under the core's mu_) when Stop gave up waiting for the step in
@@ -745,7 +748,9 @@ void ExecutorCore::JoinTrainingThread() {
 
 absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deployment,
                                                       absl::Time wait_until) {
+  const absl::Time called = absl::Now();
   absl::MutexLock ops(&ops_mu_);
+  absl::Time asked;
   {
     absl::MutexLock l(&mu_);
     if (loaded_ == nullptr) return StatusLocked();  // nothing to stop
@@ -758,11 +763,21 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
     }
     if (state_ != v1::ExecutorStatus::TRAINING) return StatusLocked();
     loaded_->cancelled = true;
+    if (loaded_->stop_asked == absl::InfiniteFuture()) loaded_->stop_asked = absl::Now();
+    asked = loaded_->stop_asked;
   }
-  const absl::Time asked = absl::Now();
   WaitUntilDone(std::min(wait_until, asked + o_.stop_wait));
   ReapRetired(/*all=*/false);
   absl::MutexLock l(&mu_);
+  if (state_ == v1::ExecutorStatus::TRAINING && wait_until <= called &&
+      absl::Now() < asked + o_.stop_wait) {
+    // A caller whose deadline had passed before it was served waited for
+    // nothing, and its answer reaches no one: the step in progress, most
+    // likely healthy, is not given up on for it. The answer is TRAINING,
+    // the run stopping at its next step boundary; a later Stop waits again
+    // (and one stop_wait after the first Stop abandons a step still stuck).
+    return StatusLocked();
+  }
   if (state_ == v1::ExecutorStatus::TRAINING) {
     // The step in progress did not end: most likely a collective waiting for
     // a peer that is frozen or gone, which only the communicator timeout

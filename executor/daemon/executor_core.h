@@ -135,9 +135,12 @@ class ExecutorCore {
   absl::StatusOr<std::string> LoadPlan(LoadOptions options,
                                        const std::function<absl::Status()>& check_caller = nullptr);
   absl::StatusOr<hap::v1::ExecutorStatus> Start(const std::string& deployment);
-  // Waits for the step in progress until `wait_until` or stop_wait,
-  // whichever is sooner, then abandons it (see the state diagram): the
-  // status returned is never TRAINING.
+  // Asks the run to stop at its next step boundary and waits for it until
+  // `wait_until` or stop_wait after this load's first Stop, whichever is
+  // sooner, then abandons a step still in progress (see the state diagram):
+  // FAILED. Except for a `wait_until` already past when Stop is called (a
+  // caller gone): then a step still in progress before stop_wait is
+  // answered TRAINING (stopping), not given up on.
   absl::StatusOr<hap::v1::ExecutorStatus> Stop(const std::string& deployment,
                                                absl::Time wait_until = absl::InfiniteFuture());
   hap::v1::ExecutorStatus Status() const;

@@ -245,6 +245,77 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   EXPECT_EQ(reported, 0);
 }
 
+// A Stop whose caller's deadline has passed (or comes before the step in
+// progress ends) does not give up on a healthy step: it was abandoned at
+// once, the run FAILED "abandoned" and its thread retired while it went on
+// computing, although it stopped cleanly at the next step boundary.
+TEST(ExecutorCoreTest, AStopWithAPassedDeadlineDoesNotAbandonAHealthyStep) {
+  const std::string dir = ::testing::TempDir() + "/passed_deadline_store";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  ExecutorCoreOptions options;  // real Gloo over a file store, as above
+  options.planner_address = "127.0.0.1:7000";
+  options.comm_timeout = absl::Seconds(3);
+  options.make_store = [dir](const LoadOptions&) { return NewFileStore(dir); };
+  ExecutorCoreOptions peer_options = options;
+  absl::Notification entered, release;
+  options.stop_wait = absl::Seconds(600);
+  options.on_step = [&](const v1::StepMetric&) {  // step 0 goes on until released
+    if (!entered.HasBeenNotified()) entered.Notify();
+    release.WaitForNotification();
+  };
+  ExecutorCore core(options), peer(peer_options);
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(peer.LoadPlan(MlpLoad(2, 1, 1'000)), IsOk());
+  ASSERT_THAT(core.Start(""), IsOk());
+  ASSERT_THAT(peer.Start(""), IsOk());
+  entered.WaitForNotification();
+
+  auto stopping = core.Stop("deployments/d1", absl::Now());
+  ASSERT_THAT(stopping, IsOk());
+  EXPECT_EQ(stopping->state(), v1::ExecutorStatus::TRAINING);
+  EXPECT_EQ(core.RetiredThreads(), 0);
+
+  release.Notify();
+  auto stopped = core.Stop("deployments/d1");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(), HasSubstr("stopped by StopTraining after 1 of 1000 steps"));
+  EXPECT_THAT(stopped->error(), ::testing::Not(HasSubstr("abandoned")));
+  EXPECT_EQ(stopped->error_code(), static_cast<int>(absl::StatusCode::kCancelled));
+  EXPECT_EQ(core.RetiredThreads(), 0);
+  // The peer, left in its next collective, fails naming its lost peer.
+  EXPECT_THAT(peer.WaitUntilDone(absl::InfiniteFuture()).error(), HasSubstr("peer"));
+}
+
+// A step stuck for good is still abandoned stop_wait after the first Stop,
+// by a later Stop whose own wait is short.
+TEST(ExecutorCoreTest, AStuckStepIsAbandonedStopWaitAfterTheFirstStop) {
+  absl::Notification entered, release;
+  ExecutorCoreOptions options = InProcessOptions(nullptr);
+  options.stop_wait = absl::Milliseconds(300);
+  options.connect = [&](const GlooOptions& go,
+                        RendezvousStore&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return std::make_unique<HungPeerCommunicator>(go.rank, &entered, &release);
+  };
+  ExecutorCore core(options);
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 1'000)), IsOk());
+  ASSERT_THAT(core.Start("deployments/d1"), IsOk());
+  entered.WaitForNotification();
+  auto first = core.Stop("deployments/d1", absl::Now());
+  ASSERT_THAT(first, IsOk());
+  EXPECT_EQ(first->state(), v1::ExecutorStatus::TRAINING);
+  absl::SleepFor(absl::Milliseconds(400));
+  auto later = core.Stop("deployments/d1", absl::Now());
+  ASSERT_THAT(later, IsOk());
+  EXPECT_EQ(later->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(later->error(), HasSubstr("abandoned"));
+  EXPECT_EQ(core.RetiredThreads(), 1);
+  release.Notify();
+  core.Shutdown();
+  EXPECT_EQ(core.RetiredThreads(), 0);
+}
+
 // A rendezvous store whose other ranks never come: Get waits for a key
 // until its timeout; after `release` (the end of the test) every Get fails.
 class NoPeersStore : public RendezvousStore {
