@@ -4,6 +4,7 @@
 #ifndef HAP_EXECUTOR_DAEMON_CORE_TEST_UTIL_H_
 #define HAP_EXECUTOR_DAEMON_CORE_TEST_UTIL_H_
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -79,30 +80,45 @@ inline ExecutorCoreOptions InProcessOptions(InProcessGroup* group) {
 }
 
 // A communicator whose peer never answers: every collective blocks until
-// `release` is notified, then fails as a vanished peer does.
+// `release` is notified, then fails as a vanished peer does. With `inner`
+// and `armed`, calls go to `inner` until `*armed` is set, and hang from then
+// on (the peer vanishes mid-run).
 class HungPeerCommunicator : public Communicator {
  public:
   HungPeerCommunicator(int rank, absl::Notification* entered, absl::Notification* release)
       : rank_(rank), entered_(entered), release_(release) {}
+  HungPeerCommunicator(std::unique_ptr<Communicator> inner, const std::atomic<bool>* armed,
+                       absl::Notification* entered, absl::Notification* release)
+      : rank_(inner->rank()),
+        entered_(entered),
+        release_(release),
+        inner_(std::move(inner)),
+        armed_(armed) {}
   int rank() const override { return rank_; }
   int size() const override { return 2; }
-  absl::Status AllReduce(TensorView) override { return Hang(); }
-  absl::Status AllGather(TensorView, TensorView, absl::Span<const int64_t>, CommMethod) override {
-    return Hang();
+  absl::Status AllReduce(TensorView b) override { return Hung() ? Hang() : inner_->AllReduce(b); }
+  absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                         CommMethod m) override {
+    return Hung() ? Hang() : inner_->AllGather(in, out, counts, m);
   }
-  absl::Status ReduceScatter(TensorView, TensorView, absl::Span<const int64_t>,
-                             CommMethod) override {
-    return Hang();
+  absl::Status ReduceScatter(TensorView in, TensorView out, absl::Span<const int64_t> counts,
+                             CommMethod m) override {
+    return Hung() ? Hang() : inner_->ReduceScatter(in, out, counts, m);
   }
-  absl::Status AllToAll(TensorView, absl::Span<const int64_t>, TensorView,
-                        absl::Span<const int64_t>) override {
-    return Hang();
+  absl::Status AllToAll(TensorView in, absl::Span<const int64_t> sc, TensorView out,
+                        absl::Span<const int64_t> rc) override {
+    return Hung() ? Hang() : inner_->AllToAll(in, sc, out, rc);
   }
-  absl::Status Broadcast(TensorView, int) override { return Hang(); }
-  absl::Status Reduce(TensorView, TensorView, int) override { return Hang(); }
-  absl::Status Barrier() override { return Hang(); }
+  absl::Status Broadcast(TensorView b, int root) override {
+    return Hung() ? Hang() : inner_->Broadcast(b, root);
+  }
+  absl::Status Reduce(TensorView in, TensorView out, int root) override {
+    return Hung() ? Hang() : inner_->Reduce(in, out, root);
+  }
+  absl::Status Barrier() override { return Hung() ? Hang() : inner_->Barrier(); }
 
  private:
+  bool Hung() const { return inner_ == nullptr || armed_->load(); }
   absl::Status Hang() {
     if (!entered_->HasBeenNotified()) entered_->Notify();
     release_->WaitForNotification();
@@ -111,6 +127,8 @@ class HungPeerCommunicator : public Communicator {
   const int rank_;
   absl::Notification* entered_;
   absl::Notification* release_;
+  std::unique_ptr<Communicator> inner_;
+  const std::atomic<bool>* armed_ = nullptr;
 };
 
 }  // namespace hap::executor::testing

@@ -255,6 +255,9 @@ struct ExecutorCore::Loaded {
   std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
   // Set by Stop; read by the training thread between steps.
   std::atomic<bool> cancelled{false};
+  // The step whose checkpoint the training thread is saving, -1 when none:
+  // an abandoned save is named as such, not blamed on a collective.
+  std::atomic<int64_t> saving_after{-1};
   // When the first Stop of this load came (guarded by mu_): the step in
   // progress is abandoned stop_wait after it, whatever the callers' deadlines.
   absl::Time stop_asked = absl::InfiniteFuture();
@@ -617,7 +620,10 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
       // No checkpoint from a retired thread: a new load may own the directory.
       to.after_step = [&loaded](ProgramRunner& runner, int64_t steps_done) {
         if (loaded->abandoned) return absl::OkStatus();
-        return loaded->after_step(runner, steps_done);
+        loaded->saving_after = steps_done;
+        absl::Status saved = loaded->after_step(runner, steps_done);
+        loaded->saving_after = -1;
+        return saved;
       };
     }
     to.cancelled = [&loaded] { return loaded->cancelled.load(); };
@@ -793,13 +799,20 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
     }
     state_ = v1::ExecutorStatus::FAILED;
     error_code_ = absl::StatusCode::kCancelled;
+    const int64_t saving = loaded_->saving_after;
     error_ = absl::StrCat(
         "stopped by ", loaded_->stopped_by, " after ", steps_completed_, " of ",
-        loaded_->options.training.steps(), " steps; the step in progress did not end within ",
+        loaded_->options.training.steps(), " steps; ",
+        saving >= 0 ? absl::StrCat("saving the checkpoint of step ", saving)
+                    : std::string("the step in progress"),
+        " did not end within ",
         absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Milliseconds(1))),
-        " and was abandoned (a collective waiting for a peer that is gone ends at the "
-        "communicator timeout, ",
-        absl::FormatDuration(o_.comm_timeout), ")");
+        " and was abandoned ",
+        saving >= 0
+            ? std::string("(that checkpoint is not committed; the latest committed one stays)")
+            : absl::StrCat("(a collective waiting for a peer that is gone ends at the "
+                           "communicator timeout, ",
+                           absl::FormatDuration(o_.comm_timeout), ")"));
   }
   return StatusLocked();
 }

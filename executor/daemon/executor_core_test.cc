@@ -245,6 +245,52 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   EXPECT_EQ(reported, 0);
 }
 
+// SIGTERM or StopTraining while a checkpoint save is stuck (here a peer
+// vanishes in the save's collective): the abandoned save is named, with
+// what it means, instead of blaming a step's collective.
+TEST(ExecutorCoreTest, AnAbandonedCheckpointSaveIsNamedAsSuch) {
+  const std::string dir = ::testing::TempDir() + "/abandoned_save";
+  std::filesystem::remove_all(dir);
+  InProcessGroup group(2);
+  std::atomic<bool> armed[2] = {false, false};
+  absl::Notification entered[2], release;
+  std::vector<std::unique_ptr<ExecutorCore>> cores;
+  for (int r = 0; r < 2; ++r) {
+    ExecutorCoreOptions o = InProcessOptions(&group);
+    o.stop_wait = absl::Milliseconds(200);
+    auto connect = o.connect;
+    o.connect = [&, r, connect](
+                    const GlooOptions& go,
+                    RendezvousStore& store) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+      HAP_ASSIGN_OR_RETURN(auto inner, connect(go, store));
+      return std::make_unique<HungPeerCommunicator>(std::move(inner), &armed[r], &entered[r],
+                                                    &release);
+    };
+    // Step 1's metric comes just before the checkpoint of step 2 is saved.
+    o.on_step = [&, r](const v1::StepMetric& m) {
+      if (m.step() == 1) armed[r] = true;
+    };
+    cores.push_back(std::make_unique<ExecutorCore>(o));
+    LoadOptions load = MlpLoad(2, r, 1'000);
+    load.training.set_checkpoint_dir(dir);
+    load.training.set_checkpoint_every(2);
+    ASSERT_THAT(cores[r]->LoadPlan(load), IsOk());
+  }
+  for (auto& c : cores) ASSERT_THAT(c->Start("deployments/d1"), IsOk());
+  entered[0].WaitForNotification();
+  auto stopped = cores[0]->Stop("deployments/d1");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(),
+              ::testing::AllOf(HasSubstr("saving the checkpoint of step 2 did not end"),
+                               HasSubstr("abandoned (that checkpoint is not committed"),
+                               ::testing::Not(HasSubstr("collective"))));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step-00000002/COMMITTED"));
+  ASSERT_THAT(cores[1]->Stop("deployments/d1"), IsOk());
+  release.Notify();
+  for (auto& c : cores) c->Shutdown();
+}
+
 // A Stop whose caller's deadline has passed (or comes before the step in
 // progress ends) does not give up on a healthy step: it was abandoned at
 // once, the run FAILED "abandoned" and its thread retired while it went on
