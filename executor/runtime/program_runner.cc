@@ -338,6 +338,19 @@ absl::Status ProgramRunner::Validate() {
                                 p.buffers(id).tensor(), "') of the asynchronous ",
                                 StepName(p, it->second), " before its wait"));
       }
+      // Nor memory of theirs under another buffer (the arena is shared).
+      if (id < 0 || views_[id].bytes() == 0) continue;
+      const int64_t begin = p.buffers(id).offset_bytes(), end = begin + views_[id].bytes();
+      for (const auto& [other, start] : busy) {
+        const int64_t other_begin = p.buffers(other).offset_bytes();
+        if (views_[other].bytes() > 0 && begin < other_begin + views_[other].bytes() &&
+            other_begin < end) {
+          return bad(absl::StrCat(
+              StepName(p, i), " touches buffer ", id, " ('", p.buffers(id).tensor(),
+              "'), which shares arena bytes with buffer ", other, " ('", p.buffers(other).tensor(),
+              "') of the asynchronous ", StepName(p, start), " before its wait"));
+        }
+      }
     }
     if (s.has_collective() && s.collective().async()) {
       for (int id : ids) busy[id] = i;

@@ -421,5 +421,41 @@ TEST_F(AsyncProgramTest, RejectsMissingWaitsAndStepsTouchingBuffersInFlight) {
                                       HasSubstr("no asynchronous collective started at step 0")));
 }
 
+// Buffers share the arena; one whose bytes overlap a buffer of a
+// collective in flight is as much the communication thread's as that
+// buffer itself: a step between the start and its wait that writes it
+// races with the collective.
+TEST_F(AsyncProgramTest, RejectsStepsTouchingTheArenaBytesOfBuffersInFlight) {
+  const v1::Buffer& grad = async_program_.buffers(grad_);
+  auto with_fill_at = [&](int64_t offset_bytes) {
+    v1::RankProgram p = async_program_;
+    const int alias = AddScratch(p, {1});
+    p.mutable_buffers(alias)->set_offset_bytes(offset_bytes);
+    v1::Step fill;
+    fill.set_phase(v1::Step::GRADIENT_SYNC);
+    fill.mutable_kernel()->set_kernel("fill");
+    fill.mutable_kernel()->add_outputs(alias);
+    // Between the start and its wait.
+    p.mutable_steps()->Add(std::move(fill));
+    for (int i = p.steps_size() - 1; i > wait_; --i) p.mutable_steps()->SwapElements(i, i - 1);
+    return p;
+  };
+  int64_t elements = 1;
+  for (int64_t d : grad.shape()) elements *= d;
+  const int64_t last_float = grad.offset_bytes() + 4 * (elements - 1);
+  for (int64_t at : {grad.offset_bytes(), last_float}) {
+    EXPECT_THAT(Create(with_fill_at(at)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("shares arena bytes with buffer ", grad_,
+                                                " ('layer0/fc/weight#grad') of the asynchronous "
+                                                "step ",
+                                                start_))))
+        << "at byte " << at;
+  }
+  // Just past the gradient's bytes: no overlap.
+  auto past = Create(with_fill_at(last_float + 4));
+  EXPECT_TRUE(past.ok()) << past.status();
+}
+
 }  // namespace
 }  // namespace hap::executor
