@@ -101,13 +101,20 @@ grpc::Status ExecutorServiceImpl::StreamStepMetrics(
   // generation) between two waits was streamed on as if the same run.
   int64_t load = 0;
   bool done = false;
-  auto first =
+  auto batch =
       core_->WaitMetrics(r->deployment(), r->from_step(), absl::InfinitePast(), &done, &load);
-  if (!first.ok()) return ToGrpc(first.status());
+  if (!batch.ok()) return ToGrpc(batch.status());
   writer->SendInitialMetadata();  // admitted (a client gone is noticed below)
   const absl::Time deadline = CallDeadline(ctx);
   int64_t next = r->from_step();
   while (true) {
+    for (const v1::StepMetric& m : *batch) {
+      if (!writer->Write(m)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      }
+      next = m.step() + 1;
+    }
+    if (done) return grpc::Status::OK;
     if (ctx->IsCancelled()) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the stream");
     }
@@ -116,17 +123,10 @@ grpc::Status ExecutorServiceImpl::StreamStepMetrics(
                           "the stream's deadline passed before training ended");
     }
     // Short waits, so a cancelled client is noticed promptly.
-    auto batch =
+    batch =
         core_->WaitMetrics(r->deployment(), next,
                            std::min(deadline, absl::Now() + absl::Milliseconds(200)), &done, &load);
     if (!batch.ok()) return ToGrpc(batch.status());
-    for (const v1::StepMetric& m : *batch) {
-      if (!writer->Write(m)) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-      }
-      next = m.step() + 1;
-    }
-    if (done) return grpc::Status::OK;
   }
 }
 
