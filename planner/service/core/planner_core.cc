@@ -1049,17 +1049,52 @@ absl::StatusOr<v1::Plan> PlannerCore::CancelPlan(const std::string& name) {
 
 absl::Status PlannerCore::DeletePlan(const std::string& name) {
   HAP_RETURN_IF_ERROR(PlanId(name).status());
-  absl::MutexLock l(&s_->mu);
-  auto it = s_->plans.find(name);
-  if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-  // Removed from the store first: a plan the store keeps stays here too.
-  if (o_.sink) {
-    absl::Status st = o_.sink->DeletePlan(name);
-    if (!st.ok() && !absl::IsNotFound(st)) {
-      return Annotate(st, absl::StrCat(name, " was not deleted"));
+  while (true) {
+    std::set<std::string> in_use;
+    uint64_t unpins_seen = 0;
+    HAP_RETURN_IF_ERROR(
+        Annotate(PlansInUse(&in_use, &unpins_seen), absl::StrCat(name, " was not deleted")));
+    absl::MutexLock l(&s_->mu);
+    // A deploy that unpinned since made its deployment: read them again.
+    if (s_->unpins != unpins_seen) continue;
+    auto it = s_->plans.find(name);
+    if (it == s_->plans.end()) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+    // A deployment names its plan, as from retention: kept while a deploy
+    // holds it or a deployment uses it.
+    if (s_->pins.count(name)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name, " is being deployed; delete it once its deployment is deleted"));
     }
+    if (in_use.count(name)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name,
+          " is the plan of a deployment: delete the deployment first (stop it if it is "
+          "not finished)"));
+    }
+    // Removed from the store first: a plan the store keeps stays here too.
+    if (o_.sink) {
+      absl::Status st = o_.sink->DeletePlan(name);
+      if (!st.ok() && !absl::IsNotFound(st)) {
+        return Annotate(st, absl::StrCat(name, " was not deleted"));
+      }
+    }
+    ErasePlanLocked(name);
+    return absl::OkStatus();
   }
-  ErasePlanLocked(name);
+}
+
+absl::Status PlannerCore::PlansInUse(std::set<std::string>* in_use, uint64_t* unpins_seen) {
+  {
+    absl::MutexLock l(&s_->mu);
+    *unpins_seen = s_->unpins;
+  }
+  in_use->clear();
+  if (!o_.plans_in_use) return absl::OkStatus();
+  absl::StatusOr<std::set<std::string>> used = o_.plans_in_use();
+  if (!used.ok()) {
+    return Annotate(used.status(), "the plans in use by deployments are unknown");
+  }
+  *in_use = *std::move(used);
   return absl::OkStatus();
 }
 
@@ -1091,18 +1126,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
   std::set<std::string> in_use;
   uint64_t unpins_seen = 0;
   auto read_in_use = [&]() -> absl::Status {
-    {
-      absl::MutexLock l(&s_->mu);
-      unpins_seen = s_->unpins;
-    }
-    if (!o_.plans_in_use) return absl::OkStatus();
-    absl::StatusOr<std::set<std::string>> used = o_.plans_in_use();
-    if (!used.ok()) {
-      return Annotate(used.status(),
-                      "plan retention skipped: the plans in use by deployments are unknown");
-    }
-    in_use = *std::move(used);
-    return absl::OkStatus();
+    return Annotate(PlansInUse(&in_use, &unpins_seen), "plan retention skipped");
   };
   HAP_RETURN_IF_ERROR(read_in_use());
   // The victims, chosen under the lock; deleted one at a time so that

@@ -258,6 +258,9 @@ class PlannerCore {
   // saved, CancelPlan fails with the sink's error and the plan goes on.
   absl::StatusOr<hap::v1::Plan> CancelPlan(const std::string& name);
   // Removed from the sink first; when that fails the plan stays.
+  // FailedPrecondition for a plan a deployment names, being made (pinned:
+  // PinPlan) or made (plans_in_use), which keeps it as from retention; the
+  // error of plans_in_use when it fails.
   absl::Status DeletePlan(const std::string& name);
   // Calls `on_update` with the plan now and on every change (progress,
   // state) until it is final, `on_update` returns false, or `stop()` turns
@@ -320,6 +323,10 @@ class PlannerCore {
   void ReleaseFollowersLocked(const std::shared_ptr<Job>& job, const hap::v1::Plan* result);
   // Forgets plan `name` (already removed from the sink).
   void ErasePlanLocked(const std::string& name);
+  // The plans deployments use (PlannerCoreOptions::plans_in_use; none when
+  // unset) into `in_use`, and the count of unpins before they were read
+  // into `unpins_seen` (an unpin since: a deployment made, read again).
+  absl::Status PlansInUse(std::set<std::string>* in_use, uint64_t* unpins_seen);
   // More finished plans than the retention count.
   bool OverCountLocked() const;
   // EnforceRetention when OverCountLocked (after a plan finished).

@@ -469,21 +469,28 @@ TEST_F(PlannerCoreTest, RetentionKeepsAPlanADeployPinnedDuringThePass) {
 // the plan through plans_in_use): a whole deploy between the pass reading
 // the plans in use and deleting is seen by the unpin, the plans in use are
 // read again, and the plan stays.
+// plans_in_use answering `*deployed`, with a whole deploy of `plan` (pinned,
+// its deployment made, unpinned) during the read when `*races` (once).
+std::function<absl::StatusOr<std::set<std::string>>()> DeployedWhileRead(
+    PlannerCore** core, bool* races, std::set<std::string>* deployed, const std::string& plan) {
+  return [=]() -> absl::StatusOr<std::set<std::string>> {
+    const std::set<std::string> before = *deployed;
+    if (*races) {
+      *races = false;
+      EXPECT_TRUE((*core)->PinPlan(plan).ok());
+      deployed->insert(plan);  // the deployment is made
+      (*core)->UnpinPlan(plan);
+    }
+    return before;
+  };
+}
+
 TEST_F(PlannerCoreTest, RetentionKeepsAPlanDeployedWholeDuringThePass) {
   retention_count_ = 1;
   PlannerCore* core = nullptr;
   bool deploy_races = false;
   std::set<std::string> deployed;
-  plans_in_use_ = [&]() -> absl::StatusOr<std::set<std::string>> {
-    const std::set<std::string> before = deployed;
-    if (deploy_races) {
-      deploy_races = false;
-      EXPECT_TRUE(core->PinPlan("plans/p1").ok());
-      deployed.insert("plans/p1");  // the deployment is made
-      core->UnpinPlan("plans/p1");
-    }
-    return before;
-  };
+  plans_in_use_ = DeployedWhileRead(&core, &deploy_races, &deployed, "plans/p1");
   Start({}, {});
   core = core_.get();
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
@@ -492,6 +499,43 @@ TEST_F(PlannerCoreTest, RetentionKeepsAPlanDeployedWholeDuringThePass) {
   EXPECT_EQ(*core_->EnforceRetention(), 0);
   deployed.clear();  // its deployment deleted
   EXPECT_EQ(*core_->EnforceRetention(), 1);
+}
+
+// DeletePlan keeps a plan a deployment names, as retention does: one being
+// deployed (pinned), one a deployment uses, and one whose whole deploy ran
+// between the read of the plans in use and the delete. The service's own
+// check (a deployment of the plan?) came before a deploy that then made
+// one, and the deployment named a plan that was gone (or, with the id used
+// again, another plan).
+TEST_F(PlannerCoreTest, DeletePlanKeepsAPlanADeployHoldsOrMadeMeanwhile) {
+  PlannerCore* core = nullptr;
+  bool deploy_races = false;
+  std::set<std::string> deployed;
+  plans_in_use_ = DeployedWhileRead(&core, &deploy_races, &deployed, "plans/p");
+  Start({}, {});
+  core = core_.get();
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::CreatePlanRequest r = MlpRequest();
+  r.set_plan_id("p");
+  ASSERT_TRUE(core_->CreatePlan(r, Deadline()).ok());
+  ASSERT_TRUE(core_->PinPlan("plans/p").ok());
+  EXPECT_THAT(core_->DeletePlan("plans/p"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("plans/p"), HasSubstr("being deployed"))));
+  core_->UnpinPlan("plans/p");
+  deploy_races = true;
+  EXPECT_THAT(core_->DeletePlan("plans/p"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("plans/p"), HasSubstr("deployment"))));
+  EXPECT_TRUE(core_->GetPlan("plans/p", false).ok()) << "a deployed plan was deleted";
+  {
+    absl::MutexLock l(&sink_.mu);
+    EXPECT_TRUE(sink_.plans.count("plans/p"));
+  }
+  deployed.clear();  // its deployment deleted
+  EXPECT_TRUE(core_->DeletePlan("plans/p").ok());
+  EXPECT_THAT(core_->GetPlan("plans/p", false),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
 // A restarted planner holds finished plans as summaries (a database of
