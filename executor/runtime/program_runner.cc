@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -121,9 +122,10 @@ absl::Status ProgramRunner::Validate() {
     if (b.global_shape_size() != b.shape_size() || b.offsets_size() != b.shape_size()) {
       return bad(absl::StrCat(name, ": shape, global shape and offsets differ in rank"));
     }
-    int64_t n = 1;
+    int64_t n = 1, whole = 1;  // elements of the piece and of its tensor
     for (int d = 0; d < b.shape_size(); ++d) {
-      if (b.shape(d) < 0 || b.offsets(d) < 0 || b.shape(d) > b.global_shape(d) - b.offsets(d)) {
+      if (b.global_shape(d) < 0 || b.shape(d) < 0 || b.offsets(d) < 0 ||
+          b.shape(d) > b.global_shape(d) - b.offsets(d)) {
         return bad(absl::StrCat(name, ": dimension ", d, " (", b.shape(d), " at ",
                                 b.offsets(d), ") is outside its tensor (",
                                 b.global_shape(d), ")"));
@@ -131,9 +133,18 @@ absl::Status ProgramRunner::Validate() {
       if (__builtin_mul_overflow(n, b.shape(d), &n)) {
         return bad(absl::StrCat(name, " overflows"));
       }
+      if (__builtin_mul_overflow(whole, b.global_shape(d), &whole)) {
+        return bad(absl::StrCat(name, ": its whole tensor overflows"));
+      }
     }
     graph::DType dt = graph::FromProtoDType(b.dtype());
     int64_t bytes = 0, end = 0;
+    // Held on the host whole (a pipeline stage's transfers), rounded up to
+    // 64-byte blocks.
+    if (__builtin_mul_overflow(whole, graph::DTypeBytes(dt), &bytes) ||
+        bytes > std::numeric_limits<int64_t>::max() - 64) {
+      return bad(absl::StrCat(name, ": its whole tensor overflows"));
+    }
     if (__builtin_mul_overflow(n, graph::DTypeBytes(dt), &bytes) || b.offset_bytes() < 0 ||
         __builtin_add_overflow(b.offset_bytes(), bytes, &end) || end > p.arena_bytes()) {
       return bad(absl::StrCat(name, " lies outside the arena"));

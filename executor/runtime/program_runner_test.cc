@@ -138,6 +138,32 @@ int AddScratch(v1::RankProgram& p, const std::vector<int64_t>& shape) {
   return b->id();
 }
 
+// A buffer's whole tensor is materialised on the host (a pipeline stage
+// receives the whole activation, then takes its piece): its element count
+// and bytes must fit int64 as the piece's do. f32[2^62] "holds" 2^64 bytes,
+// which wrapped to an empty host tensor that the transfers indexed as
+// f32[2^62].
+TEST_F(ProgramRunnerTest, RejectsBuffersWhoseWholeTensorOverflows) {
+  for (std::vector<int64_t> global : std::vector<std::vector<int64_t>>{
+           {int64_t{1} << 62}, {int64_t{1} << 40, int64_t{1} << 40}}) {
+    v1::RankProgram p = program_;
+    const int id = AddScratch(p, std::vector<int64_t>(global.size(), 1));
+    for (size_t d = 0; d < global.size(); ++d)
+      p.mutable_buffers(id)->set_global_shape(d, global[d]);
+    EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                    HasSubstr(absl::StrCat("buffer ", id, " ('scratch", id,
+                                                           "'): its whole tensor overflows"))))
+        << graph::ShapeString(global);
+  }
+  // A negative whole dimension (which wrapped the bound check).
+  v1::RankProgram p = program_;
+  const int id = AddScratch(p, {1});
+  p.mutable_buffers(id)->set_global_shape(0, std::numeric_limits<int64_t>::min());
+  p.mutable_buffers(id)->set_offsets(0, 1);
+  EXPECT_THAT(Create(p),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is outside its tensor")));
+}
+
 // A collective's pieces share every dimension but those it splits or
 // joins: a gather of f32[5,3] pieces into f32[5,8] would read 40 elements
 // out of a 15-element buffer.
