@@ -330,6 +330,17 @@ absl::Status PipelineRunner::Analyze() {
         (first ? " has" : " lacks"), " a stage input or its gradient, or ",
         (last ? "has" : "lacks"), " a stage output or its gradient"));
   }
+  const bool trains =
+      std::any_of(prog.buffers().begin(), prog.buffers().end(),
+                  [](const v1::Buffer& b) { return b.role() == v1::Buffer::PARAMETER; });
+  if (layout_.clip && norm_ < 0 && trains) {
+    // Its optimizer would not clip: the single-device step clips every
+    // parameter by the norm over all of them.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plan's optimizer clips by the global gradient norm (clip_global_norm > 0) but the "
+        "program of stage ",
+        stage_, " computes no norm: the plan's programs and options disagree"));
+  }
   if (norm_ >= 0) {
     for (int s = backward_end_; s < n; ++s) {
       const v1::Step& st = prog.steps(s);

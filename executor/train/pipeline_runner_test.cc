@@ -645,47 +645,71 @@ TEST(PipelineRunnerTest, ResumedPipelineContinuesTheSameRun) {
   }
 }
 
-// Boundary pieces that do not describe what a rank receives are refused
-// when its runner is made: a stage's pieces missing (the receive indexed
-// an empty list), a list per stage short of a stage, or a PARTIAL piece
-// smaller than the tensor (summed over the whole tensor's elements, it was
-// read past its end). Nothing here communicates: in-process communicators
-// stand in for the world and the stage groups.
-TEST(PipelineRunnerTest, BoundaryPiecesThatDoNotFitAreRefused) {
-  const graph::Graph g = PipelineTestModel("mlp");
-  auto lowered = LowerPipeline(g, MakeSpec("mlp", {1, 1}, 2, false, "dp"));
-  ASSERT_TRUE(lowered.ok()) << lowered.status();
-  auto world = executor::NewInProcessGroup(2);
-  std::unique_ptr<Device> device = executor::NewCpuDevice(1);
-  std::vector<std::vector<std::unique_ptr<Communicator>>> groups;
-  std::vector<std::unique_ptr<ProgramRunner>> runners;
-  for (int r = 0; r < 2; ++r) {
-    groups.push_back(executor::NewInProcessGroup(1));
-    auto runner = ProgramRunner::Create(lowered->programs[r], *lowered->micro, device.get(),
-                                        groups.back()[0].get());
-    ASSERT_TRUE(runner.ok()) << runner.status();
-    runners.push_back(*std::move(runner));
+// Rank r of a two-stage MLP pipeline (one rank per stage, SGD without
+// clipping), its ProgramRunner made, for PipelineRunner::Create to refuse
+// layouts that disagree with it. Nothing here communicates: in-process
+// communicators stand in for the world and the stage groups.
+class PipelineCreateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto lowered = LowerPipeline(g_, MakeSpec("mlp", {1, 1}, 2, false, "dp"));
+    ASSERT_TRUE(lowered.ok()) << lowered.status();
+    lowered_ = *std::move(lowered);
+    for (int r = 0; r < 2; ++r) {
+      groups_.push_back(executor::NewInProcessGroup(1));
+      auto runner = ProgramRunner::Create(lowered_.programs[r], *lowered_.micro, device_.get(),
+                                          groups_.back()[0].get());
+      ASSERT_TRUE(runner.ok()) << runner.status();
+      runners_.push_back(*std::move(runner));
+    }
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(PipelineRunner::Create(runners_[r].get(), world_[r].get(), lowered_.layout).ok());
+    }
   }
-  auto refused = [&](int rank, const executor::PipelineLayout& layout, const std::string& what) {
-    auto pipe = PipelineRunner::Create(runners[rank].get(), world[rank].get(), layout);
+  void ExpectRefused(int rank, const executor::PipelineLayout& layout, const std::string& what) {
+    auto pipe = PipelineRunner::Create(runners_[rank].get(), world_[rank].get(), layout);
     ASSERT_FALSE(pipe.ok()) << "rank " << rank << ": " << what;
     EXPECT_EQ(pipe.status().code(), absl::StatusCode::kInvalidArgument) << pipe.status();
     EXPECT_NE(pipe.status().message().find(what), std::string::npos) << pipe.status();
-  };
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(PipelineRunner::Create(runners[r].get(), world[r].get(), lowered->layout).ok());
   }
-  executor::PipelineLayout layout = lowered->layout;
+
+  const graph::Graph g_ = PipelineTestModel("mlp");
+  Lowered lowered_;
+  std::vector<std::unique_ptr<Communicator>> world_ = executor::NewInProcessGroup(2);
+  std::unique_ptr<Device> device_ = executor::NewCpuDevice(1);
+  std::vector<std::vector<std::unique_ptr<Communicator>>> groups_;
+  std::vector<std::unique_ptr<ProgramRunner>> runners_;
+};
+
+// Boundary pieces that do not describe what a rank receives are refused:
+// a stage's pieces missing (the receive indexed an empty list), a list per
+// stage short of a stage, or a PARTIAL piece smaller than the tensor
+// (summed over the whole tensor's elements, it was read past its end).
+TEST_F(PipelineCreateTest, BoundaryPiecesThatDoNotFitAreRefused) {
+  executor::PipelineLayout layout = lowered_.layout;
   layout.output_pieces[0].clear();
-  refused(1, layout, "stage 0 gives 0 pieces of its output for its 1 ranks");
-  layout = lowered->layout;
+  ExpectRefused(1, layout, "stage 0 gives 0 pieces of its output for its 1 ranks");
+  layout = lowered_.layout;
   layout.input_grad_pieces.pop_back();
-  refused(0, layout, "pieces for 2 and 1 of its 2 stages");
-  layout = lowered->layout;
+  ExpectRefused(0, layout, "pieces for 2 and 1 of its 2 stages");
+  layout = lowered_.layout;
   executor::PipelineLayout::Piece& piece = layout.output_pieces[0][0];
   piece.kind = v1::TensorForm::PARTIAL;
   piece.shape[0] -= 1;
-  refused(1, layout, "rank 0's piece of stage 0's output (PARTIAL");
+  ExpectRefused(1, layout, "rank 0's piece of stage 0's output (PARTIAL");
+}
+
+// A plan that clips by the global gradient norm whose stage programs were
+// lowered without clipping: each stage's optimizer would update its
+// parameters unclipped while the single-device step clips them all. (The
+// other way round, a program that clips in a plan that does not, was
+// refused already; a stage without parameters has no norm of its own.)
+TEST_F(PipelineCreateTest, StagesThatDoNotClipInAPlanThatClipsAreRefused) {
+  executor::PipelineLayout layout = lowered_.layout;
+  layout.clip = true;
+  for (int r = 0; r < 2; ++r) {
+    ExpectRefused(r, layout, "the plan's optimizer clips by the global gradient norm");
+  }
 }
 
 // A plan whose pipeline has a stage without devices is refused by name
