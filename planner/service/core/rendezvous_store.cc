@@ -21,6 +21,12 @@ void RendezvousStore::Open(const std::string& deployment, int64_t generation) {
 
 void RendezvousStore::Close(const std::string& deployment, int64_t generation, std::string why) {
   absl::MutexLock l(&mu_);
+  // Closed already (its record changed again): one place among max_closed.
+  if (auto it = rendezvous_.find(deployment);
+      it != rendezvous_.end() && it->second.closed && it->second.generation == generation) {
+    it->second.why = std::move(why);
+    return;
+  }
   Drop(deployment);
   rendezvous_[deployment] = Rendezvous{generation, true, std::move(why)};
   closed_.emplace_back(deployment, generation);

@@ -155,6 +155,30 @@ TEST(RendezvousStoreTest, OnlyTheLatestClosedRendezvousAreRemembered) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("c is FAILED")));
 }
 
+// The deployment manager closes a finished deployment's rendezvous again
+// with each later change of its record (the ranks it could not stop, a
+// damaged checkpoint found by the stop): each closing took a place of
+// max_closed, so a planner remembered half as many deployments or fewer,
+// and their ranks heard "does not exist ... forgotten after 10000 more
+// have finished" of a deployment that had just failed.
+TEST(RendezvousStoreTest, ARendezvousClosedAgainIsRememberedOnce) {
+  RendezvousStore::Options o;
+  o.max_closed = 2;
+  RendezvousStore store(o);
+  store.Open("a", 1);
+  store.Close("a", 1, "a is FAILED");
+  store.Close("a", 1, "a is FAILED");  // its record changed again
+  store.Open("b", 1);
+  store.Close("b", 1, "b is FAILED");
+  EXPECT_THAT(store.Set("a", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("a is FAILED")));
+  store.Close("c", 1, "c is FAILED");  // a is the oldest of three: forgotten
+  EXPECT_THAT(store.Set("a", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("'a' does not exist")));
+  EXPECT_THAT(store.Set("b", 1, "k", "v"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("b is FAILED")));
+}
+
 TEST(RendezvousStoreTest, ShutdownAndCancellationEndWaits) {
   RendezvousStore store;
   store.Open("d", 1);
