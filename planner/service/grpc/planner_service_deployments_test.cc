@@ -246,15 +246,20 @@ class JobTest : public PlannerServiceImplTest {
     return r;
   }
 
+  // WatchJob of jobs/train, on `ctx` (given the token and a deadline).
+  std::unique_ptr<grpc::ClientReader<v1::Job>> WatchJob(grpc::ClientContext* ctx) {
+    Security s;
+    s.token = kToken;
+    PrepareClientContext(ctx, s, absl::Seconds(60));
+    v1::WatchJobRequest r;
+    r.set_name("jobs/train");
+    return stub_->WatchJob(ctx, r);
+  }
+
   // Follows WatchJob until `done` holds for the job; the job then.
   v1::Job WatchUntil(const std::function<bool(const v1::Job&)>& done) {
     grpc::ClientContext ctx;
-    Security s;
-    s.token = kToken;
-    PrepareClientContext(&ctx, s, absl::Seconds(60));
-    v1::WatchJobRequest r;
-    r.set_name("jobs/train");
-    auto reader = stub_->WatchJob(&ctx, r);
+    auto reader = WatchJob(&ctx);
     v1::Job j;
     while (reader->Read(&j)) {
       if (done(j)) {
@@ -311,6 +316,24 @@ TEST_F(JobTest, ALostExecutorIsReplannedAroundAndTheJobSucceeds) {
   stop.set_name("jobs/train");
   ASSERT_THAT(FromGrpc(stub_->StopJob(Ctx().get(), stop, &job)), IsOk());
   EXPECT_EQ(job.status().state(), v1::JobStatus::SUCCEEDED);  // final: as it is
+}
+
+// A watch that the planner's shutdown ends, the job still running, is
+// UNAVAILABLE (watch again, at the restarted planner), not OK: hapctl watch
+// read the OK as the job's end and exited 0 while the job trained on.
+TEST_F(JobTest, AWatchEndedByShutdownIsUnavailableNotOk) {
+  v1::Job job;
+  ASSERT_THAT(FromGrpc(stub_->CreateJob(Ctx().get(), JobRequest(), &job)), IsOk());
+  grpc::ClientContext ctx;
+  auto reader = WatchJob(&ctx);
+  ASSERT_TRUE(reader->Read(&job));
+  service_->Shutdown();
+  while (reader->Read(&job)) {
+  }
+  EXPECT_THAT(FromGrpc(reader->Finish()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("shutting down"), HasSubstr("jobs/train"))));
+  EXPECT_NE(job.status().state(), v1::JobStatus::SUCCEEDED);
 }
 
 TEST_F(JobTest, ErrorsAreStatusesNamingWhatIsWrong) {

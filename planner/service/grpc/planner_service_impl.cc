@@ -189,6 +189,7 @@ PlannerServiceImpl::~PlannerServiceImpl() {
 void PlannerServiceImpl::StartJobs() { jobs_->Start(); }
 
 void PlannerServiceImpl::Shutdown() {
+  shutting_down_ = true;  // first: the watches it ends read it
   jobs_->Shutdown();  // first: it acts through the deployments
   deployments_->Shutdown();
 }
@@ -204,6 +205,16 @@ grpc::Status PlannerServiceImpl::Handle(const char* method, grpc::ServerContextB
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return s;
+}
+
+absl::Status PlannerServiceImpl::WatchEnd(grpc::ServerContextBase* ctx, const std::string& name,
+                                          bool final_sent) const {
+  if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the watch");
+  if (!final_sent && shutting_down_) {
+    return absl::UnavailableError(absl::StrCat("the planner is shutting down; the watch of ", name,
+                                               " ended before it did: watch it again"));
+  }
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* PlannerServiceImpl::HandleNow(const char* method,
@@ -347,16 +358,16 @@ grpc::Status PlannerServiceImpl::DeletePlan(grpc::ServerContext* ctx,
 grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::WatchPlanRequest* r,
                                            grpc::ServerWriter<v1::Plan>* w) {
   return Handle("WatchPlan", ctx, [&]() -> absl::Status {
-    bool write_failed = false;
+    bool final_sent = false;
     HAP_RETURN_IF_ERROR(core_->WatchPlan(
         r->name(),
         [&](const v1::Plan& p) {
-          write_failed = !w->Write(p);
-          return !write_failed;
+          final_sent = p.state() == v1::Plan::SUCCEEDED || p.state() == v1::Plan::FAILED ||
+                       p.state() == v1::Plan::CANCELLED;
+          return w->Write(p);
         },
         [&] { return ctx->IsCancelled() || deployments_->shutting_down(); }));
-    if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the watch");
-    return absl::OkStatus();
+    return WatchEnd(ctx, r->name(), final_sent);
   });
 }
 
@@ -511,11 +522,17 @@ grpc::Status PlannerServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1::Li
 grpc::Status PlannerServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* r,
                                           grpc::ServerWriter<v1::Job>* w) {
   return Handle("WatchJob", ctx, [&]() -> absl::Status {
+    bool final_sent = false;
     HAP_RETURN_IF_ERROR(jobs_->Watch(
-        r->name(), [&](const v1::Job& j) { return w->Write(j); },
+        r->name(),
+        [&](const v1::Job& j) {
+          const v1::JobStatus::State s = j.status().state();
+          final_sent = s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED ||
+                       s == v1::JobStatus::STOPPED;
+          return w->Write(j);
+        },
         [&] { return ctx->IsCancelled() || deployments_->shutting_down(); }));
-    if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the watch");
-    return absl::OkStatus();
+    return WatchEnd(ctx, r->name(), final_sent);
   });
 }
 

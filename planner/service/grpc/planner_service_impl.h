@@ -10,6 +10,7 @@
 #ifndef HAP_PLANNER_SERVICE_GRPC_PLANNER_SERVICE_IMPL_H_
 #define HAP_PLANNER_SERVICE_GRPC_PLANNER_SERVICE_IMPL_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -188,8 +189,16 @@ class PlannerServiceImpl final : public PlannerServiceBase {
   grpc::ServerUnaryReactor* HandleNow(const char* method, grpc::CallbackServerContext* ctx,
                                       const std::function<absl::Status()>& fn);
 
+  // How a watch whose stream the core ended (without an error) ends: OK
+  // once the resource's final state was sent; Cancelled when the client
+  // cancelled; Unavailable when the planner's shutdown ended it (an OK then
+  // read as "the plan or job is done" while it went on).
+  absl::Status WatchEnd(grpc::ServerContextBase* ctx, const std::string& name,
+                        bool final_sent) const;
+
   PlannerCore* core_;
   PlannerServiceOptions o_;
+  std::atomic<bool> shutting_down_{false};  // Shutdown() was called
   std::unique_ptr<DeploymentManager> deployments_;
   std::unique_ptr<JobBackend> job_backend_;
   std::unique_ptr<JobController> jobs_;
