@@ -146,7 +146,11 @@ TEST(PipelineEquivalenceTest, OverlapWaitsAreNeeded) {
   auto bad = RunPipeline(g, c, "dropped_waits", dropped);
   ASSERT_TRUE(bad.ok()) << bad.status();
   auto off = hap::testing::CompareRunsWithReference(*bad, ref);
-  ASSERT_TRUE(off.ok()) << off.status();
+  if (!off.ok()) {
+    // Caught as replicas of a parameter that diverged.
+    EXPECT_NE(off.status().message().find("disagree"), std::string::npos) << off.status();
+    return;
+  }
   double worst = 0;
   for (const auto& d : *off) worst = std::max(worst, d.worst / std::max(d.scale, 1e-12));
   EXPECT_GT(worst, 1e-2);

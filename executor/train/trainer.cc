@@ -1,7 +1,9 @@
 #include "executor/train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -105,25 +107,47 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
 absl::StatusOr<std::map<std::string, HostTensor>> AssembleParameters(
     const std::vector<std::vector<ParameterShard>>& per_rank) {
   std::map<std::string, HostTensor> out;
-  std::map<std::string, int64_t> covered;
+  // Per parameter and element: 1 once a piece has set it. Counting each
+  // piece's elements instead let two copies of one half stand for both.
+  std::map<std::string, HostTensor> covered;
   for (const auto& shards : per_rank) {
     for (const ParameterShard& s : shards) {
       auto it = out.find(s.name);
       if (it == out.end()) {
         it = out.emplace(s.name, HostTensor(s.value.dtype(), s.global_shape)).first;
+        covered.emplace(s.name, HostTensor(DType::kInt32, s.global_shape));
       }
       if (it->second.shape() != s.global_shape || it->second.dtype() != s.value.dtype()) {
         return absl::InvalidArgumentError(
             absl::StrCat("pieces of parameter '", s.name, "' disagree in shape"));
       }
-      HAP_RETURN_IF_ERROR(HostCopyBox(s.value.view(),
-                                      std::vector<int64_t>(s.offsets.size(), 0),
-                                      it->second.view(), s.offsets, s.value.shape()));
-      covered[s.name] += s.value.num_elements();
+      // What earlier pieces set of this piece's elements must be what it
+      // holds: a replica that diverged is an error, not overwritten.
+      HostTensor& mask = covered.at(s.name);
+      const std::vector<int64_t> zero(s.offsets.size(), 0);
+      HostTensor seen(DType::kInt32, s.value.shape()), before(s.value.dtype(), s.value.shape());
+      HAP_RETURN_IF_ERROR(HostCopyBox(mask.view(), s.offsets, seen.view(), zero, s.value.shape()));
+      HAP_RETURN_IF_ERROR(
+          HostCopyBox(it->second.view(), s.offsets, before.view(), zero, s.value.shape()));
+      const int64_t esize = graph::DTypeBytes(s.value.dtype());
+      const auto* now = static_cast<const char*>(s.value.data());
+      const auto* was = static_cast<const char*>(before.data());
+      for (int64_t i = 0; i < s.value.num_elements(); ++i) {
+        if (seen.as<int32_t>()[i] && std::memcmp(now + i * esize, was + i * esize, esize) != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the pieces of parameter '", s.name, "' disagree: element ", i, " of the piece at ",
+              graph::ShapeString(s.offsets), " differs from an earlier piece's copy"));
+        }
+        seen.as<int32_t>()[i] = 1;
+      }
+      HAP_RETURN_IF_ERROR(
+          HostCopyBox(s.value.view(), zero, it->second.view(), s.offsets, s.value.shape()));
+      HAP_RETURN_IF_ERROR(HostCopyBox(seen.view(), zero, mask.view(), s.offsets, s.value.shape()));
     }
   }
-  for (const auto& [name, t] : out) {
-    if (covered[name] < t.num_elements()) {
+  for (const auto& [name, mask] : covered) {
+    const int32_t* m = mask.as<int32_t>();
+    if (std::find(m, m + mask.num_elements(), 0) != m + mask.num_elements()) {
       return absl::InvalidArgumentError(
           absl::StrCat("the pieces of parameter '", name, "' leave elements uncovered"));
     }

@@ -84,8 +84,8 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
     const TrainOptions& train, const LocalRanksOptions& options);
 
 // The single-device tensors of every parameter, assembled from the pieces
-// of all ranks. InvalidArgument when pieces disagree in shape or leave
-// elements uncovered.
+// of all ranks. InvalidArgument when pieces disagree in shape, copies of an
+// element (replicas) differ in any bit, or elements are left uncovered.
 absl::StatusOr<std::map<std::string, HostTensor>> AssembleParameters(
     const std::vector<std::vector<ParameterShard>>& per_rank);
 
