@@ -151,6 +151,18 @@ grpc::Status Bounded(grpc::Status s) {
                       s.error_details());
 }
 
+// Whether a read's `view` asks for whole plans. A value this planner does
+// not know (a newer client's view) is InvalidArgument: it was served as
+// BASIC, without a word.
+absl::StatusOr<bool> FullView(v1::GetPlanRequest::View view) {
+  if (!v1::GetPlanRequest::View_IsValid(view)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("view ", static_cast<int>(view),
+                     " is not one of VIEW_UNSPECIFIED (0), BASIC (1) or FULL (2)"));
+  }
+  return view == v1::GetPlanRequest::FULL;
+}
+
 }  // namespace
 
 PlannerServiceImpl::PlannerServiceImpl(PlannerCore* core, PlannerStateSink* sink,
@@ -308,8 +320,9 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::GetPlan(grpc::CallbackServerContex
   return HandleNow("GetPlan", ctx, [&]() -> absl::Status {
     v1::GetPlanRequest r;
     HAP_RETURN_IF_ERROR(ParseRequest(*request, &r));
+    HAP_ASSIGN_OR_RETURN(const bool full, FullView(r.view()));
     HAP_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> plan,
-                         core_->GetPlanEncoded(r.name(), r.view() == v1::GetPlanRequest::FULL));
+                         core_->GetPlanEncoded(r.name(), full));
     *out = SharedBytes(std::move(plan));
     return absl::OkStatus();
   });
@@ -321,10 +334,11 @@ grpc::ServerUnaryReactor* PlannerServiceImpl::ListPlans(grpc::CallbackServerCont
   return HandleNow("ListPlans", ctx, [&]() -> absl::Status {
     v1::ListPlansRequest r;
     HAP_RETURN_IF_ERROR(ParseRequest(*request, &r));
+    HAP_ASSIGN_OR_RETURN(const bool full, FullView(r.view()));
     std::vector<std::shared_ptr<const std::string>> plans;
     std::string next;
-    HAP_RETURN_IF_ERROR(core_->ListPlansEncoded(
-        r.page_size(), r.page_token(), r.view() == v1::GetPlanRequest::FULL, &plans, &next));
+    HAP_RETURN_IF_ERROR(
+        core_->ListPlansEncoded(r.page_size(), r.page_token(), full, &plans, &next));
     *out = SharedBytes(EncodeListPlansResponse(plans, next));
     return absl::OkStatus();
   });

@@ -256,6 +256,20 @@ TEST_F(PlannerServiceImplTest, PlanReadsInWireFormAreTheCoresMessages) {
     EXPECT_EQ(names, (std::vector<std::string>{"plans/a", "plans/b", "plans/c"}));
   }
 
+  // A view this planner does not know (a newer client's) is refused, not
+  // served as BASIC.
+  v1::GetPlanRequest unknown_view;
+  unknown_view.set_name("plans/a");
+  unknown_view.set_view(static_cast<v1::GetPlanRequest::View>(7));
+  v1::Plan plan;
+  EXPECT_THAT(FromGrpc(stub_->GetPlan(Ctx().get(), unknown_view, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("view 7 is not one of")));
+  v1::ListPlansRequest unknown_list_view;
+  unknown_list_view.set_view(static_cast<v1::GetPlanRequest::View>(-1));
+  v1::ListPlansResponse listed;
+  EXPECT_THAT(FromGrpc(stub_->ListPlans(Ctx().get(), unknown_list_view, &listed)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("view -1 is not one of")));
+
   // Bytes that are not a GetPlanRequest / ListPlansRequest.
   auto channel = MakeChannel(absl::StrCat("127.0.0.1:", port_), {});
   ASSERT_THAT(channel, IsOk());
