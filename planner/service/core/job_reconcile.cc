@@ -930,6 +930,24 @@ class Pass {
                                   MinDevices(spec())));
     const size_t busy = UsableDevices(e_.cluster, spec().devices(), Held()).size() - usable.size();
     if (busy > 0) absl::StrAppend(st().mutable_message(), " (", busy, " in use by other jobs)");
+    // Devices the job holds out itself (their executors failed it) would
+    // otherwise read as missing from a cluster whose nodes are all READY.
+    const std::vector<std::string> selectable = UsableDevices(e_.cluster, spec().devices(), {});
+    std::vector<std::string> held;
+    absl::Time until = absl::InfinitePast();
+    for (const auto& h : st().held()) {
+      if (std::find(selectable.begin(), selectable.end(), h.device()) == selectable.end()) continue;
+      held.push_back(h.device());
+      until = std::max(until, FromProto(h.until()));
+    }
+    if (!held.empty()) {
+      absl::StrAppend(
+          st().mutable_message(), " (", held.size(),
+          " held out after their executors failed a deployment, until ",
+          absl::FormatTime(absl::RFC3339_sec, until, absl::UTCTimeZone()), ": ",
+          absl::StrJoin(held.begin(), held.begin() + std::min<size_t>(held.size(), 8), ", "),
+          held.size() > 8 ? absl::StrCat(" and ", held.size() - 8, " more") : "", ")");
+    }
     Commit();
   }
 

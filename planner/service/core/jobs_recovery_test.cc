@@ -253,6 +253,28 @@ TEST_F(JobsTest, TheDeviceOfAFailedRankIsHeldOutWhileItsNodeStaysReady) {
   EXPECT_EQ(Job().status().held_size(), 0);
 }
 
+// A job left with too few devices because the devices of the ranks that
+// failed its deployment are held out says so, and until when: it said
+// "waiting for devices: 1 usable, the job needs 2" of a cluster whose
+// three nodes were all READY.
+TEST_F(JobsTest, AJobWaitingOnDevicesItHoldsOutSaysSo) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(1);
+  fake_.Only(first).add_failed_ranks(2);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(State(), v1::JobStatus::RECOVERING);
+  EXPECT_THAT(Job().status().message(),
+              AllOf(HasSubstr("waiting for devices: 1 usable, the job needs 2"),
+                    HasSubstr("2 held out"), HasSubstr("d1"), HasSubstr("d2")));
+  now_ += absl::Seconds(31);  // join_stable: the hold ends
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
+}
+
 TEST_F(JobsTest, StaleNodeStopsTheSurvivorsBeforeReplanning) {
   Make();
   const std::string first = StartRunning();
