@@ -205,6 +205,11 @@ absl::Status ProgramRunner::Validate() {
         if (!a.ok()) return bad(absl::StrCat(StepName(p, i), ": attribute '", name, "' ", a.status().message()));
         attrs.Set(name, *a);
       }
+      if (k.kernel() == "fill") {
+        if (auto v = attrs.Float("value", 0.0); !v.ok()) {
+          return bad(absl::StrCat(StepName(p, i), ": attribute 'value' ", v.status().message()));
+        }
+      }
     } else if (s.has_collective()) {
       const v1::CollectiveCall& c = s.collective();
       if (!id_ok(c.input(), false) || !id_ok(c.output(), false)) {

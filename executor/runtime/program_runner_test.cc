@@ -92,6 +92,26 @@ TEST_F(ProgramRunnerTest, RejectsUnknownKernelsAndMissingBuffers) {
                                   HasSubstr("buffer 9999 does not exist")));
 }
 
+// A fill's value that is not a number (the loss gradient's seed given as
+// a string) filled 0: every gradient 0, a step that silently did nothing.
+TEST_F(ProgramRunnerTest, RejectsAFillWhoseValueIsNotANumber) {
+  v1::RankProgram p = program_;
+  int seed = -1;
+  for (int i = 0; i < p.steps_size(); ++i) {
+    const v1::Step& s = p.steps(i);
+    if (s.has_kernel() && s.kernel().kernel() == "fill" && s.kernel().attrs().count("value") &&
+        s.kernel().attrs().at("value").f() == 1.0) {
+      seed = i;
+    }
+  }
+  ASSERT_GE(seed, 0);
+  (*p.mutable_steps(seed)->mutable_kernel()->mutable_attrs())["value"].set_s("1.0");
+  EXPECT_THAT(
+      Create(p),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr(absl::StrCat("step ", seed, " (kernel 'fill'): attribute 'value'"))));
+}
+
 TEST_F(ProgramRunnerTest, RejectsBuffersThatDoNotMatchTheModel) {
   v1::RankProgram p = program_;
   for (auto& b : *p.mutable_buffers()) {
