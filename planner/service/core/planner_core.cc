@@ -1063,7 +1063,9 @@ absl::Status PlannerCore::DeletePlan(const std::string& name) {
     // holds it or a deployment uses it.
     if (s_->pins.count(name)) {
       return absl::FailedPreconditionError(
-          absl::StrCat(name, " is being deployed; delete it once its deployment is deleted"));
+          absl::StrCat(name,
+                       " is being deployed (a deploy holds it): try again once the deploy "
+                       "has ended, deleting the deployment first if it made one"));
     }
     if (in_use.count(name)) {
       return absl::FailedPreconditionError(absl::StrCat(
