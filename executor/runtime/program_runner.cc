@@ -324,6 +324,12 @@ absl::Status ProgramRunner::Validate() {
     }
     attrs_.push_back(std::move(attrs));
   }
+  // Whether buffers a and b (ids, not -1) have arena bytes in common.
+  auto share_bytes = [&](int a, int b) {
+    const int64_t a0 = p.buffers(a).offset_bytes(), b0 = p.buffers(b).offset_bytes();
+    return views_[a].bytes() > 0 && views_[b].bytes() > 0 && a0 < b0 + views_[b].bytes() &&
+           b0 < a0 + views_[a].bytes();
+  };
   // Asynchronous collectives: each waited for once, later, and no step in
   // between touches its buffers (they are the communication thread's).
   std::map<int, int> busy;                  // buffer -> start step
@@ -347,6 +353,18 @@ absl::Status ProgramRunner::Validate() {
     } else {
       ids = CollectiveBuffers(i);
     }
+    // A step's buffers are alive together: distinct ones never overlap.
+    std::set<int> distinct(ids.begin(), ids.end());
+    distinct.erase(-1);
+    for (auto a = distinct.begin(); a != distinct.end(); ++a) {
+      for (auto b = std::next(a); b != distinct.end(); ++b) {
+        if (share_bytes(*a, *b)) {
+          return bad(absl::StrCat(StepName(p, i), " touches buffers ", *a, " ('",
+                                  p.buffers(*a).tensor(), "') and ", *b, " ('",
+                                  p.buffers(*b).tensor(), "'), which share arena bytes"));
+        }
+      }
+    }
     for (int id : ids) {
       auto it = busy.find(id);
       if (it != busy.end()) {
@@ -355,12 +373,9 @@ absl::Status ProgramRunner::Validate() {
                                 StepName(p, it->second), " before its wait"));
       }
       // Nor memory of theirs under another buffer (the arena is shared).
-      if (id < 0 || views_[id].bytes() == 0) continue;
-      const int64_t begin = p.buffers(id).offset_bytes(), end = begin + views_[id].bytes();
+      if (id < 0) continue;
       for (const auto& [other, start] : busy) {
-        const int64_t other_begin = p.buffers(other).offset_bytes();
-        if (views_[other].bytes() > 0 && begin < other_begin + views_[other].bytes() &&
-            other_begin < end) {
+        if (share_bytes(id, other)) {
           return bad(absl::StrCat(
               StepName(p, i), " touches buffer ", id, " ('", p.buffers(id).tensor(),
               "'), which shares arena bytes with buffer ", other, " ('", p.buffers(other).tensor(),

@@ -112,6 +112,25 @@ TEST_F(ProgramRunnerTest, RejectsAFillWhoseValueIsNotANumber) {
                HasSubstr(absl::StrCat("step ", seed, " (kernel 'fill'): attribute 'value'"))));
 }
 
+// Two buffers of one step laid over the same arena bytes: the kernel
+// writes its output over the input it is still reading. Buffers used by
+// one step are alive together, so a valid layout never overlaps them.
+TEST_F(ProgramRunnerTest, RejectsAStepWhoseBuffersShareArenaBytes) {
+  v1::RankProgram p = program_;
+  const int i = FirstStep("linear");
+  ASSERT_GE(i, 0);
+  const int in = p.steps(i).kernel().inputs(0), out = p.steps(i).kernel().outputs(0);
+  ASSERT_NE(in, out);
+  p.set_arena_bytes(p.arena_bytes() + 4096);  // room for the moved buffer at any offset
+  p.mutable_buffers(out)->set_offset_bytes(p.buffers(in).offset_bytes() + 4);
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr(absl::StrCat("step ", i, " (kernel 'linear'"))));
+  EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr(absl::StrCat(" buffers ", std::min(in, out), " ('"))));
+  EXPECT_THAT(Create(p),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("which share arena bytes")));
+}
+
 TEST_F(ProgramRunnerTest, RejectsBuffersThatDoNotMatchTheModel) {
   v1::RankProgram p = program_;
   for (auto& b : *p.mutable_buffers()) {
@@ -142,19 +161,23 @@ TEST_F(ProgramRunnerTest, RejectsCollectivesWhoseShardsDoNotAddUp) {
                                   HasSubstr("shard sizes do not add up")));
 }
 
-// A float32 SCRATCH buffer of `shape` (offset 0: only its extent matters
-// to validation) appended to `p`; its id.
+// A float32 SCRATCH buffer of `shape` appended to `p`, in arena bytes of
+// its own (the arena grows); its id.
 int AddScratch(v1::RankProgram& p, const std::vector<int64_t>& shape) {
   v1::Buffer* b = p.add_buffers();
   b->set_id(p.buffers_size() - 1);
   b->set_tensor(absl::StrCat("scratch", b->id()));
   b->set_dtype(v1::FLOAT32);
   b->set_role(v1::Buffer::SCRATCH);
+  int64_t bytes = 4;
   for (int64_t d : shape) {
     b->add_shape(d);
     b->add_global_shape(d);
     b->add_offsets(0);
+    bytes *= d;
   }
+  b->set_offset_bytes(p.arena_bytes());
+  p.set_arena_bytes(p.arena_bytes() + bytes);
   return b->id();
 }
 
