@@ -136,6 +136,7 @@ class InMemoryStore final : public StateStore {
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) override {
+    HAP_RETURN_IF_ERROR(CheckName("plan", plan));
     absl::MutexLock lock(&mu_);
     auto it = generations_.find(plan);
     return it == generations_.end() ? 0 : it->second;

@@ -376,6 +376,7 @@ class SqliteStore final : public StateStore {
     return txn.Commit();
   }
   absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) override {
+    HAP_RETURN_IF_ERROR(CheckName("plan", plan));
     absl::MutexLock lock(&mu_);
     ScopedStatement st = Use(s_.last_deployment_generation);
     st.Text(1, plan);
@@ -453,6 +454,7 @@ class SqliteStore final : public StateStore {
   }
 
   absl::StatusOr<int64_t> LastStepMetricStep(const std::string& deployment) override {
+    HAP_RETURN_IF_ERROR(CheckName("deployment", deployment));
     absl::MutexLock lock(&mu_);
     HAP_RETURN_IF_ERROR(RequireDeployment(deployment));
     ScopedStatement st = Use(s_.last_step_metric_step);
@@ -463,6 +465,7 @@ class SqliteStore final : public StateStore {
 
   absl::Status DeleteStepMetrics(const std::string& deployment, int64_t from_step,
                                  int64_t to_step) override {
+    HAP_RETURN_IF_ERROR(CheckName("deployment", deployment));
     absl::MutexLock lock(&mu_);
     HAP_RETURN_IF_ERROR(RequireDeployment(deployment));
     if (from_step >= to_step) return absl::OkStatus();

@@ -237,6 +237,10 @@ TYPED_TEST(StateStoreTest, EmptyNamesAreInvalidArgument) {
               StatusIs(kInvalid, HasSubstr("deployment name is empty")));
   EXPECT_THAT(s.ListStepMetrics("", 0, 10),
               StatusIs(kInvalid, HasSubstr("deployment name is empty")));
+  EXPECT_THAT(s.LastStepMetricStep(""), StatusIs(kInvalid, HasSubstr("deployment name is empty")));
+  EXPECT_THAT(s.DeleteStepMetrics("", 0, 10),
+              StatusIs(kInvalid, HasSubstr("deployment name is empty")));
+  EXPECT_THAT(s.LastDeploymentGeneration(""), StatusIs(kInvalid, HasSubstr("plan name is empty")));
 }
 
 TYPED_TEST(StateStoreTest, MissingResourcesAreNotFoundByName) {
