@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -79,6 +80,35 @@ constexpr double kDefaultSlowdownThreshold = 0.25;
 // Checkpoints a job sets aside as damaged before a step is trained again;
 // one more reported damaged FAILS it (JobStatus.damaged_in_a_row).
 constexpr int kMaxDamagedInARow = 2;
+
+// A recovery's detail (JobEvent.detail) says what started it and the
+// latest failures while it recovers in at most this many bytes: one that
+// kept failing appended every failure, and the job, saved whole on each
+// change, grew without end.
+constexpr size_t kMaxRecoveryDetail = 4096;
+constexpr char kThenRecovering[] = "; then, while recovering: ";
+constexpr char kLeftOut[] = " (failures since left out)";
+
+// `s` cut to at most `n` (> 3) bytes at a character's start, "..." marking
+// the cut.
+std::string Cut(const std::string& s, size_t n) {
+  if (s.size() <= n) return s;
+  size_t keep = n - 3;
+  while (keep > 0 && (static_cast<unsigned char>(s[keep]) & 0xC0) == 0x80) --keep;
+  return absl::StrCat(s.substr(0, keep), "...");
+}
+
+// `so_far`, a recovery's detail, with `latest` (a failure while it
+// recovers) added, within kMaxRecoveryDetail.
+std::string RecoveryDetail(const std::string& so_far, const std::string& latest) {
+  std::string out = absl::StrCat(so_far, kThenRecovering, latest);
+  if (out.size() <= kMaxRecoveryDetail) return out;
+  std::string first = so_far.substr(0, so_far.find(kThenRecovering));
+  if (!absl::EndsWith(first, kLeftOut)) {
+    first = absl::StrCat(Cut(first, kMaxRecoveryDetail / 4), kLeftOut);
+  }
+  return Cut(absl::StrCat(first, kThenRecovering, latest), kMaxRecoveryDetail);
+}
 
 std::string ReasonLabel(Reason r) {
   std::string s = v1::JobEvent::Reason_Name(r);
@@ -270,7 +300,7 @@ class Pass {
   void BeginReplan(Reason reason, const std::string& detail) {
     if (st().has_pending()) {
       v1::JobEvent& p = *st().mutable_pending();
-      p.set_detail(absl::StrCat(p.detail(), "; then, while recovering: ", detail));
+      p.set_detail(RecoveryDetail(p.detail(), detail));
       p.clear_plan();
       p.clear_deployment();
     } else {

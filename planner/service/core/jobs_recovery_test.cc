@@ -107,6 +107,36 @@ TEST_F(JobsTest, ADamagedCheckpointIsSetAsideAndTheJobResumesFromTheOneBefore) {
   EXPECT_EQ(e.deployment(), third);
 }
 
+// A recovery whose deployments keep failing (a job given a large
+// max_replans to never give up) appended each failure to its event's
+// detail: the job record, saved whole on every change and copied into its
+// events, grew without bound (about 100 bytes a failure here; a
+// deployment's error names every rank). The detail keeps what started the
+// recovery and the latest failures, within a bound.
+TEST_F(JobsTest, ARecoveryThatKeepsFailingKeepsItsEventDetailBounded) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(100000);
+  const std::string first = StartRunning(r);
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_error("the first failure");
+  c_->Reconcile();
+  for (int i = 0; i < 500; ++i) {
+    const std::string d = Deployment();
+    fake_.SetState(d, v1::Deployment::FAILED);
+    fake_.Only(d).set_error(absl::StrCat("failure ", i, " while recovering"));
+    c_->Reconcile();
+  }
+  const v1::Job j = Job();
+  ASSERT_EQ(j.status().state(), v1::JobStatus::RECOVERING);
+  EXPECT_EQ(j.status().replans(), 501);
+  const std::string& detail = j.status().pending().detail();
+  EXPECT_LE(detail.size(), 4096u);
+  EXPECT_THAT(detail,
+              AllOf(HasSubstr("the first failure"), HasSubstr("failure 499 while recovering")));
+  EXPECT_LE(sink_.jobs.at("jobs/train").ByteSizeLong(), 16u << 10);
+}
+
 // A running job's own deployment fails on a damaged checkpoint it resumed
 // from with none before it: it trains again from step 0.
 TEST_F(JobsTest, ADamagedCheckpointWithNoneBeforeItResumesFromStepZero) {
