@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -307,7 +308,9 @@ absl::StatusOr<std::vector<ParameterDeviation>> CompareParameters(
     const float* b = w.as<float>();
     for (int64_t i = 0; i < w.num_elements(); ++i) {
       d.scale = std::max(d.scale, std::abs(double{b[i]}));
-      const double diff = std::abs(double{a[i]} - double{b[i]});
+      double diff = std::abs(double{a[i]} - double{b[i]});
+      // A NaN compares false: as far off as can be.
+      if (std::isnan(diff)) diff = std::numeric_limits<double>::infinity();
       if (diff > d.worst) {
         d.worst = diff;
         d.at = i;

@@ -1,9 +1,16 @@
-// AssembleParameters, the oracle of every equivalence test: the pieces of
-// all ranks put together into the single-device tensors, refusing pieces
-// that leave elements uncovered or replicas that disagree.
+// The oracle of every equivalence test: AssembleParameters puts the pieces
+// of all ranks together into the single-device tensors, refusing pieces
+// that leave elements uncovered or replicas that disagree, and
+// CompareParameters measures them against the single-device run.
 #include "executor/train/trainer.h"
 
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+
 #include "common/status_matchers.h"
+#include "executor/train/test_programs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -49,6 +56,24 @@ TEST(AssembleParametersTest, ReplicasThatDisagreeAreAnError) {
   EXPECT_THAT(
       AssembleParameters({{Rows(0, {1, 2, 3, 4})}, {Rows(2, {3, 5})}}),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 1 of the piece at [2]")));
+}
+
+// The comparison with the single-device parameters: a NaN (a poisoned
+// gradient reaching the last update, after the last loss was read) is no
+// deviation by `diff > worst`, so a run whose parameters went NaN
+// "matched".
+TEST(CompareParametersTest, NonFiniteElementsAreTheWorstDeviation) {
+  std::map<std::string, HostTensor> want, got;
+  want.emplace("w", Rows(0, {1, 2, 3, 4}).value);
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    got.clear();
+    got.emplace("w", Rows(0, {1, bad, 3.5, 4}).value);
+    auto d = hap::testing::CompareParameters(got, want);
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_EQ(d->size(), 1u);
+    EXPECT_EQ((*d)[0].worst, std::numeric_limits<double>::infinity()) << bad;
+    EXPECT_EQ((*d)[0].at, 1) << bad;
+  }
 }
 
 }  // namespace
