@@ -370,6 +370,17 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
                                                   "' was not loaded: ", ok.message()));
         continue;
       }
+      for (v1::Device& d : *n.mutable_devices()) {
+        if (!d.has_calibration()) continue;
+        if (absl::Status c = CheckCalibration(d.calibration()); !c.ok()) {
+          d.clear_calibration();
+          core->start_notes_.push_back(
+              absl::StrCat("stored node '", n.name(), "': the calibration of device '", d.id(),
+                           "' was dropped (its devices plan uncalibrated until the next "
+                           "CalibrateDevices): ",
+                           c.message()));
+        }
+      }
       core->s_->nodes[n.name()] = std::move(n);
     }
     for (auto& p : plans) {

@@ -650,6 +650,34 @@ TEST_F(PlannerCoreTest, StoredNodesThatFailTheChecksAreNotLoaded) {
   EXPECT_EQ(core_->GetCluster(true).nodes_size(), 2);
 }
 
+// A database written by a planner that kept the calibration a node sent
+// (before RegisterNode dropped it) may hold one that fails every plan on the
+// cluster: it is dropped at load, and said so; the node stays.
+TEST_F(PlannerCoreTest, AStoredCalibrationThatFailsTheChecksIsDroppedAtLoad) {
+  v1::Node forged = MakeNode("a", 1, 2e12);
+  v1::DeviceCalibration& c = *forged.mutable_devices(0)->mutable_calibration();
+  (*c.mutable_op_time_scale())["linear"] = std::nan("");
+  c.set_probed_flops(2e12);
+  v1::Node fitted = MakeNode("b", 1, 1e12);
+  v1::DeviceCalibration& ok = *fitted.mutable_devices(0)->mutable_calibration();
+  (*ok.mutable_op_time_scale())["linear"] = 1.5;
+  ok.set_collective_overhead_seconds(0.002);
+  ok.set_transfer_scale(2.7);
+  ok.set_probed_flops(1e12);
+  Start({forged, fitted}, {});
+  const v1::Cluster cluster = core_->GetCluster(true);
+  ASSERT_EQ(cluster.nodes_size(), 2);
+  EXPECT_FALSE(cluster.nodes(0).devices(0).has_calibration());
+  EXPECT_TRUE(cluster.nodes(1).devices(0).has_calibration());
+  ASSERT_EQ(core_->StartNotes().size(), 1u);
+  EXPECT_THAT(core_->StartNotes()[0],
+              AllOf(HasSubstr("'a'"), HasSubstr("a/cpu0"), HasSubstr("op_time_scale[\"linear\"]"),
+                    HasSubstr("dropped")));
+  auto plan = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->state(), v1::Plan::SUCCEEDED) << plan->error();
+}
+
 TEST_F(PlannerCoreTest, DeleteNodeRemovesTheNodeItsDevicesAndItsLinks) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());

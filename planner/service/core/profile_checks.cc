@@ -186,6 +186,32 @@ absl::Status ValidateDevices(const std::string& node,
   return absl::OkStatus();
 }
 
+absl::Status CheckCalibration(const v1::DeviceCalibration& c) {
+  for (const auto& [op, scale] : c.op_time_scale()) {
+    HAP_RETURN_IF_ERROR(CheckRange(
+        absl::StrCat("op_time_scale[\"", op, "\"]"), scale, std::numeric_limits<double>::min(),
+        kMaxOpTimeScale, absl::StrCat("a finite number > 0 and below ", kMaxOpTimeScale)));
+  }
+  const std::tuple<const char*, double, double> fields[] = {
+      {"optimizer_seconds_per_element", c.optimizer_seconds_per_element(),
+       kMaxOptimizerSecondsPerElement},
+      {"step_overhead_seconds", c.step_overhead_seconds(), kMaxStepOverheadSeconds},
+      {"collective_overhead_seconds", c.collective_overhead_seconds(), kMaxStepOverheadSeconds},
+      {"pipeline_transfer_overhead_seconds", c.pipeline_transfer_overhead_seconds(),
+       kMaxStepOverheadSeconds},
+      {"transfer_scale", c.transfer_scale(), kMaxOpTimeScale},
+      {"probed_flops", c.probed_flops(), kInf},
+      {"measured_step_seconds", c.measured_step_seconds(), kInf},
+  };
+  for (const auto& [field, v, most] : fields) {
+    HAP_RETURN_IF_ERROR(CheckRange(field, v, 0, most,
+                                   most == kInf
+                                       ? std::string("a finite number >= 0")
+                                       : absl::StrCat("a finite number >= 0 and below ", most)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckClusterSize(const std::map<std::string, v1::Node>& nodes, const std::string& node,
                               int devices) {
   const bool is_new = !nodes.count(node);

@@ -77,6 +77,14 @@ absl::Status ValidateDevices(const std::string& node,
                              const google::protobuf::RepeatedPtrField<hap::v1::Device>& devices,
                              std::set<std::string>* ids);
 
+// What a device's calibration must hold to be applied to plans: every
+// figure a finite number in the range the device's own fields take (one NaN
+// op scale fails every plan on the cluster). InvalidArgument naming the
+// field. The planner fits calibrations itself (CalibrateDevices); a stored
+// one is checked when the store is loaded (a database written by a planner
+// that took a node's own may hold anything).
+absl::Status CheckCalibration(const hap::v1::DeviceCalibration& c);
+
 // InvalidArgument naming the field for a node's address, agent_version or
 // labels past kMaxNodeTextBytes, with a control character, or more than
 // kMaxNodeLabels labels.
