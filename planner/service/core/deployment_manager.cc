@@ -615,15 +615,25 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
       // Its supervisor stops every rank, then marks it STOPPED.
       s_->stop_requested.insert(name);
       s_->changed.SignalAll();
-      // Short waits, so a cancelled caller is noticed promptly.
-      while (!DeploymentFinal(s_->deployments[name].state()) && !s_->shutdown && !cancelled() &&
-             absl::Now() < deadline) {
+      // Short waits, so a cancelled caller is noticed promptly. Looked up
+      // again after each: once STOPPED it may be deleted (DeletePlan,
+      // retention) before this wakes, and operator[] made an empty record
+      // of it, never finished, that nothing could stop or delete.
+      auto stopping = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) -> const v1::Deployment* {
+        auto i = s_->deployments.find(name);
+        return i == s_->deployments.end() ? nullptr : &i->second;
+      };
+      while (stopping() != nullptr && !DeploymentFinal(stopping()->state()) && !s_->shutdown &&
+             !cancelled() && absl::Now() < deadline) {
         s_->changed.WaitWithDeadline(&s_->mu,
                                      std::min(deadline, absl::Now() + absl::Milliseconds(200)));
       }
-      if (DeploymentFinal(s_->deployments[name].state()))
-        HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
-      return s_->deployments[name];
+      if (stopping() == nullptr) {
+        return absl::NotFoundError(
+            absl::StrCat("deployment '", name, "' was deleted once it had stopped"));
+      }
+      if (DeploymentFinal(stopping()->state())) HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
+      return *stopping();
     }
     // Over, but not saved so: not reported as done until the store has it.
     HAP_RETURN_IF_ERROR(SaveAgainLocked(name));
