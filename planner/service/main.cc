@@ -88,9 +88,12 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
     o.metrics_port = -1;
   } else {
     size_t colon = metrics.rfind(':');
-    if (colon == std::string::npos || !absl::SimpleAtoi(metrics.substr(colon + 1), &o.metrics_port)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--metrics-listen must be HOST:PORT or off, got '", metrics, "'"));
+    // A negative port is no port: -1 turned the metrics off without a word.
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(metrics.substr(colon + 1), &o.metrics_port) || o.metrics_port < 0 ||
+        o.metrics_port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--metrics-listen must be HOST:PORT (PORT 0 to 65535) or off, got '", metrics, "'"));
     }
     o.metrics_address = metrics.substr(0, colon);
   }

@@ -339,6 +339,13 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   Impl& m = *s->impl_;
   m.o = o;
   HAP_RETURN_IF_ERROR(ValidateDeploymentWatchOptions(o.deployments));
+  // Before anything starts: a port below -1 turned the metrics off without
+  // a word (only -1 means off), one above 65535 failed once the gRPC server
+  // served.
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics port ", o.metrics_port,
+                                                   " is not -1 (no metrics) or a port 0 to 65535"));
+  }
   HAP_RETURN_IF_ERROR(m.metrics.Init(&m.core_ptr, &m.service_ptr));
   StateBackend::Loaded loaded;
   if (!o.database.empty()) {

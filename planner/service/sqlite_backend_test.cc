@@ -493,6 +493,21 @@ TEST(SqliteBackendTest, ASecondPlannerOnTheSameDatabaseIsRefused) {
   (*again)->Shutdown();
 }
 
+// Only -1 turns the metrics off: another negative port started the
+// planner without them and without a word; one past 65535 failed only
+// once the gRPC server served. Both are refused before anything starts.
+TEST(SqliteBackendTest, AMetricsPortOutOfRangeIsRefused) {
+  for (int port : {-2, -5, 65536}) {
+    PlannerServerOptions o = ServerOn("");
+    o.metrics_port = port;
+    auto server = PlannerServer::Start(o);
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << port;
+    EXPECT_THAT(std::string(server.status().message()),
+                HasSubstr(absl::StrCat("metrics port ", port, " is not -1")));
+    if (server.ok()) (*server)->Shutdown();
+  }
+}
+
 // A directory where the database should be names the path.
 TEST(SqliteBackendTest, ADirectoryForTheDatabaseIsRefusedNamingIt) {
   const std::string db = TempDatabase("dir.db");
