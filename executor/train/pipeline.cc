@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -329,6 +330,35 @@ absl::Status PipelineRunner::Analyze() {
         "the program of stage ", stage_, " of ", layout_.stage_ranks.size(),
         (first ? " has" : " lacks"), " a stage input or its gradient, or ",
         (last ? "has" : "lacks"), " a stage output or its gradient"));
+  }
+  // What the stage sends is written before it is sent (else the arena's
+  // stale or uninitialised bytes would go): its output by a forward step,
+  // its input's gradient by a backward one.
+  auto written_in = [&](int id, int begin, int end) {
+    for (int k = begin; k < end; ++k) {
+      const v1::Step& st = prog.steps(k);
+      if (st.has_wait()) continue;
+      const auto& outs =
+          st.has_kernel() ? st.kernel().outputs() : st.collective().coalesced_outputs();
+      if (std::find(outs.begin(), outs.end(), id) != outs.end()) return true;
+      if (!st.has_collective()) continue;
+      const v1::CollectiveCall& c = st.collective();
+      const bool in_place_bucket =
+          c.collective() == v1::ALL_REDUCE &&
+          std::find(c.coalesced().begin(), c.coalesced().end(), id) != c.coalesced().end();
+      if (c.output() == id || in_place_bucket) return true;
+    }
+    return false;
+  };
+  for (const auto& [id, begin, end, what] :
+       {std::tuple{stage_out_, 0, forward_end_, "output"},
+        std::tuple{in_grad_, forward_end_, backward_end_, "input's gradient"}}) {
+    if (id >= 0 && !written_in(id, begin, end)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the program of stage ", stage_, " never writes its ", what, " '",
+          prog.buffers(id).tensor(), "' in its ", id == stage_out_ ? "forward" : "backward",
+          " steps: it would send memory nothing wrote"));
+    }
   }
   const bool trains =
       std::any_of(prog.buffers().begin(), prog.buffers().end(),

@@ -712,6 +712,42 @@ TEST_F(PipelineCreateTest, StagesThatDoNotClipInAPlanThatClipsAreRefused) {
   }
 }
 
+// A stage program that never writes what it sends (its copy into the
+// boundary buffer retargeted) sent whatever the arena held there,
+// uninitialised memory, as its output (stage 0) or its input's gradient
+// (stage 1).
+TEST_F(PipelineCreateTest, AStageThatNeverWritesWhatItSendsIsRefused) {
+  for (int r = 0; r < 2; ++r) {
+    v1::RankProgram p = lowered_.programs[r];
+    const auto role = r == 0 ? v1::Buffer::STAGE_OUTPUT : v1::Buffer::STAGE_INPUT_GRADIENT;
+    int sent = -1, writes = 0;
+    for (const v1::Buffer& b : p.buffers()) {
+      if (b.role() == role) sent = b.id();
+    }
+    ASSERT_GE(sent, 0);
+    for (v1::Step& s : *p.mutable_steps()) {
+      if (!s.has_kernel()) continue;
+      v1::KernelCall& k = *s.mutable_kernel();
+      for (int o = 0; o < k.outputs_size(); ++o) {
+        if (k.outputs(o) != sent) continue;
+        ASSERT_EQ(k.kernel(), "copy");
+        k.set_outputs(o, k.inputs(0));  // a copy onto itself
+        ++writes;
+      }
+    }
+    ASSERT_EQ(writes, 1);
+    auto runner = ProgramRunner::Create(p, *lowered_.micro, device_.get(), groups_[r][0].get());
+    ASSERT_TRUE(runner.ok()) << runner.status();
+    auto pipe = PipelineRunner::Create(runner->get(), world_[r].get(), lowered_.layout);
+    ASSERT_FALSE(pipe.ok()) << "stage " << r;
+    EXPECT_EQ(pipe.status().code(), absl::StatusCode::kInvalidArgument) << pipe.status();
+    EXPECT_NE(pipe.status().message().find(
+                  absl::StrCat("the program of stage ", r, " never writes its ")),
+              std::string::npos)
+        << pipe.status();
+  }
+}
+
 // A plan whose pipeline has a stage without devices is refused by name
 // (its receives would read nothing, and the last stage's first rank would
 // not exist).
