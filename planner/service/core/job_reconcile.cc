@@ -931,6 +931,13 @@ class Pass {
     }
   }
 
+  // A plan's failure that another plan of the same request may not meet:
+  // the store unavailable for its result, an aborted save.
+  static bool PlannerSideFailure(int code) {
+    return code == static_cast<int>(absl::StatusCode::kUnavailable) ||
+           code == static_cast<int>(absl::StatusCode::kAborted);
+  }
+
   std::string NextPlanName() {
     st().set_plans_made(st().plans_made() + 1);
     return absl::StrCat("plans/", absl::StripPrefix(j_.name(), "jobs/"), "-p", st().plans_made());
@@ -1024,6 +1031,18 @@ class Pass {
       case v1::Plan::SUCCEEDED:
         break;
       case v1::Plan::FAILED:
+        if (PlannerSideFailure(p->error_code())) {
+          // Not the request's failure but the planner's (its store refused
+          // the plan's result: a full disk): it failed the job for good
+          // while the job's own saves were tried again. Planned again,
+          // under a new name.
+          st().set_message(absl::StrCat(p->name(), " failed on the planner's side (", p->error(),
+                                        "); planning again"));
+          st().clear_next_plan();
+          Commit();
+          return;
+        }
+        [[fallthrough]];
       case v1::Plan::CANCELLED:
         Finish(
             v1::JobStatus::FAILED,

@@ -416,6 +416,28 @@ TEST_F(JobsTest, AFailedPlanFailsTheJob) {
   EXPECT_THAT(Job().status().message(), HasSubstr("does not fit"));
 }
 
+// A plan the planner's store could not record (the core fails it UNAVAILABLE
+// "... could not be saved: database or disk is full") says nothing of the
+// request: the job plans again rather than failing for good.
+TEST_F(JobsTest, APlanFailedOnThePlannersSideIsMadeAgain) {
+  Make();
+  fake_.plans_finish_at_once = false;
+  ASSERT_OK(c_->Create(Request()).status());
+  c_->Reconcile();
+  v1::Plan& first = fake_.plans.at("plans/train-p1");
+  first.set_error("plans/train-p1 became SUCCEEDED but that could not be saved: disk is full");
+  first.set_error_code(static_cast<int>(absl::StatusCode::kUnavailable));
+  fake_.FinishPlan("plans/train-p1", v1::Plan::FAILED);
+  c_->Reconcile();
+  EXPECT_NE(State(), v1::JobStatus::FAILED) << Job().status().message();
+  EXPECT_THAT(Job().status().message(), HasSubstr("planning again"));
+  c_->Reconcile();
+  ASSERT_TRUE(fake_.plans.count("plans/train-p2"));
+  fake_.FinishPlan("plans/train-p2");
+  c_->Reconcile();
+  EXPECT_FALSE(Deployment().empty()) << Job().status().message();
+}
+
 TEST_F(JobsTest, ARestartedControllerGoesOnFromTheSavedJob) {
   Make();
   const std::string first = StartRunning();
