@@ -293,6 +293,35 @@ TEST_F(PlannerServiceImplTest, PlanReadsInWireFormAreTheCoresMessages) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("plans/none does not exist")));
 }
 
+// A WatchPlan that the planner's shutdown ends, the plan still searching,
+// is UNAVAILABLE (watch again), not OK: hapctl watch read the OK as the
+// plan's end and exited 0 with it RUNNING.
+TEST_F(PlannerServiceImplTest, AWatchPlanEndedByShutdownIsUnavailableNotOk) {
+  for (const char* node : {"a", "b", "c", "d"}) Register(node);
+  v1::CreatePlanRequest long_search;
+  long_search.set_plan_id("long");
+  long_search.mutable_model()->mutable_zoo()->set_name("gpt");
+  (*long_search.mutable_model()->mutable_zoo()->mutable_params())["layers"] = 96;
+  long_search.mutable_options()->mutable_budget()->set_max_seconds(120);
+  long_search.mutable_options()->set_ignore_memory_limits(true);
+  v1::Plan plan;
+  ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), long_search, &plan)), IsOk());
+  auto ctx = Ctx();
+  v1::WatchPlanRequest r;
+  r.set_name("plans/long");
+  auto reader = stub_->WatchPlan(ctx.get(), r);
+  ASSERT_TRUE(reader->Read(&plan));
+  ASSERT_TRUE(plan.state() == v1::Plan::PENDING || plan.state() == v1::Plan::RUNNING)
+      << v1::Plan::State_Name(plan.state());
+  service_->Shutdown();
+  while (reader->Read(&plan)) {
+  }
+  EXPECT_THAT(FromGrpc(reader->Finish()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("shutting down"), HasSubstr("plans/long"))));
+  EXPECT_THAT(core_->CancelPlan("plans/long"), IsOk());  // the search ends now
+}
+
 // Every method of hap.v1.Planner, the streaming watches and the rendezvous
 // store included, refuses a caller without the token or with a wrong one in
 // its own handler (this server has no gRPC auth filter in front).
