@@ -324,7 +324,7 @@ absl::Status ProgramRunner::Validate() {
     }
     attrs_.push_back(std::move(attrs));
   }
-  // Whether buffers a and b (ids, not -1) have arena bytes in common.
+  // Whether buffers a and b have arena bytes in common.
   auto share_bytes = [&](int a, int b) {
     const int64_t a0 = p.buffers(a).offset_bytes(), b0 = p.buffers(b).offset_bytes();
     return views_[a].bytes() > 0 && views_[b].bytes() > 0 && a0 < b0 + views_[b].bytes() &&
@@ -346,18 +346,10 @@ absl::Status ProgramRunner::Validate() {
       running.erase(it);
       continue;
     }
-    std::vector<int> ids;
-    if (s.has_kernel()) {
-      ids.assign(s.kernel().inputs().begin(), s.kernel().inputs().end());
-      ids.insert(ids.end(), s.kernel().outputs().begin(), s.kernel().outputs().end());
-    } else {
-      ids = CollectiveBuffers(i);
-    }
+    std::vector<int> ids = StepBuffers(s);
     // A step's buffers are alive together: distinct ones never overlap.
-    std::set<int> distinct(ids.begin(), ids.end());
-    distinct.erase(-1);
-    for (auto a = distinct.begin(); a != distinct.end(); ++a) {
-      for (auto b = std::next(a); b != distinct.end(); ++b) {
+    for (auto a = ids.begin(); a != ids.end(); ++a) {
+      for (auto b = std::next(a); b != ids.end(); ++b) {
         if (share_bytes(*a, *b)) {
           return bad(absl::StrCat(StepName(p, i), " touches buffers ", *a, " ('",
                                   p.buffers(*a).tensor(), "') and ", *b, " ('",
@@ -373,7 +365,6 @@ absl::Status ProgramRunner::Validate() {
                                 StepName(p, it->second), " before its wait"));
       }
       // Nor memory of theirs under another buffer (the arena is shared).
-      if (id < 0) continue;
       for (const auto& [other, start] : busy) {
         if (share_bytes(id, other)) {
           return bad(absl::StrCat(
@@ -395,13 +386,20 @@ absl::Status ProgramRunner::Validate() {
   return absl::OkStatus();
 }
 
-std::vector<int> ProgramRunner::CollectiveBuffers(int i) const {
-  const v1::CollectiveCall& c = program_.steps(i).collective();
-  std::vector<int> ids = {c.input(), c.output()};
-  ids.insert(ids.end(), c.coalesced().begin(), c.coalesced().end());
-  ids.insert(ids.end(), c.coalesced_outputs().begin(), c.coalesced_outputs().end());
+std::vector<int> StepBuffers(const v1::Step& step) {
+  std::vector<int> ids;
+  if (step.has_kernel()) {
+    ids.assign(step.kernel().inputs().begin(), step.kernel().inputs().end());
+    ids.insert(ids.end(), step.kernel().outputs().begin(), step.kernel().outputs().end());
+  } else if (step.has_collective()) {
+    const v1::CollectiveCall& c = step.collective();
+    ids = {c.input(), c.output()};
+    ids.insert(ids.end(), c.coalesced().begin(), c.coalesced().end());
+    ids.insert(ids.end(), c.coalesced_outputs().begin(), c.coalesced_outputs().end());
+  }
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  if (!ids.empty() && ids.front() == -1) ids.erase(ids.begin());
   return ids;
 }
 

@@ -58,6 +58,11 @@ struct RunnerOptions {
   bool test_skip_waits = false;
 };
 
+// The buffers `step` uses: a kernel's inputs and outputs (not the absent
+// ones, -1), a collective's input, output and coalesced ones; none for a
+// wait. Sorted, each once.
+std::vector<int> StepBuffers(const hap::v1::Step& step);
+
 class ProgramRunner {
  public:
   // Validates `program` against `graph` (the plan's model), the device and
@@ -127,8 +132,6 @@ class ProgramRunner {
   ProgramRunner(const hap::v1::RankProgram& program, const graph::Graph& graph, Device* device,
                 Communicator* comm, const RunnerOptions& options);
   absl::Status Validate();
-  // The buffers of collective step i (input, output, coalesced ones).
-  std::vector<int> CollectiveBuffers(int i) const;
   // Runs collective step i with `comm` and `staging`.
   absl::Status RunCollectiveStep(int i, Communicator& comm, Staging& staging);
   absl::Status StartAsync(int i);

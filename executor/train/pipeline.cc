@@ -280,6 +280,18 @@ absl::Status PipelineRunner::Analyze() {
     }
     deferred_reads[start] = std::move(reads);
   }
+  // The lifetimes the plan declares decide what is kept across microbatches
+  // (stashed, summed): each must hold every step that uses its buffer.
+  for (int k = 0; k < n; ++k) {
+    for (int id : StepBuffers(prog.steps(k))) {
+      const v1::Buffer& b = prog.buffers(id);
+      if (!b.persistent() && (b.last_use() < 0 || k < b.first_use() || k > b.last_use())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "buffer '", b.tensor(), "' is used at step ", k, ", outside its lifetime [",
+            b.first_use(), ", ", b.last_use(), "] in the stage program"));
+      }
+    }
+  }
   const bool first = stage_ == 0;
   const bool last = stage_ + 1 == static_cast<int>(layout_.stage_ranks.size());
   for (const v1::Buffer& b : prog.buffers()) {

@@ -748,6 +748,34 @@ TEST_F(PipelineCreateTest, AStageThatNeverWritesWhatItSendsIsRefused) {
   }
 }
 
+// The buffers' lifetimes in the plan decide what the runner keeps across
+// microbatches: a weight gradient whose declared last use ended inside
+// backward (while the optimizer still reads it) was not summed over the
+// microbatches, and the update used the last microbatch's gradient alone.
+TEST_F(PipelineCreateTest, LifetimesThatDoNotHoldEveryUseAreRefused) {
+  v1::RankProgram p = lowered_.programs[0];
+  int grad = -1;
+  for (const v1::Buffer& b : p.buffers()) {
+    if (b.role() == v1::Buffer::GRADIENT && !b.persistent() && grad < 0) grad = b.id();
+  }
+  ASSERT_GE(grad, 0);
+  v1::Buffer& b = *p.mutable_buffers(grad);
+  b.set_last_use(b.first_use());
+  auto runner = ProgramRunner::Create(p, *lowered_.micro, device_.get(), groups_[0][0].get());
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  auto pipe = PipelineRunner::Create(runner->get(), world_[0].get(), lowered_.layout);
+  ASSERT_FALSE(pipe.ok());
+  EXPECT_EQ(pipe.status().code(), absl::StatusCode::kInvalidArgument) << pipe.status();
+  EXPECT_NE(
+      pipe.status().message().find(absl::StrCat("buffer '", b.tensor(), "' is used at step ")),
+      std::string::npos)
+      << pipe.status();
+  EXPECT_NE(pipe.status().message().find(
+                absl::StrCat(", outside its lifetime [", b.first_use(), ", ", b.first_use(), "]")),
+            std::string::npos)
+      << pipe.status();
+}
+
 // A plan whose pipeline has a stage without devices is refused by name
 // (its receives would read nothing, and the last stage's first rank would
 // not exist).
