@@ -1,5 +1,7 @@
 #include "planner/service/planner_server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <iostream>
@@ -421,9 +423,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
         absl::StrCat("cannot listen on ", o.listen, " (address in use or invalid)"));
   }
   std::string advertise =
-      o.advertise.empty()
-          ? absl::StrCat(o.listen.substr(0, o.listen.rfind(':')), ":", m.port)
-          : o.advertise;
+      o.advertise.empty() ? ListenAddressToAdvertise(o.listen, m.port) : o.advertise;
   m.service->set_advertise_address(advertise);
   m.service->StartJobs();
   m.server->GetHealthCheckService()->SetServingStatus(kService, true);
@@ -467,6 +467,14 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     while (!m.stop_retention.WaitForNotificationWithTimeout(m.o.retention_interval)) retain();
   });
   return s;
+}
+
+std::string ListenAddressToAdvertise(const std::string& listen, int port) {
+  std::string host = listen.substr(0, listen.rfind(':'));
+  const bool wildcard = host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::";
+  char name[256] = {};
+  if (wildcard && gethostname(name, sizeof(name) - 1) == 0 && name[0] != '\0') host = name;
+  return absl::StrCat(host, ":", port);
 }
 
 PlannerServer::~PlannerServer() {

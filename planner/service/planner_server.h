@@ -45,7 +45,7 @@ absl::StatusOr<std::unique_ptr<StateBackend>> OpenSqliteBackend(const std::strin
 struct PlannerServerOptions {
   std::string listen = "127.0.0.1:0";  // gRPC; port 0 picks a free port
   // Address executors use to reach the planner (rendezvous); empty = the
-  // bound listen address.
+  // bound listen address (ListenAddressToAdvertise).
   std::string advertise;
   std::string metrics_address = "127.0.0.1";
   int metrics_port = 0;         // /metrics over HTTP; -1 = off
@@ -97,6 +97,12 @@ struct PlannerServerOptions {
   absl::Duration job_retention_age = absl::Hours(24 * 7);
   PlannerCoreOptions core;
 };
+
+// The address executors are given to reach a planner listening on
+// `listen` (HOST:PORT as --listen takes it) at the bound `port`: HOST:port,
+// this machine's host name for a wildcard host (0.0.0.0, [::] or none),
+// which executors on other machines could not dial (0.0.0.0 is their own).
+std::string ListenAddressToAdvertise(const std::string& listen, int port);
 
 class PlannerServer {
  public:
