@@ -149,6 +149,11 @@ absl::Status ProgramRunner::Validate() {
         __builtin_add_overflow(b.offset_bytes(), bytes, &end) || end > p.arena_bytes()) {
       return bad(absl::StrCat(name, " lies outside the arena"));
     }
+    if (b.role() == v1::Buffer::NORM && (dt != graph::DType::kFloat64 || n != 1)) {
+      // Read and written whole as one double (the pipeline's sum over stages).
+      return bad(absl::StrCat(name, ": a clipping norm must be f64[1], not ",
+                              graph::TypeString({dt, Shape(b.shape().begin(), b.shape().end())})));
+    }
     if (b.role() == v1::Buffer::PARAMETER || b.role() == v1::Buffer::INPUT) {
       auto t = graph_.FindTensor(b.tensor());
       auto want = b.role() == v1::Buffer::PARAMETER ? graph::TensorKind::kParameter

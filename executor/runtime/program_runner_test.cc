@@ -270,6 +270,24 @@ TEST_F(ProgramRunnerTest, RejectsNegativeOrOverflowingShardSizes) {
   EXPECT_TRUE(with({2, 4}, {6, 4}, {2, 1, 3}).ok());
 }
 
+// The clipping norm (plan.proto: f64[1]) is written back by the pipeline
+// runner as one float64 after its sum over the stages: in an f32[1]
+// buffer that wrote half of the double's bytes, a meaningless norm.
+TEST_F(ProgramRunnerTest, RejectsANormBufferThatIsNotOneFloat64) {
+  for (std::vector<int64_t> shape : std::vector<std::vector<int64_t>>{{1}, {2}}) {
+    v1::RankProgram p = program_;
+    const int id = AddScratch(p, shape);
+    p.mutable_buffers(id)->set_role(v1::Buffer::NORM);
+    if (shape[0] == 2) {
+      p.mutable_buffers(id)->set_dtype(v1::FLOAT64);
+      p.set_arena_bytes(p.arena_bytes() + 8);  // its second half
+    }
+    EXPECT_THAT(Create(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                    HasSubstr(absl::StrCat("buffer ", id, " ('scratch", id,
+                                                           "'): a clipping norm must be f64[1]"))));
+  }
+}
+
 TEST_F(ProgramRunnerTest, RejectsBadCoalescedBuffers) {
   int f32 = -1, f32b = -1, integer = -1;
   for (const auto& b : program_.buffers()) {
