@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -341,6 +342,16 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   Impl& m = *s->impl_;
   m.o = o;
   HAP_RETURN_IF_ERROR(ValidateDeploymentWatchOptions(o.deployments));
+  // gRPC takes a port past 65535 modulo 65536: --listen 127.0.0.1:99999
+  // served on 34463, and 65536 on a free port, without a word.
+  if (!IsHostPort(o.listen, 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address '", o.listen, "' is not HOST:PORT with a port from 0 to 65535"));
+  }
+  if (!o.advertise.empty() && !IsHostPort(o.advertise, 1, /*schemes=*/true)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "advertise address '", o.advertise, "' is not HOST:PORT with a port from 1 to 65535"));
+  }
   // Before anything starts: a port below -1 turned the metrics off without
   // a word (only -1 means off), one above 65535 failed once the gRPC server
   // served.

@@ -494,6 +494,15 @@ TEST(SqliteBackendTest, ASecondPlannerOnTheSameDatabaseIsRefused) {
   (*again)->Shutdown();
 }
 
+// Expects PlannerServer::Start(o) to be INVALID_ARGUMENT saying `message`
+// (and stops a server that started).
+void ExpectRefused(const PlannerServerOptions& o, const std::string& message) {
+  auto server = PlannerServer::Start(o);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << message;
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr(message));
+  if (server.ok()) (*server)->Shutdown();
+}
+
 // Only -1 turns the metrics off: another negative port started the
 // planner without them and without a word; one past 65535 failed only
 // once the gRPC server served. Both are refused before anything starts.
@@ -501,12 +510,23 @@ TEST(SqliteBackendTest, AMetricsPortOutOfRangeIsRefused) {
   for (int port : {-2, -5, 65536}) {
     PlannerServerOptions o = ServerOn("");
     o.metrics_port = port;
-    auto server = PlannerServer::Start(o);
-    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << port;
-    EXPECT_THAT(std::string(server.status().message()),
-                HasSubstr(absl::StrCat("metrics port ", port, " is not -1")));
-    if (server.ok()) (*server)->Shutdown();
+    ExpectRefused(o, absl::StrCat("metrics port ", port, " is not -1"));
   }
+}
+
+// gRPC takes a port past 65535 modulo 65536: a planner told to listen on
+// 127.0.0.1:99999 served on 34463 (and on 65536, a free port), without a
+// word, where no agent or executor looked for it. Such an address, and an
+// advertised one executors would dial the same way, are refused.
+TEST(SqliteBackendTest, AListenOrAdvertiseAddressPastPort65535IsRefused) {
+  for (const char* listen : {"127.0.0.1:99999", "127.0.0.1:65536", "127.0.0.1:x"}) {
+    PlannerServerOptions o = ServerOn("");
+    o.listen = listen;
+    ExpectRefused(o, absl::StrCat("listen address '", listen, "'"));
+  }
+  PlannerServerOptions o = ServerOn("");
+  o.advertise = "planner.example:70700";
+  ExpectRefused(o, "advertise address 'planner.example:70700'");
 }
 
 // Executors are given the planner's listen address to reach it at: a
