@@ -141,13 +141,19 @@ std::shared_ptr<const std::string> EncodeListPlansResponse(
 // one 10 KB long, the client got "received initial metadata size exceeds
 // limit" (RESOURCE_EXHAUSTED) instead. Longer messages keep their start
 // and end (the field, and what is wrong with it) around a note of the cut.
+// The cuts fall between UTF-8 characters: one cut inside a character (a
+// name of non-ASCII letters) made the message invalid UTF-8.
 grpc::Status Bounded(grpc::Status s) {
   constexpr size_t kHead = 768, kTail = 256;
   const std::string& m = s.error_message();
   if (m.size() <= kHead + kTail) return s;
+  auto inside = [&m](size_t i) { return (static_cast<unsigned char>(m[i]) & 0xC0) == 0x80; };
+  size_t head = kHead, tail = m.size() - kTail;
+  while (head > 0 && inside(head)) --head;
+  while (tail < m.size() && inside(tail)) ++tail;
   return grpc::Status(s.error_code(),
-                      absl::StrCat(m.substr(0, kHead), " [... ", m.size() - kHead - kTail,
-                                   " bytes of the message cut ...] ", m.substr(m.size() - kTail)),
+                      absl::StrCat(m.substr(0, head), " [... ", tail - head,
+                                   " bytes of the message cut ...] ", m.substr(tail)),
                       s.error_details());
 }
 

@@ -23,6 +23,7 @@
 #include "common/grpc_util.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/stubs/common.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -167,6 +168,20 @@ TEST_F(PlannerServiceImplTest, OverlongNamesGetTheirOwnErrorsWithBoundedMessages
         << rpc << ": " << s.error_code() << " " << s.error_message().substr(0, 200);
     EXPECT_LE(s.error_message().size(), 4096u) << rpc;
   }
+}
+
+// A long message is cut between characters: a name of non-ASCII letters
+// cut inside one made the message invalid UTF-8 (which clients that read
+// it as a proto3 string refuse).
+TEST_F(PlannerServiceImplTest, ALongMessageIsCutBetweenCharacters) {
+  std::string name = "deployments/x";
+  for (int i = 0; i < 5000; ++i) name += "\u20ac";  // 3 bytes each
+  const grpc::Status s =
+      Send(&v1::Planner::Stub::GetDeployment, v1::GetDeploymentRequest(), "name", name);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message().substr(0, 200);
+  EXPECT_THAT(s.error_message(), HasSubstr("bytes of the message cut"));
+  EXPECT_TRUE(google::protobuf::internal::IsStructurallyValidUTF8(s.error_message()))
+      << s.error_message();
 }
 
 // A page token is good only for the list that returned it: one from
