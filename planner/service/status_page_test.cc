@@ -2,6 +2,7 @@
 // and 404/500 pages for bad ids and failing sources.
 #include "planner/service/status_page.h"
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -111,6 +112,29 @@ TEST_F(StatusPageTest, IndexShowsNodesLinksPlansAndDeployments) {
                               HasSubstr("20.00 ms"), HasSubstr("deployments/d1")));
     EXPECT_THAT(r.body, Not(HasSubstr("<script")));
   }
+}
+
+// Links are measured between devices: a cluster of 512 devices has up to
+// 261,632, and the page listed every one at each 15 s refresh. It shows the
+// first 500 and says how many there are.
+TEST_F(StatusPageTest, TheLinksTableIsBounded) {
+  for (int i = 0; i < 3000; ++i) {
+    v1::Link* l = cluster_.add_links();
+    l->set_src(absl::StrCat("n", i / 64, "/gpu", i % 64));
+    l->set_dst("b/cpu0");
+    l->set_bandwidth_bytes_per_second(1e9);
+  }
+  const metrics::HttpResponse r = ServeStatusPage(sources_, "/status");
+  EXPECT_EQ(r.status, 200);
+  const size_t start = r.body.find("<table id=\"links\">");
+  ASSERT_NE(start, std::string::npos);
+  const std::string links = r.body.substr(start, r.body.find("</table>", start) - start);
+  size_t rows = 0;
+  for (size_t at = links.find("<tr>"); at != std::string::npos; at = links.find("<tr>", at + 1)) {
+    ++rows;
+  }
+  EXPECT_EQ(rows, 1u + 500u);  // the header and 500 links
+  EXPECT_NE(r.body.find("The first 500 of 3001 measured links"), std::string::npos);
 }
 
 TEST_F(StatusPageTest, PlanPageShowsRatiosAndShardingTable) {
