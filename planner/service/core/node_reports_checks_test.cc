@@ -95,6 +95,25 @@ TEST_F(PlannerCoreTest, AFlopsRateReportedTwiceIsRefused) {
   EXPECT_NE(s.message().find("FLOAT32 FLOP/s is reported twice"), absl::string_view::npos) << s;
 }
 
+// Enum values this planner does not know are refused, naming them: a
+// device of kind 99, and a rate for dtype 99 (DType_Name gave "", so the
+// checks' messages named nothing), were registered and planned with.
+TEST_F(PlannerCoreTest, UnknownDeviceKindsAndDtypesAreRefused) {
+  v1::Node kind = MakeNode("b", 1, 1e12);
+  kind.mutable_devices(0)->set_kind(static_cast<v1::DeviceKind>(99));
+  EXPECT_THAT(core_->RegisterNode(kind).status(),
+              hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("device 'b/cpu0': kind 99 is not a device kind")));
+  v1::Node dtype = MakeNode("b", 1, 1e12);
+  auto* f = dtype.mutable_devices(0)->add_flops();
+  f->set_dtype(static_cast<v1::DType>(99));
+  f->set_flops(5e12);
+  EXPECT_THAT(
+      core_->RegisterNode(dtype).status(),
+      hap::testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("for dtype 99")));
+  EXPECT_EQ(core_->GetCluster(true).nodes_size(), 0);
+}
+
 TEST_F(PlannerCoreTest, TinyPositiveFlopsIsRefusedOrHarmless) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   v1::Node b = MakeNode("b", 1, std::numeric_limits<double>::denorm_min());

@@ -133,9 +133,19 @@ absl::Status ValidateDevices(const std::string& node,
     }
     const std::string dev = absl::StrCat("device '", d.id(), "': ");
     HAP_RETURN_IF_ERROR(CheckText(absl::StrCat(dev, "model"), d.model(), kMaxNodeTextBytes));
+    // Enum values this planner does not know (a newer agent's, or any
+    // number on the wire) were stored and planned with as if known.
+    if (!v1::DeviceKind_IsValid(d.kind())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dev, "kind ", d.kind(), " is not a device kind this planner knows"));
+    }
     double f32 = 0;
     std::set<int> dtypes;
     for (const auto& t : d.flops()) {
+      if (!v1::DType_IsValid(t.dtype())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dev, "a FLOP/s rate is for dtype ", t.dtype(), ", not a dtype this planner knows"));
+      }
       HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"),
                                      t.flops(), kMinFlops, kInf,
                                      absl::StrCat("a finite number >= ", kMinFlops)));
