@@ -653,6 +653,11 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
 // -------------------------------------------------------------- metrics --
 
 absl::Status DeploymentManager::ReportStepMetrics(const std::vector<v1::StepMetric>& batch) {
+  if (batch.size() > kMaxStepMetricsPerReport) {
+    return absl::InvalidArgumentError(absl::StrCat("a report carries at most ",
+                                                   kMaxStepMetricsPerReport, " step metrics, got ",
+                                                   batch.size(), ": send them in batches"));
+  }
   absl::MutexLock l(&s_->mu);
   for (const auto& m : batch) {
     auto it = s_->deployments.find(m.deployment());

@@ -161,7 +161,11 @@ class DeploymentManager {
   absl::StatusOr<hap::v1::Deployment> Stop(const std::string& name, absl::Time deadline,
                                            const std::function<bool()>& cancelled);
 
-  // A batch of step metrics from executors, checked all or none: NotFound
+  // Metrics one ReportStepMetrics call takes at most (executors send 256).
+  static constexpr size_t kMaxStepMetricsPerReport = 4096;
+  // A batch of step metrics from executors, checked all or none:
+  // InvalidArgument past kMaxStepMetricsPerReport (a call is checked, saved
+  // and kept under the manager's lock, which every read waits for); NotFound
   // for an unknown deployment, InvalidArgument for a rank or step outside it
   // (steps are 0 to training.steps - 1), a loss that is not finite or a
   // time that is not finite and non-negative. Then saved and taken one

@@ -882,6 +882,12 @@ TEST_F(DeploymentManagerTest, StepMetricsOutsideTheDeploymentOrNotFiniteAreRefus
   EXPECT_THAT(
       manager_->ReportStepMetrics({bad}),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("communication_seconds is -inf")));
+  // A batch past the bound per call (400,000 fit in a 16 MiB request, each
+  // checked, saved and kept under the manager's lock) is refused whole.
+  std::vector<v1::StepMetric> huge(DeploymentManager::kMaxStepMetricsPerReport + 1, metric(3, 1.0));
+  EXPECT_THAT(manager_->ReportStepMetrics(huge),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("at most 4096 step metrics, got 4097")));
   // Nothing of the refused batches was taken.
   const v1::Deployment now = *manager_->Get(d->name());
   EXPECT_EQ(now.steps_completed(), 1000);
