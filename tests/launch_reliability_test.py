@@ -270,8 +270,10 @@ class LaunchReliabilityTest(unittest.TestCase):
         p.kill()
         p.wait()
         self.assertEqual(wait_gone(pids), [])
-        # A group of a pid now free that is not a launcher's stays.
-        other = f"{CGROUP_ROOT}/hap-demo-{free_pid()}-r0"
+        # A group of a pid now free that is not a launcher's stays (not
+        # hap-demo-PID-r0: the demo tests running beside this one remove
+        # those of dead pids at their start).
+        other = f"{CGROUP_ROOT}/hap-launcher-{free_pid()}-r0"
         os.mkdir(other)
         self.addCleanup(lambda: os.path.isdir(other) and os.rmdir(other))
         self.setUp()
