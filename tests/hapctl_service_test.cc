@@ -255,7 +255,8 @@ TEST_F(HapctlServiceTest, CreatePlanTakesPrecisionMomentumMemoryAndBudgetFlags) 
        {std::tuple<std::string, std::string, std::string>{
             "--precision", "fp16", "--precision must be fp32 or bf16, got 'fp16'"},
         {"--gradient-precision", "int8", "--gradient-precision must be fp32 or bf16"},
-        {"--momentum", "-1", "--momentum must not be negative"},
+        {"--momentum", "-1", "--momentum must be from 0 to below 1, got '-1'"},
+        {"--momentum", "1", "--momentum must be from 0 to below 1, got '1'"},
         {"--max-states", "0", "max-states"}}) {
     EXPECT_THAT(Hapctl(with({"--id", "bad", flag, value}), 1), HasSubstr(error)) << flag;
   }
