@@ -372,9 +372,13 @@ absl::Status PipelineRunner::Analyze() {
           " steps: it would send memory nothing wrote"));
     }
   }
-  const bool trains =
-      std::any_of(prog.buffers().begin(), prog.buffers().end(),
-                  [](const v1::Buffer& b) { return b.role() == v1::Buffer::PARAMETER; });
+  // A stage trains when its optimizer updates a parameter: one whose
+  // parameters are all frozen (a fine-tune's first layers) has PARAMETER
+  // buffers but nothing to clip, and the lowering gives it no norm.
+  const bool trains = std::any_of(prog.steps().begin(), prog.steps().end(), [](const v1::Step& st) {
+    return st.has_kernel() &&
+           (st.kernel().kernel() == "sgd_update" || st.kernel().kernel() == "adam_update");
+  });
   if (layout_.clip && norm_ < 0 && trains) {
     // Its optimizer would not clip: the single-device step clips every
     // parameter by the norm over all of them.

@@ -8,6 +8,7 @@
 // pipeline_equivalence_test.cc (pipeline_test_util.h). Ranks are threads
 // over real Gloo, as there; every rank here is built by this file's harness
 // (RunRanks) so a test can wrap its device or communicator.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -710,6 +711,31 @@ TEST_F(PipelineCreateTest, StagesThatDoNotClipInAPlanThatClipsAreRefused) {
   for (int r = 0; r < 2; ++r) {
     ExpectRefused(r, layout, "the plan's optimizer clips by the global gradient norm");
   }
+}
+
+// A stage whose parameters are all frozen (a fine-tune's first layers) has
+// PARAMETER buffers, no update and no norm: nothing of it to clip, and it
+// is taken (it was refused as "computes no norm" once clipping was checked).
+TEST_F(PipelineCreateTest, AStageThatUpdatesNoParameterNeedsNoNorm) {
+  executor::PipelineLayout layout = lowered_.layout;
+  layout.clip = true;
+  v1::RankProgram frozen = lowered_.programs[0];
+  auto* steps = frozen.mutable_steps();
+  const int before = steps->size();
+  steps->erase(std::remove_if(steps->begin(), steps->end(),
+                              [](const v1::Step& st) {
+                                return st.has_kernel() && (st.kernel().kernel() == "sgd_update" ||
+                                                           st.kernel().kernel() == "adam_update");
+                              }),
+               steps->end());
+  ASSERT_LT(steps->size(), before);
+  bool has_parameters = false;
+  for (const v1::Buffer& b : frozen.buffers()) has_parameters |= b.role() == v1::Buffer::PARAMETER;
+  ASSERT_TRUE(has_parameters);
+  auto runner = ProgramRunner::Create(frozen, *lowered_.micro, device_.get(), groups_[0][0].get());
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  auto pipe = PipelineRunner::Create(runner->get(), world_[0].get(), layout);
+  EXPECT_TRUE(pipe.ok()) << pipe.status();
 }
 
 // A stage program that never writes what it sends (its copy into the
