@@ -808,11 +808,11 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
         " did not end within ",
         absl::FormatDuration(absl::Trunc(absl::Now() - asked, absl::Milliseconds(1))),
         " and was abandoned ",
-        saving >= 0
-            ? std::string("(that checkpoint is not committed; the latest committed one stays)")
-            : absl::StrCat("(a collective waiting for a peer that is gone ends at the "
-                           "communicator timeout, ",
-                           absl::FormatDuration(o_.comm_timeout), ")"));
+        saving >= 0 ? std::string("(that checkpoint was not committed by then: a resume takes the "
+                                  "latest committed one)")
+                    : absl::StrCat("(a collective waiting for a peer that is gone ends at the "
+                                   "communicator timeout, ",
+                                   absl::FormatDuration(o_.comm_timeout), ")"));
   }
   return StatusLocked();
 }
