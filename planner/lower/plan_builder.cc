@@ -116,11 +116,12 @@ absl::StatusOr<v1::Plan> BuildPlan(const graph::Graph& g,
     devices.push_back(cluster.device(i).id);
     plan.add_devices(cluster.device(i).id);
   }
-  if (!g.Inputs().empty()) {
-    plan.set_global_batch(g.tensor(g.Inputs().front()).type.shape.empty()
-                              ? 1
-                              : g.tensor(g.Inputs().front()).type.shape[0]);
-  }
+  // The batch of the first input's first dimension; 1 for a graph with no
+  // batched input (executors refuse a plan without one: checkpoints count
+  // samples by it).
+  plan.set_global_batch(g.Inputs().empty() || g.tensor(g.Inputs().front()).type.shape.empty()
+                            ? 1
+                            : g.tensor(g.Inputs().front()).type.shape[0]);
   AddInstructions(g, result.program, result.ratios, plan.mutable_program());
   v1::SegmentRatios* r = plan.add_ratios();
   for (double x : result.ratios) r->add_ratios(x);
