@@ -128,6 +128,13 @@ absl::StatusOr<std::string> PlannerCore::CalibrateDevices(
   absl::MutexLock l(&s_->mu);
   const v1::Cluster raw = ClusterLocked(/*include_stale=*/true);
   HAP_ASSIGN_OR_RETURN(auto fitted, FitDeviceCalibration(raw, *p, profiles, deployment, o_.now()));
+  // Checked as a restart checks the stored ones: a fit past the bounds
+  // would plan until the next start and then be dropped.
+  for (const auto& [id, c] : fitted) {
+    HAP_RETURN_IF_ERROR(
+        Annotate(CheckCalibration(c), absl::StrCat("the calibration fitted for device '", id,
+                                                   "' is out of range (not applied)")));
+  }
   std::map<std::string, v1::Node> changed;
   for (const auto& [name, n] : s_->nodes) {
     for (int i = 0; i < n.devices_size(); ++i) {

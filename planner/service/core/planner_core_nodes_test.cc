@@ -254,6 +254,27 @@ TEST_F(PlannerCoreTest, CalibratesDevicesFromProfilesAndLaterPlansUseIt) {
   EXPECT_TRUE(core_->GetCluster(true).nodes(1).devices(0).has_calibration());
 }
 
+// A fit past the bounds a restart checks stored calibrations by (an op
+// scale of 1e6 or more) is not applied: it planned until the next start,
+// which then dropped it and changed the plans.
+TEST_F(PlannerCoreTest, ACalibrationFittedOutOfRangeIsNotApplied) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 1, 2e12)).ok());
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto full = core_->GetPlan(first->name(), true);
+  ASSERT_TRUE(full.ok());
+  std::vector<v1::StepProfile> profiles = Profiles(*full, 3e4, 2.9e4);
+  for (auto& p : profiles) (*p.mutable_op_seconds())["linear"] = 2.9e4;
+  EXPECT_THAT(core_->CalibrateDevices(first->name(), "deployments/d1", profiles),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("op_time_scale[\"linear\"] must be a finite number > 0 "
+                                       "and below 1e+06"),
+                             HasSubstr("(not applied)"))));
+  const v1::Cluster cluster = core_->GetCluster(true);
+  for (const auto& n : cluster.nodes()) EXPECT_FALSE(n.devices(0).has_calibration()) << n.name();
+}
+
 // A calibration the store takes for one node and refuses for the next (the
 // disk filled between the two saves) fails the call, and the core serves
 // what the store holds: a restart neither brings back a calibration the

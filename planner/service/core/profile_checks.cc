@@ -83,6 +83,20 @@ absl::Status CheckText(absl::string_view field, const std::string& value, size_t
   return absl::OkStatus();
 }
 
+// Each op scale of a device or a calibration: finite, > 0, below
+// kMaxOpTimeScale. `prefix` starts the message ("device 'ID': ").
+absl::Status CheckOpTimeScales(absl::string_view prefix,
+                               const google::protobuf::Map<std::string, double>& scales) {
+  for (const auto& [op, scale] : scales) {
+    if (!(std::isfinite(scale) && scale > 0 && scale < kMaxOpTimeScale)) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "op_time_scale[\"", op,
+                                                     "\"] must be a finite number > 0 and below ",
+                                                     kMaxOpTimeScale, ", got ", scale));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckNodeText(const v1::Node& node) {
@@ -185,23 +199,13 @@ absl::Status ValidateDevices(const std::string& node,
       return absl::InvalidArgumentError(absl::StrCat(
           dev, "overlap_efficiency must be in [0, 1] (0 = unset), got ", d.overlap_efficiency()));
     }
-    for (const auto& [op, scale] : d.op_time_scale()) {
-      if (!(std::isfinite(scale) && scale > 0 && scale < kMaxOpTimeScale)) {
-        return absl::InvalidArgumentError(absl::StrCat(dev, "op_time_scale[\"", op,
-                                                       "\"] must be a finite number > 0 and below ",
-                                                       kMaxOpTimeScale, ", got ", scale));
-      }
-    }
+    HAP_RETURN_IF_ERROR(CheckOpTimeScales(dev, d.op_time_scale()));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckCalibration(const v1::DeviceCalibration& c) {
-  for (const auto& [op, scale] : c.op_time_scale()) {
-    HAP_RETURN_IF_ERROR(CheckRange(
-        absl::StrCat("op_time_scale[\"", op, "\"]"), scale, std::numeric_limits<double>::min(),
-        kMaxOpTimeScale, absl::StrCat("a finite number > 0 and below ", kMaxOpTimeScale)));
-  }
+  HAP_RETURN_IF_ERROR(CheckOpTimeScales("", c.op_time_scale()));
   const std::tuple<const char*, double, double> fields[] = {
       {"optimizer_seconds_per_element", c.optimizer_seconds_per_element(),
        kMaxOptimizerSecondsPerElement},
