@@ -1,10 +1,13 @@
 #include "common/host_port.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
@@ -32,6 +35,16 @@ bool IsHostPort(const std::string& address, int min_port, bool schemes) {
                        std::all_of(port.begin(), port.end(), absl::ascii_isdigit) &&
                        absl::SimpleAtoi(port, &number) && number >= min_port && number <= 65535;
   return host_ok && port_ok;
+}
+
+std::string AdvertisedAddress(const std::string& bound) {
+  const size_t colon = bound.rfind(':');
+  std::string host = bound.substr(0, colon == std::string::npos ? bound.size() : colon);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) == 0 && name[0] != '\0') host = name;
+  }
+  return colon == std::string::npos ? host : absl::StrCat(host, bound.substr(colon));
 }
 
 }  // namespace hap::service

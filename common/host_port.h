@@ -15,6 +15,11 @@ namespace hap::service {
 // port at 443; each would be used as if it were what was asked for.
 bool IsHostPort(const std::string& address, int min_port = 1, bool schemes = false);
 
+// A bound HOST:PORT as others should dial it: a wildcard or empty host
+// (0.0.0.0, [::], ::) becomes this machine's host name (gethostname), which
+// a peer can resolve; any other address is returned as it is.
+std::string AdvertisedAddress(const std::string& bound);
+
 }  // namespace hap::service
 
 #endif  // HAP_COMMON_HOST_PORT_H_

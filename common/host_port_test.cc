@@ -1,5 +1,9 @@
 #include "common/host_port.h"
 
+#include <unistd.h>
+
+#include <string>
+
 #include "gtest/gtest.h"
 
 namespace hap::service {
@@ -32,6 +36,17 @@ TEST(IsHostPortTest, RefusesWhatGrpcWouldReadOtherwise) {
   EXPECT_FALSE(IsHostPort("dns:///planner:99999", 1, /*schemes=*/true));
   EXPECT_FALSE(IsHostPort("ipv4:10.0.0.1", 1, /*schemes=*/true));
   EXPECT_TRUE(IsHostPort("ipv6:[::1]:7070", 1, /*schemes=*/true));
+}
+
+TEST(AdvertisedAddressTest, AWildcardHostIsThisMachinesName) {
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
+  for (const std::string bound : {"0.0.0.0:7000", "[::]:7000", ":::7000", ":7000"}) {
+    EXPECT_EQ(AdvertisedAddress(bound), std::string(name) + ":7000") << bound;
+  }
+  EXPECT_EQ(AdvertisedAddress("127.0.0.1:7000"), "127.0.0.1:7000");
+  EXPECT_EQ(AdvertisedAddress("[::1]:7000"), "[::1]:7000");
+  EXPECT_EQ(AdvertisedAddress("planner.example:7070"), "planner.example:7070");
 }
 
 }  // namespace

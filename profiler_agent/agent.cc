@@ -1,7 +1,5 @@
 #include "profiler_agent/agent.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -18,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_port.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "hap/v1/executor_service.grpc.pb.h"
@@ -45,18 +44,6 @@ void Log(const std::string& message) {
                             absl::FormatTime("%H:%M:%E3S", absl::Now(), absl::LocalTimeZone()),
                             ": ", message, "\n")
             << std::flush;
-}
-
-// The listen address with a wildcard host replaced by this host's name, so
-// that the planner and peers get an address they can dial.
-std::string Advertised(const std::string& bound) {
-  size_t colon = bound.rfind(':');
-  std::string host = bound.substr(0, colon);
-  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
-    char name[256] = {};
-    if (gethostname(name, sizeof(name) - 1) == 0 && name[0]) host = name;
-  }
-  return absl::StrCat(host, bound.substr(colon));
 }
 
 // A planner's answer that refuses what a call carried (the devices of a
@@ -870,7 +857,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
   if (!devices_note.empty()) Log(devices_note);
   HAP_RETURN_IF_ERROR(impl.ConnectPlanner());
   HAP_ASSIGN_OR_RETURN(impl.server, AgentServer::Start(impl.o.listen, impl.o.security, &impl));
-  impl.address = impl.o.advertise.empty() ? Advertised(impl.server->address()) : impl.o.advertise;
+  impl.address = impl.o.advertise.empty() ? hap::service::AdvertisedAddress(impl.server->address())
+                                          : impl.o.advertise;
   if (absl::Status s = impl.ProbeDevices(absl::ZeroDuration()); !s.ok()) Log(s.ToString());
   impl.heartbeat_thread = std::thread([&impl] { impl.RunHeartbeats(); });
   impl.link_thread = std::thread([&impl] { impl.RunLinkProbes(); });

@@ -1,7 +1,5 @@
 #include "planner/service/planner_server.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
 #include <iostream>
@@ -481,11 +479,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
 }
 
 std::string ListenAddressToAdvertise(const std::string& listen, int port) {
-  std::string host = listen.substr(0, listen.rfind(':'));
-  const bool wildcard = host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::";
-  char name[256] = {};
-  if (wildcard && gethostname(name, sizeof(name) - 1) == 0 && name[0] != '\0') host = name;
-  return absl::StrCat(host, ":", port);
+  return AdvertisedAddress(absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port));
 }
 
 PlannerServer::~PlannerServer() {
