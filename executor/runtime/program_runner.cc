@@ -295,14 +295,7 @@ absl::Status ProgramRunner::Validate() {
         const TensorView& b = views_[c.coalesced_outputs(k)];
         const bool gather = c.collective() == v1::ALL_GATHER;
         HAP_RETURN_IF_ERROR(check_sizes(0, sizes, gather ? b : a, gather ? a : b));
-        const TensorView& whole = gather ? b : a;
-        const TensorView& part = gather ? a : b;
-        for (int d = 1; d < whole.rank(); ++d) {
-          if (whole.shape[d] != part.shape[d]) {
-            return bad(absl::StrCat(StepName(p, i), ": coalesced buffers ", c.coalesced(k),
-                                    " and ", c.coalesced_outputs(k), " differ beyond dim 0"));
-          }
-        }
+        HAP_RETURN_IF_ERROR(same_beyond(a, b, 0, 0));
       }
       switch (c.collective()) {
         case v1::ALL_REDUCE:
