@@ -465,10 +465,6 @@ TEST_F(PlannerCoreTest, RetentionKeepsAPlanADeployPinnedDuringThePass) {
   EXPECT_THAT(core_->PinPlan("plans/p1"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("p1")));
 }
 
-// A deploy unpins its plan once its deployment exists (which then keeps
-// the plan through plans_in_use): a whole deploy between the pass reading
-// the plans in use and deleting is seen by the unpin, the plans in use are
-// read again, and the plan stays.
 // plans_in_use answering `*deployed`, with a whole deploy of `plan` (pinned,
 // its deployment made, unpinned) during the read when `*races` (once).
 std::function<absl::StatusOr<std::set<std::string>>()> DeployedWhileRead(
@@ -485,6 +481,10 @@ std::function<absl::StatusOr<std::set<std::string>>()> DeployedWhileRead(
   };
 }
 
+// A deploy unpins its plan once its deployment exists (which then keeps
+// the plan through plans_in_use): a whole deploy between the pass reading
+// the plans in use and deleting is seen by the unpin, the plans in use are
+// read again, and the plan stays.
 TEST_F(PlannerCoreTest, RetentionKeepsAPlanDeployedWholeDuringThePass) {
   retention_count_ = 1;
   PlannerCore* core = nullptr;
