@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -50,6 +51,71 @@ bool Exists(const std::string& path) {
   return fs::exists(path, ec);
 }
 
+// True only when `path` is known not to exist: a lookup that fails (EIO,
+// ESTALE on a network file system, EACCES) is not taken for an absence.
+bool Absent(const std::string& path) {
+  std::error_code ec;
+  return fs::status(path, ec).type() == fs::file_type::not_found;
+}
+
+// What ends a run's temporary directories' names: "" without a run id,
+// else "-ID" (characters other than [A-Za-z0-9._-] as '_', and then, or
+// for an id past 64 characters, its first 55 and its CRC-32C: the name
+// stays short, the same in every process, and two ids that differ only in
+// replaced characters, a/b and a_b, stay apart).
+std::string RunSuffix(const std::string& run_id) {
+  if (run_id.empty()) return "";
+  std::string id = run_id;
+  bool replaced = false;
+  for (char& c : id) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      c = '_';
+      replaced = true;
+    }
+  }
+  if (replaced || id.size() > 64) {
+    id = absl::StrCat(id.substr(0, 55), "~", Crc32cHex(Crc32c(0, run_id.data(), run_id.size())));
+  }
+  return absl::StrCat("-", id);
+}
+
+// How long another run's temporary directory must stay unchanged before a
+// save takes it for a killed save's leftover.
+constexpr absl::Duration kForeignTmpAge = absl::Hours(1);
+
+// Whether nothing in `dir` (it, and what it holds directly) was modified
+// for `age`; false when any of it cannot be looked up.
+bool Untouched(const fs::path& dir, absl::Duration age) {
+  std::error_code ec;
+  auto newest = fs::last_write_time(dir, ec);
+  if (ec) return false;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto t = fs::last_write_time(it->path(), ec);
+    if (ec) return false;
+    newest = std::max(newest, t);
+  }
+  if (ec) return false;
+  const auto now = fs::file_time_type::clock::now();
+  return now - newest > std::chrono::seconds(absl::ToInt64Seconds(age));
+}
+
+// A checkpoint file that cannot be read: DataLoss when it is missing or
+// malformed (the checkpoint is damaged, and the planner sets it aside);
+// otherwise the I/O error as it is, an Internal one (EMFILE, EIO, a failed
+// mmap) as Unavailable: the checkpoint is not to blame, and is tried again.
+absl::Status ReadFailure(const absl::Status& s, std::string message) {
+  switch (s.code()) {
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kInvalidArgument:
+      return absl::DataLossError(std::move(message));
+    case absl::StatusCode::kInternal:
+      return absl::UnavailableError(std::move(message));
+    default:
+      return absl::Status(s.code(), std::move(message));
+  }
+}
+
 std::string ToJson(const google::protobuf::Message& m) {
   google::protobuf::util::JsonPrintOptions o;
   o.add_whitespace = true;
@@ -79,8 +145,8 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& dir) {
   const std::string path = (fs::path(dir) / kCommittedFile).string();
   auto text = ReadFile(path);
   if (!text.ok()) {
-    return absl::DataLossError(
-        absl::StrCat("the checkpoint file ", path, " cannot be read: ", text.status().message()));
+    return ReadFailure(text.status(), absl::StrCat("the checkpoint file ", path,
+                                                   " cannot be read: ", text.status().message()));
   }
   std::vector<std::string> lines = absl::StrSplit(*text, '\n');
   lines.pop_back();  // after the last newline: empty, or a line cut short
@@ -105,8 +171,8 @@ absl::Status FromJsonFile(const std::string& path, google::protobuf::Message* m,
                           const Manifest& manifest) {
   auto text = ReadFile(path);
   if (!text.ok()) {
-    return absl::DataLossError(absl::StrCat("the checkpoint file ", path,
-                                            " cannot be read: ", text.status().message()));
+    return ReadFailure(text.status(), absl::StrCat("the checkpoint file ", path,
+                                                   " cannot be read: ", text.status().message()));
   }
   google::protobuf::util::JsonParseOptions o;
   o.ignore_unknown_fields = true;  // newer writers may add fields
@@ -277,10 +343,24 @@ void Retain(const SaveRequest& r, int64_t step) {
   for (int64_t i = 0; i < extra; ++i) {
     if (absl::Status s = RemoveCheckpoint(older[i]); !s.ok()) Warn(s.message());
   }
+  const std::string own = RunSuffix(r.run_id);
   for (fs::directory_iterator it(r.dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name.rfind(kTmpPrefix, 0) == 0 || (StepOf(name) >= 0 && StepOf(name) < step &&
-                                           !Exists((it->path() / kCommittedFile).string()))) {
+    // This run's leftovers go at once. Another run's only once nothing in
+    // them changed for kForeignTmpAge: a replaced run's rank still saving
+    // (a Stop gave up on it) removed the new run's save in progress here,
+    // and the new run would remove the old one's.
+    bool leftover = false;
+    if (name.rfind(kTmpPrefix, 0) == 0) {
+      const size_t digits = name.find_first_not_of("0123456789", sizeof(kTmpPrefix) - 1);
+      const std::string suffix = digits == std::string::npos ? "" : name.substr(digits);
+      leftover = suffix == own || Untouched(it->path(), kForeignTmpAge);
+    } else if (StepOf(name) >= 0 && StepOf(name) < step) {
+      // A killed save's step without COMMITTED; one whose COMMITTED cannot
+      // be looked up (EIO, ESTALE) is kept.
+      leftover = Absent((it->path() / kCommittedFile).string());
+    }
+    if (leftover) {
       if (absl::Status s = RemoveAll(it->path().string()); !s.ok()) Warn(s.message());
     }
   }
@@ -494,26 +574,11 @@ std::vector<std::string> OwnedTensors(const v1::CheckpointIndex& index, int rank
 
 namespace {
 
-// The save's temporary directory: .tmp-step-N, with "-RUN" when the run
-// has an id (characters other than [A-Za-z0-9._-] as '_'; a long id as its
-// first 55 characters and its CRC-32C, so the name stays short and the
-// same in every process).
+// The save's temporary directory: .tmp-step-N, then the run's RunSuffix.
 std::string TmpDirPath(const SaveRequest& r) {
-  std::string name = absl::StrFormat("%s%08d", kTmpPrefix, r.trainer.step());
-  if (!r.run_id.empty()) {
-    std::string id = r.run_id;
-    for (char& c : id) {
-      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
-        c = '_';
-      }
-    }
-    if (id.size() > 64) {
-      id = absl::StrCat(id.substr(0, 55), "~",
-                        Crc32cHex(Crc32c(0, r.run_id.data(), r.run_id.size())));
-    }
-    absl::StrAppend(&name, "-", id);
-  }
-  return (fs::path(r.dir) / name).string();
+  return (fs::path(r.dir) / absl::StrCat(absl::StrFormat("%s%08d", kTmpPrefix, r.trainer.step()),
+                                         RunSuffix(r.run_id)))
+      .string();
 }
 
 }  // namespace
@@ -789,8 +854,9 @@ absl::StatusOr<const SafetensorsFile*> CheckpointReader::File(const std::string&
   auto it = files_.find(name);
   if (it == files_.end()) {
     auto f = SafetensorsFile::Open((fs::path(dir_) / name).string());
-    // A shard the index names must be there: its absence is a damaged checkpoint.
-    if (!f.ok()) return absl::DataLossError(std::string(f.status().message()));
+    // A shard the index names must be there: its absence is a damaged
+    // checkpoint; an open or a map that fails (EMFILE, EIO) is not.
+    if (!f.ok()) return ReadFailure(f.status(), std::string(f.status().message()));
     it = files_.emplace(name, *std::move(f)).first;
   }
   return it->second.get();

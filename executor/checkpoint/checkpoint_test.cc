@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -496,6 +497,81 @@ TEST(CheckpointTest, AReplacedRunsRankStillSavingDoesNotWriteIntoTheNewRunsCheck
   auto saved = SaveCheckpoint(odd, StateOf(single[0]), *one[0]);
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_EQ(Entries(odd.dir), std::vector<std::string>{"step-00000003"});
+}
+
+// A save's sweep of killed saves' temporary directories takes this run's at
+// once and another run's only once nothing in it changed for an hour: a
+// replaced run's rank still saving (a Stop gave up on it) removed the new
+// run's save in progress, and the new run the old one's.
+TEST(CheckpointTest, ASaveRemovesOnlyItsOwnRunsOrLongUntouchedTemporaryDirectories) {
+  graph::Graph g = Mlp();
+  auto single = Programs(g, 1, "single");
+  const std::string dir = Fresh("tmp-sweep");
+  auto make = [&](const std::string& name) {
+    fs::create_directories(dir + "/" + name);
+    std::ofstream(dir + "/" + name + "/rank-00000-of-00001.safetensors") << "partial";
+  };
+  make(".tmp-step-00000001-job-7-g2");  // this run's, killed
+  make(".tmp-step-00000004-job-7-g3");  // another run's, saving now
+  make(".tmp-step-00000001");           // an older build's, saving now
+  make(".tmp-step-00000002-job-7-g1");  // another run's, untouched for 2 hours
+  const auto old = fs::file_time_type::clock::now() - std::chrono::hours(2);
+  fs::last_write_time(dir + "/.tmp-step-00000002-job-7-g1/rank-00000-of-00001.safetensors", old);
+  fs::last_write_time(dir + "/.tmp-step-00000002-job-7-g1", old);
+  SaveRequest req;
+  req.dir = dir;
+  req.programs = &single;
+  req.trainer.set_step(3);
+  req.run_id = "job-7-g2";
+  auto one = NewInProcessGroup(1);
+  auto saved = SaveCheckpoint(req, StateOf(single[0]), *one[0]);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{".tmp-step-00000001", ".tmp-step-00000004-job-7-g3",
+                                      "step-00000003"}));
+}
+
+// A checkpoint file that cannot be opened for want of file descriptors
+// (EMFILE: a shard is kept open per rank of the saving world) is not
+// damage: it was DataLoss, and the planner set such a checkpoint aside as
+// damaged and fell back to an older one.
+TEST(CheckpointTest, AFileThatCannotBeOpenedForWantOfDescriptorsIsNotDamage) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("no_descriptors");
+  TrainAndSave(g, Programs(g, 2, "dp"), dir, 1, 3);
+  ASSERT_TRUE(CheckpointReader::Open(dir).ok());
+  struct rlimit was;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &was), 0);
+  int highest = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::stoi(e.path().filename().string()));
+  }
+  // Open with `free` descriptors left: each count runs out at another of
+  // the reader's files (the listing, index.json, trainer.json, a shard).
+  auto open_with = [&](int free) {
+    struct rlimit low = was;
+    low.rlim_cur = static_cast<rlim_t>(highest) + 64;
+    EXPECT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+    std::vector<int> held;
+    for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) held.push_back(fd);
+    for (int i = 0; i < free && !held.empty(); ++i) {
+      ::close(held.back());
+      held.pop_back();
+    }
+    absl::Status s = CheckpointReader::Open(dir).status();
+    for (int fd : held) ::close(fd);
+    EXPECT_EQ(setrlimit(RLIMIT_NOFILE, &was), 0);
+    return s;
+  };
+  bool shard = false;
+  for (int free = 0; free < 16; ++free) {
+    const absl::Status s = open_with(free);
+    if (s.ok()) break;
+    EXPECT_NE(s.code(), absl::StatusCode::kDataLoss) << free << " free: " << s;
+    EXPECT_THAT(s.message(), HasSubstr("Too many open files")) << free << " free";
+    shard |= absl::StrContains(s.message(), ".safetensors");
+  }
+  EXPECT_TRUE(shard) << "no count of free descriptors ran out at a shard";
 }
 
 // Saving step N where committed steps past N exist (this run resumed from
