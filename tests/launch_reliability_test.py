@@ -98,12 +98,14 @@ class LaunchReliabilityTest(unittest.TestCase):
                 time.sleep(0.02)
         self.fail(f"the ranks did not start within {seconds} s")
 
-    def start(self, mode, *extra, executor=None, new_group=False):
+    def start(self, mode, *extra, executor=None, new_group=False, ignore_sigchld=False):
         env = dict(os.environ, FAKE_DIR=self.fake_dir, FAKE_MODE=mode)
         out = open(os.path.join(self.fake_dir, "launch.log"), "w+")
 
         def child():
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if ignore_sigchld:
+                signal.signal(signal.SIGCHLD, signal.SIG_IGN)
             if new_group:
                 os.setpgid(0, 0)
         p = subprocess.Popen([LAUNCH, "--plan", self.plan, "--executor", executor or self.fake,
@@ -258,6 +260,27 @@ class LaunchReliabilityTest(unittest.TestCase):
         self.assertTrue(os.path.isdir(running))
         self.assertTrue(os.path.isdir(ownerless))
         self.assertEqual(glob.glob(f"/tmp/hap-rendezvous-{q.pid}-*"), [])
+
+    def test_a_parent_that_ignores_sigchld_does_not_hang_the_launcher(self):
+        """Started with SIGCHLD ignored (a supervisor's signal(SIGCHLD,
+        SIG_IGN) survives exec), hap-launch found no rank to reap, as the
+        kernel reaped them, and waited for ever."""
+        p, out = self.start("exit3:1", ignore_sigchld=True)
+        rc, text = self.finish(p, out, seconds=30)
+        self.assertEqual(rc, 1, text)
+        self.assertIn("rank 1 exited with code 3", text)
+
+    def test_its_own_flags_with_one_dash_stay_with_the_launcher(self):
+        """-pin-cores (the flag parser takes one dash too) was passed on to
+        the ranks, and hap-executor refused it: every rank failed."""
+        p, out = self.start("ok", "-pin-cores", "-grace-seconds", "2")
+        rc, text = self.finish(p, out)
+        self.assertEqual(rc, 0, text)
+        for r in range(2):
+            with open(os.path.join(self.fake_dir, f"argv{r}")) as f:
+                argv = f.read().split()
+            self.assertNotIn("-pin-cores", argv)
+            self.assertNotIn("-grace-seconds", argv)
 
     def test_a_killed_launchers_cgroups_go_at_the_next_start(self):
         """--cpu-shares groups of a launcher killed outright stayed forever."""

@@ -5,11 +5,13 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "executor/cli/netns_testbed.h"
 
@@ -25,7 +27,8 @@ constexpr char kUsage[] = R"(usage:
   hap-netns list                              the testbed namespaces present
 
 The testbed belongs to --owner (default: the calling process, e.g. the shell
-script that runs `hap-netns up`): `down` removes it, and once the owner is
+script that runs `hap-netns up`; through sudo, give --owner: sudo itself ends
+with the command): `down` removes it, and once the owner is
 gone the next `up`, `clean` or hap-launch --network removes it too. SPEC:
 "nodes=N between=RATE[:DELAY] inside=RATE[:DELAY] pair=I-J:RATE[:DELAY]",
 e.g. "nodes=3 between=1gbit pair=0-2:300mbit". Node i has the address
@@ -48,6 +51,7 @@ int main(int argc, char** argv) {
   const std::string cmd = args[0];
   hap::netns::TestbedOptions options;
   options.owner = getppid();
+  bool owner_given = false;
   std::string network, node;
   std::vector<std::string> command;
   for (size_t i = 1; i < args.size(); ++i) {
@@ -64,11 +68,30 @@ int main(int argc, char** argv) {
         network = args[++i];
       } else if (!absl::SimpleAtoi(args[++i], &options.owner) || options.owner <= 0) {
         return Fail("--owner must be a pid, got '" + args[i] + "'", 2);
+      } else {
+        owner_given = true;
       }
     } else if (cmd == "exec" && node.empty() && a.rfind("--", 0) != 0) {
       node = a;
     } else {
       return Fail("unexpected argument '" + a + "' (see --help)", 2);
+    }
+  }
+  if (cmd != "clean" && cmd != "list" && !owner_given) {
+    // The default owner is the calling process. Under sudo (or su, doas)
+    // that is sudo itself, gone when this command returns: `up` made a set
+    // that was stale at once (the next start removed it, with what ran in
+    // it), and `exec` and `down` looked for another sudo's (down removed
+    // nothing and said nothing).
+    std::ifstream comm(absl::StrCat("/proc/", options.owner, "/comm"));
+    std::string parent;
+    std::getline(comm, parent);
+    if (parent == "sudo" || parent == "su" || parent == "doas" || parent == "runuser") {
+      return Fail(absl::StrCat(cmd, " run through ", parent,
+                               " needs --owner PID (the script's or shell's pid, e.g. --owner $$): "
+                               "the default owner, ",
+                               parent, ", ends with this command"),
+                  2);
     }
   }
   if (cmd == "up") {
@@ -94,8 +117,15 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd == "down") {
+    const std::string head = absl::StrCat(options.prefix, "-", options.owner, "-");
+    bool had = false;
+    for (const std::string& ns : hap::netns::ListNamespaces(options)) had |= ns.rfind(head, 0) == 0;
     absl::Status s = hap::netns::RemoveOwned(options);
-    return s.ok() ? 0 : Fail(std::string(s.message()));
+    if (!s.ok()) return Fail(std::string(s.message()));
+    // It said nothing and exited 0 when there was nothing to remove.
+    if (!had)
+      return Fail(absl::StrCat("no testbed of owner ", options.owner, " here (see --owner)"));
+    return 0;
   }
   if (cmd == "clean") {
     const hap::netns::StaleRemoval stale = hap::netns::RemoveStale(options);

@@ -180,36 +180,64 @@ bool IsRankTail(absl::string_view tail) {
 // rank still inside killed by pid), found by name and removed when their
 // launcher is gone. Nothing else is touched.
 void RemoveLeftovers() {
+  // A leftover's owner is gone, or is this launcher: its pid reused (a
+  // container's entrypoint gets the same small pid each time), it has made
+  // nothing yet. Taken for alive, such a group failed this run's mkdir.
+  auto gone = [](pid_t owner) { return owner > 0 && (owner == getpid() || !ProcessAlive(owner)); };
+  // Iterated with error codes: a read error part way (EIO on /tmp) threw
+  // out of the range-for and aborted hap-launch.
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(kRendezvousDir, ec)) {
-    const std::string name = e.path().filename().string();
+  for (std::filesystem::directory_iterator it(kRendezvousDir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     const pid_t owner = OwnerPid(name, kRendezvousPrefix, IsMkdtempTail);
-    if (owner <= 0 || ProcessAlive(owner) || !e.is_directory(ec)) continue;
+    std::error_code type;
+    if (!gone(owner) || !it->is_directory(type)) continue;
     std::error_code rm;
-    std::filesystem::remove_all(e.path(), rm);
+    std::filesystem::remove_all(it->path(), rm);
     if (!rm)
-      std::cerr << "hap-launch: removed " << e.path().string() << ", left by a run that is gone\n";
+      std::cerr << "hap-launch: removed " << it->path().string()
+                << ", left by a run that is gone\n";
   }
-  for (const auto& e : std::filesystem::directory_iterator(kCgroupRoot, ec)) {
-    const std::string name = e.path().filename().string();
+  ec.clear();
+  for (std::filesystem::directory_iterator it(kCgroupRoot, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     const pid_t owner = OwnerPid(name, "hap-launch-", IsRankTail);
-    if (owner <= 0 || ProcessAlive(owner) || !e.is_directory(ec)) continue;
-    const std::string dir = e.path().string();
+    std::error_code type;
+    if (!gone(owner) || !it->is_directory(type)) continue;
+    const std::string dir = it->path().string();
     // A rank still inside (it outlived its launcher) is killed; the group
-    // can be removed once the kernel has reaped it.
+    // can be removed once the kernel has reaped it (EBUSY until then).
+    // Other errors (EACCES: not root) end the attempts at once.
     bool removed = false;
+    int err = 0;
     for (int attempt = 0; attempt < 50 && !removed; ++attempt) {
       std::ifstream procs(dir + "/cgroup.procs");
-      for (pid_t pid; procs >> pid;) kill(pid, SIGKILL);
+      for (pid_t pid; procs >> pid;) {
+        if (pid > 0) kill(pid, SIGKILL);
+      }
       removed = rmdir(dir.c_str()) == 0;
+      err = errno;
+      if (!removed && err != EBUSY) break;
       if (!removed) usleep(100000);
     }
     if (removed) {
       std::cerr << "hap-launch: removed " << dir << ", left by a run that is gone\n";
     } else {
       std::cerr << "hap-launch: could not remove " << dir
-                << " (left by a run that is gone): " << std::strerror(errno) << "\n";
+                << " (left by a run that is gone): " << std::strerror(err) << "\n";
     }
+  }
+  // And its network testbed's namespaces (also when this run makes none:
+  // only a later --network run removed them).
+  if (geteuid() == 0) {
+    const netns::StaleRemoval sets = netns::RemoveStale(netns::TestbedOptions{});
+    for (const std::string& ns : sets.removed) {
+      std::cerr << "hap-launch: removed network namespace " << ns
+                << ", left by a run that is gone\n";
+    }
+    for (const std::string& why : sets.failed) std::cerr << "hap-launch: " << why << "\n";
   }
 }
 
@@ -235,6 +263,13 @@ class LaunchSignals {
     struct sigaction ignore = {};
     ignore.sa_handler = SIG_IGN;
     sigaction(SIGPIPE, &ignore, &old_pipe_);
+    // SIGCHLD ignored by the parent (a supervisor's signal(SIGCHLD,
+    // SIG_IGN), `trap '' CHLD`) survives exec, and the kernel then reaps
+    // children itself: waitpid found no rank (hap-launch waited for ever)
+    // and no exit status of ip or tc (a failed command counted as done).
+    struct sigaction child = {};
+    child.sa_handler = SIG_DFL;
+    sigaction(SIGCHLD, &child, &old_child_);
   }
   ~LaunchSignals() {
     // A stop signal that came is taken: it must not end hap-launch now.
@@ -242,6 +277,7 @@ class LaunchSignals {
     }
     sigprocmask(SIG_SETMASK, &old_, nullptr);
     sigaction(SIGPIPE, &old_pipe_, nullptr);
+    sigaction(SIGCHLD, &old_child_, nullptr);
   }
   LaunchSignals(const LaunchSignals&) = delete;
   LaunchSignals& operator=(const LaunchSignals&) = delete;
@@ -266,11 +302,13 @@ class LaunchSignals {
   void RestoreInChild() const {
     sigprocmask(SIG_SETMASK, &old_, nullptr);
     sigaction(SIGPIPE, &old_pipe_, nullptr);
+    sigaction(SIGCHLD, &old_child_, nullptr);
   }
 
  private:
   sigset_t stop_, wake_, old_;
   struct sigaction old_pipe_ = {};
+  struct sigaction old_child_ = {};
 };
 
 // Signal names for messages: "SIGSEGV (Segmentation fault)".
@@ -602,24 +640,29 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   made.rendezvous = tmpl;
   std::vector<std::string> pass;
   for (size_t i = 0; i < argv.size(); ++i) {
-    // hap-launch's own flags, --flag VALUE or --flag=VALUE, stay here.
+    // hap-launch's own flags, --flag VALUE or --flag=VALUE (or with one
+    // dash, as the flag parser takes them: -pin-cores reached the ranks,
+    // which refused it), stay here.
+    const std::string flag = argv[i].rfind("--", 0) == 0  ? argv[i]
+                             : argv[i].rfind("-", 0) == 0 ? "-" + argv[i]
+                                                          : argv[i];
     bool own = false;
     for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us", "--network",
                                 "--deadline", "--grace-seconds"}) {
-      if (argv[i] == f) {
+      if (flag == f) {
         ++i;  // and its value
         own = true;
         break;
       }
-      if (argv[i].rfind(f + "=", 0) == 0) {
+      if (flag.rfind(f + "=", 0) == 0) {
         own = true;
         break;
       }
     }
     if (own) continue;
-    if (argv[i] == "--pin-cores") continue;
-    if (argv[i] == "--device" || argv[i].rfind("--device=", 0) == 0) {  // given per rank below
-      if (argv[i] == "--device") ++i;
+    if (flag == "--pin-cores") continue;
+    if (flag == "--device" || flag.rfind("--device=", 0) == 0) {  // given per rank below
+      if (flag == "--device") ++i;
       continue;
     }
     pass.push_back(argv[i]);

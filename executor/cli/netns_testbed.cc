@@ -284,9 +284,11 @@ absl::StatusOr<NetworkSpec> ParseNetworkSpec(absl::string_view text) {
     } else if (key == "ranks") {
       for (absl::string_view n : absl::StrSplit(value, ',')) {
         int node;
-        if (!absl::SimpleAtoi(n, &node) || node < 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "network: ranks must be node numbers separated by commas, got '", value, "'"));
+        // Bounded here: 1 + the largest node overflowed for 2147483647.
+        if (!absl::SimpleAtoi(n, &node) || node < 0 || node >= kMaxNodes) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("network: ranks must be node numbers from 0 to ", kMaxNodes - 1,
+                           " separated by commas, got '", value, "'"));
         }
         spec.rank_nodes.push_back(node);
       }
@@ -355,7 +357,15 @@ absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
   }
   int status = 0;
   if (pid < 0) return absl::InternalError(absl::StrCat("cannot fork for ", argv[0]));
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  pid_t waited;
+  while ((waited = waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+  }
+  if (waited < 0) {
+    // ECHILD: reaped by the kernel (SIGCHLD ignored), its status lost. A
+    // failure not seen must not count as done.
+    return absl::InternalError(absl::StrCat("cannot learn how '", absl::StrJoin(argv, " "),
+                                            "' ended: ", std::strerror(errno),
+                                            " (is SIGCHLD ignored?)"));
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return absl::UnknownError(absl::StrCat(
@@ -595,9 +605,10 @@ absl::Status EnterNamespace(const std::string& name, const std::string& netns_di
 
 std::vector<std::string> ListNamespaces(const TestbedOptions& options) {
   std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(options.netns_dir, ec)) {
-    const std::string name = e.path().filename().string();
+  std::error_code ec;  // a read error part way ends the listing (the range-for threw)
+  for (std::filesystem::directory_iterator it(options.netns_dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     if (OwnerOf(options, name) > 0) out.push_back(name);
   }
   std::sort(out.begin(), out.end());
@@ -620,7 +631,9 @@ StaleRemoval RemoveStale(const TestbedOptions& options) {
   }
   // State files whose owner is gone (namespaces removed above or never made).
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(options.state_dir, ec)) {
+  for (std::filesystem::directory_iterator it(options.state_dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::filesystem::directory_entry& e = *it;
     const std::string name = e.path().filename().string();
     absl::string_view rest = name;
     if (!absl::ConsumePrefix(&rest, options.prefix + "-") ||
@@ -629,7 +642,8 @@ StaleRemoval RemoveStale(const TestbedOptions& options) {
     }
     const int64_t pid = Canonical(rest);
     if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
-    if (!kept.count(pid) && OwnerGone(options, pid)) std::filesystem::remove(e.path(), ec);
+    std::error_code rm;  // one that cannot be removed does not end the loop
+    if (!kept.count(pid) && OwnerGone(options, pid)) std::filesystem::remove(e.path(), rm);
   }
   return out;
 }

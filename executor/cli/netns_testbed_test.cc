@@ -93,6 +93,8 @@ TEST(NetworkSpecTest, BadSpecsNameWhatIsWrong) {
            Case{"nodes=2 pair=0-1:1gbit pair=1-0:2gbit", "pair 0-1 given twice"},
            Case{"nodes=2 ranks=0,x", "ranks must be node numbers"},
            Case{"nodes=2 ranks=0,1,2", "ranks= names node 2 of 2"},
+           // 1 + the largest node overflowed an int.
+           Case{"nodes=2 ranks=0,2147483647", "ranks must be node numbers from 0 to 63"},
            // Given twice: the last won (nodes, between, inside) or the
            // lists were joined (ranks=0,1 ranks=1,0 placed four ranks).
            Case{"nodes=2 nodes=3", "nodes given twice"},
@@ -329,6 +331,9 @@ TEST(HapNetnsTest, ArgumentErrorsNameWhatIsWrong) {
               HasSubstr("hap-netns: --network applies to up only"));
   EXPECT_THAT(error({"exec", "01", "--owner", "999999", "--", "true"}),
               HasSubstr("cannot open network namespace /var/run/netns/hapnet-999999-n1:"));
+  // down with nothing to remove said nothing and exited 0.
+  EXPECT_THAT(error({"down", "--owner", "999999"}),
+              HasSubstr("hap-netns: no testbed of owner 999999 here"));
 }
 
 // --- With root: real namespaces. Skips where they cannot be made. ---------
