@@ -116,12 +116,18 @@ absl::Status ReadFailure(const absl::Status& s, std::string message) {
   }
 }
 
-std::string ToJson(const google::protobuf::Message& m) {
+// `m` as JSON; the printer's error fails the commit rather than leaving an
+// empty or partial file that COMMITTED would then vouch for.
+absl::StatusOr<std::string> ToJson(const google::protobuf::Message& m) {
   google::protobuf::util::JsonPrintOptions o;
   o.add_whitespace = true;
   o.preserve_proto_field_names = true;
   std::string out;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, o);  // cannot fail for our messages
+  const auto printed = google::protobuf::util::MessageToJsonString(m, &out, o);
+  if (!printed.ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot write ", m.GetDescriptor()->name(), " as JSON: ", printed.ToString()));
+  }
   return out;
 }
 
@@ -399,7 +405,8 @@ absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointInd
   trainer.set_format_version(kCheckpointFormatVersion);
   trainer.set_world_size(world);
   trainer.set_time(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
-  const std::string index_json = ToJson(index), trainer_json = ToJson(trainer);
+  HAP_ASSIGN_OR_RETURN(const std::string index_json, ToJson(index));
+  HAP_ASSIGN_OR_RETURN(const std::string trainer_json, ToJson(trainer));
   HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kIndexFile).string(), index_json));
   HAP_RETURN_IF_ERROR(WriteFileSynced((fs::path(tmp) / kTrainerFile).string(), trainer_json));
   HAP_RETURN_IF_ERROR(SyncDirectory(tmp));
