@@ -14,6 +14,7 @@
 #include <set>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -882,7 +883,19 @@ void AddChecksums(const std::vector<SafetensorsEntry>& entries,
 absl::Status VerifyChecksum(const SafetensorsFile& f, const std::string& name,
                             std::set<std::pair<std::string, std::string>>* verified) {
   auto recorded = f.metadata().find(absl::StrCat(kCrcPrefix, name));
-  if (recorded == f.metadata().end()) return absl::OkStatus();  // written before checksums
+  if (recorded == f.metadata().end()) {
+    // Written before checksums: none. One with checksums for other tensors
+    // and not this one has a damaged header (its key bent), and the
+    // tensor's bytes were read unchecked.
+    auto any = f.metadata().lower_bound(kCrcPrefix);
+    if (any != f.metadata().end() && absl::StartsWith(any->first, kCrcPrefix)) {
+      return absl::DataLossError(absl::StrCat(f.path(),
+                                              " is damaged: its header records the "
+                                              "CRC-32C of other tensors but not of '",
+                                              name, "'"));
+    }
+    return absl::OkStatus();
+  }
   if (verified->count({f.path(), name})) return absl::OkStatus();
   HAP_ASSIGN_OR_RETURN(uint32_t crc, f.Crc32cOf(name));
   if (Crc32cHex(crc) != recorded->second) {

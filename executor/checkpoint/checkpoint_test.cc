@@ -1178,33 +1178,60 @@ TEST(CheckpointTest, VerifyFindsEachDamagedSliceAndReadsTheRest) {
 }
 
 // Shards written before checksums (no crc32c: entries) still resume.
+// Writes the shard at `path` again with its header's metadata as `edit`
+// leaves it (the tensors as they were).
+void RewriteShardMetadata(const std::string& path,
+                          const std::function<void(std::map<std::string, std::string>*)>& edit) {
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  std::map<std::string, std::string> metadata = (*f)->metadata();
+  edit(&metadata);
+  std::vector<HostTensor> copies;
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, t] : (*f)->tensors()) {
+    auto view = (*f)->View(name);
+    ASSERT_TRUE(view.ok());
+    copies.emplace_back(view->dtype, view->shape);
+    std::memcpy(copies.back().data(), view->data, static_cast<size_t>(view->bytes()));
+  }
+  size_t i = 0;
+  for (const auto& [name, t] : (*f)->tensors()) entries.push_back({name, copies[i++].view()});
+  f->reset();
+  ASSERT_TRUE(WriteSafetensors(path, entries, metadata).ok());
+}
+
 TEST(CheckpointTest, ShardsWithoutChecksumsStillResume) {
   EXPECT_TRUE(ResumeAfter("no_checksums", [](const std::string& d) {
                 for (int rank = 0; rank < 2; ++rank) {
-                  const std::string path = d + "/" + RankFileName(rank, 2);
-                  auto f = SafetensorsFile::Open(path);
-                  ASSERT_TRUE(f.ok()) << f.status();
-                  std::map<std::string, std::string> metadata;
-                  for (const auto& [k, v] : (*f)->metadata()) {
-                    if (k.rfind("crc32c:", 0) != 0) metadata[k] = v;
-                  }
-                  std::vector<HostTensor> copies;
-                  std::vector<SafetensorsEntry> entries;
-                  for (const auto& [name, t] : (*f)->tensors()) {
-                    auto view = (*f)->View(name);
-                    ASSERT_TRUE(view.ok());
-                    copies.emplace_back(view->dtype, view->shape);
-                    std::memcpy(copies.back().data(), view->data,
-                                static_cast<size_t>(view->bytes()));
-                  }
-                  size_t i = 0;
-                  for (const auto& [name, t] : (*f)->tensors()) {
-                    entries.push_back({name, copies[i++].view()});
-                  }
-                  f->reset();
-                  ASSERT_TRUE(WriteSafetensors(path, entries, metadata).ok());
+                  RewriteShardMetadata(d + "/" + RankFileName(rank, 2),
+                                       [](std::map<std::string, std::string>* metadata) {
+                                         for (auto it = metadata->begin(); it != metadata->end();) {
+                                           it = it->first.rfind("crc32c:", 0) == 0
+                                                    ? metadata->erase(it)
+                                                    : std::next(it);
+                                         }
+                                       });
                 }
               }).ok());
+}
+
+// A damaged checksum key in a shard's header (crc32c:NAME bent to
+// drc32c:NAME, still valid JSON) left that tensor's bytes read unchecked;
+// a shard with checksums for other tensors and not this one is damaged.
+TEST(CheckpointTest, AShardWithChecksumsForOthersButNotATensorIsDamaged) {
+  EXPECT_THAT(
+      ResumeAfter("bent_checksum_key",
+                  [](const std::string& d) {
+                    RewriteShardMetadata(
+                        d + "/" + RankFileName(0, 2), [](std::map<std::string, std::string>* m) {
+                          auto crc = m->lower_bound("crc32c:");
+                          ASSERT_TRUE(crc != m->end() && crc->first.rfind("crc32c:", 0) == 0);
+                          (*m)["d" + crc->first.substr(1)] = crc->second;
+                          m->erase(crc);
+                        });
+                  }),
+      StatusIs(absl::StatusCode::kDataLoss,
+               HasSubstr("records the CRC-32C of other tensors but not of")));
 }
 
 // A flipped bit in trainer.json that leaves it valid JSON (a digit of the
