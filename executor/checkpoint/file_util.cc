@@ -37,7 +37,12 @@ FileWriter::FileWriter(std::string path, int fd, bool direct)
     if (posix_memalign(&p, kAlign, kStagingBytes) == 0) {
       staging_ = static_cast<char*>(p);
     } else {
+      // Buffered writes, on a descriptor without O_DIRECT: left on, every
+      // unaligned write failed EINVAL and the fallback (direct_ only) was
+      // skipped.
       direct_ = false;
+      const int fl = ::fcntl(fd_, F_GETFL);
+      if (fl >= 0) (void)::fcntl(fd_, F_SETFL, fl & ~O_DIRECT);
     }
   }
 }
