@@ -234,8 +234,7 @@ void RemoveLeftovers() {
   if (geteuid() == 0) {
     const netns::StaleRemoval sets = netns::RemoveStale(netns::TestbedOptions{});
     for (const std::string& ns : sets.removed) {
-      std::cerr << "hap-launch: removed network namespace " << ns
-                << ", left by a run that is gone\n";
+      std::cerr << "hap-launch: removed " << ns << ", left by a run that is gone\n";
     }
     for (const std::string& why : sets.failed) std::cerr << "hap-launch: " << why << "\n";
   }
