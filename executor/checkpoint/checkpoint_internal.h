@@ -1,4 +1,5 @@
-// What checkpoint.cc (saving, the sharded reader) and state_dict.cc (the
+// What checkpoint.cc (saving, the sharded reader), retention.cc (what a
+// checkpoint directory keeps) and state_dict.cc (the
 // state_dict form: weights in, one safetensors file out) share. Internal
 // to //executor/checkpoint.
 #ifndef HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_INTERNAL_H_
@@ -19,6 +20,22 @@
 namespace hap::executor::checkpoint {
 
 inline constexpr char kTrainerFile[] = "trainer.json";
+// A save's temporary directory: kTmpPrefix, the step, RunSuffix.
+inline constexpr char kTmpPrefix[] = ".tmp-step-";
+
+// retention.cc: what a checkpoint directory keeps.
+// What ends a run's temporary directories' names ("" or "-ID").
+std::string RunSuffix(const std::string& run_id);
+// remove_all, its error as a status.
+absl::Status RemoveAll(const std::string& path);
+// Sets aside the committed checkpoints in `dir` past `step` (a replaced
+// run's): renamed superseded-step-N; failures are reported, not returned.
+void SetAsideAfter(const std::string& dir, int64_t step);
+// After the checkpoint of `step` committed in r.dir: SetAsideAfter, the
+// newest r.keep kept, killed saves' leftovers swept (another run's
+// temporary directory only once untouched for an hour). Failures are
+// reported, not returned.
+void Retain(const SaveRequest& r, int64_t step);
 
 // A safetensors file's metadata "crc32c:NAME": the CRC-32C of tensor NAME's
 // bytes, 8 hex digits (checkpoint shards and exports; files written before
