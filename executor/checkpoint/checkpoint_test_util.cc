@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -13,6 +14,7 @@
 #include "executor/train/in_process_comm.h"
 #include "executor/train/test_programs.h"
 #include "gtest/gtest.h"
+#include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
 
@@ -124,6 +126,51 @@ std::vector<std::string> Entries(const std::string& dir) {
   for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// This rank's persistent state as SaveCheckpoint takes it (zeros).
+std::vector<ParameterShard> StateOf(const v1::RankProgram& p) {
+  std::vector<ParameterShard> out;
+  for (const v1::Buffer& b : p.buffers()) {
+    if (b.role() != v1::Buffer::PARAMETER && b.role() != v1::Buffer::OPTIMIZER_STATE) continue;
+    ParameterShard s;
+    s.name = b.tensor();
+    s.global_shape.assign(b.global_shape().begin(), b.global_shape().end());
+    s.offsets.assign(b.offsets().begin(), b.offsets().end());
+    s.value =
+        HostTensor(graph::FromProtoDType(b.dtype()), Shape(b.shape().begin(), b.shape().end()));
+    s.optimizer_state = b.role() == v1::Buffer::OPTIMIZER_STATE;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// Every rank of `programs` saves `step` (threads over the in-process
+// communicator), rank r with `states[r]` when given; each rank's result.
+std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
+    const std::vector<v1::RankProgram>& programs, const std::string& dir, int64_t step, int keep,
+    std::vector<std::vector<ParameterShard>> states, int64_t replaces_after) {
+  const int n = static_cast<int>(programs.size());
+  if (states.empty()) {
+    for (const auto& p : programs) states.push_back(StateOf(p));
+  }
+  auto comms = NewInProcessGroup(n);
+  std::vector<absl::StatusOr<std::string>> results(n, absl::UnknownError("did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      SaveRequest req;
+      req.dir = dir;
+      req.keep = keep;
+      req.rank = r;
+      req.programs = &programs;
+      req.trainer.set_step(step);
+      req.replaces_after = replaces_after;
+      results[r] = SaveCheckpoint(req, states[r], *comms[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
 }
 
 }  // namespace hap::executor::checkpoint::test_util

@@ -51,6 +51,16 @@ std::string FlipTheLastByte(const std::string& path);
 // The names in `dir`, sorted.
 std::vector<std::string> Entries(const std::string& dir);
 
+// This rank's persistent state as SaveCheckpoint takes it (zeros).
+std::vector<ParameterShard> StateOf(const hap::v1::RankProgram& p);
+
+// Every rank of `programs` saves `step` (threads over the in-process
+// communicator), rank r with `states[r]` when given; each rank's result.
+std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
+    const std::vector<hap::v1::RankProgram>& programs, const std::string& dir, int64_t step,
+    int keep = kDefaultKeep, std::vector<std::vector<ParameterShard>> states = {},
+    int64_t replaces_after = -1);
+
 }  // namespace hap::executor::checkpoint::test_util
 
 #endif  // HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_TEST_UTIL_H_
