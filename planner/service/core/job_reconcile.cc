@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/jobs.h"
@@ -89,15 +90,6 @@ constexpr size_t kMaxRecoveryDetail = 4096;
 constexpr char kThenRecovering[] = "; then, while recovering: ";
 constexpr char kLeftOut[] = " (failures since left out)";
 
-// `s` cut to at most `n` (> 3) bytes at a character's start, "..." marking
-// the cut.
-std::string Cut(const std::string& s, size_t n) {
-  if (s.size() <= n) return s;
-  size_t keep = n - 3;
-  while (keep > 0 && (static_cast<unsigned char>(s[keep]) & 0xC0) == 0x80) --keep;
-  return absl::StrCat(s.substr(0, keep), "...");
-}
-
 // `so_far`, a recovery's detail, with `latest` (a failure while it
 // recovers) added, within kMaxRecoveryDetail.
 std::string RecoveryDetail(const std::string& so_far, const std::string& latest) {
@@ -105,9 +97,9 @@ std::string RecoveryDetail(const std::string& so_far, const std::string& latest)
   if (out.size() <= kMaxRecoveryDetail) return out;
   std::string first = so_far.substr(0, so_far.find(kThenRecovering));
   if (!absl::EndsWith(first, kLeftOut)) {
-    first = absl::StrCat(Cut(first, kMaxRecoveryDetail / 4), kLeftOut);
+    first = absl::StrCat(CutUtf8(first, kMaxRecoveryDetail / 4), kLeftOut);
   }
-  return Cut(absl::StrCat(first, kThenRecovering, latest), kMaxRecoveryDetail);
+  return CutUtf8(absl::StrCat(first, kThenRecovering, latest), kMaxRecoveryDetail);
 }
 
 std::string ReasonLabel(Reason r) {

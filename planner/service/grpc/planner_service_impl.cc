@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
@@ -147,10 +148,9 @@ grpc::Status Bounded(grpc::Status s) {
   constexpr size_t kHead = 768, kTail = 256;
   const std::string& m = s.error_message();
   if (m.size() <= kHead + kTail) return s;
-  auto inside = [&m](size_t i) { return (static_cast<unsigned char>(m[i]) & 0xC0) == 0x80; };
   size_t head = kHead, tail = m.size() - kTail;
-  while (head > 0 && inside(head)) --head;
-  while (tail < m.size() && inside(tail)) ++tail;
+  while (head > 0 && Utf8Continuation(m[head])) --head;
+  while (tail < m.size() && Utf8Continuation(m[tail])) ++tail;
   return grpc::Status(s.error_code(),
                       absl::StrCat(m.substr(0, head), " [... ", tail - head,
                                    " bytes of the message cut ...] ", m.substr(tail)),

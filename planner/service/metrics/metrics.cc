@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 
 namespace hap::metrics {
 namespace {
@@ -599,12 +600,7 @@ std::string MetricsRegistry::Serialize() const {
 }
 
 std::string TruncateLabelValue(absl::string_view value, size_t max_bytes) {
-  if (value.size() <= max_bytes) return std::string(value);
-  size_t keep = max_bytes < 3 ? 0 : max_bytes - 3;
-  // Back up over continuation bytes (10xxxxxx) to a character's start.
-  while (keep > 0 && (static_cast<unsigned char>(value[keep]) & 0xC0) == 0x80)
-    --keep;
-  return absl::StrCat(value.substr(0, keep), "...");
+  return CutUtf8(value, max_bytes);
 }
 
 }  // namespace hap::metrics
