@@ -311,8 +311,7 @@ class Exporter:
         integer arithmetic and its type promotion exported graphs that
         `hapctl validate` refused ('must be a floating-point tensor', 'must
         have the same dtype') after exit status 0."""
-        ints = () if type_ in _ANY_DTYPE_OPS else \
-            _INTEGER_OPERANDS.get(type_, ())
+        ints = _INTEGER_OPERANDS.get(type_, ())  # none for the shape ops
         if type_ not in _ANY_DTYPE_OPS:
             for i, t in enumerate(inputs):
                 if i in ints and t.dtype != "INT64":

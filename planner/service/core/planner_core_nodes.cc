@@ -188,11 +188,8 @@ absl::StatusOr<v1::RegisterNodeResponse> PlannerCore::RegisterNode(const v1::Nod
   HAP_RETURN_IF_ERROR(CheckOwners(s_->nodes, node.name(), ids));
   HAP_RETURN_IF_ERROR(CheckClusterSize(s_->nodes, node.name(), node.devices_size()));
   // A new node's devices keep none: a calibration is the planner's own.
-  if (auto old = s_->nodes.find(node.name()); old != s_->nodes.end()) {
-    KeepCalibration(old->second, &node);
-  } else {
-    KeepCalibration(v1::Node(), &node);
-  }
+  const auto old = s_->nodes.find(node.name());
+  KeepCalibration(old != s_->nodes.end() ? old->second : v1::Node(), &node);
   *node.mutable_last_heartbeat() = ToProto(o_.now());
   node.set_state(v1::Node::READY);
   if (o_.sink) {
