@@ -117,14 +117,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd == "down") {
-    const std::string head = absl::StrCat(options.prefix, "-", options.owner, "-");
-    bool had = false;
-    for (const std::string& ns : hap::netns::ListNamespaces(options)) had |= ns.rfind(head, 0) == 0;
-    absl::Status s = hap::netns::RemoveOwned(options);
-    if (!s.ok()) return Fail(std::string(s.message()));
+    auto removed = hap::netns::RemoveOwned(options);
+    if (!removed.ok()) return Fail(std::string(removed.status().message()));
     // It said nothing and exited 0 when there was nothing to remove.
-    if (!had)
+    if (*removed == 0) {
       return Fail(absl::StrCat("no testbed of owner ", options.owner, " here (see --owner)"));
+    }
     return 0;
   }
   if (cmd == "clean") {

@@ -177,9 +177,10 @@ bool IsRankTail(absl::string_view tail) {
 
 // What a launcher killed outright (SIGKILL) left: its rendezvous directory
 // (/tmp/hap-rendezvous-PID-XXXXXX) and its cgroups (hap-launch-PID-rI, a
-// rank still inside killed by pid), found by name and removed when their
-// launcher is gone. Nothing else is touched.
-void RemoveLeftovers() {
+// rank still inside killed by pid) and, as root, its network namespaces,
+// found by name and removed when their launcher is gone. Nothing else is
+// touched.
+void RemoveLeftovers(bool testbed_follows) {
   // A leftover's owner is gone, or is this launcher: its pid reused (a
   // container's entrypoint gets the same small pid each time), it has made
   // nothing yet. Taken for alive, such a group failed this run's mkdir.
@@ -229,14 +230,11 @@ void RemoveLeftovers() {
                 << " (left by a run that is gone): " << std::strerror(err) << "\n";
     }
   }
-  // And its network testbed's namespaces (also when this run makes none:
-  // only a later --network run removed them).
-  if (geteuid() == 0) {
-    const netns::StaleRemoval sets = netns::RemoveStale(netns::TestbedOptions{});
-    for (const std::string& ns : sets.removed) {
-      std::cerr << "hap-launch: removed " << ns << ", left by a run that is gone\n";
-    }
-    for (const std::string& why : sets.failed) std::cerr << "hap-launch: " << why << "\n";
+  // And its network testbed's namespaces, also when this run makes none
+  // (only a later --network run removed them); one that makes a testbed
+  // removes them there.
+  if (geteuid() == 0 && !testbed_follows) {
+    netns::RemoveStaleAndSay(netns::TestbedOptions{}, "hap-launch");
   }
 }
 
@@ -609,7 +607,7 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   // `made` removes them on every way out.
   LaunchSignals signals;
   LaunchResources made;
-  RemoveLeftovers();
+  RemoveLeftovers(/*testbed_follows=*/net.has_value());
   // The network testbed: the node of each rank, then the namespaces.
   if (net) {
     auto t = netns::Testbed::Create(*net);

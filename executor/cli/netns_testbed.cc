@@ -417,11 +417,7 @@ absl::StatusOr<std::unique_ptr<Testbed>> Testbed::Create(const NetworkSpec& spec
   // A stale set that cannot be removed is named, not fatal: this one is
   // made in namespaces of its own beside it (every later launch failed
   // until someone removed it by hand).
-  const StaleRemoval stale = RemoveStale(options);
-  for (const std::string& ns : stale.removed) {
-    std::cerr << "network testbed: removed " << ns << ", left by a run that is gone\n";
-  }
-  for (const std::string& why : stale.failed) std::cerr << "network testbed: " << why << "\n";
+  RemoveStaleAndSay(options, "network testbed");
   std::unique_ptr<Testbed> t(new Testbed(spec, std::move(options)));
   const std::string sw = t->SwitchNamespace();
   if (std::filesystem::exists(t->options_.netns_dir + "/" + sw)) {
@@ -648,14 +644,25 @@ StaleRemoval RemoveStale(const TestbedOptions& options) {
   return out;
 }
 
-absl::Status RemoveOwned(const TestbedOptions& options) {
+void RemoveStaleAndSay(const TestbedOptions& options, absl::string_view who) {
+  const StaleRemoval stale = RemoveStale(options);
+  for (const std::string& ns : stale.removed) {
+    std::cerr << who << ": removed " << ns << ", left by a run that is gone\n";
+  }
+  for (const std::string& why : stale.failed) std::cerr << who << ": " << why << "\n";
+}
+
+absl::StatusOr<int> RemoveOwned(const TestbedOptions& options) {
   const std::string head = absl::StrCat(options.prefix, "-", options.owner, "-");
+  int removed = 0;
   for (const std::string& ns : ListNamespaces(options)) {
-    if (absl::StartsWith(ns, head)) HAP_RETURN_IF_ERROR(RemoveNamespace(options, ns));
+    if (!absl::StartsWith(ns, head)) continue;
+    HAP_RETURN_IF_ERROR(RemoveNamespace(options, ns));
+    ++removed;
   }
   std::error_code ec;
   std::filesystem::remove(StatePath(options, options.owner), ec);
-  return absl::OkStatus();
+  return removed;
 }
 
 }  // namespace hap::netns

@@ -169,8 +169,13 @@ struct StaleRemoval {
 // an owner's state file stays while any of its namespaces does.
 StaleRemoval RemoveStale(const TestbedOptions& options);
 
-// Removes the set of `options.owner` whatever its state (hap-netns down).
-absl::Status RemoveOwned(const TestbedOptions& options);
+// RemoveStale, each namespace removed and each failure said on stderr as
+// "WHO: ...".
+void RemoveStaleAndSay(const TestbedOptions& options, absl::string_view who);
+
+// Removes the set of `options.owner` whatever its state (hap-netns down):
+// how many of its namespaces there were.
+absl::StatusOr<int> RemoveOwned(const TestbedOptions& options);
 
 }  // namespace hap::netns
 
