@@ -17,21 +17,27 @@
 
 namespace hap::tools {
 
+std::optional<FlagArg> ParseFlagArg(const std::string& s) {
+  if (s.size() <= 1 || s[0] != '-') return std::nullopt;
+  FlagArg f;
+  f.name = s.substr(s[1] == '-' ? 2 : 1);
+  if (auto eq = f.name.find('='); eq != std::string::npos) {
+    f.value = f.name.substr(eq + 1);
+    f.name = f.name.substr(0, eq);
+  }
+  return f;
+}
+
 absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& argv,
                                  const std::set<std::string>& value_flags,
                                  const std::set<std::string>& bool_flags) {
   Args a;
   for (size_t i = 0; i < argv.size(); ++i) {
     const std::string& s = argv[i];
-    if (s.size() > 1 && s[0] == '-' && s != "-") {
-      std::string name = s.substr(s[1] == '-' ? 2 : 1);
-      std::string value;
-      bool has_value = false;
-      if (auto eq = name.find('='); eq != std::string::npos) {
-        value = name.substr(eq + 1);
-        name = name.substr(0, eq);
-        has_value = true;
-      }
+    if (std::optional<FlagArg> flag = ParseFlagArg(s)) {
+      const std::string& name = flag->name;
+      std::string value = flag->value.value_or("");
+      const bool has_value = flag->value.has_value();
       if (bool_flags.count(name)) {
         if (has_value) {
           return absl::InvalidArgumentError(

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -14,6 +15,15 @@
 #include "absl/status/statusor.h"
 
 namespace hap::tools {
+
+// A command-line argument as Args::Parse reads a flag: the NAME of -NAME,
+// --NAME, -NAME=VALUE or --NAME=VALUE, with the VALUE when given inline;
+// nullopt for anything else ("-", a positional argument).
+struct FlagArg {
+  std::string name;
+  std::optional<std::string> value;
+};
+std::optional<FlagArg> ParseFlagArg(const std::string& arg);
 
 class Args {
  public:

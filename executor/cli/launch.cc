@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -637,30 +638,18 @@ int LaunchMain(const std::string& self, const std::vector<std::string>& argv) {
   made.rendezvous = tmpl;
   std::vector<std::string> pass;
   for (size_t i = 0; i < argv.size(); ++i) {
-    // hap-launch's own flags, --flag VALUE or --flag=VALUE (or with one
-    // dash, as the flag parser takes them: -pin-cores reached the ranks,
-    // which refused it), stay here.
-    const std::string flag = argv[i].rfind("--", 0) == 0  ? argv[i]
-                             : argv[i].rfind("-", 0) == 0 ? "-" + argv[i]
-                                                          : argv[i];
-    bool own = false;
-    for (const std::string f : {"--executor", "--cpu-shares", "--cpu-period-us", "--network",
-                                "--deadline", "--grace-seconds"}) {
-      if (flag == f) {
-        ++i;  // and its value
-        own = true;
-        break;
+    // hap-launch's own flags stay here, as its flag parser reads them
+    // (-pin-cores too: it reached the ranks, which refused it); --device
+    // is given per rank below.
+    if (const std::optional<tools::FlagArg> f = tools::ParseFlagArg(argv[i])) {
+      static const std::set<std::string> kOwnValueFlags = {
+          "executor", "cpu-shares",    "cpu-period-us", "network",
+          "deadline", "grace-seconds", "device"};
+      if (f->name == "pin-cores") continue;
+      if (kOwnValueFlags.count(f->name)) {
+        if (!f->value) ++i;  // and its value
+        continue;
       }
-      if (flag.rfind(f + "=", 0) == 0) {
-        own = true;
-        break;
-      }
-    }
-    if (own) continue;
-    if (flag == "--pin-cores") continue;
-    if (flag == "--device" || flag.rfind("--device=", 0) == 0) {  // given per rank below
-      if (flag == "--device") ++i;
-      continue;
     }
     pass.push_back(argv[i]);
   }
