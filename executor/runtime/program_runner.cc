@@ -514,8 +514,8 @@ absl::Status ProgramRunner::LoadInputs(const Batch& batch) {
 absl::Status ProgramRunner::RunKernelStep(int index, const v1::KernelCall& k,
                                           int64_t step) {
   if (k.kernel() == "fill") {
-    auto v = attrs_[index].Float("value", 0.0);
-    return device_->Fill(views_[k.outputs(0)], v.ok() ? *v : 0.0);
+    HAP_ASSIGN_OR_RETURN(double v, attrs_[index].Float("value", 0.0));  // checked at Create
+    return device_->Fill(views_[k.outputs(0)], v);
   }
   std::vector<TensorView> in, out;
   for (int id : k.inputs()) in.push_back(id >= 0 ? views_[id] : TensorView{});
