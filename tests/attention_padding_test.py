@@ -181,7 +181,7 @@ class AttentionPaddingTest(unittest.TestCase):
         torch.manual_seed(6)
         m = PaddedSeq2Seq().double()
         inputs = seq2seq_inputs(torch.Generator().manual_seed(7))
-        d, graph, weights, data, _ = U.export_for_training(m, inputs)
+        d, graph, weights, data = U.export_for_training(m, inputs)
 
         # PyTorch's loss and gradients on the same weights and batch.
         m.load_state_dict(safetensors_io.read(weights), strict=False)

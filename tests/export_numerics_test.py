@@ -331,7 +331,7 @@ class ExportNumericsTest(unittest.TestCase):
         lr = 0.5
         m = PaddedEmbedding().double()
         inputs = padded_inputs(m, torch.Generator().manual_seed(3))
-        d, graph, weights, data, _ = U.export_for_training(m, inputs)
+        d, graph, weights, data = U.export_for_training(m, inputs)
         m.zero_grad()
         loss = m(**inputs)
         loss.backward()

@@ -91,7 +91,7 @@ def export_for_training(module, inputs):
     """Exports `module` on `inputs` into a fresh directory d as hap-launch
     takes it: d/g.json (the graph), d/w.st (its initial weights,
     --init-weights) and d/data/<input>.npy (--data npy:DIR). Returns
-    (d, graph path, weights path, data dir, graph)."""
+    (d, graph path, weights path, data dir)."""
     import export_fx
     d = tmpdir()
     g, values = export_fx.export(module, inputs, return_values=True)
@@ -103,7 +103,7 @@ def export_for_training(module, inputs):
     os.makedirs(data)
     for k, v in inputs.items():
         write_npy(os.path.join(data, f"{k}.npy"), v)
-    return d, graph, weights, data, g
+    return d, graph, weights, data
 
 
 def module_from_source(d, name, source):

@@ -95,7 +95,7 @@ class HungPeerCommunicator : public Communicator {
         inner_(std::move(inner)),
         armed_(armed) {}
   int rank() const override { return rank_; }
-  int size() const override { return 2; }
+  int size() const override { return inner_ != nullptr ? inner_->size() : 2; }
   absl::Status AllReduce(TensorView b) override { return Hung() ? Hang() : inner_->AllReduce(b); }
   absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
                          CommMethod m) override {
