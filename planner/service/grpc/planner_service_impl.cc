@@ -386,7 +386,7 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::W
                        p.state() == v1::Plan::CANCELLED;
           return w->Write(p);
         },
-        [&] { return ctx->IsCancelled() || deployments_->shutting_down(); }));
+        [&] { return ctx->IsCancelled() || shutting_down_.load(); }));
     return WatchEnd(ctx, r->name(), final_sent);
   });
 }
@@ -551,7 +551,7 @@ grpc::Status PlannerServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::Wa
                        s == v1::JobStatus::STOPPED;
           return w->Write(j);
         },
-        [&] { return ctx->IsCancelled() || deployments_->shutting_down(); }));
+        [&] { return ctx->IsCancelled() || shutting_down_.load(); }));
     return WatchEnd(ctx, r->name(), final_sent);
   });
 }

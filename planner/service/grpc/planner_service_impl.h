@@ -198,7 +198,9 @@ class PlannerServiceImpl final : public PlannerServiceBase {
 
   PlannerCore* core_;
   PlannerServiceOptions o_;
-  std::atomic<bool> shutting_down_{false};  // Shutdown() was called
+  // Shutdown() was called: the watches end, UNAVAILABLE unless they sent
+  // the final state.
+  std::atomic<bool> shutting_down_{false};
   std::unique_ptr<DeploymentManager> deployments_;
   std::unique_ptr<JobBackend> job_backend_;
   std::unique_ptr<JobController> jobs_;
