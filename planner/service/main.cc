@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cli_args.h"
+#include "common/host_port.h"
 #include "planner/service/planner_server.h"
 
 namespace {
@@ -87,11 +88,10 @@ absl::StatusOr<hap::service::PlannerServerOptions> Options(const hap::tools::Arg
   if (metrics == "off") {
     o.metrics_port = -1;
   } else {
-    size_t colon = metrics.rfind(':');
     // A negative port is no port: -1 turned the metrics off without a word.
-    if (colon == std::string::npos ||
-        !absl::SimpleAtoi(metrics.substr(colon + 1), &o.metrics_port) || o.metrics_port < 0 ||
-        o.metrics_port > 65535) {
+    const size_t colon = metrics.rfind(':');
+    if (!hap::service::IsHostPort(metrics, 0) ||
+        !absl::SimpleAtoi(metrics.substr(colon + 1), &o.metrics_port)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--metrics-listen must be HOST:PORT (PORT 0 to 65535) or off, got '", metrics, "'"));
     }
