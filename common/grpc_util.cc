@@ -309,6 +309,15 @@ void PrepareClientContext(grpc::ClientContext* ctx, const Security& s, absl::Dur
   }
 }
 
+std::vector<std::pair<std::string, int>> KeepaliveArguments(absl::Duration every,
+                                                            absl::Duration least) {
+  const int every_ms = static_cast<int>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(every), absl::ToInt64Milliseconds(least), int64_t{86400} * 1000));
+  return {{GRPC_ARG_KEEPALIVE_TIME_MS, every_ms},
+          {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, std::min(every_ms, 20'000)},
+          {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0}};
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
                                                            const Security& s,
                                                            absl::Duration keepalive) {
@@ -322,13 +331,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   if (keepalive > absl::ZeroDuration()) {
-    const int every_ms = static_cast<int>(std::clamp<int64_t>(
-        absl::ToInt64Milliseconds(keepalive), absl::ToInt64Milliseconds(kMinClientPingInterval),
-        int64_t{86400} * 1000));
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, every_ms);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, std::min(every_ms, 20'000));
-    // Pings go on while a watch receives nothing (gRPC stops after 2).
-    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    for (const auto& [name, value] : KeepaliveArguments(keepalive, kMinClientPingInterval)) {
+      args.SetInt(name, value);
+    }
   }
   return grpc::CreateCustomChannel(address, *creds, args);
 }

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -81,6 +82,13 @@ grpc::Status CheckToken(const grpc::ServerContextBase* ctx, const std::string& t
 // A client context with the token and a deadline.
 void PrepareClientContext(grpc::ClientContext* ctx, const Security& s,
                           absl::Duration timeout);
+
+// The channel arguments of keepalive pings every `every` (clamped to
+// [`least`, a day]), as a client's channel and the planner's server both
+// set them: each ping answered within min(every, 20 s), and pings go on
+// while a call receives nothing (gRPC stops after 2 by default).
+std::vector<std::pair<std::string, int>> KeepaliveArguments(absl::Duration every,
+                                                            absl::Duration least);
 
 // A channel to `address` ("host:port") with the security settings and a
 // message size limit matching the servers'.

@@ -390,12 +390,9 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     b.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
   }
   {
-    const int every_ms = static_cast<int>(
-        std::clamp<int64_t>(absl::ToInt64Milliseconds(o.keepalive), 100, int64_t{86400} * 1000));
-    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, every_ms);
-    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, std::min(every_ms, 20'000));
-    // Pings go on while a watch sends nothing (gRPC stops after 2 by default).
-    b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    for (const auto& [name, value] : KeepaliveArguments(o.keepalive, absl::Milliseconds(100))) {
+      b.AddChannelArgument(name, value);
+    }
     b.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     // Clients' own pings (hapctl's --keepalive) are taken down to once a
     // second; by default gRPC answers pings more often than every 5 minutes
