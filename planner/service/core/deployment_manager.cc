@@ -170,6 +170,42 @@ struct DeploymentManager::State {
     std::map<int32_t, int64_t> rank_last_end;  // each rank's step after its latest
   };
   std::map<std::string, SavedSteps> saved_steps;
+  // Per deployment, the (rank, step) pairs reported so far, so that one
+  // reported again (a client retrying a report that did arrive) replaces
+  // the earlier metric, as the store does, rather than counting twice in
+  // the statistics: each rank's steps as ranges [first, end), which stay
+  // one or two ranges since ranks report in order; and where each kept
+  // metric sits in `metrics`.
+  struct Reported {
+    std::map<int32_t, std::map<int64_t, int64_t>> ranges;  // rank -> first -> end
+    std::map<std::pair<int32_t, int64_t>, size_t> kept_at;
+    // Records (rank, step); false when it was reported before.
+    bool Add(int32_t rank, int64_t step) {
+      std::map<int64_t, int64_t>& r = ranges[rank];
+      auto next = r.upper_bound(step);  // the first range starting after step
+      if (next != r.begin()) {
+        auto prev = std::prev(next);
+        if (step < prev->second) return false;
+        if (step == prev->second) {  // extends prev, perhaps up to next
+          prev->second = step + 1;
+          if (next != r.end() && next->first == prev->second) {
+            prev->second = next->second;
+            r.erase(next);
+          }
+          return true;
+        }
+      }
+      if (next != r.end() && next->first == step + 1) {  // extends next down
+        const int64_t end = next->second;
+        r.erase(next);
+        r.emplace(step, end);
+        return true;
+      }
+      r.emplace(step, step + 1);
+      return true;
+    }
+  };
+  std::map<std::string, Reported> reported;
   std::set<std::string> stop_requested;
   std::set<std::string> supervised;  // deployments whose supervisor runs
   // Deployments whose record as served the sink refused to save (the store
@@ -462,6 +498,7 @@ absl::Status DeploymentManager::DeleteLocked(const std::string& name) {
   s_->metrics.erase(name);
   s_->step_stats.erase(name);
   s_->saved_steps.erase(name);
+  s_->reported.erase(name);
   s_->unsaved.erase(name);
   s_->stop_requested.erase(name);
   s_->changed.SignalAll();
@@ -737,12 +774,24 @@ void DeploymentManager::KeepStepMetricsLocked(const std::string& name,
   auto& list = s_->metrics[name];
   State::StepStats& stats = s_->step_stats[name];
   State::SavedSteps& saved = s_->saved_steps[name];
+  State::Reported& reported = s_->reported[name];
   v1::Deployment& d = s_->deployments[name];
   for (const auto& m : metrics) {
+    if (!reported.Add(m.rank(), m.step())) {
+      // Reported again: replaces the metric served (and the latest loss)
+      // as it replaces the saved one; the statistics counted it once.
+      auto at = reported.kept_at.find({m.rank(), m.step()});
+      if (at != reported.kept_at.end()) list[at->second] = m;
+      if (m.rank() == 0 && m.step() + 1 == d.steps_completed()) d.set_last_loss(m.loss());
+      continue;
+    }
     // The first max_metrics_per_deployment are kept (served by StepMetrics);
     // the statistics follow every metric.
     const bool kept = list.size() < o_.max_metrics_per_deployment;
-    if (kept) list.push_back(m);
+    if (kept) {
+      reported.kept_at[{m.rank(), m.step()}] = list.size();
+      list.push_back(m);
+    }
     stats.Add(m, kept);
     if (kept) saved.kept_end = std::max(saved.kept_end, m.step() + 1);
     saved.past_cap |= !kept;

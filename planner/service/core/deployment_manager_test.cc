@@ -802,6 +802,68 @@ TEST(DeploymentManagerMetricsTest, MetricsLoadedAtStartAreKeptUpToTheCap) {
   EXPECT_EQ(m.StepMetrics(stored.name())->size(), 10u);
 }
 
+// A metric reported again for the same (rank, step), e.g. by a client that
+// retries a report that did arrive, replaces the earlier one, as the store
+// replaces its row: served once, counted once in the median and the recent
+// window, and the latest loss is the new one. Steps reported out of order
+// and around a gap are told apart from repeats.
+TEST(DeploymentManagerMetricsTest, AMetricReportedAgainReplacesTheEarlierOne) {
+  v1::Deployment stored;
+  stored.set_name("deployments/p-g1");
+  stored.set_plan("plans/p");
+  stored.set_generation(1);
+  stored.set_state(v1::Deployment::SUCCEEDED);
+  stored.add_ranks()->set_rank(0);
+  stored.add_ranks()->set_rank(1);
+  auto metric = [&](int rank, int64_t step, double seconds, double loss) {
+    v1::StepMetric m;
+    m.set_deployment(stored.name());
+    m.set_rank(rank);
+    m.set_step(step);
+    m.set_step_seconds(seconds);
+    m.set_loss(loss);
+    return m;
+  };
+  DeploymentManagerOptions o;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  o.max_metrics_per_deployment = 6;
+  DeploymentManager m(std::move(o), {stored}, {metric(0, 0, 1.0, 5.0)});
+  // Rank 0: steps 0 (loaded), 2, 1, 4 (a gap at 3), then 0 and 2 again;
+  // rank 1: step 0 twice in one batch.
+  ASSERT_THAT(
+      m.ReportStepMetrics({metric(0, 2, 1.0, 4.0), metric(0, 1, 1.0, 4.5), metric(1, 0, 9.0, 0),
+                           metric(1, 0, 9.0, 0), metric(0, 4, 1.0, 3.0)}),
+      IsOk());
+  ASSERT_THAT(
+      m.ReportStepMetrics({metric(0, 0, 7.0, 6.0), metric(0, 2, 7.0, 6.0), metric(0, 4, 7.0, 2.5)}),
+      IsOk());
+  auto kept = m.StepMetrics(stored.name());
+  ASSERT_THAT(kept, IsOk());
+  std::vector<std::pair<int, int64_t>> keys;
+  for (const v1::StepMetric& k : *kept) keys.emplace_back(k.rank(), k.step());
+  EXPECT_THAT(keys,
+              ::testing::ElementsAre(std::pair<int, int64_t>{0, 0}, std::pair<int, int64_t>{0, 2},
+                                     std::pair<int, int64_t>{0, 1}, std::pair<int, int64_t>{1, 0},
+                                     std::pair<int, int64_t>{0, 4}));
+  EXPECT_DOUBLE_EQ((*kept)[0].step_seconds(), 7.0);  // replaced
+  EXPECT_DOUBLE_EQ((*kept)[1].step_seconds(), 7.0);
+  // Counted once: rank 0's median over its first reports (1, 1, 1, 1).
+  v1::Deployment d = *m.Get(stored.name());
+  EXPECT_DOUBLE_EQ(d.median_step_seconds(), 1.0);
+  EXPECT_EQ(d.steps_completed(), 5);
+  EXPECT_DOUBLE_EQ(d.last_loss(), 2.5);
+  // Step 3 fills the gap: new, not a repeat.
+  ASSERT_THAT(m.ReportStepMetrics({metric(0, 3, 1.0, 3.5)}), IsOk());
+  EXPECT_EQ(m.StepMetrics(stored.name())->size(), 6u);
+  d = *m.Get(stored.name());
+  EXPECT_DOUBLE_EQ(d.last_loss(), 2.5);  // step 4's stays the latest
+  // Rank 1's window holds one 9 s step, not two.
+  ASSERT_THAT(m.ReportStepMetrics({metric(1, 1, 1.0, 0), metric(1, 2, 1.0, 0)}), IsOk());
+  EXPECT_DOUBLE_EQ(m.Get(stored.name())->recent_step_seconds(), 1.0);
+}
+
 // A deployment's summary of its metrics (steps completed, last loss, the
 // medians) is kept in memory as metrics arrive, not saved with every one:
 // after a restart it is recomputed from the metrics loaded, also past the
