@@ -232,6 +232,38 @@ absl::Status CreateDirectoriesSynced(const std::string& dir) {
   return absl::OkStatus();
 }
 
+// A slice's tensor as its shard holds it (`dtype`, `shape`) against the
+// index: DataLoss naming the file otherwise.
+absl::Status CheckSliceShape(const std::string& path, const v1::CheckpointIndex::Tensor& t,
+                             const v1::CheckpointIndex::Slice& s, absl::string_view dtype,
+                             const Shape& shape) {
+  const Shape extents(s.extents().begin(), s.extents().end());
+  if (shape == extents && dtype == t.dtype()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(path, " holds '", t.name(), "' as ", dtype,
+                                          graph::ShapeString(shape), ", the index says ", t.dtype(),
+                                          graph::ShapeString(extents)));
+}
+
+// Every slice of the index placed in `f` (named `file` in the index) is
+// there, of the index's dtype and shape: DataLoss naming the file otherwise.
+// `dir` names the checkpoint.
+absl::Status CheckSlicesInShard(const v1::CheckpointIndex& index, const std::string& file,
+                                const SafetensorsFile& f, const std::string& dir) {
+  for (const auto& t : index.tensors()) {
+    for (const auto& s : t.slices()) {
+      if (s.file() != file) continue;
+      auto it = f.tensors().find(t.name());
+      if (it == f.tensors().end()) {
+        return absl::DataLossError(absl::StrCat(f.path(), " lacks '", t.name(),
+                                                "', which the index of ", dir, " places there"));
+      }
+      HAP_RETURN_IF_ERROR(
+          CheckSliceShape(f.path(), t, s, SafetensorsDType(it->second.dtype), it->second.shape));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Rank 0, after every rank wrote its file: checks them, writes the index
 // and the trainer state, and commits.
 absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointIndex& index,
@@ -255,11 +287,9 @@ absl::StatusOr<std::string> Commit(const SaveRequest& r, const v1::CheckpointInd
       return absl::AbortedError(absl::StrCat("rank ", rank, " did not write its checkpoint file (",
                                              opened.status().message(), ")"));
     }
-    for (const std::string& name : OwnedTensors(index, rank, world)) {
-      if (!(*opened)->tensors().count(name)) {
-        return absl::DataLossError(absl::StrCat(file, " lacks tensor '", name, "'"));
-      }
-    }
+    // What its program wrote against the index the plan made: a mismatch
+    // is committed as a checkpoint no resume can open.
+    HAP_RETURN_IF_ERROR(CheckSlicesInShard(index, RankFileName(rank, world), **opened, final_dir));
   }
   v1::TrainerState trainer = r.trainer;
   trainer.set_format_version(kCheckpointFormatVersion);
@@ -661,22 +691,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   }
   // Every slice is in its shard as the index says: what readers allocate
   // from the index's shapes is then bounded by the data on disk.
-  for (const auto& t : r->index_.tensors()) {
-    for (const auto& s : t.slices()) {
-      const SafetensorsFile* f = r->files_.at(s.file()).get();
-      const Shape extents(s.extents().begin(), s.extents().end());
-      auto it = f->tensors().find(t.name());
-      if (it == f->tensors().end()) {
-        return absl::DataLossError(absl::StrCat(f->path(), " lacks '", t.name(),
-                                                "', which the index of ", dir, " places there"));
-      }
-      if (it->second.shape != extents || SafetensorsDType(it->second.dtype) != t.dtype()) {
-        return absl::DataLossError(
-            absl::StrCat(f->path(), " holds '", t.name(), "' as ",
-                         SafetensorsDType(it->second.dtype), graph::ShapeString(it->second.shape),
-                         ", the index says ", t.dtype(), graph::ShapeString(extents)));
-      }
-    }
+  for (const auto& [file, f] : r->files_) {
+    HAP_RETURN_IF_ERROR(CheckSlicesInShard(r->index_, file, *f, dir));
   }
   return r;
 }
@@ -857,13 +873,7 @@ absl::StatusOr<TensorView> CheckpointReader::SliceView(const SafetensorsFile& f,
   HAP_RETURN_IF_ERROR(VerifyChecksum(f, t.name(), &verified_));
   auto view = f.View(t.name());
   if (!view.ok()) return absl::DataLossError(std::string(view.status().message()));
-  const Shape extents(s.extents().begin(), s.extents().end());
-  if (view->shape != extents || SafetensorsDType(view->dtype) != t.dtype()) {
-    return absl::DataLossError(absl::StrCat(f.path(), " holds '", t.name(), "' as ",
-                                            SafetensorsDType(view->dtype),
-                                            graph::ShapeString(view->shape), ", the index says ",
-                                            t.dtype(), graph::ShapeString(extents)));
-  }
+  HAP_RETURN_IF_ERROR(CheckSliceShape(f.path(), t, s, SafetensorsDType(view->dtype), view->shape));
   return *view;
 }
 

@@ -419,6 +419,36 @@ TEST(CheckpointTest, ARanksFailedWriteFailsEveryRankAndNamesIt) {
   EXPECT_EQ(Entries(dir), std::vector<std::string>{"step-00000001"});
 }
 
+// A rank that writes a tensor of another shape than the index gives it (a
+// program at odds with the plan's index) fails the save at commit, naming
+// the file and both shapes: that checkpoint was committed before, and no
+// resume could open it.
+TEST(CheckpointTest, AShardOfAnotherShapeThanTheIndexSaysIsNotCommitted) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");
+  const std::string dir = Fresh("shape_at_commit");
+  for (const auto& r : SaveOnEveryRank(programs, dir, 1)) ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<std::vector<ParameterShard>> states = {StateOf(programs[0]), StateOf(programs[1])};
+  auto index = BuildIndex(programs, 2);
+  ASSERT_TRUE(index.ok());
+  const std::vector<std::string> owned = OwnedTensors(*index, 1, 2);
+  ASSERT_FALSE(owned.empty());
+  auto shard = std::find_if(states[1].begin(), states[1].end(),
+                            [&](const ParameterShard& s) { return s.name == owned[0]; });
+  ASSERT_NE(shard, states[1].end());
+  Shape bigger = shard->value.shape();
+  ASSERT_FALSE(bigger.empty());
+  bigger[0] += 1;
+  shard->value = HostTensor(shard->value.dtype(), bigger);
+  auto results = SaveOnEveryRank(programs, dir, 2, kDefaultKeep, states);
+  EXPECT_THAT(results[0].status(),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("rank-00001-of-00002.safetensors holds '" + owned[0] + "'"),
+                             HasSubstr("the index says"))));
+  EXPECT_FALSE(results[1].ok()) << "rank 1 says " << *results[1] << " was saved";
+  EXPECT_EQ(Entries(dir), std::vector<std::string>{"step-00000001"});
+}
+
 TEST(CheckpointTest, AnIndexWhosePiecesOverlapOrLeaveGapsIsRefused) {
   graph::Graph g = Mlp();
   auto programs = Programs(g, 2, "tp");
