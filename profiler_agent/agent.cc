@@ -53,6 +53,23 @@ bool RefusesTheDevices(const absl::Status& s) {
          absl::IsFailedPrecondition(s) || absl::IsOutOfRange(s);
 }
 
+// OK for a link the planner takes (PlannerCore::ReportLinks): a bandwidth
+// that is a finite number in (0, kMaxLinkBandwidth] B/s and a latency that
+// is a finite number >= 0. Otherwise InvalidArgument naming the link and the
+// value: the planner refuses a whole report for one such link, so one broken
+// timing lost every link reported with it.
+absl::Status CheckLink(const v1::Link& l) {
+  const std::string link = absl::StrCat("link ", l.src(), " -> ", l.dst(), ": ");
+  const double bandwidth = l.bandwidth_bytes_per_second();
+  if (!(std::isfinite(bandwidth) && bandwidth > 0 && bandwidth <= service::kMaxLinkBandwidth)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0 and at most ",
+                     service::kMaxLinkBandwidth, " (the planner takes no other), got ", bandwidth));
+  }
+  return service::CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(), 0,
+                             service::kInf, "a finite number >= 0");
+}
+
 absl::Status Validate(const AgentOptions& o) {
   if (o.planner.empty()) {
     return absl::InvalidArgumentError("the planner address is required (--planner HOST:PORT)");
@@ -262,7 +279,15 @@ struct Agent::Impl : public ProfileSource {
     // failure there leaves them out rather than failing the devices.
     std::vector<v1::Link> local_links;
     if (auto l = ProbeNodeLinks(o.name, RawProbers(), opts); l.ok()) {
-      local_links = std::move(*l);
+      for (v1::Link& link : *l) {
+        if (absl::Status c = CheckLink(link); !c.ok()) {
+          Log(absl::StrCat("probing the links between this node's devices: ", c.message(),
+                           "; left out (the planner would refuse it, and the links reported "
+                           "with it)"));
+          continue;
+        }
+        local_links.push_back(std::move(link));
+      }
     } else {
       Log(absl::StrCat("probing the links between this node's devices: ", l.status().ToString()));
     }
@@ -765,6 +790,13 @@ struct Agent::Impl : public ProfileSource {
       std::vector<v1::Link> peer_links;
       for (const auto& src : local) {
         for (const auto& dst : *peer_devices) peer_links.push_back(MakeLink(src, dst, *m, kind));
+      }
+      // One measurement for all of them: one refused, all are.
+      if (absl::Status c = peer_links.empty() ? absl::OkStatus() : CheckLink(peer_links.front());
+          !c.ok()) {
+        Log(absl::StrCat("link probe to ", a.peer_node(), ": ", c.message(),
+                         "; not reported (the planner would refuse it)"));
+        continue;
       }
       ReportLinks(peer_links, absl::StrCat("the links to ", a.peer_node()));
       links.insert(links.end(), peer_links.begin(), peer_links.end());

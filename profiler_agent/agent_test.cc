@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "hap/v1/agent_service.grpc.pb.h"
 #include "hap/v1/executor_service.grpc.pb.h"
+#include "planner/service/core/profile_checks.h"
 #include "profiler_agent/agent_service.h"
 #include "profiler_agent/fake_planner.h"
 
@@ -849,7 +850,10 @@ TEST_F(AgentTest, ShutdownCancelsALinkProbeToAPeerThatDoesNotAnswer) {
 // reports them; or a link probe that fails.
 class FakeGpuPairProber : public DeviceProber {
  public:
-  explicit FakeGpuPairProber(bool links_fail) : links_fail_(links_fail) {}
+  // `gpu1_to_gpu0` is the bandwidth measured from gpu1 to gpu0 (gpu0 to
+  // gpu1 measures 200e9 B/s).
+  explicit FakeGpuPairProber(bool links_fail, double gpu1_to_gpu0 = 200e9)
+      : links_fail_(links_fail), gpu1_to_gpu0_(gpu1_to_gpu0) {}
   absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
                                                 const ProbeOptions&) override {
     std::vector<v1::Device> devices;
@@ -878,7 +882,7 @@ class FakeGpuPairProber : public DeviceProber {
       v1::Link l;
       l.set_src(absl::StrCat(node, "/gpu", src));
       l.set_dst(absl::StrCat(node, "/gpu", dst));
-      l.set_bandwidth_bytes_per_second(200e9);
+      l.set_bandwidth_bytes_per_second(src == 0 ? 200e9 : gpu1_to_gpu0_);
       l.set_latency_seconds(5e-6);
       l.set_kind(v1::NVLINK);
       links.push_back(l);
@@ -888,6 +892,7 @@ class FakeGpuPairProber : public DeviceProber {
 
  private:
   bool links_fail_;
+  double gpu1_to_gpu0_;
 };
 
 TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
@@ -908,6 +913,38 @@ TEST_F(AgentTest, LinksBetweenItsOwnDevicesAreInTheProfileAndReported) {
   ASSERT_EQ(profile->links_size(), 2);
   EXPECT_EQ(profile->links(1).src(), "node-g/gpu1");
   EXPECT_EQ(profile->links(1).dst(), "node-g/gpu0");
+}
+
+// A link between its own devices measured as what the planner refuses (a
+// bandwidth that is not a number, zero, or past kMaxLinkBandwidth, from a
+// broken timing) went into the profile and into the report of the node's
+// own links, which the planner refuses whole: every one of them was lost,
+// at every link measurement. Such a link is left out; the others are
+// reported.
+TEST_F(AgentTest, AnOwnLinkThePlannerWouldRefuseIsLeftOutAndTheOthersReported) {
+  const double bad[] = {std::numeric_limits<double>::quiet_NaN(), 0, -1e9,
+                        2 * service::kMaxLinkBandwidth};
+  for (size_t i = 0; i < std::size(bad); ++i) {
+    const std::string node = absl::StrCat("node-g", i);
+    SCOPED_TRACE(absl::StrCat(node, ": gpu1 -> gpu0 measured ", bad[i], " B/s"));
+    auto agent = StartOn(Options(node), std::make_unique<FakeGpuPairProber>(false, bad[i]));
+    ASSERT_THAT(agent, IsOk());
+    // Both links go in one report: once gpu0 -> gpu1 is in, so is any other.
+    ASSERT_TRUE(planner_.WaitFor([&](const Record& r) {
+      return std::any_of(r.links.begin(), r.links.end(),
+                         [&](const v1::Link& l) { return l.src() == node + "/gpu0"; });
+    }));
+    for (const v1::Link& l : planner_.Snapshot().links) {
+      EXPECT_NE(l.src(), node + "/gpu1") << "reported: " << l.ShortDebugString();
+    }
+    auto stub = AgentStub(**agent);
+    ASSERT_TRUE(stub);
+    auto profile = GetProfile(*stub);
+    ASSERT_THAT(profile, IsOk());
+    ASSERT_EQ(profile->links_size(), 1);
+    EXPECT_EQ(profile->links(0).src(), node + "/gpu0");
+    EXPECT_EQ(profile->node().devices_size(), 2);  // the devices are kept
+  }
 }
 
 TEST_F(AgentTest, AFailingLocalLinkProbeLeavesTheDevicesRegistered) {
