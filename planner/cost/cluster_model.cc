@@ -64,18 +64,23 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
     dm.id = id;
     dm.node = node_of[id];
     dm.model = d.model();
-    double flops = -1;
+    // The float32 rate: a FLOAT32 entry, else an unspecified one, else the
+    // first. Which entry is chosen does not depend on its value: a bad
+    // float32 rate is an error, not a reason to take another dtype's.
+    const hap::v1::DtypeThroughput* f32 = nullptr;
     for (const auto& f : d.flops()) {
       if (f.dtype() == hap::v1::FLOAT32 ||
-          (flops < 0 && f.dtype() == hap::v1::DTYPE_UNSPECIFIED)) {
-        flops = f.flops();
+          (f32 == nullptr && f.dtype() == hap::v1::DTYPE_UNSPECIFIED)) {
+        f32 = &f;
       }
     }
-    if (flops < 0 && d.flops_size() > 0) flops = d.flops(0).flops();
+    if (f32 == nullptr && d.flops_size() > 0) f32 = &d.flops(0);
+    double flops = f32 == nullptr ? 0 : f32->flops();
     if (!Positive(flops)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device '", id, "' has no valid float32 FLOPS (got ", flops,
-          "); FLOPS must be positive and finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("device '", id, "' has no valid float32 FLOPS (got ",
+                       f32 == nullptr ? std::string("none") : absl::StrCat(flops),
+                       "); FLOPS must be positive and finite"));
     }
     for (const auto& f : d.flops()) {
       if (compute == hap::v1::BFLOAT16 && f.dtype() == hap::v1::BFLOAT16) {

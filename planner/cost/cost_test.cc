@@ -133,6 +133,23 @@ TEST(ClusterModelTest, BadProfilesGiveClearErrors) {
     ExpectInvalid(c, "FLOPS must be positive");
   }
   {
+    // A bad float32 rate is an error even when another dtype's rate comes
+    // first (it was replaced by that one, here bf16's 1e14).
+    auto c = base;
+    auto* d = c.mutable_nodes(0)->mutable_devices(0);
+    d->mutable_flops(0)->set_dtype(hap::v1::BFLOAT16);
+    d->mutable_flops(0)->set_flops(1e14);
+    auto* f = d->add_flops();
+    f->set_dtype(hap::v1::FLOAT32);
+    f->set_flops(-1e12);
+    ExpectInvalid(c, "device 'd0' has no valid float32 FLOPS (got -1e+12)");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->clear_flops();
+    ExpectInvalid(c, "device 'd0' has no valid float32 FLOPS (got none)");
+  }
+  {
     auto c = base;
     c.mutable_nodes(0)->mutable_devices(0)->set_memory_bytes(-5);
     ExpectInvalid(c, "memory_bytes -5");
