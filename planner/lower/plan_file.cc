@@ -2,6 +2,8 @@
 
 #include <openssl/sha.h>
 
+#include <cmath>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -71,8 +73,34 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
                                                    rank, ") is in ", found,
                                                    " pipeline stages, not one"));
   }
-  if (plan.pipeline().microbatches() < 1) {
+  const int microbatches = plan.pipeline().microbatches();
+  if (microbatches < 1) {
     return absl::InvalidArgumentError("the pipeline plan has no microbatch count");
+  }
+  // The stage programs were lowered for this split of the batch: inputs of
+  // microbatch_size samples, and a loss seeded with 1 / microbatches (the
+  // only fill in backward that is not a zeroing). The content hash does not
+  // cover the pipeline's fields; a count edited there would scale every
+  // gradient wrongly.
+  const int64_t micro = plan.pipeline().microbatch_size();
+  if (micro < 1 || (plan.global_batch() >= 1 && (plan.global_batch() % microbatches != 0 ||
+                                                 plan.global_batch() / microbatches != micro))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the pipeline plan's ", microbatches, " microbatches of ", micro,
+                     " samples are not its global batch of ", plan.global_batch()));
+  }
+  for (const v1::Step& step : plan.rank_programs(rank).steps()) {
+    if (step.phase() != v1::Step::BACKWARD || step.kernel().kernel() != "fill") continue;
+    const auto value = step.kernel().attrs().find("value");
+    const double seed = value == step.kernel().attrs().end() ? 0 : value->second.f();
+    if (seed == 0) continue;  // a gradient zeroed before it is summed into
+    const double want = 1.0 / microbatches;
+    if (!(std::abs(seed - want) <= 1e-9 * want)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the plan's program ", rank, " was lowered for ",
+          seed > 0 ? absl::StrCat(std::llround(1 / seed)) : std::string("another number of"),
+          " microbatches (its loss is seeded with ", seed, "), the pipeline says ", microbatches));
+    }
   }
   if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
     return absl::InvalidArgumentError(

@@ -296,6 +296,26 @@ TEST(Planner, PipelineOverSlowLinks) {
   EXPECT_TRUE(has_input);
   EXPECT_THAT(lower::CheckPlanForRank(*plan, 0, c.size() + 1),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("world of")));
+
+  // The stage programs hold the microbatch split they were lowered for,
+  // which the content hash does not cover: a count edited in the plan is
+  // refused (it scaled every gradient), by the split of the batch and, in
+  // the last stage, by the loss's seed.
+  int last = -1;  // a rank of the last stage (it seeds the loss)
+  for (int r = 0; r < plan->devices_size(); ++r) {
+    if (plan->devices(r) == s1.devices(0)) last = r;
+  }
+  hap::v1::Plan edited = *plan;
+  edited.mutable_pipeline()->set_microbatches(p->microbatches * 2);
+  edited.mutable_pipeline()->set_microbatch_size(p->microbatch_size / 2);
+  ASSERT_EQ(edited.pipeline().microbatch_size() * edited.pipeline().microbatches(), 32);
+  EXPECT_THAT(lower::CheckPlanForRank(edited, last, c.size()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("lowered for ", p->microbatches, " microbatches"))));
+  edited.mutable_pipeline()->set_microbatch_size(p->microbatch_size);
+  EXPECT_THAT(
+      lower::CheckPlanForRank(edited, 0, c.size()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("are not its global batch of 32")));
 }
 
 // Overlap (PlanOptions::overlap_communication): a stage's gradient sync
