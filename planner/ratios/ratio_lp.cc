@@ -969,18 +969,23 @@ std::vector<int64_t> RoundShards(int64_t length,
   // deficit[i]: device i's exact share, in units of g, minus what it has.
   std::vector<double> deficit(n);
   std::vector<int64_t> given(n);
-  int64_t assigned = 0;
+  // Unsigned: near 2^63 the floors' sum can pass INT64_MAX before the
+  // surplus is taken back (each is at most `units`, their sum about it).
+  uint64_t assigned = 0;
+  const uint64_t all_units = static_cast<uint64_t>(units);
   for (size_t i = 0; i < n; ++i) {
     const double target =
         b[i] * static_cast<double>(length) / static_cast<double>(g);
+    // A target of `units` or more (up to 2^63, which no int64 holds) is
+    // `units`; below it the floor converts.
     given[i] =
-        std::min<int64_t>(static_cast<int64_t>(std::floor(target)), units);
+        target >= static_cast<double>(units) ? units : static_cast<int64_t>(std::floor(target));
     deficit[i] = target - static_cast<double>(given[i]);
-    assigned += given[i];
+    assigned += static_cast<uint64_t>(given[i]);
   }
   // Rounding can in principle push the floors past `units`; take back from
   // the largest surplus (smallest deficit, ties to the higher index).
-  while (assigned > units) {
+  while (assigned > all_units) {
     size_t best = n;
     for (size_t i = 0; i < n; ++i) {
       if (given[i] > 0 && (best == n || deficit[i] <= deficit[best])) best = i;
@@ -991,7 +996,7 @@ std::vector<int64_t> RoundShards(int64_t length,
   }
   // Remaining whole units: one at a time to the largest deficit among the
   // devices with a positive ratio, ties to the lower index.
-  for (; assigned < units; ++assigned) {
+  for (; assigned < all_units; ++assigned) {
     size_t best = n;
     for (size_t i = 0; i < n; ++i) {
       if (b[i] > 0 && (best == n || deficit[i] > deficit[best])) best = i;

@@ -641,6 +641,16 @@ TEST(RoundShardsTest, Examples) {
   EXPECT_EQ(RoundShards(9, {2, 1}), (V{6, 3}));
   // A shorter dimension than the granularity: everything is the partial.
   EXPECT_EQ(RoundShards(5, {0.4, 0.6}, 8), (V{0, 5}));
+  // Lengths near 2^63, whose double is 2^63 itself (no int64 holds it):
+  // the shares and their sum stay exact (they looped about 2^64 times).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(RoundShards(kMax, {1.0}), (V{kMax}));
+  EXPECT_EQ(RoundShards(kMax, {0, 1}), (V{0, kMax}));
+  const V halves = RoundShards(kMax, {0.5, 0.5});
+  ASSERT_EQ(halves.size(), 2u);
+  EXPECT_EQ(halves[0] + (halves[1] - kMax), 0);      // sums to kMax
+  EXPECT_LE(std::abs(halves[0] - halves[1]), 2048);  // a double's spacing there
+  EXPECT_EQ(RoundShards(kMax, {1.0}, 1000), (V{kMax}));
 }
 
 TEST(RoundShardsTest, RandomProperties) {
