@@ -161,6 +161,9 @@ struct Agent::Impl : public ProfileSource {
   std::map<std::string, std::string> paused_for ABSL_GUARDED_BY(mu);
   absl::Duration heartbeat_interval = kDefaultHeartbeat;  // the latest (heartbeat thread's)
   bool interval_warned = false;  // PlannersInterval said it clamps (heartbeat thread's)
+  // HeartbeatIntervalFor said o.heartbeat_interval is held to the planner's
+  // (heartbeat thread's).
+  bool own_interval_held = false;
   std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
   std::shared_ptr<v1::Planner::Stub> planner_stub ABSL_GUARDED_BY(mu);
 
@@ -487,6 +490,28 @@ struct Agent::Impl : public ProfileSource {
     return taken;
   }
 
+  // The interval to heartbeat at, given the planner's (zero: it answered
+  // none): o.heartbeat_interval when set, but never longer than the
+  // planner's, which takes a node that misses a few heartbeats for STALE
+  // and asks a STALE node to probe again at every heartbeat (a longer
+  // --heartbeat-seconds made that a full probe each time); else the
+  // planner's, else kDefaultHeartbeat.
+  absl::Duration HeartbeatIntervalFor(absl::Duration planners) {
+    if (o.heartbeat_interval == absl::ZeroDuration()) {
+      return planners > absl::ZeroDuration() ? planners : kDefaultHeartbeat;
+    }
+    const bool held = planners > absl::ZeroDuration() && planners < o.heartbeat_interval;
+    if (held && !own_interval_held) {
+      Log(absl::StrCat("--heartbeat-seconds asks for a heartbeat every ",
+                       absl::FormatDuration(o.heartbeat_interval), ", but the planner at ",
+                       o.planner, " expects one every ", absl::FormatDuration(planners),
+                       " (it takes a node that misses a few for STALE): heartbeating every ",
+                       absl::FormatDuration(planners)));
+    }
+    own_interval_held = held;
+    return held ? planners : o.heartbeat_interval;
+  }
+
   // RegisterNode with the current profile; the heartbeat interval to use.
   absl::StatusOr<absl::Duration> Register() {
     v1::RegisterNodeRequest req;
@@ -502,9 +527,8 @@ struct Agent::Impl : public ProfileSource {
     v1::RegisterNodeResponse resp;
     Call call(this, o.rpc_timeout);
     HAP_RETURN_IF_ERROR(FromGrpc(Planner()->RegisterNode(call.ctx(), req, &resp)));
-    absl::Duration interval = o.heartbeat_interval;
-    if (interval == absl::ZeroDuration()) interval = PlannersInterval(resp.heartbeat_interval());
-    if (interval <= absl::ZeroDuration()) interval = kDefaultHeartbeat;
+    const absl::Duration interval =
+        HeartbeatIntervalFor(PlannersInterval(resp.heartbeat_interval()));
     absl::MutexLock l(&mu);
     registered = true;
     sent_generation = generation;
@@ -549,12 +573,14 @@ struct Agent::Impl : public ProfileSource {
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
     }
-    if (o.heartbeat_interval == absl::ZeroDuration() && resp.has_heartbeat_interval()) {
+    if (resp.has_heartbeat_interval()) {
       // A planner restarted with another --heartbeat-seconds, its database
       // kept: at the interval of the registration, a longer one, the node
       // went STALE between heartbeats.
-      const absl::Duration want = PlannersInterval(resp.heartbeat_interval());
-      if (want > absl::ZeroDuration() && want != heartbeat_interval) {
+      const absl::Duration planners = PlannersInterval(resp.heartbeat_interval());
+      const absl::Duration want =
+          planners > absl::ZeroDuration() ? HeartbeatIntervalFor(planners) : heartbeat_interval;
+      if (want != heartbeat_interval) {
         Log(absl::StrCat("the planner at ", o.planner, " now expects a heartbeat every ",
                          absl::FormatDuration(want), " (was ",
                          absl::FormatDuration(heartbeat_interval), ")"));
@@ -579,8 +605,7 @@ struct Agent::Impl : public ProfileSource {
                        "'; registering again, then measuring the links again"));
       planner_lost_node = true;
     }
-    if (resp.reprobe() && o.heartbeat_interval == absl::ZeroDuration() && !resp.unknown_node() &&
-        !resp.has_heartbeat_interval()) {
+    if (resp.reprobe() && !resp.unknown_node() && !resp.has_heartbeat_interval()) {
       // The node was STALE: an older planner (whose answers carry no
       // interval) may have restarted with a shorter heartbeat interval than
       // the one the node registered with (its database kept, so no

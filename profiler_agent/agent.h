@@ -38,7 +38,9 @@ struct AgentOptions {
   // Which devices to measure when Start is given no probers (devices.h).
   DeviceSelection devices = DeviceSelection::kAuto;
   ProbeOptions probe;
-  // Zero = the interval RegisterNode returns (5 s if it returns none).
+  // Zero = the interval RegisterNode returns (5 s if it returns none). One
+  // set is held to the planner's at most (a longer one let the node go
+  // STALE between heartbeats).
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // Re-probe when a quick FLOP/s check differs from the one taken after the
   // last full probe by more than this fraction; 0 = never check.

@@ -495,6 +495,31 @@ TEST(AgentHeartbeatTest, TakesTheIntervalAHeartbeatIsAnsweredWith) {
   EXPECT_EQ(state.probes.load(), 1);
 }
 
+// An interval of its own (--heartbeat-seconds) longer than the planner's:
+// the planner took the node for STALE between heartbeats and answered each
+// one reprobe, a full probe at every heartbeat. The agent heartbeats at
+// least as often as the planner expects; its own interval may be shorter.
+TEST(AgentHeartbeatTest, AnOwnIntervalIsHeldToThePlannersAtMost) {
+  {
+    FakePlanner planner(absl::Milliseconds(20));
+    FakeProber::State state;
+    AgentOptions o = NodeAOf(planner);
+    o.heartbeat_interval = absl::Hours(1);
+    auto agent = StartWithFakeProber(o, &state);
+    ASSERT_THAT(agent, IsOk());
+    // At an hour each, 20 heartbeats would take 20 hours.
+    EXPECT_TRUE(planner.WaitFor([](const Record& r) { return r.heartbeats >= 20; }));
+    EXPECT_EQ(planner.Snapshot().registrations, 1);
+  }
+  FakePlanner planner(absl::Hours(1));
+  FakeProber::State state;
+  AgentOptions o = NodeAOf(planner);
+  o.heartbeat_interval = absl::Milliseconds(20);
+  auto agent = StartWithFakeProber(o, &state);
+  ASSERT_THAT(agent, IsOk());
+  EXPECT_TRUE(planner.WaitFor([](const Record& r) { return r.heartbeats >= 20; }));
+}
+
 TEST_F(AgentTest, ReprobesWhenAskedAndSendsTheDevicesWithTheNextHeartbeat) {
   auto agent = StartAgent(Options("node-a"), &state_);
   ASSERT_TRUE(agent);
