@@ -760,26 +760,29 @@ struct Agent::Impl : public ProfileSource {
     }
   }
 
-  // Asks the planner for probe assignments, measures each peer and reports
-  // the links, with those between this node's own devices (from the last
-  // probe). A failing peer is logged and skipped. Each peer's links are a
-  // report of their own, so that one the planner refuses (a peer listing a
-  // device the planner does not know) loses only its own. Returns the peer
-  // links. The calls to the planner and the peers end by `deadline` (a Probe
-  // caller's): those peers not measured by then are not.
-  std::vector<v1::Link> MeasurePeers(absl::Time deadline = absl::InfiniteFuture()) {
-    std::vector<v1::Link> links;
+  // The peers the planner assigns this node to measure, asked by `deadline`;
+  // the planner's error naming it.
+  absl::StatusOr<v1::GetProbeAssignmentsResponse> ProbeAssignments(absl::Time deadline) {
     v1::GetProbeAssignmentsRequest req;
     req.set_node(o.name);
     v1::GetProbeAssignmentsResponse assignments;
-    {
-      Call call(this, Within(o.rpc_timeout, deadline));
-      absl::Status s = FromGrpc(Planner()->GetProbeAssignments(call.ctx(), req, &assignments));
-      if (!s.ok()) {
-        Log(absl::StrCat("getting probe assignments from ", o.planner, ": ", s.ToString()));
-        return links;
-      }
-    }
+    Call call(this, Within(o.rpc_timeout, deadline));
+    HAP_RETURN_IF_ERROR(
+        Annotate(FromGrpc(Planner()->GetProbeAssignments(call.ctx(), req, &assignments)),
+                 absl::StrCat("getting probe assignments from the planner at ", o.planner)));
+    return assignments;
+  }
+
+  // Measures each peer of `assignments` and reports the links, with those
+  // between this node's own devices (from the last probe). A failing peer is
+  // logged and skipped. Each peer's links are a report of their own, so that
+  // one the planner refuses (a peer listing a device the planner does not
+  // know) loses only its own. Returns the peer links. The calls to the
+  // planner and the peers end by `deadline` (a Probe caller's): those peers
+  // not measured by then are not.
+  std::vector<v1::Link> MeasurePeers(const v1::GetProbeAssignmentsResponse& assignments,
+                                     absl::Time deadline = absl::InfiniteFuture()) {
+    std::vector<v1::Link> links;
     std::vector<std::string> local;
     std::vector<v1::Link> local_links;
     {
@@ -866,7 +869,13 @@ struct Agent::Impl : public ProfileSource {
       if (first && o.link_probe_delay > absl::ZeroDuration() && !WaitFor(o.link_probe_delay)) {
         break;
       }
-      if (first || !PausedForTraining("link re-probes")) MeasurePeers();
+      if (first || !PausedForTraining("link re-probes")) {
+        if (auto assignments = ProbeAssignments(absl::InfiniteFuture()); assignments.ok()) {
+          MeasurePeers(*assignments);
+        } else if (!Stopping()) {
+          Log(assignments.status().ToString());
+        }
+      }
       if (!WaitFor(o.link_probe_interval, &links_lost)) break;
       std::lock_guard<std::mutex> l(wait_mu);
       first = links_lost;  // measured as after the first registration
@@ -877,10 +886,20 @@ struct Agent::Impl : public ProfileSource {
   // ProfileSource.
   absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration max_duration, bool include_links,
                                              absl::Time deadline) override {
+    // Asked first: a caller who wants the links learns at once, probing
+    // nothing, that the planner does not answer (before, the call probed
+    // the devices, measured no peer and answered OK, as for a cluster
+    // without peers).
+    std::optional<v1::GetProbeAssignmentsResponse> assignments;
+    if (include_links) {
+      auto a = ProbeAssignments(deadline);
+      if (!a.ok()) return Annotate(a.status(), "include_links: nothing was probed");
+      assignments = *std::move(a);
+    }
     HAP_RETURN_IF_ERROR(ProbeDevices(max_duration, deadline));
     HAP_ASSIGN_OR_RETURN(v1::ProbeResponse r, LastProfile());
-    if (include_links) {
-      for (auto& l : MeasurePeers(deadline)) *r.add_links() = std::move(l);
+    if (assignments) {
+      for (auto& l : MeasurePeers(*assignments, deadline)) *r.add_links() = std::move(l);
     }
     return r;
   }

@@ -26,7 +26,8 @@ class ProfileSource {
   // Probes now, within `max_duration` per device (zero = the configured
   // bound), and with peer links when `include_links`. DeadlineExceeded,
   // probing nothing, when `deadline` (the caller's) has passed by the time
-  // the probes before it are done.
+  // the probes before it are done; with `include_links`, the planner's
+  // error, probing nothing, when it cannot be asked whom to measure.
   virtual absl::StatusOr<hap::v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
                                                           bool include_links,
                                                           absl::Time deadline) = 0;

@@ -695,6 +695,34 @@ TEST_F(AgentTest, TheProbeRpcProbesAndTheNextHeartbeatCarriesTheDevices) {
   EXPECT_EQ(Flops(planner_.Snapshot().heartbeats_with_devices[0].devices(0)), 7e9);
 }
 
+// A Probe call with include_links while the planner does not answer (down,
+// restarting) probed the devices, measured no peer, and answered OK: the
+// caller could not tell it from a cluster without peers, and believed the
+// planner held its links. It now fails naming the planner, probing nothing.
+TEST_F(AgentTest, AProbeCallForLinksThePlannerCannotAssignFailsNamingIt) {
+  auto planner = std::make_unique<FakePlanner>(absl::Milliseconds(20));
+  const std::string address = planner->address();
+  AgentOptions o = Options("node-a");
+  o.planner = address;
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(planner->WaitFor([](const Record& r) { return r.registrations >= 1; }));
+  planner.reset();  // the planner is gone
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
+  const int probes = state_.probes.load();
+  grpc::ClientContext ctx;
+  hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(30));
+  v1::ProbeRequest req;
+  req.set_include_links(true);
+  v1::ProbeResponse r;
+  EXPECT_THAT(FromGrpc(stub->Probe(&ctx, req, &r)),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       ::testing::AllOf(HasSubstr("probe assignments"), HasSubstr(address),
+                                        HasSubstr("nothing was probed"))));
+  EXPECT_EQ(state_.probes.load(), probes);
+}
+
 // A FakeProber whose probes wait while `hold` is set.
 class HeldProber : public FakeProber {
  public:
