@@ -57,9 +57,11 @@ class CorePlansBackend : public FakeBackend {
  public:
   explicit CorePlansBackend(PlannerCore* core) : FakeBackend(0), core_(core) {}
   v1::Cluster Cluster() override { return core_->GetCluster(/*include_stale=*/true); }
-  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r) override {
+  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r,
+                                      const std::string& job) override {
     requests.push_back(r);
-    return core_->CreatePlan(r, absl::InfiniteFuture());
+    return core_->CreatePlan(
+        r, absl::InfiniteFuture(), [] { return false; }, job);
   }
   absl::StatusOr<v1::Plan> GetPlan(const std::string& name) override {
     return core_->GetPlan(name, /*full=*/false);

@@ -56,7 +56,7 @@ std::set<std::string> ClaimedDevices(const v1::Job& job, JobBackend& backend) {
   for (const std::string* plan : {&s.next_plan(), &s.candidate_plan()}) {
     if (plan->empty()) continue;
     absl::StatusOr<v1::Plan> p = backend.GetPlan(*plan);
-    if (p.ok()) out.insert(p->devices().begin(), p->devices().end());
+    if (p.ok() && p->job() == job.name()) out.insert(p->devices().begin(), p->devices().end());
   }
   return out;
 }
@@ -250,7 +250,23 @@ class Pass {
   }
 
   void CancelPlan(const std::string& name) {
-    if (!name.empty()) (void)b_.CancelPlan(name);  // a plan already gone or final is fine
+    // A plan already gone or final is fine; one of this name that the job
+    // did not make is left alone.
+    if (!name.empty() && OwnPlan(name).ok()) (void)b_.CancelPlan(name);
+  }
+
+  // The job's plan `name` (plans/{id}-p{n}); AlreadyExists when a plan of
+  // that name exists that this job did not make: a caller's CreatePlan took
+  // the name first, and the job must not adopt, deploy or cancel it.
+  absl::StatusOr<v1::Plan> OwnPlan(const std::string& name) {
+    absl::StatusOr<v1::Plan> p = b_.GetPlan(name);
+    if (p.ok() && p->job() != j_.name()) {
+      return absl::AlreadyExistsError(absl::StrCat(name, " exists and was not made by ", j_.name(),
+                                                   p->job().empty()
+                                                       ? " (it was made through CreatePlan)"
+                                                       : absl::StrCat(" but by ", p->job())));
+    }
+    return p;
   }
 
   // Stop asked: cancel plans in flight, stop the deployment, then STOPPED.
@@ -263,7 +279,8 @@ class Pass {
     if (!st().next_plan().empty()) {
       absl::StatusOr<v1::Deployment> recorded = absl::NotFoundError("none recorded");
       if (!st().deployment().empty()) recorded = b_.GetDeployment(st().deployment());
-      if (!recorded.ok() || DeploymentFinal(recorded->state())) {
+      if ((!recorded.ok() || DeploymentFinal(recorded->state())) &&
+          OwnPlan(st().next_plan()).ok()) {
         for (const v1::Deployment& x : b_.DeploymentsOf(st().next_plan())) {
           if (!DeploymentFinal(x.state())) st().set_deployment(x.name());
         }
@@ -568,7 +585,8 @@ class Pass {
       st().set_message(absl::StrCat("judging a plan on ", want.size(), " devices (",
                                     st().candidate_plan(), ")"));
       if (!Commit()) return;
-      absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), want));
+      absl::StatusOr<v1::Plan> p =
+          b_.CreatePlan(PlanRequest(st().candidate_plan(), want), j_.name());
       if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
         st().set_message(
             absl::StrCat("a plan on ", want.size(), " devices: ", p.status().message()));
@@ -584,7 +602,8 @@ class Pass {
   // gains min_gain.
   void JudgeCandidate(const v1::Deployment& d) {
     const bool slowdown = st().candidate_reason() == v1::JobEvent::SLOWDOWN;
-    absl::StatusOr<v1::Plan> p = b_.GetPlan(st().candidate_plan());
+    // Gone, or another's of its name (judged again later, under a new name).
+    absl::StatusOr<v1::Plan> p = OwnPlan(st().candidate_plan());
     if (!p.ok()) {
       st().clear_candidate_plan();
       return;
@@ -914,7 +933,8 @@ class Pass {
         c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
         "; judging ", st().candidate_plan(), " on the same devices"));
     if (!Commit()) return;
-    absl::StatusOr<v1::Plan> p = b_.CreatePlan(PlanRequest(st().candidate_plan(), devices));
+    absl::StatusOr<v1::Plan> p =
+        b_.CreatePlan(PlanRequest(st().candidate_plan(), devices), j_.name());
     if (!p.ok() && !absl::IsAlreadyExists(p.status())) {
       st().set_message(absl::StrCat("after a slowdown, a plan on the same devices: ",
                                     p.status().message()));
@@ -998,7 +1018,7 @@ class Pass {
           absl::StrCat("planning on ", usable.size(), " devices (", st().next_plan(), ")"));
       if (!Commit()) return;  // the intent first: a restart finds the plan by name
     }
-    absl::StatusOr<v1::Plan> p = b_.GetPlan(st().next_plan());
+    absl::StatusOr<v1::Plan> p = OwnPlan(st().next_plan());
     if (absl::IsNotFound(p.status())) {
       // Not made yet (the planner restarted between the intent and the
       // call) or deleted: made now, under the name saved.
@@ -1006,12 +1026,18 @@ class Pass {
         st().clear_next_plan();
         return WaitForDevices(usable);
       }
-      p = b_.CreatePlan(PlanRequest(st().next_plan(), usable));
-      if (absl::IsAlreadyExists(p.status())) p = b_.GetPlan(st().next_plan());
+      p = b_.CreatePlan(PlanRequest(st().next_plan(), usable), j_.name());
+      if (absl::IsAlreadyExists(p.status())) p = OwnPlan(st().next_plan());
       if (absl::IsInvalidArgument(p.status())) {
         Finish(v1::JobStatus::FAILED, absl::StrCat("cannot plan: ", p.status().message()));
         return;
       }
+    }
+    if (absl::IsAlreadyExists(p.status())) {  // not the job's: planned under the next name
+      st().set_message(absl::StrCat(p.status().message(), "; planning under another name"));
+      st().clear_next_plan();
+      Commit();
+      return;
     }
     if (!p.ok()) {
       st().set_message(

@@ -70,8 +70,10 @@ class CoreJobBackend final : public JobBackend {
       : core_(core), deployments_(deployments), rendezvous_(std::move(rendezvous)) {}
 
   v1::Cluster Cluster() override { return core_->GetCluster(/*include_stale=*/true); }
-  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r) override {
-    return core_->CreatePlan(r, absl::InfiniteFuture());
+  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r,
+                                      const std::string& job) override {
+    return core_->CreatePlan(
+        r, absl::InfiniteFuture(), [] { return false; }, job);
   }
   absl::StatusOr<v1::Plan> GetPlan(const std::string& name) override {
     return core_->GetPlan(name, /*full=*/false);

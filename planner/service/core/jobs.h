@@ -82,8 +82,10 @@ class JobBackend {
   virtual ~JobBackend() = default;
   // The cluster with its STALE nodes (their state says so).
   virtual hap::v1::Cluster Cluster() = 0;
-  // Starts a plan (PlannerCore::CreatePlan without `wait`).
-  virtual absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r) = 0;
+  // Starts a plan for job `job` (PlannerCore::CreatePlan without `wait`;
+  // Plan.job says whose it is).
+  virtual absl::StatusOr<hap::v1::Plan> CreatePlan(const hap::v1::CreatePlanRequest& r,
+                                                   const std::string& job) = 0;
   // The plan without its rank programs; NotFound when it does not exist.
   virtual absl::StatusOr<hap::v1::Plan> GetPlan(const std::string& name) = 0;
   virtual absl::Status CancelPlan(const std::string& name) = 0;

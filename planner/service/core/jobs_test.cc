@@ -438,6 +438,39 @@ TEST_F(JobsTest, APlanFailedOnThePlannersSideIsMadeAgain) {
   EXPECT_FALSE(Deployment().empty()) << Job().status().message();
 }
 
+// A plan named as the job names its plans (plans/{id}-p{n}) that a caller
+// made through CreatePlan, here before the job was created, is not the
+// job's: the job plans under its next name, and neither deploys nor, when
+// stopped, cancels the caller's plan. It adopted it before, as its own plan
+// made before a restart.
+TEST_F(JobsTest, APlanACallerNamedAsTheJobNamesItsPlansIsNotAdopted) {
+  Make();
+  fake_.plans_finish_at_once = false;
+  v1::Plan theirs;
+  theirs.set_name("plans/train-p1");
+  theirs.set_state(v1::Plan::RUNNING);
+  theirs.add_devices("d0");
+  theirs.add_devices("d1");
+  fake_.plans[theirs.name()] = theirs;
+  ASSERT_OK(c_->Create(Request()).status());
+  c_->Reconcile();
+  EXPECT_THAT(Job().status().message(),
+              HasSubstr("plans/train-p1 exists and was not made by jobs/train (it was made "
+                        "through CreatePlan); planning under another name"));
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].plan_id(), "train-p2");
+  EXPECT_EQ(fake_.plans.at("plans/train-p2").job(), "jobs/train");
+  fake_.FinishPlan("plans/train-p1");  // the caller's finishes first: not deployed
+  c_->Reconcile();
+  EXPECT_TRUE(fake_.deployed.empty());
+  ASSERT_OK(c_->Stop("jobs/train").status());
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::STOPPED);
+  EXPECT_EQ(fake_.plans.at("plans/train-p2").state(), v1::Plan::CANCELLED);
+  EXPECT_EQ(fake_.plans.at("plans/train-p1").state(), v1::Plan::SUCCEEDED);
+}
+
 TEST_F(JobsTest, ARestartedControllerGoesOnFromTheSavedJob) {
   Make();
   const std::string first = StartRunning();

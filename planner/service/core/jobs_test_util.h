@@ -75,7 +75,8 @@ class FakeBackend : public JobBackend {
   }
 
   v1::Cluster Cluster() override { return cluster; }
-  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r) override {
+  absl::StatusOr<v1::Plan> CreatePlan(const v1::CreatePlanRequest& r,
+                                      const std::string& job) override {
     const std::string name = "plans/" + r.plan_id();
     if (plans.count(name)) return absl::AlreadyExistsError(name);
     if (r.devices().empty()) return absl::InvalidArgumentError("no devices");
@@ -87,6 +88,7 @@ class FakeBackend : public JobBackend {
     p.mutable_prediction()->set_step_seconds(
         predict(std::vector<std::string>(r.devices().begin(), r.devices().end())));
     p.set_calibration(calibration);
+    p.set_job(job);
     // 0 = the model's own batch: 32 a device here, as the core's zoo does.
     p.set_global_batch(r.global_batch() > 0 ? r.global_batch() : 32 * r.devices_size());
     plans[name] = p;

@@ -42,7 +42,15 @@ v1::DType ComputeDType(const v1::PlanOptions& o) {
   return o.precision() == v1::PRECISION_BF16 ? v1::BFLOAT16 : v1::FLOAT32;
 }
 
-
+// A result made for another record of the plan (a cache hit's source, the
+// plan a merged one waited for, the search's lowering) takes `own`'s
+// identity: its name, uid, create time and the job it was made for.
+void TakeIdentity(const v1::Plan& own, v1::Plan* result) {
+  result->set_name(own.name());
+  result->set_uid(own.uid());
+  *result->mutable_create_time() = own.create_time();
+  result->set_job(own.job());
+}
 
 bool Final(v1::Plan::State s) {
   return s == v1::Plan::SUCCEEDED || s == v1::Plan::FAILED || s == v1::Plan::CANCELLED;
@@ -425,7 +433,8 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
 
 absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
                                                  absl::Time deadline,
-                                                 const std::function<bool()>& cancelled) {
+                                                 const std::function<bool()>& cancelled,
+                                                 const std::string& for_job) {
   auto job = std::make_shared<Job>();
   // The plan's id.
   std::string id = r.plan_id().empty() ? RandomId() : r.plan_id();
@@ -542,6 +551,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   *plan.mutable_options() = job->proto_options;
   plan.set_graph_hash(graph_hash);
   plan.set_calibration(job->calibration);
+  plan.set_job(for_job);
   bool over_count = false;
   // A cache hit: the plan to copy. The copy is made and written to the sink
   // outside the core's mutex, so that concurrent hits are written together
@@ -585,9 +595,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
   std::optional<v1::Plan> cached;
   if (source != nullptr) {
     v1::Plan copy = *source;
-    copy.set_name(plan.name());
-    copy.set_uid(plan.uid());
-    *copy.mutable_create_time() = plan.create_time();
+    TakeIdentity(plan, &copy);
     *copy.mutable_update_time() = plan.create_time();
     const absl::Status saved = o_.sink ? o_.sink->SavePlan(copy) : absl::OkStatus();
     absl::MutexLock l(&s_->mu);
@@ -705,9 +713,7 @@ void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job, const 
       UpdatePlanLocked(f, [&](v1::Plan& p) {
         if (result->state() == v1::Plan::SUCCEEDED) {
           v1::Plan copy = *result;
-          copy.set_name(p.name());
-          copy.set_uid(p.uid());
-          *copy.mutable_create_time() = p.create_time();
+          TakeIdentity(p, &copy);
           p = std::move(copy);
         } else {
           p.set_state(v1::Plan::FAILED);
@@ -837,10 +843,8 @@ void PlannerCore::RunJob(const std::shared_ptr<Job>& job) {
   if (!cluster.ok()) return fail(cluster.status());
   auto succeed = [&](v1::Plan b, const synth::PlanResult& r, double step) {
     UpdatePlan(job, [&](v1::Plan& p) {
-      b.set_name(p.name());
-      b.set_uid(p.uid());
+      TakeIdentity(p, &b);
       b.set_calibration(p.calibration());
-      *b.mutable_create_time() = p.create_time();
       *b.mutable_progress() = p.progress();
       b.mutable_progress()->set_states_expanded(r.states_expanded);
       b.mutable_progress()->set_best_cost_seconds(step);

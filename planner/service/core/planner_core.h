@@ -217,9 +217,11 @@ class PlannerCore {
   // With `wait`, the wait ends at `deadline` or once `cancelled()` (checked
   // at least every 200 ms) with the plan as it is then (the plan itself
   // goes on; CancelPlan stops it).
+  // `job` names the elastic job it is made for (Plan.job); empty for a
+  // caller's request.
   absl::StatusOr<hap::v1::Plan> CreatePlan(
       const hap::v1::CreatePlanRequest& r, absl::Time deadline,
-      const std::function<bool()>& cancelled = [] { return false; });
+      const std::function<bool()>& cancelled = [] { return false; }, const std::string& job = "");
   // Reads serve immutable snapshots: the core's lock is held only to find
   // them, and the copying into the result happens after it. GetPlan's BASIC
   // view (full = false) leaves out the rank programs.

@@ -62,9 +62,11 @@ bool Ran(const std::vector<v1::Plan::State>& history) {
 TEST_F(PlannerCoreTest, HeartbeatsDoNotChangeTheCacheKeyButNewMeasurementsDo) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 2, 1e12)).ok());
-  auto first = core_->CreatePlan(MlpRequest(), Deadline());
+  auto first = core_->CreatePlan(
+      MlpRequest(), Deadline(), [] { return false; }, "jobs/j");
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ(first->state(), v1::Plan::SUCCEEDED) << first->error();
+  EXPECT_EQ(first->job(), "jobs/j");  // kept through the search's result
   // Agents heartbeat (new heartbeat times; b misses enough to go stale and
   // comes back): the same request is answered from the cache, at once.
   for (int i = 0; i < 4; ++i) {
@@ -81,6 +83,8 @@ TEST_F(PlannerCoreTest, HeartbeatsDoNotChangeTheCacheKeyButNewMeasurementsDo) {
   EXPECT_EQ(second->state(), v1::Plan::SUCCEEDED);
   EXPECT_EQ(second->content_hash(), first->content_hash());
   EXPECT_FALSE(Ran(sink_.History(second->name())));
+  EXPECT_EQ(second->job(), "");  // a caller's copy is not the job's plan
+  EXPECT_EQ(core_->GetPlan(second->name(), false)->job(), "");
   // A device measured again at another speed is another cluster.
   v1::HeartbeatRequest remeasured;
   remeasured.set_name("nodes/b");
@@ -201,7 +205,9 @@ TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
   for (const char* id : {"one", "two", "three"}) {
     v1::CreatePlanRequest r = MlpRequest(/*wait=*/false);
     r.set_plan_id(id);
-    auto p = core_->CreatePlan(r, Deadline());
+    // "two" is made for an elastic job (Plan.job), the others for callers.
+    auto p = core_->CreatePlan(
+        r, Deadline(), [] { return false; }, r.plan_id() == "two" ? "jobs/j" : "");
     ASSERT_TRUE(p.ok()) << p.status();
     EXPECT_EQ(p->state(), v1::Plan::PENDING);
     names.push_back(p->name());
@@ -225,6 +231,10 @@ TEST_F(PlannerCoreTest, IdenticalRequestsInFlightShareOneSearch) {
     EXPECT_EQ(full->name(), n);
     EXPECT_EQ(full->rank_programs_size(), 2);
   }
+  // Each keeps whose it is, also when it took another's result.
+  EXPECT_EQ(done[0].job(), "");
+  EXPECT_EQ(done[1].job(), "jobs/j");
+  EXPECT_EQ(done[2].job(), "");
 }
 
 TEST_F(PlannerCoreTest, WhenTheSharedSearchIsCancelledOrDeletedAFollowerSearches) {
