@@ -130,9 +130,6 @@ double MeasureLaunchOverhead(int threads);
 // otherwise.
 absl::StatusOr<double> MeasureBf16MatmulFlops(int threads, const ProbeOptions& options);
 
-// Runs every prober and assembles the node: name, agent address, devices
-// (local_index kept as each prober numbered them). The first prober error
-// fails the whole probe, annotated with the prober's position.
 // The links every prober measures between its own devices (ProbeLinks), in
 // prober order. The first error fails the whole probe, annotated with the
 // prober's position.
@@ -140,6 +137,10 @@ absl::StatusOr<std::vector<hap::v1::Link>> ProbeNodeLinks(const std::string& nam
                                                           absl::Span<DeviceProber* const> probers,
                                                           const ProbeOptions& options);
 
+// Runs every prober and assembles the node: name, agent address, devices
+// (local_index kept as each prober numbered them). The first prober error
+// fails the whole probe, annotated with the prober's position;
+// FailedPrecondition when the probers found no device.
 absl::StatusOr<hap::v1::Node> ProbeNode(const std::string& name, const std::string& address,
                                         absl::Span<DeviceProber* const> probers,
                                         const ProbeOptions& options);
