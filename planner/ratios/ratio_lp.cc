@@ -1013,4 +1013,17 @@ std::vector<int64_t> RoundShards(int64_t length,
   return lengths;
 }
 
+std::vector<int64_t> RoundShardsAtLeastOne(int64_t length, const std::vector<double>& ratios) {
+  std::vector<int64_t> m = RoundShards(length, ratios);
+  const int64_t n = static_cast<int64_t>(m.size());
+  if (n == 0 || length < n) return m;
+  for (int64_t& x : m) {
+    while (x == 0) {
+      --*std::max_element(m.begin(), m.end());
+      ++x;
+    }
+  }
+  return m;
+}
+
 }  // namespace hap::ratios

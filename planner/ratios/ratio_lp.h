@@ -109,6 +109,12 @@ std::vector<int64_t> RoundShards(int64_t length,
                                  const std::vector<double>& ratios,
                                  int64_t granularity = 1);
 
+// RoundShards(length, ratios), then, where `length` has at least one unit
+// per device, every device left with none given one, taken from the device
+// with the most (the first of them): the split the lowering lays out
+// (planner/lower DimClasses), so that no kernel sees an empty shard.
+std::vector<int64_t> RoundShardsAtLeastOne(int64_t length, const std::vector<double>& ratios);
+
 }  // namespace hap::ratios
 
 #endif  // HAP_PLANNER_RATIOS_RATIO_LP_H_

@@ -653,6 +653,18 @@ TEST(RoundShardsTest, Examples) {
   EXPECT_EQ(RoundShards(kMax, {1.0}, 1000), (V{kMax}));
 }
 
+// Every device holds at least one unit where there are enough, taken from
+// the device with the most, as the lowering lays shards out.
+TEST(RoundShardsTest, AtLeastOneEach) {
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(RoundShardsAtLeastOne(16, {1, 0, 0}), (V{14, 1, 1}));
+  EXPECT_EQ(RoundShardsAtLeastOne(16, {0, 0.5, 0.5}), (V{1, 7, 8}));
+  EXPECT_EQ(RoundShardsAtLeastOne(10, {0.3, 0.7}), (V{3, 7}));  // as rounded
+  EXPECT_EQ(RoundShardsAtLeastOne(3, {0, 0, 1}), (V{1, 1, 1}));
+  EXPECT_EQ(RoundShardsAtLeastOne(2, {1, 0, 0}), (V{2, 0, 0}));  // too few
+  EXPECT_EQ(RoundShardsAtLeastOne(5, {}), (V{}));
+}
+
 TEST(RoundShardsTest, RandomProperties) {
   std::mt19937 rng(4242);
   std::uniform_real_distribution<double> u01(0, 1);

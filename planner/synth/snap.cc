@@ -60,7 +60,7 @@ class Snapper {
   SnapResult Run() {
     SnapResult out;
     const int n = static_cast<int>(q_.ratios.size());
-    const std::vector<int64_t> base = ratios::RoundShards(q_.batch, q_.ratios);
+    const std::vector<int64_t> base = ratios::RoundShardsAtLeastOne(q_.batch, q_.ratios);
     terms_ = MergeTerms(q_.program->BlockTerms());
     Classify(base);
     out.groups = static_cast<int>(groups_.size());

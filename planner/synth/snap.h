@@ -1,7 +1,9 @@
-// Whole samples (docs/design.md §6): the lowering runs RoundShards(batch, ratios)
-// samples per device, so a plan is predicted and reported at those. For the
-// search's own result the split is also moved by one sample from one device
-// to another where the model predicts that faster.
+// Whole samples (docs/design.md §6): the lowering runs
+// RoundShardsAtLeastOne(batch, ratios) samples per device (every device at
+// least one, also where the ratios give it none), so a plan is predicted and
+// reported at those. For the search's own result the split is also moved by
+// one sample from one device to another where the model predicts that
+// faster.
 //
 // The rounded split m (m_d samples on device d) and its one-sample moves
 // m - e_i + e_j (i != j, m_i >= 2) are candidates; the first of them in the

@@ -587,7 +587,7 @@ std::vector<double> ExhaustiveSnap(const Program& p,
                                    int64_t batch,
                                    const ratios::MemoryConstraint* mem) {
   const int n = static_cast<int>(ratios.size());
-  const std::vector<int64_t> base = ratios::RoundShards(batch, ratios);
+  const std::vector<int64_t> base = ratios::RoundShardsAtLeastOne(batch, ratios);
   std::vector<std::vector<int64_t>> splits = {base};
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
@@ -680,7 +680,7 @@ TEST(SynthTest, GroupSnapMatchesExhaustiveSnap) {
           // Tight: every other device (every device) holds exactly its
           // rounded share.
           ratios::MemoryConstraint tight = free_mem, tightest = free_mem;
-          const std::vector<int64_t> base = ratios::RoundShards(batch, r);
+          const std::vector<int64_t> base = ratios::RoundShardsAtLeastOne(batch, r);
           for (int d = 0; d < n; ++d) {
             const double at = std::floor(free_mem.constant[d] +
                                          free_mem.coef[0][d] * base[d] /
@@ -762,7 +762,7 @@ TEST(SynthTest, SnapMovesBetweenGroupsAndStopsAtTheDeadline) {
   EXPECT_EQ(cut.moves_evaluated, 255);  // then the deadline was looked at
   // The best of the rounded split and the moves tried.
   std::vector<double> rounded;
-  for (int64_t m : ratios::RoundShards(q.batch, q.ratios)) {
+  for (int64_t m : ratios::RoundShardsAtLeastOne(q.batch, q.ratios)) {
     rounded.push_back(m / static_cast<double>(q.batch));
   }
   EXPECT_LE(EvaluateProgram(*dp, cut.ratios).total,
@@ -772,6 +772,37 @@ TEST(SynthTest, SnapMovesBetweenGroupsAndStopsAtTheDeadline) {
   EXPECT_TRUE(whole.complete);
   EXPECT_GT(whole.moves_evaluated, 64 * 60);
   EXPECT_EQ(whole.ratios, ExhaustiveSnap(*dp, q.ratios, q.batch, nullptr));
+}
+
+// Every device holds at least one whole sample, as the lowering lays the
+// batch out, and the plan is predicted there: where the LP gives two or
+// more devices nothing (a program whose cost hardly depends on the split),
+// the ratios were the LP's, fractional and 0, and no one-sample move could
+// make them whole.
+TEST(SynthTest, EveryDeviceHoldsAWholeSampleAsLowered) {
+  graph::Graph g = Zoo("gpt", {{"layers", 2},
+                               {"hidden", 256},
+                               {"heads", 4},
+                               {"ffn", 512},
+                               {"seq", 32},
+                               {"vocab", 512},
+                               {"batch", 16}});
+  auto c = MakeCluster({2.5e12, 1e12, 1e12}, 3, 1e9, 1e9);
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "in line");
+    PlanOptions o;
+    o.overlap_communication = overlap;
+    auto r = PlanModel(g, c, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::vector<int64_t> samples;
+    for (double x : r->ratios) {
+      EXPECT_NEAR(x * 16, std::round(x * 16), 1e-9);
+      samples.push_back(std::llround(x * 16));
+    }
+    EXPECT_EQ(samples, ratios::RoundShardsAtLeastOne(16, r->ratios));
+    EXPECT_THAT(samples, ::testing::Each(::testing::Ge(1)));
+    EXPECT_NEAR(EvaluateProgram(r->program, r->ratios).total, r->cost.total, 1e-12);
+  }
 }
 
 // Budgets return the best plan found, with a note, not an error: a state
