@@ -27,11 +27,16 @@
 #include "planner/service/core/node_calibration.h"
 #include "planner/service/core/profile_checks.h"
 
-namespace hap::service::job_internal {
+namespace hap::service {
 
-bool Final(v1::JobStatus::State s) {
-  return s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED || s == v1::JobStatus::STOPPED;
+bool JobFinal(hap::v1::JobStatus::State s) {
+  return s == hap::v1::JobStatus::SUCCEEDED || s == hap::v1::JobStatus::FAILED ||
+         s == hap::v1::JobStatus::STOPPED;
 }
+
+}  // namespace hap::service
+
+namespace hap::service::job_internal {
 
 absl::Duration JoinStable(const v1::JobSpec& s) {
   const absl::Duration x = FromProto(s.replan().join_stable());
@@ -51,7 +56,7 @@ std::map<std::string, std::string> ReadyDevices(const v1::Cluster& c) {
 
 std::set<std::string> ClaimedDevices(const v1::Job& job, JobBackend& backend) {
   const v1::JobStatus& s = job.status();
-  if (Final(s.state())) return {};
+  if (JobFinal(s.state())) return {};
   std::set<std::string> out(s.devices().begin(), s.devices().end());
   for (const std::string* plan : {&s.next_plan(), &s.candidate_plan()}) {
     if (plan->empty()) continue;
@@ -176,7 +181,7 @@ class Pass {
     PruneHolds();
     if (st().stop_requested()) return RunStop();
     if (!st().deployment().empty() && !FollowDeployment()) return;
-    if (Final(st().state())) return;
+    if (JobFinal(st().state())) return;
     PlanAndDeploy();
   }
 

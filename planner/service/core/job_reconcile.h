@@ -22,7 +22,6 @@ using Reason = v1::JobEvent::Reason;
 
 inline constexpr absl::Duration kDefaultJoinStable = absl::Seconds(30);
 
-bool Final(v1::JobStatus::State s);
 // How long a device must stay READY under one agent before a join counts.
 absl::Duration JoinStable(const v1::JobSpec& s);
 // The devices of READY nodes, each with its node's agent address (a node

@@ -42,7 +42,6 @@ namespace {
 namespace v1 = ::hap::v1;
 namespace fs = std::filesystem;
 namespace ckpt = ::hap::executor::checkpoint;
-using job_internal::Final;
 using job_internal::JoinStable;
 using job_internal::ReadyDevices;
 
@@ -358,7 +357,7 @@ JobController::JobController(JobControllerOptions options, std::vector<v1::Job> 
   for (auto& j : jobs) {
     // A stored job that cannot be driven ends FAILED, saying why, rather
     // than the planner failing on start (or a pass on it).
-    if (!Final(j.status().state())) {
+    if (!JobFinal(j.status().state())) {
       absl::Status bad = ValidateStoredJob(j);
       if (!bad.ok()) {
         v1::JobStatus& st = *j.mutable_status();
@@ -445,7 +444,7 @@ absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   }
   int unfinished = 0;
   for (const auto& [name, other] : s_->jobs) {
-    unfinished += job_internal::Final(other.status().state()) ? 0 : 1;
+    unfinished += JobFinal(other.status().state()) ? 0 : 1;
   }
   if (unfinished >= kMaxUnfinishedJobs) {
     return absl::ResourceExhaustedError(
@@ -457,7 +456,7 @@ absl::StatusOr<v1::Job> JobController::Create(const v1::CreateJobRequest& r) {
   // directory may be taken (a new job then resumes from its last step).
   const std::string dir = SameDirectoryKey(r.spec().training().checkpoint_dir());
   for (const auto& [name, other] : s_->jobs) {
-    if (!job_internal::Final(other.status().state()) &&
+    if (!JobFinal(other.status().state()) &&
         SameDirectoryKey(other.spec().training().checkpoint_dir()) == dir) {
       return absl::FailedPreconditionError(absl::StrCat(
           "spec.training.checkpoint_dir '", r.spec().training().checkpoint_dir(),
@@ -512,7 +511,7 @@ std::set<std::string> JobController::UnfinishedJobsDeployments() const {
   absl::MutexLock l(&s_->mu);
   std::set<std::string> out;
   for (const auto& [name, j] : s_->jobs) {
-    if (!Final(j.status().state()) && !j.status().deployment().empty()) {
+    if (!JobFinal(j.status().state()) && !j.status().deployment().empty()) {
       out.insert(j.status().deployment());
     }
   }
@@ -527,7 +526,7 @@ absl::StatusOr<int> JobController::EnforceRetention(int count, absl::Time oldest
     std::vector<std::pair<absl::Time, std::string>> finished;
     for (const auto& [name, j] : s_->jobs) {
       // A finished job changes no more: its last update is when it ended.
-      if (Final(j.status().state()))
+      if (JobFinal(j.status().state()))
         finished.push_back({FromProto(j.status().update_time()), name});
     }
     victims = PastRetention(std::move(finished), count, oldest);
@@ -536,7 +535,7 @@ absl::StatusOr<int> JobController::EnforceRetention(int count, absl::Time oldest
   for (const std::string& name : victims) {
     absl::MutexLock l(&s_->mu);
     auto it = s_->jobs.find(name);
-    if (it == s_->jobs.end() || !Final(it->second.status().state())) continue;
+    if (it == s_->jobs.end() || !JobFinal(it->second.status().state())) continue;
     if (absl::Status st = DeleteLocked(it); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat("job retention: ", st.message(), " (", deleted,
                                                   " deleted before it)"));
@@ -553,7 +552,7 @@ absl::Status JobController::Delete(const std::string& name) {
   if (it == s_->jobs.end()) {
     return absl::NotFoundError(absl::StrCat("job '", name, "' does not exist"));
   }
-  if (!Final(it->second.status().state())) {
+  if (!JobFinal(it->second.status().state())) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", name, "' is ", v1::JobStatus::State_Name(it->second.status().state()),
                      ": only a finished job is deleted; stop it first (hapctl stop job ", id, ")"));
@@ -580,7 +579,7 @@ absl::StatusOr<v1::Job> JobController::Stop(const std::string& name) {
   if (it == s_->jobs.end()) {
     return absl::NotFoundError(absl::StrCat("job '", name, "' does not exist"));
   }
-  if (Final(it->second.status().state()) || it->second.status().stop_requested()) {
+  if (JobFinal(it->second.status().state()) || it->second.status().stop_requested()) {
     return it->second;
   }
   v1::Job next = it->second;
@@ -603,7 +602,7 @@ absl::Status JobController::Watch(const std::string& name,
                                   const std::function<bool()>& stop) {
   HAP_ASSIGN_OR_RETURN(v1::Job last, Get(name));
   if (!on_update(last)) return absl::OkStatus();
-  while (!Final(last.status().state()) && !stop()) {
+  while (!JobFinal(last.status().state()) && !stop()) {
     v1::Job now;
     {
       absl::MutexLock l(&s_->mu);
@@ -658,8 +657,9 @@ void JobController::Reconcile() {
   absl::MutexLock pass(&s_->pass_mu);
   {
     absl::MutexLock l(&s_->mu);
-    const bool any = std::any_of(s_->jobs.begin(), s_->jobs.end(),
-                                 [](const auto& kv) { return !Final(kv.second.status().state()); });
+    const bool any = std::any_of(s_->jobs.begin(), s_->jobs.end(), [](const auto& kv) {
+      return !JobFinal(kv.second.status().state());
+    });
     if (!any) {  // nothing to drive: no need to read the cluster every second
       s_->ready_since.clear();
       return;
@@ -680,7 +680,7 @@ void JobController::Reconcile() {
     }
     for (const auto& [d, address] : ready_at) s_->ready_since.emplace(d, State::Seen{now, address});
     for (const auto& [name, j] : s_->jobs) {
-      if (!Final(j.status().state())) names.push_back(name);
+      if (!JobFinal(j.status().state())) names.push_back(name);
     }
   }
   // What each job holds or is planning on, updated after its pass: a job
@@ -700,7 +700,7 @@ void JobController::Reconcile() {
       // A finished job's deployment that has not finished (asked to stop
       // as the job FAILED, or a stored job it cannot drive) still trains:
       // its devices are held as a direct deployment's are.
-      if (!Final(j.status().state()) && !j.status().deployment().empty()) {
+      if (!JobFinal(j.status().state()) && !j.status().deployment().empty()) {
         of_jobs.insert(j.status().deployment());
       }
     }

@@ -74,6 +74,9 @@
 
 namespace hap::service {
 
+// SUCCEEDED, FAILED or STOPPED: the job is over.
+bool JobFinal(hap::v1::JobStatus::State s);
+
 // What the controller observes and acts through: the planner core and the
 // deployment manager in the daemon (NewCoreJobBackend), fakes in tests.
 // Every call returns without waiting for what it starts.

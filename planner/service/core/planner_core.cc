@@ -52,10 +52,6 @@ void TakeIdentity(const v1::Plan& own, v1::Plan* result) {
   result->set_job(own.job());
 }
 
-bool Final(v1::Plan::State s) {
-  return s == v1::Plan::SUCCEEDED || s == v1::Plan::FAILED || s == v1::Plan::CANCELLED;
-}
-
 std::string RandomId() {
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
@@ -392,8 +388,8 @@ absl::StatusOr<std::unique_ptr<PlannerCore>> PlannerCore::Create(
       core->s_->nodes[n.name()] = std::move(n);
     }
     for (auto& p : plans) {
-      if (!Final(p.state())) resume.push_back(p);
-      if (core->o_.load_plan && Final(p.state()) && p.rank_programs_size() == 0 &&
+      if (!PlanFinal(p.state())) resume.push_back(p);
+      if (core->o_.load_plan && PlanFinal(p.state()) && p.rank_programs_size() == 0 &&
           !p.has_graph() && !p.has_program()) {
         // A summary: the rest is read when asked for (Whole).
         std::string name = p.name();
@@ -623,7 +619,7 @@ absl::StatusOr<v1::Plan> PlannerCore::CreatePlan(const v1::CreatePlanRequest& r,
     auto it = s_->plans.find(job->name);
     // Short waits, so that a caller that went away (a cancelled RPC) is
     // noticed and does not hold its thread until the search ends.
-    while (it != s_->plans.end() && !Final(it->second->state()) && !s_->stopping &&
+    while (it != s_->plans.end() && !PlanFinal(it->second->state()) && !s_->stopping &&
            absl::Now() < deadline && !cancelled()) {
       s_->changed.WaitWithDeadline(&s_->mu,
                                    std::min(deadline, absl::Now() + absl::Milliseconds(200)));
@@ -700,7 +696,7 @@ void PlannerCore::ReleaseFollowersLocked(const std::shared_ptr<Job>& job, const 
   for (auto& f : followers) {
     f->leader = nullptr;
     auto p = s_->plans.find(f->name);
-    if (f->cancel || p == s_->plans.end() || Final(p->second->state())) continue;
+    if (f->cancel || p == s_->plans.end() || PlanFinal(p->second->state())) continue;
     waiting.push_back(f);
   }
   if (waiting.empty()) return;
@@ -762,7 +758,7 @@ void PlannerCore::UpdatePlan(const std::shared_ptr<Job>& job,
 void PlannerCore::UpdatePlanLocked(const std::shared_ptr<Job>& job,
                                    const std::function<void(v1::Plan&)>& edit) {
   auto it = s_->plans.find(job->name);
-  if (it == s_->plans.end() || Final(it->second->state())) return;
+  if (it == s_->plans.end() || PlanFinal(it->second->state())) return;
   v1::Plan next = *it->second;
   edit(next);
   *next.mutable_update_time() = ToProto(o_.now());
@@ -789,7 +785,7 @@ void PlannerCore::UpdatePlanLocked(const std::shared_ptr<Job>& job,
   it->second = PlanEntry(std::move(next));
   // (Held here: finishing replaces other plans, never this one.)
   std::shared_ptr<const v1::Plan> now = it->second.full;
-  if (Final(now->state())) FinishPlanLocked(job, *now);
+  if (PlanFinal(now->state())) FinishPlanLocked(job, *now);
   ++s_->version;
   s_->changed.SignalAll();
 }
@@ -1153,7 +1149,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     absl::MutexLock l(&s_->mu);
     std::vector<std::pair<absl::Time, std::string>> finished;
     for (const auto& [name, p] : s_->plans) {
-      if (Final(p->state())) finished.push_back({FromProto(p->update_time()), name});
+      if (PlanFinal(p->state())) finished.push_back({FromProto(p->update_time()), name});
     }
     const absl::Time oldest = OldestKept(o_.now(), o_.plan_retention_age);
     for (std::string& name : PastRetention(std::move(finished), o_.plan_retention_count, oldest)) {
@@ -1170,7 +1166,7 @@ absl::StatusOr<int> PlannerCore::EnforceRetention() {
     if (unpinned) HAP_RETURN_IF_ERROR(read_in_use());
     absl::MutexLock l(&s_->mu);
     auto it = s_->plans.find(name);
-    if (it == s_->plans.end() || !Final(it->second->state())) continue;  // gone meanwhile
+    if (it == s_->plans.end() || !PlanFinal(it->second->state())) continue;  // gone meanwhile
     if (s_->pins.count(name)) continue;  // a deploy took it meanwhile
     // A deploy that took it and made its deployment since in_use was read.
     if (s_->unpins != unpins_seen || in_use.count(name)) continue;
@@ -1235,8 +1231,12 @@ absl::Status PlannerCore::WatchPlan(const std::string& name,
     }
     if (p == last) continue;  // another plan changed
     last = p;
-    if (!on_update(*p) || Final(p->state())) return absl::OkStatus();
+    if (!on_update(*p) || PlanFinal(p->state())) return absl::OkStatus();
   }
+}
+
+bool PlanFinal(v1::Plan::State s) {
+  return s == v1::Plan::SUCCEEDED || s == v1::Plan::FAILED || s == v1::Plan::CANCELLED;
 }
 
 }  // namespace hap::service

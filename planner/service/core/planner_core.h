@@ -30,6 +30,9 @@
 
 namespace hap::service {
 
+// SUCCEEDED, FAILED or CANCELLED: the plan is over.
+bool PlanFinal(hap::v1::Plan::State s);
+
 // Plans not yet final (pending or running) at most: each holds its graph
 // and cluster until searched; CreatePlan beyond is ResourceExhausted.
 inline constexpr int kMaxUnfinishedPlans = 1000;

@@ -382,8 +382,7 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::W
     HAP_RETURN_IF_ERROR(core_->WatchPlan(
         r->name(),
         [&](const v1::Plan& p) {
-          final_sent = p.state() == v1::Plan::SUCCEEDED || p.state() == v1::Plan::FAILED ||
-                       p.state() == v1::Plan::CANCELLED;
+          final_sent = PlanFinal(p.state());
           return w->Write(p);
         },
         [&] { return ctx->IsCancelled() || shutting_down_.load(); }));
@@ -546,9 +545,7 @@ grpc::Status PlannerServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::Wa
     HAP_RETURN_IF_ERROR(jobs_->Watch(
         r->name(),
         [&](const v1::Job& j) {
-          const v1::JobStatus::State s = j.status().state();
-          final_sent = s == v1::JobStatus::SUCCEEDED || s == v1::JobStatus::FAILED ||
-                       s == v1::JobStatus::STOPPED;
+          final_sent = JobFinal(j.status().state());
           return w->Write(j);
         },
         [&] { return ctx->IsCancelled() || shutting_down_.load(); }));
