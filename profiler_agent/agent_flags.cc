@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/grpc_util.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "planner/service/core/profile_checks.h"
 
@@ -21,15 +22,16 @@ std::string Named(const std::string& flag) {
 }
 
 // OK for "HOST:PORT" ("[v6]:PORT" too) with a port from `min_port` to
-// 65535; else InvalidArgument naming the flag and the value. gRPC binds a
-// listen address without a port at 443 and one past 65535 at the port
-// modulo 65536, and either would be printed as if asked for.
+// 65535, or, when `schemes`, a gRPC target with its scheme (IsHostPort);
+// else InvalidArgument naming the flag and the value. gRPC binds a listen
+// address without a port at 443 and one past 65535 at the port modulo
+// 65536, dials them likewise, and each would be used as if asked for.
 absl::Status CheckHostPort(const std::string& flag, const std::string& value, int min_port,
-                           const std::string& what) {
-  if (!hap::service::IsHostPort(value, min_port)) {
-    return absl::InvalidArgumentError(absl::StrCat(Named(flag), " '", value,
-                                                   "' must be HOST:PORT with a port from ",
-                                                   min_port, " to 65535 (", what, ")"));
+                           const std::string& what, bool schemes = false) {
+  if (!hap::service::IsHostPort(value, min_port, schemes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Named(flag), " '", value, "' must be HOST:PORT with a port from ", min_port, " to 65535",
+        schemes ? " (or dns:///HOST:PORT, unix:PATH)" : "", " (", what, ")"));
   }
   return absl::OkStatus();
 }
@@ -99,6 +101,8 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     return absl::InvalidArgumentError(
         "--planner HOST:PORT (or HAP_PLANNER) is required: the planner to register with");
   }
+  HAP_RETURN_IF_ERROR(CheckHostPort("planner", o.planner, 1, "the planner to register with",
+                                    /*schemes=*/true));
   o.name = a.GetOrEnv("name", "");
   if (o.name.empty()) o.name = Hostname();
   if (!hap::service::ValidNodeName(o.name)) {

@@ -104,6 +104,27 @@ TEST(AgentFlagsTest, AddressesAreHostAndPortInRange) {
   EXPECT_EQ(o->advertise, "[fe80::1]:7000");
 }
 
+// --planner was taken as given: without a port gRPC dialled 443, past 65535
+// the port modulo 65536 ('p:99999' is p:34463), and the agent retried a
+// registration there for ever, its log saying only UNAVAILABLE. It is now
+// checked as hap-executor checks its --planner.
+TEST(AgentFlagsTest, ThePlannerIsHostAndPortInRangeOrATarget) {
+  for (const std::string bad :
+       {"127.0.0.1", "p:99999", "p:0", "p:", "planner:http", "dns:///p:70000", "a b:1"}) {
+    EXPECT_THAT(FromArgv({"--planner", bad}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr("--planner (or HAP_PLANNER)"),
+                                          HasSubstr("'" + bad + "'"), HasSubstr("HOST:PORT"))))
+        << bad;
+  }
+  for (const std::string good : {"p:1", "planner.hap.svc:7070", "[::1]:7070", "dns:///planner:7070",
+                                 "unix:/run/hap/planner.sock"}) {
+    auto o = FromArgv({"--planner", good});
+    ASSERT_THAT(o, IsOk()) << good;
+    EXPECT_EQ(o->planner, good);
+  }
+}
+
 TEST(AgentFlagsTest, ReadsTheTokenFile) {
   std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/token";
   std::ofstream(path) << "s3cret\n";
