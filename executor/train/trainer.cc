@@ -134,7 +134,7 @@ absl::StatusOr<std::map<std::string, HostTensor>> AssembleParameters(
       const auto* was = static_cast<const char*>(before.data());
       for (int64_t i = 0; i < s.value.num_elements(); ++i) {
         if (seen.as<int32_t>()[i] && std::memcmp(now + i * esize, was + i * esize, esize) != 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
+          return absl::DataLossError(absl::StrCat(
               "the pieces of parameter '", s.name, "' disagree: element ", i, " of the piece at ",
               graph::ShapeString(s.offsets), " differs from an earlier piece's copy"));
         }

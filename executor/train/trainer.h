@@ -84,8 +84,9 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
     const TrainOptions& train, const LocalRanksOptions& options);
 
 // The single-device tensors of every parameter, assembled from the pieces
-// of all ranks. InvalidArgument when pieces disagree in shape, copies of an
-// element (replicas) differ in any bit, or elements are left uncovered.
+// of all ranks. InvalidArgument when pieces disagree in shape or leave
+// elements uncovered; DataLoss when copies of an element (replicas) differ
+// in any bit: the run's state diverged, not the pieces' layout.
 absl::StatusOr<std::map<std::string, HostTensor>> AssembleParameters(
     const std::vector<std::vector<ParameterShard>>& per_rank);
 

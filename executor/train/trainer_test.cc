@@ -50,12 +50,12 @@ TEST(AssembleParametersTest, TwoCopiesOfOneHalfLeaveTheOtherUncovered) {
 // copy stood for all of them, so rank 0's went unchecked.
 TEST(AssembleParametersTest, ReplicasThatDisagreeAreAnError) {
   EXPECT_THAT(AssembleParameters({{Rows(0, {1, 2, 3, 9})}, {Rows(0, {1, 2, 3, 4})}}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
+              StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstr("the pieces of parameter 'w' disagree: element 3 of the piece "
                                  "at [0]")));
   EXPECT_THAT(
       AssembleParameters({{Rows(0, {1, 2, 3, 4})}, {Rows(2, {3, 5})}}),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 1 of the piece at [2]")));
+      StatusIs(absl::StatusCode::kDataLoss, HasSubstr("element 1 of the piece at [2]")));
 }
 
 // The comparison with the single-device parameters: a NaN (a poisoned
