@@ -137,6 +137,9 @@ struct Agent::Impl : public ProfileSource {
   absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   bool registered ABSL_GUARDED_BY(mu) = false;
+  // The planner's latest heartbeat answer said another agent holds the node
+  // (registered_by): links measured here would be taken as the holder's.
+  bool held_by_another ABSL_GUARDED_BY(mu) = false;
   // A re-probe the planner or a drift asked for, run by probe_thread so
   // that heartbeats go on while it measures.
   bool probe_wanted ABSL_GUARDED_BY(mu) = false;
@@ -531,6 +534,7 @@ struct Agent::Impl : public ProfileSource {
         HeartbeatIntervalFor(PlannersInterval(resp.heartbeat_interval()));
     absl::MutexLock l(&mu);
     registered = true;
+    held_by_another = false;
     sent_generation = generation;
     return interval;
   }
@@ -572,6 +576,7 @@ struct Agent::Impl : public ProfileSource {
       if (req.devices_size() > 0) sent_generation = generation;
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
+      held_by_another = !resp.registered_by().empty();
     }
     if (resp.has_heartbeat_interval()) {
       // A planner restarted with another --heartbeat-seconds, its database
@@ -594,11 +599,13 @@ struct Agent::Impl : public ProfileSource {
       Log(registered_by.empty()
               ? absl::StrCat("the planner takes this agent's heartbeats for node '", o.name,
                              "' again")
-              : absl::StrCat("node '", o.name, "' is registered by the agent at ", registered_by,
-                             ", not this one (", address,
-                             "): the planner does not take this agent's heartbeats. Two agents "
-                             "share the name (give each its own --name), or this one was "
-                             "replaced; it takes the node over if that agent goes silent"));
+              : absl::StrCat(
+                    "node '", o.name, "' is registered by the agent at ", registered_by,
+                    ", not this one (", address,
+                    "): the planner does not take this agent's heartbeats. Two agents "
+                    "share the name (give each its own --name), or this one was "
+                    "replaced; it measures no links meanwhile, and takes the node over if that "
+                    "agent goes silent"));
     }
     if (resp.unknown_node()) {
       Log(absl::StrCat("the planner does not know node '", o.name,
@@ -690,7 +697,8 @@ struct Agent::Impl : public ProfileSource {
         planner_answered = false;
         continue;
       }
-      const bool check_drift = o.drift > 0 && planner_answered;
+      // Not while another agent holds the node: a probe would not be sent.
+      const bool check_drift = o.drift > 0 && planner_answered && registered_by.empty();
       if (check_drift && MonotonicNow() >= next_drift) {
         absl::MutexLock l(&mu);
         drift_check_wanted = true;
@@ -855,14 +863,17 @@ struct Agent::Impl : public ProfileSource {
     }
   }
 
-  bool StoppingOrRegistered() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return stopping || registered;
+  // A link report names only the node: while another agent holds it, the
+  // planner took this agent's measurements (another machine's) as the
+  // holder's, so none are made.
+  bool StoppingOrHoldingTheNode() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return stopping || (registered && !held_by_another);
   }
 
   void RunLinkProbes() {
     bool first = true;
     while (true) {
-      mu.LockWhen(absl::Condition(this, &Impl::StoppingOrRegistered));
+      mu.LockWhen(absl::Condition(this, &Impl::StoppingOrHoldingTheNode));
       bool stop = stopping;
       mu.Unlock();
       if (stop) break;

@@ -349,6 +349,29 @@ TEST_F(AgentTest, AnAgentWhoseNodeAnotherAgentRegisteredDoesNotTakeItBack) {
                              ", not this one (" + first_address + ")"));
 }
 
+// The agent whose node another agent holds went on measuring links and
+// reporting them for the node: the planner took its measurements, made on
+// another machine, as the holder's (a report names only the node). It now
+// measures none while the planner says another agent holds the node.
+TEST_F(AgentTest, AnAgentWhoseNodeAnotherAgentHoldsMeasuresNoLinks) {
+  AgentOptions o = Options("node-a");
+  o.link_probe_interval = absl::Milliseconds(20);
+  auto first = StartAgent(o, &state_);
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.probe_assignment_requests >= 2; }));
+  AgentOptions holder = Options("node-a");
+  holder.link_probe_delay = absl::Hours(1);  // measures nothing itself
+  auto second = StartAgent(holder, &state_);
+  ASSERT_TRUE(second);
+  // The first agent's second refused heartbeat: it took the answer of the
+  // first (a link measurement already begun may still ask once).
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 2; }));
+  const int asked = planner_.Snapshot().probe_assignment_requests;
+  // Ten more heartbeats (20 ms each) and as many link intervals.
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 12; }));
+  EXPECT_LE(planner_.Snapshot().probe_assignment_requests, asked + 1);
+}
+
 // An executor that starts after the agent: the node registers without its
 // label, then again with it once the executor answers.
 TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {

@@ -125,6 +125,7 @@ grpc::Status FakePlanner::GetProbeAssignments(grpc::ServerContext* ctx,
                                               v1::GetProbeAssignmentsResponse* out) {
   if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
   absl::MutexLock l(&mu_);
+  ++record_.probe_assignment_requests;
   for (const auto& a : assignments_[NodeName(r->node())]) *out->add_assignments() = a;
   return grpc::Status::OK;
 }

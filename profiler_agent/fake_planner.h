@@ -73,6 +73,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
     std::map<std::string, hap::v1::Node> nodes;  // by name, as last registered/updated
     std::vector<hap::v1::HeartbeatRequest> heartbeats_with_devices;
     std::vector<hap::v1::Link> links;
+    int probe_assignment_requests = 0;  // GetProbeAssignments calls
   };
   // Waits until `done(record)` holds (true) or `timeout` passes (false).
   bool WaitFor(const std::function<bool(const Record&)>& done,
