@@ -61,7 +61,16 @@ class Snapper {
     SnapResult out;
     const int n = static_cast<int>(q_.ratios.size());
     const std::vector<int64_t> base = ratios::RoundShardsAtLeastOne(q_.batch, q_.ratios);
-    terms_ = MergeTerms(q_.program->BlockTerms());
+    base_ = &base;
+    if (q_.program->overlap) {
+      // The step is the critical path (EvaluateProgram): its terms group
+      // the devices, and each candidate is priced whole.
+      path_.num_devices = n;
+      AddProgramTerms(*q_.program, &path_);
+      terms_ = path_.terms;
+    } else {
+      terms_ = MergeTerms(q_.program->BlockTerms());
+    }
     Classify(base);
     out.groups = static_cast<int>(groups_.size());
     Tabulate();
@@ -75,28 +84,36 @@ class Snapper {
         best_b = b;
       }
     };
-    if (bad_ == 0) consider(-2, -2, BaseCost());
+    if (bad_ == 0) consider(-2, -2, q_.program->overlap ? PathCost(-2, -2) : BaseCost());
     if (q_.neighbours) {
       out.complete = Moves([&](int a, int b) {
         ++out.moves_evaluated;
-        if (Valid(a, b)) consider(a, b, MoveCost(a, b));
+        if (Valid(a, b)) consider(a, b, q_.program->overlap ? PathCost(a, b) : MoveCost(a, b));
       });
     }
     if (best == kNone) return out;
-    std::vector<int64_t> m = base;
-    if (best_a >= 0) {
-      --m[groups_[best_a].first];
-      ++m[best_a == best_b ? groups_[best_a].second : groups_[best_b].first];
-    }
     out.cost = best;
-    out.ratios.resize(n);
-    for (int d = 0; d < n; ++d) {
-      out.ratios[d] = static_cast<double>(m[d]) / static_cast<double>(q_.batch);
-    }
+    out.ratios = Ratios(best_a, best_b);
     return out;
   }
 
  private:
+  // The split after moving one sample from group a's device to group b's
+  // (a < 0: none), as ratios.
+  std::vector<double> Ratios(int a, int b) const {
+    std::vector<int64_t> m = *base_;
+    if (a >= 0) {
+      --m[groups_[a].first];
+      ++m[a == b ? groups_[a].second : groups_[b].first];
+    }
+    std::vector<double> r(m.size());
+    for (size_t d = 0; d < m.size(); ++d) r[d] = Ratio(m[d]);
+    return r;
+  }
+
+  // With overlap: the critical path at Ratios(a, b).
+  double PathCost(int a, int b) const { return ratios::EvaluateObjective(path_, {Ratios(a, b)}); }
+
   double Ratio(int64_t samples) const {
     return static_cast<double>(samples) / static_cast<double>(q_.batch);
   }
@@ -141,9 +158,10 @@ class Snapper {
 
   void Tabulate() {
     const int ng = static_cast<int>(groups_.size());
-    values_.resize(terms_.size() * ng);
-    tops_.assign(terms_.size(), Top());
-    for (size_t k = 0; k < terms_.size(); ++k) {
+    const size_t tabulated = q_.program->overlap ? 0 : terms_.size();  // PathCost
+    values_.resize(tabulated * ng);
+    tops_.assign(tabulated, Top());
+    for (size_t k = 0; k < tabulated; ++k) {
       const CostTerm& t = terms_[k];
       for (int g = 0; g < ng; ++g) {
         const int d = groups_[g].first;
@@ -232,6 +250,8 @@ class Snapper {
   }
 
   const SnapRequest& q_;
+  const std::vector<int64_t>* base_ = nullptr;  // the rounded split
+  ratios::RatioLpRequest path_;                 // with overlap: its terms and path
   std::vector<CostTerm> terms_;
   std::vector<Group> groups_;
   std::vector<Values> values_;  // [term][group]

@@ -25,6 +25,10 @@
 // is materialised per move, so time is O(N K log N + G^2 K) and memory
 // O((N + G) K).
 //
+// With overlap (Program::overlap) the step is EvaluateProgram's critical path,
+// not a sum of maxima: devices are grouped by its terms (AddProgramTerms) and
+// each group move is priced whole, in O(K N).
+//
 // Thread-safety: pure functions of their arguments.
 #ifndef HAP_PLANNER_SYNTH_SNAP_H_
 #define HAP_PLANNER_SYNTH_SNAP_H_
@@ -55,7 +59,7 @@ struct SnapResult {
   // Whole samples / batch per device; empty when no candidate is valid
   // (a device with no sample or over its memory in all of them).
   std::vector<double> ratios;
-  double cost = 0;              // T at `ratios` (merged terms)
+  double cost = 0;              // T at `ratios` (the critical path with overlap)
   int groups = 0;               // G
   int64_t moves_evaluated = 0;  // group moves, not device pairs
   bool complete = true;         // false: the deadline cut the moves

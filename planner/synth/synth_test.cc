@@ -774,6 +774,38 @@ TEST(SynthTest, SnapMovesBetweenGroupsAndStopsAtTheDeadline) {
   EXPECT_EQ(whole.ratios, ExhaustiveSnap(*dp, q.ratios, q.batch, nullptr));
 }
 
+// With overlap a plan is predicted at the critical path (EvaluateProgram):
+// the snap prices its candidates so (it priced them with the collectives in
+// line, and could pick a split slower than its neighbours).
+TEST(SynthTest, OverlapSnapPricesTheCriticalPath) {
+  graph::Graph g = Zoo("moe", {{"layers", 2},
+                               {"hidden", 256},
+                               {"heads", 4},
+                               {"ffn", 512},
+                               {"seq", 32},
+                               {"vocab", 512},
+                               {"experts", 8},
+                               {"batch", 24}});
+  for (double bw : {1e9, 1e10}) {
+    SCOPED_TRACE(absl::StrCat("bandwidth ", bw));
+    auto c = MakeCluster({2.5e12, 1e12, 1e12, 1.7e12}, 2, 3 * bw, bw);
+    PlanOptions o;
+    o.overlap_communication = true;
+    auto r = PlanModel(g, c, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->program.overlap);
+    for (const std::vector<double>& at : {c.ProportionalRatios(), r->ratios}) {
+      SnapRequest q;
+      q.program = &r->program;
+      q.ratios = at;
+      q.batch = 24;
+      const SnapResult s = SnapToSamples(q);
+      EXPECT_EQ(s.ratios, ExhaustiveSnap(r->program, at, 24, nullptr));
+      EXPECT_NEAR(s.cost, EvaluateProgram(r->program, s.ratios).total, 1e-12);
+    }
+  }
+}
+
 // Every device holds at least one whole sample, as the lowering lays the
 // batch out, and the plan is predicted there: where the LP gives two or
 // more devices nothing (a program whose cost hardly depends on the split),
