@@ -43,7 +43,6 @@ class DimClasses {
   // routing: whole groups): its class's unit divides `units`.
   void Granule(int a, int64_t units) { granules_.push_back({a, units}); }
   void Solve(const std::vector<double>& ratios) {
-    const int n = static_cast<int>(ratios.size());
     std::map<int, int64_t> gcd;
     for (size_t i = 0; i < parent_.size(); ++i) {
       int r = Find(static_cast<int>(i));
@@ -55,19 +54,10 @@ class DimClasses {
     }
     std::map<int, std::vector<int64_t>> units;
     for (auto& [root, g] : gcd) {
-      std::vector<int64_t> m = ratios::RoundShards(g, ratios);
       // Every rank gets at least one unit where there are enough: kernels
-      // then never see an empty shard.
-      if (g >= n) {
-        for (int r = 0; r < n; ++r) {
-          while (m[r] == 0) {
-            int big = static_cast<int>(std::max_element(m.begin(), m.end()) - m.begin());
-            --m[big];
-            ++m[r];
-          }
-        }
-      }
-      units[root] = std::move(m);
+      // then never see an empty shard (the planner's snap to whole samples
+      // starts from the same split).
+      units[root] = ratios::RoundShardsAtLeastOne(g, ratios);
     }
     layout_.assign(parent_.size(), {});
     for (size_t i = 0; i < parent_.size(); ++i) {

@@ -14,7 +14,7 @@
 //   dimension class of the rule applications that link it (a rule splits one
 //   logical dimension: its S(d) inputs and outputs are the same split,
 //   scaled by reshapes). A class with lengths L_k is cut in G = gcd(L_k)
-//   units by RoundShards(G, ratios) = m; rank r holds L_k / G * m_r entries
+//   units by RoundShardsAtLeastOne(G, ratios) = m; rank r holds L_k / G * m_r entries
 //   of each member, contiguous, in rank order.
 // - Gradient forms. The gradient of an S(d) buffer is S(d); of a P buffer,
 //   R. The gradient of an R buffer is R when every contribution is whole on
