@@ -271,6 +271,43 @@ TEST(LaunchTest, QueuedLaunchesCostWhatTheyTakeBeyondTheKernels) {
   EXPECT_NEAR(step(fast, big, false) - step(fast, big, true), flops / 2 / fast, 1e-12);
 }
 
+// Gradients of the largest tensors the IR allows (2^59 float64 elements,
+// 2^62 bytes) each fill their own bucket: two of them summed past
+// INT64_MAX, wrapped negative and were put in one bucket priced at 0.
+TEST(OverlapTest, BucketsOfTheLargestGradientsDoNotOverflow) {
+  graph::GraphBuilder b("huge");
+  const graph::TensorType huge{graph::DType::kFloat64, {int64_t{1} << 59}};
+  const graph::TensorId w1 = b.Parameter("w1", huge, graph::Initializer::Zeros());
+  const graph::TensorId w2 = b.Parameter("w2", huge, graph::Initializer::Zeros());
+  b.SetLoss(b.Add("sum", "loss", {b.Add("add", "both", {w1, w2})}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  Program p;
+  p.steps.resize(1);
+  for (graph::TensorId w : {w1, w2}) {
+    SourceLoad l;
+    l.tensor = w;
+    l.parameter = true;
+    l.grad_allreduce = true;
+    p.steps[0].loads.push_back(l);
+  }
+  std::vector<double> priced;
+  AssignGradientBuckets(
+      *g, kLoweringBucketBytes,
+      [&](double bytes, const char** algorithm) {
+        priced.push_back(bytes);
+        *algorithm = "ring";
+        return Const(bytes * 1e-9);
+      },
+      &p);
+  ASSERT_EQ(p.buckets.size(), 2u);
+  for (const GradientBucket& bucket : p.buckets) {
+    EXPECT_EQ(bucket.tensors.size(), 1u);
+    EXPECT_EQ(bucket.bytes, int64_t{1} << 62);
+  }
+  EXPECT_THAT(priced, ::testing::Each(std::ldexp(1.0, 62)));
+}
+
 TEST(OverlapTest, BucketsCoverEveryAllReducedGradientOnce) {
   auto g = graph::BuildZooModel("gpt", {{"layers", 2}, {"batch", 16}});
   ASSERT_TRUE(g.ok()) << g.status();

@@ -485,7 +485,9 @@ void AssignGradientBuckets(
       if (!l.grad_allreduce || seen[l.tensor]) continue;
       seen[l.tensor] = true;
       const int64_t bytes = g.tensor(l.tensor).type.bytes();
-      if (!open.tensors.empty() && open.bytes + bytes > bucket_bytes) close();
+      // Compared without the sum: a tensor takes up to 2^62 bytes, and two
+      // such pass INT64_MAX.
+      if (!open.tensors.empty() && bytes > bucket_bytes - open.bytes) close();
       open.tensors.push_back(l.tensor);
       open.bytes += bytes;
       open.ready_step = k;
