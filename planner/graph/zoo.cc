@@ -5,11 +5,16 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 
 namespace hap::graph {
 namespace {
+
+// A parameter's value as the user wrote it (StrCat's 6 digits showed
+// 99999999999 as 1e+11 and 1234567.5 as 1.23457e+06).
+std::string Shown(double v) { return absl::StrFormat("%.15g", v); }
 
 using P = std::map<std::string, double>;
 
@@ -78,7 +83,7 @@ class Params {
     if (status_.ok() && (!(v >= (allow_zero ? 0 : 1)) || v != std::floor(v) || v > 1e15)) {
       status_ = absl::InvalidArgumentError(absl::StrCat(
           "parameter '", k, "' must be a ", allow_zero ? "non-negative" : "positive",
-          " integer, got ", v));
+          " integer, got ", Shown(v)));
     }
     return status_.ok() ? static_cast<int64_t>(v) : 1;
   }
@@ -86,7 +91,7 @@ class Params {
     double v = values_.at(k);
     if (status_.ok() && !(v >= 0 && v < 1)) {
       status_ = absl::InvalidArgumentError(
-          absl::StrCat("parameter '", k, "' must be in [0, 1), got ", v));
+          absl::StrCat("parameter '", k, "' must be in [0, 1), got ", Shown(v)));
     }
     return v;
   }
@@ -94,7 +99,7 @@ class Params {
     double v = values_.at(k);
     if (status_.ok() && v != 0 && v != 1) {
       status_ = absl::InvalidArgumentError(
-          absl::StrCat("parameter '", k, "' must be 0 or 1, got ", v));
+          absl::StrCat("parameter '", k, "' must be 0 or 1, got ", Shown(v)));
     }
     return v == 1;
   }
@@ -102,7 +107,7 @@ class Params {
     double v = values_.at(k);
     if (status_.ok() && !(v > 0 && std::isfinite(v))) {
       status_ = absl::InvalidArgumentError(
-          absl::StrCat("parameter '", k, "' must be positive, got ", v));
+          absl::StrCat("parameter '", k, "' must be positive, got ", Shown(v)));
     }
     return v;
   }
@@ -526,7 +531,7 @@ absl::StatusOr<Graph> BuildZooModel(const std::string& name, const P& params) {
       return absl::InvalidArgumentError(absl::StrCat(
           "zoo model '", name, "': parameter '", k,
           "' must be a positive integer of at most ", kMaxZooRepeats,
-          ", got ", it->second));
+          ", got ", Shown(it->second)));
     }
   }
   absl::StatusOr<Graph> g = absl::InternalError("unreachable");

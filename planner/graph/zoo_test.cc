@@ -300,6 +300,13 @@ TEST(ZooTest, NonIntegerParametersAreInvalidArgument) {
   EXPECT_THAT(BuildZooModel("moe", {{"capacity_factor", -1}}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("'capacity_factor'")));
+  // The value as given, not in 6 digits (1e+11, 1.23457e+06).
+  EXPECT_THAT(BuildZooModel("gpt", {{"layers", 99999999999}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("got 99999999999")));
+  EXPECT_THAT(BuildZooModel("gpt", {{"hidden", 1234567.5}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("got 1234567.5")));
+  EXPECT_THAT(BuildZooModel("gpt", {{"dropout", 1.1}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("got 1.1")));
 }
 
 TEST(ZooTest, InconsistentParametersAreInvalidArgument) {
