@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -130,6 +131,9 @@ struct Agent::Impl : public ProfileSource {
   // The planner refused the devices the latest heartbeat carried (the
   // heartbeat thread's): the next one goes without them.
   bool devices_refused = false;
+
+  // o.random's stand-in (the heartbeat thread's).
+  absl::BitGen bitgen;
 
   // One probe or link measurement at a time: they would disturb each other.
   absl::Mutex probe_mu;
@@ -647,8 +651,13 @@ struct Agent::Impl : public ProfileSource {
     bool planner_answered = false;
     auto fail_and_wait = [&](const std::string& message) {
       if (Stopping()) return false;
-      Log(absl::StrCat(message, "; retrying in ", absl::FormatDuration(backoff)));
-      bool go_on = WaitFor(backoff);
+      // A random part of the backoff, from half to all: agents started
+      // together (a DaemonSet rolled out while the planner is down) retried
+      // in step, all of them at once at each doubling.
+      const double u = o.random ? o.random() : absl::Uniform<double>(bitgen, 0, 1);
+      const absl::Duration wait = backoff * (0.5 + 0.5 * std::clamp(u, 0.0, 1.0));
+      Log(absl::StrCat(message, "; retrying in ", absl::FormatDuration(wait)));
+      bool go_on = WaitFor(wait);
       backoff = std::min(backoff * 2, o.max_backoff);
       return go_on;
     };

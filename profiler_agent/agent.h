@@ -63,9 +63,14 @@ struct AgentOptions {
   std::vector<std::string> executors;
   LinkProbeOptions link;
   absl::Duration rpc_timeout = absl::Seconds(10);
-  // Registration retries: doubling from initial to max.
+  // Registration retries: doubling from initial to max; each wait is a
+  // random part of it, from half to all (agents started together do not
+  // retry in step).
   absl::Duration initial_backoff = absl::Milliseconds(200);
   absl::Duration max_backoff = absl::Seconds(10);
+  // Uniform numbers in [0, 1) for that jitter; empty = the agent's own
+  // generator. Called from one thread at a time.
+  std::function<double()> random;
   // True once the process is asked to stop before Shutdown can be called:
   // the daemon's SIGTERM check. A probe then ends at its next timed run, in
   // particular the first one, inside Start (a long one, on many GPUs or with

@@ -440,6 +440,28 @@ TEST_F(AgentTest, RetriesRegistrationWithBackoffWhileThePlannerRefuses) {
   EXPECT_EQ(r.registrations, 1);
 }
 
+// Agents started together (a DaemonSet rolled out while the planner is
+// down or overloaded) retried their registrations in step: at the same
+// doubling backoffs from the same start, all at once each time. Each wait
+// is now a random part of the backoff, from half to all of it.
+TEST_F(AgentTest, RegistrationRetriesWaitARandomPartOfTheBackoff) {
+  planner_.RefuseRegistrations(2);
+  AgentOptions o = Options("node-a");
+  o.initial_backoff = absl::Milliseconds(100);
+  o.max_backoff = absl::Seconds(1);
+  std::atomic<int> drawn{0};
+  o.random = [&drawn] { return drawn++ == 0 ? 0.0 : 0.5; };
+  ::testing::internal::CaptureStderr();
+  auto agent = StartAgent(o, &state_);
+  const bool registered = agent != nullptr && Registered("node-a");
+  agent.reset();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(registered);
+  EXPECT_EQ(drawn.load(), 2);
+  EXPECT_THAT(log, HasSubstr("UNAVAILABLE: the fake planner is refusing; retrying in 50ms"));
+  EXPECT_THAT(log, HasSubstr("UNAVAILABLE: the fake planner is refusing; retrying in 150ms"));
+}
+
 TEST_F(AgentTest, RegistersOnceThePlannerComesUp) {
   // Nothing listens at first: the address of a planner that is gone.
   std::string address;
