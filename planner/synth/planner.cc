@@ -145,6 +145,14 @@ std::vector<int64_t> MemoryAt(const ratios::MemoryConstraint& m,
 absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
                                      const cost::ClusterModel& cluster,
                                      const PlanOptions& o) {
+  if (std::isnan(o.max_seconds)) {
+    return absl::InvalidArgumentError(
+        "max_seconds is NaN; expected seconds (0 or less: spent, infinity: no limit)");
+  }
+  if (!(std::isfinite(o.search_async_price) && o.search_async_price >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("search_async_price = ", o.search_async_price,
+                                                   "; expected a finite value >= 0"));
+  }
   for (graph::TensorId t : g.Inputs()) {
     const graph::Tensor& in = g.tensor(t);
     if (in.type.rank() >= 1 && in.type.shape[0] < cluster.size()) {

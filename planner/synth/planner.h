@@ -108,7 +108,10 @@ struct PlanResult {
   std::vector<std::string> notes;
 };
 
-// Errors: those of Synthesize and SolveRatioLp when no plan was found;
+// Errors: InvalidArgument for a NaN max_seconds or a search_async_price not
+// finite and >= 0 (a max_seconds of 0 or less is a budget already spent:
+// the best plan found, with a note); those of Synthesize and SolveRatioLp
+// when no plan was found;
 // ResourceExhausted "does not fit" naming the device and bytes when no
 // candidate program has ratios that satisfy memory; DeadlineExceeded when the
 // budget ran out before any plan that fits was found.

@@ -330,6 +330,27 @@ absl::StatusOr<std::vector<double>> SearchRatios(const cost::ClusterModel& clust
   return ratios;
 }
 
+// InvalidArgument naming the first option that cannot be searched with.
+absl::Status CheckOptions(const SearchOptions& o) {
+  if (std::isnan(o.max_seconds)) {
+    return absl::InvalidArgumentError(
+        "max_seconds is NaN; expected seconds (0 or less: spent, infinity: no limit)");
+  }
+  if (!(std::isfinite(o.async_price) && o.async_price >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("async_price = ", o.async_price, "; expected a finite value >= 0"));
+  }
+  if (!(std::isfinite(o.gradient_wire_scale) && o.gradient_wire_scale > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient_wire_scale = ", o.gradient_wire_scale,
+                                                   "; expected a finite value > 0"));
+  }
+  if (o.progress_every < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("progress_every = ", o.progress_every, "; expected >= 1"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 using internal::Searcher;
@@ -359,6 +380,7 @@ std::vector<OpWork> TrainingWork(const graph::Graph& g) {
 
 absl::StatusOr<Program> Synthesize(const graph::Graph& g, const cost::ClusterModel& cluster,
                                    const SearchOptions& options) {
+  HAP_RETURN_IF_ERROR(CheckOptions(options));
   HAP_ASSIGN_OR_RETURN(std::vector<double> ratios, SearchRatios(cluster, options));
   Searcher s(g, cluster, options, std::move(ratios));
   return s.Run();
@@ -366,6 +388,7 @@ absl::StatusOr<Program> Synthesize(const graph::Graph& g, const cost::ClusterMod
 
 absl::StatusOr<Program> RandomProgram(const graph::Graph& g, const cost::ClusterModel& cluster,
                                       const SearchOptions& options, uint64_t seed) {
+  HAP_RETURN_IF_ERROR(CheckOptions(options));
   HAP_ASSIGN_OR_RETURN(std::vector<double> ratios, SearchRatios(cluster, options));
   Searcher s(g, cluster, options, std::move(ratios));
   return s.RandomWalk(seed);

@@ -64,7 +64,9 @@ struct SearchOptions {
   double async_price = 1.0;
 };
 
-// Errors: InvalidArgument for ratios of the wrong size or not summing to 1;
+// Errors: InvalidArgument for ratios of the wrong size or not summing to 1,
+// a NaN max_seconds, an async_price not finite and >= 0, a
+// gradient_wire_scale not finite and > 0, a progress_every below 1;
 // Cancelled when `cancelled` fired before any complete program was found;
 // ResourceExhausted when the budget ran out with no complete program;
 // FailedPrecondition when no program exists under the restrictions.

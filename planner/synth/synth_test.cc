@@ -923,6 +923,42 @@ TEST(SynthTest, BadInput) {
   EXPECT_EQ(Synthesize(g8, c, so).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(ParseBaseline("fsdp").ok());
+
+  // Options no search can run with: a clear error (progress_every 0 divides
+  // by zero in the A* search; a NaN price or budget searched with NaN costs
+  // or no time limit).
+  auto expect_invalid = [&](const SearchOptions& o, const std::string& what) {
+    auto p = Synthesize(g8, c, o);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(std::string(p.status().message()), HasSubstr(what));
+    EXPECT_EQ(RandomProgram(g8, c, o, 1).status().code(), absl::StatusCode::kInvalidArgument)
+        << what;
+  };
+  SearchOptions bad;
+  bad.progress_every = 0;
+  bad.progress = [](int64_t, double) {};
+  expect_invalid(bad, "progress_every = 0");
+  bad = SearchOptions();
+  bad.async_price = NAN;
+  expect_invalid(bad, "async_price = nan");
+  bad.async_price = -1;
+  expect_invalid(bad, "async_price = -1");
+  bad = SearchOptions();
+  bad.gradient_wire_scale = 0;
+  expect_invalid(bad, "gradient_wire_scale = 0");
+  bad = SearchOptions();
+  bad.max_seconds = NAN;
+  expect_invalid(bad, "max_seconds is NaN");
+  PlanOptions po;
+  po.max_seconds = NAN;
+  auto r8 = PlanModel(g8, c, po);
+  EXPECT_EQ(r8.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r8.status().message()), HasSubstr("max_seconds is NaN"));
+  po = PlanOptions();
+  po.search_async_price = -0.5;
+  r8 = PlanModel(g8, c, po);
+  EXPECT_EQ(r8.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r8.status().message()), HasSubstr("search_async_price = -0.5"));
 }
 
 }  // namespace
