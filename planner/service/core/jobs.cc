@@ -245,6 +245,14 @@ absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
   }
   HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckPlanOptions(spec.options()), "spec"));
   HAP_RETURN_IF_ERROR(Annotate(CheckTrainingConfig(spec.training()), "spec"));
+  if (const std::string& dir = spec.training().checkpoint_dir(); dir.front() != '/') {
+    // The planner reads it (the latest committed step) and the executors
+    // write it, each from its own working directory.
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.training.checkpoint_dir must be an absolute path (a directory every "
+                     "executor and the planner see at that path), got '",
+                     dir, "'"));
+  }
   HAP_RETURN_IF_ERROR(CheckRange("spec.replan.slowdown_threshold",
                                  spec.replan().slowdown_threshold(), 0, kInf,
                                  "a finite number >= 0 (0 = 0.25)"));

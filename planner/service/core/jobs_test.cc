@@ -587,6 +587,12 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
   r.mutable_spec()->mutable_training()->clear_checkpoint_dir();
   EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
                                       HasSubstr("checkpoint_dir is required")));
+  // Relative: to the planner's working directory and each executor's.
+  r.mutable_spec()->mutable_training()->set_checkpoint_dir("ckpt/run");
+  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("checkpoint_dir must be an absolute path (a "
+                                                "directory every executor and the planner see "
+                                                "at that path), got 'ckpt/run'")));
   r = Request();
   r.mutable_spec()->clear_model();
   EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("spec.model")));
