@@ -12,10 +12,13 @@ class Form {
  public:
   static constexpr int8_t kReplicated = -1;
   static constexpr int8_t kPartial = -2;
+  // The largest dimension S(d) can name (d is kept in an int8_t).
+  static constexpr int kMaxShardedDim = 127;
 
   constexpr Form() : v_(kReplicated) {}
   static constexpr Form R() { return Form(kReplicated); }
   static constexpr Form P() { return Form(kPartial); }
+  // 0 <= dim <= kMaxShardedDim (RulesFor makes no rule past it).
   static constexpr Form S(int dim) { return Form(static_cast<int8_t>(dim)); }
   // The form whose raw() is `raw`.
   static constexpr Form FromRaw(int8_t raw) { return Form(raw); }

@@ -25,6 +25,13 @@ std::vector<ShardRule> RulesFor(const graph::Graph& g, graph::OpId id,
       "replicated", RuleKind::kReplicated,
       std::vector<Form>(op.inputs.size(), Form::R()),
       std::vector<Form>(op.outputs.size(), Form::R()), false));
+  // Dimensions past Form::kMaxShardedDim have no S(d) (an int8_t: S(255) is
+  // R, S(254) P): an op with a tensor of more dimensions is computed whole.
+  for (const auto* tensors : {&op.inputs, &op.outputs}) {
+    for (graph::TensorId t : *tensors) {
+      if (g.tensor(t).type.rank() > Form::kMaxShardedDim + 1) return rules;
+    }
+  }
   internal::RuleInput in{g, op, ctx};
   for (auto family : {internal::ElementwiseRules, internal::DenseRules,
                       internal::LayoutRules, internal::MoeRules,

@@ -63,7 +63,8 @@ struct SufficientFactors {
 std::optional<SufficientFactors> SfbFactors(const graph::Graph& g, const graph::Op& op, int input);
 
 // The rules of op `op` of `g`, replicated first; never empty (the
-// replicated rule applies to every op).
+// replicated rule applies to every op). Only that one for an op with a
+// tensor of more than Form::kMaxShardedDim + 1 dimensions.
 std::vector<ShardRule> RulesFor(const graph::Graph& g, graph::OpId op,
                                 const RuleContext& ctx);
 

@@ -7,6 +7,7 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "planner/graph/op_registry.h"
 #include "planner/graph/zoo.h"
@@ -105,6 +106,33 @@ TEST(RulesCoverageTest, EveryOpTypeHasARuleThatSplitsItsWork) {
     EXPECT_EQ(it->second, kWhole.count(d->type) == 0)
         << (it->second ? "splits, but is listed as whole by design"
                        : "every rule computes the op whole on every device");
+  }
+}
+
+// S(d) holds d in an int8_t: dimensions up to 127 are sharded, an op with a
+// tensor of more dimensions is computed whole. (Rank 256: the last
+// dimension's rule read S(255), which is R, a split rule that moved no data.)
+TEST(RulesCoverageTest, DimensionsPastWhatAFormNamesAreNotSharded) {
+  for (int rank : {128, 129, 256}) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    GraphBuilder b("high_rank");
+    graph::Shape shape(rank, 1);
+    shape.back() = 4;
+    const TensorId x = b.Input("x", F32(shape));
+    b.SetLoss(b.Add("sum", "loss", {b.Add("relu", "relu", {x})}));
+    auto g = b.Build();
+    ASSERT_TRUE(g.ok()) << g.status();
+    RuleContext ctx;
+    ctx.num_devices = 2;
+    const std::vector<ShardRule> rules = RulesFor(*g, 0, ctx);
+    if (rank <= Form::kMaxShardedDim + 1) {
+      ASSERT_EQ(rules.size(), 2u);
+      EXPECT_EQ(rules[1].inputs[0], Form::S(rank - 1));
+      EXPECT_EQ(rules[1].inputs[0].dim(), rank - 1);
+    } else {
+      ASSERT_EQ(rules.size(), 1u) << rules.back().name;
+      EXPECT_EQ(rules[0].name, "replicated");
+    }
   }
 }
 
