@@ -762,15 +762,17 @@ struct Agent::Impl : public ProfileSource {
     return ids;
   }
 
-  // Reports `links` (`what` for the log) to the planner; a refusal is
-  // logged. The planner takes a report whole or not at all.
-  void ReportLinks(const std::vector<v1::Link>& links, const std::string& what) {
+  // Reports `links` (`what` for the log) to the planner, by `deadline` (a
+  // Probe caller's); a refusal is logged. The planner takes a report whole
+  // or not at all.
+  void ReportLinks(const std::vector<v1::Link>& links, const std::string& what,
+                   absl::Time deadline) {
     if (links.empty()) return;
     v1::ReportLinksRequest report;
     report.set_node(o.name);
     for (const auto& l : links) *report.add_links() = l;
     v1::ReportLinksResponse ignored;
-    Call call(this, o.rpc_timeout);
+    Call call(this, Within(o.rpc_timeout, deadline));
     absl::Status s = FromGrpc(Planner()->ReportLinks(call.ctx(), report, &ignored));
     if (!s.ok() && !Stopping()) {
       Log(absl::StrCat("reporting ", what, " to ", o.planner, ": ", s.ToString()));
@@ -843,10 +845,10 @@ struct Agent::Impl : public ProfileSource {
                          "; not reported (the planner would refuse it)"));
         continue;
       }
-      ReportLinks(peer_links, absl::StrCat("the links to ", a.peer_node()));
+      ReportLinks(peer_links, absl::StrCat("the links to ", a.peer_node()), deadline);
       links.insert(links.end(), peer_links.begin(), peer_links.end());
     }
-    ReportLinks(local_links, "this node's own links");
+    ReportLinks(local_links, "this node's own links", deadline);
     return links;
   }
 

@@ -1237,6 +1237,35 @@ TEST_F(AgentTest, AProbeCallMeasuresThePeersWithinItsDeadline) {
   EXPECT_LT(peer.echo_given, absl::Minutes(1));
 }
 
+// The same for its link reports to the planner: each was given the whole
+// rpc_timeout (an hour here) whatever the caller's deadline, so with a
+// planner that does not answer the handler ran on long after the caller
+// left.
+TEST_F(AgentTest, AProbeCallsLinkReportsEndByItsDeadline) {
+  FakeProber::State state_b;
+  auto b = NodeBAssigned(&state_b, 1 << 20);
+  ASSERT_TRUE(b);
+  AgentOptions o = Options("node-a");
+  o.rpc_timeout = absl::Hours(1);
+  o.link_probe_delay = absl::Hours(1);  // only the Probe call measures
+  auto agent = StartAgent(o, &state_);
+  ASSERT_TRUE(agent);
+  ASSERT_TRUE(Registered("node-a"));
+  planner_.HoldReportLinks(true);
+  auto stub = AgentStub(*agent);
+  ASSERT_TRUE(stub);
+  grpc::ClientContext ctx;
+  hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(5));
+  v1::ProbeRequest req;
+  req.set_include_links(true);
+  v1::ProbeResponse r;
+  EXPECT_THAT(FromGrpc(stub->Probe(&ctx, req, &r)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
+  ASSERT_TRUE(planner_.WaitFor([](const Record& x) { return !x.held_reports_given.empty(); }));
+  // The caller's 5 s as gRPC carries a deadline (rounded up), not the hour.
+  EXPECT_LT(planner_.Snapshot().held_reports_given[0], absl::Minutes(1));
+}
+
 TEST(AgentTokenTest, SendsTheTokenToThePlannerAndRequiresItFromCallers) {
   FakePlanner planner(absl::Milliseconds(20), "tok");
   FakeProber::State state;

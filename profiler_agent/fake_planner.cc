@@ -133,6 +133,16 @@ grpc::Status FakePlanner::GetProbeAssignments(grpc::ServerContext* ctx,
 grpc::Status FakePlanner::ReportLinks(grpc::ServerContext* ctx, const v1::ReportLinksRequest* r,
                                       v1::ReportLinksResponse*) {
   if (auto s = hap::service::CheckToken(ctx, token_); !s.ok()) return s;
+  bool hold;
+  {
+    absl::MutexLock l(&mu_);
+    hold = hold_reports_;
+    if (hold) record_.held_reports_given.push_back(absl::FromChrono(ctx->deadline()) - absl::Now());
+  }
+  if (hold) {
+    for (int i = 0; i < 2000 && !ctx->IsCancelled(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the fake planner held the report");
+  }
   absl::MutexLock l(&mu_);
   for (const auto& link : r->links()) {
     for (const std::string* d : {&link.src(), &link.dst()}) {
@@ -148,6 +158,11 @@ grpc::Status FakePlanner::ReportLinks(grpc::ServerContext* ctx, const v1::Report
 void FakePlanner::RefuseLinksNaming(const std::string& device) {
   absl::MutexLock l(&mu_);
   unknown_devices_.insert(device);
+}
+
+void FakePlanner::HoldReportLinks(bool hold) {
+  absl::MutexLock l(&mu_);
+  hold_reports_ = hold;
 }
 
 void FakePlanner::Forget(const std::string& node) {

@@ -60,6 +60,10 @@ class FakePlanner final : public hap::v1::Planner::Service {
   // ReportLinks naming `device` is refused whole (NOT_FOUND), as the real
   // planner refuses a report naming a device no node registered.
   void RefuseLinksNaming(const std::string& device);
+  // While `hold`, ReportLinks calls go unanswered (a hung planner) until
+  // their caller gives up or 20 s pass, each recording the time its caller
+  // gave it in held_reports_given.
+  void HoldReportLinks(bool hold);
 
   // What was received.
   struct Record {
@@ -74,6 +78,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
     std::vector<hap::v1::HeartbeatRequest> heartbeats_with_devices;
     std::vector<hap::v1::Link> links;
     int probe_assignment_requests = 0;  // GetProbeAssignments calls
+    std::vector<absl::Duration> held_reports_given;  // HoldReportLinks
   };
   // Waits until `done(record)` holds (true) or `timeout` passes (false).
   bool WaitFor(const std::function<bool(const Record&)>& done,
@@ -94,6 +99,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_);
   bool interval_in_heartbeats_ ABSL_GUARDED_BY(mu_) = true;
   bool refuse_heartbeat_devices_ ABSL_GUARDED_BY(mu_) = false;
+  bool hold_reports_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> unknown_devices_ ABSL_GUARDED_BY(mu_);
 };
 
