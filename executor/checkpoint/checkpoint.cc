@@ -1,5 +1,6 @@
 #include "executor/checkpoint/checkpoint.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -496,8 +497,14 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
 
   // Every rank's result is the committed directory or an error. The ranks
   // agree through the shared directory, without data collectives (an NCCL
-  // communicator's buffers must be device memory).
-  // 1. Rank 0 makes a fresh temporary directory.
+  // communicator's buffers must be device memory), and every rank passes
+  // the same three barriers whatever happens: a rank that returned early
+  // left the others waiting out the communicator's timeout.
+  // 1. Rank 0 makes a fresh temporary directory, unless the step is
+  // committed already: a committed checkpoint is never overwritten.
+  const std::string committed_file = (fs::path(final_dir) / kCommittedFile).string();
+  const absl::Status already = absl::AlreadyExistsError(
+      absl::StrCat("a complete checkpoint ", final_dir, " exists already"));
   absl::Status prepared = absl::OkStatus();
   if (r.rank == 0) {
     prepared = CreateDirectoriesSynced(r.dir);
@@ -506,6 +513,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
     // be the step saved now).
     if (prepared.ok() && r.replaces_after >= 0) SetAsideAfter(r.dir, r.replaces_after);
     if (prepared.ok()) prepared = RemoveAll(tmp);
+    if (prepared.ok() && Exists(committed_file)) prepared = already;
     if (prepared.ok()) {
       std::error_code ec;
       fs::create_directory(tmp, ec);
@@ -514,20 +522,15 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
   }
   HAP_RETURN_IF_ERROR(comm.Barrier());
 
-  // A committed checkpoint of this step is never overwritten: every rank
-  // sees it and refuses.
-  const std::string committed_file = (fs::path(final_dir) / kCommittedFile).string();
-  if (Exists(committed_file)) {
-    if (r.rank == 0) (void)RemoveAll(tmp);
-    return absl::AlreadyExistsError(
-        absl::StrCat("a complete checkpoint ", final_dir, " exists already"));
-  }
-
   // 2. Every rank writes the slices it owns. A rank that fails leaves its
-  // error in `tmp` for rank 0 instead of a partial file.
+  // error in `tmp` for rank 0 instead of a partial file. Each notes which
+  // directory `tmp` is: the step directory is this save's only if it is
+  // that one, renamed (another run may commit the step meanwhile).
   const std::string file = (fs::path(tmp) / RankFileName(r.rank, world)).string();
   absl::Status wrote = absl::OkStatus();
-  if (Exists(tmp)) {
+  struct stat ours {};
+  const bool have_tmp = ::stat(tmp.c_str(), &ours) == 0;
+  if (have_tmp) {
     const std::vector<std::string> owned = OwnedTensors(index, r.rank, world);
     const std::set<std::string> own(owned.begin(), owned.end());
     std::vector<SafetensorsEntry> entries;
@@ -551,9 +554,11 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
       (void)WriteFileSynced(absl::StrCat(file, kFailedSuffix), wrote.ToString());
     }
   } else if (r.rank != 0) {
-    wrote = absl::FailedPreconditionError(
-        absl::StrCat("rank ", r.rank, " does not see ", tmp,
-                     " (rank 0 could not create it, or the checkpoint directory is not shared)"));
+    wrote = Exists(committed_file)
+                ? already
+                : absl::FailedPreconditionError(absl::StrCat(
+                      "rank ", r.rank, " does not see ", tmp,
+                      " (rank 0 could not create it, or the checkpoint directory is not shared)"));
   }
   HAP_RETURN_IF_ERROR(comm.Barrier());
 
@@ -572,10 +577,17 @@ absl::StatusOr<std::string> SaveCheckpoint(const SaveRequest& r,
   HAP_RETURN_IF_ERROR(comm.Barrier());
   if (!wrote.ok()) return wrote;
   if (!committed.ok()) return committed.status();
+  // Rank 0's answer, read from the directory: committed, and committed by
+  // this save (the temporary directory renamed), not by another run that
+  // committed the step meanwhile (rank 0 then failed AlreadyExists).
+  struct stat now {};
+  const bool renamed = ::stat(final_dir.c_str(), &now) == 0 && now.st_dev == ours.st_dev &&
+                       now.st_ino == ours.st_ino;
   if (!Exists(committed_file)) {
     return absl::AbortedError(
         absl::StrCat("the checkpoint ", final_dir, " did not commit (see rank 0's error)"));
   }
+  if (!renamed) return already;
   return final_dir;
 }
 

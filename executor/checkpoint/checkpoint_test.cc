@@ -571,6 +571,38 @@ TEST(CheckpointTest, EveryRankFailsWhenTheCheckpointDidNotCommit) {
                               << " was saved, rank 0 says: " << again[0].status();
 }
 
+// Another run commits the step this save is saving (a replaced run's rank
+// 0 still saving; two writers on one directory): every rank fails
+// AlreadyExists, whenever the other commit lands. Ranks other than 0 took
+// any COMMITTED for their own save's and answered success while rank 0
+// failed; one that saw the other commit at the first check returned
+// before the barriers the others waited at.
+TEST(CheckpointTest, AnotherRunCommittingTheStepMeanwhileFailsEveryRankAlike) {
+  graph::Graph g = Mlp();
+  auto programs = Programs(g, 2, "tp");
+  auto commit_elsewhere = [](const std::string& dir) {
+    const std::string step = dir + "/step-00000002";
+    std::filesystem::create_directories(step);
+    std::ofstream(step + "/COMMITTED") << "2\n";
+  };
+  // Once every rank wrote its file, before rank 0 commits; and just after
+  // rank 0 made the temporary directory, before rank 1 looks.
+  for (const auto& [rank, barrier] : {std::pair<int, int>{0, 2}, {1, 1}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "committed elsewhere after rank " << rank << "'s barrier " << barrier);
+    const std::string dir = Fresh("committed_meanwhile");
+    for (const auto& r : SaveOnEveryRank(programs, dir, 1)) ASSERT_TRUE(r.ok()) << r.status();
+    auto results = SaveOnEveryRank(programs, dir, 2, kDefaultKeep, {}, -1, [&](int r, int k) {
+      if (r == rank && k == barrier) commit_elsewhere(dir);
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_THAT(results[r].status(), StatusIs(absl::StatusCode::kAlreadyExists,
+                                                HasSubstr("step-00000002 exists already")))
+          << "rank " << r;
+    }
+  }
+}
+
 // 4. safetensors.h: "SafetensorsFile reads any conforming file" and
 // "Standard readers open what WriteSafetensors writes". Zero-element
 // tensors share their offset with the next tensor; the reader orders

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "executor/checkpoint/file_util.h"
 #include "executor/checkpoint/safetensors.h"
+#include "executor/comm/forwarding_communicator.h"
 #include "executor/data/batches.h"
 #include "executor/train/in_process_comm.h"
 #include "executor/train/test_programs.h"
@@ -149,12 +150,31 @@ std::vector<ParameterShard> StateOf(const v1::RankProgram& p) {
 // communicator), rank r with `states[r]` when given; each rank's result.
 std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
     const std::vector<v1::RankProgram>& programs, const std::string& dir, int64_t step, int keep,
-    std::vector<std::vector<ParameterShard>> states, int64_t replaces_after) {
+    std::vector<std::vector<ParameterShard>> states, int64_t replaces_after,
+    std::function<void(int rank, int k)> after_barrier) {
   const int n = static_cast<int>(programs.size());
   if (states.empty()) {
     for (const auto& p : programs) states.push_back(StateOf(p));
   }
-  auto comms = NewInProcessGroup(n);
+  // Barriers counted per rank, each followed by the hook.
+  class Hooked : public ForwardingCommunicator {
+   public:
+    Hooked(std::unique_ptr<Communicator> inner, std::function<void(int, int)> hook)
+        : ForwardingCommunicator(std::move(inner)), hook_(std::move(hook)) {}
+    absl::Status Barrier() override {
+      absl::Status s = ForwardingCommunicator::Barrier();
+      if (hook_) hook_(rank(), ++barriers_);
+      return s;
+    }
+
+   private:
+    std::function<void(int, int)> hook_;
+    int barriers_ = 0;
+  };
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (auto& c : NewInProcessGroup(n)) {
+    comms.push_back(std::make_unique<Hooked>(std::move(c), after_barrier));
+  }
   std::vector<absl::StatusOr<std::string>> results(n, absl::UnknownError("did not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {

@@ -5,6 +5,7 @@
 #define HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_TEST_UTIL_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -56,10 +57,12 @@ std::vector<ParameterShard> StateOf(const hap::v1::RankProgram& p);
 
 // Every rank of `programs` saves `step` (threads over the in-process
 // communicator), rank r with `states[r]` when given; each rank's result.
+// `after_barrier(rank, k)`, when given, runs on `rank` once its k-th
+// barrier (1, 2, ...) returned.
 std::vector<absl::StatusOr<std::string>> SaveOnEveryRank(
     const std::vector<hap::v1::RankProgram>& programs, const std::string& dir, int64_t step,
     int keep = kDefaultKeep, std::vector<std::vector<ParameterShard>> states = {},
-    int64_t replaces_after = -1);
+    int64_t replaces_after = -1, std::function<void(int rank, int k)> after_barrier = nullptr);
 
 }  // namespace hap::executor::checkpoint::test_util
 
