@@ -466,7 +466,15 @@ struct Agent::Impl : public ProfileSource {
                          absl::StrJoin(ours, ", "), "); the node is not labelled with it"));
       }
       if (s.ok()) {
-        labels["hap.executor/" + statuses[i]->device()] = address;
+        // Two serving one device (one executor under two addresses, or a
+        // second one started there): the one listed first, said (the label
+        // silently went to the last).
+        const auto [it, added] = labels.emplace("hap.executor/" + statuses[i]->device(), address);
+        if (!added) {
+          Log(absl::StrCat("the executor at ", address, " (--executor) serves ",
+                           statuses[i]->device(), ", as the one at ", it->second,
+                           " does: the node is labelled with ", it->second));
+        }
       } else {
         ++*unresolved;
         if (!Stopping()) {

@@ -311,6 +311,24 @@ TEST_F(AgentTest, LabelsTheNodeWithItsExecutorsAddresses) {
   EXPECT_EQ(n.labels().size(), 1u);
 }
 
+// Two --executor flags whose executors serve one device (one executor
+// under two addresses, or a second one started on the device): the label
+// silently went to the one listed last. The first keeps it, and the agent
+// says which one it left out.
+TEST_F(AgentTest, TwoExecutorsOfOneDeviceLabelTheFirstAndSaySo) {
+  FakeExecutor first("node-a/cpu0", "127.0.0.1:0"), second("node-a/cpu0", "127.0.0.1:0");
+  ::testing::internal::CaptureStderr();
+  std::unique_ptr<Agent> agent;
+  const v1::Node n = RegisteredWithExecutors({first.address(), second.address()}, &agent);
+  agent.reset();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(n.labels().count("hap.executor/node-a/cpu0"), 1u) << n.DebugString();
+  EXPECT_EQ(n.labels().at("hap.executor/node-a/cpu0"), first.address());
+  EXPECT_THAT(log, HasSubstr("the executor at " + second.address() +
+                             " (--executor) serves node-a/cpu0, as the one at " + first.address() +
+                             " does: the node is labelled with " + first.address()));
+}
+
 // An executor that serves a device the node does not report (another
 // node's, or node/cpu0 beside an agent that measures the GPUs): the planner
 // refuses a registration with its label, so the node registers without it,
