@@ -183,6 +183,14 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
       notes.push_back(std::move(n));
     }
   };
+  auto cancelled = [&]() { return o.cancelled && o.cancelled(); };
+  // A cancellation (PlanOptions::cancelled; the service's also fires at its
+  // caller's deadline) ends the planning with the best plan found.
+  auto note_cancelled = [&]() {
+    note(
+        "the planning was cancelled (or its caller's deadline passed): the plan is the best "
+        "found, not proven optimal");
+  };
   int64_t states = 0;
   SearchOptions so;
   so.allow_sfb = o.allow_sfb;
@@ -203,7 +211,9 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
         timed(&phases.search, [&]() { return Synthesize(g, cluster, opts); });
     if (p.ok()) {
       states += p->states_expanded;
-      if (!p->optimal && !(o.cancelled && o.cancelled())) {
+      if (!p->optimal && cancelled()) {
+        note_cancelled();
+      } else if (!p->optimal) {
         note(p->states_expanded >= opts.max_states
                  ? absl::StrCat("the state budget (", opts.max_states,
                                 " states) cut a search: the plan is the best "
@@ -420,7 +430,13 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     } else {
       break;
     }
-    if (o.cancelled && o.cancelled()) break;
+    if (cancelled()) break;
+  }
+  if (!best.program.steps.empty() && cancelled()) {
+    // The comparisons below are left out: the caller no longer waits.
+    note_cancelled();
+    iteration = std::min(iteration, max_iter);
+    return finish(std::move(best), false);
   }
   // With overlap, the search once more at the best split, pricing the
   // collectives that can run behind compute at what they slow it (1 - the

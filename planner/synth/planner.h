@@ -79,6 +79,8 @@ struct PlanOptions {
   // Ignored without a baseline.
   std::vector<double> baseline_ratios;
   OptimizerKind optimizer = OptimizerKind::kSgdMomentum;
+  // Polled; once true, the planning ends with the best plan found (a note
+  // says so; the baselines are then not compared), or Cancelled before any.
   std::function<bool()> cancelled;
   // states expanded (cumulative), best cost so far, joint iteration.
   std::function<void(int64_t, double, int)> progress;

@@ -579,6 +579,35 @@ TEST(SynthTest, ProgressReportsStates) {
   EXPECT_GT(calls, 2);
 }
 
+// A cancellation once a plan is known (the service's also fires at its
+// caller's deadline) returns that plan with a note, without searching the
+// baselines (their searches and LPs took as long as an uncancelled plan's).
+TEST(SynthTest, CancellationReturnsThePlanFoundWithoutTheBaselines) {
+  graph::Graph g = Zoo("gpt", Small("gpt", 32));
+  auto c = MakeCluster({2e13, 2e13, 1e13, 1e13}, 2);
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "in line");
+    bool cancel = false;
+    int calls_after_cancel = 0;
+    PlanOptions o;
+    o.overlap_communication = overlap;
+    o.cancelled = [&]() { return cancel; };
+    o.progress = [&](int64_t, double best, int) {
+      // The first search's last report: a complete program.
+      calls_after_cancel += cancel;
+      if (best > 0) cancel = true;
+    };
+    auto r = PlanModel(g, c, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(cancel);
+    EXPECT_EQ(calls_after_cancel, 0);  // no search after it
+    EXPECT_EQ(r->source, "search");
+    EXPECT_FALSE(r->optimal);
+    EXPECT_THAT(r->notes, ::testing::Contains(HasSubstr("cancelled")));
+    EXPECT_TRUE(CheckProgram(g, r->program, c.size()).ok());
+  }
+}
+
 // The snap before device groups (test-only reference): the rounded split and
 // all N(N-1) one-sample moves built whole and each costed by EvaluateProgram;
 // the first strictly better (relative 1e-9) valid split in that order wins.
