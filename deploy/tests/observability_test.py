@@ -43,6 +43,10 @@ def promtool_checks(promtool):
     return config, targets
 
 
+def dashboard_panels():
+    return json.load(open(DASHBOARD))["panels"]
+
+
 def dashboard_queries():
     dash = json.load(open(DASHBOARD))
     assert dash.get("uid") == DASHBOARD_UID, f"dashboard uid {dash.get('uid')!r}"
@@ -153,6 +157,54 @@ def prometheus_scrapes(prometheus, config, planner):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def hapctl_json(hapctl, *args):
+    out = subprocess.run([hapctl, *args, "-o", "json"], capture_output=True, text=True)
+    assert out.returncode == 0, f"hapctl {' '.join(args)}: {out.stdout}{out.stderr}"
+    return json.loads(out.stdout)
+
+
+def described_values(planner, hapctl, tmp_plans):
+    """Every label value a panel's description lists ("by result (a, b, c)") is one the planner
+    gives that label: a legend reader looks for them. Plans are made to fail (a model that fits
+    no device) and to be cancelled (queued behind others on the planner's one worker) first,
+    so that each result the planner has is in the scrape."""
+    gpt = ["create", "plan", "--model", "gpt", "--heads", "2", "--seq", "16"]
+    out = subprocess.run([hapctl] + gpt + ["--layers", "96", "--hidden", "65536", "--ffn",
+                                           "262144", "--batch", "4", "--id", "too-big"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"hapctl create plan too-big: {out.stdout}{out.stderr}"
+    for i in range(tmp_plans):
+        out = subprocess.run([hapctl] + gpt + ["--layers", "12", "--hidden", "64", "--ffn", "128",
+                                               "--batch", str(64 + 2 * i), "--id", f"queued-{i}"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, f"hapctl create plan queued-{i}: {out.stdout}{out.stderr}"
+    for i in reversed(range(tmp_plans)):  # the last one first: it has not started
+        subprocess.run([hapctl, "cancel", "plan", f"queued-{i}"], capture_output=True, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        plans = hapctl_json(hapctl, "get", "plans").get("plans", [])
+        if all(p.get("state") in ("SUCCEEDED", "FAILED", "CANCELLED") for p in plans):
+            break
+        time.sleep(0.5)
+    states = {p["name"]: p.get("state") for p in plans}
+    assert states.get("plans/too-big") == "FAILED", states
+    assert "CANCELLED" in states.values(), states
+    values = {}
+    for line in planner.scrape().splitlines():
+        m = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*\{(.*)\} ", line)
+        for k, v in re.findall(r'(\w+)="([^"]*)"', m.group(1) if m else ""):
+            values.setdefault(k, set()).add(v)
+    wrong = []
+    for p in dashboard_panels():
+        for label, listed in re.findall(r"\bby (\w+) \(([^)]*)\)", p.get("description", "")):
+            for v in filter(None, re.split(r",\s*|\s+or\s+|\s+and\s+", listed.strip())):
+                if v not in values.get(label, ()):
+                    wrong.append(f"panel {p['title']!r}: its description lists {label} {v!r}, "
+                                 f"which the planner never gives (it gives "
+                                 f"{sorted(values.get(label, ()))})")
+    return wrong
+
+
 def main():
     promtool = lib.tool("promtool", "Debian package prometheus; run scripts/setup.sh")
     prometheus = lib.tool("prometheus", "Debian package prometheus; run scripts/setup.sh")
@@ -218,6 +270,9 @@ def main():
                 sys.exit("FAIL:\n" + "\n".join(missing))
             steps = prometheus_scrapes(prometheus, config, planner)
             assert steps > 0, "Prometheus saw no steps"
+            wrong = described_values(planner, lib.binary("HAPCTL_BIN"), 6)
+            if wrong:
+                sys.exit("FAIL:\n" + "\n".join(wrong))
         finally:
             for p in procs:
                 lib.stop(p)
