@@ -1273,14 +1273,14 @@ TEST_F(AgentTest, AProbeCallsLinkReportsEndByItsDeadline) {
   auto stub = AgentStub(*agent);
   ASSERT_TRUE(stub);
   grpc::ClientContext ctx;
-  hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(5));
+  hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(2));
   v1::ProbeRequest req;
   req.set_include_links(true);
   v1::ProbeResponse r;
   EXPECT_THAT(FromGrpc(stub->Probe(&ctx, req, &r)),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("")));
   ASSERT_TRUE(planner_.WaitFor([](const Record& x) { return !x.held_reports_given.empty(); }));
-  // The caller's 5 s as gRPC carries a deadline (rounded up), not the hour.
+  // The caller's 2 s as gRPC carries a deadline (rounded up), not the hour.
   EXPECT_LT(planner_.Snapshot().held_reports_given[0], absl::Minutes(1));
 }
 
