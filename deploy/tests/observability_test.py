@@ -205,6 +205,37 @@ def described_values(planner, hapctl, tmp_plans):
     return wrong
 
 
+def rank_reports(planner, hapctl):
+    """hap_executor_steps_total counts every rank's report of a step: the test's deployment
+    (stopped here) completed fewer steps than the counter holds. A panel drawing its rate as
+    "steps/s" then shows the ranks' reports per second (a deployment of N ranks at one step
+    per second draws N): its legend must say it counts ranks."""
+    deps = hapctl_json(hapctl, "get", "deployments").get("deployments", [])
+    assert len(deps) == 1, deps
+    name = deps[0]["name"]
+    out = subprocess.run([hapctl, "stop", "deployment", name], capture_output=True, text=True)
+    assert out.returncode == 0, f"hapctl stop deployment: {out.stdout}{out.stderr}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        d = hapctl_json(hapctl, "describe", "deployment", name)
+        if d.get("state") in ("STOPPED", "SUCCEEDED", "FAILED"):
+            break
+        time.sleep(0.5)
+    steps = int(d.get("stepsCompleted", d.get("steps_completed", 0)))
+    m = re.search(r"^hap_executor_steps_total (\S+)$", planner.scrape(), re.M)
+    reports = float(m.group(1)) if m else 0
+    print(f"deployment {name}: {steps} steps completed on {len(d.get('ranks', []))} ranks; "
+          f"hap_executor_steps_total {reports:g}")
+    assert steps > 0, d
+    if reports <= steps:
+        return []  # the counter counts training steps: "steps/s" is right
+    return [f"panel {p['title']!r}: {t['expr']} drawn as {t.get('legendFormat')!r}: the counter "
+            f"counts each rank's report ({reports:g} for {steps} steps), not steps"
+            for p in dashboard_panels() for t in p["targets"]
+            if "hap_executor_steps_total" in t["expr"]
+            and "rank" not in (t.get("legendFormat") or "")]
+
+
 def main():
     promtool = lib.tool("promtool", "Debian package prometheus; run scripts/setup.sh")
     prometheus = lib.tool("prometheus", "Debian package prometheus; run scripts/setup.sh")
@@ -271,6 +302,7 @@ def main():
             steps = prometheus_scrapes(prometheus, config, planner)
             assert steps > 0, "Prometheus saw no steps"
             wrong = described_values(planner, lib.binary("HAPCTL_BIN"), 6)
+            wrong += rank_reports(planner, lib.binary("HAPCTL_BIN"))
             if wrong:
                 sys.exit("FAIL:\n" + "\n".join(wrong))
         finally:
