@@ -30,9 +30,12 @@ void Planner::Start(const std::string& state_dir, std::vector<std::string> extra
   auto addr = proc.WaitForLine("listening on 127.0.0.1:");
   ASSERT_TRUE(addr.ok()) << addr.status();
   ASSERT_TRUE(absl::SimpleAtoi(*addr, &port));
-  auto m = proc.WaitForLine("metrics on http://127.0.0.1:");
+  auto m = proc.WaitForLine("metrics on ");  // http:// or, with TLS, https://
   ASSERT_TRUE(m.ok()) << m.status();
-  ASSERT_TRUE(absl::SimpleAtoi(m->substr(0, m->find('/')), &metrics_port));
+  const std::string at = "://127.0.0.1:";
+  ASSERT_NE(m->find(at), std::string::npos) << *m;
+  const std::string port_on = m->substr(m->find(at) + at.size());
+  ASSERT_TRUE(absl::SimpleAtoi(port_on.substr(0, port_on.find('/')), &metrics_port)) << *m;
 }
 
 std::string Planner::Address() const { return absl::StrCat("127.0.0.1:", port); }

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <thread>
@@ -359,6 +361,22 @@ TEST(PlannerTlsTest, ServesTlsWithTheTokenAndRefusesPlaintext) {
   // Plaintext to a TLS server does not get through.
   auto plain = v1::Planner::NewStub(*service::MakeChannel(p.Address(), {}));
   EXPECT_FALSE(plain->ListNodes(Ctx(true, 3).get(), r, &out).ok());
+  // The status page and /metrics are HTTPS with the same certificate: the
+  // token is not sent in clear (plain HTTP gets no answer).
+  absl::StatusOr<std::string> plain_page =
+      hap::testing::HttpGet(p.metrics_port, "/status", absl::Seconds(5), kToken);
+  EXPECT_FALSE(plain_page.ok());
+  EXPECT_THAT(plain_page.status().message(), HasSubstr("no HTTP response"));
+  const std::string fetch = absl::StrCat(
+      "printf 'GET /status HTTP/1.0\\r\\nAuthorization: Bearer ", kToken,
+      "\\r\\n\\r\\n' | timeout 20 openssl s_client -quiet -verify_return_error -CAfile ", dir,
+      "/cert.pem -verify_ip 127.0.0.1 -connect 127.0.0.1:", p.metrics_port, " 2>/dev/null > ", dir,
+      "/status.out");
+  EXPECT_EQ(std::system(fetch.c_str()), 0) << fetch;
+  std::ifstream got(dir + "/status.out");
+  const std::string page((std::istreambuf_iterator<char>(got)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(page, HasSubstr("HTTP/1.1 200 OK"));
+  EXPECT_THAT(page, HasSubstr("<html"));
   p.proc.Stop(SIGTERM);
 }
 

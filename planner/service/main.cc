@@ -22,7 +22,7 @@ the environment as HAP_<FLAG> (--database: HAP_DATABASE, ...), the flag winning.
   --listen HOST:PORT        gRPC (default 127.0.0.1:7070; port 0 = any free)
   --advertise HOST:PORT     address executors reach the planner at
   --metrics-listen HOST:PORT  Prometheus /metrics and /status (default
-                            127.0.0.1:9464; "off")
+                            127.0.0.1:9464; "off"); HTTPS with --tls-cert-file
   --database FILE           SQLite state (default hap-planner.db; "" = memory);
                             locked to this planner while it runs
   --token-file FILE         bearer token every call must carry
@@ -232,8 +232,8 @@ int main(int argc, char** argv) {
   g_server = server->get();
   std::cout << "listening on " << (*server)->address() << "\n";
   if ((*server)->metrics_port() >= 0) {
-    std::cout << "metrics on http://" << o->metrics_address << ":" << (*server)->metrics_port()
-              << "/metrics\n";
+    std::cout << "metrics on " << (o->security.tls_cert_file.empty() ? "http" : "https") << "://"
+              << o->metrics_address << ":" << (*server)->metrics_port() << "/metrics\n";
   }
   std::cout << std::flush;
   std::signal(SIGTERM, [](int s) { g_signal = s; });

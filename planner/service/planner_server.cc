@@ -441,6 +441,10 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     // The status page shows the cluster and plans: behind the token when
     // there is one (/metrics and /healthz stay open).
     ho.token = o.security.token;
+    // With TLS for gRPC, HTTPS with the same certificate: the token would
+    // otherwise cross the network in clear.
+    ho.tls_cert_file = o.security.tls_cert_file;
+    ho.tls_key_file = o.security.tls_key_file;
     m.http = std::make_unique<metrics::MetricsHttpServer>(&m.metrics.registry, ho);
     // The status page for people; the core and service outlive the HTTP
     // server (Shutdown stops it first).

@@ -7,6 +7,10 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -15,15 +19,18 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -53,6 +60,66 @@ constexpr Clock::duration kDrainTime = std::chrono::seconds(1);
 // Connections accepted per poll, so that a flood of connections does not
 // starve the others.
 constexpr int kAcceptsPerPoll = 64;
+
+using TlsContext = std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)>;
+
+// OpenSSL's oldest error on this thread, as text; the thread's error queue
+// is left empty.
+std::string TlsError() {
+  const unsigned long e = ERR_get_error();
+  char text[256] = "unknown error";
+  if (e != 0) ERR_error_string_n(e, text, sizeof(text));
+  ERR_clear_error();
+  return text;
+}
+
+// The server context for `o`'s certificate and key (null without them).
+absl::StatusOr<TlsContext> NewTlsContext(const MetricsHttpServerOptions& o) {
+  TlsContext ctx(nullptr, &SSL_CTX_free);
+  if (o.tls_cert_file.empty() && o.tls_key_file.empty()) return ctx;
+  if (o.tls_cert_file.empty() || o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "metrics TLS needs both a certificate file and a key file, got one of them");
+  }
+  ctx.reset(SSL_CTX_new(TLS_server_method()));
+  if (ctx == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot make a TLS context: ", TlsError()));
+  }
+  SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
+  // An encrypted key would make OpenSSL ask for its passphrase on the
+  // terminal: no passphrase makes it fail instead.
+  SSL_CTX_set_default_passwd_cb(ctx.get(), [](char*, int, int, void*) { return 0; });
+  if (SSL_CTX_use_certificate_chain_file(ctx.get(), o.tls_cert_file.c_str()) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics TLS certificate '", o.tls_cert_file,
+                                                   "' cannot be used: ", TlsError()));
+  }
+  // Read first, so that a key that is not one is told from another
+  // certificate's (SSL_CTX_use_PrivateKey_file says "mismatch" for both).
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_file(o.tls_key_file.c_str(), "r"),
+                                                    &BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      key_bio == nullptr
+          ? nullptr
+          : PEM_read_bio_PrivateKey(
+                key_bio.get(), nullptr, [](char*, int, int, void*) { return 0; }, nullptr),
+      &EVP_PKEY_free);
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics TLS key '", o.tls_key_file,
+                     "' cannot be used (not a PEM private key, or encrypted): ", TlsError()));
+  }
+  if (SSL_CTX_use_PrivateKey(ctx.get(), key.get()) != 1 ||
+      SSL_CTX_check_private_key(ctx.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(absl::StrCat("metrics TLS key '", o.tls_key_file,
+                                                   "' does not match the certificate '",
+                                                   o.tls_cert_file, "'"));
+  }
+  // Responses are written as far as the socket takes them, and resumed
+  // from where they stopped.
+  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  return ctx;
+}
 
 const char* Reason(int status) {
   switch (status) {
@@ -312,11 +379,13 @@ size_t HeadEnd(absl::string_view in) {
 // threads.
 class MetricsHttpServer::Serving {
  public:
-  // Takes `listen_fd` (bound, listening, non-blocking).
-  Serving(const MetricsHttpServer* server, int listen_fd, int wake_fd)
+  // Takes `listen_fd` (bound, listening, non-blocking) and `tls` (null:
+  // plain HTTP).
+  Serving(const MetricsHttpServer* server, int listen_fd, int wake_fd, TlsContext tls)
       : server_(server),
         listen_fd_(listen_fd),
         wake_fd_(wake_fd),
+        tls_(std::move(tls)),
         // Clamped so that deadlines do not overflow.
         timeout_(std::chrono::duration_cast<Clock::duration>(absl::ToChronoNanoseconds(
             std::min(server->options_.request_timeout, absl::Hours(24))))) {
@@ -344,6 +413,11 @@ class MetricsHttpServer::Serving {
   enum class State { kReading, kAnswering, kWriting, kDraining };
   struct Connection {
     int fd = -1;
+    SSL* ssl = nullptr;  // with TLS
+    // TLS must read (or write) before the call that wanted the other
+    // direction can go on (the handshake, a renegotiation).
+    bool tls_wants_read = false;
+    bool tls_wants_write = false;
     State state = State::kReading;
     Clock::time_point deadline;
     std::string in;   // the request so far (kReading)
@@ -387,8 +461,47 @@ class MetricsHttpServer::Serving {
   }
 
   void Close(std::map<uint64_t, Connection>::iterator it) {
+    SSL_free(it->second.ssl);
     close(it->second.fd);
     connections_.erase(it);
+  }
+
+  // After an SSL call on `c` returned `result` (<= 0): true when it waits
+  // for the socket (which way: c.tls_wants_*), false when the connection
+  // is over (the client closed, or a TLS error such as a client that does
+  // not speak TLS).
+  bool TlsWaits(Connection& c, int result) {
+    const int e = SSL_get_error(c.ssl, result);
+    ERR_clear_error();
+    c.tls_wants_read = e == SSL_ERROR_WANT_READ;
+    c.tls_wants_write = e == SSL_ERROR_WANT_WRITE;
+    return c.tls_wants_read || c.tls_wants_write;
+  }
+
+  // Reads into `buffer`: the count (> 0); 0 when the client closed or the
+  // connection failed; -1 when nothing can be read now.
+  ssize_t Receive(Connection& c, char* buffer, size_t size) {
+    if (c.ssl == nullptr) {
+      const ssize_t n = recv(c.fd, buffer, size, 0);
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? -1 : 0;
+      return n;
+    }
+    const int n = SSL_read(c.ssl, buffer, static_cast<int>(size));
+    if (n > 0) return n;
+    return TlsWaits(c, n) ? -1 : 0;
+  }
+
+  // Writes from `data`: the count (> 0); 0 when the connection failed; -1
+  // when nothing can be written now.
+  ssize_t Send(Connection& c, const char* data, size_t size) {
+    if (c.ssl == nullptr) {
+      const ssize_t n = send(c.fd, data, size, MSG_NOSIGNAL);
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? -1 : 0;
+      return n;
+    }
+    const int n = SSL_write(c.ssl, data, static_cast<int>(std::min<size_t>(size, 1 << 20)));
+    if (n > 0) return n;
+    return TlsWaits(c, n) ? -1 : 0;
   }
 
   // Starts writing `response` to `c`.
@@ -432,8 +545,20 @@ class MetricsHttpServer::Serving {
       if (static_cast<int>(connections_.size()) >= server_->options_.max_connections) {
         Close(Evictable());
       }
+      SSL* ssl = nullptr;
+      if (tls_ != nullptr) {
+        ssl = SSL_new(tls_.get());
+        if (ssl == nullptr || SSL_set_fd(ssl, fd) != 1) {
+          ERR_clear_error();
+          SSL_free(ssl);
+          close(fd);
+          continue;
+        }
+        SSL_set_accept_state(ssl);  // the handshake runs in the first reads
+      }
       Connection& c = connections_[next_id_++];
       c.fd = fd;
+      c.ssl = ssl;
       c.deadline = Clock::now() + timeout_;
     }
   }
@@ -443,9 +568,9 @@ class MetricsHttpServer::Serving {
     char buffer[4096];
     // At most 64 KiB a turn, so that one client cannot keep the loop.
     for (int turn = 0; turn < 16; ++turn) {
-      const ssize_t n = recv(c.fd, buffer, sizeof(buffer), 0);
+      const ssize_t n = Receive(c, buffer, sizeof(buffer));
       if (n == 0) return false;  // the client is gone (or done, draining)
-      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      if (n < 0) return true;
       if (c.state == State::kDraining) continue;
       c.in.append(buffer, n);
       const size_t end = HeadEnd(c.in);
@@ -475,12 +600,17 @@ class MetricsHttpServer::Serving {
   // Writes what it can of `c`'s response; false when it is to be closed.
   bool Write(Connection& c) {
     while (c.written < c.out.size()) {
-      const ssize_t n =
-          send(c.fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
-      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      const ssize_t n = Send(c, c.out.data() + c.written, c.out.size() - c.written);
+      if (n == 0) return false;
+      if (n < 0) return true;
       c.written += n;
     }
-    // All sent: wait a little for the client to close first.
+    // All sent: wait a little for the client to close first (with TLS,
+    // having said so: close_notify, sent once, its answer not awaited).
+    if (c.ssl != nullptr) {
+      (void)SSL_shutdown(c.ssl);
+      ERR_clear_error();
+    }
     shutdown(c.fd, SHUT_WR);
     c.out.clear();
     c.out.shrink_to_fit();
@@ -519,7 +649,10 @@ class MetricsHttpServer::Serving {
       }
       for (auto& [id, c] : connections_) {
         if (c.state == State::kAnswering) continue;
-        fds.push_back({c.fd, static_cast<short>(c.state == State::kWriting ? POLLOUT : POLLIN), 0});
+        short events = c.state == State::kWriting ? POLLOUT : POLLIN;
+        if (c.tls_wants_read) events = POLLIN;
+        if (c.tls_wants_write) events = POLLOUT;
+        fds.push_back({c.fd, events, 0});
         ids.push_back(id);
         next = std::min(next, c.deadline);
       }
@@ -548,13 +681,17 @@ class MetricsHttpServer::Serving {
       }
       if (fds[1].revents != 0) Accept();
     }
-    for (auto& [id, c] : connections_) close(c.fd);
+    for (auto& [id, c] : connections_) {
+      SSL_free(c.ssl);
+      close(c.fd);
+    }
     connections_.clear();
   }
 
   const MetricsHttpServer* const server_;
   const int listen_fd_;
   const int wake_fd_;
+  const TlsContext tls_;
   const Clock::duration timeout_;
   std::thread loop_;
   std::vector<std::thread> workers_;
@@ -676,6 +813,15 @@ absl::Status MetricsHttpServer::Start() {
     return absl::InvalidArgumentError(absl::StrCat("metrics request timeout must be positive, got ",
                                                    absl::FormatDuration(options_.request_timeout)));
   }
+  absl::StatusOr<TlsContext> tls = NewTlsContext(options_);
+  if (!tls.ok()) return tls.status();
+  if (*tls != nullptr) {
+    static const bool sigpipe_ignored = [] {
+      std::signal(SIGPIPE, SIG_IGN);
+      return true;
+    }();
+    (void)sigpipe_ignored;
+  }
   absl::MutexLock lock(&mu_);
   if (serving_ != nullptr) {
     return absl::FailedPreconditionError(
@@ -712,7 +858,7 @@ absl::Status MetricsHttpServer::Start() {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", listening, ": eventfd: ", strerror(error)));
   }
-  serving_ = std::make_unique<Serving>(this, fd, wake);
+  serving_ = std::make_unique<Serving>(this, fd, wake, *std::move(tls));
   port_ = ntohs(addr.sin_port);
   return absl::OkStatus();
 }

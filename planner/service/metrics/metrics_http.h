@@ -6,7 +6,8 @@
 //                 set (MetricsHttpServerOptions::token), 401 unless the
 //                 request carries it
 //   other paths   404; methods other than GET and HEAD 405
-// HEAD is answered like GET, without a body. A malformed request gets a
+// HEAD is answered like GET, without a body. With a certificate and key
+// (MetricsHttpServerOptions::tls_cert_file) it is HTTPS instead. A malformed request gets a
 // 4xx (505 for an HTTP version other than 1.0 and 1.1); the request line
 // and headers may take 16 KiB (414 or 431 beyond). Every response closes the
 // connection ("Connection: close"); request bodies are not read.
@@ -74,6 +75,14 @@ struct MetricsHttpServerOptions {
   // connection that has not sent its whole request (or not read its whole
   // response), so stalled clients cannot keep scrapes out.
   int max_connections = 128;
+  // Both set: HTTPS only (TLS 1.2 or later), with this PEM certificate
+  // chain (the server's certificate first) and its PEM private key, not
+  // encrypted; a client that does not speak TLS is closed unanswered. The
+  // token then never crosses the network in clear. Serving TLS ignores
+  // SIGPIPE in the process (as gRPC does): a client gone mid-write is an
+  // error of that connection, not the process's end.
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
 
 // What an added handler answers.
@@ -109,7 +118,8 @@ class MetricsHttpServer {
   // Binds and starts serving. Unavailable when the address cannot be bound
   // (e.g. the port is taken), with the reason; InvalidArgument for a bind
   // address that is not IPv4, a port outside 0..65535, fewer than one
-  // thread or connection, or a request timeout that is not positive;
+  // thread or connection, a request timeout that is not positive, or a TLS
+  // certificate or key that is missing, unreadable or not each other's;
   // FailedPrecondition when already started. After an error the
   // server may be started again.
   absl::Status Start();

@@ -2,11 +2,15 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -68,6 +72,8 @@ bool SendAll(int fd, absl::string_view bytes) {
   return true;
 }
 
+absl::StatusOr<HttpResponse> ParseResponse(const std::string& raw);
+
 // Sends `request` as it is on a new connection and parses the response,
 // read to EOF.
 absl::StatusOr<HttpResponse> FetchRaw(int port, absl::string_view request) {
@@ -92,7 +98,11 @@ absl::StatusOr<HttpResponse> FetchRaw(int port, absl::string_view request) {
     raw.append(buffer, n);
   }
   close(fd);
+  return ParseResponse(raw);
+}
 
+// A response as received, parsed.
+absl::StatusOr<HttpResponse> ParseResponse(const std::string& raw) {
   const size_t header_end = raw.find("\r\n\r\n");
   if (header_end == std::string::npos) {
     return absl::InternalError(absl::StrCat("no header end in: ", raw));
@@ -525,6 +535,156 @@ TEST_F(MetricsHttpServerTest, AWebSocketUpgradeIsAnsweredLikeAnyRequest) {
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->status, 200);
   EXPECT_EQ(r->body, "page /status");
+}
+
+// `request` sent over TLS to 127.0.0.1:`port`, the server's certificate
+// verified against `ca_file` for the address 127.0.0.1; the response read
+// to the end.
+absl::StatusOr<HttpResponse> FetchTls(int port, absl::string_view request,
+                                      const std::string& ca_file) {
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()),
+                                                        &SSL_CTX_free);
+  if (ctx == nullptr || SSL_CTX_load_verify_locations(ctx.get(), ca_file.c_str(), nullptr) != 1) {
+    return absl::InternalError("cannot make the client's TLS context");
+  }
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+  const int fd = Connect(port);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("connect: ", strerror(-fd)));
+  std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(ctx.get()), &SSL_free);
+  SSL_set_fd(ssl.get(), fd);
+  X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl.get()), "127.0.0.1");
+  std::string raw;
+  absl::Status status = absl::OkStatus();
+  if (SSL_connect(ssl.get()) != 1) {
+    status = absl::UnavailableError(absl::StrCat(
+        "TLS handshake failed: ", ERR_error_string(ERR_get_error(), nullptr),
+        " (verify: ", X509_verify_cert_error_string(SSL_get_verify_result(ssl.get())), ")"));
+  } else if (SSL_write(ssl.get(), request.data(), static_cast<int>(request.size())) !=
+             static_cast<int>(request.size())) {
+    status = absl::InternalError("TLS write failed");
+  } else {
+    char buffer[4096];
+    int n;
+    while ((n = SSL_read(ssl.get(), buffer, sizeof(buffer))) > 0) raw.append(buffer, n);
+  }
+  ERR_clear_error();
+  ssl.reset();
+  close(fd);
+  if (!status.ok()) return status;
+  return ParseResponse(raw);
+}
+
+class MetricsHttpsTest : public MetricsHttpServerTest {
+ protected:
+  void SetUp() override {
+    MetricsHttpServerTest::SetUp();
+    dir_ = absl::StrCat(::testing::TempDir(), "/metrics_tls");
+    ASSERT_EQ(std::system(absl::StrCat("rm -rf ", dir_, " && mkdir -p ", dir_).c_str()), 0);
+    for (const char* name : {"a", "b"}) {
+      ASSERT_EQ(std::system(absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -keyout ", dir_,
+                                         "/", name, ".key -out ", dir_, "/", name,
+                                         ".pem -subj /CN=127.0.0.1 -addext "
+                                         "subjectAltName=IP:127.0.0.1 -days 1 >/dev/null 2>&1")
+                                .c_str()),
+                0)
+          << "openssl could not make a test certificate";
+    }
+  }
+  std::string File(const std::string& name) const { return absl::StrCat(dir_, "/", name); }
+  MetricsHttpServerOptions Tls() const {
+    MetricsHttpServerOptions o;
+    o.tls_cert_file = File("a.pem");
+    o.tls_key_file = File("a.key");
+    return o;
+  }
+  static std::string Get(int port, const std::string& path, const std::string& headers = "") {
+    return absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1:", port,
+                        "\r\nConnection: close\r\n", headers, "\r\n");
+  }
+
+  std::string dir_;
+};
+
+// With a certificate and key the server speaks HTTPS: pages, the token
+// check, /metrics and /healthz as over HTTP, and nothing to a client that
+// does not speak TLS (which would have sent the token in clear).
+TEST_F(MetricsHttpsTest, PagesAndMetricsAreServedOverTlsOnly) {
+  MetricsHttpServerOptions options = Tls();
+  options.token = "s3cret";
+  std::unique_ptr<MetricsHttpServer> server = StartWithPage(options);
+  const int port = server->port();
+  absl::StatusOr<HttpResponse> page =
+      FetchTls(port, Get(port, "/status", "Authorization: Bearer s3cret\r\n"), File("a.pem"));
+  ASSERT_THAT(page, IsOk());
+  EXPECT_EQ(page->status, 200);
+  EXPECT_EQ(page->body, "page /status");
+  absl::StatusOr<HttpResponse> refused = FetchTls(port, Get(port, "/status"), File("a.pem"));
+  ASSERT_THAT(refused, IsOk());
+  EXPECT_EQ(refused->status, 401);
+  absl::StatusOr<HttpResponse> metrics = FetchTls(port, Get(port, "/metrics"), File("a.pem"));
+  ASSERT_THAT(metrics, IsOk());
+  EXPECT_EQ(metrics->status, 200);
+  EXPECT_THAT(metrics->body, HasSubstr("hap_plans_total"));
+  // Plain HTTP: closed unanswered.
+  const int fd = Stall(port, Get(port, "/status", "Authorization: Bearer s3cret\r\n"));
+  ASSERT_GE(fd, 0);
+  std::string got;
+  char buffer[512];
+  ssize_t n;
+  while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0) got.append(buffer, n);
+  close(fd);
+  EXPECT_THAT(got, ::testing::Not(HasSubstr("HTTP/1.1")));
+  EXPECT_THAT(got, ::testing::Not(HasSubstr("page")));
+  // A client that does not trust the certificate (another's) fails its
+  // handshake.
+  EXPECT_THAT(FetchTls(port, Get(port, "/metrics"), File("b.pem")),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("TLS handshake failed")));
+}
+
+// TLS clients that stall in their handshake (connected, nothing sent, or
+// half a request) hold no thread either.
+TEST_F(MetricsHttpsTest, StalledTlsClientsDelayNoScrape) {
+  MetricsHttpServerOptions options = Tls();
+  options.request_timeout = absl::Minutes(10);
+  MetricsHttpServer server(&registry_, options);
+  ASSERT_THAT(server.Start(), IsOk());
+  std::vector<int> stalled;
+  for (int i = 0; i < 4; ++i) stalled.push_back(Stall(server.port(), ""));
+  stalled.push_back(Stall(server.port(), std::string("\x16\x03\x01\x02\x00", 5)));
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<HttpResponse> r =
+        FetchTls(server.port(), Get(server.port(), "/metrics"), File("a.pem"));
+    ASSERT_THAT(r, IsOk());
+    EXPECT_EQ(r->status, 200);
+  }
+  server.Stop();
+  for (int fd : stalled) {
+    EXPECT_TRUE(ClosedByServer(fd));
+    close(fd);
+  }
+}
+
+TEST_F(MetricsHttpsTest, ACertificateAndKeyThatCannotServeAreRefusedNamingThem) {
+  MetricsHttpServerOptions options = Tls();
+  options.tls_key_file.clear();
+  EXPECT_THAT(MetricsHttpServer(&registry_, options).Start(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("both a certificate")));
+  options = Tls();
+  options.tls_cert_file = File("missing.pem");
+  EXPECT_THAT(MetricsHttpServer(&registry_, options).Start(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("certificate '" + File("missing.pem") + "' cannot be used")));
+  options = Tls();
+  options.tls_key_file = File("a.pem");  // a certificate, not a key
+  EXPECT_THAT(MetricsHttpServer(&registry_, options).Start(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("key '" + File("a.pem") + "' cannot be used")));
+  options = Tls();
+  options.tls_key_file = File("b.key");
+  EXPECT_THAT(MetricsHttpServer(&registry_, options).Start(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("key '" + File("b.key") + "' does not match the certificate '" +
+                                 File("a.pem") + "'")));
 }
 
 }  // namespace
