@@ -36,8 +36,11 @@
 // checkpoints of later steps (superseded-*: a run resumed from an earlier
 // step replaced theirs; said on stderr) and removes all but the newest
 // `keep` of the rest, never the one just committed. The ranks agree through
-// the shared directory, without data collectives. A rank killed at any
-// point leaves the previous checkpoints as they were.
+// the shared directory, without data collectives (three barriers, passed by
+// every rank whatever happens): a rank takes the step directory for its
+// save's only if it is the temporary directory renamed, so another run
+// committing the same step meanwhile fails every rank alike. A rank killed
+// at any point leaves the previous checkpoints as they were.
 #ifndef HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_
 #define HAP_EXECUTOR_CHECKPOINT_CHECKPOINT_H_
 
