@@ -729,7 +729,9 @@ struct Agent::Impl : public ProfileSource {
           absl::MutexLock l(&mu);
           if (!registered) continue;  // unknown_node: register again at once
         }
-        if (executors_unresolved > 0) {
+        // Not while another agent holds the node: registering again for
+        // the labels took the node back from it.
+        if (executors_unresolved > 0 && registered_by.empty()) {
           int unresolved = 0;
           ExecutorLabels(&unresolved);
           if (unresolved == 0) {  // every executor answers now: register with the labels

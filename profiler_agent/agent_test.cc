@@ -434,6 +434,33 @@ TEST_F(AgentTest, AHungExecutorDoesNotHoldUpHeartbeats) {
   EXPECT_LE(given.back(), absl::Milliseconds(15));
 }
 
+// An executor that answers late is labelled by registering again, but not
+// while another agent holds the node: the agent registered again for the
+// label and took the node back from the agent that held it (the two would
+// take it in turns).
+TEST_F(AgentTest, AnExecutorStartedLaterDoesNotTakeBackANodeAnotherAgentHolds) {
+  std::string address;
+  {
+    FakeExecutor probe("x", "127.0.0.1:0");  // a port free a moment ago
+    address = probe.address();
+  }
+  AgentOptions o = Options("node-a");
+  o.executors = {address};
+  auto first = StartAgent(o, &state_);
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(Registered("node-a"));
+  auto second = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(second);
+  ASSERT_TRUE(Registered("node-a", 2));
+  // The first agent took the answer of its first refused heartbeat.
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 2; }));
+  FakeExecutor executor("node-a/cpu0", address);
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 12; }));
+  const Record r = planner_.Snapshot();
+  EXPECT_EQ(r.registrations, 2);
+  EXPECT_EQ(r.nodes.at("node-a").address(), second->address());
+}
+
 // The lookups shared one budget one after another: a hung executor listed
 // first spent it all, and the executors after it were given 1 ms each (a
 // healthy one was never labelled while the hung one stayed). Each is asked
