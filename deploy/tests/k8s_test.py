@@ -4,9 +4,12 @@ hardened, and the ports and flags agree with the binaries themselves."""
 import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import yaml
 
@@ -331,6 +334,91 @@ def check_overlay(overlay, objects, defaults):
     check(len(pvc) == 1, f"{overlay}: expected one PVC for the planner's store")
 
 
+# What the downward API gives a pod, here (starts_with_its_args).
+FIELD_VALUES = {"status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1",
+                "spec.nodeName": "node-a"}
+
+
+def starts_with_its_args(overlay, objects):
+    """Every container's binary starts serving with the container's own arguments and
+    environment as the kubelet gives them: $(VAR) expanded, the downward API's fields
+    (FIELD_VALUES), the ConfigMap's values, each volume a temporary directory at the mount's
+    path (a secret's files a token). --flag=x --help proves that a flag exists, not that the
+    value it is given parses (--drain-seconds=5s, --threads=0, --listen=:7100 would pass it).
+    Each runs in a private network namespace, on the manifests' own ports."""
+    cms = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    binaries = {"planner": PLANNER, "agent": AGENT, "executor": EXECUTOR}
+    for o in objects:
+        if o["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        pod = o["spec"]["template"]["spec"]
+        secret_volumes = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
+        for c in pod["containers"]:
+            where = f"{overlay} {o['kind']}/{o['metadata']['name']} container {c['name']}"
+            env = {}
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {})
+                if "value" in e:
+                    env[e["name"]] = e["value"]
+                elif "fieldRef" in ref:
+                    env[e["name"]] = FIELD_VALUES[ref["fieldRef"]["fieldPath"]]
+                elif "configMapKeyRef" in ref:
+                    k = ref["configMapKeyRef"]
+                    env[e["name"]] = cms.get(k["name"], {}).get(k["key"], "")
+            with tempfile.TemporaryDirectory() as tmp:
+                mounts = c.get("volumeMounts", [])
+                for m in mounts:
+                    os.makedirs(tmp + m["mountPath"], exist_ok=True)
+
+                def local(value):
+                    for m in sorted(mounts, key=lambda m: -len(m["mountPath"])):
+                        path = m["mountPath"]
+                        if value == path or value.startswith(path.rstrip("/") + "/"):
+                            if m["name"] in secret_volumes and value != path:
+                                with open(tmp + value, "w") as f:
+                                    f.write("deploy-test-token\n")
+                                os.chmod(tmp + value, 0o600)
+                            return tmp + value
+                    return value
+
+                args = []
+                for a in c.get("args", []):
+                    a = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                               lambda m: env.get(m.group(1), m.group(0)), a)
+                    flag, eq, value = a.partition("=")
+                    args.append(flag + eq + local(value) if eq else a)
+                run_env = {k: v for k, v in os.environ.items() if not k.startswith("HAP_")}
+                run_env.update({k: local(v) for k, v in env.items()})
+                cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+                       binaries[c["name"]]] + args
+                try:
+                    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, env=run_env, cwd=tmp)
+                except FileNotFoundError:
+                    print("NOTE: no unshare: the containers' arguments are not run")
+                    return
+                out, deadline = b"", time.time() + 30
+                while time.time() < deadline and b"listening on" not in out:
+                    ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+                    if ready:
+                        chunk = os.read(proc.stdout.fileno(), 65536)
+                        if not chunk:
+                            break
+                        out += chunk
+                serving = b"listening on" in out
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                text = out.decode(errors="replace").strip()
+                if not serving and ("unshare" in text and "Operation not permitted" in text):
+                    print(f"NOTE: unshare -rn is refused here: {text}")
+                    return
+                print(f"{where}: {'serves' if serving else 'DOES NOT SERVE'} with "
+                      f"{' '.join(c.get('args', []))}")
+                check(serving, f"{where}: does not start with its own arguments and environment "
+                      f"(rc {proc.returncode}): {text[-600:]}")
+
+
 def main():
     kubectl = lib.tool("kubectl", "kubectl 1.32 with Kustomize; Debian 12 ships only 1.20, "
                                   "too old for these kustomizations, so set-up does not install it")
@@ -346,6 +434,7 @@ def main():
         print(f"--- {overlay}: {len(objects)} objects: {', '.join(kinds)}")
         validate(objects, overlay)
         check_overlay(overlay, objects, defaults)
+        starts_with_its_args(overlay, objects)
     if failures:
         print("\n".join("FAIL: " + f for f in failures))
         sys.exit(1)
