@@ -684,6 +684,23 @@ class SqliteStore final : public StateStore {
 
   absl::Status MigrateInTransaction(const std::vector<SchemaMigration>& migrations, int latest)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // A database without our version table is new to the planner: one
+    // that holds tables already is another program's, not to be written
+    // into (nor its tables of our names taken for ours).
+    std::string ours, theirs;
+    HAP_RETURN_IF_ERROR(QueryText(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'", &ours));
+    if (ours.empty()) {
+      HAP_RETURN_IF_ERROR(
+          QueryText("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE "
+                    "'sqlite\\_%' ESCAPE '\\' ORDER BY name LIMIT 1",
+                    &theirs));
+    }
+    if (!theirs.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sqlite store '", path_, "' holds tables of another program (such as '", theirs,
+          "') and no planner schema: give the planner a database file of its own"));
+    }
     HAP_RETURN_IF_ERROR(Exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)",
                              "creating the schema_version table"));
     std::string text;

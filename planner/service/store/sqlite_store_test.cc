@@ -43,8 +43,10 @@ using testing::TestPlan;
 // Plain SQLite on the same file, to inspect or damage what the store wrote.
 class RawDb {
  public:
-  explicit RawDb(const std::string& path) {
-    EXPECT_EQ(sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  explicit RawDb(const std::string& path, bool create = false) {
+    EXPECT_EQ(sqlite3_open_v2(path.c_str(), &db_,
+                              SQLITE_OPEN_READWRITE | (create ? SQLITE_OPEN_CREATE : 0), nullptr),
+              SQLITE_OK);
   }
   ~RawDb() { sqlite3_close_v2(db_); }
   void Exec(const std::string& sql) {
@@ -473,6 +475,23 @@ TEST_F(SqliteStoreTest, SchemaFromANewerPlannerIsRefused) {
   EXPECT_THAT(OpenSqliteStore(path_),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("schema version 99"), HasSubstr("newer"))));
+}
+
+// Another program's database (tables, none of the planner's) is refused,
+// untouched: the planner added its tables beside the others', and a table
+// of one of our names was taken for ours.
+TEST_F(SqliteStoreTest, AnotherProgramsDatabaseIsRefusedUntouched) {
+  RawDb(path_, /*create=*/true).Exec("CREATE TABLE plans (x INTEGER)");
+  EXPECT_THAT(OpenSqliteStore(path_),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(path_), HasSubstr("tables of another program (such as "
+                                                         "'plans') and no planner schema"))));
+  EXPECT_EQ(RawDb(path_).Query("SELECT group_concat(name) FROM sqlite_master WHERE type = 'table'"),
+            "plans");
+  // An empty database file (sqlite3 made it, no tables) is the planner's.
+  const std::string empty = dir_ + "/empty.db";
+  RawDb(empty, /*create=*/true).Exec("PRAGMA user_version = 0");
+  EXPECT_NE(OpenSqliteStore(empty).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(SqliteStoreTest, MigrationsRunOnceEachAndAllOrNothing) {
