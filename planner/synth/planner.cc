@@ -285,7 +285,14 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
                         "devices: ",
                         s.moves_evaluated, " moves of device groups tried"));
     }
-    if (!s.ratios.empty()) c->ratios = std::move(s.ratios);
+    if (s.ratios.empty()) {
+      note(
+          "no split of whole samples tried (the ratios rounded, one sample moved) fits every "
+          "device's memory: the plan keeps fractional ratios, and as the executors run them "
+          "(rounded) a device may hold a sample more than fits");
+    } else {
+      c->ratios = std::move(s.ratios);
+    }
   };
 
   auto finish = [&](Candidate c, bool optimal) -> PlanResult {

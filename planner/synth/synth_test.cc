@@ -579,6 +579,29 @@ TEST(SynthTest, ProgressReportsStates) {
   EXPECT_GT(calls, 2);
 }
 
+// Memory that holds the LP's split (511.5 samples each) but no whole-sample
+// one (512 and 511): the plan keeps the LP's fractional ratios, and says so
+// (the executors run them rounded, a sample more than fits on a device).
+TEST(SynthTest, NoWholeSampleSplitThatFitsIsNoted) {
+  graph::Graph g = Zoo("mlp", {{"layers", 2}, {"hidden", 64}, {"input", 64}, {"batch", 1023}});
+  auto big = MakeCluster({1e12, 1e12}, 2, 1e13, 1e13);
+  auto free_run = PlanModel(g, big, PlanOptions());
+  ASSERT_TRUE(free_run.ok()) << free_run.status();
+  EXPECT_THAT(free_run->notes, ::testing::IsEmpty());
+  const ratios::MemoryConstraint m =
+      MemoryModel(g, big, free_run->program, OptimizerKind::kSgdMomentum);
+  ASSERT_GT(m.coef[0][0], 0);  // sharded activations
+  std::vector<cost::DeviceModel> d = big.devices();
+  for (int i = 0; i < 2; ++i) {
+    d[i].memory_bytes = static_cast<int64_t>(std::ceil(m.constant[i] + m.coef[0][i] / 2));
+  }
+  auto tight = *cost::ClusterModel::Create(d, {{0, 1e13}, {1e13, 0}}, {{0, 5e-6}, {5e-6, 0}});
+  auto r = PlanModel(g, tight, PlanOptions());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->ratios[0], 0.5, 1e-6);
+  EXPECT_THAT(r->notes, ::testing::Contains(HasSubstr("no split of whole samples")));
+}
+
 // A cancellation once a plan is known (the service's also fires at its
 // caller's deadline) returns that plan with a note, without searching the
 // baselines (their searches and LPs took as long as an uncancelled plan's).
