@@ -74,6 +74,41 @@ def runtime_packages_work(build_runs):
     return [f"the runtime package lookup misses {sorted(missing)}"] if missing else []
 
 
+def manifest_images():
+    """{target: the image the manifests run it as}: the base's container images, and for a
+    -cuda target the gpu overlay's tag of that image."""
+    import yaml
+    k8s = os.path.join(lib.deploy_dir(), "k8s")
+    base = {}
+    for name in os.listdir(os.path.join(k8s, "base")):
+        for doc in yaml.safe_load_all(open(os.path.join(k8s, "base", name))):
+            pod = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
+            for c in pod.get("containers", []):
+                base[c["name"]] = c["image"]
+    gpu = yaml.safe_load(open(os.path.join(k8s, "overlays", "gpu", "kustomization.yaml")))
+    tags = {i["name"]: i["newTag"] for i in gpu.get("images", []) if "newTag" in i}
+    out = {}
+    for target in IMAGES:
+        image = base.get(target.removesuffix("-cuda"))
+        if image and target.endswith("-cuda"):
+            name = image.rpartition(":")[0]
+            image = f"{name}:{tags[name]}" if name in tags else None
+        out[target] = image
+    return out
+
+
+def build_tags():
+    """(where, target, tag) of every `docker build ... --target T -t TAG` this folder shows:
+    the Dockerfile's header and deploy/README.md."""
+    out = []
+    for path in (DOCKERFILE, os.path.join(lib.deploy_dir(), "README.md")):
+        for line in open(path):
+            m = re.search(r"docker build .*--target\s+(\S+)\s+-t\s+(\S+)", line)
+            if m:
+                out.append((os.path.relpath(path, lib.deploy_dir()), m.group(1), m.group(2)))
+    return out
+
+
 def main():
     failures = []
     lines = open(DOCKERFILE).read().splitlines()
@@ -199,6 +234,18 @@ def main():
                 fnmatch.fnmatch(path.rstrip("/"), d) for d in docker_ignored):
             failures.append(f"{path}: ignored by git but not by {os.path.basename(DOCKERIGNORE)}")
 
+    # The tags the build commands give are the images the manifests pull: a build tagged
+    # otherwise leaves every pod in ErrImagePull (or on an older image of that name).
+    images = manifest_images()
+    tags = build_tags()
+    for target in IMAGES:
+        if not any(t == target for _, t, _ in tags):
+            failures.append(f"no `docker build --target {target} -t ...` line in the Dockerfile "
+                            f"or deploy/README.md")
+    for where, target, tag in tags:
+        if target in images and tag != images[target]:
+            failures.append(f"{where}: --target {target} is tagged {tag}, but the manifests run "
+                            f"it as {images[target]}")
     failures += runtime_packages_work(stages.get("build", {}).get("run", []))
 
     if failures:
