@@ -141,9 +141,10 @@ struct Agent::Impl : public ProfileSource {
   absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   bool registered ABSL_GUARDED_BY(mu) = false;
-  // The planner's latest heartbeat answer said another agent holds the node
-  // (registered_by): links measured here would be taken as the holder's.
-  bool held_by_another ABSL_GUARDED_BY(mu) = false;
+  // The agent the planner's latest heartbeat answer said holds the node
+  // (registered_by; empty: this one): links measured here would be taken as
+  // the holder's.
+  std::string held_by ABSL_GUARDED_BY(mu);
   // A re-probe the planner or a drift asked for, run by probe_thread so
   // that heartbeats go on while it measures.
   bool probe_wanted ABSL_GUARDED_BY(mu) = false;
@@ -546,7 +547,7 @@ struct Agent::Impl : public ProfileSource {
         HeartbeatIntervalFor(PlannersInterval(resp.heartbeat_interval()));
     absl::MutexLock l(&mu);
     registered = true;
-    held_by_another = false;
+    held_by.clear();
     sent_generation = generation;
     return interval;
   }
@@ -588,7 +589,7 @@ struct Agent::Impl : public ProfileSource {
       if (req.devices_size() > 0) sent_generation = generation;
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
-      held_by_another = !resp.registered_by().empty();
+      held_by = resp.registered_by();
     }
     if (resp.has_heartbeat_interval()) {
       // A planner restarted with another --heartbeat-seconds, its database
@@ -888,7 +889,7 @@ struct Agent::Impl : public ProfileSource {
   // planner took this agent's measurements (another machine's) as the
   // holder's, so none are made.
   bool StoppingOrHoldingTheNode() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return stopping || (registered && !held_by_another);
+    return stopping || (registered && held_by.empty());
   }
 
   void RunLinkProbes() {
@@ -924,6 +925,17 @@ struct Agent::Impl : public ProfileSource {
     // without peers).
     std::optional<v1::GetProbeAssignmentsResponse> assignments;
     if (include_links) {
+      {
+        absl::MutexLock l(&mu);
+        if (!held_by.empty()) {
+          // Its reports, naming only the node, were taken as the holder's.
+          return absl::FailedPreconditionError(
+              absl::StrCat("include_links: node '", o.name, "' is registered by the agent at ",
+                           held_by, ", not this one (", address,
+                           "), which reports no links for it; nothing was "
+                           "probed"));
+        }
+      }
       auto a = ProbeAssignments(deadline);
       if (!a.ok()) return Annotate(a.status(), "include_links: nothing was probed");
       assignments = *std::move(a);

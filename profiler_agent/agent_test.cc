@@ -390,6 +390,32 @@ TEST_F(AgentTest, AnAgentWhoseNodeAnotherAgentHoldsMeasuresNoLinks) {
   EXPECT_LE(planner_.Snapshot().probe_assignment_requests, asked + 1);
 }
 
+// The same for a Probe call with include_links: its reports too were taken
+// as the holder's. It fails naming the holder, probing nothing.
+TEST_F(AgentTest, AProbeCallForLinksOnANodeAnotherAgentHoldsFailsNamingIt) {
+  auto first = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(Registered("node-a"));
+  auto second = StartAgent(Options("node-a"), &state_);
+  ASSERT_TRUE(second);
+  ASSERT_TRUE(Registered("node-a", 2));
+  // The first agent's second refused heartbeat: it took the answer of the first.
+  ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 2; }));
+  auto stub = AgentStub(*first);
+  ASSERT_TRUE(stub);
+  const int probes = state_.probes.load();
+  grpc::ClientContext ctx;
+  hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(30));
+  v1::ProbeRequest req;
+  req.set_include_links(true);
+  v1::ProbeResponse r;
+  EXPECT_THAT(FromGrpc(stub->Probe(&ctx, req, &r)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::AllOf(HasSubstr("the agent at " + second->address()),
+                                        HasSubstr("nothing was probed"))));
+  EXPECT_EQ(state_.probes.load(), probes);
+}
+
 // An executor that starts after the agent: the node registers without its
 // label, then again with it once the executor answers.
 TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {
