@@ -540,9 +540,23 @@ TEST(SynthTest, DeterministicOutput) {
   ASSERT_TRUE(a.ok() && b.ok());
   ASSERT_EQ(a->program.steps.size(), b->program.steps.size());
   for (size_t i = 0; i < a->program.steps.size(); ++i) {
-    EXPECT_EQ(a->program.steps[i].rule.name, b->program.steps[i].rule.name);
+    const OpStep &x = a->program.steps[i], &y = b->program.steps[i];
+    EXPECT_EQ(x.rule.name, y.rule.name);
+    ASSERT_EQ(x.loads.size(), y.loads.size());
+    for (size_t k = 0; k < x.loads.size(); ++k) {
+      EXPECT_EQ(x.loads[k].tensor, y.loads[k].tensor);
+      EXPECT_EQ(x.loads[k].storage, y.loads[k].storage);
+      EXPECT_EQ(x.loads[k].sfb, y.loads[k].sfb);
+    }
+    ASSERT_EQ(x.comms.size(), y.comms.size());
+    for (size_t k = 0; k < x.comms.size(); ++k) {
+      EXPECT_EQ(x.comms[k].to, y.comms[k].to);
+      EXPECT_EQ(x.comms[k].method, y.comms[k].method);
+    }
   }
   EXPECT_EQ(a->ratios, b->ratios);
+  EXPECT_EQ(a->cost.total, b->cost.total);
+  EXPECT_EQ(a->source, b->source);
 }
 
 TEST(SynthTest, BudgetCutReturnsCompleteProgramNotProvenOptimal) {
@@ -559,6 +573,8 @@ TEST(SynthTest, BudgetCutReturnsCompleteProgramNotProvenOptimal) {
   so.cancelled = [&]() { return ++calls > 2; };
   auto q = Synthesize(g, c, so);
   ASSERT_TRUE(q.ok()) << q.status();  // the greedy incumbent survives
+  EXPECT_GT(calls, 2);                // it was cancelled...
+  EXPECT_FALSE(q->optimal);           // ...and says it was cut
   EXPECT_TRUE(CheckProgram(g, *q, c.size()).ok());
 }
 
