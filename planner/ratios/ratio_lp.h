@@ -12,7 +12,7 @@
 //   minimise    sum_k weight_k * t_k
 //   subject to  t_k >= coef_k[i] * b[seg_k][i] + constant_k[i]   for all k, i
 //               sum_i b[s][i] = 1                                for all s
-//               min_ratio[i] <= b[s][i]                           (default 0)
+//               b[s][i] >= 0
 //               memory: sum_s mem_coef[s][i] * b[s][i] + mem_constant[i]
 //                         <= capacity[i]                          for all i
 //
