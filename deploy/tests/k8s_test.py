@@ -268,6 +268,22 @@ def check_overlay(overlay, objects, defaults):
                     planner_env = [e for e in c.get("env", []) if e["name"] == "HAP_PLANNER"]
                     check(planner_env and "configMapKeyRef" in planner_env[0].get("valueFrom", {}),
                           f"{where}: HAP_PLANNER does not come from the ConfigMap")
+    # An executor takes a plan only when the planner's advertised address (the rendezvous
+    # address it sends) is the executor's --planner, string for string after normalising:
+    # the planner's HAP_ADVERTISE and the executors' HAP_PLANNER are one ConfigMap key.
+    def env_source(name, var):
+        w = by_kind.get("Deployment", {}).get(name) or by_kind.get("DaemonSet", {}).get(name, {})
+        for c in w.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for e in c.get("env", []):
+                if e["name"] == var:
+                    return e.get("valueFrom", {}).get("configMapKeyRef") or e.get("value")
+        return None
+    advertise = env_source("hap-planner", "HAP_ADVERTISE")
+    check(advertise is not None, f"{overlay}: the planner has no HAP_ADVERTISE: it advertises "
+          f"its --listen (0.0.0.0:7070), which no executor dials or accepts")
+    check(env_source("hap-executor", "HAP_PLANNER") == advertise,
+          f"{overlay}: the executors' HAP_PLANNER {env_source('hap-executor', 'HAP_PLANNER')} is "
+          f"not the planner's HAP_ADVERTISE {advertise}: they would refuse its plans")
     # A rolling update of the executors restarts them node by node, which fails every
     # deployment spanning them (an elastic job re-plans once per node): they are replaced
     # only when their pods are deleted.
