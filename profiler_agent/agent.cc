@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/random/random.h"
@@ -107,9 +108,6 @@ struct Agent::Impl : public ProfileSource {
   std::vector<std::unique_ptr<DeviceProber>> probers;
   std::unique_ptr<AgentServer> server;
   std::string address;
-  // The other agent the planner says holds the node (HeartbeatResponse.
-  // registered_by); the heartbeat thread's.
-  std::string registered_by;
   std::thread heartbeat_thread, link_thread, probe_thread;
   std::atomic<bool> shut_down{false};
 
@@ -210,6 +208,13 @@ struct Agent::Impl : public ProfileSource {
     Impl* impl_;
     grpc::ClientContext ctx_;
   };
+
+  // No other agent holds the node, as the planner's latest heartbeat answer
+  // said.
+  bool HeldByThisAgent() {
+    absl::MutexLock l(&mu);
+    return held_by.empty();
+  }
 
   // Shutdown has begun, or the process was asked to stop before it could
   // be called (o.stop_requested).
@@ -569,6 +574,7 @@ struct Agent::Impl : public ProfileSource {
     v1::HeartbeatResponse resp;
     Call call(this, o.rpc_timeout);
     absl::Status s = FromGrpc(Planner()->Heartbeat(call.ctx(), req, &resp));
+    std::string previous_holder;  // held_by before this answer
     if (!s.ok() && req.devices_size() > 0 && RefusesTheDevices(s)) {
       // Sent with every heartbeat, they failed each one until the node went
       // STALE: the next heartbeat goes without them (the planner keeps the
@@ -589,7 +595,7 @@ struct Agent::Impl : public ProfileSource {
       if (req.devices_size() > 0) sent_generation = generation;
       if (resp.unknown_node()) registered = false;
       planner_says_training = resp.training();
-      held_by = resp.registered_by();
+      previous_holder = std::exchange(held_by, resp.registered_by());
     }
     if (resp.has_heartbeat_interval()) {
       // A planner restarted with another --heartbeat-seconds, its database
@@ -605,10 +611,10 @@ struct Agent::Impl : public ProfileSource {
         heartbeat_interval = want;
       }
     }
-    if (resp.registered_by() != registered_by) {
+    if (resp.registered_by() != previous_holder) {
       // Not registering again: the two agents would take the node in turns.
       // The planner says unknown_node once the other goes silent.
-      registered_by = resp.registered_by();
+      const std::string& registered_by = resp.registered_by();
       Log(registered_by.empty()
               ? absl::StrCat("the planner takes this agent's heartbeats for node '", o.name,
                              "' again")
@@ -716,7 +722,7 @@ struct Agent::Impl : public ProfileSource {
         continue;
       }
       // Not while another agent holds the node: a probe would not be sent.
-      const bool check_drift = o.drift > 0 && planner_answered && registered_by.empty();
+      const bool check_drift = o.drift > 0 && planner_answered && HeldByThisAgent();
       if (check_drift && MonotonicNow() >= next_drift) {
         absl::MutexLock l(&mu);
         drift_check_wanted = true;
@@ -732,7 +738,7 @@ struct Agent::Impl : public ProfileSource {
         }
         // Not while another agent holds the node: registering again for
         // the labels took the node back from it.
-        if (executors_unresolved > 0 && registered_by.empty()) {
+        if (executors_unresolved > 0 && HeldByThisAgent()) {
           int unresolved = 0;
           ExecutorLabels(&unresolved);
           if (unresolved == 0) {  // every executor answers now: register with the labels
