@@ -444,6 +444,7 @@ def main():
               "its default ports are not compared")
     else:
         print(f"planner defaults from the binary: grpc {defaults[0]}, metrics {defaults[1]}")
+    rendered = {}
     for overlay in OVERLAYS:
         objects = render(kubectl, overlay)
         kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
@@ -451,6 +452,18 @@ def main():
         validate(objects, overlay)
         check_overlay(overlay, objects, defaults)
         starts_with_its_args(overlay, objects)
+        rendered[overlay] = objects
+    # The gpu overlay restates the executor's whole argument list (a strategic merge replaces
+    # a list): it must stay the base's (the cpu overlay's) but for the device it serves, or a
+    # flag added to the base silently never reaches the GPU executors.
+    def executor_args(overlay):
+        return [c.get("args", []) for o in rendered[overlay] if o["kind"] == "DaemonSet"
+                and o["metadata"]["name"] == "hap-executor"
+                for c in o["spec"]["template"]["spec"]["containers"]]
+    gpu_args = [[a.replace("/gpu0", "/cpu0") for a in args] for args in executor_args("gpu")]
+    check(gpu_args == executor_args("cpu"),
+          f"gpu overlay: the executor's args {executor_args('gpu')} are not the base's "
+          f"{executor_args('cpu')} with NODE/gpu0 for NODE/cpu0")
     if failures:
         print("\n".join("FAIL: " + f for f in failures))
         sys.exit(1)
