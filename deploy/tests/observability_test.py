@@ -301,7 +301,7 @@ def main():
                 sys.exit("FAIL:\n" + "\n".join(missing))
             steps = prometheus_scrapes(prometheus, config, planner)
             assert steps > 0, "Prometheus saw no steps"
-            wrong = described_values(planner, lib.binary("HAPCTL_BIN"), 6)
+            wrong = described_values(planner, lib.binary("HAPCTL_BIN"), 8)
             wrong += rank_reports(planner, lib.binary("HAPCTL_BIN"))
             if wrong:
                 sys.exit("FAIL:\n" + "\n".join(wrong))
