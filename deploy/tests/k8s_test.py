@@ -426,8 +426,10 @@ def starts_with_its_args(overlay, objects):
                     os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
                 text = out.decode(errors="replace").strip()
-                if not serving and ("unshare" in text and "Operation not permitted" in text):
-                    print(f"NOTE: unshare -rn is refused here: {text}")
+                if not serving and (("unshare" in text and "Operation not permitted" in text)
+                                    or re.search(r"\bip: (not found|command not found)", text)):
+                    print(f"NOTE: no private network namespace here (unshare -rn, ip): {text}; "
+                          f"the containers' arguments are not run")
                     return
                 print(f"{where}: {'serves' if serving else 'DOES NOT SERVE'} with "
                       f"{' '.join(c.get('args', []))}")
