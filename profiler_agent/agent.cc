@@ -686,6 +686,9 @@ struct Agent::Impl : public ProfileSource {
       if (!have_profile) {
         absl::Status s = ProbeDevices(absl::ZeroDuration());
         if (!s.ok() && !fail_and_wait(s.ToString())) break;
+        // The registration's retries start afresh: from the probes' backoff,
+        // its first retry waited up to max_backoff.
+        if (s.ok()) backoff = o.initial_backoff;
         continue;
       }
       if (!is_registered) {

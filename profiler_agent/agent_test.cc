@@ -1163,6 +1163,40 @@ TEST_F(AgentTest, AFailingDeviceProbeIsRetriedAndItsErrorServed) {
   EXPECT_EQ(planner_.Snapshot().registrations, 0);
 }
 
+// A FakeProber whose first `failures` probes fail (a GPU not back yet).
+class FailingFirstProber : public FakeProber {
+ public:
+  FailingFirstProber(State* s, int failures) : FakeProber(s), failures_(failures) {}
+  absl::StatusOr<std::vector<v1::Device>> Probe(const std::string& node,
+                                                const ProbeOptions& o) override {
+    if (failures_-- > 0) return absl::UnavailableError("the GPU is not back yet");
+    return FakeProber::Probe(node, o);
+  }
+
+ private:
+  int failures_;
+};
+
+// Retries of a failing first probe doubled the backoff, and the
+// registration's retries started from there (up to max_backoff, 10 s by
+// default, for its first retry). A probe that succeeds starts them afresh.
+TEST_F(AgentTest, RegistrationRetriesStartAfreshAfterProbeRetries) {
+  planner_.RefuseRegistrations(1);
+  AgentOptions o = Options("node-a");
+  o.initial_backoff = absl::Milliseconds(20);
+  o.max_backoff = absl::Seconds(10);
+  o.random = [] { return 0.0; };  // each wait half the backoff
+  ::testing::internal::CaptureStderr();
+  auto agent = StartOn(o, std::make_unique<FailingFirstProber>(&state_, 4));
+  const bool registered = agent.ok() && Registered("node-a");
+  if (agent.ok()) agent->reset();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(registered);
+  // Probes waited 10, 20 and 40 ms (the one inside Start is not retried).
+  EXPECT_THAT(log, HasSubstr("the GPU is not back yet; retrying in 40ms"));
+  EXPECT_THAT(log, HasSubstr("the fake planner is refusing; retrying in 10ms"));
+}
+
 // Probes that waited for the probe lock when SIGTERM came (a planner's
 // re-probe, a Probe call) probe nothing: each ran a full probe after the
 // other, delaying the exit by their sum. Here a link measurement to a peer
