@@ -281,6 +281,7 @@ absl::Status Run(const tools::Args& a) {
   }
   HAP_ASSIGN_OR_RETURN(Backend backend,
                        MakeBackend(spec, static_cast<int>(threads), group, *store));
+  HAP_RETURN_IF_ERROR(CheckProgramsAgree(plan.rank_programs(rank), group, *store));
   std::unique_ptr<Device>& device = backend.device;
   std::unique_ptr<Communicator>& comm = backend.comm;
   TimingDevice timing(device.get());

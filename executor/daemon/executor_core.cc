@@ -590,6 +590,12 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     auto comm = o_.connect ? o_.connect(go, *store) : ConnectBackend(*loaded->device, go, *store);
     if (!comm.ok()) return Annotate(comm.status(), "connecting the ranks");
     loaded->comm->Attach(comm->get());
+    // The ranks compare their programs through the store their
+    // communicators met in (an injected connect's, a test's in-process
+    // group, meets in none).
+    if (!o_.connect) {
+      HAP_RETURN_IF_ERROR(CheckProgramsAgree(lo.plan.rank_programs(lo.rank), go, *store));
+    }
     if (loaded->async != nullptr) {
       // The second communicator of the overlapped collectives (as
       // hap-launch's ConnectOverlap; through o_.connect when given).

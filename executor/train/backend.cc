@@ -1,10 +1,16 @@
 #include "executor/train/backend.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "executor/cpu/cpu_device.h"
+#include "planner/lower/plan_file.h"
 
 #ifdef HAP_WITH_CUDA
 #include "executor/cuda/cuda_device.h"
@@ -151,6 +157,44 @@ absl::StatusOr<std::unique_ptr<AsyncCollectives>> ConnectOverlap(Device& device,
     HAP_ASSIGN_OR_RETURN(comm, ConnectGloo(o, store));
   }
   return NewCommThread(&device, std::move(comm));
+}
+
+absl::Status CheckProgramsAgree(const v1::RankProgram& program, const GlooOptions& world,
+                                RendezvousStore& store) {
+  if (world.size <= 1) return absl::OkStatus();
+  auto key = [&](int rank) { return absl::StrCat(world.prefix, "/program-signature/", rank); };
+  const std::string mine = lower::CollectiveSignature(program);
+  HAP_RETURN_IF_ERROR(store.Set(key(world.rank), mine));
+  const absl::Time deadline = absl::Now() + world.timeout;
+  std::vector<int> others;
+  if (world.rank == 0) {
+    for (int r = 1; r < world.size; ++r) others.push_back(r);
+  } else {
+    others.push_back(0);
+  }
+  std::vector<int> differ;
+  std::string theirs_first;
+  for (int r : others) {
+    absl::StatusOr<std::string> theirs =
+        store.Get(key(r), std::max(absl::ZeroDuration(), deadline - absl::Now()));
+    if (!theirs.ok()) {
+      return absl::Status(theirs.status().code(), absl::StrCat("comparing the ranks' programs: ",
+                                                               theirs.status().message()));
+    }
+    if (*theirs != mine) {
+      if (differ.empty()) theirs_first = *theirs;
+      differ.push_back(r);
+    }
+  }
+  if (differ.empty()) return absl::OkStatus();
+  const size_t shown = std::min<size_t>(differ.size(), 8);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", world.rank, "'s program issues other collectives than rank",
+      differ.size() > 1 ? "s " : " ", absl::StrJoin(differ.begin(), differ.begin() + shown, ", "),
+      differ.size() > shown ? absl::StrCat(" and ", differ.size() - shown, " more") : "",
+      " (collective signature ", mine.substr(0, 12), " against ", theirs_first.substr(0, 12),
+      "): the ranks would wait for each other or exchange wrong data. A lowering fault, or ranks "
+      "given different plans"));
 }
 
 absl::StatusOr<Backend> MakeBackend(const DeviceSpec& spec, int threads, const GlooOptions& options,

@@ -79,6 +79,17 @@ absl::StatusOr<std::unique_ptr<AsyncCollectives>> ConnectOverlap(Device& device,
                                                                  const GlooOptions& options,
                                                                  RendezvousStore& store);
 
+// Every rank of `world` (its rank, size, prefix and timeout) publishes the
+// CollectiveSignature of its `program` in `store` and compares: rank 0
+// with every rank, the others with rank 0. FailedPrecondition naming the
+// ranks whose programs issue other collectives (a lowering fault, or ranks
+// given different plans), which would otherwise wait for each other until
+// the timeout or exchange wrong data; the store's errors (DeadlineExceeded
+// for a rank that never published) otherwise. Called once the
+// communicator is connected, so every rank has published by then.
+absl::Status CheckProgramsAgree(const hap::v1::RankProgram& program, const GlooOptions& world,
+                                RendezvousStore& store);
+
 // A device and its communicator. Members are destroyed in reverse order:
 // the communication thread, then the communicator, then the device they use.
 struct Backend {

@@ -1,16 +1,23 @@
 #include "executor/train/backend.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
+#include "executor/train/test_programs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/lower.h"
 
 namespace hap::executor {
 namespace {
 
 namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
 
@@ -104,6 +111,75 @@ TEST(BackendTest, CpuBackendIsGloo) {
   EXPECT_EQ(b->device->name(), "cpu");
   EXPECT_EQ(b->comm->size(), 1);
   EXPECT_TRUE(b->comm->Barrier().ok());
+}
+
+// Ranks of one lowered plan agree, though their buffers differ (uneven
+// shards); a rank whose program issues another collective sequence is
+// refused on its side and on rank 0's, each naming the other (rank 1,
+// which compares with rank 0 only, goes on); a rank that never publishes
+// is the store's DeadlineExceeded.
+TEST(CheckProgramsAgreeTest, RanksOfOnePlanAgreeAndADifferentProgramIsNamed) {
+  auto g = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", 16}, {"input", 8}, {"classes", 4}, {"batch", 12}});
+  ASSERT_THAT(g, IsOk());
+  const std::vector<double> ratios = {0.5, 0.3, 0.2};
+  auto program = hap::testing::ProgramOfKind(*g, 3, "tp", ratios);
+  ASSERT_THAT(program, IsOk());
+  lower::LowerOptions lo;
+  lo.world_size = 3;
+  lo.ratios = ratios;
+  auto ranks = lower::Lower(*g, *program, lo);
+  ASSERT_THAT(ranks, IsOk());
+  bool differ = false;  // some buffer's shard differs between ranks 0 and 2
+  for (int b = 0; b < (*ranks)[0].buffers_size() && b < (*ranks)[2].buffers_size(); ++b) {
+    const auto& a = (*ranks)[0].buffers(b).shape();
+    const auto& c = (*ranks)[2].buffers(b).shape();
+    differ |= !std::equal(a.begin(), a.end(), c.begin(), c.end());
+  }
+  ASSERT_TRUE(differ) << "the ranks' shards should differ";
+  auto run = [&](const std::vector<v1::RankProgram>& programs, const std::string& dir,
+                 absl::Duration timeout, int present) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    std::vector<absl::Status> out(programs.size(), absl::UnknownError("did not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < present; ++r) {
+      threads.emplace_back([&, r] {
+        auto store = NewFileStore(dir);
+        if (!store.ok()) {
+          out[r] = store.status();
+          return;
+        }
+        GlooOptions go;
+        go.rank = r;
+        go.size = static_cast<int>(programs.size());
+        go.prefix = "p";
+        go.timeout = timeout;
+        out[r] = CheckProgramsAgree(programs[r], go, **store);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  };
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/agree");
+  for (const absl::Status& s : run(*ranks, dir, absl::Seconds(30), 3)) EXPECT_THAT(s, IsOk());
+
+  std::vector<v1::RankProgram> other = *ranks;
+  int last = other[2].steps_size() - 1;
+  while (!other[2].steps(last).has_collective()) --last;
+  other[2].mutable_steps(last)->mutable_collective()->set_root(1);  // another call
+  std::vector<absl::Status> refused = run(other, dir, absl::Seconds(30), 3);
+  EXPECT_THAT(refused[0], StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("rank 0's program issues other collectives than "
+                                             "rank 2 (collective signature")));
+  EXPECT_THAT(refused[1], IsOk());
+  EXPECT_THAT(refused[2], StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("rank 2's program issues other collectives than "
+                                             "rank 0")));
+
+  std::vector<absl::Status> alone = run(*ranks, dir, absl::Milliseconds(300), 1);
+  EXPECT_THAT(alone[0], StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                 HasSubstr("comparing the ranks' programs")));
 }
 
 }  // namespace

@@ -83,6 +83,7 @@ absl::StatusOr<std::vector<TrainResult>> RunLocalRanks(
           go.prefix = options.prefix;
           go.timeout = options.timeout;
           HAP_ASSIGN_OR_RETURN(comm, ConnectGloo(go, *store));
+          HAP_RETURN_IF_ERROR(CheckProgramsAgree(programs[r], go, *store));
           if (options.overlap && HasAsyncCollectives(programs[r])) {
             HAP_ASSIGN_OR_RETURN(async, ConnectOverlap(*device, go, *store));
             ro.async = async.get();

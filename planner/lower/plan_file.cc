@@ -27,6 +27,31 @@ std::string Sha256Hex(const google::protobuf::Message& m) {
       absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
 }
 
+std::string CollectiveSignature(const v1::RankProgram& p) {
+  // The calls, each buffer id replaced by the position of a buffer that
+  // holds only what every rank agrees on (its dtype and global shape).
+  v1::RankProgram sequence;
+  auto agreed = [&](int id) -> int {
+    if (id < 0) return id;  // absent
+    v1::Buffer* b = sequence.add_buffers();
+    if (id < p.buffers_size()) {  // else a program CheckProgram refuses
+      b->set_dtype(p.buffers(id).dtype());
+      *b->mutable_global_shape() = p.buffers(id).global_shape();
+    }
+    return sequence.buffers_size() - 1;
+  };
+  for (const v1::Step& step : p.steps()) {
+    if (!step.has_collective()) continue;
+    v1::CollectiveCall c = step.collective();
+    c.set_input(agreed(c.input()));
+    c.set_output(agreed(c.output()));
+    for (int& id : *c.mutable_coalesced()) id = agreed(id);
+    for (int& id : *c.mutable_coalesced_outputs()) id = agreed(id);
+    *sequence.add_steps()->mutable_collective() = std::move(c);
+  }
+  return Sha256Hex(sequence);
+}
+
 std::string ContentHash(const v1::Plan& plan) {
   v1::Plan content;
   *content.mutable_program() = plan.program();

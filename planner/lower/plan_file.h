@@ -30,6 +30,15 @@ std::string Sha256Hex(const google::protobuf::Message& m);
 // The hash over program, ratios and rank programs (Plan.content_hash).
 std::string ContentHash(const hap::v1::Plan& plan);
 
+// A hash (sha256, hex) of the collectives `p` issues, in order, as every
+// rank of its world must issue them: each call's kind, method, dimensions,
+// per-rank shard sizes, root, wire dtype and whether it runs behind
+// compute, and its buffers' dtypes and global shapes; not what differs by
+// rank (the rank's own shard, buffer ids, the kernels between). Ranks
+// whose programs differ in it would wait for each other for ever or
+// exchange wrong data.
+std::string CollectiveSignature(const hap::v1::RankProgram& p);
+
 }  // namespace hap::lower
 
 #endif  // HAP_PLANNER_LOWER_PLAN_FILE_H_
