@@ -888,6 +888,11 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
     });
   }
   for (auto& t : queued) t.join();
+  // The handlers' deadlines are the server's: the time left when a call
+  // arrived, counted from its arrival, which on a loaded machine can be
+  // later than the client's (a third probe ran in CI). Released once every
+  // one of them has passed too, whenever the calls arrived.
+  absl::SleepFor(absl::Seconds(1));
   hold.hold = false;
   running.join();
   (*agent)->Shutdown();  // the queued calls' handlers are done
