@@ -55,21 +55,11 @@ bool RefusesTheDevices(const absl::Status& s) {
          absl::IsFailedPrecondition(s) || absl::IsOutOfRange(s);
 }
 
-// OK for a link the planner takes (PlannerCore::ReportLinks): a bandwidth
-// that is a finite number in (0, kMaxLinkBandwidth] B/s and a latency that
-// is a finite number >= 0. Otherwise InvalidArgument naming the link and the
-// value: the planner refuses a whole report for one such link, so one broken
-// timing lost every link reported with it.
+// OK for a link the planner takes (service::CheckLinkMeasurement, what
+// PlannerCore::ReportLinks checks): the planner refuses a whole report for
+// one such link, so one broken timing lost every link reported with it.
 absl::Status CheckLink(const v1::Link& l) {
-  const std::string link = absl::StrCat("link ", l.src(), " -> ", l.dst(), ": ");
-  const double bandwidth = l.bandwidth_bytes_per_second();
-  if (!(std::isfinite(bandwidth) && bandwidth > 0 && bandwidth <= service::kMaxLinkBandwidth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0 and at most ",
-                     service::kMaxLinkBandwidth, " (the planner takes no other), got ", bandwidth));
-  }
-  return service::CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(), 0,
-                             service::kInf, "a finite number >= 0");
+  return service::CheckLinkMeasurement(l, absl::StrCat("link ", l.src(), " -> ", l.dst(), ": "));
 }
 
 absl::Status Validate(const AgentOptions& o) {

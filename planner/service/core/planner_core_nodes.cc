@@ -321,16 +321,8 @@ absl::Status PlannerCore::ReportLinks(const std::string& node, const std::vector
                                                      " -> ", l.dst(),
                                                      " from a device it does not have"));
     }
-    const std::string link =
-        absl::StrCat("node '", name, "' reports link ", l.src(), " -> ", l.dst(), ": ");
-    const double bandwidth = l.bandwidth_bytes_per_second();
-    if (!(std::isfinite(bandwidth) && bandwidth > 0 && bandwidth <= kMaxLinkBandwidth)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0 and at most ",
-                       kMaxLinkBandwidth, " (no link carries more), got ", bandwidth));
-    }
-    HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(), 0,
-                                   kInf, "a finite number >= 0"));
+    HAP_RETURN_IF_ERROR(CheckLinkMeasurement(
+        l, absl::StrCat("node '", name, "' reports link ", l.src(), " -> ", l.dst(), ": ")));
   }
   for (const v1::Link& l : links) s_->links[{l.src(), l.dst()}] = l;
   return absl::OkStatus();

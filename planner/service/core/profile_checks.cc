@@ -52,6 +52,17 @@ bool ValidNodeName(const std::string& n) {
 
 // OK when lo <= v < hi (so never for NaN or an infinity); otherwise
 // InvalidArgument naming `field`, what it must be, and `v`.
+absl::Status CheckLinkMeasurement(const v1::Link& l, absl::string_view link) {
+  const double bandwidth = l.bandwidth_bytes_per_second();
+  if (!(std::isfinite(bandwidth) && bandwidth > 0 && bandwidth <= kMaxLinkBandwidth)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0 and at most ",
+                     kMaxLinkBandwidth, " (no link carries more), got ", bandwidth));
+  }
+  return CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(), 0, kInf,
+                    "a finite number >= 0");
+}
+
 absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
                         absl::string_view must_be) {
   if (std::isfinite(v) && v >= lo && v < hi) return absl::OkStatus();

@@ -68,6 +68,14 @@ bool ValidNodeName(const std::string& n);
 absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
                         absl::string_view must_be);
 
+// A measured link the planner takes (ReportLinks): a bandwidth that is a
+// finite number in (0, kMaxLinkBandwidth] B/s and a latency that is a
+// finite number >= 0. Otherwise InvalidArgument, `link` (which names the
+// link) then the field and the value. The agent checks its measurements
+// with it before reporting them: the planner refuses a whole report for
+// one such link.
+absl::Status CheckLinkMeasurement(const hap::v1::Link& l, absl::string_view link);
+
 // What every node profile must hold, whether it comes from RegisterNode or
 // from a Heartbeat with re-measured devices: device ids non-empty and unique
 // in the node, and every measurement a finite number in its range (one NaN
