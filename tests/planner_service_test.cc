@@ -240,8 +240,9 @@ TEST_F(PlannerServiceTest, HostileProfilesOptionsAndRendezvousCallsAreRefused) {
   *hb.mutable_devices() = FakeNode("n1", std::nan("")).devices();
   s = stub->Heartbeat(Ctx().get(), hb, &hr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(s.error_message(),
-              HasSubstr("FLOAT32 FLOP/s must be a finite number >= 1e+06, got nan"));
+  EXPECT_THAT(
+      s.error_message(),
+      HasSubstr("FLOAT32 FLOP/s must be a finite number >= 1e+06 and at most 1e+18, got nan"));
   // Options out of range.
   v1::CreatePlanRequest nan_lr = Mlp();
   nan_lr.mutable_options()->mutable_optimizer()->set_learning_rate(std::nan(""));

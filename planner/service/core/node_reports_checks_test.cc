@@ -120,6 +120,28 @@ TEST_F(PlannerCoreTest, TinyPositiveFlopsIsRefusedOrHarmless) {
   if (core_->RegisterNode(b).ok()) ExpectPlansStillWork(core_.get(), Deadline());
 }
 
+// A FLOP/s rate or memory no device has (a broken agent's figure) made the
+// device's compute free, or everything fit on it, in every plan.
+TEST_F(PlannerCoreTest, FlopsOrMemoryNoDeviceHasIsRefusedNamingIt) {
+  v1::Node b = MakeNode("b", 1, 1e19);
+  EXPECT_THAT(core_->RegisterNode(b).status(),
+              ::hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("device 'b/cpu0': FLOAT32 FLOP/s must be a finite "
+                                                 "number >= 1e+06 and at most 1e+18, got 1e+19")));
+  b = MakeNode("b", 1, 1e12);
+  b.mutable_devices(0)->set_tf32_flops(1e30);
+  EXPECT_THAT(core_->RegisterNode(b).status(),
+              ::hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("tf32_flops must be a finite number >= 0 and at "
+                                                 "most 1e+18, got 1e+30")));
+  b = MakeNode("b", 1, 1e12);
+  b.mutable_devices(0)->set_memory_bytes(int64_t{1} << 60);
+  EXPECT_THAT(core_->RegisterNode(b).status(),
+              ::hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("memory_bytes must be at most")));
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
+}
+
 TEST_F(PlannerCoreTest, TinyBandwidthOrHugeLatencyIsRefusedOrHarmless) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   v1::Link l;

@@ -171,9 +171,11 @@ absl::Status ValidateDevices(const std::string& node,
         return absl::InvalidArgumentError(absl::StrCat(
             dev, "a FLOP/s rate is for dtype ", t.dtype(), ", not a dtype this planner knows"));
       }
-      HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, v1::DType_Name(t.dtype()), " FLOP/s"),
-                                     t.flops(), kMinFlops, kInf,
-                                     absl::StrCat("a finite number >= ", kMinFlops)));
+      if (!(t.flops() >= kMinFlops && t.flops() <= kMaxFlops)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dev, v1::DType_Name(t.dtype()), " FLOP/s must be a finite number >= ", kMinFlops,
+            " and at most ", kMaxFlops, ", got ", t.flops()));
+      }
       // One rate a dtype: the cost model and calibration would each take another.
       if (!dtypes.insert(t.dtype()).second) {
         return absl::InvalidArgumentError(
@@ -190,8 +192,16 @@ absl::Status ValidateDevices(const std::string& node,
           "device '", d.id(), "' reports no memory: memory_bytes must be positive, got ",
           d.memory_bytes()));
     }
-    HAP_RETURN_IF_ERROR(CheckRange(absl::StrCat(dev, "tf32_flops"), d.tf32_flops(), 0, kInf,
-                                   "a finite number >= 0"));
+    if (d.memory_bytes() > kMaxDeviceMemoryBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(dev, "memory_bytes must be at most ",
+                                                     kMaxDeviceMemoryBytes, " (1 PiB), got ",
+                                                     d.memory_bytes()));
+    }
+    if (!(d.tf32_flops() >= 0 && d.tf32_flops() <= kMaxFlops)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dev, "tf32_flops must be a finite number >= 0 and at most ", kMaxFlops,
+                       ", got ", d.tf32_flops()));
+    }
     // Seconds summed over a step's kernels and parameters: a figure near
     // the largest double came out infinite and failed every plan on the
     // device, so each is bounded far above any device's.

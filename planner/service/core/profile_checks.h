@@ -20,6 +20,11 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 // Every FLOP/s entry a node reports is at least this (a real device does
 // 1e8 and more; a denormal one makes the cost model's times infinite).
 inline constexpr double kMinFlops = 1e6;
+// ... and at most this (an exaFLOP/s: hundreds of times a GPU's densest
+// rate); more is a broken agent's figure that makes the device's compute
+// free in every plan. Likewise a device's memory: at most a pebibyte.
+inline constexpr double kMaxFlops = 1e18;
+inline constexpr int64_t kMaxDeviceMemoryBytes = int64_t{1} << 50;
 // The largest link bandwidth a node may report, in B/s: ten times a GPU's
 // NVLink 5 (900 GB/s each way). More is a broken or lying agent's figure,
 // which would make transfers free in every plan.
