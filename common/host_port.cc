@@ -37,6 +37,19 @@ bool IsHostPort(const std::string& address, int min_port, bool schemes) {
   return host_ok && port_ok;
 }
 
+bool IsLocalOnlyAddress(const std::string& address) {
+  absl::string_view a = address;
+  for (const char* local : {"unix:", "unix-abstract:", "vsock:"}) {
+    if (absl::StartsWith(a, local)) return true;
+  }
+  absl::ConsumePrefix(&a, "dns:///") || absl::ConsumePrefix(&a, "dns:") ||
+      absl::ConsumePrefix(&a, "ipv4:") || absl::ConsumePrefix(&a, "ipv6:");
+  const size_t colon = a.rfind(':');
+  const absl::string_view host = colon == absl::string_view::npos ? a : a.substr(0, colon);
+  return absl::StartsWith(host, "127.") || absl::EqualsIgnoreCase(host, "localhost") ||
+         host == "[::1]";
+}
+
 std::string AdvertisedAddress(const std::string& bound) {
   const size_t colon = bound.rfind(':');
   std::string host = bound.substr(0, colon == std::string::npos ? bound.size() : colon);

@@ -20,6 +20,11 @@ bool IsHostPort(const std::string& address, int min_port = 1, bool schemes = fal
 // a peer can resolve; any other address is returned as it is.
 std::string AdvertisedAddress(const std::string& bound);
 
+// Whether the host of `address` (HOST:PORT, or a gRPC target with its
+// scheme: dns:///, ipv4:, ipv6:, unix: ...) is this machine only: 127.x.x.x,
+// localhost, [::1], or a local socket (unix:, unix-abstract:, vsock:).
+bool IsLocalOnlyAddress(const std::string& address);
+
 }  // namespace hap::service
 
 #endif  // HAP_COMMON_HOST_PORT_H_

@@ -38,6 +38,19 @@ TEST(IsHostPortTest, RefusesWhatGrpcWouldReadOtherwise) {
   EXPECT_TRUE(IsHostPort("ipv6:[::1]:7070", 1, /*schemes=*/true));
 }
 
+TEST(IsLocalOnlyAddressTest, LoopbackHostsAndLocalSocketsAreThisMachineOnly) {
+  for (const std::string local :
+       {"127.0.0.1:7070", "127.1.2.3:1", "localhost:7070", "LOCALHOST:1", "[::1]:7070",
+        "ipv4:127.0.0.1:7070", "dns:///localhost:7070", "unix:/run/hap.sock"}) {
+    EXPECT_TRUE(IsLocalOnlyAddress(local)) << local;
+  }
+  for (const std::string remote :
+       {"10.0.0.1:7070", "planner:7070", "[fd00::1]:7070", "dns:///planner.example:7070",
+        "0.0.0.0:7070", "node-127.example:1"}) {
+    EXPECT_FALSE(IsLocalOnlyAddress(remote)) << remote;
+  }
+}
+
 TEST(AdvertisedAddressTest, AWildcardHostIsThisMachinesName) {
   char name[256] = {};
   ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);

@@ -961,6 +961,14 @@ struct Agent::Impl : public ProfileSource {
   }
 };
 
+std::string LocalOnlyAddressWarning(const std::string& advertised, const std::string& planner) {
+  if (!service::IsLocalOnlyAddress(advertised) || service::IsLocalOnlyAddress(planner)) return "";
+  return absl::StrCat("warning: this node registers ", advertised,
+                      ", which only this machine reaches, with the planner at ", planner,
+                      ": the planner's Probe calls and peers measuring links from other hosts "
+                      "cannot reach it. Give --listen 0.0.0.0:PORT or --advertise HOST:PORT");
+}
+
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
     AgentOptions options, std::vector<std::unique_ptr<DeviceProber>> probers) {
   HAP_RETURN_IF_ERROR(Validate(options));
@@ -978,6 +986,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
   HAP_ASSIGN_OR_RETURN(impl.server, AgentServer::Start(impl.o.listen, impl.o.security, &impl));
   impl.address = impl.o.advertise.empty() ? hap::service::AdvertisedAddress(impl.server->address())
                                           : impl.o.advertise;
+  if (const std::string w = LocalOnlyAddressWarning(impl.address, impl.o.planner); !w.empty()) {
+    Log(w);
+  }
   if (absl::Status s = impl.ProbeDevices(absl::ZeroDuration()); !s.ok()) Log(s.ToString());
   impl.heartbeat_thread = std::thread([&impl] { impl.RunHeartbeats(); });
   impl.link_thread = std::thread([&impl] { impl.RunLinkProbes(); });

@@ -78,6 +78,12 @@ struct AgentOptions {
   std::function<bool()> stop_requested;
 };
 
+// What an agent logs at start when the address it registers (`advertised`)
+// is this machine's only (127.x, localhost, [::1]: the default --listen)
+// while the planner (`planner`) is elsewhere: neither the planner's callers
+// nor peers on other hosts can reach it. Empty otherwise.
+std::string LocalOnlyAddressWarning(const std::string& advertised, const std::string& planner);
+
 class Agent {
  public:
   // Validates the options, starts the server, probes once (a failed probe

@@ -862,6 +862,20 @@ class HeldProber : public FakeProber {
 // Probe calls queued behind a running probe whose callers gave up (their
 // deadline passed) probe nothing: a burst of them is not a burst of probes
 // run after their callers left.
+// An agent at a loopback address (the default --listen 127.0.0.1:0)
+// registering with a planner on another host is unreachable from there and
+// from peers, and says so at start; all on one machine it is fine.
+TEST(LocalOnlyAddressWarningTest, ALoopbackAgentOfARemotePlannerIsWarnedAbout) {
+  EXPECT_THAT(LocalOnlyAddressWarning("127.0.0.1:41000", "planner.example:7070"),
+              HasSubstr("this node registers 127.0.0.1:41000, which only this machine reaches, "
+                        "with the planner at planner.example:7070"));
+  EXPECT_THAT(LocalOnlyAddressWarning("localhost:41000", "10.1.2.3:7070"),
+              HasSubstr("--advertise HOST:PORT"));
+  EXPECT_EQ(LocalOnlyAddressWarning("127.0.0.1:41000", "127.0.0.1:7070"), "");
+  EXPECT_EQ(LocalOnlyAddressWarning("10.1.2.4:41000", "10.1.2.3:7070"), "");
+  EXPECT_EQ(LocalOnlyAddressWarning("[::1]:41000", "unix:/run/hap-planner.sock"), "");
+}
+
 TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   HeldProber::Hold hold;
   auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
