@@ -78,6 +78,36 @@ absl::Status CheckProfile(size_t k, const RankProfile& r) {
   return absl::OkStatus();
 }
 
+// InvalidArgument naming run `k` and the field unless every number of its
+// plan's prediction the fits read (and its pipeline stages' times) is
+// finite and >= 0: one infinite transfer time made the communication fit's
+// sums NaN, and a NaN transfer scale divided every link's bandwidth.
+absl::Status CheckPrediction(size_t k, const v1::Plan& plan) {
+  auto check = [&](const std::string& what, double v) {
+    if (std::isfinite(v) && v >= 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("run ", k, ": its plan's ", what, " must be finite and >= 0, got ", v));
+  };
+  const v1::PlanPrediction& p = plan.prediction();
+  HAP_RETURN_IF_ERROR(check("prediction.compute_seconds", p.compute_seconds()));
+  HAP_RETURN_IF_ERROR(check("prediction.communication_seconds", p.communication_seconds()));
+  HAP_RETURN_IF_ERROR(
+      check("prediction.communication_busy_seconds", p.communication_busy_seconds()));
+  for (int i = 0; i < plan.pipeline().stages_size(); ++i) {
+    const v1::PipelineStage& st = plan.pipeline().stages(i);
+    const std::string of = absl::StrCat("pipeline stage ", i, "'s ");
+    for (const auto& [what, v] :
+         {std::pair<const char*, double>{"forward_seconds", st.forward_seconds()},
+          {"backward_seconds", st.backward_seconds()},
+          {"send_seconds", st.send_seconds()},
+          {"gradient_receive_seconds", st.gradient_receive_seconds()},
+          {"sync_seconds", st.sync_seconds()}}) {
+      HAP_RETURN_IF_ERROR(check(absl::StrCat(of, what), v));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // One run on one device: op type -> seconds per step.
 struct RunTimes {
   std::map<std::string, double> modelled, measured;
@@ -457,6 +487,12 @@ absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
 std::optional<double> FitOverlapEfficiency(const std::vector<OverlapSample>& samples) {
   double hh = 0, hy = 0;
   for (const OverlapSample& x : samples) {
+    // A sample with a number that is no number tells nothing (and made
+    // the fit NaN).
+    if (!std::isfinite(x.measured) || !std::isfinite(x.compute) || !std::isfinite(x.exposed) ||
+        !std::isfinite(x.busy)) {
+      continue;
+    }
     const double hidden = x.busy - x.exposed;
     if (!(hidden > 0)) continue;
     hh += hidden * hidden;
@@ -486,6 +522,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     if (plan.devices_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("run ", k, ": its plan has no devices"));
     }
+    HAP_RETURN_IF_ERROR(CheckPrediction(k, plan));
     HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
     // A pipeline run tells each device's kernel times at the microbatch
     // size; its step also holds the bubble and the transfers between stages,

@@ -769,5 +769,44 @@ TEST(CalibrationTest, FitsOverlapEfficiencyFromRunsThatOverlapped) {
       << bad.status();
 }
 
+// A plan whose prediction holds an infinite or NaN number (a hand-edited or
+// broken plan file): the communication fit took an infinite transfer time
+// into its sums and gave a NaN transfer scale, which divided every link's
+// bandwidth into NaN, and the overlap fit a NaN overlap_efficiency; both
+// were returned as a calibration. Refused naming the run and the field.
+TEST(CalibrationTest, RejectsAPlanWhosePredictionIsNoNumber) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  const v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpEven);
+  ASSERT_TRUE(Calibrate(c, {UnitRun(plan)}).ok());
+  const double nan = std::nan(""), inf = INFINITY;
+  struct Case {
+    std::function<void(v1::PlanPrediction*)> mess;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {[&](v1::PlanPrediction* p) { p->set_communication_seconds(inf); }, "communication_seconds"},
+      {[&](v1::PlanPrediction* p) { p->set_communication_seconds(-1); }, "communication_seconds"},
+      {[&](v1::PlanPrediction* p) { p->set_compute_seconds(nan); }, "compute_seconds"},
+      {[&](v1::PlanPrediction* p) { p->set_communication_busy_seconds(inf); },
+       "communication_busy_seconds"},
+  };
+  for (const Case& k : cases) {
+    ProfiledRun run = UnitRun(plan);
+    k.mess(run.plan.mutable_prediction());
+    auto cal = Calibrate(c, {UnitRun(plan), run});
+    EXPECT_EQ(cal.status().code(), absl::StatusCode::kInvalidArgument) << k.says;
+    EXPECT_NE(cal.status().message().find("run 1: its plan's prediction." + k.says),
+              std::string::npos)
+        << cal.status();
+  }
+  // Nor the overlap fit's own samples: nothing is fitted from them.
+  EXPECT_FALSE(FitOverlapEfficiency({{nan, 1.0, 0.1, 0.5}}).has_value());
+  EXPECT_FALSE(FitOverlapEfficiency({{3.0, 1.0, 0.1, inf}}).has_value());
+  auto e = FitOverlapEfficiency({{3.0, 1.0, nan, 0.5}, {1.0 + 0.1 + 0.4 * 0.4, 1.0, 0.1, 0.5}});
+  ASSERT_TRUE(e.has_value());
+  EXPECT_NEAR(*e, 0.6, 1e-12);
+}
+
 }  // namespace
 }  // namespace hap::calibrate
