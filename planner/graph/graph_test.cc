@@ -63,6 +63,10 @@ TEST(TypesTest, CheckedNumElements) {
               StatusIs(kInvalid, HasSubstr("64 bits")));
   EXPECT_THAT(CheckedNumElements({int64_t{1} << 59, 2}),
               StatusIs(kInvalid, HasSubstr("too large")));
+  // Dimensions past what a sharding form names (an imported graph's).
+  EXPECT_THAT(CheckedNumElements(Shape(128, 1)), IsOk());
+  EXPECT_THAT(CheckedNumElements(Shape(129, 1)),
+              StatusIs(kInvalid, HasSubstr("at most 128 dimensions, got 129")));
   // Overflow of a prefix is caught even when a later dim is non-positive.
   EXPECT_THAT(CheckedNumElements({int64_t{1} << 40, int64_t{1} << 40, 0}),
               StatusIs(kInvalid, ::testing::Not(::testing::IsEmpty())));

@@ -50,6 +50,10 @@ std::string TypeString(const TensorType& t) {
 }
 
 absl::StatusOr<int64_t> CheckedNumElements(const Shape& s) {
+  if (s.size() > kMaxTensorDims) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a shape has at most ", kMaxTensorDims, " dimensions, got ", s.size()));
+  }
   int64_t n = 1;
   for (size_t i = 0; i < s.size(); ++i) {
     if (s[i] <= 0) {

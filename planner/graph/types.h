@@ -25,7 +25,11 @@ using Shape = std::vector<int64_t>;
 
 // "[32,128,768]".
 std::string ShapeString(const Shape& s);
-// Product of dims; InvalidArgument on a non-positive dim or 64-bit overflow.
+// The most dimensions a tensor has: the planner's forms name a sharded
+// dimension in a signed byte (S(0) to S(127), synth::Form::kMaxShardedDim).
+inline constexpr size_t kMaxTensorDims = 128;
+// Product of dims; InvalidArgument on a non-positive dim, 64-bit overflow,
+// or more than kMaxTensorDims dimensions.
 absl::StatusOr<int64_t> CheckedNumElements(const Shape& s);
 // Product of dims for shapes already validated (no checks).
 int64_t NumElements(const Shape& s);
