@@ -15,6 +15,7 @@
 #include "planner/lower/plan_file.h"
 #include "planner/pipeline/layers.h"
 #include "planner/pipeline/schedule.h"
+#include "planner/service/core/profile_checks.h"
 #include "planner/synth/rules.h"
 #include "planner/synth/search.h"
 
@@ -451,6 +452,61 @@ std::string OtherLinks(const v1::Cluster& cluster, const v1::Plan& plan) {
   return "";
 }
 
+// InvalidArgument naming the device (or link), the field and the value
+// unless what `out` fitted for each calibrated device in `fitted` is what
+// the planner takes (service::CheckCalibration and the link bandwidth
+// bound): profile numbers each within kMaxProfileSeconds can still fit an
+// op scale of 1e9 or a step overhead of days, which hapctl wrote and the
+// planner then refused at registration.
+absl::Status CheckFit(const Calibration& out, const std::set<std::string>& fitted) {
+  const v1::LinkDefaults& def = out.cluster.defaults();
+  for (const auto& n : out.cluster.nodes()) {
+    for (const auto& d : n.devices()) {
+      if (!fitted.count(d.id())) continue;
+      for (const auto& [type, scale] : d.op_time_scale()) {
+        if (std::isfinite(scale) && scale > 0 && scale < service::kMaxOpTimeScale) continue;
+        double modelled = 0, measured = 0;
+        for (const Row& r : out.rows) {
+          if (r.device == d.id() && r.op_type == type) {
+            modelled = r.modelled_seconds;
+            measured = r.measured_seconds;
+          }
+        }
+        return absl::InvalidArgumentError(
+            absl::StrCat("the fit for device '", d.id(), "' gives op_time_scale[\"", type,
+                         "\"] = ", scale, " (measured ", measured, " s where the model gives ",
+                         modelled, " s, over its runs); it must be a finite number > 0 and below ",
+                         service::kMaxOpTimeScale, ": a profile's time no kernel of the op takes"));
+      }
+      v1::DeviceCalibration c;
+      c.set_optimizer_seconds_per_element(d.optimizer_seconds_per_element());
+      c.set_step_overhead_seconds(d.step_overhead_seconds());
+      c.set_collective_overhead_seconds(def.collective_overhead_seconds());
+      c.set_pipeline_transfer_overhead_seconds(def.pipeline_transfer_overhead_seconds());
+      c.set_transfer_scale(out.transfer_scale);
+      HAP_RETURN_IF_ERROR(Annotate(
+          service::CheckCalibration(c),
+          absl::StrCat("the fit for device '", d.id(), "' is out of the planner's range")));
+    }
+  }
+  auto check_bandwidth = [](const std::string& what, double bw) {
+    if (std::isfinite(bw) && bw <= service::kMaxLinkBandwidth) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("the fitted transfer scale makes ", what, " ",
+                                                   bw, " B/s, more than the planner takes (",
+                                                   service::kMaxLinkBandwidth, ")"));
+  };
+  if (out.transfer_scale == 1) return absl::OkStatus();  // the links as given
+  HAP_RETURN_IF_ERROR(check_bandwidth("intra_node_bandwidth_bytes_per_second",
+                                      def.intra_node_bandwidth_bytes_per_second()));
+  HAP_RETURN_IF_ERROR(check_bandwidth("inter_node_bandwidth_bytes_per_second",
+                                      def.inter_node_bandwidth_bytes_per_second()));
+  for (const v1::Link& l : out.cluster.links()) {
+    HAP_RETURN_IF_ERROR(check_bandwidth(absl::StrCat("the link ", l.src(), " -> ", l.dst()),
+                                        l.bandwidth_bytes_per_second()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
@@ -756,6 +812,9 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     out.overlap_efficiency = eff;
     out.overlap_runs = static_cast<int>(overlap.size());
   }
+  std::set<std::string> fitted;
+  for (const auto& [id, s] : sums) fitted.insert(id);
+  HAP_RETURN_IF_ERROR(CheckFit(out, fitted));
   return out;
 }
 

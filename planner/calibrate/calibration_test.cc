@@ -673,10 +673,12 @@ TEST(CalibrationTest, RejectsProfileNumbersNoMeasurementHas) {
     EXPECT_NE(cal.status().message().find("run 1: rank 1's " + k.says), std::string::npos)
         << cal.status();
   }
-  // At the bound, still a calibration the planner plans with.
+  // A slow run, still a calibration the planner plans with (one at the
+  // bound gives a fit the planner refuses:
+  // RejectsAFitThePlannersChecksWouldRefuse).
   ProfiledRun slow = UnitRun(plan);
-  slow.ranks[1].op_seconds["linear"] = 1e6;
-  slow.ranks[1].step_seconds_median = 1e6;
+  slow.ranks[1].op_seconds["linear"] = 10;
+  slow.ranks[1].step_seconds_median = 20;
   auto cal = Calibrate(c, {slow});
   ASSERT_TRUE(cal.ok()) << cal.status();
   auto model = cost::ClusterModel::FromProto(cal->cluster);
@@ -806,6 +808,44 @@ TEST(CalibrationTest, RejectsAPlanWhosePredictionIsNoNumber) {
   auto e = FitOverlapEfficiency({{3.0, 1.0, nan, 0.5}, {1.0 + 0.1 + 0.4 * 0.4, 1.0, 0.1, 0.5}});
   ASSERT_TRUE(e.has_value());
   EXPECT_NEAR(*e, 0.6, 1e-12);
+}
+
+// Profile numbers each within the profile's bound (1e6 s per step) can
+// still fit what the planner refuses (profile_checks' CheckCalibration): an
+// op scale of 1e9 (1e6 s over the model's milliseconds), a step overhead
+// past an hour, more than a second per optimizer element, a collective call
+// costing hours. They were returned as a calibration: hapctl calibrate
+// wrote a cluster whose devices the planner refuses to register, and the
+// planner's own fit was refused only after it was made, as "out of range".
+// Now the fit is refused naming the device, the field and the value.
+TEST(CalibrationTest, RejectsAFitThePlannersChecksWouldRefuse) {
+  graph::Graph g = Gpt();
+  v1::Cluster c = TwoCpus();
+  const v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpEven);
+  struct Case {
+    std::function<void(RankProfile*)> mess;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {[](RankProfile* p) { p->op_seconds["linear"] = 1e6; },
+       {"device 'cpu1'", "op_time_scale[\"linear\"]", "measured 1e+06 s where the model gives"}},
+      {[](RankProfile* p) { p->op_seconds["(runtime)"] = 1e4; },
+       {"device 'cpu1'", "step_overhead_seconds must be"}},
+      {[](RankProfile* p) { p->op_seconds["(optimizer)"] = 1e6; },
+       {"device 'cpu1'", "optimizer_seconds_per_element must be"}},
+      {[](RankProfile* p) { p->step_seconds_median = 1e6; },
+       {"collective_overhead_seconds must be"}},
+  };
+  for (const Case& k : cases) {
+    ProfiledRun run = UnitRun(plan);
+    k.mess(&run.ranks[1]);
+    auto cal = Calibrate(c, {UnitRun(plan), run});
+    EXPECT_EQ(cal.status().code(), absl::StatusCode::kInvalidArgument) << k.says[0];
+    for (const std::string& says : k.says) {
+      EXPECT_NE(cal.status().message().find(says), std::string::npos)
+          << says << " in " << cal.status();
+    }
+  }
 }
 
 }  // namespace
