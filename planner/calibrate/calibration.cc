@@ -472,11 +472,12 @@ absl::Status CheckFit(const Calibration& out, const std::set<std::string>& fitte
             measured = r.measured_seconds;
           }
         }
-        return absl::InvalidArgumentError(
-            absl::StrCat("the fit for device '", d.id(), "' gives op_time_scale[\"", type,
-                         "\"] = ", scale, " (measured ", measured, " s where the model gives ",
-                         modelled, " s, over its runs); it must be a finite number > 0 and below ",
-                         service::kMaxOpTimeScale, ": a profile's time no kernel of the op takes"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the calibration fitted for device '", d.id(),
+            "' is out of range (not applied): ", "op_time_scale[\"", type,
+            "\"] must be a finite number > 0 and below ", service::kMaxOpTimeScale, ", got ", scale,
+            " (measured ", measured, " s where the model gives ", modelled,
+            " s, over its runs: a profile's time no kernel of the op takes)"));
       }
       v1::DeviceCalibration c;
       c.set_optimizer_seconds_per_element(d.optimizer_seconds_per_element());
@@ -484,9 +485,9 @@ absl::Status CheckFit(const Calibration& out, const std::set<std::string>& fitte
       c.set_collective_overhead_seconds(def.collective_overhead_seconds());
       c.set_pipeline_transfer_overhead_seconds(def.pipeline_transfer_overhead_seconds());
       c.set_transfer_scale(out.transfer_scale);
-      HAP_RETURN_IF_ERROR(Annotate(
-          service::CheckCalibration(c),
-          absl::StrCat("the fit for device '", d.id(), "' is out of the planner's range")));
+      HAP_RETURN_IF_ERROR(Annotate(service::CheckCalibration(c),
+                                   absl::StrCat("the calibration fitted for device '", d.id(),
+                                                "' is out of range (not applied)")));
     }
   }
   auto check_bandwidth = [](const std::string& what, double bw) {
