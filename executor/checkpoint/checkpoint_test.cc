@@ -398,19 +398,34 @@ TEST(CheckpointTest, AFileThatCannotBeOpenedForWantOfDescriptorsIsNotDamage) {
 // A rank whose write fails leaves its error for rank 0, which refuses to
 // commit naming that rank; every rank returns an error and nothing of the
 // step is left.
+// Two ranks of a tp plan that saved step 1 in Fresh(`name`): their programs
+// and states, and rank 1's first tensor of the index (the one a test spoils).
+struct AfterAFirstSave {
+  explicit AfterAFirstSave(const std::string& name)
+      : programs(Programs(Mlp(), 2, "tp")), dir(Fresh(name)) {
+    for (const auto& r : SaveOnEveryRank(programs, dir, 1)) EXPECT_TRUE(r.ok()) << r.status();
+    states = {StateOf(programs[0]), StateOf(programs[1])};
+    auto index = BuildIndex(programs, 2);
+    EXPECT_TRUE(index.ok()) << index.status();
+    const std::vector<std::string> owned =
+        index.ok() ? OwnedTensors(*index, 1, 2) : std::vector<std::string>{};
+    EXPECT_FALSE(owned.empty());
+    rank1_tensor = std::find_if(states[1].begin(), states[1].end(), [&](const ParameterShard& s) {
+      return !owned.empty() && s.name == owned[0];
+    });
+  }
+  std::vector<v1::RankProgram> programs;
+  std::string dir;
+  std::vector<std::vector<ParameterShard>> states;
+  std::vector<ParameterShard>::iterator rank1_tensor;  // into states[1]
+};
+
 TEST(CheckpointTest, ARanksFailedWriteFailsEveryRankAndNamesIt) {
-  graph::Graph g = Mlp();
-  auto programs = Programs(g, 2, "tp");
-  const std::string dir = Fresh("rank_failed");
-  for (const auto& r : SaveOnEveryRank(programs, dir, 1)) ASSERT_TRUE(r.ok()) << r.status();
-  std::vector<std::vector<ParameterShard>> states = {StateOf(programs[0]), StateOf(programs[1])};
-  auto index = BuildIndex(programs, 2);
-  ASSERT_TRUE(index.ok());
-  const std::vector<std::string> owned = OwnedTensors(*index, 1, 2);
-  ASSERT_FALSE(owned.empty());
-  states[1].erase(std::find_if(states[1].begin(), states[1].end(),
-                               [&](const ParameterShard& s) { return s.name == owned[0]; }));
-  auto results = SaveOnEveryRank(programs, dir, 2, kDefaultKeep, states);
+  AfterAFirstSave saved("rank_failed");
+  ASSERT_NE(saved.rank1_tensor, saved.states[1].end());
+  saved.states[1].erase(saved.rank1_tensor);
+  const std::string& dir = saved.dir;
+  auto results = SaveOnEveryRank(saved.programs, dir, 2, kDefaultKeep, saved.states);
   EXPECT_THAT(results[0].status(),
               StatusIs(absl::StatusCode::kAborted,
                        HasSubstr("rank 1 could not write its checkpoint file: INTERNAL: rank 1 "
@@ -424,27 +439,20 @@ TEST(CheckpointTest, ARanksFailedWriteFailsEveryRankAndNamesIt) {
 // the file and both shapes: that checkpoint was committed before, and no
 // resume could open it.
 TEST(CheckpointTest, AShardOfAnotherShapeThanTheIndexSaysIsNotCommitted) {
-  graph::Graph g = Mlp();
-  auto programs = Programs(g, 2, "tp");
-  const std::string dir = Fresh("shape_at_commit");
-  for (const auto& r : SaveOnEveryRank(programs, dir, 1)) ASSERT_TRUE(r.ok()) << r.status();
-  std::vector<std::vector<ParameterShard>> states = {StateOf(programs[0]), StateOf(programs[1])};
-  auto index = BuildIndex(programs, 2);
-  ASSERT_TRUE(index.ok());
-  const std::vector<std::string> owned = OwnedTensors(*index, 1, 2);
-  ASSERT_FALSE(owned.empty());
-  auto shard = std::find_if(states[1].begin(), states[1].end(),
-                            [&](const ParameterShard& s) { return s.name == owned[0]; });
-  ASSERT_NE(shard, states[1].end());
-  Shape bigger = shard->value.shape();
+  AfterAFirstSave saved("shape_at_commit");
+  ASSERT_NE(saved.rank1_tensor, saved.states[1].end());
+  ParameterShard& shard = *saved.rank1_tensor;
+  Shape bigger = shard.value.shape();
   ASSERT_FALSE(bigger.empty());
   bigger[0] += 1;
-  shard->value = HostTensor(shard->value.dtype(), bigger);
-  auto results = SaveOnEveryRank(programs, dir, 2, kDefaultKeep, states);
-  EXPECT_THAT(results[0].status(),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       AllOf(HasSubstr("rank-00001-of-00002.safetensors holds '" + owned[0] + "'"),
-                             HasSubstr("the index says"))));
+  shard.value = HostTensor(shard.value.dtype(), bigger);
+  const std::string& dir = saved.dir;
+  auto results = SaveOnEveryRank(saved.programs, dir, 2, kDefaultKeep, saved.states);
+  EXPECT_THAT(
+      results[0].status(),
+      StatusIs(absl::StatusCode::kDataLoss,
+               AllOf(HasSubstr("rank-00001-of-00002.safetensors holds '" + shard.name + "'"),
+                     HasSubstr("the index says"))));
   EXPECT_FALSE(results[1].ok()) << "rank 1 says " << *results[1] << " was saved";
   EXPECT_EQ(Entries(dir), std::vector<std::string>{"step-00000001"});
 }

@@ -703,17 +703,31 @@ TEST_F(DeploymentManagerTest, ADeploymentStoredInAStateItCannotFollowIsFailedNam
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("FAILED")));
 }
 
+// A finished deployment of `ranks` ranks as a planner stored it (final: no
+// supervisor runs for it), and options whose deployments need no executors.
+v1::Deployment StoredFinished(int ranks) {
+  v1::Deployment stored;
+  stored.set_name("deployments/p-g1");
+  stored.set_plan("plans/p");
+  stored.set_generation(1);
+  stored.set_state(v1::Deployment::SUCCEEDED);
+  for (int r = 0; r < ranks; ++r) stored.add_ranks()->set_rank(r);
+  return stored;
+}
+DeploymentManagerOptions NoExecutors() {
+  DeploymentManagerOptions o;
+  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
+    return nullptr;
+  };
+  return o;
+}
+
 // median_step_seconds is rank 0's upper median over the metrics kept (the
 // first max_metrics_per_deployment, metrics loaded at start included), as
 // when it was recomputed over all of them for each metric; past the cap it
 // stays, while the recent window follows the latest steps.
 TEST(DeploymentManagerMetricsTest, TheMedianStepIsOverRankZerosMetricsKept) {
-  v1::Deployment stored;
-  stored.set_name("deployments/p-g1");
-  stored.set_plan("plans/p");
-  stored.set_generation(1);
-  stored.set_state(v1::Deployment::SUCCEEDED);  // no supervisor needed
-  for (int r = 0; r < 2; ++r) stored.add_ranks()->set_rank(r);
+  v1::Deployment stored = StoredFinished(2);
   auto metric = [&](int rank, int64_t step, double seconds) {
     v1::StepMetric m;
     m.set_deployment(stored.name());
@@ -735,10 +749,7 @@ TEST(DeploymentManagerMetricsTest, TheMedianStepIsOverRankZerosMetricsKept) {
     kept.push_back(loaded.back().step_seconds());
     loaded.push_back(metric(1, step, 0.5));
   }
-  DeploymentManagerOptions o;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  DeploymentManagerOptions o = NoExecutors();
   o.max_metrics_per_deployment = 200;
   DeploymentManager m(std::move(o), {stored}, loaded);
   size_t count = loaded.size();
@@ -767,12 +778,7 @@ TEST(DeploymentManagerMetricsTest, TheMedianStepIsOverRankZerosMetricsKept) {
 // (all of a long run's were kept in memory after a restart), and the
 // statistics follow all of them.
 TEST(DeploymentManagerMetricsTest, MetricsLoadedAtStartAreKeptUpToTheCap) {
-  v1::Deployment stored;
-  stored.set_name("deployments/p-g1");
-  stored.set_plan("plans/p");
-  stored.set_generation(1);
-  stored.set_state(v1::Deployment::SUCCEEDED);
-  stored.add_ranks()->set_rank(0);
+  v1::Deployment stored = StoredFinished(1);
   std::vector<v1::StepMetric> loaded;
   for (int64_t step = 0; step < 50; ++step) {
     v1::StepMetric m;
@@ -781,10 +787,7 @@ TEST(DeploymentManagerMetricsTest, MetricsLoadedAtStartAreKeptUpToTheCap) {
     m.set_step_seconds(step < 10 ? 1.0 : 3.0);
     loaded.push_back(m);
   }
-  DeploymentManagerOptions o;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  DeploymentManagerOptions o = NoExecutors();
   o.max_metrics_per_deployment = 10;
   DeploymentManager m(std::move(o), {stored}, loaded);
   auto kept = m.StepMetrics(stored.name());
@@ -808,13 +811,7 @@ TEST(DeploymentManagerMetricsTest, MetricsLoadedAtStartAreKeptUpToTheCap) {
 // window, and the latest loss is the new one. Steps reported out of order
 // and around a gap are told apart from repeats.
 TEST(DeploymentManagerMetricsTest, AMetricReportedAgainReplacesTheEarlierOne) {
-  v1::Deployment stored;
-  stored.set_name("deployments/p-g1");
-  stored.set_plan("plans/p");
-  stored.set_generation(1);
-  stored.set_state(v1::Deployment::SUCCEEDED);
-  stored.add_ranks()->set_rank(0);
-  stored.add_ranks()->set_rank(1);
+  v1::Deployment stored = StoredFinished(2);
   auto metric = [&](int rank, int64_t step, double seconds, double loss) {
     v1::StepMetric m;
     m.set_deployment(stored.name());
@@ -824,10 +821,7 @@ TEST(DeploymentManagerMetricsTest, AMetricReportedAgainReplacesTheEarlierOne) {
     m.set_loss(loss);
     return m;
   };
-  DeploymentManagerOptions o;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  DeploymentManagerOptions o = NoExecutors();
   o.max_metrics_per_deployment = 6;
   DeploymentManager m(std::move(o), {stored}, {metric(0, 0, 1.0, 5.0)});
   // Rank 0: steps 0 (loaded), 2, 1, 4 (a gap at 3), then 0 and 2 again;
@@ -870,14 +864,8 @@ TEST(DeploymentManagerMetricsTest, AMetricReportedAgainReplacesTheEarlierOne) {
 // cap (before, a restarted planner showed the steps and loss of the
 // deployment's last saved state change until its next metric).
 TEST(DeploymentManagerMetricsTest, ARestartRecomputesStepsCompletedAndLastLossFromStoredMetrics) {
-  v1::Deployment stored;
-  stored.set_name("deployments/p-g1");
-  stored.set_plan("plans/p");
-  stored.set_generation(1);
-  stored.set_state(v1::Deployment::SUCCEEDED);
+  v1::Deployment stored = StoredFinished(2);
   stored.set_steps_completed(0);  // as saved when it started
-  stored.add_ranks()->set_rank(0);
-  stored.add_ranks()->set_rank(1);
   std::vector<v1::StepMetric> loaded;
   for (int64_t step = 0; step < 50; ++step) {
     for (int rank : {1, 0}) {
@@ -890,10 +878,7 @@ TEST(DeploymentManagerMetricsTest, ARestartRecomputesStepsCompletedAndLastLossFr
       loaded.push_back(m);
     }
   }
-  DeploymentManagerOptions o;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  DeploymentManagerOptions o = NoExecutors();
   o.max_metrics_per_deployment = 10;  // steps 0-4 kept, the rest past the cap
   DeploymentManager m(std::move(o), {stored}, loaded);
   const v1::Deployment d = *m.Get(stored.name());
@@ -1104,10 +1089,7 @@ TEST(DeploymentManagerReadsTest, SummariesLeaveOutProfilesAndOfPlanFiltersByPlan
     }
     stored.push_back(d);
   }
-  DeploymentManagerOptions o;
-  o.executors = [](const v1::Deployment&) -> std::unique_ptr<DeploymentExecutors> {
-    return nullptr;
-  };
+  DeploymentManagerOptions o = NoExecutors();
   DeploymentManager m(std::move(o), stored);
   for (int pass = 0; pass < 2; ++pass) {  // the profiles come back after each
     const std::vector<v1::Deployment> summaries = m.Summaries();
