@@ -416,14 +416,16 @@ TEST_F(AgentTest, AProbeCallForLinksOnANodeAnotherAgentHoldsFailsNamingIt) {
   EXPECT_EQ(state_.probes.load(), probes);
 }
 
+// An executor address where none answers yet: a port free a moment ago.
+std::string NoExecutorYet() {
+  FakeExecutor probe("x", "127.0.0.1:0");
+  return probe.address();
+}
+
 // An executor that starts after the agent: the node registers without its
 // label, then again with it once the executor answers.
 TEST_F(AgentTest, AnExecutorStartedLaterIsLabelledOnceItAnswers) {
-  std::string address;
-  {
-    FakeExecutor probe("x", "127.0.0.1:0");  // a port free a moment ago
-    address = probe.address();
-  }
+  const std::string address = NoExecutorYet();
   AgentOptions o = Options("node-a");
   o.executors = {address};
   auto agent = StartAgent(o, &state_);
@@ -465,11 +467,7 @@ TEST_F(AgentTest, AHungExecutorDoesNotHoldUpHeartbeats) {
 // label and took the node back from the agent that held it (the two would
 // take it in turns).
 TEST_F(AgentTest, AnExecutorStartedLaterDoesNotTakeBackANodeAnotherAgentHolds) {
-  std::string address;
-  {
-    FakeExecutor probe("x", "127.0.0.1:0");  // a port free a moment ago
-    address = probe.address();
-  }
+  const std::string address = NoExecutorYet();
   AgentOptions o = Options("node-a");
   o.executors = {address};
   auto first = StartAgent(o, &state_);
