@@ -598,6 +598,14 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
             plan.devices_size(), " ranks)"));
       }
       HAP_RETURN_IF_ERROR(CheckProfile(k, r));
+      // Every rank runs kernels: a profile timing none is no measurement
+      // (its kernel timing was off), and taken as one it cleared the
+      // device's op scales and zeroed its optimizer and step overhead.
+      if (std::none_of(r.op_seconds.begin(), r.op_seconds.end(),
+                       [](const auto& t) { return t.second > 0; })) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "run ", k, ": rank ", r.rank, "'s profile times no op (op_seconds is empty or all 0)"));
+      }
       if (r.plan_content_hash.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "run ", k, ": rank ", r.rank,

@@ -848,5 +848,25 @@ TEST(CalibrationTest, RejectsAFitThePlannersChecksWouldRefuse) {
   }
 }
 
+// A profile that times no op (op_seconds empty or all 0: a rank whose
+// kernel timing was off or broken) was taken as a measurement of nothing:
+// its device's op scales were cleared and its optimizer_seconds_per_element
+// and step_overhead_seconds set to 0, silently, so the planner's fit
+// replaced a device's calibration with none. Refused naming the run and
+// the rank.
+TEST(CalibrationTest, RejectsAProfileThatTimesNoOp) {
+  const v1::Plan plan = MakePlan(Gpt(), TwoCpus(), synth::Baseline::kDpEven);
+  ProfiledRun empty = UnitRun(plan);
+  empty.ranks[1].op_seconds.clear();
+  auto s = Calibrate(TwoCpus(), {UnitRun(plan), empty}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("run 1: rank 1's profile times no op"), std::string::npos) << s;
+  ProfiledRun zeros = UnitRun(plan);
+  for (auto& [type, secs] : zeros.ranks[0].op_seconds) secs = 0;
+  s = Calibrate(TwoCpus(), {zeros}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("run 0: rank 0's profile times no op"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace hap::calibrate
