@@ -579,6 +579,24 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     if (plan.devices_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("run ", k, ": its plan has no devices"));
     }
+    // Its collective calls and the ranks' shares are read from the rank
+    // programs: one missing, or a world size not the plan's, counted no
+    // calls (or negative ones) and the communication went unfitted unsaid.
+    if (plan.rank_programs_size() != plan.devices_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "run ", k, ": its plan has ", plan.rank_programs_size(), " rank programs for ",
+          plan.devices_size(),
+          " devices (the whole plan, as hapctl plan --save-plan writes it, is needed)"));
+    }
+    if (!lower::IsPipelinePlan(plan)) {  // a pipeline stage's world is its group
+      for (int i = 0; i < plan.rank_programs_size(); ++i) {
+        if (plan.rank_programs(i).world_size() != plan.devices_size()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("run ", k, ": its plan's rank program ", i, " has world_size ",
+                           plan.rank_programs(i).world_size(), ", not ", plan.devices_size()));
+        }
+      }
+    }
     HAP_RETURN_IF_ERROR(CheckPrediction(k, plan));
     HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
     // A pipeline run tells each device's kernel times at the microbatch

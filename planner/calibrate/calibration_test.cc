@@ -868,5 +868,29 @@ TEST(CalibrationTest, RejectsAProfileThatTimesNoOp) {
   EXPECT_NE(s.message().find("run 0: rank 0's profile times no op"), std::string::npos) << s;
 }
 
+// A plan whose rank programs do not match its devices (a plan file saved
+// without its lowering, or a broken one): its collective calls were read
+// from rank 0's program, none when there was none, so the communication
+// was not fitted and nothing said so; a rank program's world size other
+// than the plan's made the grouped calls count negative or wrong.
+TEST(CalibrationTest, RejectsAPlanWhoseRankProgramsDoNotMatchItsDevices) {
+  const v1::Plan plan = MakePlan(Gpt(), TwoCpus(), synth::Baseline::kDpEven);
+  ASSERT_EQ(plan.rank_programs_size(), 2);
+  ProfiledRun bare = UnitRun(plan);
+  bare.plan.clear_rank_programs();
+  auto s = Calibrate(TwoCpus(), {bare}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("run 0: its plan has 0 rank programs for 2 devices"),
+            std::string::npos)
+      << s;
+  ProfiledRun world = UnitRun(plan);
+  world.plan.mutable_rank_programs(1)->set_world_size(-3);
+  s = Calibrate(TwoCpus(), {world}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("run 0: its plan's rank program 1 has world_size -3, not 2"),
+            std::string::npos)
+      << s;
+}
+
 }  // namespace
 }  // namespace hap::calibrate
