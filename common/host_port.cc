@@ -1,5 +1,7 @@
 #include "common/host_port.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +37,17 @@ bool IsHostPort(const std::string& address, int min_port, bool schemes) {
                        std::all_of(port.begin(), port.end(), absl::ascii_isdigit) &&
                        absl::SimpleAtoi(port, &number) && number >= min_port && number <= 65535;
   return host_ok && port_ok;
+}
+
+std::string BracketIpv6Host(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || address.empty() || address.front() == '[') return address;
+  const std::string host = address.substr(0, colon);
+  in6_addr parsed;
+  if (host.find(':') == std::string::npos || inet_pton(AF_INET6, host.c_str(), &parsed) != 1) {
+    return address;
+  }
+  return absl::StrCat("[", host, "]", address.substr(colon));
 }
 
 bool IsLocalOnlyAddress(const std::string& address) {

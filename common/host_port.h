@@ -20,6 +20,12 @@ bool IsHostPort(const std::string& address, int min_port = 1, bool schemes = fal
 // a peer can resolve; any other address is returned as it is.
 std::string AdvertisedAddress(const std::string& bound);
 
+// `address` with an IPv6 host put in brackets when it came without
+// ("fd00::5:7071" -> "[fd00::5]:7071"; the last group is the port): what a
+// Kubernetes manifest's "$(POD_IP):PORT" gives on an IPv6 cluster, which
+// cannot add the brackets only there. Anything else is returned as it is.
+std::string BracketIpv6Host(const std::string& address);
+
 // Whether the host of `address` (HOST:PORT, or a gRPC target with its
 // scheme: dns:///, ipv4:, ipv6:, unix: ...) is this machine only: 127.x.x.x,
 // localhost, [::1], or a local socket (unix:, unix-abstract:, vsock:).

@@ -38,6 +38,16 @@ TEST(IsHostPortTest, RefusesWhatGrpcWouldReadOtherwise) {
   EXPECT_TRUE(IsHostPort("ipv6:[::1]:7070", 1, /*schemes=*/true));
 }
 
+TEST(BracketIpv6HostTest, AnUnbracketedIpv6HostGetsBracketsAndTheRestStays) {
+  EXPECT_EQ(BracketIpv6Host("fd00::5:7071"), "[fd00::5]:7071");
+  EXPECT_EQ(BracketIpv6Host("2001:db8::1:7100"), "[2001:db8::1]:7100");
+  EXPECT_TRUE(IsHostPort(BracketIpv6Host("fd00::5:7071")));
+  for (const std::string same : {"[fd00::5]:7071", "10.0.0.1:7071", "node-a:7071", "fd00:7071",
+                                 "unix:/run/hap.sock", "", ":7071", "::"}) {
+    EXPECT_EQ(BracketIpv6Host(same), same);
+  }
+}
+
 TEST(IsLocalOnlyAddressTest, LoopbackHostsAndLocalSocketsAreThisMachineOnly) {
   for (const std::string local :
        {"127.0.0.1:7070", "127.1.2.3:1", "localhost:7070", "LOCALHOST:1", "[::1]:7070",

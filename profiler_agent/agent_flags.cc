@@ -113,7 +113,8 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
   }
   o.listen = a.GetOrEnv("listen", "127.0.0.1:0");
   HAP_RETURN_IF_ERROR(CheckHostPort("listen", o.listen, 0, "0: any free one"));
-  o.advertise = a.GetOrEnv("advertise", "");
+  // $(POD_IP):PORT on an IPv6 cluster comes without brackets.
+  o.advertise = hap::service::BracketIpv6Host(a.GetOrEnv("advertise", ""));
   if (!o.advertise.empty()) {
     HAP_RETURN_IF_ERROR(
         CheckHostPort("advertise", o.advertise, 1, "the address the planner and peers dial"));
@@ -173,7 +174,8 @@ absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
     const std::string env = a.GetOrEnv("executor", "");
     if (!env.empty()) o.executors = absl::StrSplit(env, ',', absl::SkipEmpty());
   }
-  for (const std::string& e : o.executors) {
+  for (std::string& e : o.executors) {
+    e = hap::service::BracketIpv6Host(e);  // $(HOST_IP):PORT on an IPv6 cluster
     HAP_RETURN_IF_ERROR(CheckHostPort("executor", e, 1, "an executor daemon's address"));
   }
   return o;

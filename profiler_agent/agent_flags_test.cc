@@ -102,6 +102,12 @@ TEST(AgentFlagsTest, AddressesAreHostAndPortInRange) {
   ASSERT_THAT(o, IsOk());
   EXPECT_EQ(o->listen, "[::1]:0");
   EXPECT_EQ(o->advertise, "[fe80::1]:7000");
+  // The manifests' $(POD_IP):7071 and $(HOST_IP):7100 on an IPv6 cluster:
+  // the host without brackets (refused before: every agent pod exited 2).
+  o = FromArgv({"--planner", "p:1", "--advertise", "fd00::5:7071", "--executor", "fd00::9:7100"});
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->advertise, "[fd00::5]:7071");
+  EXPECT_EQ(o->executors, std::vector<std::string>{"[fd00::9]:7100"});
 }
 
 // --planner was taken as given: without a port gRPC dialled 443, past 65535
