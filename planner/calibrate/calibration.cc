@@ -40,9 +40,15 @@ absl::StatusOr<double> Number(const google::protobuf::Struct& s, const std::stri
   return v;
 }
 
-std::string String(const google::protobuf::Struct& s, const std::string& key) {
+// The string `key` of `s`; "" when absent, InvalidArgument when it is no
+// string (a number was read as "" and went unchecked).
+absl::StatusOr<std::string> String(const google::protobuf::Struct& s, const std::string& key) {
   auto it = s.fields().find(key);
-  return it == s.fields().end() ? "" : it->second.string_value();
+  if (it == s.fields().end()) return std::string();
+  if (!it->second.has_string_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("profile's '", key, "' must be a string"));
+  }
+  return it->second.string_value();
 }
 
 double FloatFlops(const v1::Device& d) {
@@ -523,8 +529,8 @@ absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json) {
         absl::StrCat("profile's 'rank' must be a whole number of an int's range, got ", rank));
   }
   p.rank = static_cast<int>(rank);
-  p.device = String(s, "device");
-  p.plan_content_hash = String(s, "plan_content_hash");
+  HAP_ASSIGN_OR_RETURN(p.device, String(s, "device"));
+  HAP_ASSIGN_OR_RETURN(p.plan_content_hash, String(s, "plan_content_hash"));
   HAP_ASSIGN_OR_RETURN(p.step_seconds_median, Number(s, "step_seconds_median"));
   HAP_ASSIGN_OR_RETURN(p.device_seconds, Number(s, "device_seconds"));
   auto ops = s.fields().find("op_seconds");

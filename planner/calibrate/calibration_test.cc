@@ -892,5 +892,25 @@ TEST(CalibrationTest, RejectsAPlanWhoseRankProgramsDoNotMatchItsDevices) {
       << s;
 }
 
+// A profile's 'device' or 'plan_content_hash' that is no string (a number,
+// an object) was read as empty: the device went unchecked against the
+// plan's, and the hash was called missing. Each is refused naming it.
+TEST(CalibrationTest, ParseRankProfileRefusesAFieldThatIsNoString) {
+  for (const char* field : {"device", "plan_content_hash"}) {
+    auto p = ParseRankProfile(absl::StrCat(R"({"rank": 0, ")", field,
+                                           R"(": 7, "step_seconds_median": 1,
+        "device_seconds": 1, "op_seconds": {"linear": 1}})"));
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(p.status().message().find(absl::StrCat("profile's '", field, "' must be a string")),
+              std::string::npos)
+        << p.status();
+  }
+  // Absent, each is empty (Calibrate then says what is missing).
+  auto p = ParseRankProfile(
+      R"({"rank": 0, "step_seconds_median": 1, "device_seconds": 1, "op_seconds": {}})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device, "");
+}
+
 }  // namespace
 }  // namespace hap::calibrate
