@@ -231,6 +231,13 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
     return absl::InvalidArgumentError(
         absl::StrCat("device '", dev.id(), "' has no valid float32 FLOP/s to calibrate against"));
   }
+  // A NaN or negative one made every op's modelled time NaN or wrong: no
+  // op got a scale and all the time went to the step overhead.
+  if (!(std::isfinite(dev.launch_overhead_seconds()) && dev.launch_overhead_seconds() >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device '", dev.id(), "' has launch_overhead_seconds ",
+                     dev.launch_overhead_seconds(), "; it must be a finite number >= 0"));
+  }
   HAP_ASSIGN_OR_RETURN(const RankWork w, WorkOf(plan, rank));
   const double share = ExecutedShare(plan, rank, w.ratio);
   std::map<std::string, graph::OpId> ops;

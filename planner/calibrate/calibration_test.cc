@@ -892,6 +892,23 @@ TEST(CalibrationTest, RejectsAPlanWhoseRankProgramsDoNotMatchItsDevices) {
       << s;
 }
 
+// A device whose launch overhead is no number (a cluster file's NaN, or a
+// negative one) made every op's modelled time NaN or wrong: no op type got
+// a scale and all the measured time went to step_overhead_seconds, without
+// a word. Refused naming the device and the field, as a FLOP/s that is no
+// number is.
+TEST(CalibrationTest, RejectsADeviceWhoseLaunchOverheadIsNoNumber) {
+  const v1::Plan plan = MakePlan(Gpt(), TwoCpus(), synth::Baseline::kDpEven);
+  for (double bad : {std::nan(""), -1.0, double{INFINITY}}) {
+    v1::Cluster c = TwoCpus();
+    c.mutable_nodes(0)->mutable_devices(1)->set_launch_overhead_seconds(bad);
+    auto s = Calibrate(c, {UnitRun(plan)}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("device 'cpu1' has launch_overhead_seconds "), std::string::npos)
+        << s;
+  }
+}
+
 // A profile's 'device' or 'plan_content_hash' that is no string (a number,
 // an object) was read as empty: the device went unchecked against the
 // plan's, and the hash was called missing. Each is refused naming it.
