@@ -240,6 +240,13 @@ absl::Status Model(const v1::Plan& plan, const graph::Graph& g, int rank, const 
   }
   HAP_ASSIGN_OR_RETURN(const RankWork w, WorkOf(plan, rank));
   const double share = ExecutedShare(plan, rank, w.ratio);
+  // Outside [0, 1] (a shard longer than its tensor, a ratio that is no
+  // ratio) the op scales were fitted against that much work.
+  if (!(std::isfinite(share) && share >= 0 && share <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " runs a share ", share,
+                                                   " of the batch (its ratio ", w.ratio,
+                                                   "); it must be a finite number in [0, 1]"));
+  }
   std::map<std::string, graph::OpId> ops;
   for (graph::OpId i = 0; i < static_cast<graph::OpId>(g.ops().size()); ++i) {
     ops[g.op(i).name] = i;
@@ -660,7 +667,8 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       }
       Sums& s = sums[id];
       Sums one;
-      HAP_RETURN_IF_ERROR(Model(plan, g, r.rank, *dev->second, &one));
+      HAP_RETURN_IF_ERROR(
+          Annotate(Model(plan, g, r.rank, *dev->second, &one), absl::StrCat("run ", k)));
       for (const auto& [type, secs] : one.modelled) s.modelled[type] += secs;
       s.stored_elements += one.stored_elements;
       if (piped) {

@@ -929,5 +929,33 @@ TEST(CalibrationTest, ParseRankProfileRefusesAFieldThatIsNoString) {
   EXPECT_EQ(p->device, "");
 }
 
+// A rank whose share of the batch, as its buffers say, is outside [0, 1]
+// (a broken plan file: a local shard longer than the tensor) was modelled
+// at that share, three times the work here, and its op scales fitted a
+// third of what they are, without a word. Refused naming the run, the rank
+// and the share; Model's errors name the run and the rank.
+TEST(CalibrationTest, RejectsARankWhoseShareOfTheBatchIsNoShare) {
+  const v1::Plan plan = MakePlan(Gpt(), TwoCpus(), synth::Baseline::kDpEven);
+  ProfiledRun run = UnitRun(plan);
+  int changed = 0;
+  for (v1::Buffer& b : *run.plan.mutable_rank_programs(1)->mutable_buffers()) {
+    if (b.role() != v1::Buffer::ACTIVATION && b.role() != v1::Buffer::INPUT &&
+        b.role() != v1::Buffer::GRADIENT) {
+      continue;
+    }
+    if (b.shape_size() != b.global_shape_size()) continue;
+    for (int d = 0; d < b.shape_size(); ++d) {
+      if (b.shape(d) != b.global_shape(d)) {
+        b.set_shape(d, 3 * b.global_shape(d));
+        ++changed;
+      }
+    }
+  }
+  ASSERT_GT(changed, 0);
+  auto s = Calibrate(TwoCpus(), {UnitRun(plan), run}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("run 1: rank 1 runs a share 3 of the batch"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace hap::calibrate
