@@ -123,7 +123,13 @@ struct OverlapSample {
 std::optional<double> FitOverlapEfficiency(const std::vector<OverlapSample>& samples);
 
 // InvalidArgument when a run's profiles do not match its plan (a rank
-// missing or twice, another plan's hash, a device the cluster lacks).
+// missing or twice, another plan's hash, a device the cluster lacks, a
+// profile that times no op), when its plan is broken (rank programs not one
+// per device, a prediction that is no number, a rank's share outside
+// [0, 1]), and when the fit is what the planner refuses
+// (service::CheckCalibration: an op scale of kMaxOpTimeScale or more, a
+// step overhead past an hour; a link past kMaxLinkBandwidth), naming the
+// device, the field and the value.
 // Compute and optimizer calibration replace any earlier one (the "modelled"
 // side is always the uncalibrated model); the collective overhead is fitted
 // against each plan's own prediction, so runs should be of plans made from
