@@ -780,6 +780,7 @@ struct Agent::Impl : public ProfileSource {
     if (links.empty()) return;
     v1::ReportLinksRequest report;
     report.set_node(o.name);
+    report.set_address(address);
     for (const auto& l : links) *report.add_links() = l;
     v1::ReportLinksResponse ignored;
     Call call(this, Within(o.rpc_timeout, deadline));

@@ -923,6 +923,8 @@ TEST_F(AgentTest, MeasuresTheAssignedPeersAndReportsTheLinks) {
   EXPECT_GT(link.bandwidth_bytes_per_second(), 0);
   EXPECT_GT(link.latency_seconds(), 0);
   EXPECT_EQ(link.kind(), v1::LOOPBACK);
+  // Said by whom, so that the planner takes reports of the node's agent only.
+  EXPECT_EQ(planner_.Snapshot().report_addresses[0], agent->address());
 }
 
 // A planner that lost the node (restarted without its database, or expired

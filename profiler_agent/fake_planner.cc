@@ -152,6 +152,7 @@ grpc::Status FakePlanner::ReportLinks(grpc::ServerContext* ctx, const v1::Report
     }
   }
   for (const auto& link : r->links()) record_.links.push_back(link);
+  record_.report_addresses.push_back(r->address());
   return grpc::Status::OK;
 }
 

@@ -77,6 +77,7 @@ class FakePlanner final : public hap::v1::Planner::Service {
     std::map<std::string, hap::v1::Node> nodes;  // by name, as last registered/updated
     std::vector<hap::v1::HeartbeatRequest> heartbeats_with_devices;
     std::vector<hap::v1::Link> links;
+    std::vector<std::string> report_addresses;  // each link report's address
     int probe_assignment_requests = 0;  // GetProbeAssignments calls
     std::vector<absl::Duration> held_reports_given;  // HoldReportLinks
   };

@@ -184,8 +184,12 @@ class PlannerCore {
                                                const std::string& deployment,
                                                const std::vector<hap::v1::StepProfile>& profiles);
   // Links measured by agents (replacing earlier measurements of the same
-  // pair); used by the next plans. NotFound for an unknown node or device.
-  absl::Status ReportLinks(const std::string& node, const std::vector<hap::v1::Link>& links);
+  // pair); used by the next plans. NotFound for an unknown node or device;
+  // FailedPrecondition when `address` (the reporting agent's; empty: not
+  // said) is not the node's: another agent holds the node, and these were
+  // measured on another machine.
+  absl::Status ReportLinks(const std::string& node, const std::vector<hap::v1::Link>& links,
+                           const std::string& address = "");
   // The peers a node's agent should measure: every other live node.
   absl::StatusOr<hap::v1::GetProbeAssignmentsResponse> GetProbeAssignments(
       const std::string& node, int64_t bytes);

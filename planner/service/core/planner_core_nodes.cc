@@ -297,12 +297,18 @@ absl::StatusOr<v1::ListNodesResponse> PlannerCore::ListNodes(int page_size,
   return r;
 }
 
-absl::Status PlannerCore::ReportLinks(const std::string& node, const std::vector<v1::Link>& links) {
+absl::Status PlannerCore::ReportLinks(const std::string& node, const std::vector<v1::Link>& links,
+                                      const std::string& address) {
   std::string name = NodeId(node);
   absl::MutexLock l(&s_->mu);
   auto it = s_->nodes.find(name);
   if (it == s_->nodes.end()) {
     return absl::NotFoundError(absl::StrCat("node '", name, "' is not registered"));
+  }
+  if (!address.empty() && !it->second.address().empty() && address != it->second.address()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("node '", name, "' is registered by the agent at ", it->second.address(),
+                     "; links reported by the agent at ", address, " are not taken"));
   }
   std::set<std::string> known, own;
   for (const auto& [n, node_msg] : s_->nodes) {

@@ -604,6 +604,29 @@ TEST_F(PlannerCoreTest, ABandwidthNoLinkCarriesIsRefusedNamingTheNode) {
   EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
 }
 
+// A link report from another agent than the node's (two agents with one
+// --name, on two machines) is refused naming both: its measurements were
+// made elsewhere and were taken as the node's. One without an address (an
+// agent before ReportLinksRequest.address) is taken, as a heartbeat's is.
+TEST_F(PlannerCoreTest, LinksReportedByAnotherAgentThanTheNodesAreRefused) {
+  v1::Node a = MakeNode("a", 2, 2e12);
+  a.set_address("10.0.0.1:7071");
+  ASSERT_TRUE(core_->RegisterNode(a).ok());
+  v1::Link l;
+  l.set_src("a/cpu0");
+  l.set_dst("a/cpu1");
+  l.set_bandwidth_bytes_per_second(9e11);
+  l.set_latency_seconds(1e-5);
+  EXPECT_THAT(core_->ReportLinks("nodes/a", {l}, "10.0.0.2:7071"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("node 'a' is registered by the agent at 10.0.0.1:7071; links "
+                                 "reported by the agent at 10.0.0.2:7071 are not taken")));
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 0);
+  EXPECT_TRUE(core_->ReportLinks("nodes/a", {l}, "10.0.0.1:7071").ok());
+  EXPECT_TRUE(core_->ReportLinks("nodes/a", {l}).ok());
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
+}
+
 // Links are measurements of devices: those of a device its node no longer
 // reports (a registration or heartbeat without it) are dropped, so a device
 // that comes back is not planned with links measured before it went.

@@ -304,8 +304,8 @@ grpc::Status PlannerServiceImpl::ReportLinks(grpc::ServerContext* ctx,
                                              const v1::ReportLinksRequest* r,
                                              v1::ReportLinksResponse*) {
   return Handle("ReportLinks", ctx, [&]() -> absl::Status {
-    return core_->ReportLinks(r->node(),
-                              std::vector<v1::Link>(r->links().begin(), r->links().end()));
+    return core_->ReportLinks(
+        r->node(), std::vector<v1::Link>(r->links().begin(), r->links().end()), r->address());
   });
 }
 
