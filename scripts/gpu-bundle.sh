@@ -26,7 +26,8 @@ TESTS="$(bazel query 'tests(//executor/cuda:all)' 2>/dev/null)
 //executor/train:backend_test
 //profiler_agent:gpu_probe_test
 //profiler_agent:devices_test
-//profiler_agent:agent_test"
+//profiler_agent:agent_test
+//profiler_agent:agent_links_test"
 TOOLS="//bench:gpu_bench //tools:hapctl"
 # shellcheck disable=SC2086
 bazel build --config=cuda $TESTS $TOOLS
