@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli_args.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "common/stop_signal.h"
 #include "executor/daemon/executor_server.h"
@@ -59,7 +60,7 @@ HAP_<FLAG> (--planner: HAP_PLANNER, --token-file: HAP_TOKEN_FILE, ...).
 
 absl::StatusOr<ExecutorServerOptions> Options(const tools::Args& a) {
   ExecutorServerOptions o;
-  o.planner = a.GetOrEnv("planner");
+  o.planner = service::BracketIpv6Host(a.GetOrEnv("planner"));  // fd00::5:7070 as on IPv6 pods
   if (!o.planner.empty()) {
     if (absl::Status s = CheckPlannerAddress(o.planner); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--planner (HAP_PLANNER): ", s.message()));

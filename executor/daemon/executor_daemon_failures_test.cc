@@ -306,6 +306,11 @@ TEST(ExecutorDaemonFailuresTest, PlannerPortsOutOfRangeAreRefused) {
     ASSERT_THAT(o.status(), IsOk());
     EXPECT_EQ(o->planner, planner);
   }
+  // An IPv6 pod's $(POD_IP):7070, unbracketed, is the bracketed address the
+  // planner advertises (it was refused as no HOST:PORT).
+  auto o = ExecutorDaemonOptions({"--serve", "--planner", "fd00::5:7070"});
+  ASSERT_THAT(o.status(), IsOk());
+  EXPECT_EQ(o->planner, "[fd00::5]:7070");
 }
 
 // `hap-executor --serve | head -1` (a script reading the port) or a log

@@ -63,6 +63,8 @@ absl::StatusOr<std::unique_ptr<ExecutorServer>> ExecutorServer::Start(
         "the executor needs its planner's address (--planner or HAP_PLANNER): the "
         "only planner it takes plans from");
   }
+  // `fd00::5:7070` is [fd00::5]:7070, as the planner advertises it.
+  options.planner = service::BracketIpv6Host(options.planner);
   if (absl::Status s = CheckPlannerAddress(options.planner); !s.ok()) return s;
   if (options.max_streams < 1 || options.max_streams > kMaxStreamsLimit) {
     return absl::InvalidArgumentError(

@@ -231,6 +231,7 @@ int main(int argc, char** argv) {
   }
   g_server = server->get();
   std::cout << "listening on " << (*server)->address() << "\n";
+  std::cout << "executors are told to dial " << (*server)->advertised_address() << "\n";
   if ((*server)->metrics_port() >= 0) {
     std::cout << "metrics on " << (o->security.tls_cert_file.empty() ? "http" : "https") << "://"
               << o->metrics_address << ":" << (*server)->metrics_port() << "/metrics\n";

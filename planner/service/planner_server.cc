@@ -311,6 +311,7 @@ struct PlannerServer::Impl {
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<metrics::MetricsHttpServer> http;
   int port = 0;
+  std::string advertised;  // what executors are told to dial
   absl::Mutex mu;
   bool shut = false;
   absl::Notification done;
@@ -338,6 +339,9 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
   std::unique_ptr<PlannerServer> s(new PlannerServer());
   s->impl_ = std::make_unique<Impl>();
   Impl& m = *s->impl_;
+  // `fd00::5:7070` (an IPv6 pod's $(POD_IP):7070) is [fd00::5]:7070, as the
+  // agents take it; it was refused as no HOST:PORT.
+  o.advertise = BracketIpv6Host(o.advertise);
   m.o = o;
   HAP_RETURN_IF_ERROR(ValidateDeploymentWatchOptions(o.deployments));
   // gRPC takes a port past 65535 modulo 65536: --listen 127.0.0.1:99999
@@ -428,9 +432,8 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", o.listen, " (address in use or invalid)"));
   }
-  std::string advertise =
-      o.advertise.empty() ? ListenAddressToAdvertise(o.listen, m.port) : o.advertise;
-  m.service->set_advertise_address(advertise);
+  m.advertised = o.advertise.empty() ? ListenAddressToAdvertise(o.listen, m.port) : o.advertise;
+  m.service->set_advertise_address(m.advertised);
   m.service->StartJobs();
   m.server->GetHealthCheckService()->SetServingStatus(kService, true);
   m.server->GetHealthCheckService()->SetServingStatus(true);
@@ -492,6 +495,7 @@ int PlannerServer::metrics_port() const { return impl_->http ? impl_->http->port
 std::string PlannerServer::address() const {
   return absl::StrCat("127.0.0.1:", impl_->port);
 }
+const std::string& PlannerServer::advertised_address() const { return impl_->advertised; }
 PlannerCore& PlannerServer::core() { return *impl_->core; }
 
 void PlannerServer::Shutdown() {

@@ -112,6 +112,9 @@ class PlannerServer {
   int port() const;          // the gRPC port bound
   int metrics_port() const;  // the HTTP port bound, or -1
   std::string address() const;  // "127.0.0.1:port"
+  // The address executors are given to reach the planner: --advertise (an
+  // unbracketed IPv6 host bracketed), or ListenAddressToAdvertise.
+  const std::string& advertised_address() const;
 
   // NOT_SERVING, drain, then stop accepting and finish calls in flight.
   void Shutdown();

@@ -529,6 +529,20 @@ TEST(SqliteBackendTest, AListenOrAdvertiseAddressPastPort65535IsRefused) {
   ExpectRefused(o, "advertise address 'planner.example:70700'");
 }
 
+// `--advertise fd00::5:7070` (an IPv6 pod's $(POD_IP):7070, as the agents
+// take it) was refused as no HOST:PORT; it is advertised bracketed, as
+// executors dial it. Without --advertise, the bound listen address.
+TEST(SqliteBackendTest, AnUnbracketedIpv6AdvertiseAddressIsAdvertisedBracketed) {
+  PlannerServerOptions o = ServerOn("");
+  o.advertise = "fd00::5:7070";
+  auto server = PlannerServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->advertised_address(), "[fd00::5]:7070");
+  auto plain = PlannerServer::Start(ServerOn(""));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ((*plain)->advertised_address(), absl::StrCat("127.0.0.1:", (*plain)->port()));
+}
+
 // Executors are given the planner's listen address to reach it at: a
 // wildcard host (--listen 0.0.0.0:7070 without --advertise) was given as
 // is, and executors on other machines dialled their own (0.0.0.0
