@@ -91,6 +91,8 @@ absl::Status Validate(const AgentOptions& o) {
   return absl::OkStatus();
 }
 
+bool NotCancelled() { return false; }
+
 }  // namespace
 
 struct Agent::Impl : public ProfileSource {
@@ -248,13 +250,20 @@ struct Agent::Impl : public ProfileSource {
   // A full probe; the new profile replaces the last one and becomes pending
   // for the planner.
   // DeadlineExceeded, probing nothing, when `deadline` has passed once the
-  // probes before this one are done (a caller of Probe that gave up).
+  // probes before this one are done (a caller of Probe that gave up);
+  // Cancelled when `cancelled()` says so then, or during the probe, which
+  // then ends at its next run and keeps the last profile.
   absl::Status ProbeDevices(absl::Duration max_duration,
-                            absl::Time deadline = absl::InfiniteFuture()) {
+                            absl::Time deadline = absl::InfiniteFuture(),
+                            const std::function<bool()>& cancelled = NotCancelled) {
     absl::MutexLock probing(&probe_mu);
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
           "the call's deadline passed while another probe ran; nothing was probed");
+    }
+    if (cancelled()) {
+      return absl::CancelledError(
+          "the caller cancelled while another probe ran; nothing was probed");
     }
     // Probes that waited for the lock when Shutdown came: each ran a full
     // probe after the other, delaying the exit by their sum.
@@ -264,9 +273,14 @@ struct Agent::Impl : public ProfileSource {
     if (max_duration > absl::ZeroDuration()) opts.max_duration = max_duration;
     // Shutdown, or a stop asked for before it (SIGTERM during the first
     // probe, inside Start), ends a probe at its next run.
-    opts.stop = [this] { return Stopping(); };
+    opts.stop = [this, &cancelled] { return Stopping() || cancelled(); };
+    // The caller's going ends its probe, not the profile the agent serves.
+    auto caller_gone = [this, &cancelled] { return !Stopping() && cancelled(); };
+    const absl::Status gone = absl::CancelledError(
+        "the caller cancelled during the probe; it was stopped and the last profile kept");
     const absl::Time start = MonotonicNow();
     auto node = ProbeNode(o.name, address, RawProbers(), opts);
+    if (caller_gone()) return gone;
     // A measurement the planner refuses (a FLOP/s below its minimum or not
     // a number) is a failed probe: sent, it failed every heartbeat that
     // carried it (the node went STALE for good) or every registration.
@@ -294,6 +308,8 @@ struct Agent::Impl : public ProfileSource {
         }
         local_links.push_back(std::move(link));
       }
+    } else if (caller_gone()) {
+      return gone;  // not a profile without its links
     } else {
       Log(absl::StrCat("probing the links between this node's devices: ", l.status().ToString()));
     }
@@ -811,7 +827,8 @@ struct Agent::Impl : public ProfileSource {
   // planner and the peers end by `deadline` (a Probe caller's): those peers
   // not measured by then are not.
   std::vector<v1::Link> MeasurePeers(const v1::GetProbeAssignmentsResponse& assignments,
-                                     absl::Time deadline = absl::InfiniteFuture()) {
+                                     absl::Time deadline = absl::InfiniteFuture(),
+                                     const std::function<bool()>& cancelled = NotCancelled) {
     std::vector<v1::Link> links;
     std::vector<std::string> local;
     std::vector<v1::Link> local_links;
@@ -823,7 +840,7 @@ struct Agent::Impl : public ProfileSource {
       }
     }
     for (const v1::ProbeAssignment& a : assignments.assignments()) {
-      if (Stopping() || absl::Now() >= deadline) break;
+      if (Stopping() || absl::Now() >= deadline || cancelled()) break;
       auto peer_devices = PeerDevices(a.peer_address(), deadline);
       if (!peer_devices.ok()) {
         Log(absl::StrCat("link probe to ", a.peer_node(), " at ", a.peer_address(), ": ",
@@ -918,7 +935,8 @@ struct Agent::Impl : public ProfileSource {
 
   // ProfileSource.
   absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration max_duration, bool include_links,
-                                             absl::Time deadline) override {
+                                             absl::Time deadline,
+                                             const std::function<bool()>& cancelled) override {
     // Asked first: a caller who wants the links learns at once, probing
     // nothing, that the planner does not answer (before, the call probed
     // the devices, measured no peer and answered OK, as for a cluster
@@ -940,10 +958,10 @@ struct Agent::Impl : public ProfileSource {
       if (!a.ok()) return Annotate(a.status(), "include_links: nothing was probed");
       assignments = *std::move(a);
     }
-    HAP_RETURN_IF_ERROR(ProbeDevices(max_duration, deadline));
+    HAP_RETURN_IF_ERROR(ProbeDevices(max_duration, deadline, cancelled));
     HAP_ASSIGN_OR_RETURN(v1::ProbeResponse r, LastProfile());
     if (assignments) {
-      for (auto& l : MeasurePeers(*assignments, deadline)) *r.add_links() = std::move(l);
+      for (auto& l : MeasurePeers(*assignments, deadline, cancelled)) *r.add_links() = std::move(l);
     }
     return r;
   }

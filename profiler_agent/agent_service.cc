@@ -47,7 +47,10 @@ grpc::Status AgentServiceImpl::Probe(grpc::ServerContext* ctx, const v1::ProbeRe
                                      " probe calls are in progress on this agent (one probes, the "
                                      "others wait for it); ask again when they are done"));
   }
-  auto r = source_->ProbeNow(max, request->include_links(), hap::service::CallDeadline(ctx));
+  // A caller that cancels (a client killed, a watch given up) was probed
+  // for as one that waits: a whole probe, holding the probe lock.
+  auto r = source_->ProbeNow(max, request->include_links(), hap::service::CallDeadline(ctx),
+                             [ctx] { return ctx->IsCancelled(); });
   probe_calls_.fetch_sub(1);
   if (!r.ok()) return hap::service::ToGrpc(r.status());
   *response = std::move(*r);

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -28,9 +29,12 @@ class ProfileSource {
   // probing nothing, when `deadline` (the caller's) has passed by the time
   // the probes before it are done; with `include_links`, the planner's
   // error, probing nothing, when it cannot be asked whom to measure.
-  virtual absl::StatusOr<hap::v1::ProbeResponse> ProbeNow(absl::Duration max_duration,
-                                                          bool include_links,
-                                                          absl::Time deadline) = 0;
+  // Cancelled once `cancelled()` says the caller has gone: probing nothing
+  // when it went while queued, ending a probe that runs at its next run
+  // (the last profile is kept), measuring no further peer.
+  virtual absl::StatusOr<hap::v1::ProbeResponse> ProbeNow(
+      absl::Duration max_duration, bool include_links, absl::Time deadline,
+      const std::function<bool()>& cancelled) = 0;
   // The last profile; FailedPrecondition while there is none (before the
   // first probe finished, or naming the error of a probe that failed).
   virtual absl::StatusOr<hap::v1::ProbeResponse> LastProfile() = 0;

@@ -580,6 +580,43 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   EXPECT_EQ(state_.probes.load(), 2);
 }
 
+// A Probe call whose caller cancelled it (a killed client, a given-up
+// watch) while it waited for another probe was probed for when its turn
+// came, as one that waits: only its deadline was looked at.
+TEST_F(AgentTest, AProbeCallCancelledWhileQueuedProbesNothing) {
+  HeldProber::Hold hold;
+  auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(Registered("node-a"));
+  ASSERT_EQ(state_.probes.load(), 1);
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
+  hold.hold = true;
+  std::thread running([&] {
+    grpc::ClientContext ctx;
+    hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(30));
+    v1::ProbeResponse r;
+    EXPECT_THAT(FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r)), IsOk());
+  });
+  for (int i = 0; i < 2000 && hold.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(hold.waiting.load(), 1);
+  grpc::ClientContext queued_ctx;  // no deadline
+  std::thread queued([&] {
+    v1::ProbeResponse r;
+    EXPECT_EQ(stub->Probe(&queued_ctx, v1::ProbeRequest(), &r).error_code(),
+              grpc::StatusCode::CANCELLED);
+  });
+  absl::SleepFor(absl::Seconds(1));  // the call arrives and waits for the probe that runs
+  queued_ctx.TryCancel();
+  queued.join();
+  absl::SleepFor(absl::Seconds(1));  // the cancellation reaches the server
+  hold.hold = false;
+  running.join();
+  absl::SleepFor(absl::Milliseconds(500));  // a queued probe would have run by now
+  (*agent)->Shutdown();
+  EXPECT_EQ(state_.probes.load(), 2);
+}
+
 // A prober whose every probe fails as a GPU's does when the device is gone
 // or broken; counts its attempts.
 class FailingProber : public DeviceProber {
@@ -716,6 +753,42 @@ TEST_F(AgentTest, ShutdownStopsAProbeThatRuns) {
   ASSERT_TRUE(seen.probing);
   (*agent)->Shutdown();
   EXPECT_TRUE(seen.stopped);
+}
+
+// A Probe call cancelled while its probe runs (a long one: many GPUs, a
+// large max_duration) ends the probe at its next run, as Shutdown does,
+// and keeps the profile the agent serves. Before, the probe ran on for
+// nobody, holding the probe lock.
+TEST_F(AgentTest, AProbeCallCancelledWhileItProbesEndsTheProbeAndKeepsTheProfile) {
+  UntilStoppedProber::Seen seen;
+  auto agent = StartOn(Options("node-a"), std::make_unique<UntilStoppedProber>(&state_, &seen));
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(Registered("node-a"));
+  auto stub = AgentStub(**agent);
+  ASSERT_TRUE(stub);
+  auto profile = [&]() -> absl::StatusOr<v1::ProbeResponse> {
+    grpc::ClientContext ctx;
+    v1::ProbeResponse r;
+    HAP_RETURN_IF_ERROR(FromGrpc(stub->GetProfile(&ctx, v1::GetProfileRequest(), &r)));
+    return r;
+  };
+  auto before = profile();
+  ASSERT_THAT(before, IsOk());
+  grpc::ClientContext ctx;  // no deadline
+  std::thread caller([&] {
+    v1::ProbeResponse r;
+    EXPECT_EQ(stub->Probe(&ctx, v1::ProbeRequest(), &r).error_code(), grpc::StatusCode::CANCELLED);
+  });
+  for (int i = 0; i < 3000 && !seen.probing; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(seen.probing);
+  ctx.TryCancel();
+  caller.join();
+  for (int i = 0; i < 3000 && !seen.stopped; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(seen.stopped);
+  auto after = profile();
+  ASSERT_THAT(after, IsOk());
+  EXPECT_EQ(after->SerializeAsString(), before->SerializeAsString());
+  (*agent)->Shutdown();
 }
 
 // Probe calls without a deadline while a probe runs queued without a

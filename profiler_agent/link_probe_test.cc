@@ -33,7 +33,8 @@ namespace v1 = hap::v1;
 class StaticSource : public ProfileSource {
  public:
   std::optional<v1::ProbeResponse> profile;
-  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration, bool, absl::Time) override {
+  absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration, bool, absl::Time,
+                                             const std::function<bool()>&) override {
     return LastProfile();
   }
   absl::StatusOr<v1::ProbeResponse> LastProfile() override {
