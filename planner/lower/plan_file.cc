@@ -171,6 +171,14 @@ absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
   absl::Status programs = IsPipelinePlan(plan) ? CheckPipelinePlanForRank(plan, rank, world)
                                                : CheckSpmdPlanForRank(plan, rank, world);
   if (!programs.ok()) return programs;
+  // The content hash covers the graph's hash, not the graph: a graph edited
+  // after lowering (a parameter frozen, an attribute changed) would run with
+  // rank programs lowered for another model.
+  if (!plan.graph_hash().empty() && Sha256Hex(plan.graph()) != plan.graph_hash()) {
+    return absl::InvalidArgumentError(
+        "the plan's graph does not match its graph_hash (edited or corrupted?): its rank "
+        "programs were lowered for another graph; plan the edited model again");
+  }
   // The checkpoints' data cursor is steps x global_batch (samples_seen);
   // a plan without its batch would save cursors a resume cannot check.
   if (plan.global_batch() < 1) {

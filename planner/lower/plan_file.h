@@ -21,7 +21,8 @@ inline bool IsPipelinePlan(const hap::v1::Plan& plan) {
 }
 
 // Checks a plan an executor is about to run as rank `rank` of `world`:
-// format version, global batch, rank programs for that world, content hash.
+// format version, global batch, rank programs for that world, content hash,
+// the graph against its graph_hash.
 // InvalidArgument naming what does not fit.
 absl::Status CheckPlanForRank(const hap::v1::Plan& plan, int rank, int world);
 

@@ -1,0 +1,61 @@
+#include "planner/lower/plan_file.h"
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/graph/zoo.h"
+#include "planner/lower/lower.h"
+
+namespace hap::lower {
+namespace {
+
+namespace v1 = ::hap::v1;
+using ::hap::testing::IsOk;
+using ::hap::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr int kBatch = 6;
+
+// A plan as BuildPlan writes one (the single-device program lowered for
+// `world` ranks): graph, its hash, devices, batch, rank programs, content
+// hash.
+v1::Plan MlpPlan(int world) {
+  auto g = graph::BuildZooModel(
+      "mlp", {{"layers", 1}, {"hidden", 4}, {"input", 3}, {"classes", 2}, {"batch", kBatch}});
+  EXPECT_THAT(g.status(), IsOk());
+  v1::Plan plan;
+  plan.set_format_version(kPlanFormatVersion);
+  *plan.mutable_graph() = graph::ToProto(*g);
+  plan.set_graph_hash(Sha256Hex(plan.graph()));
+  plan.set_global_batch(kBatch);
+  LowerOptions lo;
+  lo.world_size = world;
+  for (int r = 0; r < world; ++r) {
+    lo.devices.push_back("n0/cpu" + std::to_string(r));
+    plan.add_devices(lo.devices.back());
+  }
+  auto programs = Lower(*g, SingleDeviceProgram(*g), lo);
+  EXPECT_THAT(programs.status(), IsOk());
+  for (v1::RankProgram& p : *programs) *plan.add_rank_programs() = std::move(p);
+  plan.set_content_hash(ContentHash(plan));
+  return plan;
+}
+
+TEST(PlanFileTest, APlanAsWrittenFitsEveryRank) {
+  const v1::Plan plan = MlpPlan(2);
+  for (int r = 0; r < 2; ++r) EXPECT_THAT(CheckPlanForRank(plan, r, 2), IsOk()) << r;
+}
+
+TEST(PlanFileTest, AGraphEditedAfterLoweringIsRefused) {
+  // The content hash covers the graph's hash, not the graph: a parameter
+  // frozen by hand would still be updated by the rank programs.
+  v1::Plan plan = MlpPlan(2);
+  plan.mutable_graph()->mutable_parameters(0)->set_frozen(true);
+  EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's graph does not match its graph_hash")));
+}
+
+}  // namespace
+}  // namespace hap::lower
