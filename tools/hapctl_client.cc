@@ -376,12 +376,27 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   t.set_steps(steps);
   t.set_threads_per_rank(static_cast<int>(threads));
   const std::string data = a.Get("data", "synthetic");
+  const bool spec = absl::StartsWith(data, "npy:") || absl::StartsWith(data, "tokens:");
   if (data == "wikitext") {
     t.set_data(v1::TrainingConfig::WIKITEXT2);
   } else if (data == "synthetic") {
     t.set_data(v1::TrainingConfig::SYNTHETIC);
+  } else if (spec) {
+    t.set_data_spec(data);  // its files are checked by the executors, on their hosts
   } else {
-    t.set_data_spec(data);  // npy:DIR, tokens:FILE[:uint16|uint32]; checked by the executors
+    // An empty spec was sent as synthetic data; another word reached every
+    // executor, and the deployment failed rank by rank.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got '", data,
+        "'"));
+  }
+  // The executors read data_path for WikiText-2 alone and shuffle user data
+  // alone: '--data npy:D --data-path X' ran on D (and '--shuffle' with
+  // synthetic or wikitext data, below, failed every rank once deployed).
+  if (a.Has("data-path") && data != "wikitext") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data-path is the WikiText-2 directory or split of --data wikitext; with --data ", data,
+        " it would be ignored", spec ? " (the spec names its files)" : ""));
   }
   t.set_data_path(a.Get("data-path"));
   HAP_ASSIGN_OR_RETURN(int64_t every, a.Integer("checkpoint-every", 0, 0, kMaxInt64));
@@ -393,6 +408,10 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   t.set_init_weights(a.Get("init-weights"));
   if (a.Has("shuffle")) {
     HAP_ASSIGN_OR_RETURN(int64_t seed, a.Integer("shuffle", 0, 0, kMaxInt64));
+    if (!spec) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shuffle applies to --data npy:DIR and tokens:FILE only, not --data ", data));
+    }
     t.set_shuffle(true);
     t.set_shuffle_seed(static_cast<uint64_t>(seed));
   }

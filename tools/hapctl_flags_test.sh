@@ -178,4 +178,30 @@ for case in "--lr|-1|--lr must be positive, got '-1'" \
     echo "$out" | grep -qF -- "$want" || fail "$cmd $flag $value: $out"
   done
 done
+# deploy plan / create job: a data flag the executors would not use is
+# refused before any call ('--data npy:D --data-path X' ran on D with X
+# dropped; --shuffle with synthetic data failed every rank once deployed;
+# --data '' ran on synthetic data; a misspelt spec reached every executor).
+for cmd in "deploy plan p" "create job --id j --checkpoint-dir /tmp/x --model mlp"; do
+  for case in "--data-path /d|--data-path is the WikiText-2 directory or split of --data wikitext; with --data synthetic it would be ignored" \
+              "--data npy:/d --data-path /d|with --data npy:/d it would be ignored" \
+              "--shuffle 3|--shuffle applies to --data npy:DIR and tokens:FILE only, not --data synthetic" \
+              "--data wikitext --shuffle 3|not --data wikitext" \
+              "--data npyy:/d|--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got 'npyy:/d'"; do
+    IFS='|' read -r flags want <<< "$case"
+    # shellcheck disable=SC2086
+    out="$("$HAPCTL" $cmd $flags --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd $flags exited 0: $out"
+    echo "$out" | grep -qF -- "$want" || fail "$cmd $flags: $out"
+    echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd $flags called the server: $out"
+  done
+  out="$("$HAPCTL" $cmd --data "" --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd --data '' exited 0: $out"
+  echo "$out" | grep -qF -- "--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got ''" \
+    || fail "$cmd --data '': $out"
+  # The data flags each form takes still reach the call (port 1: refused there).
+  for flags in "--data wikitext --data-path /d" "--data npy:/d --shuffle 3" "--data tokens:/t:uint32"; do
+    # shellcheck disable=SC2086
+    out="$("$HAPCTL" $cmd $flags --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd $flags exited 0: $out"
+    echo "$out" | grep -q "UNAVAILABLE" || fail "$cmd $flags: $out"
+  done
+done
 echo PASS
