@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/host_port.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
@@ -102,6 +103,7 @@ struct Agent::Impl : public ProfileSource {
   std::string address;
   std::thread heartbeat_thread, link_thread, probe_thread;
   std::atomic<bool> shut_down{false};
+  absl::Notification shutdown_done;  // the first Shutdown has finished
 
   // Shutdown, for WaitFor: a std::condition_variable waits on the
   // monotonic clock (absl::Mutex's timed waits, in our Abseil 20220623,
@@ -1022,7 +1024,13 @@ int Agent::port() const { return impl_->server->port(); }
 std::string Agent::address() const { return impl_->address; }
 
 void Agent::Shutdown(absl::Duration deadline) {
-  if (!impl_ || impl_->shut_down.exchange(true)) return;
+  if (!impl_) return;
+  // A second caller (a signal's, the destructor's) waits for the first: it
+  // returned at once, and could destroy the agent under the first.
+  if (impl_->shut_down.exchange(true)) {
+    impl_->shutdown_done.WaitForNotification();
+    return;
+  }
   {
     absl::MutexLock l(&impl_->mu);
     impl_->stopping = true;
@@ -1038,6 +1046,7 @@ void Agent::Shutdown(absl::Duration deadline) {
   if (impl_->probe_thread.joinable()) impl_->probe_thread.join();
   // No server when Start failed before it was up.
   if (impl_->server) impl_->server->Shutdown(deadline);
+  impl_->shutdown_done.Notify();
 }
 
 }  // namespace hap::agent

@@ -104,7 +104,7 @@ class Agent {
 
   // Stops heartbeating and probing (RPCs in flight are cancelled), then
   // shuts the server down giving calls in flight until `deadline`.
-  // Idempotent; thread-safe.
+  // Idempotent; thread-safe: a second call returns when the first has.
   void Shutdown(absl::Duration deadline = absl::Seconds(5));
 
   struct Impl;

@@ -526,9 +526,6 @@ class HeldProber : public FakeProber {
   Hold* h_;
 };
 
-// Probe calls queued behind a running probe whose callers gave up (their
-// deadline passed) probe nothing: a burst of them is not a burst of probes
-// run after their callers left.
 // An agent at a loopback address (the default --listen 127.0.0.1:0)
 // registering with a planner on another host is unreachable from there and
 // from peers, and says so at start; all on one machine it is fine.
@@ -543,6 +540,9 @@ TEST(LocalOnlyAddressWarningTest, ALoopbackAgentOfARemotePlannerIsWarnedAbout) {
   EXPECT_EQ(LocalOnlyAddressWarning("[::1]:41000", "unix:/run/hap-planner.sock"), "");
 }
 
+// Probe calls queued behind a running probe whose callers gave up (their
+// deadline passed) probe nothing: a burst of them is not a burst of probes
+// run after their callers left.
 TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   HeldProber::Hold hold;
   auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
@@ -578,6 +578,38 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   running.join();
   (*agent)->Shutdown();  // the queued calls' handlers are done
   EXPECT_EQ(state_.probes.load(), 2);
+}
+
+// A second Shutdown while the first waited for the agent's threads (a
+// signal handler's and the destructor's) returned at once, so its caller
+// could destroy the agent under the first. It now returns when the agent
+// is down, as the first does.
+TEST_F(AgentTest, ASecondShutdownReturnsOnlyOnceTheAgentIsDown) {
+  HeldProber::Hold hold;
+  auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
+  ASSERT_THAT(agent, IsOk());
+  ASSERT_TRUE(Registered("node-a"));
+  hold.hold = true;
+  planner_.RequestReprobe("node-a");
+  for (int i = 0; i < 3000 && hold.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(hold.waiting.load(), 1);  // the probe thread is held: Shutdown waits for it
+  std::atomic<bool> first_done{false}, second_done{false};
+  std::thread first([&] {
+    (*agent)->Shutdown();
+    first_done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  std::thread second([&] {
+    (*agent)->Shutdown();
+    second_done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_FALSE(first_done);
+  EXPECT_FALSE(second_done);
+  hold.hold = false;
+  first.join();
+  second.join();
+  EXPECT_EQ(hold.waiting.load(), 0);
 }
 
 // A Probe call whose caller cancelled it (a killed client, a given-up
