@@ -64,6 +64,27 @@ std::string ContentHash(const v1::Plan& plan) {
 
 namespace {
 
+// Plan.devices (rank order; optional in an SPMD plan unless `required`)
+// against the rank programs: one per rank, and rank `rank`'s the device its
+// program was lowered for. Executors pick their device by Plan.devices,
+// which the content hash does not cover: a list edited out of order put
+// ranks on devices their shares were not planned for.
+absl::Status CheckDevices(const v1::Plan& plan, int rank, bool required) {
+  if (plan.devices_size() == 0 && !required) return absl::OkStatus();
+  if (plan.devices_size() != plan.rank_programs_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the plan lists ", plan.devices_size(),
+                                                   " devices for its ", plan.rank_programs_size(),
+                                                   " rank programs (one device per rank)"));
+  }
+  const std::string& lowered_for = plan.rank_programs(rank).device();
+  if (!lowered_for.empty() && lowered_for != plan.devices(rank)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan places rank ", rank, " on device '", plan.devices(rank),
+                     "', but its program was lowered for '", lowered_for, "'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world) {
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -71,7 +92,7 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
         " stages) has no rank programs: it was made before pipeline plans were executable; "
         "plan it again"));
   }
-  if (world != plan.rank_programs_size() || world != plan.devices_size()) {
+  if (world != plan.rank_programs_size()) {
     return absl::InvalidArgumentError(absl::StrCat("the plan is for a world of ",
                                                    plan.rank_programs_size(), " ranks, not ",
                                                    world));
@@ -80,6 +101,8 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is out of range for a world of ", world));
   }
+  // Its devices place the ranks in their stages.
+  if (absl::Status s = CheckDevices(plan, rank, /*required=*/true); !s.ok()) return s;
   int found = 0;
   for (const v1::PipelineStage& st : plan.pipeline().stages()) {
     for (int i = 0; i < st.devices_size(); ++i) {
@@ -152,6 +175,7 @@ absl::Status CheckSpmdPlanForRank(const v1::Plan& plan, int rank, int world) {
     return absl::InvalidArgumentError(
         absl::StrCat("the plan's program ", rank, " is not rank ", rank, "'s"));
   }
+  if (absl::Status s = CheckDevices(plan, rank, /*required=*/false); !s.ok()) return s;
   if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
     return absl::InvalidArgumentError(
         "the plan's content hash does not match its content (corrupted?)");

@@ -57,5 +57,38 @@ TEST(PlanFileTest, AGraphEditedAfterLoweringIsRefused) {
                        HasSubstr("the plan's graph does not match its graph_hash")));
 }
 
+TEST(PlanFileTest, DevicesThatDisagreeWithTheRankProgramsAreRefused) {
+  v1::Plan swapped = MlpPlan(2);
+  swapped.mutable_devices()->SwapElements(0, 1);
+  EXPECT_THAT(CheckPlanForRank(swapped, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan places rank 0 on device 'n0/cpu1', but its program "
+                                 "was lowered for 'n0/cpu0'")));
+  v1::Plan more = MlpPlan(2);
+  more.add_devices("n0/cpu2");
+  EXPECT_THAT(CheckPlanForRank(more, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan lists 3 devices for its 2 rank programs")));
+}
+
+TEST(PlanFileTest, APipelinePlanWithADeviceListOfAnotherLengthSaysSo) {
+  v1::Plan plan;
+  plan.set_format_version(kPlanFormatVersion);
+  plan.set_global_batch(1);
+  for (const char* d : {"a", "b"}) {
+    v1::PipelineStage* st = plan.mutable_pipeline()->add_stages();
+    st->add_devices(d);
+    v1::RankProgram* p = plan.add_rank_programs();
+    p->set_world_size(1);
+    p->set_device(d);
+    plan.add_devices(d);
+  }
+  plan.add_devices("c");
+  // Was "the plan is for a world of 2 ranks, not 2".
+  EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan lists 3 devices for its 2 rank programs")));
+}
+
 }  // namespace
 }  // namespace hap::lower
