@@ -85,6 +85,13 @@ absl::Status CheckDevices(const v1::Plan& plan, int rank, bool required) {
   return absl::OkStatus();
 }
 
+// The batch BuildPlan records: the first input's first dimension, 1 for a
+// graph without a batched input.
+int64_t GraphBatch(const v1::Graph& g) {
+  if (g.inputs_size() == 0 || g.inputs(0).tensor().shape_size() == 0) return 1;
+  return g.inputs(0).tensor().shape(0);
+}
+
 absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world) {
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -209,6 +216,15 @@ absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
     return absl::InvalidArgumentError(
         absl::StrCat("the plan's global_batch is ", plan.global_batch(),
                      "; a lowered plan carries its graph's batch (1 or more): plan it again"));
+  }
+  // Not covered by the content hash either: an edited batch would make
+  // checkpoints count samples wrongly.
+  if (const int64_t batch = GraphBatch(plan.graph()); plan.global_batch() != batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan's global_batch is ", plan.global_batch(),
+                     ", but its graph's batch (the first dimension of its first input, '",
+                     plan.graph().inputs_size() > 0 ? plan.graph().inputs(0).tensor().name() : "",
+                     "') is ", batch));
   }
   return absl::OkStatus();
 }

@@ -57,6 +57,16 @@ TEST(PlanFileTest, AGraphEditedAfterLoweringIsRefused) {
                        HasSubstr("the plan's graph does not match its graph_hash")));
 }
 
+TEST(PlanFileTest, AGlobalBatchOtherThanTheGraphsIsRefused) {
+  // Not covered by the content hash; checkpoints count samples by it.
+  v1::Plan plan = MlpPlan(2);
+  plan.set_global_batch(2 * kBatch);
+  EXPECT_THAT(CheckPlanForRank(plan, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("global_batch is 12, but its graph's batch (the first dimension "
+                                 "of its first input, 'x') is 6")));
+}
+
 TEST(PlanFileTest, DevicesThatDisagreeWithTheRankProgramsAreRefused) {
   v1::Plan swapped = MlpPlan(2);
   swapped.mutable_devices()->SwapElements(0, 1);
