@@ -650,6 +650,7 @@ int RunCalibrate(const std::vector<std::string>& argv) {
   std::vector<calibrate::ProfiledRun> runs;
   for (size_t k = 0; k < plans.size(); ++k) {
     calibrate::ProfiledRun run;
+    run.source = absl::StrCat("--plan ", plans[k], " --profile ", prefixes[k]);
     auto bytes = ReadInputFile(plans[k], "plan ");
     if (!bytes.ok()) return Fail(bytes.status());
     if (!run.plan.ParseFromString(*bytes)) {

@@ -62,18 +62,25 @@ double FloatFlops(const v1::Device& d) {
   return flops;
 }
 
+// How errors name run `k`: "run k", with its source when it has one
+// (hapctl calibrate: its --plan and --profile).
+std::string RunName(const std::vector<ProfiledRun>& runs, size_t k) {
+  return runs[k].source.empty() ? absl::StrCat("run ", k)
+                                : absl::StrCat("run ", k, " (", runs[k].source, ")");
+}
+
 // The longest per-step time a profile may say (11.6 days): past it a
 // number is no measurement, and seconds around 1e20 made every plan of the
 // calibrated cluster fail in the solver.
 constexpr double kMaxProfileSeconds = 1e6;
 
-// InvalidArgument naming run `k`, the rank and the number, unless every
+// InvalidArgument naming the run (RunName), the rank and the number, unless every
 // number of `r` is finite, >= 0 and at most kMaxProfileSeconds. The
 // planner's profiles come from the executors' status reports, unparsed.
-absl::Status CheckProfile(size_t k, const RankProfile& r) {
+absl::Status CheckProfile(const std::string& run, const RankProfile& r) {
   auto check = [&](const std::string& what, double v) {
     if (std::isfinite(v) && v >= 0 && v <= kMaxProfileSeconds) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat("run ", k, ": rank ", r.rank, "'s ", what,
+    return absl::InvalidArgumentError(absl::StrCat(run, ": rank ", r.rank, "'s ", what,
                                                    " must be finite, >= 0 and at most ",
                                                    kMaxProfileSeconds, " s per step, got ", v));
   };
@@ -85,15 +92,15 @@ absl::Status CheckProfile(size_t k, const RankProfile& r) {
   return absl::OkStatus();
 }
 
-// InvalidArgument naming run `k` and the field unless every number of its
+// InvalidArgument naming the run (RunName) and the field unless every number of its
 // plan's prediction the fits read (and its pipeline stages' times) is
 // finite and >= 0: one infinite transfer time made the communication fit's
 // sums NaN, and a NaN transfer scale divided every link's bandwidth.
-absl::Status CheckPrediction(size_t k, const v1::Plan& plan) {
+absl::Status CheckPrediction(const std::string& run, const v1::Plan& plan) {
   auto check = [&](const std::string& what, double v) {
     if (std::isfinite(v) && v >= 0) return absl::OkStatus();
     return absl::InvalidArgumentError(
-        absl::StrCat("run ", k, ": its plan's ", what, " must be finite and >= 0, got ", v));
+        absl::StrCat(run, ": its plan's ", what, " must be finite and >= 0, got ", v));
   };
   const v1::PlanPrediction& p = plan.prediction();
   HAP_RETURN_IF_ERROR(check("prediction.compute_seconds", p.compute_seconds()));
@@ -595,16 +602,17 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
   std::set<std::string> overlap_devices;
   for (size_t k = 0; k < runs.size(); ++k) {
     const ProfiledRun& run = runs[k];
+    const std::string name = RunName(runs, k);
     const v1::Plan& plan = run.plan;
     if (plan.devices_size() == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("run ", k, ": its plan has no devices"));
+      return absl::InvalidArgumentError(absl::StrCat(name, ": its plan has no devices"));
     }
     // Its collective calls and the ranks' shares are read from the rank
     // programs: one missing, or a world size not the plan's, counted no
     // calls (or negative ones) and the communication went unfitted unsaid.
     if (plan.rank_programs_size() != plan.devices_size()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "run ", k, ": its plan has ", plan.rank_programs_size(), " rank programs for ",
+          name, ": its plan has ", plan.rank_programs_size(), " rank programs for ",
           plan.devices_size(),
           " devices (the whole plan, as hapctl plan --save-plan writes it, is needed)"));
     }
@@ -612,12 +620,12 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       for (int i = 0; i < plan.rank_programs_size(); ++i) {
         if (plan.rank_programs(i).world_size() != plan.devices_size()) {
           return absl::InvalidArgumentError(
-              absl::StrCat("run ", k, ": its plan's rank program ", i, " has world_size ",
+              absl::StrCat(name, ": its plan's rank program ", i, " has world_size ",
                            plan.rank_programs(i).world_size(), ", not ", plan.devices_size()));
         }
       }
     }
-    HAP_RETURN_IF_ERROR(CheckPrediction(k, plan));
+    HAP_RETURN_IF_ERROR(CheckPrediction(name, plan));
     HAP_ASSIGN_OR_RETURN(graph::Graph g, graph::FromProto(plan.graph()));
     // A pipeline run tells each device's kernel times at the microbatch
     // size; its step also holds the bubble and the transfers between stages,
@@ -631,44 +639,43 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
     double busiest = 0, step = 0;
     for (const RankProfile& r : run.ranks) {
       if (r.rank < 0 || r.rank >= plan.devices_size() || !seen.insert(r.rank).second) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "run ", k, ": rank ", r.rank, " is out of range or given twice (plan has ",
-            plan.devices_size(), " ranks)"));
+        return absl::InvalidArgumentError(absl::StrCat(name, ": rank ", r.rank,
+                                                       " is out of range or given twice (plan has ",
+                                                       plan.devices_size(), " ranks)"));
       }
-      HAP_RETURN_IF_ERROR(CheckProfile(k, r));
+      HAP_RETURN_IF_ERROR(CheckProfile(name, r));
       // Every rank runs kernels: a profile timing none is no measurement
       // (its kernel timing was off), and taken as one it cleared the
       // device's op scales and zeroed its optimizer and step overhead.
       if (std::none_of(r.op_seconds.begin(), r.op_seconds.end(),
                        [](const auto& t) { return t.second > 0; })) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "run ", k, ": rank ", r.rank, "'s profile times no op (op_seconds is empty or all 0)"));
+            name, ": rank ", r.rank, "'s profile times no op (op_seconds is empty or all 0)"));
       }
       if (r.plan_content_hash.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "run ", k, ": rank ", r.rank,
+            name, ": rank ", r.rank,
             "'s profile does not name its plan (no plan_content_hash; executors write it)"));
       }
       if (r.plan_content_hash != plan.content_hash()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "run ", k, ": rank ", r.rank, "'s profile is of plan ",
-            r.plan_content_hash.substr(0, 12), ", not ", plan.content_hash().substr(0, 12)));
+            name, ": rank ", r.rank, "'s profile is of plan ", r.plan_content_hash.substr(0, 12),
+            ", not ", plan.content_hash().substr(0, 12)));
       }
       const std::string& id = plan.devices(r.rank);
       if (!r.device.empty() && r.device != id) {
         return absl::InvalidArgumentError(
-            absl::StrCat("run ", k, ": rank ", r.rank, "'s profile was measured on '", r.device,
+            absl::StrCat(name, ": rank ", r.rank, "'s profile was measured on '", r.device,
                          "', the plan puts rank ", r.rank, " on '", id, "'"));
       }
       auto dev = devices.find(id);
       if (dev == devices.end()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("run ", k, ": the plan's device '", id, "' is not in the cluster"));
+            absl::StrCat(name, ": the plan's device '", id, "' is not in the cluster"));
       }
       Sums& s = sums[id];
       Sums one;
-      HAP_RETURN_IF_ERROR(
-          Annotate(Model(plan, g, r.rank, *dev->second, &one), absl::StrCat("run ", k)));
+      HAP_RETURN_IF_ERROR(Annotate(Model(plan, g, r.rank, *dev->second, &one), name));
       for (const auto& [type, secs] : one.modelled) s.modelled[type] += secs;
       s.stored_elements += one.stored_elements;
       if (piped) {
@@ -692,9 +699,9 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       step = std::max(step, r.step_seconds_median);
     }
     if (static_cast<int>(seen.size()) != plan.devices_size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "run ", k, ": profiles of ", seen.size(), " of the plan's ", plan.devices_size(),
-          " ranks; every rank's profile is needed"));
+      return absl::InvalidArgumentError(absl::StrCat(name, ": profiles of ", seen.size(),
+                                                     " of the plan's ", plan.devices_size(),
+                                                     " ranks; every rank's profile is needed"));
     }
     if (piped) {
       if (std::optional<double> o = PipelineTransferOverhead(plan, run.ranks)) {
@@ -712,8 +719,8 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
                                                    : cost::kGpuOverlapEfficiency;
           if (e != 1 && std::count(plan.devices().begin(), plan.devices().end(), d.id())) {
             return absl::InvalidArgumentError(absl::StrCat(
-                "run ", k, ": its plan assumed overlap at overlap_efficiency ", e,
-                " for device '", d.id(),
+                name, ": its plan assumed overlap at overlap_efficiency ", e, " for device '",
+                d.id(),
                 "'; fit the overlap from plans made with overlap_efficiency 1 on every device"));
           }
         }
@@ -822,7 +829,7 @@ absl::StatusOr<Calibration> Calibrate(const v1::Cluster& cluster, const std::vec
       const std::string other = OtherLinks(cluster, runs[k].plan);
       if (!other.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "run ", k, "'s plan was priced with ", other,
+            RunName(runs, k), "'s plan was priced with ", other,
             ": the link transfer scale fitted against its prediction holds for the links it "
             "was priced with; calibrate the cluster the plans were made from (a calibrated "
             "cluster's links would be scaled again)"));

@@ -61,6 +61,9 @@ absl::StatusOr<RankProfile> ParseRankProfile(const std::string& json);
 struct ProfiledRun {
   v1::Plan plan;
   std::vector<RankProfile> ranks;
+  // Where the run came from, for errors ("run k (SOURCE): ..."; hapctl
+  // calibrate names its --plan and --profile); empty: "run k".
+  std::string source = "";
 };
 
 // Per device and op type: what the model said and what was measured.

@@ -636,6 +636,13 @@ TEST(CalibrationTest, RejectsARunOfAPlanWithNoDevices) {
   auto s = Calibrate(TwoCpus(), {ProfiledRun{plan, {}}}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("run 0: its plan has no devices"), std::string::npos) << s;
+  // A run's source names it (hapctl calibrate gives its --plan and
+  // --profile; "run 3" named none of a user's files).
+  ProfiledRun named{plan, {}, "--plan b.pb --profile b"};
+  s = Calibrate(TwoCpus(), {named}).status();
+  EXPECT_NE(s.message().find("run 0 (--plan b.pb --profile b): its plan has no devices"),
+            std::string::npos)
+      << s;
 }
 
 // Numbers no measurement has (the planner takes its deployments' profiles

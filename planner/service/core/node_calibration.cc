@@ -50,6 +50,7 @@ absl::StatusOr<std::map<std::string, v1::DeviceCalibration>> FitDeviceCalibratio
   }
   calibrate::ProfiledRun run;
   run.plan = plan;
+  run.source = absl::StrCat("deployment ", deployment);
   for (const v1::StepProfile& p : profiles) {
     if (p.steps() <= 0) {
       return absl::InvalidArgumentError(
