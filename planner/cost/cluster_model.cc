@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -98,26 +99,31 @@ absl::StatusOr<ClusterModel> ClusterModel::FromProto(
           "; it must be positive"));
     }
     dm.memory_bytes = d.memory_bytes();
-    if (!(std::isfinite(d.launch_overhead_seconds()) &&
-          d.launch_overhead_seconds() >= 0)) {
+    if (!(std::isfinite(d.launch_overhead_seconds()) && d.launch_overhead_seconds() >= 0 &&
+          d.launch_overhead_seconds() <= kMaxLaunchOverheadSeconds)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "device '", id, "' has an invalid launch_overhead_seconds"));
+          "device '", id, "' has an invalid launch_overhead_seconds (", d.launch_overhead_seconds(),
+          "); it must be finite, >= 0 and at most ", kMaxLaunchOverheadSeconds));
     }
     dm.launch_overhead_seconds = d.launch_overhead_seconds();
     dm.queued_launches = QueuesLaunches(d);
     for (const auto& [type, scale] : d.op_time_scale()) {
-      if (!Positive(scale)) {
+      if (!Positive(scale) || scale >= kMaxOpTimeScale) {
         return absl::InvalidArgumentError(absl::StrCat(
             "device '", id, "' has op_time_scale[", type, "] = ", scale,
-            "; calibration scales must be positive and finite"));
+            "; calibration scales must be positive, finite and below ", kMaxOpTimeScale));
       }
       dm.op_time_scale[type] = scale;
     }
-    for (double v : {d.optimizer_seconds_per_element(), d.step_overhead_seconds()}) {
-      if (!(std::isfinite(v) && v >= 0)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "device '", id, "' has an invalid optimizer_seconds_per_element or "
-            "step_overhead_seconds (", v, "); they must be finite and >= 0"));
+    for (const auto& [field, v, most] :
+         {std::tuple<const char*, double, double>{"optimizer_seconds_per_element",
+                                                  d.optimizer_seconds_per_element(),
+                                                  kMaxOptimizerSecondsPerElement},
+          {"step_overhead_seconds", d.step_overhead_seconds(), kMaxStepOverheadSeconds}}) {
+      if (!(std::isfinite(v) && v >= 0 && v <= most)) {
+        return absl::InvalidArgumentError(absl::StrCat("device '", id, "' has ", field, " ", v,
+                                                       "; it must be finite, >= 0 and at most ",
+                                                       most));
       }
     }
     const double eff = d.overlap_efficiency();

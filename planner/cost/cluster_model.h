@@ -23,6 +23,17 @@ namespace hap::cost {
 inline constexpr double kGpuOverlapEfficiency = 1.0;
 inline constexpr double kCpuOverlapEfficiency = 0.5;
 
+// The most seconds a device's profile may say per kernel call, per
+// parameter element of the optimizer and per step outside ops (each far
+// above any device's), and the largest calibration scale of an op's time.
+// FromProto refuses more, as the planner service does (its profile checks
+// use these): a cluster file with an op scale of 1e300 planned with costs
+// near infinity.
+inline constexpr double kMaxLaunchOverheadSeconds = 1;
+inline constexpr double kMaxOptimizerSecondsPerElement = 1;
+inline constexpr double kMaxStepOverheadSeconds = 3600;
+inline constexpr double kMaxOpTimeScale = 1e6;
+
 struct DeviceModel {
   std::string id;
   std::string node;

@@ -180,6 +180,31 @@ TEST(ClusterModelTest, BadProfilesGiveClearErrors) {
     c.mutable_nodes(0)->mutable_devices(0)->set_launch_overhead_seconds(-1);
     ExpectInvalid(c, "launch_overhead_seconds");
   }
+  // Past the planner service's limits (service::CheckNodeProfile): a
+  // cluster file (hapctl plan --cluster) with an op scale of 1e300 was
+  // planned with costs near infinity.
+  {
+    auto c = base;
+    (*c.mutable_nodes(0)->mutable_devices(0)->mutable_op_time_scale())["matmul"] = 1e300;
+    ExpectInvalid(c,
+                  "op_time_scale[matmul] = 1e+300; calibration scales must be positive, "
+                  "finite and below 1e+06");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->set_launch_overhead_seconds(5);
+    ExpectInvalid(c, "launch_overhead_seconds (5); it must be finite, >= 0 and at most 1");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->set_optimizer_seconds_per_element(2);
+    ExpectInvalid(c, "optimizer_seconds_per_element 2; it must be finite, >= 0 and at most 1");
+  }
+  {
+    auto c = base;
+    c.mutable_nodes(0)->mutable_devices(0)->set_step_overhead_seconds(1e5);
+    ExpectInvalid(c, "step_overhead_seconds 100000; it must be finite, >= 0 and at most 3600");
+  }
   {
     hap::v1::Cluster empty;
     ExpectInvalid(empty, "at least 2 devices");

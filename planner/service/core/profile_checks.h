@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "hap/v1/cluster.pb.h"
+#include "planner/cost/cluster_model.h"
 
 namespace hap::service {
 
@@ -30,12 +31,12 @@ inline constexpr int64_t kMaxDeviceMemoryBytes = int64_t{1} << 50;
 // which would make transfers free in every plan.
 inline constexpr double kMaxLinkBandwidth = 1e13;
 // The most seconds a device may report per kernel call, per parameter
-// element of the optimizer and per step outside ops (each far above any
-// device's), and the largest calibration scale of an op's time.
-inline constexpr double kMaxLaunchOverheadSeconds = 1;
-inline constexpr double kMaxOptimizerSecondsPerElement = 1;
-inline constexpr double kMaxStepOverheadSeconds = 3600;
-inline constexpr double kMaxOpTimeScale = 1e6;
+// element of the optimizer and per step outside ops, and the largest
+// calibration scale of an op's time: the cost model's (it refuses more).
+using cost::kMaxLaunchOverheadSeconds;
+using cost::kMaxOpTimeScale;
+using cost::kMaxOptimizerSecondsPerElement;
+using cost::kMaxStepOverheadSeconds;
 // A node's address, agent_version, label keys and values and its devices'
 // models: at most this many bytes, no control characters; at most
 // kMaxNodeLabels labels.
