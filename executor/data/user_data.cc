@@ -1,7 +1,6 @@
 #include "executor/data/user_data.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,12 +40,15 @@ using graph::Shape;
 std::string ErrnoText(int e) { return std::strerror(e); }
 
 // ---------------------------------------------------------------------------
-// A file mapped read-only for the lifetime of the object.
-class MappedFile {
+// A data file held open for the lifetime of the object and read with
+// pread(2). Not mapped: a file truncated under a mapping faulted the process
+// (SIGBUS) at the next batch that read past its new end; a short read is an
+// error naming the file. Thread-safe: pread keeps no shared offset.
+class DataFile {
  public:
   // NotFound when `path` does not exist; InvalidArgument when it is not a
-  // regular file or cannot be opened or mapped.
-  static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path) {
+  // regular file or cannot be opened.
+  static absl::StatusOr<std::unique_ptr<DataFile>> Open(const std::string& path) {
     // O_NONBLOCK: opening a named pipe would wait for a writer; it is
     // refused below as not a regular file. (No effect on regular files.)
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -65,36 +67,93 @@ class MappedFile {
       ::close(fd);
       return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
     }
-    std::unique_ptr<MappedFile> f(new MappedFile(path, static_cast<size_t>(st.st_size)));
-    if (f->size_ > 0) {  // mmap refuses length 0
-      void* p = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      if (p == MAP_FAILED) {
-        int e = errno;
-        ::close(fd);
-        return absl::InvalidArgumentError(absl::StrCat("cannot map ", path, ": ", ErrnoText(e)));
-      }
-      f->data_ = static_cast<const unsigned char*>(p);
-    }
-    ::close(fd);  // the mapping holds its own reference
-    return f;
+    return std::unique_ptr<DataFile>(new DataFile(path, fd, st));
   }
 
-  ~MappedFile() {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
+  ~DataFile() { ::close(fd_); }
+  DataFile(const DataFile&) = delete;
+  DataFile& operator=(const DataFile&) = delete;
 
   const std::string& path() const { return path_; }
-  const unsigned char* data() const { return data_; }
-  size_t size() const { return size_; }
+  // The size at Open.
+  uint64_t size() const { return static_cast<uint64_t>(opened_.st_size); }
+
+  // FailedPrecondition naming the file when its size or modification time
+  // is no longer what it was at Open (rewritten or truncated while training
+  // reads it: the checks at open no longer hold for what it holds).
+  absl::Status CheckUnchanged() const {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) {
+      int e = errno;
+      return absl::FailedPreconditionError(absl::StrCat("cannot stat ", path_, ": ", ErrnoText(e)));
+    }
+    if (st.st_size != opened_.st_size) {
+      return Changed(absl::StrCat("it held ", opened_.st_size, " bytes, now ", st.st_size));
+    }
+    if (st.st_mtim.tv_sec != opened_.st_mtim.tv_sec ||
+        st.st_mtim.tv_nsec != opened_.st_mtim.tv_nsec) {
+      return Changed("it was written to");
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads n bytes at `offset` into `dst`: FailedPrecondition naming the file
+  // when it ends before them (truncated since Open), InvalidArgument when
+  // the read fails.
+  absl::Status Read(uint64_t offset, size_t n, void* dst) const {
+    auto* p = static_cast<unsigned char*>(dst);
+    while (n > 0) {
+      const ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) {
+        int e = errno;
+        return absl::InvalidArgumentError(absl::StrCat("cannot read ", path_, ": ", ErrnoText(e)));
+      }
+      if (r == 0) {
+        return Changed(absl::StrCat("it ends before byte ", offset + n, " of the ", size(),
+                                    " it held (truncated)"));
+      }
+      p += r;
+      offset += static_cast<uint64_t>(r);
+      n -= static_cast<size_t>(r);
+    }
+    return absl::OkStatus();
+  }
 
  private:
-  MappedFile(std::string path, size_t size) : path_(std::move(path)), size_(size) {}
+  DataFile(std::string path, int fd, const struct stat& st)
+      : path_(std::move(path)), fd_(fd), opened_(st) {}
+
+  absl::Status Changed(absl::string_view how) const {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, " changed since it was opened: ", how,
+                     "; data files must stay as they are while training reads them"));
+  }
+
   std::string path_;
-  const unsigned char* data_ = nullptr;
-  size_t size_ = 0;
+  int fd_;
+  struct stat opened_;
 };
+
+// Calls first_bad(chunk, n) over the `count` elements of `item_bytes` each
+// at `offset` in `f`, a chunk at a time (first_bad returns the index in the
+// chunk of an element it refuses, or -1); the index of the first refused
+// element, or -1.
+template <typename Fn>
+absl::StatusOr<int64_t> ScanElements(const DataFile& f, uint64_t offset, int64_t count,
+                                     int item_bytes, Fn first_bad) {
+  const int64_t per_chunk = (int64_t{1} << 20) / item_bytes;
+  std::vector<unsigned char> buf(static_cast<size_t>(std::min(count, per_chunk) * item_bytes));
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(per_chunk, count - done);
+    HAP_RETURN_IF_ERROR(f.Read(offset + static_cast<uint64_t>(done * item_bytes),
+                               static_cast<size_t>(n * item_bytes), buf.data()));
+    const int64_t i = first_bad(buf.data(), n);
+    if (i >= 0) return done + i;
+    done += n;
+  }
+  return -1;
+}
 
 std::string JoinPath(const std::string& dir, const std::string& name) {
   if (!dir.empty() && dir.back() == '/') return dir + name;
@@ -300,13 +359,13 @@ std::string PyShape(const Shape& s) {
   return absl::StrCat("(", absl::StrJoin(s, ", "), ")");
 }
 
-// An array in a mapped .npy file.
+// An array in a .npy file.
 struct NpyArray {
   std::string descr;  // as written: "<f4"
   char kind = 'f';    // 'f', 'i', 'u' or 'b' (bool)
   int item_bytes = 4;
   Shape shape;
-  const unsigned char* data = nullptr;
+  uint64_t data_offset = 0;  // where the data begins in the file
 };
 
 constexpr absl::string_view kNpyMagic = "\x93NUMPY";
@@ -344,10 +403,14 @@ absl::Status ParseDescr(const std::string& descr, NpyArray& a) {
 }
 
 // Parses the whole .npy framing of `f`; messages do not name the file.
-absl::StatusOr<NpyArray> ParseNpy(const MappedFile& f) {
-  const unsigned char* p = f.data();
-  const size_t size = f.size();
+absl::StatusOr<NpyArray> ParseNpy(const DataFile& f) {
+  const uint64_t size = f.size();
   if (size == 0) return absl::InvalidArgumentError("empty file, not a .npy file");
+  // The preamble (at most 12 bytes) and a header of at most
+  // kMaxNpyHeaderBytes: all that is parsed.
+  std::string head(static_cast<size_t>(std::min<uint64_t>(size, 12 + kMaxNpyHeaderBytes)), '\0');
+  HAP_RETURN_IF_ERROR(f.Read(0, head.size(), head.data()));
+  const auto* p = reinterpret_cast<const unsigned char*>(head.data());
   if (size < kNpyMagic.size() ||
       absl::string_view(reinterpret_cast<const char*>(p), kNpyMagic.size()) != kNpyMagic) {
     return absl::InvalidArgumentError("not a .npy file (it does not start with \\x93NUMPY)");
@@ -357,7 +420,7 @@ absl::StatusOr<NpyArray> ParseNpy(const MappedFile& f) {
         absl::StrCat("truncated: ", size, " bytes, shorter than the .npy preamble"));
   }
   int major = p[6], minor = p[7];
-  size_t header_len, header_start;
+  uint64_t header_len, header_start;
   if (major == 1 && minor == 0) {
     header_len = Load<uint16_t>(p + 8, 0);
     header_start = 10;
@@ -421,7 +484,7 @@ absl::StatusOr<NpyArray> ParseNpy(const MappedFile& f) {
     return absl::InvalidArgumentError("a 0-d array; dimension 0 must count samples");
   }
   // Bytes of data, checked against overflow: at most the file size.
-  const size_t data_start = header_start + header_len;
+  const uint64_t data_start = header_start + header_len;
   const uint64_t available = size - data_start;
   uint64_t need = static_cast<uint64_t>(a.item_bytes);
   bool overflow = false;
@@ -437,7 +500,7 @@ absl::StatusOr<NpyArray> ParseNpy(const MappedFile& f) {
         overflow ? std::string("more than 2^64") : absl::StrCat(need), " bytes of data after the ",
         data_start, "-byte header, the file holds ", available));
   }
-  a.data = p + data_start;
+  a.data_offset = data_start;
   return a;
 }
 
@@ -665,8 +728,34 @@ struct NpyInput {
   Shape shape;               // the graph's, [r * B, ...]
   int64_t sample_elems = 0;  // r * prod(shape[1:])
   NpyArray array;
-  std::unique_ptr<MappedFile> file;
+  IntBounds bounds;  // an integer input's
+  std::unique_ptr<DataFile> file;
 };
+
+// The index of the first of n elements of `in`'s file at `src` that the
+// input does not take (user_data.h, "Checks": floats finite and within the
+// input's range, integers within its bounds, bools 0 or 1), or -1; `value`
+// says what it holds and `why` why it is refused.
+int64_t FirstRefused(const NpyInput& in, const unsigned char* src, int64_t n, std::string& value,
+                     std::string& why) {
+  if (!graph::IsInteger(in.dtype)) {
+    why = ": training data must be finite";
+    return FirstNotFinite(in.array.item_bytes, src, n, in.dtype, value);
+  }
+  int64_t i = -1;
+  const IntBounds* bounds = &in.bounds;
+  // NumPy writes bools as bytes 0 and 1; another byte is a damaged file
+  // (numpy would read it as True, we would feed its value on).
+  static const IntBounds* const kBoolBytes =
+      new IntBounds{0, 1, "which is not a bool's byte (0 or 1): a damaged file?"};
+  if (in.array.kind == 'b') {
+    i = FirstOutside(in.array.kind, in.array.item_bytes, src, n, *kBoolBytes, value);
+    if (i >= 0) bounds = kBoolBytes;
+  }
+  if (i < 0) i = FirstOutside(in.array.kind, in.array.item_bytes, src, n, *bounds, value);
+  why = absl::StrCat(", ", bounds->why);
+  return i;
+}
 
 class NpyData : public UserData {
  public:
@@ -695,15 +784,35 @@ class NpyData : public UserData {
 
   absl::StatusOr<GlobalBatch> Get(int64_t step) override {
     HAP_ASSIGN_OR_RETURN(std::vector<int64_t> samples, order_.Step(step, b_));
+    for (const NpyInput& in : inputs_) HAP_RETURN_IF_ERROR(in.file->CheckUnchanged());
     GlobalBatch batch;
+    std::vector<unsigned char> rows;
     for (const NpyInput& in : inputs_) {
       HostTensor h(in.dtype, in.shape);
       auto* dst = static_cast<unsigned char*>(h.data());
       const int64_t src_bytes = in.sample_elems * in.array.item_bytes;
       const int64_t dst_bytes = in.sample_elems * graph::DTypeBytes(in.dtype);
-      for (int64_t j = 0; j < b_; ++j) {
-        ConvertElements(in.array.kind, in.array.item_bytes, in.array.data + samples[j] * src_bytes,
-                        in.dtype, dst + j * dst_bytes, in.sample_elems);
+      // A run of consecutive samples (the whole batch, unshuffled, unless
+      // it wraps) in one read.
+      for (int64_t j = 0, run = 1; j < b_; j += run) {
+        for (run = 1; j + run < b_ && samples[j + run] == samples[j] + run;) ++run;
+        rows.resize(static_cast<size_t>(run * src_bytes));
+        HAP_RETURN_IF_ERROR(
+            in.file->Read(in.array.data_offset + static_cast<uint64_t>(samples[j] * src_bytes),
+                          rows.size(), rows.data()));
+        // Checked again as read: a file rewritten in place within its
+        // modification time's granularity would feed values the checks at
+        // open never saw (ids past a table) to the kernels.
+        std::string value, why;
+        if (int64_t i = FirstRefused(in, rows.data(), run * in.sample_elems, value, why); i >= 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              in.path, " (graph input '", in.name, "') changed since it was opened: row ",
+              samples[j] + i / in.sample_elems,
+              in.sample_elems > 1 ? absl::StrCat(", element ", i % in.sample_elems) : "",
+              " now holds ", value, why));
+        }
+        ConvertElements(in.array.kind, in.array.item_bytes, rows.data(), in.dtype,
+                        dst + j * dst_bytes, run * in.sample_elems);
       }
       batch.emplace(in.name, std::move(h));
     }
@@ -769,8 +878,9 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenNpy(const std::string& spec, const
     in.name = x.name;
     in.dtype = x.type.dtype;
     in.shape = x.type.shape;
+    if (graph::IsInteger(in.dtype)) in.bounds = BoundsOf(g, t);
     in.path = JoinPath(dir, NpyFileName(x.name));
-    auto f = MappedFile::Open(in.path);
+    auto f = DataFile::Open(in.path);
     if (absl::IsNotFound(f.status())) {
       return absl::NotFoundError(absl::StrCat(where, " has no data file: expected ", in.path));
     }
@@ -811,33 +921,17 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenNpy(const std::string& spec, const
                                                    " samples, fewer than one global batch of ", b,
                                                    " (", inputs[0].path, ")"));
   }
-  // Every value of every file, over the whole mapping: floats finite and
+  // Every value of every file, read through once: floats finite and
   // within the input's range (a NaN or inf would show only as a NaN loss,
   // at some step, naming no file), integers within the input's bounds.
-  for (size_t k = 0; k < inputs.size(); ++k) {
-    const NpyInput& in = inputs[k];
-    const int64_t count = n * in.sample_elems;
+  for (const NpyInput& in : inputs) {
     std::string value, why;
-    int64_t i = -1;
-    if (!graph::IsInteger(in.dtype)) {
-      if (in.array.kind != 'f') continue;
-      i = FirstNotFinite(in.array.item_bytes, in.array.data, count, in.dtype, value);
-      why = ": training data must be finite";
-    } else {
-      IntBounds bounds = BoundsOf(g, ids[k]);
-      if (in.array.kind == 'b') {
-        // NumPy writes bools as bytes 0 and 1; another byte is a damaged
-        // file (numpy would read it as True, we would feed its value on).
-        const IntBounds bool_bytes{0, 1, "which is not a bool's byte (0 or 1): a damaged file?"};
-        i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, count, bool_bytes,
-                         value);
-        if (i >= 0) bounds = bool_bytes;
-      }
-      if (i < 0) {
-        i = FirstOutside(in.array.kind, in.array.item_bytes, in.array.data, count, bounds, value);
-      }
-      why = absl::StrCat(", ", bounds.why);
-    }
+    HAP_ASSIGN_OR_RETURN(
+        const int64_t i,
+        ScanElements(*in.file, in.array.data_offset, n * in.sample_elems, in.array.item_bytes,
+                     [&](const unsigned char* src, int64_t count) {
+                       return FirstRefused(in, src, count, value, why);
+                     }));
     if (i >= 0) {
       const int64_t row = i / in.sample_elems, elem = i % in.sample_elems;
       return absl::InvalidArgumentError(absl::StrCat(
@@ -854,8 +948,8 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenNpy(const std::string& spec, const
 
 class TokenData : public UserData {
  public:
-  TokenData(std::string spec, std::unique_ptr<MappedFile> file, int token_bytes, int64_t b,
-            int64_t s, const graph::TensorType& tokens, const graph::TensorType& labels,
+  TokenData(std::string spec, std::unique_ptr<DataFile> file, int token_bytes, int64_t b, int64_t s,
+            const graph::TensorType& tokens, const graph::TensorType& labels, IntBounds bounds,
             std::optional<uint64_t> seed)
       : spec_(std::move(spec)),
         file_(std::move(file)),
@@ -865,6 +959,7 @@ class TokenData : public UserData {
         n_((static_cast<int64_t>(file_->size()) / token_bytes - 1) / s),
         tokens_(tokens),
         labels_(labels),
+        bounds_(std::move(bounds)),
         seed_(seed),
         order_(n_, seed) {}
 
@@ -878,13 +973,25 @@ class TokenData : public UserData {
 
   absl::StatusOr<GlobalBatch> Get(int64_t step) override {
     HAP_ASSIGN_OR_RETURN(std::vector<int64_t> samples, order_.Step(step, b_));
+    HAP_RETURN_IF_ERROR(file_->CheckUnchanged());
     HostTensor tokens(tokens_.dtype, tokens_.shape);
     HostTensor labels(labels_.dtype, labels_.shape);
+    std::vector<unsigned char> window(static_cast<size_t>((s_ + 1) * token_bytes_));
     for (int64_t j = 0; j < b_; ++j) {
       const int64_t start = samples[j] * s_;
+      HAP_RETURN_IF_ERROR(
+          file_->Read(static_cast<uint64_t>(start * token_bytes_), window.size(), window.data()));
+      // Checked again as read (see NpyData::Get).
+      std::string value;
+      if (int64_t i = FirstOutside('u', token_bytes_, window.data(), s_ + 1, bounds_, value);
+          i >= 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(file_->path(), " changed since it was opened: token ", start + i,
+                         " (window ", samples[j], ") is now ", value, ", ", bounds_.why));
+      }
       for (int64_t t = 0; t < s_; ++t) {
-        StoreInt(tokens, j * s_ + t, Token(start + t));
-        StoreInt(labels, j * s_ + t, Token(start + t + 1));
+        StoreInt(tokens, j * s_ + t, Token(window.data(), t));
+        StoreInt(labels, j * s_ + t, Token(window.data(), t + 1));
       }
     }
     GlobalBatch batch;
@@ -894,15 +1001,16 @@ class TokenData : public UserData {
   }
 
  private:
-  int64_t Token(int64_t i) const {
-    return token_bytes_ == 2 ? Load<uint16_t>(file_->data(), i) : Load<uint32_t>(file_->data(), i);
+  int64_t Token(const unsigned char* window, int64_t i) const {
+    return token_bytes_ == 2 ? Load<uint16_t>(window, i) : Load<uint32_t>(window, i);
   }
 
   std::string spec_;
-  std::unique_ptr<MappedFile> file_;
+  std::unique_ptr<DataFile> file_;
   int token_bytes_;
   int64_t b_, s_, n_;
   graph::TensorType tokens_, labels_;
+  IntBounds bounds_;
   std::optional<uint64_t> seed_;
   SampleOrder order_;
 };
@@ -937,12 +1045,12 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenTokens(const std::string& spec,
           "' besides tokens and labels, which a token stream cannot feed (use npy:DIR)"));
     }
   }
-  auto f = MappedFile::Open(path);
+  auto f = DataFile::Open(path);
   if (absl::IsNotFound(f.status())) {
     return absl::NotFoundError(absl::StrCat("token file ", path, " does not exist"));
   }
   HAP_RETURN_IF_ERROR(f.status());
-  std::unique_ptr<MappedFile> file = std::move(*f);
+  std::unique_ptr<DataFile> file = std::move(*f);
   const char* dtype_name = token_bytes == 2 ? "uint16" : "uint32";
   if (file->size() % static_cast<size_t>(token_bytes) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", file->size(),
@@ -960,13 +1068,17 @@ absl::StatusOr<std::unique_ptr<UserData>> OpenTokens(const std::string& spec,
   IntBounds bt = BoundsOf(g, *tokens), bl = BoundsOf(g, *labels);
   const IntBounds& bounds = bl.hi < bt.hi ? bl : bt;
   std::string value;
-  int64_t i = FirstOutside('u', token_bytes, file->data(), ntokens, bounds, value);
+  HAP_ASSIGN_OR_RETURN(
+      const int64_t i,
+      ScanElements(*file, 0, ntokens, token_bytes, [&](const unsigned char* src, int64_t count) {
+        return FirstOutside('u', token_bytes, src, count, bounds, value);
+      }));
   if (i >= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": token ", i, " (window ", i / s, ") is ", value, ", ", bounds.why));
   }
-  return std::unique_ptr<UserData>(std::make_unique<TokenData>(spec, std::move(file), token_bytes,
-                                                               b, s, tt, lt, o.shuffle_seed));
+  return std::unique_ptr<UserData>(std::make_unique<TokenData>(
+      spec, std::move(file), token_bytes, b, s, tt, lt, bounds, o.shuffle_seed));
 }
 
 constexpr absl::string_view kSpecForms = "npy:DIR or tokens:FILE[:uint16|uint32]";

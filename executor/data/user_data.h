@@ -48,15 +48,19 @@
 // Checks. Everything is checked in OpenUserData, before step 1: the spec,
 // each file's presence (NotFound naming the path and the input), format,
 // dtype, shape, size (truncated files), the sample counts (equal, at least
-// one global batch), and every integer value of the whole file (it is
-// mapped): within [0, limit) where a consumer bounds it (an embedding's
-// vocabulary, a loss's classes: IntegerInputLimit in batches.h), else
-// within the input's dtype. Errors name the file, the row (sample) and the
-// value. Other failures are InvalidArgument; nothing aborts.
+// one global batch), and every value of the whole file (read through
+// once): floats finite, integers within [0, limit) where a consumer bounds
+// them (an embedding's vocabulary, a loss's classes: IntegerInputLimit in
+// batches.h), else within the input's dtype. Errors name the file, the row
+// (sample) and the value. Other failures are InvalidArgument; nothing
+// aborts.
 //
-// Files stay mapped read-only (mmap) for the source's lifetime and are read
-// only as batches need them; they must not be modified or truncated
-// meanwhile (the kernel would fault the process on a vanished page).
+// Files stay open for the source's lifetime and are read (pread) only as
+// batches need them; they must not be modified or truncated meanwhile. Get
+// says so, FailedPrecondition naming the file, when one was: its size or
+// modification time differs from when it was opened, it ends before a
+// sample, or a value read fails the checks above (a file replaced by a
+// rename is not seen: the source reads the one it opened).
 //
 // Thread-safety: a source is immutable once opened; Get may be called from
 // several threads at once. It keeps no reference to the graph.
@@ -90,7 +94,8 @@ class UserData : public BatchSource {
   // One line for logs: spec, samples, inputs and file dtypes.
   virtual std::string Describe() const = 0;
   // The global batch of `step` (>= 0); InvalidArgument for a negative
-  // step, OutOfRange when step * B overflows.
+  // step, OutOfRange when step * B overflows, FailedPrecondition when a
+  // data file changed since it was opened.
   absl::StatusOr<GlobalBatch> Get(int64_t step) override = 0;
 };
 

@@ -889,5 +889,80 @@ TEST(DataValidationTest, AnOversizedNpyHeaderIsRefusedBeforeParsing) {
   EXPECT_LT(s.message().size(), 1000u);
 }
 
+// A data file changed while a source reads it (a user regenerating the data
+// set mid-run): the files were mapped, and one truncated faulted the whole
+// process (SIGBUS) at the next batch; one rewritten in place fed what it
+// now held, out-of-range labels too, to the kernels. Now Get is an error
+// naming the file.
+TEST(DataValidationTest, FilesChangedAfterOpeningAreErrorsNamingThem) {
+  graph::Graph g = Mlp();
+  const auto changed = [](const std::string& path) {
+    return StatusIs(absl::StatusCode::kFailedPrecondition,
+                    AllOf(HasSubstr(path), HasSubstr("changed since it was opened")));
+  };
+  {  // Truncated.
+    std::string dir = TestDir();
+    WriteMlpData(dir, 10);
+    auto d = MustOpen("npy:" + dir, g);
+    ASSERT_NE(d, nullptr);
+    ASSERT_THAT(d->Get(0), IsOk());
+    ASSERT_EQ(::truncate((dir + "/x.npy").c_str(), 0), 0);
+    EXPECT_THAT(d->Get(1), changed(dir + "/x.npy"));
+  }
+  {  // A label rewritten in place, out of the loss's 5 classes, and its
+     // modification time put back: the values are checked as read.
+    std::string dir = TestDir();
+    WriteMlpData(dir, 10);
+    auto d = MustOpen("npy:" + dir, g);
+    ASSERT_NE(d, nullptr);
+    const std::string labels = dir + "/labels.npy";
+    struct stat st;
+    ASSERT_EQ(::stat(labels.c_str(), &st), 0);
+    const int64_t seven = 7;
+    int fd = ::open(labels.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    // Row 5 of ten int64 labels at the end of the file.
+    ASSERT_EQ(::pwrite(fd, &seven, sizeof(seven), st.st_size - 5 * sizeof(seven)),
+              static_cast<ssize_t>(sizeof(seven)));
+    const struct timespec times[2] = {{0, UTIME_OMIT}, st.st_mtim};
+    ASSERT_EQ(::futimens(fd, times), 0);
+    ::close(fd);
+    EXPECT_THAT(d->Get(1),  // samples 4..7
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         AllOf(HasSubstr(labels + " (graph input 'labels') changed since it was "
+                                                  "opened: row 5 now holds 7, outside [0, 5)"))));
+    EXPECT_THAT(d->Get(0), IsOk());  // samples 0..3, as they were
+  }
+  {  // Rewritten in place with values in range: seen by its modification time.
+    std::string dir = TestDir();
+    WriteMlpData(dir, 10);
+    auto d = MustOpen("npy:" + dir, g);
+    ASSERT_NE(d, nullptr);
+    const std::string x = dir + "/x.npy";
+    const float v = 1.0f;
+    int fd = ::open(x.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, &v, sizeof(v), 200), static_cast<ssize_t>(sizeof(v)));
+    const struct timespec times[2] = {{0, UTIME_OMIT}, {12345, 678}};
+    ASSERT_EQ(::futimens(fd, times), 0);
+    ::close(fd);
+    EXPECT_THAT(d->Get(0), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    AllOf(HasSubstr(x), HasSubstr("it was written to"))));
+  }
+  {  // A token stream truncated.
+    std::string dir = TestDir();
+    const std::string path = dir + "/train.bin";
+    std::vector<uint16_t> t(41);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint16_t>(i);
+    WriteFile(path, Raw(t));
+    graph::Graph lm = Gpt();
+    auto d = MustOpen("tokens:" + path, lm);
+    ASSERT_NE(d, nullptr);
+    ASSERT_THAT(d->Get(0), IsOk());
+    ASSERT_EQ(::truncate(path.c_str(), 0), 0);
+    EXPECT_THAT(d->Get(1), changed(path));
+  }
+}
+
 }  // namespace
 }  // namespace hap::data
