@@ -346,6 +346,15 @@ def check_overlay(overlay, objects, defaults):
     sm = by_kind.get("ServiceMonitor", {}).get("hap-planner")
     check(sm is not None and sm["spec"]["endpoints"][0]["port"] == "metrics",
           f"{overlay}: no ServiceMonitor on the planner's metrics port")
+    # The PrometheusRule holds hap-rules.yml's rules, which promtool tests
+    # (observability_test): a copy that drifted would alert on other terms.
+    rule = by_kind.get("PrometheusRule", {}).get("hap-rules")
+    check(rule is not None, f"{overlay}: no PrometheusRule hap-rules")
+    if rule:
+        want = yaml.safe_load(open(os.environ["HAP_RULES"]))["groups"]
+        check(rule["spec"]["groups"] == want,
+              f"{overlay}: PrometheusRule hap-rules is not deploy/prometheus/hap-rules.yml's "
+              f"rules: run deploy/tools/sync_prometheus_rule.py")
     pvc = by_kind.get("PersistentVolumeClaim", {})
     check(len(pvc) == 1, f"{overlay}: expected one PVC for the planner's store")
 
