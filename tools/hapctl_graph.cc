@@ -95,7 +95,15 @@ absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
       return absl::InvalidArgumentError(
           absl::StrCat("--set wants name=number, got '", kv, "'"));
     }
-    out[kv.substr(0, eq)] = v;
+    // '--layers 3 --set layers=2' built 2 layers, whichever came last.
+    const std::string k = kv.substr(0, eq);
+    if (!out.emplace(k, v).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zoo parameter '", k, "' is given twice (--set ", kv, " and ",
+          args.Has(ZooParamFlag(k)) || args.Has(k) ? absl::StrCat("--", ZooParamFlag(k))
+                                                   : std::string("another --set"),
+          "); give it once"));
+    }
   }
   return out;
 }
@@ -213,6 +221,22 @@ int RunZoo(const std::vector<std::string>& argv) {
   std::ostringstream out;
   auto overrides = ZooOverrides(*args);
   if (!overrides.ok()) return Fail(overrides.status());
+  // With several models each takes the parameters it has; one that none of
+  // them has was dropped ('hapctl zoo --set foo=1' listed the defaults).
+  if (names.size() > 1) {
+    for (const auto& [k, v] : *overrides) {
+      bool taken = false;
+      for (const auto& m : graph::ZooModels()) {
+        taken = taken || (m.defaults.count(k) > 0 &&
+                          std::find(names.begin(), names.end(), m.name) != names.end());
+      }
+      if (!taken) {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("zoo parameter '", k, "' is a parameter of none of the models listed (",
+                         absl::StrJoin(names, ", "), ")")));
+      }
+    }
+  }
   if (fmt == "table") {
     out << absl::StrFormat("%-12s %14s %16s %16s %6s\n", "MODEL", "PARAMETERS", "FWD GFLOP/STEP",
                            "TRAIN GFLOP/STEP", "OPS");

@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -484,10 +486,17 @@ int RunPlan(const std::vector<std::string>& argv) {
   std::vector<std::string> extra = argv;
   std::string model = args->Get("model", "gpt");
   if (!args->Has("graph")) {
-    if (!args->Has("batch")) {
+    // Given as a flag or as --set k=v (a default beside --set was the
+    // parameter given twice).
+    const auto given = [&](const std::string& k) {
+      return args->Has(k) || absl::c_any_of(args->GetAll("set"), [&](const std::string& kv) {
+               return absl::StartsWith(kv, k + "=");
+             });
+    };
+    if (!given("batch")) {
       extra.push_back(absl::StrCat("--batch=", 32 * cluster->size()));
     }
-    if ((model == "moe" || model == "switch") && !args->Has("experts")) {
+    if ((model == "moe" || model == "switch") && !given("experts")) {
       extra.push_back(absl::StrCat("--experts=", 2 * cluster->size()));
     }
     auto a = Args::Parse(extra, value_flags,

@@ -81,4 +81,27 @@ for fmt in table json; do
   out="$("$HAPCTL" zoo mlp nosuch -o "$fmt" 2>/dev/null)" && fail "zoo mlp nosuch exited 0"
   [ -z "$out" ] || fail "zoo mlp nosuch -o $fmt printed: $out"
 done
+# A zoo parameter none of the models listed takes is refused naming it (it
+# was dropped: 'zoo --set foo=1' and 'zoo mlp gpt --experts 4' listed the
+# defaults); one given twice, as a flag and by --set or by two --set, too
+# (the last one given was built).
+for args in "--set foo=1" "mlp gpt --experts 4"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" zoo $args 2>&1)" && fail "zoo $args exited 0: $out"
+  echo "$out" | grep -qE "zoo parameter '(foo|experts)' is a parameter of none of the models listed" \
+    || fail "zoo $args: $out"
+done
+"$HAPCTL" zoo mlp vit --heads 4 > /dev/null 2>&1 || fail "zoo mlp vit --heads 4 (vit takes it)"
+for args in "--layers 3 --set layers=2" "--set layers=3 --set layers=2"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" zoo mlp $args 2>&1)" && fail "zoo mlp $args exited 0: $out"
+  echo "$out" | grep -qF "zoo parameter 'layers' is given twice (--set layers=2 and" \
+    || fail "zoo mlp $args: $out"
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" plan --cluster "$CLUSTER" --model mlp $args 2>&1)" && fail "plan $args exited 0: $out"
+  echo "$out" | grep -qF "zoo parameter 'layers' is given twice" || fail "plan $args: $out"
+done
+# --set batch=N is the batch, not hapctl plan's default beside it.
+out="$("$HAPCTL" plan --cluster "$CLUSTER" --model mlp --layers 2 --set batch=16 -o json 2>&1)" \
+  || fail "plan --set batch=16: $out"
 echo PASS
