@@ -6,6 +6,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
@@ -92,6 +93,15 @@ int64_t GraphBatch(const v1::Graph& g) {
   return g.inputs(0).tensor().shape(0);
 }
 
+// The tensor whose `role` buffer (STAGE_INPUT or STAGE_OUTPUT, named
+// tensor + `suffix` by LowerStage) a stage program holds; empty if none.
+std::string Boundary(const v1::RankProgram& p, v1::Buffer::Role role, absl::string_view suffix) {
+  for (const v1::Buffer& b : p.buffers()) {
+    if (b.role() == role) return std::string(absl::StripSuffix(b.tensor(), suffix));
+  }
+  return "";
+}
+
 absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world) {
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -120,6 +130,20 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
         return absl::InvalidArgumentError(absl::StrCat(
             "the plan's program ", rank, " is not rank ", i, " of pipeline stage ", st.index(),
             "'s ", st.devices_size(), " ranks"));
+      }
+      // The activations it receives and sends are the stage's (the content
+      // hash does not cover the pipeline: stages edited or reordered would
+      // run programs as stages they were not lowered for).
+      const std::string receives = Boundary(p, v1::Buffer::STAGE_INPUT, "#stage_in");
+      const std::string sends = Boundary(p, v1::Buffer::STAGE_OUTPUT, "#stage_out");
+      if (receives != st.input_tensor() || sends != st.output_tensor()) {
+        auto named = [](const std::string& t) {
+          return t.empty() ? std::string("nothing") : absl::StrCat("'", t, "'");
+        };
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the plan's program ", rank, " receives ", named(receives), " and sends ", named(sends),
+            ", but pipeline stage ", st.index(), " receives ", named(st.input_tensor()),
+            " and sends ", named(st.output_tensor()), " (stages edited or out of order?)"));
       }
     }
   }

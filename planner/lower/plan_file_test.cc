@@ -6,6 +6,7 @@
 #include "planner/graph/graph_proto.h"
 #include "planner/graph/zoo.h"
 #include "planner/lower/lower.h"
+#include "planner/synth/program.h"
 
 namespace hap::lower {
 namespace {
@@ -98,6 +99,68 @@ TEST(PlanFileTest, APipelinePlanWithADeviceListOfAnotherLengthSaysSo) {
   EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the plan lists 3 devices for its 2 rank programs")));
+}
+
+// A two-stage pipeline plan of the MLP (one microbatch), as
+// BuildPipelinePlan writes one: stage 0 (device "a") runs ops [0, cut) and
+// sends the activation op cut - 1 makes, stage 1 (device "b") the rest.
+v1::Plan PipelinePlan() {
+  auto g = graph::BuildZooModel(
+      "mlp", {{"layers", 1}, {"hidden", 4}, {"input", 3}, {"classes", 2}, {"batch", kBatch}});
+  EXPECT_THAT(g.status(), IsOk());
+  const synth::Program whole = SingleDeviceProgram(*g);
+  const int ops = static_cast<int>(g->ops().size());
+  const int cut = ops / 2;
+  const graph::TensorId sent = g->op(cut - 1).outputs[0];
+  v1::Plan plan;
+  plan.set_format_version(kPlanFormatVersion);
+  *plan.mutable_graph() = graph::ToProto(*g);
+  plan.set_graph_hash(Sha256Hex(plan.graph()));
+  plan.set_global_batch(kBatch);
+  plan.mutable_pipeline()->set_microbatches(1);
+  plan.mutable_pipeline()->set_microbatch_size(kBatch);
+  for (int s = 0; s < 2; ++s) {
+    StageSpec spec;
+    spec.begin_op = s == 0 ? 0 : cut;
+    spec.end_op = s == 0 ? cut : ops;
+    (s == 0 ? spec.output : spec.input) = sent;
+    synth::Program program;
+    program.steps.assign(whole.steps.begin() + spec.begin_op, whole.steps.begin() + spec.end_op);
+    LowerOptions lo;
+    lo.devices = {s == 0 ? "a" : "b"};
+    auto programs = LowerStage(*g, program, spec, lo);
+    EXPECT_THAT(programs.status(), IsOk());
+    v1::PipelineStage* st = plan.mutable_pipeline()->add_stages();
+    st->set_index(s);
+    st->set_begin_op(spec.begin_op);
+    st->set_end_op(spec.end_op);
+    st->add_devices(lo.devices[0]);
+    (s == 0 ? *st->mutable_output_tensor() : *st->mutable_input_tensor()) = g->tensor(sent).name;
+    plan.add_devices(lo.devices[0]);
+    *plan.add_rank_programs() = (*programs)[0];
+  }
+  plan.set_content_hash(ContentHash(plan));
+  return plan;
+}
+
+TEST(PlanFileTest, APipelinePlanAsWrittenFitsEveryRank) {
+  const v1::Plan plan = PipelinePlan();
+  for (int r = 0; r < 2; ++r) EXPECT_THAT(CheckPlanForRank(plan, r, 2), IsOk()) << r;
+}
+
+TEST(PlanFileTest, ARankProgramInAnotherPipelineStageThanItWasLoweredForIsRefused) {
+  // The stages' devices swapped (the content hash does not cover the
+  // pipeline): each rank would run its program as the other stage's, the
+  // first stage waiting for an activation nobody sends.
+  v1::Plan plan = PipelinePlan();
+  auto* stages = plan.mutable_pipeline()->mutable_stages();
+  std::swap(*stages->Mutable(0)->mutable_devices(0), *stages->Mutable(1)->mutable_devices(0));
+  const std::string sent = plan.pipeline().stages(0).output_tensor();
+  EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("the plan's program 0 receives nothing and sends '",
+                                              sent, "', but pipeline stage 1 receives '", sent,
+                                              "' and sends nothing"))));
 }
 
 }  // namespace
