@@ -1,7 +1,6 @@
 #include "tools/hapctl_client.h"
 
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -277,13 +276,9 @@ int Get(Client& c, const std::string& what) {
 absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
   v1::CreatePlanRequest r;
   if (a.Has("graph")) {
-    HAP_ASSIGN_OR_RETURN(graph::Graph g, LoadModel(a));
-    (void)g;
-    std::ifstream f(a.Get("graph"), std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    HAP_ASSIGN_OR_RETURN(*r.mutable_model()->mutable_graph(),
-                         graph::ParseGraphProto(ss.str(), graph::GraphFormat::kAuto));
+    // Read once: the file was read again to be sent, and a pipe
+    // ('--graph <(...)') had nothing left, so an empty graph was sent.
+    HAP_ASSIGN_OR_RETURN(*r.mutable_model()->mutable_graph(), LoadGraphFile(a));
   } else {
     std::string model = a.Get("model", "gpt");
     auto* zoo = r.mutable_model()->mutable_zoo();

@@ -3,6 +3,8 @@
 // list pages never do.
 #include "tools/hapctl_client.h"
 
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +17,8 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "hap/v1/planner_service.grpc.pb.h"
+#include "planner/graph/graph_proto.h"
+#include "planner/graph/zoo.h"
 
 namespace hap::tools {
 namespace {
@@ -91,6 +95,17 @@ class FakePlanner final : public v1::Planner::Service {
     absl::MutexLock l(&mu_);
     return deployed_;
   }
+  grpc::Status CreatePlan(grpc::ServerContext*, const v1::CreatePlanRequest* r,
+                          v1::Plan* p) override {
+    absl::MutexLock l(&mu_);
+    created_ = *r;
+    p->set_name("plans/p");
+    return grpc::Status::OK;
+  }
+  v1::CreatePlanRequest created() {
+    absl::MutexLock l(&mu_);
+    return created_;
+  }
 
  private:
   static grpc::Status WaitUntilCancelled(grpc::ServerContext* ctx) {
@@ -101,6 +116,7 @@ class FakePlanner final : public v1::Planner::Service {
   }
   absl::Mutex mu_;
   v1::DeployPlanRequest deployed_ ABSL_GUARDED_BY(mu_);
+  v1::CreatePlanRequest created_ ABSL_GUARDED_BY(mu_);
 };
 
 class HapctlClientTest : public ::testing::Test {
@@ -223,6 +239,32 @@ TEST_F(HapctlClientTest, DescribeAMissingNodeIsAnError) {
   std::string out, err;
   EXPECT_EQ(Hapctl("describe", {"node", "n9"}, &out, &err), 1);
   EXPECT_THAT(err, HasSubstr("error: NOT_FOUND: no node 'n9' is registered with the planner"));
+}
+
+// create plan --graph read the file twice, once to check it and once to
+// send it: from a pipe ('--graph <(python3 export.py)') the second read
+// found nothing, and an empty graph went to the planner. The graph sent is
+// the one checked.
+TEST_F(HapctlClientTest, CreatePlanSendsTheGraphOfAPipe) {
+  auto g = graph::BuildZooModel("mlp", {{"layers", 1}, {"hidden", 8}, {"batch", 8}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  const std::string json = graph::GraphToJson(*g);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ASSERT_LT(json.size(), 60000u);  // fits the pipe's buffer: written before it is read
+  ASSERT_EQ(::write(fds[1], json.data(), json.size()), static_cast<ssize_t>(json.size()));
+  ::close(fds[1]);
+  std::string out, err;
+  const int rc =
+      Hapctl("create", {"plan", "--graph", absl::StrCat("/dev/fd/", fds[0]), "--timeout", "10"},
+             &out, &err);
+  ::close(fds[0]);
+  ASSERT_EQ(rc, 0) << err;
+  const v1::CreatePlanRequest created = service_.created();
+  const v1::Graph& sent = created.model().graph();
+  EXPECT_EQ(sent.name(), g->name());
+  EXPECT_EQ(sent.ops_size(), static_cast<int>(g->ops().size()));
+  EXPECT_TRUE(graph::FromProto(sent).ok());
 }
 
 }  // namespace

@@ -108,29 +108,37 @@ absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
   return out;
 }
 
+absl::StatusOr<hap::v1::Graph> LoadGraphFile(const Args& args) {
+  // A graph file has its own model and shapes: --model and zoo parameters
+  // beside it were dropped ('--graph g.json --layers 4' planned g.json's
+  // layers).
+  if (args.Has("model")) {
+    return absl::InvalidArgumentError(absl::StrCat("--graph '", args.Get("graph"),
+                                                   "' and --model '", args.Get("model"),
+                                                   "' are two models: give one"));
+  }
+  HAP_ASSIGN_OR_RETURN(auto overrides, ZooOverrides(args));
+  if (!overrides.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", overrides.begin()->first, "' is a zoo model's parameter; the graph file '",
+        args.Get("graph"), "' has its own shapes (drop it, or plan --model NAME)"));
+  }
+  HAP_ASSIGN_OR_RETURN(std::string bytes, ReadInputFile(args.Get("graph"), "graph file "));
+  absl::StatusOr<hap::v1::Graph> p = graph::ParseGraphProto(bytes, graph::GraphFormat::kAuto);
+  if (p.ok()) {
+    if (absl::StatusOr<graph::Graph> g = graph::FromProto(*p); !g.ok()) p = g.status();
+  }
+  if (!p.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("graph file '", args.Get("graph"), "': ", p.status().message()));
+  }
+  return p;
+}
+
 absl::StatusOr<graph::Graph> LoadModel(const Args& args) {
   if (args.Has("graph")) {
-    // A graph file has its own model and shapes: --model and zoo parameters
-    // beside it were dropped ('--graph g.json --layers 4' planned g.json's
-    // layers).
-    if (args.Has("model")) {
-      return absl::InvalidArgumentError(absl::StrCat("--graph '", args.Get("graph"),
-                                                     "' and --model '", args.Get("model"),
-                                                     "' are two models: give one"));
-    }
-    HAP_ASSIGN_OR_RETURN(auto overrides, ZooOverrides(args));
-    if (!overrides.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", overrides.begin()->first, "' is a zoo model's parameter; the graph file '",
-          args.Get("graph"), "' has its own shapes (drop it, or plan --model NAME)"));
-    }
-    HAP_ASSIGN_OR_RETURN(std::string bytes, ReadInputFile(args.Get("graph"), "graph file "));
-    auto g = graph::ParseGraph(bytes, graph::GraphFormat::kAuto);
-    if (!g.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "graph file '", args.Get("graph"), "': ", g.status().message()));
-    }
-    return g;
+    HAP_ASSIGN_OR_RETURN(hap::v1::Graph p, LoadGraphFile(args));
+    return graph::FromProto(p);
   }
   HAP_ASSIGN_OR_RETURN(auto overrides, ZooOverrides(args));
   return graph::BuildZooModel(args.Get("model", "gpt"), overrides);

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/cli_args.h"
+#include "hap/v1/graph.pb.h"
 #include "planner/graph/graph.h"
 
 namespace hap::tools {
@@ -23,6 +24,9 @@ std::string ZooParamFlag(const std::string& param);
 absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args);
 // The model of --model NAME (zoo) or --graph FILE (JSON/text/binary).
 absl::StatusOr<graph::Graph> LoadModel(const Args& args);
+// --graph FILE as the file holds it, read once and checked as LoadModel
+// checks it (--model or a zoo parameter beside it is refused).
+absl::StatusOr<hap::v1::Graph> LoadGraphFile(const Args& args);
 
 int RunOps(const std::vector<std::string>& argv);
 int RunZoo(const std::vector<std::string>& argv);
