@@ -102,6 +102,11 @@ std::string Boundary(const v1::RankProgram& p, v1::Buffer::Role role, absl::stri
   return "";
 }
 
+// A stage boundary's tensor for messages: quoted, or "nothing".
+std::string Named(const std::string& tensor) {
+  return tensor.empty() ? std::string("nothing") : absl::StrCat("'", tensor, "'");
+}
+
 absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world) {
   if (plan.rank_programs_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -120,6 +125,25 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
   }
   // Its devices place the ranks in their stages.
   if (absl::Status s = CheckDevices(plan, rank, /*required=*/true); !s.ok()) return s;
+  // The runner passes activations down the list: each stage receives what
+  // the one before sends (the first nothing), the last sends nothing.
+  const auto& stages = plan.pipeline().stages();
+  for (int k = 0; k < stages.size(); ++k) {
+    const std::string& received = stages[k].input_tensor();
+    const std::string sent = k > 0 ? stages[k - 1].output_tensor() : "";
+    if (received != sent) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the pipeline's stage ", k, " (index ", stages[k].index(), ") receives ", Named(received),
+          k == 0 || sent.empty() ? ", which no stage before it sends"
+                                 : absl::StrCat(", but stage ", k - 1, " sends ", Named(sent)),
+          " (stages edited or out of order?)"));
+    }
+  }
+  if (!stages.empty() && !stages[stages.size() - 1].output_tensor().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the pipeline's last stage sends ", Named(stages[stages.size() - 1].output_tensor()),
+        " to no stage (stages edited or out of order?)"));
+  }
   int found = 0;
   for (const v1::PipelineStage& st : plan.pipeline().stages()) {
     for (int i = 0; i < st.devices_size(); ++i) {
@@ -137,13 +161,10 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
       const std::string receives = Boundary(p, v1::Buffer::STAGE_INPUT, "#stage_in");
       const std::string sends = Boundary(p, v1::Buffer::STAGE_OUTPUT, "#stage_out");
       if (receives != st.input_tensor() || sends != st.output_tensor()) {
-        auto named = [](const std::string& t) {
-          return t.empty() ? std::string("nothing") : absl::StrCat("'", t, "'");
-        };
         return absl::InvalidArgumentError(absl::StrCat(
-            "the plan's program ", rank, " receives ", named(receives), " and sends ", named(sends),
-            ", but pipeline stage ", st.index(), " receives ", named(st.input_tensor()),
-            " and sends ", named(st.output_tensor()), " (stages edited or out of order?)"));
+            "the plan's program ", rank, " receives ", Named(receives), " and sends ", Named(sends),
+            ", but pipeline stage ", st.index(), " receives ", Named(st.input_tensor()),
+            " and sends ", Named(st.output_tensor()), " (stages edited or out of order?)"));
       }
     }
   }

@@ -163,5 +163,17 @@ TEST(PlanFileTest, ARankProgramInAnotherPipelineStageThanItWasLoweredForIsRefuse
                                               "' and sends nothing"))));
 }
 
+TEST(PlanFileTest, PipelineStagesOutOfOrderAreRefused) {
+  // Each stage keeps its devices and programs, but the list (the order the
+  // runner passes activations in) starts with the stage that receives one.
+  v1::Plan plan = PipelinePlan();
+  plan.mutable_pipeline()->mutable_stages()->SwapElements(0, 1);
+  const std::string sent = plan.pipeline().stages(1).output_tensor();
+  EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("the pipeline's stage 0 (index 1) receives '", sent,
+                                              "', which no stage before it sends"))));
+}
+
 }  // namespace
 }  // namespace hap::lower
