@@ -22,11 +22,16 @@ using synth::Form;
 namespace {
 
 // The ratios Lower uses (even when empty); InvalidArgument when they are not
-// one per rank, non-negative and summing to 1.
+// one per rank, non-negative and summing to 1, or when the devices are not
+// one per rank (or none).
 absl::StatusOr<std::vector<double>> CheckedRatios(const LowerOptions& options) {
   const int n = options.world_size;
   if (n < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world size must be at least 1, got ", n));
+  }
+  if (!options.devices.empty() && options.devices.size() != static_cast<size_t>(n)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("got ", options.devices.size(), " devices for a world of ", n));
   }
   std::vector<double> ratios = options.ratios;
   if (ratios.empty()) ratios.assign(n, 1.0 / n);

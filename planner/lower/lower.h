@@ -91,9 +91,10 @@ struct ShardLayout {
 
 // Errors: InvalidArgument for a program that does not belong to `g` (wrong
 // number of steps, ops out of order), a world size below 1, ratios of the
-// wrong size, negative or not summing to 1; FailedPrecondition when a
-// program's forms cannot be executed (a precondition that does not hold —
-// run synth::CheckProgram first for a full diagnosis).
+// wrong size, negative or not summing to 1, devices neither none nor one per
+// rank; FailedPrecondition when a program's forms cannot be executed (a
+// precondition that does not hold — run synth::CheckProgram first for a full
+// diagnosis).
 absl::StatusOr<std::vector<hap::v1::RankProgram>> Lower(
     const graph::Graph& g, const synth::Program& program,
     const LowerOptions& options);

@@ -635,6 +635,27 @@ TEST(LowerTest, BadInputIsAnErrorNamingIt) {
                                           HasSubstr("steps for a graph of")));
 }
 
+TEST(LowerTest, DevicesOfAnotherCountThanTheRanksAreAnError) {
+  // Rank programs name their device (plan files check it against
+  // Plan.devices); a list of another length left ranks without one.
+  graph::Graph g = Gpt(8);
+  const synth::Program p = SingleDeviceProgram(g);
+  LowerOptions o;
+  o.world_size = 2;
+  for (const std::vector<std::string>& devices :
+       {std::vector<std::string>{"d0"}, std::vector<std::string>{"d0", "d1", "d2"}}) {
+    o.devices = devices;
+    EXPECT_THAT(
+        Lower(g, p, o),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 HasSubstr(absl::StrCat("got ", devices.size(), " devices for a world of 2"))));
+  }
+  o.devices = {"d0", "d1"};
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  EXPECT_EQ((*progs)[1].device(), "d1");
+}
+
 TEST(ArenaTest, PlacesDisjointLifetimesTogetherAndOverlappingApart) {
   ArenaLayout l = PlanArena({{100, 0, 1}, {100, 2, 3}, {50, 1, 2}});
   // 0 and 1 never live together: they share an offset; 2 overlaps both.
