@@ -130,6 +130,18 @@ int Inspect(const Args& a) {
 int Export(const Args& a) {
   const std::string out = a.Get("o", a.Get("output"));
   if (out.empty()) return Fail(absl::InvalidArgumentError("export needs -o FILE.safetensors"));
+  // The export is written into a temporary file renamed over the output:
+  // '-o /dev/stdout' or a named pipe was replaced by a regular file (as
+  // root '-o /dev/null' or '/dev/full' replaced the device), and 'wrote'
+  // said it went there. Checked before the checkpoint is read.
+  std::error_code ec;
+  const fs::file_status st = fs::status(out, ec);
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "-o ", out, " is ", fs::is_directory(st) ? "a directory" : "not a regular file",
+        ": export writes a safetensors file whole, into a temporary file renamed over the "
+        "output, which would replace it; name a file")));
+  }
   auto reader = ckpt::CheckpointReader::Open(a.positional()[1]);
   if (!reader.ok()) return Fail(reader.status());
   auto bytes = ckpt::ExportCheckpoint(**reader, out, a.Bool("with-optimizer-state"));

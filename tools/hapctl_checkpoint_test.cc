@@ -2,6 +2,8 @@
 // process, one step).
 #include "tools/hapctl_checkpoint.h"
 
+#include <sys/stat.h>
+
 #include <string>
 #include <vector>
 
@@ -69,6 +71,30 @@ TEST(HapctlCheckpointTest, AnotherCommandsFlagIsRefused) {
     EXPECT_EQ(Hapctl(args, &out, &err), 1) << args[0];
     EXPECT_THAT(err, HasSubstr(error)) << args[0];
   }
+}
+
+// export -o a path that is no regular file: the export was renamed over it
+// (a named pipe, '/dev/stdout', as root '/dev/null' became a regular file)
+// and 'wrote' said the export went there. Refused; the path is as it was.
+TEST(HapctlCheckpointTest, ExportRefusesAnOutputThatIsNoRegularFile) {
+  const std::string dir = Checkpoint("export-to-a-pipe");
+  const std::string fifo = test_util::Fresh("pipe.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string out, err;
+  EXPECT_EQ(Hapctl({"export", dir, "-o", fifo}, &out, &err), 1) << out;
+  EXPECT_THAT(err, HasSubstr("-o " + fifo + " is not a regular file"));
+  struct stat st;
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  // A directory as well; a regular file is replaced, as before.
+  const std::string a_dir = test_util::Fresh("a-dir");
+  ASSERT_EQ(::mkdir(a_dir.c_str(), 0700), 0);
+  EXPECT_EQ(Hapctl({"export", dir, "-o", a_dir}, &out, &err), 1);
+  EXPECT_THAT(err, HasSubstr("is a directory"));
+  const std::string file = test_util::Fresh("out.safetensors");
+  ASSERT_EQ(Hapctl({"export", dir, "-o", file}, &out, &err), 0) << err;
+  ASSERT_EQ(Hapctl({"export", dir, "-o", file}, &out, &err), 0) << err;
+  EXPECT_THAT(out, HasSubstr("wrote " + file));
 }
 
 }  // namespace
