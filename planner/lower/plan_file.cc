@@ -3,6 +3,8 @@
 #include <openssl/sha.h>
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -196,9 +198,14 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
     if (seed == 0) continue;  // a gradient zeroed before it is summed into
     const double want = 1.0 / microbatches;
     if (!(std::abs(seed - want) <= 1e-9 * want)) {
+      // The count it was lowered for when the seed is 1 / a count (an
+      // int32, as PipelinePlan.microbatches).
+      const double count = 1 / seed;
+      const bool a_count = count >= 1 && count <= std::numeric_limits<int32_t>::max() &&
+                           std::abs(count - std::round(count)) <= 1e-6 * count;
       return absl::InvalidArgumentError(absl::StrCat(
           "the plan's program ", rank, " was lowered for ",
-          seed > 0 ? absl::StrCat(std::llround(1 / seed)) : std::string("another number of"),
+          a_count ? absl::StrCat(std::llround(count)) : std::string("another number of"),
           " microbatches (its loss is seeded with ", seed, "), the pipeline says ", microbatches));
     }
   }

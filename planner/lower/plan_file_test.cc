@@ -175,5 +175,28 @@ TEST(PlanFileTest, PipelineStagesOutOfOrderAreRefused) {
                                               "', which no stage before it sends"))));
 }
 
+TEST(PlanFileTest, ALossSeedOfNoMicrobatchCountSaysSo) {
+  // A seed whose inverse is no int64 was reported as lowered for
+  // "-9223372036854775808 microbatches".
+  for (const double seed : {1e-30, -0.5, 3.0}) {
+    v1::Plan plan = PipelinePlan();
+    int seeded = 0;
+    for (v1::Step& step : *plan.mutable_rank_programs(1)->mutable_steps()) {
+      if (step.phase() != v1::Step::BACKWARD || step.kernel().kernel() != "fill") continue;
+      auto& value = (*step.mutable_kernel()->mutable_attrs())["value"];
+      if (value.f() == 0) continue;
+      value.set_f(seed);
+      ++seeded;
+    }
+    ASSERT_EQ(seeded, 1);
+    plan.set_content_hash(ContentHash(plan));
+    EXPECT_THAT(CheckPlanForRank(plan, 1, 2),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("was lowered for another number of microbatches "
+                                                "(its loss is seeded with ",
+                                                seed, "), the pipeline says 1"))));
+  }
+}
+
 }  // namespace
 }  // namespace hap::lower
