@@ -204,4 +204,20 @@ for cmd in "deploy plan p" "create job --id j --checkpoint-dir /tmp/x --model ml
     echo "$out" | grep -q "UNAVAILABLE" || fail "$cmd $flags: $out"
   done
 done
+# --momentum beside --optimizer adam is refused (Adam keeps its own moments:
+# it was written into the plan and never used), in plan, create plan and
+# create job alike, before any call.
+out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --optimizer adam --momentum 0.5 2>&1)" \
+  && fail "plan --optimizer adam --momentum 0.5 exited 0: $out"
+echo "$out" | grep -qF -- "--momentum is SGD's (--optimizer sgd or momentum); --optimizer adam would ignore it, got '0.5'" \
+  || fail "plan --optimizer adam --momentum 0.5: $out"
+for cmd in "create plan --model mlp" "create job --id j --checkpoint-dir /tmp/x --model mlp"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --optimizer adam --momentum 0.5 --server 127.0.0.1:1 --timeout 3 2>&1)" \
+    && fail "$cmd --optimizer adam --momentum 0.5 exited 0: $out"
+  echo "$out" | grep -qF -- "--optimizer adam would ignore it" || fail "$cmd adam momentum: $out"
+  echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd adam momentum called the server: $out"
+done
+"$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --optimizer sgd --momentum 0.5 > /dev/null 2>&1 \
+  || fail "plan --optimizer sgd --momentum 0.5 was refused"
 echo PASS

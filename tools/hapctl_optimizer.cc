@@ -14,6 +14,14 @@ absl::StatusOr<hap::v1::OptimizerConfig> OptimizerFromFlags(const Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--optimizer must be sgd, momentum or adam, got '", opt, "'"));
   }
+  // Adam keeps its own moments (beta1 0.9, beta2 0.999): a --momentum
+  // beside it was written into the plan and never used.
+  if (opt == "adam" && args.Has("momentum")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--momentum is SGD's (--optimizer sgd or momentum); --optimizer adam would "
+                     "ignore it, got '",
+                     args.Get("momentum"), "'"));
+  }
   HAP_ASSIGN_OR_RETURN(double lr, args.Number("lr", opt == "adam" ? 1e-3 : 0.1));
   HAP_ASSIGN_OR_RETURN(double m, args.Number("momentum", opt == "momentum" ? 0.9 : 0));
   HAP_ASSIGN_OR_RETURN(double wd, args.Number("weight-decay", 0));
