@@ -231,8 +231,9 @@ absl::Status CheckSpmdPlanForRank(const v1::Plan& plan, int rank, int world) {
   }
   if (plan.rank_programs(rank).rank() != rank ||
       plan.rank_programs(rank).world_size() != world) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the plan's program ", rank, " is not rank ", rank, "'s"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plan's program ", rank, " was lowered for rank ", plan.rank_programs(rank).rank(),
+        " of ", plan.rank_programs(rank).world_size(), ", not rank ", rank, " of ", world));
   }
   if (absl::Status s = CheckDevices(plan, rank, /*required=*/false); !s.ok()) return s;
   if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {

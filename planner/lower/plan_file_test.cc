@@ -198,5 +198,21 @@ TEST(PlanFileTest, ALossSeedOfNoMicrobatchCountSaysSo) {
   }
 }
 
+TEST(PlanFileTest, ARankProgramOfAnotherRankSaysWhichRankItIsFor) {
+  // Was "the plan's program 0 is not rank 0's".
+  v1::Plan swapped = MlpPlan(2);
+  swapped.mutable_rank_programs()->SwapElements(0, 1);
+  EXPECT_THAT(CheckPlanForRank(swapped, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's program 0 was lowered for rank 1 of 2, not rank 0 "
+                                 "of 2")));
+  v1::Plan resized = MlpPlan(2);
+  resized.mutable_rank_programs(1)->set_world_size(3);
+  EXPECT_THAT(CheckPlanForRank(resized, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's program 1 was lowered for rank 1 of 3, not rank 1 "
+                                 "of 2")));
+}
+
 }  // namespace
 }  // namespace hap::lower
