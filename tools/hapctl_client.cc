@@ -458,12 +458,28 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
     (*sel.mutable_node_labels())[p.first] = p.second;
   }
   HAP_RETURN_IF_ERROR(ExecutorsFromArgs(a, s.mutable_executors()));
+  // The job spec reads 0 in these fields as the planner's default, and
+  // under 2 devices as 2: given so, '--max-replans 0' allowed 20 re-plans,
+  // '--min-gain 0' re-planned at 10% gain only, '--join-stable 0' (or
+  // 1e-10, rounded to 0 ns) waited 30 s. Each such value is refused naming
+  // what it would have been.
+  const auto defaulted = [&](const char* flag, const std::string& is) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " ", a.Get(flag), " would be ", is,
+                     " (the job spec reads 0 as the planner's default); give more"));
+  };
   HAP_ASSIGN_OR_RETURN(int64_t min_devices, a.Integer("min-devices", 0, 0, kMaxInt32));
   HAP_ASSIGN_OR_RETURN(int64_t max_devices, a.Integer("max-devices", 0, 0, kMaxInt32));
+  if (a.Has("min-devices") && min_devices < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--min-devices ", a.Get("min-devices"),
+                     " would be 2: a plan takes two devices or more; give at least 2"));
+  }
   sel.set_min_devices(static_cast<int>(min_devices));
   sel.set_max_devices(static_cast<int>(max_devices));
   v1::ReplanPolicy& p = *s.mutable_replan();
   HAP_ASSIGN_OR_RETURN(double gain, a.Number("min-gain", 0));
+  if (a.Has("min-gain") && gain == 0) return defaulted("min-gain", "a gain of 0.10 (10%)");
   p.set_min_gain(gain);
   p.set_disable_join(a.Bool("no-join"));
   HAP_ASSIGN_OR_RETURN(double stable, a.Number("join-stable", 0));
@@ -476,11 +492,18 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   p.mutable_join_stable()->set_seconds(static_cast<int64_t>(stable));
   p.mutable_join_stable()->set_nanos(
       static_cast<int32_t>((stable - static_cast<int64_t>(stable)) * 1e9));
+  if (a.Has("join-stable") && p.join_stable().seconds() == 0 && p.join_stable().nanos() == 0) {
+    return defaulted("join-stable", "30 s");
+  }
   HAP_ASSIGN_OR_RETURN(int64_t replans, a.Integer("max-replans", 0, 0, kMaxInt32));
+  if (a.Has("max-replans") && replans == 0) return defaulted("max-replans", "20 re-plans");
   p.set_max_replans(static_cast<int>(replans));
   HAP_ASSIGN_OR_RETURN(double slowdown, a.Number("slowdown-threshold", 0));
   if (!(slowdown >= 0)) {
     return absl::InvalidArgumentError("--slowdown-threshold must be a fraction >= 0");
+  }
+  if (a.Has("slowdown-threshold") && slowdown == 0) {
+    return defaulted("slowdown-threshold", "0.25 (25% slower)");
   }
   p.set_slowdown_threshold(slowdown);
   p.set_disable_slowdown(a.Bool("no-slowdown"));

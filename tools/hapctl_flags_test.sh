@@ -220,4 +220,22 @@ for cmd in "create plan --model mlp" "create job --id j --checkpoint-dir /tmp/x 
 done
 "$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --optimizer sgd --momentum 0.5 > /dev/null 2>&1 \
   || fail "plan --optimizer sgd --momentum 0.5 was refused"
+# create job: a value the job spec reads as the planner's default is
+# refused naming what it would be ('--max-replans 0' allowed 20 re-plans,
+# '--min-gain 0' needed 10%, '--join-stable 0' waited 30 s), before any call.
+job=(create job --id j --checkpoint-dir /tmp/x --model mlp --server 127.0.0.1:1 --timeout 3)
+for case in "--max-replans|0|--max-replans 0 would be 20 re-plans" \
+            "--min-gain|0|--min-gain 0 would be a gain of 0.10" \
+            "--join-stable|0|--join-stable 0 would be 30 s" \
+            "--join-stable|1e-10|--join-stable 1e-10 would be 30 s" \
+            "--slowdown-threshold|0|--slowdown-threshold 0 would be 0.25" \
+            "--min-devices|1|--min-devices 1 would be 2"; do
+  IFS='|' read -r flag value want <<< "$case"
+  out="$("$HAPCTL" "${job[@]}" "$flag" "$value" 2>&1)" && fail "create job $flag $value exited 0: $out"
+  echo "$out" | grep -qF -- "$want" || fail "create job $flag $value: $out"
+  echo "$out" | grep -q "127.0.0.1:1" && fail "create job $flag $value called the server: $out"
+done
+out="$("$HAPCTL" "${job[@]}" --max-replans 1 --min-gain 0.01 --join-stable 0.5 --slowdown-threshold 0.1 --min-devices 2 2>&1)" \
+  && fail "create job with positive policy values exited 0: $out"
+echo "$out" | grep -q "UNAVAILABLE" || fail "create job with positive policy values: $out"
 echo PASS
