@@ -22,12 +22,16 @@ using synth::Form;
 namespace {
 
 // The ratios Lower uses (even when empty); InvalidArgument when they are not
-// one per rank, non-negative and summing to 1, or when the devices are not
-// one per rank (or none).
+// one per rank, non-negative and summing to 1, when the devices are not one
+// per rank (or none), or when the gradient bucket size is negative.
 absl::StatusOr<std::vector<double>> CheckedRatios(const LowerOptions& options) {
   const int n = options.world_size;
   if (n < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world size must be at least 1, got ", n));
+  }
+  if (options.gradient_bucket_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the gradient bucket size must not be negative, got ", options.gradient_bucket_bytes));
   }
   if (!options.devices.empty() && options.devices.size() != static_cast<size_t>(n)) {
     return absl::InvalidArgumentError(

@@ -78,7 +78,8 @@ struct LowerOptions {
   // False: every collective in line, as before.
   bool overlap = false;
   // The buckets' size with `overlap` (Plan.gradient_bucket_bytes); 0 = the
-  // in-line buckets' 64 MiB. A larger gradient gets a bucket of its own.
+  // in-line buckets' 64 MiB; negative is an error. A larger gradient gets a
+  // bucket of its own.
   int64_t gradient_bucket_bytes = 0;
 };
 
@@ -92,9 +93,9 @@ struct ShardLayout {
 // Errors: InvalidArgument for a program that does not belong to `g` (wrong
 // number of steps, ops out of order), a world size below 1, ratios of the
 // wrong size, negative or not summing to 1, devices neither none nor one per
-// rank; FailedPrecondition when a program's forms cannot be executed (a
-// precondition that does not hold — run synth::CheckProgram first for a full
-// diagnosis).
+// rank, a negative gradient bucket size; FailedPrecondition when a program's
+// forms cannot be executed (a precondition that does not hold — run
+// synth::CheckProgram first for a full diagnosis).
 absl::StatusOr<std::vector<hap::v1::RankProgram>> Lower(
     const graph::Graph& g, const synth::Program& program,
     const LowerOptions& options);

@@ -656,6 +656,18 @@ TEST(LowerTest, DevicesOfAnotherCountThanTheRanksAreAnError) {
   EXPECT_EQ((*progs)[1].device(), "d1");
 }
 
+TEST(LowerTest, ANegativeGradientBucketSizeIsAnError) {
+  // It was taken as the default 64 MiB (what 0 means).
+  graph::Graph g = Gpt(8);
+  LowerOptions o;
+  o.world_size = 2;
+  o.overlap = true;
+  o.gradient_bucket_bytes = -4096;
+  EXPECT_THAT(Lower(g, SingleDeviceProgram(g), o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gradient bucket size must not be negative, got -4096")));
+}
+
 TEST(ArenaTest, PlacesDisjointLifetimesTogetherAndOverlappingApart) {
   ArenaLayout l = PlanArena({{100, 0, 1}, {100, 2, 3}, {50, 1, 2}});
   // 0 and 1 never live together: they share an offset; 2 overlaps both.
