@@ -333,9 +333,25 @@ absl::StatusOr<v1::CreatePlanRequest> CreateRequest(const Args& a) {
     return absl::InvalidArgumentError(
         absl::StrCat("--pipeline must be off, auto or a stage count >= 1, got '", pipe, "'"));
   }
+  // As hapctl plan takes them: a microbatch count without pipeline stages
+  // was sent and never read, and the planner took 0 (a count, or seconds)
+  // as its default.
   HAP_ASSIGN_OR_RETURN(int64_t micro, a.Integer("microbatches", 0, 0, kMaxInt32));
+  if (a.Has("microbatches")) {
+    if (micro < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--microbatches must be a positive integer, got '", a.Get("microbatches"), "'"));
+    }
+    if (o->pipeline() == v1::PlanOptions::PIPELINE_OFF) {
+      return absl::InvalidArgumentError("--microbatches needs --pipeline auto or N");
+    }
+  }
   o->set_pipeline_microbatches(static_cast<int>(micro));
   HAP_ASSIGN_OR_RETURN(double ms, a.Number("max-seconds", 0));
+  if (a.Has("max-seconds") && !(ms > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-seconds must be positive, got '", a.Get("max-seconds"), "'"));
+  }
   o->mutable_budget()->set_max_seconds(ms);
   HAP_ASSIGN_OR_RETURN(int64_t states, a.Integer("max-states", 0, 1, kMaxInt64));
   o->mutable_budget()->set_max_states(states);

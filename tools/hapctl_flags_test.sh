@@ -238,4 +238,24 @@ done
 out="$("$HAPCTL" "${job[@]}" --max-replans 1 --min-gain 0.01 --join-stable 0.5 --slowdown-threshold 0.1 --min-devices 2 2>&1)" \
   && fail "create job with positive policy values exited 0: $out"
 echo "$out" | grep -q "UNAVAILABLE" || fail "create job with positive policy values: $out"
+# create plan / create job take --microbatches and --max-seconds as hapctl
+# plan does, before any call: microbatches without pipeline stages were
+# sent and never read; 0 or a negative budget was the planner's default or
+# its error naming a proto field.
+for cmd in "create plan --model mlp" "create job --id j --checkpoint-dir /tmp/x --model mlp"; do
+  for case in "--microbatches 4|--microbatches needs --pipeline auto or N" \
+              "--pipeline auto --microbatches 0|--microbatches must be a positive integer, got '0'" \
+              "--max-seconds 0|--max-seconds must be positive, got '0'" \
+              "--max-seconds -5|--max-seconds must be positive, got '-5'"; do
+    IFS='|' read -r flags want <<< "$case"
+    # shellcheck disable=SC2086
+    out="$("$HAPCTL" $cmd $flags --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "$cmd $flags exited 0: $out"
+    echo "$out" | grep -qF -- "$want" || fail "$cmd $flags: $out"
+    echo "$out" | grep -q "127.0.0.1:1" && fail "$cmd $flags called the server: $out"
+  done
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --pipeline 2 --microbatches 4 --max-seconds 5 --server 127.0.0.1:1 --timeout 3 2>&1)" \
+    && fail "$cmd --pipeline 2 --microbatches 4 exited 0: $out"
+  echo "$out" | grep -q "UNAVAILABLE" || fail "$cmd --pipeline 2 --microbatches 4: $out"
+done
 echo PASS
