@@ -13,7 +13,8 @@
 
 namespace hap::lower::internal {
 
-absl::Status RankBuilder::Forward(const synth::OpStep& s) {
+absl::Status RankBuilder::Forward(int k) {
+  const synth::OpStep& s = p_.steps[k];
   const graph::Op& op = g_.op(s.op);
   const auto F = v1::Step::FORWARD;
   for (const synth::SourceLoad& l : s.loads) {
@@ -51,10 +52,11 @@ absl::Status RankBuilder::Forward(const synth::OpStep& s) {
     slot.replicated = l.storage == synth::ParamStorage::kReplicated;
     if (!t.frozen) params_.push_back(slot);
   }
-  if (IsZero3Step(s.op)) {
+  if (IsZero3Step(k)) {
     // The next op's gathers queue behind this op's (waited for at their
-    // first use below): one op ahead.
-    auto next = std::upper_bound(zero3_steps_.begin(), zero3_steps_.end(), s.op);
+    // first use below): one op ahead. (Steps, not op ids: a pipeline
+    // stage's step k is op begin_op + k.)
+    auto next = std::upper_bound(zero3_steps_.begin(), zero3_steps_.end(), k);
     if (next != zero3_steps_.end()) PrefetchGathers(*next);
   }
   if (st_ != nullptr) {

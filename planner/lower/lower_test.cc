@@ -752,6 +752,54 @@ TEST(LowerStageTest, BoundaryBuffersAndSeed) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("are not a range")));
 }
 
+// A stage after the first prefetches its ZeRO-3 parameters' gathers one op
+// ahead as Lower does: the prefetch was keyed by op id, not by the stage's
+// step, so such a stage gathered every parameter in line.
+TEST(LowerStageTest, OverlapPrefetchesZero3GathersInEveryStage) {
+  graph::Graph g = Gpt(8);
+  synth::Program whole =
+      Search(g, 2, {0.5, 0.5}, synth::ParamStorage::kZero, synth::DataParallelRule);
+  StageSpec last;
+  last.begin_op = 1;
+  last.end_op = static_cast<int>(g.ops().size());
+  last.input = g.op(1).inputs[0];
+  last.input_form = whole.steps[1].rule.inputs[0];
+  synth::Program tail;
+  for (int k = last.begin_op; k < last.end_op; ++k) tail.steps.push_back(whole.steps[k]);
+  // Loaded where the stage first reads it (its load sat in op 0's step).
+  for (synth::SourceLoad& l : whole.steps[0].loads) {
+    if (!l.parameter) continue;
+    for (synth::OpStep& step : tail.steps) {
+      const auto& in = g.op(step.op).inputs;
+      if (std::find(in.begin(), in.end(), l.tensor) != in.end()) {
+        step.loads.push_back(l);
+        break;
+      }
+    }
+  }
+  LowerOptions o;
+  o.world_size = 2;
+  o.overlap = true;
+  auto progs = LowerStage(g, tail, last, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  ExpectMatchingCollectives(*progs);
+  const v1::RankProgram& r = (*progs)[1];
+  CheckAsyncPlacement(r);
+  int gathers = 0, in_line = 0;
+  for (int i = 0; i < r.steps_size(); ++i) {
+    const v1::Step& s = r.steps(i);
+    if (s.phase() != v1::Step::FORWARD || !s.has_collective() ||
+        s.collective().collective() != v1::ALL_GATHER ||
+        r.buffers(s.collective().output()).tensor().find("#gathered") == std::string::npos) {
+      continue;
+    }
+    ++gathers;
+    if (!s.collective().async()) ++in_line;
+  }
+  EXPECT_GT(gathers, 4);
+  EXPECT_EQ(in_line, 0);
+}
+
 // The per-op hooks (op_lowering.h): each belongs to a registered op type (a
 // family that misspells a type would own none: the count drops), and a rule
 // that lowers apart has both its forward and its backward.

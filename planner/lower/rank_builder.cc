@@ -53,7 +53,7 @@ absl::StatusOr<v1::RankProgram> RankBuilder::Build() {
         NewBuffer(st_->input, st_->input_form.raw(), v1::Buffer::STAGE_INPUT, "#stage_in");
   }
   for (size_t k = 0; k < p_.steps.size(); ++k) {
-    HAP_RETURN_IF_ERROR(Forward(p_.steps[k]));
+    HAP_RETURN_IF_ERROR(Forward(static_cast<int>(k)));
   }
   if (st_ != nullptr && st_->output >= 0) {
     HAP_RETURN_IF_ERROR(StageOutput());

@@ -107,7 +107,7 @@ class RankBuilder {
                               int out, TensorId t, int dim);
 
   // --- forward -----------------------------------------------------------
-  absl::Status Forward(const synth::OpStep& s);
+  absl::Status Forward(int k);  // of p_.steps[k]
 
   void EmitForwardComm(const synth::CommStep& c, int in, int out);
 
