@@ -540,27 +540,44 @@ TEST(LocalOnlyAddressWarningTest, ALoopbackAgentOfARemotePlannerIsWarnedAbout) {
   EXPECT_EQ(LocalOnlyAddressWarning("[::1]:41000", "unix:/run/hap-planner.sock"), "");
 }
 
+// node-a's agent, its probes after the first held while `hold_.hold` is
+// set, registered, with a stub to it.
+class HeldAgentTest : public AgentTest {
+ protected:
+  bool StartHeld() {
+    auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold_));
+    if (!agent.ok() || !Registered("node-a")) return false;
+    agent_ = *std::move(agent);
+    stub_ = AgentStub(*agent_);
+    return stub_ != nullptr && state_.probes.load() == 1;
+  }
+  // Holds the probes from now, asks a re-probe and waits until it is held.
+  bool HoldTheNextProbe() {
+    hold_.hold = true;
+    planner_.RequestReprobe("node-a");
+    for (int i = 0; i < 3000 && hold_.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    return hold_.waiting.load() == 1;
+  }
+  HeldProber::Hold hold_;
+  std::unique_ptr<Agent> agent_;
+  std::unique_ptr<v1::Agent::Stub> stub_;
+};
+
 // Probe calls queued behind a running probe whose callers gave up (their
 // deadline passed) probe nothing: a burst of them is not a burst of probes
 // run after their callers left.
-TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
-  HeldProber::Hold hold;
-  auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
-  ASSERT_THAT(agent, IsOk());
-  ASSERT_TRUE(Registered("node-a"));
-  ASSERT_EQ(state_.probes.load(), 1);
-  auto stub = AgentStub(**agent);
-  ASSERT_TRUE(stub);
+TEST_F(HeldAgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
+  ASSERT_TRUE(StartHeld());
   auto probe = [&](absl::Duration timeout) {
     grpc::ClientContext ctx;
     hap::service::PrepareClientContext(&ctx, {}, timeout);
     v1::ProbeResponse r;
-    return FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r));
+    return FromGrpc(stub_->Probe(&ctx, v1::ProbeRequest(), &r));
   };
-  hold.hold = true;
+  hold_.hold = true;
   std::thread running([&] { EXPECT_THAT(probe(absl::Seconds(30)), IsOk()); });
-  for (int i = 0; i < 2000 && hold.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(hold.waiting.load(), 1);
+  for (int i = 0; i < 2000 && hold_.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(hold_.waiting.load(), 1);
   std::vector<std::thread> queued;
   for (int i = 0; i < 3; ++i) {
     queued.emplace_back([&] {
@@ -574,9 +591,9 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
   // later than the client's (a third probe ran in CI). Released once every
   // one of them has passed too, whenever the calls arrived.
   absl::SleepFor(absl::Seconds(1));
-  hold.hold = false;
+  hold_.hold = false;
   running.join();
-  (*agent)->Shutdown();  // the queued calls' handlers are done
+  agent_->Shutdown();  // the queued calls' handlers are done
   EXPECT_EQ(state_.probes.load(), 2);
 }
 
@@ -584,68 +601,48 @@ TEST_F(AgentTest, AProbeCallWhoseDeadlinePassedWhileQueuedProbesNothing) {
 // signal handler's and the destructor's) returned at once, so its caller
 // could destroy the agent under the first. It now returns when the agent
 // is down, as the first does.
-TEST_F(AgentTest, ASecondShutdownReturnsOnlyOnceTheAgentIsDown) {
-  HeldProber::Hold hold;
-  auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
-  ASSERT_THAT(agent, IsOk());
-  ASSERT_TRUE(Registered("node-a"));
-  hold.hold = true;
-  planner_.RequestReprobe("node-a");
-  for (int i = 0; i < 3000 && hold.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
-  ASSERT_EQ(hold.waiting.load(), 1);  // the probe thread is held: Shutdown waits for it
+TEST_F(HeldAgentTest, ASecondShutdownReturnsOnlyOnceTheAgentIsDown) {
+  ASSERT_TRUE(StartHeld());
+  ASSERT_TRUE(HoldTheNextProbe());  // the probe thread is held: Shutdown waits for it
   std::atomic<bool> first_done{false}, second_done{false};
   std::thread first([&] {
-    (*agent)->Shutdown();
+    agent_->Shutdown();
     first_done = true;
   });
   absl::SleepFor(absl::Milliseconds(200));
   std::thread second([&] {
-    (*agent)->Shutdown();
+    agent_->Shutdown();
     second_done = true;
   });
   absl::SleepFor(absl::Milliseconds(500));
   EXPECT_FALSE(first_done);
   EXPECT_FALSE(second_done);
-  hold.hold = false;
+  hold_.hold = false;
   first.join();
   second.join();
-  EXPECT_EQ(hold.waiting.load(), 0);
+  EXPECT_EQ(hold_.waiting.load(), 0);
 }
 
 // A Probe call whose caller cancelled it (a killed client, a given-up
 // watch) while it waited for another probe was probed for when its turn
 // came, as one that waits: only its deadline was looked at.
-TEST_F(AgentTest, AProbeCallCancelledWhileQueuedProbesNothing) {
-  HeldProber::Hold hold;
-  auto agent = StartOn(Options("node-a"), std::make_unique<HeldProber>(&state_, &hold));
-  ASSERT_THAT(agent, IsOk());
-  ASSERT_TRUE(Registered("node-a"));
-  ASSERT_EQ(state_.probes.load(), 1);
-  auto stub = AgentStub(**agent);
-  ASSERT_TRUE(stub);
-  hold.hold = true;
-  std::thread running([&] {
-    grpc::ClientContext ctx;
-    hap::service::PrepareClientContext(&ctx, {}, absl::Seconds(30));
-    v1::ProbeResponse r;
-    EXPECT_THAT(FromGrpc(stub->Probe(&ctx, v1::ProbeRequest(), &r)), IsOk());
-  });
-  for (int i = 0; i < 2000 && hold.waiting == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(hold.waiting.load(), 1);
-  grpc::ClientContext queued_ctx;  // no deadline
+TEST_F(HeldAgentTest, AProbeCallCancelledWhileQueuedProbesNothing) {
+  ASSERT_TRUE(StartHeld());
+  ASSERT_TRUE(HoldTheNextProbe());  // a re-probe runs, held
+  grpc::ClientContext queued_ctx;   // no deadline
   std::thread queued([&] {
     v1::ProbeResponse r;
-    EXPECT_EQ(stub->Probe(&queued_ctx, v1::ProbeRequest(), &r).error_code(),
+    EXPECT_EQ(stub_->Probe(&queued_ctx, v1::ProbeRequest(), &r).error_code(),
               grpc::StatusCode::CANCELLED);
   });
   absl::SleepFor(absl::Seconds(1));  // the call arrives and waits for the probe that runs
   queued_ctx.TryCancel();
   queued.join();
   absl::SleepFor(absl::Seconds(1));  // the cancellation reaches the server
-  hold.hold = false;
-  running.join();
+  hold_.hold = false;
+  for (int i = 0; i < 3000 && state_.probes < 2; ++i) absl::SleepFor(absl::Milliseconds(10));
   absl::SleepFor(absl::Milliseconds(500));  // a queued probe would have run by now
-  (*agent)->Shutdown();
+  agent_->Shutdown();
   EXPECT_EQ(state_.probes.load(), 2);
 }
 
