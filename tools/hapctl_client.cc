@@ -412,6 +412,19 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   t.set_data_path(a.Get("data-path"));
   HAP_ASSIGN_OR_RETURN(int64_t every, a.Integer("checkpoint-every", 0, 0, kMaxInt64));
   HAP_ASSIGN_OR_RETURN(int64_t keep, a.Integer("checkpoint-keep", 0, 0, kMaxInt32));
+  // Without a directory the executors save nothing, and they read a keep
+  // of 0 as their default, 3: both were sent and dropped.
+  for (const char* flag : {"checkpoint-every", "checkpoint-keep"}) {
+    if (a.Has(flag) && a.Get("checkpoint-dir").empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " needs --checkpoint-dir (without it nothing is saved)"));
+    }
+  }
+  if (a.Has("checkpoint-keep") && keep == 0) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-keep 0 would be 3, the executors' default (a deployment reads 0 as "
+        "unset); give at least 1");
+  }
   t.set_checkpoint_dir(a.Get("checkpoint-dir"));
   t.set_checkpoint_every(every);
   t.set_checkpoint_keep(static_cast<int>(keep));

@@ -258,4 +258,19 @@ for cmd in "create plan --model mlp" "create job --id j --checkpoint-dir /tmp/x 
     && fail "$cmd --pipeline 2 --microbatches 4 exited 0: $out"
   echo "$out" | grep -q "UNAVAILABLE" || fail "$cmd --pipeline 2 --microbatches 4: $out"
 done
+# deploy plan: checkpoint flags the executors would drop are refused before
+# any call (--checkpoint-every without --checkpoint-dir saved nothing;
+# --checkpoint-keep 0 kept 3).
+for case in "--checkpoint-every 5|--checkpoint-every needs --checkpoint-dir" \
+            "--checkpoint-keep 2|--checkpoint-keep needs --checkpoint-dir" \
+            "--checkpoint-dir /tmp/x --checkpoint-keep 0|--checkpoint-keep 0 would be 3"; do
+  IFS='|' read -r flags want <<< "$case"
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" deploy plan p $flags --server 127.0.0.1:1 --timeout 3 2>&1)" && fail "deploy $flags exited 0: $out"
+  echo "$out" | grep -qF -- "$want" || fail "deploy $flags: $out"
+  echo "$out" | grep -q "127.0.0.1:1" && fail "deploy $flags called the server: $out"
+done
+out="$("$HAPCTL" deploy plan p --checkpoint-dir /tmp/x --checkpoint-every 0 --checkpoint-keep 1 --server 127.0.0.1:1 --timeout 3 2>&1)" \
+  && fail "deploy with checkpoint flags exited 0: $out"
+echo "$out" | grep -q "UNAVAILABLE" || fail "deploy with checkpoint flags: $out"
 echo PASS
