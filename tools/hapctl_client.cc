@@ -428,6 +428,13 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   t.set_checkpoint_dir(a.Get("checkpoint-dir"));
   t.set_checkpoint_every(every);
   t.set_checkpoint_keep(static_cast<int>(keep));
+  // As hap-launch refuses them: an executor given both resumed and never
+  // read the weights.
+  if (a.Has("resume") && a.Has("init-weights")) {
+    return absl::InvalidArgumentError(
+        "--resume and --init-weights exclude each other (a resumed run takes its checkpoint's "
+        "parameters; --init-weights would be ignored)");
+  }
   t.set_resume(a.Get("resume"));
   t.set_init_weights(a.Get("init-weights"));
   if (a.Has("shuffle")) {

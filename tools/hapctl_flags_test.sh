@@ -273,4 +273,9 @@ done
 out="$("$HAPCTL" deploy plan p --checkpoint-dir /tmp/x --checkpoint-every 0 --checkpoint-keep 1 --server 127.0.0.1:1 --timeout 3 2>&1)" \
   && fail "deploy with checkpoint flags exited 0: $out"
 echo "$out" | grep -q "UNAVAILABLE" || fail "deploy with checkpoint flags: $out"
+# --resume with --init-weights: an executor resumed and never read the
+# weights; refused as hap-launch refuses it, before any call.
+out="$("$HAPCTL" deploy plan p --checkpoint-dir /tmp/x --resume /tmp/x --init-weights /tmp/w.safetensors --server 127.0.0.1:1 --timeout 3 2>&1)" \
+  && fail "deploy --resume --init-weights exited 0: $out"
+echo "$out" | grep -qF -- "--resume and --init-weights exclude each other" || fail "deploy --resume --init-weights: $out"
 echo PASS
