@@ -263,6 +263,13 @@ absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
         "the plan's graph does not match its graph_hash (edited or corrupted?): its rank "
         "programs were lowered for another graph; plan the edited model again");
   }
+  // Nor the cluster, whose devices executors take their kind and GPU
+  // ordinal from.
+  if (!plan.cluster_hash().empty() && Sha256Hex(plan.cluster()) != plan.cluster_hash()) {
+    return absl::InvalidArgumentError(
+        "the plan's cluster does not match its cluster_hash (edited or corrupted?): executors "
+        "would place ranks on other devices than planned; plan it again");
+  }
   // The checkpoints' data cursor is steps x global_batch (samples_seen);
   // a plan without its batch would save cursors a resume cannot check.
   if (plan.global_batch() < 1) {

@@ -22,7 +22,7 @@ inline bool IsPipelinePlan(const hap::v1::Plan& plan) {
 
 // Checks a plan an executor is about to run as rank `rank` of `world`:
 // format version, global batch, rank programs for that world, content hash,
-// the graph against its graph_hash.
+// the graph and the cluster against their hashes.
 // InvalidArgument naming what does not fit.
 absl::Status CheckPlanForRank(const hap::v1::Plan& plan, int rank, int world);
 

@@ -32,10 +32,18 @@ v1::Plan MlpPlan(int world) {
   plan.set_global_batch(kBatch);
   LowerOptions lo;
   lo.world_size = world;
+  v1::Node* node = plan.mutable_cluster()->add_nodes();
+  node->set_name("n0");
   for (int r = 0; r < world; ++r) {
-    lo.devices.push_back("n0/cpu" + std::to_string(r));
+    lo.devices.push_back("n0/gpu" + std::to_string(r));
     plan.add_devices(lo.devices.back());
+    v1::Device* d = node->add_devices();
+    d->set_id(lo.devices.back());
+    d->set_kind(v1::GPU);
+    d->set_node("n0");
+    d->set_local_index(r);
   }
+  plan.set_cluster_hash(Sha256Hex(plan.cluster()));
   auto programs = Lower(*g, SingleDeviceProgram(*g), lo);
   EXPECT_THAT(programs.status(), IsOk());
   for (v1::RankProgram& p : *programs) *plan.add_rank_programs() = std::move(p);
@@ -73,10 +81,10 @@ TEST(PlanFileTest, DevicesThatDisagreeWithTheRankProgramsAreRefused) {
   swapped.mutable_devices()->SwapElements(0, 1);
   EXPECT_THAT(CheckPlanForRank(swapped, 0, 2),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("the plan places rank 0 on device 'n0/cpu1', but its program "
-                                 "was lowered for 'n0/cpu0'")));
+                       HasSubstr("the plan places rank 0 on device 'n0/gpu1', but its program "
+                                 "was lowered for 'n0/gpu0'")));
   v1::Plan more = MlpPlan(2);
-  more.add_devices("n0/cpu2");
+  more.add_devices("n0/gpu2");
   EXPECT_THAT(CheckPlanForRank(more, 0, 2),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the plan lists 3 devices for its 2 rank programs")));
@@ -212,6 +220,16 @@ TEST(PlanFileTest, ARankProgramOfAnotherRankSaysWhichRankItIsFor) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the plan's program 1 was lowered for rank 1 of 3, not rank 1 "
                                  "of 2")));
+}
+
+TEST(PlanFileTest, AClusterEditedAfterPlanningIsRefused) {
+  // Executors take their device's kind and GPU ordinal from the plan's
+  // cluster, which the content hash does not cover.
+  v1::Plan plan = MlpPlan(2);
+  plan.mutable_cluster()->mutable_nodes(0)->mutable_devices(1)->set_local_index(0);
+  EXPECT_THAT(CheckPlanForRank(plan, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's cluster does not match its cluster_hash")));
 }
 
 }  // namespace
