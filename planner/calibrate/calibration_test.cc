@@ -87,6 +87,28 @@ ProfiledRun UnitRun(const v1::Plan& plan) {
   return run;
 }
 
+// One part of a run made wrong, and what the error says of it.
+template <typename Part>
+struct Mess {
+  std::function<void(Part*)> mess;
+  std::string says;
+};
+
+// Each mess, applied to the part `of` picks of the second of two unit runs
+// of `plan`, makes Calibrate fail InvalidArgument saying `prefix` + says.
+template <typename Part>
+void ExpectEachMessRefused(const v1::Cluster& c, const v1::Plan& plan,
+                           const std::function<Part*(ProfiledRun*)>& of,
+                           const std::vector<Mess<Part>>& cases, const std::string& prefix) {
+  for (const Mess<Part>& k : cases) {
+    ProfiledRun run = UnitRun(plan);
+    k.mess(of(&run));
+    auto cal = Calibrate(c, {UnitRun(plan), run});
+    EXPECT_EQ(cal.status().code(), absl::StatusCode::kInvalidArgument) << k.says;
+    EXPECT_NE(cal.status().message().find(prefix + k.says), std::string::npos) << cal.status();
+  }
+}
+
 // Rank `r`'s profile of `plan` saying each op type took the model's time
 // (the rows of `unit`, a calibration against UnitRun(plan)) x scale[type]
 // plus add[type]; device_seconds is their sum.
@@ -658,28 +680,20 @@ TEST(CalibrationTest, RejectsProfileNumbersNoMeasurementHas) {
   const v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpEven);
   ASSERT_TRUE(Calibrate(c, {UnitRun(plan)}).ok());
   const double nan = std::nan(""), inf = INFINITY;
-  struct Case {
-    std::function<void(RankProfile*)> mess;
-    std::string says;
-  };
-  const std::vector<Case> cases = {
-      {[&](RankProfile* p) { p->op_seconds["(optimizer)"] = nan; }, "op_seconds['(optimizer)']"},
-      {[&](RankProfile* p) { p->op_seconds["(runtime)"] = -0.5; }, "op_seconds['(runtime)']"},
-      {[&](RankProfile* p) { p->op_seconds["linear"] = inf; }, "op_seconds['linear']"},
-      {[&](RankProfile* p) { p->op_seconds["linear"] = 1e30; }, "op_seconds['linear']"},
-      {[&](RankProfile* p) { p->op_seconds["(runtime)"] = 1e300; }, "op_seconds['(runtime)']"},
-      {[&](RankProfile* p) { p->step_seconds_median = nan; }, "step_seconds_median"},
-      {[&](RankProfile* p) { p->step_seconds_median = 1e300; }, "step_seconds_median"},
-      {[&](RankProfile* p) { p->device_seconds = -1; }, "device_seconds"},
-  };
-  for (const Case& k : cases) {
-    ProfiledRun run = UnitRun(plan);
-    k.mess(&run.ranks[1]);
-    auto cal = Calibrate(c, {UnitRun(plan), run});
-    EXPECT_EQ(cal.status().code(), absl::StatusCode::kInvalidArgument) << k.says;
-    EXPECT_NE(cal.status().message().find("run 1: rank 1's " + k.says), std::string::npos)
-        << cal.status();
-  }
+  ExpectEachMessRefused<RankProfile>(
+      c, plan, [](ProfiledRun* r) { return &r->ranks[1]; },
+      {
+          {[&](RankProfile* p) { p->op_seconds["(optimizer)"] = nan; },
+           "op_seconds['(optimizer)']"},
+          {[&](RankProfile* p) { p->op_seconds["(runtime)"] = -0.5; }, "op_seconds['(runtime)']"},
+          {[&](RankProfile* p) { p->op_seconds["linear"] = inf; }, "op_seconds['linear']"},
+          {[&](RankProfile* p) { p->op_seconds["linear"] = 1e30; }, "op_seconds['linear']"},
+          {[&](RankProfile* p) { p->op_seconds["(runtime)"] = 1e300; }, "op_seconds['(runtime)']"},
+          {[&](RankProfile* p) { p->step_seconds_median = nan; }, "step_seconds_median"},
+          {[&](RankProfile* p) { p->step_seconds_median = 1e300; }, "step_seconds_median"},
+          {[&](RankProfile* p) { p->device_seconds = -1; }, "device_seconds"},
+      },
+      "run 1: rank 1's ");
   // A slow run, still a calibration the planner plans with (one at the
   // bound gives a fit the planner refuses:
   // RejectsAFitThePlannersChecksWouldRefuse).
@@ -789,26 +803,18 @@ TEST(CalibrationTest, RejectsAPlanWhosePredictionIsNoNumber) {
   const v1::Plan plan = MakePlan(g, c, synth::Baseline::kDpEven);
   ASSERT_TRUE(Calibrate(c, {UnitRun(plan)}).ok());
   const double nan = std::nan(""), inf = INFINITY;
-  struct Case {
-    std::function<void(v1::PlanPrediction*)> mess;
-    std::string says;
-  };
-  const std::vector<Case> cases = {
-      {[&](v1::PlanPrediction* p) { p->set_communication_seconds(inf); }, "communication_seconds"},
-      {[&](v1::PlanPrediction* p) { p->set_communication_seconds(-1); }, "communication_seconds"},
-      {[&](v1::PlanPrediction* p) { p->set_compute_seconds(nan); }, "compute_seconds"},
-      {[&](v1::PlanPrediction* p) { p->set_communication_busy_seconds(inf); },
-       "communication_busy_seconds"},
-  };
-  for (const Case& k : cases) {
-    ProfiledRun run = UnitRun(plan);
-    k.mess(run.plan.mutable_prediction());
-    auto cal = Calibrate(c, {UnitRun(plan), run});
-    EXPECT_EQ(cal.status().code(), absl::StatusCode::kInvalidArgument) << k.says;
-    EXPECT_NE(cal.status().message().find("run 1: its plan's prediction." + k.says),
-              std::string::npos)
-        << cal.status();
-  }
+  ExpectEachMessRefused<v1::PlanPrediction>(
+      c, plan, [](ProfiledRun* r) { return r->plan.mutable_prediction(); },
+      {
+          {[&](v1::PlanPrediction* p) { p->set_communication_seconds(inf); },
+           "communication_seconds"},
+          {[&](v1::PlanPrediction* p) { p->set_communication_seconds(-1); },
+           "communication_seconds"},
+          {[&](v1::PlanPrediction* p) { p->set_compute_seconds(nan); }, "compute_seconds"},
+          {[&](v1::PlanPrediction* p) { p->set_communication_busy_seconds(inf); },
+           "communication_busy_seconds"},
+      },
+      "run 1: its plan's prediction.");
   // Nor the overlap fit's own samples: nothing is fitted from them.
   EXPECT_FALSE(FitOverlapEfficiency({{nan, 1.0, 0.1, 0.5}}).has_value());
   EXPECT_FALSE(FitOverlapEfficiency({{3.0, 1.0, 0.1, inf}}).has_value());
