@@ -21,9 +21,14 @@ inline bool IsPipelinePlan(const hap::v1::Plan& plan) {
 }
 
 // Checks a plan an executor is about to run as rank `rank` of `world`:
-// format version, global batch, rank programs for that world, content hash,
-// the graph and the cluster against their hashes.
-// InvalidArgument naming what does not fit.
+// format version; rank programs for that world, each at its rank's place
+// and lowered for the device Plan.devices lists there; the content hash;
+// the graph and the cluster against their hashes; the global batch (its
+// graph's). For a pipeline plan also that the stages chain (each receives
+// what the one before sends) and that the rank's program is its stage's
+// (rank in the group, activations received and sent, the microbatch split
+// and loss seed). The hashes are checked where present. InvalidArgument
+// naming what does not fit.
 absl::Status CheckPlanForRank(const hap::v1::Plan& plan, int rank, int world);
 
 // sha256 (hex) of the deterministic serialization of a message.
