@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .exporter import Exporter
 from .ir import ExportError
-from .tracing import HapTracer, Recorder, to_meta
+from .tracing import HapTracer, Recorder, follow_inplace, to_meta
 
 
 class _LossWrapper(nn.Module):
@@ -255,6 +255,9 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
                 args.append(concrete[pname])
                 input_nodes[n] = None
         _record_shapes(gm, root, args, run_on)
+        why = follow_inplace(gm)
+        if why is not None:
+            raise ExportError(why)
         res = _loss_node(gm, loss)
         input_nodes = {n: t for n, t in input_nodes.items() if t is not None}
         gname = name or type(module).__name__.lower()

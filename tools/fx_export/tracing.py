@@ -9,6 +9,7 @@ the nodes known at export time (sizes, masks, positions).
 
 import dis
 import inspect
+import operator
 import sys
 
 import torch
@@ -201,3 +202,96 @@ class Recorder(fx.Interpreter):
             n.meta["hap_shape"] = tuple(int(d) for d in result.shape)
             n.meta["hap_dtype"] = result.dtype
         return result
+
+
+# Methods and functions that return a view of their first argument: an
+# in-place op on such a view also changes the tensor it views.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
+    "squeeze", "unsqueeze", "flatten", "unflatten", "expand", "expand_as",
+    "narrow", "select", "split", "chunk", "unbind", "detach", "contiguous",
+    "__getitem__"})
+_VIEW_FUNCTIONS = frozenset({
+    torch.reshape, torch.transpose, torch.permute, torch.t, torch.squeeze,
+    torch.unsqueeze, torch.flatten, torch.narrow, torch.select, torch.split,
+    torch.chunk, torch.unbind, torch.detach, operator.getitem, getattr})
+
+
+def _inplace_operator_functions():
+    return {getattr(operator, k) for k in
+            getattr(fx.graph, "inplace_methods", {}) if hasattr(operator, k)}
+
+
+def _mutates_first_argument(n):
+    """Whether node `n` changes its first argument in place: a Tensor
+    method ending in one '_' (add_, relu_), an augmented assignment
+    (operator.iadd for `x += y`), `x[i] = y` (operator.setitem), or a
+    module or function called with inplace=True (nn.ReLU(inplace=True),
+    F.relu(x, inplace=True))."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if n.op == "call_method":
+        t = n.target
+        return t.endswith("_") and not t.endswith("__")
+    if n.op == "call_module":
+        mod = n.graph.owning_module.get_submodule(n.target)
+        return getattr(mod, "inplace", False) is True
+    if n.op == "call_function":
+        if n.target in _inplace_operator_functions():
+            return True
+        if n.kwargs.get("inplace") is True:
+            return True
+        try:
+            sig = inspect.signature(n.target)
+            bound = sig.bind(*n.args, **n.kwargs)
+        except (TypeError, ValueError):
+            return False
+        return bound.arguments.get("inplace") is True
+    return False
+
+
+def _is_view(n):
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS
+    if n.op == "call_function":
+        try:
+            return n.target in _VIEW_FUNCTIONS
+        except TypeError:  # an unhashable target
+            return False
+    return False
+
+
+def follow_inplace(gm):
+    """Makes the later uses of a tensor changed in place use the op that
+    changed it (`y.add_(1); f(y)` is f of y + 1; y.add_(1), F.relu(y,
+    inplace=True) and nn.ReLU(inplace=True) whose result is not assigned
+    were dropped, and f took y as it was before). Run after Recorder (the
+    tensors are the nodes with a recorded shape). Returns None, or a
+    message naming the node that changes a view of a tensor used later
+    (the change to that tensor is not followed)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        if not _mutates_first_argument(n):
+            continue
+        a = n.args[0]
+        if "hap_shape" not in a.meta:
+            continue  # not a tensor (an int `s += 1` rebinds s)
+        later = lambda u: order[u] > order[n]  # noqa: E731
+        base = a
+        while _is_view(base) and base.args and \
+                isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+            if any(later(u) for u in base.users):
+                scope = n.meta.get("hap_scope", "")
+                where = f" in {scope}" if scope else ""
+                what = f"Tensor.{n.target}" if n.op == "call_method" \
+                    else getattr(n.target, "__name__", n.target)
+                return (f"node '{n.name}' ({n.op} {what}){where} "
+                        f"changes '{a.name}' in place, a view of "
+                        f"'{base.name}', which is used afterwards: the "
+                        f"exporter does not follow in-place changes "
+                        f"through views (use the op's result instead)")
+        for u in list(a.users):
+            if u is not n and later(u):
+                u.replace_input_with(a, n)
+    return None

@@ -1,0 +1,119 @@
+"""tools/export_fx.py on models it exported with wrong semantics or whose bad
+input it met with a traceback: each case exports, validates with `hapctl
+validate` and gives PyTorch's loss and gradients with the reference
+evaluator tests/hap_ir_eval.py, or fails with a clear error naming what is
+not supported."""
+
+import json
+import os
+import unittest
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_test_util as U  # noqa: E402  (sets sys.path)
+import export_fx  # noqa: E402
+import hap_ir_eval  # noqa: E402
+
+
+def labels(n, hi):
+    return torch.randint(0, hi, (n,))
+
+
+class InPlace(nn.Module):
+    """A tensor changed in place by an op whose result is not assigned:
+    `body(self, h)` changes h; the loss reads h afterwards."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(6, 3)
+        self.body = body
+
+    def forward(self, x, labels):
+        h = self.fc(x)
+        self.body(self, h)
+        return F.cross_entropy(self.head(h), labels)
+
+
+class ExportReviewTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = U.tmpdir()
+        cls.n = 0
+
+    def setUp(self):
+        torch.manual_seed(0)
+
+    def export_valid(self, module, inputs):
+        """(graph, values), the graph written and `hapctl validate`d."""
+        g, values = export_fx.export(module, inputs, return_values=True)
+        type(self).n += 1
+        path = os.path.join(self.dir, f"{g['name']}_{self.n}.json")
+        with open(path, "w") as f:
+            json.dump(g, f)
+        U.validate(path)  # raises naming hapctl's error
+        return g, values
+
+    def assert_loss_and_gradients(self, module, inputs, tol=1e-5):
+        """The graph's loss and parameter gradients equal PyTorch's
+        (training mode; no dropout in these models)."""
+        g, values = self.export_valid(module, inputs)
+        module.train()
+        module.zero_grad()
+        ref = module(**inputs)
+        ref.backward()
+        vals = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+                for k, v in values.items()}
+        got = hap_ir_eval.evaluate(g, inputs, vals)
+        got.backward()
+        self.assertAlmostEqual(float(ref), float(got),
+                               delta=tol * max(1.0, abs(float(ref))))
+        for name, p in module.named_parameters():
+            if name not in vals:
+                continue
+            grad = vals[name].grad
+            self.assertIsNotNone(grad, name)
+            self.assertTrue(torch.allclose(grad.double(), p.grad.double(),
+                                           atol=tol, rtol=tol),
+                            f"{name}: graph gradient {grad} vs PyTorch "
+                            f"{p.grad}")
+        return g, values
+
+    def test_in_place_ops_whose_result_is_not_assigned(self):
+        """h.add_(1), h.mul_(2), F.relu(h, inplace=True) and
+        nn.ReLU(inplace=True) with their result unused: the op was dropped
+        (not needed by the loss) and the loss read h as it was before, a
+        wrong loss with exit status 0."""
+        bodies = {
+            "add_": lambda s, h: h.add_(1.5),
+            "mul_": lambda s, h: h.mul_(2.0),
+            "F.relu inplace": lambda s, h: F.relu(h, inplace=True),
+            "F.relu inplace positional": lambda s, h: F.relu(h, True),
+            "nn.ReLU(inplace=True)": lambda s, h: s.act(h),
+            "two in a row": lambda s, h: (h.mul_(3.0), s.act(h)),
+        }
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        for what, body in bodies.items():
+            with self.subTest(what):
+                g, _ = self.assert_loss_and_gradients(InPlace(body), inputs)
+        # The ops are there.
+        self.assertIn("relu", [op["type"] for op in g["ops"]])
+        self.assertIn("scale", [op["type"] for op in g["ops"]])
+
+    def test_in_place_op_on_a_view_of_a_tensor_used_later_fails(self):
+        """h[:, 0].mul_(2) changes h through a view: not followed, so it
+        fails naming the node instead of dropping the change."""
+        m = InPlace(lambda s, h: h[:, :2].mul_(2.0))
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("mul_", str(cm.exception))
+        self.assertIn("in place", str(cm.exception))
+        self.assertIn("view", str(cm.exception))
+
+
+if __name__ == "__main__":
+    U.main("export_review_test")
