@@ -53,9 +53,10 @@ constexpr char kUsage[] = R"(usage:
   hapctl delete node NAME              (its devices leave the cluster)
   hapctl deploy plan NAME --executor DEVICE=HOST:PORT ... [--steps N]
                      [--data synthetic|wikitext|npy:DIR|tokens:FILE[:uint16|uint32]]
-                     [--data-path FILE] [--shuffle SEED] [--threads T]
+                     [--data-path FILE (wikitext)] [--shuffle SEED (npy:, tokens:)]
+                     [--threads T]
                      [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
-                     [--resume DIR] [--init-weights FILE.safetensors]
+                     [--resume DIR | --init-weights FILE.safetensors]
   hapctl stop deployment NAME
   hapctl delete deployment NAME        (a finished one, with its step metrics)
   hapctl create job --id ID (--model NAME [...] | --graph FILE) [--batch N] [plan flags]
