@@ -115,5 +115,42 @@ class ExportReviewTest(unittest.TestCase):
         self.assertIn("view", str(cm.exception))
 
 
+    def test_softmax_dtype_by_position_or_method_is_read(self):
+        """torch.softmax(x, -1, torch.float64) read its dtype as
+        F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read
+        it: the graph declared a float64 softmax of a float32 input, which
+        `hapctl validate` refused after export succeeded. Now an other
+        dtype fails naming it, and x's own dtype is accepted."""
+        class Scores(nn.Module):
+            def __init__(self, f):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.f = f
+
+            def forward(self, x, labels):
+                h = self.fc(x)
+                return F.cross_entropy(self.f(h) * h, labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        other = {
+            "torch.softmax": lambda h: torch.softmax(h, -1, torch.float64),
+            "Tensor.softmax": lambda h: h.softmax(-1, torch.float64),
+            "Tensor.softmax kw": lambda h: h.softmax(-1, dtype=torch.float64),
+        }
+        for what, f in other.items():
+            with self.subTest(what):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(Scores(f), inputs)
+                self.assertIn("softmax with dtype=torch.float64",
+                              str(cm.exception))
+        same = {
+            "torch.softmax": lambda h: torch.softmax(h, -1, torch.float32),
+            "Tensor.softmax": lambda h: h.softmax(-1, torch.float32),
+            "F.softmax": lambda h: F.softmax(h, -1, dtype=torch.float32),
+        }
+        for what, f in same.items():
+            with self.subTest(what):
+                self.assert_loss_and_gradients(Scores(f), inputs)
+
 if __name__ == "__main__":
     U.main("export_review_test")

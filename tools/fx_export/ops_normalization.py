@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initializers, registry
-from .ir import float_torch_dtype, join
+from .ir import float_torch_dtype, ir_dtype, join
 
 # ---- layer_norm ------------------------------------------------------------
 
@@ -186,6 +186,14 @@ def softmax(ex, kind, x, dim):
     return ex.op(kind, ins, attrs)
 
 
+def _same_dtype(ex, kind, dtype, x):
+    """softmax's dtype= is supported when it is x's own (the IR converts
+    no dtypes)."""
+    if dtype is not None and ir_dtype(dtype, kind) != x.dtype:
+        ex.fail(f"{kind} with dtype={dtype} of a {x.dtype} tensor is not "
+                f"supported (the IR does not convert dtypes)")
+
+
 @registry.modules(nn.Softmax, nn.LogSoftmax)
 def _softmax_module(ex, call):
     kind = "softmax" if isinstance(call.mod, nn.Softmax) else "log_softmax"
@@ -197,14 +205,20 @@ def _softmax_module(ex, call):
 def _softmax(ex, call):
     f = call.node.target
     kind = "softmax" if f in (F.softmax, torch.softmax) else "log_softmax"
-    if call.value(3, "dtype", None) is not None:
-        ex.fail(f"{kind} with dtype= is not supported")
-    return softmax(ex, kind, ex.t(call.arg(0, "input"), allow_masked=True),
-                   call.value(1, "dim", None))
+    # torch.softmax(input, dim, dtype); F.softmax(input, dim, _stacklevel,
+    # dtype): torch's positional dtype was read as F's _stacklevel and
+    # dropped (the graph declared a softmax of another dtype than its
+    # input's, which `hapctl validate` refused after exit status 0).
+    at = 2 if f in (torch.softmax, torch.log_softmax) else 3
+    x = ex.t(call.arg(0, "input"), allow_masked=True)
+    _same_dtype(ex, kind, call.value(at, "dtype", None), x)
+    return softmax(ex, kind, x, call.value(1, "dim", None))
 
 
 # The receiver may be masked scores: converted here, allowing the mask.
 @registry.methods("softmax", "log_softmax", tensor_self=False)
 def _softmax_method(ex, call):
     x = ex.t(call.args[0], allow_masked=True)
+    # Tensor.softmax(dim, dtype): the dtype was not read at all.
+    _same_dtype(ex, call.node.target, call.value(2, "dtype", None), x)
     return softmax(ex, call.node.target, x, call.value(1, "dim", None))
