@@ -142,6 +142,26 @@ absl::StatusOr<std::vector<v1::RankProgram>> LowerStage(const graph::Graph& g,
                                                    ") is not produced by ops [", stage.begin_op,
                                                    ", ", stage.end_op, ")"));
   }
+  if (stage.input >= 0) {
+    // Received in input_form, so read in it: by an op, or by a collective
+    // changing it to what an op reads (else its buffer would be laid out
+    // along a split no step of the stage makes).
+    bool read = false;
+    for (const synth::OpStep& s : program.steps) {
+      const graph::Op& op = g.op(s.op);
+      for (size_t j = 0; j < op.inputs.size(); ++j) {
+        read = read || (op.inputs[j] == stage.input && s.rule.inputs[j] == stage.input_form);
+      }
+      for (const synth::CommStep& c : s.comms) {
+        read = read || (c.tensor == stage.input && c.from == stage.input_form);
+      }
+    }
+    if (!read) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the stage reads its input (tensor ", stage.input, ", '", g.tensor(stage.input).name,
+          "') in no step as ", stage.input_form.ToString(), ", the form it receives it in"));
+    }
+  }
   if (stage.output < 0 && !produced_in(g.loss(), stage.begin_op, stage.end_op)) {
     return absl::InvalidArgumentError(
         absl::StrCat("a stage without output must compute the loss, which ops [", stage.begin_op,

@@ -132,8 +132,9 @@ struct StageSpec {
 // weights get their partial gradients all-reduced instead (SFB's
 // gradients come from a whole step's gathered factors).
 // Errors: those of Lower; InvalidArgument for a range or steps that do not
-// match, an input or output produced on the wrong side of the cut, or a
-// stage without output that does not compute the loss.
+// match, an input or output produced on the wrong side of the cut, an input
+// that no step reads in input_form, or a stage without output that does not
+// compute the loss.
 absl::StatusOr<std::vector<hap::v1::RankProgram>> LowerStage(
     const graph::Graph& g, const synth::Program& program, const StageSpec& stage,
     const LowerOptions& options);

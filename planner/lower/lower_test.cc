@@ -746,6 +746,15 @@ TEST(LowerStageTest, BoundaryBuffersAndSeed) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not produced by ops")));
   EXPECT_THAT(LowerStage(g, tail, first, o).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("steps for ops [0, 1)")));
+  // An input form the stage never reads the input in (its dimension is in
+  // no class of the stage's program) is named, not a crash.
+  StageSpec sharded_in = last;
+  sharded_in.input_form = synth::Form::S(0);
+  LowerOptions two;
+  two.world_size = 2;
+  EXPECT_THAT(
+      LowerStage(g, tail, sharded_in, two).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the stage reads its input (tensor")));
   StageSpec range = last;
   range.end_op += 1;
   EXPECT_THAT(LowerStage(g, tail, range, o).status(),
