@@ -51,6 +51,9 @@ def list_examples():
 class BadExamples(Mlp):
     def example_inputs(self):
         raise KeyError("x")
+
+
+built = Mlp(hidden=8)
 '''
 
 GOOD = ["x=5,4", "labels=5:int64:3"]
@@ -127,6 +130,27 @@ class ExportCliTest(unittest.TestCase):
                             extra=["--kwargs", '{"hidden": -3}'])
         self.assertFailsNaming(p, "--kwargs {\"hidden\": -3} failed",
                                "negative dimension")
+
+    def test_kwargs_for_a_module_instance_fail(self):
+        """--kwargs with a module instance (built already) was ignored:
+        exit status 0 and a graph of the instance's own configuration
+        (hidden 8, not the 9 asked for)."""
+        p, out = self.run_cli("cli_models.py:built",
+                              extra=["--kwargs", '{"hidden": 9}'],
+                              out=os.path.join(self.dir, "built.json"))
+        self.assertFailsNaming(p, "--kwargs is for a class or factory",
+                               "'cli_models.py:built' is a module instance")
+        self.assertFalse(os.path.exists(out))
+        p, out = self.run_cli("cli_models.py:built", extra=["--kwargs", "{}"],
+                              out=os.path.join(self.dir, "built.json"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        p, out = self.run_cli("cli_models.py:Mlp",
+                              extra=["--kwargs", '{"hidden": 9}'],
+                              out=os.path.join(self.dir, "built9.json"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(out) as f:
+            shapes = [q["tensor"]["shape"] for q in json.load(f)["parameters"]]
+        self.assertIn([9, 4], shapes)
 
     def test_bad_input_shapes_are_named(self):
         """A dimension of 0 (an empty batch) exported a graph that `hapctl

@@ -84,7 +84,8 @@ Command line:
       [--weights OUT.safetensors]
 
   MODULE is "package.module:attr" or "path/to/file.py:attr"; attr is an
-  nn.Module instance, a class or a factory called with --kwargs. A factory may
+  nn.Module instance, a class or a factory called with --kwargs (which an
+  instance, built already, does not take: an error). A factory may
   return (module, {name: example tensor}) and a module may have an
   `example_inputs` attribute (a dict or a callable returning one); --input-shape
   adds or replaces inputs: float32 random normal, or an integer dtype filled

@@ -155,6 +155,10 @@ def _module_and_examples(a):
         raise ExportError(f"--kwargs must be a JSON object, got '{a.kwargs}'")
     examples = {}
     if isinstance(obj, nn.Module):
+        if kwargs:  # it was ignored: the module kept its own configuration
+            raise ExportError(f"--kwargs is for a class or factory, but "
+                              f"'{a.module}' is a module instance "
+                              f"({type(obj).__name__}) built already")
         module = obj
     elif callable(obj):
         try:
