@@ -152,5 +152,37 @@ class ExportReviewTest(unittest.TestCase):
             with self.subTest(what):
                 self.assert_loss_and_gradients(Scores(f), inputs)
 
+    def test_subclass_of_a_transformer_module_with_its_own_forward(self):
+        """A subclass of nn.TransformerEncoderLayer (or MultiheadAttention)
+        that overrides forward was kept whole and exported as its base:
+        `super().forward(src) * 3` lost its factor, a wrong loss with exit
+        status 0. It is traced through now (PyTorch's forward has
+        data-dependent control flow: an error naming the line); a subclass
+        that keeps the base's forward is still decomposed."""
+        class Tripled(nn.TransformerEncoderLayer):
+            def forward(self, src, src_mask=None, src_key_padding_mask=None):
+                return super().forward(src, src_mask,
+                                       src_key_padding_mask) * 3.0
+
+        class Named(nn.TransformerEncoderLayer):
+            kind = "encoder"  # same forward
+
+        class Net(nn.Module):
+            def __init__(self, cls):
+                super().__init__()
+                self.layer = cls(8, 2, 16, dropout=0.0, batch_first=True)
+                self.head = nn.Linear(8, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.head(self.layer(x)[:, 0]),
+                                       labels)
+
+        inputs = {"x": torch.randn(4, 5, 8), "labels": labels(4, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Net(Tripled), inputs)
+        self.assertIn("super().forward(src, src_mask,", str(cm.exception))
+        g, _ = self.assert_loss_and_gradients(Net(Named), inputs, tol=1e-4)
+        self.assertIn("layer_norm", [op["type"] for op in g["ops"]])
+
 if __name__ == "__main__":
     U.main("export_review_test")

@@ -45,7 +45,9 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     nn.TransformerEncoder are decomposed the same way as the zoo's
     BuildTransformer / PreNormBlock; nn.TransformerDecoderLayer,
     nn.TransformerDecoder and nn.Transformer likewise (self-attention,
-    attention over the memory, feed-forward, in PyTorch's order).
+    attention over the memory, feed-forward, in PyTorch's order). A
+    subclass of these modules (or of nn.MultiheadAttention) that overrides
+    forward is traced through instead, not decomposed as its base.
   * nn.LSTM becomes one lstm op per layer and direction (the reverse
     direction with attribute reverse, both outputs concatenated on the
     features; nn.LSTM's dropout as dropout ops between layers; transposes

@@ -81,7 +81,13 @@ class HapTracer(fx.Tracer):
 
     def is_leaf_module(self, m, qualname):
         if isinstance(m, self.LEAVES):
-            return True
+            # Kept whole only with the forward the exporter decomposes: a
+            # subclass that overrides it (`super().forward(x) * 3`) was
+            # exported as its base, its own forward dropped. It is traced
+            # through instead (its inner modules kept whole as usual).
+            base = next(b for b in type(m).__mro__ if b in self.LEAVES)
+            if type(m).forward is base.forward:
+                return True
         return super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
