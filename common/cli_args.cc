@@ -1,5 +1,8 @@
 #include "common/cli_args.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -170,21 +173,79 @@ absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::st
   return bytes;
 }
 
+namespace {
+
+// Writes `bytes` to the open `f` and closes it; the error names `what` and
+// `path` with the system's reason.
+absl::Status WriteAndClose(std::FILE* f, std::string_view bytes, const std::string& path,
+                           const std::string& what) {
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  const int write_errno = errno;
+  const bool flushed = written && std::fflush(f) == 0 && fsync(fileno(f)) == 0;
+  const int flush_errno = errno;
+  const bool closed = std::fclose(f) == 0;
+  if (!written || !flushed || !closed) {
+    return absl::InternalError(absl::StrCat("cannot write ", what, "'", path, "': ",
+                                            std::strerror(!written   ? write_errno
+                                                          : !flushed ? flush_errno
+                                                                     : errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,
                              const std::string& what) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) {
+  struct stat st;
+  const bool exists = lstat(path.c_str(), &st) == 0;
+  auto in_place = [&]() {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    if (f == nullptr) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot write ", what, "'", path, "': ", std::strerror(errno)));
+    }
+    return WriteAndClose(f, bytes, path, what);
+  };
+  // A device, a pipe (/dev/stdout) or a link: written in place, as the
+  // user named it (a rename would replace it with a regular file).
+  if (exists && !S_ISREG(st.st_mode)) return in_place();
+  // A regular file is replaced whole: written beside it and renamed over
+  // it. Written in place, a failed write (a full disk, a quota) left the
+  // old file truncated, the old plan or cluster lost with the new one.
+  std::string tmp = path + ".tmp-XXXXXX";
+  const int fd = mkstemp(tmp.data());
+  if (fd < 0) {
+    // A writable file in a directory we may not add to: in place, as before.
+    if (exists && (errno == EACCES || errno == EPERM || errno == EROFS)) return in_place();
     return absl::PermissionDeniedError(
         absl::StrCat("cannot write ", what, "'", path, "': ", std::strerror(errno)));
   }
-  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const int write_errno = errno;
-  const bool closed = std::fclose(f) == 0;
-  if (!written || !closed) {
-    return absl::InternalError(absl::StrCat("cannot write ", what, "'", path,
-                                            "': ", std::strerror(written ? errno : write_errno)));
+  // mkstemp makes the file 0600; the output gets the old file's mode, or
+  // what a new file gets under the umask.
+  mode_t mode = 0666;
+  if (exists) {
+    mode = st.st_mode & 07777;
+  } else {
+    const mode_t mask = umask(0);
+    umask(mask);
+    mode &= ~mask;
   }
-  return absl::OkStatus();
+  std::FILE* f = fchmod(fd, mode) == 0 ? fdopen(fd, "wb") : nullptr;
+  if (f == nullptr) {
+    const int e = errno;
+    close(fd);
+    unlink(tmp.c_str());
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot write ", what, "'", path, "': ", std::strerror(e)));
+  }
+  absl::Status s = WriteAndClose(f, bytes, path, what);
+  if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = absl::InternalError(
+        absl::StrCat("cannot write ", what, "'", path, "': ", std::strerror(errno)));
+  }
+  if (!s.ok()) unlink(tmp.c_str());
+  return s;
 }
 
 absl::StatusOr<int64_t> Args::Integer(const std::string& flag, int64_t def, int64_t min,

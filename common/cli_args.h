@@ -73,8 +73,11 @@ absl::StatusOr<std::string> ReadInputFile(const std::string& path, const std::st
 
 // Writes `bytes` to the output file a flag names (replacing it), closes it
 // and checks both: a full disk shows at the close for a small file, so a
-// write is only reported done once the close succeeded. The error names
-// `what` ("plan file "), the path and the system's reason.
+// write is only reported done once the close succeeded. A regular file (or
+// a new one) is written beside the path and renamed over it, keeping the
+// old file's mode: a failed write leaves the old file as it was. A device,
+// a pipe or a symbolic link is written in place. The error names `what`
+// ("plan file "), the path and the system's reason.
 absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,
                              const std::string& what = "");
 

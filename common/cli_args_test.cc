@@ -1,6 +1,11 @@
 #include "common/cli_args.h"
 
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include <csignal>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -37,6 +42,52 @@ TEST(WriteOutputFileTest, AFullDeviceIsAnErrorEvenForAFewBytes) {
                        HasSubstr("cannot write plan file '/dev/full': No space left on device")));
   EXPECT_THAT(WriteOutputFile("/dev/full", std::string(1 << 20, 'x')),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("No space left")));
+}
+
+// A write that fails part way (a full disk, a quota; here a file size
+// limit) left the old file truncated to what was written: the plan or
+// cluster it held was lost with the new one. The old file stays whole now,
+// and no temporary file is left beside it. A replaced file keeps its mode.
+TEST(WriteOutputFileTest, AFailedWriteLeavesTheOldFileWhole) {
+  const std::string dir = TempPath("failed-write");
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/plan.pb";
+  ASSERT_TRUE(WriteOutputFile(path, "the old plan").ok());
+  ASSERT_EQ(chmod(path.c_str(), 0640), 0);
+  struct rlimit before;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &before), 0);
+  struct rlimit limit = before;
+  limit.rlim_cur = 4096;
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const absl::Status s = WriteOutputFile(path, std::string(1 << 20, 'x'), "plan file ");
+  setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInternal,
+                          HasSubstr("cannot write plan file '" + path + "': File too large")));
+  auto back = ReadInputFile(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, "the old plan");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            1);
+  ASSERT_TRUE(WriteOutputFile(path, "the new plan").ok());
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640);
+}
+
+// A symbolic link stays one: the file it points to gets the bytes.
+TEST(WriteOutputFileTest, ALinkIsWrittenThrough) {
+  const std::string target = TempPath("link-target.json"), link = TempPath("link.json");
+  ASSERT_TRUE(WriteOutputFile(target, "old").ok());
+  std::filesystem::remove(link);
+  std::filesystem::create_symlink(target, link);
+  ASSERT_TRUE(WriteOutputFile(link, "new").ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  auto back = ReadInputFile(target);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, "new");
 }
 
 TEST(WriteOutputFileTest, AnUnopenableFileIsAnErrorNamingIt) {
