@@ -115,6 +115,18 @@ class ExportReviewTest(unittest.TestCase):
         self.assertIn("view", str(cm.exception))
 
 
+    def test_in_place_operator_method_is_not_dropped(self):
+        """h.__imul__(2) (an in-place operator called as a method) was
+        dropped like the other unassigned in-place ops, and the loss read
+        h unscaled; it is now used, and fails naming the method the
+        exporter does not handle."""
+        m = InPlace(lambda s, h: h.__imul__(2.0))
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("Tensor.__imul__", str(cm.exception))
+        self.assertIn("not supported", str(cm.exception))
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

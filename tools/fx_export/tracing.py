@@ -230,15 +230,17 @@ def _inplace_operator_functions():
 
 def _mutates_first_argument(n):
     """Whether node `n` changes its first argument in place: a Tensor
-    method ending in one '_' (add_, relu_), an augmented assignment
-    (operator.iadd for `x += y`), `x[i] = y` (operator.setitem), or a
+    method ending in one '_' (add_, relu_) or an in-place operator method
+    (x.__imul__(2)), an augmented assignment (operator.iadd for `x += y`),
+    `x[i] = y` (operator.setitem), or a
     module or function called with inplace=True (nn.ReLU(inplace=True),
     F.relu(x, inplace=True))."""
     if not n.args or not isinstance(n.args[0], fx.Node):
         return False
     if n.op == "call_method":
         t = n.target
-        return t.endswith("_") and not t.endswith("__")
+        return (t.endswith("_") and not t.endswith("__")) or \
+            t in {f"__{k}__" for k in getattr(fx.graph, "inplace_methods", {})}
     if n.op == "call_module":
         mod = n.graph.owning_module.get_submodule(n.target)
         return getattr(mod, "inplace", False) is True
