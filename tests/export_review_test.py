@@ -127,6 +127,34 @@ class ExportReviewTest(unittest.TestCase):
         self.assertIn("Tensor.__imul__", str(cm.exception))
         self.assertIn("not supported", str(cm.exception))
 
+    def test_causal_mask_broadcast_over_one_query_fails(self):
+        """scores [B, 1, S] + a causal [S, S] mask is [B, S, S] in PyTorch
+        (the mask broadcasts the one query over S rows); the exporter
+        marked the [B, 1, S] scores causal instead: a softmax that `hapctl
+        validate` refused, after exit status 0. It now fails naming the
+        add; square scores still take the mask."""
+        class Attend(nn.Module):
+            def __init__(self, last_only):
+                super().__init__()
+                self.fc = nn.Linear(6, 6)
+                self.head = nn.Linear(6, 3)
+                self.last_only = last_only
+
+            def forward(self, x, labels):
+                h = self.fc(x)  # [B, 5, 6]
+                q = h[:, -1:] if self.last_only else h
+                mask = torch.triu(torch.full((5, 5), float("-inf")), 1)
+                w = F.softmax(q @ h.transpose(1, 2) + mask, -1)
+                return F.cross_entropy(self.head((w @ h).mean(1)), labels)
+
+        inputs = {"x": torch.randn(4, 5, 6), "labels": labels(4, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Attend(True), inputs)
+        self.assertIn("node 'add'", str(cm.exception))
+        g, _ = self.assert_loss_and_gradients(Attend(False), inputs)
+        soft = [op for op in g["ops"] if op["type"] == "softmax"]
+        self.assertTrue(soft[0]["attrs"]["causal"], soft)
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

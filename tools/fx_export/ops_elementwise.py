@@ -169,8 +169,13 @@ def binary(ex, kind, a, b, alpha=1):
         cv = cv.item()
     if isinstance(cv, torch.Tensor):
         xt = ex.t(x)
+        # Only scores the mask does not broadcast (x + mask has x's shape):
+        # [B, 1, S] + [S, S] (one query) is [B, S, S] in PyTorch; marking
+        # the [B, 1, S] scores causal gave a softmax that `hapctl validate`
+        # refused, after exit status 0.
         if kind == "add" and len(xt.shape) >= 2 and \
-                is_causal_mask(cv, xt.shape[-1], xt.shape[-1]) and \
+                tuple(ex.out_shape()) == tuple(xt.shape) and \
+                is_causal_mask(cv, xt.shape[-2], xt.shape[-1]) and \
                 cv.is_floating_point():
             return xt.with_mask(causal=True)
         what = (f"the buffer '{ex.pub(c.target)}'"
