@@ -57,8 +57,12 @@ absl::StatusOr<std::vector<double>> CheckedRatios(const LowerOptions& options) {
   return ratios;
 }
 
-// Steps k of `program` must be ops first + k.
+// Steps k of `program` must be ops first + k; the tensors they load and
+// communicate the graph's, and every form one a tensor can have (a split
+// along one of its dimensions): the layout reads the split dimension's
+// length.
 absl::Status CheckSteps(const graph::Graph& g, const synth::Program& program, int first) {
+  const int ntensors = static_cast<int>(g.tensors().size());
   for (size_t k = 0; k < program.steps.size(); ++k) {
     const synth::OpStep& s = program.steps[k];
     const graph::Op& op = g.op(first + static_cast<int>(k));
@@ -67,6 +71,37 @@ absl::Status CheckSteps(const graph::Graph& g, const synth::Program& program, in
         s.rule.replicated_grad.size() != op.inputs.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat("program step ", k, " does not match op '", op.name, "'"));
+    }
+    const std::string step = absl::StrCat("program step ", k, " (op '", op.name, "')");
+    auto fits = [&](TensorId t, Form f) -> absl::Status {
+      const size_t rank = g.tensor(t).type.shape.size();
+      if (f.is_sharded() && static_cast<size_t>(f.dim()) >= rank) {
+        return absl::InvalidArgumentError(absl::StrCat(step, " holds '", g.tensor(t).name, "' (",
+                                                       rank, " dimensions) as ", f.ToString()));
+      }
+      return absl::OkStatus();
+    };
+    for (size_t j = 0; j < op.inputs.size(); ++j) {
+      HAP_RETURN_IF_ERROR(fits(op.inputs[j], s.rule.inputs[j]));
+    }
+    for (size_t j = 0; j < op.outputs.size(); ++j) {
+      HAP_RETURN_IF_ERROR(fits(op.outputs[j], s.rule.outputs[j]));
+    }
+    for (const synth::SourceLoad& l : s.loads) {
+      if (l.tensor < 0 || l.tensor >= ntensors) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(step, " loads tensor ", l.tensor, ", not one of the graph's"));
+      }
+      HAP_RETURN_IF_ERROR(fits(l.tensor, l.form));
+      HAP_RETURN_IF_ERROR(fits(l.tensor, l.storage_form));
+    }
+    for (const synth::CommStep& c : s.comms) {
+      if (c.tensor < 0 || c.tensor >= ntensors) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(step, " communicates tensor ", c.tensor, ", not one of the graph's"));
+      }
+      HAP_RETURN_IF_ERROR(fits(c.tensor, c.from));
+      HAP_RETURN_IF_ERROR(fits(c.tensor, c.to));
     }
   }
   return absl::OkStatus();

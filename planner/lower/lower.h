@@ -91,7 +91,8 @@ struct ShardLayout {
 };
 
 // Errors: InvalidArgument for a program that does not belong to `g` (wrong
-// number of steps, ops out of order), a world size below 1, ratios of the
+// number of steps, ops out of order, tensors not its own, a split along a
+// dimension a tensor lacks), a world size below 1, ratios of the
 // wrong size, negative or not summing to 1, devices neither none nor one per
 // rank, a negative gradient bucket size; FailedPrecondition when a program's
 // forms cannot be executed (a precondition that does not hold — run

@@ -635,6 +635,40 @@ TEST(LowerTest, BadInputIsAnErrorNamingIt) {
                                           HasSubstr("steps for a graph of")));
 }
 
+TEST(LowerTest, AFormOrTensorAStepCannotHaveIsAnErrorNamingIt) {
+  // A split along a dimension the tensor lacks was read past its shape
+  // (undefined behaviour) when the program was laid out.
+  graph::Graph g = Gpt(8);
+  LowerOptions o;
+  o.world_size = 2;
+  synth::Program p = SingleDeviceProgram(g);
+  const graph::Op& op0 = g.op(0);
+  const std::string x = g.tensor(op0.inputs[0]).name;
+  const size_t rank = g.tensor(op0.inputs[0]).type.shape.size();
+  p.steps[0].rule.inputs[0] = synth::Form::S(7);
+  EXPECT_THAT(Lower(g, p, o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("program step 0 (op '", op0.name, "') holds '", x,
+                                              "' (", rank, " dimensions) as S(7)"))));
+  p = SingleDeviceProgram(g);
+  ASSERT_FALSE(p.steps[0].loads.empty());
+  p.steps[0].loads[0].form = synth::Form::S(7);
+  EXPECT_THAT(Lower(g, p, o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dimensions) as S(7)")));
+  p = SingleDeviceProgram(g);
+  p.steps[0].loads[0].tensor = static_cast<graph::TensorId>(g.tensors().size());
+  EXPECT_THAT(Lower(g, p, o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("program step 0 (op '" + op0.name + "') loads tensor " +
+                                 std::to_string(g.tensors().size()) + ", not one of the graph's")));
+  p = SingleDeviceProgram(g);
+  p.steps[0].comms.push_back({});
+  p.steps[0].comms.back().tensor = -1;
+  EXPECT_THAT(Lower(g, p, o),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("communicates tensor -1, not one of the graph's")));
+}
+
 TEST(LowerTest, DevicesOfAnotherCountThanTheRanksAreAnError) {
   // Rank programs name their device (plan files check it against
   // Plan.devices); a list of another length left ranks without one.
