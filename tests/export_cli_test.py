@@ -131,6 +131,18 @@ class ExportCliTest(unittest.TestCase):
         self.assertFailsNaming(p, "--kwargs {\"hidden\": -3} failed",
                                "negative dimension")
 
+    def test_a_module_path_that_is_not_python_source_fails(self):
+        """--module path/model.pt:M (a saved checkpoint, not code) was an
+        AttributeError traceback (no import spec for the file) with exit
+        status 1."""
+        path = os.path.join(self.dir, "model.pt")
+        torch.save({"fc.weight": torch.zeros(3, 4)}, path)
+        for module in (f"{path}:M", "./model.pt:M"):
+            with self.subTest(module=module):
+                p, _ = self.run_cli(module)
+                self.assertFailsNaming(p, "model.pt' is not a Python "
+                                          "source file")
+
     def test_kwargs_for_a_module_instance_fail(self):
         """--kwargs with a module instance (built already) was ignored:
         exit status 0 and a graph of the instance's own configuration

@@ -35,9 +35,14 @@ def _load_attr(spec):
         path = os.path.abspath(mod_name)
         if not os.path.isfile(path):
             raise ExportError(f"no such file '{mod_name}'")
-        sys.path.insert(0, os.path.dirname(path))
         modspec = importlib.util.spec_from_file_location(
             os.path.splitext(os.path.basename(path))[0], path)
+        if modspec is None:  # not a source file (a saved .pt checkpoint)
+            raise ExportError(f"'{mod_name}' is not a Python source file: "
+                              f"--module wants path/file.py:attr, the code "
+                              f"that builds the module (a saved checkpoint "
+                              f"holds no code)")
+        sys.path.insert(0, os.path.dirname(path))
         mod = importlib.util.module_from_spec(modspec)
         try:
             modspec.loader.exec_module(mod)
