@@ -155,6 +155,37 @@ class ExportReviewTest(unittest.TestCase):
         soft = [op for op in g["ops"] if op["type"] == "softmax"]
         self.assertTrue(soft[0]["attrs"]["causal"], soft)
 
+    def test_no_grad_in_forward_fails_naming_the_node(self):
+        """`with torch.no_grad(): t = self.a(x)` in forward: fx records no
+        grad mode, so the graph trained self.a, which PyTorch leaves as it
+        is (its gradient None), with exit status 0. It now fails naming
+        the node; a constant computed under no_grad is still folded, and
+        export() called under torch.no_grad() still exports."""
+        class NoGrad(nn.Module):
+            def __init__(self, frozen_part):
+                super().__init__()
+                self.a = nn.Linear(4, 6)
+                self.b = nn.Linear(6, 3)
+                self.frozen_part = frozen_part
+
+            def forward(self, x, labels):
+                with torch.no_grad():
+                    scale = torch.ones(6) * 0.5  # a constant
+                    t = self.a(x) if self.frozen_part else None
+                if t is None:
+                    t = self.a(x)
+                return F.cross_entropy(self.b(t * scale), labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(NoGrad(True), inputs)
+        self.assertIn("node 'a'", str(cm.exception))
+        self.assertIn("torch.no_grad()", str(cm.exception))
+        self.assert_loss_and_gradients(NoGrad(False), inputs)
+        with torch.no_grad():
+            g = export_fx.export(NoGrad(False), inputs)
+        self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 2)
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

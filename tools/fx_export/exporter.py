@@ -537,6 +537,15 @@ class Exporter:
         """What node `n` stands for (its handler's result)."""
         if n.meta.get("hap_static"):
             return Static(n.meta.get("hap_value"))
+        if n.meta.get("hap_no_grad"):
+            # fx records no grad mode: `with torch.no_grad(): t = self.a(x)`
+            # was exported with gradients into self.a (trained, where
+            # PyTorch leaves it as it is).
+            self.fail("is computed under torch.no_grad() (or "
+                      "set_grad_enabled(False)), which the HAP graph cannot "
+                      "express: its ops would get gradients that PyTorch's "
+                      "do not (freeze parameters with requires_grad_(False) "
+                      "instead)")
         if n.op == "placeholder":
             self.fail("has no example input")
         if n.op == "get_attr":

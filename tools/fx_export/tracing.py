@@ -107,6 +107,11 @@ class HapTracer(fx.Tracer):
                     type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["hap_scope"] = self._stack[-1] if self._stack else ""
+        # fx records no grad mode: a node forward computes under
+        # torch.no_grad() is marked (the exporter refuses one that depends
+        # on the inputs or parameters, which PyTorch gives no gradient).
+        if not torch.is_grad_enabled():
+            node.meta["hap_no_grad"] = True
         return node
 
     def trace(self, root, concrete_args=None):
@@ -117,7 +122,10 @@ class HapTracer(fx.Tracer):
         for n, f in saved.items():
             setattr(torch, n, _wrap_factory(f))
         try:
-            return super().trace(root, concrete_args)
+            # Gradients on, so that the nodes forward computes under
+            # torch.no_grad() are told apart (create_node).
+            with torch.enable_grad():
+                return super().trace(root, concrete_args)
         finally:
             fx.Proxy.__iter__ = saved_iter
             for n, f in saved.items():
