@@ -32,4 +32,26 @@ absl::Status CheckTrainingConfig(const hap::v1::TrainingConfig& t) {
   return absl::OkStatus();
 }
 
+absl::Status CheckNewTrainingConfig(const hap::v1::TrainingConfig& t) {
+  if (absl::Status s = CheckTrainingConfig(t); !s.ok()) return s;
+  if (!t.data_path().empty() &&
+      (!t.data_spec().empty() || t.data() != hap::v1::TrainingConfig::WIKITEXT2)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "training.data_path ('", t.data_path(),
+        "') names the WikiText-2 file, read only with data WIKITEXT2 and no data_spec; here ",
+        t.data_spec().empty()
+            ? absl::StrCat("data is ", hap::v1::TrainingConfig::DataSource_Name(t.data()))
+            : absl::StrCat("data_spec is '", t.data_spec(), "'"),
+        ", which would train without it"));
+  }
+  if (t.checkpoint_dir().empty() && (t.checkpoint_every() > 0 || t.checkpoint_keep() > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("training.checkpoint_every (", t.checkpoint_every(), ") and checkpoint_keep (",
+                     t.checkpoint_keep(),
+                     ") apply to checkpoints in checkpoint_dir, which is empty: nothing "
+                     "would be saved"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace hap

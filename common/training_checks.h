@@ -19,6 +19,13 @@ inline constexpr int kMaxThreadsPerRank = 4096;
 // both, shuffle only with data_spec.
 absl::Status CheckTrainingConfig(const hap::v1::TrainingConfig& t);
 
+// CheckTrainingConfig, and no field given that nothing would read: a new
+// request's (DeployPlan, CreateJob), not a stored job's, which was taken
+// before. data_path only with data WIKITEXT2 and no data_spec (it was
+// ignored: '--data npy:D --data-path X' trained on D); checkpoint_every and
+// checkpoint_keep only with a checkpoint_dir (nothing is saved without one).
+absl::Status CheckNewTrainingConfig(const hap::v1::TrainingConfig& t);
+
 }  // namespace hap
 
 #endif  // HAP_COMMON_TRAINING_CHECKS_H_

@@ -243,8 +243,8 @@ absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
       !m.ok()) {
     return absl::Status(m.code(), absl::StrCat("spec.", m.message()));
   }
-  HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckPlanOptions(spec.options()), "spec"));
-  HAP_RETURN_IF_ERROR(Annotate(CheckTrainingConfig(spec.training()), "spec"));
+  HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckNewPlanOptions(spec.options()), "spec"));
+  HAP_RETURN_IF_ERROR(Annotate(CheckNewTrainingConfig(spec.training()), "spec"));
   if (const std::string& dir = spec.training().checkpoint_dir(); dir.front() != '/') {
     // The planner reads it (the latest committed step) and the executors
     // write it, each from its own working directory.

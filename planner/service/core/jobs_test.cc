@@ -369,6 +369,7 @@ TEST_F(JobsTest, APageOfJobsIsBoundedInBytes) {
   for (int i = 0; i < jobs; ++i) {
     v1::CreateJobRequest r = Request(absl::StrCat("j", i));
     r.mutable_spec()->mutable_training()->set_checkpoint_dir(absl::StrCat(kDir, "-", i));
+    r.mutable_spec()->mutable_training()->set_data(v1::TrainingConfig::WIKITEXT2);
     r.mutable_spec()->mutable_training()->set_data_path(
         std::string(1 << 20, 'd'));  // a spec of 1 MiB
     ASSERT_OK(c_->Create(r).status());

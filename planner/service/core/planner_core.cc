@@ -287,6 +287,24 @@ absl::Status PlannerCore::CheckPlanOptions(const v1::PlanOptions& options) {
   return ConvertOptions(options, &job, PlannerCoreOptions());
 }
 
+absl::Status PlannerCore::CheckNewPlanOptions(const v1::PlanOptions& options) {
+  HAP_RETURN_IF_ERROR(CheckPlanOptions(options));
+  const v1::OptimizerConfig& o = options.optimizer();
+  if (o.kind() == v1::OptimizerConfig::ADAM && o.momentum() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.optimizer.momentum (", o.momentum(),
+        ") is SGD's; ADAM keeps its own moments (beta1, beta2) and would not read it"));
+  }
+  if (o.kind() != v1::OptimizerConfig::ADAM &&
+      (o.beta1() != 0 || o.beta2() != 0 || o.epsilon() != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.optimizer.beta1, beta2 and epsilon (", o.beta1(), ", ", o.beta2(),
+                     ", ", o.epsilon(), ") are Adam's; ", v1::OptimizerConfig::Kind_Name(o.kind()),
+                     " would not read them"));
+  }
+  return absl::OkStatus();
+}
+
 // The BASIC view of GetPlan: everything but the rank programs (the
 // summary, with the whole plan's graph and program).
 void FillBasicView(const v1::Plan& summary, const v1::Plan& whole, v1::Plan* out) {

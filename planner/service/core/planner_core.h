@@ -303,6 +303,11 @@ class PlannerCore {
   // What CreatePlan checks of `options` (InvalidArgument naming the field
   // and value): for specs that plan later (an elastic job's).
   static absl::Status CheckPlanOptions(const hap::v1::PlanOptions& options);
+  // CheckPlanOptions, and no optimizer field given that the optimizer does
+  // not read: a new request's (CreatePlan, CreateJob), not a stored job's.
+  // momentum is SGD's (Adam keeps its own moments: ADAM with momentum 0.5
+  // ran plain Adam); beta1, beta2 and epsilon are Adam's.
+  static absl::Status CheckNewPlanOptions(const hap::v1::PlanOptions& options);
   // The graph a plan on `devices` devices trains: a zoo model (its batch
   // `global_batch`, else 32 a device; MoE's experts 2 a device, unless
   // given) or a graph (whose first input's dimension 0 must be

@@ -395,6 +395,14 @@ TEST_F(JobTest, CreateJobRefusesASpecNoPlanOrDeploymentTakes) {
        [](v1::JobSpec* s) {
          s->mutable_training()->set_data(static_cast<v1::TrainingConfig::DataSource>(99));
        }},
+      // Fields nothing would read (PlannerServiceImplTest.FieldsNothingWouldReadAreRefused).
+      {"spec: options.optimizer.momentum",
+       [](v1::JobSpec* s) {
+         s->mutable_options()->mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
+         s->mutable_options()->mutable_optimizer()->set_momentum(0.9);
+       }},
+      {"spec: training.data_path",
+       [](v1::JobSpec* s) { s->mutable_training()->set_data_path("/data/wiki.train.tokens"); }},
   };
   for (size_t i = 0; i < bad.size(); ++i) {
     const auto& [field, edit] = bad[i];

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "common/status_macros.h"
+#include "common/training_checks.h"
 #include "common/utf8.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -314,6 +315,7 @@ grpc::Status PlannerServiceImpl::ReportLinks(grpc::ServerContext* ctx,
 grpc::Status PlannerServiceImpl::CreatePlan(grpc::ServerContext* ctx,
                                             const v1::CreatePlanRequest* r, v1::Plan* out) {
   return Handle("CreatePlan", ctx, [&]() -> absl::Status {
+    HAP_RETURN_IF_ERROR(PlannerCore::CheckNewPlanOptions(r->options()));
     HAP_ASSIGN_OR_RETURN(
         *out, core_->CreatePlan(*r, CallDeadline(ctx), [ctx] { return ctx->IsCancelled(); }));
     return absl::OkStatus();
@@ -395,6 +397,7 @@ grpc::Status PlannerServiceImpl::WatchPlan(grpc::ServerContext* ctx, const v1::W
 grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
                                             const v1::DeployPlanRequest* r, v1::Deployment* out) {
   return Handle("DeployPlan", ctx, [&]() -> absl::Status {
+    HAP_RETURN_IF_ERROR(CheckNewTrainingConfig(r->training()));
     // Pinned while deployed: retention cannot delete the plan under the new
     // deployment (which, once it exists, keeps its plan by itself).
     HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->PinPlan(r->plan()));

@@ -365,6 +365,50 @@ TEST_F(PlannerServiceImplTest, AResultTheStoreRefusesFailsCreatePlan) {
   EXPECT_EQ(plan.state(), v1::Plan::FAILED);
 }
 
+// Fields nothing would read were taken and dropped: CreatePlan with ADAM
+// and a momentum ran plain Adam, with SGD and Adam's betas plain SGD;
+// DeployPlan with a data_path beside npy: data trained on that data, and
+// checkpoint_every without a checkpoint_dir saved nothing. Each is refused
+// naming the fields, before a plan or a deployment is made.
+TEST_F(PlannerServiceImplTest, FieldsNothingWouldReadAreRefused) {
+  Register("n");
+  v1::Plan plan;
+  v1::CreatePlanRequest adam = Mlp("adam");
+  adam.mutable_options()->mutable_optimizer()->set_kind(v1::OptimizerConfig::ADAM);
+  adam.mutable_options()->mutable_optimizer()->set_momentum(0.5);
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), adam, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("options.optimizer.momentum (0.5) is SGD's")));
+  v1::CreatePlanRequest sgd = Mlp("sgd");
+  sgd.mutable_options()->mutable_optimizer()->set_beta1(0.8);
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), sgd, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("beta1, beta2 and epsilon (0.8, 0, 0) are Adam's")));
+  ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), Mlp("p"), &plan)), IsOk());
+  v1::DeployPlanRequest r;
+  r.set_plan(plan.name());
+  for (int i = 0; i < plan.devices_size(); ++i) {
+    (*r.mutable_executors())[plan.devices(i)] = absl::StrCat("127.0.0.1:", i + 1);
+  }
+  v1::Deployment d;
+  v1::DeployPlanRequest path = r;
+  path.mutable_training()->set_data_spec("npy:/data/d");
+  path.mutable_training()->set_data_path("/data/wiki.train.tokens");
+  EXPECT_THAT(FromGrpc(stub_->DeployPlan(Ctx().get(), path, &d)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("training.data_path ('/data/wiki.train.tokens')"),
+                             HasSubstr("data_spec is 'npy:/data/d'"))));
+  v1::DeployPlanRequest every = r;
+  every.mutable_training()->set_checkpoint_every(10);
+  EXPECT_THAT(FromGrpc(stub_->DeployPlan(Ctx().get(), every, &d)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("training.checkpoint_every (10) and checkpoint_keep (0)")));
+  v1::ListDeploymentsResponse list;
+  ASSERT_THAT(FromGrpc(stub_->ListDeployments(Ctx().get(), v1::ListDeploymentsRequest(), &list)),
+              IsOk());
+  EXPECT_EQ(list.deployments_size(), 0);
+}
+
 TEST_F(PlannerServiceImplTest, ADeploymentTheStoreRefusesIsNotCreated) {
   Register("n");
   sink_.RefuseDeploymentsAfter(0);
