@@ -78,6 +78,13 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     scale_grad_by_freq).
   * Integer inputs become INT64; the ones used only as loss targets are LABELS.
   * Dropout is exported as in training mode (the IR is one training step).
+  * An op that changes a tensor in place (x.add_(y), x.mul_(2), F.relu(x,
+    inplace=True), nn.ReLU(inplace=True), x += y) is followed, also when
+    its result is not assigned: later uses of x take its result. One that
+    changes a view of a tensor used afterwards (x[:, 0].mul_(2)) fails
+    naming it, and so does a result that forward computes from the inputs
+    or parameters under torch.no_grad() (fx records no grad mode; PyTorch
+    gives it no gradient).
 
 Command line:
   /usr/bin/python3 tools/export_fx.py --module pkg.mod:factory_or_class \
