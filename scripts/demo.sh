@@ -143,8 +143,8 @@ if [ "$ELASTIC" = 1 ]; then
   if [ -n "$THROTTLE" ] && ! awk -v s="$THROTTLE" 'BEGIN { exit !(s + 0 > 0 && s + 0 <= 1) }'; then
     echo "demo: --throttle must be a share in (0, 1], got '$THROTTLE'" >&2; exit 2
   fi
-  if ! awk -v s="$JOIN_STABLE" 'BEGIN { exit !(s + 0 >= 0 && s ~ /^[0-9.]+$/) }'; then
-    echo "demo: --join-stable must be a number of seconds, got '$JOIN_STABLE'" >&2; exit 2
+  if ! awk -v s="$JOIN_STABLE" 'BEGIN { exit !(s ~ /^[0-9.]+$/ && s + 0 > 0) }'; then
+    echo "demo: --join-stable must be a number of seconds above 0 (the job's 0 means its 30 s default), got '$JOIN_STABLE'" >&2; exit 2
   fi
 fi
 case "$DATA" in wikitext|synthetic) ;; *) echo "demo: --data must be wikitext or synthetic" >&2; exit 2 ;; esac
