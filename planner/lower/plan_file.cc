@@ -67,13 +67,16 @@ std::string ContentHash(const v1::Plan& plan) {
 
 namespace {
 
-// Plan.devices (rank order; optional in an SPMD plan unless `required`)
-// against the rank programs: one per rank, and rank `rank`'s the device its
-// program was lowered for. Executors pick their device by Plan.devices,
-// which the content hash does not cover: a list edited out of order put
-// ranks on devices their shares were not planned for.
+// Plan.devices (rank order; optional in an SPMD plan whose programs name
+// no device, unless `required`) against the rank programs: one per rank,
+// and rank `rank`'s the device its program was lowered for. Executors pick
+// their device by Plan.devices, which the content hash does not cover: a
+// list edited out of order put ranks on devices their shares were not
+// planned for, and one removed ran every rank on the CPU.
 absl::Status CheckDevices(const v1::Plan& plan, int rank, bool required) {
-  if (plan.devices_size() == 0 && !required) return absl::OkStatus();
+  if (plan.devices_size() == 0 && !required && plan.rank_programs(rank).device().empty()) {
+    return absl::OkStatus();
+  }
   if (plan.devices_size() != plan.rank_programs_size()) {
     return absl::InvalidArgumentError(absl::StrCat("the plan lists ", plan.devices_size(),
                                                    " devices for its ", plan.rank_programs_size(),

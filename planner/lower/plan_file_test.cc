@@ -83,6 +83,12 @@ TEST(PlanFileTest, DevicesThatDisagreeWithTheRankProgramsAreRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the plan places rank 0 on device 'n0/gpu1', but its program "
                                  "was lowered for 'n0/gpu0'")));
+  // Executors on a plan without devices run on the CPU.
+  v1::Plan none = MlpPlan(2);
+  none.clear_devices();
+  EXPECT_THAT(CheckPlanForRank(none, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan lists 0 devices for its 2 rank programs")));
   v1::Plan more = MlpPlan(2);
   more.add_devices("n0/gpu2");
   EXPECT_THAT(CheckPlanForRank(more, 0, 2),
