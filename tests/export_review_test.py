@@ -114,6 +114,25 @@ class ExportReviewTest(unittest.TestCase):
         self.assertIn("in place", str(cm.exception))
         self.assertIn("view", str(cm.exception))
 
+        class LstmRelu(nn.Module):
+            """An in-place op on one output of a module (an element of
+            its output tuple, not a view of another output)."""
+
+            def __init__(self):
+                super().__init__()
+                self.lstm = nn.LSTM(4, 6, batch_first=True)
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                out = self.lstm(x)
+                o = out[0]
+                F.relu(o, inplace=True)
+                h = out[1][0]  # h_n, read after the in-place relu
+                return F.cross_entropy(self.head(o[:, -1] + h[0]), labels)
+
+        self.assert_loss_and_gradients(
+            LstmRelu(), {"x": torch.randn(5, 7, 4), "labels": labels(5, 3)})
+
 
     def test_in_place_operator_method_is_not_dropped(self):
         """h.__imul__(2) (an in-place operator called as a method) was

@@ -297,7 +297,10 @@ def follow_inplace(gm):
         while _is_view(base) and base.args and \
                 isinstance(base.args[0], fx.Node):
             base = base.args[0]
-            if any(later(u) for u in base.users):
+            # A tuple (a module's outputs, split's parts) is not changed:
+            # the chain goes on to the tensor it holds views of, if any.
+            if "hap_shape" in base.meta and \
+                    any(later(u) for u in base.users):
                 scope = n.meta.get("hap_scope", "")
                 where = f" in {scope}" if scope else ""
                 what = f"Tensor.{n.target}" if n.op == "call_method" \
