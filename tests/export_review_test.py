@@ -205,6 +205,34 @@ class ExportReviewTest(unittest.TestCase):
             g = export_fx.export(NoGrad(False), inputs)
         self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 2)
 
+    def test_forward_hooks_of_a_module_kept_whole_are_run(self):
+        """fx makes a torch.nn module (nn.Linear, nn.LayerNorm) one node
+        and does not run its forward hooks: a hook scaling nn.Linear's
+        output, or a pre-hook changing its input, was dropped, a wrong
+        loss with exit status 0. Their ops are traced now; a hook that
+        returns None (one that only looks) changes nothing."""
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 6)
+                self.norm = nn.LayerNorm(6)
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.head(self.norm(self.fc(x))),
+                                       labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        seen = []
+        m = Net()
+        m.fc.register_forward_hook(lambda mod, i, o: o * 2.0 + 0.5)
+        m.head.register_forward_pre_hook(lambda mod, i: (i[0] * 3.0,))
+        m.norm.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+        g, _ = self.assert_loss_and_gradients(m, inputs)
+        types = [op["type"] for op in g["ops"]]
+        self.assertEqual(types.count("scale"), 2, types)
+        self.assertEqual(types.count("add"), 1, types)
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

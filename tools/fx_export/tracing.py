@@ -7,6 +7,7 @@ size) and stores in each node's meta its shape and dtype, and the value of
 the nodes known at export time (sizes, masks, positions).
 """
 
+import contextlib
 import dis
 import inspect
 import operator
@@ -61,6 +62,34 @@ def is_stochastic_depth(f):
     return f in stochastic_depth_functions()
 
 
+def _forward_hooks(m):
+    """(forward pre-hooks, forward hooks) that Module.__call__ runs for
+    `m`: the global ones, then the module's own."""
+    g = torch.nn.modules.module
+    return (list(g._global_forward_pre_hooks.values()) +
+            list(m._forward_pre_hooks.values()),
+            list(g._global_forward_hooks.values()) +
+            list(m._forward_hooks.values()))
+
+
+@contextlib.contextmanager
+def _without_forward_hooks(m):
+    """`m` called without its forward hooks (and the global ones): the
+    traced graph holds their ops already (HapTracer.call_module)."""
+    g = torch.nn.modules.module
+    saved = [(d, dict(d)) for d in (m._forward_pre_hooks, m._forward_hooks,
+                                    g._global_forward_pre_hooks,
+                                    g._global_forward_hooks)]
+    for d, _ in saved:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in saved:
+            d.clear()
+            d.update(items)
+
+
 class HapTracer(fx.Tracer):
     """fx tracer that keeps the transformer modules whole (they are decomposed
     by the exporter) and records the module path of every node."""
@@ -101,7 +130,30 @@ class HapTracer(fx.Tracer):
                 return super().call_module(m, forward, args, kwargs)
             finally:
                 self._stack.pop()
-        return super().call_module(m, forward, args, kwargs)
+        pre, post = _forward_hooks(m)
+        if not pre and not post:
+            return super().call_module(m, forward, args, kwargs)
+        # A module kept whole (a leaf) becomes one node, and fx does not run
+        # its forward hooks: `register_forward_hook(lambda m, i, o: o * 2)`
+        # was dropped. They run here on the proxies, as Module.__call__
+        # runs them, and their ops are traced (recorded in the module's
+        # scope; Recorder runs the module itself without them).
+        for hook in pre:
+            r = hook(m, args)
+            if r is not None:
+                args = r if isinstance(r, tuple) else (r,)
+        out = super().call_module(m, forward, args, kwargs)
+        if path is not None:
+            self._stack.append(path.rpartition(".")[0])
+        try:
+            for hook in post:
+                r = hook(m, args, out)
+                if r is not None:
+                    out = r
+        finally:
+            if path is not None:
+                self._stack.pop()
+        return out
 
     def create_node(self, kind, target, args, kwargs, name=None,
                     type_expr=None):
@@ -165,6 +217,10 @@ class Recorder(fx.Interpreter):
         self.meta = meta
 
     def call_module(self, target, args, kwargs):
+        with _without_forward_hooks(self.fetch_attr(target)):
+            return self._call_module(target, args, kwargs)
+
+    def _call_module(self, target, args, kwargs):
         if not self.meta:
             return super().call_module(target, args, kwargs)
         from torch.nn.utils.stateless import functional_call
