@@ -212,6 +212,31 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
           " microbatches (its loss is seeded with ", seed, "), the pipeline says ", microbatches));
     }
   }
+  // Its model inputs were lowered at the microbatch size too (Rebatch's:
+  // each input's first dimension scaled by microbatch / batch): a count
+  // and size edited together would feed them other rows.
+  if (plan.global_batch() >= 1) {
+    for (const v1::Buffer& b : plan.rank_programs(rank).buffers()) {
+      if (b.role() != v1::Buffer::INPUT || b.global_shape_size() == 0) continue;
+      for (const v1::Input& in : plan.graph().inputs()) {
+        // (Rebatch refuses an input of no whole rows per sample.)
+        if (in.tensor().name() != b.tensor() || in.tensor().shape_size() == 0 ||
+            in.tensor().shape(0) < plan.global_batch() ||
+            in.tensor().shape(0) % plan.global_batch() != 0) {
+          continue;
+        }
+        const int64_t per_sample = in.tensor().shape(0) / plan.global_batch();
+        if (b.global_shape(0) == per_sample * micro) continue;
+        return absl::InvalidArgumentError(
+            absl::StrCat("the plan's program ", rank, " reads input '", b.tensor(), "' with ",
+                         b.global_shape(0), " rows, as microbatches of ",
+                         b.global_shape(0) % per_sample == 0
+                             ? absl::StrCat(b.global_shape(0) / per_sample)
+                             : absl::StrCat(static_cast<double>(b.global_shape(0)) / per_sample),
+                         " samples have it, not ", micro));
+      }
+    }
+  }
   if (!plan.content_hash().empty() && ContentHash(plan) != plan.content_hash()) {
     return absl::InvalidArgumentError(
         "the plan's content hash does not match its content (corrupted?)");

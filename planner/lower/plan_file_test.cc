@@ -238,5 +238,22 @@ TEST(PlanFileTest, AClusterEditedAfterPlanningIsRefused) {
                        HasSubstr("the plan's cluster does not match its cluster_hash")));
 }
 
+TEST(PlanFileTest, AStageProgramLoweredForOtherMicrobatchesIsRefused) {
+  // The count and size edited together (6 x 1 -> 3 x 2): the last stage's
+  // loss seed says so; the first stage's inputs were lowered for 6 rows.
+  v1::Plan plan = PipelinePlan();
+  plan.mutable_pipeline()->set_microbatches(2);
+  plan.mutable_pipeline()->set_microbatch_size(kBatch / 2);
+  EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's program 0 reads input 'x' with 6 rows, as "
+                                 "microbatches of 6 samples have it, not 3")));
+  // A graph input of no rows is the graph hash's to refuse, not a division
+  // by zero here.
+  plan.mutable_graph()->mutable_inputs(0)->mutable_tensor()->set_shape(0, 0);
+  EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("graph_hash")));
+}
+
 }  // namespace
 }  // namespace hap::lower
