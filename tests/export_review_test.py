@@ -94,14 +94,18 @@ class ExportReviewTest(unittest.TestCase):
             "F.relu inplace positional": lambda s, h: F.relu(h, True),
             "nn.ReLU(inplace=True)": lambda s, h: s.act(h),
             "two in a row": lambda s, h: (h.mul_(3.0), s.act(h)),
+            "torch.relu_": lambda s, h: torch.relu_(h),
+            "F.relu_": lambda s, h: F.relu_(h),
         }
         inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        types = set()
         for what, body in bodies.items():
             with self.subTest(what):
                 g, _ = self.assert_loss_and_gradients(InPlace(body), inputs)
+                types.update(op["type"] for op in g["ops"])
         # The ops are there.
-        self.assertIn("relu", [op["type"] for op in g["ops"]])
-        self.assertIn("scale", [op["type"] for op in g["ops"]])
+        self.assertIn("relu", types)
+        self.assertIn("scale", types)
 
     def test_in_place_op_on_a_view_of_a_tensor_used_later_fails(self):
         """h[:, 0].mul_(2) changes h through a view: not followed, so it
@@ -145,6 +149,11 @@ class ExportReviewTest(unittest.TestCase):
             export_fx.export(m, inputs)
         self.assertIn("Tensor.__imul__", str(cm.exception))
         self.assertIn("not supported", str(cm.exception))
+        # So is an in-place torch function the exporter does not handle.
+        m = InPlace(lambda s, h: torch.sigmoid_(h))
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("torch.sigmoid_", str(cm.exception))
 
     def test_causal_mask_broadcast_over_one_query_fails(self):
         """scores [B, 1, S] + a causal [S, S] mask is [B, S, S] in PyTorch

@@ -58,7 +58,9 @@ def _activation_function(ex, call, act):
                       call.tensor(0, "input"), ex.scope_of(call.node))
 
 
-@registry.functions(F.relu, torch.relu)
+# torch.relu_ (F.relu_) changes its input in place; tracing.follow_inplace
+# makes the later uses of the input take its result.
+@registry.functions(F.relu, torch.relu, torch.relu_)
 def _relu(ex, call):
     return _activation_function(ex, call, F.relu)
 

@@ -311,6 +311,12 @@ def _mutates_first_argument(n):
     if n.op == "call_function":
         if n.target in _inplace_operator_functions():
             return True
+        # torch's in-place functions (torch.relu_, F.relu_, torch.sigmoid_).
+        name = getattr(n.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and \
+                (getattr(n.target, "__module__", None) or "").startswith(
+                    "torch"):
+            return True
         if n.kwargs.get("inplace") is True:
             return True
         try:
