@@ -242,6 +242,37 @@ class ExportReviewTest(unittest.TestCase):
         self.assertEqual(types.count("scale"), 2, types)
         self.assertEqual(types.count("add"), 1, types)
 
+    def test_module_extra_state_is_named_not_a_traceback(self):
+        """A module with extra state (get_extra_state: any object in its
+        state_dict) was an AttributeError traceback ('dict' object has no
+        attribute 'dtype'). It exports; the entry is named as one the
+        graph does not hold, and --weights writes the tensors."""
+        class Versioned(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def get_extra_state(self):
+                return {"version": 3}
+
+            def set_extra_state(self, state):
+                pass
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.fc(x), labels)
+
+        m = Versioned()
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        g, values = self.assert_loss_and_gradients(m, inputs)
+        extras = json.loads(g["metadata"][export_fx.EXTRAS_KEY])
+        self.assertIn("_extra_state", extras["unheld"])
+        self.assertIn("extra state", extras["unrecorded"]["_extra_state"])
+        path = os.path.join(self.dir, "versioned.safetensors")
+        export_fx.write_weights(path, g, values, m)
+        got = export_fx._safetensors_io().read(path)
+        self.assertEqual(sorted(got), ["fc.bias", "fc.weight"])
+        self.assertTrue(torch.equal(got["fc.weight"], m.fc.weight.detach()))
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

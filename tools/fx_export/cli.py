@@ -277,8 +277,9 @@ def main(argv=None):
         return 2
     unrecorded = state_dict_extras(g)["unrecorded"]
     if unrecorded:
-        print("export_fx: note: buffers the graph does not hold and cannot "
-              "record, left out of --weights and checkpoint exports: " +
+        print("export_fx: note: state_dict entries (buffers, extra state) "
+              "the graph does not hold and cannot record, left out of "
+              "--weights and checkpoint exports: " +
               "; ".join(f"{k}: {why}" for k, why in unrecorded.items()),
               file=sys.stderr)
     if a.output == "-":

@@ -50,6 +50,11 @@ def folded_record(value, budget):
     runs: [[count, the element's little-endian bytes in hex]]}, row-major)
     and None, or None and why it cannot be recorded; `budget` ([runs left])
     is shared by the buffers of one graph."""
+    if not isinstance(value, torch.Tensor):
+        # A module's extra state (get_extra_state) in its state_dict: any
+        # object (it was an AttributeError traceback).
+        return None, (f"not a tensor (a {type(value).__name__}: the "
+                      f"module's extra state)")
     dtype = SAFETENSORS_DTYPES.get(value.dtype)
     if dtype is None:
         return None, (f"dtype {value.dtype} (exports write "
