@@ -188,6 +188,17 @@ class CheckpointCliTest(unittest.TestCase):
         self.assertEqual(sorted(got), list(range(8)))
         for step in range(8):
             self.assertAlmostEqual(got[step], want[step], delta=1e-4 * abs(want[step]) + 1e-5)
+        # The same spec over data regenerated with more samples: each step
+        # would read other samples (some skipped, some twice), and the resume
+        # went on silently. It is refused before step 1, naming both sizes.
+        write_npy(os.path.join(data, "tokens.npy"), 24, 16, 18328, seed=1)
+        write_npy(os.path.join(data, "labels.npy"), 24, 16, 18328, seed=2)
+        grown = launch("--plan", self.plan2, "--steps", "8", "--resume", ckpt, *spec)
+        self.assertEqual(grown.returncode, 1, grown.stdout)
+        self.assertIn("holding 20, this run has 24 (the data changed since)", grown.stderr)
+        self.assertNotIn("loss", grown.stdout)
+        write_npy(os.path.join(data, "tokens.npy"), 20, 16, 18328, seed=1)
+        write_npy(os.path.join(data, "labels.npy"), 20, 16, 18328, seed=2)
         # Another shuffle seed is another sequence.
         other = launch("--plan", self.plan2, "--steps", "2", "--data", "npy:" + data,
                        "--shuffle", "8")

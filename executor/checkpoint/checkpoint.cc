@@ -1081,6 +1081,13 @@ absl::Status CheckDataSettings(const v1::TrainerState& saved, const v1::TrainerS
       (saved.shuffle() && saved.shuffle_seed() != run.shuffle_seed())) {
     return differs("shuffle", shuffle(saved), shuffle(run));
   }
+  // The same spec over data regenerated with another sample count (or a
+  // corpus edited) maps each step to other samples: some skipped, some
+  // read twice, silently.
+  if (saved.data_size() > 0 && run.data_size() > 0 && saved.data_size() != run.data_size()) {
+    return differs(absl::StrCat("data '", saved.data(), "' holding"), saved.data_size(),
+                   absl::StrCat(run.data_size(), " (the data changed since)"));
+  }
   return absl::OkStatus();
 }
 

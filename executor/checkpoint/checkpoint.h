@@ -350,7 +350,7 @@ absl::Status CheckOptimizerState(const CheckpointReader& reader,
                                  const hap::v1::RankProgram& program);
 
 // OK when a run with the data settings of `run` (global_batch, data,
-// shuffle, shuffle_seed) may resume from a checkpoint whose trainer state is
+// shuffle, shuffle_seed, data_size) may resume from a checkpoint whose trainer state is
 // `saved`: a resumed run must read the batches the uninterrupted run would.
 // FailedPrecondition naming the setting and both values otherwise. A
 // setting either side does not record (0 or empty: older writers, callers

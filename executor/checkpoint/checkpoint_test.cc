@@ -529,6 +529,20 @@ TEST(CheckpointTest, ResumingWithOtherDataSettingsIsRefusedNamingBoth) {
   run.set_shuffle(false);
   EXPECT_THAT(CheckDataSettings(saved, run), StatusIs(absl::StatusCode::kFailedPrecondition,
                                                       HasSubstr("this run has no shuffle")));
+  // The same spec over data of another size (regenerated with more
+  // samples): each step would read other samples. Unrecorded (0) on either
+  // side is not compared.
+  saved.set_data_size(1000);
+  run = saved;
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+  run.set_data_size(1200);
+  EXPECT_THAT(CheckDataSettings(saved, run),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("data 'npy:/data/a' holding 1000, this run has 1200 (the data "
+                                 "changed since)")));
+  run.set_data_size(0);
+  EXPECT_TRUE(CheckDataSettings(saved, run).ok());
+  saved.set_data_size(0);
   // The CLI's and the service's names of a source are one source.
   saved.Clear();
   saved.set_data("SYNTHETIC");

@@ -254,6 +254,11 @@ absl::Status Run(const tools::Args& a) {
         "--data must be synthetic, wikitext, npy:DIR or tokens:FILE[:uint16|uint32], got '",
         source, "'"));
   }
+  if (a.Has("resume")) {  // the data's size, known once it is open
+    v1::TrainerState run = resumed;
+    run.set_data_size(batches->data_size());
+    HAP_RETURN_IF_ERROR(checkpoint::CheckDataSettings(resumed, run));
+  }
 
   HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
                        NewFileStore(a.Get("rendezvous")));
@@ -332,6 +337,7 @@ absl::Status Run(const tools::Args& a) {
     trainer.set_seed(a.Has("resume") ? resumed.seed() : plan.options().seed());
     trainer.set_global_batch(plan.global_batch());
     trainer.set_data(source);
+    trainer.set_data_size(batches->data_size());
     trainer.set_shuffle(data_options.shuffle_seed.has_value());
     trainer.set_shuffle_seed(data_options.shuffle_seed.value_or(0));
     *trainer.mutable_optimizer() = plan.options().optimizer();

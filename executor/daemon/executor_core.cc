@@ -319,6 +319,19 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     weights = *std::move(w);
     loaded->initialize = ckpt::InitWeightsHook(weights, g);
   }
+  // The training data, once its seed is known (a resumed run's is its
+  // checkpoint's): its size is compared with the checkpoint's and recorded
+  // in new ones.
+  {
+    auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir, loaded->data_seed);
+    if (!b.ok()) return Annotate(b.status(), "training data");
+    loaded->batches = *std::move(b);
+  }
+  if (resumed) {
+    v1::TrainerState run = *resumed;
+    run.set_data_size(loaded->batches->data_size());
+    HAP_RETURN_IF_ERROR(Annotate(ckpt::CheckDataSettings(*resumed, run), "training.resume"));
+  }
   if (!t.checkpoint_dir().empty()) {
     // Made now: found at the first save, the run (with checkpoint_every 0,
     // all of it) would be lost.
@@ -339,6 +352,7 @@ absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loade
     trainer.set_global_batch(in.plan.global_batch());
     trainer.set_data(t.data_spec().empty() ? v1::TrainingConfig::DataSource_Name(t.data())
                                            : t.data_spec());
+    trainer.set_data_size(loaded->batches->data_size());
     trainer.set_shuffle(t.shuffle());
     trainer.set_shuffle_seed(t.shuffle_seed());
     *trainer.mutable_optimizer() = in.plan.options().optimizer();
@@ -439,13 +453,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
     HAP_RETURN_IF_ERROR(Annotate(SetUpPipeline(in, loaded.get()), "plan.pipeline"));
   }
   HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));
-  HAP_RETURN_IF_ERROR(caller_waits("after opening the checkpoint or weights"));
-  {
-    auto b = MakeBatches(loaded->graph, in.plan, t, o_.data_dir, loaded->data_seed);
-    if (!b.ok()) return Annotate(b.status(), "training data");
-    loaded->batches = *std::move(b);
-  }
-  HAP_RETURN_IF_ERROR(caller_waits("after opening the training data"));
+  HAP_RETURN_IF_ERROR(caller_waits("after opening the checkpoint or weights and the data"));
   const int threads = t.threads_per_rank() > 0 ? t.threads_per_rank() : std::max(1, o_.threads);
   if (o_.make_device) {
     loaded->device = o_.make_device(threads);

@@ -181,7 +181,9 @@ class ExecutorCore {
                                                   double seconds) const;
   // Joins the retired threads that have ended (all of them when `all`).
   void ReapRetired(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) ABSL_LOCKS_EXCLUDED(mu_);
-  // Opens training.resume / init_weights and sets up training.checkpoint_dir.
+  // Opens training.resume / init_weights, then the training data (at the
+  // checkpoint's seed; its size checked against the checkpoint's), and sets
+  // up training.checkpoint_dir.
   absl::Status SetUpCheckpoints(const LoadOptions& in, Loaded* loaded);
   // The pipeline half of a load (a plan with stages).
   static absl::Status SetUpPipeline(const LoadOptions& in, Loaded* loaded);

@@ -25,6 +25,7 @@
 #include "executor/cpu/cpu_device.h"
 #include "executor/daemon/core_test_util.h"
 #include "executor/daemon/test_plans.h"
+#include "executor/data/npy_test_util.h"
 #include "executor/runtime/timing_device.h"
 #include "executor/train/in_process_comm.h"
 #include "gmock/gmock.h"
@@ -937,6 +938,50 @@ TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
   both.training.set_init_weights(dir + "/w.safetensors");
   EXPECT_THAT(c.LoadPlan(both), StatusIs(absl::StatusCode::kInvalidArgument,
                                          HasSubstr("exclude each other")));
+}
+
+// A run on npy: data resumed after the data was regenerated with another
+// sample count: the same spec, so only the size tells; each step would
+// have read other samples (some skipped, some twice), silently. The
+// checkpoint records the size (trainer.json data_size), and LoadPlan
+// refuses the resume naming both.
+TEST(ExecutorCoreTest, AResumeOverDataOfAnotherSizeIsRefused) {
+  const std::string data = ::testing::TempDir() + "/core_npy";
+  const std::string dir = ::testing::TempDir() + "/core_npy_ckpt";
+  std::filesystem::remove_all(data);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(data);
+  auto write_data = [&](int64_t n) {
+    std::vector<float> x(n * 12);
+    std::vector<int64_t> labels(n);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int k = 0; k < 12; ++k) x[i * 12 + k] = 0.01f * static_cast<float>(i + k);
+      labels[i] = i % 5;
+    }
+    data::npy_files::WriteFile(data + "/x.npy",
+                               data::npy_files::Npy("<f4", {n, 12}, data::npy_files::Raw(x)));
+    data::npy_files::WriteFile(data + "/labels.npy",
+                               data::npy_files::Npy("<i8", {n}, data::npy_files::Raw(labels)));
+  };
+  write_data(20);
+  auto on_data = [&](LoadOptions& o) {
+    o.training.set_data_spec("npy:" + data);
+    o.training.set_checkpoint_dir(dir);
+  };
+  v1::ExecutorStatus first = TrainTwo(2, on_data);
+  ASSERT_EQ(first.state(), v1::ExecutorStatus::FINISHED) << first.error();
+  write_data(26);
+  InProcessGroup group(2);
+  ExecutorCore c(InProcessOptions(&group));
+  LoadOptions resume = MlpLoad(2, 0, 4);
+  on_data(resume);
+  resume.training.set_resume(dir);
+  EXPECT_THAT(c.LoadPlan(resume),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("training.resume"),
+                             HasSubstr("holding 20, this run has 26 (the data changed since)"))));
+  write_data(20);  // as it was: the resume is taken
+  EXPECT_THAT(c.LoadPlan(resume), IsOk());
 }
 
 // A checkpoint whose shards were damaged after they committed (a flipped

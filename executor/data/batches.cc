@@ -85,6 +85,7 @@ class Lm : public BatchSource {
     usable_ = static_cast<int64_t>(corpus_.size()) - seq_ - 1;
     stride_ = std::max<int64_t>(1, usable_ / batch_);
   }
+  int64_t data_size() const override { return static_cast<int64_t>(corpus_.size()); }
   absl::StatusOr<GlobalBatch> Get(int64_t step) override {
     // The step comes from a checkpoint when a run resumes.
     if (step < 0) {

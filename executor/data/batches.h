@@ -32,6 +32,11 @@ class BatchSource {
  public:
   virtual ~BatchSource() = default;
   virtual absl::StatusOr<GlobalBatch> Get(int64_t step) = 0;
+  // How much data the batches are drawn from: samples (user data), tokens
+  // (a corpus); 0 where any amount gives the same batches (synthetic).
+  // Checkpoints record it: a run resumed over data of another size reads
+  // other samples at the same step.
+  virtual int64_t data_size() const { return 0; }
 };
 
 // The range [0, limit) an integer graph input's values must lie in, as its

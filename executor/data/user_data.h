@@ -89,6 +89,7 @@ class UserData : public BatchSource {
  public:
   // N, the samples of one epoch.
   virtual int64_t num_samples() const = 0;
+  int64_t data_size() const override { return num_samples(); }
   // B, the samples of one step (from the graph).
   virtual int64_t batch_size() const = 0;
   // One line for logs: spec, samples, inputs and file dtypes.
