@@ -213,7 +213,11 @@ absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,
   // A regular file is replaced whole: written beside it and renamed over
   // it. Written in place, a failed write (a full disk, a quota) left the
   // old file truncated, the old plan or cluster lost with the new one.
-  std::string tmp = path + ".tmp-XXXXXX";
+  // A short name beside it: the path's own name plus a suffix could pass
+  // the file system's name limit where the path itself does not.
+  const size_t slash = path.rfind('/');
+  std::string tmp =
+      (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + ".hap-out-XXXXXX";
   const int fd = mkstemp(tmp.data());
   if (fd < 0) {
     // A writable file in a directory we may not add to: in place, as before.

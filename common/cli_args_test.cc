@@ -77,6 +77,17 @@ TEST(WriteOutputFileTest, AFailedWriteLeavesTheOldFileWhole) {
   EXPECT_EQ(st.st_mode & 07777, 0640);
 }
 
+// A name at the file system's limit (255 bytes) is written: the temporary
+// file beside it has a short name of its own.
+TEST(WriteOutputFileTest, ANameAtTheLengthLimitIsWritten) {
+  const std::string path = TempPath(std::string(250, 'p') + ".json");
+  ASSERT_TRUE(WriteOutputFile(path, "old").ok());
+  ASSERT_TRUE(WriteOutputFile(path, "new").ok());
+  auto back = ReadInputFile(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, "new");
+}
+
 // A symbolic link stays one: the file it points to gets the bytes.
 TEST(WriteOutputFileTest, ALinkIsWrittenThrough) {
   const std::string target = TempPath("link-target.json"), link = TempPath("link.json");
