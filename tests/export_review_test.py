@@ -273,6 +273,64 @@ class ExportReviewTest(unittest.TestCase):
         self.assertEqual(sorted(got), ["fc.bias", "fc.weight"])
         self.assertTrue(torch.equal(got["fc.weight"], m.fc.weight.detach()))
 
+    def test_constant_changed_in_place_after_a_use(self):
+        """m = torch.zeros(6); y = h + m; m.add_(1): the use before the
+        change read the changed constant (h + 1), as the value recorded
+        for m was the tensor the in-place op then changed."""
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 6)
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                h = self.fc(x)
+                m = torch.zeros(6)
+                y = h + m
+                m.add_(1.0)
+                return F.cross_entropy(self.head(y * m + m), labels)
+
+        class Traced(Net):
+            """The constant made from a traced size: a graph node."""
+
+            def forward(self, x, labels):
+                h = self.fc(x)
+                m = torch.zeros(h.shape[-1])
+                y = h + m
+                m.add_(1.0)
+                return F.cross_entropy(self.head(y * m + m), labels)
+
+        for cls in (Net, Traced):
+            with self.subTest(cls.__name__):
+                self.assert_loss_and_gradients(
+                    cls(), {"x": torch.randn(5, 4), "labels": labels(5, 3)})
+
+    def test_buffer_changed_in_place_fails_and_is_kept(self):
+        """self.steps.add_(1) in forward (module state the graph cannot
+        hold): the uses before the change read it changed, and the
+        exporter's run on meta tensors changed the caller's buffer. It now
+        fails naming the buffer, which is left as it was."""
+        class Counting(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.register_buffer("steps", torch.zeros(()))
+
+            def forward(self, x, labels):
+                h = self.fc(x) + self.steps
+                self.steps.add_(1.0)
+                return F.cross_entropy(h * self.steps, labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        for run_on in ("meta", "cpu"):
+            with self.subTest(run_on):
+                m = Counting()
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(m, inputs, run_on=run_on)
+                self.assertIn("'steps'", str(cm.exception))
+                self.assertIn("in place", str(cm.exception))
+                self.assertEqual(float(m.steps), 0.0)
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

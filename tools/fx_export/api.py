@@ -124,6 +124,19 @@ def _record_shapes(gm, root, args, run_on):
     if run_on not in ("auto", "meta", "cpu"):
         raise ExportError(f"run_on must be auto, meta or cpu, not "
                           f"{run_on!r}")
+    # Runs change the module's buffers (the CPU run: BatchNorm's statistics;
+    # either run: an in-place op of forward on a buffer, whose constants are
+    # computed for real on meta runs too): put back after.
+    saved = [(b, b.detach().clone()) for b in root.buffers()]
+    try:
+        _run_recorder(gm, root, args, run_on, param_targets)
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+def _run_recorder(gm, root, args, run_on, param_targets):
     with torch.no_grad():
         done = False
         if run_on in ("auto", "meta"):
@@ -140,8 +153,8 @@ def _record_shapes(gm, root, args, run_on):
             # buffers (BatchNorm's running statistics, num_batches_tracked)
             # moved by one step on the example inputs, so --weights wrote
             # them moved and the caller's module was changed; dropout drew
-            # from the caller's random stream. Both are put back.
-            saved = [(b, b.detach().clone()) for b in root.buffers()]
+            # from the caller's random stream. Both are put back (the
+            # buffers by _record_shapes).
             try:
                 with torch.random.fork_rng(devices=[]):
                     Recorder(gm, param_targets).run(*args)
@@ -149,9 +162,6 @@ def _record_shapes(gm, root, args, run_on):
                 raise ExportError(f"running {type(root).__name__} on the "
                                   f"example inputs failed: "
                                   f"{type(e).__name__}: {e}") from e
-            finally:
-                for b, v in saved:
-                    b.copy_(v)
 
 
 def _loss_node(gm, loss):

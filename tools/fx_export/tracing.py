@@ -104,6 +104,7 @@ class HapTracer(fx.Tracer):
         # when the traced code has imported torchvision.
         super().__init__(autowrap_functions=stochastic_depth_functions())
         self._stack = []
+        self._constants = {}  # id(tensor) -> (tensor, copy, attribute)
         # Buffers become get_attr nodes (constants folded at export time), so
         # `self.mask[:S, :S]` with a traced S works.
         self.proxy_buffer_attributes = True
@@ -154,6 +155,28 @@ class HapTracer(fx.Tracer):
             if path is not None:
                 self._stack.pop()
         return out
+
+    def create_arg(self, a):
+        """A tensor forward makes from literals (m = torch.zeros(6)) is
+        stored by fx as the constant `_tensor_constant<i>`: the tensor
+        itself, so that an in-place change of it during tracing
+        (m.add_(1), run then and not recorded) reached the uses before the
+        change too. Each use now gets the values m has at that point: a
+        copy, taken anew when they changed."""
+        if type(a) is not torch.Tensor or a in self.tensor_attrs or \
+                any(a is b for _, b in self.root.named_buffers()):
+            return super().create_arg(a)
+        held = self._constants.get(id(a))
+        if held is None or held[0] is not a or held[1].dtype != a.dtype or \
+                held[1].shape != a.shape or not torch.equal(held[1], a):
+            i = 0
+            while hasattr(self.root, f"_tensor_constant{i}"):
+                i += 1
+            copy = a.detach().clone()
+            held = (a, copy, f"_tensor_constant{i}")
+            setattr(self.root, held[2], copy)
+            self._constants[id(a)] = held
+        return self.create_node("get_attr", held[2], (), {})
 
     def create_node(self, kind, target, args, kwargs, name=None,
                     type_expr=None):
@@ -214,6 +237,7 @@ class Recorder(fx.Interpreter):
     def __init__(self, gm, params, meta=False):
         super().__init__(gm)
         self._params = params  # get_attr targets that are nn.Parameters
+        self._buffers = {k for k, _ in gm.named_buffers()}
         self.meta = meta
 
     def call_module(self, target, args, kwargs):
@@ -252,6 +276,17 @@ class Recorder(fx.Interpreter):
         result = getattr(self, n.op)(n.target, args, kwargs)
         if self.meta and n.op == "get_attr" and n.target in self._params:
             result = result.to("meta")
+        # A tensor constant fx made of a literal (torch.zeros(6) in forward:
+        # a get_attr `_tensor_constant0`), or a computed one, is copied: an
+        # in-place op later in forward (m.add_(1)) changed the tensor that
+        # the uses before it read (x + m exported as x + 1), and the
+        # traced module's own constant.
+        copy = isinstance(result, torch.Tensor) and (
+            n.op in ("call_function", "call_method") or
+            (n.op == "get_attr" and n.target not in self._params and
+             n.target not in self._buffers))
+        if copy and n.op == "get_attr":
+            result = result.clone()
         tensors = _flat_tensors(result)
         if n.op == "placeholder":
             static = not tensors
@@ -265,7 +300,13 @@ class Recorder(fx.Interpreter):
             static = inputs_static
         n.meta["hap_static"] = static
         if static:
-            n.meta["hap_value"] = result
+            # A copy of a computed tensor: an in-place op later in forward
+            # (m.add_(1)) changes the tensor itself, and the uses before it
+            # read the changed values (x + m exported as x + 1).
+            if copy:
+                n.meta["hap_value"] = result.clone()
+            else:
+                n.meta["hap_value"] = result
         else:
             n.meta.pop("hap_value", None)
         if isinstance(result, torch.Tensor):
@@ -346,8 +387,11 @@ def follow_inplace(gm):
     were dropped, and f took y as it was before). Run after Recorder (the
     tensors are the nodes with a recorded shape). Returns None, or a
     message naming the node that changes a view of a tensor used later
-    (the change to that tensor is not followed)."""
+    (the change to that tensor is not followed) or a buffer or parameter
+    of the module (state the graph does not hold)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    state = {k for k, _ in gm.named_buffers()} | \
+        {k for k, _ in gm.named_parameters()}
     for n in list(gm.graph.nodes):
         if not _mutates_first_argument(n):
             continue
@@ -355,6 +399,21 @@ def follow_inplace(gm):
         if "hap_shape" not in a.meta:
             continue  # not a tensor (an int `s += 1` rebinds s)
         later = lambda u: order[u] > order[n]  # noqa: E731
+        scope = n.meta.get("hap_scope", "")
+        where = f" in {scope}" if scope else ""
+        what = f"Tensor.{n.target}" if n.op == "call_method" \
+            else getattr(n.target, "__name__", n.target)
+        held = a
+        while held.op != "get_attr" and _is_view(held) and held.args and \
+                isinstance(held.args[0], fx.Node):
+            held = held.args[0]
+        if held.op == "get_attr" and held.target in state:
+            # Module state that forward changes (a step counter, a running
+            # average): the graph holds no such update, and the uses before
+            # the change read it changed.
+            return (f"node '{n.name}' ({n.op} {what}){where} changes the "
+                    f"module's buffer or parameter '{held.target}' in "
+                    f"place, which the HAP graph cannot express")
         base = a
         while _is_view(base) and base.args and \
                 isinstance(base.args[0], fx.Node):
@@ -363,10 +422,6 @@ def follow_inplace(gm):
             # the chain goes on to the tensor it holds views of, if any.
             if "hap_shape" in base.meta and \
                     any(later(u) for u in base.users):
-                scope = n.meta.get("hap_scope", "")
-                where = f" in {scope}" if scope else ""
-                what = f"Tensor.{n.target}" if n.op == "call_method" \
-                    else getattr(n.target, "__name__", n.target)
                 return (f"node '{n.name}' ({n.op} {what}){where} "
                         f"changes '{a.name}' in place, a view of "
                         f"'{base.name}', which is used afterwards: the "
