@@ -357,13 +357,23 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   };
   if (!want_pipeline) return finish();
 
-  // Units: nodes, split when more stages are asked for than nodes.
+  // Units: nodes, split when more stages are asked for than nodes: each
+  // node into `parts` (or its devices, when fewer), the fewest parts that
+  // give the stages enough units (nodes of unequal sizes: the larger are
+  // split further than an even share of the stages).
   std::vector<std::vector<int>> units;
   {
     const auto& nodes = cluster.node_groups();
     const int want = o.mode == Mode::kStages ? o.stages : 1;
-    const int parts = std::max<int>(
-        1, (want + static_cast<int>(nodes.size()) - 1) / static_cast<int>(nodes.size()));
+    int largest = 1;
+    for (const auto& node : nodes) largest = std::max(largest, static_cast<int>(node.size()));
+    auto units_of = [&nodes](int parts) {
+      int n = 0;
+      for (const auto& node : nodes) n += std::min(parts, static_cast<int>(node.size()));
+      return n;
+    };
+    int parts = 1;
+    while (parts < largest && units_of(parts) < want) ++parts;
     for (const auto& node : nodes) {
       const int k = std::min<int>(parts, static_cast<int>(node.size()));
       for (int i = 0; i < k; ++i) {

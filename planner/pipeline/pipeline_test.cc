@@ -415,6 +415,36 @@ TEST(Planner, OneDeviceStages) {
   EXPECT_GE(single, 1);
 }
 
+// Nodes of unequal sizes (3 devices and 1): four stages are four single
+// devices. The nodes were split into ceil(4 / 2) = 2 parts each, three
+// units in all, and the stages refused ("cannot make 4 stages") though
+// the cluster has four devices.
+TEST(Planner, MoreStagesThanNodesSplitUnequalNodesFurther) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < 4; ++i) {
+    d.push_back({"d" + std::to_string(i), i < 3 ? "n0" : "n1", "test", 3.86e12, 40 * kGiB, 1e-5});
+  }
+  auto c = cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 1.25e9, 5e-5);
+  ASSERT_TRUE(c.ok()) << c.status();
+  PipelineOptions o = Fast(Mode::kStages, 4);
+  o.plan_spmd = false;
+  auto p = PlanPipeline(*g, *c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->stages.size(), 4u);
+  std::set<int> devices;
+  for (const StagePlan& s : p->stages) {
+    ASSERT_EQ(s.devices.size(), 1u);
+    devices.insert(s.devices[0]);
+  }
+  EXPECT_EQ(devices.size(), 4u);
+  // Five stages on four devices are refused.
+  o.stages = 5;
+  EXPECT_THAT(PlanPipeline(*g, *c, o).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cannot make 5 stages")));
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
