@@ -168,8 +168,8 @@ double MaxLatency(const cost::ClusterModel& c, const std::vector<int>& a,
 
 // Prices the entry's program per layer.
 absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
-                         const std::vector<graph::TensorId>& boundary, synth::OptimizerKind opt,
-                         bool ignore_memory, Entry* e) {
+                         const std::vector<graph::TensorId>& boundary, int microbatches,
+                         synth::OptimizerKind opt, bool ignore_memory, Entry* e) {
   const Program& p = e->plan.program;
   const std::vector<double>& r = e->plan.ratios;
   const int n = e->cluster->size();
@@ -188,9 +188,9 @@ absl::Status PriceLayers(const graph::Graph& gm, const Layers& layers,
     Program outputs = all;
     for (synth::OpStep& s : outputs.steps) s.loads.clear();
     // One more copy of the stage's gradients: the sums over microbatches
-    // (executor/train/pipeline.h; counted for any microbatch count here).
-    const std::vector<int64_t> total =
-        synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, all, opt, /*extra_gradients=*/1), r);
+    // (executor/train/pipeline.h), which one microbatch does not need.
+    const std::vector<int64_t> total = synth::MemoryAt(
+        synth::MemoryModel(gm, *e->cluster, all, opt, microbatches > 1 ? 1.0 : 0.0), r);
     const std::vector<int64_t> act =
         synth::MemoryAt(synth::MemoryModel(gm, *e->cluster, outputs, opt), r);
     e->static_bytes.emplace_back();
@@ -527,8 +527,8 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
           continue;
         }
         e.plan = *std::move(r);
-        e.status =
-            PriceLayers(*graphs[c], layers, boundaries[c], so.optimizer, so.ignore_memory, &e);
+        e.status = PriceLayers(*graphs[c], layers, boundaries[c], counts[c], so.optimizer,
+                               so.ignore_memory, &e);
       }
     };
     int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());

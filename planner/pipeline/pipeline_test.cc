@@ -445,6 +445,43 @@ TEST(Planner, MoreStagesThanNodesSplitUnequalNodesFurther) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cannot make 5 stages")));
 }
 
+// One microbatch (--microbatches 1): the runner keeps no gradient sums
+// (they exist only to add microbatches up), so a stage's memory is its
+// parameters, gradients and optimizer state and two copies of its
+// activations (the one it runs and the one in flight), without the extra
+// gradient copy the search counted for every microbatch count.
+TEST(Planner, OneMicrobatchHoldsNoGradientSums) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  cost::ClusterModel c = TwoNodes(1.25e9);
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  o.microbatches = 1;
+  o.variant = Variant::kEvenSplit;  // the stages' memory as the search priced it
+  o.plan_spmd = false;
+  auto p = PlanPipeline(*g, c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->pipelined());
+  ASSERT_EQ(p->microbatches, 1);
+  for (const StagePlan& s : p->stages) {
+    auto group = c.Subset(s.devices);
+    ASSERT_TRUE(group.ok()) << group.status();
+    synth::Program outputs = s.program;
+    for (synth::OpStep& st : outputs.steps) st.loads.clear();
+    const std::vector<int64_t> held = synth::MemoryAt(
+        synth::MemoryModel(*p->microbatch_graph, *group, s.program, o.stage_options.optimizer),
+        s.ratios);
+    const std::vector<int64_t> act = synth::MemoryAt(
+        synth::MemoryModel(*p->microbatch_graph, *group, outputs, o.stage_options.optimizer),
+        s.ratios);
+    ASSERT_EQ(s.in_flight, 1);
+    for (size_t d = 0; d < s.devices.size(); ++d) {
+      EXPECT_NEAR(static_cast<double>(s.memory_bytes[d]), static_cast<double>(held[d] + act[d]),
+                  16.0)
+          << "stage of layers " << s.first_layer << "-" << s.end_layer << ", device " << d;
+    }
+  }
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
