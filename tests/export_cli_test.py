@@ -54,6 +54,17 @@ class BadExamples(Mlp):
 
 
 built = Mlp(hidden=8)
+
+
+class Padded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, mask, labels):
+        h, _ = self.att(x, x, x, key_padding_mask=mask)
+        return F.cross_entropy(self.head(h[:, 0]), labels)
 '''
 
 GOOD = ["x=5,4", "labels=5:int64:3"]
@@ -163,6 +174,26 @@ class ExportCliTest(unittest.TestCase):
         with open(out) as f:
             shapes = [q["tensor"]["shape"] for q in json.load(f)["parameters"]]
         self.assertIn([9, 4], shapes)
+
+    def test_a_bool_input_for_a_key_padding_mask(self):
+        """A bool key padding mask is a graph input (an INT64 0/1 one), but
+        --input-shape knew no bool dtype ('unknown dtype'): such a module
+        could not be exported from the command line. bool is all False;
+        HIGH is refused for it."""
+        inputs = ["x=5,7,4", "mask=5,7:bool", "labels=5:int64:3"]
+        p, out = self.run_cli("cli_models.py:Padded", inputs=inputs,
+                              out=os.path.join(self.dir, "padded.json"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(out) as f:
+            got = {i["tensor"]["name"]: i["tensor"] for i in json.load(f)["inputs"]}
+        self.assertEqual(got["mask"], {"name": "mask", "shape": [5, 7],
+                                       "dtype": "INT64"})
+        U.validate(out)
+        p, _ = self.run_cli("cli_models.py:Padded",
+                            inputs=["x=5,7,4", "mask=5,7:bool:2",
+                                    "labels=5:int64:3"])
+        self.assertFailsNaming(p, "'mask=5,7:bool:2'",
+                               "HIGH is for integer inputs")
 
     def test_bad_input_shapes_are_named(self):
         """A dimension of 0 (an empty batch) exported a graph that `hapctl

@@ -97,8 +97,9 @@ Command line:
   instance, built already, does not take: an error). A factory may
   return (module, {name: example tensor}) and a module may have an
   `example_inputs` attribute (a dict or a callable returning one); --input-shape
-  adds or replaces inputs: float32 random normal, or an integer dtype filled
-  with zeros (or random integers in [0, HIGH) when HIGH is given).
+  adds or replaces inputs: float32 random normal, an integer dtype filled
+  with zeros (or random integers in [0, HIGH) when HIGH is given), or bool
+  (a key padding mask input: all False).
 
   --weights OUT.safetensors also writes the module's current parameters (the
   ones the graph uses; a note on stderr names any that forward leaves

@@ -73,11 +73,13 @@ def _describe(e):
 _CLI_DTYPES = {"float32": torch.float32, "float": torch.float32,
                "float64": torch.float64, "float16": torch.float16,
                "bfloat16": torch.bfloat16, "int64": torch.int64,
-               "long": torch.int64, "int32": torch.int32, "int": torch.int64}
+               "long": torch.int64, "int32": torch.int32, "int": torch.int64,
+               "bool": torch.bool}
 
 
 def _parse_input(spec):
-    """--input-shape NAME=D0,D1[:DTYPE[:HIGH]] as (name, example tensor)."""
+    """--input-shape NAME=D0,D1[:DTYPE[:HIGH]] as (name, example tensor):
+    bool (a key padding mask input) is all False."""
     if "=" not in spec:
         raise ExportError(f"--input-shape wants name=d0,d1[:dtype[:high]], got "
                           f"'{spec}'")
@@ -99,9 +101,10 @@ def _parse_input(spec):
     if dtype is None:
         raise ExportError(f"--input-shape '{spec}': unknown dtype '{parts[1]}'"
                           f" (one of {', '.join(sorted(_CLI_DTYPES))})")
-    if dtype.is_floating_point and len(parts) > 2:
+    if (dtype.is_floating_point or dtype == torch.bool) and len(parts) > 2:
         raise ExportError(f"--input-shape '{spec}': HIGH is for integer "
-                          f"inputs (float ones are random normal)")
+                          f"inputs (float ones are random normal, bool ones "
+                          f"False)")
     high = None
     if len(parts) > 2:
         high = int(parts[2]) if parts[2].strip().isdigit() else 0
