@@ -477,6 +477,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   std::vector<Entry> entries(static_cast<size_t>(kinds) * A * C);
   std::vector<synth::PlanOptions> alt_options(A, so);
   if (A > 1) alt_options[1].baseline = synth::Baseline::kDpProportional;
+  // Whether the time budget left something out (a stage synthesis, or part
+  // of the stage search): a pipeline not found is then not one that does
+  // not fit.
+  bool budget_ran_out = false;
   {
     std::vector<int> jobs;
     for (int k = 0; k < kinds * A; ++k) {
@@ -540,6 +544,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     out.syntheses = static_cast<int>(jobs.size()) - cut.load();
     if (cancelled()) return absl::CancelledError("the pipeline search was cancelled");
     if (cut.load() > 0) {
+      budget_ran_out = true;
       note(absl::StrCat("the time budget (", o.stage_options.max_seconds, " s) ran out: ",
                         cut.load(), " of ", jobs.size(),
                         " stage syntheses were left out of the search"));
@@ -788,6 +793,24 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         }
       }
     }
+  }
+  for (const Entry& e : entries) {
+    budget_ran_out = budget_ran_out || absl::IsDeadlineExceeded(e.status);
+  }
+  if ((best.stages.empty() || !std::isfinite(best.step)) && budget_ran_out) {
+    const std::string what =
+        o.mode == Mode::kStages ? absl::StrCat("any ", o.stages, "-stage pipeline") : "a pipeline";
+    const std::string budget = absl::StrCat("the time budget (", o.stage_options.max_seconds,
+                                            " s) ran out before ", what, " was priced");
+    if (o.mode == Mode::kStages) {
+      return absl::DeadlineExceededError(absl::StrCat(budget, "; give it more time (max_seconds)"));
+    }
+    if (!spmd_error.ok()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(budget, ", and the SPMD plan does not fit: ", spmd_error.message()));
+    }
+    note(absl::StrCat(budget, "; the plan is the SPMD plan"));
+    return finish();
   }
   if (best.stages.empty() || !std::isfinite(best.step)) {
     std::string why;

@@ -482,6 +482,20 @@ TEST(Planner, OneMicrobatchHoldsNoGradientSums) {
   }
 }
 
+// A time budget spent before any stage was synthesized is not "no pipeline
+// fits": the asked stage count answers DeadlineExceeded naming the budget.
+TEST(Planner, ASpentBudgetIsNotAPipelineThatDoesNotFit) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  o.plan_spmd = false;
+  o.stage_options.max_seconds = 1e-9;
+  auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  EXPECT_THAT(p.status(), StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                   AllOf(HasSubstr("time budget"), HasSubstr("2-stage"),
+                                         ::testing::Not(HasSubstr("fits")))));
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
