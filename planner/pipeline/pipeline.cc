@@ -310,7 +310,8 @@ const char* VariantName(Variant v) {
 
 absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::ClusterModel& cluster,
                                           const PipelineOptions& o) {
-  const auto start = Clock::now();
+  auto now = [&o] { return o.now ? o.now() : Clock::now(); };
+  const auto start = now();
   // stage_options.max_seconds bounds the whole call (the SPMD plan and every
   // stage synthesis together), and stage_options.cancelled stops it: what
   // was not synthesized by then is left out of the stage search.
@@ -352,7 +353,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   }
   auto finish = [&]() -> absl::StatusOr<PipelinePlan> {
     if (!spmd_error.ok() && !out.pipelined()) return spmd_error;
-    out.planning_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    out.planning_seconds = std::chrono::duration<double>(now() - start).count();
     return out;
   };
   if (!want_pipeline) return finish();
@@ -505,7 +506,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         }
         const int k = job / C, c = job % C;
         Entry& e = entries[job];
-        const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+        const double left = std::chrono::duration<double>(deadline - now()).count();
         if (left <= 0 || cancelled()) {
           e.status = absl::DeadlineExceededError("the time budget ran out first");
           ++cut;
@@ -644,6 +645,15 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   auto consider = [&](Candidate c) {
     if (c.step < best.step) best = std::move(c);
   };
+  // The stage search polls the budget and the cancellation between its
+  // DPs (one per microbatch count, stage count and bottleneck): once the
+  // budget is spent the best pipeline priced so far stands.
+  bool search_cut = false, search_cancelled = false;
+  auto stop_search = [&] {
+    search_cut = search_cut || now() >= deadline;
+    search_cancelled = search_cancelled || cancelled();
+    return search_cut || search_cancelled;
+  };
 
   std::vector<int> stage_counts;
   if (o.mode == Mode::kStages) {
@@ -668,7 +678,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   } else {
     // Alpa-style: per bottleneck candidate t_max, a DP over (stage, layer,
     // unit) minimising the stages' sum.
-    for (int c = 0; c < C; ++c) {
+    for (int c = 0; c < C && !stop_search(); ++c) {
       const int M = counts[c];
       std::vector<double> boundary_bytes;
       for (graph::TensorId t : boundaries[c]) {
@@ -725,6 +735,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       }
       for (int S : stage_counts) {
         for (double cap : tmax) {
+          if (stop_search()) break;
           if ((M - 1) * cap >= best.step) break;
           // F[s][i][u]: best sum placing layers [0, i) on units [0, u) in s
           // stages; choice for reconstruction.
@@ -794,6 +805,17 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       }
     }
   }
+  if (search_cancelled || cancelled()) {
+    return absl::CancelledError("the pipeline search was cancelled");
+  }
+  if (search_cut) {
+    budget_ran_out = true;
+    if (!best.stages.empty()) {
+      note(absl::StrCat("the time budget (", o.stage_options.max_seconds,
+                        " s) ran out during the stage search: the plan is the best pipeline "
+                        "priced by then"));
+    }
+  }
   for (const Entry& e : entries) {
     budget_ran_out = budget_ran_out || absl::IsDeadlineExceeded(e.status);
   }
@@ -861,7 +883,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     sp.times = best.times[s];
     sp.memory_bytes = price_stage(ch.first_layer, ch.end_layer, gi, c, s, S).memory;
     StagePlan lp = sp;
-    if (o.variant != Variant::kEvenSplit) {
+    // The stage LPs share what is left of the budget (at most 10 s each);
+    // once it is spent the stages keep the search's ratios.
+    const double lp_left = std::chrono::duration<double>(deadline - now()).count();
+    if (o.variant != Variant::kEvenSplit && lp_left > 0 && !cancelled()) {
       // minimise M * micro(r) + sync(r) subject to memory at sp.in_flight.
       const graph::Graph& gm = *graphs[c];
       Program micro = SubProgram(e.plan.program, sp.begin_op, sp.end_op, Part::kMicro, n);
@@ -899,7 +924,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         }
         req.memory = all;
       }
-      req.time_limit_seconds = 10;
+      req.time_limit_seconds = std::min(10.0, lp_left);
       auto sol = ratios::SolveRatioLp(req);
       if (sol.ok()) {
         lp.ratios = sol->ratios[0];

@@ -50,6 +50,8 @@
 #ifndef HAP_PLANNER_PIPELINE_PIPELINE_H_
 #define HAP_PLANNER_PIPELINE_PIPELINE_H_
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,6 +79,9 @@ struct PipelineOptions {
   // uses it as given.
   synth::PlanOptions stage_options;
   int threads = 0;  // 0: the hardware's
+  // The clock stage_options.max_seconds is measured on (steady_clock::now
+  // when empty); tests inject one. Called from the planning's threads.
+  std::function<std::chrono::steady_clock::time_point()> now;
   // Skip the one-stage SPMD plan (kStages with stages > 1 only needs it for
   // the comparison figure; benchmarks plan it once themselves).
   bool plan_spmd = true;
@@ -123,8 +128,14 @@ struct PipelinePlan {
 // Errors: InvalidArgument for bad options (kStages with stages < 1, more
 // stages than layers, microbatches that do not divide the batch) and those
 // of PlanModel for the SPMD plan (its ResourceExhausted only when no
-// pipeline is found either: a pipeline that fits is planned without it); FailedPrecondition when no pipeline of the
-// asked stage count fits (naming why).
+// pipeline is found either: a pipeline that fits is planned without it);
+// FailedPrecondition when no pipeline of the asked stage count fits (naming
+// why); DeadlineExceeded when stage_options.max_seconds ran out before one
+// was priced (auto: the SPMD plan with a note, when there is one);
+// Cancelled once stage_options.cancelled is true. The budget and the
+// cancellation are polled by the syntheses, between the stage search's DPs
+// and before each chosen stage's ratio LP; a budget that runs out during
+// the search leaves the best pipeline priced by then, with a note.
 absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::ClusterModel& cluster,
                                           const PipelineOptions& options);
 

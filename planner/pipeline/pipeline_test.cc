@@ -1,5 +1,8 @@
 #include "planner/pipeline/pipeline.h"
 
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <numeric>
 #include <set>
 
@@ -494,6 +497,49 @@ TEST(Planner, ASpentBudgetIsNotAPipelineThatDoesNotFit) {
   EXPECT_THAT(p.status(), StatusIs(absl::StatusCode::kDeadlineExceeded,
                                    AllOf(HasSubstr("time budget"), HasSubstr("2-stage"),
                                          ::testing::Not(HasSubstr("fits")))));
+}
+
+// The stage search (its DPs over stages, layers and groups, which grow as
+// L^2 U^2 per bottleneck candidate) polls the time budget too: a clock
+// that passes the deadline once every stage is synthesized stops it, and
+// no pipeline priced by then is no pipeline that does not fit; so does a
+// cancellation. The clock moves 100 s a reading: the start, one per
+// synthesis, then the search's.
+TEST(Planner, TheStageSearchStopsAtTheDeadline) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  for (Mode mode : {Mode::kStages, Mode::kAuto}) {
+    PipelineOptions o = Fast(mode, mode == Mode::kStages ? 2 : 0);
+    o.threads = 1;
+    auto full = PlanPipeline(*g, TwoNodes(1.25e9), o);
+    ASSERT_TRUE(full.ok()) << full.status();
+    ASSERT_TRUE(full->pipelined());
+    const int syntheses = full->syntheses;
+    ASSERT_GT(syntheses, 0);
+    auto readings = std::make_shared<std::atomic<int>>(0);
+    const auto t0 = std::chrono::steady_clock::now();
+    o.now = [readings, t0] { return t0 + std::chrono::seconds(100) * (*readings)++; };
+    o.stage_options.max_seconds = 100.0 * syntheses + 50;
+    auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+    if (mode == Mode::kStages) {
+      EXPECT_THAT(p.status(),
+                  StatusIs(absl::StatusCode::kDeadlineExceeded,
+                           HasSubstr("ran out before any 2-stage pipeline was priced")));
+    } else {
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_FALSE(p->pipelined());
+      EXPECT_EQ(p->syntheses, syntheses);
+      EXPECT_THAT(::testing::PrintToString(p->notes),
+                  HasSubstr("ran out before a pipeline was priced; the plan is the SPMD plan"));
+    }
+    // A cancellation that comes once the stages are synthesized (the clock
+    // read past them) is honoured as well.
+    readings->store(0);
+    o.stage_options.max_seconds = 1e300;
+    o.stage_options.cancelled = [readings, syntheses] { return *readings > syntheses + 1; };
+    EXPECT_THAT(PlanPipeline(*g, TwoNodes(1.25e9), o).status(),
+                StatusIs(absl::StatusCode::kCancelled, HasSubstr("pipeline search was cancelled")));
+  }
 }
 
 TEST(PipelinePlan, OptionsFromProto) {
