@@ -175,6 +175,19 @@ class ExportCliTest(unittest.TestCase):
             shapes = [q["tensor"]["shape"] for q in json.load(f)["parameters"]]
         self.assertIn([9, 4], shapes)
 
+    def test_an_empty_graph_name_fails(self):
+        """--name '' was ignored: the graph took the class name, exit
+        status 0."""
+        p, out = self.run_cli("cli_models.py:Mlp", extra=["--name", ""],
+                              out=os.path.join(self.dir, "unnamed.json"))
+        self.assertFailsNaming(p, "graph name must be a non-empty string")
+        self.assertFalse(os.path.exists(out))
+        p, out = self.run_cli("cli_models.py:Mlp", extra=["--name", "mlp2"],
+                              out=os.path.join(self.dir, "named.json"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(out) as f:
+            self.assertEqual(json.load(f)["name"], "mlp2")
+
     def test_a_bool_input_for_a_key_padding_mask(self):
         """A bool key padding mask is a graph input (an INT64 0/1 one), but
         --input-shape knew no bool dtype ('unknown dtype'): such a module

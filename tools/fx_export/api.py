@@ -230,6 +230,10 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
         raise ExportError(f"example_inputs must be a dict of forward "
                           f"argument name -> example tensor, got "
                           f"{type(example_inputs).__name__}")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        # An empty name was taken for no name: the class name, silently.
+        raise ExportError(f"the graph name must be a non-empty string, got "
+                          f"{name!r}")
     example_inputs = dict(example_inputs)
     root, prefix = module, ""
     if callable(loss) and not isinstance(loss, (str, int)):
