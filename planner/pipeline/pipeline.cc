@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/deadline.h"
 #include "common/status_macros.h"
 #include "planner/cost/collectives.h"
@@ -453,12 +454,21 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     note(absl::StrCat("no pipeline: the batch ", batch, " has no power-of-two microbatch count"));
     return finish();
   }
-  // Graphs at each microbatch size.
+  // Graphs at each microbatch size. A count whose microbatch the graph
+  // does not take (an input or a reshape that fixes the batch) is left out;
+  // when none is left, STAGES N answers why and auto keeps the SPMD plan.
   std::vector<std::shared_ptr<const graph::Graph>> graphs;
   std::vector<std::vector<graph::TensorId>> boundaries;
+  std::vector<int> taken, left_out;
+  absl::Status rebatch_error;
   for (int m : counts) {
     auto gm = Rebatch(g, batch / m);
-    if (!gm.ok()) return gm.status();
+    if (!gm.ok()) {
+      if (rebatch_error.ok()) rebatch_error = gm.status();
+      left_out.push_back(m);
+      continue;
+    }
+    taken.push_back(m);
     auto ptr = std::make_shared<const graph::Graph>(*std::move(gm));
     std::vector<graph::TensorId> b;
     for (graph::TensorId t : layers.boundary) {
@@ -469,6 +479,16 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     graphs.push_back(std::move(ptr));
     boundaries.push_back(std::move(b));
   }
+  if (taken.empty()) {
+    if (o.mode == Mode::kStages) return rebatch_error;
+    note(absl::StrCat("no pipeline: ", rebatch_error.message(), "; the plan is the SPMD plan"));
+    return finish();
+  }
+  if (!left_out.empty()) {
+    note(absl::StrCat("microbatch counts ", absl::StrJoin(left_out, ", "),
+                      " left out: ", rebatch_error.message()));
+  }
+  counts = std::move(taken);
   // Synthesize every (kind, microbatch count).
   synth::PlanOptions so = o.stage_options;
   so.progress = nullptr;

@@ -542,6 +542,42 @@ TEST(Planner, TheStageSearchStopsAtTheDeadline) {
   }
 }
 
+// A graph with an input that fixes the batch (a frozen projection fed as
+// an input, 48 x 64 at a batch of 32) does not take microbatches: auto
+// keeps the SPMD plan with a note (the Rebatch error failed the whole
+// planning, the SPMD plan included), and STAGES N answers why.
+TEST(Planner, AGraphWithoutMicrobatchesKeepsTheSpmdPlan) {
+  graph::GraphBuilder b("fixed");
+  auto f32 = [](std::vector<int64_t> shape) {
+    return graph::TensorType{graph::DType::kFloat32, std::move(shape)};
+  };
+  graph::TensorId x = b.Input("x", f32({32, 64}));
+  graph::TensorId y =
+      b.Input("labels", graph::TensorType{graph::DType::kInt64, {32}}, graph::InputRole::kLabels);
+  graph::TensorId proj = b.Input("proj", f32({48, 64}));
+  x = b.Add("linear", "project", {x, proj});
+  int64_t width = 48;
+  for (int i = 0; i < 3; ++i) {
+    const std::string n = "fc" + std::to_string(i);
+    graph::TensorId w = b.Parameter(n + ".weight", f32({256, width}), graph::Initializer::Ones());
+    x = b.Add("relu", n + ".relu", {b.Add("linear", n, {x, w})});
+    width = 256;
+  }
+  graph::TensorId head = b.Parameter("head.weight", f32({10, width}), graph::Initializer::Ones());
+  b.SetLoss(b.Add("cross_entropy", "loss", {b.Add("linear", "head", {x, head}), y}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto p = PlanPipeline(*g, TwoNodes(1.25e9), Fast(Mode::kAuto));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->pipelined());
+  EXPECT_TRUE(p->has_spmd);
+  EXPECT_THAT(::testing::PrintToString(p->notes),
+              AllOf(HasSubstr("no pipeline: "), HasSubstr("'proj'")));
+  EXPECT_THAT(PlanPipeline(*g, TwoNodes(1.25e9), Fast(Mode::kStages, 2)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'proj'"), HasSubstr("not a multiple of the batch"))));
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
