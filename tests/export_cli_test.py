@@ -175,6 +175,16 @@ class ExportCliTest(unittest.TestCase):
             shapes = [q["tensor"]["shape"] for q in json.load(f)["parameters"]]
         self.assertIn([9, 4], shapes)
 
+    def test_weights_to_dash_fails(self):
+        """--weights - wrote a file named '-' in the current directory
+        (only -o takes '-' for standard output)."""
+        cwd = U.tmpdir()
+        p, _ = self.run_cli(os.path.join(self.dir, "cli_models.py") + ":Mlp",
+                            extra=["--weights", "-"], cwd=cwd,
+                            out=os.path.join(cwd, "g.json"))
+        self.assertFailsNaming(p, "--weights - :")
+        self.assertEqual(os.listdir(cwd), [])
+
     def test_an_empty_graph_name_fails(self):
         """--name '' was ignored: the graph took the class name, exit
         status 0."""

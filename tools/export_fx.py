@@ -120,7 +120,8 @@ Command line:
   `hap-executor --init-weights OUT` starts training from them. In Python: export(..., return_values=True), then
   state_dict_weights(graph, values) or write_weights(path, graph, values).
 
--o and --weights are each written into a temporary file beside them and
+-o - writes the graph to standard output; --weights takes a file (not
+'-'). -o and --weights are each written into a temporary file beside them and
 renamed into place only when both are complete (a device or FIFO such as
 /dev/stdout is written in place): a failed write leaves both as they were.
 

@@ -260,6 +260,11 @@ def main(argv=None):
     """The command line; returns the exit status (0, or 2 on an error)."""
     a = _parser().parse_args(argv)
     try:
+        if a.weights == "-":
+            # It wrote a file named '-' (only -o takes '-' for stdout).
+            raise ExportError("--weights - : '-' (standard output) is for "
+                              "the graph, -o -; name a file for the "
+                              "weights (or /dev/stdout)")
         module, examples = _module_and_examples(a)
         loss = a.loss
         if loss is not None and loss.lstrip("-").isdigit():
