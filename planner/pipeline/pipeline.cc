@@ -385,7 +385,9 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     }
   }
   const int U = static_cast<int>(units.size());
-  const Layers layers = FindLayers(g, o.max_layers);
+  // STAGES N needs at least N layers: more than max_layers when N is.
+  const Layers layers =
+      FindLayers(g, o.mode == Mode::kStages ? std::max(o.max_layers, o.stages) : o.max_layers);
   const int L = layers.size();
   out.layers = L;
   const int max_stages = std::min(U, L);

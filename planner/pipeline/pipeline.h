@@ -73,7 +73,7 @@ struct PipelineOptions {
   int stages = 0;        // kStages: exactly this many (>= 1)
   int microbatches = 0;  // 0: chosen among the divisors of the batch
   int max_microbatches = 64;
-  int max_layers = 32;  // layers the DP cuts between (layers.h)
+  int max_layers = 32;  // layers the DP cuts between (layers.h); kStages: >= stages
   Variant variant = Variant::kSynthesized;
   // The per-group syntheses (budgets apply to each); the SPMD comparison
   // uses it as given.

@@ -578,6 +578,30 @@ TEST(Planner, AGraphWithoutMicrobatchesKeepsTheSpmdPlan) {
                        AllOf(HasSubstr("'proj'"), HasSubstr("not a multiple of the batch"))));
 }
 
+// STAGES N above max_layers (8 here) cuts the model into N layers where it
+// has the cuts: 9 stages of the 4-block GPT on 10 devices. The layers were
+// capped at max_layers and the stages refused ("the model has 8 layers").
+TEST(Planner, MoreStagesThanMaxLayersCutMoreLayers) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  ASSERT_GE(ValidCuts(*g).size(), 8u);
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < 10; ++i) {
+    d.push_back(
+        {"d" + std::to_string(i), "n" + std::to_string(i / 2), "test", 3.86e12, 40 * kGiB, 1e-5});
+  }
+  auto c = cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 1.25e9, 5e-5);
+  ASSERT_TRUE(c.ok()) << c.status();
+  PipelineOptions o = Fast(Mode::kStages, 9);
+  o.variant = Variant::kEvenSplit;
+  o.microbatches = 16;
+  o.plan_spmd = false;
+  auto p = PlanPipeline(*g, *c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->stages.size(), 9u);
+  EXPECT_EQ(p->layers, 9);
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
