@@ -331,6 +331,36 @@ class ExportReviewTest(unittest.TestCase):
                 self.assertIn("in place", str(cm.exception))
                 self.assertEqual(float(m.steps), 0.0)
 
+    def test_tensor_attribute_changed_in_place_fails_and_is_kept(self):
+        """self.scale = torch.ones(6) (a plain attribute) and
+        self.scale.mul_(2) in forward: fx ran the change while tracing and
+        recorded none, so every use read the doubled values and the
+        caller's module was left changed. It now fails naming the
+        attribute, which is put back; one holding NaN that forward leaves
+        alone does not count as changed."""
+        class Scaled(nn.Module):
+            def __init__(self, change):
+                super().__init__()
+                self.fc = nn.Linear(4, 6)
+                self.head = nn.Linear(6, 3)
+                self.scale = torch.ones(6)
+                self.unused = torch.tensor([float("nan"), 1.0])
+                self.change = change
+
+            def forward(self, x, labels):
+                h = self.fc(x) * self.scale
+                if self.change:
+                    self.scale.mul_(2.0)
+                return F.cross_entropy(self.head(h * self.scale), labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        m = Scaled(True)
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("tensor attribute 'scale' in place", str(cm.exception))
+        self.assertTrue(torch.equal(m.scale, torch.ones(6)))
+        self.assert_loss_and_gradients(Scaled(False), inputs)
+
     def test_softmax_dtype_by_position_or_method_is_read(self):
         """torch.softmax(x, -1, torch.float64) read its dtype as
         F.softmax's _stacklevel and x.softmax(-1, dtype=...) did not read

@@ -62,6 +62,45 @@ def is_stochastic_depth(f):
     return f in stochastic_depth_functions()
 
 
+class TensorAttributeChanged(RuntimeError):
+    """forward changed a plain tensor attribute of a module in place."""
+
+
+def _tensor_attributes(root):
+    """[(module path, attribute, tensor, copy)] of the tensors that the
+    modules of `root` hold as plain attributes (self.scale = torch.ones(6):
+    not parameters or buffers). fx does not trace them: an in-place op of
+    forward on one (self.scale.mul_(2)) runs while tracing, changed the
+    caller's module and reached the uses before it."""
+    out = []
+    for path, mod in root.named_modules():
+        for k, v in vars(mod).items():
+            if type(v) is torch.Tensor and not v.is_meta:
+                out.append((path, k, v, v.detach().clone()))
+    return out
+
+
+def _same(t, v):
+    """t equals its copy v (NaN equal to NaN)."""
+    if t.shape != v.shape or t.dtype != v.dtype:
+        return False
+    if torch.equal(t, v):
+        return True
+    return t.is_floating_point() and \
+        bool(((t == v) | (t.isnan() & v.isnan())).all())
+
+
+def _check_tensor_attributes(attrs):
+    for path, k, t, v in attrs:
+        if not _same(t, v):
+            name = f"{path}.{k}" if path else k
+            raise TensorAttributeChanged(
+                f"forward changes the tensor attribute '{name}' in place "
+                f"(not a parameter or buffer: torch.fx runs the change while "
+                f"tracing, and records none); register it as a buffer or "
+                f"use the op's result")
+
+
 def _forward_hooks(m):
     """(forward pre-hooks, forward hooks) that Module.__call__ runs for
     `m`: the global ones, then the module's own."""
@@ -196,12 +235,19 @@ class HapTracer(fx.Tracer):
             fx.Proxy.__iter__ = _proxy_iter
         for n, f in saved.items():
             setattr(torch, n, _wrap_factory(f))
+        attrs = _tensor_attributes(root)
         try:
             # Gradients on, so that the nodes forward computes under
             # torch.no_grad() are told apart (create_node).
             with torch.enable_grad():
-                return super().trace(root, concrete_args)
+                graph = super().trace(root, concrete_args)
+            _check_tensor_attributes(attrs)
+            return graph
         finally:
+            for _, _, t, v in attrs:
+                if not _same(t, v) and t.shape == v.shape:
+                    with torch.no_grad():
+                        t.copy_(v)
             fx.Proxy.__iter__ = saved_iter
             for n, f in saved.items():
                 setattr(torch, n, f)
