@@ -451,9 +451,17 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     for (int m = 2; m <= o.max_microbatches && m <= batch; m *= 2) {
       if (batch % m == 0) counts.push_back(m);
     }
+    // An odd batch: its other divisors (9 samples: 3 or 9 microbatches).
+    for (int m = 3; counts.empty() && m <= o.max_microbatches && m <= batch; ++m) {
+      if (batch % m == 0) counts.push_back(m);
+    }
+    // STAGES N on a batch with none (1 sample, or a prime above
+    // max_microbatches): the stages run it whole.
+    if (counts.empty() && o.mode == Mode::kStages) counts.push_back(1);
   }
   if (counts.empty()) {
-    note(absl::StrCat("no pipeline: the batch ", batch, " has no power-of-two microbatch count"));
+    note(absl::StrCat("no pipeline: the batch ", batch, " has no microbatch count from 2 to ",
+                      o.max_microbatches));
     return finish();
   }
   // Graphs at each microbatch size. A count whose microbatch the graph

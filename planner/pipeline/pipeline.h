@@ -71,7 +71,9 @@ const char* VariantName(Variant v);
 struct PipelineOptions {
   Mode mode = Mode::kAuto;
   int stages = 0;        // kStages: exactly this many (>= 1)
-  int microbatches = 0;  // 0: chosen among the divisors of the batch
+  // 0: chosen among the batch's power-of-two divisors from 2 to
+  // max_microbatches (an odd batch: its divisors; kStages with none: 1).
+  int microbatches = 0;
   int max_microbatches = 64;
   int max_layers = 32;  // layers the DP cuts between (layers.h); kStages: >= stages
   Variant variant = Variant::kSynthesized;

@@ -602,6 +602,28 @@ TEST(Planner, MoreStagesThanMaxLayersCutMoreLayers) {
   EXPECT_EQ(p->layers, 9);
 }
 
+// STAGES N on an odd batch (9 samples) pipelines it in 3 microbatches of
+// 3 samples (9 of 1 are smaller than the 2-device groups): it found no
+// power-of-two count and answered no pipeline at all, OK and silent (the
+// SPMD plan, or nothing without it).
+TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
+                                        {"hidden", 64},
+                                        {"heads", 4},
+                                        {"ffn", 128},
+                                        {"seq", 16},
+                                        {"vocab", 200},
+                                        {"batch", 9}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  o.plan_spmd = false;
+  auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->pipelined()) << ::testing::PrintToString(p->notes);
+  EXPECT_EQ(p->microbatches, 3);
+  EXPECT_EQ(p->microbatch_size, 3);
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
