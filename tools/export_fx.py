@@ -82,9 +82,12 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     inplace=True), nn.ReLU(inplace=True), x += y) is followed, also when
     its result is not assigned: later uses of x take its result. One that
     changes a view of a tensor used afterwards (x[:, 0].mul_(2)) fails
-    naming it, and so does a result that forward computes from the inputs
-    or parameters under torch.no_grad() (fx records no grad mode; PyTorch
-    gives it no gradient).
+    naming it, and so does one that changes a buffer, parameter or plain
+    tensor attribute of the module (state the graph does not hold; the
+    module is left as it was), and a result that forward computes from the
+    inputs or parameters under torch.no_grad() (fx records no grad mode;
+    PyTorch gives it no gradient). Forward hooks of modules kept whole
+    (nn.Linear ...) are traced as Module.__call__ runs them.
 
 Command line:
   /usr/bin/python3 tools/export_fx.py --module pkg.mod:factory_or_class \
