@@ -692,10 +692,11 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     for (int S = 2; S <= max_stages; ++S) stage_counts.push_back(S);
   }
   if (o.variant == Variant::kEvenSplit) {
-    // One stage per unit (or the asked count of equal unit runs), equal
-    // numbers of layers.
+    // One stage per unit (or the asked count of equal unit runs; in auto,
+    // one per layer when there are fewer layers than units), equal numbers
+    // of layers.
     for (int S : stage_counts) {
-      if (o.mode == Mode::kAuto && S != U) continue;
+      if (o.mode == Mode::kAuto && S != max_stages) continue;
       for (int c = 0; c < C; ++c) {
         std::vector<StageChoice> st;
         for (int s = 0; s < S; ++s) {

@@ -624,6 +624,31 @@ TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
   EXPECT_EQ(p->microbatch_size, 3);
 }
 
+// The even-split baseline in auto mode on fewer layers (2) than nodes (3)
+// runs one layer a stage over equal runs of the nodes: it wanted one stage
+// per node, found none, and noted "no pipeline fits".
+TEST(Planner, EvenSplitOnFewerLayersThanNodes) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  std::vector<cost::DeviceModel> d;
+  for (int i = 0; i < 3; ++i) {
+    d.push_back(
+        {"d" + std::to_string(i), "n" + std::to_string(i), "test", 3.86e12, 40 * kGiB, 1e-5});
+  }
+  auto c = cost::ClusterModel::TwoLevel(std::move(d), 9.5e9, 1e-5, 1.25e9, 5e-5);
+  ASSERT_TRUE(c.ok()) << c.status();
+  PipelineOptions o = Fast(Mode::kAuto);
+  o.variant = Variant::kEvenSplit;
+  o.max_layers = 2;
+  o.plan_spmd = false;
+  auto p = PlanPipeline(*g, *c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->pipelined()) << ::testing::PrintToString(p->notes);
+  ASSERT_EQ(p->stages.size(), 2u);
+  EXPECT_EQ(p->stages[0].end_layer, 1);
+  EXPECT_EQ(p->stages[0].devices.size() + p->stages[1].devices.size(), 3u);
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
