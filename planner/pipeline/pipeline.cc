@@ -357,7 +357,13 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
     out.planning_seconds = std::chrono::duration<double>(now() - start).count();
     return out;
   };
-  if (!want_pipeline) return finish();
+  if (!want_pipeline) {
+    if (o.microbatches > 1) {
+      note(absl::StrCat("one stage: the plan is the SPMD plan, which runs the batch of ", batch,
+                        " whole; microbatches ", o.microbatches, " are not used"));
+    }
+    return finish();
+  }
 
   // Units: nodes, split when more stages are asked for than nodes: each
   // node into `parts` (or its devices, when fewer), the fewest parts that

@@ -649,6 +649,22 @@ TEST(Planner, EvenSplitOnFewerLayersThanNodes) {
   EXPECT_EQ(p->stages[0].devices.size() + p->stages[1].devices.size(), 3u);
 }
 
+// Microbatches asked for a one-stage plan (STAGES 1, or no pipeline) are
+// not used, and a note says so rather than dropping them silently.
+TEST(Planner, MicrobatchesOfAOneStagePlanAreNotedUnused) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  for (Mode mode : {Mode::kStages, Mode::kOff}) {
+    PipelineOptions o = Fast(mode, 1);
+    o.microbatches = 4;
+    auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_FALSE(p->pipelined());
+    EXPECT_EQ(p->microbatch_size, 32);
+    EXPECT_THAT(::testing::PrintToString(p->notes), HasSubstr("microbatches 4 are not used"));
+  }
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
