@@ -155,6 +155,26 @@ class ExportReviewTest(unittest.TestCase):
             export_fx.export(m, inputs)
         self.assertIn("torch.sigmoid_", str(cm.exception))
 
+    def test_out_argument_fails_naming_the_node(self):
+        """torch.add(x, y, out=z) writes into z; the exporter dropped the
+        out= and later uses of z read it unchanged, with exit status 0."""
+        class Out(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def forward(self, x, labels):
+                z = torch.zeros(5, 3)
+                h = self.fc(x)
+                torch.add(h, h, out=z)
+                return F.cross_entropy(z, labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Out(), inputs)
+        self.assertIn("out=", str(cm.exception))
+        self.assertIn("add", str(cm.exception))
+
     def test_causal_mask_broadcast_over_one_query_fails(self):
         """scores [B, 1, S] + a causal [S, S] mask is [B, S, S] in PyTorch
         (the mask broadcasts the one query over S rows); the exporter

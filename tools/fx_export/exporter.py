@@ -444,6 +444,15 @@ class Exporter:
             self.fail("this module type is not supported by the HAP exporter")
         return handler(self, call)
 
+    def refuse_out(self, n):
+        """`out=`: PyTorch writes the result into that tensor, which the
+        graph cannot express; it was dropped, and the tensor kept its old
+        values in every later use."""
+        if "out" in n.kwargs:
+            self.fail("passes out=, writing its result into another tensor, "
+                      "which the HAP graph cannot express: assign the result "
+                      "instead (z = torch.add(x, y))")
+
     def call_function(self, n):
         handler = registry.function_handler(n.target)
         if handler is None:
@@ -481,6 +490,12 @@ class Exporter:
             self.inputs.append({"tensor": {"name": name,
                                            "shape": list(ex.shape),
                                            "dtype": dtype}})
+        # Every node, the loss's or not: the call's own result is often
+        # unused (torch.add(x, y, out=z) writes z).
+        for n in self.gm.graph.nodes:
+            if n.op in ("call_function", "call_method"):
+                self.node = n
+                self.refuse_out(n)
         needed = set()
         stack = [self.loss_node]
         while stack:
