@@ -996,6 +996,21 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   out.microbatch_size = batch / M;
   out.microbatch_graph = graphs[c];
   out.overlap = overlap;
+  // What cut the chosen stages' syntheses short (a budget that ran out:
+  // their programs are the best found), once per note.
+  std::vector<std::pair<std::string, std::vector<int>>> stage_notes;
+  for (int s = 0; s < S; ++s) {
+    for (const std::string& n : entry(best.stages[s].group, c)->plan.notes) {
+      auto it = std::find_if(stage_notes.begin(), stage_notes.end(),
+                             [&n](const auto& x) { return x.first == n; });
+      if (it == stage_notes.end()) it = stage_notes.insert(stage_notes.end(), {n, {}});
+      if (it->second.empty() || it->second.back() != s) it->second.push_back(s);
+    }
+  }
+  for (const auto& [n, at] : stage_notes) {
+    note(absl::StrCat(at.size() > 1 ? "stages " : "stage ", absl::StrJoin(at, ", "),
+                      " (synthesis): ", n));
+  }
   return finish();
 }
 

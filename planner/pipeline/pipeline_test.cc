@@ -665,6 +665,23 @@ TEST(Planner, MicrobatchesOfAOneStagePlanAreNotedUnused) {
   }
 }
 
+// A budget that cuts the stages' syntheses short (here the state budget)
+// leaves them the best programs found, and the plan says so as the SPMD
+// plan does: the syntheses' notes were dropped.
+TEST(Planner, StageSynthesesCutShortAreNoted) {
+  auto g = SmallGpt();
+  ASSERT_TRUE(g.ok());
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  o.plan_spmd = false;
+  o.stage_options.max_states = 20;
+  auto p = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->pipelined());
+  EXPECT_THAT(::testing::PrintToString(p->notes),
+              AllOf(HasSubstr("(synthesis): the state budget (20 states) cut a search"),
+                    HasSubstr("stage")));
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
