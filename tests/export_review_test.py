@@ -229,6 +229,22 @@ class ExportReviewTest(unittest.TestCase):
             export_fx.export(NoGrad(True), inputs)
         self.assertIn("node 'a'", str(cm.exception))
         self.assertIn("torch.no_grad()", str(cm.exception))
+        # torch.inference_mode() turns gradients off as well.
+        class Inference(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(4, 6)
+                self.b = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                with torch.inference_mode():
+                    t = self.a(x)
+                return F.cross_entropy(self.b(t.clone()), labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Inference(), inputs)
+        self.assertIn("node 'a'", str(cm.exception))
+        self.assertIn("inference_mode()", str(cm.exception))
         self.assert_loss_and_gradients(NoGrad(False), inputs)
         with torch.no_grad():
             g = export_fx.export(NoGrad(False), inputs)

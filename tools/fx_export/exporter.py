@@ -562,7 +562,8 @@ class Exporter:
             # was exported with gradients into self.a (trained, where
             # PyTorch leaves it as it is).
             self.fail("is computed under torch.no_grad() (or "
-                      "set_grad_enabled(False)), which the HAP graph cannot "
+                      "set_grad_enabled(False), or inference_mode()), which "
+                      "the HAP graph cannot "
                       "express: its ops would get gradients that PyTorch's "
                       "do not (freeze parameters with requires_grad_(False) "
                       "instead)")
