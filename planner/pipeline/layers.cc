@@ -55,19 +55,20 @@ Layers FindLayers(const graph::Graph& g, int max_layers) {
   if (static_cast<int>(cuts.size()) <= max_layers - 1) {
     chosen = cuts;
   } else {
+    // More cuts than wanted (cuts.size() > max_layers - 1): cut i is the
+    // nearest to its equal-FLOP target among cuts [at, last), leaving one
+    // cut for each target after it, so every target gets its own.
     size_t at = 0;
     for (int i = 1; i < max_layers; ++i) {
       const double target = prefix[n] * i / max_layers;
-      // The nearest cut at or after `at` (cuts stay increasing).
+      const size_t last = cuts.size() - static_cast<size_t>(max_layers - 1 - i);
       size_t best = at;
-      for (size_t j = at; j < cuts.size(); ++j) {
+      for (size_t j = at; j < last; ++j) {
         if (std::abs(prefix[cuts[j]] - target) < std::abs(prefix[cuts[best]] - target)) best = j;
         if (prefix[cuts[j]] > target) break;
       }
-      if (best >= cuts.size()) break;
-      if (chosen.empty() || cuts[best] > chosen.back()) chosen.push_back(cuts[best]);
+      chosen.push_back(cuts[best]);
       at = best + 1;
-      if (at >= cuts.size()) break;
     }
   }
   Layers l;

@@ -30,7 +30,8 @@ struct Layers {
 
 // Every valid cut position k (1 <= k < ops), in order.
 std::vector<int> ValidCuts(const graph::Graph& g);
-// max_layers >= 1. A graph with no valid cut is one layer.
+// max_layers >= 1: min(max_layers, valid cuts + 1) layers (a graph with no
+// valid cut is one layer).
 Layers FindLayers(const graph::Graph& g, int max_layers);
 
 // The graph with every input's dimension 0 (the first input's is the batch;

@@ -123,6 +123,40 @@ TEST(Layers, GptCutsAtTheResidualStream) {
   }
 }
 
+// FindLayers(g, n) gives n layers wherever the graph has n - 1 valid cuts,
+// also where the forward FLOPs are skewed: a chain of cheap layers, then
+// two dear ones. Each cut was chosen nearest its equal-FLOP target without
+// leaving cuts for the targets after it, so 4 layers came out as 3.
+TEST(Layers, AsManyLayersAsAskedWhereTheCutsExist) {
+  graph::GraphBuilder b("skewed");
+  auto f32 = [](std::vector<int64_t> shape) {
+    return graph::TensorType{graph::DType::kFloat32, std::move(shape)};
+  };
+  graph::TensorId x = b.Input("x", f32({8, 16}));
+  graph::TensorId y =
+      b.Input("labels", graph::TensorType{graph::DType::kInt64, {8}}, graph::InputRole::kLabels);
+  const std::vector<int64_t> widths = {16, 16, 16, 16, 2048, 2048};
+  int64_t in = 16;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    const std::string n = "fc" + std::to_string(i);
+    graph::TensorId w =
+        b.Parameter(n + ".weight", f32({widths[i], in}), graph::Initializer::Ones());
+    x = b.Add("relu", n + ".relu", {b.Add("linear", n, {x, w})});
+    in = widths[i];
+  }
+  graph::TensorId head = b.Parameter("head.weight", f32({10, in}), graph::Initializer::Ones());
+  b.SetLoss(b.Add("cross_entropy", "loss", {b.Add("linear", "head", {x, head}), y}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  const int cuts = static_cast<int>(ValidCuts(*g).size());
+  ASSERT_GE(cuts, 8);
+  for (int n = 1; n <= cuts + 1; ++n) {
+    Layers l = FindLayers(*g, n);
+    EXPECT_EQ(l.size(), n) << "max_layers " << n;
+    for (int k = 0; k < l.size(); ++k) EXPECT_LT(l.begin[k], l.begin[k + 1]);
+  }
+}
+
 TEST(Layers, Rebatch) {
   auto g = TinyGpt(2);
   ASSERT_TRUE(g.ok());
