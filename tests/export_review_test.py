@@ -175,6 +175,36 @@ class ExportReviewTest(unittest.TestCase):
         self.assertIn("out=", str(cm.exception))
         self.assertIn("add", str(cm.exception))
 
+    def test_torch_subclass_with_its_own_forward_is_not_its_base(self):
+        """torch.nn.qat.Linear (a torch.nn.Linear whose forward
+        fake-quantizes the weight) was exported as a plain Linear, its
+        quantization lost, with exit status 0. It is traced through and
+        fails naming the fake quantizer; its buffers, which the run resized,
+        are put back (restoring them raised a RuntimeError traceback)."""
+        import torch.nn.qat as qat
+
+        class Qat(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = qat.Linear(
+                    4, 6, qconfig=torch.quantization.get_default_qat_qconfig("fbgemm"))
+                self.b = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.b(self.a(x)), labels)
+
+        m = Qat()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("a.weight_fake_quant", str(cm.exception))
+        self.assertIn("not supported", str(cm.exception))
+        after = m.state_dict()
+        self.assertEqual(sorted(before), sorted(after))
+        for k, v in before.items():
+            self.assertTrue(torch.equal(v, after[k]), k)
+
     def test_causal_mask_broadcast_over_one_query_fails(self):
         """scores [B, 1, S] + a causal [S, S] mask is [B, S, S] in PyTorch
         (the mask broadcasts the one query over S rows); the exporter

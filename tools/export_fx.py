@@ -47,7 +47,10 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     nn.TransformerDecoder and nn.Transformer likewise (self-attention,
     attention over the memory, feed-forward, in PyTorch's order). A
     subclass of these modules (or of nn.MultiheadAttention) that overrides
-    forward is traced through instead, not decomposed as its base.
+    forward is traced through instead, not decomposed as its base; so is
+    torch's own subclass of a supported module made elsewhere that
+    overrides forward (torch.nn.qat.Linear: its fake quantizer is then
+    named as not supported).
   * nn.LSTM becomes one lstm op per layer and direction (the reverse
     direction with attribute reverse, both outputs concatenated on the
     features; nn.LSTM's dropout as dropout ops between layers; transposes

@@ -133,7 +133,10 @@ def _record_shapes(gm, root, args, run_on):
     finally:
         with torch.no_grad():
             for b, v in saved:
-                b.copy_(v)
+                if b.shape == v.shape:
+                    b.copy_(v)
+                else:  # a buffer the run resized (a fake quantizer's scale)
+                    b.data = v
 
 
 def _run_recorder(gm, root, args, run_on, param_targets):

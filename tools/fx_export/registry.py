@@ -80,13 +80,19 @@ def methods(*names, tensor_self=True):
     return register
 
 
-def module_handler(cls):
-    """The handler of an nn.Module class, or None."""
+def handled_base(cls):
+    """The class in `cls`'s MRO whose handler module_handler gives, or None."""
     for base in cls.__mro__:
         entry = _MODULES.get(base)
         if entry is not None and (not entry.exact or base is cls):
-            return entry.handler
+            return base
     return None
+
+
+def module_handler(cls):
+    """The handler of an nn.Module class, or None."""
+    base = handled_base(cls)
+    return None if base is None else _MODULES[base].handler
 
 
 def function_handler(f):

@@ -157,7 +157,20 @@ class HapTracer(fx.Tracer):
             base = next(b for b in type(m).__mro__ if b in self.LEAVES)
             if type(m).forward is base.forward:
                 return True
-        return super().is_leaf_module(m, qualname)
+        if not super().is_leaf_module(m, qualname):
+            return False
+        # The same for torch's subclasses of a supported module made
+        # elsewhere (torch.nn.qat.Linear fake-quantizes its weight in a
+        # forward of its own; intrinsic ConvBn2d folds a BatchNorm): exported
+        # as the base class, their forward was lost with exit status 0. They
+        # are traced through, and what their forward calls is exported or
+        # named. A family's own classes (nn.GRU beside nn.RNNBase, whose
+        # handler names them) are left to their handler.
+        from . import registry  # noqa: PLC0415 (registry imports the ops)
+        cls = type(m)
+        base = registry.handled_base(cls)
+        return (base is None or base is cls or cls.forward is base.forward or
+                cls.__module__ == base.__module__)
 
     def call_module(self, m, forward, args, kwargs):
         try:
