@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "planner/graph/graph_proto.h"
@@ -99,6 +100,18 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
     return absl::InvalidArgumentError(
         absl::StrCat("microbatch ", batch, " does not divide the batch ", old));
   }
+  // The ops whose shape attribute may carry the batch: those reading a
+  // tensor computed from an input (every input is split). A reshape of a
+  // parameter keeps its shape whatever its first entry.
+  std::vector<bool> batched(g.tensors().size(), false);
+  absl::flat_hash_set<std::string> batched_ops;
+  for (graph::TensorId t : g.Inputs()) batched[t] = true;
+  for (const graph::Op& op : g.ops()) {
+    bool reads_batch = false;
+    for (graph::TensorId t : op.inputs) reads_batch = reads_batch || batched[t];
+    for (graph::TensorId t : op.outputs) batched[t] = reads_batch;
+    if (reads_batch) batched_ops.insert(op.name);
+  }
   hap::v1::Graph p = graph::ToProto(g);
   p.clear_value_info();
   for (hap::v1::Input& in : *p.mutable_inputs()) {
@@ -112,6 +125,7 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
     shape->Set(0, shape->Get(0) / old * batch);
   }
   for (hap::v1::Op& op : *p.mutable_ops()) {
+    if (!batched_ops.contains(op.name())) continue;
     auto it = op.mutable_attrs()->find("shape");
     if (it == op.mutable_attrs()->end() || !it->second.has_ints()) continue;
     auto* v = it->second.mutable_ints()->mutable_values();

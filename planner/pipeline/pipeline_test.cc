@@ -169,6 +169,34 @@ TEST(Layers, Rebatch) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("does not divide")));
 }
 
+// A reshape of a parameter whose first entry happens to be a multiple of
+// the batch (a [16, 8] weight seen as [8, 16] at a batch of 8) keeps its
+// shape at a microbatch: only tensors computed from the inputs carry the
+// batch. It was scaled to [4, 16] and the graph refused microbatches.
+TEST(Layers, RebatchKeepsTheShapeOfAParametersReshape) {
+  graph::GraphBuilder b("reshaped");
+  auto f32 = [](std::vector<int64_t> shape) {
+    return graph::TensorType{graph::DType::kFloat32, std::move(shape)};
+  };
+  graph::TensorId x = b.Input("x", f32({8, 16}));
+  graph::TensorId y =
+      b.Input("labels", graph::TensorType{graph::DType::kInt64, {8}}, graph::InputRole::kLabels);
+  graph::TensorId w = b.Parameter("w", f32({16, 8}), graph::Initializer::Ones());
+  graph::TensorId w2 =
+      b.Add("reshape", "w_view", {w}, graph::Attrs{{"shape", std::vector<int64_t>{8, 16}}});
+  x = b.Add("relu", "relu", {b.Add("linear", "fc", {x, w2})});
+  graph::TensorId head = b.Parameter("head.weight", f32({10, 8}), graph::Initializer::Ones());
+  b.SetLoss(b.Add("cross_entropy", "loss", {b.Add("linear", "head", {x, head}), y}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto m = Rebatch(*g, 4);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(GraphBatch(*m), 4);
+  auto view = m->FindTensor("w_view");
+  ASSERT_TRUE(view.has_value());
+  EXPECT_EQ(m->tensor(*view).type.shape, (std::vector<int64_t>{8, 16}));
+}
+
 cost::ClusterModel TwoNodes(double inter_bw) {
   std::vector<cost::DeviceModel> d;
   for (int i = 0; i < 4; ++i) {
