@@ -205,6 +205,23 @@ class ExportReviewTest(unittest.TestCase):
         for k, v in before.items():
             self.assertTrue(torch.equal(v, after[k]), k)
 
+    def test_backward_hooks_fail_naming_them(self):
+        """A module's backward hook or a parameter's gradient hook changes
+        gradients in PyTorch; fx records neither, and the graph trained
+        without them with exit status 0. Each is named."""
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        m = InPlace(lambda s, h: None)
+        m.fc.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0,))
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("module 'fc' has a backward hook", str(cm.exception))
+        m = InPlace(lambda s, h: None)
+        m.head.weight.register_hook(lambda grad: grad * 2)
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, inputs)
+        self.assertIn("parameter 'head.weight' has a gradient hook", str(cm.exception))
+        self.export_valid(InPlace(lambda s, h: None), inputs)  # without: exported
+
     def test_causal_mask_broadcast_over_one_query_fails(self):
         """scores [B, 1, S] + a causal [S, S] mask is [B, S, S] in PyTorch
         (the mask broadcasts the one query over S rows); the exporter

@@ -90,7 +90,9 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     module is left as it was), and a result that forward computes from the
     inputs or parameters under torch.no_grad() (fx records no grad mode;
     PyTorch gives it no gradient). Forward hooks of modules kept whole
-    (nn.Linear ...) are traced as Module.__call__ runs them.
+    (nn.Linear ...) are traced as Module.__call__ runs them; backward hooks
+    (a module's, a parameter's register_hook, a global one) fail naming
+    them, and so does a call with out= (torch.add(x, y, out=z)).
 
 Command line:
   /usr/bin/python3 tools/export_fx.py --module pkg.mod:factory_or_class \

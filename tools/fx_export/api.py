@@ -117,6 +117,27 @@ def _check_inputs(root, example_inputs):
     return sig, concrete
 
 
+def _refuse_backward_hooks(root):
+    """A backward hook (a module's register_full_backward_hook, a
+    parameter's register_hook, or a global one) changes or reads gradients
+    in PyTorch; fx records none of them, and the graph trained without it
+    with exit status 0. Named instead."""
+    g = torch.nn.modules.module
+    if g._global_backward_hooks or getattr(g, "_global_backward_pre_hooks", None):
+        raise ExportError("a global module backward hook is registered "
+                          "(register_module_full_backward_hook): the HAP "
+                          "graph cannot run it")
+    for path, m in root.named_modules():
+        if m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+            raise ExportError(f"module '{path or type(m).__name__}' has a "
+                              f"backward hook (register_full_backward_hook): "
+                              f"the HAP graph cannot run it")
+    for pname, p in root.named_parameters():
+        if p._backward_hooks:
+            raise ExportError(f"parameter '{pname}' has a gradient hook "
+                              f"(register_hook): the HAP graph cannot run it")
+
+
 def _record_shapes(gm, root, args, run_on):
     """Runs gm once (Recorder) on meta tensors and/or the example inputs
     `args`, as `run_on` says."""
@@ -244,6 +265,7 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
         prefix = "model"  # the wrapper's submodule; not part of any name
         loss = None
     sig, concrete = _check_inputs(root, example_inputs)
+    _refuse_backward_hooks(root)
 
     was_training = root.training
     root.train()
