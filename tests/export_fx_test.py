@@ -7,13 +7,13 @@ import importlib.util
 import json
 import os
 import struct
-import unittest
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_test_util as U  # noqa: E402  (sets sys.path)
+from export_test_case import ExportTestCase  # noqa: E402
 import export_fx  # noqa: E402
 import hap_ir_eval  # noqa: E402
 
@@ -117,20 +117,8 @@ def make(seed=0):
 """
 
 
-class ExportFxTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = U.tmpdir()
-        cls.n = 0
-
-    def setUp(self):
-        torch.manual_seed(0)
-
+class ExportFxTest(ExportTestCase):
     # ---- helpers -----------------------------------------------------------
-    def path(self, stem):
-        type(self).n += 1
-        return os.path.join(self.dir, f"{stem}_{self.n}.json")
-
     def cli(self, module, inputs, kwargs=None, check=True, extra=()):
         out = self.path("cli")
         cmd = [U.PYTHON, U.EXPORT_FX, "--module", module, "-o", out]

@@ -5,10 +5,8 @@ reference evaluator tests/hap_ir_eval.py, or fails naming the node, its
 target and its place in the model. nn.Embedding's padding_idx also trains
 one step on 2 ranks from the --weights file, equal to PyTorch's SGD step."""
 
-import json
 import os
 import subprocess
-import unittest
 from unittest import mock
 
 import torch
@@ -16,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_test_util as U  # noqa: E402  (sets sys.path)
+from export_test_case import ExportTestCase  # noqa: E402
 import export_fx  # noqa: E402
 import hap_ir_eval  # noqa: E402
 
@@ -155,51 +154,7 @@ def padded_inputs(m, gen=None):
     return {"ids": ids, "labels": torch.randint(0, 3, (4,), generator=gen)}
 
 
-class ExportNumericsTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = U.tmpdir()
-        cls.n = 0
-
-    def setUp(self):
-        torch.manual_seed(0)
-
-    def export_valid(self, module, inputs):
-        """(graph, values), the graph written and `hapctl validate`d."""
-        g, values = export_fx.export(module, inputs, return_values=True)
-        type(self).n += 1
-        path = os.path.join(self.dir, f"{g['name']}_{self.n}.json")
-        with open(path, "w") as f:
-            json.dump(g, f)
-        U.validate(path)  # raises naming hapctl's error
-        return g, values
-
-    def assert_loss_and_gradients(self, module, inputs, tol=1e-5):
-        """The graph's loss and parameter gradients (the reference
-        evaluator under autograd) equal PyTorch's (training mode: batch
-        statistics, no dropout in these models)."""
-        g, values = self.export_valid(module, inputs)
-        module.train()
-        module.zero_grad()
-        ref = module(**inputs)
-        ref.backward()
-        vals = {k: v.detach().clone().requires_grad_(v.is_floating_point())
-                for k, v in values.items()}
-        got = hap_ir_eval.evaluate(g, inputs, vals)
-        got.backward()
-        self.assertAlmostEqual(float(ref), float(got),
-                               delta=tol * max(1.0, abs(float(ref))))
-        for name, p in module.named_parameters():
-            if name not in vals:
-                continue
-            grad = vals[name].grad
-            self.assertIsNotNone(grad, name)
-            self.assertTrue(torch.allclose(grad.double(), p.grad.double(),
-                                           atol=tol, rtol=tol),
-                            f"{name}: graph gradient {grad} vs PyTorch "
-                            f"{p.grad}")
-        return g, values
-
+class ExportNumericsTest(ExportTestCase):
     def test_division_by_a_constant_tensor(self):
         """A 'div' op (not in the IR) was emitted for x / tensor, and
         `hapctl validate` refused the graph; x / 0 was a ZeroDivisionError

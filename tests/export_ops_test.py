@@ -5,7 +5,6 @@ and computes PyTorch's loss with the reference evaluator
 
 import json
 import os
-import unittest
 
 import torch
 import torch.nn as nn
@@ -17,6 +16,7 @@ except ImportError:
     StochasticDepth = stochastic_depth = None
 
 import torch_test_util as U  # noqa: E402  (sets sys.path)
+from export_test_case import ExportTestCase  # noqa: E402
 import export_fx  # noqa: E402
 import hap_ir_eval  # noqa: E402
 
@@ -120,19 +120,10 @@ class LstmNet(nn.Module):
         return F.cross_entropy(self.fc(feats), labels)
 
 
-class ExportOpsTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = U.tmpdir()
-        cls.n = 0
-
-    def setUp(self):
-        torch.manual_seed(0)
-
+class ExportOpsTest(ExportTestCase):
     def export(self, module, inputs, **kw):
         g = export_fx.export(module, inputs, **kw)
-        type(self).n += 1
-        out = os.path.join(self.dir, f"{g['name']}_{self.n}.json")
+        out = self.path(g["name"])
         with open(out, "w") as f:
             json.dump(g, f)
         return g, out

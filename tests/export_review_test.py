@@ -6,15 +6,14 @@ not supported."""
 
 import json
 import os
-import unittest
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_test_util as U  # noqa: E402  (sets sys.path)
+from export_test_case import ExportTestCase  # noqa: E402
 import export_fx  # noqa: E402
-import hap_ir_eval  # noqa: E402
 
 
 def labels(n, hi):
@@ -38,50 +37,7 @@ class InPlace(nn.Module):
         return F.cross_entropy(self.head(h), labels)
 
 
-class ExportReviewTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = U.tmpdir()
-        cls.n = 0
-
-    def setUp(self):
-        torch.manual_seed(0)
-
-    def export_valid(self, module, inputs):
-        """(graph, values), the graph written and `hapctl validate`d."""
-        g, values = export_fx.export(module, inputs, return_values=True)
-        type(self).n += 1
-        path = os.path.join(self.dir, f"{g['name']}_{self.n}.json")
-        with open(path, "w") as f:
-            json.dump(g, f)
-        U.validate(path)  # raises naming hapctl's error
-        return g, values
-
-    def assert_loss_and_gradients(self, module, inputs, tol=1e-5):
-        """The graph's loss and parameter gradients equal PyTorch's
-        (training mode; no dropout in these models)."""
-        g, values = self.export_valid(module, inputs)
-        module.train()
-        module.zero_grad()
-        ref = module(**inputs)
-        ref.backward()
-        vals = {k: v.detach().clone().requires_grad_(v.is_floating_point())
-                for k, v in values.items()}
-        got = hap_ir_eval.evaluate(g, inputs, vals)
-        got.backward()
-        self.assertAlmostEqual(float(ref), float(got),
-                               delta=tol * max(1.0, abs(float(ref))))
-        for name, p in module.named_parameters():
-            if name not in vals:
-                continue
-            grad = vals[name].grad
-            self.assertIsNotNone(grad, name)
-            self.assertTrue(torch.allclose(grad.double(), p.grad.double(),
-                                           atol=tol, rtol=tol),
-                            f"{name}: graph gradient {grad} vs PyTorch "
-                            f"{p.grad}")
-        return g, values
-
+class ExportReviewTest(ExportTestCase):
     def test_in_place_ops_whose_result_is_not_assigned(self):
         """h.add_(1), h.mul_(2), F.relu(h, inplace=True) and
         nn.ReLU(inplace=True) with their result unused: the op was dropped
