@@ -182,6 +182,9 @@ class CheckpointCliTest(unittest.TestCase):
         ckpt = os.path.join(util.tmpdir(), "ckpt")
         first = launch("--plan", self.plan4, "--steps", "4", "--checkpoint-dir", ckpt, *spec)
         self.assertEqual(first.returncode, 0, first.stderr)
+        # The checkpoint records the data's size, which a resume checks.
+        table = util.run([HAPCTL, "checkpoint", "inspect", ckpt]).stdout
+        self.assertRegex(table, r"data +npy:\S+ \(20 samples\), shuffled \(seed 7\)")
         rest = launch("--plan", self.plan2, "--steps", "8", "--resume", ckpt, *spec)
         self.assertEqual(rest.returncode, 0, rest.stderr)
         want, got = losses(whole.stdout), {**losses(first.stdout), **losses(rest.stdout)}

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -104,12 +105,17 @@ int Inspect(const Args& a) {
                                trainer.plan_hash().substr(0, 12), trainer.world_size());
   std::cout << absl::StrFormat("written     %s, format version %d\n", trainer.time(),
                                trainer.format_version());
-  std::cout << absl::StrFormat("data        %s%s, seed %d\n",
-                               trainer.data().empty() ? "-" : trainer.data(),
-                               trainer.shuffle() ? absl::StrCat(", shuffled (seed ",
-                                                                trainer.shuffle_seed(), ")")
-                                                 : "",
-                               trainer.seed());
+  // The size a resume checks (samples of user data, tokens of a corpus).
+  const bool user_data =
+      absl::StartsWith(trainer.data(), "npy:") || absl::StartsWith(trainer.data(), "tokens:");
+  const std::string data_size =
+      trainer.data_size() <= 0
+          ? ""
+          : absl::StrCat(" (", trainer.data_size(), user_data ? " samples)" : " tokens)");
+  std::cout << absl::StrFormat(
+      "data        %s%s%s, seed %d\n", trainer.data().empty() ? "-" : trainer.data(), data_size,
+      trainer.shuffle() ? absl::StrCat(", shuffled (seed ", trainer.shuffle_seed(), ")") : "",
+      trainer.seed());
   std::cout << absl::StrFormat(
       "size        %.2f MB in %d files: %d parameters, %d optimizer state values\n",
       file_bytes / 1e6, index.files_size(), params, states);
