@@ -96,6 +96,7 @@ struct Group {
 // One group at one microbatch count: its program and per-layer prices.
 struct Entry {
   absl::Status status = absl::UnknownError("not planned");
+  bool too_small = false;  // the microbatch has fewer samples than the group devices
   std::unique_ptr<cost::ClusterModel> cluster;
   std::unique_ptr<cost::CollectiveModel> coll;
   synth::PlanResult plan;
@@ -526,6 +527,7 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
           jobs.push_back(k * C + c);
         } else {
           entries[k * C + c].status = absl::FailedPreconditionError("microbatch below group size");
+          entries[k * C + c].too_small = true;
         }
       }
     }
@@ -879,10 +881,21 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
         break;
       }
     }
+    bool all_too_small = true;
+    for (const Entry& e : entries) all_too_small = all_too_small && e.too_small;
+    if (why.empty() && all_too_small) {
+      size_t smallest = units.front().size();
+      for (const auto& u : units) smallest = std::min(smallest, u.size());
+      const int64_t most = batch / counts.front();
+      why = absl::StrCat(": microbatches of ", most, most == 1 ? " sample" : " samples",
+                         counts.size() > 1 ? " or fewer" : "",
+                         " are smaller than every group of devices (the smallest has ", smallest,
+                         " devices; a device needs at least one sample)");
+    }
     if (o.mode == Mode::kStages) {
       return absl::FailedPreconditionError(
-          absl::StrCat("no ", o.stages,
-                       "-stage pipeline fits (memory or microbatches smaller than groups)", why));
+          absl::StrCat("no ", o.stages, "-stage pipeline fits",
+                       why.empty() ? " (memory or microbatches smaller than groups)" : why));
     }
     note(absl::StrCat("no pipeline fits", why, "; the plan is the SPMD plan"));
     return finish();

@@ -744,6 +744,23 @@ TEST(Planner, StageSynthesesCutShortAreNoted) {
                     HasSubstr("stage")));
 }
 
+// Microbatches smaller than every group (8 samples in 8 microbatches of
+// one, on nodes of two devices) are named as the reason no pipeline fits,
+// not "memory or microbatches smaller than groups".
+TEST(Planner, MicrobatchesSmallerThanEveryGroupAreNamed) {
+  auto g = TinyGpt(2);
+  ASSERT_TRUE(g.ok());
+  PipelineOptions o = Fast(Mode::kStages, 2);
+  o.microbatches = 8;
+  o.plan_spmd = false;
+  EXPECT_THAT(
+      PlanPipeline(*g, TwoNodes(1.25e9), o).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               AllOf(HasSubstr("no 2-stage pipeline fits: microbatches of 1 sample are smaller "
+                               "than every group of devices (the smallest has 2 devices"),
+                     ::testing::Not(HasSubstr("memory")))));
+}
+
 TEST(PipelinePlan, OptionsFromProto) {
   hap::v1::PlanOptions po;
   EXPECT_EQ(FromProto(po)->mode, Mode::kOff);  // the default
