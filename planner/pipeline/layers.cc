@@ -100,17 +100,24 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
     return absl::InvalidArgumentError(
         absl::StrCat("microbatch ", batch, " does not divide the batch ", old));
   }
-  // The ops whose shape attribute may carry the batch: those reading a
-  // tensor computed from an input (every input is split). A reshape of a
-  // parameter keeps its shape whatever its first entry.
+  // A shape attribute whose first entry is a multiple of the batch carries
+  // it (reshape to [batch * seq, ...], expand of a parameter to [batch,
+  // ...]), except on a reshape of a tensor not computed from an input (every
+  // input is split): a parameter's reshape keeps its shape.
   std::vector<bool> batched(g.tensors().size(), false);
-  absl::flat_hash_set<std::string> batched_ops;
+  absl::flat_hash_set<std::string> kept;  // ops whose shape stays
   for (graph::TensorId t : g.Inputs()) batched[t] = true;
   for (const graph::Op& op : g.ops()) {
     bool reads_batch = false;
     for (graph::TensorId t : op.inputs) reads_batch = reads_batch || batched[t];
-    for (graph::TensorId t : op.outputs) batched[t] = reads_batch;
-    if (reads_batch) batched_ops.insert(op.name);
+    bool carries = false;
+    if (op.attrs.Has("shape")) {
+      auto shape = op.attrs.Ints("shape");
+      carries = shape.ok() && !shape->empty() && (*shape)[0] > 0 && (*shape)[0] % old == 0 &&
+                (reads_batch || op.type != "reshape");
+      if (!carries) kept.insert(op.name);
+    }
+    for (graph::TensorId t : op.outputs) batched[t] = reads_batch || carries;
   }
   hap::v1::Graph p = graph::ToProto(g);
   p.clear_value_info();
@@ -125,7 +132,7 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
     shape->Set(0, shape->Get(0) / old * batch);
   }
   for (hap::v1::Op& op : *p.mutable_ops()) {
-    if (!batched_ops.contains(op.name())) continue;
+    if (kept.contains(op.name())) continue;
     auto it = op.mutable_attrs()->find("shape");
     if (it == op.mutable_attrs()->end() || !it->second.has_ints()) continue;
     auto* v = it->second.mutable_ints()->mutable_values();

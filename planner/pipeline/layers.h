@@ -37,8 +37,9 @@ Layers FindLayers(const graph::Graph& g, int max_layers);
 // The graph with every input's dimension 0 (the first input's is the batch;
 // others are multiples of it, e.g. labels per token) scaled to `batch`, and
 // `shape` attributes whose first entry is a multiple of the old batch
-// (reshape to [batch * seq, ...]) scaled with it, on ops that read a tensor
-// computed from an input (a parameter's reshape keeps its shape). Op order and ids are kept.
+// (reshape to [batch * seq, ...], expand to [batch, ...]) scaled with it,
+// but for a reshape of a tensor not computed from an input (a parameter's
+// reshape keeps its shape). Op order and ids are kept.
 // InvalidArgument when `batch` does not divide the old batch, or the graph does not take the new
 // batch (shapes that fix it elsewhere), naming what failed.
 absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch);

@@ -195,6 +195,13 @@ TEST(Layers, RebatchKeepsTheShapeOfAParametersReshape) {
   auto view = m->FindTensor("w_view");
   ASSERT_TRUE(view.has_value());
   EXPECT_EQ(m->tensor(*view).type.shape, (std::vector<int64_t>{8, 16}));
+
+  // An expand of a parameter to the batch (ViT's class token) still scales.
+  auto vit = graph::BuildZooModel("vit", {{"layers", 1}, {"batch", 8}});
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  auto micro = Rebatch(*vit, 2);
+  ASSERT_TRUE(micro.ok()) << micro.status();
+  EXPECT_EQ(GraphBatch(*micro), 2);
 }
 
 cost::ClusterModel TwoNodes(double inter_bw) {
