@@ -459,8 +459,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
       if (batch % m == 0) counts.push_back(m);
     }
     // An odd batch: its other divisors (9 samples: 3 or 9 microbatches).
-    for (int m = 3; counts.empty() && m <= o.max_microbatches && m <= batch; ++m) {
-      if (batch % m == 0) counts.push_back(m);
+    if (counts.empty()) {
+      for (int m = 3; m <= o.max_microbatches && m <= batch; ++m) {
+        if (batch % m == 0) counts.push_back(m);
+      }
     }
     // STAGES N on a batch with none (1 sample, or a prime above
     // max_microbatches): the stages run it whole.

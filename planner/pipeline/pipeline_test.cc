@@ -691,6 +691,20 @@ TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
   ASSERT_TRUE(p->pipelined()) << ::testing::PrintToString(p->notes);
   EXPECT_EQ(p->microbatches, 3);
   EXPECT_EQ(p->microbatch_size, 3);
+  // Both divisors were priced: 3 (taken) and 9 (microbatches of one sample,
+  // too small for the 2-device groups, so no synthesis ran for them), and
+  // on one-device stages 9 microbatches are priced too.
+  o = Fast(Mode::kStages, 4);
+  o.plan_spmd = false;
+  o.max_microbatches = 16;
+  auto four = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(four.ok()) << four.status();
+  ASSERT_TRUE(four->pipelined());
+  o.microbatches = 3;
+  auto three = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_GT(four->syntheses, three->syntheses);
+  EXPECT_LE(four->step_seconds, three->step_seconds);
 }
 
 // The even-split baseline in auto mode on fewer layers (2) than nodes (3)
