@@ -295,6 +295,21 @@ absl::Status PlannerCore::CheckNewPlanOptions(const v1::PlanOptions& options) {
         "options.optimizer.momentum (", o.momentum(),
         ") is SGD's; ADAM keeps its own moments (beta1, beta2) and would not read it"));
   }
+  // The pipeline's count and microbatches are read only where they apply.
+  if (options.pipeline() == v1::PlanOptions::PIPELINE_OFF &&
+      (options.pipeline_stages() != 0 || options.pipeline_microbatches() != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.pipeline_stages (", options.pipeline_stages(), ") and pipeline_microbatches (",
+        options.pipeline_microbatches(),
+        ") apply to a pipeline (PIPELINE_AUTO or PIPELINE_STAGES); options.pipeline is "
+        "PIPELINE_OFF and would not read them"));
+  }
+  if (options.pipeline() == v1::PlanOptions::PIPELINE_AUTO && options.pipeline_stages() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.pipeline_stages (", options.pipeline_stages(),
+        ") applies to PIPELINE_STAGES; PIPELINE_AUTO chooses the stage count and would not "
+        "read it"));
+  }
   if (o.kind() != v1::OptimizerConfig::ADAM &&
       (o.beta1() != 0 || o.beta2() != 0 || o.epsilon() != 0)) {
     return absl::InvalidArgumentError(

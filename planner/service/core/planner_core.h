@@ -306,7 +306,9 @@ class PlannerCore {
   // CheckPlanOptions, and no optimizer field given that the optimizer does
   // not read: a new request's (CreatePlan, CreateJob), not a stored job's.
   // momentum is SGD's (Adam keeps its own moments: ADAM with momentum 0.5
-  // ran plain Adam); beta1, beta2 and epsilon are Adam's.
+  // ran plain Adam); beta1, beta2 and epsilon are Adam's; pipeline_stages
+  // is PIPELINE_STAGES', pipeline_microbatches a pipeline's (PIPELINE_OFF
+  // dropped both).
   static absl::Status CheckNewPlanOptions(const hap::v1::PlanOptions& options);
   // The graph a plan on `devices` devices trains: a zoo model (its batch
   // `global_batch`, else 32 a device; MoE's experts 2 a device, unless

@@ -366,7 +366,8 @@ TEST_F(PlannerServiceImplTest, AResultTheStoreRefusesFailsCreatePlan) {
 }
 
 // Fields nothing would read were taken and dropped: CreatePlan with ADAM
-// and a momentum ran plain Adam, with SGD and Adam's betas plain SGD;
+// and a momentum ran plain Adam, with SGD and Adam's betas plain SGD, with
+// the pipeline off its microbatches (and with AUTO a stage count) unread;
 // DeployPlan with a data_path beside npy: data trained on that data, and
 // checkpoint_every without a checkpoint_dir saved nothing. Each is refused
 // naming the fields, before a plan or a deployment is made.
@@ -384,6 +385,17 @@ TEST_F(PlannerServiceImplTest, FieldsNothingWouldReadAreRefused) {
   EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), sgd, &plan)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("beta1, beta2 and epsilon (0.8, 0, 0) are Adam's")));
+  v1::CreatePlanRequest off = Mlp("off");
+  off.mutable_options()->set_pipeline_microbatches(4);
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), off, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("pipeline_microbatches (4) apply to a pipeline")));
+  v1::CreatePlanRequest automatic = Mlp("auto");
+  automatic.mutable_options()->set_pipeline(v1::PlanOptions::PIPELINE_AUTO);
+  automatic.mutable_options()->set_pipeline_stages(3);
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), automatic, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("options.pipeline_stages (3) applies to PIPELINE_STAGES")));
   ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), Mlp("p"), &plan)), IsOk());
   v1::DeployPlanRequest r;
   r.set_plan(plan.name());
