@@ -399,10 +399,10 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   out.layers = L;
   const int max_stages = std::min(U, L);
   if (o.mode == Mode::kStages && o.stages > max_stages) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot make ", o.stages, " stages: the model has ", L,
-                     " layers to cut between and the cluster ", U,
-                     " groups of devices (nodes, split down to single devices)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot make ", o.stages, " stages: the model has ", L, L == 1 ? " layer" : " layers",
+        " to cut between and the cluster ", U, U == 1 ? " group" : " groups",
+        " of devices (nodes, split down to single devices)"));
   }
   if (max_stages < 2) {
     note(absl::StrCat(
