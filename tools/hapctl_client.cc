@@ -669,6 +669,10 @@ ClientFlags FlagsOf(const std::string& verb, const std::string& kind) {
     f.Add(plan);
     f.Add(training);
     f.Add(job);
+    // A job resumes from its --checkpoint-dir by itself (the planner
+    // refused these only after the call).
+    f.values.erase("resume");
+    f.values.erase("init-weights");
   } else if (verb == "deploy") {
     f.Add(training);
   } else if (verb.empty()) {  // every command's

@@ -65,6 +65,8 @@ done
 # dropped: 'create plan --steps 5' planned, 'get plans --wait' listed).
 for case in "create plan --model mlp --steps 5|create plan: --steps" \
             "create job --id j --wait|create job: --wait" \
+            "create job --id j --resume /ck|create job: --resume" \
+            "create job --id j --init-weights w.st|create job: --init-weights" \
             "get plans --wait|get plans: --wait" \
             "deploy plan p --model mlp|deploy plan: --model" \
             "describe plan p --executor d=127.0.0.1:2|describe plan: --executor" \
