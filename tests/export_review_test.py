@@ -178,6 +178,28 @@ class ExportReviewTest(ExportTestCase):
         self.assertIn("parameter 'head.weight' has a gradient hook", str(cm.exception))
         self.export_valid(InPlace(lambda s, h: None), inputs)  # without: exported
 
+    def test_a_run_that_fails_names_the_node_in_one_line(self):
+        """A shape error in the run on the example inputs carried fx's
+        "While executing %b : [#users=1] = call_module[target=b](...)" and
+        "Original traceback: None" lines; it names the node in one line."""
+        class Mismatch(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(4, 6)
+                self.b = nn.Linear(5, 3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.b(self.a(x)), labels)
+
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Mismatch(), inputs)
+        message = str(cm.exception)
+        self.assertIn("cannot be multiplied", message)
+        self.assertIn("(at node 'b': call_module b)", message)
+        self.assertNotIn("Original traceback", message)
+        self.assertNotIn("\n", message)
+
     def test_causal_mask_broadcast_over_one_query_fails(self):
         """scores [B, 1, S] + a causal [S, S] mask is [B, S, S] in PyTorch
         (the mask broadcasts the one query over S rows); the exporter

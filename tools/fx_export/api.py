@@ -5,6 +5,7 @@ the example inputs), finds the loss node and runs the Exporter on it."""
 import inspect
 import keyword
 import os
+import re
 import sysconfig
 import traceback
 
@@ -160,6 +161,19 @@ def _record_shapes(gm, root, args, run_on):
                     b.data = v
 
 
+def _run_error(e):
+    """`e` of a run of the traced module, as one line: fx appends "While
+    executing %b : [#users=1] = call_module[target=b](...)" and "Original
+    traceback: None" to it; that becomes "(at node 'b': call_module b)"."""
+    text = str(e)
+    head, _, fx_part = text.partition("\n\nWhile executing %")
+    where = ""
+    m = re.match(r"(\S+) : .*?= (\w+)\[target=([^\]]+)\]", fx_part)
+    if m:
+        where = f" (at node '{m.group(1)}': {m.group(2)} {m.group(3)})"
+    return f"{type(e).__name__}: {head.strip()}{where}"
+
+
 def _run_recorder(gm, root, args, run_on, param_targets):
     with torch.no_grad():
         done = False
@@ -171,7 +185,7 @@ def _run_recorder(gm, root, args, run_on, param_targets):
                 if run_on == "meta":
                     raise ExportError(
                         f"running {type(root).__name__} on meta tensors "
-                        f"failed: {type(e).__name__}: {e}") from e
+                        f"failed: {_run_error(e)}") from e
         if not done:
             # The run is in training mode on the module's own tensors: its
             # buffers (BatchNorm's running statistics, num_batches_tracked)
@@ -185,7 +199,7 @@ def _run_recorder(gm, root, args, run_on, param_targets):
             except Exception as e:
                 raise ExportError(f"running {type(root).__name__} on the "
                                   f"example inputs failed: "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{_run_error(e)}") from e
 
 
 def _loss_node(gm, loss):
