@@ -214,8 +214,9 @@ void PrintTable(const graph::Graph& g, const cost::ClusterModel& cl,
       r.joint_iterations);
   for (const std::string& note : r.notes) std::cout << "note: " << note << "\n";
   if (!r.notes.empty()) std::cout << "\n";
-  std::cout << absl::StrFormat("%-22s %10s %12s %14s\n", "DEVICE", "RATIO",
-                               "TFLOP/S", "MEMORY");
+  // MEMORY over the used part ("9.13 GiB / 40.00 GiB"), not right-aligned
+  // past it.
+  std::cout << absl::StrFormat("%-22s %10s %12s %s\n", "DEVICE", "RATIO", "TFLOP/S", "MEMORY");
   for (int i = 0; i < cl.size(); ++i) {
     std::cout << absl::StrFormat(
         "%-22s %10.4f %12.2f %7s / %s\n", cl.device(i).id, r.ratios[i],
