@@ -32,12 +32,8 @@ TEST_F(AgentTest, AnAgentWhoseNodeAnotherAgentHoldsMeasuresNoLinks) {
 // The same for a Probe call with include_links: its reports too were taken
 // as the holder's. It fails naming the holder, probing nothing.
 TEST_F(AgentTest, AProbeCallForLinksOnANodeAnotherAgentHoldsFailsNamingIt) {
-  auto first = StartAgent(Options("node-a"), &state_);
-  ASSERT_TRUE(first);
-  ASSERT_TRUE(Registered("node-a"));
-  auto second = StartAgent(Options("node-a"), &state_);
-  ASSERT_TRUE(second);
-  ASSERT_TRUE(Registered("node-a", 2));
+  std::unique_ptr<Agent> first, second;
+  ASSERT_TRUE(TwoAgentsOfNodeA(Options("node-a"), &first, &second));
   // The first agent's second refused heartbeat: it took the answer of the first.
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 2; }));
   const int probes = state_.probes.load();

@@ -94,12 +94,8 @@ TEST_F(AgentTest, AnExecutorOfADeviceTheNodeDoesNotReportIsNotLabelled) {
 // node in turns).
 TEST_F(AgentTest, AnAgentWhoseNodeAnotherAgentRegisteredDoesNotTakeItBack) {
   ::testing::internal::CaptureStderr();
-  auto first = StartAgent(Options("node-a"), &state_);
-  ASSERT_TRUE(first);
-  ASSERT_TRUE(Registered("node-a"));
-  auto second = StartAgent(Options("node-a"), &state_);  // another port
-  ASSERT_TRUE(second);
-  ASSERT_TRUE(Registered("node-a", 2));
+  std::unique_ptr<Agent> first, second;
+  ASSERT_TRUE(TwoAgentsOfNodeA(Options("node-a"), &first, &second));
   const bool refused = planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 10; });
   const Record r = planner_.Snapshot();
   const std::string first_address = first->address(), second_address = second->address();
@@ -167,12 +163,8 @@ TEST_F(AgentTest, AnExecutorStartedLaterDoesNotTakeBackANodeAnotherAgentHolds) {
   const std::string address = NoExecutorYet();
   AgentOptions o = Options("node-a");
   o.executors = {address};
-  auto first = StartAgent(o, &state_);
-  ASSERT_TRUE(first);
-  ASSERT_TRUE(Registered("node-a"));
-  auto second = StartAgent(Options("node-a"), &state_);
-  ASSERT_TRUE(second);
-  ASSERT_TRUE(Registered("node-a", 2));
+  std::unique_ptr<Agent> first, second;
+  ASSERT_TRUE(TwoAgentsOfNodeA(o, &first, &second));
   // The first agent took the answer of its first refused heartbeat.
   ASSERT_TRUE(planner_.WaitFor([](const Record& r) { return r.foreign_heartbeats >= 2; }));
   FakeExecutor executor("node-a/cpu0", address);

@@ -318,6 +318,17 @@ class AgentTest : public ::testing::Test {
     return planner_.Snapshot().nodes.at("node-a");
   }
 
+  // Two agents of node-a: *first (of options `o`) registered it, then
+  // *second (another port) did, which the planner now takes as the node's.
+  // False where either did not start and register.
+  bool TwoAgentsOfNodeA(AgentOptions o, std::unique_ptr<Agent>* first,
+                        std::unique_ptr<Agent>* second) {
+    *first = StartAgent(std::move(o), &state_);
+    if (*first == nullptr || !Registered("node-a")) return false;
+    *second = StartAgent(Options("node-a"), &state_);
+    return *second != nullptr && Registered("node-a", 2);
+  }
+
   bool Registered(const std::string& name, int times = 1) {
     return planner_.WaitFor(
         [&](const Record& r) { return r.registrations >= times && r.nodes.count(name); });
