@@ -1,5 +1,6 @@
 #include "common/cli_args.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -216,26 +217,24 @@ absl::Status WriteOutputFile(const std::string& path, std::string_view bytes,
   // A short name beside it: the path's own name plus a suffix could pass
   // the file system's name limit where the path itself does not.
   const size_t slash = path.rfind('/');
-  std::string tmp =
-      (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + ".hap-out-XXXXXX";
-  const int fd = mkstemp(tmp.data());
+  const std::string dir = slash == std::string::npos ? std::string() : path.substr(0, slash + 1);
+  // Made 0666 less the umask as any new file (the kernel applies it:
+  // reading it with umask() would change it for the process's other
+  // threads meanwhile), then given the old file's mode.
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0 && attempt < 100; ++attempt) {
+    tmp = absl::StrCat(dir, ".hap-out-", getpid(), "-", attempt);
+    fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) {
     // A writable file in a directory we may not add to: in place, as before.
     if (exists && (errno == EACCES || errno == EPERM || errno == EROFS)) return in_place();
     return absl::PermissionDeniedError(
         absl::StrCat("cannot write ", what, "'", path, "': ", std::strerror(errno)));
   }
-  // mkstemp makes the file 0600; the output gets the old file's mode, or
-  // what a new file gets under the umask.
-  mode_t mode = 0666;
-  if (exists) {
-    mode = st.st_mode & 07777;
-  } else {
-    const mode_t mask = umask(0);
-    umask(mask);
-    mode &= ~mask;
-  }
-  std::FILE* f = fchmod(fd, mode) == 0 ? fdopen(fd, "wb") : nullptr;
+  std::FILE* f = !exists || fchmod(fd, st.st_mode & 07777) == 0 ? fdopen(fd, "wb") : nullptr;
   if (f == nullptr) {
     const int e = errno;
     close(fd);

@@ -75,6 +75,14 @@ TEST(WriteOutputFileTest, AFailedWriteLeavesTheOldFileWhole) {
   struct stat st;
   ASSERT_EQ(stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 07777, 0640);
+  // A new file gets 0666 less the umask, as any new file.
+  const mode_t mask = umask(027);
+  const std::string fresh = dir + "/fresh.pb";
+  const absl::Status made = WriteOutputFile(fresh, "x");
+  umask(mask);
+  ASSERT_TRUE(made.ok()) << made;
+  ASSERT_EQ(stat(fresh.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640);
 }
 
 // A name at the file system's limit (255 bytes) is written: the temporary
