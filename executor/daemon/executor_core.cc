@@ -281,7 +281,7 @@ struct ExecutorCore::Retired {
   std::shared_ptr<Loaded> loaded;
 };
 
-absl::Status ExecutorCore::SetUpCheckpoints(const LoadOptions& in, Loaded* loaded) {
+absl::Status ExecutorCore::SetUpDataAndCheckpoints(const LoadOptions& in, Loaded* loaded) {
   namespace ckpt = checkpoint;
   const v1::TrainingConfig& t = in.training;
   const graph::Graph* g = &loaded->graph;
@@ -452,7 +452,7 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   if (lower::IsPipelinePlan(in.plan)) {
     HAP_RETURN_IF_ERROR(Annotate(SetUpPipeline(in, loaded.get()), "plan.pipeline"));
   }
-  HAP_RETURN_IF_ERROR(SetUpCheckpoints(in, loaded.get()));
+  HAP_RETURN_IF_ERROR(SetUpDataAndCheckpoints(in, loaded.get()));
   HAP_RETURN_IF_ERROR(caller_waits("after opening the checkpoint or weights and the data"));
   const int threads = t.threads_per_rank() > 0 ? t.threads_per_rank() : std::max(1, o_.threads);
   if (o_.make_device) {

@@ -184,7 +184,7 @@ class ExecutorCore {
   // Opens training.resume / init_weights, then the training data (at the
   // checkpoint's seed; its size checked against the checkpoint's), and sets
   // up training.checkpoint_dir.
-  absl::Status SetUpCheckpoints(const LoadOptions& in, Loaded* loaded);
+  absl::Status SetUpDataAndCheckpoints(const LoadOptions& in, Loaded* loaded);
   // The pipeline half of a load (a plan with stages).
   static absl::Status SetUpPipeline(const LoadOptions& in, Loaded* loaded);
   absl::Status CheckDeployment(const std::string& deployment) const
