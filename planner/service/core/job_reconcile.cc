@@ -645,13 +645,19 @@ class Pass {
     const std::string what = g.what;
     // Not worth it: a joining set is not judged again (until a joiner of
     // it changes); after a slowdown, the step measured now becomes what the
-    // job expects of its plan.
+    // job expects of its plan. A switch that waited for its checkpoint is
+    // dropped with the candidate (the noise it was judged on passed): left
+    // pending, it kept every later slowdown from being seen (the CI's
+    // throttled demo once ran 180 steps 50% slow without a re-plan).
     auto stay = [&] {
       if (slowdown) {
         ExpectNow(d);
       } else {
         *st().mutable_judged_devices() = p->devices();
       }
+      st().clear_switch_pending();
+      st().clear_judged_step_seconds();
+      st().clear_judged_until_step();
     };
     if (gain < MinGain(spec())) {
       stay();

@@ -189,6 +189,43 @@ TEST_F(JobsTest, ASwitchThatRunsSlowerThanTheStepItWasChosenToBeatIsASlowdown) {
   EXPECT_EQ(fake_.Only(Deployment()).plan(), "plans/train-p3");
 }
 
+// A slowdown's switch waiting for its checkpoint, whose slow steps were
+// noise that passed before it came: the switch no longer pays and is
+// dropped, and the job expects the step it measures now. A real slowdown
+// after it is seen and judged (the CI's throttled demo once stayed on its
+// plan for 180 steps 50% slower than expected: the dropped switch was left
+// pending, and a pending switch keeps slowdowns from being looked for).
+TEST_F(JobsTest, ASwitchDroppedWhenTheNoiseItWasJudgedOnPassedLeavesSlowdownsSeen) {
+  const std::string first = SlowdownJudged(0.9);
+  ASSERT_TRUE(Job().status().switch_pending());
+  Window(first, 0.95, 50);  // 5.6% above p2's 0.9: below min_gain
+  c_->Reconcile();
+  v1::Job j = Job();
+  EXPECT_FALSE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_TRUE(j.status().candidate_plan().empty());
+  EXPECT_THAT(j.status().message(), HasSubstr("below min_gain"));
+  EXPECT_DOUBLE_EQ(j.status().expected_step_seconds(), 0.95);
+  fake_.checkpoint = 60;
+  c_->Reconcile();
+  EXPECT_THAT(replans_, IsEmpty());
+  EXPECT_THAT(fake_.stops, IsEmpty());
+  Window(first, 1.5, 72);  // 58% above the 0.95 expected
+  c_->Reconcile();
+  j = Job();
+  EXPECT_EQ(j.status().slowdown_step(), 52) << j.DebugString();
+  EXPECT_THAT(j.status().slowdown_detail(), HasSubstr("58% above the 0.9500 s expected"));
+  fake_.predict = [](const std::vector<std::string>&) { return 1.0; };
+  Profile(first, 52);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  j = Job();
+  EXPECT_EQ(j.status().candidate_plan(), "plans/train-p3");
+  EXPECT_TRUE(j.status().switch_pending()) << j.DebugString();
+  fake_.checkpoint = 80;
+  c_->Reconcile();
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::SLOWDOWN));
+}
+
 // The same switch whose plan runs as judged (or up to the threshold slower
 // than the step it beat): what it measures is what the job expects of it.
 TEST_F(JobsTest, ASwitchThatRunsAsJudgedIsExpectedAsItRuns) {
