@@ -11,15 +11,19 @@ targets since deleted and of shards of an earlier shard_count, which a walk
 would count again. DIRs: test.xml files found under them (the fuzz smoke's
 JUnit file). Without either, bazel-testlogs is walked.
 
-A test that wrote no XML counts as one case by its status; a target that did
-not build counts as one failure. Exit status 1 when any case failed or no
-case passed.
+A test that wrote no XML counts as one case by its status; one whose status is
+not PASSED is a failure even where its XML shows none (it crashed or timed out
+after writing it); a target that did not build counts as one failure. Exit
+status 1 when any case failed or no case passed.
 """
 import json
 import os
 import sys
 import xml.etree.ElementTree as ET
 from urllib.parse import unquote, urlparse
+
+# The statuses of a test attempt that passed (FLAKY: passed on a retry).
+PASSED = ("PASSED", "FLAKY")
 
 
 class Count:
@@ -32,15 +36,17 @@ class Count:
         self.failed_names.append(name)
 
     def xml(self, path):
+        """Counts the cases of one test.xml; returns how many failed."""
+        failed = self.failed
         try:
             tree = ET.parse(path)
         except (ET.ParseError, OSError):
             self.fail(path)
-            return
+            return 1
         cases = list(tree.iter("testcase"))
         if not cases:
             self.fail(path)  # a suite with no cases
-            return
+            return 1
         for c in cases:
             name = "%s.%s" % (c.get("classname", ""), c.get("name", ""))
             if c.find("failure") is not None or c.find("error") is not None:
@@ -49,6 +55,7 @@ class Count:
                 self.skipped += 1
             else:
                 self.passed += 1
+        return self.failed - failed
 
 
 def bep_results(path):
@@ -96,8 +103,12 @@ def main(argv):
         results, broken = bep_results(bep)
         for label, xml, status in results:
             if xml is not None and os.path.exists(xml):
-                count.xml(xml)
-            elif status == "PASSED":
+                # A target bazel says failed is a failure even when its XML
+                # shows none: a gtest binary that wrote its XML and then
+                # crashed on exit, a timeout after the XML was written.
+                if count.xml(xml) == 0 and status not in PASSED:
+                    count.fail("%s (%s, though its test.xml shows no failure)" % (label, status))
+            elif status in PASSED:
                 count.passed += 1
             else:
                 count.fail("%s (%s, no test.xml)" % (label, status))

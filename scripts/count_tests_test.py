@@ -110,5 +110,24 @@ class CountTestsTest(unittest.TestCase):
             self.assertEqual((rc, out[-1]), (1, "0 passed, 0 failed"))
 
 
+    def test_a_failed_status_is_a_failure_whatever_its_xml_says(self):
+        # A gtest binary that wrote its XML (every case passed) and then
+        # crashed on exit, or a timeout after the XML: bazel says FAILED.
+        with tempfile.TemporaryDirectory() as d:
+            x = os.path.join(d, "x/test.xml")
+            suite(x, [("a", "pass"), ("b", "pass")])
+            t = os.path.join(d, "t/test.xml")
+            suite(t, [("c", "pass")])
+            bep = os.path.join(d, "bep.json")
+            with open(bep, "w") as f:
+                f.write(json.dumps(result("//:x", x, "FAILED")) + "\n" +
+                        json.dumps(result("//:t", t, "TIMEOUT")) + "\n")
+            rc, out = self.run_count(["--bep", bep])
+            self.assertEqual(out[-1], "3 passed, 2 failed", out)
+            self.assertIn("FAILED: //:x (FAILED, though its test.xml shows no failure)", out)
+            self.assertIn("FAILED: //:t (TIMEOUT, though its test.xml shows no failure)", out)
+            self.assertEqual(rc, 1)
+
+
 if __name__ == "__main__":
     unittest.main()
