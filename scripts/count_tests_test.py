@@ -128,6 +128,23 @@ class CountTestsTest(unittest.TestCase):
             self.assertIn("FAILED: //:t (TIMEOUT, though its test.xml shows no failure)", out)
             self.assertEqual(rc, 1)
 
+    def test_disabled_gtest_cases_are_not_passes(self):
+        # googletest writes a DISABLED_ test as status="notrun"
+        # result="suppressed", with no <skipped> element.
+        with tempfile.TemporaryDirectory() as d:
+            x = os.path.join(d, "x/test.xml")
+            os.makedirs(os.path.dirname(x))
+            with open(x, "w") as f:
+                f.write("<testsuites><testsuite name='S'>"
+                        "<testcase name='Runs' status='run' result='completed' classname='S'/>"
+                        "<testcase name='DISABLED_Off' status='notrun' result='suppressed'"
+                        " classname='S'/>"
+                        "</testsuite></testsuites>")
+            rc, out = self.run_count([os.path.join(d, "x")])
+            self.assertEqual(out[-1], "1 passed, 0 failed", out)
+            self.assertEqual(out[-2], "1 skipped (each says why in its test log)")
+            self.assertEqual(rc, 0)
+
 
 if __name__ == "__main__":
     unittest.main()
