@@ -13,8 +13,10 @@ JUnit file). Without either, bazel-testlogs is walked.
 
 A test that wrote no XML counts as one case by its status; one whose status is
 not PASSED is a failure even where its XML shows none (it crashed or timed out
-after writing it); a target that did not build counts as one failure. Exit
-status 1 when any case failed or no case passed.
+after writing it); a target that did not build counts as one failure; so does
+a build event file that cannot be read to its end (bazel killed while writing
+it, or never started), the results before the break counted. Exit status 1
+when any case failed or no case passed.
 """
 import json
 import os
@@ -64,34 +66,50 @@ class Count:
 
 def bep_results(path):
     """(label, xml path or None, status) of each test run and shard, the
-    last attempt of each; and the labels of targets that did not build."""
+    last attempt of each; the labels of targets that did not build; and why
+    the file could not be read to its end (None when it could): bazel killed
+    while writing it, or never started."""
     last = {}
     broken = []
-    with open(path) as f:
-        for line in f:
-            event = json.loads(line)
-            ident = event.get("id", {})
-            if "testResult" in event:
-                i = ident["testResult"]
-                key = (i["label"], i.get("run", 1), i.get("shard", 1))
-                attempt = i.get("attempt", 1)
-                result = event["testResult"]
-                xml = None
-                for out in result.get("testActionOutput", []):
-                    if out.get("name") == "test.xml":
-                        xml = unquote(urlparse(out["uri"]).path)
-                if key not in last or attempt >= last[key][0]:
-                    last[key] = (attempt, xml, result.get("status", "NO_STATUS"))
-            elif "targetCompleted" in ident:
-                done = event.get("completed")
-                aborted = event.get("aborted")
-                # SKIPPED: incompatible with this configuration (CUDA-only
-                # targets without --config=cuda), not a failure.
-                if (done is not None and not done.get("success", False)) or (
-                        aborted is not None and aborted.get("reason") != "SKIPPED"):
-                    broken.append(ident["targetCompleted"]["label"])
-    results = [(k[0], xml, status) for k, (_, xml, status) in sorted(last.items())]
-    return results, broken
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    event = json.loads(line)
+                except ValueError as e:
+                    return results_of(last), broken, "line %d is not JSON: %s" % (number, e)
+                add_event(event, last, broken)
+    except OSError as e:
+        return results_of(last), broken, "cannot read it: %s" % (e.strerror or e)
+    return results_of(last), broken, None
+
+
+def results_of(last):
+    return [(k[0], xml, status) for k, (_, xml, status) in sorted(last.items())]
+
+
+def add_event(event, last, broken):
+    """Adds one build event's test result or target outcome."""
+    ident = event.get("id", {})
+    if "testResult" in event:
+        i = ident["testResult"]
+        key = (i["label"], i.get("run", 1), i.get("shard", 1))
+        attempt = i.get("attempt", 1)
+        result = event["testResult"]
+        xml = None
+        for out in result.get("testActionOutput", []):
+            if out.get("name") == "test.xml":
+                xml = unquote(urlparse(out["uri"]).path)
+        if key not in last or attempt >= last[key][0]:
+            last[key] = (attempt, xml, result.get("status", "NO_STATUS"))
+    elif "targetCompleted" in ident:
+        done = event.get("completed")
+        aborted = event.get("aborted")
+        # SKIPPED: incompatible with this configuration (CUDA-only
+        # targets without --config=cuda), not a failure.
+        if (done is not None and not done.get("success", False)) or (
+                aborted is not None and aborted.get("reason") != "SKIPPED"):
+            broken.append(ident["targetCompleted"]["label"])
 
 
 def main(argv):
@@ -104,7 +122,9 @@ def main(argv):
         bep, argv = argv[1], argv[2:]
     roots = argv if argv or bep else ["bazel-testlogs"]
     if bep is not None:
-        results, broken = bep_results(bep)
+        results, broken, unreadable = bep_results(bep)
+        if unreadable:
+            count.fail("%s (%s)" % (bep, unreadable))
         for label, xml, status in results:
             if xml is not None and os.path.exists(xml):
                 # A target bazel says failed is a failure even when its XML

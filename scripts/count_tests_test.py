@@ -145,6 +145,27 @@ class CountTestsTest(unittest.TestCase):
             self.assertEqual(out[-2], "1 skipped (each says why in its test log)")
             self.assertEqual(rc, 0)
 
+    def test_an_unreadable_build_event_file_still_ends_with_the_count(self):
+        # bazel killed mid-write (a truncated last line), or never started
+        # (no file): a clear message and the plain last line, no traceback.
+        with tempfile.TemporaryDirectory() as d:
+            x = os.path.join(d, "x/test.xml")
+            suite(x, [("a", "pass")])
+            bep = os.path.join(d, "bep.json")
+            with open(bep, "w") as f:
+                f.write(json.dumps(result("//:x", x, "PASSED")) + '\n{"id": {"testRes')
+            rc, out = self.run_count(["--bep", bep])
+            self.assertEqual(out[-1], "1 passed, 1 failed", out)
+            self.assertTrue(any(l.startswith("FAILED: %s (line 2 is not JSON" % bep)
+                                for l in out), out)
+            self.assertEqual(rc, 1)
+            missing = os.path.join(d, "none.json")
+            rc, out = self.run_count(["--bep", missing])
+            self.assertEqual(out[-1], "0 passed, 1 failed", out)
+            self.assertTrue(any(l.startswith("FAILED: %s (cannot read it" % missing)
+                                for l in out), out)
+            self.assertEqual(rc, 1)
+
 
 if __name__ == "__main__":
     unittest.main()
