@@ -486,8 +486,10 @@ std::string Chart(absl::string_view id, absl::string_view title, const std::vect
   };
   text(kLeft - 4, kTop + 10, "end", label(y1));
   text(kLeft - 4, kH - kBottom, "end", label(y0));
-  text(kLeft, kH - kBottom + 16, "start", absl::StrCat("step ", x0));
-  text(kW - kRight, kH - kBottom + 16, "end", absl::StrCat("step ", x1));
+  // Steps are whole numbers: "%.0f", as StrCat's six significant digits
+  // made a million-step run's axis "step 1e+06" to "step 1e+06".
+  text(kLeft, kH - kBottom + 16, "start", absl::StrFormat("step %.0f", x0));
+  text(kW - kRight, kH - kBottom + 16, "end", absl::StrFormat("step %.0f", x1));
   absl::StrAppendFormat(&h,
                         "<polyline fill=\"none\" stroke=\"#1f5fa8\" stroke-width=\"1.5\" "
                         "points=\"%s\"/></svg>",

@@ -208,6 +208,17 @@ TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
   EXPECT_THAT(r.body, HasSubstr("1 non-finite values left out"));
 }
 
+// The step axis is labelled with step numbers as they are: a run past a
+// million steps was labelled "step 1e+06" to "step 1e+06" (six significant
+// digits), every label the same.
+TEST_F(StatusPageTest, StepAxisLabelsAreWholeStepNumbers) {
+  for (v1::StepMetric& m : metrics_) m.set_step(m.step() + 1234567);
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status/deployments/d1");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body, AllOf(HasSubstr(">step 1234567<"), HasSubstr(">step 1234571<"),
+                            Not(HasSubstr("e+06"))));
+}
+
 TEST_F(StatusPageTest, UnknownAndBadIdsAre404WithTheReason) {
   EXPECT_THAT(ServeStatusPage(sources_, "/status/plans/nope").body,
               HasSubstr("There is no plan &quot;plans/nope&quot;"));
