@@ -9,7 +9,8 @@ file (--build_event_json_file): every test target's test.xml it names, the
 cached results included, and only those. bazel-testlogs also keeps the XML of
 targets since deleted and of shards of an earlier shard_count, which a walk
 would count again. DIRs: test.xml files found under them (the fuzz smoke's
-JUnit file). Without either, bazel-testlogs is walked.
+JUnit file); a DIR with none is a failure. Without either, bazel-testlogs is
+walked.
 
 A test that wrote no XML counts as one case by its status; one whose status is
 not PASSED is a failure even where its XML shows none (it crashed or timed out
@@ -120,6 +121,10 @@ def main(argv):
             print("count_tests.py: --bep needs a file", file=sys.stderr)
             return 2
         bep, argv = argv[1], argv[2:]
+    # A DIR named on the command line must hold results (the fuzz smoke's
+    # JUnit file is missing when scripts/fuzz.sh stopped early); the default
+    # bazel-testlogs may be empty.
+    named = bool(argv)
     roots = argv if argv or bep else ["bazel-testlogs"]
     if bep is not None:
         results, broken, unreadable = bep_results(bep)
@@ -139,9 +144,13 @@ def main(argv):
         for label in broken:
             count.fail("%s (did not build)" % label)
     for root in roots:
+        found = False
         for dirpath, _, files in os.walk(root, followlinks=True):
             if "test.xml" in files:
                 count.xml(os.path.join(dirpath, "test.xml"))
+                found = True
+        if named and not found:
+            count.fail("%s (no test.xml under it)" % root)
     for n in count.failed_names:
         print("FAILED:", n)
     if count.skipped:

@@ -166,6 +166,18 @@ class CountTestsTest(unittest.TestCase):
                                 for l in out), out)
             self.assertEqual(rc, 1)
 
+    def test_a_named_directory_without_results_is_a_failure(self):
+        # scripts/fuzz.sh stopped before it wrote its JUnit file: its
+        # cases must not vanish from the count.
+        with tempfile.TemporaryDirectory() as d:
+            x = os.path.join(d, "x/test.xml")
+            suite(x, [("a", "pass")])
+            empty = os.path.join(d, "fuzz-results")
+            rc, out = self.run_count([os.path.join(d, "x"), empty])
+            self.assertEqual(out[-1], "1 passed, 1 failed", out)
+            self.assertIn("FAILED: %s (no test.xml under it)" % empty, out)
+            self.assertEqual(rc, 1)
+
 
 if __name__ == "__main__":
     unittest.main()
