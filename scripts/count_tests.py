@@ -121,6 +121,12 @@ def main(argv):
             print("count_tests.py: --bep needs a file", file=sys.stderr)
             return 2
         bep, argv = argv[1], argv[2:]
+    for a in argv:
+        if a.startswith("-"):
+            # Not a DIR: walking a directory of that name would find nothing.
+            print("count_tests.py: unknown option %s (usage: count_tests.py "
+                  "[--bep BEP.json] [DIR ...])" % a, file=sys.stderr)
+            return 2
     # A DIR named on the command line must hold results (the fuzz smoke's
     # JUnit file is missing when scripts/fuzz.sh stopped early); the default
     # bazel-testlogs may be empty.

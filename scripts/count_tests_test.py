@@ -109,7 +109,6 @@ class CountTestsTest(unittest.TestCase):
             rc, out = self.run_count(["--bep", empty])
             self.assertEqual((rc, out[-1]), (1, "0 passed, 0 failed"))
 
-
     def test_a_failed_status_is_a_failure_whatever_its_xml_says(self):
         # A gtest binary that wrote its XML (every case passed) and then
         # crashed on exit, or a timeout after the XML: bazel says FAILED.
@@ -177,6 +176,13 @@ class CountTestsTest(unittest.TestCase):
             self.assertEqual(out[-1], "1 passed, 1 failed", out)
             self.assertIn("FAILED: %s (no test.xml under it)" % empty, out)
             self.assertEqual(rc, 1)
+
+    def test_an_unknown_option_is_refused(self):
+        rc, out = self.run_count(["--junit", "x"])
+        self.assertEqual(rc, 2)
+        p = subprocess.run([sys.executable, COUNT, "--bep"], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--bep needs a file", p.stderr)
 
 
 if __name__ == "__main__":
