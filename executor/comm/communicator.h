@@ -89,9 +89,12 @@ class Communicator {
   // starts sending `buf` to rank `peer` under `tag` (0 <= tag < 2^32) and
   // returns; `buf` must stay unchanged until WaitSends returns. Recv blocks
   // until the message from `peer` under `tag` has arrived in `buf`, which
-  // must have the sender's byte size. Messages of one (sender, receiver,
-  // tag) arrive in send order. InvalidArgument for a peer out of range or
-  // this rank itself; the errors of collectives otherwise. Backends
+  // must have the sender's byte size (an empty message is a message too).
+  // Messages of one (sender, receiver, tag) arrive in send order.
+  // InvalidArgument for a peer out of range or this rank itself; the errors
+  // of collectives otherwise. Gloo's Recv also refuses a message of another
+  // size than `buf` (InvalidArgument naming both; the message is consumed
+  // and the communicator stays usable); NCCL's cannot tell. Backends
   // without them say Unimplemented.
   virtual absl::Status Send(TensorView buf, int peer, int64_t tag) {
     (void)buf, (void)peer, (void)tag;

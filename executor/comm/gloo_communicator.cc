@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -244,26 +245,58 @@ class GlooCommunicator : public Communicator {
     });
   }
 
+  // A message is two: its byte size (8 bytes, under HeaderSlot), then the
+  // bytes (under PayloadSlot; none when empty). The receiver learns the
+  // size first, so it never posts a buffer the bytes overflow: Gloo's event
+  // loop would throw past its thread and abort the process.
   absl::Status Send(TensorView buf, int peer, int64_t tag) override {
     HAP_RETURN_IF_ERROR(Usable("send"));
     HAP_RETURN_IF_ERROR(CheckPeer("send", peer, tag));
-    if (buf.bytes() == 0) return absl::OkStatus();
     return Run(absl::StrCat("send to rank ", peer), [&] {
-      auto ub = ctx_->createUnboundBuffer(buf.data, buf.bytes());
-      ub->send(peer, P2pSlot(tag));
-      pending_sends_.push_back(std::move(ub));
+      PendingSend p;
+      p.bytes = std::make_unique<uint64_t>(static_cast<uint64_t>(buf.bytes()));
+      p.header = ctx_->createUnboundBuffer(p.bytes.get(), sizeof(uint64_t));
+      p.header->send(peer, HeaderSlot(tag));
+      if (buf.bytes() > 0) {
+        p.payload = ctx_->createUnboundBuffer(buf.data, buf.bytes());
+        p.payload->send(peer, PayloadSlot(tag));
+      }
+      pending_sends_.push_back(std::move(p));
     });
   }
 
+  // A message of another size than `buf` is received into scratch memory
+  // (so the next message under the tag is read in order) and refused.
   absl::Status Recv(TensorView buf, int peer, int64_t tag) override {
     HAP_RETURN_IF_ERROR(Usable("receive"));
     HAP_RETURN_IF_ERROR(CheckPeer("receive", peer, tag));
-    if (buf.bytes() == 0) return absl::OkStatus();
-    return Run(absl::StrCat("receive from rank ", peer), [&] {
-      auto ub = ctx_->createUnboundBuffer(buf.data, buf.bytes());
-      ub->recv(peer, P2pSlot(tag));
-      if (!ub->waitRecv(timeout_)) throw gloo::IoException("receive aborted");
-    });
+    const std::string what = absl::StrCat("receive from rank ", peer, " under tag ", tag);
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    uint64_t bytes = 0;
+    HAP_RETURN_IF_ERROR(Run(what, [&] {
+      auto header = ctx_->createUnboundBuffer(&bytes, sizeof(bytes));
+      header->recv(peer, HeaderSlot(tag));
+      if (!header->waitRecv(timeout_)) throw gloo::IoException("receive aborted");
+    }));
+    const bool fits = bytes == static_cast<uint64_t>(buf.bytes());
+    std::vector<char> scratch;
+    if (bytes > 0) {
+      HAP_RETURN_IF_ERROR(Run(what, [&] {
+        if (!fits) scratch.resize(bytes);
+        auto payload = ctx_->createUnboundBuffer(fits ? buf.data : scratch.data(), bytes);
+        payload->recv(peer, PayloadSlot(tag));
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (!payload->waitRecv(std::max(left, std::chrono::milliseconds(1)))) {
+          throw gloo::IoException("receive aborted");
+        }
+      }));
+    }
+    if (!fits) {
+      return Invalid(absl::StrCat(what, ": the message holds ", bytes,
+                                  " bytes, the receiving buffer ", buf.bytes()));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status WaitSends() override {
@@ -276,8 +309,10 @@ class GlooCommunicator : public Communicator {
       // Drop every handle, even when one fails: the buffers go away.
       auto sends = std::move(pending_sends_);
       pending_sends_.clear();
-      for (auto& ub : sends) {
-        if (!ub->waitSend(timeout_)) throw gloo::IoException("send aborted");
+      for (auto& p : sends) {
+        for (auto* ub : {p.header.get(), p.payload.get()}) {
+          if (ub != nullptr && !ub->waitSend(timeout_)) throw gloo::IoException("send aborted");
+        }
       }
     });
   }
@@ -441,17 +476,28 @@ class GlooCommunicator : public Communicator {
     }
     return absl::OkStatus();
   }
-  // Point-to-point messages live under a slot prefix of their own, clear of
-  // the collectives' (gloo/types.h uses 0x01-0x08).
-  static uint64_t P2pSlot(int64_t tag) {
+  // Point-to-point messages live under slot prefixes of their own, clear of
+  // the collectives' (gloo/types.h uses 0x01-0x08): one for the sizes, one
+  // for the bytes.
+  static uint64_t PayloadSlot(int64_t tag) {
     return gloo::Slot::build(0x40, static_cast<uint32_t>(tag));
   }
+  static uint64_t HeaderSlot(int64_t tag) {
+    return gloo::Slot::build(0x41, static_cast<uint32_t>(tag));
+  }
+
+  // A send started and not yet waited for: the size it announced (its
+  // storage must stay put until sent) and the two messages' handles.
+  struct PendingSend {
+    std::unique_ptr<uint64_t> bytes;
+    std::unique_ptr<gloo::transport::UnboundBuffer> header, payload;
+  };
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   absl::Status failed_;
   // Sends started and not yet waited for (WaitSends).
-  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> pending_sends_;
+  std::vector<PendingSend> pending_sends_;
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous

@@ -117,6 +117,37 @@ TEST(GlooCommunicatorTest, SendAndReceiveByTag) {
   });
 }
 
+// A receive whose buffer is not the size of the message sent is refused,
+// naming both sizes: a larger message used to abort the receiving process
+// (Gloo's event loop threw past its thread), a smaller or empty one to
+// leave the buffer's tail stale or to wait out the timeout. The message is
+// consumed, so the messages after it still arrive in order.
+TEST(GlooCommunicatorTest, AReceiveOfTheWrongSizeIsInvalidArgumentNamingBoth) {
+  WithRanks(2, [](int r, Communicator& c) {
+    std::vector<float> eight(8, 1.0f), two(2, 2.0f), none, three = {3.0f, 4.0f, 5.0f};
+    if (r == 0) {
+      ASSERT_THAT(c.Send(View(eight), 1, 7), IsOk());
+      ASSERT_THAT(c.Send(View(two), 1, 7), IsOk());
+      ASSERT_THAT(c.Send(View(none), 1, 7), IsOk());
+      ASSERT_THAT(c.Send(View(three), 1, 7), IsOk());
+      ASSERT_THAT(c.WaitSends(), IsOk());
+      return;
+    }
+    std::vector<float> four(4, 0.0f);
+    EXPECT_THAT(c.Recv(View(four), 0, 7),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("receive from rank 0 under tag 7"), HasSubstr("32 bytes"),
+                               HasSubstr("16"))));
+    EXPECT_THAT(c.Recv(View(four), 0, 7), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   AllOf(HasSubstr("8 bytes"), HasSubstr("16"))));
+    EXPECT_THAT(c.Recv(View(four), 0, 7), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   AllOf(HasSubstr("0 bytes"), HasSubstr("16"))));
+    std::vector<float> got(3, 0.0f);
+    ASSERT_THAT(c.Recv(View(got), 0, 7), IsOk());
+    EXPECT_EQ(got, three);
+  });
+}
+
 std::vector<int64_t> Counts(int n) {
   // Uneven, with a zero where there are enough ranks.
   std::vector<int64_t> c;
