@@ -43,21 +43,25 @@ std::string Si(double v, const char* unit) {
   return absl::StrFormat("%s%.*f %s%s", v < 0 ? "-" : "", decimals, x, kPrefixes[i], unit);
 }
 
+// 2 decimals in the largest binary unit it is 1 or more of, after
+// rounding: (1 << 30) - 1 -> "1.00 GiB", not "1024.00 MiB".
 std::string Bytes(double v) {
   static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int i = 0;
-  while (std::fabs(v) >= 1024 && i < 5) {
+  while (std::fabs(v) >= 1023.995 && i < 5) {
     v /= 1024;
     ++i;
   }
   return absl::StrFormat(i == 0 ? "%.0f %s" : "%.2f %s", v, kUnits[i]);
 }
 
+// µs, ms or s, the unit picked after rounding (0.9999996 -> "1.000 s",
+// not "1000.00 ms").
 std::string Seconds(double s) {
   if (!std::isfinite(s)) return absl::StrCat(s);
   if (s == 0) return "0 s";
-  if (std::fabs(s) < 1e-3) return absl::StrFormat("%.1f µs", s * 1e6);
-  if (std::fabs(s) < 1) return absl::StrFormat("%.2f ms", s * 1e3);
+  if (std::fabs(s) * 1e6 < 999.95) return absl::StrFormat("%.1f µs", s * 1e6);
+  if (std::fabs(s) * 1e3 < 999.995) return absl::StrFormat("%.2f ms", s * 1e3);
   return absl::StrFormat("%.3f s", s);
 }
 

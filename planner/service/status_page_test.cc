@@ -208,6 +208,19 @@ TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
   EXPECT_THAT(r.body, HasSubstr("1 non-finite values left out"));
 }
 
+// The unit is picked after rounding: a value just under a unit's limit
+// showed as "1000.00 ms", "1000.0 µs" or "1024.00 MiB".
+TEST_F(StatusPageTest, UnitsArePickedAfterRounding) {
+  plan_.mutable_prediction()->set_step_seconds(0.9999996);
+  cluster_.mutable_nodes(0)->mutable_devices(0)->set_memory_bytes((int64_t{1} << 30) - 1);
+  cluster_.mutable_links(0)->set_latency_seconds(0.0009999996);
+  metrics::HttpResponse r = ServeStatusPage(sources_, "/status");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body, AllOf(HasSubstr(">1.000 s<"), HasSubstr(">1.00 GiB<"), HasSubstr(">1.00 ms<"),
+                            Not(HasSubstr("1000.00 ms")), Not(HasSubstr("1024.00 MiB")),
+                            Not(HasSubstr("1000.0 µs"))));
+}
+
 // The step axis is labelled with step numbers as they are: a run past a
 // million steps was labelled "step 1e+06" to "step 1e+06" (six significant
 // digits), every label the same.
