@@ -681,6 +681,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   ctx->setTimeout(timeout);
   std::shared_ptr<gloo::transport::Context> transport;
   std::unique_ptr<AbortWatcher> watcher;
+  // The store refused or did not take this rank's address: its failure,
+  // not the peers'.
+  bool publish_failed = false;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
     auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
@@ -695,7 +698,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     ctx->Adopt(dev, transport);
     if (o.size == 1) return;
     absl::Status published = store.Set(RendezvousKey(prefix, std::to_string(o.rank)), mine);
-    if (!published.ok()) throw StoreFailure(std::move(published));
+    if (!published.ok()) {
+      publish_failed = true;
+      throw StoreFailure(std::move(published));
+    }
     watcher = std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport);
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
@@ -724,6 +730,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   }
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      // Asking a store that did not answer which peers are missing would
+      // wait for it once a rank, to blame peers it cannot see.
+      if (publish_failed) return s;
       return absl::DeadlineExceededError(
           absl::StrCat(s.message(), MissingRanks(store, prefix, o)));
     }

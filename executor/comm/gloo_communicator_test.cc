@@ -458,6 +458,32 @@ TEST(GlooCommunicatorTest, ARankThatNeverShowsUpIsDeadlineExceeded) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
 }
 
+// A store that cannot be reached: every call is DeadlineExceeded, as the
+// planner's store says when the planner does not answer.
+class UnreachableStore : public RendezvousStore {
+ public:
+  absl::Status Set(const std::string& key, const std::string&) override {
+    return absl::DeadlineExceededError(absl::StrCat("StoreSet '", key, "': no answer"));
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration) override {
+    ++gets;
+    return absl::DeadlineExceededError(absl::StrCat("StoreGet '", key, "': no answer"));
+  }
+  int gets = 0;
+};
+
+// A store that does not take this rank's address is the store's failure,
+// not the peers': the error is the store's, and no peer is said to be
+// missing (each such look-up took the store's whole timeout too).
+TEST(GlooCommunicatorTest, AStoreThatCannotPublishIsNotBlamedOnThePeers) {
+  UnreachableStore store;
+  EXPECT_THAT(ConnectGloo(Rank(0, 3, absl::Seconds(1)), store),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr("StoreSet 'hap/0': no answer"),
+                             ::testing::Not(HasSubstr("never published")))));
+  EXPECT_EQ(store.gets, 0);
+}
+
 TEST(GlooCommunicatorTest, TheMissingRanksAreNamed) {
   // Ranks 0 and 1 of 4 show up; 2 and 3 never do.
   auto store = NewFileStore(FreshDir("missing_two"));
