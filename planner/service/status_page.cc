@@ -469,11 +469,27 @@ std::string Chart(absl::string_view id, absl::string_view title, const std::vect
   auto sx = [&](double x) { return kLeft + (x - x0) / (x1 - x0) * (kW - kLeft - kRight); };
   auto sy = [&](double y) { return kTop + (y1 - y) / (y1 - y0) * (kH - kTop - kBottom); };
   std::string line;
-  // At most ~2000 vertices; the page stays small for long runs.
-  const size_t stride = std::max<size_t>(1, points.size() / 2000);
+  auto vertex = [&](const Point& p) {
+    absl::StrAppendFormat(&line, "%.1f,%.1f ", sx(p.x), sy(p.y));
+  };
+  // At most 2001 vertices, so the page stays small for long runs: each run
+  // of `stride` points is drawn as its lowest and highest (in step order),
+  // and the last point is always drawn. (Every stride-th point alone left
+  // out the spikes a step-time chart is read for, and the line's end.)
+  const size_t stride = std::max<size_t>(1, (points.size() + 999) / 1000);
+  size_t drawn = 0;  // the last point drawn
   for (size_t i = 0; i < points.size(); i += stride) {
-    absl::StrAppendFormat(&line, "%.1f,%.1f ", sx(points[i].x), sy(points[i].y));
+    const size_t end = std::min(points.size(), i + stride);
+    size_t lo = i, hi = i;
+    for (size_t k = i; k < end; ++k) {
+      if (points[k].y < points[lo].y) lo = k;
+      if (points[k].y > points[hi].y) hi = k;
+    }
+    vertex(points[std::min(lo, hi)]);
+    if (lo != hi) vertex(points[std::max(lo, hi)]);
+    drawn = std::max(lo, hi);
   }
+  if (drawn + 1 < points.size()) vertex(points.back());
   absl::StrAppendFormat(
       &h,
       "<svg id=\"%s\" xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "

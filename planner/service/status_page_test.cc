@@ -3,6 +3,7 @@
 #include "planner/service/status_page.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -206,6 +207,41 @@ TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
   metrics::HttpResponse r = ServeStatusPage(sources_, "/status/deployments/d1");
   EXPECT_EQ(r.status, 200);
   EXPECT_THAT(r.body, HasSubstr("1 non-finite values left out"));
+}
+
+// The vertices of the polyline of the chart `id` ("x,y" each).
+std::vector<std::string> Vertices(const std::string& body, const std::string& id) {
+  const size_t svg = body.find(absl::StrCat("<svg id=\"", id, "\""));
+  if (svg == std::string::npos) return {};
+  const size_t start = body.find("points=\"", svg);
+  if (start == std::string::npos) return {};
+  const size_t end = body.find('"', start + 8);
+  return absl::StrSplit(body.substr(start + 8, end - start - 8), ' ', absl::SkipEmpty());
+}
+
+// A long run is drawn with fewer vertices than steps, but neither a spike
+// nor the last step is left out: every `stride`-th step was drawn, so a
+// step 500 times slower than the others could be missing from the chart
+// whose axis it set, and the line could stop before the axis' last step.
+TEST_F(StatusPageTest, ALongRunsChartKeepsSpikesAndTheLastStep) {
+  metrics_.clear();
+  for (int step = 0; step < 4002; ++step) {
+    v1::StepMetric m;
+    m.set_deployment("deployments/d1");
+    m.set_step(step);
+    m.set_loss(1);
+    m.set_step_seconds(step == 1001 ? 10 : 0.02);
+    metrics_.push_back(m);
+  }
+  const metrics::HttpResponse r = ServeStatusPage(sources_, "/status/deployments/d1");
+  EXPECT_EQ(r.status, 200);
+  const std::vector<std::string> vertices = Vertices(r.body, "step-time");
+  ASSERT_FALSE(vertices.empty());
+  EXPECT_LE(vertices.size(), 2001u);
+  // The chart is 720 wide with 70 and 10 of margins, 220 high with 10 and
+  // 30: the slowest step is at the top (y 10), the last step at x 710.
+  EXPECT_THAT(vertices, ::testing::Contains(::testing::EndsWith(",10.0")));
+  EXPECT_THAT(vertices.back(), ::testing::StartsWith("710.0,"));
 }
 
 // The unit is picked after rounding: a value just under a unit's limit
