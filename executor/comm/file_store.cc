@@ -20,11 +20,15 @@
 namespace hap::executor {
 namespace {
 
-// Keys become file names: anything but [A-Za-z0-9._-] is escaped as %XX.
+// Keys become file names: anything but [A-Za-z0-9._-] is escaped as %XX,
+// and so is a leading '.', so that no key names the directory ("." and
+// ".."), a hidden file or a temporary file of Set (".tmp."). The empty key
+// is "%", which no other key gives (every other '%' has two digits after).
 std::string FileName(const std::string& key) {
+  if (key.empty()) return "%";
   std::string out;
   for (unsigned char c : key) {
-    if (std::isalnum(c) || c == '.' || c == '_' || c == '-') {
+    if (std::isalnum(c) || (c == '.' && !out.empty()) || c == '_' || c == '-') {
       out += static_cast<char>(c);
     } else {
       absl::StrAppend(&out, "%", absl::Hex(c, absl::kZeroPad2));

@@ -651,6 +651,25 @@ TEST(FileStoreTest, SetGetTimeoutAndBadDirectory) {
                        HasSubstr("not a writable directory")));
 }
 
+// Keys whose plain file names would be the directory itself or its parent
+// ("", ".", "..") are keys like any other: absent until set (they used to
+// read as present and empty at once, and could not be set).
+TEST(FileStoreTest, KeysThatWouldNameADirectoryAreKeysLikeAnyOther) {
+  auto store = NewFileStore(FreshDir("store_dots"));
+  ASSERT_TRUE(store.ok());
+  for (const std::string key : {"", ".", "..", "...", ".a"}) {
+    EXPECT_THAT((*store)->Get(key, absl::ZeroDuration()),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("'" + key + "'")))
+        << "key '" << key << "'";
+    ASSERT_THAT((*store)->Set(key, "value of '" + key + "'"), IsOk()) << "key '" << key << "'";
+  }
+  for (const std::string key : {"", ".", "..", "...", ".a"}) {
+    auto v = (*store)->Get(key, absl::ZeroDuration());
+    ASSERT_THAT(v, IsOk()) << "key '" << key << "'";
+    EXPECT_EQ(*v, "value of '" + key + "'");
+  }
+}
+
 // A value the file system refuses part of (here a file size limit; a full
 // disk alike) fails Set and is not published: the write that fails is the
 // one at close, after the stream's checks (it published 16 bytes of 100).
