@@ -168,9 +168,10 @@ def main():
             ap.error("calibration profiles spmd and dp-prop: name dp-prop or pass --no-calibrate")
         configs += CALIBRATED_CONFIGS
     bins = e2e.binaries(args.bin_dir)
-    state = tempfile.mkdtemp(prefix="hap-pipebed.")
-    c = e2e.Cluster(shares, state)
+    c = e2e.Cluster(shares, None)
     c.check_cgroups()
+    # Made once nothing can refuse the run: run_guarded removes it.
+    c.state = tempfile.mkdtemp(prefix="hap-pipebed.")
 
     e2e.run_guarded("pipeline_testbed_bench", c, args.keep_state,
                     lambda: bench(c, bins, args, configs))

@@ -131,6 +131,8 @@ class Cluster:
     (removed), its own and those hap-launch makes."""
 
     def __init__(self, shares, state_dir, weight=0, period_us=PERIOD_US):
+        # state_dir: the run's folder; None until the checks that may refuse
+        # the run have passed (it is made then, and removed by run_guarded).
         self.shares = shares
         self.period_us = period_us
         self.weight = weight
@@ -557,11 +559,12 @@ def main():
     if any(x.startswith("ddp") for x in configs) and not os.access(args.python, os.X_OK):
         die(f"no Python at {args.python} for the DDP workers (--python)")
 
-    state = tempfile.mkdtemp(prefix="hap-e2e.")
     if args.weight and not 2 <= args.weight <= 262144:
         ap.error("--weight must be 0 or within 2..262144")
-    c = Cluster(shares, state, args.weight, args.period_us)
+    c = Cluster(shares, None, args.weight, args.period_us)
     c.check_cgroups()
+    # Made once nothing can refuse the run: run_guarded removes it.
+    c.state = tempfile.mkdtemp(prefix="hap-e2e.")
 
     run_guarded("e2e_bench", c, args.keep_state, lambda: bench(c, bins, args, configs))
 

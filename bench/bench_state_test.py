@@ -1,0 +1,69 @@
+"""The cluster benchmarks (bench/e2e/e2e_bench.py,
+bench/pipeline_testbed_bench.py) leave no state folder behind when they stop
+before they start anything: a refused option, or no writable cgroups."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E2E = os.path.join(HERE, "e2e", "e2e_bench.py")
+PIPEBED = os.path.join(HERE, "pipeline_testbed_bench.py")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "e2e"))
+import e2e_bench  # noqa: E402
+import pipeline_testbed_bench  # noqa: E402
+
+BINARIES = ("tools/hapctl", "executor/cli/hap-launch", "executor/cli/hap-executor",
+            "planner/service/hap-planner", "profiler_agent/hap-agent")
+
+
+class StateTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+        # Stand-ins for the programs: they are checked, never run here.
+        self.bin = os.path.join(self.dir.name, "bin")
+        for b in BINARIES:
+            path = os.path.join(self.bin, b)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write("#!/bin/sh\nexit 1\n")
+            os.chmod(path, 0o755)
+        self.tmp = os.path.join(self.dir.name, "tmp")
+        os.mkdir(self.tmp)
+
+    def test_a_refused_weight_leaves_no_state(self):
+        env = dict(os.environ, TMPDIR=self.tmp)
+        p = subprocess.run([sys.executable, E2E, "--bin-dir", self.bin, "--weight", "1"],
+                           capture_output=True, text=True, env=env)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--weight must be 0 or within 2..262144", p.stderr)
+        self.assertEqual(os.listdir(self.tmp), [])
+
+    def run_without_cgroups(self, module, argv):
+        """module.main() with argv and no cgroup controller: it must stop
+        with a message and leave TMPDIR empty."""
+        saved = (e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv)
+        e2e_bench.CGROUP_ROOT = os.path.join(self.dir.name, "no-cgroups")
+        tempfile.tempdir = self.tmp
+        sys.argv = argv
+        try:
+            with self.assertRaises(SystemExit) as e:
+                module.main()
+        finally:
+            e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv = saved
+        self.assertIn("cannot write cgroups", str(e.exception.code))
+        self.assertEqual(os.listdir(self.tmp), [])
+
+    def test_e2e_bench_without_cgroups_leaves_no_state(self):
+        self.run_without_cgroups(e2e_bench, [E2E, "--bin-dir", self.bin])
+
+    def test_pipeline_testbed_bench_without_cgroups_leaves_no_state(self):
+        self.run_without_cgroups(pipeline_testbed_bench, [PIPEBED, "--bin-dir", self.bin])
+
+
+if __name__ == "__main__":
+    unittest.main()
