@@ -12,9 +12,12 @@ other world size (4 -> 2, 2 -> 4: resharding). Reads start with the files'
 page cache dropped (posix_fadvise DONTNEED) for every contender.
 
   bazel build -c opt //bench:checkpoint_worker
-  /usr/bin/python3 bench/checkpoint_bench.py [--rounds 3] [--dir /tmp/ckpt-bench]
+  /usr/bin/python3 bench/checkpoint_bench.py [--rounds 3] [--dir PARENT]
 
-Prints a table of medians and the ratios the issue asks for.
+The files (about 5.5 GB) go to a fresh folder hap-ckpt-bench.* under PARENT
+(default: the system's temporary folder), removed at the end, on failure and
+on Ctrl-C; what PARENT already holds is left alone. Prints a table of medians
+and the ratios the issue asks for.
 """
 
 import argparse
@@ -24,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -34,7 +38,14 @@ HAPCTL = os.path.join(ROOT, "bazel-bin", "tools", "hapctl")
 
 
 def worker(*args):
-    p = subprocess.run([WORKER, *args], capture_output=True, text=True, check=True)
+    try:
+        p = subprocess.run([WORKER, *args], capture_output=True, text=True)
+    except OSError as e:
+        sys.exit(f"checkpoint_bench: cannot run {WORKER} ({e.strerror}); "
+                 "bazel build -c opt //bench:checkpoint_worker")
+    if p.returncode:
+        sys.exit(f"checkpoint_bench: checkpoint_worker {' '.join(args)} failed "
+                 f"(exit {p.returncode}):\n{p.stderr.strip()}")
     return json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
 
 
@@ -86,12 +97,26 @@ def torch_load(path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", default="/tmp/hap-ckpt-bench")
+    ap.add_argument("--dir", default=None,
+                    help="where the fresh scratch folder is made [the system's temp folder]")
     a = ap.parse_args()
-    shutil.rmtree(a.dir, ignore_errors=True)
-    os.makedirs(a.dir)
-    c2, c4 = os.path.join(a.dir, "c2"), os.path.join(a.dir, "c4")
-    plain, tfile = os.path.join(a.dir, "plain.bin"), os.path.join(a.dir, "torch.pt")
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if a.dir is not None:
+        os.makedirs(a.dir, exist_ok=True)
+    # A folder of its own: --dir may hold anything, and is never emptied.
+    scratch = tempfile.mkdtemp(prefix="hap-ckpt-bench.", dir=a.dir)
+    try:
+        bench(a, scratch)
+    except KeyboardInterrupt:
+        sys.exit("checkpoint_bench: interrupted")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def bench(a, scratch):
+    c2, c4 = os.path.join(scratch, "c2"), os.path.join(scratch, "c4")
+    plain, tfile = os.path.join(scratch, "plain.bin"), os.path.join(scratch, "torch.pt")
     worker("save", "--ranks", "2", "--dir", c2)  # warm-up, and the names for torch
     sd = state_dict_like(c2)
     nbytes = sum(t.numel() * 4 for t in sd.values())
@@ -131,7 +156,6 @@ def main():
     for k in ("ours restore 2->4", "ours restore 4->2"):
         print(f"  {k[5:]}: {med[k] / med['plain read']:.2f}x plain read, "
               f"{med['torch.load'] / med[k]:.2f}x faster than torch.load")
-    shutil.rmtree(a.dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
