@@ -115,6 +115,8 @@ class RendezvousStore {
   virtual ~RendezvousStore() = default;
   virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
   // Waits until the key exists; DeadlineExceeded after `timeout` naming it.
+  // A store that fails otherwise (it cannot be read or reached) says so with
+  // its own error, at once where it can tell.
   virtual absl::StatusOr<std::string> Get(const std::string& key,
                                           absl::Duration timeout) = 0;
 };

@@ -1,6 +1,7 @@
 // A rendezvous store in a shared directory: one file a key, written under a
 // temporary name and renamed into place, so a reader never sees half a
 // value.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,6 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -73,11 +73,17 @@ class FileStore : public RendezvousStore {
     const absl::Time deadline = absl::Now() + timeout;
     absl::Duration backoff = absl::Milliseconds(1);
     while (true) {
-      std::ifstream f(path, std::ios::binary);
-      if (f) {
-        std::stringstream ss;
-        ss << f.rdbuf();
-        return ss.str();
+      const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd >= 0) return ReadAll(fd, key, path);
+      // Only an absent file is a key not set yet: any other failure (a
+      // name too long, a file this user cannot read) would last the whole
+      // timeout and be reported as a key that never came.
+      const int err = errno;
+      if (err != ENOENT && err != EINTR) {
+        return absl::Status(err == ENAMETOOLONG ? absl::StatusCode::kInvalidArgument
+                                                : absl::StatusCode::kUnavailable,
+                            absl::StrCat("rendezvous store: cannot read key '", key, "' (", path,
+                                         "): ", std::strerror(err)));
       }
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(
@@ -90,6 +96,28 @@ class FileStore : public RendezvousStore {
   }
 
  private:
+  // The whole file behind `fd`, which it closes.
+  static absl::StatusOr<std::string> ReadAll(int fd, const std::string& key,
+                                             const std::string& path) {
+    std::string value;
+    char chunk[4096];
+    while (true) {
+      const ssize_t n = read(fd, chunk, sizeof(chunk));
+      if (n > 0) {
+        value.append(chunk, static_cast<size_t>(n));
+      } else if (n == 0) {
+        break;
+      } else if (errno != EINTR) {
+        const int err = errno;
+        close(fd);
+        return absl::UnavailableError(absl::StrCat("rendezvous store: cannot read key '", key,
+                                                   "' (", path, "): ", std::strerror(err)));
+      }
+    }
+    close(fd);
+    return value;
+  }
+
   std::string dir_;
 };
 

@@ -670,6 +670,19 @@ TEST(FileStoreTest, KeysThatWouldNameADirectoryAreKeysLikeAnyOther) {
   }
 }
 
+// A key that cannot be read for another reason than its absence (here a
+// name too long for the file system; a file of another user's alike) fails
+// Get at once naming the reason, instead of waiting out the timeout and
+// saying that the key did not appear.
+TEST(FileStoreTest, AKeyThatCannotBeReadIsNotReportedAsAbsent) {
+  auto store = NewFileStore(FreshDir("store_unreadable"));
+  ASSERT_TRUE(store.ok());
+  const std::string key(300, 'k');
+  EXPECT_THAT((*store)->Get(key, absl::Seconds(60)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("cannot read key"), HasSubstr("File name too long"))));
+}
+
 // A value the file system refuses part of (here a file size limit; a full
 // disk alike) fails Set and is not published: the write that fails is the
 // one at close, after the stream's checks (it published 16 bytes of 100).
