@@ -576,8 +576,8 @@ std::string TimeText(const google::protobuf::Timestamp& t) {
 }
 
 // The job's life on one time axis: from its creation to its last update,
-// each (re)start's downtime (detected to training again) in red over the
-// training time in green.
+// each (re)start's downtime (detected to training again; the first start's
+// is detected at the creation) in red over the training time in green.
 std::string TimelineSvg(const v1::Job& j) {
   constexpr double kWidth = 720, kHeight = 28;
   const absl::Time start = FromProto(j.create_time());
@@ -602,8 +602,8 @@ std::string TimelineSvg(const v1::Job& j) {
   if (j.status().has_pending()) down(j.status().pending(), end);
   absl::StrAppend(&h, "</svg><p class=\"muted\">", TimeText(j.create_time()), " to ",
                   TimeText(j.status().update_time()),
-                  ": green training (or waiting to start), red from a failure or switch until "
-                  "training again.</p>");
+                  ": green training, red from its creation, a failure or a switch until "
+                  "training (again).</p>");
   return h;
 }
 

@@ -201,6 +201,29 @@ TEST_F(StatusPageTest, JobsAreListedAndAJobPageShowsItsTimeline) {
   EXPECT_THAT(ServeStatusPage(sources_, "/status").body, Not(HasSubstr("Elastic jobs")));
 }
 
+// The first start is a downtime like a re-start (detected at the job's
+// creation, until its first deployment trains) and is drawn red; the
+// legend called the wait before it green.
+TEST_F(StatusPageTest, TheTimelinesLegendSaysTheWaitToStartIsRed) {
+  v1::Job j;
+  j.set_name("jobs/train");
+  j.mutable_create_time()->set_seconds(1000);
+  v1::JobStatus& s = *j.mutable_status();
+  s.set_state(v1::JobStatus::RUNNING);
+  s.mutable_update_time()->set_seconds(1100);
+  v1::JobEvent* e = s.add_events();
+  e->set_reason(v1::JobEvent::STARTED);
+  *e->mutable_detect_time() = j.create_time();
+  e->mutable_resume_time()->set_seconds(1010);
+  sources_.jobs = [j] { return std::vector<v1::Job>{j}; };
+  const metrics::HttpResponse r = ServeStatusPage(sources_, "/status/jobs/train");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_THAT(r.body,
+              AllOf(HasSubstr("<rect x=\"0.0\" y=\"4\" width=\"72.0\" height=\"20\" "
+                              "fill=\"#e88\"><title>STARTED</title>"),
+                    HasSubstr("red from its creation"), Not(HasSubstr("(or waiting to start)"))));
+}
+
 TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
   metrics_[0].set_loss(std::nan(""));
   metrics_[1].set_loss(std::nan(""));
