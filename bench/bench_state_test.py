@@ -1,6 +1,8 @@
 """The cluster benchmarks (bench/e2e/e2e_bench.py,
-bench/pipeline_testbed_bench.py) leave no state folder behind when they stop
-before they start anything: a refused option, or no writable cgroups."""
+bench/pipeline_testbed_bench.py, bench/elastic_bench.py) leave no state
+folder behind when they stop before they start anything: a refused option, or
+no writable cgroups; a bad option is refused with a message, not a
+traceback."""
 
 import os
 import subprocess
@@ -11,6 +13,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 E2E = os.path.join(HERE, "e2e", "e2e_bench.py")
 PIPEBED = os.path.join(HERE, "pipeline_testbed_bench.py")
+ELASTIC = os.path.join(HERE, "elastic_bench.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "e2e"))
 import e2e_bench  # noqa: E402
@@ -63,6 +66,20 @@ class StateTest(unittest.TestCase):
 
     def test_pipeline_testbed_bench_without_cgroups_leaves_no_state(self):
         self.run_without_cgroups(pipeline_testbed_bench, [PIPEBED, "--bin-dir", self.bin])
+
+    def test_elastic_bench_refuses_bad_options_and_leaves_no_state(self):
+        env = dict(os.environ, TMPDIR=self.tmp)
+        for args, message in ((["--shares", "a,b,c"], "--shares needs three numbers"),
+                              (["--shares", "0.5,0,1"], "--shares needs three numbers"),
+                              (["--rounds", "0"], "--rounds must be at least 1"),
+                              (["--bin-dir", os.path.join(self.dir.name, "none")],
+                               "missing binary")):
+            p = subprocess.run([sys.executable, ELASTIC, "--bin-dir", self.bin, *args],
+                               capture_output=True, text=True, env=env)
+            self.assertEqual(p.returncode, 2, (args, p.stderr))
+            self.assertIn(message, p.stderr, args)
+            self.assertNotIn("Traceback", p.stderr, args)
+            self.assertEqual(os.listdir(self.tmp), [], args)
 
 
 if __name__ == "__main__":

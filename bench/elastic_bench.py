@@ -321,8 +321,22 @@ def main():
     p.add_argument("--join-timeout", type=float, default=60,
                    help="seconds to wait for the job's join once rank 1 is back")
     a = p.parse_args()
-    if len(a.shares.split(",")) != 3:
-        sys.exit("bench: --shares needs three values")
+    try:
+        shares = [float(x) for x in a.shares.split(",")]
+    except ValueError:
+        shares = []
+    if len(shares) != 3 or not all(0 < s <= 1 for s in shares):
+        p.error(f"--shares needs three numbers in (0, 1], got '{a.shares}'")
+    for k in ("rounds", "layers", "hidden", "seq", "batch", "every", "window"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be at least 1")
+    if a.warmup < 0:
+        p.error("--warmup must not be negative")
+    for b in ("tools/hapctl", "planner/service/hap-planner", "profiler_agent/hap-agent",
+              "executor/cli/hap-executor"):
+        if not os.access(os.path.join(a.bin_dir, b), os.X_OK):
+            p.error(f"missing binary {os.path.join(a.bin_dir, b)} (build it, see --help, "
+                    "or pass --bin-dir)")
     c = Cluster(a)
     try:
         c.up()
