@@ -30,6 +30,7 @@
 #include "executor/train/in_process_comm.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/lower/plan_file.h"
 
 namespace hap::executor {
 namespace {
@@ -113,6 +114,7 @@ TEST(ExecutorCoreTest, RejectsBadPlans) {
   for (int64_t batch : {0, -8}) {
     o = MlpLoad(2, 0, 3);
     o.plan.set_global_batch(batch);
+    o.plan.set_content_hash(lower::ContentHash(o.plan));  // a plan written so
     EXPECT_THAT(core.LoadPlan(o), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstr(absl::StrCat("global_batch is ", batch))));
   }

@@ -62,6 +62,13 @@ std::string ContentHash(const v1::Plan& plan) {
   *content.mutable_rank_programs() = plan.rank_programs();
   *content.mutable_options() = plan.options();
   content.set_graph_hash(plan.graph_hash());
+  if (plan.format_version() >= 2) {
+    content.set_format_version(plan.format_version());
+    content.set_cluster_hash(plan.cluster_hash());
+    *content.mutable_devices() = plan.devices();
+    content.set_global_batch(plan.global_batch());
+    *content.mutable_pipeline() = plan.pipeline();
+  }
   return Sha256Hex(content);
 }
 
@@ -274,11 +281,12 @@ absl::Status CheckSpmdPlanForRank(const v1::Plan& plan, int rank, int world) {
 }  // namespace
 
 absl::Status CheckPlanForRank(const v1::Plan& plan, int rank, int world) {
-  if (plan.format_version() != kPlanFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("plan format version ", plan.format_version(),
-                                                   " is not supported (this "
-                                                   "executor reads version ",
-                                                   kPlanFormatVersion, ")"));
+  if (plan.format_version() < kOldestPlanFormatVersion ||
+      plan.format_version() > kPlanFormatVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan format version ", plan.format_version(),
+                     " is not supported (this executor reads versions ", kOldestPlanFormatVersion,
+                     " to ", kPlanFormatVersion, ")"));
   }
   absl::Status programs = IsPipelinePlan(plan) ? CheckPipelinePlanForRank(plan, rank, world)
                                                : CheckSpmdPlanForRank(plan, rank, world);

@@ -11,8 +11,13 @@
 
 namespace hap::lower {
 
-// The format_version this code writes and executors accept.
-inline constexpr int kPlanFormatVersion = 1;
+// The format_version this code writes. Version 2's content hash also
+// covers cluster_hash, devices, global_batch and the pipeline stages;
+// version 1's (plans saved before 2026-12-07, still in planners' stores and
+// users' files) did not, and executors still run them.
+inline constexpr int kPlanFormatVersion = 2;
+// The oldest format_version executors accept.
+inline constexpr int kOldestPlanFormatVersion = 1;
 
 // Whether `plan` is a pipeline plan (more than one stage; README
 // "Pipeline plans"): its ranks run stage programs on the microbatch model.
@@ -33,7 +38,11 @@ absl::Status CheckPlanForRank(const hap::v1::Plan& plan, int rank, int world);
 
 // sha256 (hex) of the deterministic serialization of a message.
 std::string Sha256Hex(const google::protobuf::Message& m);
-// The hash over program, ratios and rank programs (Plan.content_hash).
+// Plan.content_hash for the plan's format_version: sha256 over the
+// program, ratios, rank programs, options and graph_hash; from version 2
+// also cluster_hash, devices (rank order), global_batch and the pipeline
+// plan: everything an executor's run depends on (the graph and the cluster
+// through their own hashes). Not the name, state, prediction or progress.
 std::string ContentHash(const hap::v1::Plan& plan);
 
 // A hash (sha256, hex) of the collectives `p` issues, in order, as every

@@ -20,13 +20,13 @@ constexpr int kBatch = 6;
 
 // A plan as BuildPlan writes one (the single-device program lowered for
 // `world` ranks): graph, its hash, devices, batch, rank programs, content
-// hash.
-v1::Plan MlpPlan(int world) {
+// hash (of format `version`).
+v1::Plan MlpPlan(int world, int version = kPlanFormatVersion) {
   auto g = graph::BuildZooModel(
       "mlp", {{"layers", 1}, {"hidden", 4}, {"input", 3}, {"classes", 2}, {"batch", kBatch}});
   EXPECT_THAT(g.status(), IsOk());
   v1::Plan plan;
-  plan.set_format_version(kPlanFormatVersion);
+  plan.set_format_version(version);
   *plan.mutable_graph() = graph::ToProto(*g);
   plan.set_graph_hash(Sha256Hex(plan.graph()));
   plan.set_global_batch(kBatch);
@@ -67,8 +67,9 @@ TEST(PlanFileTest, AGraphEditedAfterLoweringIsRefused) {
 }
 
 TEST(PlanFileTest, AGlobalBatchOtherThanTheGraphsIsRefused) {
-  // Not covered by the content hash; checkpoints count samples by it.
-  v1::Plan plan = MlpPlan(2);
+  // Not covered by version 1's content hash; checkpoints count samples by
+  // it. (Version 2's hash covers it: AVersion2Plan... below.)
+  v1::Plan plan = MlpPlan(2, 1);
   plan.set_global_batch(2 * kBatch);
   EXPECT_THAT(CheckPlanForRank(plan, 1, 2),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -118,7 +119,7 @@ TEST(PlanFileTest, APipelinePlanWithADeviceListOfAnotherLengthSaysSo) {
 // A two-stage pipeline plan of the MLP (one microbatch), as
 // BuildPipelinePlan writes one: stage 0 (device "a") runs ops [0, cut) and
 // sends the activation op cut - 1 makes, stage 1 (device "b") the rest.
-v1::Plan PipelinePlan() {
+v1::Plan PipelinePlan(int version = kPlanFormatVersion) {
   auto g = graph::BuildZooModel(
       "mlp", {{"layers", 1}, {"hidden", 4}, {"input", 3}, {"classes", 2}, {"batch", kBatch}});
   EXPECT_THAT(g.status(), IsOk());
@@ -127,7 +128,7 @@ v1::Plan PipelinePlan() {
   const int cut = ops / 2;
   const graph::TensorId sent = g->op(cut - 1).outputs[0];
   v1::Plan plan;
-  plan.set_format_version(kPlanFormatVersion);
+  plan.set_format_version(version);
   *plan.mutable_graph() = graph::ToProto(*g);
   plan.set_graph_hash(Sha256Hex(plan.graph()));
   plan.set_global_batch(kBatch);
@@ -241,7 +242,8 @@ TEST(PlanFileTest, AClusterEditedAfterPlanningIsRefused) {
 TEST(PlanFileTest, AStageProgramLoweredForOtherMicrobatchesIsRefused) {
   // The count and size edited together (6 x 1 -> 3 x 2): the last stage's
   // loss seed says so; the first stage's inputs were lowered for 6 rows.
-  v1::Plan plan = PipelinePlan();
+  // Version 1, whose content hash does not cover the pipeline fields.
+  v1::Plan plan = PipelinePlan(1);
   plan.mutable_pipeline()->set_microbatches(2);
   plan.mutable_pipeline()->set_microbatch_size(kBatch / 2);
   EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
@@ -253,6 +255,60 @@ TEST(PlanFileTest, AStageProgramLoweredForOtherMicrobatchesIsRefused) {
   plan.mutable_graph()->mutable_inputs(0)->mutable_tensor()->set_shape(0, 0);
   EXPECT_THAT(CheckPlanForRank(plan, 0, 2),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("graph_hash")));
+}
+
+// Version 2's content hash covers what version 1's left to the
+// cross-checks: a cluster edited together with its cluster_hash (a GPU
+// ordinal moved, which no other check sees) ran a version 1 plan on other
+// devices than planned; so did stage fields edited consistently.
+TEST(PlanFileTest, AVersion2PlanEditedWhereOnlyTheContentHashSeesItIsRefused) {
+  const auto move_ordinal = [](v1::Plan& plan) {
+    plan.mutable_cluster()->mutable_nodes(0)->mutable_devices(1)->set_local_index(5);
+    plan.set_cluster_hash(Sha256Hex(plan.cluster()));
+  };
+  v1::Plan old = MlpPlan(2, 1);
+  move_ordinal(old);
+  EXPECT_THAT(CheckPlanForRank(old, 1, 2), IsOk());  // what version 1 could not see
+  v1::Plan plan = MlpPlan(2);
+  ASSERT_EQ(plan.format_version(), 2);
+  move_ordinal(plan);
+  EXPECT_THAT(CheckPlanForRank(plan, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's content hash does not match its content")));
+  plan = MlpPlan(2);
+  plan.set_global_batch(2 * kBatch);
+  EXPECT_THAT(CheckPlanForRank(plan, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the plan's content hash does not match its content")));
+  v1::Plan renamed = PipelinePlan();
+  renamed.mutable_pipeline()->mutable_stages(1)->set_first_op("edited");
+  renamed.mutable_pipeline()->set_schedule("gpipe");
+  EXPECT_THAT(CheckPlanForRank(renamed, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("content hash")));
+  v1::Plan old_renamed = PipelinePlan(1);
+  old_renamed.mutable_pipeline()->mutable_stages(1)->set_first_op("edited");
+  EXPECT_THAT(CheckPlanForRank(old_renamed, 1, 2), IsOk());
+}
+
+TEST(PlanFileTest, VersionsOneAndTwoAreReadAndOthersRefused) {
+  for (int version : {1, 2}) {
+    EXPECT_THAT(CheckPlanForRank(MlpPlan(2, version), 0, 2), IsOk()) << version;
+    EXPECT_THAT(CheckPlanForRank(PipelinePlan(version), 1, 2), IsOk()) << version;
+  }
+  for (int version : {0, 3, -1}) {
+    EXPECT_THAT(CheckPlanForRank(MlpPlan(2, version), 0, 2),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("plan format version ", version,
+                                                " is not supported (this executor reads "
+                                                "versions 1 to 2)"))))
+        << version;
+  }
+  // The version is hashed too: a version 2 plan relabelled 1 (to skip the
+  // wider hash) no longer matches.
+  v1::Plan relabelled = MlpPlan(2);
+  relabelled.set_format_version(1);
+  EXPECT_THAT(CheckPlanForRank(relabelled, 0, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("content hash")));
 }
 
 }  // namespace
