@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <thread>
 
@@ -43,26 +42,32 @@ class FileStore : public RendezvousStore {
 
   absl::Status Set(const std::string& key, const std::string& value) override {
     std::string final_path = absl::StrCat(dir_, "/", FileName(key));
-    std::string tmp = absl::StrCat(dir_, "/.tmp.", getpid(), ".",
-                                   std::random_device{}(), ".", FileName(key));
-    {
-      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-      f.write(value.data(), static_cast<std::streamsize>(value.size()));
-      // Closed before the check: a small value is written only by close.
-      f.close();
-      if (!f) {
-        std::remove(tmp.c_str());
-        return absl::UnavailableError(
-            absl::StrCat("rendezvous store: cannot write '", tmp,
-                         "': ", std::strerror(errno)));
+    // The temporary name leaves the key out, so that any key whose own file
+    // name fits can be set.
+    std::string tmp = absl::StrCat(dir_, "/.tmp.", getpid(), ".", std::random_device{}());
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) return Failure("cannot write", key, tmp, errno);
+    size_t written = 0;
+    while (written < value.size()) {
+      const ssize_t n = write(fd, value.data() + written, value.size() - written);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int err = errno;
+        close(fd);
+        unlink(tmp.c_str());
+        return Failure("cannot write", key, tmp, err);
       }
+      written += static_cast<size_t>(n);
+    }
+    if (close(fd) != 0) {
+      const int err = errno;
+      unlink(tmp.c_str());
+      return Failure("cannot write", key, tmp, err);
     }
     if (std::rename(tmp.c_str(), final_path.c_str()) != 0) {
       const int err = errno;
-      std::remove(tmp.c_str());
-      return absl::UnavailableError(
-          absl::StrCat("rendezvous store: cannot publish key '", key,
-                       "': ", std::strerror(err)));
+      unlink(tmp.c_str());
+      return Failure("cannot publish", key, final_path, err);
     }
     return absl::OkStatus();
   }
@@ -79,12 +84,7 @@ class FileStore : public RendezvousStore {
       // name too long, a file this user cannot read) would last the whole
       // timeout and be reported as a key that never came.
       const int err = errno;
-      if (err != ENOENT && err != EINTR) {
-        return absl::Status(err == ENAMETOOLONG ? absl::StatusCode::kInvalidArgument
-                                                : absl::StatusCode::kUnavailable,
-                            absl::StrCat("rendezvous store: cannot read key '", key, "' (", path,
-                                         "): ", std::strerror(err)));
-      }
+      if (err != ENOENT && err != EINTR) return Failure("cannot read", key, path, err);
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(
             absl::StrCat("rendezvous store: key '", key, "' did not appear in ",
@@ -96,6 +96,16 @@ class FileStore : public RendezvousStore {
   }
 
  private:
+  // "<what> key '<key>' (<path>): <reason>": InvalidArgument for a key whose
+  // file name is too long, Unavailable otherwise.
+  static absl::Status Failure(const char* what, const std::string& key, const std::string& path,
+                              int err) {
+    return absl::Status(
+        err == ENAMETOOLONG ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kUnavailable,
+        absl::StrCat("rendezvous store: ", what, " key '", key, "' (", path,
+                     "): ", std::strerror(err)));
+  }
+
   // The whole file behind `fd`, which it closes.
   static absl::StatusOr<std::string> ReadAll(int fd, const std::string& key,
                                              const std::string& path) {
@@ -110,8 +120,7 @@ class FileStore : public RendezvousStore {
       } else if (errno != EINTR) {
         const int err = errno;
         close(fd);
-        return absl::UnavailableError(absl::StrCat("rendezvous store: cannot read key '", key,
-                                                   "' (", path, "): ", std::strerror(err)));
+        return Failure("cannot read", key, path, err);
       }
     }
     close(fd);

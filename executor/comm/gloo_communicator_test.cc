@@ -683,9 +683,26 @@ TEST(FileStoreTest, AKeyThatCannotBeReadIsNotReportedAsAbsent) {
                        AllOf(HasSubstr("cannot read key"), HasSubstr("File name too long"))));
 }
 
+// A key as long as a file name may be (here 250 bytes) can be set: the
+// temporary file Set writes first used to carry the key in its name too,
+// which made that name too long. Longer keys are refused by Set and Get
+// alike, naming the reason.
+TEST(FileStoreTest, AKeyAsLongAsAFileNameCanBeSet) {
+  auto store = NewFileStore(FreshDir("store_long"));
+  ASSERT_TRUE(store.ok());
+  const std::string key(250, 'k');
+  ASSERT_THAT((*store)->Set(key, "v"), IsOk());
+  auto v = (*store)->Get(key, absl::ZeroDuration());
+  ASSERT_THAT(v, IsOk());
+  EXPECT_EQ(*v, "v");
+  EXPECT_THAT((*store)->Set(std::string(300, 'k'), "v"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("File name too long")));
+}
+
 // A value the file system refuses part of (here a file size limit; a full
-// disk alike) fails Set and is not published: the write that fails is the
-// one at close, after the stream's checks (it published 16 bytes of 100).
+// disk alike) fails Set and is not published (with a buffered stream the
+// write that failed was the one at close, after the stream's checks, and it
+// published 16 bytes of 100).
 TEST(FileStoreTest, AWriteThatFailsAtCloseFailsSetAndPublishesNothing) {
   auto store = NewFileStore(FreshDir("store_full"));
   ASSERT_TRUE(store.ok());
