@@ -186,10 +186,28 @@ def main():
     configs = CONFIGS[:QUICK] if a.quick else CONFIGS
     if a.models:
         configs = [c for c in configs if c[0] in a.models.split(",")]
+        if not configs:
+            ap.error(f"--models: no configuration of {a.models}"
+                     f"{' in the --quick set' if a.quick else ''} "
+                     f"(models: {', '.join(sorted({c[0] for c in CONFIGS}))})")
     rounds = 3 if a.quick else a.rounds
-    threads = [int(t) for t in a.threads.split(",")]
+    if rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if a.steps < 1:
+        ap.error("--steps must be at least 1")
+    if a.pause < 0:
+        ap.error("--pause must not be negative")
+    try:
+        threads = [int(t) for t in a.threads.split(",")]
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        ap.error(f"--threads needs positive integers, e.g. 1,2; got '{a.threads}'")
     worker = os.path.abspath(a.worker)
     torch_worker = os.path.abspath(a.torch_worker)
+    if not os.access(worker, os.X_OK):
+        ap.error(f"no step_worker at {worker} (bazel build -c opt //bench:step_worker, "
+                 "or --worker)")
 
     print(f"{rounds} rounds of {a.steps} steps per side, interleaved; "
           "step times are medians over all rounds; ratio = median over rounds "
