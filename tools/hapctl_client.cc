@@ -496,10 +496,9 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   }
   HAP_RETURN_IF_ERROR(ExecutorsFromArgs(a, s.mutable_executors()));
   // The job spec reads 0 in these fields as the planner's default, and
-  // under 2 devices as 2: given so, '--max-replans 0' allowed 20 re-plans,
-  // '--min-gain 0' re-planned at 10% gain only, '--join-stable 0' (or
-  // 1e-10, rounded to 0 ns) waited 30 s. Each such value is refused naming
-  // what it would have been.
+  // under 2 devices as 2: given so, '--min-gain 0' re-planned at 10% gain only, '--join-stable 0'
+  // (or 1e-10, rounded to 0 ns) waited 30 s. Each such value is refused naming what it would have
+  // been.
   const auto defaulted = [&](const char* flag, const std::string& is) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, " ", a.Get(flag), " would be ", is,
@@ -532,9 +531,10 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   if (a.Has("join-stable") && p.join_stable().seconds() == 0 && p.join_stable().nanos() == 0) {
     return defaulted("join-stable", "30 s");
   }
-  HAP_ASSIGN_OR_RETURN(int64_t replans, a.Integer("max-replans", 0, 0, kMaxInt32));
-  if (a.Has("max-replans") && replans == 0) return defaulted("max-replans", "20 re-plans");
-  p.set_max_replans(static_cast<int>(replans));
+  if (a.Has("max-replans")) {  // 0: none (the first lost rank fails the job)
+    HAP_ASSIGN_OR_RETURN(int64_t replans, a.Integer("max-replans", 0, 0, kMaxInt32));
+    p.set_max_replans(static_cast<int>(replans));
+  }
   HAP_ASSIGN_OR_RETURN(double slowdown, a.Number("slowdown-threshold", 0));
   if (!(slowdown >= 0)) {
     return absl::InvalidArgumentError("--slowdown-threshold must be a fraction >= 0");

@@ -119,7 +119,7 @@ double MinGain(const v1::JobSpec& s) {
   return s.replan().min_gain() > 0 ? s.replan().min_gain() : kDefaultMinGain;
 }
 int MaxReplans(const v1::JobSpec& s) {
-  return s.replan().max_replans() > 0 ? s.replan().max_replans() : kDefaultMaxReplans;
+  return s.replan().has_max_replans() ? s.replan().max_replans() : kDefaultMaxReplans;
 }
 // No fewer than two: a plan of one device is not made (CreatePlan refuses
 // it as INVALID_ARGUMENT, which would fail the job instead of waiting).

@@ -514,6 +514,24 @@ TEST_F(JobsTest, GivesUpWhenItsDeploymentNoLongerExists) {
   EXPECT_THAT(fake_.stops, IsEmpty());
 }
 
+// max_replans 0 (set: the field is optional) is none at all: the first
+// lost rank fails the job, its deployment stopped. Unset is the default, 20
+// (a 0 used to mean that too, so no job could ask for none).
+TEST_F(JobsTest, MaxReplansZeroFailsTheJobAtTheFirstLoss) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(0);
+  const std::string first = StartRunning(r);
+  fake_.SetNode(1, v1::Node::STALE);
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::FAILED) << j.DebugString();
+  EXPECT_THAT(j.status().message(), HasSubstr("gave up after 0 re-plans (max_replans 0)"));
+  EXPECT_THAT(fake_.stops, ElementsAre(first));
+  EXPECT_EQ(fake_.deployed.size(), 1u);
+  EXPECT_FALSE(Request().spec().replan().has_max_replans());  // what the other tests re-plan on
+}
+
 TEST_F(JobsTest, EveryStepCheckpointedBeforeTheFailureIsSuccess) {
   Make();
   const std::string first = StartRunning();
