@@ -22,9 +22,12 @@ class PlannerStore : public RendezvousStore {
     req.set_value(value);
     v1::StoreSetResponse resp;
     grpc::ClientContext ctx;
+    const absl::Time rpc_deadline = absl::Now() + o_.set_timeout;
     service::PrepareClientContext(&ctx, o_.security, o_.set_timeout);
     ctx.set_wait_for_ready(true);
-    return Context("StoreSet", key, stub_->StoreSet(&ctx, req, &resp));
+    const grpc::Status s = stub_->StoreSet(&ctx, req, &resp);
+    if (NoAnswer(s, rpc_deadline)) return NoAnswerError("StoreSet", key, o_.set_timeout, s);
+    return Context("StoreSet", key, s);
   }
 
   absl::StatusOr<std::string> Get(const std::string& key,
@@ -41,13 +44,16 @@ class PlannerStore : public RendezvousStore {
     }
     v1::StoreGetResponse resp;
     grpc::ClientContext ctx;
+    const absl::Time rpc_deadline = absl::Now() + timeout + o_.grace;
     service::PrepareClientContext(&ctx, o_.security, timeout + o_.grace);
     ctx.set_wait_for_ready(true);
     grpc::Status s = stub_->StoreGet(&ctx, req, &resp);
     if (!s.ok()) {
+      if (NoAnswer(s, rpc_deadline)) {
+        return NoAnswerError("StoreGet", key, timeout + o_.grace, s);
+      }
       if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-        // The RPC's own deadline (the planner did not answer in time) or the
-        // planner's wait: either way the key was not there in time.
+        // The planner's wait ended: the key was not there in time.
         return absl::DeadlineExceededError(absl::StrCat(
             "rendezvous key '", key, "' of ", o_.deployment, " generation ",
             o_.generation, " not set within ", absl::FormatDuration(timeout), ": ",
@@ -63,6 +69,21 @@ class PlannerStore : public RendezvousStore {
   }
 
  private:
+  // DEADLINE_EXCEEDED at or after the call's own deadline: the planner did
+  // not answer (not reachable, not serving, or too slow), as opposed to
+  // the planner's own DeadlineExceeded (a StoreGet's wait), which comes by
+  // the wait's end, a grace before the call's deadline.
+  static bool NoAnswer(const grpc::Status& s, absl::Time rpc_deadline) {
+    return s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && absl::Now() >= rpc_deadline;
+  }
+  absl::Status NoAnswerError(const char* what, const std::string& key, absl::Duration waited,
+                             const grpc::Status& s) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, " '", key, "' (", o_.deployment, " generation ", o_.generation,
+                     "): the planner did not answer within ", absl::FormatDuration(waited),
+                     " (not reachable, not serving, or overloaded): ", s.error_message()));
+  }
+
   absl::Status Context(const char* what, const std::string& key, const grpc::Status& s) {
     absl::Status a = service::FromGrpc(s);
     if (a.ok()) return a;

@@ -11,7 +11,10 @@
 // planner that is restarting is waited for rather than failed at once.
 //
 // Errors keep the planner's status code (via FromGrpc), prefixed with the
-// operation and key. Thread-safe (gRPC stubs are).
+// operation and key. A planner that does not answer by a call's deadline
+// (not reachable, not serving, overloaded) is DeadlineExceeded saying so,
+// apart from a Get whose key the planner did not see set in time.
+// Thread-safe (gRPC stubs are).
 #ifndef HAP_EXECUTOR_COMM_PLANNER_STORE_H_
 #define HAP_EXECUTOR_COMM_PLANNER_STORE_H_
 
