@@ -34,7 +34,9 @@
 # Exit status: 0 when every check passed; 1 when the build, a test or a
 # benchmark failed (or no Bazel); 0 with the one line "no GPU: nothing run"
 # when no GPU is visible (no nvidia-smi, or it lists none), so that machines
-# without a GPU are not failures.
+# without a GPU are not failures. On Ctrl-C or SIGTERM the tests it runs in
+# the background (from a bundle) are stopped by pid, and the unpacked bundle
+# removed, as at any exit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -103,25 +105,26 @@ finish() {
   exit "$FAILED"
 }
 
-# Gathers a test's gtest counts into a row: $1 name, $2 status, $3.. logs.
+# Gathers a test's gtest counts into a row: $1 name, $2 status, $3.. logs
+# (each one argument: $LOGS may hold spaces).
 test_row() {
   local name=$1 status=$2
   shift 2
-  local logs="$*" ok=0 bad=0 skipped=0 why=""
-  if [ -n "$logs" ]; then
-    ok=$(cat $logs | grep -cE '^\[       OK \] .*\([0-9]+ ms\)')
-    bad=$(cat $logs | grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)')
-    skipped=$(cat $logs | grep -cE '^\[  SKIPPED \] .*\([0-9]+ ms\)')
-    why=$(cat $logs | grep -A1 ': Skipped$' | grep -vE ': Skipped$|^--$' | sort | uniq -c | sort -rn | head -2 | sed 's/^ *//' | paste -sd';' - | cut -c1-200 | tr '|' '/')
+  local logs=("$@") ok=0 bad=0 skipped=0 why=""
+  if [ ${#logs[@]} -gt 0 ]; then
+    ok=$(cat -- "${logs[@]}" | grep -cE '^\[       OK \] .*\([0-9]+ ms\)')
+    bad=$(cat -- "${logs[@]}" | grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)')
+    skipped=$(cat -- "${logs[@]}" | grep -cE '^\[  SKIPPED \] .*\([0-9]+ ms\)')
+    why=$(cat -- "${logs[@]}" | grep -A1 ': Skipped$' | grep -vE ': Skipped$|^--$' | sort | uniq -c | sort -rn | head -2 | sed 's/^ *//' | paste -sd';' - | cut -c1-200 | tr '|' '/')
   fi
   local detail="$ok passed, $bad failed, $skipped skipped"
   [ -n "$why" ] && detail="$detail (skips: $why)"
-  if [ "$bad" -gt 0 ] && [ -n "$logs" ]; then
-    detail="$detail; failed: $(cat $logs | grep -E '^\[  FAILED  \] .*\([0-9]+ ms\)' | sed 's/^\[  FAILED  \] //; s/ ([0-9]* ms)//' | head -6 | paste -sd' ' - | cut -c1-300 | tr '|' '/')"
+  if [ "$bad" -gt 0 ] && [ ${#logs[@]} -gt 0 ]; then
+    detail="$detail; failed: $(cat -- "${logs[@]}" | grep -E '^\[  FAILED  \] .*\([0-9]+ ms\)' | sed 's/^\[  FAILED  \] //; s/ ([0-9]* ms)//' | head -6 | paste -sd' ' - | cut -c1-300 | tr '|' '/')"
   fi
-  if [ "$name" = gpu_training_test ] && [ -n "$logs" ]; then
+  if [ "$name" = gpu_training_test ] && [ ${#logs[@]} -gt 0 ]; then
     local last
-    last=$(cat $logs | grep -E '^gpt_adamw_dropout step [0-9]+ loss' | tail -1)
+    last=$(cat -- "${logs[@]}" | grep -E '^gpt_adamw_dropout step [0-9]+ loss' | tail -1)
     [ -n "$last" ] && detail="$detail; $last"
   fi
   if [ "$status" = PASSED ]; then
@@ -136,14 +139,37 @@ test_row() {
   fi
 }
 
+# What runs in the background (a bundle's tests, each under `timeout`, which
+# passes a signal on to its test) and the unpacked bundle: stopped and
+# removed at any exit. `timeout` leads a process group of its own, so a
+# terminal's Ctrl-C reaches it only through here.
+BACKGROUND=()
+UNPACKED=""
+on_exit() {
+  local p
+  for p in "${BACKGROUND[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${BACKGROUND[@]}"; do wait "$p" 2>/dev/null || true; done
+  [ -z "$UNPACKED" ] || rm -rf "$UNPACKED"
+}
+trap on_exit EXIT
+trap 'echo "gpu-check: interrupted; stopping what it started" >&2; exit 130' INT TERM
+
 if [ "$USE_BUNDLE" = 1 ]; then
   # --- 1+2 from a bundle: no build; every CUDA test binary, run directly ----
   B=$BUNDLE
   if [ -f "$BUNDLE/bundle.tar.xz" ]; then
-    B=/tmp/hap-gpu-bundle
-    rm -rf "$B"
-    mkdir -p "$B"
-    tar -C "$B" -xJf "$BUNDLE/bundle.tar.xz"
+    UNPACKED=$(mktemp -d "${TMPDIR:-/tmp}/hap-gpu-bundle.XXXXXX")
+    B=$UNPACKED
+    if ! err=$(tar -C "$B" -xJf "$BUNDLE/bundle.tar.xz" 2>&1); then
+      row "bundle (scripts/gpu-bundle.sh)" "FAIL" "cannot unpack $BUNDLE/bundle.tar.xz: $(echo "$err" | head -1 | cut -c1-160 | tr '|' '/')"
+      FAILED=1
+      finish
+    fi
+  fi
+  if [ ! -f "$B/tests.txt" ] || [ ! -d "$B/bin" ]; then
+    row "bundle (scripts/gpu-bundle.sh)" "FAIL" "no tests.txt or bin/ in $B"
+    FAILED=1
+    finish
   fi
   # CUDA's libraries from this machine: the toolkit's, else Python's nvidia-* packages.
   CUDA_DIRS=""
@@ -169,6 +195,7 @@ if [ "$USE_BUNDLE" = 1 ]; then
   while read -r name; do
     timeout "$test_limit" "$B/bin/$name" > "$LOGS/$name.log" 2>&1 &
     pids+=("$!:$name")
+    BACKGROUND+=("$!")
   done < "$B/tests.txt"
   for p in "${pids[@]}"; do
     wait "${p%%:*}"
@@ -179,6 +206,7 @@ if [ "$USE_BUNDLE" = 1 ]; then
     [ $rc -ne 0 ] && [ $rc -ne 124 ] && status="FAILED (rc $rc)"
     test_row "$name" "$status" "$LOGS/$name.log"
   done
+  BACKGROUND=()
   say "tests done in $((SECONDS - t0)) s"
   GPU_BENCH=$B/bin/gpu_bench
   HAPCTL=$B/bin/hapctl
@@ -229,9 +257,9 @@ if [ ${#TESTS[@]} -gt 0 ] && [ "$(left)" -gt 60 ]; then
   for t in "${TESTS[@]}"; do
     name=${t#//executor/cuda:}
     status=$(grep -E "^$t +" "$LOGS/test.log" | grep -oE 'PASSED|FAILED TO BUILD|FAILED|TIMEOUT|NO STATUS|SKIPPED' | head -1)
-    logs=$(find "bazel-testlogs/executor/cuda/$name" -name test.log 2>/dev/null)
-    for l in $logs; do cp "$l" "$LOGS/$name.$(basename "$(dirname "$l")").log"; done
-    test_row "$name" "$status" $logs
+    mapfile -t logs < <(find "bazel-testlogs/executor/cuda/$name" -name test.log 2>/dev/null)
+    for l in "${logs[@]}"; do cp "$l" "$LOGS/$name.$(basename "$(dirname "$l")").log"; done
+    test_row "$name" "$status" "${logs[@]}"
   done
 else
   row "tests" "NOT RUN" "out of time ($(left) s left)"
