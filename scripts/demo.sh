@@ -263,7 +263,8 @@ if [ -n "$NETWORK" ]; then
     SW=("$NETNS" exec sw --owner $$ --)
     echo "demo: network testbed nodes=$RANKS $NETWORK:"
     echo "$out" | sed 's/^/      /'
-    printf '#!/bin/sh\nexec %s exec sw --owner %s -- %s "$@"\n' "$NETNS" $$ "$BIN/tools/hapctl" >"$STATE/hapctl"
+    # %q: --bin-dir may hold spaces (bash reads %q's quoting back).
+    printf '#!/bin/bash\nexec %q exec sw --owner %s -- %q "$@"\n' "$NETNS" $$ "$BIN/tools/hapctl" >"$STATE/hapctl"
     chmod +x "$STATE/hapctl"
     HAPCTL="$STATE/hapctl"
   else
