@@ -19,16 +19,32 @@ SECONDS_EACH=300
 SMOKE=0
 JUNIT=""
 TARGETS=()
+ALL_TARGETS=(graph cluster plan safetensors rpc npy)
 while [ $# -gt 0 ]; do
+  case "$1" in  # the options that take a value: one must follow
+    --seconds|--junit) [ $# -ge 2 ] || { echo "fuzz: $1 needs a value (see --help)" >&2; exit 2; } ;;
+  esac
   case "$1" in
     --seconds) SECONDS_EACH=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     --junit) JUNIT=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "fuzz: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) TARGETS+=("$1"); shift ;;
   esac
 done
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(graph cluster plan safetensors rpc npy)
+case "$SECONDS_EACH" in
+  ''|*[!0-9]*|0) echo "fuzz: --seconds must be a positive whole number, got '$SECONDS_EACH'" >&2; exit 2 ;;
+esac
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=("${ALL_TARGETS[@]}")
+# Every target known before anything is built (a typo after a long run of
+# the others was only found then).
+for t in "${TARGETS[@]}"; do
+  case " ${ALL_TARGETS[*]} " in
+    *" $t "*) ;;
+    *) echo "fuzz: unknown target $t (targets: ${ALL_TARGETS[*]})" >&2; exit 2 ;;
+  esac
+done
 
 CXX=clang++-14
 if ! command -v "$CXX" >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.fuzzer-x86_64.a ]; then
