@@ -67,6 +67,22 @@ class StateTest(unittest.TestCase):
     def test_pipeline_testbed_bench_without_cgroups_leaves_no_state(self):
         self.run_without_cgroups(pipeline_testbed_bench, [PIPEBED, "--bin-dir", self.bin])
 
+    def test_pipeline_testbed_bench_refuses_bad_counts_up_front(self):
+        saved = (e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv)
+        e2e_bench.CGROUP_ROOT = os.path.join(self.dir.name, "no-cgroups")
+        tempfile.tempdir = self.tmp
+        try:
+            for args in (["--rounds", "0"], ["--steps", "0"], ["--warmup", "-1"],
+                         ["--configs", "spmd,spmd,dp-prop"]):
+                sys.argv = [PIPEBED, "--bin-dir", self.bin, *args]
+                with self.assertRaises(SystemExit) as e:
+                    pipeline_testbed_bench.main()
+                # argparse's error: exit status 2, before the cgroup check.
+                self.assertEqual(e.exception.code, 2, args)
+        finally:
+            e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv = saved
+        self.assertEqual(os.listdir(self.tmp), [])
+
     def test_elastic_bench_refuses_bad_options_and_leaves_no_state(self):
         env = dict(os.environ, TMPDIR=self.tmp)
         for args, message in ((["--shares", "a,b,c"], "--shares needs three numbers"),

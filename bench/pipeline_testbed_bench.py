@@ -160,9 +160,13 @@ def main():
     shares = [float(s) for s in args.shares.split(",")]
     if len(shares) != 4 or not all(0 < s <= 1 for s in shares):
         ap.error("--shares needs 4 values in (0, 1]")
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error("--rounds and --steps must be at least 1, --warmup not negative")
     configs = args.configs.split(",")
     if "spmd" not in configs or any(x not in CONFIGS for x in configs):
         ap.error(f"--configs must name spmd and some of {','.join(CONFIGS)}")
+    if len(set(configs)) != len(configs):
+        ap.error(f"--configs names a configuration twice: {args.configs}")
     if not args.no_calibrate:
         if "dp-prop" not in configs:
             ap.error("calibration profiles spmd and dp-prop: name dp-prop or pass --no-calibrate")
