@@ -83,6 +83,21 @@ class StateTest(unittest.TestCase):
             e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv = saved
         self.assertEqual(os.listdir(self.tmp), [])
 
+    def test_e2e_bench_refuses_a_configuration_named_twice(self):
+        # Named twice, a configuration had two medians per round, and its
+        # per-round ratios paired round r of the baseline with its r-th run.
+        saved = (e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv)
+        e2e_bench.CGROUP_ROOT = os.path.join(self.dir.name, "no-cgroups")
+        tempfile.tempdir = self.tmp
+        sys.argv = [E2E, "--bin-dir", self.bin, "--configs", "hap,dp-even,hap"]
+        try:
+            with self.assertRaises(SystemExit) as e:
+                e2e_bench.main()
+        finally:
+            e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv = saved
+        self.assertEqual(e.exception.code, 2)
+        self.assertEqual(os.listdir(self.tmp), [])
+
     def test_elastic_bench_refuses_bad_options_and_leaves_no_state(self):
         env = dict(os.environ, TMPDIR=self.tmp)
         for args, message in ((["--shares", "a,b,c"], "--shares needs three numbers"),

@@ -549,6 +549,9 @@ def main():
     configs = args.configs.split(",")
     if not configs or any(x not in CONFIGS for x in configs):
         ap.error(f"--configs must name some of {','.join(CONFIGS)}")
+    if len(set(configs)) != len(configs):
+        # Its per-round medians would not line up with the other configurations'.
+        ap.error(f"--configs names a configuration twice: {args.configs}")
     if args.quota_profile:
         configs += QUOTA_CONFIGS
     if args.overlap:
