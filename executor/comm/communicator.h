@@ -127,7 +127,10 @@ struct GlooOptions {
   // Every key this communicator writes is prefixed by it: a plan's name and
   // generation, so restarted or concurrent plans never mix.
   std::string prefix = "hap";
-  std::string hostname = "127.0.0.1";  // interface to listen on
+  // The address to listen on (a name or a number; empty: this machine's
+  // name). ConnectGloo refuses one that does not resolve or is not this
+  // machine's (InvalidArgument).
+  std::string hostname = "127.0.0.1";
   absl::Duration timeout = absl::Seconds(60);  // per collective and connect
   // Run Gloo's event-loop thread at SCHED_IDLE (gloo_communicator.cc says
   // why); false keeps the default policy (bench/comm_bench compares both).

@@ -1,11 +1,15 @@
 // The Gloo backend of the communicator (communicator.h). Gloo reports
 // failures by throwing; every call into it happens inside Guard(), which
 // turns exceptions into statuses — nothing else in the project sees one.
+#include <netdb.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -743,6 +747,52 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));
 }
 
+// Gloo's TCP device resolves the host to listen on itself, but this Gloo
+// takes any resolver error other than -1 for success (and then reads an
+// unset address list), and reports an address it cannot bind as a failed
+// check (Internal, which ConnectGloo would take for a broken mesh and try
+// again). The same look-up here first tells both as a bad option. An empty
+// host is this machine's name, as in Gloo.
+absl::Status CheckHostToListenOn(const std::string& hostname) {
+  std::string host = hostname;
+  if (host.empty()) {
+    char name[HOST_NAME_MAX + 1] = {};
+    if (gethostname(name, sizeof(name) - 1) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("no host to listen on was given and this machine's name is unknown: ",
+                       std::strerror(errno)));
+    }
+    host = name;
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rv = getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  if (rv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the host to listen on '", hostname,
+                                                   "' does not resolve: ", gai_strerror(rv)));
+  }
+  std::string why = "it has no address";
+  bool bound = false;
+  for (const addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = absl::StrCat("socket: ", std::strerror(errno));
+      continue;
+    }
+    bound = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    if (!bound) why = absl::StrCat("bind: ", std::strerror(errno));
+    close(fd);
+  }
+  freeaddrinfo(found);
+  if (!bound) {
+    return absl::InvalidArgumentError(absl::StrCat("the host to listen on '", hostname,
+                                                   "' is no address of this machine (", why, ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string ConnectAttemptPrefix(const std::string& prefix, int attempt) {
@@ -763,6 +813,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     return absl::InvalidArgumentError(absl::StrCat(
         "connect_attempts must be at least 1, not ", o.connect_attempts));
   }
+  HAP_RETURN_IF_ERROR(CheckHostToListenOn(o.hostname));
   // A peer that dies leaves sockets that raise SIGPIPE on the next write;
   // without this the whole process would be killed instead of getting an
   // error it can report.

@@ -594,6 +594,27 @@ TEST(GlooCommunicatorTest, AStrayConnectionBreaksOneTryAndTheNextConnects) {
   EXPECT_GE(retried, 1) << "no round needed a second try";
 }
 
+// A host to listen on that does not resolve, or that is no address of this
+// machine, is a bad option named as such, found before any connection is
+// tried: the name that did not resolve used to reach Gloo, which took any
+// resolver error but -1 for success and read an unset address list, and
+// the foreign address was a broken connection (Internal), tried three times.
+TEST(GlooCommunicatorTest, AHostToListenOnThatIsNotHereIsInvalidArgument) {
+  auto store = NewFileStore(FreshDir("bad_host"));
+  ASSERT_TRUE(store.ok());
+  for (const std::string host : {"no-such-host.invalid", "192.0.2.1"}) {
+    GlooOptions o = Rank(0, 2, absl::Seconds(5));
+    o.hostname = host;
+    EXPECT_THAT(ConnectGloo(o, **store),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("host to listen on '" + host + "'"),
+                               ::testing::Not(HasSubstr("attempts")))));
+  }
+  // Nothing was published for the peers to connect to.
+  EXPECT_THAT((*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::ZeroDuration()),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("did not appear")));
+}
+
 TEST(GlooCommunicatorTest, ConnectAttemptsMustBePositive) {
   auto store = NewFileStore(FreshDir("attempts"));
   ASSERT_TRUE(store.ok());
