@@ -22,7 +22,15 @@ cd "$(dirname "$0")/.."
 DEST=${1:-.gpu}
 
 # The CUDA tests, and the tests elsewhere that skip without a GPU.
-TESTS="$(bazel query 'tests(//executor/cuda:all)' 2>/dev/null)
+QUERY_LOG=$(mktemp)
+if ! CUDA_TESTS=$(bazel query 'tests(//executor/cuda:all)' 2>"$QUERY_LOG"); then
+  echo "gpu-bundle: bazel query 'tests(//executor/cuda:all)' failed:" >&2
+  tail -5 "$QUERY_LOG" >&2
+  rm -f "$QUERY_LOG"
+  exit 1
+fi
+rm -f "$QUERY_LOG"
+TESTS="$CUDA_TESTS
 //executor/train:backend_test
 //profiler_agent:gpu_probe_test
 //profiler_agent:devices_test
