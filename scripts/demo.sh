@@ -109,6 +109,10 @@ while [ $# -gt 0 ]; do
     *) echo "demo: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ "$SETUP" = 1 ] && [ -n "$BIN" ]; then
+  # Set-up builds the binaries and runs bazel-bin's: DIR would be ignored.
+  echo "demo: --bin-dir needs --no-setup (with set-up it runs what bazel builds)" >&2; exit 2
+fi
 if [ "$ELASTIC" = 1 ]; then
   [ "$SHARES_SET" = 1 ] || SHARES=0.7,1,0.3
   [ "$STEPS_SET" = 1 ] || STEPS=900
