@@ -131,7 +131,9 @@ struct GlooOptions {
   // name). ConnectGloo refuses one that does not resolve or is not this
   // machine's (InvalidArgument).
   std::string hostname = "127.0.0.1";
-  absl::Duration timeout = absl::Seconds(60);  // per collective and connect
+  // Per collective and connect; 1 ms to 3650 days (InvalidArgument
+  // otherwise: Gloo waits whole milliseconds).
+  absl::Duration timeout = absl::Seconds(60);
   // Run Gloo's event-loop thread at SCHED_IDLE (gloo_communicator.cc says
   // why); false keeps the default policy (bench/comm_bench compares both).
   // Our collectives are synchronous, so the loop runs while the rank's own

@@ -805,9 +805,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
     return absl::InvalidArgumentError(absl::StrCat(
         "rank ", o.rank, " is out of range for a world of ", o.size));
   }
-  if (o.timeout <= absl::ZeroDuration()) {
+  // Gloo waits whole milliseconds on std::chrono clocks: under 1 ms is 0 ms
+  // (every wait over at once); centuries overflow the clock's nanoseconds.
+  const absl::Duration longest = absl::Hours(24 * 3650);
+  if (!(o.timeout >= absl::Milliseconds(1) && o.timeout <= longest)) {
     return absl::InvalidArgumentError(
-        "the communicator timeout must be positive");
+        absl::StrCat("the communicator timeout must be between 1ms and ",
+                     absl::FormatDuration(longest), ", not ", absl::FormatDuration(o.timeout)));
   }
   if (o.connect_attempts < 1) {
     return absl::InvalidArgumentError(absl::StrCat(

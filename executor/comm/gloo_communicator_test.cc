@@ -615,6 +615,22 @@ TEST(GlooCommunicatorTest, AHostToListenOnThatIsNotHereIsInvalidArgument) {
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("did not appear")));
 }
 
+// Gloo waits in whole milliseconds on std::chrono clocks: a timeout under
+// a millisecond used to become 0 ms (every wait over at once) and an
+// infinite one overflowed the clock. Both are refused, naming the bounds.
+TEST(GlooCommunicatorTest, ATimeoutGlooCannotWaitIsInvalidArgument) {
+  auto store = NewFileStore(FreshDir("bad_timeout"));
+  ASSERT_TRUE(store.ok());
+  for (absl::Duration t : {absl::Microseconds(500), absl::InfiniteDuration(),
+                           absl::Hours(24 * 365 * 100), absl::ZeroDuration()}) {
+    EXPECT_THAT(ConnectGloo(Rank(0, 1, t), **store),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("timeout"), HasSubstr("between 1ms and"),
+                               HasSubstr(absl::FormatDuration(t)))));
+  }
+  EXPECT_THAT(ConnectGloo(Rank(0, 1, absl::Milliseconds(1)), **store), IsOk());
+}
+
 TEST(GlooCommunicatorTest, ConnectAttemptsMustBePositive) {
   auto store = NewFileStore(FreshDir("attempts"));
   ASSERT_TRUE(store.ok());
