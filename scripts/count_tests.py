@@ -16,8 +16,10 @@ A test that wrote no XML counts as one case by its status; one whose status is
 not PASSED is a failure even where its XML shows none (it crashed or timed out
 after writing it); a target that did not build counts as one failure; so does
 a build event file that cannot be read to its end (bazel killed while writing
-it, or never started), the results before the break counted. Exit status 1
-when any case failed or no case passed.
+it, or never started), the results before the break counted, or that has no
+buildFinished event; and so does a build whose exit code is not SUCCESS while
+the file shows no failure (a BUILD file that does not load: no target ran).
+Exit status 1 when any case failed or no case passed.
 """
 import json
 import os
@@ -65,52 +67,59 @@ class Count:
         return self.failed - failed
 
 
-def bep_results(path):
-    """(label, xml path or None, status) of each test run and shard, the
-    last attempt of each; the labels of targets that did not build; and why
-    the file could not be read to its end (None when it could): bazel killed
-    while writing it, or never started."""
-    last = {}
-    broken = []
-    try:
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                try:
-                    event = json.loads(line)
-                except ValueError as e:
-                    return results_of(last), broken, "line %d is not JSON: %s" % (number, e)
-                add_event(event, last, broken)
-    except OSError as e:
-        return results_of(last), broken, "cannot read it: %s" % (e.strerror or e)
-    return results_of(last), broken, None
+class Bep:
+    """What one build event file says: `results`, (label, xml path or None,
+    status) of each test run and shard, the last attempt of each; `broken`,
+    the labels of targets that did not build; `exit`, the name of bazel's
+    exit code (None when the file has no buildFinished event: bazel did not
+    finish); `unreadable`, why the file could not be read to its end (None
+    when it could): bazel killed while writing it, or never started."""
 
+    def __init__(self, path):
+        self.broken = []
+        self.exit = None
+        self.unreadable = None
+        self._last = {}
+        try:
+            with open(path) as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        event = json.loads(line)
+                    except ValueError as e:
+                        self.unreadable = "line %d is not JSON: %s" % (number, e)
+                        break
+                    self._add(event)
+        except OSError as e:
+            self.unreadable = "cannot read it: %s" % (e.strerror or e)
+        self.results = [(k[0], xml, status)
+                        for k, (_, xml, status) in sorted(self._last.items())]
 
-def results_of(last):
-    return [(k[0], xml, status) for k, (_, xml, status) in sorted(last.items())]
-
-
-def add_event(event, last, broken):
-    """Adds one build event's test result or target outcome."""
-    ident = event.get("id", {})
-    if "testResult" in event:
-        i = ident["testResult"]
-        key = (i["label"], i.get("run", 1), i.get("shard", 1))
-        attempt = i.get("attempt", 1)
-        result = event["testResult"]
-        xml = None
-        for out in result.get("testActionOutput", []):
-            if out.get("name") == "test.xml":
-                xml = unquote(urlparse(out["uri"]).path)
-        if key not in last or attempt >= last[key][0]:
-            last[key] = (attempt, xml, result.get("status", "NO_STATUS"))
-    elif "targetCompleted" in ident:
-        done = event.get("completed")
-        aborted = event.get("aborted")
-        # SKIPPED: incompatible with this configuration (CUDA-only
-        # targets without --config=cuda), not a failure.
-        if (done is not None and not done.get("success", False)) or (
-                aborted is not None and aborted.get("reason") != "SKIPPED"):
-            broken.append(ident["targetCompleted"]["label"])
+    def _add(self, event):
+        ident = event.get("id", {})
+        if "buildFinished" in ident:
+            code = event.get("finished", {}).get("exitCode", {})
+            # JSON leaves out proto3 defaults: SUCCESS is code 0.
+            self.exit = code.get("name") or ("exit code %s" % code["code"]
+                                             if code.get("code") else "SUCCESS")
+        elif "testResult" in event:
+            i = ident["testResult"]
+            key = (i["label"], i.get("run", 1), i.get("shard", 1))
+            attempt = i.get("attempt", 1)
+            result = event["testResult"]
+            xml = None
+            for out in result.get("testActionOutput", []):
+                if out.get("name") == "test.xml":
+                    xml = unquote(urlparse(out["uri"]).path)
+            if key not in self._last or attempt >= self._last[key][0]:
+                self._last[key] = (attempt, xml, result.get("status", "NO_STATUS"))
+        elif "targetCompleted" in ident:
+            done = event.get("completed")
+            aborted = event.get("aborted")
+            # SKIPPED: incompatible with this configuration (CUDA-only
+            # targets without --config=cuda), not a failure.
+            if (done is not None and not done.get("success", False)) or (
+                    aborted is not None and aborted.get("reason") != "SKIPPED"):
+                self.broken.append(ident["targetCompleted"]["label"])
 
 
 def main(argv):
@@ -133,10 +142,10 @@ def main(argv):
     named = bool(argv)
     roots = argv if argv or bep else ["bazel-testlogs"]
     if bep is not None:
-        results, broken, unreadable = bep_results(bep)
-        if unreadable:
-            count.fail("%s (%s)" % (bep, unreadable))
-        for label, xml, status in results:
+        b = Bep(bep)
+        if b.unreadable:
+            count.fail("%s (%s)" % (bep, b.unreadable))
+        for label, xml, status in b.results:
             if xml is not None and os.path.exists(xml):
                 # A target bazel says failed is a failure even when its XML
                 # shows none: a gtest binary that wrote its XML and then
@@ -147,8 +156,15 @@ def main(argv):
                 count.passed += 1
             else:
                 count.fail("%s (%s, no test.xml)" % (label, status))
-        for label in broken:
+        for label in b.broken:
             count.fail("%s (did not build)" % label)
+        if b.unreadable is None and b.exit is None:
+            count.fail("%s (no buildFinished event: bazel did not finish)" % bep)
+        elif b.exit not in (None, "SUCCESS") and count.failed == 0:
+            # A failure that names no target (a BUILD file that does not
+            # load, a bad target pattern): the file holds no result that
+            # failed, maybe none at all.
+            count.fail("bazel test (%s; see its output)" % b.exit)
     for root in roots:
         found = False
         for dirpath, _, files in os.walk(root, followlinks=True):

@@ -33,6 +33,14 @@ def result(label, xml, status, shard=1, attempt=1):
             "testResult": {"testActionOutput": outputs, "status": status}}
 
 
+def finished(name="SUCCESS", code=0):
+    """bazel's last event: its exit code (JSON leaves out a code of 0)."""
+    exit_code = {"name": name}
+    if code:
+        exit_code["code"] = code
+    return {"id": {"buildFinished": {}}, "finished": {"exitCode": exit_code}}
+
+
 def completed(label, success=None, aborted=None):
     e = {"id": {"targetCompleted": {"label": label}}}
     if success is not None:
@@ -69,6 +77,7 @@ class CountTestsTest(unittest.TestCase):
                 result("//:c", flaky_2, "PASSED", attempt=2),
                 result("//:sh", None, "PASSED"),        # a test that wrote no XML
                 completed("//:gpu_only", aborted="SKIPPED"),  # incompatible here
+                finished(),
             ]
             bep = os.path.join(d, "bep.json")
             with open(bep, "w") as f:
@@ -93,6 +102,7 @@ class CountTestsTest(unittest.TestCase):
                 result("//:crash", None, "FAILED"),    # died before writing XML
                 completed("//:broken", success=False),  # did not compile
                 completed("//:stopped", aborted="INCOMPLETE"),
+                finished("BUILD_FAILURE", 1),  # explained by the above: not counted again
             ]
             bep = os.path.join(d, "bep.json")
             with open(bep, "w") as f:
@@ -103,11 +113,11 @@ class CountTestsTest(unittest.TestCase):
             self.assertIn("FAILED: //:crash (FAILED, no test.xml)", out)
             self.assertIn("FAILED: //:broken (did not build)", out)
             self.assertEqual(rc, 1)
-            # Nothing ran: a failure too.
+            # Nothing ran, bazel did not even start: a failure too.
             empty = os.path.join(d, "empty.json")
             open(empty, "w").close()
             rc, out = self.run_count(["--bep", empty])
-            self.assertEqual((rc, out[-1]), (1, "0 passed, 0 failed"))
+            self.assertEqual((rc, out[-1]), (1, "0 passed, 1 failed"))
 
     def test_a_failed_status_is_a_failure_whatever_its_xml_says(self):
         # A gtest binary that wrote its XML (every case passed) and then
@@ -120,7 +130,8 @@ class CountTestsTest(unittest.TestCase):
             bep = os.path.join(d, "bep.json")
             with open(bep, "w") as f:
                 f.write(json.dumps(result("//:x", x, "FAILED")) + "\n" +
-                        json.dumps(result("//:t", t, "TIMEOUT")) + "\n")
+                        json.dumps(result("//:t", t, "TIMEOUT")) + "\n" +
+                        json.dumps(finished("TESTS_FAILED", 3)) + "\n")
             rc, out = self.run_count(["--bep", bep])
             self.assertEqual(out[-1], "3 passed, 2 failed", out)
             self.assertIn("FAILED: //:x (FAILED, though its test.xml shows no failure)", out)
@@ -183,6 +194,31 @@ class CountTestsTest(unittest.TestCase):
         p = subprocess.run([sys.executable, COUNT, "--bep"], capture_output=True, text=True)
         self.assertEqual(p.returncode, 2)
         self.assertIn("--bep needs a file", p.stderr)
+
+    def test_a_failed_build_with_no_failed_target_is_a_failure(self):
+        # A BUILD file that does not load stops `bazel test //...` before
+        # any target: no result in the file, only the exit code. Joined by
+        # the fuzz smoke's passes, that was "6 passed, 0 failed".
+        with tempfile.TemporaryDirectory() as d:
+            fuzz = os.path.join(d, "fuzz/test.xml")
+            suite(fuzz, [("graph", "pass"), ("plan", "pass")])
+            bep = os.path.join(d, "bep.json")
+            with open(bep, "w") as f:
+                f.write(json.dumps({"id": {"started": {}}}) + "\n" +
+                        json.dumps(finished("BUILD_FAILURE", 1)) + "\n")
+            rc, out = self.run_count(["--bep", bep, os.path.join(d, "fuzz")])
+            self.assertEqual(out[-1], "2 passed, 1 failed", out)
+            self.assertIn("FAILED: bazel test (BUILD_FAILURE; see its output)", out)
+            self.assertEqual(rc, 1)
+            # A file that ends before bazel did (killed between two events).
+            x = os.path.join(d, "x/test.xml")
+            suite(x, [("a", "pass")])
+            with open(bep, "w") as f:
+                f.write(json.dumps(result("//:x", x, "PASSED")) + "\n")
+            rc, out = self.run_count(["--bep", bep])
+            self.assertEqual(out[-1], "1 passed, 1 failed", out)
+            self.assertIn("FAILED: %s (no buildFinished event: bazel did not finish)" % bep, out)
+            self.assertEqual(rc, 1)
 
 
 if __name__ == "__main__":
