@@ -571,12 +571,18 @@ class MeshContext : public gloo::Context {
 // a connection the broken rank will never make, and Gloo would let it wait
 // out the whole timeout. On the key, the watcher closes every pair, which
 // ends such a wait at once; the try then fails (Unavailable) and this rank
-// follows the others to the next one.
+// follows the others to the next one. The watcher closes the pairs at the
+// try's deadline too (expired()): Gloo waits five times its timeout for a
+// pair's connection, each pair in turn, so a rank that published its
+// address and died would hold this rank far past its timeout.
 class AbortWatcher {
  public:
-  AbortWatcher(RendezvousStore& store, std::string key,
-               gloo::transport::Context& transport)
-      : store_(store), key_(std::move(key)), transport_(transport),
+  AbortWatcher(RendezvousStore& store, std::string key, gloo::transport::Context& transport,
+               absl::Time deadline)
+      : store_(store),
+        key_(std::move(key)),
+        transport_(transport),
+        deadline_(deadline),
         thread_([this] { Run(); }) {}
   ~AbortWatcher() { Stop(); }
 
@@ -594,6 +600,11 @@ class AbortWatcher {
     absl::MutexLock l(&mu_);
     return aborted_;
   }
+  // True when the deadline came first (pairs closed).
+  bool expired() {
+    absl::MutexLock l(&mu_);
+    return expired_;
+  }
 
  private:
   void Run() {
@@ -601,8 +612,8 @@ class AbortWatcher {
       const bool found = store_.Get(key_, absl::ZeroDuration()).ok();
       absl::MutexLock l(&mu_);
       if (stopped_) return;
-      if (found) {
-        aborted_ = true;
+      if (found || absl::Now() >= deadline_) {
+        (found ? aborted_ : expired_) = true;
         for (int r = 0; r < transport_.size; ++r) {
           if (r == transport_.rank) continue;
           try {
@@ -622,9 +633,11 @@ class AbortWatcher {
   RendezvousStore& store_;
   const std::string key_;
   gloo::transport::Context& transport_;
+  const absl::Time deadline_;
   absl::Mutex mu_;
   bool stopped_ = false;
   bool aborted_ = false;
+  bool expired_ = false;
   std::thread thread_;
 };
 
@@ -688,6 +701,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   // The store refused or did not take this rank's address: its failure,
   // not the peers'.
   bool publish_failed = false;
+  // The peer whose pair is connecting (-1: none).
+  int connecting = -1;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
     auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
@@ -706,7 +721,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
       publish_failed = true;
       throw StoreFailure(std::move(published));
     }
-    watcher = std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport);
+    watcher =
+        std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport, deadline);
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
       std::optional<std::string> theirs =
@@ -720,10 +736,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
                          " bytes of addresses for ", peers, " peers")));
       }
       const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
+      connecting = r;
       transport->getPair(r)->connect(std::vector<char>(
           theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
+      // A pair the watcher closed returns from connect as if connected.
+      if (watcher->aborted() || watcher->expired()) return;
+      connecting = -1;
     }
-    if (watcher->Stop()) return;  // aborted
+    if (watcher->Stop() || watcher->expired()) return;  // aborted, or out of time
     gloo::BarrierOptions opts(ctx);
     opts.setTimeout(timeout);
     gloo::barrier(opts);
@@ -731,6 +751,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   if (watcher != nullptr && watcher->Stop()) {
     return absl::UnavailableError(absl::StrCat(
         what, ": another rank's connection broke, so this try was abandoned"));
+  }
+  // The watcher closed the pairs at the deadline: while this rank waited
+  // for a pair (the rank on its other side had published its address), or
+  // after the last one formed. (A peer that never published is named below.)
+  if (watcher != nullptr && watcher->expired() && (s.ok() || connecting >= 0)) {
+    return absl::DeadlineExceededError(
+        connecting >= 0 ? absl::StrCat(what, ": rank ", connecting,
+                                       " published its address but did not connect within ",
+                                       absl::FormatDuration(o.timeout))
+                        : absl::StrCat(what, ": the connections did not form within ",
+                                       absl::FormatDuration(o.timeout)));
   }
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {

@@ -520,6 +520,34 @@ void StrayConnectToRankZero(RendezvousStore& store, const std::string& prefix) {
   close(fd);
 }
 
+// Rank 1 publishes an address (rank 0's own, on a port above it, so that
+// rank 0 is the side that waits) and never connects, as a rank that died
+// after publishing. Gloo waits five times the timeout for a connection;
+// rank 0 gives up within its timeout, naming the rank it waited for (it
+// used to say only that a peer timed out, naming none, since every rank
+// had published).
+TEST(GlooCommunicatorTest, ARankThatPublishesButNeverConnectsIsNamed) {
+  auto store = NewFileStore(FreshDir("never_connects"));
+  ASSERT_TRUE(store.ok());
+  std::thread fake_rank1([&] {
+    auto blob = (*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    ASSERT_GE(blob->size(), sizeof(sockaddr_in));
+    sockaddr_in addr{};
+    std::memcpy(&addr, blob->data(), sizeof(addr));
+    ASSERT_EQ(addr.sin_family, AF_INET);
+    ASSERT_NE(addr.sin_port, 0xffff);
+    addr.sin_port = 0xffff;
+    std::string mine = *blob;
+    std::memcpy(mine.data(), &addr, sizeof(addr));
+    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", mine), IsOk());
+  });
+  EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Seconds(1)), **store),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("rank 1 published its address but did not connect within 1s")));
+  fake_rank1.join();
+}
+
 // Rank 0 publishes its address, a stray connection takes it, then rank 1
 // shows up. Which side of the pair listens depends on the ports, so a
 // stray breaks the first try in some rounds only; returns per round
