@@ -46,6 +46,12 @@ for t in "${TARGETS[@]}"; do
   esac
 done
 
+# Ctrl-C stops the run. libFuzzer catches SIGINT and exits 72, so without
+# this trap bash saw its child end normally and went on with the next target.
+SEED_TMP=""
+trap '[ -z "$SEED_TMP" ] || rm -rf "$SEED_TMP"' EXIT
+trap 'echo "fuzz: interrupted" >&2; exit 130' INT TERM
+
 CXX=clang++-14
 if ! command -v "$CXX" >/dev/null || [ ! -e /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.fuzzer-x86_64.a ]; then
   echo "fuzz: needs clang-14 and libfuzzer-14-dev (scripts/setup.sh installs them)" >&2
@@ -123,7 +129,7 @@ seed() {
     rpc)
       # Register a node, plan an MLP on it, list, deploy (to no executor),
       # use the rendezvous store: each call [method][length, 2 bytes][request].
-      local tmp; tmp=$(mktemp -d)
+      local tmp; tmp=$(mktemp -d); SEED_TMP=$tmp
       enc() { protoc -Iproto --encode="hap.v1.$1" proto/hap/v1/planner_service.proto >"$tmp/$2"; }
       enc RegisterNodeRequest 0 <<'PB'
 node { name: "n" address: "127.0.0.1:1"
@@ -146,7 +152,7 @@ with open(out, "wb") as f:
         b = open(os.path.join(tmp, str(m)), "rb").read()
         f.write(struct.pack("<BH", m, len(b)) + b)
 PY
-      rm -r "$tmp" ;;
+      rm -r "$tmp"; SEED_TMP="" ;;
     npy)
       # The fuzzer's own valid files, each behind the byte that picks it.
       python3 - "$dir" <<'PY'
