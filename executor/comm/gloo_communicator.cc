@@ -256,8 +256,10 @@ class GlooCommunicator : public Communicator {
   absl::Status Send(TensorView buf, int peer, int64_t tag) override {
     HAP_RETURN_IF_ERROR(Usable("send"));
     HAP_RETURN_IF_ERROR(CheckPeer("send", peer, tag));
-    return Run(absl::StrCat("send to rank ", peer), [&] {
+    return Run(absl::StrCat("send to rank ", peer, " under tag ", tag), [&] {
       PendingSend p;
+      p.peer = peer;
+      p.tag = tag;
       p.bytes = std::make_unique<uint64_t>(static_cast<uint64_t>(buf.bytes()));
       p.header = ctx_->createUnboundBuffer(p.bytes.get(), sizeof(uint64_t));
       p.header->send(peer, HeaderSlot(tag));
@@ -309,16 +311,20 @@ class GlooCommunicator : public Communicator {
       pending_sends_.clear();
       return Usable("send");
     }
-    return Run("waiting for sends", [&] {
-      // Drop every handle, even when one fails: the buffers go away.
-      auto sends = std::move(pending_sends_);
-      pending_sends_.clear();
-      for (auto& p : sends) {
-        for (auto* ub : {p.header.get(), p.payload.get()}) {
-          if (ub != nullptr && !ub->waitSend(timeout_)) throw gloo::IoException("send aborted");
-        }
-      }
-    });
+    // Drop every handle, even when one fails: the buffers go away.
+    auto sends = std::move(pending_sends_);
+    pending_sends_.clear();
+    for (auto& p : sends) {
+      HAP_RETURN_IF_ERROR(
+          Run(absl::StrCat("waiting for the send to rank ", p.peer, " under tag ", p.tag), [&] {
+            for (auto* ub : {p.header.get(), p.payload.get()}) {
+              if (ub != nullptr && !ub->waitSend(timeout_)) {
+                throw gloo::IoException("send aborted");
+              }
+            }
+          }));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Barrier() override {
@@ -493,6 +499,8 @@ class GlooCommunicator : public Communicator {
   // A send started and not yet waited for: the size it announced (its
   // storage must stay put until sent) and the two messages' handles.
   struct PendingSend {
+    int peer = 0;
+    int64_t tag = 0;
     std::unique_ptr<uint64_t> bytes;
     std::unique_ptr<gloo::transport::UnboundBuffer> header, payload;
   };

@@ -148,6 +148,29 @@ TEST(GlooCommunicatorTest, AReceiveOfTheWrongSizeIsInvalidArgumentNamingBoth) {
   });
 }
 
+// A send its receiver never takes fails WaitSends within the timeout,
+// naming the receiver and the tag (it used to say only that it timed out
+// waiting for a peer). Rank 1 stays connected without receiving until
+// rank 0 has seen the timeout.
+TEST(GlooCommunicatorTest, ASendNeverReceivedNamesItsPeerAndTag) {
+  auto sync = NewFileStore(FreshDir("unreceived_sync"));
+  ASSERT_TRUE(sync.ok());
+  WithRanks(
+      2,
+      [&](int r, Communicator& c) {
+        if (r == 1) {
+          EXPECT_THAT((*sync)->Get("rank0-done", absl::Seconds(30)), IsOk());
+          return;
+        }
+        std::vector<float> x(4, 1.0f);
+        ASSERT_THAT(c.Send(View(x), 1, 4), IsOk());
+        EXPECT_THAT(c.WaitSends(), StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                            HasSubstr("send to rank 1 under tag 4")));
+        EXPECT_THAT((*sync)->Set("rank0-done", "1"), IsOk());
+      },
+      absl::Seconds(1));
+}
+
 std::vector<int64_t> Counts(int n) {
   // Uneven, with a zero where there are enough ranks.
   std::vector<int64_t> c;
