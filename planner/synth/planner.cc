@@ -258,15 +258,29 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     return std::make_pair(at, ratios::EvaluateObjective(req, {at}));
   };
 
-  // Whole samples (snap.h); the search's own result also tries the
-  // one-sample moves, within the budget.
-  auto snap = [&](Candidate* c, bool neighbours) {
-    if (!o.snap_ratios_to_batch || g.Inputs().empty()) return;
+  // Whole samples (snap.h); a candidate of the joint search also tries the
+  // one-sample moves, within the budget. `c`'s ratios become the snapped
+  // ones (where there is a batch to split) and its cost the program's at
+  // them; `fits` false when no split of whole samples tried fits (`c` keeps
+  // its fractional ratios and cost). Notes are the caller's (snap_notes),
+  // for the candidate that becomes the plan.
+  struct Snapped {
+    bool fits = true;
+    bool complete = true;
+    int64_t moves = 0;
+  };
+  auto snap = [&](Candidate* c, bool neighbours) -> Snapped {
+    Snapped out;
+    const auto unsnapped = [&] {
+      c->cost = EvaluateProgram(c->program, c->ratios).total;
+      return out;
+    };
+    if (!o.snap_ratios_to_batch || g.Inputs().empty()) return unsnapped();
     const graph::Tensor& in = g.tensor(g.Inputs().front());
     const int n = cluster.size();
     if (in.type.rank() < 1 || in.type.shape[0] < n ||
         c->ratios.size() != static_cast<size_t>(n)) {
-      return;
+      return unsnapped();
     }
     std::optional<ratios::MemoryConstraint> mem;
     if (!o.ignore_memory)
@@ -279,24 +293,35 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     q.neighbours = neighbours;
     q.deadline = deadline;
     SnapResult s = timed(&phases.snap, [&]() { return SnapToSamples(q); });
+    out.complete = s.complete;
+    out.moves = s.moves_evaluated;
+    out.fits = !s.ratios.empty();
+    if (out.fits) {
+      c->ratios = std::move(s.ratios);
+      c->cost = EvaluateProgram(c->program, c->ratios).total;
+    }
+    return out;
+  };
+  auto snap_notes = [&](const Snapped& s) {
     if (!s.complete) {
       note(absl::StrCat("the time budget (", o.max_seconds,
                         " s) ran out while moving single samples between "
                         "devices: ",
-                        s.moves_evaluated, " moves of device groups tried"));
+                        s.moves, " moves of device groups tried"));
     }
-    if (s.ratios.empty()) {
+    if (!s.fits) {
       note(
           "no split of whole samples tried (the ratios rounded, one sample moved) fits every "
           "device's memory: the plan keeps fractional ratios, and as the executors run them "
           "(rounded) a device may hold a sample more than fits");
-    } else {
-      c->ratios = std::move(s.ratios);
     }
   };
 
-  auto finish = [&](Candidate c, bool optimal) -> PlanResult {
-    snap(&c, o.baseline == Baseline::kNone);
+  // `snapped`: c was snapped already (choose).
+  auto finish = [&](Candidate c, bool optimal,
+                    std::optional<Snapped> snapped = std::nullopt) -> PlanResult {
+    if (!snapped) snapped = snap(&c, o.baseline == Baseline::kNone);
+    snap_notes(*snapped);
     PlanResult r;
     r.cost = EvaluateProgram(c.program, c.ratios);
     r.memory_bytes =
@@ -377,6 +402,46 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
 
   // The joint loop.
   Candidate best;
+  // Every other program found (a former best, the overlap search's, each
+  // baseline's at the LP's ratios and at its own) is snapped to whole
+  // samples as it comes, and the fastest there is kept: as the lowering
+  // runs them, it may beat `best`, whose ratios are the least LP cost but
+  // fractional (choose). Only the fastest is held, not every candidate (at
+  // 2,048 devices each holds tens of MiB of per-device costs).
+  Candidate whole;
+  Snapped whole_snap;
+  auto consider = [&](Candidate c) {
+    if (!o.snap_ratios_to_batch || (left() <= 0 && !whole.program.steps.empty())) return;
+    const Snapped s = snap(&c, true);
+    if (!s.fits) return;
+    if (whole.program.steps.empty() || c.cost < whole.cost * (1 - 1e-9)) {
+      whole = std::move(c);
+      whole_snap = s;
+    }
+  };
+  // `c` becomes `best` when its LP cost is lower (the former best
+  // considered at whole samples), else it is considered. Whether it became
+  // best.
+  auto offer = [&](Candidate c) {
+    if (c.cost < best.cost * (1 - 1e-9)) {
+      if (!best.program.steps.empty()) consider(std::move(best));
+      best = std::move(c);
+      return true;
+    }
+    consider(std::move(c));
+    return false;
+  };
+  // `best` at whole samples, or the fastest other there when it is faster
+  // (ties go to `best`, so the LP's choice stands wherever rounding does not
+  // reorder them) or `best` has no split of whole samples that fits.
+  auto choose = [&](bool optimal) -> PlanResult {
+    if (!o.snap_ratios_to_batch) return finish(std::move(best), optimal);
+    const Snapped s = snap(&best, true);
+    if (!whole.program.steps.empty() && (!s.fits || whole.cost < best.cost * (1 - 1e-9))) {
+      return finish(std::move(whole), optimal, whole_snap);
+    }
+    return finish(std::move(best), optimal, s);
+  };
   bool all_optimal = true;
   std::vector<double> r = cluster.ProportionalRatios();
   int max_iter = std::max(1, o.max_joint_iterations);
@@ -428,15 +493,8 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
       keep_error(lp.status());
       break;  // the baselines below may still fit
     }
-    if (lp->second < best.cost * (1 - 1e-9)) {
-      best.cost = lp->second;
-      best.ratios = lp->first;
-      best.program = *std::move(p);
-      best.source = "search";
-      r = best.ratios;
-    } else {
-      break;
-    }
+    if (!offer({*std::move(p), lp->first, lp->second, "search"})) break;
+    r = best.ratios;
     if (cancelled()) break;
   }
   if (!best.program.steps.empty() && cancelled()) {
@@ -460,11 +518,9 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     auto p = ho.async_price < 1 ? search(ho) : absl::StatusOr<Program>(absl::CancelledError());
     if (p.ok()) {
       auto lp = memory_lp(*p, best.ratios, /*fixed=*/false);
-      if (lp.ok() && lp->second < best.cost * (1 - 1e-9)) {
-        best.cost = lp->second;
-        best.ratios = lp->first;
-        best.program = *std::move(p);
-        best.source = "search (overlapped collectives priced as hidden)";
+      if (lp.ok()) {
+        offer({*std::move(p), lp->first, lp->second,
+               "search (overlapped collectives priced as hidden)"});
       }
     }
   }
@@ -501,11 +557,12 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
             "); the plan is the best baseline program"));
         all_optimal = false;
       }
-      best.cost = lp->second;
-      best.ratios = lp->first;
-      best.program = std::move(c->program);
-      best.source = absl::StrCat(BaselineName(b), " program, LP ratios");
     }
+    // The baseline's own split too (a baseline planned alone runs it): at
+    // whole samples it can beat the LP's. Memory is the snap's to check.
+    consider({c->program, c->ratios, 0, absl::StrCat(BaselineName(b), " program, its own ratios")});
+    offer({std::move(c->program), lp->first, lp->second,
+           absl::StrCat(BaselineName(b), " program, LP ratios")});
   }
   if (best.program.steps.empty()) {
     if (unproven_misfit || budget_error) {
@@ -520,7 +577,7 @@ absl::StatusOr<PlanResult> PlanModel(const graph::Graph& g,
     return absl::FailedPreconditionError("no program found");
   }
   iteration = std::min(iteration, max_iter);
-  return finish(std::move(best), all_optimal);
+  return choose(all_optimal);
 }
 
 }  // namespace hap::synth
