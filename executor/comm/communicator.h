@@ -94,8 +94,9 @@ class Communicator {
   // InvalidArgument for a peer out of range or this rank itself; the errors
   // of collectives otherwise. Gloo's Recv also refuses a message of another
   // size than `buf` (InvalidArgument naming both; the message is consumed
-  // and the communicator stays usable); NCCL's cannot tell. Backends
-  // without them say Unimplemented.
+  // and the communicator stays usable); NCCL's cannot tell. (Gloo copies a
+  // message of up to 16 KiB, which is then complete once sent, its
+  // receiver or not.) Backends without them say Unimplemented.
   virtual absl::Status Send(TensorView buf, int peer, int64_t tag) {
     (void)buf, (void)peer, (void)tag;
     return absl::UnimplementedError("this communicator has no point-to-point send");

@@ -13,10 +13,12 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -249,57 +251,63 @@ class GlooCommunicator : public Communicator {
     });
   }
 
-  // A message is two: its byte size (8 bytes, under HeaderSlot), then the
-  // bytes (under PayloadSlot; none when empty). The receiver learns the
-  // size first, so it never posts a buffer the bytes overflow: Gloo's event
-  // loop would throw past its thread and abort the process.
+  // A message starts with a header (its tag and byte size) on a stream of
+  // headers per pair (HeaderSlot), which carries the bytes too when there
+  // are at most kInlineBytes; larger bytes follow under PayloadSlot(tag).
+  // The receiver learns the size before it posts a buffer for the bytes, so
+  // none overflows: Gloo's event loop would throw past its thread and abort
+  // the process. Each receiver keeps a header receive posted per peer it
+  // has received from (Inbox), so headers, and small messages whole, go out
+  // at once rather than waiting for the receiver to ask.
   absl::Status Send(TensorView buf, int peer, int64_t tag) override {
     HAP_RETURN_IF_ERROR(Usable("send"));
     HAP_RETURN_IF_ERROR(CheckPeer("send", peer, tag));
     return Run(absl::StrCat("send to rank ", peer, " under tag ", tag), [&] {
+      const uint64_t bytes = static_cast<uint64_t>(buf.bytes());
+      const bool inline_bytes = bytes <= kInlineBytes;
       PendingSend p;
       p.peer = peer;
       p.tag = tag;
-      p.bytes = std::make_unique<uint64_t>(static_cast<uint64_t>(buf.bytes()));
-      p.header = ctx_->createUnboundBuffer(p.bytes.get(), sizeof(uint64_t));
-      p.header->send(peer, HeaderSlot(tag));
-      if (buf.bytes() > 0) {
-        p.payload = ctx_->createUnboundBuffer(buf.data, buf.bytes());
-        p.payload->send(peer, PayloadSlot(tag));
+      p.header.resize(sizeof(Header) + (inline_bytes ? bytes : 0));
+      const Header h{static_cast<uint64_t>(tag), bytes};
+      std::memcpy(p.header.data(), &h, sizeof(h));
+      if (inline_bytes && bytes > 0) {
+        std::memcpy(p.header.data() + sizeof(h), buf.data, bytes);
+      }
+      p.header_send = ctx_->createUnboundBuffer(p.header.data(), p.header.size());
+      p.header_send->send(peer, HeaderSlot());
+      if (!inline_bytes) {
+        p.payload_send = ctx_->createUnboundBuffer(buf.data, bytes);
+        p.payload_send->send(peer, PayloadSlot(tag));
       }
       pending_sends_.push_back(std::move(p));
     });
   }
 
-  // A message of another size than `buf` is received into scratch memory
-  // (so the next message under the tag is read in order) and refused.
+  // A message of another size than `buf` is taken (into scratch memory
+  // when its bytes come apart, so the next message under the tag is read
+  // in order) and refused.
   absl::Status Recv(TensorView buf, int peer, int64_t tag) override {
     HAP_RETURN_IF_ERROR(Usable("receive"));
     HAP_RETURN_IF_ERROR(CheckPeer("receive", peer, tag));
     const std::string what = absl::StrCat("receive from rank ", peer, " under tag ", tag);
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    uint64_t bytes = 0;
-    HAP_RETURN_IF_ERROR(Run(what, [&] {
-      auto header = ctx_->createUnboundBuffer(&bytes, sizeof(bytes));
-      header->recv(peer, HeaderSlot(tag));
-      if (!header->waitRecv(timeout_)) throw gloo::IoException("receive aborted");
-    }));
-    const bool fits = bytes == static_cast<uint64_t>(buf.bytes());
-    std::vector<char> scratch;
-    if (bytes > 0) {
+    Arrived m;
+    HAP_RETURN_IF_ERROR(Run(what, [&] { m = NextHeader(peer, tag, deadline); }));
+    const bool fits = m.bytes == static_cast<uint64_t>(buf.bytes());
+    if (m.bytes <= kInlineBytes) {
+      if (fits && m.bytes > 0) std::memcpy(buf.data, m.inline_bytes.data(), m.bytes);
+    } else {
+      std::vector<char> scratch;
       HAP_RETURN_IF_ERROR(Run(what, [&] {
-        if (!fits) scratch.resize(bytes);
-        auto payload = ctx_->createUnboundBuffer(fits ? buf.data : scratch.data(), bytes);
+        if (!fits) scratch.resize(m.bytes);
+        auto payload = ctx_->createUnboundBuffer(fits ? buf.data : scratch.data(), m.bytes);
         payload->recv(peer, PayloadSlot(tag));
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            deadline - std::chrono::steady_clock::now());
-        if (!payload->waitRecv(std::max(left, std::chrono::milliseconds(1)))) {
-          throw gloo::IoException("receive aborted");
-        }
+        if (!payload->waitRecv(Left(deadline))) throw gloo::IoException("receive aborted");
       }));
     }
     if (!fits) {
-      return Invalid(absl::StrCat(what, ": the message holds ", bytes,
+      return Invalid(absl::StrCat(what, ": the message holds ", m.bytes,
                                   " bytes, the receiving buffer ", buf.bytes()));
     }
     return absl::OkStatus();
@@ -317,7 +325,7 @@ class GlooCommunicator : public Communicator {
     for (auto& p : sends) {
       HAP_RETURN_IF_ERROR(
           Run(absl::StrCat("waiting for the send to rank ", p.peer, " under tag ", p.tag), [&] {
-            for (auto* ub : {p.header.get(), p.payload.get()}) {
+            for (auto* ub : {p.header_send.get(), p.payload_send.get()}) {
               if (ub != nullptr && !ub->waitSend(timeout_)) {
                 throw gloo::IoException("send aborted");
               }
@@ -487,29 +495,97 @@ class GlooCommunicator : public Communicator {
     return absl::OkStatus();
   }
   // Point-to-point messages live under slot prefixes of their own, clear of
-  // the collectives' (gloo/types.h uses 0x01-0x08): one for the sizes, one
-  // for the bytes.
+  // the collectives' (gloo/types.h uses 0x01-0x08): one for the headers,
+  // one per tag for the bytes that do not fit in them.
   static uint64_t PayloadSlot(int64_t tag) {
     return gloo::Slot::build(0x40, static_cast<uint32_t>(tag));
   }
-  static uint64_t HeaderSlot(int64_t tag) {
-    return gloo::Slot::build(0x41, static_cast<uint32_t>(tag));
-  }
+  static uint64_t HeaderSlot() { return gloo::Slot::build(0x41, 0); }
 
-  // A send started and not yet waited for: the size it announced (its
-  // storage must stay put until sent) and the two messages' handles.
+  // The bytes a header carries itself (sent at once, with no second
+  // message; copied on both sides).
+  static constexpr uint64_t kInlineBytes = 16 << 10;
+  struct Header {
+    uint64_t tag;
+    uint64_t bytes;
+  };
+
+  // A send started and not yet waited for: its header (with the bytes when
+  // inline; kept until sent) and the messages' handles.
   struct PendingSend {
     int peer = 0;
     int64_t tag = 0;
-    std::unique_ptr<uint64_t> bytes;
-    std::unique_ptr<gloo::transport::UnboundBuffer> header, payload;
+    std::vector<char> header;
+    std::unique_ptr<gloo::transport::UnboundBuffer> header_send, payload_send;
   };
+
+  // A header received and not yet taken by a Recv of its tag.
+  struct Arrived {
+    int64_t tag = 0;
+    uint64_t bytes = 0;
+    std::string inline_bytes;  // the bytes, when at most kInlineBytes
+  };
+  // The headers from one peer: one receive kept posted (once this rank has
+  // received from the peer), and those that came for other tags.
+  struct Inbox {
+    std::vector<char> buffer;
+    std::unique_ptr<gloo::transport::UnboundBuffer> receive;
+    bool posted = false;
+    std::deque<Arrived> arrived;
+  };
+
+  static std::chrono::milliseconds Left(std::chrono::steady_clock::time_point deadline) {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  }
+
+  // The first header from `peer` under `tag`, waiting for headers (and
+  // keeping those of other tags) until `deadline`. Throws as Gloo does.
+  Arrived NextHeader(int peer, int64_t tag, std::chrono::steady_clock::time_point deadline) {
+    Inbox& in = inboxes_[peer];
+    for (auto it = in.arrived.begin(); it != in.arrived.end(); ++it) {
+      if (it->tag == tag) {
+        Arrived m = std::move(*it);
+        in.arrived.erase(it);
+        return m;
+      }
+    }
+    if (in.receive == nullptr) {
+      in.buffer.resize(sizeof(Header) + kInlineBytes);
+      in.receive = ctx_->createUnboundBuffer(in.buffer.data(), in.buffer.size());
+    }
+    while (true) {
+      if (!in.posted) {
+        in.receive->recv(peer, HeaderSlot());
+        in.posted = true;
+      }
+      if (!in.receive->waitRecv(Left(deadline))) throw gloo::IoException("receive aborted");
+      in.posted = false;
+      Header h;
+      std::memcpy(&h, in.buffer.data(), sizeof(h));
+      Arrived m{static_cast<int64_t>(h.tag), h.bytes, ""};
+      if (h.bytes <= kInlineBytes) m.inline_bytes.assign(in.buffer.data() + sizeof(h), h.bytes);
+      // Posted again at once, so the peer's next header goes out as sent. A
+      // peer that has closed its end since (its last message sent) fails
+      // the post, not this message: the next receive from it reports that.
+      try {
+        in.receive->recv(peer, HeaderSlot());
+        in.posted = true;
+      } catch (const std::exception&) {
+      }
+      if (m.tag == tag) return m;
+      in.arrived.push_back(std::move(m));
+    }
+  }
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   absl::Status failed_;
   // Sends started and not yet waited for (WaitSends).
   std::vector<PendingSend> pending_sends_;
+  // By peer; after ctx_, so that they go first.
+  std::vector<Inbox> inboxes_ = std::vector<Inbox>(ctx_->size);
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous

@@ -148,6 +148,43 @@ TEST(GlooCommunicatorTest, AReceiveOfTheWrongSizeIsInvalidArgumentNamingBoth) {
   });
 }
 
+// A small message is complete once sent (WaitSends returns without its
+// receiver), so its sender may close its end before the receiver asks for
+// it; the receiver still gets it, and the next receive from the closed
+// peer fails.
+TEST(GlooCommunicatorTest, ASmallMessageOutlivesItsSendersEnd) {
+  const std::string dir = FreshDir("outlives");
+  auto sync = NewFileStore(FreshDir("outlives_sync"));
+  ASSERT_TRUE(sync.ok());
+  std::vector<float> first = {1.0f, 2.0f}, last = {3.0f, 4.0f, 5.0f};
+  std::thread sender([&] {
+    auto store = NewFileStore(dir);
+    ASSERT_TRUE(store.ok());
+    {
+      auto comm = ConnectGloo(Rank(1, 2, absl::Seconds(5)), **store);
+      ASSERT_THAT(comm, IsOk());
+      EXPECT_THAT((*comm)->Send(View(first), 0, 0), IsOk());
+      EXPECT_THAT((*comm)->Send(View(last), 0, 1), IsOk());
+      EXPECT_THAT((*comm)->WaitSends(), IsOk());
+    }  // closed
+    EXPECT_THAT((*sync)->Set("rank1-closed", "1"), IsOk());
+  });
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  auto comm = ConnectGloo(Rank(0, 2, absl::Seconds(5)), **store);
+  ASSERT_THAT(comm, IsOk());
+  std::vector<float> got(2);
+  EXPECT_THAT((*comm)->Recv(View(got), 1, 0), IsOk());
+  EXPECT_EQ(got, first);
+  EXPECT_THAT((*sync)->Get("rank1-closed", absl::Seconds(30)), IsOk());
+  got.resize(3);
+  EXPECT_THAT((*comm)->Recv(View(got), 1, 1), IsOk());
+  EXPECT_EQ(got, last);
+  EXPECT_THAT((*comm)->Recv(View(got), 1, 1),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("receive from rank 1")));
+  sender.join();
+}
+
 // A send its receiver never takes fails WaitSends within the timeout,
 // naming the receiver and the tag (it used to say only that it timed out
 // waiting for a peer). Rank 1 stays connected without receiving until
