@@ -151,9 +151,11 @@ struct GlooOptions {
 // Connects to every peer through `store` (full mesh over TCP) and checks
 // the mesh with a barrier; a mesh that breaks while it forms is tried again
 // (connect_attempts), under ConnectAttemptPrefix(prefix, attempt). The store
-// must outlive the call only. Errors: DeadlineExceeded when a peer does not
-// show up within the timeout, naming the missing ranks where known;
-// Unavailable when every try broke.
+// must outlive the call only, and take calls from two threads at once (a
+// second one polls it for a try's abort key while this one connects).
+// Errors: DeadlineExceeded when a peer does not show up or connect within
+// the timeout, naming the rank(s) where known; Unavailable when every try
+// broke; InvalidArgument for bad options; the store's own errors.
 // The first call sets SIGPIPE to ignored for the process, so that writing
 // to a dead peer is an error (Unavailable) rather than the process's death.
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
