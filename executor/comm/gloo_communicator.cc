@@ -88,6 +88,15 @@ absl::Status Guard(const std::string& what, Fn&& fn) {
   }
 }
 
+// `s` with `message` for its own, its payloads (LostPeerError's mark)
+// kept.
+absl::Status WithMessage(const absl::Status& s, absl::string_view message) {
+  absl::Status out(s.code(), message);
+  s.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 // The key under which a connect try under `prefix` keeps `k`.
 std::string RendezvousKey(const std::string& prefix, const std::string& k) {
   return absl::StrCat(prefix, "/", k);
@@ -959,9 +968,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(
                    o.connect_attempts);
     }
   }
-  return absl::Status(
-      last.code(), absl::StrCat(last.message(), " (after ", o.connect_attempts,
-                                " attempts)"));
+  return WithMessage(last,
+                     absl::StrCat(last.message(), " (after ", o.connect_attempts, " attempts)"));
 }
 
 }  // namespace hap::executor

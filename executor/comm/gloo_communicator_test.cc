@@ -544,6 +544,53 @@ TEST(GlooCommunicatorTest, AStoreThatCannotPublishIsNotBlamedOnThePeers) {
   EXPECT_EQ(store.gets, 0);
 }
 
+// A try that fails on a lost connection is still a lost connection when
+// ConnectGloo gives up (the launcher tells a rank that lost a peer from
+// one that failed by it): the mark used to be dropped with the message's
+// " (after N attempts)". Rank 1's published address is a port of this
+// machine that refuses connections, below rank 0's so that rank 0 dials.
+TEST(GlooCommunicatorTest, ALostConnectionIsMarkedAfterTheLastAttempt) {
+  auto store = NewFileStore(FreshDir("refused"));
+  ASSERT_TRUE(store.ok());
+  // A bound, not listening, socket on a port whose raw (network order)
+  // value is below 256: connections to it are refused.
+  int refusing = -1;
+  uint16_t raw_port = 0;
+  for (int high = 4; high < 256 && refusing < 0; ++high) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(high << 8));
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      refusing = fd;
+      raw_port = a.sin_port;
+    } else {
+      close(fd);
+    }
+  }
+  ASSERT_GE(refusing, 0) << "no free port";
+  std::thread fake_rank1([&] {
+    auto blob = (*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    sockaddr_in addr{};
+    std::memcpy(&addr, blob->data(), sizeof(addr));
+    ASSERT_LT(raw_port, addr.sin_port) << "rank 0 would not dial";
+    addr.sin_port = raw_port;
+    std::string mine = *blob;
+    std::memcpy(mine.data(), &addr, sizeof(addr));
+    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", mine), IsOk());
+  });
+  GlooOptions o = Rank(0, 2, absl::Seconds(5));
+  o.connect_attempts = 1;
+  const absl::Status s = ConnectGloo(o, **store).status();
+  fake_rank1.join();
+  close(refusing);
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("(after 1 attempts)")));
+  EXPECT_TRUE(IsLostPeer(s)) << s;
+}
+
 TEST(GlooCommunicatorTest, TheMissingRanksAreNamed) {
   // Ranks 0 and 1 of 4 show up; 2 and 3 never do.
   auto store = NewFileStore(FreshDir("missing_two"));
