@@ -865,7 +865,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
           absl::StrCat(s.message(), MissingRanks(store, prefix, o)));
     }
     // Tell the ranks still connecting to give this try up too.
-    if (o.size > 1) (void)store.Set(RendezvousKey(prefix, "abort"), std::string(s.message()));
+    if (o.size > 1) {
+      const absl::Status told = store.Set(RendezvousKey(prefix, "abort"), std::string(s.message()));
+      if (!told.ok()) {
+        return WithMessage(s, absl::StrCat(s.message(),
+                                           "; the other ranks could not be told to give "
+                                           "this try up (they wait out their timeout): ",
+                                           told.message()));
+      }
+    }
     return s;
   }
   return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));

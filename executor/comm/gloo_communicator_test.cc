@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
@@ -542,6 +543,41 @@ TEST(GlooCommunicatorTest, AStoreThatCannotPublishIsNotBlamedOnThePeers) {
                        AllOf(HasSubstr("StoreSet 'hap/0': no answer"),
                              ::testing::Not(HasSubstr("never published")))));
   EXPECT_EQ(store.gets, 0);
+}
+
+// A file store whose Set of a try's abort key fails.
+class NoAbortStore : public RendezvousStore {
+ public:
+  explicit NoAbortStore(std::unique_ptr<RendezvousStore> inner) : inner_(std::move(inner)) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    if (absl::EndsWith(key, "/abort")) return absl::UnavailableError("the disk is full");
+    return inner_->Set(key, value);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    return inner_->Get(key, timeout);
+  }
+
+ private:
+  std::unique_ptr<RendezvousStore> inner_;
+};
+
+// A try that breaks tells the other ranks through the store; when that
+// fails too, the error says so (they will wait out their timeout), rather
+// than dropping the store's error.
+TEST(GlooCommunicatorTest, AnAbortTheStoreRefusesIsReported) {
+  auto files = NewFileStore(FreshDir("no_abort"));
+  ASSERT_TRUE(files.ok());
+  RendezvousStore& shared = **files;
+  // Rank 1 publishes no address at all: rank 0's try breaks (Internal).
+  ASSERT_THAT(shared.Set(ConnectAttemptPrefix("hap", 0) + "/1", ""), IsOk());
+  NoAbortStore store(std::move(*files));
+  GlooOptions o = Rank(0, 2, absl::Seconds(5));
+  o.connect_attempts = 1;
+  EXPECT_THAT(ConnectGloo(o, store),
+              StatusIs(absl::StatusCode::kInternal,
+                       AllOf(HasSubstr("rank 1 published 0 bytes of addresses"),
+                             HasSubstr("the other ranks could not be told to give this try up"),
+                             HasSubstr("the disk is full"))));
 }
 
 // A try that fails on a lost connection is still a lost connection when
