@@ -1,7 +1,6 @@
 #include "profiler_agent/probes.h"
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <thread>
 
@@ -74,24 +73,6 @@ TEST(CpuProberTest, ReportsPositiveFlopsAndMemoryOnThisHost) {
   EXPECT_GT((*quick)[0], 1e6);
 }
 
-TEST(MatmulTest, HonoursTheDurationBound) {
-  ProbeOptions o;
-  o.matmul_sizes = {128, 512, 1024, 2048, 4096};
-  o.repeats = 50;
-  o.max_duration = absl::Milliseconds(100);
-  auto t0 = std::chrono::steady_clock::now();
-  auto flops = MeasureMatmulFlops(1, o);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ASSERT_THAT(flops, IsOk());
-  EXPECT_GT(*flops, 0);
-  // Not honouring the bound means 50 runs of every size, the 4096 ones
-  // alone over 30 s here; honouring it, the bound plus one small run and
-  // the buffers' allocation (200 MB, slow to fault in on a loaded machine:
-  // 1.4 s was seen under two parallel builds). A 5 s limit tells the two
-  // apart without depending on the machine's load.
-  EXPECT_LT(seconds, 5.0);
-}
-
 // A probe told to stop (the agent shuts down) ends before its next timed
 // run: with --probe-seconds 60 on a CPU throttled by its cgroup, SIGTERM
 // waited for the whole probe.
@@ -148,6 +129,32 @@ TEST(MatmulTest, BothProbesStopRepeatingOnceTheBoundIsSpent) {
     // A timed run takes three readings (30 ms), so 100 ms holds three or
     // four and the warm-up; not honouring the bound takes 2,000 and more.
     EXPECT_LE(clock.readings, 20) << (probe == &MeasureMatmulFlops ? "fp32" : "bf16");
+  }
+}
+
+// A size whose first run is predicted (from the last run's rate) to end
+// past the bound is not started, while the bound still has room: with runs
+// that seem to take 10 ms and a 100 ms bound, 32^3 products are measured
+// twice and the 1024^3 one (32,768 times the work: 328 s at that rate) is
+// skipped. The rate shows which size was timed last: each timed run reads
+// the clock twice, one step apart, so it is exactly 2 n^3 FLOP per 10 ms.
+// (This was a wall-clock limit of 5 s on sizes up to 4,096.)
+TEST(MatmulTest, ASizePredictedToOverrunTheBoundIsNotStarted) {
+  for (auto probe : {&MeasureMatmulFlops, &MeasureBf16MatmulFlops}) {
+    const std::string which = probe == &MeasureMatmulFlops ? "fp32" : "bf16";
+    SteppingClock clock(absl::Milliseconds(10));
+    ProbeOptions o;
+    o.matmul_sizes = {32, 1024};
+    o.repeats = 2;
+    o.max_duration = absl::Milliseconds(100);
+    o.now = clock.Now();
+    auto flops = probe(1, o);
+    ASSERT_THAT(flops, IsOk()) << which;
+    // (A timed 1024^3 run would make it 2.1e11.)
+    EXPECT_THAT(*flops, DoubleNear(2.0 * 32 * 32 * 32 / 0.01, 1)) << which;
+    // The start, the warm-up (2), per timed run of 32 a bound check and two
+    // readings (6), and the check that refused 1024: 10 readings, 90 ms.
+    EXPECT_EQ(clock.readings, 10) << which;
   }
 }
 
