@@ -91,12 +91,9 @@ TEST(BackendTest, ChooseDevice) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'tpu'")));
 }
 
-TEST(BackendTest, CudaWithoutSupportSaysHowToGetIt) {
-  if (CudaBuilt()) GTEST_SKIP() << "this build has CUDA support (--config=cuda)";
-  EXPECT_THAT(MakeDevice(DeviceSpec{DeviceSpec::Kind::kCuda, 0}, 1).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("this build has no CUDA support; rebuild with --config=cuda")));
-}
+// A build without CUDA refusing cuda: backend_without_cuda_test, which
+// compiles backend.cc so in every build (here it could only skip under
+// --config=cuda, as CI builds).
 
 TEST(BackendTest, CpuBackendIsGloo) {
   std::string dir = absl::StrCat(::testing::TempDir(), "/backend_cpu");
