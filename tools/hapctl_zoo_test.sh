@@ -101,7 +101,19 @@ for args in "--layers 3 --set layers=2" "--set layers=3 --set layers=2"; do
   out="$("$HAPCTL" plan --cluster "$CLUSTER" --model mlp $args 2>&1)" && fail "plan $args exited 0: $out"
   echo "$out" | grep -qF "zoo parameter 'layers' is given twice" || fail "plan $args: $out"
 done
-# --set batch=N is the batch, not hapctl plan's default beside it.
-out="$("$HAPCTL" plan --cluster "$CLUSTER" --model mlp --layers 2 --set batch=16 -o json 2>&1)" \
-  || fail "plan --set batch=16: $out"
+# --set batch=N is the batch, not hapctl plan's default beside it: planned
+# as --batch N is, and not as the default batch (32 a device) is.
+mlp=(plan --cluster "$CLUSTER" --model mlp --layers 2 -o json)
+"$HAPCTL" "${mlp[@]}" --set batch=16 > "$tmp/set16.json" 2> "$tmp/set16.err" \
+  || fail "plan --set batch=16: $(cat "$tmp/set16.err")"
+"$HAPCTL" "${mlp[@]}" --batch 16 > "$tmp/flag16.json" 2>&1 || fail "plan --batch 16"
+"$HAPCTL" "${mlp[@]}" > "$tmp/batch_default.json" 2>&1 || fail "plan, default batch"
+python3 - "$tmp/set16.json" "$tmp/flag16.json" "$tmp/batch_default.json" <<'PY' \
+  || fail "--set batch=16 is not the batch: $(cat "$tmp/set16.json")"
+import json, sys
+s, f, d = (json.load(open(p)) for p in sys.argv[1:])
+for k in ("predicted_step_seconds", "compute_seconds", "memory_bytes_per_device"):
+    assert s[k] == f[k], (k, s[k], f[k])
+assert s["compute_seconds"] < d["compute_seconds"], (s["compute_seconds"], d["compute_seconds"])
+PY
 echo PASS
