@@ -808,7 +808,12 @@ TEST(DataValidationTest, LmBatchesMatchTheGraphsLabelDtype) {
   std::vector<int64_t> corpus(40, 3);
   auto lm = NewLmBatches(g, corpus);
   if (!lm.ok()) {
-    SUCCEED() << lm.status();  // refused up front: fine
+    // Refused up front, as a model whose labels are not int64 (any other
+    // error would hide what this case is about).
+    EXPECT_THAT(lm.status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("is not a language model with int64 inputs tokens[B, S] and "
+                                   "labels[B*S]")));
     return;
   }
   auto batch = (*lm)->Get(0);
