@@ -220,10 +220,10 @@ TEST(ExecutorCoreTest, StopAbandonsAStepStuckInACollective) {
   ASSERT_THAT(core.Start("deployments/d1"), IsOk());
   entered.WaitForNotification();  // inside step 0's first collective
 
-  const absl::Time asked = absl::Now();
+  // The collective returns only once `release` is notified, below: a Stop
+  // that waited for the step would never return (the test times out).
   auto stopped = core.Stop("deployments/d1");
   ASSERT_THAT(stopped, IsOk());
-  EXPECT_LT(absl::Now() - asked, absl::Seconds(5));
   EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
   EXPECT_THAT(stopped->error(), ::testing::AllOf(HasSubstr("stopped by StopTraining after 0"),
                                                  HasSubstr("abandoned")));
