@@ -120,6 +120,10 @@ class RendezvousStore {
   // its own error, at once where it can tell.
   virtual absl::StatusOr<std::string> Get(const std::string& key,
                                           absl::Duration timeout) = 0;
+  // Whether the store's user gave up (its training run was stopped): a
+  // connect waiting for a peer's connection, not in the store, polls it and
+  // ends Cancelled. A store of its own never is.
+  virtual bool Cancelled() { return false; }
 };
 
 struct GlooOptions {

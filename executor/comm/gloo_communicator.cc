@@ -667,7 +667,9 @@ class MeshContext : public gloo::Context {
 // follows the others to the next one. The watcher closes the pairs at the
 // try's deadline too (expired()): Gloo waits five times its timeout for a
 // pair's connection, each pair in turn, so a rank that published its
-// address and died would hold this rank far past its timeout.
+// address and died would hold this rank far past its timeout. And once the
+// store says its user gave up (RendezvousStore::Cancelled, a stopped
+// training run: cancelled()), which the wait for a connection never asks.
 class AbortWatcher {
  public:
   AbortWatcher(RendezvousStore& store, std::string key, gloo::transport::Context& transport,
@@ -698,15 +700,21 @@ class AbortWatcher {
     absl::MutexLock l(&mu_);
     return expired_;
   }
+  // True when the store's user gave up first (pairs closed).
+  bool cancelled() {
+    absl::MutexLock l(&mu_);
+    return cancelled_;
+  }
 
  private:
   void Run() {
     while (true) {
       const bool found = store_.Get(key_, absl::ZeroDuration()).ok();
+      const bool cancelled = !found && store_.Cancelled();
       absl::MutexLock l(&mu_);
       if (stopped_) return;
-      if (found || absl::Now() >= deadline_) {
-        (found ? aborted_ : expired_) = true;
+      if (found || cancelled || absl::Now() >= deadline_) {
+        (found ? aborted_ : cancelled ? cancelled_ : expired_) = true;
         for (int r = 0; r < transport_.size; ++r) {
           if (r == transport_.rank) continue;
           try {
@@ -731,6 +739,7 @@ class AbortWatcher {
   bool stopped_ = false;
   bool aborted_ = false;
   bool expired_ = false;
+  bool cancelled_ = false;
   std::thread thread_;
 };
 
@@ -833,10 +842,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
       transport->getPair(r)->connect(std::vector<char>(
           theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
       // A pair the watcher closed returns from connect as if connected.
-      if (watcher->aborted() || watcher->expired()) return;
+      if (watcher->aborted() || watcher->expired() || watcher->cancelled()) return;
       connecting = -1;
     }
-    if (watcher->Stop() || watcher->expired()) return;  // aborted, or out of time
+    // Aborted, out of time, or given up.
+    if (watcher->Stop() || watcher->expired() || watcher->cancelled()) return;
     gloo::BarrierOptions opts(ctx);
     opts.setTimeout(timeout);
     gloo::barrier(opts);
@@ -844,6 +854,24 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   if (watcher != nullptr && watcher->Stop()) {
     return absl::UnavailableError(absl::StrCat(
         what, ": another rank's connection broke, so this try was abandoned"));
+  }
+  // Given up while a pair waited for its peer: the ranks still connecting
+  // are told, as for a try that broke (a stopped deployment's other ranks
+  // end too, not at their timeout).
+  if (watcher != nullptr && watcher->cancelled()) {
+    const absl::Status gave_up = absl::CancelledError(
+        absl::StrCat(what, ": given up while ",
+                     connecting >= 0 ? absl::StrCat("waiting for rank ", connecting, " to connect")
+                                     : std::string("the connections formed")));
+    const absl::Status told =
+        store.Set(RendezvousKey(prefix, "abort"), std::string(gave_up.message()));
+    if (!told.ok()) {
+      return WithMessage(gave_up, absl::StrCat(gave_up.message(),
+                                               "; the other ranks could not be told (they wait "
+                                               "out their timeout): ",
+                                               told.message()));
+    }
+    return gave_up;
   }
   // The watcher closed the pairs at the deadline: while this rank waited
   // for a pair (the rank on its other side had published its address), or

@@ -16,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
 #include "executor/runtime/bf16.h"
@@ -689,6 +690,54 @@ TEST(GlooCommunicatorTest, ARankThatPublishesButNeverConnectsIsNamed) {
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        HasSubstr("rank 1 published its address but did not connect within 1s")));
   fake_rank1.join();
+}
+
+// A store whose user gives up once `give_up` is notified; everything else
+// is the file store's.
+class GivingUpStore : public RendezvousStore {
+ public:
+  GivingUpStore(RendezvousStore& store, absl::Notification& give_up)
+      : store_(store), give_up_(give_up) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return store_.Set(key, value);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    return store_.Get(key, timeout);
+  }
+  bool Cancelled() override { return give_up_.HasBeenNotified(); }
+
+ private:
+  RendezvousStore& store_;
+  absl::Notification& give_up_;
+};
+
+// As above, with a timeout of an hour: rank 0 waits in Gloo's connect for
+// rank 1, which never comes, and its store's user gives up (a stopped
+// training run). The connect ends Cancelled, naming the rank it waited
+// for, and tells the others through the abort key. It waited out five
+// times the timeout (the wait for a connection never asks the store).
+TEST(GlooCommunicatorTest, AConnectWaitingForAPeerEndsWhenTheStoresUserGivesUp) {
+  auto files = NewFileStore(FreshDir("gives_up"));
+  ASSERT_TRUE(files.ok());
+  absl::Notification give_up;
+  GivingUpStore store(**files, give_up);
+  std::thread fake_rank1([&] {
+    auto blob = (*files)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    sockaddr_in addr{};
+    std::memcpy(&addr, blob->data(), sizeof(addr));
+    addr.sin_port = 0xffff;
+    std::string mine = *blob;
+    std::memcpy(mine.data(), &addr, sizeof(addr));
+    ASSERT_THAT((*files)->Set(ConnectAttemptPrefix("hap", 0) + "/1", mine), IsOk());
+    give_up.Notify();
+  });
+  EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Hours(1)), store),
+              StatusIs(absl::StatusCode::kCancelled,
+                       HasSubstr("given up while waiting for rank 1 to connect")));
+  fake_rank1.join();
+  EXPECT_THAT((*files)->Get(ConnectAttemptPrefix("hap", 0) + "/abort", absl::ZeroDuration()),
+              IsOk());
 }
 
 // Rank 0 publishes its address, a stray connection takes it, then rank 1

@@ -179,6 +179,8 @@ class CancellableStore : public RendezvousStore {
   absl::Status Set(const std::string& key, const std::string& value) override {
     return store_->Set(key, value);
   }
+  // Gloo's connect polls it while a pair waits for its peer's connection.
+  bool Cancelled() override { return cancelled_(); }
   absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
     // A poll passes even once cancelled: Gloo's abort watcher polls for the
     // abort key a peer that gave up sets, and must still see it.

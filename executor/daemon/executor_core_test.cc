@@ -2,9 +2,12 @@
 // validation, Stop between steps, two ranks over an in-process communicator.
 #include "executor/daemon/executor_core.h"
 
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -16,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -443,6 +447,67 @@ TEST(ExecutorCoreTest, StopDuringTheRendezvousEndsTheWait) {
     EXPECT_EQ(core.RetiredThreads(), 0);
     release.Notify();  // a thread left waiting (before the fix) ends
   }
+}
+
+// A rendezvous store in which rank 1 of two publishes an address that
+// nobody listens at (rank 0's, port 65535) once rank 0 published its own,
+// as a rank that died after publishing: rank 0 then waits in Gloo's
+// connect for a connection that never comes. `peer_seen` is notified once
+// rank 0 has read rank 1's address (it connects next).
+class DeadPeerStore : public RendezvousStore {
+ public:
+  explicit DeadPeerStore(absl::Notification* peer_seen) : peer_seen_(peer_seen) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    absl::MutexLock l(&mu_);
+    keys_[key] = value;
+    if (absl::EndsWith(key, "/0") && value.size() >= sizeof(sockaddr_in)) {
+      std::string dead = value;
+      sockaddr_in addr{};
+      std::memcpy(&addr, dead.data(), sizeof(addr));
+      addr.sin_port = 0xffff;
+      std::memcpy(dead.data(), &addr, sizeof(addr));
+      keys_[key.substr(0, key.size() - 1) + "1"] = dead;
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    absl::MutexLock l(&mu_);
+    auto there = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return keys_.count(key) > 0; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&there), std::max(timeout, absl::ZeroDuration()))) {
+      return absl::DeadlineExceededError(absl::StrCat("key '", key, "' not set"));
+    }
+    if (absl::EndsWith(key, "/1") && !peer_seen_->HasBeenNotified()) peer_seen_->Notify();
+    return keys_[key];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::string> keys_ ABSL_GUARDED_BY(mu_);
+  absl::Notification* peer_seen_;
+};
+
+// Stop while the rank waits in Gloo's connect for a peer that published
+// its address and never connects: the connect ends (its abort watcher asks
+// the store whether the run was stopped), so the stop reports a cancelled
+// run, not "a step in progress abandoned" after stop_wait with a thread
+// left in the connect for five times the communicator timeout.
+TEST(ExecutorCoreTest, StopWhileConnectingToADeadPeerEndsTheConnect) {
+  absl::Notification peer_seen;
+  ExecutorCore core(
+      GlooThroughStore(absl::Seconds(600), absl::Seconds(3),
+                       [&](const LoadOptions&) -> absl::StatusOr<std::unique_ptr<RendezvousStore>> {
+                         return std::make_unique<DeadPeerStore>(&peer_seen);
+                       }));
+  ASSERT_THAT(core.LoadPlan(MlpLoad(2, 0, 10)), IsOk());
+  ASSERT_THAT(core.Start(""), IsOk());
+  peer_seen.WaitForNotification();
+  auto stopped = core.Stop("");
+  ASSERT_THAT(stopped, IsOk());
+  EXPECT_EQ(stopped->state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(stopped->error(), HasSubstr("stopped by StopTraining after 0 of 10"));
+  EXPECT_THAT(stopped->error(), ::testing::Not(HasSubstr("abandoned")));
+  EXPECT_EQ(stopped->error_code(), static_cast<int>(absl::StatusCode::kCancelled));
+  EXPECT_EQ(core.RetiredThreads(), 0);
 }
 
 // The rendezvous store of two ranks in this process. Until `hide` is
