@@ -245,9 +245,24 @@ class FakeExecutor final : public v1::Executor::Service {
     *out = status_;
     return grpc::Status::OK;
   }
+  // The longest time a GetStatus that found it frozen was given (its
+  // deadline less the time it arrived): at most the caller's timeout.
+  absl::Duration longest_frozen_status_call() {
+    absl::MutexLock l(&mu_);
+    return longest_frozen_status_call_;
+  }
+  int frozen_status_calls() {
+    absl::MutexLock l(&mu_);
+    return frozen_status_calls_;
+  }
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                          v1::ExecutorStatus* out) override {
     absl::MutexLock l(&mu_);
+    if (frozen_) {
+      ++frozen_status_calls_;
+      longest_frozen_status_call_ =
+          std::max(longest_frozen_status_call_, CallDeadline(ctx) - absl::Now());
+    }
     if (!Answer(ctx)) return Hung();
     *out = status_;
     return grpc::Status::OK;
@@ -268,6 +283,8 @@ class FakeExecutor final : public v1::Executor::Service {
   std::string last_resume_ ABSL_GUARDED_BY(mu_);
   bool frozen_ ABSL_GUARDED_BY(mu_) = false;
   int stops_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration longest_frozen_status_call_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  int frozen_status_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class PlannerServiceImplTest : public ::testing::Test {
@@ -305,9 +322,6 @@ class PlannerServiceImplTest : public ::testing::Test {
     so.on_deployment = [this](const v1::Deployment& d) {
       absl::MutexLock l(&seen_mu_);
       seen_[d.name()] = d;
-      if (d.state() == v1::Deployment::FAILED && !failed_at_.count(d.name())) {
-        failed_at_[d.name()] = absl::Now();
-      }
     };
     so.job_interval = absl::Milliseconds(20);
     service_ = std::make_unique<PlannerServiceImpl>(core_.get(), &sink_, so, std::move(deployments),
@@ -376,10 +390,6 @@ class PlannerServiceImplTest : public ::testing::Test {
         << "; last seen: " << seen_[name].DebugString();
     return seen_[name];
   }
-  absl::Time FailedAt(const std::string& name) {
-    absl::MutexLock l(&seen_mu_);
-    return failed_at_[name];
-  }
   // A plan on node "n" (two devices) deployed to two fake executors.
   absl::StatusOr<v1::Deployment> DeployToFakes(const std::string& plan_id) {
     if (executors_.empty()) {
@@ -442,7 +452,6 @@ class PlannerServiceImplTest : public ::testing::Test {
   std::vector<std::unique_ptr<FakeExecutor>> executors_;
   absl::Mutex seen_mu_;
   std::map<std::string, v1::Deployment> seen_ ABSL_GUARDED_BY(seen_mu_);
-  std::map<std::string, absl::Time> failed_at_ ABSL_GUARDED_BY(seen_mu_);
   std::unique_ptr<PlannerCore> core_;
   std::unique_ptr<PlannerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
