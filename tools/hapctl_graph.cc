@@ -82,6 +82,13 @@ absl::StatusOr<std::map<std::string, double>> ZooOverrides(const Args& args) {
             absl::StrCat("--", flag, " and --", k, " are one zoo parameter; give it once"));
       }
       const std::string given = args.Has(flag) ? flag : k;
+      // '--layers 2 --layers 3' built 3 layers (the last one given).
+      if (const std::vector<std::string> all = args.GetAll(given); all.size() > 1) {
+        return absl::InvalidArgumentError(absl::StrCat("zoo parameter '", k,
+                                                       "' is given twice (--", given, " ", all[0],
+                                                       " and --", given, " ", all[1],
+                                                       "); give it once"));
+      }
       if (args.Has(given)) {
         HAP_ASSIGN_OR_RETURN(double v, args.Number(given, 0));
         out[k] = v;

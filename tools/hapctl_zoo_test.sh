@@ -101,6 +101,14 @@ for args in "--layers 3 --set layers=2" "--set layers=3 --set layers=2"; do
   out="$("$HAPCTL" plan --cluster "$CLUSTER" --model mlp $args 2>&1)" && fail "plan $args exited 0: $out"
   echo "$out" | grep -qF "zoo parameter 'layers' is given twice" || fail "plan $args: $out"
 done
+# The same flag twice was taken, the last value built ('--layers 2 --layers
+# 3' planned 3 layers).
+for cmd in "zoo mlp" "plan --cluster $CLUSTER --model mlp"; do
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" $cmd --layers 2 --layers 3 2>&1)" && fail "$cmd --layers 2 --layers 3 exited 0: $out"
+  echo "$out" | grep -qF "zoo parameter 'layers' is given twice (--layers 2 and --layers 3)" \
+    || fail "$cmd --layers 2 --layers 3: $out"
+done
 # --set batch=N is the batch, not hapctl plan's default beside it: planned
 # as --batch N is, and not as the default batch (32 a device) is.
 mlp=(plan --cluster "$CLUSTER" --model mlp --layers 2 -o json)
