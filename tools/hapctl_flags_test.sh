@@ -282,4 +282,9 @@ echo "$out" | grep -q "UNAVAILABLE" || fail "deploy with checkpoint flags: $out"
 out="$("$HAPCTL" deploy plan p --checkpoint-dir /tmp/x --resume /tmp/x --init-weights /tmp/w.safetensors --server 127.0.0.1:1 --timeout 3 2>&1)" \
   && fail "deploy --resume --init-weights exited 0: $out"
 echo "$out" | grep -qF -- "--resume and --init-weights exclude each other" || fail "deploy --resume --init-weights: $out"
+# hapctl --help names every checkpoint command (verify was left out).
+help="$("$HAPCTL" --help 2>&1)" || fail "--help: $help"
+for sub in inspect export verify; do
+  echo "$help" | grep -qE "^  checkpoint $sub DIR" || fail "--help has no 'checkpoint $sub': $help"
+done
 echo PASS

@@ -39,6 +39,7 @@ Checkpoints (hap-executor --checkpoint-dir):
   checkpoint inspect DIR    step, plan, files, tensors and their slices
   checkpoint export DIR -o FILE.safetensors
                             every parameter whole, by name (PyTorch, --init-weights)
+  checkpoint verify DIR     every tensor against its CRC-32C (exit 1 naming damage)
 
 Against a planner (--server HOST:PORT, else $HAPCTL_SERVER, else 127.0.0.1:7070):
   get nodes|plans|deployments|jobs   list (-o table|json|yaml)
