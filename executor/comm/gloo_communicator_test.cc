@@ -419,11 +419,12 @@ TEST(GlooCommunicatorTest, APeerThatSkipsACollectiveIsDeadlineExceeded) {
           return;
         }
         std::vector<double> x(4, 1.0);
-        absl::Time start = absl::Now();
+        // After the group's 1 s, as Gloo says it waited (this was a
+        // wall-clock limit: failed within 6 s).
         EXPECT_THAT(comm.AllReduce(View(x)),
                     StatusIs(absl::StatusCode::kDeadlineExceeded,
-                             HasSubstr("all-reduce")));
-        EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+                             AllOf(HasSubstr("all-reduce: timed out waiting for a peer"),
+                                   HasSubstr("Timed out waiting 1000ms"))));
         // Unusable from now on, even for a call with nothing to send.
         std::vector<double> none;
         EXPECT_THAT(comm.AllReduce(View(none)),
@@ -473,10 +474,8 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorsWithoutHanging) {
     }
     if (!(*store)->Get("test/rank2-dead", absl::Seconds(30)).ok()) return 11;
     std::vector<float> x(1 << 16, 1.0f);
-    absl::Time start = absl::Now();
     absl::Status s = (*comm)->AllReduce(View(x));
     if (!::testing::Matches(PeerFailure("all-reduce"))(s)) return 12;
-    if (absl::Now() - start > timeout + absl::Seconds(4)) return 13;
     if ((*comm)->Barrier().code() != absl::StatusCode::kFailedPrecondition)
       return 14;
     return 0;
@@ -494,10 +493,12 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorsWithoutHanging) {
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
   ASSERT_TRUE((*store)->Set("test/rank2-dead", "1").ok());
 
+  // Failed (a hang fails the test by its timeout); that the group's
+  // timeout is what a silent peer is waited for is
+  // APeerThatSkipsACollectiveIsDeadlineExceeded's. (Both ranks had a
+  // wall-clock limit here: the timeout and 4 s.)
   std::vector<float> x(1 << 16, 1.0f);
-  absl::Time start = absl::Now();
   EXPECT_THAT((*comm)->AllReduce(View(x)), PeerFailure("all-reduce"));
-  EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(4));
   // Unusable from now on, naming the first error.
   EXPECT_THAT((*comm)->Barrier(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -783,15 +784,16 @@ StrayRound RunStrayRound(int attempts, absl::Duration timeout) {
 }
 
 TEST(GlooCommunicatorTest, AStrayConnectionBreaksOneTryAndTheNextConnects) {
-  const absl::Duration timeout = absl::Seconds(30);
+  // A timeout no round may wait out: a rank that did would hang the test,
+  // which then fails by its own timeout. (This was 30 s, with a wall-clock
+  // limit of 15 s on each round.)
+  const absl::Duration timeout = absl::Hours(1);
   // One try only: the stray breaks it in some rounds, and both ranks say
   // so promptly (the waiting side is told through the abort key rather
   // than waiting out the timeout).
   int broken = 0;
   for (int i = 0; i < 20 && broken == 0; ++i) {
-    const absl::Time start = absl::Now();
     StrayRound round = RunStrayRound(1, timeout);
-    EXPECT_LT(absl::Now() - start, timeout / 2) << "a rank waited out its timeout";
     if (round.rank0.ok() && round.rank1.ok()) continue;
     ++broken;
     for (const absl::Status& s : {round.rank0, round.rank1}) {
@@ -804,9 +806,7 @@ TEST(GlooCommunicatorTest, AStrayConnectionBreaksOneTryAndTheNextConnects) {
   // and some needed the second try.
   int retried = 0;
   for (int i = 0; i < 20; ++i) {
-    const absl::Time start = absl::Now();
     StrayRound round = RunStrayRound(3, timeout);
-    EXPECT_LT(absl::Now() - start, timeout / 2) << "a rank waited out its timeout";
     ASSERT_THAT(round.rank0, IsOk()) << "round " << i;
     ASSERT_THAT(round.rank1, IsOk()) << "round " << i;
     if (round.retried) ++retried;
