@@ -83,6 +83,25 @@ class StateTest(unittest.TestCase):
             e2e_bench.CGROUP_ROOT, tempfile.tempdir, sys.argv = saved
         self.assertEqual(os.listdir(self.tmp), [])
 
+    def test_pipeline_testbed_bench_models_are_flags_hapctl_plan_takes(self):
+        # The default was passed as 'gpt --layers 4 ...', and hapctl plan
+        # refuses a bare word: every run died at its first plan.
+        self.assertEqual(pipeline_testbed_bench.model_flags("gpt --layers 2")[:2],
+                         ["--model", "gpt"])
+        self.assertEqual(pipeline_testbed_bench.model_flags("--graph g.json"),
+                         ["--graph", "g.json"])
+        hapctl = os.environ.get("HAPCTL")
+        cluster = os.environ.get("CLUSTER")
+        if not hapctl or not cluster:
+            self.skipTest("HAPCTL and CLUSTER name the real hapctl and a cluster (bazel test)")
+        p = subprocess.run([hapctl, "plan", "--cluster", cluster,
+                            *pipeline_testbed_bench.model_flags(
+                                pipeline_testbed_bench.DEFAULT_MODEL),
+                            "--pipeline", "auto", "-o", "table"],
+                           capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("predicted step", p.stdout)
+
     def test_e2e_bench_refuses_a_configuration_named_twice(self):
         # Named twice, a configuration had two medians per round, and its
         # per-round ratios paired round r of the baseline with its r-th run.

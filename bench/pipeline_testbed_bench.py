@@ -103,6 +103,20 @@ def two_node_cluster(measured, ranks_per_node, intra, inter):
                          "interNodeLatencySeconds": 2e-4}}
 
 
+DEFAULT_MODEL = "gpt --layers 4 --hidden 512 --heads 8 --ffn 2048 --seq 32 --batch 8 --vocab 8192"
+
+
+def model_flags(text):
+    """hapctl plan's model flags from --model: "gpt --layers 4 ..." (a zoo
+    name first, as the default reads) or the flags themselves ("--model gpt
+    ...", "--graph FILE"). hapctl refuses a bare word, so a name first is
+    given as --model NAME."""
+    words = text.split()
+    if words and not words[0].startswith("-"):
+        words = ["--model"] + words
+    return words
+
+
 def plan(c, bins, cluster_path, model, name):
     path = os.path.join(c.state, f"{name}.pb")
     cmd = [bins["hapctl"], "plan", "--cluster", cluster_path, *model,
@@ -152,9 +166,9 @@ def main():
                          "microbatch's backward (each rank's communication thread)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the calibrated plans (hap-cal, spmd-cal)")
-    ap.add_argument("--model", default="gpt --layers 4 --hidden 512 --heads 8 --ffn 2048 "
-                    "--seq 32 --batch 8 --vocab 8192",
-                    help="hapctl plan model flags")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="the model: a zoo name and its hapctl plan flags (or hapctl plan's "
+                         "own --model NAME / --graph FILE flags)")
     args = ap.parse_args()
     OVERLAP[0] = "on" if args.overlap else "off"
     shares = [float(s) for s in args.shares.split(",")]
@@ -197,7 +211,7 @@ def bench(c, bins, args, configs):
             log(f"   {n['name']}/{d['id']}: {e2e.flops_of(d) / 1e9:.1f} GFLOP/s")
 
     log(f"\n== 2. Plans (hapctl plan {args.model}) ==")
-    model = args.model.split()
+    model = model_flags(args.model)
     plans = {name: plan(c, bins, cluster_path, model, name) for name in configs
              if name not in CALIBRATED_CONFIGS}
     if "hap-cal" in configs:
