@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   g_server = server->get();
-  std::cout << "listening on " << (*server)->address() << "\n";
+  std::cout << "listening on " << (*server)->listen_address() << "\n";
   std::cout << "executors are told to dial " << (*server)->advertised_address() << "\n";
   if ((*server)->metrics_port() >= 0) {
     std::cout << "metrics on " << (o->security.tls_cert_file.empty() ? "http" : "https") << "://"

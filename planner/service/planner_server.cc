@@ -312,6 +312,7 @@ struct PlannerServer::Impl {
   std::unique_ptr<metrics::MetricsHttpServer> http;
   int port = 0;
   std::string advertised;  // what executors are told to dial
+  std::string listening;   // --listen's host with the bound port
   absl::Mutex mu;
   bool shut = false;
   absl::Notification done;
@@ -433,6 +434,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
         absl::StrCat("cannot listen on ", o.listen, " (address in use or invalid)"));
   }
   m.advertised = o.advertise.empty() ? ListenAddressToAdvertise(o.listen, m.port) : o.advertise;
+  m.listening = absl::StrCat(o.listen.substr(0, o.listen.rfind(':')), ":", m.port);
   m.service->set_advertise_address(m.advertised);
   m.service->StartJobs();
   m.server->GetHealthCheckService()->SetServingStatus(kService, true);
@@ -495,6 +497,7 @@ int PlannerServer::metrics_port() const { return impl_->http ? impl_->http->port
 std::string PlannerServer::address() const {
   return absl::StrCat("127.0.0.1:", impl_->port);
 }
+const std::string& PlannerServer::listen_address() const { return impl_->listening; }
 const std::string& PlannerServer::advertised_address() const { return impl_->advertised; }
 PlannerCore& PlannerServer::core() { return *impl_->core; }
 

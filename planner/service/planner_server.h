@@ -111,7 +111,10 @@ class PlannerServer {
 
   int port() const;          // the gRPC port bound
   int metrics_port() const;  // the HTTP port bound, or -1
-  std::string address() const;  // "127.0.0.1:port"
+  std::string address() const;  // "127.0.0.1:port": to dial it from this machine
+  // Where it listens: --listen's host with the port bound ("0.0.0.0:7070",
+  // "[fd00::1]:7070"), as hap-planner prints it.
+  const std::string& listen_address() const;
   // The address executors are given to reach the planner: --advertise (an
   // unbracketed IPv6 host bracketed), or ListenAddressToAdvertise.
   const std::string& advertised_address() const;

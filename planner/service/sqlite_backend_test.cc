@@ -556,6 +556,21 @@ TEST(SqliteBackendTest, AWildcardListenAddressIsAdvertisedAsTheHostName) {
   EXPECT_EQ(ListenAddressToAdvertise("[::1]:0", 41000), "[::1]:41000");
 }
 
+// hap-planner prints where it listens: --listen's host with the port bound.
+// It printed 127.0.0.1 whatever the host (a planner bound to every address,
+// or to a testbed node's, said 127.0.0.1).
+TEST(SqliteBackendTest, TheListenAddressIsTheListenFlagsHostWithThePortBound) {
+  for (const std::string host : {"0.0.0.0", "127.0.0.1", "[::1]"}) {
+    PlannerServerOptions o = ServerOn("");
+    o.listen = host + ":0";
+    auto server = PlannerServer::Start(o);
+    if (host == "[::1]" && !server.ok()) continue;  // no IPv6 loopback here
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ((*server)->listen_address(), absl::StrCat(host, ":", (*server)->port()));
+    EXPECT_EQ((*server)->address(), absl::StrCat("127.0.0.1:", (*server)->port()));
+  }
+}
+
 // A directory where the database should be names the path.
 TEST(SqliteBackendTest, ADirectoryForTheDatabaseIsRefusedNamingIt) {
   const std::string db = TempDatabase("dir.db");
