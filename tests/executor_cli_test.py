@@ -272,19 +272,17 @@ class ExecutorCliTest(unittest.TestCase):
                 seen += line.startswith("step ")
             self.assertEqual(seen, 3, "rank 0 did not train")
             os.kill(r1.pid, signal.SIGKILL)
-            killed = time.time()
             _, err = r0.communicate(timeout=60)
-            waited = time.time() - killed
         finally:
             for p in (r0, r1):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
         self.assertEqual(r0.returncode, 1, err)
-        self.assertRegex(err, r"error: .*(timed out|Timed out|deadline|Deadline|"
-                              r"connection|Connection|closed|peer|Unavailable)")
-        self.assertIn("training step", err)
-        self.assertLess(waited, 30)
+        # The killed peer's connection closed, and rank 0 says so at once,
+        # rather than waiting out --timeout (this was a regex any timeout
+        # matched, and a wall-clock limit of 30 s).
+        self.assertRegex(err, r"error: .*training step.*connection to a peer failed")
 
     def test_nan_loss_stops_training_cleanly(self):
         nan_plan = plan(os.path.join(self.dir, "nan.pb"), "--lr", "1e30",
