@@ -25,9 +25,9 @@ whole core and rank 1 40% of the other.
                             evenly or in proportion to the shares.
    Each run trains --warmup + --steps steps on synthetic token ids; rank 0's
    per-step times after the warm-up are kept. The table gives the median
-   over all rounds, the speed-up against DP-even and against the best
-   proportional baseline (dp-prop or ddp-prop), and the median over rounds
-   of the per-round ratios with their range.
+   over all rounds, and the speed-up against DP-even and against the best
+   proportional baseline (dp-prop or ddp-prop) as the ratio of those
+   medians, with the range of the per-round ratios (each round's medians).
 
 With --overlap (issue 16): the synthesized plan made with `hapctl plan
 --overlap on` (its gradient buckets and ZeRO-3 gathers started early and run
