@@ -32,8 +32,16 @@ GPT = ["--model", "gpt", "--layers", "2", "--hidden", "128", "--heads", "4", "--
 
 
 def plan(path, cluster, *extra, seed="3"):
+    """GPT planned on `cluster`; `extra` (FLAG VALUE pairs) replace GPT's
+    values of the same flags, or are added (hapctl refuses a zoo parameter
+    given twice)."""
     model = GPT[:GPT.index("--seed")] + ["--seed", seed]
-    util.run([HAPCTL, "plan", "--cluster", cluster, *model, "--save-plan", path, *extra])
+    for flag, value in zip(extra[::2], extra[1::2]):
+        if flag in model:
+            model[model.index(flag) + 1] = value
+        else:
+            model += [flag, value]
+    util.run([HAPCTL, "plan", "--cluster", cluster, *model, "--save-plan", path])
     return path
 
 
