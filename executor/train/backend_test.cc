@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
+#include "executor/train/gpu_and_cpu_plan.h"
 #include "executor/train/test_programs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -38,24 +39,8 @@ TEST(BackendTest, ParsesDeviceSpecs) {
   }
 }
 
-// rank 0 on node0/gpu1 (a GPU, index 1), rank 1 on node0/cpu0.
-v1::Plan TwoDevicePlan() {
-  v1::Plan plan;
-  plan.add_devices("node0/gpu1");
-  plan.add_devices("node0/cpu0");
-  v1::Node* node = plan.mutable_cluster()->add_nodes();
-  v1::Device* gpu = node->add_devices();
-  gpu->set_id("node0/gpu1");
-  gpu->set_kind(v1::GPU);
-  gpu->set_local_index(1);
-  v1::Device* cpu = node->add_devices();
-  cpu->set_id("node0/cpu0");
-  cpu->set_kind(v1::CPU);
-  return plan;
-}
-
 TEST(BackendTest, PlannedDeviceFollowsTheClusterProfile) {
-  v1::Plan plan = TwoDevicePlan();
+  v1::Plan plan = GpuAndCpuPlan();
   EXPECT_EQ(PlannedDevice(plan, 0).ToString(), "cuda:1");
   EXPECT_EQ(PlannedDevice(plan, 1).ToString(), "cpu");
   EXPECT_EQ(PlannedDevice(plan, 7).ToString(), "cpu");  // no such rank
@@ -63,7 +48,7 @@ TEST(BackendTest, PlannedDeviceFollowsTheClusterProfile) {
 }
 
 TEST(BackendTest, ChooseDevice) {
-  v1::Plan plan = TwoDevicePlan();
+  v1::Plan plan = GpuAndCpuPlan();
   std::string note;
   auto flag = ChooseDevice("cpu", plan, 0, &note);
   ASSERT_TRUE(flag.ok());
@@ -81,7 +66,7 @@ TEST(BackendTest, ChooseDevice) {
     EXPECT_THAT(note, HasSubstr("no CUDA support; running it on the CPU"));
   }
   // All GPUs: each rank on its own.
-  v1::Plan gpus = TwoDevicePlan();
+  v1::Plan gpus = GpuAndCpuPlan();
   gpus.mutable_cluster()->mutable_nodes(0)->mutable_devices(1)->set_kind(v1::GPU);
   gpus.mutable_cluster()->mutable_nodes(0)->mutable_devices(1)->set_local_index(0);
   auto r1 = ChooseDevice("", gpus, 1);

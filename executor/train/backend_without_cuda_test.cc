@@ -7,6 +7,7 @@
 
 #include "common/status_matchers.h"
 #include "executor/train/backend.h"
+#include "executor/train/gpu_and_cpu_plan.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -16,22 +17,6 @@ namespace {
 namespace v1 = ::hap::v1;
 using ::hap::testing::StatusIs;
 using ::testing::HasSubstr;
-
-// rank 0 on node0/gpu1 (a GPU, index 1), rank 1 on node0/cpu0.
-v1::Plan GpuAndCpuPlan() {
-  v1::Plan plan;
-  plan.add_devices("node0/gpu1");
-  plan.add_devices("node0/cpu0");
-  v1::Node* node = plan.mutable_cluster()->add_nodes();
-  v1::Device* gpu = node->add_devices();
-  gpu->set_id("node0/gpu1");
-  gpu->set_kind(v1::GPU);
-  gpu->set_local_index(1);
-  v1::Device* cpu = node->add_devices();
-  cpu->set_id("node0/cpu0");
-  cpu->set_kind(v1::CPU);
-  return plan;
-}
 
 TEST(BackendWithoutCudaTest, IsACpuOnlyBuild) { EXPECT_FALSE(CudaBuilt()); }
 
