@@ -1,6 +1,7 @@
-// The planner core's state, shared by its two sources: planner_core.cc
-// (plans: jobs, the cache, reads, retention) and planner_core_nodes.cc (the
-// node registry: registration, heartbeats, liveness, links, calibration).
+// The planner core's state, shared by its sources: planner_core.cc (plans:
+// jobs, the cache, cancel, delete, retention), planner_core_reads.cc (plan
+// reads: views, encodings, pages) and planner_core_nodes.cc (the node
+// registry: registration, heartbeats, liveness, links, calibration).
 // Internal to //planner/service/core:planner_core.
 #ifndef HAP_PLANNER_SERVICE_CORE_PLANNER_CORE_INTERNAL_H_
 #define HAP_PLANNER_SERVICE_CORE_PLANNER_CORE_INTERNAL_H_
@@ -118,6 +119,12 @@ struct PlannerCore::State {
     cached_key.erase(k);
   }
 };
+
+// The BASIC view of GetPlan: everything but the rank programs (the
+// summary, with the whole plan's graph and program); BasicView of an entry
+// known whole (planner_core_reads.cc).
+void FillBasicView(const hap::v1::Plan& summary, const hap::v1::Plan& whole, hap::v1::Plan* out);
+hap::v1::Plan BasicView(const PlanEntry& e);
 
 }  // namespace hap::service
 
