@@ -77,9 +77,10 @@ namespace {
 // Plan.devices (rank order; optional in an SPMD plan whose programs name
 // no device, unless `required`) against the rank programs: one per rank,
 // and rank `rank`'s the device its program was lowered for. Executors pick
-// their device by Plan.devices, which the content hash does not cover: a
-// list edited out of order put ranks on devices their shares were not
-// planned for, and one removed ran every rank on the CPU.
+// their device by Plan.devices, which version 1's content hash does not
+// cover (version 2's does; the check runs for both): a list edited out of
+// order put ranks on devices their shares were not planned for, and one
+// removed ran every rank on the CPU.
 absl::Status CheckDevices(const v1::Plan& plan, int rank, bool required) {
   if (plan.devices_size() == 0 && !required && plan.rank_programs(rank).device().empty()) {
     return absl::OkStatus();
@@ -191,9 +192,9 @@ absl::Status CheckPipelinePlanForRank(const v1::Plan& plan, int rank, int world)
   }
   // The stage programs were lowered for this split of the batch: inputs of
   // microbatch_size samples, and a loss seeded with 1 / microbatches (the
-  // only fill in backward that is not a zeroing). The content hash does not
-  // cover the pipeline's fields; a count edited there would scale every
-  // gradient wrongly.
+  // only fill in backward that is not a zeroing). Version 1's content hash
+  // does not cover the pipeline's fields; a count edited there would scale
+  // every gradient wrongly.
   const int64_t micro = plan.pipeline().microbatch_size();
   if (micro < 1 || (plan.global_batch() >= 1 && (plan.global_batch() % microbatches != 0 ||
                                                  plan.global_batch() / microbatches != micro))) {

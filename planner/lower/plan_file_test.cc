@@ -164,10 +164,10 @@ TEST(PlanFileTest, APipelinePlanAsWrittenFitsEveryRank) {
 }
 
 TEST(PlanFileTest, ARankProgramInAnotherPipelineStageThanItWasLoweredForIsRefused) {
-  // The stages' devices swapped (the content hash does not cover the
-  // pipeline): each rank would run its program as the other stage's, the
-  // first stage waiting for an activation nobody sends.
-  v1::Plan plan = PipelinePlan();
+  // The stages' devices swapped (version 1's content hash does not cover
+  // the pipeline): each rank would run its program as the other stage's,
+  // the first stage waiting for an activation nobody sends.
+  v1::Plan plan = PipelinePlan(1);
   auto* stages = plan.mutable_pipeline()->mutable_stages();
   std::swap(*stages->Mutable(0)->mutable_devices(0), *stages->Mutable(1)->mutable_devices(0));
   const std::string sent = plan.pipeline().stages(0).output_tensor();
