@@ -300,6 +300,13 @@ struct PlannerMetrics {
 
 }  // namespace
 
+namespace {
+// --listen's host with the port bound ("0.0.0.0:0" -> "0.0.0.0:7070").
+std::string ListenHostWithPort(const std::string& listen, int port) {
+  return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+}
+}  // namespace
+
 struct PlannerServer::Impl {
   PlannerServerOptions o;
   std::unique_ptr<StateBackend> backend;
@@ -434,7 +441,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
         absl::StrCat("cannot listen on ", o.listen, " (address in use or invalid)"));
   }
   m.advertised = o.advertise.empty() ? ListenAddressToAdvertise(o.listen, m.port) : o.advertise;
-  m.listening = absl::StrCat(o.listen.substr(0, o.listen.rfind(':')), ":", m.port);
+  m.listening = ListenHostWithPort(o.listen, m.port);
   m.service->set_advertise_address(m.advertised);
   m.service->StartJobs();
   m.server->GetHealthCheckService()->SetServingStatus(kService, true);
@@ -485,7 +492,7 @@ absl::StatusOr<std::unique_ptr<PlannerServer>> PlannerServer::Start(PlannerServe
 }
 
 std::string ListenAddressToAdvertise(const std::string& listen, int port) {
-  return AdvertisedAddress(absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port));
+  return AdvertisedAddress(ListenHostWithPort(listen, port));
 }
 
 PlannerServer::~PlannerServer() {
