@@ -779,6 +779,20 @@ std::optional<std::string> PeerAddresses(RendezvousStore& store, const std::stri
   return std::nullopt;
 }
 
+// `why` this rank gives up the try under `prefix`, after publishing it
+// under the try's abort key: the ranks still connecting (the watcher polls
+// the key) give it up too, instead of waiting out their timeout. A store
+// that refuses the key is said in the returned status.
+absl::Status TellOthersToGiveUp(RendezvousStore& store, const std::string& prefix,
+                                const absl::Status& why) {
+  const absl::Status told = store.Set(RendezvousKey(prefix, "abort"), std::string(why.message()));
+  if (told.ok()) return why;
+  return WithMessage(why, absl::StrCat(why.message(),
+                                       "; the other ranks could not be told to give this try up "
+                                       "(they wait out their timeout): ",
+                                       told.message()));
+}
+
 // One try at the full mesh under `prefix`: every rank publishes the
 // addresses of its pairs (under its decimal rank, like Gloo's own
 // rendezvous) and connects each pair, then a barrier runs over the new
@@ -863,15 +877,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
         absl::StrCat(what, ": given up while ",
                      connecting >= 0 ? absl::StrCat("waiting for rank ", connecting, " to connect")
                                      : std::string("the connections formed")));
-    const absl::Status told =
-        store.Set(RendezvousKey(prefix, "abort"), std::string(gave_up.message()));
-    if (!told.ok()) {
-      return WithMessage(gave_up, absl::StrCat(gave_up.message(),
-                                               "; the other ranks could not be told (they wait "
-                                               "out their timeout): ",
-                                               told.message()));
-    }
-    return gave_up;
+    return TellOthersToGiveUp(store, prefix, gave_up);
   }
   // The watcher closed the pairs at the deadline: while this rank waited
   // for a pair (the rank on its other side had published its address), or
@@ -893,16 +899,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
           absl::StrCat(s.message(), MissingRanks(store, prefix, o)));
     }
     // Tell the ranks still connecting to give this try up too.
-    if (o.size > 1) {
-      const absl::Status told = store.Set(RendezvousKey(prefix, "abort"), std::string(s.message()));
-      if (!told.ok()) {
-        return WithMessage(s, absl::StrCat(s.message(),
-                                           "; the other ranks could not be told to give "
-                                           "this try up (they wait out their timeout): ",
-                                           told.message()));
-      }
-    }
-    return s;
+    return o.size > 1 ? TellOthersToGiveUp(store, prefix, s) : s;
   }
   return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));
 }
