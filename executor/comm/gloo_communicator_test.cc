@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
+#include "executor/comm/dead_peer_address.h"
 #include "executor/runtime/bf16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -677,15 +678,9 @@ TEST(GlooCommunicatorTest, ARankThatPublishesButNeverConnectsIsNamed) {
   std::thread fake_rank1([&] {
     auto blob = (*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
     ASSERT_TRUE(blob.ok()) << blob.status();
-    ASSERT_GE(blob->size(), sizeof(sockaddr_in));
-    sockaddr_in addr{};
-    std::memcpy(&addr, blob->data(), sizeof(addr));
-    ASSERT_EQ(addr.sin_family, AF_INET);
-    ASSERT_NE(addr.sin_port, 0xffff);
-    addr.sin_port = 0xffff;
-    std::string mine = *blob;
-    std::memcpy(mine.data(), &addr, sizeof(addr));
-    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", mine), IsOk());
+    const std::string dead = AtAPortNobodyListensOn(*blob);
+    ASSERT_FALSE(dead.empty());
+    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", dead), IsOk());
   });
   EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Seconds(1)), **store),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
@@ -725,12 +720,9 @@ TEST(GlooCommunicatorTest, AConnectWaitingForAPeerEndsWhenTheStoresUserGivesUp) 
   std::thread fake_rank1([&] {
     auto blob = (*files)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
     ASSERT_TRUE(blob.ok()) << blob.status();
-    sockaddr_in addr{};
-    std::memcpy(&addr, blob->data(), sizeof(addr));
-    addr.sin_port = 0xffff;
-    std::string mine = *blob;
-    std::memcpy(mine.data(), &addr, sizeof(addr));
-    ASSERT_THAT((*files)->Set(ConnectAttemptPrefix("hap", 0) + "/1", mine), IsOk());
+    const std::string dead = AtAPortNobodyListensOn(*blob);
+    ASSERT_FALSE(dead.empty());
+    ASSERT_THAT((*files)->Set(ConnectAttemptPrefix("hap", 0) + "/1", dead), IsOk());
     give_up.Notify();
   });
   EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Hours(1)), store),

@@ -2,9 +2,6 @@
 // meet: Stop between steps, a step stuck in a collective or a checkpoint
 // save abandoned after stop_wait, Stop and Shutdown during the rendezvous
 // and Gloo's connect, and a connect that fails.
-#include <netinet/in.h>
-
-#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -19,6 +16,7 @@
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
+#include "executor/comm/dead_peer_address.h"
 #include "executor/cpu/cpu_device.h"
 #include "executor/daemon/core_test_util.h"
 #include "executor/daemon/executor_core.h"
@@ -339,13 +337,9 @@ class DeadPeerStore : public RendezvousStore {
   absl::Status Set(const std::string& key, const std::string& value) override {
     absl::MutexLock l(&mu_);
     keys_[key] = value;
-    if (absl::EndsWith(key, "/0") && value.size() >= sizeof(sockaddr_in)) {
-      std::string dead = value;
-      sockaddr_in addr{};
-      std::memcpy(&addr, dead.data(), sizeof(addr));
-      addr.sin_port = 0xffff;
-      std::memcpy(dead.data(), &addr, sizeof(addr));
-      keys_[key.substr(0, key.size() - 1) + "1"] = dead;
+    if (absl::EndsWith(key, "/0")) {
+      const std::string dead = AtAPortNobodyListensOn(value);
+      if (!dead.empty()) keys_[key.substr(0, key.size() - 1) + "1"] = dead;
     }
     return absl::OkStatus();
   }
