@@ -649,39 +649,29 @@ class Pass {
     // dropped with the candidate (the noise it was judged on passed): left
     // pending, it kept every later slowdown from being seen (the CI's
     // throttled demo once ran 180 steps 50% slow without a re-plan).
-    auto stay = [&] {
+    auto stay = [&](const std::string& message) {
       if (slowdown) {
         ExpectNow(d);
       } else {
         *st().mutable_judged_devices() = p->devices();
       }
-      st().clear_switch_pending();
-      st().clear_judged_step_seconds();
-      st().clear_judged_until_step();
+      st().set_message(message);
+      DropCandidate();
     };
     if (gain < MinGain(spec())) {
-      stay();
-      st().set_message(
+      return stay(
           absl::StrFormat("staying: %s, below min_gain %.1f%%", what, 100 * MinGain(spec())));
-      st().clear_candidate_plan();
-      return;
     }
     if (spec().training().checkpoint_every() <= 0) {
-      stay();
-      st().set_message(absl::StrCat("staying: ", what,
-                                    ", but the job has no periodic checkpoints (a switch "
-                                    "would lose every step)"));
-      st().clear_candidate_plan();
-      return;
+      return stay(absl::StrCat("staying: ", what,
+                               ", but the job has no periodic checkpoints (a switch would lose "
+                               "every step)"));
     }
     if (!st().switch_pending() && st().replans() >= MaxReplans(spec())) {
       // An optional switch never fails a job that trains: past the budget
       // the job stays on its plan (re-plans forced by a loss still count).
-      stay();
-      st().set_message(absl::StrCat("staying: ", what, ", but the job has made its max_replans ",
-                                    MaxReplans(spec()), " re-plans"));
-      st().clear_candidate_plan();
-      return;
+      return stay(absl::StrCat("staying: ", what, ", but the job has made its max_replans ",
+                               MaxReplans(spec()), " re-plans"));
     }
     if (!st().switch_pending()) {
       st().set_switch_pending(true);
@@ -826,11 +816,17 @@ class Pass {
     st().set_message(absl::StrCat(st().slowdown_detail(),
                                   "; recalibrating once every rank profiled steps from ",
                                   st().slowdown_step()));
+    DropCandidate();
+    return true;
+  }
+
+  // The candidate plan dropped, with a switch waiting for it and the step
+  // it was judged on (not cancelled: a finished plan, kept as others are).
+  void DropCandidate() {
     st().clear_candidate_plan();
     st().clear_switch_pending();
     st().clear_judged_step_seconds();
     st().clear_judged_until_step();
-    return true;
   }
 
   // Whether every rank of `d` has reported a profile starting at `from` or
