@@ -87,19 +87,19 @@ absl::Status CheckSteps(const graph::Graph& g, const synth::Program& program, in
     for (size_t j = 0; j < op.outputs.size(); ++j) {
       HAP_RETURN_IF_ERROR(fits(op.outputs[j], s.rule.outputs[j]));
     }
+    // A tensor the step `verb`s (loads, communicates) must be the graph's.
+    auto known = [&](TensorId t, const char* verb) -> absl::Status {
+      if (t >= 0 && t < ntensors) return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          absl::StrCat(step, " ", verb, " tensor ", t, ", not one of the graph's"));
+    };
     for (const synth::SourceLoad& l : s.loads) {
-      if (l.tensor < 0 || l.tensor >= ntensors) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(step, " loads tensor ", l.tensor, ", not one of the graph's"));
-      }
+      HAP_RETURN_IF_ERROR(known(l.tensor, "loads"));
       HAP_RETURN_IF_ERROR(fits(l.tensor, l.form));
       HAP_RETURN_IF_ERROR(fits(l.tensor, l.storage_form));
     }
     for (const synth::CommStep& c : s.comms) {
-      if (c.tensor < 0 || c.tensor >= ntensors) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(step, " communicates tensor ", c.tensor, ", not one of the graph's"));
-      }
+      HAP_RETURN_IF_ERROR(known(c.tensor, "communicates"));
       HAP_RETURN_IF_ERROR(fits(c.tensor, c.from));
       HAP_RETURN_IF_ERROR(fits(c.tensor, c.to));
     }
