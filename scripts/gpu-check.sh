@@ -344,12 +344,16 @@ rows = {}
 for line in open(sys.argv[1]):
     try:
         r = json.loads(line)
-    except ValueError:
-        continue
-    rows.setdefault(r["shape"], {})[r["kind"]] = r["tflops"]
+        shape, kind, tflops = r["shape"], r["kind"], float(r["tflops"])
+    except (ValueError, TypeError, KeyError):
+        continue  # a line that is not one measurement: the row says nan
+    rows.setdefault(str(shape), {})[str(kind)] = tflops
+if not rows:
+    print("GEMM\tFAIL\tno measurement in gpu_bench's output (see gemm.jsonl, gemm.err)")
 for shape, k in rows.items():
     def get(name):
-        return k.get(name, float("nan"))
+        v = k.get(name, float("nan"))
+        return v if v > 0 else float("nan")  # 0 TFLOP/s: no ratio to take
     ours, sgemm = get("ours_fp32"), get("cublas_sgemm_fp32")
     ours32, tf32, bf16 = get("ours_tf32"), get("cublas_gemmex_tf32"), get("cublas_gemmex_bf16")
     ours16 = get("ours_bf16")
@@ -358,6 +362,7 @@ for shape, k in rows.items():
           f" ({ours32 / tf32:.0%}); bf16 GemmEx peak {bf16:.1f} TFLOP/s, our bf16 linear"
           f" {ours16:.1f} ({ours16 / bf16:.0%} of it)")
 EOF
+  tail -1 "$ROWS" | grep -q $'\tFAIL\t' && FAILED=1
 else
   row "GEMM" "NOT RUN" "out of time"
 fi

@@ -3,7 +3,8 @@
 # bundle of fake test programs (gtest-style output). Checks that the tests'
 # counts reach the table when $OUT holds a space, that a packed bundle is
 # unpacked into a folder of its own that is removed at the end, and that
-# SIGTERM stops the bundle's tests running in the background.
+# SIGTERM stops the bundle's tests running in the background, and that
+# the GEMM table skips output lines that are not one measurement.
 #   gpu_check_test.sh PATH/TO/gpu-check.sh
 set -uo pipefail
 SCRIPT=$(realpath "$1")
@@ -107,6 +108,28 @@ rc=$?
 gone() { local p; while read -r p; do kill -0 "$p" 2>/dev/null && return 1; done <"$T/pids"; return 0; }
 for _ in $(seq 100); do gone && break; sleep 0.1; done
 gone || fail "a fake test still runs after SIGTERM: $(cat "$T/pids" | tr '\n' ' ')"
+
+# 4. The GEMM table from gpu_bench's output, lines that are not one
+# measurement skipped: a JSON line without a shape or kind, or not an
+# object, ended the parser with a traceback and no GEMM row; a 0 TFLOP/s
+# baseline divided by zero.
+cat >"$T/bundle/bin/gpu_bench" <<'EOF'
+#!/bin/sh
+[ "$1" = gemm ] || exit 1
+echo "warming up"
+echo '{"shape": "64x64x64"}'
+echo '[1, 2]'
+echo '{"shape": "64x64x64", "kind": "ours_fp32", "tflops": 50}'
+echo '{"shape": "64x64x64", "kind": "cublas_sgemm_fp32", "tflops": 100}'
+echo '{"shape": "64x64x64", "kind": "cublas_gemmex_tf32", "tflops": 0}'
+EOF
+chmod +x "$T/bundle/bin/gpu_bench"
+env PATH="$T/path:$PATH" HAP_GPU_BUNDLE="$T/bundle" HAP_GPU_CHECK_BUDGET=90 \
+  HAP_CUDA_PATH="$T/no-cuda" TMPDIR="$T/tmp" OUT="$T/out4" \
+  bash "$T/repo/scripts/gpu-check.sh" >"$T/stdout" 2>&1
+grep -qF "| GEMM 64x64x64 (MxNxK) fp32 | ours 50.0 TFLOP/s = 50% of cublasSgemm |" "$T/out4/gpu-check.md" 2>/dev/null ||
+  fail "GEMM row: $(grep GEMM "$T/out4/gpu-check.md" 2>/dev/null) $(tail -5 "$T/stdout")"
+grep -q "Traceback" "$T/stdout" && fail "GEMM parser: $(grep -A3 Traceback "$T/stdout")"
 
 if [ "$FAILS" = 0 ]; then echo "gpu_check_test: all passed"; else echo "gpu_check_test: $FAILS failed"; fi
 [ "$FAILS" = 0 ]
