@@ -496,9 +496,8 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   }
   HAP_RETURN_IF_ERROR(ExecutorsFromArgs(a, s.mutable_executors()));
   // The job spec reads 0 in these fields as the planner's default, and
-  // under 2 devices as 2: given so, '--min-gain 0' re-planned at 10% gain only, '--join-stable 0'
-  // (or 1e-10, rounded to 0 ns) waited 30 s. Each such value is refused naming what it would have
-  // been.
+  // under 2 devices as 2: given so, '--join-stable 0' (or 1e-10, rounded to 0 ns) waited 30 s.
+  // Each such value is refused naming what it would have been.
   const auto defaulted = [&](const char* flag, const std::string& is) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, " ", a.Get(flag), " would be ", is,
@@ -514,9 +513,10 @@ absl::StatusOr<v1::CreateJobRequest> JobRequest(const Args& a) {
   sel.set_min_devices(static_cast<int>(min_devices));
   sel.set_max_devices(static_cast<int>(max_devices));
   v1::ReplanPolicy& p = *s.mutable_replan();
-  HAP_ASSIGN_OR_RETURN(double gain, a.Number("min-gain", 0));
-  if (a.Has("min-gain") && gain == 0) return defaulted("min-gain", "a gain of 0.10 (10%)");
-  p.set_min_gain(gain);
+  if (a.Has("min-gain")) {  // 0: any faster plan (unset: the planner's 10%)
+    HAP_ASSIGN_OR_RETURN(double gain, a.Number("min-gain", 0));
+    p.set_min_gain(gain);
+  }
   p.set_disable_join(a.Bool("no-join"));
   HAP_ASSIGN_OR_RETURN(double stable, a.Number("join-stable", 0));
   constexpr int64_t kMaxDurationSeconds = 315576000000;  // google.protobuf.Duration's

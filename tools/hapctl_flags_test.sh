@@ -223,12 +223,12 @@ done
 "$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --optimizer sgd --momentum 0.5 > /dev/null 2>&1 \
   || fail "plan --optimizer sgd --momentum 0.5 was refused"
 # create job: a value the job spec reads as the planner's default is
-# refused naming what it would be ('--min-gain 0' needed 10%, '--join-stable
-# 0' waited 30 s), before any call. '--max-replans 0' (it allowed 20
-# re-plans, then was refused) is sent: the field is optional, 0 is none.
+# refused naming what it would be ('--join-stable 0' waited 30 s), before
+# any call. '--max-replans 0' (it allowed 20 re-plans, then was refused) and
+# '--min-gain 0' (it needed 10%, then was refused) are sent: the fields are
+# optional, 0 is none / any gain.
 job=(create job --id j --checkpoint-dir /tmp/x --model mlp --server 127.0.0.1:1 --timeout 3)
-for case in "--min-gain|0|--min-gain 0 would be a gain of 0.10" \
-            "--join-stable|0|--join-stable 0 would be 30 s" \
+for case in "--join-stable|0|--join-stable 0 would be 30 s" \
             "--join-stable|1e-10|--join-stable 1e-10 would be 30 s" \
             "--slowdown-threshold|0|--slowdown-threshold 0 would be 0.25" \
             "--min-devices|1|--min-devices 1 would be 2"; do
@@ -240,8 +240,10 @@ done
 out="$("$HAPCTL" "${job[@]}" --max-replans 1 --min-gain 0.01 --join-stable 0.5 --slowdown-threshold 0.1 --min-devices 2 2>&1)" \
   && fail "create job with positive policy values exited 0: $out"
 echo "$out" | grep -q "UNAVAILABLE" || fail "create job with positive policy values: $out"
-out="$("$HAPCTL" "${job[@]}" --max-replans 0 2>&1)" && fail "create job --max-replans 0 exited 0: $out"
-echo "$out" | grep -q "UNAVAILABLE" || fail "create job --max-replans 0 was not sent: $out"
+for zero in --max-replans --min-gain; do
+  out="$("$HAPCTL" "${job[@]}" "$zero" 0 2>&1)" && fail "create job $zero 0 exited 0: $out"
+  echo "$out" | grep -q "UNAVAILABLE" || fail "create job $zero 0 was not sent: $out"
+done
 # create plan / create job take --microbatches and --max-seconds as hapctl
 # plan does, before any call: microbatches without pipeline stages were
 # sent and never read; 0 or a negative budget was the planner's default or

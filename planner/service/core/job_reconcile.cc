@@ -116,7 +116,7 @@ std::string ReasonLabel(Reason r) {
 }
 
 double MinGain(const v1::JobSpec& s) {
-  return s.replan().min_gain() > 0 ? s.replan().min_gain() : kDefaultMinGain;
+  return s.replan().has_min_gain() ? s.replan().min_gain() : kDefaultMinGain;
 }
 int MaxReplans(const v1::JobSpec& s) {
   return s.replan().has_max_replans() ? s.replan().max_replans() : kDefaultMaxReplans;
@@ -661,6 +661,9 @@ class Pass {
     if (gain < MinGain(spec())) {
       return stay(
           absl::StrFormat("staying: %s, below min_gain %.1f%%", what, 100 * MinGain(spec())));
+    }
+    if (gain <= 0) {  // min_gain 0: a plan no faster is not worth a restart
+      return stay(absl::StrCat("staying: ", what, ", no faster"));
     }
     if (spec().training().checkpoint_every() <= 0) {
       return stay(absl::StrCat("staying: ", what,

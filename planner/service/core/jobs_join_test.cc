@@ -7,13 +7,14 @@ namespace hap::service::jobs_testing {
 // Running on d0 and d1, d2 returns and the plan on all three, predicted at
 // *three s (0.95 s against 1.0 s), is judged not worth it.
 void JobsTest::JudgeThreeNotWorthIt(const double* three,
-                                    const std::function<void(const std::string&)>& running) {
+                                    const std::function<void(const std::string&)>& running,
+                                    const v1::CreateJobRequest& request) {
   Make();
   fake_.predict = [three](const std::vector<std::string>& d) {
     return d.size() == 3 ? *three : 1.0;
   };
   fake_.SetNode(2, v1::Node::STALE);
-  const std::string first = StartRunning();
+  const std::string first = StartRunning(request);
   Measured(first, 1.0);  // as predicted: the predicted gain decides
   if (running) running(first);
   fake_.SetNode(2, v1::Node::READY);
@@ -163,6 +164,31 @@ TEST_F(JobsTest, JoinBelowTheThresholdStaysAndIsNotJudgedAgain) {
   EXPECT_EQ(fake_.requests.size(), 2u);
   EXPECT_THAT(fake_.stops, IsEmpty());
   EXPECT_EQ(State(), v1::JobStatus::RUNNING);
+}
+
+// min_gain 0 (set: the field is optional) switches to any plan predicted
+// faster, and stays on one no faster (a restart for nothing). Unset is the
+// default, 10%; a 0 used to mean that too, so no job could ask for any gain.
+TEST_F(JobsTest, MinGainZeroSwitchesToAnyPlanPredictedFaster) {
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_min_gain(0);
+  double three = 0.95;  // 5% faster: below the default 10%
+  JudgeThreeNotWorthIt(&three, {}, r);
+  const v1::Job j = Job();
+  EXPECT_TRUE(j.status().switch_pending()) << j.status().message();
+  EXPECT_THAT(j.status().message(), Not(HasSubstr("staying")));
+  EXPECT_FALSE(Request().spec().replan().has_min_gain());  // what the other tests judge by
+}
+
+TEST_F(JobsTest, MinGainZeroStaysOnAPlanNoFaster) {
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_min_gain(0);
+  double three = 1.0;
+  JudgeThreeNotWorthIt(&three, {}, r);
+  const v1::Job j = Job();
+  EXPECT_FALSE(j.status().switch_pending());
+  EXPECT_THAT(j.status().message(), HasSubstr(", no faster"));
+  EXPECT_THAT(j.status().judged_devices(), ElementsAre("d0", "d1", "d2"));
 }
 
 // A set judged not worth it whose device then leaves (STALE) and comes

@@ -38,6 +38,7 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 constexpr char kDir[] = "/shared/ckpt";
 
@@ -279,7 +280,8 @@ class JobsTest : public ::testing::Test {
 
   // `running`, when given, sees the first deployment before d2 returns.
   void JudgeThreeNotWorthIt(const double* three,
-                            const std::function<void(const std::string& first)>& running = {});
+                            const std::function<void(const std::string& first)>& running = {},
+                            const v1::CreateJobRequest& request = Request());
   // Running on d0 and d1 (at 0.5 s, as predicted), d2 returns: the plan on
   // all three is judged worth it and the switch waits for a checkpoint past
   // step 20 (jobs_join_test.cc). Returns the deployment.
