@@ -455,13 +455,18 @@ absl::StatusOr<PipelinePlan> PlanPipeline(const graph::Graph& g, const cost::Clu
   if (o.microbatches > 0) {
     counts.push_back(o.microbatches);
   } else {
-    for (int m = 2; m <= o.max_microbatches && m <= batch; m *= 2) {
-      if (batch % m == 0) counts.push_back(m);
-    }
-    // An odd batch: its other divisors (9 samples: 3 or 9 microbatches).
-    if (counts.empty()) {
-      for (int m = 3; m <= o.max_microbatches && m <= batch; ++m) {
-        if (batch % m == 0) counts.push_back(m);
+    // The largest divisor in each octave (p/2, p]: the power of two where
+    // it divides, so a batch of 96 is priced at 2, 4, ..., 32 and 48, as
+    // many counts as powers of two would give. Powers of two alone left a
+    // batch of 20 at 2 or 4 microbatches (the bubble of 5 or 10 never
+    // priced) and an odd batch at none.
+    const int64_t most = std::min<int64_t>(o.max_microbatches, batch);
+    for (int64_t p = 2; p / 2 < most; p *= 2) {
+      for (int64_t m = std::min(p, most); m > p / 2; --m) {
+        if (batch % m == 0) {
+          counts.push_back(static_cast<int>(m));
+          break;
+        }
       }
     }
     // STAGES N on a batch with none (1 sample, or a prime above

@@ -71,8 +71,10 @@ const char* VariantName(Variant v);
 struct PipelineOptions {
   Mode mode = Mode::kAuto;
   int stages = 0;        // kStages: exactly this many (>= 1)
-  // 0: chosen among the batch's power-of-two divisors from 2 to
-  // max_microbatches (an odd batch: its divisors; kStages with none: 1).
+  // 0: chosen among one divisor of the batch per octave from 2 to
+  // max_microbatches, the largest in each of 2, 3-4, 5-8, 9-16, ... (a
+  // power of two where it divides; 20 samples: 2, 4, 5, 10, 20 at most
+  // 32); kStages with none: 1.
   int microbatches = 0;
   int max_microbatches = 64;
   int max_layers = 32;  // layers the DP cuts between (layers.h); kStages: >= stages

@@ -672,9 +672,9 @@ TEST(Planner, MoreStagesThanMaxLayersCutMoreLayers) {
 }
 
 // STAGES N on an odd batch (9 samples) pipelines it in 3 microbatches of
-// 3 samples (9 of 1 are smaller than the 2-device groups): it found no
-// power-of-two count and answered no pipeline at all, OK and silent (the
-// SPMD plan, or nothing without it).
+// 3 samples (9 of 1 are smaller than the 2-device groups): when counts
+// were powers of two it found none and answered no pipeline at all, OK and
+// silent (the SPMD plan, or nothing without it).
 TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
   auto g = graph::BuildZooModel("gpt", {{"layers", 2},
                                         {"hidden", 64},
@@ -705,6 +705,37 @@ TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
   ASSERT_TRUE(three.ok()) << three.status();
   EXPECT_GT(four->syntheses, three->syntheses);
   EXPECT_LE(four->step_seconds, three->step_seconds);
+}
+
+// A batch of 20 is priced at 2, 4, 5 and 10 microbatches (one divisor per
+// octave up to 16): powers of two alone priced only 2 and 4. Auto's answer
+// is at least as fast as each count forced, and ran each one's syntheses.
+TEST(Planner, AnEvenBatchIsPricedAtOneDivisorPerOctave) {
+  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
+                                        {"hidden", 64},
+                                        {"heads", 4},
+                                        {"ffn", 128},
+                                        {"seq", 16},
+                                        {"vocab", 200},
+                                        {"batch", 20}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  PipelineOptions o = Fast(Mode::kStages, 4);
+  o.plan_spmd = false;
+  o.max_microbatches = 16;
+  auto chosen = PlanPipeline(*g, TwoNodes(1.25e9), o);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  ASSERT_TRUE(chosen->pipelined()) << ::testing::PrintToString(chosen->notes);
+  int syntheses = 0;
+  for (int m : {2, 4, 5, 10}) {
+    o.microbatches = m;
+    auto forced = PlanPipeline(*g, TwoNodes(1.25e9), o);
+    ASSERT_TRUE(forced.ok()) << m << ": " << forced.status();
+    ASSERT_TRUE(forced->pipelined()) << m;
+    EXPECT_EQ(forced->microbatches, m);
+    EXPECT_LE(chosen->step_seconds, forced->step_seconds) << m;
+    syntheses += forced->syntheses;
+  }
+  EXPECT_EQ(chosen->syntheses, syntheses);
 }
 
 // The even-split baseline in auto mode on fewer layers (2) than nodes (3)
