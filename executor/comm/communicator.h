@@ -15,8 +15,17 @@
 // IsLostPeer tells it from other Unavailable errors); Internal for any
 // other backend failure. After an error the communicator is unusable: every
 // later call returns FailedPrecondition naming the first error.
-// (InvalidArgument is found before any traffic and leaves the communicator
-// usable; the peers of a rank that made such a call time out, though.)
+// InvalidArgument leaves the communicator usable. It comes in two kinds:
+// - a call whose own arguments disagree (counts that do not sum to the
+//   buffer, a root out of range, an unsummable dtype) is refused before
+//   any traffic; the peers of a rank that made such a call time out.
+// - calls that disagree across ranks (element counts, dtypes, chunks,
+//   roots, methods, all-to-all counts that do not pair up, or another
+//   collective): Gloo's collectives and barrier first exchange a small
+//   description of the call with every peer, and every rank refuses the
+//   mismatch with the same message naming the first rank that differs
+//   from rank 0 and both calls (gloo_communicator.cc, AgreeOnCall).
+//   NCCL's does not compare the ranks' calls (executor/cuda).
 //
 // Thread-safety: one thread at a time per communicator; collectives are
 // matched by call order across ranks.

@@ -118,6 +118,8 @@ class GlooCommunicator : public Communicator {
   absl::Status AllReduce(TensorView buf) override {
     HAP_RETURN_IF_ERROR(Usable("all-reduce"));
     HAP_RETURN_IF_ERROR(CheckFloat("all-reduce", buf));
+    HAP_RETURN_IF_ERROR(
+        AgreeOnCall("all-reduce", {CallKind::kAllReduce, buf.dtype, buf.num_elements()}));
     if (buf.num_elements() == 0) return absl::OkStatus();
     return Run("all-reduce",
                [&] { AllReduceRaw(buf.data, buf.num_elements(), buf.dtype); });
@@ -129,6 +131,10 @@ class GlooCommunicator : public Communicator {
     HAP_RETURN_IF_ERROR(Usable("all-gather"));
     HAP_RETURN_IF_ERROR(
         CheckCounts("all-gather", counts, in, out, /*gather=*/true));
+    HAP_RETURN_IF_ERROR(AgreeOnCall(
+        "all-gather",
+        {method == CommMethod::kGrouped ? CallKind::kAllGatherGrouped : CallKind::kAllGatherPadded,
+         in.dtype, out.num_elements(), -1, counts}));
     const size_t es = ElementSize(in);
     std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
@@ -170,6 +176,10 @@ class GlooCommunicator : public Communicator {
     HAP_RETURN_IF_ERROR(CheckFloat("reduce-scatter", in));
     HAP_RETURN_IF_ERROR(
         CheckCounts("reduce-scatter", counts, out, in, /*gather=*/true));
+    HAP_RETURN_IF_ERROR(AgreeOnCall(
+        "reduce-scatter", {method == CommMethod::kGrouped ? CallKind::kReduceScatterGrouped
+                                                          : CallKind::kReduceScatterPadded,
+                           in.dtype, in.num_elements(), -1, counts}));
     const size_t es = ElementSize(in);
     std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
@@ -209,6 +219,8 @@ class GlooCommunicator : public Communicator {
     HAP_RETURN_IF_ERROR(
         CheckCounts("all-to-all", recv_counts, TensorView{}, out, false));
     HAP_RETURN_IF_ERROR(SameDType("all-to-all", in, out));
+    HAP_RETURN_IF_ERROR(AgreeOnCall("all-to-all", {CallKind::kAllToAll, in.dtype, in.num_elements(),
+                                                   -1, send_counts, recv_counts}));
     const size_t es = ElementSize(in);
     return Run("all-to-all", [&] {
       // Gloo wants non-null buffers even when a side is empty.
@@ -229,6 +241,8 @@ class GlooCommunicator : public Communicator {
   absl::Status Broadcast(TensorView buf, int root) override {
     HAP_RETURN_IF_ERROR(Usable("broadcast"));
     HAP_RETURN_IF_ERROR(CheckRoot("broadcast", root));
+    HAP_RETURN_IF_ERROR(
+        AgreeOnCall("broadcast", {CallKind::kBroadcast, buf.dtype, buf.num_elements(), root}));
     if (buf.bytes() == 0) return absl::OkStatus();
     return Run("broadcast", [&] {
       gloo::BroadcastOptions opts(ctx_);
@@ -251,6 +265,8 @@ class GlooCommunicator : public Communicator {
                                     in.num_elements()));
       }
     }
+    HAP_RETURN_IF_ERROR(
+        AgreeOnCall("reduce", {CallKind::kReduce, in.dtype, in.num_elements(), root}));
     if (in.num_elements() == 0) return absl::OkStatus();
     return Run("reduce", [&] {
       std::vector<char> copy(in.bytes()), scratch(in.bytes());
@@ -344,13 +360,11 @@ class GlooCommunicator : public Communicator {
     return absl::OkStatus();
   }
 
+  // The agreement on the call is a barrier itself: every rank has sent its
+  // description once it returns.
   absl::Status Barrier() override {
     HAP_RETURN_IF_ERROR(Usable("barrier"));
-    return Run("barrier", [&] {
-      gloo::BarrierOptions opts(ctx_);
-      opts.setTimeout(timeout_);
-      gloo::barrier(opts);
-    });
+    return AgreeOnCall("barrier", {CallKind::kBarrier, DType::kFloat32, 0});
   }
 
  private:
@@ -543,10 +557,11 @@ class GlooCommunicator : public Communicator {
     std::deque<Arrived> arrived;
   };
 
+  // The whole milliseconds left, rounded up: a wait that starts at once
+  // waits (and Gloo's message says) the group's timeout.
   static std::chrono::milliseconds Left(std::chrono::steady_clock::time_point deadline) {
-    return std::max(std::chrono::milliseconds(1),
-                    std::chrono::duration_cast<std::chrono::milliseconds>(
-                        deadline - std::chrono::steady_clock::now()));
+    return std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(
+                                                      deadline - std::chrono::steady_clock::now()));
   }
 
   // The first header from `peer` under `tag`, waiting for headers (and
@@ -588,6 +603,224 @@ class GlooCommunicator : public Communicator {
     }
   }
 
+  // Every collective (and barrier) starts with an agreement on the call:
+  // each rank sends every peer a description of its call (CallKind, dtype,
+  // elements, root, counts) and waits for theirs, before any of the
+  // collective's own traffic. Gloo cannot survive calls that differ: a
+  // message longer than the receive posted for it fails a check on Gloo's
+  // event-loop thread, which ends the process (std::terminate); a shorter
+  // one is taken as complete and leaves the ranks out of step (wrong sums,
+  // then a hang until the timeout). With the descriptions every rank sees
+  // the same table and refuses a mismatch with the same message, naming
+  // the first rank that differs from rank 0 and both calls; as no rank
+  // sends any of the collective's data, the group stays in step and the
+  // communicator usable. The cost is one small message per peer, sent at
+  // once (each rank keeps a receive for the next description posted per
+  // peer), so the wait is one one-way hop, not a round trip.
+  enum class CallKind : int64_t {
+    kAllReduce = 1,
+    kAllGatherPadded,
+    kAllGatherGrouped,
+    kReduceScatterPadded,
+    kReduceScatterGrouped,
+    kAllToAll,
+    kBroadcast,
+    kReduce,
+    kBarrier,
+  };
+  // A call as its peers see it. counts: all-gather and reduce-scatter
+  // chunks, or all-to-all send counts (recv_counts: what it expects).
+  struct Call {
+    Call(CallKind kind, DType dtype, int64_t elements, int64_t root = -1,
+         absl::Span<const int64_t> counts = {}, absl::Span<const int64_t> recv_counts = {})
+        : kind(kind),
+          dtype(dtype),
+          elements(elements),
+          root(root),
+          counts(counts),
+          recv_counts(recv_counts) {}
+    CallKind kind;
+    DType dtype;
+    int64_t elements;
+    int64_t root;
+    absl::Span<const int64_t> counts;
+    absl::Span<const int64_t> recv_counts;
+  };
+  // On the wire: kind, dtype, elements, root, then size() counts and
+  // size() receive counts (zeros where a call has none).
+  static constexpr int kCallFields = 4;
+  size_t CallWords() const { return kCallFields + 2 * static_cast<size_t>(size()); }
+  std::vector<int64_t> Encode(const Call& c) const {
+    std::vector<int64_t> w(CallWords(), 0);
+    w[0] = static_cast<int64_t>(c.kind);
+    w[1] = static_cast<int64_t>(c.dtype);
+    w[2] = c.elements;
+    w[3] = c.root;
+    std::copy(c.counts.begin(), c.counts.end(), w.begin() + kCallFields);
+    std::copy(c.recv_counts.begin(), c.recv_counts.end(), w.begin() + kCallFields + size());
+    return w;
+  }
+  static std::string KindName(int64_t kind) {
+    switch (static_cast<CallKind>(kind)) {
+      case CallKind::kAllReduce:
+        return "all-reduce";
+      case CallKind::kAllGatherPadded:
+        return "all-gather (padded)";
+      case CallKind::kAllGatherGrouped:
+        return "all-gather (grouped)";
+      case CallKind::kReduceScatterPadded:
+        return "reduce-scatter (padded)";
+      case CallKind::kReduceScatterGrouped:
+        return "reduce-scatter (grouped)";
+      case CallKind::kAllToAll:
+        return "all-to-all";
+      case CallKind::kBroadcast:
+        return "broadcast";
+      case CallKind::kReduce:
+        return "reduce";
+      case CallKind::kBarrier:
+        return "barrier";
+    }
+    return absl::StrCat("collective #", kind);
+  }
+  static std::string DTypeOf(int64_t dtype) {
+    if (dtype < 0 || dtype > static_cast<int64_t>(DType::kInt64)) {
+      return absl::StrCat("dtype #", dtype);
+    }
+    return std::string(graph::DTypeName(static_cast<DType>(dtype)));
+  }
+  // "all-reduce of 4 f32 elements", "broadcast of 4 f32 elements from rank
+  // 1", "all-gather (padded) of f32 chunks [2,3]", "barrier".
+  std::string Describe(const std::vector<int64_t>& w) const {
+    const std::string kind = KindName(w[0]);
+    const std::string elements = absl::StrCat(w[2], " ", DTypeOf(w[1]), " elements");
+    switch (static_cast<CallKind>(w[0])) {
+      case CallKind::kAllReduce:
+        return absl::StrCat(kind, " of ", elements);
+      case CallKind::kBroadcast:
+        return absl::StrCat(kind, " of ", elements, " from rank ", w[3]);
+      case CallKind::kReduce:
+        return absl::StrCat(kind, " of ", elements, " to rank ", w[3]);
+      case CallKind::kAllGatherPadded:
+      case CallKind::kAllGatherGrouped:
+      case CallKind::kReduceScatterPadded:
+      case CallKind::kReduceScatterGrouped:
+        return absl::StrCat(
+            kind, " of ", DTypeOf(w[1]), " chunks [",
+            absl::StrJoin(w.begin() + kCallFields, w.begin() + kCallFields + size(), ","), "]");
+      case CallKind::kAllToAll:
+        return absl::StrCat(kind, " of ", DTypeOf(w[1]));
+      case CallKind::kBarrier:
+        return kind;
+    }
+    return kind;
+  }
+
+  // Exchanges `call` with every peer and checks that the calls match
+  // (InvalidArgument naming the first difference, the communicator still
+  // usable). A peer that does not answer fails as a collective does.
+  absl::Status AgreeOnCall(const std::string& what, const Call& call) {
+    if (size() == 1) return absl::OkStatus();
+    std::vector<std::vector<int64_t>> calls;
+    HAP_RETURN_IF_ERROR(Run(what, [&] { calls = ExchangeCalls(Encode(call)); }));
+    return CheckCallsMatch(what, calls);
+  }
+
+  // Every rank's encoded call (calls[r] for rank r), the same table on
+  // every rank; the first mismatch found, the same message on every rank.
+  absl::Status CheckCallsMatch(const std::string& what,
+                               const std::vector<std::vector<int64_t>>& calls) const {
+    // An all-to-all's rows differ by rank: only the kind and dtype must be
+    // the same; the counts must pair up (below).
+    auto same = [&](const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+      if (a[0] == static_cast<int64_t>(CallKind::kAllToAll) && a[0] == b[0]) return a[1] == b[1];
+      return a == b;
+    };
+    for (int r = 1; r < size(); ++r) {
+      if (!same(calls[0], calls[r])) {
+        return Invalid(absl::StrCat(what, ": the ranks' calls differ: rank 0 calls ",
+                                    Describe(calls[0]), ", rank ", r, " calls ",
+                                    Describe(calls[r])));
+      }
+    }
+    if (calls[0][0] != static_cast<int64_t>(CallKind::kAllToAll)) return absl::OkStatus();
+    for (int from = 0; from < size(); ++from) {
+      for (int to = 0; to < size(); ++to) {
+        const int64_t sends = calls[from][kCallFields + to];
+        const int64_t expects = calls[to][kCallFields + size() + from];
+        if (sends != expects) {
+          return Invalid(absl::StrCat(what, ": the ranks' counts differ: rank ", from, " sends ",
+                                      sends, " ", DTypeOf(calls[from][1]), " elements to rank ", to,
+                                      ", which expects ", expects, " from it"));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The descriptions' own slot, clear of the collectives' and of
+  // point-to-point messages.
+  static uint64_t CallSlot() { return gloo::Slot::build(0x42, 0); }
+
+  // Sends `mine` to every peer, and returns every rank's call once each
+  // peer's has come, within the timeout. Throws as Gloo does.
+  std::vector<std::vector<int64_t>> ExchangeCalls(const std::vector<int64_t>& mine) {
+    const size_t bytes = CallWords() * sizeof(int64_t);
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    if (call_inboxes_.empty()) call_inboxes_.resize(size());
+    for (int p = 0; p < size(); ++p) {
+      if (p == rank()) continue;
+      CallInbox& in = call_inboxes_[p];
+      if (in.receive == nullptr) {
+        in.buffer.resize(CallWords());
+        in.receive = ctx_->createUnboundBuffer(in.buffer.data(), bytes);
+      }
+      if (!in.posted) {
+        in.receive->recv(p, CallSlot());
+        in.posted = true;
+      }
+    }
+    // Kept until every send has completed (below); the next call reuses it.
+    if (call_send_ == nullptr) {
+      call_out_.resize(CallWords());
+      call_send_ = ctx_->createUnboundBuffer(call_out_.data(), bytes);
+    }
+    std::copy(mine.begin(), mine.end(), call_out_.begin());
+    for (int p = 0; p < size(); ++p) {
+      if (p != rank()) call_send_->send(p, CallSlot());
+    }
+    std::vector<std::vector<int64_t>> calls(size());
+    calls[rank()] = call_out_;
+    for (int p = 0; p < size(); ++p) {
+      if (p == rank()) continue;
+      CallInbox& in = call_inboxes_[p];
+      if (!in.receive->waitRecv(Left(deadline))) throw gloo::IoException("agreement aborted");
+      in.posted = false;
+      calls[p] = in.buffer;
+      // Posted again at once, so that the peer's next description goes out
+      // as sent. A peer that has closed its end since (its last call made)
+      // fails the post, not this call: the next call reports it.
+      try {
+        in.receive->recv(p, CallSlot());
+        in.posted = true;
+      } catch (const std::exception&) {
+      }
+    }
+    for (int p = 0; p < size(); ++p) {
+      if (p != rank() && !call_send_->waitSend(Left(deadline))) {
+        throw gloo::IoException("agreement aborted");
+      }
+    }
+    return calls;
+  }
+
+  // The receive kept posted for a peer's next description.
+  struct CallInbox {
+    std::vector<int64_t> buffer;
+    std::unique_ptr<gloo::transport::UnboundBuffer> receive;
+    bool posted = false;
+  };
+
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   absl::Status failed_;
@@ -595,6 +828,12 @@ class GlooCommunicator : public Communicator {
   std::vector<PendingSend> pending_sends_;
   // By peer; after ctx_, so that they go first.
   std::vector<Inbox> inboxes_ = std::vector<Inbox>(ctx_->size);
+  // This rank's last description and the buffer it is sent from (one for
+  // every peer); the receives for the peers' next ones, by peer (filled at
+  // the first call). After ctx_, so that they go first.
+  std::vector<int64_t> call_out_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> call_send_;
+  std::vector<CallInbox> call_inboxes_;
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous

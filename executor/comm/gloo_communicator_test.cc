@@ -400,6 +400,97 @@ TEST(GlooCommunicatorTest, InconsistentSizesAreInvalidArgument) {
   });
 }
 
+// Calls that differ across ranks are refused by every rank before any of
+// the collective's traffic, with the same message naming both calls, and
+// the group goes on. (Gloo itself ends the process when a message is
+// longer than the receive posted for it: the first all-reduce here did.)
+TEST(GlooCommunicatorTest, AnAllReduceOfOtherSizesIsInvalidArgumentOnBothRanks) {
+  WithRanks(2, [](int r, Communicator& comm) {
+    std::vector<float> x(r == 0 ? 4 : 8, 1.0f);
+    EXPECT_THAT(comm.AllReduce(View(x)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("all-reduce: the ranks' calls differ"),
+                               HasSubstr("rank 0 calls all-reduce of 4 f32 elements"),
+                               HasSubstr("rank 1 calls all-reduce of 8 f32 elements"))));
+    // Nothing empty is skipped: no elements against some is refused too.
+    std::vector<float> some(r == 0 ? 0 : 3, 1.0f);
+    EXPECT_THAT(comm.AllReduce(View(some)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls all-reduce of 0 f32 elements"),
+                               HasSubstr("rank 1 calls all-reduce of 3 f32 elements"))));
+    // Still in step and usable.
+    std::vector<float> y(3, static_cast<float>(r + 1));
+    ASSERT_THAT(comm.AllReduce(View(y)), IsOk());
+    EXPECT_EQ(y[0], 3.0f);
+  });
+}
+
+// Three ranks, the last of another dtype: all three refuse it, naming it.
+TEST(GlooCommunicatorTest, AnAllReduceOfAnotherDTypeIsInvalidArgumentOnEveryRank) {
+  WithRanks(3, [](int r, Communicator& comm) {
+    std::vector<float> f(5, 1.0f);
+    std::vector<double> d(5, 1.0);
+    EXPECT_THAT(comm.AllReduce(r == 2 ? View(d) : View(f)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls all-reduce of 5 f32 elements"),
+                               HasSubstr("rank 2 calls all-reduce of 5 f64 elements"))));
+    ASSERT_THAT(comm.Barrier(), IsOk());
+  });
+}
+
+TEST(GlooCommunicatorTest, CollectivesWhoseCallsDifferAreInvalidArgumentOnBothRanks) {
+  WithRanks(2, [](int r, Communicator& comm) {
+    // All-gather chunks (each rank's own arguments consistent).
+    const std::vector<int64_t> counts =
+        r == 0 ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{3, 2};
+    std::vector<float> part(2), whole(5);
+    EXPECT_THAT(comm.AllGather(View(part), View(whole), counts, CommMethod::kPadded),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls all-gather (padded) of f32 chunks [2,3]"),
+                               HasSubstr("rank 1 calls all-gather (padded) of f32 chunks [3,2]"))));
+    // The same chunks by another method.
+    const std::vector<int64_t> even = {2, 2};
+    std::vector<float> four(4);
+    EXPECT_THAT(comm.ReduceScatter(View(four), View(part), even,
+                                   r == 0 ? CommMethod::kPadded : CommMethod::kGrouped),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls reduce-scatter (padded)"),
+                               HasSubstr("rank 1 calls reduce-scatter (grouped)"))));
+    // Broadcast and reduce: sizes and roots.
+    std::vector<float> b(r == 0 ? 6 : 7);
+    EXPECT_THAT(comm.Broadcast(View(b), 0),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls broadcast of 6 f32 elements from rank 0"),
+                               HasSubstr("rank 1 calls broadcast of 7 f32 elements from rank 0"))));
+    std::vector<float> in(3), out(3);
+    EXPECT_THAT(comm.Reduce(View(in), View(out), r),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls reduce of 3 f32 elements to rank 0"),
+                               HasSubstr("rank 1 calls reduce of 3 f32 elements to rank 1"))));
+    // All-to-all: rank 1 sends 3 elements to rank 0, which expects 2.
+    const std::vector<int64_t> send =
+        r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 1};
+    const std::vector<int64_t> recv =
+        r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
+    std::vector<float> s(r == 0 ? 3 : 4), t(3);
+    EXPECT_THAT(comm.AllToAll(View(s), send, View(t), recv),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("rank 1 sends 3 f32 elements to rank 0, which expects 2 "
+                                   "from it")));
+    // Different collectives.
+    std::vector<float> x(2);
+    EXPECT_THAT(r == 0 ? comm.AllReduce(View(x)) : comm.Barrier(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("rank 0 calls all-reduce of 2 f32 elements"),
+                               HasSubstr("rank 1 calls barrier"))));
+    // Still in step: a matched call of each works.
+    std::vector<float> y(2, static_cast<float>(r + 1));
+    ASSERT_THAT(comm.AllReduce(View(y)), IsOk());
+    EXPECT_EQ(y[1], 3.0f);
+    ASSERT_THAT(comm.AllGather(View(part), View(four), even, CommMethod::kPadded), IsOk());
+  });
+}
+
 // A collective that a broken group must fail: Unavailable (the connection
 // closed) or DeadlineExceeded (nothing arrived in time), naming itself.
 ::testing::Matcher<absl::Status> PeerFailure(const std::string& what) {
