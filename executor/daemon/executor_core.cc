@@ -110,11 +110,19 @@ class DeferredAsync : public AsyncCollectives {
   std::unique_ptr<AsyncCollectives> target_;
 };
 
-// "dns:///h:p", "ipv4:h:p" and "h:p" name the same planner.
+// "dns:///h:p", "dns://resolver/h:p", "ipv4:h:p", "ipv6:[h]:p" and "h:p"
+// name the same planner (gRPC's target schemes, which --planner accepts;
+// the planner advertises a bare "h:p").
 std::string NormalizeAddress(absl::string_view a) {
-  absl::ConsumePrefix(&a, "dns:///");
-  absl::ConsumePrefix(&a, "dns:");
-  absl::ConsumePrefix(&a, "ipv4:");
+  if (absl::ConsumePrefix(&a, "dns:")) {
+    // "dns://AUTHORITY/h:p" names the DNS server, not the planner.
+    if (absl::ConsumePrefix(&a, "//")) {
+      const size_t slash = a.find('/');
+      a.remove_prefix(slash == absl::string_view::npos ? a.size() : slash + 1);
+    }
+  } else if (!absl::ConsumePrefix(&a, "ipv4:")) {
+    absl::ConsumePrefix(&a, "ipv6:");
+  }
   return std::string(a);
 }
 

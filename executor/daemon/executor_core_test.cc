@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -153,6 +154,37 @@ TEST(ExecutorCoreTest, RejectsBadPlans) {
   o.rendezvous_address = "dns:///127.0.0.1:7000";  // the same planner
   EXPECT_THAT(core.LoadPlan(o), IsOk());
   EXPECT_EQ(core.Status().state(), v1::ExecutorStatus::LOADED);
+}
+
+// --planner takes gRPC's target schemes (CheckPlannerAddress: dns:, ipv4:,
+// ipv6:); the planner advertises a bare HOST:PORT. An executor started with
+// --planner ipv6:[::1]:7000 refused every plan of the planner at [::1]:7000.
+TEST(ExecutorCoreTest, GrpcTargetSchemesNameTheSamePlanner) {
+  const std::vector<std::pair<std::string, std::string>> same = {
+      {"ipv6:[::1]:7000", "[::1]:7000"},
+      {"[::1]:7000", "ipv6:[::1]:7000"},
+      {"dns://10.0.0.53/127.0.0.1:7000", "127.0.0.1:7000"},
+      {"dns:///127.0.0.1:7000", "ipv4:127.0.0.1:7000"}};
+  for (const auto& [planner, rendezvous] : same) {
+    ExecutorCoreOptions o = InProcessOptions(nullptr);
+    o.planner_address = planner;
+    ExecutorCore core(o);
+    LoadOptions load = MlpLoad(2, 0, 3);
+    load.rendezvous_address = rendezvous;
+    EXPECT_THAT(core.LoadPlan(load), IsOk()) << planner << " and " << rendezvous;
+  }
+  const std::vector<std::pair<std::string, std::string>> other = {
+      {"ipv6:[::1]:7000", "[::2]:7000"}, {"dns://127.0.0.1/10.0.0.9:7000", "127.0.0.1:7000"}};
+  for (const auto& [planner, rendezvous] : other) {
+    ExecutorCoreOptions o = InProcessOptions(nullptr);
+    o.planner_address = planner;
+    ExecutorCore core(o);
+    LoadOptions load = MlpLoad(2, 0, 3);
+    load.rendezvous_address = rendezvous;
+    EXPECT_THAT(core.LoadPlan(load),
+                StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr(rendezvous)))
+        << planner << " and " << rendezvous;
+  }
 }
 
 // Loads rank r's options on core r, starts every core, and expects each to
