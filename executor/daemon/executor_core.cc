@@ -640,6 +640,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     to.first_step = loaded->first_step;
     to.steps = steps - loaded->first_step;
     to.initialize = loaded->initialize;
+    to.return_parameters = false;  // nothing here reads them (checkpoints save their own)
     if (loaded->after_step) {
       // No checkpoint from a retired thread: a new load may own the directory.
       to.after_step = [&loaded](ProgramRunner& runner, int64_t steps_done) {

@@ -519,6 +519,50 @@ TEST(ExecutorCoreTest, AnEndedLoadKeepsNoDevice) {
   EXPECT_EQ(live.load(), 0);
 }
 
+// A device that refuses, and counts, copies to the host once `*armed`.
+class ArmedCopyDevice : public TimingDevice {
+ public:
+  ArmedCopyDevice(std::unique_ptr<Device> inner, const std::atomic<bool>* armed,
+                  std::atomic<int>* copies)
+      : TimingDevice(inner.get()), inner_(std::move(inner)), armed_(armed), copies_(copies) {}
+  absl::Status CopyToHost(TensorView src, void* dst) override {
+    if (!armed_->load()) return TimingDevice::CopyToHost(src, dst);
+    ++*copies_;
+    return absl::DataLossError("a copy to the host after the last step");
+  }
+
+ private:
+  std::unique_ptr<Device> inner_;
+  const std::atomic<bool>* armed_;
+  std::atomic<int>* copies_;
+};
+
+// TrainRank copied every parameter to the host after the last step, for a
+// TrainResult the daemon discards: on a GPU a host copy of the whole model
+// at the end of every run, and a copy that failed turned a run that had
+// finished every step into FAILED. The daemon asks for no parameters now.
+TEST(ExecutorCoreTest, AFinishedRunCopiesNoParametersToTheHost) {
+  InProcessGroup group(2);
+  std::atomic<bool> armed[2] = {false, false};
+  std::atomic<int> copies{0};
+  std::vector<std::unique_ptr<ExecutorCore>> cores;
+  for (int r = 0; r < 2; ++r) {
+    ExecutorCoreOptions o = InProcessOptions(&group);
+    o.profile_window = 0;
+    o.make_device = [&, r](int threads) -> std::unique_ptr<Device> {
+      return std::make_unique<ArmedCopyDevice>(NewCpuDevice(threads), &armed[r], &copies);
+    };
+    // On the rank's training thread, after its last step's work.
+    o.on_step = [&, r](const v1::StepMetric& m) {
+      if (m.step() == 2) armed[r] = true;
+    };
+    cores.push_back(std::make_unique<ExecutorCore>(o));
+  }
+  TrainToTheEnd({cores[0].get(), cores[1].get()}, {MlpLoad(2, 0, 3), MlpLoad(2, 1, 3)});
+  EXPECT_EQ(copies.load(), 0);
+  EXPECT_EQ(cores[0]->Status().steps_completed(), 3);
+}
+
 TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
   const std::string dir = ::testing::TempDir() + "/core_ckpt";
   std::filesystem::remove_all(dir);

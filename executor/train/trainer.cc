@@ -53,7 +53,9 @@ absl::StatusOr<TrainResult> TrainRankWith(
     if (options.on_step) options.on_step(step, loss, seconds);
     if (options.after_step) HAP_RETURN_IF_ERROR(options.after_step(runner, step + 1));
   }
-  HAP_ASSIGN_OR_RETURN(result.parameters, runner.Parameters());
+  if (options.return_parameters) {
+    HAP_ASSIGN_OR_RETURN(result.parameters, runner.Parameters());
+  }
   return result;
 }
 

@@ -35,12 +35,18 @@ struct TrainOptions {
   // Called after every step (after on_step) with the global number of steps
   // done; an error stops training (a checkpoint that did not save).
   std::function<absl::Status(ProgramRunner&, int64_t steps_done)> after_step;
+  // Copies every parameter to the host into TrainResult::parameters after
+  // the last step (tests compare them). False leaves them empty: a caller
+  // that does not read them (the executor daemon) skips a device-to-host
+  // copy of the whole model, whose failure would fail a run that had
+  // finished every step and saved its checkpoint.
+  bool return_parameters = true;
 };
 
 struct TrainResult {
   std::vector<double> losses;        // per step
   std::vector<double> step_seconds;  // per step, wall time
-  std::vector<ParameterShard> parameters;  // after the last step
+  std::vector<ParameterShard> parameters;  // after the last step (return_parameters)
 };
 
 // Initialises the parameters and trains. A loss that is not finite stops
