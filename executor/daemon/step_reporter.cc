@@ -46,6 +46,7 @@ void StepReporter::Loop() {
   while (true) {
     std::vector<hap::v1::StepMetric> batch;
     bool last = false;
+    int64_t dropped_before = 0;  // counters_.dropped when the batch was taken
     {
       absl::MutexLock l(&mu_);
       auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -58,6 +59,7 @@ void StepReporter::Loop() {
         queue_.pop_front();
       }
       in_flight_ = static_cast<int64_t>(batch.size());
+      dropped_before = counters_.dropped;
       last = stop_;
     }
     absl::Status s = o_.send ? o_.send(batch) : absl::OkStatus();
@@ -68,14 +70,20 @@ void StepReporter::Loop() {
       if (s.ok()) {
         counters_.sent += static_cast<int64_t>(batch.size());
         if (failing_since_ >= 0) {
-          message =
-              absl::StrCat("hap-executor: the planner takes step metrics again; ",
-                           counters_.failed - failing_since_, " were dropped while it did not");
+          // Sends that time out leave the queue full: most of an outage's
+          // losses can be Push's drops, not the failed sends.
+          const int64_t failed = counters_.failed - failing_since_;
+          const int64_t dropped = counters_.dropped - dropped_since_;
+          message = absl::StrCat(
+              "hap-executor: the planner takes step metrics again; ", failed + dropped,
+              " were dropped while it did not",
+              dropped > 0 ? absl::StrCat(" (", dropped, " of them for a full queue)") : "");
           failing_since_ = -1;
         }
       } else {
         if (failing_since_ < 0) {
           failing_since_ = counters_.failed;
+          dropped_since_ = dropped_before;  // the queue filled while it was sent
           message = absl::StrCat("hap-executor: dropped ", batch.size(),
                                  " step metrics the planner did not take: ", s.ToString(),
                                  " (further failures are counted, not logged, until it takes "

@@ -29,8 +29,9 @@ struct StepReporterOptions {
   size_t capacity = 1024;  // queued metrics at most
   size_t max_batch = 256;  // metrics per send at most
   // Where failures go (default stderr): the first failed send, then nothing
-  // until a send succeeds again, which says how many were lost meanwhile
-  // (a planner away for an hour is two lines, not one per step).
+  // until a send succeeds again, which says how many were lost meanwhile,
+  // in failed sends and dropped from the full queue (a planner away for an
+  // hour is two lines, not one per step).
   std::function<void(const std::string&)> log;
 };
 
@@ -64,7 +65,10 @@ class StepReporter {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   Counters counters_ ABSL_GUARDED_BY(mu_);
-  int64_t failing_since_ = -1;  // counters_.failed at the first failed send; -1: none (thread's)
+  // counters_.failed and .dropped at the first failed send of an outage
+  // (failing_since_ -1: none); guarded by mu_.
+  int64_t failing_since_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t dropped_since_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
 
