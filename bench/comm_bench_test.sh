@@ -26,12 +26,15 @@ fi
 # The fake: RANK SIZE DIR OP BYTES WORK_MS SCALE ITERS, as comm_bench.
 cat >"$T/fake" <<'EOF'
 #!/usr/bin/env bash
-echo "$1 $COMM_BENCH_DEFAULT_LOOP $4 $5" >>"$FAKE_DIR/calls"
+echo "$1 ${COMM_BENCH_DEFAULT_LOOP:-} $4 $5 ${COMM_BENCH_NO_CALL_CHECK:-} $6" >>"$FAKE_DIR/calls"
 if [ -n "${FAKE_FAIL:-}" ] && [ "$1" = 1 ] && [ "$4" = allgather ]; then
   echo "gloo: connection reset" >&2; exit 3
 fi
 if [ -n "${FAKE_HANG:-}" ]; then echo $$ >>"$FAKE_DIR/pids"; exec sleep 300; fi
-if [ "$1" = 0 ]; then
+if [ "$1" = 0 ] && [ -n "${COMM_BENCH_NO_CALL_CHECK:-}" ]; then
+  if [ "$COMM_BENCH_NO_CALL_CHECK" = 0 ]; then ms=2.5000; else ms=2.0000; fi
+  echo "$4 $5 bytes, work 0.0 ms: 2.50 ms/iter, beyond work $ms ms"
+elif [ "$1" = 0 ]; then
   if [ "$COMM_BENCH_DEFAULT_LOOP" = 0 ]; then ms=2.00; else ms=3.00; fi
   echo "$4 $5 bytes, work 20.0 ms: 22.00 ms/iter, beyond work $ms ms"
 fi
@@ -54,6 +57,18 @@ order=$(awk '$1 == 0 && $3 == "allreduce" && $4 == 4096 { printf "%s", $2 }' "$T
 [ "$order" = 0110 ] || fail "order of the loops over 2 rounds: got '$order', want 0110 (alternating)"
 left=$(ls -A "$T/tmp")
 [ -z "$left" ] || fail "left in TMPDIR: $(echo "$left" | head -3 | tr '\n' ' ')($(echo "$left" | wc -l) entries)"
+
+# 1b. --call-check: the agreement on the call against none (the fake: 2.5
+# against 2.0 ms), no compute between collectives, alternating in order.
+rm -f "$T/calls"
+run --call-check 2
+rc=$?
+[ $rc = 0 ] || fail "--call-check: exit $rc: $(cat "$T/out")"
+grep -qF "| allreduce | 4096 | 2.500 | 2.000 | 1.25x |" "$T/out" ||
+  fail "--call-check: no allreduce 4096 row with 2.500, 2.000, 1.25x: $(cat "$T/out")"
+order=$(awk '$1 == 0 && $2 == "allreduce" && $3 == 4096 { printf "%s", $4 }' "$T/calls")
+[ "$order" = 0110 ] || fail "--call-check: order over 2 rounds: got '$order', want 0110"
+awk '$5 != 0 { exit 1 }' "$T/calls" || fail "--call-check: compute between collectives: $(head -2 "$T/calls")"
 
 # 2. Bad arguments: refused, with a message, before any rank starts.
 rm -f "$T/calls"

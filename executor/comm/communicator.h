@@ -159,6 +159,15 @@ struct GlooOptions {
   // refused while it forms); each try has the whole timeout. All ranks of
   // a world must use the same value.
   int connect_attempts = 3;
+  // Every collective and the barrier first exchange a small description of
+  // the call with every peer, so that calls that differ across ranks end
+  // InvalidArgument on every rank (Gloo aborts the process on a message
+  // longer than the receive posted for it). It costs one small message per
+  // peer per collective (bench/comm_bench.sh --call-check measures it);
+  // false skips it where the calls are known to match (the executors
+  // compare a hash of every rank's collectives at connect). All ranks of a
+  // world must use the same value.
+  bool check_calls = true;
 };
 
 // Connects to every peer through `store` (full mesh over TCP) and checks

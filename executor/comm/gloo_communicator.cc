@@ -108,9 +108,9 @@ size_t ElementSize(const TensorView& v) {
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(std::shared_ptr<gloo::Context> ctx,
-                   std::chrono::milliseconds timeout)
-      : ctx_(std::move(ctx)), timeout_(timeout) {}
+  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout,
+                   bool check_calls)
+      : ctx_(std::move(ctx)), timeout_(timeout), check_calls_(check_calls) {}
 
   int rank() const override { return ctx_->rank; }
   int size() const override { return ctx_->size; }
@@ -721,6 +721,15 @@ class GlooCommunicator : public Communicator {
   // usable). A peer that does not answer fails as a collective does.
   absl::Status AgreeOnCall(const std::string& what, const Call& call) {
     if (size() == 1) return absl::OkStatus();
+    if (!check_calls_) {
+      // The barrier is the exchange; other calls go to Gloo as they are.
+      if (call.kind != CallKind::kBarrier) return absl::OkStatus();
+      return Run(what, [&] {
+        gloo::BarrierOptions opts(ctx_);
+        opts.setTimeout(timeout_);
+        gloo::barrier(opts);
+      });
+    }
     std::vector<std::vector<int64_t>> calls;
     HAP_RETURN_IF_ERROR(Run(what, [&] { calls = ExchangeCalls(Encode(call)); }));
     return CheckCallsMatch(what, calls);
@@ -823,6 +832,7 @@ class GlooCommunicator : public Communicator {
 
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
+  bool check_calls_ = true;  // GlooOptions::check_calls
   absl::Status failed_;
   // Sends started and not yet waited for (WaitSends).
   std::vector<PendingSend> pending_sends_;
@@ -1140,7 +1150,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     // Tell the ranks still connecting to give this try up too.
     return o.size > 1 ? TellOthersToGiveUp(store, prefix, s) : s;
   }
-  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout));
+  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout, o.check_calls));
 }
 
 // Gloo's TCP device resolves the host to listen on itself, but this Gloo
