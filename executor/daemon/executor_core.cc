@@ -480,8 +480,12 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   {
     Device* run_on = loaded->device.get();
     // (Pipeline plans too: their kernels run on the microbatch model's
-    // stage programs, which calibration maps.)
-    if (o_.profile_window > 0 && !absl::StartsWith(run_on->name(), "cuda")) {
+    // stage programs, which calibration maps.) The profile names the plan's
+    // device, whose calibration the planner fits to it: a rank the plan
+    // puts on a GPU that runs on the CPU (--device cpu, a build without
+    // CUDA) is not profiled, or the GPU would be calibrated with CPU times.
+    if (o_.profile_window > 0 && !absl::StartsWith(run_on->name(), "cuda") &&
+        PlannedDevice(in.plan, in.rank).kind == DeviceSpec::Kind::kCpu) {
       loaded->timing = std::make_unique<TimingDevice>(run_on);
       run_on = loaded->timing.get();
     }

@@ -112,7 +112,9 @@ struct ExecutorCoreOptions {
   // every kernel call of a CPU device is timed (two clock reads), and after
   // two warm-up steps each window of `profile_window` steps becomes the
   // status's profile. 0 = none. Devices that run asynchronously (CUDA) are
-  // never profiled: their calls' wall times are launch times.
+  // never profiled: their calls' wall times are launch times. Nor is a rank
+  // the plan places on a GPU that runs on the CPU: its profile names the
+  // plan's device, which the planner would calibrate with CPU times.
   int profile_window = 20;
 };
 

@@ -29,6 +29,7 @@
 #include "executor/daemon/test_plans.h"
 #include "executor/data/npy_test_util.h"
 #include "executor/runtime/timing_device.h"
+#include "executor/train/backend.h"
 #include "executor/train/in_process_comm.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -315,6 +316,36 @@ TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
   EXPECT_EQ(c.WaitUntilDone(absl::InfiniteFuture()).state(), v1::ExecutorStatus::FINISHED);
   d.WaitUntilDone(absl::InfiniteFuture());
   EXPECT_FALSE(c.Status().has_profile());
+}
+
+// A profile names the plan's device (StepProfile.device), whose
+// calibration the planner fits to it. A rank the plan places on a GPU that
+// runs on the CPU (--device cpu, as ChooseDevice advises for plans mixing
+// GPUs and CPUs, or a build without CUDA) reported CPU times for the GPU,
+// and the planner calibrated the GPU as if it were that CPU.
+TEST(ExecutorCoreTest, ARankPlannedOnAGpuThatRunsOnTheCpuReportsNoProfile) {
+  v1::Plan plan = CachedMlpPlan(2);
+  for (v1::Node& n : *plan.mutable_cluster()->mutable_nodes()) {
+    int index = 0;
+    for (v1::Device& d : *n.mutable_devices()) {
+      d.set_kind(v1::GPU);
+      d.set_local_index(index++);
+    }
+  }
+  plan.set_cluster_hash(lower::Sha256Hex(plan.cluster()));  // planned so
+  plan.set_content_hash(lower::ContentHash(plan));
+  ASSERT_EQ(PlannedDevice(plan, 0).kind, DeviceSpec::Kind::kCuda);
+  InProcessGroup group(2);
+  ExecutorCoreOptions o = InProcessOptions(&group);
+  o.profile_window = 3;
+  o.make_device = [](int threads) { return NewCpuDevice(threads); };  // on the CPU
+  ExecutorCore a(o), b(o);
+  LoadOptions la = MlpLoad(2, 0, 10), lb = MlpLoad(2, 1, 10);
+  la.plan = lb.plan = plan;
+  TrainToTheEnd({&a, &b}, {la, lb});
+  EXPECT_EQ(a.Status().steps_completed(), 10);
+  EXPECT_FALSE(a.Status().has_profile()) << a.Status().profile().DebugString();
+  EXPECT_FALSE(b.Status().has_profile());
 }
 
 TEST(ExecutorCoreTest, ShutdownRefusesLoads) {
