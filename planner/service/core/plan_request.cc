@@ -68,6 +68,15 @@ absl::Status PlannerCore::CheckNewPlanOptions(const v1::PlanOptions& options) {
                      ", ", o.epsilon(), ") are Adam's; ", v1::OptimizerConfig::Kind_Name(o.kind()),
                      " would not read them"));
   }
+  // Nothing reads compute_dtype: every plan computes in float32, and
+  // `precision` asks for bf16. A FLOAT16 or BFLOAT16 here was taken and
+  // trained in float32 without a word.
+  if (options.compute_dtype() != v1::DTYPE_UNSPECIFIED && options.compute_dtype() != v1::FLOAT32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.compute_dtype ", v1::DType_Name(options.compute_dtype()),
+                     " is not supported: plans compute in FLOAT32 (leave it unset); for bf16 mixed "
+                     "precision set options.precision PRECISION_BF16"));
+  }
   // The pipeline's count and microbatches are read only where they apply.
   if (options.pipeline() == v1::PlanOptions::PIPELINE_OFF &&
       (options.pipeline_stages() != 0 || options.pipeline_microbatches() != 0)) {

@@ -367,7 +367,8 @@ TEST_F(PlannerServiceImplTest, AResultTheStoreRefusesFailsCreatePlan) {
 
 // Fields nothing would read were taken and dropped: CreatePlan with ADAM
 // and a momentum ran plain Adam, with SGD and Adam's betas plain SGD, with
-// the pipeline off its microbatches (and with AUTO a stage count) unread;
+// the pipeline off its microbatches (and with AUTO a stage count) unread,
+// with compute_dtype BFLOAT16 in float32;
 // DeployPlan with a data_path beside npy: data trained on that data, and
 // checkpoint_every without a checkpoint_dir saved nothing. Each is refused
 // naming the fields, before a plan or a deployment is made.
@@ -396,6 +397,15 @@ TEST_F(PlannerServiceImplTest, FieldsNothingWouldReadAreRefused) {
   EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), automatic, &plan)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("options.pipeline_stages (3) applies to PIPELINE_STAGES")));
+  v1::CreatePlanRequest half = Mlp("half");
+  half.mutable_options()->set_compute_dtype(v1::BFLOAT16);
+  EXPECT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), half, &plan)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("options.compute_dtype BFLOAT16 is not supported"),
+                             HasSubstr("options.precision PRECISION_BF16"))));
+  v1::CreatePlanRequest fp32 = Mlp("fp32");
+  fp32.mutable_options()->set_compute_dtype(v1::FLOAT32);
+  ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), fp32, &plan)), IsOk());
   ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), Mlp("p"), &plan)), IsOk());
   v1::DeployPlanRequest r;
   r.set_plan(plan.name());
