@@ -18,7 +18,9 @@
 // InvalidArgument leaves the communicator usable. It comes in two kinds:
 // - a call whose own arguments disagree (counts that do not sum to the
 //   buffer, a root out of range, an unsummable dtype) is refused before
-//   any traffic; the peers of a rank that made such a call time out.
+//   any of its traffic; with Gloo's check_calls the rank tells its peers,
+//   whose call ends InvalidArgument naming it (without it, or on NCCL,
+//   they time out).
 // - calls that disagree across ranks (element counts, dtypes, chunks,
 //   roots, methods, all-to-all counts that do not pair up, or another
 //   collective): Gloo's collectives and barrier first exchange a small

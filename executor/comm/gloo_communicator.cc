@@ -117,7 +117,9 @@ class GlooCommunicator : public Communicator {
 
   absl::Status AllReduce(TensorView buf) override {
     HAP_RETURN_IF_ERROR(Usable("all-reduce"));
-    HAP_RETURN_IF_ERROR(CheckFloat("all-reduce", buf));
+    if (absl::Status own = CheckFloat("all-reduce", buf); !own.ok()) {
+      return Refuse("all-reduce", own);
+    }
     HAP_RETURN_IF_ERROR(
         AgreeOnCall("all-reduce", {CallKind::kAllReduce, buf.dtype, buf.num_elements()}));
     if (buf.num_elements() == 0) return absl::OkStatus();
@@ -129,8 +131,9 @@ class GlooCommunicator : public Communicator {
                          absl::Span<const int64_t> counts,
                          CommMethod method) override {
     HAP_RETURN_IF_ERROR(Usable("all-gather"));
-    HAP_RETURN_IF_ERROR(
-        CheckCounts("all-gather", counts, in, out, /*gather=*/true));
+    if (absl::Status own = CheckCounts("all-gather", counts, in, out, /*gather=*/true); !own.ok()) {
+      return Refuse("all-gather", own);
+    }
     HAP_RETURN_IF_ERROR(AgreeOnCall(
         "all-gather",
         {method == CommMethod::kGrouped ? CallKind::kAllGatherGrouped : CallKind::kAllGatherPadded,
@@ -173,9 +176,9 @@ class GlooCommunicator : public Communicator {
                              absl::Span<const int64_t> counts,
                              CommMethod method) override {
     HAP_RETURN_IF_ERROR(Usable("reduce-scatter"));
-    HAP_RETURN_IF_ERROR(CheckFloat("reduce-scatter", in));
-    HAP_RETURN_IF_ERROR(
-        CheckCounts("reduce-scatter", counts, out, in, /*gather=*/true));
+    absl::Status own = CheckFloat("reduce-scatter", in);
+    if (own.ok()) own = CheckCounts("reduce-scatter", counts, out, in, /*gather=*/true);
+    if (!own.ok()) return Refuse("reduce-scatter", own);
     HAP_RETURN_IF_ERROR(AgreeOnCall(
         "reduce-scatter", {method == CommMethod::kGrouped ? CallKind::kReduceScatterGrouped
                                                           : CallKind::kReduceScatterPadded,
@@ -214,11 +217,10 @@ class GlooCommunicator : public Communicator {
                         TensorView out,
                         absl::Span<const int64_t> recv_counts) override {
     HAP_RETURN_IF_ERROR(Usable("all-to-all"));
-    HAP_RETURN_IF_ERROR(
-        CheckCounts("all-to-all", send_counts, TensorView{}, in, false));
-    HAP_RETURN_IF_ERROR(
-        CheckCounts("all-to-all", recv_counts, TensorView{}, out, false));
-    HAP_RETURN_IF_ERROR(SameDType("all-to-all", in, out));
+    absl::Status own = CheckCounts("all-to-all", send_counts, TensorView{}, in, false);
+    if (own.ok()) own = CheckCounts("all-to-all", recv_counts, TensorView{}, out, false);
+    if (own.ok()) own = SameDType("all-to-all", in, out);
+    if (!own.ok()) return Refuse("all-to-all", own);
     HAP_RETURN_IF_ERROR(AgreeOnCall("all-to-all", {CallKind::kAllToAll, in.dtype, in.num_elements(),
                                                    -1, send_counts, recv_counts}));
     const size_t es = ElementSize(in);
@@ -240,7 +242,9 @@ class GlooCommunicator : public Communicator {
 
   absl::Status Broadcast(TensorView buf, int root) override {
     HAP_RETURN_IF_ERROR(Usable("broadcast"));
-    HAP_RETURN_IF_ERROR(CheckRoot("broadcast", root));
+    if (absl::Status own = CheckRoot("broadcast", root); !own.ok()) {
+      return Refuse("broadcast", own);
+    }
     HAP_RETURN_IF_ERROR(
         AgreeOnCall("broadcast", {CallKind::kBroadcast, buf.dtype, buf.num_elements(), root}));
     if (buf.bytes() == 0) return absl::OkStatus();
@@ -255,16 +259,16 @@ class GlooCommunicator : public Communicator {
 
   absl::Status Reduce(TensorView in, TensorView out, int root) override {
     HAP_RETURN_IF_ERROR(Usable("reduce"));
-    HAP_RETURN_IF_ERROR(CheckFloat("reduce", in));
-    HAP_RETURN_IF_ERROR(CheckRoot("reduce", root));
-    if (rank() == root) {
-      HAP_RETURN_IF_ERROR(SameDType("reduce", in, out));
-      if (out.num_elements() != in.num_elements()) {
-        return Invalid(absl::StrCat("reduce: the output holds ",
-                                    out.num_elements(), " elements, the input ",
-                                    in.num_elements()));
+    absl::Status own = CheckFloat("reduce", in);
+    if (own.ok()) own = CheckRoot("reduce", root);
+    if (own.ok() && rank() == root) {
+      own = SameDType("reduce", in, out);
+      if (own.ok() && out.num_elements() != in.num_elements()) {
+        own = Invalid(absl::StrCat("reduce: the output holds ", out.num_elements(),
+                                   " elements, the input ", in.num_elements()));
       }
     }
+    if (!own.ok()) return Refuse("reduce", own);
     HAP_RETURN_IF_ERROR(
         AgreeOnCall("reduce", {CallKind::kReduce, in.dtype, in.num_elements(), root}));
     if (in.num_elements() == 0) return absl::OkStatus();
@@ -627,6 +631,8 @@ class GlooCommunicator : public Communicator {
     kBroadcast,
     kReduce,
     kBarrier,
+    // This rank's own checks refused its call (Refuse): nothing follows.
+    kRefused,
   };
   // A call as its peers see it. counts: all-gather and reduce-scatter
   // chunks, or all-to-all send counts (recv_counts: what it expects).
@@ -680,6 +686,8 @@ class GlooCommunicator : public Communicator {
         return "reduce";
       case CallKind::kBarrier:
         return "barrier";
+      case CallKind::kRefused:
+        return "a call it refused";
     }
     return absl::StrCat("collective #", kind);
   }
@@ -711,6 +719,7 @@ class GlooCommunicator : public Communicator {
       case CallKind::kAllToAll:
         return absl::StrCat(kind, " of ", DTypeOf(w[1]));
       case CallKind::kBarrier:
+      case CallKind::kRefused:
         return kind;
     }
     return kind;
@@ -735,12 +744,36 @@ class GlooCommunicator : public Communicator {
     return CheckCallsMatch(what, calls);
   }
 
+  // `own`, a refusal of this rank's call by its own checks, told to the
+  // peers (as the call kRefused) so that they end InvalidArgument at once
+  // rather than wait for the call until the timeout; the group stays in
+  // step. Without check_calls the peers are not told.
+  absl::Status Refuse(const std::string& what, absl::Status own) {
+    if (!check_calls_ || size() == 1) return own;
+    absl::Status told = Run(what, [&] {
+      ExchangeCalls(Encode({CallKind::kRefused, DType::kFloat32, 0}));
+    });
+    if (!told.ok()) {
+      return absl::Status(
+          own.code(),
+          absl::StrCat(own.message(), " (telling the other ranks failed: ", told.message(), ")"));
+    }
+    return own;
+  }
+
   // Every rank's encoded call (calls[r] for rank r), the same table on
   // every rank; the first mismatch found, the same message on every rank.
   absl::Status CheckCallsMatch(const std::string& what,
                                const std::vector<std::vector<int64_t>>& calls) const {
     // An all-to-all's rows differ by rank: only the kind and dtype must be
     // the same; the counts must pair up (below).
+    for (int r = 0; r < size(); ++r) {
+      if (calls[r][0] == static_cast<int64_t>(CallKind::kRefused)) {
+        return Invalid(absl::StrCat(what, ": rank ", r,
+                                    " refused its own call before any traffic (its arguments "
+                                    "there are invalid; its error names them)"));
+      }
+    }
     auto same = [&](const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
       if (a[0] == static_cast<int64_t>(CallKind::kAllToAll) && a[0] == b[0]) return a[1] == b[1];
       return a == b;

@@ -448,6 +448,41 @@ TEST(GlooCommunicatorTest, AnAllReduceOfAnotherDTypeIsInvalidArgumentOnEveryRank
   });
 }
 
+// A call refused by its own rank's checks (an all-reduce of int64, an
+// all-gather whose chunks do not sum to its output, a root out of range)
+// ends the peers' call InvalidArgument naming that rank: they waited for
+// it until the timeout (DeadlineExceeded, the group unusable after). The
+// group stays in step and usable.
+TEST(GlooCommunicatorTest, ACallRefusedByItsOwnRankIsInvalidArgumentOnThePeers) {
+  WithRanks(
+      2,
+      [](int r, Communicator& comm) {
+        std::vector<float> f(4, 1.0f);
+        std::vector<int64_t> i(4, 1);
+        const TensorView ints{DType::kInt64, {4}, i.data()};
+        const absl::Status sum = comm.AllReduce(r == 1 ? ints : View(f));
+        if (r == 1) {
+          EXPECT_THAT(sum, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("all-reduce")));
+        } else {
+          EXPECT_THAT(sum, StatusIs(absl::StatusCode::kInvalidArgument,
+                                    HasSubstr("all-reduce: rank 1 refused its own call")));
+        }
+        std::vector<float> part(2), whole(r == 0 ? 5 : 4);
+        const std::vector<int64_t> counts{2, 3};
+        EXPECT_THAT(comm.AllGather(View(part), View(whole), counts, CommMethod::kPadded),
+                    StatusIs(absl::StatusCode::kInvalidArgument,
+                             HasSubstr(r == 0 ? "rank 1 refused its own call" : "all-gather")));
+        std::vector<float> b(3, 1.0f);
+        EXPECT_THAT(comm.Broadcast(View(b), r == 0 ? 7 : 0),
+                    StatusIs(absl::StatusCode::kInvalidArgument,
+                             HasSubstr(r == 1 ? "rank 0 refused its own call" : "broadcast")));
+        std::vector<float> y(3, static_cast<float>(r + 1));
+        ASSERT_THAT(comm.AllReduce(View(y)), IsOk());
+        EXPECT_EQ(y[0], 3.0f);
+      },
+      absl::Seconds(20));
+}
+
 TEST(GlooCommunicatorTest, CollectivesWhoseCallsDifferAreInvalidArgumentOnBothRanks) {
   WithRanks(2, [](int r, Communicator& comm) {
     // All-gather chunks (each rank's own arguments consistent).
