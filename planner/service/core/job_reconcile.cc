@@ -82,6 +82,12 @@ constexpr int64_t kMinMeasuredSteps = 20;
 // deployment, against the default threshold.
 constexpr int64_t kSlowdownWindow = 20;
 constexpr int64_t kWarmupSteps = 2;
+// A slowdown waits for every rank's profile of the slow steps at most this
+// many steps: ranks that never profile (CUDA ranks, whose kernels' wall
+// times are launch times; a rank planned on a GPU that runs on the CPU)
+// held it for ever. The executors report a profile each 20 steps after 2
+// warm-up steps, so a rank that profiles has by then.
+constexpr int64_t kProfileWaitSteps = 3 * kSlowdownWindow;
 constexpr double kDefaultSlowdownThreshold = 0.25;
 // Checkpoints a job sets aside as damaged before a step is trained again;
 // one more reported damaged FAILS it (JobStatus.damaged_in_a_row).
@@ -262,7 +268,9 @@ class Pass {
 
   // The job's plan `name` (plans/{id}-p{n}); AlreadyExists when a plan of
   // that name exists that this job did not make: a caller's CreatePlan took
-  // the name first, and the job must not adopt, deploy or cancel it.
+  // the name first, or an earlier job of this name (deleted, its id used
+  // again) made it, for its own model and options; the job must not adopt,
+  // deploy or cancel it.
   absl::StatusOr<v1::Plan> OwnPlan(const std::string& name) {
     absl::StatusOr<v1::Plan> p = b_.GetPlan(name);
     if (p.ok() && p->job() != j_.name()) {
@@ -270,6 +278,12 @@ class Pass {
                                                    p->job().empty()
                                                        ? " (it was made through CreatePlan)"
                                                        : absl::StrCat(" but by ", p->job())));
+    }
+    if (p.ok() && p->has_create_time() && j_.has_create_time() &&
+        FromProto(p->create_time()) < FromProto(j_.create_time())) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          name, " exists and was not made by ", j_.name(), " but by an earlier job of that name (",
+          absl::FormatTime(FromProto(p->create_time())), ", before this job was created)"));
     }
     return p;
   }
@@ -931,17 +945,23 @@ class Pass {
       st().set_message(absl::StrCat(seen, "; recalibrating once every rank profiled steps from ",
                                     st().slowdown_step()));
     }
-    if (!Profiled(d, st().slowdown_step())) return;
+    std::string unprofiled;
+    if (!Profiled(d, st().slowdown_step())) {
+      if (d.recent_steps_end() < st().slowdown_step() + kProfileWaitSteps) return;
+      unprofiled = absl::StrCat("ranks without a profile of steps from ", st().slowdown_step(), " ",
+                                kProfileWaitSteps,
+                                " steps on (CUDA ranks are not profiled) are not recalibrated; ");
+    }
     absl::StatusOr<std::string> c = b_.Calibrate(d);
     st().set_calibrated_deployment(d.name());
     const std::vector<std::string> devices(st().devices().begin(), st().devices().end());
     st().set_candidate_plan(NextPlanName());
     st().set_candidate_reason(v1::JobEvent::SLOWDOWN);
     st().clear_slowdown_step();
-    st().set_message(absl::StrCat(
-        st().slowdown_detail(), "; ",
-        c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
-        "; judging ", st().candidate_plan(), " on the same devices"));
+    st().set_message(
+        absl::StrCat(st().slowdown_detail(), "; ", unprofiled,
+                     c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
+                     "; judging ", st().candidate_plan(), " on the same devices"));
     if (!Commit()) return;
     absl::StatusOr<v1::Plan> p =
         b_.CreatePlan(PlanRequest(st().candidate_plan(), devices), j_.name());

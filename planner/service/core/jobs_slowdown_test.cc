@@ -107,6 +107,36 @@ TEST_F(JobsTest, ASlowdownRecalibratesAndSwitchesToAPlanOnTheSameDevicesWhenItPa
   EXPECT_THAT(j.status().events(1).detail(), HasSubstr("expected 44.4% faster"));
 }
 
+// Ranks that never report a profile (CUDA ranks are not profiled) do not
+// hold a slowdown for ever ("recalibrating once every rank profiled steps
+// from 22" was the job's message from then on): 60 steps after the slow
+// window's start it is judged without them.
+TEST_F(JobsTest, ASlowdownOnRanksThatNeverProfileIsJudgedWithoutThem) {
+  Make();
+  fake_.calibration = "calibrated";  // the model (from an earlier deployment's CPU ranks, say)
+  const std::string first = StartRunning();
+  Window(first, 1.0, 22);
+  c_->Reconcile();
+  ASSERT_DOUBLE_EQ(Job().status().expected_step_seconds(), 1.0);
+  fake_.predict = [](const std::vector<std::string>&) { return 0.9; };
+  Window(first, 1.3, 42);
+  c_->Reconcile();
+  ASSERT_EQ(Job().status().slowdown_step(), 22);
+  Window(first, 1.3, 81);
+  c_->Reconcile();
+  EXPECT_EQ(fake_.requests.size(), 1u);  // a rank that profiles would have by now
+  EXPECT_THAT(Job().status().message(), HasSubstr("recalibrating once every rank profiled"));
+  Window(first, 1.3, 82);
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
+  const v1::Job j = Job();
+  EXPECT_TRUE(j.status().switch_pending()) << j.DebugString();
+  EXPECT_THAT(j.status().message(), HasSubstr("expected 44.4% faster"));
+  EXPECT_EQ(j.status().slowdown_step(), 0);
+  ASSERT_EQ(j.status().events_size(), 1);
+}
+
 // The step moves past the threshold again while a slowdown's switch waits
 // for its checkpoint (a throttle after noise was judged): the candidate,
 // calibrated from profiles that no longer hold, is dropped and the slowdown
