@@ -6,6 +6,7 @@ times out with a clear error, no hang), a NaN loss (reported, clean stop).
 Also: the GPT-style LM on WikiText-2 (valid split), 2 ranks, 200 steps,
 must lose at least 25% of its initial loss."""
 
+import json
 import os
 import re
 import signal
@@ -252,6 +253,28 @@ class ExecutorCliTest(unittest.TestCase):
         self.assertEqual(p.returncode, 1, p.stderr)
         self.assertIn(f"--profile {missing}/prof: the directory '{missing}' does not exist",
                       p.stderr)
+
+    def test_a_profile_of_a_gpu_rank_run_on_the_cpu_is_refused(self):
+        """The profile names the plan's device, which hapctl calibrate fits:
+        a GPU rank run with --device cpu wrote CPU times as that GPU's, and
+        the GPU was priced as a CPU in every later plan. Refused at start."""
+        d = util.tmpdir()
+        dev = lambda i: {"id": f"gpu{i}", "kind": "GPU", "model": "H100",
+                         "flops": [{"dtype": "FLOAT32", "flops": 5e13}],
+                         "memoryBytes": "80000000000", "node": "n", "localIndex": i}
+        cluster = os.path.join(d, "two-gpus.json")
+        with open(cluster, "w") as f:
+            json.dump({"nodes": [{"name": "n", "devices": [dev(0), dev(1)]}],
+                       "defaults": {"intraNodeBandwidthBytesPerSecond": 1e11,
+                                    "intraNodeLatencySeconds": 1e-05}}, f)
+        path = os.path.join(d, "gpu.pb")
+        util.run([HAPCTL, "plan", "--cluster", cluster, *SMALL_GPT, "--save-plan", path])
+        p = self.run_rank("--plan", path, "--rank", "0", "--world", "2", "--device", "cpu",
+                          "--rendezvous", util.tmpdir(), "--timeout", "60", "--steps", "5",
+                          "--profile", os.path.join(d, "prof"), timeout=50)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("--profile: rank 0's plan device gpu0 is a GPU, but the rank runs on "
+                      "the CPU", p.stderr)
 
     def test_peer_dies_mid_training(self):
         rdv = util.tmpdir()

@@ -268,10 +268,26 @@ absl::Status Run(const tools::Args& a) {
   go.prefix = absl::StrCat("plan-", plan.content_hash().substr(0, 16));
   go.timeout = absl::Seconds(timeout);
   go.hostname = a.GetOrEnv("gloo-host", go.hostname);
+  // The ranks compare their programs' collectives (CheckProgramsAgree,
+  // below) before any runs, so each collective's own agreement on the call
+  // is skipped (bench/comm_bench.sh --call-check: up to 1.3x a small
+  // collective).
+  go.check_calls = false;
   std::string note;
   HAP_ASSIGN_OR_RETURN(DeviceSpec spec, ChooseDevice(a.GetOrEnv("device"), plan,
                                                      static_cast<int>(rank), &note));
   if (!note.empty()) std::cerr << "hap-executor: " << note << "\n";
+  // The profile names the plan's device, whose calibration hapctl
+  // calibrate fits to it: a GPU's fitted with CPU times would price it as
+  // a CPU in every later plan.
+  if (!profile.empty() && spec.kind == DeviceSpec::Kind::kCpu &&
+      PlannedDevice(plan, static_cast<int>(rank)).kind != DeviceSpec::Kind::kCpu) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--profile: rank ", rank, "'s plan device ",
+        rank < plan.devices_size() ? plan.devices(rank) : "?",
+        " is a GPU, but the rank runs on the CPU (--device cpu, or a build without CUDA): its "
+        "profile would calibrate that GPU with CPU times; profile on the GPU, or plan for CPUs"));
+  }
   // A pipeline plan (README "Pipeline plans"): the rank's stage program runs
   // on the model at the microbatch size with its group's communicator (the
   // backend's: Gloo, or NCCL on GPUs); the stages talk over a Gloo world.
@@ -319,6 +335,7 @@ absl::Status Run(const tools::Args& a) {
     }
   }
   TrainOptions to;
+  to.return_parameters = false;  // nothing reads them; saved by checkpoints
   to.first_step = first_step;
   to.steps = steps - first_step;
   to.initialize = initialize;
