@@ -472,6 +472,35 @@ TEST_F(JobsTest, APlanACallerNamedAsTheJobNamesItsPlansIsNotAdopted) {
   EXPECT_EQ(fake_.plans.at("plans/train-p1").state(), v1::Plan::SUCCEEDED);
 }
 
+// A job deleted and its id used again: the earlier job's plans (kept by
+// plan retention) carry the same Plan.job, and the new job adopted and
+// deployed its plans/train-p1, made for the earlier job's model and options.
+TEST_F(JobsTest, APlanOfAnEarlierJobOfTheSameNameIsNotAdopted) {
+  Make();
+  v1::Plan earlier;
+  earlier.set_name("plans/train-p1");
+  earlier.set_state(v1::Plan::SUCCEEDED);
+  earlier.set_job("jobs/train");
+  earlier.add_devices("d0");
+  earlier.add_devices("d1");
+  earlier.mutable_create_time()->set_seconds(absl::ToUnixSeconds(now_ - absl::Hours(1)));
+  fake_.plans[earlier.name()] = earlier;
+  ASSERT_OK(c_->Create(Request()).status());
+  c_->Reconcile();
+  EXPECT_THAT(Job().status().message(),
+              HasSubstr("plans/train-p1 exists and was not made by jobs/train but by an earlier "
+                        "job of that name"));
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 1u);
+  EXPECT_EQ(fake_.requests[0].plan_id(), "train-p2");
+  ASSERT_EQ(fake_.deployed.size(), 1u);
+  EXPECT_EQ(fake_.Only(fake_.deployed[0]).plan(), "plans/train-p2");
+  EXPECT_EQ(Job().status().plan(), "plans/train-p2");
+  ASSERT_OK(c_->Stop("jobs/train").status());
+  c_->Reconcile();
+  EXPECT_EQ(fake_.plans.at("plans/train-p1").state(), v1::Plan::SUCCEEDED);
+}
+
 TEST_F(JobsTest, ARestartedControllerGoesOnFromTheSavedJob) {
   Make();
   const std::string first = StartRunning();
