@@ -223,6 +223,17 @@ absl::StatusOr<graph::Graph> SmallGpt() {
                                       {"batch", 32}});
 }
 
+// Two layers of hidden 64 at `batch` samples.
+absl::StatusOr<graph::Graph> TwoLayerGpt(int batch) {
+  return graph::BuildZooModel("gpt", {{"layers", 2},
+                                      {"hidden", 64},
+                                      {"heads", 4},
+                                      {"ffn", 128},
+                                      {"seq", 16},
+                                      {"vocab", 200},
+                                      {"batch", batch}});
+}
+
 PipelineOptions Fast(Mode mode, int stages = 0) {
   PipelineOptions o;
   o.mode = mode;
@@ -676,13 +687,7 @@ TEST(Planner, MoreStagesThanMaxLayersCutMoreLayers) {
 // were powers of two it found none and answered no pipeline at all, OK and
 // silent (the SPMD plan, or nothing without it).
 TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
-  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
-                                        {"hidden", 64},
-                                        {"heads", 4},
-                                        {"ffn", 128},
-                                        {"seq", 16},
-                                        {"vocab", 200},
-                                        {"batch", 9}});
+  auto g = TwoLayerGpt(9);
   ASSERT_TRUE(g.ok()) << g.status();
   PipelineOptions o = Fast(Mode::kStages, 2);
   o.plan_spmd = false;
@@ -711,13 +716,7 @@ TEST(Planner, AnOddBatchIsPipelinedInItsDivisors) {
 // octave up to 16): powers of two alone priced only 2 and 4. Auto's answer
 // is at least as fast as each count forced, and ran each one's syntheses.
 TEST(Planner, AnEvenBatchIsPricedAtOneDivisorPerOctave) {
-  auto g = graph::BuildZooModel("gpt", {{"layers", 2},
-                                        {"hidden", 64},
-                                        {"heads", 4},
-                                        {"ffn", 128},
-                                        {"seq", 16},
-                                        {"vocab", 200},
-                                        {"batch", 20}});
+  auto g = TwoLayerGpt(20);
   ASSERT_TRUE(g.ok()) << g.status();
   PipelineOptions o = Fast(Mode::kStages, 4);
   o.plan_spmd = false;
