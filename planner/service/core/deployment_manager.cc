@@ -13,6 +13,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -52,6 +53,37 @@ DeploymentWatchOptions Sanitized(DeploymentWatchOptions o) {
   if (o.stop_attempts < 1) o.stop_attempts = defaults.stop_attempts;
   return o;
 }
+
+}  // namespace
+
+absl::Status CheckDataSpecForm(const std::string& spec) {
+  if (spec.empty()) return absl::OkStatus();
+  constexpr absl::string_view kForms = "npy:DIR or tokens:FILE[:uint16|uint32]";
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("training.data_spec '", spec, "' ", why, " (", kForms, ")"));
+  };
+  if (absl::StartsWith(spec, "npy:")) {
+    return spec.size() > 4 ? absl::OkStatus() : bad("names no directory");
+  }
+  if (absl::StartsWith(spec, "tokens:")) {
+    absl::string_view path = absl::string_view(spec).substr(7);
+    // As the executors read it: what follows the last ':' is the dtype.
+    if (const size_t colon = path.rfind(':'); colon != absl::string_view::npos) {
+      const absl::string_view dtype = path.substr(colon + 1);
+      if (dtype != "uint16" && dtype != "uint32") {
+        return bad(absl::StrCat("has token dtype '", dtype,
+                                "', not uint16 or uint32 (a FILE containing ':' needs the dtype "
+                                "spelled out)"));
+      }
+      path = path.substr(0, colon);
+    }
+    return path.empty() ? bad("names no file") : absl::OkStatus();
+  }
+  return bad("is not of a form the executors read");
+}
+
+namespace {
 
 // The deployment's ranks: each of the plan's devices at its executor.
 absl::StatusOr<v1::Deployment> AssignRanks(const v1::Plan& plan,

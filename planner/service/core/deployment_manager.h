@@ -59,6 +59,14 @@ inline constexpr int64_t kRecentStepsPerRank = 20;
 // step of the others back).
 inline constexpr int64_t kMaxRankLagSteps = 256;
 
+// InvalidArgument naming training.data_spec unless it is empty or of a form
+// the executors read ("npy:DIR", "tokens:FILE[:uint16|uint32]", as
+// executor/data/user_data.h). Only the form: the files are on the executor
+// hosts. A new DeployPlan's or job's config is checked with it, so that a
+// misspelled spec is refused at once, not by every rank's LoadPlan (a job
+// re-planned on it until it ran out of re-plans).
+absl::Status CheckDataSpecForm(const std::string& spec);
+
 struct DeploymentManagerOptions {
   // Call deadlines, status polls and stop retries; values out of range
   // (ValidateDeploymentWatchOptions) are replaced by their defaults.

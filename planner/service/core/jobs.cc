@@ -245,6 +245,7 @@ absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
   }
   HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckNewPlanOptions(spec.options()), "spec"));
   HAP_RETURN_IF_ERROR(Annotate(CheckNewTrainingConfig(spec.training()), "spec"));
+  HAP_RETURN_IF_ERROR(Annotate(CheckDataSpecForm(spec.training().data_spec()), "spec"));
   if (const std::string& dir = spec.training().checkpoint_dir(); dir.front() != '/') {
     // The planner reads it (the latest committed step) and the executors
     // write it, each from its own working directory.

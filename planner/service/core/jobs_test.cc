@@ -634,6 +634,18 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
   r.mutable_spec()->mutable_training()->set_resume("/x");
   EXPECT_THAT(c_->Create(r),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("set by the job")));
+  // A data_spec of no form the executors read: every rank's LoadPlan
+  // refused it, and the job re-planned on it until its re-plans ran out.
+  r = Request();
+  r.mutable_spec()->mutable_training()->set_data_spec("tokens/data.bin");
+  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("spec: training.data_spec 'tokens/data.bin' is "
+                                                "not of a form the executors read")));
+  r.mutable_spec()->mutable_training()->set_data_spec("tokens:/data/a:b.bin:uint32");
+  EXPECT_OK(c_->Create(r).status());  // a ':' in the file, the dtype spelled out
+  ASSERT_OK(c_->Stop("jobs/train").status());
+  c_->Reconcile();
+  ASSERT_OK(c_->Delete("jobs/train"));
   r = Request();
   r.mutable_spec()->mutable_replan()->set_min_gain(std::nan(""));
   EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("min_gain")));

@@ -398,6 +398,7 @@ grpc::Status PlannerServiceImpl::DeployPlan(grpc::ServerContext* ctx,
                                             const v1::DeployPlanRequest* r, v1::Deployment* out) {
   return Handle("DeployPlan", ctx, [&]() -> absl::Status {
     HAP_RETURN_IF_ERROR(CheckNewTrainingConfig(r->training()));
+    HAP_RETURN_IF_ERROR(CheckDataSpecForm(r->training().data_spec()));
     // Pinned while deployed: retention cannot delete the plan under the new
     // deployment (which, once it exists, keeps its plan by itself).
     HAP_ASSIGN_OR_RETURN(v1::Plan plan, core_->PinPlan(r->plan()));

@@ -369,6 +369,8 @@ TEST_F(PlannerServiceImplTest, AResultTheStoreRefusesFailsCreatePlan) {
 // and a momentum ran plain Adam, with SGD and Adam's betas plain SGD, with
 // the pipeline off its microbatches (and with AUTO a stage count) unread,
 // with compute_dtype BFLOAT16 in float32;
+// DeployPlan with a data_spec of no form the executors read made a
+// deployment every rank's LoadPlan refused;
 // DeployPlan with a data_path beside npy: data trained on that data, and
 // checkpoint_every without a checkpoint_dir saved nothing. Each is refused
 // naming the fields, before a plan or a deployment is made.
@@ -420,6 +422,16 @@ TEST_F(PlannerServiceImplTest, FieldsNothingWouldReadAreRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("training.data_path ('/data/wiki.train.tokens')"),
                              HasSubstr("data_spec is 'npy:/data/d'"))));
+  for (const auto& [spec, says] : std::vector<std::pair<std::string, std::string>>{
+           {"npy/data", "training.data_spec 'npy/data' is not of a form the executors read"},
+           {"npy:", "training.data_spec 'npy:' names no directory"},
+           {"tokens::uint32", "training.data_spec 'tokens::uint32' names no file"},
+           {"tokens:/data/t.bin:int8", "has token dtype 'int8', not uint16 or uint32"}}) {
+    v1::DeployPlanRequest misspelled = r;
+    misspelled.mutable_training()->set_data_spec(spec);
+    EXPECT_THAT(FromGrpc(stub_->DeployPlan(Ctx().get(), misspelled, &d)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(says)));
+  }
   v1::DeployPlanRequest every = r;
   every.mutable_training()->set_checkpoint_every(10);
   EXPECT_THAT(FromGrpc(stub_->DeployPlan(Ctx().get(), every, &d)),
