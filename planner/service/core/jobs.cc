@@ -244,6 +244,8 @@ absl::Status CheckNewJobSpec(const v1::JobSpec& spec) {
     return absl::Status(m.code(), absl::StrCat("spec.", m.message()));
   }
   HAP_RETURN_IF_ERROR(Annotate(PlannerCore::CheckNewPlanOptions(spec.options()), "spec"));
+  HAP_RETURN_IF_ERROR(
+      Annotate(PlannerCore::CheckBatchGivenOnce(spec.model(), spec.global_batch()), "spec"));
   HAP_RETURN_IF_ERROR(Annotate(CheckNewTrainingConfig(spec.training()), "spec"));
   HAP_RETURN_IF_ERROR(Annotate(CheckDataSpecForm(spec.training().data_spec()), "spec"));
   if (const std::string& dir = spec.training().checkpoint_dir(); dir.front() != '/') {

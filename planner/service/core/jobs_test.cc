@@ -634,6 +634,11 @@ TEST_F(JobsTest, BadRequestsAreRefusedNamingTheField) {
   r.mutable_spec()->mutable_training()->set_resume("/x");
   EXPECT_THAT(c_->Create(r),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("set by the job")));
+  r = Request();  // global_batch 32
+  (*r.mutable_spec()->mutable_model()->mutable_zoo()->mutable_params())["batch"] = 64;
+  EXPECT_THAT(c_->Create(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("spec: global_batch 32 differs from "
+                                                "model.zoo.params[\"batch\"] 64")));
   // A data_spec of no form the executors read: every rank's LoadPlan
   // refused it, and the job re-planned on it until its re-plans ran out.
   r = Request();

@@ -21,17 +21,7 @@ absl::StatusOr<graph::Graph> PlannerCore::BuildModel(const v1::ModelSpec& model,
   if (model.has_zoo()) {
     std::map<std::string, double> params(model.zoo().params().begin(), model.zoo().params().end());
     const std::string& zoo = model.zoo().name();
-    if (global_batch > 0) {
-      // Two batches for one model: the request's global_batch won without
-      // a word, training at a batch the params did not say.
-      if (auto it = params.find("batch");
-          it != params.end() && it->second != static_cast<double>(global_batch)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "global_batch ", global_batch, " differs from model.zoo.params[\"batch\"] ", it->second,
-            ": give the batch once (global_batch, or the zoo model's batch)"));
-      }
-      params["batch"] = static_cast<double>(global_batch);
-    }
+    if (global_batch > 0) params["batch"] = static_cast<double>(global_batch);
     if (!params.count("batch")) params["batch"] = 32.0 * devices;
     if ((zoo == "moe" || zoo == "switch") && !params.count("experts")) {
       params["experts"] = 2.0 * devices;
@@ -61,6 +51,17 @@ absl::StatusOr<graph::Graph> PlannerCore::BuildModel(const v1::ModelSpec& model,
     return g;
   }
   return absl::InvalidArgumentError("model is required: a graph or a zoo model");
+}
+
+absl::Status PlannerCore::CheckBatchGivenOnce(const v1::ModelSpec& model, int64_t global_batch) {
+  if (!model.has_zoo() || global_batch <= 0) return absl::OkStatus();
+  auto it = model.zoo().params().find("batch");
+  if (it == model.zoo().params().end() || it->second == static_cast<double>(global_batch)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("global_batch ", global_batch, " differs from model.zoo.params[\"batch\"] ",
+                   it->second, ": give the batch once (global_batch, or the zoo model's batch)"));
 }
 
 absl::Status PlannerCore::CheckNewPlanOptions(const v1::PlanOptions& options) {

@@ -310,6 +310,11 @@ class PlannerCore {
   // is PIPELINE_STAGES', pipeline_microbatches a pipeline's (PIPELINE_OFF
   // dropped both).
   static absl::Status CheckNewPlanOptions(const hap::v1::PlanOptions& options);
+  // InvalidArgument when a new request (CreatePlan, CreateJob) gives a zoo
+  // model a `batch` param and a different global_batch: BuildModel plans at
+  // global_batch, which overrode the param without a word. (Not checked
+  // where BuildModel plans a stored job's spec, which may hold both.)
+  static absl::Status CheckBatchGivenOnce(const hap::v1::ModelSpec& model, int64_t global_batch);
   // The graph a plan on `devices` devices trains: a zoo model (its batch
   // `global_batch`, else 32 a device; MoE's experts 2 a device, unless
   // given) or a graph (whose first input's dimension 0 must be

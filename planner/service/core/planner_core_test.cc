@@ -173,29 +173,6 @@ TEST_F(PlannerCoreTest, AGlobalBatchForAGraphWhoseFirstInputIsAScalarIsInvalidAr
                        AllOf(HasSubstr("global_batch 4"), HasSubstr("'temperature'"))));
 }
 
-// A zoo model's batch param and a different global_batch: the request's
-// global_batch was planned without a word.
-TEST_F(PlannerCoreTest, AGlobalBatchOtherThanTheZooModelsBatchIsInvalidArgument) {
-  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
-  v1::CreatePlanRequest r = MlpRequest();  // batch 16
-  r.set_global_batch(32);
-  EXPECT_THAT(
-      core_->CreatePlan(r, Deadline()),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               AllOf(HasSubstr("global_batch 32"), HasSubstr("model.zoo.params[\"batch\"] 16"))));
-  EXPECT_EQ(core_->ListPlans(0, "")->plans_size(), 0);
-  // The same batch twice, or either alone, is planned at it.
-  r.set_global_batch(16);
-  auto same = core_->CreatePlan(r, Deadline());
-  ASSERT_TRUE(same.ok()) << same.status();
-  EXPECT_EQ(same->global_batch(), 16);
-  r.mutable_model()->mutable_zoo()->mutable_params()->erase("batch");
-  r.set_global_batch(32);
-  auto given = core_->CreatePlan(r, Deadline());
-  ASSERT_TRUE(given.ok()) << given.status();
-  EXPECT_EQ(given->global_batch(), 32);
-}
-
 TEST_F(PlannerCoreTest, AModelThatFitsNowhereFailsWithResourceExhausted) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("tiny", 2, 1e12, 1 << 20)).ok());
   v1::CreatePlanRequest r = MlpRequest();

@@ -316,6 +316,7 @@ grpc::Status PlannerServiceImpl::CreatePlan(grpc::ServerContext* ctx,
                                             const v1::CreatePlanRequest* r, v1::Plan* out) {
   return Handle("CreatePlan", ctx, [&]() -> absl::Status {
     HAP_RETURN_IF_ERROR(PlannerCore::CheckNewPlanOptions(r->options()));
+    HAP_RETURN_IF_ERROR(PlannerCore::CheckBatchGivenOnce(r->model(), r->global_batch()));
     HAP_ASSIGN_OR_RETURN(
         *out, core_->CreatePlan(*r, CallDeadline(ctx), [ctx] { return ctx->IsCancelled(); }));
     return absl::OkStatus();

@@ -443,6 +443,28 @@ TEST_F(PlannerServiceImplTest, FieldsNothingWouldReadAreRefused) {
   EXPECT_EQ(list.deployments_size(), 0);
 }
 
+// A zoo model's batch param and a different global_batch: the plan was
+// made at global_batch, the param dropped without a word.
+TEST_F(PlannerServiceImplTest, AGlobalBatchOtherThanTheZooModelsBatchIsRefused) {
+  Register("n");
+  v1::Plan plan;
+  v1::CreatePlanRequest r = Mlp("two-batches");  // batch 16
+  r.set_global_batch(32);
+  EXPECT_THAT(
+      FromGrpc(stub_->CreatePlan(Ctx().get(), r, &plan)),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("global_batch 32"), HasSubstr("model.zoo.params[\"batch\"] 16"))));
+  // The same batch twice, or either alone, is planned at it.
+  r.set_global_batch(16);
+  ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), r, &plan)), IsOk());
+  EXPECT_EQ(plan.global_batch(), 16);
+  r.set_plan_id("global-batch");
+  r.mutable_model()->mutable_zoo()->mutable_params()->erase("batch");
+  r.set_global_batch(32);
+  ASSERT_THAT(FromGrpc(stub_->CreatePlan(Ctx().get(), r, &plan)), IsOk());
+  EXPECT_EQ(plan.global_batch(), 32);
+}
+
 TEST_F(PlannerServiceImplTest, ADeploymentTheStoreRefusesIsNotCreated) {
   Register("n");
   sink_.RefuseDeploymentsAfter(0);
