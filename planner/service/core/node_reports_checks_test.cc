@@ -142,6 +142,26 @@ TEST_F(PlannerCoreTest, FlopsOrMemoryNoDeviceHasIsRefusedNamingIt) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("b", 1, 1e12)).ok());
 }
 
+// A link kind this planner does not know was stored and served in
+// GetCluster and every plan's cluster as if known.
+TEST_F(PlannerCoreTest, AnUnknownLinkKindIsRefusedNamingTheLink) {
+  ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
+  v1::Link l;
+  l.set_src("a/cpu0");
+  l.set_dst("a/cpu1");
+  l.set_bandwidth_bytes_per_second(1e9);
+  l.set_latency_seconds(1e-5);
+  l.set_kind(static_cast<v1::LinkKind>(42));
+  EXPECT_THAT(core_->ReportLinks("a", {l}),
+              ::hap::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("link a/cpu0 -> a/cpu1: kind 42 is not a link "
+                                                 "kind this planner knows")));
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 0);
+  l.set_kind(v1::SHARED_MEMORY);
+  ASSERT_TRUE(core_->ReportLinks("a", {l}).ok());
+  EXPECT_EQ(core_->GetCluster(false).links_size(), 1);
+}
+
 TEST_F(PlannerCoreTest, TinyBandwidthOrHugeLatencyIsRefusedOrHarmless) {
   ASSERT_TRUE(core_->RegisterNode(MakeNode("a", 2, 2e12)).ok());
   v1::Link l;

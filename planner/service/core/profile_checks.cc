@@ -59,6 +59,12 @@ absl::Status CheckLinkMeasurement(const v1::Link& l, absl::string_view link) {
         absl::StrCat(link, "bandwidth_bytes_per_second must be a finite number > 0 and at most ",
                      kMaxLinkBandwidth, " (no link carries more), got ", bandwidth));
   }
+  // As a device's kind: a value this planner does not know (a newer
+  // agent's, or any number on the wire) was stored and served as if known.
+  if (!v1::LinkKind_IsValid(l.kind())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(link, "kind ", l.kind(), " is not a link kind this planner knows"));
+  }
   return CheckRange(absl::StrCat(link, "latency_seconds"), l.latency_seconds(), 0, kInf,
                     "a finite number >= 0");
 }

@@ -75,8 +75,8 @@ absl::Status CheckRange(absl::string_view field, double v, double lo, double hi,
                         absl::string_view must_be);
 
 // A measured link the planner takes (ReportLinks): a bandwidth that is a
-// finite number in (0, kMaxLinkBandwidth] B/s and a latency that is a
-// finite number >= 0. Otherwise InvalidArgument, `link` (which names the
+// finite number in (0, kMaxLinkBandwidth] B/s, a known LinkKind and a
+// latency that is a finite number >= 0. Otherwise InvalidArgument, `link` (which names the
 // link) then the field and the value. The agent checks its measurements
 // with it before reporting them: the planner refuses a whole report for
 // one such link.
