@@ -4,15 +4,18 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hap/v1/planner_service.grpc.pb.h"
@@ -122,6 +125,27 @@ TEST_F(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed)
 // calibration, its links by peer and kind, and the deployments not finished
 // with a rank on it (two real executor daemons train one here).
 TEST_F(HapctlServiceTest, DescribeNodeShowsDevicesLinksAndTheDeploymentsOnIt) {
+  // n1 heartbeats as its agent would (every 100 ms, on a thread of its
+  // own): the planner here counts a node STALE after 1 s without one, which
+  // starting two executors took on a loaded machine (CI once saw STALE).
+  std::atomic<bool> beating{true};
+  std::thread beat([&] {
+    while (beating) {
+      v1::HeartbeatRequest hb;
+      hb.set_name("nodes/n1");
+      v1::HeartbeatResponse hr;
+      EXPECT_TRUE(stub_->Heartbeat(Ctx().get(), hb, &hr).ok());
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  });
+  struct Join {
+    std::atomic<bool>& beating;
+    std::thread& beat;
+    ~Join() {
+      beating = false;
+      beat.join();
+    }
+  } join{beating, beat};
   v1::ReportLinksRequest links;
   links.set_node("n1");
   for (const auto& [src, dst] : {std::pair<std::string, std::string>{"n1/cpu0", "n1/cpu1"},
