@@ -45,7 +45,8 @@ constexpr char kUsage[] = R"(usage:
                      [--overlap on|off] [--pipeline off|auto|N] [--microbatches N]
                      [--precision fp32|bf16] [--gradient-precision fp32|bf16]
                      [--optimizer sgd|momentum|adam] [--lr X] [--momentum X]
-                     [--clip-norm X] [--weight-decay X] [--seed N] [--ignore-memory]
+                     [--clip-norm X] [--weight-decay X] [--beta1 X] [--beta2 X] [--epsilon X]
+                     [--seed N] [--ignore-memory]
                      [--max-states N] [--id ID] [--wait]
   hapctl watch plan NAME              (until it ends, or --timeout when given)
   hapctl cancel plan NAME
@@ -649,10 +650,12 @@ struct ClientFlags {
 ClientFlags FlagsOf(const std::string& verb, const std::string& kind) {
   ClientFlags f{{"server", "timeout", "keepalive", "token-file", "tls-ca-file", "o", "output"},
                 {"help"}};
-  ClientFlags plan{{"model", "graph", "devices", "baseline", "max-seconds", "overlap", "pipeline",
-                    "microbatches", "optimizer", "lr", "clip-norm", "weight-decay", "seed",
-                    "precision", "gradient-precision", "momentum", "max-states", "id", "set"},
-                   {"no-sfb", "no-zero", "no-grouped", "no-calibration", "ignore-memory"}};
+  ClientFlags plan{
+      {"model",    "graph",        "devices",   "baseline", "max-seconds", "overlap",
+       "pipeline", "microbatches", "optimizer", "lr",       "clip-norm",   "weight-decay",
+       "beta1",    "beta2",        "epsilon",   "seed",     "precision",   "gradient-precision",
+       "momentum", "max-states",   "id",        "set"},
+      {"no-sfb", "no-zero", "no-grouped", "no-calibration", "ignore-memory"}};
   const std::set<std::string> zoo = ZooParamFlags();
   plan.values.insert(zoo.begin(), zoo.end());
   const ClientFlags training{

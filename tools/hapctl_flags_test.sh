@@ -222,6 +222,20 @@ for cmd in "create plan --model mlp" "create job --id j --checkpoint-dir /tmp/x 
 done
 "$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --optimizer sgd --momentum 0.5 > /dev/null 2>&1 \
   || fail "plan --optimizer sgd --momentum 0.5 was refused"
+# Adam's --beta1, --beta2 and --epsilon: refused beside SGD (never read)
+# and outside their ranges, each naming its value; a beta of 0 is taken.
+for case in "--optimizer sgd --beta1 0.5|--beta1 is Adam's (--optimizer adam); --optimizer sgd would ignore it, got '0.5'" \
+            "--epsilon 1e-6|--epsilon is Adam's (--optimizer adam); --optimizer momentum would ignore it" \
+            "--optimizer adam --beta2 1|--beta2 must be from 0 to below 1, got '1'" \
+            "--optimizer adam --beta1 -0.1|--beta1 must be from 0 to below 1, got '-0.1'" \
+            "--optimizer adam --epsilon 0|--epsilon must be positive, got '0'"; do
+  IFS='|' read -r flags want <<< "$case"
+  # shellcheck disable=SC2086
+  out="$("$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" $flags 2>&1)" && fail "plan $flags exited 0: $out"
+  echo "$out" | grep -qF -- "$want" || fail "plan $flags: $out"
+done
+"$HAPCTL" plan --cluster "$CLUSTER" "${model[@]}" --optimizer adam --beta1 0 --beta2 0.95 \
+  --epsilon 1e-6 > /dev/null 2>&1 || fail "plan --optimizer adam --beta1 0 --beta2 0.95 was refused"
 # create job: a value the job spec reads as the planner's default is
 # refused naming what it would be ('--join-stable 0' waited 30 s), before
 # any call. '--max-replans 0' (it allowed 20 re-plans, then was refused) and

@@ -22,6 +22,14 @@ absl::StatusOr<hap::v1::OptimizerConfig> OptimizerFromFlags(const Args& args) {
                      "ignore it, got '",
                      args.Get("momentum"), "'"));
   }
+  // Adam's own: beside SGD they were never read.
+  for (const char* flag : {"beta1", "beta2", "epsilon"}) {
+    if (opt != "adam" && args.Has(flag)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " is Adam's (--optimizer adam); --optimizer ", opt,
+                       " would ignore it, got '", args.Get(flag), "'"));
+    }
+  }
   HAP_ASSIGN_OR_RETURN(double lr, args.Number("lr", opt == "adam" ? 1e-3 : 0.1));
   HAP_ASSIGN_OR_RETURN(double m, args.Number("momentum", opt == "momentum" ? 0.9 : 0));
   HAP_ASSIGN_OR_RETURN(double wd, args.Number("weight-decay", 0));
@@ -44,6 +52,24 @@ absl::StatusOr<hap::v1::OptimizerConfig> OptimizerFromFlags(const Args& args) {
     }
   }
   hap::v1::OptimizerConfig o;
+  // Unset, the planner's 0.9 and 0.999 (PyTorch's); 0 is 0.
+  for (const char* flag : {"beta1", "beta2"}) {
+    if (!args.Has(flag)) continue;
+    HAP_ASSIGN_OR_RETURN(double b, args.Number(flag, 0));
+    if (!(b >= 0 && b < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " must be from 0 to below 1, got '", args.Get(flag), "'"));
+    }
+    std::string(flag) == "beta1" ? o.set_beta1(b) : o.set_beta2(b);
+  }
+  if (args.Has("epsilon")) {
+    HAP_ASSIGN_OR_RETURN(double eps, args.Number("epsilon", 0));
+    if (!(eps > 0)) {  // 0 would divide a moment by a zero second moment
+      return absl::InvalidArgumentError(
+          absl::StrCat("--epsilon must be positive, got '", args.Get("epsilon"), "'"));
+    }
+    o.set_epsilon(eps);
+  }
   o.set_kind(opt == "adam" ? hap::v1::OptimizerConfig::ADAM : hap::v1::OptimizerConfig::SGD);
   o.set_learning_rate(lr);
   o.set_momentum(m);

@@ -40,6 +40,7 @@ constexpr char kUsage[] = R"(usage: hapctl plan --cluster CLUSTER.json [--model 
                    [--max-states N] [--max-seconds S] [-o table|json]
                    [--save-plan PLAN.pb] [--lr X] [--momentum X]
                    [--weight-decay X] [--clip-norm X] [--seed N]
+                   [--beta1 X] [--beta2 X] [--epsilon X]
                    [--pipeline off|auto|N] [--microbatches N]
 
 Synthesizes the SPMD program and sharding ratios offline. Zoo models default
@@ -434,11 +435,12 @@ absl::StatusOr<pipeline::PipelineOptions> ParsePipeline(const Args& args) {
 
 int RunPlan(const std::vector<std::string>& argv) {
   std::set<std::string> value_flags = ZooParamFlags();
-  value_flags.insert({"o", "output", "set", "cluster", "model", "graph",
-                      "devices", "baseline", "optimizer", "max-states",
-                      "max-seconds", "save-plan", "lr", "momentum",
-                      "weight-decay", "clip-norm", "seed", "ratios", "overlap",
-                      "precision", "gradient-precision", "pipeline", "microbatches"});
+  value_flags.insert(
+      {"o",        "output",      "set",          "cluster",    "model",       "graph",
+       "devices",  "baseline",    "optimizer",    "max-states", "max-seconds", "save-plan",
+       "lr",       "momentum",    "weight-decay", "clip-norm",  "beta1",       "beta2",
+       "epsilon",  "seed",        "ratios",       "overlap",    "precision",   "gradient-precision",
+       "pipeline", "microbatches"});
   auto args = Args::Parse(argv, value_flags,
                           {"help", "no-sfb", "no-zero", "no-grouped",
                            "zero-heuristic", "ignore-memory"});

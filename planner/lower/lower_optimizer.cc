@@ -53,8 +53,8 @@ void RankBuilder::Optimizer() {
     a["weight_decay"].set_f(cfg.weight_decay());
     a["clip_global_norm"].set_f(cfg.clip_global_norm());
     if (adam) {
-      a["beta1"].set_f(cfg.beta1() != 0 ? cfg.beta1() : 0.9);
-      a["beta2"].set_f(cfg.beta2() != 0 ? cfg.beta2() : 0.999);
+      a["beta1"].set_f(cfg.has_beta1() ? cfg.beta1() : 0.9);
+      a["beta2"].set_f(cfg.has_beta2() ? cfg.beta2() : 0.999);
       a["epsilon"].set_f(cfg.epsilon() != 0 ? cfg.epsilon() : 1e-8);
     } else {
       a["momentum"].set_f(cfg.momentum());

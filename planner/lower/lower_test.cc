@@ -294,6 +294,38 @@ TEST(LowerTest, ZeroKeepsParameterShardsAndReduceScattersGradients) {
   EXPECT_EQ(states, 2);
 }
 
+// Adam's betas as the config sets them, 0 included (PyTorch's betas=(0,
+// b2)); unset, 0.9 and 0.999. A 0 read as unset, so no plan could run
+// without a first moment.
+TEST(LowerTest, AdamsBetasAreTheConfigsZeroIncluded) {
+  graph::Graph g = Gpt(8);
+  synth::Program p = Search(g, 2, {0.5, 0.5}, std::nullopt, synth::DataParallelRule);
+  LowerOptions o;
+  o.world_size = 2;
+  o.optimizer.set_kind(v1::OptimizerConfig::ADAM);
+  o.optimizer.set_beta1(0);
+  auto progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  int updates = 0;
+  for (const auto& s : (*progs)[0].steps()) {
+    if (!s.has_kernel() || s.kernel().kernel() != "adam_update") continue;
+    ++updates;
+    EXPECT_EQ(s.kernel().attrs().at("beta1").f(), 0);
+    EXPECT_EQ(s.kernel().attrs().at("beta2").f(), 0.999);
+    EXPECT_EQ(s.kernel().attrs().at("epsilon").f(), 1e-8);
+  }
+  EXPECT_GT(updates, 0);
+  o.optimizer.clear_beta1();
+  o.optimizer.set_beta2(0.95);
+  progs = Lower(g, p, o);
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  for (const auto& s : (*progs)[0].steps()) {
+    if (!s.has_kernel() || s.kernel().kernel() != "adam_update") continue;
+    EXPECT_EQ(s.kernel().attrs().at("beta1").f(), 0.9);
+    EXPECT_EQ(s.kernel().attrs().at("beta2").f(), 0.95);
+  }
+}
+
 // The buffers a step reads or writes.
 std::vector<int> Touched(const v1::Step& s) {
   std::vector<int> ids;

@@ -73,7 +73,7 @@ absl::Status PlannerCore::CheckNewPlanOptions(const v1::PlanOptions& options) {
         ") is SGD's; ADAM keeps its own moments (beta1, beta2) and would not read it"));
   }
   if (o.kind() != v1::OptimizerConfig::ADAM &&
-      (o.beta1() != 0 || o.beta2() != 0 || o.epsilon() != 0)) {
+      (o.has_beta1() || o.has_beta2() || o.epsilon() != 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.optimizer.beta1, beta2 and epsilon (", o.beta1(), ", ", o.beta2(),
                      ", ", o.epsilon(), ") are Adam's; ", v1::OptimizerConfig::Kind_Name(o.kind()),

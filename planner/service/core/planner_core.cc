@@ -189,10 +189,10 @@ absl::Status ConvertOptions(const v1::PlanOptions& po, PlannerCore::Job* job,
                                  kInf, "a finite number >= 0 (0 = the default)"));
   HAP_RETURN_IF_ERROR(
       CheckRange("options.optimizer.momentum", opt.momentum(), 0, 1, "in [0, 1)"));
-  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.beta1", opt.beta1(), 0, 1,
-                                 "in [0, 1) (0 = the default)"));
-  HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.beta2", opt.beta2(), 0, 1,
-                                 "in [0, 1) (0 = the default)"));
+  HAP_RETURN_IF_ERROR(
+      CheckRange("options.optimizer.beta1", opt.beta1(), 0, 1, "in [0, 1) (unset = 0.9)"));
+  HAP_RETURN_IF_ERROR(
+      CheckRange("options.optimizer.beta2", opt.beta2(), 0, 1, "in [0, 1) (unset = 0.999)"));
   HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.epsilon", opt.epsilon(), 0, kInf,
                                  "a finite number >= 0 (0 = the default)"));
   HAP_RETURN_IF_ERROR(CheckRange("options.optimizer.weight_decay", opt.weight_decay(), 0, kInf,

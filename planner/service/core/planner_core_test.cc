@@ -578,7 +578,7 @@ TEST_F(PlannerCoreTest, OptionsOutOfRangeAreInvalidArgumentNamingTheFieldAndValu
       {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_momentum(1.5); },
        "options.optimizer.momentum must be in [0, 1), got 1.5"},
       {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_beta2(1); },
-       "options.optimizer.beta2 must be in [0, 1) (0 = the default), got 1"},
+       "options.optimizer.beta2 must be in [0, 1) (unset = 0.999), got 1"},
       {[&](v1::PlanOptions& o) { o.mutable_optimizer()->set_epsilon(-1e-8); },
        "options.optimizer.epsilon must be a finite number >= 0"},
       {[&](v1::PlanOptions& o) { o.mutable_budget()->set_max_seconds(nan); },
