@@ -131,7 +131,7 @@ Initializer InitFromProto(const hap::v1::Initializer& p) {
     case hap::v1::Initializer::UNIFORM:
       i.kind = Initializer::Kind::kUniform;
       break;
-    default:
+    default:  // ZEROS, KIND_UNSPECIFIED; others are refused in FromProto
       i.kind = Initializer::Kind::kZeros;
   }
   i.value = p.value();
@@ -220,6 +220,12 @@ absl::StatusOr<Graph> FromProto(const hap::v1::Graph& p) {
   GraphBuilder b(p.name().empty() ? "graph" : p.name());
   absl::flat_hash_map<std::string, TensorId> ids;
   for (const auto& in : p.inputs()) {
+    // An unknown value (a newer exporter's, or a corrupt file) was read as
+    // FEATURES: refused, naming it.
+    if (!hap::v1::Input::Role_IsValid(in.role())) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", in.tensor().name(), "' has role ",
+                                                     in.role(), ", not one of FEATURES or LABELS"));
+    }
     HAP_ASSIGN_OR_RETURN(TensorType t, SpecFromProto(in.tensor(), "input"));
     TensorId id = b.Input(in.tensor().name(), t,
                           in.role() == hap::v1::Input::LABELS
@@ -229,6 +235,12 @@ absl::StatusOr<Graph> FromProto(const hap::v1::Graph& p) {
     ids[in.tensor().name()] = id;
   }
   for (const auto& par : p.parameters()) {
+    // An unknown kind was initialised as ZEROS without a word.
+    if (!hap::v1::Initializer::Kind_IsValid(par.init().kind())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter '", par.tensor().name(), "' has initializer kind ",
+                       par.init().kind(), ", not one of ZEROS, ONES, CONSTANT, NORMAL, UNIFORM"));
+    }
     HAP_ASSIGN_OR_RETURN(TensorType t,
                          SpecFromProto(par.tensor(), "parameter"));
     Initializer init = InitFromProto(par.init());

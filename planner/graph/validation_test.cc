@@ -74,6 +74,18 @@ TEST(ValidationTest, OpsMayComeInAnyOrder) {
   EXPECT_EQ(g->op(1).name, "loss");
 }
 
+// Enum values this build does not know (a newer exporter's, a corrupt
+// file) are refused naming the tensor: an unknown initializer kind was
+// initialised as zeros, an unknown input role read as features.
+TEST(ValidationTest, UnknownInitializerKindAndInputRole) {
+  hap::v1::Graph p = Tiny();
+  p.mutable_parameters(0)->mutable_init()->set_kind(static_cast<hap::v1::Initializer::Kind>(9));
+  EXPECT_THAT(FromProto(p), StatusIs(kInvalid, HasSubstr("parameter 'w' has initializer kind 9")));
+  p = Tiny();
+  p.mutable_inputs(1)->set_role(static_cast<hap::v1::Input::Role>(7));
+  EXPECT_THAT(FromProto(p), StatusIs(kInvalid, HasSubstr("input 'labels' has role 7")));
+}
+
 TEST(ValidationTest, DuplicateOpName) {
   hap::v1::Graph p = Tiny();
   p.mutable_ops(1)->set_name(p.ops(0).name());
