@@ -161,28 +161,28 @@ TEST(ExecutorCoreTest, RejectsBadPlans) {
 // ipv6:); the planner advertises a bare HOST:PORT. An executor started with
 // --planner ipv6:[::1]:7000 refused every plan of the planner at [::1]:7000.
 TEST(ExecutorCoreTest, GrpcTargetSchemesNameTheSamePlanner) {
+  // A plan loaded by an executor of --planner `planner` from the planner
+  // that advertises `rendezvous`.
+  auto load = [](const std::string& planner, const std::string& rendezvous) {
+    ExecutorCoreOptions o = InProcessOptions(nullptr);
+    o.planner_address = planner;
+    ExecutorCore core(o);
+    LoadOptions l = MlpLoad(2, 0, 3);
+    l.rendezvous_address = rendezvous;
+    return core.LoadPlan(l).status();
+  };
   const std::vector<std::pair<std::string, std::string>> same = {
       {"ipv6:[::1]:7000", "[::1]:7000"},
       {"[::1]:7000", "ipv6:[::1]:7000"},
       {"dns://10.0.0.53/127.0.0.1:7000", "127.0.0.1:7000"},
       {"dns:///127.0.0.1:7000", "ipv4:127.0.0.1:7000"}};
   for (const auto& [planner, rendezvous] : same) {
-    ExecutorCoreOptions o = InProcessOptions(nullptr);
-    o.planner_address = planner;
-    ExecutorCore core(o);
-    LoadOptions load = MlpLoad(2, 0, 3);
-    load.rendezvous_address = rendezvous;
-    EXPECT_THAT(core.LoadPlan(load), IsOk()) << planner << " and " << rendezvous;
+    EXPECT_THAT(load(planner, rendezvous), IsOk()) << planner << " and " << rendezvous;
   }
   const std::vector<std::pair<std::string, std::string>> other = {
       {"ipv6:[::1]:7000", "[::2]:7000"}, {"dns://127.0.0.1/10.0.0.9:7000", "127.0.0.1:7000"}};
   for (const auto& [planner, rendezvous] : other) {
-    ExecutorCoreOptions o = InProcessOptions(nullptr);
-    o.planner_address = planner;
-    ExecutorCore core(o);
-    LoadOptions load = MlpLoad(2, 0, 3);
-    load.rendezvous_address = rendezvous;
-    EXPECT_THAT(core.LoadPlan(load),
+    EXPECT_THAT(load(planner, rendezvous),
                 StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr(rendezvous)))
         << planner << " and " << rendezvous;
   }
