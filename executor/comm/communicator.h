@@ -26,7 +26,7 @@
 //   collective): Gloo's collectives and barrier first exchange a small
 //   description of the call with every peer, and every rank refuses the
 //   mismatch with the same message naming the first rank that differs
-//   from rank 0 and both calls (gloo_communicator.cc, AgreeOnCall).
+//   from rank 0 and both calls (call_agreement.h).
 //   NCCL's does not compare the ranks' calls (executor/cuda).
 //
 // Thread-safety: one thread at a time per communicator; collectives are

@@ -1,6 +1,7 @@
 // The Gloo backend of the communicator (communicator.h). Gloo reports
-// failures by throwing; every call into it happens inside Guard(), which
-// turns exceptions into statuses — nothing else in the project sees one.
+// failures by throwing; every call into it (here and in call_agreement.cc)
+// happens inside Guard(), which turns exceptions into statuses — nothing
+// else in the project sees one.
 #include <netdb.h>
 #include <pthread.h>
 #include <sched.h>
@@ -28,7 +29,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
+#include "executor/comm/call_agreement.h"
 #include "executor/comm/communicator.h"
+#include "executor/comm/deadline.h"
 #include "executor/runtime/bf16.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
@@ -332,7 +335,9 @@ class GlooCommunicator : public Communicator {
         if (!fits) scratch.resize(m.bytes);
         auto payload = ctx_->createUnboundBuffer(fits ? buf.data : scratch.data(), m.bytes);
         payload->recv(peer, PayloadSlot(tag));
-        if (!payload->waitRecv(Left(deadline))) throw gloo::IoException("receive aborted");
+        if (!payload->waitRecv(MillisecondsLeft(deadline))) {
+          throw gloo::IoException("receive aborted");
+        }
       }));
     }
     if (!fits) {
@@ -561,13 +566,6 @@ class GlooCommunicator : public Communicator {
     std::deque<Arrived> arrived;
   };
 
-  // The whole milliseconds left, rounded up: a wait that starts at once
-  // waits (and Gloo's message says) the group's timeout.
-  static std::chrono::milliseconds Left(std::chrono::steady_clock::time_point deadline) {
-    return std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(
-                                                      deadline - std::chrono::steady_clock::now()));
-  }
-
   // The first header from `peer` under `tag`, waiting for headers (and
   // keeping those of other tags) until `deadline`. Throws as Gloo does.
   Arrived NextHeader(int peer, int64_t tag, std::chrono::steady_clock::time_point deadline) {
@@ -588,7 +586,9 @@ class GlooCommunicator : public Communicator {
         in.receive->recv(peer, HeaderSlot());
         in.posted = true;
       }
-      if (!in.receive->waitRecv(Left(deadline))) throw gloo::IoException("receive aborted");
+      if (!in.receive->waitRecv(MillisecondsLeft(deadline))) {
+        throw gloo::IoException("receive aborted");
+      }
       in.posted = false;
       Header h;
       std::memcpy(&h, in.buffer.data(), sizeof(h));
@@ -607,127 +607,10 @@ class GlooCommunicator : public Communicator {
     }
   }
 
-  // Every collective (and barrier) starts with an agreement on the call:
-  // each rank sends every peer a description of its call (CallKind, dtype,
-  // elements, root, counts) and waits for theirs, before any of the
-  // collective's own traffic. Gloo cannot survive calls that differ: a
-  // message longer than the receive posted for it fails a check on Gloo's
-  // event-loop thread, which ends the process (std::terminate); a shorter
-  // one is taken as complete and leaves the ranks out of step (wrong sums,
-  // then a hang until the timeout). With the descriptions every rank sees
-  // the same table and refuses a mismatch with the same message, naming
-  // the first rank that differs from rank 0 and both calls; as no rank
-  // sends any of the collective's data, the group stays in step and the
-  // communicator usable. The cost is one small message per peer, sent at
-  // once (each rank keeps a receive for the next description posted per
-  // peer), so the wait is one one-way hop, not a round trip.
-  enum class CallKind : int64_t {
-    kAllReduce = 1,
-    kAllGatherPadded,
-    kAllGatherGrouped,
-    kReduceScatterPadded,
-    kReduceScatterGrouped,
-    kAllToAll,
-    kBroadcast,
-    kReduce,
-    kBarrier,
-    // This rank's own checks refused its call (Refuse): nothing follows.
-    kRefused,
-  };
-  // A call as its peers see it. counts: all-gather and reduce-scatter
-  // chunks, or all-to-all send counts (recv_counts: what it expects).
-  struct Call {
-    Call(CallKind kind, DType dtype, int64_t elements, int64_t root = -1,
-         absl::Span<const int64_t> counts = {}, absl::Span<const int64_t> recv_counts = {})
-        : kind(kind),
-          dtype(dtype),
-          elements(elements),
-          root(root),
-          counts(counts),
-          recv_counts(recv_counts) {}
-    CallKind kind;
-    DType dtype;
-    int64_t elements;
-    int64_t root;
-    absl::Span<const int64_t> counts;
-    absl::Span<const int64_t> recv_counts;
-  };
-  // On the wire: kind, dtype, elements, root, then size() counts and
-  // size() receive counts (zeros where a call has none).
-  static constexpr int kCallFields = 4;
-  size_t CallWords() const { return kCallFields + 2 * static_cast<size_t>(size()); }
-  std::vector<int64_t> Encode(const Call& c) const {
-    std::vector<int64_t> w(CallWords(), 0);
-    w[0] = static_cast<int64_t>(c.kind);
-    w[1] = static_cast<int64_t>(c.dtype);
-    w[2] = c.elements;
-    w[3] = c.root;
-    std::copy(c.counts.begin(), c.counts.end(), w.begin() + kCallFields);
-    std::copy(c.recv_counts.begin(), c.recv_counts.end(), w.begin() + kCallFields + size());
-    return w;
-  }
-  static std::string KindName(int64_t kind) {
-    switch (static_cast<CallKind>(kind)) {
-      case CallKind::kAllReduce:
-        return "all-reduce";
-      case CallKind::kAllGatherPadded:
-        return "all-gather (padded)";
-      case CallKind::kAllGatherGrouped:
-        return "all-gather (grouped)";
-      case CallKind::kReduceScatterPadded:
-        return "reduce-scatter (padded)";
-      case CallKind::kReduceScatterGrouped:
-        return "reduce-scatter (grouped)";
-      case CallKind::kAllToAll:
-        return "all-to-all";
-      case CallKind::kBroadcast:
-        return "broadcast";
-      case CallKind::kReduce:
-        return "reduce";
-      case CallKind::kBarrier:
-        return "barrier";
-      case CallKind::kRefused:
-        return "a call it refused";
-    }
-    return absl::StrCat("collective #", kind);
-  }
-  static std::string DTypeOf(int64_t dtype) {
-    if (dtype < 0 || dtype > static_cast<int64_t>(DType::kInt64)) {
-      return absl::StrCat("dtype #", dtype);
-    }
-    return std::string(graph::DTypeName(static_cast<DType>(dtype)));
-  }
-  // "all-reduce of 4 f32 elements", "broadcast of 4 f32 elements from rank
-  // 1", "all-gather (padded) of f32 chunks [2,3]", "barrier".
-  std::string Describe(const std::vector<int64_t>& w) const {
-    const std::string kind = KindName(w[0]);
-    const std::string elements = absl::StrCat(w[2], " ", DTypeOf(w[1]), " elements");
-    switch (static_cast<CallKind>(w[0])) {
-      case CallKind::kAllReduce:
-        return absl::StrCat(kind, " of ", elements);
-      case CallKind::kBroadcast:
-        return absl::StrCat(kind, " of ", elements, " from rank ", w[3]);
-      case CallKind::kReduce:
-        return absl::StrCat(kind, " of ", elements, " to rank ", w[3]);
-      case CallKind::kAllGatherPadded:
-      case CallKind::kAllGatherGrouped:
-      case CallKind::kReduceScatterPadded:
-      case CallKind::kReduceScatterGrouped:
-        return absl::StrCat(
-            kind, " of ", DTypeOf(w[1]), " chunks [",
-            absl::StrJoin(w.begin() + kCallFields, w.begin() + kCallFields + size(), ","), "]");
-      case CallKind::kAllToAll:
-        return absl::StrCat(kind, " of ", DTypeOf(w[1]));
-      case CallKind::kBarrier:
-      case CallKind::kRefused:
-        return kind;
-    }
-    return kind;
-  }
-
-  // Exchanges `call` with every peer and checks that the calls match
-  // (InvalidArgument naming the first difference, the communicator still
-  // usable). A peer that does not answer fails as a collective does.
+  // The agreement on the call (call_agreement.h): exchanges `call` with
+  // every peer and checks that the calls match (InvalidArgument naming the
+  // first difference, the communicator still usable). A peer that does not
+  // answer fails as a collective does.
   absl::Status AgreeOnCall(const std::string& what, const Call& call) {
     if (size() == 1) return absl::OkStatus();
     if (!check_calls_) {
@@ -739,8 +622,8 @@ class GlooCommunicator : public Communicator {
         gloo::barrier(opts);
       });
     }
-    std::vector<std::vector<int64_t>> calls;
-    HAP_RETURN_IF_ERROR(Run(what, [&] { calls = ExchangeCalls(Encode(call)); }));
+    std::vector<EncodedCall> calls;
+    HAP_RETURN_IF_ERROR(Run(what, [&] { calls = agreement_.Exchange(call); }));
     return CheckCallsMatch(what, calls);
   }
 
@@ -751,7 +634,7 @@ class GlooCommunicator : public Communicator {
   absl::Status Refuse(const std::string& what, absl::Status own) {
     if (!check_calls_ || size() == 1) return own;
     absl::Status told = Run(what, [&] {
-      ExchangeCalls(Encode({CallKind::kRefused, DType::kFloat32, 0}));
+      agreement_.Exchange({CallKind::kRefused, DType::kFloat32, 0});
     });
     if (!told.ok()) {
       return absl::Status(
@@ -761,108 +644,6 @@ class GlooCommunicator : public Communicator {
     return own;
   }
 
-  // Every rank's encoded call (calls[r] for rank r), the same table on
-  // every rank; the first mismatch found, the same message on every rank.
-  absl::Status CheckCallsMatch(const std::string& what,
-                               const std::vector<std::vector<int64_t>>& calls) const {
-    // An all-to-all's rows differ by rank: only the kind and dtype must be
-    // the same; the counts must pair up (below).
-    for (int r = 0; r < size(); ++r) {
-      if (calls[r][0] == static_cast<int64_t>(CallKind::kRefused)) {
-        return Invalid(absl::StrCat(what, ": rank ", r,
-                                    " refused its own call before any traffic (its arguments "
-                                    "there are invalid; its error names them)"));
-      }
-    }
-    auto same = [&](const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
-      if (a[0] == static_cast<int64_t>(CallKind::kAllToAll) && a[0] == b[0]) return a[1] == b[1];
-      return a == b;
-    };
-    for (int r = 1; r < size(); ++r) {
-      if (!same(calls[0], calls[r])) {
-        return Invalid(absl::StrCat(what, ": the ranks' calls differ: rank 0 calls ",
-                                    Describe(calls[0]), ", rank ", r, " calls ",
-                                    Describe(calls[r])));
-      }
-    }
-    if (calls[0][0] != static_cast<int64_t>(CallKind::kAllToAll)) return absl::OkStatus();
-    for (int from = 0; from < size(); ++from) {
-      for (int to = 0; to < size(); ++to) {
-        const int64_t sends = calls[from][kCallFields + to];
-        const int64_t expects = calls[to][kCallFields + size() + from];
-        if (sends != expects) {
-          return Invalid(absl::StrCat(what, ": the ranks' counts differ: rank ", from, " sends ",
-                                      sends, " ", DTypeOf(calls[from][1]), " elements to rank ", to,
-                                      ", which expects ", expects, " from it"));
-        }
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  // The descriptions' own slot, clear of the collectives' and of
-  // point-to-point messages.
-  static uint64_t CallSlot() { return gloo::Slot::build(0x42, 0); }
-
-  // Sends `mine` to every peer, and returns every rank's call once each
-  // peer's has come, within the timeout. Throws as Gloo does.
-  std::vector<std::vector<int64_t>> ExchangeCalls(const std::vector<int64_t>& mine) {
-    const size_t bytes = CallWords() * sizeof(int64_t);
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    if (call_inboxes_.empty()) call_inboxes_.resize(size());
-    for (int p = 0; p < size(); ++p) {
-      if (p == rank()) continue;
-      CallInbox& in = call_inboxes_[p];
-      if (in.receive == nullptr) {
-        in.buffer.resize(CallWords());
-        in.receive = ctx_->createUnboundBuffer(in.buffer.data(), bytes);
-      }
-      if (!in.posted) {
-        in.receive->recv(p, CallSlot());
-        in.posted = true;
-      }
-    }
-    // Kept until every send has completed (below); the next call reuses it.
-    if (call_send_ == nullptr) {
-      call_out_.resize(CallWords());
-      call_send_ = ctx_->createUnboundBuffer(call_out_.data(), bytes);
-    }
-    std::copy(mine.begin(), mine.end(), call_out_.begin());
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank()) call_send_->send(p, CallSlot());
-    }
-    std::vector<std::vector<int64_t>> calls(size());
-    calls[rank()] = call_out_;
-    for (int p = 0; p < size(); ++p) {
-      if (p == rank()) continue;
-      CallInbox& in = call_inboxes_[p];
-      if (!in.receive->waitRecv(Left(deadline))) throw gloo::IoException("agreement aborted");
-      in.posted = false;
-      calls[p] = in.buffer;
-      // Posted again at once, so that the peer's next description goes out
-      // as sent. A peer that has closed its end since (its last call made)
-      // fails the post, not this call: the next call reports it.
-      try {
-        in.receive->recv(p, CallSlot());
-        in.posted = true;
-      } catch (const std::exception&) {
-      }
-    }
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank() && !call_send_->waitSend(Left(deadline))) {
-        throw gloo::IoException("agreement aborted");
-      }
-    }
-    return calls;
-  }
-
-  // The receive kept posted for a peer's next description.
-  struct CallInbox {
-    std::vector<int64_t> buffer;
-    std::unique_ptr<gloo::transport::UnboundBuffer> receive;
-    bool posted = false;
-  };
-
   std::shared_ptr<gloo::Context> ctx_;
   std::chrono::milliseconds timeout_;
   bool check_calls_ = true;  // GlooOptions::check_calls
@@ -871,12 +652,9 @@ class GlooCommunicator : public Communicator {
   std::vector<PendingSend> pending_sends_;
   // By peer; after ctx_, so that they go first.
   std::vector<Inbox> inboxes_ = std::vector<Inbox>(ctx_->size);
-  // This rank's last description and the buffer it is sent from (one for
-  // every peer); the receives for the peers' next ones, by peer (filled at
-  // the first call). After ctx_, so that they go first.
-  std::vector<int64_t> call_out_;
-  std::unique_ptr<gloo::transport::UnboundBuffer> call_send_;
-  std::vector<CallInbox> call_inboxes_;
+  // The exchange of the calls (its buffers, filled at the first call).
+  // After ctx_, so that they go first.
+  CallAgreement agreement_{ctx_, timeout_};
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous
