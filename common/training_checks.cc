@@ -17,6 +17,7 @@ absl::Status CheckTrainingConfig(const hap::v1::TrainingConfig& t) {
   }
   if (t.checkpoint_every() < 0) return bad("checkpoint_every", t.checkpoint_every(), "0 or more");
   if (t.checkpoint_keep() < 0) return bad("checkpoint_keep", t.checkpoint_keep(), "0 or more");
+  if (t.log_every() < 0) return bad("log_every", t.log_every(), "0 (every 100th step) or more");
   if (!hap::v1::TrainingConfig::DataSource_IsValid(t.data())) {
     return bad("data", static_cast<int>(t.data()), "SYNTHETIC or WIKITEXT2");
   }

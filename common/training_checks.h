@@ -15,7 +15,7 @@ inline constexpr int kMaxThreadsPerRank = 4096;
 
 // steps >= 0 (0: the planner's default), threads_per_rank 0 (the
 // executor's --threads) to kMaxThreadsPerRank, checkpoint_every and
-// checkpoint_keep >= 0, a known data source, resume and init_weights not
+// checkpoint_keep >= 0, log_every >= 0, a known data source, resume and init_weights not
 // both, shuffle only with data_spec.
 absl::Status CheckTrainingConfig(const hap::v1::TrainingConfig& t);
 

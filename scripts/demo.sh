@@ -505,6 +505,10 @@ meas = d.get('medianStepSeconds', 0)
 print('   predicted step %.3f s, measured median %.3f s (prediction off by %+.0f%%)' % (pred, meas, 100 * (pred - meas) / meas))"
 
 echo
+echo "== node0's executor daemon: its log (standard error; kubectl logs in a cluster), the last lines =="
+grep "^hap-executor: " "$STATE/executor0.log" | tail -4 | cut -c1-160 | sed 's/^/   /'
+
+echo
 echo "== Checkpoints in $CKPT (kept): the last one =="
 "$HAPCTL" checkpoint inspect "$CKPT" |
   awk -v dir="$CKPT" 'NR <= 20 { print "   " $0 } END { if (NR > 20) printf "   ... %d more tensors (%s checkpoint inspect %s)\n", NR - 20, "hapctl", dir }'

@@ -84,6 +84,10 @@ class DemoNetworkTest(unittest.TestCase):
         log.append(rest)
         self.assertEqual(demo.returncode, 0, "".join(log))
         self.assertRegex("".join(log), r"step +4/4 +loss")
+        # node0's executor daemon logged its rank's last step and end.
+        self.assertRegex("".join(log), r"hap-executor: deployments/\S+ generation \d+ rank \d: step 3 loss ")
+        self.assertRegex("".join(log), r"hap-executor: deployments/\S+ generation \d+ rank \d: FINISHED, "
+                         r"4 of 4 steps done")
         self.assertIn("metrics http://10.213.0.254:9464/metrics", "".join(log))
         self.assertEqual(namespaces_of(demo.pid), [], "".join(log))
 

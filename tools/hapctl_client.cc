@@ -55,7 +55,7 @@ constexpr char kUsage[] = R"(usage:
   hapctl deploy plan NAME --executor DEVICE=HOST:PORT ... [--steps N]
                      [--data synthetic|wikitext|npy:DIR|tokens:FILE[:uint16|uint32]]
                      [--data-path FILE (wikitext)] [--shuffle SEED (npy:, tokens:)]
-                     [--threads T]
+                     [--threads T] [--log-every N (executor logs; default 100)]
                      [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
                      [--resume DIR | --init-weights FILE.safetensors]
   hapctl stop deployment NAME
@@ -63,7 +63,7 @@ constexpr char kUsage[] = R"(usage:
   hapctl create job --id ID (--model NAME [...] | --graph FILE) [--batch N] [plan flags]
                      --checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]
                      [--steps N] [--data ...] [--data-path FILE] [--shuffle SEED] [--threads T]
-                     [--executor DEVICE=HOST:PORT ...] [--devices ID,...]
+                     [--log-every N] [--executor DEVICE=HOST:PORT ...] [--devices ID,...]
                      [--label KEY=VALUE ...] [--min-devices N]
                      [--max-devices N] [--min-gain FRACTION] [--no-join]
                      [--join-stable SECONDS] [--max-replans N]
@@ -386,8 +386,12 @@ absl::StatusOr<v1::TrainingConfig> TrainingFromArgs(const Args& a) {
   // agent measured with; 1 made CPU ranks run several times slower than
   // the plan predicted.
   HAP_ASSIGN_OR_RETURN(int64_t threads, a.Integer("threads", 0, 0, 4096));
+  // Each executor daemon's log of its rank's steps; 0 (not given): every
+  // 100th.
+  HAP_ASSIGN_OR_RETURN(int64_t log_every, a.Integer("log-every", 0, 1, kMaxInt32));
   t.set_steps(steps);
   t.set_threads_per_rank(static_cast<int>(threads));
+  t.set_log_every(static_cast<int>(log_every));
   const std::string data = a.Get("data", "synthetic");
   const bool spec = absl::StartsWith(data, "npy:") || absl::StartsWith(data, "tokens:");
   if (data == "wikitext") {
@@ -659,8 +663,8 @@ ClientFlags FlagsOf(const std::string& verb, const std::string& kind) {
   const std::set<std::string> zoo = ZooParamFlags();
   plan.values.insert(zoo.begin(), zoo.end());
   const ClientFlags training{
-      {"executor", "steps", "data", "data-path", "threads", "checkpoint-dir", "checkpoint-every",
-       "checkpoint-keep", "resume", "init-weights", "shuffle"},
+      {"executor", "steps", "data", "data-path", "threads", "log-every", "checkpoint-dir",
+       "checkpoint-every", "checkpoint-keep", "resume", "init-weights", "shuffle"},
       {}};
   const ClientFlags job{{"global-batch", "label", "min-devices", "max-devices", "min-gain",
                          "join-stable", "max-replans", "slowdown-threshold"},

@@ -235,6 +235,22 @@ TEST_F(HapctlClientTest, DeployWithoutThreadsLeavesThemToTheExecutors) {
   EXPECT_EQ(service_.deployed().training().threads_per_rank(), 8);
 }
 
+// training.log_every: how often each executor daemon logs its rank's step
+// (0, not given: every 100th). hapctl had no flag for it.
+TEST_F(HapctlClientTest, DeployTakesTheExecutorsLogEvery) {
+  std::string out, err;
+  const std::vector<std::string> deploy = {"plan", "p", "--executor", "n1/cpu0=127.0.0.1:7101"};
+  ASSERT_EQ(Hapctl("deploy", deploy, &out, &err), 0) << err;
+  EXPECT_EQ(service_.deployed().training().log_every(), 0);
+  std::vector<std::string> every = deploy;
+  every.insert(every.end(), {"--log-every", "10"});
+  ASSERT_EQ(Hapctl("deploy", every, &out, &err), 0) << err;
+  EXPECT_EQ(service_.deployed().training().log_every(), 10);
+  every.back() = "0";
+  EXPECT_EQ(Hapctl("deploy", every, &out, &err), 1);
+  EXPECT_THAT(err, HasSubstr("flag --log-every must be an integer from 1"));
+}
+
 TEST_F(HapctlClientTest, DescribeAMissingNodeIsAnError) {
   std::string out, err;
   EXPECT_EQ(Hapctl("describe", {"node", "n9"}, &out, &err), 1);

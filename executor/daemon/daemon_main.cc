@@ -136,6 +136,10 @@ int ExecutorDaemonMain(const std::vector<std::string>& argv) {
   // pipe) must not kill a daemon that is training: its writes fail instead.
   signal(SIGPIPE, SIG_IGN);
 
+  // One line at a time (a single write), whichever thread logs.
+  options->core.log = [](const std::string& line) {
+    std::cerr << absl::StrCat("hap-executor: ", line, "\n") << std::flush;
+  };
   auto server = ExecutorServer::Start(*std::move(options));
   if (!server.ok()) {
     std::cerr << "error: " << server.status().message() << "\n";

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "common/training_checks.h"
@@ -232,6 +233,7 @@ struct ExecutorCore::Loaded {
   LoadOptions options;
   graph::Graph graph;
   std::unique_ptr<Device> device;
+  std::string backend;  // device->name(), kept once the device is freed
   // Times every kernel call of `device` (the runner runs on it) when the
   // load is profiled; null otherwise.
   std::unique_ptr<TimingDevice> timing;
@@ -465,15 +467,22 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   HAP_RETURN_IF_ERROR(SetUpDataAndCheckpoints(in, loaded.get()));
   HAP_RETURN_IF_ERROR(caller_waits("after opening the checkpoint or weights and the data"));
   const int threads = t.threads_per_rank() > 0 ? t.threads_per_rank() : std::max(1, o_.threads);
+  std::string device_note;  // why the rank runs on another kind of device than planned
   if (o_.make_device) {
     loaded->device = o_.make_device(threads);
   } else {
-    auto spec = ChooseDevice(o_.device, in.plan, in.rank);
+    auto spec = ChooseDevice(o_.device, in.plan, in.rank, &device_note);
     if (!spec.ok()) return Annotate(spec.status(), "device");
+    const DeviceSpec planned = PlannedDevice(in.plan, in.rank);
+    if (device_note.empty() && planned.kind != spec->kind) {
+      device_note = absl::StrCat("the plan places rank ", in.rank, " on ", planned.ToString(),
+                                 " but this executor was started with --device ", o_.device);
+    }
     auto device = MakeDevice(*spec, threads);
     if (!device.ok()) return Annotate(device.status(), "device");
     loaded->device = *std::move(device);
   }
+  loaded->backend = loaded->device->name();
   loaded->comm = loaded->pipelined() ? std::make_unique<DeferredCommunicator>(
                                          loaded->at.group_rank, loaded->at.group_size)
                                    : std::make_unique<DeferredCommunicator>(in.rank, in.world_size);
@@ -503,6 +512,10 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   }
   HAP_RETURN_IF_ERROR(caller_waits("after preparing the rank's program"));
   std::string hash = in.plan.content_hash();
+  const std::string loaded_line =
+      absl::StrCat("loaded ", in.deployment, " generation ", in.generation, ": rank ", in.rank,
+                   " of ", in.world_size, " on ", loaded->backend, ", plan ", in.plan.name(),
+                   device_note.empty() ? "" : absl::StrCat(" (", device_note, ")"));
   loaded->options = std::move(in);
 
   absl::MutexLock ops(&ops_mu_);
@@ -524,19 +537,26 @@ absl::StatusOr<std::string> ExecutorCore::LoadPlan(
   // Last chance: after this the plan is installed.
   HAP_RETURN_IF_ERROR(caller_waits("before installing the plan"));
   std::shared_ptr<Loaded> old;
-  absl::MutexLock l(&mu_);
-  old = std::move(loaded_);
-  installed_ticket_ = ticket;
-  installed_.deployment = loaded->options.deployment;
-  installed_.generation = loaded->options.generation;
-  loaded_ = std::move(loaded);
-  ++load_id_;
-  state_ = v1::ExecutorStatus::LOADED;
-  steps_completed_ = 0;
-  last_loss_ = 0;
-  error_.clear();
-  error_code_ = absl::StatusCode::kOk;
+  {
+    absl::MutexLock l(&mu_);
+    old = std::move(loaded_);
+    installed_ticket_ = ticket;
+    installed_.deployment = loaded->options.deployment;
+    installed_.generation = loaded->options.generation;
+    loaded_ = std::move(loaded);
+    ++load_id_;
+    state_ = v1::ExecutorStatus::LOADED;
+    steps_completed_ = 0;
+    last_loss_ = 0;
+    error_.clear();
+    error_code_ = absl::StatusCode::kOk;
+  }
+  Log(loaded_line);
   return hash;  // `old` is freed here (unless a retired thread holds it)
+}
+
+void ExecutorCore::Log(const std::string& line) const {
+  if (o_.log) o_.log(line);
 }
 
 absl::Status ExecutorCore::RefuseWhileTraining() const {
@@ -586,9 +606,24 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Start(const std::string& deploy
   return StatusLocked();
 }
 
+namespace {
+
+// Every log_every-th step of the run (counted from its first), and its last.
+bool LogStep(const v1::TrainingConfig& t, int64_t first_step, int64_t step) {
+  constexpr int64_t kDefaultLogEvery = 100;
+  const int64_t every = t.log_every() > 0 ? t.log_every() : kDefaultLogEvery;
+  return (step + 1 - first_step) % every == 0 || step + 1 == t.steps();
+}
+
+}  // namespace
+
 void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
   const LoadOptions& lo = loaded->options;
   const int64_t steps = lo.training.steps();
+  const std::string run =
+      absl::StrCat(lo.deployment, " generation ", lo.generation, " rank ", lo.rank);
+  Log(absl::StrCat(run, ": training steps ", loaded->first_step, " to ", steps - 1,
+                   loaded->first_step > 0 ? " (resumed)" : ""));
   absl::Status s = [&]() -> absl::Status {
     HAP_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> made, o_.make_store(lo));
     auto store = std::make_unique<CancellableStore>(std::move(made),
@@ -679,6 +714,10 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
         if (profile.has_value()) loaded->profile = *std::move(profile);
         while (loaded->metrics.size() > o_.max_kept_metrics) loaded->metrics.pop_front();
       }
+      if (LogStep(lo.training, loaded->first_step, step)) {
+        Log(absl::StrCat(run, ": step ", step, " loss ", absl::StrFormat("%.6g", loss), ", ",
+                         absl::StrFormat("%.1f", seconds * 1e3), " ms"));
+      }
       if (o_.on_step) o_.on_step(m);
     };
     auto r = pipe != nullptr
@@ -719,6 +758,17 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
       }
     }
   }
+  std::string ended;  // the log's line, unless the load was retired
+  {
+    absl::MutexLock l(&mu_);
+    if (load_id_ == load_id && !loaded->abandoned) {
+      ended =
+          absl::StrCat(run, ": ", v1::ExecutorStatus::State_Name(loaded->final_state), ", ",
+                       std::max(steps_completed_, loaded->first_step), " of ", steps, " steps done",
+                       loaded->final_error.empty() ? "" : ": ", loaded->final_error);
+    }
+  }
+  if (!ended.empty()) Log(ended);
   if (o_.on_end) o_.on_end();
   absl::MutexLock l(&mu_);
   loaded->ended = true;
@@ -808,7 +858,7 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
   }
   WaitUntilDone(std::min(wait_until, asked + o_.stop_wait));
   ReapRetired(/*all=*/false);
-  absl::MutexLock l(&mu_);
+  absl::ReleasableMutexLock l(&mu_);
   if (state_ == v1::ExecutorStatus::TRAINING && wait_until <= called &&
       absl::Now() < asked + o_.stop_wait) {
     // A caller whose deadline had passed before it was served waited for
@@ -847,6 +897,13 @@ absl::StatusOr<v1::ExecutorStatus> ExecutorCore::Stop(const std::string& deploym
                     : absl::StrCat("(a collective waiting for a peer that is gone ends at the "
                                    "communicator timeout, ",
                                    absl::FormatDuration(o_.comm_timeout), ")"));
+    const std::string line =
+        absl::StrCat(loaded_->options.deployment, " generation ", loaded_->options.generation,
+                     " rank ", loaded_->options.rank, ": FAILED, ", error_);
+    v1::ExecutorStatus answer = StatusLocked();
+    l.Release();  // the log is written without it
+    Log(line);
+    return answer;
   }
   return StatusLocked();
 }
@@ -873,6 +930,7 @@ v1::ExecutorStatus ExecutorCore::StatusLocked() const {
     s.set_deployment(loaded_->options.deployment);
     s.set_generation(loaded_->options.generation);
     s.set_rank(loaded_->options.rank);
+    s.set_backend(loaded_->backend);
   }
   s.set_steps_completed(steps_completed_);
   s.set_last_loss(last_loss_);

@@ -106,6 +106,14 @@ struct ExecutorCoreOptions {
   // Called on the training thread once training has ended, before the state
   // leaves TRAINING (e.g. to flush metrics to the planner; keep it bounded).
   std::function<void()> on_end;
+  // The daemon's log, a line per call without its newline (hap-executor
+  // writes them to its standard error: `kubectl logs`): each plan loaded
+  // (the device its rank runs on, and why when that is not the kind the
+  // plan placed it on), each start and end of training, and every
+  // training.log_every-th step (0 = 100) and the last. Called on the
+  // caller's or the training thread, never under the lock of the status;
+  // must not block for long. Null = no log.
+  std::function<void(const std::string&)> log;
   std::function<absl::Time()> now = absl::Now;
   size_t max_kept_metrics = 100'000;  // for WaitMetrics; oldest dropped first
   // Per-op timing for the planner's calibration (ExecutorStatus.profile):
@@ -195,6 +203,7 @@ class ExecutorCore {
   absl::Status RefuseWhileTraining() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   hap::v1::ExecutorStatus StatusLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void JoinTrainingThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  void Log(const std::string& line) const ABSL_LOCKS_EXCLUDED(mu_);  // to options.log
 
   const ExecutorCoreOptions o_;
   mutable absl::Mutex mu_;

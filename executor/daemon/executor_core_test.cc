@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
@@ -323,7 +324,8 @@ TEST(ExecutorCoreTest, ReportsPerOpProfilesOfCompleteWindows) {
 // runs on the CPU (--device cpu, as ChooseDevice advises for plans mixing
 // GPUs and CPUs, or a build without CUDA) reported CPU times for the GPU,
 // and the planner calibrated the GPU as if it were that CPU.
-TEST(ExecutorCoreTest, ARankPlannedOnAGpuThatRunsOnTheCpuReportsNoProfile) {
+// CachedMlpPlan(2) with every device of its cluster a GPU, as planned.
+v1::Plan GpuPlannedMlpPlan() {
   v1::Plan plan = CachedMlpPlan(2);
   for (v1::Node& n : *plan.mutable_cluster()->mutable_nodes()) {
     int index = 0;
@@ -332,9 +334,14 @@ TEST(ExecutorCoreTest, ARankPlannedOnAGpuThatRunsOnTheCpuReportsNoProfile) {
       d.set_local_index(index++);
     }
   }
-  plan.set_cluster_hash(lower::Sha256Hex(plan.cluster()));  // planned so
+  plan.set_cluster_hash(lower::Sha256Hex(plan.cluster()));
   plan.set_content_hash(lower::ContentHash(plan));
-  ASSERT_EQ(PlannedDevice(plan, 0).kind, DeviceSpec::Kind::kCuda);
+  EXPECT_EQ(PlannedDevice(plan, 0).kind, DeviceSpec::Kind::kCuda);
+  return plan;
+}
+
+TEST(ExecutorCoreTest, ARankPlannedOnAGpuThatRunsOnTheCpuReportsNoProfile) {
+  const v1::Plan plan = GpuPlannedMlpPlan();
   InProcessGroup group(2);
   ExecutorCoreOptions o = InProcessOptions(&group);
   o.profile_window = 3;
@@ -346,6 +353,62 @@ TEST(ExecutorCoreTest, ARankPlannedOnAGpuThatRunsOnTheCpuReportsNoProfile) {
   EXPECT_EQ(a.Status().steps_completed(), 10);
   EXPECT_FALSE(a.Status().has_profile()) << a.Status().profile().DebugString();
   EXPECT_FALSE(b.Status().has_profile());
+}
+
+// The daemon's log (`kubectl logs`): a line per load naming the device the
+// rank runs on, the start and the end of training, and every log_every-th
+// step and the last. training.log_every was sent to every executor and
+// read by none; the daemon logged nothing of a deployment.
+TEST(ExecutorCoreTest, LogsLoadsTrainingAndEveryLogEveryStep) {
+  InProcessGroup group(2);
+  absl::Mutex mu;
+  std::vector<std::string> lines;
+  ExecutorCoreOptions o = InProcessOptions(&group);
+  ExecutorCore b(o);
+  o.log = [&](const std::string& line) {
+    absl::MutexLock l(&mu);
+    lines.push_back(line);
+  };
+  ExecutorCore a(o);
+  LoadOptions la = MlpLoad(2, 0, 5), lb = MlpLoad(2, 1, 5);
+  la.training.set_log_every(2);
+  lb.training.set_log_every(2);
+  TrainToTheEnd({&a, &b}, {la, lb});
+  EXPECT_EQ(a.Status().backend(), "cpu");
+  absl::MutexLock l(&mu);
+  ASSERT_EQ(lines.size(), 6u) << absl::StrJoin(lines, "\n");
+  EXPECT_THAT(lines[0], HasSubstr("loaded deployments/d1 generation 1: rank 0 of 2 on cpu, plan "));
+  EXPECT_EQ(lines[1], "deployments/d1 generation 1 rank 0: training steps 0 to 4");
+  EXPECT_THAT(lines[2], HasSubstr("deployments/d1 generation 1 rank 0: step 1 loss "));
+  EXPECT_THAT(lines[3], HasSubstr("rank 0: step 3 loss "));
+  EXPECT_THAT(lines[4], AllOf(HasSubstr("rank 0: step 4 loss "), HasSubstr(" ms")));
+  EXPECT_EQ(lines[5], "deployments/d1 generation 1 rank 0: FINISHED, 5 of 5 steps done");
+
+  LoadOptions bad = MlpLoad(2, 0, 5);
+  bad.training.set_log_every(-1);
+  EXPECT_THAT(
+      a.LoadPlan(bad),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("training.log_every must be 0 (every 100th step) or more, got -1")));
+}
+
+// A rank the plan places on a GPU that its executor runs on the CPU
+// (--device cpu, or a build without CUDA) trains several times slower than
+// planned; the daemon said nothing of it.
+TEST(ExecutorCoreTest, ARankPlannedOnAGpuRunOnTheCpuIsLoggedAndShown) {
+  std::vector<std::string> lines;
+  ExecutorCoreOptions o = InProcessOptions(nullptr);
+  o.device = "cpu";
+  o.log = [&lines](const std::string& line) { lines.push_back(line); };
+  ExecutorCore core(o);
+  LoadOptions lo = MlpLoad(2, 0, 3);
+  lo.plan = GpuPlannedMlpPlan();
+  ASSERT_THAT(core.LoadPlan(lo), IsOk());
+  EXPECT_EQ(core.Status().backend(), "cpu");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_THAT(lines[0], HasSubstr("rank 0 of 2 on cpu, plan "));
+  EXPECT_THAT(lines[0], HasSubstr("(the plan places rank 0 on cuda:0 but this executor was "
+                                  "started with --device cpu)"));
 }
 
 TEST(ExecutorCoreTest, ShutdownRefusesLoads) {

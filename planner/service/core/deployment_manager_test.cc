@@ -374,6 +374,8 @@ TEST_F(DeploymentManagerTest, DeployChecksTheTrainingConfig) {
           "training.checkpoint_every must be 0 or more, got -1");
   refused([](auto& t) { t.set_checkpoint_keep(-2); },
           "training.checkpoint_keep must be 0 or more, got -2");
+  refused([](auto& t) { t.set_log_every(-5); },
+          "training.log_every must be 0 (every 100th step) or more, got -5");
   refused([](auto& t) { t.set_data(static_cast<v1::TrainingConfig::DataSource>(7)); },
           "training.data must be SYNTHETIC or WIKITEXT2, got 7");
   refused(
