@@ -390,9 +390,9 @@ void Pass::ConsiderSlowdown(const v1::Deployment& d) {
   std::string unprofiled;
   if (!Profiled(d, st().slowdown_step())) {
     if (d.recent_steps_end() < st().slowdown_step() + kProfileWaitSteps) return;
-    unprofiled = absl::StrCat("ranks without a profile of steps from ", st().slowdown_step(), " ",
-                              kProfileWaitSteps,
-                              " steps on (CUDA ranks are not profiled) are not recalibrated; ");
+    unprofiled =
+        absl::StrCat(" (not the ranks with no profile of the steps from ", st().slowdown_step(),
+                     " after ", kProfileWaitSteps, " steps: CUDA ranks are never profiled)");
   }
   absl::StatusOr<std::string> c = b_.Calibrate(d);
   st().set_calibrated_deployment(d.name());
@@ -401,9 +401,9 @@ void Pass::ConsiderSlowdown(const v1::Deployment& d) {
   st().set_candidate_reason(v1::JobEvent::SLOWDOWN);
   st().clear_slowdown_step();
   st().set_message(
-      absl::StrCat(st().slowdown_detail(), "; ", unprofiled,
+      absl::StrCat(st().slowdown_detail(), "; ",
                    c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
-                   "; judging ", st().candidate_plan(), " on the same devices"));
+                   unprofiled, "; judging ", st().candidate_plan(), " on the same devices"));
   if (!Commit()) return;
   absl::StatusOr<v1::Plan> p =
       b_.CreatePlan(PlanRequest(st().candidate_plan(), devices), j_.name());

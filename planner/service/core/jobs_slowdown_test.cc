@@ -129,6 +129,10 @@ TEST_F(JobsTest, ASlowdownOnRanksThatNeverProfileIsJudgedWithoutThem) {
   Window(first, 1.3, 82);
   c_->Reconcile();
   ASSERT_EQ(fake_.requests.size(), 2u);
+  EXPECT_THAT(sink_.messages,
+              Contains(HasSubstr("; calibrated from deployments/train-p1-g1 (not the ranks with "
+                                 "no profile of the steps from 22 after 60 steps: CUDA ranks are "
+                                 "never profiled); judging plans/train-p2")));
   EXPECT_THAT(fake_.requests[1].devices(), ElementsAre("d0", "d1", "d2"));
   const v1::Job j = Job();
   EXPECT_TRUE(j.status().switch_pending()) << j.DebugString();

@@ -35,6 +35,7 @@ namespace hap::service::jobs_testing {
 namespace v1 = ::hap::v1;
 using ::hap::testing::StatusIs;
 using ::testing::AllOf;
+using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -206,7 +207,8 @@ class FakeBackend : public JobBackend {
       [](const std::vector<std::string>& d) { return 1.0 / d.size(); };
 };
 
-// Saves into a map; refuses while `refuse` is set.
+// Saves into a map, and every saved status message in order; refuses while
+// `refuse` is set.
 class MapSink : public PlannerStateSink {
  public:
   absl::Status SaveNode(const v1::Node&) override { return absl::OkStatus(); }
@@ -215,6 +217,7 @@ class MapSink : public PlannerStateSink {
   absl::Status SaveJob(const v1::Job& j) override {
     if (refuse) return absl::ResourceExhaustedError("disk full");
     jobs[j.name()] = j;
+    messages.push_back(j.status().message());
     return absl::OkStatus();
   }
   absl::Status DeleteJob(const std::string& name) override {
@@ -228,6 +231,7 @@ class MapSink : public PlannerStateSink {
     return out;
   }
   std::map<std::string, v1::Job> jobs;
+  std::vector<std::string> messages;
   bool refuse = false;
 };
 
