@@ -112,8 +112,9 @@ TEST_F(HapctlServiceTest, DescribeDeploymentSaysWhatItTrainsWhereAndWhyItFailed)
   EXPECT_THAT(text, HasSubstr("error: " + d.error()));
   EXPECT_THAT(text, HasSubstr("RANK  DEVICE"));
   for (const auto& rank : d.ranks()) {
-    EXPECT_THAT(text, HasSubstr(absl::StrFormat("%-5d %-24s %-24s", rank.rank(), rank.device(),
-                                                rank.executor_address())));
+    EXPECT_THAT(text, HasSubstr(absl::StrFormat("%-5d %-24s %-24s %-8s", rank.rank(), rank.device(),
+                                                rank.executor_address(),
+                                                rank.backend().empty() ? "-" : rank.backend())));
   }
   EXPECT_THAT(text, ::testing::Not(HasSubstr("\"name\"")));
   EXPECT_THAT(Hapctl({"describe", "deployment", d.name(), "-o", "json"}),
@@ -191,6 +192,21 @@ TEST_F(HapctlServiceTest, DescribeNodeShowsDevicesLinksAndTheDeploymentsOnIt) {
               ::testing::ContainsRegex(d.name() + " \\((PENDING|RUNNING)\\) rank 0 on n1/cpu0"));
   EXPECT_THAT(text,
               ::testing::ContainsRegex(d.name() + " \\((PENDING|RUNNING)\\) rank 1 on n1/cpu1"));
+  // Where each rank runs (its executor's ExecutorStatus.backend) reaches
+  // the deployment's record through the status polls, and its description.
+  v1::GetDeploymentRequest gd;
+  gd.set_name(d.name());
+  v1::Deployment live;
+  for (absl::Time until = absl::Now() + absl::Seconds(60); absl::Now() < until;
+       absl::SleepFor(absl::Milliseconds(100))) {
+    ASSERT_TRUE(stub_->GetDeployment(Ctx().get(), gd, &live).ok());
+    if (live.ranks_size() == 2 && !live.ranks(1).backend().empty()) break;
+  }
+  ASSERT_EQ(live.ranks_size(), 2);
+  EXPECT_EQ(live.ranks(0).backend(), "cpu");
+  EXPECT_EQ(live.ranks(1).backend(), "cpu");
+  EXPECT_THAT(Hapctl({"describe", "deployment", d.name()}),
+              ::testing::ContainsRegex("\n1 +n1/cpu1 +127\\.0\\.0\\.1:[0-9]+ +cpu +"));
   v1::StopDeploymentRequest stop;
   stop.set_name(d.name());
   ASSERT_TRUE(stub_->StopDeployment(Ctx().get(), stop, &d).ok());

@@ -300,12 +300,12 @@ void DescribeDeployment(const v1::Deployment& d, double predicted) {
   }
   std::map<int, const v1::StepProfile*> profiles;
   for (const auto& p : d.rank_profiles()) profiles[p.rank()] = &p;
-  std::cout << absl::StrFormat("\n%-5s %-24s %-24s %16s\n", "RANK", "DEVICE", "EXECUTOR",
-                               "PROFILED STEP S");
+  std::cout << absl::StrFormat("\n%-5s %-24s %-24s %-8s %16s\n", "RANK", "DEVICE", "EXECUTOR",
+                               "BACKEND", "PROFILED STEP S");
   for (const auto& r : d.ranks()) {
     auto it = profiles.find(r.rank());
-    std::cout << absl::StrFormat("%-5d %-24s %-24s %16s\n", r.rank(), r.device(),
-                                 r.executor_address(),
+    std::cout << absl::StrFormat("%-5d %-24s %-24s %-8s %16s\n", r.rank(), r.device(),
+                                 r.executor_address(), r.backend().empty() ? "-" : r.backend(),
                                  it != profiles.end() && it->second->steps() > 0
                                      ? absl::StrFormat("%.4f", it->second->step_seconds_median())
                                      : std::string("-"));

@@ -290,30 +290,49 @@ void RunDeployment(const v1::Deployment& d, const v1::Plan& plan,
 
 namespace {
 
-// The ranks' newest per-op profiles into the deployment's record, when a
-// poll brought a new window (every profile_window steps, not every poll).
-void KeepProfiles(const v1::Deployment& d, const DeploymentExecutors::Statuses& statuses,
-                  std::vector<v1::StepProfile>* kept, const DeploymentControl& control) {
-  bool changed = false;
-  if (kept->size() != static_cast<size_t>(d.ranks_size())) {
-    kept->assign(d.ranks_size(), v1::StepProfile());
+// What the status polls bring into the deployment's record, by rank.
+struct RankReports {
+  explicit RankReports(const v1::Deployment& d)
+      : profiles(d.rank_profiles().begin(), d.rank_profiles().end()) {
+    for (const auto& r : d.ranks()) backends.push_back(r.backend());
   }
-  for (size_t r = 0; r < statuses.size() && r < kept->size(); ++r) {
+  std::vector<v1::StepProfile> profiles;
+  std::vector<std::string> backends;
+};
+
+// The ranks' newest per-op profiles into the deployment's record, when a
+// poll brought a new window (every profile_window steps, not every poll),
+// and the backend each rank runs on, once known or when it changed.
+void KeepRankReports(const v1::Deployment& d, const DeploymentExecutors::Statuses& statuses,
+                     RankReports* kept, const DeploymentControl& control) {
+  bool profiles_changed = false, backends_changed = false;
+  if (kept->profiles.size() != static_cast<size_t>(d.ranks_size())) {
+    kept->profiles.assign(d.ranks_size(), v1::StepProfile());
+  }
+  kept->backends.resize(d.ranks_size());
+  for (size_t r = 0; r < statuses.size() && r < kept->profiles.size(); ++r) {
     const auto& s = statuses[r];
-    if (!s.ok() || s->deployment() != d.name() || s->generation() != d.generation() ||
-        !s->has_profile() || s->profile().steps() <= 0) {
-      continue;
+    if (!s.ok() || s->deployment() != d.name() || s->generation() != d.generation()) continue;
+    if (!s->backend().empty() && s->backend() != kept->backends[r]) {
+      kept->backends[r] = s->backend();
+      backends_changed = true;
     }
-    v1::StepProfile& k = (*kept)[r];
+    if (!s->has_profile() || s->profile().steps() <= 0) continue;
+    v1::StepProfile& k = kept->profiles[r];
     if (k.steps() > 0 && k.first_step() == s->profile().first_step()) continue;
     k = s->profile();
     k.set_rank(static_cast<int32_t>(r));
-    changed = true;
+    profiles_changed = true;
   }
-  if (!changed) return;
+  if (!profiles_changed && !backends_changed) return;
   control.update([&](v1::Deployment& x) {
-    x.clear_rank_profiles();
-    for (const auto& p : *kept) *x.add_rank_profiles() = p;
+    if (profiles_changed) {
+      x.clear_rank_profiles();
+      for (const auto& p : kept->profiles) *x.add_rank_profiles() = p;
+    }
+    for (int r = 0; backends_changed && r < x.ranks_size(); ++r) {
+      x.mutable_ranks(r)->set_backend(kept->backends[r]);
+    }
   });
 }
 
@@ -322,7 +341,7 @@ void KeepProfiles(const v1::Deployment& d, const DeploymentExecutors::Statuses& 
 void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
                      const DeploymentWatchOptions& o, const DeploymentControl& control) {
   RankWatch watch(d, o.missed_status_limit);
-  std::vector<v1::StepProfile> profiles(d.rank_profiles().begin(), d.rank_profiles().end());
+  RankReports reports(d);
   absl::Time next = control.now();
   while (true) {
     switch (control.wait(next, /*stop_wakes=*/true)) {
@@ -340,10 +359,11 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
     const DeploymentExecutors::Statuses statuses = executors.GetStatus(o.status_timeout);
     switch (watch.Observe(statuses)) {
       case RankWatch::Verdict::kRunning:
-        KeepProfiles(d, statuses, &profiles, control);
+        KeepRankReports(d, statuses, &reports, control);
         if (control.save_again) control.save_again();
         break;
       case RankWatch::Verdict::kSucceeded:
+        KeepRankReports(d, statuses, &reports, control);  // a run ended before a poll saw it
         control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });
         return;
       case RankWatch::Verdict::kFailed:

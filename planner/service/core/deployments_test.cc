@@ -454,6 +454,51 @@ TEST(DeploymentsTest, KeepsEachRanksLatestProfile) {
   EXPECT_EQ(updates_at_poll_4, 2);
 }
 
+// The backend each rank runs on (ExecutorStatus.backend) goes into the
+// record's ranks once a poll reports it, so that `hapctl describe
+// deployment` shows a GPU rank that runs on the CPU; a poll that brings
+// nothing new saves nothing.
+TEST(DeploymentsTest, KeepsTheBackendEachRankRunsOn) {
+  v1::Deployment d = ThreeRanks();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  size_t updates_at_poll_4 = 0, updates_at_poll_5 = 0;
+  ex.before_poll = [&](int poll) {
+    if (poll == 2) {
+      for (int r = 0; r < 3; ++r) ex.ranks[r].status.set_backend(r == 1 ? "cpu" : "cuda:0");
+    }
+    if (poll == 4) updates_at_poll_4 = owner.history.size();
+    if (poll == 5) updates_at_poll_5 = owner.history.size();
+    if (poll == 6) owner.stop = true;
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  ASSERT_EQ(owner.record.ranks_size(), 3);
+  EXPECT_EQ(owner.record.ranks(0).backend(), "cuda:0");
+  EXPECT_EQ(owner.record.ranks(1).backend(), "cpu");
+  EXPECT_EQ(owner.record.ranks(2).backend(), "cuda:0");
+  EXPECT_EQ(owner.record.ranks(1).device(), d.ranks(1).device());
+  EXPECT_EQ(updates_at_poll_4, 2u);  // RUNNING, then the backends (poll 2)
+  EXPECT_EQ(updates_at_poll_5, updates_at_poll_4);
+}
+
+// A run that ends before any poll of it while RUNNING still records its
+// ranks' backends.
+TEST(DeploymentsTest, ARunThatEndsAtItsFirstPollRecordsItsBackends) {
+  v1::Deployment d = ThreeRanks();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  ex.before_poll = [&](int poll) {
+    if (poll != 1) return;
+    for (int r = 0; r < 3; ++r) {
+      ex.ranks[r].status.set_backend("cpu");
+      ex.ranks[r].status.set_state(v1::ExecutorStatus::FINISHED);
+    }
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  EXPECT_EQ(owner.record.state(), v1::Deployment::SUCCEEDED);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(owner.record.ranks(r).backend(), "cpu") << r;
+}
+
 TEST(DeploymentsTest, ShutdownLeavesTheExecutorsTraining) {
   v1::Deployment d = ThreeRanks();
   FakeExecutors ex(3);
