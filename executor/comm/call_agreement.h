@@ -17,7 +17,10 @@
 // peer), so the wait is one one-way hop, not a round trip.
 //
 // The pure half (EncodeCall, DescribeCall, CheckCallsMatch) needs no
-// connection; CallAgreement does the exchange over a Gloo context.
+// connection (the in-process test group, executor/train/in_process_comm.h,
+// compares its ranks' calls with it too); CallAgreement does the exchange
+// over a Gloo context. A call's own checks, before it is described, are in
+// call_checks.h.
 #ifndef HAP_EXECUTOR_COMM_CALL_AGREEMENT_H_
 #define HAP_EXECUTOR_COMM_CALL_AGREEMENT_H_
 

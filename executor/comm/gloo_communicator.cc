@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "executor/comm/call_agreement.h"
+#include "executor/comm/call_checks.h"
 #include "executor/comm/communicator.h"
 #include "executor/comm/deadline.h"
 #include "executor/runtime/bf16.h"
@@ -120,11 +121,7 @@ class GlooCommunicator : public Communicator {
 
   absl::Status AllReduce(TensorView buf) override {
     HAP_RETURN_IF_ERROR(Usable("all-reduce"));
-    if (absl::Status own = CheckFloat("all-reduce", buf); !own.ok()) {
-      return Refuse("all-reduce", own);
-    }
-    HAP_RETURN_IF_ERROR(
-        AgreeOnCall("all-reduce", {CallKind::kAllReduce, buf.dtype, buf.num_elements()}));
+    HAP_RETURN_IF_ERROR(CheckAndAgree("all-reduce", AllReduceCall(buf)));
     if (buf.num_elements() == 0) return absl::OkStatus();
     return Run("all-reduce",
                [&] { AllReduceRaw(buf.data, buf.num_elements(), buf.dtype); });
@@ -134,13 +131,8 @@ class GlooCommunicator : public Communicator {
                          absl::Span<const int64_t> counts,
                          CommMethod method) override {
     HAP_RETURN_IF_ERROR(Usable("all-gather"));
-    if (absl::Status own = CheckCounts("all-gather", counts, in, out, /*gather=*/true); !own.ok()) {
-      return Refuse("all-gather", own);
-    }
-    HAP_RETURN_IF_ERROR(AgreeOnCall(
-        "all-gather",
-        {method == CommMethod::kGrouped ? CallKind::kAllGatherGrouped : CallKind::kAllGatherPadded,
-         in.dtype, out.num_elements(), -1, counts}));
+    HAP_RETURN_IF_ERROR(
+        CheckAndAgree("all-gather", AllGatherCall(in, out, counts, method, rank(), size())));
     const size_t es = ElementSize(in);
     std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
@@ -179,13 +171,8 @@ class GlooCommunicator : public Communicator {
                              absl::Span<const int64_t> counts,
                              CommMethod method) override {
     HAP_RETURN_IF_ERROR(Usable("reduce-scatter"));
-    absl::Status own = CheckFloat("reduce-scatter", in);
-    if (own.ok()) own = CheckCounts("reduce-scatter", counts, out, in, /*gather=*/true);
-    if (!own.ok()) return Refuse("reduce-scatter", own);
-    HAP_RETURN_IF_ERROR(AgreeOnCall(
-        "reduce-scatter", {method == CommMethod::kGrouped ? CallKind::kReduceScatterGrouped
-                                                          : CallKind::kReduceScatterPadded,
-                           in.dtype, in.num_elements(), -1, counts}));
+    HAP_RETURN_IF_ERROR(CheckAndAgree("reduce-scatter",
+                                      ReduceScatterCall(in, out, counts, method, rank(), size())));
     const size_t es = ElementSize(in);
     std::vector<int64_t> off = Offsets(counts);
     if (method == CommMethod::kGrouped) {
@@ -220,12 +207,8 @@ class GlooCommunicator : public Communicator {
                         TensorView out,
                         absl::Span<const int64_t> recv_counts) override {
     HAP_RETURN_IF_ERROR(Usable("all-to-all"));
-    absl::Status own = CheckCounts("all-to-all", send_counts, TensorView{}, in, false);
-    if (own.ok()) own = CheckCounts("all-to-all", recv_counts, TensorView{}, out, false);
-    if (own.ok()) own = SameDType("all-to-all", in, out);
-    if (!own.ok()) return Refuse("all-to-all", own);
-    HAP_RETURN_IF_ERROR(AgreeOnCall("all-to-all", {CallKind::kAllToAll, in.dtype, in.num_elements(),
-                                                   -1, send_counts, recv_counts}));
+    HAP_RETURN_IF_ERROR(
+        CheckAndAgree("all-to-all", AllToAllCall(in, send_counts, out, recv_counts, size())));
     const size_t es = ElementSize(in);
     return Run("all-to-all", [&] {
       // Gloo wants non-null buffers even when a side is empty.
@@ -245,11 +228,7 @@ class GlooCommunicator : public Communicator {
 
   absl::Status Broadcast(TensorView buf, int root) override {
     HAP_RETURN_IF_ERROR(Usable("broadcast"));
-    if (absl::Status own = CheckRoot("broadcast", root); !own.ok()) {
-      return Refuse("broadcast", own);
-    }
-    HAP_RETURN_IF_ERROR(
-        AgreeOnCall("broadcast", {CallKind::kBroadcast, buf.dtype, buf.num_elements(), root}));
+    HAP_RETURN_IF_ERROR(CheckAndAgree("broadcast", BroadcastCall(buf, root, size())));
     if (buf.bytes() == 0) return absl::OkStatus();
     return Run("broadcast", [&] {
       gloo::BroadcastOptions opts(ctx_);
@@ -262,18 +241,7 @@ class GlooCommunicator : public Communicator {
 
   absl::Status Reduce(TensorView in, TensorView out, int root) override {
     HAP_RETURN_IF_ERROR(Usable("reduce"));
-    absl::Status own = CheckFloat("reduce", in);
-    if (own.ok()) own = CheckRoot("reduce", root);
-    if (own.ok() && rank() == root) {
-      own = SameDType("reduce", in, out);
-      if (own.ok() && out.num_elements() != in.num_elements()) {
-        own = Invalid(absl::StrCat("reduce: the output holds ", out.num_elements(),
-                                   " elements, the input ", in.num_elements()));
-      }
-    }
-    if (!own.ok()) return Refuse("reduce", own);
-    HAP_RETURN_IF_ERROR(
-        AgreeOnCall("reduce", {CallKind::kReduce, in.dtype, in.num_elements(), root}));
+    HAP_RETURN_IF_ERROR(CheckAndAgree("reduce", ReduceCall(in, out, root, rank(), size())));
     if (in.num_elements() == 0) return absl::OkStatus();
     return Run("reduce", [&] {
       std::vector<char> copy(in.bytes()), scratch(in.bytes());
@@ -373,7 +341,7 @@ class GlooCommunicator : public Communicator {
   // description once it returns.
   absl::Status Barrier() override {
     HAP_RETURN_IF_ERROR(Usable("barrier"));
-    return AgreeOnCall("barrier", {CallKind::kBarrier, DType::kFloat32, 0});
+    return AgreeOnCall("barrier", BarrierCall());
   }
 
  private:
@@ -386,62 +354,6 @@ class GlooCommunicator : public Communicator {
     for (size_t i = 1; i < counts.size(); ++i)
       off[i] = off[i - 1] + counts[i - 1];
     return off;
-  }
-
-  absl::Status CheckFloat(const char* what, const TensorView& v) const {
-    if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64 &&
-        v.dtype != DType::kBFloat16) {
-      return Invalid(absl::StrCat(what,
-                                  ": only float32, float64 and bfloat16 are summed, got ",
-                                  graph::DTypeName(v.dtype)));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status CheckRoot(const char* what, int root) const {
-    if (root < 0 || root >= size()) {
-      return Invalid(absl::StrCat(what, ": root ", root,
-                                  " is out of range for ", size(), " ranks"));
-    }
-    return absl::OkStatus();
-  }
-
-  static absl::Status SameDType(const char* what, const TensorView& a,
-                                const TensorView& b) {
-    if (a.dtype != b.dtype) {
-      return Invalid(absl::StrCat(what, ": the buffers' dtypes differ (",
-                                  graph::DTypeName(a.dtype), " and ",
-                                  graph::DTypeName(b.dtype), ")"));
-    }
-    return absl::OkStatus();
-  }
-
-  // counts: one per rank, non-negative; `whole` holds their sum and, when
-  // `check_part`, `part` (of the same dtype) holds counts[rank()].
-  absl::Status CheckCounts(const char* what, absl::Span<const int64_t> counts,
-                           const TensorView& part, const TensorView& whole,
-                           bool check_part) const {
-    if (check_part) HAP_RETURN_IF_ERROR(SameDType(what, part, whole));
-    if (static_cast<int>(counts.size()) != size()) {
-      return Invalid(absl::StrCat(what, ": ", counts.size(), " counts for ",
-                                  size(), " ranks"));
-    }
-    int64_t sum = 0;
-    for (int64_t c : counts) {
-      if (c < 0) return Invalid(absl::StrCat(what, ": negative count ", c));
-      sum += c;
-    }
-    if (sum != whole.num_elements()) {
-      return Invalid(absl::StrCat(
-          what, ": counts [", absl::StrJoin(counts, ","), "] sum to ", sum,
-          " but the buffer holds ", whole.num_elements(), " elements"));
-    }
-    if (check_part && counts[rank()] != part.num_elements()) {
-      return Invalid(absl::StrCat(what, ": rank ", rank(), " holds ",
-                                  part.num_elements(),
-                                  " elements, its count is ", counts[rank()]));
-    }
-    return absl::OkStatus();
   }
 
   // Sums `n` elements of `t` (float32, float64 or bfloat16) over ranks in
@@ -627,15 +539,20 @@ class GlooCommunicator : public Communicator {
     return CheckCallsMatch(what, calls);
   }
 
+  // A collective's start: its own checks (call_checks.h), then the
+  // agreement on the call they describe, or the refusal told to the peers.
+  absl::Status CheckAndAgree(const std::string& what, const absl::StatusOr<Call>& call) {
+    if (!call.ok()) return Refuse(what, call.status());
+    return AgreeOnCall(what, *call);
+  }
+
   // `own`, a refusal of this rank's call by its own checks, told to the
   // peers (as the call kRefused) so that they end InvalidArgument at once
   // rather than wait for the call until the timeout; the group stays in
   // step. Without check_calls the peers are not told.
   absl::Status Refuse(const std::string& what, absl::Status own) {
     if (!check_calls_ || size() == 1) return own;
-    absl::Status told = Run(what, [&] {
-      agreement_.Exchange({CallKind::kRefused, DType::kFloat32, 0});
-    });
+    absl::Status told = Run(what, [&] { agreement_.Exchange(RefusedCall()); });
     if (!told.ok()) {
       return absl::Status(
           own.code(),

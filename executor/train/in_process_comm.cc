@@ -4,19 +4,23 @@
 #include <numeric>
 
 #include "absl/synchronization/mutex.h"
+#include "executor/comm/call_agreement.h"
+#include "executor/comm/call_checks.h"
 #include "executor/runtime/bf16.h"
 
 namespace hap::executor {
 namespace {
 
 struct Shared {
-  explicit Shared(int n) : n(n), ptrs(n, nullptr) {}
+  explicit Shared(int n) : n(n), ptrs(n, nullptr), calls(n) {}
   int n;
   absl::Mutex mu;
   absl::CondVar cv;
   int arrived = 0;
   int64_t generation = 0;
+  // By rank: the data and the encoded call of the collective under way.
   std::vector<void*> ptrs;
+  std::vector<EncodedCall> calls;
 
   // All ranks publish a pointer, then all may read everyone's.
   void Barrier() {
@@ -59,85 +63,96 @@ class InProcess : public Communicator {
   absl::Status AllReduce(TensorView buf) override {
     std::vector<char> mine(buf.bytes());
     if (buf.bytes()) std::memcpy(mine.data(), buf.data, buf.bytes());
-    Publish(mine.data());
-    std::memset(buf.data, 0, buf.bytes());
-    for (int r = 0; r < size(); ++r) Add(buf.dtype, buf.data, s_->ptrs[r], buf.num_elements());
-    s_->Barrier();
-    return absl::OkStatus();
+    return Collective("all-reduce", AllReduceCall(buf), mine.data(), [&] {
+      std::memset(buf.data, 0, buf.bytes());
+      for (int r = 0; r < size(); ++r) Add(buf.dtype, buf.data, s_->ptrs[r], buf.num_elements());
+    });
   }
   absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
-                         CommMethod) override {
-    Publish(in.data);
-    const int64_t es = graph::DTypeBytes(in.dtype);
-    int64_t at = 0;
-    for (int r = 0; r < size(); ++r) {
-      if (counts[r]) std::memcpy(static_cast<char*>(out.data) + at * es, s_->ptrs[r], counts[r] * es);
-      at += counts[r];
-    }
-    s_->Barrier();
-    return absl::OkStatus();
+                         CommMethod method) override {
+    return Collective(
+        "all-gather", AllGatherCall(in, out, counts, method, rank_, size()), in.data, [&] {
+          const int64_t es = graph::DTypeBytes(in.dtype);
+          int64_t at = 0;
+          for (int r = 0; r < size(); ++r) {
+            if (counts[r]) {
+              std::memcpy(static_cast<char*>(out.data) + at * es, s_->ptrs[r], counts[r] * es);
+            }
+            at += counts[r];
+          }
+        });
   }
   absl::Status ReduceScatter(TensorView in, TensorView out, absl::Span<const int64_t> counts,
-                             CommMethod) override {
-    Publish(in.data);
-    const int64_t es = graph::DTypeBytes(in.dtype);
-    int64_t at = std::accumulate(counts.begin(), counts.begin() + rank_, int64_t{0});
-    std::memset(out.data, 0, counts[rank_] * es);
-    for (int r = 0; r < size(); ++r) {
-      Add(in.dtype, out.data, static_cast<char*>(s_->ptrs[r]) + at * es, counts[rank_]);
-    }
-    s_->Barrier();
-    return absl::OkStatus();
+                             CommMethod method) override {
+    return Collective(
+        "reduce-scatter", ReduceScatterCall(in, out, counts, method, rank_, size()), in.data, [&] {
+          const int64_t es = graph::DTypeBytes(in.dtype);
+          int64_t at = std::accumulate(counts.begin(), counts.begin() + rank_, int64_t{0});
+          std::memset(out.data, 0, counts[rank_] * es);
+          for (int r = 0; r < size(); ++r) {
+            Add(in.dtype, out.data, static_cast<char*>(s_->ptrs[r]) + at * es, counts[rank_]);
+          }
+        });
   }
   absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts, TensorView out,
                         absl::Span<const int64_t> recv_counts) override {
-    // Publish the send buffer; peers read the part addressed to them. The
-    // sender's offsets are recomputed from its counts, shared alongside.
-    std::vector<int64_t> sc(send_counts.begin(), send_counts.end());
-    struct Msg { void* data; int64_t* counts; } m{in.data, sc.data()};
-    Publish(&m);
-    const int64_t es = graph::DTypeBytes(in.dtype);
-    int64_t at = 0;
-    for (int r = 0; r < size(); ++r) {
-      Msg* peer = static_cast<Msg*>(s_->ptrs[r]);
-      int64_t off = std::accumulate(peer->counts, peer->counts + rank_, int64_t{0});
-      if (recv_counts[r]) {
-        std::memcpy(static_cast<char*>(out.data) + at * es,
-                    static_cast<char*>(peer->data) + off * es, recv_counts[r] * es);
-      }
-      at += recv_counts[r];
-    }
-    s_->Barrier();
-    return absl::OkStatus();
+    // Peers read the part of the send buffer addressed to them, at the
+    // offset the sender's counts (in its published call) give.
+    return Collective(
+        "all-to-all", AllToAllCall(in, send_counts, out, recv_counts, size()), in.data, [&] {
+          const int64_t es = graph::DTypeBytes(in.dtype);
+          int64_t at = 0;
+          for (int r = 0; r < size(); ++r) {
+            const int64_t* sent = s_->calls[r].data() + kCallFields;
+            const int64_t off = std::accumulate(sent, sent + rank_, int64_t{0});
+            if (recv_counts[r]) {
+              std::memcpy(static_cast<char*>(out.data) + at * es,
+                          static_cast<char*>(s_->ptrs[r]) + off * es, recv_counts[r] * es);
+            }
+            at += recv_counts[r];
+          }
+        });
   }
   absl::Status Broadcast(TensorView buf, int root) override {
-    Publish(buf.data);
-    if (rank_ != root && buf.bytes()) std::memcpy(buf.data, s_->ptrs[root], buf.bytes());
-    s_->Barrier();
-    return absl::OkStatus();
+    return Collective("broadcast", BroadcastCall(buf, root, size()), buf.data, [&] {
+      if (rank_ != root && buf.bytes()) std::memcpy(buf.data, s_->ptrs[root], buf.bytes());
+    });
   }
   absl::Status Reduce(TensorView in, TensorView out, int root) override {
-    Publish(in.data);
-    if (rank_ == root) {
+    return Collective("reduce", ReduceCall(in, out, root, rank_, size()), in.data, [&] {
+      if (rank_ != root) return;
       std::memset(out.data, 0, out.bytes());
       for (int r = 0; r < size(); ++r) Add(in.dtype, out.data, s_->ptrs[r], in.num_elements());
-    }
-    s_->Barrier();
-    return absl::OkStatus();
+    });
   }
   absl::Status Barrier() override {
-    s_->Barrier();
-    return absl::OkStatus();
+    return Collective("barrier", BarrierCall(), nullptr, [] {});
   }
 
  private:
-  void Publish(void* p) {
+  // One collective, as Gloo's with check_calls (call_agreement.h): this
+  // rank's own checks have given `call` or refused it; it publishes its
+  // call (kRefused when refused) and `data` in one step, then every rank
+  // compares all the calls. When they match, `work` reads the peers' data;
+  // either way a last barrier keeps the pointers and calls until every
+  // rank is done with them, and the group in step. A refused rank returns
+  // its own error, its peers the mismatch naming it.
+  template <typename Fn>
+  absl::Status Collective(const std::string& what, const absl::StatusOr<Call>& call, void* data,
+                          Fn&& work) {
     {
       absl::MutexLock l(&s_->mu);
-      s_->ptrs[rank_] = p;
+      s_->ptrs[rank_] = call.ok() ? data : nullptr;
+      s_->calls[rank_] = EncodeCall(call.ok() ? *call : RefusedCall(), size());
     }
     s_->Barrier();
+    // No rank writes the calls again before the barrier below.
+    absl::Status agreed = CheckCallsMatch(what, s_->calls);
+    if (call.ok() && agreed.ok()) work();
+    s_->Barrier();
+    return call.ok() ? agreed : call.status();
   }
+
   std::shared_ptr<Shared> s_;
   int rank_;
 };

@@ -11,7 +11,11 @@
 
 namespace hap::executor {
 
-// `n` communicators, one per rank, to be driven by n threads.
+// `n` communicators, one per rank, to be driven by n threads. They honour
+// the contract on calls of Gloo's with check_calls (communicator.h): a call
+// refused by its rank's own checks, or calls that differ across ranks, end
+// InvalidArgument on every rank with Gloo's messages, before any data moves,
+// and the group stays in step and usable. Point-to-point is Unimplemented.
 std::vector<std::unique_ptr<Communicator>> NewInProcessGroup(int n);
 
 }  // namespace hap::executor
