@@ -117,9 +117,11 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json) {
   }
   StateDictSlices out;
   for (const auto& [name, v] : root.fields()) {
-    auto bad = [&](absl::string_view what) {
+    // Through an init-capture: C++17 lambdas cannot capture a structured
+    // binding itself (clang 14 refuses it; scripts/fuzz.sh builds this file).
+    auto bad = [&, &entry = name](absl::string_view what) {
       return absl::InvalidArgumentError(
-          absl::StrCat(kStateDictSlicesKey, " entry '", name, "': ", what));
+          absl::StrCat(kStateDictSlicesKey, " entry '", entry, "': ", what));
     };
     if (v.kind_case() != pb::Value::kStructValue) return bad("not an object");
     const auto& f = v.struct_value().fields();
