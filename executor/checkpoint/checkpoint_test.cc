@@ -949,6 +949,23 @@ TEST(CheckpointTest, APipeInsteadOfACheckpointFileIsRefusedWithoutHanging) {
   }
 }
 
+// A directory where COMMITTED, index.json or trainer.json should be was
+// Unavailable (an I/O failure, tried again) instead of damage. Found by
+// tests/fuzz/checkpoint_fuzzer.
+TEST(CheckpointTest, ADirectoryInsteadOfACheckpointFileIsDataLossNamingIt) {
+  graph::Graph g = Mlp();
+  for (const std::string file : {"COMMITTED", "index.json", "trainer.json"}) {
+    const std::string dir = Fresh("directory_in_checkpoint");
+    const std::string step = OneStepCheckpoint(g, dir);
+    fs::remove(step + "/" + file);
+    fs::create_directory(step + "/" + file);
+    EXPECT_THAT(CheckpointReader::Open(step),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr(step + "/" + file), HasSubstr("not a regular file"))))
+        << file;
+  }
+}
+
 // A flipped bit in a shard's data (the storage's damage: size and header
 // intact) was read as the weights, and the run resumed silently with them.
 // Shards record every tensor's CRC-32C; reading a slice checks it.

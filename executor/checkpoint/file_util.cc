@@ -193,8 +193,10 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    if (S_ISDIR(st.st_mode)) return Errno("read", path, EISDIR);
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+    // A directory too: where a checkpoint file should be, it is damage
+    // (DataLoss to the reader), not an I/O failure worth retrying.
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a regular file", S_ISDIR(st.st_mode) ? " (a directory)" : ""));
   }
   std::string out;
   char buf[1 << 16];

@@ -50,7 +50,7 @@ absl::Status WriteFileSynced(const std::string& path, absl::string_view contents
 // fsync of a directory, so that the names created or renamed in it persist.
 absl::Status SyncDirectory(const std::string& path);
 // The whole file. NotFound for a missing one; InvalidArgument for one that
-// is not a regular file (a named pipe, a device), which it neither waits on
+// is not a regular file (a directory, a named pipe, a device), which it neither waits on
 // nor reads; otherwise errors name the file and the system's reason for the
 // call that failed.
 absl::StatusOr<std::string> ReadFile(const std::string& path);
