@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <csignal>
@@ -639,22 +640,32 @@ class MeshContext : public gloo::Context {
 // connecting. A rank whose try broke publishes the key before it tries
 // again; a rank here may be waiting, as the listening side of a pair, for
 // a connection the broken rank will never make, and Gloo would let it wait
-// out the whole timeout. On the key, the watcher closes every pair, which
-// ends such a wait at once; the try then fails (Unavailable) and this rank
-// follows the others to the next one. The watcher closes the pairs at the
-// try's deadline too (expired()): Gloo waits five times its timeout for a
-// pair's connection, each pair in turn, so a rank that published its
-// address and died would hold this rank far past its timeout. And once the
-// store says its user gave up (RendezvousStore::Cancelled, a stopped
+// out the whole timeout. On the key, the watcher closes the pair this
+// rank's connect waits for (`connecting`), which ends such a wait at once; the try then fails
+// (Unavailable) and this rank follows the others to the next one. The watcher closes that pair at
+// the try's deadline too (expired()): Gloo waits five times its timeout for a pair's connection,
+// each pair in turn, so a rank that published its address and died would hold this rank far past
+// its timeout. And once the store says its user gave up (RendezvousStore::Cancelled, a stopped
 // training run: cancelled()), which the wait for a connection never asks.
+//
+// Only that pair: Pair::close() sets SO_LINGER 0, so the kernel resets a
+// connection that is established, also one whose peer's Gloo has not
+// accepted it yet. That Gloo's event loop then accepts a reset socket,
+// fails getpeername (ENOTCONN) in a check that throws on the loop thread,
+// and the peer's whole process ends (std::terminate: an executor daemon
+// gone because another rank was stopped while the ranks met). The pairs
+// already connected, and those not dialled yet, are closed with the
+// context, plainly (FIN): a peer accepts a connection that has ended, and
+// its read fails as a lost connection does.
 class AbortWatcher {
  public:
   AbortWatcher(RendezvousStore& store, std::string key, gloo::transport::Context& transport,
-               absl::Time deadline)
+               absl::Time deadline, const std::atomic<int>& connecting)
       : store_(store),
         key_(std::move(key)),
         transport_(transport),
         deadline_(deadline),
+        connecting_(connecting),
         thread_([this] { Run(); }) {}
   ~AbortWatcher() { Stop(); }
 
@@ -692,8 +703,8 @@ class AbortWatcher {
       if (stopped_) return;
       if (found || cancelled || absl::Now() >= deadline_) {
         (found ? aborted_ : cancelled ? cancelled_ : expired_) = true;
-        for (int r = 0; r < transport_.size; ++r) {
-          if (r == transport_.rank) continue;
+        const int r = connecting_.load();
+        if (r >= 0) {
           try {
             transport_.getPair(r)->close();
           } catch (...) {
@@ -712,6 +723,7 @@ class AbortWatcher {
   const std::string key_;
   gloo::transport::Context& transport_;
   const absl::Time deadline_;
+  const std::atomic<int>& connecting_;  // the peer whose pair is connecting; -1: none
   absl::Mutex mu_;
   bool stopped_ = false;
   bool aborted_ = false;
@@ -794,8 +806,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   // The store refused or did not take this rank's address: its failure,
   // not the peers'.
   bool publish_failed = false;
-  // The peer whose pair is connecting (-1: none).
-  int connecting = -1;
+  // The peer whose pair is connecting (-1: none); the watcher reads it.
+  std::atomic<int> connecting{-1};
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
     auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
@@ -814,8 +826,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
       publish_failed = true;
       throw StoreFailure(std::move(published));
     }
-    watcher =
-        std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport, deadline);
+    watcher = std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport,
+                                             deadline, connecting);
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
       std::optional<std::string> theirs =
@@ -846,22 +858,23 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     return absl::UnavailableError(absl::StrCat(
         what, ": another rank's connection broke, so this try was abandoned"));
   }
+  const int waited_for = connecting.load();
   // Given up while a pair waited for its peer: the ranks still connecting
   // are told, as for a try that broke (a stopped deployment's other ranks
   // end too, not at their timeout).
   if (watcher != nullptr && watcher->cancelled()) {
     const absl::Status gave_up = absl::CancelledError(
         absl::StrCat(what, ": given up while ",
-                     connecting >= 0 ? absl::StrCat("waiting for rank ", connecting, " to connect")
+                     waited_for >= 0 ? absl::StrCat("waiting for rank ", waited_for, " to connect")
                                      : std::string("the connections formed")));
     return TellOthersToGiveUp(store, prefix, gave_up);
   }
   // The watcher closed the pairs at the deadline: while this rank waited
   // for a pair (the rank on its other side had published its address), or
   // after the last one formed. (A peer that never published is named below.)
-  if (watcher != nullptr && watcher->expired() && (s.ok() || connecting >= 0)) {
+  if (watcher != nullptr && watcher->expired() && (s.ok() || waited_for >= 0)) {
     return absl::DeadlineExceededError(
-        connecting >= 0 ? absl::StrCat(what, ": rank ", connecting,
+        waited_for >= 0 ? absl::StrCat(what, ": rank ", waited_for,
                                        " published its address but did not connect within ",
                                        absl::FormatDuration(o.timeout))
                         : absl::StrCat(what, ": the connections did not form within ",

@@ -1,5 +1,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -724,27 +725,43 @@ TEST(GlooCommunicatorTest, AnAbortTheStoreRefusesIsReported) {
 // one that failed by it): the mark used to be dropped with the message's
 // " (after N attempts)". Rank 1's published address is a port of this
 // machine that refuses connections, below rank 0's so that rank 0 dials.
-TEST(GlooCommunicatorTest, ALostConnectionIsMarkedAfterTheLastAttempt) {
-  auto store = NewFileStore(FreshDir("refused"));
-  ASSERT_TRUE(store.ok());
-  // A bound, not listening, socket on a port whose raw (network order)
-  // value is below 256: connections to it are refused.
-  int refusing = -1;
-  uint16_t raw_port = 0;
-  for (int high = 4; high < 256 && refusing < 0; ++high) {
+// A socket bound to a loopback port whose raw (network order) value is
+// below 256, so that a rank's pair (listening on an ephemeral port, above
+// it) is the side that dials it; listening when `listening`, else
+// connections to it are refused. -1 when no such port is free.
+int BindLowPort(bool listening, uint16_t* raw_port) {
+  for (int high = 4; high < 256; ++high) {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    ASSERT_GE(fd, 0);
+    if (fd < 0) return -1;
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(static_cast<uint16_t>(high << 8));
-    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-      refusing = fd;
-      raw_port = a.sin_port;
-    } else {
-      close(fd);
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+        (!listening || listen(fd, 4) == 0)) {
+      *raw_port = a.sin_port;
+      return fd;
     }
+    close(fd);
   }
+  return -1;
+}
+
+// `blob` (a rank's published pair addresses) with its first address's
+// port replaced by `raw_port` (network order).
+std::string WithFirstPort(std::string blob, uint16_t raw_port) {
+  sockaddr_in addr{};
+  std::memcpy(&addr, blob.data(), sizeof(addr));
+  addr.sin_port = raw_port;
+  std::memcpy(blob.data(), &addr, sizeof(addr));
+  return blob;
+}
+
+TEST(GlooCommunicatorTest, ALostConnectionIsMarkedAfterTheLastAttempt) {
+  auto store = NewFileStore(FreshDir("refused"));
+  ASSERT_TRUE(store.ok());
+  uint16_t raw_port = 0;
+  const int refusing = BindLowPort(/*listening=*/false, &raw_port);
   ASSERT_GE(refusing, 0) << "no free port";
   std::thread fake_rank1([&] {
     auto blob = (*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
@@ -752,10 +769,9 @@ TEST(GlooCommunicatorTest, ALostConnectionIsMarkedAfterTheLastAttempt) {
     sockaddr_in addr{};
     std::memcpy(&addr, blob->data(), sizeof(addr));
     ASSERT_LT(raw_port, addr.sin_port) << "rank 0 would not dial";
-    addr.sin_port = raw_port;
-    std::string mine = *blob;
-    std::memcpy(mine.data(), &addr, sizeof(addr));
-    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", mine), IsOk());
+    ASSERT_THAT(
+        (*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", WithFirstPort(*blob, raw_port)),
+        IsOk());
   });
   GlooOptions o = Rank(0, 2, absl::Seconds(5));
   o.connect_attempts = 1;
@@ -764,6 +780,51 @@ TEST(GlooCommunicatorTest, ALostConnectionIsMarkedAfterTheLastAttempt) {
   close(refusing);
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("(after 1 attempts)")));
   EXPECT_TRUE(IsLostPeer(s)) << s;
+}
+
+// A try given up while a pair is connected that its peer has not accepted
+// yet ends that connection plainly (FIN), not with a reset. Rank 0 of 3
+// dials rank 1 (a listening socket here that accepts nothing until the
+// end), then waits for rank 2, which never comes, until the try's abort
+// key. Its pairs were closed with SO_LINGER 0: the kernel reset the
+// connection, and a peer's Gloo that accepted it afterwards failed
+// getpeername (ENOTCONN) on its event-loop thread, which ended the peer's
+// process (seen once in executor_server_test: a stopped executor's peer
+// aborted). Accepted now, the connection has a peer name and reads as
+// closed (0), not reset.
+TEST(GlooCommunicatorTest, AnAbandonedTryClosesItsConnectionsWithoutAReset) {
+  auto store = NewFileStore(FreshDir("no_reset"));
+  ASSERT_TRUE(store.ok());
+  uint16_t raw_port = 0;
+  const int rank1 = BindLowPort(/*listening=*/true, &raw_port);
+  ASSERT_GE(rank1, 0) << "no free port";
+  std::thread fake_rank1([&] {
+    auto blob = (*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    // Rank 0's own two addresses, the first (for rank 0) at the socket here.
+    ASSERT_THAT(
+        (*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", WithFirstPort(*blob, raw_port)),
+        IsOk());
+    pollfd dialled{rank1, POLLIN, 0};
+    ASSERT_EQ(poll(&dialled, 1, 20'000), 1) << "rank 0 never dialled";
+    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/abort", "rank 2 is gone"), IsOk());
+  });
+  GlooOptions o = Rank(0, 3, absl::Seconds(30));
+  o.connect_attempts = 1;
+  const absl::Status s = ConnectGloo(o, **store).status();
+  fake_rank1.join();
+  EXPECT_THAT(
+      s, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("another rank's connection broke")));
+  const int accepted = accept(rank1, nullptr, nullptr);
+  ASSERT_GE(accepted, 0) << std::strerror(errno);
+  sockaddr_storage peer{};
+  socklen_t len = sizeof(peer);
+  EXPECT_EQ(getpeername(accepted, reinterpret_cast<sockaddr*>(&peer), &len), 0)
+      << "the connection was reset: " << std::strerror(errno);
+  char byte = 0;
+  EXPECT_EQ(recv(accepted, &byte, 1, 0), 0) << std::strerror(errno);
+  close(accepted);
+  close(rank1);
 }
 
 TEST(GlooCommunicatorTest, TheMissingRanksAreNamed) {
