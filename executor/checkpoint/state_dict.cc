@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -603,6 +604,14 @@ absl::Status SetStartCounters(const v1::TrainerState* resumed, const WeightsRead
     int64_t value = 0;
     if (resumed != nullptr) {
       auto it = resumed->num_batches_tracked().find(name);
+      // Written without counters: as many as the steps made. A step read
+      // from a damaged trainer.json must not overflow into a counter.
+      if (it == resumed->num_batches_tracked().end() && per_step > 0 &&
+          resumed->step() > std::numeric_limits<int64_t>::max() / per_step) {
+        return absl::DataLossError(absl::StrCat(
+            "the resumed checkpoint's trainer.json is corrupted: its step ", resumed->step(),
+            " times the ", per_step, " forwards a step of counter '", name, "' overflows 64 bits"));
+      }
       value = it != resumed->num_batches_tracked().end() ? it->second : resumed->step() * per_step;
     } else if (weights != nullptr && weights->file().tensors().count(name)) {
       HAP_ASSIGN_OR_RETURN(TensorView v, weights->file().View(name));

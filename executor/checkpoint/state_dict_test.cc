@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -459,6 +460,25 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
 // --init-weights) started a run from the damaged weights. Exports record
 // each tensor's CRC-32C, which reading a weights file checks (a file
 // without them, such as PyTorch's, is read as it is).
+// A checkpoint written without counters starts them at step * per_step; a
+// step near 2^63 (trainer.json damaged, its global batch 1 or unrecorded, so
+// Open's step * batch check passes) overflowed there: undefined behaviour,
+// a negative counter in practice. Caught by tests/fuzz/checkpoint_fuzzer (UBSan).
+TEST(CheckpointTest, AResumedStepWhoseCountersOverflowIsDataLoss) {
+  v1::TrainerState resumed;
+  resumed.set_step(std::numeric_limits<int64_t>::max() / 2 + 1);
+  v1::TrainerState trainer;
+  trainer.set_state_dict_extras(R"({"counters": {"bn.num_batches_tracked": {"per_step": 2}}})");
+  EXPECT_THAT(SetStartCounters(&resumed, nullptr, &trainer),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("trainer.json is corrupted"),
+                             HasSubstr("'bn.num_batches_tracked' overflows 64 bits"))));
+  resumed.set_step(std::numeric_limits<int64_t>::max() / 2);
+  ASSERT_TRUE(SetStartCounters(&resumed, nullptr, &trainer).ok());
+  EXPECT_EQ(trainer.num_batches_tracked().at("bn.num_batches_tracked"),
+            std::numeric_limits<int64_t>::max() / 2 * 2);
+}
+
 TEST(CheckpointTest, AFlippedBitInAnExportIsDataLossAtInitWeights) {
   graph::Graph g = Mlp();
   const std::string dir = Fresh("export_flipped");
