@@ -3,7 +3,8 @@
 // Call), shared by the communicators that honour the contract on calls:
 // Gloo's (gloo_communicator.cc) and the in-process test group
 // (executor/train/in_process_comm.h), so that both refuse the same calls
-// with the same messages.
+// with the same messages; NCCL's (executor/cuda/nccl_communicator.cc) runs
+// the same own checks (it compares no calls across ranks).
 //
 // Each <Collective>Call function checks one rank's arguments, `rank` of
 // `size` ranks, against each other: on success it returns the Call to agree

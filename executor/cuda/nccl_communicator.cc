@@ -23,9 +23,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "executor/comm/call_checks.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/cuda_status.h"
 
@@ -181,7 +181,7 @@ class NcclCommunicator : public Communicator {
 
   absl::Status AllReduce(TensorView buf) override {
     HAP_RETURN_IF_ERROR(Usable("all-reduce"));
-    HAP_RETURN_IF_ERROR(CheckFloat("all-reduce", buf));
+    HAP_RETURN_IF_ERROR(AllReduceCall(buf).status());
     const int64_t n = buf.num_elements();
     if (n == 0) return absl::OkStatus();
     HAP_RETURN_IF_ERROR(OnDevice("all-reduce", {buf}));
@@ -197,7 +197,7 @@ class NcclCommunicator : public Communicator {
   absl::Status AllGather(TensorView in, TensorView out, absl::Span<const int64_t> counts,
                          CommMethod method) override {
     HAP_RETURN_IF_ERROR(Usable("all-gather"));
-    HAP_RETURN_IF_ERROR(CheckCounts("all-gather", counts, in, out, /*check_part=*/true));
+    HAP_RETURN_IF_ERROR(AllGatherCall(in, out, counts, method, rank_, size_).status());
     const int64_t m = Largest(counts);
     if (m == 0) return absl::OkStatus();
     HAP_RETURN_IF_ERROR(OnDevice("all-gather", {in, out}));
@@ -253,8 +253,7 @@ class NcclCommunicator : public Communicator {
   absl::Status ReduceScatter(TensorView in, TensorView out, absl::Span<const int64_t> counts,
                              CommMethod method) override {
     HAP_RETURN_IF_ERROR(Usable("reduce-scatter"));
-    HAP_RETURN_IF_ERROR(CheckFloat("reduce-scatter", in));
-    HAP_RETURN_IF_ERROR(CheckCounts("reduce-scatter", counts, out, in, /*check_part=*/true));
+    HAP_RETURN_IF_ERROR(ReduceScatterCall(in, out, counts, method, rank_, size_).status());
     const int64_t m = Largest(counts);
     if (m == 0) return absl::OkStatus();
     HAP_RETURN_IF_ERROR(OnDevice("reduce-scatter", {in, out}));
@@ -315,9 +314,7 @@ class NcclCommunicator : public Communicator {
   absl::Status AllToAll(TensorView in, absl::Span<const int64_t> send_counts, TensorView out,
                         absl::Span<const int64_t> recv_counts) override {
     HAP_RETURN_IF_ERROR(Usable("all-to-all"));
-    HAP_RETURN_IF_ERROR(CheckCounts("all-to-all", send_counts, TensorView{}, in, false));
-    HAP_RETURN_IF_ERROR(CheckCounts("all-to-all", recv_counts, TensorView{}, out, false));
-    HAP_RETURN_IF_ERROR(SameDType("all-to-all", in, out));
+    HAP_RETURN_IF_ERROR(AllToAllCall(in, send_counts, out, recv_counts, size_).status());
     if (send_counts[rank_] != recv_counts[rank_]) {
       return Invalid(absl::StrCat("all-to-all: rank ", rank_, " sends ", send_counts[rank_],
                                   " elements to itself but expects ", recv_counts[rank_]));
@@ -352,7 +349,7 @@ class NcclCommunicator : public Communicator {
 
   absl::Status Broadcast(TensorView buf, int root) override {
     HAP_RETURN_IF_ERROR(Usable("broadcast"));
-    HAP_RETURN_IF_ERROR(CheckRoot("broadcast", root));
+    HAP_RETURN_IF_ERROR(BroadcastCall(buf, root, size_).status());
     if (buf.bytes() == 0) return absl::OkStatus();
     HAP_RETURN_IF_ERROR(OnDevice("broadcast", {buf}));
     return Run("broadcast", [&]() -> absl::Status {
@@ -366,15 +363,7 @@ class NcclCommunicator : public Communicator {
 
   absl::Status Reduce(TensorView in, TensorView out, int root) override {
     HAP_RETURN_IF_ERROR(Usable("reduce"));
-    HAP_RETURN_IF_ERROR(CheckFloat("reduce", in));
-    HAP_RETURN_IF_ERROR(CheckRoot("reduce", root));
-    if (rank_ == root) {
-      HAP_RETURN_IF_ERROR(SameDType("reduce", in, out));
-      if (out.num_elements() != in.num_elements()) {
-        return Invalid(absl::StrCat("reduce: the output holds ", out.num_elements(),
-                                    " elements, the input ", in.num_elements()));
-      }
-    }
+    HAP_RETURN_IF_ERROR(ReduceCall(in, out, root, rank_, size_).status());
     const int64_t n = in.num_elements();
     if (n == 0) return absl::OkStatus();
     HAP_RETURN_IF_ERROR(rank_ == root ? OnDevice("reduce", {in, out}) : OnDevice("reduce", {in}));
@@ -445,54 +434,6 @@ class NcclCommunicator : public Communicator {
     }
     if (tag < 0 || tag > 0xffffffffLL) {
       return Invalid(absl::StrCat(what, ": tag ", tag, " is outside [0, 2^32)"));
-    }
-    return absl::OkStatus();
-  }
-
-  static absl::Status CheckFloat(const char* what, const TensorView& v) {
-    if (v.dtype != DType::kFloat32 && v.dtype != DType::kFloat64 &&
-        v.dtype != DType::kBFloat16) {
-      return Invalid(absl::StrCat(what, ": only float32, float64 and bfloat16 are summed, got ",
-                                  graph::DTypeName(v.dtype)));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status CheckRoot(const char* what, int root) const {
-    if (root < 0 || root >= size_) {
-      return Invalid(absl::StrCat(what, ": root ", root, " is out of range for ", size_, " ranks"));
-    }
-    return absl::OkStatus();
-  }
-
-  static absl::Status SameDType(const char* what, const TensorView& a, const TensorView& b) {
-    if (a.dtype != b.dtype) {
-      return Invalid(absl::StrCat(what, ": the buffers' dtypes differ (", graph::DTypeName(a.dtype),
-                                  " and ", graph::DTypeName(b.dtype), ")"));
-    }
-    return absl::OkStatus();
-  }
-
-  // counts: one per rank, non-negative; `whole` holds their sum and, when
-  // `check_part`, `part` (of the same dtype) holds counts[rank()].
-  absl::Status CheckCounts(const char* what, absl::Span<const int64_t> counts,
-                           const TensorView& part, const TensorView& whole, bool check_part) const {
-    if (check_part) HAP_RETURN_IF_ERROR(SameDType(what, part, whole));
-    if (static_cast<int>(counts.size()) != size_) {
-      return Invalid(absl::StrCat(what, ": ", counts.size(), " counts for ", size_, " ranks"));
-    }
-    int64_t sum = 0;
-    for (int64_t c : counts) {
-      if (c < 0) return Invalid(absl::StrCat(what, ": negative count ", c));
-      sum += c;
-    }
-    if (sum != whole.num_elements()) {
-      return Invalid(absl::StrCat(what, ": counts [", absl::StrJoin(counts, ","), "] sum to ", sum,
-                                  " but the buffer holds ", whole.num_elements(), " elements"));
-    }
-    if (check_part && counts[rank_] != part.num_elements()) {
-      return Invalid(absl::StrCat(what, ": rank ", rank_, " holds ", part.num_elements(),
-                                  " elements, its count is ", counts[rank_]));
     }
     return absl::OkStatus();
   }
