@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # libFuzzer targets (tests/fuzz/*_fuzzer.cc) built with Debian's clang 14,
 # AddressSanitizer and UndefinedBehaviorSanitizer, seeded from real inputs
-# (zoo graphs, the example clusters, a plan file, a checkpoint shard).
+# (zoo graphs, the example clusters, a plan file, a checkpoint shard, checkpoints).
 #
 #   scripts/fuzz.sh [--seconds S] [TARGET ...]   long runs (default 300 s each)
 #   scripts/fuzz.sh --smoke [--junit FILE]       a short run of each (scripts/test.sh)
 #
-# Targets: graph cluster plan safetensors rpc npy (default: all). npy: training data
-# files (hap-executor --data npy:DIR) opened and read batch by batch. rpc: sequences of
+# Targets: graph cluster plan safetensors rpc npy checkpoint (default: all). npy:
+# training data files (hap-executor --data npy:DIR) opened and read batch by batch.
+# checkpoint: checkpoint directories (--resume DIR) opened and read as a resume and
+# hapctl checkpoint verify read them, seeded with checkpoints hap-launch wrote. rpc: sequences of
 # planner requests (nodes, plans, deployments, step metrics, rendezvous) given
 # to the core and the deployment manager as the gRPC service gives them. Objects, binaries,
 # corpora and crash files go to out/fuzz/ (git ignores out/). A crash leaves
@@ -19,7 +21,7 @@ SECONDS_EACH=300
 SMOKE=0
 JUNIT=""
 TARGETS=()
-ALL_TARGETS=(graph cluster plan safetensors rpc npy)
+ALL_TARGETS=(graph cluster plan safetensors rpc npy checkpoint)
 while [ $# -gt 0 ]; do
   case "$1" in  # the options that take a value: one must follow
     --seconds|--junit) [ $# -ge 2 ] || { echo "fuzz: $1 needs a value (see --help)" >&2; exit 2; } ;;
@@ -61,8 +63,11 @@ fi
 # With nvcc, the same configuration as scripts/test.sh (one analysis cache).
 CONFIG=()
 if [ -x "${HAP_CUDA_PATH:-/usr/local/cuda}/bin/nvcc" ]; then CONFIG=(--config=cuda); fi
-bazel build //proto:hap_v1 //tools:hapctl "${CONFIG[@]}" >/dev/null 2>&1 ||
-  { echo "fuzz: bazel build //proto:hap_v1 //tools:hapctl failed" >&2; exit 2; }
+# hap-launch writes the checkpoint target's seeds.
+BUILD_TARGETS=(//proto:hap_v1 //tools:hapctl)
+case " ${TARGETS[*]} " in *" checkpoint "*) BUILD_TARGETS+=(//executor/cli:hap-launch) ;; esac
+bazel build "${BUILD_TARGETS[@]}" "${CONFIG[@]}" >/dev/null 2>&1 ||
+  { echo "fuzz: bazel build ${BUILD_TARGETS[*]} failed" >&2; exit 2; }
 GEN=bazel-bin/proto
 OUT=out/fuzz
 mkdir -p "$OUT/obj" "$OUT/bin" "$OUT/corpus"
@@ -89,6 +94,10 @@ declare -A SRCS=(
   [safetensors]="executor/checkpoint/safetensors.cc executor/checkpoint/crc32c.cc executor/checkpoint/file_util.cc planner/graph/types.cc common/json_struct.cc"
   [npy]="executor/data/user_data.cc executor/data/batches.cc planner/graph/zoo.cc ${GRAPH_SRCS[*]}"
   [rpc]="$(planner_srcs | tr '\n' ' ')"
+  [checkpoint]="$(ls executor/checkpoint/*.cc | grep -v -e '_test\.cc$' -e '_test_util\.cc$' | tr '\n' ' ')
+    executor/runtime/device.cc executor/runtime/program_runner.cc
+    executor/runtime/async_collectives.cc executor/runtime/collective_call.cc
+    common/json_struct.cc planner/graph/zoo.cc ${GRAPH_SRCS[*]}"
 )
 
 # One object per source, rebuilt when the source or any generated protobuf
@@ -167,6 +176,37 @@ open(sys.argv[1] + "/x", "wb").write(b"\x00" + x)
 open(sys.argv[1] + "/labels", "wb").write(b"\x01" + y)
 PY
       ;;
+    checkpoint)
+      # Checkpoints hap-launch wrote after one step of the fuzzer's MLP
+      # (ZeRO-3 with Adam: slices in both shards; data parallel with
+      # momentum: replicated tensors), each directory's files framed as the
+      # fuzzer reads them: [flags][name length][name][4-byte size][bytes]...
+      local tmp; tmp=$(mktemp -d); SEED_TMP=$tmp
+      local mlp=(--model mlp --layers 1 --hidden 4 --input 3 --classes 5 --batch 4)
+      local plan base
+      for plan in zero3:adam dp-even:momentum; do
+        base=${plan%:*}
+        bazel-bin/tools/hapctl plan --cluster planner/examples/cpu-2rank.json "${mlp[@]}" \
+          --baseline "$base" --optimizer "${plan#*:}" --save-plan "$tmp/$base.pb" >/dev/null 2>&1 &&
+          bazel-bin/executor/cli/hap-launch --plan "$tmp/$base.pb" --steps 1 \
+            --checkpoint-dir "$tmp/$base" >/dev/null 2>&1 ||
+          echo "fuzz: cannot write the checkpoint seed $base (hapctl plan, hap-launch)" >&2
+      done
+      python3 - "$tmp" "$dir" <<'PY'
+import os, struct, sys
+tmp, out = sys.argv[1], sys.argv[2]
+for run in sorted(os.listdir(tmp)):
+    if not os.path.isdir(os.path.join(tmp, run)):
+        continue
+    framed = b"\x00"
+    for step in sorted(os.listdir(os.path.join(tmp, run))):
+        for name in sorted(os.listdir(os.path.join(tmp, run, step))):
+            path = "%s/%s" % (step, name)
+            data = open(os.path.join(tmp, run, path), "rb").read()
+            framed += struct.pack("<B", len(path)) + path.encode() + struct.pack("<I", len(data)) + data
+    open(os.path.join(out, run), "wb").write(framed)
+PY
+      rm -r "$tmp"; SEED_TMP="" ;;
     safetensors)
       # A small hand-made file: one F32 [2] tensor.
       printf '\x38\x00\x00\x00\x00\x00\x00\x00{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}\x00\x00\x80\x3f\x00\x00\x00\x40' \
@@ -185,7 +225,9 @@ for t in "${TARGETS[@]}"; do
   fi
   seed "$t"
   if [ "$SMOKE" = 1 ]; then budget=(-runs=20000 -max_total_time=30); else budget=(-max_total_time="$SECONDS_EACH"); fi
-  if "$OUT/bin/$t" "${budget[@]}" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+  # An UndefinedBehaviorSanitizer report is a finding, as ASan's are: by
+  # default UBSan prints it and goes on, and libFuzzer saw a clean run.
+  if UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1} "$OUT/bin/$t" "${budget[@]}" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
       -artifact_prefix="$OUT/crash-$t-" "$OUT/corpus/$t" >"$OUT/$t.log" 2>&1; then
     echo "fuzz: $t ok ($(grep -o 'Done [0-9]* runs' "$OUT/$t.log" | tail -1), $(( $(date +%s) - start )) s)"
     cases+="<testcase classname=\"fuzz\" name=\"$t\"/>"

@@ -4,27 +4,15 @@
 // written to (the MLP's input x or its labels); the other file is a valid
 // one. Whatever OpenUserDataSet accepts must give whole batches of the
 // graph's shapes, and labels within the classes.
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
 
 #include "executor/data/user_data.h"
-#include "planner/graph/zoo.h"
+#include "tests/fuzz/fuzz_util.h"
 
 namespace {
-
-bool Write(const std::string& path, const void* data, size_t size) {
-  FILE* out = std::fopen(path.c_str(), "wb");  // no fsync: thousands of runs a second
-  if (out == nullptr) return false;
-  const bool written = std::fwrite(data, 1, size, out) == size;
-  return std::fclose(out) == 0 && written;
-}
 
 // A version 1.0 .npy file of `descr` and `shape` holding `data`.
 std::string Npy(const std::string& descr, const std::string& shape, const std::string& data) {
@@ -42,21 +30,8 @@ std::string Npy(const std::string& descr, const std::string& shape, const std::s
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const hap::graph::Graph* const g = [] {
-    auto built = hap::graph::BuildZooModel(
-        "mlp", {{"layers", 1}, {"hidden", 4}, {"input", 3}, {"classes", 5}, {"batch", 4}});
-    if (!built.ok()) __builtin_trap();
-    return new hap::graph::Graph(*std::move(built));
-  }();
-  static const std::string dir = [] {
-    std::string d = "/tmp/hap-npy-fuzz-" + std::to_string(getpid());
-    std::filesystem::create_directories(d);
-    std::atexit([] {  // libFuzzer ends with exit()
-      std::error_code ignored;
-      std::filesystem::remove_all("/tmp/hap-npy-fuzz-" + std::to_string(getpid()), ignored);
-    });
-    return d;
-  }();
+  const hap::graph::Graph* const g = &hap::fuzz::SeedMlp();
+  const std::string& dir = hap::fuzz::ScratchDir("npy");
   if (size < 1) return 0;
   // Valid files for 8 samples: x f32[8, 3], labels i64[8] in 0..4.
   float x[24];
@@ -68,11 +43,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string valid_y =
       Npy("<i8", "(8,)", std::string(reinterpret_cast<const char*>(y), sizeof y));
   const bool fuzz_x = data[0] % 2 == 0;
-  if (!Write(dir + "/x.npy", fuzz_x ? data + 1 : reinterpret_cast<const uint8_t*>(valid_x.data()),
-             fuzz_x ? size - 1 : valid_x.size()) ||
-      !Write(dir + "/labels.npy",
-             fuzz_x ? reinterpret_cast<const uint8_t*>(valid_y.data()) : data + 1,
-             fuzz_x ? valid_y.size() : size - 1)) {
+  if (!hap::fuzz::WriteFile(dir + "/x.npy",
+                            fuzz_x ? data + 1 : reinterpret_cast<const uint8_t*>(valid_x.data()),
+                            fuzz_x ? size - 1 : valid_x.size()) ||
+      !hap::fuzz::WriteFile(dir + "/labels.npy",
+                            fuzz_x ? reinterpret_cast<const uint8_t*>(valid_y.data()) : data + 1,
+                            fuzz_x ? valid_y.size() : size - 1)) {
     return 0;
   }
   hap::data::DataOptions o;
