@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <climits>
 #include <csignal>
@@ -641,12 +640,17 @@ class MeshContext : public gloo::Context {
 // again; a rank here may be waiting, as the listening side of a pair, for
 // a connection the broken rank will never make, and Gloo would let it wait
 // out the whole timeout. On the key, the watcher closes the pair this
-// rank's connect waits for (`connecting`), which ends such a wait at once; the try then fails
-// (Unavailable) and this rank follows the others to the next one. The watcher closes that pair at
-// the try's deadline too (expired()): Gloo waits five times its timeout for a pair's connection,
-// each pair in turn, so a rank that published its address and died would hold this rank far past
-// its timeout. And once the store says its user gave up (RendezvousStore::Cancelled, a stopped
-// training run: cancelled()), which the wait for a connection never asks.
+// rank's connect waits for (Connecting), which ends such a wait at once;
+// the try then fails (Unavailable) and this rank follows the others to the
+// next one. The watcher closes that pair at the try's deadline too
+// (expired()): Gloo waits five times its timeout for a pair's connection,
+// each pair in turn, so a rank that published its address and died would
+// hold this rank far past its timeout. And once the store says its user
+// gave up (RendezvousStore::Cancelled, a stopped training run:
+// cancelled()), which the wait for a connection never asks. A try given up
+// while no pair was connecting (between two) connects no more pairs:
+// Connecting refuses, since the watcher, whose watch has ended, would
+// close none.
 //
 // Only that pair: Pair::close() sets SO_LINGER 0, so the kernel resets a
 // connection that is established, also one whose peer's Gloo has not
@@ -660,12 +664,11 @@ class MeshContext : public gloo::Context {
 class AbortWatcher {
  public:
   AbortWatcher(RendezvousStore& store, std::string key, gloo::transport::Context& transport,
-               absl::Time deadline, const std::atomic<int>& connecting)
+               absl::Time deadline)
       : store_(store),
         key_(std::move(key)),
         transport_(transport),
         deadline_(deadline),
-        connecting_(connecting),
         thread_([this] { Run(); }) {}
   ~AbortWatcher() { Stop(); }
 
@@ -693,6 +696,22 @@ class AbortWatcher {
     absl::MutexLock l(&mu_);
     return cancelled_;
   }
+  // Marks `peer`'s pair as the one this rank's connect is about to wait
+  // for: the watcher closes it if the try is given up meanwhile. False
+  // (nothing marked, nothing to connect) when the try was given up already.
+  bool Connecting(int peer) {
+    absl::MutexLock l(&mu_);
+    if (aborted_ || expired_ || cancelled_) return false;
+    connecting_ = peer;
+    return true;
+  }
+  // The marked pair's connect returned; false when the try was given up
+  // meanwhile (a pair the watcher closed returns as if connected).
+  bool Connected() {
+    absl::MutexLock l(&mu_);
+    connecting_ = -1;
+    return !(aborted_ || expired_ || cancelled_);
+  }
 
  private:
   void Run() {
@@ -703,10 +722,9 @@ class AbortWatcher {
       if (stopped_) return;
       if (found || cancelled || absl::Now() >= deadline_) {
         (found ? aborted_ : cancelled ? cancelled_ : expired_) = true;
-        const int r = connecting_.load();
-        if (r >= 0) {
+        if (connecting_ >= 0) {
           try {
-            transport_.getPair(r)->close();
+            transport_.getPair(connecting_)->close();
           } catch (...) {
             // A pair that cannot close is as good as closed for this try.
           }
@@ -723,8 +741,8 @@ class AbortWatcher {
   const std::string key_;
   gloo::transport::Context& transport_;
   const absl::Time deadline_;
-  const std::atomic<int>& connecting_;  // the peer whose pair is connecting; -1: none
   absl::Mutex mu_;
+  int connecting_ = -1;  // the peer whose pair is connecting; -1: none
   bool stopped_ = false;
   bool aborted_ = false;
   bool expired_ = false;
@@ -806,8 +824,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   // The store refused or did not take this rank's address: its failure,
   // not the peers'.
   bool publish_failed = false;
-  // The peer whose pair is connecting (-1: none); the watcher reads it.
-  std::atomic<int> connecting{-1};
+  // The peer whose pair is connecting (-1: none).
+  int connecting = -1;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
     auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
@@ -826,8 +844,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
       publish_failed = true;
       throw StoreFailure(std::move(published));
     }
-    watcher = std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport,
-                                             deadline, connecting);
+    watcher =
+        std::make_unique<AbortWatcher>(store, RendezvousKey(prefix, "abort"), *transport, deadline);
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
       std::optional<std::string> theirs =
@@ -842,10 +860,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
       }
       const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
       connecting = r;
+      if (!watcher->Connecting(r)) return;  // given up before
       transport->getPair(r)->connect(std::vector<char>(
           theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
-      // A pair the watcher closed returns from connect as if connected.
-      if (watcher->aborted() || watcher->expired() || watcher->cancelled()) return;
+      if (!watcher->Connected()) return;  // given up meanwhile
       connecting = -1;
     }
     // Aborted, out of time, or given up.
@@ -858,23 +876,22 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     return absl::UnavailableError(absl::StrCat(
         what, ": another rank's connection broke, so this try was abandoned"));
   }
-  const int waited_for = connecting.load();
   // Given up while a pair waited for its peer: the ranks still connecting
   // are told, as for a try that broke (a stopped deployment's other ranks
   // end too, not at their timeout).
   if (watcher != nullptr && watcher->cancelled()) {
     const absl::Status gave_up = absl::CancelledError(
         absl::StrCat(what, ": given up while ",
-                     waited_for >= 0 ? absl::StrCat("waiting for rank ", waited_for, " to connect")
+                     connecting >= 0 ? absl::StrCat("waiting for rank ", connecting, " to connect")
                                      : std::string("the connections formed")));
     return TellOthersToGiveUp(store, prefix, gave_up);
   }
   // The watcher closed the pairs at the deadline: while this rank waited
   // for a pair (the rank on its other side had published its address), or
   // after the last one formed. (A peer that never published is named below.)
-  if (watcher != nullptr && watcher->expired() && (s.ok() || waited_for >= 0)) {
+  if (watcher != nullptr && watcher->expired() && (s.ok() || connecting >= 0)) {
     return absl::DeadlineExceededError(
-        waited_for >= 0 ? absl::StrCat(what, ": rank ", waited_for,
+        connecting >= 0 ? absl::StrCat(what, ": rank ", connecting,
                                        " published its address but did not connect within ",
                                        absl::FormatDuration(o.timeout))
                         : absl::StrCat(what, ": the connections did not form within ",

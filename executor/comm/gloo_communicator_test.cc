@@ -863,6 +863,18 @@ void StrayConnectToRankZero(RendezvousStore& store, const std::string& prefix) {
   close(fd);
 }
 
+// Rank 1 of 2 that published its address and died: rank 0's addresses,
+// once rank 0 published them, at a port above rank 0's where nobody
+// listens, so that rank 0 is the side that waits, for a connection that
+// never comes.
+void PublishADeadRankOne(RendezvousStore& store) {
+  auto blob = store.Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
+  ASSERT_TRUE(blob.ok()) << blob.status();
+  const std::string dead = AtAPortNobodyListensOn(*blob);
+  ASSERT_FALSE(dead.empty());
+  ASSERT_THAT(store.Set(ConnectAttemptPrefix("hap", 0) + "/1", dead), IsOk());
+}
+
 // Rank 1 publishes an address (rank 0's own, on a port above it, so that
 // rank 0 is the side that waits) and never connects, as a rank that died
 // after publishing. Gloo waits five times the timeout for a connection;
@@ -872,13 +884,7 @@ void StrayConnectToRankZero(RendezvousStore& store, const std::string& prefix) {
 TEST(GlooCommunicatorTest, ARankThatPublishesButNeverConnectsIsNamed) {
   auto store = NewFileStore(FreshDir("never_connects"));
   ASSERT_TRUE(store.ok());
-  std::thread fake_rank1([&] {
-    auto blob = (*store)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
-    ASSERT_TRUE(blob.ok()) << blob.status();
-    const std::string dead = AtAPortNobodyListensOn(*blob);
-    ASSERT_FALSE(dead.empty());
-    ASSERT_THAT((*store)->Set(ConnectAttemptPrefix("hap", 0) + "/1", dead), IsOk());
-  });
+  std::thread fake_rank1([&] { PublishADeadRankOne(**store); });
   EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Seconds(1)), **store),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        HasSubstr("rank 1 published its address but did not connect within 1s")));
@@ -915,11 +921,7 @@ TEST(GlooCommunicatorTest, AConnectWaitingForAPeerEndsWhenTheStoresUserGivesUp) 
   absl::Notification give_up;
   GivingUpStore store(**files, give_up);
   std::thread fake_rank1([&] {
-    auto blob = (*files)->Get(ConnectAttemptPrefix("hap", 0) + "/0", absl::Seconds(20));
-    ASSERT_TRUE(blob.ok()) << blob.status();
-    const std::string dead = AtAPortNobodyListensOn(*blob);
-    ASSERT_FALSE(dead.empty());
-    ASSERT_THAT((*files)->Set(ConnectAttemptPrefix("hap", 0) + "/1", dead), IsOk());
+    PublishADeadRankOne(**files);
     give_up.Notify();
   });
   EXPECT_THAT(ConnectGloo(Rank(0, 2, absl::Hours(1)), store),
@@ -928,6 +930,53 @@ TEST(GlooCommunicatorTest, AConnectWaitingForAPeerEndsWhenTheStoresUserGivesUp) 
   fake_rank1.join();
   EXPECT_THAT((*files)->Get(ConnectAttemptPrefix("hap", 0) + "/abort", absl::ZeroDuration()),
               IsOk());
+}
+
+// A file store whose user gives up just as rank 1's address is read: the
+// read returns it once the abort watcher has seen the store given up.
+class GivesUpAsRankOnesAddressIsReadStore : public RendezvousStore {
+ public:
+  explicit GivesUpAsRankOnesAddressIsReadStore(RendezvousStore& store) : store_(store) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return store_.Set(key, value);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    absl::StatusOr<std::string> v = store_.Get(key, timeout);
+    if (v.ok() && key == ConnectAttemptPrefix("hap", 0) + "/1" && !give_up_.HasBeenNotified()) {
+      give_up_.Notify();
+      EXPECT_TRUE(seen_.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    }
+    return v;
+  }
+  bool Cancelled() override {
+    if (!give_up_.HasBeenNotified()) return false;
+    if (!seen_.HasBeenNotified()) seen_.Notify();
+    return true;
+  }
+
+ private:
+  RendezvousStore& store_;
+  absl::Notification give_up_, seen_;
+};
+
+// The store's user gives up while no pair is connecting (rank 0 has just
+// read rank 1's address, rank 1 never dials). The watcher then closed no
+// pair and stopped watching, and rank 0 went on to wait in Gloo's connect
+// for rank 1, as the listening side, for five times the timeout (so did a
+// try whose deadline came between two pairs). It now connects no pair of
+// a try given up.
+TEST(GlooCommunicatorTest, ATryGivenUpBetweenTwoPairsConnectsNoMore) {
+  auto files = NewFileStore(FreshDir("gives_up_between"));
+  ASSERT_TRUE(files.ok());
+  GivesUpAsRankOnesAddressIsReadStore store(**files);
+  std::thread fake_rank1([&] { PublishADeadRankOne(**files); });
+  const absl::Duration timeout = absl::Seconds(3);
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(ConnectGloo(Rank(0, 2, timeout), store),
+              StatusIs(absl::StatusCode::kCancelled,
+                       HasSubstr("given up while waiting for rank 1 to connect")));
+  EXPECT_LT(absl::Now() - start, timeout);
+  fake_rank1.join();
 }
 
 // Rank 0 publishes its address, a stray connection takes it, then rank 1
