@@ -660,9 +660,17 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
         absl::StrCat("the checkpoint ", dir, " says it was written by ", world, " ranks"));
   }
   // A slice's file is one of the shards: never a path (outside the
-  // directory or not) nor another file of the checkpoint.
-  std::set<std::string> files;
-  for (int rank = 0; rank < world; ++rank) files.insert(RankFileName(rank, world));
+  // directory or not) nor another file of the checkpoint. Told by its name,
+  // not from a list of every shard's (a damaged world size may be 2^20).
+  auto is_shard = [world](const std::string& file) {
+    constexpr absl::string_view kPrefix = "rank-";
+    const size_t of = file.find("-of-");
+    int rank = -1;
+    return absl::StartsWith(file, kPrefix) && of != std::string::npos &&
+           absl::SimpleAtoi(absl::string_view(file).substr(kPrefix.size(), of - kPrefix.size()),
+                            &rank) &&
+           rank >= 0 && rank < world && RankFileName(rank, world) == file;
+  };
   const std::string shards =
       world == 0   ? std::string("it records no ranks")
       : world == 1 ? RankFileName(0, 1)
@@ -674,7 +682,7 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
                                               " is corrupted at tensor '", t.name(), "'"));
     }
     for (const auto& s : t.slices()) {
-      if (files.count(s.file()) == 0) {
+      if (!is_shard(s.file())) {
         return absl::DataLossError(
             absl::StrCat(index_file, " places a slice of '", t.name(), "' in '", s.file(),
                          "', which is not one of its shards (", shards, ")"));

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1119,6 +1120,32 @@ TEST(CheckpointTest, ADamagedTrainerOrIndexJsonIsDataLossNamingIt) {
   auto old = CheckpointReader::Open(dir);
   ASSERT_TRUE(old.ok()) << old.status();
   EXPECT_EQ((*old)->trainer().seed(), 7u);
+}
+
+// A trainer.json damaged to say 2^20 ranks (the most Open takes) made Open
+// list the names of a million shards, to check the index's files against:
+// seconds and 100 MB per open (the checkpoint fuzzer's timeouts). Each
+// file is now told by its name. CPU time, not wall time: the million names
+// took over a second of it.
+TEST(CheckpointTest, AWorldOfAMillionRanksIsRefusedWithoutListingTheirShards) {
+  graph::Graph g = Mlp();
+  const std::string dir = Fresh("million_ranks");
+  const std::string step = OneStepCheckpoint(g, dir);
+  auto text = ReadFile(step + "/trainer.json");
+  ASSERT_TRUE(text.ok());
+  const std::string from = "\"world_size\": 1,";
+  ASSERT_NE(text->find(from), std::string::npos) << *text;
+  std::string damaged = *text;
+  damaged.replace(damaged.find(from), from.size(), "\"world_size\": 1048576,");
+  ASSERT_TRUE(WriteFileSynced(step + "/trainer.json", damaged).ok());
+  ASSERT_TRUE(WriteFileSynced(step + "/COMMITTED", "1\n").ok());  // older: unchecked
+  const std::clock_t start = std::clock();
+  EXPECT_THAT(CheckpointReader::Open(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("'rank-00000-of-00001.safetensors', which is not one of its "
+                                 "shards (rank-00000-of-1048576.safetensors to "
+                                 "rank-1048575-of-1048576.safetensors)")));
+  EXPECT_LT(static_cast<double>(std::clock() - start) / CLOCKS_PER_SEC, 0.2);
 }
 
 }  // namespace
