@@ -367,6 +367,7 @@ void WatchDeployment(const v1::Deployment& d, DeploymentExecutors& executors,
         control.update([](v1::Deployment& x) { x.set_state(v1::Deployment::SUCCEEDED); });
         return;
       case RankWatch::Verdict::kFailed:
+        KeepRankReports(d, statuses, &reports, control);  // also of a run failed at its first poll
         return FailAndStop(d, watch.error(), watch.failed_ranks(), watch.resume_damaged(),
                            executors, o, control);
     }

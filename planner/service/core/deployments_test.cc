@@ -499,6 +499,24 @@ TEST(DeploymentsTest, ARunThatEndsAtItsFirstPollRecordsItsBackends) {
   for (int r = 0; r < 3; ++r) EXPECT_EQ(owner.record.ranks(r).backend(), "cpu") << r;
 }
 
+// So does one that fails at its first poll: where its ranks ran is what
+// one asks of a failed run (a GPU rank that ran on the CPU).
+TEST(DeploymentsTest, ARunThatFailsAtItsFirstPollRecordsItsBackends) {
+  v1::Deployment d = ThreeRanks();
+  FakeExecutors ex(3);
+  FakeOwner owner(d);
+  ex.before_poll = [&](int poll) {
+    if (poll != 1) return;
+    for (int r = 0; r < 3; ++r) ex.ranks[r].status.set_backend("cpu");
+    ex.ranks[2].status.set_state(v1::ExecutorStatus::FAILED);
+    ex.ranks[2].status.set_error("out of memory");
+  };
+  RunDeployment(d, v1::Plan(), "127.0.0.1:7000", ex, Options(), owner.Control());
+  EXPECT_EQ(owner.record.state(), v1::Deployment::FAILED);
+  EXPECT_THAT(owner.record.error(), HasSubstr("out of memory"));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(owner.record.ranks(r).backend(), "cpu") << r;
+}
+
 TEST(DeploymentsTest, ShutdownLeavesTheExecutorsTraining) {
   v1::Deployment d = ThreeRanks();
   FakeExecutors ex(3);
