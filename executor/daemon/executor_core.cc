@@ -739,6 +739,10 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
   loaded->timing.reset();
   loaded->batches.reset();
   loaded->device.reset();
+  // The log's line of the end, unless the load was retired: taken with the
+  // final state, as a Stop that retires this thread after it (only on_end
+  // left) logs nothing.
+  std::string ended;
   {
     absl::MutexLock l(&mu_);
     if (load_id_ == load_id && !loaded->abandoned) {
@@ -756,12 +760,6 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
                 ? stopped
                 : absl::StrCat(stopped, "; the step in progress failed: ", s.ToString());
       }
-    }
-  }
-  std::string ended;  // the log's line, unless the load was retired
-  {
-    absl::MutexLock l(&mu_);
-    if (load_id_ == load_id && !loaded->abandoned) {
       ended =
           absl::StrCat(run, ": ", v1::ExecutorStatus::State_Name(loaded->final_state), ", ",
                        std::max(steps_completed_, loaded->first_step), " of ", steps, " steps done",
