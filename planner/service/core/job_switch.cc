@@ -387,14 +387,18 @@ void Pass::ConsiderSlowdown(const v1::Deployment& d) {
     st().set_message(absl::StrCat(seen, "; recalibrating once every rank profiled steps from ",
                                   st().slowdown_step()));
   }
-  std::string unprofiled;
-  if (!Profiled(d, st().slowdown_step())) {
+  // Calibration fits every rank's profile (one of a rank that has none of
+  // the slow steps would be its profile from before them): without all of
+  // them the candidate is judged by the model as it stands.
+  absl::StatusOr<std::string> c;
+  if (Profiled(d, st().slowdown_step())) {
+    c = b_.Calibrate(d);
+  } else {
     if (d.recent_steps_end() < st().slowdown_step() + kProfileWaitSteps) return;
-    unprofiled =
-        absl::StrCat(" (not the ranks with no profile of the steps from ", st().slowdown_step(),
-                     " after ", kProfileWaitSteps, " steps: CUDA ranks are never profiled)");
+    c = absl::FailedPreconditionError(
+        absl::StrCat("not every rank has a profile of the steps from ", st().slowdown_step(),
+                     " after ", kProfileWaitSteps, " steps; CUDA ranks are never profiled"));
   }
-  absl::StatusOr<std::string> c = b_.Calibrate(d);
   st().set_calibrated_deployment(d.name());
   const std::vector<std::string> devices(st().devices().begin(), st().devices().end());
   st().set_candidate_plan(NextPlanName());
@@ -403,7 +407,7 @@ void Pass::ConsiderSlowdown(const v1::Deployment& d) {
   st().set_message(
       absl::StrCat(st().slowdown_detail(), "; ",
                    c.ok() ? *c : absl::StrCat("not recalibrated (", c.status().message(), ")"),
-                   unprofiled, "; judging ", st().candidate_plan(), " on the same devices"));
+                   "; judging ", st().candidate_plan(), " on the same devices"));
   if (!Commit()) return;
   absl::StatusOr<v1::Plan> p =
       b_.CreatePlan(PlanRequest(st().candidate_plan(), devices), j_.name());
