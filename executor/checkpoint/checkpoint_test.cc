@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1124,9 +1123,10 @@ TEST(CheckpointTest, ADamagedTrainerOrIndexJsonIsDataLossNamingIt) {
 
 // A trainer.json damaged to say 2^20 ranks (the most Open takes) made Open
 // list the names of a million shards, to check the index's files against:
-// seconds and 100 MB per open (the checkpoint fuzzer's timeouts). Each
-// file is now told by its name. CPU time, not wall time: the million names
-// took over a second of it.
+// a second of CPU and 100 MB per open (near the checkpoint fuzzer's
+// timeout). Each file is now told by its name; the refusal is the same.
+// (No timed assertion: tests time nothing. Measured once: 1.01 s of CPU
+// before, under 0.2 s after.)
 TEST(CheckpointTest, AWorldOfAMillionRanksIsRefusedWithoutListingTheirShards) {
   graph::Graph g = Mlp();
   const std::string dir = Fresh("million_ranks");
@@ -1139,13 +1139,11 @@ TEST(CheckpointTest, AWorldOfAMillionRanksIsRefusedWithoutListingTheirShards) {
   damaged.replace(damaged.find(from), from.size(), "\"world_size\": 1048576,");
   ASSERT_TRUE(WriteFileSynced(step + "/trainer.json", damaged).ok());
   ASSERT_TRUE(WriteFileSynced(step + "/COMMITTED", "1\n").ok());  // older: unchecked
-  const std::clock_t start = std::clock();
   EXPECT_THAT(CheckpointReader::Open(dir),
               StatusIs(absl::StatusCode::kDataLoss,
                        HasSubstr("'rank-00000-of-00001.safetensors', which is not one of its "
                                  "shards (rank-00000-of-1048576.safetensors to "
                                  "rank-1048575-of-1048576.safetensors)")));
-  EXPECT_LT(static_cast<double>(std::clock() - start) / CLOCKS_PER_SEC, 0.2);
 }
 
 }  // namespace
