@@ -596,6 +596,7 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
 
 absl::Status SetStartCounters(const v1::TrainerState* resumed, const WeightsReader* weights,
                               v1::TrainerState* trainer) {
+  constexpr int64_t kMostCounter = int64_t{1} << 62;
   HAP_ASSIGN_OR_RETURN(StateDictExtras extras, ParseStateDictExtras(trainer->state_dict_extras()));
   if (resumed != nullptr) trainer->set_step(resumed->step());
   auto& start = *trainer->mutable_num_batches_tracked();
@@ -621,6 +622,18 @@ absl::Status SetStartCounters(const v1::TrainerState* resumed, const WeightsRead
                                                           " as other than an I64 scalar"));
       }
       std::memcpy(&value, v.data, sizeof(value));
+    }
+    // A counter counts forward passes: one below 0 or past 2^62 (which the
+    // saves would carry on adding to, past 2^63) is a damaged file's.
+    if (value < 0 || value > kMostCounter) {
+      const std::string what =
+          absl::StrCat("counter '", name, "' is ", value, ", outside [0, 2^62]");
+      if (resumed != nullptr) {
+        return absl::DataLossError(
+            absl::StrCat("the resumed checkpoint's trainer.json is corrupted: its ", what));
+      }
+      return absl::FailedPreconditionError(
+          absl::StrCat("the weights ", weights->file().path(), " are damaged: their ", what));
     }
     start[name] = value;
   }

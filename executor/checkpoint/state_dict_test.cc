@@ -456,10 +456,6 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
                              HasSubstr("flags (a buffer the graph's constants"))));
 }
 
-// A flipped bit in an export (`hapctl checkpoint export`, then
-// --init-weights) started a run from the damaged weights. Exports record
-// each tensor's CRC-32C, which reading a weights file checks (a file
-// without them, such as PyTorch's, is read as it is).
 // A checkpoint written without counters starts them at step * per_step; a
 // step near 2^63 (trainer.json damaged, its global batch 1 or unrecorded, so
 // Open's step * batch check passes) overflowed there: undefined behaviour,
@@ -473,12 +469,38 @@ TEST(CheckpointTest, AResumedStepWhoseCountersOverflowIsDataLoss) {
               StatusIs(absl::StatusCode::kDataLoss,
                        AllOf(HasSubstr("trainer.json is corrupted"),
                              HasSubstr("'bn.num_batches_tracked' overflows 64 bits"))));
-  resumed.set_step(std::numeric_limits<int64_t>::max() / 2);
+  resumed.set_step(int64_t{1} << 61);  // 2^62 forwards: the most a counter may hold
   ASSERT_TRUE(SetStartCounters(&resumed, nullptr, &trainer).ok());
-  EXPECT_EQ(trainer.num_batches_tracked().at("bn.num_batches_tracked"),
-            std::numeric_limits<int64_t>::max() / 2 * 2);
+  EXPECT_EQ(trainer.num_batches_tracked().at("bn.num_batches_tracked"), int64_t{1} << 62);
 }
 
+// A counter read from a damaged trainer.json, below 0 or past 2^62, was
+// taken as it was: negative, or added to at each save until it overflowed.
+TEST(CheckpointTest, AResumedCounterOutOfRangeIsDataLoss) {
+  v1::TrainerState trainer;
+  trainer.set_state_dict_extras(R"({"counters": {"bn.num_batches_tracked": {"per_step": 2}}})");
+  for (int64_t bad : {int64_t{-1}, (int64_t{1} << 62) + 1, std::numeric_limits<int64_t>::max()}) {
+    v1::TrainerState resumed;
+    resumed.set_step(10);
+    (*resumed.mutable_num_batches_tracked())["bn.num_batches_tracked"] = bad;
+    EXPECT_THAT(SetStartCounters(&resumed, nullptr, &trainer),
+                StatusIs(absl::StatusCode::kDataLoss,
+                         AllOf(HasSubstr("trainer.json is corrupted"),
+                               HasSubstr(absl::StrCat("counter 'bn.num_batches_tracked' is ", bad,
+                                                      ", outside [0, 2^62]")))))
+        << bad;
+  }
+  v1::TrainerState resumed;
+  resumed.set_step(10);
+  (*resumed.mutable_num_batches_tracked())["bn.num_batches_tracked"] = int64_t{1} << 62;
+  ASSERT_TRUE(SetStartCounters(&resumed, nullptr, &trainer).ok());
+  EXPECT_EQ(trainer.num_batches_tracked().at("bn.num_batches_tracked"), int64_t{1} << 62);
+}
+
+// A flipped bit in an export (`hapctl checkpoint export`, then
+// --init-weights) started a run from the damaged weights. Exports record
+// each tensor's CRC-32C, which reading a weights file checks (a file
+// without them, such as PyTorch's, is read as it is).
 TEST(CheckpointTest, AFlippedBitInAnExportIsDataLossAtInitWeights) {
   graph::Graph g = Mlp();
   const std::string dir = Fresh("export_flipped");
