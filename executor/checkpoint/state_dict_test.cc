@@ -431,6 +431,20 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
   // The export starts a run again, counter and mask included.
   EXPECT_TRUE(WeightsReader::OpenFor(out, *g).ok());
 
+  // A counter below 0 (a damaged file): refused where the run would start
+  // from it, named with its value.
+  counter.as<int64_t>()[0] = -3;
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  auto negative = WeightsReader::OpenFor(in, *g);
+  ASSERT_TRUE(negative.ok()) << negative.status();
+  v1::TrainerState fresh;
+  fresh.set_state_dict_extras(json);
+  EXPECT_THAT(SetStartCounters(nullptr, negative->get(), &fresh),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(in), HasSubstr("counter 'bn.num_batches_tracked' is -3, "
+                                                      "outside [0, 2^62]"))));
+  counter.as<int64_t>()[0] = 7;
+
   // Other mask or flags values, or a counter of another dtype: refused, named.
   mask.as<float>()[5] = 1.0f;
   flags[2] = '\1';
