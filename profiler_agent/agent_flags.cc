@@ -95,6 +95,13 @@ const std::set<std::string>& AgentValueFlags() {
 }
 
 absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& a) {
+  // hap-agent takes flags only: an argument that is no flag's value was
+  // dropped without a word (`--executor A B` labelled the node with A alone).
+  if (!a.positional().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument '", a.positional()[0],
+                     "': hap-agent takes flags only (each --executor is a flag of its own)"));
+  }
   AgentOptions o;
   o.planner = a.GetOrEnv("planner", "");
   if (o.planner.empty()) {

@@ -19,8 +19,9 @@ const std::set<std::string>& AgentValueFlags();
 extern const char kAgentUsage[];
 
 // The options the flags (or their variables) ask for. InvalidArgument
-// naming the flag for a missing --planner or a malformed number; the token
-// file's error when it cannot be read.
+// naming the flag for a missing --planner or a malformed number, or naming
+// an argument that is no flag's value; the token file's error when it
+// cannot be read.
 absl::StatusOr<AgentOptions> AgentOptionsFromArgs(const hap::tools::Args& args);
 
 }  // namespace hap::agent

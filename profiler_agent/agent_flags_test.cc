@@ -80,6 +80,18 @@ TEST(AgentFlagsTest, Executors) {
                        HasSubstr("--executor (or HAP_EXECUTOR) '7101' must be HOST:PORT")));
 }
 
+// An argument that is no flag's value is an error naming it: it was dropped
+// without a word, so `--executor A B` labelled the node with A alone and
+// `--planner P node0` ran as the hostname, not node0.
+TEST(AgentFlagsTest, AnArgumentThatIsNoFlagsValueIsAnErrorNamingIt) {
+  EXPECT_THAT(
+      FromArgv({"--planner", "p:1", "--executor", "h:7101", "h:7102"}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unexpected argument 'h:7102'")));
+  EXPECT_THAT(
+      FromArgv({"--planner", "p:1", "node0"}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unexpected argument 'node0'")));
+}
+
 // --listen, --advertise and --executor are HOST:PORT with a port in range:
 // gRPC bound "127.0.0.1" at port 443 and "127.0.0.1:99999" at 34463 (the
 // port modulo 65536), and the agent printed that as if asked for it; an

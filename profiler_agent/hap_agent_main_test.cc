@@ -225,7 +225,8 @@ TEST(HapAgentBinaryTest, MissingPlannerOrBadFlagsExitTwo) {
        {std::vector<std::string>{"--name", "x"},
         std::vector<std::string>{"--planner", "127.0.0.1:1", "--bogus"},
         std::vector<std::string>{"--planner", "127.0.0.1:1", "--drift", "lots"},
-        std::vector<std::string>{"--planner", "127.0.0.1:1", "--devices", "tpu"}}) {
+        std::vector<std::string>{"--planner", "127.0.0.1:1", "--devices", "tpu"},
+        std::vector<std::string>{"--planner", "127.0.0.1:1", "stray"}}) {
     AgentProcess agent(args);
     ASSERT_GT(agent.pid(), 0);
     int status = agent.Stop(0, absl::Seconds(10));  // signal 0: just wait
