@@ -6,7 +6,6 @@ target and its place in the model. nn.Embedding's padding_idx also trains
 one step on 2 ranks from the --weights file, equal to PyTorch's SGD step."""
 
 import os
-import subprocess
 from unittest import mock
 
 import torch
@@ -18,7 +17,6 @@ from export_test_case import ExportTestCase  # noqa: E402
 import export_fx  # noqa: E402
 import hap_ir_eval  # noqa: E402
 
-safetensors_io = export_fx._safetensors_io()
 EXECUTOR = os.environ.get("HAP_EXECUTOR")
 LAUNCH = os.environ.get("HAP_LAUNCH")
 CPU_CLUSTER = os.environ.get("CPU_CLUSTER")
@@ -286,28 +284,12 @@ class ExportNumericsTest(ExportTestCase):
         lr = 0.5
         m = PaddedEmbedding().double()
         inputs = padded_inputs(m, torch.Generator().manual_seed(3))
-        d, graph, weights, data = U.export_for_training(m, inputs)
         m.zero_grad()
         loss = m(**inputs)
         loss.backward()
-        plan = os.path.join(d, "plan.pb")
-        U.run([U.HAPCTL, "plan", "--cluster", CPU_CLUSTER, "--graph", graph,
-               "--baseline", "dp-even", "--optimizer", "sgd", "--lr", str(lr),
-               "--save-plan", plan, "--max-seconds", "5"])
-        ckpt = plan + ".ckpt"
-        p = subprocess.run([LAUNCH, "--executor", EXECUTOR, "--plan", plan,
-                            "--steps", "1", "--data", "npy:" + data,
-                            "--init-weights", weights,
-                            "--checkpoint-dir", ckpt],
-                           capture_output=True, text=True, timeout=300)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        steps = [float(line.split()[3]) for line in p.stdout.splitlines()
-                 if line.startswith("step 0 ")]
-        self.assertEqual(len(steps), 1, p.stdout)
-        self.assertAlmostEqual(steps[0], float(loss), delta=1e-5)
-        out = ckpt + ".safetensors"
-        U.run([U.HAPCTL, "checkpoint", "export", ckpt, "-o", out])
-        start, after = safetensors_io.read(weights), safetensors_io.read(out)
+        got, start, after = U.one_sgd_step(m, inputs, lr, LAUNCH, EXECUTOR,
+                                           CPU_CLUSTER)
+        self.assertAlmostEqual(got, float(loss), delta=1e-5)
         for name, param in m.named_parameters():
             grad = (start[name] - after[name]) / lr
             err = float((grad - param.grad).abs().max())

@@ -242,6 +242,30 @@ class ExportOpsTest(ExportTestCase):
         # hap_ir_eval).
         self.check_numerics(m, inputs)
 
+    def test_swapaxes_and_swapdims(self):
+        """torch.swapaxes / swapdims and their methods (maxvit's SwapAxes
+        module), positional and by keyword, as transposes."""
+
+        class Swaps(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(4, 3, 2))
+                self.fc = nn.Linear(24, 3)
+
+            def forward(self, x, labels):  # x: [2, 3, 4, 5]
+                h = torch.swapaxes(x, 0, 2)  # [4, 3, 2, 5]
+                h = h.swapaxes(axis0=-1, axis1=1)  # [4, 5, 2, 3]
+                h = torch.swapdims(h, dim0=1, dim1=3)  # [4, 3, 2, 5]
+                h = h.sum(-1) * self.w  # [4, 3, 2]
+                h = h.swapdims(0, 2).reshape(1, 24)  # [2, 3, 4]
+                return F.cross_entropy(self.fc(h.expand(2, 24)), labels)
+
+        g, _ = self.assert_loss_and_gradients(
+            Swaps(), {"x": torch.randn(2, 3, 4, 5), "labels": labels(2, 3)})
+        self.assertEqual([op["attrs"]["perm"]["ints"]["values"]
+                          for op in g["ops"] if op["type"] == "transpose"],
+                         [[2, 1, 0, 3], [0, 3, 2, 1], [0, 3, 2, 1], [2, 1, 0]])
+
     def test_transformer_decoder_and_transformer(self):
         class Seq2Seq(nn.Module):
             """nn.Transformer (batch first, causal target mask) and a

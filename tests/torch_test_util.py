@@ -106,6 +106,31 @@ def export_for_training(module, inputs):
     return d, graph, weights, data
 
 
+def one_sgd_step(module, inputs, lr, launch, executor, cluster):
+    """Exports `module` (export_for_training), plans it data parallel
+    (dp-even, SGD at `lr`) on `cluster` and trains one step with hap-launch
+    and hap-executor from its --weights file: (the step's loss as
+    hap-launch logs it, the weights before, the weights after), the weights
+    as {state_dict name: tensor}."""
+    import export_fx
+    d, graph, weights, data = export_for_training(module, inputs)
+    plan = os.path.join(d, "plan.pb")
+    run([HAPCTL, "plan", "--cluster", cluster, "--graph", graph,
+         "--baseline", "dp-even", "--optimizer", "sgd", "--lr", str(lr),
+         "--save-plan", plan, "--max-seconds", "5"])
+    ckpt = plan + ".ckpt"
+    p = run([launch, "--executor", executor, "--plan", plan, "--steps", "1",
+             "--data", "npy:" + data, "--init-weights", weights,
+             "--checkpoint-dir", ckpt])
+    losses = [float(line.split()[3]) for line in p.stdout.splitlines()
+              if line.startswith("step 0 ")]
+    assert len(losses) == 1, p.stdout
+    out = ckpt + ".safetensors"
+    run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+    io = export_fx._safetensors_io()
+    return losses[0], io.read(weights), io.read(out)
+
+
 def module_from_source(d, name, source):
     """Writes `source` as d/<name>.py and imports it: (module, its path)
     (export_fx takes --module PATH:FUNCTION)."""

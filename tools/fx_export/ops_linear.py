@@ -1,7 +1,11 @@
 """Matrix products (planner/graph/ops_linear.cc): linear in PyTorch's layout
-(nn.Linear, F.linear) and (batched) matmul (@, torch.matmul, torch.bmm)."""
+(nn.Linear, F.linear), (batched) matmul (@, torch.matmul, torch.bmm), and
+torch.einsum as matmuls, broadcasting muls, sums and layout ops."""
 
+import collections
+import math
 import operator
+import string
 
 import torch
 import torch.nn as nn
@@ -73,3 +77,165 @@ def _matmul_method(ex, call, x):
 @registry.methods("bmm")
 def _bmm_method(ex, call, x):
     return matmul(ex, x, call.tensor(1, "mat2"), batched=True)
+
+
+# ---- einsum ----------------------------------------------------------------
+#
+# torch.einsum as the ops above and the layout ops: each operand's labels
+# that nothing later needs are summed, then the operands are contracted
+# left to right, two at a time, as one matmul (labels both share and still
+# need: batch dims; shared labels no longer needed: the contracted dim;
+# the others: rows and columns) or, with nothing to contract, a broadcasting
+# mul; the result is transposed into the output's order.
+
+_ELLIPSIS = "..."
+# torch.einsum's sublist form: subscript k is the k-th of these letters.
+_SUBLIST_LETTERS = string.ascii_uppercase + string.ascii_lowercase
+
+# PyTorch has checked the equation against the operands while the module ran
+# on the example inputs (tracing.Recorder): what is parsed here is valid.
+
+
+def _einsum_equation(ex, args):
+    """(equation, operand fx args) of einsum('ij,jk->ik', a, b),
+    einsum('ij,jk', [a, b]) or the sublist form einsum(a, [0, 1], b,
+    [1, 2], [0, 2])."""
+    if isinstance(args[0], str):
+        operands = list(args[1:])
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+        return args[0], operands
+
+    def letters(sub):
+        return "".join(_ELLIPSIS if s is Ellipsis else _SUBLIST_LETTERS[s]
+                       for s in ex.v(sub))
+
+    pairs = args if len(args) % 2 == 0 else args[:-1]
+    equation = ",".join(letters(s) for s in pairs[1::2])
+    if len(args) % 2:
+        equation += "->" + letters(args[-1])
+    return equation, list(pairs[0::2])
+
+
+def _einsum_subscripts(term):
+    """The labels of one term: its letters, and _ELLIPSIS."""
+    head, dots, tail = term.partition(_ELLIPSIS)
+    return list(head) + ([_ELLIPSIS] if dots else []) + list(tail)
+
+
+def _einsum_labels(ex, equation, ranks):
+    """([the labels of each operand's dims], [the output's labels]): the
+    letters, and for the dims '...' stands for the ints 0..n-1 of the
+    longest '...' (right-aligned: '...' of fewer dims broadcasts)."""
+    lhs, arrow, rhs = "".join(equation.split()).partition("->")
+    terms = lhs.split(",")
+    parsed = [_einsum_subscripts(t) for t in terms]
+    widths = [rank - len(labels) + 1 if _ELLIPSIS in labels else 0
+              for labels, rank in zip(parsed, ranks)]
+    width = max(widths)
+    operands = []
+    for k, (term, labels) in enumerate(zip(terms, parsed)):
+        dims = []
+        for label in labels:
+            if label == _ELLIPSIS:
+                dims.extend(range(width - widths[k], width))
+            elif label in dims:
+                ex.fail(f"einsum '{equation}': subscript '{label}' repeats "
+                        f"in operand {k} ('{term}'); diagonals (as in "
+                        f"'ii->i') are not supported")
+            else:
+                dims.append(label)
+        operands.append(dims)
+    if arrow:
+        out = []
+        for label in _einsum_subscripts(rhs):
+            out.extend(range(width) if label == _ELLIPSIS else [label])
+        return operands, out
+    # Implicit: '...', then the letters used once, in ASCII order.
+    seen = collections.Counter(d for dims in operands for d in dims
+                               if isinstance(d, str))
+    return operands, list(range(width)) + sorted(
+        d for d, n in seen.items() if n == 1)
+
+
+def _arrange(ex, name, t, labels, order, shape):
+    """t (dims `labels`) transposed into `order` and reshaped to `shape`."""
+    t = ex.transpose(name, t, [labels.index(d) for d in order], None)
+    return ex.reshape(name, t, shape, None)
+
+
+def _sum_unneeded(ex, name, t, labels, needed):
+    """(t with its dims whose label is not `needed` summed, their labels)."""
+    axes = [i for i, d in enumerate(labels) if d not in needed]
+    if not axes:
+        return t, labels
+    kept = [i for i, d in enumerate(labels) if d in needed]
+    return (ex.emit("sum", name, [t], {"axes": axes},
+                    tuple(t.shape[i] for i in kept)),
+            [labels[i] for i in kept])
+
+
+def _contract(ex, name, a, la, b, lb, needed, size):
+    """(a times b summed over the labels both have and `needed` lacks, its
+    labels: the batch labels (both have them, `needed` too), a's own, b's
+    own)."""
+    batch = [d for d in la if d in lb and d in needed]
+    summed = [d for d in la if d in lb and d not in needed]
+    left = [d for d in la if d not in lb]
+    right = [d for d in lb if d not in la]
+    labels = batch + left + right
+    shape = tuple(size[d] for d in labels)
+    sizes = [size[d] for d in batch], [size[d] for d in left], \
+        [size[d] for d in right]
+    if not summed:  # nothing to contract: a broadcasting mul
+        ta = _arrange(ex, f"{name}_a", a, la, batch + left,
+                      sizes[0] + sizes[1] + [1] * len(right))
+        tb = _arrange(ex, f"{name}_b", b, lb, batch + right,
+                      sizes[0] + [1] * len(left) + sizes[2])
+        return ex.emit("mul", name, [ta, tb], None, shape), labels
+    k = math.prod(size[d] for d in summed)
+    n = math.prod(sizes[2])
+    if batch:
+        rows = [math.prod(sizes[1])]
+    else:  # a's own dims stay dims of its matmul (b is rank 2)
+        rows = sizes[1] or [1]
+    ta = _arrange(ex, f"{name}_a", a, la, batch + left + summed,
+                  sizes[0] + rows + [k])
+    tb = _arrange(ex, f"{name}_b", b, lb, batch + summed + right,
+                  sizes[0] + [k, n])
+    out = ex.emit("matmul", name, [ta, tb], None,
+                  tuple(sizes[0] + rows + [n]))
+    return ex.reshape(name, out, shape, None), labels
+
+
+def einsum(ex, equation, operands):
+    """torch.einsum(equation, *operands) of IR tensors; fails naming the
+    equation for what it does not support (diagonals)."""
+    operands_labels, out = _einsum_labels(ex, equation,
+                                          [len(t.shape) for t in operands])
+    size = {}
+    for t, labels in zip(operands, operands_labels):
+        for label, n in zip(labels, t.shape):
+            size[label] = max(size.get(label, 1), n)
+    name = ex.base_name(ex.node)
+    terms = []
+    for t, labels in zip(operands, operands_labels):
+        # A dim of size 1 where others have n broadcasts: dropped.
+        kept = [d for d, n in zip(labels, t.shape) if n == size[d]]
+        terms.append((ex.reshape(f"{name}_broadcast", t,
+                                 [size[d] for d in kept], None), kept))
+    t, labels = terms[0]
+    for i, (u, lu) in enumerate(terms[1:], start=1):
+        later = set(out).union(*(d for _, d in terms[i + 1:]))
+        t, labels = _sum_unneeded(ex, f"{name}_sum", t, labels,
+                                  later.union(lu))
+        u, lu = _sum_unneeded(ex, f"{name}_sum", u, lu, later.union(labels))
+        t, labels = _contract(ex, name, t, labels, u, lu, later, size)
+    t, labels = _sum_unneeded(ex, f"{name}_sum", t, labels, set(out))
+    return ex.transpose(name, t, [labels.index(d) for d in out], None)
+
+
+@registry.functions(torch.einsum)
+def _einsum(ex, call):
+    equation, args = _einsum_equation(ex, call.args)
+    return einsum(ex, equation, [ex.t(a) for a in args])

@@ -1,6 +1,7 @@
 """Layout ops (planner/graph/ops_shape.cc): reshape and its PyTorch spellings
 (view, unsqueeze, squeeze, unflatten, nn.Unflatten), transpose and permute
-(.T, .mT, .t()), flatten, indexing and slicing (x[...]), concat and stack,
+(.T, .mT, .t(), swapaxes, swapdims), flatten, indexing and slicing (x[...]),
+concat and stack,
 split and chunk, expand, the no-ops (nn.Identity, contiguous, clone, a cast
 to the same dtype), and the embedding lookup (nn.Embedding, F.embedding),
 which the planner also counts as a layout op."""
@@ -81,6 +82,23 @@ def _transpose(ex, call):
 @registry.methods("transpose")
 def _transpose_method(ex, call, x):
     return _transpose_dims(ex, x, call.value(1, "dim0"), call.value(2, "dim1"))
+
+
+# transpose's other names: swapaxes (numpy's, with axis0/axis1) and swapdims.
+def _swapped(ex, call, x):
+    numpy = call.node.target in (torch.swapaxes, "swapaxes")
+    d0, d1 = ("axis0", "axis1") if numpy else ("dim0", "dim1")
+    return _transpose_dims(ex, x, call.value(1, d0), call.value(2, d1))
+
+
+@registry.functions(torch.swapaxes, torch.swapdims)
+def _swapaxes(ex, call):
+    return _swapped(ex, call, call.tensor(0, "input"))
+
+
+@registry.methods("swapaxes", "swapdims")
+def _swapaxes_method(ex, call, x):
+    return _swapped(ex, call, x)
 
 
 @registry.functions(torch.permute)
