@@ -240,10 +240,15 @@ struct Agent::Impl : public ProfileSource {
   }
 
   // Quick FLOP/s of every device, in ProbeNode's order. Needs probe_mu.
+  // Shutdown ends it at its next run, as it ends a probe (given o.probe's
+  // stop, which never says so, a drift check of many GPUs held the exit
+  // for all of it).
   absl::StatusOr<std::vector<double>> QuickFlopsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(probe_mu) {
+    ProbeOptions opts = o.probe;
+    opts.stop = [this] { return Stopping(); };
     std::vector<double> all;
     for (auto& p : probers) {
-      HAP_ASSIGN_OR_RETURN(std::vector<double> f, p->QuickFlops(o.probe));
+      HAP_ASSIGN_OR_RETURN(std::vector<double> f, p->QuickFlops(opts));
       all.insert(all.end(), f.begin(), f.end());
     }
     return all;
@@ -320,7 +325,7 @@ struct Agent::Impl : public ProfileSource {
       auto quick = QuickFlopsLocked();
       if (quick.ok()) {
         baseline = std::move(*quick);
-      } else {
+      } else if (!Stopping()) {
         Log(
             absl::StrCat("quick FLOP/s check failed, drift detection is off until the next "
                          "probe: ",
@@ -351,7 +356,7 @@ struct Agent::Impl : public ProfileSource {
     if (Stopping()) return false;  // as ProbeDevices
     auto quick = QuickFlopsLocked();
     if (!quick.ok()) {
-      Log(absl::StrCat("quick FLOP/s check failed: ", quick.status().ToString()));
+      if (!Stopping()) Log(absl::StrCat("quick FLOP/s check failed: ", quick.status().ToString()));
       return false;
     }
     if (quick->size() != baseline.size()) return true;  // devices came or went

@@ -776,6 +776,44 @@ TEST_F(AgentTest, ShutdownStopsAProbeThatRuns) {
   EXPECT_TRUE(seen.stopped);
 }
 
+// A FakeProber whose quick FLOP/s check number `long_check` (0 = the
+// baseline after the probe inside Start) runs until told to stop (a drift
+// check of many GPUs, half a second each); the others return at once.
+class UntilStoppedQuickProber : public FakeProber {
+ public:
+  UntilStoppedQuickProber(State* s, UntilStoppedProber::Seen* seen, int long_check)
+      : FakeProber(s), seen_(seen), long_check_(long_check) {}
+  absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions& o) override {
+    if (checks_++ != long_check_) return FakeProber::QuickFlops(o);
+    seen_->probing = true;
+    for (int i = 0; i < 3000 && !o.stop(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    seen_->stopped = o.stop();
+    HAP_RETURN_IF_ERROR(CheckNotStopped(o, "the next run"));
+    return FakeProber::QuickFlops(o);
+  }
+
+ private:
+  UntilStoppedProber::Seen* seen_;
+  const int long_check_;
+  int checks_ = 0;
+};
+
+// Shutdown while a drift check's quick FLOP/s check runs ends it at its
+// next run, as it ends a probe: the check was given the configured probe
+// options, whose stop never says so, and the exit waited for all of it.
+TEST_F(AgentTest, ShutdownStopsADriftCheckThatRuns) {
+  UntilStoppedProber::Seen seen;
+  AgentOptions o = Options("node-a");
+  o.drift = 0.2;
+  o.drift_check_interval = absl::Milliseconds(20);
+  auto agent = StartOn(o, std::make_unique<UntilStoppedQuickProber>(&state_, &seen, 1));
+  ASSERT_THAT(agent, IsOk());
+  for (int i = 0; i < 3000 && !seen.probing; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(seen.probing);
+  (*agent)->Shutdown();
+  EXPECT_TRUE(seen.stopped);
+}
+
 // A Probe call cancelled while its probe runs (a long one: many GPUs, a
 // large max_duration) ends the probe at its next run, as Shutdown does,
 // and keeps the profile the agent serves. Before, the probe ran on for

@@ -67,6 +67,8 @@ class GpuProber : public DeviceProber {
         absl::ToDoubleSeconds(std::min(options.max_duration, absl::Milliseconds(500)));
     std::vector<double> flops;
     for (int ordinal = 0; ordinal < count_; ++ordinal) {
+      HAP_RETURN_IF_ERROR(
+          CheckNotStopped(options, absl::StrCat("the quick check of GPU ", ordinal)));
       std::vector<gpu::GemmRate> rates;
       HAP_RETURN_IF_ERROR(Check(gpu::MeasureGemmRates(ordinal, {GemmKind::kFloat32}, quick, &rates),
                                 absl::StrCat("GPU ", ordinal, ": quick float32 GEMM check")));

@@ -89,7 +89,8 @@ class DeviceProber {
   virtual absl::StatusOr<std::vector<hap::v1::Device>> Probe(const std::string& node,
                                                              const ProbeOptions& options) = 0;
   // A quick float32 FLOP/s check of each device, in Probe's order, for drift
-  // detection: cheaper than Probe (one size, a few runs).
+  // detection: cheaper than Probe (one size, a few runs). Ends at
+  // options.stop as Probe does (before each timed run, each GPU).
   virtual absl::StatusOr<std::vector<double>> QuickFlops(const ProbeOptions& options) = 0;
   // The links between this backend's devices on node `node` (GPU to GPU over
   // NVLink or PCIe), measured within options.max_duration in all. Default:
