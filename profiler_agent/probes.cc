@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -96,7 +97,14 @@ absl::StatusOr<int64_t> ReadMemoryBytes(const SystemFiles& files) {
     line = absl::StripAsciiWhitespace(line);
     if (!absl::ConsumeSuffix(&line, "kB")) break;
     int64_t kib;
-    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &kib) && kib > 0) total = kib * 1024;
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &kib) && kib > 0) {
+      // Past this, kB x 1024 overflowed (18014398509481985 kB came out as 1 KiB).
+      if (kib > std::numeric_limits<int64_t>::max() / 1024) {
+        return absl::InternalError(
+            absl::StrCat("/proc/meminfo says MemTotal ", kib, " kB, more bytes than 64 bits hold"));
+      }
+      total = kib * 1024;
+    }
     break;
   }
   if (total <= 0) {

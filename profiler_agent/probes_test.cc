@@ -222,6 +222,18 @@ TEST(MemoryTest, UnreadableMeminfoIsAnError) {
   EXPECT_THAT(ReadMemoryBytes(f), StatusIs(absl::StatusCode::kInternal, HasSubstr("MemTotal")));
 }
 
+// A MemTotal whose bytes do not fit in 64 bits (a corrupt or faked
+// /proc/meminfo) is an error naming it: kB x 1024 overflowed, and
+// 18014398509481985 kB came out as 1 KiB, reported as the node's memory.
+TEST(MemoryTest, AMemTotalPast64BitsOfBytesIsAnErrorNamingIt) {
+  FakeFiles f;
+  f.files["/proc/meminfo"] = "MemTotal:       18014398509481985 kB\n";
+  EXPECT_THAT(ReadMemoryBytes(f),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("MemTotal 18014398509481985 kB")));
+  f.files["/proc/meminfo"] = "MemTotal:       9007199254740991 kB\n";  // the most that fits
+  ExpectMemory(f, int64_t{9007199254740991} * 1024);
+}
+
 TEST(CpuQuotaTest, CgroupV1QuotaOverPeriod) {
   FakeFiles f;
   f.files["/proc/self/cgroup"] = "2:cpu,cpuacct:/slow\n";
