@@ -869,8 +869,6 @@ class ExportFxTest(ExportTestCase):
                  ["keyword-only argument 'x'"]),
                 (TwoOutputs(), torch.randn(4, 8),
                  ["2 outputs", "--loss INDEX"]),
-                (PositionBuffer(), torch.randn(4, 8),
-                 ["the buffer 'enc.pos'", "requires_grad=False"]),
                 (NoLoss(), torch.randn(4, 8), ["scalar loss"])):
             with self.subTest(module=type(mod).__name__):
                 with self.assertRaises(export_fx.ExportError) as cm:
@@ -878,6 +876,17 @@ class ExportFxTest(ExportTestCase):
                 for needle in needles:
                     self.assertIn(needle, str(cm.exception))
                 self.assertNotIn("code() argument", str(cm.exception))
+        # A buffer of unequal values added as it is: a VALUES constant,
+        # the buffer's values recorded for --weights (it was refused).
+        g = export_fx.export(PositionBuffer(), {"x": torch.randn(4, 8),
+                                                "labels": labels(4, 3)})
+        listed = [p["init"] for p in g["parameters"]
+                  if p["init"]["kind"] == "VALUES"]
+        self.assertEqual(listed, [{"kind": "VALUES",
+                                   "values": [float(i) for i in range(8)],
+                                   "counts": [1] * 8}])
+        extras = json.loads(g["metadata"]["hap.state_dict_extras"])
+        self.assertIn("enc.pos", extras["folded"])
 
     def test_tied_weights_and_state_dict_extras(self):
         """A tied pair (head.weight = emb.weight) and a linear used twice are

@@ -182,9 +182,14 @@ class ExportNumericsTest(ExportTestCase):
             def forward(self, x, labels):
                 return F.cross_entropy(self.fc(x) / self.scale, labels)
 
+        # By unequal values: times their reciprocals, a VALUES constant.
+        g, _ = self.assert_loss_and_gradients(
+            ByVarying(), {"x": torch.randn(5, 4), "labels": labels(5, 3)})
+        self.assertEqual([p["init"]["values"] for p in g["parameters"]
+                          if p["init"]["kind"] == "VALUES"],
+                         [torch.tensor([1.0, 0.5, 1.0 / 3.0]).tolist()])
         for mod, needle in ((ByZero(), "divides by the constant 0"),
-                            (ByZeros(), "constant tensor holding 0"),
-                            (ByVarying(), "the buffer 'scale'")):
+                            (ByZeros(), "constant tensor holding 0")):
             with self.subTest(module=type(mod).__name__):
                 with self.assertRaises(export_fx.ExportError) as cm:
                     export_fx.export(mod, {"x": torch.randn(2, 4),

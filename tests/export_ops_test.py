@@ -120,6 +120,44 @@ class LstmNet(nn.Module):
         return F.cross_entropy(self.fc(feats), labels)
 
 
+def _shifted_windows(x, window, shift):
+    """A function torch.fx cannot trace symbolically (it branches on x's
+    shape and builds a mask by slice assignment), as torchvision's
+    shifted_window_attention: x [B, H, W, C] rolled by `shift`, plus a
+    constant mask of three regions per axis, padded to whole windows."""
+    B, H, W, C = x.shape
+    pad = (window - W % window) % window
+    x = F.pad(x, (0, 0, 0, pad, 0, pad))
+    if H > window:
+        x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
+    mask = x.new_zeros((H + pad, W + pad))
+    count = 0
+    for h in ((0, -window), (-window, -shift), (-shift, None)):
+        for w in ((0, -window), (-window, -shift), (-shift, None)):
+            mask[h[0]:h[1], w[0]:w[1]] = count
+            count += 1
+    x = x + mask.unsqueeze(-1) * 0.25
+    x = x.roll(shift, 2)
+    return x[:, :H, :W, :].contiguous()
+
+
+torch.fx.wrap("_shifted_windows")
+
+
+def _data_dependent(x):
+    return x * 2 if float(x.sum()) > 0 else x
+
+
+torch.fx.wrap("_data_dependent")
+
+
+def decoded_values(init, shape):
+    """The tensor a VALUES initializer lists (runs of values)."""
+    flat = [v for v, c in zip(init["values"], init["counts"])
+            for _ in range(int(c))]
+    return torch.tensor(flat, dtype=torch.float64).reshape(shape)
+
+
 class ExportOpsTest(ExportTestCase):
     def export(self, module, inputs, **kw):
         g = export_fx.export(module, inputs, **kw)
@@ -414,6 +452,139 @@ class ExportOpsTest(ExportTestCase):
                     export_fx.export(mod, {"x": torch.randn(2, 1, 4, 4),
                                            "labels": labels(2, 4)})
                 self.assertIn(needle, str(cm.exception))
+
+    def test_roll_pad_and_strided_slicing(self):
+        """torch.roll (function and method, negative shifts and dims),
+        F.pad in constant mode (padding, cropping, a fill value) and
+        strided slices (x[..., 0::2], a last element past whole steps):
+        PyTorch's loss and gradients in float64."""
+
+        class Layout(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 5)
+
+            def forward(self, x, labels):  # x: [2, 5, 7, 4]
+                h = torch.roll(x, shifts=(2, -3), dims=(1, -2))
+                h = h.roll(1, 3) * 1.5
+                h = F.pad(h, (0, 0, 1, 2, -1, 0), value=0.5)  # [2, 4, 10, 4]
+                h = h[..., 0::2, 1::3, :] + h[:, 1::2, 2:9:3, :]
+                h = torch.cat([h, h[:, ::3]], 1)  # [2, 4, 3, 4]
+                h = F.pad(h.permute(0, 3, 1, 2), (1, 1))  # [2, 4, 4, 5]
+                return F.cross_entropy(self.fc(h.mean((2, 3))), labels)
+
+        m = Layout().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 5, 7, 4, dtype=torch.float64),
+                "labels": labels(2, 5)}, tol=1e-9)
+        types = {op["type"] for op in g["ops"]}
+        self.assertTrue({"slice", "concat"} <= types, types)
+
+    def test_rows_of_a_table_at_constant_indices(self):
+        """table[index] with a constant integer index (a buffer, negative
+        entries too): a one-hot VALUES constant times the table; the table
+        gets PyTorch's gradient (repeated rows add up)."""
+
+        class Bias(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.table = nn.Parameter(torch.randn(7, 3))
+                self.register_buffer("index", torch.tensor(
+                    [[0, 6, 2], [2, -1, 3], [5, 5, 1], [4, 0, 0]]))
+                self.fc = nn.Linear(3, 4)
+
+            def forward(self, x, labels):  # x: [2, 4, 3, 3]
+                bias = self.table[self.index].permute(2, 0, 1)  # [3, 4, 3]
+                h = x.permute(0, 3, 1, 2) + bias.unsqueeze(0)
+                return F.cross_entropy(self.fc(h.mean((1, 2))), labels)
+
+        m = Bias().double()
+        g, values = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 4, 3, 3, dtype=torch.float64),
+                "labels": labels(2, 4)}, tol=1e-9)
+        pick = [p for p in g["parameters"] if p["init"]["kind"] == "VALUES"]
+        self.assertEqual(len(pick), 1, g["parameters"])
+        p = pick[0]
+        self.assertTrue(p["frozen"])
+        want = F.one_hot(m.index.reshape(-1) % 7, 7).double()
+        got = decoded_values(p["init"], p["tensor"]["shape"])
+        self.assertTrue(torch.equal(got, want))
+        self.assertTrue(torch.equal(values[p["tensor"]["name"]], want))
+        # An index outside the table fails naming the node.
+        m.index[1, 1] = 7
+        with self.assertRaises(export_fx.ExportError) as cm:
+            self.export(m, {"x": torch.randn(2, 4, 3, 3, dtype=torch.float64),
+                            "labels": labels(2, 4)})
+        self.assertIn("index outside [-7, 7)", str(cm.exception))
+
+    def test_constants_of_unequal_values_are_listed(self):
+        """A constant tensor of unequal values (a non-persistent buffer
+        here) is a frozen parameter whose VALUES initializer lists it as
+        runs; the same values used twice are one parameter."""
+
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                mask = torch.zeros(4, 6)
+                mask[1:3, 2:] = -100.0
+                mask[3, 0] = 0.125
+                self.register_buffer("mask", mask, persistent=False)
+                self.register_buffer("same", mask.clone(), persistent=False)
+                self.fc = nn.Linear(6, 3)
+
+            def forward(self, x, labels):  # x: [2, 4, 6]
+                h = torch.softmax(x + self.mask, -1) + x * self.same
+                return F.cross_entropy(self.fc(h.sum(1)), labels)
+
+        m = Masked().double()
+        g, values = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 4, 6, dtype=torch.float64),
+                "labels": labels(2, 3)}, tol=1e-9)
+        listed = [p for p in g["parameters"] if p["init"]["kind"] == "VALUES"]
+        self.assertEqual(len(listed), 1, g["parameters"])
+        init = listed[0]["init"]
+        self.assertEqual(init["values"], [0.0, -100.0, 0.0, -100.0, 0.125,
+                                          0.0])
+        self.assertEqual(init["counts"], [8, 4, 2, 4, 1, 5])
+        self.assertTrue(torch.equal(decoded_values(init, [4, 6]),
+                                    m.mask.double()))
+        self.assertTrue(listed[0]["frozen"])
+        extras = json.loads(g["metadata"]["hap.state_dict_extras"])
+        self.assertIn(listed[0]["tensor"]["name"], extras["constants"])
+
+    def test_fx_wrapped_functions_are_traced_into(self):
+        """A torch.fx.wrap'ed function (recorded as one call by fx) is
+        traced into with its arguments' shapes: its branches on shapes,
+        F.pad, torch.roll and a mask built by slice assignment on
+        new_zeros export and compute PyTorch's loss and gradients. One
+        that branches on values fails naming the node and the function."""
+
+        class Windows(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(3, 4)
+
+            def forward(self, x, labels):  # x: [2, 5, 5, 3]
+                h = _shifted_windows(self.fc(x), 3, 1)
+                return F.cross_entropy(h.mean((1, 2)), labels)
+
+        m = Windows().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 5, 5, 3, dtype=torch.float64),
+                "labels": labels(2, 4)}, tol=1e-9)
+        self.assertTrue(any(p["init"]["kind"] == "VALUES"
+                            for p in g["parameters"]))
+
+        class ValueBranch(nn.Module):
+            def forward(self, x, labels):
+                return F.cross_entropy(_data_dependent(x), labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            self.export(ValueBranch(), {"x": torch.randn(2, 3),
+                                        "labels": labels(2, 3)})
+        msg = str(cm.exception)
+        self.assertIn("node '_data_dependent'", msg)
+        self.assertIn("traces into this torch.fx.wrap'ed function", msg)
 
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch

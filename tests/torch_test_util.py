@@ -106,6 +106,48 @@ def export_for_training(module, inputs):
     return d, graph, weights, data
 
 
+def pytorch_sgd_steps(model, xs, ys, batch, steps, lr):
+    """PyTorch's own `steps` SGD steps of `model` (forward(x, labels) -> the
+    loss) on the batches hap-launch takes from xs, ys (step k: rows
+    k*batch..): the losses and the final parameters by name."""
+    import torch
+    losses = []
+    for k in range(steps):
+        rows = slice(k * batch, (k + 1) * batch)
+        model.zero_grad()
+        loss = model(xs[rows], ys[rows])
+        loss.backward()
+        losses.append(float(loss))
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm -= lr * prm.grad
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def sgd_steps(d, graph, weights, data, baseline, steps, lr, launch,
+              executor, cluster):
+    """Plans `graph` on `cluster` (`baseline`: dp-even, hap, ...; SGD at
+    `lr`) and trains `steps` steps with hap-launch and hap-executor from
+    the --weights file `weights` on the npy batches in `data` (step k:
+    rows k*batch..): (the steps' losses as hap-launch logs them, the
+    weights after, {state_dict name: tensor}). Files go under d/<baseline>*."""
+    import export_fx
+    plan = os.path.join(d, f"{baseline}.pb")
+    run([HAPCTL, "plan", "--cluster", cluster, "--graph", graph,
+         "--baseline", baseline, "--optimizer", "sgd", "--lr", str(lr),
+         "--save-plan", plan, "--max-seconds", "5"])
+    ckpt = plan + ".ckpt"
+    p = run([launch, "--executor", executor, "--plan", plan, "--steps",
+             str(steps), "--data", "npy:" + data, "--init-weights", weights,
+             "--log-every", "1", "--checkpoint-dir", ckpt])
+    losses = [float(line.split()[3]) for line in p.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == steps, p.stdout
+    out = ckpt + ".safetensors"
+    run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
+    return losses, export_fx._safetensors_io().read(out)
+
+
 def one_sgd_step(module, inputs, lr, launch, executor, cluster):
     """Exports `module` (export_for_training), plans it data parallel
     (dp-even, SGD at `lr`) on `cluster` and trains one step with hap-launch
@@ -114,21 +156,9 @@ def one_sgd_step(module, inputs, lr, launch, executor, cluster):
     as {state_dict name: tensor}."""
     import export_fx
     d, graph, weights, data = export_for_training(module, inputs)
-    plan = os.path.join(d, "plan.pb")
-    run([HAPCTL, "plan", "--cluster", cluster, "--graph", graph,
-         "--baseline", "dp-even", "--optimizer", "sgd", "--lr", str(lr),
-         "--save-plan", plan, "--max-seconds", "5"])
-    ckpt = plan + ".ckpt"
-    p = run([launch, "--executor", executor, "--plan", plan, "--steps", "1",
-             "--data", "npy:" + data, "--init-weights", weights,
-             "--checkpoint-dir", ckpt])
-    losses = [float(line.split()[3]) for line in p.stdout.splitlines()
-              if line.startswith("step 0 ")]
-    assert len(losses) == 1, p.stdout
-    out = ckpt + ".safetensors"
-    run([HAPCTL, "checkpoint", "export", ckpt, "-o", out])
-    io = export_fx._safetensors_io()
-    return losses[0], io.read(weights), io.read(out)
+    losses, after = sgd_steps(d, graph, weights, data, "dp-even", 1, lr,
+                              launch, executor, cluster)
+    return losses[0], export_fx._safetensors_io().read(weights), after
 
 
 def module_from_source(d, name, source):

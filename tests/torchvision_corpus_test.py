@@ -128,17 +128,7 @@ class TorchvisionCorpusTest(unittest.TestCase):
     def pytorch_steps(self, model, xs, ys):
         """PyTorch's own STEPS SGD steps on hap's batches (step k: rows
         k*BATCH .. k*BATCH+BATCH-1): the losses and final parameters."""
-        losses = []
-        for k in range(STEPS):
-            rows = slice(k * BATCH, (k + 1) * BATCH)
-            model.zero_grad()
-            loss = model(xs[rows], ys[rows])
-            loss.backward()
-            losses.append(float(loss))
-            with torch.no_grad():
-                for prm in model.parameters():
-                    prm -= LR * prm.grad
-        return losses, {k: v.detach() for k, v in model.named_parameters()}
+        return U.pytorch_sgd_steps(model, xs, ys, BATCH, STEPS, LR)
 
     def assert_close(self, name, what, got, want, rel, start=None):
         """Every tensor of `want` in `got`: element-wise within rel * max(its

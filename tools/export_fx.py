@@ -70,9 +70,9 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     (not trained, as in PyTorch; in --weights and exports under its name).
   * A persistent floating-point buffer of one value used as it is (`x *
     self.scale`) is a frozen graph parameter under its state_dict name; other
-    buffers are folded into exporter constants (non-uniform ones fail,
-    naming the buffer), their values recorded for --weights and checkpoint
-    exports.
+    buffers are folded into exporter constants (those of unequal values
+    are VALUES constants, listing them), their values recorded for --weights
+    and checkpoint exports.
   * nn.Embedding / F.embedding with padding_idx: the lookup is multiplied by
     an embedding of the ids in a [rows, 1] table of ones with a 0 at
     padding_idx (concatenated constants), so that row gets no gradient, as

@@ -35,7 +35,8 @@ namespace fs = std::filesystem;
 
 bool IsConstantInit(const graph::Initializer& i) {
   using K = graph::Initializer::Kind;
-  return i.kind == K::kZeros || i.kind == K::kOnes || i.kind == K::kConstant;
+  return i.kind == K::kZeros || i.kind == K::kOnes || i.kind == K::kConstant ||
+         i.kind == K::kValues;
 }
 
 namespace pb = ::google::protobuf;

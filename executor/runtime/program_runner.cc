@@ -31,8 +31,10 @@ std::string StepName(const v1::RankProgram& p, int i) {
                       s.collective().tensor(), "')");
 }
 
-// The value of element `g` (global flat index) of a parameter.
-double InitValue(const graph::Initializer& init, uint64_t key, uint64_t g) {
+// The value of element `g` (global flat index) of a parameter; `ends`: for
+// kValues, the end of each run (the running sum of init.counts).
+double InitValue(const graph::Initializer& init, const std::vector<int64_t>& ends, uint64_t key,
+                 uint64_t g) {
   using K = graph::Initializer::Kind;
   switch (init.kind) {
     case K::kZeros:
@@ -45,6 +47,12 @@ double InitValue(const graph::Initializer& init, uint64_t key, uint64_t g) {
       return init.mean + init.stddev * CounterNormal(key, g);
     case K::kUniform:
       return init.low + (init.high - init.low) * CounterUniform(key, g);
+    case K::kValues: {
+      // The run holding element g (the graph checked that the counts add
+      // up to the tensor's elements).
+      auto run = std::upper_bound(ends.begin(), ends.end(), static_cast<int64_t>(g));
+      return run == ends.end() ? 0 : init.values[run - ends.begin()];
+    }
   }
   return 0;
 }
@@ -56,6 +64,11 @@ void FillInit(HostTensor& t, const graph::Initializer& init, uint64_t key,
   const int rank = static_cast<int>(local.size());
   T* out = t.as<T>();
   std::vector<int64_t> idx(rank, 0);
+  std::vector<int64_t> ends;
+  if (init.kind == graph::Initializer::Kind::kValues) {
+    int64_t end = 0;
+    for (int64_t c : init.counts) ends.push_back(end += c);
+  }
   const int64_t n = t.num_elements();
   for (int64_t i = 0; i < n; ++i) {
     uint64_t g = 0;
@@ -63,7 +76,7 @@ void FillInit(HostTensor& t, const graph::Initializer& init, uint64_t key,
       g = g * static_cast<uint64_t>(global[d]) +
           static_cast<uint64_t>(idx[d] + offsets[d]);
     }
-    out[i] = static_cast<T>(InitValue(init, key, g));
+    out[i] = static_cast<T>(InitValue(init, ends, key, g));
     for (int d = rank - 1; d >= 0 && ++idx[d] == local[d]; --d) idx[d] = 0;
   }
 }

@@ -65,6 +65,49 @@ TEST_F(ProgramRunnerTest, RunsTheValidProgram) {
   EXPECT_NEAR(*loss, std::log(3.0), 0.5);
 }
 
+// A frozen constant listed by value (a VALUES initializer: runs of
+// values) starts as those values, and a piece of it (a sharded plan's) as
+// the elements at its offsets in the whole tensor.
+TEST(ProgramRunnerInitTest, ValuesInitializerFillsTheListedElements) {
+  graph::GraphBuilder b("values");
+  graph::TensorId x = b.Input("x", {graph::DType::kFloat32, {2, 3}});
+  graph::TensorId c =
+      b.Parameter("c", {graph::DType::kFloat32, {2, 3}},
+                  graph::Initializer::Values({0.5, -100, 7}, {2, 3, 1}), /*frozen=*/true);
+  graph::TensorId y = b.Add("add", "plus", {x, c});
+  b.SetLoss(b.Add("sum", "all", {y}, {{"axes", std::vector<int64_t>{}}}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto progs = lower::Lower(*g, lower::SingleDeviceProgram(*g), lower::LowerOptions());
+  ASSERT_TRUE(progs.ok()) << progs.status();
+  auto comms = NewInProcessGroup(1);
+  auto device = NewCpuDevice(1);
+  auto values_of_c = [&](const v1::RankProgram& p) -> std::vector<float> {
+    auto r = ProgramRunner::Create(p, *g, device.get(), comms[0].get());
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    EXPECT_TRUE((*r)->InitializeParameters().ok());
+    auto params = (*r)->Parameters();
+    EXPECT_TRUE(params.ok()) << params.status();
+    for (const ParameterShard& s : *params) {
+      if (s.name != "c") continue;
+      const float* v = s.value.as<float>();
+      return std::vector<float>(v, v + s.value.num_elements());
+    }
+    ADD_FAILURE() << "no parameter 'c'";
+    return {};
+  };
+  EXPECT_EQ(values_of_c((*progs)[0]), (std::vector<float>{0.5, 0.5, -100, -100, -100, 7}));
+  // The program's piece of c made its second row, [1, 3] at offsets [1, 0].
+  v1::RankProgram piece = (*progs)[0];
+  for (v1::Buffer& buf : *piece.mutable_buffers()) {
+    if (buf.tensor() != "c") continue;
+    buf.set_shape(0, 1);
+    buf.set_offsets(0, 1);
+  }
+  EXPECT_EQ(values_of_c(piece), (std::vector<float>{-100, -100, 7}));
+}
+
 TEST_F(ProgramRunnerTest, RejectsAProgramForAnotherWorld) {
   program_.set_world_size(2);
   EXPECT_THAT(Create(program_), StatusIs(absl::StatusCode::kInvalidArgument,

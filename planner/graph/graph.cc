@@ -1,10 +1,37 @@
 #include "planner/graph/graph.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/graph/op_registry.h"
 
 namespace hap::graph {
+
+std::string ValuesInitError(const Initializer& init, int64_t num_elements) {
+  if (init.values.size() != init.counts.size()) {
+    return absl::StrCat("its VALUES initializer has ", init.values.size(), " values but ",
+                        init.counts.size(), " counts (one per value)");
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < init.values.size(); ++i) {
+    if (!std::isfinite(init.values[i])) {
+      return absl::StrCat("its VALUES initializer's value ", i, " is not finite");
+    }
+    if (init.counts[i] < 1) {
+      return absl::StrCat("its VALUES initializer's count ", i, " is ", init.counts[i],
+                          " (each value repeats at least once)");
+    }
+    if (__builtin_add_overflow(total, init.counts[i], &total)) {
+      return "its VALUES initializer's counts overflow";
+    }
+  }
+  if (total != num_elements) {
+    return absl::StrCat("its VALUES initializer's counts add up to ", total, " elements, not its ",
+                        num_elements);
+  }
+  return "";
+}
 
 std::optional<TensorId> Graph::FindTensor(const std::string& name) const {
   auto it = by_name_.find(name);
@@ -119,6 +146,13 @@ TensorId GraphBuilder::Parameter(const std::string& name, TensorType type,
         "parameter '", name, "' must be floating point, is ",
         TypeString(type))));
     return -1;
+  }
+  if (status_.ok() && init.kind == Initializer::Kind::kValues) {
+    std::string why = ValuesInitError(init, type.num_elements());
+    if (!why.empty()) {
+      Fail(absl::InvalidArgumentError(absl::StrCat("parameter '", name, "': ", why)));
+      return -1;
+    }
   }
   Tensor t;
   t.name = name;

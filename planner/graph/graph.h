@@ -29,16 +29,24 @@ enum class InputRole { kFeatures, kLabels };
 // Element-wise initialisation of a parameter (defined on the single-device
 // tensor, so a shard can be initialised alone).
 struct Initializer {
-  enum class Kind { kZeros, kOnes, kConstant, kNormal, kUniform };
+  enum class Kind { kZeros, kOnes, kConstant, kNormal, kUniform, kValues };
   Kind kind = Kind::kZeros;
   double value = 0;   // kConstant
   double mean = 0;    // kNormal
   double stddev = 0;  // kNormal
   double low = 0;     // kUniform
   double high = 0;    // kUniform
+  // kValues: the elements in row-major order as runs, values[i] repeated
+  // counts[i] times (ValuesInitError checks them against the tensor).
+  std::vector<double> values;
+  std::vector<int64_t> counts;
 
   static Initializer Zeros() { return {}; }
-  static Initializer Ones() { return {Kind::kOnes}; }
+  static Initializer Ones() {
+    Initializer i;
+    i.kind = Kind::kOnes;
+    return i;
+  }
   static Initializer Normal(double mean, double stddev) {
     Initializer i;
     i.kind = Kind::kNormal;
@@ -53,7 +61,20 @@ struct Initializer {
     i.high = high;
     return i;
   }
+  static Initializer Values(std::vector<double> values, std::vector<int64_t> counts) {
+    Initializer i;
+    i.kind = Kind::kValues;
+    i.values = std::move(values);
+    i.counts = std::move(counts);
+    return i;
+  }
 };
+
+// Why the kValues initializer `init` does not describe a tensor of
+// `num_elements` elements (counts and values of unequal length, a count
+// below 1, counts that do not add up, a non-finite value), or "" when it
+// does.
+std::string ValuesInitError(const Initializer& init, int64_t num_elements);
 
 using TensorId = int;
 using OpId = int;

@@ -131,6 +131,11 @@ Initializer InitFromProto(const hap::v1::Initializer& p) {
     case hap::v1::Initializer::UNIFORM:
       i.kind = Initializer::Kind::kUniform;
       break;
+    case hap::v1::Initializer::VALUES:
+      i.kind = Initializer::Kind::kValues;
+      i.values.assign(p.values().begin(), p.values().end());
+      i.counts.assign(p.counts().begin(), p.counts().end());
+      break;
     default:  // ZEROS, KIND_UNSPECIFIED; others are refused in FromProto
       i.kind = Initializer::Kind::kZeros;
   }
@@ -158,6 +163,11 @@ void InitToProto(const Initializer& i, hap::v1::Initializer* p) {
       break;
     case Initializer::Kind::kUniform:
       p->set_kind(hap::v1::Initializer::UNIFORM);
+      break;
+    case Initializer::Kind::kValues:
+      p->set_kind(hap::v1::Initializer::VALUES);
+      p->mutable_values()->Add(i.values.begin(), i.values.end());
+      p->mutable_counts()->Add(i.counts.begin(), i.counts.end());
       break;
   }
   if (i.value != 0) p->set_value(i.value);
@@ -237,9 +247,9 @@ absl::StatusOr<Graph> FromProto(const hap::v1::Graph& p) {
   for (const auto& par : p.parameters()) {
     // An unknown kind was initialised as ZEROS without a word.
     if (!hap::v1::Initializer::Kind_IsValid(par.init().kind())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", par.tensor().name(), "' has initializer kind ",
-                       par.init().kind(), ", not one of ZEROS, ONES, CONSTANT, NORMAL, UNIFORM"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", par.tensor().name(), "' has initializer kind ", par.init().kind(),
+          ", not one of ZEROS, ONES, CONSTANT, NORMAL, UNIFORM, VALUES"));
     }
     HAP_ASSIGN_OR_RETURN(TensorType t,
                          SpecFromProto(par.tensor(), "parameter"));

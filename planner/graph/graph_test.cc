@@ -442,6 +442,32 @@ TEST(BuilderTest, ScopesPrefixNames) {
 }
 
 // Attribute values of every kind, including empty lists, survive the proto.
+TEST(ProtoTest, ValuesInitializerRoundTrips) {
+  GraphBuilder b("g");
+  TensorId x = b.Input("x", F32({2, 3}));
+  TensorId c = b.Parameter("c", F32({2, 3}), Initializer::Values({0.5, -100, 7}, {2, 3, 1}),
+                           /*frozen=*/true);
+  TensorId y = b.Add("add", "plus", {x, c});
+  b.SetLoss(b.Add("sum", "all", {y}, {{"axes", std::vector<int64_t>{}}}));
+  auto g = b.Build();
+  ASSERT_THAT(g, IsOk());
+  auto back = FromProto(ToProto(*g));
+  ASSERT_THAT(back, IsOk());
+  testing::ExpectSameGraph(*g, *back);
+  const Tensor& t = back->tensor(*back->FindTensor("c"));
+  EXPECT_EQ(t.init.values, (std::vector<double>{0.5, -100, 7}));
+  EXPECT_EQ(t.init.counts, (std::vector<int64_t>{2, 3, 1}));
+  auto json = ParseGraph(GraphToJson(*g), GraphFormat::kAuto);
+  ASSERT_THAT(json, IsOk());
+  testing::ExpectSameGraph(*g, *json);
+  // The builder checks the runs against the tensor too.
+  GraphBuilder bad("g");
+  bad.Parameter("c", F32({2, 3}), Initializer::Values({1}, {5}));
+  EXPECT_THAT(bad.status(),
+              StatusIs(kInvalid, HasSubstr("parameter 'c': its VALUES initializer's "
+                                           "counts add up to 5 elements, not its 6")));
+}
+
 TEST(ProtoTest, AttributesRoundTrip) {
   GraphBuilder b("g");
   TensorId x = b.Input("x", F32({1, 1}));

@@ -54,6 +54,8 @@ void ExpectSameGraph(const Graph& a, const Graph& b) {
       EXPECT_EQ(x.init.stddev, y.init.stddev);
       EXPECT_EQ(x.init.low, y.init.low);
       EXPECT_EQ(x.init.high, y.init.high);
+      EXPECT_EQ(x.init.values, y.init.values);
+      EXPECT_EQ(x.init.counts, y.init.counts);
       EXPECT_EQ(x.frozen, y.frozen);
     }
     if (x.kind == TensorKind::kInput) {

@@ -306,6 +306,30 @@ TEST(ValidationTest, BadInitializer) {
                                        HasSubstr("invalid initializer"))));
 }
 
+// A VALUES initializer lists the elements as runs; one that does not
+// describe the tensor is refused naming the parameter and what is wrong.
+TEST(ValidationTest, ValuesInitializer) {
+  const std::string kind = "kind: NORMAL stddev: 0.02";
+  auto ok = TinyWith(kind, "kind: VALUES values: [ 1, -2.5, 0 ] counts: [ 10, 4, 10 ]");
+  ASSERT_THAT(ok, IsOk());
+  const Tensor& w = ok->tensor(*ok->FindTensor("w"));
+  EXPECT_EQ(w.init.kind, Initializer::Kind::kValues);
+  EXPECT_EQ(w.init.values, (std::vector<double>{1, -2.5, 0}));
+  EXPECT_EQ(w.init.counts, (std::vector<int64_t>{10, 4, 10}));
+  EXPECT_THAT(
+      TinyWith(kind, "kind: VALUES values: [ 1, 2 ] counts: [ 24 ]"),
+      StatusIs(kInvalid, AllOf(HasSubstr("parameter 'w'"), HasSubstr("2 values but 1 counts"))));
+  EXPECT_THAT(TinyWith(kind, "kind: VALUES values: [ 1, 2 ] counts: [ 10, 10 ]"),
+              StatusIs(kInvalid, AllOf(HasSubstr("parameter 'w'"),
+                                       HasSubstr("add up to 20 elements, not its 24"))));
+  EXPECT_THAT(TinyWith(kind, "kind: VALUES values: [ 1, 2, 3 ] counts: [ 25, 0, -1 ]"),
+              StatusIs(kInvalid, HasSubstr("count 1 is 0")));
+  EXPECT_THAT(TinyWith(kind, "kind: VALUES values: [ 1, inf ] counts: [ 12, 12 ]"),
+              StatusIs(kInvalid, HasSubstr("value 1 is not finite")));
+  EXPECT_THAT(TinyWith(kind, "kind: VALUES"),
+              StatusIs(kInvalid, HasSubstr("add up to 0 elements, not its 24")));
+}
+
 hap::v1::Graph WithTranspose(const hap::v1::AttrValue& perm) {
   hap::v1::Graph p = Tiny();
   auto* op = p.add_ops();

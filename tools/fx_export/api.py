@@ -15,7 +15,12 @@ import torch.nn as nn
 
 from .exporter import Exporter
 from .ir import ExportError
-from .tracing import HapTracer, Recorder, follow_inplace, to_meta
+from .tracing import (HapTracer, Recorder, follow_inplace, inline_wrapped_calls,
+                      to_meta)
+
+
+# How deep fx-wrapped functions calling others are traced into.
+_INLINE_DEPTH = 8
 
 
 class _LossWrapper(nn.Module):
@@ -308,6 +313,17 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
                 args.append(concrete[pname])
                 input_nodes[n] = None
         _record_shapes(gm, root, args, run_on)
+        # fx-wrapped functions (torchvision's shifted_window_attention):
+        # traced into now that their arguments' shapes are known, then
+        # the graph is run again (their bodies may call others).
+        for _ in range(_INLINE_DEPTH):
+            changed, why = inline_wrapped_calls(gm)
+            if why is not None:
+                raise ExportError(why)
+            if not changed:
+                break
+            gm.recompile()
+            _record_shapes(gm, root, args, run_on)
         why = follow_inplace(gm)
         if why is not None:
             raise ExportError(why)

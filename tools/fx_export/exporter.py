@@ -10,6 +10,7 @@ ops_*.py module of its op family.
 """
 
 import collections
+import hashlib
 import json
 import math
 
@@ -32,6 +33,11 @@ from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
 # in the graph's metadata together (EXTRAS_KEY "folded"); a buffer past it
 # stays "unheld", named at export.
 FOLDED_RUNS_LIMIT = 1 << 16
+
+# The most runs of equal values that the graph's VALUES constants (unequal
+# values: attention masks, one-hot gather matrices) may list together: a
+# graph file of about 40 MB.
+VALUES_RUNS_LIMIT = 1 << 21
 
 # Operand dtypes the IR's ops take (planner/graph/ops_*.cc): the positions of
 # integer operands (ids, class targets), ops that move any dtype, and
@@ -125,6 +131,7 @@ class Exporter:
         self.slices = {}  # graph parameter -> slice of a state_dict tensor
         self.node = None  # the node being exported (for error messages)
         self.n_const = 0
+        self.values_runs_left = VALUES_RUNS_LIMIT
         self.id_limits = {}  # INT64 tensor -> its ids lie in [0, limit)
         self.padding_masks = {}  # key padding mask source -> [B, 1, 1, Sk]
         self.values = {}  # parameter name -> torch tensor (its PyTorch value)
@@ -236,16 +243,18 @@ class Exporter:
         return t
 
     def const(self, value, like, what=None):
-        """A constant as a frozen parameter of CONSTANT initialisation;
-        `what` names where a tensor value comes from (error messages)."""
+        """A constant as a frozen parameter in the dtype of `like`: of
+        CONSTANT initialisation (ZEROS, ONES) when its values are equal,
+        else of VALUES (values_const). `what` names where a tensor value
+        comes from (error messages)."""
         if isinstance(value, torch.Tensor):
             v = value.detach().double().flatten()
-            if v.numel() == 0 or float(v.min()) != float(v.max()):
-                of = f" ({what})" if what else ""
-                self.fail(f"needs a constant tensor with non-uniform "
-                          f"values{of}, which the HAP IR cannot hold (make "
-                          f"it an nn.Parameter, with requires_grad=False "
-                          f"to keep it fixed, or an input)")
+            of = f" ({what})" if what else ""
+            if v.numel() == 0:
+                self.fail(f"needs an empty constant tensor{of}, which the "
+                          f"HAP IR cannot hold")
+            if float(v.min()) != float(v.max()):
+                return self.values_const(value, like, of)
             shape, value = tuple(value.shape), float(v[0])
         else:
             shape, value = (), float(value)
@@ -263,6 +272,32 @@ class Exporter:
             entry["tensor"]["dtype"] = like.dtype
             t.dtype = like.dtype
         return t
+
+    def values_const(self, value, like, of=""):
+        """A constant tensor of unequal values (a shifted-window attention
+        mask, a one-hot gather matrix): a frozen parameter whose VALUES
+        initializer lists them as runs of equal values. Equal constants
+        (each block's copy of one mask) are one parameter."""
+        if like.dtype == "INT64":
+            self.fail(f"needs an integer constant tensor with unequal "
+                      f"values{of}, which the HAP IR cannot hold (its "
+                      f"parameters are floating point)")
+        data = value.detach().to(float_torch_dtype(like.dtype)).contiguous()
+        if not bool(torch.isfinite(data).all()):
+            self.fail(f"needs a constant tensor with non-finite values{of}")
+        digest = hashlib.sha256(data.cpu().view(-1).view(torch.uint8)
+                                .numpy().tobytes()).hexdigest()
+        key = ("values", like.dtype, tuple(data.shape), digest)
+        if key not in self.params:
+            init, runs = initializers.values(data)
+            if runs > self.values_runs_left:
+                self.fail(f"needs a constant tensor{of} of {runs} runs of "
+                          f"equal values, over the {self.values_runs_left} "
+                          f"left of the graph's {VALUES_RUNS_LIMIT}")
+            self.values_runs_left -= runs
+        return self.param(data, name=f"const.{self.node.name}",
+                          init=None if key in self.params else init,
+                          frozen=True, key=key)
 
     def buffer_param(self, node, buf):
         """A persistent floating-point buffer of uniform value used as it is

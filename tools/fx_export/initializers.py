@@ -2,13 +2,15 @@
 
 The graph carries how each parameter is initialised, not its values (those
 go into the --weights file): the module's own values where the IR can hold
-them (all equal: ZEROS / ONES / CONSTANT), else the kind of PyTorch's
+them (all equal: ZEROS / ONES / CONSTANT; an exporter constant of other
+values: VALUES, listing them), else the kind of PyTorch's
 default initialisation of the owning module, else a kind fitted to the
 values of a bare nn.Parameter.
 """
 
 import math
 
+import torch
 import torch.nn as nn
 
 ONES = {"kind": "ONES"}
@@ -51,6 +53,20 @@ def constant_init(t):
     if lo != hi or not math.isfinite(lo):
         return None
     return constant(lo)
+
+
+def values(t):
+    """VALUES: the elements of `t` in row-major order as runs of equal
+    values ({"kind": "VALUES", "values": [...], "counts": [...]}), and the
+    number of runs."""
+    flat = t.detach().reshape(-1).double().cpu()
+    n = flat.numel()
+    change = (torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1).tolist()
+    starts = [0] + change if n else []
+    ends = change + [n] if n else []
+    return ({"kind": "VALUES",
+             "values": flat[starts].tolist() if starts else [],
+             "counts": [e - b for b, e in zip(starts, ends)]}, len(starts))
 
 
 def init_from_values(t):

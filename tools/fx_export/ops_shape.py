@@ -205,11 +205,15 @@ def _getitem(ex, call):
         return lstm_state(ex, bv, ex.v(idx))
     x = ex.t(base)
     idx = ex.v(idx)
+    if isinstance(idx, torch.Tensor) and not idx.is_floating_point() and \
+            idx.dtype != torch.bool:
+        return gather_rows(ex, x, idx, ex.base_name(n), ex.scope_of(n))
     if not isinstance(idx, tuple):
         idx = (idx,)
     if any(isinstance(i, (torch.Tensor, list)) or isinstance(i, bool)
            for i in idx):
-        ex.fail("advanced (tensor/list) indexing is not supported")
+        ex.fail("advanced (tensor/list) indexing is not supported, except "
+                "rows picked by one constant integer tensor (table[index])")
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     rank = len(x.shape)
     if Ellipsis in idx:
@@ -227,18 +231,179 @@ def _getitem(ex, call):
             end = start + 1
         else:
             start, end, step = i.indices(size)
-            if step != 1:
-                ex.fail("strided slicing is not supported")
+            if step < 1:
+                ex.fail("slicing with a negative step is not supported")
+            if step > 1:
+                if not range(start, end, step):
+                    ex.fail("empty slice")
+                cur = strided_slice(ex, cur, axis, start, end, step, name,
+                                    scope)
+                continue
         if (start, end) == (0, size):
             continue
         if end <= start:
             ex.fail("empty slice")
-        shape = list(cur.shape)
-        shape[axis] = end - start
-        cur = ex.emit("slice", name, [cur], {"axis": axis,
-                                             "start": start, "end": end},
-                      tuple(shape), scope=scope)
+        cur = slice_axis(ex, cur, axis, start, end, name, scope)
     return ex.reshape(name, cur, ex.out_shape(), scope)
+
+
+def slice_axis(ex, x, axis, start, end, name, scope):
+    """x[..., start:end, ...] along `axis` (x itself for the whole axis)."""
+    if (start, end) == (0, x.shape[axis]):
+        return x
+    shape = list(x.shape)
+    shape[axis] = end - start
+    return ex.emit("slice", name, [x], {"axis": axis, "start": start,
+                                        "end": end}, tuple(shape),
+                   scope=scope)
+
+
+def strided_slice(ex, x, axis, start, end, step, name, scope):
+    """x[..., start:end:step, ...] (step > 1, not empty): the elements
+    start, start + step, ... as a slice of `count * step` elements viewed
+    as [count, step] and its first column; the last element by a slice of
+    its own where those would run past the axis."""
+    count = len(range(start, end, step))
+    size = x.shape[axis]
+    whole = count if start + count * step <= size else count - 1
+    parts = []
+    if whole:
+        span = slice_axis(ex, x, axis, start, start + whole * step, name,
+                          scope)
+        shape = list(x.shape)
+        split = shape[:axis] + [whole, step] + shape[axis + 1:]
+        cols = ex.reshape(name, span, split, scope)
+        first = slice_axis(ex, cols, axis + 1, 0, 1, name, scope)
+        shape[axis] = whole
+        parts.append(ex.reshape(name, first, shape, scope))
+    if whole < count:
+        last = start + whole * step
+        parts.append(slice_axis(ex, x, axis, last, last + 1, name, scope))
+    if len(parts) == 1:
+        return parts[0]
+    shape = list(x.shape)
+    shape[axis] = count
+    return ex.emit("concat", name, parts, {"axis": axis}, tuple(shape),
+                   scope=scope)
+
+
+def gather_rows(ex, table, index, name, scope):
+    """table[index] for a constant integer tensor `index` (torchvision's
+    relative position bias: a learned table read at constant positions):
+    a constant one-hot matrix [index elements, rows] times the table's rows
+    ([rows, rest]), so the table gets its gradient as in PyTorch; shaped as
+    index's shape + the table's other dimensions."""
+    if not table.shape:
+        ex.fail("indexes a 0-dimensional tensor with a tensor")
+    rows = table.shape[0]
+    flat = index.reshape(-1).long()
+    if flat.numel() == 0:
+        ex.fail("indexes with an empty tensor")
+    if bool(((flat < -rows) | (flat >= rows)).any()):
+        ex.fail(f"indexes {rows} rows with an index outside [-{rows}, "
+                f"{rows})")
+    flat = torch.where(flat < 0, flat + rows, flat)
+    one_hot = torch.zeros(flat.numel(), rows, dtype=torch.float64)
+    one_hot[torch.arange(flat.numel()), flat] = 1.0
+    rest = list(table.shape[1:])
+    width = 1
+    for d in rest:
+        width *= d
+    pick = ex.const(one_hot, table, "the one-hot rows of the constant index")
+    t2 = ex.reshape(name, table, (rows, width), scope)
+    out = ex.emit("matmul", name, [pick, t2], shape=(flat.numel(), width),
+                  scope=scope)
+    return ex.reshape(name, out, tuple(index.shape) + tuple(rest), scope)
+
+
+# ---- padding and rolling ---------------------------------------------------
+
+
+@registry.functions(F.pad)
+def _pad(ex, call):
+    """F.pad in constant mode: each padded side a concat with a constant of
+    the fill value, each negative one a slice (torchvision's Swin pads its
+    feature maps to whole windows)."""
+    x = call.tensor(0, "input")
+    pads = list(call.value(1, "pad"))
+    mode = call.value(2, "mode", "constant")
+    value = call.value(3, "value", None)
+    if mode != "constant":
+        ex.fail(f"F.pad mode '{mode}' is not supported (only 'constant')")
+    if len(pads) % 2 or len(pads) // 2 > len(x.shape):
+        ex.fail(f"F.pad's pad {pads} does not pair up with the input's "
+                f"{len(x.shape)} dimensions")
+    value = 0.0 if value is None else float(value)
+    name, scope = ex.base_name(call.node), ex.scope_of(call.node)
+    cur = x
+    for k in range(len(pads) // 2):
+        axis = len(x.shape) - 1 - k
+        before, after = int(pads[2 * k]), int(pads[2 * k + 1])
+        size = cur.shape[axis]
+        if -before - after >= size:
+            ex.fail(f"F.pad's pad {pads} leaves dimension {axis} empty")
+        cur = slice_axis(ex, cur, axis, max(0, -before),
+                         size - max(0, -after), name, scope)
+        parts = []
+        for width in (before, after):
+            if width > 0:
+                shape = list(cur.shape)
+                shape[axis] = width
+                parts.append(ex.const(torch.full(shape, value), cur))
+            else:
+                parts.append(None)
+        if parts[0] is None and parts[1] is None:
+            continue
+        joined = [t for t in (parts[0], cur, parts[1]) if t is not None]
+        shape = list(cur.shape)
+        shape[axis] = sum(t.shape[axis] for t in joined)
+        cur = ex.emit("concat", name, joined, {"axis": axis}, tuple(shape),
+                      scope=scope)
+    return cur
+
+
+def roll(ex, x, shifts, dims, name, scope):
+    """torch.roll along `dims`: per dimension, the last `shift` elements
+    moved to the front (a concat of two slices)."""
+    if isinstance(shifts, int):
+        shifts = (shifts,)
+    if dims is None:
+        ex.fail("torch.roll without dims (of the flattened tensor) is not "
+                "supported")
+    if isinstance(dims, int):
+        dims = (dims,)
+    if len(shifts) != len(dims):
+        ex.fail(f"torch.roll's shifts {list(shifts)} and dims {list(dims)} "
+                f"differ in length")
+    cur = x
+    for shift, dim in zip(shifts, dims):
+        rank = len(x.shape)
+        if not -rank <= dim < rank:
+            ex.fail(f"torch.roll's dim {dim} is outside the {rank} axes of "
+                    f"{list(x.shape)}")
+        axis = dim % rank
+        size = x.shape[axis]
+        shift = int(shift) % size
+        if shift == 0:
+            continue
+        tail = slice_axis(ex, cur, axis, size - shift, size, name, scope)
+        head = slice_axis(ex, cur, axis, 0, size - shift, name, scope)
+        cur = ex.emit("concat", name, [tail, head], {"axis": axis},
+                      tuple(cur.shape), scope=scope)
+    return cur
+
+
+@registry.functions(torch.roll)
+def _roll(ex, call):
+    return roll(ex, call.tensor(0, "input"), call.value(1, "shifts"),
+                call.value(2, "dims", None), ex.base_name(call.node),
+                ex.scope_of(call.node))
+
+
+@registry.methods("roll")
+def _roll_method(ex, call, x):
+    return roll(ex, x, call.value(1, "shifts"), call.value(2, "dims", None),
+                ex.base_name(call.node), ex.scope_of(call.node))
 
 
 # ---- concat, stack, split --------------------------------------------------

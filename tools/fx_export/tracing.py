@@ -4,7 +4,9 @@ HapTracer records the module path of every node (the ops' scopes) and keeps
 PyTorch's transformer modules whole, for the exporter to decompose; Recorder
 runs the graph on the example inputs (or on meta tensors, quick at full
 size) and stores in each node's meta its shape and dtype, and the value of
-the nodes known at export time (sizes, masks, positions).
+the nodes known at export time (sizes, masks, positions); inline_wrapped_calls
+then traces into the torch.fx.wrap'ed functions (their arguments' shapes
+known), and the Recorder runs again.
 """
 
 import contextlib
@@ -242,17 +244,11 @@ class HapTracer(fx.Tracer):
         return node
 
     def trace(self, root, concrete_args=None):
-        saved_iter = fx.Proxy.__iter__
-        saved = {n: getattr(torch, n) for n in _FACTORIES}
-        if sys.version_info >= (3, 11):
-            fx.Proxy.__iter__ = _proxy_iter
-        for n, f in saved.items():
-            setattr(torch, n, _wrap_factory(f))
         attrs = _tensor_attributes(root)
         try:
             # Gradients on, so that the nodes forward computes under
             # torch.no_grad() are told apart (create_node).
-            with torch.enable_grad():
+            with _tracing_patches(), torch.enable_grad():
                 graph = super().trace(root, concrete_args)
             _check_tensor_attributes(attrs)
             return graph
@@ -261,9 +257,242 @@ class HapTracer(fx.Tracer):
                 if not _same(t, v) and t.shape == v.shape:
                     with torch.no_grad():
                         t.copy_(v)
-            fx.Proxy.__iter__ = saved_iter
-            for n, f in saved.items():
-                setattr(torch, n, f)
+
+
+@contextlib.contextmanager
+def _tracing_patches():
+    """While tracing: Proxy.__iter__ for Python 3.11, and torch's tensor
+    factories recorded as nodes when given a traced size."""
+    saved_iter = fx.Proxy.__iter__
+    saved = {n: getattr(torch, n) for n in _FACTORIES}
+    if sys.version_info >= (3, 11):
+        fx.Proxy.__iter__ = _proxy_iter
+    for n, f in saved.items():
+        setattr(torch, n, _wrap_factory(f))
+    try:
+        yield
+    finally:
+        fx.Proxy.__iter__ = saved_iter
+        for n, f in saved.items():
+            setattr(torch, n, f)
+
+
+# ---- tracing into fx-wrapped functions ---------------------------------------
+#
+# A library marks a function it cannot trace symbolically with torch.fx.wrap
+# (torchvision's shifted_window_attention branches on its input's shape): fx
+# records it as one call_function node. Once the Recorder has run, the shapes
+# of its arguments are known, and the function is traced again with proxies
+# that answer x.shape, x.size() and x.dim() with those numbers; its ops
+# replace the node.
+
+
+def is_fx_wrapped(f):
+    """Whether `f` is a function a library passed to torch.fx.wrap (not fx's
+    own helpers)."""
+    from torch.fx import _symbolic_trace  # noqa: PLC0415
+    g = getattr(f, "__globals__", None)
+    name = getattr(f, "__name__", None)
+    if g is None or (getattr(f, "__module__", "") or "").startswith(
+            "torch.fx"):
+        return False
+    return any(wg is g and wn == name
+               for wg, wn in getattr(_symbolic_trace, "_wrapped_fns_to_patch",
+                                     ()))
+
+
+class _ShapedProxy(fx.Proxy):
+    """A proxy whose example value (node.meta["hap_example"], a tensor on
+    the meta device or a zero CPU one) gives its shape, size, dim, dtype and
+    length as Python values."""
+
+    def _example(self):
+        return self.node.meta["hap_example"]
+
+    @property
+    def shape(self):
+        return self._example().shape
+
+    @property
+    def ndim(self):
+        return self._example().dim()
+
+    @property
+    def dtype(self):
+        return self._example().dtype
+
+    def size(self, dim=None):
+        v = self._example()
+        return v.size() if dim is None else v.size(dim)
+
+    def dim(self):
+        return self._example().dim()
+
+    def numel(self):
+        return self._example().numel()
+
+    def __len__(self):
+        return len(self._example())
+
+    def __setitem__(self, key, value):
+        # fx's Proxy has no item assignment: `mask[a:b, c:d] = k`.
+        self.tracer.create_proxy("call_function", operator.setitem,
+                                 (self, key, value), {})
+
+
+def _example_of(a):
+    return a.node.meta["hap_example"] if isinstance(a, fx.Proxy) else a
+
+
+class _ShapedTracer(HapTracer):
+    """Traces one function on _ShapedProxy arguments: each op also runs on
+    the example values, so that the next op's proxies know their shapes."""
+
+    def __init__(self, gm, device):
+        super().__init__()
+        self.root, self.graph, self.device = gm, fx.Graph(), device
+        self.tensor_attrs = {}
+
+    def proxy(self, node):
+        return _ShapedProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None,
+                     type_expr=None, proxy_factory_fn=None):
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr,
+                                 proxy_factory_fn)
+        if kind == "placeholder" or not isinstance(p, fx.Proxy):
+            return p
+        a, k = fx.node.map_aggregate((args, kwargs), _example_of)
+        if kind == "call_function":
+            value = target(*a, **k)
+        elif kind == "call_method":
+            value = getattr(a[0], target)(*a[1:], **k)
+        elif kind == "get_attr":
+            value = self.example(getattr_path(self.root, target))
+        else:  # call_module
+            value = self.root.get_submodule(target)(*a, **k)
+        p.node.meta["hap_example"] = value
+        return p
+
+    def create_arg(self, a):
+        if isinstance(a, torch.Tensor) and a.device.type == "meta":
+            raise RuntimeError("a tensor made on the meta device while "
+                               "tracing into the function")
+        return super().create_arg(a)
+
+    def example(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if self.device == "meta":
+            return t.detach().to("meta")
+        return t.detach().clone() if not t.is_meta else \
+            torch.zeros(t.shape, dtype=t.dtype)
+
+
+def getattr_path(obj, target):
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _trace_wrapped_call(gm, n, device):
+    """Traces the function of call_function node `n` with its recorded
+    arguments: (its graph, {placeholder: the node of `n` it stands for},
+    the function's result in terms of the graph's nodes)."""
+    tracer = _ShapedTracer(gm, device)
+    stands_for = {}
+
+    def arg(a):
+        if not isinstance(a, fx.Node):
+            return a
+        if a.meta.get("hap_static") and "hap_shape" not in a.meta:
+            return a.meta.get("hap_value")  # a size, a list, None
+        if "hap_shape" not in a.meta:
+            raise RuntimeError(f"argument '{a.name}' is not a tensor")
+        p = tracer.create_proxy("placeholder", a.name, (), {})
+        if a.meta.get("hap_static"):
+            value = tracer.example(a.meta["hap_value"])
+        else:
+            value = torch.zeros(a.meta["hap_shape"], dtype=a.meta["hap_dtype"],
+                                device=device)
+        p.node.meta["hap_example"] = value
+        stands_for[p.node] = a
+        return p
+
+    args, kwargs = fx.node.map_aggregate((n.args, n.kwargs), arg)
+    with _tracing_patches(), torch.enable_grad():
+        out = n.target(*args, **kwargs)
+    out_arg = tracer.create_arg(out)
+    return tracer.graph, stands_for, out_arg
+
+
+def inline_wrapped_calls(gm):
+    """Replaces every used call of an fx-wrapped function that has no
+    exporter handler by the ops of its body, traced with the recorded
+    shapes of its arguments. Returns (whether a call was replaced, None)
+    or (False, an error message naming the node that could not be)."""
+    from . import registry  # noqa: PLC0415 (registry imports the ops)
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not n.users or \
+                registry.function_handler(n.target) is not None or \
+                not is_fx_wrapped(n.target):
+            continue
+        if any("hap_static" not in a.meta for a in n.all_input_nodes):
+            # An argument made by a call replaced in this pass: its shape
+            # is known after the next run.
+            changed = True
+            continue
+        scope = n.meta.get("hap_scope", "")
+        where = f" in {scope}" if scope else ""
+        head = (f"node '{n.name}' (call_function {n.target.__module__}."
+                f"{n.target.__name__}){where}: ")
+        err = None
+        # Meta tensors first (no memory, no arithmetic); zero CPU tensors
+        # for an op without a meta kernel.
+        for device in ("meta", "cpu"):
+            try:
+                sub, stands_for, out = _trace_wrapped_call(gm, n, device)
+                err = None
+                break
+            except Exception as e:  # noqa: BLE001
+                err = e
+        if err is not None:
+            return False, (f"{head}the exporter traces into this "
+                           f"torch.fx.wrap'ed function with its arguments' "
+                           f"shapes, and that failed ({type(err).__name__}: "
+                           f"{err})")
+        env = dict(stands_for)
+        with gm.graph.inserting_before(n):
+            for sn in sub.nodes:
+                if sn.op in ("placeholder", "output"):
+                    continue
+                new = gm.graph.node_copy(sn, lambda a: env[a])
+                new.meta = {"hap_scope": scope}
+                env[sn] = new
+        result = fx.node.map_arg(out, lambda a: env[a])
+        if isinstance(result, fx.Node):
+            n.replace_all_uses_with(result)
+        else:
+            # A tuple of tensors, taken apart by getitem nodes.
+            for u in list(n.users):
+                part = None
+                if isinstance(result, (tuple, list)) and \
+                        u.op == "call_function" and \
+                        u.target is operator.getitem and \
+                        isinstance(u.args[1], int) and \
+                        -len(result) <= u.args[1] < len(result):
+                    part = result[u.args[1]]
+                if not isinstance(part, fx.Node):
+                    return False, (f"{head}its result "
+                                   f"({type(result).__name__}) is used as "
+                                   f"'{u.name}', which the exporter does "
+                                   f"not take apart")
+                u.replace_all_uses_with(part)
+                gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        changed = True
+    return changed, None
 
 
 def _flat_tensors(v):
@@ -283,6 +512,22 @@ def _meta_device_to_cpu(v):
     return fx.node.map_aggregate(
         v, lambda a: torch.device("cpu")
         if isinstance(a, torch.device) and a.type == "meta" else a)
+
+
+# Methods and functions whose result depends on their first argument's shape
+# and dtype only (not on its values): constants when their other arguments
+# are (x.new_zeros((H, W)) builds a mask).
+_SHAPE_ONLY_METHODS = frozenset({"new_zeros", "new_ones", "new_full"})
+_SHAPE_ONLY_FUNCTIONS = (torch.zeros_like, torch.ones_like, torch.full_like)
+
+
+def _of_shape_only(n):
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if n.op == "call_method":
+        return n.target in _SHAPE_ONLY_METHODS
+    return n.op == "call_function" and \
+        any(n.target is f for f in _SHAPE_ONLY_FUNCTIONS)
 
 
 class Recorder(fx.Interpreter):
@@ -324,15 +569,27 @@ class Recorder(fx.Interpreter):
 
     def run_node(self, n):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        shape_only = _of_shape_only(n)
         inputs_static = all(a.meta.get("hap_static", False)
-                            for a in n.all_input_nodes)
+                            for a in n.all_input_nodes
+                            if not (shape_only and a is n.args[0]))
         folds = n.op in ("call_function", "call_method") and inputs_static
         if self.meta:
             if folds:
                 args, kwargs = _meta_device_to_cpu((args, kwargs))
             else:
                 args, kwargs = to_meta((args, kwargs))
+        if shape_only and isinstance(args[0], torch.Tensor) and \
+                args[0].is_meta:
+            # x.new_zeros(size) of a meta x: a CPU tensor of x's dtype.
+            args = (torch.empty(args[0].shape, dtype=args[0].dtype),) + \
+                tuple(args[1:])
         result = getattr(self, n.op)(n.target, args, kwargs)
+        if n.op == "call_function" and n.target is operator.setitem and \
+                folds and isinstance(args[0], torch.Tensor):
+            # `mask[a:b] = k` on a constant: its value is the changed
+            # tensor (the uses after it read this node, follow_inplace).
+            result = args[0]
         if self.meta and n.op == "get_attr" and n.target in self._params:
             result = result.to("meta")
         # A tensor constant fx made of a literal (torch.zeros(6) in forward:
