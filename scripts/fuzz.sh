@@ -9,7 +9,8 @@
 # Targets: graph cluster plan safetensors rpc npy checkpoint (default: all). npy:
 # training data files (hap-executor --data npy:DIR) opened and read batch by batch.
 # checkpoint: checkpoint directories (--resume DIR) opened and read as a resume and
-# hapctl checkpoint verify read them, seeded with checkpoints hap-launch wrote. rpc: sequences of
+# hapctl checkpoint verify read them, then exported (hapctl checkpoint export) and the file
+# read back, seeded with checkpoints hap-launch wrote. rpc: sequences of
 # planner requests (nodes, plans, deployments, step metrics, rendezvous) given
 # to the core and the deployment manager as the gRPC service gives them. Objects, binaries,
 # corpora and crash files go to out/fuzz/ (git ignores out/). A crash leaves

@@ -2,7 +2,8 @@
 // --resume, hapctl checkpoint verify) through CheckpointReader::Open, then
 // what a resume reads: CheckGraph against the MLP the seeds were trained
 // on, the data settings, the start counters, the optimizer state, and every
-// tensor, whole and in the pieces of another plan, besides Verify.
+// tensor, whole and in the pieces of another plan, besides Verify; then
+// `hapctl checkpoint export` of it, read back as --init-weights reads it.
 //
 // An input is the directory's files, one after another:
 //   [flags byte] then per file [name length byte][name][4-byte LE size][bytes]
@@ -10,13 +11,17 @@
 // of [A-Za-z0-9._-], neither "." nor ".."; others, and a size past the
 // input's end, are cut to what is there. Flags bit 0: COMMITTED's records of
 // index.json and trainer.json are rewritten to match their bytes, so that a
-// mutated index reaches the checks past the manifest.
+// mutated index reaches the checks past the manifest. Bit 1: the export
+// carries the optimizer state.
 //
 // Findings: crashes, sanitizer reports, allocations past libFuzzer's
 // -malloc_limit_mb, hangs (-timeout), and broken promises, which trap:
 // Open's errors are the ones its contract names, DataLoss among them naming
 // the directory; a tensor read of a checkpoint that Verify found sound
-// succeeds, a failed one is DataLoss, and Verify reports only DataLoss.
+// succeeds, a failed one is DataLoss, and Verify reports only DataLoss;
+// an export fails only with DataLoss (naming the checkpoint) and leaves no
+// file, and the file of one that succeeds opens with every tensor's
+// checksum right.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -33,6 +38,7 @@
 #include "absl/strings/str_split.h"
 #include "executor/checkpoint/checkpoint.h"
 #include "executor/checkpoint/crc32c.h"
+#include "executor/checkpoint/safetensors.h"
 #include "executor/runtime/tensor.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -131,6 +137,53 @@ void ReadPiece(ckpt::CheckpointReader& r, const v1::CheckpointIndex::Tensor& t,
   Check(s.ok() || !sound, "Verify found the checkpoint sound, a read failed", s);
 }
 
+// Where the export goes: a tmpfs when there is one (the export syncs its
+// file and directory, free there), else the scratch directory.
+std::string ExportPath() {
+  std::error_code ec;
+  if (fs::is_directory("/dev/shm", ec)) {
+    static const std::string* const dir = [] {
+      auto* d = new std::string(absl::StrCat("/dev/shm/hap-checkpoint-export-fuzz-", ::getpid()));
+      std::error_code ignored;
+      fs::create_directories(*d, ignored);
+      std::atexit([] {
+        std::error_code ignored;
+        fs::remove_all(*dir, ignored);
+      });
+      return d;
+    }();
+    if (fs::is_directory(*dir, ec)) return *dir + "/model.safetensors";
+  }
+  return hap::fuzz::ScratchDir("checkpoint-export") + "/model.safetensors";
+}
+
+// `hapctl checkpoint export` (with the optimizer state or without): fails
+// only with DataLoss naming the checkpoint and writes nothing then; what it
+// writes opens as a weights file whose every tensor reads back whole with
+// its recorded checksum.
+void Export(ckpt::CheckpointReader& r, bool with_optimizer_state) {
+  const std::string out = ExportPath();
+  std::error_code ec;
+  fs::remove(out, ec);
+  auto bytes = ckpt::ExportCheckpoint(r, out, with_optimizer_state);
+  if (!bytes.ok()) {
+    Check(bytes.status().code() == absl::StatusCode::kDataLoss, "export's error is not DataLoss",
+          bytes.status());
+    Check(!fs::exists(out, ec), "a failed export left its file");
+    return;
+  }
+  auto w = ckpt::WeightsReader::Open(out);
+  Check(w.ok(), "an export does not open as a weights file", w.status());
+  for (const auto& [name, info] : (*w)->file().tensors()) {
+    auto view = (*w)->file().View(name);
+    Check(view.ok(), "an exported tensor cannot be viewed", view.status());
+    hap::executor::HostTensor back(view->dtype, view->shape);
+    const std::vector<int64_t> zero(view->shape.size(), 0);
+    const absl::Status s = (*w)->Read(name, view->shape, zero, back.view());
+    Check(s.ok(), "an exported tensor does not read back", s);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -202,5 +255,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 hap::executor::Shape(s.extents().begin(), s.extents().end()), sound);
     }
   }
+  Export(r, (data[0] & 2) != 0);
   return 0;
 }
