@@ -4,6 +4,7 @@ and computes PyTorch's loss with the reference evaluator
 (tests/hap_ir_eval.py) and the module's own weights."""
 
 import json
+import math
 import os
 
 import torch
@@ -586,6 +587,63 @@ class ExportOpsTest(ExportTestCase):
         self.assertIn("node '_data_dependent'", msg)
         self.assertIn("traces into this torch.fx.wrap'ed function", msg)
 
+    def test_exp_rsqrt_clamp_and_normalize(self):
+        """torch.exp and Tensor.rsqrt (IR ops exp, rsqrt), clamp with one
+        or two bounds (relu arithmetic) and F.normalize (x * rsqrt of the
+        clamped sum of squares): PyTorch's loss and gradients."""
+
+        class Cosine(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.scale = nn.Parameter(torch.tensor([[[0.5]], [[3.0]]]))
+                self.fc = nn.Linear(6, 4)
+
+            def forward(self, x, labels):  # x: [2, 3, 6]
+                q = F.normalize(x, dim=-1)
+                k = F.normalize(x * 2 - 1, p=2.0, dim=1, eps=1e-6)
+                attn = q @ k.transpose(1, 2)  # [2, 3, 3]
+                attn = attn * torch.clamp(self.scale, max=math.log(10)).exp()
+                h = attn @ x + (x * x + 1).rsqrt()
+                h = torch.clamp(h, -1.5, 2.0) + h.clamp_min(0.25) + \
+                    h.clamp(max=1.0) + torch.exp(h * 0.1)
+                return F.cross_entropy(self.fc(h.sum(1)), labels)
+
+        m = Cosine().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 3, 6, dtype=torch.float64),
+                "labels": labels(2, 4)}, tol=1e-9)
+        types = {op["type"] for op in g["ops"]}
+        self.assertTrue({"exp", "rsqrt", "relu"} <= types, types)
+        # The scale above its bound: clamped, no gradient (as PyTorch).
+        self.assertGreater(float(m.scale[1]), math.log(10))
+
+    def test_a_fill_through_a_slice_of_a_computed_tensor(self):
+        """`b = bias.clone(); b[2:4].zero_()` (torchvision's Swin V2 qkv
+        bias) and `.fill_(v)` through a slice: the later uses take b times
+        a constant 0/1 mask (plus v where filled); the filled elements get
+        no gradient, as in PyTorch."""
+
+        class Filled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(5, 6)
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x, labels):
+                bias = self.fc.bias.clone()
+                bias[2:4].zero_()
+                h = F.linear(x, self.fc.weight, bias)
+                g = h * 2
+                g[:, 1:5:2].fill_(0.5)
+                return F.cross_entropy(self.head(g + h), labels)
+
+        m = Filled().double()
+        self.assert_loss_and_gradients(
+            m, {"x": torch.randn(4, 5, dtype=torch.float64),
+                "labels": labels(4, 3)}, tol=1e-9)
+        self.assertEqual(m.fc.bias.grad[2:4].abs().sum().item(), 0.0)
+        self.assertNotEqual(m.fc.bias.grad[:2].abs().sum().item(), 0.0)
+
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
         module, function or method, but for the ops listed with their reason:
@@ -629,6 +687,13 @@ class ExportOpsTest(ExportTestCase):
             (Coverage(), {"ids": torch.randint(0, 10, (4, 5)),
                           "labels": labels(4, 4)}),
         ]
+        class ExpRsqrt(nn.Module):
+            def forward(self, x, labels):
+                return F.cross_entropy(torch.exp(x) + (x * x + 1).rsqrt(),
+                                       labels)
+
+        cases.append((ExpRsqrt(), {"x": torch.randn(4, 4),
+                                   "labels": labels(4, 4)}))
         if stochastic_depth is not None:
             class DropPath(nn.Module):
                 def forward(self, x, labels):

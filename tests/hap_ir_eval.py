@@ -70,6 +70,10 @@ def _op(t, x, a):
         return F.hardsigmoid(x[0])
     if t == "hardswish":
         return F.hardswish(x[0])
+    if t == "exp":
+        return torch.exp(x[0])
+    if t == "rsqrt":
+        return torch.rsqrt(x[0])
     if t in ("dropout", "drop_path"):
         return x[0]
     if t == "layer_norm":

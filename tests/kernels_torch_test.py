@@ -175,7 +175,7 @@ class KernelsTorchTest(unittest.TestCase):
                 "softmax", "log_softmax", "embedding", "transpose",
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d",
-                "max_pool2d", "adaptive_avg_pool2d", "moe_gate",
+                "max_pool2d", "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt",
                 "moe_dispatch", "moe_combine", "lstm"}
         self.assertEqual(ops, want)
 

@@ -15,8 +15,10 @@ table at the constant relative_position_index are frozen VALUES constants.
   npy batches: both plans' losses and final parameters equal PyTorch's own
   steps (float64, 1e-5).
 
-swin_v2_t is not covered: its cosine attention needs F.normalize and exp
-(torch.clamp(logit_scale).exp()), which the IR lacks."""
+The same for Swin V2 (swin_v2_t; the tiny one with SwinTransformerBlockV2 and
+PatchMergingV2): cosine attention (F.normalize, clamp, exp), the continuous
+position bias MLP on the constant relative_coords_table, and the qkv bias
+whose key part is zeroed through a slice of a clone."""
 
 import json
 import os
@@ -31,8 +33,9 @@ from export_test_case import ExportTestCase  # noqa: E402
 import export_fx  # noqa: E402
 
 try:  # Debian's python3-torchvision (scripts/setup.sh)
-    from torchvision.models import swin_t
-    from torchvision.models.swin_transformer import SwinTransformer
+    from torchvision.models import swin_t, swin_v2_t
+    from torchvision.models.swin_transformer import (
+        PatchMergingV2, SwinTransformer, SwinTransformerBlockV2)
 except ImportError:  # every test skips
     SwinTransformer = None
 
@@ -51,12 +54,21 @@ class WithLoss(nn.Module):
         return F.cross_entropy(self.net(x), labels)
 
 
-def tiny_swin():
+def tiny_swin(v2=False):
     torch.manual_seed(0)
-    return WithLoss(SwinTransformer(
+    kw = {"block": SwinTransformerBlockV2,
+          "downsample_layer": PatchMergingV2} if v2 else {}
+    m = WithLoss(SwinTransformer(
         patch_size=[4, 4], embed_dim=8, depths=[2, 1], num_heads=[2, 2],
         window_size=[3, 3], stochastic_depth_prob=0.0,
-        num_classes=CLASSES)).double()
+        num_classes=CLASSES, **kw)).double()
+    # Biases start at 0 (SwinTransformer's init): nonzero ones, so that the
+    # zeroed key part of V2's qkv bias matters.
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("qkv.bias"):
+                p.uniform_(-0.5, 0.5)
+    return m
 
 
 class SwinTest(ExportTestCase):
@@ -66,6 +78,19 @@ class SwinTest(ExportTestCase):
         if SwinTransformer is None:
             raise unittest.SkipTest("python3-torchvision is not installed "
                                     "(scripts/setup.sh installs it)")
+
+    def test_swin_v2_t_exports_with_pytorchs_parameter_count(self):
+        torch.manual_seed(0)
+        m = WithLoss(swin_v2_t(num_classes=10))
+        graph = os.path.join(U.tmpdir(), "swin_v2_t.json")
+        g = export_fx.export(m, {"x": torch.randn(2, 3, 256, 256),
+                                 "labels": torch.tensor([1, 2])})
+        with open(graph, "w") as f:
+            json.dump(g, f)
+        self.assertEqual(U.validate(graph)["trainable_parameters"],
+                         sum(p.numel() for p in m.parameters()))
+        types = {op["type"] for op in g["ops"]}
+        self.assertTrue({"exp", "rsqrt"} <= types, types)
 
     def test_swin_t_exports_with_pytorchs_parameter_count(self):
         torch.manual_seed(0)
@@ -93,18 +118,30 @@ class SwinTest(ExportTestCase):
             self.assertGreater(plan["predicted_step_seconds"], 0)
 
     def test_tiny_swin_computes_pytorchs_loss_and_gradients(self):
-        m = tiny_swin()
-        inputs = {"x": torch.randn(2, 3, IMAGE, IMAGE, dtype=torch.float64),
-                  "labels": torch.tensor([1, 3])}
-        _, values = self.assert_loss_and_gradients(m, inputs, tol=1e-9)
-        # Every parameter's gradient was compared (those the graph holds).
-        self.assertEqual(sorted(k for k, _ in m.named_parameters()
-                                if k not in values), [])
+        for v2 in (False, True):
+            with self.subTest(v2=v2):
+                m = tiny_swin(v2)
+                inputs = {"x": torch.randn(2, 3, IMAGE, IMAGE,
+                                           dtype=torch.float64),
+                          "labels": torch.tensor([1, 3])}
+                _, values = self.assert_loss_and_gradients(m, inputs,
+                                                           tol=1e-9)
+                # Every parameter's gradient was compared.
+                self.assertEqual(sorted(k for k, _ in m.named_parameters()
+                                        if k not in values), [])
+                if v2:  # the zeroed key part of the qkv bias: no gradient
+                    bias = m.net.features[1][0].attn.qkv.bias
+                    self.assertEqual(float(bias.grad[8:16].abs().sum()), 0)
+                    self.assertNotEqual(float(bias.grad[:8].abs().sum()), 0)
 
     def test_tiny_swin_trains_like_pytorch_on_two_ranks(self):
         if not (LAUNCH and EXECUTOR and CPU_CLUSTER):
             self.skipTest("HAP_LAUNCH, HAP_EXECUTOR, CPU_CLUSTER not given")
-        m = tiny_swin()
+        for v2 in (False, True):
+            with self.subTest(v2=v2):
+                self.check_training(tiny_swin(v2))
+
+    def check_training(self, m):
         start = {k: v.detach().clone() for k, v in m.named_parameters()}
         d = U.tmpdir()
         graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
@@ -135,9 +172,12 @@ class SwinTest(ExportTestCase):
                 err = float((params[name].double() - p).abs().max())
                 bound = 1e-5 * max(float(p.abs().max()), 1e-3)
                 self.assertLessEqual(err, bound, f"{baseline}: {name}")
-        # The steps did train the relative position bias tables.
-        table = "net.features.1.0.attn.relative_position_bias_table"
-        self.assertFalse(torch.equal(start[table], final[table]))
+        # The steps did train the relative position bias (V1: the table,
+        # V2: the MLP that computes it) and, in V2, the logit scales.
+        for k in final:
+            if k.endswith(("relative_position_bias_table", "cpb_mlp.0.weight",
+                           "logit_scale")):
+                self.assertFalse(torch.equal(start[k], final[k]), k)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,28 @@ struct Hardswish {  // x * relu6(x + 3) / 6
   }
 };
 
+struct ExpOp {  // e^x, its own derivative
+  template <typename T>
+  static T F(T x) {
+    return Exp<T>(x);
+  }
+  template <typename T>
+  static T D(T, T y) {
+    return y;
+  }
+};
+
+struct Rsqrt {  // 1 / sqrt(x): d/dx = -y^3 / 2
+  template <typename T>
+  static T F(T x) {
+    return T(1) / std::sqrt(x);
+  }
+  template <typename T>
+  static T D(T, T y) {
+    return T(-0.5) * y * y * y;
+  }
+};
+
 // The element loops take their pointers as parameters so that they
 // vectorize (pointers captured by a lambda are reloaded every iteration).
 template <typename Act, typename T>
@@ -531,6 +553,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Relu6>(t, "relu6");
   RegisterUnary<Hardsigmoid>(t, "hardsigmoid");
   RegisterUnary<Hardswish>(t, "hardswish");
+  RegisterUnary<ExpOp>(t, "exp");
+  RegisterUnary<Rsqrt>(t, "rsqrt");
   t["dropout"] = HAP_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_FLOAT_KERNEL(DropoutBackward);
   // Stochastic depth: dropout's kernels with a mask keyed by sample

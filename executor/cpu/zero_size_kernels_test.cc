@@ -250,6 +250,8 @@ std::vector<Case> Cases() {
               {"relu6", {}, {Rand({3, 4}, 35, 8.0)}},
               {"hardsigmoid", {}, {Rand({3, 4}, 36, 4.0)}},
               {"hardswish", {}, {Rand({3, 4}, 37, 4.0)}},
+              {"exp", {}, {Rand({3, 4}, 87)}},
+              {"rsqrt", {}, {Rand({3, 4}, 88, 0.5)}},
               {"dropout",
                {{"p", 0.2}, {"rng_key", int64_t{12345}}},
                {Rand({3, 4}, 38)},

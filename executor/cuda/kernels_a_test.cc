@@ -123,9 +123,19 @@ class KernelsATest : public ::testing::Test {
 TEST_F(KernelsATest, Activations) {
   for (DType t : kDtypes) {
     const Tol tol = ElementTol(t);
-    for (const char* name : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6",
-                             "hardsigmoid", "hardswish"}) {
+    for (const char* name : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6", "hardsigmoid",
+                             "hardswish", "exp", "rsqrt"}) {
+      // rsqrt on positive values (its domain).
+      const bool positive = std::string(name) == "rsqrt";
       for (Shape s : {Shape{1}, Shape{257}, Shape{3, 1031}}) {
+        if (positive) {
+          const std::string g = std::string(name) + "_grad";
+          Expect(Case(name, tol, {R(t, s, 0.25, 4)}, {R(t, s)}));
+          Expect(Case(g, tol, {R(t, s, 0.25, 4), R(t, s), R(t, s)}, {R(t, s)}));
+          Expect(Case(g, tol, {R(t, s, 0.25, 4), HostTensor(), R(t, s)}, {R(t, s)}, {},
+                      {true, false, true}));
+          continue;
+        }
         Expect(Case(name, tol, {R(t, s)}, {R(t, s)}));
         const std::string g = std::string(name) + "_grad";
         // y given, y absent; dx accumulates into random values.

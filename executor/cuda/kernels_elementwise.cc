@@ -245,6 +245,8 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Activation::kRelu6>(t, "relu6");
   RegisterUnary<Activation::kHardsigmoid>(t, "hardsigmoid");
   RegisterUnary<Activation::kHardswish>(t, "hardswish");
+  RegisterUnary<Activation::kExp>(t, "exp");
+  RegisterUnary<Activation::kRsqrt>(t, "rsqrt");
   t["dropout"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_CUDA_FLOAT_KERNEL(DropoutBackward);
   t["drop_path"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);

@@ -20,6 +20,8 @@ __device__ inline float Erf(float x) { return erff(x); }
 __device__ inline double Erf(double x) { return erf(x); }
 __device__ inline float Tanh(float x) { return tanhf(x); }
 __device__ inline double Tanh(double x) { return tanh(x); }
+__device__ inline float Rsqrt(float x) { return 1.0f / sqrtf(x); }
+__device__ inline double Rsqrt(double x) { return 1.0 / sqrt(x); }
 
 // F(x) and F'(x) given y = F(x), as executor/cpu/kernels_elementwise.cc.
 template <Activation A, typename T>
@@ -38,6 +40,10 @@ __device__ inline T ActF(T x) {
     return ActF<Activation::kRelu6>(x + T(3)) / T(6);
   } else if constexpr (A == Activation::kHardswish) {
     return x * ActF<Activation::kRelu6>(x + T(3)) / T(6);
+  } else if constexpr (A == Activation::kExp) {
+    return Exp(x);
+  } else if constexpr (A == Activation::kRsqrt) {
+    return Rsqrt(x);
   } else {
     return Tanh(x);
   }
@@ -62,6 +68,10 @@ __device__ inline T ActD(T x, T y) {
     return x > T(-3) && x < T(3) ? T(1) / T(6) : T(0);
   } else if constexpr (A == Activation::kHardswish) {
     return x < T(-3) ? T(0) : (x <= T(3) ? x / T(3) + T(0.5) : T(1));
+  } else if constexpr (A == Activation::kExp) {
+    return y;
+  } else if constexpr (A == Activation::kRsqrt) {
+    return T(-0.5) * y * y * y;
   } else {
     return T(1) - y * y;
   }
@@ -241,6 +251,10 @@ void LaunchActivation(Activation act, const T* x, T* y, int64_t n,
       return ActivationAs<T, Activation::kHardsigmoid>(x, y, n, stream);
     case Activation::kHardswish:
       return ActivationAs<T, Activation::kHardswish>(x, y, n, stream);
+    case Activation::kExp:
+      return ActivationAs<T, Activation::kExp>(x, y, n, stream);
+    case Activation::kRsqrt:
+      return ActivationAs<T, Activation::kRsqrt>(x, y, n, stream);
   }
 }
 
@@ -267,6 +281,10 @@ void LaunchActivationGrad(Activation act, const T* x, const T* y, const T* dy,
     case Activation::kHardswish:
       return ActivationGradAs<T, Activation::kHardswish>(x, y, dy, dx, n,
                                                          stream);
+    case Activation::kExp:
+      return ActivationGradAs<T, Activation::kExp>(x, y, dy, dx, n, stream);
+    case Activation::kRsqrt:
+      return ActivationGradAs<T, Activation::kRsqrt>(x, y, dy, dx, n, stream);
   }
 }
 

@@ -22,7 +22,9 @@ enum class Activation {
   kSilu,
   kRelu6,
   kHardsigmoid,
-  kHardswish
+  kHardswish,
+  kExp,
+  kRsqrt
 };
 
 // y = F(x) over n elements.

@@ -58,6 +58,8 @@ void RegisterElementwiseOps(OpRegistry& r) {
   Unary(r, "relu6", 2, "relu6(x) -> min(max(x, 0), 6)");
   Unary(r, "hardsigmoid", 3, "hardsigmoid(x) -> relu6(x + 3) / 6");
   Unary(r, "hardswish", 4, "hardswish(x) -> x * relu6(x + 3) / 6");
+  Unary(r, "exp", 4, "exp(x) -> e^x");
+  Unary(r, "rsqrt", 2, "rsqrt(x) -> 1 / sqrt(x)");
   {
     OpDef d;
     d.type = "dropout";

@@ -34,7 +34,8 @@ absl::StatusOr<graph::Graph> RemainingOps() {
   TensorId x = b.Add("batch_norm", "bn", {img, param("gamma", {4}), param("beta", {4})});
   x = b.Add("conv2d", "depthwise", {x, param("dw", {4, 1, 3, 3})},
             {{"padding", std::vector<int64_t>{1, 1}}, {"groups", int64_t{4}}});
-  for (const char* act : {"relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "tanh"}) {
+  for (const char* act :
+       {"relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "tanh", "exp", "rsqrt"}) {
     x = b.Add(act, act, {x});
   }
   x = b.Add("drop_path", "drop_path", {x});

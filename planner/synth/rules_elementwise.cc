@@ -157,8 +157,8 @@ void Loss(const RuleInput& x, std::vector<ShardRule>& r) {
 }  // namespace
 
 RuleFn ElementwiseRules(const std::string& t) {
-  if (t == "relu" || t == "gelu" || t == "sigmoid" || t == "tanh" ||
-      t == "silu" || t == "relu6" || t == "hardsigmoid" || t == "hardswish") {
+  if (t == "relu" || t == "gelu" || t == "sigmoid" || t == "tanh" || t == "silu" || t == "relu6" ||
+      t == "hardsigmoid" || t == "hardswish" || t == "exp" || t == "rsqrt") {
     return UnaryNonlinear;
   }
   if (t == "dropout" || t == "drop_path" || t == "scale") return UnaryLinear;

@@ -327,6 +327,10 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
         why = follow_inplace(gm)
         if why is not None:
             raise ExportError(why)
+        if any("hap_static" not in n.meta for n in gm.graph.nodes):
+            # follow_inplace wrote a fill through a slice as new ops.
+            gm.recompile()
+            _record_shapes(gm, root, args, run_on)
         res = _loss_node(gm, loss)
         input_nodes = {n: t for n, t in input_nodes.items() if t is not None}
         gname = name or type(module).__name__.lower()

@@ -101,6 +101,90 @@ def _activation_method(ex, call, x):
     return ex.op(call.node.target, [x])
 
 
+# ---- exp, rsqrt, clamp, normalize ------------------------------------------
+
+
+@registry.functions(torch.exp, torch.rsqrt)
+def _exp_or_rsqrt(ex, call):
+    return ex.op(call.node.target.__name__, [call.tensor(0, "input")])
+
+
+@registry.methods("exp", "rsqrt")
+def _exp_or_rsqrt_method(ex, call, x):
+    return ex.op(call.node.target, [x])
+
+
+def clamp(ex, x, low, high, name, scope):
+    """x clamped to the constants [low, high] (None: no bound) as
+    low + relu(x - low) and high - relu(high - x): PyTorch's values, and its
+    gradient but at the bounds themselves (measure zero)."""
+    for bound, is_low in ((low, True), (high, False)):
+        if bound is None:
+            continue
+        if isinstance(bound, torch.Tensor):
+            if bound.numel() != 1:
+                ex.fail("clamp with tensor bounds is not supported")
+            bound = bound.item()
+        if not isinstance(bound, (int, float)) or isinstance(bound, bool) \
+                or not math.isfinite(bound):
+            ex.fail(f"clamp's bound {bound!r} is not a finite number")
+        c = ex.const(float(bound), x)
+        diff = ex.emit("sub", name, [x, c] if is_low else [c, x],
+                       shape=x.shape, scope=scope)
+        over = ex.emit("relu", name, [diff], shape=x.shape, scope=scope)
+        x = ex.emit("add" if is_low else "sub", name,
+                    [over, c] if is_low else [c, over], shape=x.shape,
+                    scope=scope)
+    return x
+
+
+@registry.functions(torch.clamp, torch.clip)
+def _clamp(ex, call):
+    return clamp(ex, call.tensor(0, "input"), call.value(1, "min", None),
+                 call.value(2, "max", None), ex.base_name(call.node),
+                 ex.scope_of(call.node))
+
+
+@registry.methods("clamp", "clip")
+def _clamp_method(ex, call, x):
+    return clamp(ex, x, call.value(1, "min", None), call.value(2, "max", None),
+                 ex.base_name(call.node), ex.scope_of(call.node))
+
+
+@registry.methods("clamp_min", "clamp_max")
+def _clamp_one_side(ex, call, x):
+    bound = call.value(1, call.node.target[-3:])
+    low, high = (bound, None) if call.node.target == "clamp_min" \
+        else (None, bound)
+    return clamp(ex, x, low, high, ex.base_name(call.node),
+                 ex.scope_of(call.node))
+
+
+@registry.functions(F.normalize)
+def _normalize(ex, call):
+    """F.normalize(x, p=2, dim): x / max(||x||, eps) as
+    x * rsqrt(max(sum(x * x), eps^2)) over `dim` (the same values and
+    gradient; torchvision's Swin V2 cosine attention)."""
+    x = call.tensor(0, "input")
+    p, dim = call.value(1, "p", 2.0), call.value(2, "dim", 1)
+    eps = float(call.value(3, "eps", 1e-12))
+    if p != 2:
+        ex.fail(f"F.normalize with p={p} is not supported (p=2 only)")
+    rank = len(x.shape)
+    if not -rank <= dim < rank:
+        ex.fail(f"F.normalize's dim {dim} is outside the {rank} axes")
+    axis = dim % rank
+    name, scope = ex.base_name(call.node), ex.scope_of(call.node)
+    square = ex.emit("mul", name, [x, x], shape=x.shape, scope=scope)
+    kept = tuple(1 if i == axis else d for i, d in enumerate(x.shape))
+    total = ex.emit("sum", name, [square], {"axes": [axis],
+                                            "keepdims": True},
+                    shape=kept, scope=scope)
+    total = clamp(ex, total, eps * eps, None, name, scope)
+    inverse = ex.emit("rsqrt", name, [total], shape=kept, scope=scope)
+    return ex.emit("mul", name, [x, inverse], shape=x.shape, scope=scope)
+
+
 # ---- dropout and stochastic depth ------------------------------------------
 
 

@@ -696,6 +696,58 @@ def _is_view(n):
     return False
 
 
+def _fill_through_slice(gm, n, view, base, later):
+    """`base[idx].zero_()` or `.fill_(v)` (constant idx and v) with base, a
+    computed tensor, used afterwards (torchvision's Swin V2 zeroes the key
+    part of a clone of its qkv bias): the later uses of base take
+    base * keep (+ v * (1 - keep)), keep a constant 0/1 mask of the filled
+    elements, computed before `n`. False for other changes through views.
+    The new nodes have no recorded shapes: the caller runs the graph
+    again."""
+    if not (n.op == "call_method" and n.target in ("zero_", "fill_") and
+            view.op == "call_function" and view.target is operator.getitem
+            and view.args[0] is base and not base.meta.get("hap_static")):
+        return False
+    idx = view.args[1]
+    value = 0.0 if n.target == "zero_" else \
+        (n.args[1] if len(n.args) > 1 else n.kwargs.get("value"))
+    leaves = []
+    fx.node.map_arg((idx, value), leaves.append)
+    if not all(a.meta.get("hap_static", False) for a in leaves):
+        return False
+    idx, value = fx.node.map_arg(
+        (idx, value), lambda a: a.meta.get("hap_value"))
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return False
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    keep = torch.ones(base.meta["hap_shape"], dtype=base.meta["hap_dtype"])
+    keep[idx] = 0
+    i = 0
+    while hasattr(gm, f"_hap_keep_mask{i}"):
+        i += 1
+    gm.register_buffer(f"_hap_keep_mask{i}", keep, persistent=False)
+    users = [u for u in base.users if later(u)]
+    scope = n.meta.get("hap_scope", "")
+    with gm.graph.inserting_before(n):
+        mask = gm.graph.get_attr(f"_hap_keep_mask{i}")
+        kept = gm.graph.call_function(operator.mul, (base, mask))
+        new = [mask, kept]
+        if float(value) != 0.0:
+            filled = gm.graph.call_function(
+                operator.mul, (gm.graph.call_function(
+                    operator.sub, (1.0, mask)), float(value)))
+            kept = gm.graph.call_function(operator.add, (kept, filled))
+            new += [filled.args[0], filled, kept]
+    for x in new:
+        x.meta["hap_scope"] = scope
+    for u in users:
+        u.replace_input_with(base, kept)
+    return True
+
+
 def follow_inplace(gm):
     """Makes the later uses of a tensor changed in place use the op that
     changed it (`y.add_(1); f(y)` is f of y + 1; y.add_(1), F.relu(y,
@@ -738,6 +790,8 @@ def follow_inplace(gm):
             # the chain goes on to the tensor it holds views of, if any.
             if "hap_shape" in base.meta and \
                     any(later(u) for u in base.users):
+                if _fill_through_slice(gm, n, a, base, later):
+                    break
                 return (f"node '{n.name}' ({n.op} {what}){where} "
                         f"changes '{a.name}' in place, a view of "
                         f"'{base.name}', which is used afterwards: the "
