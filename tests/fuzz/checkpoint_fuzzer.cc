@@ -158,7 +158,8 @@ std::string ExportPath() {
 }
 
 // `hapctl checkpoint export` (with the optimizer state or without): fails
-// only with DataLoss naming the checkpoint and writes nothing then; what it
+// only with DataLoss naming the checkpoint's step directory and writes
+// nothing then; what it
 // writes opens as a weights file whose every tensor reads back whole with
 // its recorded checksum.
 void Export(ckpt::CheckpointReader& r, bool with_optimizer_state) {
@@ -169,6 +170,8 @@ void Export(ckpt::CheckpointReader& r, bool with_optimizer_state) {
   if (!bytes.ok()) {
     Check(bytes.status().code() == absl::StatusCode::kDataLoss, "export's error is not DataLoss",
           bytes.status());
+    Check(bytes.status().message().find(r.step_dir()) != std::string::npos,
+          "export's DataLoss does not name the checkpoint", bytes.status());
     Check(!fs::exists(out, ec), "a failed export left its file");
     return;
   }
