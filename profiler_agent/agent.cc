@@ -796,11 +796,11 @@ struct Agent::Impl : public ProfileSource {
   }
 
   // Reports `links` (`what` for the log) to the planner, by `deadline` (a
-  // Probe caller's); a refusal is logged. The planner takes a report whole
-  // or not at all.
-  void ReportLinks(const std::vector<v1::Link>& links, const std::string& what,
-                   absl::Time deadline) {
-    if (links.empty()) return;
+  // Probe caller's); a refusal is logged and returned. The planner takes a
+  // report whole or not at all.
+  absl::Status ReportLinks(const std::vector<v1::Link>& links, const std::string& what,
+                           absl::Time deadline) {
+    if (links.empty()) return absl::OkStatus();
     v1::ReportLinksRequest report;
     report.set_node(o.name);
     report.set_address(address);
@@ -811,6 +811,7 @@ struct Agent::Impl : public ProfileSource {
     if (!s.ok() && !Stopping()) {
       Log(absl::StrCat("reporting ", what, " to ", o.planner, ": ", s.ToString()));
     }
+    return s;
   }
 
   // The peers the planner assigns this node to measure, asked by `deadline`;
@@ -830,7 +831,9 @@ struct Agent::Impl : public ProfileSource {
   // between this node's own devices (from the last probe). A failing peer is
   // logged and skipped. Each peer's links are a report of their own, so that
   // one the planner refuses (a peer listing a device the planner does not
-  // know) loses only its own. Returns the peer links. The calls to the
+  // know) loses only its own. Returns the peer links the planner took (a
+  // Probe caller's answer: one that held links the planner refused had its
+  // caller believe the planner held them). The calls to the
   // planner and the peers end by `deadline` (a Probe caller's): those peers
   // not measured by then are not.
   std::vector<v1::Link> MeasurePeers(const v1::GetProbeAssignmentsResponse& assignments,
@@ -880,10 +883,12 @@ struct Agent::Impl : public ProfileSource {
                          "; not reported (the planner would refuse it)"));
         continue;
       }
-      ReportLinks(peer_links, absl::StrCat("the links to ", a.peer_node()), deadline);
+      if (!ReportLinks(peer_links, absl::StrCat("the links to ", a.peer_node()), deadline).ok()) {
+        continue;  // left out, as a peer that failed
+      }
       links.insert(links.end(), peer_links.begin(), peer_links.end());
     }
-    ReportLinks(local_links, "this node's own links", deadline);
+    ReportLinks(local_links, "this node's own links", deadline).IgnoreError();
     return links;
   }
 

@@ -102,7 +102,10 @@ TEST_F(AgentTest, LinksAreMeasuredAgainWhenThePlannerForgotTheNode) {
 
 // Each peer's links are reported on their own: a peer whose device the
 // planner refuses (node-c's here, as an unregistered one) loses its own
-// links only; before, one report held every peer's and all were lost.
+// links only; before, one report held every peer's and all were lost. A
+// Probe call for links answers those the planner took: node-c's are left
+// out, as a failed peer's (it answered them too, and its caller believed
+// the planner held them).
 TEST_F(AgentTest, APeerWhoseLinksThePlannerRefusesLosesOnlyItsOwn) {
   FakeProber::State state_b, state_c;
   auto c = StartAgent(Options("node-c"), &state_c);
@@ -120,6 +123,11 @@ TEST_F(AgentTest, APeerWhoseLinksThePlannerRefusesLosesOnlyItsOwn) {
   const Record r = planner_.Snapshot();
   ASSERT_EQ(r.links.size(), 1u);
   EXPECT_EQ(r.links[0].dst(), "node-b/cpu0");
+  v1::ProbeResponse probed;
+  ASSERT_THAT(ProbeForLinks(*agent, absl::Seconds(60), &probed), IsOk());
+  std::vector<std::string> answered;
+  for (const v1::Link& l : probed.links()) answered.push_back(l.dst());
+  EXPECT_THAT(answered, ::testing::ElementsAre("node-b/cpu0"));
 }
 
 // Shutdown cancels a link measurement in flight, as it does the agent's

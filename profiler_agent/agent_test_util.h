@@ -103,8 +103,10 @@ inline std::unique_ptr<v1::Agent::Stub> AgentStub(const Agent& agent) {
   return channel.ok() ? v1::Agent::NewStub(*channel) : nullptr;
 }
 
-// Agent.Probe with include_links on `agent`, within `timeout`.
-inline absl::Status ProbeForLinks(const Agent& agent, absl::Duration timeout) {
+// Agent.Probe with include_links on `agent`, within `timeout`; its answer
+// into `out` when given.
+inline absl::Status ProbeForLinks(const Agent& agent, absl::Duration timeout,
+                                  v1::ProbeResponse* out = nullptr) {
   auto stub = AgentStub(agent);
   if (stub == nullptr) return absl::InternalError("no channel to the agent");
   grpc::ClientContext ctx;
@@ -112,7 +114,7 @@ inline absl::Status ProbeForLinks(const Agent& agent, absl::Duration timeout) {
   v1::ProbeRequest req;
   req.set_include_links(true);
   v1::ProbeResponse r;
-  return FromGrpc(stub->Probe(&ctx, req, &r));
+  return FromGrpc(stub->Probe(&ctx, req, out != nullptr ? out : &r));
 }
 
 // Agent.GetProfile through `stub`, with the token of `security`.
