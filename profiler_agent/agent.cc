@@ -101,6 +101,9 @@ struct Agent::Impl : public ProfileSource {
   std::vector<std::unique_ptr<DeviceProber>> probers;
   std::unique_ptr<AgentServer> server;
   std::string address;
+  // Notified once `address` is set: the server takes calls before (its port
+  // is picked when it starts), and a Probe reads the address.
+  absl::Notification address_known;
   std::thread heartbeat_thread, link_thread, probe_thread;
   std::atomic<bool> shut_down{false};
   absl::Notification shutdown_done;  // the first Shutdown has finished
@@ -949,6 +952,9 @@ struct Agent::Impl : public ProfileSource {
   absl::StatusOr<v1::ProbeResponse> ProbeNow(absl::Duration max_duration, bool include_links,
                                              absl::Time deadline,
                                              const std::function<bool()>& cancelled) override {
+    if (!address_known.HasBeenNotified()) {
+      return absl::UnavailableError("the agent is starting (its address is not known yet)");
+    }
     // Asked first: a caller who wants the links learns at once, probing
     // nothing, that the planner does not answer (before, the call probed
     // the devices, measured no peer and answered OK, as for a cluster
@@ -1017,6 +1023,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(
   HAP_ASSIGN_OR_RETURN(impl.server, AgentServer::Start(impl.o.listen, impl.o.security, &impl));
   impl.address = impl.o.advertise.empty() ? hap::service::AdvertisedAddress(impl.server->address())
                                           : impl.o.advertise;
+  impl.address_known.Notify();
   if (const std::string w = LocalOnlyAddressWarning(impl.address, impl.o.planner); !w.empty()) {
     Log(w);
   }
