@@ -743,6 +743,10 @@ def _fill_through_slice(gm, n, view, base, later):
             new += [filled.args[0], filled, kept]
     for x in new:
         x.meta["hap_scope"] = scope
+    # base's value from here on: a tensor of its shape, so that a later
+    # in-place change (a second fill, b.mul_(2)) is followed from it too.
+    kept.meta.update(hap_shape=base.meta["hap_shape"],
+                     hap_dtype=base.meta["hap_dtype"])
     for u in users:
         u.replace_input_with(base, kept)
     return True
@@ -791,6 +795,9 @@ def follow_inplace(gm):
             if "hap_shape" in base.meta and \
                     any(later(u) for u in base.users):
                 if _fill_through_slice(gm, n, a, base, later):
+                    # Its new nodes come before n (for the later changes).
+                    for x in gm.graph.nodes:
+                        order.setdefault(x, order[n] - 0.5)
                     break
                 return (f"node '{n.name}' ({n.op} {what}){where} "
                         f"changes '{a.name}' in place, a view of "
