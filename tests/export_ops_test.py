@@ -517,6 +517,25 @@ class ExportOpsTest(ExportTestCase):
             self.export(m, {"x": torch.randn(2, 4, 3, 3, dtype=torch.float64),
                             "labels": labels(2, 4)})
         self.assertIn("index outside [-7, 7)", str(cm.exception))
+        # A uint8 index is a mask in PyTorch (as a bool one), not rows: it
+        # was read as rows 1, 0, 1, 1 and the loss was silently another.
+
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.table = nn.Parameter(torch.randn(4, 3))
+                self.register_buffer("index", torch.tensor(
+                    [1, 0, 1, 1], dtype=torch.uint8), persistent=False)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(x + self.table[self.index].sum(0),
+                                       labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            self.export(Masked(), {"x": torch.randn(4, 3),
+                                   "labels": labels(4, 3)})
+        self.assertIn("advanced (tensor/list) indexing is not supported",
+                      str(cm.exception))
 
     def test_constants_of_unequal_values_are_listed(self):
         """A constant tensor of unequal values (a non-persistent buffer

@@ -205,8 +205,9 @@ def _getitem(ex, call):
         return lstm_state(ex, bv, ex.v(idx))
     x = ex.t(base)
     idx = ex.v(idx)
+    # A uint8 index is a mask in PyTorch, as a bool one (not rows).
     if isinstance(idx, torch.Tensor) and not idx.is_floating_point() and \
-            idx.dtype != torch.bool:
+            idx.dtype not in (torch.bool, torch.uint8):
         return gather_rows(ex, x, idx, ex.base_name(n), ex.scope_of(n))
     if not isinstance(idx, tuple):
         idx = (idx,)
