@@ -696,6 +696,21 @@ def _is_view(n):
     return False
 
 
+def _earlier_view_used_later(base, view, n, later):
+    """Whether a view of `base` (but `view`), or a view of one, taken
+    before node `n`, is used after it."""
+    todo = [(u, base) for u in base.users if u is not view]
+    while todo:
+        u, parent = todo.pop()
+        if later(u) or not _is_view(u) or not u.args or \
+                u.args[0] is not parent:
+            continue
+        if any(later(w) for w in u.users):
+            return True
+        todo.extend((w, u) for w in u.users)
+    return False
+
+
 def _fill_through_slice(gm, n, view, base, later):
     """`base[idx].zero_()` or `.fill_(v)` (constant idx and v) with base, a
     computed tensor, used afterwards (torchvision's Swin V2 zeroes the key
@@ -722,6 +737,10 @@ def _fill_through_slice(gm, n, view, base, later):
             return False
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    if _earlier_view_used_later(base, view, n, later):
+        # `k = base[1:3]` before the fill and used after it: k would read
+        # base unfilled (PyTorch's k sees the fill).
         return False
     keep = torch.ones(base.meta["hap_shape"], dtype=base.meta["hap_dtype"])
     keep[idx] = 0
