@@ -251,6 +251,49 @@ class ExportOpsTest(ExportTestCase):
             val = hap_ir_eval.evaluate(g, inputs, values).item()
         self.assertAlmostEqual(ref, val, delta=1e-5 * max(1.0, abs(ref)))
 
+    def test_dilated_convolution(self):
+        """Dilated conv2d as deeplabv3's ASPP and fcn's dilated resnet use
+        it: nn.Conv2d with dilation (and stride, rectangular), a depthwise
+        dilated one, F.conv2d with dilation and padding='same': PyTorch's
+        loss and gradients in float64, the dilation in the graph."""
+
+        class Dilated(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Conv2d(3, 6, 3, padding=2, dilation=2)
+                self.b = nn.Conv2d(6, 6, (3, 2), stride=(1, 2), padding=(3, 1),
+                                   dilation=(3, 2), groups=6, bias=False)
+                self.w = nn.Parameter(torch.randn(4, 6, 3, 3) * 0.2)
+                self.fc = nn.Linear(4, 5)
+
+            def forward(self, x, labels):  # x: [2, 3, 9, 10]
+                h = F.relu(self.a(x))
+                h = self.b(h)
+                h = F.conv2d(h, self.w, None, 1, "same", (2, 1))
+                return F.cross_entropy(self.fc(h.mean((2, 3))), labels)
+
+        m = Dilated().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 3, 9, 10, dtype=torch.float64),
+                "labels": labels(2, 5)}, tol=1e-9)
+        dil = [op.get("attrs", {}).get("dilation", {"ints": {"values": []}})
+               ["ints"]["values"]
+               for op in g["ops"] if op["type"] == "conv2d"]
+        self.assertEqual(dil, [[2, 2], [3, 2], [2, 1]])
+
+        class EvenSame(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.c = nn.Conv2d(3, 4, 2, padding="same", dilation=3)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.c(x).mean((2, 3)), labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(EvenSame(), {"x": torch.randn(2, 3, 6, 6),
+                                          "labels": labels(2, 4)})
+        self.assertIn("padding='same'", str(cm.exception))
+
     def test_stochastic_depth(self):
         if stochastic_depth is None:
             self.skipTest("torchvision is not installed (scripts/setup.sh)")

@@ -32,6 +32,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
 struct Window {
   int64_t n = 0, c = 0, h = 0, w = 0;  // input
   int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
+  int64_t dh = 1, dw = 1;  // conv2d's dilation: tap i reads row oy*sh - ph + i*dh
   int64_t oh = 0, ow = 0;
   bool count_include_pad = true;  // avg_pool2d's divisor
   int64_t plane() const { return h * w; }
@@ -39,10 +40,9 @@ struct Window {
 };
 
 absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
-                                  std::pair<int64_t, int64_t> k,
-                                  std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p,
-                                  bool ceil_mode = false) {
+                                  std::pair<int64_t, int64_t> k, std::pair<int64_t, int64_t> s,
+                                  std::pair<int64_t, int64_t> p, bool ceil_mode = false,
+                                  std::pair<int64_t, int64_t> d = {1, 1}) {
   if (x.rank() != 4) return Invalid(a, InLabel(a, 0), " must be NCHW");
   Window g;
   g.n = x.shape[0];
@@ -52,31 +52,35 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
   std::tie(g.kh, g.kw) = k;
   std::tie(g.sh, g.sw) = s;
   std::tie(g.ph, g.pw) = p;
-  if (g.h + 2 * g.ph < g.kh || g.w + 2 * g.pw < g.kw) {
-    return Invalid(a, "kernel ", g.kh, "x", g.kw, " is larger than the padded ",
-                   InLabel(a, 0));
+  std::tie(g.dh, g.dw) = d;
+  // The dilated kernel's extent, (k - 1) * d + 1 (attributes are unbounded).
+  int64_t eh, ew;
+  if (__builtin_mul_overflow(g.kh - 1, g.dh, &eh) || __builtin_mul_overflow(g.kw - 1, g.dw, &ew) ||
+      ++eh <= 0 || ++ew <= 0 || g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
+    return Invalid(a, "kernel ", g.kh, "x", g.kw, " (dilation ", g.dh, "x", g.dw,
+                   ") is larger than the padded ", InLabel(a, 0));
   }
-  g.oh = pool::OutputSize(g.h, g.kh, g.sh, g.ph, ceil_mode);
-  g.ow = pool::OutputSize(g.w, g.kw, g.sw, g.pw, ceil_mode);
+  g.oh = pool::OutputSize(g.h, eh, g.sh, g.ph, ceil_mode);
+  g.ow = pool::OutputSize(g.w, ew, g.sw, g.pw, ceil_mode);
   return g;
 }
 
 // --- conv2d -----------------------------------------------------------------------
 
 // The output columns ox of one kernel column j whose input column ix = ox *
-// sw - pw + j lies inside the image: [first, last).
+// sw - pw + j * dw lies inside the image: [first, last).
 std::pair<int64_t, int64_t> ValidColumns(const Window& g, int64_t j) {
-  // ox * sw >= pw - j  and  ox * sw <= w - 1 + pw - j.
-  const int64_t lo = g.pw - j;
+  // ox * sw >= pw - j * dw  and  ox * sw <= w - 1 + pw - j * dw.
+  const int64_t lo = g.pw - j * g.dw;
   const int64_t first = lo <= 0 ? 0 : (lo + g.sw - 1) / g.sw;
-  const int64_t hi = g.w - 1 + g.pw - j;
+  const int64_t hi = g.w - 1 + g.pw - j * g.dw;
   const int64_t last = hi < 0 ? 0 : std::min(g.ow, hi / g.sw + 1);
   return {first, std::max(first, last)};
 }
 
 // Walks the rows of the im2col matrix of `images` consecutive images:
 // col[(c * kh + i) * kw + j][m * ohw + oy * ow + ox] = x_m[c][oy*sh - ph +
-// i][ox*sw - pw + j], 0 in the padding; rows are images * ohw long. For each
+// i*dh][ox*sw - pw + j*dw], 0 in the padding; rows are images * ohw long. For each
 // output row segment (c, i, j, m, oy), run(col_offset, x_offset, first,
 // last) with the segment's columns [first, last) inside the image (x_offset
 // of column `first`), or x_offset = -1 when the input row is padding.
@@ -95,12 +99,11 @@ void ForEachIm2ColRun(const KernelArgs& a, const Window& g, int64_t images,
               const int64_t row = ((c * g.kh + i) * g.kw + j) * ld;
               for (int64_t m = 0; m < images; ++m) {
                 for (int64_t oy = 0; oy < g.oh; ++oy) {
-                  const int64_t iy = oy * g.sh - g.ph + i;
+                  const int64_t iy = oy * g.sh - g.ph + i * g.dh;
                   const int64_t col = row + m * g.out_plane() + oy * g.ow;
                   const bool inside = iy >= 0 && iy < g.h;
                   run(col,
-                      inside ? ((m * g.c + c) * g.h + iy) * g.w +
-                                   first * g.sw - g.pw + j
+                      inside ? ((m * g.c + c) * g.h + iy) * g.w + first * g.sw - g.pw + j * g.dw
                              : -1,
                       first, last);
                 }
@@ -193,9 +196,10 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   }
   HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
   HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
+  HAP_ASSIGN_OR_RETURN(auto dil, Pair(a, "dilation", {1, 1}, 1));
   Conv c;
-  HAP_ASSIGN_OR_RETURN(c.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]},
-                                       stride, pad));
+  HAP_ASSIGN_OR_RETURN(c.g,
+                       MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad, false, dil));
   c.o = w.shape[0];
   c.groups = a.in[0].shape[1] / w.shape[1];
   c.ckk = w.shape[1] * w.shape[2] * w.shape[3];
@@ -216,7 +220,7 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
 // Output channel oc of group q = oc / og reads input channels
 // [q * cg, (q + 1) * cg) (cg = the weight's input channels, og = o / groups):
 //   y[m][oc][oy][ox] = b[oc] + sum_{k, i, j} w[oc][k][i][j] *
-//                      x[m][q * cg + k][oy * sh - ph + i][ox * sw - pw + j].
+//                      x[m][q * cg + k][oy*sh - ph + i*dh][ox*sw - pw + j*dw].
 // Sums in double, in the order k, i, j.
 
 // fn(oy, ox, iy, ix, i, j) over the taps of plane positions inside the image.
@@ -224,11 +228,11 @@ template <typename F>
 void ForEachTap(const Window& g, F fn) {
   for (int64_t oy = 0; oy < g.oh; ++oy) {
     for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t iy = oy * g.sh - g.ph + i;
+      const int64_t iy = oy * g.sh - g.ph + i * g.dh;
       if (iy < 0 || iy >= g.h) continue;
       for (int64_t ox = 0; ox < g.ow; ++ox) {
         for (int64_t j = 0; j < g.kw; ++j) {
-          const int64_t ix = ox * g.sw - g.pw + j;
+          const int64_t ix = ox * g.sw - g.pw + j * g.dw;
           if (ix >= 0 && ix < g.w) fn(oy, ox, iy, ix, i, j);
         }
       }

@@ -425,6 +425,17 @@ TEST(KernelGradTest, Convolution) {
   ExpectGradientsMatch({"conv2d",
                         {{"padding", std::vector<int64_t>{1}}, {"groups", int64_t{3}}},
                         {Rand({2, 3, 4, 4}, 23), Rand({6, 1, 3, 3}, 24)}});
+  // Dilated: im2col (stride and padding on both axes) and the grouped loops.
+  ExpectGradientsMatch({"conv2d",
+                        {{"stride", std::vector<int64_t>{2, 1}},
+                         {"padding", std::vector<int64_t>{2, 1}},
+                         {"dilation", std::vector<int64_t>{2, 3}}},
+                        {Rand({2, 3, 7, 8}, 25), Rand({4, 3, 3, 2}, 26), Rand({4}, 27)}});
+  ExpectGradientsMatch({"conv2d",
+                        {{"padding", std::vector<int64_t>{3}},
+                         {"dilation", std::vector<int64_t>{3, 2}},
+                         {"groups", int64_t{2}}},
+                        {Rand({2, 4, 6, 5}, 28), Rand({4, 2, 3, 3}, 29)}});
   ExpectGradientsMatch({"conv2d", {},  // 1x1: no im2col
                         {Rand({2, 3, 3, 2}, 6), Rand({2, 3, 1, 1}, 7), Rand({2}, 8)}});
   ExpectGradientsMatch({"max_pool2d",

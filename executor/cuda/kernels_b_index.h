@@ -34,8 +34,8 @@ HAP_CUDA_HD inline int64_t Im2ColSource(const Window& g, int64_t k,
   const int64_t j = row % g.kw;
   const int64_t i = (row / g.kw) % g.kh;
   const int64_t ch = row / (g.kw * g.kh);
-  const int64_t iy = oy * g.sh - g.ph + i;
-  const int64_t ix = ox * g.sw - g.pw + j;
+  const int64_t iy = oy * g.sh - g.ph + i * g.dh;
+  const int64_t ix = ox * g.sw - g.pw + j * g.dw;
   *col = row * row_stride + m * image_stride + oy * g.ow + ox;
   const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
   return inside ? ((m * g.c + ch) * g.h + iy) * g.w + ix : -1;
@@ -57,13 +57,13 @@ HAP_CUDA_HD inline T Col2ImSum(const Window& g, const T* col, int64_t images,
   (void)images;
   T acc = T(0);
   for (int64_t i = 0; i < g.kh; ++i) {
-    const int64_t ty = iy + g.ph - i;  // = oy * sh
-    if (ty < 0) break;                 // and for every larger i
+    const int64_t ty = iy + g.ph - i * g.dh;  // = oy * sh
+    if (ty < 0) break;                        // and for every larger i
     if (ty % g.sh != 0) continue;
     const int64_t oy = ty / g.sh;
     if (oy >= g.oh) continue;
     for (int64_t j = 0; j < g.kw; ++j) {
-      const int64_t tx = ix + g.pw - j;
+      const int64_t tx = ix + g.pw - j * g.dw;
       if (tx < 0) break;
       if (tx % g.sw != 0) continue;
       const int64_t ox = tx / g.sw;
@@ -92,10 +92,10 @@ HAP_CUDA_HD inline double GroupedConvValue(const Window& g, int64_t groups,
     const T* xp = x + (m * g.c + q * cg + k) * g.h * g.w;
     const T* wk = w + (oc * cg + k) * g.kh * g.kw;
     for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t iy = oy * g.sh - g.ph + i;
+      const int64_t iy = oy * g.sh - g.ph + i * g.dh;
       if (iy < 0 || iy >= g.h) continue;
       for (int64_t j = 0; j < g.kw; ++j) {
-        const int64_t ix = ox * g.sw - g.pw + j;
+        const int64_t ix = ox * g.sw - g.pw + j * g.dw;
         if (ix < 0 || ix >= g.w) continue;
         acc += static_cast<double>(wk[i * g.kw + j]) *
                static_cast<double>(xp[iy * g.w + ix]);
@@ -118,11 +118,11 @@ HAP_CUDA_HD inline double GroupedConvDx(const Window& g, int64_t groups,
     const T* dyp = dy + (m * o + oc) * g.oh * g.ow;
     const T* wk = w + (oc * cg + k) * g.kh * g.kw;
     for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t ty = iy + g.ph - i;  // = oy * sh
+      const int64_t ty = iy + g.ph - i * g.dh;  // = oy * sh
       if (ty < 0) break;
       if (ty % g.sh != 0 || ty / g.sh >= g.oh) continue;
       for (int64_t j = 0; j < g.kw; ++j) {
-        const int64_t tx = ix + g.pw - j;
+        const int64_t tx = ix + g.pw - j * g.dw;
         if (tx < 0) break;
         if (tx % g.sw != 0 || tx / g.sw >= g.ow) continue;
         acc += static_cast<double>(wk[i * g.kw + j]) *
@@ -145,10 +145,10 @@ HAP_CUDA_HD inline double GroupedConvDw(const Window& g, int64_t groups,
     const T* xp = x + (m * g.c + q * cg + k) * g.h * g.w;
     const T* dyp = dy + (m * o + oc) * g.oh * g.ow;
     for (int64_t oy = 0; oy < g.oh; ++oy) {
-      const int64_t iy = oy * g.sh - g.ph + i;
+      const int64_t iy = oy * g.sh - g.ph + i * g.dh;
       if (iy < 0 || iy >= g.h) continue;
       for (int64_t ox = 0; ox < g.ow; ++ox) {
-        const int64_t ix = ox * g.sw - g.pw + j;
+        const int64_t ix = ox * g.sw - g.pw + j * g.dw;
         if (ix < 0 || ix >= g.w) continue;
         acc += static_cast<double>(dyp[oy * g.ow + ox]) *
                static_cast<double>(xp[iy * g.w + ix]);

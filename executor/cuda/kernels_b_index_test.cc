@@ -17,8 +17,8 @@
 namespace hap::executor::cuda {
 namespace {
 
-Window MakeWindow(int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh,
-                  int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
+Window MakeWindow(int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t sh,
+                  int64_t sw, int64_t ph, int64_t pw, int64_t dh = 1, int64_t dw = 1) {
   Window g;
   g.n = n;
   g.c = c;
@@ -30,8 +30,10 @@ Window MakeWindow(int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh,
   g.sw = sw;
   g.ph = ph;
   g.pw = pw;
-  g.oh = (h + 2 * ph - kh) / sh + 1;
-  g.ow = (w + 2 * pw - kw) / sw + 1;
+  g.dh = dh;
+  g.dw = dw;
+  g.oh = (h + 2 * ph - (kh - 1) * dh - 1) / sh + 1;
+  g.ow = (w + 2 * pw - (kw - 1) * dw - 1) / sw + 1;
   return g;
 }
 
@@ -42,13 +44,15 @@ std::vector<double> Random(int64_t n, std::mt19937_64& rng) {
   return v;
 }
 
-// Geometries: strides, paddings, rectangular kernels, 1x1.
+// Geometries: strides, paddings, rectangular kernels, 1x1, dilations.
 const Window kConvs[] = {
     MakeWindow(2, 3, 9, 11, 3, 3, 2, 2, 1, 1),
     MakeWindow(3, 5, 8, 8, 1, 1, 1, 1, 0, 0),
     MakeWindow(2, 3, 10, 9, 5, 4, 1, 2, 0, 1),
     MakeWindow(3, 2, 6, 6, 3, 3, 1, 1, 2, 2),
     MakeWindow(3, 2, 7, 5, 2, 3, 3, 1, 1, 0),
+    MakeWindow(2, 3, 9, 11, 3, 3, 1, 1, 2, 2, 2, 2),
+    MakeWindow(2, 2, 10, 9, 3, 2, 2, 1, 1, 3, 3, 4),
 };
 
 // The im2col of all images in one of the two layouts of LaunchIm2Col.
@@ -85,8 +89,8 @@ TEST(Im2ColTest, TimesTheWeightsIsTheConvolution) {
               for (int64_t c = 0; c < g.c; ++c) {
                 for (int64_t i = 0; i < g.kh; ++i) {
                   for (int64_t j = 0; j < g.kw; ++j) {
-                    const int64_t iy = oy * g.sh - g.ph + i;
-                    const int64_t ix = ox * g.sw - g.pw + j;
+                    const int64_t iy = oy * g.sh - g.ph + i * g.dh;
+                    const int64_t ix = ox * g.sw - g.pw + j * g.dw;
                     if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
                     want += x[((m * g.c + c) * g.h + iy) * g.w + ix] *
                             w[((oc * g.c + c) * g.kh + i) * g.kw + j];
@@ -299,10 +303,12 @@ TEST(AvgPoolTest, AverageAndGatheredGradientMatchTheScatter) {
 TEST(GroupedConvTest, ValueAndGatheredGradientsMatchTheScatter) {
   std::mt19937_64 rng(7);
   struct S {
-    int64_t n, c, h, w, o, groups, kh, kw, sh, sw, ph, pw;
+    int64_t n, c, h, w, o, groups, kh, kw, sh, sw, ph, pw, dh = 1, dw = 1;
   };
-  for (const S& s : {S{2, 4, 5, 6, 6, 2, 3, 3, 2, 1, 1, 1}, S{1, 3, 4, 4, 6, 3, 3, 2, 1, 2, 1, 0},
-                     S{2, 6, 7, 5, 6, 6, 3, 3, 2, 2, 1, 1}}) {
+  for (const S& s :
+       {S{2, 4, 5, 6, 6, 2, 3, 3, 2, 1, 1, 1}, S{1, 3, 4, 4, 6, 3, 3, 2, 1, 2, 1, 0},
+        S{2, 6, 7, 5, 6, 6, 3, 3, 2, 2, 1, 1}, S{2, 6, 9, 8, 6, 6, 3, 3, 1, 2, 2, 3, 2, 3},
+        S{1, 4, 8, 9, 4, 2, 2, 3, 2, 1, 0, 2, 3, 2}}) {
     Window g;
     g.n = s.n;
     g.c = s.c;
@@ -314,8 +320,10 @@ TEST(GroupedConvTest, ValueAndGatheredGradientsMatchTheScatter) {
     g.sw = s.sw;
     g.ph = s.ph;
     g.pw = s.pw;
-    g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
-    g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
+    g.dh = s.dh;
+    g.dw = s.dw;
+    g.oh = (g.h + 2 * g.ph - (g.kh - 1) * g.dh - 1) / g.sh + 1;
+    g.ow = (g.w + 2 * g.pw - (g.kw - 1) * g.dw - 1) / g.sw + 1;
     const int64_t cg = g.c / s.groups, og = s.o / s.groups;
     const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
     const std::vector<double> w = Random(s.o * cg * g.kh * g.kw, rng);
@@ -331,7 +339,7 @@ TEST(GroupedConvTest, ValueAndGatheredGradientsMatchTheScatter) {
               const int64_t ic = (oc / og) * cg + k;
               for (int64_t i = 0; i < g.kh; ++i) {
                 for (int64_t j = 0; j < g.kw; ++j) {
-                  const int64_t iy = oy * g.sh - g.ph + i, ix = ox * g.sw - g.pw + j;
+                  const int64_t iy = oy * g.sh - g.ph + i * g.dh, ix = ox * g.sw - g.pw + j * g.dw;
                   if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
                   const int64_t xi = ((m * g.c + ic) * g.h + iy) * g.w + ix;
                   const int64_t wi = ((oc * cg + k) * g.kh + i) * g.kw + j;

@@ -348,6 +348,7 @@ TEST_F(KernelsBTest, Conv2d) {
     Shape x, w;
     Ints stride, padding;
     bool bias;
+    Ints dilation = {1};
   };
   const C cases[] = {{{2, 3, 9, 11}, {4, 3, 3, 3}, {2}, {1}, true},
                      {{3, 5, 8, 8}, {6, 5, 1, 1}, {1}, {0}, true},  // direct
@@ -361,16 +362,21 @@ TEST_F(KernelsBTest, Conv2d) {
                      // Grouped (2 groups) and depthwise (multiplier 2):
                      // the direct kernels; groups from the shapes.
                      {{2, 4, 9, 8}, {6, 2, 3, 3}, {2}, {1}, true},
-                     {{3, 5, 7, 7}, {10, 1, 3, 3}, {1}, {1}, false}};
+                     {{3, 5, 7, 7}, {10, 1, 3, 3}, {1}, {1}, false},
+                     // Dilated: im2col, and the direct grouped kernels.
+                     {{2, 3, 9, 11}, {4, 3, 3, 2}, {1, 2}, {2, 3}, true, {2, 3}},
+                     {{2, 4, 8, 7}, {8, 1, 3, 3}, {1}, {2}, false, {2}}};
   for (DType t : kDtypes) {
     const Tol tol = GemmTol(t);
     for (const C& c : cases) {
       graph::Attrs attrs{{"stride", c.stride}, {"padding", c.padding}};
       if (c.w[1] != c.x[1]) attrs.Set("groups", c.x[1] / c.w[1]);
+      attrs.Set("dilation", c.dilation);
       const int64_t sh = c.stride[0], sw = c.stride.back();
       const int64_t ph = c.padding[0], pw = c.padding.back();
-      const Shape y = {c.x[0], c.w[0], (c.x[2] + 2 * ph - c.w[2]) / sh + 1,
-                       (c.x[3] + 2 * pw - c.w[3]) / sw + 1};
+      const int64_t dh = c.dilation[0], dw = c.dilation.back();
+      const Shape y = {c.x[0], c.w[0], (c.x[2] + 2 * ph - (c.w[2] - 1) * dh - 1) / sh + 1,
+                       (c.x[3] + 2 * pw - (c.w[3] - 1) * dw - 1) / sw + 1};
       std::vector<HostTensor> in = {R(t, c.x), R(t, c.w)};
       if (c.bias) in.push_back(R(t, {c.w[0]}));
       Expect(Case("conv2d", tol, in, {R(t, y)}, attrs));

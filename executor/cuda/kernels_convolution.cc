@@ -40,10 +40,9 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
 }
 
 absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
-                                  std::pair<int64_t, int64_t> k,
-                                  std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p,
-                                  bool ceil_mode = false) {
+                                  std::pair<int64_t, int64_t> k, std::pair<int64_t, int64_t> s,
+                                  std::pair<int64_t, int64_t> p, bool ceil_mode = false,
+                                  std::pair<int64_t, int64_t> d = {1, 1}) {
   const cpu::KernelArgs c = CpuArgs(a);
   if (x.rank() != 4) return Invalid(a, cpu::InLabel(c, 0), " must be NCHW");
   Window g;
@@ -54,12 +53,16 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
   std::tie(g.kh, g.kw) = k;
   std::tie(g.sh, g.sw) = s;
   std::tie(g.ph, g.pw) = p;
-  if (g.h + 2 * g.ph < g.kh || g.w + 2 * g.pw < g.kw) {
-    return Invalid(a, "kernel ", g.kh, "x", g.kw, " is larger than the padded ",
-                   cpu::InLabel(c, 0));
+  std::tie(g.dh, g.dw) = d;
+  // The dilated kernel's extent, (k - 1) * d + 1 (as the CPU's).
+  int64_t eh, ew;
+  if (__builtin_mul_overflow(g.kh - 1, g.dh, &eh) || __builtin_mul_overflow(g.kw - 1, g.dw, &ew) ||
+      ++eh <= 0 || ++ew <= 0 || g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
+    return Invalid(a, "kernel ", g.kh, "x", g.kw, " (dilation ", g.dh, "x", g.dw,
+                   ") is larger than the padded ", cpu::InLabel(c, 0));
   }
-  g.oh = pool::OutputSize(g.h, g.kh, g.sh, g.ph, ceil_mode);
-  g.ow = pool::OutputSize(g.w, g.kw, g.sw, g.pw, ceil_mode);
+  g.oh = pool::OutputSize(g.h, eh, g.sh, g.ph, ceil_mode);
+  g.ow = pool::OutputSize(g.w, ew, g.sw, g.pw, ceil_mode);
   return g;
 }
 
@@ -114,9 +117,10 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
   }
   HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
   HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
+  HAP_ASSIGN_OR_RETURN(auto dil, Pair(a, "dilation", {1, 1}, 1));
   Conv cv;
-  HAP_ASSIGN_OR_RETURN(
-      cv.g, MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad));
+  HAP_ASSIGN_OR_RETURN(cv.g,
+                       MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad, false, dil));
   const Window& g = cv.g;
   cv.o = w.shape[0];
   cv.groups = a.in[0].shape[1] / w.shape[1];

@@ -18,13 +18,14 @@ namespace hap::executor::cuda {
 struct Window {
   int64_t n = 0, c = 0, h = 0, w = 0;  // input
   int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
+  int64_t dh = 1, dw = 1;  // conv2d's dilation: tap i reads row oy*sh - ph + i*dh
   int64_t oh = 0, ow = 0;
   bool count_include_pad = true;  // avg_pool2d's divisor
 };
 
 // The im2col matrix of `images` images starting at x:
 //   col[row * row_stride + m * image_stride + oy * ow + ox] =
-//     x_m[ch][oy * sh - ph + i][ox * sw - pw + j]  (0 in the padding),
+//     x_m[ch][oy * sh - ph + i * dh][ox * sw - pw + j * dw]  (0 in the padding),
 // row = (ch * kh + i) * kw + j. row_stride = images * oh * ow and
 // image_stride = oh * ow give one [c*kh*kw, images*oh*ow] matrix;
 // row_stride = oh * ow and image_stride = c*kh*kw*oh*ow one matrix an image.

@@ -250,6 +250,13 @@ TEST(RegistryTest, ShapeRules) {
   EXPECT_EQ(*infer("conv2d", {{"stride", I{2}}, {"padding", I{1}}},
                    {F32({1, 3, 8, 8}), F32({6, 3, 3, 3}), F32({6})}),
             V{F32({1, 6, 4, 4})});
+  // Dilation: a 3x3 kernel dilated by (2, 3) spans 5x7 (PyTorch: 8 -> 4, 2).
+  EXPECT_EQ(*infer("conv2d", {{"dilation", I{2, 3}}}, {F32({1, 3, 8, 8}), F32({6, 3, 3, 3})}),
+            V{F32({1, 6, 4, 2})});
+  EXPECT_THAT(infer("conv2d", {{"dilation", I{0}}}, {F32({1, 3, 8, 8}), F32({6, 3, 3, 3})}),
+              StatusIs(kInvalid, HasSubstr("'dilation'")));
+  EXPECT_THAT(infer("conv2d", {{"dilation", I{4}}}, {F32({1, 3, 8, 8}), F32({6, 3, 3, 3})}),
+              StatusIs(kInvalid, HasSubstr("kernel 9 is larger")));
   EXPECT_EQ(*infer("max_pool2d", {{"kernel", I{2}}}, {F32({1, 3, 8, 8})}),
             V{F32({1, 3, 4, 4})});
   EXPECT_EQ(*infer("adaptive_avg_pool2d", {{"output_size", I{1}}},

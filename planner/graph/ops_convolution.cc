@@ -21,9 +21,13 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(const Attrs& a,
   return std::make_pair(v[0], v[1]);
 }
 
-absl::StatusOr<int64_t> OutSize(int64_t in, int64_t k, int64_t s, int64_t p,
-                                const char* what) {
-  // Attributes are unbounded: padding near 2^62 must not overflow.
+absl::StatusOr<int64_t> OutSize(int64_t in, int64_t k, int64_t s, int64_t p, const char* what,
+                                int64_t d = 1) {
+  // Attributes are unbounded: padding or dilation near 2^62 must not
+  // overflow. A dilated kernel spans (k - 1) * d + 1.
+  if (__builtin_mul_overflow(k - 1, d, &k) || __builtin_add_overflow(k, 1, &k)) {
+    return absl::InvalidArgumentError(absl::StrCat("dilation ", d, " is too large"));
+  }
   int64_t span;
   if (__builtin_mul_overflow(p, 2, &span) ||
       __builtin_add_overflow(span, in, &span)) {
@@ -87,12 +91,13 @@ void RegisterConvolutionOps(OpRegistry& r) {
   {
     OpDef d;
     d.type = "conv2d";
-    d.attrs = {"stride", "padding", "groups"};
+    d.attrs = {"stride", "padding", "dilation", "groups"};
     d.summary =
         "conv2d(x[n, c, h, w], w[o, c/groups, kh, kw], b[o]?; stride=[1,1], "
-        "padding=[0,0], groups=1) -> [n, o, h', w'] (groups > 1: output "
-        "channels of group g read input channels of group g; groups = c: "
-        "depthwise)";
+        "padding=[0,0], dilation=[1,1], groups=1) -> [n, o, h', w'] (tap "
+        "(i, j) reads x[oy*sh - ph + i*dh][ox*sw - pw + j*dw]; groups > 1: "
+        "output channels of group g read input channels of group g; groups "
+        "= c: depthwise)";
     d.min_inputs = 2;
     d.max_inputs = 3;
     d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
@@ -119,12 +124,11 @@ void RegisterConvolutionOps(OpRegistry& r) {
       }
       HAP_ASSIGN_OR_RETURN(auto stride, Pair(c.attrs, "stride", {1, 1}, 1));
       HAP_ASSIGN_OR_RETURN(auto pad, Pair(c.attrs, "padding", {0, 0}, 0));
-      HAP_ASSIGN_OR_RETURN(int64_t h, OutSize(c.shape(0)[2], c.shape(1)[2],
-                                              stride.first, pad.first,
-                                              "height"));
-      HAP_ASSIGN_OR_RETURN(int64_t w, OutSize(c.shape(0)[3], c.shape(1)[3],
-                                              stride.second, pad.second,
-                                              "width"));
+      HAP_ASSIGN_OR_RETURN(auto dil, Pair(c.attrs, "dilation", {1, 1}, 1));
+      HAP_ASSIGN_OR_RETURN(int64_t h, OutSize(c.shape(0)[2], c.shape(1)[2], stride.first, pad.first,
+                                              "height", dil.first));
+      HAP_ASSIGN_OR_RETURN(int64_t w, OutSize(c.shape(0)[3], c.shape(1)[3], stride.second,
+                                              pad.second, "width", dil.second));
       return std::vector<TensorType>{{c.in(0).dtype, {c.shape(0)[0], o, h, w}}};
     };
     d.flops = [](const OpCall& c) {

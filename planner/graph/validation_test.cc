@@ -485,15 +485,16 @@ TEST(ValidationTest, ExtremePoolingAttributes) {
     std::string attr;
     std::vector<int64_t> value;
   };
-  for (const Case& c :
-       std::vector<Case>{{"max_pool2d", "kernel", {kMax}},
-                         {"max_pool2d", "kernel", {int64_t{1} << 62}},
-                         {"max_pool2d", "padding", {kMax}},
-                         {"max_pool2d", "stride", {kMax}},
-                         {"conv2d", "padding", {kMax}},
-                         {"conv2d", "padding", {int64_t{1} << 62}},
-                         {"conv2d", "stride", {kMax}},
-                         {"adaptive_avg_pool2d", "output_size", {kMax}}}) {
+  for (const Case& c : std::vector<Case>{{"max_pool2d", "kernel", {kMax}},
+                                         {"max_pool2d", "kernel", {int64_t{1} << 62}},
+                                         {"max_pool2d", "padding", {kMax}},
+                                         {"max_pool2d", "stride", {kMax}},
+                                         {"conv2d", "padding", {kMax}},
+                                         {"conv2d", "padding", {int64_t{1} << 62}},
+                                         {"conv2d", "stride", {kMax}},
+                                         {"conv2d", "dilation", {kMax}},
+                                         {"conv2d", "dilation", {int64_t{1} << 62}},
+                                         {"adaptive_avg_pool2d", "output_size", {kMax}}}) {
     SCOPED_TRACE(c.type + " " + c.attr);
     GraphBuilder b("pool");
     TensorId x = b.Input("x", F32({2, 3, 8, 8}));

@@ -1,6 +1,6 @@
 """Convolutions and pooling over NCHW images
-(planner/graph/ops_convolution.cc): conv2d (grouped and depthwise, zero
-padding, no dilation), max_pool2d, avg_pool2d, adaptive_avg_pool2d."""
+(planner/graph/ops_convolution.cc): conv2d (grouped and depthwise,
+dilated, zero padding), max_pool2d, avg_pool2d, adaptive_avg_pool2d."""
 
 import torch
 import torch.nn as nn
@@ -23,8 +23,6 @@ def _pair(v):
 def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
     """x convolved with `weight` (+ `bias`, or None): module parameters or
     fx arguments; padding an int, a pair, "valid" or "same"."""
-    if tuple(_pair(dilation)) != (1, 1):
-        ex.fail("dilated convolution is not supported")
     if len(x.shape) != 4:  # PyTorch also takes an unbatched [C, H, W]
         ex.fail(f"conv2d needs an NCHW (rank-4) input, got {list(x.shape)}")
     w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
@@ -36,12 +34,16 @@ def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
         if padding == "valid":
             padding = [0, 0]
         else:  # 'same'
-            ks = w.shape[2:]
-            if any(k % 2 == 0 for k in ks) or tuple(_pair(stride)) != (1, 1):
-                ex.fail("padding='same' is supported for odd kernels and "
-                        "stride 1 only")
-            padding = [(k - 1) // 2 for k in ks]
+            # The dilated kernel's extent (k - 1) * d + 1 must be odd for
+            # the padding to be equal on both sides.
+            span = [(k - 1) * d for k, d in zip(w.shape[2:], _pair(dilation))]
+            if any(s % 2 for s in span) or tuple(_pair(stride)) != (1, 1):
+                ex.fail("padding='same' is supported for odd (dilated) "
+                        "kernels and stride 1 only")
+            padding = [s // 2 for s in span]
     attrs = {"stride": _pair(stride), "padding": _pair(padding)}
+    if tuple(_pair(dilation)) != (1, 1):
+        attrs["dilation"] = [int(d) for d in _pair(dilation)]
     if groups != 1:
         attrs["groups"] = int(groups)
     return ex.op("conv2d", ins, attrs)
