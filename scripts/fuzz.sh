@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # libFuzzer targets (tests/fuzz/*_fuzzer.cc) built with Debian's clang 14,
 # AddressSanitizer and UndefinedBehaviorSanitizer, seeded from real inputs
-# (zoo graphs, the example clusters, a plan file, a checkpoint shard, checkpoints).
+# (zoo graphs and a graph with a VALUES initializer, the example clusters, a plan file,
+# a checkpoint shard, checkpoints).
 #
 #   scripts/fuzz.sh [--seconds S] [TARGET ...]   long runs (default 300 s each)
 #   scripts/fuzz.sh --smoke [--junit FILE]       a short run of each (scripts/test.sh)
@@ -123,10 +124,34 @@ build() {
     -o "$OUT/bin/$t" -lprotobuf -lglpk -lcrypto -lopenblas $ABSL -lpthread
 }
 
+# A graph with a VALUES initializer (runs of listed values: the exporter's
+# masks and one-hot constants), which no zoo graph has; added to a corpus
+# made before it too.
+values_seed() {
+  [ -e "$1/values.textpb" ] && return 0
+  cat >"$1/values.textpb" <<'PB'
+name: "values"
+inputs { tensor { name: "x" shape: [ 4, 8 ] dtype: FLOAT32 } role: FEATURES }
+inputs { tensor { name: "labels" shape: [ 4 ] dtype: INT64 } role: LABELS }
+parameters {
+  tensor { name: "const.mask" shape: [ 4, 8 ] dtype: FLOAT32 }
+  init { kind: VALUES values: [ 0, -100, 0.5, 0 ] counts: [ 9, 7, 1, 15 ] }
+  frozen: true
+}
+parameters { tensor { name: "w" shape: [ 3, 8 ] dtype: FLOAT32 } init { kind: NORMAL stddev: 0.02 } }
+parameters { tensor { name: "b" shape: [ 3 ] dtype: FLOAT32 } }
+ops { name: "masked" type: "add" inputs: [ "x", "const.mask" ] outputs: [ "xm" ] }
+ops { name: "fc" type: "linear" inputs: [ "xm", "w", "b" ] outputs: [ "logits" ] }
+ops { name: "loss" type: "cross_entropy" inputs: [ "logits", "labels" ] outputs: [ "loss" ] }
+loss: "loss"
+PB
+}
+
 seed() {
   local t=$1 dir="$OUT/corpus/$1"
   mkdir -p "$dir"
-  [ -n "$(ls -A "$dir" 2>/dev/null)" ] && return 0
+  [ "$t" = graph ] && values_seed "$dir"
+  [ -n "$(ls -A "$dir" 2>/dev/null | grep -v '^values\.textpb$')" ] && return 0
   case "$t" in
     graph)
       for m in mlp gpt vit moe; do
