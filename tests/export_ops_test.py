@@ -294,6 +294,58 @@ class ExportOpsTest(ExportTestCase):
                                           "labels": labels(2, 4)})
         self.assertIn("padding='same'", str(cm.exception))
 
+    def test_interpolate_and_upsample(self):
+        """F.interpolate (bilinear with and without align_corners, nearest;
+        by size and by scale factor, non-integer ones too, shrinking too)
+        and nn.Upsample / nn.UpsamplingBilinear2d / nn.UpsamplingNearest2d
+        between convolutions: PyTorch's loss and gradients in float64 (the
+        interpolation's gradient reaches the first convolution)."""
+
+        class Resize(nn.Module):
+            def __init__(self, kw, module=None):
+                super().__init__()
+                self.kw, self.module = kw, module
+                self.a = nn.Conv2d(2, 3, 3, padding=1)
+                self.b = nn.Conv2d(3, 4, 3)
+
+            def forward(self, x, labels):  # x: [2, 2, 6, 7]
+                h = self.a(x)
+                h = self.module(h) if self.module else F.interpolate(
+                    h, **self.kw)
+                h = self.b(h * h)
+                return F.cross_entropy(h.mean((2, 3)), labels)
+
+        cases = [
+            ({"size": (13, 17), "mode": "bilinear", "align_corners": False},
+             None),
+            ({"size": (13, 17), "mode": "bilinear", "align_corners": True},
+             None),
+            ({"scale_factor": 1.7, "mode": "bilinear"}, None),
+            ({"size": (4, 3), "mode": "bilinear"}, None),
+            ({"size": (13, 17)}, None),  # nearest by default
+            ({"scale_factor": 2.5, "mode": "nearest"}, None),
+            ({"size": (3, 5), "mode": "nearest"}, None),
+            ({}, nn.Upsample(scale_factor=2, mode="bilinear")),
+            ({}, nn.UpsamplingBilinear2d(size=(9, 8))),
+            ({}, nn.UpsamplingNearest2d(scale_factor=2)),
+        ]
+        for kw, module in cases:
+            with self.subTest(kw=kw, module=module):
+                m = Resize(kw, module).double()
+                g, _ = self.assert_loss_and_gradients(
+                    m, {"x": torch.randn(2, 2, 6, 7, dtype=torch.float64),
+                        "labels": labels(2, 4)}, tol=1e-9)
+                self.assertIn("matmul", {op["type"] for op in g["ops"]})
+        for kw, needle in (({"scale_factor": 2, "mode": "bicubic"},
+                            "mode 'bicubic'"),
+                           ({"size": (9, 9), "mode": "bilinear",
+                             "antialias": True}, "antialias")):
+            with self.subTest(kw=kw):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(Resize(kw), {
+                        "x": torch.randn(2, 2, 6, 7), "labels": labels(2, 4)})
+                self.assertIn(needle, str(cm.exception))
+
     def test_stochastic_depth(self):
         if stochastic_depth is None:
             self.skipTest("torchvision is not installed (scripts/setup.sh)")

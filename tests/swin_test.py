@@ -143,35 +143,13 @@ class SwinTest(ExportTestCase):
 
     def check_training(self, m):
         start = {k: v.detach().clone() for k, v in m.named_parameters()}
-        d = U.tmpdir()
-        graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
         gen = torch.Generator().manual_seed(7)
         xs = torch.randn(STEPS * BATCH, 3, IMAGE, IMAGE, generator=gen,
                          dtype=torch.float64)
         ys = torch.randint(0, CLASSES, (STEPS * BATCH,), generator=gen)
-        g, values = export_fx.export(m, {"x": xs[:BATCH],
-                                         "labels": ys[:BATCH]},
-                                     return_values=True)
-        with open(graph, "w") as f:
-            json.dump(g, f)
-        export_fx.write_weights(weights, g, values, m)
-        data = os.path.join(d, "data")
-        os.makedirs(data)
-        U.write_npy(os.path.join(data, "x.npy"), xs)
-        U.write_npy(os.path.join(data, "labels.npy"), ys)
-        runs = {b: U.sgd_steps(d, graph, weights, data, b, STEPS, LR,
-                               LAUNCH, EXECUTOR, CPU_CLUSTER)
-                for b in ("dp-even", "hap")}
-        want, final = U.pytorch_sgd_steps(m, xs, ys, BATCH, STEPS, LR)
-        for baseline, (losses, params) in runs.items():
-            for got, ref in zip(losses, want):
-                self.assertAlmostEqual(got, ref, delta=1e-5 * max(1, ref),
-                                       msg=f"{baseline}: {losses} vs {want}")
-            for name, p in final.items():
-                self.assertIn(name, params, baseline)
-                err = float((params[name].double() - p).abs().max())
-                bound = 1e-5 * max(float(p.abs().max()), 1e-3)
-                self.assertLessEqual(err, bound, f"{baseline}: {name}")
+        final = U.assert_trains_like_pytorch(self, m, xs, ys, BATCH, STEPS,
+                                             LR, LAUNCH, EXECUTOR,
+                                             CPU_CLUSTER)
         # The steps did train the relative position bias (V1: the table,
         # V2: the MLP that computes it) and, in V2, the logit scales.
         for k in final:

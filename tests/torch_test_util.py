@@ -148,6 +148,41 @@ def sgd_steps(d, graph, weights, data, baseline, steps, lr, launch,
     return losses, export_fx._safetensors_io().read(out)
 
 
+def assert_trains_like_pytorch(test, m, xs, ys, batch, steps, lr, launch,
+                               executor, cluster):
+    """Exports `m` (forward(x, labels) -> the loss) on the first batch of
+    xs, ys, trains `steps` SGD steps on 2 ranks with the dp-even and the
+    synthesized ("hap") plan (sgd_steps) and asserts that both give
+    PyTorch's losses and final parameters (pytorch_sgd_steps) within 1e-5
+    of their scale. Returns PyTorch's final parameters by name."""
+    import export_fx
+    d = tmpdir()
+    graph, weights = os.path.join(d, "g.json"), os.path.join(d, "w.st")
+    g, values = export_fx.export(m, {"x": xs[:batch], "labels": ys[:batch]},
+                                 return_values=True)
+    with open(graph, "w") as f:
+        json.dump(g, f)
+    export_fx.write_weights(weights, g, values, m)
+    data = os.path.join(d, "data")
+    os.makedirs(data)
+    write_npy(os.path.join(data, "x.npy"), xs)
+    write_npy(os.path.join(data, "labels.npy"), ys)
+    runs = {b: sgd_steps(d, graph, weights, data, b, steps, lr, launch,
+                         executor, cluster)
+            for b in ("dp-even", "hap")}
+    want, final = pytorch_sgd_steps(m, xs, ys, batch, steps, lr)
+    for baseline, (losses, params) in runs.items():
+        for got, ref in zip(losses, want):
+            test.assertAlmostEqual(got, ref, delta=1e-5 * max(1, ref),
+                                   msg=f"{baseline}: {losses} vs {want}")
+        for name, p in final.items():
+            test.assertIn(name, params, baseline)
+            err = float((params[name].double() - p).abs().max())
+            bound = 1e-5 * max(float(p.abs().max()), 1e-3)
+            test.assertLessEqual(err, bound, f"{baseline}: {name}")
+    return final
+
+
 def one_sgd_step(module, inputs, lr, launch, executor, cluster):
     """Exports `module` (export_for_training), plans it data parallel
     (dp-even, SGD at `lr`) on `cluster` and trains one step with hap-launch

@@ -1,6 +1,10 @@
 """Convolutions and pooling over NCHW images
 (planner/graph/ops_convolution.cc): conv2d (grouped and depthwise,
-dilated, zero padding), max_pool2d, avg_pool2d, adaptive_avg_pool2d."""
+dilated, zero padding), max_pool2d, avg_pool2d, adaptive_avg_pool2d;
+F.interpolate / nn.Upsample (bilinear, nearest) as matmuls by constant
+interpolation matrices."""
+
+import math
 
 import torch
 import torch.nn as nn
@@ -169,3 +173,102 @@ def _avg_pool2d(ex, call):
 @registry.functions(F.adaptive_avg_pool2d)
 def _adaptive_avg_pool2d(ex, call):
     return adaptive_avg_pool2d(ex, call.tensor(0, "input"))
+
+
+# ---- interpolation ---------------------------------------------------------
+
+
+def _interpolation_matrix(mode, align_corners, n_in, n_out, scale):
+    """[n_in, n_out]: column o holds the weights output o of one axis takes
+    of the inputs, as PyTorch's upsample kernels compute them (`scale` the
+    input step per output step PyTorch uses when the corners are not
+    aligned: 1 / scale_factor when one was given, else n_in / n_out)."""
+    m = torch.zeros(n_in, n_out, dtype=torch.float64)
+    if mode == "nearest":
+        # PyTorch's nearest_idx: the same size is the identity, twice the
+        # size halves, else floor(o * scale) in float32, capped at n_in - 1.
+        for o in range(n_out):
+            if n_out == n_in:
+                i = o
+            elif n_out == 2 * n_in:
+                i = o >> 1
+            else:
+                f = torch.tensor(o, dtype=torch.float32) * torch.tensor(
+                    scale, dtype=torch.float32)
+                i = min(int(torch.floor(f)), n_in - 1)
+            m[i, o] = 1.0
+        return m
+    for o in range(n_out):  # linear along this axis
+        if align_corners:
+            src = o * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+        else:
+            src = max(scale * (o + 0.5) - 0.5, 0.0)
+        i0 = min(int(math.floor(src)), n_in - 1)
+        i1 = i0 + 1 if i0 < n_in - 1 else i0
+        l1 = src - i0
+        m[i0, o] += 1.0 - l1
+        m[i1, o] += l1
+    return m
+
+
+def interpolate(ex, x, size, scale_factor, mode, align_corners,
+                recompute_scale_factor, antialias):
+    """F.interpolate of an NCHW image, mode 'bilinear' or 'nearest': each
+    spatial axis is linear in the input, so the result is two matmuls by
+    constant interpolation matrices (width, then height, the height one
+    between transposes). Output size as PyTorch traced it."""
+    if len(x.shape) != 4:
+        ex.fail(f"interpolate needs an NCHW (rank-4) input, got "
+                f"{list(x.shape)}")
+    if mode not in ("bilinear", "nearest"):
+        ex.fail(f"interpolate mode '{mode}' is not supported (bilinear and "
+                f"nearest are)")
+    if antialias:
+        ex.fail("interpolate with antialias=True is not supported")
+    if mode == "nearest" and align_corners:
+        ex.fail("align_corners is only for the linear modes")
+    out = ex.out_shape()
+    n, c, h, w = x.shape
+    oh, ow = out[2], out[3]
+    scales = [h / oh, w / ow]
+    if scale_factor is not None and not recompute_scale_factor:
+        sf = scale_factor if isinstance(scale_factor, (list, tuple)) \
+            else [scale_factor, scale_factor]
+        scales = [1.0 / float(s) for s in sf]
+    name = ex.base_name(ex.node)
+    scope = ex.scope_of(ex.node)
+    t = x  # an axis whose matrix is the identity is left as it is
+    mw = _interpolation_matrix(mode, align_corners, w, ow, scales[1])
+    if not torch.equal(mw, torch.eye(w, dtype=torch.float64)):
+        k = ex.const(mw, x, "the interpolation matrix of the width")
+        t = ex.emit("matmul", name, [t, k], shape=(n, c, h, ow), scope=scope)
+    mh = _interpolation_matrix(mode, align_corners, h, oh, scales[0])
+    if not torch.equal(mh, torch.eye(h, dtype=torch.float64)):
+        k = ex.const(mh, x, "the interpolation matrix of the height")
+        t = ex.transpose(name, t, [0, 1, 3, 2], scope)
+        t = ex.emit("matmul", name, [t, k], shape=(n, c, ow, oh),
+                    scope=scope)
+        t = ex.transpose(name, t, [0, 1, 3, 2], scope)
+    return t
+
+
+@registry.functions(F.interpolate)
+def _interpolate(ex, call):
+    a = call.named(["input", "size", "scale_factor", "mode", "align_corners",
+                    "recompute_scale_factor", "antialias"],
+                   {"size": None, "scale_factor": None, "mode": "nearest",
+                    "align_corners": None, "recompute_scale_factor": None,
+                    "antialias": False})
+    return interpolate(ex, ex.t(a["input"]), None, ex.v(a["scale_factor"]),
+                       ex.v(a["mode"]), bool(ex.v(a["align_corners"])),
+                       ex.v(a["recompute_scale_factor"]),
+                       ex.v(a["antialias"]))
+
+
+# nn.UpsamplingBilinear2d and nn.UpsamplingNearest2d are subclasses.
+@registry.modules(nn.Upsample)
+def _upsample_module(ex, call):
+    mod = call.mod
+    return interpolate(ex, call.x0(), mod.size, mod.scale_factor, mod.mode,
+                       bool(mod.align_corners),
+                       getattr(mod, "recompute_scale_factor", None), False)

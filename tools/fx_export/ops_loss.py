@@ -1,6 +1,9 @@
 """Losses (planner/graph/ops_loss.cc): nll_loss on log-probabilities and
 cross_entropy on logits, [n, c] scores against [n] class targets, averaged
-over the batch (reduction='mean', PyTorch's default, only)."""
+over the batch (reduction='mean', PyTorch's default, only). Scores
+[n, c, d1, ...] against targets [n, d1, ...] (a segmentation's per-pixel
+loss) are the [n * d1 * ..., c] rows of the scores with their class last:
+PyTorch's mean over every position."""
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,6 +26,17 @@ def loss(ex, kind, input_arg, target_arg, weight, ignore_index, reduction,
                 f"supported")
     if label_smoothing:
         ex.fail(f"{kind} with label_smoothing is not supported")
+    if (len(x.shape) >= 3 and len(y.shape) == len(x.shape) - 1
+            and y.dtype == "INT64" and x.shape[0] == y.shape[0]
+            and x.shape[2:] == y.shape[1:]):
+        name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+        rows = 1
+        for d in y.shape:
+            rows *= d
+        perm = [0] + list(range(2, len(x.shape))) + [1]
+        x = ex.reshape(name, ex.transpose(name, x, perm, scope),
+                       (rows, x.shape[1]), scope)
+        y = ex.reshape(name, y, (rows,), scope)
     if len(x.shape) != 2 or len(y.shape) != 1 or y.dtype != "INT64":
         ex.fail(f"{kind} needs [n, c] scores and [n] integer class "
                 f"targets, got {list(x.shape)} and {list(y.shape)} "
