@@ -154,6 +154,24 @@ TensorId GraphBuilder::Parameter(const std::string& name, TensorType type,
       return -1;
     }
   }
+  // A VALUES value past the parameter's dtype started it as inf (and
+  // converting the double was undefined behaviour); the exporter lists
+  // values of the dtype. (CONSTANT keeps what it took: a float16 model's
+  // x * 1e5 exports one.)
+  if (status_.ok() && init.kind == Initializer::Kind::kValues) {
+    const double largest = type.dtype == DType::kFloat16    ? 65504.0
+                           : type.dtype == DType::kBFloat16 ? 3.3895313892515355e38
+                           : type.dtype == DType::kFloat32  ? 3.4028234663852886e38
+                                                            : HUGE_VAL;
+    for (size_t i = 0; i < init.values.size(); ++i) {
+      if (std::abs(init.values[i]) <= largest) continue;
+      Fail(absl::InvalidArgumentError(
+          absl::StrCat("parameter '", name, "': its VALUES initializer's value ", i, " (",
+                       init.values[i], ") does not fit its dtype ", DTypeName(type.dtype),
+                       " (largest magnitude ", largest, ")")));
+      return -1;
+    }
+  }
   Tensor t;
   t.name = name;
   t.type = std::move(type);

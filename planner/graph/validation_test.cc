@@ -328,6 +328,13 @@ TEST(ValidationTest, ValuesInitializer) {
               StatusIs(kInvalid, HasSubstr("value 1 is not finite")));
   EXPECT_THAT(TinyWith(kind, "kind: VALUES"),
               StatusIs(kInvalid, HasSubstr("add up to 0 elements, not its 24")));
+  // A finite double past FLOAT32's range started the parameter as inf.
+  EXPECT_THAT(TinyWith(kind, "kind: VALUES values: [ 1, -1e39 ] counts: [ 12, 12 ]"),
+              StatusIs(kInvalid, AllOf(HasSubstr("parameter 'w'"),
+                                       HasSubstr("value 1 (-1e+39) does not fit its dtype f32"))));
+  EXPECT_THAT(
+      TinyWith(kind, "kind: VALUES values: [ 3.4028234663852886e38, -1 ] counts: [ 1, 23 ]"),
+      IsOk());
 }
 
 hap::v1::Graph WithTranspose(const hap::v1::AttrValue& perm) {
