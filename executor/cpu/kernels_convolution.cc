@@ -57,8 +57,10 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
   int64_t eh, ew;
   if (__builtin_mul_overflow(g.kh - 1, g.dh, &eh) || __builtin_mul_overflow(g.kw - 1, g.dw, &ew) ||
       ++eh <= 0 || ++ew <= 0 || g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
-    return Invalid(a, "kernel ", g.kh, "x", g.kw, " (dilation ", g.dh, "x", g.dw,
-                   ") is larger than the padded ", InLabel(a, 0));
+    const std::string dilated =
+        g.dh == 1 && g.dw == 1 ? "" : absl::StrCat(" (dilation ", g.dh, "x", g.dw, ")");
+    return Invalid(a, "kernel ", g.kh, "x", g.kw, dilated, " is larger than the padded ",
+                   InLabel(a, 0));
   }
   g.oh = pool::OutputSize(g.h, eh, g.sh, g.ph, ceil_mode);
   g.ow = pool::OutputSize(g.w, ew, g.sw, g.pw, ceil_mode);

@@ -436,6 +436,13 @@ TEST(KernelGradTest, Convolution) {
                          {"dilation", std::vector<int64_t>{3, 2}},
                          {"groups", int64_t{2}}},
                         {Rand({2, 4, 6, 5}, 28), Rand({4, 2, 3, 3}, 29)}});
+  {  // A dilated kernel wider than the padded image fails naming the dilation.
+    HostTensor y(DType::kFloat64, {1, 2, 1, 1});
+    EXPECT_THAT(RunKernel("conv2d", {{"dilation", std::vector<int64_t>{1, 4}}},
+                          {Rand({1, 2, 5, 5}, 30), Rand({2, 2, 3, 3}, 31)}, {y}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("kernel 3x3 (dilation 1x4) is larger than the padded")));
+  }
   ExpectGradientsMatch({"conv2d", {},  // 1x1: no im2col
                         {Rand({2, 3, 3, 2}, 6), Rand({2, 3, 1, 1}, 7), Rand({2}, 8)}});
   ExpectGradientsMatch({"max_pool2d",
