@@ -94,6 +94,43 @@ class ExportReviewTest(ExportTestCase):
             LstmRelu(), {"x": torch.randn(5, 7, 4), "labels": labels(5, 3)})
 
 
+    def test_a_view_taken_before_an_in_place_op_and_used_after_fails(self):
+        """k = h[:, :2]; h.mul_(2); ... k: only h's later uses took the
+        change, so k read h unscaled and the loss was silently another
+        (PyTorch's k sees the change). It fails naming the node; a view
+        taken after the change, or one not used after it, still exports
+        with PyTorch's loss."""
+        inputs = {"x": torch.randn(5, 4), "labels": labels(5, 3)}
+
+        class ViewThenChange(nn.Module):
+            def __init__(self, view_after=False, use_view_later=True):
+                super().__init__()
+                self.fc = nn.Linear(4, 6)
+                self.head = nn.Linear(2, 3)
+                self.view_after = view_after
+                self.use_view_later = use_view_later
+
+            def forward(self, x, labels):
+                h = self.fc(x)
+                k = h[:, :2]
+                early = k.sum()
+                h.mul_(2.0)
+                if self.view_after:
+                    k = h[:, :2]
+                out = h[:, :3] + early
+                if self.use_view_later:
+                    out = out + self.head(k)
+                return F.cross_entropy(out, labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(ViewThenChange(), inputs)
+        self.assertIn("'mul_'", str(cm.exception))
+        self.assertIn("a view of it taken before the change is used after",
+                      str(cm.exception))
+        self.assert_loss_and_gradients(ViewThenChange(view_after=True), inputs)
+        self.assert_loss_and_gradients(
+            ViewThenChange(use_view_later=False), inputs)
+
     def test_in_place_operator_method_is_not_dropped(self):
         """h.__imul__(2) (an in-place operator called as a method) was
         dropped like the other unassigned in-place ops, and the loss read

@@ -697,8 +697,8 @@ def _is_view(n):
 
 
 def _earlier_view_used_later(base, view, n, later):
-    """Whether a view of `base` (but `view`), or a view of one, taken
-    before node `n`, is used after it."""
+    """Whether a view of `base` (but `view`; None: any), or a view of one,
+    taken before node `n`, is used after it."""
     todo = [(u, base) for u in base.users if u is not view]
     while todo:
         u, parent = todo.pop()
@@ -823,6 +823,14 @@ def follow_inplace(gm):
                         f"'{base.name}', which is used afterwards: the "
                         f"exporter does not follow in-place changes "
                         f"through views (use the op's result instead)")
+        if _earlier_view_used_later(a, None, n, later):
+            # `k = y[:, :2]; y.mul_(2); f(k)`: only y's later uses take the
+            # change, and k would read y unchanged (PyTorch's k sees it).
+            return (f"node '{n.name}' ({n.op} {what}){where} changes "
+                    f"'{a.name}' in place, and a view of it taken before "
+                    f"the change is used after it: the exporter does not "
+                    f"follow in-place changes into views (take the view "
+                    f"after the change, or use the op's result)")
         for u in list(a.users):
             if u is not n and later(u):
                 u.replace_input_with(a, n)
