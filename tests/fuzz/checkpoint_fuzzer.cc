@@ -137,33 +137,11 @@ void ReadPiece(ckpt::CheckpointReader& r, const v1::CheckpointIndex::Tensor& t,
   Check(s.ok() || !sound, "Verify found the checkpoint sound, a read failed", s);
 }
 
-// Where the export goes: a tmpfs when there is one (the export syncs its
-// file and directory, free there), else the scratch directory.
-std::string ExportPath() {
-  std::error_code ec;
-  if (fs::is_directory("/dev/shm", ec)) {
-    static const std::string* const dir = [] {
-      auto* d = new std::string(absl::StrCat("/dev/shm/hap-checkpoint-export-fuzz-", ::getpid()));
-      std::error_code ignored;
-      fs::create_directories(*d, ignored);
-      std::atexit([] {
-        std::error_code ignored;
-        fs::remove_all(*dir, ignored);
-      });
-      return d;
-    }();
-    if (fs::is_directory(*dir, ec)) return *dir + "/model.safetensors";
-  }
-  return hap::fuzz::ScratchDir("checkpoint-export") + "/model.safetensors";
-}
-
-// `hapctl checkpoint export` (with the optimizer state or without): fails
-// only with DataLoss naming the checkpoint's step directory and writes
-// nothing then; what it
-// writes opens as a weights file whose every tensor reads back whole with
-// its recorded checksum.
-void Export(ckpt::CheckpointReader& r, bool with_optimizer_state) {
-  const std::string out = ExportPath();
+// `hapctl checkpoint export` (with the optimizer state or without) to
+// `out`: fails only with DataLoss naming the checkpoint's step directory
+// and writes nothing then; what it writes opens as a weights file whose
+// every tensor reads back whole with its recorded checksum.
+void Export(ckpt::CheckpointReader& r, const std::string& out, bool with_optimizer_state) {
   std::error_code ec;
   fs::remove(out, ec);
   auto bytes = ckpt::ExportCheckpoint(r, out, with_optimizer_state);
@@ -191,9 +169,10 @@ void Export(ckpt::CheckpointReader& r, bool with_optimizer_state) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The seeds' model (scripts/fuzz.sh trains it one step); the checkpoint
-  // directory, written afresh for each input.
+  // directory, written afresh for each input, and the export beside it.
   const hap::graph::Graph& g = hap::fuzz::SeedMlp();
-  const std::string& root = hap::fuzz::ScratchDir("checkpoint");
+  static const std::string root = hap::fuzz::ScratchDir("checkpoint") + "/checkpoint";
+  static const std::string exported = hap::fuzz::ScratchDir("checkpoint") + "/model.safetensors";
   static const v1::RankProgram adam = AdamProgram();
   if (size < 1) return 0;
   std::error_code ec;
@@ -258,6 +237,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 hap::executor::Shape(s.extents().begin(), s.extents().end()), sound);
     }
   }
-  Export(r, (data[0] & 2) != 0);
+  Export(r, exported, (data[0] & 2) != 0);
   return 0;
 }

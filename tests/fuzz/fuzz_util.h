@@ -26,11 +26,16 @@ inline bool WriteFile(const std::string& path, const void* data, size_t size) {
   return std::fclose(out) == 0 && written;
 }
 
-// /tmp/hap-NAME-fuzz-PID, created on the first call and removed when the
-// process exits (libFuzzer ends with exit()). One name a process.
+// hap-NAME-fuzz-PID in /dev/shm when there is one (a tmpfs: the files a
+// run writes, and the syncs of those it exports, cost no disk), else in
+// /tmp; created on the first call and removed when the process exits
+// (libFuzzer ends with exit()). One name a process: later calls return the
+// first call's directory whatever their name.
 inline const std::string& ScratchDir(const std::string& name) {
   static const std::string* const dir = [&] {
-    auto* d = new std::string("/tmp/hap-" + name + "-fuzz-" + std::to_string(getpid()));
+    std::error_code shm;
+    const std::string parent = std::filesystem::is_directory("/dev/shm", shm) ? "/dev/shm" : "/tmp";
+    auto* d = new std::string(parent + "/hap-" + name + "-fuzz-" + std::to_string(getpid()));
     std::error_code ignored;
     std::filesystem::create_directories(*d, ignored);
     std::atexit([] {
