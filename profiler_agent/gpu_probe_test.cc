@@ -1,13 +1,13 @@
 // The GPU prober on this machine's GPUs; every test that needs one skips,
-// naming the reason, where none is visible. Timing checks are loose: they
-// catch a budget ignored, not a slow GPU.
+// naming the reason, where none is visible. No test times the probes: a
+// budget is checked by what it lets them measure.
 #include "profiler_agent/gpu_probe.h"
 
 #include <cuda_runtime.h>
 
 #include <map>
 
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -82,16 +82,50 @@ TEST_F(GpuProbeTest, ReportsEveryGpuWithItsFlopsMemoryAndOrdinal) {
   }
 }
 
-TEST_F(GpuProbeTest, KeepsToItsTimeBudget) {
-  // The first probe pays for CUDA contexts and cuBLAS set-up, outside any
-  // budget; the second shows the bound.
-  ASSERT_THAT(prober_->Probe("n", Budget(absl::Milliseconds(200))), IsOk());
-  absl::Time start = absl::Now();
-  auto devices = prober_->Probe("n", Budget(absl::Milliseconds(200)));
-  absl::Duration took = absl::Now() - start;
+// The budgets are checked by what they let the probes measure, not by the
+// time they took: a run predicted to overrun is not started, so a zero
+// budget leaves only the warm-up (the smallest GEMM size, the 1 MiB copy)
+// and an ample one reaches the largest size asked.
+TEST_F(GpuProbeTest, AZeroBudgetMeasuresOnlyTheSmallestGemmAndStillGivesARate) {
+  gpu::GemmOptions o;
+  o.sizes = {256, 512};
+  o.repeats = 2;
+  o.budget_seconds = 0;
+  std::vector<gpu::GemmRate> rates;
+  ASSERT_EQ(gpu::MeasureGemmRates(0, {gpu::GemmKind::kFloat32}, o, &rates), "");
+  ASSERT_EQ(rates.size(), 1u);
+  EXPECT_EQ(rates[0].size, 256);
+  EXPECT_GT(rates[0].flops, 0);
+
+  o.budget_seconds = 30;  // some milliseconds of work on any GPU
+  rates.clear();
+  ASSERT_EQ(gpu::MeasureGemmRates(0, {gpu::GemmKind::kFloat32}, o, &rates), "");
+  ASSERT_EQ(rates.size(), 1u);
+  EXPECT_EQ(rates[0].size, 512);
+  EXPECT_GT(rates[0].flops, 0);
+
+  // Through the prober: a zero budget still gives every GPU a rate.
+  auto devices = prober_->Probe("n", Budget(absl::ZeroDuration()));
   ASSERT_THAT(devices, IsOk());
-  EXPECT_LT(took, count_ * absl::Seconds(2)) << "0.2 s per GPU asked";
+  ASSERT_EQ(static_cast<int>(devices->size()), count_);
   for (const auto& d : *devices) EXPECT_GT(FlopsByDtype(d)[v1::FLOAT32], 0) << d.id();
+}
+
+TEST_F(GpuProbeTest, AZeroBudgetCopiesOnlyTheWarmUpMebibyteBetweenPeers) {
+  if (count_ < 2) GTEST_SKIP() << "one GPU: no peer links to measure";
+  gpu::PeerOptions o;
+  o.max_bytes = int64_t{4} << 20;
+  o.repeats = 2;
+  o.budget_seconds = 0;
+  gpu::PeerMeasurement m;
+  ASSERT_EQ(gpu::MeasurePeer(0, 1, o, &m), "");
+  EXPECT_EQ(m.bytes, int64_t{1} << 20);
+  EXPECT_GT(m.bandwidth_bytes_per_second, 0);
+
+  o.budget_seconds = 30;
+  ASSERT_EQ(gpu::MeasurePeer(0, 1, o, &m), "");
+  EXPECT_EQ(m.bytes, int64_t{4} << 20);
+  EXPECT_GT(m.bandwidth_bytes_per_second, 0);
 }
 
 TEST_F(GpuProbeTest, QuickFlopsGivesOneFloat32RatePerGpu) {
@@ -102,16 +136,13 @@ TEST_F(GpuProbeTest, QuickFlopsGivesOneFloat32RatePerGpu) {
 }
 
 TEST_F(GpuProbeTest, PeerLinksBetweenEveryOrderedPairOnlyWithTwoGpus) {
-  absl::Time start = absl::Now();
   auto links = prober_->ProbeLinks("n", Budget(absl::Seconds(1)));
-  absl::Duration took = absl::Now() - start;
   ASSERT_THAT(links, IsOk());
   if (count_ < 2) {
     EXPECT_TRUE(links->empty());
     GTEST_SKIP() << "one GPU: no peer links to measure";
   }
   EXPECT_EQ(static_cast<int>(links->size()), count_ * (count_ - 1));
-  EXPECT_LT(took, absl::Seconds(10)) << "1 s asked for all pairs";
   for (const v1::Link& l : *links) {
     SCOPED_TRACE(l.src() + " -> " + l.dst());
     EXPECT_NE(l.src(), l.dst());
