@@ -2,9 +2,9 @@
 broadcasting muls, sums and layout ops (tools/fx_export/ops_linear.py).
 Each equation exports, validates with `hapctl validate`, and gives
 PyTorch's loss and parameter gradients in float64 with the reference
-evaluator (tests/hap_ir_eval.py); what the decomposition does not support
-(diagonals) fails naming the equation. An attention block written with
-einsum trains one SGD step on 2 ranks as PyTorch's step."""
+evaluator (tests/hap_ir_eval.py), diagonals ('ii->i', traces) included. An
+attention block written with einsum trains one SGD step on 2 ranks as
+PyTorch's step."""
 
 import os
 
@@ -79,6 +79,15 @@ EQUATIONS = [
     ("ijk->kj", (2, 3, 4), []),
     ("ij->", (2, 3), []),
     ("ab,cd->", (2, 3), [(4, 5)]),
+    # diagonals: a letter repeated in one operand
+    ("ii->i", (3, 3), []),
+    ("ii", (3, 3), []),  # implicit: the trace
+    ("bii", (2, 3, 3), []),  # implicit: 'b', a batched trace
+    ("iji->j", (3, 2, 3), []),
+    ("bi,bjj->bi", (2, 3), [(2, 4, 4)]),
+    ("bii,bij->bj", (2, 3, 3), [(2, 3, 4)]),
+    ("iij,jj->ij", (3, 3, 4), [(4, 4)]),
+    ("iii->i", (3, 3, 3), []),
 ]
 
 
@@ -120,24 +129,26 @@ class ExportEinsumTest(ExportTestCase):
                                          {"x": torch.randn(*x_shape)})
                 self.assertEqual(einsum_ops(g), ops)
 
-    def test_diagonals_fail_naming_the_equation(self):
-        for equation, x_shape, shapes, needle in [
-                ("ii->i", (3, 3), [], "subscript 'i' repeats in operand 0 "
-                                      "('ii')"),
-                ("bi,bjj->bi", (2, 3), [(2, 4, 4)],
-                 "subscript 'j' repeats in operand 1 ('bjj')"),
-                ("bii", (2, 3, 3), [], "subscript 'i' repeats")]:
-            with self.subTest(equation=equation):
-                m = Einsum(equation, x_shape, shapes)
-                with self.assertRaises(export_fx.ExportError) as cm:
-                    export_fx.export(m, {"x": torch.randn(*x_shape)})
-                msg = str(cm.exception)
-                self.assertIn("node 'einsum' (call_function "
-                              "torch.functional.einsum)", msg)
-                self.assertIn(f"einsum '{equation}'", msg)
-                self.assertIn(needle, msg)
-                self.assertIn("diagonals (as in 'ii->i') are not supported",
-                              msg)
+    def test_a_diagonal_is_a_mul_by_the_identity_and_a_sum(self):
+        g, _ = self.export_valid(Einsum("bii->bi", (2, 3, 3), []),
+                                 {"x": torch.randn(2, 3, 3)})
+        self.assertEqual(einsum_ops(g), ["mul", "sum"])
+        eye = [p for p in g["parameters"]
+               if p["tensor"]["name"].startswith("const.einsum")]
+        self.assertEqual(len(eye), 1)
+        self.assertTrue(eye[0]["frozen"])
+        self.assertEqual(eye[0]["tensor"]["shape"], [1, 3, 3])
+        self.assertEqual(eye[0]["init"], {"kind": "VALUES",
+                                          "values": [1.0, 0.0] * 2 + [1.0],
+                                          "counts": [1, 3, 1, 3, 1]})
+
+    def test_a_diagonal_of_unequal_sizes_fails_naming_the_equation(self):
+        m = Einsum("ii->i", (3, 3), [])
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(m, {"x": torch.randn(3, 4)})
+        msg = str(cm.exception)
+        self.assertIn("node 'einsum'", msg)
+        self.assertIn("subscript i is repeated for operand 0", msg)
 
     def test_attention_block_trains_like_pytorch_on_two_ranks(self):
         """One SGD step on 2 ranks (data parallel) from the --weights file

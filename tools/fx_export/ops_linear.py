@@ -139,16 +139,15 @@ def _einsum_labels(ex, equation, ranks):
         for label in labels:
             if label == _ELLIPSIS:
                 dims.extend(range(width - widths[k], width))
-            elif label in dims:
-                ex.fail(f"einsum '{equation}': subscript '{label}' repeats "
-                        f"in operand {k} ('{term}'); diagonals (as in "
-                        f"'ii->i') are not supported")
-            else:
+            else:  # a letter again in one operand: its diagonal
                 dims.append(label)
         operands.append(dims)
     if arrow:
         out = []
         for label in _einsum_subscripts(rhs):
+            if label in out:
+                ex.fail(f"einsum '{equation}': subscript '{label}' appears "
+                        f"more than once in the output")
             out.extend(range(width) if label == _ELLIPSIS else [label])
         return operands, out
     # Implicit: '...', then the letters used once, in ASCII order.
@@ -208,16 +207,46 @@ def _contract(ex, name, a, la, b, lb, needed, size):
     return ex.reshape(name, out, shape, None), labels
 
 
+def _diagonal(ex, equation, k, name, t, labels):
+    """(t with each letter that repeats in its `labels` kept once: the
+    diagonal, as einsum('ii->i') takes it, its labels). A mul by an
+    identity matrix over the two dims, then a sum over the second: no op
+    of its own."""
+    labels = list(labels)
+    while True:
+        p = next((i for i, d in enumerate(labels) if labels.index(d) < i),
+                 None)
+        if p is None:
+            return t, labels
+        first = labels.index(labels[p])
+        n = t.shape[first]
+        if t.shape[p] != n:
+            ex.fail(f"einsum '{equation}': subscript '{labels[p]}' repeats "
+                    f"in operand {k} with sizes {n} and {t.shape[p]}; a "
+                    f"diagonal needs them equal")
+        shape = [1] * len(labels)
+        shape[first] = shape[p] = n
+        eye = ex.const(torch.eye(n, dtype=torch.float64).reshape(shape), t,
+                       what=f"the identity of einsum '{equation}'")
+        t = ex.emit("mul", f"{name}_diagonal", [t, eye], None, tuple(t.shape))
+        t = ex.emit("sum", f"{name}_diagonal", [t], {"axes": [p]},
+                    tuple(n for i, n in enumerate(t.shape) if i != p))
+        labels.pop(p)
+
+
 def einsum(ex, equation, operands):
     """torch.einsum(equation, *operands) of IR tensors; fails naming the
-    equation for what it does not support (diagonals)."""
+    equation for what it cannot be (sizes that do not match)."""
     operands_labels, out = _einsum_labels(ex, equation,
                                           [len(t.shape) for t in operands])
+    name = ex.base_name(ex.node)
+    operands, operands_labels = map(list, zip(*(
+        _diagonal(ex, equation, k, name, t, labels)
+        for k, (t, labels) in enumerate(zip(operands, operands_labels)))))
     size = {}
     for t, labels in zip(operands, operands_labels):
         for label, n in zip(labels, t.shape):
             size[label] = max(size.get(label, 1), n)
-    name = ex.base_name(ex.node)
     terms = []
     for t, labels in zip(operands, operands_labels):
         # A dim of size 1 where others have n broadcasts: dropped.
