@@ -78,14 +78,21 @@ class Synthetic : public BatchSource {
   uint64_t seed_;
 };
 
+// The corpus is read as a loop: the token after its last is its first, so
+// every token is an input and a label (the next-token pairs (k, k + 1 mod
+// N)), each equally often over N steps whatever B, S and N. WikiText's last
+// token is the <eos> of its last line, so the pair that closes the loop is
+// an end of line and the first line's start, as between any two lines.
+// (Windows that stopped at the end, starts mod N - S - 1, never read the
+// last token, and when S shared a factor with N - S - 1 they never read
+// the last few.)
 class Lm : public BatchSource {
  public:
   Lm(std::vector<int64_t> corpus, int64_t batch, int64_t seq)
       : corpus_(std::move(corpus)), batch_(batch), seq_(seq) {
-    usable_ = static_cast<int64_t>(corpus_.size()) - seq_ - 1;
-    stride_ = std::max<int64_t>(1, usable_ / batch_);
+    stride_ = std::max<int64_t>(1, size() / batch_);
   }
-  int64_t data_size() const override { return static_cast<int64_t>(corpus_.size()); }
+  int64_t data_size() const override { return size(); }
   absl::StatusOr<GlobalBatch> Get(int64_t step) override {
     // The step comes from a checkpoint when a run resumes.
     if (step < 0) {
@@ -95,17 +102,20 @@ class Lm : public BatchSource {
       return absl::OutOfRangeError(
           absl::StrCat("step ", step, " times the sequence length ", seq_, " overflows 64 bits"));
     }
-    // (i * stride + step * S) mod usable, without overflowing the sum.
-    const int64_t step_start = step * seq_ % usable_;
+    // (i * stride + step * S) mod N, without overflowing the sum.
+    const int64_t n = size();
+    const int64_t step_start = step * seq_ % n;
     HostTensor tokens(graph::DType::kInt64, {batch_, seq_});
     HostTensor labels(graph::DType::kInt64, {batch_ * seq_});
     int64_t* t = tokens.as<int64_t>();
     int64_t* l = labels.as<int64_t>();
     for (int64_t i = 0; i < batch_; ++i) {
-      const int64_t start = (i * stride_ % usable_ + step_start) % usable_;
+      int64_t at = (i * stride_ % n + step_start) % n;
       for (int64_t j = 0; j < seq_; ++j) {
-        t[i * seq_ + j] = corpus_[start + j];
-        l[i * seq_ + j] = corpus_[start + j + 1];
+        const int64_t next = at + 1 == n ? 0 : at + 1;
+        t[i * seq_ + j] = corpus_[at];
+        l[i * seq_ + j] = corpus_[next];
+        at = next;
       }
     }
     GlobalBatch b;
@@ -115,8 +125,10 @@ class Lm : public BatchSource {
   }
 
  private:
+  int64_t size() const { return static_cast<int64_t>(corpus_.size()); }
+
   std::vector<int64_t> corpus_;
-  int64_t batch_, seq_, usable_ = 0, stride_ = 1;
+  int64_t batch_, seq_, stride_ = 1;
 };
 
 }  // namespace
@@ -173,9 +185,10 @@ absl::StatusOr<std::unique_ptr<BatchSource>> NewLmBatches(
         "' is not a language model with int64 inputs tokens[B, S] and labels[B*S]"));
   }
   int64_t b = g.tensor(*tokens).type.shape[0], s = g.tensor(*tokens).type.shape[1];
-  if (static_cast<int64_t>(corpus.size()) < s + 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the corpus has ", corpus.size(), " tokens, fewer than a sequence of ", s, " + 2"));
+  if (static_cast<int64_t>(corpus.size()) < s + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("the corpus has ", corpus.size(),
+                                                   " tokens, fewer than a sequence of ", s,
+                                                   " and the token after it"));
   }
   // Every corpus token is also a label: the tighter of the vocabulary and
   // the loss's classes.

@@ -8,7 +8,10 @@
 //   LmBatches         next-word prediction on a token stream (WikiText-2):
 //                     for a model with inputs tokens[B, S] and labels[B*S],
 //                     row i of step s reads S tokens from position
-//                     (i * stride + s * S) mod usable, labels shifted by one.
+//                     (i * stride + s * S) mod N, stride = N / B, labels
+//                     shifted by one; the corpus of N tokens is read as a
+//                     loop (its last token is followed by its first), so
+//                     every token is an input and a label equally often.
 #ifndef HAP_EXECUTOR_DATA_BATCHES_H_
 #define HAP_EXECUTOR_DATA_BATCHES_H_
 
@@ -54,7 +57,7 @@ std::optional<IdLimit> IntegerInputLimit(const graph::Graph& g, graph::TensorId 
 std::unique_ptr<BatchSource> NewSyntheticBatches(const graph::Graph& g, uint64_t seed);
 
 // InvalidArgument when the model lacks int inputs "tokens" [B, S] and
-// "labels" [B*S], or the corpus is shorter than S + 2 tokens or holds ids
+// "labels" [B*S], or the corpus is shorter than S + 1 tokens or holds ids
 // outside the model's vocabulary. Its Get is InvalidArgument for a negative
 // step and OutOfRange when step * S overflows.
 absl::StatusOr<std::unique_ptr<BatchSource>> NewLmBatches(

@@ -26,7 +26,8 @@ graph::Graph Lm(int64_t b, int64_t s) {
   graph::TensorId table =
       g.Parameter("table", graph::F32({64, 64}), graph::Initializer::Normal(0, 1));
   graph::TensorId e = g.Add("embedding", "emb", {t, table});
-  graph::TensorId logits = g.Add("reshape", "flat", {e}, {{"shape", std::vector<int64_t>{b * s, 64}}});
+  graph::TensorId logits =
+      g.Add("reshape", "flat", {e}, {{"shape", std::vector<int64_t>{b * s, 64}}});
   g.SetLoss(g.Add("cross_entropy", "loss", {logits, y}));
   auto built = g.Build();
   EXPECT_TRUE(built.ok()) << built.status();
@@ -67,10 +68,9 @@ TEST(LmBatchesTest, EveryTokenIsALabelEquallyOften) {
   struct Case {
     int64_t b, s, n;
   };
-  for (const Case& c : {Case{1, 4, 14}, Case{2, 4, 13}, Case{2, 4, 16}, Case{3, 5, 17},
-                        Case{4, 2, 9}}) {
-    SCOPED_TRACE(::testing::Message() << "B " << c.b << ", S " << c.s << ", " << c.n
-                                      << " tokens");
+  for (const Case& c :
+       {Case{1, 4, 14}, Case{2, 4, 13}, Case{2, 4, 16}, Case{3, 5, 17}, Case{4, 2, 9}}) {
+    SCOPED_TRACE(::testing::Message() << "B " << c.b << ", S " << c.s << ", " << c.n << " tokens");
     // Over n steps, step * S mod n takes each multiple of g = gcd(S, n)
     // g times; windows of S from those starts cover each position S times
     // a row.
