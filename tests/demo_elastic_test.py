@@ -69,14 +69,11 @@ class DemoElasticTest(unittest.TestCase):
         self.assertLessEqual(int(last.group(4)), 2 * (EVERY + 60), out)
         self.assertRegex(out, r"SIGKILL node1's agent \(pid \d+\) and executor")
         self.assertRegex(out, r"training again on 2 devices, [0-9.]+ s after the SIGKILL")
-        # The loss is an event of its own, unless a slowdown switch was under
-        # way when node1 died: then that switch's recovery met it (loading
-        # the new plan on node1 failed) and re-planned without node1, and
-        # the SLOWDOWN event's detail names it (seen once in CI: the load of
-        # other tests made the steps 31% slower just before the SIGKILL).
-        self.assertRegex(out, r"EXECUTOR_LOST|NODE_STALE|"
-                              r" SLOWDOWN .*then, while recovering: \S+: LoadPlan on rank "
-                              r"\d+ \(node1/cpu0")
+        # The loss is an event of its own, a slowdown switch under way when
+        # node1 died too (its recovery met the loss: seen once in CI, the
+        # SLOWDOWN event then ends there, cut short, and the loss follows).
+        self.assertRegex(out, r"EXECUTOR_LOST|NODE_STALE")
+        self.assertNotRegex(out, r" SLOWDOWN .*then, while recovering")
         # Nothing left: processes, cgroups, the state directory.
         state = re.search(r"state in (\S+)", out).group(1)
         for _ in range(50):

@@ -598,7 +598,12 @@ std::string TimelineSvg(const v1::Job& j) {
                                         a, std::max(1.0, b - a),
                                         HtmlEscape(v1::JobEvent::Reason_Name(e.reason()))));
   };
-  for (const auto& e : j.status().events()) down(e, FromProto(e.resume_time()));
+  // A switch cut short by a loss has no resume_time (it never trained),
+  // only its downtime up to the loss.
+  for (const auto& e : j.status().events()) {
+    down(e, e.has_resume_time() ? FromProto(e.resume_time())
+                                : FromProto(e.detect_time()) + absl::Seconds(e.downtime_seconds()));
+  }
   if (j.status().has_pending()) down(j.status().pending(), end);
   absl::StrAppend(&h, "</svg><p class=\"muted\">", TimeText(j.create_time()), " to ",
                   TimeText(j.status().update_time()),

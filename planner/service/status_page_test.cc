@@ -224,6 +224,25 @@ TEST_F(StatusPageTest, TheTimelinesLegendSaysTheWaitToStartIsRed) {
                     HasSubstr("red from its creation"), Not(HasSubstr("(or waiting to start)"))));
 }
 
+// A switch cut short by a loss (no resume_time, its downtime up to the
+// loss) is drawn red for that downtime, not from the epoch.
+TEST_F(StatusPageTest, ASwitchCutShortIsDrawnForItsDowntime) {
+  v1::Job j;
+  j.set_name("jobs/train");
+  j.mutable_create_time()->set_seconds(1000);
+  v1::JobStatus& s = *j.mutable_status();
+  s.set_state(v1::JobStatus::RUNNING);
+  s.mutable_update_time()->set_seconds(1100);
+  v1::JobEvent* e = s.add_events();
+  e->set_reason(v1::JobEvent::SLOWDOWN);
+  e->mutable_detect_time()->set_seconds(1050);
+  e->set_downtime_seconds(5);
+  sources_.jobs = [j] { return std::vector<v1::Job>{j}; };
+  const metrics::HttpResponse r = ServeStatusPage(sources_, "/status/jobs/train");
+  EXPECT_THAT(r.body, HasSubstr("<rect x=\"360.0\" y=\"4\" width=\"36.0\" height=\"20\" "
+                                "fill=\"#e88\"><title>SLOWDOWN</title>"));
+}
+
 TEST_F(StatusPageTest, NonFiniteLossIsLeftOutAndSaid) {
   metrics_[0].set_loss(std::nan(""));
   metrics_[1].set_loss(std::nan(""));

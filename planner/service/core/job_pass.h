@@ -7,7 +7,6 @@
 #define HAP_PLANNER_SERVICE_CORE_JOB_PASS_H_
 
 #include <cstdint>
-#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -108,7 +107,10 @@ class Pass {
 
   // A re-plan begins: from a loss (the deployment failed or has a STALE
   // node) or a switch to more devices. A failure while recovering starts
-  // the recovery again; its downtime counts from the first failure.
+  // the recovery again; its downtime counts from the first failure. A
+  // loss met while a switch (NODE_JOINED, SLOWDOWN) is under way ends the
+  // switch's event (its downtime up to the loss, no resume_time) and
+  // begins its own.
   void BeginReplan(Reason reason, const std::string& detail);
 
   // Past max_replans: the job FAILS. `deployment_live`: the job's
@@ -135,6 +137,9 @@ class Pass {
 
   // The (re)start in progress reached RUNNING: its event is complete.
   void Resumed();
+
+  // Appends `ev` to the job's events, the oldest dropped past max_events.
+  void AddEvent(const v1::JobEvent& ev);
 
   std::string NextPlanName();
 
@@ -219,7 +224,9 @@ class Pass {
   Env e_;
   JobBackend& b_;
   std::vector<Reason> replanned_;        // re-plans begun, not yet saved
-  std::optional<v1::JobEvent> resumed_;  // a resumption, not yet saved
+  // Events ended (training again, or a switch cut short by a loss), not
+  // yet saved: the observers hear of them once they are.
+  std::vector<v1::JobEvent> ended_;
 };
 
 }  // namespace hap::service::job_internal

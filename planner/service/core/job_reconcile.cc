@@ -84,6 +84,12 @@ constexpr int kMaxDamagedInARow = 2;
 constexpr size_t kMaxRecoveryDetail = 4096;
 constexpr char kThenRecovering[] = "; then, while recovering: ";
 constexpr char kLeftOut[] = " (failures since left out)";
+// Ends the detail of a switch's event that a loss cut short.
+constexpr char kCutShort[] = "; cut short by a loss before it trained (the next event)";
+
+// A switch to another plan (devices joining, a slowdown), which the job
+// chose, as against a re-plan a loss forced on it.
+bool IsSwitch(Reason r) { return r == v1::JobEvent::NODE_JOINED || r == v1::JobEvent::SLOWDOWN; }
 
 // `so_far`, a recovery's detail, with `latest` (a failure while it
 // recovers) added, within kMaxRecoveryDetail.
@@ -184,8 +190,10 @@ bool Pass::Commit() {
     if (e_.on_replan) e_.on_replan(j_, r);
   }
   replanned_.clear();
-  if (resumed_.has_value() && e_.on_resumed) e_.on_resumed(j_, *resumed_);
-  resumed_.reset();
+  for (const v1::JobEvent& ev : ended_) {
+    if (e_.on_resumed) e_.on_resumed(j_, ev);
+  }
+  ended_.clear();
   return true;
 }
 
@@ -259,6 +267,22 @@ void Pass::RunStop() {
 }
 
 void Pass::BeginReplan(Reason reason, const std::string& detail) {
+  if (st().has_pending() && IsSwitch(st().pending().reason()) && !IsSwitch(reason)) {
+    // A loss (or another forced re-plan) met while a switch is under way,
+    // before its deployment trained: the switch's event ends here, cut
+    // short, and the loss is an event of its own, as it would be had the
+    // switch not been under way (`hapctl describe job` showed only the
+    // switch, the node lost named deep in its detail). Its downtime is the
+    // switch's up to the loss; the loss's counts from here, so the two add
+    // up to the time without training.
+    v1::JobEvent ev = st().pending();
+    ev.set_detail(CutUtf8(absl::StrCat(ev.detail(), kCutShort), kMaxRecoveryDetail));
+    ev.set_downtime_seconds(
+        std::max(0.0, absl::ToDoubleSeconds(e_.now - FromProto(ev.detect_time()))));
+    AddEvent(ev);
+    ended_.push_back(std::move(ev));
+    st().clear_pending();
+  }
   if (st().has_pending()) {
     v1::JobEvent& p = *st().mutable_pending();
     p.set_detail(RecoveryDetail(p.detail(), detail));
@@ -468,14 +492,18 @@ void Pass::Resumed() {
   *ev.mutable_resume_time() = ToProto(e_.now);
   ev.set_downtime_seconds(
       std::max(0.0, absl::ToDoubleSeconds(e_.now - FromProto(ev.detect_time()))));
+  AddEvent(ev);
+  st().clear_pending();
+  st().set_state(v1::JobStatus::RUNNING);
+  st().set_message("");
+  ended_.push_back(std::move(ev));
+}
+
+void Pass::AddEvent(const v1::JobEvent& ev) {
   *st().add_events() = ev;
   while (st().events_size() > static_cast<int>(e_.max_events)) {
     st().mutable_events()->DeleteSubrange(0, 1);
   }
-  st().clear_pending();
-  st().set_state(v1::JobStatus::RUNNING);
-  st().set_message("");
-  resumed_ = ev;
 }
 
 std::string Pass::NextPlanName() {

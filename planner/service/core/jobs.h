@@ -46,8 +46,12 @@
 //
 // A failure while recovering (a device of the new plan lost before its
 // deployment runs, the new deployment failing) starts the recovery again
-// on what is left; its downtime counts from the first failure. A node that
-// flaps never stays READY for join_stable, so it causes no join re-plans.
+// on what is left; its downtime counts from the first failure. A loss met
+// while a switch (NODE_JOINED, SLOWDOWN) is under way, before the new
+// plan's deployment trained, is an event of its own (EXECUTOR_LOST,
+// NODE_STALE, ...) after the switch's, which ends there (its downtime up
+// to the loss, no resume_time). A node that flaps never stays READY for
+// join_stable, so it causes no join re-plans.
 //
 // Thread-safe. Reconcile() makes one pass over every unfinished job; Start()
 // runs passes on a thread every `interval` (and at once on a new job or a
@@ -152,8 +156,9 @@ struct JobControllerOptions {
   absl::Duration interval = absl::Seconds(1);  // between passes (Start)
   // Observers (metrics): any change of a job, called with the controller's
   // lock held (it must not call the controller); a re-plan begun (a device
-  // lost, a switch to more devices) and a (re)start finished (training
-  // again, with its event), each once it is saved, from the pass's thread.
+  // lost, a switch to more devices) and an event ended (training again, or
+  // a switch cut short by a loss: its downtime up to the loss), each once
+  // it is saved, from the pass's thread.
   std::function<void(const hap::v1::Job&)> on_change;
   std::function<void(const hap::v1::Job&, hap::v1::JobEvent::Reason)> on_replan;
   std::function<void(const hap::v1::Job&, const hap::v1::JobEvent&)> on_resumed;

@@ -109,6 +109,46 @@ TEST_F(JobsTest, ASwitchTheSinkRefusesStopsNothing) {
   EXPECT_EQ(fake_.requests.size(), 2u);
 }
 
+// A node of the plan a join switches to goes STALE before that plan is
+// deployed: the job plans again without it, and the loss is an event of
+// its own (NODE_STALE) after the join's, not a line in its detail.
+TEST_F(JobsTest, ANodeLostBeforeAJoinsPlanIsDeployedIsAnEventOfItsOwn) {
+  const std::string first = SwitchPending();
+  fake_.checkpoint = 30;
+  fake_.Only(first).set_steps_completed(31);
+  c_->Reconcile();  // the switch saved, the first deployment stopped
+  ASSERT_EQ(Job().status().next_plan(), "plans/train-p2");
+  fake_.SetNode(2, v1::Node::STALE);
+  now_ += absl::Seconds(2);
+  c_->Reconcile();  // p2 is on d2: not deployed, planned again
+  EXPECT_EQ(fake_.deployed.size(), 1u);
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::NODE_JOINED, v1::JobEvent::NODE_STALE));
+  c_->Reconcile();
+  ASSERT_EQ(fake_.requests.size(), 3u);
+  EXPECT_THAT(fake_.requests[2].devices(), ElementsAre("d0", "d1"));
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  now_ += absl::Seconds(1);
+  fake_.SetState(second, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  EXPECT_EQ(j.status().replans(), 2);
+  ASSERT_EQ(j.status().events_size(), 3) << j.DebugString();
+  const v1::JobEvent& join = j.status().events(1);
+  EXPECT_EQ(join.reason(), v1::JobEvent::NODE_JOINED);
+  EXPECT_FALSE(join.has_resume_time());
+  EXPECT_DOUBLE_EQ(join.downtime_seconds(), 2);
+  EXPECT_TRUE(join.deployment().empty());  // never deployed
+  EXPECT_THAT(join.detail(), HasSubstr("cut short by a loss"));
+  const v1::JobEvent& loss = j.status().events(2);
+  EXPECT_EQ(loss.reason(), v1::JobEvent::NODE_STALE);
+  EXPECT_THAT(loss.detail(), HasSubstr("the node of d2 went STALE before plans/train-p2"));
+  EXPECT_DOUBLE_EQ(loss.downtime_seconds(), 1);
+  EXPECT_THAT(loss.devices_after(), ElementsAre("d0", "d1"));
+  EXPECT_EQ(loss.deployment(), second);
+}
+
 // A switch's deployment the job did not record (the save after the deploy
 // refused, or the planner died before it) while the job still records the
 // deployment it switched from, STOPPED: StopJob adopted an unrecorded

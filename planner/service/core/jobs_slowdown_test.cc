@@ -379,6 +379,75 @@ TEST_F(JobsTest, SlowdownsCountAgainstTheReplanLimit) {
   EXPECT_THAT(j.status().message(), HasSubstr("but the job has made its max_replans 1 re-plans"));
 }
 
+// A node lost while a slowdown's switch recovers (the new plan's LoadPlan
+// fails on the rank whose executor was SIGKILLed): the job re-plans without
+// it, and the loss is an event of its own after the switch's, as an
+// ordinary loss is. The timeline had one SLOWDOWN event whose detail named
+// the loss after "then, while recovering:" (demo_elastic_test in CI), so
+// `hapctl describe job` showed no node lost.
+TEST_F(JobsTest, ALossMetWhileASlowdownSwitchRecoversIsAnEventOfItsOwn) {
+  const std::string first = SlowdownJudged(0.9);
+  ASSERT_TRUE(Job().status().switch_pending());
+  fake_.checkpoint = 40;
+  const absl::Time switched = now_;
+  c_->Reconcile();  // the switch: the first deployment stopped
+  c_->Reconcile();  // p2 deployed on d0, d1, d2
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  ASSERT_EQ(fake_.Only(second).plan(), "plans/train-p2");
+  now_ += absl::Seconds(3);
+  const absl::Time lost = now_;
+  v1::Deployment& d = fake_.Only(second);
+  d.set_state(v1::Deployment::FAILED);
+  d.add_failed_ranks(1);
+  d.set_error("LoadPlan on rank 1 (d1 at 127.0.0.1:7001): connection refused");
+  c_->Reconcile();  // re-planned on d0 and d2 (d1 held out), deployed
+  const std::string third = Deployment();
+  ASSERT_NE(third, second);
+  EXPECT_THAT(fake_.requests.back().devices(), ElementsAre("d0", "d2"));
+  now_ += absl::Seconds(4);
+  fake_.SetState(third, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  EXPECT_FALSE(j.status().has_pending());
+  // Two re-plans, counted once each, as before.
+  EXPECT_EQ(j.status().replans(), 2);
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::SLOWDOWN, v1::JobEvent::EXECUTOR_LOST));
+  ASSERT_EQ(j.status().events_size(), 3) << j.DebugString();
+  const v1::JobEvent& sw = j.status().events(1);
+  EXPECT_EQ(sw.reason(), v1::JobEvent::SLOWDOWN);
+  EXPECT_THAT(sw.detail(), HasSubstr("expected 44.4% faster"));
+  EXPECT_THAT(sw.detail(), HasSubstr("cut short by a loss before it trained"));
+  EXPECT_THAT(sw.detail(), Not(HasSubstr("while recovering")));
+  EXPECT_THAT(sw.detail(), Not(HasSubstr("LoadPlan")));
+  EXPECT_FALSE(sw.has_resume_time());  // it never trained
+  EXPECT_DOUBLE_EQ(sw.downtime_seconds(), absl::ToDoubleSeconds(lost - switched));
+  EXPECT_EQ(sw.deployment(), second);
+  EXPECT_EQ(sw.plan(), "plans/train-p2");
+  EXPECT_EQ(sw.resume_step(), 40);
+  EXPECT_THAT(sw.devices_after(), ElementsAre("d0", "d1", "d2"));
+  const v1::JobEvent& loss = j.status().events(2);
+  EXPECT_EQ(loss.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_EQ(loss.detail(), absl::StrCat(second,
+                                        ": LoadPlan on rank 1 (d1 at 127.0.0.1:7001): "
+                                        "connection refused"));
+  EXPECT_EQ(loss.detect_time().seconds(), absl::ToUnixSeconds(lost));
+  EXPECT_DOUBLE_EQ(loss.downtime_seconds(), 4);
+  EXPECT_THAT(loss.devices_before(), ElementsAre("d0", "d1", "d2"));
+  EXPECT_THAT(loss.devices_after(), ElementsAre("d0", "d2"));
+  EXPECT_DOUBLE_EQ(loss.predicted_step_before(), 0.9);
+  EXPECT_EQ(loss.deployment(), third);
+  EXPECT_EQ(loss.resume_step(), 40);
+  EXPECT_EQ(loss.steps_lost(), 0);
+  // The observers heard of both (the metrics' downtime and steps lost add
+  // up to the timeline's), once each.
+  ASSERT_EQ(resumed_.size(), 3u);
+  EXPECT_EQ(resumed_[1].reason(), v1::JobEvent::SLOWDOWN);
+  EXPECT_EQ(resumed_[2].reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_EQ(resumed_[1].steps_lost() + resumed_[2].steps_lost(), 2);  // 42 trained, from 40
+}
+
 TEST_F(JobsTest, NoSlowdownWhenDisabled) {
   Make();
   v1::CreateJobRequest r = Request();
