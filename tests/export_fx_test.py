@@ -970,6 +970,44 @@ class ExportFxTest(ExportTestCase):
         self.assertEqual(budget, [0])
         self.assertEqual(int(w["bn.num_batches_tracked"]), 3)
 
+    def test_a_constant_over_the_runs_limit_fails_before_listing_them(self):
+        """A constant of unequal values is counted before its runs are
+        listed: past the graph's limit the export fails at once, naming
+        the counts, without building the runs (millions of them for a
+        large constant)."""
+        from fx_export import exporter, initializers  # noqa: PLC0415
+
+        class AddRamp(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(64, 1)
+
+            def forward(self, x):
+                return self.lin(x + torch.arange(64.0)).sum()
+
+        listed = []
+        values = initializers.values
+
+        def spy(t):
+            listed.append(t.numel())
+            return values(t)
+
+        old_limit = exporter.VALUES_RUNS_LIMIT
+        try:
+            initializers.values = spy
+            exporter.VALUES_RUNS_LIMIT = 63
+            with self.assertRaises(export_fx.ExportError) as cm:
+                export_fx.export(AddRamp(), {"x": torch.randn(2, 64)})
+            self.assertIn("64 runs of equal values, over the 63 left of the "
+                          "graph's 63", str(cm.exception))
+            self.assertEqual(listed, [])
+            exporter.VALUES_RUNS_LIMIT = 64  # at the limit: listed once
+            export_fx.export(AddRamp(), {"x": torch.randn(2, 64)})
+            self.assertEqual(listed, [64])
+        finally:
+            initializers.values = values
+            exporter.VALUES_RUNS_LIMIT = old_limit
+
 
 if __name__ == "__main__":
     U.main("export_fx_test")

@@ -71,13 +71,15 @@ def folded_record(value, budget):
     width = flat.element_size()
     bits = flat.view(_SAME_WIDTH_INT[width])
     n = bits.numel()
+    # Counted before they are listed (a buffer of millions of runs).
+    count = int((bits[1:] != bits[:-1]).sum()) + 1 if n else 0
+    if count > budget[0]:
+        return None, (f"{count} runs of equal values, over the "
+                      f"{budget[0]} left of the graph's {FOLDED_RUNS_LIMIT}")
     change = (torch.nonzero(bits[1:] != bits[:-1]).flatten() + 1).tolist()
     starts, ends = [0] + change, change + [n]
     if n == 0:
         starts, ends = [], []
-    if len(starts) > budget[0]:
-        return None, (f"{len(starts)} runs of equal values, over the "
-                      f"{budget[0]} left of the graph's {FOLDED_RUNS_LIMIT}")
     budget[0] -= len(starts)
     runs = [[e - b, int(bits[b]).to_bytes(width, "little", signed=True).hex()]
             for b, e in zip(starts, ends)]
@@ -289,11 +291,14 @@ class Exporter:
                                 .numpy().tobytes()).hexdigest()
         key = ("values", like.dtype, tuple(data.shape), digest)
         if key not in self.params:
-            init, runs = initializers.values(data)
+            # Counted before they are listed: a constant of millions of
+            # runs fails at once, not after a Python list of them.
+            runs = initializers.count_runs(data)
             if runs > self.values_runs_left:
                 self.fail(f"needs a constant tensor{of} of {runs} runs of "
                           f"equal values, over the {self.values_runs_left} "
                           f"left of the graph's {VALUES_RUNS_LIMIT}")
+            init, _ = initializers.values(data)
             self.values_runs_left -= runs
         return self.param(data, name=f"const.{self.node.name}",
                           init=None if key in self.params else init,

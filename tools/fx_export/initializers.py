@@ -55,6 +55,15 @@ def constant_init(t):
     return constant(lo)
 
 
+def count_runs(t):
+    """How many runs of equal values `t`'s elements are in row-major order
+    (what values() would list), counted without listing them."""
+    flat = t.detach().reshape(-1).cpu()
+    if flat.numel() == 0:
+        return 0
+    return int((flat[1:] != flat[:-1]).sum()) + 1
+
+
 def values(t):
     """VALUES: the elements of `t` in row-major order as runs of equal
     values ({"kind": "VALUES", "values": [...], "counts": [...]}), and the
