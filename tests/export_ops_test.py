@@ -813,6 +813,40 @@ class ExportOpsTest(ExportTestCase):
         self.assertIn("node 'zero_' (call_method Tensor.zero_) changes",
                       str(cm.exception))
 
+    def test_a_fill_through_a_slice_with_minus_inf_fails_naming_the_fill(self):
+        """`h[:, :2].fill_(-inf)` before a softmax: v * (1 - mask) is nan
+        where kept and the graph's constants are finite, so the fill is
+        refused naming it and saying what to do; the message named the
+        generated node ('mul_1') and a non-finite constant before."""
+
+        class MinusInf(nn.Module):
+            def __init__(self, value):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+                self.value = value
+
+            def forward(self, x, labels):
+                h = self.fc(x)
+                h[:, :2].fill_(self.value)
+                return F.cross_entropy(h, labels)
+
+        for value in (float("-inf"), float("nan")):
+            with self.subTest(value=value):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    self.export(MinusInf(value), {"x": torch.randn(3, 4),
+                                                  "labels": labels(3, 4)})
+                msg = str(cm.exception)
+                self.assertIn("node 'fill_' (call_method Tensor.fill_)", msg)
+                self.assertIn(f"fills a slice of 'fc' with {value}", msg)
+                self.assertIn("finite values only", msg)
+                self.assertNotIn("mul_1", msg)
+        # A large finite value exports, with PyTorch's loss and gradients.
+        torch.manual_seed(0)
+        m = MinusInf(-1e9).double()
+        self.assert_loss_and_gradients(
+            m, {"x": torch.randn(3, 4, dtype=torch.float64),
+                "labels": torch.tensor([2, 3, 2])}, tol=1e-9)
+
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
         module, function or method, but for the ops listed with their reason:

@@ -12,6 +12,7 @@ known), and the Recorder runs again.
 import contextlib
 import dis
 import inspect
+import math
 import operator
 import sys
 
@@ -716,9 +717,9 @@ def _fill_through_slice(gm, n, view, base, later):
     computed tensor, used afterwards (torchvision's Swin V2 zeroes the key
     part of a clone of its qkv bias): the later uses of base take
     base * keep (+ v * (1 - keep)), keep a constant 0/1 mask of the filled
-    elements, computed before `n`. False for other changes through views.
-    The new nodes have no recorded shapes: the caller runs the graph
-    again."""
+    elements, computed before `n`. False for other changes through views;
+    a message naming `n` for a fill with a non-finite value. The new nodes
+    have no recorded shapes: the caller runs the graph again."""
     if not (n.op == "call_method" and n.target in ("zero_", "fill_") and
             view.op == "call_function" and view.target is operator.getitem
             and view.args[0] is base and not base.meta.get("hap_static")):
@@ -738,6 +739,16 @@ def _fill_through_slice(gm, n, view, base, later):
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
+    if not math.isfinite(value):
+        # v * (1 - keep) would be nan where kept, and the graph's constants
+        # are finite: refused by name, not as the generated ops' failure.
+        scope = n.meta.get("hap_scope", "")
+        where = f" in {scope}" if scope else ""
+        return (f"node '{n.name}' (call_method Tensor.{n.target}){where} "
+                f"fills a slice of '{base.name}' with {value}: a fill "
+                f"through a slice takes finite values only (for a mask "
+                f"before softmax, fill with a large negative value such as "
+                f"-1e9, or use a causal attention mask)")
     if _earlier_view_used_later(base, view, n, later):
         # `k = base[1:3]` before the fill and used after it: k would read
         # base unfilled (PyTorch's k sees the fill).
@@ -813,7 +824,10 @@ def follow_inplace(gm):
             # the chain goes on to the tensor it holds views of, if any.
             if "hap_shape" in base.meta and \
                     any(later(u) for u in base.users):
-                if _fill_through_slice(gm, n, a, base, later):
+                filled = _fill_through_slice(gm, n, a, base, later)
+                if isinstance(filled, str):
+                    return filled
+                if filled:
                     # Its new nodes come before n (for the later changes).
                     for x in gm.graph.nodes:
                         order.setdefault(x, order[n] - 0.5)
