@@ -121,6 +121,10 @@ def _op(t, x, a):
         return F.conv2d(x[0], x[1], x[2] if len(x) > 2 else None,
                         a.get("stride", [1, 1]), a.get("padding", [0, 0]),
                         a.get("dilation", [1, 1]), groups=a.get("groups", 1))
+    if t == "conv3d":
+        return F.conv3d(x[0], x[1], x[2] if len(x) > 2 else None,
+                        a.get("stride", [1, 1, 1]), a.get("padding", [0, 0, 0]),
+                        a.get("dilation", [1, 1, 1]), groups=a.get("groups", 1))
     if t == "max_pool2d":
         return F.max_pool2d(x[0], a["kernel"], a.get("stride", a["kernel"]),
                             a.get("padding", [0, 0]),

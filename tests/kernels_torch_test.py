@@ -123,7 +123,7 @@ def reference(case, x):
              for v in x]
     if op == "adaptive_avg_pool2d" and len(a["output_size"]) == 1:
         a = dict(a, output_size=a["output_size"] * 2)
-    if op in ("linear", "conv2d") and len(x) == 3 and x[2] is None:
+    if op in ("linear", "conv2d", "conv3d") and len(x) == 3 and x[2] is None:
         x = x[:2]
     return ir_op(op, x, a)
 
@@ -174,7 +174,7 @@ class KernelsTorchTest(unittest.TestCase):
                 "drop_path", "hardsigmoid", "hardswish", "dropout", "scale", "layer_norm",
                 "softmax", "log_softmax", "embedding", "transpose",
                 "reshape", "flatten", "concat", "split", "slice", "expand",
-                "sum", "mean", "nll_loss", "cross_entropy", "conv2d",
+                "sum", "mean", "nll_loss", "cross_entropy", "conv2d", "conv3d",
                 "max_pool2d", "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt",
                 "moe_dispatch", "moe_combine", "lstm"}
         self.assertEqual(ops, want)

@@ -1,5 +1,7 @@
-// Convolution and pooling over NCHW images: conv2d as im2col + GEMM (one
-// image at a time; a 1x1, stride-1, unpadded convolution needs no im2col),
+// Convolution and pooling over NCHW images and NCDHW volumes: conv2d and
+// conv3d as im2col (vol2col) + GEMM, one code path with conv2d a conv3d of
+// depth 1 (a group of images per GEMM; a 1x1, stride-1, unpadded
+// convolution needs no im2col),
 // max_pool2d (padding reads as -inf, the first maximum in scan order takes
 // the gradient, as PyTorch), avg_pool2d and adaptive_avg_pool2d (PyTorch's
 // windows; ceil_mode as PyTorch's, executor/cpu/pool_window.h).
@@ -28,43 +30,43 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
   return std::make_pair(v[0], v[1]);
 }
 
-// The geometry of a sliding window over one image plane.
-struct Window {
-  int64_t n = 0, c = 0, h = 0, w = 0;  // input
-  int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
-  int64_t dh = 1, dw = 1;  // conv2d's dilation: tap i reads row oy*sh - ph + i*dh
-  int64_t oh = 0, ow = 0;
-  bool count_include_pad = true;  // avg_pool2d's divisor
-  int64_t plane() const { return h * w; }
-  int64_t out_plane() const { return oh * ow; }
-};
+// A window attribute of a convolution over `spatial` axes: 1 or `spatial`
+// integers >= min_value, default `fill` on every axis.
+absl::StatusOr<std::vector<int64_t>> Axes(const KernelArgs& a, const std::string& name, int spatial,
+                                          int64_t fill, int64_t min_value) {
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> v,
+                       AttrInts(a, name, std::vector<int64_t>(spatial, fill)));
+  if (!pool::SpatialValues(&v, spatial, min_value)) {
+    return Invalid(a, "attribute '", name, "' must be 1 or ", spatial, " integers >= ", min_value);
+  }
+  return v;
+}
+
+using Window = pool::Window;
+
+// The layout an input of `spatial` axes must have.
+const char* Layout(int spatial) { return spatial == 3 ? "NCDHW (rank 5)" : "NCHW (rank 4)"; }
+
+absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x, int spatial,
+                                  const std::vector<int64_t>& k, const std::vector<int64_t>& s,
+                                  const std::vector<int64_t>& p, bool ceil_mode = false,
+                                  std::vector<int64_t> d = {}) {
+  if (x.rank() != spatial + 2) {
+    return Invalid(a, InLabel(a, 0), " must be ", Layout(spatial));
+  }
+  if (d.empty()) d.assign(spatial, 1);
+  Window g;
+  const std::string error =
+      pool::FitWindow(x.shape, spatial, k, s, p, d, ceil_mode, InLabel(a, 0), &g);
+  if (!error.empty()) return Invalid(a, error);
+  return g;
+}
 
 absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
                                   std::pair<int64_t, int64_t> k, std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p, bool ceil_mode = false,
-                                  std::pair<int64_t, int64_t> d = {1, 1}) {
-  if (x.rank() != 4) return Invalid(a, InLabel(a, 0), " must be NCHW");
-  Window g;
-  g.n = x.shape[0];
-  g.c = x.shape[1];
-  g.h = x.shape[2];
-  g.w = x.shape[3];
-  std::tie(g.kh, g.kw) = k;
-  std::tie(g.sh, g.sw) = s;
-  std::tie(g.ph, g.pw) = p;
-  std::tie(g.dh, g.dw) = d;
-  // The dilated kernel's extent, (k - 1) * d + 1 (attributes are unbounded).
-  int64_t eh, ew;
-  if (__builtin_mul_overflow(g.kh - 1, g.dh, &eh) || __builtin_mul_overflow(g.kw - 1, g.dw, &ew) ||
-      ++eh <= 0 || ++ew <= 0 || g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
-    const std::string dilated =
-        g.dh == 1 && g.dw == 1 ? "" : absl::StrCat(" (dilation ", g.dh, "x", g.dw, ")");
-    return Invalid(a, "kernel ", g.kh, "x", g.kw, dilated, " is larger than the padded ",
-                   InLabel(a, 0));
-  }
-  g.oh = pool::OutputSize(g.h, eh, g.sh, g.ph, ceil_mode);
-  g.ow = pool::OutputSize(g.w, ew, g.sw, g.pw, ceil_mode);
-  return g;
+                                  std::pair<int64_t, int64_t> p, bool ceil_mode) {
+  return MakeWindow(a, x, 2, {k.first, k.second}, {s.first, s.second}, {p.first, p.second},
+                    ceil_mode);
 }
 
 // --- conv2d -----------------------------------------------------------------------
@@ -80,32 +82,36 @@ std::pair<int64_t, int64_t> ValidColumns(const Window& g, int64_t j) {
   return {first, std::max(first, last)};
 }
 
-// Walks the rows of the im2col matrix of `images` consecutive images:
-// col[(c * kh + i) * kw + j][m * ohw + oy * ow + ox] = x_m[c][oy*sh - ph +
-// i*dh][ox*sw - pw + j*dw], 0 in the padding; rows are images * ohw long. For each
-// output row segment (c, i, j, m, oy), run(col_offset, x_offset, first,
-// last) with the segment's columns [first, last) inside the image (x_offset
-// of column `first`), or x_offset = -1 when the input row is padding.
-// Parallel over channels: each c's rows and planes belong to one thread.
+// Walks the rows of the im2col (vol2col for 3-D) matrix of `images`
+// consecutive images: col[((c * kd + t) * kh + i) * kw + j][m * out_plane +
+// (oz * oh + oy) * ow + ox] = x_m[c][oz*sd - pd + t*dd][oy*sh - ph +
+// i*dh][ox*sw - pw + j*dw], 0 in the padding; rows are images * out_plane
+// long. For each output row segment (c, t, i, j, m, oz, oy), run(col_offset,
+// x_offset, first, last) with the segment's columns [first, last) inside
+// the image (x_offset of column `first`), or x_offset = -1 when the input
+// row is padding. Parallel over channels: each c's rows and planes belong
+// to one thread.
 template <typename F>
 void ForEachIm2ColRun(const KernelArgs& a, const Window& g, int64_t images,
                       F run) {
   const int64_t ld = images * g.out_plane();
-  ParallelFor(
-      a.ctx.num_threads, g.c, GrainFor(g.kh * g.kw * ld),
-      [&](int64_t b, int64_t e) {
-        for (int64_t c = b; c < e; ++c) {
-          for (int64_t i = 0; i < g.kh; ++i) {
-            for (int64_t j = 0; j < g.kw; ++j) {
-              const auto [first, last] = ValidColumns(g, j);
-              const int64_t row = ((c * g.kh + i) * g.kw + j) * ld;
-              for (int64_t m = 0; m < images; ++m) {
+  ParallelFor(a.ctx.num_threads, g.c, GrainFor(g.taps() * ld), [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      for (int64_t t = 0; t < g.kd; ++t) {
+        for (int64_t i = 0; i < g.kh; ++i) {
+          for (int64_t j = 0; j < g.kw; ++j) {
+            const auto [first, last] = ValidColumns(g, j);
+            const int64_t row = (((c * g.kd + t) * g.kh + i) * g.kw + j) * ld;
+            for (int64_t m = 0; m < images; ++m) {
+              for (int64_t oz = 0; oz < g.od; ++oz) {
+                const int64_t iz = oz * g.sd - g.pd + t * g.dd;
                 for (int64_t oy = 0; oy < g.oh; ++oy) {
                   const int64_t iy = oy * g.sh - g.ph + i * g.dh;
-                  const int64_t col = row + m * g.out_plane() + oy * g.ow;
-                  const bool inside = iy >= 0 && iy < g.h;
+                  const int64_t col = row + m * g.out_plane() + (oz * g.oh + oy) * g.ow;
+                  const bool inside = iz >= 0 && iz < g.d && iy >= 0 && iy < g.h;
                   run(col,
-                      inside ? ((m * g.c + c) * g.h + iy) * g.w + first * g.sw - g.pw + j * g.dw
+                      inside ? (((m * g.c + c) * g.d + iz) * g.h + iy) * g.w + first * g.sw - g.pw +
+                                   j * g.dw
                              : -1,
                       first, last);
                 }
@@ -113,7 +119,9 @@ void ForEachIm2ColRun(const KernelArgs& a, const Window& g, int64_t images,
             }
           }
         }
-      });
+      }
+    }
+  });
 }
 
 template <typename T>
@@ -181,38 +189,47 @@ constexpr int64_t kGemmColumns = 512;
 // The most elements of an im2col buffer grouping may use.
 constexpr int64_t kMaxColElements = int64_t{1} << 23;
 
-absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
-                               bool has_bias_slot) {
+// conv2d (spatial = 2) and conv3d (spatial = 3): one code path, a 2-D
+// convolution being a 3-D one of depth 1.
+absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t, bool has_bias_slot, int spatial) {
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
   HAP_RETURN_IF_ERROR(CheckInput(a, 1, t));
   const TensorView& w = a.in[1];
-  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] < 1 || a.in[0].shape[1] < w.shape[1] ||
-      a.in[0].shape[1] % w.shape[1] != 0 || w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
+  if (a.in[0].rank() != spatial + 2) {
+    return Invalid(a, "image ", InLabel(a, 0), " must be ", Layout(spatial));
+  }
+  if (w.rank() != spatial + 2) {
+    return Invalid(a, "weight ", InLabel(a, 1), " must have rank ", spatial + 2,
+                   " ([out, in / groups, ", spatial == 3 ? "kt, " : "", "kh, kw])");
+  }
+  if (w.shape[1] < 1 || a.in[0].shape[1] < w.shape[1] || a.in[0].shape[1] % w.shape[1] != 0 ||
+      w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
     return Invalid(a, "weight ", InLabel(a, 1), " does not fit image ",
                    InLabel(a, 0),
                    " (its channels must be a whole number of groups of the "
                    "weight's input channels, dividing its output channels)");
   }
-  if (w.shape[2] < 1 || w.shape[3] < 1) {
-    return Invalid(a, "weight ", InLabel(a, 1), " has an empty kernel");
+  const std::vector<int64_t> kernel(w.shape.begin() + 2, w.shape.end());
+  for (int64_t k : kernel) {
+    if (k < 1) return Invalid(a, "weight ", InLabel(a, 1), " has an empty kernel");
   }
-  HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
-  HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
-  HAP_ASSIGN_OR_RETURN(auto dil, Pair(a, "dilation", {1, 1}, 1));
+  HAP_ASSIGN_OR_RETURN(auto stride, Axes(a, "stride", spatial, 1, 1));
+  HAP_ASSIGN_OR_RETURN(auto pad, Axes(a, "padding", spatial, 0, 0));
+  HAP_ASSIGN_OR_RETURN(auto dil, Axes(a, "dilation", spatial, 1, 1));
   Conv c;
-  HAP_ASSIGN_OR_RETURN(c.g,
-                       MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad, false, dil));
+  HAP_ASSIGN_OR_RETURN(c.g, MakeWindow(a, a.in[0], spatial, kernel, stride, pad, false, dil));
   c.o = w.shape[0];
   c.groups = a.in[0].shape[1] / w.shape[1];
-  c.ckk = w.shape[1] * w.shape[2] * w.shape[3];
-  c.direct = c.g.kh == 1 && c.g.kw == 1 && c.g.sh == 1 && c.g.sw == 1 &&
-             c.g.ph == 0 && c.g.pw == 0;
+  c.ckk = w.shape[1] * c.g.taps();
+  const Window& g = c.g;
+  c.direct =
+      g.taps() == 1 && g.sd == 1 && g.sh == 1 && g.sw == 1 && g.pd == 0 && g.ph == 0 && g.pw == 0;
   if (!c.direct) {
     const int64_t op = c.g.out_plane();
     c.group = std::min({c.g.n, std::max<int64_t>(1, kGemmColumns / op),
                         std::max<int64_t>(1, kMaxColElements / (c.ckk * op))});
   }
-  c.y = {c.g.n, c.o, c.g.oh, c.g.ow};
+  c.y = spatial == 3 ? Shape{g.n, c.o, g.od, g.oh, g.ow} : Shape{g.n, c.o, g.oh, g.ow};
   HAP_RETURN_IF_ERROR(CheckBias(a, t, has_bias_slot, c.o));
   HAP_RETURN_IF_ERROR(CheckFitsBlas(a, {c.o, c.ckk, c.group * c.g.out_plane()}));
   return c;
@@ -221,21 +238,32 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
 // --- grouped convolution: direct loops ---------------------------------------------
 // Output channel oc of group q = oc / og reads input channels
 // [q * cg, (q + 1) * cg) (cg = the weight's input channels, og = o / groups):
-//   y[m][oc][oy][ox] = b[oc] + sum_{k, i, j} w[oc][k][i][j] *
-//                      x[m][q * cg + k][oy*sh - ph + i*dh][ox*sw - pw + j*dw].
-// Sums in double, in the order k, i, j.
+//   y[m][oc][oz][oy][ox] = b[oc] + sum_{k, t, i, j} w[oc][k][t][i][j] *
+//       x[m][q * cg + k][oz*sd - pd + t*dd][oy*sh - ph + i*dh][ox*sw - pw + j*dw]
+// (2-D: depth 1). Sums in double, in the order k, t, i, j.
 
-// fn(oy, ox, iy, ix, i, j) over the taps of plane positions inside the image.
+// fn(out, in, tap) over the taps (t, i, j) of the output positions, `out`
+// and `in` indices in the output and input planes, tap = (t * kh + i) * kw +
+// j; taps reading padding are skipped. Each output's taps come in order.
 template <typename F>
 void ForEachTap(const Window& g, F fn) {
-  for (int64_t oy = 0; oy < g.oh; ++oy) {
-    for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t iy = oy * g.sh - g.ph + i * g.dh;
-      if (iy < 0 || iy >= g.h) continue;
-      for (int64_t ox = 0; ox < g.ow; ++ox) {
-        for (int64_t j = 0; j < g.kw; ++j) {
-          const int64_t ix = ox * g.sw - g.pw + j * g.dw;
-          if (ix >= 0 && ix < g.w) fn(oy, ox, iy, ix, i, j);
+  for (int64_t oz = 0; oz < g.od; ++oz) {
+    for (int64_t t = 0; t < g.kd; ++t) {
+      const int64_t iz = oz * g.sd - g.pd + t * g.dd;
+      if (iz < 0 || iz >= g.d) continue;
+      for (int64_t oy = 0; oy < g.oh; ++oy) {
+        for (int64_t i = 0; i < g.kh; ++i) {
+          const int64_t iy = oy * g.sh - g.ph + i * g.dh;
+          if (iy < 0 || iy >= g.h) continue;
+          for (int64_t ox = 0; ox < g.ow; ++ox) {
+            for (int64_t j = 0; j < g.kw; ++j) {
+              const int64_t ix = ox * g.sw - g.pw + j * g.dw;
+              if (ix >= 0 && ix < g.w) {
+                fn((oz * g.oh + oy) * g.ow + ox, (iz * g.h + iy) * g.w + ix,
+                   (t * g.kh + i) * g.kw + j);
+              }
+            }
+          }
         }
       }
     }
@@ -246,7 +274,7 @@ template <typename T>
 void GroupedForward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
                     const T* bias, T* y) {
   const Window& g = c.g;
-  const int64_t cg = g.c / c.groups, og = c.o / c.groups, kk = g.kh * g.kw;
+  const int64_t cg = g.c / c.groups, og = c.o / c.groups, kk = g.taps();
   ParallelFor(a.ctx.num_threads, g.n * c.o, GrainFor(g.out_plane() * cg * kk),
               [&](int64_t b, int64_t e) {
                 std::vector<double> acc(g.out_plane());
@@ -257,10 +285,8 @@ void GroupedForward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
                   for (int64_t k = 0; k < cg; ++k) {
                     const T* xp = x + (m * g.c + q * cg + k) * g.plane();
                     const T* wk = w + (oc * cg + k) * kk;
-                    ForEachTap(g, [&](int64_t oy, int64_t ox, int64_t iy,
-                                      int64_t ix, int64_t i, int64_t j) {
-                      acc[oy * g.ow + ox] +=
-                          double(wk[i * g.kw + j]) * double(xp[iy * g.w + ix]);
+                    ForEachTap(g, [&](int64_t out, int64_t in, int64_t tap) {
+                      acc[out] += double(wk[tap]) * double(xp[in]);
                     });
                   }
                   T* yp = y + mo * g.out_plane();
@@ -275,7 +301,7 @@ template <typename T>
 void GroupedBackward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
                      const T* dy, T* dx, T* dw, T* db) {
   const Window& g = c.g;
-  const int64_t cg = g.c / c.groups, og = c.o / c.groups, kk = g.kh * g.kw;
+  const int64_t cg = g.c / c.groups, og = c.o / c.groups, kk = g.taps();
   const int64_t op = g.out_plane();
   if (dx != nullptr) {
     ParallelFor(a.ctx.num_threads, g.n * c.groups, GrainFor(og * op * cg * kk),
@@ -287,9 +313,8 @@ void GroupedBackward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
                       for (int64_t k = 0; k < cg; ++k) {
                         T* dxp = dx + (m * g.c + q * cg + k) * g.plane();
                         const T* wk = w + (oc * cg + k) * kk;
-                        ForEachTap(g, [&](int64_t oy, int64_t ox, int64_t iy,
-                                          int64_t ix, int64_t i, int64_t j) {
-                          dxp[iy * g.w + ix] += wk[i * g.kw + j] * dyp[oy * g.ow + ox];
+                        ForEachTap(g, [&](int64_t out, int64_t in, int64_t tap) {
+                          dxp[in] += wk[tap] * dyp[out];
                         });
                       }
                     }
@@ -309,10 +334,8 @@ void GroupedBackward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
                     for (int64_t p = 0; p < op; ++p) bsum += double(dyp[p]);
                     for (int64_t k = 0; dw != nullptr && k < cg; ++k) {
                       const T* xp = x + (m * g.c + q * cg + k) * g.plane();
-                      ForEachTap(g, [&](int64_t oy, int64_t ox, int64_t iy,
-                                        int64_t ix, int64_t i, int64_t j) {
-                        acc[k * kk + i * g.kw + j] +=
-                            double(dyp[oy * g.ow + ox]) * double(xp[iy * g.w + ix]);
+                      ForEachTap(g, [&](int64_t out, int64_t in, int64_t tap) {
+                        acc[k * kk + tap] += double(dyp[out]) * double(xp[in]);
                       });
                     }
                   }
@@ -327,10 +350,10 @@ void GroupedBackward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
 // y[m] = w @ im2col(x[m]) (+ bias), `group` images per GEMM: their columns
 // side by side, [o, group * ohw], copied out image by image when group > 1.
 template <typename T>
-absl::Status Conv2dForward(const KernelArgs& a) {
+absl::Status ConvForward(const KernelArgs& a, int spatial) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, a.in.size() == 3));
+  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, a.in.size() == 3, spatial));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, c.y));
   const T* bias = a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>()
                                                          : nullptr;
@@ -390,10 +413,10 @@ absl::Status Conv2dForward(const KernelArgs& a) {
 }
 
 template <typename T>
-absl::Status Conv2dBackward(const KernelArgs& a) {
+absl::Status ConvBackward(const KernelArgs& a, int spatial) {
   constexpr DType t = DTypeOf<T>();
   HAP_ASSIGN_OR_RETURN(GradArgs gr, GradArgs::Make(a, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, gr.n() == 3));
+  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, gr.n() == 3, spatial));
   HAP_RETURN_IF_ERROR(gr.Check(t, {c.y}));
   if (!gr.dy(0).present()) return absl::OkStatus();
   const Window& g = c.g;
@@ -460,6 +483,23 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
     }
   });
   return status;
+}
+
+template <typename T>
+absl::Status Conv2dForward(const KernelArgs& a) {
+  return ConvForward<T>(a, 2);
+}
+template <typename T>
+absl::Status Conv2dBackward(const KernelArgs& a) {
+  return ConvBackward<T>(a, 2);
+}
+template <typename T>
+absl::Status Conv3dForward(const KernelArgs& a) {
+  return ConvForward<T>(a, 3);
+}
+template <typename T>
+absl::Status Conv3dBackward(const KernelArgs& a) {
+  return ConvBackward<T>(a, 3);
 }
 
 // --- pooling ----------------------------------------------------------------------
@@ -622,7 +662,7 @@ std::pair<int64_t, int64_t> AdaptiveRange(int64_t i, int64_t in, int64_t out) {
 absl::StatusOr<Window> CheckAdaptive(const KernelArgs& a, DType t) {
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
   HAP_ASSIGN_OR_RETURN(auto o, Pair(a, "output_size", {}, 1));
-  if (a.in[0].rank() != 4) return Invalid(a, InLabel(a, 0), " must be NCHW");
+  if (a.in[0].rank() != 4) return Invalid(a, InLabel(a, 0), " must be ", Layout(2));
   Window g;
   g.n = a.in[0].shape[0];
   g.c = a.in[0].shape[1];
@@ -672,6 +712,8 @@ absl::Status AdaptivePoolBackward(const KernelArgs& a) {
 void RegisterConvolutionKernels(KernelTable& t) {
   t["conv2d"] = HAP_FLOAT_KERNEL(Conv2dForward);
   t["conv2d_grad"] = HAP_FLOAT_KERNEL(Conv2dBackward);
+  t["conv3d"] = HAP_FLOAT_KERNEL(Conv3dForward);
+  t["conv3d_grad"] = HAP_FLOAT_KERNEL(Conv3dBackward);
   t["max_pool2d"] = HAP_FLOAT_KERNEL(MaxPoolForward);
   t["max_pool2d_grad"] = HAP_FLOAT_KERNEL(MaxPoolBackward);
   t["avg_pool2d"] = HAP_FLOAT_KERNEL(AvgPoolForward);

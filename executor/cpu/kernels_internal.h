@@ -118,7 +118,7 @@ KernelFn AnyKernel(TypedKernel f32, TypedKernel f64, TypedKernel i32,
 
 // Registration, one function per family file.
 void RegisterDenseKernels(KernelTable& t);          // linear, matmul
-void RegisterConvolutionKernels(KernelTable& t);    // conv2d, pooling
+void RegisterConvolutionKernels(KernelTable& t);    // conv2d, conv3d, pooling
 void RegisterElementwiseKernels(KernelTable& t);    // activations, binary
 void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
 void RegisterBatchNormKernels(KernelTable& t);      // batch_norm and pieces

@@ -445,6 +445,44 @@ TEST(KernelGradTest, Convolution) {
   }
   ExpectGradientsMatch({"conv2d", {},  // 1x1: no im2col
                         {Rand({2, 3, 3, 2}, 6), Rand({2, 3, 1, 1}, 7), Rand({2}, 8)}});
+  // conv3d: vol2col with stride, padding and dilation on every axis; the
+  // (2+1)-D factorisation's kernels; grouped (the direct loops); 1x1x1.
+  ExpectGradientsMatch({"conv3d",
+                        {{"stride", std::vector<int64_t>{2, 1, 2}},
+                         {"padding", std::vector<int64_t>{1, 2, 1}},
+                         {"dilation", std::vector<int64_t>{1, 2, 1}}},
+                        {Rand({2, 2, 5, 6, 5}, 40), Rand({3, 2, 3, 3, 2}, 41), Rand({3}, 42)}});
+  ExpectGradientsMatch({"conv3d",
+                        {{"padding", std::vector<int64_t>{0, 1, 1}}},
+                        {Rand({1, 3, 3, 4, 4}, 43), Rand({2, 3, 1, 3, 3}, 44)}});
+  ExpectGradientsMatch(
+      {"conv3d",
+       {{"stride", std::vector<int64_t>{2, 1, 1}}, {"padding", std::vector<int64_t>{1, 0, 0}}},
+       {Rand({2, 2, 5, 3, 3}, 45), Rand({3, 2, 3, 1, 1}, 46), Rand({3}, 47)}});
+  ExpectGradientsMatch({"conv3d",
+                        {{"padding", std::vector<int64_t>{1}},
+                         {"dilation", std::vector<int64_t>{2, 1, 1}},
+                         {"groups", int64_t{2}}},
+                        {Rand({2, 4, 5, 4, 3}, 48), Rand({4, 2, 3, 2, 2}, 49), Rand({4}, 50)}});
+  ExpectGradientsMatch(
+      {"conv3d", {}, {Rand({2, 3, 2, 3, 2}, 51), Rand({2, 3, 1, 1, 1}, 52), Rand({2}, 53)}});
+  {  // An NCHW image or a 2-D kernel given to conv3d fails naming which.
+    HostTensor y(DType::kFloat64, {1, 2, 3, 3});
+    EXPECT_THAT(RunKernel("conv3d", {}, {Rand({1, 2, 5, 5}, 54), Rand({2, 2, 3, 3, 3}, 55)}, {y}),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be NCDHW (rank 5)")));
+    HostTensor y3(DType::kFloat64, {1, 2, 3, 3, 3});
+    EXPECT_THAT(RunKernel("conv3d", {}, {Rand({1, 2, 5, 5, 5}, 56), Rand({2, 2, 3, 3}, 57)}, {y3}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("must have rank 5 ([out, in / groups, kt, kh, kw])")));
+    EXPECT_THAT(RunKernel("conv3d", {{"stride", std::vector<int64_t>{1, 2}}},
+                          {Rand({1, 2, 5, 5, 5}, 58), Rand({2, 2, 3, 3, 3}, 59)}, {y3}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("attribute 'stride' must be 1 or 3 integers >= 1")));
+    EXPECT_THAT(RunKernel("conv3d", {{"dilation", std::vector<int64_t>{3, 1, 1}}},
+                          {Rand({1, 2, 5, 5, 5}, 60), Rand({2, 2, 3, 3, 3}, 61)}, {y3}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("kernel 3x3x3 (dilation 3x1x1) is larger than the padded")));
+  }
   ExpectGradientsMatch({"max_pool2d",
                         {{"kernel", std::vector<int64_t>{3}},
                          {"stride", std::vector<int64_t>{2}},

@@ -339,6 +339,12 @@ std::vector<Case> Cases() {
               {"conv2d",
                {{"padding", I{1}}, {"bf16", true}},
                {Rand({2, 5, 7, 6}, 113), Rand({4, 5, 3, 3}, 114), Rand({4}, 115)}},
+              {"conv3d",
+               {{"stride", I{1, 2, 2}}, {"padding", I{1}}},
+               {Rand({2, 3, 4, 5, 5}, 116), Rand({4, 3, 3, 3, 3}, 117), Rand({4}, 118)}},
+              {"conv3d",
+               {{"groups", int64_t{2}}},
+               {Rand({1, 4, 3, 4, 4}, 119), Rand({2, 2, 1, 3, 3}, 180)}},
               {"max_pool2d",
                {{"kernel", I{3}}, {"stride", I{2}}, {"padding", I{1}}},
                {Rand({2, 3, 9, 8}, 120)}},
@@ -515,6 +521,10 @@ std::vector<Case> Cases() {
         {Rand({1, 0, 5, 5}, 237), Rand({0, 0, 3, 3}, 238)},
         Outs({{1, 0, 3, 3}})});
   zero({"conv2d", {}, {Rand({1, 3, 2, 2}, 239), Rand({4, 3, 3, 3}, 240)}, Outs({{1, 4, 0, 0}})});
+  zero({"conv3d",
+        {},
+        {Rand({1, 3, 2, 4, 4}, 181), Rand({4, 3, 3, 3, 3}, 182)},
+        Outs({{1, 4, 0, 2, 2}})});
   zero({"cross_entropy_lse",
         {{"vocab_offset", int64_t{6}}, {"vocab_size", int64_t{6}}},
         {Rand({4, 0}, 241)},

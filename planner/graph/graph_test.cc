@@ -257,6 +257,23 @@ TEST(RegistryTest, ShapeRules) {
               StatusIs(kInvalid, HasSubstr("'dilation'")));
   EXPECT_THAT(infer("conv2d", {{"dilation", I{4}}}, {F32({1, 3, 8, 8}), F32({6, 3, 3, 3})}),
               StatusIs(kInvalid, HasSubstr("kernel 9 is larger")));
+  // conv3d: per-axis stride, padding and dilation (PyTorch: [2, 6, 8, 9,
+  // 9] by [4, 6, 3, 3, 3], stride (1, 2, 2), padding 1, dilation (2, 1, 1)
+  // gives [2, 4, 6, 5, 5]); a 4-D input or weight is refused naming it.
+  EXPECT_EQ(*infer("conv3d", {{"stride", I{1, 2, 2}}, {"padding", I{1}}, {"dilation", I{2, 1, 1}}},
+                   {F32({2, 6, 8, 9, 9}), F32({4, 6, 3, 3, 3}), F32({4})}),
+            V{F32({2, 4, 6, 5, 5})});
+  EXPECT_EQ(
+      *infer("conv3d", {{"groups", int64_t{2}}}, {F32({1, 4, 3, 5, 5}), F32({6, 2, 1, 3, 3})}),
+      V{F32({1, 6, 3, 3, 3})});
+  EXPECT_THAT(infer("conv3d", {}, {F32({1, 3, 8, 8}), F32({6, 3, 3, 3, 3})}),
+              StatusIs(kInvalid, HasSubstr("rank 5")));
+  EXPECT_THAT(infer("conv3d", {}, {F32({1, 3, 4, 8, 8}), F32({6, 3, 3, 3})}),
+              StatusIs(kInvalid, HasSubstr("rank 5")));
+  EXPECT_THAT(infer("conv3d", {{"stride", I{1, 2}}}, {F32({1, 3, 4, 8, 8}), F32({6, 3, 3, 3, 3})}),
+              StatusIs(kInvalid, HasSubstr("'stride' must be 1 or 3 integers")));
+  EXPECT_THAT(infer("conv3d", {}, {F32({1, 3, 2, 8, 8}), F32({6, 3, 3, 3, 3})}),
+              StatusIs(kInvalid, HasSubstr("kernel 3 is larger than the padded depth 2")));
   EXPECT_EQ(*infer("max_pool2d", {{"kernel", I{2}}}, {F32({1, 3, 8, 8})}),
             V{F32({1, 3, 4, 4})});
   EXPECT_EQ(*infer("adaptive_avg_pool2d", {{"output_size", I{1}}},
@@ -290,7 +307,7 @@ TEST(RegistryTest, ShapeRules) {
   // Rank-0 inputs where a rank is required: errors, not out-of-range reads.
   for (const char* type :
        {"linear", "layer_norm", "softmax", "log_softmax", "matmul", "flatten",
-        "concat", "split", "slice", "embedding", "conv2d", "max_pool2d",
+        "concat", "split", "slice", "embedding", "conv2d", "conv3d", "max_pool2d",
         "adaptive_avg_pool2d", "moe_gate", "moe_dispatch", "moe_combine",
         "moe_route", "moe_route_weights", "moe_dispatch_idx",
         "moe_combine_idx", "nll_loss", "cross_entropy", "lstm"}) {

@@ -1,4 +1,5 @@
-// Convolutions and pooling over NCHW images.
+// Convolutions over NCHW images (conv2d) and NCDHW volumes (conv3d), and
+// pooling over NCHW images.
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "planner/graph/op_util.h"
@@ -56,6 +57,67 @@ absl::StatusOr<int64_t> PoolOutSize(int64_t in, int64_t k, int64_t s,
   return out;
 }
 
+// A convolution's window attribute over `spatial` axes: 1 or `spatial`
+// integers >= min_value, `fill` on every axis by default.
+absl::StatusOr<std::vector<int64_t>> Axes(const Attrs& a, const std::string& name, int spatial,
+                                          int64_t fill, int64_t min_value) {
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> v, a.Ints(name, std::vector<int64_t>(spatial, fill)));
+  if (v.size() == 1) v.assign(spatial, v[0]);
+  bool ok = static_cast<int>(v.size()) == spatial;
+  for (int64_t x : v) ok = ok && x >= min_value;
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attribute '", name, "' must be 1 or ", spatial, " integers >= ", min_value));
+  }
+  return v;
+}
+
+// Shape rule of conv2d (spatial = 2: x [n, c, h, w]) and conv3d (3: x [n,
+// c, d, h, w]); the weight is [o, c / groups, kernel...].
+absl::StatusOr<std::vector<TensorType>> InferConv(const OpCall& c, int spatial) {
+  HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+  HAP_RETURN_IF_ERROR(ExpectRank(c, 0, spatial + 2));
+  HAP_RETURN_IF_ERROR(ExpectRank(c, 1, spatial + 2));
+  HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, 1));
+  HAP_ASSIGN_OR_RETURN(int64_t groups, c.attrs.Int("groups", 1));
+  int64_t o = c.shape(1)[0];
+  if (groups < 1 || c.shape(0)[1] % groups != 0 || o % groups != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attribute 'groups' ", groups, " must be positive and divide the ",
+                     c.shape(0)[1], " input and ", o, " output channels"));
+  }
+  if (c.shape(1)[1] * groups != c.shape(0)[1]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight ", c.Describe(1), " expects ", c.shape(1)[1] * groups,
+                     " input channels (", c.shape(1)[1], " per group, ", groups, " groups) but ",
+                     c.Describe(0), " has ", c.shape(0)[1]));
+  }
+  if (c.inputs.size() == 3 && c.shape(2) != Shape{o}) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bias ", c.Describe(2), " must have shape [", o, "]"));
+  }
+  HAP_ASSIGN_OR_RETURN(auto stride, Axes(c.attrs, "stride", spatial, 1, 1));
+  HAP_ASSIGN_OR_RETURN(auto pad, Axes(c.attrs, "padding", spatial, 0, 0));
+  HAP_ASSIGN_OR_RETURN(auto dil, Axes(c.attrs, "dilation", spatial, 1, 1));
+  static const char* const kAxes[] = {"depth", "height", "width"};
+  Shape out = {c.shape(0)[0], o};
+  for (int a = 0; a < spatial; ++a) {
+    HAP_ASSIGN_OR_RETURN(int64_t n, OutSize(c.shape(0)[2 + a], c.shape(1)[2 + a], stride[a], pad[a],
+                                            kAxes[a + 3 - spatial], dil[a]));
+    out.push_back(n);
+  }
+  return std::vector<TensorType>{{c.in(0).dtype, out}};
+}
+
+// 2 multiply-adds per output and tap of its group's input channels, plus
+// the bias.
+double ConvFlops(const OpCall& c) {
+  double out = static_cast<double>(c.outputs[0].num_elements());
+  double k = 1;
+  for (size_t i = 1; i < c.shape(1).size(); ++i) k *= static_cast<double>(c.shape(1)[i]);
+  return 2.0 * out * k + (c.inputs.size() == 3 ? out : 0);
+}
+
 // Shape rule of max_pool2d and avg_pool2d.
 absl::StatusOr<std::vector<TensorType>> InferPool(const OpCall& c) {
   HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
@@ -100,43 +162,23 @@ void RegisterConvolutionOps(OpRegistry& r) {
         "= c: depthwise)";
     d.min_inputs = 2;
     d.max_inputs = 3;
-    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
-      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
-      HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
-      HAP_RETURN_IF_ERROR(ExpectRank(c, 1, 4));
-      HAP_RETURN_IF_ERROR(ExpectSameDtype(c, 0, 1));
-      HAP_ASSIGN_OR_RETURN(int64_t groups, c.attrs.Int("groups", 1));
-      int64_t o = c.shape(1)[0];
-      if (groups < 1 || c.shape(0)[1] % groups != 0 || o % groups != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attribute 'groups' ", groups, " must be positive and divide the ",
-            c.shape(0)[1], " input and ", o, " output channels"));
-      }
-      if (c.shape(1)[1] * groups != c.shape(0)[1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "weight ", c.Describe(1), " expects ", c.shape(1)[1] * groups,
-            " input channels (", c.shape(1)[1], " per group, ", groups,
-            " groups) but ", c.Describe(0), " has ", c.shape(0)[1]));
-      }
-      if (c.inputs.size() == 3 && c.shape(2) != Shape{o}) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("bias ", c.Describe(2), " must have shape [", o, "]"));
-      }
-      HAP_ASSIGN_OR_RETURN(auto stride, Pair(c.attrs, "stride", {1, 1}, 1));
-      HAP_ASSIGN_OR_RETURN(auto pad, Pair(c.attrs, "padding", {0, 0}, 0));
-      HAP_ASSIGN_OR_RETURN(auto dil, Pair(c.attrs, "dilation", {1, 1}, 1));
-      HAP_ASSIGN_OR_RETURN(int64_t h, OutSize(c.shape(0)[2], c.shape(1)[2], stride.first, pad.first,
-                                              "height", dil.first));
-      HAP_ASSIGN_OR_RETURN(int64_t w, OutSize(c.shape(0)[3], c.shape(1)[3], stride.second,
-                                              pad.second, "width", dil.second));
-      return std::vector<TensorType>{{c.in(0).dtype, {c.shape(0)[0], o, h, w}}};
-    };
-    d.flops = [](const OpCall& c) {
-      double out = static_cast<double>(c.outputs[0].num_elements());
-      double k = static_cast<double>(c.shape(1)[1] * c.shape(1)[2] *
-                                     c.shape(1)[3]);
-      return 2.0 * out * k + (c.inputs.size() == 3 ? out : 0);
-    };
+    d.infer = [](const OpCall& c) { return InferConv(c, 2); };
+    d.flops = ConvFlops;
+    r.Register(std::move(d));
+  }
+  {
+    OpDef d;
+    d.type = "conv3d";
+    d.attrs = {"stride", "padding", "dilation", "groups"};
+    d.summary =
+        "conv3d(x[n, c, d, h, w], w[o, c/groups, kt, kh, kw], b[o]?; "
+        "stride=[1,1,1], padding=[0,0,0], dilation=[1,1,1], groups=1) -> "
+        "[n, o, d', h', w'] (tap (t, i, j) reads x[oz*sd - pd + t*dd][oy*sh - "
+        "ph + i*dh][ox*sw - pw + j*dw]; groups as conv2d's)";
+    d.min_inputs = 2;
+    d.max_inputs = 3;
+    d.infer = [](const OpCall& c) { return InferConv(c, 3); };
+    d.flops = ConvFlops;
     r.Register(std::move(d));
   }
   {

@@ -56,7 +56,7 @@ struct LowerOptions {
   std::vector<std::string> devices;  // optional, one per rank
   hap::v1::OptimizerConfig optimizer;  // learning_rate 0 is accepted
   // bf16 mixed precision (PlanOptions.precision BF16): the kernel calls of
-  // linear, matmul and conv2d (grouped ones excepted), forward and backward,
+  // linear, matmul, conv2d and conv3d (grouped ones excepted), forward and backward,
   // get attribute "bf16" (executor/cpu/kernels.h); buffers, parameters and
   // optimizer state stay float32.
   bool bf16 = false;

@@ -13,8 +13,8 @@ bool UngroupedConvolution(const graph::Op& op) {
 }  // namespace
 
 const OpLowering* ConvolutionLowering(absl::string_view type) {
-  static const OpLowering kConv2d = Bf16ProductOnly(UngroupedConvolution);
-  return type == "conv2d" ? &kConv2d : nullptr;
+  static const OpLowering kConv = Bf16ProductOnly(UngroupedConvolution);
+  return type == "conv2d" || type == "conv3d" ? &kConv : nullptr;
 }
 
 }  // namespace hap::lower::internal

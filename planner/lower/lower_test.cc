@@ -890,10 +890,10 @@ TEST(OpLoweringTest, HooksBelongToRegisteredOpsAndAreComplete) {
     EXPECT_EQ(h->lowers_apart != nullptr, h->forward != nullptr);
     EXPECT_EQ(h->lowers_apart != nullptr, h->backward != nullptr);
   }
-  EXPECT_EQ(hooked,
-            (std::set<std::string>{"batch_norm", "conv2d", "cross_entropy", "drop_path", "dropout",
-                                   "embedding", "linear", "matmul", "mean", "moe_combine_idx",
-                                   "moe_dispatch_idx", "moe_route", "nll_loss"}));
+  EXPECT_EQ(hooked, (std::set<std::string>{"batch_norm", "conv2d", "conv3d", "cross_entropy",
+                                           "drop_path", "dropout", "embedding", "linear", "matmul",
+                                           "mean", "moe_combine_idx", "moe_dispatch_idx",
+                                           "moe_route", "nll_loss"}));
   EXPECT_EQ(internal::FindOpLowering("relu"), nullptr);
   EXPECT_EQ(internal::FindOpLowering("no_such_op"), nullptr);
 }

@@ -34,6 +34,11 @@ absl::StatusOr<graph::Graph> RemainingOps() {
   TensorId x = b.Add("batch_norm", "bn", {img, param("gamma", {4}), param("beta", {4})});
   x = b.Add("conv2d", "depthwise", {x, param("dw", {4, 1, 3, 3})},
             {{"padding", std::vector<int64_t>{1, 1}}, {"groups", int64_t{4}}});
+  // The image as a 2-frame clip for conv3d, and back.
+  x = b.Add("reshape", "as_clip", {x}, {{"shape", std::vector<int64_t>{4, 4, 2, 4, 8}}});
+  x = b.Add("conv3d", "conv3d", {x, param("w3", {4, 4, 1, 3, 3}), param("b3", {4})},
+            {{"padding", std::vector<int64_t>{0, 1, 1}}});
+  x = b.Add("reshape", "as_image", {x}, {{"shape", std::vector<int64_t>{4, 4, 8, 8}}});
   for (const char* act :
        {"relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "tanh", "exp", "rsqrt"}) {
     x = b.Add(act, act, {x});

@@ -1,4 +1,4 @@
-// Rules of the dense ops: linear, matmul, embedding, conv2d, pooling.
+// Rules of the dense ops: linear, matmul, embedding, conv2d, conv3d, pooling.
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -157,7 +157,7 @@ RuleFn DenseRules(const std::string& t) {
   if (t == "linear") return Linear;
   if (t == "matmul") return Matmul;
   if (t == "embedding") return Embedding;
-  if (t == "conv2d") return Conv;
+  if (t == "conv2d" || t == "conv3d") return Conv;
   if (t == "max_pool2d" || t == "avg_pool2d" || t == "adaptive_avg_pool2d") {
     return Pool;
   }
