@@ -415,6 +415,16 @@ bool Pass::FollowDeployment() {
     }
   }
   RefreshCheckpoint();
+  // The (re)start in progress trained and ended between two passes, none
+  // of which saw it RUNNING: it did resume, so its event is complete, its
+  // downtime up to this pass. (A job that finished so dropped the event
+  // with its pending one, and a loss after steps trained was taken for a
+  // failure while recovering.)
+  if (st().has_pending() && st().pending().deployment() == d->name() &&
+      (d->state() == v1::Deployment::SUCCEEDED ||
+       (DeploymentFinal(d->state()) && d->steps_completed() > st().pending().resume_step()))) {
+    Resumed();
+  }
   // Part of a recovery already under way: the old deployment being stopped.
   const bool old_of_recovery = st().has_pending() && st().pending().deployment().empty();
   switch (d->state()) {

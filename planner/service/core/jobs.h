@@ -9,7 +9,8 @@
 // so a planner restarted at any moment goes on from the saved job.
 //
 //   PENDING --enough usable devices--> PLANNING (plan, then deploy)
-//   PLANNING/RECOVERING --deployment RUNNING--> RUNNING
+//   PLANNING/RECOVERING --deployment RUNNING (or seen only once it had
+//       trained and ended)--> RUNNING, the (re)start's event complete
 //   RUNNING --deployment FAILED (an executor lost or failed), a node of it
 //       STALE, or it stopped outside the job--> RECOVERING: the survivors
 //       are stopped, a plan is made on the usable devices and deployed,

@@ -532,6 +532,74 @@ TEST_F(JobsTest, MaxReplansZeroFailsTheJobAtTheFirstLoss) {
   EXPECT_FALSE(Request().spec().replan().has_max_replans());  // what the other tests re-plan on
 }
 
+// A recovery's deployment that trained to the end between two passes (a
+// pass saw it PENDING, the next SUCCEEDED): the recovery is still an event,
+// with its downtime up to that pass. The job finished with the recovery
+// pending, which Finish dropped: no event, nothing to on_resumed, replans 1.
+TEST_F(JobsTest, ARecoveryWhoseDeploymentFinishedBetweenPassesIsStillAnEvent) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 90;
+  fake_.Only(first).set_steps_completed(95);
+  fake_.SetState(first, v1::Deployment::FAILED);
+  const absl::Time failed = now_;
+  c_->Reconcile();
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  now_ += absl::Seconds(1);
+  fake_.Only(second).set_steps_completed(100);
+  fake_.SetState(second, v1::Deployment::SUCCEEDED);
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::SUCCEEDED);
+  EXPECT_EQ(j.status().replans(), 1);
+  ASSERT_EQ(j.status().events_size(), 2) << j.DebugString();
+  const v1::JobEvent& e = j.status().events(1);
+  EXPECT_EQ(e.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_EQ(e.deployment(), second);
+  EXPECT_EQ(e.resume_step(), 90);
+  EXPECT_EQ(e.steps_lost(), 5);
+  EXPECT_DOUBLE_EQ(e.downtime_seconds(), absl::ToDoubleSeconds(now_ - failed));
+  ASSERT_EQ(resumed_.size(), 2u);
+  EXPECT_EQ(resumed_[1].reason(), v1::JobEvent::EXECUTOR_LOST);
+}
+
+// A recovery's deployment that trained, then failed, between two passes:
+// the recovery ended (it trained) and the failure is a loss of its own,
+// not a failure "while recovering" of the first.
+TEST_F(JobsTest, ARecoveryWhoseDeploymentTrainedThenFailedBetweenPassesIsTwoEvents) {
+  Make();
+  const std::string first = StartRunning();
+  fake_.checkpoint = 40;
+  fake_.Only(first).set_steps_completed(45);
+  fake_.SetState(first, v1::Deployment::FAILED);
+  c_->Reconcile();
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  now_ += absl::Seconds(1);
+  fake_.checkpoint = 60;
+  v1::Deployment& d = fake_.Only(second);
+  d.set_steps_completed(67);
+  d.set_state(v1::Deployment::FAILED);
+  d.set_error("rank 1 (d1) did not answer 3 status polls in a row");
+  c_->Reconcile();
+  const std::string third = Deployment();
+  ASSERT_NE(third, second);
+  fake_.SetState(third, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().replans(), 2);
+  ASSERT_EQ(j.status().events_size(), 3) << j.DebugString();
+  EXPECT_EQ(j.status().events(1).deployment(), second);
+  EXPECT_THAT(j.status().events(1).detail(), Not(HasSubstr("while recovering")));
+  const v1::JobEvent& e = j.status().events(2);
+  EXPECT_EQ(e.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_THAT(e.detail(), HasSubstr("rank 1 (d1) did not answer"));
+  EXPECT_EQ(e.steps_done_before(), 67);
+  EXPECT_EQ(e.resume_step(), 60);
+  EXPECT_EQ(e.steps_lost(), 7);
+}
+
 TEST_F(JobsTest, EveryStepCheckpointedBeforeTheFailureIsSuccess) {
   Make();
   const std::string first = StartRunning();
