@@ -237,6 +237,25 @@ absl::Status PipelineRunner::Analyze() {
   int i = 0;
   while (i < n && phase_at(i) == v1::Step::FORWARD) ++i;
   forward_end_ = i;
+  // batch_norm normalises with the statistics of the whole batch (and
+  // moves its running statistics once a step). The program runs once per
+  // microbatch on that microbatch alone, and 1F1B finishes a microbatch's
+  // forward before the next one's starts: its statistics would be the
+  // microbatch's, another model than the single device's, with no error.
+  if (layout_.microbatches > 1) {
+    for (int k = 0; k < forward_end_; ++k) {
+      const v1::Step& st = prog.steps(k);
+      if (!st.has_kernel() ||
+          (st.kernel().kernel() != "batch_norm" && st.kernel().kernel() != "batch_norm_stats")) {
+        continue;
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the program of stage ", stage_, " normalises with batch_norm ('", st.kernel().op(),
+          "'), which takes its statistics over the whole batch; run in ", layout_.microbatches,
+          " microbatches it would take them over each microbatch (plan the pipeline with one "
+          "microbatch, --microbatches 1)"));
+    }
+  }
   backward_end_ = forward_end_;
   for (; i < n; ++i) {
     if (phase_at(i) == v1::Step::FORWARD) {

@@ -129,7 +129,9 @@ class PipelineRunner {
   // Both must outlive this. InvalidArgument when the program is not a
   // stage program the layout can drive (phases out of order, buffers that
   // cross from forward into the optimizer, boundary buffers missing or
-  // present against the stage's position).
+  // present against the stage's position), and when the stage normalises
+  // with batch_norm and the layout has more than one microbatch (its
+  // statistics would be each microbatch's, not the batch's).
   static absl::StatusOr<std::unique_ptr<PipelineRunner>> Create(ProgramRunner* runner,
                                                                 Communicator* world,
                                                                 const PipelineLayout& layout);

@@ -348,6 +348,46 @@ TEST(PipelineRunnerTest, StageWithoutParametersMatchesSingleDevice) {
   }
 }
 
+// batch_norm normalises with the statistics of the whole batch (its op's
+// contract, which the SPMD lowering keeps by all-reducing the sums between
+// a batch's pieces). A stage program is lowered at the microbatch size, so
+// with M > 1 each microbatch was normalised with its own statistics and the
+// running statistics moved M times a step: the pipeline trained another
+// model than the single device, with no error. Such a stage is now refused
+// when the runner is made; with one microbatch it still matches.
+TEST(PipelineRunnerTest, BatchNormStageWithSeveralMicrobatchesIsRefused) {
+  constexpr int kSteps = 2;
+  auto g = testing::BatchNormCnn(kPipelineBatch);
+  ASSERT_TRUE(g.ok()) << g.status();
+  int relu = -1;
+  for (int k = 0; k < static_cast<int>(g->ops().size()); ++k) {
+    if (g->op(k).type == "relu") relu = k;
+  }
+  ASSERT_GT(relu, 0);
+  const std::vector<int> cuts = {0, relu + 1, static_cast<int>(g->ops().size())};
+  const TrainResult& ref = SingleDeviceReference(*g, "bn_cnn", false, kSteps);
+  {
+    PipelineCase c = MakeSpec("bn_cnn", {1, 1}, 1, false, "dp", false, cuts);
+    SCOPED_TRACE(PipelineCaseName(c));
+    auto lowered = LowerPipeline(*g, c);
+    ASSERT_TRUE(lowered.ok()) << lowered.status();
+    auto runs = Train(*g, *lowered, PipelineCaseName(c), kSteps);
+    ASSERT_TRUE(runs.ok()) << runs.status();
+    ExpectMatchesReference(*runs, ref, false, kSteps);
+  }
+  for (const std::vector<int>& groups : {std::vector<int>{1, 1}, std::vector<int>{2, 1}}) {
+    PipelineCase c = MakeSpec("bn_cnn", groups, 2, false, "dp", false, cuts);
+    SCOPED_TRACE(PipelineCaseName(c));
+    auto lowered = LowerPipeline(*g, c);
+    ASSERT_TRUE(lowered.ok()) << lowered.status();
+    EXPECT_THAT(
+        Train(*g, *lowered, PipelineCaseName(c), kSteps).status(),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 AllOf(HasSubstr("the program of stage 0 normalises with batch_norm ('bn')"),
+                       HasSubstr("run in 2 microbatches"))));
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The profile (hap-executor --profile, the daemon's windows) of a pipeline
 // rank: TimingDevice::SecondsByOpType charges kernel "T" to IR op type T,
