@@ -6,8 +6,11 @@ exported by tools/export_fx.py at batch 2 and its smallest usual input, and
 its graph's trainable parameters compared with PyTorch's.
 
     /usr/bin/python3 scripts/torchvision_coverage.py [NAME ...] [--markdown]
+        [--video]
 
-Prints one line per model (ok / FAIL and why, seconds, parameters, ops) and
+--video checks the video classifiers (torchvision.models.video: r3d_18,
+mc3_18, r2plus1d_18, s3d, mvit_v1_b, mvit_v2_s in 0.14) on clips of their
+smallest usual size instead. Prints one line per model (ok / FAIL and why, seconds, parameters, ops) and
 a summary; exits 1 when any model fails. The largest (vit_h_14, regnet_y_128gf)
 need a few GiB of memory and a minute or two each. Training is checked by
 tests/torchvision_corpus_test.py (13 models), tests/swin_test.py and
@@ -26,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torchvision.models as tm  # noqa: E402
+import torchvision.models.video as tv_video  # noqa: E402
 
 import export_fx  # noqa: E402
 
@@ -33,12 +37,24 @@ NOT_MODELS = {"get_model", "get_model_builder", "get_model_weights",
               "get_weight", "list_models"}
 
 
-def builders():
-    """The classification model builders (torchvision.models' own functions;
-    detection, segmentation, video and optical flow live in submodules)."""
-    return sorted(n for n, f in vars(tm).items()
+def builders(family=tm):
+    """The model builders of `family`: torchvision.models' own functions
+    (the image classifiers; detection, segmentation, video and optical flow
+    live in submodules) or torchvision.models.video's."""
+    return sorted(n for n, f in vars(family).items()
                   if inspect.isfunction(f) and not n.startswith("_")
-                  and n not in NOT_MODELS)
+                  and n not in NOT_MODELS
+                  and f.__module__.startswith(family.__name__))
+
+
+def clip_shape(name):
+    """[frames, height, width] of a video classifier's input: s3d's final
+    AvgPool3d (2, 7, 7) needs 13 frames and 224x224 at least, mvit's
+    position embeddings 16 frames of 224x224; the ResNets take small
+    clips."""
+    if name == "s3d" or name.startswith("mvit"):
+        return [16, 224, 224]
+    return [8, 64, 64]
 
 
 def image_size(name):
@@ -64,32 +80,37 @@ class WithLoss(nn.Module):
         return F.cross_entropy(out, labels)
 
 
-def check(name):
+def check(name, family=tm):
     """(ok, message) for one model."""
     kw = {"num_classes": 10}
     if name in ("googlenet", "inception_v3"):
         kw["init_weights"] = False
     torch.manual_seed(0)
-    m = WithLoss(getattr(tm, name)(**kw))
+    m = WithLoss(getattr(family, name)(**kw))
     want = sum(p.numel() for p in m.parameters())
-    size = image_size(name)
-    g = export_fx.export(m, {"x": torch.randn(2, 3, size, size),
+    if family is tv_video:
+        shape = clip_shape(name)
+    else:
+        shape = [image_size(name)] * 2
+    size = "x".join(str(d) for d in shape)
+    g = export_fx.export(m, {"x": torch.randn(2, 3, *shape),
                              "labels": torch.tensor([1, 2])})
     got = sum(math.prod(p["tensor"]["shape"]) for p in g["parameters"]
               if not p.get("frozen"))
     if got != want:
         return False, f"{got} trainable parameters in the graph, PyTorch has {want}"
-    return True, f"{want} parameters, {len(g['ops'])} ops, {size}x{size}"
+    return True, f"{want} parameters, {len(g['ops'])} ops, {size}"
 
 
 def main(argv):
     markdown = "--markdown" in argv
-    names = [a for a in argv if not a.startswith("--")] or builders()
+    family = tv_video if "--video" in argv else tm
+    names = [a for a in argv if not a.startswith("--")] or builders(family)
     failed = []
     for name in names:
         start = time.time()
         try:
-            ok, msg = check(name)
+            ok, msg = check(name, family)
         except Exception as e:  # noqa: BLE001  (the report names it)
             ok, msg = False, f"{type(e).__name__}: " + str(e).splitlines()[0][:300]
         secs = time.time() - start

@@ -294,6 +294,63 @@ class ExportOpsTest(ExportTestCase):
                                           "labels": labels(2, 4)})
         self.assertIn("padding='same'", str(cm.exception))
 
+    def test_3d_convolution_pooling_and_batch_norm(self):
+        """The video models' ops: nn.Conv3d (stride, padding and dilation
+        per axis, grouped, no bias), F.conv3d with padding='same',
+        BatchNorm3d, nn.AdaptiveAvgPool3d(1) and F.adaptive_avg_pool3d:
+        PyTorch's loss and gradients in float64, the attributes in the
+        graph; a 4-D input to conv3d fails naming its shape."""
+
+        class Video(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Conv3d(3, 6, (3, 1, 1), stride=(2, 1, 1),
+                                   padding=(1, 0, 0))
+                self.bn = nn.BatchNorm3d(6, momentum=0.2)
+                self.b = nn.Conv3d(6, 4, (1, 3, 3), stride=(1, 2, 1),
+                                   padding=(0, 2, 1), dilation=(1, 2, 1),
+                                   groups=2, bias=False)
+                self.w = nn.Parameter(torch.randn(5, 4, 3, 3, 3) * 0.2)
+                self.pool = nn.AdaptiveAvgPool3d(1)
+                self.fc = nn.Linear(5, 3)
+
+            def forward(self, x, labels):  # x: [2, 3, 5, 7, 6]
+                h = F.relu(self.bn(self.a(x)))
+                h = self.b(h)
+                h = F.conv3d(h, self.w, None, 1, "same")
+                p = self.pool(h) + F.adaptive_avg_pool3d(h * h, (1, 1, 1))
+                return F.cross_entropy(self.fc(p.flatten(1)), labels)
+
+        m = Video().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 3, 5, 7, 6, dtype=torch.float64),
+                "labels": labels(2, 3)}, tol=1e-9)
+        convs = [op.get("attrs", {}) for op in g["ops"]
+                 if op["type"] == "conv3d"]
+
+        def ints(a, k):
+            return a.get(k, {"ints": {"values": []}})["ints"]["values"]
+        self.assertEqual([ints(a, "stride") for a in convs],
+                         [[2, 1, 1], [1, 2, 1], [1, 1, 1]])
+        self.assertEqual([ints(a, "padding") for a in convs],
+                         [[1, 0, 0], [0, 2, 1], [1, 1, 1]])
+        self.assertEqual([ints(a, "dilation") for a in convs],
+                         [[], [1, 2, 1], []])
+        self.assertEqual(sum(op["type"] == "batch_norm" for op in g["ops"]), 1)
+
+        class Unbatched(nn.Module):  # PyTorch takes [C, D, H, W]; we don't
+            def __init__(self):
+                super().__init__()
+                self.c = nn.Conv3d(3, 4, 3)
+
+            def forward(self, x):
+                return self.c(x).sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Unbatched(), {"x": torch.randn(3, 5, 6, 6)})
+        self.assertIn("conv3d needs an NCDHW (rank-5) input, got [3, 5, 6, 6]",
+                      str(cm.exception))
+
     def test_interpolate_and_upsample(self):
         """F.interpolate (bilinear with and without align_corners, nearest;
         by size and by scale factor, non-integer ones too, shrinking too)
@@ -897,6 +954,17 @@ class ExportOpsTest(ExportTestCase):
 
         cases.append((ExpRsqrt(), {"x": torch.randn(4, 4),
                                    "labels": labels(4, 4)}))
+
+        class Video(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.c = nn.Conv3d(2, 3, 3, padding=1)
+
+            def forward(self, x, labels):
+                return F.cross_entropy(self.c(x).mean((2, 3, 4)), labels)
+
+        cases.append((Video(), {"x": torch.randn(2, 2, 3, 4, 4),
+                                "labels": labels(2, 3)}))
         if stochastic_depth is not None:
             class DropPath(nn.Module):
                 def forward(self, x, labels):

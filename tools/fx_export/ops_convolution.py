@@ -1,8 +1,9 @@
-"""Convolutions and pooling over NCHW images
-(planner/graph/ops_convolution.cc): conv2d (grouped and depthwise,
-dilated, zero padding), max_pool2d, avg_pool2d, adaptive_avg_pool2d;
-F.interpolate / nn.Upsample (bilinear, nearest) as matmuls by constant
-interpolation matrices."""
+"""Convolutions and pooling over NCHW images and NCDHW volumes
+(planner/graph/ops_convolution.cc): conv2d and conv3d (grouped and
+depthwise, dilated, zero padding), max_pool2d, avg_pool2d,
+adaptive_avg_pool2d, adaptive_avg_pool3d to 1x1x1 (a mean over the
+volume); F.interpolate / nn.Upsample (bilinear, nearest) as matmuls by
+constant interpolation matrices."""
 
 import math
 
@@ -13,22 +14,32 @@ import torch.nn.functional as F
 from . import registry
 
 
+def _axes(v, n):
+    """An int or a 1- or n-element sequence as n per-axis ints."""
+    if isinstance(v, (list, tuple)):
+        v = [int(e) for e in v]
+        return v * n if len(v) == 1 else v
+    return [int(v)] * n
+
+
 def _pair(v):
     """An int or a 1- or 2-element sequence as [h, w]."""
-    if isinstance(v, (list, tuple)):
-        v = list(v)
-        return v * 2 if len(v) == 1 else v
-    return [v, v]
+    return _axes(v, 2)
 
 
-# ---- conv2d ----------------------------------------------------------------
+# ---- conv2d, conv3d --------------------------------------------------------
+
+_LAYOUT = {2: "NCHW (rank-4)", 3: "NCDHW (rank-5)"}
 
 
-def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
-    """x convolved with `weight` (+ `bias`, or None): module parameters or
-    fx arguments; padding an int, a pair, "valid" or "same"."""
-    if len(x.shape) != 4:  # PyTorch also takes an unbatched [C, H, W]
-        ex.fail(f"conv2d needs an NCHW (rank-4) input, got {list(x.shape)}")
+def conv(ex, spatial, x, weight, bias, stride, padding, dilation, groups):
+    """conv2d (spatial 2) or conv3d (3) of x by `weight` (+ `bias`, or
+    None): module parameters or fx arguments; padding an int, a tuple,
+    "valid" or "same"."""
+    kind = f"conv{spatial}d"
+    if len(x.shape) != spatial + 2:  # PyTorch also takes an unbatched input
+        ex.fail(f"{kind} needs an {_LAYOUT[spatial]} input, got "
+                f"{list(x.shape)}")
     w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
     ins = [x, w]
     if bias is not None:
@@ -36,30 +47,38 @@ def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
                    else ex.t(bias))
     if isinstance(padding, str):
         if padding == "valid":
-            padding = [0, 0]
+            padding = [0] * spatial
         else:  # 'same'
             # The dilated kernel's extent (k - 1) * d + 1 must be odd for
             # the padding to be equal on both sides.
-            span = [(k - 1) * d for k, d in zip(w.shape[2:], _pair(dilation))]
-            if any(s % 2 for s in span) or tuple(_pair(stride)) != (1, 1):
+            span = [(k - 1) * d for k, d in
+                    zip(w.shape[2:], _axes(dilation, spatial))]
+            if any(s % 2 for s in span) or \
+                    _axes(stride, spatial) != [1] * spatial:
                 ex.fail("padding='same' is supported for odd (dilated) "
                         "kernels and stride 1 only")
             padding = [s // 2 for s in span]
-    attrs = {"stride": _pair(stride), "padding": _pair(padding)}
-    if tuple(_pair(dilation)) != (1, 1):
-        attrs["dilation"] = [int(d) for d in _pair(dilation)]
+    attrs = {"stride": _axes(stride, spatial),
+             "padding": _axes(padding, spatial)}
+    if _axes(dilation, spatial) != [1] * spatial:
+        attrs["dilation"] = _axes(dilation, spatial)
     if groups != 1:
         attrs["groups"] = int(groups)
-    return ex.op("conv2d", ins, attrs)
+    return ex.op(kind, ins, attrs)
 
 
-@registry.modules(nn.Conv2d)
-def _conv2d_module(ex, call):
+def conv2d(ex, x, weight, bias, stride, padding, dilation, groups):
+    return conv(ex, 2, x, weight, bias, stride, padding, dilation, groups)
+
+
+@registry.modules(nn.Conv2d, nn.Conv3d)
+def _conv_module(ex, call):
     mod = call.mod
     if mod.padding_mode != "zeros":
         ex.fail(f"padding_mode '{mod.padding_mode}' is not supported")
-    return conv2d(ex, call.x0(), mod.weight, mod.bias, mod.stride,
-                  mod.padding, mod.dilation, mod.groups)
+    return conv(ex, 3 if isinstance(mod, nn.Conv3d) else 2, call.x0(),
+                mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
+                mod.groups)
 
 
 # F.conv2d is torch.conv2d in PyTorch 1.13; both are listed for other versions.
@@ -72,6 +91,17 @@ def _conv2d(ex, call):
     return conv2d(ex, ex.t(a["input"]), a["weight"], a["bias"],
                   ex.v(a["stride"]), ex.v(a["padding"]),
                   ex.v(a["dilation"]), ex.v(a["groups"]))
+
+
+@registry.functions(torch.conv3d, F.conv3d)
+def _conv3d(ex, call):
+    a = call.named(["input", "weight", "bias", "stride", "padding",
+                    "dilation", "groups"],
+                   {"bias": None, "stride": 1, "padding": 0,
+                    "dilation": 1, "groups": 1})
+    return conv(ex, 3, ex.t(a["input"]), a["weight"], a["bias"],
+                ex.v(a["stride"]), ex.v(a["padding"]),
+                ex.v(a["dilation"]), ex.v(a["groups"]))
 
 
 # ---- pooling ---------------------------------------------------------------
@@ -173,6 +203,30 @@ def _avg_pool2d(ex, call):
 @registry.functions(F.adaptive_avg_pool2d)
 def _adaptive_avg_pool2d(ex, call):
     return adaptive_avg_pool2d(ex, call.tensor(0, "input"))
+
+
+def adaptive_avg_pool3d(ex, x):
+    """Average pooling of an NCDHW volume to 1x1x1 (the video classifiers'
+    head): the mean over the volume, the IR's mean op with its rules and
+    kernels. Other output sizes are refused."""
+    if len(x.shape) != 5:
+        ex.fail(f"adaptive_avg_pool3d needs an NCDHW (rank-5) input, got "
+                f"{list(x.shape)}")
+    out = list(ex.out_shape())
+    if out[2:] != [1, 1, 1]:
+        ex.fail(f"adaptive_avg_pool3d to {out[2:]} is not supported (to "
+                f"1x1x1 is)")
+    return ex.op("mean", [x], {"axes": [2, 3, 4], "keepdims": True})
+
+
+@registry.modules(nn.AdaptiveAvgPool3d)
+def _adaptive_avg_pool3d_module(ex, call):
+    return adaptive_avg_pool3d(ex, call.x0())
+
+
+@registry.functions(F.adaptive_avg_pool3d)
+def _adaptive_avg_pool3d(ex, call):
+    return adaptive_avg_pool3d(ex, call.tensor(0, "input"))
 
 
 # ---- interpolation ---------------------------------------------------------
