@@ -147,6 +147,7 @@ struct DeploymentManager::State {
   bool shutdown = false;
   std::map<std::string, v1::Deployment> deployments;
   std::map<std::string, int64_t> generations;                  // plan -> last generation
+  std::set<std::string> generations_read;  // plans whose stored last generation was read
   std::map<std::string, std::vector<v1::StepMetric>> metrics;  // per deployment
   // What each deployment's step statistics are computed from, kept as
   // metrics arrive (Add): rank 0's step times among the metrics kept, in
@@ -556,13 +557,17 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Deploy(const v1::Plan& plan,
   ReapSupervisors();
   absl::MutexLock l(&s_->mu);
   if (s_->shutdown) return absl::UnavailableError("the planner is shutting down");
-  // A plan first deployed since the start: its deployments stored were
-  // counted when loaded, but retention may have deleted them all; the
-  // store remembers the highest generation, so no name is used twice.
-  if (!s_->generations.count(plan.name()) && o_.sink != nullptr) {
+  // A plan first deployed since the start: the deployments loaded need not
+  // hold its highest generation (retention or a delete may have removed
+  // the newest and left an older one, or all of them); the store
+  // remembers it, so no name is used twice. (Read only for a plan with no
+  // deployment loaded, a restart gave the newest deleted one's name again.)
+  if (o_.sink != nullptr && !s_->generations_read.count(plan.name())) {
     absl::StatusOr<int64_t> last = o_.sink->LastDeploymentGeneration(plan.name());
     HAP_RETURN_IF_ERROR(Annotate(last.status(), absl::StrCat("deploying ", plan.name())));
-    s_->generations[plan.name()] = *last;
+    int64_t& known = s_->generations[plan.name()];
+    known = std::max(known, *last);
+    s_->generations_read.insert(plan.name());
   }
   const int64_t gen = s_->generations[plan.name()] + 1;
   d.set_name(absl::StrCat("deployments/", id, "-g", gen));

@@ -159,7 +159,15 @@ class Sink : public PlannerStateSink {
       return absl::UnavailableError("sqlite store 'planner.db': database or disk is full");
     }
     deployments_[d.name()] = d;
+    int64_t& last = generations_[d.plan()];
+    last = std::max(last, d.generation());
     return absl::OkStatus();
+  }
+  // As the store: the highest generation ever saved, deleted ones included.
+  absl::StatusOr<int64_t> LastDeploymentGeneration(const std::string& plan) override {
+    absl::MutexLock l(&mu_);
+    auto it = generations_.find(plan);
+    return it == generations_.end() ? 0 : it->second;
   }
   void Refuse(bool refuse) {
     absl::MutexLock l(&mu_);
@@ -229,6 +237,7 @@ class Sink : public PlannerStateSink {
  private:
   absl::Mutex mu_;
   std::map<std::string, v1::Deployment> deployments_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> generations_ ABSL_GUARDED_BY(mu_);  // plan -> highest
   bool refuse_ ABSL_GUARDED_BY(mu_) = false;
   std::set<v1::Deployment::State> refuse_states_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> deleted_ ABSL_GUARDED_BY(mu_);
@@ -593,6 +602,23 @@ TEST_F(DeploymentManagerTest, RetentionDeletesFinishedDeploymentsPastTheCount) {
   ASSERT_THAT(manager_->EnforceRetention(1, absl::InfinitePast(), {}), IsOk());
   EXPECT_THAT(manager_->Get("deployments/p-g3"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("p-g3")));
+  auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(next, IsOk());
+  EXPECT_EQ(next->name(), "deployments/p-g4");
+  EXPECT_EQ(next->generation(), 4);
+}
+
+// A restarted manager names a plan's next deployment past the highest
+// generation the store ever held, not only past those it loaded: with the
+// newest deleted (hapctl delete deployment, retention) and an older one
+// kept, the next deploy took the deleted one's name again.
+TEST_F(DeploymentManagerTest, ARestartedManagerGoesOnPastADeletedNewerGeneration) {
+  const absl::Time t = absl::FromUnixSeconds(1'800'000'000);
+  for (int64_t g : {1, 2, 3}) {
+    ASSERT_THAT(sink_.SaveDeployment(Finished("p", g, v1::Deployment::FAILED, t, t)), IsOk());
+  }
+  ASSERT_THAT(sink_.DeleteDeployment("deployments/p-g3"), IsOk());
+  Start(sink_.deployments());  // p-g1 and p-g2
   auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
   ASSERT_THAT(next, IsOk());
   EXPECT_EQ(next->name(), "deployments/p-g4");
