@@ -302,7 +302,7 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
       // either. Whatever ranks it loaded or started are stopped.
       const std::string reason =
           d.state() == v1::Deployment::PENDING
-              ? std::string("the planner restarted before every rank had started training")
+              ? std::string(kPlannerRestartedBeforeTraining)
               : absl::StrCat("the planner restarted and found this deployment stored in state ",
                              StateName(d.state()), ", which it cannot follow");
       Supervise(d, [this, d, reason](DeploymentExecutors& ex, const DeploymentControl& c) {

@@ -59,6 +59,13 @@ inline constexpr int64_t kRecentStepsPerRank = 20;
 // step of the others back).
 inline constexpr int64_t kMaxRankLagSteps = 256;
 
+// The error a restarted manager fails a stored PENDING deployment with (its
+// push died with the previous planner): the planner's doing, not its
+// executors'; a job deploys the same plan again without counting a
+// re-plan.
+inline constexpr char kPlannerRestartedBeforeTraining[] =
+    "the planner restarted before every rank had started training";
+
 // InvalidArgument naming training.data_spec unless it is empty or of a form
 // the executors read ("npy:DIR", "tokens:FILE[:uint16|uint32]", as
 // executor/data/user_data.h). Only the form: the files are on the executor

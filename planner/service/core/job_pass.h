@@ -122,6 +122,10 @@ class Pass {
   // timeout).
   bool OverReplanLimit(bool deployment_live = true);
 
+  // `d`, the (re)start in progress, FAILED by a restarted planner before it
+  // ran (kPlannerRestartedBeforeTraining, no rank to blame).
+  bool FailedByPlannerRestart(const v1::Deployment& d) const;
+
   // `d` FAILED because the checkpoint it resumed from is damaged: that
   // directory is set aside (damaged-step-N) and the job re-plans, to resume
   // from the committed checkpoint before it (or step 0 when there is none),

@@ -22,6 +22,7 @@
 #include "common/status_macros.h"
 #include "common/utf8.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "planner/service/core/deployment_manager.h"
 #include "planner/service/core/deployments.h"
 #include "planner/service/core/job_pass.h"
 #include "planner/service/core/jobs.h"
@@ -316,6 +317,12 @@ void Pass::BeginReplan(Reason reason, const std::string& detail) {
   replanned_.push_back(reason);
 }
 
+bool Pass::FailedByPlannerRestart(const v1::Deployment& d) const {
+  return d.state() == v1::Deployment::FAILED && d.failed_ranks().empty() &&
+         absl::StartsWith(d.error(), kPlannerRestartedBeforeTraining) &&
+         j_.status().has_pending() && j_.status().pending().deployment() == d.name();
+}
+
 bool Pass::OverReplanLimit(bool deployment_live) {
   if (st().replans() <= MaxReplans(spec())) return false;
   if (!Finish(v1::JobStatus::FAILED,
@@ -437,6 +444,18 @@ bool Pass::FollowDeployment() {
       if (!old_of_recovery) {
         if (!d->damaged_checkpoint().empty()) {
           if (!SetAsideDamaged(*d)) return false;
+        } else if (FailedByPlannerRestart(*d)) {
+          // Not a loss: the planner restarted while this (re)start was
+          // pushed, and failed it. The same plan is deployed again, not
+          // counted: it cost a re-plan, and one past max_replans failed
+          // the job (with max_replans 0, at its first deployment) for an
+          // operator's restart of the planner. A rank truly lost fails the
+          // next deployment as a loss.
+          st().set_next_plan(d->plan());
+          st().mutable_pending()->clear_plan();
+          st().mutable_pending()->clear_deployment();
+          st().set_message(
+              absl::StrCat(d->name(), ": ", d->error(), "; deploying ", d->plan(), " again"));
         } else {
           BeginReplan(v1::JobEvent::EXECUTOR_LOST, absl::StrCat(d->name(), ": ", d->error()));
         }

@@ -600,6 +600,86 @@ TEST_F(JobsTest, ARecoveryWhoseDeploymentTrainedThenFailedBetweenPassesIsTwoEven
   EXPECT_EQ(e.steps_lost(), 7);
 }
 
+// The planner restarted while a recovery's deployment was pushed: the
+// restarted deployment manager fails it (kPlannerRestartedBeforeTraining,
+// no rank to blame). That is no loss: the same plan is deployed again,
+// uncounted. It was counted as a re-plan, so a restart of the planner
+// failed a job at its max_replans.
+TEST_F(JobsTest, APlannerRestartDuringARecoveryIsNotAReplan) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(1);
+  const std::string first = StartRunning(r);
+  fake_.checkpoint = 40;
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).add_failed_ranks(2);
+  c_->Reconcile();
+  const std::string second = Deployment();
+  ASSERT_NE(second, first);
+  ASSERT_EQ(Job().status().replans(), 1);
+  // The planner restarts: the job as saved, its deployment failed by the
+  // new deployment manager.
+  c_.reset();
+  Make(sink_.Saved());
+  v1::Deployment& d = fake_.Only(second);
+  d.set_state(v1::Deployment::FAILED);
+  d.set_error(kPlannerRestartedBeforeTraining);
+  now_ += absl::Seconds(3);
+  c_->Reconcile();
+  v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RECOVERING) << j.status().message();
+  EXPECT_EQ(j.status().replans(), 1);
+  EXPECT_THAT(replans_, ElementsAre(v1::JobEvent::EXECUTOR_LOST));
+  EXPECT_EQ(fake_.requests.size(), 2u);  // no new plan
+  const std::string third = Deployment();
+  ASSERT_NE(third, second);
+  EXPECT_EQ(fake_.Only(third).plan(), fake_.Only(second).plan());
+  EXPECT_EQ(fake_.Only(third).training().resume(), CheckpointStepDir(kDir, 40));
+  fake_.SetState(third, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING);
+  ASSERT_EQ(j.status().events_size(), 2);
+  const v1::JobEvent& e = j.status().events(1);
+  EXPECT_EQ(e.reason(), v1::JobEvent::EXECUTOR_LOST);
+  EXPECT_EQ(e.deployment(), third);
+  EXPECT_THAT(e.detail(), Not(HasSubstr("while recovering")));
+  // A rank truly lost on the redeploy is a loss as before.
+  fake_.SetState(third, v1::Deployment::FAILED);
+  fake_.Only(third).set_error(kPlannerRestartedBeforeTraining);
+  fake_.Only(third).add_failed_ranks(1);
+  c_->Reconcile();
+  EXPECT_EQ(State(), v1::JobStatus::FAILED);
+  EXPECT_THAT(Job().status().message(), HasSubstr("gave up after 1 re-plans"));
+}
+
+// With max_replans 0 a planner restarted during the first deploy failed
+// the job; it deploys its first plan again.
+TEST_F(JobsTest, APlannerRestartDuringTheFirstDeployDoesNotFailAJobWithNoReplans) {
+  Make();
+  v1::CreateJobRequest r = Request();
+  r.mutable_spec()->mutable_replan()->set_max_replans(0);
+  ASSERT_OK(c_->Create(r).status());
+  c_->Reconcile();
+  const std::string first = Deployment();
+  ASSERT_FALSE(first.empty());
+  fake_.SetState(first, v1::Deployment::FAILED);
+  fake_.Only(first).set_error(kPlannerRestartedBeforeTraining);
+  c_->Reconcile();
+  const std::string again = Deployment();
+  ASSERT_NE(again, first);
+  EXPECT_EQ(fake_.Only(again).plan(), "plans/train-p1");
+  fake_.SetState(again, v1::Deployment::RUNNING);
+  c_->Reconcile();
+  const v1::Job j = Job();
+  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING) << j.status().message();
+  EXPECT_EQ(j.status().replans(), 0);
+  ASSERT_EQ(j.status().events_size(), 1);
+  EXPECT_EQ(j.status().events(0).reason(), v1::JobEvent::STARTED);
+  EXPECT_EQ(j.status().events(0).deployment(), again);
+  EXPECT_THAT(replans_, IsEmpty());
+}
+
 TEST_F(JobsTest, EveryStepCheckpointedBeforeTheFailureIsSuccess) {
   Make();
   const std::string first = StartRunning();
