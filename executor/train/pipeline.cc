@@ -237,23 +237,41 @@ absl::Status PipelineRunner::Analyze() {
   int i = 0;
   while (i < n && phase_at(i) == v1::Step::FORWARD) ++i;
   forward_end_ = i;
-  // batch_norm normalises with the statistics of the whole batch (and
-  // moves its running statistics once a step). The program runs once per
-  // microbatch on that microbatch alone, and 1F1B finishes a microbatch's
-  // forward before the next one's starts: its statistics would be the
+  // Ops that couple the samples of the whole batch: batch_norm normalises
+  // with its statistics (and moves its running statistics once a step);
+  // mixture-of-experts routing over all its tokens as one group (moe_gate,
+  // moe_route without a group_size) gives each expert's slots to the first
+  // tokens that want them. The program runs once per microbatch on that
+  // microbatch alone, and 1F1B finishes a microbatch's forward before the
+  // next one's starts: the statistics and the slots would be the
   // microbatch's, another model than the single device's, with no error.
+  // (planner/pipeline's Rebatch refuses both; a plan made before it did
+  // is refused here.)
   if (layout_.microbatches > 1) {
     for (int k = 0; k < forward_end_; ++k) {
       const v1::Step& st = prog.steps(k);
-      if (!st.has_kernel() ||
-          (st.kernel().kernel() != "batch_norm" && st.kernel().kernel() != "batch_norm_stats")) {
-        continue;
+      if (!st.has_kernel()) continue;
+      const std::string& kernel = st.kernel().kernel();
+      const auto group = st.kernel().attrs().find("group_size");
+      const bool whole_batch_routing =
+          kernel == "moe_gate" ||
+          (kernel == "moe_route" && (group == st.kernel().attrs().end() || group->second.i() == 0));
+      if (kernel == "batch_norm" || kernel == "batch_norm_stats") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the program of stage ", stage_, " normalises with batch_norm ('", st.kernel().op(),
+            "'), which takes its statistics over the whole batch; run in ", layout_.microbatches,
+            " microbatches it would take them over each microbatch (plan the pipeline with one "
+            "microbatch, --microbatches 1)"));
       }
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the program of stage ", stage_, " normalises with batch_norm ('", st.kernel().op(),
-          "'), which takes its statistics over the whole batch; run in ", layout_.microbatches,
-          " microbatches it would take them over each microbatch (plan the pipeline with one "
-          "microbatch, --microbatches 1)"));
+      if (whole_batch_routing) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the program of stage ", stage_,
+            " routes all the batch's tokens to its experts as "
+            "one group ('",
+            st.kernel().op(), "', ", kernel, "); run in ", layout_.microbatches,
+            " microbatches each would be routed on its own (give the routing a group_size that "
+            "divides a microbatch's tokens, or plan one microbatch)"));
+      }
     }
   }
   backward_end_ = forward_end_;

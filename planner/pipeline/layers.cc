@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -106,10 +108,41 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
   // input is split): a parameter's reshape keeps its shape.
   std::vector<bool> batched(g.tensors().size(), false);
   absl::flat_hash_set<std::string> kept;  // ops whose shape stays
+  // Mixture-of-experts routing fills each expert's slots with the tokens
+  // of a group: all the batch's (group_size 0; moe_gate, the dense form,
+  // always), which a microbatch cannot reproduce (its tokens would compete
+  // for other slots), or runs of group_size tokens, which stay inside a
+  // microbatch if they divide its tokens. The op's capacity is its slots
+  // per group times the groups, so it scales with the batch (kept, each
+  // group had the slots of the whole batch's and dropped fewer tokens).
+  absl::flat_hash_map<std::string, int64_t> capacity;  // op -> at `batch`
+  const int64_t common = std::gcd(batch, old);
   for (graph::TensorId t : g.Inputs()) batched[t] = true;
   for (const graph::Op& op : g.ops()) {
     bool reads_batch = false;
     for (graph::TensorId t : op.inputs) reads_batch = reads_batch || batched[t];
+    if (reads_batch && op.attrs.Has("capacity") &&
+        (op.type == "moe_gate" || op.type == "moe_route" || op.type == "moe_dispatch_idx")) {
+      auto cap = op.attrs.Int("capacity");
+      auto group = op.attrs.Int("group_size", 0);
+      if (!cap.ok() || !group.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("op '", op.name, "' (", op.type,
+                                                       ") has a malformed capacity or group_size"));
+      }
+      if (*group == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "op '", op.name, "' (", op.type,
+            ") routes all the batch's tokens as one group: ", "microbatches of ", batch,
+            " would each route their own (give it a group_size, "
+            "moe_group_size, that divides a microbatch's tokens)"));
+      }
+      if (*cap % (old / common) != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("op '", op.name, "' (", op.type, "): its capacity ", *cap,
+                         " does not split into microbatches of ", batch, " of the batch ", old));
+      }
+      capacity[op.name] = *cap / (old / common) * (batch / common);
+    }
     bool carries = false;
     if (op.attrs.Has("shape")) {
       auto shape = op.attrs.Ints("shape");
@@ -132,6 +165,9 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
     shape->Set(0, shape->Get(0) / old * batch);
   }
   for (hap::v1::Op& op : *p.mutable_ops()) {
+    if (auto c = capacity.find(op.name()); c != capacity.end()) {
+      (*op.mutable_attrs())["capacity"].set_i(c->second);
+    }
     if (kept.contains(op.name())) continue;
     auto it = op.mutable_attrs()->find("shape");
     if (it == op.mutable_attrs()->end() || !it->second.has_ints()) continue;

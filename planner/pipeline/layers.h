@@ -39,9 +39,12 @@ Layers FindLayers(const graph::Graph& g, int max_layers);
 // `shape` attributes whose first entry is a multiple of the old batch
 // (reshape to [batch * seq, ...], expand to [batch, ...]) scaled with it,
 // but for a reshape of a tensor not computed from an input (a parameter's
-// reshape keeps its shape). Op order and ids are kept.
+// reshape keeps its shape). Grouped mixture-of-experts routing
+// (moe_route, moe_dispatch_idx with group_size > 0) keeps its slots per
+// group: its capacity scales with the batch. Op order and ids are kept.
 // InvalidArgument when `batch` does not divide the old batch, or the graph does not take the new
-// batch (shapes that fix it elsewhere), naming what failed.
+// batch (shapes that fix it elsewhere, routing over all the batch's tokens
+// as one group), naming what failed.
 absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch);
 
 // The first input's dimension 0; 0 for a graph without inputs.

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <set>
@@ -202,6 +203,41 @@ TEST(Layers, RebatchKeepsTheShapeOfAParametersReshape) {
   auto micro = Rebatch(*vit, 2);
   ASSERT_TRUE(micro.ok()) << micro.status();
   EXPECT_EQ(GraphBatch(*micro), 2);
+}
+
+// Grouped mixture-of-experts routing keeps its slots per group at a
+// microbatch: the op's capacity (slots per group times groups) scales with
+// the batch. It was kept, so each group had the whole batch's capacity.
+// Routing all the batch's tokens as one group cannot be split.
+TEST(Layers, RebatchScalesGroupedRoutingAndRefusesWholeBatchRouting) {
+  std::map<std::string, double> p = {
+      {"layers", 1}, {"hidden", 16}, {"heads", 4},   {"ffn", 24},      {"seq", 6},
+      {"vocab", 37}, {"batch", 24},  {"experts", 4}, {"moe_every", 1}, {"moe_group_size", 6}};
+  auto g = graph::BuildZooModel("moe", p);
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto capacities = [](const graph::Graph& m) {
+    std::vector<int64_t> c;
+    for (const graph::Op& op : m.ops()) {
+      if (op.attrs.Has("capacity")) c.push_back(*op.attrs.Int("capacity"));
+    }
+    return c;
+  };
+  const std::vector<int64_t> whole = capacities(*g);
+  ASSERT_EQ(whole.size(), 2u);  // the route and the dispatch
+  auto m = Rebatch(*g, 8);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<int64_t> third;
+  for (int64_t c : whole) third.push_back(c / 3);
+  EXPECT_EQ(capacities(*m), third);
+
+  p["moe_group_size"] = 0;
+  auto one_group = graph::BuildZooModel("moe", p);
+  ASSERT_TRUE(one_group.ok()) << one_group.status();
+  EXPECT_THAT(Rebatch(*one_group, 8).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("routes all the batch's tokens as one group"),
+                             HasSubstr("microbatches of 8"))));
+  EXPECT_TRUE(Rebatch(*one_group, 24).ok());
 }
 
 cost::ClusterModel TwoNodes(double inter_bw) {
