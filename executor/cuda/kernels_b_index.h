@@ -15,143 +15,176 @@
 
 namespace hap::executor::cuda {
 
-// --- im2col ------------------------------------------------------------------
+// --- im2col (vol2col) ---------------------------------------------------------
+// A 2-D window has one depth slice (pool::Window): the depth loops run once.
 
 // Element k of the im2col matrix of `images` images (k row-major over
-// [c*kh*kw rows, images, oh, ow]; layout as LaunchIm2Col): sets *col to
+// [c*taps rows, images, od, oh, ow]; layout as LaunchIm2Col): sets *col to
 // its index in the matrix and returns the index of the input element it
 // reads (images counted from the first), or -1 in the padding.
 HAP_CUDA_HD inline int64_t Im2ColSource(const Window& g, int64_t k,
                                         int64_t images, int64_t row_stride,
                                         int64_t image_stride, int64_t* col) {
-  int64_t t = k;
-  const int64_t ox = t % g.ow;
-  t /= g.ow;
-  const int64_t oy = t % g.oh;
-  t /= g.oh;
-  const int64_t m = t % images;
-  const int64_t row = t / images;
+  int64_t r = k;
+  const int64_t ox = r % g.ow;
+  r /= g.ow;
+  const int64_t oy = r % g.oh;
+  r /= g.oh;
+  const int64_t oz = r % g.od;
+  r /= g.od;
+  const int64_t m = r % images;
+  const int64_t row = r / images;
   const int64_t j = row % g.kw;
   const int64_t i = (row / g.kw) % g.kh;
-  const int64_t ch = row / (g.kw * g.kh);
+  const int64_t t = (row / (g.kw * g.kh)) % g.kd;
+  const int64_t ch = row / (g.kw * g.kh * g.kd);
+  const int64_t iz = oz * g.sd - g.pd + t * g.dd;
   const int64_t iy = oy * g.sh - g.ph + i * g.dh;
   const int64_t ix = ox * g.sw - g.pw + j * g.dw;
-  *col = row * row_stride + m * image_stride + oy * g.ow + ox;
-  const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-  return inside ? ((m * g.c + ch) * g.h + iy) * g.w + ix : -1;
+  *col = row * row_stride + m * image_stride + (oz * g.oh + oy) * g.ow + ox;
+  const bool inside = iz >= 0 && iz < g.d && iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+  return inside ? (((m * g.c + ch) * g.d + iz) * g.h + iy) * g.w + ix : -1;
 }
 
-// The adjoint for input element k (row-major over [images, c, h, w]): the
-// sum of the im2col entries that read it, kernel taps in order.
+// The outputs o of one axis whose tap `tap` reads input index `in`: o * s =
+// in + p - tap * dil. Returns o, or -1 when none (negative, off the stride
+// or past `out`); *stop set when every larger tap has none either.
+HAP_CUDA_HD inline int64_t TapOutput(int64_t in, int64_t p, int64_t tap, int64_t dil, int64_t s,
+                                     int64_t out, bool* stop) {
+  const int64_t t = in + p - tap * dil;
+  *stop = t < 0;
+  if (t < 0 || t % s != 0 || t / s >= out) return -1;
+  return t / s;
+}
+
+// The adjoint for input element k (row-major over [images, c, d, h, w]):
+// the sum of the im2col entries that read it, kernel taps in order.
 template <typename T>
 HAP_CUDA_HD inline T Col2ImSum(const Window& g, const T* col, int64_t images,
                                int64_t row_stride, int64_t image_stride,
                                int64_t k) {
-  int64_t t = k;
-  const int64_t ix = t % g.w;
-  t /= g.w;
-  const int64_t iy = t % g.h;
-  t /= g.h;
-  const int64_t ch = t % g.c;
-  const int64_t m = t / g.c;
+  int64_t r = k;
+  const int64_t ix = r % g.w;
+  r /= g.w;
+  const int64_t iy = r % g.h;
+  r /= g.h;
+  const int64_t iz = r % g.d;
+  r /= g.d;
+  const int64_t ch = r % g.c;
+  const int64_t m = r / g.c;
   (void)images;
   T acc = T(0);
-  for (int64_t i = 0; i < g.kh; ++i) {
-    const int64_t ty = iy + g.ph - i * g.dh;  // = oy * sh
-    if (ty < 0) break;                        // and for every larger i
-    if (ty % g.sh != 0) continue;
-    const int64_t oy = ty / g.sh;
-    if (oy >= g.oh) continue;
-    for (int64_t j = 0; j < g.kw; ++j) {
-      const int64_t tx = ix + g.pw - j * g.dw;
-      if (tx < 0) break;
-      if (tx % g.sw != 0) continue;
-      const int64_t ox = tx / g.sw;
-      if (ox >= g.ow) continue;
-      const int64_t row = (ch * g.kh + i) * g.kw + j;
-      acc += col[row * row_stride + m * image_stride + oy * g.ow + ox];
+  bool stop = false;
+  for (int64_t t = 0; t < g.kd; ++t) {
+    const int64_t oz = TapOutput(iz, g.pd, t, g.dd, g.sd, g.od, &stop);
+    if (stop) break;  // and for every larger t
+    if (oz < 0) continue;
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const int64_t oy = TapOutput(iy, g.ph, i, g.dh, g.sh, g.oh, &stop);
+      if (stop) break;
+      if (oy < 0) continue;
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const int64_t ox = TapOutput(ix, g.pw, j, g.dw, g.sw, g.ow, &stop);
+        if (stop) break;
+        if (ox < 0) continue;
+        const int64_t row = ((ch * g.kd + t) * g.kh + i) * g.kw + j;
+        acc += col[row * row_stride + m * image_stride + (oz * g.oh + oy) * g.ow + ox];
+      }
     }
   }
   return acc;
 }
 
-// --- grouped conv2d (direct; executor/cpu/kernels_convolution.cc) -----------
+// --- grouped conv2d, conv3d (direct; executor/cpu/kernels_convolution.cc) ----
 // Output channel oc of group q = oc / og (og = o / groups) reads input
-// channels [q * cg, (q + 1) * cg), cg = c / groups; w is [o, cg, kh, kw].
+// channels [q * cg, (q + 1) * cg), cg = c / groups; w is [o, cg, kd, kh,
+// kw] (kd = 1 for conv2d). Positions are indices in a plane: out = (oz * oh
+// + oy) * ow + ox, in = (iz * h + iy) * w + ix, tap = (t * kh + i) * kw + j.
 
-// y[m][oc][oy][ox] without the bias: the taps in the CPU's order (k, i,
-// j), summed in double.
+// y[m][oc][out] without the bias: the taps in the CPU's order (k, t, i, j),
+// summed in double.
 template <typename T>
-HAP_CUDA_HD inline double GroupedConvValue(const Window& g, int64_t groups,
-                                           int64_t o, const T* x, const T* w,
-                                           int64_t m, int64_t oc, int64_t oy,
-                                           int64_t ox) {
+HAP_CUDA_HD inline double GroupedConvValue(const Window& g, int64_t groups, int64_t o, const T* x,
+                                           const T* w, int64_t m, int64_t oc, int64_t out) {
   const int64_t cg = g.c / groups, og = o / groups, q = oc / og;
+  const int64_t ox = out % g.ow, oy = (out / g.ow) % g.oh, oz = out / (g.ow * g.oh);
   double acc = 0;
   for (int64_t k = 0; k < cg; ++k) {
-    const T* xp = x + (m * g.c + q * cg + k) * g.h * g.w;
-    const T* wk = w + (oc * cg + k) * g.kh * g.kw;
-    for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t iy = oy * g.sh - g.ph + i * g.dh;
-      if (iy < 0 || iy >= g.h) continue;
-      for (int64_t j = 0; j < g.kw; ++j) {
-        const int64_t ix = ox * g.sw - g.pw + j * g.dw;
-        if (ix < 0 || ix >= g.w) continue;
-        acc += static_cast<double>(wk[i * g.kw + j]) *
-               static_cast<double>(xp[iy * g.w + ix]);
+    const T* xp = x + (m * g.c + q * cg + k) * g.plane();
+    const T* wk = w + (oc * cg + k) * g.taps();
+    for (int64_t t = 0; t < g.kd; ++t) {
+      const int64_t iz = oz * g.sd - g.pd + t * g.dd;
+      if (iz < 0 || iz >= g.d) continue;
+      for (int64_t i = 0; i < g.kh; ++i) {
+        const int64_t iy = oy * g.sh - g.ph + i * g.dh;
+        if (iy < 0 || iy >= g.h) continue;
+        for (int64_t j = 0; j < g.kw; ++j) {
+          const int64_t ix = ox * g.sw - g.pw + j * g.dw;
+          if (ix < 0 || ix >= g.w) continue;
+          acc += static_cast<double>(wk[(t * g.kh + i) * g.kw + j]) *
+                 static_cast<double>(xp[(iz * g.h + iy) * g.w + ix]);
+        }
       }
     }
   }
   return acc;
 }
 
-// dL/dx[m][ic][iy][ix]: w * dy over the outputs of ic's group and the taps
-// that read it.
+// dL/dx[m][ic][in]: w * dy over the outputs of ic's group and the taps that
+// read it.
 template <typename T>
-HAP_CUDA_HD inline double GroupedConvDx(const Window& g, int64_t groups,
-                                        int64_t o, const T* w, const T* dy,
-                                        int64_t m, int64_t ic, int64_t iy,
-                                        int64_t ix) {
+HAP_CUDA_HD inline double GroupedConvDx(const Window& g, int64_t groups, int64_t o, const T* w,
+                                        const T* dy, int64_t m, int64_t ic, int64_t in) {
   const int64_t cg = g.c / groups, og = o / groups, q = ic / cg, k = ic % cg;
+  const int64_t ix = in % g.w, iy = (in / g.w) % g.h, iz = in / (g.w * g.h);
   double acc = 0;
+  bool stop = false;
   for (int64_t oc = q * og; oc < (q + 1) * og; ++oc) {
-    const T* dyp = dy + (m * o + oc) * g.oh * g.ow;
-    const T* wk = w + (oc * cg + k) * g.kh * g.kw;
-    for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t ty = iy + g.ph - i * g.dh;  // = oy * sh
-      if (ty < 0) break;
-      if (ty % g.sh != 0 || ty / g.sh >= g.oh) continue;
-      for (int64_t j = 0; j < g.kw; ++j) {
-        const int64_t tx = ix + g.pw - j * g.dw;
-        if (tx < 0) break;
-        if (tx % g.sw != 0 || tx / g.sw >= g.ow) continue;
-        acc += static_cast<double>(wk[i * g.kw + j]) *
-               static_cast<double>(dyp[(ty / g.sh) * g.ow + tx / g.sw]);
+    const T* dyp = dy + (m * o + oc) * g.out_plane();
+    const T* wk = w + (oc * cg + k) * g.taps();
+    for (int64_t t = 0; t < g.kd; ++t) {
+      const int64_t oz = TapOutput(iz, g.pd, t, g.dd, g.sd, g.od, &stop);
+      if (stop) break;
+      if (oz < 0) continue;
+      for (int64_t i = 0; i < g.kh; ++i) {
+        const int64_t oy = TapOutput(iy, g.ph, i, g.dh, g.sh, g.oh, &stop);
+        if (stop) break;
+        if (oy < 0) continue;
+        for (int64_t j = 0; j < g.kw; ++j) {
+          const int64_t ox = TapOutput(ix, g.pw, j, g.dw, g.sw, g.ow, &stop);
+          if (stop) break;
+          if (ox < 0) continue;
+          acc += static_cast<double>(wk[(t * g.kh + i) * g.kw + j]) *
+                 static_cast<double>(dyp[(oz * g.oh + oy) * g.ow + ox]);
+        }
       }
     }
   }
   return acc;
 }
 
-// dL/dw[oc][k][i][j]: dy * x over the images and output positions.
+// dL/dw[oc][k][tap]: dy * x over the images and output positions.
 template <typename T>
-HAP_CUDA_HD inline double GroupedConvDw(const Window& g, int64_t groups,
-                                        int64_t o, const T* x, const T* dy,
-                                        int64_t oc, int64_t k, int64_t i,
-                                        int64_t j) {
+HAP_CUDA_HD inline double GroupedConvDw(const Window& g, int64_t groups, int64_t o, const T* x,
+                                        const T* dy, int64_t oc, int64_t k, int64_t tap) {
   const int64_t cg = g.c / groups, og = o / groups, q = oc / og;
+  const int64_t j = tap % g.kw, i = (tap / g.kw) % g.kh, t = tap / (g.kw * g.kh);
   double acc = 0;
   for (int64_t m = 0; m < g.n; ++m) {
-    const T* xp = x + (m * g.c + q * cg + k) * g.h * g.w;
-    const T* dyp = dy + (m * o + oc) * g.oh * g.ow;
-    for (int64_t oy = 0; oy < g.oh; ++oy) {
-      const int64_t iy = oy * g.sh - g.ph + i * g.dh;
-      if (iy < 0 || iy >= g.h) continue;
-      for (int64_t ox = 0; ox < g.ow; ++ox) {
-        const int64_t ix = ox * g.sw - g.pw + j * g.dw;
-        if (ix < 0 || ix >= g.w) continue;
-        acc += static_cast<double>(dyp[oy * g.ow + ox]) *
-               static_cast<double>(xp[iy * g.w + ix]);
+    const T* xp = x + (m * g.c + q * cg + k) * g.plane();
+    const T* dyp = dy + (m * o + oc) * g.out_plane();
+    for (int64_t oz = 0; oz < g.od; ++oz) {
+      const int64_t iz = oz * g.sd - g.pd + t * g.dd;
+      if (iz < 0 || iz >= g.d) continue;
+      for (int64_t oy = 0; oy < g.oh; ++oy) {
+        const int64_t iy = oy * g.sh - g.ph + i * g.dh;
+        if (iy < 0 || iy >= g.h) continue;
+        for (int64_t ox = 0; ox < g.ow; ++ox) {
+          const int64_t ix = ox * g.sw - g.pw + j * g.dw;
+          if (ix < 0 || ix >= g.w) continue;
+          acc += static_cast<double>(dyp[(oz * g.oh + oy) * g.ow + ox]) *
+                 static_cast<double>(xp[(iz * g.h + iy) * g.w + ix]);
+        }
       }
     }
   }

@@ -37,6 +37,18 @@ Window MakeWindow(int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh, int64_
   return g;
 }
 
+// A 3-D window (n, c, d, h, w; kernel, stride, padding, dilation per axis,
+// depth first) as the kernels' argument checks make it (pool::FitWindow).
+Window MakeWindow3(int64_t n, int64_t c, std::vector<int64_t> in, std::vector<int64_t> k,
+                   std::vector<int64_t> s, std::vector<int64_t> p,
+                   std::vector<int64_t> d = {1, 1, 1}) {
+  Window g;
+  const std::string error =
+      pool::FitWindow({n, c, in[0], in[1], in[2]}, 3, k, s, p, d, false, "x", &g);
+  EXPECT_EQ(error, "");
+  return g;
+}
+
 std::vector<double> Random(int64_t n, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> u(-1, 1);
   std::vector<double> v(n);
@@ -53,12 +65,18 @@ const Window kConvs[] = {
     MakeWindow(3, 2, 7, 5, 2, 3, 3, 1, 1, 0),
     MakeWindow(2, 3, 9, 11, 3, 3, 1, 1, 2, 2, 2, 2),
     MakeWindow(2, 2, 10, 9, 3, 2, 2, 1, 1, 3, 3, 4),
+    // conv3d: strides, paddings and dilations per axis, (2+1)-D kernels, 1x1x1.
+    MakeWindow3(2, 2, {5, 6, 7}, {3, 3, 2}, {2, 1, 2}, {1, 2, 0}, {1, 2, 1}),
+    MakeWindow3(2, 3, {4, 5, 5}, {1, 3, 3}, {1, 2, 2}, {0, 1, 1}),
+    MakeWindow3(1, 3, {6, 3, 4}, {3, 1, 1}, {2, 1, 1}, {1, 0, 0}),
+    MakeWindow3(2, 4, {3, 4, 2}, {1, 1, 1}, {1, 1, 1}, {0, 0, 0}),
+    MakeWindow3(1, 2, {7, 5, 5}, {2, 2, 3}, {1, 2, 1}, {2, 1, 1}, {3, 1, 2}),
 };
 
 // The im2col of all images in one of the two layouts of LaunchIm2Col.
 std::vector<double> Im2Col(const Window& g, const std::vector<double>& x,
                            bool image_major) {
-  const int64_t ckk = g.c * g.kh * g.kw, op = g.oh * g.ow;
+  const int64_t ckk = g.c * g.taps(), op = g.out_plane();
   const int64_t rs = image_major ? op : g.n * op;
   const int64_t is = image_major ? ckk * op : op;
   std::vector<double> col(ckk * g.n * op, -7.0);
@@ -75,36 +93,38 @@ std::vector<double> Im2Col(const Window& g, const std::vector<double>& x,
 TEST(Im2ColTest, TimesTheWeightsIsTheConvolution) {
   std::mt19937_64 rng(1);
   for (const Window& g : kConvs) {
-    const int64_t o = 4, ckk = g.c * g.kh * g.kw, op = g.oh * g.ow;
-    const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
+    const int64_t o = 4, ckk = g.c * g.taps(), op = g.out_plane();
+    const std::vector<double> x = Random(g.n * g.c * g.plane(), rng);
     const std::vector<double> w = Random(o * ckk, rng);
     for (bool image_major : {true, false}) {
       const std::vector<double> col = Im2Col(g, x, image_major);
       for (double v : col) ASSERT_NE(v, -7.0);  // every entry written
       for (int64_t m = 0; m < g.n; ++m) {
         for (int64_t oc = 0; oc < o; ++oc) {
-          for (int64_t oy = 0; oy < g.oh; ++oy) {
-            for (int64_t ox = 0; ox < g.ow; ++ox) {
-              double want = 0, got = 0;
-              for (int64_t c = 0; c < g.c; ++c) {
+          for (int64_t p = 0; p < op; ++p) {
+            const int64_t ox = p % g.ow, oy = (p / g.ow) % g.oh, oz = p / (g.ow * g.oh);
+            double want = 0, got = 0;
+            for (int64_t c = 0; c < g.c; ++c) {
+              for (int64_t t = 0; t < g.kd; ++t) {
                 for (int64_t i = 0; i < g.kh; ++i) {
                   for (int64_t j = 0; j < g.kw; ++j) {
+                    const int64_t iz = oz * g.sd - g.pd + t * g.dd;
                     const int64_t iy = oy * g.sh - g.ph + i * g.dh;
                     const int64_t ix = ox * g.sw - g.pw + j * g.dw;
-                    if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
-                    want += x[((m * g.c + c) * g.h + iy) * g.w + ix] *
-                            w[((oc * g.c + c) * g.kh + i) * g.kw + j];
+                    if (iz < 0 || iz >= g.d || iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) {
+                      continue;
+                    }
+                    want += x[(((m * g.c + c) * g.d + iz) * g.h + iy) * g.w + ix] *
+                            w[(((oc * g.c + c) * g.kd + t) * g.kh + i) * g.kw + j];
                   }
                 }
               }
-              for (int64_t r = 0; r < ckk; ++r) {
-                const int64_t at = image_major
-                                       ? (m * ckk + r) * op + oy * g.ow + ox
-                                       : r * g.n * op + m * op + oy * g.ow + ox;
-                got += w[oc * ckk + r] * col[at];
-              }
-              EXPECT_NEAR(got, want, 1e-12);
             }
+            for (int64_t r = 0; r < ckk; ++r) {
+              const int64_t at = image_major ? (m * ckk + r) * op + p : r * g.n * op + m * op + p;
+              got += w[oc * ckk + r] * col[at];
+            }
+            EXPECT_NEAR(got, want, 1e-12);
           }
         }
       }
@@ -117,11 +137,11 @@ TEST(Im2ColTest, TimesTheWeightsIsTheConvolution) {
 TEST(Col2ImTest, IsTheAdjointOfIm2Col) {
   std::mt19937_64 rng(2);
   for (const Window& g : kConvs) {
-    const int64_t ckk = g.c * g.kh * g.kw, op = g.oh * g.ow;
+    const int64_t ckk = g.c * g.taps(), op = g.out_plane();
     for (bool image_major : {true, false}) {
       const int64_t rs = image_major ? op : g.n * op;
       const int64_t is = image_major ? ckk * op : op;
-      const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
+      const std::vector<double> x = Random(g.n * g.c * g.plane(), rng);
       const std::vector<double> c = Random(ckk * g.n * op, rng);
       const std::vector<double> col = Im2Col(g, x, image_major);
       double lhs = 0, rhs = 0;
@@ -297,76 +317,64 @@ TEST(AvgPoolTest, AverageAndGatheredGradientMatchTheScatter) {
   }
 }
 
-// Grouped conv2d: the gathered dx and dw of GroupedConvDx/GroupedConvDw
-// against the scatter of the forward's taps (GroupedConvValue checked
-// against the same loops).
+// Grouped conv2d and conv3d: the gathered dx and dw of GroupedConvDx /
+// GroupedConvDw against the scatter of the forward's taps (GroupedConvValue
+// checked against the same loops).
 TEST(GroupedConvTest, ValueAndGatheredGradientsMatchTheScatter) {
   std::mt19937_64 rng(7);
   struct S {
-    int64_t n, c, h, w, o, groups, kh, kw, sh, sw, ph, pw, dh = 1, dw = 1;
+    int64_t o, groups;
+    Window g;
   };
   for (const S& s :
-       {S{2, 4, 5, 6, 6, 2, 3, 3, 2, 1, 1, 1}, S{1, 3, 4, 4, 6, 3, 3, 2, 1, 2, 1, 0},
-        S{2, 6, 7, 5, 6, 6, 3, 3, 2, 2, 1, 1}, S{2, 6, 9, 8, 6, 6, 3, 3, 1, 2, 2, 3, 2, 3},
-        S{1, 4, 8, 9, 4, 2, 2, 3, 2, 1, 0, 2, 3, 2}}) {
-    Window g;
-    g.n = s.n;
-    g.c = s.c;
-    g.h = s.h;
-    g.w = s.w;
-    g.kh = s.kh;
-    g.kw = s.kw;
-    g.sh = s.sh;
-    g.sw = s.sw;
-    g.ph = s.ph;
-    g.pw = s.pw;
-    g.dh = s.dh;
-    g.dw = s.dw;
-    g.oh = (g.h + 2 * g.ph - (g.kh - 1) * g.dh - 1) / g.sh + 1;
-    g.ow = (g.w + 2 * g.pw - (g.kw - 1) * g.dw - 1) / g.sw + 1;
-    const int64_t cg = g.c / s.groups, og = s.o / s.groups;
-    const std::vector<double> x = Random(g.n * g.c * g.h * g.w, rng);
-    const std::vector<double> w = Random(s.o * cg * g.kh * g.kw, rng);
-    const std::vector<double> dy = Random(g.n * s.o * g.oh * g.ow, rng);
+       {S{6, 2, MakeWindow(2, 4, 5, 6, 3, 3, 2, 1, 1, 1)},
+        S{6, 3, MakeWindow(1, 3, 4, 4, 3, 2, 1, 2, 1, 0)},
+        S{6, 6, MakeWindow(2, 6, 7, 5, 3, 3, 2, 2, 1, 1)},
+        S{6, 6, MakeWindow(2, 6, 9, 8, 3, 3, 1, 2, 2, 3, 2, 3)},
+        S{4, 2, MakeWindow(1, 4, 8, 9, 2, 3, 2, 1, 0, 2, 3, 2)},
+        S{6, 2, MakeWindow3(2, 4, {5, 4, 5}, {3, 2, 3}, {2, 1, 2}, {1, 1, 1})},
+        S{4, 4, MakeWindow3(1, 4, {6, 5, 4}, {3, 3, 1}, {1, 2, 1}, {2, 1, 0}, {2, 1, 1})}}) {
+    const Window& g = s.g;
+    const int64_t cg = g.c / s.groups, og = s.o / s.groups, op = g.out_plane();
+    const std::vector<double> x = Random(g.n * g.c * g.plane(), rng);
+    const std::vector<double> w = Random(s.o * cg * g.taps(), rng);
+    const std::vector<double> dy = Random(g.n * s.o * op, rng);
     std::vector<double> dx(x.size(), 0.0), dw(w.size(), 0.0);
     for (int64_t m = 0; m < g.n; ++m) {
       for (int64_t oc = 0; oc < s.o; ++oc) {
-        for (int64_t oy = 0; oy < g.oh; ++oy) {
-          for (int64_t ox = 0; ox < g.ow; ++ox) {
-            const double d = dy[((m * s.o + oc) * g.oh + oy) * g.ow + ox];
-            double y = 0;
-            for (int64_t k = 0; k < cg; ++k) {
-              const int64_t ic = (oc / og) * cg + k;
+        for (int64_t p = 0; p < op; ++p) {
+          const int64_t ox = p % g.ow, oy = (p / g.ow) % g.oh, oz = p / (g.ow * g.oh);
+          const double d = dy[(m * s.o + oc) * op + p];
+          double y = 0;
+          for (int64_t k = 0; k < cg; ++k) {
+            const int64_t ic = (oc / og) * cg + k;
+            for (int64_t t = 0; t < g.kd; ++t) {
               for (int64_t i = 0; i < g.kh; ++i) {
                 for (int64_t j = 0; j < g.kw; ++j) {
+                  const int64_t iz = oz * g.sd - g.pd + t * g.dd;
                   const int64_t iy = oy * g.sh - g.ph + i * g.dh, ix = ox * g.sw - g.pw + j * g.dw;
-                  if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
-                  const int64_t xi = ((m * g.c + ic) * g.h + iy) * g.w + ix;
-                  const int64_t wi = ((oc * cg + k) * g.kh + i) * g.kw + j;
+                  if (iz < 0 || iz >= g.d || iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+                  const int64_t xi = (((m * g.c + ic) * g.d + iz) * g.h + iy) * g.w + ix;
+                  const int64_t wi = (((oc * cg + k) * g.kd + t) * g.kh + i) * g.kw + j;
                   y += w[wi] * x[xi];
                   dx[xi] += w[wi] * d;
                   dw[wi] += x[xi] * d;
                 }
               }
             }
-            EXPECT_NEAR(GroupedConvValue(g, s.groups, s.o, x.data(), w.data(), m, oc, oy, ox),
-                        y, 1e-12);
           }
+          EXPECT_NEAR(GroupedConvValue(g, s.groups, s.o, x.data(), w.data(), m, oc, p), y, 1e-12);
         }
       }
     }
     for (int64_t e = 0; e < static_cast<int64_t>(x.size()); ++e) {
-      const int64_t ix = e % g.w, iy = (e / g.w) % g.h, ic = (e / (g.w * g.h)) % g.c,
-                    m = e / (g.w * g.h * g.c);
-      EXPECT_NEAR(GroupedConvDx(g, s.groups, s.o, w.data(), dy.data(), m, ic, iy, ix), dx[e],
-                  1e-12)
+      const int64_t in = e % g.plane(), ic = (e / g.plane()) % g.c, m = e / (g.plane() * g.c);
+      EXPECT_NEAR(GroupedConvDx(g, s.groups, s.o, w.data(), dy.data(), m, ic, in), dx[e], 1e-12)
           << e;
     }
     for (int64_t e = 0; e < static_cast<int64_t>(w.size()); ++e) {
-      const int64_t j = e % g.kw, i = (e / g.kw) % g.kh, k = (e / (g.kw * g.kh)) % cg,
-                    oc = e / (g.kw * g.kh * cg);
-      EXPECT_NEAR(GroupedConvDw(g, s.groups, s.o, x.data(), dy.data(), oc, k, i, j), dw[e],
-                  1e-12)
+      const int64_t tap = e % g.taps(), k = (e / g.taps()) % cg, oc = e / (g.taps() * cg);
+      EXPECT_NEAR(GroupedConvDw(g, s.groups, s.o, x.data(), dy.data(), oc, k, tap), dw[e], 1e-12)
           << e;
     }
   }

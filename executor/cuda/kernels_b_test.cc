@@ -399,6 +399,57 @@ TEST_F(KernelsBTest, Conv2d) {
   }
 }
 
+// conv3d: the same code path with a depth axis (vol2col, the grouped direct
+// kernels), against the CPU's.
+TEST_F(KernelsBTest, Conv3d) {
+  struct C {
+    Shape x, w;
+    Ints stride, padding;
+    bool bias;
+    Ints dilation = {1};
+  };
+  const C cases[] = {
+      {{2, 3, 5, 9, 8}, {4, 3, 3, 3, 3}, {1, 2, 2}, {1}, true},
+      {{2, 4, 6, 7, 7}, {5, 4, 1, 3, 3}, {1, 2, 1}, {0, 1, 1}, false},  // (2+1)-D: spatial
+      {{2, 5, 7, 4, 4}, {3, 5, 3, 1, 1}, {2, 1, 1}, {1, 0, 0}, true},   // and temporal
+      {{3, 6, 3, 5, 4}, {4, 6, 1, 1, 1}, {1}, {0}, true},               // direct
+      {{1, 2, 6, 6, 7}, {3, 2, 2, 3, 2}, {1}, {2, 1, 1}, true, {2, 1, 3}},
+      // 81 x 16 x 64^2 vol2col elements an image: 6 images a group.
+      {{8, 3, 16, 64, 64}, {4, 3, 3, 3, 3}, {1}, {1}, true},
+      // Grouped and depthwise: the direct kernels.
+      {{2, 4, 5, 6, 6}, {6, 2, 3, 3, 3}, {2, 1, 1}, {1}, true},
+      {{2, 3, 4, 5, 5}, {6, 1, 3, 3, 3}, {1}, {1}, false, {1, 2, 1}}};
+  for (DType t : kDtypes) {
+    const Tol tol = GemmTol(t);
+    for (const C& c : cases) {
+      graph::Attrs attrs{{"stride", c.stride}, {"padding", c.padding}};
+      if (c.w[1] != c.x[1]) attrs.Set("groups", c.x[1] / c.w[1]);
+      attrs.Set("dilation", c.dilation);
+      Shape y = {c.x[0], c.w[0]};
+      for (int a = 0; a < 3; ++a) {
+        const auto at = [&](const Ints& v) { return v.size() == 1 ? v[0] : v[a]; };
+        y.push_back((c.x[2 + a] + 2 * at(c.padding) - (c.w[2 + a] - 1) * at(c.dilation) - 1) /
+                        at(c.stride) +
+                    1);
+      }
+      std::vector<HostTensor> in = {R(t, c.x), R(t, c.w)};
+      if (c.bias) in.push_back(R(t, {c.w[0]}));
+      Expect(Case("conv3d", tol, in, {R(t, y)}, attrs));
+      std::vector<HostTensor> gin = in;
+      gin.push_back(HostTensor());
+      gin.push_back(R(t, y));
+      std::vector<bool> gp(gin.size(), true);
+      gp[gin.size() - 2] = false;
+      std::vector<HostTensor> gout = {R(t, c.x), R(t, c.w)};
+      if (c.bias) gout.push_back(R(t, {c.w[0]}));
+      Expect(Case("conv3d_grad", tol, gin, gout, attrs, gp));
+      std::vector<bool> only_dx(gout.size(), false);
+      only_dx[0] = true;
+      Expect(Case("conv3d_grad", tol, gin, gout, attrs, gp, only_dx));
+    }
+  }
+}
+
 TEST_F(KernelsBTest, Pooling) {
   struct P {
     Shape x;
@@ -843,6 +894,12 @@ TEST_F(KernelsBErrorTest, BadArgumentsAreTheCpusInvalidArgument) {
   ExpectSameError("conv2d",
                   {R(kF32, {1, 3, 5, 5}), R(kF32, {2, 3, 3, 3}), R(kF32, {3})},
                   {R(kF32, {1, 2, 3, 3})});  // bias
+  ExpectSameError("conv3d", {R(kF32, {1, 2, 5, 5}), R(kF32, {2, 2, 3, 3, 3})},
+                  {R(kF32, {1, 2, 3, 3})});  // a 4-D image
+  ExpectSameError("conv3d", {R(kF32, {1, 2, 5, 5, 5}), R(kF32, {2, 2, 3, 3})},
+                  {R(kF32, {1, 2, 3, 3, 3})});  // a 4-D weight
+  ExpectSameError("conv3d", {R(kF32, {1, 2, 2, 5, 5}), R(kF32, {2, 2, 3, 3, 3})},
+                  {R(kF32, {1, 2, 1, 3, 3})});  // a kernel deeper than the clip
   ExpectSameError("max_pool2d", {R(kF32, {1, 1, 5, 5})},
                   {R(kF32, {1, 1, 3, 3})},
                   {{"kernel", Ints{2}}, {"padding", Ints{2}}});  // padding

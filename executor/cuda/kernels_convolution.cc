@@ -1,6 +1,8 @@
-// Convolution and pooling over NCHW images on the GPU, with the contracts
-// and argument checks of executor/cpu/kernels_convolution.cc. conv2d is
-// im2col (kernels_convolution.cu) + cuBLAS strided-batched GEMMs over groups
+// Convolution and pooling over NCHW images and NCDHW volumes on the GPU,
+// with the contracts and argument checks of
+// executor/cpu/kernels_convolution.cc. conv2d and conv3d (one code path, a
+// 2-D window having one depth slice) are im2col / vol2col
+// (kernels_convolution.cu) + cuBLAS strided-batched GEMMs over groups
 // of images sized to bound the im2col scratch; a 1x1, stride-1, unpadded
 // convolution multiplies the images directly. Backward: dw through one GEMM
 // per group over the images side by side, dx through w^T @ dy per image and
@@ -39,33 +41,44 @@ absl::StatusOr<std::pair<int64_t, int64_t>> Pair(
   return std::make_pair(v[0], v[1]);
 }
 
+// A window attribute of a convolution over `spatial` axes: 1 or `spatial`
+// integers >= min_value, default `fill` on every axis (as the CPU's).
+absl::StatusOr<std::vector<int64_t>> Axes(const KernelArgs& a, const std::string& name, int spatial,
+                                          int64_t fill, int64_t min_value) {
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> v,
+                       cpu::AttrInts(CpuArgs(a), name, std::vector<int64_t>(spatial, fill)));
+  if (!pool::SpatialValues(&v, spatial, min_value)) {
+    return Invalid(a, "attribute '", name, "' must be 1 or ", spatial, " integers >= ", min_value);
+  }
+  return v;
+}
+
+// The layout an input of `spatial` axes must have.
+const char* Layout(int spatial) { return spatial == 3 ? "NCDHW (rank 5)" : "NCHW (rank 4)"; }
+
+// The window of x (rank spatial + 2), its output sizes and errors as the
+// CPU's (pool::FitWindow).
+absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x, int spatial,
+                                  const std::vector<int64_t>& k, const std::vector<int64_t>& s,
+                                  const std::vector<int64_t>& p, bool ceil_mode = false,
+                                  std::vector<int64_t> d = {}) {
+  const cpu::KernelArgs c = CpuArgs(a);
+  if (x.rank() != spatial + 2) {
+    return Invalid(a, cpu::InLabel(c, 0), " must be ", Layout(spatial));
+  }
+  if (d.empty()) d.assign(spatial, 1);
+  Window g;
+  const std::string error =
+      pool::FitWindow(x.shape, spatial, k, s, p, d, ceil_mode, cpu::InLabel(c, 0), &g);
+  if (!error.empty()) return Invalid(a, error);
+  return g;
+}
+
 absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
                                   std::pair<int64_t, int64_t> k, std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p, bool ceil_mode = false,
-                                  std::pair<int64_t, int64_t> d = {1, 1}) {
-  const cpu::KernelArgs c = CpuArgs(a);
-  if (x.rank() != 4) return Invalid(a, cpu::InLabel(c, 0), " must be NCHW");
-  Window g;
-  g.n = x.shape[0];
-  g.c = x.shape[1];
-  g.h = x.shape[2];
-  g.w = x.shape[3];
-  std::tie(g.kh, g.kw) = k;
-  std::tie(g.sh, g.sw) = s;
-  std::tie(g.ph, g.pw) = p;
-  std::tie(g.dh, g.dw) = d;
-  // The dilated kernel's extent, (k - 1) * d + 1 (as the CPU's).
-  int64_t eh, ew;
-  if (__builtin_mul_overflow(g.kh - 1, g.dh, &eh) || __builtin_mul_overflow(g.kw - 1, g.dw, &ew) ||
-      ++eh <= 0 || ++ew <= 0 || g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
-    const std::string dilated =
-        g.dh == 1 && g.dw == 1 ? "" : absl::StrCat(" (dilation ", g.dh, "x", g.dw, ")");
-    return Invalid(a, "kernel ", g.kh, "x", g.kw, dilated, " is larger than the padded ",
-                   cpu::InLabel(c, 0));
-  }
-  g.oh = pool::OutputSize(g.h, eh, g.sh, g.ph, ceil_mode);
-  g.ow = pool::OutputSize(g.w, ew, g.sw, g.pw, ceil_mode);
-  return g;
+                                  std::pair<int64_t, int64_t> p, bool ceil_mode) {
+  return MakeWindow(a, x, 2, {k.first, k.second}, {s.first, s.second}, {p.first, p.second},
+                    ceil_mode);
 }
 
 // --- conv2d ------------------------------------------------------------------
@@ -101,35 +114,43 @@ struct Conv {
   }
 };
 
-absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
-                               bool has_bias_slot) {
+// conv2d (spatial = 2) and conv3d (spatial = 3), as the CPU's: a 2-D
+// convolution is a 3-D one of depth 1.
+absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t, bool has_bias_slot, int spatial) {
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 1, t));
   const TensorView& w = a.in[1];
-  if (w.rank() != 4 || a.in[0].rank() != 4 || w.shape[1] < 1 || a.in[0].shape[1] < w.shape[1] ||
-      a.in[0].shape[1] % w.shape[1] != 0 || w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
+  if (a.in[0].rank() != spatial + 2) {
+    return Invalid(a, "image ", cpu::InLabel(c, 0), " must be ", Layout(spatial));
+  }
+  if (w.rank() != spatial + 2) {
+    return Invalid(a, "weight ", cpu::InLabel(c, 1), " must have rank ", spatial + 2,
+                   " ([out, in / groups, ", spatial == 3 ? "kt, " : "", "kh, kw])");
+  }
+  if (w.shape[1] < 1 || a.in[0].shape[1] < w.shape[1] || a.in[0].shape[1] % w.shape[1] != 0 ||
+      w.shape[0] % (a.in[0].shape[1] / w.shape[1]) != 0) {
     return Invalid(a, "weight ", cpu::InLabel(c, 1), " does not fit image ",
                    cpu::InLabel(c, 0),
                    " (its channels must be a whole number of groups of the "
                    "weight's input channels, dividing its output channels)");
   }
-  if (w.shape[2] < 1 || w.shape[3] < 1) {
-    return Invalid(a, "weight ", cpu::InLabel(c, 1), " has an empty kernel");
+  const std::vector<int64_t> kernel(w.shape.begin() + 2, w.shape.end());
+  for (int64_t k : kernel) {
+    if (k < 1) return Invalid(a, "weight ", cpu::InLabel(c, 1), " has an empty kernel");
   }
-  HAP_ASSIGN_OR_RETURN(auto stride, Pair(a, "stride", {1, 1}, 1));
-  HAP_ASSIGN_OR_RETURN(auto pad, Pair(a, "padding", {0, 0}, 0));
-  HAP_ASSIGN_OR_RETURN(auto dil, Pair(a, "dilation", {1, 1}, 1));
+  HAP_ASSIGN_OR_RETURN(auto stride, Axes(a, "stride", spatial, 1, 1));
+  HAP_ASSIGN_OR_RETURN(auto pad, Axes(a, "padding", spatial, 0, 0));
+  HAP_ASSIGN_OR_RETURN(auto dil, Axes(a, "dilation", spatial, 1, 1));
   Conv cv;
-  HAP_ASSIGN_OR_RETURN(cv.g,
-                       MakeWindow(a, a.in[0], {w.shape[2], w.shape[3]}, stride, pad, false, dil));
+  HAP_ASSIGN_OR_RETURN(cv.g, MakeWindow(a, a.in[0], spatial, kernel, stride, pad, false, dil));
   const Window& g = cv.g;
   cv.o = w.shape[0];
   cv.groups = a.in[0].shape[1] / w.shape[1];
-  cv.ckk = w.shape[1] * w.shape[2] * w.shape[3];
-  cv.op = g.oh * g.ow;
-  cv.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 &&
-              g.pw == 0;
+  cv.ckk = w.shape[1] * g.taps();
+  cv.op = g.out_plane();
+  cv.direct =
+      g.taps() == 1 && g.sd == 1 && g.sh == 1 && g.sw == 1 && g.pd == 0 && g.ph == 0 && g.pw == 0;
   // The CPU's group, only for its size check.
   int64_t cpu_group = 1;
   if (!cv.direct && cv.op > 0 && cv.ckk > 0) {
@@ -138,7 +159,7 @@ absl::StatusOr<Conv> CheckConv(const KernelArgs& a, DType t,
                   std::max<int64_t>(1, kCpuMaxColElements / (cv.ckk * cv.op))});
   }
   cv.cpu_group = cpu_group;
-  cv.y = {g.n, cv.o, g.oh, g.ow};
+  cv.y = spatial == 3 ? Shape{g.n, cv.o, g.od, g.oh, g.ow} : Shape{g.n, cv.o, g.oh, g.ow};
   HAP_RETURN_IF_ERROR(cpu::CheckBias(c, t, has_bias_slot, cv.o));
   HAP_RETURN_IF_ERROR(cpu::CheckFitsBlas(c, {cv.o, cv.ckk, cpu_group * cv.op}));
   // Ours: as many images as the scratch bound allows (all of them in a
@@ -166,10 +187,10 @@ absl::StatusOr<bool> Bf16Conv(const KernelArgs& a, const Conv& cv) {
 
 // y[m] = bf16(w_b @ col_b[m] + bf16(bias)), the CPU's bf16 forward: y set to
 // the rounded bias first, then each group's products fused into it.
-absl::Status Conv2dForwardBf16(const KernelArgs& a, const Conv& cv, const float* x, const float* w,
-                               const float* bias, float* y) {
+absl::Status ConvForwardBf16(const KernelArgs& a, const Conv& cv, const float* x, const float* w,
+                             const float* bias, float* y) {
   const Window& g = cv.g;
-  const int64_t plane = g.c * g.h * g.w;
+  const int64_t plane = g.c * g.plane();
   Bf16Mode mode = Bf16Mode::kOverwrite;
   if (bias != nullptr) {
     const int64_t count = g.n * cv.o * cv.op;
@@ -198,10 +219,10 @@ absl::Status Conv2dForwardBf16(const KernelArgs& a, const Conv& cv, const float*
 //   dw += bf16(dy_g @ col_g^T), db += bf16(sum of bf16(dy_g)) per channel
 //   (dy_g @ ones on the bf16 path), and dx += col2im(bf16(w^T @ dy[m]))
 //   (direct: dx[m] += bf16(w^T @ dy[m])).
-absl::Status Conv2dBackwardBf16(const KernelArgs& a, Conv cv, const float* x, const float* w,
-                                const float* dy, float* dx, float* dw, float* db) {
+absl::Status ConvBackwardBf16(const KernelArgs& a, Conv cv, const float* x, const float* w,
+                              const float* dy, float* dx, float* dw, float* db) {
   const Window& g = cv.g;
-  const int64_t plane = g.c * g.h * g.w;
+  const int64_t plane = g.c * g.plane();
   cv.group = cv.cpu_group;
   const int64_t max_cols = cv.group * cv.op;
   float* col = nullptr;
@@ -252,22 +273,22 @@ absl::Status Conv2dBackwardBf16(const KernelArgs& a, Conv cv, const float* x, co
 
 // y[m] = w @ im2col(x[m]) (+ bias): one strided-batched GEMM per group.
 template <typename T>
-absl::Status Conv2dForward(const KernelArgs& a) {
+absl::Status ConvForward(const KernelArgs& a, int spatial) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3));
+  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3, spatial));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, cv.y));
   HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
   const T* bias =
       a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>() : nullptr;
   const Window& g = cv.g;
-  const int64_t plane = g.c * g.h * g.w;
+  const int64_t plane = g.c * g.plane();
   const T* x = a.in[0].as<const T>();
   const T* w = a.in[1].as<const T>();
   T* y = a.out[0].as<T>();
   if constexpr (std::is_same_v<T, float>) {
-    if (bf16) return Conv2dForwardBf16(a, cv, x, w, bias, y);
+    if (bf16) return ConvForwardBf16(a, cv, x, w, bias, y);
   }
   if (cv.groups > 1) {
     LaunchGroupedConv<T>(g, cv.groups, cv.o, x, w, bias, y, a.stream);
@@ -298,17 +319,17 @@ absl::Status Conv2dForward(const KernelArgs& a) {
 }
 
 template <typename T>
-absl::Status Conv2dBackward(const KernelArgs& a) {
+absl::Status ConvBackward(const KernelArgs& a, int spatial) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3));
+  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3, spatial));
   HAP_RETURN_IF_ERROR(gr.Check(t, {cv.y}));
   if (!gr.dy(0).present()) return absl::OkStatus();  // as the CPU, before bf16's checks
   HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
   cv.group = cv.bounded_group;
   const Window& g = cv.g;
-  const int64_t plane = g.c * g.h * g.w;
+  const int64_t plane = g.c * g.plane();
   const T* x = gr.x(0).as<const T>();
   const T* w = gr.x(1).as<const T>();
   const T* dy = gr.dy(0).as<const T>();
@@ -316,7 +337,7 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   T* dw = gr.dx(1).present() ? gr.dx(1).as<T>() : nullptr;
   T* db = gr.n() == 3 && gr.dx(2).present() ? gr.dx(2).as<T>() : nullptr;
   if constexpr (std::is_same_v<T, float>) {
-    if (bf16) return Conv2dBackwardBf16(a, cv, x, w, dy, dx, dw, db);
+    if (bf16) return ConvBackwardBf16(a, cv, x, w, dy, dx, dw, db);
   }
   if (cv.groups > 1) {
     LaunchGroupedConvGrad<T>(g, cv.groups, cv.o, x, w, dy, dx, dw, a.stream);
@@ -369,6 +390,23 @@ absl::Status Conv2dBackward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
+template <typename T>
+absl::Status Conv2dForward(const KernelArgs& a) {
+  return ConvForward<T>(a, 2);
+}
+template <typename T>
+absl::Status Conv2dBackward(const KernelArgs& a) {
+  return ConvBackward<T>(a, 2);
+}
+template <typename T>
+absl::Status Conv3dForward(const KernelArgs& a) {
+  return ConvForward<T>(a, 3);
+}
+template <typename T>
+absl::Status Conv3dBackward(const KernelArgs& a) {
+  return ConvBackward<T>(a, 3);
+}
+
 // --- pooling -----------------------------------------------------------------
 
 // Validates a pooling op's input and attributes; returns its window.
@@ -399,7 +437,7 @@ absl::StatusOr<Window> CheckAdaptive(const KernelArgs& a, DType t) {
   HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
   HAP_ASSIGN_OR_RETURN(auto o, Pair(a, "output_size", {}, 1));
   if (a.in[0].rank() != 4) {
-    return Invalid(a, cpu::InLabel(c, 0), " must be NCHW");
+    return Invalid(a, cpu::InLabel(c, 0), " must be ", Layout(2));
   }
   Window g;
   g.n = a.in[0].shape[0];
@@ -495,6 +533,8 @@ absl::Status AdaptivePoolBackward(const KernelArgs& a) {
 void RegisterConvolutionKernels(KernelTable& t) {
   t["conv2d"] = HAP_CUDA_FLOAT_KERNEL(Conv2dForward);
   t["conv2d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv2dBackward);
+  t["conv3d"] = HAP_CUDA_FLOAT_KERNEL(Conv3dForward);
+  t["conv3d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv3dBackward);
   t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolForward);
   t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolBackward);
   t["avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AvgPoolForward);

@@ -19,7 +19,7 @@ using dev::kThreads;
 template <typename T>
 __global__ void Im2ColKernel(Window g, const T* x, int64_t images,
                              int64_t row_stride, int64_t image_stride, T* col) {
-  const int64_t total = g.c * g.kh * g.kw * images * g.oh * g.ow;
+  const int64_t total = g.c * g.taps() * images * g.out_plane();
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     int64_t at;
     const int64_t src =
@@ -32,7 +32,7 @@ __global__ void Im2ColKernel(Window g, const T* x, int64_t images,
 template <typename T>
 __global__ void Col2ImKernel(Window g, const T* col, int64_t images,
                              int64_t row_stride, int64_t image_stride, T* dx) {
-  const int64_t total = images * g.c * g.h * g.w;
+  const int64_t total = images * g.c * g.plane();
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     dx[k] += Col2ImSum(g, col, images, row_stride, image_stride, k);
   }
@@ -78,40 +78,39 @@ __global__ void BiasGradKernel(const T* dy, int64_t images, int64_t channels,
   }
 }
 
-// --- grouped conv2d ----------------------------------------------------------
+// --- grouped conv2d, conv3d --------------------------------------------------
 
 template <typename T>
 __global__ void GroupedConvKernel(Window g, int64_t groups, int64_t o,
                                   const T* x, const T* w, const T* bias, T* y) {
-  const int64_t total = g.n * o * g.oh * g.ow;
+  const int64_t op = g.out_plane();
+  const int64_t total = g.n * o * op;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
-    const int64_t ox = k % g.ow, oy = (k / g.ow) % g.oh;
-    const int64_t oc = (k / (g.ow * g.oh)) % o, m = k / (g.ow * g.oh * o);
+    const int64_t p = k % op, oc = (k / op) % o, m = k / (op * o);
     const double b = bias != nullptr ? static_cast<double>(bias[oc]) : 0.0;
-    y[k] = static_cast<T>(b + GroupedConvValue(g, groups, o, x, w, m, oc, oy, ox));
+    y[k] = static_cast<T>(b + GroupedConvValue(g, groups, o, x, w, m, oc, p));
   }
 }
 
 template <typename T>
 __global__ void GroupedConvDxKernel(Window g, int64_t groups, int64_t o,
                                     const T* w, const T* dy, T* dx) {
-  const int64_t total = g.n * g.c * g.h * g.w;
+  const int64_t plane = g.plane();
+  const int64_t total = g.n * g.c * plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
-    const int64_t ix = k % g.w, iy = (k / g.w) % g.h;
-    const int64_t ic = (k / (g.w * g.h)) % g.c, m = k / (g.w * g.h * g.c);
-    dx[k] += static_cast<T>(GroupedConvDx(g, groups, o, w, dy, m, ic, iy, ix));
+    const int64_t p = k % plane, ic = (k / plane) % g.c, m = k / (plane * g.c);
+    dx[k] += static_cast<T>(GroupedConvDx(g, groups, o, w, dy, m, ic, p));
   }
 }
 
 template <typename T>
 __global__ void GroupedConvDwKernel(Window g, int64_t groups, int64_t o,
                                     const T* x, const T* dy, T* dw) {
-  const int64_t cg = g.c / groups;
-  const int64_t total = o * cg * g.kh * g.kw;
+  const int64_t cg = g.c / groups, taps = g.taps();
+  const int64_t total = o * cg * taps;
   for (int64_t e = GridStart(); e < total; e += GridStep()) {
-    const int64_t j = e % g.kw, i = (e / g.kw) % g.kh;
-    const int64_t k = (e / (g.kw * g.kh)) % cg, oc = e / (g.kw * g.kh * cg);
-    dw[e] += static_cast<T>(GroupedConvDw(g, groups, o, x, dy, oc, k, i, j));
+    const int64_t tap = e % taps, k = (e / taps) % cg, oc = e / (taps * cg);
+    dw[e] += static_cast<T>(GroupedConvDw(g, groups, o, x, dy, oc, k, tap));
   }
 }
 
@@ -208,7 +207,7 @@ template <typename T>
 void LaunchIm2Col(const Window& g, const T* x, int64_t images,
                   int64_t row_stride, int64_t image_stride, T* col,
                   cudaStream_t stream) {
-  const int64_t total = g.c * g.kh * g.kw * images * g.oh * g.ow;
+  const int64_t total = g.c * g.taps() * images * g.out_plane();
   if (total == 0) return;
   Im2ColKernel<T><<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(
       g, x, images, row_stride, image_stride, col);
@@ -218,7 +217,7 @@ template <typename T>
 void LaunchCol2Im(const Window& g, const T* col, int64_t images,
                   int64_t row_stride, int64_t image_stride, T* dx,
                   cudaStream_t stream) {
-  const int64_t total = images * g.c * g.h * g.w;
+  const int64_t total = images * g.c * g.plane();
   if (total == 0) return;
   Col2ImKernel<T><<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(
       g, col, images, row_stride, image_stride, dx);
@@ -253,7 +252,7 @@ void LaunchBiasGrad(const T* dy, int64_t images, int64_t channels,
 template <typename T>
 void LaunchGroupedConv(const Window& g, int64_t groups, int64_t o, const T* x,
                        const T* w, const T* bias, T* y, cudaStream_t stream) {
-  const int64_t total = g.n * o * g.oh * g.ow;
+  const int64_t total = g.n * o * g.out_plane();
   if (total == 0) return;
   GroupedConvKernel<T><<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(
       g, groups, o, x, w, bias, y);
@@ -263,8 +262,8 @@ template <typename T>
 void LaunchGroupedConvGrad(const Window& g, int64_t groups, int64_t o,
                            const T* x, const T* w, const T* dy, T* dx, T* dw,
                            cudaStream_t stream) {
-  const int64_t ins = g.n * g.c * g.h * g.w;
-  const int64_t weights = o * (g.c / groups) * g.kh * g.kw;
+  const int64_t ins = g.n * g.c * g.plane();
+  const int64_t weights = o * (g.c / groups) * g.taps();
   if (dx != nullptr && ins > 0) {
     GroupedConvDxKernel<T><<<BlocksFor(ins, kThreads), kThreads, 0, stream>>>(
         g, groups, o, w, dy, dx);

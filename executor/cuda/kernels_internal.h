@@ -83,7 +83,7 @@ void RegisterRuntimeKernels(KernelTable& t);        // copies, optimizers
 void RegisterLayoutKernels(KernelTable& t);         // shape ops, embedding
 void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
 void RegisterBatchNormKernels(KernelTable& t);      // batch_norm and pieces
-void RegisterConvolutionKernels(KernelTable& t);    // conv2d, pooling
+void RegisterConvolutionKernels(KernelTable& t);    // conv2d, conv3d, pooling
 void RegisterMoeKernels(KernelTable& t);            // moe_*
 void RegisterLstmKernels(KernelTable& t);           // lstm
 

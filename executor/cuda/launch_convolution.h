@@ -12,23 +12,21 @@
 
 #include <cstdint>
 
+#include "executor/cpu/pool_window.h"
+
 namespace hap::executor::cuda {
 
-// The geometry of a sliding window over one image plane (as the CPU's).
-struct Window {
-  int64_t n = 0, c = 0, h = 0, w = 0;  // input
-  int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
-  int64_t dh = 1, dw = 1;  // conv2d's dilation: tap i reads row oy*sh - ph + i*dh
-  int64_t oh = 0, ow = 0;
-  bool count_include_pad = true;  // avg_pool2d's divisor
-};
+// The geometry of a sliding window, the CPU's (executor/cpu/pool_window.h):
+// a depth axis for conv3d, of size 1 for the 2-D ops.
+using Window = pool::Window;
 
-// The im2col matrix of `images` images starting at x:
-//   col[row * row_stride + m * image_stride + oy * ow + ox] =
-//     x_m[ch][oy * sh - ph + i * dh][ox * sw - pw + j * dw]  (0 in the padding),
-// row = (ch * kh + i) * kw + j. row_stride = images * oh * ow and
-// image_stride = oh * ow give one [c*kh*kw, images*oh*ow] matrix;
-// row_stride = oh * ow and image_stride = c*kh*kw*oh*ow one matrix an image.
+// The im2col (vol2col) matrix of `images` images starting at x:
+//   col[row * row_stride + m * image_stride + (oz * oh + oy) * ow + ox] =
+//     x_m[ch][oz*sd - pd + t*dd][oy*sh - ph + i*dh][ox*sw - pw + j*dw]
+// (0 in the padding), row = ((ch * kd + t) * kh + i) * kw + j. With op =
+// od*oh*ow, row_stride = images * op and image_stride = op give one
+// [c*taps, images*op] matrix; row_stride = op and image_stride = c*taps*op
+// one matrix an image.
 template <typename T>
 void LaunchIm2Col(const Window& g, const T* x, int64_t images,
                   int64_t row_stride, int64_t image_stride, T* col,
@@ -56,7 +54,7 @@ template <typename T>
 void LaunchBiasGrad(const T* dy, int64_t images, int64_t channels,
                     int64_t plane, T* db, cudaStream_t stream);
 
-// Grouped (depthwise) conv2d, direct (kernels_b_index.h GroupedConv*):
+// Grouped (depthwise) conv2d and conv3d, direct (kernels_b_index.h GroupedConv*):
 // y = conv + bias (bias may be null); dx += and dw += (either may be null).
 template <typename T>
 void LaunchGroupedConv(const Window& g, int64_t groups, int64_t o, const T* x,
