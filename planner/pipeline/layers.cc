@@ -121,6 +121,13 @@ absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch) {
   for (const graph::Op& op : g.ops()) {
     bool reads_batch = false;
     for (graph::TensorId t : op.inputs) reads_batch = reads_batch || batched[t];
+    // batch_norm takes its statistics over the whole batch (and moves its
+    // running statistics once a step); a microbatch would take its own.
+    if (reads_batch && op.type == "batch_norm") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "op '", op.name, "' (batch_norm) normalises with the statistics of the whole batch: ",
+          "microbatches of ", batch, " would each take their own"));
+    }
     if (reads_batch && op.attrs.Has("capacity") &&
         (op.type == "moe_gate" || op.type == "moe_route" || op.type == "moe_dispatch_idx")) {
       auto cap = op.attrs.Int("capacity");

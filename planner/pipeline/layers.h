@@ -43,8 +43,8 @@ Layers FindLayers(const graph::Graph& g, int max_layers);
 // (moe_route, moe_dispatch_idx with group_size > 0) keeps its slots per
 // group: its capacity scales with the batch. Op order and ids are kept.
 // InvalidArgument when `batch` does not divide the old batch, or the graph does not take the new
-// batch (shapes that fix it elsewhere, routing over all the batch's tokens
-// as one group), naming what failed.
+// batch (shapes that fix it elsewhere, batch_norm's statistics, routing
+// over all the batch's tokens as one group), naming what failed.
 absl::StatusOr<graph::Graph> Rebatch(const graph::Graph& g, int64_t batch);
 
 // The first input's dimension 0; 0 for a graph without inputs.

@@ -240,6 +240,31 @@ TEST(Layers, RebatchScalesGroupedRoutingAndRefusesWholeBatchRouting) {
   EXPECT_TRUE(Rebatch(*one_group, 24).ok());
 }
 
+// batch_norm's statistics are the whole batch's: a graph with one does not
+// take microbatches (the executor's pipeline runner refuses such a stage
+// too). The pipeline planner then keeps the SPMD plan with a note.
+TEST(Layers, RebatchRefusesBatchNorm) {
+  graph::GraphBuilder b("bn");
+  auto f32 = [](std::vector<int64_t> shape) {
+    return graph::TensorType{graph::DType::kFloat32, std::move(shape)};
+  };
+  graph::TensorId x = b.Input("x", f32({8, 4}));
+  graph::TensorId y =
+      b.Input("labels", graph::TensorType{graph::DType::kInt64, {8}}, graph::InputRole::kLabels);
+  graph::TensorId w = b.Parameter("fc.weight", f32({4, 4}), graph::Initializer::Ones());
+  graph::TensorId gamma = b.Parameter("bn.weight", f32({4}), graph::Initializer::Ones());
+  graph::TensorId beta = b.Parameter("bn.bias", f32({4}), graph::Initializer::Zeros());
+  x = b.Add("batch_norm", "bn", {b.Add("linear", "fc", {x, w}), gamma, beta});
+  b.SetLoss(b.Add("cross_entropy", "loss", {x, y}));
+  auto g = b.Build();
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_THAT(Rebatch(*g, 4).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("op 'bn' (batch_norm) normalises with the statistics of the "
+                                 "whole batch: microbatches of 4 would each take their own")));
+  EXPECT_TRUE(Rebatch(*g, 8).ok());
+}
+
 cost::ClusterModel TwoNodes(double inter_bw) {
   std::vector<cost::DeviceModel> d;
   for (int i = 0; i < 4; ++i) {
