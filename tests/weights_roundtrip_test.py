@@ -255,10 +255,12 @@ class TiedWeightsTest(unittest.TestCase):
                 self.assertFalse(torch.equal(got, start[name]), f"{name} did not change")
 
     def test_num_batches_tracked_counts_steps_not_microbatches(self):
-        """On a pipeline plan of 4 microbatches, num_batches_tracked
-        advances by one per step, as in a PyTorch loop of one forward per
-        step on the same global batch (not by 4, as gradient accumulation
-        over 4 forwards would), and the export loads strictly. The
+        """On a pipeline plan, num_batches_tracked advances by one per step,
+        as in a PyTorch loop of one forward per step on the same global
+        batch, and the export loads strictly. The plan has one microbatch:
+        batch_norm's statistics are the whole batch's, so a plan of 4 is
+        refused naming it (each microbatch would take its own, and the
+        running statistics would move 4 times a step). The
         --init-weights file holds the tied tensor only as head.weight (as
         GPT-2 checkpoints hold lm_head.weight without transformer.wte.weight):
         the recorded tie makes it emb.weight."""
@@ -277,9 +279,14 @@ class TiedWeightsTest(unittest.TestCase):
         del state["emb.weight"]
         safetensors_io.write(init, state)
         _, _, data = util.token_data(d, N, S, V)
+        refused = util.run([HAPCTL, "plan", "--graph", graph, "--cluster", CLUSTER,
+                            "--pipeline", "2", "--microbatches", "4"], check=False)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("op 'bn' (batch_norm) normalises with the statistics of the whole batch",
+                      refused.stderr)
         out, _, launch = train_and_export(d, graph, init, data,
-                                          ["--pipeline", "2", "--microbatches", "4"])
-        self.assertIn("pipeline: 2 stages, 4 microbatches", launch.stdout)
+                                          ["--pipeline", "2", "--microbatches", "1"])
+        self.assertIn("pipeline: 2 stages, 1 microbatches", launch.stdout)
         trained = read_safetensors(out)
         self.assertEqual(int(trained["bn.num_batches_tracked"]), 5 + STEPS)
         self.assertTrue(torch.equal(trained["head.weight"], trained["emb.weight"]))
