@@ -152,6 +152,25 @@ def _data_dependent(x):
 torch.fx.wrap("_data_dependent")
 
 
+def _as_rank(x, target):
+    """As torchvision's mvit _unsqueeze: x with an axis added when it is
+    one short of `target`, and x's rank (a tuple of a tensor and an int)."""
+    rank = x.dim()
+    if rank == target - 1:
+        x = x.unsqueeze(1)
+    return x, rank
+
+
+torch.fx.wrap("_as_rank")
+
+
+def _back_to_rank(x, target, rank):
+    return x.squeeze(1) if rank == target - 1 else x
+
+
+torch.fx.wrap("_back_to_rank")
+
+
 def decoded_values(init, shape):
     """The tensor a VALUES initializer lists (runs of values)."""
     flat = [v for v, c in zip(init["values"], init["counts"])
@@ -757,6 +776,50 @@ class ExportOpsTest(ExportTestCase):
         msg = str(cm.exception)
         self.assertIn("node '_data_dependent'", msg)
         self.assertIn("traces into this torch.fx.wrap'ed function", msg)
+
+    def test_wrapped_tuple_unbind_tensor_split_repeat_interleave(self):
+        """mvit's forms: a torch.fx.wrap'ed function returning a tensor
+        and an int (the int passed to another wrapped function),
+        torch.tensor_split by indices and by sections, Tensor.unbind,
+        torch.repeat_interleave and its method with int repeats: PyTorch's
+        loss and gradients in float64. Tensor repeats fail naming them."""
+
+        class Mvit(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 6)
+                self.pos = nn.Parameter(torch.randn(2, 4))
+
+            def forward(self, x, labels):  # x: [2, 5, 4]
+                h, rank = _as_rank(x, 4)  # [2, 1, 5, 4], 3
+                token, rest = torch.tensor_split(h, (1,), dim=2)
+                q, k, v = self.fc(rest).reshape(2, 1, 4, 3, 2).unbind(dim=3)
+                a = (q * k).sum(-1, keepdim=True) * v  # [2, 1, 4, 2]
+                p = torch.repeat_interleave(self.pos, 2, dim=0)  # [4, 4]
+                b = rest + p + self.pos.repeat_interleave(2, 0)
+                parts = torch.tensor_split(b, 3, dim=3)  # 2, 1, 1
+                z = torch.cat([parts[0] * a, parts[2], parts[1]], 3)
+                y = torch.cat([token, z], 2)  # [2, 1, 5, 4]
+                y = _back_to_rank(y, 4, rank)  # [2, 5, 4]
+                return F.cross_entropy(y.mean(1), labels)
+
+        m = Mvit().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 5, 4, dtype=torch.float64),
+                "labels": labels(2, 4)}, tol=1e-9)
+        self.assertIn("split", {op["type"] for op in g["ops"]})
+
+        class TensorRepeats(nn.Module):
+            def forward(self, x, labels):
+                r = torch.tensor([1, 2, 1])
+                return F.cross_entropy(
+                    x.repeat_interleave(r, dim=1)[:, :3], labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            self.export(TensorRepeats(), {"x": torch.randn(2, 3),
+                                          "labels": labels(2, 3)})
+        self.assertIn("repeat_interleave with a tensor of repeats",
+                      str(cm.exception))
 
     def test_exp_rsqrt_clamp_and_normalize(self):
         """torch.exp and Tensor.rsqrt (IR ops exp, rsqrt), clamp with one

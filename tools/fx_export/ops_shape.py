@@ -2,7 +2,7 @@
 (view, unsqueeze, squeeze, unflatten, nn.Unflatten), transpose and permute
 (.T, .mT, .t(), swapaxes, swapdims), flatten, indexing and slicing (x[...]),
 concat and stack,
-split and chunk, expand, the no-ops (nn.Identity, contiguous, clone, a cast
+split, chunk and unbind, expand and repeat_interleave (int repeats), the no-ops (nn.Identity, contiguous, clone, a cast
 to the same dtype), and the embedding lookup (nn.Embedding, F.embedding),
 which the planner also counts as a layout op."""
 
@@ -500,6 +500,90 @@ def _split_method(ex, call, x):
 @registry.methods("chunk")
 def _chunk_method(ex, call, x):
     return split(ex, x, call.value(1, "chunks"), call.value(2, "dim", 0), True)
+
+
+@registry.functions(torch.tensor_split)
+def _tensor_split(ex, call):
+    """torch.tensor_split by a number of sections (the first size % n one
+    longer) or by indices (mvit's class token: indices=(1,))."""
+    a = call.named(["input", "indices_or_sections", "dim"], {"dim": 0})
+    if "indices_or_sections" not in a:
+        a["indices_or_sections"] = call.kwargs.get(
+            "indices", call.kwargs.get("sections"))
+    x, how, dim = ex.t(a["input"]), ex.v(a["indices_or_sections"]), \
+        ex.v(a["dim"])
+    rank = len(x.shape)
+    d = dim + rank if dim < 0 else dim
+    size = x.shape[d]
+    if isinstance(how, int):
+        sizes = [size // how + (1 if i < size % how else 0)
+                 for i in range(how)]
+    else:
+        bounds = [0] + [min(max(int(i), 0), size) for i in how] + [size]
+        sizes = [max(b - a, 0) for a, b in zip(bounds, bounds[1:])]
+    if any(s == 0 for s in sizes):
+        ex.fail(f"tensor_split into parts of sizes {sizes}: empty parts "
+                f"are not supported")
+    return split(ex, x, sizes, d, False)
+
+
+def unbind(ex, x, dim):
+    """The slices of x along `dim`, each without that axis (a split into
+    parts of 1 and reshapes)."""
+    rank = len(x.shape)
+    d = dim + rank if dim < 0 else dim
+    if not 0 <= d < rank:
+        ex.fail(f"unbind dim {dim} is out of range for {list(x.shape)}")
+    shape = list(x.shape[:d]) + list(x.shape[d + 1:])
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    return tuple(ex.reshape(f"{name}_{i}", part, shape, scope)
+                 for i, part in enumerate(split(ex, x, 1, d, False)))
+
+
+@registry.functions(torch.unbind)
+def _unbind(ex, call):
+    return unbind(ex, call.tensor(0, "input"), call.value(1, "dim", 0))
+
+
+@registry.methods("unbind")
+def _unbind_method(ex, call, x):
+    return unbind(ex, x, call.value(1, "dim", 0))
+
+
+def repeat_interleave(ex, x, repeats, dim, output_size):
+    """x with each element along `dim` repeated `repeats` (an int) times:
+    a size-1 axis after `dim` expanded to `repeats`, merged back."""
+    if not isinstance(repeats, int) or isinstance(repeats, bool):
+        ex.fail("repeat_interleave with a tensor of repeats is not "
+                "supported (an int is)")
+    if dim is None:
+        ex.fail("repeat_interleave without dim (of the flattened input) "
+                "is not supported")
+    rank = len(x.shape)
+    d = dim + rank if dim < 0 else dim
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    one = list(x.shape[:d + 1]) + [1] + list(x.shape[d + 1:])
+    wide = list(one)
+    wide[d + 1] = repeats
+    t = ex.reshape(f"{name}_axis", x, one, scope)
+    if repeats != 1:
+        t = ex.emit("expand", name, [t], {"shape": wide}, shape=tuple(wide),
+                    scope=scope)
+    return ex.reshape(name, t, ex.out_shape(), scope)
+
+
+@registry.functions(torch.repeat_interleave)
+def _repeat_interleave(ex, call):
+    a = call.named(["input", "repeats", "dim", "output_size"],
+                   {"dim": None, "output_size": None})
+    return repeat_interleave(ex, ex.t(a["input"]), ex.v(a["repeats"]),
+                             ex.v(a["dim"]), ex.v(a["output_size"]))
+
+
+@registry.methods("repeat_interleave")
+def _repeat_interleave_method(ex, call, x):
+    return repeat_interleave(ex, x, call.value(1, "repeats"),
+                             call.value(2, "dim", None), None)
 
 
 # ---- expand, no-ops, casts -------------------------------------------------

@@ -475,25 +475,42 @@ def inline_wrapped_calls(gm):
         if isinstance(result, fx.Node):
             n.replace_all_uses_with(result)
         else:
-            # A tuple of tensors, taken apart by getitem nodes.
+            # A tuple of tensors and constants (torchvision's mvit
+            # _unsqueeze returns the tensor and its rank), taken apart by
+            # getitem nodes: a constant part becomes its value in the
+            # getitem's users.
+            missing = object()
             for u in list(n.users):
-                part = None
+                part = missing
                 if isinstance(result, (tuple, list)) and \
                         u.op == "call_function" and \
                         u.target is operator.getitem and \
                         isinstance(u.args[1], int) and \
                         -len(result) <= u.args[1] < len(result):
                     part = result[u.args[1]]
-                if not isinstance(part, fx.Node):
+                if isinstance(part, fx.Node):
+                    u.replace_all_uses_with(part)
+                elif part is not missing and _is_constant(part):
+                    for v in list(u.users):
+                        v.replace_input_with(u, part)
+                else:
                     return False, (f"{head}its result "
                                    f"({type(result).__name__}) is used as "
                                    f"'{u.name}', which the exporter does "
                                    f"not take apart")
-                u.replace_all_uses_with(part)
                 gm.graph.erase_node(u)
         gm.graph.erase_node(n)
         changed = True
     return changed, None
+
+
+def _is_constant(v):
+    """Whether `v` is a Python constant an fx argument can hold: a number,
+    bool, string or None, or a tuple or list of them (no node, no
+    tensor)."""
+    if isinstance(v, (tuple, list)):
+        return all(_is_constant(e) for e in v)
+    return v is None or isinstance(v, (bool, int, float, str))
 
 
 def _flat_tensors(v):
