@@ -134,6 +134,15 @@ def _op(t, x, a):
                             a.get("padding", [0, 0]),
                             ceil_mode=a.get("ceil_mode", False),
                             count_include_pad=a.get("count_include_pad", True))
+    if t == "max_pool3d":
+        return F.max_pool3d(x[0], a["kernel"], a.get("stride", a["kernel"]),
+                            a.get("padding", [0, 0, 0]),
+                            ceil_mode=a.get("ceil_mode", False))
+    if t == "avg_pool3d":
+        return F.avg_pool3d(x[0], a["kernel"], a.get("stride", a["kernel"]),
+                            a.get("padding", [0, 0, 0]),
+                            ceil_mode=a.get("ceil_mode", False),
+                            count_include_pad=a.get("count_include_pad", True))
     if t == "adaptive_avg_pool2d":
         return F.adaptive_avg_pool2d(x[0], a["output_size"])
     if t == "lstm":

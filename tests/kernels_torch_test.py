@@ -175,7 +175,8 @@ class KernelsTorchTest(unittest.TestCase):
                 "softmax", "log_softmax", "embedding", "transpose",
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d", "conv3d",
-                "max_pool2d", "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt",
+                "max_pool2d", "max_pool3d", "avg_pool3d",
+                "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt",
                 "moe_dispatch", "moe_combine", "lstm"}
         self.assertEqual(ops, want)
 

@@ -2,9 +2,10 @@
 // conv3d as im2col (vol2col) + GEMM, one code path with conv2d a conv3d of
 // depth 1 (a group of images per GEMM; a 1x1, stride-1, unpadded
 // convolution needs no im2col),
-// max_pool2d (padding reads as -inf, the first maximum in scan order takes
-// the gradient, as PyTorch), avg_pool2d and adaptive_avg_pool2d (PyTorch's
-// windows; ceil_mode as PyTorch's, executor/cpu/pool_window.h).
+// max_pool2d and max_pool3d (padding reads as -inf, the first maximum in
+// scan order takes the gradient, as PyTorch), avg_pool2d, avg_pool3d and
+// adaptive_avg_pool2d (PyTorch's windows; ceil_mode as PyTorch's,
+// executor/cpu/pool_window.h; a 2-D window is a 3-D one of depth 1).
 #include <cmath>
 #include <limits>
 
@@ -60,13 +61,6 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x, int 
       pool::FitWindow(x.shape, spatial, k, s, p, d, ceil_mode, InLabel(a, 0), &g);
   if (!error.empty()) return Invalid(a, error);
   return g;
-}
-
-absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
-                                  std::pair<int64_t, int64_t> k, std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p, bool ceil_mode) {
-  return MakeWindow(a, x, 2, {k.first, k.second}, {s.first, s.second}, {p.first, p.second},
-                    ceil_mode);
 }
 
 // --- conv2d -----------------------------------------------------------------------
@@ -507,13 +501,18 @@ absl::Status Conv3dBackward(const KernelArgs& a) {
 // Validates a pooling op's input and attributes; returns its window.
 using PoolCheck = absl::StatusOr<Window> (*)(const KernelArgs&, DType);
 
+// A pooling op's output shape: [n, c, (od,) oh, ow].
+Shape PoolShape(const Window& g) {
+  return g.spatial == 3 ? Shape{g.n, g.c, g.od, g.oh, g.ow} : Shape{g.n, g.c, g.oh, g.ow};
+}
+
 // Forward of a pooling op: plane(g, x_plane, y_plane) over every (n, c).
 template <typename T, typename F>
 absl::Status PoolForward(const KernelArgs& a, PoolCheck check, F plane) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
-  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, {g.n, g.c, g.oh, g.ow}));
+  HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, PoolShape(g)));
   const T* x = a.in[0].as<const T>();
   T* y = a.out[0].as<T>();
   ParallelFor(a.ctx.num_threads, g.n * g.c, GrainFor(g.plane()),
@@ -531,7 +530,7 @@ absl::Status PoolBackward(const KernelArgs& a, PoolCheck check, F plane) {
   constexpr DType t = DTypeOf<T>();
   HAP_ASSIGN_OR_RETURN(GradArgs gr, GradArgs::Make(a, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
-  HAP_RETURN_IF_ERROR(gr.Check(t, {{g.n, g.c, g.oh, g.ow}}));
+  HAP_RETURN_IF_ERROR(gr.Check(t, {PoolShape(g)}));
   if (!gr.active()) return absl::OkStatus();
   const T* x = gr.x(0).as<const T>();
   const T* dy = gr.dy(0).as<const T>();
@@ -546,109 +545,163 @@ absl::Status PoolBackward(const KernelArgs& a, PoolCheck check, F plane) {
   return absl::OkStatus();
 }
 
+// max_pool2d / max_pool3d (spatial 2 / 3): kernel, stride (default: the
+// kernel) and padding (at most half the kernel) per axis, ceil_mode.
+template <int kSpatial>
 absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
   HAP_RETURN_IF_ERROR(CheckInput(a, 0, t));
-  HAP_ASSIGN_OR_RETURN(auto k, Pair(a, "kernel", {}, 1));
-  HAP_ASSIGN_OR_RETURN(auto s, Pair(a, "stride", {k.first, k.second}, 1));
-  HAP_ASSIGN_OR_RETURN(auto p, Pair(a, "padding", {0, 0}, 0));
-  HAP_ASSIGN_OR_RETURN(bool ceil_mode, AttrBool(a, "ceil_mode", false));
-  if (p.first > k.first / 2 || p.second > k.second / 2) {
-    return Invalid(a, "padding must be at most half the kernel");
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> k, AttrInts(a, "kernel"));
+  if (!pool::SpatialValues(&k, kSpatial, 1)) {
+    return Invalid(a, "attribute 'kernel' must be 1 or ", kSpatial, " integers >= 1");
   }
-  return MakeWindow(a, a.in[0], k, s, p, ceil_mode);
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> s, AttrInts(a, "stride", k));
+  if (!pool::SpatialValues(&s, kSpatial, 1)) {
+    return Invalid(a, "attribute 'stride' must be 1 or ", kSpatial, " integers >= 1");
+  }
+  HAP_ASSIGN_OR_RETURN(auto p, Axes(a, "padding", kSpatial, 0, 0));
+  HAP_ASSIGN_OR_RETURN(bool ceil_mode, AttrBool(a, "ceil_mode", false));
+  for (int i = 0; i < kSpatial; ++i) {
+    if (p[i] > k[i] / 2) return Invalid(a, "padding must be at most half the kernel");
+  }
+  return MakeWindow(a, a.in[0], kSpatial, k, s, p, ceil_mode);
 }
 
 // fn(out_index, in_index of the window's first maximum, maximum) over a
-// plane; padding never wins (it reads as -inf).
+// plane (2-D: one depth slice); padding never wins (it reads as -inf).
 template <typename T, typename F>
 void ForEachMax(const Window& g, const T* xp, F fn) {
-  for (int64_t oy = 0; oy < g.oh; ++oy) {
-    const int64_t y0 = std::max<int64_t>(0, oy * g.sh - g.ph);
-    const int64_t y1 = std::min(g.h, oy * g.sh - g.ph + g.kh);
-    for (int64_t ox = 0; ox < g.ow; ++ox) {
-      const int64_t x0 = std::max<int64_t>(0, ox * g.sw - g.pw);
-      const int64_t x1 = std::min(g.w, ox * g.sw - g.pw + g.kw);
-      int64_t best = y0 * g.w + x0;
-      T mx = -std::numeric_limits<T>::infinity();
-      for (int64_t iy = y0; iy < y1; ++iy) {
-        for (int64_t ix = x0; ix < x1; ++ix) {
-          const T v = xp[iy * g.w + ix];
-          if (v > mx || std::isnan(v)) {
-            mx = v;
-            best = iy * g.w + ix;
+  for (int64_t oz = 0; oz < g.od; ++oz) {
+    const int64_t z0 = std::max<int64_t>(0, oz * g.sd - g.pd);
+    const int64_t z1 = std::min(g.d, oz * g.sd - g.pd + g.kd);
+    for (int64_t oy = 0; oy < g.oh; ++oy) {
+      const int64_t y0 = std::max<int64_t>(0, oy * g.sh - g.ph);
+      const int64_t y1 = std::min(g.h, oy * g.sh - g.ph + g.kh);
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        const int64_t x0 = std::max<int64_t>(0, ox * g.sw - g.pw);
+        const int64_t x1 = std::min(g.w, ox * g.sw - g.pw + g.kw);
+        int64_t best = (z0 * g.h + y0) * g.w + x0;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t iz = z0; iz < z1; ++iz) {
+          for (int64_t iy = y0; iy < y1; ++iy) {
+            for (int64_t ix = x0; ix < x1; ++ix) {
+              const T v = xp[(iz * g.h + iy) * g.w + ix];
+              if (v > mx || std::isnan(v)) {
+                mx = v;
+                best = (iz * g.h + iy) * g.w + ix;
+              }
+            }
           }
         }
+        fn((oz * g.oh + oy) * g.ow + ox, best, mx);
       }
-      fn(oy * g.ow + ox, best, mx);
     }
   }
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status MaxPoolForward(const KernelArgs& a) {
-  return PoolForward<T>(a, CheckMaxPool,
-                        [](const Window& g, const T* xp, T* yp) {
-                          ForEachMax(g, xp, [&](int64_t o, int64_t, T v) {
-                            yp[o] = v;
-                          });
-                        });
+  return PoolForward<T>(a, CheckMaxPool<kSpatial>, [](const Window& g, const T* xp, T* yp) {
+    ForEachMax(g, xp, [&](int64_t o, int64_t, T v) { yp[o] = v; });
+  });
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status MaxPoolBackward(const KernelArgs& a) {
   return PoolBackward<T>(
-      a, CheckMaxPool, [](const Window& g, const T* xp, const T* dyp, T* dxp) {
+      a, CheckMaxPool<kSpatial>, [](const Window& g, const T* xp, const T* dyp, T* dxp) {
         ForEachMax(g, xp, [&](int64_t o, int64_t best, T) { dxp[best] += dyp[o]; });
       });
 }
 
 // --- avg_pool2d -------------------------------------------------------------------
 
+template <int kSpatial>
 absl::StatusOr<Window> CheckAvgPool(const KernelArgs& a, DType t) {
-  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool(a, t));
+  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool<kSpatial>(a, t));
   HAP_ASSIGN_OR_RETURN(g.count_include_pad,
                        AttrBool(a, "count_include_pad", true));
   return g;
 }
 
 // fn(out_index, in_index, 1 / divisor) over every window element of a plane
-// (pool::AvgWindow: PyTorch's windows and divisors), outputs in order.
+// (pool::AvgWindow per axis: PyTorch's windows and divisors), outputs in
+// order.
 template <typename F>
 void ForEachAvg(const Window& g, F fn) {
-  for (int64_t oy = 0; oy < g.oh; ++oy) {
-    const pool::AvgSpan wy = pool::AvgWindow(oy, g.h, g.kh, g.sh, g.ph);
-    for (int64_t ox = 0; ox < g.ow; ++ox) {
-      const pool::AvgSpan wx = pool::AvgWindow(ox, g.w, g.kw, g.sw, g.pw);
-      const int64_t divisor = g.count_include_pad
-                                  ? wy.padded * wx.padded
-                                  : (wy.hi - wy.lo) * (wx.hi - wx.lo);
-      const double inv = 1.0 / static_cast<double>(divisor);
-      for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
-        for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
-          fn(oy * g.ow + ox, iy * g.w + ix, inv);
+  for (int64_t oz = 0; oz < g.od; ++oz) {
+    const pool::AvgSpan wz = pool::AvgWindow(oz, g.d, g.kd, g.sd, g.pd);
+    for (int64_t oy = 0; oy < g.oh; ++oy) {
+      const pool::AvgSpan wy = pool::AvgWindow(oy, g.h, g.kh, g.sh, g.ph);
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        const pool::AvgSpan wx = pool::AvgWindow(ox, g.w, g.kw, g.sw, g.pw);
+        const int64_t divisor = g.count_include_pad
+                                    ? wz.padded * wy.padded * wx.padded
+                                    : (wz.hi - wz.lo) * (wy.hi - wy.lo) * (wx.hi - wx.lo);
+        const double inv = 1.0 / static_cast<double>(divisor);
+        const int64_t o = (oz * g.oh + oy) * g.ow + ox;
+        for (int64_t iz = wz.lo; iz < wz.hi; ++iz) {
+          for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
+            for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
+              fn(o, (iz * g.h + iy) * g.w + ix, inv);
+            }
+          }
         }
       }
     }
   }
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status AvgPoolForward(const KernelArgs& a) {
-  return PoolForward<T>(a, CheckAvgPool, [](const Window& g, const T* xp, T* yp) {
+  return PoolForward<T>(a, CheckAvgPool<kSpatial>, [](const Window& g, const T* xp, T* yp) {
     std::vector<double> acc(g.out_plane(), 0.0);
     ForEachAvg(g, [&](int64_t o, int64_t i, double inv) { acc[o] += xp[i] * inv; });
     for (int64_t o = 0; o < g.out_plane(); ++o) yp[o] = static_cast<T>(acc[o]);
   });
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status AvgPoolBackward(const KernelArgs& a) {
   return PoolBackward<T>(
-      a, CheckAvgPool, [](const Window& g, const T*, const T* dyp, T* dxp) {
+      a, CheckAvgPool<kSpatial>, [](const Window& g, const T*, const T* dyp, T* dxp) {
         ForEachAvg(g, [&](int64_t o, int64_t i, double inv) {
           dxp[i] += static_cast<T>(dyp[o] * inv);
         });
       });
+}
+
+// HAP_FLOAT_KERNEL takes a one-parameter template.
+template <typename T>
+absl::Status MaxPool2dForward(const KernelArgs& a) {
+  return MaxPoolForward<T, 2>(a);
+}
+template <typename T>
+absl::Status MaxPool2dBackward(const KernelArgs& a) {
+  return MaxPoolBackward<T, 2>(a);
+}
+template <typename T>
+absl::Status MaxPool3dForward(const KernelArgs& a) {
+  return MaxPoolForward<T, 3>(a);
+}
+template <typename T>
+absl::Status MaxPool3dBackward(const KernelArgs& a) {
+  return MaxPoolBackward<T, 3>(a);
+}
+template <typename T>
+absl::Status AvgPool2dForward(const KernelArgs& a) {
+  return AvgPoolForward<T, 2>(a);
+}
+template <typename T>
+absl::Status AvgPool2dBackward(const KernelArgs& a) {
+  return AvgPoolBackward<T, 2>(a);
+}
+template <typename T>
+absl::Status AvgPool3dForward(const KernelArgs& a) {
+  return AvgPoolForward<T, 3>(a);
+}
+template <typename T>
+absl::Status AvgPool3dBackward(const KernelArgs& a) {
+  return AvgPoolBackward<T, 3>(a);
 }
 
 // --- adaptive_avg_pool2d ----------------------------------------------------------
@@ -714,10 +767,14 @@ void RegisterConvolutionKernels(KernelTable& t) {
   t["conv2d_grad"] = HAP_FLOAT_KERNEL(Conv2dBackward);
   t["conv3d"] = HAP_FLOAT_KERNEL(Conv3dForward);
   t["conv3d_grad"] = HAP_FLOAT_KERNEL(Conv3dBackward);
-  t["max_pool2d"] = HAP_FLOAT_KERNEL(MaxPoolForward);
-  t["max_pool2d_grad"] = HAP_FLOAT_KERNEL(MaxPoolBackward);
-  t["avg_pool2d"] = HAP_FLOAT_KERNEL(AvgPoolForward);
-  t["avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AvgPoolBackward);
+  t["max_pool2d"] = HAP_FLOAT_KERNEL(MaxPool2dForward);
+  t["max_pool2d_grad"] = HAP_FLOAT_KERNEL(MaxPool2dBackward);
+  t["avg_pool2d"] = HAP_FLOAT_KERNEL(AvgPool2dForward);
+  t["avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AvgPool2dBackward);
+  t["max_pool3d"] = HAP_FLOAT_KERNEL(MaxPool3dForward);
+  t["max_pool3d_grad"] = HAP_FLOAT_KERNEL(MaxPool3dBackward);
+  t["avg_pool3d"] = HAP_FLOAT_KERNEL(AvgPool3dForward);
+  t["avg_pool3d_grad"] = HAP_FLOAT_KERNEL(AvgPool3dBackward);
   t["adaptive_avg_pool2d"] = HAP_FLOAT_KERNEL(AdaptivePoolForward);
   t["adaptive_avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AdaptivePoolBackward);
 }

@@ -488,6 +488,39 @@ TEST(KernelGradTest, Convolution) {
                          {"stride", std::vector<int64_t>{2}},
                          {"padding", std::vector<int64_t>{1}}},
                         {Rand({2, 2, 5, 5}, 9)}});
+  // 3-D pools: s3d's and mvit's windows ((1, 3, 3) stride (1, 2, 2) padded,
+  // 3x3x3 stride 1 padded, 2x2x2), ceil_mode, count_include_pad.
+  ExpectGradientsMatch({"max_pool3d",
+                        {{"kernel", std::vector<int64_t>{1, 3, 3}},
+                         {"stride", std::vector<int64_t>{1, 2, 2}},
+                         {"padding", std::vector<int64_t>{0, 1, 1}}},
+                        {Rand({2, 2, 3, 5, 5}, 62)}});
+  ExpectGradientsMatch({"max_pool3d",
+                        {{"kernel", std::vector<int64_t>{3}},
+                         {"stride", std::vector<int64_t>{2}},
+                         {"padding", std::vector<int64_t>{1}},
+                         {"ceil_mode", true}},
+                        {Rand({1, 2, 4, 6, 5}, 63)}});
+  ExpectGradientsMatch({"avg_pool3d",
+                        {{"kernel", std::vector<int64_t>{3, 3, 2}},
+                         {"stride", std::vector<int64_t>{1, 2, 2}},
+                         {"padding", std::vector<int64_t>{1, 1, 0}},
+                         {"count_include_pad", false}},
+                        {Rand({2, 2, 4, 5, 6}, 64)}});
+  ExpectGradientsMatch({"avg_pool3d",
+                        {{"kernel", std::vector<int64_t>{2}}, {"ceil_mode", true}},
+                        {Rand({1, 3, 5, 4, 3}, 65)}});
+  {  // A 4-D input or a 2-element kernel given to a 3-D pool fails naming it.
+    HostTensor y(DType::kFloat64, {1, 2, 2, 2});
+    EXPECT_THAT(RunKernel("max_pool3d", {{"kernel", std::vector<int64_t>{2}}},
+                          {Rand({1, 2, 4, 4}, 66)}, {y}),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("must be NCDHW (rank 5)")));
+    HostTensor y3(DType::kFloat64, {1, 2, 2, 2, 2});
+    EXPECT_THAT(RunKernel("avg_pool3d", {{"kernel", std::vector<int64_t>{2, 2}}},
+                          {Rand({1, 2, 4, 4, 4}, 67)}, {y3}),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("attribute 'kernel' must be 1 or 3 integers >= 1")));
+  }
   ExpectGradientsMatch({"max_pool2d", {{"kernel", std::vector<int64_t>{2, 2}}},
                         {Rand({1, 3, 4, 6}, 10)}});
   // ceil_mode: a last, partial window on each axis.

@@ -276,6 +276,23 @@ TEST(RegistryTest, ShapeRules) {
               StatusIs(kInvalid, HasSubstr("kernel 3 is larger than the padded depth 2")));
   EXPECT_EQ(*infer("max_pool2d", {{"kernel", I{2}}}, {F32({1, 3, 8, 8})}),
             V{F32({1, 3, 4, 4})});
+  // 3-D pools (PyTorch: s3d's (1, 3, 3) stride (1, 2, 2) padding (0, 1, 1)
+  // over [2, 3, 8, 9, 9] gives [2, 3, 8, 5, 5]; 3x3x3 stride 2 ceil_mode
+  // over 7x7x6 gives 3x3x3).
+  EXPECT_EQ(*infer("max_pool3d",
+                   {{"kernel", I{1, 3, 3}}, {"stride", I{1, 2, 2}}, {"padding", I{0, 1, 1}}},
+                   {F32({2, 3, 8, 9, 9})}),
+            V{F32({2, 3, 8, 5, 5})});
+  EXPECT_EQ(*infer("avg_pool3d", {{"kernel", I{3}}, {"stride", I{2}}, {"ceil_mode", true}},
+                   {F32({1, 2, 7, 7, 6})}),
+            V{F32({1, 2, 3, 3, 3})});
+  EXPECT_THAT(infer("max_pool3d", {{"kernel", I{2}}}, {F32({1, 3, 8, 8})}),
+              StatusIs(kInvalid, HasSubstr("rank 5")));
+  EXPECT_THAT(infer("avg_pool3d", {{"kernel", I{2, 2}}}, {F32({1, 3, 4, 8, 8})}),
+              StatusIs(kInvalid, HasSubstr("'kernel' must be 1 or 3 integers")));
+  EXPECT_THAT(
+      infer("max_pool3d", {{"kernel", I{3}}, {"padding", I{2, 1, 1}}}, {F32({1, 3, 4, 8, 8})}),
+      StatusIs(kInvalid, HasSubstr("padding must be at most half the kernel")));
   EXPECT_EQ(*infer("adaptive_avg_pool2d", {{"output_size", I{1}}},
                    {F32({1, 3, 8, 8})}),
             V{F32({1, 3, 1, 1})});

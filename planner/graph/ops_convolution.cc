@@ -1,5 +1,6 @@
-// Convolutions over NCHW images (conv2d) and NCDHW volumes (conv3d), and
-// pooling over NCHW images.
+// Convolutions and max / average pooling over NCHW images (conv2d, the 2-D
+// pools) and NCDHW volumes (conv3d, max_pool3d, avg_pool3d); adaptive
+// average pooling over NCHW images.
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "planner/graph/op_util.h"
@@ -118,33 +119,49 @@ double ConvFlops(const OpCall& c) {
   return 2.0 * out * k + (c.inputs.size() == 3 ? out : 0);
 }
 
-// Shape rule of max_pool2d and avg_pool2d.
-absl::StatusOr<std::vector<TensorType>> InferPool(const OpCall& c) {
+// Shape rule of max_pool2d and avg_pool2d (spatial = 2) and of max_pool3d
+// and avg_pool3d (3): kernel, stride (default: the kernel) and padding per
+// axis, padding at most half the kernel.
+absl::StatusOr<std::vector<TensorType>> InferPool(const OpCall& c, int spatial) {
   HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
-  HAP_RETURN_IF_ERROR(ExpectRank(c, 0, 4));
-  HAP_ASSIGN_OR_RETURN(auto k, Pair(c.attrs, "kernel", {}, 1));
-  HAP_ASSIGN_OR_RETURN(auto s, Pair(c.attrs, "stride", {k.first, k.second}, 1));
-  HAP_ASSIGN_OR_RETURN(auto p, Pair(c.attrs, "padding", {0, 0}, 0));
-  HAP_ASSIGN_OR_RETURN(bool ceil_mode, c.attrs.Bool("ceil_mode", false));
-  if (p.first > k.first / 2 || p.second > k.second / 2) {
+  HAP_RETURN_IF_ERROR(ExpectRank(c, 0, spatial + 2));
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> k, c.attrs.Ints("kernel"));
+  if (k.size() == 1) k.assign(spatial, k[0]);
+  bool ok = static_cast<int>(k.size()) == spatial;
+  for (int64_t x : k) ok = ok && x >= 1;
+  if (!ok) {
     return absl::InvalidArgumentError(
-        "padding must be at most half the kernel");
+        absl::StrCat("attribute 'kernel' must be 1 or ", spatial, " integers >= 1"));
   }
-  HAP_ASSIGN_OR_RETURN(int64_t h, PoolOutSize(c.shape(0)[2], k.first, s.first,
-                                              p.first, ceil_mode, "height"));
-  HAP_ASSIGN_OR_RETURN(int64_t w, PoolOutSize(c.shape(0)[3], k.second,
-                                              s.second, p.second, ceil_mode,
-                                              "width"));
-  return std::vector<TensorType>{
-      {c.in(0).dtype, {c.shape(0)[0], c.shape(0)[1], h, w}}};
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> s, c.attrs.Ints("stride", k));
+  if (s.size() == 1) s.assign(spatial, s[0]);
+  ok = static_cast<int>(s.size()) == spatial;
+  for (int64_t x : s) ok = ok && x >= 1;
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attribute 'stride' must be 1 or ", spatial, " integers >= 1"));
+  }
+  HAP_ASSIGN_OR_RETURN(auto p, Axes(c.attrs, "padding", spatial, 0, 0));
+  HAP_ASSIGN_OR_RETURN(bool ceil_mode, c.attrs.Bool("ceil_mode", false));
+  static const char* const kAxes[] = {"depth", "height", "width"};
+  Shape out = {c.shape(0)[0], c.shape(0)[1]};
+  for (int a = 0; a < spatial; ++a) {
+    if (p[a] > k[a] / 2)
+      return absl::InvalidArgumentError("padding must be at most half the kernel");
+    HAP_ASSIGN_OR_RETURN(int64_t n, PoolOutSize(c.shape(0)[2 + a], k[a], s[a], p[a], ceil_mode,
+                                                kAxes[a + 3 - spatial]));
+    out.push_back(n);
+  }
+  return std::vector<TensorType>{{c.in(0).dtype, out}};
 }
 
-// Elements of a pooling window; `infer` accepted the kernel (1 or 2
-// positive integers).
-double WindowElements(const OpCall& c) {
+// Elements of a pooling window over `spatial` axes; `infer` accepted the
+// kernel (1 or `spatial` positive integers).
+double WindowElements(const OpCall& c, int spatial) {
   auto k = c.attrs.Ints("kernel").value();
-  return static_cast<double>(k[0]) *
-         static_cast<double>(k.size() == 1 ? k[0] : k[1]);
+  double n = 1;
+  for (int a = 0; a < spatial; ++a) n *= static_cast<double>(k.size() == 1 ? k[0] : k[a]);
+  return n;
 }
 
 }  // namespace
@@ -181,37 +198,42 @@ void RegisterConvolutionOps(OpRegistry& r) {
     d.flops = ConvFlops;
     r.Register(std::move(d));
   }
-  {
-    OpDef d;
-    d.type = "max_pool2d";
-    d.attrs = {"kernel", "stride", "padding", "ceil_mode"};
-    d.summary =
-        "max_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0], "
-        "ceil_mode=false) -> [n, c, h', w'] (PyTorch's output size)";
-    d.infer = InferPool;
-    d.flops = [](const OpCall& c) {
-      return WindowElements(c) * static_cast<double>(c.outputs[0].num_elements());
-    };
-    d.backward_flops_multiple = 1.0;
-    r.Register(std::move(d));
-  }
-  {
-    OpDef d;
-    d.type = "avg_pool2d";
-    d.attrs = {"kernel", "stride", "padding", "ceil_mode", "count_include_pad"};
-    d.summary =
-        "avg_pool2d(x[n, c, h, w]; kernel, stride=kernel, padding=[0,0], "
-        "ceil_mode=false, count_include_pad=true) -> [n, c, h', w'] "
-        "(PyTorch's windows and divisors)";
-    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
-      HAP_RETURN_IF_ERROR(c.attrs.Bool("count_include_pad", true).status());
-      return InferPool(c);
-    };
-    d.flops = [](const OpCall& c) {
-      return WindowElements(c) * static_cast<double>(c.outputs[0].num_elements());
-    };
-    d.backward_flops_multiple = 1.0;
-    r.Register(std::move(d));
+  for (int spatial : {2, 3}) {
+    const std::string dims = spatial == 3 ? "d, h, w" : "h, w";
+    const std::string out_dims = spatial == 3 ? "d', h', w'" : "h', w'";
+    const std::string zeros = spatial == 3 ? "[0,0,0]" : "[0,0]";
+    {
+      OpDef d;
+      d.type = absl::StrCat("max_pool", spatial, "d");
+      d.attrs = {"kernel", "stride", "padding", "ceil_mode"};
+      d.summary =
+          absl::StrCat(d.type, "(x[n, c, ", dims, "]; kernel, stride=kernel, padding=", zeros,
+                       ", ceil_mode=false) -> [n, c, ", out_dims, "] (PyTorch's output size)");
+      d.infer = [spatial](const OpCall& c) { return InferPool(c, spatial); };
+      d.flops = [spatial](const OpCall& c) {
+        return WindowElements(c, spatial) * static_cast<double>(c.outputs[0].num_elements());
+      };
+      d.backward_flops_multiple = 1.0;
+      r.Register(std::move(d));
+    }
+    {
+      OpDef d;
+      d.type = absl::StrCat("avg_pool", spatial, "d");
+      d.attrs = {"kernel", "stride", "padding", "ceil_mode", "count_include_pad"};
+      d.summary =
+          absl::StrCat(d.type, "(x[n, c, ", dims, "]; kernel, stride=kernel, padding=", zeros,
+                       ", ceil_mode=false, count_include_pad=true) -> [n, c, ", out_dims,
+                       "] (PyTorch's windows and divisors)");
+      d.infer = [spatial](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+        HAP_RETURN_IF_ERROR(c.attrs.Bool("count_include_pad", true).status());
+        return InferPool(c, spatial);
+      };
+      d.flops = [spatial](const OpCall& c) {
+        return WindowElements(c, spatial) * static_cast<double>(c.outputs[0].num_elements());
+      };
+      d.backward_flops_multiple = 1.0;
+      r.Register(std::move(d));
+    }
   }
   {
     OpDef d;

@@ -38,6 +38,14 @@ absl::StatusOr<graph::Graph> RemainingOps() {
   x = b.Add("reshape", "as_clip", {x}, {{"shape", std::vector<int64_t>{4, 4, 2, 4, 8}}});
   x = b.Add("conv3d", "conv3d", {x, param("w3", {4, 4, 1, 3, 3}), param("b3", {4})},
             {{"padding", std::vector<int64_t>{0, 1, 1}}});
+  x = b.Add("max_pool3d", "max_pool3d", {x},
+            {{"kernel", std::vector<int64_t>{1, 3, 3}},
+             {"stride", std::vector<int64_t>{1}},
+             {"padding", std::vector<int64_t>{0, 1, 1}}});
+  x = b.Add("avg_pool3d", "avg_pool3d", {x},
+            {{"kernel", std::vector<int64_t>{1, 3, 3}},
+             {"stride", std::vector<int64_t>{1}},
+             {"padding", std::vector<int64_t>{0, 1, 1}}});
   x = b.Add("reshape", "as_image", {x}, {{"shape", std::vector<int64_t>{4, 4, 8, 8}}});
   for (const char* act :
        {"relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "tanh", "exp", "rsqrt"}) {

@@ -144,7 +144,8 @@ void Pool(const RuleInput& x, std::vector<ShardRule>& r) {
                          d == 0 ? RuleKind::kData : RuleKind::kTensor,
                          {Form::S(d)}, {Form::S(d)}, true));
   }
-  if (x.op.type == "adaptive_avg_pool2d" || x.op.type == "avg_pool2d") {
+  if (x.op.type == "adaptive_avg_pool2d" || x.op.type == "avg_pool2d" ||
+      x.op.type == "avg_pool3d") {
     // Averages are linear: partial sums stay partial.
     r.push_back(MakeRule("partial", RuleKind::kPartial, {Form::P()},
                          {Form::P()}, false));
@@ -158,7 +159,8 @@ RuleFn DenseRules(const std::string& t) {
   if (t == "matmul") return Matmul;
   if (t == "embedding") return Embedding;
   if (t == "conv2d" || t == "conv3d") return Conv;
-  if (t == "max_pool2d" || t == "avg_pool2d" || t == "adaptive_avg_pool2d") {
+  if (t == "max_pool2d" || t == "avg_pool2d" || t == "adaptive_avg_pool2d" || t == "max_pool3d" ||
+      t == "avg_pool3d") {
     return Pool;
   }
   return nullptr;
