@@ -370,6 +370,58 @@ class ExportOpsTest(ExportTestCase):
         self.assertIn("conv3d needs an NCDHW (rank-5) input, got [3, 5, 6, 6]",
                       str(cm.exception))
 
+    def test_3d_pooling(self):
+        """nn.MaxPool3d and F.max_pool3d (s3d's windows, ceil_mode),
+        nn.AvgPool3d and F.avg_pool3d (padding with and without it in the
+        divisor): PyTorch's loss and gradients in float64, the attributes
+        in the graph; dilation and a 4-D input fail naming them."""
+
+        class Pools(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Conv3d(2, 3, 3, padding=1)
+                self.max = nn.MaxPool3d((1, 3, 3), (1, 2, 2), (0, 1, 1))
+                self.avg = nn.AvgPool3d((3, 2, 2), 1, (1, 1, 0),
+                                        count_include_pad=False)
+                self.fc = nn.Linear(3, 4)
+
+            def forward(self, x, labels):  # x: [2, 2, 5, 7, 6]
+                h = self.max(self.a(x))  # [2, 3, 5, 4, 3]
+                # [2, 3, 5, 5, 2], the padding in one divisor and not the other
+                h = self.avg(h) + F.avg_pool3d(h, (3, 2, 2), 1, (1, 1, 0))
+                h = F.max_pool3d(h * h, 2, ceil_mode=True)  # [2, 3, 3, 3, 1]
+                return F.cross_entropy(self.fc(h.mean((2, 3, 4))), labels)
+
+        m = Pools().double()
+        g, _ = self.assert_loss_and_gradients(
+            m, {"x": torch.randn(2, 2, 5, 7, 6, dtype=torch.float64),
+                "labels": labels(2, 4)}, tol=1e-9)
+        types = [op["type"] for op in g["ops"]
+                 if op["type"].endswith("pool3d")]
+        self.assertEqual(sorted(types), ["avg_pool3d", "avg_pool3d",
+                                         "max_pool3d", "max_pool3d"])
+
+        class Dilated(nn.Module):
+            def forward(self, x):
+                return F.max_pool3d(x, 2, dilation=2).sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Dilated(), {"x": torch.randn(1, 2, 5, 5, 5)})
+        self.assertIn("max_pool3d with dilation", str(cm.exception))
+
+        class Flat(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.p = nn.AvgPool3d(2)
+
+            def forward(self, x):
+                return self.p(x).sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Flat(), {"x": torch.randn(2, 4, 4, 4)})
+        self.assertIn("avg_pool3d needs an NCDHW (rank-5) input, got "
+                      "[2, 4, 4, 4]", str(cm.exception))
+
     def test_interpolate_and_upsample(self):
         """F.interpolate (bilinear with and without align_corners, nearest;
         by size and by scale factor, non-integer ones too, shrinking too)
@@ -1024,7 +1076,8 @@ class ExportOpsTest(ExportTestCase):
                 self.c = nn.Conv3d(2, 3, 3, padding=1)
 
             def forward(self, x, labels):
-                return F.cross_entropy(self.c(x).mean((2, 3, 4)), labels)
+                h = F.avg_pool3d(F.max_pool3d(self.c(x), 2, 1), 2, 1)
+                return F.cross_entropy(h.mean((2, 3, 4)), labels)
 
         cases.append((Video(), {"x": torch.randn(2, 2, 3, 4, 4),
                                 "labels": labels(2, 3)}))

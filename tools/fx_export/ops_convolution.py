@@ -1,10 +1,11 @@
 """Convolutions and pooling over NCHW images and NCDHW volumes
 (planner/graph/ops_convolution.cc): conv2d and conv3d (grouped and
-depthwise, dilated, zero padding), max_pool2d, avg_pool2d,
+depthwise, dilated, zero padding), max_pool2d / 3d, avg_pool2d / 3d,
 adaptive_avg_pool2d, adaptive_avg_pool3d to 1x1x1 (a mean over the
 volume); F.interpolate / nn.Upsample (bilinear, nearest) as matmuls by
 constant interpolation matrices."""
 
+import functools
 import math
 
 import torch
@@ -107,16 +108,18 @@ def _conv3d(ex, call):
 # ---- pooling ---------------------------------------------------------------
 
 
-def _pool_attrs(ex, kind, x, kernel, stride, padding, ceil_mode):
+def _pool_attrs(ex, kind, x, kernel, stride, padding, ceil_mode, spatial=2):
     """The kernel, stride (default: the kernel), padding and ceil_mode
-    attributes of a 2-d pooling op."""
-    if len(x.shape) != 4:
-        ex.fail(f"{kind} needs an NCHW (rank-4) input")
+    attributes of a pooling op over `spatial` axes."""
+    if len(x.shape) != spatial + 2:
+        ex.fail(f"{kind} needs an {_LAYOUT[spatial]} input, got "
+                f"{list(x.shape)}")
     if stride is None or (isinstance(stride, (list, tuple)) and
                           len(stride) == 0):
         stride = kernel
-    attrs = {"kernel": _pair(kernel), "stride": _pair(stride),
-             "padding": _pair(padding)}
+    attrs = {"kernel": _axes(kernel, spatial),
+             "stride": _axes(stride, spatial),
+             "padding": _axes(padding, spatial)}
     if any(2 * p > k for p, k in zip(attrs["padding"], attrs["kernel"])):
         ex.fail(f"{kind} padding must be at most half the kernel")
     if ceil_mode:
@@ -125,23 +128,26 @@ def _pool_attrs(ex, kind, x, kernel, stride, padding, ceil_mode):
 
 
 def max_pool2d(ex, x, kernel, stride, padding, dilation, ceil_mode,
-               return_indices):
-    if tuple(_pair(dilation)) != (1, 1) or return_indices:
-        ex.fail("max_pool2d with dilation or return_indices is not "
-                "supported")
-    return ex.op("max_pool2d", [x], _pool_attrs(
-        ex, "max_pool2d", x, kernel, stride, padding, ceil_mode))
+               return_indices, spatial=2):
+    """max_pool2d, or max_pool3d with spatial=3."""
+    kind = f"max_pool{spatial}d"
+    if _axes(dilation, spatial) != [1] * spatial or return_indices:
+        ex.fail(f"{kind} with dilation or return_indices is not supported")
+    return ex.op(kind, [x], _pool_attrs(
+        ex, kind, x, kernel, stride, padding, ceil_mode, spatial))
 
 
 def avg_pool2d(ex, x, kernel, stride, padding, ceil_mode, count_include_pad,
-               divisor_override):
+               divisor_override, spatial=2):
+    """avg_pool2d, or avg_pool3d with spatial=3."""
+    kind = f"avg_pool{spatial}d"
     if divisor_override is not None:
-        ex.fail("avg_pool2d with divisor_override is not supported")
-    attrs = _pool_attrs(ex, "avg_pool2d", x, kernel, stride, padding,
-                        ceil_mode)
+        ex.fail(f"{kind} with divisor_override is not supported")
+    attrs = _pool_attrs(ex, kind, x, kernel, stride, padding, ceil_mode,
+                        spatial)
     if not count_include_pad:
         attrs["count_include_pad"] = False
-    return ex.op("avg_pool2d", [x], attrs)
+    return ex.op(kind, [x], attrs)
 
 
 def adaptive_avg_pool2d(ex, x):
@@ -153,19 +159,21 @@ def adaptive_avg_pool2d(ex, x):
                  {"output_size": [out[2], out[3]]})
 
 
-@registry.modules(nn.MaxPool2d)
-def _max_pool2d_module(ex, call):
+@registry.modules(nn.MaxPool2d, nn.MaxPool3d)
+def _max_pool_module(ex, call):
     mod = call.mod
     return max_pool2d(ex, call.x0(), mod.kernel_size, mod.stride, mod.padding,
-                      mod.dilation, mod.ceil_mode, mod.return_indices)
+                      mod.dilation, mod.ceil_mode, mod.return_indices,
+                      3 if isinstance(mod, nn.MaxPool3d) else 2)
 
 
-@registry.modules(nn.AvgPool2d)
+@registry.modules(nn.AvgPool2d, nn.AvgPool3d)
 def _avg_pool2d_module(ex, call):
     mod = call.mod
     return avg_pool2d(ex, call.x0(), mod.kernel_size, mod.stride, mod.padding,
                       mod.ceil_mode, mod.count_include_pad,
-                      mod.divisor_override)
+                      mod.divisor_override,
+                      3 if isinstance(mod, nn.AvgPool3d) else 2)
 
 
 @registry.modules(nn.AdaptiveAvgPool2d)
@@ -194,6 +202,26 @@ def _max_pool2d(ex, call):
 def _avg_pool2d(ex, call):
     return _pool_function(
         ex, call, avg_pool2d,
+        ["input", "kernel_size", "stride", "padding", "ceil_mode",
+         "count_include_pad", "divisor_override"],
+        {"stride": None, "padding": 0, "ceil_mode": False,
+         "count_include_pad": True, "divisor_override": None})
+
+
+@registry.functions(F.max_pool3d, torch.max_pool3d)
+def _max_pool3d(ex, call):
+    return _pool_function(
+        ex, call, functools.partial(max_pool2d, spatial=3),
+        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+         "return_indices"],
+        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
+         "return_indices": False})
+
+
+@registry.functions(F.avg_pool3d)
+def _avg_pool3d(ex, call):
+    return _pool_function(
+        ex, call, functools.partial(avg_pool2d, spatial=3),
         ["input", "kernel_size", "stride", "padding", "ceil_mode",
          "count_include_pad", "divisor_override"],
         {"stride": None, "padding": 0, "ceil_mode": False,
