@@ -15,7 +15,7 @@ PACKAGES=(
   libdnnl-dev
   libsqlite3-dev
   libssl-dev
-  python3-torch python3-torchvision
+  python3-torch python3-torchvision python3-torchaudio
   prometheus
   python3-yaml
   chromium

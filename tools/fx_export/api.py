@@ -15,6 +15,9 @@ import torch.nn as nn
 
 from .exporter import Exporter
 from .ir import ExportError
+from .random_guard import fixed_random_draws, refusal, same_trace
+from .shaped_trace import trace_with_shapes
+from .weight_norm import untrace_weight_norms
 from .tracing import (HapTracer, Recorder, follow_inplace, inline_wrapped_calls,
                       to_meta)
 
@@ -87,6 +90,34 @@ def user_frame(e):
         line = f" ({frame.line.strip()})" if frame.line else ""
         where = f" at {frame.filename}:{frame.lineno}{line}"
     return where
+
+
+def _trace(root, example_inputs, concrete, end, draws):
+    """The fx graph of `root`: traced symbolically, else (control flow on
+    a shape, `if x.ndim != 2`) with the example inputs' shapes. Random
+    draws give the `end` of their range (random_guard)."""
+    tracer = HapTracer()
+    try:
+        with fixed_random_draws(end, draws):
+            return tracer.trace(root, concrete_args=concrete or None)
+    except ExportError:
+        raise
+    except Exception as e:  # fx.proxy.TraceError, TypeError, ...
+        first = e
+    try:
+        with fixed_random_draws(end, draws):
+            return trace_with_shapes(root, {**concrete, **example_inputs},
+                                     concrete or None)
+    except ExportError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        hint = ""
+        if isinstance(e, fx.proxy.TraceError):
+            hint = (" (control flow on tensor values is not supported; on "
+                    "shapes it is, with the example inputs' shapes)")
+        raise ExportError(f"torch.fx cannot trace "
+                          f"{type(root).__name__}{user_frame(e)}: "
+                          f"{type(e).__name__}: {e}{hint}") from first
 
 
 def _check_inputs(root, example_inputs):
@@ -289,18 +320,13 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
     was_training = root.training
     root.train()
     try:
-        tracer = HapTracer()
-        try:
-            graph = tracer.trace(root, concrete_args=concrete or None)
-        except ExportError:
-            raise
-        except Exception as e:  # fx.proxy.TraceError, TypeError, ...
-            hint = ""
-            if isinstance(e, fx.proxy.TraceError):
-                hint = " (data-dependent control flow is not supported)"
-            raise ExportError(f"torch.fx cannot trace "
-                              f"{type(root).__name__}{user_frame(e)}: "
-                              f"{type(e).__name__}: {e}{hint}") from e
+        draws = []
+        graph = _trace(root, example_inputs, concrete, "low", draws)
+        if draws and not same_trace(
+                root, graph, _trace(root, example_inputs, concrete, "high",
+                                    [])):
+            raise refusal(draws[0])
+        untrace_weight_norms(root, graph)
         gm = fx.GraphModule(root, graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = list(sig.parameters)

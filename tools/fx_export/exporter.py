@@ -25,8 +25,8 @@ from . import (ops_attention, ops_convolution, ops_elementwise,  # noqa: F401
                ops_reduction, ops_shape, ops_transformer)
 from . import registry
 from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
-                 BoolIds, ExportError, IrTensor, LstmState, Static, attr_value,
-                 float_torch_dtype, ir_dtype)
+                 BoolIds, ExportError, IrTensor, LstmState, RowMax, Static,
+                 attr_value, float_torch_dtype, ir_dtype)
 
 
 # The most runs of equal elements the buffers folded into constants may take
@@ -432,6 +432,16 @@ class Exporter:
             if isinstance(v, BoolIds):
                 self.fail(f"boolean tensor '{a.name}' is supported only as "
                           f"an attention key_padding_mask")
+            if isinstance(v, RowMax):
+                self.fail(f"the maximum '{a.name}' is supported only as the "
+                          f"shift x - x.max(dim={v.dim}, keepdim=True)[0] "
+                          f"before a softmax over that dim (the IR has no "
+                          f"max reduction)")
+            if isinstance(v, IrTensor) and v.shifted is not None and \
+                    not allow_masked:
+                self.fail(f"'{a.name}' (x less its maximum over dim "
+                          f"{v.shifted}) is supported only as the input of "
+                          f"a softmax over that dim")
             if not isinstance(v, IrTensor):
                 self.fail(f"expects a tensor, got {type(v).__name__} from "
                           f"'{a.name}'")

@@ -121,9 +121,12 @@ def default_init(root, name, tensor):
                 return dict(ZEROS)
     if isinstance(owner, nn.Linear) and attr in ("weight", "bias"):
         return fan_in_uniform(owner.in_features)
-    if isinstance(owner, nn.Conv2d) and attr in ("weight", "bias"):
-        w = owner.weight
-        return fan_in_uniform(w.shape[1] * w.shape[2] * w.shape[3])
+    if isinstance(owner, nn.modules.conv._ConvNd) and \
+            attr in ("weight", "bias"):
+        # Conv1d/2d/3d: fan-in is in_channels / groups times the kernel.
+        return fan_in_uniform(math.prod(owner.weight.shape[1:]))
+    if isinstance(owner, nn.GroupNorm):
+        return dict(ONES if attr == "weight" else ZEROS)
     if isinstance(owner, nn.Embedding) and attr == "weight":
         return normal(0.0, 1.0)
     if isinstance(owner, nn.LayerNorm):

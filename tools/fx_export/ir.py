@@ -117,14 +117,28 @@ def join(path, leaf):
 
 class IrTensor:
     """An IR tensor. `causal`/`mask`: attention scores awaiting their softmax
-    (a causal mask or an additive mask tensor was applied)."""
+    (a causal mask or an additive mask tensor was applied). `shifted`: the
+    dim over which these are scores less their maximum (x - x.max(dim,
+    keepdim=True)[0], which a softmax over that dim does not see: the IR
+    tensor is x itself, and only that softmax may take it)."""
 
-    def __init__(self, name, shape, dtype, causal=False, mask=None):
+    def __init__(self, name, shape, dtype, causal=False, mask=None,
+                 shifted=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
-        self.causal, self.mask = causal, mask
+        self.causal, self.mask, self.shifted = causal, mask, shifted
 
     def with_mask(self, causal=False, mask=None):
         return IrTensor(self.name, self.shape, self.dtype, causal, mask)
+
+
+class RowMax:
+    """x.max(dim, keepdim=True)[0] (or x.amax(dim, keepdim=True)) of the IR
+    tensor `x`, which the IR has no op for: supported only as the shift in
+    x - it before a softmax over `dim` (a numerically stable softmax, as
+    torchaudio's wav2vec2 writes it), where it changes nothing."""
+
+    def __init__(self, x, dim):
+        self.x, self.dim = x, dim
 
 
 class Static:

@@ -1,6 +1,7 @@
 """Convolutions and pooling over NCHW images and NCDHW volumes
 (planner/graph/ops_convolution.cc): conv2d and conv3d (grouped and
-depthwise, dilated, zero padding), max_pool2d / 3d, avg_pool2d / 3d,
+depthwise, dilated, zero padding), conv1d as conv2d over a height of 1,
+max_pool2d / 3d, avg_pool2d / 3d,
 adaptive_avg_pool2d, adaptive_avg_pool3d to 1x1x1 (a mean over the
 volume); F.interpolate / nn.Upsample (bilinear, nearest) as matmuls by
 constant interpolation matrices."""
@@ -13,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import registry
+from .ir import IrTensor
+from .weight_norm import module_weight
 
 
 def _axes(v, n):
@@ -41,7 +44,8 @@ def conv(ex, spatial, x, weight, bias, stride, padding, dilation, groups):
     if len(x.shape) != spatial + 2:  # PyTorch also takes an unbatched input
         ex.fail(f"{kind} needs an {_LAYOUT[spatial]} input, got "
                 f"{list(x.shape)}")
-    w = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
+    w = weight if isinstance(weight, IrTensor) else ex.param(weight) \
+        if isinstance(weight, torch.Tensor) else ex.t(weight)
     ins = [x, w]
     if bias is not None:
         ins.append(ex.param(bias) if isinstance(bias, torch.Tensor)
@@ -78,31 +82,86 @@ def _conv_module(ex, call):
     if mod.padding_mode != "zeros":
         ex.fail(f"padding_mode '{mod.padding_mode}' is not supported")
     return conv(ex, 3 if isinstance(mod, nn.Conv3d) else 2, call.x0(),
-                mod.weight, mod.bias, mod.stride, mod.padding, mod.dilation,
-                mod.groups)
+                module_weight(ex, mod, call.name, call.scope), mod.bias,
+                mod.stride, mod.padding, mod.dilation, mod.groups)
 
 
 # F.conv2d is torch.conv2d in PyTorch 1.13; both are listed for other versions.
-@registry.functions(torch.conv2d, F.conv2d)
-def _conv2d(ex, call):
+def _conv_function(ex, call, f):
+    """f(ex, input, weight, bias, stride, padding, dilation, groups) for a
+    call of F.conv1d/2d/3d (torch.conv*d), whose arguments are those."""
     a = call.named(["input", "weight", "bias", "stride", "padding",
                     "dilation", "groups"],
                    {"bias": None, "stride": 1, "padding": 0,
                     "dilation": 1, "groups": 1})
-    return conv2d(ex, ex.t(a["input"]), a["weight"], a["bias"],
-                  ex.v(a["stride"]), ex.v(a["padding"]),
-                  ex.v(a["dilation"]), ex.v(a["groups"]))
+    return f(ex, ex.t(a["input"]), a["weight"], a["bias"], ex.v(a["stride"]),
+             ex.v(a["padding"]), ex.v(a["dilation"]), ex.v(a["groups"]))
+
+
+@registry.functions(torch.conv2d, F.conv2d)
+def _conv2d(ex, call):
+    return _conv_function(ex, call, conv2d)
 
 
 @registry.functions(torch.conv3d, F.conv3d)
 def _conv3d(ex, call):
-    a = call.named(["input", "weight", "bias", "stride", "padding",
-                    "dilation", "groups"],
-                   {"bias": None, "stride": 1, "padding": 0,
-                    "dilation": 1, "groups": 1})
-    return conv(ex, 3, ex.t(a["input"]), a["weight"], a["bias"],
-                ex.v(a["stride"]), ex.v(a["padding"]),
-                ex.v(a["dilation"]), ex.v(a["groups"]))
+    return _conv_function(ex, call, lambda ex, *a: conv(ex, 3, *a))
+
+
+def conv1d(ex, x, weight, bias, stride, padding, dilation, groups):
+    """conv1d of x [n, c, l] as conv2d over a height of 1: x viewed as
+    [n, c, 1, l] and the weight [o, c/groups, k] as [o, c/groups, 1, k] (the
+    parameter keeps its PyTorch shape and name), the result [n, o, 1, l']
+    viewed back. No op of its own: conv2d's kernels and sharding rules."""
+    if len(x.shape) != 3:  # PyTorch also takes an unbatched [c, l]
+        ex.fail(f"conv1d needs an NCL (rank-3) input, got {list(x.shape)}")
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    w = weight if isinstance(weight, IrTensor) else ex.param(weight) \
+        if isinstance(weight, torch.Tensor) else ex.t(weight)
+    if len(w.shape) != 3:
+        ex.fail(f"conv1d needs a rank-3 weight [out, in/groups, k], got "
+                f"{list(w.shape)}")
+    ins = [ex.reshape(f"{name}_input", x, (x.shape[0], x.shape[1], 1,
+                                            x.shape[2]), scope),
+           ex.reshape(f"{name}_weight", w, (w.shape[0], w.shape[1], 1,
+                                             w.shape[2]), scope)]
+    if bias is not None:
+        ins.append(ex.param(bias) if isinstance(bias, torch.Tensor)
+                   else ex.t(bias))
+    stride, dilation = _axes(stride, 1)[0], _axes(dilation, 1)[0]
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding = 0
+        else:  # 'same'
+            span = (w.shape[2] - 1) * dilation
+            if span % 2 or stride != 1:
+                ex.fail("padding='same' is supported for odd (dilated) "
+                        "kernels and stride 1 only")
+            padding = span // 2
+    padding = _axes(padding, 1)[0]
+    attrs = {"stride": [1, stride], "padding": [0, padding]}
+    if dilation != 1:
+        attrs["dilation"] = [1, dilation]
+    if groups != 1:
+        attrs["groups"] = int(groups)
+    out = tuple(ex.out_shape())
+    y = ex.emit("conv2d", name, ins, attrs, (out[0], out[1], 1, out[2]),
+                ex.out_dtype(), scope=scope)
+    return ex.reshape(name, y, out, scope)
+
+
+@registry.modules(nn.Conv1d)
+def _conv1d_module(ex, call):
+    mod = call.mod
+    if mod.padding_mode != "zeros":
+        ex.fail(f"padding_mode '{mod.padding_mode}' is not supported")
+    return conv1d(ex, call.x0(), module_weight(ex, mod, call.name, call.scope),
+                  mod.bias, mod.stride, mod.padding, mod.dilation, mod.groups)
+
+
+@registry.functions(torch.conv1d, F.conv1d)
+def _conv1d(ex, call):
+    return _conv_function(ex, call, conv1d)
 
 
 # ---- pooling ---------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import registry
-from .ir import is_causal_mask
+from .ir import IrTensor, RowMax, is_causal_mask
 from .tracing import is_stochastic_depth
 
 # ---- activations -----------------------------------------------------------
@@ -78,12 +78,77 @@ def _other_activation(ex, call):
     return _activation_function(ex, call, call.node.target)
 
 
+def hardtanh(ex, x, low, high, name, scope):
+    """relu6 for (0, 6), else a clamp to [low, high]."""
+    if (low, high) == (0, 6):
+        return ex.emit("relu6", name, [x], None, x.shape, scope=scope)
+    return clamp(ex, x, low, high, name, scope)
+
+
 @registry.functions(F.hardtanh)
 def _hardtanh(ex, call):
-    if (call.value(1, "min_val", -1.0), call.value(2, "max_val", 1.0)) != \
-            (0, 6):
-        ex.fail("hardtanh is supported as relu6 (0, 6) only")
-    return _activation_function(ex, call, F.relu6)
+    return hardtanh(ex, call.tensor(0, "input"), call.value(1, "min_val", -1.0),
+                    call.value(2, "max_val", 1.0), ex.base_name(call.node),
+                    ex.scope_of(call.node))
+
+
+# nn.ReLU6 is a Hardtanh too: the more specific handler above takes it.
+@registry.modules(nn.Hardtanh)
+def _hardtanh_module(ex, call):
+    return hardtanh(ex, call.x0(), call.mod.min_val, call.mod.max_val,
+                    call.name, call.scope)
+
+
+def prelu(ex, x, weight, name, scope):
+    """PReLU: relu(x) + a * (x - relu(x)), with `a` (one value, or one per
+    channel of dim 1) broadcast over the other dims."""
+    a = ex.param(weight) if isinstance(weight, torch.Tensor) else ex.t(weight)
+    if len(a.shape) != 1 or (a.shape[0] != 1 and (
+            len(x.shape) < 2 or a.shape[0] != x.shape[1])):
+        ex.fail(f"prelu's weight {list(a.shape)} is neither one value nor "
+                f"one per channel of {list(x.shape)}")
+    if len(x.shape) >= 2:
+        a = ex.reshape(f"{name}_weight", a, (1, a.shape[0]) +
+                       (1,) * (len(x.shape) - 2), scope)
+    pos = ex.emit("relu", name, [x], None, x.shape, scope=scope)
+    neg = ex.emit("sub", name, [x, pos], None, x.shape, scope=scope)
+    neg = ex.emit("mul", name, [neg, a], None, x.shape, scope=scope)
+    return ex.emit("add", name, [pos, neg], None, x.shape, scope=scope)
+
+
+@registry.modules(nn.PReLU)
+def _prelu_module(ex, call):
+    return prelu(ex, call.x0(), call.mod.weight, call.name, call.scope)
+
+
+@registry.functions(F.prelu, torch.prelu)
+def _prelu(ex, call):
+    return prelu(ex, call.tensor(0, "input"), call.arg(1, "weight"),
+                 ex.base_name(call.node), ex.scope_of(call.node))
+
+
+def glu(ex, x, dim, name, scope):
+    """GLU: a * sigmoid(b) for the two halves a, b of x along `dim` (a
+    split, a sigmoid and a mul)."""
+    # ops_shape imports ops_lstm, which imports this module.
+    from .ops_shape import split  # noqa: PLC0415
+    rank = len(x.shape)
+    if not -rank <= dim < rank or x.shape[dim] % 2:
+        ex.fail(f"glu over dim {dim} of {list(x.shape)} needs an even size")
+    a, b = split(ex, x, 2, dim % rank, True)
+    gate = ex.emit("sigmoid", name, [b], None, b.shape, scope=scope)
+    return ex.emit("mul", name, [a, gate], None, a.shape, scope=scope)
+
+
+@registry.modules(nn.GLU)
+def _glu_module(ex, call):
+    return glu(ex, call.x0(), call.mod.dim, call.name, call.scope)
+
+
+@registry.functions(F.glu)
+def _glu(ex, call):
+    return glu(ex, call.tensor(0, "input"), call.value(1, "dim", -1),
+               ex.base_name(call.node), ex.scope_of(call.node))
 
 
 @registry.functions(torch.sigmoid, F.sigmoid)
@@ -247,6 +312,17 @@ def binary(ex, kind, a, b, alpha=1):
     if sa and sb:
         ex.fail("internal: constant arithmetic reached the exporter")
     if not sa and not sb:
+        shift = ex.env.get(b) if isinstance(b, fx.Node) else None
+        if kind == "sub" and isinstance(shift, RowMax):
+            # x - x.max(dim, keepdim=True)[0]: x itself for the softmax
+            # over dim that must follow (which it does not change).
+            ta = ex.t(a)
+            if ta.name != shift.x.name:
+                ex.fail(f"subtracts the maximum of '{shift.x.name}' from "
+                        f"'{ta.name}': supported only from the tensor "
+                        f"itself, before a softmax")
+            return IrTensor(ta.name, ta.shape, ta.dtype, ta.causal, ta.mask,
+                            shifted=shift.dim)
         ta, tb = ex.t(a), ex.t(b)
         return ex.op(kind, [ta, tb])
     x, c, x_first = (b, a, False) if sa else (a, b, True)

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import registry
+from .weight_norm import module_weight
 
 
 def linear(ex, name, x, w, b, scope):
@@ -26,7 +27,7 @@ def linear_module(ex, mod, path, x, scope):
     if x.shape[-1:] != (mod.in_features,):
         ex.fail(f"{path}: input {list(x.shape)} does not match "
                 f"in_features {mod.in_features}")
-    w = ex.param(mod.weight)
+    w = module_weight(ex, mod, path, scope)
     b = ex.param(mod.bias) if mod.bias is not None else None
     return linear(ex, path, x, w, b, scope)
 

@@ -1,7 +1,9 @@
 """Normalisations (planner/graph/ops_normalization.cc): layer_norm over the
-last dimension, training-mode batch_norm with its running statistics, and
-softmax / log_softmax over the last dimension (a softmax also takes the
-causal or additive mask that attention scores carry)."""
+last dimension, group_norm (as a layer_norm of the groups and a per-channel
+affine), training-mode batch_norm with its running statistics, and
+softmax / log_softmax (over another dimension than the last by transposes;
+a softmax over the last also takes the causal or additive mask that
+attention scores carry)."""
 
 import functools
 
@@ -11,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initializers, registry
-from .ir import float_torch_dtype, ir_dtype, join
+from .ir import IrTensor, float_torch_dtype, ir_dtype, join
 
 # ---- layer_norm ------------------------------------------------------------
 
@@ -63,6 +65,66 @@ def _layer_norm(ex, call):
                 "weight and bias")
     return ex.op("layer_norm", [x, ex.t(w), ex.t(b)],
                  {"eps": positive_eps(ex, call.value(4, "eps", 1e-5))})
+
+
+# ---- group_norm ------------------------------------------------------------
+
+
+def group_norm(ex, path, x, groups, weight, bias, eps):
+    """nn.GroupNorm / F.group_norm: x [n, c, ...] viewed as [n, groups,
+    (c / groups) * ...], a layer_norm over its last dim (frozen ones and
+    zeros for its gamma and beta), viewed back, then the per-channel
+    weight and bias (module parameters, fx arguments or None) broadcast
+    over the other dims. No op of its own."""
+    if len(x.shape) < 2:
+        ex.fail("group_norm needs an [N, C, ...] input")
+    n, c, rest = x.shape[0], x.shape[1], list(x.shape[2:])
+    if not isinstance(groups, int) or groups < 1 or c % groups:
+        ex.fail(f"group_norm's {groups} groups do not divide its {c} "
+                f"channels")
+    d = c // groups
+    for k in rest:
+        d *= k
+    positive_eps(ex, eps)
+    scope = ex.scope_of(ex.node)
+    dt = float_torch_dtype(x.dtype)
+    g = ex.param(torch.ones(d, dtype=dt), f"{path}.group_norm_gamma",
+                 dict(initializers.ONES), True, key=("gn_w", d, x.dtype))
+    b = ex.param(torch.zeros(d, dtype=dt), f"{path}.group_norm_beta",
+                 dict(initializers.ZEROS), True, key=("gn_b", d, x.dtype))
+    t = ex.reshape(f"{path}_groups", x, (n, groups, d), scope)
+    t = ex.emit("layer_norm", f"{path}_norm", [t, g, b], {"eps": float(eps)},
+                t.shape, scope=scope)
+    y = ex.reshape(f"{path}_channels", t, x.shape, scope)
+    per_channel = (1, c) + (1,) * len(rest)
+    for t, kind in ((weight, "mul"), (bias, "add")):
+        if t is None:
+            continue
+        p = ex.param(t) if isinstance(t, torch.Tensor) else ex.t(t)
+        if tuple(p.shape) != (c,):
+            ex.fail(f"group_norm's {'weight' if kind == 'mul' else 'bias'} "
+                    f"has shape {list(p.shape)}, not [{c}]")
+        p = ex.reshape(f"{path}_{'weight' if kind == 'mul' else 'bias'}", p,
+                       per_channel, scope)
+        y = ex.emit(kind, path, [y, p], None, x.shape, scope=scope)
+    return y
+
+
+@registry.modules(nn.GroupNorm)
+def _group_norm_module(ex, call):
+    mod = call.mod
+    return group_norm(ex, call.name, call.x0(), mod.num_groups,
+                      mod.weight if mod.affine else None,
+                      mod.bias if mod.affine else None, mod.eps)
+
+
+@registry.functions(F.group_norm)
+def _group_norm(ex, call):
+    a = call.named(["input", "num_groups", "weight", "bias", "eps"],
+                   {"weight": None, "bias": None, "eps": 1e-5})
+    return group_norm(ex, ex.base_name(call.node), ex.t(a["input"]),
+                      ex.v(a["num_groups"]), a["weight"], a["bias"],
+                      ex.v(a["eps"]))
 
 
 # ---- batch_norm ------------------------------------------------------------
@@ -170,9 +232,28 @@ def softmax(ex, kind, x, dim):
     rank = len(x.shape)
     if dim is None:  # PyTorch's legacy implicit dim
         dim = 0 if rank in (0, 1, 3) else 1
-    if rank == 0 or dim not in (-1, rank - 1):
-        ex.fail(f"{kind} over dim {dim} of a rank-{rank} tensor; only the "
-                f"last dimension is supported")
+    if rank == 0 or not -rank <= dim < rank:
+        ex.fail(f"{kind} over dim {dim} of a rank-{rank} tensor")
+    if x.shifted is not None:
+        # x less its maximum over x.shifted: the same softmax as of x.
+        if x.shifted != dim % rank or kind != "softmax":
+            ex.fail(f"{kind} over dim {dim} of scores less their maximum "
+                    f"over dim {x.shifted}: only a softmax over the same "
+                    f"dim is supported")
+        x = IrTensor(x.name, x.shape, x.dtype, x.causal, x.mask)
+    if dim % rank != rank - 1:
+        # Another dim (Wav2Letter's log_softmax over the classes of
+        # [n, classes, time]): moved last, and the result moved back.
+        if x.causal or x.mask is not None:
+            ex.fail(f"masked scores go into a softmax over the last "
+                    f"dimension, not dim {dim}")
+        name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+        perm = list(range(rank))
+        perm[dim % rank], perm[-1] = perm[-1], perm[dim % rank]
+        t = ex.transpose(f"{name}_in", x, perm, scope)
+        y = ex.emit(kind, name, [t], None, t.shape, ex.out_dtype(),
+                    scope=scope)
+        return ex.transpose(name, y, perm, scope)
     attrs = {}
     ins = [x]
     if x.causal or x.mask is not None:

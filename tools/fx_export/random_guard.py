@@ -1,0 +1,186 @@
+"""Random numbers drawn while forward is traced.
+
+A forward that draws with concrete arguments (`if torch.rand(1).item() <=
+self.layer_drop: continue`, torchaudio's LayerDrop in wav2vec2 and HuBERT;
+`random.random()`) runs once under the tracer, and the graph would keep that
+one draw for ever: a wav2vec2_base exported four times kept 12, 11, 12 and
+10 of its 12 layers, with exit status 0. So while tracing, the uniform and
+normal draws give fixed values, the lowest first and then the highest they
+could give (a second trace, made only when something drew): when both traces
+are the same graph with the same constants (a drop probability of 0, which
+torchaudio still draws for), the draws did not matter; when they differ, the
+export fails naming the first draw's function and line. The other draws
+(randint, bernoulli, ...) fail at once. Draws inside ops the exporter maps
+(F.dropout, torchvision's stochastic_depth) are recorded as ops, not drawn
+while tracing."""
+
+import contextlib
+import functools
+import os
+import random
+import traceback
+
+import torch
+import torch.fx as fx
+
+from .ir import ExportError
+
+# The lowest and highest value of each bounded or unbounded draw: rand's
+# lowest is its float32 step above 0 (rand() <= 0.0, a drop probability of
+# 0, is then False both times, as it is but with probability 2^-24).
+_LOW_HIGH = {
+    "uniform": (2.0 ** -24, 1.0 - 2.0 ** -24),
+    "normal": (-8.0, 8.0),
+}
+# torch factories and in-place Tensor fills whose values are replaced.
+_TORCH_FIXED = {"rand": "uniform", "rand_like": "uniform",
+                "randn": "normal", "randn_like": "normal"}
+_TENSOR_FIXED = {"uniform_": "uniform", "normal_": "normal"}
+# Draws that fail at once.
+_TORCH_REFUSED = ("randint", "randperm", "randint_like", "bernoulli",
+                  "multinomial", "normal", "poisson")
+_TENSOR_REFUSED = ("bernoulli_", "random_", "exponential_", "geometric_",
+                   "log_normal_", "cauchy_")
+_PYTHON_REFUSED = ("randint", "randrange", "choice", "choices", "shuffle",
+                   "sample", "normalvariate", "expovariate")
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+_STATE = {"lifted": False}
+
+
+def _where():
+    """" at FILE:LINE (SOURCE)" of the innermost frame that is neither
+    torch's, the exporter's nor Python's random module's, or ""."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = os.path.abspath(frame.filename)
+        if path.startswith((_TORCH_DIR, _HERE)) or \
+                path == os.path.abspath(random.__file__):
+            continue
+        line = f" ({frame.line.strip()})" if frame.line else ""
+        return f" at {frame.filename}:{frame.lineno}{line}"
+    return ""
+
+
+def refusal(draw):
+    """The ExportError for a draw ("torch.rand at FILE:LINE (SOURCE)")
+    that the graph would keep."""
+    return ExportError(
+        f"forward draws random numbers while it is traced ({draw}) and the "
+        f"graph depends on the draw: it would keep one draw for every step "
+        f"(a LayerDrop would drop the same layers for ever). Set such "
+        f"probabilities to 0 for export (torchaudio: "
+        f"encoder_layer_drop=0.0); F.dropout and stochastic depth are "
+        f"supported")
+
+
+def _fixed(name, f, value, draws):
+    """f, giving value(*args, **kwargs) instead of a draw, and noting the
+    draw in `draws`."""
+    @functools.wraps(f)
+    def draw(*args, **kwargs):
+        if _STATE["lifted"]:
+            return f(*args, **kwargs)
+        draws.append(name + _where())
+        return value(*args, **kwargs)
+    return draw
+
+
+def _filled(f, v):
+    """f's tensor (its shape, dtype and device), filled with v."""
+    def value(*args, **kwargs):
+        out = f(*args, **kwargs)
+        with torch.no_grad():
+            return out.fill_(v)
+    return value
+
+
+def _refused(name, f):
+    @functools.wraps(f)
+    def draw(*args, **kwargs):
+        if _STATE["lifted"]:
+            return f(*args, **kwargs)
+        raise refusal(name + _where())
+    return draw
+
+
+@contextlib.contextmanager
+def fixed_random_draws(end, draws):
+    """While tracing: rand/randn (and _like, Tensor.uniform_/normal_,
+    random.random/uniform/gauss) give the `end` ("low" or "high") of their
+    range, each draw appended to `draws` (its function and line); the other
+    random functions raise ExportError."""
+    i = 0 if end == "low" else 1
+    saved = []
+
+    def patch(owner, n, wrapper):
+        f = getattr(owner, n, None)
+        if f is not None:
+            saved.append((owner, n, f))
+            setattr(owner, n, wrapper(f))
+
+    for n, kind in _TORCH_FIXED.items():
+        patch(torch, n, lambda f, n=n, kind=kind: _fixed(
+            f"torch.{n}", f, _filled(f, _LOW_HIGH[kind][i]), draws))
+    for n, kind in _TENSOR_FIXED.items():
+        patch(torch.Tensor, n, lambda f, n=n, kind=kind: _fixed(
+            f"Tensor.{n}", f, _filled(f, _LOW_HIGH[kind][i]), draws))
+    u, z = _LOW_HIGH["uniform"][i], _LOW_HIGH["normal"][i]
+    patch(random, "random", lambda f: _fixed(
+        "random.random", f, lambda: u, draws))
+    patch(random, "uniform", lambda f: _fixed(
+        "random.uniform", f, lambda a, b: a + (b - a) * u, draws))
+    patch(random, "gauss", lambda f: _fixed(
+        "random.gauss", f, lambda mu=0.0, sigma=1.0: mu + sigma * z, draws))
+    for n in _TORCH_REFUSED:
+        patch(torch, n, lambda f, n=n: _refused(f"torch.{n}", f))
+    for n in _TENSOR_REFUSED:
+        patch(torch.Tensor, n, lambda f, n=n: _refused(f"Tensor.{n}", f))
+    for n in _PYTHON_REFUSED:
+        patch(random, n, lambda f, n=n: _refused(f"random.{n}", f))
+    try:
+        yield
+    finally:
+        for owner, n, f in reversed(saved):
+            setattr(owner, n, f)
+
+
+@contextlib.contextmanager
+def draws_allowed():
+    """Inside fixed_random_draws: the real functions again (an example
+    value computed by running an op, which may draw)."""
+    was = _STATE["lifted"]
+    _STATE["lifted"] = True
+    try:
+        yield
+    finally:
+        _STATE["lifted"] = was
+
+
+def same_trace(root, a, b):
+    """Whether fx graphs `a` and `b` of `root` are the same program: the
+    same nodes in order with the same targets and arguments, tensor
+    constants compared by value."""
+    na, nb = list(a.nodes), list(b.nodes)
+    if len(na) != len(nb):
+        return False
+    index = {n: i for i, n in enumerate(na)}
+    index.update({n: i for i, n in enumerate(nb)})
+
+    def key(args):
+        return fx.node.map_arg(args, lambda n: ("node", index[n]))
+
+    for x, y in zip(na, nb):
+        if x.op != y.op or key((x.args, x.kwargs)) != key((y.args, y.kwargs)):
+            return False
+        if x.op == "get_attr" and x.target != y.target:
+            tx = getattr(root, x.target, None)
+            ty = getattr(root, y.target, None)
+            if not (isinstance(tx, torch.Tensor) and
+                    isinstance(ty, torch.Tensor) and tx.dtype == ty.dtype and
+                    tx.shape == ty.shape and torch.equal(tx, ty)):
+                return False
+        elif x.target != y.target:
+            return False
+    return True
