@@ -1,6 +1,18 @@
 """Recurrent layers (planner/graph/ops_lstm.cc): nn.LSTM as one lstm op per
-layer and direction, and its final hidden state h_n; the other nn.RNNBase
-modules (GRU, RNN) fail naming themselves."""
+layer and direction, and its final hidden state h_n; nn.RNN (tanh, relu)
+and nn.GRU unrolled over the sequence into linear, add, mul, sub, sigmoid,
+tanh, relu and layout ops (no op of their own).
+
+The unrolled graph grows with the sequence length S: per layer and
+direction one linear projects the input of every step, then each step is
+OPS_PER_STEP ops (6 for nn.RNN, 18 for nn.GRU), so a 2-layer bidirectional
+GRU over 64 steps is some 4,600 ops. Planning time grows faster than the op
+count (hapctl plan --baseline dp-even on 2 cores: 4 s for that GRU, 16 s
+over 128 steps, 9,200 ops; over 256 steps, 18,400 ops, 54 s with one
+training step), so an export that would unroll into more than
+MAX_UNROLLED_OPS ops fails naming the module and its step count (nn.LSTM,
+one op a layer and direction, takes long sequences). Other nn.RNNBase
+modules fail naming themselves."""
 
 import functools
 
@@ -8,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import registry
-from .ir import LstmState, Static, join
+from .ir import IrTensor, LstmState, Static, join
 from .ops_elementwise import dropout
 
 
@@ -65,6 +77,7 @@ def lstm(ex, mod, path, input_arg, hx):
 
 def lstm_state(ex, st, k=None):
     """h_n[k] ([B, H]) or, with k None, the whole h_n; c_n fails."""
+    what = st.module if isinstance(st, RnnState) else "nn.LSTM"
     if st.parts is None:
         ex.fail(f"uses c_n, the final cell state of nn.LSTM "
                 f"'{st.path}', which is not supported (use the output "
@@ -73,10 +86,12 @@ def lstm_state(ex, st, k=None):
     h_n = join(st.path, "h_n")
     if k is not None:
         if not -len(st.parts) <= k < len(st.parts):
-            ex.fail(f"h_n index {k} is out of range for nn.LSTM "
+            ex.fail(f"h_n index {k} is out of range for {what} "
                     f"'{st.path}' ({len(st.parts)} layers x "
                     f"directions)")
         y, step = st.parts[k]
+        if step is None:  # the final hidden state itself
+            return y
         B, S, H = y.shape
         last = ex.emit("slice", h_n, [y],
                        {"axis": 1, "start": step, "end": step + 1},
@@ -93,6 +108,190 @@ def lstm_state(ex, st, k=None):
     return st.whole
 
 
+# ---- nn.RNN and nn.GRU, unrolled ------------------------------------------
+
+# The ops one step of a layer and direction unrolls into (the slice of its
+# input projection, the hidden projection, the gates, its output's reshape),
+# and the most an nn.RNN or nn.GRU may unroll into: see the module's
+# docstring.
+OPS_PER_STEP = {"tanh": 6, "relu": 6, "GRU": 18}
+MAX_UNROLLED_OPS = 10000
+
+
+class RnnState(LstmState):
+    """h_n of an nn.RNN or nn.GRU (`module`, e.g. "nn.GRU"): `parts` holds
+    each layer and direction's final hidden state [B, H] itself (step
+    None), made into h_n's [layers * directions, B, H] only when used
+    whole."""
+
+    def __init__(self, path, parts, module):
+        super().__init__(path, parts)
+        self.module = module
+
+
+class _Unroll:
+    """Emits one layer and direction of an unrolled nn.RNN or nn.GRU: ops
+    named "<path>.<l0[_reverse]>.t<step>.<what>" in the module's scope."""
+
+    def __init__(self, ex, kind, scope, H):
+        self.ex, self.kind, self.scope, self.H = ex, kind, scope, H
+
+    def op(self, type_, name, inputs, shape, attrs=None):
+        return self.ex.emit(type_, name, inputs, attrs, shape,
+                            scope=self.scope)
+
+    def cols(self, name, x, start, end):
+        """x[..., start:end] of a [B, G * H] tensor (or a [G * H] bias)."""
+        shape = x.shape[:-1] + (end - start,)
+        return self.op("slice", name, [x], shape,
+                       {"axis": len(x.shape) - 1, "start": start,
+                        "end": end})
+
+    def step(self, name, xt, h, w_hh, b_hh):
+        """The hidden state after one step: xt [B, G * H] is the step's
+        input projection (x W_ih^T + b_ih), h the previous hidden state
+        [B, H] or None for PyTorch's zero initial state (then h W_hh^T is
+        zero and only b_hh is left of the hidden projection)."""
+        at = functools.partial(join, name)
+        B, H = xt.shape[0], self.H
+        if h is not None:
+            ins = [h, w_hh] + ([b_hh] if b_hh is not None else [])
+            hp = self.op("linear", at("hh"), ins, (B, xt.shape[1]))
+        else:
+            hp = b_hh  # [G * H] or None
+        if self.kind != "GRU":
+            pre = xt if hp is None else self.op("add", at("add"), [xt, hp],
+                                                (B, H))
+            return self.op(self.kind, at(self.kind), [pre], (B, H))
+        # PyTorch's GRU, gates (r, z, n):
+        #   r = sigmoid(x_r + h_r), z = sigmoid(x_z + h_z),
+        #   n = tanh(x_n + r * h_n), h' = (1 - z) * n + z * h
+        # with h_* = h W_h*^T + b_h*; h' is computed as n + z * (h - n).
+        rz = self.cols(at("x_rz"), xt, 0, 2 * H)
+        if hp is not None:
+            rz = self.op("add", at("rz_add"),
+                         [rz, self.cols(at("h_rz"), hp, 0, 2 * H)],
+                         (B, 2 * H))
+        rz = self.op("sigmoid", at("rz"), [rz], (B, 2 * H))
+        r, z = self.cols(at("r"), rz, 0, H), self.cols(at("z"), rz, H, 2 * H)
+        n = self.cols(at("x_n"), xt, 2 * H, 3 * H)
+        if hp is not None:
+            rh = self.op("mul", at("r_h_n"),
+                         [r, self.cols(at("h_n"), hp, 2 * H, 3 * H)], (B, H))
+            n = self.op("add", at("n_add"), [n, rh], (B, H))
+        n = self.op("tanh", at("n"), [n], (B, H))
+        if h is None:  # h' = n - z * n
+            zn = self.op("mul", at("z_n"), [z, n], (B, H))
+            return self.op("sub", at("h"), [n, zn], (B, H))
+        d = self.op("sub", at("h_minus_n"), [h, n], (B, H))
+        zd = self.op("mul", at("z_d"), [z, d], (B, H))
+        return self.op("add", at("h"), [n, zd], (B, H))
+
+    def layer(self, name, x, weights, h0, reverse):
+        """One layer and direction over x [B, S, I]: (its output [B, S, H],
+        its final hidden state [B, H]). The input projection of every step
+        is one linear; h0 [B, H] or None (zeros)."""
+        w_ih, w_hh, b_ih, b_hh = weights
+        B, S, _ = x.shape
+        G = 3 if self.kind == "GRU" else 1
+        at = functools.partial(join, name)
+        ins = [x, w_ih] + ([b_ih] if b_ih is not None else [])
+        xp = self.op("linear", at("ih"), ins, (B, S, G * self.H))
+        h, outs = h0, [None] * S
+        for t in (reversed(range(S)) if reverse else range(S)):
+            xt = self.op("slice", at(f"t{t}.x"), [xp], (B, 1, G * self.H),
+                         {"axis": 1, "start": t, "end": t + 1})
+            xt = self.ex.reshape(at(f"t{t}.x"), xt, (B, G * self.H),
+                                 self.scope)
+            h = self.step(at(f"t{t}"), xt, h, w_hh, b_hh)
+            outs[t] = self.ex.reshape(at(f"t{t}.out"), h, (B, 1, self.H),
+                                      self.scope)
+        y = outs[0] if S == 1 else self.op("concat", at("out"), outs,
+                                           (B, S, self.H), {"axis": 1})
+        return y, h
+
+
+def unrolled_rnn(ex, mod, path, input_arg, hx):
+    """nn.RNN or nn.GRU `mod` unrolled (_Unroll per layer and direction,
+    the directions' outputs concatenated, dropout between layers as
+    nn.LSTM's, transposes around a sequence-first stack). Returns (output,
+    h_n), h_n an RnnState."""
+    what = f"nn.{type(mod).__name__} '{path}'"
+    if isinstance(mod, nn.GRU):
+        kind = "GRU"
+    elif mod.mode == "RNN_TANH":
+        kind = "tanh"
+    elif mod.mode == "RNN_RELU":
+        kind = "relu"
+    else:
+        ex.fail(f"{what}: mode {mod.mode} is not supported (nn.LSTM, "
+                f"nn.GRU and nn.RNN are)")
+    if getattr(mod, "proj_size", 0):
+        ex.fail(f"{what} with proj_size is not supported")
+    if not (isinstance(input_arg, fx.Node) and
+            isinstance(ex.env.get(input_arg), IrTensor)):
+        ex.fail(f"{what}: its input must be a tensor [batch, sequence, "
+                f"features] (packed sequences are not supported)")
+    x = ex.t(input_arg)
+    if len(x.shape) != 3:
+        ex.fail(f"{what}: input {list(x.shape)} must have rank 3 "
+                f"(unbatched or packed sequences are not supported)")
+    at = functools.partial(join, path)
+    scope = ex.scope_of(ex.node)
+    H, L = mod.hidden_size, mod.num_layers
+    dirs = 2 if mod.bidirectional else 1
+    if not mod.batch_first:
+        x = ex.transpose(at("batch_first"), x, (1, 0, 2), scope)
+    B, S, _ = x.shape
+    n_ops = S * L * dirs * OPS_PER_STEP[kind]
+    if n_ops > MAX_UNROLLED_OPS:
+        ex.fail(f"{what}: {S} steps x {L} layers x {dirs} directions "
+                f"unroll into about {n_ops} ops, more than "
+                f"{MAX_UNROLLED_OPS} (the graph grows with the sequence "
+                f"and planning it slows down faster: use a shorter "
+                f"sequence, or nn.LSTM, one op a layer and direction)")
+    h0 = None
+    if hx is not None and not (isinstance(hx, fx.Node) and
+                               isinstance(ex.env[hx], Static) and
+                               ex.env[hx].value is None):
+        h0 = ex.t(hx)
+        if h0.shape != (L * dirs, B, H):
+            ex.fail(f"{what}: initial state {list(h0.shape)} must be "
+                    f"[{L * dirs}, {B}, {H}] (layers x directions, batch, "
+                    f"hidden)")
+    unroll = _Unroll(ex, kind, scope, H)
+    finals = []
+    for layer in range(L):
+        outs = []
+        for d in range(dirs):
+            sfx = f"l{layer}" + ("_reverse" if d else "")
+            weights = [ex.param(getattr(mod, f"weight_ih_{sfx}")),
+                       ex.param(getattr(mod, f"weight_hh_{sfx}")), None, None]
+            if mod.bias:
+                weights[2:] = [ex.param(getattr(mod, f"bias_ih_{sfx}")),
+                               ex.param(getattr(mod, f"bias_hh_{sfx}"))]
+            h = None
+            if h0 is not None:
+                k = layer * dirs + d
+                h = ex.emit("slice", at(f"h0_{sfx}"), [h0],
+                            {"axis": 0, "start": k, "end": k + 1},
+                            (1, B, H), scope=scope)
+                h = ex.reshape(at(f"h0_{sfx}"), h, (B, H), scope)
+            y, h = unroll.layer(at(sfx), x, weights, h, bool(d))
+            outs.append(y)
+            finals.append((h, None))
+        if dirs == 1:
+            x = outs[0]
+        else:
+            x = ex.emit("concat", at(f"l{layer}_concat"), outs,
+                        {"axis": 2}, (B, S, dirs * H), scope=scope)
+        if layer + 1 < L:
+            x = dropout(ex, mod.dropout, at(f"l{layer}_dropout"), x, scope)
+    if not mod.batch_first:
+        x = ex.transpose(at("seq_first"), x, (1, 0, 2), scope)
+    return (x, RnnState(path, finals, f"nn.{type(mod).__name__}"))
+
+
 # nn.LSTM is an nn.RNNBase: the MRO lookup finds it first.
 @registry.modules(nn.LSTM)
 def _lstm_module(ex, call):
@@ -100,6 +299,13 @@ def _lstm_module(ex, call):
     return lstm(ex, call.mod, call.path, a["input"], a["hx"])
 
 
+@registry.modules(nn.RNN, nn.GRU)
+def _unrolled_rnn_module(ex, call):
+    a = call.bound()
+    return unrolled_rnn(ex, call.mod, call.path, a["input"], a["hx"])
+
+
 @registry.modules(nn.RNNBase)
 def _other_rnn_module(ex, call):
-    ex.fail(f"{type(call.mod).__name__} is not supported (nn.LSTM is)")
+    ex.fail(f"{type(call.mod).__name__} is not supported (nn.LSTM, nn.GRU "
+            f"and nn.RNN are)")
