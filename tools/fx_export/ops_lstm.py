@@ -18,9 +18,10 @@ import functools
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
 
 from . import registry
-from .ir import IrTensor, LstmState, Static, join
+from .ir import LstmState, Static, join
 from .ops_elementwise import dropout
 
 
@@ -228,10 +229,12 @@ def unrolled_rnn(ex, mod, path, input_arg, hx):
                 f"nn.GRU and nn.RNN are)")
     if getattr(mod, "proj_size", 0):
         ex.fail(f"{what} with proj_size is not supported")
-    if not (isinstance(input_arg, fx.Node) and
-            isinstance(ex.env.get(input_arg), IrTensor)):
-        ex.fail(f"{what}: its input must be a tensor [batch, sequence, "
-                f"features] (packed sequences are not supported)")
+    v = ex.env.get(input_arg) if isinstance(input_arg, fx.Node) else \
+        Static(input_arg)
+    if isinstance(v, (tuple, list)) or (
+            isinstance(v, Static) and isinstance(v.value, PackedSequence)):
+        ex.fail(f"{what}: packed sequences are not supported (pad them "
+                f"to one length)")
     x = ex.t(input_arg)
     if len(x.shape) != 3:
         ex.fail(f"{what}: input {list(x.shape)} must have rank 3 "
