@@ -191,27 +191,34 @@ HAP_CUDA_HD inline double GroupedConvDw(const Window& g, int64_t groups, int64_t
   return acc;
 }
 
-// --- max_pool2d --------------------------------------------------------------
+// --- max_pool2d, max_pool3d ----------------------------------------------------
+// Plane positions as in the convolutions: out = (oz * oh + oy) * ow + ox,
+// in = (iz * h + iy) * w + ix; a 2-D window has one depth slice.
 
-// The first maximum of output (oy, ox)'s window over plane xp (as the CPU's
+// The first maximum of output `out`'s window over plane xp (as the CPU's
 // ForEachMax: padding never wins, a NaN does): its index in the plane and
 // value.
 template <typename T>
-HAP_CUDA_HD inline void WindowMax(const Window& g, const T* xp, int64_t oy,
-                                  int64_t ox, int64_t* best_out, T* max_out) {
-  const int64_t ty = oy * g.sh - g.ph, tx = ox * g.sw - g.pw;
+HAP_CUDA_HD inline void WindowMax(const Window& g, const T* xp, int64_t out, int64_t* best_out,
+                                  T* max_out) {
+  const int64_t ox = out % g.ow, oy = (out / g.ow) % g.oh, oz = out / (g.ow * g.oh);
+  const int64_t tz = oz * g.sd - g.pd, ty = oy * g.sh - g.ph, tx = ox * g.sw - g.pw;
+  const int64_t z0 = tz > 0 ? tz : 0;
+  const int64_t z1 = tz + g.kd < g.d ? tz + g.kd : g.d;
   const int64_t y0 = ty > 0 ? ty : 0;
   const int64_t y1 = ty + g.kh < g.h ? ty + g.kh : g.h;
   const int64_t x0 = tx > 0 ? tx : 0;
   const int64_t x1 = tx + g.kw < g.w ? tx + g.kw : g.w;
-  int64_t best = y0 * g.w + x0;
+  int64_t best = (z0 * g.h + y0) * g.w + x0;
   T mx = -static_cast<T>(INFINITY);
-  for (int64_t iy = y0; iy < y1; ++iy) {
-    for (int64_t ix = x0; ix < x1; ++ix) {
-      const T v = xp[iy * g.w + ix];
-      if (v > mx || v != v) {
-        mx = v;
-        best = iy * g.w + ix;
+  for (int64_t iz = z0; iz < z1; ++iz) {
+    for (int64_t iy = y0; iy < y1; ++iy) {
+      for (int64_t ix = x0; ix < x1; ++ix) {
+        const T v = xp[(iz * g.h + iy) * g.w + ix];
+        if (v > mx || v != v) {
+          mx = v;
+          best = (iz * g.h + iy) * g.w + ix;
+        }
       }
     }
   }
@@ -225,24 +232,21 @@ HAP_CUDA_HD inline void WindowMax(const Window& g, const T* xp, int64_t oy,
 template <typename T>
 HAP_CUDA_HD inline bool MaxPoolGradSum(const Window& g, const int64_t* argmax,
                                        const T* dyp, int64_t e, T* sum) {
-  const int64_t iy = e / g.w, ix = e % g.w;
-  // Windows [oy * sh - ph, oy * sh - ph + kh) containing iy:
-  // oy <= (iy + ph) / sh and oy * sh > iy + ph - kh.
-  const int64_t ay = iy + g.ph - g.kh;
-  const int64_t oy0 = ay < 0 ? 0 : ay / g.sh + 1;
-  const int64_t oy1 =
-      (iy + g.ph) / g.sh < g.oh - 1 ? (iy + g.ph) / g.sh : g.oh - 1;
-  const int64_t ax = ix + g.pw - g.kw;
-  const int64_t ox0 = ax < 0 ? 0 : ax / g.sw + 1;
-  const int64_t ox1 =
-      (ix + g.pw) / g.sw < g.ow - 1 ? (ix + g.pw) / g.sw : g.ow - 1;
+  const int64_t ix = e % g.w, iy = (e / g.w) % g.h, iz = e / (g.w * g.h);
+  int64_t oz0, oz1, oy0, oy1, ox0, ox1;
+  pool::CoveringOutputs(iz, g.kd, g.sd, g.pd, g.od, &oz0, &oz1);
+  pool::CoveringOutputs(iy, g.kh, g.sh, g.ph, g.oh, &oy0, &oy1);
+  pool::CoveringOutputs(ix, g.kw, g.sw, g.pw, g.ow, &ox0, &ox1);
   T acc = T(0);
   bool any = false;
-  for (int64_t oy = oy0; oy <= oy1; ++oy) {
-    for (int64_t ox = ox0; ox <= ox1; ++ox) {
-      if (argmax[oy * g.ow + ox] == e) {
-        acc += dyp[oy * g.ow + ox];
-        any = true;
+  for (int64_t oz = oz0; oz <= oz1; ++oz) {
+    for (int64_t oy = oy0; oy <= oy1; ++oy) {
+      for (int64_t ox = ox0; ox <= ox1; ++ox) {
+        const int64_t o = (oz * g.oh + oy) * g.ow + ox;
+        if (argmax[o] == e) {
+          acc += dyp[o];
+          any = true;
+        }
       }
     }
   }
@@ -250,32 +254,34 @@ HAP_CUDA_HD inline bool MaxPoolGradSum(const Window& g, const int64_t* argmax,
   return any;
 }
 
-// --- avg_pool2d --------------------------------------------------------------
+// --- avg_pool2d, avg_pool3d ----------------------------------------------------
 
-// 1 / the divisor of output (oy, ox)'s window (PyTorch's), and its input
-// ranges.
-HAP_CUDA_HD inline double AvgWindowInverse(const Window& g, int64_t oy,
-                                           int64_t ox, pool::AvgSpan* wy,
-                                           pool::AvgSpan* wx) {
+// 1 / the divisor of output `out`'s window (PyTorch's), and its input
+// ranges per axis.
+HAP_CUDA_HD inline double AvgWindowInverse(const Window& g, int64_t out, pool::AvgSpan* wz,
+                                           pool::AvgSpan* wy, pool::AvgSpan* wx) {
+  const int64_t ox = out % g.ow, oy = (out / g.ow) % g.oh, oz = out / (g.ow * g.oh);
+  *wz = pool::AvgWindow(oz, g.d, g.kd, g.sd, g.pd);
   *wy = pool::AvgWindow(oy, g.h, g.kh, g.sh, g.ph);
   *wx = pool::AvgWindow(ox, g.w, g.kw, g.sw, g.pw);
   const int64_t divisor = g.count_include_pad
-                              ? wy->padded * wx->padded
-                              : (wy->hi - wy->lo) * (wx->hi - wx->lo);
+                              ? wz->padded * wy->padded * wx->padded
+                              : (wz->hi - wz->lo) * (wy->hi - wy->lo) * (wx->hi - wx->lo);
   return 1.0 / static_cast<double>(divisor);
 }
 
-// Output (oy, ox) of avg_pool2d over plane xp: sum of x / divisor in double,
-// in the CPU's order.
+// Output `out` of the average pool over plane xp: sum of x / divisor in
+// double, in the CPU's order.
 template <typename T>
-HAP_CUDA_HD inline T AvgPoolValue(const Window& g, const T* xp, int64_t oy,
-                                  int64_t ox) {
-  pool::AvgSpan wy, wx;
-  const double inv = AvgWindowInverse(g, oy, ox, &wy, &wx);
+HAP_CUDA_HD inline T AvgPoolValue(const Window& g, const T* xp, int64_t out) {
+  pool::AvgSpan wz, wy, wx;
+  const double inv = AvgWindowInverse(g, out, &wz, &wy, &wx);
   double acc = 0;
-  for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
-    for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
-      acc += static_cast<double>(xp[iy * g.w + ix]) * inv;
+  for (int64_t iz = wz.lo; iz < wz.hi; ++iz) {
+    for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
+      for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
+        acc += static_cast<double>(xp[(iz * g.h + iy) * g.w + ix]) * inv;
+      }
     }
   }
   return static_cast<T>(acc);
@@ -285,16 +291,20 @@ HAP_CUDA_HD inline T AvgPoolValue(const Window& g, const T* xp, int64_t oy,
 // in output order.
 template <typename T>
 HAP_CUDA_HD inline T AvgPoolGradSum(const Window& g, const T* dyp, int64_t e) {
-  const int64_t iy = e / g.w, ix = e % g.w;
-  int64_t oy0, oy1, ox0, ox1;
+  const int64_t ix = e % g.w, iy = (e / g.w) % g.h, iz = e / (g.w * g.h);
+  int64_t oz0, oz1, oy0, oy1, ox0, ox1;
+  pool::CoveringOutputs(iz, g.kd, g.sd, g.pd, g.od, &oz0, &oz1);
   pool::CoveringOutputs(iy, g.kh, g.sh, g.ph, g.oh, &oy0, &oy1);
   pool::CoveringOutputs(ix, g.kw, g.sw, g.pw, g.ow, &ox0, &ox1);
   T acc = T(0);
-  for (int64_t oy = oy0; oy <= oy1; ++oy) {
-    for (int64_t ox = ox0; ox <= ox1; ++ox) {
-      pool::AvgSpan wy, wx;
-      const double inv = AvgWindowInverse(g, oy, ox, &wy, &wx);
-      acc += static_cast<T>(dyp[oy * g.ow + ox] * inv);
+  for (int64_t oz = oz0; oz <= oz1; ++oz) {
+    for (int64_t oy = oy0; oy <= oy1; ++oy) {
+      for (int64_t ox = ox0; ox <= ox1; ++ox) {
+        const int64_t o = (oz * g.oh + oy) * g.ow + ox;
+        pool::AvgSpan wz, wy, wx;
+        const double inv = AvgWindowInverse(g, o, &wz, &wy, &wx);
+        acc += static_cast<T>(dyp[o] * inv);
+      }
     }
   }
   return acc;

@@ -189,7 +189,7 @@ TEST(MaxPoolTest, WindowMaxAndGatheredGradientMatchTheScatter) {
         }
         int64_t got_best = -1;
         double got_max = 0;
-        WindowMax(g, x.data(), oy, ox, &got_best, &got_max);
+        WindowMax(g, x.data(), oy * g.ow + ox, &got_best, &got_max);
         EXPECT_EQ(got_best, best);
         EXPECT_EQ(got_max, mx);
         argmax[oy * g.ow + ox] = got_best;
@@ -307,11 +307,81 @@ TEST(AvgPoolTest, AverageAndGatheredGradientMatchTheScatter) {
               want[iy * g.w + ix] += dy[oy * g.ow + ox] / n;
             }
           }
-          EXPECT_NEAR(AvgPoolValue(g, x.data(), oy, ox), sum / n, 1e-12);
+          EXPECT_NEAR(AvgPoolValue(g, x.data(), oy * g.ow + ox), sum / n, 1e-12);
         }
       }
       for (int64_t e = 0; e < g.h * g.w; ++e) {
         EXPECT_NEAR(AvgPoolGradSum(g, dy.data(), e), want[e], 1e-12) << e;
+      }
+    }
+  }
+}
+
+// max_pool3d and avg_pool3d: the gathers (WindowMax, MaxPoolGradSum,
+// AvgPoolValue, AvgPoolGradSum) against direct 3-D windows and scatters,
+// with padding, strides, ceil_mode's cut windows and both divisors.
+TEST(Pool3dTest, MaxAndAverageAndGatheredGradientsMatchTheScatter) {
+  std::mt19937_64 rng(8);
+  struct S {
+    std::vector<int64_t> in, k, s, p;
+    bool ceil;
+  };
+  for (const S& c : {S{{3, 7, 6}, {1, 3, 3}, {1, 2, 2}, {0, 1, 1}, false},
+                     S{{5, 6, 7}, {3, 3, 3}, {2, 2, 2}, {1, 1, 1}, true},
+                     S{{4, 5, 4}, {2, 2, 2}, {2, 2, 2}, {0, 0, 0}, true},
+                     S{{6, 4, 5}, {3, 2, 3}, {1, 1, 2}, {1, 1, 0}, false}}) {
+    for (bool include_pad : {true, false}) {
+      Window g;
+      ASSERT_EQ(pool::FitWindow({1, 1, c.in[0], c.in[1], c.in[2]}, 3, c.k, c.s, c.p, {1, 1, 1},
+                                c.ceil, "x", &g),
+                "");
+      g.count_include_pad = include_pad;
+      const std::vector<double> x = Random(g.plane(), rng);
+      const std::vector<double> dy = Random(g.out_plane(), rng);
+      std::vector<int64_t> argmax(g.out_plane());
+      std::vector<double> want_max(g.plane(), 0.0), want_avg(g.plane(), 0.0);
+      for (int64_t o = 0; o < g.out_plane(); ++o) {
+        const int64_t o3[3] = {o / (g.ow * g.oh), (o / g.ow) % g.oh, o % g.ow};
+        const int64_t in[3] = {g.d, g.h, g.w};
+        int64_t lo[3], hi[3], padded = 1, inside = 1;
+        for (int a = 0; a < 3; ++a) {  // PyTorch's windows, written out
+          const int64_t start = o3[a] * c.s[a] - c.p[a];
+          const int64_t end = std::min(start + c.k[a], in[a] + c.p[a]);
+          padded *= end - start;
+          lo[a] = std::max<int64_t>(start, 0);
+          hi[a] = std::min(end, in[a]);
+          inside *= hi[a] - lo[a];
+        }
+        const double n = static_cast<double>(include_pad ? padded : inside);
+        int64_t best = -1;
+        double mx = -INFINITY, sum = 0;
+        for (int64_t iz = lo[0]; iz < hi[0]; ++iz) {
+          for (int64_t iy = lo[1]; iy < hi[1]; ++iy) {
+            for (int64_t ix = lo[2]; ix < hi[2]; ++ix) {
+              const int64_t e = (iz * g.h + iy) * g.w + ix;
+              if (x[e] > mx) {
+                mx = x[e];
+                best = e;
+              }
+              sum += x[e];
+              want_avg[e] += dy[o] / n;
+            }
+          }
+        }
+        int64_t got_best = -1;
+        double got_max = 0;
+        WindowMax(g, x.data(), o, &got_best, &got_max);
+        EXPECT_EQ(got_best, best);
+        EXPECT_EQ(got_max, mx);
+        argmax[o] = got_best;
+        want_max[best] += dy[o];
+        EXPECT_NEAR(AvgPoolValue(g, x.data(), o), sum / n, 1e-12);
+      }
+      for (int64_t e = 0; e < g.plane(); ++e) {
+        double sum = 0;
+        const bool any = MaxPoolGradSum(g, argmax.data(), dy.data(), e, &sum);
+        EXPECT_NEAR(any ? sum : 0.0, want_max[e], 1e-12) << e;
+        EXPECT_NEAR(AvgPoolGradSum(g, dy.data(), e), want_avg[e], 1e-12) << e;
       }
     }
   }

@@ -526,6 +526,46 @@ TEST_F(KernelsBTest, Pooling) {
   }
 }
 
+// max_pool3d and avg_pool3d (s3d's and mvit's windows, ceil_mode, both
+// divisors) against the CPU's; output shapes from the op registry.
+TEST_F(KernelsBTest, Pooling3d) {
+  struct C {
+    Shape x;
+    graph::Attrs attrs;
+  };
+  const C cases[] = {
+      {{2, 3, 4, 9, 8},
+       {{"kernel", Ints{1, 3, 3}}, {"stride", Ints{1, 2, 2}}, {"padding", Ints{0, 1, 1}}}},
+      {{2, 2, 6, 7, 8},
+       {{"kernel", Ints{3}}, {"stride", Ints{2}}, {"padding", Ints{1}}, {"ceil_mode", true}}},
+      {{1, 4, 8, 14, 14}, {{"kernel", Ints{2}}, {"stride", Ints{2}}}},
+      {{2, 3, 5, 9, 9}, {{"kernel", Ints{3}}, {"stride", Ints{1}}, {"padding", Ints{1}}}},
+      {{2, 2, 6, 7, 5},
+       {{"kernel", Ints{3, 3, 2}},
+        {"stride", Ints{2}},
+        {"padding", Ints{1, 1, 0}},
+        {"ceil_mode", true}}}};
+  for (DType t : kDtypes) {
+    const Tol tol = ElementTol(t);
+    for (const C& p : cases) {
+      for (const char* op : {"max_pool3d", "avg_pool3d"}) {
+        for (bool include_pad : {true, false}) {
+          graph::Attrs attrs = p.attrs;
+          const bool max = std::string(op) == "max_pool3d";
+          if (max && !include_pad) continue;
+          if (!max) attrs.Set("count_include_pad", include_pad);
+          auto inferred = graph::InferOp("pool", op, attrs, {"x"}, {{t, p.x}});
+          ASSERT_TRUE(inferred.ok()) << inferred.status();
+          const Shape y = (*inferred)[0].shape;
+          Expect(Case(op, max ? kExact : tol, {R(t, p.x)}, {R(t, y)}, attrs));
+          Expect(Case(std::string(op) + "_grad", tol, {R(t, p.x), HostTensor(), R(t, y)},
+                      {R(t, p.x)}, attrs, {true, false, true}));
+        }
+      }
+    }
+  }
+}
+
 // --- batch_norm --------------------------------------------------------------
 
 TEST_F(KernelsBTest, BatchNorm) {
@@ -900,6 +940,10 @@ TEST_F(KernelsBErrorTest, BadArgumentsAreTheCpusInvalidArgument) {
                   {R(kF32, {1, 2, 3, 3, 3})});  // a 4-D weight
   ExpectSameError("conv3d", {R(kF32, {1, 2, 2, 5, 5}), R(kF32, {2, 2, 3, 3, 3})},
                   {R(kF32, {1, 2, 1, 3, 3})});  // a kernel deeper than the clip
+  ExpectSameError("max_pool3d", {R(kF32, {1, 1, 5, 5})}, {R(kF32, {1, 1, 2, 2})},
+                  {{"kernel", Ints{2}}});  // a 4-D input
+  ExpectSameError("avg_pool3d", {R(kF32, {1, 1, 4, 5, 5})}, {R(kF32, {1, 1, 2, 2, 2})},
+                  {{"kernel", Ints{2, 2}}});  // a 2-element kernel
   ExpectSameError("max_pool2d", {R(kF32, {1, 1, 5, 5})},
                   {R(kF32, {1, 1, 3, 3})},
                   {{"kernel", Ints{2}}, {"padding", Ints{2}}});  // padding

@@ -74,13 +74,6 @@ absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x, int 
   return g;
 }
 
-absl::StatusOr<Window> MakeWindow(const KernelArgs& a, const TensorView& x,
-                                  std::pair<int64_t, int64_t> k, std::pair<int64_t, int64_t> s,
-                                  std::pair<int64_t, int64_t> p, bool ceil_mode) {
-  return MakeWindow(a, x, 2, {k.first, k.second}, {s.first, s.second}, {p.first, p.second},
-                    ceil_mode);
-}
-
 // --- conv2d ------------------------------------------------------------------
 
 // The most elements an im2col (or gradient staging) buffer may hold; groups
@@ -412,24 +405,39 @@ absl::Status Conv3dBackward(const KernelArgs& a) {
 // Validates a pooling op's input and attributes; returns its window.
 using PoolCheck = absl::StatusOr<Window> (*)(const KernelArgs&, DType);
 
+// max_pool2d / max_pool3d (kSpatial 2 / 3), as the CPU's: kernel, stride
+// (default: the kernel) and padding (at most half the kernel) per axis.
+template <int kSpatial>
 absl::StatusOr<Window> CheckMaxPool(const KernelArgs& a, DType t) {
-  HAP_RETURN_IF_ERROR(cpu::CheckInput(CpuArgs(a), 0, t));
-  HAP_ASSIGN_OR_RETURN(auto k, Pair(a, "kernel", {}, 1));
-  HAP_ASSIGN_OR_RETURN(auto s, Pair(a, "stride", {k.first, k.second}, 1));
-  HAP_ASSIGN_OR_RETURN(auto p, Pair(a, "padding", {0, 0}, 0));
-  HAP_ASSIGN_OR_RETURN(bool ceil_mode,
-                       cpu::AttrBool(CpuArgs(a), "ceil_mode", false));
-  if (p.first > k.first / 2 || p.second > k.second / 2) {
-    return Invalid(a, "padding must be at most half the kernel");
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_RETURN_IF_ERROR(cpu::CheckInput(c, 0, t));
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> k, cpu::AttrInts(c, "kernel"));
+  if (!pool::SpatialValues(&k, kSpatial, 1)) {
+    return Invalid(a, "attribute 'kernel' must be 1 or ", kSpatial, " integers >= 1");
   }
-  return MakeWindow(a, a.in[0], k, s, p, ceil_mode);
+  HAP_ASSIGN_OR_RETURN(std::vector<int64_t> s, cpu::AttrInts(c, "stride", k));
+  if (!pool::SpatialValues(&s, kSpatial, 1)) {
+    return Invalid(a, "attribute 'stride' must be 1 or ", kSpatial, " integers >= 1");
+  }
+  HAP_ASSIGN_OR_RETURN(auto p, Axes(a, "padding", kSpatial, 0, 0));
+  HAP_ASSIGN_OR_RETURN(bool ceil_mode, cpu::AttrBool(c, "ceil_mode", false));
+  for (int i = 0; i < kSpatial; ++i) {
+    if (p[i] > k[i] / 2) return Invalid(a, "padding must be at most half the kernel");
+  }
+  return MakeWindow(a, a.in[0], kSpatial, k, s, p, ceil_mode);
 }
 
+template <int kSpatial>
 absl::StatusOr<Window> CheckAvgPool(const KernelArgs& a, DType t) {
-  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool(a, t));
+  HAP_ASSIGN_OR_RETURN(Window g, CheckMaxPool<kSpatial>(a, t));
   HAP_ASSIGN_OR_RETURN(g.count_include_pad,
                        cpu::AttrBool(CpuArgs(a), "count_include_pad", true));
   return g;
+}
+
+// A pooling op's output shape: [n, c, (od,) oh, ow].
+Shape PoolShape(const Window& g) {
+  return g.spatial == 3 ? Shape{g.n, g.c, g.od, g.oh, g.ow} : Shape{g.n, g.c, g.oh, g.ow};
 }
 
 absl::StatusOr<Window> CheckAdaptive(const KernelArgs& a, DType t) {
@@ -454,7 +462,7 @@ absl::StatusOr<Window> PoolForwardChecks(const KernelArgs& a, PoolCheck check) {
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
-  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, {g.n, g.c, g.oh, g.ow}));
+  HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, PoolShape(g)));
   return g;
 }
 
@@ -466,47 +474,78 @@ absl::StatusOr<Window> PoolBackwardChecks(const KernelArgs& a, PoolCheck check,
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 1, 1, 1));
   HAP_ASSIGN_OR_RETURN(Window g, check(a, t));
-  HAP_RETURN_IF_ERROR(gr.Check(t, {{g.n, g.c, g.oh, g.ow}}));
+  HAP_RETURN_IF_ERROR(gr.Check(t, {PoolShape(g)}));
   *active = gr.active();
   return g;
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status MaxPoolForward(const KernelArgs& a) {
-  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckMaxPool));
+  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckMaxPool<kSpatial>));
   LaunchMaxPool<T>(g, a.in[0].as<const T>(), a.out[0].as<T>(), a.stream);
   return CheckLaunch(a);
 }
 
 // Inputs (x, y, dy): y is not needed (the maxima are found again).
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status MaxPoolBackward(const KernelArgs& a) {
   bool active = false;
-  HAP_ASSIGN_OR_RETURN(Window g,
-                       PoolBackwardChecks<T>(a, CheckMaxPool, &active));
+  HAP_ASSIGN_OR_RETURN(Window g, PoolBackwardChecks<T>(a, CheckMaxPool<kSpatial>, &active));
   if (!active) return absl::OkStatus();
-  HAP_ASSIGN_OR_RETURN(int64_t * argmax,
-                       ScratchArray<int64_t>(a, g.n * g.c * g.oh * g.ow));
+  HAP_ASSIGN_OR_RETURN(int64_t * argmax, ScratchArray<int64_t>(a, g.n * g.c * g.out_plane()));
   LaunchMaxPoolGrad<T>(g, a.in[0].as<const T>(), a.in[2].as<const T>(),
                        a.out[0].as<T>(), argmax, a.stream);
   return CheckLaunch(a);
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status AvgPoolForward(const KernelArgs& a) {
-  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckAvgPool));
+  HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckAvgPool<kSpatial>));
   LaunchAvgPool<T>(g, a.in[0].as<const T>(), a.out[0].as<T>(), a.stream);
   return CheckLaunch(a);
 }
 
-template <typename T>
+template <typename T, int kSpatial>
 absl::Status AvgPoolBackward(const KernelArgs& a) {
   bool active = false;
-  HAP_ASSIGN_OR_RETURN(Window g,
-                       PoolBackwardChecks<T>(a, CheckAvgPool, &active));
+  HAP_ASSIGN_OR_RETURN(Window g, PoolBackwardChecks<T>(a, CheckAvgPool<kSpatial>, &active));
   if (!active) return absl::OkStatus();
   LaunchAvgPoolGrad<T>(g, a.in[2].as<const T>(), a.out[0].as<T>(), a.stream);
   return CheckLaunch(a);
+}
+
+// HAP_CUDA_FLOAT_KERNEL takes a one-parameter template.
+template <typename T>
+absl::Status MaxPool2dForward(const KernelArgs& a) {
+  return MaxPoolForward<T, 2>(a);
+}
+template <typename T>
+absl::Status MaxPool2dBackward(const KernelArgs& a) {
+  return MaxPoolBackward<T, 2>(a);
+}
+template <typename T>
+absl::Status MaxPool3dForward(const KernelArgs& a) {
+  return MaxPoolForward<T, 3>(a);
+}
+template <typename T>
+absl::Status MaxPool3dBackward(const KernelArgs& a) {
+  return MaxPoolBackward<T, 3>(a);
+}
+template <typename T>
+absl::Status AvgPool2dForward(const KernelArgs& a) {
+  return AvgPoolForward<T, 2>(a);
+}
+template <typename T>
+absl::Status AvgPool2dBackward(const KernelArgs& a) {
+  return AvgPoolBackward<T, 2>(a);
+}
+template <typename T>
+absl::Status AvgPool3dForward(const KernelArgs& a) {
+  return AvgPoolForward<T, 3>(a);
+}
+template <typename T>
+absl::Status AvgPool3dBackward(const KernelArgs& a) {
+  return AvgPoolBackward<T, 3>(a);
 }
 
 template <typename T>
@@ -535,10 +574,14 @@ void RegisterConvolutionKernels(KernelTable& t) {
   t["conv2d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv2dBackward);
   t["conv3d"] = HAP_CUDA_FLOAT_KERNEL(Conv3dForward);
   t["conv3d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv3dBackward);
-  t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolForward);
-  t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPoolBackward);
-  t["avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AvgPoolForward);
-  t["avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AvgPoolBackward);
+  t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL(MaxPool2dForward);
+  t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPool2dBackward);
+  t["avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AvgPool2dForward);
+  t["avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AvgPool2dBackward);
+  t["max_pool3d"] = HAP_CUDA_FLOAT_KERNEL(MaxPool3dForward);
+  t["max_pool3d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPool3dBackward);
+  t["avg_pool3d"] = HAP_CUDA_FLOAT_KERNEL(AvgPool3dForward);
+  t["avg_pool3d_grad"] = HAP_CUDA_FLOAT_KERNEL(AvgPool3dBackward);
   t["adaptive_avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolForward);
   t["adaptive_avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolBackward);
 }

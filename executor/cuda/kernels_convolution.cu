@@ -114,18 +114,18 @@ __global__ void GroupedConvDwKernel(Window g, int64_t groups, int64_t o,
   }
 }
 
-// --- max_pool2d --------------------------------------------------------------
+// --- max_pool2d, max_pool3d --------------------------------------------------
 
 template <typename T>
 __global__ void MaxPoolKernel(Window g, const T* x, T* y, int64_t* argmax) {
-  const int64_t out_plane = g.oh * g.ow;
+  const int64_t out_plane = g.out_plane();
   const int64_t total = g.n * g.c * out_plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / out_plane;
     const int64_t o = k - pl * out_plane;
     int64_t best;
     T mx;
-    WindowMax(g, x + pl * g.h * g.w, o / g.ow, o % g.ow, &best, &mx);
+    WindowMax(g, x + pl * g.plane(), o, &best, &mx);
     if (y != nullptr) y[k] = mx;
     if (argmax != nullptr) argmax[k] = best;
   }
@@ -135,8 +135,8 @@ __global__ void MaxPoolKernel(Window g, const T* x, T* y, int64_t* argmax) {
 template <typename T>
 __global__ void MaxPoolGradKernel(Window g, const int64_t* argmax, const T* dy,
                                   T* dx) {
-  const int64_t plane = g.h * g.w;
-  const int64_t out_plane = g.oh * g.ow;
+  const int64_t plane = g.plane();
+  const int64_t out_plane = g.out_plane();
   const int64_t total = g.n * g.c * plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / plane;
@@ -148,21 +148,21 @@ __global__ void MaxPoolGradKernel(Window g, const int64_t* argmax, const T* dy,
   }
 }
 
-// --- avg_pool2d and adaptive_avg_pool2d ---------------------------------------
+// --- avg_pool2d, avg_pool3d and adaptive_avg_pool2d ---------------------------
 
-// One thread per output: AvgPoolValue (kAdaptive: AdaptiveAvg).
+// One thread per output: AvgPoolValue (kAdaptive: AdaptiveAvg, 2-D).
 template <typename T, bool kAdaptive>
 __global__ void AvgPoolKernel(Window g, const T* x, T* y) {
-  const int64_t out_plane = g.oh * g.ow;
+  const int64_t out_plane = g.out_plane();
   const int64_t total = g.n * g.c * out_plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / out_plane;
     const int64_t o = k - pl * out_plane;
-    const T* xp = x + pl * g.h * g.w;
+    const T* xp = x + pl * g.plane();
     if constexpr (kAdaptive) {
       y[k] = AdaptiveAvg(g, xp, o / g.ow, o % g.ow);
     } else {
-      y[k] = AvgPoolValue(g, xp, o / g.ow, o % g.ow);
+      y[k] = AvgPoolValue(g, xp, o);
     }
   }
 }
@@ -171,8 +171,8 @@ __global__ void AvgPoolKernel(Window g, const T* x, T* y) {
 // AdaptiveGradSum).
 template <typename T, bool kAdaptive>
 __global__ void AvgPoolGradKernel(Window g, const T* dy, T* dx) {
-  const int64_t plane = g.h * g.w;
-  const int64_t out_plane = g.oh * g.ow;
+  const int64_t plane = g.plane();
+  const int64_t out_plane = g.out_plane();
   const int64_t total = g.n * g.c * plane;
   for (int64_t k = GridStart(); k < total; k += GridStep()) {
     const int64_t pl = k / plane;
@@ -187,7 +187,7 @@ __global__ void AvgPoolGradKernel(Window g, const T* dy, T* dx) {
 
 template <typename T, bool kAdaptive>
 void LaunchAvg(const Window& g, const T* x, T* y, cudaStream_t stream) {
-  const int64_t total = g.n * g.c * g.oh * g.ow;
+  const int64_t total = g.n * g.c * g.out_plane();
   if (total == 0) return;
   AvgPoolKernel<T, kAdaptive>
       <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, x, y);
@@ -195,8 +195,8 @@ void LaunchAvg(const Window& g, const T* x, T* y, cudaStream_t stream) {
 
 template <typename T, bool kAdaptive>
 void LaunchAvgGrad(const Window& g, const T* dy, T* dx, cudaStream_t stream) {
-  const int64_t total = g.n * g.c * g.h * g.w;
-  if (total == 0 || g.oh * g.ow == 0) return;
+  const int64_t total = g.n * g.c * g.plane();
+  if (total == 0 || g.out_plane() == 0) return;
   AvgPoolGradKernel<T, kAdaptive>
       <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, dy, dx);
 }
@@ -277,7 +277,7 @@ void LaunchGroupedConvGrad(const Window& g, int64_t groups, int64_t o,
 
 template <typename T>
 void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream) {
-  const int64_t total = g.n * g.c * g.oh * g.ow;
+  const int64_t total = g.n * g.c * g.out_plane();
   if (total == 0) return;
   MaxPoolKernel<T>
       <<<BlocksFor(total, kThreads), kThreads, 0, stream>>>(g, x, y, nullptr);
@@ -286,8 +286,8 @@ void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream) {
 template <typename T>
 void LaunchMaxPoolGrad(const Window& g, const T* x, const T* dy, T* dx,
                        int64_t* argmax, cudaStream_t stream) {
-  const int64_t outs = g.n * g.c * g.oh * g.ow;
-  const int64_t ins = g.n * g.c * g.h * g.w;
+  const int64_t outs = g.n * g.c * g.out_plane();
+  const int64_t ins = g.n * g.c * g.plane();
   if (outs == 0 || ins == 0) return;
   MaxPoolKernel<T><<<BlocksFor(outs, kThreads), kThreads, 0, stream>>>(
       g, x, nullptr, argmax);

@@ -64,18 +64,19 @@ void LaunchGroupedConvGrad(const Window& g, int64_t groups, int64_t o,
                            const T* x, const T* w, const T* dy, T* dx, T* dw,
                            cudaStream_t stream);
 
-// max_pool2d over every (n, c) plane: padding reads as -inf, the first
+// max_pool2d / max_pool3d over every (n, c) plane: padding reads as -inf, the first
 // maximum in scan order (a NaN wins) is the window's value.
 template <typename T>
 void LaunchMaxPool(const Window& g, const T* x, T* y, cudaStream_t stream);
 
 // dx[first maximum of each window] += dy; `argmax` is scratch of
-// n * c * oh * ow int64.
+// n * c * od * oh * ow int64.
 template <typename T>
 void LaunchMaxPoolGrad(const Window& g, const T* x, const T* dy, T* dx,
                        int64_t* argmax, cudaStream_t stream);
 
-// avg_pool2d (PyTorch's windows and divisors, executor/cpu/pool_window.h).
+// avg_pool2d / avg_pool3d (PyTorch's windows and divisors,
+// executor/cpu/pool_window.h).
 template <typename T>
 void LaunchAvgPool(const Window& g, const T* x, T* y, cudaStream_t stream);
 // dx += the adjoint of LaunchAvgPool applied to dy.
