@@ -10,6 +10,9 @@ float64 with the reference evaluator (tests/hap_ir_eval.py):
   affine;
 - nn.PReLU (one value, one per channel), hardtanh to any bounds, nn.GLU /
   F.glu (a split, a sigmoid and a mul);
+- nn.ConvTranspose1d/2d, F.conv_transpose1d/2d (stride, padding,
+  output_padding, groups, dilation) as a conv2d of the spread input;
+- F.mse_loss, F.l1_loss, nn.MSELoss, nn.L1Loss (mean and sum);
 - softmax / log_softmax over a dim other than the last (transposes);
 - x - x.max(dim, keepdim=True)[0] before a softmax over dim (a stable
   softmax: the IR has no max, and the shift changes nothing);
@@ -19,8 +22,10 @@ float64 with the reference evaluator (tests/hap_ir_eval.py):
 - random numbers drawn while tracing (a LayerDrop) are refused, naming the
   line: the graph would keep one draw for ever.
 
-The models: Wav2Letter, wav2vec2_base and hubert_base (layer drop 0) export
-and validate with PyTorch's parameter count; their default layer drop is
+The models: Wav2Letter, wav2vec2_base and hubert_base (layer drop 0) and
+conv_tasnet_base export and validate with PyTorch's parameter count; a tiny
+ConvTasNet trains 3 SGD steps on 2 ranks against a mean squared error as
+PyTorch does; their default layer drop is
 refused by name; a tiny wav2vec2 of torchaudio's components and a tiny
 Conformer compute PyTorch's loss and gradients in float64, and the tiny
 wav2vec2 trains 3 SGD steps on 2 ranks with the dp-even and the synthesized
@@ -185,6 +190,41 @@ class LayerDrop(nn.Module):
         return F.cross_entropy(self.head(x), labels)
 
 
+class Upsampling(nn.Module):
+    """Transposed convolutions: strided with output_padding, grouped and
+    dilated, 1-D without bias, and F.conv_transpose1d."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1,
+                                    output_padding=1)
+        self.b = nn.ConvTranspose2d(6, 4, (2, 3), stride=(1, 2),
+                                    padding=(0, 2), groups=2,
+                                    dilation=(1, 2))
+        self.c = nn.ConvTranspose1d(3, 4, 4, stride=3, padding=1, bias=False)
+        self.w = nn.Parameter(torch.randn(4, 2, 3))
+
+    def forward(self, x, y, labels):
+        h = self.b(F.relu(self.a(x)))
+        z = F.conv_transpose1d(self.c(y), self.w, None, 2, 1, 1)
+        return F.cross_entropy(h.mean((2, 3)) + z.mean(2).sum(1, True),
+                               labels)
+
+
+class Regression(nn.Module):
+    def __init__(self, kind, reduction):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+        self.loss = (nn.MSELoss if kind == "mse" else nn.L1Loss)(
+            reduction=reduction)
+        self.kind = kind
+
+    def forward(self, x, labels):
+        y = self.fc(x)
+        f = F.mse_loss if self.kind == "mse" else F.l1_loss
+        return self.loss(y, labels) + 0.5 * f(y * 2, labels)
+
+
 class ExportSequenceOpsTest(ExportTestCase):
     def test_conv1d(self):
         m = Conv1dNet().double()
@@ -204,6 +244,42 @@ class ExportSequenceOpsTest(ExportTestCase):
         for name, fan_in in (("a.weight", 3 * 5), ("b.bias", 2 * 3)):
             self.assertEqual(inits[name]["kind"], "UNIFORM", name)
             self.assertAlmostEqual(inits[name]["high"], fan_in ** -0.5)
+
+    def test_transposed_convolutions(self):
+        torch.manual_seed(0)
+        m = Upsampling().double()
+        g, _ = self.assert_loss_and_gradients(m, {
+            "x": torch.randn(2, 4, 5, 6, dtype=torch.float64),
+            "y": torch.randn(2, 3, 7, dtype=torch.float64),
+            "labels": torch.tensor([0, 3])}, tol=1e-10)
+        shapes = {p["tensor"]["name"]: p["tensor"]["shape"]
+                  for p in g["parameters"]}
+        self.assertEqual(shapes["b.weight"], [6, 2, 2, 3])  # PyTorch's
+        self.assertEqual(shapes["c.weight"], [3, 4, 4])
+
+    def test_mse_and_l1_losses(self):
+        for kind in ("mse", "l1"):
+            for reduction in ("mean", "sum"):
+                with self.subTest(kind=kind, reduction=reduction):
+                    torch.manual_seed(0)
+                    self.assert_loss_and_gradients(
+                        Regression(kind, reduction).double(),
+                        {"x": torch.randn(4, 5, dtype=torch.float64),
+                         "labels": torch.randn(4, 3, dtype=torch.float64)},
+                        tol=1e-10)
+        class Unreduced(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(5, 3)
+
+            def forward(self, x, labels):
+                return F.mse_loss(self.fc(x), labels, reduction="none").mean()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Unreduced(), {"x": torch.randn(4, 5),
+                                           "labels": torch.randn(4, 3)})
+        self.assertIn("mse_loss with reduction='none' is not supported",
+                      str(cm.exception))
 
     def test_group_norm(self):
         m = GroupNormNet().double()
@@ -311,6 +387,24 @@ class ExportSequenceOpsTest(ExportTestCase):
         self.assertIn("(torch.randint at ", str(cm.exception))
 
 
+class Separation(nn.Module):
+    """The mean squared error of separated sources against the target."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, labels):
+        return F.mse_loss(self.net(x), labels)
+
+
+def tiny_conv_tasnet():
+    return am.ConvTasNet(num_sources=2, enc_kernel_size=8, enc_num_feats=8,
+                         msk_kernel_size=3, msk_num_feats=6,
+                         msk_num_hidden_feats=8, msk_num_layers=2,
+                         msk_num_stacks=1)
+
+
 def tiny_wav2vec2(classes=5):
     """torchaudio's wav2vec2 components at toy sizes: a group-norm conv
     feature extractor, the feature projection, the weight-normed
@@ -351,16 +445,24 @@ class ExportAudioModelsTest(ExportTestCase):
                 aux_num_out=10, encoder_layer_drop=0.0), (4000,), True),
             "hubert_base": (lambda: am.hubert_base(
                 aux_num_out=10, encoder_layer_drop=0.0), (4000,), True),
+            "conv_tasnet_base": (lambda: am.conv_tasnet_base(num_sources=2),
+                                 (1, 800), None),
         }
         for name, (build, samples, classes_last) in builders.items():
             with self.subTest(model=name):
                 torch.manual_seed(0)
                 net = build()
                 shape = self.frames(net, samples)
-                t = shape[1] if classes_last else shape[2]
-                m = PerFrame(net, classes_last, 0 if classes_last else None)
+                if classes_last is None:  # separated sources: a regression
+                    m = Separation(net)
+                    target = torch.randn(2, *shape[1:])
+                else:
+                    t = shape[1] if classes_last else shape[2]
+                    m = PerFrame(net, classes_last,
+                                 0 if classes_last else None)
+                    target = frame_labels(2, t, 10)
                 g = export_fx.export(m, {"x": torch.randn(2, *samples),
-                                         "labels": frame_labels(2, t, 10)})
+                                         "labels": target})
                 path = os.path.join(U.tmpdir(), f"{name}.json")
                 with open(path, "w") as f:
                     json.dump(g, f)
@@ -420,6 +522,27 @@ class ExportAudioModelsTest(ExportTestCase):
         types = {op["type"] for op in g["ops"]}
         self.assertTrue({"conv2d", "batch_norm", "silu", "sigmoid",
                          "split"} <= types, types)
+
+    def test_tiny_conv_tasnet_trains_like_pytorch_on_two_ranks(self):
+        """ConvTasNet: a Conv1d encoder, a temporal convolution mask
+        generator (GroupNorm, PReLU, depthwise dilated Conv1d) and a
+        ConvTranspose1d decoder, trained against a mean squared error."""
+        if not (LAUNCH and EXECUTOR and CPU_CLUSTER):
+            self.skipTest("HAP_LAUNCH, HAP_EXECUTOR, CPU_CLUSTER not given")
+        torch.manual_seed(0)
+        m = Separation(tiny_conv_tasnet()).double()
+        shape = self.frames(m.net, (1, 64))
+        gen = torch.Generator().manual_seed(7)
+        xs = torch.randn(STEPS * BATCH, 1, 64, generator=gen,
+                         dtype=torch.float64)
+        ys = torch.randn(STEPS * BATCH, *shape[1:], generator=gen,
+                         dtype=torch.float64)
+        start = {k: v.detach().clone() for k, v in m.named_parameters()}
+        final = U.assert_trains_like_pytorch(self, m, xs, ys, BATCH, STEPS,
+                                             LR, LAUNCH, EXECUTOR,
+                                             CPU_CLUSTER)
+        for k in ("net.decoder.weight", "net.encoder.weight"):
+            self.assertFalse(torch.equal(start[k], final[k]), k)
 
     def test_tiny_wav2vec2_trains_like_pytorch_on_two_ranks(self):
         if not (LAUNCH and EXECUTOR and CPU_CLUSTER):

@@ -1,7 +1,7 @@
 """Convolutions and pooling over NCHW images and NCDHW volumes
 (planner/graph/ops_convolution.cc): conv2d and conv3d (grouped and
 depthwise, dilated, zero padding), conv1d as conv2d over a height of 1,
-max_pool2d / 3d, avg_pool2d / 3d,
+conv_transpose1d/2d as a conv2d of the spread input, max_pool2d / 3d, avg_pool2d / 3d,
 adaptive_avg_pool2d, adaptive_avg_pool3d to 1x1x1 (a mean over the
 volume); F.interpolate / nn.Upsample (bilinear, nearest) as matmuls by
 constant interpolation matrices."""
@@ -162,6 +162,147 @@ def _conv1d_module(ex, call):
 @registry.functions(torch.conv1d, F.conv1d)
 def _conv1d(ex, call):
     return _conv_function(ex, call, conv1d)
+
+
+# ---- conv_transpose1d, conv_transpose2d -------------------------------------
+
+
+def _flip_last(ex, name, t, scope):
+    """t reversed along its last axis: a matmul by the anti-identity."""
+    k = t.shape[-1]
+    if k == 1:
+        return t
+    flip = ex.const(torch.eye(k, dtype=torch.float64).flip(0), t,
+                    "the reversal of a kernel axis")
+    return ex.emit("matmul", name, [t, flip], shape=t.shape, scope=scope)
+
+
+def conv_transpose(ex, spatial, x, weight, bias, stride, padding,
+                   output_padding, groups, dilation):
+    """ConvTranspose1d/2d as a conv2d: the input spread out by the stride
+    and padded (each axis a matmul by a constant 0/1 matrix [in, spread],
+    as F.interpolate's), convolved with stride 1 by the weight with its
+    in and out channels swapped (per group) and its kernel reversed. Exact,
+    PyTorch's gradients; the convolution runs over the zeros between the
+    inputs, stride ** spatial times a direct transposed convolution's
+    multiply-adds, and the spreading costs `in` multiply-adds an output."""
+    kind = f"conv_transpose{spatial}d"
+    if len(x.shape) != spatial + 2:
+        ex.fail(f"{kind} needs a batched (rank-{spatial + 2}) input, got "
+                f"{list(x.shape)}")
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    w = weight if isinstance(weight, IrTensor) else ex.param(weight) \
+        if isinstance(weight, torch.Tensor) else ex.t(weight)
+    if len(w.shape) != spatial + 2:
+        ex.fail(f"{kind} needs a rank-{spatial + 2} weight [in, out/groups, "
+                f"kernel...], got {list(w.shape)}")
+    groups = int(groups)
+    cin, cout_g = w.shape[0], w.shape[1]
+    if x.shape[1] != cin or cin % groups:
+        ex.fail(f"{kind}: the input's {x.shape[1]} channels do not match "
+                f"the weight's {cin} in {groups} groups")
+    out = tuple(ex.out_shape())
+    # As 2-D: a height of 1 for 1-D.
+    if spatial == 1:
+        x = ex.reshape(f"{name}_input", x, x.shape[:2] + (1,) + x.shape[2:],
+                       scope)
+        w = ex.reshape(f"{name}_weight", w, (cin, cout_g, 1, w.shape[2]),
+                       scope)
+        axes = list(zip([1] + _axes(stride, 1), [0] + _axes(padding, 1),
+                        [0] + _axes(output_padding, 1),
+                        [1] + _axes(dilation, 1)))
+        want = out[:2] + (1,) + out[2:]
+    else:
+        axes = list(zip(_axes(stride, 2), _axes(padding, 2),
+                        _axes(output_padding, 2), _axes(dilation, 2)))
+        want = out
+    n, kh, kw = x.shape[0], w.shape[2], w.shape[3]
+    sizes = []
+    for (s, p, op, d), size, k in zip(axes, x.shape[2:], (kh, kw)):
+        full = (size - 1) * s - 2 * p + d * (k - 1) + op + 1
+        sizes.append(full)
+    if tuple(want[2:]) != tuple(sizes):
+        ex.fail(f"internal: {kind}'s output {list(want)} is not the "
+                f"computed {sizes}")
+    # The input spread by the stride and padded by d (k - 1) - p, axis by
+    # axis (width, then height between transposes).
+    t = x
+    for axis in (3, 2):
+        (s, p, _, d), size = axes[axis - 2], x.shape[axis]
+        k = (kh, kw)[axis - 2]
+        span = sizes[axis - 2] + d * (k - 1)
+        shift = d * (k - 1) - p
+        m = torch.zeros(size, span, dtype=torch.float64)
+        for i in range(size):
+            if 0 <= i * s + shift < span:
+                m[i, i * s + shift] = 1.0
+        if torch.equal(m, torch.eye(size, dtype=torch.float64)):
+            continue
+        spread = ex.const(m, x, f"the spreading of {kind}'s input")
+        if axis == 2:
+            t = ex.transpose(f"{name}_spread", t, [0, 1, 3, 2], scope)
+        shape = t.shape[:3] + (span,)
+        t = ex.emit("matmul", f"{name}_spread", [t, spread], shape=shape,
+                    scope=scope)
+        if axis == 2:
+            t = ex.transpose(f"{name}_spread", t, [0, 1, 3, 2], scope)
+    # The weight [in, out/g, kh, kw] as conv2d's [out, in/g, kh, kw], the
+    # kernel reversed along both axes.
+    cin_g = cin // groups
+    v = ex.reshape(f"{name}_weight", w, (groups, cin_g, cout_g, kh, kw),
+                   scope)
+    v = ex.transpose(f"{name}_weight", v, [0, 2, 1, 3, 4], scope)
+    v = ex.reshape(f"{name}_weight", v, (groups * cout_g, cin_g, kh, kw),
+                   scope)
+    v = _flip_last(ex, f"{name}_weight", v, scope)
+    v = ex.transpose(f"{name}_weight", v, [0, 1, 3, 2], scope)
+    v = _flip_last(ex, f"{name}_weight", v, scope)
+    v = ex.transpose(f"{name}_weight", v, [0, 1, 3, 2], scope)
+    ins = [t, v]
+    if bias is not None:
+        ins.append(ex.param(bias) if isinstance(bias, torch.Tensor)
+                   else ex.t(bias))
+    attrs = {"stride": [1, 1], "padding": [0, 0]}
+    if (axes[0][3], axes[1][3]) != (1, 1):
+        attrs["dilation"] = [axes[0][3], axes[1][3]]
+    if groups != 1:
+        attrs["groups"] = groups
+    y = ex.emit("conv2d", name, ins, attrs, tuple(want), ex.out_dtype(),
+                scope=scope)
+    return ex.reshape(name, y, out, scope)
+
+
+@registry.modules(nn.ConvTranspose1d, nn.ConvTranspose2d)
+def _conv_transpose_module(ex, call):
+    mod = call.mod
+    if mod.padding_mode != "zeros":
+        ex.fail(f"padding_mode '{mod.padding_mode}' is not supported")
+    spatial = 1 if isinstance(mod, nn.ConvTranspose1d) else 2
+    # forward(input, output_size=None): an output_size picks the
+    # output_padding; the traced output shape is the one built.
+    out = ex.out_shape()
+    op = [o - ((i - 1) * s - 2 * p + d * (k - 1) + 1) for o, i, s, p, d, k in
+          zip(out[2:], call.x0().shape[2:], mod.stride, mod.padding,
+              mod.dilation, mod.kernel_size)]
+    return conv_transpose(ex, spatial, call.x0(),
+                          module_weight(ex, mod, call.name, call.scope),
+                          mod.bias, mod.stride, mod.padding, op, mod.groups,
+                          mod.dilation)
+
+
+@registry.functions(F.conv_transpose1d, F.conv_transpose2d,
+                    torch.conv_transpose1d, torch.conv_transpose2d)
+def _conv_transpose(ex, call):
+    spatial = 1 if call.node.target in (F.conv_transpose1d,
+                                        torch.conv_transpose1d) else 2
+    a = call.named(["input", "weight", "bias", "stride", "padding",
+                    "output_padding", "groups", "dilation"],
+                   {"bias": None, "stride": 1, "padding": 0,
+                    "output_padding": 0, "groups": 1, "dilation": 1})
+    return conv_transpose(ex, spatial, ex.t(a["input"]), a["weight"],
+                          a["bias"], ex.v(a["stride"]), ex.v(a["padding"]),
+                          ex.v(a["output_padding"]), ex.v(a["groups"]),
+                          ex.v(a["dilation"]))
 
 
 # ---- pooling ---------------------------------------------------------------

@@ -3,7 +3,8 @@ cross_entropy on logits, [n, c] scores against [n] class targets, averaged
 over the batch (reduction='mean', PyTorch's default, only). Scores
 [n, c, d1, ...] against targets [n, d1, ...] (a segmentation's per-pixel
 loss) are the [n * d1 * ..., c] rows of the scores with their class last:
-PyTorch's mean over every position."""
+PyTorch's mean over every position. mse_loss and l1_loss ('mean' or
+'sum') are element-wise ops and a mean or sum."""
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -67,3 +68,54 @@ def _loss(ex, call):
     return loss(ex, kind, a["input"], a["target"], ex.v(a["weight"]),
                 ex.v(a["ignore_index"]), ex.v(a["reduction"]),
                 ex.v(a["label_smoothing"]))
+
+
+# ---- regression losses -----------------------------------------------------
+
+
+def regression_loss(ex, kind, input_arg, target_arg, reduction):
+    """F.mse_loss / F.l1_loss ('mean' or 'sum') of same-shaped tensors:
+    the difference squared (a mul) or its absolute value (relu(d) +
+    relu(-d), PyTorch's gradient, 0 at 0), then mean or sum."""
+    x, y = ex.t(input_arg), ex.t(target_arg)
+    if reduction not in ("mean", "sum"):
+        ex.fail(f"{kind} with reduction='{reduction}' is not supported "
+                f"('mean' and 'sum' are)")
+    if x.shape != y.shape:
+        ex.fail(f"{kind} of {list(x.shape)} and {list(y.shape)}: broadcast "
+                f"shapes are not supported (PyTorch warns of them too)")
+    if y.dtype == "INT64" or x.dtype == "INT64":
+        ex.fail(f"{kind} needs floating-point input and target")
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    d = ex.emit("sub", name, [x, y], None, x.shape, scope=scope)
+    if kind == "mse_loss":
+        e = ex.emit("mul", name, [d, d], None, x.shape, scope=scope)
+    else:
+        pos = ex.emit("relu", name, [d], None, x.shape, scope=scope)
+        neg = ex.emit("relu", name, [ex.emit("scale", name, [d],
+                                             {"factor": -1.0}, x.shape,
+                                             scope=scope)],
+                      None, x.shape, scope=scope)
+        e = ex.emit("add", name, [pos, neg], None, x.shape, scope=scope)
+    return ex.emit(reduction, name, [e], None, (), scope=scope)
+
+
+@registry.modules(nn.MSELoss, nn.L1Loss)
+def _regression_loss_module(ex, call):
+    kind = "mse_loss" if isinstance(call.mod, nn.MSELoss) else "l1_loss"
+    return regression_loss(ex, kind, call.node.args[0], call.node.args[1],
+                           call.mod.reduction)
+
+
+@registry.functions(F.mse_loss, F.l1_loss)
+def _regression_loss(ex, call):
+    kind = "mse_loss" if call.node.target is F.mse_loss else "l1_loss"
+    a = call.named(["input", "target", "size_average", "reduce",
+                    "reduction"],
+                   {"size_average": None, "reduce": None,
+                    "reduction": "mean"})
+    if ex.v(a["size_average"]) is not None or ex.v(a["reduce"]) is not None:
+        ex.fail(f"{kind}'s deprecated size_average/reduce are not "
+                f"supported (use reduction=)")
+    return regression_loss(ex, kind, a["input"], a["target"],
+                           ex.v(a["reduction"]))
