@@ -13,6 +13,9 @@ float64 with the reference evaluator (tests/hap_ir_eval.py):
 - nn.ConvTranspose1d/2d, F.conv_transpose1d/2d (stride, padding,
   output_padding, groups, dilation) as a conv2d of the spread input;
 - F.mse_loss, F.l1_loss, nn.MSELoss, nn.L1Loss (mean and sum);
+- F.pad in reflect, replicate and circular modes and the padding modules
+  (nn.ReflectionPad1d/2d, nn.ReplicationPad2d, nn.ZeroPad2d,
+  nn.ConstantPad1d);
 - softmax / log_softmax over a dim other than the last (transposes);
 - x - x.max(dim, keepdim=True)[0] before a softmax over dim (a stable
   softmax: the IR has no max, and the shift changes nothing);
@@ -225,6 +228,30 @@ class Regression(nn.Module):
         return self.loss(y, labels) + 0.5 * f(y * 2, labels)
 
 
+class Padded(nn.Module):
+    """F.pad in every mode and the padding modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.conv1d = nn.Conv1d(3, 2, 3)
+        self.reflect = nn.ReflectionPad2d((1, 2, 2, 1))
+        self.replicate = nn.ReplicationPad2d((1, 1, 2, 0))
+        self.zero = nn.ZeroPad2d((0, 1, 1, 0))
+        self.reflect1d = nn.ReflectionPad1d((3, 0))
+        self.const1d = nn.ConstantPad1d((1, 2), 0.5)
+
+    def forward(self, x, y, labels):
+        h = self.conv(self.reflect(x)) + self.conv(
+            F.pad(x, (1, 2, 2, 1), mode="reflect"))[:, :, :, :]
+        h = self.zero(self.replicate(h))
+        h = F.pad(h, (1, 1, 0, 1), mode="replicate")
+        z = self.conv1d(F.pad(y, (2, 1), mode="circular"))
+        z = self.const1d(self.reflect1d(z))
+        return F.cross_entropy(h.mean((2, 3)) + z.mean(2).sum(1, True),
+                               labels)
+
+
 class ExportSequenceOpsTest(ExportTestCase):
     def test_conv1d(self):
         m = Conv1dNet().double()
@@ -280,6 +307,13 @@ class ExportSequenceOpsTest(ExportTestCase):
                                            "labels": torch.randn(4, 3)})
         self.assertIn("mse_loss with reduction='none' is not supported",
                       str(cm.exception))
+
+    def test_padding_modes(self):
+        torch.manual_seed(0)
+        self.assert_loss_and_gradients(Padded().double(), {
+            "x": torch.randn(2, 2, 5, 6, dtype=torch.float64),
+            "y": torch.randn(2, 3, 7, dtype=torch.float64),
+            "labels": torch.tensor([0, 2])}, tol=1e-10)
 
     def test_group_norm(self):
         m = GroupNormNet().double()

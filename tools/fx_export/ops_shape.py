@@ -320,22 +320,50 @@ def gather_rows(ex, table, index, name, scope):
 # ---- padding and rolling ---------------------------------------------------
 
 
-@registry.functions(F.pad)
-def _pad(ex, call):
-    """F.pad in constant mode: each padded side a concat with a constant of
+def take_along(ex, x, axis, indices, name, scope):
+    """The elements `indices` (constants) of x along `axis`: a matmul by a
+    constant one-hot matrix [size, len(indices)] with the axis last (moved
+    there and back by transposes), so each picked element's gradient goes
+    back to where it came from."""
+    size, rank = x.shape[axis], len(x.shape)
+    pick = torch.zeros(size, len(indices), dtype=torch.float64)
+    for j, i in enumerate(indices):
+        pick[i, j] = 1.0
+    perm = list(range(rank))
+    perm[axis], perm[-1] = perm[-1], perm[axis]
+    t = ex.transpose(name, x, perm, scope)
+    k = ex.const(pick, x, "the one-hot matrix of a padding")
+    t = ex.emit("matmul", name, [t, k], shape=t.shape[:-1] + (len(indices),),
+                scope=scope)
+    return ex.transpose(name, t, perm, scope)
+
+
+def _pad_indices(mode, size, before, after):
+    """The source indices of the `before` and `after` elements F.pad adds
+    along an axis of `size` in mode reflect, replicate or circular."""
+    if mode == "reflect":
+        return (list(range(before, 0, -1)),
+                list(range(size - 2, size - 2 - after, -1)))
+    if mode == "replicate":
+        return [0] * before, [size - 1] * after
+    return (list(range(size - before, size)), list(range(after)))  # circular
+
+
+def pad(ex, x, pads, mode, value, name, scope):
+    """F.pad: in constant mode each padded side a concat with a constant of
     the fill value, each negative one a slice (torchvision's Swin pads its
-    feature maps to whole windows)."""
-    x = call.tensor(0, "input")
-    pads = list(call.value(1, "pad"))
-    mode = call.value(2, "mode", "constant")
-    value = call.value(3, "value", None)
-    if mode != "constant":
-        ex.fail(f"F.pad mode '{mode}' is not supported (only 'constant')")
+    feature maps to whole windows); in reflect, replicate and circular
+    modes each side a concat with the input's elements it copies (a
+    one-hot matmul), as HDemucs and image generators pad."""
+    pads = [int(p) for p in pads]
+    if mode not in ("constant", "reflect", "replicate", "circular"):
+        ex.fail(f"F.pad mode '{mode}' is not supported")
     if len(pads) % 2 or len(pads) // 2 > len(x.shape):
         ex.fail(f"F.pad's pad {pads} does not pair up with the input's "
                 f"{len(x.shape)} dimensions")
+    if mode != "constant":
+        return _pad_copying(ex, x, pads, mode, name, scope)
     value = 0.0 if value is None else float(value)
-    name, scope = ex.base_name(call.node), ex.scope_of(call.node)
     cur = x
     for k in range(len(pads) // 2):
         axis = len(x.shape) - 1 - k
@@ -359,6 +387,61 @@ def _pad(ex, call):
         shape = list(cur.shape)
         shape[axis] = sum(t.shape[axis] for t in joined)
         cur = ex.emit("concat", name, joined, {"axis": axis}, tuple(shape),
+                      scope=scope)
+    return cur
+
+
+@registry.functions(F.pad)
+def _pad(ex, call):
+    return pad(ex, call.tensor(0, "input"), list(call.value(1, "pad")),
+               call.value(2, "mode", "constant"), call.value(3, "value", None),
+               ex.base_name(call.node), ex.scope_of(call.node))
+
+
+_PAD_MODULES = {nn.ZeroPad2d: "constant", nn.ConstantPad1d: "constant",
+                nn.ConstantPad2d: "constant", nn.ConstantPad3d: "constant",
+                nn.ReflectionPad1d: "reflect", nn.ReflectionPad2d: "reflect",
+                nn.ReflectionPad3d: "reflect",
+                nn.ReplicationPad1d: "replicate",
+                nn.ReplicationPad2d: "replicate",
+                nn.ReplicationPad3d: "replicate"}
+
+
+@registry.modules(*_PAD_MODULES)
+def _pad_module(ex, call):
+    mod = call.mod
+    mode = next(m for cls, m in _PAD_MODULES.items() if isinstance(mod, cls))
+    return pad(ex, call.x0(), list(mod.padding), mode,
+               getattr(mod, "value", None), call.name, call.scope)
+
+
+def _pad_copying(ex, x, pads, mode, name, scope):
+    """F.pad in reflect, replicate or circular mode (PyTorch pads the last
+    1-3 dims of a batched input so: checked by its own run first)."""
+    cur = x
+    for k in range(len(pads) // 2):
+        axis = len(x.shape) - 1 - k
+        before, after = int(pads[2 * k]), int(pads[2 * k + 1])
+        size = cur.shape[axis]
+        if before < 0 or after < 0:
+            ex.fail(f"F.pad mode '{mode}' with a negative pad {pads} is not "
+                    f"supported")
+        if mode == "reflect" and max(before, after) >= size:
+            ex.fail(f"F.pad mode 'reflect' pads {max(before, after)} on a "
+                    f"dimension of {size}: it must be less")
+        if mode == "circular" and max(before, after) > size:
+            ex.fail(f"F.pad mode 'circular' pads {max(before, after)} on a "
+                    f"dimension of {size}: at most that")
+        if before == 0 and after == 0:
+            continue
+        lo, hi = _pad_indices(mode, size, before, after)
+        parts = [take_along(ex, cur, axis, lo, name, scope)] if lo else []
+        parts.append(cur)
+        if hi:
+            parts.append(take_along(ex, cur, axis, hi, name, scope))
+        shape = list(cur.shape)
+        shape[axis] = size + before + after
+        cur = ex.emit("concat", name, parts, {"axis": axis}, tuple(shape),
                       scope=scope)
     return cur
 
