@@ -11,6 +11,7 @@ still fails: a proxy has no truth value."""
 
 import contextlib
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx import _symbolic_trace
@@ -46,7 +47,10 @@ class ShapedModuleTracer(_ShapedTracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None,
                      type_expr=None, proxy_factory_fn=None):
-        with _modules_untraced(), draws_allowed():
+        # The example value runs the op for real (a leaf Dropout draws):
+        # from a fork of the random stream, which the draws' guard checks.
+        with _modules_untraced(), draws_allowed(), \
+                torch.random.fork_rng(devices=[]):
             p = super().create_proxy(kind, target, args, kwargs, name,
                                      type_expr, proxy_factory_fn)
         if kind == "placeholder" and isinstance(p, fx.Proxy):
@@ -64,7 +68,26 @@ def trace_with_shapes(root, examples, concrete_args):
     for device in ("meta", "cpu"):
         tracer = ShapedModuleTracer(root, examples, device)
         try:
-            return tracer.trace(root, concrete_args=concrete_args)
+            with _state_kept(root):
+                return tracer.trace(root, concrete_args=concrete_args)
         except Exception as e:  # noqa: BLE001
             err = e
     raise err
+
+
+@contextlib.contextmanager
+def _state_kept(root):
+    """root's buffers as they were. The example values run leaf modules
+    for real in training mode: a BatchNorm moved its running statistics
+    (num_batches_tracked by 2, one per attempt), which the graph then
+    described and the caller kept. As api._record_shapes does."""
+    saved = [(b, b.detach().clone()) for b in root.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                if b.shape == v.shape:
+                    b.copy_(v)
+                else:  # a buffer the run resized
+                    b.data = v
