@@ -17,6 +17,8 @@ float64 with the reference evaluator (tests/hap_ir_eval.py):
   (nn.ReflectionPad1d/2d, nn.ReplicationPad2d, nn.ZeroPad2d,
   nn.ConstantPad1d);
 - softmax / log_softmax over a dim other than the last (transposes);
+- masked_fill with a constant mask: a finite value anywhere, -inf into a
+  softmax; an empty constant in a torch.cat;
 - x - x.max(dim, keepdim=True)[0] before a softmax over dim (a stable
   softmax: the IR has no max, and the shift changes nothing);
 - torch.nn.utils.weight_norm on Linear and Conv1d (w = g * v / ||v||);
@@ -252,6 +254,32 @@ class Padded(nn.Module):
                                labels)
 
 
+class BlockMasked(nn.Module):
+    """Constant non-causal masks through masked_fill (Emformer's block
+    attention): -inf into a softmax, a finite value anywhere; an empty
+    constant concatenated; a position table on x.device after a branch on
+    x's shape (so traced with the example's shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        blocks = torch.ones(6, 6, dtype=torch.bool)
+        for i in range(0, 6, 2):
+            blocks[i:i + 2, i:i + 2] = False
+        self.register_buffer("blocks", blocks, persistent=False)
+
+    def forward(self, x, labels):
+        if x.ndim == 3:
+            x = x + torch.arange(x.shape[1], device=x.device).unsqueeze(-1)
+        s = self.q(x) @ self.k(x).transpose(1, 2)
+        s = s.masked_fill(self.blocks, float("-inf"))
+        h = F.softmax(s, dim=-1) @ x
+        h = torch.cat([torch.zeros(2, 0, 4), h], dim=1)
+        h = h.masked_fill(self.blocks[:, :4], 0.25)
+        return F.cross_entropy(self.head(h).mean(1), labels)
+
+
 class ExportSequenceOpsTest(ExportTestCase):
     def test_conv1d(self):
         m = Conv1dNet().double()
@@ -314,6 +342,28 @@ class ExportSequenceOpsTest(ExportTestCase):
             "x": torch.randn(2, 2, 5, 6, dtype=torch.float64),
             "y": torch.randn(2, 3, 7, dtype=torch.float64),
             "labels": torch.tensor([0, 2])}, tol=1e-10)
+
+    def test_masked_fill_with_constant_masks(self):
+        torch.manual_seed(0)
+        self.assert_loss_and_gradients(BlockMasked().double(), {
+            "x": torch.randn(2, 6, 4, dtype=torch.float64),
+            "labels": torch.tensor([0, 2])}, tol=1e-10)
+
+        class Computed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def forward(self, x, ids, labels):
+                h = self.fc(x).masked_fill(ids == 0, 0.0)
+                return F.cross_entropy(h, labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Computed(), {"x": torch.randn(2, 4),
+                                          "ids": torch.tensor([[0, 1, 2]] * 2),
+                                          "labels": torch.tensor([0, 2])})
+        self.assertIn("masked_fill is supported with a constant mask only",
+                      str(cm.exception))
 
     def test_group_norm(self):
         m = GroupNormNet().double()

@@ -49,17 +49,41 @@ def attention_mask(ex, mask, sq, sk):
 
 @registry.methods("masked_fill", "masked_fill_")
 def _masked_fill_method(ex, call, x):
-    """scores.masked_fill(causal mask, -inf) before a softmax: the scores
-    marked causal."""
+    """x.masked_fill(mask, value) with a constant boolean mask: scores
+    marked causal for a causal mask and -inf (or <= -1e4) before a softmax;
+    for a finite value, x times the constant 0/1 keep mask plus the value
+    where masked (any use; the filled elements get no gradient, as in
+    PyTorch); for -inf, an additive mask the softmax that must follow takes
+    (Emformer's block masks)."""
+    if not ex.is_static(call.arg(1, "mask")):
+        ex.fail("masked_fill is supported with a constant mask only (one "
+                "computed from the inputs: use a key_padding_mask)")
     m, val = ex.v(call.arg(1, "mask")), ex.v(call.arg(2, "value"))
     if isinstance(val, torch.Tensor):
         val = val.item()
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or \
+            not isinstance(val, (int, float)) or isinstance(val, bool):
+        ex.fail("masked_fill needs a boolean mask and a number")
     if len(x.shape) >= 2 and val <= -1e4 and \
-            is_causal_mask(m, x.shape[-2], x.shape[-1]) and \
-            m.dtype == torch.bool:
+            is_causal_mask(m, x.shape[-2], x.shape[-1]):
         return x.with_mask(causal=True)
-    ex.fail("masked_fill is supported only with a constant causal mask "
-            "and -inf, before softmax")
+    if tuple(ex.out_shape()) != tuple(x.shape):
+        ex.fail(f"masked_fill's mask {list(m.shape)} does not broadcast to "
+                f"the tensor {list(x.shape)}")
+    name, scope = ex.base_name(call.node), ex.scope_of(call.node)
+    if math.isfinite(val):
+        keep = ex.const((~m).double(), x, "the keep mask of masked_fill")
+        y = ex.emit("mul", name, [x, keep], None, x.shape, scope=scope)
+        if val != 0:
+            fill = ex.const(m.double() * val, x, "the fill of masked_fill")
+            y = ex.emit("add", name, [y, fill], None, x.shape, scope=scope)
+        return y
+    if val > 0 or x.causal or x.mask is not None:
+        ex.fail(f"masked_fill with {val} is supported only as -inf into a "
+                f"softmax, on unmasked scores")
+    add = ex.const(m.double() * _PAD_NEG.get(x.dtype, _PAD_NEG_DEFAULT), x,
+                   "the additive mask of masked_fill")
+    return x.with_mask(mask=add)
 
 
 # ---- key padding masks -----------------------------------------------------

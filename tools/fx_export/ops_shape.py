@@ -503,6 +503,13 @@ def _same_dtype(ex, what, ts):
 
 
 def _cat(ex, tensors, dim):
+    # An empty constant adds nothing (Emformer's memory before the first
+    # segment): left out, as the IR holds no empty tensor.
+    tensors = [a for a in tensors
+               if not (ex.is_static(a) and isinstance(ex.v(a), torch.Tensor)
+                       and ex.v(a).numel() == 0)]
+    if not tensors:
+        ex.fail("concatenates only empty tensors")
     ts = [ex.t(a) for a in tensors]
     if len(ts) == 1:
         return ts[0]

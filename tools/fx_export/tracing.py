@@ -322,6 +322,12 @@ class _ShapedProxy(fx.Proxy):
     def dtype(self):
         return self._example().dtype
 
+    @property
+    def device(self):
+        # Meta examples give "meta": a tensor made there fails create_arg
+        # and the trace is made again on the CPU examples.
+        return self._example().device
+
     def size(self, dim=None):
         v = self._example()
         return v.size() if dim is None else v.size(dim)
