@@ -3,8 +3,11 @@ forwards, random draws while tracing): each a defect found in review,
 checked against PyTorch or against the caller's module being left as it
 was."""
 
+import random
 import unittest
+from random import random as bound_random
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -51,6 +54,48 @@ class ShapeTracedExportTest(ExportTestCase):
         inits = {p["tensor"]["name"]: p["init"] for p in g["parameters"]}
         self.assertEqual(inits["bn.running_mean"]["kind"], "ZEROS")
         self.assertEqual(inits["bn.running_var"]["kind"], "ONES")
+
+
+class LayerDrop(nn.Module):
+    """Four layers, each skipped when draw() < p."""
+
+    def __init__(self, draw, p=0.5):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.draw, self.p = draw, p
+
+    def forward(self, x, labels):
+        for layer in self.layers:
+            if self.draw() < self.p:
+                continue
+            x = layer(x)
+        return F.cross_entropy(x, labels)
+
+
+class UnguardedDrawsTest(ExportTestCase):
+    def test_draws_the_patches_miss_are_refused(self):
+        # Each exported with exit status 0 and a graph keeping one draw
+        # (1 to 4 of the 4 linears, changing from export to export).
+        for what, draw in (
+                ("bound random", lambda: bound_random()),
+                ("numpy", lambda: np.random.random()),
+                ("random.triangular", lambda: random.triangular(0, 1)),
+                ("dropout of a constant",
+                 lambda: float(F.dropout(torch.ones(1), 0.5)[0]) / 4)):
+            with self.subTest(draw=what):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(LayerDrop(draw), {
+                        "x": torch.randn(2, 4), "labels": torch.tensor([0, 1])})
+                self.assertIn("draws random numbers while it is traced (a "
+                              "draw the exporter does not replace",
+                              str(cm.exception))
+        # A draw the patches replace still exports when it does not
+        # matter.
+        m = LayerDrop(lambda: torch.rand(1).item(), p=0.0).double()
+        g, _ = self.assert_loss_and_gradients(m, {
+            "x": torch.randn(2, 4, dtype=torch.float64),
+            "labels": torch.tensor([0, 1])}, tol=1e-10)
+        self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
 
 
 if __name__ == "__main__":

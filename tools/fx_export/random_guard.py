@@ -10,7 +10,9 @@ could give (a second trace, made only when something drew): when both traces
 are the same graph with the same constants (a drop probability of 0, which
 torchaudio still draws for), the draws did not matter; when they differ, the
 export fails naming the first draw's function and line. The other draws
-(randint, bernoulli, ...) fail at once. Draws inside ops the exporter maps
+(randint, bernoulli, ...) fail at once, and a draw no patch replaces
+(numpy.random, `from random import random` bound before tracing, F.dropout
+of a constant tensor) fails once traced: it moved a global random stream. Draws inside ops the exporter maps
 (F.dropout, torchvision's stochastic_depth) are recorded as ops, not drawn
 while tracing."""
 
@@ -22,6 +24,11 @@ import traceback
 
 import torch
 import torch.fx as fx
+
+try:
+    import numpy as np
+except ImportError:  # torch runs without numpy
+    np = None
 
 from .ir import ExportError
 
@@ -88,9 +95,12 @@ def _fixed(name, f, value, draws):
 
 
 def _filled(f, v):
-    """f's tensor (its shape, dtype and device), filled with v."""
+    """f's tensor (its shape, dtype and device), filled with v; the draw
+    made for it leaves the random stream as it was (fixed_random_draws
+    checks that nothing else drew)."""
     def value(*args, **kwargs):
-        out = f(*args, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            out = f(*args, **kwargs)
         with torch.no_grad():
             return out.fill_(v)
     return value
@@ -139,11 +149,40 @@ def fixed_random_draws(end, draws):
         patch(torch.Tensor, n, lambda f, n=n: _refused(f"Tensor.{n}", f))
     for n in _PYTHON_REFUSED:
         patch(random, n, lambda f, n=n: _refused(f"random.{n}", f))
+    before = _streams()
     try:
         yield
+        if _streams() != before:
+            raise refusal("a draw the exporter does not replace: numpy."
+                          "random, a random function bound before tracing "
+                          "(from random import random), random.triangular "
+                          "and the like, or a torch op drawing on constant "
+                          "tensors such as F.dropout(torch.ones(n))")
     finally:
         for owner, n, f in reversed(saved):
             setattr(owner, n, f)
+
+
+class _Streams:
+    """The global random streams' states (torch's CPU generator, Python's
+    random, numpy's): a draw that the patches did not replace moves one.
+    Equal when no stream moved."""
+
+    def __init__(self):
+        self.torch = torch.get_rng_state()
+        self.python = random.getstate()
+        self.numpy = None
+        if np is not None:
+            _, keys, pos, has_gauss, gauss = np.random.get_state()
+            self.numpy = (keys.tobytes(), pos, has_gauss, gauss)
+
+    def __eq__(self, other):
+        return torch.equal(self.torch, other.torch) and \
+            self.python == other.python and self.numpy == other.numpy
+
+
+def _streams():
+    return _Streams()
 
 
 @contextlib.contextmanager
