@@ -98,5 +98,36 @@ class UnguardedDrawsTest(ExportTestCase):
         self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
 
 
+class KeywordTarget(nn.Module):
+    """A regression loss module called with its target by keyword, as
+    nn.CrossEntropyLoss may be."""
+
+    def __init__(self, crit, by_name):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.crit, self.by_name = crit, by_name
+
+    def forward(self, x, labels):
+        y = self.fc(x)
+        if self.by_name:
+            return self.crit(input=y, target=labels)
+        return self.crit(y, target=labels)
+
+
+class RegressionLossArgumentsTest(ExportTestCase):
+    def test_a_loss_module_takes_its_target_by_keyword(self):
+        # Failed 'the exporter cannot handle this use (IndexError: tuple
+        # index out of range)': the handler read args[0] and args[1].
+        for crit in (nn.MSELoss(), nn.L1Loss(reduction="sum")):
+            for by_name in (False, True):
+                with self.subTest(crit=type(crit).__name__, by_name=by_name):
+                    torch.manual_seed(0)
+                    self.assert_loss_and_gradients(
+                        KeywordTarget(crit, by_name).double(),
+                        {"x": torch.randn(4, 4, dtype=torch.float64),
+                         "labels": torch.randn(4, 3, dtype=torch.float64)},
+                        tol=1e-10)
+
+
 if __name__ == "__main__":
     unittest.main()

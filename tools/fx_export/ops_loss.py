@@ -103,7 +103,8 @@ def regression_loss(ex, kind, input_arg, target_arg, reduction):
 @registry.modules(nn.MSELoss, nn.L1Loss)
 def _regression_loss_module(ex, call):
     kind = "mse_loss" if isinstance(call.mod, nn.MSELoss) else "l1_loss"
-    return regression_loss(ex, kind, call.node.args[0], call.node.args[1],
+    args = call.bound()  # also loss(y, target=...), as cross_entropy's
+    return regression_loss(ex, kind, args["input"], args["target"],
                            call.mod.reduction)
 
 
