@@ -97,6 +97,28 @@ class UnguardedDrawsTest(ExportTestCase):
             "labels": torch.tensor([0, 1])}, tol=1e-10)
         self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
 
+    def test_in_place_draws_take_their_range(self):
+        # uniform_(0, 10) gave 2^-24 and 1 - 2^-24, both below 5: the
+        # graph kept 0 of the 4 linears, which PyTorch skips half the time.
+        for what, draw in (
+                ("uniform_(0, 10)",
+                 lambda: torch.empty(1).uniform_(0, 10).item() < 5),
+                ("uniform_ by keyword", lambda: torch.empty(1).uniform_(
+                    **{"from": 0.0, "to": 10.0}).item() < 5)):
+            with self.subTest(draw=what):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(LayerDrop(draw, p=0.5), {
+                        "x": torch.randn(2, 4), "labels": torch.tensor([0, 1])})
+                self.assertIn("(Tensor.uniform_ at ", str(cm.exception))
+        # normal_(mean=10) is below 0 with probability 1e-23: -8 and +8
+        # refused it, the mean -/+ 8 standard deviations exports every layer.
+        m = LayerDrop(lambda: torch.empty(1).normal_(mean=10.0).item(),
+                      p=0.0).double()
+        g, _ = self.assert_loss_and_gradients(m, {
+            "x": torch.randn(2, 4, dtype=torch.float64),
+            "labels": torch.tensor([0, 1])}, tol=1e-10)
+        self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
+
 
 class KeywordTarget(nn.Module):
     """A regression loss module called with its target by keyword, as

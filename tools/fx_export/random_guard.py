@@ -95,15 +95,34 @@ def _fixed(name, f, value, draws):
 
 
 def _filled(f, v):
-    """f's tensor (its shape, dtype and device), filled with v; the draw
-    made for it leaves the random stream as it was (fixed_random_draws
-    checks that nothing else drew)."""
+    """f's tensor (its shape, dtype and device), filled with v (a number,
+    or a function of f's arguments giving it); the draw made for it leaves
+    the random stream as it was (fixed_random_draws checks that nothing
+    else drew)."""
     def value(*args, **kwargs):
+        fill = v(*args, **kwargs) if callable(v) else v
         with torch.random.fork_rng(devices=[]):
             out = f(*args, **kwargs)
         with torch.no_grad():
-            return out.fill_(v)
+            return out.fill_(fill)
     return value
+
+
+def _in_place_end(kind, end):
+    """What Tensor.uniform_(from=0, to=1) or Tensor.normal_(mean=0, std=1)
+    gives at the `end` (a standard draw's low or high value) of its range:
+    the range's own, not the standard one (uniform_(0, 10) gave 2^-24 and
+    1 - 2^-24, both below 5, so a branch on '< 5' that PyTorch takes half
+    the time was kept for ever)."""
+    if kind == "uniform":
+        def at(_self, *range_, **kwargs):
+            lo, hi = (list(range_) + [0.0, 1.0][len(range_):])[:2]
+            lo, hi = kwargs.get("from", lo), kwargs.get("to", hi)
+            return lo + (hi - lo) * end
+    else:
+        def at(_self, mean=0.0, std=1.0, **_):
+            return mean + std * end
+    return at
 
 
 def _refused(name, f):
@@ -135,7 +154,8 @@ def fixed_random_draws(end, draws):
             f"torch.{n}", f, _filled(f, _LOW_HIGH[kind][i]), draws))
     for n, kind in _TENSOR_FIXED.items():
         patch(torch.Tensor, n, lambda f, n=n, kind=kind: _fixed(
-            f"Tensor.{n}", f, _filled(f, _LOW_HIGH[kind][i]), draws))
+            f"Tensor.{n}", f,
+            _filled(f, _in_place_end(kind, _LOW_HIGH[kind][i])), draws))
     u, z = _LOW_HIGH["uniform"][i], _LOW_HIGH["normal"][i]
     patch(random, "random", lambda f: _fixed(
         "random.random", f, lambda: u, draws))
