@@ -120,6 +120,39 @@ class UnguardedDrawsTest(ExportTestCase):
         self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
 
 
+class WeightNormed(nn.Module):
+    """`body` (weight_norm'ed somewhere) into a 3-class cross-entropy."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.rnn = isinstance(body, nn.RNNBase)
+
+    def forward(self, x, labels):
+        y = self.body(x)
+        if self.rnn:
+            y = y[0]
+        return F.cross_entropy(y.flatten(1)[:, :3], labels)
+
+
+class WeightNormTest(ExportTestCase):
+    def test_an_unsupported_weight_norm_fails_naming_it(self):
+        wn = nn.utils.weight_norm
+        for body, x, where in (
+                (wn(nn.Linear(4, 3), name="bias"), torch.randn(2, 4),
+                 "'body.bias' (Linear)"),
+                (nn.Sequential(wn(nn.Embedding(5, 4))),
+                 torch.tensor([[1, 2], [3, 4]]), "'body.0.weight' (Embedding)"),
+                (wn(nn.GRU(4, 3, batch_first=True), name="weight_hh_l0"),
+                 torch.randn(2, 5, 4), "'body.weight_hh_l0' (GRU)")):
+            with self.subTest(where=where):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(WeightNormed(body), {
+                        "x": x, "labels": torch.tensor([0, 1])})
+                self.assertIn(f"torch.nn.utils.weight_norm of {where} is not "
+                              f"supported", str(cm.exception))
+
+
 class KeywordTarget(nn.Module):
     """A regression loss module called with its target by keyword, as
     nn.CrossEntropyLoss may be."""

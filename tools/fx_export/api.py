@@ -17,7 +17,7 @@ from .exporter import Exporter
 from .ir import ExportError
 from .random_guard import fixed_random_draws, refusal, same_trace
 from .shaped_trace import trace_with_shapes
-from .weight_norm import untrace_weight_norms
+from .weight_norm import refuse_unsupported_weight_norms, untrace_weight_norms
 from .tracing import (HapTracer, Recorder, follow_inplace, inline_wrapped_calls,
                       to_meta)
 
@@ -316,6 +316,7 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
         loss = None
     sig, concrete = _check_inputs(root, example_inputs)
     _refuse_backward_hooks(root)
+    refuse_unsupported_weight_norms(root)
 
     was_training = root.training
     root.train()

@@ -6,7 +6,14 @@ w = v * g / ||v||, the norm over every dim but `dim`."""
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch.nn.utils.weight_norm import WeightNorm
+
+from .ir import ExportError
+
+# The modules whose handlers compute a weight_norm'ed `weight` (module_weight).
+_SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+              nn.ConvTranspose2d)
 
 
 def _weight_norm_hook(mod, attr):
@@ -60,3 +67,22 @@ def untrace_weight_norms(root, graph):
             if isinstance(hook, WeightNorm) and \
                     isinstance(getattr(mod, hook.name, None), fx.Proxy):
                 setattr(mod, hook.name, hook.compute_weight(mod))
+
+
+def refuse_unsupported_weight_norms(root):
+    """Before tracing: a weight_norm of another parameter than the weight
+    of a module module_weight serves (a bias, an nn.Embedding, an nn.GRU's
+    weight_hh_l0) failed as 'uses a tensor that is not a parameter of the
+    module' or 'torch._weight_norm is not supported', naming neither the
+    parameter nor weight_norm; it is refused naming both."""
+    for path, mod in root.named_modules():
+        for hook in mod._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm) and (
+                    hook.name != "weight" or not isinstance(mod, _SUPPORTED)):
+                where = f"{path}.{hook.name}" if path else hook.name
+                raise ExportError(
+                    f"torch.nn.utils.weight_norm of '{where}' "
+                    f"({type(mod).__name__}) is not supported: only of the "
+                    f"weight of nn.Linear, nn.Conv1d/2d/3d and "
+                    f"nn.ConvTranspose1d/2d (or remove_weight_norm before "
+                    f"export)")
