@@ -1055,8 +1055,8 @@ class ExportOpsTest(ExportTestCase):
         ]
         class ExpRsqrt(nn.Module):
             def forward(self, x, labels):
-                return F.cross_entropy(torch.exp(x) + (x * x + 1).rsqrt(),
-                                       labels)
+                return F.cross_entropy(torch.exp(x) + (x * x + 1).rsqrt() +
+                                       torch.log(x * x + 1), labels)
 
         cases.append((ExpRsqrt(), {"x": torch.randn(4, 4),
                                    "labels": labels(4, 4)}))

@@ -74,6 +74,8 @@ def _op(t, x, a):
         return torch.exp(x[0])
     if t == "rsqrt":
         return torch.rsqrt(x[0])
+    if t == "log":
+        return torch.log(x[0])
     if t in ("dropout", "drop_path"):
         return x[0]
     if t == "layer_norm":

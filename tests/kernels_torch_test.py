@@ -176,7 +176,7 @@ class KernelsTorchTest(unittest.TestCase):
                 "reshape", "flatten", "concat", "split", "slice", "expand",
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d", "conv3d",
                 "max_pool2d", "max_pool3d", "avg_pool3d",
-                "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt",
+                "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt", "log",
                 "moe_dispatch", "moe_combine", "lstm"}
         self.assertEqual(ops, want)
 

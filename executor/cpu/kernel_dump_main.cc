@@ -37,7 +37,7 @@ HostTensor Rand(Shape s, uint64_t seed, double scale = 1.0) {
   return t;
 }
 
-// Values in [0.25, 4] (rsqrt's domain).
+// Values in [0.25, 4] (the domain of rsqrt and log).
 HostTensor Positive(Shape s, uint64_t seed) {
   HostTensor t = Rand(std::move(s), seed);
   for (int64_t i = 0; i < t.num_elements(); ++i) {
@@ -213,6 +213,7 @@ std::vector<Case> Cases() {
       {"hardswish", "hardswish", {}, {Rand({16, 65}, 100, 6.0)}},
       {"exp", "exp", {}, {Rand({16, 65}, 101, 3.0)}},
       {"rsqrt", "rsqrt", {}, {Positive({16, 65}, 102)}},
+      {"log", "log", {}, {Positive({16, 65}, 103)}},
       {"dropout", "dropout", {{"p", 0.2}, {"rng_key", int64_t{12345}}}, {Rand({8, 33}, 28)}, {}, 7},
       {"dropout_shard",
        "dropout",

@@ -129,6 +129,17 @@ struct Rsqrt {  // 1 / sqrt(x): d/dx = -y^3 / 2
   }
 };
 
+struct Log {  // natural log: d/dx = 1 / x
+  template <typename T>
+  static T F(T x) {
+    return std::log(x);
+  }
+  template <typename T>
+  static T D(T x, T) {
+    return T(1) / x;
+  }
+};
+
 // The element loops take their pointers as parameters so that they
 // vectorize (pointers captured by a lambda are reloaded every iteration).
 template <typename Act, typename T>
@@ -555,6 +566,7 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Hardswish>(t, "hardswish");
   RegisterUnary<ExpOp>(t, "exp");
   RegisterUnary<Rsqrt>(t, "rsqrt");
+  RegisterUnary<Log>(t, "log");
   t["dropout"] = HAP_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_FLOAT_KERNEL(DropoutBackward);
   // Stochastic depth: dropout's kernels with a mask keyed by sample

@@ -72,10 +72,11 @@ TEST(KernelGradTest, Activations) {
        {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6", "hardsigmoid", "hardswish", "exp"}) {
     ExpectGradientsMatch({op, {}, {Rand({3, 5}, 1, 3.0)}});
   }
-  // rsqrt on positive values, [0.5, 2.5].
+  // rsqrt and log on positive values, [0.5, 2.5].
   HostTensor positive = Rand({3, 5}, 5);
   for (int64_t i = 0; i < positive.num_elements(); ++i) positive.as<double>()[i] += 1.5;
   ExpectGradientsMatch({"rsqrt", {}, {positive}});
+  ExpectGradientsMatch({"log", {}, {positive}});
   // relu6 on both sides of its clamp.
   ExpectGradientsMatch({"relu6", {}, {Rand({4, 6}, 3, 9.0)}});
   for (const char* op : {"hardsigmoid", "hardswish"}) {

@@ -252,6 +252,7 @@ std::vector<Case> Cases() {
               {"hardswish", {}, {Rand({3, 4}, 37, 4.0)}},
               {"exp", {}, {Rand({3, 4}, 87)}},
               {"rsqrt", {}, {Rand({3, 4}, 88, 0.5)}},
+              {"log", {}, {Rand({3, 4}, 89, 0.5)}},
               {"dropout",
                {{"p", 0.2}, {"rng_key", int64_t{12345}}},
                {Rand({3, 4}, 38)},

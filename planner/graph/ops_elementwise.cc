@@ -60,6 +60,7 @@ void RegisterElementwiseOps(OpRegistry& r) {
   Unary(r, "hardswish", 4, "hardswish(x) -> x * relu6(x + 3) / 6");
   Unary(r, "exp", 4, "exp(x) -> e^x");
   Unary(r, "rsqrt", 2, "rsqrt(x) -> 1 / sqrt(x)");
+  Unary(r, "log", 4, "log(x) -> natural logarithm of x");
   {
     OpDef d;
     d.type = "dropout";

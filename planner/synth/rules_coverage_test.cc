@@ -48,7 +48,7 @@ absl::StatusOr<graph::Graph> RemainingOps() {
              {"padding", std::vector<int64_t>{0, 1, 1}}});
   x = b.Add("reshape", "as_image", {x}, {{"shape", std::vector<int64_t>{4, 4, 8, 8}}});
   for (const char* act :
-       {"relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "tanh", "exp", "rsqrt"}) {
+       {"relu6", "silu", "hardswish", "hardsigmoid", "sigmoid", "tanh", "exp", "rsqrt", "log"}) {
     x = b.Add(act, act, {x});
   }
   x = b.Add("drop_path", "drop_path", {x});

@@ -158,7 +158,7 @@ void Loss(const RuleInput& x, std::vector<ShardRule>& r) {
 
 RuleFn ElementwiseRules(const std::string& t) {
   if (t == "relu" || t == "gelu" || t == "sigmoid" || t == "tanh" || t == "silu" || t == "relu6" ||
-      t == "hardsigmoid" || t == "hardswish" || t == "exp" || t == "rsqrt") {
+      t == "hardsigmoid" || t == "hardswish" || t == "exp" || t == "rsqrt" || t == "log") {
     return UnaryNonlinear;
   }
   if (t == "dropout" || t == "drop_path" || t == "scale") return UnaryLinear;

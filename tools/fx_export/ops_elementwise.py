@@ -179,6 +179,40 @@ def _exp_or_rsqrt_method(ex, call, x):
     return ex.op(call.node.target, [x])
 
 
+# ---- log, log10, log2, log1p -----------------------------------------------
+
+# log_b(x) = ln(x) / ln(b): the natural log then a scale.
+_LOG_FACTORS = {"log": 1.0, "log10": 1.0 / math.log(10.0),
+                "log2": 1.0 / math.log(2.0)}
+
+
+def log(ex, x, kind, name, scope):
+    """torch.log (`kind` "log"), log10, log2 or log1p of x: one log op, then
+    a scale by 1 / ln(base) for log10 and log2; log1p as log(1 + x) (not
+    PyTorch's accurate form for tiny x, the same to rounding elsewhere)."""
+    if kind == "log1p":
+        x = ex.emit("add", name, [x, ex.const(1.0, x)], shape=x.shape,
+                    scope=scope)
+    y = ex.emit("log", name, [x], shape=x.shape, scope=scope)
+    factor = _LOG_FACTORS.get(kind, 1.0)
+    if factor == 1.0:
+        return y
+    return ex.emit("scale", name, [y], {"factor": factor}, shape=x.shape,
+                   scope=scope)
+
+
+@registry.functions(torch.log, torch.log10, torch.log2, torch.log1p)
+def _log(ex, call):
+    return log(ex, call.tensor(0, "input"), call.node.target.__name__,
+               ex.base_name(call.node), ex.scope_of(call.node))
+
+
+@registry.methods("log", "log10", "log2", "log1p")
+def _log_method(ex, call, x):
+    return log(ex, x, call.node.target, ex.base_name(call.node),
+               ex.scope_of(call.node))
+
+
 def clamp(ex, x, low, high, name, scope):
     """x clamped to the constants [low, high] (None: no bound) as
     low + relu(x - low) and high - relu(high - x): PyTorch's values, and its
