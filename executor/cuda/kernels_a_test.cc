@@ -124,9 +124,9 @@ TEST_F(KernelsATest, Activations) {
   for (DType t : kDtypes) {
     const Tol tol = ElementTol(t);
     for (const char* name : {"relu", "gelu", "sigmoid", "tanh", "silu", "relu6", "hardsigmoid",
-                             "hardswish", "exp", "rsqrt"}) {
-      // rsqrt on positive values (its domain).
-      const bool positive = std::string(name) == "rsqrt";
+                             "hardswish", "exp", "rsqrt", "log"}) {
+      // rsqrt and log on positive values (their domain).
+      const bool positive = std::string(name) == "rsqrt" || std::string(name) == "log";
       for (Shape s : {Shape{1}, Shape{257}, Shape{3, 1031}}) {
         if (positive) {
           const std::string g = std::string(name) + "_grad";

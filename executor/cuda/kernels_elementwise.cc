@@ -247,6 +247,7 @@ void RegisterElementwiseKernels(KernelTable& t) {
   RegisterUnary<Activation::kHardswish>(t, "hardswish");
   RegisterUnary<Activation::kExp>(t, "exp");
   RegisterUnary<Activation::kRsqrt>(t, "rsqrt");
+  RegisterUnary<Activation::kLog>(t, "log");
   t["dropout"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);
   t["dropout_grad"] = HAP_CUDA_FLOAT_KERNEL(DropoutBackward);
   t["drop_path"] = HAP_CUDA_FLOAT_KERNEL(DropoutForward);

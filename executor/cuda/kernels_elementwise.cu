@@ -22,6 +22,8 @@ __device__ inline float Tanh(float x) { return tanhf(x); }
 __device__ inline double Tanh(double x) { return tanh(x); }
 __device__ inline float Rsqrt(float x) { return 1.0f / sqrtf(x); }
 __device__ inline double Rsqrt(double x) { return 1.0 / sqrt(x); }
+__device__ inline float Log(float x) { return logf(x); }
+__device__ inline double Log(double x) { return log(x); }
 
 // F(x) and F'(x) given y = F(x), as executor/cpu/kernels_elementwise.cc.
 template <Activation A, typename T>
@@ -44,6 +46,8 @@ __device__ inline T ActF(T x) {
     return Exp(x);
   } else if constexpr (A == Activation::kRsqrt) {
     return Rsqrt(x);
+  } else if constexpr (A == Activation::kLog) {
+    return Log(x);
   } else {
     return Tanh(x);
   }
@@ -72,6 +76,8 @@ __device__ inline T ActD(T x, T y) {
     return y;
   } else if constexpr (A == Activation::kRsqrt) {
     return T(-0.5) * y * y * y;
+  } else if constexpr (A == Activation::kLog) {
+    return T(1) / x;
   } else {
     return T(1) - y * y;
   }
@@ -255,6 +261,8 @@ void LaunchActivation(Activation act, const T* x, T* y, int64_t n,
       return ActivationAs<T, Activation::kExp>(x, y, n, stream);
     case Activation::kRsqrt:
       return ActivationAs<T, Activation::kRsqrt>(x, y, n, stream);
+    case Activation::kLog:
+      return ActivationAs<T, Activation::kLog>(x, y, n, stream);
   }
 }
 
@@ -285,6 +293,8 @@ void LaunchActivationGrad(Activation act, const T* x, const T* y, const T* dy,
       return ActivationGradAs<T, Activation::kExp>(x, y, dy, dx, n, stream);
     case Activation::kRsqrt:
       return ActivationGradAs<T, Activation::kRsqrt>(x, y, dy, dx, n, stream);
+    case Activation::kLog:
+      return ActivationGradAs<T, Activation::kLog>(x, y, dy, dx, n, stream);
   }
 }
 

@@ -24,7 +24,8 @@ enum class Activation {
   kHardsigmoid,
   kHardswish,
   kExp,
-  kRsqrt
+  kRsqrt,
+  kLog
 };
 
 // y = F(x) over n elements.
