@@ -119,6 +119,33 @@ class UnguardedDrawsTest(ExportTestCase):
             "labels": torch.tensor([0, 1])}, tol=1e-10)
         self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
 
+    def test_a_draw_setting_a_module_attribute_is_refused(self):
+        # The graph is the same both times (a dropout op); its p was read
+        # after the second trace: exported as 0.49999997 for ever.
+        class DrawnDropout(nn.Module):
+            def __init__(self, draw):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.drop = nn.Dropout(0.1)
+                self.draw = draw
+
+            def forward(self, x, labels):
+                self.drop.p = self.draw()
+                return F.cross_entropy(self.drop(self.fc(x)), labels)
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(
+                DrawnDropout(lambda: random.uniform(0.0, 0.5)),
+                {"x": torch.randn(2, 4), "labels": torch.tensor([0, 1])})
+        self.assertIn("(random.uniform at ", str(cm.exception))
+        # A setting the draw does not change exports.
+        g = export_fx.export(
+            DrawnDropout(lambda: 0.1 if random.random() >= 0 else 0.2),
+            {"x": torch.randn(2, 4), "labels": torch.tensor([0, 1])})
+        p = [op["attrs"]["p"] for op in g["ops"] if op["type"] == "dropout"]
+        self.assertEqual(len(p), 1)
+        self.assertAlmostEqual(p[0]["f"], 0.1, places=6)
+
 
 class WeightNormed(nn.Module):
     """`body` (weight_norm'ed somewhere) into a 3-class cross-entropy."""

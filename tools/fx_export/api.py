@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from .exporter import Exporter
 from .ir import ExportError
-from .random_guard import fixed_random_draws, refusal, same_trace
+from .random_guard import (fixed_random_draws, module_settings, refusal,
+                           same_trace)
 from .shaped_trace import trace_with_shapes
 from .weight_norm import refuse_unsupported_weight_norms, untrace_weight_norms
 from .tracing import (HapTracer, Recorder, follow_inplace, inline_wrapped_calls,
@@ -323,10 +324,12 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
     try:
         draws = []
         graph = _trace(root, example_inputs, concrete, "low", draws)
-        if draws and not same_trace(
-                root, graph, _trace(root, example_inputs, concrete, "high",
-                                    [])):
-            raise refusal(draws[0])
+        if draws:
+            settings = module_settings(root, graph)
+            high = _trace(root, example_inputs, concrete, "high", [])
+            if not same_trace(root, graph, high) or \
+                    module_settings(root, high) != settings:
+                raise refusal(draws[0])
         untrace_weight_norms(root, graph)
         gm = fx.GraphModule(root, graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

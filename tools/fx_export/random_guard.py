@@ -243,3 +243,31 @@ def same_trace(root, a, b):
         elif x.target != y.target:
             return False
     return True
+
+
+def _plain(v):
+    """Whether v is a plain setting: a number, string, None, or a tuple or
+    list of them."""
+    if isinstance(v, (tuple, list)):
+        return all(_plain(e) for e in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def module_settings(root, graph):
+    """{path: plain attributes} of the modules `graph` calls and their
+    submodules, as the trace left them: what the exporter reads of a
+    module besides its tensors (nn.Dropout's p, a layer's eps). A forward
+    that sets one from a draw (self.drop.p = random.uniform(0, 0.5))
+    traces the same graph both times, and the export kept the last
+    trace's value (p 0.49999997) for ever; compared between the traces."""
+    out = {}
+    for n in graph.nodes:
+        if n.op != "call_module" or n.target in out:
+            continue
+        try:
+            mod = root.get_submodule(n.target)
+        except AttributeError:
+            continue
+        for sub, m in mod.named_modules(prefix=n.target):
+            out[sub] = {k: v for k, v in vars(m).items() if _plain(v)}
+    return out
