@@ -65,6 +65,37 @@ def is_stochastic_depth(f):
     return f in stochastic_depth_functions()
 
 
+# torchaudio.functional's functions recorded as one call each: spectrogram
+# calls torch.stft, whose complex result the IR cannot hold, and
+# amplitude_to_DB's top_db needs a maximum over the tensor. The exporter
+# writes them as real ops (ops_audio.py). The transforms call them as
+# attributes of the module (F.spectrogram), so the modules' dicts are patched
+# too (HapTracer.__init__).
+_AUDIO_FUNCTIONS = ("spectrogram", "amplitude_to_DB")
+_AUDIO_MODULES = ("torchaudio.functional", "torchaudio.functional.functional")
+
+
+def audio_functions():
+    """{function: name} for torchaudio's spectrogram and amplitude_to_DB,
+    when the traced code has imported torchaudio (the exporter does not)."""
+    mod = sys.modules.get("torchaudio.functional.functional")
+    out = {}
+    for name in _AUDIO_FUNCTIONS:
+        f = getattr(mod, name, None)
+        if f is not None:
+            out[f] = name
+    return out
+
+
+def audio_function_name(f):
+    """'spectrogram' or 'amplitude_to_DB' for torchaudio's function, else
+    None."""
+    try:
+        return audio_functions().get(f)
+    except TypeError:  # an unhashable target
+        return None
+
+
 class TensorAttributeChanged(RuntimeError):
     """forward changed a plain tensor attribute of a module in place."""
 
@@ -144,7 +175,13 @@ class HapTracer(fx.Tracer):
         # torchvision's stochastic_depth draws its mask with torch.empty and
         # bernoulli_: recorded as one call (an IR drop_path) instead. Only
         # when the traced code has imported torchvision.
-        super().__init__(autowrap_functions=stochastic_depth_functions())
+        super().__init__(autowrap_functions=stochastic_depth_functions() +
+                         tuple(audio_functions()))
+        # The torchaudio modules whose attribute is called (F.spectrogram):
+        # fx patches the entries of these dicts that are autowrapped
+        # functions, and only those.
+        self._autowrap_search += [sys.modules[m] for m in _AUDIO_MODULES
+                                  if m in sys.modules]
         self._stack = []
         self._constants = {}  # id(tensor) -> (tensor, copy, attribute)
         # Buffers become get_attr nodes (constants folded at export time), so
