@@ -20,6 +20,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .slice_assign import assign_through_slice, augmented_into_slice
+
 
 def _proxy_iter(self):
     """Proxy.__iter__ for Python 3.11, whose bytecode offsets torch 1.13's
@@ -876,6 +878,33 @@ def follow_inplace(gm):
             return (f"node '{n.name}' ({n.op} {what}){where} changes the "
                     f"module's buffer or parameter '{held.target}' in "
                     f"place, which the HAP graph cannot express")
+        if augmented_into_slice(n):
+            # `x[idx] += y`: n is the slice's new value (an ordinary op),
+            # and the setitem after it writes it back.
+            for u in list(a.users):
+                if later(u) and not (u.op == "call_function" and
+                                     u.target is operator.setitem):
+                    u.replace_input_with(a, n)
+            continue
+        if n.op == "call_function" and n.target is operator.setitem and \
+                not _is_view(a) and not a.meta.get("hap_static"):
+            if _earlier_view_used_later(a, None, n, later):
+                return (f"node '{n.name}' ({n.op} {what}){where} assigns "
+                        f"into a slice of '{a.name}', and a view of it "
+                        f"taken before is used after: the exporter does "
+                        f"not follow the assignment into views")
+            new = assign_through_slice(gm, n, scope)
+            if isinstance(new, str):
+                return (f"node '{n.name}' ({n.op} {what}){where} assigns "
+                        f"into a slice of '{a.name}': {new}")
+            for x in gm.graph.nodes:  # the new nodes come before n
+                order.setdefault(x, order[n] - 0.5)
+            for u in list(a.users):
+                if u is not n and later(u):
+                    u.replace_input_with(a, new)
+            if not n.users:
+                gm.graph.erase_node(n)
+            continue
         base = a
         while _is_view(base) and base.args and \
                 isinstance(base.args[0], fx.Node):
