@@ -146,6 +146,25 @@ class UnguardedDrawsTest(ExportTestCase):
         self.assertEqual(len(p), 1)
         self.assertAlmostEqual(p[0]["f"], 0.1, places=6)
 
+    def test_draws_pulling_opposite_ways_are_refused(self):
+        # Skipped when rand() < 0.5 and random() > 0.5 (a quarter of the
+        # time): never with all draws low, nor all high, and the 4 linears
+        # were exported for ever.
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(LayerDrop(
+                lambda: 0.0 if torch.rand(1).item() < 0.5 and
+                random.random() > 0.5 else 1.0), {
+                    "x": torch.randn(2, 4), "labels": torch.tensor([0, 1])})
+        self.assertIn("draws random numbers while it is traced (torch.rand "
+                      "at ", str(cm.exception))
+        # Two draw sites that do not matter still export.
+        m = LayerDrop(lambda: torch.rand(1).item() + random.random(),
+                      p=0.0).double()
+        g, _ = self.assert_loss_and_gradients(m, {
+            "x": torch.randn(2, 4, dtype=torch.float64),
+            "labels": torch.tensor([0, 1])}, tol=1e-10)
+        self.assertEqual([op["type"] for op in g["ops"]].count("linear"), 4)
+
 
 class WeightNormed(nn.Module):
     """`body` (weight_norm'ed somewhere) into a 3-class cross-entropy."""

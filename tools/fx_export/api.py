@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from .exporter import Exporter
 from .ir import ExportError
-from .random_guard import (fixed_random_draws, module_settings, refusal,
-                           same_trace)
+from .random_guard import (fixed_random_draws, module_settings, other_ends,
+                           refusal, same_trace)
 from .shaped_trace import trace_with_shapes
 from .weight_norm import refuse_unsupported_weight_norms, untrace_weight_norms
 from .tracing import (HapTracer, Recorder, follow_inplace, inline_wrapped_calls,
@@ -93,20 +93,20 @@ def user_frame(e):
     return where
 
 
-def _trace(root, example_inputs, concrete, end, draws):
+def _trace(root, example_inputs, concrete, end, draws, sites=None):
     """The fx graph of `root`: traced symbolically, else (control flow on
     a shape, `if x.ndim != 2`) with the example inputs' shapes. Random
     draws give the `end` of their range (random_guard)."""
     tracer = HapTracer()
     try:
-        with fixed_random_draws(end, draws):
+        with fixed_random_draws(end, draws, sites):
             return tracer.trace(root, concrete_args=concrete or None)
     except ExportError:
         raise
     except Exception as e:  # fx.proxy.TraceError, TypeError, ...
         first = e
     try:
-        with fixed_random_draws(end, draws):
+        with fixed_random_draws(end, draws, sites):
             return trace_with_shapes(root, {**concrete, **example_inputs},
                                      concrete or None)
     except ExportError:
@@ -322,13 +322,13 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
     was_training = root.training
     root.train()
     try:
-        draws = []
-        graph = _trace(root, example_inputs, concrete, "low", draws)
-        if draws:
-            settings = module_settings(root, graph)
-            high = _trace(root, example_inputs, concrete, "high", [])
-            if not same_trace(root, graph, high) or \
-                    module_settings(root, high) != settings:
+        draws, sites = [], []
+        graph = _trace(root, example_inputs, concrete, "low", draws, sites)
+        settings = module_settings(root, graph) if draws else None
+        for end in other_ends(sites) if draws else ():
+            other = _trace(root, example_inputs, concrete, end, [])
+            if not same_trace(root, graph, other) or \
+                    module_settings(root, other) != settings:
                 raise refusal(draws[0])
         untrace_weight_norms(root, graph)
         gm = fx.GraphModule(root, graph)

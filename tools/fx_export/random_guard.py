@@ -6,15 +6,17 @@ self.layer_drop: continue`, torchaudio's LayerDrop in wav2vec2 and HuBERT;
 one draw for ever: a wav2vec2_base exported four times kept 12, 11, 12 and
 10 of its 12 layers, with exit status 0. So while tracing, the uniform and
 normal draws give fixed values, the lowest first and then the highest they
-could give (a second trace, made only when something drew): when both traces
-are the same graph with the same constants (a drop probability of 0, which
-torchaudio still draws for), the draws did not matter; when they differ, the
-export fails naming the first draw's function and line. The other draws
-(randint, bernoulli, ...) fail at once, and a draw no patch replaces
-(numpy.random, `from random import random` bound before tracing, F.dropout
-of a constant tensor) fails once traced: it moved a global random stream. Draws inside ops the exporter maps
-(F.dropout, torchvision's stochastic_depth) are recorded as ops, not drawn
-while tracing."""
+could give (a second trace, made only when something drew; with draws at
+several sites, a function and line each, also each site's at the other end
+from the rest's): when the traces are the same graph with the same constants
+and module settings (a drop probability of 0, which torchaudio still draws
+for), the draws did not matter; when they differ, the export fails naming
+the first draw's function and line. The other draws (randint, bernoulli,
+...) fail at once, and a draw no patch replaces (numpy.random, `from random
+import random` bound before tracing, F.dropout of a constant tensor) fails
+once traced: it moved a global random stream. Draws inside ops the exporter
+maps (F.dropout, torchvision's stochastic_depth) are recorded as ops, not
+drawn while tracing."""
 
 import contextlib
 import functools
@@ -82,25 +84,28 @@ def refusal(draw):
         f"supported")
 
 
-def _fixed(name, f, value, draws):
+def _fixed(name, f, value, draws, choose):
     """f, giving value(*args, **kwargs) instead of a draw, and noting the
-    draw in `draws`."""
+    draw in `draws`; choose(site) first picks the end of the range for the
+    draw's site (the function and " at FILE:LINE (SOURCE)", as noted)."""
     @functools.wraps(f)
     def draw(*args, **kwargs):
         if _STATE["lifted"]:
             return f(*args, **kwargs)
-        draws.append(name + _where())
+        site = name + _where()
+        draws.append(site)
+        choose(site)
         return value(*args, **kwargs)
     return draw
 
 
 def _filled(f, v):
-    """f's tensor (its shape, dtype and device), filled with v (a number,
-    or a function of f's arguments giving it); the draw made for it leaves
+    """f's tensor (its shape, dtype and device), filled with v(f's
+    arguments); the draw made for it leaves
     the random stream as it was (fixed_random_draws checks that nothing
     else drew)."""
     def value(*args, **kwargs):
-        fill = v(*args, **kwargs) if callable(v) else v
+        fill = v(*args, **kwargs)
         with torch.random.fork_rng(devices=[]):
             out = f(*args, **kwargs)
         with torch.no_grad():
@@ -135,12 +140,33 @@ def _refused(name, f):
 
 
 @contextlib.contextmanager
-def fixed_random_draws(end, draws):
+def fixed_random_draws(end, draws, sites=None):
     """While tracing: rand/randn (and _like, Tensor.uniform_/normal_,
-    random.random/uniform/gauss) give the `end` ("low" or "high") of their
-    range, each draw appended to `draws` (its function and line); the other
-    random functions raise ExportError."""
-    i = 0 if end == "low" else 1
+    random.random/uniform/gauss) give the `end` ("low" or "high", or
+    {site: "low" or "high"}, "low" for the sites it does not name) of their
+    range, each draw appended to `draws` (its function and line) and its
+    site to `sites`; the other random functions raise ExportError."""
+    at = [0]
+
+    def choose(site):
+        if sites is not None:
+            sites.append(site)
+        e = end.get(site, "low") if isinstance(end, dict) else end
+        at[0] = 0 if e == "low" else 1
+
+    def ends(kind):
+        return lambda *a, **k: _LOW_HIGH[kind][at[0]]
+
+    def in_place(kind):
+        return lambda *a, **k: _in_place_end(
+            kind, _LOW_HIGH[kind][at[0]])(*a, **k)
+
+    def u():
+        return _LOW_HIGH["uniform"][at[0]]
+
+    def z():
+        return _LOW_HIGH["normal"][at[0]]
+
     saved = []
 
     def patch(owner, n, wrapper):
@@ -151,18 +177,17 @@ def fixed_random_draws(end, draws):
 
     for n, kind in _TORCH_FIXED.items():
         patch(torch, n, lambda f, n=n, kind=kind: _fixed(
-            f"torch.{n}", f, _filled(f, _LOW_HIGH[kind][i]), draws))
+            f"torch.{n}", f, _filled(f, ends(kind)), draws, choose))
     for n, kind in _TENSOR_FIXED.items():
         patch(torch.Tensor, n, lambda f, n=n, kind=kind: _fixed(
-            f"Tensor.{n}", f,
-            _filled(f, _in_place_end(kind, _LOW_HIGH[kind][i])), draws))
-    u, z = _LOW_HIGH["uniform"][i], _LOW_HIGH["normal"][i]
+            f"Tensor.{n}", f, _filled(f, in_place(kind)), draws, choose))
     patch(random, "random", lambda f: _fixed(
-        "random.random", f, lambda: u, draws))
+        "random.random", f, u, draws, choose))
     patch(random, "uniform", lambda f: _fixed(
-        "random.uniform", f, lambda a, b: a + (b - a) * u, draws))
+        "random.uniform", f, lambda a, b: a + (b - a) * u(), draws, choose))
     patch(random, "gauss", lambda f: _fixed(
-        "random.gauss", f, lambda mu=0.0, sigma=1.0: mu + sigma * z, draws))
+        "random.gauss", f, lambda mu=0.0, sigma=1.0: mu + sigma * z(), draws,
+        choose))
     for n in _TORCH_REFUSED:
         patch(torch, n, lambda f, n=n: _refused(f"torch.{n}", f))
     for n in _TENSOR_REFUSED:
@@ -270,4 +295,26 @@ def module_settings(root, graph):
             continue
         for sub, m in mod.named_modules(prefix=n.target):
             out[sub] = {k: v for k, v in vars(m).items() if _plain(v)}
+    return out
+
+
+def other_ends(sites):
+    """The ends to trace again with, after a trace with every draw at its
+    low end whose draws were at `sites`: every draw high; and with draws at
+    several sites, each site high with the rest low and low with the rest
+    high (two sites: all four combinations; three: all eight). A branch on
+    two draws pulling opposite ways (rand() < 0.5 and random() > 0.5) is
+    taken by neither all-low nor all-high, and was exported as never taken
+    (a LayerDrop skipping each layer a quarter of the time kept all 4)."""
+    unique = list(dict.fromkeys(sites))
+    plans = [tuple("high" for _ in unique)]
+    if len(unique) > 1:
+        for k in range(len(unique)):
+            plans.append(tuple("high" if j == k else "low"
+                               for j in range(len(unique))))
+            plans.append(tuple("low" if j == k else "high"
+                               for j in range(len(unique))))
+    out = []
+    for plan in dict.fromkeys(plans):
+        out.append("high" if len(unique) == 1 else dict(zip(unique, plan)))
     return out
