@@ -230,5 +230,36 @@ class RegressionLossArgumentsTest(ExportTestCase):
                         tol=1e-10)
 
 
+class HalfFill(nn.Module):
+    """Scores masked through a slice fill before a softmax, in float16."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.value = value
+
+    def forward(self, x, labels):
+        h = self.fc(x).clone()
+        h[:, :2].fill_(self.value)
+        return F.cross_entropy(torch.softmax(h, -1), labels)
+
+
+class FillThroughASliceTest(ExportTestCase):
+    def test_a_fill_the_dtype_cannot_hold_fails_naming_the_fill(self):
+        # -1e9, which the -inf refusal advises, is -inf in float16: it
+        # failed "node 'add' (...): needs a constant tensor with non-finite
+        # values ('mul_1')", naming generated nodes.
+        inputs = {"x": torch.randn(2, 4, dtype=torch.float16),
+                  "labels": torch.tensor([0, 1])}
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(HalfFill(-1e9).half(), inputs)
+        msg = str(cm.exception)
+        self.assertIn("node 'fill_' (call_method Tensor.fill_)", msg)
+        self.assertIn("(-inf in torch.float16)", msg)
+        self.assertNotIn("mul_1", msg)
+        g = export_fx.export(HalfFill(-1e4).half(), inputs)
+        self.assertIn("softmax", [op["type"] for op in g["ops"]])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -801,16 +801,23 @@ def _fill_through_slice(gm, n, view, base, later):
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
-    if not math.isfinite(value):
+    dtype = base.meta.get("hap_dtype")
+    held = value
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        # -1e9 is -inf in float16: the constant v too.
+        held = float(torch.tensor(value, dtype=dtype))
+    if not math.isfinite(held):
         # v * (1 - keep) would be nan where kept, and the graph's constants
         # are finite: refused by name, not as the generated ops' failure.
         scope = n.meta.get("hap_scope", "")
         where = f" in {scope}" if scope else ""
+        of = "" if not math.isfinite(value) else f" ({held} in {dtype})"
         return (f"node '{n.name}' (call_method Tensor.{n.target}){where} "
-                f"fills a slice of '{base.name}' with {value}: a fill "
+                f"fills a slice of '{base.name}' with {value}{of}: a fill "
                 f"through a slice takes finite values only (for a mask "
-                f"before softmax, fill with a large negative value such as "
-                f"-1e9, or use a causal attention mask)")
+                f"before softmax, fill with a large negative value the "
+                f"dtype holds, such as -1e9, or -1e4 in float16, or use a "
+                f"causal attention mask)")
     if _earlier_view_used_later(base, view, n, later):
         # `k = base[1:3]` before the fill and used after it: k would read
         # base unfilled (PyTorch's k sees the fill).
