@@ -343,11 +343,11 @@ void GroupedBackward(const KernelArgs& a, const Conv& c, const T* x, const T* w,
 
 // y[m] = w @ im2col(x[m]) (+ bias), `group` images per GEMM: their columns
 // side by side, [o, group * ohw], copied out image by image when group > 1.
-template <typename T>
-absl::Status ConvForward(const KernelArgs& a, int spatial) {
+template <typename T, int kSpatial>
+absl::Status ConvForward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
   HAP_RETURN_IF_ERROR(CheckArity(a, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, a.in.size() == 3, spatial));
+  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, a.in.size() == 3, kSpatial));
   HAP_RETURN_IF_ERROR(CheckOutput(a, 0, t, c.y));
   const T* bias = a.in.size() == 3 && a.in[2].present() ? a.in[2].as<const T>()
                                                          : nullptr;
@@ -406,11 +406,11 @@ absl::Status ConvForward(const KernelArgs& a, int spatial) {
   return status;
 }
 
-template <typename T>
-absl::Status ConvBackward(const KernelArgs& a, int spatial) {
+template <typename T, int kSpatial>
+absl::Status ConvBackward(const KernelArgs& a) {
   constexpr DType t = DTypeOf<T>();
   HAP_ASSIGN_OR_RETURN(GradArgs gr, GradArgs::Make(a, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, gr.n() == 3, spatial));
+  HAP_ASSIGN_OR_RETURN(Conv c, CheckConv(a, t, gr.n() == 3, kSpatial));
   HAP_RETURN_IF_ERROR(gr.Check(t, {c.y}));
   if (!gr.dy(0).present()) return absl::OkStatus();
   const Window& g = c.g;
@@ -477,23 +477,6 @@ absl::Status ConvBackward(const KernelArgs& a, int spatial) {
     }
   });
   return status;
-}
-
-template <typename T>
-absl::Status Conv2dForward(const KernelArgs& a) {
-  return ConvForward<T>(a, 2);
-}
-template <typename T>
-absl::Status Conv2dBackward(const KernelArgs& a) {
-  return ConvBackward<T>(a, 2);
-}
-template <typename T>
-absl::Status Conv3dForward(const KernelArgs& a) {
-  return ConvForward<T>(a, 3);
-}
-template <typename T>
-absl::Status Conv3dBackward(const KernelArgs& a) {
-  return ConvBackward<T>(a, 3);
 }
 
 // --- pooling ----------------------------------------------------------------------
@@ -670,40 +653,6 @@ absl::Status AvgPoolBackward(const KernelArgs& a) {
       });
 }
 
-// HAP_FLOAT_KERNEL takes a one-parameter template.
-template <typename T>
-absl::Status MaxPool2dForward(const KernelArgs& a) {
-  return MaxPoolForward<T, 2>(a);
-}
-template <typename T>
-absl::Status MaxPool2dBackward(const KernelArgs& a) {
-  return MaxPoolBackward<T, 2>(a);
-}
-template <typename T>
-absl::Status MaxPool3dForward(const KernelArgs& a) {
-  return MaxPoolForward<T, 3>(a);
-}
-template <typename T>
-absl::Status MaxPool3dBackward(const KernelArgs& a) {
-  return MaxPoolBackward<T, 3>(a);
-}
-template <typename T>
-absl::Status AvgPool2dForward(const KernelArgs& a) {
-  return AvgPoolForward<T, 2>(a);
-}
-template <typename T>
-absl::Status AvgPool2dBackward(const KernelArgs& a) {
-  return AvgPoolBackward<T, 2>(a);
-}
-template <typename T>
-absl::Status AvgPool3dForward(const KernelArgs& a) {
-  return AvgPoolForward<T, 3>(a);
-}
-template <typename T>
-absl::Status AvgPool3dBackward(const KernelArgs& a) {
-  return AvgPoolBackward<T, 3>(a);
-}
-
 // --- adaptive_avg_pool2d ----------------------------------------------------------
 
 // PyTorch's window of output i of `out` over an input of `in`:
@@ -763,18 +712,18 @@ absl::Status AdaptivePoolBackward(const KernelArgs& a) {
 }  // namespace
 
 void RegisterConvolutionKernels(KernelTable& t) {
-  t["conv2d"] = HAP_FLOAT_KERNEL(Conv2dForward);
-  t["conv2d_grad"] = HAP_FLOAT_KERNEL(Conv2dBackward);
-  t["conv3d"] = HAP_FLOAT_KERNEL(Conv3dForward);
-  t["conv3d_grad"] = HAP_FLOAT_KERNEL(Conv3dBackward);
-  t["max_pool2d"] = HAP_FLOAT_KERNEL(MaxPool2dForward);
-  t["max_pool2d_grad"] = HAP_FLOAT_KERNEL(MaxPool2dBackward);
-  t["avg_pool2d"] = HAP_FLOAT_KERNEL(AvgPool2dForward);
-  t["avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AvgPool2dBackward);
-  t["max_pool3d"] = HAP_FLOAT_KERNEL(MaxPool3dForward);
-  t["max_pool3d_grad"] = HAP_FLOAT_KERNEL(MaxPool3dBackward);
-  t["avg_pool3d"] = HAP_FLOAT_KERNEL(AvgPool3dForward);
-  t["avg_pool3d_grad"] = HAP_FLOAT_KERNEL(AvgPool3dBackward);
+  t["conv2d"] = HAP_FLOAT_KERNEL_N(ConvForward, 2);
+  t["conv2d_grad"] = HAP_FLOAT_KERNEL_N(ConvBackward, 2);
+  t["conv3d"] = HAP_FLOAT_KERNEL_N(ConvForward, 3);
+  t["conv3d_grad"] = HAP_FLOAT_KERNEL_N(ConvBackward, 3);
+  t["max_pool2d"] = HAP_FLOAT_KERNEL_N(MaxPoolForward, 2);
+  t["max_pool2d_grad"] = HAP_FLOAT_KERNEL_N(MaxPoolBackward, 2);
+  t["avg_pool2d"] = HAP_FLOAT_KERNEL_N(AvgPoolForward, 2);
+  t["avg_pool2d_grad"] = HAP_FLOAT_KERNEL_N(AvgPoolBackward, 2);
+  t["max_pool3d"] = HAP_FLOAT_KERNEL_N(MaxPoolForward, 3);
+  t["max_pool3d_grad"] = HAP_FLOAT_KERNEL_N(MaxPoolBackward, 3);
+  t["avg_pool3d"] = HAP_FLOAT_KERNEL_N(AvgPoolForward, 3);
+  t["avg_pool3d_grad"] = HAP_FLOAT_KERNEL_N(AvgPoolBackward, 3);
   t["adaptive_avg_pool2d"] = HAP_FLOAT_KERNEL(AdaptivePoolForward);
   t["adaptive_avg_pool2d_grad"] = HAP_FLOAT_KERNEL(AdaptivePoolBackward);
 }

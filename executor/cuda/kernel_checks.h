@@ -40,6 +40,10 @@ using TypedKernel = absl::Status (*)(const KernelArgs&);
 KernelFn FloatKernel(TypedKernel f32, TypedKernel f64);
 #define HAP_CUDA_FLOAT_KERNEL(fn) \
   ::hap::executor::cuda::FloatKernel(&fn<float>, &fn<double>)
+// The same for a kernel template whose second parameter is an int (the
+// spatial dims of a convolution or pooling): fn<float, n>, fn<double, n>.
+#define HAP_CUDA_FLOAT_KERNEL_N(fn, n) \
+  ::hap::executor::cuda::FloatKernel(&fn<float, n>, &fn<double, n>)
 
 // A data-movement kernel instantiated for f32, f64, i32 and i64; the dtype
 // is that of its first present input (output when it has none), as the

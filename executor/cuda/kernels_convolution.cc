@@ -265,12 +265,12 @@ absl::Status ConvBackwardBf16(const KernelArgs& a, Conv cv, const float* x, cons
 }
 
 // y[m] = w @ im2col(x[m]) (+ bias): one strided-batched GEMM per group.
-template <typename T>
-absl::Status ConvForward(const KernelArgs& a, int spatial) {
+template <typename T, int kSpatial>
+absl::Status ConvForward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_RETURN_IF_ERROR(cpu::CheckArity(c, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3, spatial));
+  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, a.in.size() == 3, kSpatial));
   HAP_RETURN_IF_ERROR(cpu::CheckOutput(c, 0, t, cv.y));
   HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
   const T* bias =
@@ -311,12 +311,12 @@ absl::Status ConvForward(const KernelArgs& a, int spatial) {
   return absl::OkStatus();
 }
 
-template <typename T>
-absl::Status ConvBackward(const KernelArgs& a, int spatial) {
+template <typename T, int kSpatial>
+absl::Status ConvBackward(const KernelArgs& a) {
   constexpr DType t = cpu::DTypeOf<T>();
   const cpu::KernelArgs c = CpuArgs(a);
   HAP_ASSIGN_OR_RETURN(cpu::GradArgs gr, cpu::GradArgs::Make(c, 2, 3, 1));
-  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3, spatial));
+  HAP_ASSIGN_OR_RETURN(Conv cv, CheckConv(a, t, gr.n() == 3, kSpatial));
   HAP_RETURN_IF_ERROR(gr.Check(t, {cv.y}));
   if (!gr.dy(0).present()) return absl::OkStatus();  // as the CPU, before bf16's checks
   HAP_ASSIGN_OR_RETURN(bool bf16, Bf16Conv<T>(a, cv));
@@ -381,23 +381,6 @@ absl::Status ConvBackward(const KernelArgs& a, int spatial) {
     return CheckLaunch(a);
   }
   return absl::OkStatus();
-}
-
-template <typename T>
-absl::Status Conv2dForward(const KernelArgs& a) {
-  return ConvForward<T>(a, 2);
-}
-template <typename T>
-absl::Status Conv2dBackward(const KernelArgs& a) {
-  return ConvBackward<T>(a, 2);
-}
-template <typename T>
-absl::Status Conv3dForward(const KernelArgs& a) {
-  return ConvForward<T>(a, 3);
-}
-template <typename T>
-absl::Status Conv3dBackward(const KernelArgs& a) {
-  return ConvBackward<T>(a, 3);
 }
 
 // --- pooling -----------------------------------------------------------------
@@ -514,40 +497,6 @@ absl::Status AvgPoolBackward(const KernelArgs& a) {
   return CheckLaunch(a);
 }
 
-// HAP_CUDA_FLOAT_KERNEL takes a one-parameter template.
-template <typename T>
-absl::Status MaxPool2dForward(const KernelArgs& a) {
-  return MaxPoolForward<T, 2>(a);
-}
-template <typename T>
-absl::Status MaxPool2dBackward(const KernelArgs& a) {
-  return MaxPoolBackward<T, 2>(a);
-}
-template <typename T>
-absl::Status MaxPool3dForward(const KernelArgs& a) {
-  return MaxPoolForward<T, 3>(a);
-}
-template <typename T>
-absl::Status MaxPool3dBackward(const KernelArgs& a) {
-  return MaxPoolBackward<T, 3>(a);
-}
-template <typename T>
-absl::Status AvgPool2dForward(const KernelArgs& a) {
-  return AvgPoolForward<T, 2>(a);
-}
-template <typename T>
-absl::Status AvgPool2dBackward(const KernelArgs& a) {
-  return AvgPoolBackward<T, 2>(a);
-}
-template <typename T>
-absl::Status AvgPool3dForward(const KernelArgs& a) {
-  return AvgPoolForward<T, 3>(a);
-}
-template <typename T>
-absl::Status AvgPool3dBackward(const KernelArgs& a) {
-  return AvgPoolBackward<T, 3>(a);
-}
-
 template <typename T>
 absl::Status AdaptivePoolForward(const KernelArgs& a) {
   HAP_ASSIGN_OR_RETURN(Window g, PoolForwardChecks<T>(a, CheckAdaptive));
@@ -570,18 +519,18 @@ absl::Status AdaptivePoolBackward(const KernelArgs& a) {
 }  // namespace
 
 void RegisterConvolutionKernels(KernelTable& t) {
-  t["conv2d"] = HAP_CUDA_FLOAT_KERNEL(Conv2dForward);
-  t["conv2d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv2dBackward);
-  t["conv3d"] = HAP_CUDA_FLOAT_KERNEL(Conv3dForward);
-  t["conv3d_grad"] = HAP_CUDA_FLOAT_KERNEL(Conv3dBackward);
-  t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL(MaxPool2dForward);
-  t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPool2dBackward);
-  t["avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AvgPool2dForward);
-  t["avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AvgPool2dBackward);
-  t["max_pool3d"] = HAP_CUDA_FLOAT_KERNEL(MaxPool3dForward);
-  t["max_pool3d_grad"] = HAP_CUDA_FLOAT_KERNEL(MaxPool3dBackward);
-  t["avg_pool3d"] = HAP_CUDA_FLOAT_KERNEL(AvgPool3dForward);
-  t["avg_pool3d_grad"] = HAP_CUDA_FLOAT_KERNEL(AvgPool3dBackward);
+  t["conv2d"] = HAP_CUDA_FLOAT_KERNEL_N(ConvForward, 2);
+  t["conv2d_grad"] = HAP_CUDA_FLOAT_KERNEL_N(ConvBackward, 2);
+  t["conv3d"] = HAP_CUDA_FLOAT_KERNEL_N(ConvForward, 3);
+  t["conv3d_grad"] = HAP_CUDA_FLOAT_KERNEL_N(ConvBackward, 3);
+  t["max_pool2d"] = HAP_CUDA_FLOAT_KERNEL_N(MaxPoolForward, 2);
+  t["max_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL_N(MaxPoolBackward, 2);
+  t["avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL_N(AvgPoolForward, 2);
+  t["avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL_N(AvgPoolBackward, 2);
+  t["max_pool3d"] = HAP_CUDA_FLOAT_KERNEL_N(MaxPoolForward, 3);
+  t["max_pool3d_grad"] = HAP_CUDA_FLOAT_KERNEL_N(MaxPoolBackward, 3);
+  t["avg_pool3d"] = HAP_CUDA_FLOAT_KERNEL_N(AvgPoolForward, 3);
+  t["avg_pool3d_grad"] = HAP_CUDA_FLOAT_KERNEL_N(AvgPoolBackward, 3);
   t["adaptive_avg_pool2d"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolForward);
   t["adaptive_avg_pool2d_grad"] = HAP_CUDA_FLOAT_KERNEL(AdaptivePoolBackward);
 }
