@@ -216,7 +216,7 @@ def conv_transpose(ex, spatial, x, weight, bias, stride, padding,
         axes = list(zip(_axes(stride, 2), _axes(padding, 2),
                         _axes(output_padding, 2), _axes(dilation, 2)))
         want = out
-    n, kh, kw = x.shape[0], w.shape[2], w.shape[3]
+    kh, kw = w.shape[2], w.shape[3]
     sizes = []
     for (s, p, op, d), size, k in zip(axes, x.shape[2:], (kh, kw)):
         full = (size - 1) * s - 2 * p + d * (k - 1) + op + 1
