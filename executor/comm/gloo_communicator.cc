@@ -420,12 +420,47 @@ class GlooCommunicator : public Communicator {
         what, ": the communicator failed earlier: ", failed_.message()));
   }
 
-  // Runs a collective; remembers a failure.
+  // Runs a collective; remembers a failure. A wait that ran out while the
+  // connection to some rank had broken is that lost peer: the rank waited
+  // for is most likely waiting for the dead one itself, and whoever reads
+  // the error (hap-launch's lost-peer marker, the planner's recovery)
+  // should hear of the death, not of a hang.
   template <typename Fn>
   absl::Status Run(const std::string& what, Fn&& fn) {
     absl::Status s = Guard(what, std::forward<Fn>(fn));
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      if (std::optional<std::string> broken = BrokenConnection()) {
+        s = LostPeerError(absl::StrCat(what, ": ", *broken, " (while waiting: ", s.message(), ")"));
+      }
+    }
     if (!s.ok()) failed_ = s;
     return s;
+  }
+
+  // The first rank whose connection has failed other than by a timeout
+  // ("the connection to rank R failed (Gloo's reason)"), or nothing. A
+  // pair keeps the exception that closed it and rethrows it to any new
+  // operation. On a pair still open (Gloo closes them all when one of its
+  // own waits runs out, not when ours do) the probe posts an empty receive
+  // under a slot nothing sends to, which tells the peer so and nothing
+  // else; the communicator takes no more work after a failure.
+  std::optional<std::string> BrokenConnection() {
+    auto probe = ctx_->createUnboundBuffer(nullptr, 0);
+    for (int p = 0; p < size(); ++p) {
+      if (p == rank()) continue;
+      auto& pair = ctx_->getPair(p);
+      if (pair == nullptr) continue;
+      try {
+        pair->recv(probe.get(), ProbeSlot(), 0, 0);
+      } catch (const gloo::IoException& e) {
+        if (!IsTimeout(e.what())) {
+          return absl::StrCat("the connection to rank ", p, " failed (", e.what(), ")");
+        }
+      } catch (const std::exception&) {
+        // Anything else says nothing about the peer.
+      }
+    }
+    return std::nullopt;
   }
 
   absl::Status CheckPeer(const char* what, int peer, int64_t tag) const {
@@ -445,6 +480,8 @@ class GlooCommunicator : public Communicator {
     return gloo::Slot::build(0x40, static_cast<uint32_t>(tag));
   }
   static uint64_t HeaderSlot() { return gloo::Slot::build(0x41, 0); }
+  // Never sent to: BrokenConnection's probe.
+  static uint64_t ProbeSlot() { return gloo::Slot::build(0x42, 0); }
 
   // The bytes a header carries itself (sent at once, with no second
   // message; copied on both sides).

@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "common/status_matchers.h"
 #include "executor/comm/communicator.h"
 #include "executor/comm/dead_peer_address.h"
@@ -109,6 +110,103 @@ TEST(GlooCommunicatorTest, APeerThatDiesFailsTheSurvivorsWithoutHanging) {
   ASSERT_EQ(waitpid(survivor, &status, 0), survivor);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the surviving rank 1 failed its checks";
+}
+
+// A send whose bytes are on their way when the receiver dies is a lost
+// peer: Gloo wakes the send (a "Read error ... reset by peer") rather
+// than letting it wait out the timeout. Rank 1 posts its receive of
+// 256 MB; rank 0 starts the send and kills rank 1 at once, while most of
+// the bytes are unsent.
+TEST(GlooCommunicatorTest, ASendInFlightToAPeerThatDiesIsALostPeer) {
+  const std::string dir = FreshDir("dies_mid_send");
+  const absl::Duration timeout = absl::Seconds(3);
+  constexpr size_t kFloats = size_t{64} << 20;  // 256 MB
+  pid_t receiver = ForkRank([&] {
+    auto store = NewFileStore(dir);
+    if (!store.ok()) return 10;
+    auto comm = ConnectGloo(Rank(1, 2, timeout), **store);
+    if (!comm.ok()) return 10;
+    if (!(*store)->Set("test/receiving", "1").ok()) return 10;
+    std::vector<float> in(kFloats);
+    (void)(*comm)->Recv(View(in), 0, 7);
+    return 11;
+  });
+  ASSERT_GT(receiver, 0);
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  auto comm = ConnectGloo(Rank(0, 2, timeout), **store);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  ASSERT_TRUE((*store)->Get("test/receiving", absl::Seconds(30)).ok());
+  // The receive's request reaches this rank soon after the key (a send
+  // started before it waits among Gloo's pending sends, also woken).
+  absl::SleepFor(absl::Milliseconds(300));
+  std::vector<float> out(kFloats, 1.0f);
+  ASSERT_THAT((*comm)->Send(View(out), 1, 7), IsOk());
+  ASSERT_EQ(kill(receiver, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(receiver, &status, 0), receiver);
+  const absl::Status s = (*comm)->WaitSends();
+  EXPECT_TRUE(IsLostPeer(s)) << s;
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("send to rank 1")));
+}
+
+// A wait that runs out while a connection to another rank has broken is
+// that lost peer, named, not a timeout: the silent rank is most likely
+// waiting for the dead one. (Seen once in launch_failures_test: a rank
+// whose only peer was SIGKILLed mid-step said "timed out waiting 60000ms
+// for send operation to complete" and wrote no lost-peer marker.) Rank 0
+// waits for a message from rank 1, which is alive and sends nothing, while
+// rank 2 is dead; without a broken connection the same wait stays a
+// timeout.
+TEST(GlooCommunicatorTest, ATimeoutWhileAnotherPeerIsDeadIsThatLostPeer) {
+  for (const bool kill_rank2 : {true, false}) {
+    SCOPED_TRACE(kill_rank2 ? "rank 2 killed" : "rank 2 alive");
+    const std::string dir = FreshDir("timeout_and_dead");
+    const absl::Duration timeout = absl::Seconds(2);
+    auto silent = [&](int rank) {
+      return ForkRank([&, rank] {
+        auto store = NewFileStore(dir);
+        if (!store.ok()) return 10;
+        auto comm = ConnectGloo(Rank(rank, 3, timeout), **store);
+        if (!comm.ok()) return 10;
+        if (!(*store)->Set(absl::StrCat("test/rank", rank), "1").ok()) return 10;
+        (void)(*store)->Get("test/done", absl::Seconds(60));
+        return 0;
+      });
+    };
+    pid_t rank1 = silent(1);
+    pid_t rank2 = silent(2);
+    ASSERT_GT(rank1, 0);
+    ASSERT_GT(rank2, 0);
+    auto store = NewFileStore(dir);
+    ASSERT_TRUE(store.ok());
+    auto comm = ConnectGloo(Rank(0, 3, timeout), **store);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    ASSERT_TRUE((*store)->Get("test/rank1", absl::Seconds(30)).ok());
+    ASSERT_TRUE((*store)->Get("test/rank2", absl::Seconds(30)).ok());
+    int status = 0;
+    if (kill_rank2) {
+      ASSERT_EQ(kill(rank2, SIGKILL), 0);
+      ASSERT_EQ(waitpid(rank2, &status, 0), rank2);
+    }
+    std::vector<float> in(4);
+    const absl::Status s = (*comm)->Recv(View(in), 1, 3);
+    if (kill_rank2) {
+      EXPECT_TRUE(IsLostPeer(s)) << s;
+      EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable,
+                              AllOf(HasSubstr("receive from rank 1 under tag 3"),
+                                    HasSubstr("the connection to rank 2 failed"))));
+    } else {
+      EXPECT_FALSE(IsLostPeer(s)) << s;
+      EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                              HasSubstr("receive from rank 1 under tag 3")));
+    }
+    ASSERT_TRUE((*store)->Set("test/done", "1").ok());
+    ASSERT_EQ(waitpid(rank1, &status, 0), rank1);
+    if (!kill_rank2) {
+      ASSERT_EQ(waitpid(rank2, &status, 0), rank2);
+    }
+  }
 }
 
 TEST(GlooCommunicatorTest, ARankThatNeverShowsUpIsDeadlineExceeded) {
