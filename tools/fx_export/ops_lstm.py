@@ -16,6 +16,7 @@ modules fail naming themselves."""
 
 import functools
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
@@ -148,18 +149,30 @@ class _Unroll:
                        {"axis": len(x.shape) - 1, "start": start,
                         "end": end})
 
-    def step(self, name, xt, h, w_hh, b_hh):
+    def zero_state_projection(self, name, like, w_hh, b_hh):
+        """The hidden projection of PyTorch's zero initial state, 0 W_hh^T
+        + b_hh, as a linear of a zero [1, H] constant: [1, G * H], b_hh
+        broadcast. Only a sequence of one step needs it: there no other
+        op reads W_hh, which then had no gradient at all, while PyTorch's
+        is zero (the optimizer skipped it; PyTorch's AdamW or SGD with
+        weight decay still moves it)."""
+        zero = self.ex.const(torch.zeros(1, self.H), like)
+        ins = [zero, w_hh] + ([b_hh] if b_hh is not None else [])
+        return self.op("linear", name, ins, (1, w_hh.shape[0]))
+
+    def step(self, name, xt, h, w_hh, b_hh, hp0=None):
         """The hidden state after one step: xt [B, G * H] is the step's
         input projection (x W_ih^T + b_ih), h the previous hidden state
         [B, H] or None for PyTorch's zero initial state (then h W_hh^T is
-        zero and only b_hh is left of the hidden projection)."""
+        zero and only b_hh is left of the hidden projection, or hp0, that
+        projection computed by zero_state_projection)."""
         at = functools.partial(join, name)
         B, H = xt.shape[0], self.H
         if h is not None:
             ins = [h, w_hh] + ([b_hh] if b_hh is not None else [])
             hp = self.op("linear", at("hh"), ins, (B, xt.shape[1]))
         else:
-            hp = b_hh  # [G * H] or None
+            hp = b_hh if hp0 is None else hp0  # [G * H], [1, G * H], None
         if self.kind != "GRU":
             pre = xt if hp is None else self.op("add", at("add"), [xt, hp],
                                                 (B, H))
@@ -188,10 +201,12 @@ class _Unroll:
         zd = self.op("mul", at("z_d"), [z, d], (B, H))
         return self.op("add", at("h"), [n, zd], (B, H))
 
-    def layer(self, name, x, weights, h0, reverse):
+    def layer(self, name, x, weights, h0, reverse, zero_name):
         """One layer and direction over x [B, S, I]: (its output [B, S, H],
         its final hidden state [B, H]). The input projection of every step
-        is one linear; h0 [B, H] or None (zeros)."""
+        is one linear; h0 [B, H] or None (zeros; over one step, the zero
+        state's hidden projection is the op `zero_name`, as a given h0's
+        ops are "<path>.h0_<layer>")."""
         w_ih, w_hh, b_ih, b_hh = weights
         B, S, _ = x.shape
         G = 3 if self.kind == "GRU" else 1
@@ -199,12 +214,15 @@ class _Unroll:
         ins = [x, w_ih] + ([b_ih] if b_ih is not None else [])
         xp = self.op("linear", at("ih"), ins, (B, S, G * self.H))
         h, outs = h0, [None] * S
+        hp0 = None
+        if h0 is None and S == 1:
+            hp0 = self.zero_state_projection(zero_name, xp, w_hh, b_hh)
         for t in (reversed(range(S)) if reverse else range(S)):
             xt = self.op("slice", at(f"t{t}.x"), [xp], (B, 1, G * self.H),
                          {"axis": 1, "start": t, "end": t + 1})
             xt = self.ex.reshape(at(f"t{t}.x"), xt, (B, G * self.H),
                                  self.scope)
-            h = self.step(at(f"t{t}"), xt, h, w_hh, b_hh)
+            h = self.step(at(f"t{t}"), xt, h, w_hh, b_hh, hp0)
             outs[t] = self.ex.reshape(at(f"t{t}.out"), h, (B, 1, self.H),
                                       self.scope)
         y = outs[0] if S == 1 else self.op("concat", at("out"), outs,
@@ -280,7 +298,8 @@ def unrolled_rnn(ex, mod, path, input_arg, hx):
                             {"axis": 0, "start": k, "end": k + 1},
                             (1, B, H), scope=scope)
                 h = ex.reshape(at(f"h0_{sfx}"), h, (B, H), scope)
-            y, h = unroll.layer(at(sfx), x, weights, h, bool(d))
+            y, h = unroll.layer(at(sfx), x, weights, h, bool(d),
+                                at(f"h0_{sfx}.hh"))
             outs.append(y)
             finals.append((h, None))
         if dirs == 1:
