@@ -13,10 +13,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import module_state
 from .exporter import Exporter
 from .ir import ExportError
 from .random_guard import (fixed_random_draws, module_settings, other_ends,
                            refusal, same_trace)
+from .reparametrizations import refuse_reparametrizations
 from .shaped_trace import trace_with_shapes
 from .weight_norm import refuse_unsupported_weight_norms, untrace_weight_norms
 from .tracing import (HapTracer, Recorder, follow_inplace, inline_wrapped_calls,
@@ -297,6 +299,11 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
                      to run the graph with the module's weights;
                      state_dict_weights(graph, values) turns them back into
                      state_dict tensors.
+
+    The module is left as it was, also when the export fails: attributes
+    forward set while traced are put back (module_state). A tensor
+    reparametrized by torch.nn.utils.parametrize, spectral_norm or prune
+    is refused before tracing (reparametrizations).
     """
     if not isinstance(module, nn.Module):
         raise ExportError(f"expected an nn.Module, got {type(module).__name__}")
@@ -318,8 +325,11 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
     sig, concrete = _check_inputs(root, example_inputs)
     _refuse_backward_hooks(root)
     refuse_unsupported_weight_norms(root)
+    refuse_reparametrizations(root)
 
-    was_training = root.training
+    # Put back after (module_state): attributes forward sets while traced,
+    # the tracer's constants, every module's training flag.
+    saved = module_state.snapshot(root)
     root.train()
     try:
         draws, sites = [], []
@@ -369,4 +379,4 @@ def export(module, example_inputs, loss=None, labels="labels", name=None,
         g = ex.run()
         return (g, ex.values) if return_values else g
     finally:
-        root.train(was_training)
+        module_state.restore(saved)
