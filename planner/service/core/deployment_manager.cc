@@ -480,8 +480,9 @@ absl::StatusOr<int> DeploymentManager::EnforceRetention(int count, absl::Time ol
   return deleted;
 }
 
-absl::Status DeploymentManager::Delete(const std::string& name,
-                                       const std::set<std::string>& in_use) {
+absl::Status DeploymentManager::Delete(const std::string& name, const std::set<std::string>& in_use,
+                                       absl::Time deadline,
+                                       const std::function<bool()>& cancelled) {
   absl::MutexLock l(&s_->mu);
   auto it = s_->deployments.find(name);
   if (it == s_->deployments.end()) {
@@ -496,17 +497,32 @@ absl::Status DeploymentManager::Delete(const std::string& name,
   }
   // Finished, its supervisor may still be returning (it marks the state,
   // then goes): a delete right after a stop was refused as "STOPPED: ...
-  // stop it first". Waited for a while; one still telling ranks to stop is
-  // named as such.
-  const absl::Time until = absl::Now() + absl::Seconds(5);
-  while (s_->supervised.count(name) && !s_->shutdown &&
-         !s_->changed.WaitWithDeadline(&s_->mu, until)) {
+  // stop it first". Waited for until the caller's deadline, at most
+  // kDeleteSupervisorWait, in short waits so that a cancelled caller is
+  // noticed promptly; one still telling ranks to stop is named as such,
+  // and nothing is deleted.
+  const absl::Time until = std::min(deadline, absl::Now() + kDeleteSupervisorWait);
+  auto gave_up = [&] { return cancelled != nullptr && cancelled(); };
+  while (s_->supervised.count(name) && !s_->shutdown && !gave_up() && absl::Now() < until) {
+    s_->changed.WaitWithDeadline(&s_->mu, std::min(until, absl::Now() + absl::Milliseconds(200)));
   }
   it = s_->deployments.find(name);
   if (it == s_->deployments.end()) {
     return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
   }
   if (s_->supervised.count(name)) {
+    const std::string not_deleted = absl::StrCat(
+        "deployment '", name, "' (", StateName(it->second.state()), ") was not deleted: ");
+    const char* waited = "waiting for the planner to finish telling its ranks to stop";
+    if (!s_->shutdown && gave_up()) {
+      return absl::CancelledError(
+          absl::StrCat(not_deleted, "the call was cancelled while ", waited));
+    }
+    if (!s_->shutdown && absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(not_deleted,
+                                                      "the call's deadline passed while ", waited,
+                                                      "; try again in a few seconds"));
+    }
     return absl::UnavailableError(absl::StrCat(
         "deployment '", name, "' is ", StateName(it->second.state()),
         " and the planner is still telling its ranks to stop; try again in a few seconds"));

@@ -159,7 +159,16 @@ class DeploymentManager {
   // sink first. NotFound for no such deployment; FailedPrecondition for one
   // not finished (stop it first) or named in `in_use` (an unfinished
   // job's); the sink's error when it refuses (the deployment kept).
-  absl::Status Delete(const std::string& name, const std::set<std::string>& in_use);
+  // A deployment just finished may still have its supervisor telling its
+  // ranks to stop: waited for until `deadline`, at most
+  // kDeleteSupervisorWait, or `cancelled()` (may be null); then, with
+  // nothing deleted, DeadlineExceeded (the deadline came first) or
+  // Cancelled, naming the deployment and what was waited for, or
+  // Unavailable (kDeleteSupervisorWait passed, or shutting down).
+  static constexpr absl::Duration kDeleteSupervisorWait = absl::Seconds(5);
+  absl::Status Delete(const std::string& name, const std::set<std::string>& in_use,
+                      absl::Time deadline = absl::InfiniteFuture(),
+                      const std::function<bool()>& cancelled = nullptr);
   // The devices of every deployment not finished (PENDING or RUNNING), by
   // deployment name.
   std::map<std::string, std::vector<std::string>> ActiveDevices() const;

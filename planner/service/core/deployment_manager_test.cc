@@ -67,6 +67,17 @@ class Fleet {
     absl::MutexLock l(&mu_);
     return executors_[address].stops;
   }
+  // While held, StopTraining calls wait in AwaitStopsReleased: a stop
+  // still under way (executors slow to answer).
+  void HoldStops(bool hold) {
+    absl::MutexLock l(&mu_);
+    hold_stops_ = hold;
+  }
+  void AwaitStopsReleased() {
+    absl::MutexLock l(&mu_);
+    mu_.Await(absl::Condition(
+        +[](bool* hold) { return !*hold; }, &hold_stops_));
+  }
 
   absl::StatusOr<v1::ExecutorStatus> Call(const std::string& address,
                                           const std::function<absl::Status(Executor&)>& fn) {
@@ -83,6 +94,7 @@ class Fleet {
  private:
   absl::Mutex mu_;
   std::map<std::string, Executor> executors_ ABSL_GUARDED_BY(mu_);
+  bool hold_stops_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 class FleetExecutors : public DeploymentExecutors {
@@ -124,6 +136,7 @@ class FleetExecutors : public DeploymentExecutors {
     return out;
   }
   Statuses StopTraining(const std::string& deployment, absl::Duration) override {
+    fleet_->AwaitStopsReleased();
     Statuses out;
     for (const auto& a : addresses_) {
       out.push_back(fleet_->Call(a, [&](Fleet::Executor& x) {
@@ -261,7 +274,10 @@ class DeploymentManagerTest : public ::testing::Test {
     fleet_.Add("b:1");
     Start({});
   }
-  void TearDown() override { manager_.reset(); }
+  void TearDown() override {
+    fleet_.HoldStops(false);  // a test that failed holding them
+    manager_.reset();
+  }
 
   void Start(std::vector<v1::Deployment> deployments) {
     manager_.reset();
@@ -481,6 +497,50 @@ TEST_F(DeploymentManagerTest, DeleteRemovesAFinishedDeploymentAndRefusesARunning
   auto next = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
   ASSERT_THAT(next, IsOk());
   EXPECT_EQ(next->name(), "deployments/p-g2");
+}
+
+// A delete waits for a finished deployment's supervisor, still telling
+// its ranks to stop, only until the caller's deadline: then
+// DeadlineExceeded naming the deployment and what it waited for, with
+// nothing deleted (it waited 5 s whatever the deadline, and said
+// Unavailable). A cancelled caller is answered Cancelled, also with
+// nothing deleted; once the supervisor returns, the delete goes through.
+TEST_F(DeploymentManagerTest, DeleteWaitsForTheSupervisorOnlyUntilTheCallersDeadline) {
+  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+  ASSERT_THAT(d, IsOk());
+  WaitFor(d->name(), v1::Deployment::RUNNING);
+  v1::StepMetric m;
+  m.set_deployment(d->name());
+  m.set_step_seconds(1.0);
+  ASSERT_THAT(manager_->ReportStepMetrics({m}), IsOk());
+  fleet_.HoldStops(true);
+  fleet_.Set("a:1", v1::ExecutorStatus::FAILED, "loss is NaN");
+  // FAILED, then its supervisor tells the ranks to stop, and is held there.
+  WaitFor(d->name(), v1::Deployment::FAILED);
+  EXPECT_THAT(
+      manager_->Delete(d->name(), {}, absl::Now() + absl::Milliseconds(100), [] { return false; }),
+      StatusIs(absl::StatusCode::kDeadlineExceeded,
+               AllOf(HasSubstr("deployment 'deployments/p-g1' (FAILED) was not deleted"),
+                     HasSubstr("the call's deadline passed while waiting for the "
+                               "planner to finish telling its ranks to stop"))));
+  EXPECT_THAT(manager_->Delete(d->name(), {}, absl::InfiniteFuture(), [] { return true; }),
+              StatusIs(absl::StatusCode::kCancelled,
+                       AllOf(HasSubstr("deployment 'deployments/p-g1' (FAILED) was not deleted"),
+                             HasSubstr("the call was cancelled while waiting"))));
+  // Nothing lost: the record and its metrics, in memory and stored.
+  auto kept = manager_->Get(d->name());
+  ASSERT_THAT(kept, IsOk());
+  EXPECT_EQ(kept->state(), v1::Deployment::FAILED);
+  auto metrics = manager_->StepMetrics(d->name());
+  ASSERT_THAT(metrics, IsOk());
+  EXPECT_EQ(metrics->size(), 1u);
+  EXPECT_THAT(sink_.deleted(), IsEmpty());
+  EXPECT_EQ(sink_.deployment(d->name()).state(), v1::Deployment::FAILED);
+  fleet_.HoldStops(false);
+  EXPECT_THAT(manager_->Delete(d->name(), {}, absl::InfiniteFuture(), [] { return false; }),
+              IsOk());
+  EXPECT_EQ(sink_.deleted(), std::vector<std::string>{d->name()});
+  EXPECT_THAT(manager_->Get(d->name()), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
 TEST_F(DeploymentManagerTest, AnUnreachableRankFailsTheDeploymentAndIsNamedByStop) {

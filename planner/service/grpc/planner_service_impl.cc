@@ -570,7 +570,8 @@ grpc::Status PlannerServiceImpl::DeleteDeployment(grpc::ServerContext* ctx,
                                                   const v1::DeleteDeploymentRequest* r,
                                                   v1::DeleteDeploymentResponse*) {
   return Handle("DeleteDeployment", ctx, [&]() {
-    return deployments_->Delete(r->name(), jobs_->UnfinishedJobsDeployments());
+    return deployments_->Delete(r->name(), jobs_->UnfinishedJobsDeployments(), CallDeadline(ctx),
+                                [ctx] { return ctx->IsCancelled(); });
   });
 }
 
