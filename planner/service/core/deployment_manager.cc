@@ -83,6 +83,15 @@ absl::Status CheckDataSpecForm(const std::string& spec) {
   return bad("is not of a form the executors read");
 }
 
+bool FailedByPlannerRestartBeforeTraining(const v1::Deployment& d) {
+  if (d.state() != v1::Deployment::FAILED) return false;
+  if (d.failure_cause() != v1::Deployment::FAILURE_CAUSE_UNSPECIFIED) {
+    return d.failure_cause() == v1::Deployment::PLANNER_RESTARTED_BEFORE_TRAINING;
+  }
+  // Saved by a planner older than failure_cause: only its error says so.
+  return d.failed_ranks().empty() && absl::StartsWith(d.error(), kPlannerRestartedBeforeTraining);
+}
+
 namespace {
 
 // The deployment's ranks: each of the plan's devices at its executor.
@@ -306,7 +315,21 @@ DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
               : absl::StrCat("the planner restarted and found this deployment stored in state ",
                              StateName(d.state()), ", which it cannot follow");
       Supervise(d, [this, d, reason](DeploymentExecutors& ex, const DeploymentControl& c) {
-        FailUnfinishedDeployment(d, reason, ex, o_.watch, c);
+        if (d.state() != v1::Deployment::PENDING) {
+          return FailUnfinishedDeployment(d, reason, ex, o_.watch, c);
+        }
+        // The cause goes with the edit that makes it FAILED (and its save):
+        // a job reads the record as soon as it is FAILED.
+        DeploymentControl failing = c;
+        failing.update = [&c](const std::function<void(v1::Deployment&)>& edit) {
+          c.update([&edit](v1::Deployment& x) {
+            edit(x);
+            if (x.state() == v1::Deployment::FAILED) {
+              x.set_failure_cause(v1::Deployment::PLANNER_RESTARTED_BEFORE_TRAINING);
+            }
+          });
+        };
+        FailUnfinishedDeployment(d, reason, ex, o_.watch, failing);
       });
     }
   }

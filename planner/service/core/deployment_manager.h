@@ -60,11 +60,18 @@ inline constexpr int64_t kRecentStepsPerRank = 20;
 inline constexpr int64_t kMaxRankLagSteps = 256;
 
 // The error a restarted manager fails a stored PENDING deployment with (its
-// push died with the previous planner): the planner's doing, not its
+// push died with the previous planner), setting its failure_cause to
+// PLANNER_RESTARTED_BEFORE_TRAINING: the planner's doing, not its
 // executors'; a job deploys the same plan again without counting a
-// re-plan.
+// re-plan. For people: code reads the failure_cause.
 inline constexpr char kPlannerRestartedBeforeTraining[] =
     "the planner restarted before every rank had started training";
+
+// Whether `d` is FAILED by a restarted planner before it trained: its
+// failure_cause says so, or, for a record saved by a planner older than
+// that field (failure_cause unset), its error begins with
+// kPlannerRestartedBeforeTraining and no rank is blamed.
+bool FailedByPlannerRestartBeforeTraining(const hap::v1::Deployment& d);
 
 // InvalidArgument naming training.data_spec unless it is empty or of a form
 // the executors read ("npy:DIR", "tokens:FILE[:uint16|uint32]", as

@@ -318,6 +318,20 @@ class DeploymentManagerTest : public ::testing::Test {
         << seen_[name].DebugString();
     return seen_[name];
   }
+  // A deployment run, then the manager restarted on its record stored in
+  // `state`: the record once the restarted manager has failed it.
+  v1::Deployment FailedOnRestartFrom(v1::Deployment::State state) {
+    auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
+    EXPECT_THAT(d, IsOk());
+    if (!d.ok()) return v1::Deployment();
+    WaitFor(d->name(), v1::Deployment::RUNNING);
+    manager_->Shutdown();
+    std::vector<v1::Deployment> stored = sink_.deployments();
+    EXPECT_EQ(stored.size(), 1u);
+    for (v1::Deployment& x : stored) x.set_state(state);
+    Start(stored);
+    return WaitFor(d->name(), v1::Deployment::FAILED);
+  }
 
   Fleet fleet_;
   Sink sink_;
@@ -770,16 +784,10 @@ TEST_F(DeploymentManagerTest, TheRecentWindowIsRankZerosLastTwentySteps) {
 // RUNNING nor final: a value of a later version here) is failed on load,
 // naming that state, and its ranks are stopped, as a PENDING one's are.
 TEST_F(DeploymentManagerTest, ADeploymentStoredInAStateItCannotFollowIsFailedNamingIt) {
-  auto d = manager_->Deploy(TwoDevicePlan(), Request(), v1::Cluster(), "planner:1");
-  ASSERT_THAT(d, IsOk());
-  WaitFor(d->name(), v1::Deployment::RUNNING);
-  manager_->Shutdown();
-  std::vector<v1::Deployment> stored = sink_.deployments();
-  ASSERT_EQ(stored.size(), 1u);
-  stored[0].set_state(static_cast<v1::Deployment::State>(9));
-  Start(stored);
-  const v1::Deployment failed = WaitFor(d->name(), v1::Deployment::FAILED);
+  const v1::Deployment failed = FailedOnRestartFrom(static_cast<v1::Deployment::State>(9));
   EXPECT_THAT(failed.error(), HasSubstr("stored in state 9 (unknown)"));
+  EXPECT_EQ(failed.failure_cause(), v1::Deployment::FAILURE_CAUSE_UNSPECIFIED);
+  EXPECT_FALSE(FailedByPlannerRestartBeforeTraining(failed));
   // Its ranks are stopped once it is FAILED.
   const absl::Time until = absl::Now() + absl::Seconds(30);
   while ((fleet_.stops("a:1") == 0 || fleet_.stops("b:1") == 0) && absl::Now() < until) {
@@ -787,8 +795,47 @@ TEST_F(DeploymentManagerTest, ADeploymentStoredInAStateItCannotFollowIsFailedNam
   }
   EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::FAILED);
   EXPECT_EQ(fleet_.status("b:1").state(), v1::ExecutorStatus::FAILED);
-  EXPECT_THAT(manager_->StoreSet(d->name(), 1, "k", "v"),
+  EXPECT_THAT(manager_->StoreSet(failed.name(), 1, "k", "v"),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("FAILED")));
+}
+
+// A deployment stored PENDING (its push died with the previous planner)
+// is failed by the restarted manager with failure_cause
+// PLANNER_RESTARTED_BEFORE_TRAINING, saved with the FAILED state, and the
+// error for people.
+TEST_F(DeploymentManagerTest, AStoredPendingDeploymentIsFailedWithThePlannerRestartCause) {
+  const v1::Deployment failed = FailedOnRestartFrom(v1::Deployment::PENDING);
+  EXPECT_EQ(failed.failure_cause(), v1::Deployment::PLANNER_RESTARTED_BEFORE_TRAINING);
+  EXPECT_THAT(failed.error(), HasSubstr(kPlannerRestartedBeforeTraining));
+  EXPECT_TRUE(FailedByPlannerRestartBeforeTraining(failed));
+  ASSERT_TRUE(sink_.AwaitStored(failed.name(), v1::Deployment::FAILED));
+  EXPECT_EQ(sink_.deployment(failed.name()).failure_cause(),
+            v1::Deployment::PLANNER_RESTARTED_BEFORE_TRAINING);
+}
+
+// The failure_cause decides; a record saved by a planner older than it
+// (no failure_cause) says a restart failed it only in its error, which is
+// still read.
+TEST(FailedByPlannerRestartTest, ReadsTheFailureCauseOrAnOlderPlannersError) {
+  v1::Deployment d;
+  d.set_state(v1::Deployment::FAILED);
+  d.set_failure_cause(v1::Deployment::PLANNER_RESTARTED_BEFORE_TRAINING);
+  EXPECT_TRUE(FailedByPlannerRestartBeforeTraining(d));
+  d.set_state(v1::Deployment::RUNNING);
+  EXPECT_FALSE(FailedByPlannerRestartBeforeTraining(d));
+
+  v1::Deployment older;  // no failure_cause
+  older.set_state(v1::Deployment::FAILED);
+  older.set_error(absl::StrCat(kPlannerRestartedBeforeTraining,
+                               "; not confirmed stopped after 2 attempts: rank 1"));
+  EXPECT_TRUE(FailedByPlannerRestartBeforeTraining(older));
+  older.add_failed_ranks(1);  // a rank to blame: not the planner's doing
+  EXPECT_FALSE(FailedByPlannerRestartBeforeTraining(older));
+
+  v1::Deployment by_ranks;
+  by_ranks.set_state(v1::Deployment::FAILED);
+  by_ranks.set_error("rank 0 (a/cpu0 at a:1) failed: loss is NaN");
+  EXPECT_FALSE(FailedByPlannerRestartBeforeTraining(by_ranks));
 }
 
 // A finished deployment of `ranks` ranks as a planner stored it (final: no

@@ -123,7 +123,9 @@ class Pass {
   bool OverReplanLimit(bool deployment_live = true);
 
   // `d`, the (re)start in progress, FAILED by a restarted planner before it
-  // ran (kPlannerRestartedBeforeTraining, no rank to blame).
+  // ran (failure_cause PLANNER_RESTARTED_BEFORE_TRAINING, or an older
+  // planner's record with that error: FailedByPlannerRestartBeforeTraining),
+  // with no rank to blame.
   bool FailedByPlannerRestart(const v1::Deployment& d) const;
 
   // `d` FAILED because the checkpoint it resumed from is damaged: that

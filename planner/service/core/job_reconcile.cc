@@ -318,8 +318,7 @@ void Pass::BeginReplan(Reason reason, const std::string& detail) {
 }
 
 bool Pass::FailedByPlannerRestart(const v1::Deployment& d) const {
-  return d.state() == v1::Deployment::FAILED && d.failed_ranks().empty() &&
-         absl::StartsWith(d.error(), kPlannerRestartedBeforeTraining) &&
+  return FailedByPlannerRestartBeforeTraining(d) && d.failed_ranks().empty() &&
          j_.status().has_pending() && j_.status().pending().deployment() == d.name();
 }
 

@@ -52,9 +52,10 @@
 // plan's deployment trained, is an event of its own (EXECUTOR_LOST,
 // NODE_STALE, ...) after the switch's, which ends there (its downtime up
 // to the loss, no resume_time). A (re)start's deployment that a restarted
-// planner failed before it ran (kPlannerRestartedBeforeTraining) is no
-// loss: its plan is deployed again, no re-plan counted. A node that flaps
-// never stays READY for join_stable, so it causes no join re-plans.
+// planner failed before it ran (failure_cause
+// PLANNER_RESTARTED_BEFORE_TRAINING) is no loss: its plan is deployed
+// again, no re-plan counted. A node that flaps never stays READY for
+// join_stable, so it causes no join re-plans.
 //
 // Thread-safe. Reconcile() makes one pass over every unfinished job; Start()
 // runs passes on a thread every `interval` (and at once on a new job or a

@@ -655,29 +655,51 @@ TEST_F(JobsTest, APlannerRestartDuringARecoveryIsNotAReplan) {
 
 // With max_replans 0 a planner restarted during the first deploy failed
 // the job; it deploys its first plan again.
-TEST_F(JobsTest, APlannerRestartDuringTheFirstDeployDoesNotFailAJobWithNoReplans) {
-  Make();
-  v1::CreateJobRequest r = Request();
-  r.mutable_spec()->mutable_replan()->set_max_replans(0);
-  ASSERT_OK(c_->Create(r).status());
-  c_->Reconcile();
-  const std::string first = Deployment();
-  ASSERT_FALSE(first.empty());
-  fake_.SetState(first, v1::Deployment::FAILED);
-  fake_.Only(first).set_error(kPlannerRestartedBeforeTraining);
-  c_->Reconcile();
-  const std::string again = Deployment();
-  ASSERT_NE(again, first);
-  EXPECT_EQ(fake_.Only(again).plan(), "plans/train-p1");
-  fake_.SetState(again, v1::Deployment::RUNNING);
-  c_->Reconcile();
-  const v1::Job j = Job();
-  EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING) << j.status().message();
-  EXPECT_EQ(j.status().replans(), 0);
-  ASSERT_EQ(j.status().events_size(), 1);
-  EXPECT_EQ(j.status().events(0).reason(), v1::JobEvent::STARTED);
-  EXPECT_EQ(j.status().events(0).deployment(), again);
-  EXPECT_THAT(replans_, IsEmpty());
+class JobsPlannerRestartTest : public JobsTest {
+ protected:
+  // A job with max_replans 0 whose first deployment `fail` makes FAILED
+  // as a restarted planner did: its first plan is deployed again, and runs,
+  // with no re-plan counted.
+  void ExpectTheFirstPlanDeployedAgain(const std::function<void(v1::Deployment&)>& fail) {
+    Make();
+    v1::CreateJobRequest r = Request();
+    r.mutable_spec()->mutable_replan()->set_max_replans(0);
+    ASSERT_OK(c_->Create(r).status());
+    c_->Reconcile();
+    const std::string first = Deployment();
+    ASSERT_FALSE(first.empty());
+    fake_.SetState(first, v1::Deployment::FAILED);
+    fail(fake_.Only(first));
+    c_->Reconcile();
+    const std::string again = Deployment();
+    ASSERT_NE(again, first);
+    EXPECT_EQ(fake_.Only(again).plan(), "plans/train-p1");
+    fake_.SetState(again, v1::Deployment::RUNNING);
+    c_->Reconcile();
+    const v1::Job j = Job();
+    EXPECT_EQ(j.status().state(), v1::JobStatus::RUNNING) << j.status().message();
+    EXPECT_EQ(j.status().replans(), 0);
+    ASSERT_EQ(j.status().events_size(), 1);
+    EXPECT_EQ(j.status().events(0).reason(), v1::JobEvent::STARTED);
+    EXPECT_EQ(j.status().events(0).deployment(), again);
+    EXPECT_THAT(replans_, IsEmpty());
+  }
+};
+
+TEST_F(JobsPlannerRestartTest, APlannerRestartDuringTheFirstDeployDoesNotFailAJobWithNoReplans) {
+  // The failure_cause decides, whatever the error says.
+  ExpectTheFirstPlanDeployedAgain([](v1::Deployment& d) {
+    d.set_failure_cause(v1::Deployment::PLANNER_RESTARTED_BEFORE_TRAINING);
+    d.set_error("the planner restarted");
+  });
+}
+
+// A deployment a planner older than Deployment.failure_cause failed on its
+// restart, as that planner stored it: only its error says so; still no
+// loss.
+TEST_F(JobsPlannerRestartTest, AnOlderPlannersRestartFailureIsRecognisedByItsError) {
+  ExpectTheFirstPlanDeployedAgain(
+      [](v1::Deployment& d) { d.set_error(kPlannerRestartedBeforeTraining); });
 }
 
 TEST_F(JobsTest, EveryStepCheckpointedBeforeTheFailureIsSuccess) {
