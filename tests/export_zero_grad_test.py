@@ -5,7 +5,8 @@ PyTorch (h_0 W_hh^T with h_0 = 0), so AdamW with weight decay still
 shrinks it; a parameter forward never uses has grad None and AdamW leaves
 it as it is. The graph's gradients (the reference evaluator) and 3 AdamW
 steps with weight decay on 2 ranks (hap-launch, hap-executor) give
-PyTorch's, in float64."""
+PyTorch's, in float64. A trainable graph parameter that no op reads is an
+internal error of the exporter."""
 
 import json
 import os
@@ -160,6 +161,42 @@ class ExportZeroGradTest(ExportTestCase):
                 if "unused" in params:
                     self.assertTrue(torch.equal(
                         params["unused"].double(), before["unused"]))
+
+    def test_a_declared_parameter_no_op_reads_is_an_internal_error(self):
+        """The exporter's own check: a handler that declares a trainable
+        parameter and emits no op reading it (as the 1-step nn.GRU did)
+        fails the export, instead of a graph that trains it differently
+        from PyTorch."""
+        from fx_export import registry
+
+        class Declares(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(3))
+
+            def forward(self, x):
+                return x * self.w
+
+        # Kept whole by the tracer, as torch.nn's modules are.
+        Declares.__module__ = "torch.nn.modules.declares_for_test"
+
+        @registry.modules(Declares, exact=True)
+        def _declares(ex, call):
+            ex.param(call.mod.w)  # declared, not read
+            return ex.t(call.bound()["x"])
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.d = Declares()
+
+            def forward(self, x):
+                return (self.d(x) * x).sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Model(), {"x": torch.randn(2, 3)})
+        self.assertIn("internal: trainable graph parameter 'd.w' is read "
+                      "by no op", str(cm.exception))
 
 
 if __name__ == "__main__":

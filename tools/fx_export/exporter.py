@@ -581,12 +581,23 @@ class Exporter:
         self.node = None
         self.assign_roles()
         params = [e for e, _ in self.params.values()]
+        read = {name for op in self.ops for name in op["inputs"]}
         for e in params:
             pname = e["tensor"]["name"]
             if not (e.get("frozen") or pname in self.slices or
                     pname in self.reserved):
                 raise ExportError(f"internal: graph parameter '{pname}' is "
                                   f"neither a state_dict name nor a slice")
+            if not e.get("frozen") and pname not in read:
+                # A handler declared it (PyTorch's op reads it: its
+                # gradient is zero or more, never None) but no op reads
+                # it: it would have no gradient, and the optimizer would
+                # skip it where PyTorch's weight decay moves it (a 1-step
+                # nn.GRU's weight_hh did).
+                raise ExportError(f"internal: trainable graph parameter "
+                                  f"'{pname}' is read by no op, so it "
+                                  f"would get no gradient where PyTorch's "
+                                  f"is zero (please report this model)")
         return {
             "name": self.name,
             "inputs": self.inputs,
