@@ -1114,7 +1114,9 @@ std::function<absl::Status(ProgramRunner&)> ResumeHook(std::shared_ptr<Checkpoin
 
 std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<WeightsReader> w,
                                                             const graph::Graph* g) {
-  return [w, g](ProgramRunner& runner) -> absl::Status {
+  auto mu = std::make_shared<std::mutex>();
+  return [w, g, mu](ProgramRunner& runner) -> absl::Status {
+    std::lock_guard<std::mutex> lock(*mu);  // as ResumeHook's: the reader's checksum record
     HAP_RETURN_IF_ERROR(w->CheckGraph(*g));
     // Initialisers first (the exporter's constants, zero optimizer state),
     // then every parameter the file holds.

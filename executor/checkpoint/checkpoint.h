@@ -367,8 +367,9 @@ absl::Status CheckDataSettings(const hap::v1::TrainerState& saved,
 std::function<absl::Status(ProgramRunner&)> ResumeHook(std::shared_ptr<CheckpointReader> reader,
                                                        const graph::Graph* g);
 
-// TrainOptions::initialize from a weights file: checks that it holds the
-// graph's parameters exactly, sets them, zeroes the optimizer state.
+// TrainOptions::initialize from a weights file (shared by the ranks of a
+// process; thread-safe through a mutex): checks that it holds the graph's
+// parameters exactly, sets them, zeroes the optimizer state.
 std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<WeightsReader> w,
                                                             const graph::Graph* g);
 

@@ -7,6 +7,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -537,6 +538,49 @@ TEST(CheckpointTest, AFlippedBitInAnExportIsDataLossAtInitWeights) {
   EXPECT_THAT(init(), StatusIs(absl::StatusCode::kDataLoss,
                                AllOf(HasSubstr(out + " is damaged"), HasSubstr("'" + last + "'"),
                                      HasSubstr("CRC-32C"))));
+}
+
+// RunLocalRanks (tests, benchmarks) hands every rank thread the same
+// TrainOptions::initialize: InitWeightsHook's reader was read by all at
+// once, and its record of the tensors whose CRC-32C it had checked (a
+// std::set) was inserted into concurrently: the heap was corrupted
+// (malloc aborts, double frees, hangs in most runs), where ResumeHook takes
+// a mutex. An export of a model of 400 parameters starts 8 ranks at once.
+TEST(CheckpointTest, InitWeightsHookSharedByTheRanksOfAProcessStartsThemAll) {
+  auto g = graph::BuildZooModel(
+      "mlp", {{"layers", 200}, {"hidden", 4}, {"input", 4}, {"classes", 2}, {"batch", 2}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  const std::string dir = Fresh("init_weights_shared");
+  auto programs = Programs(*g, 1, "single");
+  TrainAndSave(*g, programs, dir, 1, 3);
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string file = dir + "/model.safetensors";  // with each tensor's CRC-32C
+  ASSERT_TRUE(ExportCheckpoint(**reader, file, false).ok());
+  constexpr int kRanks = 8;
+  for (int round = 0; round < 10; ++round) {
+    auto w = WeightsReader::OpenFor(file, *g);
+    ASSERT_TRUE(w.ok()) << w.status();
+    auto hook = InitWeightsHook(std::shared_ptr<WeightsReader>(std::move(*w)), &*g);
+    std::vector<absl::Status> results(kRanks);
+    std::vector<std::thread> ranks;
+    std::atomic<int> ready{0};
+    for (int r = 0; r < kRanks; ++r) {
+      ranks.emplace_back([&, r] {
+        auto comm = NewInProcessGroup(1);
+        std::unique_ptr<Device> device = NewCpuDevice(1);
+        auto runner = ProgramRunner::Create(programs[0], *g, device.get(), comm[0].get());
+        // Every rank ready before any starts, as the ranks' first steps.
+        ready.fetch_add(1);
+        while (ready.load() < kRanks) std::this_thread::yield();
+        results[r] = runner.ok() ? hook(**runner) : runner.status();
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r];
+    }
+  }
 }
 
 }  // namespace
