@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -979,7 +980,9 @@ std::function<absl::Status(ProgramRunner&, int64_t)> SaveHook(
     CheckpointPolicy policy, const std::vector<v1::RankProgram>* programs,
     v1::TrainerState trainer, std::function<void(const std::string&, int64_t)> on_saved,
     Communicator* world) {
-  auto saved_once = std::make_shared<bool>(false);
+  // Atomic: the ranks of one process may share the hook (RunLocalRanks),
+  // and each sets it after the (collective) save.
+  auto saved_once = std::make_shared<std::atomic<bool>>(false);
   // The counters' forwards per step, parsed once (the metadata may hold
   // megabytes of folded buffers).
   using Counters = std::map<std::string, int64_t>;
