@@ -537,5 +537,159 @@ TEST(MoeIdxTest, TokenSlotsComeInAscendingOrder) {
   }
 }
 
+// Random 2-D and 3-D geometries (as the argument checks make them:
+// pool::FitWindow; strides, paddings and dilations up to 3 or 4, ceil_mode,
+// both avg divisors, a NaN in some max pools) against loops written as the
+// CPU's (executor/cpu/kernels_convolution.cc ForEachMax, ForEachAvg, the
+// grouped taps): a review of conv3d and the 3-D pools beyond the fixed
+// cases above.
+TEST(RandomGeometryTest, GathersMatchTheCpusLoops) {
+  std::mt19937_64 rng(11);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  // A random window; false when the kernel does not fit (the checks refuse it).
+  auto window = [&](int spatial, bool is_pool, bool ceil, Window* g) {
+    std::vector<int64_t> shape = {pick(1, 2), pick(1, 3)}, k, s, p, d;
+    for (int a = 0; a < spatial; ++a) {
+      shape.push_back(pick(1, 7));
+      k.push_back(pick(1, 4));
+      s.push_back(pick(1, 4));
+      d.push_back(is_pool ? 1 : pick(1, 3));
+      p.push_back(is_pool ? pick(0, k.back() / 2) : pick(0, 3));
+    }
+    return pool::FitWindow(shape, spatial, k, s, p, d, ceil, "x", g).empty();
+  };
+  int convs = 0, pools = 0;
+  for (int it = 0; it < 300; ++it) {
+    for (int spatial : {2, 3}) {
+      Window g;
+      if (!window(spatial, false, false, &g)) continue;
+      ++convs;
+      // col2im is the scatter of im2col, in both layouts.
+      const int64_t ckk = g.c * g.taps(), op = g.out_plane();
+      for (bool image_major : {true, false}) {
+        const int64_t rs = image_major ? op : g.n * op, is = image_major ? ckk * op : op;
+        const std::vector<double> c = Random(ckk * g.n * op, rng);
+        std::vector<double> want(g.n * g.c * g.plane(), 0.0);
+        for (int64_t k = 0; k < static_cast<int64_t>(c.size()); ++k) {
+          int64_t at = -1;
+          const int64_t src = Im2ColSource(g, k, g.n, rs, is, &at);
+          ASSERT_GE(at, 0);
+          if (src >= 0) want[src] += c[at];
+        }
+        for (int64_t k = 0; k < static_cast<int64_t>(want.size()); ++k) {
+          ASSERT_NEAR(Col2ImSum(g, c.data(), g.n, rs, is, k), want[k], 1e-9) << it << " " << k;
+        }
+      }
+      // Depthwise (groups = channels) with 1 or 2 outputs a group.
+      const int64_t groups = g.c, o = groups * pick(1, 2), og = o / groups;
+      const std::vector<double> x = Random(g.n * g.c * g.plane(), rng);
+      const std::vector<double> w = Random(o * g.taps(), rng);
+      const std::vector<double> dy = Random(g.n * o * op, rng);
+      std::vector<double> dx(x.size(), 0.0), dw(w.size(), 0.0);
+      for (int64_t m = 0; m < g.n; ++m) {
+        for (int64_t oc = 0; oc < o; ++oc) {
+          for (int64_t p = 0; p < op; ++p) {
+            const int64_t ox = p % g.ow, oy = (p / g.ow) % g.oh, oz = p / (g.ow * g.oh);
+            const double d = dy[(m * o + oc) * op + p];
+            double y = 0;
+            for (int64_t tap = 0; tap < g.taps(); ++tap) {
+              const int64_t j = tap % g.kw, i = (tap / g.kw) % g.kh, t = tap / (g.kw * g.kh);
+              const int64_t iz = oz * g.sd - g.pd + t * g.dd;
+              const int64_t iy = oy * g.sh - g.ph + i * g.dh, ix = ox * g.sw - g.pw + j * g.dw;
+              if (iz < 0 || iz >= g.d || iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+              const int64_t xi = (((m * g.c + oc / og) * g.d + iz) * g.h + iy) * g.w + ix;
+              y += w[oc * g.taps() + tap] * x[xi];
+              dx[xi] += w[oc * g.taps() + tap] * d;
+              dw[oc * g.taps() + tap] += x[xi] * d;
+            }
+            ASSERT_NEAR(GroupedConvValue(g, groups, o, x.data(), w.data(), m, oc, p), y, 1e-9);
+          }
+        }
+      }
+      for (int64_t e = 0; e < static_cast<int64_t>(x.size()); ++e) {
+        const int64_t in = e % g.plane(), ic = (e / g.plane()) % g.c, m = e / (g.plane() * g.c);
+        ASSERT_NEAR(GroupedConvDx(g, groups, o, w.data(), dy.data(), m, ic, in), dx[e], 1e-9);
+      }
+      for (int64_t e = 0; e < static_cast<int64_t>(w.size()); ++e) {
+        ASSERT_NEAR(GroupedConvDw(g, groups, o, x.data(), dy.data(), e / g.taps(), 0, e % g.taps()),
+                    dw[e], 1e-9);
+      }
+    }
+    for (int spatial : {2, 3}) {
+      for (bool ceil : {false, true}) {
+        for (bool include_pad : {false, true}) {
+          Window g;
+          if (!window(spatial, true, ceil, &g)) continue;
+          ++pools;
+          g.count_include_pad = include_pad;
+          std::vector<double> x = Random(g.plane(), rng);
+          if (pick(0, 3) == 0) x[pick(0, g.plane() - 1)] = std::nan("");
+          const std::vector<double> dy = Random(g.out_plane(), rng);
+          std::vector<double> want_max(g.plane(), 0.0), want_avg(g.plane(), 0.0);
+          std::vector<int64_t> argmax(g.out_plane());
+          for (int64_t o = 0; o < g.out_plane(); ++o) {
+            const int64_t ox = o % g.ow, oy = (o / g.ow) % g.oh, oz = o / (g.ow * g.oh);
+            const int64_t z0 = std::max<int64_t>(0, oz * g.sd - g.pd);
+            const int64_t z1 = std::min(g.d, oz * g.sd - g.pd + g.kd);
+            const int64_t y0 = std::max<int64_t>(0, oy * g.sh - g.ph);
+            const int64_t y1 = std::min(g.h, oy * g.sh - g.ph + g.kh);
+            const int64_t x0 = std::max<int64_t>(0, ox * g.sw - g.pw);
+            const int64_t x1 = std::min(g.w, ox * g.sw - g.pw + g.kw);
+            int64_t best = (z0 * g.h + y0) * g.w + x0;
+            double mx = -std::numeric_limits<double>::infinity();
+            for (int64_t iz = z0; iz < z1; ++iz) {
+              for (int64_t iy = y0; iy < y1; ++iy) {
+                for (int64_t ix = x0; ix < x1; ++ix) {
+                  const double v = x[(iz * g.h + iy) * g.w + ix];
+                  if (v > mx || std::isnan(v)) {
+                    mx = v;
+                    best = (iz * g.h + iy) * g.w + ix;
+                  }
+                }
+              }
+            }
+            int64_t got_best = -1;
+            double got_max = 0;
+            WindowMax(g, x.data(), o, &got_best, &got_max);
+            ASSERT_EQ(got_best, best);
+            ASSERT_TRUE(got_max == mx || (std::isnan(got_max) && std::isnan(mx)));
+            argmax[o] = got_best;
+            want_max[best] += dy[o];
+            const pool::AvgSpan wz = pool::AvgWindow(oz, g.d, g.kd, g.sd, g.pd);
+            const pool::AvgSpan wy = pool::AvgWindow(oy, g.h, g.kh, g.sh, g.ph);
+            const pool::AvgSpan wx = pool::AvgWindow(ox, g.w, g.kw, g.sw, g.pw);
+            const double inv =
+                1.0 / static_cast<double>(include_pad ? wz.padded * wy.padded * wx.padded
+                                                      : (wz.hi - wz.lo) * (wy.hi - wy.lo) *
+                                                            (wx.hi - wx.lo));
+            double sum = 0;
+            for (int64_t iz = wz.lo; iz < wz.hi; ++iz) {
+              for (int64_t iy = wy.lo; iy < wy.hi; ++iy) {
+                for (int64_t ix = wx.lo; ix < wx.hi; ++ix) {
+                  sum += x[(iz * g.h + iy) * g.w + ix] * inv;
+                  want_avg[(iz * g.h + iy) * g.w + ix] += dy[o] * inv;
+                }
+              }
+            }
+            const double got = AvgPoolValue(g, x.data(), o);
+            ASSERT_TRUE(std::isnan(sum) ? std::isnan(got) : std::fabs(got - sum) < 1e-12);
+          }
+          for (int64_t e = 0; e < g.plane(); ++e) {
+            double sum = 0;
+            const bool any = MaxPoolGradSum(g, argmax.data(), dy.data(), e, &sum);
+            ASSERT_NEAR(any ? sum : 0.0, want_max[e], 1e-12) << e;
+            ASSERT_NEAR(AvgPoolGradSum(g, dy.data(), e), want_avg[e], 1e-12) << e;
+          }
+        }
+      }
+    }
+  }
+  // Most random windows fit: the loops above did run.
+  EXPECT_GT(convs, 300);
+  EXPECT_GT(pools, 600);
+}
+
 }  // namespace
 }  // namespace hap::executor::cuda
