@@ -153,11 +153,9 @@ struct GlooOptions {
   // Run Gloo's event-loop thread at SCHED_IDLE (gloo_communicator.cc says
   // why); false keeps the default policy (bench/comm_bench compares both).
   // Our collectives are synchronous, so the loop runs while the rank's own
-  // thread waits. A core that other normal-policy work keeps busy would
-  // starve it; a wait that lasts 50 ms raises the thread to the normal
-  // policy until it ends (where RLIMIT_NICE or CAP_SYS_NICE allow leaving
-  // SCHED_IDLE; otherwise collectives on such a core slow down, up to the
-  // timeout: turn this off there).
+  // thread waits; a core oversubscribed by other normal-policy processes
+  // would starve it (collectives then slow down, up to the timeout): turn
+  // it off there.
   bool idle_progress_thread = true;
   // Tries at the full mesh when one breaks (a connection closed, reset or
   // refused while it forms); each try has the whole timeout. All ranks of

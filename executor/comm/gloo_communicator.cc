@@ -16,23 +16,18 @@
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <filesystem>
 #include <memory>
 #include <numeric>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "executor/comm/call_agreement.h"
 #include "executor/comm/call_checks.h"
@@ -115,84 +110,11 @@ size_t ElementSize(const TensorView& v) {
   return static_cast<size_t>(graph::DTypeBytes(v.dtype));
 }
 
-// Gloo's event-loop thread, made at SCHED_IDLE (CreateTcpDevice), runs
-// only when nothing else on its core wants to. On a core that other work
-// keeps busy it starves: a collective crawls, and a peer's death goes
-// unnoticed until the collective's timeout (2 to 30 s to notice a reset
-// with six busy loops on two cores; once, in CI, past a 60 s timeout). A
-// wait that outlasts kBoostAfter raises the thread to the normal policy
-// until the wait ends: a short collective keeps what SCHED_IDLE is for
-// (CreateTcpDevice), a long one is no longer at the mercy of the core's
-// other work. Leaving SCHED_IDLE needs RLIMIT_NICE >= 20 or
-// CAP_SYS_NICE; without them (EPERM) the thread stays as it was.
-class ProgressBoost {
- public:
-  static constexpr absl::Duration kBoostAfter = absl::Milliseconds(50);
-
-  // `tid`: the loop thread; 0 for none (nothing to do).
-  explicit ProgressBoost(pid_t tid) : tid_(tid) {
-    if (tid_ > 0) watcher_ = std::thread([this] { Watch(); });
-  }
-  ~ProgressBoost() {
-    if (!watcher_.joinable()) return;
-    {
-      absl::MutexLock l(&mu_);
-      stop_ = true;
-    }
-    watcher_.join();
-  }
-  ProgressBoost(const ProgressBoost&) = delete;
-  ProgressBoost& operator=(const ProgressBoost&) = delete;
-
-  void Begin() {
-    if (tid_ <= 0) return;
-    absl::MutexLock l(&mu_);
-    ++wait_;
-    waiting_ = true;
-    since_ = absl::Now();
-  }
-  void End() {
-    if (tid_ <= 0) return;
-    absl::MutexLock l(&mu_);
-    waiting_ = false;
-  }
-
- private:
-  void Watch() {
-    absl::MutexLock l(&mu_);
-    while (true) {
-      auto started = [this] { return stop_ || waiting_; };
-      mu_.Await(absl::Condition(&started));
-      if (stop_) return;
-      const uint64_t wait = wait_;
-      auto over = [this, wait] { return stop_ || !waiting_ || wait_ != wait; };
-      if (mu_.AwaitWithDeadline(absl::Condition(&over), since_ + kBoostAfter)) continue;
-      if (!SetPolicy(SCHED_OTHER)) return;  // not allowed: never again
-      mu_.Await(absl::Condition(&over));
-      (void)SetPolicy(SCHED_IDLE);
-    }
-  }
-  bool SetPolicy(int policy) {
-    sched_param param{};
-    return sched_setscheduler(tid_, policy, &param) == 0;
-  }
-
-  const pid_t tid_;
-  absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool waiting_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t wait_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time since_ ABSL_GUARDED_BY(mu_);
-  std::thread watcher_;
-};
-
 class GlooCommunicator : public Communicator {
  public:
-  // `idle_loop_tid`: Gloo's event-loop thread when it runs at SCHED_IDLE
-  // (ProgressBoost), else 0.
   GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout,
-                   bool check_calls, pid_t idle_loop_tid)
-      : ctx_(std::move(ctx)), timeout_(timeout), check_calls_(check_calls), boost_(idle_loop_tid) {}
+                   bool check_calls)
+      : ctx_(std::move(ctx)), timeout_(timeout), check_calls_(check_calls) {}
 
   int rank() const override { return ctx_->rank; }
   int size() const override { return ctx_->size; }
@@ -505,9 +427,7 @@ class GlooCommunicator : public Communicator {
   // should hear of the death, not of a hang.
   template <typename Fn>
   absl::Status Run(const std::string& what, Fn&& fn) {
-    boost_.Begin();
     absl::Status s = Guard(what, std::forward<Fn>(fn));
-    boost_.End();
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
       if (std::optional<std::string> broken = BrokenConnection()) {
         s = LostPeerError(absl::StrCat(what, ": ", *broken, " (while waiting: ", s.message(), ")"));
@@ -689,8 +609,6 @@ class GlooCommunicator : public Communicator {
   // The exchange of the calls (its buffers, filled at the first call).
   // After ctx_, so that they go first.
   CallAgreement agreement_{ctx_, timeout_};
-  // After ctx_: stops watching before the loop thread can end.
-  ProgressBoost boost_;
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous
@@ -712,23 +630,6 @@ std::string MissingRanks(RendezvousStore& store, const std::string& prefix,
                       missing.size() > 1 ? "their" : "its", " address");
 }
 
-struct TcpDevice {
-  std::shared_ptr<gloo::transport::Device> device;
-  // Its event-loop thread when that runs at SCHED_IDLE, else 0.
-  pid_t idle_loop_tid = 0;
-};
-
-// The ids of this process's threads.
-std::set<pid_t> ThreadIds() {
-  std::set<pid_t> ids;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task", ec)) {
-    int id = 0;
-    if (absl::SimpleAtoi(e.path().filename().string(), &id)) ids.insert(id);
-  }
-  return ids;
-}
-
 // Gloo's TCP device starts one event-loop thread. Its handler only
 // try-locks a connection: while the rank's own thread holds that lock (in
 // a send), the loop sees the socket still readable and spins on
@@ -739,36 +640,24 @@ std::set<pid_t> ThreadIds() {
 // runs only when the rank's own threads wait, which is when collectives
 // need it (our collectives are synchronous). Where the policy cannot be
 // set, the device is created as usual.
-TcpDevice CreateTcpDevice(const gloo::transport::tcp::attr& attr, bool idle_loop) {
-  if (!idle_loop) return {gloo::transport::tcp::CreateDevice(attr), 0};
-  TcpDevice out;
+std::shared_ptr<gloo::transport::Device> CreateTcpDevice(
+    const gloo::transport::tcp::attr& attr, bool idle_loop) {
+  if (!idle_loop) return gloo::transport::tcp::CreateDevice(attr);
+  std::shared_ptr<gloo::transport::Device> dev;
   std::exception_ptr failure;
   std::thread creator([&] {
     sched_param param{};
     param.sched_priority = 0;
-    const bool idle = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param) == 0;
-    // The loop thread is the one thread at SCHED_IDLE that creating the
-    // device adds (one device at a time: others are made by SCHED_IDLE
-    // threads too).
-    static absl::Mutex one_at_a_time(absl::kConstInit);
-    absl::MutexLock l(&one_at_a_time);
-    const std::set<pid_t> before = idle ? ThreadIds() : std::set<pid_t>();
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
     try {
-      out.device = gloo::transport::tcp::CreateDevice(attr);
+      dev = gloo::transport::tcp::CreateDevice(attr);
     } catch (...) {
       failure = std::current_exception();
-      return;
     }
-    if (!idle) return;
-    std::vector<pid_t> added;
-    for (pid_t id : ThreadIds()) {
-      if (!before.count(id) && sched_getscheduler(id) == SCHED_IDLE) added.push_back(id);
-    }
-    if (added.size() == 1) out.idle_loop_tid = added[0];
   });
   creator.join();
   if (failure) std::rethrow_exception(failure);
-  return out;
+  return dev;
 }
 
 // A Gloo context whose connections we make ourselves (ConnectOnce), so
@@ -974,12 +863,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   bool publish_failed = false;
   // The peer whose pair is connecting (-1: none).
   int connecting = -1;
-  pid_t idle_loop_tid = 0;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
-    TcpDevice tcp = CreateTcpDevice(attr, o.idle_progress_thread);
-    idle_loop_tid = tcp.idle_loop_tid;
-    auto dev = std::move(tcp.device);
+    auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
     transport = dev->createContext(o.rank, o.size);
     transport->setTimeout(timeout);
     std::string mine;
@@ -1059,8 +945,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     // Tell the ranks still connecting to give this try up too.
     return o.size > 1 ? TellOthersToGiveUp(store, prefix, s) : s;
   }
-  return std::unique_ptr<Communicator>(
-      new GlooCommunicator(ctx, timeout, o.check_calls, idle_loop_tid));
+  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout, o.check_calls));
 }
 
 // Gloo's TCP device resolves the host to listen on itself, but this Gloo

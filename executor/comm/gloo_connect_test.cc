@@ -11,7 +11,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -685,73 +684,6 @@ TEST(GlooCommunicatorTest, TheEventLoopThreadRunsAtIdlePriority) {
     ASSERT_THAT((*comm)->AllReduce(View(v)), IsOk());
     EXPECT_EQ(v, (std::vector<float>{1.5f, 2.5f}));
   }
-}
-
-// Gloo's loop thread at SCHED_IDLE runs only when nothing else on its core
-// wants to run. On a core that other work keeps busy it starved: a
-// collective crawled, and a peer's death went unnoticed for seconds (2 to
-// 30 s to notice a reset with six busy loops on two cores; in CI once past
-// a 60 s timeout, so launch_failures_test's rank said "timed out" instead
-// of "lost peer"). A wait that outlasts a short grace now raises the
-// thread to the normal policy until it ends. Here two ranks, connected,
-// are pinned to one core beside eight busy threads of the normal policy
-// and all-reduce 16 MB: at SCHED_IDLE's weight (3 against 8 x 1024) the
-// loop threads' tens of milliseconds of copying take minutes, past the
-// 15 s timeout; raised, a tenth of the core each, well within it.
-TEST(GlooCommunicatorTest, AnIdleLoopThreadOnABusyCoreIsRaisedWhileAWaitLasts) {
-  cpu_set_t before;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
-  int core = -1;
-  for (int c = 0; c < CPU_SETSIZE && core < 0; ++c) {
-    if (CPU_ISSET(c, &before)) core = c;
-  }
-  ASSERT_GE(core, 0);
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(core, &one);
-  // Every thread made from here on (the loop threads too) is pinned.
-  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
-  const std::string dir = FreshDir("busy_core");
-  std::vector<absl::Status> results(2);
-  absl::Notification connected[2];
-  absl::Notification go;
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      auto store = NewFileStore(dir);
-      absl::StatusOr<std::unique_ptr<Communicator>> comm =
-          store.ok() ? ConnectGloo(Rank(r, 2, absl::Seconds(15)), **store)
-                     : absl::StatusOr<std::unique_ptr<Communicator>>(store.status());
-      connected[r].Notify();
-      if (!comm.ok()) {
-        results[r] = comm.status();
-        return;
-      }
-      go.WaitForNotification();
-      std::vector<float> v(size_t{4} << 20, static_cast<float>(r + 1));
-      results[r] = (*comm)->AllReduce(View(v));
-      if (results[r].ok() && (v.front() != 3.0f || v.back() != 3.0f)) {
-        results[r] = absl::InternalError("wrong sum");
-      }
-    });
-  }
-  connected[0].WaitForNotification();
-  connected[1].WaitForNotification();
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> busy;
-  for (int i = 0; i < 8; ++i) {
-    busy.emplace_back([&] {
-      while (!stop.load(std::memory_order_relaxed)) {
-      }
-    });
-  }
-  go.Notify();
-  for (auto& t : ranks) t.join();
-  stop = true;
-  for (auto& t : busy) t.join();
-  ASSERT_EQ(sched_setaffinity(0, sizeof(before), &before), 0);
-  EXPECT_THAT(results[0], IsOk());
-  EXPECT_THAT(results[1], IsOk());
 }
 
 }  // namespace
