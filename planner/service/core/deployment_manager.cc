@@ -273,6 +273,25 @@ struct DeploymentManager::State {
                                   v1::Deployment::State_Name(d.state()),
                                   ": its rendezvous is closed"));
   }
+
+  // What ended a WaitChangedLocked, checked in this order.
+  enum class WaitEnd { kDone, kShutdown, kCancelled, kDeadline };
+  // Waits on `changed` until done(), shutdown, cancelled() (may be null) or
+  // `deadline`; which of those ended the wait (mu held). The waits are
+  // short, so that a cancelled caller, which nothing signals, is noticed
+  // promptly.
+  WaitEnd WaitChangedLocked(const std::function<bool()>& done, absl::Time deadline,
+                            const std::function<bool()>& cancelled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    constexpr absl::Duration kSlice = absl::Milliseconds(200);
+    while (true) {
+      if (done()) return WaitEnd::kDone;
+      if (shutdown) return WaitEnd::kShutdown;
+      if (cancelled != nullptr && cancelled()) return WaitEnd::kCancelled;
+      if (absl::Now() >= deadline) return WaitEnd::kDeadline;
+      changed.WaitWithDeadline(&mu, std::min(deadline, absl::Now() + kSlice));
+    }
+  }
 };
 
 DeploymentManager::DeploymentManager(DeploymentManagerOptions options,
@@ -521,27 +540,25 @@ absl::Status DeploymentManager::Delete(const std::string& name, const std::set<s
   // Finished, its supervisor may still be returning (it marks the state,
   // then goes): a delete right after a stop was refused as "STOPPED: ...
   // stop it first". Waited for until the caller's deadline, at most
-  // kDeleteSupervisorWait, in short waits so that a cancelled caller is
-  // noticed promptly; one still telling ranks to stop is named as such,
-  // and nothing is deleted.
-  const absl::Time until = std::min(deadline, absl::Now() + kDeleteSupervisorWait);
-  auto gave_up = [&] { return cancelled != nullptr && cancelled(); };
-  while (s_->supervised.count(name) && !s_->shutdown && !gave_up() && absl::Now() < until) {
-    s_->changed.WaitWithDeadline(&s_->mu, std::min(until, absl::Now() + absl::Milliseconds(200)));
-  }
+  // kDeleteSupervisorWait; one still telling ranks to stop is named as
+  // such, and nothing is deleted.
+  const State::WaitEnd end = s_->WaitChangedLocked(
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) { return !s_->supervised.count(name); },
+      std::min(deadline, absl::Now() + kDeleteSupervisorWait), cancelled);
   it = s_->deployments.find(name);
   if (it == s_->deployments.end()) {
     return absl::NotFoundError(absl::StrCat("deployment '", name, "' does not exist"));
   }
-  if (s_->supervised.count(name)) {
+  if (end != State::WaitEnd::kDone) {
     const std::string not_deleted = absl::StrCat(
         "deployment '", name, "' (", StateName(it->second.state()), ") was not deleted: ");
     const char* waited = "waiting for the planner to finish telling its ranks to stop";
-    if (!s_->shutdown && gave_up()) {
+    if (end == State::WaitEnd::kCancelled) {
       return absl::CancelledError(
           absl::StrCat(not_deleted, "the call was cancelled while ", waited));
     }
-    if (!s_->shutdown && absl::Now() >= deadline) {
+    // The caller's deadline, not kDeleteSupervisorWait, ended the wait.
+    if (end == State::WaitEnd::kDeadline && absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(not_deleted,
                                                       "the call's deadline passed while ", waited,
                                                       "; try again in a few seconds"));
@@ -728,19 +745,20 @@ absl::StatusOr<v1::Deployment> DeploymentManager::Stop(const std::string& name,
       // Its supervisor stops every rank, then marks it STOPPED.
       s_->stop_requested.insert(name);
       s_->changed.SignalAll();
-      // Short waits, so a cancelled caller is noticed promptly. Looked up
-      // again after each: once STOPPED it may be deleted (DeletePlan,
-      // retention) before this wakes, and operator[] made an empty record
-      // of it, never finished, that nothing could stop or delete.
+      // Looked up again after each wait: once STOPPED it may be deleted
+      // (DeletePlan, retention) before this wakes, and operator[] made an
+      // empty record of it, never finished, that nothing could stop or
+      // delete.
       auto stopping = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) -> const v1::Deployment* {
         auto i = s_->deployments.find(name);
         return i == s_->deployments.end() ? nullptr : &i->second;
       };
-      while (stopping() != nullptr && !DeploymentFinal(stopping()->state()) && !s_->shutdown &&
-             !cancelled() && absl::Now() < deadline) {
-        s_->changed.WaitWithDeadline(&s_->mu,
-                                     std::min(deadline, absl::Now() + absl::Milliseconds(200)));
-      }
+      // Whatever ended the wait, the deployment is answered as it is now.
+      s_->WaitChangedLocked(
+          [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) {
+            return stopping() == nullptr || DeploymentFinal(stopping()->state());
+          },
+          deadline, cancelled);
       if (stopping() == nullptr) {
         return absl::NotFoundError(
             absl::StrCat("deployment '", name, "' was deleted once it had stopped"));
