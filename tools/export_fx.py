@@ -109,19 +109,21 @@ Command line:
   with zeros (or random integers in [0, HIGH) when HIGH is given), or bool
   (a key padding mask input: all False).
 
-  --weights OUT.safetensors also writes the module's current parameters (the
-  ones the graph uses; a note on stderr names any that forward leaves
-  unused) as a safetensors file under their state_dict names, split tensors
+  --weights OUT.safetensors also writes the module's current parameters
+  as a safetensors file under their state_dict names, split tensors
   whole (in_proj_weight, not q/k/v), BatchNorm running statistics included
   (module buffers the graph keeps as state), every name of a tied tensor
   (`head.weight = emb.weight`: one graph parameter, both names written),
-  BatchNorm's num_batches_tracked and the buffers folded into constants
-  (or unused) with their values, exporter constants left out (the graph's
+  BatchNorm's num_batches_tracked, the buffers folded into constants
+  (or unused) and the parameters forward does not use with their values,
+  exporter constants left out (the graph's
   metadata "hap.state_dict_extras" lists the tied names, the constants, the
-  counters with their forwards per step, the folded buffers with their
-  values, and the state_dict entries the graph does not hold and cannot
-  record: unused parameters, buffers of a dtype safetensors has no name
-  for (complex) or past 65536 runs of equal values, named on
+  counters with their forwards per step, the folded buffers and unused
+  parameters with their values, which checkpoint exports give back as
+  they were, and the state_dict entries the graph does not hold and cannot
+  record: buffers of a dtype safetensors has no name for (complex) or past
+  65536 runs of equal values, unused parameters past 262144 such runs
+  (about 1 MiB of float32 values of random initialisation), named on
   stderr; --init-weights accepts a file of the whole model.state_dict()):
   `module.load_state_dict(safetensors_io.read(OUT), strict=True)` restores
   them exactly (tools/safetensors_io.py) when nothing was named, and

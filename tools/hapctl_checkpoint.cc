@@ -159,10 +159,10 @@ int Export(const Args& a) {
   if (extras.ok() && !extras->unheld.empty()) {
     std::cerr << absl::StrFormat(
         "note: the model's state_dict also holds %s, which the graph does not hold and the "
-        "exporter could not record (parameters forward does not use; buffers folded into "
-        "constants of a dtype safetensors has no name for (complex) or of too many runs of equal "
-        "values, as tools/export_fx.py said at export): not in %s; take them from the module "
-        "(load_state_dict(..., strict=False))\n",
+        "exporter could not record (parameters forward does not use or buffers folded into "
+        "constants, of too many runs of equal values; buffers of a dtype safetensors has no name "
+        "for (complex), as tools/export_fx.py said at export): not in %s; take them from the "
+        "module (load_state_dict(..., strict=False))\n",
         absl::StrJoin(extras->unheld, ", "), out);
   }
   return 0;

@@ -145,8 +145,10 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json);
 //   {"aliases": {"head.weight": "emb.weight"}, "constants": ["const.mul"],
 //    "counters": {"bn.num_batches_tracked": {"per_step": 1, "value": 0}},
 //    "folded": {"mask": {"dtype": "F32", "shape": [4],
-//                        "runs": [[3, "0000803f"], [1, "00000000"]]}},
-//    "unheld": ["unused.weight"]}
+//                        "runs": [[3, "0000803f"], [1, "00000000"]]},
+//               "spare.bias": {"dtype": "F32", "shape": [1],
+//                              "runs": [[1, "0000803f"]], "parameter": true}},
+//    "unheld": ["big.weight"]}
 // `aliases`: further names of a tensor PyTorch holds under several (tied
 // weights) -> the name the graph holds it under (a parameter or a slice
 // source); exports write a copy under each, weights files may carry them
@@ -158,19 +160,22 @@ absl::StatusOr<StateDictSlices> ParseStateDictSlices(const std::string& json);
 // them, exports write them as I64 scalars, weights files may carry the
 // start value. `folded`: buffers the exporter folded into the graph's
 // constants (through a slice, a comparison...) or that forward leaves
-// unused, with their values: row-major runs of equal elements, [count, the
-// element's little-endian bytes in hex], of any safetensors dtype (BOOL and
-// U8 too); exports write them, weights files may carry them with these
-// values (other values are refused: the graph was built from these).
-// `unheld`: state_dict entries the graph does not hold and the exporter
-// could not record (parameters forward does not use, buffers of a dtype
-// safetensors has no name for, or of too many runs): weights files may
-// carry them; they are not read, and exports cannot write them.
+// unused, and (`"parameter": true`) parameters forward does not use, which
+// PyTorch's training leaves as they are, with their values at export:
+// row-major runs of equal elements, [count, the element's little-endian
+// bytes in hex], of any safetensors dtype (BOOL and U8 too); exports write
+// them, weights files may carry them with these values (other values are
+// refused: the graph was built from these buffers, and exports give back
+// these parameters). `unheld`: state_dict entries the graph does not hold
+// and the exporter could not record (unused parameters or buffers of too
+// many runs, buffers of a dtype safetensors has no name for): weights files
+// may carry them; they are not read, and exports cannot write them.
 inline constexpr char kStateDictExtrasKey[] = "hap.state_dict_extras";
 struct FoldedBuffer {
   std::string dtype;  // safetensors: F32, BOOL, U8, ... (SafetensorsDTypeWidth)
   Shape shape;
-  std::string bytes;  // row-major, little-endian
+  std::string bytes;       // row-major, little-endian
+  bool parameter = false;  // a parameter forward does not use, not a buffer
 };
 struct StateDictExtras {
   std::map<std::string, std::string> aliases;

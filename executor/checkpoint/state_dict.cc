@@ -50,7 +50,8 @@ bool Count(const pb::Value& v, int64_t* out) {
   return true;
 }
 
-// A "folded" entry: {"dtype", "shape", "runs": [[count, hex bytes], ...]}.
+// A "folded" entry: {"dtype", "shape", "runs": [[count, hex bytes], ...]},
+// and "parameter": true for an unused parameter.
 absl::StatusOr<FoldedBuffer> ParseFoldedBuffer(const pb::Value& v) {
   if (v.kind_case() != pb::Value::kStructValue) return absl::InvalidArgumentError("not an object");
   const auto& f = v.struct_value().fields();
@@ -63,6 +64,12 @@ absl::StatusOr<FoldedBuffer> ParseFoldedBuffer(const pb::Value& v) {
     return absl::InvalidArgumentError("needs a string dtype, lists shape and runs");
   }
   FoldedBuffer out;
+  if (auto parameter = f.find("parameter"); parameter != f.end()) {
+    if (parameter->second.kind_case() != pb::Value::kBoolValue) {
+      return absl::InvalidArgumentError("parameter is not true or false");
+    }
+    out.parameter = parameter->second.bool_value();
+  }
   out.dtype = dtype->second.string_value();
   const int64_t width = SafetensorsDTypeWidth(out.dtype);
   if (width == 0)
@@ -260,7 +267,15 @@ std::string Mismatch(const std::string& name, absl::string_view file_dtype, cons
                       " in the model)");
 }
 
-std::string FoldedMismatch(const std::string& name) {
+std::string FoldedMismatch(const std::string& name, const FoldedBuffer& b) {
+  if (b.parameter) {
+    // The run does not hold it: exports give back its values at export,
+    // which would not be the ones the run started from.
+    return absl::StrCat(name,
+                        " (a parameter forward does not use, recorded at export so that exports "
+                        "give it back as PyTorch's training leaves it; other values in the file: "
+                        "export the model again with these)");
+  }
   return absl::StrCat(name,
                       " (a buffer the graph's constants were built from at export, other values "
                       "in the file: export the model again with these)");
@@ -356,7 +371,7 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
       const FoldedBuffer& b = folded->second;
       if (!v.ok() || SafetensorsDType(v->dtype) != b.dtype || v->shape != b.shape ||
           std::memcmp(v->data, b.bytes.data(), b.bytes.size()) != 0) {
-        mismatched.push_back(FoldedMismatch(name));
+        mismatched.push_back(FoldedMismatch(name, folded->second));
       }
       continue;
     }
@@ -384,7 +399,7 @@ absl::Status WeightsReader::CheckGraph(const graph::Graph& g) const {
       extra.push_back(absl::StrCat(name, " (", other.dtype, ")"));
     } else if (other.dtype != folded->second.dtype || other.shape != folded->second.shape ||
                other.bytes != folded->second.bytes) {
-      mismatched.push_back(FoldedMismatch(name));
+      mismatched.push_back(FoldedMismatch(name, folded->second));
     }
   }
   if (missing.empty() && extra.empty() && mismatched.empty()) return absl::OkStatus();
@@ -560,7 +575,8 @@ absl::StatusOr<int64_t> ExportCheckpoint(CheckpointReader& reader, const std::st
     HAP_RETURN_IF_ERROR(HostCopyBox(part.view(), zero, source.view(), at, shape));
   }
   // The state_dict entries the graph does not hold but the checkpoint
-  // knows: BatchNorm's counters, the buffers folded into constants.
+  // knows: BatchNorm's counters, the buffers folded into constants and the
+  // parameters forward does not use (as they were at export).
   for (const auto& [name, value] : reader.trainer().num_batches_tracked()) {
     if (!extras.counters.count(name) || tensors.count(name)) continue;
     HostTensor& counter = tensors.try_emplace(name, DType::kInt64, Shape{}).first->second;

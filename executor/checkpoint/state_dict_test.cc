@@ -1,7 +1,7 @@
 // State dicts and weights files: export of whole tensors that start another
 // run, state_dict slices joined and split, the exporter's extras (tied
-// names, constants, unheld entries), and BatchNorm counters and folded
-// buffers carried through checkpoints and exports. Ranks are threads over
+// names, constants, unheld entries), and BatchNorm counters, folded
+// buffers and unused parameters carried through checkpoints and exports. Ranks are threads over
 // the in-process communicator.
 #include <signal.h>
 #include <sys/resource.h>
@@ -469,6 +469,64 @@ TEST(CheckpointTest, CountersAndFoldedBuffersAreCarriedThroughCheckpointsAndExpo
                              HasSubstr("mask (a buffer the graph's constants were built from at "
                                        "export, other values in the file"),
                              HasSubstr("flags (a buffer the graph's constants"))));
+}
+
+// A parameter forward does not use (extras "folded" marked "parameter"):
+// the graph does not hold it, yet the export of a trained checkpoint writes
+// it with its recorded values (PyTorch's training leaves it as it is); a
+// weights file may carry it with those values, and other values are refused,
+// named as such (the export would not give them back).
+TEST(CheckpointTest, UnusedParametersAreExportedAsRecorded) {
+  auto base = graph::BuildZooModel(
+      "mlp", {{"layers", 2}, {"hidden", 24}, {"input", 24}, {"classes", 5}, {"batch", 9}});
+  ASSERT_TRUE(base.ok()) << base.status();
+  // spare.weight: F32[2, 2] = 1 2 2 0.5.
+  const std::string json =
+      R"({"folded": {"spare.weight": {"dtype": "F32", "shape": [2, 2], "parameter": true,)"
+      R"( "runs": [[1, "0000803f"], [2, "00000040"], [1, "0000003f"]]}}})";
+  auto extras = ParseStateDictExtras(json);
+  ASSERT_TRUE(extras.ok()) << extras.status();
+  EXPECT_TRUE(extras->folded.at("spare.weight").parameter);
+  EXPECT_THAT(ParseStateDictExtras(R"({"folded": {"m": {"dtype": "F32", "shape": [1],)"
+                                   R"( "runs": [[1, "0000803f"]], "parameter": 1}}})")
+                  .status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("folded buffer 'm': parameter is not true or false")));
+  v1::Graph proto = graph::ToProto(*base);
+  (*proto.mutable_metadata())[kStateDictExtrasKey] = json;
+  auto g = graph::FromProto(proto);
+  ASSERT_TRUE(g.ok()) << g.status();
+
+  const std::string dir = Fresh("unused_parameters");
+  v1::TrainerState trainer;
+  trainer.set_state_dict_extras(json);
+  Exported exported;
+  ASSERT_NO_FATAL_FAILURE(TrainCheckpointAndExport(*g, trainer, 2, dir, &exported));
+  const float recorded[] = {1.0f, 2.0f, 2.0f, 0.5f};
+  auto spare = exported.file->View("spare.weight");
+  ASSERT_TRUE(spare.ok()) << spare.status();
+  EXPECT_EQ(spare->dtype, DType::kFloat32);
+  EXPECT_EQ(spare->shape, (Shape{2, 2}));
+  EXPECT_EQ(std::memcmp(spare->data, recorded, sizeof(recorded)), 0);
+  EXPECT_EQ(exported.file->tensors().size(), exported.whole.size() + 1);
+  // The export starts a run again, the parameter included.
+  auto again = WeightsReader::OpenFor(exported.path, *g);
+  EXPECT_TRUE(again.ok()) << again.status();
+
+  // Other values for it: refused, named as a parameter forward does not use.
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, t] : exported.whole) entries.push_back({name, t.view()});
+  HostTensor other(DType::kFloat32, Shape{2, 2});
+  std::memcpy(other.data(), recorded, sizeof(recorded));
+  other.as<float>()[3] = 0.25f;
+  entries.push_back({"spare.weight", other.view()});
+  const std::string in = dir + "/state_dict.safetensors";
+  ASSERT_TRUE(WriteSafetensors(in, entries, {}).ok());
+  EXPECT_THAT(WeightsReader::OpenFor(in, *g).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("spare.weight (a parameter forward does not use, recorded at "
+                                 "export so that exports give it back as PyTorch's training "
+                                 "leaves it; other values in the file")));
 }
 
 // A checkpoint written without counters starts them at step * per_step; a

@@ -279,15 +279,16 @@ def main(argv=None):
         except ValueError as e:
             raise ExportError(f"internal: the graph holds a number JSON "
                               f"cannot write: {e}") from None
-        n, unused = _write_outputs(a, text, g, values, module, weights)
+        n, _ = _write_outputs(a, text, g, values, module, weights)
     except ExportError as e:
         print(f"export_fx: error: {e}", file=sys.stderr)
         return 2
     unrecorded = state_dict_extras(g)["unrecorded"]
     if unrecorded:
-        print("export_fx: note: state_dict entries (buffers, extra state) "
-              "the graph does not hold and cannot record, left out of "
-              "--weights and checkpoint exports: " +
+        print("export_fx: note: state_dict entries (parameters forward "
+              "does not use, buffers, extra state) the graph does not hold "
+              "and cannot record, left out of --weights and checkpoint "
+              "exports: " +
               "; ".join(f"{k}: {why}" for k, why in unrecorded.items()),
               file=sys.stderr)
     if a.output == "-":
@@ -303,10 +304,8 @@ def main(argv=None):
               f"{len(g['parameters'])} parameter tensors ({n_params} values)",
               file=sys.stderr)
     if a.weights is not None:
+        # The parameters it leaves out (forward does not use them, and the
+        # graph could not record their values) are named in the note above.
         print(f"export_fx: wrote {a.weights}: {n} tensors (state_dict names)",
               file=sys.stderr)
-        if unused:
-            print(f"export_fx: note: {len(unused)} parameters not used by "
-                  f"forward are not in {a.weights}: {', '.join(unused)}",
-                  file=sys.stderr)
     return 0

@@ -34,6 +34,15 @@ from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
 # stays "unheld", named at export.
 FOLDED_RUNS_LIMIT = 1 << 16
 
+# The same for the parameters forward does not use, recorded with their
+# values (EXTRAS_KEY "folded", marked "parameter") so that checkpoint exports
+# give them back as PyTorch's training leaves them: a budget of their own
+# (the buffers' is as it was), about 1 MiB of float32 values of random
+# initialisation, some 4 MB of JSON in the graph and in every checkpoint's
+# trainer.json. A parameter past it stays "unheld", named at export and by
+# `hapctl checkpoint export`.
+UNUSED_PARAMETER_RUNS_LIMIT = 1 << 18
+
 # The most runs of equal values that the graph's VALUES constants (unequal
 # values: attention masks, one-hot gather matrices) may list together: a
 # graph file of about 40 MB.
@@ -51,11 +60,12 @@ _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32,
                    8: torch.int64}
 
 
-def folded_record(value, budget):
+def folded_record(value, budget, limit=FOLDED_RUNS_LIMIT):
     """EXTRAS_KEY's "folded" entry for the buffer `value` ({dtype, shape,
     runs: [[count, the element's little-endian bytes in hex]]}, row-major)
-    and None, or None and why it cannot be recorded; `budget` ([runs left])
-    is shared by the buffers of one graph."""
+    and None, or None and why it cannot be recorded; `budget` ([runs left]
+    of `limit`) is shared by the buffers of one graph (by its unused
+    parameters, with their own `limit`)."""
     if not isinstance(value, torch.Tensor):
         # A module's extra state (get_extra_state) in its state_dict: any
         # object (it was an AttributeError traceback).
@@ -75,7 +85,7 @@ def folded_record(value, budget):
     count = int((bits[1:] != bits[:-1]).sum()) + 1 if n else 0
     if count > budget[0]:
         return None, (f"{count} runs of equal values, over the "
-                      f"{budget[0]} left of the graph's {FOLDED_RUNS_LIMIT}")
+                      f"{budget[0]} left of the graph's {limit}")
     change = (torch.nonzero(bits[1:] != bits[:-1]).flatten() + 1).tolist()
     starts, ends = [0] + change, change + [n]
     if n == 0:
@@ -676,6 +686,7 @@ class Exporter:
             for n in self.gm.graph.nodes if n.op == "call_module")
         aliases, counters, folded, unheld, unrecorded = {}, {}, {}, [], {}
         budget = [FOLDED_RUNS_LIMIT]
+        unused_budget = [UNUSED_PARAMETER_RUNS_LIMIT]
         for k, v in state.items():
             if k in held:
                 continue
@@ -687,12 +698,22 @@ class Exporter:
                 counters[k] = {"per_step": forwards[id(owner)],
                                "value": int(v) if not v.is_meta else 0}
                 continue
-            if not isinstance(v, nn.Parameter):  # a buffer (keep_vars)
-                record, why = folded_record(v, budget)
+            if isinstance(v, nn.Parameter):  # keep_vars: else a buffer
+                # Forward does not use it: PyTorch's training leaves it as
+                # it is (no gradient, the optimizers skip it), so exports
+                # give back its value now.
+                record, why = folded_record(v, unused_budget,
+                                            UNUSED_PARAMETER_RUNS_LIMIT)
                 if record is not None:
-                    folded[k] = record
-                    continue
-                unrecorded[k] = why
+                    record["parameter"] = True
+                else:
+                    why = f"a parameter forward does not use, {why}"
+            else:
+                record, why = folded_record(v, budget)
+            if record is not None:
+                folded[k] = record
+                continue
+            unrecorded[k] = why
             unheld.append(k)
         return {"aliases": aliases, "constants": sorted(constants),
                 "counters": counters, "folded": folded, "unheld": unheld,

@@ -39,19 +39,25 @@ BUFFERS_KEY = "hap.state_dict_buffers"
 #                the --init-weights value (else 0), one forward of the model
 #                per step on the whole global batch (microbatches of a
 #                pipeline plan do not count apart), and checkpoints keep them;
-#   "folded":    {state_dict name: {"dtype", "shape", "runs"}}: buffers the
-#                graph does not hold (folded into constants through a slice
-#                or a comparison, or unused), with their values: row-major
-#                runs [count, one element's little-endian bytes in hex];
+#   "folded":    {state_dict name: {"dtype", "shape", "runs"[, "parameter":
+#                true]}}: buffers the graph does not hold (folded into
+#                constants through a slice or a comparison, or unused) and,
+#                marked "parameter", the parameters forward does not use
+#                (PyTorch's training leaves them as they are), with their
+#                values at export: row-major runs [count, one element's
+#                little-endian bytes in hex];
 #   "unheld":    [state_dict name]: entries the graph does not hold and the
-#                exporter could not record (parameters forward does not use,
-#                buffers of a dtype not in SAFETENSORS_DTYPES or past
-#                FOLDED_RUNS_LIMIT runs);
-#   "unrecorded": {state_dict name: why}: the buffers among "unheld".
+#                exporter could not record (buffers of a dtype not in
+#                SAFETENSORS_DTYPES or past FOLDED_RUNS_LIMIT runs, unused
+#                parameters past UNUSED_PARAMETER_RUNS_LIMIT runs, on the
+#                meta device, a module's extra state);
+#   "unrecorded": {state_dict name: why}: every entry of "unheld".
 # --weights and `hapctl checkpoint export` write every alias as a copy, the
-# counters and the folded buffers; --init-weights accepts an alias equal to
+# counters and the folded entries; --init-weights accepts an alias equal to
 # the tensor it names (or in its place), a counter's start value, folded
-# buffers equal to the recorded values, and ignores the unheld entries.
+# entries equal to the recorded values (other values are refused: the graph
+# was built from those buffers, and the exports would give back the
+# recorded parameters), and ignores the unheld entries.
 EXTRAS_KEY = "hap.state_dict_extras"
 
 

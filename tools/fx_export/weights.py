@@ -52,9 +52,9 @@ def state_dict_weights(graph, values):
     are not in the state_dict) left out, and every other name of a tied
     tensor (EXTRAS_KEY aliases: `head.weight` = `emb.weight`) written as
     a copy, as load_state_dict wants each name, BatchNorm's
-    num_batches_tracked and the buffers the graph folded into constants
-    (EXTRAS_KEY counters, folded) included. `values`: export(...,
-    return_values=True)'s second result."""
+    num_batches_tracked, the buffers the graph folded into constants and
+    the parameters forward does not use (EXTRAS_KEY counters, folded)
+    included. `values`: export(..., return_values=True)'s second result."""
     slices = state_dict_slices(graph)
     buffers = set(json.loads(graph.get("metadata", {}).get(BUFFERS_KEY, "[]")))
     has_extras = EXTRAS_KEY in graph.get("metadata", {})
@@ -94,8 +94,9 @@ def state_dict_weights(graph, values):
     for alias, held in extras["aliases"].items():
         if held in out:
             out[alias] = out[held]
-    # BatchNorm's num_batches_tracked and the buffers folded into constants
-    # (or unused): the module's values at export, as load_state_dict wants.
+    # BatchNorm's num_batches_tracked, the buffers folded into constants
+    # (or unused) and the parameters forward does not use: the module's
+    # values at export, as load_state_dict wants.
     for name, c in extras["counters"].items():
         out[name] = torch.tensor(c["value"], dtype=torch.int64)
     for name, b in extras["folded"].items():
@@ -131,7 +132,8 @@ def safetensors_io():
 def write_weights(path, graph, values, module=None, weights=None, out=None):
     """Writes state_dict_weights(graph, values) (or `weights`, its result)
     as a safetensors file, atomically; returns (tensor count, the
-    parameters of `module` left out because the graph does not use them).
+    parameters of `module` left out: forward does not use them and the
+    graph could not record their values, EXTRAS_KEY unheld).
     `out`: a safetensors_io.OutputFile for `path` to write into instead,
     which the caller commits (or discards); its OSError is the caller's."""
     if weights is None:
