@@ -61,10 +61,7 @@ TEST_F(DeploymentManagerTest, ADeploymentStoredInAStateItCannotFollowIsFailedNam
   EXPECT_EQ(failed.failure_cause(), v1::Deployment::FAILURE_CAUSE_UNSPECIFIED);
   EXPECT_FALSE(FailedByPlannerRestartBeforeTraining(failed));
   // Its ranks are stopped once it is FAILED.
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while ((fleet_.stops("a:1") == 0 || fleet_.stops("b:1") == 0) && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  ASSERT_TRUE(fleet_.AwaitStopped({"a:1", "b:1"}));
   EXPECT_EQ(fleet_.status("a:1").state(), v1::ExecutorStatus::FAILED);
   EXPECT_EQ(fleet_.status("b:1").state(), v1::ExecutorStatus::FAILED);
   EXPECT_THAT(manager_->StoreSet(failed.name(), 1, "k", "v"),

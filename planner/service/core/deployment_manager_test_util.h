@@ -68,6 +68,19 @@ class Fleet {
     absl::MutexLock l(&mu_);
     return executors_[address].stops;
   }
+  // Waits (up to 30 s) until every one of `addresses` was told to stop;
+  // whether they were.
+  bool AwaitStopped(const std::vector<std::string>& addresses) {
+    absl::MutexLock l(&mu_);
+    auto stopped = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const std::string& a : addresses) {
+        auto it = executors_.find(a);
+        if (it == executors_.end() || it->second.stops == 0) return false;
+      }
+      return true;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&stopped), absl::Seconds(30));
+  }
   // While held, StopTraining calls wait in AwaitStopsReleased: a stop
   // still under way (executors slow to answer).
   void HoldStops(bool hold) {
