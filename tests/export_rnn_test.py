@@ -1,11 +1,13 @@
-"""nn.RNN (tanh, relu) and nn.GRU through tools/export_fx.py: unrolled over
-the sequence into linear, add, mul, sub, sigmoid, tanh, relu and layout ops
-(tools/fx_export/ops_lstm.py). Each configuration (layers, directions,
+"""nn.RNN (tanh, relu) and nn.GRU through tools/export_fx.py: nn.RNN, and
+nn.GRU given an initial state, unrolled over the sequence into linear, add,
+mul, sub, sigmoid, tanh, relu and layout ops; nn.GRU from the zero state as
+one gru op per layer and direction (tools/fx_export/ops_lstm.py). Each configuration (layers, directions,
 batch_first, bias, an initial state, the output and h_n) exports, validates
 with `hapctl validate`, keeps PyTorch's state_dict names and gives PyTorch's
 loss and parameter gradients in float64 with the reference evaluator
 (tests/hap_ir_eval.py); what cannot be exported fails naming the module; a
-small GRU classifier trains 3 SGD steps on 2 ranks as PyTorch does."""
+small GRU classifier trains 3 SGD steps on 2 ranks as PyTorch does, over 4
+steps and over 300 (more than the unrolled export took)."""
 
 import os
 
@@ -90,13 +92,22 @@ class ExportRnnTest(ExportTestCase):
                 m = Recurrent(cls(I, H, **kwargs), use).double()
                 g, _ = self.assert_loss_and_gradients(
                     m, rnn_inputs(m.rnn, h0), tol=1e-10)
-                types = {op["type"] for op in g["ops"]}
+                types = [op["type"] for op in g["ops"]]
                 self.assertNotIn("lstm", types)
+                step = [op for op in g["ops"]
+                        if op["name"].startswith("rnn.l0.t1.")]
+                if cls is nn.GRU and not h0:
+                    # From the zero state: one gru op a layer and
+                    # direction, nothing unrolled.
+                    d = 2 if m.rnn.bidirectional else 1
+                    self.assertEqual(types.count("gru"),
+                                     m.rnn.num_layers * d)
+                    self.assertEqual(step, [])
+                    continue
+                self.assertNotIn("gru", types)
                 # A step after the first is OPS_PER_STEP ops (the bound on
                 # the unrolled graph counts them).
                 kind = "GRU" if cls is nn.GRU else m.rnn.nonlinearity
-                step = [op for op in g["ops"]
-                        if op["name"].startswith("rnn.l0.t1.")]
                 self.assertEqual(len(step), ops_lstm.OPS_PER_STEP[kind])
                 # Parameters keep their state_dict names and shapes.
                 shapes = {p["tensor"]["name"]: p["tensor"]["shape"]
@@ -106,32 +117,35 @@ class ExportRnnTest(ExportTestCase):
                                           in m.rnn.state_dict().items()})
 
     def test_one_step_and_the_graph_it_unrolls_into(self):
-        """A sequence of one step from the zero state is the input
-        projection and the gates: no hidden projection (h W_hh^T is zero),
-        b_hh added as it is; the loss is PyTorch's. (weight_hh_l0 is a
-        graph parameter that no op reads: PyTorch's gradient is zero.)"""
-        torch.manual_seed(1)
-        m = nn.GRU(I, H, batch_first=True).double()
-        x = torch.randn(B, 1, I, dtype=torch.float64)
+        """A sequence of one step from the zero state: nn.GRU is one gru
+        op; nn.RNN is the input projection, the zero state's hidden
+        projection (a linear of a zero constant: weight_hh_l0 is read, so
+        its gradient is PyTorch's zero) and the nonlinearity; the losses
+        are PyTorch's."""
+        for cls, want in ((nn.GRU, ["gru"]),
+                          (nn.RNN, ["linear", "slice", "reshape", "add",
+                                    "tanh", "reshape"])):
+            with self.subTest(module=cls.__name__):
+                torch.manual_seed(1)
+                m = cls(I, H, batch_first=True).double()
+                x = torch.randn(B, 1, I, dtype=torch.float64)
 
-        class Loss(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.rnn = m
+                class Loss(nn.Module):
+                    def __init__(self):
+                        super().__init__()
+                        self.rnn = m
 
-            def forward(self, x):
-                out, h_n = self.rnn(x)
-                return (out * out).sum() + h_n.sum()
+                    def forward(self, x):
+                        out, h_n = self.rnn(x)
+                        return (out * out).sum() + h_n.sum()
 
-        g, values = self.export_valid(Loss(), {"x": x})
-        gru = [op["type"] for op in g["ops"]
-               if op["name"].startswith("rnn.l0")]
-        self.assertEqual(gru, ["linear", "slice", "reshape", "slice",
-                               "slice", "add", "sigmoid", "slice", "slice",
-                               "slice", "slice", "mul", "add", "tanh",
-                               "mul", "sub", "reshape"])
-        got = hap_ir_eval.evaluate(g, {"x": x}, values)
-        self.assertAlmostEqual(float(got), float(Loss()(x)), delta=1e-10)
+                g, values = self.export_valid(Loss(), {"x": x})
+                ops = [op["type"] for op in g["ops"]
+                       if op["name"].startswith("rnn.l0")]
+                self.assertEqual(ops, want)
+                got = hap_ir_eval.evaluate(g, {"x": x}, values)
+                self.assertAlmostEqual(float(got), float(Loss()(x)),
+                                       delta=1e-10)
 
     def test_dropout_between_layers_is_a_dropout_op(self):
         """As nn.LSTM's: a dropout op on each layer's output but the
@@ -153,12 +167,14 @@ class ExportRnnTest(ExportTestCase):
                 return self.gru(x[0])[0].sum()
 
         class Long(nn.Module):
+            """Given h_0, nn.GRU is still unrolled."""
+
             def __init__(self):
                 super().__init__()
                 self.gru = nn.GRU(I, H, bidirectional=True)
 
             def forward(self, x):
-                return self.gru(x)[0].sum()
+                return self.gru(x, torch.zeros(2, B, H))[0].sum()
 
         per_step = ops_lstm.OPS_PER_STEP["GRU"]
         steps = ops_lstm.MAX_UNROLLED_OPS // (2 * per_step) + 1
@@ -179,8 +195,19 @@ class ExportRnnTest(ExportTestCase):
         """3 SGD steps on 2 ranks (the dp-even and the synthesized plan)
         from the --weights file of a 2-layer bidirectional GRU classifier
         that reads the output's mean and h_n[-1]: the losses and final
-        parameters are PyTorch's (the executor's linear, slice, concat and
-        gate kernels and their gradients)."""
+        parameters are PyTorch's (the executor's gru kernels and their
+        gradients, batch-sharded)."""
+        self.assert_gru_classifier_trains_like_pytorch(S)
+
+    def test_a_long_gru_trains_like_pytorch_on_two_ranks(self):
+        """The classifier over 300 steps: unrolled, 2 layers x 2
+        directions x 300 steps were some 21,600 ops, past MAX_UNROLLED_OPS
+        (the export was refused); now 4 gru ops."""
+        self.assertGreater(300 * 4 * ops_lstm.OPS_PER_STEP["GRU"],
+                           ops_lstm.MAX_UNROLLED_OPS)
+        self.assert_gru_classifier_trains_like_pytorch(300)
+
+    def assert_gru_classifier_trains_like_pytorch(self, seq):
         if not (EXECUTOR and LAUNCH and CPU_CLUSTER):
             self.skipTest("HAP_EXECUTOR, HAP_LAUNCH, CPU_CLUSTER not given")
 
@@ -197,16 +224,20 @@ class ExportRnnTest(ExportTestCase):
                 return F.cross_entropy(self.head(y), labels)
 
         batch, steps = 4, 3
+        torch.manual_seed(0)
         m = Classifier().double()
         g = torch.Generator().manual_seed(3)
-        xs = torch.randn(batch * steps, S, I, generator=g,
+        xs = torch.randn(batch * steps, seq, I, generator=g,
                          dtype=torch.float64)
         ys = torch.randint(0, 3, (batch * steps,), generator=g)
+        graph = export_fx.export(m, {"x": xs[:batch], "labels": ys[:batch]})
+        self.assertEqual(
+            [op["name"] for op in graph["ops"] if op["type"] == "gru"],
+            ["gru.l0", "gru.l0_reverse", "gru.l1", "gru.l1_reverse"])
         final = U.assert_trains_like_pytorch(self, m, xs, ys, batch, steps,
                                              0.5, LAUNCH, EXECUTOR,
                                              CPU_CLUSTER)
         self.assertIn("gru.weight_hh_l1_reverse", final)
-
 
 if __name__ == "__main__":
     U.main("export_rnn_test")

@@ -25,19 +25,30 @@ def _causal(s):
     return s.masked_fill(future, float("-inf"))
 
 
-def lstm(x, reverse=False):
-    """The lstm op through PyTorch's own one-layer LSTM (what nn.LSTM runs,
-    autograd included): x [B, S, I], w_ih, w_hh, b_ih?, b_hh? (None or left
-    out: zero); reverse reads the sequence from its end."""
+def lstm(x, reverse=False, op="lstm"):
+    """The lstm (or gru) op through PyTorch's own one-layer LSTM (GRU) (what
+    nn.LSTM and nn.GRU run, autograd included): x [B, S, I], w_ih, w_hh,
+    b_ih?, b_hh? (None or left out: zero); reverse reads the sequence from
+    its end."""
     seq, w_ih, w_hh = x[0], x[1], x[2]
-    b = [v for v in x[3:5] if v is not None]
-    if len(b) == 1:  # one bias absent: the other carries the sum
+    b = list(x[3:5]) + [None] * (5 - len(x))
+    if op == "lstm" and (b[0] is None) != (b[1] is None):
+        b = [v for v in b if v is not None]  # the other carries the sum
         b = [b[0], torch.zeros_like(b[0])]
+    elif b[0] is None and b[1] is None:
+        b = []
+    else:  # gru: b_ih and b_hh are not interchangeable
+        b = [v if v is not None else torch.zeros(w_hh.shape[0],
+                                                 dtype=seq.dtype) for v in b]
     h0 = torch.zeros(1, seq.shape[0], w_hh.shape[1], dtype=seq.dtype)
     if reverse:
         seq = seq.flip(1)
-    out = torch._VF.lstm(seq, (h0, h0), [w_ih, w_hh] + b, bool(b), 1, 0.0,
-                         True, False, True)[0]
+    if op == "gru":
+        out = torch._VF.gru(seq, h0, [w_ih, w_hh] + b, bool(b), 1, 0.0,
+                            True, False, True)[0]
+    else:
+        out = torch._VF.lstm(seq, (h0, h0), [w_ih, w_hh] + b, bool(b), 1,
+                             0.0, True, False, True)[0]
     return out.flip(1) if reverse else out
 
 
@@ -147,8 +158,8 @@ def _op(t, x, a):
                             count_include_pad=a.get("count_include_pad", True))
     if t == "adaptive_avg_pool2d":
         return F.adaptive_avg_pool2d(x[0], a["output_size"])
-    if t == "lstm":
-        return lstm(x, a.get("reverse", False))
+    if t in ("lstm", "gru"):
+        return lstm(x, a.get("reverse", False), t)
     raise NotImplementedError(f"hap_ir_eval: op type '{t}'")
 
 

@@ -4,7 +4,7 @@ each output against the PyTorch op on the same inputs, and each input
 gradient against autograd with the same output gradients. Ops without a
 PyTorch equivalent (dropout's counter-based mask, the MoE gate, dispatch and
 combine) are checked against small reference implementations written here;
-lstm against PyTorch's own one-layer LSTM (hap_ir_eval.lstm).
+lstm and gru against PyTorch's own one-layer LSTM and GRU (hap_ir_eval.lstm).
 """
 
 import json
@@ -177,7 +177,7 @@ class KernelsTorchTest(unittest.TestCase):
                 "sum", "mean", "nll_loss", "cross_entropy", "conv2d", "conv3d",
                 "max_pool2d", "max_pool3d", "avg_pool3d",
                 "adaptive_avg_pool2d", "moe_gate", "exp", "rsqrt", "log",
-                "moe_dispatch", "moe_combine", "lstm"}
+                "moe_dispatch", "moe_combine", "lstm", "gru"}
         self.assertEqual(ops, want)
 
     def check_case(self, case):

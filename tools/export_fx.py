@@ -60,6 +60,10 @@ Conventions (the same as the model zoo, planner/graph/zoo.cc):
     slice of layer k's output at its last step); c_n, an initial state
     (h_0, c_0), proj_size and packed or unbatched sequences fail naming
     them.
+  * nn.GRU from the zero state is one gru op per layer and direction in
+    the same way (`out, h_n = gru(x)`, both supported); given an initial
+    state h_0 it is unrolled over the sequence, as nn.RNN is
+    (tools/fx_export/ops_lstm.py).
   * Initialisers keep the module's own values where the IR can: a parameter
     whose values are all equal is ZEROS / ONES / CONSTANT (a zero-initialised
     head stays zero); the others carry the kind of PyTorch's default

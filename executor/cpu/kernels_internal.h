@@ -129,7 +129,7 @@ void RegisterLayoutKernels(KernelTable& t);         // shape ops, embedding
 void RegisterReductionKernels(KernelTable& t);      // sum, mean
 void RegisterLossKernels(KernelTable& t);           // nll_loss, cross_entropy
 void RegisterMoeKernels(KernelTable& t);            // moe_*
-void RegisterLstmKernels(KernelTable& t);           // lstm
+void RegisterLstmKernels(KernelTable& t);           // lstm, gru
 void RegisterRuntimeKernels(KernelTable& t);        // copies, optimizers
 
 // --- errors and argument checks ---------------------------------------------
@@ -560,7 +560,7 @@ absl::Status CheckFitsBlas(const KernelArgs& a,
 // The optional bias input 2 (when `has_slot` and present): dtype t, [n].
 absl::Status CheckBias(const KernelArgs& a, DType t, bool has_slot, int64_t n);
 
-// --- lstm checks (kernels_lstm.cc; the CUDA kernels use them) ---------------
+// --- lstm and gru checks (kernels_lstm.cc; the CUDA kernels use them) -------
 
 // x (input 0) [b, s, in], w_ih (input 1) [4h, in], w_hh (input 2) [4h, h] of
 // dtype t; inputs 3 and 4 (b_ih, b_hh), when among the op's `n` inputs and
@@ -570,6 +570,8 @@ struct LstmDims {
   bool reverse = false;
 };
 absl::StatusOr<LstmDims> CheckLstm(const KernelArgs& a, DType t, int n);
+// The same for gru: 3h (gates r, z, n) in place of 4h.
+absl::StatusOr<LstmDims> CheckGru(const KernelArgs& a, DType t, int n);
 
 // --- layout checks (kernels_layout.cc; the CUDA layout kernels use them too) -
 

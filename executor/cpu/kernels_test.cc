@@ -599,6 +599,8 @@ TEST(KernelTest, Float32MatchesFloat64) {
       {"gelu", {}, {Rand({10}, 12, 3.0)}, {10}},
       {"lstm", {}, {Rand({2, 6, 5}, 13), Rand({16, 5}, 14), Rand({16, 4}, 15), Rand({16}, 16)},
        {2, 6, 4}},
+      {"gru", {}, {Rand({2, 6, 5}, 17), Rand({12, 5}, 18), Rand({12, 4}, 19), Rand({12}, 20)},
+       {2, 6, 4}},
   };
   for (const F& c : cases) {
     HostTensor want(DType::kFloat64, c.out), got(DType::kFloat32, c.out);

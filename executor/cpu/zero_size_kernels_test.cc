@@ -382,7 +382,7 @@ std::vector<Case> Cases() {
               {"moe_route_weights", {{"k", int64_t{2}}}, {logits}},
               {"moe_dispatch_idx", idx, {Rand({7, 5}, 132), route}},
               {"moe_combine_idx", {}, {Rand({4, 3, 5}, 133), route, weights}},
-              // LSTM: batch, sequence, input features, hidden.
+              // LSTM, GRU: batch, sequence, input features, hidden.
               {"lstm",
                {},
                {Rand({3, 4, 5}, 140), Rand({8, 5}, 141), Rand({8, 2}, 142), Rand({8}, 143),
@@ -390,6 +390,13 @@ std::vector<Case> Cases() {
               {"lstm",
                {{"reverse", true}},
                {Rand({3, 4, 5}, 145), Rand({8, 5}, 146), Rand({8, 2}, 147)}},
+              {"gru",
+               {},
+               {Rand({3, 4, 5}, 240), Rand({6, 5}, 241), Rand({6, 2}, 242), Rand({6}, 243),
+                Rand({6}, 244)}},
+              {"gru",
+               {{"reverse", true}},
+               {Rand({3, 4, 5}, 245), Rand({6, 5}, 246), Rand({6, 2}, 247)}},
               // The sharded pieces: vocabulary-parallel cross-entropy, batch_norm.
               {"cross_entropy_lse",
                {{"vocab_offset", int64_t{0}}, {"vocab_size", int64_t{6}}},
@@ -462,6 +469,11 @@ std::vector<Case> Cases() {
         {Rand({3, 4, 5}, 200), Rand({0, 5}, 201), Rand({0, 0}, 202), Rand({0}, 203)},
         Outs({{3, 4, 0}})});
   zero({"lstm", {}, {Rand({3, 0, 5}, 204), Rand({8, 5}, 205), Rand({8, 2}, 206)}});
+  zero({"gru",
+        {},
+        {Rand({3, 4, 5}, 250), Rand({0, 5}, 251), Rand({0, 0}, 252), Rand({0}, 253)},
+        Outs({{3, 4, 0}})});
+  zero({"gru", {}, {Rand({3, 0, 5}, 254), Rand({6, 5}, 255), Rand({6, 2}, 256)}});
   zero({"split",
         {{"axis", int64_t{1}}, {"sizes", I{0, 3, 0, 4}}},
         {Rand({3, 7}, 207)},

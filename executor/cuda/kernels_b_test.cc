@@ -1,6 +1,6 @@
-// Every kernel of the layout, normalization, convolution, MoE and LSTM families
-// on the GPU against the CPU backend (kernel_compare.h), in float32 and
-// float64 (and the integer dtypes the data-movement kernels take), on shapes
+// Every kernel of the layout, normalization, convolution, MoE and recurrent
+// (lstm, gru) families on the GPU against the CPU backend (kernel_compare.h),
+// in float32 and float64 (and the integer dtypes the data-movement kernels take), on shapes
 // that are not multiples of the block sizes, rows longer than a block,
 // absent inputs/outputs and accumulation into random initial gradients; and
 // the CPU's InvalidArgument for bad arguments. Skips without a GPU.
@@ -12,8 +12,8 @@
 //   normalization: f32 rtol 1e-4, atol 1e-5 (the GPU reduces rows in float,
 //     the CPU in double); f64 rtol 1e-11, atol 1e-12.
 //   conv2d (exact fp32 GEMM, no TF32), MoE (combine's weight gradient is a
-//     GEMM) and lstm (GEMMs, their differences carried through the steps):
-//     f32 rtol 1e-4, atol 1e-5; f64 rtol 1e-11, atol 1e-12.
+//     GEMM), lstm and gru (GEMMs, their differences carried through the
+//     steps): f32 rtol 1e-4, atol 1e-5; f64 rtol 1e-11, atol 1e-12.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -601,58 +601,68 @@ TEST_F(KernelsBTest, BatchNorm) {
   }
 }
 
-// --- lstm --------------------------------------------------------------------
+// --- lstm, gru ---------------------------------------------------------------
 
-// Batch, sequence and hidden sizes that are not multiples of the block size,
-// both directions, without biases and with one bias absent; every gradient
-// together (accumulating into random initial values) and each alone. The
-// recurrence carries the GEMMs' different summation orders through the
-// steps: GemmTol.
-TEST_F(KernelsBTest, Lstm) {
-  struct P {
-    int64_t b, s, in, h;
-    bool bias_ih, bias_hh;
-  };
-  const P cases[] = {{5, 9, 33, 70, true, true},
-                     {1, 1, 3, 2, true, true},
-                     {3, 12, 8, 300, false, false},
-                     {2, 4, 5, 7, false, true}};
-  for (DType t : kDtypes) {
-    const Tol tol = GemmTol(t);
-    for (const P& p : cases) {
-      for (bool reverse : {false, true}) {
-        const graph::Attrs attrs{{"reverse", reverse}};
-        const Shape x = {p.b, p.s, p.in}, wi = {4 * p.h, p.in}, wh = {4 * p.h, p.h};
-        const Shape bias = {4 * p.h}, y = {p.b, p.s, p.h};
-        const double w = 1.0 / std::sqrt(static_cast<double>(p.h));
-        const std::vector<HostTensor> in = {R(t, x), R(t, wi, -w, w), R(t, wh, -w, w),
-                                            p.bias_ih ? R(t, bias, -w, w) : HostTensor(),
-                                            p.bias_hh ? R(t, bias, -w, w) : HostTensor()};
-        const std::vector<bool> present = {true, true, true, p.bias_ih, p.bias_hh};
-        Expect(Case("lstm", tol, in, {R(t, y)}, attrs, present));
-        // (x, w_ih, w_hh, b_ih, b_hh, y absent, dy) -> the gradients.
-        std::vector<HostTensor> gin = in;
-        gin.push_back(HostTensor());
-        gin.push_back(R(t, y));
-        std::vector<bool> gp = present;
-        gp.push_back(false);
-        gp.push_back(true);
-        auto grads = [&] {
-          return std::vector<HostTensor>{R(t, x), R(t, wi), R(t, wh),
-                                         p.bias_ih ? R(t, bias) : HostTensor(),
-                                         p.bias_hh ? R(t, bias) : HostTensor()};
-        };
-        Expect(Case("lstm_grad", tol, gin, grads(), attrs, gp, present));
-        for (int i = 0; i < 5; ++i) {
-          if (!present[i]) continue;
-          std::vector<bool> one(5, false);
-          one[i] = true;
-          Expect(Case("lstm_grad", tol, gin, grads(), attrs, gp, one));
+// `op` (lstm or gru, `gates` stacked gates) on batch, sequence and hidden
+// sizes that are not multiples of the block size, both directions, without
+// biases and with one bias absent; every gradient together (accumulating
+// into random initial values) and each alone. The recurrence carries the
+// GEMMs' different summation orders through the steps: GemmTol.
+class RecurrentKernelsTest : public KernelsBTest {
+ protected:
+  void ExpectRecurrent(const std::string& op, int64_t gates) {
+    struct P {
+      int64_t b, s, in, h;
+      bool bias_ih, bias_hh;
+    };
+    const P cases[] = {{5, 9, 33, 70, true, true},
+                       {1, 1, 3, 2, true, true},
+                       {3, 12, 8, 300, false, false},
+                       {2, 4, 5, 7, false, true},
+                       {2, 4, 5, 7, true, false}};
+    for (DType t : kDtypes) {
+      const Tol tol = GemmTol(t);
+      for (const P& p : cases) {
+        for (bool reverse : {false, true}) {
+          const graph::Attrs attrs{{"reverse", reverse}};
+          const Shape x = {p.b, p.s, p.in}, wi = {gates * p.h, p.in}, wh = {gates * p.h, p.h};
+          const Shape bias = {gates * p.h}, y = {p.b, p.s, p.h};
+          const double w = 1.0 / std::sqrt(static_cast<double>(p.h));
+          const std::vector<HostTensor> in = {R(t, x), R(t, wi, -w, w), R(t, wh, -w, w),
+                                              p.bias_ih ? R(t, bias, -w, w) : HostTensor(),
+                                              p.bias_hh ? R(t, bias, -w, w) : HostTensor()};
+          const std::vector<bool> present = {true, true, true, p.bias_ih, p.bias_hh};
+          Expect(Case(op, tol, in, {R(t, y)}, attrs, present));
+          // (x, w_ih, w_hh, b_ih, b_hh, y absent, dy) -> the gradients.
+          std::vector<HostTensor> gin = in;
+          gin.push_back(HostTensor());
+          gin.push_back(R(t, y));
+          std::vector<bool> gp = present;
+          gp.push_back(false);
+          gp.push_back(true);
+          auto grads = [&] {
+            return std::vector<HostTensor>{R(t, x), R(t, wi), R(t, wh),
+                                           p.bias_ih ? R(t, bias) : HostTensor(),
+                                           p.bias_hh ? R(t, bias) : HostTensor()};
+          };
+          Expect(Case(op + "_grad", tol, gin, grads(), attrs, gp, present));
+          for (int i = 0; i < 5; ++i) {
+            if (!present[i]) continue;
+            std::vector<bool> one(5, false);
+            one[i] = true;
+            Expect(Case(op + "_grad", tol, gin, grads(), attrs, gp, one));
+          }
         }
       }
     }
   }
-}
+};
+
+TEST_F(RecurrentKernelsTest, Lstm) { ExpectRecurrent("lstm", 4); }
+
+// GRU: b_ih and b_hh enter differently (b_hn inside r * (...)), so each
+// alone is a case of its own.
+TEST_F(RecurrentKernelsTest, Gru) { ExpectRecurrent("gru", 3); }
 
 // --- MoE ---------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ void RegisterNormalizationKernels(KernelTable& t);  // layer_norm, softmax
 void RegisterBatchNormKernels(KernelTable& t);      // batch_norm and pieces
 void RegisterConvolutionKernels(KernelTable& t);    // conv2d, conv3d, pooling
 void RegisterMoeKernels(KernelTable& t);            // moe_*
-void RegisterLstmKernels(KernelTable& t);           // lstm
+void RegisterLstmKernels(KernelTable& t);           // lstm, gru
 
 // OK, or Internal naming the kernel and the CUDA error of the last launch.
 absl::Status CheckLaunch(const KernelArgs& a);

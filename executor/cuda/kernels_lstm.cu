@@ -1,4 +1,4 @@
-// Device code of the LSTM kernels (launch_lstm.h); the cell arithmetic is
+// Device code of the LSTM and GRU kernels (launch_lstm.h); the cell arithmetic is
 // executor/cpu/lstm_cell.h, the CPU's own.
 #include "executor/cpu/lstm_cell.h"
 #include "executor/cuda/kernels_b_device.cuh"
@@ -50,6 +50,32 @@ __global__ void CellBackwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_
 }
 
 template <typename T>
+__global__ void GruCellForwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_prev, const T* hg,
+                                     const T* b_hh, T* xg, T* hn, T* y) {
+  for (int64_t e = GridStart(); e < d.b * d.h; e += GridStep()) {
+    const int64_t n = e / d.h, j = e - n * d.h;
+    const int64_t r = n * d.s + t;
+    const T h_prev = has_prev ? y[(n * d.s + tp) * d.h + j] : T(0);
+    lstm::GruCellForward<T>(xg + r * 3 * d.h, has_prev ? hg + n * 3 * d.h : nullptr, b_hh, d.h, j,
+                            h_prev, hn + r * d.h + j, y + r * d.h + j);
+  }
+}
+
+template <typename T>
+__global__ void GruCellBackwardKernel(LstmShape d, int64_t t, int64_t tp, bool has_prev,
+                                      bool has_next, const T* act, const T* hn, const T* y,
+                                      const T* dy, T* dh_next, T* dxg, T* dhg) {
+  for (int64_t e = GridStart(); e < d.b * d.h; e += GridStep()) {
+    const int64_t n = e / d.h, j = e - n * d.h;
+    const int64_t r = n * d.s + t;
+    const T dh = dy[r * d.h + j] + (has_next ? dh_next[e] : T(0));
+    const T h_prev = has_prev ? y[(n * d.s + tp) * d.h + j] : T(0);
+    dh_next[e] = lstm::GruCellBackward<T>(act + r * 3 * d.h, d.h, j, hn[r * d.h + j], h_prev, dh,
+                                          dxg + r * 3 * d.h, dhg + r * 3 * d.h);
+  }
+}
+
+template <typename T>
 __global__ void PreviousHiddenKernel(LstmShape d, const T* y, T* h_prev) {
   for (int64_t e = GridStart(); e < d.b * d.s * d.h; e += GridStep()) {
     const int64_t j = e % d.h, r = e / d.h;
@@ -97,6 +123,23 @@ void LaunchLstmCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_
 }
 
 template <typename T>
+void LaunchGruCellForward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, const T* hg,
+                          const T* b_hh, T* xg, T* hn, T* y, cudaStream_t stream) {
+  if (d.b * d.h == 0) return;
+  GruCellForwardKernel<T><<<BlocksFor(d.b * d.h, kThreads), kThreads, 0, stream>>>(
+      d, t, tp, has_prev, hg, b_hh, xg, hn, y);
+}
+
+template <typename T>
+void LaunchGruCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, bool has_next,
+                           const T* act, const T* hn, const T* y, const T* dy, T* dh_next, T* dxg,
+                           T* dhg, cudaStream_t stream) {
+  if (d.b * d.h == 0) return;
+  GruCellBackwardKernel<T><<<BlocksFor(d.b * d.h, kThreads), kThreads, 0, stream>>>(
+      d, t, tp, has_prev, has_next, act, hn, y, dy, dh_next, dxg, dhg);
+}
+
+template <typename T>
 void LaunchLstmPreviousHidden(const LstmShape& d, const T* y, T* h_prev, cudaStream_t stream) {
   const int64_t n = d.b * d.s * d.h;
   if (n == 0) return;
@@ -116,6 +159,11 @@ void LaunchColumnSums(int64_t rows, int64_t cols, const T* m, T* out, cudaStream
   template void LaunchLstmCellBackward<T>(const LstmShape&, int64_t, int64_t, bool, bool,      \
                                           const T*, const T*, const T*, const T*, T*, T*,      \
                                           cudaStream_t);                                       \
+  template void LaunchGruCellForward<T>(const LstmShape&, int64_t, int64_t, bool, const T*,   \
+                                        const T*, T*, T*, T*, cudaStream_t);                   \
+  template void LaunchGruCellBackward<T>(const LstmShape&, int64_t, int64_t, bool, bool,       \
+                                         const T*, const T*, const T*, const T*, T*, T*, T*,   \
+                                         cudaStream_t);                                        \
   template void LaunchLstmPreviousHidden<T>(const LstmShape&, const T*, T*, cudaStream_t);     \
   template void LaunchColumnSums<T>(int64_t, int64_t, const T*, T*, cudaStream_t);
 HAP_INSTANTIATE(float)

@@ -1,4 +1,5 @@
-// Internal to executor/cuda: launchers of the LSTM kernels (kernels_lstm.cu),
+// Internal to executor/cuda: launchers of the LSTM and GRU kernels
+// (kernels_lstm.cu),
 // the element-wise parts of executor/cpu/kernels_lstm.cc (its GEMMs run on
 // cuBLAS from kernels_lstm.cc). Tensors are row-major: x [b, s, in], gates
 // [b, s, 4h] (pre-activations, then activations), c and y [b, s, h]. Every
@@ -43,6 +44,24 @@ void LaunchLstmCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_
 // reading order, 0 at the first.
 template <typename T>
 void LaunchLstmPreviousHidden(const LstmShape& d, const T* y, T* h_prev, cudaStream_t stream);
+
+// GRU step t of every sample (lstm_cell.h GruCellForward): xg at t (3h:
+// x W_ih^T + b_ih) turns into the activations, hn and y at t are written;
+// hg [b, 3h] holds h_prev W_hh^T (read only with `has_prev`, y at tp the
+// h_prev), b_hh may be null.
+template <typename T>
+void LaunchGruCellForward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, const T* hg,
+                          const T* b_hh, T* xg, T* hn, T* y, cudaStream_t stream);
+
+// GRU step t of every sample backwards (lstm_cell.h GruCellBackward): dh =
+// dy at t + dh_next (taken as 0 without `has_next`); the gradients of the
+// input pre-activations and of the hidden projection at t out into dxg and
+// dhg, and dh_next replaced by dh * z (h_prev's gradient but the part
+// through W_hh, which the caller adds).
+template <typename T>
+void LaunchGruCellBackward(const LstmShape& d, int64_t t, int64_t tp, bool has_prev, bool has_next,
+                           const T* act, const T* hn, const T* y, const T* dy, T* dh_next, T* dxg,
+                           T* dhg, cudaStream_t stream);
 
 // out[col] += the sum over rows of m[row, col] (in double), m [rows, cols].
 template <typename T>

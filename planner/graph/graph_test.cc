@@ -327,7 +327,7 @@ TEST(RegistryTest, ShapeRules) {
         "concat", "split", "slice", "embedding", "conv2d", "conv3d", "max_pool2d",
         "adaptive_avg_pool2d", "moe_gate", "moe_dispatch", "moe_combine",
         "moe_route", "moe_route_weights", "moe_dispatch_idx",
-        "moe_combine_idx", "nll_loss", "cross_entropy", "lstm"}) {
+        "moe_combine_idx", "nll_loss", "cross_entropy", "lstm", "gru"}) {
     SCOPED_TRACE(type);
     const OpDef* d = OpRegistry::Global().Find(type);
     ASSERT_NE(d, nullptr);
@@ -379,6 +379,28 @@ TEST(RegistryTest, LstmShapes) {
               StatusIs(kInvalid, HasSubstr("in1")));
   EXPECT_THAT(infer({{"hidden", int64_t{4}}}, {F32({2, 5, 3}), F32({16, 3}), F32({16, 4})}),
               StatusIs(kInvalid, HasSubstr("hidden")));
+}
+
+// gru: lstm's shape rule with 3 gates (r, z, n) in place of 4.
+TEST(RegistryTest, GruShapes) {
+  auto infer = [](std::vector<TensorType> ins) {
+    std::vector<std::string> names;
+    for (size_t i = 0; i < ins.size(); ++i) names.push_back("in" + std::to_string(i));
+    return InferOp("op", "gru", {{"reverse", true}}, names, ins);
+  };
+  using V = std::vector<TensorType>;
+  EXPECT_EQ(*infer({F32({2, 5, 3}), F32({12, 3}), F32({12, 4}), F32({12}), F32({12})}),
+            V{F32({2, 5, 4})});
+  EXPECT_THAT(infer({F32({2, 5, 3}), F32({16, 3}), F32({16, 4})}),
+              StatusIs(kInvalid, HasSubstr("must be [3 * hidden, hidden] (gates r, z, n)")));
+  EXPECT_THAT(infer({F32({2, 5, 3}), F32({12, 3}), F32({12, 4}), F32({16})}),
+              StatusIs(kInvalid, HasSubstr("input 'in3' (f32[16]) must have shape [12]")));
+  const OpDef* d = OpRegistry::Global().Find("gru");
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(d->backward_flops_multiple, 3.0);
+  Attrs none;
+  OpCall call{"gru", none, {"x", "w_ih", "w_hh"}, {F32({2, 5, 3}), F32({12, 3}), F32({12, 4})}, {}};
+  EXPECT_EQ(d->flops(call), 10.0 * (2 * 12 * (3 + 4) + 10 * 4));
 }
 
 TEST(BuilderTest, ErrorsAreRememberedAndNameTheOp) {

@@ -66,9 +66,11 @@ absl::StatusOr<graph::Graph> RemainingOps() {
   h = b.Add("add", "plus_row_sum",
             {h, b.Add("expand", "spread", {row_sum}, {{"shape", std::vector<int64_t>{4, 8}}})});
   h = b.Add("concat", "both", {h, halves.size() == 2 ? halves[1] : -1}, {{"axis", int64_t{1}}});
-  // An LSTM over the 16 features as 4 steps of 4.
+  // An LSTM over the 16 features as 4 steps of 4, then a reversed GRU.
   TensorId seq = b.Add("reshape", "as_steps", {h}, {{"shape", std::vector<int64_t>{4, 4, 4}}});
   seq = b.Add("lstm", "lstm", {seq, param("w_ih", {16, 4}), param("w_hh", {16, 4})});
+  seq = b.Add("gru", "gru", {seq, param("gru_w_ih", {12, 4}), param("gru_w_hh", {12, 4})},
+              {{"reverse", true}});
   TensorId last = b.Add("slice", "last_step", {seq},
                         {{"axis", int64_t{1}}, {"start", int64_t{3}}, {"end", int64_t{4}}});
   last = b.Add("reshape", "last_flat", {last}, {{"shape", std::vector<int64_t>{4, 4}}});

@@ -1,4 +1,4 @@
-// Rules of the recurrent ops. An LSTM's time steps depend on each other and
+// Rules of the recurrent ops (lstm, gru). An LSTM's or GRU's time steps depend on each other and
 // every hidden unit of a step feeds every gate of the next, so neither the
 // sequence nor the hidden units split without a collective per step; the
 // samples are independent: data parallel over the batch (the weights'
@@ -8,7 +8,7 @@
 namespace hap::synth::internal {
 namespace {
 
-void Lstm(const RuleInput& x, std::vector<ShardRule>& r) {
+void Recurrent(const RuleInput& x, std::vector<ShardRule>& r) {
   // x[b, s, i], w_ih, w_hh, b_ih?, b_hh? -> y[b, s, h].
   if (!x.Shardable(x.in(0)[0])) return;
   std::vector<Form> in(x.num_inputs(), Form::R());
@@ -19,7 +19,7 @@ void Lstm(const RuleInput& x, std::vector<ShardRule>& r) {
 }  // namespace
 
 RuleFn RecurrentRules(const std::string& t) {
-  if (t == "lstm") return Lstm;
+  if (t == "lstm" || t == "gru") return Recurrent;
   return nullptr;
 }
 

@@ -1,6 +1,9 @@
-// The lstm op's rules: replicated, and data parallel over the batch (x and
+// The lstm and gru ops' rules: replicated, and data parallel over the batch (x and
 // y sharded on dimension 0, the weights replicated, the work split) where
 // the batch can be cut; never over the sequence or the hidden units.
+#include <string>
+#include <utility>
+
 #include "gtest/gtest.h"
 #include "planner/graph/graph.h"
 #include "planner/synth/rules.h"
@@ -10,17 +13,19 @@ namespace {
 
 using graph::F32;
 
-std::vector<ShardRule> LstmRules(int64_t batch, bool bias, int devices) {
-  graph::GraphBuilder b("lstm");
+std::vector<ShardRule> LstmRules(int64_t batch, bool bias, int devices,
+                                 const std::string& op = "lstm") {
+  const int64_t gates = op == "gru" ? 12 : 16;
+  graph::GraphBuilder b(op);
   graph::TensorId x = b.Input("x", F32({batch, 6, 3}));
   std::vector<graph::TensorId> ins = {
-      x, b.Parameter("w_ih", F32({16, 3}), graph::Initializer::Zeros()),
-      b.Parameter("w_hh", F32({16, 4}), graph::Initializer::Zeros())};
+      x, b.Parameter("w_ih", F32({gates, 3}), graph::Initializer::Zeros()),
+      b.Parameter("w_hh", F32({gates, 4}), graph::Initializer::Zeros())};
   if (bias) {
-    ins.push_back(b.Parameter("b_ih", F32({16}), graph::Initializer::Zeros()));
-    ins.push_back(b.Parameter("b_hh", F32({16}), graph::Initializer::Zeros()));
+    ins.push_back(b.Parameter("b_ih", F32({gates}), graph::Initializer::Zeros()));
+    ins.push_back(b.Parameter("b_hh", F32({gates}), graph::Initializer::Zeros()));
   }
-  graph::TensorId y = b.Add("lstm", "lstm", ins);
+  graph::TensorId y = b.Add(op, op, ins);
   b.SetLoss(b.Add("sum", "loss", {y}));
   absl::StatusOr<graph::Graph> g = b.Build();
   EXPECT_TRUE(g.ok()) << g.status();
@@ -30,9 +35,12 @@ std::vector<ShardRule> LstmRules(int64_t batch, bool bias, int devices) {
 }
 
 TEST(LstmRulesTest, DataParallelOverTheBatch) {
-  for (bool bias : {true, false}) {
-    SCOPED_TRACE(bias ? "bias" : "no bias");
-    std::vector<ShardRule> r = LstmRules(8, bias, 2);
+  for (auto [op, bias] : {std::pair<std::string, bool>{"lstm", true},
+                          {"lstm", false},
+                          {"gru", true},
+                          {"gru", false}}) {
+    SCOPED_TRACE(op + (bias ? " bias" : " no bias"));
+    std::vector<ShardRule> r = LstmRules(8, bias, 2, op);
     ASSERT_EQ(r.size(), 2u);
     EXPECT_EQ(r[0].name, "replicated");
     const ShardRule& d = r[1];

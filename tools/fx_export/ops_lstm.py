@@ -1,7 +1,8 @@
-"""Recurrent layers (planner/graph/ops_lstm.cc): nn.LSTM as one lstm op per
-layer and direction, and its final hidden state h_n; nn.RNN (tanh, relu)
-and nn.GRU unrolled over the sequence into linear, add, mul, sub, sigmoid,
-tanh, relu and layout ops (no op of their own).
+"""Recurrent layers (planner/graph/ops_lstm.cc): nn.LSTM and nn.GRU as one
+lstm or gru op per layer and direction, and their final hidden state h_n;
+nn.RNN (tanh, relu), and nn.GRU given an initial state h_0 (the gru op
+starts from zeros), unrolled over the sequence into linear, add, mul, sub,
+sigmoid, tanh, relu and layout ops (no op of their own).
 
 The unrolled graph grows with the sequence length S: per layer and
 direction one linear projects the input of every step, then each step is
@@ -11,8 +12,8 @@ count (hapctl plan --baseline dp-even on 2 cores: 4 s for that GRU, 16 s
 over 128 steps, 9,200 ops; over 256 steps, 18,400 ops, 54 s with one
 training step), so an export that would unroll into more than
 MAX_UNROLLED_OPS ops fails naming the module and its step count (nn.LSTM,
-one op a layer and direction, takes long sequences). Other nn.RNNBase
-modules fail naming themselves."""
+and nn.GRU from the zero state, one op a layer and direction, take long
+sequences). Other nn.RNNBase modules fail naming themselves."""
 
 import functools
 
@@ -26,23 +27,43 @@ from .ir import LstmState, Static, join
 from .ops_elementwise import dropout
 
 
-def lstm(ex, mod, path, input_arg, hx):
-    """nn.LSTM as one lstm op per layer and direction (the reverse one
-    with attribute reverse, the two outputs concatenated), dropout between
-    layers, transposes around a sequence-first stack. Returns (output,
-    (h_n, c_n)); h_n[k] is a slice of layer k's output, c_n unsupported."""
+def _is_zero_state(ex, hx):
+    """Whether the initial state argument `hx` is left out (None)."""
+    return hx is None or (isinstance(hx, fx.Node) and
+                          isinstance(ex.env[hx], Static) and
+                          ex.env[hx].value is None)
+
+
+def _refuse_packed(ex, what, input_arg):
+    """Fails naming `what` when the input is a PackedSequence."""
+    v = ex.env.get(input_arg) if isinstance(input_arg, fx.Node) else \
+        Static(input_arg)
+    if isinstance(v, (tuple, list)) or (
+            isinstance(v, Static) and isinstance(v.value, PackedSequence)):
+        ex.fail(f"{what}: packed sequences are not supported (pad them "
+                f"to one length)")
+
+
+def lstm(ex, mod, path, input_arg, hx, op="lstm"):
+    """nn.LSTM (op "lstm") or nn.GRU (op "gru", from the zero state) as one
+    such op per layer and direction (the reverse one with attribute
+    reverse, the two outputs concatenated), dropout between layers,
+    transposes around a sequence-first stack. Returns (output, (h_n, c_n))
+    for nn.LSTM, (output, h_n) for nn.GRU; h_n[k] is a slice of layer k's
+    output, c_n unsupported."""
     at = functools.partial(join, path)  # "<path>.<leaf>"
     scope = ex.scope_of(ex.node)
-    if hx is not None and not (isinstance(hx, fx.Node) and
-                               isinstance(ex.env[hx], Static) and
-                               ex.env[hx].value is None):
+    what = "nn.LSTM" if op == "lstm" else "nn.GRU"
+    if not _is_zero_state(ex, hx):
         ex.fail(f"nn.LSTM '{path}' with an initial state (h_0, c_0) is "
                 f"not supported; only the default zero state is")
     if getattr(mod, "proj_size", 0):
         ex.fail(f"nn.LSTM '{path}' with proj_size is not supported")
+    if op == "gru":
+        _refuse_packed(ex, f"{what} '{path}'", input_arg)
     x = ex.t(input_arg)
     if len(x.shape) != 3:
-        ex.fail(f"nn.LSTM '{path}': input {list(x.shape)} must have "
+        ex.fail(f"{what} '{path}': input {list(x.shape)} must have "
                 f"rank 3 (unbatched or packed sequences are not "
                 f"supported)")
     if not mod.batch_first:
@@ -60,7 +81,7 @@ def lstm(ex, mod, path, input_arg, hx):
             if mod.bias:
                 ins += [ex.param(getattr(mod, f"bias_ih_{sfx}")),
                         ex.param(getattr(mod, f"bias_hh_{sfx}"))]
-            y = ex.emit("lstm", at(sfx), ins,
+            y = ex.emit(op, at(sfx), ins,
                         {"reverse": True} if d else None, (B, S, H),
                         scope=scope)
             outs.append(y)
@@ -74,6 +95,8 @@ def lstm(ex, mod, path, input_arg, hx):
             x = dropout(ex, mod.dropout, at(f"l{layer}_dropout"), x, scope)
     if not mod.batch_first:
         x = ex.transpose(at("seq_first"), x, (1, 0, 2), scope)
+    if op == "gru":
+        return (x, RnnState(path, h_parts, what))
     return (x, (LstmState(path, h_parts), LstmState(path, None)))
 
 
@@ -123,7 +146,8 @@ MAX_UNROLLED_OPS = 10000
 class RnnState(LstmState):
     """h_n of an nn.RNN or nn.GRU (`module`, e.g. "nn.GRU"): `parts` holds
     each layer and direction's final hidden state [B, H] itself (step
-    None), made into h_n's [layers * directions, B, H] only when used
+    None; unrolled) or, as LstmState's, the gru op's output and its final
+    step, made into h_n's [layers * directions, B, H] only when used
     whole."""
 
     def __init__(self, path, parts, module):
@@ -247,12 +271,7 @@ def unrolled_rnn(ex, mod, path, input_arg, hx):
                 f"nn.GRU and nn.RNN are)")
     if getattr(mod, "proj_size", 0):
         ex.fail(f"{what} with proj_size is not supported")
-    v = ex.env.get(input_arg) if isinstance(input_arg, fx.Node) else \
-        Static(input_arg)
-    if isinstance(v, (tuple, list)) or (
-            isinstance(v, Static) and isinstance(v.value, PackedSequence)):
-        ex.fail(f"{what}: packed sequences are not supported (pad them "
-                f"to one length)")
+    _refuse_packed(ex, what, input_arg)
     x = ex.t(input_arg)
     if len(x.shape) != 3:
         ex.fail(f"{what}: input {list(x.shape)} must have rank 3 "
@@ -272,9 +291,7 @@ def unrolled_rnn(ex, mod, path, input_arg, hx):
                 f"and planning it slows down faster: use a shorter "
                 f"sequence, or nn.LSTM, one op a layer and direction)")
     h0 = None
-    if hx is not None and not (isinstance(hx, fx.Node) and
-                               isinstance(ex.env[hx], Static) and
-                               ex.env[hx].value is None):
+    if not _is_zero_state(ex, hx):
         h0 = ex.t(hx)
         if h0.shape != (L * dirs, B, H):
             ex.fail(f"{what}: initial state {list(h0.shape)} must be "
@@ -321,7 +338,16 @@ def _lstm_module(ex, call):
     return lstm(ex, call.mod, call.path, a["input"], a["hx"])
 
 
-@registry.modules(nn.RNN, nn.GRU)
+@registry.modules(nn.GRU)
+def _gru_module(ex, call):
+    """The gru op from the zero state; given h_0, unrolled."""
+    a = call.bound()
+    if _is_zero_state(ex, a["hx"]):
+        return lstm(ex, call.mod, call.path, a["input"], None, op="gru")
+    return unrolled_rnn(ex, call.mod, call.path, a["input"], a["hx"])
+
+
+@registry.modules(nn.RNN)
 def _unrolled_rnn_module(ex, call):
     a = call.bound()
     return unrolled_rnn(ex, call.mod, call.path, a["input"], a["hx"])
