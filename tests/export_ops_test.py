@@ -1028,6 +1028,7 @@ class ExportOpsTest(ExportTestCase):
                 self.emb = nn.Embedding(10, 8)
                 self.ln = nn.LayerNorm(8)
                 self.lstm = nn.LSTM(8, 8, batch_first=True)
+                self.gru = nn.GRU(8, 8, batch_first=True)
                 self.drop = nn.Dropout(0.1)
                 self.fc = nn.Linear(8, 4)
 
@@ -1036,6 +1037,7 @@ class ExportOpsTest(ExportTestCase):
                 h = self.drop(torch.tanh(h) + torch.sigmoid(h) - F.gelu(h))
                 h = F.hardswish(h) * F.hardsigmoid(h) + F.relu(h) * 0.5
                 h, _ = self.lstm(h)
+                h, _ = self.gru(h)
                 a, b = torch.split(h, [2, 3], dim=1)
                 h = torch.cat([b, a], dim=1)
                 att = torch.softmax(h @ h.transpose(1, 2), dim=-1)  # [4, 5, 5]
