@@ -6,11 +6,9 @@
 #include <sched.h>
 
 #include <cstring>
-#include <fstream>
 #include <utility>
 
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace hap::executor {
@@ -50,20 +48,6 @@ std::vector<int> Numbers(const char* dir) {
 std::set<pid_t> ThreadIds() {
   std::vector<int> ids = Numbers("/proc/self/task");
   return std::set<pid_t>(ids.begin(), ids.end());
-}
-
-std::string ThreadName(pid_t tid) {
-  std::ifstream in(absl::StrCat("/proc/self/task/", tid, "/comm"));
-  std::string name;
-  std::getline(in, name);
-  return in ? name : "";
-}
-
-bool SetThreadName(pid_t tid, const std::string& name) {
-  std::ofstream out(absl::StrCat("/proc/self/task/", tid, "/comm"));
-  out << name;
-  out.flush();
-  return static_cast<bool>(out);
 }
 
 std::vector<int> PeerSockets(const sockaddr_storage& listening,
@@ -165,11 +149,9 @@ void DeadPeerWatch::Watch() {
   }
 }
 
-bool DeadPeerWatch::SetPolicy(int policy) { return SetThreadPolicy(tid_, policy); }
-
-bool SetThreadPolicy(pid_t tid, int policy) {
+bool DeadPeerWatch::SetPolicy(int policy) {
   sched_param param{};
-  return sched_setscheduler(tid, policy, &param) == 0;
+  return sched_setscheduler(tid_, policy, &param) == 0;
 }
 
 }  // namespace hap::executor

@@ -21,7 +21,6 @@
 
 #include <cstdint>
 #include <set>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -34,11 +33,6 @@ namespace hap::executor {
 // The ids of this process's threads (/proc/self/task).
 std::set<pid_t> ThreadIds();
 
-// A thread of this process's name (/proc/self/task/TID/comm), or "" where
-// it cannot be read; and its renaming (at most 15 characters).
-std::string ThreadName(pid_t tid);
-bool SetThreadName(pid_t tid, const std::string& name);
-
 // The descriptors of this process's connected TCP sockets that are one
 // end of a connection to a peer: those accepted on `listening` (this
 // rank's listening address) and those connected to one of `peers` (the
@@ -46,10 +40,6 @@ bool SetThreadName(pid_t tid, const std::string& name);
 // port.
 std::vector<int> PeerSockets(const sockaddr_storage& listening,
                              const std::vector<sockaddr_storage>& peers);
-
-// Sets thread `tid`'s scheduling policy (priority 0); false where not
-// allowed (leaving SCHED_IDLE needs RLIMIT_NICE or CAP_SYS_NICE).
-bool SetThreadPolicy(pid_t tid, int policy);
 
 // The first of `fds` the other end hung up or that has an error pending,
 // or -1.

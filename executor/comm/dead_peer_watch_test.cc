@@ -130,13 +130,6 @@ int AwaitPolicy(pid_t tid, int policy) {
   return sched_getscheduler(tid);
 }
 
-TEST(ThreadNameTest, ReadsAndRenamesAThread) {
-  IdleThread t;
-  EXPECT_TRUE(SetThreadName(t.tid(), "hap-test-name"));
-  EXPECT_EQ(ThreadName(t.tid()), "hap-test-name");
-  EXPECT_EQ(ThreadName(-1), "");
-}
-
 TEST(DeadPeerWatchTest, RaisesTheLoopThreadWhileAWaitOutlastsAHangUp) {
   IdleThread loop;
   if (const char* why = CannotRaise(loop)) GTEST_SKIP() << why;

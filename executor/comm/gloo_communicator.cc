@@ -651,47 +651,42 @@ std::string MissingRanks(RendezvousStore& store, const std::string& prefix,
 // epoll_wait. With a rank pinned to one core, the spinning loop preempts
 // the rank's thread and runs out its time slice: 3.5 ms per 4 KiB
 // all-reduce between two pinned ranks, 0.4 ms unpinned (bench/comm_bench).
-// At SCHED_IDLE the loop thread runs only when the rank's own threads
-// wait, which is when collectives need it (our collectives are
-// synchronous). It goes there once the mesh is up (ConnectOnce): while the
-// ranks connect it accepts their connections, and made at SCHED_IDLE (as
-// it was, from a SCHED_IDLE thread) two ranks took 45 to 72 s to connect,
-// or timed out, with one pinned beside 32 busy threads (0.3 to 0.6 s at
-// the normal policy). The device is made by a thread of a name of its
-// own, which the loop thread inherits: so it is told from the threads
-// others start meanwhile, and renamed "hap-gloo-loop".
+// Created from a SCHED_IDLE thread, the loop thread inherits SCHED_IDLE and
+// runs only when the rank's own threads wait, which is when collectives
+// need it (our collectives are synchronous). Where the policy cannot be
+// set, the device is created as usual.
 struct TcpDevice {
   std::shared_ptr<gloo::transport::Device> device;
-  // Its event-loop thread, to run at SCHED_IDLE once connected; 0 for
-  // none (idle_loop false, or the thread was not found).
+  // Its event-loop thread when that runs at SCHED_IDLE, else 0.
   pid_t idle_loop_tid = 0;
 };
 
 TcpDevice CreateTcpDevice(const gloo::transport::tcp::attr& attr, bool idle_loop) {
   if (!idle_loop) return {gloo::transport::tcp::CreateDevice(attr), 0};
-  constexpr char kCreator[] = "hap-gloo-device";  // at most 15 characters
   TcpDevice out;
   std::exception_ptr failure;
   std::thread creator([&] {
-    // One device at a time: each creator has the same name.
+    sched_param param{};
+    param.sched_priority = 0;
+    const bool idle = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param) == 0;
+    // The loop thread is the one thread at SCHED_IDLE that creating the
+    // device adds (one device at a time: others are made by SCHED_IDLE
+    // threads too).
     static absl::Mutex one_at_a_time(absl::kConstInit);
     absl::MutexLock l(&one_at_a_time);
-    const bool named = pthread_setname_np(pthread_self(), kCreator) == 0;
-    const std::set<pid_t> before = named ? ThreadIds() : std::set<pid_t>();
+    const std::set<pid_t> before = idle ? ThreadIds() : std::set<pid_t>();
     try {
       out.device = gloo::transport::tcp::CreateDevice(attr);
     } catch (...) {
       failure = std::current_exception();
       return;
     }
-    if (!named) return;
+    if (!idle) return;
     std::vector<pid_t> added;
     for (pid_t id : ThreadIds()) {
-      if (!before.count(id) && ThreadName(id) == kCreator) added.push_back(id);
+      if (!before.count(id) && sched_getscheduler(id) == SCHED_IDLE) added.push_back(id);
     }
-    if (added.size() != 1) return;
-    out.idle_loop_tid = added[0];
-    (void)SetThreadName(out.idle_loop_tid, "hap-gloo-loop");
+    if (added.size() == 1) out.idle_loop_tid = added[0];
   });
   creator.join();
   if (failure) std::rethrow_exception(failure);
@@ -995,9 +990,6 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     // Tell the ranks still connecting to give this try up too.
     return o.size > 1 ? TellOthersToGiveUp(store, prefix, s) : s;
   }
-  // Connected: the loop thread goes to SCHED_IDLE (CreateTcpDevice says
-  // why); where it cannot, it stays as it is, without a watch.
-  if (idle_loop_tid > 0 && !SetThreadPolicy(idle_loop_tid, SCHED_IDLE)) idle_loop_tid = 0;
   return std::unique_ptr<Communicator>(new GlooCommunicator(
       ctx, timeout, o.check_calls, idle_loop_tid,
       idle_loop_tid > 0 ? PeerSockets(listening, peer_addresses) : std::vector<int>()));

@@ -696,52 +696,26 @@ TEST(GlooCommunicatorTest, TheEventLoopThreadRunsAtIdlePriority) {
 // policy and waits for a message from rank 1, which dies: the death is
 // the lost peer itself, not found after the timeout ran out ("while
 // waiting").
-// Pins the calling thread, and every thread it makes from then on, to its
-// first allowed core, beside `busy` threads of the normal policy that
-// spin until Release (or the end); Release also unpins.
-class BusyCore {
- public:
-  explicit BusyCore(int busy) {
-    sched_getaffinity(0, sizeof(before_), &before_);
-    int core = 0;
-    while (core < CPU_SETSIZE - 1 && !CPU_ISSET(core, &before_)) ++core;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(core, &one);
-    pinned_ = sched_setaffinity(0, sizeof(one), &one) == 0;
-    for (int i = 0; i < busy; ++i) {
-      busy_.emplace_back([this] {
-        while (!stop_.load(std::memory_order_relaxed)) {
-        }
-      });
-    }
+TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABusyCore) {
+  cpu_set_t before;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
+  int core = -1;
+  for (int c = 0; c < CPU_SETSIZE && core < 0; ++c) {
+    if (CPU_ISSET(c, &before)) core = c;
   }
-  ~BusyCore() { Release(); }
-  bool pinned() const { return pinned_; }
-  // The affinity before pinning (for a forked rank that is not pinned).
-  const cpu_set_t& before() const { return before_; }
-  void Release() {
-    stop_ = true;
-    for (auto& t : busy_) t.join();
-    busy_.clear();
-    sched_setaffinity(0, sizeof(before_), &before_);
-  }
-
- private:
-  cpu_set_t before_;
-  bool pinned_ = false;
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> busy_;
-};
-
-// Forks rank 1 of 2, not pinned and with its loop thread at the normal
-// policy (a process dies only once each of its threads has run: an idle
-// loop thread starving on a busy core would keep its connections open).
-// It connects, sets test/rank1, waits for test/go and SIGKILLs itself.
-pid_t ForkRankOneThatDiesOnGo(const std::string& dir, const cpu_set_t& affinity,
-                              absl::Duration timeout) {
-  return ForkRank([&] {
-    if (sched_setaffinity(0, sizeof(affinity), &affinity) != 0) return 10;
+  ASSERT_GE(core, 0);
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(core, &one);
+  // Every thread made from here on (the loop thread too) is pinned.
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  const std::string dir = FreshDir("starved_loop");
+  const absl::Duration timeout = absl::Seconds(5);
+  // Rank 1 is not pinned, and its loop thread has the normal policy: a
+  // process dies only once each of its threads has run, and an idle loop
+  // thread starving on a busy core would keep the connection open.
+  pid_t peer = ForkRank([&] {
+    if (sched_setaffinity(0, sizeof(before), &before) != 0) return 10;
     auto store = NewFileStore(dir);
     if (!store.ok()) return 10;
     GlooOptions o = Rank(1, 2, timeout);
@@ -753,26 +727,26 @@ pid_t ForkRankOneThatDiesOnGo(const std::string& dir, const cpu_set_t& affinity,
     kill(getpid(), SIGKILL);
     return 12;
   });
-}
-
-TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABusyCore) {
-  const std::string dir = FreshDir("starved_loop");
-  const absl::Duration timeout = absl::Seconds(5);
-  std::unique_ptr<BusyCore> core = std::make_unique<BusyCore>(0);
-  ASSERT_TRUE(core->pinned());
-  pid_t peer = ForkRankOneThatDiesOnGo(dir, core->before(), timeout);
   ASSERT_GT(peer, 0);
   auto store = NewFileStore(dir);
   ASSERT_TRUE(store.ok());
   auto comm = ConnectGloo(Rank(0, 2, timeout), **store);
   ASSERT_TRUE(comm.ok()) << comm.status();
   ASSERT_TRUE((*store)->Get("test/rank1", absl::Seconds(30)).ok());
-  core->Release();
-  core = std::make_unique<BusyCore>(32);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> busy;
+  for (int i = 0; i < 32; ++i) {
+    busy.emplace_back([&] {
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  }
   ASSERT_TRUE((*store)->Set("test/go", "1").ok());
   std::vector<float> in(4);
   const absl::Status s = (*comm)->Recv(View(in), 1, 3);
-  core->Release();
+  stop = true;
+  for (auto& t : busy) t.join();
+  ASSERT_EQ(sched_setaffinity(0, sizeof(before), &before), 0);
   int status = 0;
   ASSERT_EQ(waitpid(peer, &status, 0), peer);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
@@ -780,30 +754,6 @@ TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABus
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable,
                           AllOf(HasSubstr("receive from rank 1 under tag 3"),
                                 Not(HasSubstr("while waiting")))));
-}
-
-// The loop thread accepts the peers' connections; it goes to SCHED_IDLE
-// only once the mesh is up. Made at SCHED_IDLE (from a SCHED_IDLE thread)
-// a rank pinned beside 32 busy threads took 45 to 84 s to connect, most
-// of it creating Gloo's device; now under a second, and the loop thread
-// is at SCHED_IDLE afterwards.
-TEST(GlooCommunicatorTest, RanksOnABusyCoreConnectAndThenIdleTheLoopThread) {
-  const std::string dir = FreshDir("busy_connect");
-  const absl::Duration timeout = absl::Seconds(20);
-  const int idle_before = ThreadsWithPolicy(SCHED_IDLE);
-  BusyCore core(32);
-  ASSERT_TRUE(core.pinned());
-  pid_t peer = ForkRankOneThatDiesOnGo(dir, core.before(), timeout);
-  ASSERT_GT(peer, 0);
-  auto store = NewFileStore(dir);
-  ASSERT_TRUE(store.ok());
-  auto comm = ConnectGloo(Rank(0, 2, timeout), **store);
-  core.Release();
-  EXPECT_THAT(comm.status(), IsOk());
-  EXPECT_EQ(ThreadsWithPolicy(SCHED_IDLE), idle_before + (comm.ok() ? 1 : 0));
-  ASSERT_TRUE((*store)->Set("test/go", "1").ok());
-  int status = 0;
-  ASSERT_EQ(waitpid(peer, &status, 0), peer);
 }
 
 }  // namespace
