@@ -692,7 +692,7 @@ TEST(GlooCommunicatorTest, TheEventLoopThreadRunsAtIdlePriority) {
 // SCHED_IDLE; on a core other work keeps busy it barely runs, and a peer's
 // death went unnoticed until the wait's timeout ("timed out", not "lost
 // peer"). DeadPeerWatch raises it once a connection has hung up. Here
-// rank 0 is pinned to one core beside 32 busy threads of the normal
+// rank 0 is pinned to one core beside sixteen busy threads of the normal
 // policy and waits for a message from rank 1, which dies: the death is
 // the lost peer itself, not found after the timeout ran out ("while
 // waiting").
@@ -710,17 +710,15 @@ TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABus
   // Every thread made from here on (the loop thread too) is pinned.
   ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
   const std::string dir = FreshDir("starved_loop");
-  const absl::Duration timeout = absl::Seconds(5);
-  // Rank 1 is not pinned, and its loop thread has the normal policy: a
-  // process dies only once each of its threads has run, and an idle loop
-  // thread starving on a busy core would keep the connection open.
+  const absl::Duration timeout = absl::Seconds(3);
+  // Rank 1 is not pinned: a process dies only once each of its threads
+  // has run, and its own idle loop thread would starve on the busy core
+  // too, keeping the connection open.
   pid_t peer = ForkRank([&] {
     if (sched_setaffinity(0, sizeof(before), &before) != 0) return 10;
     auto store = NewFileStore(dir);
     if (!store.ok()) return 10;
-    GlooOptions o = Rank(1, 2, timeout);
-    o.idle_progress_thread = false;
-    auto comm = ConnectGloo(o, **store);
+    auto comm = ConnectGloo(Rank(1, 2, timeout), **store);
     if (!comm.ok()) return 10;
     if (!(*store)->Set("test/rank1", "1").ok()) return 10;
     if (!(*store)->Get("test/go", absl::Seconds(60)).ok()) return 11;
@@ -735,7 +733,7 @@ TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABus
   ASSERT_TRUE((*store)->Get("test/rank1", absl::Seconds(30)).ok());
   std::atomic<bool> stop{false};
   std::vector<std::thread> busy;
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < 16; ++i) {
     busy.emplace_back([&] {
       while (!stop.load(std::memory_order_relaxed)) {
       }
