@@ -19,7 +19,6 @@
 #include <memory>
 #include <numeric>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,7 +32,6 @@
 #include "executor/comm/call_agreement.h"
 #include "executor/comm/call_checks.h"
 #include "executor/comm/communicator.h"
-#include "executor/comm/dead_peer_watch.h"
 #include "executor/comm/deadline.h"
 #include "executor/runtime/bf16.h"
 #include "gloo/allgather.h"
@@ -46,7 +44,6 @@
 #include "gloo/math.h"
 #include "gloo/reduce.h"
 #include "gloo/transport/context.h"
-#include "gloo/transport/tcp/address.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "gloo/types.h"
@@ -115,14 +112,9 @@ size_t ElementSize(const TensorView& v) {
 
 class GlooCommunicator : public Communicator {
  public:
-  // `idle_loop_tid`, `peer_sockets`: Gloo's event-loop thread when it runs
-  // at SCHED_IDLE (else 0) and the connections' sockets (DeadPeerWatch).
   GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout,
-                   bool check_calls, pid_t idle_loop_tid, std::vector<int> peer_sockets)
-      : ctx_(std::move(ctx)),
-        timeout_(timeout),
-        check_calls_(check_calls),
-        watch_(idle_loop_tid, std::move(peer_sockets)) {}
+                   bool check_calls)
+      : ctx_(std::move(ctx)), timeout_(timeout), check_calls_(check_calls) {}
 
   int rank() const override { return ctx_->rank; }
   int size() const override { return ctx_->size; }
@@ -435,18 +427,13 @@ class GlooCommunicator : public Communicator {
   // should hear of the death, not of a hang.
   template <typename Fn>
   absl::Status Run(const std::string& what, Fn&& fn) {
-    watch_.Begin();
     absl::Status s = Guard(what, std::forward<Fn>(fn));
-    watch_.End();
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
       if (std::optional<std::string> broken = BrokenConnection()) {
         s = LostPeerError(absl::StrCat(what, ": ", *broken, " (while waiting: ", s.message(), ")"));
       }
     }
-    if (!s.ok()) {
-      failed_ = s;
-      watch_.Failed();
-    }
+    if (!s.ok()) failed_ = s;
     return s;
   }
 
@@ -622,8 +609,6 @@ class GlooCommunicator : public Communicator {
   // The exchange of the calls (its buffers, filled at the first call).
   // After ctx_, so that they go first.
   CallAgreement agreement_{ctx_, timeout_};
-  // After ctx_: stops watching before the loop thread can end.
-  DeadPeerWatch watch_;
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous
@@ -655,42 +640,24 @@ std::string MissingRanks(RendezvousStore& store, const std::string& prefix,
 // runs only when the rank's own threads wait, which is when collectives
 // need it (our collectives are synchronous). Where the policy cannot be
 // set, the device is created as usual.
-struct TcpDevice {
-  std::shared_ptr<gloo::transport::Device> device;
-  // Its event-loop thread when that runs at SCHED_IDLE, else 0.
-  pid_t idle_loop_tid = 0;
-};
-
-TcpDevice CreateTcpDevice(const gloo::transport::tcp::attr& attr, bool idle_loop) {
-  if (!idle_loop) return {gloo::transport::tcp::CreateDevice(attr), 0};
-  TcpDevice out;
+std::shared_ptr<gloo::transport::Device> CreateTcpDevice(
+    const gloo::transport::tcp::attr& attr, bool idle_loop) {
+  if (!idle_loop) return gloo::transport::tcp::CreateDevice(attr);
+  std::shared_ptr<gloo::transport::Device> dev;
   std::exception_ptr failure;
   std::thread creator([&] {
     sched_param param{};
     param.sched_priority = 0;
-    const bool idle = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param) == 0;
-    // The loop thread is the one thread at SCHED_IDLE that creating the
-    // device adds (one device at a time: others are made by SCHED_IDLE
-    // threads too).
-    static absl::Mutex one_at_a_time(absl::kConstInit);
-    absl::MutexLock l(&one_at_a_time);
-    const std::set<pid_t> before = idle ? ThreadIds() : std::set<pid_t>();
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
     try {
-      out.device = gloo::transport::tcp::CreateDevice(attr);
+      dev = gloo::transport::tcp::CreateDevice(attr);
     } catch (...) {
       failure = std::current_exception();
-      return;
     }
-    if (!idle) return;
-    std::vector<pid_t> added;
-    for (pid_t id : ThreadIds()) {
-      if (!before.count(id) && sched_getscheduler(id) == SCHED_IDLE) added.push_back(id);
-    }
-    if (added.size() == 1) out.idle_loop_tid = added[0];
   });
   creator.join();
   if (failure) std::rethrow_exception(failure);
-  return out;
+  return dev;
 }
 
 // A Gloo context whose connections we make ourselves (ConnectOnce), so
@@ -896,25 +863,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   bool publish_failed = false;
   // The peer whose pair is connecting (-1: none).
   int connecting = -1;
-  // The listening addresses: this rank's and those it connected to.
-  sockaddr_storage listening{};
-  std::vector<sockaddr_storage> peer_addresses;
-  pid_t idle_loop_tid = 0;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
-    TcpDevice tcp = CreateTcpDevice(attr, o.idle_progress_thread);
-    idle_loop_tid = tcp.idle_loop_tid;
-    auto dev = std::move(tcp.device);
+    auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
     transport = dev->createContext(o.rank, o.size);
     transport->setTimeout(timeout);
     std::string mine;
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
-      const gloo::transport::Address& address = transport->createPair(r)->address();
-      if (auto* tcp_address = dynamic_cast<const gloo::transport::tcp::Address*>(&address)) {
-        listening = tcp_address->getSockaddr();
-      }
-      const std::vector<char> bytes = address.bytes();
+      const std::vector<char> bytes = transport->createPair(r)->address().bytes();
       mine.append(bytes.begin(), bytes.end());
     }
     ctx->Adopt(dev, transport);
@@ -939,12 +896,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
                          " bytes of addresses for ", peers, " peers")));
       }
       const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
-      const std::vector<char> address(theirs->begin() + index * each,
-                                      theirs->begin() + (index + 1) * each);
-      peer_addresses.push_back(gloo::transport::tcp::Address(address).getSockaddr());
       connecting = r;
       if (!watcher->Connecting(r)) return;  // given up before
-      transport->getPair(r)->connect(address);
+      transport->getPair(r)->connect(std::vector<char>(
+          theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
       if (!watcher->Connected()) return;  // given up meanwhile
       connecting = -1;
     }
@@ -990,9 +945,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     // Tell the ranks still connecting to give this try up too.
     return o.size > 1 ? TellOthersToGiveUp(store, prefix, s) : s;
   }
-  return std::unique_ptr<Communicator>(new GlooCommunicator(
-      ctx, timeout, o.check_calls, idle_loop_tid,
-      idle_loop_tid > 0 ? PeerSockets(listening, peer_addresses) : std::vector<int>()));
+  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout, o.check_calls));
 }
 
 // Gloo's TCP device resolves the host to listen on itself, but this Gloo

@@ -11,7 +11,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -37,7 +36,6 @@ namespace {
 using ::hap::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using ::testing::Not;
 
 using ::hap::testing::IsOk;
 
@@ -686,72 +684,6 @@ TEST(GlooCommunicatorTest, TheEventLoopThreadRunsAtIdlePriority) {
     ASSERT_THAT((*comm)->AllReduce(View(v)), IsOk());
     EXPECT_EQ(v, (std::vector<float>{1.5f, 2.5f}));
   }
-}
-
-// Gloo's event-loop thread, which alone reads the connections, runs at
-// SCHED_IDLE; on a core other work keeps busy it barely runs, and a peer's
-// death went unnoticed until the wait's timeout ("timed out", not "lost
-// peer"). DeadPeerWatch raises it once a connection has hung up. Here
-// rank 0 is pinned to one core beside sixteen busy threads of the normal
-// policy and waits for a message from rank 1, which dies: the death is
-// the lost peer itself, not found after the timeout ran out ("while
-// waiting").
-TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABusyCore) {
-  cpu_set_t before;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
-  int core = -1;
-  for (int c = 0; c < CPU_SETSIZE && core < 0; ++c) {
-    if (CPU_ISSET(c, &before)) core = c;
-  }
-  ASSERT_GE(core, 0);
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(core, &one);
-  // Every thread made from here on (the loop thread too) is pinned.
-  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
-  const std::string dir = FreshDir("starved_loop");
-  const absl::Duration timeout = absl::Seconds(3);
-  // Rank 1 is not pinned: a process dies only once each of its threads
-  // has run, and its own idle loop thread would starve on the busy core
-  // too, keeping the connection open.
-  pid_t peer = ForkRank([&] {
-    if (sched_setaffinity(0, sizeof(before), &before) != 0) return 10;
-    auto store = NewFileStore(dir);
-    if (!store.ok()) return 10;
-    auto comm = ConnectGloo(Rank(1, 2, timeout), **store);
-    if (!comm.ok()) return 10;
-    if (!(*store)->Set("test/rank1", "1").ok()) return 10;
-    if (!(*store)->Get("test/go", absl::Seconds(60)).ok()) return 11;
-    kill(getpid(), SIGKILL);
-    return 12;
-  });
-  ASSERT_GT(peer, 0);
-  auto store = NewFileStore(dir);
-  ASSERT_TRUE(store.ok());
-  auto comm = ConnectGloo(Rank(0, 2, timeout), **store);
-  ASSERT_TRUE(comm.ok()) << comm.status();
-  ASSERT_TRUE((*store)->Get("test/rank1", absl::Seconds(30)).ok());
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> busy;
-  for (int i = 0; i < 16; ++i) {
-    busy.emplace_back([&] {
-      while (!stop.load(std::memory_order_relaxed)) {
-      }
-    });
-  }
-  ASSERT_TRUE((*store)->Set("test/go", "1").ok());
-  std::vector<float> in(4);
-  const absl::Status s = (*comm)->Recv(View(in), 1, 3);
-  stop = true;
-  for (auto& t : busy) t.join();
-  ASSERT_EQ(sched_setaffinity(0, sizeof(before), &before), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(peer, &status, 0), peer);
-  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
-  EXPECT_TRUE(IsLostPeer(s)) << s;
-  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable,
-                          AllOf(HasSubstr("receive from rank 1 under tag 3"),
-                                Not(HasSubstr("while waiting")))));
 }
 
 }  // namespace
