@@ -155,7 +155,8 @@ struct GlooOptions {
   // Our collectives are synchronous, so the loop runs while the rank's own
   // thread waits; a core oversubscribed by other normal-policy processes
   // would starve it (collectives then slow down, up to the timeout): turn
-  // it off there.
+  // it off there. A peer's death is still noticed there: DeadPeerWatch
+  // raises the thread once a connection hangs up during a wait.
   bool idle_progress_thread = true;
   // Tries at the full mesh when one breaks (a connection closed, reset or
   // refused while it forms); each try has the whole timeout. All ranks of

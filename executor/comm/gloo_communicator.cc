@@ -19,6 +19,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "executor/comm/call_agreement.h"
 #include "executor/comm/call_checks.h"
 #include "executor/comm/communicator.h"
+#include "executor/comm/dead_peer_watch.h"
 #include "executor/comm/deadline.h"
 #include "executor/runtime/bf16.h"
 #include "gloo/allgather.h"
@@ -44,6 +46,7 @@
 #include "gloo/math.h"
 #include "gloo/reduce.h"
 #include "gloo/transport/context.h"
+#include "gloo/transport/tcp/address.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "gloo/types.h"
@@ -112,9 +115,14 @@ size_t ElementSize(const TensorView& v) {
 
 class GlooCommunicator : public Communicator {
  public:
+  // `idle_loop_tid`, `peer_sockets`: Gloo's event-loop thread when it runs
+  // at SCHED_IDLE (else 0) and the connections' sockets (DeadPeerWatch).
   GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::chrono::milliseconds timeout,
-                   bool check_calls)
-      : ctx_(std::move(ctx)), timeout_(timeout), check_calls_(check_calls) {}
+                   bool check_calls, pid_t idle_loop_tid, std::vector<int> peer_sockets)
+      : ctx_(std::move(ctx)),
+        timeout_(timeout),
+        check_calls_(check_calls),
+        watch_(idle_loop_tid, std::move(peer_sockets)) {}
 
   int rank() const override { return ctx_->rank; }
   int size() const override { return ctx_->size; }
@@ -427,13 +435,18 @@ class GlooCommunicator : public Communicator {
   // should hear of the death, not of a hang.
   template <typename Fn>
   absl::Status Run(const std::string& what, Fn&& fn) {
+    watch_.Begin();
     absl::Status s = Guard(what, std::forward<Fn>(fn));
+    watch_.End();
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
       if (std::optional<std::string> broken = BrokenConnection()) {
         s = LostPeerError(absl::StrCat(what, ": ", *broken, " (while waiting: ", s.message(), ")"));
       }
     }
-    if (!s.ok()) failed_ = s;
+    if (!s.ok()) {
+      failed_ = s;
+      watch_.Failed();
+    }
     return s;
   }
 
@@ -609,6 +622,8 @@ class GlooCommunicator : public Communicator {
   // The exchange of the calls (its buffers, filled at the first call).
   // After ctx_, so that they go first.
   CallAgreement agreement_{ctx_, timeout_};
+  // After ctx_: stops watching before the loop thread can end.
+  DeadPeerWatch watch_;
 };
 
 // "; ranks 2, 3 never published their address": Gloo's full-mesh rendezvous
@@ -636,28 +651,51 @@ std::string MissingRanks(RendezvousStore& store, const std::string& prefix,
 // epoll_wait. With a rank pinned to one core, the spinning loop preempts
 // the rank's thread and runs out its time slice: 3.5 ms per 4 KiB
 // all-reduce between two pinned ranks, 0.4 ms unpinned (bench/comm_bench).
-// Created from a SCHED_IDLE thread, the loop thread inherits SCHED_IDLE and
-// runs only when the rank's own threads wait, which is when collectives
-// need it (our collectives are synchronous). Where the policy cannot be
-// set, the device is created as usual.
-std::shared_ptr<gloo::transport::Device> CreateTcpDevice(
-    const gloo::transport::tcp::attr& attr, bool idle_loop) {
-  if (!idle_loop) return gloo::transport::tcp::CreateDevice(attr);
-  std::shared_ptr<gloo::transport::Device> dev;
+// At SCHED_IDLE the loop thread runs only when the rank's own threads
+// wait, which is when collectives need it (our collectives are
+// synchronous). It goes there once the mesh is up (ConnectOnce): while the
+// ranks connect it accepts their connections, and made at SCHED_IDLE (as
+// it was, from a SCHED_IDLE thread) two ranks took 45 to 72 s to connect,
+// or timed out, with one pinned beside 32 busy threads (0.3 to 0.6 s at
+// the normal policy). The device is made by a thread of a name of its
+// own, which the loop thread inherits: so it is told from the threads
+// others start meanwhile, and renamed "hap-gloo-loop".
+struct TcpDevice {
+  std::shared_ptr<gloo::transport::Device> device;
+  // Its event-loop thread, to run at SCHED_IDLE once connected; 0 for
+  // none (idle_loop false, or the thread was not found).
+  pid_t idle_loop_tid = 0;
+};
+
+TcpDevice CreateTcpDevice(const gloo::transport::tcp::attr& attr, bool idle_loop) {
+  if (!idle_loop) return {gloo::transport::tcp::CreateDevice(attr), 0};
+  constexpr char kCreator[] = "hap-gloo-device";  // at most 15 characters
+  TcpDevice out;
   std::exception_ptr failure;
   std::thread creator([&] {
-    sched_param param{};
-    param.sched_priority = 0;
-    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+    // One device at a time: each creator has the same name.
+    static absl::Mutex one_at_a_time(absl::kConstInit);
+    absl::MutexLock l(&one_at_a_time);
+    const bool named = pthread_setname_np(pthread_self(), kCreator) == 0;
+    const std::set<pid_t> before = named ? ThreadIds() : std::set<pid_t>();
     try {
-      dev = gloo::transport::tcp::CreateDevice(attr);
+      out.device = gloo::transport::tcp::CreateDevice(attr);
     } catch (...) {
       failure = std::current_exception();
+      return;
     }
+    if (!named) return;
+    std::vector<pid_t> added;
+    for (pid_t id : ThreadIds()) {
+      if (!before.count(id) && ThreadName(id) == kCreator) added.push_back(id);
+    }
+    if (added.size() != 1) return;
+    out.idle_loop_tid = added[0];
+    (void)SetThreadName(out.idle_loop_tid, "hap-gloo-loop");
   });
   creator.join();
   if (failure) std::rethrow_exception(failure);
-  return dev;
+  return out;
 }
 
 // A Gloo context whose connections we make ourselves (ConnectOnce), so
@@ -863,15 +901,25 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
   bool publish_failed = false;
   // The peer whose pair is connecting (-1: none).
   int connecting = -1;
+  // The listening addresses: this rank's and those it connected to.
+  sockaddr_storage listening{};
+  std::vector<sockaddr_storage> peer_addresses;
+  pid_t idle_loop_tid = 0;
   absl::Status s = Guard(what, [&] {
     gloo::transport::tcp::attr attr(o.hostname.c_str());
-    auto dev = CreateTcpDevice(attr, o.idle_progress_thread);
+    TcpDevice tcp = CreateTcpDevice(attr, o.idle_progress_thread);
+    idle_loop_tid = tcp.idle_loop_tid;
+    auto dev = std::move(tcp.device);
     transport = dev->createContext(o.rank, o.size);
     transport->setTimeout(timeout);
     std::string mine;
     for (int r = 0; r < o.size; ++r) {
       if (r == o.rank) continue;
-      const std::vector<char> bytes = transport->createPair(r)->address().bytes();
+      const gloo::transport::Address& address = transport->createPair(r)->address();
+      if (auto* tcp_address = dynamic_cast<const gloo::transport::tcp::Address*>(&address)) {
+        listening = tcp_address->getSockaddr();
+      }
+      const std::vector<char> bytes = address.bytes();
       mine.append(bytes.begin(), bytes.end());
     }
     ctx->Adopt(dev, transport);
@@ -896,10 +944,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
                          " bytes of addresses for ", peers, " peers")));
       }
       const size_t index = static_cast<size_t>(o.rank > r ? o.rank - 1 : o.rank);
+      const std::vector<char> address(theirs->begin() + index * each,
+                                      theirs->begin() + (index + 1) * each);
+      peer_addresses.push_back(gloo::transport::tcp::Address(address).getSockaddr());
       connecting = r;
       if (!watcher->Connecting(r)) return;  // given up before
-      transport->getPair(r)->connect(std::vector<char>(
-          theirs->begin() + index * each, theirs->begin() + (index + 1) * each));
+      transport->getPair(r)->connect(address);
       if (!watcher->Connected()) return;  // given up meanwhile
       connecting = -1;
     }
@@ -945,7 +995,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectOnce(
     // Tell the ranks still connecting to give this try up too.
     return o.size > 1 ? TellOthersToGiveUp(store, prefix, s) : s;
   }
-  return std::unique_ptr<Communicator>(new GlooCommunicator(ctx, timeout, o.check_calls));
+  // Connected: the loop thread goes to SCHED_IDLE (CreateTcpDevice says
+  // why); where it cannot, it stays as it is, without a watch.
+  if (idle_loop_tid > 0 && !SetThreadPolicy(idle_loop_tid, SCHED_IDLE)) idle_loop_tid = 0;
+  return std::unique_ptr<Communicator>(new GlooCommunicator(
+      ctx, timeout, o.check_calls, idle_loop_tid,
+      idle_loop_tid > 0 ? PeerSockets(listening, peer_addresses) : std::vector<int>()));
 }
 
 // Gloo's TCP device resolves the host to listen on itself, but this Gloo

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -36,6 +37,7 @@ namespace {
 using ::hap::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using ::hap::testing::IsOk;
 
@@ -715,6 +717,124 @@ TEST(GlooCommunicatorTest, TheEventLoopThreadRunsAtIdlePriority) {
     ASSERT_THAT((*comm)->AllReduce(View(v)), IsOk());
     EXPECT_EQ(v, (std::vector<float>{1.5f, 2.5f}));
   }
+}
+
+// Gloo's event-loop thread, which alone reads the connections, runs at
+// SCHED_IDLE; on a core other work keeps busy it barely runs, and a peer's
+// death went unnoticed until the wait's timeout ("timed out", not "lost
+// peer"). DeadPeerWatch raises it once a connection has hung up. Here
+// rank 0 is pinned to one core beside 32 busy threads of the normal
+// policy and waits for a message from rank 1, which dies: the death is
+// the lost peer itself, not found after the timeout ran out ("while
+// waiting").
+// Pins the calling thread, and every thread it makes from then on, to its
+// first allowed core, beside `busy` threads of the normal policy that
+// spin until Release (or the end); Release also unpins.
+class BusyCore {
+ public:
+  explicit BusyCore(int busy) {
+    sched_getaffinity(0, sizeof(before_), &before_);
+    int core = 0;
+    while (core < CPU_SETSIZE - 1 && !CPU_ISSET(core, &before_)) ++core;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(core, &one);
+    pinned_ = sched_setaffinity(0, sizeof(one), &one) == 0;
+    for (int i = 0; i < busy; ++i) {
+      busy_.emplace_back([this] {
+        while (!stop_.load(std::memory_order_relaxed)) {
+        }
+      });
+    }
+  }
+  ~BusyCore() { Release(); }
+  bool pinned() const { return pinned_; }
+  // The affinity before pinning (for a forked rank that is not pinned).
+  const cpu_set_t& before() const { return before_; }
+  void Release() {
+    stop_ = true;
+    for (auto& t : busy_) t.join();
+    busy_.clear();
+    sched_setaffinity(0, sizeof(before_), &before_);
+  }
+
+ private:
+  cpu_set_t before_;
+  bool pinned_ = false;
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> busy_;
+};
+
+// Forks rank 1 of 2, not pinned and with its loop thread at the normal
+// policy (a process dies only once each of its threads has run: an idle
+// loop thread starving on a busy core would keep its connections open).
+// It connects, sets test/rank1, waits for test/go and SIGKILLs itself.
+pid_t ForkRankOneThatDiesOnGo(const std::string& dir, const cpu_set_t& affinity,
+                              absl::Duration timeout) {
+  return ForkRank([&] {
+    if (sched_setaffinity(0, sizeof(affinity), &affinity) != 0) return 10;
+    auto store = NewFileStore(dir);
+    if (!store.ok()) return 10;
+    GlooOptions o = Rank(1, 2, timeout);
+    o.idle_progress_thread = false;
+    auto comm = ConnectGloo(o, **store);
+    if (!comm.ok()) return 10;
+    if (!(*store)->Set("test/rank1", "1").ok()) return 10;
+    if (!(*store)->Get("test/go", absl::Seconds(60)).ok()) return 11;
+    kill(getpid(), SIGKILL);
+    return 12;
+  });
+}
+
+TEST(GlooCommunicatorTest, APeerThatDiesIsNoticedWhileTheLoopThreadStarvesOnABusyCore) {
+  const std::string dir = FreshDir("starved_loop");
+  const absl::Duration timeout = absl::Seconds(5);
+  std::unique_ptr<BusyCore> core = std::make_unique<BusyCore>(0);
+  ASSERT_TRUE(core->pinned());
+  pid_t peer = ForkRankOneThatDiesOnGo(dir, core->before(), timeout);
+  ASSERT_GT(peer, 0);
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  auto comm = ConnectGloo(Rank(0, 2, timeout), **store);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  ASSERT_TRUE((*store)->Get("test/rank1", absl::Seconds(30)).ok());
+  core->Release();
+  core = std::make_unique<BusyCore>(32);
+  ASSERT_TRUE((*store)->Set("test/go", "1").ok());
+  std::vector<float> in(4);
+  const absl::Status s = (*comm)->Recv(View(in), 1, 3);
+  core->Release();
+  int status = 0;
+  ASSERT_EQ(waitpid(peer, &status, 0), peer);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_TRUE(IsLostPeer(s)) << s;
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable,
+                          AllOf(HasSubstr("receive from rank 1 under tag 3"),
+                                Not(HasSubstr("while waiting")))));
+}
+
+// The loop thread accepts the peers' connections; it goes to SCHED_IDLE
+// only once the mesh is up. Made at SCHED_IDLE (from a SCHED_IDLE thread)
+// a rank pinned beside 32 busy threads took 45 to 84 s to connect, most
+// of it creating Gloo's device; now under a second, and the loop thread
+// is at SCHED_IDLE afterwards.
+TEST(GlooCommunicatorTest, RanksOnABusyCoreConnectAndThenIdleTheLoopThread) {
+  const std::string dir = FreshDir("busy_connect");
+  const absl::Duration timeout = absl::Seconds(20);
+  const int idle_before = ThreadsWithPolicy(SCHED_IDLE);
+  BusyCore core(32);
+  ASSERT_TRUE(core.pinned());
+  pid_t peer = ForkRankOneThatDiesOnGo(dir, core.before(), timeout);
+  ASSERT_GT(peer, 0);
+  auto store = NewFileStore(dir);
+  ASSERT_TRUE(store.ok());
+  auto comm = ConnectGloo(Rank(0, 2, timeout), **store);
+  core.Release();
+  EXPECT_THAT(comm.status(), IsOk());
+  EXPECT_EQ(ThreadsWithPolicy(SCHED_IDLE), idle_before + (comm.ok() ? 1 : 0));
+  ASSERT_TRUE((*store)->Set("test/go", "1").ok());
+  int status = 0;
+  ASSERT_EQ(waitpid(peer, &status, 0), peer);
 }
 
 }  // namespace
