@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cstring>
 
 namespace hap::executor {
@@ -48,7 +49,13 @@ GetPeerNameFn LibcGetPeerName() {
 // The mangled name of gloo::transport::tcp::Address::fromPeerName(int).
 constexpr char kGlooFromPeerName[] = "_ZN4gloo9transport3tcp7Address12fromPeerNameEi";
 
+std::atomic<int64_t> reset_peer_lookups{0};
+
+void CountGlooResetPeerLookup() { reset_peer_lookups.fetch_add(1); }
+
 }  // namespace
+
+int64_t GlooResetPeerLookups() { return reset_peer_lookups.load(); }
 
 bool IsGlooPeerNameLookup(const void* return_address) {
   Dl_info info{};
@@ -71,6 +78,7 @@ extern "C" int getpeername(int fd, sockaddr* addr, socklen_t* len) {
     errno = saved;
     return rv;
   }
+  hap::executor::CountGlooResetPeerLookup();
   std::memset(addr, 0, *len);
   if (*len >= sizeof(sa_family_t)) addr->sa_family = AF_UNSPEC;
   return 0;

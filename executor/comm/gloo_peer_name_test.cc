@@ -74,21 +74,25 @@ class GlooPeerNameTest : public ::testing::Test {
 // thread, terminate); now it gives an empty address.
 TEST_F(GlooPeerNameTest, GlooLooksUpAResetConnectionAndGetsAnEmptyAddress) {
   AcceptClosed(/*reset=*/true);
+  const int64_t before = GlooResetPeerLookups();
   gloo::transport::tcp::Address peer;
   ASSERT_NO_THROW(peer = gloo::transport::tcp::Address::fromPeerName(accepted_));
   EXPECT_EQ(peer.getSockaddr().ss_family, AF_UNSPEC);
   EXPECT_EQ(peer.str(), "[none]");
+  EXPECT_EQ(GlooResetPeerLookups(), before + 1);
 }
 
 // Anyone else asking about the same connection hears what the C library
 // says: it has no peer.
 TEST_F(GlooPeerNameTest, OtherCallersStillGetENOTCONN) {
   AcceptClosed(/*reset=*/true);
+  const int64_t before = GlooResetPeerLookups();
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
   errno = 0;
   EXPECT_EQ(getpeername(accepted_, reinterpret_cast<sockaddr*>(&ss), &len), -1);
   EXPECT_EQ(errno, ENOTCONN);
+  EXPECT_EQ(GlooResetPeerLookups(), before);
 }
 
 // A connection that is still there (closed with a FIN, so half open) gives
