@@ -221,6 +221,50 @@ class CheckpointCliTest(unittest.TestCase):
         self.assertRegex(bad.stderr, r"labels\.npy.*13.*99999")
         self.assertNotIn("step 0 loss", bad.stdout)
 
+    def test_ranks_that_find_different_checkpoints_refuse_to_train(self):
+        # Each rank resolves --resume DIR itself, to the newest complete
+        # checkpoint it sees there. Node-local directories that differ (a
+        # save that reached one node only) gave ranks different steps, and
+        # they trained on from different states without a word. Now they
+        # compare before step 1: a copy of the same checkpoint agrees, an
+        # older one is named on both sides.
+        ckpt = os.path.join(util.tmpdir(), "ckpt")
+        p = launch("--plan", self.plan2, "--steps", "4", "--checkpoint-dir", ckpt,
+                   "--checkpoint-every", "2")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        copy = os.path.join(util.tmpdir(), "copy")
+        shutil.copytree(ckpt, copy)
+        older = os.path.join(util.tmpdir(), "older")
+        shutil.copytree(ckpt, older)
+        shutil.rmtree(os.path.join(older, "step-00000004"))
+
+        def run_ranks(dir0, dir1):
+            rdv = util.tmpdir()
+            common = ["--plan", self.plan2, "--world", "2", "--rendezvous", rdv, "--steps", "6",
+                      "--timeout", "60"]
+            ranks = [subprocess.Popen([EXECUTOR, "--rank", str(r), *common, "--resume", d],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for r, d in enumerate([dir0, dir1])]
+            for p in ranks:
+                self.addCleanup(lambda p=p: p.poll() is None and p.kill())
+            return [(p.wait(timeout=300),) + p.communicate() for p in ranks]
+
+        (rc0, out0, err0), (rc1, out1, err1) = run_ranks(ckpt, copy)
+        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        self.assertEqual(sorted(losses(out0)), [4, 5], out0)
+        for step, loss in losses(out0).items():
+            self.assertAlmostEqual(loss, self.reference[step], delta=1e-4 * abs(loss) + 1e-5)
+
+        (rc0, out0, err0), (rc1, out1, err1) = run_ranks(ckpt, older)
+        self.assertNotEqual(rc0, 0, out0)
+        self.assertNotEqual(rc1, 0, out1)
+        self.assertIn(f"rank 0 starts from checkpoint {ckpt}/step-00000004 (step 4) but rank 1 "
+                      f"from checkpoint {older}/step-00000002 (step 2)", err0)
+        self.assertIn(f"rank 1 starts from checkpoint {older}/step-00000002 (step 2) but rank 0 "
+                      f"from checkpoint {ckpt}/step-00000004 (step 4)", err1)
+        self.assertEqual(losses(out0), {})
+        self.assertEqual(losses(out1), {})
+
     def test_a_fresh_run_sets_aside_the_checkpoints_of_the_run_it_replaces(self):
         # The same command twice, without --resume: the second run trained to
         # step 2 and then failed (a complete checkpoint of step 2 existed), and

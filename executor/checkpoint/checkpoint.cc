@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -1133,6 +1135,29 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
           return b.role() == v1::Buffer::PARAMETER && w->Has(b.tensor());
         });
   };
+}
+
+std::string CheckpointIdentity(const v1::TrainerState& trainer) {
+  return absl::StrCat("checkpoint step ", trainer.step(), " of plan ", trainer.plan_hash(),
+                      " seed ", trainer.seed(), " on ", trainer.world_size(), " ranks written ",
+                      trainer.time());
+}
+
+absl::StatusOr<std::string> WeightsFileIdentity(const std::string& path) {
+  std::error_code ec;
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat(path, ": ", ec.message()));
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat(path, ": ", std::strerror(errno)));
+  std::string head(std::min<uintmax_t>(size, 1 << 20), '\0');
+  const size_t got = std::fread(head.data(), 1, head.size(), f);
+  std::fclose(f);
+  if (got != head.size()) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": read ", got, " of its first ", head.size(), " bytes"));
+  }
+  return absl::StrCat("weights of ", size, " bytes, CRC-32C of the first MiB ",
+                      Crc32cHex(Crc32c(0, head.data(), head.size())));
 }
 
 }  // namespace hap::executor::checkpoint

@@ -185,6 +185,9 @@ absl::Status Run(const tools::Args& a) {
   std::function<absl::Status(ProgramRunner&)> initialize;
   v1::TrainerState resumed;  // the checkpoint's, for its data settings
   std::shared_ptr<checkpoint::WeightsReader> weights;  // --init-weights
+  // Where this rank starts, which the ranks compare once connected.
+  TrainingStart start{absl::StrCat("initializers seed ", plan.options().seed()),
+                      absl::StrCat("the initializers (seed ", plan.options().seed(), ")")};
   if (a.Has("resume")) {
     HAP_ASSIGN_OR_RETURN(
         std::unique_ptr<checkpoint::CheckpointReader> reader,
@@ -192,6 +195,8 @@ absl::Status Run(const tools::Args& a) {
     HAP_RETURN_IF_ERROR(reader->CheckGraph(g));
     first_step = reader->trainer().step();
     resumed = reader->trainer();
+    start = {checkpoint::CheckpointIdentity(resumed),
+             absl::StrCat("checkpoint ", reader->step_dir(), " (step ", first_step, ")")};
     if (rank == 0) {
       std::cout << absl::StrFormat("resuming from %s (step %d, written by plan %s on %d ranks)\n",
                                    reader->step_dir(), first_step,
@@ -202,6 +207,8 @@ absl::Status Run(const tools::Args& a) {
                      ProgramRunner& runner) { return WithDamageHint(hook(runner), dir); };
   } else if (a.Has("init-weights")) {
     HAP_ASSIGN_OR_RETURN(weights, checkpoint::WeightsReader::OpenFor(a.Get("init-weights"), g));
+    HAP_ASSIGN_OR_RETURN(start.key, checkpoint::WeightsFileIdentity(a.Get("init-weights")));
+    start.description = absl::StrCat("--init-weights ", a.Get("init-weights"));
     initialize = checkpoint::InitWeightsHook(weights, &g);
   }
   if (first_step >= steps) {
@@ -303,6 +310,7 @@ absl::Status Run(const tools::Args& a) {
   HAP_ASSIGN_OR_RETURN(Backend backend,
                        MakeBackend(spec, static_cast<int>(threads), group, *store));
   HAP_RETURN_IF_ERROR(CheckProgramsAgree(plan.rank_programs(rank), group, *store));
+  HAP_RETURN_IF_ERROR(CheckStartsAgree(start, go, *store));
   std::unique_ptr<Device>& device = backend.device;
   std::unique_ptr<Communicator>& comm = backend.comm;
   TimingDevice timing(device.get());

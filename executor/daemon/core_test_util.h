@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
+#include "executor/cpu/cpu_device.h"
 #include "executor/daemon/executor_core.h"
 #include "executor/daemon/test_plans.h"
 #include "executor/train/in_process_comm.h"
@@ -130,6 +131,19 @@ class HungPeerCommunicator : public Communicator {
   std::unique_ptr<Communicator> inner_;
   const std::atomic<bool>* armed_ = nullptr;
 };
+
+// Options whose ranks connect over Gloo through `make_store`'s store, on
+// CPU devices.
+inline ExecutorCoreOptions GlooThroughStore(absl::Duration comm_timeout, absl::Duration stop_wait,
+                                            decltype(ExecutorCoreOptions::make_store) make_store) {
+  ExecutorCoreOptions o = InProcessOptions(nullptr);
+  o.connect = nullptr;  // Gloo, through the store
+  o.make_device = [](int threads) { return NewCpuDevice(threads); };
+  o.comm_timeout = comm_timeout;
+  o.stop_wait = stop_wait;
+  o.make_store = std::move(make_store);
+  return o;
+}
 
 }  // namespace hap::executor::testing
 

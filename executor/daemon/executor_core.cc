@@ -262,6 +262,8 @@ struct ExecutorCore::Loaded {
   // The seed of the synthetic data: a resumed run's checkpoint's, so that it
   // reads the batches the run it continues would have read.
   std::optional<uint64_t> data_seed;
+  // Where training starts, which the ranks compare once connected.
+  TrainingStart start;
   std::function<absl::Status(ProgramRunner&)> initialize;
   std::vector<v1::RankProgram> programs;  // every rank's, for the checkpoint index
   std::function<absl::Status(ProgramRunner&, int64_t)> after_step;
@@ -299,6 +301,8 @@ absl::Status ExecutorCore::SetUpDataAndCheckpoints(const LoadOptions& in, Loaded
   const graph::Graph* g = &loaded->graph;
   std::optional<v1::TrainerState> resumed;       // the checkpoint's
   std::shared_ptr<ckpt::WeightsReader> weights;  // training.init_weights
+  loaded->start = {absl::StrCat("initializers seed ", in.plan.options().seed()),
+                   absl::StrCat("the initializers (seed ", in.plan.options().seed(), ")")};
   if (!t.resume().empty()) {
     auto reader = ckpt::CheckpointReader::Open(t.resume());
     if (!reader.ok()) return Annotate(reader.status(), "training.resume");
@@ -314,6 +318,9 @@ absl::Status ExecutorCore::SetUpDataAndCheckpoints(const LoadOptions& in, Loaded
     resumed = (*reader)->trainer();
     loaded->first_step = (*reader)->trainer().step();
     loaded->data_seed = (*reader)->trainer().seed();
+    loaded->start = {
+        ckpt::CheckpointIdentity((*reader)->trainer()),
+        absl::StrCat("checkpoint ", (*reader)->step_dir(), " (step ", loaded->first_step, ")")};
     if (loaded->first_step >= t.steps()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "training.resume: the checkpoint ", (*reader)->step_dir(), " is at step ",
@@ -329,6 +336,9 @@ absl::Status ExecutorCore::SetUpDataAndCheckpoints(const LoadOptions& in, Loaded
     auto w = ckpt::WeightsReader::OpenFor(t.init_weights(), *g);
     if (!w.ok()) return Annotate(w.status(), "training.init_weights");
     weights = *std::move(w);
+    absl::StatusOr<std::string> identity = ckpt::WeightsFileIdentity(t.init_weights());
+    if (!identity.ok()) return Annotate(identity.status(), "training.init_weights");
+    loaded->start = {*identity, absl::StrCat("training.init_weights ", t.init_weights())};
     loaded->initialize = ckpt::InitWeightsHook(weights, g);
   }
   // The training data, once its seed is known (a resumed run's is its
@@ -640,6 +650,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     // small collective).
     go.check_calls = false;
     absl::StatusOr<std::unique_ptr<Communicator>> world;
+    const GlooOptions all_ranks = go;
     if (loaded->pipelined()) {
       // Every rank over Gloo for the stages' transfers, then the stage's
       // group on the backend (as hap-launch does).
@@ -657,6 +668,7 @@ void ExecutorCore::Train(std::shared_ptr<Loaded> loaded, int64_t load_id) {
     // group, meets in none).
     if (!o_.connect) {
       HAP_RETURN_IF_ERROR(CheckProgramsAgree(lo.plan.rank_programs(lo.rank), go, *store));
+      HAP_RETURN_IF_ERROR(CheckStartsAgree(loaded->start, all_ranks, *store));
     }
     if (loaded->async != nullptr) {
       // The second communicator of the overlapped collectives (as

@@ -76,6 +76,7 @@ TEST(ExecutorCoreTest, StopCancelsBetweenStepsAndThePeerTimesOut) {
   EXPECT_THAT(peer.error(), HasSubstr("peer"));
 }
 
+using testing::GlooThroughStore;
 using testing::HungPeerCommunicator;
 
 // A rank whose peer froze sits in a collective that only the communicator
@@ -276,19 +277,6 @@ class NoPeersStore : public RendezvousStore {
   absl::Notification* asked_;
   absl::Notification* release_;
 };
-
-// Options whose ranks connect over Gloo through `make_store`'s store, on
-// CPU devices.
-ExecutorCoreOptions GlooThroughStore(absl::Duration comm_timeout, absl::Duration stop_wait,
-                                     decltype(ExecutorCoreOptions::make_store) make_store) {
-  ExecutorCoreOptions o = InProcessOptions(nullptr);
-  o.connect = nullptr;  // Gloo, through the store
-  o.make_device = [](int threads) { return NewCpuDevice(threads); };
-  o.comm_timeout = comm_timeout;
-  o.stop_wait = stop_wait;
-  o.make_store = std::move(make_store);
-  return o;
-}
 
 // Stop (and SIGTERM's Shutdown) while the rank waits in the rendezvous for
 // peers that never come: the wait ends at once, as a cancelled run, not

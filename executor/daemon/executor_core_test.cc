@@ -695,6 +695,51 @@ TEST(ExecutorCoreTest, WritesCheckpointsAndResumesFromThem) {
                                          HasSubstr("exclude each other")));
 }
 
+// Each executor opens training.resume itself and takes the newest complete
+// checkpoint it sees. Directories that differ between nodes (a save that
+// reached one node only) gave ranks different steps, and they trained on
+// from different states. Over Gloo the ranks compare where they start
+// before step 1: both fail, each naming the other's checkpoint.
+TEST(ExecutorCoreTest, RanksThatFindDifferentCheckpointsFailBeforeTraining) {
+  const std::string dir = ::testing::TempDir() + "/core_ckpt_differ";
+  const std::string older = dir + "-older";
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(older);
+  v1::ExecutorStatus first = TrainTwo(4, [&](LoadOptions& o) {
+    o.training.set_checkpoint_dir(dir);
+    o.training.set_checkpoint_every(2);
+  });
+  ASSERT_EQ(first.state(), v1::ExecutorStatus::FINISHED) << first.error();
+  std::filesystem::copy(dir, older, std::filesystem::copy_options::recursive);
+  std::filesystem::remove_all(older + "/step-00000004");
+
+  const std::string store_dir = ::testing::TempDir() + "/core_ckpt_differ_store";
+  std::filesystem::remove_all(store_dir);
+  std::filesystem::create_directories(store_dir);
+  auto options = testing::GlooThroughStore(
+      absl::Seconds(30), absl::Seconds(3),
+      [store_dir](const LoadOptions&) { return NewFileStore(store_dir); });
+  ExecutorCore a(options), b(options);
+  LoadOptions la = MlpLoad(2, 0, 6), lb = MlpLoad(2, 1, 6);
+  la.training.set_resume(dir);
+  lb.training.set_resume(older);
+  ASSERT_THAT(a.LoadPlan(la), IsOk());
+  ASSERT_THAT(b.LoadPlan(lb), IsOk());
+  ASSERT_THAT(a.Start(""), IsOk());
+  ASSERT_THAT(b.Start(""), IsOk());
+  v1::ExecutorStatus sa = a.WaitUntilDone(absl::InfiniteFuture());
+  v1::ExecutorStatus sb = b.WaitUntilDone(absl::InfiniteFuture());
+  EXPECT_EQ(sa.state(), v1::ExecutorStatus::FAILED);
+  EXPECT_EQ(sb.state(), v1::ExecutorStatus::FAILED);
+  EXPECT_THAT(sa.error(), HasSubstr(absl::StrCat("rank 0 starts from checkpoint ", dir,
+                                                 "/step-00000004 (step 4) but rank 1 from "
+                                                 "checkpoint ",
+                                                 older, "/step-00000002 (step 2)")));
+  EXPECT_THAT(sb.error(), HasSubstr("rank 1 starts from checkpoint"));
+  EXPECT_EQ(sa.steps_completed(), 0);  // no step trained
+  EXPECT_EQ(sb.steps_completed(), 0);
+}
+
 // A run on npy: data resumed after the data was regenerated with another
 // sample count: the same spec, so only the size tells; each step would
 // have read other samples (some skipped, some twice), silently. The

@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -159,11 +160,22 @@ absl::StatusOr<std::unique_ptr<AsyncCollectives>> ConnectOverlap(Device& device,
   return NewCommThread(&device, std::move(comm));
 }
 
-absl::Status CheckProgramsAgree(const v1::RankProgram& program, const GlooOptions& world,
-                                RendezvousStore& store) {
-  if (world.size <= 1) return absl::OkStatus();
-  auto key = [&](int rank) { return absl::StrCat(world.prefix, "/program-signature/", rank); };
-  const std::string mine = lower::CollectiveSignature(program);
+namespace {
+
+// The part of a published value that ranks compare: up to the first
+// newline (what follows describes it for messages).
+absl::string_view Compared(absl::string_view value) { return value.substr(0, value.find('\n')); }
+
+// Publishes `mine` under `name` and returns the ranks whose value differs
+// from it (Compared): rank 0 compares with every rank, the others with
+// rank 0. `first` gets the first differing value. The store's errors as
+// "comparing `what`: ...".
+absl::StatusOr<std::vector<int>> RanksThatDiffer(const GlooOptions& world, RendezvousStore& store,
+                                                 const std::string& name, const std::string& what,
+                                                 const std::string& mine, std::string* first) {
+  std::vector<int> differ;
+  if (world.size <= 1) return differ;
+  auto key = [&](int rank) { return absl::StrCat(world.prefix, "/", name, "/", rank); };
   HAP_RETURN_IF_ERROR(store.Set(key(world.rank), mine));
   const absl::Time deadline = absl::Now() + world.timeout;
   std::vector<int> others;
@@ -172,29 +184,67 @@ absl::Status CheckProgramsAgree(const v1::RankProgram& program, const GlooOption
   } else {
     others.push_back(0);
   }
-  std::vector<int> differ;
-  std::string theirs_first;
   for (int r : others) {
     absl::StatusOr<std::string> theirs =
         store.Get(key(r), std::max(absl::ZeroDuration(), deadline - absl::Now()));
     if (!theirs.ok()) {
-      return absl::Status(theirs.status().code(), absl::StrCat("comparing the ranks' programs: ",
-                                                               theirs.status().message()));
+      return absl::Status(theirs.status().code(),
+                          absl::StrCat("comparing ", what, ": ", theirs.status().message()));
     }
-    if (*theirs != mine) {
-      if (differ.empty()) theirs_first = *theirs;
+    if (Compared(*theirs) != Compared(mine)) {
+      if (differ.empty()) *first = *theirs;
       differ.push_back(r);
     }
   }
+  return differ;
+}
+
+// "rank 2", "ranks 1, 2, 3 and 5 more".
+std::string NameRanks(const std::vector<int>& ranks) {
+  const size_t shown = std::min<size_t>(ranks.size(), 8);
+  return absl::StrCat(
+      ranks.size() > 1 ? "ranks " : "rank ",
+      absl::StrJoin(ranks.begin(), ranks.begin() + shown, ", "),
+      ranks.size() > shown ? absl::StrCat(" and ", ranks.size() - shown, " more") : "");
+}
+
+}  // namespace
+
+absl::Status CheckProgramsAgree(const v1::RankProgram& program, const GlooOptions& world,
+                                RendezvousStore& store) {
+  const std::string mine = lower::CollectiveSignature(program);
+  std::string theirs_first;
+  HAP_ASSIGN_OR_RETURN(std::vector<int> differ,
+                       RanksThatDiffer(world, store, "program-signature", "the ranks' programs",
+                                       mine, &theirs_first));
   if (differ.empty()) return absl::OkStatus();
-  const size_t shown = std::min<size_t>(differ.size(), 8);
   return absl::FailedPreconditionError(absl::StrCat(
-      "rank ", world.rank, "'s program issues other collectives than rank",
-      differ.size() > 1 ? "s " : " ", absl::StrJoin(differ.begin(), differ.begin() + shown, ", "),
-      differ.size() > shown ? absl::StrCat(" and ", differ.size() - shown, " more") : "",
+      "rank ", world.rank, "'s program issues other collectives than ", NameRanks(differ),
       " (collective signature ", mine.substr(0, 12), " against ", theirs_first.substr(0, 12),
       "): the ranks would wait for each other or exchange wrong data. A lowering fault, or ranks "
       "given different plans"));
+}
+
+std::string TrainingStart::Published() const {
+  return absl::StrCat(absl::StrReplaceAll(key, {{"\n", " "}}), "\n", description);
+}
+
+absl::Status CheckStartsAgree(const TrainingStart& start, const GlooOptions& world,
+                              RendezvousStore& store) {
+  std::string theirs_first;
+  HAP_ASSIGN_OR_RETURN(std::vector<int> differ,
+                       RanksThatDiffer(world, store, "training-start", "where the ranks start",
+                                       start.Published(), &theirs_first));
+  if (differ.empty()) return absl::OkStatus();
+  const size_t nl = theirs_first.find('\n');
+  const std::string theirs_description =
+      nl == std::string::npos ? theirs_first : theirs_first.substr(nl + 1);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", world.rank, " starts from ", start.description, " but ", NameRanks(differ),
+      differ.size() > 1 ? " (the first of them)" : "", " from ", theirs_description,
+      ": the ranks would train from different states. Each rank opens its --resume directory "
+      "itself and takes the newest complete checkpoint it finds there: give every rank the same "
+      "checkpoint (DIR/step-N) on storage they share"));
 }
 
 absl::StatusOr<Backend> MakeBackend(const DeviceSpec& spec, int threads, const GlooOptions& options,

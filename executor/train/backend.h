@@ -90,6 +90,24 @@ absl::StatusOr<std::unique_ptr<AsyncCollectives>> ConnectOverlap(Device& device,
 absl::Status CheckProgramsAgree(const hap::v1::RankProgram& program, const GlooOptions& world,
                                 RendezvousStore& store);
 
+// Where a rank's training starts: `key` says what ranks must agree on (a
+// checkpoint's step and the run that wrote it, or the initializers and
+// their seed), `description` names it for people (the checkpoint's path).
+struct TrainingStart {
+  std::string key;
+  std::string description;
+  std::string Published() const;  // key (one line), newline, description
+};
+
+// Like CheckProgramsAgree, for where the ranks start: FailedPrecondition
+// naming the ranks that start elsewhere (each rank resolves --resume DIR
+// to the newest complete checkpoint it sees, which differs between nodes
+// whose directories differ, or while a checkpoint is being committed), so
+// that they never train on from different states. Ranks that start from
+// one checkpoint at different paths agree.
+absl::Status CheckStartsAgree(const TrainingStart& start, const GlooOptions& world,
+                              RendezvousStore& store);
+
 // A device and its communicator. Members are destroyed in reverse order:
 // the communication thread, then the communicator, then the device they use.
 struct Backend {

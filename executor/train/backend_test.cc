@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -20,6 +21,7 @@ namespace {
 namespace v1 = ::hap::v1;
 using ::hap::testing::IsOk;
 using ::hap::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 TEST(BackendTest, ParsesDeviceSpecs) {
@@ -95,6 +97,35 @@ TEST(BackendTest, CpuBackendIsGloo) {
   EXPECT_TRUE(b->comm->Barrier().ok());
 }
 
+// Runs check(r, world, store) for ranks 0..present-1 of `size`, each on a
+// thread with its own file store in a fresh `dir`; their statuses (ranks
+// not present: "did not run").
+std::vector<absl::Status> OnRanks(
+    int size, int present, const std::string& dir, absl::Duration timeout,
+    const std::function<absl::Status(int, const GlooOptions&, RendezvousStore&)>& check) {
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::vector<absl::Status> out(size, absl::UnknownError("did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < present; ++r) {
+    threads.emplace_back([&, r] {
+      auto store = NewFileStore(dir);
+      if (!store.ok()) {
+        out[r] = store.status();
+        return;
+      }
+      GlooOptions go;
+      go.rank = r;
+      go.size = size;
+      go.prefix = "p";
+      go.timeout = timeout;
+      out[r] = check(r, go, **store);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
 // Ranks of one lowered plan agree, though their buffers differ (uneven
 // shards); a rank whose program issues another collective sequence is
 // refused on its side and on rank 0's, each naming the other (rank 1,
@@ -121,27 +152,10 @@ TEST(CheckProgramsAgreeTest, RanksOfOnePlanAgreeAndADifferentProgramIsNamed) {
   ASSERT_TRUE(differ) << "the ranks' shards should differ";
   auto run = [&](const std::vector<v1::RankProgram>& programs, const std::string& dir,
                  absl::Duration timeout, int present) {
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
-    std::vector<absl::Status> out(programs.size(), absl::UnknownError("did not run"));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < present; ++r) {
-      threads.emplace_back([&, r] {
-        auto store = NewFileStore(dir);
-        if (!store.ok()) {
-          out[r] = store.status();
-          return;
-        }
-        GlooOptions go;
-        go.rank = r;
-        go.size = static_cast<int>(programs.size());
-        go.prefix = "p";
-        go.timeout = timeout;
-        out[r] = CheckProgramsAgree(programs[r], go, **store);
-      });
-    }
-    for (auto& t : threads) t.join();
-    return out;
+    return OnRanks(static_cast<int>(programs.size()), present, dir, timeout,
+                   [&](int r, const GlooOptions& go, RendezvousStore& store) {
+                     return CheckProgramsAgree(programs[r], go, store);
+                   });
   };
   const std::string dir = absl::StrCat(::testing::TempDir(), "/agree");
   for (const absl::Status& s : run(*ranks, dir, absl::Seconds(30), 3)) EXPECT_THAT(s, IsOk());
@@ -162,6 +176,44 @@ TEST(CheckProgramsAgreeTest, RanksOfOnePlanAgreeAndADifferentProgramIsNamed) {
   std::vector<absl::Status> alone = run(*ranks, dir, absl::Milliseconds(300), 1);
   EXPECT_THAT(alone[0], StatusIs(absl::StatusCode::kDeadlineExceeded,
                                  HasSubstr("comparing the ranks' programs")));
+}
+
+// Ranks that start from one checkpoint agree, at whatever path each found
+// it; a rank that starts from another is refused on its side and on rank
+// 0's, each naming the other's start (rank 1 compares with rank 0 only and
+// goes on), before any step could train the ranks from different states.
+TEST(CheckStartsAgreeTest, OneCheckpointAtTwoPathsAgreesAndAnotherStepIsNamed) {
+  auto run = [](const std::vector<TrainingStart>& starts) {
+    const int n = static_cast<int>(starts.size());
+    return OnRanks(n, n, absl::StrCat(::testing::TempDir(), "/starts"), absl::Seconds(30),
+                   [&](int r, const GlooOptions& go, RendezvousStore& store) {
+                     return CheckStartsAgree(starts[r], go, store);
+                   });
+  };
+  const TrainingStart at4{"checkpoint step 4 of plan abc", "checkpoint /a/step-00000004 (step 4)"};
+  const TrainingStart at4_elsewhere{"checkpoint step 4 of plan abc",
+                                    "checkpoint /b/step-00000004 (step 4)"};
+  const TrainingStart at2{"checkpoint step 2 of plan abc", "checkpoint /b/step-00000002 (step 2)"};
+  for (const absl::Status& s : run({at4, at4_elsewhere, at4})) EXPECT_THAT(s, IsOk());
+
+  std::vector<absl::Status> refused = run({at4, at4_elsewhere, at2});
+  EXPECT_THAT(refused[0],
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("rank 0 starts from checkpoint /a/step-00000004 (step 4) "
+                                       "but rank 2 from checkpoint /b/step-00000002 (step 2)"),
+                             HasSubstr("give every rank the same checkpoint"))));
+  EXPECT_THAT(refused[1], IsOk());
+  EXPECT_THAT(refused[2], StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("rank 2 starts from checkpoint /b/step-00000002 "
+                                             "(step 2) but rank 0 from checkpoint "
+                                             "/a/step-00000004 (step 4)")));
+
+  // A key with a newline is compared whole, not cut at it.
+  const TrainingStart two_lines{"checkpoint step 4\nof plan abc", "x"};
+  const TrainingStart two_lines_other{"checkpoint step 4\nof plan xyz", "y"};
+  std::vector<absl::Status> cut = run({two_lines, two_lines_other});
+  EXPECT_THAT(cut[0],
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("but rank 1 from y")));
 }
 
 }  // namespace
