@@ -116,6 +116,84 @@ class ExportRnnTest(ExportTestCase):
                 self.assertEqual(shapes, {f"rnn.{k}": list(v.shape) for k, v
                                           in m.rnn.state_dict().items()})
 
+    def test_zeros_made_in_forward_are_the_default_state(self):
+        """Tutorials write h0 = torch.zeros(num_layers, x.size(0), hidden)
+        (and c0 for nn.LSTM) and pass them: nn.LSTM refused any initial
+        state and nn.GRU was unrolled. Zeros forward makes are PyTorch's
+        default state, so these are the lstm and gru ops, one a layer and
+        direction, with PyTorch's loss and gradients; nn.RNN unrolls as
+        from no state. A learnable initial state (a parameter, zeros at
+        first) is an input of the graph: nn.GRU unrolls it and its
+        gradient is PyTorch's."""
+
+        class Tutorial(nn.Module):
+            def __init__(self, rnn, new_zeros=False):
+                super().__init__()
+                self.rnn, self.new_zeros = rnn, new_zeros
+                self.fc = nn.Linear(H * (2 if rnn.bidirectional else 1), 3)
+
+            def forward(self, x):
+                d = 2 if self.rnn.bidirectional else 1
+                shape = (self.rnn.num_layers * d, x.size(0), H)
+                h0 = x.new_zeros(shape) if self.new_zeros else \
+                    torch.zeros(shape, dtype=x.dtype)
+                if isinstance(self.rnn, nn.LSTM):
+                    out, _ = self.rnn(x, (h0, torch.zeros_like(h0)))
+                else:
+                    out, _ = self.rnn(x, h0)
+                y = self.fc(out[:, -1])
+                return (y * y).sum()
+
+        for cls, kwargs, op, new_zeros in (
+                (nn.LSTM, {"num_layers": 2}, "lstm", False),
+                (nn.LSTM, {"bidirectional": True}, "lstm", True),
+                (nn.GRU, {"num_layers": 2, "bidirectional": True}, "gru",
+                 False),
+                (nn.GRU, {}, "gru", True),
+                (nn.RNN, {"num_layers": 2}, None, False)):
+            with self.subTest(module=cls.__name__, new_zeros=new_zeros,
+                              **kwargs):
+                torch.manual_seed(2)
+                m = Tutorial(cls(I, H, batch_first=True, **kwargs),
+                             new_zeros).double()
+                x = torch.randn(B, S, I, dtype=torch.float64)
+                g, _ = self.assert_loss_and_gradients(m, {"x": x},
+                                                      tol=1e-10)
+                types = [o["type"] for o in g["ops"]]
+                d = 2 if m.rnn.bidirectional else 1
+                if op is None:
+                    self.assertNotIn("gru", types)
+                    self.assertNotIn("lstm", types)
+                    continue
+                self.assertEqual(types.count(op), m.rnn.num_layers * d)
+                self.assertEqual(
+                    [o for o in g["ops"] if ".t1." in o["name"]], [])
+
+        class LearnedStart(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gru = nn.GRU(I, H, batch_first=True)
+                self.h0 = nn.Parameter(torch.zeros(1, 1, H))
+
+            def forward(self, x):
+                out, _ = self.gru(x, self.h0.expand(1, x.size(0), H)
+                                  .contiguous())
+                return (out * out).sum()
+
+        torch.manual_seed(3)
+        m = LearnedStart().double()
+        x = torch.randn(B, S, I, dtype=torch.float64)
+        with torch.no_grad():
+            m.h0.normal_()  # its gradient is checked where it is not zero
+        g, _ = self.assert_loss_and_gradients(m, {"x": x}, tol=1e-10)
+        types = [o["type"] for o in g["ops"]]
+        self.assertNotIn("gru", types)
+        with torch.no_grad():
+            m.h0.zero_()  # zeros, but a parameter: still the graph's input
+        g, _ = self.assert_loss_and_gradients(m, {"x": x}, tol=1e-10)
+        self.assertNotIn("gru", [o["type"] for o in g["ops"]])
+        self.assertIn("h0", {p["tensor"]["name"] for p in g["parameters"]})
+
     def test_one_step_and_the_graph_it_unrolls_into(self):
         """A sequence of one step from the zero state: nn.GRU is one gru
         op; nn.RNN is the input projection, the zero state's hidden
@@ -167,14 +245,14 @@ class ExportRnnTest(ExportTestCase):
                 return self.gru(x[0])[0].sum()
 
         class Long(nn.Module):
-            """Given h_0, nn.GRU is still unrolled."""
+            """Given an h_0 other than zeros, nn.GRU is still unrolled."""
 
             def __init__(self):
                 super().__init__()
                 self.gru = nn.GRU(I, H, bidirectional=True)
 
             def forward(self, x):
-                return self.gru(x, torch.zeros(2, B, H))[0].sum()
+                return self.gru(x, torch.ones(2, B, H))[0].sum()
 
         per_step = ops_lstm.OPS_PER_STEP["GRU"]
         steps = ops_lstm.MAX_UNROLLED_OPS // (2 * per_step) + 1

@@ -1,7 +1,8 @@
 """Recurrent layers (planner/graph/ops_lstm.cc): nn.LSTM and nn.GRU as one
 lstm or gru op per layer and direction, and their final hidden state h_n;
-nn.RNN (tanh, relu), and nn.GRU given an initial state h_0 (the gru op
-starts from zeros), unrolled over the sequence into linear, add, mul, sub,
+nn.RNN (tanh, relu), and nn.GRU given an initial state h_0 other than
+zeros (the gru op starts from zeros; zeros made in forward, as tutorials
+write h0 = torch.zeros(...), are that state), unrolled over the sequence into linear, add, mul, sub,
 sigmoid, tanh, relu and layout ops (no op of their own).
 
 The unrolled graph grows with the sequence length S: per layer and
@@ -27,11 +28,32 @@ from .ir import LstmState, Static, join
 from .ops_elementwise import dropout
 
 
+def _zero_value(v):
+    """Whether `v` (an argument's value at export) is None or tensors of
+    zeros only: a constant forward made (torch.zeros(L, x.size(0), H),
+    x.new_zeros(...)), which starts the recurrence as the default state
+    does."""
+    if v is None:
+        return True
+    if isinstance(v, (tuple, list)):
+        return len(v) > 0 and all(_zero_value(u) for u in v)
+    return isinstance(v, torch.Tensor) and not v.is_meta and \
+        v.numel() > 0 and not bool(torch.any(v != 0))
+
+
 def _is_zero_state(ex, hx):
-    """Whether the initial state argument `hx` is left out (None)."""
-    return hx is None or (isinstance(hx, fx.Node) and
-                          isinstance(ex.env[hx], Static) and
-                          ex.env[hx].value is None)
+    """Whether the initial state argument `hx` is PyTorch's default zero
+    state: left out (None), or (h_0[, c_0]) known at export to be all
+    zeros, as tutorials write it (h0 = torch.zeros(num_layers, x.size(0),
+    hidden)). A state computed from the inputs or parameters is not."""
+    if hx is None:
+        return True
+    if isinstance(hx, (tuple, list)):
+        return len(hx) > 0 and all(_is_zero_state(ex, h) for h in hx)
+    if not isinstance(hx, fx.Node):
+        return _zero_value(hx)
+    v = ex.env[hx]
+    return isinstance(v, Static) and _zero_value(v.value)
 
 
 def _refuse_packed(ex, what, input_arg):
@@ -56,7 +78,8 @@ def lstm(ex, mod, path, input_arg, hx, op="lstm"):
     what = "nn.LSTM" if op == "lstm" else "nn.GRU"
     if not _is_zero_state(ex, hx):
         ex.fail(f"nn.LSTM '{path}' with an initial state (h_0, c_0) is "
-                f"not supported; only the default zero state is")
+                f"not supported; only the default zero state is (left "
+                f"out, or zeros made in forward)")
     if getattr(mod, "proj_size", 0):
         ex.fail(f"nn.LSTM '{path}' with proj_size is not supported")
     if op == "gru":
@@ -343,7 +366,7 @@ def _gru_module(ex, call):
     """The gru op from the zero state; given h_0, unrolled."""
     a = call.bound()
     if _is_zero_state(ex, a["hx"]):
-        return lstm(ex, call.mod, call.path, a["input"], None, op="gru")
+        return lstm(ex, call.mod, call.path, a["input"], a["hx"], op="gru")
     return unrolled_rnn(ex, call.mod, call.path, a["input"], a["hx"])
 
 
