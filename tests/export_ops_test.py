@@ -1011,6 +1011,62 @@ class ExportOpsTest(ExportTestCase):
             m, {"x": torch.randn(3, 4, dtype=torch.float64),
                 "labels": torch.tensor([2, 3, 2])}, tol=1e-9)
 
+    def test_pow_square_and_sqrt(self):
+        """x ** p, torch.pow, Tensor.pow, square and sqrt, which hand-written
+        transformers use (minGPT's and nanoGPT's tanh GELU with
+        torch.pow(x, 3.0), LLaMA's RMSNorm with x.pow(2).mean(-1)), were
+        refused ("operator.pow ... not supported"). Integer exponents are
+        muls (a negative one 1 / x^n through rsqrt), -0.5 is rsqrt, others
+        exp(p log x), c ** x is exp(x ln c): PyTorch's loss and gradients
+        in float64, negative bases included where PyTorch defines them."""
+
+        class PowNet(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(6, 6)
+                self.w = nn.Parameter(torch.ones(6))
+
+            def forward(self, x):
+                h = self.fc(x)  # signs of both kinds
+                gelu = 0.5 * h * (1.0 + torch.tanh(
+                    math.sqrt(2.0 / math.pi) * (h + 0.044715 *
+                                                torch.pow(h, 3.0))))
+                rms = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+                pos = h * h + 0.5
+                terms = [gelu, rms * self.w, h ** 2, h.square(), h ** 5,
+                         torch.square(h), h ** -2, pos ** 0.7,
+                         torch.sqrt(pos), pos.sqrt(), pos ** -0.5,
+                         pos.pow(-1.5), 2.0 ** h, h.pow(1)]
+                total = terms[0]
+                for i, t in enumerate(terms[1:]):
+                    total = total + t * (0.1 * (i + 1))
+                return total.sum()
+
+        torch.manual_seed(4)
+        m = PowNet().double()
+        x = torch.randn(3, 6, dtype=torch.float64)
+        g, _ = self.assert_loss_and_gradients(m, {"x": x}, tol=1e-9)
+        types = {op["type"] for op in g["ops"]}
+        self.assertTrue({"mul", "rsqrt", "exp", "log"} <= types, types)
+
+        class Refused(nn.Module):
+            def __init__(self, f):
+                super().__init__()
+                self.f = f
+
+            def forward(self, x):
+                return self.f(x).sum()
+
+        for f, needle in ((lambda x: x ** x, "tensor exponent"),
+                          (lambda x: x ** 0, "x ** 0"),
+                          (lambda x: (-2.0) ** x, "finite base > 0"),
+                          (lambda x: torch.pow(x, float("inf")),
+                           "not finite")):
+            with self.subTest(needle=needle):
+                with self.assertRaises(export_fx.ExportError) as cm:
+                    export_fx.export(Refused(f), {"x": torch.randn(2, 3)})
+                self.assertIn(needle, str(cm.exception))
+
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
         module, function or method, but for the ops listed with their reason:

@@ -179,6 +179,119 @@ def _exp_or_rsqrt_method(ex, call, x):
     return ex.op(call.node.target, [x])
 
 
+# ---- pow, square, sqrt ---------------------------------------------------
+
+
+def _integer_power(ex, x, n, name, scope):
+    """x ** n for an integer n >= 1 by repeated squaring (about 2 log2 n
+    muls): PyTorch's values for any sign of x, to rounding."""
+    result, base = None, x
+    while n:
+        if n & 1:
+            result = base if result is None else ex.emit(
+                "mul", name, [result, base], shape=x.shape, scope=scope)
+        n >>= 1
+        if n:
+            base = ex.emit("mul", name, [base, base], shape=x.shape,
+                           scope=scope)
+    return result
+
+
+def power(ex, x, p, name, scope):
+    """x ** p for a tensor x and a constant exponent p (the IR has no pow
+    op): an integer p as muls (a negative one as 1 / x^n, that is
+    x^n * rsqrt(x^2n)^2, the IR having no division by a tensor), -0.5 as
+    rsqrt, any other p as exp(p * log x). The values are PyTorch's wherever
+    it gives one: a non-integer p of a negative x is NaN in both, x = 0
+    gives 0 (p > 0) or inf (p < 0); at x = 0 the gradient of a fractional
+    or negative p is NaN where PyTorch's is inf or 0."""
+    if isinstance(p, torch.Tensor):
+        if p.numel() != 1:
+            ex.fail("pow with a tensor exponent is not supported (only a "
+                    "constant number)")
+        p = p.item()
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        ex.fail(f"pow's exponent {p!r} is not a number")
+    p = float(p)
+    if not math.isfinite(p):
+        ex.fail(f"pow's exponent {p} is not finite")
+    if p == 0:
+        ex.fail("x ** 0 is not supported (it is 1 everywhere: write the "
+                "constant)")
+    if p == 1:
+        return x
+    if p == int(p):
+        y = _integer_power(ex, x, abs(int(p)), name, scope)
+        if p > 0:
+            return y
+        yy = ex.emit("mul", name, [y, y], shape=x.shape, scope=scope)
+        r = ex.emit("rsqrt", name, [yy], shape=x.shape, scope=scope)
+        rr = ex.emit("mul", name, [r, r], shape=x.shape, scope=scope)
+        return ex.emit("mul", name, [y, rr], shape=x.shape, scope=scope)
+    if p == -0.5:
+        return ex.emit("rsqrt", name, [x], shape=x.shape, scope=scope)
+    logx = ex.emit("log", name, [x], shape=x.shape, scope=scope)
+    scaled = ex.emit("scale", name, [logx], {"factor": p}, shape=x.shape,
+                     scope=scope)
+    return ex.emit("exp", name, [scaled], shape=x.shape, scope=scope)
+
+
+def _pow(ex, call, base, exponent):
+    name, scope = ex.base_name(call.node), ex.scope_of(call.node)
+    if not ex.is_static(exponent):
+        if ex.is_static(base):
+            # c ** x = exp(x ln c) for a constant c > 0.
+            c = ex.v(base)
+            if isinstance(c, torch.Tensor) and c.numel() == 1:
+                c = c.item()
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or \
+                    not math.isfinite(c) or c <= 0:
+                ex.fail(f"{c!r} ** x is supported for a finite base > 0 "
+                        f"only")
+            x = ex.t(exponent)
+            if c == 1:
+                ex.fail("1 ** x is not supported (it is 1 everywhere: "
+                        "write the constant)")
+            scaled = ex.emit("scale", name, [x], {"factor": math.log(c)},
+                             shape=x.shape, scope=scope)
+            return ex.emit("exp", name, [scaled], shape=x.shape, scope=scope)
+        ex.fail("pow with a tensor exponent is not supported (only a "
+                "constant number)")
+    return power(ex, ex.t(base), ex.v(exponent), name, scope)
+
+
+@registry.functions(operator.pow, operator.ipow, torch.pow)
+def _pow_function(ex, call):
+    return _pow(ex, call, call.args[0], call.arg(1, "exponent"))
+
+
+@registry.methods("pow", "pow_", "__pow__")
+def _pow_method(ex, call, x):
+    return _pow(ex, call, call.args[0], call.arg(1, "exponent"))
+
+
+@registry.functions(torch.square)
+def _square(ex, call):
+    x = call.tensor(0, "input")
+    return power(ex, x, 2, ex.base_name(call.node), ex.scope_of(call.node))
+
+
+@registry.methods("square", "square_")
+def _square_method(ex, call, x):
+    return power(ex, x, 2, ex.base_name(call.node), ex.scope_of(call.node))
+
+
+@registry.functions(torch.sqrt)
+def _sqrt(ex, call):
+    x = call.tensor(0, "input")
+    return power(ex, x, 0.5, ex.base_name(call.node), ex.scope_of(call.node))
+
+
+@registry.methods("sqrt", "sqrt_")
+def _sqrt_method(ex, call, x):
+    return power(ex, x, 0.5, ex.base_name(call.node), ex.scope_of(call.node))
+
+
 # ---- log, log10, log2, log1p -----------------------------------------------
 
 # log_b(x) = ln(x) / ln(b): the natural log then a scale.
