@@ -1067,6 +1067,45 @@ class ExportOpsTest(ExportTestCase):
                     export_fx.export(Refused(f), {"x": torch.randn(2, 3)})
                 self.assertIn(needle, str(cm.exception))
 
+    def test_division_by_a_tensor(self):
+        """x / y, c / x, Tensor.div, torch.reciprocal: refused ("division by
+        a tensor is not supported"), so attention normalised by hand (a /
+        a.sum(-1, keepdim=True)) or x / x.norm() did not export. The IR has
+        no div op: 1 / y is y * rsqrt(y * y)^2 (sign kept). PyTorch's loss
+        and gradients in float64, broadcasting included."""
+
+        class DivNet(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(6, 6)
+                self.register_buffer("c", torch.linspace(0.5, 3.0, 6))
+
+            def forward(self, x):
+                h = self.fc(x)  # both signs, away from 0 below
+                pos = torch.exp(h)
+                terms = [pos / pos.sum(-1, keepdim=True), h / (h * h + 1.0),
+                         1.0 / (pos + 0.1), 3.0 / (pos + 0.1), h.div(pos),
+                         torch.reciprocal(pos), (pos + h * h).reciprocal(),
+                         torch.div(h, pos), self.c / (pos + 1.0)]
+                total = terms[0]
+                for i, t in enumerate(terms[1:]):
+                    total = total + t * (0.1 * (i + 1))
+                return total.sum()
+
+        torch.manual_seed(5)
+        m = DivNet().double()
+        x = torch.randn(3, 6, dtype=torch.float64)
+        g, _ = self.assert_loss_and_gradients(m, {"x": x}, tol=1e-9)
+        self.assertNotIn("div", {op["type"] for op in g["ops"]})
+
+        class Floor(nn.Module):
+            def forward(self, x):
+                return torch.div(x, x + 2.0, rounding_mode="floor").sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Floor(), {"x": torch.randn(2, 3)})
+        self.assertIn("rounding division", str(cm.exception))
+
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
         module, function or method, but for the ops listed with their reason:

@@ -182,6 +182,17 @@ def _exp_or_rsqrt_method(ex, call, x):
 # ---- pow, square, sqrt ---------------------------------------------------
 
 
+def reciprocal(ex, y, name, scope):
+    """1 / y for a tensor y (the IR has no division by a tensor): y *
+    rsqrt(y * y)^2, which keeps y's sign. PyTorch's values to rounding
+    while y * y neither overflows nor underflows (1e-19 < |y| < 1e19 in
+    float32 and bf16); 1 / 0 is NaN (PyTorch's: inf)."""
+    yy = ex.emit("mul", name, [y, y], shape=y.shape, scope=scope)
+    r = ex.emit("rsqrt", name, [yy], shape=y.shape, scope=scope)
+    rr = ex.emit("mul", name, [r, r], shape=y.shape, scope=scope)
+    return ex.emit("mul", name, [y, rr], shape=y.shape, scope=scope)
+
+
 def _integer_power(ex, x, n, name, scope):
     """x ** n for an integer n >= 1 by repeated squaring (about 2 log2 n
     muls): PyTorch's values for any sign of x, to rounding."""
@@ -200,7 +211,7 @@ def _integer_power(ex, x, n, name, scope):
 def power(ex, x, p, name, scope):
     """x ** p for a tensor x and a constant exponent p (the IR has no pow
     op): an integer p as muls (a negative one as 1 / x^n, that is
-    x^n * rsqrt(x^2n)^2, the IR having no division by a tensor), -0.5 as
+    `reciprocal` of x^n), -0.5 as
     rsqrt, any other p as exp(p * log x). The values are PyTorch's wherever
     it gives one: a non-integer p of a negative x is NaN in both, x = 0
     gives 0 (p > 0) or inf (p < 0); at x = 0 the gradient of a fractional
@@ -222,12 +233,7 @@ def power(ex, x, p, name, scope):
         return x
     if p == int(p):
         y = _integer_power(ex, x, abs(int(p)), name, scope)
-        if p > 0:
-            return y
-        yy = ex.emit("mul", name, [y, y], shape=x.shape, scope=scope)
-        r = ex.emit("rsqrt", name, [yy], shape=x.shape, scope=scope)
-        rr = ex.emit("mul", name, [r, r], shape=x.shape, scope=scope)
-        return ex.emit("mul", name, [y, rr], shape=x.shape, scope=scope)
+        return y if p > 0 else reciprocal(ex, y, name, scope)
     if p == -0.5:
         return ex.emit("rsqrt", name, [x], shape=x.shape, scope=scope)
     logx = ex.emit("log", name, [x], shape=x.shape, scope=scope)
@@ -268,6 +274,17 @@ def _pow_function(ex, call):
 @registry.methods("pow", "pow_", "__pow__")
 def _pow_method(ex, call, x):
     return _pow(ex, call, call.args[0], call.arg(1, "exponent"))
+
+
+@registry.functions(torch.reciprocal)
+def _reciprocal(ex, call):
+    return reciprocal(ex, call.tensor(0, "input"), ex.base_name(call.node),
+                      ex.scope_of(call.node))
+
+
+@registry.methods("reciprocal", "reciprocal_")
+def _reciprocal_method(ex, call, x):
+    return reciprocal(ex, x, ex.base_name(call.node), ex.scope_of(call.node))
 
 
 @registry.functions(torch.square)
@@ -471,6 +488,9 @@ def binary(ex, kind, a, b, alpha=1):
             return IrTensor(ta.name, ta.shape, ta.dtype, ta.causal, ta.mask,
                             shifted=shift.dim)
         ta, tb = ex.t(a), ex.t(b)
+        if kind == "div":
+            return ex.op("mul", [ta, reciprocal(ex, tb, ex.base_name(ex.node),
+                                                ex.scope_of(ex.node))])
         return ex.op(kind, [ta, tb])
     x, c, x_first = (b, a, False) if sa else (a, b, True)
     cv = ex.v(c)
@@ -490,6 +510,12 @@ def binary(ex, kind, a, b, alpha=1):
         what = (f"the buffer '{ex.pub(c.target)}'"
                 if isinstance(c, fx.Node) and c.op == "get_attr"
                 else f"'{getattr(c, 'name', c)}'")
+        if kind == "div" and not x_first:
+            # c / x: c * (1 / x).
+            ct = ex.const(cv, xt, what) if not cv.is_floating_point() \
+                else ex.t(c)
+            return ex.op("mul", [ct, reciprocal(ex, xt, ex.base_name(ex.node),
+                                                ex.scope_of(ex.node))])
         if kind == "div":
             # The IR has no div op (it was emitted, and `hapctl validate`
             # refused it): x * (1 / c), the reciprocal a constant too.
@@ -518,7 +544,9 @@ def binary(ex, kind, a, b, alpha=1):
                                             {"factor": cv})
     if kind == "div":
         if not x_first:
-            ex.fail("dividing a constant by a tensor is not supported")
+            # c / x: (1 / x) scaled by c.
+            r = reciprocal(ex, xt, ex.base_name(ex.node), ex.scope_of(ex.node))
+            return r if cv == 1 else ex.op("scale", [r], {"factor": cv})
         if cv == 0:
             ex.fail("divides by the constant 0")
         return xt if cv == 1 else ex.op("scale", [xt],
@@ -552,8 +580,6 @@ def _mul(ex, call):
 def _div(ex, call):
     if call.kwargs.get("rounding_mode") is not None:
         ex.fail("rounding division is not supported")
-    if not ex.is_static(call.arg(1, "other")):
-        ex.fail("division by a tensor is not supported")
     return binary(ex, "div", call.args[0], call.arg(1, "other"))
 
 
@@ -562,8 +588,8 @@ def _div(ex, call):
 def _arithmetic_method(ex, call, x):
     kind = call.node.target.strip("_")
     other = call.arg(1, "other")
-    if kind == "div" and not ex.is_static(other):
-        ex.fail("division by a tensor is not supported")
+    if kind == "div" and call.kwargs.get("rounding_mode") is not None:
+        ex.fail("rounding division is not supported")
     return binary(ex, kind, call.args[0], other,
                   ex.v(call.kwargs.get("alpha", 1)))
 
