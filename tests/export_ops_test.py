@@ -178,6 +178,15 @@ def decoded_values(init, shape):
     return torch.tensor(flat, dtype=torch.float64).reshape(shape)
 
 
+def weighted_sum(terms):
+    """The sum of every element of `terms`, the k-th term weighed by
+    0.1 k (the first by 1), so that each term's gradient differs."""
+    total = terms[0]
+    for i, t in enumerate(terms[1:]):
+        total = total + t * (0.1 * (i + 1))
+    return total.sum()
+
+
 class ExportOpsTest(ExportTestCase):
     def export(self, module, inputs, **kw):
         g = export_fx.export(module, inputs, **kw)
@@ -1037,10 +1046,7 @@ class ExportOpsTest(ExportTestCase):
                          torch.square(h), h ** -2, pos ** 0.7,
                          torch.sqrt(pos), pos.sqrt(), pos ** -0.5,
                          pos.pow(-1.5), 2.0 ** h, h.pow(1)]
-                total = terms[0]
-                for i, t in enumerate(terms[1:]):
-                    total = total + t * (0.1 * (i + 1))
-                return total.sum()
+                return weighted_sum(terms)
 
         torch.manual_seed(4)
         m = PowNet().double()
@@ -1087,10 +1093,7 @@ class ExportOpsTest(ExportTestCase):
                          1.0 / (pos + 0.1), 3.0 / (pos + 0.1), h.div(pos),
                          torch.reciprocal(pos), (pos + h * h).reciprocal(),
                          torch.div(h, pos), self.c / (pos + 1.0)]
-                total = terms[0]
-                for i, t in enumerate(terms[1:]):
-                    total = total + t * (0.1 * (i + 1))
-                return total.sum()
+                return weighted_sum(terms)
 
         torch.manual_seed(5)
         m = DivNet().double()
