@@ -1109,6 +1109,59 @@ class ExportOpsTest(ExportTestCase):
             export_fx.export(Floor(), {"x": torch.randn(2, 3)})
         self.assertIn("rounding division", str(cm.exception))
 
+    def test_1d_and_adaptive_max_pooling(self):
+        """nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveAvgPool1d,
+        nn.AdaptiveMaxPool1d/2d and their functions (audio and text CNNs,
+        a global max pooling head) were refused as unsupported modules: the
+        2-D pooling ops over the input viewed as [N, C, 1, L], and adaptive
+        max pooling as the max pooling whose windows equal PyTorch's
+        (output sizes that divide the input's). PyTorch's loss and
+        gradients in float64."""
+
+        class Pools(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv1d(3, 4, 3, padding=1)
+                self.max = nn.MaxPool1d(3, stride=2, padding=1, ceil_mode=True)
+                self.avg = nn.AvgPool1d(2)
+                self.avg_pad = nn.AvgPool1d(3, stride=2, padding=1,
+                                            count_include_pad=False)
+                self.aavg = nn.AdaptiveAvgPool1d(3)
+                self.amax = nn.AdaptiveMaxPool1d(2)
+                self.gmax = nn.AdaptiveMaxPool2d(1)
+                self.amax2 = nn.AdaptiveMaxPool2d((2, 3))
+
+            def forward(self, x):
+                h = self.conv(x)  # [2, 4, 12]
+                plane = h.view(2, 4, 2, 6)
+                return weighted_sum([
+                    self.max(h).sum(-1), self.avg(h).sum(-1),
+                    self.avg_pad(h).sum(-1), self.aavg(h).sum(-1),
+                    self.amax(h).sum(-1), F.max_pool1d(h, 2).sum(-1),
+                    F.avg_pool1d(h, 4, 2).sum(-1),
+                    F.adaptive_avg_pool1d(h, 1).sum(-1),
+                    F.adaptive_max_pool1d(h, 4).sum(-1),
+                    self.gmax(plane).flatten(1),
+                    self.amax2(plane).sum((2, 3)),
+                    F.adaptive_max_pool2d(plane, (1, 2)).sum((2, 3))])
+
+        torch.manual_seed(6)
+        m = Pools().double()
+        x = torch.randn(2, 3, 12, dtype=torch.float64)
+        g, _ = self.assert_loss_and_gradients(m, {"x": x}, tol=1e-9)
+        types = {op["type"] for op in g["ops"]}
+        self.assertTrue({"max_pool2d", "avg_pool2d",
+                         "adaptive_avg_pool2d"} <= types, types)
+
+        class Uneven(nn.Module):
+            def forward(self, x):
+                return F.adaptive_max_pool1d(x, 5).sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Uneven(), {"x": torch.randn(2, 3, 12)})
+        self.assertIn("adaptive_max_pool1d from 12 to 5 is not supported",
+                      str(cm.exception))
+
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
         module, function or method, but for the ops listed with their reason:

@@ -388,14 +388,17 @@ def _pool_function(ex, call, pool, names, defaults):
     return pool(ex, ex.t(a["input"]), *(ex.v(a[k]) for k in names[1:]))
 
 
+# F.max_pool1d/2d/3d's parameters in order, and their defaults.
+_MAX_POOL_PARAMETERS = (
+    ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+     "return_indices"],
+    {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
+     "return_indices": False})
+
+
 @registry.functions(F.max_pool2d, torch.max_pool2d)
 def _max_pool2d(ex, call):
-    return _pool_function(
-        ex, call, max_pool2d,
-        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
-         "return_indices"],
-        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
-         "return_indices": False})
+    return _pool_function(ex, call, max_pool2d, *_MAX_POOL_PARAMETERS)
 
 
 @registry.functions(F.avg_pool2d)
@@ -410,12 +413,8 @@ def _avg_pool2d(ex, call):
 
 @registry.functions(F.max_pool3d, torch.max_pool3d)
 def _max_pool3d(ex, call):
-    return _pool_function(
-        ex, call, functools.partial(max_pool2d, spatial=3),
-        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
-         "return_indices"],
-        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
-         "return_indices": False})
+    return _pool_function(ex, call, functools.partial(max_pool2d, spatial=3),
+                          *_MAX_POOL_PARAMETERS)
 
 
 @registry.functions(F.avg_pool3d)
@@ -431,6 +430,159 @@ def _avg_pool3d(ex, call):
 @registry.functions(F.adaptive_avg_pool2d)
 def _adaptive_avg_pool2d(ex, call):
     return adaptive_avg_pool2d(ex, call.tensor(0, "input"))
+
+
+# ---- 1-D pooling, adaptive max pooling, LP pooling ------------------------
+
+
+def _pool1d(ex, kind, x, attrs):
+    """A pooling of x [N, C, L] as its 2-D op (`kind`, `attrs` over the
+    [1, L] plane) of x viewed as [N, C, 1, L], viewed back."""
+    if len(x.shape) != 3:
+        ex.fail(f"{kind.replace('2d', '1d')} needs an [N, C, L] input, got "
+                f"{list(x.shape)} (unbatched input is not supported)")
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    n, c, length = x.shape
+    out = list(ex.out_shape())
+    plane = ex.reshape(name, x, (n, c, 1, length), scope)
+    y = ex.emit(kind, name, [plane], attrs, (n, c, 1, out[2]), scope=scope)
+    return ex.op("reshape", [y], {"shape": out})
+
+
+def _pool1d_attrs(kernel, stride, padding, ceil_mode):
+    """A 1-D pooling's kernel, stride (default the kernel), padding as the
+    2-D op's over a [1, L] plane."""
+    k = _axes(kernel, 1)[0]
+    s = k if stride is None or (isinstance(stride, (list, tuple)) and
+                                len(stride) == 0) else _axes(stride, 1)[0]
+    p = _axes(padding, 1)[0]
+    attrs = {"kernel": [1, k], "stride": [1, s], "padding": [0, p]}
+    if ceil_mode:
+        attrs["ceil_mode"] = True
+    return attrs, k, p
+
+
+def max_pool1d(ex, x, kernel, stride, padding, dilation, ceil_mode,
+               return_indices):
+    """nn.MaxPool1d / F.max_pool1d as max_pool2d over [N, C, 1, L]."""
+    if _axes(dilation, 1) != [1] or return_indices:
+        ex.fail("max_pool1d with dilation or return_indices is not "
+                "supported")
+    attrs, k, p = _pool1d_attrs(kernel, stride, padding, ceil_mode)
+    if 2 * p > k:
+        ex.fail("max_pool1d padding must be at most half the kernel")
+    return _pool1d(ex, "max_pool2d", x, attrs)
+
+
+def avg_pool1d(ex, x, kernel, stride, padding, ceil_mode, count_include_pad):
+    """nn.AvgPool1d / F.avg_pool1d as avg_pool2d over [N, C, 1, L]."""
+    attrs, k, p = _pool1d_attrs(kernel, stride, padding, ceil_mode)
+    if 2 * p > k:
+        ex.fail("avg_pool1d padding must be at most half the kernel")
+    if not count_include_pad:
+        attrs["count_include_pad"] = False
+    return _pool1d(ex, "avg_pool2d", x, attrs)
+
+
+def adaptive_pool1d(ex, kind, x):
+    """nn.AdaptiveAvgPool1d / AdaptiveMaxPool1d (`kind` "avg" or "max") to
+    the traced output length: the 2-D adaptive average pooling, or a max
+    pooling whose windows PyTorch's adaptive ones equal (the length a
+    multiple of the output's)."""
+    if len(x.shape) != 3:
+        ex.fail(f"adaptive_{kind}_pool1d needs an [N, C, L] input, got "
+                f"{list(x.shape)}")
+    out = ex.out_shape()[2]
+    if kind == "avg":
+        return _pool1d(ex, "adaptive_avg_pool2d", x, {"output_size": [1, out]})
+    length = x.shape[2]
+    if length % out:
+        ex.fail(f"adaptive_max_pool1d from {length} to {out} is not "
+                f"supported (an output length that divides the input's "
+                f"is)")
+    k = length // out
+    return _pool1d(ex, "max_pool2d", x,
+                   {"kernel": [1, k], "stride": [1, k], "padding": [0, 0]})
+
+
+def adaptive_max_pool2d(ex, x):
+    """nn.AdaptiveMaxPool2d to the traced output size: a max_pool2d whose
+    windows PyTorch's adaptive ones equal (each input size a multiple of
+    the output's: to 1x1, global max pooling)."""
+    if len(x.shape) != 4:
+        ex.fail(f"adaptive_max_pool2d needs an NCHW (rank-4) input, got "
+                f"{list(x.shape)}")
+    out = list(ex.out_shape())[2:]
+    if any(i % o for i, o in zip(x.shape[2:], out)):
+        ex.fail(f"adaptive_max_pool2d from {list(x.shape[2:])} to {out} is "
+                f"not supported (output sizes that divide the input's are)")
+    k = [i // o for i, o in zip(x.shape[2:], out)]
+    return ex.op("max_pool2d", [x], {"kernel": k, "stride": k,
+                                     "padding": [0, 0]})
+
+
+@registry.modules(nn.MaxPool1d)
+def _max_pool1d_module(ex, call):
+    mod = call.mod
+    return max_pool1d(ex, call.x0(), mod.kernel_size, mod.stride,
+                      mod.padding, mod.dilation, mod.ceil_mode,
+                      mod.return_indices)
+
+
+@registry.modules(nn.AvgPool1d)
+def _avg_pool1d_module(ex, call):
+    mod = call.mod
+    return avg_pool1d(ex, call.x0(), mod.kernel_size, mod.stride,
+                      mod.padding, mod.ceil_mode, mod.count_include_pad)
+
+
+@registry.functions(F.max_pool1d, torch.max_pool1d)
+def _max_pool1d(ex, call):
+    return _pool_function(ex, call, max_pool1d, *_MAX_POOL_PARAMETERS)
+
+
+@registry.functions(F.avg_pool1d, torch.avg_pool1d)
+def _avg_pool1d(ex, call):
+    return _pool_function(
+        ex, call, avg_pool1d,
+        ["input", "kernel_size", "stride", "padding", "ceil_mode",
+         "count_include_pad"],
+        {"stride": None, "padding": 0, "ceil_mode": False,
+         "count_include_pad": True})
+
+
+@registry.modules(nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)
+def _adaptive_pool1d_module(ex, call):
+    if getattr(call.mod, "return_indices", False):
+        ex.fail("adaptive_max_pool1d with return_indices is not supported")
+    kind = "avg" if isinstance(call.mod, nn.AdaptiveAvgPool1d) else "max"
+    return adaptive_pool1d(ex, kind, call.x0())
+
+
+@registry.functions(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d)
+def _adaptive_avg_pool1d(ex, call):
+    return adaptive_pool1d(ex, "avg", call.tensor(0, "input"))
+
+
+@registry.functions(F.adaptive_max_pool1d)
+def _adaptive_max_pool1d(ex, call):
+    if ex.v(call.arg(2, "return_indices", False)):
+        ex.fail("adaptive_max_pool1d with return_indices is not supported")
+    return adaptive_pool1d(ex, "max", call.tensor(0, "input"))
+
+
+@registry.modules(nn.AdaptiveMaxPool2d)
+def _adaptive_max_pool2d_module(ex, call):
+    if call.mod.return_indices:
+        ex.fail("adaptive_max_pool2d with return_indices is not supported")
+    return adaptive_max_pool2d(ex, call.x0())
+
+
+@registry.functions(F.adaptive_max_pool2d)
+def _adaptive_max_pool2d(ex, call):
+    if ex.v(call.arg(2, "return_indices", False)):
+        ex.fail("adaptive_max_pool2d with return_indices is not supported")
+    return adaptive_max_pool2d(ex, call.tensor(0, "input"))
 
 
 def adaptive_avg_pool3d(ex, x):
