@@ -194,6 +194,68 @@ class ExportRnnTest(ExportTestCase):
         self.assertNotIn("gru", [o["type"] for o in g["ops"]])
         self.assertIn("h0", {p["tensor"]["name"] for p in g["parameters"]})
 
+    def test_cells_step_as_pytorch(self):
+        """nn.RNNCell (tanh, relu), nn.GRUCell and nn.LSTMCell (decoders
+        that step a cell in a loop) were refused as unsupported modules.
+        Each call is one step of the unrolled form: PyTorch's loss and
+        gradients in float64 from no state, from zeros made in forward, from
+        a given state (an input), over a loop that feeds each step's state
+        to the next (an LSTMCell's h and c both used), with and without
+        bias."""
+
+        class Loop(nn.Module):
+            def __init__(self, cell, start):
+                super().__init__()
+                self.cell, self.start = cell, start
+                self.lstm = isinstance(cell, nn.LSTMCell)
+                self.probe = nn.Parameter(torch.randn(S, B, H))
+
+            def forward(self, x, h0):
+                if self.start == "none":
+                    state = None
+                elif self.start == "zeros":
+                    z = torch.zeros(x.size(0), H, dtype=x.dtype)
+                    state = (z, z) if self.lstm else z
+                else:
+                    state = (h0, h0 * 0.5) if self.lstm else h0
+                total = 0
+                for t in range(S):
+                    state = self.cell(x[:, t], state)
+                    h = state[0] if self.lstm else state
+                    total = total + (h * self.probe[t]).sum()
+                    if self.lstm:
+                        total = total + (state[1] * self.probe[t]).sum() * 0.3
+                return total
+
+        for cls, kwargs in ((nn.RNNCell, {}),
+                            (nn.RNNCell, {"nonlinearity": "relu",
+                                          "bias": False}),
+                            (nn.GRUCell, {}), (nn.GRUCell, {"bias": False}),
+                            (nn.LSTMCell, {}), (nn.LSTMCell, {"bias": False})):
+            for start in ("none", "zeros", "given"):
+                with self.subTest(cell=cls.__name__, start=start, **kwargs):
+                    torch.manual_seed(7)
+                    m = Loop(cls(I, H, **kwargs), start).double()
+                    inputs = {"x": torch.randn(B, S, I, dtype=torch.float64),
+                              "h0": torch.randn(B, H, dtype=torch.float64)}
+                    g, _ = self.assert_loss_and_gradients(m, inputs,
+                                                          tol=1e-10)
+                    params = {p["tensor"]["name"] for p in g["parameters"]}
+                    self.assertIn("cell.weight_hh", params)
+
+        class Unbatched(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.cell = nn.GRUCell(I, H)
+
+            def forward(self, x):
+                return self.cell(x[0]).sum()
+
+        with self.assertRaises(export_fx.ExportError) as cm:
+            export_fx.export(Unbatched(), {"x": torch.randn(B, I)})
+        self.assertIn("nn.GRUCell 'cell': input [5] must have rank 2",
+                      str(cm.exception))
+
     def test_one_step_and_the_graph_it_unrolls_into(self):
         """A sequence of one step from the zero state: nn.GRU is one gru
         op; nn.RNN is the input projection, the zero state's hidden

@@ -354,6 +354,92 @@ def unrolled_rnn(ex, mod, path, input_arg, hx):
     return (x, RnnState(path, finals, f"nn.{type(mod).__name__}"))
 
 
+# ---- nn.RNNCell, nn.GRUCell, nn.LSTMCell: one step -------------------------
+
+
+def _cell_state(ex, part):
+    """An LSTMCell/GRUCell/RNNCell state argument (an fx node, a value held
+    for one, or None) as an IrTensor, or None for PyTorch's zero state."""
+    if part is None or (isinstance(part, fx.Node) and
+                        _is_zero_state(ex, part)):
+        return None
+    return part if not isinstance(part, fx.Node) else ex.t(part)
+
+
+def _lstm_cell_step(unroll, name, xt, h, c, w_hh, b_hh, hp0):
+    """PyTorch's LSTM cell, gates (i, f, g, o): c' = f * c + i * g, h' = o *
+    tanh(c'), from the step's input projection xt [B, 4H]; h or c None for
+    the zero state. Returns (h', c')."""
+    at = functools.partial(join, name)
+    B, H = xt.shape[0], unroll.H
+    if h is not None:
+        ins = [h, w_hh] + ([b_hh] if b_hh is not None else [])
+        hp = unroll.op("linear", at("hh"), ins, (B, 4 * H))
+    else:
+        hp = b_hh if hp0 is None else hp0
+    pre = xt if hp is None else unroll.op("add", at("add"), [xt, hp],
+                                          (B, 4 * H))
+    gate = {}
+    for k, (what, act) in enumerate((("i", "sigmoid"), ("f", "sigmoid"),
+                                     ("g", "tanh"), ("o", "sigmoid"))):
+        cols = unroll.cols(at(f"{what}_pre"), pre, k * H, (k + 1) * H)
+        gate[what] = unroll.op(act, at(what), [cols], (B, H))
+    c2 = unroll.op("mul", at("i_g"), [gate["i"], gate["g"]], (B, H))
+    if c is not None:
+        fc = unroll.op("mul", at("f_c"), [gate["f"], c], (B, H))
+        c2 = unroll.op("add", at("c"), [fc, c2], (B, H))
+    tc = unroll.op("tanh", at("tanh_c"), [c2], (B, H))
+    return unroll.op("mul", at("h"), [gate["o"], tc], (B, H)), c2
+
+
+@registry.modules(nn.RNNCell, nn.GRUCell, nn.LSTMCell)
+def _cell_module(ex, call):
+    """One step of nn.RNNCell (tanh, relu), nn.GRUCell or nn.LSTMCell: the
+    input projection (a linear), the hidden one (a linear of the state, or
+    its bias alone from the zero state) and the gates, as the unrolled
+    nn.RNN and nn.GRU steps are. Returns h' ((h', c') for nn.LSTMCell)."""
+    mod = call.mod
+    what = f"nn.{type(mod).__name__} '{call.path}'"
+    a = call.bound()
+    x = ex.t(a["input"])
+    if len(x.shape) != 2:
+        ex.fail(f"{what}: input {list(x.shape)} must have rank 2 [batch, "
+                f"features] (unbatched input is not supported)")
+    if isinstance(mod, nn.LSTMCell):
+        kind, G = "LSTM", 4
+    elif isinstance(mod, nn.GRUCell):
+        kind, G = "GRU", 3
+    else:
+        kind, G = mod.nonlinearity, 1
+    B, H = x.shape[0], mod.hidden_size
+    hx = a["hx"]
+    if isinstance(hx, fx.Node) and isinstance(ex.env[hx], (tuple, list)):
+        hx = tuple(ex.env[hx])  # (h, c) another cell returned
+    if kind == "LSTM":
+        h, c = (None, None) if hx is None else \
+            (_cell_state(ex, hx[0]), _cell_state(ex, hx[1]))
+    else:
+        h, c = _cell_state(ex, hx), None
+    for state in (h, c):
+        if state is not None and tuple(state.shape) != (B, H):
+            ex.fail(f"{what}: state {list(state.shape)} must be [{B}, {H}]")
+    name, scope = ex.base_name(call.node), ex.scope_of(call.node)
+    at = functools.partial(join, name)
+    w_ih, w_hh = ex.param(mod.weight_ih), ex.param(mod.weight_hh)
+    b_ih = ex.param(mod.bias_ih) if mod.bias else None
+    b_hh = ex.param(mod.bias_hh) if mod.bias else None
+    unroll = _Unroll(ex, kind, scope, H)
+    ins = [x, w_ih] + ([b_ih] if b_ih is not None else [])
+    xt = unroll.op("linear", at("ih"), ins, (B, G * H))
+    # From the zero state no op reads W_hh: its zero gradient comes from a
+    # linear of a zero constant (see zero_state_projection).
+    hp0 = unroll.zero_state_projection(at("h0"), xt, w_hh, b_hh) \
+        if h is None else None
+    if kind == "LSTM":
+        return _lstm_cell_step(unroll, at("step"), xt, h, c, w_hh, b_hh, hp0)
+    return unroll.step(at("step"), xt, h, w_hh, b_hh, hp0)
+
+
 # nn.LSTM is an nn.RNNBase: the MRO lookup finds it first.
 @registry.modules(nn.LSTM)
 def _lstm_module(ex, call):
