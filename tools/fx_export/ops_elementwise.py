@@ -19,7 +19,9 @@ from .tracing import is_stochastic_depth
 
 def activation(ex, act, name, x, scope):
     """The IR op of activation `act`: a function (F.relu ...) or a module
-    (nn.ReLU() ..., e.g. a transformer layer's activation)."""
+    (nn.ReLU() ..., e.g. a transformer layer's activation); the activations
+    that are no IR op (nn.LeakyReLU, nn.GELU(approximate='tanh') ...) as
+    their composition (composed_activation)."""
     kind = None
     if act in (F.relu, torch.relu) or isinstance(act, nn.ReLU):
         kind = "relu"
@@ -41,14 +43,20 @@ def activation(ex, act, name, x, scope):
     elif act is F.hardswish or isinstance(act, nn.Hardswish):
         kind = "hardswish"
     if kind is None:
+        composed = composed_activation(act)
+        if composed is not None:
+            return composed(Emitter(ex, name, scope), x)
         ex.fail(f"activation {act!r} is not supported (relu, gelu, "
-                f"sigmoid, tanh, silu, relu6, hardsigmoid, "
-                f"hardswish)")
+                f"sigmoid, tanh, silu, relu6, hardsigmoid, hardswish, "
+                f"leaky_relu, elu, selu, celu, softplus, mish, logsigmoid, "
+                f"softsign, tanhshrink)")
     return ex.emit(kind, name, [x], None, x.shape, scope=scope)
 
 
 @registry.modules(nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh, nn.SiLU, nn.ReLU6,
-                  nn.Hardsigmoid, nn.Hardswish)
+                  nn.Hardsigmoid, nn.Hardswish, nn.LeakyReLU, nn.ELU, nn.SELU,
+                  nn.CELU, nn.Softplus, nn.Mish, nn.LogSigmoid, nn.Softsign,
+                  nn.Tanhshrink)
 def _activation_module(ex, call):
     return activation(ex, call.mod, call.name, call.x0(), call.scope)
 
@@ -67,9 +75,14 @@ def _relu(ex, call):
 
 @registry.functions(F.gelu)
 def _gelu(ex, call):
-    if call.value(1, "approximate", "none") != "none":
-        ex.fail("gelu(approximate='tanh') is not supported (the IR's "
-                "gelu is the exact erf form)")
+    approximate = call.value(1, "approximate", "none")
+    if approximate == "tanh":
+        return gelu_tanh(Emitter(ex, ex.base_name(call.node),
+                                 ex.scope_of(call.node)),
+                         call.tensor(0, "input"))
+    if approximate != "none":
+        ex.fail(f"gelu(approximate={approximate!r}) is not supported "
+                f"('none' and 'tanh' are)")
     return _activation_function(ex, call, F.gelu)
 
 
@@ -164,6 +177,247 @@ def _tanh(ex, call):
 @registry.methods("relu", "sigmoid", "tanh")
 def _activation_method(ex, call, x):
     return ex.op(call.node.target, [x])
+
+
+# ---- activations composed of IR ops ----------------------------------------
+
+
+class Emitter:
+    """Emits the element-wise ops of one node (its name and scope), each
+    output of the inputs' broadcast shape."""
+
+    def __init__(self, ex, name, scope):
+        self.ex, self.name, self.scope = ex, name, scope
+
+    def __call__(self, kind, *inputs, **attrs):
+        shape = tuple(torch.broadcast_shapes(*(tuple(t.shape)
+                                               for t in inputs)))
+        return self.ex.emit(kind, self.name, list(inputs), attrs or None,
+                            shape=shape, scope=self.scope)
+
+    def scale(self, x, factor):
+        """factor * x (x itself for 1)."""
+        return x if factor == 1 else self("scale", x, factor=float(factor))
+
+    def plus(self, x, c):
+        """x + the constant c (x itself for 0)."""
+        return x if c == 0 else self("add", x, self.ex.const(float(c), x))
+
+    def abs(self, x):
+        """|x| as relu(x) + relu(-x): PyTorch's values, and its gradient
+        sign(x) (0 at 0)."""
+        return self("add", self("relu", x),
+                    self("relu", self.scale(x, -1)))
+
+    def reduce(self, x, reduction):
+        """A loss's reduction of its element-wise terms x: 'none' (x),
+        'mean', 'sum' or 'batchmean' (the sum over the first dim's size)."""
+        if reduction == "none":
+            return x
+        if reduction == "batchmean":
+            total = self.ex.emit("sum", self.name, [x], None, (),
+                                 scope=self.scope)
+            return self.scale(total, 1.0 / x.shape[0]) if x.shape else total
+        return self.ex.emit(reduction, self.name, [x], None, (),
+                            scope=self.scope)
+
+
+def abs_(c, x):
+    return c.abs(x)
+
+
+def maximum(c, a, b):
+    """max(a, b) = b + relu(a - b) (at a tie the gradient goes to b; PyTorch
+    halves it between the two, a set of measure zero)."""
+    return c("add", b, c("relu", c("sub", a, b)))
+
+
+def minimum(c, a, b):
+    """min(a, b) = a - relu(a - b) (a tie as maximum's)."""
+    return c("sub", a, c("relu", c("sub", a, b)))
+
+
+def softplus(c, x, beta=1.0, threshold=20.0):
+    """log(1 + exp(beta x)) / beta in its stable form 0.5 (z + |z|) +
+    log(1 + exp(-|z|)) for z = beta x (0.5 (z + |z|) is relu(z) exactly,
+    and its gradient 0.5 at z = 0 makes the whole gradient sigmoid(z)
+    there too). PyTorch returns x itself where z > threshold: the
+    composition is log(1 + exp(-z)) / beta above it there, under
+    exp(-20) / beta = 2.1e-9 / beta for the default 20 (below float32's
+    rounding of values > 20 / beta); a threshold under 20 is refused."""
+    if beta <= 0 or not math.isfinite(beta):
+        c.ex.fail(f"softplus with beta={beta} is not supported (a finite "
+                  f"beta > 0)")
+    if threshold < 20:
+        c.ex.fail(f"softplus with threshold={threshold} is not supported "
+                  f"(>= 20: PyTorch's linear part above the threshold "
+                  f"differs from the smooth composition by up to "
+                  f"log(1 + exp(-threshold)) / beta)")
+    z = c.scale(x, beta)
+    a = c.abs(z)
+    tail = c("log", c.plus(c("exp", c.scale(a, -1)), 1.0))
+    y = c("add", c.scale(c("add", z, a), 0.5), tail)
+    return c.scale(y, 1.0 / beta)
+
+
+def leaky_relu(c, x, slope=0.01):
+    """relu(x) + slope * (x - relu(x)): PyTorch's values exactly, and its
+    gradient (slope at 0)."""
+    r = c("relu", x)
+    return c("add", r, c.scale(c("sub", x, r), slope))
+
+
+def elu(c, x, alpha=1.0, input_scale=1.0, output_scale=1.0):
+    """PyTorch's elu: output_scale * (relu(x) + alpha * (exp(input_scale *
+    min(x, 0)) - 1)) with min(x, 0) = x - relu(x); its values and gradient
+    (at 0 too). selu and celu are elus."""
+    r = c("relu", x)
+    e = c("exp", c.scale(c("sub", x, r), input_scale))
+    y = c("add", r, c.scale(c.plus(e, -1.0), alpha))
+    return c.scale(y, output_scale)
+
+
+# torch/nn/functional.py's and ATen's selu constants.
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def selu(c, x):
+    return elu(c, x, _SELU_ALPHA, 1.0, _SELU_SCALE)
+
+
+def celu(c, x, alpha=1.0):
+    """max(0, x) + min(0, alpha (exp(x / alpha) - 1)): elu with input scale
+    1 / alpha (PyTorch's gradient takes 1 / alpha rounded to float32, a
+    relative 1e-8 from this exact one where that rounds)."""
+    if alpha == 0:
+        c.ex.fail("celu with alpha=0 is not supported (PyTorch refuses it)")
+    return elu(c, x, alpha, 1.0 / alpha)
+
+
+def mish(c, x):
+    """x * tanh(softplus(x))."""
+    return c("mul", x, c("tanh", softplus(c, x)))
+
+
+def logsigmoid(c, x):
+    """log(sigmoid(x)) = -softplus(-x), stable for any x."""
+    return c.scale(softplus(c, c.scale(x, -1)), -1)
+
+
+def softsign(c, x):
+    """x / (1 + |x|), the division as `reciprocal`."""
+    return c("mul", x, reciprocal(c.ex, c.plus(c.abs(x), 1.0), c.name,
+                                  c.scope))
+
+
+def tanhshrink(c, x):
+    """x - tanh(x)."""
+    return c("sub", x, c("tanh", x))
+
+
+def gelu_tanh(c, x):
+    """gelu(approximate='tanh'), PyTorch's formula: 0.5 x (1 + tanh(sqrt(2 /
+    pi) (x + 0.044715 x^3)))."""
+    cube = power(c.ex, x, 3, c.name, c.scope)
+    inner = c("add", x, c.scale(cube, 0.044715))
+    t = c("tanh", c.scale(inner, math.sqrt(2.0 / math.pi)))
+    return c.scale(c("mul", x, c.plus(t, 1.0)), 0.5)
+
+
+def composed_activation(act):
+    """fn(c, x) composing activation `act` (a module, or a function with
+    its default arguments) of IR ops, or None."""
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return gelu_tanh
+    if isinstance(act, nn.LeakyReLU):
+        return lambda c, x: leaky_relu(c, x, act.negative_slope)
+    if isinstance(act, nn.ELU):
+        return lambda c, x: elu(c, x, act.alpha)
+    if isinstance(act, nn.CELU):
+        return lambda c, x: celu(c, x, act.alpha)
+    if isinstance(act, nn.Softplus):
+        return lambda c, x: softplus(c, x, act.beta, act.threshold)
+    for cls, fn in ((nn.SELU, selu), (nn.Mish, mish),
+                    (nn.LogSigmoid, logsigmoid), (nn.Softsign, softsign),
+                    (nn.Tanhshrink, tanhshrink)):
+        if isinstance(act, cls):
+            return fn
+    return _COMPOSED_FUNCTIONS.get(act, (None,))[0]
+
+
+# function -> (composition, [(its argument, position, default)]).
+_COMPOSED_FUNCTIONS = {
+    F.leaky_relu: (leaky_relu, [("negative_slope", 1, 0.01)]),
+    F.elu: (elu, [("alpha", 1, 1.0)]),
+    F.selu: (selu, []), torch.selu: (selu, []),
+    F.celu: (celu, [("alpha", 1, 1.0)]),
+    torch.celu: (celu, [("alpha", 1, 1.0)]),
+    F.softplus: (softplus, [("beta", 1, 1.0), ("threshold", 2, 20.0)]),
+    F.mish: (mish, []), F.logsigmoid: (logsigmoid, []),
+    F.softsign: (softsign, []), F.tanhshrink: (tanhshrink, []),
+}
+
+
+@registry.functions(*_COMPOSED_FUNCTIONS)
+def _composed_function(ex, call):
+    fn, params = _COMPOSED_FUNCTIONS[call.node.target]
+    args = [call.value(i, name, default) for name, i, default in params]
+    return fn(Emitter(ex, ex.base_name(call.node), ex.scope_of(call.node)),
+              call.tensor(0, "input"), *args)
+
+
+# operator.abs: abs(x), which fx records from torch 2 on.
+@registry.functions(torch.abs, operator.abs)
+def _abs(ex, call):
+    return abs_(Emitter(ex, ex.base_name(call.node), ex.scope_of(call.node)),
+                call.tensor(0, "input"))
+
+
+@registry.methods("abs", "abs_")
+def _abs_method(ex, call, x):
+    return abs_(Emitter(ex, ex.base_name(call.node), ex.scope_of(call.node)),
+                x)
+
+
+def _maximum_or_minimum(ex, call, kind, a, b):
+    fn = maximum if kind == "maximum" else minimum
+    return fn(Emitter(ex, ex.base_name(call.node), ex.scope_of(call.node)),
+              ex.t(a), ex.t(b))
+
+
+@registry.functions(torch.maximum, torch.minimum)
+def _maximum_function(ex, call):
+    return _maximum_or_minimum(ex, call, call.node.target.__name__,
+                               call.arg(0, "input"), call.arg(1, "other"))
+
+
+@registry.methods("maximum", "minimum")
+def _maximum_method(ex, call, x):
+    return _maximum_or_minimum(ex, call, call.node.target, call.args[0],
+                               call.arg(1, "other"))
+
+
+def softmin(ex, x, dim, dtype=None):
+    """softmin(x) = softmax(-x) over dim."""
+    # ops_normalization imports nothing of this module, but keeps its
+    # softmax beside the others.
+    from .ops_normalization import _same_dtype, softmax  # noqa: PLC0415
+    _same_dtype(ex, "softmin", dtype, x)
+    neg = ex.emit("scale", ex.base_name(ex.node), [x], {"factor": -1.0},
+                  shape=x.shape, scope=ex.scope_of(ex.node))
+    return softmax(ex, "softmax", neg, dim)
+
+
+@registry.modules(nn.Softmin)
+def _softmin_module(ex, call):
+    return softmin(ex, call.x0(), call.mod.dim)
+
+
+@registry.functions(F.softmin)
+def _softmin(ex, call):
+    return softmin(ex, call.tensor(0, "input"), call.value(1, "dim", None),
+                   call.value(3, "dtype", None))
 
 
 # ---- exp, rsqrt, clamp, normalize ------------------------------------------
