@@ -1,6 +1,8 @@
 """Matrix products (planner/graph/ops_linear.cc): linear in PyTorch's layout
-(nn.Linear, F.linear), (batched) matmul (@, torch.matmul, torch.bmm), and
-torch.einsum as matmuls, broadcasting muls, sums and layout ops."""
+(nn.Linear, F.linear), (batched) matmul (@, torch.matmul, torch.bmm),
+torch.addmm and torch.baddbmm (a matmul, scales and an add), torch.outer
+(torch.ger: a broadcasting mul), and torch.einsum as matmuls, broadcasting
+muls, sums and layout ops."""
 
 import collections
 import math
@@ -78,6 +80,79 @@ def _matmul_method(ex, call, x):
 @registry.methods("bmm")
 def _bmm_method(ex, call, x):
     return matmul(ex, x, call.tensor(1, "mat2"), batched=True)
+
+
+def _number(ex, v, what):
+    """addmm's beta or alpha: a finite number."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+            not math.isfinite(v):
+        ex.fail(f"{what} {v!r} is not a finite number")
+    return float(v)
+
+
+def add_product(ex, bias, a, b, beta, alpha, batched, what):
+    """beta * bias + alpha * (a @ b) (torch.addmm, torch.baddbmm): a matmul,
+    scales for beta and alpha other than 1, and an add (bias broadcasts);
+    beta = 0 leaves bias out, as PyTorch does (its NaNs too)."""
+    beta, alpha = _number(ex, beta, f"{what}'s beta"), \
+        _number(ex, alpha, f"{what}'s alpha")
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    out = tuple(ex.out_shape())
+    y = matmul(ex, a, b, batched)
+    if alpha != 1:
+        y = ex.emit("scale", name, [y], {"factor": alpha}, shape=out,
+                    scope=scope)
+    if beta == 0:
+        return y
+    c = ex.t(bias)
+    if beta != 1:
+        c = ex.emit("scale", name, [c], {"factor": beta}, shape=c.shape,
+                    scope=scope)
+    return ex.emit("add", name, [y, c], shape=out, scope=scope)
+
+
+def _add_product_call(ex, call, bias):
+    """torch.addmm(input, mat1, mat2, *, beta, alpha), baddbmm (batch1,
+    batch2) and their methods (input the receiver)."""
+    f = call.node.target
+    batched = f in (torch.baddbmm, "baddbmm")
+    names = ("batch1", "batch2") if batched else ("mat1", "mat2")
+    what = f"Tensor.{f}" if isinstance(f, str) else f"torch.{f.__name__}"
+    return add_product(ex, bias, call.tensor(1, names[0]),
+                       call.tensor(2, names[1]), call.value(3, "beta", 1),
+                       call.value(4, "alpha", 1), batched, what)
+
+
+@registry.functions(torch.addmm, torch.baddbmm)
+def _addmm(ex, call):
+    return _add_product_call(ex, call, call.arg(0, "input"))
+
+
+@registry.methods("addmm", "baddbmm", tensor_self=False)
+def _addmm_method(ex, call):
+    return _add_product_call(ex, call, call.args[0])
+
+
+def outer(ex, a, b):
+    """a[n] outer b[m]: a as [n, 1] times b as [1, m] (a broadcasting
+    mul)."""
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    col = ex.reshape(f"{name}_a", a, (a.shape[0], 1), scope)
+    row = ex.reshape(f"{name}_b", b, (1, b.shape[0]), scope)
+    return ex.emit("mul", name, [col, row], shape=(a.shape[0], b.shape[0]),
+                   scope=scope)
+
+
+@registry.functions(torch.outer, torch.ger)
+def _outer(ex, call):
+    return outer(ex, call.tensor(0, "input"), call.tensor(1, "vec2"))
+
+
+@registry.methods("outer", "ger")
+def _outer_method(ex, call, x):
+    return outer(ex, x, call.tensor(1, "vec2"))
 
 
 # ---- einsum ----------------------------------------------------------------

@@ -2,10 +2,13 @@
 (view, unsqueeze, squeeze, unflatten, nn.Unflatten), transpose and permute
 (.T, .mT, .t(), swapaxes, swapdims), flatten, indexing and slicing (x[...]),
 concat and stack,
-split, chunk and unbind, expand and repeat_interleave (int repeats), the no-ops (nn.Identity, contiguous, clone, a cast
-to the same dtype), and the embedding lookup (nn.Embedding, F.embedding),
-which the planner also counts as a layout op."""
+split, chunk and unbind, expand, repeat and repeat_interleave (int
+repeats), flip, the no-ops (nn.Identity, contiguous, clone, a cast to the
+same dtype), and the embedding lookup (nn.Embedding, F.embedding), which the
+planner also counts as a layout op; and the selections by a constant mask:
+tril, triu and torch.where (a multiplication by the 0/1 mask)."""
 
+import math
 import operator
 
 import torch
@@ -14,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import registry
-from .ir import IrTensor, LstmState, Static, ir_dtype
+from .ir import IrTensor, LstmState, Static, ir_dtype, is_causal_mask
+from .ops_attention import _masked_fill_method
 from .ops_lstm import lstm_state
 
 # ---- reshape ---------------------------------------------------------------
@@ -320,7 +324,8 @@ def gather_rows(ex, table, index, name, scope):
 # ---- padding and rolling ---------------------------------------------------
 
 
-def take_along(ex, x, axis, indices, name, scope):
+def take_along(ex, x, axis, indices, name, scope,
+               what="the one-hot matrix of a padding"):
     """The elements `indices` (constants) of x along `axis`: a matmul by a
     constant one-hot matrix [size, len(indices)] with the axis last (moved
     there and back by transposes), so each picked element's gradient goes
@@ -332,7 +337,7 @@ def take_along(ex, x, axis, indices, name, scope):
     perm = list(range(rank))
     perm[axis], perm[-1] = perm[-1], perm[axis]
     t = ex.transpose(name, x, perm, scope)
-    k = ex.const(pick, x, "the one-hot matrix of a padding")
+    k = ex.const(pick, x, what)
     t = ex.emit("matmul", name, [t, k], shape=t.shape[:-1] + (len(indices),),
                 scope=scope)
     return ex.transpose(name, t, perm, scope)
@@ -488,6 +493,73 @@ def _roll(ex, call):
 def _roll_method(ex, call, x):
     return roll(ex, x, call.value(1, "shifts"), call.value(2, "dims", None),
                 ex.base_name(call.node), ex.scope_of(call.node))
+
+
+# Flipping a dim is a matmul by a constant [n, n] anti-identity: one op
+# (and two transposes) whatever n, where slices and a concat would take n + 1
+# ops; the constant grows with the square, so long dims are refused.
+FLIP_LIMIT = 4096
+
+
+def flip(ex, x, dims, what):
+    """x reversed along each of `dims` (take_along with the indices
+    n - 1, ..., 0: a matmul by the constant anti-identity)."""
+    if isinstance(dims, int):
+        dims = [dims]
+    rank = len(x.shape)
+    axes = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or \
+                not -rank <= d < rank:
+            ex.fail(f"{what} over dim {d!r} of a rank-{rank} tensor")
+        axes.append(d % rank)
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    cur = x
+    for axis in axes:
+        n = x.shape[axis]
+        if n > FLIP_LIMIT:
+            ex.fail(f"{what} of a dim of {n} elements is not supported (at "
+                    f"most {FLIP_LIMIT}: it is a matmul by a constant "
+                    f"[{n}, {n}] anti-identity)")
+        if n > 1:
+            cur = take_along(ex, cur, axis, list(range(n - 1, -1, -1)), name,
+                             scope, what=f"the anti-identity of {what}")
+    return cur
+
+
+def _varargs(call, keyword):
+    """A method's int varargs (x.flip(0, 1)), one list of them
+    (x.flip([0, 1])) or the keyword `keyword`."""
+    args = list(call.args[1:])
+    if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)):
+        return list(args[0])
+    if not args and keyword in call.kwargs:
+        return call.kwargs[keyword]
+    return args
+
+
+@registry.functions(torch.flip)
+def _flip(ex, call):
+    return flip(ex, call.tensor(0, "input"), call.value(1, "dims"),
+                "torch.flip")
+
+
+@registry.methods("flip")
+def _flip_method(ex, call, x):
+    return flip(ex, x, ex.v(_varargs(call, "dims")), "Tensor.flip")
+
+
+@registry.functions(torch.fliplr, torch.flipud)
+def _fliplr_ud(ex, call):
+    f = call.node.target
+    return flip(ex, call.tensor(0, "input"), [1 if f is torch.fliplr else 0],
+                f"torch.{f.__name__}")
+
+
+@registry.methods("fliplr", "flipud")
+def _fliplr_ud_method(ex, call, x):
+    f = call.node.target
+    return flip(ex, x, [1 if f == "fliplr" else 0], f"Tensor.{f}")
 
 
 # ---- concat, stack, split --------------------------------------------------
@@ -674,6 +746,153 @@ def _repeat_interleave(ex, call):
 def _repeat_interleave_method(ex, call, x):
     return repeat_interleave(ex, x, call.value(1, "repeats"),
                              call.value(2, "dim", None), None)
+
+
+def repeat(ex, x, sizes):
+    """x.repeat(*sizes): x (with leading dims of 1 for extra sizes) viewed
+    with a dim of 1 before each dim, expanded to the repeat counts there,
+    merged back (a reshape, an expand, a reshape)."""
+    sizes = list(sizes)
+    rank = len(x.shape)
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1
+           for r in sizes):
+        ex.fail(f"Tensor.repeat{tuple(sizes)}: the repeats must be ints "
+                f">= 1 (an empty result is not supported)")
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    shape = [1] * (len(sizes) - rank) + list(x.shape)
+    out = tuple(r * d for r, d in zip(sizes, shape))
+    if all(r == 1 for r in sizes):
+        return ex.reshape(name, x, out, scope)
+    one = [n for d in shape for n in (1, d)]
+    wide = [n for r, d in zip(sizes, shape) for n in (r, d)]
+    t = ex.reshape(f"{name}_axes", x, one, scope)
+    t = ex.emit("expand", name, [t], {"shape": wide}, shape=tuple(wide),
+                scope=scope)
+    return ex.reshape(name, t, out, scope)
+
+
+@registry.methods("repeat")
+def _repeat_method(ex, call, x):
+    return repeat(ex, x, ex.v(_varargs(call, "repeats")))
+
+
+# ---- selections by a constant mask: tril, triu, where ---------------------
+
+
+def triangle(ex, x, diagonal, upper, what):
+    """x times the constant 0/1 mask of tril (or triu) over its last two
+    dims: PyTorch's values and gradient (the masked elements get none)."""
+    if len(x.shape) < 2:
+        ex.fail(f"{what} of a rank-{len(x.shape)} tensor (it needs 2 dims)")
+    if isinstance(diagonal, bool) or not isinstance(diagonal, int):
+        ex.fail(f"{what}'s diagonal {diagonal!r} is not an int")
+    ones = torch.ones(x.shape[-2:], dtype=torch.float64)
+    mask = torch.triu(ones, diagonal) if upper else torch.tril(ones, diagonal)
+    if bool(mask.all()):
+        return x
+    k = ex.const(mask, x, f"the mask of {what}")
+    return ex.op("mul", [x, k])
+
+
+@registry.functions(torch.tril, torch.triu)
+def _triangle(ex, call):
+    f = call.node.target
+    return triangle(ex, call.tensor(0, "input"), call.value(1, "diagonal", 0),
+                    f is torch.triu, f"torch.{f.__name__}")
+
+
+@registry.methods("tril", "triu")
+def _triangle_method(ex, call, x):
+    f = call.node.target
+    return triangle(ex, x, call.value(1, "diagonal", 0), f == "triu",
+                    f"Tensor.{f}")
+
+
+def _fill_number(ex, a, what):
+    """The number an argument of where is (a Python number or a 0-dim
+    constant), or None for a tensor."""
+    if not ex.is_static(a):
+        return None
+    v = ex.v(a)
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0:
+            return None
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        ex.fail(f"{what} takes tensors or numbers, not {v!r}")
+    return float(v)
+
+
+def where(ex, cond, a, b, what):
+    """torch.where(cond, a, b) for a condition known at export (a buffer,
+    or computed from constants): a * m + b * (1 - m) with the constant 0/1
+    mask m; a number a or b is a constant. With a causal condition (keep
+    j <= i) and -inf (or <= -1e4) elsewhere, the scores are marked causal
+    for the softmax that must follow (as masked_fill's)."""
+    if not ex.is_static(cond):
+        ex.fail(f"{what} is supported only with a condition known at export "
+                f"(a buffer or computed from constants), not one computed "
+                f"from the inputs or parameters")
+    m = ex.v(cond)
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+        ex.fail(f"{what} needs a boolean condition")
+    na, nb = _fill_number(ex, a, what), _fill_number(ex, b, what)
+    out = tuple(ex.out_shape())
+    for x, keep, fill in ((a, m, nb), (b, ~m, na)):
+        if fill is not None and fill <= -1e4 and not ex.is_static(x):
+            xt = ex.t(x)
+            if len(xt.shape) >= 2 and xt.shape == out and \
+                    is_causal_mask(~keep, xt.shape[-2], xt.shape[-1]):
+                return xt.with_mask(causal=True)
+    for n in (na, nb):
+        if n is not None and not math.isfinite(n):
+            ex.fail(f"{what} with the fill {n} is supported only as -inf "
+                    f"outside a causal condition, into a softmax (other "
+                    f"fills must be finite)")
+    # The operands that are tensors, the one that depends on the inputs
+    # first: the constants take its dtype.
+    given = sorted(((x, mask) for x, n, mask in ((a, na, m), (b, nb, ~m))
+                    if n is None), key=lambda xm: ex.is_static(xm[0]))
+    tensors = [(ex.t(x), mask) for x, mask in given]
+    like = tensors[0][0]
+    name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
+    terms = []
+    for n, mask in ((na, m), (nb, ~m)):
+        if n is not None and n != 0 and bool(mask.any()):
+            terms.append(ex.const(mask.double() * n, like,
+                                  f"the fill of {what}"))
+    for t, mask in tensors:
+        k = ex.const(mask.double(), like, f"the mask of {what}")
+        terms.append(ex.emit("mul", name, [t, k], shape=tuple(
+            torch.broadcast_shapes(t.shape, mask.shape)), scope=scope))
+    y = terms[0]
+    for t in terms[1:]:
+        y = ex.emit("add", name, [y, t], shape=tuple(
+            torch.broadcast_shapes(y.shape, t.shape)), scope=scope)
+    if y.shape != out:
+        y = ex.emit("expand", name, [y], {"shape": list(out)}, shape=out,
+                    scope=scope)
+    return y
+
+
+@registry.functions(torch.where)
+def _where(ex, call):
+    if len(call.args) + len(call.kwargs) < 3:
+        ex.fail("torch.where(condition) (the indices) is not supported")
+    return where(ex, call.arg(0, "condition"), call.arg(1, "input"),
+                 call.arg(2, "other"), "torch.where")
+
+
+@registry.methods("where", tensor_self=False)
+def _where_method(ex, call):
+    return where(ex, call.arg(1, "condition"), call.args[0],
+                 call.arg(2, "other"), "Tensor.where")
+
+
+@registry.functions(torch.masked_fill)
+def _masked_fill(ex, call):
+    """torch.masked_fill(x, mask, value): Tensor.masked_fill's."""
+    return _masked_fill_method(ex, call, call.tensor(0, "input"))
 
 
 # ---- expand, no-ops, casts -------------------------------------------------
