@@ -805,14 +805,14 @@ class ExportFxTest(ExportTestCase):
                 self.assertIn(needle, p.stderr)
 
     def test_unsupported_module_and_tracing_errors(self):
-        class Rnn(nn.Module):
+        class Randomized(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.rnn = nn.GRUCell(8, 8)  # nn.GRU is unrolled
+                self.act = nn.RReLU()  # a random slope per element
                 self.fc = nn.Linear(8, 3)
 
             def forward(self, x, labels):
-                return F.cross_entropy(self.fc(self.rnn(x[:, -1])), labels)
+                return F.cross_entropy(self.fc(self.act(x[:, -1])), labels)
 
         class Branchy(nn.Module):
             def __init__(self):
@@ -863,8 +863,8 @@ class ExportFxTest(ExportTestCase):
         # a keyword-only forward by its argument (it was reported as a
         # TypeError from deep in torch.fx, blamed on control flow).
         for mod, x, needles in (
-                (Rnn(), torch.randn(4, 5, 8),
-                 ["GRUCell", "module type is not supported"]),
+                (Randomized(), torch.randn(4, 5, 8),
+                 ["RReLU", "module type is not supported"]),
                 (Branchy(), torch.randn(4, 8),
                  ["control flow", "export_fx_test.py:",
                   "(if x.sum() > 0:)"]),

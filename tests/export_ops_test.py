@@ -1162,6 +1162,44 @@ class ExportOpsTest(ExportTestCase):
         self.assertIn("adaptive_max_pool1d from 12 to 5 is not supported",
                       str(cm.exception))
 
+    def test_detach_stops_the_gradient(self):
+        """Tensor.detach() of a tensor that depends on the parameters was
+        refused ("this tensor method is not supported"): a straight-through
+        estimator (VQ-VAE's x + (q - x).detach()), a target the model
+        computes itself, a loss scaled by a detached norm. It is the IR's
+        stop_gradient op: the value, no gradient through it. PyTorch's loss
+        and gradients in float64; a parameter reached only through a
+        detached tensor gets no gradient, as in PyTorch, where its .grad
+        stays None."""
+
+        class Detached(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.enc = nn.Linear(6, 6)
+                self.codebook = nn.Linear(6, 6)
+                self.target = nn.Linear(6, 6)
+
+            def forward(self, x):
+                z = self.enc(x)
+                q = torch.tanh(self.codebook(z))
+                st = z + (q - z).detach()  # straight through
+                aim = self.target(x).detach()
+                commit = ((z - q.detach()) * (z - q.detach())).sum() + \
+                    ((z.detach() - q) * (z.detach() - q)).sum()
+                scale = torch.detach(st * st).sum()
+                return weighted_sum([st * st, (st - aim) * (st - aim),
+                                     commit + 0 * st, st * scale * 1e-3])
+
+        torch.manual_seed(8)
+        m = Detached().double()
+        x = torch.randn(3, 6, dtype=torch.float64)
+        g, _ = self.assert_loss_and_gradients(m, {"x": x}, tol=1e-9)
+        self.assertIn("stop_gradient", {op["type"] for op in g["ops"]})
+        m.zero_grad()
+        m(x).backward()
+        self.assertIsNone(m.target.weight.grad)  # PyTorch: no gradient
+        self.assertIsNotNone(m.codebook.weight.grad)  # through the 2nd term
+
     def test_every_ir_op_is_exported_from_pytorch(self):
         """Every op type of the IR (`hapctl ops`) comes out of some PyTorch
         module, function or method, but for the ops listed with their reason:
@@ -1196,6 +1234,7 @@ class ExportOpsTest(ExportTestCase):
                 h = (att @ h)[:, 1:4]  # [4, 3, 8]
                 h = h.sum(dim=1) + h.mean(dim=(1, 2), keepdim=True)[:, 0].expand(4, 8)
                 h = h.reshape(4, 2, 4).flatten(1)
+                h = h + (h * 0.5).detach()
                 return F.nll_loss(F.log_softmax(self.fc(h), dim=-1), labels)
 
         cases = [

@@ -162,6 +162,43 @@ class ExportZeroGradTest(ExportTestCase):
                     self.assertTrue(torch.equal(
                         params["unused"].double(), before["unused"]))
 
+    def test_parameters_reached_only_through_detach_train_like_pytorch(self):
+        """A parameter whose every use is detached (a target network's,
+        a codebook moved only by its own loss) has grad None in PyTorch,
+        and AdamW leaves it as it is; the others train as PyTorch's. 3
+        AdamW steps with weight decay on 2 ranks."""
+        if not (EXECUTOR and LAUNCH and CPU_CLUSTER):
+            self.skipTest("HAP_EXECUTOR, HAP_LAUNCH, CPU_CLUSTER not given")
+
+        class Detached(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.enc = nn.Linear(I, H)
+                self.target = nn.Linear(I, H)
+
+            def forward(self, x):
+                z = torch.tanh(self.enc(x[:, 0]))
+                aim = self.target(x[:, 0]).detach()
+                st = z + (aim - z).detach()  # straight through
+                return ((z - aim) * (z - aim)).sum() + (st * st).sum()
+
+        torch.manual_seed(3)
+        m = Detached().double()
+        before = {k: v.detach().clone() for k, v in m.named_parameters()}
+        xs = torch.randn(B * STEPS, 1, I, dtype=torch.float64)
+        g, losses, params = hap_adamw_steps(m, xs, B, STEPS)
+        self.assertIn("stop_gradient", {op["type"] for op in g["ops"]})
+        want, final = pytorch_adamw_steps(m, xs, B, STEPS)
+        for got, ref in zip(losses, want):
+            self.assertAlmostEqual(got, ref, delta=1e-5 * max(1, abs(ref)),
+                                   msg=f"{losses} vs {want}")
+        for name, p in final.items():
+            err = float((params[name].double() - p).abs().max())
+            self.assertLessEqual(err, 1e-6 * max(float(p.abs().max()), 1e-3),
+                                 name)
+        for name in ("target.weight", "target.bias"):
+            self.assertTrue(torch.equal(final[name], before[name]), name)
+
     def test_a_declared_parameter_no_op_reads_is_an_internal_error(self):
         """The exporter's own check: a handler that declares a trainable
         parameter and emits no op reading it (as the 1-step nn.GRU did)

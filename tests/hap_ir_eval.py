@@ -65,6 +65,8 @@ def _op(t, x, a):
         return x[0] * x[1]
     if t == "scale":
         return x[0] * a["factor"]
+    if t == "stop_gradient":
+        return x[0].detach()
     if t == "relu":
         return F.relu(x[0])
     if t == "gelu":

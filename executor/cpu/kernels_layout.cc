@@ -166,6 +166,16 @@ absl::Status ReshapeBackward(const KernelArgs& a) {
   return absl::OkStatus();
 }
 
+// stop_gradient's backward: no gradient flows through it, so it adds nothing
+// to the input's (gradients accumulate); its arguments are still checked.
+template <typename T>
+absl::Status StopGradientBackward(const KernelArgs& a) {
+  constexpr DType t = DTypeOf<T>();
+  HAP_ASSIGN_OR_RETURN(GradArgs g, GradArgs::Unary(a, t));
+  if (!g.active()) return absl::OkStatus();
+  return g.Check(t, {g.dy(0).shape});
+}
+
 // --- concat, split, slice: blocks along one axis ----------------------------------
 
 // For each of `outer` rows: dst[row, dst_at : dst_at + n] (+)=
@@ -450,6 +460,8 @@ void RegisterLayoutKernels(KernelTable& t) {
   t["reshape_grad"] = HAP_FLOAT_KERNEL(ReshapeBackward);
   t["flatten"] = HAP_ANY_KERNEL(ReshapeForward);
   t["flatten_grad"] = HAP_FLOAT_KERNEL(ReshapeBackward);
+  t["stop_gradient"] = HAP_ANY_KERNEL(ReshapeForward);  // a copy
+  t["stop_gradient_grad"] = HAP_FLOAT_KERNEL(StopGradientBackward);
   t["concat"] = HAP_ANY_KERNEL(ConcatForward);
   t["concat_grad"] = HAP_FLOAT_KERNEL(ConcatBackward);
   t["split"] = HAP_ANY_KERNEL(SplitForward);

@@ -105,6 +105,17 @@ absl::Status ReshapeBackward(const KernelArgs& a) {
   return CheckLaunch(a);
 }
 
+// stop_gradient's backward: no gradient flows through it, so it adds nothing
+// to the input's (gradients accumulate); its arguments are still checked.
+template <typename T>
+absl::Status StopGradientBackward(const KernelArgs& a) {
+  constexpr DType t = cpu::DTypeOf<T>();
+  const cpu::KernelArgs c = CpuArgs(a);
+  HAP_ASSIGN_OR_RETURN(cpu::GradArgs g, cpu::GradArgs::Unary(c, t));
+  if (!g.active()) return absl::OkStatus();
+  return g.Check(t, {g.dy(0).shape});
+}
+
 // --- concat, split, slice: blocks along one axis -----------------------------
 
 // Moves every present part into (to_whole) or out of the whole along the
@@ -389,6 +400,8 @@ void RegisterLayoutKernels(KernelTable& t) {
   t["reshape_grad"] = HAP_CUDA_FLOAT_KERNEL(ReshapeBackward);
   t["flatten"] = HAP_CUDA_ANY_KERNEL(ReshapeForward);
   t["flatten_grad"] = HAP_CUDA_FLOAT_KERNEL(ReshapeBackward);
+  t["stop_gradient"] = HAP_CUDA_ANY_KERNEL(ReshapeForward);  // a copy
+  t["stop_gradient_grad"] = HAP_CUDA_FLOAT_KERNEL(StopGradientBackward);
   t["concat"] = HAP_CUDA_ANY_KERNEL(ConcatForward);
   t["concat_grad"] = HAP_CUDA_FLOAT_KERNEL(ConcatBackward);
   t["split"] = HAP_CUDA_ANY_KERNEL(SplitForward);

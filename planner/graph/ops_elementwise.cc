@@ -115,6 +115,22 @@ void RegisterElementwiseOps(OpRegistry& r) {
     r.Register(std::move(d));
   }
   {
+    // PyTorch's Tensor.detach(): the value, with no gradient flowing back
+    // through it (a straight-through estimator's x + (q - x).detach(), a
+    // target network's output).
+    OpDef d;
+    d.type = "stop_gradient";
+    d.summary = "stop_gradient(x) -> x, through which no gradient flows (Tensor.detach())";
+    d.non_differentiable_inputs = {0};
+    d.infer = [](const OpCall& c) -> absl::StatusOr<std::vector<TensorType>> {
+      HAP_RETURN_IF_ERROR(ExpectFloating(c, 0));
+      return std::vector<TensorType>{c.in(0)};
+    };
+    d.flops = [](const OpCall& c) { return static_cast<double>(c.in(0).num_elements()); };
+    d.backward_flops_multiple = 0.0;
+    r.Register(std::move(d));
+  }
+  {
     OpDef d;
     d.type = "scale";
     d.attrs = {"factor"};

@@ -61,6 +61,7 @@ absl::StatusOr<graph::Graph> RemainingOps() {
   TensorId h = halves.size() == 2 ? b.Add("sub", "diff", {halves[0], halves[1]}) : -1;
   h = b.Add("mul", "square", {h, h});
   h = b.Add("scale", "half", {h}, {{"factor", 0.5}});
+  h = b.Add("add", "straight_through", {h, b.Add("stop_gradient", "detached", {h})});
   const TensorId row_sum =
       b.Add("sum", "row_sum", {h}, {{"axes", std::vector<int64_t>{1}}, {"keepdims", true}});
   h = b.Add("add", "plus_row_sum",

@@ -161,7 +161,9 @@ RuleFn ElementwiseRules(const std::string& t) {
       t == "hardsigmoid" || t == "hardswish" || t == "exp" || t == "rsqrt" || t == "log") {
     return UnaryNonlinear;
   }
-  if (t == "dropout" || t == "drop_path" || t == "scale") return UnaryLinear;
+  if (t == "dropout" || t == "drop_path" || t == "scale" || t == "stop_gradient") {
+    return UnaryLinear;
+  }
   if (t == "add" || t == "sub" || t == "mul") return Binary;
   if (t == "layer_norm" || t == "softmax" || t == "log_softmax") return LastAxis;
   if (t == "batch_norm") return BatchNorm;

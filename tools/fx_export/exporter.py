@@ -20,8 +20,8 @@ import torch.nn as nn
 
 from . import initializers
 # Importing the op families registers their handlers.
-from . import (ops_attention, ops_audio, ops_convolution,  # noqa: F401
-               ops_elementwise, ops_linear, ops_loss, ops_lstm,
+from . import (ops_attention, ops_audio, ops_autograd,  # noqa: F401
+               ops_convolution, ops_elementwise, ops_linear, ops_loss, ops_lstm,
                ops_normalization, ops_reduction, ops_shape, ops_transformer)
 from . import registry
 from .ir import (BUFFERS_KEY, EXTRAS_KEY, SAFETENSORS_DTYPES, SLICES_KEY,
