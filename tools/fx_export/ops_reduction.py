@@ -8,7 +8,7 @@ import torch
 
 from . import registry
 from .ir import RowMax, ir_dtype
-from .ops_elementwise import power
+from .ops_elementwise import Emitter, power
 
 
 def reduce(ex, kind, x, dim, keepdim, dtype=None):
@@ -184,16 +184,6 @@ def _var_std_method(ex, call, x):
     return _var_std(ex, call, x, call.node.target, 1)
 
 
-def _abs(ex, x, name, scope):
-    """|x| as relu(x) + relu(-x) (the IR has no abs); its gradient is
-    sign(x), 0 at 0 as PyTorch's."""
-    neg = ex.emit("scale", name, [x], {"factor": -1.0}, shape=x.shape,
-                  scope=scope)
-    pos = ex.emit("relu", name, [x], shape=x.shape, scope=scope)
-    neg = ex.emit("relu", name, [neg], shape=x.shape, scope=scope)
-    return ex.emit("add", name, [pos, neg], shape=x.shape, scope=scope)
-
-
 def vector_norm(ex, x, p, dim, keepdim, dtype, what):
     """The p-norm of x over `dim` (all of x for None) for p = 2 (and
     'fro'): sqrt(sum(x * x)), whose gradient at x = 0 is NaN (PyTorch's:
@@ -210,8 +200,8 @@ def vector_norm(ex, x, p, dim, keepdim, dtype, what):
     name, scope = ex.base_name(ex.node), ex.scope_of(ex.node)
     axes = reduced_axes(ex, x, dim, what)
     if p == 1:
-        return _reduce_to(ex, "sum", _abs(ex, x, name, scope), axes, keepdim,
-                          name, scope)
+        return _reduce_to(ex, "sum", Emitter(ex, name, scope).abs(x), axes,
+                          keepdim, name, scope)
     square = ex.emit("mul", name, [x, x], shape=x.shape, scope=scope)
     total = _reduce_to(ex, "sum", square, axes, keepdim, name, scope)
     return power(ex, total, 0.5, name, scope)
