@@ -284,6 +284,7 @@ std::vector<Case> Cases() {
                {},
                2},
               {"scale", {{"factor", 0.125}}, {Rand({3, 4}, 42)}},
+              {"stop_gradient", {}, {Rand({3, 4}, 43)}},
               // Normalisation: rows, the row length, channels.
               {"layer_norm", {{"eps", 1e-5}}, {Rand({2, 3, 5}, 50), Rand({5}, 51), Rand({5}, 52)}},
               {"batch_norm",
