@@ -541,26 +541,20 @@ def _reciprocal_method(ex, call, x):
     return reciprocal(ex, x, ex.base_name(call.node), ex.scope_of(call.node))
 
 
-@registry.functions(torch.square)
-def _square(ex, call):
-    x = call.tensor(0, "input")
-    return power(ex, x, 2, ex.base_name(call.node), ex.scope_of(call.node))
+# square and sqrt: pow with a fixed exponent.
+_FIXED_POWERS = {torch.square: 2, "square": 2, "square_": 2,
+                 torch.sqrt: 0.5, "sqrt": 0.5, "sqrt_": 0.5}
 
 
-@registry.methods("square", "square_")
-def _square_method(ex, call, x):
-    return power(ex, x, 2, ex.base_name(call.node), ex.scope_of(call.node))
+@registry.functions(torch.square, torch.sqrt)
+def _fixed_power(ex, call):
+    return _fixed_power_method(ex, call, call.tensor(0, "input"))
 
 
-@registry.functions(torch.sqrt)
-def _sqrt(ex, call):
-    x = call.tensor(0, "input")
-    return power(ex, x, 0.5, ex.base_name(call.node), ex.scope_of(call.node))
-
-
-@registry.methods("sqrt", "sqrt_")
-def _sqrt_method(ex, call, x):
-    return power(ex, x, 0.5, ex.base_name(call.node), ex.scope_of(call.node))
+@registry.methods("square", "square_", "sqrt", "sqrt_")
+def _fixed_power_method(ex, call, x):
+    return power(ex, x, _FIXED_POWERS[call.node.target],
+                 ex.base_name(call.node), ex.scope_of(call.node))
 
 
 # ---- log, log10, log2, log1p -----------------------------------------------
