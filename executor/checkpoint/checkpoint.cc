@@ -1137,12 +1137,6 @@ std::function<absl::Status(ProgramRunner&)> InitWeightsHook(std::shared_ptr<Weig
   };
 }
 
-std::string CheckpointIdentity(const v1::TrainerState& trainer) {
-  return absl::StrCat("checkpoint step ", trainer.step(), " of plan ", trainer.plan_hash(),
-                      " seed ", trainer.seed(), " on ", trainer.world_size(), " ranks written ",
-                      trainer.time());
-}
-
 absl::StatusOr<std::string> WeightsFileIdentity(const std::string& path) {
   std::error_code ec;
   const uintmax_t size = std::filesystem::file_size(path, ec);

@@ -264,15 +264,10 @@ class CheckpointReader : public TensorSource {
   std::set<std::pair<std::string, std::string>> verified_;  // (file, tensor): CRC-32C checked
 };
 
-// What ranks that resume from this checkpoint must agree on
-// (CheckStartsAgree): its step and the run that wrote it (plan, seed, when
-// it was written, world size), not its path, so one checkpoint copied to
-// each node agrees with itself.
-std::string CheckpointIdentity(const hap::v1::TrainerState& trainer);
-
-// The same for an --init-weights file: its size and the CRC-32C of its
-// first MiB (the header, which names every tensor and where it lies, and
-// the start of the data). IO errors naming the file.
+// What ranks that start from an --init-weights file must agree on
+// (CheckStartsAgree): its size and the CRC-32C of its first MiB (the
+// header, which names every tensor and where it lies, and the start of the
+// data), not its path. IO errors naming the file.
 absl::StatusOr<std::string> WeightsFileIdentity(const std::string& path);
 
 // A safetensors file of whole tensors by name (--init-weights, the

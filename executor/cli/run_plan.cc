@@ -186,8 +186,7 @@ absl::Status Run(const tools::Args& a) {
   v1::TrainerState resumed;  // the checkpoint's, for its data settings
   std::shared_ptr<checkpoint::WeightsReader> weights;  // --init-weights
   // Where this rank starts, which the ranks compare once connected.
-  TrainingStart start{absl::StrCat("initializers seed ", plan.options().seed()),
-                      absl::StrCat("the initializers (seed ", plan.options().seed(), ")")};
+  TrainingStart start = InitializersStart(plan.options().seed());
   if (a.Has("resume")) {
     HAP_ASSIGN_OR_RETURN(
         std::unique_ptr<checkpoint::CheckpointReader> reader,
@@ -195,8 +194,7 @@ absl::Status Run(const tools::Args& a) {
     HAP_RETURN_IF_ERROR(reader->CheckGraph(g));
     first_step = reader->trainer().step();
     resumed = reader->trainer();
-    start = {checkpoint::CheckpointIdentity(resumed),
-             absl::StrCat("checkpoint ", reader->step_dir(), " (step ", first_step, ")")};
+    start = CheckpointStart(resumed, reader->step_dir());
     if (rank == 0) {
       std::cout << absl::StrFormat("resuming from %s (step %d, written by plan %s on %d ranks)\n",
                                    reader->step_dir(), first_step,

@@ -301,8 +301,7 @@ absl::Status ExecutorCore::SetUpDataAndCheckpoints(const LoadOptions& in, Loaded
   const graph::Graph* g = &loaded->graph;
   std::optional<v1::TrainerState> resumed;       // the checkpoint's
   std::shared_ptr<ckpt::WeightsReader> weights;  // training.init_weights
-  loaded->start = {absl::StrCat("initializers seed ", in.plan.options().seed()),
-                   absl::StrCat("the initializers (seed ", in.plan.options().seed(), ")")};
+  loaded->start = InitializersStart(in.plan.options().seed());
   if (!t.resume().empty()) {
     auto reader = ckpt::CheckpointReader::Open(t.resume());
     if (!reader.ok()) return Annotate(reader.status(), "training.resume");
@@ -318,9 +317,7 @@ absl::Status ExecutorCore::SetUpDataAndCheckpoints(const LoadOptions& in, Loaded
     resumed = (*reader)->trainer();
     loaded->first_step = (*reader)->trainer().step();
     loaded->data_seed = (*reader)->trainer().seed();
-    loaded->start = {
-        ckpt::CheckpointIdentity((*reader)->trainer()),
-        absl::StrCat("checkpoint ", (*reader)->step_dir(), " (step ", loaded->first_step, ")")};
+    loaded->start = CheckpointStart((*reader)->trainer(), (*reader)->step_dir());
     if (loaded->first_step >= t.steps()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "training.resume: the checkpoint ", (*reader)->step_dir(), " is at step ",

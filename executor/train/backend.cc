@@ -229,6 +229,18 @@ std::string TrainingStart::Published() const {
   return absl::StrCat(absl::StrReplaceAll(key, {{"\n", " "}}), "\n", description);
 }
 
+TrainingStart InitializersStart(uint64_t seed) {
+  return {absl::StrCat("initializers seed ", seed),
+          absl::StrCat("the initializers (seed ", seed, ")")};
+}
+
+TrainingStart CheckpointStart(const v1::TrainerState& trainer, const std::string& step_dir) {
+  return {
+      absl::StrCat("checkpoint step ", trainer.step(), " of plan ", trainer.plan_hash(), " seed ",
+                   trainer.seed(), " on ", trainer.world_size(), " ranks written ", trainer.time()),
+      absl::StrCat("checkpoint ", step_dir, " (step ", trainer.step(), ")")};
+}
+
 absl::Status CheckStartsAgree(const TrainingStart& start, const GlooOptions& world,
                               RendezvousStore& store) {
   std::string theirs_first;

@@ -13,6 +13,7 @@
 #include "executor/comm/communicator.h"
 #include "executor/runtime/async_collectives.h"
 #include "executor/runtime/device.h"
+#include "hap/v1/checkpoint.pb.h"
 #include "hap/v1/plan.pb.h"
 
 namespace hap::executor {
@@ -98,6 +99,13 @@ struct TrainingStart {
   std::string description;
   std::string Published() const;  // key (one line), newline, description
 };
+
+// The start from the initializers (with the plan's `seed`), and from a
+// checkpoint (its trainer state and step directory): the key is its step
+// and the run that wrote it (plan, seed, when it was written, world size),
+// not its path, so one checkpoint copied to each node agrees with itself.
+TrainingStart InitializersStart(uint64_t seed);
+TrainingStart CheckpointStart(const hap::v1::TrainerState& trainer, const std::string& step_dir);
 
 // Like CheckProgramsAgree, for where the ranks start: FailedPrecondition
 // naming the ranks that start elsewhere (each rank resolves --resume DIR
